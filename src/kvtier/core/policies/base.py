@@ -1,0 +1,72 @@
+"""The eviction-policy contract.
+
+A policy orders the chunks resident in **one tier** for eviction.  It holds keys only, never
+bytes, and never decides capacity: its owner (a tier inside :class:`kvtier.core.store.TieredStore`,
+or a simulated tier in :mod:`kvtier.simulate`) calls the hooks below and asks for a victim when
+it needs room.  Because the hooks carry nothing engine-specific, the simulator drives the very
+same objects the store uses.
+
+Operations (all mutate only the policy's own bookkeeping):
+
+- ``insert(key, parent)``: ``key`` became resident.  ``parent`` is the key of the previous chunk
+  of the same prefix (``None`` for a first chunk); prefix-aware policies use it to know which
+  chunks have resident descendants.  Inserting a key that is already tracked is a ``touch``.
+- ``touch(keys)``: one request used these resident chunks, given **in prompt order** (chunk 0
+  first).  The policy decides in which order they count as used; e.g. LRU variants differ in
+  whether the first or the last chunk of a prompt becomes the most recent.
+- ``remove(key)``: ``key`` left the tier (evicted, deleted, or failed verification).  Unknown
+  keys are ignored, so callers may remove on every error path.
+- ``victim(evictable)``: the key to evict next, **without** removing it; keys for which
+  ``evictable(key)`` is false (pinned by an in-flight transfer) are skipped.  ``None`` means no
+  resident key may be evicted now.  The owner evicts, then calls ``remove``.
+
+Policies are not thread-safe; the owner serialises calls (the store holds its lock).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable, ClassVar, Iterable, Sequence
+
+from kvtier.core.keys import ChunkKey
+
+Evictable = Callable[[ChunkKey], bool]
+
+
+def always_evictable(key: ChunkKey) -> bool:
+    """An ``evictable`` predicate for owners that never pin (the simulator)."""
+    return True
+
+
+class EvictionPolicy(ABC):
+    """Base class of eviction policies; see the module docstring for the contract."""
+
+    name: ClassVar[str] = "abstract"
+
+    @abstractmethod
+    def insert(self, key: ChunkKey, parent: ChunkKey | None) -> None:
+        """Track a newly resident chunk (mutates)."""
+
+    @abstractmethod
+    def touch(self, keys: Sequence[ChunkKey]) -> None:
+        """Record one request's use of resident chunks, in prompt order (mutates)."""
+
+    @abstractmethod
+    def remove(self, key: ChunkKey) -> None:
+        """Forget a chunk that left the tier; unknown keys are ignored (mutates)."""
+
+    @abstractmethod
+    def victim(self, evictable: Evictable = always_evictable) -> ChunkKey | None:
+        """The next chunk to evict, or ``None`` if none is evictable.  Does not mutate."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of tracked chunks."""
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` is tracked."""
+
+    def keys(self) -> Iterable[ChunkKey]:
+        """Tracked keys, in no promised order (for integrity checks)."""
+        raise NotImplementedError  # pragma: no cover - every shipped policy overrides it

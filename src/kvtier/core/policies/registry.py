@@ -1,0 +1,41 @@
+"""Policies registered by name, imported lazily so optional policies cost nothing until used.
+
+Names: ``lru`` (prompt-order LRU), ``lru-tail`` (tail-first LRU, vLLM's block-pool order) and
+``default`` (kvtier's default policy).  More policies register themselves here by adding to
+``_REGISTRY`` a ``"module:Class"`` path.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from kvtier.core.policies.base import EvictionPolicy
+
+_REGISTRY: dict[str, str] = {
+    "lru": "kvtier.core.policies.lru:LRUPolicy",
+    "lru-tail": "kvtier.core.policies.lru:TailFirstLRUPolicy",
+}
+
+DEFAULT_POLICY = "lru-tail"
+"""The policy ``default`` resolves to (chosen from simulator results, see docs/simulate.md)."""
+
+
+def available_policies() -> list[str]:
+    """Names accepted by :func:`make_policy` (including ``default``)."""
+    return sorted(_REGISTRY) + ["default"]
+
+
+def make_policy(name: str) -> EvictionPolicy:
+    """A fresh policy object by name.
+
+    Raises:
+        ValueError: unknown name (the message lists the known ones).
+    """
+    resolved = DEFAULT_POLICY if name == "default" else name
+    path = _REGISTRY.get(resolved)
+    if path is None:
+        raise ValueError(f"unknown eviction policy {name!r}; choose one of {', '.join(available_policies())}")
+    module_name, cls_name = path.split(":")
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    policy: EvictionPolicy = cls()
+    return policy
