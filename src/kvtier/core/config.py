@@ -1,0 +1,150 @@
+"""The kvtier configuration: one typed model, loadable from a dict (vLLM's
+``kv_connector_extra_config``), a YAML file, or ``KVTIER_*`` environment variables.
+
+Sizes are GiB and mean the **total across all tensor-parallel ranks**, the same convention as
+vLLM's ``--kv-offloading-size`` (vllm/config/cache.py documents it as the total buffer size
+across TP ranks); each rank's store gets ``total / tp_size``.
+
+Precedence: explicit values (dict or YAML) over ``KVTIER_*`` environment variables over defaults.
+Every bad value fails at start-up with :class:`~kvtier.core.errors.ConfigError`, one sentence
+naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from kvtier.core.errors import ConfigError
+from kvtier.core.policies.registry import available_policies
+
+GiB = 1 << 30
+
+
+class KVTierConfig(BaseSettings):
+    """kvtier settings.  See docs/vllm.md for the operator's table of keys."""
+
+    model_config = SettingsConfigDict(env_prefix="KVTIER_", extra="forbid", frozen=True)
+
+    chunk_tokens: int = Field(256, gt=0, description="Tokens per chunk; a multiple of the engine's block size.")
+    cpu_gib: float = Field(4.0, ge=0, description="CPU DRAM tier size in GiB, total across TP ranks.")
+    disk_path: str | None = Field(None, description="Directory of the disk tier (local NVMe); unset = no disk tier.")
+    disk_gib: float = Field(0.0, ge=0, description="Disk tier size in GiB, total across TP ranks.")
+    write_mode: Literal["write-back", "write-through"] = Field(
+        "write-back", description="write-back: chunks go to disk when evicted from cpu; write-through: at once.")
+    policy: str = Field("default", description="Eviction policy name (kvtier.core.policies).")
+    save_queue_depth: int = Field(64, gt=0, description="Disk writes queued at most; more are dropped and counted.")
+    io_threads: int = Field(2, gt=0, le=64, description="Worker threads for disk I/O.")
+    disk_fsync: bool = Field(False, description="fsync each chunk file before it becomes visible (durable across power loss).")
+    spill_watermark: float = Field(0.1, ge=0, lt=1, description="Free share of the cpu tier kept by spilling ahead.")
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        if value not in available_policies():
+            raise ValueError(f"unknown policy {value!r}; choose one of {', '.join(available_policies())}")
+        return value
+
+    @model_validator(mode="after")
+    def _disk_consistent(self) -> "KVTierConfig":
+        if self.disk_gib > 0 and not self.disk_path:
+            raise ValueError("disk_gib is set but disk_path is not; set disk_path to a local directory or disk_gib to 0")
+        if self.disk_path and self.disk_gib > 0:
+            path = Path(self.disk_path)
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+                probe = path / f".kvtier-write-probe-{os.getpid()}"
+                probe.write_bytes(b"x")
+                probe.unlink()
+            except OSError as exc:
+                raise ValueError(f"disk_path {str(path)!r} is not writable ({exc.strerror}); "
+                                 "point it at a writable directory") from None
+            free = shutil.disk_usage(path).free
+            used = _dir_bytes(path)  # what kvtier already holds there counts as available to it
+            if self.disk_gib * GiB > free + used:
+                raise ValueError(f"disk_gib={self.disk_gib} exceeds the {(free + used) / GiB:.1f} GiB free on "
+                                 f"{str(path)!r}; lower disk_gib or free space")
+        return self
+
+    # ---- loaders -------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None = None) -> "KVTierConfig":
+        """Build from a dict (e.g. vLLM's ``kv_connector_extra_config``), env vars filling the rest.
+
+        Raises:
+            ConfigError: one sentence naming the bad field and the fix.
+        """
+        try:
+            return cls(**(values or {}))
+        except ValidationError as exc:
+            raise ConfigError(_one_sentence(exc)) from None
+        except TypeError as exc:
+            raise ConfigError(f"kvtier config is not a mapping of keys to values ({exc})") from None
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> "KVTierConfig":
+        """Build from a YAML mapping file.
+
+        Raises:
+            ConfigError: unreadable file, not a mapping, or a bad field.
+        """
+        try:
+            data = yaml.safe_load(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys to values")
+        return cls.from_dict(data)
+
+    # ---- derived values ------------------------------------------------------------------
+    def validate_block_size(self, block_size: int) -> None:
+        """Check ``chunk_tokens`` against the engine's block size (tokens).
+
+        Raises:
+            ConfigError: if ``chunk_tokens`` is not a positive multiple of ``block_size``.
+        """
+        if self.chunk_tokens % block_size:
+            raise ConfigError(f"chunk_tokens={self.chunk_tokens} is not a multiple of the engine block size "
+                              f"{block_size}; set chunk_tokens to a multiple of {block_size} "
+                              f"(e.g. {max(block_size, self.chunk_tokens // block_size * block_size)})")
+
+    def cpu_bytes_per_rank(self, tp_size: int = 1) -> int:
+        """CPU tier bytes held by one tensor-parallel rank: ``cpu_gib`` × GiB / ``tp_size``."""
+        return int(self.cpu_gib * GiB) // tp_size
+
+    def disk_bytes_per_rank(self, tp_size: int = 1) -> int:
+        """Disk tier bytes held by one tensor-parallel rank: ``disk_gib`` × GiB / ``tp_size``."""
+        return int(self.disk_gib * GiB) // tp_size if self.disk_path else 0
+
+
+def _dir_bytes(path: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _one_sentence(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    field = ".".join(str(p) for p in err["loc"]) or "config"
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        known = ", ".join(KVTierConfig.model_fields)
+        return f"unknown kvtier config key {field!r}; known keys are {known}"
+    value = err.get("input")
+    shown = f" (got {value!r})" if value is not None and not isinstance(value, dict) else ""
+    return f"kvtier config field {field!r}: {msg}{shown}; fix the value of {field!r}"

@@ -1,0 +1,145 @@
+"""CPU DRAM tier: one allocation of fixed-size pages, one chunk per page.
+
+The pool is allocated once at start (no per-chunk malloc).  When torch is installed and CUDA is
+available the pool is a pinned (page-locked) host tensor, so copies to and from the GPU can be
+asynchronous DMA; otherwise it is a plain numpy array.  :meth:`CpuTier.view` returns zero-copy
+numpy views into the pool, valid while the chunk stays resident (the store pins chunks that
+callers hold views of).
+
+Two-phase writes let a producer fill a page in place: ``reserve(key)`` hands out a page that
+``contains`` does not report yet, ``commit(key)`` publishes it, ``abort(key)`` returns it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvtier.core.keys import ChunkKey
+from kvtier.core.tiers.base import Tier, TierUsage
+
+
+def _allocate_pool(num_bytes: int) -> tuple[np.ndarray, bool]:
+    """A uint8 pool of ``num_bytes``, pinned if CUDA is present.  Returns (array, pinned)."""
+    try:
+        import torch  # optional: core does not depend on torch
+
+        if torch.cuda.is_available():
+            tensor = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+            return tensor.numpy(), True
+    except ImportError:
+        pass
+    return np.empty(num_bytes, dtype=np.uint8), False
+
+
+class CpuTier(Tier):
+    """Fixed pool of ``num_pages`` pages of ``page_bytes`` bytes.
+
+    Args:
+        capacity_bytes: bytes to allocate; rounded down to whole pages.
+        page_bytes: bytes per page = the largest chunk this tier accepts.
+
+    Raises:
+        ValueError: ``page_bytes`` not positive.
+    """
+
+    name = "cpu"
+
+    def __init__(self, capacity_bytes: int, page_bytes: int) -> None:
+        if page_bytes <= 0:
+            raise ValueError(f"page_bytes must be positive, got {page_bytes}")
+        self.page_bytes = page_bytes
+        self.num_pages = max(capacity_bytes, 0) // page_bytes
+        self.pool, self.pinned = _allocate_pool(self.num_pages * page_bytes)
+        self._pages = self.pool.reshape(self.num_pages, page_bytes) if self.num_pages else \
+            self.pool.reshape(0, page_bytes)
+        self._free: list[int] = list(range(self.num_pages - 1, -1, -1))
+        self._key_to_page: dict[ChunkKey, int] = {}
+        self._key_to_len: dict[ChunkKey, int] = {}
+        self._reserved: dict[ChunkKey, int] = {}
+
+    # ---- two-phase write -----------------------------------------------------------------
+    def can_reserve(self) -> bool:
+        """Whether a free page exists."""
+        return bool(self._free)
+
+    def reserve(self, key: ChunkKey, length: int | None = None) -> np.ndarray | None:
+        """A writable view ``[length]`` (default ``page_bytes``) of a fresh page for ``key``, not yet
+        visible to ``contains``; ``None`` if no page is free or ``key`` is already present/reserved.
+
+        Raises:
+            ValueError: ``length`` larger than ``page_bytes``.
+        """
+        length = self.page_bytes if length is None else length
+        if length > self.page_bytes:
+            raise ValueError(f"chunk of {length} bytes does not fit a {self.page_bytes}-byte page")
+        if not self._free or key in self._key_to_page or key in self._reserved:
+            return None
+        page = self._free.pop()
+        self._reserved[key] = page
+        self._key_to_len[key] = length
+        return self._pages[page, :length]
+
+    def commit(self, key: ChunkKey) -> None:
+        """Publish a reserved page.  Raises KeyError if ``key`` was not reserved."""
+        self._key_to_page[key] = self._reserved.pop(key)
+
+    def abort(self, key: ChunkKey) -> None:
+        """Return a reserved page to the free list; unknown keys are ignored."""
+        page = self._reserved.pop(key, None)
+        if page is not None:
+            self._free.append(page)
+            self._key_to_len.pop(key, None)
+
+    # ---- Tier contract -------------------------------------------------------------------
+    def contains(self, key: ChunkKey) -> bool:
+        return key in self._key_to_page
+
+    def view(self, key: ChunkKey) -> np.ndarray:
+        """Zero-copy uint8 view ``[chunk_len]`` of a resident chunk.  Raises KeyError if absent."""
+        return self._pages[self._key_to_page[key], :self._key_to_len[key]]
+
+    def length(self, key: ChunkKey) -> int:
+        """Bytes of a resident or reserved chunk.  Raises KeyError if absent."""
+        return self._key_to_len[key]
+
+    def get_into(self, key: ChunkKey, dst: memoryview) -> bool:
+        page = self._key_to_page.get(key)
+        if page is None:
+            return False
+        n = self._key_to_len[key]
+        np.copyto(np.frombuffer(dst, dtype=np.uint8, count=n), self._pages[page, :n])
+        return True
+
+    def put(self, key: ChunkKey, data: memoryview | bytes) -> bool:
+        if key in self._key_to_page:
+            return True
+        src = np.frombuffer(data, dtype=np.uint8)
+        dst = self.reserve(key, src.size)
+        if dst is None:
+            return False
+        np.copyto(dst, src)
+        self.commit(key)
+        return True
+
+    def delete(self, key: ChunkKey) -> bool:
+        page = self._key_to_page.pop(key, None)
+        if page is None:
+            return False
+        self._key_to_len.pop(key, None)
+        self._free.append(page)
+        return True
+
+    def keys(self) -> list[ChunkKey]:
+        """Resident keys (committed only)."""
+        return list(self._key_to_page)
+
+    def usage(self) -> TierUsage:
+        used = (self.num_pages - len(self._free)) * self.page_bytes
+        cap = self.num_pages * self.page_bytes
+        return TierUsage(used, cap - used, cap, len(self._key_to_page))
+
+    def check(self) -> None:
+        """Assert page accounting: every page is free, reserved or resident, exactly once."""
+        pages = list(self._free) + list(self._reserved.values()) + list(self._key_to_page.values())
+        assert len(pages) == self.num_pages and len(set(pages)) == self.num_pages, \
+            f"cpu tier pages leaked or doubled: {len(pages)} accounted of {self.num_pages}"
