@@ -1,0 +1,36 @@
+"""Small builders shared by the core tests (real objects, no mocks)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from kvtier.core.config import GiB, KVTierConfig
+from kvtier.core.keys import ChunkKey, Namespace, chunk_keys, request_root
+from kvtier.core.store import TieredStore
+
+CHUNK_TOKENS = 4
+CHUNK_BYTES = 1024
+NS = Namespace(model="test-model", kv_dtype="bfloat16", num_layers=2, num_kv_heads=2, head_size=64,
+               layout="test", chunk_tokens=CHUNK_TOKENS)
+
+
+def make_store(tmp_path: Path | None, cpu_chunks: int, disk_chunks: int = 0, **overrides: object) -> TieredStore:
+    """A store whose cpu tier holds ``cpu_chunks`` chunks and disk tier ``disk_chunks`` chunk files."""
+    values: dict[str, object] = {"chunk_tokens": CHUNK_TOKENS, "cpu_gib": cpu_chunks * CHUNK_BYTES / GiB}
+    if disk_chunks and tmp_path is not None:
+        values.update(disk_path=str(tmp_path / "disk"), disk_gib=disk_chunks * (CHUNK_BYTES + 80) / GiB)
+    values.update(overrides)
+    return TieredStore(KVTierConfig.from_dict(values), NS, CHUNK_BYTES)
+
+
+def chain_of(prompt: int, num_chunks: int, salt: str | None = None) -> list[ChunkKey]:
+    """Keys of a prompt whose tokens are derived from ``prompt`` (distinct prompts share nothing)."""
+    tokens = np.arange(num_chunks * CHUNK_TOKENS) + prompt * 1_000_000
+    return chunk_keys(request_root(NS, cache_salt=salt), tokens, CHUNK_TOKENS)
+
+
+def payload(key: bytes) -> bytes:
+    """Deterministic chunk bytes derived from the key, so any mix-up shows."""
+    return (key * (CHUNK_BYTES // len(key) + 1))[:CHUNK_BYTES]

@@ -1,0 +1,76 @@
+"""Configuration: sources, per-rank sizing, and one-sentence errors for bad values."""
+
+import pytest
+
+from kvtier.core.config import GiB, KVTierConfig
+from kvtier.core.errors import ConfigError
+
+
+def test_defaults_and_dict():
+    cfg = KVTierConfig.from_dict({"cpu_gib": 8})
+    assert cfg.chunk_tokens == 256 and cfg.cpu_gib == 8 and cfg.write_mode == "write-back"
+
+
+def test_sizes_are_totals_across_tensor_parallel_ranks():
+    cfg = KVTierConfig.from_dict({"cpu_gib": 8})
+    assert cfg.cpu_bytes_per_rank(1) == 8 * GiB
+    assert cfg.cpu_bytes_per_rank(4) == 2 * GiB
+
+
+def test_env_variables(monkeypatch):
+    monkeypatch.setenv("KVTIER_CPU_GIB", "3.5")
+    monkeypatch.setenv("KVTIER_CHUNK_TOKENS", "512")
+    cfg = KVTierConfig.from_dict({})
+    assert cfg.cpu_gib == 3.5 and cfg.chunk_tokens == 512
+    assert KVTierConfig.from_dict({"cpu_gib": 1}).cpu_gib == 1  # explicit beats env
+
+
+def test_yaml(tmp_path):
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(f"cpu_gib: 2\ndisk_path: {tmp_path / 'd'}\ndisk_gib: 0.01\nwrite_mode: write-through\n")
+    cfg = KVTierConfig.from_yaml(path)
+    assert cfg.disk_gib == 0.01 and cfg.write_mode == "write-through"
+    assert (tmp_path / "d").is_dir()
+
+
+@pytest.mark.parametrize("values,needle", [
+    ({"cpu_gib": -1}, "cpu_gib"),
+    ({"chunk_tokens": 0}, "chunk_tokens"),
+    ({"policy": "nope"}, "policy"),
+    ({"write_mode": "sometimes"}, "write_mode"),
+    ({"cpu_gb": 4}, "unknown kvtier config key 'cpu_gb'"),
+    ({"disk_gib": 1}, "disk_path"),
+])
+def test_bad_values_fail_with_one_sentence(values, needle):
+    with pytest.raises(ConfigError) as info:
+        KVTierConfig.from_dict(values)
+    message = str(info.value)
+    assert needle in message and "\n" not in message
+
+
+def test_unwritable_disk_path(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ConfigError, match="not writable"):
+        KVTierConfig.from_dict({"disk_path": str(blocker / "sub"), "disk_gib": 0.001})
+
+
+def test_disk_larger_than_free_space(tmp_path):
+    with pytest.raises(ConfigError, match="exceeds"):
+        KVTierConfig.from_dict({"disk_path": str(tmp_path), "disk_gib": 10_000_000})
+
+
+def test_chunk_tokens_must_be_multiple_of_block_size():
+    cfg = KVTierConfig.from_dict({"chunk_tokens": 200})
+    cfg.validate_block_size(8)
+    with pytest.raises(ConfigError, match="multiple of the engine block size 16"):
+        cfg.validate_block_size(16)
+
+
+def test_yaml_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        KVTierConfig.from_yaml(bad)
+    with pytest.raises(ConfigError, match="cannot read"):
+        KVTierConfig.from_yaml(tmp_path / "missing.yaml")

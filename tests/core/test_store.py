@@ -1,0 +1,226 @@
+"""TieredStore scenarios, narrated: spill, promotion, restart, corruption, dropped saves, pins."""
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from kvtier.core.tiers.chunkfile import HEADER_BYTES
+
+from .helpers import CHUNK_BYTES, chain_of, make_store, payload
+
+
+def put_chain(store, chain):
+    return store.put(chain, [payload(k) for k in chain])
+
+
+def assert_served(store, chain, n):
+    out = store.get(chain)
+    assert len(out) == n
+    assert out == [payload(k) for k in chain[:n]]
+
+
+def test_put_get_and_longest_prefix(tmp_path):
+    store = make_store(tmp_path, cpu_chunks=8)
+    a = chain_of(1, 4)
+    put_chain(store, a[:3])
+    assert store.lookup(a) == 3
+    assert_served(store, a, 3)
+    assert store.lookup(chain_of(2, 4)) == 0
+    store.check_integrity()
+
+
+def test_chunk_after_a_gap_is_not_a_hit(tmp_path):
+    store = make_store(tmp_path, cpu_chunks=8)
+    a = chain_of(1, 4)
+    put_chain(store, a)
+    store.cpu.delete(a[1])
+    store.cpu_policy.remove(a[1])
+    assert store.lookup(a) == 1  # chunks 2 and 3 are present but useless without chunk 1
+    assert_served(store, a, 1)
+
+
+def test_cpu_eviction_spills_to_disk_and_get_promotes(tmp_path):
+    store = make_store(tmp_path, cpu_chunks=4, disk_chunks=32)
+    a, b = chain_of(1, 4), chain_of(2, 4)
+    put_chain(store, a)
+    put_chain(store, b)  # evicts all of a from cpu: write-back spills it
+    store.flush()
+    assert store.stats()["evictions_cpu"] == 4
+    assert all(store.disk.contains(k) for k in a)
+    assert not any(store.cpu.contains(k) for k in a)
+    assert store.lookup(a) == 4
+    handle = store.prepare_load(a)
+    assert handle.tiers == ["disk"] * 4
+    store.complete_load(handle, True)
+    assert all(store.cpu.contains(k) for k in a)  # promoted
+    assert_served(store, a, 4)
+    assert store.stats()["hits_disk"] == 4 and store.stats()["hits_cpu"] == 4
+    store.flush()
+    store.check_integrity()
+
+
+def test_write_through_writes_every_chunk_at_once(tmp_path):
+    store = make_store(tmp_path, cpu_chunks=8, disk_chunks=32, write_mode="write-through")
+    a = chain_of(1, 3)
+    put_chain(store, a)
+    store.flush()
+    assert all(store.cpu.contains(k) and store.disk.contains(k) for k in a)
+    store.check_integrity()
+
+
+def test_restart_still_hits_from_disk(tmp_path):
+    store = make_store(tmp_path, cpu_chunks=8, disk_chunks=32, write_mode="write-through")
+    a = chain_of(1, 5)
+    put_chain(store, a)
+    store.close()
+    again = make_store(tmp_path, cpu_chunks=8, disk_chunks=32)
+    assert again.lookup(a) == 5
+    assert_served(again, a, 5)
+    again.flush()
+    again.check_integrity()
+
+
+def test_corrupt_chunk_on_disk_truncates_the_prefix_and_is_counted(tmp_path):
+    store = make_store(tmp_path, cpu_chunks=8, disk_chunks=32, write_mode="write-through")
+    a = chain_of(1, 5)
+    put_chain(store, a)
+    store.close()
+    path = store.disk.path(a[2])
+    raw = bytearray(path.read_bytes())
+    raw[HEADER_BYTES + 7] ^= 0x40
+    path.write_bytes(bytes(raw))
+    again = make_store(tmp_path, cpu_chunks=8, disk_chunks=32)
+    handle = again.prepare_load(a)
+    assert handle.num_chunks == 2
+    assert [b.tobytes() for b in handle.buffers] == [payload(k) for k in a[:2]]
+    again.complete_load(handle, True)
+    assert again.stats()["corrupt_chunks"] == 1
+    assert again.metrics.corrupt_chunks.labels("disk")._value.get() == 1
+    assert again.lookup(a) == 2  # the bad file is gone; chunks after it are useless
+    again.flush()
+    again.check_integrity()
+
+
+def test_failed_load_is_not_a_hit_and_releases_pins(tmp_path):
+    store = make_store(tmp_path, cpu_chunks=8)
+    a = chain_of(1, 3)
+    put_chain(store, a)
+    handle = store.prepare_load(a)
+    assert store.stats()["pinned"] == 3
+    with pytest.raises(RuntimeError):
+        try:
+            raise RuntimeError("transfer to the engine failed")
+        finally:
+            store.complete_load(handle, success=False)
+    assert "hits_cpu" not in store.stats() and store.stats()["failed_loads"] == 1
+    store.complete_load(handle, success=True)  # a second completion is a no-op
+    assert "hits_cpu" not in store.stats()
+    store.check_integrity()
+
+
+def test_pinned_chunks_are_never_evicted(tmp_path):
+    store = make_store(tmp_path, cpu_chunks=4)
+    a = chain_of(1, 4)
+    put_chain(store, a)
+    handle = store.prepare_load(a)  # all four pinned
+    assert put_chain(store, chain_of(2, 2)) == 0  # no room and nothing evictable: dropped, no wait
+    assert store.stats()["dropped_saves"] == 2
+    assert [b.tobytes() for b in handle.buffers] == [payload(k) for k in a]
+    store.complete_load(handle, True)
+    assert put_chain(store, chain_of(2, 2)) == 2
+    store.check_integrity()
+
+
+def test_aborted_save_frees_its_pages(tmp_path):
+    store = make_store(tmp_path, cpu_chunks=4)
+    a = chain_of(1, 3)
+    handle = store.prepare_store(a)
+    assert handle.num_chunks == 3 and store.lookup(a) == 0  # reserved pages are invisible
+    store.complete_store(handle, success=False)
+    assert store.cpu.usage().num_chunks == 0
+    store.check_integrity()
+
+
+def test_full_save_queue_drops_and_counts_without_blocking(tmp_path):
+    store = make_store(tmp_path, cpu_chunks=64, disk_chunks=64, write_mode="write-through",
+                       save_queue_depth=1, io_threads=1)
+    a = chain_of(1, 20)
+    finished = threading.Event()
+
+    def save():
+        put_chain(store, a)
+        finished.set()
+
+    threading.Thread(target=save, daemon=True).start()
+    assert finished.wait(10), "a full save queue blocked the caller"
+    store.flush()
+    stats = store.stats()
+    # one write at most in the worker, one in the queue: the rest are dropped, and counted
+    assert stats["dropped_saves"] >= 18
+    assert store.metrics.dropped_saves._value.get() == stats["dropped_saves"]
+    assert store.lookup(a) == 20  # still served from cpu
+    store.check_integrity()
+
+
+def test_disk_tier_evicts_within_its_capacity(tmp_path):
+    store = make_store(tmp_path, cpu_chunks=2, disk_chunks=4, write_mode="write-through")
+    for p in range(5):
+        put_chain(store, chain_of(p, 2))
+        store.flush()
+    disk = store.disk.usage()
+    assert disk.used_bytes <= disk.capacity_bytes and disk.num_chunks == 4
+    assert store.stats()["evictions_disk"] == 6
+    store.check_integrity()
+
+
+def test_metrics_count_bytes_and_hits(tmp_path):
+    store = make_store(tmp_path, cpu_chunks=8)
+    a = chain_of(1, 2)
+    put_chain(store, a)
+    store.get(a)
+    m = store.metrics
+    assert m.bytes_moved.labels("engine_to_cpu")._value.get() == 2 * CHUNK_BYTES
+    assert m.load_hit_tokens.labels("cpu")._value.get() == 2 * store.chunk_tokens
+    text = __import__("prometheus_client").generate_latest(m.registry).decode()
+    assert "kvtier_config_info" in text and 'kvtier_capacity_bytes{tier="cpu"}' in text
+
+
+def test_concurrent_loads_and_saves_keep_integrity(tmp_path):
+    store = make_store(tmp_path, cpu_chunks=16, disk_chunks=64)
+    errors = []
+
+    def worker(seed):
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(200):
+                chain = chain_of(int(rng.integers(0, 12)), int(rng.integers(1, 6)))
+                if rng.random() < 0.5:
+                    put_chain(store, chain)
+                else:
+                    out = store.get(chain)
+                    assert out == [payload(k) for k in chain[:len(out)]]
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    store.flush()
+    store.check_integrity()
+    store.close()
+
+
+def test_two_stores_share_one_disk_directory(tmp_path):
+    writer = make_store(tmp_path, cpu_chunks=4, disk_chunks=32, write_mode="write-through")
+    reader = make_store(tmp_path, cpu_chunks=4, disk_chunks=32)
+    a = chain_of(3, 3)
+    put_chain(writer, a)
+    writer.flush()
+    assert reader.lookup(a) == 3
+    assert_served(reader, a, 3)
+    assert os.listdir(writer.disk.dir)
