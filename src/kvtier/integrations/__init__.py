@@ -1,0 +1,1 @@
+"""Engine integrations of kvtier (one subpackage per engine)."""
