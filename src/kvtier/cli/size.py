@@ -1,0 +1,168 @@
+"""``kvtier size``: KV bytes per token, HBM KV budget and the offload tier to configure."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+
+from kvtier.cli.errors import UserError, fail
+
+HELP = """Size the KV cache of a model and the offload tier it needs.
+
+From a config.json (path), a built-in preset (--list-presets) or a hub id: KV bytes per token for
+the whole model and per tensor-parallel rank (GQA, MLA, sliding windows, Mamba/linear-attention
+state, fp8, TP > KV heads), the HBM KV budget, and the offload tier
+(warm set − HBM budget) × 1.15, printed as kvtier, vLLM-native and LMCache configs.
+Sizes are TOTALS across TP ranks, like vLLM's --kv-offloading-size.
+
+Examples:
+
+  kvtier size --model meta-llama/Llama-3.1-8B-Instruct
+
+  kvtier size --model Qwen/Qwen3-32B --tp 2 --gpu H100 --context 32768 --sessions 200 --host-ram-gib 512
+
+  kvtier size --model ./my-model/config.json --kv-dtype fp8 --gpu-memory-gib 80 --weights-gib 40 --json
+"""
+
+
+def _fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n} B"
+
+
+def _list_presets() -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvtier.size.presets import PRESETS
+
+    table = Table(title="Built-in model presets (config source: https://huggingface.co/<model>/blob/main/config.json)")
+    table.add_column("model", no_wrap=True)
+    for col in ("kind", "KV/token (bf16, TP 1)", "weights GiB"):
+        table.add_column(col)
+    for p in PRESETS:
+        g = p.geometry()
+        table.add_row(p.name, g.kind, _fmt_bytes(g.kv_bytes_per_token(1, 2)), f"{p.weights_gib:.1f}")
+    Console().print(table)
+
+
+def _print_text(report, recipe, weights_note: str) -> None:  # type: ignore[no-untyped-def]
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"KV sizing: {report.model}", show_header=False)
+    table.add_column("what")
+    table.add_column("value", overflow="fold")
+    rows = [
+        ("geometry", report.kind),
+        ("config source", report.source),
+        ("TP / KV dtype", f"{report.tp} / {report.kv_dtype}"),
+        ("KV heads per rank", str(report.kv_heads_per_rank)),
+        ("KV bytes per token (all ranks)", f"{report.kv_bytes_per_token:,} B ({_fmt_bytes(report.kv_bytes_per_token)})"),
+        ("KV bytes per token per rank", f"{report.kv_bytes_per_token_per_rank:,} B"),
+    ]
+    if report.sliding_window:
+        rows.append(("sliding window", f"{report.sliding_window:,} tokens held by sliding layers"))
+    if report.state_bytes_per_sequence:
+        rows.append(("constant state per sequence", _fmt_bytes(report.state_bytes_per_sequence)))
+    if report.context_tokens:
+        rows.append((f"one session ({report.context_tokens:,} tokens)", _fmt_bytes(report.bytes_per_session)))
+    if report.hbm_kv_budget_bytes is not None:
+        rows.append(("HBM KV budget (all ranks)", _fmt_bytes(report.hbm_kv_budget_bytes)))
+        rows.append(("HBM KV tokens", f"{report.hbm_kv_tokens:,}" if report.hbm_kv_tokens is not None else "-"))
+        if weights_note:
+            rows.append(("weights", weights_note))
+    if report.hbm_sessions is not None:
+        rows.append(("sessions that fit in HBM", f"{report.hbm_sessions:,}"))
+    if report.warm_set_bytes is not None:
+        rows.append((f"warm set ({report.sessions:,} sessions)", _fmt_bytes(report.warm_set_bytes)))
+    if report.recommended_offload_gib is not None:
+        value = "offload not needed" if not report.offload_needed else f"{report.recommended_offload_gib:g} GiB"
+        rows.append(("recommended offload tier (total)", value))
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    for note in report.notes:
+        console.print(f"- {note}", highlight=False)
+    if recipe is not None:
+        for title, text in (("kvtier connector", recipe.kvtier), ("vLLM native", recipe.vllm_native),
+                            ("LMCache", recipe.lmcache)):
+            console.print(f"\n[bold]{title}[/bold]")
+            console.print(text, highlight=False, markup=False, soft_wrap=True)
+
+
+def size_command(
+    model: str | None = typer.Option(None, "--model", "-m", help="config.json path, model directory, preset or hub id."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel size."),
+    kv_dtype: str = typer.Option("auto", "--kv-dtype", help="KV cache dtype: auto (model dtype), bf16, fp16 or fp8."),
+    gpu: str | None = typer.Option(None, "--gpu", help="GPU type: H100, H200, H20, B200, A100-80GB, A100-40GB, L40S, L4, MI300X."),
+    gpu_memory_gib: float | None = typer.Option(None, "--gpu-memory-gib", help="Memory of one GPU in GiB (instead of --gpu)."),
+    gpu_memory_utilization: float = typer.Option(0.9, "--gpu-memory-utilization", help="vLLM's --gpu-memory-utilization."),
+    weights_gib: float | None = typer.Option(None, "--weights-gib", help="Whole-model weights in GiB (default: preset or local safetensors)."),
+    overhead_gib: float = typer.Option(4.0, "--overhead-gib", help="Per-GPU activation/CUDA-graph overhead in GiB."),
+    context: int | None = typer.Option(None, "--context", help="Tokens per session (typical context)."),
+    sessions: int | None = typer.Option(None, "--sessions", help="Sessions to keep warm."),
+    host_ram_gib: float | None = typer.Option(None, "--host-ram-gib", help="Host RAM for the offload tier, GiB."),
+    host_reserve_gib: float = typer.Option(16.0, "--host-reserve-gib", help="Host RAM kept for OS and vLLM, GiB."),
+    offload_gib: float | None = typer.Option(None, "--offload-gib", help="Print recipes for this tier size (GiB, total) instead of the recommendation."),
+    disk_path: str = typer.Option("/mnt/nvme/kvtier", "--disk-path", help="Disk tier directory used in recipes."),
+    chunk_tokens: int = typer.Option(256, "--chunk-tokens", help="kvtier chunk size in tokens."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
+    list_presets: bool = typer.Option(False, "--list-presets", help="List the built-in model presets and exit."),
+) -> None:
+    from kvtier.size import DTYPE_BYTES, Deployment, build_recipe, plan, resolve_model
+    from kvtier.size.hardware import find_gpu
+
+    if list_presets:
+        _list_presets()
+        return
+    if model is None:
+        fail("--model is required: a config.json path, a model directory, a preset (--list-presets) or a hub id.")
+    dtype = {"auto": "bf16", "bfloat16": "bf16", "float16": "fp16", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}.get(
+        kv_dtype.lower(), kv_dtype.lower())
+    if dtype not in DTYPE_BYTES:
+        fail(f"--kv-dtype {kv_dtype!r} is not one of auto, bf16, fp16, fp8.")
+    try:
+        memory = gpu_memory_gib
+        if gpu is not None:
+            found = find_gpu(gpu)
+            if found is None:
+                raise UserError(f"--gpu {gpu!r} is not known; pass --gpu-memory-gib with its memory in GiB.")
+            memory = found.memory_gib if memory is None else memory
+        resolved = resolve_model(model)
+        weights = weights_gib if weights_gib is not None else resolved.weights_gib
+        note = "given" if weights_gib is not None else resolved.weights_note
+        dep = Deployment(tp=tp, kv_dtype=dtype if kv_dtype != "auto" else "auto (bf16)", dtype_bytes=DTYPE_BYTES[dtype],
+                         gpu_memory_gib=memory, gpu_memory_utilization=gpu_memory_utilization,
+                         weights_gib=weights, overhead_gib=overhead_gib, context_tokens=context,
+                         sessions=sessions, host_ram_gib=host_ram_gib, host_reserve_gib=host_reserve_gib)
+        report = plan(resolved.geometry, dep)
+        if chunk_tokens < 1:
+            raise UserError(f"--chunk-tokens must be at least 1, got {chunk_tokens}.")
+        if offload_gib is not None and offload_gib < 0:
+            raise UserError(f"--offload-gib must not be negative, got {offload_gib}.")
+    except UserError as exc:
+        fail(str(exc))
+    recipe = None
+    if offload_gib is not None and offload_gib > 0:
+        recipe = build_recipe(model, tp, offload_gib, 0.0, disk_path, chunk_tokens)
+    elif report.offload_needed:
+        recipe = build_recipe(model, tp, report.cpu_gib or 0.0, report.disk_gib or 0.0, disk_path, chunk_tokens)
+    if as_json:
+        payload = report.to_json()
+        payload["weights_note"] = note
+        payload["recipe"] = recipe.to_json() if recipe else None
+        print(json.dumps(payload, indent=2))
+    else:
+        _print_text(report, recipe, note)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``kvtier size`` to the CLI."""
+    app.command("size", help=HELP)(size_command)

@@ -1,0 +1,23 @@
+"""``kvtier size``: KV bytes per token, the HBM KV budget, and the offload tier to buy.
+
+Pipeline (each step a module, each result a typed value):
+
+1. :func:`kvtier.size.models.resolve_model` -- name → :class:`~kvtier.size.geometry.KVGeometry`
+   (local config.json, built-in preset from :mod:`kvtier.size.presets`, or the hub).
+2. :func:`kvtier.size.plan.plan` -- geometry + :class:`~kvtier.size.plan.Deployment` →
+   :class:`~kvtier.size.plan.SizeReport` (bytes per token whole-model and per rank, HBM budget,
+   warm set, recommended tier = (warm set − HBM budget) × 1.15 floored at 0, host-RAM check).
+3. :func:`kvtier.size.recipe.build_recipe` -- the tier as kvtier / vLLM-native / LMCache configs.
+
+Nothing here mutates anything; all functions raise :class:`kvtier.cli.errors.UserError` on bad input.
+"""
+
+from kvtier.size.geometry import DTYPE_BYTES, KVGeometry, MLASpec, StateSpec
+from kvtier.size.models import ResolvedModel, resolve_model
+from kvtier.size.plan import Deployment, SizeReport, plan
+from kvtier.size.recipe import Recipe, build_recipe
+
+__all__ = [
+    "DTYPE_BYTES", "Deployment", "KVGeometry", "MLASpec", "Recipe", "ResolvedModel", "SizeReport",
+    "StateSpec", "build_recipe", "plan", "resolve_model",
+]

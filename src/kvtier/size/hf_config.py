@@ -1,0 +1,185 @@
+"""Read a Hugging Face ``config.json`` into a :class:`KVGeometry`.
+
+Understood layouts (field names as published in the models' ``config.json``):
+
+- plain decoders: ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads`` (absent
+  means MHA: equal to the attention heads), ``head_dim`` (absent means ``hidden_size //
+  num_attention_heads``); multimodal wrappers nest these under ``text_config``;
+- MLA (DeepSeek-V2/V3, Kimi-K2): ``kv_lora_rank`` and ``qk_rope_head_dim``;
+- sliding windows: ``layer_types`` entries ``"sliding_attention"`` (gpt-oss, newer transformers),
+  ``sliding_window_pattern`` N (Gemma 3: every N-th layer is global), ``model_type`` gemma2
+  (alternate layers), or ``sliding_window`` alone (every layer, Mistral-7B-v0.1); Qwen2's
+  ``use_sliding_window: false`` disables it;
+- hybrids: ``layer_types`` entries ``"linear_attention"`` / ``"mamba"`` or ``full_attention_interval``
+  (Qwen3-Next / Qwen3.5 gated DeltaNet), ``hybrid_override_pattern`` (Nemotron-H: ``M`` Mamba, ``*``
+  attention), ``attn_layer_period`` / ``attn_layer_offset`` (Jamba, Mamba-1 layers).
+
+Errors: :class:`UserError` naming the missing or bad field.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kvtier.cli.errors import UserError
+from kvtier.size.geometry import DTYPE_BYTES, KVGeometry, MLASpec, StateSpec
+
+_TORCH_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float": 4, "half": 2}
+
+
+def load_config_file(path: Path) -> dict[str, Any]:
+    """Read ``path`` (a ``config.json`` or a directory holding one) as a dict; UserError if unreadable."""
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        data = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{file} does not exist; pass a model directory or its config.json.") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{file} is not a readable JSON config ({exc.__class__.__name__}).") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{file} must hold a JSON object, like a Hugging Face config.json.")
+    return data
+
+
+def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    inner = cfg.get("text_config")
+    if isinstance(inner, dict):
+        merged = {k: v for k, v in cfg.items() if k != "text_config"}
+        merged.update(inner)
+        return merged
+    return cfg
+
+
+def _int(cfg: dict[str, Any], key: str, where: str, default: int | None = None) -> int:
+    value = cfg.get(key, default)
+    if value is None:
+        raise UserError(f"{where} lacks the field {key!r}; use a complete config.json or a --model preset.")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise UserError(f"{where} field {key!r} must be a non-negative integer, got {value!r}.")
+    return value
+
+
+def _model_dtype_bytes(cfg: dict[str, Any]) -> int:
+    name = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+    return _TORCH_DTYPE_BYTES.get(str(name), 2)
+
+
+def _layer_kinds(cfg: dict[str, Any], num_layers: int, where: str) -> list[str]:
+    """One of ``"full"``, ``"swa"``, ``"state"``, ``"none"`` per layer."""
+    types = cfg.get("layer_types")
+    if isinstance(types, list) and types:
+        if len(types) != num_layers:
+            raise UserError(f"{where} has {len(types)} layer_types for {num_layers} layers.")
+        kinds = []
+        for t in types:
+            t = str(t)
+            if t in ("sliding_attention", "chunked_attention"):
+                kinds.append("swa")
+            elif t in ("full_attention", "attention"):
+                kinds.append("full")
+            elif t in ("linear_attention", "mamba", "mamba2"):
+                kinds.append("state")
+            else:
+                raise UserError(f"{where} has a layer type {t!r} that kvtier size does not know.")
+        return kinds
+    pattern = cfg.get("hybrid_override_pattern")
+    if isinstance(pattern, str) and pattern:
+        # Nemotron-H: one character per block; M = Mamba-2, * = attention, - / E = MLP / MoE.
+        return [{"M": "state", "*": "full"}.get(ch, "none") for ch in pattern]
+    interval = cfg.get("full_attention_interval")
+    if isinstance(interval, int) and interval > 0:
+        return ["full" if (i + 1) % interval == 0 else "state" for i in range(num_layers)]
+    period = cfg.get("attn_layer_period")
+    if isinstance(period, int) and period > 0:
+        offset = int(cfg.get("attn_layer_offset", 0))
+        return ["full" if i % period == offset else "state" for i in range(num_layers)]
+    window = cfg.get("sliding_window")
+    if not isinstance(window, int) or window <= 0 or cfg.get("use_sliding_window") is False:
+        return ["full"] * num_layers
+    swa_pattern = cfg.get("sliding_window_pattern")
+    if isinstance(swa_pattern, int) and swa_pattern > 0:  # Gemma 3: layer i is global iff (i+1) % N == 0
+        return ["full" if (i + 1) % swa_pattern == 0 else "swa" for i in range(num_layers)]
+    if cfg.get("model_type") == "gemma2":  # Gemma 2: even layers slide, odd layers are global
+        return ["swa" if i % 2 == 0 else "full" for i in range(num_layers)]
+    return ["swa"] * num_layers
+
+
+def _state_spec(cfg: dict[str, Any], where: str) -> StateSpec:
+    """Per-layer state of a Mamba / linear-attention layer (shapes as vLLM's state allocators hold them)."""
+    model_bytes = _model_dtype_bytes(cfg)
+    ssm_bytes = _TORCH_DTYPE_BYTES.get(str(cfg.get("mamba_ssm_dtype", "")), model_bytes)
+    if "linear_num_value_heads" in cfg:  # gated DeltaNet (Qwen3-Next, Qwen3.5)
+        nk = _int(cfg, "linear_num_key_heads", where)
+        nv = _int(cfg, "linear_num_value_heads", where)
+        dk = _int(cfg, "linear_key_head_dim", where)
+        dv = _int(cfg, "linear_value_head_dim", where)
+        kernel = _int(cfg, "linear_conv_kernel_dim", where, default=4)
+        conv = (kernel - 1) * (2 * nk * dk + nv * dv)
+        return StateSpec("gated_deltanet", conv, nv * dk * dv, model_bytes, ssm_bytes, nv)
+    heads = cfg.get("mamba_num_heads", cfg.get("mamba_n_heads"))
+    if heads is not None:  # Mamba-2 (Nemotron-H, Granite-4.0-H, Falcon-H1)
+        heads = _int(cfg, "mamba_num_heads" if "mamba_num_heads" in cfg else "mamba_n_heads", where)
+        head_dim = cfg.get("mamba_head_dim", cfg.get("mamba_d_head"))
+        if not isinstance(head_dim, int):
+            raise UserError(f"{where} lacks the field 'mamba_head_dim' of its Mamba-2 layers.")
+        state = _int(cfg, "ssm_state_size" if "ssm_state_size" in cfg else "mamba_d_state", where)
+        groups = _int(cfg, "n_groups" if "n_groups" in cfg else "mamba_n_groups", where, default=1)
+        kernel = _int(cfg, "conv_kernel" if "conv_kernel" in cfg else "mamba_d_conv", where, default=4)
+        inner = heads * head_dim
+        conv = (kernel - 1) * (inner + 2 * groups * state)
+        return StateSpec("mamba2", conv, heads * head_dim * state, model_bytes, ssm_bytes, heads)
+    if "mamba_d_state" in cfg:  # Mamba-1 (Jamba): inner = expand × hidden
+        hidden = _int(cfg, "hidden_size", where)
+        inner = int(cfg.get("mamba_expand", 2)) * hidden
+        state = _int(cfg, "mamba_d_state", where)
+        kernel = _int(cfg, "mamba_d_conv", where, default=4)
+        return StateSpec("mamba1", (kernel - 1) * inner, inner * state, model_bytes, ssm_bytes, inner)
+    raise UserError(f"{where} has Mamba / linear-attention layers of a kind kvtier size does not know.")
+
+
+def geometry_from_config(cfg: dict[str, Any], name: str, source: str = "") -> KVGeometry:
+    """Build the KV geometry of the model described by ``cfg`` (a parsed config.json).
+
+    Raises:
+        UserError: a required field is missing or malformed (message names the field).
+    """
+    where = f"config of {name}"
+    cfg = _text_config(cfg)
+    num_layers = _int(cfg, "num_hidden_layers", where)
+    heads = _int(cfg, "num_attention_heads", where)
+    if heads == 0:
+        raise UserError(f"{where} has num_attention_heads 0; it must be at least 1.")
+    kv_heads = _int(cfg, "num_key_value_heads", where, default=heads) or heads
+    head_dim = cfg.get("head_dim")
+    if head_dim is None:
+        head_dim = _int(cfg, "hidden_size", where) // heads
+    elif not isinstance(head_dim, int) or head_dim <= 0:
+        raise UserError(f"{where} field 'head_dim' must be a positive integer, got {head_dim!r}.")
+    mla = None
+    if cfg.get("kv_lora_rank"):
+        mla = MLASpec(_int(cfg, "kv_lora_rank", where), _int(cfg, "qk_rope_head_dim", where))
+    kinds = _layer_kinds(cfg, num_layers, where)
+    num_state = kinds.count("state")
+    window = cfg.get("sliding_window") if "swa" in kinds else None
+    if "swa" in kinds and (not isinstance(window, int) or window <= 0):
+        raise UserError(f"{where} has sliding-window layers but no positive 'sliding_window'.")
+    if kinds.count("full") + kinds.count("swa") == 0:
+        raise UserError(f"{where} has no attention layers, so it has no KV cache to size.")
+    return KVGeometry(
+        name=name,
+        num_full_layers=kinds.count("full"),
+        num_swa_layers=kinds.count("swa"),
+        sliding_window=window,
+        num_attention_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        mla=mla,
+        num_state_layers=num_state,
+        state=_state_spec(cfg, where) if num_state else None,
+        source=source,
+    )
+
+
+__all__ = ["DTYPE_BYTES", "geometry_from_config", "load_config_file"]

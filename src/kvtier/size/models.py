@@ -1,0 +1,86 @@
+"""Find a model's geometry: a local ``config.json``, a built-in preset, or the Hugging Face hub.
+
+Order: an existing path wins; then a preset (``kvtier size --list-presets``); then, for an
+``org/name`` id, the hub's ``config.json`` over HTTPS (``HF_ENDPOINT`` honoured), which only works
+where the hub is reachable.  Weights size: the sum of ``*.safetensors`` files next to a local
+config, the preset's checkpoint size, or unknown (None).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from kvtier.cli.errors import UserError
+from kvtier.size.geometry import KVGeometry
+from kvtier.size.hf_config import geometry_from_config, load_config_file
+from kvtier.size.presets import GIB, find_preset
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A model's geometry and, when known, its weights size (GiB) and how that was found."""
+
+    geometry: KVGeometry
+    weights_gib: float | None
+    weights_note: str
+
+
+def _local_weights_gib(directory: Path) -> float | None:
+    files = list(directory.glob("*.safetensors"))
+    if not files:
+        return None
+    return sum(f.stat().st_size for f in files) / GIB
+
+
+def _fetch_hub_config(repo_id: str, timeout_s: float) -> dict[str, object]:
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    url = f"{endpoint}/{repo_id}/resolve/main/config.json"
+    try:
+        response = httpx.get(url, timeout=timeout_s, follow_redirects=True)
+    except httpx.HTTPError as exc:
+        raise UserError(
+            f"{repo_id!r} is neither a local path nor a built-in preset, and the hub is unreachable "
+            f"({exc.__class__.__name__}); pass the path of its config.json."
+        ) from None
+    if response.status_code != 200:
+        raise UserError(
+            f"the hub answered {response.status_code} for {repo_id}'s config.json (gated or misspelt?); "
+            "download config.json and pass its path."
+        )
+    try:
+        data = response.json()
+    except json.JSONDecodeError:
+        raise UserError(f"the hub's config.json for {repo_id} is not JSON; pass a local config.json.") from None
+    if not isinstance(data, dict):
+        raise UserError(f"the hub's config.json for {repo_id} is not a JSON object.")
+    return data
+
+
+def resolve_model(name: str, hub_timeout_s: float = 10.0) -> ResolvedModel:
+    """Resolve ``name`` (a path, a preset repo id, or a hub repo id) to its geometry.
+
+    Raises:
+        UserError: nothing matches, the hub cannot be reached, or config.json is incomplete.
+    """
+    path = Path(name).expanduser()
+    if path.exists():
+        cfg = load_config_file(path)
+        directory = path if path.is_dir() else path.parent
+        config_file = path / "config.json" if path.is_dir() else path
+        weights = _local_weights_gib(directory)
+        note = "sum of *.safetensors next to config.json" if weights is not None else ""
+        return ResolvedModel(geometry_from_config(cfg, str(path), source=str(config_file)), weights, note)
+    preset = find_preset(name)
+    if preset is not None:
+        return ResolvedModel(preset.geometry(), preset.weights_gib, preset.weights_note)
+    if name.count("/") == 1 and not name.startswith((".", "/")):
+        cfg = _fetch_hub_config(name, hub_timeout_s)
+        return ResolvedModel(geometry_from_config(cfg, name, source=f"hub: {name}/config.json"), None, "")
+    raise UserError(
+        f"{name!r} is not an existing path, a built-in preset (see --list-presets) or a hub id like org/name."
+    )

@@ -1,0 +1,215 @@
+"""From a KV geometry and a deployment, the HBM KV budget and the offload tier to recommend.
+
+Rule (how-to § "The sizing math"; FAQ "How big should I make the offload tier?")::
+
+    warm_set        = bytes_per_session × sessions_kept_warm
+    hbm_kv_budget   = tp × (gpu_memory × gpu_memory_utilization − weights / tp − overhead)
+    offload_tier    = max(0, warm_set − hbm_kv_budget) × 1.15        # ~15% headroom
+
+A zero tier means the warm set fits in HBM: "offload not needed".  All sizes are totals across
+tensor-parallel ranks (vLLM's ``--kv-offloading-size`` convention, operator's guide § "Sizing
+math"); per-rank figures are named so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvtier.cli.errors import UserError
+from kvtier.size.geometry import KVGeometry
+
+GIB = 1 << 30
+HEADROOM = 1.15
+"""Headroom factor on the offload tier (how-to: "add ~15% headroom")."""
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """How the model is served.
+
+    Attributes:
+        tp: tensor-parallel size.
+        kv_dtype: ``"bf16"``, ``"fp16"`` or ``"fp8"``; dtype_bytes: its bytes per element.
+        gpu_memory_gib: memory of one GPU (GiB) or None when unknown.
+        gpu_memory_utilization: vLLM's fraction of GPU memory it may use.
+        weights_gib: whole-model weights (GiB), split evenly over the TP ranks, or None.
+        overhead_gib: per-GPU activation / CUDA graph overhead outside the KV cache (GiB).
+        context_tokens: typical context of one session (tokens) or None.
+        sessions: sessions to keep warm or None.
+        host_ram_gib: host RAM available for the offload tier (GiB) or None.
+        host_reserve_gib: host RAM kept back for the OS and vLLM itself (GiB).
+    """
+
+    tp: int = 1
+    kv_dtype: str = "bf16"
+    dtype_bytes: int = 2
+    gpu_memory_gib: float | None = None
+    gpu_memory_utilization: float = 0.9
+    weights_gib: float | None = None
+    overhead_gib: float = 4.0
+    context_tokens: int | None = None
+    sessions: int | None = None
+    host_ram_gib: float | None = None
+    host_reserve_gib: float = 16.0
+
+    def check(self) -> None:
+        """Raise UserError for values that cannot describe a deployment."""
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise UserError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        for label, value in (("--gpu-memory-gib", self.gpu_memory_gib), ("--weights-gib", self.weights_gib),
+                             ("--host-ram-gib", self.host_ram_gib), ("--overhead-gib", self.overhead_gib),
+                             ("--host-reserve-gib", self.host_reserve_gib)):
+            if value is not None and value < 0:
+                raise UserError(f"{label} must not be negative, got {value}.")
+        for label, count in (("--context", self.context_tokens), ("--sessions", self.sessions)):
+            if count is not None and count < 1:
+                raise UserError(f"{label} must be at least 1, got {count}.")
+
+
+@dataclass
+class SizeReport:
+    """Everything ``kvtier size`` prints.  Bytes are int bytes, ``*_gib`` are GiB (2**30 bytes)."""
+
+    model: str
+    source: str
+    kind: str
+    tp: int
+    kv_dtype: str
+    kv_bytes_per_token: int
+    kv_bytes_per_token_per_rank: int
+    kv_bytes_per_token_tp1: int
+    kv_heads_per_rank: int
+    sliding_window: int | None
+    state_bytes_per_sequence: int
+    context_tokens: int | None = None
+    bytes_per_session: int | None = None
+    hbm_kv_budget_bytes: int | None = None
+    hbm_kv_tokens: int | None = None
+    hbm_sessions: int | None = None
+    sessions: int | None = None
+    warm_set_bytes: int | None = None
+    recommended_offload_gib: float | None = None
+    host_ram_gib: float | None = None
+    cpu_gib: float | None = None
+    disk_gib: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def offload_needed(self) -> bool | None:
+        if self.recommended_offload_gib is None:
+            return None
+        return self.recommended_offload_gib > 0
+
+    def to_json(self) -> dict[str, object]:
+        """The ``--json`` object; its first four keys are the ones issue 6 fixes."""
+        return {
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "kv_bytes_per_token_per_rank": self.kv_bytes_per_token_per_rank,
+            "hbm_kv_tokens": self.hbm_kv_tokens,
+            "recommended_offload_gib": self.recommended_offload_gib,
+            "offload_needed": self.offload_needed,
+            "model": self.model,
+            "source": self.source,
+            "kind": self.kind,
+            "tp": self.tp,
+            "kv_dtype": self.kv_dtype,
+            "kv_bytes_per_token_tp1": self.kv_bytes_per_token_tp1,
+            "kv_heads_per_rank": self.kv_heads_per_rank,
+            "sliding_window": self.sliding_window,
+            "state_bytes_per_sequence": self.state_bytes_per_sequence,
+            "context_tokens": self.context_tokens,
+            "bytes_per_session": self.bytes_per_session,
+            "hbm_kv_budget_bytes": self.hbm_kv_budget_bytes,
+            "hbm_sessions": self.hbm_sessions,
+            "sessions": self.sessions,
+            "warm_set_bytes": self.warm_set_bytes,
+            "host_ram_gib": self.host_ram_gib,
+            "cpu_gib": self.cpu_gib,
+            "disk_gib": self.disk_gib,
+            "notes": list(self.notes),
+        }
+
+
+def hbm_kv_budget_bytes(dep: Deployment) -> int | None:
+    """KV bytes vLLM can keep in HBM across all ranks, floored at 0; None without GPU memory or weights."""
+    if dep.gpu_memory_gib is None or dep.weights_gib is None:
+        return None
+    per_gpu = dep.gpu_memory_gib * dep.gpu_memory_utilization - dep.weights_gib / dep.tp - dep.overhead_gib
+    return max(0, int(per_gpu * GIB)) * dep.tp
+
+
+def plan(geometry: KVGeometry, dep: Deployment) -> SizeReport:
+    """Size the KV cache of ``geometry`` served as ``dep``.
+
+    Raises:
+        UserError: a deployment value is invalid or TP does not fit the model's heads.
+    """
+    dep.check()
+    geometry.check_tp(dep.tp)
+    tp, nbytes = dep.tp, dep.dtype_bytes
+    report = SizeReport(
+        model=geometry.name,
+        source=geometry.source,
+        kind=geometry.kind,
+        tp=tp,
+        kv_dtype=dep.kv_dtype,
+        kv_bytes_per_token=geometry.kv_bytes_per_token(tp, nbytes),
+        kv_bytes_per_token_per_rank=geometry.kv_bytes_per_token_per_rank(tp, nbytes),
+        kv_bytes_per_token_tp1=geometry.kv_bytes_per_token(1, nbytes),
+        kv_heads_per_rank=geometry.kv_heads_per_rank(tp),
+        sliding_window=geometry.sliding_window,
+        state_bytes_per_sequence=geometry.state_bytes_per_sequence(tp),
+        context_tokens=dep.context_tokens,
+        sessions=dep.sessions,
+        host_ram_gib=dep.host_ram_gib,
+    )
+    if report.kv_bytes_per_token > report.kv_bytes_per_token_tp1:
+        why = "the MLA latent has no head dimension" if geometry.mla else f"{geometry.num_kv_heads} KV heads < TP {tp}"
+        report.notes.append(
+            f"KV is replicated across ranks ({why}): the TP-wide total is "
+            f"{report.kv_bytes_per_token / report.kv_bytes_per_token_tp1:g}× the single-GPU figure."
+        )
+    if dep.context_tokens is not None:
+        report.bytes_per_session = geometry.bytes_per_sequence(dep.context_tokens, tp, nbytes)
+    budget = hbm_kv_budget_bytes(dep)
+    if budget is None:
+        missing = [what for what, value in (("--gpu (or --gpu-memory-gib)", dep.gpu_memory_gib),
+                                             ("--weights-gib", dep.weights_gib)) if value is None]
+        report.notes.append(f"HBM budget unknown: give {' and '.join(missing)}.")
+    else:
+        report.hbm_kv_budget_bytes = budget
+        report.hbm_kv_tokens = budget // report.kv_bytes_per_token if report.kv_bytes_per_token else None
+        if report.bytes_per_session:
+            report.hbm_sessions = budget // report.bytes_per_session
+        if budget == 0:
+            report.notes.append("The weights leave no HBM for KV at this TP and utilization.")
+    if dep.sessions is not None and report.bytes_per_session is not None:
+        report.warm_set_bytes = report.bytes_per_session * dep.sessions
+        if budget is not None:
+            _recommend(report, budget, dep)
+    elif dep.sessions is not None or dep.context_tokens is not None:
+        report.notes.append("Give both --sessions and --context to size the offload tier.")
+    return report
+
+
+def _recommend(report: SizeReport, budget: int, dep: Deployment) -> None:
+    assert report.warm_set_bytes is not None
+    spill = max(0, report.warm_set_bytes - budget)
+    report.recommended_offload_gib = round(spill * HEADROOM / GIB, 2)
+    if spill == 0:
+        report.notes.append("Offload not needed: the warm set fits in the HBM KV budget.")
+        return
+    total = report.recommended_offload_gib
+    report.cpu_gib, report.disk_gib = total, 0.0
+    if dep.host_ram_gib is not None:
+        usable = max(0.0, dep.host_ram_gib - dep.host_reserve_gib)
+        if total > usable:
+            report.cpu_gib = round(usable, 2)
+            report.disk_gib = round(total - usable, 2)
+            report.notes.append(
+                f"The tier ({total:g} GiB) exceeds usable host RAM ({usable:g} GiB = {dep.host_ram_gib:g} − "
+                f"{dep.host_reserve_gib:g} reserved): put {report.disk_gib:g} GiB on a disk tier "
+                "or keep fewer sessions warm."
+            )
+        else:
+            report.notes.append(f"The tier fits in usable host RAM ({usable:g} GiB).")

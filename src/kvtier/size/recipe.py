@@ -1,0 +1,78 @@
+"""The offload tier as three copy-paste configurations that agree with each other.
+
+- kvtier connector: ``--kv-transfer-config`` with ``kv_connector_extra_config`` keys
+  ``chunk_tokens``, ``cpu_gib``, ``disk_path``, ``disk_gib``; sizes are the TOTAL across TP ranks
+  (kvtier's convention, the same as vLLM's flag).
+- vLLM native: ``--kv-offloading-backend native --kv-offloading-size GiB``, total across TP
+  (operator's guide § "Sizing math"; flags from v0.11.1, § "Version gates").  Native offload is
+  CPU DRAM only here; a disk share is left to kvtier or LMCache.
+- LMCache: ``LMCACHE_MAX_LOCAL_CPU_SIZE`` is per rank: vLLM itself divides ``--kv-offloading-size``
+  by ``tensor_parallel_size × pipeline_parallel_size`` when it configures LMCache
+  (``vllm/config/vllm.py`` ``_post_init_kv_transfer_config``), so total = per-rank × TP.  The guide
+  asks these two to stay consistent (§ "Sizing math", "Done when" item 2).  A disk share uses
+  ``LMCACHE_LOCAL_DISK`` / ``LMCACHE_MAX_LOCAL_DISK_SIZE`` with ``LMCACHE_ENABLE_ASYNC_LOADING=False``
+  (LMCache#2502, guide § "Known bugs").
+
+The total is rounded up to a whole multiple of TP GiB, so every rank gets a whole number of GiB
+and the three dialects state exactly the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+from dataclasses import dataclass
+
+KVTIER_CONNECTOR = {
+    "kv_connector": "KVTierConnector",
+    "kv_connector_module_path": "kvtier.integrations.vllm",
+    "kv_role": "kv_both",
+}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One offload tier in three dialects.  ``cpu_gib``/``disk_gib`` are totals across TP."""
+
+    cpu_gib: int
+    disk_gib: int
+    tp: int
+    kvtier: str
+    vllm_native: str
+    lmcache: str
+
+    def to_json(self) -> dict[str, object]:
+        return {"cpu_gib": self.cpu_gib, "disk_gib": self.disk_gib, "tp": self.tp, "kvtier": self.kvtier,
+                "vllm_native": self.vllm_native, "lmcache": self.lmcache}
+
+
+def round_total(gib: float, tp: int) -> int:
+    """``gib`` rounded up to a multiple of ``tp`` whole GiB (0 stays 0)."""
+    if gib <= 0:
+        return 0
+    return math.ceil(gib / tp) * tp
+
+
+def build_recipe(model: str, tp: int, cpu_gib: float, disk_gib: float = 0.0,
+                 disk_path: str = "/mnt/nvme/kvtier", chunk_tokens: int = 256) -> Recipe:
+    """Three configurations for a tier of ``cpu_gib`` DRAM plus ``disk_gib`` disk (GiB, totals)."""
+    cpu, disk = round_total(cpu_gib, tp), round_total(disk_gib, tp)
+    base = f"vllm serve {shlex.quote(model)}" + (f" --tensor-parallel-size {tp}" if tp > 1 else "")
+    extra: dict[str, object] = {"chunk_tokens": chunk_tokens, "cpu_gib": cpu}
+    if disk:
+        extra.update(disk_path=disk_path, disk_gib=disk)
+    transfer = dict(KVTIER_CONNECTOR, kv_connector_extra_config=extra)
+    kvtier = f"{base} \\\n  --kv-transfer-config {shlex.quote(json.dumps(transfer, separators=(',', ':')))}"
+    native = f"{base} \\\n  --kv-offloading-backend native --kv-offloading-size {cpu}"
+    if disk:
+        native += f"\n# native offload holds only the {cpu} GiB DRAM share; the {disk} GiB disk share needs kvtier or LMCache"
+    lines = ["LMCACHE_LOCAL_CPU=True", f"LMCACHE_MAX_LOCAL_CPU_SIZE={cpu // tp}", "LMCACHE_CHUNK_SIZE=256"]
+    if disk:
+        lines += [f"LMCACHE_LOCAL_DISK=file://{disk_path}/", f"LMCACHE_MAX_LOCAL_DISK_SIZE={disk // tp}",
+                  "LMCACHE_ENABLE_ASYNC_LOADING=False"]
+    lmc_transfer = json.dumps({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}, separators=(",", ":"))
+    per_rank = f"# LMCACHE_MAX_LOCAL_CPU_SIZE is per rank: {cpu // tp} GiB × TP {tp} = {cpu} GiB total"
+    lmcache = "\n".join([per_rank, *(f"export {line}" for line in lines),
+                         f"{base} \\\n  --kv-transfer-config {shlex.quote(lmc_transfer)}"])
+    return Recipe(cpu, disk, tp, kvtier, native, lmcache)

@@ -1,0 +1,99 @@
+"""``kvtier size`` end to end through the real CLI entry point."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from kvtier.cli.main import app
+
+runner = CliRunner()
+
+
+def run(*args: str):
+    return runner.invoke(app, ["size", *args], env={"COLUMNS": "200"})
+
+
+def test_json_has_the_issue_keys_and_the_worked_numbers(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                               "hidden_size": 4096, "torch_dtype": "bfloat16"}))
+    result = run("--model", str(cfg), "--gpu-memory-gib", "80", "--weights-gib", "40",
+                 "--context", "8192", "--sessions", "200", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["kv_bytes_per_token"] == 131072 and data["kv_bytes_per_token_per_rank"] == 131072
+    assert data["hbm_kv_tokens"] == 28 * 8192
+    assert data["recommended_offload_gib"] == pytest.approx(197.8)
+    assert data["recipe"]["cpu_gib"] == 198
+
+
+def test_json_nulls_without_gpu():
+    data = json.loads(run("--model", "Qwen/Qwen3-8B", "--json").stdout)
+    assert data["hbm_kv_tokens"] is None and data["recommended_offload_gib"] is None
+    assert data["kv_bytes_per_token"] == 2 * 36 * 8 * 128 * 2
+
+
+def test_text_output_says_offload_not_needed():
+    result = run("--model", "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "H200", "--context", "8192",
+                 "--sessions", "4")
+    assert result.exit_code == 0
+    assert "offload not needed" in result.stdout
+
+
+def test_text_output_prints_three_recipes():
+    result = run("--model", "meta-llama/Llama-3.1-70B-Instruct", "--tp", "4", "--gpu", "H100",
+                 "--context", "32768", "--sessions", "100", "--host-ram-gib", "2048")
+    assert result.exit_code == 0, result.output
+    for marker in ("KVTierConnector", "--kv-offloading-size", "LMCACHE_MAX_LOCAL_CPU_SIZE"):
+        assert marker in result.stdout
+
+
+def test_local_weights_come_from_safetensors_files(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4,
+                                                      "hidden_size": 256}))
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * (1 << 20))
+    data = json.loads(run("--model", str(tmp_path), "--gpu-memory-gib", "8", "--json").stdout)
+    assert data["hbm_kv_tokens"] is not None
+    assert data["weights_note"].startswith("sum of")
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--model", "{cfg_missing}"], "num_hidden_layers"),
+        (["--model", "{cfg_bad_json}"], "not a readable JSON"),
+        (["--model", "Qwen/Qwen3-8B", "--tp", "3"], "TP 3"),
+        (["--model", "Qwen/Qwen3-8B", "--kv-dtype", "int3"], "--kv-dtype"),
+        (["--model", "Qwen/Qwen3-8B", "--gpu", "Voodoo5"], "--gpu"),
+        (["--model", "not-a-model"], "not an existing path"),
+        ([], "--model is required"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, words):
+    (tmp_path / "missing.json").write_text(json.dumps({"num_attention_heads": 4, "hidden_size": 64}))
+    (tmp_path / "bad.json").write_text("{not json")
+    args = [a.format(cfg_missing=tmp_path / "missing.json", cfg_bad_json=tmp_path / "bad.json") for a in args]
+    proc = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "size", *args], check=False, capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert words in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+def test_unreachable_hub_is_a_clean_error(monkeypatch):
+    env = {"HF_ENDPOINT": "http://127.0.0.1:9"}
+    import os
+    proc = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "size", "--model", "someorg/unknown-model"],
+                          check=False, capture_output=True, text=True, env={**os.environ, **env}, timeout=60)
+    assert proc.returncode == 2
+    assert "hub is unreachable" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_list_presets_and_help_show_examples():
+    assert "deepseek-ai/DeepSeek-V3" in run("--list-presets").stdout
+    help_text = run("--help").stdout
+    assert "Examples" in help_text and "kvtier size --model" in help_text
