@@ -18,6 +18,13 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+
+
+@app.callback()
+def _root() -> None:
+    """Tiered KV cache for vLLM: size, audit, simulate, benchmark and run KV offload."""
+
+
 COMMAND_MODULES = (
     "kvtier.cli.demo",
     "kvtier.cli.bench_store",

@@ -63,6 +63,8 @@ class DiskTier(Tier):
         self._used = 0
         self._adopted = 0  # files indexed after start (written by other processes)
         self._rebuild_index()
+        for i in range(256):  # fan-out directories made once, not on the write path
+            (self.dir / f"{i:02x}").mkdir(exist_ok=True)
 
     # ---- paths and index -----------------------------------------------------------------
     def path(self, key: ChunkKey) -> Path:
@@ -162,7 +164,6 @@ class DiskTier(Tier):
         path = self.path(key)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            path.parent.mkdir(exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 header = encode_header(self.namespace, key, payload)
