@@ -1,0 +1,182 @@
+"""``KVTierConnector``: kvtier behind vLLM's v1 KV connector interface.
+
+Enable it with::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVTierConnector",
+        "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"chunk_tokens": 256, "cpu_gib": 8,
+                                      "disk_path": "/nvme/kvtier", "disk_gib": 200}}'
+
+``kv_connector_extra_config`` is a :class:`~kvtier.core.config.KVTierConfig` (unknown keys are
+rejected at start-up).  Roles: ``kv_both`` loads and saves, ``kv_producer`` only saves,
+``kv_consumer`` only loads (a prefill and a decode instance hand KV over through a shared disk
+tier).
+
+What the connector declares to vLLM (vLLM 0.32, vllm/distributed/kv_transfer/kv_connector/v1/base.py):
+
+- Not ``SupportsHMA``: kvtier handles one full-attention KV cache group; vLLM then turns the
+  hybrid KV cache manager off, and a model that needs several groups is refused at start-up.
+- ``requires_kv_delivery = False``: a best-effort cache; a dropped save is a future miss.
+- External hits are reported by source (``host`` for the cpu tier, ``disk``).
+
+The scheduler-side and worker-side objects are separate and usually in separate processes;
+see :mod:`kvtier.integrations.vllm.service` for how they meet.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtier.core.config import KVTierConfig
+from kvtier.integrations.vllm.protocol import KVTierMetadata
+from kvtier.integrations.vllm.scheduler import SchedulerSide
+from kvtier.integrations.vllm.stats import KVTierPromMetrics, KVTierStats
+from kvtier.integrations.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+_SOURCES = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
+
+
+def _dp_rank(vllm_config: "VllmConfig") -> int:
+    pc = vllm_config.parallel_config
+    return int(getattr(pc, "data_parallel_index", None) or getattr(pc, "data_parallel_rank", 0) or 0)
+
+
+class KVTierConnector(KVConnectorBase_V1):
+    """vLLM v1 KV connector backed by a kvtier :class:`~kvtier.core.store.TieredStore` per rank.
+
+    Raises (at construction, i.e. engine start-up):
+        ConfigError: a bad ``kv_connector_extra_config`` value, ``chunk_tokens`` not a multiple
+            of the engine block size, or a model/parallelism kvtier does not handle.
+    """
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = self._kv_transfer_config
+        self.kvtier_config = KVTierConfig.from_dict(dict(transfer.kv_connector_extra_config or {}))
+        self.kvtier_config.validate_block_size(vllm_config.cache_config.block_size)
+        engine_id = str(transfer.engine_id)
+        load = transfer.kv_role in ("kv_both", "kv_consumer")
+        save = transfer.kv_role in ("kv_both", "kv_producer")
+        if transfer.kv_load_failure_policy != "recompute":
+            log.warning("kvtier: kv_load_failure_policy is %r; set it to \"recompute\" so that a failed "
+                        "kvtier load is recomputed instead of failing the request", transfer.kv_load_failure_policy)
+        self.scheduler_side: SchedulerSide | None = None
+        self.worker_side: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler_side = SchedulerSide(vllm_config, kv_cache_config, self.kvtier_config, engine_id,
+                                                _dp_rank(vllm_config), load=load, save=save)
+        else:
+            self.worker_side = WorkerSide(vllm_config, kv_cache_config, self.kvtier_config, engine_id,
+                                          _dp_rank(vllm_config))
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False
+
+    # ---- worker side -------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker_side is not None
+        self.worker_side.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        assert self.worker_side is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVTierMetadata)
+        self.worker_side.start_load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv, before the forward pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata",
+                      **kwargs: Any) -> None:
+        return  # saves copy whole chunks of all layers at once, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        assert self.worker_side is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVTierMetadata)
+        self.worker_side.save(meta)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker_side.take_errors() if self.worker_side is not None else set()
+
+    def get_kv_connector_stats(self) -> "KVConnectorStats | None":
+        return self.worker_side.stats() if self.worker_side is not None else None
+
+    def shutdown(self) -> None:
+        if self.worker_side is not None:
+            self.worker_side.shutdown()
+
+    # ---- scheduler side ----------------------------------------------------------------------
+    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self.scheduler_side is not None:
+            self.scheduler_side.bind_kv_cache_manager(kv_cache_manager)
+
+    def on_new_request(self, request: "Request") -> None:
+        if self.scheduler_side is not None:
+            self.scheduler_side.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.scheduler_side is not None
+        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        assert self.scheduler_side is not None
+        self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[CacheHitSource, int]:
+        if num_external_tokens == 0 or self.scheduler_side is None:
+            return {}
+        split = self.scheduler_side.hit_sources(request, num_external_tokens)
+        return {_SOURCES[tier]: n for tier, n in split.items() if n}
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        assert self.scheduler_side is not None
+        return self.scheduler_side.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self.scheduler_side is not None:
+            self.scheduler_side.request_finished(request)
+        return False, None  # saves finish within their step: blocks can be freed at once
+
+    # ---- metrics -----------------------------------------------------------------------------
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> "KVConnectorStats | None":
+        return KVTierStats(data=dict(data)) if data is not None else KVTierStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict[type["PromMetric"], type["PromMetricT"]],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]],
+                           ) -> "KVConnectorPromMetrics | None":
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -1,0 +1,124 @@
+"""kvtier numbers in vLLM's own ``/metrics``, through vLLM's connector metrics hooks.
+
+Path of a number: the worker-side connector fills a :class:`KVTierStats` each step
+(``get_kv_connector_stats``); vLLM sums the ranks' stats with :meth:`KVTierStats.aggregate`,
+ships them to the front-end process, and calls :meth:`KVTierPromMetrics.observe`, whose
+collectors were created with vLLM's metric classes and so land in the same registry as
+``vllm:prefix_cache_*`` and ``vllm:external_prefix_cache_*``.
+
+Exported (Prometheus adds ``_total`` to counters; ``tier`` is ``cpu`` or ``disk``):
+
+- ``kvtier_loaded_tokens_total{tier}``: tokens copied from kvtier into the engine.  Over a run
+  it equals ``vllm:external_prefix_cache_hits_total`` (both count only loads that happened).
+- ``kvtier_saved_tokens_total``: tokens newly written into kvtier.
+- ``kvtier_load_failed_blocks_total``: blocks reported to vLLM as failed loads (recomputed).
+- ``kvtier_transfer_seconds_total{direction}`` and ``kvtier_transfer_bytes_total{direction}``,
+  ``direction`` = ``load`` (kvtier → engine) or ``save`` (engine → kvtier).
+- ``kvtier_evictions_total{tier}``, ``kvtier_dropped_saves_total``, ``kvtier_corrupt_chunks_total``.
+- ``kvtier_usage_bytes{tier}``, ``kvtier_capacity_bytes{tier}``: summed over ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+
+# counter name in the stats payload -> (prometheus name, help, label value or None)
+COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "loaded_tokens_cpu": ("kvtier_loaded_tokens", "Tokens loaded from kvtier into the engine.", ("cpu",)),
+    "loaded_tokens_disk": ("kvtier_loaded_tokens", "Tokens loaded from kvtier into the engine.", ("disk",)),
+    "saved_tokens": ("kvtier_saved_tokens", "Tokens newly saved into kvtier.", ()),
+    "load_failed_blocks": ("kvtier_load_failed_blocks", "Engine blocks whose kvtier load failed.", ()),
+    "load_seconds": ("kvtier_transfer_seconds", "Seconds copying KV between engine and kvtier.", ("load",)),
+    "save_seconds": ("kvtier_transfer_seconds", "Seconds copying KV between engine and kvtier.", ("save",)),
+    "load_bytes": ("kvtier_transfer_bytes", "Bytes copied between engine and kvtier.", ("load",)),
+    "save_bytes": ("kvtier_transfer_bytes", "Bytes copied between engine and kvtier.", ("save",)),
+    "evictions_cpu": ("kvtier_evictions", "Chunks evicted from a kvtier tier.", ("cpu",)),
+    "evictions_disk": ("kvtier_evictions", "Chunks evicted from a kvtier tier.", ("disk",)),
+    "dropped_saves": ("kvtier_dropped_saves", "Chunk saves dropped (no room, or disk queue full).", ()),
+    "corrupt_chunks": ("kvtier_corrupt_chunks", "Chunks that failed verification and were recomputed.", ()),
+}
+LABELS: dict[str, str] = {"kvtier_loaded_tokens": "tier", "kvtier_transfer_seconds": "direction",
+                          "kvtier_transfer_bytes": "direction", "kvtier_evictions": "tier"}
+GAUGES: dict[str, tuple[str, str, str]] = {
+    "usage_bytes_cpu": ("kvtier_usage_bytes", "Bytes held by kvtier, by tier (all ranks).", "cpu"),
+    "usage_bytes_disk": ("kvtier_usage_bytes", "Bytes held by kvtier, by tier (all ranks).", "disk"),
+    "capacity_bytes_cpu": ("kvtier_capacity_bytes", "kvtier capacity in bytes, by tier (all ranks).", "cpu"),
+    "capacity_bytes_disk": ("kvtier_capacity_bytes", "kvtier capacity in bytes, by tier (all ranks).", "disk"),
+}
+
+
+@dataclass
+class KVTierStats(KVConnectorStats):
+    """One interval's kvtier numbers: ``data = {"counters": {...}, "gauges": {...}}``.
+
+    Counters are increments over the interval; gauges are the latest values of one rank, so
+    :meth:`aggregate` (which vLLM uses across ranks) sums both.
+    """
+
+    data: dict[str, Any] = field(default_factory=lambda: {"counters": {}, "gauges": {}})
+
+    def __post_init__(self) -> None:
+        self.data.setdefault("counters", {})
+        self.data.setdefault("gauges", {})
+
+    def reset(self) -> None:
+        self.data = {"counters": {}, "gauges": {}}
+
+    def aggregate(self, other: KVConnectorStats) -> "KVTierStats":
+        for part in ("counters", "gauges"):
+            mine = self.data[part]
+            for name, value in other.data.get(part, {}).items():
+                mine[name] = mine.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {name: round(v, 4) if isinstance(v, float) else v for name, v in self.data["counters"].items() if v}
+
+    def is_empty(self) -> bool:
+        return not any(self.data["counters"].values()) and not self.data["gauges"]
+
+
+class KVTierPromMetrics(KVConnectorPromMetrics):
+    """Registers the ``kvtier_*`` collectors with vLLM's metric classes and feeds them."""
+
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[str, Any] = {}
+        for prom_name, help_text, _ in COUNTERS.values():
+            if prom_name not in self._counters:
+                extra = [LABELS[prom_name]] if prom_name in LABELS else []
+                self._counters[prom_name] = self._counter_cls(name=prom_name, documentation=help_text,
+                                                              labelnames=labelnames + extra)
+        self._gauges: dict[str, Any] = {}
+        for prom_name, help_text, _ in GAUGES.values():
+            if prom_name not in self._gauges:
+                self._gauges[prom_name] = self._gauge_cls(name=prom_name, documentation=help_text,
+                                                          labelnames=labelnames + ["tier"],
+                                                          multiprocess_mode="mostrecent")
+        # Create every labelled child up front so a scrape shows zeros, not absence.
+        for engine_idx in per_engine_labelvalues:
+            self.observe({"counters": {}, "gauges": {}}, engine_idx)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        base = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]
+        counters = transfer_stats_data.get("counters", {})
+        for key, (prom_name, _help, label) in COUNTERS.items():
+            child = self._counters[prom_name].labels(*base, *label)
+            value = counters.get(key, 0)
+            if value:
+                child.inc(value)
+        for key, value in transfer_stats_data.get("gauges", {}).items():
+            if key in GAUGES:
+                prom_name, _help, tier = GAUGES[key]
+                self._gauges[prom_name].labels(*base, tier).set(value)
+
