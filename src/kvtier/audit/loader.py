@@ -1,0 +1,39 @@
+"""Decide what an input is (manifest, command line, env file) and read it into ServeConfigs."""
+
+from __future__ import annotations
+
+import re
+
+from packaging.version import Version
+
+from kvtier.audit.model import ServeConfig
+from kvtier.audit.parse_command import looks_like_env_file, parse_command, parse_env_file
+from kvtier.audit.parse_k8s import parse_manifests
+from kvtier.audit.versions import version_from_image
+from kvtier.cli.errors import UserError
+
+_MANIFEST = re.compile(r"^\s*(apiVersion|kind)\s*:", re.MULTILINE)
+_COMMAND = re.compile(r"\bvllm\b[\s\\]+serve\b|vllm\.entrypoints\.openai\.api_server|vllm-openai")
+
+
+def load_configs(text: str, origin: str, version: Version | None = None) -> list[ServeConfig]:
+    """Read ``text`` into one ServeConfig per vLLM server; ``version`` overrides image tags.
+
+    Raises:
+        UserError: the input is empty, unparseable, or of no kind the audit reads.
+    """
+    if not text.strip():
+        raise UserError(f"{origin} is empty; give a vllm serve command, an env file or a manifest.")
+    if _MANIFEST.search(text):
+        configs = parse_manifests(text, origin)
+    elif _COMMAND.search(text):
+        configs = [parse_command(text, origin)]
+    elif looks_like_env_file(text):
+        configs = [parse_env_file(text, origin)]
+    else:
+        raise UserError(
+            f"{origin} is neither a vllm serve command line, an env file (KEY=VALUE lines) nor a Kubernetes manifest."
+        )
+    for config in configs:
+        config.version = version if version is not None else version_from_image(config.image)
+    return configs

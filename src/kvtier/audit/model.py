@@ -1,0 +1,185 @@
+"""What the audit reads (:class:`ServeConfig`) and what it reports (:class:`Finding`).
+
+A ``ServeConfig`` is one vLLM server as configured: its ``vllm serve`` flags, its environment,
+its image and the vLLM version in force.  Flags are normalised to their ``--dash-form``
+(vLLM also accepts ``--under_score`` spellings) and kept in order, each with its value (None for
+a bare switch).  Derived facts (TP size, connectors in use, whether KV offload is on) are
+properties so each rule reads them the same way.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from packaging.version import Version
+
+Severity = Literal["error", "warning", "info"]
+SEVERITIES: tuple[Severity, ...] = ("error", "warning", "info")
+
+HYBRID_MODEL_MARKERS = (
+    "gemma-2", "gemma-3", "gemma-4", "gemma2", "gemma3", "gemma4", "qwen3.5", "qwen3.6", "qwen3-next",
+    "qwen3_5", "deepseek-v4", "gpt-oss", "jamba", "mamba", "nemotron-h", "granite-4.0-h", "falcon-h1",
+    "minimax-m", "glm-5", "kimi-linear",
+)
+"""Model-name fragments of hybrid-attention models (sliding window, Mamba or linear attention).
+
+From the operator's guide § "Hybrid models (Qwen3.5, Gemma-4, Mamba+attention)" and the LMCache MP
+recipe list there (Gemma 3/4, gpt-oss, Qwen3.5/3.6, DeepSeek-V4-Flash, GLM 5.1/5.2, MiniMax-M3),
+plus well-known Mamba hybrids (Jamba, Nemotron-H, Granite-4.0-H, Falcon-H1)."""
+
+HMA_CONNECTORS = frozenset({
+    "OffloadingConnector", "NixlConnector", "NixlPullConnector", "NixlPushConnector", "MooncakeConnector",
+    "MooncakeStoreConnector", "LMCacheMPConnector", "HiSparseConnector", "MoRIIOConnector",
+    "SimpleCPUOffloadConnector",
+})
+"""Connectors that subclass ``SupportsHMA`` at v0.32.0 (operator's guide § "Critical pitfalls",
+re-verified there against ``kv_connector/v1/base.py``).  MultiConnector counts only when every
+child does; LMCacheConnectorV1 does not."""
+
+
+@dataclass
+class ServeConfig:
+    """One configured vLLM server.
+
+    Attributes:
+        origin: where it came from (file name, and the container for manifests).
+        flags: ``(flag, value)`` pairs in order; ``value`` None for a bare switch.
+        positionals: non-flag words after ``serve`` (the model).
+        env: environment variables.
+        image: container image reference, if known.
+        version: vLLM version in force, if known.
+        text: the raw input text (for locating findings by line).
+    """
+
+    origin: str
+    flags: list[tuple[str, str | None]] = field(default_factory=list)
+    positionals: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    image: str | None = None
+    version: Version | None = None
+    text: str = ""
+
+    # --- flags -----------------------------------------------------------------------------
+    def has(self, flag: str) -> bool:
+        return any(name == flag for name, _ in self.flags)
+
+    def value(self, flag: str) -> str | None:
+        """The last value given to ``flag`` (vLLM's argparse keeps the last), None if absent/bare."""
+        found = [v for name, v in self.flags if name == flag]
+        return found[-1] if found else None
+
+    def number(self, flag: str) -> float | None:
+        raw = self.value(flag)
+        try:
+            return float(raw) if raw is not None else None
+        except ValueError:
+            return None
+
+    def env_true(self, name: str) -> bool | None:
+        raw = self.env.get(name)
+        if raw is None:
+            return None
+        return raw.strip().lower() in ("1", "true", "yes", "on")
+
+    # --- derived facts ----------------------------------------------------------------------
+    @property
+    def model(self) -> str:
+        return self.value("--model") or (self.positionals[0] if self.positionals else "")
+
+    @property
+    def tp(self) -> int:
+        raw = self.number("--tensor-parallel-size") or self.number("-tp")
+        return int(raw) if raw else 1
+
+    @property
+    def pp(self) -> int:
+        raw = self.number("--pipeline-parallel-size") or self.number("-pp")
+        return int(raw) if raw else 1
+
+    @property
+    def kv_transfer_config(self) -> dict[str, Any] | None:
+        """``--kv-transfer-config`` parsed, None when absent or not a JSON object."""
+        raw = self.value("--kv-transfer-config")
+        if raw is None:
+            return None
+        try:
+            parsed = json.loads(raw)
+        except json.JSONDecodeError:
+            return None
+        return parsed if isinstance(parsed, dict) else None
+
+    @property
+    def offloading_backend(self) -> str | None:
+        """``native`` / ``lmcache`` when ``--kv-offloading-size`` turns on vLLM's offload flags."""
+        if not self.has("--kv-offloading-size"):
+            return None
+        return (self.value("--kv-offloading-backend") or "native").lower()
+
+    @property
+    def connectors(self) -> list[str]:
+        """KV connectors in use, MultiConnector children included (vllm/config/vllm.py maps the
+        offloading backend native → OffloadingConnector, lmcache → LMCacheConnectorV1)."""
+        names: list[str] = []
+        cfg = self.kv_transfer_config
+        if cfg and isinstance(cfg.get("kv_connector"), str):
+            names.append(cfg["kv_connector"])
+            extra = cfg.get("kv_connector_extra_config") or {}
+            for child in extra.get("connectors", []) if isinstance(extra, dict) else []:
+                if isinstance(child, dict) and isinstance(child.get("kv_connector"), str):
+                    names.append(child["kv_connector"])
+        backend = self.offloading_backend
+        if backend == "native":
+            names.append("OffloadingConnector")
+        elif backend == "lmcache":
+            names.append("LMCacheConnectorV1")
+        return names
+
+    def uses(self, connector: str) -> bool:
+        return connector in self.connectors
+
+    @property
+    def kv_offload_on(self) -> bool:
+        """A KV offload / transfer connector is configured (any kind)."""
+        return bool(self.connectors)
+
+    @property
+    def hybrid_model(self) -> bool:
+        name = self.model.lower()
+        return any(marker in name for marker in HYBRID_MODEL_MARKERS)
+
+    @property
+    def connector_extra(self) -> dict[str, Any]:
+        cfg = self.kv_transfer_config or {}
+        extra = cfg.get("kv_connector_extra_config")
+        return extra if isinstance(extra, dict) else {}
+
+    def at_least(self, version: str) -> bool | None:
+        """True/False when the version is known, None when it is not."""
+        return None if self.version is None else self.version >= Version(version)
+
+    def line_of(self, needle: str) -> int | None:
+        """1-based line of the first occurrence of ``needle`` in the input text, for SARIF."""
+        for number, line in enumerate(self.text.splitlines(), start=1):
+            if needle and needle in line:
+                return number
+        return None
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem found.  ``rule`` is the rule id; ``source`` the document section / release /
+    issue the rule comes from; ``line`` where in the input (None when not locatable)."""
+
+    rule: str
+    severity: Severity
+    message: str
+    fix: str
+    source: str
+    origin: str = ""
+    line: int | None = None
+
+    def to_json(self) -> dict[str, str]:
+        return {"rule": self.rule, "severity": self.severity, "message": self.message, "fix": self.fix,
+                "source": self.source}

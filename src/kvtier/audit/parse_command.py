@@ -1,0 +1,139 @@
+"""Read a ``vllm serve …`` command line (a shell snippet, a ``docker run``) or an env file.
+
+Shell words are split with :mod:`shlex` (quotes, backslash continuations and ``#`` comments work
+as in a shell).  ``export K=V`` lines, ``K=V`` prefixes and ``docker run -e K=V`` set the
+environment; ``vllm serve`` (or ``python -m vllm.entrypoints.openai.api_server``, or the arguments
+after a ``vllm-openai`` image in ``docker run``) starts the vLLM arguments.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+from kvtier.audit.model import ServeConfig
+from kvtier.cli.errors import UserError
+
+_ASSIGN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+_STOP = {"&&", "||", ";", "|", "&"}
+
+BOOL_FLAGS = frozenset({
+    "--enable-prefix-caching", "--no-enable-prefix-caching", "--enforce-eager", "--no-enforce-eager",
+    "--disable-hybrid-kv-cache-manager", "--no-disable-hybrid-kv-cache-manager", "--calculate-kv-scales",
+    "--trust-remote-code", "--disable-log-requests", "--disable-log-stats", "--enable-log-requests",
+    "--enable-chunked-prefill", "--no-enable-chunked-prefill", "--enable-auto-tool-choice",
+    "--async-scheduling", "--no-async-scheduling", "--enable-expert-parallel", "--disable-custom-all-reduce",
+    "--enable-lora", "--headless", "--enable-sleep-mode", "--skip-tokenizer-init", "--enable-prompt-embeds",
+    "--disable-frontend-multiprocessing", "--enable-server-load-tracking",
+})
+"""vLLM switches that take no value (so the word after them is not swallowed as one)."""
+
+
+def normalise_flag(word: str) -> str:
+    """``--foo_bar`` → ``--foo-bar`` (vLLM accepts both spellings)."""
+    return "--" + word[2:].replace("_", "-") if word.startswith("--") else word
+
+
+def parse_vllm_args(words: list[str], config: ServeConfig) -> None:
+    """Fill ``config.flags`` / ``config.positionals`` from the words after ``vllm serve``."""
+    i = 0
+    while i < len(words):
+        word = words[i]
+        if word in _STOP:
+            break
+        if word.startswith("-") and len(word) > 1 and not _is_number(word):
+            if "=" in word and word.startswith("--"):
+                name, value = word.split("=", 1)
+                config.flags.append((normalise_flag(name), value))
+            else:
+                name = normalise_flag(word)
+                nxt = words[i + 1] if i + 1 < len(words) else None
+                if name not in BOOL_FLAGS and nxt is not None and nxt not in _STOP and (
+                        not nxt.startswith("-") or _is_number(nxt)):
+                    config.flags.append((name, nxt))
+                    i += 1
+                else:
+                    config.flags.append((name, None))
+        else:
+            config.positionals.append(word)
+        i += 1
+
+
+def _is_number(word: str) -> bool:
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return True
+
+
+def _split(text: str, origin: str) -> list[str]:
+    try:
+        return shlex.split(text, comments=True)
+    except ValueError as exc:
+        raise UserError(f"{origin} is not a valid shell command line ({exc}); check its quotes.") from None
+
+
+def parse_command(text: str, origin: str) -> ServeConfig:
+    """Parse a shell snippet holding one vLLM start command.
+
+    Raises:
+        UserError: unbalanced quotes, or no ``vllm serve`` / vLLM image in the text.
+    """
+    words = _split(text, origin)
+    config = ServeConfig(origin=origin, text=text)
+    start: int | None = None
+    i = 0
+    while i < len(words):
+        word = words[i]
+        if word == "export":
+            i += 1
+            continue
+        if word in ("-e", "--env") and i + 1 < len(words) and _ASSIGN.match(words[i + 1]):
+            key, value = words[i + 1].split("=", 1)
+            config.env[key] = value
+            i += 2
+            continue
+        if _ASSIGN.match(word) and start is None:
+            key, value = word.split("=", 1)
+            config.env[key] = value
+        elif word == "serve" and i > 0 and words[i - 1].rsplit("/", 1)[-1] == "vllm":
+            start = i + 1
+            break
+        elif word == "vllm.entrypoints.openai.api_server":
+            start = i + 1
+            break
+        elif "vllm-openai" in word and not word.startswith("-"):
+            config.image = word
+            start = i + 1
+            if start < len(words) and words[start] == "serve":  # image with `serve` as first arg
+                start += 1
+            break
+        i += 1
+    if start is None:
+        raise UserError(f"{origin} holds no `vllm serve` command, vLLM image or KEY=VALUE lines to audit.")
+    parse_vllm_args(words[start:], config)
+    return config
+
+
+def parse_env_file(text: str, origin: str) -> ServeConfig:
+    """Parse ``KEY=VALUE`` lines (``export`` and ``#`` comments allowed) into a config with env only."""
+    config = ServeConfig(origin=origin, text=text)
+    for number, line in enumerate(text.splitlines(), start=1):
+        words = _split(line, f"{origin} line {number}")
+        if not words:
+            continue
+        if words[0] == "export":
+            words = words[1:]
+        for word in words:
+            if not _ASSIGN.match(word):
+                raise UserError(f"{origin} line {number} is not KEY=VALUE; an env file holds one per line.")
+            key, value = word.split("=", 1)
+            config.env[key] = value
+    return config
+
+
+def looks_like_env_file(text: str) -> bool:
+    """Every non-blank, non-comment line is ``[export ]KEY=VALUE``."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    return bool(lines) and all(_ASSIGN.match(ln.removeprefix("export ").strip()) for ln in lines)

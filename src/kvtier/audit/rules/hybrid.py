@@ -1,0 +1,90 @@
+"""Hybrid memory allocator (HMA) and hybrid-model rules per connector."""
+
+from __future__ import annotations
+
+from packaging.version import Version
+
+from kvtier.audit.model import HMA_CONNECTORS, ServeConfig
+from kvtier.audit.rules.base import GUIDE, rule
+
+_FLAG = "--disable-hybrid-kv-cache-manager"
+
+
+def _moriio_write_on_hybrid(c: ServeConfig) -> bool:
+    read_mode = str(c.connector_extra.get("read_mode", "")).lower() == "true"
+    return c.uses("MoRIIOConnector") and c.hybrid_model and not read_mode
+
+
+@rule("disable-hma-by-reflex", "warning", "--disable-hybrid-kv-cache-manager with HMA-capable connectors",
+      "Remove --disable-hybrid-kv-cache-manager; from v0.23.0 vLLM disables HMA itself only for connectors "
+      "that lack SupportsHMA.",
+      f"{GUIDE} § Critical pitfalls: --disable-hybrid-kv-cache-manager — required only for connectors that "
+      "lack HMA support (#41847, v0.23.0)", locate=_FLAG)
+def disable_hma_by_reflex(c: ServeConfig) -> str | None:
+    if not c.has(_FLAG) or c.at_least("0.23.0") is False or _moriio_write_on_hybrid(c):
+        return None
+    connectors = c.connectors
+    if all(name in HMA_CONNECTORS for name in connectors):
+        which = ", ".join(connectors) or "no KV connector"
+        return (f"{_FLAG} with {which}: it costs hybrid-model support and sliding-window performance for "
+                "nothing on v0.23.0+.")
+    return None
+
+
+@rule("hma-flag-required-before-0.23", "error", "OffloadingConnector needs the HMA flag before v0.23.0",
+      f"Add {_FLAG} on this release, or upgrade to v0.23.0+ where HMA stays on with native offload.",
+      f"{GUIDE} § Critical pitfalls: on vLLM ≤ v0.22.x the flag was mandatory with OffloadingConnector",
+      locate="--kv-offloading")
+def hma_flag_required(c: ServeConfig) -> str | None:
+    if c.uses("OffloadingConnector") and not c.has(_FLAG) and c.version is not None \
+            and c.version < Version("0.23.0"):
+        return (f"vLLM {c.version} refuses OffloadingConnector with HMA on: \"Connector OffloadingConnector does "
+                "not support HMA but HMA is enabled\".")
+    return None
+
+
+@rule("lmcache-inprocess-on-hybrid", "error", "LMCacheConnectorV1 on a hybrid-attention model",
+      "Use native offload (--kv-offloading-size) or LMCache MP mode (LMCacheMPConnector, lmcache ≥ 0.5.0).",
+      f"{GUIDE} § Hybrid models and § Known bugs: LMCache#3106 (open)", locate="LMCache")
+def lmcache_inprocess_hybrid(c: ServeConfig) -> str | None:
+    if c.uses("LMCacheConnectorV1") and c.hybrid_model:
+        return (f"{c.model} mixes attention kinds; LMCacheConnectorV1 has no SupportsHMA and its single-shape "
+                "MemoryObj.tensor fails on mixed attention groups (LMCache#3106).")
+    return None
+
+
+@rule("multiconnector-non-hma-child", "warning", "MultiConnector with a child that lacks HMA",
+      "Replace the non-HMA child (e.g. LMCacheConnectorV1 → OffloadingConnector or LMCacheMPConnector).",
+      f"{GUIDE} § Critical pitfalls: MultiConnector supports HMA only if every child does",
+      locate="MultiConnector")
+def multiconnector_non_hma(c: ServeConfig) -> str | None:
+    if not c.uses("MultiConnector"):
+        return None
+    children = [n for n in c.connectors if n != "MultiConnector"]
+    missing = [n for n in children if n not in HMA_CONNECTORS]
+    if missing:
+        return f"MultiConnector child {', '.join(missing)} lacks SupportsHMA, which disables HMA for the whole composition."
+    return None
+
+
+@rule("moriio-write-on-hybrid", "error", "MoRIIO WRITE mode on a hybrid model",
+      "Set kv_connector_extra_config.read_mode=true (READ mode), or pass --disable-hybrid-kv-cache-manager "
+      "with WRITE on sliding-window hybrids.",
+      f"{GUIDE} § Hybrid models: MoRIIOConnector WRITE raises NotImplementedError on hybrid KV cache groups",
+      locate="MoRIIOConnector")
+def moriio_write(c: ServeConfig) -> str | None:
+    if _moriio_write_on_hybrid(c) and not c.has(_FLAG):
+        return "MoRIIOConnector in WRITE mode does not support hybrid KV cache groups and fails at start-up."
+    return None
+
+
+@rule("hybrid-retention-interval-default", "info", "hybrid model on the default retention interval 0",
+      "For agentic multi-turn traffic without spec-decode, set --prefix-cache-retention-interval N (a multiple "
+      "of the SWA group's tokens_per_chunk) and re-measure the hit rate.",
+      f"{GUIDE} § Hybrid models: --prefix-cache-retention-interval (default 0 from v0.29.0)")
+def hybrid_retention(c: ServeConfig) -> str | None:
+    if (c.hybrid_model and c.at_least("0.29.0") and not c.has("--prefix-cache-retention-interval")
+            and not c.has("--speculative-config")):
+        return (f"{c.model} keeps only the latest replayable prompt boundary (interval 0); agentic multi-turn "
+                "prefix hits can drop.")
+    return None

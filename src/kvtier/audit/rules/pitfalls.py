@@ -1,0 +1,119 @@
+"""Flag pitfalls: weights vs KV offload, TP-total sizing, SGLang habits, prefix caching, FP8 KV."""
+
+from __future__ import annotations
+
+from kvtier.audit.model import ServeConfig
+from kvtier.audit.rules.base import GUIDE, HOWTO, rule
+
+_SGLANG_FLAGS = ("--hicache-size", "--hicache-ratio", "--enable-hierarchical-cache", "--mem-fraction-static",
+                 "--tp-size")
+
+
+@rule("cpu-offload-gb-is-weights", "warning", "--cpu-offload-gb offloads weights, not KV",
+      "For KV offload set --kv-offloading-size GiB (total across TP) or a KV connector in --kv-transfer-config; "
+      "keep --cpu-offload-gb only to fit weights that do not fit in HBM.",
+      f"{GUIDE} § Critical pitfalls: --cpu-offload-gb is NOT the same as --kv-offloading-size; "
+      f"{HOWTO} § First, the trap", locate="--cpu-offload-gb")
+def cpu_offload_gb_is_weights(c: ServeConfig) -> str | None:
+    gb = c.number("--cpu-offload-gb")
+    if gb and gb > 0 and not c.kv_offload_on:
+        return (f"--cpu-offload-gb {gb:g} streams model weights from CPU on every forward pass and does nothing "
+                "for the KV cache; no KV offload is configured.")
+    return None
+
+
+@rule("cpu-offload-gb-beside-kv-offload", "info", "weights offload set next to KV offload",
+      "Drop --cpu-offload-gb unless the weights really do not fit in HBM; it costs prefill throughput.",
+      f"{GUIDE} § Critical pitfalls: --cpu-offload-gb (weights, per GPU, hurts prefill) vs --kv-offloading-size",
+      locate="--cpu-offload-gb")
+def cpu_offload_gb_beside_kv(c: ServeConfig) -> str | None:
+    gb = c.number("--cpu-offload-gb")
+    if gb and gb > 0 and c.kv_offload_on:
+        return f"--cpu-offload-gb {gb:g} offloads weights (per GPU) next to KV offload; check it is meant."
+    return None
+
+
+@rule("kv-offloading-size-is-total", "info", "--kv-offloading-size is the total across TP ranks",
+      "If the number was sized per GPU (SGLang's convention), multiply it by the TP size.",
+      f"{GUIDE} § Sizing math: --kv-offloading-size is TOTAL across all TP ranks (opposite of SGLang)",
+      locate="--kv-offloading-size")
+def kv_offloading_size_is_total(c: ServeConfig) -> str | None:
+    size, ranks = c.number("--kv-offloading-size"), c.tp * c.pp
+    if size and ranks > 1:
+        return (f"--kv-offloading-size {size:g} is {size:g} GiB in total, {size / ranks:g} GiB per rank over "
+                f"{ranks} ranks; a per-GPU figure would need {size * ranks:g}.")
+    return None
+
+
+@rule("sglang-flag", "error", "SGLang flag in a vLLM command",
+      "Remove it; for a host KV tier use --kv-offloading-size = SGLang's per-GPU host size × TP (vLLM counts the total).",
+      f"{GUIDE} § Sizing math (200 GB per GPU × 8 GPUs → --kv-offloading-size 1600)")
+def sglang_flag(c: ServeConfig) -> str | None:
+    found = [f for f in _SGLANG_FLAGS if c.has(f)]
+    if found:
+        return f"{', '.join(found)} is SGLang's, not vLLM's; vLLM will refuse to start."
+    return None
+
+
+@rule("kv-offloading-backend-without-size", "error", "--kv-offloading-backend without --kv-offloading-size",
+      "Add --kv-offloading-size GiB (total across TP).",
+      "vLLM vllm/config/cache.py (kv_offloading_backend 'must be used together with kv_offloading_size') and "
+      "vllm/config/vllm.py _post_init_kv_transfer_config", locate="--kv-offloading-backend")
+def backend_without_size(c: ServeConfig) -> str | None:
+    if c.has("--kv-offloading-backend") and not c.has("--kv-offloading-size"):
+        return "--kv-offloading-backend is set but --kv-offloading-size is not, so no KV offload is enabled."
+    return None
+
+
+@rule("kv-offloading-size-invalid", "error", "--kv-offloading-size is not a positive number",
+      "Give the tier size in GiB, total across TP ranks, e.g. --kv-offloading-size 64.",
+      f"{GUIDE} § Sizing math; vLLM CacheConfig.kv_offloading_size (GiB)", locate="--kv-offloading-size")
+def offloading_size_invalid(c: ServeConfig) -> str | None:
+    if not c.has("--kv-offloading-size"):
+        return None
+    size = c.number("--kv-offloading-size")
+    if size is None or size <= 0:
+        return f"--kv-offloading-size {c.value('--kv-offloading-size')!r} is not a positive size in GiB."
+    return None
+
+
+@rule("prefix-caching-off-with-offload", "error", "KV offload with prefix caching off",
+      "Remove --no-enable-prefix-caching (prefix caching is on by default).",
+      f"{GUIDE} § Offload doesn't help, root cause 3; {HOWTO} (--enable-prefix-caching is load-bearing)",
+      locate="--no-enable-prefix-caching")
+def prefix_caching_off(c: ServeConfig) -> str | None:
+    if c.has("--no-enable-prefix-caching") and c.kv_offload_on:
+        return "Prefix caching is off, so offloaded KV has nothing to hit against; the copies are pure cost."
+    return None
+
+
+@rule("kv-transfer-config-invalid", "error", "--kv-transfer-config is not a JSON object",
+      "Quote the JSON in single quotes: --kv-transfer-config '{\"kv_connector\":...,\"kv_role\":\"kv_both\"}'.",
+      "vLLM KVTransferConfig (parsed from JSON)", locate="--kv-transfer-config")
+def transfer_config_invalid(c: ServeConfig) -> str | None:
+    if c.has("--kv-transfer-config") and c.kv_transfer_config is None:
+        return f"--kv-transfer-config {c.value('--kv-transfer-config')!r} does not parse as a JSON object."
+    return None
+
+
+@rule("kv-role-missing", "error", "kv_connector set without kv_role",
+      "Add \"kv_role\":\"kv_both\" (or kv_producer / kv_consumer for disaggregated prefill).",
+      f"vLLM vllm/config/kv_transfer.py (kv_role required with kv_connector); {HOWTO} (kv_role: kv_both)",
+      locate="--kv-transfer-config")
+def kv_role_missing(c: ServeConfig) -> str | None:
+    cfg = c.kv_transfer_config
+    if cfg and cfg.get("kv_connector") and not cfg.get("kv_role"):
+        return f"kv_connector {cfg['kv_connector']} has no kv_role, which vLLM rejects at start-up."
+    return None
+
+
+@rule("fp8-kv-without-scales", "warning", "FP8 KV cache may run with scale 1.0",
+      "Stay on BF16 KV (--kv-cache-dtype auto) and use offload to claw back memory, or confirm the checkpoint "
+      "ships calibrated k_scale/v_scale.",
+      f"{GUIDE} § FP8 KV cache without shipped scales", locate="--kv-cache-dtype")
+def fp8_kv(c: ServeConfig) -> str | None:
+    dtype = (c.value("--kv-cache-dtype") or "").lower()
+    if dtype.startswith("fp8"):
+        return (f"--kv-cache-dtype {dtype}: without calibrated scales in the checkpoint vLLM uses 1.0, which can "
+                "clip large activations (subtle quality loss, often past 128k context).")
+    return None

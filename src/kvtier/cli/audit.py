@@ -1,0 +1,73 @@
+"""``kvtier audit``: check a vLLM serve command, env file or Kubernetes manifest for KV-cache mistakes."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from kvtier.cli.errors import UserError, fail
+
+HELP = """Audit a vLLM KV-cache configuration against version gates, pitfalls and known bugs.
+
+Reads a `vllm serve ...` command line (or `docker run` line), an env file (KEY=VALUE lines) or a
+Kubernetes manifest (Deployment/StatefulSet/Pod YAML, multi-document) from FILE or stdin (`-`).
+The vLLM version comes from --vllm-version or the image tag. Each finding names its rule,
+severity, the fix and its source. Exit code 1 when any error is found, 2 on unreadable input.
+
+Examples:
+
+  kvtier audit serve.sh --vllm-version 0.32.0
+
+  echo 'vllm serve Qwen/Qwen3-8B --cpu-offload-gb 40' | kvtier audit -
+
+  kvtier audit deploy.yaml --format sarif > kvtier-audit.sarif
+
+  kvtier audit --rules-markdown > docs/audit-rules.md
+"""
+
+
+def audit_command(
+    file: str = typer.Argument("-", help="File to audit, or - for stdin."),
+    vllm_version: str | None = typer.Option(None, "--vllm-version", help="vLLM version X.Y.Z (default: image tag)."),
+    output_format: str = typer.Option("text", "--format", "-f", help="text, json or sarif."),
+    rules_markdown: bool = typer.Option(False, "--rules-markdown", help="Print the rule table as Markdown and exit."),
+) -> None:
+    from kvtier.audit.engine import audit, has_errors
+    from kvtier.audit.loader import load_configs
+    from kvtier.audit.report import print_text, rules_markdown as markdown, to_json, to_sarif
+    from kvtier.audit.versions import parse_version
+
+    if rules_markdown:
+        sys.stdout.write(markdown())
+        return
+    if output_format not in ("text", "json", "sarif"):
+        fail(f"--format {output_format!r} is not one of text, json, sarif.")
+    try:
+        version = parse_version(vllm_version) if vllm_version is not None else None
+        if file == "-":
+            text, origin = sys.stdin.read(), "<stdin>"
+        else:
+            try:
+                with open(file, encoding="utf-8") as handle:
+                    text = handle.read()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise UserError(f"cannot read {file} ({exc.__class__.__name__}); check the path.") from None
+            origin = file
+        configs = load_configs(text, origin, version)
+    except UserError as exc:
+        fail(str(exc))
+    findings = audit(configs)
+    if output_format == "json":
+        print(to_json(findings))
+    elif output_format == "sarif":
+        print(to_sarif(findings, origin if origin != "<stdin>" else "stdin"))
+    else:
+        print_text(findings, [c.origin for c in configs])
+    if has_errors(findings):
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``kvtier audit`` to the CLI."""
+    app.command("audit", help=HELP)(audit_command)

@@ -1,0 +1,161 @@
+"""Every audit rule fires on a config that has its problem and stays quiet on a near-identical one
+that does not.  The table below has exactly one entry per rule (checked by the last test)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvtier.audit.engine import audit
+from kvtier.audit.loader import load_configs
+from kvtier.audit.rules import RULES
+from kvtier.audit.versions import parse_version
+
+
+def ktc(connector: str, **extra: object) -> str:
+    cfg: dict[str, object] = {"kv_connector": connector, "kv_role": "kv_both"}
+    if extra:
+        cfg["kv_connector_extra_config"] = extra
+    return "--kv-transfer-config '" + json.dumps(cfg) + "'"
+
+
+TIERED = ktc("OffloadingConnector", spec_name="TieringOffloadingSpec", secondary_tiers=[{"type": "obj"}])
+P2P = ktc("OffloadingConnector", spec_name="TieringOffloadingSpec", secondary_tiers=[{"type": "p2p"}])
+MULTI_BAD = ktc("MultiConnector", connectors=[{"kv_connector": "NixlConnector", "kv_role": "kv_both"},
+                                              {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}])
+MULTI_OK = ktc("MultiConnector", connectors=[{"kv_connector": "NixlConnector", "kv_role": "kv_both"},
+                                             {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}])
+LM = ktc("LMCacheConnectorV1")
+GEMMA = "vllm serve google/gemma-3-27b-it"
+V = "0.32.0"
+
+# rule id: ((firing text, version), (quiet text, version)); version None means unknown.
+CASES: dict[str, tuple[tuple[str, str | None], tuple[str, str | None]]] = {
+    "cpu-offload-gb-is-weights": (("vllm serve m --cpu-offload-gb 40", V),
+                                  ("vllm serve m --cpu-offload-gb 40 --kv-offloading-size 64", V)),
+    "cpu-offload-gb-beside-kv-offload": (("vllm serve m --cpu-offload-gb 40 --kv-offloading-size 64", V),
+                                         ("vllm serve m --kv-offloading-size 64", V)),
+    "kv-offloading-size-is-total": (("vllm serve m --tensor-parallel-size 8 --kv-offloading-size 200", V),
+                                    ("vllm serve m --kv-offloading-size 200", V)),
+    "sglang-flag": (("vllm serve m --hicache-size 200", V), ("vllm serve m --kv-offloading-size 200", V)),
+    "kv-offloading-backend-without-size": (("vllm serve m --kv-offloading-backend native", V),
+                                           ("vllm serve m --kv-offloading-backend native --kv-offloading-size 8", V)),
+    "kv-offloading-size-invalid": (("vllm serve m --kv-offloading-size 0", V), ("vllm serve m --kv-offloading-size 8", V)),
+    "prefix-caching-off-with-offload": (("vllm serve m --no-enable-prefix-caching --kv-offloading-size 8", V),
+                                        ("vllm serve m --no-enable-prefix-caching", V)),
+    "kv-transfer-config-invalid": (("vllm serve m --kv-transfer-config '{bad'", V),
+                                   (f"vllm serve m {ktc('NixlConnector')}", V)),
+    "kv-role-missing": (("""vllm serve m --kv-transfer-config '{"kv_connector":"NixlConnector"}'""", V),
+                        (f"vllm serve m {ktc('NixlConnector')}", V)),
+    "fp8-kv-without-scales": (("vllm serve m --kv-cache-dtype fp8", V), ("vllm serve m --kv-cache-dtype auto", V)),
+    "version-unknown": (("vllm serve m", None), ("vllm serve m", V)),
+    "below-security-floor": (("vllm serve m", "0.21.0"), ("vllm serve m", "0.22.0")),
+    "pre-auth-rce-cve-2026-22778": (("vllm serve m", "0.14.0"), ("vllm serve m", "0.14.1")),
+    "kv-offloading-flags-too-old": (("vllm serve m --kv-offloading-size 8", "0.11.0"),
+                                    ("vllm serve m --kv-offloading-size 8", "0.11.1")),
+    "native-offload-too-old": ((f"vllm serve m {ktc('OffloadingConnector')}", "0.10.2"),
+                               (f"vllm serve m {ktc('OffloadingConnector')}", "0.11.0")),
+    "secondary-tier-too-old": ((f"vllm serve m {TIERED}", "0.22.0"), (f"vllm serve m {TIERED}", "0.23.0")),
+    "calculate-kv-scales-removed": (("vllm serve m --calculate-kv-scales", "0.28.0"),
+                                    ("vllm serve m --calculate-kv-scales", "0.27.1")),
+    "calculate-kv-scales-no-effect": (("vllm serve m --calculate-kv-scales", "0.27.1"),
+                                      ("vllm serve m --calculate-kv-scales", "0.28.0")),
+    "mamba-cache-mode-all-removed": (("vllm serve m --mamba-cache-mode all", "0.32.0"),
+                                     ("vllm serve m --mamba-cache-mode all", "0.31.0")),
+    "mamba-cache-mode-all-deprecated": (("vllm serve m --mamba-cache-mode all", "0.31.0"),
+                                        ("vllm serve m --mamba-cache-mode align", "0.31.0")),
+    "retention-interval-env-removed": (("VLLM_PREFIX_CACHE_RETENTION_INTERVAL=64 vllm serve m", "0.30.0"),
+                                       ("VLLM_PREFIX_CACHE_RETENTION_INTERVAL=64 vllm serve m", "0.29.0")),
+    "p2p-nccl-connector-removed": ((f"vllm serve m {ktc('P2pNcclConnector')}", "0.24.0"),
+                                   (f"vllm serve m {ktc('P2pNcclConnector')}", "0.23.0")),
+    "p2p-tier-needs-pythonhashseed": ((f"vllm serve m {P2P}", "0.26.0"),
+                                      (f"PYTHONHASHSEED=0 vllm serve m {P2P}", "0.26.0")),
+    "mrv2-early-opt-in": (("VLLM_USE_V2_MODEL_RUNNER=1 vllm serve m", "0.28.0"),
+                          ("VLLM_USE_V2_MODEL_RUNNER=1 vllm serve m", "0.29.0")),
+    "lmcache-not-bundled": ((f"docker run --gpus all vllm/vllm-openai:v0.13.0 --model m {LM}", None),
+                            (f"docker run --gpus all vllm/vllm-openai:v0.14.0 --model m {LM}", None)),
+    "bundling-unverified": ((f"docker run vllm/vllm-openai:v0.29.0 --model m {ktc('NixlConnector')}", None),
+                            (f"docker run vllm/vllm-openai:v0.32.0 --model m {ktc('NixlConnector')}", None)),
+    "lmcache-mp-cu12-hybrid": (
+        (f"docker run vllm/vllm-openai:v0.32.0-cu129 --model google/gemma-3-27b-it {ktc('LMCacheMPConnector')}", None),
+        (f"docker run vllm/vllm-openai:v0.32.0 --model google/gemma-3-27b-it {ktc('LMCacheMPConnector')}", None)),
+    "nixl-cu13-dual-wheel": ((f"vllm serve m {ktc('NixlConnector')}", "0.22.0"),
+                             (f"vllm serve m {ktc('NixlConnector')}", "0.22.1")),
+    "disable-hma-by-reflex": (("vllm serve m --kv-offloading-size 8 --disable-hybrid-kv-cache-manager", "0.23.0"),
+                              ("vllm serve m --kv-offloading-size 8 --disable-hybrid-kv-cache-manager", "0.22.0")),
+    "hma-flag-required-before-0.23": (
+        ("vllm serve m --kv-offloading-size 8", "0.22.0"),
+        ("vllm serve m --kv-offloading-size 8 --disable-hybrid-kv-cache-manager", "0.22.0")),
+    "lmcache-inprocess-on-hybrid": ((f"{GEMMA} {LM}", V), (f"vllm serve Qwen/Qwen3-8B {LM}", V)),
+    "multiconnector-non-hma-child": ((f"vllm serve m {MULTI_BAD}", V), (f"vllm serve m {MULTI_OK}", V)),
+    "moriio-write-on-hybrid": ((f"{GEMMA} {ktc('MoRIIOConnector')}", V),
+                               (f"{GEMMA} {ktc('MoRIIOConnector', read_mode=True)}", V)),
+    "hybrid-retention-interval-default": (("vllm serve openai/gpt-oss-120b", "0.29.0"),
+                                          ("vllm serve openai/gpt-oss-120b --prefix-cache-retention-interval 256",
+                                           "0.29.0")),
+    "lmcache-size-mismatch": (
+        ("LMCACHE_MAX_LOCAL_CPU_SIZE=200 vllm serve m -tp 8 --kv-offloading-backend lmcache --kv-offloading-size 200", V),
+        ("LMCACHE_MAX_LOCAL_CPU_SIZE=25 vllm serve m -tp 8 --kv-offloading-backend lmcache --kv-offloading-size 200", V)),
+    "lmcache-env-without-connector": (("LMCACHE_LOCAL_CPU=True vllm serve m", V),
+                                      (f"LMCACHE_LOCAL_CPU=True LMCACHE_MAX_LOCAL_CPU_SIZE=8 vllm serve m {LM}", V)),
+    "lmcache-size-unset": ((f"vllm serve m {LM}", V), (f"LMCACHE_MAX_LOCAL_CPU_SIZE=20 vllm serve m {LM}", V)),
+    "lmcache-local-cpu-off": (("LMCACHE_LOCAL_CPU=False\n", V), ("LMCACHE_LOCAL_CPU=True\n", V)),
+    "lmcache-disk-async-loading": (
+        ("LMCACHE_LOCAL_DISK=file:///nvme/\nLMCACHE_ENABLE_ASYNC_LOADING=True\n", V),
+        ("LMCACHE_LOCAL_DISK=file:///nvme/\nLMCACHE_ENABLE_ASYNC_LOADING=False\n", V)),
+    "dcp-offload-segfault": (("vllm serve m --decode-context-parallel-size 2 --kv-offloading-size 8", "0.20.0"),
+                             ("vllm serve m --decode-context-parallel-size 2 --kv-offloading-size 8", "0.21.0")),
+    "qwen35-native-offload-start-failure": (("vllm serve Qwen/Qwen3.5-9B --kv-offloading-size 8", "0.20.0"),
+                                            ("vllm serve Qwen/Qwen3.5-9B --kv-offloading-size 8", "0.21.0")),
+    "simple-cpu-offload-toctou": ((f"vllm serve m {ktc('SimpleCPUOffloadConnector')}", "0.21.0"),
+                                  (f"vllm serve m {ktc('SimpleCPUOffloadConnector')}", "0.22.0")),
+    "fastsafetensor-env-does-not-exist": (("VLLM_USE_FASTSAFETENSOR=1 vllm serve m", V),
+                                          ("vllm serve m --load-format fastsafetensors", V)),
+    "enforce-eager-on-transformer": (("vllm serve Qwen/Qwen3-8B --enforce-eager", V),
+                                     ("vllm serve Qwen/Qwen3.5-9B --enforce-eager", V)),
+    "long-context-block-size": (("vllm serve m --max-model-len 200000", V),
+                                ("vllm serve m --max-model-len 200000 --block-size 32", V)),
+    "long-context-no-batched-token-cap": (
+        ("vllm serve m --max-model-len 65536 --kv-offloading-size 8", V),
+        ("vllm serve m --max-model-len 65536 --kv-offloading-size 8 --max-num-batched-tokens 8192", V)),
+    "kvtier-chunk-not-block-multiple": ((f"vllm serve m {ktc('KVTierConnector', chunk_tokens=100)}", V),
+                                        (f"vllm serve m {ktc('KVTierConnector', chunk_tokens=256)}", V)),
+    "kvtier-negative-size": ((f"vllm serve m {ktc('KVTierConnector', cpu_gib=-1)}", V),
+                             (f"vllm serve m {ktc('KVTierConnector', cpu_gib=8)}", V)),
+}
+
+
+def rule_ids(text: str, version: str | None) -> set[str]:
+    configs = load_configs(text, "test", parse_version(version) if version else None)
+    return {f.rule for f in audit(configs)}
+
+
+@pytest.mark.parametrize("rule_id", sorted(CASES))
+def test_rule_fires(rule_id):
+    (text, version), _ = CASES[rule_id]
+    assert rule_id in rule_ids(text, version)
+
+
+@pytest.mark.parametrize("rule_id", sorted(CASES))
+def test_rule_stays_quiet(rule_id):
+    _, (text, version) = CASES[rule_id]
+    assert rule_id not in rule_ids(text, version)
+
+
+def test_every_rule_has_cases_and_there_are_at_least_25():
+    ids = [r.id for r in RULES]
+    assert len(ids) >= 25
+    assert set(ids) == set(CASES)
+
+
+def test_every_rule_cites_a_source_and_a_fix():
+    for r in RULES:
+        assert r.source and r.fix and r.title
+        assert r.severity in ("error", "warning", "info")
+
+
+def test_a_clean_modern_native_offload_config_has_no_error_or_warning():
+    text = "vllm serve Qwen/Qwen3-8B --tensor-parallel-size 2 --kv-offloading-backend native --kv-offloading-size 128"
+    configs = load_configs(text, "ok", parse_version("0.32.0"))
+    assert {f.severity for f in audit(configs)} <= {"info"}
