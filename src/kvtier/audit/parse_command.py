@@ -97,10 +97,7 @@ def parse_command(text: str, origin: str) -> ServeConfig:
         if _ASSIGN.match(word) and start is None:
             key, value = word.split("=", 1)
             config.env[key] = value
-        elif word == "serve" and i > 0 and words[i - 1].rsplit("/", 1)[-1] == "vllm":
-            start = i + 1
-            break
-        elif word == "vllm.entrypoints.openai.api_server":
+        elif word == "serve" and i > 0 and words[i - 1].rsplit("/", 1)[-1] == "vllm" or word == "vllm.entrypoints.openai.api_server":
             start = i + 1
             break
         elif "vllm-openai" in word and not word.startswith("-"):

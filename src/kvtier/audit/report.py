@@ -85,7 +85,7 @@ def rules_markdown() -> str:
         "# kvtier audit rules",
         "",
         "Generated from the rule data by `kvtier audit --rules-markdown`; do not edit by hand",
-        "(`tests/audit/test_rules_doc.py` fails when this file and the rules disagree).",
+        "(`tests/audit/test_cli_audit.py` fails when this file and the rules disagree).",
         "",
         f"{len(RULES)} rules. Severity `error` makes `kvtier audit` exit non-zero.",
         "",

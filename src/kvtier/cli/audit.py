@@ -35,7 +35,8 @@ def audit_command(
 ) -> None:
     from kvtier.audit.engine import audit, has_errors
     from kvtier.audit.loader import load_configs
-    from kvtier.audit.report import print_text, rules_markdown as markdown, to_json, to_sarif
+    from kvtier.audit.report import print_text, to_json, to_sarif
+    from kvtier.audit.report import rules_markdown as markdown
     from kvtier.audit.versions import parse_version
 
     if rules_markdown:

@@ -1,6 +1,12 @@
-"""All audit rules.  Importing this package registers every rule module, in a stable order."""
+"""All audit rules.  Importing this package registers every rule module, in the order below
+(version gates first, then flag pitfalls, hybrid/HMA, LMCache, upstream bugs, tuning, kvtier)."""
 
-from kvtier.audit.rules import bugs, gates, hybrid, kvtier_connector, lmcache, pitfalls, tuning  # noqa: F401
+import importlib
+
 from kvtier.audit.rules.base import GUIDE, HOWTO, RULES, Rule, rule
 
-__all__ = ["GUIDE", "HOWTO", "RULES", "Rule", "rule"]
+MODULES = ("gates", "pitfalls", "hybrid", "lmcache", "bugs", "tuning", "kvtier_connector")
+for _name in MODULES:
+    importlib.import_module(f"kvtier.audit.rules.{_name}")
+
+__all__ = ["GUIDE", "HOWTO", "MODULES", "RULES", "Rule", "rule"]

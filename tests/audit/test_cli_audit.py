@@ -1,0 +1,99 @@
+"""``kvtier audit`` through the real CLI: formats, exit codes, bad input, the generated rule doc."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.audit.report import rules_markdown
+from kvtier.audit.rules import RULES
+
+DATA = Path(__file__).parent / "data"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def kvtier(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvtier.cli.main", "audit", *args], input=stdin,
+                          capture_output=True, text=True, check=False, env={"COLUMNS": "200", "PATH": "/usr/bin"})
+
+
+def test_json_format_is_exactly_the_issue_shape_and_errors_exit_1():
+    proc = kvtier(str(DATA / "deployment.yaml"), "--format", "json")
+    assert proc.returncode == 1
+    data = json.loads(proc.stdout)
+    assert list(data) == ["findings"]
+    assert data["findings"], "the manifest has known problems"
+    for finding in data["findings"]:
+        assert list(finding) == ["rule", "severity", "message", "fix", "source"]
+        assert finding["severity"] in ("error", "warning", "info")
+    assert "lmcache-size-mismatch" in {f["rule"] for f in data["findings"]}
+
+
+def test_warnings_only_exit_0():
+    proc = kvtier("-", "--vllm-version", "0.32.0", "--format", "json",
+                  stdin="vllm serve Qwen/Qwen3-8B --cpu-offload-gb 40\n")
+    assert proc.returncode == 0
+    assert [f["rule"] for f in json.loads(proc.stdout)["findings"]] == ["cpu-offload-gb-is-weights"]
+
+
+def test_text_format_lists_rule_fix_and_source():
+    proc = kvtier(str(DATA / "serve.sh"), "--vllm-version", "0.32.0")
+    assert proc.returncode == 1
+    assert "lmcache-inprocess-on-hybrid" in proc.stdout and "fix:" in proc.stdout and "LMCache#3106" in proc.stdout
+
+
+def test_clean_config_says_no_findings():
+    proc = kvtier("-", "--vllm-version", "0.32.0",
+                  stdin="vllm serve Qwen/Qwen3-8B --kv-offloading-size 64\n")
+    assert proc.returncode == 0 and "No findings" in proc.stdout
+
+
+def test_sarif_is_a_valid_2_1_0_log_with_rules_and_located_results():
+    proc = kvtier(str(DATA / "deployment.yaml"), "--format", "sarif")
+    assert proc.returncode == 1
+    log = json.loads(proc.stdout)
+    assert log["version"] == "2.1.0" and "sarif-2.1.0" in log["$schema"]
+    (run,) = log["runs"]
+    rules = run["tool"]["driver"]["rules"]
+    assert [r["id"] for r in rules] == [r.id for r in RULES]
+    assert all(r["defaultConfiguration"]["level"] in ("error", "warning", "note") for r in rules)
+    assert run["results"]
+    for result in run["results"]:
+        assert rules[result["ruleIndex"]]["id"] == result["ruleId"]
+        assert result["level"] in ("error", "warning", "note") and result["message"]["text"]
+        location = result["locations"][0]["physicalLocation"]
+        assert location["artifactLocation"]["uri"].endswith("deployment.yaml")
+        if "region" in location:
+            assert location["region"]["startLine"] >= 1
+    assert any("region" in r["locations"][0]["physicalLocation"] for r in run["results"])
+
+
+@pytest.mark.parametrize("args, stdin, words", [
+    (["{data}/missing.yaml"], None, "cannot read"),
+    (["-"], "kind: Deployment\nspec: [oops\n", "not valid YAML"),
+    (["-", "--vllm-version", "banana"], "vllm serve m\n", "not a version"),
+    (["-", "--format", "xml"], "vllm serve m\n", "--format"),
+    (["-"], "hello world\n", "neither"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, stdin, words):
+    proc = kvtier(*[a.format(data=DATA) for a in args], stdin=stdin)
+    assert proc.returncode == 2
+    assert words in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_help_has_examples():
+    proc = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "audit", "--help"], capture_output=True,
+                          text=True, check=False, env={"COLUMNS": "200", "PATH": "/usr/bin"})
+    assert "Examples" in proc.stdout and "kvtier audit deploy.yaml --format sarif" in proc.stdout
+
+
+def test_committed_rule_doc_matches_the_rule_data():
+    committed = (ROOT / "docs" / "audit-rules.md").read_text()
+    assert committed == rules_markdown(), "regenerate with: kvtier audit --rules-markdown > docs/audit-rules.md"
+    for r in RULES:
+        assert f"`{r.id}`" in committed
