@@ -401,7 +401,7 @@ class TieredStore:
         ok = False
         t0 = time.perf_counter()
         if room and data is not None:
-            ok = disk.put(job.key, memoryview(data))
+            ok = disk.put(job.key, memoryview(data.data))
         seconds = time.perf_counter() - t0
         with self._lock:
             if room:

@@ -14,6 +14,8 @@ from kvtier.core.policies.base import EvictionPolicy
 _REGISTRY: dict[str, str] = {
     "lru": "kvtier.core.policies.lru:LRUPolicy",
     "lru-tail": "kvtier.core.policies.lru:TailFirstLRUPolicy",
+    "prefix-lru": "kvtier.core.policies.prefix_lru:PrefixAwareLRUPolicy",
+    "s3fifo": "kvtier.core.policies.s3fifo:S3FIFOPolicy",
 }
 
 DEFAULT_POLICY = "lru-tail"

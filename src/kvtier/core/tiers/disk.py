@@ -129,7 +129,7 @@ class DiskTier(Tier):
                 out = np.frombuffer(dst, dtype=np.uint8)
                 if header.length > out.size:
                     raise ChunkFormatError(f"payload of {header.length} bytes exceeds the {out.size}-byte buffer")
-                view = memoryview(out)[:header.length]
+                view = memoryview(out.data)[:header.length]
                 got = f.readinto(view)
                 if got != header.length or f.read(1):
                     raise ChunkFormatError(f"payload length {got} does not match header {header.length}")
