@@ -1,0 +1,93 @@
+"""Prefix-aware LRU: evict the least recently used **leaf**, as radix-tree caches do.
+
+A chunk is only useful if every chunk before it is available, so evicting a chunk that still has
+resident descendants throws those descendants' value away too.  Radix-tree prefix caches
+therefore evict leaves only (SGLang's ``RadixCache.evict`` pops the least recently accessed leaf
+from a heap, and a node whose last child goes becomes a leaf; Zheng et al., "SGLang: Efficient
+Execution of Structured Language Model Programs", NeurIPS 2024, section 3).  This policy keeps
+the same tree implicitly, from the ``parent`` given to ``insert``::
+
+    k0 ── k1 ── k2          children: k0:1  k1:2  k2:0  k3:0
+           └─── k3          leaves (candidates): k2, k3 — by last use; k1 only after both go
+
+Children are counted per key whether the parent is tracked or not, so a parent that returns
+after being evicted finds its resident children again.
+"""
+
+from __future__ import annotations
+
+import heapq
+from itertools import count
+from typing import Any, Iterable, Sequence
+
+from kvtier.core.policies.base import EvictionPolicy, Evictable, always_evictable
+
+
+class PrefixAwareLRUPolicy(EvictionPolicy):
+    """Least recently used leaf first.  O(log n) per operation (lazy-deletion heap)."""
+
+    name = "prefix-lru"
+
+    def __init__(self) -> None:
+        self._clock = count(1)
+        self._stamp: dict[Any, int] = {}  # tracked key -> last use
+        self._parent: dict[Any, Any | None] = {}  # tracked key -> parent given at insert
+        self._children: dict[Any, int] = {}  # key -> number of tracked children (tracked or not)
+        self._leaves: list[tuple[int, Any]] = []  # (stamp, key); stale entries skipped lazily
+
+    def insert(self, key: Any, parent: Any | None) -> None:
+        if key in self._stamp:
+            self.touch([key])
+            return
+        stamp = next(self._clock)
+        self._stamp[key] = stamp
+        self._parent[key] = parent
+        if parent is not None:
+            self._children[parent] = self._children.get(parent, 0) + 1
+        if not self._children.get(key):
+            heapq.heappush(self._leaves, (stamp, key))
+
+    def touch(self, keys: Sequence[Any]) -> None:
+        stamps, children = self._stamp, self._children
+        stamp = next(self._clock)  # one request: one moment; only its leaf's stamp matters
+        for key in keys:
+            if key in stamps:
+                stamps[key] = stamp
+                if not children.get(key):
+                    heapq.heappush(self._leaves, (stamp, key))
+
+    def remove(self, key: Any) -> None:
+        if self._stamp.pop(key, None) is None:
+            return
+        parent = self._parent.pop(key)
+        if parent is not None:
+            left = self._children[parent] - 1
+            if left:
+                self._children[parent] = left
+            else:
+                del self._children[parent]
+                if parent in self._stamp:  # the parent just became a leaf
+                    heapq.heappush(self._leaves, (self._stamp[parent], parent))
+
+    def victim(self, evictable: Evictable = always_evictable) -> Any | None:
+        leaves, stamps, children = self._leaves, self._stamp, self._children
+        while leaves:
+            stamp, key = leaves[0]
+            if stamps.get(key) != stamp or children.get(key):
+                heapq.heappop(leaves)  # stale: removed, used since, or no longer a leaf
+                continue
+            if evictable(key):
+                return key
+            break
+        # A pinned leaf on top (never in the simulator): scan all leaves, then any key.
+        order = sorted(stamps, key=lambda k: (bool(children.get(k)), stamps[k]))
+        return next((k for k in order if evictable(k)), None)
+
+    def __len__(self) -> int:
+        return len(self._stamp)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._stamp
+
+    def keys(self) -> Iterable[Any]:
+        return self._stamp.keys()

@@ -1,0 +1,80 @@
+"""KV bytes per token from a Hugging Face ``config.json`` (just enough for the simulator).
+
+Standard attention stores a K and a V vector per layer and KV head::
+
+    bytes/token = num_hidden_layers × 2 × num_key_value_heads × head_dim × dtype_bytes
+
+(e.g. 32 × 2 × 8 × 128 × 2 = 131,072 bytes = 128 KiB for Llama-3.1-8B in bf16).  Multi-head
+latent attention (DeepSeek-V2/V3, fields ``kv_lora_rank`` and ``qk_rope_head_dim``) stores one
+compressed latent per layer instead: ``layers × (kv_lora_rank + qk_rope_head_dim) × dtype_bytes``
+(DeepSeek-V2 paper, arXiv:2405.04434, section 2.1; vLLM's MLA backend caches the same).
+
+``kvtier size`` (another module) does the full sizing; this helper only feeds tier capacities.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "half": 2, "float": 4,
+               "fp8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1}
+
+
+class GeometryError(ValueError):
+    """The config cannot give KV bytes per token; the message names the missing field."""
+
+
+def kv_bytes_per_token(config: dict[str, Any], kv_dtype: str | None = None) -> int:
+    """KV cache bytes per token for the whole model (all layers, all KV heads, K and V).
+
+    Args:
+        config: a parsed HF ``config.json``; a nested ``text_config`` (multimodal models) is used
+            when present.
+        kv_dtype: KV cache dtype; default the config's ``torch_dtype``/``dtype``, else bfloat16.
+
+    Returns:
+        bytes per token (> 0).  Divide by the tensor-parallel size for one rank's share.
+
+    Raises:
+        GeometryError: a needed field is missing or not positive, or the dtype is unknown.
+    """
+    cfg = config.get("text_config") or config
+    dtype = kv_dtype or cfg.get("torch_dtype") or cfg.get("dtype") or config.get("torch_dtype") or "bfloat16"
+    if dtype not in DTYPE_BYTES:
+        raise GeometryError(f"unknown KV dtype {dtype!r}; use one of {', '.join(sorted(DTYPE_BYTES))}")
+    layers = _positive(cfg, "num_hidden_layers")
+    if "kv_lora_rank" in cfg:
+        latent = _positive(cfg, "kv_lora_rank") + _positive(cfg, "qk_rope_head_dim")
+        return layers * latent * DTYPE_BYTES[dtype]
+    heads = _positive(cfg, "num_attention_heads")
+    kv_heads = _positive(cfg, "num_key_value_heads") if "num_key_value_heads" in cfg else heads
+    head_dim = _positive(cfg, "head_dim") if cfg.get("head_dim") else _positive(cfg, "hidden_size") // heads
+    return layers * 2 * kv_heads * head_dim * DTYPE_BYTES[dtype]
+
+
+def kv_bytes_per_token_from_file(path: str | Path) -> int:
+    """:func:`kv_bytes_per_token` of a ``config.json`` file.
+
+    Raises:
+        GeometryError: unreadable file, not JSON, or a field missing.
+    """
+    try:
+        config = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise GeometryError(f"model config {path} does not exist; pass a HF config.json to --model") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise GeometryError(f"cannot read model config {path} ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise GeometryError(f"model config {path} is not valid JSON ({exc.msg})") from None
+    if not isinstance(config, dict):
+        raise GeometryError(f"model config {path} is not a JSON object; pass a HF config.json")
+    return kv_bytes_per_token(config)
+
+
+def _positive(cfg: dict[str, Any], name: str) -> int:
+    value = cfg.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise GeometryError(f"model config field {name!r} must be a positive integer, got {value!r}")
+    return value

@@ -1,0 +1,223 @@
+"""Request traces: what the simulator replays.
+
+A trace is a sequence of requests in arrival order; each request has an arrival time, a prompt
+length in tokens and the keys of its **full** chunks, in prompt order::
+
+    prompt tokens: |<- chunk 0 ->|<- chunk 1 ->|<- chunk 2 ->|<- tail ->|
+    chunk keys:        k0            k1            k2          (none: a partial chunk is
+                                                                 always recomputed)
+
+Keys are chained (a key names its chunk together with the whole prefix before it), so equal keys
+mean equal prefixes.  Readers map every key to a small ``int`` once, so the replay loop hashes
+ints, never strings or digests.
+
+Two formats are read:
+
+- **Mooncake JSONL** (FAST'25 release, kvcache-ai/Mooncake ``FAST25-release/traces``): one object
+  per line with ``timestamp`` (ms), ``input_length`` (tokens), ``output_length`` and ``hash_ids``
+  (one id per ``block_tokens``-token block, the last one possibly partial, so
+  ``len(hash_ids) == ceil(input_length / block_tokens)``).
+- **kvtier JSONL** (recorded by ``kvtier bench`` and the connector, written with
+  :func:`format_kvtier_record`): one object per line with ``time_s`` (seconds), ``num_tokens``,
+  ``chunk_tokens`` and ``chunk_keys`` (hex digests of the full chunks,
+  ``len(chunk_keys) == num_tokens // chunk_tokens``).  No prompt text or token ids are stored.
+
+Both may be gzip-compressed (``.gz``).  Errors raise :class:`TraceError` naming the file and line.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Iterator, Sequence
+
+FORMATS = ("mooncake", "kvtier-jsonl")
+MOONCAKE_BLOCK_TOKENS = 512
+"""Tokens per ``hash_ids`` block in the Mooncake FAST'25 traces (their README)."""
+
+
+class TraceError(ValueError):
+    """A trace file is missing, unreadable or malformed; the message names file, line and fix."""
+
+
+@dataclass(frozen=True)
+class Trace:
+    """A replayable trace.
+
+    Attributes:
+        name: file name, for reports.
+        block_tokens: tokens per chunk key.
+        times_s: arrival time of each request, seconds from the first one, shape ``[n]``.
+        num_tokens: prompt length of each request in tokens, shape ``[n]``.
+        chunk_keys: per request, int ids of its full chunks in prompt order
+            (``num_tokens[i] // block_tokens`` ids).
+    """
+
+    name: str
+    block_tokens: int
+    times_s: list[float]
+    num_tokens: list[int]
+    chunk_keys: list[list[int]]
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.num_tokens)
+
+    @property
+    def num_chunks(self) -> int:
+        """Full chunks over all requests (with repeats)."""
+        return sum(len(keys) for keys in self.chunk_keys)
+
+    @property
+    def num_unique_chunks(self) -> int:
+        return len({key for keys in self.chunk_keys for key in keys})
+
+    @property
+    def duration_s(self) -> float:
+        return self.times_s[-1] - self.times_s[0] if self.times_s else 0.0
+
+
+def read_trace(path: str | Path, fmt: str = "mooncake", block_tokens: int | None = None) -> Trace:
+    """Read a trace file.
+
+    Args:
+        path: a ``.jsonl`` file, or ``.jsonl.gz``.
+        fmt: ``"mooncake"`` or ``"kvtier-jsonl"``.
+        block_tokens: tokens per chunk key; Mooncake default 512; kvtier JSONL records carry
+            their own ``chunk_tokens`` and this, if given, must match it.
+
+    Raises:
+        TraceError: missing/unreadable file, malformed line, unknown format, empty trace.
+    """
+    if fmt == "mooncake":
+        return _read(path, _MooncakeParser(block_tokens or MOONCAKE_BLOCK_TOKENS))
+    if fmt == "kvtier-jsonl":
+        return _read(path, _KVTierParser(block_tokens))
+    raise TraceError(f"unknown trace format {fmt!r}; use one of {', '.join(FORMATS)}")
+
+
+def format_kvtier_record(time_s: float, num_tokens: int, chunk_tokens: int, keys: Sequence[bytes]) -> str:
+    """One kvtier JSONL line (without newline) recording a request without its prompt.
+
+    Args:
+        time_s: arrival time in seconds (any origin; the reader keeps differences).
+        num_tokens: prompt length in tokens.
+        chunk_tokens: tokens per chunk.
+        keys: chained chunk keys of the full chunks (``kvtier.core.keys.chunk_keys``).
+
+    Raises:
+        ValueError: ``len(keys) != num_tokens // chunk_tokens``.
+    """
+    if chunk_tokens <= 0 or len(keys) != num_tokens // chunk_tokens:
+        raise ValueError(f"{len(keys)} keys for {num_tokens} tokens in chunks of {chunk_tokens}")
+    return json.dumps({"time_s": time_s, "num_tokens": num_tokens, "chunk_tokens": chunk_tokens,
+                       "chunk_keys": [key.hex() for key in keys]}, separators=(",", ":"))
+
+
+def _open(path: Path) -> IO[str]:
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8")
+    return path.open("r", encoding="utf-8")
+
+
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    try:
+        with _open(path) as handle:
+            for lineno, line in enumerate(handle, 1):
+                if line.strip():
+                    yield lineno, line
+    except FileNotFoundError:
+        raise TraceError(f"trace file {path} does not exist; pass an existing file to --trace") from None
+    except IsADirectoryError:
+        raise TraceError(f"trace path {path} is a directory; pass a .jsonl file to --trace") from None
+    except (OSError, UnicodeDecodeError, EOFError) as exc:
+        raise TraceError(f"cannot read trace file {path} ({exc}); check that it is JSONL text or gzip") from None
+
+
+class _Parser:
+    block_tokens: int | None
+
+    def parse(self, obj: dict, where: str) -> tuple[float, int, Sequence[int | str]]:
+        """(time_s, num_tokens, full-chunk keys) of one record."""
+        raise NotImplementedError
+
+
+def _read(path: str | Path, parser: _Parser) -> Trace:
+    path = Path(path)
+    times: list[float] = []
+    num_tokens: list[int] = []
+    chunk_keys: list[list[int]] = []
+    key_to_id: dict[int | str, int] = {}
+    for lineno, line in _lines(path):
+        where = f"{path.name} line {lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise TraceError(f"{where} is not valid JSON ({exc.msg}); fix or remove that line") from None
+        if not isinstance(obj, dict):
+            raise TraceError(f"{where} is not a JSON object; each line must be one request object")
+        time_s, tokens, keys = parser.parse(obj, where)
+        # Dense ids: the replay loop then hashes small ints whatever the key format was.
+        chunk_keys.append([key_to_id.setdefault(key, len(key_to_id)) for key in keys])
+        times.append(time_s)
+        num_tokens.append(tokens)
+    if not num_tokens:
+        raise TraceError(f"trace file {path} holds no requests; pass a non-empty trace")
+    assert parser.block_tokens is not None
+    start = times[0]
+    return Trace(path.name, parser.block_tokens, [t - start for t in times], num_tokens, chunk_keys)
+
+
+def _number(obj: dict, name: str, where: str, minimum: int, integer: bool) -> float:
+    value = obj.get(name)
+    kinds = (int,) if integer else (int, float)
+    if not isinstance(value, kinds) or isinstance(value, bool) or not value >= minimum:
+        kind = "an integer" if integer else "a number"
+        raise TraceError(f"{where}: field {name!r} must be {kind} >= {minimum}, got {value!r}")
+    return value
+
+
+class _MooncakeParser(_Parser):
+    def __init__(self, block_tokens: int) -> None:
+        if block_tokens <= 0:
+            raise TraceError(f"--tokens-per-block must be positive, got {block_tokens}")
+        self.block_tokens = block_tokens
+
+    def parse(self, obj: dict, where: str) -> tuple[float, int, Sequence[int | str]]:
+        time_ms = _number(obj, "timestamp", where, 0, integer=False)
+        tokens = int(_number(obj, "input_length", where, 1, integer=True))
+        ids = obj.get("hash_ids")
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise TraceError(f"{where}: field 'hash_ids' must be a list of integers")
+        expected = math.ceil(tokens / self.block_tokens)
+        if len(ids) != expected:
+            raise TraceError(f"{where}: {len(ids)} hash_ids for {tokens} tokens, expected {expected} blocks "
+                             f"of {self.block_tokens} tokens; check --tokens-per-block")
+        return time_ms / 1000.0, tokens, ids[: tokens // self.block_tokens]
+
+
+class _KVTierParser(_Parser):
+    def __init__(self, block_tokens: int | None) -> None:
+        self.block_tokens = block_tokens
+        self._requested = block_tokens
+
+    def parse(self, obj: dict, where: str) -> tuple[float, int, Sequence[int | str]]:
+        time_s = float(_number(obj, "time_s", where, 0, integer=False))
+        tokens = int(_number(obj, "num_tokens", where, 1, integer=True))
+        chunk = int(_number(obj, "chunk_tokens", where, 1, integer=True))
+        if self.block_tokens is None:
+            self.block_tokens = chunk
+        if chunk != self.block_tokens:
+            source = "--tokens-per-block" if self._requested == self.block_tokens else "earlier lines"
+            raise TraceError(f"{where}: chunk_tokens {chunk} differs from {self.block_tokens} ({source}); "
+                             "a trace must use one chunk size")
+        keys = obj.get("chunk_keys")
+        if not isinstance(keys, list) or not all(isinstance(k, str) and k for k in keys):
+            raise TraceError(f"{where}: field 'chunk_keys' must be a list of hex strings")
+        if len(keys) != tokens // chunk:
+            raise TraceError(f"{where}: {len(keys)} chunk_keys for {tokens} tokens in chunks of {chunk}, "
+                             f"expected {tokens // chunk} (one per full chunk)")
+        return time_s, tokens, keys
