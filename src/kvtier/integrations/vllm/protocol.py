@@ -45,12 +45,15 @@ class LoadJob:
         first_block: request-relative index of the first block to fill.
         block_ids: engine block ids for blocks ``first_block .. num_chunks*k - 1``.
         num_chunks: chunks of the pinned prefix this load uses.
+        resumed: the request is re-admitted after a preemption (vLLM counts its hits apart,
+            as preempted hits, not in ``external_prefix_cache_hits``).
     """
 
     req_id: str
     first_block: int
     block_ids: tuple[int, ...]
     num_chunks: int
+    resumed: bool = False
 
 
 @dataclass(frozen=True)

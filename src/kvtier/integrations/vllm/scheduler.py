@@ -142,7 +142,9 @@ class SchedulerSide:
         first = hit - num_external_tokens
         block_ids = blocks.get_block_ids()[0]
         first_block, end_block = first // self.block_size, hit // self.block_size
-        self._loads.append(LoadJob(req_id, first_block, tuple(block_ids[first_block:end_block]), len(tiers)))
+        resumed = getattr(request, "num_preemptions", 0) > 0
+        self._loads.append(LoadJob(req_id, first_block, tuple(block_ids[first_block:end_block]), len(tiers),
+                                   resumed))
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
         """Split ``num_external_tokens`` by the tier (``cpu``/``disk``) each chunk was pinned from."""

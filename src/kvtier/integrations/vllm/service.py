@@ -39,7 +39,7 @@ from kvtier.integrations.vllm.protocol import RequestKeys
 
 log = logging.getLogger(__name__)
 
-OPS = frozenset({"pin", "release", "stats", "ping"})
+OPS = frozenset({"pin", "release", "stats", "ping", "flush", "check_integrity"})
 _LOCAL: dict[str, "RankService"] = {}
 _LOCAL_LOCK = threading.Lock()
 
@@ -50,6 +50,8 @@ class Endpoint(Protocol):
     def pin(self, req_id: str, keys: RequestKeys, max_chunks: int) -> tuple[str, ...]: ...
     def release(self, req_id: str) -> None: ...
     def stats(self) -> dict[str, Any]: ...
+    def flush(self, timeout_s: float | None = None) -> bool: ...
+    def check_integrity(self) -> None: ...
 
 
 class RankService:
@@ -123,6 +125,15 @@ class RankService:
     def ping(self) -> str:
         return "pong"
 
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait for queued disk writes (see :meth:`TieredStore.flush`)."""
+        return self.store.flush(timeout_s)
+
+    def check_integrity(self) -> None:
+        """Assert the store's invariants and that no request holds a pin (tests, operators)."""
+        assert self.num_pinned_requests() == 0, f"{self.num_pinned_requests()} requests still hold pins"
+        self.store.check_integrity()
+
 
 def service_address(engine_id: str, dp_rank: int, tp_rank: int) -> str:
     """Unix socket path of one rank's service (short enough for ``sun_path``)."""
@@ -174,7 +185,8 @@ class ServiceServer:
                         raise ValueError(f"unknown op {op!r}")
                     conn.send(("ok", getattr(self.service, op)(*args)))
                 except Exception as exc:  # report to the caller, keep serving
-                    log.exception("kvtier service op %s failed", op)
+                    if not isinstance(exc, AssertionError):
+                        log.exception("kvtier service op %s failed", op)
                     conn.send(("err", f"{type(exc).__name__}: {exc}"))
 
     def close(self) -> None:
@@ -237,6 +249,12 @@ class ServiceClient:
     def stats(self) -> dict[str, Any]:
         return dict(self.call("stats"))
 
+    def flush(self, timeout_s: float | None = None) -> bool:
+        return bool(self.call("flush", timeout_s))
+
+    def check_integrity(self) -> None:
+        self.call("check_integrity")
+
     def close(self) -> None:
         with self._lock:
             if self._conn is not None:
@@ -255,3 +273,13 @@ def local_services() -> dict[str, RankService]:
     """Services living in this process, by address (tests use it to inspect the store)."""
     with _LOCAL_LOCK:
         return dict(_LOCAL)
+
+
+def engine_endpoints(engine_id: str, tp_size: int = 1, dp_rank: int = 0) -> list[Endpoint]:
+    """The rank services of a running engine, given its ``kv_transfer_config.engine_id``.
+
+    Tools and tests use this to read a live engine's store (``stats``, ``flush``,
+    ``check_integrity``) from the process that started the engine.
+    """
+    key = authkey_for(engine_id)
+    return [connect(service_address(engine_id, dp_rank, r), key) for r in range(tp_size)]

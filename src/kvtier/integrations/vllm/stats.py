@@ -9,7 +9,10 @@ collectors were created with vLLM's metric classes and so land in the same regis
 Exported (Prometheus adds ``_total`` to counters; ``tier`` is ``cpu`` or ``disk``):
 
 - ``kvtier_loaded_tokens_total{tier}``: tokens copied from kvtier into the engine.  Over a run
-  it equals ``vllm:external_prefix_cache_hits_total`` (both count only loads that happened).
+  it equals ``vllm:external_prefix_cache_hits_total`` (both count only loads that happened, and
+  neither counts re-admissions after preemption).
+- ``kvtier_reloaded_tokens_total``: tokens loaded into requests resumed after a preemption
+  (vLLM reports those as preempted hits, apart from its external hits).
 - ``kvtier_saved_tokens_total``: tokens newly written into kvtier.
 - ``kvtier_load_failed_blocks_total``: blocks reported to vLLM as failed loads (recomputed).
 - ``kvtier_transfer_seconds_total{direction}`` and ``kvtier_transfer_bytes_total{direction}``,
@@ -35,6 +38,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "loaded_tokens_cpu": ("kvtier_loaded_tokens", "Tokens loaded from kvtier into the engine.", ("cpu",)),
     "loaded_tokens_disk": ("kvtier_loaded_tokens", "Tokens loaded from kvtier into the engine.", ("disk",)),
+    "reloaded_tokens": ("kvtier_reloaded_tokens", "Tokens loaded from kvtier into requests resumed after "
+                        "preemption (vLLM counts these apart from external prefix cache hits).", ()),
     "saved_tokens": ("kvtier_saved_tokens", "Tokens newly saved into kvtier.", ()),
     "load_failed_blocks": ("kvtier_load_failed_blocks", "Engine blocks whose kvtier load failed.", ()),
     "load_seconds": ("kvtier_transfer_seconds", "Seconds copying KV between engine and kvtier.", ("load",)),

@@ -153,7 +153,10 @@ class WorkerSide:
         self._counters["load_seconds"] += time.perf_counter() - t0
         self._counters["load_bytes"] += num_blocks * self.layout.block_bytes * self.layout.num_layers
         for span, tier in zip(spans, tiers):
-            self._counters[f"loaded_tokens_{tier}"] += len(span.block_ids) * self.block_size
+            # vLLM counts hits of re-admitted (preempted) requests apart; so do we, so that
+            # kvtier_loaded_tokens_total matches vllm:external_prefix_cache_hits_total.
+            name = "reloaded_tokens" if job.resumed else f"loaded_tokens_{tier}"
+            self._counters[name] += len(span.block_ids) * self.block_size
 
     def _fail(self, job: LoadJob) -> None:
         self._errors.update(job.block_ids)

