@@ -30,7 +30,6 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
-
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -64,7 +63,7 @@ log = logging.getLogger(__name__)
 _SOURCES = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
 
 
-def _dp_rank(vllm_config: "VllmConfig") -> int:
+def _dp_rank(vllm_config: VllmConfig) -> int:
     pc = vllm_config.parallel_config
     return int(getattr(pc, "data_parallel_index", None) or getattr(pc, "data_parallel_rank", 0) or 0)
 
@@ -79,7 +78,7 @@ class KVTierConnector(KVConnectorBase_V1):
 
     _cache_hit_source = CacheHitSource.HOST
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
         self.kvtier_config = KVTierConfig.from_dict(dict(transfer.kv_connector_extra_config or {}))
@@ -108,7 +107,7 @@ class KVTierConnector(KVConnectorBase_V1):
         assert self.worker_side is not None
         self.worker_side.register_kv_caches(kv_caches)
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self.worker_side is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierMetadata)
@@ -117,7 +116,7 @@ class KVTierConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv, before the forward pass
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata",
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
         return  # saves copy whole chunks of all layers at once, in wait_for_save
 
@@ -130,7 +129,7 @@ class KVTierConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.take_errors() if self.worker_side is not None else set()
 
-    def get_kv_connector_stats(self) -> "KVConnectorStats | None":
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
         return self.worker_side.stats() if self.worker_side is not None else None
 
     def shutdown(self) -> None:
@@ -138,45 +137,45 @@ class KVTierConnector(KVConnectorBase_V1):
             self.worker_side.shutdown()
 
     # ---- scheduler side ----------------------------------------------------------------------
-    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         if self.scheduler_side is not None:
             self.scheduler_side.bind_kv_cache_manager(kv_cache_manager)
 
-    def on_new_request(self, request: "Request") -> None:
+    def on_new_request(self, request: Request) -> None:
         if self.scheduler_side is not None:
             self.scheduler_side.on_new_request(request)
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler_side is not None
         return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         assert self.scheduler_side is not None
         self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[CacheHitSource, int]:
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         if num_external_tokens == 0 or self.scheduler_side is None:
             return {}
         split = self.scheduler_side.hit_sources(request, num_external_tokens)
         return {_SOURCES[tier]: n for tier, n in split.items() if n}
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler_side is not None
         return self.scheduler_side.build_connector_meta(scheduler_output)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.scheduler_side is not None:
             self.scheduler_side.request_finished(request)
         return False, None  # saves finish within their step: blocks can be freed at once
 
     # ---- metrics -----------------------------------------------------------------------------
     @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> "KVConnectorStats | None":
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return KVTierStats(data=dict(data)) if data is not None else KVTierStats()
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict[type["PromMetric"], type["PromMetricT"]],
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
                            labelnames: list[str], per_engine_labelvalues: dict[int, list[object]],
-                           ) -> "KVConnectorPromMetrics | None":
+                           ) -> KVConnectorPromMetrics | None:
         return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

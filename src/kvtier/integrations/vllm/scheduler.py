@@ -26,7 +26,13 @@ from typing import Any
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.integrations.vllm.protocol import KVTierMetadata, LoadJob, RequestKeys, SaveJob
-from kvtier.integrations.vllm.service import Endpoint, ServiceUnavailable, authkey_for, connect, service_address
+from kvtier.integrations.vllm.service import (
+    Endpoint,
+    ServiceUnavailable,
+    authkey_for,
+    connect,
+    service_address,
+)
 
 log = logging.getLogger(__name__)
 
@@ -160,13 +166,13 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
         meta = KVTierMetadata(loads=self._loads)
         self._loads = []
-        for job in meta.loads:
-            self._pinned.pop(job.req_id, None)  # the worker consumes the pin in this step
+        for load in meta.loads:
+            self._pinned.pop(load.req_id, None)  # the worker consumes the pin in this step
         if self.save_enabled:
             for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
-                job = self._save_job(req_id, num_scheduled, scheduler_output)
-                if job is not None:
-                    meta.saves.append(job)
+                save = self._save_job(req_id, num_scheduled, scheduler_output)
+                if save is not None:
+                    meta.saves.append(save)
         return meta
 
     def _save_job(self, req_id: str, num_scheduled: int, scheduler_output: Any) -> SaveJob | None:

@@ -40,7 +40,7 @@ from kvtier.integrations.vllm.protocol import RequestKeys
 log = logging.getLogger(__name__)
 
 OPS = frozenset({"pin", "release", "stats", "ping", "flush", "check_integrity"})
-_LOCAL: dict[str, "RankService"] = {}
+_LOCAL: dict[str, RankService] = {}
 _LOCAL_LOCK = threading.Lock()
 
 

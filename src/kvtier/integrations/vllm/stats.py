@@ -78,7 +78,7 @@ class KVTierStats(KVConnectorStats):
     def reset(self) -> None:
         self.data = {"counters": {}, "gauges": {}}
 
-    def aggregate(self, other: KVConnectorStats) -> "KVTierStats":
+    def aggregate(self, other: KVConnectorStats) -> KVTierStats:
         for part in ("counters", "gauges"):
             mine = self.data[part]
             for name, value in other.data.get(part, {}).items():
@@ -109,7 +109,7 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             if prom_name not in self._gauges:
                 self._gauges[prom_name] = self._gauge_cls(name=prom_name, documentation=help_text,
                                                           labelnames=labelnames + ["tier"],
-                                                          multiprocess_mode="mostrecent")
+                                                          multiprocess_mode="mostrecent")  # type: ignore[call-arg]
         # Create every labelled child up front so a scrape shows zeros, not absence.
         for engine_idx in per_engine_labelvalues:
             self.observe({"counters": {}, "gauges": {}}, engine_idx)

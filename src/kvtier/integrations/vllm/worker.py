@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections import Counter
+from collections import defaultdict
 from typing import Any
 
 import torch
@@ -96,7 +96,7 @@ class WorkerSide:
         self.copier: BlockCopier | None = None
         self.layout: KVLayout | None = None
         self._errors: set[int] = set()
-        self._counters: Counter[str] = Counter()
+        self._counters: defaultdict[str, float] = defaultdict(float)
         self._store_seen: dict[str, int] = {}
         self._gauges_sent: dict[str, float] = {}
 
