@@ -1,0 +1,124 @@
+"""``kvtier doctor``: read a live vLLM server's /metrics twice and say whether KV offload helps."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import typer
+
+from kvtier.cli.errors import UserError, fail
+
+HELP = """Check a running vLLM server: prefix-cache hit rate, external (offload) hit rate,
+TTFT p50/p99, and the offload size vLLM actually allocated, then give a verdict.
+
+Scrapes URL/metrics twice, --interval seconds apart (run it while traffic flows), and compares
+the offload size from vllm:cache_config_info (or kvtier's capacity gauges) with
+--expect-offload-gib (TOTAL across TP ranks). Exit code 1 when the verdict is "problem".
+
+Examples:
+
+  kvtier doctor --url http://localhost:8000
+
+  kvtier doctor --url http://vllm:8000 --interval 60 --expect-offload-gib 1600 --tp 8
+
+  kvtier doctor --from-files before.txt after.txt --json
+"""
+
+
+def _print_text(url: str, meters, alloc, diagnosis, expect_gib: float | None) -> None:  # type: ignore[no-untyped-def]
+    from rich.console import Console
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{x:.1%}"
+
+    def sec(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f} s"
+
+    console = Console(highlight=False)
+    console.print(f"[bold]kvtier doctor[/bold] {url} (interval {meters.interval_s:g} s)")
+    console.print(f"  reuse (GPU + offload)   {pct(meters.reuse_rate)}")
+    console.print(f"  prefix-cache hit rate   {pct(meters.hit_rate)}  ({meters.hits:,.0f} / {meters.queries:,.0f} "
+                  f"tokens; lifetime {pct(meters.lifetime_hit_rate)})")
+    console.print(f"  external hit rate       {pct(meters.external_hit_rate)}  ({meters.external_hits:,.0f} / "
+                  f"{meters.external_queries:,.0f} tokens)")
+    console.print(f"  TTFT p50 / p99          {sec(meters.ttft_p50_s)} / {sec(meters.ttft_p99_s)}  "
+                  f"({meters.ttft_requests:,.0f} requests)")
+    gib = "none" if alloc.gib is None else f"{alloc.gib:g} GiB"
+    expected = "" if expect_gib is None else f" (expected {expect_gib:g} GiB)"
+    console.print(f"  offload allocated       {gib}{expected}  [dim]{alloc.detail}[/dim]")
+    style = {"ok": "green", "warning": "yellow", "problem": "bold red"}
+    for check in diagnosis.checks:
+        console.print(f"  [{style[check.level]}]{check.level:<8}[/] {check.message}")
+    verdict_style = {"healthy": "green", "warning": "yellow", "problem": "bold red", "inconclusive": "cyan"}
+    console.print(f"verdict: [{verdict_style[diagnosis.verdict]}]{diagnosis.verdict}[/]")
+
+
+def doctor_command(
+    url: str | None = typer.Option(None, "--url", help="vLLM server, http://HOST:PORT (/metrics is added)."),
+    interval: float = typer.Option(10.0, "--interval", help="Seconds between the two scrapes."),
+    expect_offload_gib: float | None = typer.Option(None, "--expect-offload-gib",
+                                                    help="Offload tier you configured, GiB TOTAL across TP ranks."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel size of the server."),
+    from_files: tuple[str, str] | None = typer.Option(None, "--from-files",
+                                                      help="Two recorded /metrics texts (before, after) instead of --url."),
+    timeout: float = typer.Option(10.0, "--timeout", help="HTTP timeout per scrape, seconds."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
+) -> None:
+    from kvtier.doctor import allocation, diagnose, measure, parse_metrics
+    from kvtier.doctor.scrape import fetch, metrics_url
+
+    try:
+        if tp < 1:
+            raise UserError(f"--tp must be at least 1, got {tp}.")
+        if expect_offload_gib is not None and expect_offload_gib < 0:
+            raise UserError(f"--expect-offload-gib must not be negative, got {expect_offload_gib}.")
+        if from_files:
+            texts = []
+            for path in from_files:
+                try:
+                    with open(path, encoding="utf-8") as handle:
+                        texts.append(handle.read())
+                except (OSError, UnicodeDecodeError) as exc:
+                    raise UserError(f"cannot read {path} ({exc.__class__.__name__}).") from None
+            before, after = (parse_metrics(t, p) for t, p in zip(texts, from_files, strict=True))
+            source, elapsed = " → ".join(from_files), interval
+        elif url:
+            if interval <= 0:
+                raise UserError(f"--interval must be positive, got {interval}.")
+            source = metrics_url(url)
+            before = parse_metrics(fetch(source, timeout), source)
+            start = time.monotonic()
+            time.sleep(interval)
+            after = parse_metrics(fetch(source, timeout), source)
+            elapsed = time.monotonic() - start
+        else:
+            raise UserError("give --url http://HOST:PORT of a vLLM server (or --from-files BEFORE AFTER).")
+    except UserError as exc:
+        fail(str(exc))
+    meters = measure(before, after, elapsed)
+    alloc = allocation(after)
+    diagnosis = diagnose(meters, alloc, after.cache_config, expect_offload_gib, tp)
+    if as_json:
+        print(json.dumps({
+            "url": source, "interval_s": round(meters.interval_s, 3),
+            "prefix_cache_hit_rate": meters.hit_rate, "external_hit_rate": meters.external_hit_rate,
+            "reuse_rate": meters.reuse_rate,
+            "prefix_cache_queries": meters.queries, "prefix_cache_hits": meters.hits,
+            "external_queries": meters.external_queries, "external_hits": meters.external_hits,
+            "lifetime_hit_rate": meters.lifetime_hit_rate,
+            "ttft_p50_s": meters.ttft_p50_s, "ttft_p99_s": meters.ttft_p99_s, "ttft_requests": meters.ttft_requests,
+            "offload_allocated_gib": alloc.gib, "offload_backend": alloc.backend, "offload_detail": alloc.detail,
+            "expected_offload_gib": expect_offload_gib, "tp": tp,
+            "checks": [{"level": c.level, "message": c.message} for c in diagnosis.checks],
+            "verdict": diagnosis.verdict,
+        }, indent=2))
+    else:
+        _print_text(source, meters, alloc, diagnosis, expect_offload_gib)
+    if diagnosis.verdict == "problem":
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``kvtier doctor`` to the CLI."""
+    app.command("doctor", help=HELP)(doctor_command)

@@ -1,0 +1,131 @@
+"""The three meters between two scrapes, and the offload size vLLM actually allocated.
+
+Meters (how-to § "How to tell it's helping — three meters, in order"):
+
+1. prefix-cache hit rate = Δ``prefix_cache_hits`` / Δ``prefix_cache_queries`` (the GPU cache),
+   and the reuse rate, which adds the tokens the connector served (``external_prefix_cache_hits``);
+2. TTFT p50 and 3. TTFT p99 from the deltas of the ``time_to_first_token_seconds`` buckets,
+   interpolated linearly inside a bucket exactly as Prometheus' ``histogram_quantile`` does;
+
+plus the external (connector) hit rate Δ``external_prefix_cache_hits`` / Δ``…_queries`` (operator's
+guide § "Validating": ``external_prefix_cache_hits_total`` must rise).  Rates are None when their
+denominator did not move between the scrapes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvtier.doctor.snapshot import Snapshot
+
+GIB = 1 << 30
+
+
+def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:
+    """Quantile ``q`` of a cumulative histogram ``le → count`` (Prometheus semantics), None if empty.
+
+    A rank in the +Inf bucket returns the highest finite bound, like Prometheus.
+    """
+    bounds = sorted(buckets)
+    if not bounds or bounds[-1] != math.inf:
+        return None
+    total = buckets[math.inf]
+    if total <= 0:
+        return None
+    rank = q * total
+    lower_bound, lower_count = 0.0, 0.0
+    for bound in bounds:
+        count = buckets[bound]
+        if count >= rank:
+            if bound == math.inf:
+                return lower_bound
+            if count == lower_count:
+                return bound
+            return lower_bound + (bound - lower_bound) * (rank - lower_count) / (count - lower_count)
+        lower_bound, lower_count = bound, count
+    return lower_bound  # pragma: no cover - the +Inf bucket always holds the total
+
+
+@dataclass(frozen=True)
+class Meters:
+    """What happened between two scrapes ``interval_s`` seconds apart.  Tokens are prompt tokens."""
+
+    interval_s: float
+    queries: float
+    hits: float
+    external_queries: float
+    external_hits: float
+    ttft_requests: float
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    lifetime_hit_rate: float | None
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.hits / self.queries if self.queries > 0 else None
+
+    @property
+    def reuse_rate(self) -> float | None:
+        """Share of prompt tokens not recomputed: (GPU prefix-cache hits + external hits) / queries.
+
+        vLLM counts a token served by the connector as an external hit, not a prefix-cache hit
+        (its ``prompt_tokens_cached`` is the sum of both), so with offload this is the meter
+        that says whether anything is reused."""
+        return (self.hits + self.external_hits) / self.queries if self.queries > 0 else None
+
+    @property
+    def external_hit_rate(self) -> float | None:
+        return self.external_hits / self.external_queries if self.external_queries > 0 else None
+
+
+def measure(before: Snapshot, after: Snapshot, interval_s: float) -> Meters:
+    """Deltas of ``after`` over ``before`` (a counter that went down means a restart: use ``after``)."""
+
+    def delta(name: str) -> float:
+        d = after.counter(name) - before.counter(name)
+        return d if d >= 0 else after.counter(name)
+
+    buckets = {le: after.ttft_buckets[le] - before.ttft_buckets.get(le, 0.0) for le in after.ttft_buckets}
+    if any(v < 0 for v in buckets.values()):
+        buckets = dict(after.ttft_buckets)
+    lifetime_q = after.counter("vllm:prefix_cache_queries")
+    return Meters(
+        interval_s=interval_s,
+        queries=delta("vllm:prefix_cache_queries"),
+        hits=delta("vllm:prefix_cache_hits"),
+        external_queries=delta("vllm:external_prefix_cache_queries"),
+        external_hits=delta("vllm:external_prefix_cache_hits"),
+        ttft_requests=buckets.get(math.inf, 0.0),
+        ttft_p50_s=histogram_quantile(0.5, buckets),
+        ttft_p99_s=histogram_quantile(0.99, buckets),
+        lifetime_hit_rate=after.counter("vllm:prefix_cache_hits") / lifetime_q if lifetime_q > 0 else None,
+    )
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """The KV offload tier the server reports.  ``gib`` is the TP-wide total, None when none is set.
+    ``backend``: ``native`` / ``lmcache`` (vLLM's --kv-offloading-* flags) or ``kvtier``."""
+
+    gib: float | None
+    backend: str | None
+    detail: str
+
+
+def allocation(snap: Snapshot) -> Allocation:
+    """Read the offload size from ``vllm:cache_config_info`` (flags) or ``kvtier_capacity_bytes``."""
+    raw = snap.cache_config.get("kv_offloading_size", "None")
+    if raw not in ("None", ""):
+        try:
+            gib = float(raw)
+        except ValueError:
+            gib = None
+        if gib is not None:
+            backend = snap.cache_config.get("kv_offloading_backend", "native")
+            return Allocation(gib, backend, f"vllm:cache_config_info kv_offloading_size={raw} ({backend})")
+    if snap.kvtier_capacity:
+        total = sum(snap.kvtier_capacity.values()) / GIB
+        parts = ", ".join(f"{tier} {value / GIB:g} GiB" for tier, value in sorted(snap.kvtier_capacity.items()))
+        return Allocation(total, "kvtier", f"kvtier_capacity_bytes: {parts}")
+    return Allocation(None, None, "no KV offload tier reported (cache_config_info kv_offloading_size=None)")

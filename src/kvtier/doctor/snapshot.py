@@ -1,0 +1,74 @@
+"""One scrape of a vLLM server's ``/metrics``, reduced to what the doctor reads.
+
+Parsed with :mod:`prometheus_client.parser` (never by hand).  Metric names are vLLM 0.32's
+(``vllm/v1/metrics/loggers.py``): counters ``vllm:prefix_cache_queries``/``_hits`` and
+``vllm:external_prefix_cache_queries``/``_hits`` (tokens; exposed with ``_total``), the histogram
+``vllm:time_to_first_token_seconds``, and the info gauge ``vllm:cache_config_info`` whose labels
+are every ``CacheConfig`` field (``kv_offloading_size`` in GiB, total across TP; ``None`` when
+unset).  kvtier's connector adds ``kvtier_capacity_bytes{tier}`` (summed over ranks).  Values of
+several engines (data parallel) are summed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvtier.cli.errors import UserError
+
+COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:external_prefix_cache_queries",
+            "vllm:external_prefix_cache_hits")
+TTFT = "vllm:time_to_first_token_seconds"
+CACHE_INFO = "vllm:cache_config_info"
+KVTIER_CAPACITY = "kvtier_capacity_bytes"
+
+
+@dataclass
+class Snapshot:
+    """Counters (summed over engines), TTFT cumulative buckets ``le → count``, cache-config labels,
+    and kvtier tier capacities ``tier → bytes`` (empty when kvtier is not the connector)."""
+
+    counters: dict[str, float] = field(default_factory=dict)
+    ttft_buckets: dict[float, float] = field(default_factory=dict)
+    cache_config: dict[str, str] = field(default_factory=dict)
+    kvtier_capacity: dict[str, float] = field(default_factory=dict)
+
+    def counter(self, name: str) -> float:
+        return self.counters.get(name, 0.0)
+
+
+def parse_metrics(text: str, where: str) -> Snapshot:
+    """Parse Prometheus exposition ``text`` from ``where``.
+
+    Raises:
+        UserError: the text is not Prometheus format, or has no vLLM prefix-cache metrics.
+    """
+    snap = Snapshot()
+    try:
+        families = list(text_string_to_metric_families(text))
+    except (ValueError, TypeError, IndexError) as exc:
+        raise UserError(f"{where} is not Prometheus text ({exc.__class__.__name__}); is it a /metrics URL?") from None
+    for family in families:
+        if family.name in COUNTERS:
+            total = sum(s.value for s in family.samples if s.name.endswith("_total"))
+            snap.counters[family.name] = snap.counters.get(family.name, 0.0) + total
+        elif family.name == TTFT:
+            for sample in family.samples:
+                if sample.name.endswith("_bucket"):
+                    le = float(sample.labels["le"])  # "+Inf" parses to inf
+                    snap.ttft_buckets[le] = snap.ttft_buckets.get(le, 0.0) + sample.value
+        elif family.name == CACHE_INFO and not snap.cache_config:
+            for sample in family.samples:
+                snap.cache_config = {k: v for k, v in sample.labels.items()}
+                break
+        elif family.name == KVTIER_CAPACITY:
+            for sample in family.samples:
+                tier = sample.labels.get("tier", "?")
+                snap.kvtier_capacity[tier] = snap.kvtier_capacity.get(tier, 0.0) + sample.value
+    if "vllm:prefix_cache_queries" not in snap.counters:
+        raise UserError(f"{where} has no vllm:prefix_cache_queries metric; point --url at a vLLM server.")
+    if snap.ttft_buckets and math.inf not in snap.ttft_buckets:
+        raise UserError(f"{where} has a TTFT histogram without its +Inf bucket; the scrape looks truncated.")
+    return snap

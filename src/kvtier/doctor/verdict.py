@@ -1,0 +1,104 @@
+"""Turn the meters and the allocation into checks and one verdict.
+
+Checks, in the order of the operator's guide § "Offload doesn't help — root causes" and the
+how-to's "one-line checklist" (helping = hit rate ↑, TTFT p50 ↓, p99 tail bounded):
+
+- no prompt tokens between scrapes → ``inconclusive``;
+- prefix caching off (root cause 3) → problem;
+- reuse near zero (root cause 2; how-to meter 1) → problem.  Reuse counts GPU prefix-cache hits
+  plus the connector's external hits, since vLLM counts a token served from offload only as the
+  latter.  "Near zero" is kvtier's
+  threshold :data:`NO_REUSE_HIT_RATE`;
+- offload size ≠ expected, and 1/TP of it in particular (root cause 4: sized per GPU) → problem;
+- offload configured but no external hits (root cause 5: cold cache, or tier too small) → warning;
+- TTFT p99 more than :data:`TAIL_RATIO` × p50 (how-to meter 3: thrash tail) → warning (kvtier's
+  heuristic threshold, not from the documents).
+
+Verdict: ``problem`` if any problem, else ``warning`` if any warning, else ``healthy``
+(``inconclusive`` when there was no traffic).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvtier.doctor.meters import Allocation, Meters
+
+Level = Literal["ok", "warning", "problem"]
+NO_REUSE_HIT_RATE = 0.05
+TAIL_RATIO = 10.0
+SIZE_TOLERANCE = 0.05
+
+
+@dataclass(frozen=True)
+class Check:
+    level: Level
+    message: str
+
+
+@dataclass
+class Diagnosis:
+    """Checks in order and the overall verdict."""
+
+    checks: list[Check] = field(default_factory=list)
+    verdict: str = "healthy"
+
+
+def _size_check(alloc: Allocation, expect_gib: float | None, tp: int) -> Check | None:
+    if expect_gib is None:
+        return None
+    if alloc.gib is None:
+        return Check("problem", f"Expected a {expect_gib:g} GiB offload tier, but the server reports none.")
+
+    def close(a: float, b: float) -> bool:
+        return abs(a - b) <= SIZE_TOLERANCE * max(b, 1e-9)
+
+    if close(alloc.gib, expect_gib):
+        return Check("ok", f"Offload tier {alloc.gib:g} GiB matches the expected {expect_gib:g} GiB (total across TP).")
+    if tp > 1 and close(alloc.gib, expect_gib / tp):
+        return Check("problem", f"Offload tier is {alloc.gib:g} GiB = expected {expect_gib:g} / TP {tp}: the size was "
+                     f"set per GPU (SGLang habit); vLLM reads it as the total, set {expect_gib:g}.")
+    if tp > 1 and close(alloc.gib, expect_gib * tp):
+        return Check("problem", f"Offload tier is {alloc.gib:g} GiB = expected {expect_gib:g} × TP {tp}: the total "
+                     "was multiplied by TP once too often.")
+    return Check("problem", f"Offload tier is {alloc.gib:g} GiB, expected {expect_gib:g} GiB.")
+
+
+def diagnose(meters: Meters, alloc: Allocation, cache_config: dict[str, str], expect_gib: float | None,
+             tp: int) -> Diagnosis:
+    """All checks for one pair of scrapes."""
+    d = Diagnosis()
+    add = d.checks.append
+    if cache_config.get("enable_prefix_caching") == "False":
+        add(Check("problem", "Prefix caching is off (--no-enable-prefix-caching): offload has nothing to hit."))
+    size = _size_check(alloc, expect_gib, tp)
+    if size:
+        add(size)
+    if meters.queries <= 0:
+        add(Check("warning", "No prompt tokens between the scrapes: run under load or use a longer --interval."))
+        d.verdict = "problem" if any(c.level == "problem" for c in d.checks) else "inconclusive"
+        return d
+    reuse = meters.reuse_rate or 0.0
+    if reuse < NO_REUSE_HIT_RATE:
+        add(Check("problem", f"Only {reuse:.1%} of prompt tokens were reused (GPU prefix cache + offload): "
+                  "almost no reuse, so offload cannot help (check that traffic shares prefixes)."))
+    else:
+        add(Check("ok", f"{reuse:.1%} of prompt tokens reused: {meters.hit_rate or 0:.1%} from the GPU prefix "
+                  f"cache, {meters.external_hits / meters.queries:.1%} from the offload tier."))
+    if alloc.gib:
+        if meters.external_queries <= 0:
+            add(Check("warning", "Offload is configured but the connector was not asked for any tokens."))
+        elif meters.external_hits <= 0:
+            add(Check("warning", "Offload is configured but served no hits yet: cold cache (measure steady state) "
+                      "or a tier smaller than the warm set."))
+        else:
+            add(Check("ok", f"Offload tier served {meters.external_hits:,.0f} tokens "
+                      f"({meters.external_hit_rate or 0:.1%} of tokens asked of it)."))
+    p50, p99 = meters.ttft_p50_s, meters.ttft_p99_s
+    if p50 and p99 and p99 > TAIL_RATIO * p50:
+        add(Check("warning", f"TTFT p99 {p99:.3f} s is over {TAIL_RATIO:g}× p50 {p50:.3f} s: a fat miss tail "
+                  "(offload thrash or prefill bursts)."))
+    levels = {c.level for c in d.checks}
+    d.verdict = "problem" if "problem" in levels else "warning" if "warning" in levels else "healthy"
+    return d
