@@ -11,6 +11,7 @@ import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -103,7 +104,7 @@ def test_non_vllm_text_is_a_user_error(text, words):
 class _Recorded(BaseHTTPRequestHandler):
     """Serves the recorded texts in order, like a server whose counters move between scrapes."""
 
-    bodies: list[str] = []
+    bodies: ClassVar[list[str]] = []
 
     def do_GET(self):
         body = (self.bodies.pop(0) if len(self.bodies) > 1 else self.bodies[0]).encode()

@@ -10,10 +10,7 @@ from kvtier.cli.errors import UserError, fail
 
 HELP = """Audit a vLLM KV-cache configuration against version gates, pitfalls and known bugs.
 
-Reads a `vllm serve ...` command line (or `docker run` line), an env file (KEY=VALUE lines) or a
-Kubernetes manifest (Deployment/StatefulSet/Pod YAML, multi-document) from FILE or stdin (`-`).
-The vLLM version comes from --vllm-version or the image tag. Each finding names its rule,
-severity, the fix and its source. Exit code 1 when any error is found, 2 on unreadable input.
+Reads a `vllm serve ...` command line (or `docker run` line), an env file (KEY=VALUE lines) or a Kubernetes manifest (Deployment/StatefulSet/Pod YAML, multi-document) from FILE or stdin (`-`). The vLLM version comes from --vllm-version or the image tag. Each finding names its rule, severity, the fix and its source. Exit code 1 when any error is found, 2 on unreadable input.
 
 Examples:
 

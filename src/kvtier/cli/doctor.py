@@ -9,12 +9,9 @@ import typer
 
 from kvtier.cli.errors import UserError, fail
 
-HELP = """Check a running vLLM server: prefix-cache hit rate, external (offload) hit rate,
-TTFT p50/p99, and the offload size vLLM actually allocated, then give a verdict.
+HELP = """Check a running vLLM server: prefix-cache hit rate, external (offload) hit rate, TTFT p50/p99, and the offload size vLLM actually allocated, then give a verdict.
 
-Scrapes URL/metrics twice, --interval seconds apart (run it while traffic flows), and compares
-the offload size from vllm:cache_config_info (or kvtier's capacity gauges) with
---expect-offload-gib (TOTAL across TP ranks). Exit code 1 when the verdict is "problem".
+Scrapes URL/metrics twice, --interval seconds apart (run it while traffic flows), and compares the offload size from vllm:cache_config_info (or kvtier's capacity gauges) with --expect-offload-gib (TOTAL across TP ranks). Exit code 1 when the verdict is "problem".
 
 Examples:
 

@@ -10,11 +10,7 @@ from kvtier.cli.errors import UserError, fail
 
 HELP = """Size the KV cache of a model and the offload tier it needs.
 
-From a config.json (path), a built-in preset (--list-presets) or a hub id: KV bytes per token for
-the whole model and per tensor-parallel rank (GQA, MLA, sliding windows, Mamba/linear-attention
-state, fp8, TP > KV heads), the HBM KV budget, and the offload tier
-(warm set − HBM budget) × 1.15, printed as kvtier, vLLM-native and LMCache configs.
-Sizes are TOTALS across TP ranks, like vLLM's --kv-offloading-size.
+From a config.json (path), a built-in preset (--list-presets) or a hub id: KV bytes per token for the whole model and per tensor-parallel rank (GQA, MLA, sliding windows, Mamba/linear-attention state, fp8, TP > KV heads), the HBM KV budget, and the offload tier (warm set − HBM budget) × 1.15, printed as kvtier, vLLM-native and LMCache configs. Sizes are TOTALS across TP ranks, like vLLM's --kv-offloading-size.
 
 Examples:
 
