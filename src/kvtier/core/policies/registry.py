@@ -1,7 +1,9 @@
 """Policies registered by name, imported lazily so optional policies cost nothing until used.
 
-Names: ``lru`` (prompt-order LRU), ``lru-tail`` (tail-first LRU, vLLM's block-pool order) and
-``default`` (kvtier's default policy).  More policies register themselves here by adding to
+Names: ``lru`` (prompt-order LRU), ``lru-tail`` (tail-first LRU, vLLM's block-pool order),
+``prefix-lru`` (least recently used leaf first, as radix-tree caches do), ``s3fifo`` (S3-FIFO,
+Yang et al., SOSP'23), ``prefix-freq`` (kvtier's own: leaves first, frequency-ranked, adaptive
+quarantine of never-reused chunks) and ``default`` (kvtier's default policy, ``prefix-freq``).  More policies register themselves here by adding to
 ``_REGISTRY`` a ``"module:Class"`` path.
 """
 
@@ -15,10 +17,11 @@ _REGISTRY: dict[str, str] = {
     "lru": "kvtier.core.policies.lru:LRUPolicy",
     "lru-tail": "kvtier.core.policies.lru:TailFirstLRUPolicy",
     "prefix-lru": "kvtier.core.policies.prefix_lru:PrefixAwareLRUPolicy",
+    "prefix-freq": "kvtier.core.policies.prefix_freq:PrefixFrequencyPolicy",
     "s3fifo": "kvtier.core.policies.s3fifo:S3FIFOPolicy",
 }
 
-DEFAULT_POLICY = "lru-tail"
+DEFAULT_POLICY = "prefix-freq"
 """The policy ``default`` resolves to (chosen from simulator results, see docs/simulate.md)."""
 
 

@@ -1,0 +1,218 @@
+"""kvtier's default: prefix-aware, frequency-ranked eviction with an adaptive quarantine.
+
+Why.  In chat traffic most chunks are never used again (a conversation that does not come back),
+and the ones that are come back after a think time that is often longer than an LRU tier keeps
+anything.  LRU then thrashes: every new chunk pushes out a chunk that had already proven useful.
+Three ideas fix most of that, each from the literature, combined here for prefix-chained KV:
+
+1. **Quarantine the unproven** (the admission idea of 2Q, Johnson & Shasha, VLDB'94, and
+   S3-FIFO, Yang et al., SOSP'23): a chunk that has never been reused is evicted before any
+   proven one, unless the proven one has gone unused for ``QUARANTINE`` tier-sizes of insertions.
+   A ghost list remembers evicted keys (16-byte keys, no KV), so a chunk that comes back is
+   proven from then on.
+2. **Rank proven chunks by use count** (frequency with recency, like LRFU, Lee et al., IEEE
+   ToC 2001): a chunk used ``u`` times keeps its place ``BONUS × min(u, MAX_USES)`` tier-sizes of
+   insertions longer than recency alone would give it.  Counts survive eviction in a bounded
+   history, so a conversation's fifth turn is recognised even if its chunks were evicted.
+3. **Leaves first** (radix-tree caches, SGLang): a chunk with resident children is never the
+   victim, and chunks used by one request at the same moment leave tail first.
+
+Adaptive quarantine.  Quarantine wins when the tier is small relative to reuse distances and
+loses when it is large enough for LRU to catch first reuses (which quarantine gives up).  The
+policy measures both sides online, in insertions (``n`` = chunks tracked):
+
+- ``first``: first reuses of a chunk within ``n`` insertions of its arrival (LRU would likely
+  have kept it; quarantine forgoes these),
+- ``proven``: reuses of a proven chunk between ``n`` and ``3n`` insertions after its last use
+  (LRU would likely have dropped it; quarantine keeps these),
+
+each counted whether the chunk was still resident or came back from the ghost list, with
+exponential forgetting, and quarantines only while ``proven > first``.  When it does not
+quarantine, no bonus applies either, and the policy is tail-first LRU with leaves first.
+
+Ordering is kept in one lazy-deletion heap per use-count class, keyed by (time, -depth); the
+victim is the class head with the lowest ``time + n × offset(class)``, so switching regime needs
+no re-sorting.  ``victim`` drops stale heap entries (bookkeeping only; the tracked set and the
+answer do not change until the next mutation).
+
+Owners should offer every full chunk of each request: ``touch`` the resident ones (also those
+the engine itself served) and ``insert`` the missing ones in prompt order, as the simulator does.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from typing import Any, Iterable, Sequence
+
+from kvtier.core.policies.base import EvictionPolicy, Evictable, always_evictable
+
+QUARANTINE = 5.0
+"""While quarantining, a never-reused chunk ranks as if last used this many tier-sizes earlier."""
+BONUS = 1.0
+"""While quarantining, each use moves a proven chunk this many tier-sizes later (up to MAX_USES)."""
+MAX_USES = 7
+GHOST = 3.0
+"""Evicted keys remembered, in tier-sizes (keys only)."""
+HISTORY = 8.0
+"""Use counts remembered, in tier-sizes (keys only)."""
+WINDOW = 4.0
+"""Proven reuses count towards quarantine between ``n`` and ``WINDOW × n`` insertions of age."""
+FORGET = 4.0
+"""The regime counters forget with a time constant of this many tier-sizes of observations."""
+
+_OFFSETS = {
+    False: (0.0,) * (MAX_USES + 1),
+    True: (-QUARANTINE,) + tuple(BONUS * uses for uses in range(1, MAX_USES + 1)),
+}
+"""Per use-count class, how many tier-sizes later than its last use a chunk ranks, by regime."""
+
+
+class PrefixFrequencyPolicy(EvictionPolicy):
+    """See the module docstring.  O(log n) per operation, O(MAX_USES) per ``victim``."""
+
+    name = "prefix-freq"
+
+    def __init__(self) -> None:
+        self._clock = 0  # insertions so far: the unit of age
+        self._time: dict[Any, int] = {}  # tracked key -> ordering time (clock of last use)
+        self._last: dict[Any, int] = {}  # tracked key -> clock of last use (for ages)
+        self._class: dict[Any, int] = {}  # tracked key -> min(uses, MAX_USES)
+        self._depth: dict[Any, int] = {}  # tracked key -> chunk index in its prompt
+        self._parent: dict[Any, Any | None] = {}
+        self._children: dict[Any, int] = {}  # key -> tracked children (key tracked or not)
+        self._heaps: list[list[tuple[int, int, Any]]] = [[] for _ in range(MAX_USES + 1)]
+        self._uses: OrderedDict[Any, int] = OrderedDict()  # history of use counts
+        self._ghost: OrderedDict[Any, int] = OrderedDict()  # evicted key -> clock of last use
+        self._first = 0.0
+        self._proven = 0.0
+        self.quarantine = False  # plain LRU until there is evidence either way
+        self._run: tuple[Any, int] = (None, 0)  # last inserted key and its ordering time
+        self._pending: Any | None = None
+
+    # -- mutations ---------------------------------------------------------------------------
+    def insert(self, key: Any, parent: Any | None) -> None:
+        if key in self._time:
+            self.touch([key])
+            return
+        self._pending = None
+        self._clock += 1
+        n = len(self._time) + 1
+        uses = self._uses.get(key, 0)
+        last = self._ghost.pop(key, None)
+        if last is not None:  # came back after eviction: that is a use
+            self._observe(uses == 0, self._clock - last, n)
+            uses += 1
+            self._remember(key, uses, n)
+        # Chunks inserted in prompt order by one request share one time, so depth breaks the tie.
+        run_key, run_time = self._run
+        time = run_time if parent is not None and parent == run_key else self._clock
+        self._run = (key, time)
+        self._depth[key] = self._depth[parent] + 1 if parent in self._depth else 0
+        self._parent[key] = parent
+        if parent is not None:
+            self._children[parent] = self._children.get(parent, 0) + 1
+        self._last[key] = self._clock
+        self._place(key, time, uses)
+
+    def touch(self, keys: Sequence[Any]) -> None:
+        tracked, last = self._time, self._last
+        n = len(tracked)
+        clock = self._clock
+        for key in keys:
+            if key in tracked:
+                uses = self._uses.get(key, 0)
+                self._observe(uses == 0, clock - last[key], n)
+                self._remember(key, uses + 1, n)
+                last[key] = clock
+                self._place(key, clock, uses + 1)
+                self._pending = None
+
+    def remove(self, key: Any) -> None:
+        if self._time.pop(key, None) is None:
+            return
+        self._pending = None
+        del self._class[key], self._depth[key]
+        self._ghost[key] = self._last.pop(key)
+        limit = GHOST * max(len(self._time), 1)
+        while len(self._ghost) > limit:
+            self._ghost.popitem(last=False)
+        parent = self._parent.pop(key)
+        if parent is not None:
+            left = self._children[parent] - 1
+            if left:
+                self._children[parent] = left
+            else:
+                del self._children[parent]
+                if parent in self._time:  # became a leaf: a candidate again
+                    self._place(parent, self._time[parent], None)
+
+    # -- queries -----------------------------------------------------------------------------
+    def victim(self, evictable: Evictable = always_evictable) -> Any | None:
+        if self._pending is not None and evictable(self._pending):
+            return self._pending
+        n = len(self._time)
+        times, classes, children = self._time, self._class, self._children
+        offsets = _OFFSETS[self.quarantine]
+        best, best_score = None, 0.0
+        for cls, heap in enumerate(self._heaps):
+            while heap:  # drop stale entries (re-queued, moved class, evicted) and non-leaves
+                time, _, key = heap[0]
+                if times.get(key) == time and classes[key] == cls and key not in children:
+                    score = time + n * offsets[cls]
+                    if best is None or score < best_score:
+                        best, best_score = key, score
+                    break
+                heapq.heappop(heap)
+        if best is None or not evictable(best):
+            # Pinned, or no leaf at all (only if an owner passed inconsistent parents).
+            best = self._scan(evictable)
+        self._pending = best
+        return best
+
+    def __len__(self) -> int:
+        return len(self._time)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._time
+
+    def keys(self) -> Iterable[Any]:
+        return self._time.keys()
+
+    # -- internals ---------------------------------------------------------------------------
+    def _place(self, key: Any, time: int, uses: int | None) -> None:
+        """(Re)queue ``key`` at ``time``; ``uses=None`` keeps its class."""
+        cls = self._class[key] if uses is None else min(uses, MAX_USES)
+        self._class[key] = cls
+        self._time[key] = time
+        if key not in self._children:
+            heapq.heappush(self._heaps[cls], (time, -self._depth[key], key))
+
+    def _scan(self, evictable: Evictable) -> Any | None:
+        """Slow path when the best candidate is pinned: rank every key (never in the simulator)."""
+        n = len(self._time)
+        offsets = _OFFSETS[self.quarantine]
+        order = sorted(self._time, key=lambda k: (k in self._children,
+                                                  self._time[k] + n * offsets[self._class[k]]))
+        return next((k for k in order if evictable(k)), None)
+
+    def _remember(self, key: Any, uses: int, n: int) -> None:
+        history = self._uses
+        history[key] = uses
+        history.move_to_end(key)
+        if len(history) > HISTORY * n + 1:
+            history.popitem(last=False)
+
+    def _observe(self, first_use: bool, age: int, n: int) -> None:
+        """Count one reuse towards the regime test (see the module docstring)."""
+        if self._clock <= WINDOW * n:
+            return  # proven reuses this old cannot have happened yet: no fair comparison
+        keep = 1.0 - 1.0 / (FORGET * max(n, 1))
+        self._first *= keep
+        self._proven *= keep
+        if first_use:
+            if age <= n:
+                self._first += 1.0
+        elif n < age <= WINDOW * n:
+            self._proven += 1.0
+        self.quarantine = self._proven > self._first
