@@ -1,0 +1,239 @@
+"""Asynchronous streaming client: sends a workload's token-id prompts to ``/v1/completions``.
+
+Each request is sent with ``stream=True`` and ``stream_options.continuous_usage_stats`` so every
+server-sent chunk carries the running ``completion_tokens`` count (vLLM's OpenAI server supports
+both); ``ignore_eos`` makes the server generate exactly ``max_tokens`` tokens, so runs of
+different arms do the same work.  TTFT is send -> first chunk carrying a completion token; ITL is
+the gap between chunks divided by the tokens the later chunk added.
+
+Scheduling: requests of one session go one after another (``think_time_s`` after the previous
+finished); every chain waits for its request's ``arrival_s``; at most ``max_concurrency`` requests
+are in flight.  ``should_stop`` is polled twice a second: when it returns a reason (the engine
+process died), in-flight requests are cancelled and recorded as failed, unsent ones as not sent.
+A request that receives nothing for ``stall_timeout_s`` fails as a stall; with
+``abort_on_stall`` the run stops there (the engine is taken as hung).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import httpx
+
+from kvtier.bench.results import NOT_SENT, RequestResult, RunResult
+from kvtier.bench.workload import BenchRequest, Workload
+
+
+@dataclass(frozen=True)
+class ClientOptions:
+    """How to send.
+
+    Attributes:
+        base_url: server root, e.g. ``http://127.0.0.1:8000``.
+        model: the served model name (``/v1/models``).
+        max_concurrency: requests in flight at most; ``None`` = unlimited.
+        stall_timeout_s: seconds without a byte from the server before a request fails.
+        abort_on_stall: stop the whole run at the first stalled request.
+        progress: draw a rich progress bar.
+    """
+
+    base_url: str
+    model: str
+    max_concurrency: int | None = None
+    stall_timeout_s: float = 300.0
+    abort_on_stall: bool = False
+    progress: bool = True
+
+
+class _Abort(Exception):
+    """Raised inside the run to stop every chain."""
+
+
+def _payload(request: BenchRequest, model: str) -> dict[str, object]:
+    return {"model": model, "prompt": list(request.prompt_token_ids), "max_tokens": request.max_tokens,
+            "min_tokens": request.max_tokens, "ignore_eos": True, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+
+
+async def _send(client: httpx.AsyncClient, request: BenchRequest, options: ClientOptions,
+                t_run: float) -> RequestResult:
+    """Send one request and time its stream; never raises for server-side failures."""
+    t0 = time.perf_counter()
+    start_s = t0 - t_run
+    ttft: float | None = None
+    last_t = t0
+    tokens = 0
+    gaps: list[float] = []
+
+    def failed(error: str) -> RequestResult:
+        return RequestResult(request.request_id, request.prompt_len, tokens, start_s, ttft, None, tuple(gaps), error)
+
+    try:
+        async with client.stream("POST", "/v1/completions", json=_payload(request, options.model)) as response:
+            if response.status_code != 200:
+                body = (await response.aread()).decode("utf-8", "replace")[:300]
+                return failed(f"HTTP {response.status_code}: {body}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    return failed(f"server error: {chunk['error']}")
+                usage = chunk.get("usage") or {}
+                choices = chunk.get("choices") or []
+                if "completion_tokens" in usage:
+                    count = int(usage["completion_tokens"])
+                else:  # a server without continuous usage: one token per choice chunk
+                    count = tokens + (1 if choices else 0)
+                new = count - tokens
+                if new <= 0:
+                    continue
+                now = time.perf_counter()
+                if ttft is None:
+                    ttft = now - t0
+                    new -= 1  # the first token has a TTFT, not an ITL
+                if new > 0:
+                    gaps.extend([(now - last_t) / new] * new)
+                last_t = now
+                tokens = count
+    except httpx.ReadTimeout:
+        return failed(f"stall: nothing received for {options.stall_timeout_s:g} s")
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        return failed(f"{type(exc).__name__}: {exc}")
+    end = time.perf_counter()
+    if tokens == 0:
+        return failed("the stream ended without a completion token")
+    return RequestResult(request.request_id, request.prompt_len, tokens, start_s, ttft, end - t0, tuple(gaps))
+
+
+async def _wait_for_stop(should_stop: Callable[[], str | None], seconds: float) -> str | None:
+    """Poll ``should_stop`` for up to ``seconds``; its reason, or ``None`` if the server lives on."""
+    deadline = time.perf_counter() + seconds
+    while True:
+        reason = should_stop()
+        if reason is not None or time.perf_counter() >= deadline:
+            return reason
+        await asyncio.sleep(0.25)
+
+
+def _chains(workload: Workload) -> list[list[BenchRequest]]:
+    """Session requests grouped in order; every other request is a chain of its own."""
+    chains: list[list[BenchRequest]] = []
+    by_session: dict[str, list[BenchRequest]] = {}
+    for request in workload.requests:
+        if request.session is None:
+            chains.append([request])
+        elif request.session in by_session:
+            by_session[request.session].append(request)
+        else:
+            by_session[request.session] = [request]
+            chains.append(by_session[request.session])
+    return chains
+
+
+async def run_workload_async(workload: Workload, options: ClientOptions,
+                             should_stop: Callable[[], str | None] | None = None) -> RunResult:
+    """Send the whole workload; see the module docstring for the rules.  Never raises for a
+    failing server: failures are in the returned results."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    results: dict[str, RequestResult] = {}
+    in_flight: set[str] = set()
+    state: dict[str, object] = {"aborted": None, "failed_at": ()}
+    sem = asyncio.Semaphore(options.max_concurrency) if options.max_concurrency else None
+    limits = httpx.Limits(max_connections=options.max_concurrency or 1000, max_keepalive_connections=100)
+    timeout = httpx.Timeout(connect=30.0, read=options.stall_timeout_s, write=60.0, pool=None)
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("ok {task.fields[ok]} failed {task.fields[failed]}"), TimeElapsedColumn(),
+                        disable=not options.progress, transient=False)
+    task_id = progress.add_task(workload.name, total=len(workload.requests), ok=0, failed=0)
+    counts = {"ok": 0, "failed": 0}
+    t_run = time.perf_counter()
+
+    def abort(reason: str) -> None:
+        if state["aborted"] is None:
+            state["aborted"] = reason
+            state["failed_at"] = tuple(sorted(in_flight))
+
+    async def one(client: httpx.AsyncClient, request: BenchRequest) -> RequestResult:
+        in_flight.add(request.request_id)
+        try:
+            return await _send(client, request, options, t_run)
+        finally:
+            in_flight.discard(request.request_id)
+
+    async def chain(client: httpx.AsyncClient, requests: list[BenchRequest]) -> None:
+        prev_end: float | None = None
+        for request in requests:
+            target = request.arrival_s if prev_end is None else max(request.arrival_s,
+                                                                    prev_end + request.think_time_s)
+            delay = target - (time.perf_counter() - t_run)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if sem is not None:
+                async with sem:
+                    if state["aborted"] is not None:
+                        return
+                    result = await one(client, request)
+            else:
+                result = await one(client, request)
+            results[request.request_id] = result
+            prev_end = time.perf_counter() - t_run
+            counts["ok" if result.ok else "failed"] += 1
+            progress.update(task_id, advance=1, **counts)
+            if result.ok or result.error is None:
+                continue
+            reason: str | None = None
+            if result.error.startswith("stall") and options.abort_on_stall:
+                reason = f"engine hung: request {request.request_id} received nothing for {options.stall_timeout_s:g} s"
+            elif should_stop is not None and not result.error.startswith("HTTP 4"):
+                reason = await _wait_for_stop(should_stop, seconds=3.0)  # a dying server exits shortly after
+            if reason is not None:
+                in_flight.add(request.request_id)  # name it among the requests where it happened
+                abort(reason)
+                in_flight.discard(request.request_id)
+                raise _Abort
+
+    async def watch(tasks: list[asyncio.Task[None]]) -> None:
+        while not all(t.done() for t in tasks):
+            reason = should_stop() if should_stop is not None else None
+            if reason is not None:
+                abort(reason)
+            if state["aborted"] is not None:
+                for t in tasks:
+                    t.cancel()
+                return
+            await asyncio.sleep(0.5)
+
+    with progress:
+        async with httpx.AsyncClient(base_url=options.base_url, timeout=timeout, limits=limits) as client:
+            tasks = [asyncio.create_task(chain(client, c)) for c in _chains(workload)]
+            watcher = asyncio.create_task(watch(tasks))
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await watcher
+    duration = time.perf_counter() - t_run
+    reason = state["aborted"]
+    ordered = []
+    for request in workload.requests:
+        if request.request_id in results:
+            ordered.append(results[request.request_id])
+            continue
+        was_in_flight = request.request_id in state["failed_at"]  # type: ignore[operator]
+        error = f"{reason}" if was_in_flight else f"{NOT_SENT}: {reason}"
+        ordered.append(RequestResult(request.request_id, request.prompt_len, 0, 0.0, None, None, (), error))
+    return RunResult(results=tuple(ordered), duration_s=duration,
+                     aborted=reason if isinstance(reason, str) else None,
+                     failed_at=tuple(state["failed_at"]))  # type: ignore[arg-type]
+
+
+def run_workload(workload: Workload, options: ClientOptions,
+                 should_stop: Callable[[], str | None] | None = None) -> RunResult:
+    """Blocking form of :func:`run_workload_async`."""
+    return asyncio.run(run_workload_async(workload, options, should_stop))

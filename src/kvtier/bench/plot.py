@@ -1,0 +1,37 @@
+"""TTFT CDF of each arm as a PNG (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping, Sequence
+
+
+def plot_ttft_cdf(ttfts_by_arm: Mapping[str, Sequence[float]], path: Path, title: str) -> Path:
+    """Draw one empirical CDF line per arm (x: TTFT in seconds, log scale; y: share of requests)
+    and save it to ``path``.  Arms without values are left out.  Returns ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(7.0, 4.5), dpi=110)
+    for name, values in ttfts_by_arm.items():
+        if not values:
+            continue
+        xs = np.sort(np.asarray(values, dtype=float))
+        ys = np.arange(1, len(xs) + 1) / len(xs)
+        p50 = float(np.percentile(xs, 50))
+        ax.step(xs, ys, where="post", label=f"{name} (p50 {p50 * 1000:.0f} ms, n={len(xs)})")
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (s, log scale)")
+    ax.set_ylabel("share of requests")
+    ax.set_ylim(0, 1.0)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.set_title(title)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

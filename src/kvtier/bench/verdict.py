@@ -1,0 +1,97 @@
+"""Is the cache helping?  The three operator meters, in order (after the how-to "How to Actually
+Configure vLLM's KV-Cache Offloading", dreaming.press 2026, and vLLM's own validation advice):
+
+1. prefix hit rate: is anything reused?  Near zero means offload cannot help: **no reuse**.
+2. TTFT p50 against the baseline: does the reuse save prefill?  Hit rate up and p50 down is
+   **helping**; hit rate up but p50 not down means the copy cost eats the savings: **hurting**.
+3. TTFT p99 against the baseline: is the miss tail bounded?  A p99 blow-up is **hurting**, whatever
+   the median says.
+
+Without a baseline only meter 1 can be read, so an arm that reuses is ``unjudged``.  The baseline
+arm itself is the ``reference``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class VerdictKind(str, enum.Enum):
+    """The verdict of one arm."""
+
+    HELPING = "helping"
+    HURTING = "hurting"
+    NO_REUSE = "no reuse"
+    REFERENCE = "reference"
+    UNJUDGED = "unjudged"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A verdict and its one-sentence reason."""
+
+    kind: VerdictKind
+    reason: str
+
+
+@dataclass(frozen=True)
+class ArmFigures:
+    """The figures a verdict reads: hit rate (share of prompt tokens not recomputed, 0..1) and TTFT
+    percentiles in seconds."""
+
+    prefix_hit_rate: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Where the meters switch.
+
+    Attributes:
+        min_hit_rate: below this share of prompt tokens reused, there is no reuse.
+        min_hit_gain: the arm's hit rate must beat the baseline's by this much (absolute) to count as up.
+        p50_gain: p50 must be at most ``(1 - p50_gain)`` x the baseline's to count as down.
+        p99_blowup: p99 above this multiple of the baseline's is a blow-up ...
+        p99_slack_s: ... unless it is within this many seconds (noise on tiny latencies).
+    """
+
+    min_hit_rate: float = 0.02
+    min_hit_gain: float = 0.01
+    p50_gain: float = 0.05
+    p99_blowup: float = 1.5
+    p99_slack_s: float = 0.010
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def judge(arm: ArmFigures, baseline: ArmFigures | None, thresholds: Thresholds = Thresholds()) -> Verdict:
+    """The verdict of ``arm`` against ``baseline`` (``None``: no baseline measured)."""
+    t = thresholds
+    if arm.prefix_hit_rate < t.min_hit_rate:
+        return Verdict(VerdictKind.NO_REUSE, f"hit rate {_pct(arm.prefix_hit_rate)}: nothing is reused, so a cache "
+                       "cannot help; check that prompts share prefixes and prefix caching is on")
+    if baseline is None:
+        return Verdict(VerdictKind.UNJUDGED, f"hit rate {_pct(arm.prefix_hit_rate)}; without a baseline the TTFT "
+                       "meters cannot be read (run `kvtier bench compare`)")
+    p99_limit = max(baseline.ttft_p99_s * t.p99_blowup, baseline.ttft_p99_s + t.p99_slack_s)
+    if arm.ttft_p99_s > p99_limit:
+        return Verdict(VerdictKind.HURTING, f"TTFT p99 {arm.ttft_p99_s:.3f} s vs baseline "
+                       f"{baseline.ttft_p99_s:.3f} s: the miss tail blew up")
+    hit_up = arm.prefix_hit_rate >= baseline.prefix_hit_rate + t.min_hit_gain
+    p50_ratio = arm.ttft_p50_s / baseline.ttft_p50_s if baseline.ttft_p50_s > 0 else 1.0
+    p50_down = p50_ratio <= 1.0 - t.p50_gain
+    hits = f"hit rate {_pct(arm.prefix_hit_rate)} vs {_pct(baseline.prefix_hit_rate)}"
+    if hit_up and p50_down:
+        return Verdict(VerdictKind.HELPING, f"{hits}, TTFT p50 {p50_ratio:.2f}x baseline, p99 bounded")
+    if hit_up:
+        return Verdict(VerdictKind.HURTING, f"{hits} but TTFT p50 {p50_ratio:.2f}x baseline: loading costs "
+                       "as much as the prefill it saves")
+    if p50_ratio > 1.0 + t.p50_gain:
+        return Verdict(VerdictKind.HURTING, f"{hits} (no extra reuse) and TTFT p50 {p50_ratio:.2f}x baseline: "
+                       "pure overhead")
+    return Verdict(VerdictKind.NO_REUSE, f"{hits}: nothing reused beyond the engine's own cache "
+                   f"(TTFT p50 {p50_ratio:.2f}x baseline)")
