@@ -172,7 +172,8 @@ def mrv2_early(c: ServeConfig) -> str | None:
 def lmcache_not_bundled(c: ServeConfig) -> str | None:
     lm = c.uses("LMCacheConnectorV1") or c.uses("LMCacheMPConnector")
     if lm and c.image and c.version is not None and c.version < Version("0.14.0"):
-        return f"The x86 vllm-openai image {c.image} does not ship LMCache (stripped July 2025–Jan 2026)."
+        return (f"x86 vllm-openai images before v0.14.0 such as {c.image} may not ship LMCache (it was stripped "
+                "from July 2025 to January 2026), so the connector fails to import unless installed at start.")
     return None
 
 
