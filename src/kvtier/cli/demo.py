@@ -41,11 +41,11 @@ class RestartDemoResult:
 
 
 def _one_run(model: Path, kvtier: dict[str, object], workdir: Path, name: str, prompt: str,
-             warmup: str, timeout_s: float) -> tuple[RunResult, list[str]]:
+             warmup: str, timeout_s: float, extra_args: list[str]) -> tuple[RunResult, list[str]]:
     from kvtier.integrations.vllm.serve import start_server
 
     server = start_server(model, kvtier, workdir / "logs" / f"demo-{name}.log",
-                          engine_id=f"kvtier-demo-{os.getpid()}-{name}")
+                          engine_id=f"kvtier-demo-{os.getpid()}-{name}", extra_args=extra_args)
     try:
         server.wait_ready(timeout_s)
         server.complete(warmup, max_tokens=2)  # first-request warm-up (kernels) stays out of the TTFT
@@ -84,8 +84,9 @@ def run_restart_demo(workdir: Path = Path(".kvtier"), geometry: str = "tiny", pr
                                  "write_mode": "write-through"}
     prompt = random_prompt(7, prompt_words)
     warmup = random_prompt(8, 20)
-    first, command = _one_run(model, kvtier, workdir, "first", prompt, warmup, timeout_s)
-    second, _ = _one_run(model, kvtier, workdir, "second", prompt, warmup, timeout_s)
+    extra = [] if weights == "random" else ["--load-format", "dummy"]
+    first, command = _one_run(model, kvtier, workdir, "first", prompt, warmup, timeout_s, extra)
+    second, _ = _one_run(model, kvtier, workdir, "second", prompt, warmup, timeout_s, extra)
     return RestartDemoResult(first, second, command)
 
 
