@@ -30,10 +30,11 @@ each counted whether the chunk was still resident or came back from the ghost li
 exponential forgetting, and quarantines only while ``proven > first``.  When it does not
 quarantine, no bonus applies either, and the policy is tail-first LRU with leaves first.
 
-Ordering is kept in one lazy-deletion heap per use-count class, keyed by (time, -depth); the
-victim is the class head with the lowest ``time + n × offset(class)``, so switching regime needs
-no re-sorting.  ``victim`` drops stale heap entries (bookkeeping only; the tracked set and the
-answer do not change until the next mutation).
+Ordering is one lazy-deletion heap keyed by (rank, -depth), rank = time of last use +
+``n × offset(class, regime)``; it is rebuilt when the regime switches (a handful of times per
+trace) or the tier doubles while filling.  ``victim`` drops stale heap entries and may rebuild
+(bookkeeping only: the tracked set does not change, and it returns the same key until the next
+mutation).
 
 Owners should offer every full chunk of each request: ``touch`` the resident ones (also those
 the engine itself served) and ``insert`` the missing ones in prompt order, as the simulator does.
@@ -69,7 +70,7 @@ _OFFSETS = {
 
 
 class PrefixFrequencyPolicy(EvictionPolicy):
-    """See the module docstring.  O(log n) per operation, O(MAX_USES) per ``victim``."""
+    """See the module docstring.  O(log n) amortised per operation."""
 
     name = "prefix-freq"
 
@@ -78,15 +79,19 @@ class PrefixFrequencyPolicy(EvictionPolicy):
         self._time: dict[Any, int] = {}  # tracked key -> ordering time (clock of last use)
         self._last: dict[Any, int] = {}  # tracked key -> clock of last use (for ages)
         self._class: dict[Any, int] = {}  # tracked key -> min(uses, MAX_USES)
+        self._rank: dict[Any, float] = {}  # tracked key -> rank of its live heap entry
         self._depth: dict[Any, int] = {}  # tracked key -> chunk index in its prompt
         self._parent: dict[Any, Any | None] = {}
-        self._children: dict[Any, int] = {}  # key -> tracked children (key tracked or not)
-        self._heaps: list[list[tuple[int, int, Any]]] = [[] for _ in range(MAX_USES + 1)]
+        self._children: dict[Any, int] = {}  # key -> tracked children (only counts > 0)
+        self._heap: list[tuple[float, int, Any]] = []  # (rank, -depth, key), leaves only
         self._uses: OrderedDict[Any, int] = OrderedDict()  # history of use counts
         self._ghost: OrderedDict[Any, int] = OrderedDict()  # evicted key -> clock of last use
         self._first = 0.0
         self._proven = 0.0
         self.quarantine = False  # plain LRU until there is evidence either way
+        self._offsets = _OFFSETS[False]
+        self._scale = 1  # the n that ranks were computed with
+        self._stale = False  # ranks must be recomputed (regime switched)
         self._run: tuple[Any, int] = (None, 0)  # last inserted key and its ordering time
         self._pending: Any | None = None
 
@@ -113,7 +118,7 @@ class PrefixFrequencyPolicy(EvictionPolicy):
         if parent is not None:
             self._children[parent] = self._children.get(parent, 0) + 1
         self._last[key] = self._clock
-        self._place(key, time, uses)
+        self._place(key, time, min(uses, MAX_USES))
 
     def touch(self, keys: Sequence[Any]) -> None:
         tracked, last = self._time, self._last
@@ -125,14 +130,14 @@ class PrefixFrequencyPolicy(EvictionPolicy):
                 self._observe(uses == 0, clock - last[key], n)
                 self._remember(key, uses + 1, n)
                 last[key] = clock
-                self._place(key, clock, uses + 1)
+                self._place(key, clock, min(uses + 1, MAX_USES))
                 self._pending = None
 
     def remove(self, key: Any) -> None:
         if self._time.pop(key, None) is None:
             return
         self._pending = None
-        del self._class[key], self._depth[key]
+        del self._class[key], self._depth[key], self._rank[key]
         self._ghost[key] = self._last.pop(key)
         limit = GHOST * max(len(self._time), 1)
         while len(self._ghost) > limit:
@@ -145,25 +150,22 @@ class PrefixFrequencyPolicy(EvictionPolicy):
             else:
                 del self._children[parent]
                 if parent in self._time:  # became a leaf: a candidate again
-                    self._place(parent, self._time[parent], None)
+                    heapq.heappush(self._heap, (self._rank[parent], -self._depth[parent], parent))
 
     # -- queries -----------------------------------------------------------------------------
     def victim(self, evictable: Evictable = always_evictable) -> Any | None:
         if self._pending is not None and evictable(self._pending):
             return self._pending
-        n = len(self._time)
-        times, classes, children = self._time, self._class, self._children
-        offsets = _OFFSETS[self.quarantine]
-        best, best_score = None, 0.0
-        for cls, heap in enumerate(self._heaps):
-            while heap:  # drop stale entries (re-queued, moved class, evicted) and non-leaves
-                time, _, key = heap[0]
-                if times.get(key) == time and classes[key] == cls and key not in children:
-                    score = time + n * offsets[cls]
-                    if best is None or score < best_score:
-                        best, best_score = key, score
-                    break
-                heapq.heappop(heap)
+        if self._stale or len(self._time) > 2 * self._scale:
+            self._rebuild()
+        heap, rank, children = self._heap, self._rank, self._children
+        best = None
+        while heap:  # drop stale entries (re-ranked or evicted) and chunks that gained children
+            r, _, key = heap[0]
+            if rank.get(key) == r and key not in children:
+                best = key
+                break
+            heapq.heappop(heap)
         if best is None or not evictable(best):
             # Pinned, or no leaf at all (only if an owner passed inconsistent parents).
             best = self._scan(evictable)
@@ -180,20 +182,28 @@ class PrefixFrequencyPolicy(EvictionPolicy):
         return self._time.keys()
 
     # -- internals ---------------------------------------------------------------------------
-    def _place(self, key: Any, time: int, uses: int | None) -> None:
-        """(Re)queue ``key`` at ``time``; ``uses=None`` keeps its class."""
-        cls = self._class[key] if uses is None else min(uses, MAX_USES)
+    def _place(self, key: Any, time: int, cls: int) -> None:
+        """(Re)rank ``key`` used at ``time`` with use-count class ``cls``."""
         self._class[key] = cls
         self._time[key] = time
+        r = time + self._scale * self._offsets[cls]
+        self._rank[key] = r
         if key not in self._children:
-            heapq.heappush(self._heaps[cls], (time, -self._depth[key], key))
+            heapq.heappush(self._heap, (r, -self._depth[key], key))
+
+    def _rebuild(self) -> None:
+        """Re-rank every chunk for the current regime and size."""
+        self._stale = False
+        self._offsets = _OFFSETS[self.quarantine]
+        self._scale = scale = max(len(self._time), 1)
+        offsets, classes, depth, children = self._offsets, self._class, self._depth, self._children
+        self._rank = {key: time + scale * offsets[classes[key]] for key, time in self._time.items()}
+        self._heap = [(r, -depth[key], key) for key, r in self._rank.items() if key not in children]
+        heapq.heapify(self._heap)
 
     def _scan(self, evictable: Evictable) -> Any | None:
         """Slow path when the best candidate is pinned: rank every key (never in the simulator)."""
-        n = len(self._time)
-        offsets = _OFFSETS[self.quarantine]
-        order = sorted(self._time, key=lambda k: (k in self._children,
-                                                  self._time[k] + n * offsets[self._class[k]]))
+        order = sorted(self._time, key=lambda k: (k in self._children, self._rank[k], -self._depth[k]))
         return next((k for k in order if evictable(k)), None)
 
     def _remember(self, key: Any, uses: int, n: int) -> None:
@@ -215,4 +225,8 @@ class PrefixFrequencyPolicy(EvictionPolicy):
                 self._first += 1.0
         elif n < age <= WINDOW * n:
             self._proven += 1.0
-        self.quarantine = self._proven > self._first
+        quarantine = self._proven > self._first
+        if quarantine != self.quarantine:
+            self.quarantine = quarantine
+            self._offsets = _OFFSETS[quarantine]
+            self._stale = True

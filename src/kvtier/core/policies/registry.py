@@ -3,8 +3,8 @@
 Names: ``lru`` (prompt-order LRU), ``lru-tail`` (tail-first LRU, vLLM's block-pool order),
 ``prefix-lru`` (least recently used leaf first, as radix-tree caches do), ``s3fifo`` (S3-FIFO,
 Yang et al., SOSP'23), ``prefix-freq`` (kvtier's own: leaves first, frequency-ranked, adaptive
-quarantine of never-reused chunks) and ``default`` (kvtier's default policy, ``prefix-freq``).  More policies register themselves here by adding to
-``_REGISTRY`` a ``"module:Class"`` path.
+quarantine of never-reused chunks) and ``default`` (kvtier's default policy, ``prefix-freq``).
+More policies register themselves here by adding to ``_REGISTRY`` a ``"module:Class"`` path.
 """
 
 from __future__ import annotations

@@ -1,0 +1,122 @@
+"""``kvtier simulate``: replay a request trace through modelled tiers, per capacity and policy."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from kvtier.cli.errors import fail
+
+
+def parse_gib_list(text: str, option: str) -> tuple[float, ...]:
+    """``"64,128,256"`` → ``(64.0, 128.0, 256.0)``; one sentence on a bad list (typer.Exit)."""
+    values = []
+    for part in text.split(","):
+        try:
+            value = float(part)
+        except ValueError:
+            fail(f"{option} must be comma-separated GiB numbers such as 64,128,256; {part.strip()!r} is not a number")
+        if not value >= 0 or value == float("inf"):
+            fail(f"{option} values must be finite and >= 0 GiB; got {part.strip()}")
+        values.append(value)
+    if len(set(values)) != len(values):
+        fail(f"{option} lists a capacity twice ({text}); give each capacity once")
+    return tuple(values)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("simulate")
+    def simulate(
+        trace: Path = typer.Option(..., "--trace", help="Request trace (.jsonl or .jsonl.gz)."),
+        fmt: str = typer.Option("mooncake", "--format", help="Trace format: mooncake or kvtier-jsonl."),
+        model: Optional[Path] = typer.Option(None, "--model", help="HF config.json giving the KV geometry."),
+        kv_bytes_per_token: Optional[int] = typer.Option(
+            None, "--kv-bytes-per-token", help="KV bytes per token, all layers (instead of --model)."),
+        tokens_per_block: Optional[int] = typer.Option(
+            None, "--tokens-per-block", help="Tokens per trace block / chunk key [default: 512 for mooncake; "
+            "kvtier-jsonl records carry their own]."),
+        engine_gib: float = typer.Option(..., "--engine-gib", help="The engine's own prefix-cache KV budget "
+                                         "(tier 0, HBM), GiB, total across tensor-parallel ranks."),
+        cpu_gib: str = typer.Option(..., "--cpu-gib", help="CPU tier capacities to sweep, GiB, comma-separated, "
+                                    "total across tensor-parallel ranks (e.g. 64,128,256)."),
+        disk_gib: float = typer.Option(0.0, "--disk-gib", help="Disk tier capacity, GiB (0: none)."),
+        policy: str = typer.Option("lru,lru-tail,default,belady", "--policy",
+                                   help="Eviction policies, comma-separated (see --list-policies)."),
+        json_path: Optional[Path] = typer.Option(None, "--json", help="Write results as JSON here."),
+        plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG hit-ratio plot here."),
+        recommend_mode: bool = typer.Option(False, "--recommend", help="Print the smallest cpu capacity "
+                                            "reaching 95% of the largest one's hit ratio, and the knee."),
+        prefill_tokens_per_s: float = typer.Option(20_000.0, "--prefill-tokens-per-s",
+                                                   help="Prefill throughput, tokens/s (see docs/simulate.md)."),
+        cpu_gb_per_s: float = typer.Option(64.0, "--cpu-gb-per-s", help="CPU→GPU bandwidth, GB/s (PCIe Gen5 x16)."),
+        disk_gb_per_s: float = typer.Option(7.0, "--disk-gb-per-s", help="Disk read bandwidth, GB/s (Gen4 NVMe)."),
+        workers: int = typer.Option(0, "--workers", help="Processes (0: one per CPU core)."),
+    ) -> None:
+        """Replay a trace through the engine's prefix cache, a cpu tier and a disk tier, and report
+        hit ratios per capacity and eviction policy next to Belady's offline optimum."""
+        from rich.console import Console
+
+        from kvtier.simulate.cost import Throughputs
+        from kvtier.simulate.geometry import GeometryError, kv_bytes_per_token_from_file
+        from kvtier.simulate.recommend import recommend
+        from kvtier.simulate.report import print_report, write_json
+        from kvtier.simulate.sweep import SweepSpec, check_policies, policy_label, run_sweep
+        from kvtier.simulate.trace import TraceError, read_trace
+
+        started = time.perf_counter()
+        if (model is None) == (kv_bytes_per_token is None):
+            fail("pass exactly one of --model CONFIG_JSON or --kv-bytes-per-token N to give the KV size per token")
+        if kv_bytes_per_token is not None and kv_bytes_per_token <= 0:
+            fail(f"--kv-bytes-per-token must be a positive integer, got {kv_bytes_per_token}")
+        if tokens_per_block is not None and tokens_per_block <= 0:
+            fail(f"--tokens-per-block must be a positive integer, got {tokens_per_block}")
+        if not 0 <= engine_gib < float("inf") or not 0 <= disk_gib < float("inf"):
+            fail("--engine-gib and --disk-gib must be finite and >= 0 GiB")
+        if workers < 0:
+            fail(f"--workers must be >= 0, got {workers}")
+        gibs = parse_gib_list(cpu_gib, "--cpu-gib")
+        policies = tuple(p.strip() for p in policy.split(",") if p.strip())
+        if not policies:
+            fail("--policy lists no policy; give e.g. lru,default,belady")
+        try:
+            check_policies(policies)
+            rates = Throughputs(prefill_tokens_per_s, cpu_gb_per_s, disk_gb_per_s)
+        except ValueError as exc:
+            fail(str(exc))
+        try:
+            per_token = kv_bytes_per_token if model is None else kv_bytes_per_token_from_file(model)
+            requests = read_trace(trace, fmt, tokens_per_block)
+        except (GeometryError, TraceError) as exc:
+            fail(str(exc))
+        spec = SweepSpec(per_token * requests.block_tokens, engine_gib, gibs, disk_gib, policies)
+        result = run_sweep(requests, spec, workers)
+        elapsed = time.perf_counter() - started
+
+        console = Console()
+        console.print(f"{requests.name}: {requests.num_requests:,} requests, {requests.num_chunks:,} chunks "
+                      f"({requests.num_unique_chunks:,} distinct) of {requests.block_tokens} tokens, "
+                      f"{per_token:,} KV bytes/token, {spec.chunk_bytes / 2**20:,.1f} MiB/chunk; "
+                      f"replayed in {elapsed:.1f} s")
+        print_report(console, result, rates)
+        if recommend_mode:
+            for name in policies:
+                rows = result.curve(name)
+                rec = recommend([r.cpu_gib for r in rows], [r.token_hit_ratio for r in rows])
+                knee = "none found" if rec.knee_gib is None else f"{rec.knee_gib:g} GiB"
+                console.print(f"{policy_label(name)}: {rec.enough_gib:g} GiB reaches {rec.enough_hit_ratio:.2%} "
+                              f"(≥ 95% of {rec.largest_hit_ratio:.2%} at {max(gibs):g} GiB); knee: {knee}")
+        try:
+            if json_path is not None:
+                write_json(json_path, result, elapsed)
+                console.print(f"JSON: {json_path}")
+            if plot_path is not None:
+                from kvtier.simulate.plot import write_plot
+
+                write_plot(plot_path, result, f"{requests.name}, engine tier {engine_gib:g} GiB, "
+                                              f"{spec.chunk_bytes / 2**20:,.0f} MiB chunks")
+                console.print(f"plot: {plot_path}")
+        except OSError as exc:
+            fail(f"cannot write output ({exc.strerror}: {exc.filename}); pass a path in a writable directory")

@@ -1,0 +1,83 @@
+"""Estimated prefill time saved by cache hits (a first-order model; pass your own figures).
+
+For each token served from a tier instead of recomputed::
+
+    saved = 1 / prefill_tokens_per_s                      (engine tier: the KV is already in HBM)
+    saved = 1 / prefill_tokens_per_s - bytes_per_token / cpu_bytes_per_s            (cpu tier)
+    saved = 1 / prefill_tokens_per_s - bytes_per_token / disk_bytes_per_s
+                                     - bytes_per_token / cpu_bytes_per_s            (disk tier,
+                                                              read to host, then over PCIe)
+
+Prefill cost is taken as linear in tokens (it is not: attention grows with context, so long
+prompts save more than this says), transfers are not overlapped with compute, and a negative
+figure means loading is slower than recomputing on that tier.
+
+Defaults and their sources (GB = 10^9 bytes):
+
+- ``cpu_gb_per_s = 64``: PCIe Gen5 x16, one direction (NVIDIA H100 datasheet: "PCIe Gen5
+  128 GB/s", i.e. 64 GB/s each way).  Pinned host-to-device copies reach less; measure yours
+  with ``kvtier bench-store`` and pass it.
+- ``disk_gb_per_s = 7``: one PCIe Gen4 NVMe SSD, sequential read (Samsung 990 PRO datasheet:
+  up to 7,450 MB/s).
+- ``prefill_tokens_per_s = 20000``: an 8B-parameter model on one H100 at ~30 % of peak:
+  prefill costs about 2 × parameters FLOPs per token (Kaplan et al., "Scaling Laws for Neural
+  Language Models", 2020, section 2.1), 989 TFLOPS dense BF16 (NVIDIA H100 SXM datasheet):
+  0.3 × 989e12 / (2 × 8e9) ≈ 18,500 tokens/s, rounded.  Measure yours (TTFT of uncached
+  prompts, ``kvtier bench``) and pass it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_PREFILL_TOKENS_PER_S = 20_000.0
+DEFAULT_CPU_GB_PER_S = 64.0
+DEFAULT_DISK_GB_PER_S = 7.0
+
+
+@dataclass(frozen=True)
+class Throughputs:
+    """Prefill speed (tokens/s) and tier-to-engine bandwidths (GB/s, 10^9 bytes/s)."""
+
+    prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S
+    cpu_gb_per_s: float = DEFAULT_CPU_GB_PER_S
+    disk_gb_per_s: float = DEFAULT_DISK_GB_PER_S
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_tokens_per_s", "cpu_gb_per_s", "disk_gb_per_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class TimeSaved:
+    """Seconds of prefill saved over the whole trace, per serving tier."""
+
+    engine_s: float
+    cpu_s: float
+    disk_s: float
+
+    @property
+    def offload_s(self) -> float:
+        """What the cpu and disk tiers add beyond the engine's own cache."""
+        return self.cpu_s + self.disk_s
+
+    @property
+    def total_s(self) -> float:
+        return self.engine_s + self.offload_s
+
+
+def time_saved(engine_tokens: int, cpu_tokens: int, disk_tokens: int, kv_bytes_per_token: float,
+               rates: Throughputs) -> TimeSaved:
+    """Prefill seconds saved by tokens served from each tier (see the module docstring).
+
+    Args:
+        engine_tokens, cpu_tokens, disk_tokens: prompt tokens served by each tier.
+        kv_bytes_per_token: KV bytes per token (all layers, K and V).
+        rates: prefill speed and bandwidths.
+    """
+    recompute = 1.0 / rates.prefill_tokens_per_s
+    cpu_load = kv_bytes_per_token / (rates.cpu_gb_per_s * 1e9)
+    disk_load = kv_bytes_per_token / (rates.disk_gb_per_s * 1e9) + cpu_load
+    return TimeSaved(engine_tokens * recompute, cpu_tokens * (recompute - cpu_load),
+                     disk_tokens * (recompute - disk_load))

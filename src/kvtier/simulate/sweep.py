@@ -1,0 +1,182 @@
+"""Sweep a trace over cpu capacities × eviction policies.
+
+Sizes are GiB (2^30 bytes) of KV, total across tensor-parallel ranks (as ``--kv-offloading-size``
+in vLLM); a tier holds ``floor(GiB × 2^30 / chunk_bytes)`` chunks, where ``chunk_bytes =
+kv_bytes_per_token × block_tokens``.  Work shared by all runs (the engine tier, chunk parents,
+Belady's future) is computed once; runs are spread over worker processes (``fork``), longest
+first.
+
+Policy names are those of :func:`kvtier.core.policies.make_policy` (``default`` included) plus
+``belady`` (offline optimum, simulator-only).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from kvtier.core.policies import EvictionPolicy, available_policies, make_policy
+from kvtier.core.policies.registry import DEFAULT_POLICY
+from kvtier.simulate.belady import BeladyPolicy, TraceOracle
+from kvtier.simulate.replay import ReplayCounts, chunk_parents, engine_prefix_hits, replay
+from kvtier.simulate.trace import Trace
+
+GIB = 1 << 30
+OFFLINE_POLICIES = ("belady",)
+
+
+def known_policies() -> list[str]:
+    """Every name accepted in a sweep."""
+    return available_policies() + list(OFFLINE_POLICIES)
+
+
+def policy_label(name: str) -> str:
+    """Display name: ``default`` shows what it resolves to."""
+    return f"default ({DEFAULT_POLICY})" if name == "default" else name
+
+
+def check_policies(names: Sequence[str]) -> None:
+    """Raises ValueError naming the first unknown policy and listing the known ones."""
+    for name in names:
+        if name not in known_policies():
+            raise ValueError(f"unknown eviction policy {name!r}; choose from {', '.join(known_policies())}")
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    """What to sweep.
+
+    Attributes:
+        chunk_bytes: bytes of KV per chunk (all layers, K and V, all ranks).
+        engine_gib: the engine's own prefix-cache budget (tier 0), GiB.
+        cpu_gibs: cpu-tier capacities to try, GiB.
+        disk_gib: disk-tier capacity, GiB (0: no disk tier).
+        policies: policy names, in report order.
+    """
+
+    chunk_bytes: int
+    engine_gib: float
+    cpu_gibs: tuple[float, ...]
+    disk_gib: float
+    policies: tuple[str, ...]
+
+    def chunks(self, gib: float) -> int:
+        """Chunks that fit in ``gib`` GiB."""
+        return int(gib * GIB // self.chunk_bytes)
+
+
+@dataclass(frozen=True)
+class SweepRow:
+    """One (policy, cpu capacity) run.  Ratios are of prompt tokens (token) or lookup chunks."""
+
+    policy: str
+    cpu_gib: float
+    cpu_chunks: int
+    counts: ReplayCounts
+    block_tokens: int
+    chunk_bytes: int
+
+    def tokens(self, chunks: int) -> int:
+        return chunks * self.block_tokens
+
+    @property
+    def hit_chunks(self) -> int:
+        c = self.counts
+        return c.engine_hits + c.cpu_hits + c.disk_hits
+
+    @property
+    def token_hit_ratio(self) -> float:
+        """Prompt tokens not recomputed (served by any tier) / prompt tokens."""
+        return self.tokens(self.hit_chunks) / self.counts.prompt_tokens
+
+    def tier_token_hit_ratio(self, tier: str) -> float:
+        """The share of prompt tokens served by ``tier`` (``engine``, ``cpu`` or ``disk``)."""
+        return self.tokens(getattr(self.counts, f"{tier}_hits")) / self.counts.prompt_tokens
+
+    @property
+    def chunk_hit_ratio(self) -> float:
+        """Chunks served by any tier / chunks that could hit (full chunks before the last token)."""
+        return self.hit_chunks / self.counts.lookup_chunks if self.counts.lookup_chunks else 0.0
+
+    @property
+    def bytes_loaded(self) -> int:
+        """Bytes loaded into the engine from the cpu and disk tiers."""
+        return (self.counts.cpu_hits + self.counts.disk_hits) * self.chunk_bytes
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    spec: SweepSpec
+    engine_chunks: int
+    disk_chunks: int
+    rows: list[SweepRow]
+
+    def curve(self, policy: str) -> list[SweepRow]:
+        """Rows of one policy, by increasing cpu capacity."""
+        return sorted((r for r in self.rows if r.policy == policy), key=lambda r: r.cpu_gib)
+
+
+# Shared with forked workers (set before the pool starts, read-only afterwards).
+_SHARED: dict[str, Any] = {}
+
+
+def _make(policy: str) -> EvictionPolicy:
+    if policy == "belady":
+        oracle = _SHARED.get("oracle")
+        if oracle is None:
+            oracle = _SHARED["oracle"] = TraceOracle(_SHARED["trace"])
+        return BeladyPolicy(oracle)
+    return make_policy(policy)
+
+
+def _run(job: tuple[str, int]) -> ReplayCounts:
+    policy, cpu_chunks = job
+    return replay(_SHARED["trace"], _SHARED["engine_hits"], cpu_chunks, _SHARED["disk_chunks"],
+                  lambda: _make(policy), _SHARED["parents"])
+
+
+_COST_RANK = {"prefix-freq": 0, "default": 0, "belady": 1, "s3fifo": 2, "prefix-lru": 2}
+
+
+def run_sweep(trace: Trace, spec: SweepSpec, workers: int = 0) -> SweepResult:
+    """Replay ``trace`` for every (policy, cpu capacity) of ``spec``.
+
+    Args:
+        trace: the trace.
+        spec: capacities and policies (names checked with :func:`check_policies`).
+        workers: processes; 0 picks ``min(os.cpu_count(), runs)``; 1 runs in this process.
+
+    Returns:
+        rows in ``spec`` order (capacity-major, then policy).
+
+    Raises:
+        ValueError: unknown policy name.
+    """
+    check_policies(spec.policies)
+    engine_chunks = spec.chunks(spec.engine_gib)
+    disk_chunks = spec.chunks(spec.disk_gib)
+    _SHARED.clear()
+    _SHARED.update(trace=trace, engine_hits=engine_prefix_hits(trace, engine_chunks),
+                   disk_chunks=disk_chunks, parents=chunk_parents(trace))
+    if "belady" in spec.policies:
+        _SHARED["oracle"] = TraceOracle(trace)
+    jobs = [(policy, spec.chunks(gib)) for gib in spec.cpu_gibs for policy in spec.policies]
+    # Slowest policies first, so the last job to finish is a short one.
+    order = sorted(range(len(jobs)), key=lambda i: (_COST_RANK.get(jobs[i][0], 3), -jobs[i][1]))
+    workers = workers or min(os.cpu_count() or 1, len(jobs))
+    if workers > 1 and "fork" in multiprocessing.get_all_start_methods():
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            done = pool.map(_run, [jobs[i] for i in order], chunksize=1)
+    else:
+        done = [_run(jobs[i]) for i in order]
+    counts: list[ReplayCounts | None] = [None] * len(jobs)
+    for i, result in zip(order, done):
+        counts[i] = result
+    rows = []
+    for (policy, cpu_chunks), job_counts, gib in zip(jobs, counts, [g for g in spec.cpu_gibs for _ in spec.policies]):
+        assert job_counts is not None
+        rows.append(SweepRow(policy, gib, cpu_chunks, job_counts, trace.block_tokens, spec.chunk_bytes))
+    _SHARED.clear()
+    return SweepResult(spec, engine_chunks, disk_chunks, rows)
