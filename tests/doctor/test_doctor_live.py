@@ -14,6 +14,19 @@ import pytest
 pytestmark = pytest.mark.engine
 
 
+def _scrapes(log: Path) -> int:
+    """GET /metrics requests so far, from the server's access log."""
+    return log.read_text(errors="replace").count("GET /metrics")
+
+
+def _wait_for_first_scrape(log: Path, before: int, timeout_s: float = 60.0) -> None:
+    """Block until the doctor's first scrape reached the server, so all traffic falls between scrapes."""
+    deadline = time.monotonic() + timeout_s
+    while _scrapes(log) <= before:
+        assert time.monotonic() < deadline, "kvtier doctor never scraped the server"
+        time.sleep(0.1)
+
+
 def test_doctor_reads_a_live_server(tmp_path: Path):
     pytest.importorskip("vllm")
     from kvtier.integrations.vllm.serve import start_server
@@ -27,10 +40,11 @@ def test_doctor_reads_a_live_server(tmp_path: Path):
     try:
         server.wait_ready()
         server.complete("warm up", max_tokens=2)
+        scrapes_before = _scrapes(tmp_path / "serve.log")
         doctor = subprocess.Popen(
             [sys.executable, "-m", "kvtier.cli.main", "doctor", "--url", server.base_url, "--interval", "12",
              "--expect-offload-gib", "0.5", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        time.sleep(3)  # let the first scrape happen before the traffic
+        _wait_for_first_scrape(tmp_path / "serve.log", scrapes_before)
         prefixes = [" ".join(f"p{p}w{i}" for i in range(300)) for p in range(3)]
         for round_ in range(2):
             for p, prefix in enumerate(prefixes):
