@@ -224,3 +224,29 @@ def test_aborted_and_preempted_requests_leave_no_pins(engine: Engine) -> None:
     engine.service.store.flush()
     engine.service.check_integrity()  # no pinned chunk, no pinned request, accounting consistent
     assert engine.generate(prompts[0])["tokens"] == expected[0]["tokens"]  # the engine still serves
+
+
+def test_lost_pin_is_reported_as_load_error_and_recomputed(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fault injection: the pinned chunks are gone when the worker comes to copy them.  The
+    worker must report the blocks through get_block_ids_with_load_errors, vLLM (policy
+    "recompute") recomputes them, and kvtier counts no loaded token."""
+    p = prompt(107)
+    cold = engine.generate(p)
+    engine.llm.reset_prefix_cache()
+    real_take = engine.service.take
+
+    def take_and_lose(req_id: str) -> None:
+        handle = real_take(req_id)
+        if handle is not None:  # the loader gets nothing: as if the chunks vanished
+            engine.service.store.complete_load(handle, False)
+
+    monkeypatch.setattr(engine.service, "take", take_and_lose)
+    m0 = metrics_snapshot()
+    again = engine.generate(p)
+    m1 = metrics_snapshot()
+    monkeypatch.undo()
+    assert delta(m1, m0, "kvtier_load_failed_blocks_total") == LOADABLE // 32
+    assert engine.loaded(m0, m1) == 0
+    assert again["tokens"] == cold["tokens"]
+    assert max_logprob_diff(again["logprobs"], cold["logprobs"]) < TOLERANCE
+    engine.service.check_integrity()

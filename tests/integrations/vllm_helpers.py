@@ -30,7 +30,7 @@ def run_engine(spec: dict[str, Any], workdir: Path, name: str, timeout_s: float 
     """Start ``engine_runner.py`` on ``spec`` in its own process; read the result with :func:`result_of`."""
     spec_path = workdir / f"{name}.spec.json"
     spec_path.write_text(json.dumps(spec))
-    log = open(workdir / f"{name}.log", "wb")
+    log = open(workdir / f"{name}.log", "wb")  # noqa: SIM115 - held by the child process
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, str(RUNNER), str(spec_path), str(workdir / f"{name}.out.json")],
                             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir)

@@ -13,6 +13,7 @@ import shlex
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -113,9 +114,9 @@ def _print(result: RestartDemoResult) -> None:
 def register(app: typer.Typer) -> None:
     @app.command()
     def demo(
-        workdir: Path = typer.Option(Path(".kvtier"), help="Directory for the model, disk tier and logs."),
-        geometry: str = typer.Option("tiny", help="Test model: tiny (seeded weights) or mid (dummy weights)."),
-        prompt_words: int = typer.Option(800, min=10, max=900, help="Prompt length in words (~2 tokens each)."),
+        workdir: Annotated[Path, typer.Option(help="Directory for the model, disk tier and logs.")] = Path(".kvtier"),
+        geometry: Annotated[str, typer.Option(help="Test model: tiny (seeded weights) or mid (dummy weights).")] = "tiny",
+        prompt_words: Annotated[int, typer.Option(min=10, max=900, help="Prompt length in words (~2 tokens each).")] = 800,
     ) -> None:
         """Serve a prompt with KVTierConnector, restart vLLM, serve it again: show the hit and both TTFTs."""
         if geometry not in ("tiny", "mid"):

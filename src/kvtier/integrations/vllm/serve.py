@@ -166,7 +166,7 @@ def start_server(model: Path, kvtier: dict[str, Any], log_path: Path, engine_id:
                "--kv-cache-memory-bytes", str(256 << 20), "--enable-prefix-caching",
                "--kv-transfer-config", json.dumps(transfer_config(kvtier, role, engine_id)), *(extra_args or [])]
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    log = open(log_path, "wb")
+    log = open(log_path, "wb")  # noqa: SIM115 - the child process writes to it for its whole life
     child_env = dict(os.environ, **(env or {}))
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=False)
     return Server(command, f"http://127.0.0.1:{port}", engine_id, log_path, proc)

@@ -167,7 +167,7 @@ class ServiceServer:
         while not self._closed:
             try:
                 conn = self._listener.accept()
-            except Exception:  # closed, or a client failed the handshake
+            except Exception:  # noqa: BLE001 - closed, or a client failed the handshake
                 if self._closed:
                     return
                 continue

@@ -38,8 +38,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "loaded_tokens_cpu": ("kvtier_loaded_tokens", "Tokens loaded from kvtier into the engine.", ("cpu",)),
     "loaded_tokens_disk": ("kvtier_loaded_tokens", "Tokens loaded from kvtier into the engine.", ("disk",)),
-    "reloaded_tokens": ("kvtier_reloaded_tokens", "Tokens loaded from kvtier into requests resumed after "
-                        "preemption (vLLM counts these apart from external prefix cache hits).", ()),
+    "reloaded_tokens": ("kvtier_reloaded_tokens", ("Tokens loaded from kvtier into requests resumed after "
+                                                   "preemption (vLLM counts these apart from external hits)."), ()),
     "saved_tokens": ("kvtier_saved_tokens", "Tokens newly saved into kvtier.", ()),
     "load_failed_blocks": ("kvtier_load_failed_blocks", "Engine blocks whose kvtier load failed.", ()),
     "load_seconds": ("kvtier_transfer_seconds", "Seconds copying KV between engine and kvtier.", ("load",)),

@@ -40,7 +40,7 @@ def _tp_rank() -> int:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         return int(get_tensor_model_parallel_rank())
-    except Exception:  # parallel state not initialised (single process tools)
+    except Exception:  # noqa: BLE001 - parallel state not initialised (single-process tools)
         return 0
 
 
@@ -49,7 +49,7 @@ def _backend_name(vllm_config: Any, layer_name: str) -> str:
     backend = getattr(ctx.get(layer_name), "attn_backend", None)
     try:
         return str(backend.get_name()) if backend is not None else "unknown"
-    except Exception:
+    except Exception:  # noqa: BLE001 - the name only labels the namespace
         return "unknown"
 
 
