@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -32,10 +31,10 @@ def register(app: typer.Typer) -> None:
     def simulate(
         trace: Path = typer.Option(..., "--trace", help="Request trace (.jsonl or .jsonl.gz)."),
         fmt: str = typer.Option("mooncake", "--format", help="Trace format: mooncake or kvtier-jsonl."),
-        model: Optional[Path] = typer.Option(None, "--model", help="HF config.json giving the KV geometry."),
-        kv_bytes_per_token: Optional[int] = typer.Option(
+        model: Path | None = typer.Option(None, "--model", help="HF config.json giving the KV geometry."),
+        kv_bytes_per_token: int | None = typer.Option(
             None, "--kv-bytes-per-token", help="KV bytes per token, all layers (instead of --model)."),
-        tokens_per_block: Optional[int] = typer.Option(
+        tokens_per_block: int | None = typer.Option(
             None, "--tokens-per-block", help="Tokens per trace block / chunk key [default: 512 for mooncake; "
             "kvtier-jsonl records carry their own]."),
         engine_gib: float = typer.Option(..., "--engine-gib", help="The engine's own prefix-cache KV budget "
@@ -45,8 +44,8 @@ def register(app: typer.Typer) -> None:
         disk_gib: float = typer.Option(0.0, "--disk-gib", help="Disk tier capacity, GiB (0: none)."),
         policy: str = typer.Option("lru,lru-tail,default,belady", "--policy",
                                    help="Eviction policies, comma-separated (see --list-policies)."),
-        json_path: Optional[Path] = typer.Option(None, "--json", help="Write results as JSON here."),
-        plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG hit-ratio plot here."),
+        json_path: Path | None = typer.Option(None, "--json", help="Write results as JSON here."),
+        plot_path: Path | None = typer.Option(None, "--plot", help="Write a PNG hit-ratio plot here."),
         recommend_mode: bool = typer.Option(False, "--recommend", help="Print the smallest cpu capacity "
                                             "reaching 95% of the largest one's hit ratio, and the knee."),
         prefill_tokens_per_s: float = typer.Option(20_000.0, "--prefill-tokens-per-s",
@@ -87,7 +86,7 @@ def register(app: typer.Typer) -> None:
         except ValueError as exc:
             fail(str(exc))
         try:
-            per_token = kv_bytes_per_token if model is None else kv_bytes_per_token_from_file(model)
+            per_token = kv_bytes_per_token_from_file(model) if model is not None else int(kv_bytes_per_token or 0)
             requests = read_trace(trace, fmt, tokens_per_block)
         except (GeometryError, TraceError) as exc:
             fail(str(exc))

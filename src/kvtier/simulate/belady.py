@@ -21,7 +21,8 @@ the engine recomputes anyway, is not a use.
 from __future__ import annotations
 
 import heapq
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from kvtier.core.policies.base import Evictable, always_evictable
 from kvtier.simulate.replay import OfflinePolicy, lookup_limits

@@ -14,8 +14,8 @@ Two readings of a curve ``hit(capacity)`` measured at a few capacities:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 @dataclass(frozen=True)

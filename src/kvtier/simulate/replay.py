@@ -30,8 +30,9 @@ the trace's dense ``int`` ids (policies need only hashable keys).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from kvtier.core.policies.base import EvictionPolicy
 from kvtier.core.policies.lru import TailFirstLRUPolicy
@@ -69,20 +70,24 @@ def engine_prefix_hits(trace: Trace, engine_chunks: int) -> list[int]:
     return hits
 
 
-def _admit(keys: list[int], resident: set[Any], policy: EvictionPolicy, capacity: int) -> None:
-    """All of ``keys`` become resident (touch the resident ones, insert the others, evict)."""
-    policy.touch([k for k in keys if k in resident])
+def _admit(keys: list[Any], resident: set[Any], policy: EvictionPolicy, capacity: int) -> None:
+    """After a request, all of ``keys`` are in HBM; then the pool evicts down to ``capacity``.
+
+    vLLM holds every block of a running request and frees them when it finishes, tail first
+    (``touch`` in prompt order makes the tail-first LRU rank the head most recent), so the
+    request's own head is the last of its chunks to go."""
     parent = None
     for key in keys:
         if key not in resident:
             resident.add(key)
             policy.insert(key, parent)
-            if len(resident) > capacity:
-                victim = policy.victim()
-                assert victim is not None  # the simulator never pins
-                policy.remove(victim)
-                resident.discard(victim)
         parent = key
+    policy.touch(keys)
+    while len(resident) > capacity:
+        victim = policy.victim()
+        assert victim is not None  # the simulator never pins
+        policy.remove(victim)
+        resident.discard(victim)
 
 
 @dataclass(frozen=True)
@@ -160,12 +165,15 @@ def replay(trace: Trace, engine_hits: list[int], cpu_chunks: int, disk_chunks: i
     cpu_victim, cpu_remove = cpu_policy.victim, cpu_policy.remove
     cpu_hits = disk_hits = cpu_stores = disk_stores = cpu_evictions = disk_evictions = 0
     limits = lookup_limits(trace)
-    for r, keys in enumerate(trace.chunk_keys):
+    # Policies are typed for ChunkKey (bytes); the simulator's dense int ids work the same way.
+    all_keys: list[list[Any]] = trace.chunk_keys  # type: ignore[assignment]
+    parent_of: dict[Any, Any] = parents  # type: ignore[assignment]
+    for r, keys in enumerate(all_keys):
         for policy in clocked:
             policy.advance(r)  # type: ignore[attr-defined]
         limit = limits[r]
         j = engine_hits[r]
-        from_disk = []
+        from_disk: list[Any] = []
         while j < limit:
             key = keys[j]
             if key in cpu:
@@ -192,15 +200,17 @@ def replay(trace: Trace, engine_hits: list[int], cpu_chunks: int, disk_chunks: i
                 cpu_stores += 1
                 if len(cpu) > cpu_chunks:
                     victim = cpu_victim()
+                    assert victim is not None  # the simulator never pins
                     cpu_remove(victim)
                     cpu.discard(victim)
                     cpu_evictions += 1
                     if disk_policy is not None and victim not in disk:
                         disk.add(victim)
-                        disk_policy.insert(victim, parents[victim])  # type: ignore[index]
+                        disk_policy.insert(victim, parent_of[victim])
                         disk_stores += 1
                         if len(disk) > disk_chunks:
                             gone = disk_policy.victim()
+                            assert gone is not None
                             disk_policy.remove(gone)
                             disk.discard(gone)
                             disk_evictions += 1

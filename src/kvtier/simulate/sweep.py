@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from kvtier.core.policies import EvictionPolicy, available_policies, make_policy
 from kvtier.core.policies.registry import DEFAULT_POLICY

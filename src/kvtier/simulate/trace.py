@@ -30,9 +30,10 @@ from __future__ import annotations
 import gzip
 import json
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Iterator, Sequence
+from typing import IO
 
 FORMATS = ("mooncake", "kvtier-jsonl")
 MOONCAKE_BLOCK_TOKENS = 512
@@ -192,11 +193,13 @@ class _MooncakeParser(_Parser):
         ids = obj.get("hash_ids")
         if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise TraceError(f"{where}: field 'hash_ids' must be a list of integers")
-        expected = math.ceil(tokens / self.block_tokens)
+        block = self.block_tokens
+        assert block is not None
+        expected = math.ceil(tokens / block)
         if len(ids) != expected:
             raise TraceError(f"{where}: {len(ids)} hash_ids for {tokens} tokens, expected {expected} blocks "
-                             f"of {self.block_tokens} tokens; check --tokens-per-block")
-        return time_ms / 1000.0, tokens, ids[: tokens // self.block_tokens]
+                             f"of {block} tokens; check --tokens-per-block")
+        return time_ms / 1000.0, tokens, ids[: tokens // block]
 
 
 class _KVTierParser(_Parser):

@@ -44,9 +44,11 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from itertools import count
+from typing import Any
 
-from kvtier.core.policies.base import EvictionPolicy, Evictable, always_evictable
+from kvtier.core.policies.base import Evictable, EvictionPolicy, always_evictable
 
 QUARANTINE = 5.0
 """While quarantining, a never-reused chunk ranks as if last used this many tier-sizes earlier."""
@@ -83,7 +85,8 @@ class PrefixFrequencyPolicy(EvictionPolicy):
         self._depth: dict[Any, int] = {}  # tracked key -> chunk index in its prompt
         self._parent: dict[Any, Any | None] = {}
         self._children: dict[Any, int] = {}  # key -> tracked children (only counts > 0)
-        self._heap: list[tuple[float, int, Any]] = []  # (rank, -depth, key), leaves only
+        self._heap: list[tuple[float, int, int, Any]] = []  # (rank, -depth, seq, key), leaves
+        self._seq = count()  # ties never compare keys (they need not be orderable)
         self._uses: OrderedDict[Any, int] = OrderedDict()  # history of use counts
         self._ghost: OrderedDict[Any, int] = OrderedDict()  # evicted key -> clock of last use
         self._first = 0.0
@@ -150,7 +153,7 @@ class PrefixFrequencyPolicy(EvictionPolicy):
             else:
                 del self._children[parent]
                 if parent in self._time:  # became a leaf: a candidate again
-                    heapq.heappush(self._heap, (self._rank[parent], -self._depth[parent], parent))
+                    heapq.heappush(self._heap, (self._rank[parent], -self._depth[parent], next(self._seq), parent))
 
     # -- queries -----------------------------------------------------------------------------
     def victim(self, evictable: Evictable = always_evictable) -> Any | None:
@@ -161,7 +164,7 @@ class PrefixFrequencyPolicy(EvictionPolicy):
         heap, rank, children = self._heap, self._rank, self._children
         best = None
         while heap:  # drop stale entries (re-ranked or evicted) and chunks that gained children
-            r, _, key = heap[0]
+            r, _, _, key = heap[0]
             if rank.get(key) == r and key not in children:
                 best = key
                 break
@@ -189,7 +192,7 @@ class PrefixFrequencyPolicy(EvictionPolicy):
         r = time + self._scale * self._offsets[cls]
         self._rank[key] = r
         if key not in self._children:
-            heapq.heappush(self._heap, (r, -self._depth[key], key))
+            heapq.heappush(self._heap, (r, -self._depth[key], next(self._seq), key))
 
     def _rebuild(self) -> None:
         """Re-rank every chunk for the current regime and size."""
@@ -198,7 +201,8 @@ class PrefixFrequencyPolicy(EvictionPolicy):
         self._scale = scale = max(len(self._time), 1)
         offsets, classes, depth, children = self._offsets, self._class, self._depth, self._children
         self._rank = {key: time + scale * offsets[classes[key]] for key, time in self._time.items()}
-        self._heap = [(r, -depth[key], key) for key, r in self._rank.items() if key not in children]
+        seq = self._seq
+        self._heap = [(r, -depth[key], next(seq), key) for key, r in self._rank.items() if key not in children]
         heapq.heapify(self._heap)
 
     def _scan(self, evictable: Evictable) -> Any | None:

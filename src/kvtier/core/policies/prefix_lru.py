@@ -17,10 +17,11 @@ after being evicted finds its resident children again.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable, Sequence
 from itertools import count
-from typing import Any, Iterable, Sequence
+from typing import Any
 
-from kvtier.core.policies.base import EvictionPolicy, Evictable, always_evictable
+from kvtier.core.policies.base import Evictable, EvictionPolicy, always_evictable
 
 
 class PrefixAwareLRUPolicy(EvictionPolicy):
@@ -33,7 +34,8 @@ class PrefixAwareLRUPolicy(EvictionPolicy):
         self._stamp: dict[Any, int] = {}  # tracked key -> last use
         self._parent: dict[Any, Any | None] = {}  # tracked key -> parent given at insert
         self._children: dict[Any, int] = {}  # key -> number of tracked children (tracked or not)
-        self._leaves: list[tuple[int, Any]] = []  # (stamp, key); stale entries skipped lazily
+        self._leaves: list[tuple[int, int, Any]] = []  # (stamp, seq, key); stale ones skipped lazily
+        self._seq = count()  # ties never compare keys
 
     def insert(self, key: Any, parent: Any | None) -> None:
         if key in self._stamp:
@@ -45,7 +47,7 @@ class PrefixAwareLRUPolicy(EvictionPolicy):
         if parent is not None:
             self._children[parent] = self._children.get(parent, 0) + 1
         if not self._children.get(key):
-            heapq.heappush(self._leaves, (stamp, key))
+            heapq.heappush(self._leaves, (stamp, next(self._seq), key))
 
     def touch(self, keys: Sequence[Any]) -> None:
         stamps, children = self._stamp, self._children
@@ -54,7 +56,7 @@ class PrefixAwareLRUPolicy(EvictionPolicy):
             if key in stamps:
                 stamps[key] = stamp
                 if not children.get(key):
-                    heapq.heappush(self._leaves, (stamp, key))
+                    heapq.heappush(self._leaves, (stamp, next(self._seq), key))
 
     def remove(self, key: Any) -> None:
         if self._stamp.pop(key, None) is None:
@@ -67,12 +69,12 @@ class PrefixAwareLRUPolicy(EvictionPolicy):
             else:
                 del self._children[parent]
                 if parent in self._stamp:  # the parent just became a leaf
-                    heapq.heappush(self._leaves, (self._stamp[parent], parent))
+                    heapq.heappush(self._leaves, (self._stamp[parent], next(self._seq), parent))
 
     def victim(self, evictable: Evictable = always_evictable) -> Any | None:
         leaves, stamps, children = self._leaves, self._stamp, self._children
         while leaves:
-            stamp, key = leaves[0]
+            stamp, _, key = leaves[0]
             if stamps.get(key) != stamp or children.get(key):
                 heapq.heappop(leaves)  # stale: removed, used since, or no longer a leaf
                 continue

@@ -1,0 +1,57 @@
+"""Every registered eviction policy keeps the base.py contract (hypothesis, against a set model)."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.core.policies import available_policies, make_policy
+from kvtier.core.policies.registry import DEFAULT_POLICY
+
+KEYS = st.integers(0, 15)
+OPS = st.lists(st.one_of(
+    st.tuples(st.just("insert"), KEYS, st.one_of(st.none(), KEYS)),
+    st.tuples(st.just("touch"), st.lists(KEYS, max_size=5)),
+    st.tuples(st.just("remove"), KEYS),
+    st.tuples(st.just("victim"), st.frozensets(KEYS, max_size=4)),
+    st.tuples(st.just("evict"), st.frozensets(KEYS, max_size=4)),
+), max_size=80)
+
+
+@pytest.mark.parametrize("name", available_policies())
+@settings(max_examples=80, deadline=None)
+@given(ops=OPS)
+def test_contract_against_a_set_model(name, ops):
+    policy = make_policy(name)
+    model: set[int] = set()
+    for op in ops:
+        kind = op[0]
+        if kind == "insert":
+            policy.insert(op[1], op[2])
+            model.add(op[1])
+        elif kind == "touch":
+            policy.touch(op[1])  # untracked keys are ignored
+        elif kind == "remove":
+            policy.remove(op[1])  # unknown keys are ignored
+            model.discard(op[1])
+        else:
+            pinned = op[1]
+            evictable = lambda key, pinned=pinned: key not in pinned
+            victim = policy.victim(evictable)
+            if model - pinned:
+                assert victim in model and victim not in pinned
+                assert policy.victim(evictable) == victim  # no mutation
+            else:
+                assert victim is None
+            if kind == "evict" and victim is not None:
+                policy.remove(victim)
+                model.discard(victim)
+        assert len(policy) == len(model)
+        assert set(policy.keys()) == model
+        assert all(key in policy for key in model)
+
+
+def test_default_is_registered_and_resolves():
+    assert DEFAULT_POLICY in available_policies()
+    assert type(make_policy("default")) is type(make_policy(DEFAULT_POLICY))
+    with pytest.raises(ValueError, match="unknown eviction policy"):
+        make_policy("mru")

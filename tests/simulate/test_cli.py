@@ -1,0 +1,110 @@
+"""``kvtier simulate`` end to end: real trace files in, the documented JSON and a PNG out,
+and one-line errors for bad input."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from kvtier.cli.main import app
+from kvtier.simulate.sweep import SweepSpec, run_sweep
+from kvtier.simulate.trace import read_trace
+
+KV_PER_TOKEN = 262_144  # 512-token chunks of 128 MiB: 1 GiB holds 8 chunks
+
+
+@pytest.fixture
+def trace_file(tmp_path):
+    """Six conversations of up to five turns, interleaved, plus one-off prompts (Mooncake format)."""
+    lines, next_id, t = [], 1, 0
+    convs = {c: [0] for c in range(6)}  # every prompt starts with the shared block 0
+    for turn in range(5):
+        for c in range(6):
+            if turn > c:  # conversation c has c + 1 turns
+                continue
+            convs[c] = convs[c] + [next_id, next_id + 1]
+            next_id += 2
+            tokens = 512 * len(convs[c]) - 100  # last block partial
+            lines.append({"timestamp": t, "input_length": tokens, "output_length": 50, "hash_ids": convs[c]})
+            t += 1000
+            lines.append({"timestamp": t, "input_length": 1500, "output_length": 5,
+                          "hash_ids": [0, next_id, next_id + 1]})
+            next_id += 2
+            t += 500
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def run(*args):
+    return CliRunner().invoke(app, ["simulate", *args])
+
+
+def test_json_plot_and_recommend(tmp_path, trace_file):
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    result = run("--trace", str(trace_file), "--kv-bytes-per-token", str(KV_PER_TOKEN), "--engine-gib", "0.25",
+                 "--cpu-gib", "0.5,1,2", "--policy", "lru,default,s3fifo,belady", "--json", str(out),
+                 "--plot", str(png), "--recommend", "--workers", "2")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert set(doc) == {"elapsed_s", "rows"} and doc["elapsed_s"] > 0
+    assert len(doc["rows"]) == 12
+    for row in doc["rows"]:
+        assert set(row) == {"policy", "cpu_gib", "token_hit_ratio", "chunk_hit_ratio", "bytes_loaded"}
+        assert isinstance(row["bytes_loaded"], int) and row["bytes_loaded"] % (512 * KV_PER_TOKEN) == 0
+        assert 0 <= row["token_hit_ratio"] <= row["chunk_hit_ratio"] <= 1
+    for gib in (0.5, 1, 2):
+        hits = {r["policy"]: r["token_hit_ratio"] for r in doc["rows"] if r["cpu_gib"] == gib}
+        assert hits["belady"] >= max(hits.values()) - 1e-12
+    # The CLI reports what the library computes.
+    spec = SweepSpec(512 * KV_PER_TOKEN, 0.25, (0.5, 1.0, 2.0), 0.0, ("lru", "default", "s3fifo", "belady"))
+    direct = run_sweep(read_trace(trace_file), spec, workers=1)
+    assert [r["token_hit_ratio"] for r in doc["rows"]] == [r.token_hit_ratio for r in direct.rows]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "knee" in result.output and "reaches" in result.output
+    assert "share of the LRU–Belady gap" in result.output
+
+
+def test_model_config_and_disk_tier(tmp_path, trace_file):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                                  "hidden_size": 4096, "torch_dtype": "bfloat16"}))
+    out = tmp_path / "r.json"
+    result = run("--trace", str(trace_file), "--model", str(config), "--engine-gib", "0", "--cpu-gib", "0.125",
+                 "--disk-gib", "1", "--policy", "lru", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    assert "131,072 KV" in result.output and "disk" in result.output
+    assert json.loads(out.read_text())["rows"][0]["bytes_loaded"] > 0
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--trace", "missing.jsonl"], "does not exist"),
+    (["--cpu-gib", "64,lots"], "--cpu-gib"),
+    (["--cpu-gib", "64,-1"], "--cpu-gib"),
+    (["--policy", "lru,mru"], "unknown eviction policy 'mru'"),
+    (["--format", "csv"], "unknown trace format"),
+    (["--kv-bytes-per-token", "0"], "--kv-bytes-per-token"),
+    (["--model", "nope/config.json"], "exactly one of --model"),
+    (["--engine-gib", "-1"], "--engine-gib"),
+    (["--cpu-gb-per-s", "0"], "cpu-gb-per-s"),
+])
+def test_bad_input_is_one_line(tmp_path, trace_file, args, fragment):
+    base = {"--trace": str(trace_file), "--kv-bytes-per-token": str(KV_PER_TOKEN), "--engine-gib": "1",
+            "--cpu-gib": "1,2"}
+    for flag, value in zip(args[::2], args[1::2]):
+        base[flag] = value
+    argv = [part for flag, value in base.items() for part in (flag, value)]
+    result = run(*argv)
+    assert result.exit_code == 2
+    assert fragment in result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_malformed_trace_line_and_missing_model(tmp_path, trace_file):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(trace_file.read_text() + "{broken\n")
+    result = run("--trace", str(bad), "--kv-bytes-per-token", "1024", "--engine-gib", "1", "--cpu-gib", "1")
+    assert result.exit_code == 2 and "bad.jsonl line" in result.output and "Traceback" not in result.output
+    result = run("--trace", str(trace_file), "--model", str(tmp_path / "config.json"), "--engine-gib", "1",
+                 "--cpu-gib", "1")
+    assert result.exit_code == 2 and "does not exist" in result.output

@@ -1,0 +1,116 @@
+"""Trace readers: both formats, gzip, and one clear error per kind of bad input."""
+
+import gzip
+import json
+from importlib import resources
+
+import pytest
+
+from kvtier.core.keys import chunk_keys, request_root
+from kvtier.simulate.trace import TraceError, format_kvtier_record, read_trace
+
+
+def write_lines(path, lines):
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def mooncake(ts, tokens, ids):
+    return json.dumps({"timestamp": ts, "input_length": tokens, "output_length": 10, "hash_ids": ids})
+
+
+def test_mooncake_keeps_full_blocks_only_and_shares_ids(tmp_path):
+    path = write_lines(tmp_path / "t.jsonl", [
+        mooncake(1000, 1100, [7, 8, 9]),  # 2 full blocks of 512 + a partial one
+        mooncake(2500, 1024, [7, 8]),  # exactly 2 full blocks
+        "",  # blank lines are skipped
+        mooncake(4000, 100, [11]),  # no full block
+    ])
+    trace = read_trace(path)
+    assert trace.num_requests == 3 and trace.block_tokens == 512
+    assert trace.times_s == [0.0, 1.5, 3.0]
+    assert trace.num_tokens == [1100, 1024, 100]
+    assert trace.chunk_keys[0] == trace.chunk_keys[1]  # same hash ids, same dense ids
+    assert len(trace.chunk_keys[0]) == 2 and trace.chunk_keys[2] == []
+    assert trace.num_chunks == 4 and trace.num_unique_chunks == 2
+
+
+def test_gzip_and_the_bundled_mooncake_trace():
+    path = resources.files("kvtier") / "data" / "mooncake_conversation_trace.jsonl.gz"
+    trace = read_trace(str(path))
+    assert trace.num_requests == 12_031
+    assert all(len(keys) == tokens // 512 for keys, tokens in zip(trace.chunk_keys, trace.num_tokens))
+    assert trace.chunk_keys[0][0] == trace.chunk_keys[1][0]  # every prompt starts with block 0
+
+
+def test_kvtier_jsonl_round_trip_from_real_chunk_keys(tmp_path):
+    root = request_root(b"\x01" * 16)
+    shared = list(range(600))
+    a = chunk_keys(root, shared + [1] * 100, 256)  # 2 full chunks
+    b = chunk_keys(root, shared + [2] * 300, 256)  # 3 full chunks, first 2 shared with a
+    path = write_lines(tmp_path / "k.jsonl", [format_kvtier_record(10.0, 700, 256, a),
+                                              format_kvtier_record(10.25, 900, 256, b)])
+    trace = read_trace(gzip_copy(path), "kvtier-jsonl")
+    assert trace.block_tokens == 256 and trace.times_s == [0.0, 0.25]
+    assert trace.chunk_keys[1][:2] == trace.chunk_keys[0] and len(trace.chunk_keys[1]) == 3
+    assert len(set(trace.chunk_keys[1])) == 3
+
+
+def gzip_copy(path):
+    out = path.with_suffix(".jsonl.gz")
+    out.write_bytes(gzip.compress(path.read_bytes()))
+    return out
+
+
+def test_format_kvtier_record_rejects_wrong_key_count():
+    with pytest.raises(ValueError):
+        format_kvtier_record(0.0, 700, 256, [b"x" * 16])
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "not a JSON object"),
+    (json.dumps({"input_length": 600, "hash_ids": [1, 2]}), "'timestamp'"),
+    (json.dumps({"timestamp": 0, "input_length": -5, "hash_ids": []}), "'input_length'"),
+    (json.dumps({"timestamp": 0, "input_length": 600, "hash_ids": "12"}), "'hash_ids'"),
+    (json.dumps({"timestamp": 0, "input_length": 600, "hash_ids": [1]}), "--tokens-per-block"),
+    (json.dumps({"timestamp": "x", "input_length": 600, "hash_ids": [1, 2]}), "'timestamp'"),
+])
+def test_malformed_mooncake_line_names_file_and_line(tmp_path, line, message):
+    path = write_lines(tmp_path / "bad.jsonl", [mooncake(0, 600, [1, 2]), line])
+    with pytest.raises(TraceError, match="bad.jsonl line 2") as err:
+        read_trace(path)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("record, message", [
+    ({"time_s": 0, "num_tokens": 600, "chunk_tokens": 256, "chunk_keys": ["aa"]}, "expected 2"),
+    ({"time_s": 0, "num_tokens": 600, "chunk_tokens": 128, "chunk_keys": ["a"] * 4}, "one chunk size"),
+    ({"time_s": 0, "num_tokens": 600, "chunk_tokens": 256, "chunk_keys": [1, 2]}, "hex strings"),
+])
+def test_malformed_kvtier_line(tmp_path, record, message):
+    good = {"time_s": 0, "num_tokens": 600, "chunk_tokens": 256, "chunk_keys": ["aa", "bb"]}
+    path = write_lines(tmp_path / "bad.jsonl", [json.dumps(good), json.dumps(record)])
+    with pytest.raises(TraceError, match=message):
+        read_trace(path, "kvtier-jsonl")
+
+
+def test_kvtier_block_size_must_match_the_option(tmp_path):
+    good = {"time_s": 0, "num_tokens": 600, "chunk_tokens": 256, "chunk_keys": ["aa", "bb"]}
+    path = write_lines(tmp_path / "k.jsonl", [json.dumps(good)])
+    with pytest.raises(TraceError, match="--tokens-per-block"):
+        read_trace(path, "kvtier-jsonl", block_tokens=512)
+
+
+def test_missing_empty_directory_and_unknown_format(tmp_path):
+    with pytest.raises(TraceError, match="does not exist"):
+        read_trace(tmp_path / "nope.jsonl")
+    with pytest.raises(TraceError, match="no requests"):
+        read_trace(write_lines(tmp_path / "empty.jsonl", []))
+    with pytest.raises(TraceError, match="directory"):
+        read_trace(tmp_path)
+    with pytest.raises(TraceError, match="unknown trace format"):
+        read_trace(tmp_path / "x.jsonl", "csv")
+    (tmp_path / "fake.jsonl.gz").write_bytes(b"not gzip at all")
+    with pytest.raises(TraceError, match="cannot read"):
+        read_trace(tmp_path / "fake.jsonl.gz")
