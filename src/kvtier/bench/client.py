@@ -19,8 +19,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -138,15 +138,32 @@ def _chains(workload: Workload) -> list[list[BenchRequest]]:
     return chains
 
 
+@dataclass
+class _RunState:
+    """Mutable bookkeeping of one run (single event loop, so no locks)."""
+
+    t_run: float
+    results: dict[str, RequestResult] = field(default_factory=dict)
+    in_flight: set[str] = field(default_factory=set)
+    aborted: str | None = None
+    failed_at: tuple[str, ...] = ()
+    num_ok: int = 0
+    num_failed: int = 0
+
+    def abort(self, reason: str, also: str | None = None) -> None:
+        """Stop the run for ``reason``; the requests in flight (plus ``also``) are where it happened."""
+        if self.aborted is None:
+            self.aborted = reason
+            self.failed_at = tuple(sorted(self.in_flight | ({also} if also else set())))
+
+
 async def run_workload_async(workload: Workload, options: ClientOptions,
                              should_stop: Callable[[], str | None] | None = None) -> RunResult:
     """Send the whole workload; see the module docstring for the rules.  Never raises for a
     failing server: failures are in the returned results."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    results: dict[str, RequestResult] = {}
-    in_flight: set[str] = set()
-    state: dict[str, object] = {"aborted": None, "failed_at": ()}
+    state = _RunState(t_run=time.perf_counter())
     sem = asyncio.Semaphore(options.max_concurrency) if options.max_concurrency else None
     limits = httpx.Limits(max_connections=options.max_concurrency or 1000, max_keepalive_connections=100)
     timeout = httpx.Timeout(connect=30.0, read=options.stall_timeout_s, write=60.0, pool=None)
@@ -154,59 +171,56 @@ async def run_workload_async(workload: Workload, options: ClientOptions,
                         TextColumn("ok {task.fields[ok]} failed {task.fields[failed]}"), TimeElapsedColumn(),
                         disable=not options.progress, transient=False)
     task_id = progress.add_task(workload.name, total=len(workload.requests), ok=0, failed=0)
-    counts = {"ok": 0, "failed": 0}
-    t_run = time.perf_counter()
-
-    def abort(reason: str) -> None:
-        if state["aborted"] is None:
-            state["aborted"] = reason
-            state["failed_at"] = tuple(sorted(in_flight))
 
     async def one(client: httpx.AsyncClient, request: BenchRequest) -> RequestResult:
-        in_flight.add(request.request_id)
+        state.in_flight.add(request.request_id)
         try:
-            return await _send(client, request, options, t_run)
+            return await _send(client, request, options, state.t_run)
         finally:
-            in_flight.discard(request.request_id)
+            state.in_flight.discard(request.request_id)
+
+    async def failure_reason(request: BenchRequest, error: str) -> str | None:
+        if error.startswith("stall") and options.abort_on_stall:
+            return f"engine hung: request {request.request_id} received nothing for {options.stall_timeout_s:g} s"
+        if should_stop is not None and not error.startswith("HTTP 4"):
+            return await _wait_for_stop(should_stop, seconds=3.0)  # a dying server exits shortly after
+        return None
 
     async def chain(client: httpx.AsyncClient, requests: list[BenchRequest]) -> None:
         prev_end: float | None = None
         for request in requests:
-            target = request.arrival_s if prev_end is None else max(request.arrival_s,
-                                                                    prev_end + request.think_time_s)
-            delay = target - (time.perf_counter() - t_run)
+            target = request.arrival_s
+            if prev_end is not None:
+                target = max(target, prev_end + request.think_time_s)
+            delay = target - (time.perf_counter() - state.t_run)
             if delay > 0:
                 await asyncio.sleep(delay)
             if sem is not None:
                 async with sem:
-                    if state["aborted"] is not None:
+                    if state.aborted is not None:
                         return
                     result = await one(client, request)
             else:
                 result = await one(client, request)
-            results[request.request_id] = result
-            prev_end = time.perf_counter() - t_run
-            counts["ok" if result.ok else "failed"] += 1
-            progress.update(task_id, advance=1, **counts)
-            if result.ok or result.error is None:
-                continue
-            reason: str | None = None
-            if result.error.startswith("stall") and options.abort_on_stall:
-                reason = f"engine hung: request {request.request_id} received nothing for {options.stall_timeout_s:g} s"
-            elif should_stop is not None and not result.error.startswith("HTTP 4"):
-                reason = await _wait_for_stop(should_stop, seconds=3.0)  # a dying server exits shortly after
-            if reason is not None:
-                in_flight.add(request.request_id)  # name it among the requests where it happened
-                abort(reason)
-                in_flight.discard(request.request_id)
-                raise _Abort
+            state.results[request.request_id] = result
+            prev_end = time.perf_counter() - state.t_run
+            if result.ok:
+                state.num_ok += 1
+            else:
+                state.num_failed += 1
+            progress.update(task_id, advance=1, ok=state.num_ok, failed=state.num_failed)
+            if result.error is not None:
+                reason = await failure_reason(request, result.error)
+                if reason is not None:
+                    state.abort(reason, also=request.request_id)
+                    raise _Abort
 
     async def watch(tasks: list[asyncio.Task[None]]) -> None:
         while not all(t.done() for t in tasks):
             reason = should_stop() if should_stop is not None else None
             if reason is not None:
-                abort(reason)
-            if state["aborted"] is not None:
+                state.abort(reason)
+            if state.aborted is not None:
                 for t in tasks:
                     t.cancel()
                 return
@@ -218,19 +232,16 @@ async def run_workload_async(workload: Workload, options: ClientOptions,
             watcher = asyncio.create_task(watch(tasks))
             await asyncio.gather(*tasks, return_exceptions=True)
             await watcher
-    duration = time.perf_counter() - t_run
-    reason = state["aborted"]
+    duration = time.perf_counter() - state.t_run
     ordered = []
     for request in workload.requests:
-        if request.request_id in results:
-            ordered.append(results[request.request_id])
+        if request.request_id in state.results:
+            ordered.append(state.results[request.request_id])
             continue
-        was_in_flight = request.request_id in state["failed_at"]  # type: ignore[operator]
-        error = f"{reason}" if was_in_flight else f"{NOT_SENT}: {reason}"
+        # cancelled in flight: it failed where the run stopped; never started: not sent
+        error = str(state.aborted) if request.request_id in state.failed_at else f"{NOT_SENT}: {state.aborted}"
         ordered.append(RequestResult(request.request_id, request.prompt_len, 0, 0.0, None, None, (), error))
-    return RunResult(results=tuple(ordered), duration_s=duration,
-                     aborted=reason if isinstance(reason, str) else None,
-                     failed_at=tuple(state["failed_at"]))  # type: ignore[arg-type]
+    return RunResult(results=tuple(ordered), duration_s=duration, aborted=state.aborted, failed_at=state.failed_at)
 
 
 def run_workload(workload: Workload, options: ClientOptions,

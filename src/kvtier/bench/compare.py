@@ -11,9 +11,10 @@ the ``baseline`` arm when it ran.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from kvtier.bench.arms import BASELINE, ArmSpec
 from kvtier.bench.client import ClientOptions, run_workload
@@ -134,7 +135,7 @@ def run_arm(arm: ArmSpec, workload: Workload, engine: EngineSpec, log_path: Path
                 return ArmOutcome(arm, log_path, server.startup_s, None, None,
                                   ArmFailure(f"warm-up request failed: {why}", ("warmup",), log_path))
         try:
-            before = scrape(server.base_url)
+            before = scrape(server.base_url, save_to=log_path.with_suffix('.metrics-before.txt'))
         except MetricsError as exc:
             return ArmOutcome(arm, log_path, server.startup_s, None, None, ArmFailure(str(exc), (), log_path))
         run = run_workload(workload, options, server.exit_reason)
@@ -142,7 +143,8 @@ def run_arm(arm: ArmSpec, workload: Workload, engine: EngineSpec, log_path: Path
             return ArmOutcome(arm, log_path, server.startup_s, run, None,
                               ArmFailure(run.aborted, run.failed_at, log_path))
         try:
-            meters: MeterDeltas | None = deltas(before, scrape(server.base_url))
+            after = scrape(server.base_url, save_to=log_path.with_suffix('.metrics-after.txt'))
+            meters: MeterDeltas | None = deltas(before, after)
             failure = None
         except MetricsError as exc:
             meters, failure = None, ArmFailure(str(exc), (), log_path)
@@ -153,13 +155,15 @@ def run_arm(arm: ArmSpec, workload: Workload, engine: EngineSpec, log_path: Path
 
 def run_compare(arms: list[ArmSpec], workload: Workload, engine: EngineSpec, out_dir: Path, *,
                 warmup: Workload | None, max_concurrency: int | None = None, stall_timeout_s: float = 300.0,
-                start_timeout_s: float = 900.0, thresholds: Thresholds = Thresholds(), progress: bool = True,
+                start_timeout_s: float = 900.0, thresholds: Thresholds | None = None, progress: bool = True,
                 on_arm: Callable[[ArmSpec], None] | None = None) -> CompareResult:
     """Run every arm in order and judge each against ``baseline`` (see the module docstring).
 
     ``on_arm`` is called before each arm starts (the CLI prints a line there).  Server logs are
-    written to ``out_dir/<arm>.log``.
+    written to ``out_dir/<arm>.log``, the raw ``/metrics`` texts beside them
+    (``<arm>.metrics-before.txt``, ``<arm>.metrics-after.txt``).
     """
+    thresholds = thresholds or Thresholds()
     outcomes: list[ArmOutcome] = []
     for arm in arms:
         if on_arm is not None:

@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 
@@ -117,7 +117,7 @@ class Engine:
         self.startup_s = 0.0
         self._proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, timeout_s: float = 900.0) -> "Engine":
+    def start(self, timeout_s: float = 900.0) -> Engine:
         """Start the server and wait until ``/health`` answers 200.
 
         Raises:
@@ -176,7 +176,7 @@ class Engine:
         if proc.poll() is None:
             proc.wait(timeout=10.0)
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

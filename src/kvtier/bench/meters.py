@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -67,9 +68,12 @@ def parse_metrics(text: str) -> MetricsSnapshot:
     counters: dict[str, dict[LabelSet, float]] = {}
     try:
         for family in text_string_to_metric_families(text):
-            if family.type != "counter":
+            name = family.name
+            if family.type == "unknown" and name.endswith("_total"):
+                name = name[: -len("_total")]  # an untyped ``*_total`` sample is a counter by convention
+            elif family.type != "counter":
                 continue
-            values = counters.setdefault(family.name, {})
+            values = counters.setdefault(name, {})
             for sample in family.samples:
                 if sample.name.endswith("_created"):
                     continue  # creation timestamps, not counts
@@ -80,8 +84,8 @@ def parse_metrics(text: str) -> MetricsSnapshot:
     return MetricsSnapshot(counters=counters)
 
 
-def scrape(base_url: str, timeout_s: float = 10.0) -> MetricsSnapshot:
-    """GET ``{base_url}/metrics`` and parse it.
+def fetch_metrics_text(base_url: str, timeout_s: float = 10.0) -> str:
+    """GET ``{base_url}/metrics`` and return the Prometheus text.
 
     Raises:
         MetricsError: the server did not answer 200 within ``timeout_s`` seconds.
@@ -93,7 +97,20 @@ def scrape(base_url: str, timeout_s: float = 10.0) -> MetricsSnapshot:
         raise MetricsError(f"could not fetch {url} ({type(exc).__name__}: {exc})") from None
     if response.status_code != 200:
         raise MetricsError(f"{url} answered HTTP {response.status_code}")
-    return parse_metrics(response.text)
+    return response.text
+
+
+def scrape(base_url: str, timeout_s: float = 10.0, save_to: Path | None = None) -> MetricsSnapshot:
+    """Fetch and parse ``{base_url}/metrics``; the raw text is also written to ``save_to`` if given.
+
+    Raises:
+        MetricsError: the server did not answer 200, or the text is not Prometheus format.
+    """
+    text = fetch_metrics_text(base_url, timeout_s)
+    if save_to is not None:
+        save_to.parent.mkdir(parents=True, exist_ok=True)
+        save_to.write_text(text)
+    return parse_metrics(text)
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,15 @@ sessions start ``session_interval_s`` apart and run concurrently.
 
 from __future__ import annotations
 
-from kvtier.bench.workload import (DOMAIN_ANSWER, DOMAIN_QUESTION, DOMAIN_SYSTEM, BenchRequest, TokenSpace,
-                                   Workload, WorkloadError)
+from kvtier.bench.workload import (
+    DOMAIN_ANSWER,
+    DOMAIN_QUESTION,
+    DOMAIN_SYSTEM,
+    BenchRequest,
+    TokenSpace,
+    Workload,
+    WorkloadError,
+)
 
 
 def multi_round_workload(tokens: TokenSpace, *, num_sessions: int = 8, num_rounds: int = 4,

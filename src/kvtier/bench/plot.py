@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 
 def plot_ttft_cdf(ttfts_by_arm: Mapping[str, Sequence[float]], path: Path, title: str) -> Path:

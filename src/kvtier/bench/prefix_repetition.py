@@ -16,8 +16,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvtier.bench.workload import (DOMAIN_PREFIX, DOMAIN_SUFFIX, BenchRequest, TokenSpace, Workload,
-                                   WorkloadError)
+from kvtier.bench.workload import (
+    DOMAIN_PREFIX,
+    DOMAIN_SUFFIX,
+    BenchRequest,
+    TokenSpace,
+    Workload,
+    WorkloadError,
+)
 
 DEFAULT_PREFIX_LEN = 256
 DEFAULT_SUFFIX_LEN = 256

@@ -53,11 +53,6 @@ def _ratio(x: float | None, ref: float | None) -> str:
     return f"{x / ref:.2f}x"
 
 
-def _gib(meters_bytes: dict[str, float], direction: str) -> str:
-    value = meters_bytes.get(direction)
-    return "-" if value is None else f"{value / GiB:.2f}"
-
-
 @dataclass(frozen=True)
 class Row:
     """One table row, already formatted."""
@@ -65,52 +60,63 @@ class Row:
     cells: tuple[str, ...]
 
 
-COLUMNS = ("arm", "hit rate", "engine hit", "external hit", "TTFT p50", "TTFT p99", "output tok/s",
-           "p50 vs base", "p99 vs base", "tok/s vs base", "verdict")
+COLUMNS = ("arm", "hit rate", "engine hit", "external hit", "TTFT p50", "TTFT p99", "output tok/s", "verdict")
+
+
+def _with_ratio(text: str, x: float | None, ref: float | None, is_ref: bool) -> str:
+    return text if is_ref or text == "-" else f"{text} ({_ratio(x, ref)})"
 
 
 def rows(result: CompareResult) -> list[Row]:
-    """The table rows, one per arm, in run order."""
+    """The table rows, one per arm, in run order; TTFT and throughput carry their ratio to the
+    baseline in parentheses."""
     base = result.outcome(BASELINE)
     base_sum = base.summary() if base is not None and base.ok else None
+    bt = base_sum.ttft_s if base_sum is not None else None
     out = []
     for o in result.outcomes:
-        s = o.summary()
-        m = o.meters
         if o.failure is not None:
-            out.append(Row((o.arm.name, "-", "-", "-", "-", "-", "-", "-", "-", "-", "FAILED")))
+            out.append(Row((o.arm.name, "-", "-", "-", "-", "-", "-", "FAILED")))
             continue
+        s, m = o.summary(), o.meters
         ttft = s.ttft_s if s is not None else None
-        bt = base_sum.ttft_s if base_sum is not None else None
+        is_ref = o is base
+        p50 = ttft.p50 if ttft else None
+        p99 = ttft.p99 if ttft else None
+        tput = s.output_tok_per_s if s else None
         out.append(Row((
             o.arm.name, _fmt_rate(m.prefix_hit_rate if m else None), _fmt_rate(m.engine_hit_rate if m else None),
-            _fmt_rate(m.external_hit_rate if m else None), _fmt_s(ttft.p50 if ttft else None),
-            _fmt_s(ttft.p99 if ttft else None), f"{s.output_tok_per_s:.1f}" if s else "-",
-            _ratio(ttft.p50 if ttft else None, bt.p50 if bt else None),
-            _ratio(ttft.p99 if ttft else None, bt.p99 if bt else None),
-            _ratio(s.output_tok_per_s if s else None, base_sum.output_tok_per_s if base_sum else None),
+            _fmt_rate(m.external_hit_rate if m else None),
+            _with_ratio(_fmt_s(p50), p50, bt.p50 if bt else None, is_ref),
+            _with_ratio(_fmt_s(p99), p99, bt.p99 if bt else None, is_ref),
+            _with_ratio("-" if tput is None else f"{tput:.1f}", tput,
+                        base_sum.output_tok_per_s if base_sum else None, is_ref),
             o.verdict.kind.value if o.verdict else "-")))
     return out
 
 
 def print_table(result: CompareResult) -> None:
     """Print the comparison table, each arm's verdict reason and each failure to the terminal."""
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
-    table = Table(title=f"kvtier bench compare: {result.workload.name}, {len(result.workload.requests)} requests")
+    console = Console(width=max(console.width, 112))  # the table needs ~110 columns; narrower would cut cells
+    table = Table(title=f"kvtier bench compare: {result.workload.name}, {len(result.workload.requests)} requests "
+                  "(ratio to baseline in parentheses)", box=box.SIMPLE_HEAVY)
     for col in COLUMNS:
-        table.add_column(col, justify="left" if col in ("arm", "verdict") else "right")
+        table.add_column(col, justify="left" if col in ("arm", "verdict") else "right", no_wrap=True)
     for row in rows(result):
         table.add_row(*row.cells)
     console.print(table)
     for o in result.outcomes:
         if o.verdict is not None:
-            console.print(f"[bold]{o.arm.name}[/bold]: {o.verdict.kind.value}: {o.verdict.reason}")
+            console.print(f"[bold]{o.arm.name}[/bold]: {o.verdict.kind.value}: {o.verdict.reason}", highlight=False)
         if o.failure is not None:
             where = f" during {', '.join(o.failure.request_ids)}" if o.failure.request_ids else ""
-            console.print(f"[bold red]{o.arm.name}[/bold red]: {o.failure.reason}{where}; log: {o.failure.log_path}")
+            console.print(f"[bold red]{o.arm.name}[/bold red]: {o.failure.reason}{where}; log: {o.failure.log_path}",
+                          highlight=False)
 
 
 def _reuse_ttfts(o: ArmOutcome, shared: dict[str, int]) -> list[float]:
@@ -126,24 +132,29 @@ def write_plot(result: CompareResult, path: Path) -> Path:
     return plot_ttft_cdf(ttfts, path, f"TTFT CDF: {result.workload.name}, {len(result.workload.requests)} requests")
 
 
+HIT_RATE_NOTE = ("Hit rate: share of prompt tokens not recomputed ((engine hits + connector hits) / prompt "
+                 "tokens queried, from the deltas of `vllm:prefix_cache_*` and `vllm:external_prefix_cache_*`); "
+                 "engine hit: the engine's own cache; external hit: share of the tokens the connector was asked "
+                 "for that it supplied.")
+
+
 def markdown(result: CompareResult, plot_name: str | None, command: str | None) -> str:
     """A short Markdown report: setup, table, verdicts, failures, reuse-only TTFT, kvtier bytes."""
     w, e = result.workload, result.engine
     lines = [f"# kvtier bench compare: {w.name}", ""]
     if command:
         lines += ["Command:", "", "```", command, "```", ""]
-    lines += [f"- workload: `{w.name}` {json.dumps(w.params)}; {len(w.requests)} requests, "
-              f"{w.num_prompt_tokens} prompt tokens, {w.num_output_tokens} output tokens",
-              f"- engine: `{e.model}` (load format {e.load_format or 'weights'}), max model len {e.max_model_len}, "
-              f"engine cache {e.num_blocks - 1} blocks x {e.block_size} tokens = {(e.num_blocks - 1) * e.block_size} "
-              "tokens, the same for every arm"]
+    workload_line = (f"- workload: `{w.name}` {json.dumps(w.params)}; {len(w.requests)} requests, "
+                     f"{w.num_prompt_tokens} prompt tokens, {w.num_output_tokens} output tokens")
+    cache_tokens = (e.num_blocks - 1) * e.block_size
+    engine_line = (f"- engine: `{e.model}` (load format {e.load_format or 'weights'}), max model len "
+                   f"{e.max_model_len}, engine cache {e.num_blocks - 1} blocks x {e.block_size} tokens = "
+                   f"{cache_tokens} tokens, the same for every arm")
+    lines += [workload_line, engine_line]
     lines += [f"- note: {n}" for n in w.notes]
     lines += ["", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(r.cells) + " |" for r in rows(result)]
-    lines += ["", "Hit rate: share of prompt tokens not recomputed ((engine hits + connector hits) / prompt "
-              "tokens queried, from the deltas of `vllm:prefix_cache_*` and `vllm:external_prefix_cache_*`); "
-              "engine hit: the engine's own cache; external hit: share of the tokens the connector was asked "
-              "for that it supplied.", ""]
+    lines += ["", HIT_RATE_NOTE, ""]
     lines += ["## Arms", ""]
     shared = {r.request_id: r.shared_prefix_tokens for r in w.requests}
     for o in result.outcomes:

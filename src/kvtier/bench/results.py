@@ -7,8 +7,9 @@ run (first send to last completion).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -54,7 +55,7 @@ class Percentiles:
     mean: float
 
     @classmethod
-    def of(cls, values: Sequence[float]) -> "Percentiles | None":
+    def of(cls, values: Sequence[float]) -> Percentiles | None:
         """Percentiles of ``values``; ``None`` when there are none."""
         if not values:
             return None

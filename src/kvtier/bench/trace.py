@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import gzip
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Iterator
 
-from kvtier.bench.workload import (DOMAIN_TRACE_BLOCK, BenchRequest, TokenSpace, Workload,
-                                   WorkloadError)
+from kvtier.bench.workload import DOMAIN_TRACE_BLOCK, BenchRequest, TokenSpace, Workload, WorkloadError
 
 MOONCAKE_BLOCK_TOKENS = 512
 """Tokens per hash id in Mooncake traces (Mooncake FAST25-release README: "block size 512")."""

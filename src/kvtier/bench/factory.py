@@ -1,0 +1,105 @@
+"""Build any of the three workloads from one set of knobs (what the CLI collects).
+
+``build_workload`` also fits a trace to the server: prompts are cut so that prompt + output fits
+``max_model_len``, and checks the other workloads fit, failing with a sentence that names the knob.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtier.bench.multi_round import multi_round_workload
+from kvtier.bench.prefix_repetition import prefix_repetition_workload
+from kvtier.bench.trace import bundled_trace_path, load_trace, trace_workload
+from kvtier.bench.workload import Workload, WorkloadError, vocab_token_space
+
+WORKLOADS = ("trace", "prefix-repetition", "multi-round")
+
+
+@dataclass(frozen=True)
+class WorkloadKnobs:
+    """Every workload knob; each workload reads its own (see the workload modules for meanings).
+
+    ``time_scale=None`` means 1.0 (real time) in open loop and 0 (as fast as allowed) when
+    ``closed_loop`` is set.
+    """
+
+    kind: str = "trace"
+    seed: int = 0
+    # trace
+    trace_path: Path | None = None
+    start: int = 0
+    limit: int = 200
+    tokens_per_block: int = 64
+    time_scale: float | None = None
+    max_prompt_tokens: int | None = None
+    max_output_tokens: int | None = 32
+    # prefix-repetition
+    num_requests: int = 100
+    prefix_len: int = 256
+    suffix_len: int = 256
+    num_prefixes: int = 10
+    output_len: int = 128
+    request_rate: float | None = None
+    shuffle: bool = False
+    # multi-round
+    num_sessions: int = 8
+    num_rounds: int = 4
+    system_len: int = 512
+    question_len: int = 128
+    answer_len: int = 64
+    think_time_s: float = 1.0
+    session_interval_s: float = 0.5
+
+
+def model_vocab_size(model: str) -> int | None:
+    """``vocab_size`` from ``MODEL/config.json`` when ``model`` is a local directory, else ``None``."""
+    config = Path(model) / "config.json"
+    try:
+        value = json.loads(config.read_text()).get("vocab_size")
+    except (OSError, ValueError):
+        return None
+    return int(value) if isinstance(value, int) else None
+
+
+def build_workload(knobs: WorkloadKnobs, vocab_size: int, max_model_len: int | None,
+                   closed_loop: bool) -> Workload:
+    """The workload ``knobs.kind``, fitted to ``max_model_len`` (``None``: unknown, no fitting).
+
+    Raises:
+        WorkloadError: unknown kind, a knob out of range, or a prompt that cannot fit the model.
+    """
+    tokens = vocab_token_space(knobs.seed, vocab_size)
+    if knobs.kind == "trace":
+        cap = knobs.max_prompt_tokens
+        if max_model_len is not None:
+            room = max_model_len - (knobs.max_output_tokens or 0)
+            if room <= 0:
+                raise WorkloadError(f"--max-output-tokens {knobs.max_output_tokens} leaves no room for a prompt in "
+                                    f"max model len {max_model_len}; lower it")
+            cap = room if cap is None else min(cap, room)
+        scale = knobs.time_scale if knobs.time_scale is not None else (0.0 if closed_loop else 1.0)
+        records = load_trace(knobs.trace_path or bundled_trace_path(), knobs.start, knobs.limit)
+        return trace_workload(records, tokens, tokens_per_block=knobs.tokens_per_block, time_scale=scale,
+                              max_prompt_tokens=cap, max_output_tokens=knobs.max_output_tokens)
+    if knobs.kind == "prefix-repetition":
+        workload = prefix_repetition_workload(
+            tokens, num_requests=knobs.num_requests, prefix_len=knobs.prefix_len, suffix_len=knobs.suffix_len,
+            num_prefixes=knobs.num_prefixes, output_len=knobs.output_len, request_rate=knobs.request_rate,
+            shuffle=knobs.shuffle)
+    elif knobs.kind == "multi-round":
+        workload = multi_round_workload(
+            tokens, num_sessions=knobs.num_sessions, num_rounds=knobs.num_rounds, system_len=knobs.system_len,
+            question_len=knobs.question_len, answer_len=knobs.answer_len, think_time_s=knobs.think_time_s,
+            session_interval_s=knobs.session_interval_s)
+    else:
+        raise WorkloadError(f"unknown workload {knobs.kind!r}; choose one of {', '.join(WORKLOADS)}")
+    if max_model_len is not None:
+        longest = max(workload.requests, key=lambda r: r.prompt_len + r.max_tokens)
+        if longest.prompt_len + longest.max_tokens > max_model_len:
+            raise WorkloadError(f"request {longest.request_id} needs {longest.prompt_len} prompt + "
+                                f"{longest.max_tokens} output tokens, more than max model len {max_model_len}; "
+                                "shorten the workload's lengths or raise --max-model-len")
+    return workload

@@ -1,0 +1,127 @@
+"""``kvtier bench run``: one workload against one running server, with its meters and verdict.
+
+Files written with ``out``: ``requests.json`` (per request), ``summary.json`` (summary, meter
+deltas and the figures a later run can be judged against with ``--baseline``), and the raw
+``metrics-before.txt`` / ``metrics-after.txt``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from kvtier.bench.client import ClientOptions, run_workload
+from kvtier.bench.meters import MeterDeltas, MetricsError, deltas, scrape
+from kvtier.bench.results import RunResult
+from kvtier.bench.verdict import ArmFigures, Verdict, judge
+from kvtier.bench.workload import Workload
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """A finished ``bench run``: ``error`` is set (and the rest may be missing) when the server's
+    meters could not be read."""
+
+    workload: Workload
+    run: RunResult | None
+    meters: MeterDeltas | None
+    error: str | None
+    out_dir: Path | None
+
+    def figures(self) -> ArmFigures | None:
+        """Hit rate and TTFT percentiles, if the run had successful requests and meters."""
+        if self.run is None or self.meters is None:
+            return None
+        ttft = self.run.summary().ttft_s
+        if ttft is None:
+            return None
+        return ArmFigures(self.meters.prefix_hit_rate or 0.0, ttft.p50, ttft.p99)
+
+
+def run_once(workload: Workload, url: str, model: str, max_concurrency: int | None, stall_timeout_s: float,
+             out_dir: Path | None, progress: bool = True) -> RunOutcome:
+    """Scrape, send the workload, scrape again; write the files if ``out_dir`` is given."""
+    save = (lambda name: out_dir / name) if out_dir is not None else (lambda name: None)
+    try:
+        before = scrape(url, save_to=save("metrics-before.txt"))
+    except MetricsError as exc:
+        return RunOutcome(workload, None, None, str(exc), out_dir)
+    options = ClientOptions(base_url=url, model=model, max_concurrency=max_concurrency,
+                            stall_timeout_s=stall_timeout_s, progress=progress)
+    run = run_workload(workload, options)
+    try:
+        meters: MeterDeltas | None = deltas(before, scrape(url, save_to=save("metrics-after.txt")))
+        error = None
+    except MetricsError as exc:
+        meters, error = None, str(exc)
+    outcome = RunOutcome(workload, run, meters, error, out_dir)
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "requests.json").write_text(json.dumps(run.to_dict(), indent=1) + "\n")
+        figures = outcome.figures()
+        (out_dir / "summary.json").write_text(json.dumps({
+            "workload": {"name": workload.name, "params": workload.params, "notes": list(workload.notes)},
+            "summary": run.summary().to_dict(), "meters": asdict(meters) if meters else None,
+            "figures": asdict(figures) if figures else None}, indent=2) + "\n")
+    return outcome
+
+
+def load_baseline(path: Path) -> ArmFigures:
+    """The figures of an earlier run's ``summary.json``.
+
+    Raises:
+        ValueError: the file is missing or has no figures (one sentence naming the fix).
+    """
+    try:
+        figures = json.loads(path.read_text())["figures"]
+        return ArmFigures(float(figures["prefix_hit_rate"]), float(figures["ttft_p50_s"]),
+                          float(figures["ttft_p99_s"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ValueError(f"--baseline {path} is not the summary.json of a `kvtier bench run --out` with "
+                         "successful requests; point it at one") from None
+
+
+def judge_run(outcome: RunOutcome, baseline: ArmFigures | None) -> Verdict | None:
+    """The verdict of the run (``None`` without figures)."""
+    figures = outcome.figures()
+    return judge(figures, baseline) if figures is not None else None
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None or math.isnan(x) else f"{x * 1000:.1f} ms"
+
+
+def print_run(outcome: RunOutcome, verdict: Verdict | None) -> None:
+    """Print the summary, the meters and the verdict."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    assert outcome.run is not None
+    s = outcome.run.summary()
+    table = Table(title=f"kvtier bench run: {outcome.workload.name}, {s.num_requests} requests, {s.duration_s:.1f} s")
+    for col in ("latency", "p50", "p90", "p99", "mean"):
+        table.add_column(col, justify="right")
+    for name, p in (("TTFT", s.ttft_s), ("ITL", s.itl_s), ("end-to-end", s.e2e_s)):
+        table.add_row(name, *([_ms(p.p50), _ms(p.p90), _ms(p.p99), _ms(p.mean)] if p else ["-"] * 4))
+    console.print(table)
+    console.print(f"requests: {s.num_ok} ok, {s.num_failed} failed, {s.num_not_sent} not sent; "
+                  f"throughput {s.output_tok_per_s:.1f} output tok/s, {s.prompt_tok_per_s:.0f} prompt tok/s, "
+                  f"{s.request_per_s:.2f} req/s")
+    m = outcome.meters
+    if m is not None:
+        def pct(x: float | None) -> str:
+            return "-" if x is None else f"{100 * x:.1f}%"
+        console.print(f"hit rate {pct(m.prefix_hit_rate)} (engine {pct(m.engine_hit_rate)}: "
+                      f"{m.prefix_hits:.0f}/{m.prefix_queries:.0f} tokens; external {pct(m.external_hit_rate)}: "
+                      f"{m.external_hits:.0f}/{m.external_queries:.0f} tokens)")
+        if m.kvtier_bytes:
+            console.print("kvtier bytes: " + ", ".join(f"{d} {v / 2**20:.1f} MiB" for d, v in sorted(m.kvtier_bytes.items())))
+    for note in outcome.workload.notes:
+        console.print(f"note: {note}")
+    if verdict is not None:
+        console.print(f"[bold]verdict: {verdict.kind.value}[/bold]: {verdict.reason}")
+    if outcome.out_dir is not None:
+        console.print(f"results: {outcome.out_dir}")

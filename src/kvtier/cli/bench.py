@@ -1,0 +1,233 @@
+"""``kvtier bench``: replay traffic against an OpenAI-compatible server; compare arms side by side."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from kvtier.cli.errors import fail
+
+RUN_HELP = """Replay a workload against a running server and read its meters.
+
+Sends token-id prompts to /v1/completions (streaming), records TTFT, inter-token latency and end-to-end latency per request, scrapes /metrics before and after, and prints the hit rates and the verdict (helping / hurting / no reuse). Workloads: trace (Mooncake format, the bundled conversation trace by default), prefix-repetition, multi-round; each deterministic under --seed.
+
+Examples:
+
+  kvtier bench run --url http://127.0.0.1:8000 --workload trace --limit 200 --tokens-per-block 64 --max-concurrency 2
+
+  kvtier bench run --url http://127.0.0.1:8000 --workload prefix-repetition --prefix-len 2000 --num-prefixes 8 --num-requests 64 --out runs/pr
+
+  kvtier bench run --url http://127.0.0.1:8000 --workload multi-round --num-sessions 4 --num-rounds 5 --baseline runs/base/summary.json
+"""
+
+COMPARE_HELP = """Start vLLM once per arm and run the same workload against each.
+
+Arms: baseline (no connector), kvtier (KVTierConnector, default config or --kvtier-config), example (vLLM's ExampleConnector). Same model, same engine cache size (--engine-cache-tokens), same workload. Prints one table (hit rates, TTFT p50/p99, throughput, ratios to baseline, verdict) and writes report.md, ttft_cdf.png, per-arm server logs and /metrics texts to --out; --json writes the figures as JSON. An arm whose engine dies or hangs is reported with the request where it happened and its log; the other arms still run.
+
+Examples:
+
+  kvtier bench compare --model models/mid --max-model-len 4096 --engine-cache-tokens 8192 --workload prefix-repetition --prefix-len 4000 --suffix-len 0 --num-prefixes 3 --num-requests 6 --output-len 1
+
+  kvtier bench compare --model models/tiny --arms baseline,kvtier --workload trace --start 0 --limit 300 --json out.json
+"""
+
+# ---- workload options, shared by both commands ------------------------------------------------
+WORKLOAD = typer.Option("trace", "--workload", "-w", help="trace, prefix-repetition or multi-round.")
+SEED = typer.Option(0, "--seed", help="Seed of every token id (same seed, same requests).")
+VOCAB = typer.Option(None, "--vocab-size", help="Token ids are drawn below this (default: the model's config.json).")
+MAX_CONC = typer.Option(None, "--max-concurrency", min=1,
+                        help="Requests in flight at most (closed loop); trace arrivals are then ignored unless --time-scale is given.")
+TRACE = typer.Option(None, "--trace", help="Mooncake-format .jsonl(.gz) trace (default: the bundled conversation trace).")
+START = typer.Option(0, "--start", min=0, help="trace: first request (0-based line).")
+LIMIT = typer.Option(200, "--limit", min=1, help="trace: number of requests.")
+TPB = typer.Option(64, "--tokens-per-block", min=1, help="trace: tokens per 512-token trace block (512 = real lengths).")
+TIME_SCALE = typer.Option(None, "--time-scale", min=0.0,
+                          help="trace: multiply inter-arrival times (0.1 = 10x faster; 0 = all at once). Default 1, or 0 with --max-concurrency.")
+MAX_PROMPT = typer.Option(None, "--max-prompt-tokens", min=1, help="trace: cut longer prompts (the shared prefix survives).")
+MAX_OUT = typer.Option(32, "--max-output-tokens", min=1, help="trace: cap on completion tokens per request.")
+NUM_REQ = typer.Option(100, "--num-requests", min=1, help="prefix-repetition: requests.")
+PREFIX_LEN = typer.Option(256, "--prefix-len", min=0, help="prefix-repetition: shared prefix tokens.")
+SUFFIX_LEN = typer.Option(256, "--suffix-len", min=0, help="prefix-repetition: fresh suffix tokens.")
+NUM_PREFIXES = typer.Option(10, "--num-prefixes", min=1, help="prefix-repetition: distinct prefixes.")
+OUTPUT_LEN = typer.Option(128, "--output-len", min=1, help="prefix-repetition: completion tokens.")
+RATE = typer.Option(None, "--request-rate", help="prefix-repetition: requests per second (default: closed loop).")
+SHUFFLE = typer.Option(False, "--shuffle", help="prefix-repetition: seeded shuffled order instead of round robin.")
+SESSIONS = typer.Option(8, "--num-sessions", min=1, help="multi-round: conversations.")
+ROUNDS = typer.Option(4, "--num-rounds", min=1, help="multi-round: turns per conversation.")
+SYSTEM = typer.Option(512, "--system-len", min=0, help="multi-round: shared system prompt tokens.")
+QUESTION = typer.Option(128, "--question-len", min=1, help="multi-round: user tokens per turn.")
+ANSWER = typer.Option(64, "--answer-len", min=1, help="multi-round: completion tokens per turn.")
+THINK = typer.Option(1.0, "--think-time", min=0.0, help="multi-round: seconds between a reply and the next turn.")
+INTERVAL = typer.Option(0.5, "--session-interval", min=0.0, help="multi-round: seconds between session starts.")
+STALL = typer.Option(300.0, "--stall-timeout", min=1.0, help="Seconds without a byte before a request fails (compare: the engine counts as hung).")
+RUN_OUT = typer.Option(None, "--out", help="Directory for requests.json, summary.json and the /metrics texts.")
+BASELINE_FILE = typer.Option(None, "--baseline", help="summary.json of an earlier run to judge TTFT against.")
+KVTIER_CONFIG = typer.Option(None, "--kvtier-config", help="YAML of kvtier settings for the kvtier arm.")
+COMPARE_OUT = typer.Option(None, "--out", help="Report directory (default .kvtier/bench/compare-<time>).")
+JSON_PATH = typer.Option(None, "--json", help="Write the figures as JSON here.")
+
+
+def _knobs(**values: Any) -> Any:
+    from kvtier.bench.factory import WorkloadKnobs
+
+    return WorkloadKnobs(**values)
+
+
+def _build(knobs: Any, vocab_size: int | None, model: str, max_model_len: int | None,
+           closed_loop: bool) -> tuple[Any, int]:
+    """The workload and the vocabulary size its tokens were drawn from."""
+    from kvtier.bench.factory import build_workload, model_vocab_size
+    from kvtier.bench.workload import WorkloadError
+
+    vocab = vocab_size or model_vocab_size(model)
+    if vocab is None:
+        fail(f"cannot tell the vocabulary size of model {model!r}; pass --vocab-size")
+    try:
+        return build_workload(knobs, vocab, max_model_len, closed_loop), vocab
+    except WorkloadError as exc:
+        fail(str(exc))
+
+
+def _served_model(url: str) -> tuple[str, int | None]:
+    import httpx
+
+    try:
+        response = httpx.get(url.rstrip("/") + "/v1/models", timeout=10.0)
+        response.raise_for_status()
+        card = response.json()["data"][0]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        fail(f"no OpenAI-compatible server answered at {url} ({type(exc).__name__}); start one or fix --url")
+    return str(card["id"]), card.get("max_model_len")
+
+
+def run_command(
+    url: str = typer.Option("http://127.0.0.1:8000", "--url", help="Server root URL."),
+    model: str | None = typer.Option(None, "--model", help="Model name to request (default: the server's first model)."),
+    out: Path | None = RUN_OUT,
+    baseline: Path | None = BASELINE_FILE,
+    no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar."),
+    workload: str = WORKLOAD, seed: int = SEED, vocab_size: int | None = VOCAB, max_concurrency: int | None = MAX_CONC,
+    trace: Path | None = TRACE, start: int = START, limit: int = LIMIT, tokens_per_block: int = TPB,
+    time_scale: float | None = TIME_SCALE, max_prompt_tokens: int | None = MAX_PROMPT, max_output_tokens: int = MAX_OUT,
+    num_requests: int = NUM_REQ, prefix_len: int = PREFIX_LEN, suffix_len: int = SUFFIX_LEN,
+    num_prefixes: int = NUM_PREFIXES, output_len: int = OUTPUT_LEN, request_rate: float | None = RATE,
+    shuffle: bool = SHUFFLE, num_sessions: int = SESSIONS, num_rounds: int = ROUNDS, system_len: int = SYSTEM,
+    question_len: int = QUESTION, answer_len: int = ANSWER, think_time: float = THINK,
+    session_interval: float = INTERVAL, stall_timeout: float = STALL,
+) -> None:
+    from kvtier.bench.run import judge_run, load_baseline, print_run, run_once
+
+    served, max_len = _served_model(url)
+    model = model or served
+    knobs = _knobs(kind=workload, seed=seed, trace_path=trace, start=start, limit=limit,
+                   tokens_per_block=tokens_per_block, time_scale=time_scale, max_prompt_tokens=max_prompt_tokens,
+                   max_output_tokens=max_output_tokens, num_requests=num_requests, prefix_len=prefix_len,
+                   suffix_len=suffix_len, num_prefixes=num_prefixes, output_len=output_len,
+                   request_rate=request_rate, shuffle=shuffle, num_sessions=num_sessions, num_rounds=num_rounds,
+                   system_len=system_len, question_len=question_len, answer_len=answer_len,
+                   think_time_s=think_time, session_interval_s=session_interval)
+    built, _ = _build(knobs, vocab_size, model, max_len, max_concurrency is not None)
+    reference = None
+    if baseline is not None:
+        try:
+            reference = load_baseline(baseline)
+        except ValueError as exc:
+            fail(str(exc))
+    outcome = run_once(built, url, model, max_concurrency, stall_timeout, out, progress=not no_progress)
+    if outcome.error is not None:
+        fail(outcome.error)
+    print_run(outcome, judge_run(outcome, reference))
+
+
+def compare_command(
+    model: str = typer.Option(..., "--model", "-m", help="Model directory (or name) every arm serves."),
+    arms: str = typer.Option("baseline,kvtier,example", "--arms", help="Comma-separated arms, run in this order."),
+    max_model_len: int = typer.Option(4096, "--max-model-len", min=64, help="Context length of every arm, tokens."),
+    engine_cache_tokens: int = typer.Option(8192, "--engine-cache-tokens", min=1,
+                                            help="Engine KV cache of every arm, tokens (at least --max-model-len)."),
+    block_size: int = typer.Option(128, "--block-size", min=16, help="Engine KV block size, tokens (CPU: multiple of 32)."),
+    load_format: str = typer.Option("dummy", "--load-format", help="vLLM load format; 'auto' for real weights."),
+    kvtier_config: Path | None = KVTIER_CONFIG,
+    max_num_batched_tokens: int | None = typer.Option(None, "--max-num-batched-tokens", min=1, help="Prefill chunk per engine step, tokens."),
+    memory_fraction: float = typer.Option(0.25, "--memory-fraction", min=0.01, max=1.0,
+                                          help="vLLM --gpu-memory-utilization (CPU backend: share of RAM it may reserve)."),
+    out: Path | None = COMPARE_OUT,
+    json_path: Path | None = JSON_PATH,
+    no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar."),
+    workload: str = WORKLOAD, seed: int = SEED, vocab_size: int | None = VOCAB, max_concurrency: int | None = MAX_CONC,
+    trace: Path | None = TRACE, start: int = START, limit: int = LIMIT, tokens_per_block: int = TPB,
+    time_scale: float | None = TIME_SCALE, max_prompt_tokens: int | None = MAX_PROMPT, max_output_tokens: int = MAX_OUT,
+    num_requests: int = NUM_REQ, prefix_len: int = PREFIX_LEN, suffix_len: int = SUFFIX_LEN,
+    num_prefixes: int = NUM_PREFIXES, output_len: int = OUTPUT_LEN, request_rate: float | None = RATE,
+    shuffle: bool = SHUFFLE, num_sessions: int = SESSIONS, num_rounds: int = ROUNDS, system_len: int = SYSTEM,
+    question_len: int = QUESTION, answer_len: int = ANSWER, think_time: float = THINK,
+    session_interval: float = INTERVAL, stall_timeout: float = STALL,
+) -> None:
+    import importlib.util
+    import time
+
+    from kvtier.bench.arms import ARM_NAMES, make_arm
+    from kvtier.bench.compare import run_compare, warmup_workload
+    from kvtier.bench.engine import EngineSpec
+    from kvtier.bench.report import print_table, write_reports
+    from kvtier.bench.workload import vocab_token_space
+
+    names = [a.strip() for a in arms.split(",") if a.strip()]
+    unknown = [a for a in names if a not in ARM_NAMES]
+    if not names or unknown or len(set(names)) != len(names):
+        fail(f"--arms {arms!r} must list distinct arms out of {', '.join(ARM_NAMES)}")
+    if engine_cache_tokens < max_model_len:
+        fail(f"--engine-cache-tokens {engine_cache_tokens} is below --max-model-len {max_model_len}; vLLM needs room "
+             "for one full-length request, so raise it or lower --max-model-len")
+    if importlib.util.find_spec("vllm") is None:
+        fail("vLLM is not installed in this environment; run `make install` first")
+    extra: dict[str, Any] | None = None
+    if kvtier_config is not None:
+        from kvtier.core.config import KVTierConfig
+        from kvtier.core.errors import ConfigError
+
+        try:
+            KVTierConfig.from_yaml(kvtier_config)
+            import yaml
+
+            extra = dict(yaml.safe_load(kvtier_config.read_text()) or {})
+        except (ConfigError, OSError) as exc:
+            fail(f"--kvtier-config {kvtier_config}: {exc}")
+    out = out or Path(".kvtier/bench") / time.strftime("compare-%Y%m%d-%H%M%S")
+    knobs = _knobs(kind=workload, seed=seed, trace_path=trace, start=start, limit=limit,
+                   tokens_per_block=tokens_per_block, time_scale=time_scale, max_prompt_tokens=max_prompt_tokens,
+                   max_output_tokens=max_output_tokens, num_requests=num_requests, prefix_len=prefix_len,
+                   suffix_len=suffix_len, num_prefixes=num_prefixes, output_len=output_len,
+                   request_rate=request_rate, shuffle=shuffle, num_sessions=num_sessions, num_rounds=num_rounds,
+                   system_len=system_len, question_len=question_len, answer_len=answer_len,
+                   think_time_s=think_time, session_interval_s=session_interval)
+    built, vocab = _build(knobs, vocab_size, model, max_model_len, max_concurrency is not None)
+    spec = EngineSpec(model=model, max_model_len=max_model_len, cache_tokens=engine_cache_tokens,
+                      block_size=block_size, load_format=None if load_format == "auto" else load_format,
+                      memory_fraction=memory_fraction, max_num_batched_tokens=max_num_batched_tokens)
+    arm_specs = [make_arm(n, out, extra) for n in names]
+    result = run_compare(arm_specs, built, spec, out, warmup=warmup_workload(vocab_token_space(seed, vocab)),
+                         max_concurrency=max_concurrency, stall_timeout_s=stall_timeout, progress=not no_progress,
+                         on_arm=lambda a: print(f"arm {a.name}: starting vLLM ({a.description})", flush=True))
+    print_table(result)
+    paths = write_reports(result, out, json_path, command=shlex.join(["kvtier", *sys.argv[1:]]))
+    print(f"report: {paths.markdown}")
+    if paths.plot is not None:
+        print(f"TTFT CDF: {paths.plot}")
+    if paths.json is not None:
+        print(f"JSON: {paths.json}")
+    if all(o.failure is not None for o in result.outcomes):
+        fail(f"every arm failed; see the server logs under {out}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``kvtier bench run`` and ``kvtier bench compare`` to the CLI."""
+    bench = typer.Typer(help="Replay traffic against vLLM and tell whether the cache is helping.",
+                        no_args_is_help=True)
+    bench.command("run", help=RUN_HELP)(run_command)
+    bench.command("compare", help=COMPARE_HELP)(compare_command)
+    app.add_typer(bench, name="bench")

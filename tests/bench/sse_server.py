@@ -1,0 +1,75 @@
+"""A small real HTTP server streaming completions in vLLM's SSE format, for client failure tests.
+
+Run: ``python sse_server.py PORT [--die-on N] [--hang-on N] [--gap S]``.  Each POST to
+``/v1/completions`` streams ``max_tokens`` chunks ``gap`` seconds apart, each carrying the running
+``usage.completion_tokens`` as vLLM does with ``continuous_usage_stats``.  Request number N
+(1-based) makes the process exit mid-stream (``--die-on``) or go silent (``--hang-on``): the two
+ways a real engine fails that the client must report.  Not a vLLM stand-in for anything else.
+"""
+
+import argparse
+import json
+import os
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+LOCK = threading.Lock()
+COUNT = [0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("port", type=int)
+    parser.add_argument("--die-on", type=int, default=0)
+    parser.add_argument("--hang-on", type=int, default=0)
+    parser.add_argument("--gap", type=float, default=0.02)
+    args = parser.parse_args()
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *a):  # quiet
+            pass
+
+        def do_GET(self):
+            body = b"ok" if self.path == "/health" else b""
+            self.send_response(200 if self.path == "/health" else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):
+            payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            with LOCK:
+                COUNT[0] += 1
+                number = COUNT[0]
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+
+            def send(data: str) -> None:
+                raw = f"data: {data}\n\n".encode()
+                self.wfile.write(f"{len(raw):x}\r\n".encode() + raw + b"\r\n")
+                self.wfile.flush()
+
+            prompt = len(payload["prompt"])
+            for i in range(1, payload["max_tokens"] + 1):
+                time.sleep(args.gap)
+                if number == args.die_on and i == 2:
+                    os._exit(3)
+                if number == args.hang_on and i == 2:
+                    time.sleep(3600)
+                send(json.dumps({"choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}],
+                                 "usage": {"prompt_tokens": prompt, "completion_tokens": i,
+                                           "total_tokens": prompt + i}}))
+            send("[DONE]")
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+
+    ThreadingHTTPServer(("127.0.0.1", args.port), Handler).serve_forever()
+
+
+if __name__ == "__main__":
+    main()
