@@ -73,3 +73,25 @@ def test_producer_hands_kv_to_consumer_through_shared_disk(tiny_model: Path, tmp
     for a, b in zip(made["results"][0], used["results"][0]):
         assert a["tokens"] == b["tokens"]
         assert max_logprob_diff(a["logprobs"], b["logprobs"]) < TOLERANCE
+
+
+def test_tensor_parallel_ranks_each_hold_their_share(tiny_model: Path, tmp_path: Path) -> None:
+    """TP=2: each rank stores its KV heads in its own store of cpu_gib / 2; a hit needs both."""
+    disk = tmp_path / "disk"
+    prompts = _prompts()[:1]
+    spec = _spec(tiny_model, disk, [{"op": "generate", "prompts": prompts}, {"op": "reset_prefix_cache"},
+                                    {"op": "generate", "prompts": prompts}])
+    spec["engine"] = {"tensor_parallel_size": 2}
+    # vLLM's CPU backend needs explicit core binding for two workers on one NUMA node.
+    out = result_of(run_engine(spec, tmp_path, "tp2", env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}), tmp_path, "tp2")
+    m = out["metrics"]
+    assert m["kvtier_loaded_tokens_total{cpu}"] == LOADABLE == m["vllm:external_prefix_cache_hits_total"]
+    assert m["kvtier_saved_tokens_total"] == LOADABLE  # counted once, not once per rank
+    per_rank = int(0.01 * (1 << 30)) // 2  # cpu_gib is the total over ranks
+    rank0 = out["store"]["cpu"]["capacity_bytes"]
+    assert per_rank * 0.9 < rank0 <= per_rank
+    assert m["kvtier_capacity_bytes{cpu}"] == 2 * rank0  # the /metrics gauge sums the ranks
+    assert out["integrity"] == "ok"
+    first, second = out["results"]
+    assert first[0]["tokens"] == second[0]["tokens"]
+    assert max_logprob_diff(first[0]["logprobs"], second[0]["logprobs"]) < TOLERANCE

@@ -26,14 +26,15 @@ def delta(after: dict[str, float], before: dict[str, float], name: str) -> float
     return after.get(name, 0.0) - before.get(name, 0.0)
 
 
-def run_engine(spec: dict[str, Any], workdir: Path, name: str, timeout_s: float = 420) -> subprocess.Popen[bytes]:
+def run_engine(spec: dict[str, Any], workdir: Path, name: str, timeout_s: float = 420,
+               env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """Start ``engine_runner.py`` on ``spec`` in its own process; read the result with :func:`result_of`."""
     spec_path = workdir / f"{name}.spec.json"
     spec_path.write_text(json.dumps(spec))
     log = open(workdir / f"{name}.log", "wb")  # noqa: SIM115 - held by the child process
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", OMP_NUM_THREADS="1")
+    child_env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", OMP_NUM_THREADS="1", **(env or {}))
     proc = subprocess.Popen([sys.executable, str(RUNNER), str(spec_path), str(workdir / f"{name}.out.json")],
-                            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir)
+                            stdout=log, stderr=subprocess.STDOUT, env=child_env, cwd=workdir)
     proc.timeout_s = timeout_s  # type: ignore[attr-defined]
     return proc
 

@@ -19,6 +19,9 @@ Exported (Prometheus adds ``_total`` to counters; ``tier`` is ``cpu`` or ``disk`
   ``direction`` = ``load`` (kvtier → engine) or ``save`` (engine → kvtier).
 - ``kvtier_evictions_total{tier}``, ``kvtier_dropped_saves_total``, ``kvtier_corrupt_chunks_total``.
 - ``kvtier_usage_bytes{tier}``, ``kvtier_capacity_bytes{tier}``: summed over ranks.
+
+Token counts are reported by tensor-parallel rank 0 only (every rank moves the same tokens);
+bytes, seconds, evictions, dropped saves, corrupt chunks and usage are summed over ranks.
 """
 
 from __future__ import annotations

@@ -33,6 +33,9 @@ from kvtier.integrations.vllm.stats import KVTierStats
 log = logging.getLogger(__name__)
 
 _STORE_COUNTERS = ("evictions_cpu", "evictions_disk", "dropped_saves", "corrupt_chunks")
+# Every rank moves the same tokens (its own KV heads of them), and vLLM sums the ranks' stats:
+# token counters are reported by rank 0 only; bytes, seconds and store counters by every rank.
+_RANK0_ONLY = ("loaded_tokens_cpu", "loaded_tokens_disk", "reloaded_tokens", "saved_tokens", "load_failed_blocks")
 
 
 def _tp_rank() -> int:
@@ -206,7 +209,8 @@ class WorkerSide:
             return None
         store = self.service.store
         snapshot = store.stats()
-        counters: dict[str, float] = {k: v for k, v in self._counters.items() if v}
+        counters: dict[str, float] = {k: v for k, v in self._counters.items()
+                                      if v and (self.tp_rank == 0 or k not in _RANK0_ONLY)}
         self._counters.clear()
         for name in _STORE_COUNTERS:
             now = int(snapshot.get(name, 0) or 0)
