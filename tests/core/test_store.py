@@ -224,3 +224,24 @@ def test_two_stores_share_one_disk_directory(tmp_path):
     assert reader.lookup(a) == 3
     assert_served(reader, a, 3)
     assert os.listdir(writer.disk.dir)
+
+
+def test_cancelled_load_counts_neither_hit_nor_failure(tmp_path):
+    store = make_store(tmp_path, cpu_chunks=8)
+    a = chain_of(1, 3)
+    put_chain(store, a)
+    handle = store.prepare_load(a)
+    store.cancel_load(handle)
+    stats = store.stats()
+    assert "hits_cpu" not in stats and "failed_loads" not in stats and stats["pinned"] == 0
+    store.check_integrity()
+
+
+def test_chunks_the_engine_already_held_are_not_hits(tmp_path):
+    store = make_store(tmp_path, cpu_chunks=8)
+    a = chain_of(1, 4)
+    put_chain(store, a)
+    handle = store.prepare_load(a)
+    store.complete_load(handle, True, first_chunk=3)  # the engine's own cache had chunks 0-2
+    assert store.stats()["hits_cpu"] == 1
+    assert store.metrics.load_hit_tokens.labels("cpu")._value.get() == store.chunk_tokens

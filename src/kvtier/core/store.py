@@ -10,7 +10,8 @@ outside it on pinned chunks):
 - ``prepare_load(chain) -> LoadHandle``: pins the longest available prefix.  Chunks found only on
   disk are read and verified into cpu pages (promotion: hot chunks move up).  A chunk that fails
   verification ends the prefix.  ``complete_load(handle, success)`` unpins and, only if
-  ``success``, counts hits and refreshes recency.  A failed transfer is never a hit.
+  ``success``, counts hits and refreshes recency.  A failed transfer is never a hit;
+  ``cancel_load(handle)`` unpins a load that will not happen without counting anything.
 - ``prepare_store(chain, start) -> StoreHandle``: reserves cpu pages for the chunks not yet
   stored; reserved pages are invisible to lookups and cannot be evicted.
   ``complete_store(handle, success)`` publishes them or gives them back.
@@ -213,29 +214,49 @@ class TieredStore:
         self.metrics.moved("disk_to_cpu", loaded * self.chunk_bytes, seconds)
         self._update_usage()
 
-    def complete_load(self, handle: LoadHandle, success: bool) -> None:
-        """Unpin a load's chunks; count hits only if ``success``.  Idempotent."""
-        with self._lock:
-            if handle.done:
-                return
-            handle.done = True
-            for key in handle.pinned:
-                self._unpin_locked(key)
-            handle.pinned = []
-            if success and handle.keys:
-                self.cpu_policy.touch([k for k in handle.keys if self.cpu.contains(k)])
-                on_disk = [k for k, t in zip(handle.keys, handle.tiers) if t == "disk"]
-                if on_disk:
-                    self.disk_policy.touch(on_disk)
+    def complete_load(self, handle: LoadHandle, success: bool, first_chunk: int = 0) -> None:
+        """Unpin a load's chunks; count hits only if ``success``.  Idempotent.
+
+        Args:
+            handle: from :meth:`prepare_load`.
+            success: whether the chunks reached their destination.
+            first_chunk: chunks before this index were pinned but not delivered (the engine's own
+                prefix cache already held them); they are not counted as hits.
+        """
+        if not self._release(handle, refresh=success):
+            return
         if not success:
             self.counters["failed_loads"] += 1
             self.metrics.failed_loads.inc()
             return
-        by_tier = Counter(handle.tiers)
+        by_tier = Counter(handle.tiers[first_chunk:])
         for tier, count in by_tier.items():
             self.counters[f"hits_{tier}"] += count
             self.metrics.load_hit_chunks.labels(tier).inc(count)
             self.metrics.load_hit_tokens.labels(tier).inc(count * self.chunk_tokens)
+
+    def cancel_load(self, handle: LoadHandle) -> None:
+        """Unpin a load that will not happen (request aborted, or nothing left to load).
+
+        Neither a hit nor a failed load is counted.  Idempotent.
+        """
+        self._release(handle, refresh=False)
+
+    def _release(self, handle: LoadHandle, refresh: bool) -> bool:
+        """Unpin ``handle`` once; on ``refresh`` mark its chunks used.  False if already released."""
+        with self._lock:
+            if handle.done:
+                return False
+            handle.done = True
+            for key in handle.pinned:
+                self._unpin_locked(key)
+            handle.pinned = []
+            if refresh and handle.keys:
+                self.cpu_policy.touch([k for k in handle.keys if self.cpu.contains(k)])
+                on_disk = [k for k, t in zip(handle.keys, handle.tiers) if t == "disk"]
+                if on_disk:
+                    self.disk_policy.touch(on_disk)
+        return True
 
     def _unpin_locked(self, key: ChunkKey) -> None:
         self._pins[key] -= 1

@@ -92,11 +92,11 @@ class RankService:
                 return tuple(old.tiers)
             self._pins.pop(req_id, None)
         if old is not None:
-            self.store.complete_load(old, False)
+            self.store.cancel_load(old)
         handle = self.store.prepare_load(chain, max_chunks) if chain else None
         if handle is None or handle.num_chunks == 0:
             if handle is not None:
-                self.store.complete_load(handle, True)  # empty: nothing pinned, nothing counted
+                self.store.cancel_load(handle)  # empty: nothing pinned, nothing counted
             return ()
         with self._lock:
             self._pins[req_id] = handle
@@ -111,7 +111,7 @@ class RankService:
         """Drop the pin of a request that will not load (aborted, or nothing left to load)."""
         handle = self.take(req_id)
         if handle is not None:
-            self.store.complete_load(handle, False)
+            self.store.cancel_load(handle)
 
     def num_pinned_requests(self) -> int:
         with self._lock:

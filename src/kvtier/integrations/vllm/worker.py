@@ -147,7 +147,7 @@ class WorkerSide:
         except Exception:
             log.exception("kvtier: copying request %s's chunks into the engine failed; recomputing", job.req_id)
         finally:
-            self.service.store.complete_load(handle, ok)
+            self.service.store.complete_load(handle, ok, first_chunk=job.first_block // k)
         if not ok:
             self._fail(job)
             return
