@@ -104,9 +104,12 @@ def register(app: typer.Typer) -> None:
             for name in policies:
                 rows = result.curve(name)
                 rec = recommend([r.cpu_gib for r in rows], [r.token_hit_ratio for r in rows])
-                knee = "none found" if rec.knee_gib is None else f"{rec.knee_gib:g} GiB"
-                console.print(f"{policy_label(name)}: {rec.enough_gib:g} GiB reaches {rec.enough_hit_ratio:.2%} "
-                              f"(≥ 95% of {rec.largest_hit_ratio:.2%} at {max(gibs):g} GiB); knee: {knee}")
+                knee = "none (no bend from steep to flat)" if rec.knee_gib is None else f"{rec.knee_gib:g} GiB"
+                line = (f"{policy_label(name)}: {rec.enough_gib:g} GiB reaches {rec.enough_hit_ratio:.2%} "
+                        f"(≥ 95% of {rec.largest_hit_ratio:.2%} at {max(gibs):g} GiB); knee: {knee}")
+                if rec.enough_gib == max(gibs) and len(gibs) > 1:
+                    line += "; still rising at the largest capacity tried: sweep larger ones"
+                console.print(line)
         try:
             if json_path is not None:
                 write_json(json_path, result, elapsed)

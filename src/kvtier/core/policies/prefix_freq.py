@@ -71,6 +71,20 @@ _OFFSETS = {
 """Per use-count class, how many tier-sizes later than its last use a chunk ranks, by regime."""
 
 
+class _Node:
+    """Per tracked chunk: one object, so an insert or eviction touches one dict entry."""
+
+    __slots__ = ("cls", "depth", "last", "parent", "rank", "time")
+
+    def __init__(self, time: int, last: int, cls: int, depth: int, parent: Any | None) -> None:
+        self.time = time  # ordering time: clock of last use (shared by one request's chain)
+        self.last = last  # clock of last use, for ages
+        self.cls = cls  # min(uses, MAX_USES)
+        self.rank = 0.0  # rank of its live heap entry
+        self.depth = depth  # chunk index in its prompt
+        self.parent = parent
+
+
 class PrefixFrequencyPolicy(EvictionPolicy):
     """See the module docstring.  O(log n) amortised per operation."""
 
@@ -78,19 +92,16 @@ class PrefixFrequencyPolicy(EvictionPolicy):
 
     def __init__(self) -> None:
         self._clock = 0  # insertions so far: the unit of age
-        self._time: dict[Any, int] = {}  # tracked key -> ordering time (clock of last use)
-        self._last: dict[Any, int] = {}  # tracked key -> clock of last use (for ages)
-        self._class: dict[Any, int] = {}  # tracked key -> min(uses, MAX_USES)
-        self._rank: dict[Any, float] = {}  # tracked key -> rank of its live heap entry
-        self._depth: dict[Any, int] = {}  # tracked key -> chunk index in its prompt
-        self._parent: dict[Any, Any | None] = {}
+        self._nodes: dict[Any, _Node] = {}
         self._children: dict[Any, int] = {}  # key -> tracked children (only counts > 0)
         self._heap: list[tuple[float, int, int, Any]] = []  # (rank, -depth, seq, key), leaves
         self._seq = count()  # ties never compare keys (they need not be orderable)
-        self._uses: OrderedDict[Any, int] = OrderedDict()  # history of use counts
+        self._uses: dict[Any, int] = {}  # use counts, recent generation
+        self._old_uses: dict[Any, int] = {}  # use counts, previous generation
         self._ghost: OrderedDict[Any, int] = OrderedDict()  # evicted key -> clock of last use
         self._first = 0.0
         self._proven = 0.0
+        self._observed = 0  # observations since the counters were last halved
         self.quarantine = False  # plain LRU until there is evidence either way
         self._offsets = _OFFSETS[False]
         self._scale = 1  # the n that ranks were computed with
@@ -100,72 +111,76 @@ class PrefixFrequencyPolicy(EvictionPolicy):
 
     # -- mutations ---------------------------------------------------------------------------
     def insert(self, key: Any, parent: Any | None) -> None:
-        if key in self._time:
+        nodes = self._nodes
+        if key in nodes:
             self.touch([key])
             return
         self._pending = None
-        self._clock += 1
-        n = len(self._time) + 1
-        uses = self._uses.get(key, 0)
+        self._clock = clock = self._clock + 1
+        n = len(nodes) + 1
+        uses = self._uses_of(key)
         last = self._ghost.pop(key, None)
         if last is not None:  # came back after eviction: that is a use
-            self._observe(uses == 0, self._clock - last, n)
+            self._observe(uses == 0, clock - last, n)
             uses += 1
             self._remember(key, uses, n)
         # Chunks inserted in prompt order by one request share one time, so depth breaks the tie.
         run_key, run_time = self._run
-        time = run_time if parent is not None and parent == run_key else self._clock
+        time = run_time if parent is not None and parent == run_key else clock
         self._run = (key, time)
-        self._depth[key] = self._depth[parent] + 1 if parent in self._depth else 0
-        self._parent[key] = parent
+        up = nodes.get(parent) if parent is not None else None
+        node = nodes[key] = _Node(time, clock, min(uses, MAX_USES), up.depth + 1 if up else 0, parent)
         if parent is not None:
             self._children[parent] = self._children.get(parent, 0) + 1
-        self._last[key] = self._clock
-        self._place(key, time, min(uses, MAX_USES))
+        self._rank_and_queue(key, node)
 
     def touch(self, keys: Sequence[Any]) -> None:
-        tracked, last = self._time, self._last
-        n = len(tracked)
+        nodes = self._nodes
+        n = len(nodes)
         clock = self._clock
         for key in keys:
-            if key in tracked:
-                uses = self._uses.get(key, 0)
-                self._observe(uses == 0, clock - last[key], n)
+            node = nodes.get(key)
+            if node is not None:
+                uses = self._uses_of(key)
+                self._observe(uses == 0, clock - node.last, n)
                 self._remember(key, uses + 1, n)
-                last[key] = clock
-                self._place(key, clock, min(uses + 1, MAX_USES))
+                node.last = node.time = clock
+                node.cls = min(uses + 1, MAX_USES)
+                self._rank_and_queue(key, node)
                 self._pending = None
 
     def remove(self, key: Any) -> None:
-        if self._time.pop(key, None) is None:
+        node = self._nodes.pop(key, None)
+        if node is None:
             return
         self._pending = None
-        del self._class[key], self._depth[key], self._rank[key]
-        self._ghost[key] = self._last.pop(key)
-        limit = GHOST * max(len(self._time), 1)
-        while len(self._ghost) > limit:
-            self._ghost.popitem(last=False)
-        parent = self._parent.pop(key)
+        ghost = self._ghost
+        ghost[key] = node.last
+        if len(ghost) > GHOST * max(len(self._nodes), 1):
+            ghost.popitem(last=False)
+        parent = node.parent
         if parent is not None:
             left = self._children[parent] - 1
             if left:
                 self._children[parent] = left
             else:
                 del self._children[parent]
-                if parent in self._time:  # became a leaf: a candidate again
-                    heapq.heappush(self._heap, (self._rank[parent], -self._depth[parent], next(self._seq), parent))
+                up = self._nodes.get(parent)
+                if up is not None:  # became a leaf: a candidate again
+                    heapq.heappush(self._heap, (up.rank, -up.depth, next(self._seq), parent))
 
     # -- queries -----------------------------------------------------------------------------
     def victim(self, evictable: Evictable = always_evictable) -> Any | None:
         if self._pending is not None and evictable(self._pending):
             return self._pending
-        if self._stale or len(self._time) > 2 * self._scale:
+        if self._stale or len(self._nodes) > 2 * self._scale:
             self._rebuild()
-        heap, rank, children = self._heap, self._rank, self._children
+        heap, nodes, children = self._heap, self._nodes, self._children
         best = None
         while heap:  # drop stale entries (re-ranked or evicted) and chunks that gained children
-            r, _, _, key = heap[0]
-            if rank.get(key) == r and key not in children:
+            rank, _, _, key = heap[0]
+            node = nodes.get(key)
+            if node is not None and node.rank == rank and key not in children:
                 best = key
                 break
             heapq.heappop(heap)
@@ -176,59 +191,65 @@ class PrefixFrequencyPolicy(EvictionPolicy):
         return best
 
     def __len__(self) -> int:
-        return len(self._time)
+        return len(self._nodes)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._time
+        return key in self._nodes
 
     def keys(self) -> Iterable[Any]:
-        return self._time.keys()
+        return self._nodes.keys()
 
     # -- internals ---------------------------------------------------------------------------
-    def _place(self, key: Any, time: int, cls: int) -> None:
-        """(Re)rank ``key`` used at ``time`` with use-count class ``cls``."""
-        self._class[key] = cls
-        self._time[key] = time
-        r = time + self._scale * self._offsets[cls]
-        self._rank[key] = r
+    def _rank_and_queue(self, key: Any, node: _Node) -> None:
+        node.rank = rank = node.time + self._scale * self._offsets[node.cls]
         if key not in self._children:
-            heapq.heappush(self._heap, (r, -self._depth[key], next(self._seq), key))
+            heapq.heappush(self._heap, (rank, -node.depth, next(self._seq), key))
 
     def _rebuild(self) -> None:
         """Re-rank every chunk for the current regime and size."""
         self._stale = False
-        self._offsets = _OFFSETS[self.quarantine]
-        self._scale = scale = max(len(self._time), 1)
-        offsets, classes, depth, children = self._offsets, self._class, self._depth, self._children
-        self._rank = {key: time + scale * offsets[classes[key]] for key, time in self._time.items()}
-        seq = self._seq
-        self._heap = [(r, -depth[key], next(seq), key) for key, r in self._rank.items() if key not in children]
-        heapq.heapify(self._heap)
+        self._offsets = offsets = _OFFSETS[self.quarantine]
+        self._scale = scale = max(len(self._nodes), 1)
+        children, seq = self._children, self._seq
+        heap = []
+        for key, node in self._nodes.items():
+            node.rank = node.time + scale * offsets[node.cls]
+            if key not in children:
+                heap.append((node.rank, -node.depth, next(seq), key))
+        heapq.heapify(heap)
+        self._heap = heap
 
     def _scan(self, evictable: Evictable) -> Any | None:
         """Slow path when the best candidate is pinned: rank every key (never in the simulator)."""
-        order = sorted(self._time, key=lambda k: (k in self._children, self._rank[k], -self._depth[k]))
+        nodes = self._nodes
+        order = sorted(nodes, key=lambda k: (k in self._children, nodes[k].rank, -nodes[k].depth))
         return next((k for k in order if evictable(k)), None)
 
+    def _uses_of(self, key: Any) -> int:
+        uses = self._uses.get(key)
+        return self._old_uses.get(key, 0) if uses is None else uses
+
     def _remember(self, key: Any, uses: int, n: int) -> None:
-        history = self._uses
-        history[key] = uses
-        history.move_to_end(key)
-        if len(history) > HISTORY * n + 1:
-            history.popitem(last=False)
+        """Record a use count.  Two generations of HISTORY/2 × n keys each: a key not updated for
+        a whole generation is forgotten (cheaper than a strict LRU of counts)."""
+        self._uses[key] = uses
+        if len(self._uses) > HISTORY / 2 * n:
+            self._old_uses, self._uses = self._uses, {}
 
     def _observe(self, first_use: bool, age: int, n: int) -> None:
         """Count one reuse towards the regime test (see the module docstring)."""
         if self._clock <= WINDOW * n:
             return  # proven reuses this old cannot have happened yet: no fair comparison
-        keep = 1.0 - 1.0 / (FORGET * max(n, 1))
-        self._first *= keep
-        self._proven *= keep
+        self._observed += 1
+        if self._observed >= FORGET * n:  # forget: halve both sides every FORGET × n observations
+            self._observed = 0
+            self._first /= 2
+            self._proven /= 2
         if first_use:
             if age <= n:
-                self._first += 1.0
+                self._first += 1
         elif n < age <= WINDOW * n:
-            self._proven += 1.0
+            self._proven += 1
         quarantine = self._proven > self._first
         if quarantine != self.quarantine:
             self.quarantine = quarantine
