@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from kvtier.cli.errors import fail
+from kvtier.core.policies import available_policies
 
 
 def parse_gib_list(text: str, option: str) -> tuple[float, ...]:
@@ -35,15 +36,16 @@ def register(app: typer.Typer) -> None:
         kv_bytes_per_token: int | None = typer.Option(
             None, "--kv-bytes-per-token", help="KV bytes per token, all layers (instead of --model)."),
         tokens_per_block: int | None = typer.Option(
-            None, "--tokens-per-block", help="Tokens per trace block / chunk key [default: 512 for mooncake; "
-            "kvtier-jsonl records carry their own]."),
+            None, "--tokens-per-block", help="Tokens per trace block / chunk key (512 for mooncake traces; "
+            "kvtier-jsonl records carry their own)."),
         engine_gib: float = typer.Option(..., "--engine-gib", help="The engine's own prefix-cache KV budget "
                                          "(tier 0, HBM), GiB, total across tensor-parallel ranks."),
         cpu_gib: str = typer.Option(..., "--cpu-gib", help="CPU tier capacities to sweep, GiB, comma-separated, "
                                     "total across tensor-parallel ranks (e.g. 64,128,256)."),
         disk_gib: float = typer.Option(0.0, "--disk-gib", help="Disk tier capacity, GiB (0: none)."),
         policy: str = typer.Option("lru,lru-tail,default,belady", "--policy",
-                                   help="Eviction policies, comma-separated (see --list-policies)."),
+                                   help="Eviction policies, comma-separated, from: "
+                                   + ", ".join(available_policies() + ["belady"]) + "."),
         json_path: Path | None = typer.Option(None, "--json", help="Write results as JSON here."),
         plot_path: Path | None = typer.Option(None, "--plot", help="Write a PNG hit-ratio plot here."),
         recommend_mode: bool = typer.Option(False, "--recommend", help="Print the smallest cpu capacity "
