@@ -113,3 +113,17 @@ def test_prefix_freq_stays_lru_when_first_reuses_are_near():
     flags = drive(p, accesses, capacity=10)
     assert not p.quarantine
     assert sum(flags) == 397
+
+
+def test_prefix_freq_and_prefix_lru_look_past_pinned_leaves():
+    for name in ("prefix-freq", "prefix-lru"):
+        p = make_policy(name)
+        insert_chain(p, ["a0", "a1"])
+        insert_chain(p, ["b0", "b1"])
+        p.touch(["b0", "b1"])  # a is older: a1 is the first leaf to go
+        assert p.victim() == "a1"
+        assert p.victim(lambda key: key != "a1") == "b1"  # a0 has a child: the next leaf is b1
+        assert p.victim() == "a1"  # the pinned leaf was put back
+        everything_pinned = p.victim(lambda key: key == "a0")  # only an inner chunk may go
+        assert everything_pinned == "a0"
+        assert p.victim(lambda key: False) is None

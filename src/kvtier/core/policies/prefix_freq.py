@@ -33,7 +33,7 @@ quarantine, no bonus applies either, and the policy is tail-first LRU with leave
 Ordering is one lazy-deletion heap keyed by (rank, -depth), rank = time of last use +
 ``n × offset(class, regime)``; it is rebuilt when the regime switches (a handful of times per
 trace) or the tier doubles while filling.  ``victim`` drops stale heap entries and may rebuild
-(bookkeeping only: the tracked set does not change, and it returns the same key until the next
+(bookkeeping only: the tracked set does not change, and for one predicate it returns the same key until the next
 mutation).
 
 Owners should offer every full chunk of each request: ``touch`` the resident ones (also those
@@ -107,7 +107,6 @@ class PrefixFrequencyPolicy(EvictionPolicy):
         self._scale = 1  # the n that ranks were computed with
         self._stale = False  # ranks must be recomputed (regime switched)
         self._run: tuple[Any, int] = (None, 0)  # last inserted key and its ordering time
-        self._pending: Any | None = None
 
     # -- mutations ---------------------------------------------------------------------------
     def insert(self, key: Any, parent: Any | None) -> None:
@@ -115,7 +114,6 @@ class PrefixFrequencyPolicy(EvictionPolicy):
         if key in nodes:
             self.touch([key])
             return
-        self._pending = None
         self._clock = clock = self._clock + 1
         n = len(nodes) + 1
         uses = self._uses_of(key)
@@ -147,13 +145,11 @@ class PrefixFrequencyPolicy(EvictionPolicy):
                 node.last = node.time = clock
                 node.cls = min(uses + 1, MAX_USES)
                 self._rank_and_queue(key, node)
-                self._pending = None
 
     def remove(self, key: Any) -> None:
         node = self._nodes.pop(key, None)
         if node is None:
             return
-        self._pending = None
         ghost = self._ghost
         ghost[key] = node.last
         if len(ghost) > GHOST * max(len(self._nodes), 1):
@@ -171,23 +167,26 @@ class PrefixFrequencyPolicy(EvictionPolicy):
 
     # -- queries -----------------------------------------------------------------------------
     def victim(self, evictable: Evictable = always_evictable) -> Any | None:
-        if self._pending is not None and evictable(self._pending):
-            return self._pending
         if self._stale or len(self._nodes) > 2 * self._scale:
             self._rebuild()
         heap, nodes, children = self._heap, self._nodes, self._children
         best = None
+        pinned = []
         while heap:  # drop stale entries (re-ranked or evicted) and chunks that gained children
             rank, _, _, key = heap[0]
             node = nodes.get(key)
-            if node is not None and node.rank == rank and key not in children:
+            if node is None or node.rank != rank or key in children:
+                heapq.heappop(heap)
+            elif evictable(key):
                 best = key
                 break
-            heapq.heappop(heap)
-        if best is None or not evictable(best):
-            # Pinned, or no leaf at all (only if an owner passed inconsistent parents).
+            else:  # pinned by a transfer in flight: look past it, then put it back
+                pinned.append(heapq.heappop(heap))
+        for entry in pinned:
+            heapq.heappush(heap, entry)
+        if best is None and nodes:
+            # Every leaf pinned, or no leaf at all (only if an owner passed inconsistent parents).
             best = self._scan(evictable)
-        self._pending = best
         return best
 
     def __len__(self) -> int:
@@ -220,7 +219,7 @@ class PrefixFrequencyPolicy(EvictionPolicy):
         self._heap = heap
 
     def _scan(self, evictable: Evictable) -> Any | None:
-        """Slow path when the best candidate is pinned: rank every key (never in the simulator)."""
+        """Slow path when no leaf may go: rank every key, leaves first (never in the simulator)."""
         nodes = self._nodes
         order = sorted(nodes, key=lambda k: (k in self._children, nodes[k].rank, -nodes[k].depth))
         return next((k for k in order if evictable(k)), None)

@@ -73,17 +73,24 @@ class PrefixAwareLRUPolicy(EvictionPolicy):
 
     def victim(self, evictable: Evictable = always_evictable) -> Any | None:
         leaves, stamps, children = self._leaves, self._stamp, self._children
+        best = None
+        pinned = []
         while leaves:
             stamp, _, key = leaves[0]
             if stamps.get(key) != stamp or children.get(key):
                 heapq.heappop(leaves)  # stale: removed, used since, or no longer a leaf
-                continue
-            if evictable(key):
-                return key
-            break
-        # A pinned leaf on top (never in the simulator): scan all leaves, then any key.
-        order = sorted(stamps, key=lambda k: (bool(children.get(k)), stamps[k]))
-        return next((k for k in order if evictable(k)), None)
+            elif evictable(key):
+                best = key
+                break
+            else:  # pinned: look past it, then put it back
+                pinned.append(heapq.heappop(leaves))
+        for entry in pinned:
+            heapq.heappush(leaves, entry)
+        if best is None and stamps:
+            # Every leaf pinned: the least recent evictable key, leaves first.
+            order = sorted(stamps, key=lambda k: (bool(children.get(k)), stamps[k]))
+            best = next((k for k in order if evictable(k)), None)
+        return best
 
     def __len__(self) -> int:
         return len(self._stamp)
