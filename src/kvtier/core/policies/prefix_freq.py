@@ -33,8 +33,8 @@ quarantine, no bonus applies either, and the policy is tail-first LRU with leave
 Ordering is one lazy-deletion heap keyed by (rank, -depth), rank = time of last use +
 ``n × offset(class, regime)``; it is rebuilt when the regime switches (a handful of times per
 trace) or the tier doubles while filling.  ``victim`` drops stale heap entries and may rebuild
-(bookkeeping only: the tracked set does not change, and for one predicate it returns the same key until the next
-mutation).
+(bookkeeping only: the tracked set does not change, and for one predicate it returns the same
+key until the next mutation); pinned leaves are looked past and put back.
 
 Owners should offer every full chunk of each request: ``touch`` the resident ones (also those
 the engine itself served) and ``insert`` the missing ones in prompt order, as the simulator does.
