@@ -6,4 +6,4 @@ See :mod:`kvtier.core.policies.base` for the contract and :func:`make_policy` fo
 from kvtier.core.policies.base import EvictionPolicy
 from kvtier.core.policies.registry import DEFAULT_POLICY, available_policies, make_policy
 
-__all__ = ["EvictionPolicy", "make_policy", "available_policies", "DEFAULT_POLICY"]
+__all__ = ["DEFAULT_POLICY", "EvictionPolicy", "available_policies", "make_policy"]

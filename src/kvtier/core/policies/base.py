@@ -26,7 +26,8 @@ Policies are not thread-safe; the owner serialises calls (the store holds its lo
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, ClassVar, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import ClassVar
 
 from kvtier.core.keys import ChunkKey
 

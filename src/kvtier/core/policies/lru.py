@@ -13,10 +13,10 @@ blocks are evicted first).
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from kvtier.core.keys import ChunkKey
-from kvtier.core.policies.base import EvictionPolicy, Evictable, always_evictable
+from kvtier.core.policies.base import Evictable, EvictionPolicy, always_evictable
 
 
 class LRUPolicy(EvictionPolicy):

@@ -23,9 +23,10 @@ tracked set, and a repeated ``victim`` call returns the same key until the next 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
-from kvtier.core.policies.base import EvictionPolicy, Evictable, always_evictable
+from kvtier.core.policies.base import Evictable, EvictionPolicy, always_evictable
 
 SMALL_SHARE = 0.1
 """Share of entries for S (the paper's default, found to generalise across its traces)."""
