@@ -11,6 +11,7 @@ the ``baseline`` arm when it ran.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,6 +140,7 @@ def run_arm(arm: ArmSpec, workload: Workload, engine: EngineSpec, log_path: Path
         except MetricsError as exc:
             return ArmOutcome(arm, log_path, server.startup_s, None, None, ArmFailure(str(exc), (), log_path))
         run = run_workload(workload, options, server.exit_reason)
+        log_path.with_suffix(".requests.json").write_text(json.dumps(run.to_dict(), indent=1) + "\n")
         if run.aborted is not None:
             return ArmOutcome(arm, log_path, server.startup_s, run, None,
                               ArmFailure(run.aborted, run.failed_at, log_path))
@@ -161,7 +163,8 @@ def run_compare(arms: list[ArmSpec], workload: Workload, engine: EngineSpec, out
 
     ``on_arm`` is called before each arm starts (the CLI prints a line there).  Server logs are
     written to ``out_dir/<arm>.log``, the raw ``/metrics`` texts beside them
-    (``<arm>.metrics-before.txt``, ``<arm>.metrics-after.txt``).
+    (``<arm>.metrics-before.txt``, ``<arm>.metrics-after.txt``) and the client's per-request results
+    (``<arm>.requests.json``).
     """
     thresholds = thresholds or Thresholds()
     outcomes: list[ArmOutcome] = []

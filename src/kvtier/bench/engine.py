@@ -52,6 +52,8 @@ class EngineSpec:
         max_num_batched_tokens: tokens per engine step (prefill chunk size); ``None`` = vLLM's default.
         extra_args: more ``vllm serve`` arguments.
         env: extra environment variables.
+        reserved_cpus: cores kept free of the worker's OpenMP threads (see :meth:`environment`);
+            ``None`` leaves vLLM's own choice, which differs between arms with and without a connector.
     """
 
     model: str
@@ -64,6 +66,19 @@ class EngineSpec:
     max_num_batched_tokens: int | None = None
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    reserved_cpus: int | None = 1
+
+    def environment(self) -> dict[str, str]:
+        """Variables added to the server's environment.
+
+        ``VLLM_CPU_NUM_OF_RESERVED_CPU`` is pinned because vLLM's CPU backend reserves one more core
+        for the scheduler when any KV connector is configured (vllm/utils/ompmultiprocessing.py,
+        v0.32.0, "reserve at one more core for nixl_connector"): on a 2-core machine the connector
+        arms then reserve nothing and their OpenMP threads fight the scheduler process, while the
+        baseline keeps a core free; one fixed reservation gives every arm the same cores.
+        """
+        pinned = {} if self.reserved_cpus is None else {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(self.reserved_cpus)}
+        return {**pinned, **self.env}
 
     @property
     def num_blocks(self) -> int:
@@ -124,7 +139,7 @@ class Engine:
             EngineStartError: the process exited or was not healthy within ``timeout_s`` seconds.
         """
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **self.spec.env}
+        env = {**os.environ, **self.spec.environment()}
         t0 = time.perf_counter()
         with open(self.log_path, "wb") as log:
             log.write(("$ " + " ".join(self.spec.argv(self.port)) + "\n").encode())

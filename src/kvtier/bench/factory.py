@@ -6,13 +6,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.bench.multi_round import multi_round_workload
 from kvtier.bench.prefix_repetition import prefix_repetition_workload
-from kvtier.bench.trace import bundled_trace_path, load_trace, trace_workload
+from kvtier.bench.trace import bundled_trace_path, load_trace, returning_only, trace_workload
 from kvtier.bench.workload import Workload, WorkloadError, vocab_token_space
 
 WORKLOADS = ("trace", "prefix-repetition", "multi-round")
@@ -36,6 +37,7 @@ class WorkloadKnobs:
     time_scale: float | None = None
     max_prompt_tokens: int | None = None
     max_output_tokens: int | None = 32
+    returning_only: bool = False
     # prefix-repetition
     num_requests: int = 100
     prefix_len: int = 256
@@ -82,8 +84,20 @@ def build_workload(knobs: WorkloadKnobs, vocab_size: int, max_model_len: int | N
             cap = room if cap is None else min(cap, room)
         scale = knobs.time_scale if knobs.time_scale is not None else (0.0 if closed_loop else 1.0)
         records = load_trace(knobs.trace_path or bundled_trace_path(), knobs.start, knobs.limit)
-        return trace_workload(records, tokens, tokens_per_block=knobs.tokens_per_block, time_scale=scale,
-                              max_prompt_tokens=cap, max_output_tokens=knobs.max_output_tokens)
+        notes: tuple[str, ...] = ()
+        if knobs.returning_only:
+            kept = returning_only(records)
+            if not kept:
+                raise WorkloadError(f"no conversation of the trace window start={knobs.start} limit={knobs.limit} "
+                                    "comes back; widen --limit or drop --returning-only")
+            notes = ((f"returning conversations only: {len(kept)} of the window's {len(records)} requests "
+                      "(those sharing more than the first block with another request of the window)"),)
+            records = kept
+        workload = trace_workload(records, tokens, tokens_per_block=knobs.tokens_per_block, time_scale=scale,
+                                  max_prompt_tokens=cap, max_output_tokens=knobs.max_output_tokens)
+        return dataclasses.replace(workload, notes=notes + workload.notes,
+                                   params={**workload.params, "start": knobs.start, "limit": knobs.limit,
+                                           "returning_only": knobs.returning_only})
     if knobs.kind == "prefix-repetition":
         workload = prefix_repetition_workload(
             tokens, num_requests=knobs.num_requests, prefix_len=knobs.prefix_len, suffix_len=knobs.suffix_len,

@@ -106,6 +106,21 @@ def load_trace(path: Path, start: int = 0, limit: int | None = None) -> list[Tra
     return records
 
 
+def returning_only(records: list[TraceRecord]) -> list[TraceRecord]:
+    """The records that share more than their first block with another record of the window.
+
+    In the Mooncake conversation trace every prompt starts with the same block (hash id 0, a
+    shared system prompt), and the turns of one conversation share everything after it; so this
+    keeps the conversations that come back within the window, in trace order, and drops
+    single-turn traffic, which no cache can serve.  A selection: reports say so.
+    """
+    count: dict[tuple[int, ...], int] = {}
+    for record in records:
+        if len(record.hash_ids) >= 2:
+            count[record.hash_ids[:2]] = count.get(record.hash_ids[:2], 0) + 1
+    return [r for r in records if len(r.hash_ids) >= 2 and count[r.hash_ids[:2]] >= 2]
+
+
 def scaled_prompt_len(record: TraceRecord, tokens_per_block: int) -> int:
     """Prompt length in tokens when each 512-token block becomes ``tokens_per_block`` tokens.
 

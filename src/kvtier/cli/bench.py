@@ -48,6 +48,8 @@ TPB = typer.Option(64, "--tokens-per-block", min=1, help="trace: tokens per 512-
 TIME_SCALE = typer.Option(None, "--time-scale", min=0.0,
                           help="trace: multiply inter-arrival times (0.1 = 10x faster; 0 = all at once). Default 1, or 0 with --max-concurrency.")
 MAX_PROMPT = typer.Option(None, "--max-prompt-tokens", min=1, help="trace: cut longer prompts (the shared prefix survives).")
+RETURNING = typer.Option(False, "--returning-only",
+                         help="trace: keep only conversations that come back within the window (a selection; reports say so).")
 MAX_OUT = typer.Option(32, "--max-output-tokens", min=1, help="trace: cap on completion tokens per request.")
 NUM_REQ = typer.Option(100, "--num-requests", min=1, help="prefix-repetition: requests.")
 PREFIX_LEN = typer.Option(256, "--prefix-len", min=0, help="prefix-repetition: shared prefix tokens.")
@@ -113,6 +115,7 @@ def run_command(
     workload: str = WORKLOAD, seed: int = SEED, vocab_size: int | None = VOCAB, max_concurrency: int | None = MAX_CONC,
     trace: Path | None = TRACE, start: int = START, limit: int = LIMIT, tokens_per_block: int = TPB,
     time_scale: float | None = TIME_SCALE, max_prompt_tokens: int | None = MAX_PROMPT, max_output_tokens: int = MAX_OUT,
+    returning_only: bool = RETURNING,
     num_requests: int = NUM_REQ, prefix_len: int = PREFIX_LEN, suffix_len: int = SUFFIX_LEN,
     num_prefixes: int = NUM_PREFIXES, output_len: int = OUTPUT_LEN, request_rate: float | None = RATE,
     shuffle: bool = SHUFFLE, num_sessions: int = SESSIONS, num_rounds: int = ROUNDS, system_len: int = SYSTEM,
@@ -125,7 +128,7 @@ def run_command(
     model = model or served
     knobs = _knobs(kind=workload, seed=seed, trace_path=trace, start=start, limit=limit,
                    tokens_per_block=tokens_per_block, time_scale=time_scale, max_prompt_tokens=max_prompt_tokens,
-                   max_output_tokens=max_output_tokens, num_requests=num_requests, prefix_len=prefix_len,
+                   max_output_tokens=max_output_tokens, returning_only=returning_only, num_requests=num_requests, prefix_len=prefix_len,
                    suffix_len=suffix_len, num_prefixes=num_prefixes, output_len=output_len,
                    request_rate=request_rate, shuffle=shuffle, num_sessions=num_sessions, num_rounds=num_rounds,
                    system_len=system_len, question_len=question_len, answer_len=answer_len,
@@ -161,6 +164,7 @@ def compare_command(
     workload: str = WORKLOAD, seed: int = SEED, vocab_size: int | None = VOCAB, max_concurrency: int | None = MAX_CONC,
     trace: Path | None = TRACE, start: int = START, limit: int = LIMIT, tokens_per_block: int = TPB,
     time_scale: float | None = TIME_SCALE, max_prompt_tokens: int | None = MAX_PROMPT, max_output_tokens: int = MAX_OUT,
+    returning_only: bool = RETURNING,
     num_requests: int = NUM_REQ, prefix_len: int = PREFIX_LEN, suffix_len: int = SUFFIX_LEN,
     num_prefixes: int = NUM_PREFIXES, output_len: int = OUTPUT_LEN, request_rate: float | None = RATE,
     shuffle: bool = SHUFFLE, num_sessions: int = SESSIONS, num_rounds: int = ROUNDS, system_len: int = SYSTEM,
@@ -200,7 +204,7 @@ def compare_command(
     out = out or Path(".kvtier/bench") / time.strftime("compare-%Y%m%d-%H%M%S")
     knobs = _knobs(kind=workload, seed=seed, trace_path=trace, start=start, limit=limit,
                    tokens_per_block=tokens_per_block, time_scale=time_scale, max_prompt_tokens=max_prompt_tokens,
-                   max_output_tokens=max_output_tokens, num_requests=num_requests, prefix_len=prefix_len,
+                   max_output_tokens=max_output_tokens, returning_only=returning_only, num_requests=num_requests, prefix_len=prefix_len,
                    suffix_len=suffix_len, num_prefixes=num_prefixes, output_len=output_len,
                    request_rate=request_rate, shuffle=shuffle, num_sessions=num_sessions, num_rounds=num_rounds,
                    system_len=system_len, question_len=question_len, answer_len=answer_len,
