@@ -20,7 +20,20 @@ def test_bench_store_json_shape(tmp_path):
         assert abs(r["ratio"] - r["gib_per_s"] / r["reference_gib_per_s"]) < 1e-9
 
 
-def test_bench_store_bad_sizes_is_one_line_error():
-    result = CliRunner().invoke(app, ["bench-store", "--sizes", "four"])
+import pytest
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--sizes", "four"], "--sizes"),
+    (["--sizes", "0.00003"], "--sizes"),
+    (["--sizes", "inf"], "--sizes"),
+    (["--sizes", "nan"], "--sizes"),
+    (["--sizes", ""], "--sizes"),
+    (["--sizes", "4", "--total-mib", "1e12"], "--total-mib"),
+    (["--json", "/tmp"], "--json"),
+    (["--dir", "/nonexistent-kvtier"], "--dir"),
+])
+def test_bench_store_bad_input_is_one_line_error(args, needle):
+    result = CliRunner().invoke(app, ["bench-store", *args])
     assert result.exit_code == 2
-    assert "--sizes" in result.output and "Traceback" not in result.output
+    assert needle in result.output and "Traceback" not in result.output

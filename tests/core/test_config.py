@@ -74,3 +74,43 @@ def test_yaml_errors(tmp_path):
         KVTierConfig.from_yaml(bad)
     with pytest.raises(ConfigError, match="cannot read"):
         KVTierConfig.from_yaml(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize("values,needle", [
+    ({"_env_file": "/etc/hostname"}, "unknown kvtier config key '_env_file'"),
+    ({"_cli_parse_args": True}, "unknown kvtier config key"),
+    ({"cpu_gib": float("inf")}, "finite"),
+    ({"disk_gib": float("nan"), "disk_path": "/tmp"}, "finite"),
+    ({"disk_path": "/etc/hostname", "disk_gib": 0.001}, "is a file, not a directory"),
+    ({"disk_path": "/tmp/a\0b", "disk_gib": 0.001}, "NUL"),
+])
+def test_hostile_values_are_one_sentence_errors(values, needle):
+    with pytest.raises(ConfigError) as info:
+        KVTierConfig.from_dict(values)
+    assert needle in str(info.value) and "'config'" not in str(info.value)
+
+
+def test_env_typo_is_rejected_and_env_errors_name_the_variable(monkeypatch):
+    monkeypatch.setenv("KVTIER_CPU_GB", "64")
+    with pytest.raises(ConfigError, match="KVTIER_CPU_GB is not a kvtier setting"):
+        KVTierConfig.from_dict({})
+    monkeypatch.delenv("KVTIER_CPU_GB")
+    monkeypatch.setenv("KVTIER_CPU_GIB", "lots")
+    with pytest.raises(ConfigError, match="from environment variable KVTIER_CPU_GIB"):
+        KVTierConfig.from_dict({})
+
+
+def test_home_is_expanded_and_failed_checks_create_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = KVTierConfig.from_dict({"disk_path": "~/kv", "disk_gib": 0.001})
+    assert cfg.disk_path == str(tmp_path / "kv") and (tmp_path / "kv").is_dir()
+    with pytest.raises(ConfigError, match="exceeds"):
+        KVTierConfig.from_dict({"disk_path": str(tmp_path / "toolarge"), "disk_gib": 10_000_000})
+    assert not (tmp_path / "toolarge").exists()
+
+
+def test_non_utf8_yaml(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("# caf\xe9\ncpu_gib: 2\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="UTF-8"):
+        KVTierConfig.from_yaml(path)

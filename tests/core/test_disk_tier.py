@@ -1,6 +1,7 @@
 """Disk tier: crash-safe files, restart recovery, and corruption as a counted miss."""
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -8,6 +9,7 @@ import pytest
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers import DiskTier
 from kvtier.core.tiers.chunkfile import HEADER_BYTES
+from kvtier.core.tiers.disk import STALE_TMP_S
 
 CHUNK = 8192
 NS = b"n" * 16
@@ -41,11 +43,15 @@ def test_restart_rebuilds_index(disk, tmp_path):
     assert read(again, 1) == data(1)
 
 
-def test_stale_temp_files_removed_on_restart(disk, tmp_path):
-    tmp = disk.path(key(7)).with_name("x.kvc.123.456.tmp")
-    tmp.write_bytes(b"partial")
+def test_stale_temp_files_removed_on_restart_fresh_ones_kept(disk, tmp_path):
+    stale = disk.path(key(7)).with_name("x.kvc.123.456.tmp")
+    stale.write_bytes(b"partial")
+    old = time.time() - STALE_TMP_S - 10
+    os.utime(stale, (old, old))
+    fresh = disk.path(key(8)).with_name("y.kvc.123.456.tmp")  # another live process is writing it
+    fresh.write_bytes(b"partial")
     DiskTier(tmp_path, NS, capacity_bytes=100 * CHUNK)
-    assert not tmp.exists()
+    assert not stale.exists() and fresh.exists()
 
 
 def corrupt_cases():
@@ -110,3 +116,38 @@ def test_files_from_another_process_are_adopted(tmp_path):
     assert b.contains(key(4)) and read(b, 4) == data(4)
     a.delete(key(4))
     assert read(b, 4) is None  # deleted elsewhere: a plain miss
+
+
+def test_fifo_at_a_chunk_path_is_a_miss_not_a_hang(disk):
+    path = disk.path(key(1))
+    path.unlink()
+    os.mkfifo(path)
+    assert read(disk, 1) is None and disk.corrupt == 1
+
+
+def test_unremovable_entry_is_counted_and_logged_once(disk, caplog):
+    path = disk.path(key(1))
+    path.unlink()
+    path.mkdir()
+    (path / "inside").write_text("x")  # a non-empty directory cannot be unlinked
+    for _ in range(3):
+        assert read(disk, 1) is None
+    assert disk.corrupt == 1 and caplog.text.count("unusable") == 1
+
+
+def test_files_outside_their_shard_are_not_indexed(disk, tmp_path):
+    src = disk.path(key(0))
+    wrong = disk.dir / "zz"
+    wrong.mkdir()
+    (wrong / src.name).write_bytes(src.read_bytes())
+    again = DiskTier(tmp_path, NS, capacity_bytes=100 * CHUNK)
+    assert again.usage().num_chunks == 3
+    again.check()
+
+
+def test_reserved_header_bytes_are_checked(disk):
+    path = disk.path(key(2))
+    raw = bytearray(path.read_bytes())
+    raw[75] = 1
+    path.write_bytes(bytes(raw))
+    assert read(disk, 2) is None and disk.corrupt == 1

@@ -2,10 +2,12 @@
 
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
 
+from kvtier.core.errors import ConfigError
 from kvtier.core.tiers.chunkfile import HEADER_BYTES
 
 from .helpers import CHUNK_BYTES, chain_of, make_store, payload
@@ -245,3 +247,29 @@ def test_chunks_the_engine_already_held_are_not_hits(tmp_path):
     store.complete_load(handle, True, first_chunk=3)  # the engine's own cache had chunks 0-2
     assert store.stats()["hits_cpu"] == 1
     assert store.metrics.load_hit_tokens.labels("cpu")._value.get() == store.chunk_tokens
+
+
+def test_disk_tier_shrunk_since_last_run_is_trimmed_oldest_first(tmp_path):
+    big = make_store(tmp_path, cpu_chunks=4, disk_chunks=20, write_mode="write-through")
+    chains = [chain_of(p, 2) for p in range(6)]
+    for chain in chains:
+        put_chain(big, chain)
+        big.flush()
+        for k in chain:  # distinct modification times, in put order
+            os.utime(big.disk.path(k), (time.time() - 100 + chains.index(chain), time.time() - 100 + chains.index(chain)))
+    big.close()
+    small = make_store(tmp_path, cpu_chunks=4, disk_chunks=4)
+    assert small.disk.usage().num_chunks == 4
+    assert small.lookup(chains[-1]) == 2 and small.lookup(chains[0]) == 0
+    small.check_integrity()
+
+
+@pytest.mark.parametrize("cpu_chunks", [0])
+def test_cpu_tier_smaller_than_one_chunk_fails_at_start(tmp_path, cpu_chunks):
+    with pytest.raises(ConfigError, match="less than one chunk"):
+        make_store(tmp_path, cpu_chunks=cpu_chunks, disk_chunks=8)
+
+
+def test_cpu_tier_larger_than_the_host_fails_at_start(tmp_path):
+    with pytest.raises(ConfigError, match="RAM"):
+        make_store(tmp_path, cpu_chunks=1 << 40)

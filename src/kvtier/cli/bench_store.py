@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import json
+import math
+import os
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 from kvtier.cli.errors import fail
+
+
+MIN_CHUNK_MIB = 0.004  # 4 KiB: one OS page
+MAX_CHUNK_MIB = 1024.0
+MAX_TOTAL_MIB = 16384.0
 
 
 def register(app: typer.Typer) -> None:
@@ -34,13 +41,22 @@ def bench_store(
     try:
         chunk_mibs = [float(s) for s in sizes.split(",") if s.strip()]
     except ValueError:
-        fail(f"--sizes {sizes!r} is not a comma-separated list of MiB numbers; e.g. --sizes 0.5,4,32")
-    if directory is not None and not directory.is_dir():
-        fail(f"--dir {str(directory)!r} is not a directory; create it or omit --dir")
+        chunk_mibs = []
+    if not chunk_mibs or not all(math.isfinite(c) and MIN_CHUNK_MIB <= c <= MAX_CHUNK_MIB for c in chunk_mibs):
+        fail(f"--sizes {sizes!r} must be a comma-separated list of chunk sizes in MiB between {MIN_CHUNK_MIB} "
+             f"and {MAX_CHUNK_MIB}; e.g. --sizes 0.5,4,32")
+    if not math.isfinite(total_mib) or not max(chunk_mibs) <= total_mib <= MAX_TOTAL_MIB:
+        fail(f"--total-mib {total_mib} must be at least the largest chunk size and at most {MAX_TOTAL_MIB}")
+    if directory is not None and (not directory.is_dir() or not os.access(directory, os.W_OK | os.X_OK)):
+        fail(f"--dir {str(directory)!r} is not a writable directory; create it or omit --dir")
+    if json_path is not None and (json_path.is_dir() or not json_path.parent.is_dir()):
+        fail(f"--json {str(json_path)!r} must be a file path in an existing directory")
     try:
         rows = run_store_bench(chunk_mibs, total_mib, repeats, directory)
     except ValueError as exc:
         fail(str(exc))
+    except OSError as exc:
+        fail(f"the disk benchmark could not write its files ({exc.strerror}); free space or pick another --dir")
     table = Table(title="kvtier bench-store (tier vs same-run reference)")
     for col in ("tier", "op", "chunk MiB", "GiB/s", "reference GiB/s", "ratio"):
         table.add_column(col, justify="right")
@@ -50,6 +66,5 @@ def bench_store(
     Console().print(table)
     print("reference: cpu = numpy.copyto of the same bytes; disk = unbuffered file write/readinto")
     if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps({"results": [r.as_dict() for r in rows]}, indent=2))
         print(f"wrote {json_path}")

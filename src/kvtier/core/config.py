@@ -33,16 +33,16 @@ class KVTierConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVTIER_", extra="forbid", frozen=True)
 
     chunk_tokens: int = Field(256, gt=0, description="Tokens per chunk; a multiple of the engine's block size.")
-    cpu_gib: float = Field(4.0, ge=0, description="CPU DRAM tier size in GiB, total across TP ranks.")
+    cpu_gib: float = Field(4.0, ge=0, allow_inf_nan=False, description="CPU DRAM tier size in GiB, total across TP ranks.")
     disk_path: str | None = Field(None, description="Directory of the disk tier (local NVMe); unset = no disk tier.")
-    disk_gib: float = Field(0.0, ge=0, description="Disk tier size in GiB, total across TP ranks.")
+    disk_gib: float = Field(0.0, ge=0, allow_inf_nan=False, description="Disk tier size in GiB, total across TP ranks.")
     write_mode: Literal["write-back", "write-through"] = Field(
         "write-back", description="write-back: chunks go to disk when evicted from cpu; write-through: at once.")
     policy: str = Field("default", description="Eviction policy name (kvtier.core.policies).")
     save_queue_depth: int = Field(64, gt=0, description="Disk writes queued at most; more are dropped and counted.")
     io_threads: int = Field(2, gt=0, le=64, description="Worker threads for disk I/O.")
     disk_fsync: bool = Field(False, description="fsync each chunk file before it becomes visible (durable across power loss).")
-    spill_watermark: float = Field(0.1, ge=0, lt=1, description="Free share of the cpu tier kept by spilling ahead.")
+    spill_watermark: float = Field(0.1, ge=0, lt=1, allow_inf_nan=False, description="Free share of the cpu tier kept by spilling ahead.")
 
     @field_validator("policy")
     @classmethod
@@ -51,25 +51,21 @@ class KVTierConfig(BaseSettings):
             raise ValueError(f"unknown policy {value!r}; choose one of {', '.join(available_policies())}")
         return value
 
+    @field_validator("disk_path")
+    @classmethod
+    def _expand_disk_path(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if "\0" in value:
+            raise ValueError("disk_path contains a NUL byte; give a plain directory path")
+        return os.path.expanduser(os.path.expandvars(value))
+
     @model_validator(mode="after")
     def _disk_consistent(self) -> "KVTierConfig":
         if self.disk_gib > 0 and not self.disk_path:
             raise ValueError("disk_gib is set but disk_path is not; set disk_path to a local directory or disk_gib to 0")
         if self.disk_path and self.disk_gib > 0:
-            path = Path(self.disk_path)
-            try:
-                path.mkdir(parents=True, exist_ok=True)
-                probe = path / f".kvtier-write-probe-{os.getpid()}"
-                probe.write_bytes(b"x")
-                probe.unlink()
-            except OSError as exc:
-                raise ValueError(f"disk_path {str(path)!r} is not writable ({exc.strerror}); "
-                                 "point it at a writable directory") from None
-            free = shutil.disk_usage(path).free
-            used = _dir_bytes(path)  # what kvtier already holds there counts as available to it
-            if self.disk_gib * GiB > free + used:
-                raise ValueError(f"disk_gib={self.disk_gib} exceeds the {(free + used) / GiB:.1f} GiB free on "
-                                 f"{str(path)!r}; lower disk_gib or free space")
+            _check_disk_path(Path(self.disk_path), self.disk_gib)
         return self
 
     # ---- loaders -------------------------------------------------------------------------
@@ -80,12 +76,18 @@ class KVTierConfig(BaseSettings):
         Raises:
             ConfigError: one sentence naming the bad field and the fix.
         """
+        if values is not None and not isinstance(values, dict):
+            raise ConfigError("kvtier config must be a mapping of keys to values, e.g. {\"cpu_gib\": 8}")
+        values = dict(values or {})
+        for key in values:
+            if key not in cls.model_fields:
+                # checked here: pydantic-settings would take keys such as "_env_file" as its own options
+                raise ConfigError(f"unknown kvtier config key {key!r}; known keys are {', '.join(cls.model_fields)}")
+        _check_env()
         try:
-            return cls(**(values or {}))
+            return cls(**values)
         except ValidationError as exc:
-            raise ConfigError(_one_sentence(exc)) from None
-        except TypeError as exc:
-            raise ConfigError(f"kvtier config is not a mapping of keys to values ({exc})") from None
+            raise ConfigError(_one_sentence(exc, explicit=set(values))) from None
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> "KVTierConfig":
@@ -95,7 +97,9 @@ class KVTierConfig(BaseSettings):
             ConfigError: unreadable file, not a mapping, or a bad field.
         """
         try:
-            data = yaml.safe_load(Path(path).read_text())
+            data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except UnicodeDecodeError:
+            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text; save it as UTF-8") from None
         except OSError as exc:
             raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from None
         except yaml.YAMLError as exc:
@@ -127,6 +131,39 @@ class KVTierConfig(BaseSettings):
         return int(self.disk_gib * GiB) // tp_size if self.disk_path else 0
 
 
+def _check_disk_path(path: Path, disk_gib: float) -> None:
+    """Writability and free space of the disk tier's directory, creating it only if both hold."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"disk_path {str(path)!r} is a file, not a directory; point it at a directory")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"disk_path {str(path)!r} is not writable; point it at a writable directory")
+    free = shutil.disk_usage(existing).free
+    used = _dir_bytes(path) if path.exists() else 0  # what kvtier already holds there is available to it
+    if disk_gib * GiB > free + used:
+        raise ValueError(f"disk_gib={disk_gib} exceeds the {(free + used) / GiB:.1f} GiB free on "
+                         f"{str(path)!r}; lower disk_gib or free space")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".kvtier-write-probe-{os.getpid()}"
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as exc:
+        raise ValueError(f"disk_path {str(path)!r} is not writable ({exc.strerror}); "
+                         "point it at a writable directory") from None
+
+
+def _check_env() -> None:
+    """Reject ``KVTIER_*`` variables that name no field (a typo would otherwise be ignored)."""
+    known = {f"KVTIER_{name.upper()}" for name in KVTierConfig.model_fields}
+    for var in os.environ:
+        if var.upper().startswith("KVTIER_") and var.upper() not in known:
+            raise ConfigError(f"environment variable {var} is not a kvtier setting; known ones are "
+                              f"{', '.join(sorted(known))}")
+
+
 def _dir_bytes(path: Path) -> int:
     total = 0
     for root, _dirs, files in os.walk(path):
@@ -138,13 +175,15 @@ def _dir_bytes(path: Path) -> int:
     return total
 
 
-def _one_sentence(exc: ValidationError) -> str:
+def _one_sentence(exc: ValidationError, explicit: set[str] | None = None) -> str:
     err = exc.errors()[0]
-    field = ".".join(str(p) for p in err["loc"]) or "config"
+    field = ".".join(str(p) for p in err["loc"])
     msg = err["msg"].removeprefix("Value error, ")
-    if err["type"] == "extra_forbidden":
-        known = ", ".join(KVTierConfig.model_fields)
-        return f"unknown kvtier config key {field!r}; known keys are {known}"
+    if not field:  # a check across fields: its message names the fields itself
+        return f"kvtier config: {msg}"
+    source = ""
+    if explicit is not None and field not in explicit and f"KVTIER_{field.upper()}" in os.environ:
+        source = f" (from environment variable KVTIER_{field.upper()})"
     value = err.get("input")
     shown = f" (got {value!r})" if value is not None and not isinstance(value, dict) else ""
-    return f"kvtier config field {field!r}: {msg}{shown}; fix the value of {field!r}"
+    return f"kvtier config field {field!r}{source}: {msg}{shown}; fix the value of {field!r}"

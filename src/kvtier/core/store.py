@@ -32,6 +32,7 @@ Sizes: ``chunk_bytes`` is the payload of one chunk; capacities come from
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -42,7 +43,8 @@ from typing import Any, Sequence
 import numpy as np
 from prometheus_client import CollectorRegistry
 
-from kvtier.core.config import KVTierConfig
+from kvtier.core.config import GiB, KVTierConfig
+from kvtier.core.errors import ConfigError
 from kvtier.core.handles import LoadHandle, StoreHandle
 from kvtier.core.keys import ChunkKey, Namespace
 from kvtier.core.metrics import StoreMetrics
@@ -61,6 +63,27 @@ class _WriteJob:
     def __init__(self, key: ChunkKey, parent: ChunkKey | None, data: np.ndarray | None, evict_after: bool) -> None:
         self.key, self.parent, self.data, self.evict_after = key, parent, data, evict_after
         self.from_cpu = data is None
+
+
+def _make_cpu_tier(config: KVTierConfig, chunk_bytes: int, tp_size: int) -> CpuTier:
+    """The cpu tier of one rank, or a ConfigError naming ``cpu_gib`` when it cannot exist."""
+    capacity = config.cpu_bytes_per_rank(tp_size)
+    if capacity < chunk_bytes:
+        need = chunk_bytes * tp_size / GiB
+        raise ConfigError(f"cpu_gib={config.cpu_gib} gives each of {tp_size} rank(s) {capacity} bytes, less than one "
+                          f"chunk of {chunk_bytes} bytes (every chunk passes through the cpu tier); set cpu_gib "
+                          f"to at least {need:.3f}, better hundreds of chunks")
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        physical = 0
+    if physical and capacity > physical:
+        raise ConfigError(f"cpu_gib={config.cpu_gib} asks for {capacity / GiB:.1f} GiB per rank but this host has "
+                          f"{physical / GiB:.1f} GiB of RAM; lower cpu_gib (it is the total across TP ranks)")
+    try:
+        return CpuTier(capacity, chunk_bytes)
+    except (MemoryError, ValueError) as exc:
+        raise ConfigError(f"cannot allocate the cpu tier of {capacity / GiB:.1f} GiB ({exc}); lower cpu_gib") from None
 
 
 class TieredStore:
@@ -90,21 +113,22 @@ class TieredStore:
         self.metrics.set_config({**config.model_dump(), "chunk_bytes": chunk_bytes, "tp_size": tp_size,
                                  "namespace": namespace.digest().hex()})
         self._lock = threading.RLock()
-        self.cpu = CpuTier(config.cpu_bytes_per_rank(tp_size), chunk_bytes)
+        self.counters: Counter[str] = Counter()
+        self.cpu = _make_cpu_tier(config, chunk_bytes, tp_size)
         self.cpu_policy = make_policy(config.policy)
         self.disk: DiskTier | None = None
         self.disk_policy = make_policy(config.policy)
         if config.disk_path and config.disk_bytes_per_rank(tp_size) > 0:
             self.disk = DiskTier(config.disk_path, namespace.digest(), config.disk_bytes_per_rank(tp_size),
                                  fsync=config.disk_fsync)
-            for key in self.disk.keys():
+            for key in self.disk.keys():  # oldest first
                 self.disk_policy.insert(key, None)
+            self._trim_disk()
         self._pins: Counter[ChunkKey] = Counter()
         self._disk_pins: Counter[ChunkKey] = Counter()
         self._spilling: set[ChunkKey] = set()
         self._staged: dict[ChunkKey, np.ndarray] = {}  # evicted from cpu, queued for disk, still servable
         self._parent: dict[ChunkKey, ChunkKey | None] = {}
-        self.counters: Counter[str] = Counter()
         self._queue: queue.Queue[_WriteJob | None] = queue.Queue(maxsize=config.save_queue_depth)
         self._workers: list[threading.Thread] = []
         self._readers: ThreadPoolExecutor | None = None
@@ -117,6 +141,19 @@ class TieredStore:
         self.metrics.capacity_bytes.labels("cpu").set(self.cpu.usage().capacity_bytes)
         self.metrics.capacity_bytes.labels("disk").set(self.disk.capacity_bytes if self.disk else 0)
         self._closed = False
+
+    def _trim_disk(self) -> None:
+        """Evict down to capacity when the directory holds more than ``disk_gib`` allows (the tier
+        was shrunk since the files were written)."""
+        assert self.disk is not None
+        while self.disk.usage_exact() > self.disk.capacity_bytes:
+            victim = self.disk_policy.victim()
+            if victim is None:
+                break
+            self.disk.delete(victim)
+            self.disk_policy.remove(victim)
+            self.counters["evictions_disk"] += 1
+            self.metrics.evictions.labels("disk").inc()
 
     # ---- lookup --------------------------------------------------------------------------
     def lookup(self, chain: Sequence[ChunkKey]) -> int:

@@ -73,4 +73,6 @@ def decode_header(raw: bytes) -> ChunkHeader:
         raise ChunkFormatError(f"unsupported chunk format version {version}")
     if xxhash.xxh3_64_digest(head) != raw[_HEAD.size:_HEAD.size + 8]:
         raise ChunkFormatError("header checksum mismatch")
+    if any(raw[_HEAD.size + 8:HEADER_BYTES]):
+        raise ChunkFormatError("reserved header bytes are not zero")
     return ChunkHeader(version, namespace, key, length, digest)

@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
 
+from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers.base import Tier, TierUsage
 from kvtier.core.tiers.chunkfile import (HEADER_BYTES, ChunkFormatError, decode_header, encode_header,
@@ -33,6 +36,8 @@ from kvtier.core.tiers.chunkfile import (HEADER_BYTES, ChunkFormatError, decode_
 
 log = logging.getLogger(__name__)
 SUFFIX = ".kvc"
+STALE_TMP_S = 120.0
+"""A temporary file older than this (seconds) at start-up is a crash leftover and is removed."""
 
 
 class DiskTier(Tier):
@@ -62,9 +67,14 @@ class DiskTier(Tier):
         self._key_to_size: dict[ChunkKey, int] = {}
         self._used = 0
         self._adopted = 0  # files indexed after start (written by other processes)
+        self._bad: set[ChunkKey] = set()  # unusable entries that could not be removed
         self._rebuild_index()
         for i in range(256):  # fan-out directories made once, not on the write path
-            (self.dir / f"{i:02x}").mkdir(exist_ok=True)
+            shard = self.dir / f"{i:02x}"
+            shard.mkdir(exist_ok=True)
+            if not os.access(shard, os.W_OK | os.X_OK):
+                raise ConfigError(f"disk tier directory {str(shard)!r} is not writable by this process; "
+                                  "fix its permissions or choose another disk_path")
 
     # ---- paths and index -----------------------------------------------------------------
     def path(self, key: ChunkKey) -> Path:
@@ -73,22 +83,35 @@ class DiskTier(Tier):
         return self.dir / h[:2] / (h + SUFFIX)
 
     def _rebuild_index(self) -> None:
+        found: list[tuple[float, ChunkKey, int]] = []
         for sub in self.dir.iterdir() if self.dir.exists() else ():
             if not sub.is_dir():
                 continue
             for entry in os.scandir(sub):
                 if entry.name.endswith(".tmp"):
-                    _unlink(Path(entry.path))  # left by a crash mid-write
+                    # left by a crash mid-write; a fresh one may belong to a live process sharing the directory
+                    try:
+                        if time.time() - entry.stat().st_mtime > STALE_TMP_S:
+                            _unlink(Path(entry.path))
+                    except OSError:
+                        pass
                     continue
-                if not entry.name.endswith(SUFFIX):
+                name = entry.name[:-len(SUFFIX)]
+                # only <key[:2]>/<key>.kvc regular files are chunks; anything else is not ours to count
+                if not entry.name.endswith(SUFFIX) or name[:2] != sub.name or len(name) != 2 * len(self.namespace):
                     continue
                 try:
-                    key = ChunkKey(bytes.fromhex(entry.name[:-len(SUFFIX)]))
-                    size = entry.stat().st_size
+                    key = ChunkKey(bytes.fromhex(name))
+                    st = entry.stat(follow_symlinks=False)
                 except (ValueError, OSError):
                     continue
-                self._key_to_size[key] = size
-                self._used += size
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                found.append((st.st_mtime, key, st.st_size))
+        found.sort(key=lambda item: item[0])  # oldest first: the store's policy sees them in that order
+        for _mtime, key, size in found:
+            self._key_to_size[key] = size
+            self._used += size
 
     def _adopt(self, key: ChunkKey) -> bool:
         """Index a file written by another process; caller holds the lock."""
@@ -109,6 +132,8 @@ class DiskTier(Tier):
     # ---- Tier contract -------------------------------------------------------------------
     def contains(self, key: ChunkKey) -> bool:
         with self._lock:
+            if key in self._bad:
+                return False
             return key in self._key_to_size or self._adopt(key)
 
     def indexed(self, key: ChunkKey) -> bool:
@@ -121,8 +146,15 @@ class DiskTier(Tier):
 
     def get_into(self, key: ChunkKey, dst: memoryview) -> bool:
         path = self.path(key)
+        if key in self._bad:
+            return False
         try:
-            with open(path, "rb", buffering=0) as f:
+            # O_NONBLOCK: a FIFO or device planted at a chunk's path must not hang the caller
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise ChunkFormatError("not a regular file")
+            with os.fdopen(fd, "rb", buffering=0) as f:
                 header = decode_header(f.read(HEADER_BYTES))
                 if header.namespace != self.namespace or header.key != key:
                     raise ChunkFormatError("chunk belongs to another namespace or key")
@@ -145,11 +177,14 @@ class DiskTier(Tier):
         return True
 
     def _quarantine(self, key: ChunkKey, path: Path, reason: str) -> None:
-        log.warning("kvtier disk tier: chunk %s is unusable (%s); treated as a miss and removed", path, reason)
+        removed = _unlink(path)
+        if not removed and path.exists():
+            self._bad.add(key)  # remembered, so it is counted and logged once, not on every load
+        log.warning("kvtier disk tier: chunk %s is unusable (%s); treated as a miss%s", path, reason,
+                    " and removed" if removed else "")
         with self._lock:
             self.corrupt += 1
             self._forget(key)
-        _unlink(path)
 
     def put(self, key: ChunkKey, data: memoryview | bytes) -> bool:
         payload = memoryview(data).cast("B")
@@ -200,6 +235,11 @@ class DiskTier(Tier):
             used = min(self._used, self.capacity_bytes)
             return TierUsage(used, self.capacity_bytes - used, self.capacity_bytes, len(self._key_to_size))
 
+    def usage_exact(self) -> int:
+        """Bytes of the indexed chunk files (may exceed capacity right after start, see the store's trim)."""
+        with self._lock:
+            return self._used
+
     def check(self) -> None:
         """Assert index accounting: used bytes equal the indexed sizes and stay within capacity."""
         with self._lock:
@@ -215,5 +255,5 @@ def _unlink(path: Path) -> bool:
     except FileNotFoundError:
         return False
     except OSError as exc:
-        log.warning("kvtier disk tier: cannot remove %s (%s)", path, exc.strerror)
+        log.warning("kvtier disk tier: cannot remove %s (%s); it will be ignored", path, exc.strerror)
         return False
