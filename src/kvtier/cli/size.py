@@ -114,6 +114,8 @@ def size_command(
 ) -> None:
     from kvtier.size import DTYPE_BYTES, Deployment, build_recipe, plan, resolve_model
     from kvtier.size.hardware import find_gpu
+    from kvtier.size.plan import check_finite, split_tier
+    from kvtier.size.recipe import chunk_notes
 
     if list_presets:
         _list_presets()
@@ -125,6 +127,8 @@ def size_command(
     if dtype not in DTYPE_BYTES:
         fail(f"--kv-dtype {kv_dtype!r} is not one of auto, bf16, fp16, fp8.")
     try:
+        check_finite("--offload-gib", offload_gib)
+        check_finite("--gpu-memory-gib", gpu_memory_gib)
         memory = gpu_memory_gib
         if gpu is not None:
             found = find_gpu(gpu)
@@ -139,6 +143,8 @@ def size_command(
                          weights_gib=weights, overhead_gib=overhead_gib, context_tokens=context,
                          sessions=sessions, host_ram_gib=host_ram_gib, host_reserve_gib=host_reserve_gib)
         report = plan(resolved.geometry, dep)
+        if weights_gib is None:
+            report.notes.extend(resolved.warnings)
         if chunk_tokens < 1:
             raise UserError(f"--chunk-tokens must be at least 1, got {chunk_tokens}.")
         if offload_gib is not None and offload_gib < 0:
@@ -147,9 +153,13 @@ def size_command(
         fail(str(exc))
     recipe = None
     if offload_gib is not None and offload_gib > 0:
-        recipe = build_recipe(model, tp, offload_gib, 0.0, disk_path, chunk_tokens)
+        split = split_tier(offload_gib, host_ram_gib, host_reserve_gib)
+        report.notes.extend(split.notes)
+        recipe = build_recipe(model, tp, split.cpu_gib, split.disk_gib, disk_path, chunk_tokens)
     elif report.offload_needed:
         recipe = build_recipe(model, tp, report.cpu_gib or 0.0, report.disk_gib or 0.0, disk_path, chunk_tokens)
+    if recipe is not None:
+        report.notes.extend(chunk_notes(chunk_tokens))
     if as_json:
         payload = report.to_json()
         payload["weights_note"] = note

@@ -29,10 +29,23 @@ from kvtier.size.geometry import DTYPE_BYTES, KVGeometry, MLASpec, StateSpec
 _TORCH_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float": 4, "half": 2}
 
 
+MAX_CONFIG_BYTES = 8 << 20
+"""Largest config.json read (bytes): real ones are a few KiB; this keeps ``/dev/zero`` from filling RAM."""
+
+
 def load_config_file(path: Path) -> dict[str, Any]:
-    """Read ``path`` (a ``config.json`` or a directory holding one) as a dict; UserError if unreadable."""
+    """Read ``path`` (a ``config.json`` or a directory holding one) as a dict.
+
+    Raises:
+        UserError: missing, not a regular file (device, FIFO), over :data:`MAX_CONFIG_BYTES`, or not JSON.
+    """
     file = path / "config.json" if path.is_dir() else path
     try:
+        if file.exists() and not file.is_file():
+            raise UserError(f"{file} is not a regular file; pass a model directory or its config.json.")
+        if file.exists() and file.stat().st_size > MAX_CONFIG_BYTES:
+            raise UserError(f"{file} is larger than {MAX_CONFIG_BYTES >> 20} MiB, so it is not a config.json; "
+                            "pass the model's config.json.")
         data = json.loads(file.read_text())
     except FileNotFoundError:
         raise UserError(f"{file} does not exist; pass a model directory or its config.json.") from None
@@ -151,10 +164,16 @@ def geometry_from_config(cfg: dict[str, Any], name: str, source: str = "") -> KV
     heads = _int(cfg, "num_attention_heads", where)
     if heads == 0:
         raise UserError(f"{where} has num_attention_heads 0; it must be at least 1.")
-    kv_heads = _int(cfg, "num_key_value_heads", where, default=heads) or heads
+    kv_heads = _int(cfg, "num_key_value_heads", where, default=heads)
+    if kv_heads == 0:
+        raise UserError(f"{where} has num_key_value_heads 0; it must be at least 1 (omit it for MHA).")
     head_dim = cfg.get("head_dim")
     if head_dim is None:
-        head_dim = _int(cfg, "hidden_size", where) // heads
+        hidden = _int(cfg, "hidden_size", where)
+        if hidden % heads:
+            raise UserError(f"{where} has hidden_size {hidden} not divisible by num_attention_heads {heads}; "
+                            "add the model's 'head_dim' to the config.")
+        head_dim = hidden // heads
     elif not isinstance(head_dim, int) or head_dim <= 0:
         raise UserError(f"{where} field 'head_dim' must be a positive integer, got {head_dim!r}.")
     mla = None

@@ -23,18 +23,37 @@ from kvtier.size.presets import GIB, find_preset
 
 @dataclass(frozen=True)
 class ResolvedModel:
-    """A model's geometry and, when known, its weights size (GiB) and how that was found."""
+    """A model's geometry and, when known, its weights size (GiB) and how that was found.
+
+    ``warnings`` lists what was skipped while reading local files (e.g. a dangling ``*.safetensors`` link).
+    """
 
     geometry: KVGeometry
     weights_gib: float | None
     weights_note: str
+    warnings: tuple[str, ...] = ()
 
 
-def _local_weights_gib(directory: Path) -> float | None:
-    files = list(directory.glob("*.safetensors"))
-    if not files:
-        return None
-    return sum(f.stat().st_size for f in files) / GIB
+def _local_weights(directory: Path) -> tuple[float | None, str, tuple[str, ...]]:
+    """Sum (GiB) of the non-empty regular ``*.safetensors`` files in ``directory`` (None when none
+    counts), how it was found, and a warning naming the ones skipped (dangling links, directories,
+    empty files)."""
+    sizes: list[int] = []
+    skipped: list[str] = []
+    for f in sorted(directory.glob("*.safetensors")):
+        try:
+            size = f.stat().st_size if f.is_file() else None
+        except OSError:
+            size = None
+        if size is None:
+            skipped.append(f"{f.name} (not a readable file)")
+        elif size == 0:
+            skipped.append(f"{f.name} (empty)")
+        else:
+            sizes.append(size)
+    note = f"sum of {len(sizes)} *.safetensors next to config.json" if sizes else ""
+    warnings = (f"Weights size ignores {', '.join(skipped)}; pass --weights-gib if that is wrong.",) if skipped else ()
+    return (sum(sizes) / GIB if sizes else None), note, warnings
 
 
 def _fetch_hub_config(repo_id: str, timeout_s: float) -> dict[str, object]:
@@ -72,9 +91,8 @@ def resolve_model(name: str, hub_timeout_s: float = 10.0) -> ResolvedModel:
         cfg = load_config_file(path)
         directory = path if path.is_dir() else path.parent
         config_file = path / "config.json" if path.is_dir() else path
-        weights = _local_weights_gib(directory)
-        note = "sum of *.safetensors next to config.json" if weights is not None else ""
-        return ResolvedModel(geometry_from_config(cfg, str(path), source=str(config_file)), weights, note)
+        weights, note, warnings = _local_weights(directory)
+        return ResolvedModel(geometry_from_config(cfg, str(path), source=str(config_file)), weights, note, warnings)
     preset = find_preset(name)
     if preset is not None:
         return ResolvedModel(preset.geometry(), preset.weights_gib, preset.weights_note)

@@ -13,6 +13,7 @@ math"); per-rank figures are named so.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from kvtier.cli.errors import UserError
@@ -21,6 +22,15 @@ from kvtier.size.geometry import KVGeometry
 GIB = 1 << 30
 HEADROOM = 1.15
 """Headroom factor on the offload tier (how-to: "add ~15% headroom")."""
+MIN_CPU_GIB = 4.0
+"""Smallest DRAM tier recommended next to a disk tier (GiB, total): kvtier's store stages every chunk
+through its cpu tier on the way to and from disk, so a disk tier with ``cpu_gib: 0`` cannot work."""
+
+
+def check_finite(label: str, value: float | None) -> None:
+    """Raise UserError when ``value`` is inf or NaN (Typer accepts both as floats)."""
+    if value is not None and not math.isfinite(value):
+        raise UserError(f"{label} must be a finite number, got {value}.")
 
 
 @dataclass(frozen=True)
@@ -54,6 +64,11 @@ class Deployment:
 
     def check(self) -> None:
         """Raise UserError for values that cannot describe a deployment."""
+        for label, number in (("--gpu-memory-gib", self.gpu_memory_gib), ("--weights-gib", self.weights_gib),
+                              ("--host-ram-gib", self.host_ram_gib), ("--overhead-gib", self.overhead_gib),
+                              ("--host-reserve-gib", self.host_reserve_gib),
+                              ("--gpu-memory-utilization", self.gpu_memory_utilization)):
+            check_finite(label, number)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise UserError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         for label, value in (("--gpu-memory-gib", self.gpu_memory_gib), ("--weights-gib", self.weights_gib),
@@ -192,6 +207,42 @@ def plan(geometry: KVGeometry, dep: Deployment) -> SizeReport:
     return report
 
 
+@dataclass(frozen=True)
+class TierSplit:
+    """An offload tier (GiB, totals across TP) split into a DRAM share and a disk share, with why."""
+
+    cpu_gib: float
+    disk_gib: float
+    notes: tuple[str, ...] = ()
+
+
+def split_tier(total_gib: float, host_ram_gib: float | None, host_reserve_gib: float) -> TierSplit:
+    """Put ``total_gib`` in host RAM, spilling to disk what exceeds ``host_ram_gib − host_reserve_gib``.
+
+    Without ``host_ram_gib`` everything stays in DRAM.  A disk share always comes with at least
+    :data:`MIN_CPU_GIB` of DRAM (kvtier stages chunks through its cpu tier), even when that eats
+    into the reserve; a note says so.
+    """
+    if host_ram_gib is None:
+        return TierSplit(total_gib, 0.0)
+    usable = max(0.0, host_ram_gib - host_reserve_gib)
+    if total_gib <= usable:
+        return TierSplit(total_gib, 0.0, (f"The tier fits in usable host RAM ({usable:g} GiB).",))
+    cpu = round(max(usable, min(MIN_CPU_GIB, total_gib)), 2)
+    disk = round(max(0.0, total_gib - cpu), 2)
+    notes = [
+        f"The tier ({total_gib:g} GiB) exceeds usable host RAM ({usable:g} GiB = {host_ram_gib:g} − "
+        f"{host_reserve_gib:g} reserved): put {disk:g} GiB on a disk tier or keep fewer sessions warm."
+    ]
+    if cpu > usable:
+        notes.append(
+            f"A disk tier needs a DRAM tier in front of it (kvtier stages every chunk through its cpu tier), "
+            f"so the recipe keeps {cpu:g} GiB of DRAM although only {usable:g} GiB is usable: "
+            "lower --host-reserve-gib or add host RAM."
+        )
+    return TierSplit(cpu, disk, tuple(notes))
+
+
 def _recommend(report: SizeReport, budget: int, dep: Deployment) -> None:
     assert report.warm_set_bytes is not None
     spill = max(0, report.warm_set_bytes - budget)
@@ -199,17 +250,6 @@ def _recommend(report: SizeReport, budget: int, dep: Deployment) -> None:
     if spill == 0:
         report.notes.append("Offload not needed: the warm set fits in the HBM KV budget.")
         return
-    total = report.recommended_offload_gib
-    report.cpu_gib, report.disk_gib = total, 0.0
-    if dep.host_ram_gib is not None:
-        usable = max(0.0, dep.host_ram_gib - dep.host_reserve_gib)
-        if total > usable:
-            report.cpu_gib = round(usable, 2)
-            report.disk_gib = round(total - usable, 2)
-            report.notes.append(
-                f"The tier ({total:g} GiB) exceeds usable host RAM ({usable:g} GiB = {dep.host_ram_gib:g} − "
-                f"{dep.host_reserve_gib:g} reserved): put {report.disk_gib:g} GiB on a disk tier "
-                "or keep fewer sessions warm."
-            )
-        else:
-            report.notes.append(f"The tier fits in usable host RAM ({usable:g} GiB).")
+    split = split_tier(report.recommended_offload_gib, dep.host_ram_gib, dep.host_reserve_gib)
+    report.cpu_gib, report.disk_gib = split.cpu_gib, split.disk_gib
+    report.notes.extend(split.notes)

@@ -13,6 +13,9 @@
   ``LMCACHE_LOCAL_DISK`` / ``LMCACHE_MAX_LOCAL_DISK_SIZE`` with ``LMCACHE_ENABLE_ASYNC_LOADING=False``
   (LMCache#2502, guide § "Known bugs").
 
+``LMCACHE_CHUNK_SIZE`` follows ``--chunk-tokens`` so both connectors cut the same chunks; paths are
+quoted for the shell (``shlex.quote``).
+
 The total is rounded up to a whole multiple of TP GiB, so every rank gets a whole number of GiB
 and the three dialects state exactly the same bytes.
 """
@@ -29,6 +32,21 @@ KVTIER_CONNECTOR = {
     "kv_connector_module_path": "kvtier.integrations.vllm",
     "kv_role": "kv_both",
 }
+
+
+BLOCK_SIZES = {"CUDA attention backends": 16, "vLLM's CPU backend": 128}
+"""Default KV block sizes (tokens) a chunk should be a whole number of: vLLM ``CacheConfig.DEFAULT_BLOCK_SIZE``
+= 16 (``vllm/config/cache.py``) and 128 on the CPU platform (``vllm/platforms/cpu.py``
+``check_and_update_config``)."""
+
+
+def chunk_notes(chunk_tokens: int) -> list[str]:
+    """Warnings for a chunk size that is not a whole number of the common vLLM block sizes."""
+    misfits = [f"{size} ({where})" for where, size in BLOCK_SIZES.items() if chunk_tokens % size]
+    if not misfits:
+        return []
+    return [f"--chunk-tokens {chunk_tokens} is not a multiple of the default block size "
+            f"{' or '.join(misfits)}; chunks will not line up with vLLM blocks unless --block-size divides it."]
 
 
 @dataclass(frozen=True)
@@ -67,9 +85,9 @@ def build_recipe(model: str, tp: int, cpu_gib: float, disk_gib: float = 0.0,
     native = f"{base} \\\n  --kv-offloading-backend native --kv-offloading-size {cpu}"
     if disk:
         native += f"\n# native offload holds only the {cpu} GiB DRAM share; the {disk} GiB disk share needs kvtier or LMCache"
-    lines = ["LMCACHE_LOCAL_CPU=True", f"LMCACHE_MAX_LOCAL_CPU_SIZE={cpu // tp}", "LMCACHE_CHUNK_SIZE=256"]
+    lines = ["LMCACHE_LOCAL_CPU=True", f"LMCACHE_MAX_LOCAL_CPU_SIZE={cpu // tp}", f"LMCACHE_CHUNK_SIZE={chunk_tokens}"]
     if disk:
-        lines += [f"LMCACHE_LOCAL_DISK=file://{disk_path}/", f"LMCACHE_MAX_LOCAL_DISK_SIZE={disk // tp}",
+        lines += ["LMCACHE_LOCAL_DISK=" + shlex.quote(f"file://{disk_path.rstrip('/')}/"), f"LMCACHE_MAX_LOCAL_DISK_SIZE={disk // tp}",
                   "LMCACHE_ENABLE_ASYNC_LOADING=False"]
     lmc_transfer = json.dumps({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}, separators=(",", ":"))
     per_rank = f"# LMCACHE_MAX_LOCAL_CPU_SIZE is per rank: {cpu // tp} GiB × TP {tp} = {cpu} GiB total"

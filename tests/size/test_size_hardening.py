@@ -1,0 +1,110 @@
+"""Regression tests for ``kvtier size`` inputs found by the breaker (one case per defect)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+
+import pytest
+from typer.testing import CliRunner
+
+from kvtier.cli.main import app
+from kvtier.size.plan import MIN_CPU_GIB
+
+runner = CliRunner()
+LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+def run(*args: str):
+    return runner.invoke(app, ["size", *args], env={"COLUMNS": "200"})
+
+
+def _json(*args: str) -> dict:
+    result = run(*args, "--json")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_short_host_ram_keeps_a_minimum_dram_tier_in_front_of_disk():
+    data = _json("--model", LLAMA, "--gpu", "H100", "--context", "131072", "--sessions", "100",
+                 "--host-ram-gib", "10")
+    assert data["cpu_gib"] == MIN_CPU_GIB and data["disk_gib"] > 0
+    assert data["recipe"]["cpu_gib"] >= MIN_CPU_GIB
+    assert "LMCACHE_MAX_LOCAL_CPU_SIZE=0" not in data["recipe"]["lmcache"]
+    assert "--kv-offloading-size 0" not in data["recipe"]["vllm_native"]
+    assert any("DRAM tier in front of it" in note for note in data["notes"])
+
+
+def test_explicit_offload_gib_is_capped_by_host_ram_with_a_note():
+    data = _json("--model", LLAMA, "--offload-gib", "100", "--host-ram-gib", "40")
+    assert data["recipe"]["cpu_gib"] == 24 and data["recipe"]["disk_gib"] == 76
+    assert any("exceeds usable host RAM" in note for note in data["notes"])
+
+
+@pytest.mark.parametrize("cfg, words", [
+    ({"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 0, "hidden_size": 4096},
+     "num_key_value_heads 0"),
+    ({"num_hidden_layers": 2, "num_attention_heads": 3, "hidden_size": 100}, "not divisible"),
+])
+def test_impossible_head_counts_are_refused(tmp_path, cfg, words):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    result = run("--model", str(path))
+    assert result.exit_code == 2 and words in result.output and "Traceback" not in result.output
+
+
+def test_broken_safetensors_entries_are_ignored_with_a_note(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4,
+                                                      "hidden_size": 256}))
+    os.symlink(tmp_path / "missing-blob", tmp_path / "model-00001-of-00003.safetensors")
+    (tmp_path / "model-00002-of-00003.safetensors").mkdir()
+    (tmp_path / "model-00003-of-00003.safetensors").write_bytes(b"")
+    (tmp_path / "real.safetensors").write_bytes(b"\0" * (1 << 20))
+    data = _json("--model", str(tmp_path), "--gpu-memory-gib", "8")
+    assert data["weights_note"] == "sum of 1 *.safetensors next to config.json"
+    note = next(n for n in data["notes"] if n.startswith("Weights size ignores"))
+    for name in ("model-00001-of-00003", "model-00002-of-00003", "model-00003-of-00003"):
+        assert name in note
+
+
+@pytest.mark.parametrize("flag, value", [("--offload-gib", "inf"), ("--offload-gib", "nan"),
+                                         ("--gpu-memory-gib", "inf"), ("--gpu-memory-gib", "nan"),
+                                         ("--weights-gib", "nan"), ("--host-ram-gib", "inf")])
+def test_non_finite_numbers_are_refused(flag, value):
+    result = run("--model", LLAMA, "--gpu", "H100", flag, value)
+    assert result.exit_code == 2 and f"{flag} must be a finite number" in result.output
+
+
+def test_lmcache_recipe_quotes_paths_and_follows_chunk_tokens():
+    data = _json("--model", LLAMA, "--offload-gib", "100", "--host-ram-gib", "40", "--disk-path", "/mnt/my kv",
+                 "--chunk-tokens", "512")
+    lmcache = data["recipe"]["lmcache"]
+    exports = dict(shlex.split(line[len("export "):])[0].split("=", 1)
+                   for line in lmcache.splitlines() if line.startswith("export "))
+    assert exports["LMCACHE_LOCAL_DISK"] == "file:///mnt/my kv/"
+    assert exports["LMCACHE_CHUNK_SIZE"] == "512"
+    assert not any("block size" in note for note in data["notes"])
+
+
+def test_chunk_tokens_off_the_block_grid_are_warned_about():
+    data = _json("--model", LLAMA, "--offload-gib", "10", "--chunk-tokens", "200")
+    note = next(n for n in data["notes"] if "--chunk-tokens 200" in n)
+    assert "16" in note and "128" in note
+    data = _json("--model", LLAMA, "--offload-gib", "10", "--chunk-tokens", "64")
+    note = next(n for n in data["notes"] if "--chunk-tokens 64" in n)
+    assert "128" in note and "16 (" not in note
+
+
+def test_non_regular_and_oversized_configs_are_refused(tmp_path):
+    result = run("--model", "/dev/zero")
+    assert result.exit_code == 2 and "not a regular file" in result.output
+    fifo_dir = tmp_path / "fifo"
+    fifo_dir.mkdir()
+    os.mkfifo(fifo_dir / "config.json")
+    result = run("--model", str(fifo_dir))
+    assert result.exit_code == 2 and "not a regular file" in result.output
+    big = tmp_path / "big.json"
+    big.write_text('{"pad": "' + "x" * (9 << 20) + '"}')
+    result = run("--model", str(big))
+    assert result.exit_code == 2 and "larger than" in result.output
