@@ -20,8 +20,11 @@ def load_configs(text: str, origin: str, version: Version | None = None) -> list
     """Read ``text`` into one ServeConfig per vLLM server; ``version`` overrides image tags.
 
     Raises:
-        UserError: the input is empty, unparseable, or of no kind the audit reads.
+        UserError: the input is empty, binary, unparseable (e.g. nested too deeply), or of no kind
+            the audit reads.
     """
+    if "\x00" in text:
+        raise UserError(f"{origin} is not text (it holds NUL bytes); give a command line, env file or manifest.")
     if not text.strip():
         raise UserError(f"{origin} is empty; give a vllm serve command, an env file or a manifest.")
     if _MANIFEST.search(text):
@@ -36,4 +39,5 @@ def load_configs(text: str, origin: str, version: Version | None = None) -> list
         )
     for config in configs:
         config.version = version if version is not None else version_from_image(config.image)
+        config.kv_transfer_config  # noqa: B018 - parse now so a malformed one fails here, as bad input
     return configs

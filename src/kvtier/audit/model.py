@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 from packaging.version import Version
 
+from kvtier.cli.errors import UserError
+
 Severity = Literal["error", "warning", "info"]
 SEVERITIES: tuple[Severity, ...] = ("error", "warning", "info")
 
@@ -100,7 +102,11 @@ class ServeConfig:
 
     @property
     def kv_transfer_config(self) -> dict[str, Any] | None:
-        """``--kv-transfer-config`` parsed, None when absent or not a JSON object."""
+        """``--kv-transfer-config`` parsed, None when absent or not a JSON object.
+
+        Raises:
+            UserError: the JSON is nested too deeply for Python's parser (RecursionError).
+        """
         raw = self.value("--kv-transfer-config")
         if raw is None:
             return None
@@ -108,6 +114,8 @@ class ServeConfig:
             parsed = json.loads(raw)
         except json.JSONDecodeError:
             return None
+        except RecursionError:
+            raise UserError(f"{self.origin}: --kv-transfer-config is nested too deeply to be a connector config.") from None
         return parsed if isinstance(parsed, dict) else None
 
     @property

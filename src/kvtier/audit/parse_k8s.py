@@ -3,50 +3,79 @@
 Workloads: Pod (``spec.containers``), Deployment / StatefulSet / DaemonSet / ReplicaSet / Job
 (``spec.template.spec.containers``), CronJob (``spec.jobTemplate.spec.template.spec.containers``),
 and ``List`` items.  A container is audited when its image or command mentions vLLM.  Its
-``command`` + ``args`` are read as a shell line when they run ``sh -c "…"``, otherwise as the words
+``command`` + ``args`` (lists; a plain string is split like a shell would) are read as a shell line when they run ``sh -c "…"``, otherwise as the words
 after ``vllm serve`` (the ``vllm/vllm-openai`` entrypoint).  ``env`` entries with a literal
 ``value`` are read; ``valueFrom`` / ``envFrom`` cannot be resolved offline and are skipped.
 """
 
 from __future__ import annotations
 
+import shlex
 from typing import Any
-
-import yaml
 
 from kvtier.audit.model import ServeConfig
 from kvtier.audit.parse_command import parse_command, parse_vllm_args
+from kvtier.audit.safe_yaml import load_all
 from kvtier.cli.errors import UserError
 
 _TEMPLATE_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"}
 
 
-def _pod_specs(doc: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+def _mapping(value: Any, where: str) -> dict[str, Any]:
+    """``value`` when it is a mapping, {} when absent; UserError otherwise."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise UserError(f"{where} must be a mapping, got {type(value).__name__} {str(value)[:40]!r}.")
+    return value
+
+
+def _pod_specs(doc: dict[str, Any], origin: str) -> list[tuple[str, dict[str, Any]]]:
     kind = doc.get("kind")
-    name = (doc.get("metadata") or {}).get("name", "?")
-    spec = doc.get("spec") or {}
+    name = _mapping(doc.get("metadata"), f"{origin}: metadata").get("name", "?")
+    where = f"{origin}: {kind}/{name}"
+    spec = _mapping(doc.get("spec"), f"{where} spec")
     if kind == "List":
-        return [ps for item in doc.get("items") or [] if isinstance(item, dict) for ps in _pod_specs(item)]
+        items = doc.get("items") or []
+        if not isinstance(items, list):
+            raise UserError(f"{where} items must be a list.")
+        return [ps for item in items if isinstance(item, dict) for ps in _pod_specs(item, origin)]
     if kind == "Pod":
         return [(f"Pod/{name}", spec)]
     if kind in _TEMPLATE_KINDS:
-        return [(f"{kind}/{name}", ((spec.get("template") or {}).get("spec") or {}))]
+        template = _mapping(spec.get("template"), f"{where} spec.template")
+        return [(f"{kind}/{name}", _mapping(template.get("spec"), f"{where} spec.template.spec"))]
     if kind == "CronJob":
-        job = ((spec.get("jobTemplate") or {}).get("spec") or {})
-        return [(f"CronJob/{name}", ((job.get("template") or {}).get("spec") or {}))]
+        job = _mapping(_mapping(spec.get("jobTemplate"), f"{where} spec.jobTemplate").get("spec"),
+                       f"{where} spec.jobTemplate.spec")
+        template = _mapping(job.get("template"), f"{where} spec.jobTemplate.spec.template")
+        return [(f"CronJob/{name}", _mapping(template.get("spec"), f"{where} spec.jobTemplate.spec.template.spec"))]
     return []
 
 
-def _is_vllm(container: dict[str, Any]) -> bool:
-    words = [str(container.get("image", ""))] + [str(w) for w in (container.get("command") or [])]
-    words += [str(w) for w in (container.get("args") or [])][:3]
+def _words(container: dict[str, Any], key: str, where: str) -> list[str]:
+    """``command`` / ``args`` as words: a list as is, a string split like a shell; UserError otherwise."""
+    value = container.get(key)
+    if value is None:
+        return []
+    if isinstance(value, str):
+        try:
+            return shlex.split(value)
+        except ValueError as exc:
+            raise UserError(f"{where} {key} is not a valid shell line ({exc}); write it as a list.") from None
+    if not isinstance(value, list) or any(isinstance(w, (dict, list)) for w in value):
+        raise UserError(f"{where} {key} must be a list of strings, got {type(value).__name__}.")
+    return [str(w) for w in value]
+
+
+def _is_vllm(container: dict[str, Any], where: str) -> bool:
+    words = [str(container.get("image", ""))] + _words(container, "command", where)
+    words += _words(container, "args", where)[:3]
     return any("vllm" in w.lower() for w in words)
 
 
 def _container_config(container: dict[str, Any], origin: str, text: str) -> ServeConfig:
-    command = [str(w) for w in container.get("command") or []]
-    args = [str(w) for w in container.get("args") or []]
-    words = command + args
+    words = _words(container, "command", origin) + _words(container, "args", origin)
     image = container.get("image")
     if len(words) >= 2 and words[0].rsplit("/", 1)[-1] in ("sh", "bash") and "-c" in words:
         script = " ".join(words[words.index("-c") + 1:])
@@ -60,7 +89,10 @@ def _container_config(container: dict[str, Any], origin: str, text: str) -> Serv
         parse_vllm_args(words, config)
     config.text = text
     config.image = str(image) if image else config.image
-    for entry in container.get("env") or []:
+    env = container.get("env") or []
+    if not isinstance(env, list):
+        raise UserError(f"{origin} env must be a list of name/value entries.")
+    for entry in env:
         if isinstance(entry, dict) and "name" in entry and "value" in entry:
             config.env[str(entry["name"])] = "" if entry["value"] is None else str(entry["value"])
     return config
@@ -70,22 +102,21 @@ def parse_manifests(text: str, origin: str) -> list[ServeConfig]:
     """Every vLLM container in the YAML documents of ``text``.
 
     Raises:
-        UserError: the YAML does not parse, or holds no vLLM container.
+        UserError: the YAML does not parse (or its aliases expand too far), a field has the wrong
+            type, or it holds no vLLM container.
     """
-    try:
-        docs = [d for d in yaml.safe_load_all(text) if d is not None]
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise UserError(f"{origin} is not valid YAML{where}; fix the manifest and retry.") from None
+    docs = load_all(text, origin)
     configs: list[ServeConfig] = []
     for doc in docs:
         if not isinstance(doc, dict):
             raise UserError(f"{origin} holds a YAML document that is not a mapping; is it a Kubernetes manifest?")
-        for workload, spec in _pod_specs(doc):
-            for container in spec.get("containers") or []:
-                if isinstance(container, dict) and _is_vllm(container):
-                    name = container.get("name", "?")
+        for workload, spec in _pod_specs(doc, origin):
+            containers = spec.get("containers") or []
+            if not isinstance(containers, list):
+                raise UserError(f"{origin}: {workload} spec.containers must be a list.")
+            for container in containers:
+                name = container.get("name", "?") if isinstance(container, dict) else "?"
+                if isinstance(container, dict) and _is_vllm(container, f"{origin}:{workload}/{name}"):
                     configs.append(_container_config(container, f"{origin}:{workload}/{name}", text))
     if not configs:
         raise UserError(f"{origin} has no container running vLLM (Pod, Deployment, StatefulSet, ...).")

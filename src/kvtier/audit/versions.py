@@ -1,4 +1,9 @@
-"""vLLM versions from ``--vllm-version`` or an image tag (``vllm/vllm-openai:v0.32.0-cu129``)."""
+"""vLLM versions from ``--vllm-version`` or an image tag (``vllm/vllm-openai:v0.32.0-cu129``).
+
+Both go through :class:`packaging.version.Version` (PEP 440), so build strings such as
+``0.22.1+cu129``, ``0.22.0.dev0`` or ``0.22.1rc2.dev123+gabcdef`` (what ``vllm --version`` prints)
+are read the same way in both places.  A digest (``@sha256:…``) after a tag is ignored.
+"""
 
 from __future__ import annotations
 
@@ -8,28 +13,40 @@ from packaging.version import InvalidVersion, Version
 
 from kvtier.cli.errors import UserError
 
-_TAG_VERSION = re.compile(r"^v?(\d+\.\d+(?:\.\d+)?)(?:[-+.].*)?$")
+_TAG_PREFIX = re.compile(r"^v?(\d+\.\d+[0-9A-Za-z.]*?)(?:[-_].*)?$")
+"""A tag starts with X.Y[…] (PEP 440 once split at its first ``-``/``_``: ``0.32.0-cu129``)."""
+
+
+def _pep440(text: str) -> Version | None:
+    try:
+        return Version(text)
+    except InvalidVersion:
+        return None
 
 
 def parse_version(text: str) -> Version:
-    """``"0.32.0"`` or ``"v0.32.0"`` → Version; UserError when it is not a release version."""
-    raw = text.strip()
-    match = re.fullmatch(r"v?(\d+\.\d+(?:\.\d+)?(?:(?:rc|\.post)\d+)?)", raw)
-    if not match:
-        raise UserError(f"--vllm-version {text!r} is not a version; write it like 0.32.0.")
-    try:
-        return Version(match.group(1))
-    except InvalidVersion:  # pragma: no cover - the regex admits only valid forms
-        raise UserError(f"--vllm-version {text!r} is not a version; write it like 0.32.0.") from None
+    """``"0.32.0"``, ``"v0.32.0"``, ``"0.22.1+cu129"``, ``"0.22.0.dev0"`` → Version (PEP 440).
+
+    Raises:
+        UserError: ``text`` is not a PEP 440 version.
+    """
+    version = _pep440(text.strip())  # PEP 440 admits a leading "v"
+    if version is None:
+        raise UserError(f"--vllm-version {text!r} is not a version; write it like 0.32.0 or 0.22.1+cu129.")
+    return version
 
 
 def version_from_image(image: str | None) -> Version | None:
-    """The vLLM version an image tag names (``v0.26.0``, ``0.32.0-cu129``), None for ``latest``,
-    ``nightly``, digests or model tags such as ``glm51-cu130``."""
-    if not image or "@" in image:
+    """The vLLM version an image tag names (``v0.26.0``, ``0.32.0-cu129``, ``v0.20.0@sha256:…``),
+    None for ``latest``, ``nightly``, a bare digest or model tags such as ``glm51-cu130``."""
+    if not image:
         return None
-    last = image.rsplit("/", 1)[-1]
+    last = image.split("@", 1)[0].rsplit("/", 1)[-1]
     if ":" not in last:
         return None
-    match = _TAG_VERSION.match(last.split(":", 1)[1])
-    return Version(match.group(1)) if match else None
+    tag = last.split(":", 1)[1]
+    version = _pep440(tag)
+    if version is not None and "." in tag:
+        return version
+    match = _TAG_PREFIX.match(tag)
+    return _pep440(match.group(1)) if match else None

@@ -24,6 +24,37 @@ Examples:
 """
 
 
+MAX_INPUT_BYTES = 16 << 20
+"""Largest input read (bytes): serve scripts and manifests are KiB; this bounds /dev/zero and the like."""
+
+
+def _read_input(file: str) -> tuple[str, str]:
+    """The text of ``file`` (``-``: stdin) and its name for messages.
+
+    Raises:
+        UserError: closed stdin, unreadable file, input over MAX_INPUT_BYTES, or not UTF-8 text.
+    """
+    origin = "<stdin>" if file == "-" else file
+    try:
+        if file == "-":
+            if sys.stdin is None or sys.stdin.closed:
+                raise UserError("stdin is closed; pass a FILE or pipe the configuration into `kvtier audit -`.")
+            data = sys.stdin.buffer.read(MAX_INPUT_BYTES + 1)
+        else:
+            with open(file, "rb") as handle:
+                data = handle.read(MAX_INPUT_BYTES + 1)
+    except UserError:
+        raise
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read {origin} ({exc.__class__.__name__}); check the path.") from None
+    if len(data) > MAX_INPUT_BYTES:
+        raise UserError(f"{origin} is larger than {MAX_INPUT_BYTES >> 20} MiB; give the serve command or manifest itself.")
+    try:
+        return data.decode("utf-8"), origin
+    except UnicodeDecodeError:
+        raise UserError(f"{origin} is not text (not UTF-8); give a command line, env file or manifest.") from None
+
+
 def audit_command(
     file: str = typer.Argument("-", help="File to audit, or - for stdin."),
     vllm_version: str | None = typer.Option(None, "--vllm-version", help="vLLM version X.Y.Z (default: image tag)."),
@@ -43,15 +74,7 @@ def audit_command(
         fail(f"--format {output_format!r} is not one of text, json, sarif.")
     try:
         version = parse_version(vllm_version) if vllm_version is not None else None
-        if file == "-":
-            text, origin = sys.stdin.read(), "<stdin>"
-        else:
-            try:
-                with open(file, encoding="utf-8") as handle:
-                    text = handle.read()
-            except (OSError, UnicodeDecodeError) as exc:
-                raise UserError(f"cannot read {file} ({exc.__class__.__name__}); check the path.") from None
-            origin = file
+        text, origin = _read_input(file)
         configs = load_configs(text, origin, version)
     except UserError as exc:
         fail(str(exc))
