@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import typer
@@ -33,7 +34,8 @@ def _print_text(url: str, meters, alloc, diagnosis, expect_gib: float | None) ->
         return "-" if x is None else f"{x:.3f} s"
 
     console = Console(highlight=False)
-    console.print(f"[bold]kvtier doctor[/bold] {url} (interval {meters.interval_s:g} s)")
+    interval = "interval unknown: recorded files" if meters.interval_s is None else f"interval {meters.interval_s:g} s"
+    console.print(f"[bold]kvtier doctor[/bold] {url} ({interval})")
     console.print(f"  reuse (GPU + offload)   {pct(meters.reuse_rate)}")
     console.print(f"  prefix-cache hit rate   {pct(meters.hit_rate)}  ({meters.hits:,.0f} / {meters.queries:,.0f} "
                   f"tokens; lifetime {pct(meters.lifetime_hit_rate)})")
@@ -49,6 +51,27 @@ def _print_text(url: str, meters, alloc, diagnosis, expect_gib: float | None) ->
         console.print(f"  [{style[check.level]}]{check.level:<8}[/] {check.message}")
     verdict_style = {"healthy": "green", "warning": "yellow", "problem": "bold red", "inconclusive": "cyan"}
     console.print(f"verdict: [{verdict_style[diagnosis.verdict]}]{diagnosis.verdict}[/]")
+
+
+MAX_INTERVAL_S = 86400.0
+"""Longest --interval (one day): longer is a typo, and time.sleep overflows on huge values."""
+
+
+def _read_file(path: str) -> str:
+    """A recorded /metrics text, at most MAX_BODY_BYTES.  Raises UserError when unreadable or binary."""
+    from kvtier.doctor.scrape import MAX_BODY_BYTES
+
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_BODY_BYTES + 1)
+    except OSError as exc:
+        raise UserError(f"cannot read {path} ({exc.__class__.__name__}).") from None
+    if len(data) > MAX_BODY_BYTES:
+        raise UserError(f"{path} is larger than {MAX_BODY_BYTES >> 20} MiB; that is not a /metrics recording.")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not text (not UTF-8); give a recorded /metrics page.") from None
 
 
 def doctor_command(
@@ -68,21 +91,18 @@ def doctor_command(
     try:
         if tp < 1:
             raise UserError(f"--tp must be at least 1, got {tp}.")
-        if expect_offload_gib is not None and expect_offload_gib < 0:
-            raise UserError(f"--expect-offload-gib must not be negative, got {expect_offload_gib}.")
+        if expect_offload_gib is not None and (not math.isfinite(expect_offload_gib) or expect_offload_gib < 0):
+            raise UserError(f"--expect-offload-gib must be a finite number ≥ 0, got {expect_offload_gib}.")
+        elapsed: float | None
         if from_files:
-            texts = []
-            for path in from_files:
-                try:
-                    with open(path, encoding="utf-8") as handle:
-                        texts.append(handle.read())
-                except (OSError, UnicodeDecodeError) as exc:
-                    raise UserError(f"cannot read {path} ({exc.__class__.__name__}).") from None
+            texts = [_read_file(path) for path in from_files]
             before, after = (parse_metrics(t, p) for t, p in zip(texts, from_files, strict=True))
-            source, elapsed = " → ".join(from_files), interval
+            source, elapsed = " → ".join(from_files), None
         elif url:
-            if interval <= 0:
-                raise UserError(f"--interval must be positive, got {interval}.")
+            if not math.isfinite(interval) or not 0 < interval <= MAX_INTERVAL_S:
+                raise UserError(f"--interval must be in (0, {MAX_INTERVAL_S:g}] seconds, got {interval}.")
+            if not math.isfinite(timeout) or timeout <= 0:
+                raise UserError(f"--timeout must be a positive number of seconds, got {timeout}.")
             source = metrics_url(url)
             before = parse_metrics(fetch(source, timeout), source)
             start = time.monotonic()
@@ -98,7 +118,7 @@ def doctor_command(
     diagnosis = diagnose(meters, alloc, after.cache_config, expect_offload_gib, tp)
     if as_json:
         print(json.dumps({
-            "url": source, "interval_s": round(meters.interval_s, 3),
+            "url": source, "interval_s": None if meters.interval_s is None else round(meters.interval_s, 3),
             "prefix_cache_hit_rate": meters.hit_rate, "external_hit_rate": meters.external_hit_rate,
             "reuse_rate": meters.reuse_rate,
             "prefix_cache_queries": meters.queries, "prefix_cache_hits": meters.hits,

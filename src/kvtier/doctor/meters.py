@@ -49,9 +49,12 @@ def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:
 
 @dataclass(frozen=True)
 class Meters:
-    """What happened between two scrapes ``interval_s`` seconds apart.  Tokens are prompt tokens."""
+    """What happened between two scrapes ``interval_s`` seconds apart (None when unknown, e.g. two
+    recorded files).  Tokens are prompt tokens.  ``went_backwards`` names the counters that were
+    lower in the second scrape (files swapped, or a server restart): their deltas are then the
+    second scrape's values and cannot be trusted as an interval's traffic."""
 
-    interval_s: float
+    interval_s: float | None
     queries: float
     hits: float
     external_queries: float
@@ -60,6 +63,7 @@ class Meters:
     ttft_p50_s: float | None
     ttft_p99_s: float | None
     lifetime_hit_rate: float | None
+    went_backwards: tuple[str, ...] = ()
 
     @property
     def hit_rate(self) -> float | None:
@@ -79,15 +83,20 @@ class Meters:
         return self.external_hits / self.external_queries if self.external_queries > 0 else None
 
 
-def measure(before: Snapshot, after: Snapshot, interval_s: float) -> Meters:
-    """Deltas of ``after`` over ``before`` (a counter that went down means a restart: use ``after``)."""
+def measure(before: Snapshot, after: Snapshot, interval_s: float | None) -> Meters:
+    """Deltas of ``after`` over ``before``.  A counter that went down (swapped files or a restart)
+    is named in ``went_backwards`` and its delta is ``after``'s value."""
+    backwards: list[str] = []
 
     def delta(name: str) -> float:
         d = after.counter(name) - before.counter(name)
+        if d < 0:
+            backwards.append(name)
         return d if d >= 0 else after.counter(name)
 
     buckets = {le: after.ttft_buckets[le] - before.ttft_buckets.get(le, 0.0) for le in after.ttft_buckets}
     if any(v < 0 for v in buckets.values()):
+        backwards.append("vllm:time_to_first_token_seconds")
         buckets = dict(after.ttft_buckets)
     lifetime_q = after.counter("vllm:prefix_cache_queries")
     return Meters(
@@ -100,6 +109,7 @@ def measure(before: Snapshot, after: Snapshot, interval_s: float) -> Meters:
         ttft_p50_s=histogram_quantile(0.5, buckets),
         ttft_p99_s=histogram_quantile(0.99, buckets),
         lifetime_hit_rate=after.counter("vllm:prefix_cache_hits") / lifetime_q if lifetime_q > 0 else None,
+        went_backwards=tuple(backwards),
     )
 
 

@@ -1,33 +1,83 @@
-"""Fetch ``/metrics`` over HTTP with httpx."""
+"""Fetch ``/metrics`` over HTTP with httpx, under a total deadline and a body-size cap.
+
+``--timeout`` bounds the whole scrape (connect, headers and body together), not each socket read:
+a server that trickles a byte a second would otherwise hold the doctor forever.  The GET runs in a
+daemon thread that the caller waits on for at most the deadline; the body is streamed and refused
+beyond :data:`MAX_BODY_BYTES` (a real vLLM /metrics page is tens of KiB).
+"""
 
 from __future__ import annotations
 
+import math
+import threading
+import time
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
 from kvtier.cli.errors import UserError
 
+MAX_BODY_BYTES = 64 << 20
+"""Largest /metrics body read (bytes); more than this is not a vLLM metrics page."""
+
 
 def metrics_url(url: str) -> str:
-    """``http://host:port`` → ``http://host:port/metrics``; a URL with a path is kept as given."""
-    parts = urlsplit(url if "://" in url else f"http://{url}")
+    """``http://host:port`` → ``http://host:port/metrics``; a URL with a path is kept as given.
+
+    Raises:
+        UserError: not an http(s) URL, or malformed (e.g. an unclosed ``[`` IPv6 host, a bad port).
+    """
+    try:
+        parts = urlsplit(url if "://" in url else f"http://{url}")
+        parts.port  # noqa: B018 - raises ValueError on a port that is not a number in range
+    except ValueError:
+        raise UserError(f"--url {url!r} is not a valid URL; write it like http://HOST:PORT.") from None
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise UserError(f"--url {url!r} is not an http(s) URL like http://HOST:PORT.")
     path = parts.path if parts.path not in ("", "/") else "/metrics"
     return urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
 
 
+def _get(url: str, timeout_s: float, deadline: float, result: list[object]) -> None:
+    """Worker: append the body (str) or a UserError to ``result``."""
+    try:
+        with httpx.stream("GET", url, timeout=timeout_s) as response:
+            if response.status_code != 200:
+                raise UserError(f"{url} answered HTTP {response.status_code}; point --url at the vLLM server.")
+            body = bytearray()
+            for chunk in response.iter_bytes():
+                body += chunk
+                if len(body) > MAX_BODY_BYTES:
+                    raise UserError(f"{url} sent more than {MAX_BODY_BYTES >> 20} MiB; that is not a vLLM "
+                                    "/metrics page.")
+                if time.monotonic() > deadline:
+                    return  # the caller has already reported the timeout
+            result.append(bytes(body).decode(response.encoding or "utf-8", errors="replace"))
+    except UserError as exc:
+        result.append(exc)
+    except (httpx.HTTPError, httpx.InvalidURL, OSError, ValueError) as exc:
+        result.append(UserError(f"cannot reach {url} ({exc.__class__.__name__}); is the vLLM server up?"))
+
+
 def fetch(url: str, timeout_s: float = 10.0) -> str:
-    """GET ``url`` and return its body.
+    """GET ``url`` and return its body, all within ``timeout_s`` seconds.
 
     Raises:
-        UserError: connection failure, timeout, or a non-200 answer.
+        UserError: bad timeout, connection failure, the deadline passed, a non-200 answer, or a
+            body over MAX_BODY_BYTES.
     """
-    try:
-        response = httpx.get(url, timeout=timeout_s)
-    except httpx.HTTPError as exc:
-        raise UserError(f"cannot reach {url} ({exc.__class__.__name__}); is the vLLM server up?") from None
-    if response.status_code != 200:
-        raise UserError(f"{url} answered HTTP {response.status_code}; point --url at the vLLM server.")
-    return response.text
+    if not math.isfinite(timeout_s) or timeout_s <= 0:
+        raise UserError(f"--timeout must be a positive number of seconds, got {timeout_s}.")
+    result: list[object] = []
+    worker = threading.Thread(target=_get, args=(url, timeout_s, time.monotonic() + timeout_s, result),
+                              daemon=True, name="kvtier-doctor-scrape")
+    worker.start()
+    worker.join(timeout_s)
+    if not result:
+        raise UserError(f"{url} did not send its /metrics within --timeout {timeout_s:g} s; "
+                        "is the server overloaded, or is this the right URL?")
+    outcome = result[0]
+    if isinstance(outcome, UserError):
+        raise outcome
+    assert isinstance(outcome, str)
+    return outcome

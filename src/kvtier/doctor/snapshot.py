@@ -43,7 +43,9 @@ def parse_metrics(text: str, where: str) -> Snapshot:
     """Parse Prometheus exposition ``text`` from ``where``.
 
     Raises:
-        UserError: the text is not Prometheus format, or has no vLLM prefix-cache metrics.
+        UserError: the text is not Prometheus format; has no vLLM prefix-cache samples (a family
+            with only HELP/TYPE lines counts as missing); a counter or TTFT bucket is NaN, infinite or
+            negative; or hits exceed queries (both impossible in a real vLLM scrape).
     """
     snap = Snapshot()
     try:
@@ -51,8 +53,16 @@ def parse_metrics(text: str, where: str) -> Snapshot:
     except (ValueError, TypeError, IndexError) as exc:
         raise UserError(f"{where} is not Prometheus text ({exc.__class__.__name__}); is it a /metrics URL?") from None
     for family in families:
+        if family.name in COUNTERS or family.name == TTFT:
+            for sample in family.samples:
+                if not math.isfinite(sample.value) or sample.value < 0:
+                    raise UserError(f"{where} has {sample.name} = {sample.value}, impossible for a counter; "
+                                    "the scrape is corrupt.")
         if family.name in COUNTERS:
-            total = sum(s.value for s in family.samples if s.name.endswith("_total"))
+            totals = [s.value for s in family.samples if s.name.endswith("_total")]
+            if not totals:
+                continue  # HELP/TYPE without samples: treated as absent
+            total = sum(totals)
             snap.counters[family.name] = snap.counters.get(family.name, 0.0) + total
         elif family.name == TTFT:
             for sample in family.samples:
@@ -68,7 +78,12 @@ def parse_metrics(text: str, where: str) -> Snapshot:
                 tier = sample.labels.get("tier", "?")
                 snap.kvtier_capacity[tier] = snap.kvtier_capacity.get(tier, 0.0) + sample.value
     if "vllm:prefix_cache_queries" not in snap.counters:
-        raise UserError(f"{where} has no vllm:prefix_cache_queries metric; point --url at a vLLM server.")
+        raise UserError(f"{where} has no vllm:prefix_cache_queries samples; point --url at a vLLM server.")
+    for prefix in ("vllm:", "vllm:external_"):
+        hits, queries = snap.counter(f"{prefix}prefix_cache_hits"), snap.counter(f"{prefix}prefix_cache_queries")
+        if hits > queries:
+            raise UserError(f"{where} has {prefix}prefix_cache_hits {hits:g} > queries {queries:g}, "
+                            "which vLLM cannot report; the scrape is corrupt.")
     if snap.ttft_buckets and math.inf not in snap.ttft_buckets:
         raise UserError(f"{where} has a TTFT histogram without its +Inf bucket; the scrape looks truncated.")
     return snap

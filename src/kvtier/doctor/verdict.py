@@ -3,7 +3,11 @@
 Checks, in the order of the operator's guide § "Offload doesn't help — root causes" and the
 how-to's "one-line checklist" (helping = hit rate ↑, TTFT p50 ↓, p99 tail bounded):
 
-- no prompt tokens between scrapes → ``inconclusive``;
+- counters lower in the second scrape (files swapped, server restarted) → ``inconclusive``;
+- no prompt tokens between scrapes, or a sample too small to judge (fewer than
+  :data:`MIN_SAMPLE_TOKENS` prompt tokens, or fewer than :data:`MIN_SAMPLE_REQUESTS` requests in
+  the TTFT histogram; kvtier's thresholds) → ``inconclusive``;
+- more hits than queries between the scrapes (impossible) → ``inconclusive``;
 - prefix caching off (root cause 3) → problem;
 - reuse near zero (root cause 2; how-to meter 1) → problem.  Reuse counts GPU prefix-cache hits
   plus the connector's external hits, since vLLM counts a token served from offload only as the
@@ -15,7 +19,7 @@ how-to's "one-line checklist" (helping = hit rate ↑, TTFT p50 ↓, p99 tail bo
   heuristic threshold, not from the documents).
 
 Verdict: ``problem`` if any problem, else ``warning`` if any warning, else ``healthy``
-(``inconclusive`` when there was no traffic).
+(``inconclusive`` when the traffic cannot be judged, unless a configuration problem was found).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ Level = Literal["ok", "warning", "problem"]
 NO_REUSE_HIT_RATE = 0.05
 TAIL_RATIO = 10.0
 SIZE_TOLERANCE = 0.05
+MIN_SAMPLE_TOKENS = 1000
+MIN_SAMPLE_REQUESTS = 5
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,22 @@ def _size_check(alloc: Allocation, expect_gib: float | None, tp: int) -> Check |
     return Check("problem", f"Offload tier is {alloc.gib:g} GiB, expected {expect_gib:g} GiB.")
 
 
+def _cannot_judge(meters: Meters) -> str | None:
+    """Why the traffic between the scrapes cannot be judged, or None when it can."""
+    if meters.went_backwards:
+        return (f"Counters went backwards ({', '.join(meters.went_backwards)}): the files are in the wrong order "
+                "(give BEFORE then AFTER) or the server restarted between the scrapes; measure again.")
+    if meters.queries <= 0:
+        return "No prompt tokens between the scrapes: run under load or use a longer --interval."
+    if meters.hits > meters.queries or meters.external_hits > meters.external_queries:
+        return "More hits than queries between the scrapes, which vLLM cannot report: the scrapes do not match."
+    if meters.queries < MIN_SAMPLE_TOKENS or 0 < meters.ttft_requests < MIN_SAMPLE_REQUESTS:
+        return (f"Too small a sample to judge ({meters.queries:,.0f} prompt tokens, {meters.ttft_requests:,.0f} "
+                f"requests; at least {MIN_SAMPLE_TOKENS:,} tokens and {MIN_SAMPLE_REQUESTS} requests needed): "
+                "run under load or use a longer --interval.")
+    return None
+
+
 def diagnose(meters: Meters, alloc: Allocation, cache_config: dict[str, str], expect_gib: float | None,
              tp: int) -> Diagnosis:
     """All checks for one pair of scrapes."""
@@ -75,8 +97,9 @@ def diagnose(meters: Meters, alloc: Allocation, cache_config: dict[str, str], ex
     size = _size_check(alloc, expect_gib, tp)
     if size:
         add(size)
-    if meters.queries <= 0:
-        add(Check("warning", "No prompt tokens between the scrapes: run under load or use a longer --interval."))
+    why_not = _cannot_judge(meters)
+    if why_not:
+        add(Check("warning", why_not))
         d.verdict = "problem" if any(c.level == "problem" for c in d.checks) else "inconclusive"
         return d
     reuse = meters.reuse_rate or 0.0

@@ -1,0 +1,147 @@
+"""Regression tests for ``kvtier doctor`` inputs found by the breaker: corrupt or swapped recordings,
+non-finite options, bad URLs, and hostile servers (a slow trickle, an endless body)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+
+from kvtier.cli.errors import UserError
+from kvtier.doctor import parse_metrics
+from kvtier.doctor.scrape import MAX_BODY_BYTES, fetch
+
+DATA = Path(__file__).parent / "data" / "kvtier-cpu"
+BEFORE = (DATA / "before.txt").read_text()
+AFTER = (DATA / "after.txt").read_text()
+
+
+def doctor(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvtier.cli.main", "doctor", *args], capture_output=True,
+                          text=True, check=False, timeout=60, env={"COLUMNS": "200", "PATH": "/usr/bin"})
+
+
+def _set(text: str, metric: str, value: str) -> str:
+    return re.sub(rf"^({re.escape(metric)}\{{.*\}}) .*$", rf"\g<1> {value}", text, flags=re.MULTILINE)
+
+
+def test_swapped_files_are_inconclusive_and_say_why():
+    proc = doctor("--from-files", str(DATA / "after.txt"), str(DATA / "before.txt"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["verdict"] == "inconclusive"
+    assert any("went backwards" in c["message"] and "wrong order" in c["message"] for c in data["checks"])
+
+
+def test_files_have_no_invented_interval():
+    data = json.loads(doctor("--from-files", str(DATA / "before.txt"), str(DATA / "after.txt"), "--json").stdout)
+    assert data["interval_s"] is None
+    text = doctor("--from-files", str(DATA / "before.txt"), str(DATA / "after.txt")).stdout
+    assert "interval unknown" in text and "interval 10 s" not in text
+
+
+def test_tiny_sample_is_inconclusive(tmp_path):
+    small = _set(_set(AFTER, "vllm:prefix_cache_queries_total", "300.0"), "vllm:external_prefix_cache_queries_total",
+                 "300.0")
+    small = _set(small, "vllm:external_prefix_cache_hits_total", "200.0")
+    path = tmp_path / "after.txt"
+    path.write_text(small)
+    data = json.loads(doctor("--from-files", str(DATA / "before.txt"), str(path), "--json").stdout)
+    assert data["verdict"] == "inconclusive"
+    assert any("Too small a sample" in c["message"] for c in data["checks"])
+
+
+@pytest.mark.parametrize("metric, value, words", [
+    ("vllm:external_prefix_cache_hits_total", "99999999", "> queries"),
+    ("vllm:prefix_cache_queries_total", "NaN", "impossible for a counter"),
+    ("vllm:prefix_cache_queries_total", "+Inf", "impossible for a counter"),
+    ("vllm:prefix_cache_hits_total", "-5", "impossible for a counter"),
+])
+def test_impossible_counters_exit_2(tmp_path, metric, value, words):
+    path = tmp_path / "after.txt"
+    path.write_text(_set(AFTER, metric, value))
+    proc = doctor("--from-files", str(DATA / "before.txt"), str(path))
+    assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_help_and_type_lines_without_samples_are_not_vllm_metrics():
+    text = "\n".join(ln for ln in AFTER.splitlines() if not ln.startswith("vllm:prefix_cache_queries")) + "\n"
+    assert "# TYPE vllm:prefix_cache_queries_total counter" in text
+    with pytest.raises(UserError, match="no vllm:prefix_cache_queries samples"):
+        parse_metrics(text, "after")
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--expect-offload-gib", "inf"], "--expect-offload-gib"),
+    (["--expect-offload-gib", "nan"], "--expect-offload-gib"),
+    (["--url", "http://[::1"], "not a valid URL"),
+    (["--url", "http://127.0.0.1:99999"], "not a valid URL"),
+    (["--url", "http://127.0.0.1:9", "--timeout", "nan"], "--timeout"),
+    (["--url", "http://127.0.0.1:9", "--timeout", "-1"], "--timeout"),
+    (["--url", "http://127.0.0.1:9", "--interval", "nan"], "--interval"),
+    (["--url", "http://127.0.0.1:9", "--interval", "inf"], "--interval"),
+    (["--url", "http://127.0.0.1:9", "--interval", "1e300"], "--interval"),
+])
+def test_bad_options_exit_2_with_one_line(args, words):
+    if "--url" not in args:
+        args = ["--from-files", str(DATA / "before.txt"), str(DATA / "after.txt"), *args]
+    proc = doctor(*args)
+    assert proc.returncode == 2, proc.stdout
+    assert words in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+class _Hostile(BaseHTTPRequestHandler):
+    mode: ClassVar[str] = "trickle"
+
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain")
+        self.end_headers()
+        try:
+            if self.mode == "trickle":  # a line every 0.2 s for 20 s: each read is quick, the whole is not
+                for _ in range(100):
+                    self.wfile.write(b"#\n")
+                    self.wfile.flush()
+                    time.sleep(0.2)
+            else:  # endless body
+                line = b"# " + b"x" * 65534 + b"\n"
+                while True:
+                    self.wfile.write(line)
+        except OSError:
+            pass
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def hostile_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Hostile)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/metrics"
+    server.shutdown()
+
+
+def test_timeout_bounds_the_whole_scrape(hostile_server):
+    _Hostile.mode = "trickle"
+    start = time.monotonic()
+    with pytest.raises(UserError, match="within --timeout 1 s"):
+        fetch(hostile_server, timeout_s=1.0)
+    assert time.monotonic() - start < 3.0  # per-read timeouts alone would wait the full 20 s
+
+
+def test_endless_body_is_capped(hostile_server):
+    _Hostile.mode = "endless"
+    with pytest.raises(UserError, match=f"more than {MAX_BODY_BYTES >> 20} MiB"):
+        fetch(hostile_server, timeout_s=30.0)
