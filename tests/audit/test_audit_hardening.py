@@ -41,8 +41,8 @@ LAUGHS = "\n".join(
     ("spec.yaml", 'apiVersion: v1\nkind: Pod\nspec: "nope"\n', "spec must be a mapping"),
     ("laughs.yaml", LAUGHS, "expands to more than"),
     ("recursive.yaml", "apiVersion: v1\nkind: Pod\nspec: &s {x: *s}\n", "recursive alias"),
-    ("args.yaml", "apiVersion: v1\nkind: Pod\nspec:\n  containers:\n  - image: vllm/vllm-openai:v0.32.0\n"
-                  "    args: {a: 1}\n", "args must be a list"),
+    ("args.yaml", ("apiVersion: v1\nkind: Pod\nspec:\n  containers:\n  - image: vllm/vllm-openai:v0.32.0\n"
+                  "    args: {a: 1}\n"), "args must be a list"),
 ])
 def test_malformed_inputs_exit_2_with_one_line(tmp_path, name, text, words):
     path = tmp_path / name

@@ -74,7 +74,7 @@ def load_all(text: str, origin: str) -> list[Any]:
         yaml.YAMLError is turned into UserError naming the line.
     """
     try:
-        return [d for d in yaml.load_all(text, Loader=_BoundedLoader) if d is not None]  # noqa: S506 - SafeLoader subclass
+        return [d for d in yaml.load_all(text, Loader=_BoundedLoader) if d is not None]
     except UserError as exc:
         raise UserError(f"{origin}: {exc}") from None
     except RecursionError:

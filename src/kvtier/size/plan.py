@@ -231,8 +231,8 @@ def split_tier(total_gib: float, host_ram_gib: float | None, host_reserve_gib: f
     cpu = round(max(usable, min(MIN_CPU_GIB, total_gib)), 2)
     disk = round(max(0.0, total_gib - cpu), 2)
     notes = [
-        f"The tier ({total_gib:g} GiB) exceeds usable host RAM ({usable:g} GiB = {host_ram_gib:g} − "
-        f"{host_reserve_gib:g} reserved): put {disk:g} GiB on a disk tier or keep fewer sessions warm."
+        (f"The tier ({total_gib:g} GiB) exceeds usable host RAM ({usable:g} GiB = {host_ram_gib:g} − "
+        f"{host_reserve_gib:g} reserved): put {disk:g} GiB on a disk tier or keep fewer sessions warm.")
     ]
     if cpu > usable:
         notes.append(

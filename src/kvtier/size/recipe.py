@@ -45,8 +45,8 @@ def chunk_notes(chunk_tokens: int) -> list[str]:
     misfits = [f"{size} ({where})" for where, size in BLOCK_SIZES.items() if chunk_tokens % size]
     if not misfits:
         return []
-    return [f"--chunk-tokens {chunk_tokens} is not a multiple of the default block size "
-            f"{' or '.join(misfits)}; chunks will not line up with vLLM blocks unless --block-size divides it."]
+    return [(f"--chunk-tokens {chunk_tokens} is not a multiple of the default block size "
+            f"{' or '.join(misfits)}; chunks will not line up with vLLM blocks unless --block-size divides it.")]
 
 
 @dataclass(frozen=True)
