@@ -273,3 +273,26 @@ def test_cpu_tier_smaller_than_one_chunk_fails_at_start(tmp_path, cpu_chunks):
 def test_cpu_tier_larger_than_the_host_fails_at_start(tmp_path):
     with pytest.raises(ConfigError, match="RAM"):
         make_store(tmp_path, cpu_chunks=1 << 40)
+
+
+def test_disk_tier_smaller_than_one_chunk_fails_at_start(tmp_path):
+    with pytest.raises(ConfigError, match="less than one chunk file"):
+        make_store(tmp_path, cpu_chunks=4, disk_chunks=1, disk_gib=100 / (1 << 30))
+
+
+def test_disk_directory_deleted_while_running_is_recreated(tmp_path):
+    import shutil
+
+    store = make_store(tmp_path, cpu_chunks=4, disk_chunks=32, write_mode="write-through")
+    put_chain(store, chain_of(1, 2))
+    store.flush()
+    shutil.rmtree(tmp_path / "disk")
+    put_chain(store, chain_of(2, 2))  # first write finds the directory gone: forgets the index, recreates it
+    store.flush()
+    b = chain_of(3, 2)
+    put_chain(store, b)
+    store.flush()
+    assert all(store.disk.path(k).exists() for k in b)
+    on_disk = sum(1 for _ in (tmp_path / "disk").rglob("*.kvc"))
+    assert store.disk.usage().num_chunks == on_disk
+    store.check_integrity()

@@ -50,6 +50,7 @@ from kvtier.core.keys import ChunkKey, Namespace
 from kvtier.core.metrics import StoreMetrics
 from kvtier.core.policies import make_policy
 from kvtier.core.tiers.cpu import CpuTier
+from kvtier.core.tiers.chunkfile import HEADER_BYTES
 from kvtier.core.tiers.disk import DiskTier
 
 log = logging.getLogger(__name__)
@@ -72,18 +73,32 @@ def _make_cpu_tier(config: KVTierConfig, chunk_bytes: int, tp_size: int) -> CpuT
         need = chunk_bytes * tp_size / GiB
         raise ConfigError(f"cpu_gib={config.cpu_gib} gives each of {tp_size} rank(s) {capacity} bytes, less than one "
                           f"chunk of {chunk_bytes} bytes (every chunk passes through the cpu tier); set cpu_gib "
-                          f"to at least {need:.3f}, better hundreds of chunks")
-    try:
-        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        physical = 0
-    if physical and capacity > physical:
-        raise ConfigError(f"cpu_gib={config.cpu_gib} asks for {capacity / GiB:.1f} GiB per rank but this host has "
-                          f"{physical / GiB:.1f} GiB of RAM; lower cpu_gib (it is the total across TP ranks)")
+                          f"to at least {need:.6g}, better hundreds of chunks")
+    disk = config.disk_bytes_per_rank(tp_size)
+    if config.disk_path and 0 < disk < chunk_bytes + HEADER_BYTES:
+        raise ConfigError(f"disk_gib={config.disk_gib} gives each rank {disk} bytes, less than one chunk file of "
+                          f"{chunk_bytes + HEADER_BYTES} bytes; raise disk_gib or set it to 0 for no disk tier")
+    available = _available_memory()
+    if available and capacity * tp_size > available:
+        raise ConfigError(f"cpu_gib={config.cpu_gib} asks for {capacity * tp_size / GiB:.1f} GiB of DRAM but this "
+                          f"host has {available / GiB:.1f} GiB available; lower cpu_gib (it is the total across "
+                          "TP ranks)")
     try:
         return CpuTier(capacity, chunk_bytes)
     except (MemoryError, ValueError) as exc:
         raise ConfigError(f"cannot allocate the cpu tier of {capacity / GiB:.1f} GiB ({exc}); lower cpu_gib") from None
+
+
+def _available_memory() -> int:
+    """Bytes of memory the kernel says can be allocated without swapping (MemAvailable), else 0."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 class TieredStore:
@@ -124,6 +139,7 @@ class TieredStore:
             for key in self.disk.keys():  # oldest first
                 self.disk_policy.insert(key, None)
             self._trim_disk()
+        self._disk_generation = 0
         self._pins: Counter[ChunkKey] = Counter()
         self._disk_pins: Counter[ChunkKey] = Counter()
         self._spilling: set[ChunkKey] = set()
@@ -462,6 +478,11 @@ class TieredStore:
             ok = disk.put(job.key, memoryview(data.data))
         seconds = time.perf_counter() - t0
         with self._lock:
+            if disk.generation != self._disk_generation:  # the directory was recreated: resync the policy
+                self._disk_generation = disk.generation
+                for key in list(self.disk_policy.keys()):
+                    if not disk.indexed(key):
+                        self.disk_policy.remove(key)
             if room:
                 self._disk_pins[job.key] -= 1
                 if self._disk_pins[job.key] <= 0:

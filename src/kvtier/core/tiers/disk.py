@@ -68,6 +68,7 @@ class DiskTier(Tier):
         self._used = 0
         self._adopted = 0  # files indexed after start (written by other processes)
         self._bad: set[ChunkKey] = set()  # unusable entries that could not be removed
+        self.generation = 0  # bumped when the directory vanished and the index was dropped
         self._rebuild_index()
         for i in range(256):  # fan-out directories made once, not on the write path
             shard = self.dir / f"{i:02x}"
@@ -164,7 +165,8 @@ class DiskTier(Tier):
                 view = memoryview(out.data)[:header.length]
                 got = f.readinto(view)
                 if got != header.length or f.read(1):
-                    raise ChunkFormatError(f"payload length {got} does not match header {header.length}")
+                    size = os.fstat(f.fileno()).st_size - HEADER_BYTES
+                    raise ChunkFormatError(f"payload is {size} bytes on disk, header says {header.length}")
                 if payload_digest(view) != header.payload_digest:
                     raise ChunkFormatError("payload checksum mismatch")
         except FileNotFoundError:
@@ -212,12 +214,28 @@ class DiskTier(Tier):
                 os.close(fd)
             os.replace(tmp, path)
         except OSError as exc:
-            log.warning("kvtier disk tier: writing %s failed (%s); chunk not stored", path, exc.strerror)
             _unlink(tmp)
             with self._lock:
                 self._forget(key)
+                if not self.dir.is_dir():
+                    self._recreate_locked()
+                    return False
+            log.warning("kvtier disk tier: writing %s failed (%s); chunk not stored", path, exc.strerror)
             return False
         return True
+
+    def _recreate_locked(self) -> None:
+        """The tier's directory vanished (deleted by hand): forget the index and make it again."""
+        log.warning("kvtier disk tier: directory %s vanished; recreating it and forgetting %d indexed chunks",
+                    self.dir, len(self._key_to_size))
+        self._key_to_size.clear()
+        self._used = 0
+        self.generation += 1
+        try:
+            for i in range(256):
+                (self.dir / f"{i:02x}").mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            log.warning("kvtier disk tier: cannot recreate %s (%s)", self.dir, exc.strerror)
 
     def delete(self, key: ChunkKey) -> bool:
         with self._lock:

@@ -38,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.core.config import KVTierConfig
+from kvtier.core.errors import ConfigError
 from kvtier.integrations.vllm.protocol import KVTierMetadata
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.stats import KVTierPromMetrics, KVTierStats
@@ -60,6 +61,21 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
+def _use_vllm_logging() -> None:
+    """Route kvtier's log records through vLLM's handlers, so they carry vLLM's prefix and INFO
+    lines (layout, namespace) are shown; without this only WARNING reaches stderr, unformatted."""
+    kvtier_log = logging.getLogger("kvtier")
+    vllm_log = logging.getLogger("vllm")
+    if vllm_log.handlers and not kvtier_log.handlers:
+        for handler in vllm_log.handlers:
+            kvtier_log.addHandler(handler)
+        kvtier_log.setLevel(logging.INFO)
+        kvtier_log.propagate = False
+
+
+_use_vllm_logging()
+
 _SOURCES = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
 
 
@@ -81,8 +97,13 @@ class KVTierConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
-        self.kvtier_config = KVTierConfig.from_dict(dict(transfer.kv_connector_extra_config or {}))
-        self.kvtier_config.validate_block_size(vllm_config.cache_config.block_size)
+        try:
+            self.kvtier_config = KVTierConfig.from_dict(dict(transfer.kv_connector_extra_config or {}))
+            self.kvtier_config.validate_block_size(vllm_config.cache_config.block_size)
+        except ConfigError as exc:
+            # one line an operator can find in the engine's log, above vLLM's own traceback
+            log.error("kvtier configuration error: %s", exc)
+            raise ConfigError(str(exc)) from None
         engine_id = str(transfer.engine_id)
         load = transfer.kv_role in ("kv_both", "kv_consumer")
         save = transfer.kv_role in ("kv_both", "kv_producer")
