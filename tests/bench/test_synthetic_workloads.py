@@ -97,3 +97,13 @@ def test_factory_fits_trace_prompts_to_the_model_and_closes_the_loop():
     assert all(100 <= t < 1948 for r in w.requests for t in r.prompt_token_ids)
     open_loop = build_workload(knobs, vocab_size=2048, max_model_len=2048, closed_loop=False)
     assert max(r.arrival_s for r in open_loop.requests) > 0
+
+
+def test_demo_workload_is_the_documented_window():
+    from kvtier.bench.demo import DEMO_KNOBS, DEMO_MAX_MODEL_LEN
+
+    w = build_workload(DEMO_KNOBS, vocab_size=2048, max_model_len=DEMO_MAX_MODEL_LEN, closed_loop=True)
+    assert len(w.requests) == 378
+    assert w.params["returning_only"] is True and w.params["start"] == 0 and w.params["limit"] == 1000
+    assert any("378 of the window's 1000" in n for n in w.notes)
+    assert max(r.prompt_len + r.max_tokens for r in w.requests) <= DEMO_MAX_MODEL_LEN

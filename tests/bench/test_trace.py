@@ -144,3 +144,21 @@ def test_missing_file_and_empty_window(tmp_path):
         load_trace(tmp_path / "nope.jsonl")
     with pytest.raises(WorkloadError, match="holds no requests"):
         load_trace(bundled_trace_path(), start=20000)
+
+
+def test_returning_only_keeps_conversations_that_come_back(window):
+    from kvtier.bench.trace import returning_only
+
+    kept = returning_only(window)
+    assert 0 < len(kept) < len(window)
+    assert [r.index for r in kept] == sorted(r.index for r in kept)  # trace order
+    for r in kept:  # every kept request shares its first two blocks with another kept one
+        assert sum(1 for o in kept if o.hash_ids[:2] == r.hash_ids[:2]) >= 2
+    dropped = [r for r in window if r not in kept]
+    for r in dropped:
+        assert sum(1 for o in window if o.hash_ids[:2] == r.hash_ids[:2]) == 1 or len(r.hash_ids) < 2
+    # the selection raises the share of tokens an unlimited cache could serve
+    def shared_share(records):
+        w = trace_workload(records, TOKENS, tokens_per_block=64)
+        return sum(q.shared_prefix_tokens for q in w.requests) / w.num_prompt_tokens
+    assert shared_share(kept) > 2 * shared_share(window)

