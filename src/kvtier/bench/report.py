@@ -119,10 +119,12 @@ def print_table(result: CompareResult) -> None:
                           highlight=False)
 
 
-def _reuse_ttfts(o: ArmOutcome, shared: dict[str, int]) -> list[float]:
+def _reuse_ttfts(o: ArmOutcome, shared: dict[str, float]) -> list[float]:
+    """TTFTs of the requests at least half of whose prompt repeats an earlier request's."""
     if o.run is None:
         return []
-    return [r.ttft_s for r in o.run.results if r.ok and r.ttft_s is not None and shared.get(r.request_id, 0) > 0]
+    return [r.ttft_s for r in o.run.results
+            if r.ok and r.ttft_s is not None and shared.get(r.request_id, 0.0) >= 0.5]
 
 
 def write_plot(result: CompareResult, path: Path) -> Path:
@@ -156,7 +158,7 @@ def markdown(result: CompareResult, plot_name: str | None, command: str | None) 
     lines += ["| " + " | ".join(r.cells) + " |" for r in rows(result)]
     lines += ["", HIT_RATE_NOTE, ""]
     lines += ["## Arms", ""]
-    shared = {r.request_id: r.shared_prefix_tokens for r in w.requests}
+    shared = {r.request_id: r.shared_prefix_tokens / max(r.prompt_len, 1) for r in w.requests}
     for o in result.outcomes:
         lines.append(f"- **{o.arm.name}**: {o.arm.description}; server log `{o.log_path}`"
                      + (f", healthy after {o.startup_s:.0f} s" if o.startup_s else ""))
@@ -168,8 +170,8 @@ def markdown(result: CompareResult, plot_name: str | None, command: str | None) 
         reuse = _reuse_ttfts(o, shared)
         if reuse:
             import numpy as np
-            lines.append(f"  - TTFT p50 of the {len(reuse)} requests whose prefix the workload repeats: "
-                         f"{_fmt_s(float(np.percentile(reuse, 50)))}")
+            lines.append(f"  - TTFT p50 of the {len(reuse)} requests that repeat at least half of their prompt "
+                         f"from an earlier request: {_fmt_s(float(np.percentile(reuse, 50)))}")
         if o.meters is not None and o.meters.kvtier_bytes:
             moved = ", ".join(f"{d} {v / GiB:.3f} GiB" for d, v in sorted(o.meters.kvtier_bytes.items()))
             lines.append(f"  - kvtier bytes moved: {moved}")
