@@ -115,5 +115,5 @@ def build_workload(knobs: WorkloadKnobs, vocab_size: int, max_model_len: int | N
         if longest.prompt_len + longest.max_tokens > max_model_len:
             raise WorkloadError(f"request {longest.request_id} needs {longest.prompt_len} prompt + "
                                 f"{longest.max_tokens} output tokens, more than max model len {max_model_len}; "
-                                "shorten the workload's lengths or raise --max-model-len")
+                                "shorten the workload's lengths or serve the model with a longer max model len")
     return workload
