@@ -150,11 +150,11 @@ class _RunState:
     num_ok: int = 0
     num_failed: int = 0
 
-    def abort(self, reason: str, also: str | None = None) -> None:
-        """Stop the run for ``reason``; the requests in flight (plus ``also``) are where it happened."""
+    def abort(self, reason: str) -> None:
+        """Stop the run for ``reason``; the requests in flight are where it happened."""
         if self.aborted is None:
             self.aborted = reason
-            self.failed_at = tuple(sorted(self.in_flight | ({also} if also else set())))
+            self.failed_at = tuple(sorted(self.in_flight))
 
 
 async def run_workload_async(workload: Workload, options: ClientOptions,
@@ -172,19 +172,26 @@ async def run_workload_async(workload: Workload, options: ClientOptions,
                         disable=not options.progress, transient=False)
     task_id = progress.add_task(workload.name, total=len(workload.requests), ok=0, failed=0)
 
-    async def one(client: httpx.AsyncClient, request: BenchRequest) -> RequestResult:
-        state.in_flight.add(request.request_id)
-        try:
-            return await _send(client, request, options, state.t_run)
-        finally:
-            state.in_flight.discard(request.request_id)
-
     async def failure_reason(request: BenchRequest, error: str) -> str | None:
         if error.startswith("stall") and options.abort_on_stall:
             return f"engine hung: request {request.request_id} received nothing for {options.stall_timeout_s:g} s"
         if should_stop is not None and not error.startswith("HTTP 4"):
             return await _wait_for_stop(should_stop, seconds=3.0)  # a dying server exits shortly after
         return None
+
+    async def one(client: httpx.AsyncClient, request: BenchRequest) -> RequestResult:
+        # the request stays "in flight" (and holds its concurrency slot) until its failure is
+        # judged, so the report names it and no new request is sent to a server that just died
+        state.in_flight.add(request.request_id)
+        try:
+            result = await _send(client, request, options, state.t_run)
+            if result.error is not None:
+                reason = await failure_reason(request, result.error)
+                if reason is not None:
+                    state.abort(reason)
+            return result
+        finally:
+            state.in_flight.discard(request.request_id)
 
     async def chain(client: httpx.AsyncClient, requests: list[BenchRequest]) -> None:
         prev_end: float | None = None
@@ -209,11 +216,8 @@ async def run_workload_async(workload: Workload, options: ClientOptions,
             else:
                 state.num_failed += 1
             progress.update(task_id, advance=1, ok=state.num_ok, failed=state.num_failed)
-            if result.error is not None:
-                reason = await failure_reason(request, result.error)
-                if reason is not None:
-                    state.abort(reason, also=request.request_id)
-                    raise _Abort
+            if state.aborted is not None:
+                raise _Abort
 
     async def watch(tasks: list[asyncio.Task[None]]) -> None:
         while not all(t.done() for t in tasks):
