@@ -61,7 +61,7 @@ def run_demo_compare(workdir: Path = Path(".kvtier"), arms: tuple[str, ...] = DE
 
     Files: the model under ``workdir/models/tiny-dummy``, kvtier's disk tier under
     ``workdir/bench-demo/kvtier-disk`` (emptied first), reports and server logs under
-    ``workdir/bench-demo``.  Never raises for a failing arm (it is in the result).
+    ``workdir/bench-demo`` (the ExampleConnector's scratch files are deleted at the end).  Never raises for a failing arm (it is in the result).
 
     Raises:
         ValueError: an unknown arm name.
@@ -87,6 +87,7 @@ def run_demo_compare(workdir: Path = Path(".kvtier"), arms: tuple[str, ...] = DE
                          warmup=warmup_workload(vocab_token_space(DEMO_KNOBS.seed, vocab)),
                          max_concurrency=DEMO_CONCURRENCY, stall_timeout_s=120.0, progress=progress,
                          on_arm=lambda a: print(f"arm {a.name}: starting vLLM ({a.description})", flush=True))
+    shutil.rmtree(out / "example-connector-storage", ignore_errors=True)  # ~300 MB of scratch safetensors
     paths = write_reports(result, out, out / "compare.json", command=command)
     return DemoCompare(result=result, paths=paths, seconds=time.perf_counter() - t0, command=command)
 
