@@ -67,6 +67,7 @@ async def _send(client: httpx.AsyncClient, request: BenchRequest, options: Clien
     ttft: float | None = None
     last_t = t0
     tokens = 0
+    done = False
     gaps: list[float] = []
 
     def failed(error: str) -> RequestResult:
@@ -82,6 +83,7 @@ async def _send(client: httpx.AsyncClient, request: BenchRequest, options: Clien
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
+                    done = True
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:
@@ -110,6 +112,8 @@ async def _send(client: httpx.AsyncClient, request: BenchRequest, options: Clien
     end = time.perf_counter()
     if tokens == 0:
         return failed("the stream ended without a completion token")
+    if not done:  # the connection closed mid-stream: a server that died, not a finished request
+        return failed("the stream ended before [DONE]")
     return RequestResult(request.request_id, request.prompt_len, tokens, start_s, ttft, end - t0, tuple(gaps))
 
 
