@@ -203,7 +203,7 @@ def test_concurrent_loads_and_saves_keep_integrity(tmp_path):
                 else:
                     out = store.get(chain)
                     assert out == [payload(k) for k in chain[:len(out)]]
-        except Exception as exc:  # surfaced below
+        except Exception as exc:  # noqa: BLE001 - surfaced below
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]

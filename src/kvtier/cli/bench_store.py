@@ -6,12 +6,10 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Optional
 
 import typer
 
 from kvtier.cli.errors import fail
-
 
 MIN_CHUNK_MIB = 0.004  # 4 KiB: one OS page
 MAX_CHUNK_MIB = 1024.0
@@ -26,8 +24,8 @@ def bench_store(
     sizes: str = typer.Option("0.5,4,32", help="Chunk sizes in MiB, comma-separated."),
     total_mib: float = typer.Option(256, help="MiB moved per measurement round."),
     repeats: int = typer.Option(5, min=1, help="Rounds per figure; the median is reported."),
-    directory: Optional[Path] = typer.Option(None, "--dir", help="Where the disk tier writes (default: a temp dir)."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Also write results as JSON here."),
+    directory: Path | None = typer.Option(None, "--dir", help="Where the disk tier writes (default: a temp dir)."),
+    json_path: Path | None = typer.Option(None, "--json", help="Also write results as JSON here."),
 ) -> None:
     """Measure cpu and disk tier put/get throughput against numpy copy and raw file I/O.
 

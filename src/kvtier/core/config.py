@@ -61,7 +61,7 @@ class KVTierConfig(BaseSettings):
         return os.path.expanduser(os.path.expandvars(value))
 
     @model_validator(mode="after")
-    def _disk_consistent(self) -> "KVTierConfig":
+    def _disk_consistent(self) -> KVTierConfig:
         if self.disk_gib > 0 and not self.disk_path:
             raise ValueError("disk_gib is set but disk_path is not; set disk_path to a local directory or disk_gib to 0")
         if self.disk_path and self.disk_gib > 0:
@@ -70,7 +70,7 @@ class KVTierConfig(BaseSettings):
 
     # ---- loaders -------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, values: dict[str, Any] | None = None) -> "KVTierConfig":
+    def from_dict(cls, values: dict[str, Any] | None = None) -> KVTierConfig:
         """Build from a dict (e.g. vLLM's ``kv_connector_extra_config``), env vars filling the rest.
 
         Raises:
@@ -90,7 +90,7 @@ class KVTierConfig(BaseSettings):
             raise ConfigError(_one_sentence(exc, explicit=set(values))) from None
 
     @classmethod
-    def from_yaml(cls, path: str | os.PathLike[str]) -> "KVTierConfig":
+    def from_yaml(cls, path: str | os.PathLike[str]) -> KVTierConfig:
         """Build from a YAML mapping file.
 
         Raises:

@@ -20,8 +20,9 @@ prompts, which matters because a collision would serve one tenant's KV to anothe
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import NewType, Sequence
+from typing import NewType
 
 import blake3
 import numpy as np

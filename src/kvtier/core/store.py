@@ -32,13 +32,13 @@ Sizes: ``chunk_bytes`` is the payload of one chunk; capacities come from
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 from prometheus_client import CollectorRegistry
@@ -49,8 +49,8 @@ from kvtier.core.handles import LoadHandle, StoreHandle
 from kvtier.core.keys import ChunkKey, Namespace
 from kvtier.core.metrics import StoreMetrics
 from kvtier.core.policies import make_policy
-from kvtier.core.tiers.cpu import CpuTier
 from kvtier.core.tiers.chunkfile import HEADER_BYTES
+from kvtier.core.tiers.cpu import CpuTier
 from kvtier.core.tiers.disk import DiskTier
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 class _WriteJob:
     """One queued disk write: bytes from a staging copy or from a pinned cpu page."""
 
-    __slots__ = ("key", "parent", "data", "from_cpu", "evict_after")
+    __slots__ = ("data", "evict_after", "from_cpu", "key", "parent")
 
     def __init__(self, key: ChunkKey, parent: ChunkKey | None, data: np.ndarray | None, evict_after: bool) -> None:
         self.key, self.parent, self.data, self.evict_after = key, parent, data, evict_after
@@ -136,7 +136,7 @@ class TieredStore:
         if config.disk_path and config.disk_bytes_per_rank(tp_size) > 0:
             self.disk = DiskTier(config.disk_path, namespace.digest(), config.disk_bytes_per_rank(tp_size),
                                  fsync=config.disk_fsync)
-            for key in self.disk.keys():  # oldest first
+            for key in self.disk.keys():  # noqa: SIM118 - a list, oldest first
                 self.disk_policy.insert(key, None)
             self._trim_disk()
         self._disk_generation = 0

@@ -4,4 +4,4 @@ from kvtier.core.tiers.base import Tier, TierUsage
 from kvtier.core.tiers.cpu import CpuTier
 from kvtier.core.tiers.disk import DiskTier
 
-__all__ = ["Tier", "TierUsage", "CpuTier", "DiskTier"]
+__all__ = ["CpuTier", "DiskTier", "Tier", "TierUsage"]

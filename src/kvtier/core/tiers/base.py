@@ -22,7 +22,8 @@ Operations:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 from kvtier.core.keys import ChunkKey
 

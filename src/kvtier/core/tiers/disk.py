@@ -31,8 +31,13 @@ import numpy as np
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers.base import Tier, TierUsage
-from kvtier.core.tiers.chunkfile import (HEADER_BYTES, ChunkFormatError, decode_header, encode_header,
-                                        payload_digest)
+from kvtier.core.tiers.chunkfile import (
+    HEADER_BYTES,
+    ChunkFormatError,
+    decode_header,
+    encode_header,
+    payload_digest,
+)
 
 log = logging.getLogger(__name__)
 SUFFIX = ".kvc"
