@@ -43,65 +43,19 @@ from typing import Any
 import numpy as np
 from prometheus_client import CollectorRegistry
 
-from kvtier.core.config import GiB, KVTierConfig
-from kvtier.core.errors import ConfigError
+from kvtier.core.config import KVTierConfig
 from kvtier.core.handles import LoadHandle, StoreHandle
 from kvtier.core.keys import ChunkKey, Namespace
 from kvtier.core.metrics import StoreMetrics
 from kvtier.core.policies import make_policy
-from kvtier.core.tiers.chunkfile import HEADER_BYTES
-from kvtier.core.tiers.cpu import CpuTier
+from kvtier.core.sizing import make_cpu_tier
+from kvtier.core.spill import SpillMixin, WriteJob
 from kvtier.core.tiers.disk import DiskTier
 
 log = logging.getLogger(__name__)
 
 
-class _WriteJob:
-    """One queued disk write: bytes from a staging copy or from a pinned cpu page."""
-
-    __slots__ = ("data", "evict_after", "from_cpu", "key", "parent")
-
-    def __init__(self, key: ChunkKey, parent: ChunkKey | None, data: np.ndarray | None, evict_after: bool) -> None:
-        self.key, self.parent, self.data, self.evict_after = key, parent, data, evict_after
-        self.from_cpu = data is None
-
-
-def _make_cpu_tier(config: KVTierConfig, chunk_bytes: int, tp_size: int) -> CpuTier:
-    """The cpu tier of one rank, or a ConfigError naming ``cpu_gib`` when it cannot exist."""
-    capacity = config.cpu_bytes_per_rank(tp_size)
-    if capacity < chunk_bytes:
-        need = chunk_bytes * tp_size / GiB
-        raise ConfigError(f"cpu_gib={config.cpu_gib} gives each of {tp_size} rank(s) {capacity} bytes, less than one "
-                          f"chunk of {chunk_bytes} bytes (every chunk passes through the cpu tier); set cpu_gib "
-                          f"to at least {need:.6g}, better hundreds of chunks")
-    disk = config.disk_bytes_per_rank(tp_size)
-    if config.disk_path and 0 < disk < chunk_bytes + HEADER_BYTES:
-        raise ConfigError(f"disk_gib={config.disk_gib} gives each rank {disk} bytes, less than one chunk file of "
-                          f"{chunk_bytes + HEADER_BYTES} bytes; raise disk_gib or set it to 0 for no disk tier")
-    available = _available_memory()
-    if available and capacity * tp_size > available:
-        raise ConfigError(f"cpu_gib={config.cpu_gib} asks for {capacity * tp_size / GiB:.1f} GiB of DRAM but this "
-                          f"host has {available / GiB:.1f} GiB available; lower cpu_gib (it is the total across "
-                          "TP ranks)")
-    try:
-        return CpuTier(capacity, chunk_bytes)
-    except (MemoryError, ValueError) as exc:
-        raise ConfigError(f"cannot allocate the cpu tier of {capacity / GiB:.1f} GiB ({exc}); lower cpu_gib") from None
-
-
-def _available_memory() -> int:
-    """Bytes of memory the kernel says can be allocated without swapping (MemAvailable), else 0."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
-class TieredStore:
+class TieredStore(SpillMixin):
     """The tiered chunk store; see the module docstring for the contract.
 
     Args:
@@ -129,7 +83,7 @@ class TieredStore:
                                  "namespace": namespace.digest().hex()})
         self._lock = threading.RLock()
         self.counters: Counter[str] = Counter()
-        self.cpu = _make_cpu_tier(config, chunk_bytes, tp_size)
+        self.cpu = make_cpu_tier(config, chunk_bytes, tp_size)
         self.cpu_policy = make_policy(config.policy)
         self.disk: DiskTier | None = None
         self.disk_policy = make_policy(config.policy)
@@ -145,7 +99,7 @@ class TieredStore:
         self._spilling: set[ChunkKey] = set()
         self._staged: dict[ChunkKey, np.ndarray] = {}  # evicted from cpu, queued for disk, still servable
         self._parent: dict[ChunkKey, ChunkKey | None] = {}
-        self._queue: queue.Queue[_WriteJob | None] = queue.Queue(maxsize=config.save_queue_depth)
+        self._queue: queue.Queue[WriteJob | None] = queue.Queue(maxsize=config.save_queue_depth)
         self._workers: list[threading.Thread] = []
         self._readers: ThreadPoolExecutor | None = None
         if self.disk is not None:
@@ -157,19 +111,6 @@ class TieredStore:
         self.metrics.capacity_bytes.labels("cpu").set(self.cpu.usage().capacity_bytes)
         self.metrics.capacity_bytes.labels("disk").set(self.disk.capacity_bytes if self.disk else 0)
         self._closed = False
-
-    def _trim_disk(self) -> None:
-        """Evict down to capacity when the directory holds more than ``disk_gib`` allows (the tier
-        was shrunk since the files were written)."""
-        assert self.disk is not None
-        while self.disk.usage_exact() > self.disk.capacity_bytes:
-            victim = self.disk_policy.victim()
-            if victim is None:
-                break
-            self.disk.delete(victim)
-            self.disk_policy.remove(victim)
-            self.counters["evictions_disk"] += 1
-            self.metrics.evictions.labels("disk").inc()
 
     # ---- lookup --------------------------------------------------------------------------
     def lookup(self, chain: Sequence[ChunkKey]) -> int:
@@ -352,7 +293,7 @@ class TieredStore:
                 self._parent[key] = parent
                 self.cpu_policy.insert(key, parent)
                 if self.disk is not None and self.config.write_mode == "write-through":
-                    self._enqueue_locked(_WriteJob(key, parent, None, evict_after=False))
+                    self._enqueue_locked(WriteJob(key, parent, None, evict_after=False))
             if success:
                 self.counters["saved_chunks"] += len(handle.keys)
                 self._spill_ahead_locked()
@@ -383,125 +324,6 @@ class TieredStore:
             raise
         self.complete_load(handle, True)
         return out
-
-    # ---- eviction and spill --------------------------------------------------------------
-    def _evictable(self, key: ChunkKey) -> bool:
-        return key not in self._pins and key not in self._spilling
-
-    def _free_page_locked(self) -> bool:
-        """Make sure one cpu page is free, evicting if needed; False if everything is pinned."""
-        if self.cpu.can_reserve():
-            return True
-        victim = self.cpu_policy.victim(self._evictable)
-        if victim is None:
-            return False
-        if self.disk is not None and not self.disk.indexed(victim):
-            # write-back: stage a copy so the page is free now; the disk write happens on a worker
-            staged = self.cpu.view(victim).copy()
-            if self._enqueue_locked(_WriteJob(victim, self._parent.get(victim), staged, evict_after=False)):
-                self._staged[victim] = staged
-        self._evict_cpu_locked(victim)
-        return True
-
-    def _evict_cpu_locked(self, key: ChunkKey) -> None:
-        self.cpu.delete(key)
-        self.cpu_policy.remove(key)
-        self._parent.pop(key, None)
-        self.counters["evictions_cpu"] += 1
-        self.metrics.evictions.labels("cpu").inc()
-
-    def _spill_ahead_locked(self) -> None:
-        """In write-back mode, queue spills of likely victims so free pages stay above the watermark."""
-        if self.disk is None or self.config.write_mode != "write-back" or not self.cpu.num_pages:
-            return
-        want = int(self.config.spill_watermark * self.cpu.num_pages)
-        free = self.cpu.usage().free_bytes // self.chunk_bytes
-        while free + len(self._spilling) < want and not self._queue.full():
-            victim = self.cpu_policy.victim(self._evictable)
-            if victim is None:
-                return
-            if self.disk.indexed(victim):
-                self._evict_cpu_locked(victim)
-                free += 1
-                continue
-            if not self._enqueue_locked(_WriteJob(victim, self._parent.get(victim), None, evict_after=True)):
-                return
-
-    def _enqueue_locked(self, job: _WriteJob) -> bool:
-        if job.from_cpu:
-            self._pins[job.key] += 1
-            self._spilling.add(job.key)
-        try:
-            self._queue.put_nowait(job)
-            return True
-        except queue.Full:
-            if job.from_cpu:
-                self._unpin_locked(job.key)
-                self._spilling.discard(job.key)
-            self.counters["dropped_saves"] += 1
-            self.metrics.dropped_saves.inc()
-            return False
-
-    def _write_loop(self) -> None:
-        while True:
-            job = self._queue.get()
-            try:
-                if job is None:
-                    return
-                self._write(job)
-            except Exception:  # a worker must survive any single failure
-                log.exception("kvtier: disk write of a chunk failed")
-            finally:
-                self._queue.task_done()
-
-    def _write(self, job: _WriteJob) -> None:
-        disk = self.disk
-        assert disk is not None
-        size = disk.file_bytes(self.chunk_bytes)
-        with self._lock:
-            data = self.cpu.view(job.key) if job.from_cpu else job.data
-            room = True
-            while disk.usage().used_bytes + size > disk.capacity_bytes:
-                victim = self.disk_policy.victim(lambda k: k not in self._disk_pins)
-                if victim is None:
-                    room = False
-                    break
-                disk.delete(victim)
-                self.disk_policy.remove(victim)
-                self.counters["evictions_disk"] += 1
-                self.metrics.evictions.labels("disk").inc()
-            if room:
-                self._disk_pins[job.key] += 1
-        ok = False
-        t0 = time.perf_counter()
-        if room and data is not None:
-            ok = disk.put(job.key, memoryview(data.data))
-        seconds = time.perf_counter() - t0
-        with self._lock:
-            if disk.generation != self._disk_generation:  # the directory was recreated: resync the policy
-                self._disk_generation = disk.generation
-                for key in list(self.disk_policy.keys()):
-                    if not disk.indexed(key):
-                        self.disk_policy.remove(key)
-            if room:
-                self._disk_pins[job.key] -= 1
-                if self._disk_pins[job.key] <= 0:
-                    del self._disk_pins[job.key]
-            if ok:
-                self.disk_policy.insert(job.key, job.parent)
-            else:
-                log.debug("kvtier: disk write of %s dropped (room=%s)", job.key.hex(), room)
-                self.counters["dropped_saves"] += 1
-                self.metrics.dropped_saves.inc()
-            self._staged.pop(job.key, None)
-            if job.from_cpu:
-                self._spilling.discard(job.key)
-                self._unpin_locked(job.key)
-                if job.evict_after and ok and self.cpu.contains(job.key) and job.key not in self._pins:
-                    self._evict_cpu_locked(job.key)
-        if ok:
-            self.metrics.moved("cpu_to_disk", self.chunk_bytes, seconds)
-        self._update_usage()
 
     # ---- lifecycle and checks ------------------------------------------------------------
     def flush(self, timeout_s: float | None = None) -> bool:
