@@ -194,11 +194,8 @@ def compare_command(
         from kvtier.core.config import KVTierConfig
         from kvtier.core.errors import ConfigError
 
-        try:
-            KVTierConfig.from_yaml(kvtier_config)
-            import yaml
-
-            extra = dict(yaml.safe_load(kvtier_config.read_text()) or {})
+        try:  # validated once here; the arm passes on only the keys the file set
+            extra = KVTierConfig.from_yaml(kvtier_config).model_dump(exclude_unset=True)
         except (ConfigError, OSError) as exc:
             fail(f"--kvtier-config {kvtier_config}: {exc}")
     out = out or Path(".kvtier/bench") / time.strftime("compare-%Y%m%d-%H%M%S")
