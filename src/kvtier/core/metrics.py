@@ -28,6 +28,10 @@ class StoreMetrics:
         lookup_seconds: histogram of ``lookup`` latency.
         evictions{tier}, dropped_saves, corrupt_chunks{tier}, failed_loads.
         usage_bytes{tier}, capacity_bytes{tier}; config (info).
+        pinned_chunks{tier} / pinned_bytes{tier}: chunks held by loads or disk writes in flight
+            (``cpu``: cpu pages; ``disk``: chunk files being read or written); zero when idle, so
+            a leak shows.
+        dirty_bytes: bytes in DRAM not yet on the disk tier (what a crash would lose).
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -56,6 +60,11 @@ class StoreMetrics:
                                       ["tier"], registry=r)
         self.usage_bytes = Gauge("kvtier_usage_bytes", "Bytes held, by tier.", ["tier"], registry=r)
         self.capacity_bytes = Gauge("kvtier_capacity_bytes", "Capacity in bytes, by tier.", ["tier"], registry=r)
+        self.pinned_chunks = Gauge("kvtier_pinned_chunks", "Chunks pinned by loads or disk writes, by tier.",
+                                   ["tier"], registry=r)
+        self.pinned_bytes = Gauge("kvtier_pinned_bytes", "Bytes of pinned chunks, by tier.", ["tier"], registry=r)
+        self.dirty_bytes = Gauge("kvtier_dirty_bytes", "Bytes held in DRAM but not yet on the disk tier.",
+                                 registry=r)
         self.config = Info("kvtier_config", "Effective kvtier configuration.", registry=r)
         for direction in DIRECTIONS:
             self.bytes_moved.labels(direction)

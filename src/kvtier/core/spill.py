@@ -67,6 +67,9 @@ class SpillMixin:
     # provided by TieredStore:
     _unpin_locked: Callable[[ChunkKey], None]
     _update_usage: Callable[[], None]
+    _note_locked: Callable[[ChunkKey], None]
+    _resync_locked: Callable[[], None]
+    dirty_keys: Callable[[], list[ChunkKey]]
 
     def _trim_disk(self) -> None:
         """Evict down to capacity when the directory holds more than ``disk_gib`` allows (the tier
@@ -104,6 +107,7 @@ class SpillMixin:
         self.cpu.delete(key)
         self.cpu_policy.remove(key)
         self._parent.pop(key, None)
+        self._note_locked(key)
         self.counters["evictions_cpu"] += 1
         self.metrics.evictions.labels("cpu").inc()
 
@@ -139,6 +143,36 @@ class SpillMixin:
             self.metrics.dropped_saves.inc()
             return False
 
+    def flush_dirty(self, timeout_s: float) -> tuple[int, int]:
+        """Write every dirty cpu chunk to the disk tier, waiting at most ``timeout_s`` seconds.
+
+        Used on a graceful stop so that a restart finds the hot set on disk.  Unlike the save
+        path, this waits for room in the write queue (until the deadline) instead of dropping.
+
+        Returns:
+            ``(written, missed)``: chunks that reached the disk, and chunks still dirty at the
+            deadline (counted in ``flush_missed_chunks``).  ``(0, 0)`` without a disk tier.
+        """
+        if self.disk is None:
+            return 0, 0
+        deadline = time.monotonic() + max(timeout_s, 0.0)
+        before = len(self.dirty_keys())
+        for key in self.dirty_keys():
+            while time.monotonic() < deadline:
+                with self._lock:
+                    if not self.cpu.contains(key) or key in self._spilling or self.disk.indexed(key):
+                        break  # evicted (then staged and queued) or already on its way
+                    if not self._queue.full():
+                        self._enqueue_locked(WriteJob(key, self._parent.get(key), None, evict_after=False))
+                        break
+                time.sleep(0.002)
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.005)
+        missed = len(self.dirty_keys())
+        if missed:
+            self.counters["flush_missed_chunks"] += missed
+        return max(before - missed, 0), missed
+
     def _write_loop(self) -> None:
         while True:
             job = self._queue.get()
@@ -165,6 +199,7 @@ class SpillMixin:
                     break
                 disk.delete(victim)
                 self.disk_policy.remove(victim)
+                self._note_locked(victim)
                 self.counters["evictions_disk"] += 1
                 self.metrics.evictions.labels("disk").inc()
             if room:
@@ -180,6 +215,7 @@ class SpillMixin:
                 for key in list(self.disk_policy.keys()):
                     if not disk.indexed(key):
                         self.disk_policy.remove(key)
+                self._resync_locked()
             if room:
                 self._disk_pins[job.key] -= 1
                 if self._disk_pins[job.key] <= 0:
@@ -191,6 +227,7 @@ class SpillMixin:
                 self.counters["dropped_saves"] += 1
                 self.metrics.dropped_saves.inc()
             self._staged.pop(job.key, None)
+            self._note_locked(job.key)
             if job.from_cpu:
                 self._spilling.discard(job.key)
                 self._unpin_locked(job.key)

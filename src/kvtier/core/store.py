@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 from prometheus_client import CollectorRegistry
 
+from kvtier.core.changes import ChangeFeedMixin
 from kvtier.core.config import KVTierConfig
 from kvtier.core.handles import LoadHandle, StoreHandle
 from kvtier.core.keys import ChunkKey, Namespace
@@ -55,7 +56,7 @@ from kvtier.core.tiers.disk import DiskTier
 log = logging.getLogger(__name__)
 
 
-class TieredStore(SpillMixin):
+class TieredStore(SpillMixin, ChangeFeedMixin):
     """The tiered chunk store; see the module docstring for the contract.
 
     Args:
@@ -82,6 +83,7 @@ class TieredStore(SpillMixin):
         self.metrics.set_config({**config.model_dump(), "chunk_bytes": chunk_bytes, "tp_size": tp_size,
                                  "namespace": namespace.digest().hex()})
         self._lock = threading.RLock()
+        self._init_feed()
         self.counters: Counter[str] = Counter()
         self.cpu = make_cpu_tier(config, chunk_bytes, tp_size)
         self.cpu_policy = make_policy(config.policy)
@@ -167,6 +169,8 @@ class TieredStore(SpillMixin):
                     break
         if promote:
             self._promote(chain, handle, promote)
+        else:
+            self._update_usage()
         return handle
 
     def _promote(self, chain: Sequence[ChunkKey], handle: LoadHandle,
@@ -187,6 +191,7 @@ class TieredStore(SpillMixin):
                     self.counters["corrupt_chunks"] += 1
                     self.metrics.corrupt_chunks.labels("disk").inc()
                     self.disk_policy.remove(key)
+                    self._note_locked(key)
                 if cut is not None and pos >= cut:
                     if reserved:
                         self.cpu.abort(key)
@@ -196,6 +201,7 @@ class TieredStore(SpillMixin):
                     parent = chain[pos - 1] if pos > 0 else None
                     self._parent[key] = parent
                     self.cpu_policy.insert(key, parent)
+                    self._note_locked(key)
                     self._pins[key] += 1
                     handle.pinned.append(key)
             if cut is not None:  # everything from the first unusable chunk on is dropped
@@ -250,6 +256,7 @@ class TieredStore(SpillMixin):
                 on_disk = [k for k, t in zip(handle.keys, handle.tiers) if t == "disk"]
                 if on_disk:
                     self.disk_policy.touch(on_disk)
+        self._update_usage()
         return True
 
     def _unpin_locked(self, key: ChunkKey) -> None:
@@ -292,6 +299,7 @@ class TieredStore(SpillMixin):
                 self.cpu.commit(key)
                 self._parent[key] = parent
                 self.cpu_policy.insert(key, parent)
+                self._note_locked(key)
                 if self.disk is not None and self.config.write_mode == "write-through":
                     self._enqueue_locked(WriteJob(key, parent, None, evict_after=False))
             if success:
@@ -355,9 +363,14 @@ class TieredStore(SpillMixin):
             self._readers.shutdown(wait=True)
 
     def _update_usage(self) -> None:
-        self.metrics.usage_bytes.labels("cpu").set(self.cpu.usage().used_bytes)
+        m = self.metrics
+        m.usage_bytes.labels("cpu").set(self.cpu.usage().used_bytes)
         if self.disk is not None:
-            self.metrics.usage_bytes.labels("disk").set(self.disk.usage().used_bytes)
+            m.usage_bytes.labels("disk").set(self.disk.usage().used_bytes)
+        for tier, pins in (("cpu", len(self._pins)), ("disk", len(self._disk_pins))):
+            m.pinned_chunks.labels(tier).set(pins)
+            m.pinned_bytes.labels(tier).set(pins * self.chunk_bytes)
+        m.dirty_bytes.set(self.dirty_bytes())
 
     def stats(self) -> dict[str, Any]:
         """Counters and usage, as plain numbers (for tests, logs and ``bench-store``)."""
@@ -367,6 +380,8 @@ class TieredStore(SpillMixin):
             out["disk"] = self.disk.usage()._asdict() if self.disk else None
             out["corrupt_chunks"] = self.disk.corrupt if self.disk else 0
             out["pinned"] = sum(self._pins.values()) + sum(self._disk_pins.values())
+            out["pinned_chunks"] = {"cpu": len(self._pins), "disk": len(self._disk_pins)}
+            out["dirty_bytes"] = self.dirty_bytes()
             out["queued_writes"] = self._queue.unfinished_tasks
             return out
 

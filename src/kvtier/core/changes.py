@@ -1,0 +1,133 @@
+"""The store's change feed: which chunks appeared, moved between tiers or left, for a mirror elsewhere.
+
+A :class:`~kvtier.core.store.TieredStore` lives where the bytes are (a vLLM worker rank); the
+component that decides what to load (vLLM's scheduler) keeps an in-memory *mirror* of the store's
+index and must never ask the store synchronously.  The feed is how that mirror stays current:
+
+- every place that changes where a chunk is held calls ``_note_locked(key)`` (store lock held);
+- ``drain_changes(max_items)`` returns an :class:`IndexDelta`: up to ``max_items`` changed keys,
+  each with its *current* best tier (``"cpu"`` before ``"disk"``; ``None`` when the chunk is in no
+  tier any more).  A key that changed several times since the last drain appears once, with its
+  state at drain time, so applying deltas in order reproduces the index;
+- the feed is bounded (``change_feed_limit`` keys): when more changes pile up than that, they are
+  forgotten and the next drain is a **full snapshot** (``full=True``: every held key; the mirror
+  replaces its view).  The first drain after start is always a full snapshot, which reports the
+  disk index rebuilt from the directory (the restart case).
+
+The mirror may lag the store (evictions happen between drains): a consumer must treat a mirror
+hit as a hint and the store's ``prepare_load`` as the truth (a shorter load, never wrong bytes).
+
+The feed also tracks *dirty* chunks: held in DRAM (cpu tier or a staging copy) but not on the
+disk tier, i.e. what a crash would lose.  ``dirty_bytes()`` is exported as a gauge.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from itertools import islice
+from typing import TYPE_CHECKING
+
+from kvtier.core.keys import ChunkKey
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from kvtier.core.tiers.cpu import CpuTier
+    from kvtier.core.tiers.disk import DiskTier
+
+CHANGE_FEED_LIMIT = 1 << 16
+
+
+@dataclass
+class IndexDelta:
+    """Changes of a store's index since the previous drain.
+
+    Attributes:
+        changes: ``(key, tier)`` pairs; ``tier`` is the key's best tier now (``"cpu"`` or
+            ``"disk"``) or ``None`` when it left every tier.
+        full: ``changes`` is a complete snapshot of the held keys: drop every key not in it.
+    """
+
+    changes: list[tuple[ChunkKey, str | None]] = field(default_factory=list)
+    full: bool = False
+
+
+class ChangeFeedMixin:
+    """Change-feed half of :class:`~kvtier.core.store.TieredStore` (see module docstring)."""
+
+    chunk_bytes: int
+    cpu: CpuTier
+    disk: DiskTier | None
+    _staged: dict[ChunkKey, np.ndarray]
+    _lock: threading.RLock
+    _changed: dict[ChunkKey, None]
+    _dirty: set[ChunkKey]
+    _resync: bool
+    change_feed_limit: int
+
+    def _init_feed(self, limit: int = CHANGE_FEED_LIMIT) -> None:
+        self._changed = {}
+        self._dirty = set()
+        self._resync = True  # the first drain reports everything, disk index included
+        self.change_feed_limit = limit
+
+    def _tier_locked(self, key: ChunkKey) -> str | None:
+        if self.cpu.contains(key) or key in self._staged:
+            return "cpu"
+        if self.disk is not None and self.disk.indexed(key):
+            return "disk"
+        return None
+
+    def _note_locked(self, key: ChunkKey) -> None:
+        """Record that ``key``'s tiers may have changed (store lock held)."""
+        in_dram = self.cpu.contains(key) or key in self._staged
+        if in_dram and self.disk is not None and not self.disk.indexed(key):
+            self._dirty.add(key)
+        else:
+            self._dirty.discard(key)
+        if self._resync:
+            return
+        self._changed[key] = None
+        if len(self._changed) > self.change_feed_limit:
+            self._changed.clear()
+            self._resync = True
+
+    def _resync_locked(self) -> None:
+        """Make the next drain a full snapshot (e.g. the disk directory was recreated)."""
+        self._changed.clear()
+        self._resync = True
+        self._dirty = {k for k in self._dirty if self._tier_locked(k) == "cpu"}
+
+    def drain_changes(self, max_items: int = 4096) -> IndexDelta:
+        """Changes since the last drain, at most ``max_items`` (a full snapshot is sent whole).
+
+        Raises:
+            ValueError: ``max_items`` not positive.
+        """
+        if max_items <= 0:
+            raise ValueError(f"max_items must be positive, got {max_items}")
+        with self._lock:
+            if self._resync:
+                self._resync = False
+                self._changed.clear()
+                keys = dict.fromkeys([*self.cpu.keys(), *self._staged, *(self.disk.keys() if self.disk else [])])
+                return IndexDelta([(k, self._tier_locked(k)) for k in keys], full=True)
+            taken = list(islice(self._changed, max_items))
+            for key in taken:
+                del self._changed[key]
+            return IndexDelta([(k, self._tier_locked(k)) for k in taken])
+
+    def pending_changes(self) -> int:
+        """Changed keys not drained yet (a pending full snapshot counts as 1)."""
+        with self._lock:
+            return 1 if self._resync else len(self._changed)
+
+    def dirty_keys(self) -> list[ChunkKey]:
+        """Chunks held in DRAM but not on the disk tier (empty without a disk tier)."""
+        with self._lock:
+            return list(self._dirty)
+
+    def dirty_bytes(self) -> int:
+        """Payload bytes a crash would lose: ``len(dirty_keys()) × chunk_bytes``."""
+        return len(self._dirty) * self.chunk_bytes
