@@ -10,7 +10,7 @@ from packaging.version import Version
 from kvtier.audit.engine import audit
 from kvtier.audit.loader import load_configs
 from kvtier.audit.versions import parse_version, version_from_image
-from kvtier.cli.errors import UserError
+from kvtier.core.errors import UserError
 
 DATA = Path(__file__).parent / "data"
 

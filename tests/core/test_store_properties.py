@@ -1,8 +1,9 @@
 """Stateful property test: the store against a plain dict model.
 
 Invariants: whatever ``get`` returns is byte-identical to what was put under those keys (never
-wrong bytes), capacity is never exceeded, lookups never exceed what the model holds, and
-``check_integrity`` holds after every step.
+wrong bytes), a load returns exactly the prefix the lookup before it counted, byte for byte,
+capacity is never exceeded, lookups never exceed what the model holds, and ``check_integrity``
+holds after every step.
 """
 
 import shutil
@@ -40,10 +41,13 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(prompt=st.integers(0, 6), n=st.integers(1, 5))
     def lookup_then_load(self, prompt, n):
         chain = chain_of(prompt, n)
+        self.store.flush()  # no disk write in flight: nothing may move between lookup and load
         found = self.store.lookup(chain)
         assert all(k in self.written for k in chain[:found])
         handle = self.store.prepare_load(chain)
-        assert handle.num_chunks <= max(found, handle.num_chunks)
+        # a load returns exactly the looked-up prefix, byte for byte
+        assert handle.keys == chain[:found]
+        assert [b.tobytes() for b in handle.buffers] == [self.written[k] for k in chain[:found]]
         self.open_loads.append(handle)
 
     @precondition(lambda self: self.open_loads)

@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import pytest
 
-from kvtier.cli.errors import UserError
+from kvtier.core.errors import UserError
 from kvtier.doctor import allocation, diagnose, histogram_quantile, measure, parse_metrics
 
 DATA = Path(__file__).parent / "data" / "kvtier-cpu"

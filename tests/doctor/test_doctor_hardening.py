@@ -15,9 +15,9 @@ from typing import ClassVar
 
 import pytest
 
-from kvtier.cli.errors import UserError
+from kvtier.core.errors import UserError
+from kvtier.core.scrape import MAX_BODY_BYTES, fetch_metrics
 from kvtier.doctor import parse_metrics
-from kvtier.doctor.scrape import MAX_BODY_BYTES, fetch
 
 DATA = Path(__file__).parent / "data" / "kvtier-cpu"
 BEFORE = (DATA / "before.txt").read_text()
@@ -136,12 +136,12 @@ def hostile_server():
 def test_timeout_bounds_the_whole_scrape(hostile_server):
     _Hostile.mode = "trickle"
     start = time.monotonic()
-    with pytest.raises(UserError, match="within --timeout 1 s"):
-        fetch(hostile_server, timeout_s=1.0)
+    with pytest.raises(UserError, match="within 1 s"):
+        fetch_metrics(hostile_server, timeout_s=1.0)
     assert time.monotonic() - start < 3.0  # per-read timeouts alone would wait the full 20 s
 
 
 def test_endless_body_is_capped(hostile_server):
     _Hostile.mode = "endless"
     with pytest.raises(UserError, match=f"more than {MAX_BODY_BYTES >> 20} MiB"):
-        fetch(hostile_server, timeout_s=30.0)
+        fetch_metrics(hostile_server, timeout_s=30.0)

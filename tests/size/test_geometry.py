@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.cli.errors import UserError
+from kvtier.core.errors import UserError
 from kvtier.size.geometry import KVGeometry
 from kvtier.size.hf_config import geometry_from_config
 from kvtier.size.presets import PRESETS, find_preset

@@ -7,7 +7,7 @@ import shlex
 
 import pytest
 
-from kvtier.cli.errors import UserError
+from kvtier.core.errors import UserError
 from kvtier.size.hf_config import geometry_from_config
 from kvtier.size.plan import Deployment, hbm_kv_budget_bytes, plan
 from kvtier.size.presets import find_preset

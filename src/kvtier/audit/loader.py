@@ -10,7 +10,7 @@ from kvtier.audit.model import ServeConfig
 from kvtier.audit.parse_command import looks_like_env_file, parse_command, parse_env_file
 from kvtier.audit.parse_k8s import parse_manifests
 from kvtier.audit.versions import version_from_image
-from kvtier.cli.errors import UserError
+from kvtier.core.errors import UserError
 
 _MANIFEST = re.compile(r"^\s*(apiVersion|kind)\s*:", re.MULTILINE)
 _COMMAND = re.compile(r"\bvllm\b[\s\\]+serve\b|vllm\.entrypoints\.openai\.api_server|vllm-openai")

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from packaging.version import Version
 
-from kvtier.cli.errors import UserError
+from kvtier.core.errors import UserError
 
 Severity = Literal["error", "warning", "info"]
 SEVERITIES: tuple[Severity, ...] = ("error", "warning", "info")

@@ -12,7 +12,7 @@ import re
 import shlex
 
 from kvtier.audit.model import ServeConfig
-from kvtier.cli.errors import UserError
+from kvtier.core.errors import UserError
 
 _ASSIGN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 _STOP = {"&&", "||", ";", "|", "&"}

@@ -16,7 +16,7 @@ from typing import Any
 from kvtier.audit.model import ServeConfig
 from kvtier.audit.parse_command import parse_command, parse_vllm_args
 from kvtier.audit.safe_yaml import load_all
-from kvtier.cli.errors import UserError
+from kvtier.core.errors import UserError
 
 _TEMPLATE_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"}
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from kvtier.cli.errors import UserError
+from kvtier.core.errors import UserError
 
 MAX_EXPANDED_NODES = 1_000_000
 """Most YAML nodes a document may expand to; real manifests hold a few thousand."""

@@ -11,7 +11,7 @@ import re
 
 from packaging.version import InvalidVersion, Version
 
-from kvtier.cli.errors import UserError
+from kvtier.core.errors import UserError
 
 _TAG_PREFIX = re.compile(r"^v?(\d+\.\d+[0-9A-Za-z.]*?)(?:[-_].*)?$")
 """A tag starts with X.Y[…] (PEP 440 once split at its first ``-``/``_``: ``0.32.0-cu129``)."""

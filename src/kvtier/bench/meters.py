@@ -19,8 +19,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from kvtier.core.errors import MetricsError
+from kvtier.core.scrape import fetch_metrics
 
 PREFIX_QUERIES = "vllm:prefix_cache_queries"
 PREFIX_HITS = "vllm:prefix_cache_hits"
@@ -29,10 +31,6 @@ EXTERNAL_HITS = "vllm:external_prefix_cache_hits"
 _KVTIER_BYTES = re.compile(r"^(vllm:)?kvtier_\w*bytes\w*$")
 
 LabelSet = tuple[tuple[str, str], ...]
-
-
-class MetricsError(RuntimeError):
-    """``/metrics`` could not be fetched or parsed; the message names the URL and the cause."""
 
 
 @dataclass(frozen=True)
@@ -84,29 +82,13 @@ def parse_metrics(text: str) -> MetricsSnapshot:
     return MetricsSnapshot(counters=counters)
 
 
-def fetch_metrics_text(base_url: str, timeout_s: float = 10.0) -> str:
-    """GET ``{base_url}/metrics`` and return the Prometheus text.
-
-    Raises:
-        MetricsError: the server did not answer 200 within ``timeout_s`` seconds.
-    """
-    url = base_url.rstrip("/") + "/metrics"
-    try:
-        response = httpx.get(url, timeout=timeout_s)
-    except httpx.HTTPError as exc:
-        raise MetricsError(f"could not fetch {url} ({type(exc).__name__}: {exc})") from None
-    if response.status_code != 200:
-        raise MetricsError(f"{url} answered HTTP {response.status_code}")
-    return response.text
-
-
 def scrape(base_url: str, timeout_s: float = 10.0, save_to: Path | None = None) -> MetricsSnapshot:
     """Fetch and parse ``{base_url}/metrics``; the raw text is also written to ``save_to`` if given.
 
     Raises:
         MetricsError: the server did not answer 200, or the text is not Prometheus format.
     """
-    text = fetch_metrics_text(base_url, timeout_s)
+    text = fetch_metrics(base_url, timeout_s)
     if save_to is not None:
         save_to.parent.mkdir(parents=True, exist_ok=True)
         save_to.write_text(text)

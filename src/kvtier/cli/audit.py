@@ -6,7 +6,8 @@ import sys
 
 import typer
 
-from kvtier.cli.errors import UserError, fail
+from kvtier.cli.errors import fail
+from kvtier.core.errors import UserError
 
 HELP = """Audit a vLLM KV-cache configuration against version gates, pitfalls and known bugs.
 

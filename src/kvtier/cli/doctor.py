@@ -8,7 +8,8 @@ import time
 
 import typer
 
-from kvtier.cli.errors import UserError, fail
+from kvtier.cli.errors import fail
+from kvtier.core.errors import UserError
 
 HELP = """Check a running vLLM server: prefix-cache hit rate, external (offload) hit rate, TTFT p50/p99, and the offload size vLLM actually allocated, then give a verdict.
 
@@ -59,7 +60,7 @@ MAX_INTERVAL_S = 86400.0
 
 def _read_file(path: str) -> str:
     """A recorded /metrics text, at most MAX_BODY_BYTES.  Raises UserError when unreadable or binary."""
-    from kvtier.doctor.scrape import MAX_BODY_BYTES
+    from kvtier.core.scrape import MAX_BODY_BYTES
 
     try:
         with open(path, "rb") as handle:
@@ -85,8 +86,8 @@ def doctor_command(
     timeout: float = typer.Option(10.0, "--timeout", help="HTTP timeout per scrape, seconds."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
 ) -> None:
+    from kvtier.core.scrape import fetch_metrics, metrics_url
     from kvtier.doctor import allocation, diagnose, measure, parse_metrics
-    from kvtier.doctor.scrape import fetch, metrics_url
 
     try:
         if tp < 1:
@@ -104,10 +105,10 @@ def doctor_command(
             if not math.isfinite(timeout) or timeout <= 0:
                 raise UserError(f"--timeout must be a positive number of seconds, got {timeout}.")
             source = metrics_url(url)
-            before = parse_metrics(fetch(source, timeout), source)
+            before = parse_metrics(fetch_metrics(source, timeout), source)
             start = time.monotonic()
             time.sleep(interval)
-            after = parse_metrics(fetch(source, timeout), source)
+            after = parse_metrics(fetch_metrics(source, timeout), source)
             elapsed = time.monotonic() - start
         else:
             raise UserError("give --url http://HOST:PORT of a vLLM server (or --from-files BEFORE AFTER).")

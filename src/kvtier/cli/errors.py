@@ -1,4 +1,8 @@
-"""One way to end a command on a user mistake: one sentence on stderr, non-zero exit, no traceback."""
+"""How a command ends on a user mistake: one sentence on stderr, exit code 2, no traceback.
+
+The exception classes themselves live in :mod:`kvtier.core.errors` (the bottom of the package
+graph), so library packages never import the CLI.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +10,6 @@ import sys
 from typing import NoReturn
 
 import typer
-
-
-class UserError(Exception):
-    """A mistake in the user's input; the message is one sentence naming what is wrong and the fix."""
 
 
 def fail(message: str, code: int = 2) -> NoReturn:

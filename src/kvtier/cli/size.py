@@ -6,7 +6,8 @@ import json
 
 import typer
 
-from kvtier.cli.errors import UserError, fail
+from kvtier.cli.errors import fail
+from kvtier.core.errors import UserError
 
 HELP = """Size the KV cache of a model and the offload tier it needs.
 
@@ -112,7 +113,8 @@ def size_command(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
     list_presets: bool = typer.Option(False, "--list-presets", help="List the built-in model presets and exit."),
 ) -> None:
-    from kvtier.size import DTYPE_BYTES, Deployment, build_recipe, plan, resolve_model
+    from kvtier.core.dtypes import DTYPE_BYTES, short_name
+    from kvtier.size import Deployment, build_recipe, plan, resolve_model
     from kvtier.size.hardware import find_gpu
     from kvtier.size.plan import check_finite, split_tier
     from kvtier.size.recipe import chunk_notes
@@ -122,10 +124,10 @@ def size_command(
         return
     if model is None:
         fail("--model is required: a config.json path, a model directory, a preset (--list-presets) or a hub id.")
-    dtype = {"auto": "bf16", "bfloat16": "bf16", "float16": "fp16", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}.get(
-        kv_dtype.lower(), kv_dtype.lower())
-    if dtype not in DTYPE_BYTES:
-        fail(f"--kv-dtype {kv_dtype!r} is not one of auto, bf16, fp16, fp8.")
+    dtype = "bf16" if kv_dtype.strip().lower() == "auto" else short_name(kv_dtype)
+    if dtype is None:
+        fail(f"--kv-dtype {kv_dtype!r} is not one of auto, bf16, fp16, fp8 (or vLLM's names: bfloat16, "
+             "float16, fp8_e4m3, fp8_e5m2).")
     try:
         check_finite("--offload-gib", offload_gib)
         check_finite("--gpu-memory-gib", gpu_memory_gib)

@@ -1,9 +1,44 @@
-"""Exceptions of the kvtier core."""
+"""Every kvtier exception, in one module at the bottom of the package graph.
+
+Every package (core, integrations, and the tools: audit, size, doctor, simulate, bench) raises these;
+the CLI (:mod:`kvtier.cli.errors`) turns a :class:`UserError` into one line on stderr and exit code 2.
+Nothing here imports anything of kvtier, so any module may import it.
+
+Hierarchy::
+
+    KVTierError
+    └── UserError            a mistake in the user's input (flag, file, URL, config)
+        ├── ConfigError      a kvtier configuration value (also a ValueError, for pydantic)
+        └── MetricsError     a /metrics page that cannot be fetched or parsed
+"""
 
 
 class KVTierError(Exception):
     """Base class of kvtier errors."""
 
 
-class ConfigError(KVTierError, ValueError):
+class UserError(KVTierError):
+    """A mistake in the user's input; the message is one sentence naming what is wrong and the fix."""
+
+
+class ConfigError(UserError, ValueError):
     """A configuration value is wrong; the message is one sentence naming the field and the fix."""
+
+
+class MetricsError(UserError):
+    """A server's ``/metrics`` could not be fetched or parsed; the message names the URL and the cause."""
+
+
+class GeometryError(UserError, ValueError):
+    """A model config cannot give its KV geometry (bytes per token); the message names the field."""
+
+
+class TraceError(UserError, ValueError):
+    """A trace file is missing, unreadable or malformed; the message names file, line and fix."""
+
+
+class ChunkFormatError(KVTierError):
+    """The bytes are not a valid kvtier chunk (torn, truncated, corrupt, or another format).
+
+    Not a user error: the store treats such a chunk as a miss and never serves it.
+    """

@@ -32,6 +32,14 @@ ChunkKey = NewType("ChunkKey", bytes)
 
 KEY_BYTES = 16
 
+KEY_FORMAT_VERSION = 1
+"""Version of the key derivation below.  Keys name chunk files that outlive a process, so any change
+to how a key is computed must bump this (old files then simply miss); the pinned vectors in
+tests/core/test_format_vectors.py fail until the bump and the new vectors are made together."""
+
+_NS_TAG = f"kvtier-ns-v{KEY_FORMAT_VERSION}\0".encode()
+_ROOT_TAG = f"kvtier-root-v{KEY_FORMAT_VERSION}\0".encode()
+
 
 @dataclass(frozen=True)
 class Namespace:
@@ -64,7 +72,7 @@ class Namespace:
     def digest(self) -> bytes:
         """The namespace's 16-byte digest (BLAKE3 over its canonical JSON)."""
         text = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
-        return blake3.blake3(b"kvtier-ns-v1\0" + text.encode()).digest(KEY_BYTES)
+        return blake3.blake3(_NS_TAG + text.encode()).digest(KEY_BYTES)
 
 
 def request_root(namespace: Namespace | bytes, cache_salt: str | None = None,
@@ -81,7 +89,7 @@ def request_root(namespace: Namespace | bytes, cache_salt: str | None = None,
         16 bytes.
     """
     ns = namespace.digest() if isinstance(namespace, Namespace) else namespace
-    h = blake3.blake3(b"kvtier-root-v1\0" + ns)
+    h = blake3.blake3(_ROOT_TAG + ns)
     for tag, value in ((b"salt", cache_salt), (b"lora", lora)):
         if value is not None:
             data = value.encode()

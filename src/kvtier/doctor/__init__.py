@@ -1,11 +1,11 @@
 """``kvtier doctor``: is KV offload helping on a live vLLM server?
 
-Flow: :func:`~kvtier.doctor.scrape.fetch` ``/metrics`` twice ``interval`` seconds apart →
+Flow: :func:`~kvtier.core.scrape.fetch_metrics` ``/metrics`` twice ``interval`` seconds apart →
 :func:`~kvtier.doctor.snapshot.parse_metrics` (prometheus_client's parser) →
 :func:`~kvtier.doctor.meters.measure` (hit rate, external hit rate, TTFT p50/p99 from bucket
 deltas) and :func:`~kvtier.doctor.meters.allocation` (offload GiB vLLM reports) →
 :func:`~kvtier.doctor.verdict.diagnose`.  Read-only: nothing is sent to the server but two GETs.
-Errors: :class:`kvtier.cli.errors.UserError` for unreachable URLs and non-vLLM metrics.
+Errors: :class:`kvtier.core.errors.UserError` for unreachable URLs and non-vLLM metrics.
 """
 
 from kvtier.doctor.meters import Allocation, Meters, allocation, histogram_quantile, measure

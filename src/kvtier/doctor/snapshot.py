@@ -14,9 +14,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from prometheus_client.parser import text_string_to_metric_families
-
-from kvtier.cli.errors import UserError
+from kvtier.core.errors import UserError
+from kvtier.core.scrape import metric_families
 
 COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:external_prefix_cache_queries",
             "vllm:external_prefix_cache_hits")
@@ -48,10 +47,7 @@ def parse_metrics(text: str, where: str) -> Snapshot:
             negative; or hits exceed queries (both impossible in a real vLLM scrape).
     """
     snap = Snapshot()
-    try:
-        families = list(text_string_to_metric_families(text))
-    except (ValueError, TypeError, IndexError) as exc:
-        raise UserError(f"{where} is not Prometheus text ({exc.__class__.__name__}); is it a /metrics URL?") from None
+    families = metric_families(text, where)
     for family in families:
         if family.name in COUNTERS or family.name == TTFT:
             for sample in family.samples:

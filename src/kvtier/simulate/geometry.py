@@ -18,12 +18,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "half": 2, "float": 4,
-               "fp8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1}
-
-
-class GeometryError(ValueError):
-    """The config cannot give KV bytes per token; the message names the missing field."""
+from kvtier.core.dtypes import DTYPE_BYTES
+from kvtier.core.errors import GeometryError
 
 
 def kv_bytes_per_token(config: dict[str, Any], kv_dtype: str | None = None) -> int:

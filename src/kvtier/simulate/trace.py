@@ -35,13 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from kvtier.core.errors import TraceError
+
 FORMATS = ("mooncake", "kvtier-jsonl")
 MOONCAKE_BLOCK_TOKENS = 512
 """Tokens per ``hash_ids`` block in the Mooncake FAST'25 traces (their README)."""
-
-
-class TraceError(ValueError):
-    """A trace file is missing, unreadable or malformed; the message names file, line and fix."""
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,11 @@ Pipeline (each step a module, each result a typed value):
    warm set, recommended tier = (warm set − HBM budget) × 1.15 floored at 0, host-RAM check).
 3. :func:`kvtier.size.recipe.build_recipe` -- the tier as kvtier / vLLM-native / LMCache configs.
 
-Nothing here mutates anything; all functions raise :class:`kvtier.cli.errors.UserError` on bad input.
+Nothing here mutates anything; all functions raise :class:`kvtier.core.errors.UserError` on bad input.
 """
 
-from kvtier.size.geometry import DTYPE_BYTES, KVGeometry, MLASpec, StateSpec
+from kvtier.core.dtypes import DTYPE_BYTES
+from kvtier.size.geometry import KVGeometry, MLASpec, StateSpec
 from kvtier.size.models import ResolvedModel, resolve_model
 from kvtier.size.plan import Deployment, SizeReport, plan
 from kvtier.size.recipe import Recipe, build_recipe

@@ -25,15 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtier.cli.errors import UserError
-
-DTYPE_BYTES: dict[str, int] = {
-    "bf16": 2,
-    "fp16": 2,
-    "fp8": 1,
-    "fp32": 4,
-}
-"""Bytes per element of each KV dtype name (how-to: 2 for fp16/bf16, 1 for an fp8 KV cache)."""
+from kvtier.core.errors import UserError
 
 
 @dataclass(frozen=True)

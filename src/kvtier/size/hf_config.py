@@ -23,11 +23,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvtier.cli.errors import UserError
-from kvtier.size.geometry import DTYPE_BYTES, KVGeometry, MLASpec, StateSpec
-
-_TORCH_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float": 4, "half": 2}
-
+from kvtier.core.dtypes import DTYPE_BYTES
+from kvtier.core.errors import UserError
+from kvtier.size.geometry import KVGeometry, MLASpec, StateSpec
 
 MAX_CONFIG_BYTES = 8 << 20
 """Largest config.json read (bytes): real ones are a few KiB; this keeps ``/dev/zero`` from filling RAM."""
@@ -76,7 +74,7 @@ def _int(cfg: dict[str, Any], key: str, where: str, default: int | None = None) 
 
 def _model_dtype_bytes(cfg: dict[str, Any]) -> int:
     name = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
-    return _TORCH_DTYPE_BYTES.get(str(name), 2)
+    return DTYPE_BYTES.get(str(name), 2)
 
 
 def _layer_kinds(cfg: dict[str, Any], num_layers: int, where: str) -> list[str]:
@@ -122,7 +120,7 @@ def _layer_kinds(cfg: dict[str, Any], num_layers: int, where: str) -> list[str]:
 def _state_spec(cfg: dict[str, Any], where: str) -> StateSpec:
     """Per-layer state of a Mamba / linear-attention layer (shapes as vLLM's state allocators hold them)."""
     model_bytes = _model_dtype_bytes(cfg)
-    ssm_bytes = _TORCH_DTYPE_BYTES.get(str(cfg.get("mamba_ssm_dtype", "")), model_bytes)
+    ssm_bytes = DTYPE_BYTES.get(str(cfg.get("mamba_ssm_dtype", "")), model_bytes)
     if "linear_num_value_heads" in cfg:  # gated DeltaNet (Qwen3-Next, Qwen3.5)
         nk = _int(cfg, "linear_num_key_heads", where)
         nv = _int(cfg, "linear_num_value_heads", where)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from kvtier.cli.errors import UserError
+from kvtier.core.errors import UserError
 from kvtier.size.geometry import KVGeometry
 from kvtier.size.hf_config import geometry_from_config, load_config_file
 from kvtier.size.presets import GIB, find_preset

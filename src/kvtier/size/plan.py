@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from kvtier.cli.errors import UserError
+from kvtier.core.errors import UserError
 from kvtier.size.geometry import KVGeometry
 
 GIB = 1 << 30

@@ -25,6 +25,8 @@ from typing import NamedTuple
 
 import xxhash
 
+from kvtier.core.errors import ChunkFormatError
+
 MAGIC = b"KVTC"
 VERSION = 1
 _HEAD = struct.Struct("<4sHH16s16sQ16s")  # 64 bytes, covered by the header checksum
@@ -39,10 +41,6 @@ class ChunkHeader(NamedTuple):
     key: bytes
     length: int
     payload_digest: bytes
-
-
-class ChunkFormatError(Exception):
-    """The bytes are not a valid kvtier chunk (torn, truncated, corrupt, or another format)."""
 
 
 def payload_digest(payload: memoryview | bytes) -> bytes:

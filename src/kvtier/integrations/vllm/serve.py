@@ -107,8 +107,10 @@ class Server:
         """``/metrics`` samples (``_created`` dropped), summed over labels except ``tier``."""
         from prometheus_client.parser import text_string_to_metric_families
 
+        from kvtier.core.scrape import fetch_metrics
+
         out: dict[str, float] = {}
-        text = httpx.get(self.base_url + "/metrics", timeout=10.0).text
+        text = fetch_metrics(self.base_url)
         for family in text_string_to_metric_families(text):
             for s in family.samples:
                 if s.name.endswith("_created"):

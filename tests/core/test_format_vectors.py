@@ -1,0 +1,75 @@
+"""Pinned test vectors for the two formats that outlive a process: the chunk-key derivation
+(``kvtier.core.keys``) and the chunk-file header (``kvtier.core.tiers.chunkfile``).
+
+Chunk files written today are read by tomorrow's process, possibly another kvtier version; if a
+key or a header changed silently, old files would be misread or (worse) served under the wrong
+key.  These vectors were computed once and written down by hand.  A test here fails when the
+bytes change: a deliberate format change must bump ``KEY_FORMAT_VERSION`` / ``VERSION`` and add
+the new vectors under the new version number.
+"""
+
+import pytest
+
+from kvtier.core.errors import ChunkFormatError
+from kvtier.core.keys import KEY_FORMAT_VERSION, Namespace, chunk_keys, request_root
+from kvtier.core.tiers import chunkfile
+
+NS = Namespace(model="m", kv_dtype="bfloat16", num_layers=32, num_kv_heads=8, head_size=128, layout="L",
+               chunk_tokens=4, extra=(("block_size", "16"),))
+
+KEY_VECTORS = {
+    1: {
+        "namespace": "da68396a28c604d4407bfa3f6921c144",
+        "root": "2efc4225c805bbd753e350f499c886c8",
+        "root_salt_lora_mm": "da8de1ec4e42df460193cc3f835aef96",
+        "chunks_of_range_10": ["abc95f3b7f8c3c6da6288ed7c03da51c", "c387b99a930ad560d686b3e7adaab949"],
+    },
+}
+
+PAYLOAD = b"kvtier chunk payload"
+HEADER_VECTORS = {
+    1: bytes.fromhex(
+        "4b565443" "0100" "5000"                       # magic KVTC, version 1, header size 80
+        "000102030405060708090a0b0c0d0e0f"             # namespace digest
+        "101112131415161718191a1b1c1d1e1f"             # chunk key
+        "1400000000000000"                             # payload length 20
+        "0343a33cded7a4aa294106bf7c67d3b1"             # XXH3-128 of the payload
+        "810d167561b9fe57"                             # XXH3-64 of bytes 0..63
+        "0000000000000000"),                           # reserved
+}
+
+
+def test_key_format_version_has_pinned_vectors():
+    assert KEY_FORMAT_VERSION in KEY_VECTORS, (
+        f"KEY_FORMAT_VERSION {KEY_FORMAT_VERSION} has no pinned vectors: add them to KEY_VECTORS")
+
+
+def test_chunk_keys_match_the_pinned_vectors():
+    want = KEY_VECTORS[KEY_FORMAT_VERSION]
+    root = request_root(NS)
+    assert NS.digest().hex() == want["namespace"]
+    assert root.hex() == want["root"]
+    assert request_root(NS, cache_salt="s", lora="a", mm_hashes=["x", "y"]).hex() == want["root_salt_lora_mm"]
+    assert [k.hex() for k in chunk_keys(root, list(range(10)), 4)] == want["chunks_of_range_10"]
+
+
+def test_chunk_header_matches_the_pinned_bytes():
+    assert chunkfile.VERSION in HEADER_VECTORS, (
+        f"chunk format VERSION {chunkfile.VERSION} has no pinned header: add it to HEADER_VECTORS")
+    pinned = HEADER_VECTORS[chunkfile.VERSION]
+    assert len(pinned) == chunkfile.HEADER_BYTES == 80
+    assert chunkfile.encode_header(bytes(range(16)), bytes(range(16, 32)), PAYLOAD) == pinned
+
+
+def test_pinned_header_decodes_to_its_fields():
+    header = chunkfile.decode_header(HEADER_VECTORS[1])
+    assert header == chunkfile.ChunkHeader(1, bytes(range(16)), bytes(range(16, 32)), len(PAYLOAD),
+                                           chunkfile.payload_digest(PAYLOAD))
+
+
+@pytest.mark.parametrize("offset", [4, 64])  # the version field; the header checksum
+def test_a_changed_pinned_header_is_refused(offset):
+    raw = bytearray(HEADER_VECTORS[1])
+    raw[offset] ^= 0x01
+    with pytest.raises(ChunkFormatError):
+        chunkfile.decode_header(bytes(raw))
