@@ -9,6 +9,7 @@ import numpy as np
 from kvtier.core.config import GiB, KVTierConfig
 from kvtier.core.keys import ChunkKey, Namespace, chunk_keys, request_root
 from kvtier.core.store import TieredStore
+from kvtier.core.tiers.chunkfile import HEADER_BYTES
 
 CHUNK_TOKENS = 4
 CHUNK_BYTES = 1024
@@ -20,7 +21,7 @@ def make_store(tmp_path: Path | None, cpu_chunks: int, disk_chunks: int = 0, **o
     """A store whose cpu tier holds ``cpu_chunks`` chunks and disk tier ``disk_chunks`` chunk files."""
     values: dict[str, object] = {"chunk_tokens": CHUNK_TOKENS, "cpu_gib": cpu_chunks * CHUNK_BYTES / GiB}
     if disk_chunks and tmp_path is not None:
-        values.update(disk_path=str(tmp_path / "disk"), disk_gib=disk_chunks * (CHUNK_BYTES + 80) / GiB)
+        values.update(disk_path=str(tmp_path / "disk"), disk_gib=disk_chunks * (CHUNK_BYTES + HEADER_BYTES) / GiB)
     values.update(overrides)
     return TieredStore(KVTierConfig.from_dict(values), NS, CHUNK_BYTES)
 

@@ -1,14 +1,19 @@
-"""Disk tier: crash-safe files, restart recovery, and corruption as a counted miss."""
+"""Disk tier: crash-safe files, restart recovery, and corruption as a counted miss, each in
+buffered and O_DIRECT mode (the ``disk_io`` fixture of tests/core/conftest.py)."""
 
+import errno
 import os
+import struct
 import time
 
 import numpy as np
 import pytest
+import xxhash
 
 from kvtier.core.keys import ChunkKey
-from kvtier.core.tiers import DiskTier
+from kvtier.core.tiers import DiskTier, chunkio
 from kvtier.core.tiers.chunkfile import HEADER_BYTES
+from kvtier.core.tiers.chunkio import O_DIRECT, aligned_buffer
 from kvtier.core.tiers.disk import STALE_TMP_S
 
 CHUNK = 8192
@@ -24,11 +29,25 @@ def data(i: int) -> bytes:
 
 
 @pytest.fixture
-def disk(tmp_path):
-    tier = DiskTier(tmp_path, NS, capacity_bytes=100 * CHUNK)
+def where(disk_io):
+    """(mode, directory) of the tier under test."""
+    return disk_io
+
+
+def make(where, namespace=NS, **kwargs):
+    mode, root = where
+    tier = DiskTier(root, namespace, capacity_bytes=100 * CHUNK, io=mode, **kwargs)
+    assert tier.io_mode == mode
+    return tier
+
+
+@pytest.fixture
+def disk(where):
+    tier = make(where)
     for i in range(3):
         assert tier.put(key(i), data(i))
-    return tier
+    yield tier
+    tier.close()
 
 
 def read(tier, i):
@@ -36,21 +55,21 @@ def read(tier, i):
     return bytes(out) if tier.get_into(key(i), memoryview(out)) else None
 
 
-def test_restart_rebuilds_index(disk, tmp_path):
-    again = DiskTier(tmp_path, NS, capacity_bytes=100 * CHUNK)
+def test_restart_rebuilds_index(disk, where):
+    again = make(where)
     assert again.usage().num_chunks == 3
     assert again.usage().used_bytes == 3 * (CHUNK + HEADER_BYTES)
     assert read(again, 1) == data(1)
 
 
-def test_stale_temp_files_removed_on_restart_fresh_ones_kept(disk, tmp_path):
+def test_stale_temp_files_removed_on_restart_fresh_ones_kept(disk, where):
     stale = disk.path(key(7)).with_name("x.kvc.123.456.tmp")
     stale.write_bytes(b"partial")
     old = time.time() - STALE_TMP_S - 10
     os.utime(stale, (old, old))
     fresh = disk.path(key(8)).with_name("y.kvc.123.456.tmp")  # another live process is writing it
     fresh.write_bytes(b"partial")
-    DiskTier(tmp_path, NS, capacity_bytes=100 * CHUNK)
+    make(where)
     assert not stale.exists() and fresh.exists()
 
 
@@ -92,8 +111,8 @@ def test_corrupt_file_is_a_counted_miss_never_wrong_bytes(disk, damage, caplog):
     disk.check()
 
 
-def test_foreign_namespace_file_is_a_miss(disk, tmp_path):
-    other = DiskTier(tmp_path, b"o" * 16, capacity_bytes=100 * CHUNK)
+def test_foreign_namespace_file_is_a_miss(disk, where):
+    other = make(where, b"o" * 16)
     other.put(key(9), data(9))
     # an operator copies a file between namespaces: it must not be served
     target = disk.path(key(9))
@@ -109,9 +128,8 @@ def test_file_renamed_to_another_key_is_a_miss(disk):
     assert read(disk, 5) is None and disk.corrupt == 1
 
 
-def test_files_from_another_process_are_adopted(tmp_path):
-    a = DiskTier(tmp_path, NS, capacity_bytes=100 * CHUNK)
-    b = DiskTier(tmp_path, NS, capacity_bytes=100 * CHUNK)
+def test_files_from_another_process_are_adopted(where):
+    a, b = make(where), make(where)
     a.put(key(4), data(4))
     assert b.contains(key(4)) and read(b, 4) == data(4)
     a.delete(key(4))
@@ -135,12 +153,12 @@ def test_unremovable_entry_is_counted_and_logged_once(disk, caplog):
     assert disk.corrupt == 1 and caplog.text.count("unusable") == 1
 
 
-def test_files_outside_their_shard_are_not_indexed(disk, tmp_path):
+def test_files_outside_their_shard_are_not_indexed(disk, where):
     src = disk.path(key(0))
     wrong = disk.dir / "zz"
     wrong.mkdir()
     (wrong / src.name).write_bytes(src.read_bytes())
-    again = DiskTier(tmp_path, NS, capacity_bytes=100 * CHUNK)
+    again = make(where)
     assert again.usage().num_chunks == 3
     again.check()
 
@@ -151,3 +169,122 @@ def test_reserved_header_bytes_are_checked(disk):
     raw[75] = 1
     path.write_bytes(bytes(raw))
     assert read(disk, 2) is None and disk.corrupt == 1
+
+
+# ---- sizes, slices, alignment and formats (both modes) -----------------------------------------
+def odd_bytes(n: int, seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+@pytest.mark.parametrize("length", [1, 4095, 4096, 8192 * 3 + 17, 8192 * 4, 100_003])
+@pytest.mark.parametrize("misaligned", [False, True], ids=["aligned", "misaligned"])
+def test_roundtrip_any_length_and_buffer_alignment(where, length, misaligned):
+    tier = DiskTier(where[1], NS, capacity_bytes=1 << 20, io=where[0], slice_bytes=8192)
+    src_store = aligned_buffer(length + 8)
+    src = src_store[1:length + 1] if misaligned else src_store[:length]
+    src[:] = odd_bytes(length, length)
+    assert tier.put(key(length), src)
+    assert os.path.getsize(tier.path(key(length))) == HEADER_BYTES + length
+    dst_store = aligned_buffer(length + 8)
+    dst = dst_store[3:length + 3] if misaligned else dst_store[:length]
+    assert tier.get_into(key(length), dst)
+    assert bytes(dst) == bytes(src) and tier.corrupt == 0
+    tier.close()
+
+
+def sliced_damage():
+    def flip_last_slice(path):
+        raw = bytearray(path.read_bytes())
+        raw[-3] ^= 0x01
+        path.write_bytes(bytes(raw))
+
+    def flip_first_slice(path):
+        raw = bytearray(path.read_bytes())
+        raw[HEADER_BYTES] ^= 0x80
+        path.write_bytes(bytes(raw))
+
+    def truncate_mid_slices(path):
+        os.truncate(path, HEADER_BYTES + 8192 * 2 + 5)
+
+    def zero_length_header(path):  # a valid-looking file whose header claims fewer bytes
+        raw = bytearray(path.read_bytes())
+        path.write_bytes(bytes(raw[:HEADER_BYTES + 4096]))
+
+    return [flip_last_slice, flip_first_slice, truncate_mid_slices, zero_length_header]
+
+
+@pytest.mark.parametrize("damage", sliced_damage(), ids=lambda f: f.__name__)
+def test_damage_in_a_sliced_read_is_a_counted_miss(where, damage):
+    tier = DiskTier(where[1], NS, capacity_bytes=1 << 20, io=where[0], slice_bytes=8192)
+    payload = odd_bytes(8192 * 5 + 100, 5)
+    assert tier.put(key(1), payload)
+    damage(tier.path(key(1)))
+    out = bytearray(len(payload))
+    assert not tier.get_into(key(1), memoryview(out))
+    assert tier.corrupt == 1 and not tier.path(key(1)).exists()
+    tier.close()
+
+
+def test_version_1_file_is_a_counted_miss_not_an_error(disk):
+    """A chunk file of format version 1 (80-byte header, PR before the 4096-byte header block)."""
+    head = struct.pack("<4sHH16s16sQ16s", b"KVTC", 1, 80, NS, bytes(key(1)), CHUNK,
+                       xxhash.xxh3_128_digest(data(1)))
+    disk.path(key(1)).write_bytes(head + xxhash.xxh3_64_digest(head) + bytes(8) + data(1))
+    assert read(disk, 1) is None and disk.corrupt == 1
+    assert not disk.path(key(1)).exists() and read(disk, 0) == data(0)
+
+
+def test_parallel_batches_with_io_threads(where):
+    tier = make(where, io_threads=4)
+    keys = [key(i) for i in range(40, 56)]
+    assert tier.put_many(keys, [data(i) for i in range(40, 56)]) == [True] * 16
+    outs = [bytearray(CHUNK) for _ in keys]
+    assert tier.get_many(keys, [memoryview(o) for o in outs]) == [True] * 16
+    assert [bytes(o) for o in outs] == [data(i) for i in range(40, 56)]
+    tier.close()
+    out = bytearray(CHUNK)  # still usable after close, on the calling thread
+    assert tier.get_many(keys[:2], [memoryview(out), memoryview(bytearray(CHUNK))]) == [True, True]
+    assert bytes(out) == data(40)
+
+
+# ---- choosing the mode --------------------------------------------------------------------------
+def refuse_direct(monkeypatch):
+    """Make open(2) refuse O_DIRECT the way a filesystem without it does (EINVAL).  Fault
+    injection: this machine's tmpfs accepts O_DIRECT (Linux >= 6.6), so no local filesystem refuses it."""
+    real_open = os.open
+
+    def open_(path, flags, *args, **kwargs):
+        if flags & O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_)
+    monkeypatch.setattr(chunkio, "_measured", {})
+
+
+def test_direct_refused_at_start_falls_back_to_buffered(tmp_path, monkeypatch):
+    refuse_direct(monkeypatch)
+    for mode in ("direct", "auto"):
+        tier = DiskTier(tmp_path / mode, NS, capacity_bytes=100 * CHUNK, io=mode)
+        assert tier.io_mode == "buffered" and "refuses O_DIRECT" in tier.io_reason
+        assert tier.put(key(1), data(1)) and read(tier, 1) == data(1)
+
+
+def test_direct_refused_at_run_time_falls_back_without_a_miss(direct_dir, monkeypatch):
+    tier = make(("direct", direct_dir))
+    assert tier.put(key(1), data(1))
+    refuse_direct(monkeypatch)
+    assert read(tier, 1) == data(1) and tier.io_mode == "buffered" and tier.corrupt == 0
+    assert tier.put(key(2), data(2)) and read(tier, 2) == data(2)
+
+
+def test_auto_mode_measures_and_says_why(where):
+    tier = DiskTier(where[1], NS, capacity_bytes=100 * CHUNK, io="auto")
+    assert tier.io_mode in ("buffered", "direct") and tier.io_reason.startswith("auto: ")
+    assert "ms" in tier.io_reason or "refuses" in tier.io_reason
+    assert tier.put(key(1), data(1)) and read(tier, 1) == data(1)
+
+
+def test_unknown_io_mode_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="auto, buffered, direct"):
+        DiskTier(tmp_path, NS, capacity_bytes=CHUNK, io="mmap")

@@ -1,20 +1,25 @@
-"""One conformance suite that every tier passes."""
+"""One conformance suite that every tier passes (the disk tier in buffered and O_DIRECT mode)."""
 
 import numpy as np
 import pytest
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers import CpuTier, DiskTier
+from kvtier.core.tiers.chunkfile import HEADER_BYTES
 
 CHUNK = 4096
 NS = bytes(range(16))
 
 
-@pytest.fixture(params=["cpu", "disk"])
-def tier(request, tmp_path):
+@pytest.fixture(params=["cpu", "disk-buffered", "disk-direct"])
+def tier(request):
     if request.param == "cpu":
         return CpuTier(capacity_bytes=4 * CHUNK, page_bytes=CHUNK)
-    return DiskTier(tmp_path, NS, capacity_bytes=4 * (CHUNK + 80))
+    mode = request.param.removeprefix("disk-")
+    root = request.getfixturevalue("direct_dir" if mode == "direct" else "tmp_path")
+    disk = DiskTier(root, NS, capacity_bytes=4 * (CHUNK + HEADER_BYTES), io=mode)
+    assert disk.io_mode == mode
+    return disk
 
 
 def key(i: int) -> ChunkKey:

@@ -41,6 +41,8 @@ class KVTierConfig(BaseSettings):
     policy: str = Field("default", description="Eviction policy name (kvtier.core.policies).")
     save_queue_depth: int = Field(64, gt=0, description="Disk writes queued at most; more are dropped and counted.")
     io_threads: int = Field(2, gt=0, le=64, description="Worker threads for disk I/O.")
+    disk_io: Literal["auto", "buffered", "direct"] = Field(
+        "auto", description="Disk tier I/O: direct = O_DIRECT (bypasses the page cache), buffered, or auto = measured at start.")
     disk_fsync: bool = Field(False, description="fsync each chunk file before it becomes visible (durable across power loss).")
     shutdown_flush_s: float = Field(30.0, ge=0, allow_inf_nan=False,
                                     description="On a graceful stop, seconds allowed to write dirty DRAM chunks to disk.")

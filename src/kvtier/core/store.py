@@ -91,7 +91,7 @@ class TieredStore(SpillMixin, ChangeFeedMixin):
         self.disk_policy = make_policy(config.policy)
         if config.disk_path and config.disk_bytes_per_rank(tp_size) > 0:
             self.disk = DiskTier(config.disk_path, namespace.digest(), config.disk_bytes_per_rank(tp_size),
-                                 fsync=config.disk_fsync)
+                                 fsync=config.disk_fsync, io=config.disk_io, io_threads=config.io_threads)
             for key in self.disk.keys():  # noqa: SIM118 - a list, oldest first
                 self.disk_policy.insert(key, None)
             self._trim_disk()
@@ -361,6 +361,8 @@ class TieredStore(SpillMixin, ChangeFeedMixin):
             t.join(timeout=5.0)
         if self._readers is not None:
             self._readers.shutdown(wait=True)
+        if self.disk is not None:
+            self.disk.close()
 
     def _update_usage(self) -> None:
         m = self.metrics

@@ -1,21 +1,32 @@
-"""On-disk encoding of one chunk: a fixed header followed by the payload.
+"""On-disk encoding of one chunk: a fixed header block followed by the payload.
 
-Layout (little-endian), 80 bytes of header then ``length`` bytes of payload::
+Layout (little-endian), format version 2: a 4096-byte header block, then ``length`` bytes of
+payload starting at offset 4096.  The header block holds::
 
     offset  size  field
     0       4     magic  b"KVTC"
-    4       2     format version (1)
-    6       2     header size (80)
+    4       2     format version (2)
+    6       2     header block size / 16 (256 = 4096 bytes)
     8       16    namespace digest
     24      16    chunk key
     40      8     payload length, bytes
     48      16    XXH3-128 of the payload
     64      8     XXH3-64 of bytes 0..63 (header checksum)
-    72      8     reserved (zero)
+    72      4024  reserved (zero)
 
-Encoding is separate from placement (:mod:`kvtier.core.tiers.disk` decides where files live),
-as python-diskcache separates ``Disk`` from ``Cache``.  XXH3 is used for checksums because it
-runs faster than the page cache delivers bytes, so verifying every load costs little.
+The payload starts on a 4096-byte boundary so that it can be read and written with ``O_DIRECT``
+straight into and out of page-aligned buffers (the cpu tier's pages); 4096 bytes is the largest
+logical block size of common NVMe and SATA devices (Linux ``/sys/block/*/queue/logical_block_size``).
+
+Version 1 (an 80-byte header, payload at offset 80) is no longer read: such a file fails
+:func:`decode_header` with "unsupported chunk format version 1", which the disk tier counts as a
+miss (and removes), never as an error.
+
+Encoding is separate from placement (:mod:`kvtier.core.tiers.disk` decides where files live and
+how they are read), as python-diskcache separates ``Disk`` from ``Cache``.  XXH3 is used for
+checksums because it runs faster than the page cache delivers bytes; its streaming form
+(:class:`PayloadHasher`) gives the same digest as the one-shot form, so a payload can be hashed
+slice by slice while the next slice is read or written.
 """
 
 from __future__ import annotations
@@ -28,9 +39,14 @@ import xxhash
 from kvtier.core.errors import ChunkFormatError
 
 MAGIC = b"KVTC"
-VERSION = 1
+VERSION = 2
+HEADER_BYTES = 4096
+"""Bytes of the header block = offset of the payload in the file."""
 _HEAD = struct.Struct("<4sHH16s16sQ16s")  # 64 bytes, covered by the header checksum
-HEADER_BYTES = 80
+_SUMMED = _HEAD.size + 8
+_ZEROS = bytes(HEADER_BYTES - _SUMMED)
+PayloadHasher = xxhash.xxh3_128
+"""Streaming XXH3-128: ``h = PayloadHasher(); h.update(slice); ...; h.digest()``."""
 
 
 class ChunkHeader(NamedTuple):
@@ -44,33 +60,35 @@ class ChunkHeader(NamedTuple):
 
 
 def payload_digest(payload: memoryview | bytes) -> bytes:
-    """XXH3-128 digest of ``payload`` (16 bytes)."""
+    """XXH3-128 digest of ``payload`` (16 bytes); equal to a :class:`PayloadHasher` fed the same bytes."""
     return xxhash.xxh3_128_digest(payload)
 
 
-def encode_header(namespace: bytes, key: bytes, payload: memoryview | bytes) -> bytes:
-    """The 80-byte header for ``payload`` (``len(payload)`` bytes) under ``namespace``/``key``."""
-    head = _HEAD.pack(MAGIC, VERSION, HEADER_BYTES, namespace, key, memoryview(payload).nbytes,
-                      payload_digest(payload))
-    return head + xxhash.xxh3_64_digest(head) + bytes(8)
+def encode_header(namespace: bytes, key: bytes, length: int, digest: bytes) -> bytes:
+    """The 4096-byte header block for a payload of ``length`` bytes whose XXH3-128 is ``digest``."""
+    head = _HEAD.pack(MAGIC, VERSION, HEADER_BYTES // 16, namespace, key, length, digest)
+    return head + xxhash.xxh3_64_digest(head) + _ZEROS
 
 
-def decode_header(raw: bytes) -> ChunkHeader:
-    """Parse and verify a header.
+def decode_header(raw: bytes | memoryview) -> ChunkHeader:
+    """Parse and verify a header block (``raw`` holds at least :data:`HEADER_BYTES` bytes).
 
     Raises:
-        ChunkFormatError: short, wrong magic, unknown version, or header checksum mismatch.
+        ChunkFormatError: short, wrong magic, unknown version (including version 1 files),
+            header checksum mismatch, or non-zero reserved bytes.
     """
-    if len(raw) < HEADER_BYTES:
-        raise ChunkFormatError(f"header truncated ({len(raw)} of {HEADER_BYTES} bytes)")
-    head = raw[:_HEAD.size]
-    magic, version, header_bytes, namespace, key, length, digest = _HEAD.unpack(head)
+    raw = memoryview(raw)
+    if raw.nbytes < _HEAD.size:
+        raise ChunkFormatError(f"header truncated ({raw.nbytes} of {HEADER_BYTES} bytes)")
+    magic, version, header_units, namespace, key, length, digest = _HEAD.unpack(raw[:_HEAD.size])
     if magic != MAGIC:
         raise ChunkFormatError("not a kvtier chunk file (bad magic)")
-    if version != VERSION or header_bytes != HEADER_BYTES:
+    if version != VERSION or header_units * 16 != HEADER_BYTES:
         raise ChunkFormatError(f"unsupported chunk format version {version}")
-    if xxhash.xxh3_64_digest(head) != raw[_HEAD.size:_HEAD.size + 8]:
+    if raw.nbytes < HEADER_BYTES:
+        raise ChunkFormatError(f"header truncated ({raw.nbytes} of {HEADER_BYTES} bytes)")
+    if xxhash.xxh3_64_digest(raw[:_HEAD.size]) != raw[_HEAD.size:_SUMMED]:
         raise ChunkFormatError("header checksum mismatch")
-    if any(raw[_HEAD.size + 8:HEADER_BYTES]):
+    if raw[_SUMMED:HEADER_BYTES] != _ZEROS:
         raise ChunkFormatError("reserved header bytes are not zero")
     return ChunkHeader(version, namespace, key, length, digest)

@@ -5,7 +5,11 @@
   chunk under its final name; with ``fsync=True`` it is also durable across power loss.
 - **Verified reads**: every file carries a header (format version, namespace, key, length) and
   an XXH3-128 checksum of the payload (:mod:`kvtier.core.tiers.chunkfile`).  A torn, truncated,
-  foreign-namespace or corrupt file is a miss: it is counted in ``corrupt``, logged, and removed.
+  foreign-namespace, older-format or corrupt file is a miss: it is counted in ``corrupt``,
+  logged, and removed.  The checksum is computed while the bytes move, not after
+  (:mod:`kvtier.core.tiers.chunkio`).
+- **Buffered or O_DIRECT** I/O (``io``), and ``io_threads`` chunks at once in ``get_many`` /
+  ``put_many``.
 - **Restart recovery**: the index (key → file size) is rebuilt by scanning the namespace
   directory at start, so a restarted engine still hits.  Stale temporary files are removed.
 - **Shared directory**: several processes may point at the same directory (two engines, or a
@@ -19,28 +23,29 @@ different keys; the index is guarded by a lock.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
 import threading
 import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers.base import Tier, TierUsage
-from kvtier.core.tiers.chunkfile import (
-    HEADER_BYTES,
-    ChunkFormatError,
-    decode_header,
-    encode_header,
-    payload_digest,
-)
+from kvtier.core.tiers.chunkfile import HEADER_BYTES, ChunkFormatError, decode_header, encode_header
+from kvtier.core.tiers.chunkio import DEFAULT_SLICE_BYTES, ChunkIO, direct_supported, measure_direct
 
 log = logging.getLogger(__name__)
 SUFFIX = ".kvc"
+IOMode = Literal["auto", "buffered", "direct"]
+IO_MODES: tuple[IOMode, ...] = ("auto", "buffered", "direct")
 STALE_TMP_S = 120.0
 """A temporary file older than this (seconds) at start-up is a crash leftover and is removed."""
 
@@ -53,20 +58,36 @@ class DiskTier(Tier):
         namespace: 16-byte namespace digest; files of other namespaces are never returned.
         capacity_bytes: bytes of chunk files this process may hold.
         fsync: fsync each file before renaming it into place.
+        io: ``"buffered"`` (through the page cache), ``"direct"`` (``O_DIRECT``; buffered where
+            the filesystem refuses it) or ``"auto"`` (chosen by measurement,
+            :func:`~kvtier.core.tiers.chunkio.measure_direct`).  The mode in use is ``io_mode``.
+        io_threads: chunks read or written at once by ``get_many``/``put_many``, and helper
+            threads that read ahead and hash (:class:`~kvtier.core.tiers.chunkio.ChunkIO`).
+        slice_bytes: bytes per read slice (a multiple of 4096).
 
     Raises:
         OSError: the directory cannot be created.
+        ValueError: unknown ``io`` or a bad ``slice_bytes``.
     """
 
     name = "disk"
 
     def __init__(self, root: str | os.PathLike[str], namespace: bytes, capacity_bytes: int,
-                 fsync: bool = False) -> None:
+                 fsync: bool = False, io: IOMode = "buffered", io_threads: int = 1,
+                 slice_bytes: int = DEFAULT_SLICE_BYTES) -> None:
+        if io not in IO_MODES:
+            raise ValueError(f"disk I/O mode must be one of {', '.join(IO_MODES)}, got {io!r}")
         self.namespace = namespace
         self.dir = Path(root) / namespace.hex()
         self.dir.mkdir(parents=True, exist_ok=True)
         self.capacity_bytes = max(capacity_bytes, 0)
         self.fsync = fsync
+        self.io_threads = max(io_threads, 1)
+        self.io_mode, self.io_reason = _resolve_io(io, self.dir)
+        log.info("kvtier disk tier: %s I/O in %s (%s)", self.io_mode, self.dir, self.io_reason)
+        self._io = ChunkIO(self.io_mode == "direct", slice_bytes, self.io_threads)
+        self._workers: ThreadPoolExecutor | None = None
+        self._closed = False
         self.corrupt = 0
         self._lock = threading.Lock()
         self._key_to_size: dict[ChunkKey, int] = {}
@@ -155,25 +176,12 @@ class DiskTier(Tier):
         if key in self._bad:
             return False
         try:
-            # O_NONBLOCK: a FIFO or device planted at a chunk's path must not hang the caller
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                os.close(fd)
-                raise ChunkFormatError("not a regular file")
-            with os.fdopen(fd, "rb", buffering=0) as f:
-                header = decode_header(f.read(HEADER_BYTES))
-                if header.namespace != self.namespace or header.key != key:
-                    raise ChunkFormatError("chunk belongs to another namespace or key")
-                out = np.frombuffer(dst, dtype=np.uint8)
-                if header.length > out.size:
-                    raise ChunkFormatError(f"payload of {header.length} bytes exceeds the {out.size}-byte buffer")
-                view = memoryview(out.data)[:header.length]
-                got = f.readinto(view)
-                if got != header.length or f.read(1):
-                    size = os.fstat(f.fileno()).st_size - HEADER_BYTES
-                    raise ChunkFormatError(f"payload is {size} bytes on disk, header says {header.length}")
-                if payload_digest(view) != header.payload_digest:
-                    raise ChunkFormatError("payload checksum mismatch")
+            try:
+                self._read_verified(key, path, dst)
+            except OSError as exc:
+                if not self._fall_back(exc):
+                    raise
+                self._read_verified(key, path, dst)
         except FileNotFoundError:
             with self._lock:
                 self._forget(key)
@@ -181,6 +189,42 @@ class DiskTier(Tier):
         except (ChunkFormatError, OSError) as exc:
             self._quarantine(key, path, str(exc))
             return False
+        return True
+
+    def _read_verified(self, key: ChunkKey, path: Path, dst: memoryview) -> None:
+        """Read ``key``'s payload into ``dst``; raises ChunkFormatError unless every check passes."""
+        io = self._io
+        # O_NONBLOCK: a FIFO or device planted at a chunk's path must not hang the caller
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | io.open_flags)
+        try:
+            size = os.fstat(fd)
+            if not stat.S_ISREG(size.st_mode):
+                raise ChunkFormatError("not a regular file")
+            header = decode_header(io.read_header(fd))
+            if header.namespace != self.namespace or header.key != key:
+                raise ChunkFormatError("chunk belongs to another namespace or key")
+            out = memoryview(np.frombuffer(dst, dtype=np.uint8).data)
+            if header.length > out.nbytes:
+                raise ChunkFormatError(f"payload of {header.length} bytes exceeds the {out.nbytes}-byte buffer")
+            if size.st_size != HEADER_BYTES + header.length:
+                raise ChunkFormatError(f"payload is {size.st_size - HEADER_BYTES} bytes on disk, "
+                                       f"header says {header.length}")
+            if io.read_payload(fd, out, header.length) != header.payload_digest:
+                raise ChunkFormatError("payload checksum mismatch")
+        finally:
+            os.close(fd)
+
+    def _fall_back(self, exc: OSError) -> bool:
+        """Switch to buffered I/O when O_DIRECT is refused at run time (EINVAL); True if switched."""
+        if exc.errno != errno.EINVAL or not self._io.direct:
+            return False
+        log.warning("kvtier disk tier: %s refused O_DIRECT (%s); using buffered I/O from now on",
+                    self.dir, exc.strerror)
+        with self._lock:
+            if self._io.direct:
+                old, self._io = self._io, ChunkIO(False, self._io.slice_bytes, self.io_threads)
+                self.io_mode, self.io_reason = "buffered", f"O_DIRECT refused at run time ({exc.strerror})"
+                old.close()
         return True
 
     def _quarantine(self, key: ChunkKey, path: Path, reason: str) -> None:
@@ -206,17 +250,12 @@ class DiskTier(Tier):
         path = self.path(key)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                header = encode_header(self.namespace, key, payload)
-                written = os.writev(fd, [header, payload])
-                while written < size:  # short writes are rare but legal
-                    rest = (header + bytes(payload))[written:]
-                    written += os.write(fd, rest)
-                if self.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
+                self._write_file(key, tmp, payload)
+            except OSError as exc:
+                if not self._fall_back(exc):
+                    raise
+                self._write_file(key, tmp, payload)
             os.replace(tmp, path)
         except OSError as exc:
             _unlink(tmp)
@@ -228,6 +267,48 @@ class DiskTier(Tier):
             log.warning("kvtier disk tier: writing %s failed (%s); chunk not stored", path, exc.strerror)
             return False
         return True
+
+    def _write_file(self, key: ChunkKey, tmp: Path, payload: memoryview) -> None:
+        io = self._io
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | io.open_flags, 0o644)
+        try:
+            digest = io.write_payload(fd, payload)
+            io.write_header(fd, encode_header(self.namespace, key, payload.nbytes, digest))
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def get_many(self, keys: Sequence[ChunkKey], dsts: Sequence[memoryview]) -> list[bool]:
+        """Batch :meth:`get_into`, ``io_threads`` chunks at a time."""
+        pool = self._pool()
+        if pool is None or len(keys) < 2:
+            return super().get_many(keys, dsts)
+        return list(pool.map(self.get_into, keys, dsts))
+
+    def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> list[bool]:
+        """Batch :meth:`put`, ``io_threads`` chunks at a time."""
+        pool = self._pool()
+        if pool is None or len(keys) < 2:
+            return super().put_many(keys, datas)
+        return list(pool.map(self.put, keys, datas))
+
+    def _pool(self) -> ThreadPoolExecutor | None:
+        if self.io_threads < 2 or self._closed:
+            return None
+        with self._lock:
+            if self._workers is None:
+                self._workers = ThreadPoolExecutor(self.io_threads, thread_name_prefix="kvtier-disk-io")
+            return self._workers
+
+    def close(self) -> None:
+        """Stop the tier's threads (later calls still work, on the calling thread).  Idempotent."""
+        with self._lock:
+            self._closed = True
+            workers, self._workers = self._workers, None
+        if workers is not None:
+            workers.shutdown(wait=True)
+        self._io.close()
 
     def _recreate_locked(self) -> None:
         """The tier's directory vanished (deleted by hand): forget the index and make it again."""
@@ -269,6 +350,19 @@ class DiskTier(Tier):
             assert self._used == sum(self._key_to_size.values()), "disk tier used bytes drifted from its index"
             assert self._adopted or self._used <= self.capacity_bytes, \
                 f"disk tier over capacity: {self._used} > {self.capacity_bytes} bytes"
+
+
+def _resolve_io(io: IOMode, directory: Path) -> tuple[str, str]:
+    """(``"direct"`` or ``"buffered"``, why) for the configured mode ``io`` on ``directory``."""
+    if io == "buffered":
+        return "buffered", "configured"
+    if io == "direct":
+        if direct_supported(directory):
+            return "direct", "configured"
+        log.warning("kvtier disk tier: the filesystem of %s refuses O_DIRECT; using buffered I/O", directory)
+        return "buffered", "configured direct, but the filesystem refuses O_DIRECT"
+    direct, why = measure_direct(directory)
+    return ("direct" if direct else "buffered"), f"auto: {why}"
 
 
 def _unlink(path: Path) -> bool:
