@@ -36,6 +36,14 @@ HEADER_VECTORS = {
         "0343a33cded7a4aa294106bf7c67d3b1"             # XXH3-128 of the payload
         "810d167561b9fe57"                             # XXH3-64 of bytes 0..63
         "0000000000000000"),                           # reserved
+    2: bytes.fromhex(
+        "4b565443" "0200" "0010"                       # magic KVTC, version 2, header block 4096
+        "000102030405060708090a0b0c0d0e0f"             # namespace digest
+        "101112131415161718191a1b1c1d1e1f"             # chunk key
+        "1400000000000000"                             # payload length 20
+        "0343a33cded7a4aa294106bf7c67d3b1"             # XXH3-128 of the payload
+        "1ca12611fa0805a6"                             # XXH3-64 of bytes 0..63
+        "0000000000000000") + bytes(4096 - 80),        # reserved, to the 4096-byte payload offset
 }
 
 
@@ -57,19 +65,27 @@ def test_chunk_header_matches_the_pinned_bytes():
     assert chunkfile.VERSION in HEADER_VECTORS, (
         f"chunk format VERSION {chunkfile.VERSION} has no pinned header: add it to HEADER_VECTORS")
     pinned = HEADER_VECTORS[chunkfile.VERSION]
-    assert len(pinned) == chunkfile.HEADER_BYTES == 80
-    assert chunkfile.encode_header(bytes(range(16)), bytes(range(16, 32)), PAYLOAD) == pinned
+    assert len(pinned) == chunkfile.HEADER_BYTES == 4096
+    header = chunkfile.encode_header(bytes(range(16)), bytes(range(16, 32)), len(PAYLOAD),
+                                     chunkfile.payload_digest(PAYLOAD))
+    assert header == pinned
 
 
 def test_pinned_header_decodes_to_its_fields():
-    header = chunkfile.decode_header(HEADER_VECTORS[1])
-    assert header == chunkfile.ChunkHeader(1, bytes(range(16)), bytes(range(16, 32)), len(PAYLOAD),
+    header = chunkfile.decode_header(HEADER_VECTORS[chunkfile.VERSION])
+    assert header == chunkfile.ChunkHeader(2, bytes(range(16)), bytes(range(16, 32)), len(PAYLOAD),
                                            chunkfile.payload_digest(PAYLOAD))
 
 
-@pytest.mark.parametrize("offset", [4, 64])  # the version field; the header checksum
+def test_version_1_header_is_refused_as_an_older_format():
+    """Version 1 files are no longer read; the disk tier turns this error into a counted miss."""
+    with pytest.raises(ChunkFormatError, match="unsupported chunk format version 1"):
+        chunkfile.decode_header(HEADER_VECTORS[1])
+
+
+@pytest.mark.parametrize("offset", [4, 64, 100, 4095])  # version; header checksum; reserved bytes
 def test_a_changed_pinned_header_is_refused(offset):
-    raw = bytearray(HEADER_VECTORS[1])
+    raw = bytearray(HEADER_VECTORS[chunkfile.VERSION])
     raw[offset] ^= 0x01
     with pytest.raises(ChunkFormatError):
         chunkfile.decode_header(bytes(raw))

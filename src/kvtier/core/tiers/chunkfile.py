@@ -6,7 +6,7 @@ payload starting at offset 4096.  The header block holds::
     offset  size  field
     0       4     magic  b"KVTC"
     4       2     format version (2)
-    6       2     header block size / 16 (256 = 4096 bytes)
+    6       2     header block size (4096)
     8       16    namespace digest
     24      16    chunk key
     40      8     payload length, bytes
@@ -66,7 +66,7 @@ def payload_digest(payload: memoryview | bytes) -> bytes:
 
 def encode_header(namespace: bytes, key: bytes, length: int, digest: bytes) -> bytes:
     """The 4096-byte header block for a payload of ``length`` bytes whose XXH3-128 is ``digest``."""
-    head = _HEAD.pack(MAGIC, VERSION, HEADER_BYTES // 16, namespace, key, length, digest)
+    head = _HEAD.pack(MAGIC, VERSION, HEADER_BYTES, namespace, key, length, digest)
     return head + xxhash.xxh3_64_digest(head) + _ZEROS
 
 
@@ -80,10 +80,10 @@ def decode_header(raw: bytes | memoryview) -> ChunkHeader:
     raw = memoryview(raw)
     if raw.nbytes < _HEAD.size:
         raise ChunkFormatError(f"header truncated ({raw.nbytes} of {HEADER_BYTES} bytes)")
-    magic, version, header_units, namespace, key, length, digest = _HEAD.unpack(raw[:_HEAD.size])
+    magic, version, header_bytes, namespace, key, length, digest = _HEAD.unpack(raw[:_HEAD.size])
     if magic != MAGIC:
         raise ChunkFormatError("not a kvtier chunk file (bad magic)")
-    if version != VERSION or header_units * 16 != HEADER_BYTES:
+    if version != VERSION or header_bytes != HEADER_BYTES:
         raise ChunkFormatError(f"unsupported chunk format version {version}")
     if raw.nbytes < HEADER_BYTES:
         raise ChunkFormatError(f"header truncated ({raw.nbytes} of {HEADER_BYTES} bytes)")
