@@ -1,4 +1,4 @@
-"""Write a small Llama-architecture model directory that vLLM can serve with no download.
+"""Write a small model directory (Llama, or a hybrid) that vLLM can serve with no download.
 
 The directory holds ``config.json`` (``LlamaForCausalLM``), a byte-level BPE tokenizer trained
 here with the ``tokenizers`` library on text generated from a seeded list of made-up words, and,
@@ -13,6 +13,17 @@ Geometries (:data:`GEOMETRIES`):
 - ``mid``: 24 layers, hidden 896, 14 heads, 2 KV heads, head size 64, intermediate 4864, vocab
   8192, bfloat16 — the attention geometry of Qwen2-0.5B (its public config.json), for benchmarks
   where prefill costs real time; serve it with ``--load-format dummy``.
+
+Hybrid geometries, for the hybrid KV cache manager (HMA; several KV cache groups):
+
+- ``tiny-swa``: ``tiny`` with 4 layers alternating sliding-window (64 tokens) and full
+  attention, through Llama's ``layer_types`` (vLLM reads it in ``models/llama.py``) — two KV
+  cache groups on vLLM 0.32: full attention and ``SlidingWindowSpec``.
+- ``tiny-conv``: ``Lfm2ForCausalLM`` (LFM2's short-convolution layers beside attention), 4
+  layers ``conv, full, conv, full``, hidden 256, 4 heads, 2 KV heads, head size 64, float32 —
+  an attention group and a state group (``MambaSpec``; with prefix caching vLLM keeps the conv
+  state at block boundaries, ``mamba_cache_mode="align"``).  Serve it with
+  :func:`engine_kwargs` (``--hf-overrides`` for ``vllm serve``).
 
 Usage::
 
@@ -32,7 +43,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 STAMP = ".kvtier-testmodel.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: hybrid geometries (stamp lists them)
 
 
 @dataclass(frozen=True)
@@ -48,6 +59,9 @@ class Geometry:
     vocab_size: int
     max_position: int
     dtype: str
+    architecture: str = "llama"
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int = 0
 
 
 GEOMETRIES: dict[str, Geometry] = {
@@ -55,6 +69,12 @@ GEOMETRIES: dict[str, Geometry] = {
                      intermediate_size=256, vocab_size=2048, max_position=4096, dtype="float32"),
     "mid": Geometry(num_layers=24, hidden_size=896, num_heads=14, num_kv_heads=2, head_size=64,
                     intermediate_size=4864, vocab_size=8192, max_position=8192, dtype="bfloat16"),
+    "tiny-swa": Geometry(num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2, head_size=64,
+                         intermediate_size=256, vocab_size=2048, max_position=4096, dtype="float32",
+                         layer_types=("sliding_attention", "full_attention") * 2, sliding_window=64),
+    "tiny-conv": Geometry(num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2, head_size=64,
+                          intermediate_size=512, vocab_size=2048, max_position=4096, dtype="float32",
+                          architecture="lfm2", layer_types=("conv", "full_attention") * 2),
 }
 
 _SPECIAL = ["<s>", "</s>", "<unk>", "<pad>"]
@@ -114,6 +134,11 @@ def _write_tokenizer(out: Path, vocab_size: int, seed: int) -> int:
 
 
 def _config(g: Geometry) -> dict[str, object]:
+    if g.architecture == "lfm2":
+        return _lfm2_config(g)
+    hybrid: dict[str, object] = {}
+    if g.layer_types:
+        hybrid = {"layer_types": list(g.layer_types), "sliding_window": g.sliding_window}
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -135,6 +160,41 @@ def _config(g: Geometry) -> dict[str, object]:
         "torch_dtype": g.dtype,
         "attention_bias": False,
         "mlp_bias": False,
+        **hybrid,
+    }
+
+
+def _lfm2_config(g: Geometry) -> dict[str, object]:
+    """LFM2 (``Lfm2ForCausalLM``): ``layer_types`` of ``"conv"`` and ``"full_attention"``;
+    head size is ``hidden_size // num_heads``."""
+    assert g.hidden_size == g.num_heads * g.head_size, "LFM2 derives its head size from hidden / heads"
+    return {
+        "architectures": ["Lfm2ForCausalLM"],
+        "model_type": "lfm2",
+        "hidden_size": g.hidden_size,
+        "intermediate_size": g.intermediate_size,
+        "block_auto_adjust_ff_dim": False,
+        "num_hidden_layers": g.num_layers,
+        "num_attention_heads": g.num_heads,
+        "num_key_value_heads": g.num_kv_heads,
+        "layer_types": list(g.layer_types),
+        "full_attn_idxs": [i for i, t in enumerate(g.layer_types) if t == "full_attention"],
+        "conv_L_cache": 3,
+        "conv_bias": False,
+        # names vLLM's models/lfm2.py reads (public LFM2 configs carry them)
+        "conv_dim": g.hidden_size,
+        "block_dim": g.hidden_size,
+        "block_multiple_of": 256,
+        "block_ffn_dim_multiplier": 1.0,
+        "vocab_size": g.vocab_size,
+        "max_position_embeddings": g.max_position,
+        "norm_eps": 1e-5,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "tie_word_embeddings": True,  # vLLM's Lfm2ForCausalLM always ties lm_head to the embedding
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 3,
+        "torch_dtype": g.dtype,
     }
 
 
@@ -175,6 +235,48 @@ def _write_weights(out: Path, g: Geometry, seed: int) -> None:
               metadata={"format": "pt"})
 
 
+def _write_weights_generic(out: Path, g: Geometry, seed: int) -> None:
+    """Seeded weights for any architecture transformers knows: tensor names and shapes come from
+    the model built on the ``meta`` device from ``config.json``; matrices are normal with
+    standard deviation ``fan_in ** -0.5``, norm weights one, biases zero; a tied ``lm_head`` is
+    not written (the embedding serves as both, so logits have a standard deviation near 1)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(out))
+    with torch.device("meta"):
+        shapes = {name: tuple(t.shape) for name, t in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    gen = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, g.dtype)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, shape in sorted(shapes.items()):
+        if len(shape) == 1:
+            fill = torch.ones if "norm" in name else torch.zeros
+            tensors[name] = fill(shape, dtype=dtype)
+            continue
+        fan_in = 1
+        for d in shape[1:]:
+            fan_in *= d
+        tensors[name] = (torch.randn(*shape, generator=gen) * fan_in ** -0.5).to(dtype)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+
+
+def engine_kwargs(geometry: str) -> dict[str, object]:
+    """Extra ``vllm.LLM`` keyword arguments a geometry needs (``--hf-overrides`` for ``vllm serve``).
+
+    ``tiny-conv``: vLLM 0.32's ``models/lfm2.py`` reads ``conv_dim`` and ``block_dim``, which
+    transformers 5's strict ``Lfm2Config`` drops from ``config.json``; they are passed back here.
+    """
+    g = GEOMETRIES[geometry]
+    if g.architecture == "lfm2":
+        return {"hf_overrides": {"conv_dim": g.hidden_size, "block_dim": g.hidden_size}}
+    return {}
+
+
 def write_model(out: str | Path, geometry: str = "tiny", weights: str = "random", seed: int = 0) -> Path:
     """Write (or keep) a model directory; returns its path.
 
@@ -193,7 +295,9 @@ def write_model(out: str | Path, geometry: str = "tiny", weights: str = "random"
         raise ValueError(f"unknown weights {weights!r}; choose 'random' or 'none'")
     g = GEOMETRIES[geometry]
     path = Path(out)
-    want = {"version": FORMAT_VERSION, "geometry": asdict(g), "weights": weights, "seed": seed}
+    # through JSON, so tuples compare equal to the lists read back from the stamp
+    want = json.loads(json.dumps({"version": FORMAT_VERSION, "geometry": asdict(g), "weights": weights,
+                                  "seed": seed}))
     stamp = path / STAMP
     if stamp.exists():
         try:
@@ -207,8 +311,10 @@ def write_model(out: str | Path, geometry: str = "tiny", weights: str = "random"
     assert trained <= g.vocab_size
     (path / "config.json").write_text(json.dumps(_config(g), indent=2))
     (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}, indent=2))
-    if weights == "random":
+    if weights == "random" and g.architecture == "llama":
         _write_weights(path, g, seed)
+    elif weights == "random":
+        _write_weights_generic(path, g, seed)
     else:
         (path / "model.safetensors").unlink(missing_ok=True)
     stamp.write_text(json.dumps(want, indent=2))  # last: marks the directory complete
@@ -217,7 +323,7 @@ def write_model(out: str | Path, geometry: str = "tiny", weights: str = "random"
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvtier.integrations.vllm.testmodel",
-                                     description="Write a small Llama-architecture model directory for vLLM.")
+                                     description="Write a small model directory for vLLM.")
     parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="tiny")
     parser.add_argument("--out", required=True, help="target directory")
     parser.add_argument("--weights", choices=("random", "none"), default="random",
