@@ -4,6 +4,7 @@ that does not.  The table below has exactly one entry per rule (checked by the l
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -27,6 +28,17 @@ MULTI_BAD = ktc("MultiConnector", connectors=[{"kv_connector": "NixlConnector", 
 MULTI_OK = ktc("MultiConnector", connectors=[{"kv_connector": "NixlConnector", "kv_role": "kv_both"},
                                              {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}])
 LM = ktc("LMCacheConnectorV1")
+
+
+def kvtier_line(policy: str | None = "recompute", **extra: object) -> str:
+    """A serve line with a complete KVTierConnector config (module path, role, policy, ``extra``)."""
+    cfg: dict[str, object] = {"kv_connector": "KVTierConnector", "kv_role": "kv_both",
+                              "kv_connector_module_path": "kvtier.integrations.vllm", "kv_connector_extra_config": extra}
+    if policy is not None:
+        cfg["kv_load_failure_policy"] = policy
+    return "vllm serve m --block-size 16 --kv-transfer-config '" + json.dumps(cfg) + "'"
+
+
 GEMMA = "vllm serve google/gemma-3-27b-it"
 V = "0.32.0"
 
@@ -119,10 +131,8 @@ CASES: dict[str, tuple[tuple[str, str | None], tuple[str, str | None]]] = {
     "long-context-no-batched-token-cap": (
         ("vllm serve m --max-model-len 65536 --kv-offloading-size 8", V),
         ("vllm serve m --max-model-len 65536 --kv-offloading-size 8 --max-num-batched-tokens 8192", V)),
-    "kvtier-chunk-not-block-multiple": ((f"vllm serve m {ktc('KVTierConnector', chunk_tokens=100)}", V),
-                                        (f"vllm serve m {ktc('KVTierConnector', chunk_tokens=256)}", V)),
-    "kvtier-negative-size": ((f"vllm serve m {ktc('KVTierConnector', cpu_gib=-1)}", V),
-                             (f"vllm serve m {ktc('KVTierConnector', cpu_gib=8)}", V)),
+    "kvtier-config-invalid": ((kvtier_line(chunk_tokens=100), V), (kvtier_line(chunk_tokens=256), V)),
+    "kvtier-load-failure-policy": ((kvtier_line(policy=None), V), (kvtier_line(), V)),
 }
 
 
@@ -155,7 +165,39 @@ def test_every_rule_cites_a_source_and_a_fix():
         assert r.severity in ("error", "warning", "info")
 
 
+# What a user can open: a PR/issue number, a release note, a CVE, a URL, or a file path.
+_OPENABLE = re.compile(r"#\d{3,}|release notes|CVE-\d{4}-\d+|\w\.\w+/|\b[\w./-]+\.(py|md|txt)\b|Dockerfile")
+_PRIVATE = re.compile(r"issue \d+ §|operator's guide|how-to:", re.IGNORECASE)
+
+
+@pytest.mark.parametrize("rule", RULES, ids=lambda r: r.id)
+def test_every_source_is_public(rule):
+    """A source names something a user can open; never a private document or an internal issue."""
+    assert _OPENABLE.search(rule.source), rule.source
+    assert not _PRIVATE.search(rule.source), rule.source
+
+
 def test_a_clean_modern_native_offload_config_has_no_error_or_warning():
     text = "vllm serve Qwen/Qwen3-8B --tensor-parallel-size 2 --kv-offloading-backend native --kv-offloading-size 128"
     configs = load_configs(text, "ok", parse_version("0.32.0"))
     assert {f.severity for f in audit(configs)} <= {"info"}
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({"cpu_gb": 4}, "did you mean 'cpu_gib'"),
+    ({"cpu_gib": -4}, "'cpu_gib'"),
+    ({"disk_path": "/proc/kvtier", "disk_gib": 1}, "proc filesystem"),
+    ({"chunk_tokens": 100}, "multiple of the engine block size 16"),
+])
+def test_kvtier_config_findings_name_the_key(extra, words):
+    configs = load_configs(kvtier_line(**extra), "test", parse_version(V))
+    messages = [f.message for f in audit(configs) if f.rule == "kvtier-config-invalid"]
+    assert len(messages) == 1 and words in messages[0]
+
+
+def test_kvtier_with_the_hma_flag_is_told_it_does_not_need_it():
+    """KVTierConnector supports HMA (issue 10): the flag is never required for it."""
+    text = kvtier_line().replace("--block-size 16", "--block-size 16 --disable-hybrid-kv-cache-manager")
+    configs = load_configs(text.replace("vllm serve m", "vllm serve google/gemma-3-27b-it"), "t", parse_version(V))
+    assert "disable-hma-by-reflex" in {f.rule for f in audit(configs)}
+    assert not [f for f in audit(load_configs(kvtier_line(), "t", parse_version(V))) if f.severity == "error"]

@@ -27,18 +27,18 @@ HYBRID_MODEL_MARKERS = (
 )
 """Model-name fragments of hybrid-attention models (sliding window, Mamba or linear attention).
 
-From the operator's guide § "Hybrid models (Qwen3.5, Gemma-4, Mamba+attention)" and the LMCache MP
-recipe list there (Gemma 3/4, gpt-oss, Qwen3.5/3.6, DeepSeek-V4-Flash, GLM 5.1/5.2, MiniMax-M3),
-plus well-known Mamba hybrids (Jamba, Nemotron-H, Granite-4.0-H, Falcon-H1)."""
+Hybrid architectures in vLLM's model registry (vllm/model_executor/models/: Gemma 2/3/4 sliding
+windows, gpt-oss, Qwen3-Next/3.5 gated DeltaNet, GLM-5, MiniMax-M, Kimi-Linear) and well-known
+Mamba hybrids (Jamba, Nemotron-H, Granite-4.0-H, Falcon-H1)."""
 
 HMA_CONNECTORS = frozenset({
     "OffloadingConnector", "NixlConnector", "NixlPullConnector", "NixlPushConnector", "MooncakeConnector",
     "MooncakeStoreConnector", "LMCacheMPConnector", "HiSparseConnector", "MoRIIOConnector",
-    "SimpleCPUOffloadConnector",
+    "SimpleCPUOffloadConnector", "KVTierConnector",
 })
-"""Connectors that subclass ``SupportsHMA`` at v0.32.0 (operator's guide § "Critical pitfalls",
-re-verified there against ``kv_connector/v1/base.py``).  MultiConnector counts only when every
-child does; LMCacheConnectorV1 does not."""
+"""Connectors that subclass ``SupportsHMA`` (vLLM 0.32.0: grep ``SupportsHMA`` in
+vllm/distributed/kv_transfer/kv_connector/v1/; KVTierConnector: kvtier issue 10, docs/vllm.md).
+MultiConnector counts only when every child does; LMCacheConnectorV1 does not (LMCache#3106)."""
 
 
 @dataclass

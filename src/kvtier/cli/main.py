@@ -32,6 +32,7 @@ COMMAND_MODULES = (
     "kvtier.cli.simulate",
     "kvtier.cli.size",
     "kvtier.cli.audit",
+    "kvtier.cli.check",
     "kvtier.cli.doctor",
 )
 

@@ -12,8 +12,10 @@ naming the field and the fix.
 
 from __future__ import annotations
 
+import difflib
 import os
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -86,7 +88,8 @@ class KVTierConfig(BaseSettings):
         for key in values:
             if key not in cls.model_fields:
                 # checked here: pydantic-settings would take keys such as "_env_file" as its own options
-                raise ConfigError(f"unknown kvtier config key {key!r}; known keys are {', '.join(cls.model_fields)}")
+                raise ConfigError(f"unknown kvtier config key {key!r}{did_you_mean(key, cls.model_fields)}; "
+                                  f"known keys are {', '.join(cls.model_fields)}")
         _check_env()
         try:
             return cls(**values)
@@ -142,6 +145,11 @@ def _check_disk_path(path: Path, disk_gib: float) -> None:
     existing = path
     while not existing.exists():
         existing = existing.parent
+    pseudo = pseudo_filesystem(existing)
+    if pseudo is not None:
+        fstype, mount_point = pseudo
+        raise ValueError(f"disk_path {str(path)!r} is on the {fstype} filesystem mounted at {mount_point}, a kernel "
+                         "interface that cannot hold chunk files; point it at a directory on a local disk (e.g. NVMe)")
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"disk_path {str(path)!r} is not writable; point it at a writable directory")
     free = shutil.disk_usage(existing).free
@@ -159,13 +167,55 @@ def _check_disk_path(path: Path, disk_gib: float) -> None:
                          "point it at a writable directory") from None
 
 
+PSEUDO_FILESYSTEMS = frozenset({
+    "proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs", "pstore",
+    "bpf", "configfs", "fusectl", "mqueue", "binfmt_misc", "autofs", "efivarfs", "nsfs", "rpc_pipefs",
+})
+"""Kernel interfaces that look like directories but hold no files (proc(5), sysfs(5))."""
+
+
+def mount_of(path: Path, mounts: str = "/proc/self/mounts") -> tuple[str, str] | None:
+    """``(fstype, mount point)`` of the filesystem holding ``path`` (an existing path), or None.
+
+    Reads the longest matching mount point of ``mounts`` (proc(5) ``/proc/self/mounts``); None on a
+    host without that file (not Linux).
+    """
+    try:
+        lines = Path(mounts).read_text().splitlines()
+    except OSError:
+        return None
+    resolved = str(path.resolve())
+    best: tuple[str, str] | None = None
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = resolved == point or resolved.startswith(point.rstrip("/") + "/")
+        if inside and (best is None or len(point) >= len(best[1])):
+            best = (fields[2], point)
+    return best
+
+
+def pseudo_filesystem(path: Path) -> tuple[str, str] | None:
+    """``(fstype, mount point)`` when ``path`` (an existing path) lies on a kernel pseudo filesystem."""
+    mount = mount_of(path)
+    return mount if mount is not None and mount[0] in PSEUDO_FILESYSTEMS else None
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest known name, or ``""`` when none is close."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def _check_env() -> None:
     """Reject ``KVTIER_*`` variables that name no field (a typo would otherwise be ignored)."""
     known = {f"KVTIER_{name.upper()}" for name in KVTierConfig.model_fields}
     for var in os.environ:
         if var.upper().startswith("KVTIER_") and var.upper() not in known:
-            raise ConfigError(f"environment variable {var} is not a kvtier setting; known ones are "
-                              f"{', '.join(sorted(known))}")
+            raise ConfigError(f"environment variable {var} is not a kvtier setting{did_you_mean(var.upper(), known)}; "
+                              f"known ones are {', '.join(sorted(known))}")
 
 
 def _dir_bytes(path: Path) -> int:

@@ -3,10 +3,10 @@
 
 import importlib
 
-from kvtier.audit.rules.base import GUIDE, HOWTO, RULES, Rule, rule
+from kvtier.audit.rules.base import RULES, Rule, rule
 
 MODULES = ("gates", "pitfalls", "hybrid", "lmcache", "bugs", "tuning", "kvtier_connector")
 for _name in MODULES:
     importlib.import_module(f"kvtier.audit.rules.{_name}")
 
-__all__ = ["GUIDE", "HOWTO", "MODULES", "RULES", "Rule", "rule"]
+__all__ = ["MODULES", "RULES", "Rule", "rule"]

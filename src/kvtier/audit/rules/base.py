@@ -14,15 +14,14 @@ from dataclasses import dataclass
 
 from kvtier.audit.model import Finding, ServeConfig, Severity
 
-GUIDE = "Operator's guide to vLLM tiered KV caching (2026-10-18)"
-HOWTO = "How-to: configure, size and measure vLLM KV offload (2026-08-02)"
-
 Predicate = Callable[[ServeConfig], "str | None"]
 
 
 @dataclass(frozen=True)
 class Rule:
-    """One audit rule.  ``source`` cites the document section, release or issue it encodes."""
+    """One audit rule.  ``source`` cites where the rule comes from in a form a user can open: a vLLM or
+    LMCache PR/issue number (``vllm-project/vllm#41847``), a release note, a CVE id, or a file path
+    in vLLM's source or kvtier's docs (checked by tests/audit/test_rules.py)."""
 
     id: str
     severity: Severity

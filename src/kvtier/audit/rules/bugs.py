@@ -5,9 +5,7 @@ from __future__ import annotations
 from packaging.version import Version
 
 from kvtier.audit.model import ServeConfig
-from kvtier.audit.rules.base import GUIDE, rule
-
-_FIXED = f"{GUIDE} § Known bugs: fixed at or below the v0.22.0 security floor"
+from kvtier.audit.rules.base import rule
 
 
 def _before(c: ServeConfig, version: str) -> bool:
@@ -15,7 +13,7 @@ def _before(c: ServeConfig, version: str) -> bool:
 
 
 @rule("dcp-offload-segfault", "error", "decode context parallel + offload segfault (#40259)",
-      "Upgrade to v0.21.0+ (≥ v0.22.0 for security).", f"{_FIXED}: #40259, fixed in v0.21.0",
+      "Upgrade to v0.21.0+ (≥ v0.22.0 for security).", 'vllm-project/vllm#40259 (fixed in v0.21.0)',
       locate="--decode-context-parallel-size")
 def dcp_segfault(c: ServeConfig) -> str | None:
     dcp = c.number("--decode-context-parallel-size") or c.number("-dcp") or 1
@@ -25,7 +23,7 @@ def dcp_segfault(c: ServeConfig) -> str | None:
 
 
 @rule("qwen35-native-offload-start-failure", "error", "Qwen3.5 native offload fails to start (#36463)",
-      "Upgrade to v0.21.0+ (≥ v0.22.0 for security).", f"{_FIXED}: #36463, fixed in v0.21.0",
+      "Upgrade to v0.21.0+ (≥ v0.22.0 for security).", 'vllm-project/vllm#36463 (fixed in v0.21.0)',
       locate="--kv-offloading")
 def qwen35_native(c: ServeConfig) -> str | None:
     if "qwen3.5" in c.model.lower() and c.uses("OffloadingConnector") and _before(c, "0.21.0"):
@@ -34,7 +32,7 @@ def qwen35_native(c: ServeConfig) -> str | None:
 
 
 @rule("simple-cpu-offload-toctou", "error", "SimpleCPUOffloadScheduler TOCTOU assertion (#39702)",
-      "Upgrade to v0.22.0+.", f"{_FIXED}: #39702, fixed in v0.22.0", locate="SimpleCPUOffloadConnector")
+      "Upgrade to v0.22.0+.", 'vllm-project/vllm#39702 (fixed in v0.22.0)', locate="SimpleCPUOffloadConnector")
 def simple_cpu_toctou(c: ServeConfig) -> str | None:
     if c.uses("SimpleCPUOffloadConnector") and _before(c, "0.22.0"):
         return f"SimpleCPUOffloadConnector on vLLM {c.version} can fail with 'AssertionError: Expected N hit tokens'."

@@ -1,11 +1,11 @@
-"""Version gates, removals and security floors (operator's guide § "Version gates")."""
+"""Version gates, removals and security floors (each rule cites the vLLM release, PR or CVE)."""
 
 from __future__ import annotations
 
 from packaging.version import Version
 
 from kvtier.audit.model import ServeConfig
-from kvtier.audit.rules.base import GUIDE, rule
+from kvtier.audit.rules.base import rule
 
 _BUNDLED_CONNECTORS = ("LMCacheConnectorV1", "LMCacheMPConnector", "NixlConnector", "MooncakeConnector",
                        "MooncakeStoreConnector")
@@ -24,7 +24,8 @@ def _secondary_tiers(c: ServeConfig) -> list[str]:
 
 @rule("version-unknown", "info", "vLLM version unknown",
       "Pass --vllm-version X.Y.Z or pin the image to a release tag (vllm/vllm-openai:v0.32.0).",
-      f"{GUIDE} § Version gates: confirm the vLLM version before recommending any config")
+      'vLLM releases (github.com/vllm-project/vllm/releases): every gate below depends on the '
+      'tag')
 def version_unknown(c: ServeConfig) -> str | None:
     if c.version is None:
         return "The vLLM version is unknown (no --vllm-version, image tag not a release), so version gates were skipped."
@@ -33,7 +34,8 @@ def version_unknown(c: ServeConfig) -> str | None:
 
 @rule("below-security-floor", "error", "below the v0.22.0 security floor",
       "Run vLLM ≥ v0.22.0.",
-      f"{GUIDE} § Version gates: floor v0.22.0 (CVE-2026-48746, --api-key bypass via Host: header)")
+      'CVE-2026-48746 (--api-key bypass via the Host: header), fixed in vLLM v0.22.0 release '
+      'notes (github.com/vllm-project/vllm/releases/tag/v0.22.0)')
 def security_floor(c: ServeConfig) -> str | None:
     if c.version is not None and c.version < Version("0.22.0"):
         return f"vLLM {c.version} is below the v0.22.0 floor: CVE-2026-48746 lets a Host: header bypass --api-key."
@@ -42,7 +44,8 @@ def security_floor(c: ServeConfig) -> str | None:
 
 @rule("pre-auth-rce-cve-2026-22778", "error", "pre-auth RCE CVE-2026-22778",
       "Run vLLM ≥ v0.22.0 (fixed in v0.14.1; the security floor is v0.22.0).",
-      f"{GUIDE} § Version gates: v0.14.1 (CVE-2026-22778, pre-auth RCE, video models only)")
+      'CVE-2026-22778 (pre-auth RCE, video models), fixed in vLLM v0.14.1 release notes '
+      '(github.com/vllm-project/vllm/releases/tag/v0.14.1)')
 def rce_cve(c: ServeConfig) -> str | None:
     if c.version is not None and c.version < Version("0.14.1"):
         return f"vLLM {c.version} predates v0.14.1: CVE-2026-22778 is a pre-auth RCE on video models."
@@ -51,7 +54,8 @@ def rce_cve(c: ServeConfig) -> str | None:
 
 @rule("kv-offloading-flags-too-old", "error", "--kv-offloading-* flags need v0.11.1",
       "Upgrade to v0.11.1+ (better: ≥ v0.22.0) or configure OffloadingConnector via --kv-transfer-config.",
-      f"{GUIDE} § Version gates: CLI flags --kv-offloading-size / --kv-offloading-backend, v0.11.1",
+      'vLLM v0.11.1 release notes (github.com/vllm-project/vllm/releases/tag/v0.11.1): CLI '
+      'flags --kv-offloading-size / --kv-offloading-backend',
       locate="--kv-offloading")
 def offloading_flags_too_old(c: ServeConfig) -> str | None:
     used = c.has("--kv-offloading-size") or c.has("--kv-offloading-backend")
@@ -62,7 +66,8 @@ def offloading_flags_too_old(c: ServeConfig) -> str | None:
 
 @rule("native-offload-too-old", "error", "native KV offload needs v0.11.0",
       "Upgrade vLLM (native CPU offload landed in v0.11.0; the security floor is v0.22.0).",
-      f"{GUIDE} § Version gates: native CPU KV offload (vllm/v1/kv_offload/), v0.11.0",
+      'vLLM v0.11.0 release notes (github.com/vllm-project/vllm/releases/tag/v0.11.0): native '
+      'CPU KV offload (vllm/v1/kv_offload/)',
       locate="OffloadingConnector")
 def native_offload_too_old(c: ServeConfig) -> str | None:
     if c.uses("OffloadingConnector") and c.version is not None and c.version < Version("0.11.0"):
@@ -72,8 +77,9 @@ def native_offload_too_old(c: ServeConfig) -> str | None:
 
 @rule("secondary-tier-too-old", "error", "multi-tier offload tier not in this release",
       "Upgrade: TieringOffloadingSpec with fs tier from v0.22.0, obj from v0.23.0, kvcr from v0.30.0.",
-      f"{GUIDE} § Version gates: native multi-tier offloading v0.22.0 (#40020, #41735), object-store tier "
-      "v0.23.0 (#41968); § Decision tree: kvcr v0.30.0+", locate="TieringOffloadingSpec")
+      'vllm-project/vllm#40020 and #41735 (TieringOffloadingSpec, fs tier, v0.22.0), #41968 '
+      '(obj tier, v0.23.0); kvcr tier: vLLM v0.30.0 release notes '
+      '(github.com/vllm-project/vllm/releases/tag/v0.30.0)', locate="TieringOffloadingSpec")
 def secondary_tier_too_old(c: ServeConfig) -> str | None:
     if c.version is None:
         return None
@@ -89,7 +95,7 @@ def secondary_tier_too_old(c: ServeConfig) -> str | None:
 
 @rule("calculate-kv-scales-removed", "error", "--calculate-kv-scales removed in v0.28.0",
       "Delete --calculate-kv-scales; vLLM loads KV scales from the checkpoint.",
-      f"{GUIDE} § Version gates: --calculate-kv-scales removed in v0.28.0 (#49389)", locate="--calculate-kv-scales")
+      'vllm-project/vllm#49389 (--calculate-kv-scales removed in v0.28.0)', locate="--calculate-kv-scales")
 def calculate_kv_scales_removed(c: ServeConfig) -> str | None:
     if c.has("--calculate-kv-scales") and c.at_least("0.28.0"):
         return f"--calculate-kv-scales no longer exists in vLLM {c.version}; the server will not start."
@@ -98,7 +104,7 @@ def calculate_kv_scales_removed(c: ServeConfig) -> str | None:
 
 @rule("calculate-kv-scales-no-effect", "warning", "--calculate-kv-scales has no effect",
       "Delete --calculate-kv-scales before upgrading to v0.28.0, where it is removed.",
-      f"{GUIDE} § Version gates: deprecated pre-v0.19, accepted with a warning through v0.27.1 (#49389)",
+      'vllm-project/vllm#49389 (deprecated, accepted with a warning through v0.27.1)',
       locate="--calculate-kv-scales")
 def calculate_kv_scales_no_effect(c: ServeConfig) -> str | None:
     if c.has("--calculate-kv-scales") and not c.at_least("0.28.0"):
@@ -108,7 +114,8 @@ def calculate_kv_scales_no_effect(c: ServeConfig) -> str | None:
 
 @rule("mamba-cache-mode-all-removed", "error", "--mamba-cache-mode all removed in v0.32.0",
       "Delete --mamba-cache-mode all (vLLM sets align itself when prefix caching is on).",
-      f"{GUIDE} § Sizing math: --mamba-cache-mode all removed in v0.32.0 (#58997)", locate="--mamba-cache-mode")
+      'vllm-project/vllm#58997 (--mamba-cache-mode all removed in v0.32.0; vllm/config/cache.py '
+      'MambaCacheMode)', locate="--mamba-cache-mode")
 def mamba_all_removed(c: ServeConfig) -> str | None:
     if (c.value("--mamba-cache-mode") or "").lower() == "all" and c.at_least("0.32.0"):
         return f"--mamba-cache-mode all fails config validation in vLLM {c.version} (accepted: align, none)."
@@ -117,7 +124,7 @@ def mamba_all_removed(c: ServeConfig) -> str | None:
 
 @rule("mamba-cache-mode-all-deprecated", "warning", "--mamba-cache-mode all deprecated",
       "Delete --mamba-cache-mode all before upgrading to v0.32.0.",
-      f"{GUIDE} § Sizing math: deprecated on v0.30.0–v0.31.x, warns and forces MRV1 (#55041)",
+      'vllm-project/vllm#55041 (deprecated on v0.30.0–v0.31.x: warns and forces MRV1)',
       locate="--mamba-cache-mode")
 def mamba_all_deprecated(c: ServeConfig) -> str | None:
     if (c.value("--mamba-cache-mode") or "").lower() == "all" and _between(c, "0.30.0", "0.32.0"):
@@ -127,7 +134,9 @@ def mamba_all_deprecated(c: ServeConfig) -> str | None:
 
 @rule("retention-interval-env-removed", "warning", "VLLM_PREFIX_CACHE_RETENTION_INTERVAL does nothing",
       "Use the CLI flag --prefix-cache-retention-interval N instead.",
-      f"{GUIDE} § Hybrid models: VLLM_PREFIX_CACHE_RETENTION_INTERVAL is removed from v0.30.0",
+      'vLLM v0.30.0 release notes (github.com/vllm-project/vllm/releases/tag/v0.30.0): '
+      'VLLM_PREFIX_CACHE_RETENTION_INTERVAL removed (vllm/envs.py no longer reads it); use '
+      '--prefix-cache-retention-interval (vllm/config/cache.py)',
       locate="VLLM_PREFIX_CACHE_RETENTION_INTERVAL")
 def retention_env_removed(c: ServeConfig) -> str | None:
     if "VLLM_PREFIX_CACHE_RETENTION_INTERVAL" in c.env and c.at_least("0.30.0") is not False:
@@ -137,7 +146,7 @@ def retention_env_removed(c: ServeConfig) -> str | None:
 
 @rule("p2p-nccl-connector-removed", "error", "P2pNcclConnector removed in v0.24.0",
       "Migrate to NixlConnector or the p2p secondary tier.",
-      f"{GUIDE} § Version gates: P2pNcclConnector removed in v0.24.0 (#44854)", locate="P2pNcclConnector")
+      'vllm-project/vllm#44854 (P2pNcclConnector removed in v0.24.0)', locate="P2pNcclConnector")
 def p2p_nccl_removed(c: ServeConfig) -> str | None:
     if c.uses("P2pNcclConnector") and c.at_least("0.24.0"):
         return f"P2pNcclConnector no longer exists in vLLM {c.version}."
@@ -146,7 +155,8 @@ def p2p_nccl_removed(c: ServeConfig) -> str | None:
 
 @rule("p2p-tier-needs-pythonhashseed", "error", "p2p tier needs PYTHONHASHSEED on v0.26.x–v0.28.x",
       "Set PYTHONHASHSEED (same value on every instance) or upgrade to v0.29.0+ (#51875 fixed the seed).",
-      f"{GUIDE} § Version gates: p2p tier hard PYTHONHASHSEED check v0.26.0 (#47636), lifted in v0.29.0 (#51875)",
+      'vllm-project/vllm#47636 (p2p tier: hard PYTHONHASHSEED check, v0.26.0), lifted by #51875 '
+      '(v0.29.0)',
       locate="p2p")
 def p2p_hashseed(c: ServeConfig) -> str | None:
     if "p2p" in _secondary_tiers(c) and "PYTHONHASHSEED" not in c.env and _between(c, "0.26.0", "0.29.0"):
@@ -156,7 +166,7 @@ def p2p_hashseed(c: ServeConfig) -> str | None:
 
 @rule("mrv2-early-opt-in", "warning", "Model Runner V2 opted in before v0.29.0",
       "Upgrade to v0.29.0+ or unset VLLM_USE_V2_MODEL_RUNNER; suspect this before re-deriving sizing on OOM.",
-      f"{GUIDE} § Sizing math: MRV2 KV auto-sizing ignored CUDA graph memory before v0.29.0 (#53306)",
+      'vllm-project/vllm#53306 (MRV2 KV auto-sizing reserves CUDA graph memory from v0.29.0)',
       locate="VLLM_USE_V2_MODEL_RUNNER")
 def mrv2_early(c: ServeConfig) -> str | None:
     if c.env_true("VLLM_USE_V2_MODEL_RUNNER") and _between(c, "0.27.0", "0.29.0"):
@@ -167,7 +177,8 @@ def mrv2_early(c: ServeConfig) -> str | None:
 
 @rule("lmcache-not-bundled", "warning", "LMCache not bundled in x86 images before v0.14.0",
       "Use a v0.14.0+ image (≥ v0.22.0 for security) or pip install LMCache at container start.",
-      f"{GUIDE} § Version gates: LMCache bundled in the x86 vllm/vllm-openai image from v0.14.0",
+      'vLLM v0.14.0 release notes (github.com/vllm-project/vllm/releases/tag/v0.14.0): LMCache '
+      'bundled in the x86 vllm/vllm-openai image (docker/Dockerfile INSTALL_KV_CONNECTORS)',
       locate="LMCache")
 def lmcache_not_bundled(c: ServeConfig) -> str | None:
     lm = c.uses("LMCacheConnectorV1") or c.uses("LMCacheMPConnector")
@@ -179,7 +190,9 @@ def lmcache_not_bundled(c: ServeConfig) -> str | None:
 
 @rule("bundling-unverified", "info", "KV-connector bundling unverified on v0.28.x–v0.31.x images",
       "Run the two-step bundling check (build flag, then runtime import) on this exact tag before production.",
-      f"{GUIDE} § Version gates: v0.28.x–v0.31.x are unverified, not known-bad")
+      'vLLM docker/Dockerfile build arg INSTALL_KV_CONNECTORS and '
+      'requirements/kv_connectors.txt at the tag (github.com/vllm-project/vllm); '
+      'v0.28.x–v0.31.x images not verified by kvtier')
 def bundling_unverified(c: ServeConfig) -> str | None:
     uses = [n for n in _BUNDLED_CONNECTORS if c.uses(n)]
     if uses and c.image and _between(c, "0.28.0", "0.32.0"):
@@ -189,7 +202,8 @@ def bundling_unverified(c: ServeConfig) -> str | None:
 
 @rule("lmcache-mp-cu12-hybrid", "error", "LMCache MP on a hybrid model with a CUDA 12 image",
       "Use the CUDA 13 image tag (bundles lmcache ≥ 0.5.0).",
-      f"{GUIDE} § Version gates: from v0.31.0 the -cu129 tag pins lmcache == 0.4.4; hybrid MP needs lmcache ≥ 0.5.0",
+      'vLLM requirements/kv_connectors_cu12.txt from v0.31.0 (lmcache == 0.4.4); hybrid support '
+      'in LMCache MP needs lmcache ≥ 0.5.0 (LMCache/LMCache#3106)',
       locate="LMCacheMPConnector")
 def lmcache_mp_cu12(c: ServeConfig) -> str | None:
     if (c.uses("LMCacheMPConnector") and c.hybrid_model and c.image and "cu12" in c.image
@@ -200,8 +214,8 @@ def lmcache_mp_cu12(c: ServeConfig) -> str | None:
 
 @rule("nixl-cu13-dual-wheel", "warning", "NIXL import bug on v0.22.0",
       "Use v0.22.1 or later.",
-      f"{GUIDE} § Version gates: ImportError libcudart.so.12 importing nixl_ep on CUDA 13 = dual-wheel build bug, "
-      "fixed in v0.22.1", locate="NixlConnector")
+      'vLLM v0.22.1 release notes (github.com/vllm-project/vllm/releases/tag/v0.22.1): nixl_ep '
+      'dual-wheel build fix (ImportError: libcudart.so.12 on CUDA 13)', locate="NixlConnector")
 def nixl_dual_wheel(c: ServeConfig) -> str | None:
     nixl = any(c.uses(n) for n in ("NixlConnector", "NixlPullConnector", "NixlPushConnector"))
     if nixl and c.version == Version("0.22.0"):

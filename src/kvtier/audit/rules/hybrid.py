@@ -5,7 +5,7 @@ from __future__ import annotations
 from packaging.version import Version
 
 from kvtier.audit.model import HMA_CONNECTORS, ServeConfig
-from kvtier.audit.rules.base import GUIDE, rule
+from kvtier.audit.rules.base import rule
 
 _FLAG = "--disable-hybrid-kv-cache-manager"
 
@@ -18,8 +18,8 @@ def _moriio_write_on_hybrid(c: ServeConfig) -> bool:
 @rule("disable-hma-by-reflex", "warning", "--disable-hybrid-kv-cache-manager with HMA-capable connectors",
       "Remove --disable-hybrid-kv-cache-manager; from v0.23.0 vLLM disables HMA itself only for connectors "
       "that lack SupportsHMA.",
-      f"{GUIDE} § Critical pitfalls: --disable-hybrid-kv-cache-manager — required only for connectors that "
-      "lack HMA support (#41847, v0.23.0)", locate=_FLAG)
+      'vllm-project/vllm#41847 (v0.23.0: HMA is disabled automatically only for connectors '
+      'without SupportsHMA, vllm/distributed/kv_transfer/kv_connector/v1/base.py)', locate=_FLAG)
 def disable_hma_by_reflex(c: ServeConfig) -> str | None:
     if not c.has(_FLAG) or c.at_least("0.23.0") is False or _moriio_write_on_hybrid(c):
         return None
@@ -33,7 +33,8 @@ def disable_hma_by_reflex(c: ServeConfig) -> str | None:
 
 @rule("hma-flag-required-before-0.23", "error", "OffloadingConnector needs the HMA flag before v0.23.0",
       f"Add {_FLAG} on this release, or upgrade to v0.23.0+ where HMA stays on with native offload.",
-      f"{GUIDE} § Critical pitfalls: on vLLM ≤ v0.22.x the flag was mandatory with OffloadingConnector",
+      'vllm-project/vllm#41847 (before v0.23.0 OffloadingConnector needed '
+      '--disable-hybrid-kv-cache-manager)',
       locate="--kv-offloading")
 def hma_flag_required(c: ServeConfig) -> str | None:
     if c.uses("OffloadingConnector") and not c.has(_FLAG) and c.version is not None \
@@ -45,7 +46,8 @@ def hma_flag_required(c: ServeConfig) -> str | None:
 
 @rule("lmcache-inprocess-on-hybrid", "error", "LMCacheConnectorV1 on a hybrid-attention model",
       "Use native offload (--kv-offloading-size) or LMCache MP mode (LMCacheMPConnector, lmcache ≥ 0.5.0).",
-      f"{GUIDE} § Hybrid models and § Known bugs: LMCache#3106 (open)", locate="LMCache")
+      'LMCache/LMCache#3106 (open: LMCacheConnectorV1 has no SupportsHMA and fails on mixed '
+      'attention groups)', locate="LMCache")
 def lmcache_inprocess_hybrid(c: ServeConfig) -> str | None:
     if c.uses("LMCacheConnectorV1") and c.hybrid_model:
         return (f"{c.model} mixes attention kinds; LMCacheConnectorV1 has no SupportsHMA and its single-shape "
@@ -55,7 +57,8 @@ def lmcache_inprocess_hybrid(c: ServeConfig) -> str | None:
 
 @rule("multiconnector-non-hma-child", "warning", "MultiConnector with a child that lacks HMA",
       "Replace the non-HMA child (e.g. LMCacheConnectorV1 → OffloadingConnector or LMCacheMPConnector).",
-      f"{GUIDE} § Critical pitfalls: MultiConnector supports HMA only if every child does",
+      'vLLM vllm/distributed/kv_transfer/kv_connector/v1/multi_connector.py (HMA only when '
+      'every child supports it); vllm-project/vllm#39571',
       locate="MultiConnector")
 def multiconnector_non_hma(c: ServeConfig) -> str | None:
     if not c.uses("MultiConnector"):
@@ -70,7 +73,8 @@ def multiconnector_non_hma(c: ServeConfig) -> str | None:
 @rule("moriio-write-on-hybrid", "error", "MoRIIO WRITE mode on a hybrid model",
       "Set kv_connector_extra_config.read_mode=true (READ mode), or pass --disable-hybrid-kv-cache-manager "
       "with WRITE on sliding-window hybrids.",
-      f"{GUIDE} § Hybrid models: MoRIIOConnector WRITE raises NotImplementedError on hybrid KV cache groups",
+      'vLLM vllm/distributed/kv_transfer/kv_connector/v1/moriio/moriio_connector.py ("MoRIIO '
+      'WRITE mode does not support hybrid KV cache groups")',
       locate="MoRIIOConnector")
 def moriio_write(c: ServeConfig) -> str | None:
     if _moriio_write_on_hybrid(c) and not c.has(_FLAG):
@@ -81,7 +85,8 @@ def moriio_write(c: ServeConfig) -> str | None:
 @rule("hybrid-retention-interval-default", "info", "hybrid model on the default retention interval 0",
       "For agentic multi-turn traffic without spec-decode, set --prefix-cache-retention-interval N (a multiple "
       "of the SWA group's tokens_per_chunk) and re-measure the hit rate.",
-      f"{GUIDE} § Hybrid models: --prefix-cache-retention-interval (default 0 from v0.29.0)")
+      'vLLM vllm/config/cache.py prefix_cache_retention_interval (default 0 from v0.29.0, vLLM '
+      'v0.29.0 release notes (github.com/vllm-project/vllm/releases/tag/v0.29.0))')
 def hybrid_retention(c: ServeConfig) -> str | None:
     if (c.hybrid_model and c.at_least("0.29.0") and not c.has("--prefix-cache-retention-interval")
             and not c.has("--speculative-config")):

@@ -1,33 +1,36 @@
-"""kvtier's own connector: config keys that kvtier refuses at start-up (kvtier issue 2 § Config)."""
+"""kvtier's own connector: the pre-flight of :mod:`kvtier.integrations.vllm.preflight` on the
+serve line's ``--kv-transfer-config`` (the validator the connector runs at engine start-up)."""
 
 from __future__ import annotations
 
 from kvtier.audit.model import ServeConfig
 from kvtier.audit.rules.base import rule
+from kvtier.integrations.vllm.preflight import Problem, check_transfer_config
 
-_SOURCE = "kvtier config rules (issue 2 § Config: chunk size a multiple of the block size; sizes total across TP)"
-
-
-def _kvtier(c: ServeConfig) -> bool:
-    return c.uses("KVTierConnector")
+_DOCS = "kvtier docs/vllm.md § Configuration keys"
 
 
-@rule("kvtier-chunk-not-block-multiple", "error", "kvtier chunk_tokens not a multiple of --block-size",
-      "Set chunk_tokens to a multiple of the block size (default 256 with vLLM's 16-token blocks).", _SOURCE,
-      locate="chunk_tokens")
-def kvtier_chunk(c: ServeConfig) -> str | None:
-    chunk = c.connector_extra.get("chunk_tokens")
-    block = int(c.number("--block-size") or 16)
-    if _kvtier(c) and isinstance(chunk, int) and (chunk <= 0 or chunk % block):
-        return f"chunk_tokens {chunk} is not a positive multiple of the {block}-token block size; kvtier refuses it."
-    return None
+def _problems(c: ServeConfig) -> list[Problem]:
+    transfer = c.kv_transfer_config
+    if not transfer or not c.uses("KVTierConnector"):
+        return []
+    block = c.number("--block-size")
+    return check_transfer_config(transfer, int(block) if block and block >= 1 else None)
 
 
-@rule("kvtier-negative-size", "error", "kvtier tier size negative",
-      "Give cpu_gib / disk_gib as non-negative GiB, totals across TP ranks.", _SOURCE, locate="_gib")
-def kvtier_negative(c: ServeConfig) -> str | None:
-    bad = [k for k in ("cpu_gib", "disk_gib") if isinstance(c.connector_extra.get(k), (int, float))
-           and c.connector_extra[k] < 0]
-    if _kvtier(c) and bad:
-        return f"{', '.join(bad)} is negative."
-    return None
+@rule("kvtier-config-invalid", "error", "KVTierConnector config that the connector refuses at start-up",
+      "Fix each named key (`kvtier check '<the JSON>'` lists them all in under a second); the connector would "
+      "otherwise refuse it only after the model has loaded.",
+      'kvtier docs/vllm.md § Configuration keys; validator kvtier/core/config.py KVTierConfig', locate="KVTierConnector")
+def kvtier_config_invalid(c: ServeConfig) -> str | None:
+    errors = [p.message for p in _problems(c) if p.severity == "error"]
+    return "; ".join(errors) + "." if errors else None
+
+
+@rule("kvtier-load-failure-policy", "warning", "KVTierConnector without kv_load_failure_policy recompute",
+      'Add "kv_load_failure_policy":"recompute" to --kv-transfer-config.',
+      'vLLM vllm/config/kv_transfer.py kv_load_failure_policy (default "fail"); kvtier '
+      'docs/vllm.md', locate="KVTierConnector")
+def kvtier_load_failure_policy(c: ServeConfig) -> str | None:
+    warnings = [p.message for p in _problems(c) if p.key == "kv_load_failure_policy" and p.severity == "warning"]
+    return warnings[0] + "." if warnings else None

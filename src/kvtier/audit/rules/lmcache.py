@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvtier.audit.model import ServeConfig
-from kvtier.audit.rules.base import GUIDE, HOWTO, rule
+from kvtier.audit.rules.base import rule
 
 _LM = ("LMCacheConnectorV1", "LMCacheMPConnector")
 
@@ -14,8 +14,9 @@ def _uses_lmcache(c: ServeConfig) -> bool:
 
 @rule("lmcache-size-mismatch", "error", "LMCACHE_MAX_LOCAL_CPU_SIZE disagrees with --kv-offloading-size",
       "Make LMCACHE_MAX_LOCAL_CPU_SIZE = --kv-offloading-size / (TP × PP), or drop one of them.",
-      f"{GUIDE} § Sizing math (keep them consistent) and Done when item 2; vLLM vllm/config/vllm.py divides "
-      "--kv-offloading-size by TP × PP for LMCache", locate="LMCACHE_MAX_LOCAL_CPU_SIZE")
+      'LMCache configuration reference (docs.lmcache.ai/api_reference/configurations.html: '
+      'max_local_cpu_size, GB per worker) and vLLM vllm/config/cache.py kv_offloading_size '
+      '(total across TP)', locate="LMCACHE_MAX_LOCAL_CPU_SIZE")
 def lmcache_size_mismatch(c: ServeConfig) -> str | None:
     total = c.number("--kv-offloading-size")
     raw = c.env.get("LMCACHE_MAX_LOCAL_CPU_SIZE")
@@ -35,7 +36,8 @@ def lmcache_size_mismatch(c: ServeConfig) -> str | None:
 @rule("lmcache-env-without-connector", "warning", "LMCACHE_* set but no LMCache connector",
       "Add --kv-transfer-config '{\"kv_connector\":\"LMCacheConnectorV1\",\"kv_role\":\"kv_both\"}' (or "
       "--kv-offloading-backend lmcache), or drop the LMCACHE_* variables.",
-      f"{HOWTO} § The minimal working KV-offload command", locate="LMCACHE_")
+      'LMCache configuration reference (docs.lmcache.ai/api_reference/configurations.html): '
+      'LMCACHE_* variables are read only by an LMCache connector', locate="LMCACHE_")
 def lmcache_env_without_connector(c: ServeConfig) -> str | None:
     names = sorted(k for k in c.env if k.startswith("LMCACHE_"))
     if names and not _uses_lmcache(c) and (c.flags or c.positionals):
@@ -45,7 +47,8 @@ def lmcache_env_without_connector(c: ServeConfig) -> str | None:
 
 @rule("lmcache-size-unset", "warning", "LMCache tier size not set",
       "Set LMCACHE_MAX_LOCAL_CPU_SIZE (GiB per rank) from kvtier size, or --kv-offloading-size (total).",
-      f"{HOWTO} § The sizing math: size the tier from the math, not vibes", locate="LMCacheConnectorV1")
+      'LMCache configuration reference (docs.lmcache.ai/api_reference/configurations.html: '
+      'max_local_cpu_size default)', locate="LMCacheConnectorV1")
 def lmcache_size_unset(c: ServeConfig) -> str | None:
     explicit = (c.kv_transfer_config or {}).get("kv_connector") == "LMCacheConnectorV1"
     sized = ("LMCACHE_MAX_LOCAL_CPU_SIZE" in c.env or "LMCACHE_CONFIG_FILE" in c.env
@@ -57,7 +60,8 @@ def lmcache_size_unset(c: ServeConfig) -> str | None:
 
 @rule("lmcache-local-cpu-off", "error", "LMCache local CPU backend off / use_hot=False",
       "Keep LMCACHE_LOCAL_CPU=True (the default) and never set use_hot=False.",
-      f"{GUIDE} § Known bugs: LMCache#2942 (closed by stale bot, NOT fixed; LocalCPUBackend.allocate() deadlock)",
+      'LMCache/LMCache#2942 (LocalCPUBackend.allocate() deadlock; closed by the stale bot, fix '
+      'PR LMCache/LMCache#3006 closed unmerged)',
       locate="LMCACHE_")
 def lmcache_local_cpu_off(c: ServeConfig) -> str | None:
     off = [k for k in ("LMCACHE_LOCAL_CPU", "LMCACHE_USE_HOT") if c.env_true(k) is False]
@@ -68,7 +72,8 @@ def lmcache_local_cpu_off(c: ServeConfig) -> str | None:
 
 @rule("lmcache-disk-async-loading", "error", "LMCache disk tier with async loading",
       "Set LMCACHE_ENABLE_ASYNC_LOADING=False on a disk tier (DRAM-only is the simpler default).",
-      f"{GUIDE} § Known bugs: LMCache#2502 (closed not_planned; LocalDiskBackend crashes vLLM under burst)",
+      'LMCache/LMCache#2502 (LocalDiskBackend crashes vLLM under burst allocation; closed '
+      'not_planned)',
       locate="LMCACHE_ENABLE_ASYNC_LOADING")
 def lmcache_disk_async(c: ServeConfig) -> str | None:
     if c.env.get("LMCACHE_LOCAL_DISK") and c.env_true("LMCACHE_ENABLE_ASYNC_LOADING"):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvtier.audit.model import ServeConfig
-from kvtier.audit.rules.base import GUIDE, HOWTO, rule
+from kvtier.audit.rules.base import rule
 
 _SGLANG_FLAGS = ("--hicache-size", "--hicache-ratio", "--enable-hierarchical-cache", "--mem-fraction-static",
                  "--tp-size")
@@ -12,8 +12,8 @@ _SGLANG_FLAGS = ("--hicache-size", "--hicache-ratio", "--enable-hierarchical-cac
 @rule("cpu-offload-gb-is-weights", "warning", "--cpu-offload-gb offloads weights, not KV",
       "For KV offload set --kv-offloading-size GiB (total across TP) or a KV connector in --kv-transfer-config; "
       "keep --cpu-offload-gb only to fit weights that do not fit in HBM.",
-      f"{GUIDE} § Critical pitfalls: --cpu-offload-gb is NOT the same as --kv-offloading-size; "
-      f"{HOWTO} § First, the trap", locate="--cpu-offload-gb")
+      'vLLM vllm/config/offload.py cpu_offload_gb (model weights, GiB per GPU) vs '
+      'vllm/config/cache.py kv_offloading_size (KV cache, GiB total across TP)', locate="--cpu-offload-gb")
 def cpu_offload_gb_is_weights(c: ServeConfig) -> str | None:
     gb = c.number("--cpu-offload-gb")
     if gb and gb > 0 and not c.kv_offload_on:
@@ -24,7 +24,8 @@ def cpu_offload_gb_is_weights(c: ServeConfig) -> str | None:
 
 @rule("cpu-offload-gb-beside-kv-offload", "info", "weights offload set next to KV offload",
       "Drop --cpu-offload-gb unless the weights really do not fit in HBM; it costs prefill throughput.",
-      f"{GUIDE} § Critical pitfalls: --cpu-offload-gb (weights, per GPU, hurts prefill) vs --kv-offloading-size",
+      'vLLM vllm/config/offload.py cpu_offload_gb (weights offload, per GPU; weights stream '
+      'over PCIe every forward pass)',
       locate="--cpu-offload-gb")
 def cpu_offload_gb_beside_kv(c: ServeConfig) -> str | None:
     gb = c.number("--cpu-offload-gb")
@@ -35,7 +36,8 @@ def cpu_offload_gb_beside_kv(c: ServeConfig) -> str | None:
 
 @rule("kv-offloading-size-is-total", "info", "--kv-offloading-size is the total across TP ranks",
       "If the number was sized per GPU (SGLang's convention), multiply it by the TP size.",
-      f"{GUIDE} § Sizing math: --kv-offloading-size is TOTAL across all TP ranks (opposite of SGLang)",
+      'vLLM vllm/config/cache.py kv_offloading_size docstring: "When TP > 1, this is the total '
+      'buffer size summed across all TP ranks"',
       locate="--kv-offloading-size")
 def kv_offloading_size_is_total(c: ServeConfig) -> str | None:
     size, ranks = c.number("--kv-offloading-size"), c.tp * c.pp
@@ -47,7 +49,8 @@ def kv_offloading_size_is_total(c: ServeConfig) -> str | None:
 
 @rule("sglang-flag", "error", "SGLang flag in a vLLM command",
       "Remove it; for a host KV tier use --kv-offloading-size = SGLang's per-GPU host size × TP (vLLM counts the total).",
-      f"{GUIDE} § Sizing math (200 GB per GPU × 8 GPUs → --kv-offloading-size 1600)")
+      'vLLM vllm/engine/arg_utils.py (no such flag) and vllm/config/cache.py kv_offloading_size '
+      "(total across TP ranks, unlike SGLang's per-rank host size)")
 def sglang_flag(c: ServeConfig) -> str | None:
     found = [f for f in _SGLANG_FLAGS if c.has(f)]
     if found:
@@ -57,8 +60,8 @@ def sglang_flag(c: ServeConfig) -> str | None:
 
 @rule("kv-offloading-backend-without-size", "error", "--kv-offloading-backend without --kv-offloading-size",
       "Add --kv-offloading-size GiB (total across TP).",
-      "vLLM vllm/config/cache.py (kv_offloading_backend 'must be used together with kv_offloading_size') and "
-      "vllm/config/vllm.py _post_init_kv_transfer_config", locate="--kv-offloading-backend")
+      'vLLM vllm/config/cache.py kv_offloading_backend ("KV offloading is only activated when '
+      'kv_offloading_size is set") and vllm/config/vllm.py', locate="--kv-offloading-backend")
 def backend_without_size(c: ServeConfig) -> str | None:
     if c.has("--kv-offloading-backend") and not c.has("--kv-offloading-size"):
         return "--kv-offloading-backend is set but --kv-offloading-size is not, so no KV offload is enabled."
@@ -67,7 +70,7 @@ def backend_without_size(c: ServeConfig) -> str | None:
 
 @rule("kv-offloading-size-invalid", "error", "--kv-offloading-size is not a positive number",
       "Give the tier size in GiB, total across TP ranks, e.g. --kv-offloading-size 64.",
-      f"{GUIDE} § Sizing math; vLLM CacheConfig.kv_offloading_size (GiB)", locate="--kv-offloading-size")
+      'vLLM vllm/config/cache.py CacheConfig.kv_offloading_size (GiB, total across TP ranks)', locate="--kv-offloading-size")
 def offloading_size_invalid(c: ServeConfig) -> str | None:
     if not c.has("--kv-offloading-size"):
         return None
@@ -79,7 +82,8 @@ def offloading_size_invalid(c: ServeConfig) -> str | None:
 
 @rule("prefix-caching-off-with-offload", "error", "KV offload with prefix caching off",
       "Remove --no-enable-prefix-caching (prefix caching is on by default).",
-      f"{GUIDE} § Offload doesn't help, root cause 3; {HOWTO} (--enable-prefix-caching is load-bearing)",
+      'vLLM vllm/config/cache.py enable_prefix_caching (default True): offloaded KV is found '
+      'through prefix-cache block hashes',
       locate="--no-enable-prefix-caching")
 def prefix_caching_off(c: ServeConfig) -> str | None:
     if c.has("--no-enable-prefix-caching") and c.kv_offload_on:
@@ -89,7 +93,8 @@ def prefix_caching_off(c: ServeConfig) -> str | None:
 
 @rule("kv-transfer-config-invalid", "error", "--kv-transfer-config is not a JSON object",
       "Quote the JSON in single quotes: --kv-transfer-config '{\"kv_connector\":...,\"kv_role\":\"kv_both\"}'.",
-      "vLLM KVTransferConfig (parsed from JSON)", locate="--kv-transfer-config")
+      'vLLM vllm/config/kv_transfer.py KVTransferConfig, parsed from JSON by '
+      'vllm/engine/arg_utils.py', locate="--kv-transfer-config")
 def transfer_config_invalid(c: ServeConfig) -> str | None:
     if c.has("--kv-transfer-config") and c.kv_transfer_config is None:
         return f"--kv-transfer-config {c.value('--kv-transfer-config')!r} does not parse as a JSON object."
@@ -98,7 +103,8 @@ def transfer_config_invalid(c: ServeConfig) -> str | None:
 
 @rule("kv-role-missing", "error", "kv_connector set without kv_role",
       "Add \"kv_role\":\"kv_both\" (or kv_producer / kv_consumer for disaggregated prefill).",
-      f"vLLM vllm/config/kv_transfer.py (kv_role required with kv_connector); {HOWTO} (kv_role: kv_both)",
+      'vLLM vllm/config/kv_transfer.py KVTransferConfig.__post_init__ ("Please specify kv_role '
+      'when kv_connector is set")',
       locate="--kv-transfer-config")
 def kv_role_missing(c: ServeConfig) -> str | None:
     cfg = c.kv_transfer_config
@@ -110,7 +116,8 @@ def kv_role_missing(c: ServeConfig) -> str | None:
 @rule("fp8-kv-without-scales", "warning", "FP8 KV cache may run with scale 1.0",
       "Stay on BF16 KV (--kv-cache-dtype auto) and use offload to claw back memory, or confirm the checkpoint "
       "ships calibrated k_scale/v_scale.",
-      f"{GUIDE} § FP8 KV cache without shipped scales", locate="--kv-cache-dtype")
+      'vLLM vllm/model_executor/layers/quantization/kv_cache.py (k_scale/v_scale fall back to '
+      '1.0 when the checkpoint ships none); #49389 removed --calculate-kv-scales', locate="--kv-cache-dtype")
 def fp8_kv(c: ServeConfig) -> str | None:
     dtype = (c.value("--kv-cache-dtype") or "").lower()
     if dtype.startswith("fp8"):

@@ -1,0 +1,72 @@
+"""``kvtier check``: validate a ``--kv-transfer-config`` for KVTierConnector without starting vLLM."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import typer
+
+from kvtier.cli.errors import fail
+
+HELP = """Check a --kv-transfer-config for KVTierConnector in under a second, without starting vLLM.
+
+Runs the connector's own validator (the same checks it applies at engine start-up, after the model has loaded) and vLLM's transfer-config rules: unknown keys (with the closest known key), bad values, the disk tier path (exists or can be created, writable, enough free space, not a kernel filesystem such as /proc), cpu_gib against the memory this host has, chunk_tokens against --block-size, kv_connector_module_path, kv_role, and kv_load_failure_policy. Exit code 0 when it would start, 1 when it has errors, 2 when the input cannot be read.
+
+CONFIG is the JSON itself, a file holding it, or - for stdin. To check a whole serve command line, use `kvtier audit` (it runs the same checks).
+
+Examples:
+
+  kvtier check '{"kv_connector":"KVTierConnector","kv_connector_module_path":"kvtier.integrations.vllm","kv_role":"kv_both","kv_load_failure_policy":"recompute","kv_connector_extra_config":{"cpu_gib":4}}'
+
+  kvtier check kv-transfer.json --block-size 16 --json
+"""
+
+
+def _read(config: str) -> str:
+    """The JSON text: ``config`` itself when it looks like JSON, else the file it names (``-``: stdin)."""
+    if config.lstrip().startswith("{"):
+        return config
+    try:
+        if config == "-":
+            return sys.stdin.read(1 << 20)
+        with open(config, encoding="utf-8") as handle:
+            return handle.read(1 << 20)
+    except (OSError, UnicodeDecodeError) as exc:
+        fail(f"cannot read {config!r} ({exc.__class__.__name__}); give the JSON itself, a file holding it, or -.")
+
+
+def check_command(
+    config: str = typer.Argument(..., help="The --kv-transfer-config JSON, a file holding it, or - for stdin."),
+    block_size: int | None = typer.Option(None, "--block-size", help="The server's --block-size, tokens."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
+) -> None:
+    from kvtier.integrations.vllm.preflight import check_transfer_config, parse_transfer_config, uses_kvtier
+
+    if block_size is not None and block_size < 1:
+        fail(f"--block-size must be at least 1, got {block_size}.")
+    text = _read(config)
+    problems = check_transfer_config(text, block_size)
+    names_kvtier = False
+    if not problems:
+        names_kvtier = uses_kvtier(parse_transfer_config(text))
+    errors = [p for p in problems if p.severity == "error"]
+    if as_json:
+        print(json.dumps({"ok": not errors and (names_kvtier or bool(problems)),
+                          "problems": [{"severity": p.severity, "key": p.key, "message": p.message}
+                                       for p in problems]}, indent=2))
+    else:
+        for p in problems:
+            print(f"{p.severity}: {p.key + ': ' if p.key else ''}{p.message}")
+    if not problems and not names_kvtier:
+        fail('the config does not name KVTierConnector ("kv_connector":"KVTierConnector"); nothing to check.', 1)
+    if errors:
+        raise typer.Exit(1)
+    if not as_json:
+        warned = len(problems)
+        print(f"ok: vLLM would start with this KVTierConnector config{f' ({warned} warning(s))' if warned else ''}.")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``kvtier check`` to the CLI."""
+    app.command("check", help=HELP)(check_command)

@@ -1,0 +1,81 @@
+"""vLLM general plugin: a bad kvtier config stops ``vllm serve`` before the model loads, in one line.
+
+Registered in pyproject.toml under the entry-point group ``vllm.general_plugins``, which vLLM
+loads early in every vLLM process (vllm/plugins/__init__.py ``load_general_plugins``; in the API
+server it runs while the command-line parser is built, before ``--kv-transfer-config`` is
+parsed).  :func:`register` wraps ``KVTransferConfig.__post_init__`` (vllm/config/kv_transfer.py)
+so that, whenever vLLM builds a transfer config that names KVTierConnector, the pre-flight of
+:mod:`kvtier.integrations.vllm.preflight` runs on it.  vLLM itself is not modified; a config
+without KVTierConnector is not touched.
+
+On an error:
+
+* built from the command line (vLLM's argparse ``parse_dataclass``): print
+  ``ERROR kvtier: <one sentence>`` to stderr and exit with status 2, before any engine process
+  starts or any weight is read;
+* built in Python (``LLM(kv_transfer_config=...)``): raise :class:`~kvtier.core.errors.ConfigError`
+  (pydantic reports it as a ``ValidationError`` naming the same sentence).
+
+Warnings (e.g. ``kv_load_failure_policy``) are left to the connector's own log line.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from kvtier.core.errors import ConfigError
+from kvtier.integrations.vllm.preflight import check_transfer_config, uses_kvtier
+
+_MARK = "_kvtier_preflight_installed"
+
+
+def register() -> None:
+    """Install the pre-flight on vLLM's ``KVTransferConfig`` (idempotent; a no-op without vLLM)."""
+    try:
+        from vllm.config.kv_transfer import KVTransferConfig
+    except ImportError:
+        return
+    if getattr(KVTransferConfig, _MARK, False):
+        return
+    original = KVTransferConfig.__post_init__
+
+    def __post_init__(self: Any) -> None:
+        original(self)
+        preflight(self)
+
+    KVTransferConfig.__post_init__ = __post_init__  # type: ignore[method-assign]
+    setattr(KVTransferConfig, _MARK, True)
+
+
+def preflight(config: Any) -> None:
+    """Check a vLLM ``KVTransferConfig`` that names KVTierConnector.
+
+    Raises:
+        SystemExit: status 2, when it came from the command line and has an error.
+        ConfigError: when it was built in Python and has an error.
+    """
+    transfer = {name: getattr(config, name, None) for name in
+                ("kv_connector", "kv_role", "kv_connector_module_path", "kv_load_failure_policy",
+                 "kv_connector_extra_config")}
+    if not uses_kvtier(transfer):
+        return
+    errors = [p for p in check_transfer_config(transfer) if p.severity == "error"]
+    if not errors:
+        return
+    more = f" ({len(errors) - 1} more: run kvtier check on this config)" if len(errors) > 1 else ""
+    message = f"{errors[0].message}{more}"
+    if _from_command_line():
+        print(f"ERROR kvtier: invalid --kv-transfer-config: {message}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    raise ConfigError(f"kvtier: {message}")
+
+
+def _from_command_line() -> bool:
+    """Whether vLLM's argparse is building this config (``parse_dataclass`` in vllm/engine/arg_utils.py)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "parse_dataclass" and frame.f_globals.get("__name__") == "vllm.engine.arg_utils":
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False

@@ -1,0 +1,207 @@
+"""Pre-flight check of a ``--kv-transfer-config`` that names KVTierConnector, in well under a second.
+
+The connector validates its configuration only when vLLM constructs it, after the model has
+loaded (a minute or more); a typo then surfaces inside several tracebacks.  This module runs the
+same validator (:class:`kvtier.core.config.KVTierConfig`) plus the transfer-config facts vLLM
+checks, without importing vLLM or torch.  It serves three callers:
+
+* ``kvtier check`` and ``kvtier audit`` (before deploying);
+* :mod:`kvtier.integrations.vllm.plugin`, a vLLM general plugin that runs it inside ``vllm serve``
+  while the command line is parsed, i.e. before the model loads.
+
+What is checked (each problem is one sentence naming the key and the fix):
+
+* the JSON itself, and its top-level keys against vLLM's ``KVTransferConfig`` fields
+  (vllm/config/kv_transfer.py, which forbids unknown keys), with the closest known key suggested;
+* ``kv_connector_module_path`` (vLLM's connector registry does not know KVTierConnector, so
+  without the module path vLLM cannot load it) and ``kv_role`` (required with a connector);
+* ``kv_load_failure_policy``: vLLM's default ``"fail"`` fails a request whose KV could not be
+  loaded; with ``"recompute"`` a kvtier chunk that fails verification is recomputed (warning);
+* ``kv_connector_extra_config`` with :meth:`KVTierConfig.from_dict`: unknown keys (closest key
+  suggested), bad values, disk path checks (missing, not writable, not enough free space, a kernel
+  pseudo filesystem such as ``/proc``), plus ``chunk_tokens`` against ``--block-size`` when known
+  and ``cpu_gib`` against the memory this host has available (the connector refuses both);
+* MultiConnector children that name KVTierConnector are checked the same way.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from kvtier.core.config import GiB, KVTierConfig, did_you_mean, mount_of
+from kvtier.core.errors import ConfigError
+from kvtier.core.sizing import available_memory
+
+CONNECTOR = "KVTierConnector"
+MODULE_PATH = "kvtier.integrations.vllm"
+
+KV_TRANSFER_FIELDS = (
+    "kv_connector", "engine_id", "kv_buffer_device", "kv_role", "kv_port", "kv_connector_extra_config",
+    "kv_connector_module_path", "enable_permute_local_kv", "kv_load_failure_policy",
+)
+"""Fields of vLLM 0.32's ``KVTransferConfig`` (vllm/config/kv_transfer.py); vLLM refuses others."""
+
+KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
+LOAD_FAILURE_POLICIES = ("recompute", "fail")
+
+Severity = Literal["error", "warning"]
+_DISK_KEYS = ("disk_path", "disk_gib")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One finding of the pre-flight.
+
+    Attributes:
+        severity: ``"error"`` (vLLM or kvtier refuses to start) or ``"warning"`` (starts, but not
+            as an operator wants).
+        key: the JSON key it is about, dotted (``kv_connector_extra_config.cpu_gib``).
+        message: one sentence naming what is wrong and the fix.
+    """
+
+    severity: Severity
+    key: str
+    message: str
+
+
+def parse_transfer_config(text: str) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` JSON as a dict.
+
+    Raises:
+        ConfigError: not JSON, or not a JSON object.
+    """
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        where = f" at line {exc.lineno} column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else ""
+        raise ConfigError(f"--kv-transfer-config is not valid JSON{where}; quote it in single quotes on the "
+                          "shell line and check its braces and commas") from None
+    if not isinstance(value, dict):
+        raise ConfigError("--kv-transfer-config must be a JSON object like "
+                          '{"kv_connector":"KVTierConnector", ...}')
+    return value
+
+
+def uses_kvtier(transfer: dict[str, Any]) -> bool:
+    """Whether ``transfer`` names KVTierConnector, directly or as a MultiConnector child."""
+    return bool(_kvtier_entries(transfer))
+
+
+def check_transfer_config(transfer: dict[str, Any] | str, block_size: int | None = None) -> list[Problem]:
+    """Every problem of a ``--kv-transfer-config`` for KVTierConnector, errors first.
+
+    Args:
+        transfer: the JSON text or its parsed dict.
+        block_size: the engine's ``--block-size`` in tokens when known (``chunk_tokens`` must be a
+            multiple of it); None skips that check.
+
+    Returns:
+        Problems, errors before warnings; empty when the config is fine or does not use kvtier.
+        Never raises on bad input: a JSON error is returned as a problem.
+    """
+    if isinstance(transfer, str):
+        try:
+            transfer = parse_transfer_config(transfer)
+        except ConfigError as exc:
+            return [Problem("error", "", str(exc))]
+    problems = [Problem("error", key, f"--kv-transfer-config has an unknown key {key!r}"
+                        f"{did_you_mean(key, KV_TRANSFER_FIELDS)}; vLLM refuses it (known keys: "
+                        f"{', '.join(KV_TRANSFER_FIELDS)})")
+                for key in transfer if key not in KV_TRANSFER_FIELDS]
+    entries = _kvtier_entries(transfer)
+    if not entries:
+        return problems
+    role = transfer.get("kv_role")
+    if role is None:
+        problems.append(Problem("error", "kv_role", 'kv_role is missing; vLLM requires it with kv_connector: add '
+                                '"kv_role":"kv_both" (kvtier loads and saves)'))
+    elif role not in KV_ROLES:
+        problems.append(Problem("error", "kv_role", f"kv_role {role!r} is not one of {', '.join(KV_ROLES)}; "
+                                'use "kv_both"'))
+    policy = transfer.get("kv_load_failure_policy", "fail")
+    if policy not in LOAD_FAILURE_POLICIES:
+        problems.append(Problem("error", "kv_load_failure_policy", f"kv_load_failure_policy {policy!r} is not one of "
+                                'recompute, fail; use "recompute"'))
+    elif policy != "recompute":
+        problems.append(Problem("warning", "kv_load_failure_policy",
+                                'kv_load_failure_policy is "fail" (vLLM\'s default): a request whose kvtier load '
+                                'fails (a chunk that fails verification, a disk error) fails too; add '
+                                '"kv_load_failure_policy":"recompute" so vLLM recomputes those tokens instead'))
+    for prefix, entry in entries:
+        problems.extend(_check_entry(prefix, entry, block_size))
+    return sorted(problems, key=lambda p: p.severity != "error")
+
+
+def _kvtier_entries(transfer: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """``(key prefix, connector dict)`` of every KVTierConnector named in ``transfer``."""
+    if transfer.get("kv_connector") == CONNECTOR:
+        return [("", transfer)]
+    found: list[tuple[str, dict[str, Any]]] = []
+    extra = transfer.get("kv_connector_extra_config")
+    if transfer.get("kv_connector") == "MultiConnector" and isinstance(extra, dict):
+        children = extra.get("connectors")
+        for i, child in enumerate(children if isinstance(children, list) else []):
+            if isinstance(child, dict) and child.get("kv_connector") == CONNECTOR:
+                found.append((f"kv_connector_extra_config.connectors[{i}].", child))
+    return found
+
+
+def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None) -> list[Problem]:
+    problems: list[Problem] = []
+    module = entry.get("kv_connector_module_path")
+    if module != MODULE_PATH:
+        got = "is missing" if module is None else f"is {module!r}"
+        problems.append(Problem("error", f"{prefix}kv_connector_module_path",
+                                f"{prefix}kv_connector_module_path {got}; vLLM finds KVTierConnector only through "
+                                f'"kv_connector_module_path":"{MODULE_PATH}"'))
+    extra = entry.get("kv_connector_extra_config", {})
+    key = f"{prefix}kv_connector_extra_config"
+    if not isinstance(extra, dict):
+        return [*problems, Problem("error", key, f"{key} must be a JSON object of kvtier keys, e.g. "
+                                   '{"cpu_gib": 8}')]
+    fields = KVTierConfig.model_fields
+    for name in extra:
+        if name not in fields:
+            problems.append(Problem("error", f"{key}.{name}",
+                                    f"unknown kvtier config key {name!r}{did_you_mean(name, fields)}; known keys "
+                                    f"are {', '.join(fields)}"))
+    known = {k: v for k, v in extra.items() if k in fields}
+    # each value alone (the disk pair together), so that every bad value is named, not just the first
+    groups = [[k] for k in known if k not in _DISK_KEYS] + [[k for k in known if k in _DISK_KEYS]]
+    good: dict[str, Any] = {}
+    for group in filter(None, groups):
+        try:
+            KVTierConfig.from_dict({k: known[k] for k in group})
+            good.update({k: known[k] for k in group})
+        except ConfigError as exc:
+            problems.append(Problem("error", f"{key}.{group[0]}" if len(group) == 1 else key, str(exc)))
+    try:
+        config = KVTierConfig.from_dict(good)  # the valid values, defaults for the rest
+    except ConfigError as exc:  # a check across groups, or a KVTIER_* variable of this environment
+        return [*problems, Problem("error", key, str(exc))]
+    if block_size is not None:
+        try:
+            config.validate_block_size(block_size)
+        except ConfigError as exc:
+            problems.append(Problem("error", f"{key}.chunk_tokens", str(exc)))
+    available = available_memory()
+    if available and config.cpu_gib * GiB > available:
+        problems.append(Problem("error", f"{key}.cpu_gib",
+                                f"cpu_gib={config.cpu_gib:g} is more than the {available / GiB:.1f} GiB of memory "
+                                "this host has available (the connector refuses it); lower cpu_gib, the total "
+                                "across tensor-parallel ranks"))
+    if config.disk_path and config.disk_gib > 0 and _on_tmpfs(Path(config.disk_path)):
+        problems.append(Problem("warning", f"{key}.disk_path",
+                                f"disk_path {config.disk_path!r} is on tmpfs, i.e. in memory: the disk tier then "
+                                "competes with the cpu tier for RAM and is lost on reboot; use a local disk"))
+    return problems
+
+
+def _on_tmpfs(path: Path) -> bool:
+    while not path.exists():
+        path = path.parent
+    mount = mount_of(path)
+    return mount is not None and mount[0] in ("tmpfs", "ramfs")

@@ -1,0 +1,172 @@
+"""Pre-flight of a KVTierConnector ``--kv-transfer-config``: the checks themselves (real config
+validator, real directories), ``kvtier check`` through the real CLI, and the vLLM plugin inside a
+real ``python -m vllm.entrypoints.openai.api_server``: a bad config stops it before the model loads,
+with one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.integrations.vllm.preflight import check_transfer_config, uses_kvtier
+
+GOOD: dict[str, object] = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"cpu_gib": 0.5}}
+
+
+def transfer(**changes: object) -> dict[str, object]:
+    """GOOD with top-level ``changes``; ``extra=`` replaces kv_connector_extra_config; None deletes a key."""
+    out = dict(GOOD)
+    if "extra" in changes:
+        out["kv_connector_extra_config"] = changes.pop("extra")
+    for key, value in changes.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = value
+    return out
+
+
+def errors(cfg: dict[str, object] | str, block_size: int | None = None) -> list[str]:
+    return [p.message for p in check_transfer_config(cfg, block_size) if p.severity == "error"]
+
+
+def test_a_good_config_has_no_problem(tmp_path):
+    cfg = transfer(extra={"cpu_gib": 0.5, "disk_path": str(tmp_path / "disk"), "disk_gib": 0.01})
+    assert check_transfer_config(cfg, block_size=16) == []
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({"cpu_gb": 4}, "unknown kvtier config key 'cpu_gb' (did you mean 'cpu_gib'?)"),
+    ({"cpu_gib": -4}, "'cpu_gib'"),
+    ({"chunk_tokens": 0}, "'chunk_tokens'"),
+    ({"write_mode": "write-around"}, "'write_mode'"),
+    ({"disk_gib": 10}, "disk_gib is set but disk_path is not"),
+    ({"disk_path": "/proc/kvtier", "disk_gib": 1}, "proc filesystem mounted at /proc"),
+    ({"disk_path": "/sys/kvtier", "disk_gib": 1}, "sysfs filesystem"),
+    ({"cpu_gib": 1 << 20}, "GiB of memory this host has available"),
+])
+def test_bad_extra_config_names_the_key(extra, words):
+    found = errors(transfer(extra=extra))
+    assert len(found) == 1 and words in found[0], found
+
+
+def test_every_bad_value_is_named_not_just_the_first():
+    found = errors(transfer(extra={"cpu_gb": 4, "cpu_gib": -1, "disk_path": "/proc/x", "disk_gib": 1}))
+    assert len(found) == 3
+    assert "cpu_gb" in found[0] and "cpu_gib" in found[1] and "/proc" in found[2]
+
+
+def test_disk_path_that_is_a_file(tmp_path):
+    (tmp_path / "f").write_text("x")
+    found = errors(transfer(extra={"disk_path": str(tmp_path / "f"), "disk_gib": 0.01}))
+    assert len(found) == 1 and "is a file, not a directory" in found[0]
+
+
+def test_chunk_tokens_against_the_block_size():
+    cfg = transfer(extra={"chunk_tokens": 100})
+    assert errors(cfg) == []  # block size unknown: not judged
+    (found,) = errors(cfg, block_size=16)
+    assert "multiple of the engine block size 16" in found
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"kv_connector_module_path": None}, "kv_connector_module_path is missing"),
+    ({"kv_connector_module_path": "kvtier"}, "kv_connector_module_path is 'kvtier'"),
+    ({"kv_role": None}, "kv_role is missing"),
+    ({"kv_role": "both"}, "kv_role 'both' is not one of"),
+    ({"kv_load_failure_policy": "retry"}, "kv_load_failure_policy 'retry' is not one of"),
+    ({"kv_conector_extra_config": {}}, ("unknown key 'kv_conector_extra_config' (did you mean "
+                                       "'kv_connector_extra_config'?)")),
+])
+def test_transfer_config_keys(changes, words):
+    found = errors(transfer(**changes))
+    assert len(found) == 1 and words in found[0], found
+
+
+def test_load_failure_policy_fail_is_a_warning():
+    problems = check_transfer_config(transfer(kv_load_failure_policy=None))
+    assert [(p.severity, p.key) for p in problems] == [("warning", "kv_load_failure_policy")]
+    assert '"kv_load_failure_policy":"recompute"' in problems[0].message
+
+
+def test_not_json_and_other_connectors():
+    (found,) = errors('{"kv_connector": "KVTierConnector",')
+    assert "not valid JSON at line 1" in found
+    other = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
+    assert not uses_kvtier(other) and check_transfer_config(other) == []
+
+
+def test_multiconnector_child_is_checked():
+    child = {k: v for k, v in transfer(extra={"cpu_gb": 1}).items() if k != "kv_load_failure_policy"}
+    multi = {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+             "kv_connector_extra_config": {"connectors": [{"kv_connector": "OffloadingConnector"}, child]}}
+    assert uses_kvtier(multi)
+    (found,) = errors(multi)
+    assert "cpu_gb" in found
+
+
+def kvtier_check(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvtier.cli.main", "check", *args], capture_output=True, text=True,
+                          check=False, timeout=120, env={**os.environ, "COLUMNS": "200"})
+
+
+def test_cli_check_good_bad_and_unreadable(tmp_path):
+    good = kvtier_check(json.dumps(GOOD), "--block-size", "16")
+    assert good.returncode == 0 and good.stdout.startswith("ok:"), good.stderr
+    bad = kvtier_check(json.dumps(transfer(extra={"cpu_gb": 4, "cpu_gib": -4})))
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr
+    assert [ln.split(":")[0] for ln in bad.stdout.splitlines()] == ["error", "error"]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(transfer(kv_load_failure_policy=None)))
+    warned = kvtier_check(str(path), "--json")
+    data = json.loads(warned.stdout)
+    assert warned.returncode == 0 and data["ok"] and data["problems"][0]["key"] == "kv_load_failure_policy"
+    missing = kvtier_check(str(tmp_path / "nope.json"))
+    assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.engine
+def test_vllm_server_with_a_bad_kvtier_config_stops_before_the_model_loads(tiny_model: Path):
+    """The plugin is registered through pyproject's vllm.general_plugins entry point (as installed by make)."""
+    cfg = json.dumps(transfer(extra={"cpu_gb": 4}))
+    proc = subprocess.run([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model),
+                           "--port", "0", "--kv-transfer-config", cfg],
+                          capture_output=True, text=True, check=False, timeout=300,
+                          env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    ours = [ln for ln in proc.stderr.splitlines() if "kvtier" in ln]
+    assert ours == ["ERROR kvtier: invalid --kv-transfer-config: unknown kvtier config key 'cpu_gb' (did you mean "
+                    "'cpu_gib'?); known keys are " + ", ".join(_fields())], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert "Loading weights" not in proc.stderr + proc.stdout  # stopped before any engine or weight work
+
+
+def _fields() -> list[str]:
+    from kvtier.core.config import KVTierConfig
+
+    return list(KVTierConfig.model_fields)
+
+
+@pytest.mark.engine
+def test_kv_transfer_config_built_in_python_raises_instead_of_exiting():
+    """``LLM(kv_transfer_config=KVTransferConfig(...))`` gets an exception naming the key, not an exit."""
+    from pydantic import ValidationError
+
+    from kvtier.integrations.vllm.plugin import register
+
+    register()
+    from vllm.config.kv_transfer import KVTransferConfig
+
+    with pytest.raises(ValidationError, match="did you mean 'cpu_gib'"):
+        KVTransferConfig(kv_connector="KVTierConnector", kv_role="kv_both",
+                         kv_connector_module_path="kvtier.integrations.vllm",
+                         kv_connector_extra_config={"cpu_gb": 4})
+    ok = KVTransferConfig(**{k: v for k, v in GOOD.items()})  # type: ignore[arg-type]
+    assert ok.kv_connector_extra_config == {"cpu_gib": 0.5}
