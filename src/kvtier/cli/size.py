@@ -66,6 +66,15 @@ def _print_text(report, recipe, weights_note: str) -> None:  # type: ignore[no-u
     ]
     if report.sliding_window:
         rows.append(("sliding window", f"{report.sliding_window:,} tokens held by sliding layers"))
+    for group in report.groups:
+        if group["kind"] == "state":
+            held = f"{_fmt_bytes(group['state_bytes_per_sequence'])} per sequence, whatever its length"
+        elif group["kind"] == "sliding":
+            held = f"{group['bytes_per_token']:,} B per token, only the last {group['held_tokens']:,} tokens"
+        else:
+            held = f"{group['bytes_per_token']:,} B per token, every token"
+        label = {"full": "full attention", "sliding": "sliding window", "state": "state"}[group["kind"]]
+        rows.append((f"{label} ({group['num_layers']} layers)", held))
     if report.state_bytes_per_sequence:
         rows.append(("constant state per sequence", _fmt_bytes(report.state_bytes_per_sequence)))
     if report.context_tokens:

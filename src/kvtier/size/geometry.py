@@ -71,6 +71,32 @@ class StateSpec:
 
 
 @dataclass(frozen=True)
+class GroupSize:
+    """What one kind of layer holds, as vLLM groups them (one KV cache group per kind with the
+    hybrid memory allocator; kvtier stores each group apart, see ``docs/vllm.md`` § Hybrid models).
+
+    Attributes:
+        kind: ``"full"`` (every token), ``"sliding"`` (the last ``held_tokens`` tokens) or
+            ``"state"`` (a constant per-sequence state, no per-token bytes).
+        num_layers: layers of this kind.
+        bytes_per_token: bytes per token of all these layers together, all TP ranks (0 for state).
+        held_tokens: sliding window in tokens; None for full attention (all) and state.
+        state_bytes_per_sequence: state bytes per sequence, all TP ranks (0 unless state).
+    """
+
+    kind: str
+    num_layers: int
+    bytes_per_token: int
+    held_tokens: int | None = None
+    state_bytes_per_sequence: int = 0
+
+    def bytes_per_sequence(self, context_tokens: int) -> int:
+        """Bytes this group holds for one sequence of ``context_tokens`` tokens (all TP ranks)."""
+        held = context_tokens if self.held_tokens is None else min(context_tokens, self.held_tokens)
+        return self.bytes_per_token * held + self.state_bytes_per_sequence
+
+
+@dataclass(frozen=True)
 class KVGeometry:
     """What a model's KV cache is made of.
 
@@ -166,6 +192,22 @@ class KVGeometry:
         if self.state is None:
             return 0
         return self.num_state_layers * self.state.bytes_per_rank(tp) * tp
+
+    def groups(self, tp: int, dtype_bytes: int) -> tuple[GroupSize, ...]:
+        """Bytes per token per layer kind (all TP ranks): full attention, sliding window, state.
+
+        Their ``bytes_per_sequence`` add up to :meth:`bytes_per_sequence`.
+        """
+        per_layer = self.layer_token_bytes_per_rank(tp, dtype_bytes) * tp
+        out = []
+        if self.num_full_layers:
+            out.append(GroupSize("full", self.num_full_layers, per_layer * self.num_full_layers))
+        if self.num_swa_layers:
+            out.append(GroupSize("sliding", self.num_swa_layers, per_layer * self.num_swa_layers,
+                                 held_tokens=self.sliding_window or 0))
+        if self.num_state_layers and self.state:
+            out.append(GroupSize("state", self.num_state_layers, 0, state_bytes_per_sequence=self.state_bytes_per_sequence(tp)))
+        return tuple(out)
 
     @property
     def kind(self) -> str:

@@ -12,7 +12,8 @@ Understood layouts (field names as published in the models' ``config.json``):
   ``use_sliding_window: false`` disables it;
 - hybrids: ``layer_types`` entries ``"linear_attention"`` / ``"mamba"`` or ``full_attention_interval``
   (Qwen3-Next / Qwen3.5 gated DeltaNet), ``hybrid_override_pattern`` (Nemotron-H: ``M`` Mamba, ``*``
-  attention), ``attn_layer_period`` / ``attn_layer_offset`` (Jamba, Mamba-1 layers).
+  attention), ``attn_layer_period`` / ``attn_layer_offset`` (Jamba, Mamba-1 layers), ``layer_types``
+  entries ``"conv"`` (LFM2 short convolution: ``conv_L_cache``, ``conv_dim``).
 
 Errors: :class:`UserError` naming the missing or bad field.
 """
@@ -90,7 +91,7 @@ def _layer_kinds(cfg: dict[str, Any], num_layers: int, where: str) -> list[str]:
                 kinds.append("swa")
             elif t in ("full_attention", "attention"):
                 kinds.append("full")
-            elif t in ("linear_attention", "mamba", "mamba2"):
+            elif t in ("linear_attention", "mamba", "mamba2", "conv"):
                 kinds.append("state")
             else:
                 raise UserError(f"{where} has a layer type {t!r} that kvtier size does not know.")
@@ -129,6 +130,10 @@ def _state_spec(cfg: dict[str, Any], where: str) -> StateSpec:
         kernel = _int(cfg, "linear_conv_kernel_dim", where, default=4)
         conv = (kernel - 1) * (2 * nk * dk + nv * dv)
         return StateSpec("gated_deltanet", conv, nv * dk * dv, model_bytes, ssm_bytes, nv)
+    if "conv_L_cache" in cfg:  # LFM2 short convolution: (L_cache - 1) × conv_dim, split over TP like a width
+        width = _int(cfg, "conv_dim", where, default=cfg.get("hidden_size"))
+        kernel = _int(cfg, "conv_L_cache", where)
+        return StateSpec("short_conv", (kernel - 1) * width, 0, model_bytes, ssm_bytes, width)
     heads = cfg.get("mamba_num_heads", cfg.get("mamba_n_heads"))
     if heads is not None:  # Mamba-2 (Nemotron-H, Granite-4.0-H, Falcon-H1)
         heads = _int(cfg, "mamba_num_heads" if "mamba_num_heads" in cfg else "mamba_n_heads", where)

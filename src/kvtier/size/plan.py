@@ -108,6 +108,7 @@ class SizeReport:
     cpu_gib: float | None = None
     disk_gib: float | None = None
     notes: list[str] = field(default_factory=list)
+    groups: list[dict[str, object]] = field(default_factory=list)
 
     @property
     def offload_needed(self) -> bool | None:
@@ -142,6 +143,7 @@ class SizeReport:
             "cpu_gib": self.cpu_gib,
             "disk_gib": self.disk_gib,
             "notes": list(self.notes),
+            "groups": [dict(g) for g in self.groups],
         }
 
 
@@ -178,6 +180,10 @@ def plan(geometry: KVGeometry, dep: Deployment) -> SizeReport:
         sessions=dep.sessions,
         host_ram_gib=dep.host_ram_gib,
     )
+    if len(geometry.groups(tp, nbytes)) > 1:  # a hybrid: one KV cache group per layer kind in vLLM
+        report.groups = [{"kind": g.kind, "num_layers": g.num_layers, "bytes_per_token": g.bytes_per_token,
+                          "held_tokens": g.held_tokens, "state_bytes_per_sequence": g.state_bytes_per_sequence}
+                         for g in geometry.groups(tp, nbytes)]
     if report.kv_bytes_per_token > report.kv_bytes_per_token_tp1:
         why = "the MLA latent has no head dimension" if geometry.mla else f"{geometry.num_kv_heads} KV heads < TP {tp}"
         report.notes.append(

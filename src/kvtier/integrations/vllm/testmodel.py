@@ -133,6 +133,11 @@ def _write_tokenizer(out: Path, vocab_size: int, seed: int) -> int:
     return tok.get_vocab_size()
 
 
+def config_json(geometry: str) -> dict[str, object]:
+    """The ``config.json`` contents :func:`write_model` writes for ``geometry``."""
+    return _config(GEOMETRIES[geometry])
+
+
 def _config(g: Geometry) -> dict[str, object]:
     if g.architecture == "lfm2":
         return _lfm2_config(g)
