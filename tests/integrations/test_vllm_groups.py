@@ -183,3 +183,10 @@ def test_pages_to_load_per_group():
         p.pages_to_load(state, 64, 384, [0] * 13)
     with pytest.raises(ValueError, match="needs 12"):
         p.pages_to_load(fullg, 0, 384, full_table[:5])
+
+
+def test_advice_names_the_chunk_size_a_state_group_wants():
+    assert plan(swa(64), full()).advice() == []
+    assert plan(full(), mamba(64)).advice() == []
+    (note,) = plan(full(), mamba(32)).advice()
+    assert "only about 1 prompt in 2" in note and "set chunk_tokens to 32" in note

@@ -44,6 +44,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 import blake3
 
@@ -118,7 +119,7 @@ def _spec_kind(spec: object) -> GroupKind | None:
     return _KIND_OF_SPEC.get(name)
 
 
-def groups_from_kv_cache_config(kv_cache_config: object) -> tuple[GroupSpec, ...]:
+def groups_from_kv_cache_config(kv_cache_config: Any) -> tuple[GroupSpec, ...]:
     """The groups of a vLLM ``KVCacheConfig`` (``vllm/v1/kv_cache_interface.py``).
 
     Groups vLLM marks ``enable_kv_transfer=False`` are left out (they are rebuilt from another
@@ -210,6 +211,24 @@ class HybridPlan:
             raise ConfigError(f"--prefix-cache-retention-interval {retention_interval} is not a multiple of kvtier's "
                               f"chunk_tokens {chunk_tokens}; sliding-window and state groups can only resume at "
                               "boundaries both keep: use a multiple of chunk_tokens")
+
+    def advice(self) -> list[str]:
+        """Start-up notes on settings that cost hits (logged, not errors).
+
+        A state group has a snapshot only where vLLM ended a step or kept a checkpoint, in
+        practice at ``num_prompt_tokens - 1`` rounded down to the state group's block size
+        (vLLM 0.32 CPU: no checkpoints inside one prefill step).  kvtier resumes only at chunk
+        boundaries, so with ``chunk_tokens`` = k × that block size only about 1 prompt in k
+        ends on a boundary both share.
+        """
+        out = []
+        for g in self.groups:
+            if g.kind is GroupKind.STATE and self.chunk_tokens != g.block_size:
+                out.append(f"KV cache group {g.index} keeps model state at {g.block_size}-token boundaries; with "
+                           f"chunk_tokens {self.chunk_tokens} only about 1 prompt in "
+                           f"{self.chunk_tokens // g.block_size} can resume from kvtier: set chunk_tokens to "
+                           f"{g.block_size} for this model")
+        return out
 
     @property
     def is_hybrid(self) -> bool:

@@ -15,7 +15,9 @@ order.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -91,3 +93,36 @@ def detect_layout(kv_caches: dict[str, torch.Tensor], num_blocks: int, backend: 
     block_shape = tuple(s for d, s in enumerate(first.shape) if d != block_dim)
     block_bytes = math.prod(block_shape) * first.element_size()
     return KVLayout(names, block_dim, block_shape, first.dtype, block_bytes, num_blocks, backend, str(first.device))
+
+
+def detect_group_layouts(kv_caches: dict[str, torch.Tensor], kv_cache_config: Any,
+                         backend_of: Callable[[str], str]) -> dict[int, KVLayout]:
+    """One :class:`KVLayout` per KV cache group of a hybrid model (index → layout).
+
+    With the hybrid KV cache manager, vLLM gives every group its own block table but lays the
+    groups' layers over shared memory: block id ``b`` of a state layer and block id ``b`` of an
+    attention layer can be the same bytes, and a block id belongs to one group at a time.  So each
+    group is copied through its own layers only, and a state layer's block is its view of the page
+    (vLLM 0.32 CPU: ``int8 [num_blocks, 1, 1, state_bytes]``, only the state's bytes, not the
+    padded page).
+
+    Args:
+        kv_caches: ``register_kv_caches``'s argument; kv_cache_config: vLLM's ``KVCacheConfig``.
+        backend_of: layer name → attention backend name (recorded in the namespace).
+
+    Raises:
+        ConfigError: a group's layers are missing from ``kv_caches`` or differ in shape (as
+            :func:`detect_layout`).
+    """
+    num_blocks = int(kv_cache_config.num_blocks)
+    out: dict[int, KVLayout] = {}
+    for index, group in enumerate(kv_cache_config.kv_cache_groups):
+        if not getattr(group, "enable_kv_transfer", True):
+            continue
+        names = [n for n in group.layer_names if n in kv_caches]
+        if len(names) != len(group.layer_names):
+            missing = sorted(set(group.layer_names) - set(names))
+            raise ConfigError(f"vLLM registered no KV cache tensor for {', '.join(missing[:3])} of KV cache group "
+                              f"{index}; kvtier cannot copy that group")
+        out[index] = detect_layout({n: kv_caches[n] for n in names}, num_blocks, backend_of(names[0]))
+    return out
