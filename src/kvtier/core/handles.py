@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,7 +19,7 @@ class LoadHandle:
         keys: the loaded prefix of the chain, ``num_chunks`` keys.
         buffers: uint8 arrays ``[chunk_bytes]`` holding each chunk's verified bytes; zero-copy
             views into the cpu tier where possible.  Valid until :meth:`TieredStore.complete_load`.
-        tiers: ``"cpu"`` or ``"disk"`` per chunk: where the chunk was found.
+        tiers: the name of the tier each chunk was found in (``"cpu"``, ``"disk"``, ``"redis"``).
     """
 
     keys: list[ChunkKey]
@@ -53,3 +55,52 @@ class StoreHandle:
     def num_chunks(self) -> int:
         """Chunks reserved."""
         return len(self.keys)
+
+
+class PendingLookup:
+    """A lookup whose shared-tier part runs in the background, from :meth:`TieredStore.lookup_async`.
+
+    ``poll()`` never blocks: ``None`` means "ask again later" (vLLM's
+    ``get_num_new_matched_tokens`` may return ``(None, False)`` for that, see
+    vllm/v1/core/sched/scheduler.py); otherwise the number of leading chunks available, local
+    and shared together.  Once ``deadline`` (``time.monotonic()`` seconds) has passed without an
+    answer, ``poll()`` returns the local count (the shared tier is then treated as a miss).
+
+    Attributes:
+        local_chunks: leading chunks found in local tiers when the lookup was submitted.
+        chain_chunks: chunks in the chain asked about.
+    """
+
+    def __init__(self, local_chunks: int, chain_chunks: int, future: Future[int] | None = None,
+                 deadline: float = 0.0) -> None:
+        self.local_chunks = local_chunks
+        self.chain_chunks = chain_chunks
+        self.deadline = deadline
+        self.timed_out = False
+        self._future = future
+
+    def poll(self) -> int | None:
+        """Leading chunks available, or ``None`` while the shared tier has not answered."""
+        future = self._future
+        if future is None:
+            return self.local_chunks
+        if future.done():
+            try:
+                return self.local_chunks + future.result()
+            except Exception:  # noqa: BLE001 - a fault in the shared tier is a miss
+                return self.local_chunks
+        if time.monotonic() >= self.deadline:
+            self.timed_out = True
+            return self.local_chunks
+        return None
+
+    def wait(self, timeout_s: float | None = None) -> int:
+        """Block until the answer (at most until the deadline, or ``timeout_s``); for tests and tools."""
+        end = self.deadline if timeout_s is None else min(self.deadline, time.monotonic() + timeout_s)
+        while True:
+            got = self.poll()
+            if got is not None:
+                return got
+            if time.monotonic() >= end:
+                return self.local_chunks
+            time.sleep(0.001)

@@ -1,7 +1,7 @@
 """Prometheus metrics of one kvtier store (prometheus_client).
 
 All names start with ``kvtier_``.  Units follow Prometheus conventions: ``_bytes``, ``_seconds``,
-``_total`` for counters.  Label ``tier`` is ``cpu`` or ``disk``; label ``direction`` is one of
+``_total`` for counters.  Label ``tier`` is a tier name (``cpu``, ``disk``, ``redis``); label ``direction`` is one of
 :data:`DIRECTIONS`.  Each store registers into its own :class:`CollectorRegistry` unless one is
 passed, so several stores (tests, several TP ranks) never collide.
 """
@@ -13,8 +13,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
-DIRECTIONS = ("engine_to_cpu", "cpu_to_engine", "cpu_to_disk", "disk_to_cpu")
-TIERS = ("cpu", "disk")
+DIRECTIONS = ("engine_to_cpu", "cpu_to_engine", "cpu_to_disk", "disk_to_cpu", "cpu_to_redis", "redis_to_cpu")
+TIERS = ("cpu", "disk", "redis")
 
 
 class StoreMetrics:

@@ -1,29 +1,42 @@
-"""TieredStore: chunk storage across a CPU DRAM tier and an optional disk tier.
+"""TieredStore: chunk storage across an ordered list of tiers (cpu, then e.g. disk and redis).
 
-Contract (all methods thread-safe; one lock guards metadata, data copies and disk I/O run
+The tiers come from the configuration's ``tiers`` list, by name (:mod:`kvtier.core.tiers.registry`);
+a tier the configuration does not ask for is skipped.  The first is the top (staging) tier: every
+chunk passes through it (:mod:`kvtier.core.top`).  Each tier below it is a
+:class:`~kvtier.core.lower.LowerTier` with its own policy, pins, bounded write queue and threads.
+
+Contract (all methods thread-safe; one lock guards metadata, data copies and tier I/O run
 outside it on pinned chunks):
 
-- ``lookup(chain) -> int``: how many **leading** chunks of ``chain`` are available in any tier.
-  A chunk is only useful if every chunk before it is available, so the count stops at the first
-  miss.  No pins; results may be stale by the time a load starts (a load may return fewer chunks,
+- ``lookup(chain) -> int``: how many **leading** chunks of ``chain`` are available in the top tier
+  or a local lower tier.  A chunk is only useful if every chunk before it is available, so the
+  count stops at the first miss.  Never asks a shared tier, so it never waits on the network.
+  No pins; results may be stale by the time a load starts (a load may return fewer chunks,
   never wrong ones).
-- ``prepare_load(chain) -> LoadHandle``: pins the longest available prefix.  Chunks found only on
-  disk are read and verified into cpu pages (promotion: hot chunks move up).  A chunk that fails
-  verification ends the prefix.  ``complete_load(handle, success)`` unpins and, only if
-  ``success``, counts hits and refreshes recency.  A failed transfer is never a hit;
-  ``cancel_load(handle)`` unpins a load that will not happen without counting anything.
-- ``prepare_store(chain, start) -> StoreHandle``: reserves cpu pages for the chunks not yet
+- ``lookup_async(chain) -> PendingLookup``: the same, continued in a shared tier in the background
+  (one pipelined batch of presence checks, under ``shared_deadline_s``); ``poll()`` answers
+  "ask again" (``None``) until the shared tier answered or the deadline passed.  At most
+  ``shared_queue_depth`` such lookups run at once; more are answered from local tiers alone
+  and counted in ``shared_lookups_skipped``.
+- ``prepare_load(chain, max_chunks) -> LoadHandle``: pins the longest available prefix.  Chunks
+  found below the top tier are read, verified, and promoted into top-tier pages (hot chunks move
+  up); chunks beyond the local prefix are read from a shared tier, at most ``max_chunks`` in all
+  (pass the count ``lookup_async`` returned).  A chunk that is missing or fails verification ends
+  the prefix.  ``complete_load(handle, success)`` unpins and, only if ``success``, counts hits and
+  refreshes recency.  A failed transfer is never a hit; ``cancel_load(handle)`` unpins a load that
+  will not happen without counting anything.
+- ``prepare_store(chain, start) -> StoreHandle``: reserves top-tier pages for the chunks not yet
   stored; reserved pages are invisible to lookups and cannot be evicted.
   ``complete_store(handle, success)`` publishes them or gives them back.
 - Both ``complete_*`` must be called on every path (``try/finally``); calling twice is a no-op.
-- Eviction: when the cpu tier needs a page, the policy's victim (never a pinned chunk) leaves.
-  In ``write-back`` mode a victim not yet on disk is copied to a staging buffer and queued for
-  the disk (spill); in ``write-through`` mode every stored chunk is queued for the disk at once.
-  The queue is bounded (``save_queue_depth``): when it is full the disk write is dropped and
-  counted in ``dropped_saves``; callers are never blocked.  A background spill keeps
-  ``spill_watermark`` of the cpu pages free so that saves rarely wait on eviction.
-- ``check_integrity()``: used + free == capacity per tier, policies track exactly the resident
-  chunks, and no pins remain (call it once all requests are done).
+- Eviction: when the top tier needs a page, the policy's victim (never a pinned chunk) leaves.
+  A write-back tier (disk in ``write-back`` mode) that lacks the victim gets a staged copy queued
+  (spill); write-through tiers (disk in ``write-through`` mode, every shared tier) get every
+  stored chunk queued at once.  Queues are bounded (``save_queue_depth``): a write that does not
+  fit is dropped and counted in ``dropped_saves``; callers are never blocked.  A background
+  spill keeps ``spill_watermark`` of the top tier's pages free so that saves rarely wait.
+- ``check_integrity()``: each tier's accounting, policies track exactly the resident chunks, and
+  no pins remain (call it once all requests are done).
 
 Sizes: ``chunk_bytes`` is the payload of one chunk; capacities come from
 :class:`~kvtier.core.config.KVTierConfig` divided by ``tp_size`` (sizes are totals across ranks).
@@ -32,12 +45,10 @@ Sizes: ``chunk_bytes`` is the payload of one chunk; capacities come from
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -45,29 +56,32 @@ from prometheus_client import CollectorRegistry
 
 from kvtier.core.changes import ChangeFeedMixin
 from kvtier.core.config import KVTierConfig
-from kvtier.core.handles import LoadHandle, StoreHandle
+from kvtier.core.errors import ConfigError
+from kvtier.core.handles import LoadHandle, PendingLookup, StoreHandle
 from kvtier.core.keys import ChunkKey, Namespace
+from kvtier.core.lower import LowerTier, WriteJob
 from kvtier.core.metrics import StoreMetrics
 from kvtier.core.policies import make_policy
-from kvtier.core.sizing import make_cpu_tier
-from kvtier.core.spill import SpillMixin, WriteJob
-from kvtier.core.tiers.disk import DiskTier
+from kvtier.core.tiers.base import GetResult, StagingTier, Tier
+from kvtier.core.tiers.registry import TierContext, make_tier
+from kvtier.core.top import TopTier
 
 log = logging.getLogger(__name__)
 
 
-class TieredStore(SpillMixin, ChangeFeedMixin):
+class TieredStore(ChangeFeedMixin):
     """The tiered chunk store; see the module docstring for the contract.
 
     Args:
         config: kvtier configuration.
-        namespace: what the stored bytes depend on; selects the disk tier's directory.
+        namespace: what the stored bytes depend on; no tier returns another namespace's chunks.
         chunk_bytes: bytes of one chunk's KV (all layers of this rank), > 0.
         tp_size: tensor-parallel size; capacities are per rank (total / tp_size).
         registry: prometheus registry to register metrics in (a fresh one by default).
 
     Raises:
         ValueError: ``chunk_bytes`` not positive.
+        ConfigError: a tier cannot be built from the configuration.
         OSError: the disk directory cannot be created.
     """
 
@@ -80,138 +94,222 @@ class TieredStore(SpillMixin, ChangeFeedMixin):
         self.chunk_bytes = chunk_bytes
         self.chunk_tokens = config.chunk_tokens
         self.metrics = StoreMetrics(registry)
-        self.metrics.set_config({**config.model_dump(), "chunk_bytes": chunk_bytes, "tp_size": tp_size,
+        self.metrics.set_config({**config.public_dict(), "chunk_bytes": chunk_bytes, "tp_size": tp_size,
                                  "namespace": namespace.digest().hex()})
         self._lock = threading.RLock()
         self._init_feed()
         self.counters: Counter[str] = Counter()
-        self.cpu = make_cpu_tier(config, chunk_bytes, tp_size)
+        ctx = TierContext(config, namespace.digest(), chunk_bytes, tp_size, self.metrics.registry)
+        tiers: list[Tier] = []
+        try:
+            for name in config.tiers:
+                tier = make_tier(name, ctx)
+                if tier is not None:
+                    tiers.append(tier)
+        except BaseException:
+            for tier in tiers:
+                tier.close()
+            raise
+        if not tiers or not isinstance(tiers[0], StagingTier):
+            raise ConfigError(f"the first tier must be a staging tier such as 'cpu', got {config.tiers[0]!r}; "
+                              "list 'cpu' first in tiers")
+        self.cpu: StagingTier = tiers[0]
         self.cpu_policy = make_policy(config.policy)
-        self.disk: DiskTier | None = None
-        self.disk_policy = make_policy(config.policy)
-        if config.disk_path and config.disk_bytes_per_rank(tp_size) > 0:
-            self.disk = DiskTier(config.disk_path, namespace.digest(), config.disk_bytes_per_rank(tp_size),
-                                 fsync=config.disk_fsync, io=config.disk_io, io_threads=config.io_threads)
-            for key in self.disk.keys():  # noqa: SIM118 - a list, oldest first
-                self.disk_policy.insert(key, None)
-            self._trim_disk()
-        self._disk_generation = 0
-        self._pins: Counter[ChunkKey] = Counter()
-        self._disk_pins: Counter[ChunkKey] = Counter()
-        self._spilling: set[ChunkKey] = set()
-        self._staged: dict[ChunkKey, np.ndarray] = {}  # evicted from cpu, queued for disk, still servable
-        self._parent: dict[ChunkKey, ChunkKey | None] = {}
-        self._queue: queue.Queue[WriteJob | None] = queue.Queue(maxsize=config.save_queue_depth)
-        self._workers: list[threading.Thread] = []
-        self._readers: ThreadPoolExecutor | None = None
-        if self.disk is not None:
-            self._readers = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-read")
-            for i in range(config.io_threads):
-                t = threading.Thread(target=self._write_loop, name=f"kvtier-write-{i}", daemon=True)
-                t.start()
-                self._workers.append(t)
-        self.metrics.capacity_bytes.labels("cpu").set(self.cpu.usage().capacity_bytes)
-        self.metrics.capacity_bytes.labels("disk").set(self.disk.capacity_bytes if self.disk else 0)
+        self.top = TopTier(self.cpu, self.cpu_policy, self.metrics, self.counters, config.spill_watermark, chunk_bytes)
+        self.top.on_change = self._note_locked
+        self.lower: list[LowerTier] = []
+        self._local: list[LowerTier] = []
+        self.lower = [LowerTier(t, config.policy, config.write_mode == "write-back", config.io_threads,
+                                config.save_queue_depth, self._lock, self.metrics, self.counters,
+                                self.cpu.view, self._on_written, self._note_locked, self._resync_locked)
+                      for t in tiers[1:]]
+        self.top.back = [lt for lt in self.lower if lt.write_back]
+        self._local = [lt for lt in self.lower if not lt.shared]
+        self._shared = [lt for lt in self.lower if lt.shared]
+        self._through = [lt for lt in self.lower if not lt.write_back]
+        self._lookups_in_flight = 0
+        for t in tiers:
+            self.metrics.capacity_bytes.labels(t.name).set(t.usage().capacity_bytes)
         self._closed = False
+
+    def _on_written(self, job: WriteJob, tier_name: str, ok: bool) -> None:
+        self.top.written(job, ok)  # the top tier is built before the lower tiers that call this
+
+    # ---- what the change feed asks (kvtier.core.changes; the lock held) -------------------
+    def _tier_locked(self, key: ChunkKey) -> str | None:
+        if self.top.holds(key):
+            return self.top.name
+        return next((lt.name for lt in self._local if lt.tier.indexed(key)), None)
+
+    def _dirty_locked(self, key: ChunkKey) -> bool:
+        return bool(self._local) and self.top.holds(key) and not any(lt.tier.indexed(key) for lt in self._local)
+
+    def _held_keys_locked(self) -> list[ChunkKey]:
+        return [*self.cpu.keys(), *self.top.staged, *(k for lt in self._local for k in lt.tier.keys())]  # noqa: SIM118
+
+    def tier(self, name: str) -> Tier | None:
+        """The tier called ``name``, or ``None`` if the store has none."""
+        if name == self.cpu.name:
+            return self.cpu
+        return next((lt.tier for lt in self.lower if lt.name == name), None)
+
+    @property
+    def disk(self) -> Any:
+        """The ``disk`` tier, or ``None`` (a shortcut for tests and tools)."""
+        return self.tier("disk")
 
     # ---- lookup --------------------------------------------------------------------------
     def lookup(self, chain: Sequence[ChunkKey]) -> int:
-        """Leading chunks of ``chain`` available in any tier (see module docstring)."""
+        """Leading chunks of ``chain`` available in local tiers (see module docstring)."""
         start = time.perf_counter()
         found = Counter[str]()
         with self._lock:
             n = 0
             for key in chain:
-                if self.cpu.contains(key) or key in self._staged:
-                    found["cpu"] += 1
-                elif self.disk is not None and self.disk.contains(key):
-                    found["disk"] += 1
+                if self.top.holds(key):
+                    found[self.top.name] += 1
                 else:
-                    break
+                    lt = next((lt for lt in self._local if lt.tier.contains(key)), None)
+                    if lt is None:
+                        break
+                    found[lt.name] += 1
                 n += 1
+        self._count_lookup(len(chain), found)
+        self.metrics.lookup_seconds.observe(time.perf_counter() - start)
+        return n
+
+    def _count_lookup(self, num_chunks: int, found: Counter[str]) -> None:
         m = self.metrics
-        m.lookups_chunks.inc(len(chain))
-        m.lookups_tokens.inc(len(chain) * self.chunk_tokens)
+        m.lookups_chunks.inc(num_chunks)
+        m.lookups_tokens.inc(num_chunks * self.chunk_tokens)
         for tier, count in found.items():
             m.lookup_hit_chunks.labels(tier).inc(count)
             m.lookup_hit_tokens.labels(tier).inc(count * self.chunk_tokens)
-        m.lookup_seconds.observe(time.perf_counter() - start)
-        return n
+
+    def lookup_async(self, chain: Sequence[ChunkKey]) -> PendingLookup:
+        """Local lookup now, continued in the shared tier in the background (see module docstring)."""
+        n = self.lookup(chain)
+        if not self._shared or n >= len(chain):
+            return PendingLookup(n, len(chain))
+        with self._lock:
+            if self._lookups_in_flight >= self.config.shared_queue_depth:
+                self.counters["shared_lookups_skipped"] += 1
+                return PendingLookup(n, len(chain))
+            self._lookups_in_flight += 1
+        rest = list(chain[n:])
+
+        def remote() -> int:
+            try:
+                found = 0
+                for lt in self._shared[:1]:  # the first shared tier answers; chunks must be contiguous
+                    for hit in lt.tier.contains_many(rest):
+                        if not hit:
+                            break
+                        found += 1
+                    if found:
+                        self.metrics.lookup_hit_chunks.labels(lt.name).inc(found)
+                        self.metrics.lookup_hit_tokens.labels(lt.name).inc(found * self.chunk_tokens)
+                return found
+            finally:
+                with self._lock:
+                    self._lookups_in_flight -= 1
+
+        future = self._shared[0].submit(remote)
+        return PendingLookup(n, len(chain), future,  # type: ignore[arg-type]
+                             time.monotonic() + self.config.shared_deadline_s)
 
     # ---- load ----------------------------------------------------------------------------
     def prepare_load(self, chain: Sequence[ChunkKey], max_chunks: int | None = None) -> LoadHandle:
         """Pin and return the longest available prefix of ``chain`` (at most ``max_chunks``)."""
         limit = len(chain) if max_chunks is None else min(max_chunks, len(chain))
         handle = LoadHandle([], [], [])
-        promote: list[tuple[int, ChunkKey, np.ndarray, bool]] = []  # (pos, key, buffer, reserved page)
+        promote: list[tuple[int, ChunkKey, np.ndarray, bool, LowerTier]] = []  # pos, key, buffer, page?, tier
         with self._lock:
             for i in range(limit):
                 key = chain[i]
                 if self.cpu.contains(key):
-                    self._pins[key] += 1
+                    self.top.pin(key)
                     handle.pinned.append(key)
-                    handle.keys.append(key)
-                    handle.buffers.append(self.cpu.view(key))
-                    handle.tiers.append("cpu")
-                elif key in self._staged:  # a private copy, immutable: no pin needed
-                    handle.keys.append(key)
-                    handle.buffers.append(self._staged[key])
-                    handle.tiers.append("cpu")
-                elif self.disk is not None and self.disk.contains(key):
-                    self._disk_pins[key] += 1
-                    page = self.cpu.reserve(key) if self._free_page_locked() else None
-                    buf = page if page is not None else np.empty(self.chunk_bytes, dtype=np.uint8)
-                    promote.append((i, key, buf, page is not None))
-                    handle.keys.append(key)
-                    handle.buffers.append(buf)
-                    handle.tiers.append("disk")
+                    buf = self.cpu.view(key)
+                    source = self.top.name
+                elif key in self.top.staged:  # a private copy, immutable: no pin needed
+                    buf = self.top.staged[key].data
+                    source = self.top.name
                 else:
-                    break
+                    lt = next((lt for lt in self._local if lt.tier.contains(key)), None)
+                    if lt is None:
+                        break
+                    lt.pin_locked(key)
+                    buf = self._promotion_buffer_locked(key, promote, i, lt)
+                    source = lt.name
+                handle.keys.append(key)
+                handle.buffers.append(buf)
+                handle.tiers.append(source)
+        start = handle.num_chunks
+        if start < limit and self._shared:
+            self._plan_shared_reads(chain, start, limit, max_chunks is None, handle, promote)
         if promote:
             self._promote(chain, handle, promote)
         else:
             self._update_usage()
         return handle
 
+    def _promotion_buffer_locked(self, key: ChunkKey, promote: list[tuple[int, ChunkKey, np.ndarray, bool,
+                                 LowerTier]], pos: int, lt: LowerTier) -> np.ndarray:
+        page = self.cpu.reserve(key) if self.top.free_page() else None
+        buf = page if page is not None else np.empty(self.chunk_bytes, dtype=np.uint8)
+        promote.append((pos, key, buf, page is not None, lt))
+        return buf
+
+    def _plan_shared_reads(self, chain: Sequence[ChunkKey], start: int, limit: int, unbounded: bool,
+                           handle: LoadHandle, promote: list[tuple[int, ChunkKey, np.ndarray, bool,
+                                                                   LowerTier]]) -> None:
+        """Queue reads of ``chain[start:limit]`` from the first shared tier (checked first if ``unbounded``)."""
+        lt = self._shared[0]
+        want = list(chain[start:limit])
+        if unbounded:  # nobody asked the shared tier yet: one presence batch, so misses cost no bytes
+            present = lt.tier.contains_many(want)
+            n = next((i for i, hit in enumerate(present) if not hit), len(want))
+            want = want[:n]
+        with self._lock:
+            for offset, key in enumerate(want):
+                handle.keys.append(key)
+                handle.buffers.append(self._promotion_buffer_locked(key, promote, start + offset, lt))
+                handle.tiers.append(lt.name)
+
     def _promote(self, chain: Sequence[ChunkKey], handle: LoadHandle,
-                 promote: list[tuple[int, ChunkKey, np.ndarray, bool]]) -> None:
-        assert self.disk is not None and self._readers is not None
-        disk = self.disk
-        t0 = time.perf_counter()
-        oks = list(self._readers.map(lambda job: disk.get_into(job[1], memoryview(job[2])), promote))
-        seconds = time.perf_counter() - t0
-        failed = [pos for (pos, *_rest), ok in zip(promote, oks) if not ok]
+                 promote: list[tuple[int, ChunkKey, np.ndarray, bool, LowerTier]]) -> None:
+        results: list[GetResult] = []
+        for lt in dict.fromkeys(job[4] for job in promote):  # one batch per tier, in tier order
+            jobs = [job for job in promote if job[4] is lt]
+            t0 = time.perf_counter()
+            got = lt.read([job[1] for job in jobs], [job[2] for job in jobs])
+            seconds = time.perf_counter() - t0
+            results.extend(got)
+            self.metrics.moved(f"{lt.name}_to_cpu", sum(1 for r in got if r) * self.chunk_bytes, seconds)
+        failed = [pos for (pos, *_rest), res in zip(promote, results) if not res]
         cut = min(failed) if failed else None  # handle position == chain position (a prefix)
         with self._lock:
-            for (pos, key, _buf, reserved), ok in zip(promote, oks):
-                self._disk_pins[key] -= 1
-                if self._disk_pins[key] <= 0:
-                    del self._disk_pins[key]
-                if not ok:
-                    self.counters["corrupt_chunks"] += 1
-                    self.metrics.corrupt_chunks.labels("disk").inc()
-                    self.disk_policy.remove(key)
-                    self._note_locked(key)
+            for (pos, key, _buf, reserved, lt), res in zip(promote, results):
+                if not lt.shared:
+                    lt.unpin_locked(key)
+                if res is GetResult.CORRUPT:
+                    self.metrics.corrupt_chunks.labels(lt.name).inc()
+                    lt.forget_locked(key)  # also tells the change feed
                 if cut is not None and pos >= cut:
                     if reserved:
                         self.cpu.abort(key)
                     continue
                 if reserved:
-                    self.cpu.commit(key)
-                    parent = chain[pos - 1] if pos > 0 else None
-                    self._parent[key] = parent
-                    self.cpu_policy.insert(key, parent)
-                    self._note_locked(key)
-                    self._pins[key] += 1
+                    self.top.publish(key, chain[pos - 1] if pos > 0 else None)
+                    self.top.pin(key)
                     handle.pinned.append(key)
             if cut is not None:  # everything from the first unusable chunk on is dropped
                 for key in handle.keys[cut:]:
                     if key in handle.pinned:
                         handle.pinned.remove(key)
-                        self._unpin_locked(key)
+                        self.top.unpin(key)
                 del handle.keys[cut:], handle.buffers[cut:], handle.tiers[cut:]
-        loaded = sum(1 for (pos, *_r), ok in zip(promote, oks) if ok and (cut is None or pos < cut))
-        self.metrics.moved("disk_to_cpu", loaded * self.chunk_bytes, seconds)
         self._update_usage()
 
     def complete_load(self, handle: LoadHandle, success: bool, first_chunk: int = 0) -> None:
@@ -249,32 +347,27 @@ class TieredStore(SpillMixin, ChangeFeedMixin):
                 return False
             handle.done = True
             for key in handle.pinned:
-                self._unpin_locked(key)
+                self.top.unpin(key)
             handle.pinned = []
             if refresh and handle.keys:
                 self.cpu_policy.touch([k for k in handle.keys if self.cpu.contains(k)])
-                on_disk = [k for k, t in zip(handle.keys, handle.tiers) if t == "disk"]
-                if on_disk:
-                    self.disk_policy.touch(on_disk)
+                for lt in self._local:
+                    used = [k for k, t in zip(handle.keys, handle.tiers) if t == lt.name]
+                    if used and lt.policy is not None:
+                        lt.policy.touch(used)
         self._update_usage()
         return True
 
-    def _unpin_locked(self, key: ChunkKey) -> None:
-        self._pins[key] -= 1
-        if self._pins[key] <= 0:
-            del self._pins[key]
-
     # ---- store ---------------------------------------------------------------------------
     def prepare_store(self, chain: Sequence[ChunkKey], start: int = 0) -> StoreHandle:
-        """Reserve cpu pages for ``chain[start:]`` chunks not stored yet (see module docstring)."""
+        """Reserve top-tier pages for ``chain[start:]`` chunks not stored yet (see module docstring)."""
         handle = StoreHandle([], [], [], [])
         with self._lock:
             for i in range(start, len(chain)):
                 key = chain[i]
-                if self.cpu.contains(key) or key in self._staged or \
-                        (self.disk is not None and self.disk.indexed(key)):
+                if self.top.holds(key) or any(lt.tier.indexed(key) for lt in self._local):
                     continue
-                page = self.cpu.reserve(key) if self._free_page_locked() else None
+                page = self.cpu.reserve(key) if self.top.free_page() else None
                 if page is None:
                     dropped = len(chain) - i
                     self.counters["dropped_saves"] += dropped
@@ -296,15 +389,13 @@ class TieredStore(SpillMixin, ChangeFeedMixin):
                 if not success:
                     self.cpu.abort(key)
                     continue
-                self.cpu.commit(key)
-                self._parent[key] = parent
-                self.cpu_policy.insert(key, parent)
-                self._note_locked(key)
-                if self.disk is not None and self.config.write_mode == "write-through":
-                    self._enqueue_locked(WriteJob(key, parent, None, evict_after=False))
+                self.top.publish(key, parent)
+                for lt in self._through:
+                    if not lt.tier.indexed(key):
+                        self.top.enqueue(lt, WriteJob(key, parent, None, evict_after=False))
             if success:
                 self.counters["saved_chunks"] += len(handle.keys)
-                self._spill_ahead_locked()
+                self.top.spill_ahead()
         self._update_usage()
 
     # ---- convenience ---------------------------------------------------------------------
@@ -335,56 +426,81 @@ class TieredStore(SpillMixin, ChangeFeedMixin):
 
     # ---- lifecycle and checks ------------------------------------------------------------
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Wait until queued disk writes are done; False if ``timeout_s`` passed first."""
-        if timeout_s is None:
-            self._queue.join()
-            return True
-        deadline = time.monotonic() + timeout_s
-        while self._queue.unfinished_tasks:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.005)
-        return True
+        """Wait until queued writes of every tier are done; False if ``timeout_s`` passed first."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        done = [lt.flush(deadline) for lt in self.lower]  # every tier, not just up to the first late one
+        return all(done)
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Finish queued writes (up to ``timeout_s``) and stop the worker threads.  Idempotent."""
+        """Finish queued writes (up to ``timeout_s``), stop the threads, close the tiers.  Idempotent."""
         if self._closed:
             return
         self._closed = True
         self.flush(timeout_s)
-        for _ in self._workers:
-            try:
-                self._queue.put(None, timeout=1.0)
-            except queue.Full:
-                break
-        for t in self._workers:
-            t.join(timeout=5.0)
-        if self._readers is not None:
-            self._readers.shutdown(wait=True)
-        if self.disk is not None:
-            self.disk.close()
+        for lt in self.lower:
+            lt.close()
+        self.cpu.close()
+
+    def flush_dirty(self, timeout_s: float) -> tuple[int, int]:
+        """Write every dirty top-tier chunk to the local lower tiers, waiting at most ``timeout_s``.
+
+        Used on a graceful stop so that a restart finds the hot set on disk.  Unlike the save
+        path, this waits for room in the write queues (until the deadline) instead of dropping.
+
+        Returns:
+            ``(written, missed)``: chunks that reached a local lower tier, and chunks still dirty
+            at the deadline (counted in ``flush_missed_chunks``).  ``(0, 0)`` without one.
+        """
+        if not self._local:
+            return 0, 0
+        deadline = time.monotonic() + max(timeout_s, 0.0)
+        before = len(self.dirty_keys())
+        for key in self.dirty_keys():
+            while time.monotonic() < deadline:
+                with self._lock:
+                    missing = [lt for lt in self._local if not lt.tier.indexed(key)]
+                    if not self.cpu.contains(key) or key in self.top.writing or not missing:
+                        break  # evicted (then staged and queued), already on its way, or written
+                    if not any(lt.queue.full() for lt in missing):
+                        for lt in missing:
+                            self.top.enqueue(lt, WriteJob(key, self.top.parent.get(key), None, evict_after=False))
+                        break
+                time.sleep(0.002)
+        while any(lt.queue.unfinished_tasks for lt in self._local) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        missed = len(self.dirty_keys())
+        if missed:
+            self.counters["flush_missed_chunks"] += missed
+        return max(before - missed, 0), missed
+
+    def _pinned_locked(self) -> dict[str, int]:
+        return {self.cpu.name: len(self.top.pins), "disk": 0, **{lt.name: len(lt.pins) for lt in self.lower}}
 
     def _update_usage(self) -> None:
         m = self.metrics
-        m.usage_bytes.labels("cpu").set(self.cpu.usage().used_bytes)
-        if self.disk is not None:
-            m.usage_bytes.labels("disk").set(self.disk.usage().used_bytes)
-        for tier, pins in (("cpu", len(self._pins)), ("disk", len(self._disk_pins))):
+        m.usage_bytes.labels(self.cpu.name).set(self.cpu.usage().used_bytes)
+        for lt in self.lower:
+            m.usage_bytes.labels(lt.name).set(lt.tier.usage().used_bytes)
+        with self._lock:
+            pinned = self._pinned_locked()
+        for tier, pins in pinned.items():
             m.pinned_chunks.labels(tier).set(pins)
             m.pinned_bytes.labels(tier).set(pins * self.chunk_bytes)
         m.dirty_bytes.set(self.dirty_bytes())
 
     def stats(self) -> dict[str, Any]:
-        """Counters and usage, as plain numbers (for tests, logs and ``bench-store``)."""
+        """Counters and usage per tier, as plain numbers (for tests, logs and ``bench-store``)."""
         with self._lock:
             out: dict[str, Any] = dict(self.counters)
-            out["cpu"] = self.cpu.usage()._asdict()
-            out["disk"] = self.disk.usage()._asdict() if self.disk else None
-            out["corrupt_chunks"] = self.disk.corrupt if self.disk else 0
-            out["pinned"] = sum(self._pins.values()) + sum(self._disk_pins.values())
-            out["pinned_chunks"] = {"cpu": len(self._pins), "disk": len(self._disk_pins)}
+            out["disk"] = None
+            out[self.cpu.name] = self.cpu.usage()._asdict()
+            for lt in self.lower:
+                out[lt.name] = lt.tier.usage()._asdict()
+            out["corrupt_chunks"] = self.cpu.corrupt + sum(lt.tier.corrupt for lt in self.lower)
+            out["pinned"] = sum(self.top.pins.values()) + sum(sum(lt.pins.values()) for lt in self.lower)
+            out["pinned_chunks"] = self._pinned_locked()
             out["dirty_bytes"] = self.dirty_bytes()
-            out["queued_writes"] = self._queue.unfinished_tasks
+            out["queued_writes"] = sum(lt.queue.unfinished_tasks for lt in self.lower)
             return out
 
     def check_integrity(self, expect_idle: bool = True) -> None:
@@ -397,21 +513,12 @@ class TieredStore(SpillMixin, ChangeFeedMixin):
             AssertionError: naming the broken invariant.
         """
         with self._lock:
-            self.cpu.check()
-            usage = self.cpu.usage()
-            assert usage.used_bytes + usage.free_bytes == usage.capacity_bytes
-            resident = set(self.cpu.keys())
-            tracked = set(self.cpu_policy.keys())
-            assert resident == tracked, \
-                f"cpu policy tracks {len(tracked)} chunks but {len(resident)} are resident"
-            if self.disk is not None:
-                self.disk.check()
-                d = self.disk.usage()
-                assert d.used_bytes + d.free_bytes == d.capacity_bytes
-                stray = set(self.disk_policy.keys()) - set(self.disk.keys())
-                assert not stray, f"disk policy tracks {len(stray)} chunks that are not on disk"
+            self.top.check()
+            for lt in self.lower:
+                lt.check_locked()
             if expect_idle:
-                assert not self._pins and not self._disk_pins, \
-                    f"pins left behind: {len(self._pins)} cpu, {len(self._disk_pins)} disk"
-                assert not self._spilling and not self._staged and self._queue.unfinished_tasks == 0, \
-                    "disk writes still in flight"
+                lower_pins = {lt.name: len(lt.pins) for lt in self.lower if lt.pins}
+                assert not self.top.pins and not lower_pins, \
+                    f"pins left behind: {len(self.top.pins)} {self.cpu.name}, {lower_pins}"
+                assert not self.top.writing and not self.top.staged and \
+                    not any(lt.queue.unfinished_tasks for lt in self.lower), "writes still in flight"

@@ -8,14 +8,24 @@ callers hold views of).
 
 Two-phase writes let a producer fill a page in place: ``reserve(key)`` hands out a page that
 ``contains`` does not report yet, ``commit(key)`` publishes it, ``abort(key)`` returns it.
+
+Thread-safety: page accounting is guarded by a lock (uncontended under the store, whose own lock
+serialises metadata); byte copies run outside it, on pages the caller keeps alive (the store pins
+them).
 """
 
 from __future__ import annotations
 
+import threading
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from kvtier.core.keys import ChunkKey
-from kvtier.core.tiers.base import Tier, TierUsage
+from kvtier.core.tiers.base import GetResult, PutResult, StagingTier, TierUsage
+
+if TYPE_CHECKING:
+    from kvtier.core.tiers.registry import TierContext
 
 
 def _allocate_pool(num_bytes: int) -> tuple[np.ndarray, bool]:
@@ -33,7 +43,7 @@ def _allocate_pool(num_bytes: int) -> tuple[np.ndarray, bool]:
     return pool, False
 
 
-class CpuTier(Tier):
+class CpuTier(StagingTier):
     """Fixed pool of ``num_pages`` pages of ``page_bytes`` bytes.
 
     Args:
@@ -49,6 +59,7 @@ class CpuTier(Tier):
     def __init__(self, capacity_bytes: int, page_bytes: int) -> None:
         if page_bytes <= 0:
             raise ValueError(f"page_bytes must be positive, got {page_bytes}")
+        super().__init__()
         self.page_bytes = page_bytes
         self.num_pages = max(capacity_bytes, 0) // page_bytes
         self.pool, self.pinned = _allocate_pool(self.num_pages * page_bytes)
@@ -58,6 +69,7 @@ class CpuTier(Tier):
         self._key_to_page: dict[ChunkKey, int] = {}
         self._key_to_len: dict[ChunkKey, int] = {}
         self._reserved: dict[ChunkKey, int] = {}
+        self._lock = threading.RLock()
 
     # ---- two-phase write -----------------------------------------------------------------
     def can_reserve(self) -> bool:
@@ -74,23 +86,26 @@ class CpuTier(Tier):
         length = self.page_bytes if length is None else length
         if length > self.page_bytes:
             raise ValueError(f"chunk of {length} bytes does not fit a {self.page_bytes}-byte page")
-        if not self._free or key in self._key_to_page or key in self._reserved:
-            return None
-        page = self._free.pop()
-        self._reserved[key] = page
-        self._key_to_len[key] = length
+        with self._lock:
+            if not self._free or key in self._key_to_page or key in self._reserved:
+                return None
+            page = self._free.pop()
+            self._reserved[key] = page
+            self._key_to_len[key] = length
         return self._pages[page, :length]
 
     def commit(self, key: ChunkKey) -> None:
         """Publish a reserved page.  Raises KeyError if ``key`` was not reserved."""
-        self._key_to_page[key] = self._reserved.pop(key)
+        with self._lock:
+            self._key_to_page[key] = self._reserved.pop(key)
 
     def abort(self, key: ChunkKey) -> None:
         """Return a reserved page to the free list; unknown keys are ignored."""
-        page = self._reserved.pop(key, None)
-        if page is not None:
-            self._free.append(page)
-            self._key_to_len.pop(key, None)
+        with self._lock:
+            page = self._reserved.pop(key, None)
+            if page is not None:
+                self._free.append(page)
+                self._key_to_len.pop(key, None)
 
     # ---- Tier contract -------------------------------------------------------------------
     def contains(self, key: ChunkKey) -> bool:
@@ -104,44 +119,60 @@ class CpuTier(Tier):
         """Bytes of a resident or reserved chunk.  Raises KeyError if absent."""
         return self._key_to_len[key]
 
-    def get_into(self, key: ChunkKey, dst: memoryview) -> bool:
-        page = self._key_to_page.get(key)
-        if page is None:
-            return False
-        n = self._key_to_len[key]
+    def get_into(self, key: ChunkKey, dst: memoryview) -> GetResult:
+        with self._lock:
+            page = self._key_to_page.get(key)
+            if page is None:
+                return GetResult.MISS
+            n = self._key_to_len[key]
         np.copyto(np.frombuffer(dst, dtype=np.uint8, count=n), self._pages[page, :n])
-        return True
+        return GetResult.HIT
 
-    def put(self, key: ChunkKey, data: memoryview | bytes) -> bool:
-        if key in self._key_to_page:
-            return True
+    def put(self, key: ChunkKey, data: memoryview | bytes) -> PutResult:
+        if key in self._key_to_page or key in self._reserved:  # checked again by reserve
+            return PutResult.PRESENT
         src = np.frombuffer(data, dtype=np.uint8)
         dst = self.reserve(key, src.size)
         if dst is None:
-            return False
+            return PutResult.NO_ROOM
         np.copyto(dst, src)
         self.commit(key)
-        return True
+        return PutResult.STORED
 
     def delete(self, key: ChunkKey) -> bool:
-        page = self._key_to_page.pop(key, None)
-        if page is None:
-            return False
-        self._key_to_len.pop(key, None)
-        self._free.append(page)
+        with self._lock:
+            page = self._key_to_page.pop(key, None)
+            if page is None:
+                return False
+            self._key_to_len.pop(key, None)
+            self._free.append(page)
         return True
 
     def keys(self) -> list[ChunkKey]:
         """Resident keys (committed only)."""
-        return list(self._key_to_page)
+        with self._lock:
+            return list(self._key_to_page)
 
     def usage(self) -> TierUsage:
-        used = (self.num_pages - len(self._free)) * self.page_bytes
-        cap = self.num_pages * self.page_bytes
-        return TierUsage(used, cap - used, cap, len(self._key_to_page))
+        with self._lock:
+            used = (self.num_pages - len(self._free)) * self.page_bytes
+            cap = self.num_pages * self.page_bytes
+            return TierUsage(used, cap - used, cap, len(self._key_to_page))
 
     def check(self) -> None:
         """Assert page accounting: every page is free, reserved or resident, exactly once."""
-        pages = list(self._free) + list(self._reserved.values()) + list(self._key_to_page.values())
+        with self._lock:
+            pages = list(self._free) + list(self._reserved.values()) + list(self._key_to_page.values())
         assert len(pages) == self.num_pages and len(set(pages)) == self.num_pages, \
             f"cpu tier pages leaked or doubled: {len(pages)} accounted of {self.num_pages}"
+
+
+def from_config(ctx: TierContext) -> CpuTier:
+    """The cpu tier of one rank (always present: every chunk passes through it).
+
+    Raises:
+        ConfigError: see :func:`kvtier.core.sizing.make_cpu_tier`.
+    """
+    from kvtier.core.sizing import make_cpu_tier  # sizing imports this module
+
+    return make_cpu_tier(ctx.config, ctx.chunk_bytes, ctx.tp_size)

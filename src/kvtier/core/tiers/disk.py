@@ -32,15 +32,18 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
-from kvtier.core.tiers.base import Tier, TierUsage
+from kvtier.core.tiers.base import GetResult, PutResult, Tier, TierUsage
 from kvtier.core.tiers.chunkfile import HEADER_BYTES, ChunkFormatError, decode_header, encode_header
 from kvtier.core.tiers.chunkio import DEFAULT_SLICE_BYTES, ChunkIO, direct_supported, measure_direct
+
+if TYPE_CHECKING:
+    from kvtier.core.tiers.registry import TierContext
 
 log = logging.getLogger(__name__)
 SUFFIX = ".kvc"
@@ -77,6 +80,7 @@ class DiskTier(Tier):
                  slice_bytes: int = DEFAULT_SLICE_BYTES) -> None:
         if io not in IO_MODES:
             raise ValueError(f"disk I/O mode must be one of {', '.join(IO_MODES)}, got {io!r}")
+        super().__init__()
         self.namespace = namespace
         self.dir = Path(root) / namespace.hex()
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -171,10 +175,13 @@ class DiskTier(Tier):
         """Bytes on disk of a chunk of ``payload_bytes``."""
         return payload_bytes + HEADER_BYTES
 
-    def get_into(self, key: ChunkKey, dst: memoryview) -> bool:
+    def stored_bytes(self, payload_bytes: int) -> int:
+        return self.file_bytes(payload_bytes)
+
+    def get_into(self, key: ChunkKey, dst: memoryview) -> GetResult:
         path = self.path(key)
-        if key in self._bad:
-            return False
+        if key in self._bad:  # counted once already, when it was found unusable
+            return GetResult.MISS
         try:
             try:
                 self._read_verified(key, path, dst)
@@ -185,11 +192,11 @@ class DiskTier(Tier):
         except FileNotFoundError:
             with self._lock:
                 self._forget(key)
-            return False
+            return GetResult.MISS
         except (ChunkFormatError, OSError) as exc:
             self._quarantine(key, path, str(exc))
-            return False
-        return True
+            return GetResult.CORRUPT
+        return GetResult.HIT
 
     def _read_verified(self, key: ChunkKey, path: Path, dst: memoryview) -> None:
         """Read ``key``'s payload into ``dst``; raises ChunkFormatError unless every check passes."""
@@ -237,14 +244,14 @@ class DiskTier(Tier):
             self.corrupt += 1
             self._forget(key)
 
-    def put(self, key: ChunkKey, data: memoryview | bytes) -> bool:
+    def put(self, key: ChunkKey, data: memoryview | bytes) -> PutResult:
         payload = memoryview(data).cast("B")
         size = self.file_bytes(payload.nbytes)
         with self._lock:
             if key in self._key_to_size:
-                return True
+                return PutResult.PRESENT
             if self._used + size > self.capacity_bytes:
-                return False
+                return PutResult.NO_ROOM
             self._key_to_size[key] = size  # reserve room while writing
             self._used += size
         path = self.path(key)
@@ -263,10 +270,10 @@ class DiskTier(Tier):
                 self._forget(key)
                 if not self.dir.is_dir():
                     self._recreate_locked()
-                    return False
+                    return PutResult.FAILED
             log.warning("kvtier disk tier: writing %s failed (%s); chunk not stored", path, exc.strerror)
-            return False
-        return True
+            return PutResult.FAILED
+        return PutResult.STORED
 
     def _write_file(self, key: ChunkKey, tmp: Path, payload: memoryview) -> None:
         io = self._io
@@ -279,14 +286,14 @@ class DiskTier(Tier):
         finally:
             os.close(fd)
 
-    def get_many(self, keys: Sequence[ChunkKey], dsts: Sequence[memoryview]) -> list[bool]:
+    def get_many(self, keys: Sequence[ChunkKey], dsts: Sequence[memoryview]) -> list[GetResult]:
         """Batch :meth:`get_into`, ``io_threads`` chunks at a time."""
         pool = self._pool()
         if pool is None or len(keys) < 2:
             return super().get_many(keys, dsts)
         return list(pool.map(self.get_into, keys, dsts))
 
-    def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> list[bool]:
+    def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> list[PutResult]:
         """Batch :meth:`put`, ``io_threads`` chunks at a time."""
         pool = self._pool()
         if pool is None or len(keys) < 2:
@@ -350,6 +357,21 @@ class DiskTier(Tier):
             assert self._used == sum(self._key_to_size.values()), "disk tier used bytes drifted from its index"
             assert self._adopted or self._used <= self.capacity_bytes, \
                 f"disk tier over capacity: {self._used} > {self.capacity_bytes} bytes"
+
+
+def from_config(ctx: TierContext) -> DiskTier | None:
+    """The disk tier of one rank, or ``None`` without ``disk_path``/``disk_gib``.
+
+    Raises:
+        OSError: the directory cannot be created.
+        ConfigError: a shard directory is not writable.
+    """
+    config = ctx.config
+    capacity = config.disk_bytes_per_rank(ctx.tp_size)
+    if not config.disk_path or capacity <= 0:
+        return None
+    return DiskTier(config.disk_path, ctx.namespace, capacity, fsync=config.disk_fsync, io=config.disk_io,
+                    io_threads=config.io_threads)
 
 
 def _resolve_io(io: IOMode, directory: Path) -> tuple[str, str]:

@@ -1,0 +1,256 @@
+"""One tier below the store's top (cpu) tier, with what the store keeps for it.
+
+A :class:`LowerTier` owns, for its tier: the eviction policy (local tiers only: a shared tier
+evicts on its own), the pins of chunks being read or written, a bounded write queue with its
+writer threads, and a reader pool.  The store hands it :class:`WriteJob` s; a writer thread makes
+room (evicting the policy's victims that are not pinned), writes, and reports back through the
+store's ``on_written`` callback, which releases what the job held in the top tier.
+
+- ``write_back``: the tier receives chunks when they leave the top tier (disk in ``write-back``
+  mode); otherwise every stored chunk is queued at once (``write-through``; always for a shared
+  tier, whose point is that other hosts see the chunk now).
+- The queue holds at most ``queue_depth`` jobs: a job that does not fit is dropped and counted in
+  ``dropped_saves``; callers never wait.
+
+Locking: methods ending in ``_locked`` need the store's lock (passed in as ``lock``); the writer
+threads take it themselves, and do the tier I/O outside it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvtier.core.keys import ChunkKey
+from kvtier.core.metrics import StoreMetrics
+from kvtier.core.policies import EvictionPolicy, make_policy
+from kvtier.core.tiers.base import GetResult, PutResult, Tier
+
+log = logging.getLogger("kvtier.core.store")
+
+
+@dataclass(slots=True)
+class WriteJob:
+    """One queued write of ``key`` into a lower tier.
+
+    Attributes:
+        key / parent: the chunk and the previous chunk of its chain (``None`` for chunk 0).
+        data: a private staged copy of the bytes, or ``None`` to read the pinned top-tier page.
+        evict_after: drop the chunk from the top tier once written (spill ahead).
+    """
+
+    key: ChunkKey
+    parent: ChunkKey | None
+    data: np.ndarray | None
+    evict_after: bool
+
+    @property
+    def from_top(self) -> bool:
+        """Whether the bytes come from a pinned top-tier page."""
+        return self.data is None
+
+
+class LowerTier:
+    """A tier below the top and its policy, pins, write queue and threads (see module docstring).
+
+    Args:
+        tier: the tier.
+        policy: eviction policy name (ignored for a shared tier).
+        write_back: receive chunks on eviction from the top tier instead of at once.
+        io_threads: writer threads and reader pool size.
+        queue_depth: write jobs queued at most.
+        lock: the store's lock.
+        metrics / counters: the store's.
+        source: returns the top tier's bytes of a key (called with the lock held).
+        on_written: ``on_written(job, tier_name, ok)``, called with the lock held after each job.
+        on_change: ``on_change(key)`` when the tier gained or lost ``key``; ``on_resync()`` when
+            it lost its contents (both with the lock held; the store's change feed).
+    """
+
+    def __init__(self, tier: Tier, policy: str, write_back: bool, io_threads: int, queue_depth: int,
+                 lock: threading.RLock, metrics: StoreMetrics, counters: Counter[str],
+                 source: Callable[[ChunkKey], np.ndarray],
+                 on_written: Callable[[WriteJob, str, bool], None],
+                 on_change: Callable[[ChunkKey], None], on_resync: Callable[[], None]) -> None:
+        self.tier = tier
+        self.name = tier.name
+        self.shared = tier.shared
+        self.write_back = write_back and not tier.shared
+        self.policy: EvictionPolicy | None = None if tier.shared else make_policy(policy)
+        self.pins: Counter[ChunkKey] = Counter()
+        self._lock = lock
+        self._metrics = metrics
+        self._counters = counters
+        self._source = source
+        self._on_written = on_written
+        self._on_change = on_change
+        self._on_resync = on_resync
+        self._generation = getattr(tier, "generation", 0)
+        self.queue: queue.Queue[WriteJob | None] = queue.Queue(maxsize=queue_depth)
+        self.readers = ThreadPoolExecutor(io_threads, thread_name_prefix=f"kvtier-{self.name}-lookup") \
+            if tier.shared else None
+        if self.policy is not None:
+            for key in tier.keys():  # noqa: SIM118 - a list, oldest first
+                self.policy.insert(key, None)
+            self._trim()
+        self._workers = [threading.Thread(target=self._write_loop, name=f"kvtier-{self.name}-write-{i}",
+                                          daemon=True) for i in range(io_threads)]
+        for t in self._workers:
+            t.start()
+
+    # ---- reads ---------------------------------------------------------------------------
+    def contains_local(self, key: ChunkKey) -> bool:
+        """Presence in a local tier (a shared tier is never asked synchronously)."""
+        return not self.shared and self.tier.contains(key)
+
+    def read(self, keys: Sequence[ChunkKey], dsts: Sequence[np.ndarray]) -> list[GetResult]:
+        """Read ``keys`` into ``dsts`` (callers pin the keys of a local tier first)."""
+        # one batch: a remote tier pipelines it under its deadline, the disk tier reads in parallel
+        return self.tier.get_many(keys, [memoryview(d.data) for d in dsts])
+
+    def submit(self, fn: Callable[[], object]) -> Future[object]:
+        """Run ``fn`` on this (shared) tier's lookup threads."""
+        assert self.readers is not None, "only a shared tier runs background lookups"
+        return self.readers.submit(fn)
+
+    def forget_locked(self, key: ChunkKey) -> None:
+        """The tier dropped ``key`` (it failed verification): stop tracking it."""
+        if self.policy is not None:
+            self.policy.remove(key)
+        self._on_change(key)
+
+    def pin_locked(self, key: ChunkKey) -> None:
+        self.pins[key] += 1
+
+    def unpin_locked(self, key: ChunkKey) -> None:
+        self.pins[key] -= 1
+        if self.pins[key] <= 0:
+            del self.pins[key]
+
+    # ---- writes --------------------------------------------------------------------------
+    def enqueue(self, job: WriteJob) -> bool:
+        """Queue ``job``; ``False`` (counted in ``dropped_saves``) if the queue is full."""
+        try:
+            self.queue.put_nowait(job)
+            return True
+        except queue.Full:
+            self._counters["dropped_saves"] += 1
+            self._metrics.dropped_saves.inc()
+            return False
+
+    def _trim(self) -> None:
+        """Evict down to capacity when the tier holds more than it may (it was shrunk since)."""
+        assert self.policy is not None
+        exact = getattr(self.tier, "usage_exact", None)
+        used = exact if exact is not None else (lambda: self.tier.usage().used_bytes)
+        while used() > self.tier.usage().capacity_bytes:
+            victim = self.policy.victim()
+            if victim is None:
+                break
+            self._evict_locked(victim)
+
+    def _evict_locked(self, key: ChunkKey) -> None:
+        assert self.policy is not None
+        self.tier.delete(key)
+        self.policy.remove(key)
+        self._on_change(key)
+        self._counters[f"evictions_{self.name}"] += 1
+        self._metrics.evictions.labels(self.name).inc()
+
+    def _write_loop(self) -> None:
+        while True:
+            job = self.queue.get()
+            try:
+                if job is None:
+                    return
+                self._write(job)
+            except Exception:  # a worker must survive any single failure
+                log.exception("kvtier: %s write of a chunk failed", self.name)
+            finally:
+                self.queue.task_done()
+
+    def _make_room_locked(self, size: int) -> bool:
+        if self.policy is None:
+            return True
+        usage = self.tier.usage
+        while usage().used_bytes + size > usage().capacity_bytes:
+            victim = self.policy.victim(lambda k: k not in self.pins)
+            if victim is None:
+                return False
+            self._evict_locked(victim)
+        return True
+
+    def _write(self, job: WriteJob) -> None:
+        tier = self.tier
+        with self._lock:
+            data = self._source(job.key) if job.from_top else job.data
+            room = self._make_room_locked(tier.stored_bytes(data.size if data is not None else 0))
+            if room:
+                self.pins[job.key] += 1
+        result = PutResult.NO_ROOM
+        t0 = time.perf_counter()
+        if room and data is not None:
+            result = tier.put(job.key, memoryview(data.data))
+        seconds = time.perf_counter() - t0
+        ok = bool(result)
+        with self._lock:
+            generation = getattr(tier, "generation", 0)
+            if generation != self._generation and self.policy is not None:
+                # the tier lost its contents (a recreated directory): resync the policy
+                self._generation = generation
+                for key in list(self.policy.keys()):
+                    if not tier.indexed(key):
+                        self.policy.remove(key)
+                self._on_resync()
+            if room:
+                self.unpin_locked(job.key)
+            if ok and self.policy is not None:
+                self.policy.insert(job.key, job.parent)
+            if not ok:
+                log.debug("kvtier: %s write of %s dropped (%s)", self.name, job.key.hex(), result.value)
+                self._counters["dropped_saves"] += 1
+                self._metrics.dropped_saves.inc()
+            self._on_change(job.key)
+            self._on_written(job, self.name, ok)
+        if result is PutResult.STORED and data is not None:
+            self._metrics.moved(f"cpu_to_{self.name}", data.size, seconds)
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def flush(self, deadline: float | None) -> bool:
+        """Wait until queued writes are done; ``False`` if ``deadline`` (monotonic) passed first."""
+        if deadline is None:
+            self.queue.join()
+            return True
+        while self.queue.unfinished_tasks:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def close(self) -> None:
+        """Stop the writer threads (after :meth:`flush`), the readers, and the tier."""
+        for _ in self._workers:
+            try:
+                self.queue.put(None, timeout=1.0)
+            except queue.Full:
+                break
+        for t in self._workers:
+            t.join(timeout=5.0)
+        if self.readers is not None:
+            self.readers.shutdown(wait=True)
+        self.tier.close()
+
+    def check_locked(self) -> None:
+        """Assert the tier's accounting and that the policy tracks only stored chunks."""
+        self.tier.check()
+        if self.policy is not None:
+            stray = set(self.policy.keys()) - set(self.tier.keys())
+            assert not stray, f"{self.name} policy tracks {len(stray)} chunks that are not in the tier"

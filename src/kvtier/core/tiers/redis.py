@@ -1,0 +1,373 @@
+"""Redis / Valkey shared tier (standalone or Cluster) on redis-py.
+
+- **One value per chunk**, written with one ``SET key value EX ttl NX``: a header (format version,
+  namespace, key, length, digest) and the payload (:mod:`kvtier.core.tiers.sharedvalue`).  A read
+  verifies everything; a value that fails is a ``CORRUPT`` miss and is deleted.  A key the server
+  evicted on its own (``maxmemory``, TTL) is a plain miss.
+- **Keys** are ``<prefix><namespace hex>:<chunk key hex>``, built in one place for every command
+  (sglang#17265 applied its prefix to SET/GET but not EXISTS).  No hash tag: in a Cluster the
+  chunks of one prefix spread over all slots and shards.
+- **Batches**: ``contains_many`` / ``get_many`` send one pipeline (redis-py's Cluster pipeline
+  splits it per node), so a step costs one round trip per server, not one per chunk
+  (LMCache#1639).
+- **Bounded**: network calls run on the tier's own threads (``io_threads``), at most
+  ``queue_depth`` calls waiting; the caller waits at most ``deadline_s`` and then gets misses
+  (bytes arriving later are dropped, never copied into a buffer the caller has given back).
+  Sockets carry connect and read/write timeouts, and redis-py's own retries are off: the circuit
+  breaker decides when to try again.
+- **Faults are misses**: a timeout, connection error or server error fails the call; after
+  ``breaker_failures`` in a row the breaker opens, lookups and reads miss and writes are skipped
+  (counted) without touching the network, and one probe per ``breaker_probe_s`` checks whether
+  the server is back (:mod:`kvtier.core.tiers.breaker`).
+- **Secrets**: the password comes from the URL, an environment variable or a file; no log line
+  or metric shows it (URLs are redacted).
+
+Thread-safe.  Metrics: :class:`~kvtier.core.tiers.tiermetrics.TierMetrics` (``kvtier_tier_*``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from kvtier.core.config import redact_url
+from kvtier.core.errors import ConfigError
+from kvtier.core.keys import ChunkKey
+from kvtier.core.tiers.base import GetResult, PutResult, Tier, TierUsage
+from kvtier.core.tiers.breaker import CircuitBreaker
+from kvtier.core.tiers.sharedvalue import HEADER_BYTES, SharedValueError, ValueCodec, copy_payload
+from kvtier.core.tiers.tiermetrics import TierMetrics
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from kvtier.core.config import KVTierConfig
+    from kvtier.core.tiers.registry import TierContext
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+WRITTEN_KEYS_MAX = 1 << 16
+"""Keys this process remembers having written (``indexed``/``keys``), most recent kept."""
+
+
+class RedisTier(Tier):
+    """Chunks as values in Redis/Valkey (see the module docstring).
+
+    Args:
+        client: a redis-py ``Redis`` or ``RedisCluster`` client (timeouts set, retries off).
+        namespace: 16-byte namespace digest.
+        secret: shared secret bytes (keyed MAC) or ``None``.
+        key_prefix: prefix of every key.
+        ttl_s: seconds each value lives.
+        deadline_s: longest a caller waits for one call or batch.
+        io_threads / queue_depth: the tier's threads and how many calls may wait for them.
+        breaker: the circuit breaker.
+        registry: prometheus registry for the tier's metrics.
+        where: the redacted URL, for log lines.
+    """
+
+    name = "redis"
+    shared = True
+
+    def __init__(self, client: Any, namespace: bytes, secret: bytes | None, key_prefix: str, ttl_s: int,
+                 deadline_s: float, io_threads: int, queue_depth: int, breaker: CircuitBreaker,
+                 registry: CollectorRegistry | None = None, where: str = "redis") -> None:
+        super().__init__()
+        self.client = client
+        self.codec = ValueCodec(namespace, secret)
+        self.prefix = f"{key_prefix}{namespace.hex()}:".encode()
+        self.ttl_s = ttl_s
+        self.deadline_s = deadline_s
+        self.breaker = breaker
+        self.metrics = TierMetrics(self.name, registry)
+        self.where = where
+        self.skipped_writes = 0
+        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-redis")
+        self._slots = threading.BoundedSemaphore(io_threads + queue_depth)
+        self._lock = threading.Lock()
+        self._written: OrderedDict[ChunkKey, int] = OrderedDict()  # key -> value bytes, oldest first
+        self._used = 0
+        self._closed = False
+        self._last_error = 0.0
+
+    # ---- keys and the call path ----------------------------------------------------------
+    def rkey(self, key: ChunkKey) -> bytes:
+        """The Redis key of a chunk (the only place keys are built)."""
+        return self.prefix + key.hex().encode()
+
+    def _call(self, op: str, fn: Callable[[], T]) -> T | None:
+        """Run ``fn`` on the tier's threads under the deadline; ``None`` on any fault (counted)."""
+        if self._closed or not self._slots.acquire(blocking=False):  # every thread busy, queue full
+            self.metrics.skip(op)
+            return None
+        if not self.breaker.allow():
+            self._slots.release()
+            self.metrics.skip(op)
+            return None
+        t0 = time.perf_counter()
+        future: Future[T] = self._pool.submit(self._run, fn)
+        try:
+            result = future.result(timeout=self.deadline_s)
+        except FutureTimeout:
+            if future.cancel():  # never started: its slot is ours to give back
+                self._slots.release()
+            self._fault(op, f"deadline of {self.deadline_s:.3f} s passed")
+            return None
+        except Exception as exc:  # noqa: BLE001 - every server or network fault is a miss
+            self._fault(op, f"{type(exc).__name__}: {exc}")
+            return None
+        self.breaker.success()
+        self.metrics.set_breaker(self.breaker.state)
+        self.metrics.observe(op, time.perf_counter() - t0)
+        return result
+
+    def _run(self, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        finally:
+            self._slots.release()
+
+    def _fault(self, op: str, reason: str) -> None:
+        self.breaker.failure()
+        self.metrics.error(op)
+        self.metrics.set_breaker(self.breaker.state)
+        now = time.monotonic()
+        if now - self._last_error > 10.0:  # one line per 10 s, not one per call
+            self._last_error = now
+            log.warning("kvtier redis tier (%s): %s failed (%s); treated as a miss, breaker %s",
+                        self.where, op, reason, self.breaker.state.name.lower())
+
+    # ---- Tier contract -------------------------------------------------------------------
+    def contains(self, key: ChunkKey) -> bool:
+        return self.contains_many([key])[0]
+
+    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        if not keys:
+            return []
+        rkeys = [self.rkey(k) for k in keys]
+
+        def exists() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for rk in rkeys:
+                pipe.exists(rk)
+            return list(pipe.execute())
+
+        got = self._call("lookup", exists)
+        self.metrics.lookups.inc(len(keys))
+        if got is None:
+            return [False] * len(keys)
+        found = [bool(n) for n in got]
+        self.metrics.hits.inc(sum(found))
+        return found
+
+    def get_into(self, key: ChunkKey, dst: memoryview) -> GetResult:
+        return self.get_many([key], [dst])[0]
+
+    def get_many(self, keys: Sequence[ChunkKey], dsts: Sequence[memoryview]) -> list[GetResult]:
+        if not keys:
+            return []
+        rkeys = [self.rkey(k) for k in keys]
+
+        def fetch() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for rk in rkeys:
+                pipe.get(rk)
+            return list(pipe.execute())
+
+        t0 = time.perf_counter()
+        values = self._call("get", fetch)
+        if values is None:
+            return [GetResult.MISS] * len(keys)
+        results: list[GetResult] = []
+        bad: list[bytes] = []
+        num_bytes = 0
+        for key, rk, value, dst in zip(keys, rkeys, values, dsts, strict=True):
+            if value is None:  # never written, expired, or evicted by the server
+                self._forget(key)
+                results.append(GetResult.MISS)
+                continue
+            try:
+                decoded = self.codec.decode(key, value, memoryview(dst).nbytes)
+            except SharedValueError as exc:
+                log.warning("kvtier redis tier (%s): value of chunk %s is unusable (%s); deleted, treated "
+                            "as a miss", self.where, key.hex(), exc)
+                bad.append(rk)
+                self._forget(key)
+                with self._lock:
+                    self.corrupt += 1
+                self.metrics.corrupt.inc()
+                results.append(GetResult.CORRUPT)
+                continue
+            copy_payload(value, decoded, dst)
+            num_bytes += decoded.length
+            results.append(GetResult.HIT)
+        if bad:
+            self._call("delete", lambda: self._delete_each(bad))
+        self.metrics.moved("read", num_bytes, time.perf_counter() - t0)
+        return results
+
+    def _delete_each(self, rkeys: Sequence[bytes]) -> int:
+        pipe = self.client.pipeline(transaction=False)
+        for rk in rkeys:  # one DEL per key: a multi-key DEL fails across Cluster slots
+            pipe.delete(rk)
+        return sum(int(n) for n in pipe.execute())
+
+    def put(self, key: ChunkKey, data: memoryview | bytes) -> PutResult:
+        value = self.codec.encode(key, data)
+        rk = self.rkey(key)
+        t0 = time.perf_counter()
+        created = self._call("put", lambda: bool(self.client.set(rk, value, ex=self.ttl_s, nx=True)))
+        if created is None:  # a fault, or skipped while the breaker is open
+            with self._lock:
+                self.skipped_writes += 1
+            return PutResult.FAILED
+        with self._lock:
+            if key not in self._written:
+                self._written[key] = len(value)
+                self._used += len(value)
+                while len(self._written) > WRITTEN_KEYS_MAX:
+                    _, size = self._written.popitem(last=False)
+                    self._used -= size
+        if not created:
+            return PutResult.PRESENT
+        self.metrics.moved("write", len(value) - HEADER_BYTES, time.perf_counter() - t0)
+        return PutResult.STORED
+
+    def delete(self, key: ChunkKey) -> bool:
+        rk = self.rkey(key)
+        self._forget(key)
+        removed = self._call("delete", lambda: int(self.client.delete(rk)))
+        return bool(removed)
+
+    def _forget(self, key: ChunkKey) -> None:
+        with self._lock:
+            size = self._written.pop(key, None)
+            if size is not None:
+                self._used -= size
+
+    def indexed(self, key: ChunkKey) -> bool:
+        """Whether this process wrote ``key`` and has not seen it vanish (no network)."""
+        with self._lock:
+            return key in self._written
+
+    def keys(self) -> list[ChunkKey]:
+        with self._lock:
+            return list(self._written)
+
+    def stored_bytes(self, payload_bytes: int) -> int:
+        return payload_bytes + HEADER_BYTES
+
+    def usage(self) -> TierUsage:
+        with self._lock:
+            return TierUsage(self._used, 0, self._used, len(self._written))
+
+    def check(self) -> None:
+        with self._lock:
+            assert self._used == sum(self._written.values()), "redis tier written bytes drifted from its index"
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        try:
+            self.client.close()
+        except Exception as exc:  # noqa: BLE001 - closing a dead connection may fail; nothing to do
+            log.debug("kvtier redis tier: close: %s", exc)
+
+
+def _password(config: KVTierConfig) -> str | None:
+    if config.redis_password_env:
+        value = os.environ.get(config.redis_password_env)
+        if value is None:
+            raise ConfigError(f"redis_password_env names {config.redis_password_env!r} but that environment "
+                              "variable is not set; set it or remove redis_password_env")
+        return value
+    if config.redis_password_file:
+        try:
+            return Path(config.redis_password_file).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read redis_password_file {config.redis_password_file!r}: "
+                              f"{exc.strerror}; fix the path or its permissions") from None
+    return None
+
+
+def shared_secret(config: KVTierConfig) -> bytes | None:
+    """The shared secret from ``shared_secret`` or ``shared_secret_file`` (``None`` if neither).
+
+    Raises:
+        ConfigError: the file cannot be read or holds fewer than 16 characters.
+    """
+    if config.shared_secret:
+        return config.shared_secret.encode()
+    if config.shared_secret_file:
+        try:
+            text = Path(config.shared_secret_file).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read shared_secret_file {config.shared_secret_file!r}: {exc.strerror}; "
+                              "fix the path or its permissions") from None
+        if len(text) < 16:
+            raise ConfigError(f"shared_secret_file {config.shared_secret_file!r} holds fewer than 16 characters; "
+                              "use a long random secret (e.g. openssl rand -hex 32)")
+        return text.encode()
+    return None
+
+
+def make_client(config: KVTierConfig) -> Any:
+    """A redis-py client for ``config.redis_url`` (Cluster client if ``redis_cluster``), timeouts set,
+    redis-py's retries off.  Connects lazily (standalone) or to the seed node (Cluster).
+
+    Raises:
+        ConfigError: redis-py is not installed, or the Cluster seed node cannot be reached.
+    """
+    try:
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+    except ImportError:
+        raise ConfigError("the redis tier needs redis-py; install it (pip install redis) or unset redis_url") from None
+    assert config.redis_url is not None
+    kwargs: dict[str, Any] = {
+        "socket_connect_timeout": config.redis_connect_timeout_s,
+        "socket_timeout": config.redis_timeout_s,
+        "retry": Retry(NoBackoff(), 0),
+    }
+    password = _password(config)
+    if password is not None:
+        kwargs["password"] = password
+    if config.redis_url.startswith("rediss://") and config.redis_tls_ca_file:
+        kwargs["ssl_ca_certs"] = config.redis_tls_ca_file
+    if not config.redis_cluster:
+        kwargs["health_check_interval"] = 0
+        return redis.Redis.from_url(config.redis_url, **kwargs)
+    from redis.cluster import RedisCluster
+
+    try:
+        return RedisCluster.from_url(config.redis_url, require_full_coverage=False, **kwargs)
+    except (redis.RedisError, OSError) as exc:
+        raise ConfigError(f"cannot reach the Redis Cluster seed node {redact_url(config.redis_url)} ({exc}); "
+                          "start the cluster or fix redis_url") from None
+
+
+def from_config(ctx: TierContext) -> RedisTier | None:
+    """The redis tier, or ``None`` without ``redis_url``.
+
+    Raises:
+        ConfigError: see :func:`make_client`, :func:`shared_secret`.
+    """
+    config = ctx.config
+    if not config.redis_url:
+        return None
+    client = make_client(config)
+    return RedisTier(client, ctx.namespace, shared_secret(config), config.redis_key_prefix, config.redis_ttl_s,
+                     config.shared_deadline_s, config.io_threads, config.shared_queue_depth,
+                     CircuitBreaker(config.redis_breaker_failures, config.redis_breaker_probe_s),
+                     ctx.registry, redact_url(config.redis_url))

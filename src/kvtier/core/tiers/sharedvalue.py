@@ -1,0 +1,122 @@
+"""Encoding of one chunk as one value in a shared store (Redis/Valkey): a header, then the payload.
+
+Layout (little-endian), 64 bytes of header then ``length`` bytes of payload::
+
+    offset  size  field
+    0       4     magic  b"KVTR"
+    4       2     format version (1)
+    6       1     digest kind: 0 = XXH3-128 checksum, 1 = keyed BLAKE3-128 MAC
+    7       1     reserved (zero)
+    8       16    namespace digest
+    24      16    chunk key
+    40      8     payload length, bytes
+    48      16    digest of bytes 0..47 followed by the payload
+
+Header and payload travel in one value written by one ``SET``, so the server can never evict
+one without the other (LMCache#426 kept them in two keys and served false hits).  The digest
+covers the header fields too, so a value moved under another key or namespace fails.
+
+With a ``shared_secret`` the digest is a keyed BLAKE3 MAC: a shared server is a trust boundary,
+and a writer without the secret cannot plant a value that a reader accepts.  The MAC key is
+derived from the secret with BLAKE3's key-derivation mode (context ``"kvtier shared tier v1
+MAC"``), so the secret itself never keys anything else.  Without a secret the digest is XXH3-128,
+which catches corruption, not forgery.
+"""
+
+from __future__ import annotations
+
+import hmac
+import struct
+from typing import NamedTuple
+
+import blake3
+import numpy as np
+import xxhash
+
+MAGIC = b"KVTR"
+VERSION = 1
+HEADER_BYTES = 64
+DIGEST_BYTES = 16
+_FIELDS = struct.Struct("<4sHBB16s16sQ")  # 48 bytes, followed by the digest
+KIND_CHECKSUM = 0
+KIND_MAC = 1
+MAC_CONTEXT = "kvtier shared tier v1 MAC"
+
+
+class SharedValueError(Exception):
+    """The bytes are not a valid value for this namespace, key and secret (a miss)."""
+
+
+class Decoded(NamedTuple):
+    """Where the verified payload lies inside a value: ``value[offset:offset + length]``."""
+
+    offset: int
+    length: int
+
+
+class ValueCodec:
+    """Encodes and verifies values of one namespace, with or without a shared secret.
+
+    Args:
+        namespace: 16-byte namespace digest.
+        secret: the shared secret (bytes), or ``None`` for a plain checksum.
+    """
+
+    def __init__(self, namespace: bytes, secret: bytes | None) -> None:
+        if len(namespace) != 16:
+            raise ValueError(f"namespace digest must be 16 bytes, got {len(namespace)}")
+        self.namespace = namespace
+        self.kind = KIND_CHECKSUM if secret is None else KIND_MAC
+        self._mac_key = None if secret is None else blake3.blake3(secret, derive_key_context=MAC_CONTEXT).digest()
+
+    def _digest(self, fields: bytes | memoryview, payload: memoryview | bytes) -> bytes:
+        if self._mac_key is None:
+            h = xxhash.xxh3_128(fields)
+            h.update(payload)
+            return h.digest()
+        mac = blake3.blake3(fields, key=self._mac_key)
+        mac.update(payload)
+        return mac.digest(DIGEST_BYTES)
+
+    def encode(self, key: bytes, payload: memoryview | bytes) -> bytearray:
+        """One value: header + a copy of ``payload`` (``len(payload)`` bytes)."""
+        view = memoryview(payload).cast("B")
+        fields = _FIELDS.pack(MAGIC, VERSION, self.kind, 0, self.namespace, key, view.nbytes)
+        value = bytearray(HEADER_BYTES + view.nbytes)
+        value[HEADER_BYTES:] = view
+        value[:_FIELDS.size] = fields
+        value[_FIELDS.size:HEADER_BYTES] = self._digest(fields, view)
+        return value
+
+    def decode(self, key: bytes, value: bytes, max_length: int) -> Decoded:
+        """Verify ``value`` for ``key``; where its payload lies.
+
+        Raises:
+            SharedValueError: short, foreign format or version, another namespace, key or digest
+                kind, a length that disagrees with the value or exceeds ``max_length``, or a
+                digest mismatch.
+        """
+        if len(value) < HEADER_BYTES:
+            raise SharedValueError(f"value truncated ({len(value)} bytes, header alone is {HEADER_BYTES})")
+        magic, version, kind, reserved, namespace, stored_key, length = _FIELDS.unpack_from(value)
+        if magic != MAGIC or version != VERSION or reserved:
+            raise SharedValueError("not a kvtier value of a known format version")
+        if namespace != self.namespace or stored_key != key:
+            raise SharedValueError("value belongs to another namespace or key")
+        if kind != self.kind:
+            raise SharedValueError("value was written with a different shared_secret setting")
+        if length != len(value) - HEADER_BYTES:
+            raise SharedValueError(f"payload is {len(value) - HEADER_BYTES} bytes, header says {length}")
+        if length > max_length:
+            raise SharedValueError(f"payload of {length} bytes exceeds the {max_length}-byte buffer")
+        view = memoryview(value)
+        expect = self._digest(view[:_FIELDS.size], view[HEADER_BYTES:])
+        if not hmac.compare_digest(expect, bytes(view[_FIELDS.size:HEADER_BYTES])):
+            raise SharedValueError("digest mismatch (corrupt, or written without the shared secret)")
+        return Decoded(HEADER_BYTES, length)
+
+
+def copy_payload(value: bytes, decoded: Decoded, dst: memoryview) -> None:
+    """Copy a verified payload into ``dst``."""
+    src = np.frombuffer(value, dtype=np.uint8, count=decoded.length, offset=decoded.offset)
+    np.copyto(np.frombuffer(dst, dtype=np.uint8, count=decoded.length), src)

@@ -1,0 +1,183 @@
+"""The store's top tier (cpu) and what the store keeps for it: policy, pins, staged copies.
+
+Every chunk passes through the top tier: saves are staged in its pages, loads from lower tiers
+are promoted into them.  :class:`TopTier` tracks
+
+- ``pins``: chunks that callers hold views of, or that a write job reads; never evicted;
+- ``staged``: private copies of chunks already evicted from the pages but still queued for a
+  write-back tier; servable until every queued write of them is done (``pending``);
+- ``parent``: the previous chunk of each resident chunk's chain, for the policies.
+
+Eviction lives here too: when a page is needed the policy's victim (never a pinned chunk) leaves;
+a write-back tier (``back``) that lacks it gets a staged copy queued, so the page is free at once;
+``spill_ahead`` queues likely victims early (pinned, evicted once written) to keep
+``spill_watermark`` of the pages free.
+
+All methods need the store's lock.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvtier.core.keys import ChunkKey
+from kvtier.core.lower import LowerTier, WriteJob
+from kvtier.core.metrics import StoreMetrics
+from kvtier.core.policies import EvictionPolicy
+from kvtier.core.tiers.base import StagingTier
+
+
+@dataclass(slots=True)
+class StagedCopy:
+    """A copy of an evicted chunk and the number of writes of it still queued."""
+
+    data: np.ndarray
+    pending: int = 0
+
+
+class TopTier:
+    """The top (staging) tier with its policy, pins and staged copies (see module docstring)."""
+
+    def __init__(self, tier: StagingTier, policy: EvictionPolicy, metrics: StoreMetrics,
+                 counters: Counter[str], spill_watermark: float, chunk_bytes: int) -> None:
+        self.tier = tier
+        self.back: list[LowerTier] = []  # write-back tiers, set by the store once they exist
+        self.spill_watermark = spill_watermark
+        self.chunk_bytes = chunk_bytes
+        self.name = tier.name
+        self.policy = policy
+        self.pins: Counter[ChunkKey] = Counter()
+        self.writing: Counter[ChunkKey] = Counter()  # write jobs reading a page (subset of pins)
+        self.staged: dict[ChunkKey, StagedCopy] = {}
+        self.parent: dict[ChunkKey, ChunkKey | None] = {}
+        self._metrics = metrics
+        self._counters = counters
+        self.on_change: Callable[[ChunkKey], None] = lambda key: None  # the store's change feed
+
+    def holds(self, key: ChunkKey) -> bool:
+        """Resident in a page or staged."""
+        return self.tier.contains(key) or key in self.staged
+
+    def pin(self, key: ChunkKey) -> None:
+        self.pins[key] += 1
+
+    def unpin(self, key: ChunkKey) -> None:
+        self.pins[key] -= 1
+        if self.pins[key] <= 0:
+            del self.pins[key]
+
+    def evictable(self, key: ChunkKey) -> bool:
+        return key not in self.pins
+
+    def publish(self, key: ChunkKey, parent: ChunkKey | None) -> None:
+        """Commit a reserved page and start tracking it."""
+        self.tier.commit(key)
+        self.parent[key] = parent
+        self.policy.insert(key, parent)
+        self.on_change(key)
+
+    def stage(self, key: ChunkKey) -> StagedCopy:
+        """A private copy of a resident chunk that outlives its page."""
+        copy = self.staged.get(key)
+        if copy is None:
+            copy = self.staged[key] = StagedCopy(self.tier.view(key).copy())
+        return copy
+
+    def release_staged(self, key: ChunkKey) -> None:
+        """One queued write of a staged copy is over; drop the copy after the last."""
+        copy = self.staged.get(key)
+        if copy is not None:
+            copy.pending -= 1
+            if copy.pending <= 0:
+                del self.staged[key]
+                self.on_change(key)
+
+    def evict(self, key: ChunkKey) -> None:
+        """Drop a resident chunk from its page."""
+        self.tier.delete(key)
+        self.policy.remove(key)
+        self.parent.pop(key, None)
+        self.on_change(key)
+        self._counters[f"evictions_{self.name}"] += 1
+        self._metrics.evictions.labels(self.name).inc()
+
+    # ---- eviction and spill --------------------------------------------------------------
+    def free_page(self) -> bool:
+        """Make sure one page is free, evicting if needed; False if everything is pinned."""
+        if self.tier.can_reserve():
+            return True
+        victim = self.policy.victim(self.evictable)
+        if victim is None:
+            return False
+        missing = [lt for lt in self.back if not lt.tier.indexed(victim)]
+        if missing:  # write-back: stage a copy so the page is free now; the writes happen on workers
+            copy = self.stage(victim)
+            for lt in missing:
+                if lt.enqueue(WriteJob(victim, self.parent.get(victim), copy.data, evict_after=False)):
+                    copy.pending += 1
+            if not copy.pending:
+                del self.staged[victim]
+        self.evict(victim)
+        return True
+
+    def spill_ahead(self) -> None:
+        """Queue write-backs of likely victims so free pages stay above ``spill_watermark``."""
+        num_pages = int(getattr(self.tier, "num_pages", 0))
+        if not self.back or not num_pages:
+            return
+        want = int(self.spill_watermark * num_pages)
+        free = self.tier.usage().free_bytes // self.chunk_bytes
+        writing = self.writing
+        while free + len(writing) < want and not any(lt.queue.full() for lt in self.back):
+            victim = self.policy.victim(lambda k: self.evictable(k) and k not in writing)
+            if victim is None:
+                return
+            missing = [lt for lt in self.back if not lt.tier.indexed(victim)]
+            if not missing:
+                self.evict(victim)
+                free += 1
+                continue
+            queued = [self.enqueue(lt, WriteJob(victim, self.parent.get(victim), None, evict_after=True))
+                      for lt in missing]
+            if not any(queued):
+                return
+
+    def enqueue(self, lt: LowerTier, job: WriteJob) -> bool:
+        """Queue ``job`` for ``lt``, pinning the page it reads; False (counted) if the queue is full."""
+        if job.from_top:
+            self.pin(job.key)
+            self.writing[job.key] += 1
+        if lt.enqueue(job):
+            return True
+        if job.from_top:
+            self._done_writing(job.key)
+        return False
+
+    def _done_writing(self, key: ChunkKey) -> None:
+        self.unpin(key)
+        self.writing[key] -= 1
+        if self.writing[key] <= 0:
+            del self.writing[key]
+
+    def written(self, job: WriteJob, ok: bool) -> None:
+        """A lower tier finished ``job``: release what it held here."""
+        if not job.from_top:
+            self.release_staged(job.key)
+            return
+        self._done_writing(job.key)
+        if job.evict_after and ok and self.tier.contains(job.key) and job.key not in self.pins:
+            self.evict(job.key)
+
+    def check(self) -> None:
+        """Assert page accounting and that the policy tracks exactly the resident chunks."""
+        self.tier.check()
+        usage = self.tier.usage()
+        assert usage.used_bytes + usage.free_bytes == usage.capacity_bytes
+        resident = set(self.tier.keys())
+        tracked = set(self.policy.keys())
+        assert resident == tracked, \
+            f"{self.name} policy tracks {len(tracked)} chunks but {len(resident)} are resident"

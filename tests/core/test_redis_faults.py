@@ -1,0 +1,136 @@
+"""Store-level faults of the shared tier against real redis-server processes.
+
+Each test narrates one fault: ``kill -9``, ``SIGSTOP`` then ``SIGCONT``, a restart with an empty
+dataset, and a delaying TCP proxy.  In every one: no wrong byte is served, every lookup and load
+returns within the deadline (plus scheduling slack on a loaded 2-core machine), and hits resume
+once the server is back.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from ..redis_servers import DelayProxy, wait_until
+from .helpers import chain_of, make_store, payload
+
+DEADLINE_S = 0.3
+SLACK_S = 0.7  # thread scheduling on a shared, loaded test machine
+FAULT_SETTINGS = {"shared_deadline_s": DEADLINE_S, "redis_timeout_s": 0.5, "redis_connect_timeout_s": 0.3,
+                  "redis_breaker_failures": 2, "redis_breaker_probe_s": 0.5}
+
+
+def host(url: str, prefix: str):
+    return make_store(None, cpu_chunks=32, redis_url=url, redis_key_prefix=prefix, **FAULT_SETTINGS)
+
+
+def put_chain(store, chain):
+    store.put(chain, [payload(k) for k in chain])
+    return store.flush(10)
+
+
+def timed_lookup(store, chain) -> tuple[int, float]:
+    t0 = time.monotonic()
+    n = store.lookup_async(chain).wait(5)
+    return n, time.monotonic() - t0
+
+
+def remote_load(store, chain, n):
+    """Load ``n`` chunks; assert every delivered byte is right; returns (chunks, seconds)."""
+    t0 = time.monotonic()
+    handle = store.prepare_load(chain, max_chunks=n)
+    seconds = time.monotonic() - t0
+    assert [buf.tobytes() for buf in handle.buffers] == [payload(k) for k in chain[:handle.num_chunks]]
+    store.complete_load(handle, True)
+    return handle.num_chunks, seconds
+
+
+def hits_resume(url, prefix, chain) -> bool:
+    """A fresh host (nothing cached locally) finds and loads the whole chain.  Callers retry: a
+    loaded machine may miss a tight deadline now and then, which is a miss, never wrong bytes."""
+    probe = host(url, prefix)
+    try:
+        return timed_lookup(probe, chain)[0] == len(chain) and remote_load(probe, chain, len(chain))[0] == len(chain)
+    finally:
+        probe.close()
+
+
+def fresh_round_trip(writer, url, prefix, prompts):
+    """Write a prompt never written before and read it on the other host (a failed write is not
+    retried: the chunk sits in the writer's cpu tier and a new prompt is needed)."""
+    def attempt() -> bool:
+        chain = chain_of(next(prompts), 4)
+        put_chain(writer, chain)
+        return hits_resume(url, prefix, chain)
+    return attempt
+
+
+def test_kill9_then_restart_empty(redis_factory, key_prefix):
+    server = redis_factory()
+    writer, reader = host(server.url, key_prefix), host(server.url, key_prefix)
+    before = chain_of(1, 4)
+    assert put_chain(writer, before)
+    assert wait_until(lambda: hits_resume(server.url, key_prefix, before), timeout_s=10)
+
+    server.kill9()
+    for _ in range(4):  # refused connections: misses, fast; the breaker opens
+        n, seconds = timed_lookup(reader, before)
+        assert n == 0 and seconds < DEADLINE_S + SLACK_S
+    got, seconds = remote_load(reader, before, 4)
+    assert got == 0 and seconds < DEADLINE_S + SLACK_S
+    tier = reader.tier("redis")
+    assert tier.breaker.num_opened >= 1
+    put_chain(writer, chain_of(2, 3))  # writes while down are skipped and counted, never block
+    assert writer.tier("redis").skipped_writes >= 1
+
+    server.start()  # same port, empty dataset
+    assert wait_until(fresh_round_trip(writer, server.url, key_prefix, itertools.count(100)), timeout_s=15)
+    # the restart lost them: misses, not errors; the reader's breaker closes at its next probe
+    assert wait_until(lambda: timed_lookup(reader, before)[0] == 0 and tier.breaker.state == 0, timeout_s=10)
+
+
+def test_sigstop_then_sigcont(redis_factory, key_prefix):
+    server = redis_factory()
+    writer, reader = host(server.url, key_prefix), host(server.url, key_prefix)
+    chain = chain_of(4, 4)
+    assert put_chain(writer, chain)
+    assert wait_until(lambda: hits_resume(server.url, key_prefix, chain), timeout_s=10)
+
+    server.pause()  # 3 s here (10 s in the engine-level test): long enough for the breaker to open
+    try:
+        paused_until = time.monotonic() + 3.0
+        worst = 0.0
+        while time.monotonic() < paused_until:
+            n, seconds = timed_lookup(reader, chain)
+            assert n == 0
+            worst = max(worst, seconds)
+            got, seconds = remote_load(reader, chain, 4)
+            assert got == 0
+            worst = max(worst, seconds)
+        assert worst < DEADLINE_S + SLACK_S, f"a call took {worst:.2f} s while the server was paused"
+    finally:
+        server.resume()
+    assert wait_until(lambda: timed_lookup(reader, chain)[0] == 4 and remote_load(reader, chain, 4)[0] == 4,
+                      timeout_s=15)  # the host that saw the pause hits again
+
+
+def test_delaying_proxy(redis_server, key_prefix):
+    proxy = DelayProxy(redis_server.port)
+    try:
+        writer, reader = host(redis_server.url, key_prefix), host(proxy.url, key_prefix)
+        chain = chain_of(5, 4)
+        assert put_chain(writer, chain)
+        assert wait_until(lambda: hits_resume(proxy.url, key_prefix, chain), timeout_s=10)
+
+        proxy.delay_s = 1.0  # every segment held 1 s each way: slower than the deadline
+        for _ in range(3):
+            n, seconds = timed_lookup(reader, chain)
+            assert n == 0 and seconds < DEADLINE_S + SLACK_S
+        got, seconds = remote_load(reader, chain, 4)
+        assert got == 0 and seconds < DEADLINE_S + SLACK_S
+
+        proxy.delay_s = 0.0
+        assert wait_until(lambda: timed_lookup(reader, chain)[0] == 4 and remote_load(reader, chain, 4)[0] == 4,
+                          timeout_s=20)
+    finally:
+        proxy.close()

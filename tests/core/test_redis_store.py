@@ -1,0 +1,176 @@
+"""The store with a shared redis tier: two stores ("hosts") on one real redis-server.
+
+Narrated: host A saves a prompt; host B, which never saw it, asks (lookup_async: "ask again"
+until the server answered), loads it from Redis, and serves the exact bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import redis
+
+from kvtier.core.errors import ConfigError
+from kvtier.core.tiers import GetResult
+
+from ..redis_servers import DelayProxy
+from .helpers import chain_of, make_store, payload
+from .tier_harness import make_redis_tier
+
+
+def put_chain(store, chain):
+    return store.put(chain, [payload(k) for k in chain])
+
+
+def host(url: str, prefix: str, cpu_chunks: int = 16, **settings):
+    # a deadline that a loaded 2-core test machine meets (tests/core/test_redis_faults.py uses tight ones)
+    values = {"shared_deadline_s": 2.0, "redis_timeout_s": 2.0, **settings}
+    return make_store(None, cpu_chunks=cpu_chunks, redis_url=url, redis_key_prefix=prefix, **values)
+
+
+def test_prefix_saved_on_host_a_is_a_hit_on_host_b(redis_server, key_prefix):
+    a, b = host(redis_server.url, key_prefix), host(redis_server.url, key_prefix)
+    chain = chain_of(1, 5)
+    assert put_chain(a, chain) == 5
+    assert a.flush(10)
+    assert b.lookup(chain) == 0  # local tiers only: never the network
+    n = b.lookup_async(chain).wait(5)
+    assert n == 5
+    handle = b.prepare_load(chain, max_chunks=n)
+    assert handle.tiers == ["redis"] * 5
+    assert [buf.tobytes() for buf in handle.buffers] == [payload(k) for k in chain]
+    b.complete_load(handle, True)
+    assert b.stats()["hits_redis"] == 5
+    assert b.lookup(chain) == 5  # promoted into B's cpu tier
+    assert b.metrics.load_hit_chunks.labels("redis")._value.get() == 5
+    for store in (a, b):
+        store.check_integrity()
+        store.close()
+
+
+def test_local_head_and_remote_tail_form_one_prefix(redis_server, key_prefix):
+    a, b = host(redis_server.url, key_prefix), host(redis_server.url, key_prefix)
+    chain = chain_of(2, 6)
+    put_chain(a, chain)
+    a.flush(10)
+    put_chain(b, chain[:2])
+    pending = b.lookup_async(chain)
+    assert pending.local_chunks == 2
+    assert pending.wait(5) == 6
+    handle = b.prepare_load(chain, max_chunks=6)
+    assert handle.tiers == ["cpu", "cpu"] + ["redis"] * 4
+    assert [buf.tobytes() for buf in handle.buffers] == [payload(k) for k in chain]
+    b.complete_load(handle, True)
+    b.flush(10)
+    b.check_integrity()
+
+
+def test_remote_prefix_stops_at_the_first_gap(redis_server, key_prefix):
+    a, b = host(redis_server.url, key_prefix), host(redis_server.url, key_prefix)
+    chain = chain_of(3, 5)
+    put_chain(a, chain[:3])
+    a.flush(10)
+    assert b.lookup_async(chain).wait(5) == 3
+    assert b.get(chain) == [payload(k) for k in chain[:3]]  # get() checks presence first itself
+
+
+def test_lookup_is_ask_again_while_the_server_is_slow(redis_server, key_prefix):
+    proxy = DelayProxy(redis_server.port, delay_s=0.2)
+    try:
+        a = host(redis_server.url, key_prefix)
+        b = host(proxy.url, key_prefix, shared_deadline_s=3.0)
+        chain = chain_of(4, 3)
+        put_chain(a, chain)
+        a.flush(10)
+        pending = b.lookup_async(chain)
+        assert pending.poll() is None  # the engine is told to ask again next step
+        assert pending.wait(5) == 3 and not pending.timed_out
+    finally:
+        proxy.close()
+
+
+def test_shared_secret_rejects_values_written_without_it(redis_server, key_prefix, caplog):
+    plain = host(redis_server.url, key_prefix)
+    signed = host(redis_server.url, key_prefix, shared_secret="a-secret-of-at-least-16")
+    chain = chain_of(5, 3)
+    put_chain(plain, chain)  # a writer without the secret (or an attacker with server access)
+    plain.flush(10)
+    assert signed.lookup_async(chain).wait(5) == 3  # present on the server...
+    with caplog.at_level(logging.WARNING):
+        handle = signed.prepare_load(chain, max_chunks=3)
+    assert handle.num_chunks == 0  # ...but never accepted
+    signed.complete_load(handle, True)
+    assert signed.stats()["corrupt_chunks"] == 3  # one pipelined batch: each value verified, each deleted
+    assert signed.lookup_async(chain).wait(5) == 0
+    put_chain(signed, chain)
+    signed.flush(10)
+    other = host(redis_server.url, key_prefix, shared_secret="another-secret-0123456")
+    handle = other.prepare_load(chain, max_chunks=3)
+    assert handle.num_chunks == 0  # a different secret is no better than none
+    other.complete_load(handle, True)
+
+
+def test_keys_spread_over_every_cluster_shard(redis_cluster, key_prefix):
+    a = host(redis_cluster.url, key_prefix, cpu_chunks=64, redis_cluster=True)
+    b = host(redis_cluster.url, key_prefix, cpu_chunks=64, redis_cluster=True)
+    chain = chain_of(6, 30)
+    put_chain(a, chain)
+    assert a.flush(20)
+    per_node = [len(list(n.client().scan_iter(match=f"{key_prefix}*".encode(), count=1000)))
+                for n in redis_cluster.nodes]
+    assert sum(per_node) == 30 and all(count > 0 for count in per_node), per_node
+    assert b.lookup_async(chain).wait(5) == 30
+    assert b.get(chain) == [payload(k) for k in chain]
+    a.close()
+    b.close()
+
+
+def test_server_eviction_is_a_miss_never_wrong_bytes(redis_factory, key_prefix):
+    server = redis_factory(extra=("--maxmemory", "2mb", "--maxmemory-policy", "allkeys-lru"))
+    tier = make_redis_tier(server.url, bytes(16), key_prefix)
+    size = 64 * 1024
+    blobs = {i: bytes([i % 251]) * size for i in range(80)}  # 5 MiB into a 2 MiB server
+    keys = {i: i.to_bytes(16, "little") for i in blobs}
+    for i, blob in blobs.items():
+        tier.put(keys[i], blob)
+    outs = [bytearray(size) for _ in blobs]
+    results = tier.get_many([keys[i] for i in blobs], [memoryview(o) for o in outs])
+    assert GetResult.CORRUPT not in results
+    assert results.count(GetResult.MISS) > 0 and results.count(GetResult.HIT) > 0
+    for i, (result, out) in enumerate(zip(results, outs)):
+        if result is GetResult.HIT:
+            assert bytes(out) == blobs[i]
+    tier.check()
+    tier.close()
+
+
+def test_password_from_env_and_never_logged(redis_factory, key_prefix, monkeypatch, caplog):
+    server = redis_factory(extra=("--requirepass", "pw-Zq81-secret"))
+    monkeypatch.setenv("TEST_REDIS_PW", "pw-Zq81-secret")
+    store = host(server.url, key_prefix, redis_password_env="TEST_REDIS_PW")
+    chain = chain_of(7, 2)
+    put_chain(store, chain)
+    assert store.flush(10)
+    authed = redis.Redis(host="127.0.0.1", port=server.port, password="pw-Zq81-secret")
+    assert authed.dbsize() == 2  # written with the password from the environment
+    with caplog.at_level(logging.DEBUG):
+        wrong = host(f"redis://:wrong-Pw-771@127.0.0.1:{server.port}/0", key_prefix)
+        assert wrong.lookup_async(chain).wait(5) == 0  # refused: a miss, not an exception
+    assert "wrong-Pw-771" not in caplog.text and "pw-Zq81-secret" not in caplog.text
+    from prometheus_client import generate_latest
+
+    exported = generate_latest(wrong.metrics.registry).decode()
+    assert "wrong-Pw-771" not in exported and "redis://***@127.0.0.1" in exported
+
+
+def test_missing_password_env_is_one_clear_error(redis_server, key_prefix, monkeypatch):
+    monkeypatch.delenv("TEST_REDIS_PW_UNSET", raising=False)
+    with pytest.raises(ConfigError, match="TEST_REDIS_PW_UNSET"):
+        host(redis_server.url, key_prefix, redis_password_env="TEST_REDIS_PW_UNSET")
+
+
+def test_bad_url_is_one_clear_error():
+    with pytest.raises(ConfigError, match="redis:// or rediss://") as err:
+        make_store(None, cpu_chunks=4, redis_url="http://user:hunter2-pw@host:6379")
+    assert "hunter2-pw" not in str(err.value)

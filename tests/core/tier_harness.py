@@ -1,0 +1,169 @@
+"""How the conformance suite builds and tampers with each registered tier (real tiers, no mocks).
+
+One :class:`TierHarness` per tier variant.  Adding a tier to the registry without a harness here
+fails ``test_every_registered_tier_has_a_harness``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from kvtier.core.config import KVTierConfig
+from kvtier.core.keys import ChunkKey
+from kvtier.core.tiers import CpuTier, DiskTier, Tier, TierContext
+from kvtier.core.tiers import redis as redis_tier
+from kvtier.core.tiers.chunkfile import HEADER_BYTES
+from kvtier.core.tiers.sharedvalue import HEADER_BYTES as VALUE_HEADER_BYTES
+from kvtier.core.tiers.sharedvalue import ValueCodec
+
+CHUNK = 4096
+NS = bytes(range(16))
+OTHER_NS = bytes(range(1, 17))
+CAPACITY_CHUNKS = 4
+
+
+@dataclass
+class TierHarness:
+    """Builds one tier variant and reaches into its storage the way a fault would.
+
+    Attributes:
+        tier_name: the registry name this harness covers.
+        make: ``make(namespace) -> Tier``; two tiers made by one harness share storage.
+        tamper: ``tamper(tier, key, how)`` with ``how`` in ``flip`` (one payload byte),
+            ``truncate`` (drop the payload's tail), ``foreign`` (replace the value by the same key's
+            value written under another namespace); ``None`` for a tier nothing outside the process
+            can reach (cpu pages).
+        stall: a context manager during which the tier's backend does not answer (reads must
+            still return within the tier's deadline); ``None`` if the tier has no backend to stall.
+        capacity_chunks: chunks the tier holds, or ``None`` for a shared tier (the server evicts).
+    """
+
+    tier_name: str
+    make: Callable[[bytes], Tier]
+    tamper: Callable[[Tier, ChunkKey, str], None] | None = None
+    stall: Callable[[Tier, ChunkKey], contextlib.AbstractContextManager[Any]] | None = None
+    capacity_chunks: int | None = CAPACITY_CHUNKS
+    deadline_s: float = 2.0
+
+
+def cpu_harness(_request: pytest.FixtureRequest, _tmp: Path) -> TierHarness:
+    return TierHarness("cpu", lambda ns: CpuTier(capacity_bytes=CAPACITY_CHUNKS * CHUNK, page_bytes=CHUNK))
+
+
+def disk_harness(request: pytest.FixtureRequest, tmp: Path, mode: str = "buffered") -> TierHarness:
+    if mode == "direct":
+        tmp = request.getfixturevalue("direct_dir")  # a filesystem that honours O_DIRECT
+
+    def make(ns: bytes) -> Tier:
+        disk = DiskTier(tmp, ns, capacity_bytes=CAPACITY_CHUNKS * (CHUNK + HEADER_BYTES), io=mode)  # type: ignore[arg-type]
+        assert disk.io_mode == mode
+        return disk
+
+    def tamper(tier: Tier, key: ChunkKey, how: str) -> None:
+        assert isinstance(tier, DiskTier)
+        path = tier.path(key)
+        raw = bytearray(path.read_bytes())
+        if how == "flip":
+            raw[HEADER_BYTES + 17] ^= 0x01
+        elif how == "truncate":
+            del raw[HEADER_BYTES + CHUNK // 2:]
+        elif how == "foreign":
+            other = DiskTier(tmp, OTHER_NS, capacity_bytes=CAPACITY_CHUNKS * (CHUNK + HEADER_BYTES), io=mode)  # type: ignore[arg-type]
+            assert other.put(key, bytes(raw[HEADER_BYTES:]))
+            raw = bytearray(other.path(key).read_bytes())
+        path.write_bytes(bytes(raw))
+
+    @contextlib.contextmanager
+    def stall(tier: Tier, key: ChunkKey) -> Iterator[None]:
+        # a FIFO at the chunk's path: a plain open() would wait forever for a writer
+        assert isinstance(tier, DiskTier)
+        path = tier.path(key)
+        path.unlink(missing_ok=True)
+        os.mkfifo(path)
+        try:
+            yield
+        finally:
+            path.unlink(missing_ok=True)
+
+    return TierHarness("disk", make, tamper, stall)
+
+
+
+def make_redis_tier(url: str, ns: bytes, prefix: str, **settings: Any) -> redis_tier.RedisTier:
+    """A redis tier on ``url`` built the way the store builds it (from a config)."""
+    # a deadline that a loaded 2-core test machine meets; the fault tests use tight ones
+    config = KVTierConfig.from_dict({"redis_url": url, "redis_key_prefix": prefix, "shared_deadline_s": 2.0,
+                                     "redis_timeout_s": 2.0, **settings})
+    tier = redis_tier.from_config(TierContext(config, ns, CHUNK, 1, CollectorRegistry()))
+    assert tier is not None
+    return tier
+
+
+def _redis_harness(name: str, url: str, raw: Any, node_of: Callable[[bytes], Any], **settings: Any) -> TierHarness:
+    prefix = f"conf-{uuid.uuid4().hex[:8]}:"
+
+    def make(ns: bytes) -> Tier:
+        return make_redis_tier(url, ns, prefix, **settings)
+
+    def tamper(tier: Tier, key: ChunkKey, how: str) -> None:
+        assert isinstance(tier, redis_tier.RedisTier)
+        rk = tier.rkey(key)
+        value = bytearray(raw.get(rk))
+        if how == "flip":
+            value[VALUE_HEADER_BYTES + 17] ^= 0x01
+        elif how == "truncate":
+            del value[VALUE_HEADER_BYTES + CHUNK // 2:]
+        elif how == "foreign":
+            value = ValueCodec(OTHER_NS, None).encode(key, bytes(value[VALUE_HEADER_BYTES:]))
+        raw.set(rk, bytes(value))
+
+    @contextlib.contextmanager
+    def stall(tier: Tier, key: ChunkKey) -> Iterator[None]:
+        assert isinstance(tier, redis_tier.RedisTier)
+        node = node_of(tier.rkey(key))
+        node.pause()
+        try:
+            yield
+        finally:
+            node.resume()
+
+    return TierHarness("redis", make, tamper, stall, capacity_chunks=None, deadline_s=4.0)
+
+
+def redis_harness(request: pytest.FixtureRequest, _tmp: Path) -> TierHarness:
+    server = request.getfixturevalue("redis_server")
+    return _redis_harness("redis", server.url, server.client(), lambda _rk: server)
+
+
+def redis_mac_harness(request: pytest.FixtureRequest, _tmp: Path) -> TierHarness:
+    server = request.getfixturevalue("redis_server")
+    return _redis_harness("redis", server.url, server.client(), lambda _rk: server,
+                          shared_secret="conformance-secret-0123456789")
+
+
+def redis_cluster_harness(request: pytest.FixtureRequest, _tmp: Path) -> TierHarness:
+    from redis.cluster import RedisCluster
+
+    cluster = request.getfixturevalue("redis_cluster")
+    raw = RedisCluster.from_url(cluster.url)
+    return _redis_harness("redis", cluster.url, raw, cluster.node_of, redis_cluster=True)
+
+
+HARNESSES: dict[str, Callable[[pytest.FixtureRequest, Path], TierHarness]] = {
+    "cpu": cpu_harness,
+    "disk-buffered": disk_harness,
+    "disk-direct": lambda request, tmp: disk_harness(request, tmp, "direct"),
+    "redis": redis_harness,
+    "redis-mac": redis_mac_harness,
+    "redis-cluster": redis_cluster_harness,
+}
+"""Harness variant name -> builder (a tier may have several variants, e.g. redis standalone and Cluster)."""
