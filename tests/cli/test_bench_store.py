@@ -9,15 +9,23 @@ from kvtier.cli.main import app
 
 def test_bench_store_json_shape(tmp_path):
     out = tmp_path / "bs.json"
-    result = CliRunner().invoke(app, ["bench-store", "--sizes", "0.25,1", "--total-mib", "4", "--repeats", "1",
+    result = CliRunner().invoke(app, ["bench-store", "--sizes", "0.25,1", "--total-mib", "4", "--repeats", "2",
+                                      "--threads", "1,2", "--disk-io", "buffered,direct",
                                       "--dir", str(tmp_path), "--json", str(out)])
     assert result.exit_code == 0, result.output
-    rows = json.loads(out.read_text())["results"]
-    assert {(r["tier"], r["op"], r["chunk_mib"]) for r in rows} == {
-        (t, o, c) for t in ("cpu", "disk") for o in ("put", "get") for c in (0.25, 1.0)}
+    report = json.loads(out.read_text())
+    rows = report["results"]
+    direct = not report["notes"]  # a filesystem refusing O_DIRECT skips those rows and says so
+    assert direct or "refuses O_DIRECT" in report["notes"][0]
+    want = {("cpu", "memory", 1, o, c) for o in ("put", "get") for c in (0.25, 1.0)}
+    want |= {("disk", io, n, o, c) for io in (("buffered", "direct") if direct else ("buffered",))
+             for n in (1, 2) for o in ("put", "get") for c in (0.25, 1.0)}
+    assert {(r["tier"], r["io"], r["threads"], r["op"], r["chunk_mib"]) for r in rows} == want
     for r in rows:
         assert r["gib_per_s"] > 0 and r["reference_gib_per_s"] > 0
         assert abs(r["ratio"] - r["gib_per_s"] / r["reference_gib_per_s"]) < 1e-9
+        assert 0 < r["ratio_min"] <= r["ratio_max"]
+    assert len(report["load_average"]) == 3 and "load average" in result.output
 
 
 import pytest
@@ -32,6 +40,9 @@ import pytest
     (["--sizes", "4", "--total-mib", "1e12"], "--total-mib"),
     (["--json", "/tmp"], "--json"),
     (["--dir", "/nonexistent-kvtier"], "--dir"),
+    (["--threads", "0"], "--threads"),
+    (["--threads", "two"], "--threads"),
+    (["--disk-io", "mmap"], "--disk-io"),
 ])
 def test_bench_store_bad_input_is_one_line_error(args, needle):
     result = CliRunner().invoke(app, ["bench-store", *args])

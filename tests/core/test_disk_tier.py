@@ -176,10 +176,19 @@ def odd_bytes(n: int, seed: int) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
 
 
-@pytest.mark.parametrize("length", [1, 4095, 4096, 8192 * 3 + 17, 8192 * 4, 100_003])
-@pytest.mark.parametrize("misaligned", [False, True], ids=["aligned", "misaligned"])
-def test_roundtrip_any_length_and_buffer_alignment(where, length, misaligned):
+def sliced(where, overlapped):
+    """A tier with 8 KiB slices; ``overlapped``: every read pipelined and every write hashed on a helper."""
     tier = DiskTier(where[1], NS, capacity_bytes=1 << 20, io=where[0], slice_bytes=8192)
+    if overlapped:
+        tier._io.pipeline, tier._io.overlap_min_bytes = True, 0
+    return tier
+
+
+@pytest.mark.parametrize("length", [0, 1, 4095, 4096, 8192 * 3 + 17, 8192 * 4, 100_003])
+@pytest.mark.parametrize("misaligned", [False, True], ids=["aligned", "misaligned"])
+@pytest.mark.parametrize("overlapped", [False, True], ids=["default", "overlapped"])
+def test_roundtrip_any_length_and_buffer_alignment(where, length, misaligned, overlapped):
+    tier = sliced(where, overlapped)
     src_store = aligned_buffer(length + 8)
     src = src_store[1:length + 1] if misaligned else src_store[:length]
     src[:] = odd_bytes(length, length)
@@ -214,8 +223,9 @@ def sliced_damage():
 
 
 @pytest.mark.parametrize("damage", sliced_damage(), ids=lambda f: f.__name__)
-def test_damage_in_a_sliced_read_is_a_counted_miss(where, damage):
-    tier = DiskTier(where[1], NS, capacity_bytes=1 << 20, io=where[0], slice_bytes=8192)
+@pytest.mark.parametrize("overlapped", [False, True], ids=["default", "overlapped"])
+def test_damage_in_a_sliced_read_is_a_counted_miss(where, damage, overlapped):
+    tier = sliced(where, overlapped)
     payload = odd_bytes(8192 * 5 + 100, 5)
     assert tier.put(key(1), payload)
     damage(tier.path(key(1)))

@@ -5,9 +5,11 @@ reference, measured in the same run.
   ``get``: ``prepare_load`` + copy of every chunk into a caller buffer + ``complete_load``
   (what a load into the engine does).  Reference: ``numpy.copyto`` of the same bytes between
   two preallocated arrays.
-- disk tier, ``put``: ``DiskTier.put`` (header + checksum, temp file, rename); ``get``:
-  ``DiskTier.get_into`` (read + verify).  Reference: plain unbuffered ``write``/``readinto`` of
-  the same bytes to/from fresh files in the same directory.
+- disk tier, ``put``: ``DiskTier.put_many`` (checksum, temp file, header, rename); ``get``:
+  ``DiskTier.get_many`` (read + verify every byte), ``threads`` chunks at a time (``io_threads``),
+  buffered or ``O_DIRECT``.  Reference: plain ``open``/``pwrite``/``preadv``/``close`` of the
+  same bytes to/from fresh files in the same directory, with the same thread count and the same
+  I/O mode.  Buffers are page-aligned, as the cpu tier's pages are.
 
 Each figure is the median of ``repeats`` rounds, tier and reference interleaved in each round so
 both see the same machine state (the machine is shared and noisy; ratios are what compare).
@@ -15,12 +17,14 @@ both see the same machine state (the machine is shared and noisy; ratios are wha
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -29,6 +33,7 @@ import numpy as np
 from kvtier.core.config import GiB, KVTierConfig
 from kvtier.core.keys import Namespace, chunk_keys, request_root
 from kvtier.core.store import TieredStore
+from kvtier.core.tiers.chunkio import ALIGN, O_DIRECT, aligned_buffer, direct_supported
 from kvtier.core.tiers.disk import DiskTier
 
 MiB = 1 << 20
@@ -36,7 +41,9 @@ MiB = 1 << 20
 
 @dataclass(frozen=True)
 class StoreBenchResult:
-    """One row: ``gib_per_s`` of the tier op, the reference's, and their ratio (tier / reference)."""
+    """One row: ``gib_per_s`` of the tier op (median round), the reference's, their ratio (tier /
+    reference), the I/O mode and thread count both used, and the lowest and highest ratio of a
+    single round (tier and reference timed back to back): the spread a noisy machine gives."""
 
     tier: str
     op: str
@@ -44,6 +51,10 @@ class StoreBenchResult:
     gib_per_s: float
     reference_gib_per_s: float
     ratio: float
+    io: str = "memory"
+    threads: int = 1
+    ratio_min: float = 0.0
+    ratio_max: float = 0.0
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -106,73 +117,145 @@ def bench_cpu(chunk_mib: float, total_mib: float, repeats: int) -> list[StoreBen
     rows = []
     for op, times in (("put", put_s), ("get", get_s)):
         rate = _rate(nbytes, statistics.median(times))
-        rows.append(StoreBenchResult("cpu", op, chunk_mib, rate, ref, rate / ref))
+        per_round = [r / t for t, r in zip(times, ref_s)]
+        rows.append(StoreBenchResult("cpu", op, chunk_mib, rate, ref, rate / ref, "memory", 1,
+                                     min(per_round), max(per_round)))
     return rows
 
 
-def bench_disk(chunk_mib: float, total_mib: float, repeats: int, directory: Path) -> list[StoreBenchResult]:
-    """disk-tier put/get vs plain unbuffered file write/read, ``total_mib`` MiB per round."""
+def _aligned_chunks(num: int, chunk_bytes: int, seed: int) -> list[np.ndarray]:
+    """Like :func:`_chunks`, in page-aligned memory (as the cpu tier's pages are)."""
+    out = []
+    for block in _chunks(num, chunk_bytes, seed):
+        buf = np.frombuffer(aligned_buffer(chunk_bytes), dtype=np.uint8)
+        np.copyto(buf, block)
+        out.append(buf)
+    return out
+
+
+def _raw_io(directory: Path, direct: bool, threads: int) -> tuple[Callable[[list[np.ndarray]], None],
+                                                                   Callable[[list[np.ndarray]], None]]:
+    """(write, read) of the reference: one file per chunk, ``threads`` files at a time, plain
+    ``open``/``pwrite``/``preadv``/``close`` (with ``O_DIRECT`` when ``direct``), no checks."""
+    flags = O_DIRECT if direct else 0
+
+    def write_one(i: int, data: np.ndarray) -> None:
+        fd = os.open(directory / f"{i}.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, 0o644)
+        try:
+            os.pwrite(fd, memoryview(data), 0)
+        finally:
+            os.close(fd)
+
+    def read_one(i: int, dst: np.ndarray) -> None:
+        fd = os.open(directory / f"{i}.bin", os.O_RDONLY | flags)
+        try:
+            os.preadv(fd, [memoryview(dst)], 0)
+        finally:
+            os.close(fd)
+
+    def run(fn: Callable[[int, np.ndarray], None], bufs: list[np.ndarray]) -> None:
+        if threads == 1:
+            for i, b in enumerate(bufs):
+                fn(i, b)
+            return
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(fn, range(len(bufs)), bufs))
+
+    return (lambda bufs: run(write_one, bufs)), (lambda bufs: run(read_one, bufs))
+
+
+def bench_disk(chunk_mib: float, total_mib: float, repeats: int, directory: Path, threads: int = 1,
+               io: str = "buffered") -> list[StoreBenchResult]:
+    """disk-tier put/get (verified) vs raw file write/read of the same bytes, ``total_mib`` MiB
+    per round, ``threads`` chunks at a time in both, in ``io`` mode (``buffered`` or ``direct``)
+    for both.  Buffers are page-aligned, as the cpu tier's pages are.
+
+    Raises:
+        RuntimeError: the tier lost or corrupted a chunk during the run.
+    """
     chunk_bytes = int(chunk_mib * MiB)
     num = max(2, int(total_mib / chunk_mib))
     nbytes = num * chunk_bytes
-    datas = _chunks(num, chunk_bytes, seed=1)
-    dst = np.empty(chunk_bytes, dtype=np.uint8)
-    tiers_put, tiers_get, refs_put, refs_get = [], [], [], []
+    datas = _aligned_chunks(num, chunk_bytes, seed=1)
+    dsts = [np.frombuffer(aligned_buffer(chunk_bytes), dtype=np.uint8) for _ in range(num)]
+    for d in dsts:
+        d[::4096] = 0  # fault the pages in before timing
+    times: dict[str, list[float]] = {"put": [], "get": [], "ref_put": [], "ref_get": []}
     for r in range(repeats):
         root = directory / f"round{r}"
         ref_dir = root / "reference"
         ref_dir.mkdir(parents=True)
-        tier = DiskTier(root / "tier", os.urandom(16), capacity_bytes=2 * nbytes)
+        tier = DiskTier(root / "tier", os.urandom(16), capacity_bytes=2 * nbytes, io=io, io_threads=threads)
+        if tier.io_mode != io:
+            tier.close()
+            raise OSError(errno.EINVAL, f"the filesystem of {directory} refuses O_DIRECT")
+        ref_write, ref_read = _raw_io(ref_dir, io == "direct", threads)
         keys = [i.to_bytes(16, "little") for i in range(num)]
 
-        def ref_write() -> None:
-            for i, d in enumerate(datas):
-                with open(ref_dir / f"{i}.bin", "wb", buffering=0) as f:
-                    f.write(memoryview(d))
-
-        def ref_read() -> None:
-            for i in range(num):
-                with open(ref_dir / f"{i}.bin", "rb", buffering=0) as f:
-                    f.readinto(memoryview(dst))
-
         def tier_put() -> None:
-            for k, d in zip(keys, datas):
-                tier.put(k, memoryview(d))
+            if not all(tier.put_many(keys, [memoryview(d) for d in datas])):
+                raise RuntimeError("disk tier refused a chunk during the benchmark")
 
         def tier_get() -> None:
-            for k in keys:
-                if not tier.get_into(k, memoryview(dst)):
-                    raise RuntimeError("disk tier lost a chunk during the benchmark")
+            if not all(tier.get_many(keys, [memoryview(d) for d in dsts])):
+                raise RuntimeError("disk tier lost a chunk during the benchmark")
 
-        pairs = [(refs_put, ref_write), (tiers_put, tier_put), (refs_get, ref_read), (tiers_get, tier_get)]
+        pairs = [("ref_put", lambda: ref_write(datas)), ("put", tier_put),
+                 ("ref_get", lambda: ref_read(dsts)), ("get", tier_get)]
         if r % 2:  # alternate who goes first, so neither always meets a cold cache
             pairs = [pairs[1], pairs[0], pairs[3], pairs[2]]
-        for times, fn in pairs:
-            times.append(_timed(fn))
+        for name, fn in pairs:
+            times[name].append(_timed(fn))
+        tier.close()
+        if not np.array_equal(dsts[-1], datas[-1]):
+            raise RuntimeError("disk tier returned wrong bytes during the benchmark")
         shutil.rmtree(root, ignore_errors=True)
     rows = []
-    for op, t, ref in (("put", tiers_put, refs_put), ("get", tiers_get, refs_get)):
-        rate = _rate(nbytes, statistics.median(t))
-        ref_rate = _rate(nbytes, statistics.median(ref))
-        rows.append(StoreBenchResult("disk", op, chunk_mib, rate, ref_rate, rate / ref_rate))
+    for op in ("put", "get"):
+        rate = _rate(nbytes, statistics.median(times[op]))
+        ref_rate = _rate(nbytes, statistics.median(times[f"ref_{op}"]))
+        per_round = [ref / t for t, ref in zip(times[op], times[f"ref_{op}"])]
+        rows.append(StoreBenchResult("disk", op, chunk_mib, rate, ref_rate, rate / ref_rate, io, threads,
+                                     min(per_round), max(per_round)))
     return rows
 
 
 def run_store_bench(chunk_mibs: list[float], total_mib: float = 256, repeats: int = 5,
-                    directory: Path | None = None) -> list[StoreBenchResult]:
-    """All rows: cpu then disk for each chunk size.  Files go to ``directory`` (a temp dir by default).
+                    directory: Path | None = None, threads: Sequence[int] = (1,),
+                    ios: Sequence[str] = ("buffered", "direct")) -> tuple[list[StoreBenchResult], list[str]]:
+    """All rows: for each chunk size, cpu (one thread) then disk for each I/O mode and thread count.
+    Files go to ``directory`` (a temp dir by default).
+
+    Returns:
+        (rows, notes): notes say which disk configurations were skipped and why (O_DIRECT
+        refused by the filesystem, or a chunk size that is not a multiple of 4096 bytes).
 
     Raises:
-        ValueError: a non-positive chunk size or total.
+        ValueError: a non-positive chunk size, total or thread count, or an unknown I/O mode.
     """
     if total_mib <= 0 or any(c <= 0 for c in chunk_mibs):
         raise ValueError("chunk sizes and --total-mib must be positive numbers of MiB")
+    if not threads or any(t <= 0 for t in threads):
+        raise ValueError("thread counts must be positive integers, e.g. --threads 1,2,4")
+    if not ios or any(io not in ("buffered", "direct") for io in ios):
+        raise ValueError("--disk-io must list buffered and/or direct, e.g. --disk-io buffered,direct")
     rows: list[StoreBenchResult] = []
+    notes: list[str] = []
     base = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir=directory))
     try:
+        direct_ok = direct_supported(base)
+        if "direct" in ios and not direct_ok:
+            notes.append(f"direct rows skipped: the filesystem of {base.parent} refuses O_DIRECT")
         for mib in chunk_mibs:
             rows += bench_cpu(mib, total_mib, repeats)
-            rows += bench_disk(mib, total_mib, repeats, base / f"{mib}")
+            for io in ios:
+                if io == "direct" and not direct_ok:
+                    continue
+                if io == "direct" and int(mib * MiB) % ALIGN:
+                    notes.append(f"direct rows at {mib:g} MiB skipped: O_DIRECT needs a multiple of 4 KiB")
+                    continue
+                for n in threads:
+                    rows += bench_disk(mib, total_mib, repeats, base / f"{mib}-{io}-{n}", n, io)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    return rows
+    return rows, notes

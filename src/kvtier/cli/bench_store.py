@@ -14,6 +14,7 @@ from kvtier.cli.errors import fail
 MIN_CHUNK_MIB = 0.004  # 4 KiB: one OS page
 MAX_CHUNK_MIB = 1024.0
 MAX_TOTAL_MIB = 16384.0
+MAX_THREADS = 64
 
 
 def register(app: typer.Typer) -> None:
@@ -24,12 +25,16 @@ def bench_store(
     sizes: str = typer.Option("0.5,4,32", help="Chunk sizes in MiB, comma-separated."),
     total_mib: float = typer.Option(256, help="MiB moved per measurement round."),
     repeats: int = typer.Option(5, min=1, help="Rounds per figure; the median is reported."),
+    threads: str = typer.Option("1", help="Disk thread counts, comma-separated: chunks moved at once by the "
+                                          "tier (io_threads) and by the reference, e.g. 1,2,4."),
+    disk_io: str = typer.Option("buffered,direct", help="Disk I/O modes to measure: buffered and/or direct "
+                                                        "(O_DIRECT); the reference uses the same mode."),
     directory: Path | None = typer.Option(None, "--dir", help="Where the disk tier writes (default: a temp dir)."),
     json_path: Path | None = typer.Option(None, "--json", help="Also write results as JSON here."),
 ) -> None:
     """Measure cpu and disk tier put/get throughput against numpy copy and raw file I/O.
 
-    Example: kvtier bench-store --sizes 4,32 --json out/bench-store.json
+    Example: kvtier bench-store --sizes 4,32 --threads 1,2,4 --json out/bench-store.json
     """
     from rich.console import Console
     from rich.table import Table
@@ -45,24 +50,40 @@ def bench_store(
              f"and {MAX_CHUNK_MIB}; e.g. --sizes 0.5,4,32")
     if not math.isfinite(total_mib) or not max(chunk_mibs) <= total_mib <= MAX_TOTAL_MIB:
         fail(f"--total-mib {total_mib} must be at least the largest chunk size and at most {MAX_TOTAL_MIB}")
+    try:
+        thread_counts = [int(t) for t in threads.split(",") if t.strip()]
+    except ValueError:
+        thread_counts = []
+    if not thread_counts or not all(1 <= t <= MAX_THREADS for t in thread_counts):
+        fail(f"--threads {threads!r} must be a comma-separated list of thread counts from 1 to {MAX_THREADS}; "
+             "e.g. --threads 1,2,4")
+    modes = [m.strip() for m in disk_io.split(",") if m.strip()]
+    if not modes or not all(m in ("buffered", "direct") for m in modes):
+        fail(f"--disk-io {disk_io!r} must list buffered and/or direct, e.g. --disk-io buffered,direct")
     if directory is not None and (not directory.is_dir() or not os.access(directory, os.W_OK | os.X_OK)):
         fail(f"--dir {str(directory)!r} is not a writable directory; create it or omit --dir")
     if json_path is not None and (json_path.is_dir() or not json_path.parent.is_dir()):
         fail(f"--json {str(json_path)!r} must be a file path in an existing directory")
     try:
-        rows = run_store_bench(chunk_mibs, total_mib, repeats, directory)
+        rows, notes = run_store_bench(chunk_mibs, total_mib, repeats, directory, thread_counts, modes)
     except ValueError as exc:
         fail(str(exc))
     except OSError as exc:
         fail(f"the disk benchmark could not write its files ({exc.strerror}); free space or pick another --dir")
     table = Table(title="kvtier bench-store (tier vs same-run reference)")
-    for col in ("tier", "op", "chunk MiB", "GiB/s", "reference GiB/s", "ratio"):
+    for col in ("tier", "io", "threads", "op", "chunk MiB", "GiB/s", "reference GiB/s", "ratio", "round ratios"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(r.tier, r.op, f"{r.chunk_mib:g}", f"{r.gib_per_s:.2f}", f"{r.reference_gib_per_s:.2f}",
-                      f"{r.ratio:.2f}")
+        table.add_row(r.tier, r.io, str(r.threads), r.op, f"{r.chunk_mib:g}", f"{r.gib_per_s:.2f}",
+                      f"{r.reference_gib_per_s:.2f}", f"{r.ratio:.2f}", f"{r.ratio_min:.2f}-{r.ratio_max:.2f}")
     Console().print(table)
-    print("reference: cpu = numpy.copyto of the same bytes; disk = unbuffered file write/readinto")
+    print("reference: cpu = numpy.copyto of the same bytes; disk = open/pwrite/preadv/close of the same bytes, "
+          "same I/O mode and thread count")
+    for note in notes:
+        print(note)
+    load = os.getloadavg()
+    print(f"load average: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs")
     if json_path is not None:
-        json_path.write_text(json.dumps({"results": [r.as_dict() for r in rows]}, indent=2))
+        json_path.write_text(json.dumps({"results": [r.as_dict() for r in rows], "notes": notes,
+                                         "load_average": list(load)}, indent=2))
         print(f"wrote {json_path}")

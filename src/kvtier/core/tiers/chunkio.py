@@ -42,6 +42,8 @@ ALIGN = 4096
 """Alignment of O_DIRECT buffers, lengths and offsets, bytes."""
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 DEFAULT_SLICE_BYTES = 1 << 20
+OVERLAP_MIN_BYTES = 2 << 20
+"""Payloads at least this large are hashed on a helper thread while they are written."""
 
 
 def aligned_buffer(nbytes: int) -> memoryview:
@@ -80,15 +82,22 @@ class ChunkIO:
         direct: use ``O_DIRECT`` (the caller opens files with :attr:`open_flags`).
         slice_bytes: bytes per read slice, a positive multiple of 4096.
         helper_threads: threads of the helper pool that reads ahead and hashes writes.
+        pipeline: read slice ``i + 1`` on a helper while slice ``i`` is hashed (default: in direct
+            mode only, where the device, not the CPU, moves the bytes; buffered reads are kernel
+            copies competing with the hash for the same cores, so they hash each slice right after
+            reading it, and overlap comes from ``io_threads`` chunks at once).
 
     Raises:
         ValueError: ``slice_bytes`` is not a positive multiple of 4096.
     """
 
-    def __init__(self, direct: bool, slice_bytes: int = DEFAULT_SLICE_BYTES, helper_threads: int = 2) -> None:
+    def __init__(self, direct: bool, slice_bytes: int = DEFAULT_SLICE_BYTES, helper_threads: int = 2,
+                 pipeline: bool | None = None) -> None:
         if slice_bytes <= 0 or slice_bytes % ALIGN:
             raise ValueError(f"slice_bytes must be a positive multiple of {ALIGN}, got {slice_bytes}")
         self.direct = direct
+        self.pipeline = direct if pipeline is None else pipeline
+        self.overlap_min_bytes = OVERLAP_MIN_BYTES
         self.slice_bytes = slice_bytes
         self.open_flags = O_DIRECT if direct else 0
         self._buffers = _Buffers()
@@ -113,111 +122,143 @@ class ChunkIO:
             done.set_exception(exc)
         return done
 
-    # ---- header --------------------------------------------------------------------------
-    def read_header(self, fd: int) -> memoryview:
-        """The file's first :data:`HEADER_BYTES` bytes (fewer if the file is shorter); a per-thread view."""
-        buf = self._buffers.header
-        got = os.preadv(fd, [buf], 0)
-        return buf[:got]
+    # ---- reads ---------------------------------------------------------------------------
+    def read_chunk(self, fd: int, out: memoryview, file_bytes: int,
+                   check_header: Callable[[memoryview, int], bytes]) -> bool:
+        """Read a chunk file of ``file_bytes`` bytes into ``out``; True if its payload checksum matches.
 
-    def write_header(self, fd: int, header: bytes) -> None:
-        """Write the header block at offset 0."""
-        buf = self._buffers.header
-        buf[:] = header
-        _pwrite_all(fd, buf, 0)
-
-    # ---- payload reads -------------------------------------------------------------------
-    def read_payload(self, fd: int, out: memoryview, length: int) -> bytes:
-        """Read ``length`` payload bytes into ``out[:length]``; returns their XXH3-128.
+        The header block and the first payload slice come in one read; ``check_header(header,
+        payload_bytes)`` must return the expected XXH3-128 or raise ChunkFormatError (namespace,
+        key, length).  The payload, ``file_bytes - HEADER_BYTES`` bytes, lands in ``out`` (which may
+        hold unverified bytes when this returns False or raises).
 
         Raises:
-            ChunkFormatError: the file ends before ``length`` payload bytes.
+            ChunkFormatError: from ``check_header``, a payload larger than ``out``, or a file
+                shorter than ``file_bytes`` by the time it is read.
             OSError: the read failed.
         """
+        length = file_bytes - HEADER_BYTES
+        header = self._buffers.header
+        if length < 0:
+            n_read = os.preadv(fd, [header], 0)
+            check_header(header[:n_read], length)
+            raise ChunkFormatError(f"header truncated ({n_read} of {HEADER_BYTES} bytes)")
+        if length > out.nbytes:
+            raise ChunkFormatError(f"payload of {length} bytes exceeds the {out.nbytes}-byte buffer")
         out = out[:length]
         bounced = self.direct and address(out) % ALIGN != 0
         bounce = self._buffers.bounces(self.slice_bytes) if bounced else []
         tail = self._buffers.tail
-        offsets = range(0, length, self.slice_bytes)
+        offsets = range(0, length, self.slice_bytes) if length else range(1)
 
         def read(i: int) -> memoryview:
-            """Read slice ``i``; return where its bytes are (``out`` or a bounce buffer)."""
+            """Read slice ``i`` (slice 0 with the header); return where its bytes are."""
             off = offsets[i]
             n = min(self.slice_bytes, length - off)
+            iov = [header] if i == 0 else []
             if not self.direct:
-                _pread_exact(fd, [out[off:off + n]], HEADER_BYTES + off, n)
+                iov.append(out[off:off + n])
+                _pread_exact(fd, iov, HEADER_BYTES * (i != 0) + off, n + HEADER_BYTES * (i == 0))
                 return out[off:off + n]
             if bounced:
-                buf = bounce[i % 2]
-                _pread_exact(fd, [buf[:round_up(n)]], HEADER_BYTES + off, n)
-                return buf[:n]
-            whole = n // ALIGN * ALIGN
-            iov = [out[off:off + whole]] if whole else []
-            if n > whole:
-                iov.append(tail)
-            _pread_exact(fd, iov, HEADER_BYTES + off, n)
-            if n > whole:
-                out[off + whole:off + n] = tail[:n - whole]
+                iov.append(bounce[i % 2][:round_up(n)])
+            else:
+                whole = n // ALIGN * ALIGN
+                if whole:
+                    iov.append(out[off:off + whole])
+                if n > whole:
+                    iov.append(tail)
+            _pread_exact(fd, [b for b in iov if b.nbytes], HEADER_BYTES * (i != 0) + off,
+                         n + HEADER_BYTES * (i == 0))
+            if bounced:
+                return bounce[i % 2][:n]
+            if n % ALIGN:
+                out[off + n // ALIGN * ALIGN:off + n] = tail[:n % ALIGN]
             return out[off:off + n]
 
-        if len(offsets) == 1:
-            got = read(0)
-            if bounced:
-                out[:] = got
-            return payload_digest(got)
+        got = read(0)
+        expected = check_header(header, length)
         hasher = PayloadHasher()
-        ahead = self._submit(read, 0)
+        ahead: Future[memoryview] | None = None
         try:
             for i, off in enumerate(offsets):
-                got = ahead.result()
-                if i + 1 < len(offsets):
-                    ahead = self._submit(read, i + 1)
+                if i:
+                    got = ahead.result() if ahead is not None else read(i)
+                    ahead = None
+                if self.pipeline and i + 1 < len(offsets):
+                    ahead = self._submit(read, i + 1)  # the next slice moves while this one is hashed
                 hasher.update(got)
                 if bounced:
                     out[off:off + got.nbytes] = got
         finally:
-            wait([ahead])  # never leave a read into the caller's buffers running
-        return hasher.digest()
+            if ahead is not None:
+                wait([ahead])  # never leave a read into the caller's buffers running
+        return hasher.digest() == expected
 
-    # ---- payload writes ------------------------------------------------------------------
-    def write_payload(self, fd: int, payload: memoryview) -> bytes:
-        """Write ``payload`` at offset :data:`HEADER_BYTES`; returns its XXH3-128, computed on a
-        helper thread while the bytes are written.  In direct mode a partial last block is padded
-        and the file truncated to ``HEADER_BYTES + len(payload)``.
+    # ---- writes --------------------------------------------------------------------------
+    def write_chunk(self, fd: int, payload: memoryview, make_header: Callable[[bytes], bytes]) -> None:
+        """Write a chunk file: ``make_header(digest)`` (a :data:`HEADER_BYTES` block) then ``payload``.
+
+        A payload of at least ``overlap_min_bytes`` is hashed on a helper thread while it is
+        written, and the header goes last; a smaller one is hashed first and written with its
+        header in one call (a second I/O would cost more than the hash).  In direct mode a partial
+        last block is padded and the file truncated to ``HEADER_BYTES + len(payload)``.
 
         Raises:
             OSError: the write failed.
         """
         length = payload.nbytes
-        digest = self._submit(payload_digest, payload)
-        try:
-            if not self.direct:
-                _pwrite_all(fd, payload, HEADER_BYTES)
-            elif address(payload) % ALIGN == 0:
-                whole = length // ALIGN * ALIGN
-                if whole:
-                    _pwrite_all(fd, payload[:whole], HEADER_BYTES)
-                if length > whole:
-                    self._write_tail(fd, payload[whole:], HEADER_BYTES + whole)
-            else:
-                bounce = self._buffers.bounces(self.slice_bytes)[0]
-                for off in range(0, length, self.slice_bytes):
-                    n = min(self.slice_bytes, length - off)
-                    bounce[:n] = payload[off:off + n]
-                    if n % ALIGN:
-                        bounce[n:round_up(n)] = bytes(round_up(n) - n)
-                    _pwrite_all(fd, bounce[:round_up(n)], HEADER_BYTES + off)
-            if self.direct and length % ALIGN:
-                os.ftruncate(fd, HEADER_BYTES + length)
-        finally:
-            result = digest.result()
-        return result
+        aligned = not self.direct or address(payload) % ALIGN == 0
+        if length < self.overlap_min_bytes:
+            self._write_header(fd, make_header(payload_digest(payload)), with_payload=payload if aligned else None)
+            if not aligned:
+                self._write_payload(fd, payload)
+        else:
+            digest = self._submit(payload_digest, payload)
+            try:
+                self._write_payload(fd, payload)
+            finally:
+                result = digest.result()
+            self._write_header(fd, make_header(result), with_payload=None)
+        if self.direct and length % ALIGN:
+            os.ftruncate(fd, HEADER_BYTES + length)
 
-    def _write_tail(self, fd: int, rest: memoryview, offset: int) -> None:
+    def _write_header(self, fd: int, header: bytes, with_payload: memoryview | None) -> None:
+        buf = self._buffers.header
+        buf[:] = header
+        iov = [buf]
+        if with_payload is not None and with_payload.nbytes:
+            whole = with_payload.nbytes // ALIGN * ALIGN if self.direct else with_payload.nbytes
+            if whole:
+                iov.append(with_payload[:whole])
+            if whole < with_payload.nbytes:
+                iov.append(self._padded_tail(with_payload[whole:]))
+        _pwritev_all(fd, iov, 0)
+
+    def _write_payload(self, fd: int, payload: memoryview) -> None:
+        length = payload.nbytes
+        if not self.direct:
+            _pwritev_all(fd, [payload], HEADER_BYTES)
+        elif address(payload) % ALIGN == 0:
+            whole = length // ALIGN * ALIGN
+            iov = [payload[:whole]] if whole else []
+            if length > whole:
+                iov.append(self._padded_tail(payload[whole:]))
+            _pwritev_all(fd, iov, HEADER_BYTES)
+        else:
+            bounce = self._buffers.bounces(self.slice_bytes)[0]
+            for off in range(0, length, self.slice_bytes):
+                n = min(self.slice_bytes, length - off)
+                bounce[:n] = payload[off:off + n]
+                if n % ALIGN:
+                    bounce[n:round_up(n)] = bytes(round_up(n) - n)
+                _pwritev_all(fd, [bounce[:round_up(n)]], HEADER_BYTES + off)
+
+    def _padded_tail(self, rest: memoryview) -> memoryview:
         tail = self._buffers.tail
         tail[:rest.nbytes] = rest
         tail[rest.nbytes:] = bytes(ALIGN - rest.nbytes)
-        _pwrite_all(fd, tail, offset)
+        return tail
 
 
 def _pread_exact(fd: int, iov: list[memoryview], offset: int, want: int) -> None:
@@ -246,9 +287,14 @@ def _skip(iov: list[memoryview], n: int) -> list[memoryview]:
 
 
 def _pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
-    done = 0
-    while done < buf.nbytes:  # short writes are rare but legal
-        done += os.pwrite(fd, buf[done:], offset + done)
+    _pwritev_all(fd, [buf], offset)
+
+
+def _pwritev_all(fd: int, iov: list[memoryview], offset: int) -> None:
+    total = sum(b.nbytes for b in iov)
+    done = os.pwritev(fd, iov, offset)
+    while done < total:  # short writes are rare but legal
+        done += os.pwritev(fd, _skip(iov, done), offset + done)
 
 
 def direct_supported(directory: str | os.PathLike[str]) -> bool:

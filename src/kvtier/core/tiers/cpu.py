@@ -2,7 +2,8 @@
 
 The pool is allocated once at start (no per-chunk malloc).  When torch is installed and CUDA is
 available the pool is a pinned (page-locked) host tensor, so copies to and from the GPU can be
-asynchronous DMA; otherwise it is a plain numpy array.  :meth:`CpuTier.view` returns zero-copy
+asynchronous DMA; otherwise it is anonymous ``mmap`` memory viewed as a numpy array.  Either way
+it starts on a page boundary, so pages of a multiple of 4096 bytes suit ``O_DIRECT`` disk I/O.  :meth:`CpuTier.view` returns zero-copy
 numpy views into the pool, valid while the chunk stays resident (the store pins chunks that
 callers hold views of).
 
@@ -16,6 +17,7 @@ them).
 
 from __future__ import annotations
 
+import mmap
 import threading
 from typing import TYPE_CHECKING
 
@@ -38,7 +40,8 @@ def _allocate_pool(num_bytes: int) -> tuple[np.ndarray, bool]:
             return tensor.numpy(), True
     except ImportError:
         pass
-    pool = np.empty(num_bytes, dtype=np.uint8)
+    # anonymous mmap: page-aligned, so the disk tier's O_DIRECT I/O can use the pages directly
+    pool = np.frombuffer(mmap.mmap(-1, num_bytes), dtype=np.uint8) if num_bytes else np.empty(0, np.uint8)
     pool[::4096] = 0  # fault every OS page in now, so the first save into a page is a plain copy
     return pool, False
 

@@ -204,19 +204,20 @@ class DiskTier(Tier):
         # O_NONBLOCK: a FIFO or device planted at a chunk's path must not hang the caller
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | io.open_flags)
         try:
-            size = os.fstat(fd)
-            if not stat.S_ISREG(size.st_mode):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
                 raise ChunkFormatError("not a regular file")
-            header = decode_header(io.read_header(fd))
-            if header.namespace != self.namespace or header.key != key:
-                raise ChunkFormatError("chunk belongs to another namespace or key")
+
+            def check(raw: memoryview, payload_bytes: int) -> bytes:
+                header = decode_header(raw)
+                if header.namespace != self.namespace or header.key != key:
+                    raise ChunkFormatError("chunk belongs to another namespace or key")
+                if header.length != payload_bytes:
+                    raise ChunkFormatError(f"payload is {payload_bytes} bytes on disk, header says {header.length}")
+                return header.payload_digest
+
             out = memoryview(np.frombuffer(dst, dtype=np.uint8).data)
-            if header.length > out.nbytes:
-                raise ChunkFormatError(f"payload of {header.length} bytes exceeds the {out.nbytes}-byte buffer")
-            if size.st_size != HEADER_BYTES + header.length:
-                raise ChunkFormatError(f"payload is {size.st_size - HEADER_BYTES} bytes on disk, "
-                                       f"header says {header.length}")
-            if io.read_payload(fd, out, header.length) != header.payload_digest:
+            if not io.read_chunk(fd, out, st.st_size, check):
                 raise ChunkFormatError("payload checksum mismatch")
         finally:
             os.close(fd)
@@ -279,8 +280,7 @@ class DiskTier(Tier):
         io = self._io
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | io.open_flags, 0o644)
         try:
-            digest = io.write_payload(fd, payload)
-            io.write_header(fd, encode_header(self.namespace, key, payload.nbytes, digest))
+            io.write_chunk(fd, payload, lambda digest: encode_header(self.namespace, key, payload.nbytes, digest))
             if self.fsync:
                 os.fsync(fd)
         finally:
