@@ -186,7 +186,7 @@ def test_a_clean_modern_native_offload_config_has_no_error_or_warning():
 @pytest.mark.parametrize("extra, words", [
     ({"cpu_gb": 4}, "did you mean 'cpu_gib'"),
     ({"cpu_gib": -4}, "'cpu_gib'"),
-    ({"disk_path": "/proc/kvtier", "disk_gib": 1}, "proc filesystem"),
+    ({"disk_gib": -1, "disk_path": "/nvme/kv"}, "'disk_gib'"),
     ({"chunk_tokens": 100}, "multiple of the engine block size 16"),
 ])
 def test_kvtier_config_findings_name_the_key(extra, words):
@@ -201,3 +201,10 @@ def test_kvtier_with_the_hma_flag_is_told_it_does_not_need_it():
     configs = load_configs(text.replace("vllm serve m", "vllm serve google/gemma-3-27b-it"), "t", parse_version(V))
     assert "disable-hma-by-reflex" in {f.rule for f in audit(configs)}
     assert not [f for f in audit(load_configs(kvtier_line(), "t", parse_version(V))) if f.severity == "error"]
+
+
+def test_audit_does_not_judge_or_touch_the_disk_path_of_another_host(tmp_path):
+    target = tmp_path / "not-created"
+    configs = load_configs(kvtier_line(disk_path=str(target), disk_gib=100000), "t", parse_version(V))
+    assert not [f for f in audit(configs) if f.rule == "kvtier-config-invalid"]
+    assert not target.exists()

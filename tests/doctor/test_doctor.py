@@ -170,3 +170,15 @@ def test_bad_input_is_one_line_and_exit_2(args, words):
 def test_help_has_examples():
     proc = doctor("--help")
     assert "Examples" in proc.stdout and "kvtier doctor --url http://localhost:8000" in proc.stdout
+
+
+def test_kvtier_tiers_are_reported_one_by_one_and_the_comparison_is_named():
+    before, after = parse_metrics(BEFORE, "b"), parse_metrics(AFTER, "a")
+    alloc = allocation(after)
+    assert set(alloc.tiers_gib) == {"cpu", "disk"} and alloc.gib == sum(alloc.tiers_gib.values())
+    assert alloc.compared.startswith("kvtier cpu + disk tiers together")
+    meters = measure(before, after, None)
+    assert meters.loaded_tokens_by_tier["cpu"] == meters.external_hits  # this recording served all hits from cpu
+    assert meters.loaded_tokens_by_tier["disk"] == 0
+    check = diagnose(meters, alloc, after.cache_config, alloc.tiers_gib["cpu"] * 2, 1).checks[0]
+    assert check.level == "problem" and "kvtier tiers cpu" in check.message and "cpu_gib + disk_gib" in check.message

@@ -97,3 +97,17 @@ def test_list_presets_and_help_show_examples():
     assert "deepseek-ai/DeepSeek-V3" in run("--list-presets").stdout
     help_text = run("--help").stdout
     assert "Examples" in help_text and "kvtier size --model" in help_text
+
+
+@pytest.mark.parametrize("args, wanted", [
+    ([], ["--context TOKENS", "--sessions N"]),
+    (["--context", "8192"], ["--sessions N"]),
+])
+def test_without_a_tier_size_it_says_what_to_add(tmp_path, args, wanted):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                               "hidden_size": 4096, "torch_dtype": "bfloat16"}))
+    result = run("--model", str(cfg), "--gpu-memory-gib", "80", "--weights-gib", "40", *args, "--json")
+    assert result.exit_code == 0, result.output
+    (note,) = [n for n in json.loads(result.stdout)["notes"] if n.startswith("No offload tier size")]
+    assert all(flag in note for flag in wanted) and ("--context" in note) == ("--context" not in args)

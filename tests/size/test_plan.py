@@ -97,6 +97,9 @@ def test_three_dialects_state_the_same_total(tp):
     args = shlex.split(recipe.kvtier.replace("\\\n", " "))
     config = json.loads(args[args.index("--kv-transfer-config") + 1])
     assert config["kv_connector"] == "KVTierConnector"
+    assert config["kv_load_failure_policy"] == "recompute"  # a failed kvtier load is recomputed, not an error
+    from kvtier.integrations.vllm.preflight import check_transfer_config
+    assert check_transfer_config(config, host_checks=False) == []  # the connector's pre-flight accepts it
     extra = config["kv_connector_extra_config"]
     assert extra["cpu_gib"] == total and extra["disk_gib"] == round_total(50, tp)
     assert extra["disk_path"] == "/nvme/kv" and extra["chunk_tokens"] == 256

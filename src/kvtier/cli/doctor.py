@@ -13,7 +13,7 @@ from kvtier.core.errors import UserError
 
 HELP = """Check a running vLLM server: prefix-cache hit rate, external (offload) hit rate, TTFT p50/p99, and the offload size vLLM actually allocated, then give a verdict.
 
-Scrapes URL/metrics twice, --interval seconds apart (run it while traffic flows), and compares the offload size from vllm:cache_config_info (or kvtier's capacity gauges) with --expect-offload-gib (TOTAL across TP ranks). Exit code 1 when the verdict is "problem".
+Scrapes URL/metrics twice, --interval seconds apart (run it while traffic flows), and compares the offload size with --expect-offload-gib (GiB, total across TP ranks): vLLM's --kv-offloading-size from vllm:cache_config_info, or for kvtier the sum of its tiers (cpu + disk, from kvtier_capacity_bytes), each tier also reported alone with what it holds and the prompt tokens it served. Exit code 1 when the verdict is "problem".
 
 Examples:
 
@@ -45,8 +45,12 @@ def _print_text(url: str, meters, alloc, diagnosis, expect_gib: float | None) ->
     console.print(f"  TTFT p50 / p99          {sec(meters.ttft_p50_s)} / {sec(meters.ttft_p99_s)}  "
                   f"({meters.ttft_requests:,.0f} requests)")
     gib = "none" if alloc.gib is None else f"{alloc.gib:g} GiB"
-    expected = "" if expect_gib is None else f" (expected {expect_gib:g} GiB)"
-    console.print(f"  offload allocated       {gib}{expected}  [dim]{alloc.detail}[/dim]")
+    expected = "" if expect_gib is None else f", compared with --expect-offload-gib {expect_gib:g}"
+    console.print(f"  offload allocated       {gib}  [dim]({alloc.compared}{expected})[/dim]")
+    for tier, capacity in alloc.tiers_gib.items():
+        loaded = meters.loaded_tokens_by_tier.get(tier)
+        served = "" if loaded is None else f"; served {loaded:,.0f} prompt tokens"
+        console.print(f"    kvtier {tier:<5}         {capacity:g} GiB, {alloc.used_gib.get(tier, 0.0):.3g} GiB held{served}")
     style = {"ok": "green", "warning": "yellow", "problem": "bold red"}
     for check in diagnosis.checks:
         console.print(f"  [{style[check.level]}]{check.level:<8}[/] {check.message}")
@@ -79,7 +83,7 @@ def doctor_command(
     url: str | None = typer.Option(None, "--url", help="vLLM server, http://HOST:PORT (/metrics is added)."),
     interval: float = typer.Option(10.0, "--interval", help="Seconds between the two scrapes."),
     expect_offload_gib: float | None = typer.Option(None, "--expect-offload-gib",
-                                                    help="Offload tier you configured, GiB TOTAL across TP ranks."),
+                                                    help="Offload size you configured, GiB total across TP ranks: --kv-offloading-size, or for kvtier cpu_gib + disk_gib (compared with the tiers' sum)."),
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel size of the server."),
     from_files: tuple[str, str] | None = typer.Option(None, "--from-files",
                                                       help="Two recorded /metrics texts (before, after) instead of --url."),
@@ -127,6 +131,10 @@ def doctor_command(
             "lifetime_hit_rate": meters.lifetime_hit_rate,
             "ttft_p50_s": meters.ttft_p50_s, "ttft_p99_s": meters.ttft_p99_s, "ttft_requests": meters.ttft_requests,
             "offload_allocated_gib": alloc.gib, "offload_backend": alloc.backend, "offload_detail": alloc.detail,
+            "offload_compared": alloc.compared,
+            "tiers": {tier: {"capacity_gib": gib, "used_gib": alloc.used_gib.get(tier, 0.0),
+                             "loaded_tokens": meters.loaded_tokens_by_tier.get(tier)}
+                      for tier, gib in alloc.tiers_gib.items()},
             "expected_offload_gib": expect_offload_gib, "tp": tp,
             "checks": [{"level": c.level, "message": c.message} for c in diagnosis.checks],
             "verdict": diagnosis.verdict,

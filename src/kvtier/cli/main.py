@@ -7,11 +7,41 @@ Each command module defines ``register(app: typer.Typer) -> None`` and keeps hea
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 import typer
+from typer.core import TyperGroup
+
+
+class _Group(TyperGroup):
+    """The ``kvtier`` command group: on/off flags show no ``<bool>`` type in ``--help``.
+
+    Typer's rich help prints a type column for every option, ``<bool>`` included, even for plain
+    flags such as ``--json`` and ``--help`` that take no value; an empty metavar hides it.  Applied
+    here once, for every command, rather than in each flag's declaration.
+    """
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        _plain_flags(self)
+        return super().main(*args, **kwargs)
+
+
+def _plain_flags(command: Any) -> None:
+    """Give every flag of ``command`` (and its subcommands), ``--help`` included, an empty metavar.
+
+    ``command`` is a Typer click command (Typer ships its own copy of click, so this reads
+    attributes rather than checking click classes)."""
+    help_option = command.get_help_option(command.context_class(command))
+    for param in [*command.params, *([help_option] if help_option is not None else [])]:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+    for sub in getattr(command, "commands", {}).values():
+        _plain_flags(sub)
+
 
 app = typer.Typer(
     name="kvtier",
+    cls=_Group,
     help="Tiered KV cache for vLLM: size, audit, simulate, benchmark and run KV offload.",
     no_args_is_help=True,
     add_completion=False,

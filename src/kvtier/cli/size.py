@@ -171,6 +171,13 @@ def size_command(
         recipe = build_recipe(model, tp, report.cpu_gib or 0.0, report.disk_gib or 0.0, disk_path, chunk_tokens)
     if recipe is not None:
         report.notes.extend(chunk_notes(chunk_tokens))
+    elif report.recommended_offload_gib is None:
+        missing = [flag for flag, value in (("--context TOKENS (tokens per session)", context),
+                                            ("--sessions N (sessions to keep warm)", sessions)) if value is None]
+        if report.hbm_kv_budget_bytes is None:
+            missing.append("--gpu (or --gpu-memory-gib)")
+        report.notes.append(f"No offload tier size: add {' and '.join(missing)} for the recommended tier and its "
+                            "kvtier / vLLM / LMCache configs, or --offload-gib GIB for the configs of a size you chose.")
     if as_json:
         payload = report.to_json()
         payload["weights_note"] = note

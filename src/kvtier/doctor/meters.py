@@ -15,7 +15,7 @@ denominator did not move between the scrapes.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtier.doctor.snapshot import Snapshot
 
@@ -64,6 +64,8 @@ class Meters:
     ttft_p99_s: float | None
     lifetime_hit_rate: float | None
     went_backwards: tuple[str, ...] = ()
+    loaded_tokens_by_tier: dict[str, float] = field(default_factory=dict)
+    """kvtier only: prompt tokens each tier (cpu, disk) served into the engine between the scrapes."""
 
     @property
     def hit_rate(self) -> float | None:
@@ -110,6 +112,9 @@ def measure(before: Snapshot, after: Snapshot, interval_s: float | None) -> Mete
         ttft_p99_s=histogram_quantile(0.99, buckets),
         lifetime_hit_rate=after.counter("vllm:prefix_cache_hits") / lifetime_q if lifetime_q > 0 else None,
         went_backwards=tuple(backwards),
+        loaded_tokens_by_tier={tier: (value - before.kvtier_loaded.get(tier, 0.0)
+                                      if value >= before.kvtier_loaded.get(tier, 0.0) else value)
+                               for tier, value in sorted(after.kvtier_loaded.items())},
     )
 
 
@@ -121,6 +126,17 @@ class Allocation:
     gib: float | None
     backend: str | None
     detail: str
+    tiers_gib: dict[str, float] = field(default_factory=dict)
+    """kvtier only: capacity per tier (``cpu``, ``disk``), GiB summed over ranks; ``gib`` is their sum."""
+    used_gib: dict[str, float] = field(default_factory=dict)
+    """kvtier only: bytes held per tier now, GiB summed over ranks."""
+
+    @property
+    def compared(self) -> str:
+        """What ``gib`` is, in words: the number compared with ``--expect-offload-gib``."""
+        if self.tiers_gib:
+            return "kvtier " + " + ".join(sorted(self.tiers_gib)) + " tiers together, total across TP ranks"
+        return "--kv-offloading-size (total across TP ranks)" if self.gib is not None else "nothing"
 
 
 def allocation(snap: Snapshot) -> Allocation:
@@ -135,7 +151,8 @@ def allocation(snap: Snapshot) -> Allocation:
             backend = snap.cache_config.get("kv_offloading_backend", "native")
             return Allocation(gib, backend, f"vllm:cache_config_info kv_offloading_size={raw} ({backend})")
     if snap.kvtier_capacity:
-        total = sum(snap.kvtier_capacity.values()) / GIB
-        parts = ", ".join(f"{tier} {value / GIB:g} GiB" for tier, value in sorted(snap.kvtier_capacity.items()))
-        return Allocation(total, "kvtier", f"kvtier_capacity_bytes: {parts}")
+        tiers = {tier: value / GIB for tier, value in sorted(snap.kvtier_capacity.items())}
+        used = {tier: snap.kvtier_usage.get(tier, 0.0) / GIB for tier in tiers}
+        parts = " + ".join(f"{tier} {gib:g} GiB" for tier, gib in tiers.items())
+        return Allocation(sum(tiers.values()), "kvtier", f"kvtier_capacity_bytes: {parts}", tiers, used)
     return Allocation(None, None, "no KV offload tier reported (cache_config_info kv_offloading_size=None)")

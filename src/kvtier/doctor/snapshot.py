@@ -22,17 +22,22 @@ COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:externa
 TTFT = "vllm:time_to_first_token_seconds"
 CACHE_INFO = "vllm:cache_config_info"
 KVTIER_CAPACITY = "kvtier_capacity_bytes"
+KVTIER_USAGE = "kvtier_usage_bytes"
+KVTIER_LOADED = "kvtier_loaded_tokens"
 
 
 @dataclass
 class Snapshot:
     """Counters (summed over engines), TTFT cumulative buckets ``le → count``, cache-config labels,
-    and kvtier tier capacities ``tier → bytes`` (empty when kvtier is not the connector)."""
+    and per kvtier tier (``tier → value``, empty when kvtier is not the connector): capacity and
+    usage in bytes, and the tokens loaded from that tier into the engine (a counter)."""
 
     counters: dict[str, float] = field(default_factory=dict)
     ttft_buckets: dict[float, float] = field(default_factory=dict)
     cache_config: dict[str, str] = field(default_factory=dict)
     kvtier_capacity: dict[str, float] = field(default_factory=dict)
+    kvtier_usage: dict[str, float] = field(default_factory=dict)
+    kvtier_loaded: dict[str, float] = field(default_factory=dict)
 
     def counter(self, name: str) -> float:
         return self.counters.get(name, 0.0)
@@ -69,10 +74,14 @@ def parse_metrics(text: str, where: str) -> Snapshot:
             for sample in family.samples:
                 snap.cache_config = {k: v for k, v in sample.labels.items()}
                 break
-        elif family.name == KVTIER_CAPACITY:
+        elif family.name in (KVTIER_CAPACITY, KVTIER_USAGE, KVTIER_LOADED):
+            into = {KVTIER_CAPACITY: snap.kvtier_capacity, KVTIER_USAGE: snap.kvtier_usage,
+                    KVTIER_LOADED: snap.kvtier_loaded}[family.name]
             for sample in family.samples:
+                if sample.name.endswith("_created") or not math.isfinite(sample.value):
+                    continue
                 tier = sample.labels.get("tier", "?")
-                snap.kvtier_capacity[tier] = snap.kvtier_capacity.get(tier, 0.0) + sample.value
+                into[tier] = into.get(tier, 0.0) + sample.value
     if "vllm:prefix_cache_queries" not in snap.counters:
         raise UserError(f"{where} has no vllm:prefix_cache_queries samples; point --url at a vLLM server.")
     for prefix in ("vllm:", "vllm:external_"):

@@ -60,15 +60,22 @@ def _size_check(alloc: Allocation, expect_gib: float | None, tp: int) -> Check |
     def close(a: float, b: float) -> bool:
         return abs(a - b) <= SIZE_TOLERANCE * max(b, 1e-9)
 
+    # say which number is compared: kvtier's tiers together, or vLLM's --kv-offloading-size
+    if alloc.tiers_gib:
+        what = " + ".join(f"{tier} {gib:g}" for tier, gib in alloc.tiers_gib.items()) + f" = {alloc.gib:g} GiB"
+        what = f"kvtier tiers {what}" if len(alloc.tiers_gib) > 1 else f"kvtier tier {what}"
+    else:
+        what = f"{alloc.gib:g} GiB (--kv-offloading-size)"
     if close(alloc.gib, expect_gib):
-        return Check("ok", f"Offload tier {alloc.gib:g} GiB matches the expected {expect_gib:g} GiB (total across TP).")
+        return Check("ok", f"Offload {what} matches --expect-offload-gib {expect_gib:g} (total across TP).")
     if tp > 1 and close(alloc.gib, expect_gib / tp):
-        return Check("problem", f"Offload tier is {alloc.gib:g} GiB = expected {expect_gib:g} / TP {tp}: the size was "
-                     f"set per GPU (SGLang habit); vLLM reads it as the total, set {expect_gib:g}.")
+        return Check("problem", f"Offload {what} = expected {expect_gib:g} / TP {tp}: the size was set per GPU "
+                     f"(SGLang habit); vLLM and kvtier read it as the total, set {expect_gib:g}.")
     if tp > 1 and close(alloc.gib, expect_gib * tp):
-        return Check("problem", f"Offload tier is {alloc.gib:g} GiB = expected {expect_gib:g} × TP {tp}: the total "
-                     "was multiplied by TP once too often.")
-    return Check("problem", f"Offload tier is {alloc.gib:g} GiB, expected {expect_gib:g} GiB.")
+        return Check("problem", f"Offload {what} = expected {expect_gib:g} × TP {tp}: the total was multiplied by "
+                     "TP once too often.")
+    return Check("problem", f"Offload {what}, but --expect-offload-gib is {expect_gib:g}"
+                 f"{' (compare it with cpu_gib + disk_gib)' if len(alloc.tiers_gib) > 1 else ''}.")
 
 
 def _cannot_judge(meters: Meters) -> str | None:

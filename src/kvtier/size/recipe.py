@@ -31,6 +31,9 @@ KVTIER_CONNECTOR = {
     "kv_connector": "KVTierConnector",
     "kv_connector_module_path": "kvtier.integrations.vllm",
     "kv_role": "kv_both",
+    # a kvtier chunk that cannot be loaded (failed verification, disk error) is recomputed instead of
+    # failing the request; vLLM's default is "fail" (vllm/config/kv_transfer.py kv_load_failure_policy)
+    "kv_load_failure_policy": "recompute",
 }
 
 

@@ -29,7 +29,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+from pydantic import TypeAdapter, ValidationError
 
 from kvtier.core.config import GiB, KVTierConfig, did_you_mean, mount_of
 from kvtier.core.errors import ConfigError
@@ -90,13 +92,19 @@ def uses_kvtier(transfer: dict[str, Any]) -> bool:
     return bool(_kvtier_entries(transfer))
 
 
-def check_transfer_config(transfer: dict[str, Any] | str, block_size: int | None = None) -> list[Problem]:
+def check_transfer_config(transfer: dict[str, Any] | str, block_size: int | None = None,
+                          host_checks: bool = True) -> list[Problem]:
     """Every problem of a ``--kv-transfer-config`` for KVTierConnector, errors first.
 
     Args:
         transfer: the JSON text or its parsed dict.
         block_size: the engine's ``--block-size`` in tokens when known (``chunk_tokens`` must be a
             multiple of it); None skips that check.
+        host_checks: also check what depends on the host this runs on: the disk tier directory
+            (exists or can be created, writable, free space, not a kernel filesystem; it is created
+            when it can be, as the connector would) and ``cpu_gib`` against available memory.  True
+            on the serving host (``kvtier check``, the vLLM plugin); False for a config that will run
+            elsewhere (``kvtier audit`` of a manifest).
 
     Returns:
         Problems, errors before warnings; empty when the config is fine or does not use kvtier.
@@ -131,7 +139,7 @@ def check_transfer_config(transfer: dict[str, Any] | str, block_size: int | None
                                 'fails (a chunk that fails verification, a disk error) fails too; add '
                                 '"kv_load_failure_policy":"recompute" so vLLM recomputes those tokens instead'))
     for prefix, entry in entries:
-        problems.extend(_check_entry(prefix, entry, block_size))
+        problems.extend(_check_entry(prefix, entry, block_size, host_checks))
     return sorted(problems, key=lambda p: p.severity != "error")
 
 
@@ -149,7 +157,7 @@ def _kvtier_entries(transfer: dict[str, Any]) -> list[tuple[str, dict[str, Any]]
     return found
 
 
-def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None) -> list[Problem]:
+def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, host_checks: bool) -> list[Problem]:
     problems: list[Problem] = []
     module = entry.get("kv_connector_module_path")
     if module != MODULE_PATH:
@@ -169,6 +177,9 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None) -> 
                                     f"unknown kvtier config key {name!r}{did_you_mean(name, fields)}; known keys "
                                     f"are {', '.join(fields)}"))
     known = {k: v for k, v in extra.items() if k in fields}
+    if not host_checks and known.get("disk_path") is not None:
+        # the disk path alone (its own field checks), the size as a plain number: no filesystem looked at
+        problems.extend(_disk_size_problem(key, known.pop("disk_gib", None)))
     # each value alone (the disk pair together), so that every bad value is named, not just the first
     groups = [[k] for k in known if k not in _DISK_KEYS] + [[k for k in known if k in _DISK_KEYS]]
     good: dict[str, Any] = {}
@@ -187,6 +198,8 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None) -> 
             config.validate_block_size(block_size)
         except ConfigError as exc:
             problems.append(Problem("error", f"{key}.chunk_tokens", str(exc)))
+    if not host_checks:
+        return problems
     available = available_memory()
     if available and config.cpu_gib * GiB > available:
         problems.append(Problem("error", f"{key}.cpu_gib",
@@ -198,6 +211,18 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None) -> 
                                 f"disk_path {config.disk_path!r} is on tmpfs, i.e. in memory: the disk tier then "
                                 "competes with the cpu tier for RAM and is lost on reboot; use a local disk"))
     return problems
+
+
+def _disk_size_problem(key: str, disk_gib: Any) -> list[Problem]:
+    """``disk_gib`` checked as a finite number ≥ 0 (the field's own constraints), without a filesystem."""
+    if disk_gib is None:
+        return []
+    try:
+        TypeAdapter(Annotated[float, KVTierConfig.model_fields["disk_gib"]]).validate_python(disk_gib)
+    except ValidationError as exc:
+        return [Problem("error", f"{key}.disk_gib", f"kvtier config field 'disk_gib': {exc.errors()[0]['msg']} "
+                        f"(got {disk_gib!r}); fix the value of 'disk_gib'")]
+    return []
 
 
 def _on_tmpfs(path: Path) -> bool:

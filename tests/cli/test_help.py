@@ -1,0 +1,29 @@
+"""``--help`` of every command through the real CLI: plain on/off flags show no ``<bool>`` type."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import typer
+
+from kvtier.cli.main import app
+
+
+def _command_paths() -> list[list[str]]:
+    paths: list[list[str]] = [[]]
+    root = typer.main.get_command(app)
+    for name, command in getattr(root, "commands", {}).items():
+        paths.append([name])
+        paths.extend([name, sub] for sub in getattr(command, "commands", {}))
+    return paths
+
+
+@pytest.mark.parametrize("path", _command_paths(), ids=lambda p: " ".join(p) or "kvtier")
+def test_help_shows_no_bool_type(path):
+    proc = subprocess.run([sys.executable, "-m", "kvtier.cli.main", *path, "--help"], capture_output=True, text=True,
+                          check=False, timeout=120, env={**os.environ, "COLUMNS": "200"})
+    assert proc.returncode == 0, proc.stderr
+    assert "--help" in proc.stdout and "<bool>" not in proc.stdout
