@@ -48,3 +48,22 @@ def test_bench_store_bad_input_is_one_line_error(args, needle):
     result = CliRunner().invoke(app, ["bench-store", *args])
     assert result.exit_code == 2
     assert needle in result.output and "Traceback" not in result.output
+
+
+def test_bench_store_redis_rows_against_a_real_server(tmp_path, redis_server):
+    out = tmp_path / "bs-redis.json"
+    result = CliRunner().invoke(app, ["bench-store", "--sizes", "0.25,1", "--total-mib", "2", "--repeats", "2",
+                                      "--redis-url", redis_server.url, "--redis-only", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())["results"]
+    assert {(r["tier"], r["io"], r["op"], r["chunk_mib"]) for r in rows} == \
+        {("redis", "network", o, c) for o in ("put", "get") for c in (0.25, 1.0)}
+    for r in rows:
+        assert r["gib_per_s"] > 0 and r["reference_gib_per_s"] > 0 and 0 < r["ratio_min"] <= r["ratio_max"]
+    assert not redis_server.client().keys(b"kvtier-bench-*")  # the bench cleans up after itself
+    assert "raw redis-py pipelined SET/GET" in result.output
+
+
+def test_bench_store_redis_only_needs_a_url():
+    result = CliRunner().invoke(app, ["bench-store", "--redis-only"])
+    assert result.exit_code == 2 and "--redis-url" in result.output and "Traceback" not in result.output

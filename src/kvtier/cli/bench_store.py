@@ -31,6 +31,10 @@ def bench_store(
                                                         "(O_DIRECT); the reference uses the same mode."),
     directory: Path | None = typer.Option(None, "--dir", help="Where the disk tier writes (default: a temp dir)."),
     json_path: Path | None = typer.Option(None, "--json", help="Also write results as JSON here."),
+    redis_url: str | None = typer.Option(None, help="Also measure the redis tier on this server "
+                                                     "(redis:// or rediss://); its keys are deleted afterwards."),
+    redis_cluster: bool = typer.Option(False, help="--redis-url names a seed node of a Redis Cluster."),
+    redis_only: bool = typer.Option(False, help="Measure only the redis tier (needs --redis-url)."),
 ) -> None:
     """Measure cpu and disk tier put/get throughput against numpy copy and raw file I/O.
 
@@ -64,12 +68,18 @@ def bench_store(
         fail(f"--dir {str(directory)!r} is not a writable directory; create it or omit --dir")
     if json_path is not None and (json_path.is_dir() or not json_path.parent.is_dir()):
         fail(f"--json {str(json_path)!r} must be a file path in an existing directory")
-    try:
-        rows, notes = run_store_bench(chunk_mibs, total_mib, repeats, directory, thread_counts, modes)
-    except ValueError as exc:
-        fail(str(exc))
-    except OSError as exc:
-        fail(f"the disk benchmark could not write its files ({exc.strerror}); free space or pick another --dir")
+    if redis_only and not redis_url:
+        fail("--redis-only needs --redis-url, e.g. --redis-url redis://127.0.0.1:6379/0")
+    rows, notes = [], []
+    if not redis_only:
+        try:
+            rows, notes = run_store_bench(chunk_mibs, total_mib, repeats, directory, thread_counts, modes)
+        except ValueError as exc:
+            fail(str(exc))
+        except OSError as exc:
+            fail(f"the disk benchmark could not write its files ({exc.strerror}); free space or pick another --dir")
+    if redis_url:
+        rows += _redis_rows(redis_url, redis_cluster, chunk_mibs, total_mib, repeats)
     table = Table(title="kvtier bench-store (tier vs same-run reference)")
     for col in ("tier", "io", "threads", "op", "chunk MiB", "GiB/s", "reference GiB/s", "ratio", "round ratios"):
         table.add_column(col, justify="right")
@@ -77,8 +87,11 @@ def bench_store(
         table.add_row(r.tier, r.io, str(r.threads), r.op, f"{r.chunk_mib:g}", f"{r.gib_per_s:.2f}",
                       f"{r.reference_gib_per_s:.2f}", f"{r.ratio:.2f}", f"{r.ratio_min:.2f}-{r.ratio_max:.2f}")
     Console().print(table)
-    print("reference: cpu = numpy.copyto of the same bytes; disk = open/pwrite/preadv/close of the same bytes, "
-          "same I/O mode and thread count")
+    if not redis_only:
+        print("reference: cpu = numpy.copyto of the same bytes; disk = open/pwrite/preadv/close of the same "
+              "bytes, same I/O mode and thread count")
+    if redis_url:
+        print("reference: redis = raw redis-py pipelined SET/GET of the same bytes to the same server")
     for note in notes:
         print(note)
     load = os.getloadavg()
@@ -87,3 +100,19 @@ def bench_store(
         json_path.write_text(json.dumps({"results": [r.as_dict() for r in rows], "notes": notes,
                                          "load_average": list(load)}, indent=2))
         print(f"wrote {json_path}")
+
+
+def _redis_rows(url: str, cluster: bool, chunk_mibs: list[float], total_mib: float, repeats: int) -> list:
+    from kvtier.bench.redisbench import bench_redis
+    from kvtier.core.config import redact_url
+    from kvtier.core.errors import ConfigError
+
+    rows: list = []
+    try:
+        for mib in chunk_mibs:
+            rows += bench_redis(url, mib, total_mib, repeats, cluster=cluster)
+    except ConfigError as exc:
+        fail(str(exc))
+    except RuntimeError as exc:
+        fail(f"the redis benchmark on {redact_url(url)} failed: {exc}; check the server and its maxmemory")
+    return rows

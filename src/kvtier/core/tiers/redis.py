@@ -54,6 +54,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+BATCH_BYTES = 64 << 20
+"""Payload bytes of one pipelined write batch; encode buffers up to twice this are kept for reuse."""
 WRITTEN_KEYS_MAX = 1 << 16
 """Keys this process remembers having written (``indexed``/``keys``), most recent kept."""
 
@@ -95,6 +97,7 @@ class RedisTier(Tier):
         self._lock = threading.Lock()
         self._written: OrderedDict[ChunkKey, int] = OrderedDict()  # key -> value bytes, oldest first
         self._used = 0
+        self._free_buffers: list[bytearray] = []
         self._closed = False
         self._last_error = 0.0
 
@@ -221,25 +224,69 @@ class RedisTier(Tier):
         return sum(int(n) for n in pipe.execute())
 
     def put(self, key: ChunkKey, data: memoryview | bytes) -> PutResult:
-        value = self.codec.encode(key, data)
-        rk = self.rkey(key)
+        return self.put_many([key], [data])[0]
+
+    def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> list[PutResult]:
+        """Pipelined ``SET key value EX ttl NX``, one round trip per server per ``BATCH_BYTES``."""
+        out: list[PutResult] = []
+        start = 0
+        while start < len(keys):  # batches bound the memory of encoded values held at once
+            end, size = start, 0
+            while end < len(keys) and (end == start or size + memoryview(datas[end]).nbytes <= BATCH_BYTES):
+                size += memoryview(datas[end]).nbytes
+                end += 1
+            out += self._put_batch(keys[start:end], datas[start:end])
+            start = end
+        return out
+
+    def _take_buffers(self, sizes: list[int]) -> list[bytearray]:
+        with self._lock:
+            free = self._free_buffers
+            taken = []
+            for size in sizes:
+                i = next((j for j, b in enumerate(free) if len(b) == size), None)
+                taken.append(free.pop(i) if i is not None else bytearray(size))
+            return taken
+
+    def _give_buffers(self, buffers: list[bytearray]) -> None:
+        with self._lock:
+            self._free_buffers.extend(buffers)
+            while sum(len(b) for b in self._free_buffers) > BATCH_BYTES * 2:
+                self._free_buffers.pop(0)
+
+    def _put_batch(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> list[PutResult]:
+        buffers = self._take_buffers([HEADER_BYTES + memoryview(d).nbytes for d in datas])
+        values = [self.codec.encode(k, d, b) for k, d, b in zip(keys, datas, buffers, strict=True)]
+        rkeys = [self.rkey(k) for k in keys]
+        results = self._set_values(keys, rkeys, values)
+        if results[0] is not PutResult.FAILED:  # sent: reusable; after a timeout a thread may still read them
+            self._give_buffers(values)
+        return results
+
+    def _set_values(self, keys: Sequence[ChunkKey], rkeys: list[bytes], values: list[bytearray]) -> list[PutResult]:
+        def store() -> list[bool]:
+            pipe = self.client.pipeline(transaction=False)
+            for rk, value in zip(rkeys, values):
+                pipe.set(rk, value, ex=self.ttl_s, nx=True)
+            return [bool(created) for created in pipe.execute()]
+
         t0 = time.perf_counter()
-        created = self._call("put", lambda: bool(self.client.set(rk, value, ex=self.ttl_s, nx=True)))
+        created = self._call("put", store)
         if created is None:  # a fault, or skipped while the breaker is open
             with self._lock:
-                self.skipped_writes += 1
-            return PutResult.FAILED
+                self.skipped_writes += len(keys)
+            return [PutResult.FAILED] * len(keys)
         with self._lock:
-            if key not in self._written:
-                self._written[key] = len(value)
-                self._used += len(value)
-                while len(self._written) > WRITTEN_KEYS_MAX:
-                    _, size = self._written.popitem(last=False)
-                    self._used -= size
-        if not created:
-            return PutResult.PRESENT
-        self.metrics.moved("write", len(value) - HEADER_BYTES, time.perf_counter() - t0)
-        return PutResult.STORED
+            for key, value in zip(keys, values):
+                if key not in self._written:
+                    self._written[key] = len(value)
+                    self._used += len(value)
+            while len(self._written) > WRITTEN_KEYS_MAX:
+                _, size = self._written.popitem(last=False)
+                self._used -= size
+        stored = [v for v, c in zip(values, created) if c]
+        self.metrics.moved("write", sum(len(v) - HEADER_BYTES for v in stored), time.perf_counter() - t0)
+        return [PutResult.STORED if c else PutResult.PRESENT for c in created]
 
     def delete(self, key: ChunkKey) -> bool:
         rk = self.rkey(key)
