@@ -133,6 +133,12 @@ CASES: dict[str, tuple[tuple[str, str | None], tuple[str, str | None]]] = {
         ("vllm serve m --max-model-len 65536 --kv-offloading-size 8 --max-num-batched-tokens 8192", V)),
     "kvtier-config-invalid": ((kvtier_line(chunk_tokens=100), V), (kvtier_line(chunk_tokens=256), V)),
     "kvtier-load-failure-policy": ((kvtier_line(policy=None), V), (kvtier_line(), V)),
+    "kvtier-shared-tier-unprotected": ((kvtier_line(redis_url="redis://10.0.0.5:6379/0"), V),
+                                       (kvtier_line(redis_url="rediss://10.0.0.5:6380/0",
+                                                    shared_secret_file="/etc/kvtier/secret"), V)),
+    "kvtier-redis-password-in-url": ((kvtier_line(redis_url="redis://:s3cr3t-pw@127.0.0.1:6379/0"), V),
+                                     (kvtier_line(redis_url="redis://127.0.0.1:6379/0",
+                                                  redis_password_env="REDIS_PW"), V)),
 }
 
 
@@ -208,3 +214,22 @@ def test_audit_does_not_judge_or_touch_the_disk_path_of_another_host(tmp_path):
     configs = load_configs(kvtier_line(disk_path=str(target), disk_gib=100000), "t", parse_version(V))
     assert not [f for f in audit(configs) if f.rule == "kvtier-config-invalid"]
     assert not target.exists()
+
+
+@pytest.mark.parametrize("url, extra, missing", [
+    ("redis://kv.internal:6379/0", {"shared_secret_file": "/s"}, ["TLS"]),
+    ("rediss://kv.internal:6380/0", {}, ["shared_secret"]),
+    ("redis://10.1.2.3:6379/0", {}, ["TLS", "shared_secret"]),
+])
+def test_shared_tier_warning_names_what_is_missing(url, extra, missing):
+    configs = load_configs(kvtier_line(redis_url=url, **extra), "test", parse_version(V))
+    messages = [f.message for f in audit(configs) if f.rule == "kvtier-shared-tier-unprotected"]
+    assert len(messages) == 1 and all(word in messages[0] for word in missing)
+
+
+def test_loopback_shared_tier_is_not_warned_and_a_password_is_never_echoed():
+    configs = load_configs(kvtier_line(redis_url="redis://user:hunter2-pw@localhost:6379/0"), "t", parse_version(V))
+    findings = audit(configs)
+    assert "kvtier-shared-tier-unprotected" not in {f.rule for f in findings}
+    assert "kvtier-redis-password-in-url" in {f.rule for f in findings}
+    assert not any("hunter2-pw" in f.message for f in findings)
