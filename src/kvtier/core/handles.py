@@ -27,11 +27,33 @@ class LoadHandle:
     tiers: list[str]
     pinned: list[ChunkKey] = field(default_factory=list, repr=False)
     done: bool = False
+    pending: Future[None] | None = field(default=None, repr=False)
+    """Reads still running for chunks ``ahead_from`` on (``prepare_load(read_ahead=True)``)."""
+    ahead_from: int = 0
+    reading_ahead: bool = field(default=False, repr=False)  # guarded by the store's lock
+    release_after_read: bool | None = field(default=None, repr=False)  # released while reading: refresh?
 
     @property
     def num_chunks(self) -> int:
-        """Chunks in the loaded prefix."""
+        """Chunks in the loaded prefix (final once :meth:`wait` returned True)."""
         return len(self.keys)
+
+    def ready_chunks(self) -> int:
+        """Leading chunks whose verified bytes are in ``buffers`` now (all once reads are done)."""
+        if self.pending is None or self.pending.done():
+            return self.num_chunks
+        return self.ahead_from
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for chunks still being read ahead; True once every chunk is in
+        place and ``num_chunks`` is final (a chunk that failed verification ends the prefix)."""
+        if self.pending is None:
+            return True
+        try:
+            self.pending.result(timeout=timeout_s)
+        except TimeoutError:
+            return False
+        return True
 
 
 @dataclass

@@ -49,6 +49,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -67,6 +68,8 @@ from kvtier.core.tiers.registry import TierContext, make_tier
 from kvtier.core.top import TopTier
 
 log = logging.getLogger(__name__)
+READ_AHEAD_WAIT_S = 60.0
+"""How long :meth:`TieredStore.get` waits for chunks read ahead before calling the load failed."""
 
 
 class TieredStore(ChangeFeedMixin):
@@ -128,6 +131,7 @@ class TieredStore(ChangeFeedMixin):
         self._shared = [lt for lt in self.lower if lt.shared]
         self._through = [lt for lt in self.lower if not lt.write_back]
         self._lookups_in_flight = 0
+        self._ahead = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-read-ahead")
         for t in tiers:
             self.metrics.capacity_bytes.labels(t.name).set(t.usage().capacity_bytes)
         self._closed = False
@@ -219,8 +223,13 @@ class TieredStore(ChangeFeedMixin):
                              time.monotonic() + self.config.shared_deadline_s)
 
     # ---- load ----------------------------------------------------------------------------
-    def prepare_load(self, chain: Sequence[ChunkKey], max_chunks: int | None = None) -> LoadHandle:
-        """Pin and return the longest available prefix of ``chain`` (at most ``max_chunks``)."""
+    def prepare_load(self, chain: Sequence[ChunkKey], max_chunks: int | None = None,
+                     read_ahead: bool = False) -> LoadHandle:
+        """Pin and return the longest available prefix of ``chain`` (at most ``max_chunks``).
+
+        With ``read_ahead``, only the first ``io_threads`` chunks found below the cpu tier are read
+        before returning; the rest are read into cpu pages in the background while the caller
+        copies the ready ones out (``handle.ready_chunks()``, then ``handle.wait(timeout_s)``)."""
         limit = len(chain) if max_chunks is None else min(max_chunks, len(chain))
         handle = LoadHandle([], [], [])
         promote: list[tuple[int, ChunkKey, np.ndarray, bool, LowerTier]] = []  # pos, key, buffer, page?, tier
@@ -249,7 +258,10 @@ class TieredStore(ChangeFeedMixin):
         if start < limit and self._shared:
             self._plan_shared_reads(chain, start, limit, max_chunks is None, handle, promote)
         if promote:
-            self._promote(chain, handle, promote)
+            ahead = promote[self.config.io_threads:] if read_ahead else []
+            self._promote(chain, handle, promote[:len(promote) - len(ahead)])
+            if ahead:
+                self._read_ahead(chain, handle, ahead)
         else:
             self._update_usage()
         return handle
@@ -312,6 +324,35 @@ class TieredStore(ChangeFeedMixin):
                 del handle.keys[cut:], handle.buffers[cut:], handle.tiers[cut:]
         self._update_usage()
 
+    def _read_ahead(self, chain: Sequence[ChunkKey], handle: LoadHandle,
+                    ahead: list[tuple[int, ChunkKey, np.ndarray, bool, LowerTier]]) -> None:
+        """Promote ``ahead`` in the background; if the prefix already ended before it, give back its pins and pages."""
+        if handle.num_chunks > ahead[0][0]:
+            handle.ahead_from = ahead[0][0]
+            handle.reading_ahead = True
+            try:
+                handle.pending = self._ahead.submit(self._promote_ahead, chain, handle, ahead)
+            except RuntimeError:  # closed: read here
+                self._promote_ahead(chain, handle, ahead)
+            return
+        with self._lock:
+            for _pos, key, _buf, reserved, lt in ahead:
+                if not lt.shared:
+                    lt.unpin_locked(key)
+                if reserved:
+                    self.cpu.abort(key)
+
+    def _promote_ahead(self, chain: Sequence[ChunkKey], handle: LoadHandle,
+                       ahead: list[tuple[int, ChunkKey, np.ndarray, bool, LowerTier]]) -> None:
+        try:
+            self._promote(chain, handle, ahead)
+        finally:
+            with self._lock:
+                handle.reading_ahead = False
+                refresh = handle.release_after_read
+            if refresh is not None:  # released while the reads ran: unpin now
+                self._unpin_handle(handle, refresh)
+
     def complete_load(self, handle: LoadHandle, success: bool, first_chunk: int = 0) -> None:
         """Unpin a load's chunks; count hits only if ``success``.  Idempotent.
 
@@ -321,13 +362,14 @@ class TieredStore(ChangeFeedMixin):
             first_chunk: chunks before this index were pinned but not delivered (the engine's own
                 prefix cache already held them); they are not counted as hits.
         """
+        delivered = handle.ready_chunks()  # a caller that did not wait for read-ahead got no more
         if not self._release(handle, refresh=success):
             return
         if not success:
             self.counters["failed_loads"] += 1
             self.metrics.failed_loads.inc()
             return
-        by_tier = Counter(handle.tiers[first_chunk:])
+        by_tier = Counter(handle.tiers[first_chunk:delivered])
         for tier, count in by_tier.items():
             self.counters[f"hits_{tier}"] += count
             self.metrics.load_hit_chunks.labels(tier).inc(count)
@@ -346,6 +388,14 @@ class TieredStore(ChangeFeedMixin):
             if handle.done:
                 return False
             handle.done = True
+            if handle.reading_ahead:  # unpinned by the read-ahead when its reads end
+                handle.release_after_read = refresh
+                return True
+        self._unpin_handle(handle, refresh)
+        return True
+
+    def _unpin_handle(self, handle: LoadHandle, refresh: bool) -> None:
+        with self._lock:
             for key in handle.pinned:
                 self.top.unpin(key)
             handle.pinned = []
@@ -356,7 +406,6 @@ class TieredStore(ChangeFeedMixin):
                     if used and lt.policy is not None:
                         lt.policy.touch(used)
         self._update_usage()
-        return True
 
     # ---- store ---------------------------------------------------------------------------
     def prepare_store(self, chain: Sequence[ChunkKey], start: int = 0) -> StoreHandle:
@@ -415,9 +464,12 @@ class TieredStore(ChangeFeedMixin):
 
     def get(self, chain: Sequence[ChunkKey]) -> list[bytes]:
         """Bytes of the longest available prefix of ``chain`` (copies)."""
-        handle = self.prepare_load(chain)
+        handle = self.prepare_load(chain, read_ahead=True)
         try:
-            out = [buf.tobytes() for buf in handle.buffers]
+            out = [buf.tobytes() for buf in handle.buffers[:handle.ready_chunks()]]
+            if not handle.wait(READ_AHEAD_WAIT_S):
+                raise TimeoutError(f"chunks read ahead from disk did not arrive within {READ_AHEAD_WAIT_S} s")
+            out += [buf.tobytes() for buf in handle.buffers[len(out):]]
         except BaseException:
             self.complete_load(handle, False)
             raise
@@ -437,6 +489,7 @@ class TieredStore(ChangeFeedMixin):
             return
         self._closed = True
         self.flush(timeout_s)
+        self._ahead.shutdown(wait=True)
         for lt in self.lower:
             lt.close()
         self.cpu.close()
