@@ -23,7 +23,7 @@ KEYS = {"ttft_p50_s", "ttft_p99_s", "prefix_hit_rate", "external_hit_rate", "out
 def test_compare_baseline_kvtier_and_a_broken_arm(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from kvtier.bench.arms import ArmSpec, make_arm
     from kvtier.bench.compare import run_compare, warmup_workload
-    from kvtier.bench.engine import EngineSpec
+    from kvtier.integrations.vllm.serve import ServerSpec
     from kvtier.bench.prefix_repetition import prefix_repetition_workload
     from kvtier.bench.report import print_table, write_reports
     from kvtier.bench.verdict import VerdictKind
@@ -34,7 +34,7 @@ def test_compare_baseline_kvtier_and_a_broken_arm(tmp_path: Path, capsys: pytest
     tokens = vocab_token_space(seed=0, vocab_size=2048)
     workload = prefix_repetition_workload(tokens, num_requests=6, prefix_len=1024, suffix_len=64, num_prefixes=3,
                                           output_len=3)
-    spec = EngineSpec(model=str(model), max_model_len=2048, cache_tokens=2048)
+    spec = ServerSpec(model=str(model), max_model_len=2048, cache_tokens=2048)
     kvtier = make_arm("kvtier", tmp_path)
     broken = ArmSpec("kvtier-bad-config", {**kvtier.kv_transfer_config, "kv_connector_extra_config":  # type: ignore[dict-item]
                                            {"chunk_tokens": 100}}, "kvtier with chunk_tokens=100")

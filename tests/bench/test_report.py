@@ -8,7 +8,7 @@ import pytest
 
 from kvtier.bench.arms import make_arm
 from kvtier.bench.compare import ArmFailure, ArmOutcome, CompareResult
-from kvtier.bench.engine import EngineSpec
+from kvtier.integrations.vllm.serve import ServerSpec
 from kvtier.bench.meters import deltas, parse_metrics
 from kvtier.bench.prefix_repetition import prefix_repetition_workload
 from kvtier.bench.report import compare_json, print_table, rows, write_reports
@@ -35,7 +35,7 @@ def run_of(workload, ttfts):
 def result(tmp_path):
     w = prefix_repetition_workload(TokenSpace(seed=0, low=100, high=1900), num_requests=12, prefix_len=1536,
                                    suffix_len=64, num_prefixes=3, output_len=4)
-    engine = EngineSpec(model="models/tiny", max_model_len=2048, cache_tokens=2048)
+    engine = ServerSpec(model="models/tiny", max_model_len=2048, cache_tokens=2048)
     base = ArmOutcome(make_arm("baseline", tmp_path), tmp_path / "baseline.log", 40.0, run_of(w, [0.09] * 12),
                       recorded_meters("baseline"), None, Verdict(VerdictKind.NO_REUSE, "hit rate 0.0%"))
     kv = ArmOutcome(make_arm("kvtier", tmp_path), tmp_path / "kvtier.log", 45.0,

@@ -9,7 +9,7 @@ Modules, in the order data flows:
 * :mod:`~kvtier.bench.results`: per-request results and summaries (p50/p90/p99, throughput).
 * :mod:`~kvtier.bench.meters`: ``/metrics`` scraping and counter deltas; hit rates.
 * :mod:`~kvtier.bench.verdict`: helping / hurting / no reuse from the three meters.
-* :mod:`~kvtier.bench.engine`, :mod:`~kvtier.bench.arms`, :mod:`~kvtier.bench.compare`: start vLLM
+* :mod:`~kvtier.bench.arms`, :mod:`~kvtier.bench.compare`: start vLLM
   per arm and run the same workload against each.
 * :mod:`~kvtier.bench.report`, :mod:`~kvtier.bench.plot`: table, JSON, TTFT CDF PNG, Markdown.
 * :mod:`~kvtier.bench.demo`: the comparison ``make demo`` runs.

@@ -3,22 +3,30 @@
 * ``baseline``: no KV connector; the engine's own prefix cache only.
 * ``kvtier``: kvtier's ``KVTierConnector`` (module ``kvtier.integrations.vllm``) with its default
   configuration, or the ``kv_connector_extra_config`` the caller gives.
+* ``native``: vLLM's own ``OffloadingConnector`` with its CPU tier (``CPUOffloadingSpec``,
+  vllm/v1/kv_offload/cpu/spec.py), sized like kvtier's cpu tier.  On a CPU-only vLLM it is loaded
+  through :mod:`kvtier.bench.native_cpu`, a benchmark-only module that swaps the CUDA copy
+  pieces for host copies (reports say so); on CUDA vLLM's class runs as it is.
 * ``example``: vLLM's bundled ``ExampleConnector`` (vllm/distributed/kv_transfer/kv_connector/v1/
   example_connector.py), which saves every request's KV as safetensors files under
-  ``shared_storage_path`` and loads them back on a prefix match; the only other storage
-  connector that runs on a CPU-only vLLM.
+  ``shared_storage_path`` and loads them back on a prefix match.
+* any other connector: ``--arm NAME=KV_TRANSFER_CONFIG_JSON`` (:func:`parse_custom_arm`).
 
-Every arm gets the same model, engine cache size and workload; only ``kv_transfer_config`` differs.
+Every arm gets the same model, engine cache size, core pinning and workload; only
+``kv_transfer_config`` differs.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ARM_NAMES = ("baseline", "kvtier", "example")
+ARM_NAMES = ("baseline", "kvtier", "native", "example")
 BASELINE = "baseline"
+NATIVE_SHIM_LABEL = "vLLM OffloadingConnector via kvtier's CPU shim (benchmark-only host copies)"
 
 
 @dataclass(frozen=True)
@@ -28,6 +36,37 @@ class ArmSpec:
     name: str
     kv_transfer_config: dict[str, Any] | None
     description: str
+
+    @property
+    def disk_path(self) -> str | None:
+        """The directory the arm's connector writes to, if its config names one (kvtier's
+        ``disk_path``, ExampleConnector's ``shared_storage_path``)."""
+        extra = (self.kv_transfer_config or {}).get("kv_connector_extra_config") or {}
+        path = extra.get("disk_path") or extra.get("shared_storage_path")
+        return str(path) if path else None
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def native_arm(cpu_gib: float, block_tokens: int | None = None) -> ArmSpec:
+    """vLLM's ``OffloadingConnector`` with a CPU tier of ``cpu_gib`` GiB (``cpu_bytes_to_use``)
+    and, if given, ``block_tokens`` tokens per offloaded block (its ``block_size`` key; default:
+    the engine's block size)."""
+    extra: dict[str, Any] = {"cpu_bytes_to_use": int(cpu_gib * (1 << 30))}
+    if block_tokens:
+        extra["block_size"] = block_tokens
+    config: dict[str, Any] = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                              "kv_connector_extra_config": extra}
+    if _cuda_available():
+        return ArmSpec("native", config, f"vLLM OffloadingConnector (CPU tier {cpu_gib:g} GiB)")
+    config["kv_connector_module_path"] = "kvtier.bench.native_cpu"
+    return ArmSpec("native", config, f"{NATIVE_SHIM_LABEL}, CPU tier {cpu_gib:g} GiB")
 
 
 def make_arm(name: str, work_dir: Path, kvtier_config: dict[str, Any] | None = None) -> ArmSpec:
@@ -40,14 +79,46 @@ def make_arm(name: str, work_dir: Path, kvtier_config: dict[str, Any] | None = N
         return ArmSpec(name, None, "no connector: the engine's own prefix cache")
     if name == "kvtier":
         config: dict[str, Any] = {"kv_connector": "KVTierConnector", "kv_role": "kv_both",
-                                  "kv_connector_module_path": "kvtier.integrations.vllm"}
+                                  "kv_connector_module_path": "kvtier.integrations.vllm",
+                                  "kv_load_failure_policy": "recompute"}
         if kvtier_config:
             config["kv_connector_extra_config"] = dict(kvtier_config)
         what = "default config" if not kvtier_config else ", ".join(f"{k}={v}" for k, v in kvtier_config.items())
         return ArmSpec(name, config, f"KVTierConnector ({what})")
+    if name == "native":  # the same CPU tier as the kvtier arm (its default when not set)
+        from kvtier.core.config import KVTierConfig
+
+        return native_arm(float((kvtier_config or {}).get("cpu_gib", KVTierConfig().cpu_gib)))
     if name == "example":
         storage = work_dir / "example-connector-storage"
         return ArmSpec(name, {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                               "kv_connector_extra_config": {"shared_storage_path": str(storage)}},
                        f"vLLM ExampleConnector (safetensors files under {storage})")
     raise ValueError(f"unknown arm {name!r}; choose from {', '.join(ARM_NAMES)}")
+
+
+def parse_custom_arm(text: str) -> ArmSpec:
+    """An arm from ``NAME=KV_TRANSFER_CONFIG_JSON`` (the ``--arm`` option).
+
+    Raises:
+        ValueError: no ``=``, a name that is not ``[A-Za-z0-9_-]+`` or is ``baseline``, JSON that
+            is not an object with a ``kv_connector`` string.
+    """
+    name, sep, body = text.partition("=")
+    name = name.strip()
+    if not sep or not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+        raise ValueError(f"--arm {text[:60]!r} must be NAME=KV_TRANSFER_CONFIG_JSON with NAME of letters, digits, "
+                         "'-' or '_'")
+    if name == BASELINE:
+        raise ValueError("--arm cannot be named baseline (that arm has no connector); pick another name")
+    try:
+        config = json.loads(body)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--arm {name}: the config is not valid JSON ({exc.msg} at character {exc.pos}); "
+                         "quote it in single quotes") from None
+    if not isinstance(config, dict) or not isinstance(config.get("kv_connector"), str):
+        raise ValueError(  # noqa: TRY004 - bad user input, reported as such
+            f"--arm {name}: the config must be a JSON object with a \"kv_connector\" name, as vLLM's "
+                         "--kv-transfer-config")
+    config.setdefault("kv_role", "kv_both")
+    return ArmSpec(name, config, f"{config['kv_connector']} (--arm)")

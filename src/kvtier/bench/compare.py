@@ -1,17 +1,26 @@
-"""``kvtier bench compare``: the same workload against one fresh vLLM server per arm, in turn.
+"""``kvtier bench compare``: the same workload against one fresh vLLM server per arm and run.
 
-Per arm: start the server (same model, engine cache size and limits; only the KV connector
+Runs are interleaved over ``repeats`` (A B C A B C ...; see :mod:`kvtier.bench.spread` for why),
+every server with the same core pinning (:meth:`ServerSpec.environment`).  An arm whose connector
+writes files (kvtier's ``disk_path``, ExampleConnector's ``shared_storage_path``) gets a fresh,
+empty directory ``<path>/run-<k>`` per run, removed after the run, so no run starts warm.
+
+Per run: start the server (same model, engine cache size and limits; only the KV connector
 differs), send one warm-up request (tokens no workload uses, so first-call costs do not land on
 the workload and no cache entry is shared), scrape ``/metrics``, send the workload, scrape again,
-stop the server.  An arm whose server fails to start, dies or hangs is recorded as a failure with
+stop the server (gracefully: SIGTERM).  An arm whose server fails to start, dies or hangs is recorded as a failure with
 the requests in flight and its log path; the other arms still run.  Verdicts are taken against
-the ``baseline`` arm when it ran.
+the ``baseline`` arm when it ran, on the medians over runs, with the noise check of
+:func:`~kvtier.bench.spread.judge_spread`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import shutil
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,11 +28,12 @@ from typing import Any
 
 from kvtier.bench.arms import BASELINE, ArmSpec
 from kvtier.bench.client import ClientOptions, run_workload
-from kvtier.bench.engine import Engine, EngineSpec, EngineStartError
 from kvtier.bench.meters import MeterDeltas, MetricsError, deltas, scrape
 from kvtier.bench.results import RunResult, RunSummary
+from kvtier.bench.spread import Spread, figures_of, judge_spread, spreads
 from kvtier.bench.verdict import ArmFigures, Thresholds, Verdict, VerdictKind, judge
 from kvtier.bench.workload import BenchRequest, TokenSpace, Workload
+from kvtier.integrations.vllm.serve import Server, ServerSpec, ServerStartError
 
 DOMAIN_WARMUP = 99
 
@@ -52,7 +62,10 @@ class ArmOutcome:
         run: the client's results (``None`` if the server never came up).
         meters: the server's counter deltas (``None`` if they could not be scraped).
         failure: set when the server failed to start, died or hung.
-        verdict: set by :func:`run_compare` once every arm ran.
+        verdict: the verdict of this run alone (tests and single runs; the comparison's verdict
+            is per arm, :attr:`ArmResult.verdict`).
+        repeat: which run of the arm this was (0-based).
+        load_avg_1m: the machine's 1-minute load average when the run's workload started.
     """
 
     arm: ArmSpec
@@ -62,6 +75,8 @@ class ArmOutcome:
     meters: MeterDeltas | None
     failure: ArmFailure | None
     verdict: Verdict | None = None
+    repeat: int = 0
+    load_avg_1m: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -95,18 +110,92 @@ class ArmOutcome:
             "num_requests": summary.num_ok if summary else 0,
         }
 
+    def run_figures(self) -> dict[str, float | None]:
+        """Every figure :mod:`kvtier.bench.spread` aggregates, for this run (``None`` = not measured)."""
+        summary, meters = self.summary(), self.meters
+        ttft = summary.ttft_s if summary is not None else None
+        return {"prefix_hit_rate": meters.prefix_hit_rate if meters else None,
+                "engine_hit_rate": meters.engine_hit_rate if meters else None,
+                "external_hit_rate": (meters.external_hit_rate or 0.0) if meters else None,
+                "ttft_p50_s": ttft.p50 if ttft else None, "ttft_p99_s": ttft.p99 if ttft else None,
+                "output_tok_per_s": summary.output_tok_per_s if summary else None}
+
+
+@dataclass(frozen=True)
+class ArmResult:
+    """One arm over all its runs.
+
+    Attributes:
+        arm: the arm; runs: its outcomes in run order; verdict: against the baseline (medians and
+        noise check), ``None`` without figures.
+    """
+
+    arm: ArmSpec
+    runs: tuple[ArmOutcome, ...]
+    verdict: Verdict | None = None
+
+    @property
+    def ok_runs(self) -> tuple[ArmOutcome, ...]:
+        """The runs that completed."""
+        return tuple(r for r in self.runs if r.ok)
+
+    @property
+    def failure(self) -> ArmFailure | None:
+        """The first failure among the runs, if any."""
+        return next((r.failure for r in self.runs if r.failure is not None), None)
+
+    @property
+    def ok(self) -> bool:
+        """Every run completed."""
+        return bool(self.runs) and all(r.ok for r in self.runs)
+
+    def spreads(self) -> dict[str, Spread]:
+        """Median and range of each figure over the completed runs."""
+        return spreads([r.run_figures() for r in self.ok_runs])
+
+    def json_figures(self) -> dict[str, Any]:
+        """The arm's entry of ``--json``: the issue's keys, each the median over completed runs."""
+        s = self.spreads()
+        num = [r.summary().num_ok for r in self.ok_runs]  # type: ignore[union-attr]
+        return {"ttft_p50_s": s["ttft_p50_s"].median if "ttft_p50_s" in s else float("nan"),
+                "ttft_p99_s": s["ttft_p99_s"].median if "ttft_p99_s" in s else float("nan"),
+                "prefix_hit_rate": s["prefix_hit_rate"].median if "prefix_hit_rate" in s else 0.0,
+                "external_hit_rate": s["external_hit_rate"].median if "external_hit_rate" in s else 0.0,
+                "output_tok_per_s": s["output_tok_per_s"].median if "output_tok_per_s" in s else 0.0,
+                "num_requests": int(statistics.median(num)) if num else 0}
+
 
 @dataclass(frozen=True)
 class CompareResult:
-    """All arms of one comparison, in the order they ran."""
+    """All runs of one comparison, in the order they ran, and the per-arm results.
+
+    Attributes:
+        workload, engine: what every run used; outcomes: every run in run order;
+        arms: per arm, in the order given (filled by :func:`run_compare`; derived from
+        ``outcomes`` without verdicts when left empty); repeats: runs per arm.
+    """
 
     workload: Workload
-    engine: EngineSpec
+    engine: ServerSpec
     outcomes: tuple[ArmOutcome, ...]
+    arms: tuple[ArmResult, ...] = ()
+    repeats: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.arms:
+            names = list(dict.fromkeys(o.arm.name for o in self.outcomes))
+            object.__setattr__(self, "arms", tuple(
+                ArmResult(next(o.arm for o in self.outcomes if o.arm.name == n),
+                          tuple(o for o in self.outcomes if o.arm.name == n),
+                          next((o.verdict for o in self.outcomes if o.arm.name == n), None)) for n in names))
 
     def outcome(self, name: str) -> ArmOutcome | None:
-        """The outcome of arm ``name``, if it ran."""
+        """The first run of arm ``name``, if it ran."""
         return next((o for o in self.outcomes if o.arm.name == name), None)
+
+    def arm_result(self, name: str) -> ArmResult | None:
+        """Arm ``name`` over all its runs, if it ran."""
+        return next((a for a in self.arms if a.arm.name == name), None)
 
 
 def warmup_workload(tokens: TokenSpace) -> Workload:
@@ -115,17 +204,32 @@ def warmup_workload(tokens: TokenSpace) -> Workload:
     return Workload(name="warmup", params={}, requests=(request,))
 
 
-def run_arm(arm: ArmSpec, workload: Workload, engine: EngineSpec, log_path: Path, *,
+def fresh_storage(arm: ArmSpec, repeat: int) -> tuple[ArmSpec, Path | None]:
+    """The arm with its storage directory (if any) moved to ``<path>/run-<repeat>``, emptied, and
+    that directory (``None`` when the arm writes no files)."""
+    base = arm.disk_path
+    if base is None or arm.kv_transfer_config is None:
+        return arm, None
+    run_dir = Path(base) / f"run-{repeat}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    extra = dict(arm.kv_transfer_config["kv_connector_extra_config"])
+    key = "disk_path" if "disk_path" in extra else "shared_storage_path"
+    extra[key] = str(run_dir)
+    config = {**arm.kv_transfer_config, "kv_connector_extra_config": extra}
+    return dataclasses.replace(arm, kv_transfer_config=config), run_dir
+
+
+def run_arm(arm: ArmSpec, workload: Workload, engine: ServerSpec, log_path: Path, *,
             warmup: Workload | None, max_concurrency: int | None, stall_timeout_s: float,
-            start_timeout_s: float = 900.0, progress: bool = True) -> ArmOutcome:
+            start_timeout_s: float = 900.0, progress: bool = True, repeat: int = 0) -> ArmOutcome:
     """Run one arm start to finish; never raises for a failing server (see the module docstring)."""
     spec = dataclasses.replace(engine, kv_transfer_config=arm.kv_transfer_config)
-    server = Engine(spec, log_path)
+    server = Server(spec, log_path)
     try:
         try:
             server.start(timeout_s=start_timeout_s)
-        except EngineStartError as exc:
-            return ArmOutcome(arm, log_path, 0.0, None, None, ArmFailure(str(exc), (), log_path))
+        except ServerStartError as exc:
+            return ArmOutcome(arm, log_path, 0.0, None, None, ArmFailure(str(exc), (), log_path), repeat=repeat)
         options = ClientOptions(base_url=server.base_url, model=server.served_model,
                                 max_concurrency=max_concurrency, stall_timeout_s=stall_timeout_s,
                                 abort_on_stall=True, progress=progress)
@@ -134,57 +238,71 @@ def run_arm(arm: ArmSpec, workload: Workload, engine: EngineSpec, log_path: Path
             if warm.aborted or not all(r.ok for r in warm.results):
                 why = warm.aborted or next(r.error for r in warm.results if not r.ok)
                 return ArmOutcome(arm, log_path, server.startup_s, None, None,
-                                  ArmFailure(f"warm-up request failed: {why}", ("warmup",), log_path))
+                                  ArmFailure(f"warm-up request failed: {why}", ("warmup",), log_path), repeat=repeat)
         try:
             before = scrape(server.base_url, save_to=log_path.with_suffix('.metrics-before.txt'))
         except MetricsError as exc:
-            return ArmOutcome(arm, log_path, server.startup_s, None, None, ArmFailure(str(exc), (), log_path))
+            return ArmOutcome(arm, log_path, server.startup_s, None, None, ArmFailure(str(exc), (), log_path),
+                              repeat=repeat)
+        load = os.getloadavg()[0]
         run = run_workload(workload, options, server.exit_reason)
         log_path.with_suffix(".requests.json").write_text(json.dumps(run.to_dict(), indent=1) + "\n")
         if run.aborted is not None:
             return ArmOutcome(arm, log_path, server.startup_s, run, None,
-                              ArmFailure(run.aborted, run.failed_at, log_path))
+                              ArmFailure(run.aborted, run.failed_at, log_path), repeat=repeat, load_avg_1m=load)
         try:
             after = scrape(server.base_url, save_to=log_path.with_suffix('.metrics-after.txt'))
             meters: MeterDeltas | None = deltas(before, after)
             failure = None
         except MetricsError as exc:
             meters, failure = None, ArmFailure(str(exc), (), log_path)
-        return ArmOutcome(arm, log_path, server.startup_s, run, meters, failure)
+        return ArmOutcome(arm, log_path, server.startup_s, run, meters, failure, repeat=repeat, load_avg_1m=load)
     finally:
         server.stop()
 
 
-def run_compare(arms: list[ArmSpec], workload: Workload, engine: EngineSpec, out_dir: Path, *,
+def run_compare(arms: list[ArmSpec], workload: Workload, engine: ServerSpec, out_dir: Path, *,
                 warmup: Workload | None, max_concurrency: int | None = None, stall_timeout_s: float = 300.0,
                 start_timeout_s: float = 900.0, thresholds: Thresholds | None = None, progress: bool = True,
-                on_arm: Callable[[ArmSpec], None] | None = None) -> CompareResult:
-    """Run every arm in order and judge each against ``baseline`` (see the module docstring).
+                repeats: int = 1, on_arm: Callable[[ArmSpec, int], None] | None = None) -> CompareResult:
+    """Run every arm ``repeats`` times, interleaved, and judge each against ``baseline`` (see the
+    module docstring).
 
-    ``on_arm`` is called before each arm starts (the CLI prints a line there).  Server logs are
-    written to ``out_dir/<arm>.log``, the raw ``/metrics`` texts beside them
-    (``<arm>.metrics-before.txt``, ``<arm>.metrics-after.txt``) and the client's per-request results
-    (``<arm>.requests.json``).
+    ``on_arm(arm, repeat)`` is called before each run starts (the CLI prints a line there).  Server
+    logs are written to ``out_dir/<arm>.log`` (``<arm>-run<k>.log`` with several runs), the raw
+    ``/metrics`` texts beside them (``.metrics-before.txt``, ``.metrics-after.txt``) and the
+    client's per-request results (``.requests.json``).
     """
     thresholds = thresholds or Thresholds()
     outcomes: list[ArmOutcome] = []
-    for arm in arms:
-        if on_arm is not None:
-            on_arm(arm)
-        outcomes.append(run_arm(arm, workload, engine, out_dir / f"{arm.name}.log", warmup=warmup,
-                                max_concurrency=max_concurrency, stall_timeout_s=stall_timeout_s,
-                                start_timeout_s=start_timeout_s, progress=progress))
-    base = next((o for o in outcomes if o.arm.name == BASELINE), None)
-    base_figures = base.figures() if base is not None else None
-    judged = []
-    for outcome in outcomes:
-        figures = outcome.figures()
-        if figures is None:
-            verdict = None
-        elif outcome.arm.name == BASELINE:
-            verdict = (judge(figures, None, thresholds) if figures.prefix_hit_rate < thresholds.min_hit_rate
-                       else Verdict(VerdictKind.REFERENCE, "the baseline every other arm is compared with"))
+    for k in range(repeats):
+        for arm in arms:
+            if on_arm is not None:
+                on_arm(arm, k)
+            run_spec, run_dir = fresh_storage(arm, k)
+            stem = arm.name if repeats == 1 else f"{arm.name}-run{k}"
+            try:
+                outcome = run_arm(run_spec, workload, engine, out_dir / f"{stem}.log", warmup=warmup,
+                                  max_concurrency=max_concurrency, stall_timeout_s=stall_timeout_s,
+                                  start_timeout_s=start_timeout_s, progress=progress, repeat=k)
+            finally:
+                if run_dir is not None:
+                    shutil.rmtree(run_dir, ignore_errors=True)
+            outcomes.append(dataclasses.replace(outcome, arm=arm))
+    per_arm = [(arm, tuple(o for o in outcomes if o.arm.name == arm.name)) for arm in arms]
+    base = next((runs for arm, runs in per_arm if arm.name == BASELINE), None)
+    base_spreads = spreads([o.run_figures() for o in base if o.ok]) if base else None
+    results = []
+    for arm, runs in per_arm:
+        s = spreads([o.run_figures() for o in runs if o.ok])
+        if arm.name == BASELINE:
+            figures = figures_of(s)
+            verdict = None if figures is None else (
+                judge(figures, None, thresholds) if figures.prefix_hit_rate < thresholds.min_hit_rate
+                else Verdict(VerdictKind.REFERENCE, "the baseline every other arm is compared with"))
         else:
-            verdict = judge(figures, base_figures, thresholds)
-        judged.append(dataclasses.replace(outcome, verdict=verdict))
-    return CompareResult(workload=workload, engine=engine, outcomes=tuple(judged))
+            verdict = judge_spread(s, base_spreads or None, thresholds)
+        results.append(ArmResult(arm, runs, verdict))
+    return CompareResult(workload=workload, engine=engine, outcomes=tuple(outcomes), arms=tuple(results),
+                         repeats=repeats)
+

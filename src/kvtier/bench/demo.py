@@ -1,41 +1,172 @@
-"""The comparison ``make demo`` runs: a window of the Mooncake trace, replayed against vLLM without a
-connector, with kvtier and with vLLM's ExampleConnector.
+"""What ``make demo`` (``kvtier demo``) runs, on the 24-layer ``mid`` test geometry where a prefill
+costs seconds (:mod:`kvtier.integrations.vllm.testmodel`, dummy weights: nothing is downloaded).
 
-Settings, and why (figures in docs/benchmarks.md):
+1. Restart (:func:`run_restart_demo`): ``vllm serve`` with KVTierConnector (cpu + disk tiers)
+   answers a few long prompts cold, is stopped with SIGTERM (graceful: ``--shutdown-timeout``, so
+   the connector's shutdown path runs), and a fresh server on the same disk tier answers the same
+   prompts: TTFT of both runs, tokens loaded from kvtier, generated text compared.
+2. Comparison (:func:`run_demo_compare`): ``kvtier bench compare`` of ``baseline`` (no connector),
+   ``native`` (vLLM's OffloadingConnector, CPU tier, through the benchmark-only CPU shim
+   :mod:`kvtier.bench.native_cpu`) and ``kvtier`` on a prefix-repetition workload: 3 prompts of
+   1,540 tokens sent round robin to an engine cache that holds one, so every repeat is recomputed
+   by the baseline and loaded by the connectors.  Runs interleaved over ``DEMO_REPEATS``.
 
-* model: the ``tiny`` test geometry (:mod:`kvtier.integrations.vllm.testmodel`) with dummy weights,
-  so nothing is downloaded and a 2-core machine replays hundreds of requests in about a minute;
-* trace: the bundled Mooncake conversation trace, requests 0-999, keeping the conversations that come
-  back within the window (378 requests; single-turn requests can hit no cache and only add time),
-  64 tokens per 512-token trace block, prompts cut to fit ``max_model_len``, 4 output tokens;
-* engine cache: 4,096 tokens (32 blocks of 128) with ``max_model_len`` 2,048: a conversation's next
-  turn comes dozens of requests later, long after the engine evicted it, so the baseline recomputes
-  and kvtier loads;
-* closed loop, 2 requests in flight: TTFT includes the prefill of the request beside it, so saved
-  prefill shortens everyone's wait, as on a loaded server.
+Every figure is printed with its sample count and range; "faster" is said only when the ranges do
+not overlap (:mod:`kvtier.bench.spread`).  Measured figures: docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.bench.arms import make_arm
 from kvtier.bench.compare import CompareResult, run_compare, warmup_workload
-from kvtier.bench.engine import EngineSpec
 from kvtier.bench.factory import WorkloadKnobs, build_workload, model_vocab_size
+from kvtier.bench.meters import MetricsError, scrape
 from kvtier.bench.report import ReportPaths, print_table, write_reports
+from kvtier.bench.spread import Spread
 from kvtier.bench.workload import vocab_token_space
+from kvtier.integrations.vllm.serve import Server, ServerSpec, transfer_config
 
-DEMO_KNOBS = WorkloadKnobs(kind="trace", seed=0, start=0, limit=1000, returning_only=True, tokens_per_block=64,
-                           max_output_tokens=4)
+DEMO_GEOMETRY = "mid"
+DEMO_PROMPT_TOKENS = 1540
+"""Prompt length: 6 whole 256-token chunks (12 blocks of 128) + 4 tokens computed on a hit."""
 DEMO_MAX_MODEL_LEN = 2048
-DEMO_CACHE_TOKENS = 4096
-DEMO_CONCURRENCY = 2
-DEMO_ARMS = ("baseline", "kvtier", "example")
+DEMO_CACHE_TOKENS = 2048
+"""Engine cache: one prompt fits, so a round robin over 3 prompts evicts each before it returns."""
+DEMO_KNOBS = WorkloadKnobs(kind="prefix-repetition", seed=0, num_requests=9, prefix_len=DEMO_PROMPT_TOKENS,
+                           suffix_len=0, num_prefixes=3, output_len=2)
+DEMO_ARMS = ("baseline", "native", "kvtier")
+DEMO_REPEATS = 2
+DEMO_CONCURRENCY = 1
+RESTART_PROMPTS = 3
+RESTART_OUTPUT_TOKENS = 8
 
 
+def demo_kvtier_config(disk: Path) -> dict[str, object]:
+    """kvtier's settings in the demo: 0.5 GiB cpu tier, 2 GiB disk tier under ``disk``."""
+    return {"cpu_gib": 0.5, "disk_path": str(disk), "disk_gib": 2.0}
+
+
+def demo_model(workdir: Path) -> Path:
+    """The mid test model (config and tokenizer only; served with ``--load-format dummy``)."""
+    from kvtier.integrations.vllm.testmodel import write_model
+
+    return write_model(workdir / "models" / DEMO_GEOMETRY, DEMO_GEOMETRY, weights="none")
+
+
+# ---- 1. restart ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RestartRun:
+    """One server's answers to the restart prompts.
+
+    Attributes:
+        ttfts_s: TTFT of each prompt, seconds; texts: what each generated (greedy).
+        external_hit_tokens: ``vllm:external_prefix_cache_hits`` (tokens the connector supplied).
+        prompt_tokens: tokens of the measured prompts.
+    """
+
+    ttfts_s: tuple[float, ...]
+    texts: tuple[str, ...]
+    external_hit_tokens: float
+    prompt_tokens: int
+
+    @property
+    def ttft(self) -> Spread:
+        """Median and range of the TTFTs."""
+        spread = Spread.of(self.ttfts_s)
+        assert spread is not None
+        return spread
+
+
+@dataclass(frozen=True)
+class RestartDemoResult:
+    """Both runs of :func:`run_restart_demo` and the first server's command line."""
+
+    first: RestartRun
+    second: RestartRun
+    command: list[str]
+
+    @property
+    def ttft_ratio(self) -> float:
+        """Median TTFT after the restart / median TTFT cold."""
+        return self.second.ttft.median / self.first.ttft.median
+
+    @property
+    def beyond_noise(self) -> bool:
+        """Every TTFT after the restart is below every cold TTFT."""
+        return self.second.ttft.high < self.first.ttft.low
+
+
+def restart_spec(model: Path, kvtier: dict[str, object]) -> ServerSpec:
+    """The restart demo's server (both runs): mid model, dummy weights, KVTierConnector."""
+    return ServerSpec(model=str(model), max_model_len=DEMO_MAX_MODEL_LEN, cache_tokens=4 * DEMO_MAX_MODEL_LEN,
+                      kv_transfer_config=transfer_config(kvtier), shutdown_timeout_s=60)
+
+
+def _restart_run(spec: ServerSpec, log: Path, prompts: list[list[int]], warmup: list[int],
+                 timeout_s: float) -> RestartRun:
+    with Server(spec, log) as server:
+        server.start(timeout_s)
+        server.complete(warmup, max_tokens=2)  # first-request warm-up (kernels) stays out of the TTFT
+        try:
+            before = scrape(server.base_url).total("vllm:external_prefix_cache_hits")
+        except MetricsError:
+            before = 0.0
+        runs = [server.complete(p, max_tokens=RESTART_OUTPUT_TOKENS) for p in prompts]
+        try:
+            hits = scrape(server.base_url).total("vllm:external_prefix_cache_hits") - before
+        except MetricsError:
+            hits = float("nan")
+    return RestartRun(tuple(t for t, _ in runs), tuple(x for _, x in runs), hits, sum(len(p) for p in prompts))
+
+
+def run_restart_demo(workdir: Path = Path(".kvtier"), timeout_s: float = 900.0,
+                     num_prompts: int = RESTART_PROMPTS, prompt_tokens: int = DEMO_PROMPT_TOKENS,
+                     model: Path | None = None) -> RestartDemoResult:
+    """Serve prompts cold, stop the server with SIGTERM, serve them again from a fresh server.
+
+    Files: the model under ``workdir/models``, the disk tier ``workdir/demo-disk`` (emptied first
+    so the first run is cold), logs ``workdir/logs/demo-{first,second}.log``.
+
+    Raises:
+        ServerStartError: a server failed to start (the message names its log).
+        httpx.HTTPError: a request failed.
+    """
+    model = model or demo_model(workdir)
+    disk = workdir / "demo-disk"
+    shutil.rmtree(disk, ignore_errors=True)
+    spec = restart_spec(model, demo_kvtier_config(disk))
+    vocab = model_vocab_size(str(model)) or 2048
+    tokens = vocab_token_space(7, vocab)
+    prompts = [list(tokens.block(1, (i,), prompt_tokens)) for i in range(num_prompts)]
+    warmup = list(tokens.block(2, (0,), 32))
+    first = _restart_run(spec, workdir / "logs" / "demo-first.log", prompts, warmup, timeout_s)
+    second = _restart_run(spec, workdir / "logs" / "demo-second.log", prompts, warmup, timeout_s)
+    return RestartDemoResult(first, second, spec.argv(8000))
+
+
+def restart_verdict(result: RestartDemoResult) -> str:
+    """One sentence whose wording matches the numbers (see :attr:`RestartDemoResult.beyond_noise`)."""
+    a, b = result.first.ttft, result.second.ttft
+    same = result.first.texts == result.second.texts
+    figures = (f"TTFT median {a.median * 1000:.0f} ms cold (range {a.low * 1000:.0f}-{a.high * 1000:.0f}, n={a.n}) "
+               f"-> {b.median * 1000:.0f} ms after the restart (range {b.low * 1000:.0f}-{b.high * 1000:.0f}, "
+               f"n={b.n}), ratio {result.ttft_ratio:.2f}")
+    if result.second.external_hit_tokens <= 0:
+        how = "NOT served from disk: the restarted server found nothing in kvtier"
+    elif result.beyond_noise:
+        how = "faster: every prompt after the restart beat every cold one"
+    else:
+        how = "not faster beyond noise: the two ranges overlap"
+    return (f"{figures}; {how}; {result.second.external_hit_tokens:.0f} of {result.second.prompt_tokens} prompt "
+            f"tokens loaded from kvtier; generated text identical: {same}")
+
+
+# ---- 2. comparison ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class DemoCompare:
     """What :func:`run_demo_compare` produced: the comparison, its files and the seconds it took."""
@@ -45,63 +176,71 @@ class DemoCompare:
     seconds: float
     command: str
 
+    def ttft_ratio(self, arm: str = "kvtier") -> float | None:
+        """TTFT p50 of ``arm`` / the baseline's (medians over runs); ``None`` if either failed."""
+        a, base = self.result.arm_result(arm), self.result.arm_result("baseline")
+        if a is None or base is None or not a.ok or not base.ok:
+            return None
+        p50, ref = a.spreads().get("ttft_p50_s"), base.spreads().get("ttft_p50_s")
+        return p50.median / ref.median if p50 and ref and ref.median > 0 else None
 
-def demo_command(out_dir: Path, model: Path) -> str:
+
+def demo_command(out_dir: Path, model: Path, repeats: int) -> str:
     """The ``kvtier bench compare`` command line equivalent to the demo (printed and in the report)."""
     k = DEMO_KNOBS
     return (f"kvtier bench compare --model {model} --arms {','.join(DEMO_ARMS)} --max-model-len {DEMO_MAX_MODEL_LEN} "
-            f"--engine-cache-tokens {DEMO_CACHE_TOKENS} --workload trace --start {k.start} --limit {k.limit} "
-            f"--returning-only --tokens-per-block {k.tokens_per_block} --max-output-tokens {k.max_output_tokens} "
-            f"--max-concurrency {DEMO_CONCURRENCY} --kvtier-config <cpu 1 GiB + disk 2 GiB> --out {out_dir}")
+            f"--engine-cache-tokens {DEMO_CACHE_TOKENS} --workload prefix-repetition --prefix-len {k.prefix_len} "
+            f"--suffix-len 0 --num-prefixes {k.num_prefixes} --num-requests {k.num_requests} --output-len "
+            f"{k.output_len} --max-concurrency {DEMO_CONCURRENCY} --repeats {repeats} "
+            f"--kvtier-config <cpu_gib 0.5, disk_gib 2, disk_path {out_dir}/kvtier-disk> --out {out_dir}")
 
 
 def run_demo_compare(workdir: Path = Path(".kvtier"), arms: tuple[str, ...] = DEMO_ARMS,
-                     progress: bool = True) -> DemoCompare:
-    """Build the tiny model, run every arm on the demo workload, write the reports.
-
-    Files: the model under ``workdir/models/tiny-dummy``, kvtier's disk tier under
-    ``workdir/bench-demo/kvtier-disk`` (emptied first), reports and server logs under
-    ``workdir/bench-demo`` (the ExampleConnector's scratch files are deleted at the end).  Never raises for a failing arm (it is in the result).
+                     repeats: int = DEMO_REPEATS, progress: bool = True, model: Path | None = None) -> DemoCompare:
+    """Run every arm on the demo workload, interleaved over ``repeats``; write the reports under
+    ``workdir/bench-demo`` (emptied first).  Never raises for a failing arm (it is in the result).
 
     Raises:
         ValueError: an unknown arm name.
-        RuntimeError: the test model could not be written.
+        RuntimeError: the model has no vocabulary size.
     """
-    import shutil
-
-    from kvtier.integrations.vllm.testmodel import write_model
-
     t0 = time.perf_counter()
-    model = write_model(workdir / "models" / "tiny-dummy", "tiny", weights="none")
+    model = model or demo_model(workdir)
     out = workdir / "bench-demo"
-    disk = out / "kvtier-disk"
     shutil.rmtree(out, ignore_errors=True)
     vocab = model_vocab_size(str(model))
     if vocab is None:
         raise RuntimeError(f"the test model at {model} has no vocab_size in its config.json")
     workload = build_workload(DEMO_KNOBS, vocab, DEMO_MAX_MODEL_LEN, closed_loop=True)
-    kvtier = {"cpu_gib": 1.0, "disk_path": str(disk), "disk_gib": 2.0}
-    spec = EngineSpec(model=str(model), max_model_len=DEMO_MAX_MODEL_LEN, cache_tokens=DEMO_CACHE_TOKENS)
-    command = demo_command(out, model)
+    kvtier = demo_kvtier_config(out / "kvtier-disk")
+    spec = ServerSpec(model=str(model), max_model_len=DEMO_MAX_MODEL_LEN, cache_tokens=DEMO_CACHE_TOKENS)
+    command = demo_command(out, model, repeats)
     result = run_compare([make_arm(a, out, kvtier) for a in arms], workload, spec, out,
                          warmup=warmup_workload(vocab_token_space(DEMO_KNOBS.seed, vocab)),
-                         max_concurrency=DEMO_CONCURRENCY, stall_timeout_s=120.0, progress=progress,
-                         on_arm=lambda a: print(f"arm {a.name}: starting vLLM ({a.description})", flush=True))
-    shutil.rmtree(out / "example-connector-storage", ignore_errors=True)  # ~300 MB of scratch safetensors
+                         max_concurrency=DEMO_CONCURRENCY, stall_timeout_s=300.0, progress=progress,
+                         repeats=repeats, on_arm=lambda a, k: print(
+                             f"run {k + 1}/{repeats}, arm {a.name}: starting vLLM ({a.description})", flush=True))
     paths = write_reports(result, out, out / "compare.json", command=command)
     return DemoCompare(result=result, paths=paths, seconds=time.perf_counter() - t0, command=command)
 
 
 def print_demo_compare(demo: DemoCompare) -> None:
-    """Print the table, the verdicts and where the report, plot and JSON are."""
+    """Print the table, the verdicts, the kvtier/baseline and kvtier/native ratios and the files."""
     w = demo.result.workload
-    print(f"workload: Mooncake conversation trace, {len(w.requests)} requests, {w.num_prompt_tokens} prompt tokens")
-    for note in w.notes:
-        print(f"note: {note}")
+    print(f"workload: {len(w.requests)} requests, {DEMO_KNOBS.num_prefixes} prompts of {DEMO_PROMPT_TOKENS} tokens "
+          f"round robin, engine cache {DEMO_CACHE_TOKENS} tokens (holds one), one request in flight")
     print_table(demo.result)
+    kv, native = demo.ttft_ratio("kvtier"), demo.ttft_ratio("native")
+    runs = demo.result.repeats
+    if kv is not None:
+        line = f"kvtier / baseline TTFT p50: {kv:.2f} (medians of {runs} run(s) each, {len(w.requests)} requests a run)"
+        if native is not None:
+            line += f"; native / baseline: {native:.2f}; kvtier / native: {kv / native:.2f}"
+        print(line)
     print(f"report: {demo.paths.markdown}")
     if demo.paths.plot is not None:
         print(f"TTFT CDF: {demo.paths.plot}")
     if demo.paths.json is not None:
         print(f"JSON: {demo.paths.json}")
     print(f"bench compare took {demo.seconds:.0f} s")
+

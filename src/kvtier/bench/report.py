@@ -1,6 +1,8 @@
 """Reports of a comparison: the terminal table, ``--json``, the TTFT CDF plot and a Markdown page.
 
 Ratios are arm / baseline of the same run (TTFT: below 1 is better; throughput: above 1 is better).
+With several runs per arm (``--repeats``) every figure is the median over the arm's runs and the
+TTFT p50 range (lowest-highest run) is shown beside it.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.arms import BASELINE
-from kvtier.bench.compare import ArmOutcome, CompareResult
+from kvtier.bench.compare import ArmOutcome, ArmResult, CompareResult
 from kvtier.bench.plot import plot_ttft_cdf
 
 GiB = float(1 << 30)
@@ -20,13 +22,15 @@ GiB = float(1 << 30)
 
 def compare_json(result: CompareResult) -> dict[str, Any]:
     """``{"arms": {NAME: {ttft_p50_s, ttft_p99_s, prefix_hit_rate, external_hit_rate,
-    output_tok_per_s, num_requests}}}`` for completed arms; arms that failed are listed under
-    ``"failed"`` with the reason, the requests in flight and the log path."""
-    arms = {o.arm.name: o.json_figures() for o in result.outcomes if o.ok}
-    out: dict[str, Any] = {"arms": arms}
-    failed = {o.arm.name: {"reason": o.failure.reason, "requests": list(o.failure.request_ids),
-                           "log": str(o.failure.log_path)}
-              for o in result.outcomes if o.failure is not None}
+    output_tok_per_s, num_requests}}, "repeats": N, "runs": {NAME: [per-run figures]}}`` for
+    arms whose runs all completed (figures: medians over runs); arms with a failed run are listed
+    under ``"failed"`` with the reason, the requests in flight and the log path."""
+    arms = {a.arm.name: a.json_figures() for a in result.arms if a.ok}
+    runs = {a.arm.name: [{**o.run_figures(), "load_avg_1m": o.load_avg_1m} for o in a.runs if o.ok]
+            for a in result.arms if a.ok}
+    out: dict[str, Any] = {"arms": arms, "repeats": result.repeats, "runs": runs}
+    failed = {a.arm.name: {"reason": f.reason, "requests": list(f.request_ids), "log": str(f.log_path)}
+              for a in result.arms if (f := a.failure) is not None}
     if failed:
         out["failed"] = failed
     return out
@@ -60,38 +64,48 @@ class Row:
     cells: tuple[str, ...]
 
 
-COLUMNS = ("arm", "hit rate", "engine hit", "external hit", "TTFT p50", "TTFT p99", "output tok/s", "verdict")
+COLUMNS = ("arm", "hit rate", "engine hit", "external hit", "TTFT p50", "p50 range", "TTFT p99", "output tok/s",
+           "verdict")
 
 
 def _with_ratio(text: str, x: float | None, ref: float | None, is_ref: bool) -> str:
     return text if is_ref or text == "-" else f"{text} ({_ratio(x, ref)})"
 
 
+def _median(a: ArmResult | None, key: str) -> float | None:
+    if a is None:
+        return None
+    s = a.spreads().get(key)
+    return s.median if s is not None else None
+
+
 def rows(result: CompareResult) -> list[Row]:
-    """The table rows, one per arm, in run order; TTFT and throughput carry their ratio to the
-    baseline in parentheses."""
-    base = result.outcome(BASELINE)
-    base_sum = base.summary() if base is not None and base.ok else None
-    bt = base_sum.ttft_s if base_sum is not None else None
+    """The table rows, one per arm in the order given: medians over the arm's runs; TTFT and
+    throughput carry their ratio to the baseline in parentheses; "p50 range" is the lowest and
+    highest per-run TTFT p50 and the number of runs."""
+    base = result.arm_result(BASELINE)
+    base = base if base is not None and base.ok else None
     out = []
-    for o in result.outcomes:
-        if o.failure is not None:
-            out.append(Row((o.arm.name, "-", "-", "-", "-", "-", "-", "FAILED")))
+    for a in result.arms:
+        if a.failure is not None:
+            out.append(Row((a.arm.name, "-", "-", "-", "-", "-", "-", "-", "FAILED")))
             continue
-        s, m = o.summary(), o.meters
-        ttft = s.ttft_s if s is not None else None
-        is_ref = o is base
-        p50 = ttft.p50 if ttft else None
-        p99 = ttft.p99 if ttft else None
-        tput = s.output_tok_per_s if s else None
+        s = a.spreads()
+        is_ref = a is base
+
+        def med(key: str, arm: ArmResult = a) -> float | None:
+            return _median(arm, key)
+
+        p50, p99, tput = med("ttft_p50_s"), med("ttft_p99_s"), med("output_tok_per_s")
+        p50_spread = s.get("ttft_p50_s")
         out.append(Row((
-            o.arm.name, _fmt_rate(m.prefix_hit_rate if m else None), _fmt_rate(m.engine_hit_rate if m else None),
-            _fmt_rate(m.external_hit_rate if m else None),
-            _with_ratio(_fmt_s(p50), p50, bt.p50 if bt else None, is_ref),
-            _with_ratio(_fmt_s(p99), p99, bt.p99 if bt else None, is_ref),
-            _with_ratio("-" if tput is None else f"{tput:.1f}", tput,
-                        base_sum.output_tok_per_s if base_sum else None, is_ref),
-            o.verdict.kind.value if o.verdict else "-")))
+            a.arm.name, _fmt_rate(med("prefix_hit_rate")), _fmt_rate(med("engine_hit_rate")),
+            _fmt_rate(med("external_hit_rate")),
+            _with_ratio(_fmt_s(p50), p50, _median(base, "ttft_p50_s"), is_ref),
+            "-" if p50_spread is None else p50_spread.range_text(_fmt_s),
+            _with_ratio(_fmt_s(p99), p99, _median(base, "ttft_p99_s"), is_ref),
+            _with_ratio("-" if tput is None else f"{tput:.1f}", tput, _median(base, "output_tok_per_s"), is_ref),
+            a.verdict.kind.value if a.verdict else "-")))
     return out
 
 
@@ -102,21 +116,25 @@ def print_table(result: CompareResult) -> None:
     from rich.table import Table
 
     console = Console()
-    console = Console(width=max(console.width, 112))  # the table needs ~110 columns; narrower would cut cells
-    table = Table(title=f"kvtier bench compare: {result.workload.name}, {len(result.workload.requests)} requests "
-                  "(ratio to baseline in parentheses)", box=box.SIMPLE_HEAVY)
+    console = Console(width=max(console.width, 140))  # the table needs ~135 columns; narrower would cut cells
+    runs = f", {result.repeats} runs per arm interleaved, medians" if result.repeats > 1 else ""
+    table = Table(title=f"kvtier bench compare: {result.workload.name}, {len(result.workload.requests)} requests"
+                  f"{runs} (ratio to baseline in parentheses)", box=box.SIMPLE_HEAVY)
     for col in COLUMNS:
         table.add_column(col, justify="left" if col in ("arm", "verdict") else "right", no_wrap=True)
     for row in rows(result):
         table.add_row(*row.cells)
     console.print(table)
-    for o in result.outcomes:
-        if o.verdict is not None:
-            console.print(f"[bold]{o.arm.name}[/bold]: {o.verdict.kind.value}: {o.verdict.reason}", highlight=False)
-        if o.failure is not None:
-            where = f" during {', '.join(o.failure.request_ids)}" if o.failure.request_ids else ""
-            console.print(f"[bold red]{o.arm.name}[/bold red]: {o.failure.reason}{where}; log: {o.failure.log_path}",
-                          highlight=False)
+    for a in result.arms:
+        if a.verdict is not None:
+            console.print(f"[bold]{a.arm.name}[/bold]: {a.verdict.kind.value}: {a.verdict.reason}", highlight=False)
+        if (f := a.failure) is not None:
+            where = f" during {', '.join(f.request_ids)}" if f.request_ids else ""
+            console.print(f"[bold red]{a.arm.name}[/bold red]: {f.reason}{where}; log: {f.log_path}", highlight=False)
+    loads = [o.load_avg_1m for o in result.outcomes if o.load_avg_1m is not None]
+    if loads:
+        console.print(f"load average (1 min) at the start of each run: {min(loads):.2f}-{max(loads):.2f}",
+                      highlight=False)
 
 
 def _reuse_ttfts(o: ArmOutcome, shared: dict[str, float]) -> list[float]:
@@ -128,9 +146,9 @@ def _reuse_ttfts(o: ArmOutcome, shared: dict[str, float]) -> list[float]:
 
 
 def write_plot(result: CompareResult, path: Path) -> Path:
-    """The TTFT CDF of every arm with results."""
-    ttfts = {o.arm.name: [r.ttft_s for r in o.run.results if r.ok and r.ttft_s is not None]
-             for o in result.outcomes if o.run is not None}
+    """The TTFT CDF of every arm with results (all its runs pooled)."""
+    ttfts = {a.arm.name: [r.ttft_s for o in a.runs if o.run is not None for r in o.run.results
+                          if r.ok and r.ttft_s is not None] for a in result.arms}
     return plot_ttft_cdf(ttfts, path, f"TTFT CDF: {result.workload.name}, {len(result.workload.requests)} requests")
 
 
@@ -152,32 +170,41 @@ def markdown(result: CompareResult, plot_name: str | None, command: str | None) 
     engine_line = (f"- engine: `{e.model}` (load format {e.load_format or 'weights'}), max model len "
                    f"{e.max_model_len}, engine cache {e.num_blocks - 1} blocks x {e.block_size} tokens = "
                    f"{cache_tokens} tokens, the same for every arm")
-    lines += [workload_line, engine_line]
+    pinning = ", ".join(f"{k}={v}" for k, v in e.environment().items()) or "vLLM's default"
+    loads = [o.load_avg_1m for o in result.outcomes if o.load_avg_1m is not None]
+    runs_line = (f"- runs: {result.repeats} per arm, interleaved (A B C A B C ...); figures are medians over an "
+                 f"arm's runs; core pinning for every run: {pinning}"
+                 + (f"; load average (1 min) at run starts {min(loads):.2f}-{max(loads):.2f}" if loads else ""))
+    lines += [workload_line, engine_line, runs_line]
     lines += [f"- note: {n}" for n in w.notes]
     lines += ["", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(r.cells) + " |" for r in rows(result)]
     lines += ["", HIT_RATE_NOTE, ""]
     lines += ["## Arms", ""]
     shared = {r.request_id: r.shared_prefix_tokens / max(r.prompt_len, 1) for r in w.requests}
-    for o in result.outcomes:
-        lines.append(f"- **{o.arm.name}**: {o.arm.description}; server log `{o.log_path}`"
-                     + (f", healthy after {o.startup_s:.0f} s" if o.startup_s else ""))
-        if o.verdict is not None:
-            lines.append(f"  - verdict: **{o.verdict.kind.value}**: {o.verdict.reason}")
-        if o.failure is not None:
-            where = f" during request(s) {', '.join(o.failure.request_ids)}" if o.failure.request_ids else ""
-            lines.append(f"  - FAILED: {o.failure.reason}{where}; log `{o.failure.log_path}`")
-        reuse = _reuse_ttfts(o, shared)
+    for a in result.arms:
+        logs = ", ".join(f"`{o.log_path}`" for o in a.runs)
+        lines.append(f"- **{a.arm.name}**: {a.arm.description}; server log(s) {logs}")
+        if a.verdict is not None:
+            lines.append(f"  - verdict: **{a.verdict.kind.value}**: {a.verdict.reason}")
+        if (f := a.failure) is not None:
+            where = f" during request(s) {', '.join(f.request_ids)}" if f.request_ids else ""
+            lines.append(f"  - FAILED: {f.reason}{where}; log `{f.log_path}`")
+        hit = a.spreads().get("prefix_hit_rate")
+        if hit is not None and hit.n > 1:
+            lines.append(f"  - hit rate per run: {hit.range_text(_fmt_rate)}")
+        reuse = [t for o in a.runs for t in _reuse_ttfts(o, shared)]
         if reuse:
             import numpy as np
-            lines.append(f"  - TTFT p50 of the {len(reuse)} requests that repeat at least half of their prompt "
-                         f"from an earlier request: {_fmt_s(float(np.percentile(reuse, 50)))}")
-        if o.meters is not None and o.meters.kvtier_bytes:
-            moved = ", ".join(f"{d} {v / GiB:.3f} GiB" for d, v in sorted(o.meters.kvtier_bytes.items()))
-            lines.append(f"  - kvtier bytes moved: {moved}")
-        s = o.summary()
-        if s is not None and (s.num_failed or s.num_not_sent):
-            lines.append(f"  - requests: {s.num_ok} ok, {s.num_failed} failed, {s.num_not_sent} not sent")
+            lines.append(f"  - TTFT p50 of the {len(reuse)} requests (all runs) that repeat at least half of their "
+                         f"prompt from an earlier request: {_fmt_s(float(np.percentile(reuse, 50)))}")
+        for o in a.runs:
+            if o.meters is not None and o.meters.kvtier_bytes:
+                moved = ", ".join(f"{d} {v / GiB:.3f} GiB" for d, v in sorted(o.meters.kvtier_bytes.items()))
+                lines.append(f"  - kvtier bytes moved{f' (run {o.repeat})' if result.repeats > 1 else ''}: {moved}")
+            s = o.summary()
+            if s is not None and (s.num_failed or s.num_not_sent):
+                lines.append(f"  - requests: {s.num_ok} ok, {s.num_failed} failed, {s.num_not_sent} not sent")
     if plot_name:
         lines += ["", f"![TTFT CDF]({plot_name})"]
     return "\n".join(lines) + "\n"

@@ -13,7 +13,7 @@ from kvtier.cli.errors import fail
 
 RUN_HELP = """Replay a workload against a running server and read its meters.
 
-Sends token-id prompts to /v1/completions (streaming), records TTFT, inter-token latency and end-to-end latency per request, scrapes /metrics before and after, and prints the hit rates and the verdict (helping / hurting / no reuse). Workloads: trace (Mooncake format, the bundled conversation trace by default), prefix-repetition, multi-round; each deterministic under --seed.
+Sends token-id prompts to /v1/completions (streaming), records TTFT, inter-token latency and end-to-end latency per request, scrapes /metrics before and after, and prints the hit rates and the verdict (helping / hurting / no reuse). Workloads: trace (Mooncake format, the bundled conversation trace by default; replayed at its arrival times unless --max-concurrency makes it a closed loop), prefix-repetition (a bounded closed loop by default: at most 4 requests in flight, said at the start; --request-rate for an open loop), multi-round (sessions with think time); each deterministic under --seed.
 
 Examples:
 
@@ -24,23 +24,27 @@ Examples:
   kvtier bench run --url http://127.0.0.1:8000 --workload multi-round --num-sessions 4 --num-rounds 5 --baseline runs/base/summary.json
 """
 
-COMPARE_HELP = """Start vLLM once per arm and run the same workload against each.
+COMPARE_HELP = """Start one vLLM server per arm and run, and send each the same workload.
 
-Arms: baseline (no connector), kvtier (KVTierConnector, default config or --kvtier-config), example (vLLM's ExampleConnector). Same model, same engine cache size (--engine-cache-tokens), same workload. Prints one table (hit rates, TTFT p50/p99, throughput, ratios to baseline, verdict) and writes report.md, ttft_cdf.png, per-arm server logs and /metrics texts to --out; --json writes the figures as JSON. An arm whose engine dies or hangs is reported with the request where it happened and its log; the other arms still run.
+Arms: baseline (no connector), kvtier (KVTierConnector, default config or --kvtier-config), native (vLLM's OffloadingConnector with a CPU tier the size of kvtier's; on a CPU-only vLLM through kvtier.bench.native_cpu, a benchmark-only shim that swaps the CUDA copy kernel for host copies), example (vLLM's ExampleConnector), and any connector given as --arm NAME='KV_TRANSFER_CONFIG_JSON'. Same model, engine cache size (--engine-cache-tokens), core pinning and workload for every arm. With --repeats N the arms run interleaved (A B C A B C ...) and every figure is the median of N runs with its range; "helping" needs TTFT p50 ranges that do not overlap. Prints one table (hit rates, TTFT p50/p99, throughput, ratios to baseline, verdict) and writes report.md, ttft_cdf.png, per-run server logs and /metrics texts to --out; --json writes the figures as JSON. An arm whose engine dies or hangs is reported with the request where it happened and its log; the other arms still run.
 
 Examples:
 
-  kvtier bench compare --model models/mid --max-model-len 4096 --engine-cache-tokens 8192 --workload prefix-repetition --prefix-len 4000 --suffix-len 0 --num-prefixes 3 --num-requests 6 --output-len 1
+  kvtier bench compare --model models/mid --max-model-len 4096 --engine-cache-tokens 8192 --workload prefix-repetition --prefix-len 4000 --suffix-len 0 --num-prefixes 3 --num-requests 6 --output-len 1 --max-concurrency 1 --repeats 3
 
-  kvtier bench compare --model models/tiny --arms baseline,kvtier --workload trace --start 0 --limit 300 --json out.json
+  kvtier bench compare --model models/tiny --arms baseline,kvtier --arm lmcache='{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_both"}' --workload trace --start 0 --limit 300 --max-concurrency 2 --json out.json
 """
+
+DEFAULT_RUN_CONCURRENCY = 4
+"""`bench run`'s requests in flight when neither --max-concurrency nor an arrival schedule is given."""
 
 # ---- workload options, shared by both commands ------------------------------------------------
 WORKLOAD = typer.Option("trace", "--workload", "-w", help="trace, prefix-repetition or multi-round.")
 SEED = typer.Option(0, "--seed", help="Seed of every token id (same seed, same requests).")
 VOCAB = typer.Option(None, "--vocab-size", help="Token ids are drawn below this (default: the model's config.json).")
 MAX_CONC = typer.Option(None, "--max-concurrency", min=1,
-                        help="Requests in flight at most (closed loop); trace arrivals are then ignored unless --time-scale is given.")
+                        help="Requests in flight at most (closed loop); trace arrivals are then ignored unless --time-scale is given. "
+                             "bench run: default 4 for prefix-repetition without --request-rate.")
 TRACE = typer.Option(None, "--trace", help="Mooncake-format .jsonl(.gz) trace (default: the bundled conversation trace).")
 START = typer.Option(0, "--start", min=0, help="trace: first request (0-based line).")
 LIMIT = typer.Option(200, "--limit", min=1, help="trace: number of requests.")
@@ -56,7 +60,7 @@ PREFIX_LEN = typer.Option(256, "--prefix-len", min=0, help="prefix-repetition: s
 SUFFIX_LEN = typer.Option(256, "--suffix-len", min=0, help="prefix-repetition: fresh suffix tokens.")
 NUM_PREFIXES = typer.Option(10, "--num-prefixes", min=1, help="prefix-repetition: distinct prefixes.")
 OUTPUT_LEN = typer.Option(128, "--output-len", min=1, help="prefix-repetition: completion tokens.")
-RATE = typer.Option(None, "--request-rate", help="prefix-repetition: requests per second (default: closed loop).")
+RATE = typer.Option(None, "--request-rate", help="prefix-repetition: requests per second, open loop (default: closed loop, 4 in flight in bench run).")
 SHUFFLE = typer.Option(False, "--shuffle", help="prefix-repetition: seeded shuffled order instead of round robin.")
 SESSIONS = typer.Option(8, "--num-sessions", min=1, help="multi-round: conversations.")
 ROUNDS = typer.Option(4, "--num-rounds", min=1, help="multi-round: turns per conversation.")
@@ -133,6 +137,10 @@ def run_command(
                    request_rate=request_rate, shuffle=shuffle, num_sessions=num_sessions, num_rounds=num_rounds,
                    system_len=system_len, question_len=question_len, answer_len=answer_len,
                    think_time_s=think_time, session_interval_s=session_interval)
+    if max_concurrency is None and workload == "prefix-repetition" and request_rate is None:
+        max_concurrency = DEFAULT_RUN_CONCURRENCY
+        print(f"closed loop: at most {max_concurrency} requests in flight (--max-concurrency to change, "
+              "--request-rate for an open loop)", flush=True)
     built, _ = _build(knobs, vocab_size, model, max_len, max_concurrency is not None)
     reference = None
     if baseline is not None:
@@ -148,7 +156,10 @@ def run_command(
 
 def compare_command(
     model: str = typer.Option(..., "--model", "-m", help="Model directory (or name) every arm serves."),
-    arms: str = typer.Option("baseline,kvtier,example", "--arms", help="Comma-separated arms, run in this order."),
+    arms: str = typer.Option("baseline,native,kvtier", "--arms",
+                             help="Comma-separated arms out of baseline, kvtier, native, example; run in this order."),
+    arm: list[str] = typer.Option([], "--arm", help="Another arm, NAME='KV_TRANSFER_CONFIG_JSON' (repeatable)."),
+    repeats: int = typer.Option(1, "--repeats", min=1, max=20, help="Runs per arm, interleaved (A B C A B C ...)."),
     max_model_len: int = typer.Option(4096, "--max-model-len", min=64, help="Context length of every arm, tokens."),
     engine_cache_tokens: int = typer.Option(8192, "--engine-cache-tokens", min=1,
                                             help="Engine KV cache of every arm, tokens (at least --max-model-len)."),
@@ -174,16 +185,23 @@ def compare_command(
     import importlib.util
     import time
 
-    from kvtier.bench.arms import ARM_NAMES, make_arm
+    from kvtier.bench.arms import ARM_NAMES, make_arm, parse_custom_arm
     from kvtier.bench.compare import run_compare, warmup_workload
-    from kvtier.bench.engine import EngineSpec
     from kvtier.bench.report import print_table, write_reports
     from kvtier.bench.workload import vocab_token_space
+    from kvtier.integrations.vllm.serve import ServerSpec
 
     names = [a.strip() for a in arms.split(",") if a.strip()]
     unknown = [a for a in names if a not in ARM_NAMES]
-    if not names or unknown or len(set(names)) != len(names):
+    if unknown or len(set(names)) != len(names):
         fail(f"--arms {arms!r} must list distinct arms out of {', '.join(ARM_NAMES)}")
+    try:
+        custom = [parse_custom_arm(text) for text in arm]
+    except ValueError as exc:
+        fail(str(exc))
+    all_names = names + [c.name for c in custom]
+    if not all_names or len(set(all_names)) != len(all_names):
+        fail("give at least one arm (--arms or --arm), each name once")
     if engine_cache_tokens < max_model_len:
         fail(f"--engine-cache-tokens {engine_cache_tokens} is below --max-model-len {max_model_len}; vLLM needs room "
              "for one full-length request, so raise it or lower --max-model-len")
@@ -207,13 +225,14 @@ def compare_command(
                    system_len=system_len, question_len=question_len, answer_len=answer_len,
                    think_time_s=think_time, session_interval_s=session_interval)
     built, vocab = _build(knobs, vocab_size, model, max_model_len, max_concurrency is not None)
-    spec = EngineSpec(model=model, max_model_len=max_model_len, cache_tokens=engine_cache_tokens,
+    spec = ServerSpec(model=model, max_model_len=max_model_len, cache_tokens=engine_cache_tokens,
                       block_size=block_size, load_format=None if load_format == "auto" else load_format,
                       memory_fraction=memory_fraction, max_num_batched_tokens=max_num_batched_tokens)
-    arm_specs = [make_arm(n, out, extra) for n in names]
+    arm_specs = [make_arm(n, out, extra) for n in names] + custom
     result = run_compare(arm_specs, built, spec, out, warmup=warmup_workload(vocab_token_space(seed, vocab)),
                          max_concurrency=max_concurrency, stall_timeout_s=stall_timeout, progress=not no_progress,
-                         on_arm=lambda a: print(f"arm {a.name}: starting vLLM ({a.description})", flush=True))
+                         repeats=repeats, on_arm=lambda a, k: print(
+                             f"arm {a.name} (run {k + 1}/{repeats}): starting vLLM ({a.description})", flush=True))
     print_table(result)
     paths = write_reports(result, out, json_path, command=shlex.join(["kvtier", *sys.argv[1:]]))
     print(f"report: {paths.markdown}")

