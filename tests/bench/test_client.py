@@ -10,11 +10,11 @@ import httpx
 import pytest
 
 from kvtier.bench.client import ClientOptions, run_workload
-from kvtier.integrations.vllm.serve import free_port
 from kvtier.bench.multi_round import multi_round_workload
 from kvtier.bench.prefix_repetition import prefix_repetition_workload
 from kvtier.bench.results import NOT_SENT
 from kvtier.bench.workload import TokenSpace
+from kvtier.integrations.vllm.serve import free_port
 
 TOKENS = TokenSpace(seed=0, low=10, high=500)
 

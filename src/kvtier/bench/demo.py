@@ -8,10 +8,12 @@ costs seconds (:mod:`kvtier.integrations.vllm.testmodel`, dummy weights: nothing
 2. Comparison (:func:`run_demo_compare`): ``kvtier bench compare`` of ``baseline`` (no connector),
    ``native`` (vLLM's OffloadingConnector, CPU tier, through the benchmark-only CPU shim
    :mod:`kvtier.bench.native_cpu`) and ``kvtier`` on a prefix-repetition workload: 3 prompts of
-   1,540 tokens sent round robin to an engine cache that holds one, so every repeat is recomputed
+   1,028 tokens sent round robin to an engine cache that holds one, so every repeat is recomputed
    by the baseline and loaded by the connectors.  Runs interleaved over ``DEMO_REPEATS``.
 
-Every figure is printed with its sample count and range; "faster" is said only when the ranges do
+Every server runs with ``--enforce-eager``: torch.compile's warm-up of the 24-layer model takes
+minutes on 2 cores and is redone for every new connector configuration, eager mode starts in
+seconds; every arm is treated the same.  Every figure is printed with its sample count and range; "faster" is said only when the ranges do
 not overlap (:mod:`kvtier.bench.spread`).  Measured figures: docs/benchmarks.md.
 """
 
@@ -32,11 +34,12 @@ from kvtier.bench.workload import vocab_token_space
 from kvtier.integrations.vllm.serve import Server, ServerSpec, transfer_config
 
 DEMO_GEOMETRY = "mid"
-DEMO_PROMPT_TOKENS = 1540
-"""Prompt length: 6 whole 256-token chunks (12 blocks of 128) + 4 tokens computed on a hit."""
-DEMO_MAX_MODEL_LEN = 2048
-DEMO_CACHE_TOKENS = 2048
-"""Engine cache: one prompt fits, so a round robin over 3 prompts evicts each before it returns."""
+DEMO_PROMPT_TOKENS = 1028
+"""Prompt length: 4 whole 256-token chunks (8 blocks of 128) + 4 tokens computed on a hit."""
+DEMO_MAX_MODEL_LEN = 1280
+DEMO_CACHE_TOKENS = 1280
+"""Engine cache (10 blocks): one prompt fits, so a round robin over 3 prompts evicts each before it
+returns."""
 DEMO_KNOBS = WorkloadKnobs(kind="prefix-repetition", seed=0, num_requests=9, prefix_len=DEMO_PROMPT_TOKENS,
                            suffix_len=0, num_prefixes=3, output_len=2)
 DEMO_ARMS = ("baseline", "native", "kvtier")
@@ -47,8 +50,9 @@ RESTART_OUTPUT_TOKENS = 8
 
 
 def demo_kvtier_config(disk: Path) -> dict[str, object]:
-    """kvtier's settings in the demo: 0.5 GiB cpu tier, 2 GiB disk tier under ``disk``."""
-    return {"cpu_gib": 0.5, "disk_path": str(disk), "disk_gib": 2.0}
+    """kvtier's settings in the demo: 0.5 GiB cpu tier, 2 GiB disk tier under ``disk``, chunks
+    written to disk as they are saved (write-through)."""
+    return {"cpu_gib": 0.5, "disk_path": str(disk), "disk_gib": 2.0, "write_mode": "write-through"}
 
 
 def demo_model(workdir: Path) -> Path:
@@ -102,9 +106,12 @@ class RestartDemoResult:
 
 
 def restart_spec(model: Path, kvtier: dict[str, object]) -> ServerSpec:
-    """The restart demo's server (both runs): mid model, dummy weights, KVTierConnector."""
+    """The restart demo's server (both runs): KVTierConnector; the model's own weights when its
+    directory has safetensors, else dummy weights."""
+    load_format = None if any(model.glob("*.safetensors")) else "dummy"
     return ServerSpec(model=str(model), max_model_len=DEMO_MAX_MODEL_LEN, cache_tokens=4 * DEMO_MAX_MODEL_LEN,
-                      kv_transfer_config=transfer_config(kvtier), shutdown_timeout_s=60)
+                      load_format=load_format, kv_transfer_config=transfer_config(kvtier), enforce_eager=True,
+                      shutdown_timeout_s=60)
 
 
 def _restart_run(spec: ServerSpec, log: Path, prompts: list[list[int]], warmup: list[int],
@@ -191,7 +198,7 @@ def demo_command(out_dir: Path, model: Path, repeats: int) -> str:
     return (f"kvtier bench compare --model {model} --arms {','.join(DEMO_ARMS)} --max-model-len {DEMO_MAX_MODEL_LEN} "
             f"--engine-cache-tokens {DEMO_CACHE_TOKENS} --workload prefix-repetition --prefix-len {k.prefix_len} "
             f"--suffix-len 0 --num-prefixes {k.num_prefixes} --num-requests {k.num_requests} --output-len "
-            f"{k.output_len} --max-concurrency {DEMO_CONCURRENCY} --repeats {repeats} "
+            f"{k.output_len} --max-concurrency {DEMO_CONCURRENCY} --repeats {repeats} --enforce-eager "
             f"--kvtier-config <cpu_gib 0.5, disk_gib 2, disk_path {out_dir}/kvtier-disk> --out {out_dir}")
 
 
@@ -213,7 +220,8 @@ def run_demo_compare(workdir: Path = Path(".kvtier"), arms: tuple[str, ...] = DE
         raise RuntimeError(f"the test model at {model} has no vocab_size in its config.json")
     workload = build_workload(DEMO_KNOBS, vocab, DEMO_MAX_MODEL_LEN, closed_loop=True)
     kvtier = demo_kvtier_config(out / "kvtier-disk")
-    spec = ServerSpec(model=str(model), max_model_len=DEMO_MAX_MODEL_LEN, cache_tokens=DEMO_CACHE_TOKENS)
+    spec = ServerSpec(model=str(model), max_model_len=DEMO_MAX_MODEL_LEN, cache_tokens=DEMO_CACHE_TOKENS,
+                      enforce_eager=True)
     command = demo_command(out, model, repeats)
     result = run_compare([make_arm(a, out, kvtier) for a in arms], workload, spec, out,
                          warmup=warmup_workload(vocab_token_space(DEMO_KNOBS.seed, vocab)),

@@ -131,18 +131,39 @@ def print_table(result: CompareResult) -> None:
         if (f := a.failure) is not None:
             where = f" during {', '.join(f.request_ids)}" if f.request_ids else ""
             console.print(f"[bold red]{a.arm.name}[/bold red]: {f.reason}{where}; log: {f.log_path}", highlight=False)
+    for line in reuse_lines(result):
+        console.print(line, highlight=False)
     loads = [o.load_avg_1m for o in result.outcomes if o.load_avg_1m is not None]
     if loads:
         console.print(f"load average (1 min) at the start of each run: {min(loads):.2f}-{max(loads):.2f}",
                       highlight=False)
 
 
-def _reuse_ttfts(o: ArmOutcome, shared: dict[str, float]) -> list[float]:
-    """TTFTs of the requests at least half of whose prompt repeats an earlier request's."""
+def _reuse_ttfts(o: ArmOutcome, shared: dict[str, float], repeated: bool = True) -> list[float]:
+    """TTFTs of the requests at least half of whose prompt repeats an earlier request's
+    (``repeated=False``: of the requests that repeat nothing)."""
     if o.run is None:
         return []
-    return [r.ttft_s for r in o.run.results
-            if r.ok and r.ttft_s is not None and shared.get(r.request_id, 0.0) >= 0.5]
+    return [r.ttft_s for r in o.run.results if r.ok and r.ttft_s is not None
+            and ((shared.get(r.request_id, 0.0) >= 0.5) if repeated else shared.get(r.request_id, 0.0) == 0.0)]
+
+
+def reuse_lines(result: CompareResult) -> list[str]:
+    """Per arm with both kinds of request: TTFT p50 of repeated prompts vs first-time prompts
+    (all runs pooled), their ratio and the sample counts — the "full hit / cold" figure."""
+    import numpy as np
+
+    shared = {r.request_id: r.shared_prefix_tokens / max(r.prompt_len, 1) for r in result.workload.requests}
+    out = []
+    for a in result.arms:
+        hit = [t for o in a.runs for t in _reuse_ttfts(o, shared)]
+        cold = [t for o in a.runs for t in _reuse_ttfts(o, shared, repeated=False)]
+        if hit and cold:
+            h, c = float(np.percentile(hit, 50)), float(np.percentile(cold, 50))
+            out.append(f"{a.arm.name}: TTFT p50 of repeated prompts {_fmt_s(h)} (n={len(hit)}, "
+                       f"{_fmt_s(min(hit))}-{_fmt_s(max(hit))}) vs first-time prompts {_fmt_s(c)} (n={len(cold)}, "
+                       f"{_fmt_s(min(cold))}-{_fmt_s(max(cold))}): {h / c:.3f}x")
+    return out
 
 
 def write_plot(result: CompareResult, path: Path) -> Path:
@@ -180,8 +201,11 @@ def markdown(result: CompareResult, plot_name: str | None, command: str | None) 
     lines += ["", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(r.cells) + " |" for r in rows(result)]
     lines += ["", HIT_RATE_NOTE, ""]
+    reuse = reuse_lines(result)
+    if reuse:
+        head = "Repeated vs first-time prompts (all runs pooled; first-time = nothing shared with an earlier request):"
+        lines += [head, ""] + [f"- {line}" for line in reuse] + [""]
     lines += ["## Arms", ""]
-    shared = {r.request_id: r.shared_prefix_tokens / max(r.prompt_len, 1) for r in w.requests}
     for a in result.arms:
         logs = ", ".join(f"`{o.log_path}`" for o in a.runs)
         lines.append(f"- **{a.arm.name}**: {a.arm.description}; server log(s) {logs}")
@@ -193,11 +217,6 @@ def markdown(result: CompareResult, plot_name: str | None, command: str | None) 
         hit = a.spreads().get("prefix_hit_rate")
         if hit is not None and hit.n > 1:
             lines.append(f"  - hit rate per run: {hit.range_text(_fmt_rate)}")
-        reuse = [t for o in a.runs for t in _reuse_ttfts(o, shared)]
-        if reuse:
-            import numpy as np
-            lines.append(f"  - TTFT p50 of the {len(reuse)} requests (all runs) that repeat at least half of their "
-                         f"prompt from an earlier request: {_fmt_s(float(np.percentile(reuse, 50)))}")
         for o in a.runs:
             if o.meters is not None and o.meters.kvtier_bytes:
                 moved = ", ".join(f"{d} {v / GiB:.3f} GiB" for d, v in sorted(o.meters.kvtier_bytes.items()))

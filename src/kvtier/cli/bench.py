@@ -167,6 +167,9 @@ def compare_command(
     load_format: str = typer.Option("dummy", "--load-format", help="vLLM load format; 'auto' for real weights."),
     kvtier_config: Path | None = KVTIER_CONFIG,
     max_num_batched_tokens: int | None = typer.Option(None, "--max-num-batched-tokens", min=1, help="Prefill chunk per engine step, tokens."),
+    enforce_eager: bool = typer.Option(False, "--enforce-eager",
+                                       help="Pass --enforce-eager to every server (no torch.compile warm-up: starts in "
+                                            "seconds instead of minutes on a CPU, same for every arm)."),
     memory_fraction: float = typer.Option(0.25, "--memory-fraction", min=0.01, max=1.0,
                                           help="vLLM --gpu-memory-utilization (CPU backend: share of RAM it may reserve)."),
     out: Path | None = COMPARE_OUT,
@@ -227,7 +230,8 @@ def compare_command(
     built, vocab = _build(knobs, vocab_size, model, max_model_len, max_concurrency is not None)
     spec = ServerSpec(model=model, max_model_len=max_model_len, cache_tokens=engine_cache_tokens,
                       block_size=block_size, load_format=None if load_format == "auto" else load_format,
-                      memory_fraction=memory_fraction, max_num_batched_tokens=max_num_batched_tokens)
+                      memory_fraction=memory_fraction, max_num_batched_tokens=max_num_batched_tokens,
+                      enforce_eager=enforce_eager)
     arm_specs = [make_arm(n, out, extra) for n in names] + custom
     result = run_compare(arm_specs, built, spec, out, warmup=warmup_workload(vocab_token_space(seed, vocab)),
                          max_concurrency=max_concurrency, stall_timeout_s=stall_timeout, progress=not no_progress,

@@ -1,0 +1,50 @@
+"""Serve one prompt twice through vLLM's ``OffloadingConnector`` loaded via the benchmark-only CPU
+shim (:mod:`kvtier.bench.native_cpu`), the engine's own prefix cache reset in between, so the
+second run is served from the native CPU tier.  Usage: ``python native_runner.py MODEL OUT.json``.
+
+OUT holds both runs' token ids and chosen-token logprobs, the second run's cached-token count and
+vLLM's external prefix cache counters.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def main(model: str, out_path: str) -> int:
+    import prometheus_client
+    from vllm import LLM, SamplingParams
+
+    from kvtier.integrations.vllm.testmodel import random_prompt
+
+    transfer = {"kv_connector": "OffloadingConnector", "kv_connector_module_path": "kvtier.bench.native_cpu",
+                "kv_role": "kv_both", "kv_connector_extra_config": {"cpu_bytes_to_use": 64 << 20}}
+    llm = LLM(model=model, kv_transfer_config=transfer, dtype="float32", max_model_len=1024, enforce_eager=True,
+              gpu_memory_utilization=0.05, kv_cache_memory_bytes=64 << 20, block_size=32,
+              num_gpu_blocks_override=64, enable_prefix_caching=True, disable_log_stats=False, seed=0)
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0)
+    prompt = random_prompt(7, 300)
+    runs = []
+    for step in range(2):
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        runs.append({"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens or 0,
+                     "prompt_tokens": len(out.prompt_token_ids),
+                     "logprobs": [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]})
+        if step == 0:
+            llm.generate([random_prompt(9, 5)], params, use_tqdm=False)  # one more step submits the deferred store
+            llm.reset_prefix_cache()
+    time.sleep(1.5)  # let the last step's stats reach the metrics logger
+    counters = {}
+    for family in prometheus_client.REGISTRY.collect():
+        for sample in family.samples:
+            if sample.name.startswith("vllm:external_prefix_cache") and sample.name.endswith("_total"):
+                counters[sample.name] = counters.get(sample.name, 0.0) + sample.value
+    Path(out_path).write_text(json.dumps({"runs": runs, "counters": counters}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))
