@@ -54,8 +54,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-BATCH_BYTES = 64 << 20
-"""Payload bytes of one pipelined write batch; encode buffers up to twice this are kept for reuse."""
+BATCH_BYTES = 32 << 20
+"""Payload bytes of one pipelined write batch; encode buffers up to three times this are kept for reuse."""
 WRITTEN_KEYS_MAX = 1 << 16
 """Keys this process remembers having written (``indexed``/``keys``), most recent kept."""
 
@@ -108,17 +108,27 @@ class RedisTier(Tier):
 
     def _call(self, op: str, fn: Callable[[], T]) -> T | None:
         """Run ``fn`` on the tier's threads under the deadline; ``None`` on any fault (counted)."""
-        if self._closed or not self._slots.acquire(blocking=False):  # every thread busy, queue full
+        return self._wait(op, self._submit(op, fn))
+
+    def _submit(self, op: str, fn: Callable[[], T]) -> tuple[Future[T], float] | None:
+        """Start ``fn`` on the tier's threads; ``None`` (counted as skipped) if the breaker is open or
+        every thread is busy and the queue is full."""
+        if self._closed or not self._slots.acquire(blocking=False):
             self.metrics.skip(op)
             return None
         if not self.breaker.allow():
             self._slots.release()
             self.metrics.skip(op)
             return None
-        t0 = time.perf_counter()
-        future: Future[T] = self._pool.submit(self._run, fn)
+        return self._pool.submit(self._run, fn), time.perf_counter()
+
+    def _wait(self, op: str, started: tuple[Future[T], float] | None) -> T | None:
+        """The result of a :meth:`_submit`, waiting at most the deadline; ``None`` on any fault."""
+        if started is None:
+            return None
+        future, t0 = started
         try:
-            result = future.result(timeout=self.deadline_s)
+            result = future.result(timeout=max(self.deadline_s - (time.perf_counter() - t0), 0.0))
         except FutureTimeout:
             if future.cancel():  # never started: its slot is ours to give back
                 self._slots.release()
@@ -227,17 +237,41 @@ class RedisTier(Tier):
         return self.put_many([key], [data])[0]
 
     def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> list[PutResult]:
-        """Pipelined ``SET key value EX ttl NX``, one round trip per server per ``BATCH_BYTES``."""
-        out: list[PutResult] = []
+        """Pipelined ``SET key value EX ttl NX`` in batches of about ``BATCH_BYTES``; the next batch
+        is encoded (copy + digest) while the previous one is on the wire."""
+        batches: list[tuple[int, int]] = []
         start = 0
         while start < len(keys):  # batches bound the memory of encoded values held at once
             end, size = start, 0
             while end < len(keys) and (end == start or size + memoryview(datas[end]).nbytes <= BATCH_BYTES):
                 size += memoryview(datas[end]).nbytes
                 end += 1
-            out += self._put_batch(keys[start:end], datas[start:end])
+            batches.append((start, end))
             start = end
+        out: list[PutResult] = []
+        in_flight = None
+        for start, end in batches:
+            values = self._encode(keys[start:end], datas[start:end])
+            if in_flight is not None:
+                out += self._finish_put(*in_flight)
+            in_flight = (keys[start:end], values, self._submit("put", self._setter(keys[start:end], values)))
+        if in_flight is not None:
+            out += self._finish_put(*in_flight)
         return out
+
+    def _encode(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> list[bytearray]:
+        buffers = self._take_buffers([HEADER_BYTES + memoryview(d).nbytes for d in datas])
+        return [self.codec.encode(k, d, b) for k, d, b in zip(keys, datas, buffers, strict=True)]
+
+    def _setter(self, keys: Sequence[ChunkKey], values: list[bytearray]) -> Callable[[], list[bool]]:
+        rkeys = [self.rkey(k) for k in keys]
+
+        def store() -> list[bool]:
+            pipe = self.client.pipeline(transaction=False)
+            for rk, value in zip(rkeys, values):
+                pipe.set(rk, value, ex=self.ttl_s, nx=True)
+            return [bool(created) for created in pipe.execute()]
+        return store
 
     def _take_buffers(self, sizes: list[int]) -> list[bytearray]:
         with self._lock:
@@ -251,29 +285,15 @@ class RedisTier(Tier):
     def _give_buffers(self, buffers: list[bytearray]) -> None:
         with self._lock:
             self._free_buffers.extend(buffers)
-            while sum(len(b) for b in self._free_buffers) > BATCH_BYTES * 2:
+            while sum(len(b) for b in self._free_buffers) > BATCH_BYTES * 3:
                 self._free_buffers.pop(0)
 
-    def _put_batch(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> list[PutResult]:
-        buffers = self._take_buffers([HEADER_BYTES + memoryview(d).nbytes for d in datas])
-        values = [self.codec.encode(k, d, b) for k, d, b in zip(keys, datas, buffers, strict=True)]
-        rkeys = [self.rkey(k) for k in keys]
-        results = self._set_values(keys, rkeys, values)
-        if results[0] is not PutResult.FAILED:  # sent: reusable; after a timeout a thread may still read them
-            self._give_buffers(values)
-        return results
-
-    def _set_values(self, keys: Sequence[ChunkKey], rkeys: list[bytes], values: list[bytearray]) -> list[PutResult]:
-        def store() -> list[bool]:
-            pipe = self.client.pipeline(transaction=False)
-            for rk, value in zip(rkeys, values):
-                pipe.set(rk, value, ex=self.ttl_s, nx=True)
-            return [bool(created) for created in pipe.execute()]
-
-        t0 = time.perf_counter()
-        created = self._call("put", store)
-        if created is None:  # a fault, or skipped while the breaker is open
-            with self._lock:
+    def _finish_put(self, keys: Sequence[ChunkKey], values: list[bytearray],
+                    started: tuple[Future[list[bool]], float] | None) -> list[PutResult]:
+        t0 = started[1] if started is not None else time.perf_counter()
+        created = self._wait("put", started)
+        if created is None:  # a fault, or skipped while the breaker is open; a late thread may still
+            with self._lock:  # read the buffers, so they are not reused
                 self.skipped_writes += len(keys)
             return [PutResult.FAILED] * len(keys)
         with self._lock:
@@ -284,8 +304,9 @@ class RedisTier(Tier):
             while len(self._written) > WRITTEN_KEYS_MAX:
                 _, size = self._written.popitem(last=False)
                 self._used -= size
-        stored = [v for v, c in zip(values, created) if c]
-        self.metrics.moved("write", sum(len(v) - HEADER_BYTES for v in stored), time.perf_counter() - t0)
+        self.metrics.moved("write", sum(len(v) - HEADER_BYTES for v, c in zip(values, created) if c),
+                           time.perf_counter() - t0)
+        self._give_buffers(values)
         return [PutResult.STORED if c else PutResult.PRESENT for c in created]
 
     def delete(self, key: ChunkKey) -> bool:
