@@ -4,10 +4,13 @@
 :data:`~kvtier.core.tiers.chunkfile.HEADER_BYTES`) and a memory buffer and returns the payload's
 XXH3-128, computed over every payload byte:
 
-- **Reads** go in slices of ``slice_bytes``: a helper thread reads slice ``i + 1`` while the
-  calling thread hashes slice ``i`` (both release the GIL: ``os.preadv`` in the kernel, xxhash in
-  C), so the hash costs little more than the last slice's share.  A payload of one slice is read
-  and hashed on the calling thread (a hand-off would cost more than it hides).
+- **Reads** go in slices of ``slice_bytes``; the header block comes with the first slice in one
+  call.  In direct mode (``pipeline``) helper threads keep :data:`READ_DEPTH` slices in flight
+  while the calling thread hashes the completed ones in order (``os.preadv`` releases the GIL and
+  so does xxhash), so the device stays busy and the hash hides behind it.  Buffered reads are
+  kernel copies that compete with the hash for the same cores: each slice is hashed right after
+  it is read (while it is in the CPU cache), and overlap comes from ``io_threads`` chunks read at
+  once by the disk tier.
 - **Writes** hash the whole payload on a helper thread while the calling thread writes it; the
   header (which holds the digest) is written last, at offset 0.
 - **O_DIRECT** (``direct=True``): the page cache is bypassed, so the kernel does not copy the
@@ -29,6 +32,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
@@ -41,7 +45,9 @@ T = TypeVar("T")
 ALIGN = 4096
 """Alignment of O_DIRECT buffers, lengths and offsets, bytes."""
 O_DIRECT = getattr(os, "O_DIRECT", 0)
-DEFAULT_SLICE_BYTES = 1 << 20
+DEFAULT_SLICE_BYTES = 2 << 20
+READ_DEPTH = 4
+"""Slices read ahead at once in a pipelined read (keeps the device busy with several requests)."""
 OVERLAP_MIN_BYTES = 2 << 20
 """Payloads at least this large are hashed on a helper thread while they are written."""
 
@@ -69,10 +75,10 @@ class _Buffers(threading.local):
         self.tail = aligned_buffer(ALIGN)
         self.bounce: list[memoryview] = []
 
-    def bounces(self, slice_bytes: int) -> list[memoryview]:
-        if not self.bounce or self.bounce[0].nbytes < slice_bytes:
-            self.bounce = [aligned_buffer(slice_bytes), aligned_buffer(slice_bytes)]
-        return self.bounce
+    def bounces(self, slice_bytes: int, count: int) -> list[memoryview]:
+        if len(self.bounce) < count or self.bounce[0].nbytes < slice_bytes:
+            self.bounce = [aligned_buffer(slice_bytes) for _ in range(count)]
+        return self.bounce[:count]
 
 
 class ChunkIO:
@@ -98,6 +104,7 @@ class ChunkIO:
         self.direct = direct
         self.pipeline = direct if pipeline is None else pipeline
         self.overlap_min_bytes = OVERLAP_MIN_BYTES
+        self.read_depth = READ_DEPTH
         self.slice_bytes = slice_bytes
         self.open_flags = O_DIRECT if direct else 0
         self._buffers = _Buffers()
@@ -147,7 +154,7 @@ class ChunkIO:
             raise ChunkFormatError(f"payload of {length} bytes exceeds the {out.nbytes}-byte buffer")
         out = out[:length]
         bounced = self.direct and address(out) % ALIGN != 0
-        bounce = self._buffers.bounces(self.slice_bytes) if bounced else []
+        bounce = self._buffers.bounces(self.slice_bytes, self.read_depth + 1) if bounced else []
         tail = self._buffers.tail
         offsets = range(0, length, self.slice_bytes) if length else range(1)
 
@@ -161,7 +168,7 @@ class ChunkIO:
                 _pread_exact(fd, iov, HEADER_BYTES * (i != 0) + off, n + HEADER_BYTES * (i == 0))
                 return out[off:off + n]
             if bounced:
-                iov.append(bounce[i % 2][:round_up(n)])
+                iov.append(bounce[i % len(bounce)][:round_up(n)])
             else:
                 whole = n // ALIGN * ALIGN
                 if whole:
@@ -171,28 +178,39 @@ class ChunkIO:
             _pread_exact(fd, [b for b in iov if b.nbytes], HEADER_BYTES * (i != 0) + off,
                          n + HEADER_BYTES * (i == 0))
             if bounced:
-                return bounce[i % 2][:n]
+                return bounce[i % len(bounce)][:n]
             if n % ALIGN:
                 out[off + n // ALIGN * ALIGN:off + n] = tail[:n % ALIGN]
             return out[off:off + n]
 
-        got = read(0)
-        expected = check_header(header, length)
         hasher = PayloadHasher()
-        ahead: Future[memoryview] | None = None
+        if not self.pipeline or len(offsets) == 1:
+            got = read(0)
+            expected = check_header(header, length)
+            for i, off in enumerate(offsets):  # each slice hashed right after it is read
+                if i:
+                    got = read(i)
+                hasher.update(got)
+                if bounced:
+                    out[off:off + got.nbytes] = got
+            return hasher.digest() == expected
+        # up to read_depth slices in flight on the helpers while this thread hashes them in order
+        inflight = deque(self._submit(read, i) for i in range(min(self.read_depth, len(offsets))))
+        following = len(inflight)
+        expected = b""
         try:
             for i, off in enumerate(offsets):
-                if i:
-                    got = ahead.result() if ahead is not None else read(i)
-                    ahead = None
-                if self.pipeline and i + 1 < len(offsets):
-                    ahead = self._submit(read, i + 1)  # the next slice moves while this one is hashed
+                got = inflight.popleft().result()
+                if i == 0:
+                    expected = check_header(header, length)
+                if following < len(offsets):
+                    inflight.append(self._submit(read, following))
+                    following += 1
                 hasher.update(got)
                 if bounced:
                     out[off:off + got.nbytes] = got
         finally:
-            if ahead is not None:
-                wait([ahead])  # never leave a read into the caller's buffers running
+            wait(inflight)  # never leave a read into the caller's buffers running
         return hasher.digest() == expected
 
     # ---- writes --------------------------------------------------------------------------
@@ -246,7 +264,7 @@ class ChunkIO:
                 iov.append(self._padded_tail(payload[whole:]))
             _pwritev_all(fd, iov, HEADER_BYTES)
         else:
-            bounce = self._buffers.bounces(self.slice_bytes)[0]
+            bounce = self._buffers.bounces(self.slice_bytes, 1)[0]
             for off in range(0, length, self.slice_bytes):
                 n = min(self.slice_bytes, length - off)
                 bounce[:n] = payload[off:off + n]
@@ -386,3 +404,8 @@ def measure_direct(directory: str | os.PathLike[str]) -> tuple[bool, str]:
                f"O_DIRECT {seconds['direct'] * 1e3:.0f} ms")
         _measured[dev] = (direct, why)
         return _measured[dev]
+
+
+def helper_threads(io_threads: int) -> int:
+    """Helper threads for ``io_threads`` concurrent chunk reads, each with :data:`READ_DEPTH` slices in flight."""
+    return min(READ_DEPTH * max(io_threads, 1), 32)

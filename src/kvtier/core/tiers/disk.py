@@ -40,7 +40,13 @@ from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers.base import GetResult, PutResult, Tier, TierUsage
 from kvtier.core.tiers.chunkfile import HEADER_BYTES, ChunkFormatError, decode_header, encode_header
-from kvtier.core.tiers.chunkio import DEFAULT_SLICE_BYTES, ChunkIO, direct_supported, measure_direct
+from kvtier.core.tiers.chunkio import (
+    DEFAULT_SLICE_BYTES,
+    ChunkIO,
+    direct_supported,
+    helper_threads,
+    measure_direct,
+)
 
 if TYPE_CHECKING:
     from kvtier.core.tiers.registry import TierContext
@@ -89,7 +95,7 @@ class DiskTier(Tier):
         self.io_threads = max(io_threads, 1)
         self.io_mode, self.io_reason = _resolve_io(io, self.dir)
         log.info("kvtier disk tier: %s I/O in %s (%s)", self.io_mode, self.dir, self.io_reason)
-        self._io = ChunkIO(self.io_mode == "direct", slice_bytes, self.io_threads)
+        self._io = ChunkIO(self.io_mode == "direct", slice_bytes, helper_threads(self.io_threads))
         self._workers: ThreadPoolExecutor | None = None
         self._closed = False
         self.corrupt = 0
@@ -230,7 +236,7 @@ class DiskTier(Tier):
                     self.dir, exc.strerror)
         with self._lock:
             if self._io.direct:
-                old, self._io = self._io, ChunkIO(False, self._io.slice_bytes, self.io_threads)
+                old, self._io = self._io, ChunkIO(False, self._io.slice_bytes, helper_threads(self.io_threads))
                 self.io_mode, self.io_reason = "buffered", f"O_DIRECT refused at run time ({exc.strerror})"
                 old.close()
         return True
