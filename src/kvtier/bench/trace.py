@@ -18,38 +18,20 @@ shorter prompt's length), and differ at the first block where their ids differ.
 
 from __future__ import annotations
 
-import gzip
-import json
-from collections.abc import Iterator
-from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 from kvtier.bench.workload import DOMAIN_TRACE_BLOCK, BenchRequest, TokenSpace, Workload, WorkloadError
+from kvtier.core.errors import TraceError
+from kvtier.core.mooncake import (
+    BUNDLED_TRACE,
+    MOONCAKE_BLOCK_TOKENS,
+    TraceRecord,
+    iter_records,
+)
+from kvtier.core.mooncake import bundled_trace_path as _bundled
 
-MOONCAKE_BLOCK_TOKENS = 512
-"""Tokens per hash id in Mooncake traces (Mooncake FAST25-release README: "block size 512")."""
-
-BUNDLED_TRACE = "mooncake_conversation_trace.jsonl.gz"
-
-
-@dataclass(frozen=True)
-class TraceRecord:
-    """One request of a Mooncake trace.
-
-    Attributes:
-        index: 0-based line number in the trace file (stable request identity).
-        timestamp_ms: arrival time, milliseconds from the start of the trace.
-        input_length: prompt tokens at 512 tokens per block.
-        output_length: completion tokens.
-        hash_ids: one id per 512-token block of the prompt.
-    """
-
-    index: int
-    timestamp_ms: int
-    input_length: int
-    output_length: int
-    hash_ids: tuple[int, ...]
+__all__ = ["BUNDLED_TRACE", "MOONCAKE_BLOCK_TOKENS", "TraceRecord", "bundled_trace_path", "load_trace",
+           "returning_only", "scaled_prompt_len", "trace_workload"]
 
 
 def bundled_trace_path() -> Path:
@@ -58,48 +40,25 @@ def bundled_trace_path() -> Path:
     Raises:
         WorkloadError: if the package was installed without its data file.
     """
-    path = Path(str(resources.files("kvtier") / "data" / BUNDLED_TRACE))
-    if not path.is_file():
-        raise WorkloadError(f"the bundled trace {BUNDLED_TRACE} is missing from kvtier/data; reinstall kvtier "
-                            "or pass --trace PATH")
-    return path
-
-
-def _open_lines(path: Path) -> Iterator[str]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as handle:  # type: ignore[operator]
-        yield from handle
+    try:
+        return _bundled()
+    except TraceError as exc:
+        raise WorkloadError(str(exc)) from None
 
 
 def load_trace(path: Path, start: int = 0, limit: int | None = None) -> list[TraceRecord]:
     """Read records ``start .. start+limit-1`` (0-based line numbers) of a ``.jsonl`` or ``.jsonl.gz``
-    Mooncake trace.
+    Mooncake trace (read by :mod:`kvtier.core.mooncake`, the one Mooncake reader).
 
     Raises:
         WorkloadError: the file is missing, a line is not a Mooncake record, or the window is empty.
     """
     if start < 0 or (limit is not None and limit <= 0):
         raise WorkloadError(f"trace window start={start} limit={limit} is invalid; use start >= 0 and limit >= 1")
-    if not path.is_file():
-        raise WorkloadError(f"trace file {str(path)!r} does not exist; pass the path of a Mooncake .jsonl(.gz) file")
-    records: list[TraceRecord] = []
-    for lineno, line in enumerate(_open_lines(path)):
-        if lineno < start or not line.strip():
-            continue
-        if limit is not None and len(records) >= limit:
-            break
-        try:
-            raw = json.loads(line)
-            record = TraceRecord(index=lineno, timestamp_ms=int(raw["timestamp"]),
-                                 input_length=int(raw["input_length"]), output_length=int(raw["output_length"]),
-                                 hash_ids=tuple(int(h) for h in raw["hash_ids"]))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise WorkloadError(f"line {lineno + 1} of {str(path)!r} is not a Mooncake record ({exc}); each line "
-                                "needs timestamp, input_length, output_length and hash_ids") from None
-        if not record.hash_ids or record.input_length <= 0 or any(h < 0 for h in record.hash_ids):
-            raise WorkloadError(f"line {lineno + 1} of {str(path)!r} has no hash_ids, a negative id or a "
-                                "non-positive input_length; fix or drop that line")
-        records.append(record)
+    try:
+        records = list(iter_records(path, None, start, limit))
+    except TraceError as exc:
+        raise WorkloadError(str(exc)) from None
     if not records:
         raise WorkloadError(f"the trace window start={start} limit={limit} of {str(path)!r} holds no requests; "
                             "lower --start")

@@ -60,6 +60,7 @@ COMMAND_MODULES = (
     "kvtier.cli.bench_store",
     "kvtier.cli.bench",
     "kvtier.cli.simulate",
+    "kvtier.cli.trace",
     "kvtier.cli.size",
     "kvtier.cli.audit",
     "kvtier.cli.check",

@@ -138,7 +138,7 @@ def _run(job: tuple[str, int]) -> ReplayCounts:
                   lambda: _make(policy), _SHARED["parents"])
 
 
-_COST_RANK = {"prefix-freq": 0, "default": 0, "belady": 1, "s3fifo": 2, "prefix-lru": 2}
+_COST_RANK = {"adaptive": 0, "prefix-freq": 0, "default": 0, "belady": 1, "s3fifo": 2, "prefix-lru": 2}
 
 
 def run_sweep(trace: Trace, spec: SweepSpec, workers: int = 0) -> SweepResult:

@@ -11,7 +11,7 @@ Keys are chained (a key names its chunk together with the whole prefix before it
 mean equal prefixes.  Readers map every key to a small ``int`` once, so the replay loop hashes
 ints, never strings or digests.
 
-Two formats are read:
+Two formats are read (Mooncake through :mod:`kvtier.core.mooncake`, the one Mooncake reader):
 
 - **Mooncake JSONL** (FAST'25 release, kvcache-ai/Mooncake ``FAST25-release/traces``): one object
   per line with ``timestamp`` (ms), ``input_length`` (tokens), ``output_length`` and ``hash_ids``
@@ -29,17 +29,15 @@ from __future__ import annotations
 
 import gzip
 import json
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 from kvtier.core.errors import TraceError
+from kvtier.core.mooncake import MOONCAKE_BLOCK_TOKENS, iter_records
 
 FORMATS = ("mooncake", "kvtier-jsonl")
-MOONCAKE_BLOCK_TOKENS = 512
-"""Tokens per ``hash_ids`` block in the Mooncake FAST'25 traces (their README)."""
 
 
 @dataclass(frozen=True)
@@ -92,7 +90,7 @@ def read_trace(path: str | Path, fmt: str = "mooncake", block_tokens: int | None
         TraceError: missing/unreadable file, malformed line, unknown format, empty trace.
     """
     if fmt == "mooncake":
-        return _read(path, _MooncakeParser(block_tokens or MOONCAKE_BLOCK_TOKENS))
+        return _read_mooncake(Path(path), block_tokens or MOONCAKE_BLOCK_TOKENS)
     if fmt == "kvtier-jsonl":
         return _read(path, _KVTierParser(block_tokens))
     raise TraceError(f"unknown trace format {fmt!r}; use one of {', '.join(FORMATS)}")
@@ -179,25 +177,24 @@ def _number(obj: dict, name: str, where: str, minimum: int, integer: bool) -> fl
     return value
 
 
-class _MooncakeParser(_Parser):
-    def __init__(self, block_tokens: int) -> None:
-        if block_tokens <= 0:
-            raise TraceError(f"--tokens-per-block must be positive, got {block_tokens}")
-        self.block_tokens = block_tokens
-
-    def parse(self, obj: dict, where: str) -> tuple[float, int, Sequence[int | str]]:
-        time_ms = _number(obj, "timestamp", where, 0, integer=False)
-        tokens = int(_number(obj, "input_length", where, 1, integer=True))
-        ids = obj.get("hash_ids")
-        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise TraceError(f"{where}: field 'hash_ids' must be a list of integers")
-        block = self.block_tokens
-        assert block is not None
-        expected = math.ceil(tokens / block)
-        if len(ids) != expected:
-            raise TraceError(f"{where}: {len(ids)} hash_ids for {tokens} tokens, expected {expected} blocks "
-                             f"of {block} tokens; check --tokens-per-block")
-        return time_ms / 1000.0, tokens, ids[: tokens // block]
+def _read_mooncake(path: Path, block_tokens: int) -> Trace:
+    """A Mooncake file through :mod:`kvtier.core.mooncake` (the one Mooncake reader); the last,
+    partial block of each prompt is dropped (always recomputed)."""
+    if block_tokens <= 0:
+        raise TraceError(f"--tokens-per-block must be positive, got {block_tokens}")
+    times: list[float] = []
+    num_tokens: list[int] = []
+    chunk_keys: list[list[int]] = []
+    key_to_id: dict[int, int] = {}
+    for record in iter_records(path, block_tokens):
+        full = record.hash_ids[: record.input_length // block_tokens]
+        chunk_keys.append([key_to_id.setdefault(key, len(key_to_id)) for key in full])
+        times.append(record.timestamp_ms / 1000.0)
+        num_tokens.append(record.input_length)
+    if not num_tokens:
+        raise TraceError(f"trace file {path} holds no requests; pass a non-empty trace")
+    start = times[0]
+    return Trace(path.name, block_tokens, [t - start for t in times], num_tokens, chunk_keys)
 
 
 class _KVTierParser(_Parser):

@@ -2,8 +2,10 @@
 
 Names: ``lru`` (prompt-order LRU), ``lru-tail`` (tail-first LRU, vLLM's block-pool order),
 ``prefix-lru`` (least recently used leaf first, as radix-tree caches do), ``s3fifo`` (S3-FIFO,
-Yang et al., SOSP'23), ``prefix-freq`` (kvtier's own: leaves first, frequency-ranked, adaptive
-quarantine of never-reused chunks) and ``default`` (kvtier's default policy, ``prefix-freq``).
+Yang et al., SOSP'23), ``prefix-freq`` (leaves first, frequency-ranked, adaptive quarantine of
+never-reused chunks), ``adaptive`` (kvtier's own: leaves first, and the ordering — LRU,
+quarantine, or bimodal insertion — that sampled shadow replays say hits most on recent traffic)
+and ``default`` (kvtier's default policy, ``adaptive``).
 More policies register themselves here by adding to ``_REGISTRY`` a ``"module:Class"`` path.
 """
 
@@ -18,10 +20,11 @@ _REGISTRY: dict[str, str] = {
     "lru-tail": "kvtier.core.policies.lru:TailFirstLRUPolicy",
     "prefix-lru": "kvtier.core.policies.prefix_lru:PrefixAwareLRUPolicy",
     "prefix-freq": "kvtier.core.policies.prefix_freq:PrefixFrequencyPolicy",
+    "adaptive": "kvtier.core.policies.adaptive:AdaptivePolicy",
     "s3fifo": "kvtier.core.policies.s3fifo:S3FIFOPolicy",
 }
 
-DEFAULT_POLICY = "prefix-freq"
+DEFAULT_POLICY = "adaptive"
 """The policy ``default`` resolves to (chosen from simulator results, see docs/simulate.md)."""
 
 

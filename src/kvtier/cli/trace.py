@@ -1,0 +1,83 @@
+"""``kvtier trace``: make Mooncake-format traces (synthetic regimes, or recorded from a live
+server) and describe them (reuse-distance histogram and regime)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from kvtier.cli.errors import fail
+
+SYNTH_HELP = """Generate a seeded synthetic trace (Mooncake JSONL) of one traffic regime.
+
+Regimes and their parameters (--set NAME=VALUE, repeatable; defaults in docs/simulate.md):
+chat (rate_per_s, system_prompts, system_tokens, single_turn_share, mean_turns, think_median_s,
+think_sigma, user_median_tokens, answer_median_tokens); agent (rate_per_s, agents, system_tokens,
+mean_steps, tool_median_s, tool_sigma, task_median_tokens, step_median_tokens); rag (rate_per_s,
+documents, zipf_s, doc_median_tokens, doc_sigma, system_tokens, question_median_tokens); batch
+(rate_per_s, templates, template_tokens, doc_median_tokens, hot_share, hot_prompts,
+hot_median_tokens); cycle (rate_per_s, prompts, prompt_tokens, system_tokens, jitter)."""
+
+
+def _parse_sets(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name.strip() or not value.strip():
+            fail(f"--set takes NAME=VALUE (e.g. --set think_median_s=60); got {pair!r}")
+        out[name.strip()] = value.strip()
+    return out
+
+
+def register(app: typer.Typer) -> None:
+    trace_app = typer.Typer(help="Make and describe request traces (Mooncake JSONL: block ids, lengths and "
+                            "times only, never prompt text).", no_args_is_help=True)
+    app.add_typer(trace_app, name="trace")
+
+    @trace_app.command("synth", help=SYNTH_HELP)
+    def synth(
+        regime: str = typer.Option(..., "--regime", help="chat, agent, rag, batch or cycle."),
+        out: Path = typer.Option(..., "--out", help="Output file (.jsonl, or .jsonl.gz to compress)."),
+        requests: int = typer.Option(5000, "--requests", help="Number of requests."),
+        seed: int = typer.Option(0, "--seed", help="Seed (same seed and parameters: same file)."),
+        block_tokens: int = typer.Option(512, "--block-tokens", help="Tokens per hash id (Mooncake: 512)."),
+        sets: list[str] = typer.Option([], "--set", help="Regime parameter NAME=VALUE (repeatable)."),
+    ) -> None:
+        from kvtier.core.mooncake import TraceRecord, write_records
+        from kvtier.simulate.synth import SynthError, generate, make_params
+
+        try:
+            params = make_params(regime, _parse_sets(sets))
+            records = generate(regime, params, requests, seed, block_tokens)
+        except SynthError as exc:
+            fail(str(exc))
+        try:
+            written = write_records(out, (TraceRecord(i, r.timestamp_ms, r.input_length, r.output_length, r.hash_ids)
+                                          for i, r in enumerate(records)))
+        except OSError as exc:
+            fail(f"cannot write {out} ({exc.strerror}); pass a path in a writable directory")
+        blocks = {b for r in records for b in r.hash_ids}
+        typer.echo(f"{out}: {written:,} {regime} requests, {len(blocks):,} distinct blocks of {block_tokens} tokens, "
+                   f"{records[-1].timestamp_ms / 1000:,.0f} s (seed {seed})")
+
+    @trace_app.command("stats")
+    def stats(
+        trace: Path = typer.Option(..., "--trace", help="Trace file (.jsonl or .jsonl.gz)."),
+        fmt: str = typer.Option("mooncake", "--format", help="mooncake or kvtier-jsonl."),
+        tokens_per_block: int | None = typer.Option(None, "--tokens-per-block",
+                                                    help="Tokens per block (mooncake: 512)."),
+    ) -> None:
+        """Print a trace's size, its reuse-distance histogram and the regime it is in."""
+        from kvtier.simulate.reuse import histogram_lines, reuse_histogram
+        from kvtier.simulate.trace import TraceError, read_trace
+
+        try:
+            requests = read_trace(trace, fmt, tokens_per_block)
+        except TraceError as exc:
+            fail(str(exc))
+        typer.echo(f"{requests.name}: {requests.num_requests:,} requests over {requests.duration_s:,.0f} s, "
+                   f"{requests.num_chunks:,} full chunks ({requests.num_unique_chunks:,} distinct) of "
+                   f"{requests.block_tokens} tokens")
+        for line in histogram_lines(reuse_histogram(requests)):
+            typer.echo(line)

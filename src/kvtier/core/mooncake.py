@@ -1,0 +1,160 @@
+"""The Mooncake trace format: read and write it, in one place (engine-independent).
+
+Format (Mooncake, FAST'25 release, kvcache-ai/Mooncake ``FAST25-release/traces``): one JSON object
+per line, ``timestamp`` (ms from the start of the trace), ``input_length`` and ``output_length``
+(tokens) and ``hash_ids``, one id per ``block_tokens``-token block of the prompt (512 in their
+traces), the last block possibly partial, so ``len(hash_ids) == ceil(input_length / block_tokens)``.
+Equal ids mean the same block content after the same prefix.  Files may be gzip-compressed
+(``.gz``).  The format holds lengths, times and block ids only: never prompt text.
+
+Users: ``kvtier simulate`` (replays it), ``kvtier bench`` (turns it into requests), ``kvtier trace
+synth`` and ``kvtier trace record`` (write it).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import IO
+
+from kvtier.core.errors import TraceError
+
+MOONCAKE_BLOCK_TOKENS = 512
+"""Tokens per ``hash_ids`` block in the Mooncake FAST'25 traces (their README: "block size 512")."""
+
+BUNDLED_TRACE = "mooncake_conversation_trace.jsonl.gz"
+
+
+@dataclass(frozen=True)
+class TraceRecord:
+    """One request of a Mooncake trace.
+
+    Attributes:
+        index: 0-based line number in the file (stable request identity).
+        timestamp_ms: arrival time, milliseconds from the start of the trace.
+        input_length: prompt tokens.
+        output_length: completion tokens.
+        hash_ids: one id per block of the prompt, the last possibly partial.
+    """
+
+    index: int
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def bundled_trace_path() -> Path:
+    """Path of the Mooncake conversation trace shipped in ``kvtier/data`` (12,031 requests).
+
+    Raises:
+        TraceError: the package was installed without its data file.
+    """
+    path = Path(str(resources.files("kvtier") / "data" / BUNDLED_TRACE))
+    if not path.is_file():
+        raise TraceError(f"the bundled trace {BUNDLED_TRACE} is missing from kvtier/data; reinstall kvtier "
+                            "or pass --trace PATH")
+    return path
+
+
+def _open(path: Path, mode: str) -> IO[str]:
+    if path.suffix == ".gz":
+        return gzip.open(path, mode + "t", encoding="utf-8")  # type: ignore[return-value]
+    return path.open(mode, encoding="utf-8")
+
+
+def _int(raw: dict, name: str, where: str, minimum: int) -> int:
+    value = raw.get(name)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise TraceError(f"{where}: field {name!r} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def parse_record(raw: object, index: int, where: str, block_tokens: int | None) -> TraceRecord:
+    """One decoded JSON line as a record.
+
+    Args:
+        raw: the decoded line.
+        index: its 0-based line number.
+        where: ``"FILE line N"``, for messages.
+        block_tokens: if given, ``len(hash_ids)`` must be ``ceil(input_length / block_tokens)``.
+
+    Raises:
+        TraceError: a field missing or out of range, naming it.
+    """
+    if not isinstance(raw, dict):
+        raise TraceError(f"{where} is not a JSON object; each line must be one request object")
+    stamp = raw.get("timestamp")
+    if not isinstance(stamp, (int, float)) or isinstance(stamp, bool) or not stamp >= 0:
+        raise TraceError(f"{where}: field 'timestamp' must be a number >= 0 (ms), got {stamp!r}")
+    tokens = _int(raw, "input_length", where, 1)
+    output = _int(raw, "output_length", where, 0) if "output_length" in raw else 0
+    ids = raw.get("hash_ids")
+    if not isinstance(ids, list) or not ids or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise TraceError(f"{where}: field 'hash_ids' must be a non-empty list of integers >= 0")
+    if block_tokens is not None:
+        expected = -(-tokens // block_tokens)
+        if len(ids) != expected:
+            raise TraceError(f"{where}: {len(ids)} hash_ids for {tokens} tokens, expected {expected} blocks "
+                                f"of {block_tokens} tokens; check --tokens-per-block")
+    return TraceRecord(index, float(stamp), tokens, output, tuple(ids))
+
+
+def iter_records(path: str | Path, block_tokens: int | None = None, start: int = 0,
+                 limit: int | None = None) -> Iterator[TraceRecord]:
+    """Records of lines ``start .. start+limit-1`` (0-based) of a ``.jsonl`` or ``.jsonl.gz`` file,
+    blank lines skipped.
+
+    Raises:
+        TraceError: missing/unreadable file, bad JSON, bad record (naming the line).
+    """
+    path = Path(path)
+    count = 0
+    try:
+        with _open(path, "r") as handle:
+            for lineno, line in enumerate(handle):
+                if lineno < start or not line.strip():
+                    continue
+                if limit is not None and count >= limit:
+                    return
+                where = f"{path.name} line {lineno + 1}"
+                try:
+                    raw = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise TraceError(f"{where} is not valid JSON ({exc.msg}); fix or remove that line") from None
+                yield parse_record(raw, lineno, where, block_tokens)
+                count += 1
+    except FileNotFoundError:
+        raise TraceError(f"trace file {path} does not exist; pass an existing .jsonl(.gz) file") from None
+    except IsADirectoryError:
+        raise TraceError(f"trace path {path} is a directory; pass a .jsonl(.gz) file") from None
+    except (OSError, UnicodeDecodeError, EOFError) as exc:
+        raise TraceError(f"cannot read trace file {path} ({exc}); check that it is JSONL text or gzip") from None
+
+
+def format_record(timestamp_ms: float, input_length: int, output_length: int, hash_ids: Iterable[int]) -> str:
+    """One Mooncake JSON line (without newline)."""
+    stamp = int(timestamp_ms) if float(timestamp_ms).is_integer() else round(timestamp_ms, 3)
+    return json.dumps({"timestamp": stamp, "input_length": input_length, "output_length": output_length,
+                       "hash_ids": list(hash_ids)}, separators=(",", ":"))
+
+
+def write_records(path: str | Path, records: Iterable[TraceRecord]) -> int:
+    """Write records as Mooncake JSONL (gzip if ``path`` ends in ``.gz``); returns how many.
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    written = 0
+    with _open(Path(path), "w") as handle:
+        for r in records:
+            handle.write(format_record(r.timestamp_ms, r.input_length, r.output_length, r.hash_ids) + "\n")
+            written += 1
+    return written

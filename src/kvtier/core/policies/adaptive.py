@@ -1,0 +1,323 @@
+"""kvtier's default: one resident set, several ways to order it, and the tier follows whichever
+ordering its own miniature replays say would have hit most on the traffic seen lately.
+
+Why.  No single ordering wins everywhere (docs/simulate.md has the tables): LRU is hard to beat
+when reuses come back within a tier's lifetime; it thrashes when most chunks are used once
+(chat: new conversations that never return; batch scans), where quarantining unproven chunks
+wins; and both collapse to nothing when a working set cycles just above the tier's size, where
+only an ordering that lets new arrivals go first keeps a stable part of the set.  An operator
+cannot know which regime their traffic is in, and it changes over a day.
+
+How.  *Set dueling* (Qureshi et al., "Adaptive insertion policies for high performance caching",
+ISCA 2007) with *spatially sampled* shadow caches (Waldspurger et al., "Efficient MRC
+construction with SHARDS", FAST 2015): a key is sampled when a hash of it falls below
+``rate`` (at most ``SHADOW_KEYS`` sampled keys per tier: ``rate = min(1, SHADOW_KEYS / n)``,
+``n`` = chunks tracked); for each ordering a shadow of ``rate × n`` slots replays the sampled
+keys only (keys and a few integers, no KV) and counts its hits; the hit counts decay by half
+every ``DECAY`` shadow-sizes of sampled accesses.  The real tier uses the ordering whose shadow
+leads beyond noise (``MARGIN``, ``SIGNIFICANCE``; LRU until one does).  The orderings (``MODES``), as a rank per chunk, lowest
+evicted first, ties to the deeper chunk (tail first):
+
+- ``lru``: time of last use.
+- ``quarantine``: time of last use, minus ``QUARANTINE × n`` if the chunk was never used before
+  (within the remembered history), plus ``min(uses, MAX_USES) × n`` otherwise: one-hit chunks
+  leave first, proven ones stay longer the more they were used (2Q, VLDB'94; S3-FIFO, SOSP'23;
+  LRFU, IEEE ToC 2001).  This is what the earlier default ``prefix-freq`` did when quarantining.
+- ``bip``: bimodal insertion (Qureshi et al. 2007): a chunk that arrives goes to the *bottom*
+  (evicted before anything that has been used while resident) except one request run in
+  ``BIP_LUCKY``; a used chunk goes to the top.  A cycling working set then keeps a stable part
+  resident instead of evicting each chunk just before its reuse.
+
+The prefix constraint holds in every mode: a chunk with resident children is never the victim
+(leaves first, as radix-tree caches: SGLang, NeurIPS 2024).  Shadows ignore it (their sampled
+keys rarely include a parent), which is why they only choose the ordering.
+
+Costs: O(log n) per operation in the real tier, plus, per sampled access, O(log SHADOW_KEYS) in
+each of the three shadows; victim rebuilds the heap when the mode switches or the tier doubles.
+Owners should offer every full chunk of each request: ``touch`` the resident ones and ``insert``
+the missing ones in prompt order, as the simulator does.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Sequence
+from itertools import count
+from typing import Any
+
+from kvtier.core.policies.base import Evictable, EvictionPolicy, always_evictable
+
+MODES = ("lru", "quarantine", "quarantine-long", "bip")
+QUARANTINE = 5.0
+"""``quarantine``: a never-used chunk ranks as if last used this many tier-sizes earlier."""
+MAX_USES = 7
+BIP_LUCKY = 32
+"""``bip``: one request run in this many is inserted at the top instead of the bottom."""
+MEMORY = (8.0, 32.0)
+"""``quarantine`` / ``quarantine-long``: a chunk counts as used before if its previous use lies
+within this many tier-sizes of insertions."""
+HISTORY = 32.0
+"""Use counts are remembered for this many tier-sizes of keys, at least half as many (keys only)."""
+SHADOW_KEYS = 2048
+"""Sampled keys per shadow, at most."""
+DECAY = 8.0
+"""Shadow hit counts halve every this many shadow-sizes of sampled accesses."""
+MARGIN = 0.02
+SIGNIFICANCE = 4.0
+"""A shadow must lead the current mode's shadow by MARGIN of its hits, and by more than
+``sqrt(SIGNIFICANCE × (both hit counts))`` (two standard deviations if hits were Poisson counts),
+to switch the tier to its ordering."""
+
+_MIX = 0x9E3779B97F4A7C15
+_MASK = (1 << 64) - 1
+_SAMPLE_BITS = 24
+
+
+def _rank(mode: int, time: int, uses: int, gap: int, mru: bool, scale: int) -> float:
+    if mode == 0:
+        return time
+    if mode < 3:
+        if uses and gap <= MEMORY[mode - 1] * scale:
+            return time + scale * min(uses, MAX_USES)
+        return time - scale * QUARANTINE
+    return time if mru else -1.0 - time
+
+
+class _Node:
+    __slots__ = ("depth", "gap", "mru", "parent", "rank", "seq", "time", "uses")
+
+    def __init__(self, time: int, uses: int, gap: int, depth: int, parent: Any | None, mru: bool) -> None:
+        self.time = time  # clock of last use, shared by one request's chain
+        self.uses = uses  # prior uses (remembered ones)
+        self.gap = gap  # insertions between the previous use and the last one
+        self.depth = depth
+        self.parent = parent
+        self.mru = mru  # bip: used while resident, or inserted by a lucky run
+        self.rank = 0.0
+        self.seq = -1  # seq of its live heap entry: older entries are stale
+
+
+class _Shadow:
+    """One ordering replayed over the sampled keys only; counts its hits."""
+
+    def __init__(self, mode: int) -> None:
+        self.mode = mode
+        self.nodes: dict[Any, _Node] = {}
+        self.heap: list[tuple[float, int, int, Any]] = []
+        self.hits = 0.0
+
+    def access(self, key: Any, time: int, uses: int, gap: int, depth: int, lucky: bool, capacity: int,
+               scale: int, seq: Any) -> None:
+        nodes = self.nodes
+        node = nodes.get(key)
+        if node is not None:
+            self.hits += 1
+            node.time, node.uses, node.gap, node.mru = time, uses, gap, True
+        else:
+            node = nodes[key] = _Node(time, uses, gap, depth, None, lucky)
+        node.rank = rank = _rank(self.mode, time, uses, gap, node.mru, scale)
+        node.seq = s = next(seq)
+        heapq.heappush(self.heap, (rank, -node.depth, s, key))
+        self.shrink(capacity)
+
+    def shrink(self, capacity: int) -> None:
+        nodes, heap = self.nodes, self.heap
+        while len(nodes) > capacity and heap:
+            _, _, s, key = heapq.heappop(heap)
+            node = nodes.get(key)
+            if node is not None and node.seq == s:
+                del nodes[key]
+        if len(heap) > 4 * len(nodes) + 64:  # drop stale entries now and then
+            self.heap = [e for e in heap if (n := nodes.get(e[3])) is not None and n.seq == e[2]]
+            heapq.heapify(self.heap)
+
+    def resample(self, threshold: int, capacity: int, scale: int) -> None:
+        """Keep only keys still sampled under ``threshold``; re-rank for ``scale``."""
+        self.nodes = {k: v for k, v in self.nodes.items() if _sample(k) < threshold}
+        self.heap = []
+        for key, node in self.nodes.items():
+            node.rank = _rank(self.mode, node.time, node.uses, node.gap, node.mru, scale)
+            self.heap.append((node.rank, -node.depth, node.seq, key))
+        heapq.heapify(self.heap)
+        self.shrink(capacity)
+
+
+def _sample(key: Any) -> int:
+    return ((hash(key) * _MIX) & _MASK) >> (64 - _SAMPLE_BITS)
+
+
+class AdaptivePolicy(EvictionPolicy):
+    """See the module docstring.  ``mode`` is the ordering in use (one of ``MODES``)."""
+
+    name = "adaptive"
+
+    def __init__(self) -> None:
+        self._clock = 0  # insertions so far: the unit of age
+        self._nodes: dict[Any, _Node] = {}
+        self._children: dict[Any, int] = {}
+        self._heap: list[tuple[float, int, int, Any]] = []
+        self._seq = count()
+        self._uses: dict[Any, tuple[int, int]] = {}  # key -> (uses, clock of last use), recent
+        self._old_uses: dict[Any, tuple[int, int]] = {}
+        self._mode = 0
+        self._scale = 1
+        self._stale = False
+        self._run: tuple[Any, int] = (None, 0)
+        self._runs = 0  # request runs inserted (a run: chunks inserted in prompt order)
+        self._shadows = [_Shadow(m) for m in range(len(MODES))]
+        self._threshold = 1 << _SAMPLE_BITS  # sample every key while the tier is small
+        self._sampled = 0  # sampled accesses since the last decay
+        self.switches = 0
+
+    @property
+    def mode(self) -> str:
+        return MODES[self._mode]
+
+    # -- mutations ---------------------------------------------------------------------------
+    def insert(self, key: Any, parent: Any | None) -> None:
+        nodes = self._nodes
+        if key in nodes:
+            self.touch([key])
+            return
+        self._clock = clock = self._clock + 1
+        run_key, run_time = self._run
+        up = nodes.get(parent) if parent is not None else None
+        if parent is not None and parent == run_key:
+            time = run_time
+        else:
+            time = clock
+            self._runs += 1
+        self._run = (key, time)
+        uses, gap = self._count(key, clock)
+        depth = up.depth + 1 if up else 0
+        lucky = self._runs % BIP_LUCKY == 0
+        node = nodes[key] = _Node(time, uses, gap, depth, parent, lucky)
+        if parent is not None:
+            self._children[parent] = self._children.get(parent, 0) + 1
+        self._queue(key, node)
+        if _sample(key) < self._threshold:
+            self._shadow(key, time, uses, gap, depth, lucky)
+
+    def touch(self, keys: Sequence[Any]) -> None:
+        nodes = self._nodes
+        clock = self._clock
+        threshold = self._threshold
+        for key in keys:
+            node = nodes.get(key)
+            if node is not None:
+                node.uses, node.gap = self._count(key, clock)
+                node.time = clock
+                node.mru = True
+                self._queue(key, node)
+                if _sample(key) < threshold:
+                    self._shadow(key, clock, node.uses, node.gap, node.depth, False)
+
+    def remove(self, key: Any) -> None:
+        node = self._nodes.pop(key, None)
+        if node is None:
+            return
+        parent = node.parent
+        if parent is not None:
+            left = self._children[parent] - 1
+            if left:
+                self._children[parent] = left
+            else:
+                del self._children[parent]
+                up = self._nodes.get(parent)
+                if up is not None:  # became a leaf: a candidate again
+                    up.seq = s = next(self._seq)
+                    heapq.heappush(self._heap, (up.rank, -up.depth, s, parent))
+
+    # -- queries -----------------------------------------------------------------------------
+    def victim(self, evictable: Evictable = always_evictable) -> Any | None:
+        if self._stale or len(self._nodes) > 2 * self._scale:
+            self._rebuild()
+        heap, nodes, children = self._heap, self._nodes, self._children
+        best = None
+        pinned = []
+        while heap:
+            _, _, s, key = heap[0]
+            node = nodes.get(key)
+            if node is None or node.seq != s or key in children:
+                heapq.heappop(heap)
+            elif evictable(key):
+                best = key
+                break
+            else:
+                pinned.append(heapq.heappop(heap))
+        for entry in pinned:
+            heapq.heappush(heap, entry)
+        if best is None and nodes:
+            order = sorted(nodes, key=lambda k: (k in children, nodes[k].rank, -nodes[k].depth))
+            best = next((k for k in order if evictable(k)), None)
+        return best
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._nodes
+
+    def keys(self) -> Iterable[Any]:
+        return self._nodes.keys()
+
+    # -- internals ---------------------------------------------------------------------------
+    def _queue(self, key: Any, node: _Node) -> None:
+        node.rank = rank = _rank(self._mode, node.time, node.uses, node.gap, node.mru, self._scale)
+        if key not in self._children:
+            node.seq = s = next(self._seq)
+            heapq.heappush(self._heap, (rank, -node.depth, s, key))
+
+    def _rebuild(self) -> None:
+        self._stale = False
+        n = max(len(self._nodes), 1)
+        if n > 2 * self._scale or n * 2 < self._scale:
+            self._scale = n
+            threshold = min(1 << _SAMPLE_BITS, (SHADOW_KEYS << _SAMPLE_BITS) // n)
+            if threshold != self._threshold:
+                self._threshold = threshold
+                for shadow in self._shadows:
+                    shadow.resample(threshold, self._shadow_capacity(), n)
+        mode, scale, children, seq = self._mode, self._scale, self._children, self._seq
+        heap = []
+        for key, node in self._nodes.items():
+            node.rank = _rank(mode, node.time, node.uses, node.gap, node.mru, scale)
+            if key not in children:
+                node.seq = s = next(seq)
+                heap.append((node.rank, -node.depth, s, key))
+        heapq.heapify(heap)
+        self._heap = heap
+
+    def _shadow_capacity(self) -> int:
+        return max(1, (len(self._nodes) * self._threshold) >> _SAMPLE_BITS)
+
+    def _shadow(self, key: Any, time: int, uses: int, gap: int, depth: int, lucky: bool) -> None:
+        capacity = self._shadow_capacity()
+        scale, seq = self._scale, self._seq
+        shadows = self._shadows
+        for shadow in shadows:
+            shadow.access(key, time, uses, gap, depth, lucky, capacity, scale, seq)
+        self._sampled += 1
+        if self._sampled >= DECAY * capacity:
+            self._sampled = 0
+            for shadow in shadows:
+                shadow.hits /= 2
+        current = shadows[self._mode].hits
+        best = max(range(len(shadows)), key=lambda m: shadows[m].hits)
+        lead = shadows[best].hits - current
+        if best != self._mode and lead > MARGIN * current and lead * lead > SIGNIFICANCE * (shadows[best].hits + current):
+            self._mode = best
+            self._stale = True
+            self.switches += 1
+
+    def _count(self, key: Any, clock: int) -> tuple[int, int]:
+        """(prior uses, insertions since the previous use) of ``key``, then count this use.
+        Remembered for HISTORY/2 to HISTORY tier-sizes of keys (two generations)."""
+        seen = self._uses.get(key)
+        if seen is None:
+            seen = self._old_uses.get(key, (0, -(1 << 62)))
+        uses, last = seen
+        self._uses[key] = (uses + 1, clock)
+        if len(self._uses) > HISTORY / 2 * max(len(self._nodes), 1):
+            self._old_uses, self._uses = self._uses, {}
+        return uses, clock - last

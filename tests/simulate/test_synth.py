@@ -1,0 +1,71 @@
+"""``kvtier trace synth`` / ``stats``: seeded Mooncake-format traces of each regime, readable by the
+one Mooncake reader, with the structure their regime promises."""
+
+import pytest
+from typer.testing import CliRunner
+
+from kvtier.cli.main import app
+from kvtier.core.mooncake import iter_records
+from kvtier.simulate.reuse import regime, reuse_histogram
+from kvtier.simulate.synth import REGIMES, SynthError, generate, make_params
+from kvtier.simulate.trace import read_trace
+
+
+def synth_file(tmp_path, name, requests=600, seed=3, *sets):
+    path = tmp_path / f"{name}-{seed}.jsonl.gz"
+    args = ["trace", "synth", "--regime", name, "--out", str(path), "--requests", str(requests), "--seed", str(seed)]
+    for s in sets:
+        args += ["--set", s]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    return path
+
+
+@pytest.mark.parametrize("name", list(REGIMES))
+def test_each_regime_is_seeded_valid_mooncake(tmp_path, name):
+    a = synth_file(tmp_path, name, 400, 1)
+    records = list(iter_records(a, block_tokens=512))  # raises on any malformed record
+    assert len(records) == 400
+    assert [r.timestamp_ms for r in records] == sorted(r.timestamp_ms for r in records)
+    again = generate(name, make_params(name, {}), 400, 1)
+    assert [r.hash_ids for r in again] == [r.hash_ids for r in records]
+    other = generate(name, make_params(name, {}), 400, 2)
+    assert [r.hash_ids for r in other] != [r.hash_ids for r in records]
+
+
+def test_chat_turns_extend_the_previous_prompt():
+    records = generate("chat", make_params("chat", {"single_turn_share": "0", "think_median_s": "5"}), 300, 5)
+    full = [r.hash_ids[: r.input_length // 512] for r in records]
+    prefixes = {ids for ids in full}
+    extended = sum(1 for ids in full if any(ids[:k] in prefixes for k in range(len(ids) - 1, 2, -1)))
+    assert extended > 100  # later turns start with a whole earlier prompt
+
+
+@pytest.mark.parametrize("name, expected", [("cycle", "cycling"), ("batch", "scan")])
+def test_regime_is_recognised_from_the_histogram(tmp_path, name, expected):
+    trace = read_trace(synth_file(tmp_path, name, 1500, 0))
+    hist = reuse_histogram(trace)
+    assert hist.uses == trace.num_chunks and hist.footprint == trace.num_unique_chunks
+    assert regime(hist) == expected
+
+
+def test_reuse_distances_are_exact_on_a_hand_trace():
+    from tests.simulate.helpers import make_trace
+
+    # a b c a: a's reuse distance is 2 (b, c) of 3 distinct: bucket 50-100 %.
+    hist = reuse_histogram(make_trace([([0], 1), ([1], 1), ([2], 1), ([0], 1)]))
+    assert hist.first_uses == 3 and hist.buckets[-1] == 1 and sum(hist.buckets) == 1
+
+
+def test_stats_command_and_bad_parameters(tmp_path):
+    path = synth_file(tmp_path, "cycle", 300, 0, "prompts=20")
+    result = CliRunner().invoke(app, ["trace", "stats", "--trace", str(path)])
+    assert result.exit_code == 0 and "regime: cycling" in result.output
+    for sets, message in ((["think_median_s=abc"], "must be float"), (["bogus=1"], "no parameter 'bogus'"),
+                          (["single_turn_share=2"], "between 0 and 1"), (["mean_turns=1"], ">= 2"),
+                          (["novalue"], "NAME=VALUE")):
+        args = ["trace", "synth", "--regime", "chat", "--out", str(tmp_path / "x.jsonl")]
+        result = CliRunner().invoke(app, args + [a for s in sets for a in ("--set", s)])
+        assert result.exit_code == 2 and message in result.output, result.output
+    with pytest.raises(SynthError, match="unknown regime"):
+        make_params("video", {})
