@@ -19,10 +19,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from kvtier.core.errors import MetricsError
-from kvtier.core.scrape import fetch_metrics
+from kvtier.core.scrape import fetch_metrics, metric_families
 
 PREFIX_QUERIES = "vllm:prefix_cache_queries"
 PREFIX_HITS = "vllm:prefix_cache_hits"
@@ -65,7 +63,7 @@ def parse_metrics(text: str) -> MetricsSnapshot:
     """
     counters: dict[str, dict[LabelSet, float]] = {}
     try:
-        for family in text_string_to_metric_families(text):
+        for family in metric_families(text, "the /metrics text"):
             name = family.name
             if family.type == "unknown" and name.endswith("_total"):
                 name = name[: -len("_total")]  # an untyped ``*_total`` sample is a counter by convention
