@@ -111,3 +111,25 @@ def test_without_a_tier_size_it_says_what_to_add(tmp_path, args, wanted):
     assert result.exit_code == 0, result.output
     (note,) = [n for n in json.loads(result.stdout)["notes"] if n.startswith("No offload tier size")]
     assert all(flag in note for flag in wanted) and ("--context" in note) == ("--context" not in args)
+
+
+def test_redis_url_adds_the_shared_tier_and_sizes_the_server():
+    result = run("--model", "Qwen/Qwen3-8B", "--offload-gib", "100", "--host-ram-gib", "512",
+                 "--redis-url", "rediss://kv.internal:6380/0", "--json")
+    assert result.exit_code == 0, result.output
+    recipe = json.loads(result.stdout)["recipe"]
+    config = json.loads(recipe["kvtier"].split("--kv-transfer-config ", 1)[1].strip("'"))
+    extra = config["kv_connector_extra_config"]
+    assert extra["redis_url"] == "rediss://kv.internal:6380/0" and extra["shared_secret_file"]
+    assert recipe["redis_maxmemory_gib"] == 105  # the 100 GiB tier + 5% for headers and keys
+    assert "--maxmemory 105gb --maxmemory-policy allkeys-lru" in recipe["redis"]
+    from kvtier.core.config import KVTierConfig
+
+    KVTierConfig.from_dict(extra)  # the recipe is a config the connector accepts
+
+
+@pytest.mark.parametrize("url", ["http://kv:6379", "redis://:hunter2@kv:6379/0"])
+def test_bad_redis_url_is_one_sentence(url):
+    result = run("--model", "Qwen/Qwen3-8B", "--offload-gib", "10", "--redis-url", url)
+    assert result.exit_code == 2 and "--redis-url" in result.output and "Traceback" not in result.output
+    assert "hunter2" not in result.output

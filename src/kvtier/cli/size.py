@@ -98,7 +98,9 @@ def _print_text(report, recipe, weights_note: str) -> None:  # type: ignore[no-u
         console.print(f"- {note}", highlight=False)
     if recipe is not None:
         for title, text in (("kvtier connector", recipe.kvtier), ("vLLM native", recipe.vllm_native),
-                            ("LMCache", recipe.lmcache)):
+                            ("LMCache", recipe.lmcache), ("shared tier: Redis server", recipe.redis)):
+            if text is None:
+                continue
             console.print(f"\n[bold]{title}[/bold]")
             console.print(text, highlight=False, markup=False, soft_wrap=True)
 
@@ -119,6 +121,8 @@ def size_command(
     offload_gib: float | None = typer.Option(None, "--offload-gib", help="Print recipes for this tier size (GiB, total) instead of the recommendation."),
     disk_path: str = typer.Option("/mnt/nvme/kvtier", "--disk-path", help="Disk tier directory used in recipes."),
     chunk_tokens: int = typer.Option(256, "--chunk-tokens", help="kvtier chunk size in tokens."),
+    redis_url: str | None = typer.Option(None, "--redis-url", help="Add a shared Redis/Valkey tier on this URL to "
+                                         "the kvtier recipe and size the server (docs/shared-tier.md)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
     list_presets: bool = typer.Option(False, "--list-presets", help="List the built-in model presets and exit."),
 ) -> None:
@@ -160,15 +164,21 @@ def size_command(
             raise UserError(f"--chunk-tokens must be at least 1, got {chunk_tokens}.")
         if offload_gib is not None and offload_gib < 0:
             raise UserError(f"--offload-gib must not be negative, got {offload_gib}.")
+        if redis_url is not None and not redis_url.startswith(("redis://", "rediss://")):
+            raise UserError("--redis-url must start with redis:// or rediss:// (TLS), e.g. redis://10.0.0.5:6379/0.")
+        if redis_url is not None and "@" in redis_url.split("//", 1)[-1].split("/", 1)[0]:
+            raise UserError("--redis-url must not carry a user or password (the recipe reads the password "
+                            "from REDIS_PASSWORD); give host, port and database only.")
     except UserError as exc:
         fail(str(exc))
     recipe = None
     if offload_gib is not None and offload_gib > 0:
         split = split_tier(offload_gib, host_ram_gib, host_reserve_gib)
         report.notes.extend(split.notes)
-        recipe = build_recipe(model, tp, split.cpu_gib, split.disk_gib, disk_path, chunk_tokens)
+        recipe = build_recipe(model, tp, split.cpu_gib, split.disk_gib, disk_path, chunk_tokens, redis_url)
     elif report.offload_needed:
-        recipe = build_recipe(model, tp, report.cpu_gib or 0.0, report.disk_gib or 0.0, disk_path, chunk_tokens)
+        recipe = build_recipe(model, tp, report.cpu_gib or 0.0, report.disk_gib or 0.0, disk_path, chunk_tokens,
+                              redis_url)
     if recipe is not None:
         report.notes.extend(chunk_notes(chunk_tokens))
     elif report.recommended_offload_gib is None:

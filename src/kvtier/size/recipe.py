@@ -13,6 +13,12 @@
   ``LMCACHE_LOCAL_DISK`` / ``LMCACHE_MAX_LOCAL_DISK_SIZE`` with ``LMCACHE_ENABLE_ASYNC_LOADING=False``
   (LMCache#2502, guide § "Known bugs").
 
+With a shared Redis/Valkey tier (``redis_url``, docs/shared-tier.md) the kvtier line also names
+the server and a shared-secret file, and the recipe gives the server's ``maxmemory``: the whole
+tier (cpu + disk) plus ``REDIS_OVERHEAD`` for value headers (64 bytes per chunk) and Redis's own
+per-key bookkeeping, with ``allkeys-lru`` so a full server evicts instead of refusing writes.  One
+server serves every replica: replicas share prefixes, so it does not grow with their number.
+
 ``LMCACHE_CHUNK_SIZE`` follows ``--chunk-tokens`` so both connectors cut the same chunks; paths are
 quoted for the shell (``shlex.quote``).
 
@@ -62,10 +68,18 @@ class Recipe:
     kvtier: str
     vllm_native: str
     lmcache: str
+    redis_maxmemory_gib: int | None = None
+    redis: str | None = None
 
     def to_json(self) -> dict[str, object]:
         return {"cpu_gib": self.cpu_gib, "disk_gib": self.disk_gib, "tp": self.tp, "kvtier": self.kvtier,
-                "vllm_native": self.vllm_native, "lmcache": self.lmcache}
+                "vllm_native": self.vllm_native, "lmcache": self.lmcache,
+                "redis_maxmemory_gib": self.redis_maxmemory_gib, "redis": self.redis}
+
+
+REDIS_OVERHEAD = 0.05
+"""Share added to the tier size for Redis: 64-byte value headers plus per-key bookkeeping (tens of
+bytes) are far below 1% for chunks of hundreds of KiB; the rest is allocator slack."""
 
 
 def round_total(gib: float, tp: int) -> int:
@@ -76,13 +90,23 @@ def round_total(gib: float, tp: int) -> int:
 
 
 def build_recipe(model: str, tp: int, cpu_gib: float, disk_gib: float = 0.0,
-                 disk_path: str = "/mnt/nvme/kvtier", chunk_tokens: int = 256) -> Recipe:
-    """Three configurations for a tier of ``cpu_gib`` DRAM plus ``disk_gib`` disk (GiB, totals)."""
+                 disk_path: str = "/mnt/nvme/kvtier", chunk_tokens: int = 256,
+                 redis_url: str | None = None) -> Recipe:
+    """Three configurations for a tier of ``cpu_gib`` DRAM plus ``disk_gib`` disk (GiB, totals),
+    the kvtier one with a shared tier on ``redis_url`` when given (see the module docstring)."""
     cpu, disk = round_total(cpu_gib, tp), round_total(disk_gib, tp)
     base = f"vllm serve {shlex.quote(model)}" + (f" --tensor-parallel-size {tp}" if tp > 1 else "")
     extra: dict[str, object] = {"chunk_tokens": chunk_tokens, "cpu_gib": cpu}
     if disk:
         extra.update(disk_path=disk_path, disk_gib=disk)
+    redis_gib, redis = None, None
+    if redis_url:
+        extra.update(redis_url=redis_url, redis_password_env="REDIS_PASSWORD",
+                     shared_secret_file="/etc/kvtier/secret")
+        redis_gib = math.ceil((cpu + disk) * (1 + REDIS_OVERHEAD))
+        redis = (f"redis-server --maxmemory {redis_gib}gb --maxmemory-policy allkeys-lru --save '' --appendonly no"
+                 " --requirepass \"$REDIS_PASSWORD\"\n# one server for every replica; put the same secret "
+                 "(openssl rand -hex 32) in /etc/kvtier/secret on each engine")
     transfer = dict(KVTIER_CONNECTOR, kv_connector_extra_config=extra)
     kvtier = f"{base} \\\n  --kv-transfer-config {shlex.quote(json.dumps(transfer, separators=(',', ':')))}"
     native = f"{base} \\\n  --kv-offloading-backend native --kv-offloading-size {cpu}"
@@ -96,4 +120,4 @@ def build_recipe(model: str, tp: int, cpu_gib: float, disk_gib: float = 0.0,
     per_rank = f"# LMCACHE_MAX_LOCAL_CPU_SIZE is per rank: {cpu // tp} GiB × TP {tp} = {cpu} GiB total"
     lmcache = "\n".join([per_rank, *(f"export {line}" for line in lines),
                          f"{base} \\\n  --kv-transfer-config {shlex.quote(lmc_transfer)}"])
-    return Recipe(cpu, disk, tp, kvtier, native, lmcache)
+    return Recipe(cpu, disk, tp, kvtier, native, lmcache, redis_gib, redis)
