@@ -19,7 +19,8 @@ NS = Namespace(model="test-model", kv_dtype="bfloat16", num_layers=2, num_kv_hea
 
 def make_store(tmp_path: Path | None, cpu_chunks: int, disk_chunks: int = 0, **overrides: object) -> TieredStore:
     """A store whose cpu tier holds ``cpu_chunks`` chunks and disk tier ``disk_chunks`` chunk files."""
-    values: dict[str, object] = {"chunk_tokens": CHUNK_TOKENS, "cpu_gib": cpu_chunks * CHUNK_BYTES / GiB}
+    values: dict[str, object] = {"chunk_tokens": CHUNK_TOKENS, "cpu_gib": cpu_chunks * CHUNK_BYTES / GiB,
+                                 "write_mode": "write-back"}  # the scenarios here narrate write-back
     if disk_chunks and tmp_path is not None:
         values.update(disk_path=str(tmp_path / "disk"), disk_gib=disk_chunks * (CHUNK_BYTES + HEADER_BYTES) / GiB)
     values.update(overrides)

@@ -8,7 +8,7 @@ from kvtier.core.errors import ConfigError
 
 def test_defaults_and_dict():
     cfg = KVTierConfig.from_dict({"cpu_gib": 8})
-    assert cfg.chunk_tokens == 256 and cfg.cpu_gib == 8 and cfg.write_mode == "write-back"
+    assert cfg.chunk_tokens == 128 and cfg.cpu_gib == 8 and cfg.write_mode == "write-through"
 
 
 def test_sizes_are_totals_across_tensor_parallel_ranks():

@@ -298,3 +298,12 @@ def test_auto_mode_measures_and_says_why(where):
 def test_unknown_io_mode_is_refused(tmp_path):
     with pytest.raises(ValueError, match="auto, buffered, direct"):
         DiskTier(tmp_path, NS, capacity_bytes=CHUNK, io="mmap")
+
+
+def test_payload_of_another_length_is_a_counted_miss(tmp_path):
+    """A well-formed chunk file whose payload is not the expected chunk size (written under
+    another chunk size or geometry) is never served, not even as a partial fill."""
+    tier = DiskTier(tmp_path, NS, capacity_bytes=100 * CHUNK)
+    assert tier.put(key(7), data(7)[:CHUNK - 8])
+    assert read(tier, 7) is None
+    assert tier.corrupt == 1 and not tier.contains(key(7))

@@ -1,9 +1,9 @@
-"""Layout detection, the block copy path and the rank service, on real tensors and sockets
-(no engine): the copy must round-trip any layout whose block dimension is not the first."""
+"""Layout detection, the block copy path, the scheduler's index mirror and the identity
+fingerprint, on real tensors, stores and files (no engine): the copy must round-trip any layout
+whose block dimension is not the first."""
 
 from __future__ import annotations
 
-from multiprocessing import AuthenticationError
 from pathlib import Path
 
 import numpy as np
@@ -12,12 +12,13 @@ import torch
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
-from kvtier.core.keys import Namespace
+from kvtier.core.keys import Namespace, chunk_keys, request_root
 from kvtier.core.store import TieredStore
 from kvtier.integrations.vllm.copy import BlockCopier, Span
 from kvtier.integrations.vllm.layout import detect_layout
-from kvtier.integrations.vllm.protocol import RequestKeys
-from kvtier.integrations.vllm.service import RankService, ServiceClient, ServiceServer, authkey_for, connect
+from kvtier.integrations.vllm.mirror import IndexMirror
+from kvtier.integrations.vllm.protocol import KVTierWorkerMeta, RankReport
+from kvtier.integrations.vllm.worker import key_root
 
 NUM_BLOCKS = 12
 # name -> per-layer shape with NUM_BLOCKS somewhere, and where the blocks are
@@ -58,39 +59,75 @@ def test_layout_errors_are_one_sentence() -> None:
         detect_layout({"a": torch.zeros(12, 4), "b": torch.zeros(12, 5)}, 12, "TEST")
 
 
-def _store(tmp_path: Path) -> TieredStore:
+def _store(tmp_path: Path, rank: int = 0) -> TieredStore:
     ns = Namespace(model="m", kv_dtype="float32", num_layers=1, num_kv_heads=1, head_size=8, layout="test",
-                   chunk_tokens=4)
+                   chunk_tokens=4, tp_size=2, tp_rank=rank)
     cfg = KVTierConfig.from_dict({"chunk_tokens": 4, "cpu_gib": 1 / 1024, "disk_path": str(tmp_path), "disk_gib": 0.01})
     return TieredStore(cfg, ns, chunk_bytes=64)
 
 
-def test_rank_service_over_a_socket_pins_and_releases(tmp_path: Path) -> None:
-    store = _store(tmp_path / "disk")
-    service = RankService(store)
-    keys = RequestKeys(tuple(range(13)), cache_salt="s")
-    chain = service.chain(keys)
-    assert len(chain) == 3
-    store.put(chain[:2], [bytes([i]) * 64 for i in range(2)])
-    address = str(tmp_path / "svc.sock")
-    server = ServiceServer(service, address, authkey_for("engine-x"))
-    try:
-        assert connect(address, authkey_for("engine-x")) is service  # same process: no socket
-        client = ServiceClient(address, authkey_for("engine-x"))
-        assert client.pin("r1", keys, 3) == ("cpu", "cpu")
-        assert client.pin("r1", keys, 3) == ("cpu", "cpu")  # asked again: the same pin, not a second one
-        assert service.num_pinned_requests() == 1
-        assert client.pin("r2", RequestKeys(tuple(range(13)), cache_salt="other"), 3) == ()
-        with pytest.raises(RuntimeError, match="requests still hold pins"):
-            client.check_integrity()
-        client.release("r1")
-        client.check_integrity()
-        handle_free = service.take("r1")
-        assert handle_free is None
-        wrong = ServiceClient(address, authkey_for("engine-y"), connect_timeout_s=0.5)
-        with pytest.raises(AuthenticationError):
-            wrong.stats()  # a process without the engine's key is refused
-        client.close()
-    finally:
-        server.close()
+def _report(store: TieredStore, root: bytes) -> RankReport:
+    delta = store.drain_changes()
+    return RankReport(root, [(bytes(k), t) for k, t in delta.changes], delta.full)
+
+
+def test_mirror_merges_ranks_through_vllm_worker_metadata(tmp_path: Path) -> None:
+    """Two ranks' change feeds, merged by KVTierWorkerMeta.aggregate as vLLM does, give one view:
+    a chunk counts only when both ranks hold it; its tier is the slower one."""
+    stores = [_store(tmp_path / f"disk{r}", r) for r in range(2)]
+    root = key_root(stores[0].namespace)
+    assert root == key_root(stores[1].namespace)  # ranks name chunks alike
+    chain = chunk_keys(request_root(root), list(range(16)), 4)
+    mirror = IndexMirror(tp_size=2)
+
+    def step() -> None:
+        meta = KVTierWorkerMeta({0: _report(stores[0], root)})
+        merged = meta.aggregate(KVTierWorkerMeta({1: _report(stores[1], root)}))
+        assert isinstance(merged, KVTierWorkerMeta) and set(merged.ranks) == {0, 1}
+        for rank, report in merged.ranks.items():
+            mirror.apply(rank, report)
+
+    assert mirror.lookup(chain) == []  # not ready before the first snapshots
+    stores[0].put(chain[:3], [bytes([i]) * 64 for i in range(3)])
+    stores[1].put(chain[:2], [bytes([i]) * 64 for i in range(2)])
+    step()
+    assert mirror.ready
+    assert mirror.lookup(chain) == ["cpu", "cpu"]  # rank 1 holds only two
+    stores[1].put(chain[2:4], [bytes([i]) * 64 for i in range(2)])
+    stores[0].flush_dirty(5.0)
+    with stores[0]._lock:
+        stores[0]._evict_cpu_locked(chain[0])  # rank 0 keeps chunk 0 on disk only
+    step()
+    assert mirror.lookup(chain) == ["disk", "cpu", "cpu"]
+    with stores[0]._lock:
+        stores[0].disk.delete(chain[0])
+        stores[0].disk_policy.remove(chain[0])
+        stores[0]._note_locked(chain[0])
+    step()
+    assert mirror.lookup(chain) == []  # chunk 0 gone from rank 0: nothing after it is usable
+    for store in stores:
         store.close()
+
+
+def test_mirror_refuses_ranks_that_disagree_on_the_key_root() -> None:
+    mirror = IndexMirror(tp_size=2)
+    mirror.apply(0, RankReport(b"a" * 16, [(b"k" * 16, "cpu")], True))
+    mirror.apply(1, RankReport(b"b" * 16, [(b"k" * 16, "cpu")], True))
+    assert mirror.broken and not mirror.ready
+    assert mirror.lookup([b"k" * 16]) == []
+
+
+def test_identity_fingerprint_follows_weights_tokenizer_and_config(tmp_path: Path) -> None:
+    from kvtier.integrations.vllm.identity import model_fingerprint
+    from kvtier.integrations.vllm.testmodel import GEOMETRIES, _write_weights, write_model
+
+    model = write_model(tmp_path / "m", "tiny", weights="random", seed=0)
+    base = model_fingerprint(str(model))
+    assert base == model_fingerprint(str(model))  # deterministic
+    _write_weights(model, GEOMETRIES["tiny"], seed=1)  # same names, shapes, size; other values
+    reseeded = model_fingerprint(str(model))
+    assert reseeded != base
+    tok = model / "tokenizer.json"
+    tok.write_text(tok.read_text().replace('"<unk>"', '"<UNK>"', 1))
+    assert model_fingerprint(str(model)) != reseeded
+    assert model_fingerprint("no/such-model") == model_fingerprint("no/such-model")  # unresolved: name only

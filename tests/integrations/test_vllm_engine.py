@@ -2,13 +2,14 @@
 
 One engine serves the whole module.  It runs in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: scheduler and worker share it) so a test can reach the
-store behind the connector; the cross-process path (worker in its own process, the default
-``vllm serve`` setup on CPU) is covered by test_vllm_processes.py and the demo test.
+worker's store behind the connector; the cross-process path (worker in its own process, the
+default ``vllm serve`` setup on CPU) is covered by test_vllm_processes.py and test_vllm_serve.py.
 
 Geometry: block 32 tokens, chunk 64 tokens, prompts of about 400 tokens → 6 chunks (384
 tokens) loadable.  The engine's own cache holds 40 blocks (1,280 tokens); kvtier's cpu tier
 holds 16 chunks, so a few other prompts push a prompt out of both, while the disk tier
-(write-through) keeps everything.
+(write-through) keeps everything.  Loads are asynchronous: every hit goes through
+WAITING_FOR_REMOTE_KVS and the worker's loader threads.
 """
 
 from __future__ import annotations
@@ -37,8 +38,12 @@ EXT_HITS = "vllm:external_prefix_cache_hits_total"
 @dataclass
 class Engine:
     llm: Any
-    service: Any
+    worker: Any  # the worker-side connector state (kvtier.integrations.vllm.worker.WorkerSide)
     disk: Path
+
+    @property
+    def store(self) -> Any:
+        return self.worker.store
 
     def generate(self, prompt: str, salt: str | None = None, max_tokens: int = 8) -> dict[str, Any]:
         from vllm import SamplingParams
@@ -52,6 +57,12 @@ class Engine:
         return {"prompt_ids": list(out.prompt_token_ids), "tokens": list(c.token_ids),
                 "logprobs": [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]}
 
+    def chain(self, prompt_ids: list[int], salt: str | None = None) -> list[bytes]:
+        """The chunk keys the connector uses for the loadable prefix of ``prompt_ids``."""
+        from kvtier.core.keys import chunk_keys, request_root
+
+        return chunk_keys(request_root(self.worker.key_root, salt), prompt_ids[:LOADABLE], CHUNK_TOKENS)
+
     def loaded(self, before: dict[str, float], after: dict[str, float]) -> float:
         return delta(after, before, LOADED_CPU) + delta(after, before, LOADED_DISK)
 
@@ -59,7 +70,7 @@ class Engine:
         """Run three other prompts (18 chunks > the 16-chunk cpu tier) and drop vLLM's own cache."""
         for s in range(3):
             self.generate(prompt(seed + s))
-        self.service.store.flush()
+        self.store.flush()
         self.llm.reset_prefix_cache()
 
 
@@ -72,8 +83,7 @@ def prompt(seed: int, words: int = PROMPT_WORDS) -> str:
 @pytest.fixture(scope="module")
 def engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
     from vllm import LLM
-
-    from kvtier.integrations.vllm.service import local_services
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -87,11 +97,11 @@ def engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
                                   "kv_connector_module_path": "kvtier.integrations.vllm",
                                   "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                                   "kv_connector_extra_config": kvtier})
-    (service,) = local_services().values()
-    assert service.store.chunk_bytes == CHUNK_BYTES
-    yield Engine(llm, service, disk)
-    service.store.flush()
-    service.check_integrity()
+    worker = get_kv_transfer_group().worker_side
+    assert worker.store.chunk_bytes == CHUNK_BYTES
+    yield Engine(llm, worker, disk)
+    worker.store.flush()
+    worker.store.check_integrity()
     llm.llm_engine.engine_core.shutdown()
     if saved is None:
         os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
@@ -126,15 +136,12 @@ def test_cold_cpu_and_disk_loads_give_identical_tokens_and_logprobs(engine: Engi
 
 def test_wrong_kv_changes_tokens_or_logprobs(engine: Engine) -> None:
     """Control: the comparison above would catch a load of the wrong KV."""
-    from kvtier.integrations.vllm.protocol import RequestKeys
-
     q, other = prompt(102), prompt(103)
     cold_q = engine.generate(q, salt="control-cold")  # computed and saved under another salt
     donor = engine.generate(other)
-    store = engine.service.store
-    chain_q = engine.service.chain(RequestKeys(tuple(cold_q["prompt_ids"][:LOADABLE])))
-    chain_other = engine.service.chain(RequestKeys(tuple(donor["prompt_ids"][:LOADABLE])))
-    assert store.put(chain_q, store.get(chain_other)) == 6  # the other prompt's KV under q's keys
+    store = engine.store
+    assert store.put(engine.chain(cold_q["prompt_ids"]), store.get(engine.chain(donor["prompt_ids"]))) == 6
+    engine.generate("one step", max_tokens=1)  # the scheduler's mirror learns of changes with the next step
     engine.llm.reset_prefix_cache()
     m0 = metrics_snapshot()
     wrong = engine.generate(q)
@@ -173,24 +180,59 @@ def test_cache_salt_isolates_and_same_salt_shares(engine: Engine) -> None:
 
 
 def test_corrupt_chunk_on_disk_is_recomputed(engine: Engine) -> None:
-    from kvtier.integrations.vllm.protocol import RequestKeys
-
     p = prompt(106)
     cold = engine.generate(p)
     engine.evict_from_cpu_tier(seed=960)
-    chain = engine.service.chain(RequestKeys(tuple(cold["prompt_ids"][:LOADABLE])))
-    victim = engine.service.store.disk.path(chain[2])
+    chain = engine.chain(cold["prompt_ids"])
+    victim = engine.store.disk.path(chain[2])
     raw = bytearray(victim.read_bytes())
     raw[-100] ^= 0xFF  # one flipped payload byte: the checksum must catch it
     victim.write_bytes(bytes(raw))
-    corrupt_before = engine.service.store.stats()["corrupt_chunks"]
+    corrupt_before = engine.store.stats()["corrupt_chunks"]
     m0 = metrics_snapshot()
     again = engine.generate(p)
     m1 = metrics_snapshot()
-    assert engine.service.store.stats()["corrupt_chunks"] == corrupt_before + 1
-    assert engine.loaded(m0, m1) == 2 * CHUNK_TOKENS == delta(m1, m0, EXT_HITS)  # chunks 0-1 only
+    assert engine.store.stats()["corrupt_chunks"] == corrupt_before + 1
+    # the mirror promised 6 chunks; the loader delivered chunks 0-1 and reported the rest as failed
+    assert engine.loaded(m0, m1) == 2 * CHUNK_TOKENS
+    assert delta(m1, m0, "kvtier_load_failed_blocks_total") == (LOADABLE - 2 * CHUNK_TOKENS) // 32
     assert again["tokens"] == cold["tokens"]
     assert max_logprob_diff(again["logprobs"], cold["logprobs"]) < TOLERANCE
+    engine.store.check_integrity()
+
+
+def test_stale_mirror_is_a_recompute_never_wrong_kv(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chunks leave every tier after the scheduler planned the load from its mirror and before
+    the worker loads: the load comes up empty, its blocks are reported through
+    get_block_ids_with_load_errors, vLLM (policy "recompute") recomputes them."""
+    p = prompt(107)
+    cold = engine.generate(p)
+    engine.llm.reset_prefix_cache()
+    store = engine.store
+    real_prepare = store.prepare_load
+
+    def evict_then_prepare(chain, max_chunks=None):
+        with store._lock:  # what eviction does, at the worst moment
+            for key in chain:
+                if store.cpu.contains(key):
+                    store._evict_cpu_locked(key)
+                if store.disk is not None and store.disk.indexed(key):
+                    store.disk.delete(key)
+                    store.disk_policy.remove(key)
+                    store._note_locked(key)
+        return real_prepare(chain, max_chunks)
+
+    monkeypatch.setattr(store, "prepare_load", evict_then_prepare)
+    m0 = metrics_snapshot()
+    again = engine.generate(p)
+    m1 = metrics_snapshot()
+    monkeypatch.undo()
+    assert delta(m1, m0, EXT_HITS) == LOADABLE  # vLLM admitted the request as a hit of 6 chunks
+    assert delta(m1, m0, "kvtier_load_failed_blocks_total") == LOADABLE // 32
+    assert engine.loaded(m0, m1) == 0
+    assert again["tokens"] == cold["tokens"]
+    assert max_logprob_diff(again["logprobs"], cold["logprobs"]) < TOLERANCE
+    store.check_integrity()
 
 
 def test_aborted_and_preempted_requests_leave_no_pins(engine: Engine) -> None:
@@ -202,8 +244,8 @@ def test_aborted_and_preempted_requests_leave_no_pins(engine: Engine) -> None:
     m0 = metrics_snapshot()
     llm_engine = engine.llm.llm_engine
     params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
-    # Two requests fit in vLLM's 40 blocks and the others wait (pinned at each admission try);
-    # two decoding requests soon need 2 × 21 blocks > 40, so decoding must preempt.
+    # Two requests fit in vLLM's 40 blocks and the others wait; two decoding requests soon need
+    # 2 × 21 blocks > 40, so decoding must preempt, and re-admission loads from kvtier again.
     for i, p in enumerate(prompts):
         llm_engine.add_request(f"long-{i}", {"prompt": p}, params)
     finished: dict[str, list[int]] = {}
@@ -213,40 +255,17 @@ def test_aborted_and_preempted_requests_leave_no_pins(engine: Engine) -> None:
             if out.finished:
                 finished[out.request_id] = list(out.outputs[0].token_ids)
         steps += 1
-        if steps == 3:  # one running request and one waiting request
-            llm_engine.abort_request(["long-1", "long-4"])
+        if steps == 1:  # long-0 and long-1 admitted with their loads in flight: abort one of them
+            llm_engine.abort_request(["long-1"])
+        if steps == 4:  # a running request and a waiting one
+            llm_engine.abort_request(["long-2", "long-5"])
     m1 = metrics_snapshot()
     assert delta(m1, m0, "vllm:num_preemptions_total") > 0, "the scenario must really preempt"
-    assert engine.loaded(m0, m1) == delta(m1, m0, EXT_HITS) > 0
-    assert set(finished) >= {"long-0", "long-2", "long-3", "long-5"}
-    for i in (0, 2, 3, 5):
+    assert delta(m1, m0, "kvtier_reloaded_tokens_total") > 0, "a preempted request must reload from kvtier"
+    assert set(finished) >= {"long-0", "long-3", "long-4"}
+    for i in (0, 3, 4):
         assert finished[f"long-{i}"][:8] == expected[i]["tokens"]
-    engine.service.store.flush()
-    engine.service.check_integrity()  # no pinned chunk, no pinned request, accounting consistent
+    engine.store.flush()
+    engine.store.check_integrity()  # no pinned chunk, no staging buffer, accounting consistent
+    assert engine.worker.loader.num_inflight == 0
     assert engine.generate(prompts[0])["tokens"] == expected[0]["tokens"]  # the engine still serves
-
-
-def test_lost_pin_is_reported_as_load_error_and_recomputed(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fault injection: the pinned chunks are gone when the worker comes to copy them.  The
-    worker must report the blocks through get_block_ids_with_load_errors, vLLM (policy
-    "recompute") recomputes them, and kvtier counts no loaded token."""
-    p = prompt(107)
-    cold = engine.generate(p)
-    engine.llm.reset_prefix_cache()
-    real_take = engine.service.take
-
-    def take_and_lose(req_id: str) -> None:
-        handle = real_take(req_id)
-        if handle is not None:  # the loader gets nothing: as if the chunks vanished
-            engine.service.store.complete_load(handle, False)
-
-    monkeypatch.setattr(engine.service, "take", take_and_lose)
-    m0 = metrics_snapshot()
-    again = engine.generate(p)
-    m1 = metrics_snapshot()
-    monkeypatch.undo()
-    assert delta(m1, m0, "kvtier_load_failed_blocks_total") == LOADABLE // 32
-    assert engine.loaded(m0, m1) == 0
-    assert again["tokens"] == cold["tokens"]
-    assert max_logprob_diff(again["logprobs"], cold["logprobs"]) < TOLERANCE
-    engine.service.check_integrity()

@@ -102,7 +102,7 @@ def test_three_dialects_state_the_same_total(tp):
     assert check_transfer_config(config, host_checks=False) == []  # the connector's pre-flight accepts it
     extra = config["kv_connector_extra_config"]
     assert extra["cpu_gib"] == total and extra["disk_gib"] == round_total(50, tp)
-    assert extra["disk_path"] == "/nvme/kv" and extra["chunk_tokens"] == 256
+    assert extra["disk_path"] == "/nvme/kv" and extra["chunk_tokens"] == 128
     # vLLM native: --kv-offloading-size is the TP-wide total
     native = shlex.split(recipe.vllm_native.split("\n#")[0].replace("\\\n", " "))
     assert float(native[native.index("--kv-offloading-size") + 1]) == total

@@ -120,7 +120,7 @@ def size_command(
     host_reserve_gib: float = typer.Option(16.0, "--host-reserve-gib", help="Host RAM kept for OS and vLLM, GiB."),
     offload_gib: float | None = typer.Option(None, "--offload-gib", help="Print recipes for this tier size (GiB, total) instead of the recommendation."),
     disk_path: str = typer.Option("/mnt/nvme/kvtier", "--disk-path", help="Disk tier directory used in recipes."),
-    chunk_tokens: int = typer.Option(256, "--chunk-tokens", help="kvtier chunk size in tokens."),
+    chunk_tokens: int = typer.Option(128, "--chunk-tokens", help="kvtier chunk size in tokens."),
     redis_url: str | None = typer.Option(None, "--redis-url", help="Add a shared Redis/Valkey tier on this URL to "
                                          "the kvtier recipe and size the server (docs/shared-tier.md)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),

@@ -36,12 +36,13 @@ class KVTierConfig(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="KVTIER_", extra="forbid", frozen=True)
 
-    chunk_tokens: int = Field(256, gt=0, description="Tokens per chunk; a multiple of the engine's block size.")
+    chunk_tokens: int = Field(128, gt=0, description="Tokens per chunk; a multiple of the engine's block size.")
     cpu_gib: float = Field(4.0, ge=0, allow_inf_nan=False, description="CPU DRAM tier size in GiB, total across TP ranks.")
     disk_path: str | None = Field(None, description="Directory of the disk tier (local NVMe); unset = no disk tier.")
     disk_gib: float = Field(0.0, ge=0, allow_inf_nan=False, description="Disk tier size in GiB, total across TP ranks.")
     write_mode: Literal["write-back", "write-through"] = Field(
-        "write-back", description="write-back: chunks go to disk when evicted from cpu; write-through: at once.")
+        "write-through", description="write-through: every saved chunk is queued for disk at once (a hard kill "
+        "loses at most the queue); write-back: chunks go to disk when evicted from cpu or at a graceful stop.")
     policy: str = Field("default", description="Eviction policy name (kvtier.core.policies).")
     save_queue_depth: int = Field(64, gt=0, description="Disk writes queued at most; more are dropped and counted.")
     io_threads: int = Field(2, gt=0, le=64, description="Worker threads for disk I/O.")

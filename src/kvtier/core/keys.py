@@ -66,7 +66,7 @@ class Namespace:
     layout: str
     tp_size: int = 1
     tp_rank: int = 0
-    chunk_tokens: int = 256
+    chunk_tokens: int = 128
     extra: tuple[tuple[str, str], ...] = field(default_factory=tuple)
 
     def digest(self) -> bytes:

@@ -90,7 +90,7 @@ def round_total(gib: float, tp: int) -> int:
 
 
 def build_recipe(model: str, tp: int, cpu_gib: float, disk_gib: float = 0.0,
-                 disk_path: str = "/mnt/nvme/kvtier", chunk_tokens: int = 256,
+                 disk_path: str = "/mnt/nvme/kvtier", chunk_tokens: int = 128,
                  redis_url: str | None = None) -> Recipe:
     """Three configurations for a tier of ``cpu_gib`` DRAM plus ``disk_gib`` disk (GiB, totals),
     the kvtier one with a shared tier on ``redis_url`` when given (see the module docstring)."""

@@ -20,7 +20,7 @@ Operations (none raises on a miss, a fault or bad bytes: those are results):
   presence as far as this process knows without I/O (a local index; may say ``False`` for a key
   another process wrote).
 - ``get_into(key, dst) -> GetResult``: copy the chunk's bytes into ``dst`` (a writable buffer of
-  at least the chunk's length).  ``HIT`` means ``dst`` holds verified bytes; ``MISS`` means the
+  exactly the chunk's expected length; a stored payload of another length is never a hit).  ``HIT`` means ``dst`` holds verified bytes; ``MISS`` means the
   key is absent (or the tier could not be reached); ``CORRUPT`` means the stored value failed
   verification; the tier then forgets it and counts it in ``corrupt``.  Unverified bytes are
   never reported as a hit.

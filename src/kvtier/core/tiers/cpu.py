@@ -128,6 +128,8 @@ class CpuTier(StagingTier):
             if page is None:
                 return GetResult.MISS
             n = self._key_to_len[key]
+        if n != memoryview(dst).nbytes:
+            return GetResult.MISS  # another chunk size: never a partial fill
         np.copyto(np.frombuffer(dst, dtype=np.uint8, count=n), self._pages[page, :n])
         return GetResult.HIT
 

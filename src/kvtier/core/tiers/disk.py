@@ -220,6 +220,8 @@ class DiskTier(Tier):
                     raise ChunkFormatError("chunk belongs to another namespace or key")
                 if header.length != payload_bytes:
                     raise ChunkFormatError(f"payload is {payload_bytes} bytes on disk, header says {header.length}")
+                if header.length != out.nbytes:  # another chunk size (config, geometry): never a partial fill
+                    raise ChunkFormatError(f"payload of {header.length} bytes is not the expected {out.nbytes}")
                 return header.payload_digest
 
             out = memoryview(np.frombuffer(dst, dtype=np.uint8).data)

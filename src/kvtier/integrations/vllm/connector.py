@@ -5,7 +5,7 @@ Enable it with::
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVTierConnector",
         "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"chunk_tokens": 256, "cpu_gib": 8,
+        "kv_connector_extra_config": {"chunk_tokens": 128, "cpu_gib": 8,
                                       "disk_path": "/nvme/kvtier", "disk_gib": 200}}'
 
 ``kv_connector_extra_config`` is a :class:`~kvtier.core.config.KVTierConfig` (unknown keys are
@@ -18,10 +18,12 @@ What the connector declares to vLLM (vLLM 0.32, vllm/distributed/kv_transfer/kv_
 - Not ``SupportsHMA``: kvtier handles one full-attention KV cache group; vLLM then turns the
   hybrid KV cache manager off, and a model that needs several groups is refused at start-up.
 - ``requires_kv_delivery = False``: a best-effort cache; a dropped save is a future miss.
+- Loads are asynchronous (``get_num_new_matched_tokens`` returns ``(n, True)``), saves are not
+  (``request_finished`` returns ``False``: the copy out of the engine ends within its step).
 - External hits are reported by source (``host`` for the cpu tier, ``disk``).
 
-The scheduler-side and worker-side objects are separate and usually in separate processes;
-see :mod:`kvtier.integrations.vllm.service` for how they meet.
+The scheduler-side and worker-side objects are separate and usually in separate processes; they
+meet only through vLLM's own per-step messages (see the package docstring for the contract).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
-from kvtier.integrations.vllm.protocol import KVTierMetadata
+from kvtier.integrations.vllm.protocol import KVTierMetadata, KVTierWorkerMeta
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.stats import KVTierPromMetrics, KVTierStats
 from kvtier.integrations.vllm.worker import WorkerSide
@@ -57,6 +59,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
@@ -79,11 +82,6 @@ _use_vllm_logging()
 _SOURCES = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
 
 
-def _dp_rank(vllm_config: VllmConfig) -> int:
-    pc = vllm_config.parallel_config
-    return int(getattr(pc, "data_parallel_index", None) or getattr(pc, "data_parallel_rank", 0) or 0)
-
-
 class KVTierConnector(KVConnectorBase_V1):
     """vLLM v1 KV connector backed by a kvtier :class:`~kvtier.core.store.TieredStore` per rank.
 
@@ -104,7 +102,6 @@ class KVTierConnector(KVConnectorBase_V1):
             # one line an operator can find in the engine's log, above vLLM's own traceback
             log.error("kvtier configuration error: %s", exc)
             raise ConfigError(str(exc)) from None
-        engine_id = str(transfer.engine_id)
         load = transfer.kv_role in ("kv_both", "kv_consumer")
         save = transfer.kv_role in ("kv_both", "kv_producer")
         if transfer.kv_load_failure_policy != "recompute":
@@ -113,11 +110,10 @@ class KVTierConnector(KVConnectorBase_V1):
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler_side = SchedulerSide(vllm_config, kv_cache_config, self.kvtier_config, engine_id,
-                                                _dp_rank(vllm_config), load=load, save=save)
+            self.scheduler_side = SchedulerSide(vllm_config, kv_cache_config, self.kvtier_config,
+                                                load=load, save=save)
         else:
-            self.worker_side = WorkerSide(vllm_config, kv_cache_config, self.kvtier_config, engine_id,
-                                          _dp_rank(vllm_config))
+            self.worker_side = WorkerSide(vllm_config, kv_cache_config, self.kvtier_config)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -135,7 +131,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self.worker_side.start_load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv, before the forward pass
+        return  # loads are asynchronous: the request waits in WAITING_FOR_REMOTE_KVS, not the layer
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
@@ -147,8 +143,16 @@ class KVTierConnector(KVConnectorBase_V1):
         assert isinstance(meta, KVTierMetadata)
         self.worker_side.save(meta)
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.worker_side is None:
+            return None, None
+        return None, (self.worker_side.finished_loads(finished_req_ids) or None)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.take_errors() if self.worker_side is not None else set()
+
+    def build_connector_worker_meta(self) -> KVTierWorkerMeta | None:
+        return self.worker_side.worker_meta() if self.worker_side is not None else None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         return self.worker_side.stats() if self.worker_side is not None else None
@@ -166,6 +170,10 @@ class KVTierConnector(KVConnectorBase_V1):
     def on_new_request(self, request: Request) -> None:
         if self.scheduler_side is not None:
             self.scheduler_side.on_new_request(request)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self.scheduler_side is not None:
+            self.scheduler_side.update_connector_output(connector_output)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler_side is not None

@@ -1,4 +1,13 @@
-"""What the scheduler-side connector tells the worker-side connector, per engine step.
+"""What the two halves of the connector tell each other, through vLLM's own per-step messages.
+
+- scheduler → workers: :class:`KVTierMetadata` (vLLM's ``KVConnectorMetadata``), built each
+  step by ``build_connector_meta`` and shipped by vLLM with the scheduler output;
+- workers → scheduler: :class:`KVTierWorkerMeta` (vLLM's ``KVConnectorWorkerMetadata``), built
+  each step by ``build_connector_worker_meta``, merged across tensor-parallel ranks by vLLM with
+  :meth:`KVTierWorkerMeta.aggregate` and handed to ``update_connector_output``.
+
+There is no other channel.  Everything here is plain data (str, int, bytes, tuples, lists,
+dicts): vLLM serializes it between processes with its own serializer.
 
 Index arithmetic (``k = chunk_tokens // block_size`` engine blocks per chunk)::
 
@@ -7,53 +16,36 @@ Index arithmetic (``k = chunk_tokens // block_size`` engine blocks per chunk)::
     a load : local prefix-cache hit ends at block j (block-aligned, maybe mid-chunk);
              kvtier fills blocks j .. num_chunks*k - 1, reading each block from
              its chunk's page at offset (block index - chunk index * k).
-
-Everything here is plain data (msgspec/pickle-friendly): vLLM ships the metadata from the
-scheduler process to every worker process each step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-
-
-@dataclass(frozen=True)
-class RequestKeys:
-    """What a request's chunk keys depend on, besides the engine namespace.
-
-    Attributes:
-        token_ids: the request's tokens, ``[num_tokens]`` (only full chunks get keys).
-        cache_salt: vLLM's per-request ``cache_salt``; different salts never share KV.
-        lora: LoRA adapter identity (``name@path``) or ``None`` for the base model.
-        mm_hashes: multimodal input identifiers (vLLM's mm hashes), in prompt order.
-    """
-
-    token_ids: tuple[int, ...]
-    cache_salt: str | None = None
-    lora: str | None = None
-    mm_hashes: tuple[str, ...] = ()
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
 @dataclass(frozen=True)
 class LoadJob:
-    """Copy pinned chunks into the engine's blocks before this step's forward pass.
+    """Move a request's cached prefix into its engine blocks, asynchronously, on the workers.
 
     Attributes:
-        req_id: vLLM request id (its chunks were pinned by ``pin``).
+        req_id: vLLM request id; reported in ``finished_recving`` when the job ends (either way).
+        keys: chunk keys ``0 .. num_chunks - 1`` of the prefix (16 bytes each).
         first_block: request-relative index of the first block to fill.
         block_ids: engine block ids for blocks ``first_block .. num_chunks*k - 1``.
-        num_chunks: chunks of the pinned prefix this load uses.
-        resumed: the request is re-admitted after a preemption (vLLM counts its hits apart,
-            as preempted hits, not in ``external_prefix_cache_hits``).
+        resumed: the request is re-admitted after a preemption (vLLM counts its hits apart).
     """
 
     req_id: str
+    keys: tuple[bytes, ...]
     first_block: int
     block_ids: tuple[int, ...]
-    num_chunks: int
     resumed: bool = False
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.keys)
 
 
 @dataclass(frozen=True)
@@ -62,22 +54,51 @@ class SaveJob:
 
     Attributes:
         req_id: vLLM request id.
-        keys: key inputs covering chunks ``0 .. chunk_end - 1``.
+        keys: chunk keys ``0 .. chunk_end - 1`` (parents are needed by the eviction policy).
         chunk_start: first chunk to save (earlier ones were handled in earlier steps).
-        chunk_end: one past the last chunk to save.
         block_ids: engine block ids of chunks ``chunk_start .. chunk_end - 1`` (``k`` per chunk).
     """
 
     req_id: str
-    keys: RequestKeys
+    keys: tuple[bytes, ...]
     chunk_start: int
-    chunk_end: int
     block_ids: tuple[int, ...]
+
+    @property
+    def chunk_end(self) -> int:
+        return len(self.keys)
 
 
 @dataclass
 class KVTierMetadata(KVConnectorMetadata):
-    """One step's jobs: loads run in ``start_load_kv``, saves in ``wait_for_save``."""
+    """One step's jobs: loads start in ``start_load_kv``, saves copy in ``wait_for_save``."""
 
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
+
+
+@dataclass
+class RankReport:
+    """One rank's news for the scheduler's mirror of its store.
+
+    Attributes:
+        key_root: the rank-independent namespace digest chunk keys are chained from (16 bytes).
+        changes: ``(key, tier)`` pairs from the store's change feed (``tier`` ``None`` = gone).
+        full: ``changes`` is a complete snapshot (the mirror of this rank is replaced).
+    """
+
+    key_root: bytes
+    changes: list[tuple[bytes, str | None]] = field(default_factory=list)
+    full: bool = False
+
+
+@dataclass
+class KVTierWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker → scheduler, one step: each rank's :class:`RankReport`, by tensor-parallel rank."""
+
+    ranks: dict[int, RankReport] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVTierWorkerMeta), f"cannot merge {type(other).__name__} into kvtier's metadata"
+        self.ranks.update(other.ranks)
+        return self

@@ -1,54 +1,63 @@
-"""Scheduler side of the connector: decides what each step loads and saves.
+"""Scheduler side of the connector: decides what each step loads and saves, from memory only.
 
 Per request (``k = chunk_tokens // block_size``)::
 
-    get_num_new_matched_tokens(req, local)   ask every rank to pin the cached prefix
-        -> hit = pinned chunks × chunk_tokens (capped so ≥ 1 prompt token is computed);
-           returns hit - local (0 if the engine's own prefix cache already covers it)
+    get_num_new_matched_tokens(req, local)   hash the prompt's full chunks (cached per request),
+        look the chain up in the mirror of every rank's index -> hit = chunks × chunk_tokens
+        (capped so ≥ 1 prompt token is computed); returns (hit - local, True): vLLM allocates
+        the blocks and parks the request in WAITING_FOR_REMOTE_KVS.  No file, socket or
+        network I/O.  Before the workers' first report it answers None ("ask next step").
     update_state_after_alloc(req, blocks, n) n > 0: queue a LoadJob for blocks local/bs .. hit/bs
-                                             n = 0: release the pin
-    build_connector_meta(step)               emit queued loads; for every scheduled request
+    build_connector_meta(step)               ship queued loads; for every scheduled request
                                              whose computed tokens complete new full chunks
-                                             this step, emit a SaveJob for those chunks
-    request_finished(req)                    release any pin left (aborted before its load)
+                                             this step, a SaveJob for those chunks
+    update_connector_output(out)             fold each rank's index changes into the mirror
+    request_finished(req)                    forget the request (blocks freed at once: the
+                                             copy out of the engine finished in its own step)
 
-Loads are synchronous (returned ``load_kv_async=False``): the worker copies before the forward
-pass of the step that schedules the request.  The pin taken at admission guarantees the chunks
-are still there and already verified, so the count vLLM records as an external hit is what is
-copied; a copy that fails anyway is reported per block through vLLM's load-error path.
+A load job always ends with the request in ``finished_recving`` (the worker reports it whether
+the load succeeded, came up short or failed); missing blocks are reported through
+``get_block_ids_with_load_errors`` in the same step or earlier, so vLLM (policy ``recompute``)
+keeps the valid prefix and recomputes the rest (vllm/v1/core/sched/scheduler.py:
+``_update_requests_with_invalid_blocks``, ``_update_waiting_for_remote_kv``).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
-from kvtier.integrations.vllm.protocol import KVTierMetadata, LoadJob, RequestKeys, SaveJob
-from kvtier.integrations.vllm.service import (
-    Endpoint,
-    ServiceUnavailable,
-    authkey_for,
-    connect,
-    service_address,
-)
+from kvtier.core.keys import chunk_keys, request_root
+from kvtier.integrations.vllm.mirror import IndexMirror
+from kvtier.integrations.vllm.protocol import KVTierMetadata, KVTierWorkerMeta, LoadJob, SaveJob
 
 log = logging.getLogger(__name__)
 
+READY_WAIT_S = 60.0  # how long admissions wait for the workers' first index snapshot, at most
 
-def request_keys(request: Any, num_tokens: int) -> RequestKeys | None:
-    """Key inputs of a vLLM ``Request``'s first ``num_tokens`` tokens; ``None`` if it cannot be keyed.
 
-    Requests given as prompt embeddings have no token ids to key on and are skipped.
-    """
-    if getattr(request, "prompt_embeds", None) is not None:
-        return None
-    lora = getattr(request, "lora_request", None)
-    lora_id = f"{lora.lora_name}@{lora.lora_path}" if lora is not None else None
-    mm = tuple(str(f.identifier) for f in (getattr(request, "mm_features", None) or ()))
-    tokens = tuple(int(t) for t in request.all_token_ids[:num_tokens])
-    return RequestKeys(tokens, getattr(request, "cache_salt", None), lora_id, mm)
+class RequestChain:
+    """Chunk keys of one request, extended as its tokens grow (hashing each chunk once)."""
+
+    def __init__(self, request: Any, key_root: bytes, chunk_tokens: int) -> None:
+        lora = getattr(request, "lora_request", None)
+        lora_id = f"{lora.lora_name}@{lora.lora_path}" if lora is not None else None
+        mm = [str(f.identifier) for f in (getattr(request, "mm_features", None) or ())]
+        self.root = request_root(key_root, getattr(request, "cache_salt", None), lora_id, mm)
+        self.chunk_tokens = chunk_tokens
+        self.keys: list[bytes] = []
+
+    def upto(self, token_ids: Any, num_chunks: int) -> list[bytes]:
+        """Keys of chunks ``0 .. num_chunks - 1`` (``token_ids`` must hold them)."""
+        have = len(self.keys)
+        if num_chunks > have:
+            parent = self.keys[-1] if self.keys else self.root
+            more = token_ids[have * self.chunk_tokens:num_chunks * self.chunk_tokens]
+            self.keys.extend(chunk_keys(parent, list(more), self.chunk_tokens))
+        return self.keys[:num_chunks]
 
 
 class SchedulerSide:
@@ -57,7 +66,6 @@ class SchedulerSide:
     Args:
         vllm_config, kv_cache_config: vLLM's configs.
         config: kvtier configuration.
-        engine_id, dp_rank: identify this engine's rank services.
         load, save: whether this role loads (``kv_both``, ``kv_consumer``) and saves
             (``kv_both``, ``kv_producer``).
 
@@ -66,8 +74,7 @@ class SchedulerSide:
             groups, or pipeline parallelism.
     """
 
-    def __init__(self, vllm_config: Any, kv_cache_config: Any, config: KVTierConfig, engine_id: str,
-                 dp_rank: int, load: bool, save: bool) -> None:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, config: KVTierConfig, load: bool, save: bool) -> None:
         self.block_size = int(vllm_config.cache_config.block_size)
         config.validate_block_size(self.block_size)
         if len(kv_cache_config.kv_cache_groups) != 1:
@@ -78,83 +85,76 @@ class SchedulerSide:
         self.chunk_tokens = config.chunk_tokens
         self.k = self.chunk_tokens // self.block_size
         self.load_enabled, self.save_enabled = load, save
-        tp_size = vllm_config.parallel_config.tensor_parallel_size
-        self._addresses = [service_address(engine_id, dp_rank, r) for r in range(tp_size)]
-        self._authkey = authkey_for(engine_id)
-        self._endpoints: list[Endpoint] | None = None
+        self.mirror = IndexMirror(int(vllm_config.parallel_config.tensor_parallel_size))
         self._requests: dict[str, Any] = {}
-        self._pinned: dict[str, tuple[str, ...]] = {}  # req -> tier of each pinned chunk (rank 0)
+        self._chains: dict[str, RequestChain] = {}
+        self._planned: dict[str, list[str]] = {}  # req -> tier of each chunk of its planned load
         self._loads: list[LoadJob] = []
         self._saved_chunks: dict[str, int] = {}
         self._kv_cache_manager: Any = None
-        self._pins_taken = False
+        self._waiting_since: float | None = None
 
     def bind_kv_cache_manager(self, manager: Any) -> None:
         self._kv_cache_manager = manager
 
-    def _ranks(self) -> list[Endpoint]:
-        if self._endpoints is None:
-            self._endpoints = [connect(a, self._authkey) for a in self._addresses]
-        return self._endpoints
+    def _chain(self, request: Any, num_chunks: int) -> list[bytes] | None:
+        """Keys of the request's first ``num_chunks`` chunks; ``None`` if it cannot be keyed."""
+        if getattr(request, "prompt_embeds", None) is not None or self.mirror.key_root is None:
+            return None  # prompt embeddings have no token ids to key on
+        chain = self._chains.get(request.request_id)
+        if chain is None:
+            chain = self._chains[request.request_id] = RequestChain(request, self.mirror.key_root, self.chunk_tokens)
+        return chain.upto(request.all_token_ids, num_chunks)
 
     # ---- admission ---------------------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
         self._requests[request.request_id] = request
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        req_id = request.request_id
+        self._planned.pop(req_id, None)
         if not self.load_enabled:
             return 0, False
-        self._requests.setdefault(request.request_id, request)
+        self._requests.setdefault(req_id, request)
         # vLLM must compute at least the last prompt token itself (to sample from its logits).
         max_chunks = (request.num_tokens - 1) // self.chunk_tokens
         if max_chunks * self.chunk_tokens <= num_computed_tokens:
-            self.release(request.request_id)
             return 0, False
-        keys = request_keys(request, max_chunks * self.chunk_tokens)
-        if keys is None:
+        if not self.mirror.ready:
+            now = time.monotonic()
+            self._waiting_since = self._waiting_since or now
+            if self.mirror.broken or now - self._waiting_since > READY_WAIT_S:
+                return 0, False
+            return None, False  # the workers' first index snapshot comes with the next step
+        chain = self._chain(request, max_chunks)
+        if chain is None:
             return 0, False
-        try:
-            tiers = self._pin_all(request.request_id, keys, max_chunks)
-        except ServiceUnavailable as exc:
-            log.warning("kvtier: %s; serving request %s without kvtier", exc, request.request_id)
-            return 0, False
+        tiers = self.mirror.lookup(chain)
         hit = len(tiers) * self.chunk_tokens
-        if self._pins_taken:
-            self._pinned[request.request_id] = tiers
         if hit <= num_computed_tokens:
-            self.release(request.request_id)
             return 0, False
-        return hit - num_computed_tokens, False
-
-    def _pin_all(self, req_id: str, keys: RequestKeys, max_chunks: int) -> tuple[str, ...]:
-        """Pin on every rank; the usable prefix is the shortest any rank holds."""
-        ranks = self._ranks()
-        tiers = ranks[0].pin(req_id, keys, max_chunks)
-        self._pins_taken = bool(tiers)  # later ranks are only asked when rank 0 pinned something
-        for endpoint in ranks[1:]:
-            if tiers:
-                tiers = tiers[:len(endpoint.pin(req_id, keys, len(tiers)))]
-        return tiers
+        self._planned[req_id] = tiers
+        return hit - num_computed_tokens, True
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         req_id = request.request_id
-        if num_external_tokens <= 0:
-            self.release(req_id)
+        tiers = self._planned.get(req_id)
+        if num_external_tokens <= 0 or tiers is None:
+            self._planned.pop(req_id, None)
+            if num_external_tokens > 0:  # vLLM asked us to load what we never offered
+                raise RuntimeError(f"kvtier: request {req_id} was allocated external tokens kvtier did not offer")
             return
-        tiers = self._pinned.get(req_id)
-        if tiers is None:  # vLLM asked us to load what we never offered: refuse safely
-            raise RuntimeError(f"kvtier: request {req_id} was allocated external tokens kvtier did not pin")
-        hit = len(tiers) * self.chunk_tokens
-        first = hit - num_external_tokens
+        num_chunks = len(tiers)
+        hit = num_chunks * self.chunk_tokens
+        first_block, end_block = (hit - num_external_tokens) // self.block_size, hit // self.block_size
         block_ids = blocks.get_block_ids()[0]
-        first_block, end_block = first // self.block_size, hit // self.block_size
+        keys = self._chains[req_id].keys[:num_chunks]
         resumed = getattr(request, "num_preemptions", 0) > 0
-        self._loads.append(LoadJob(req_id, first_block, tuple(block_ids[first_block:end_block]), len(tiers),
-                                   resumed))
+        self._loads.append(LoadJob(req_id, tuple(keys), first_block, tuple(block_ids[first_block:end_block]), resumed))
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
-        """Split ``num_external_tokens`` by the tier (``cpu``/``disk``) each chunk was pinned from."""
-        tiers = self._pinned.get(request.request_id, ())
+        """Split ``num_external_tokens`` by the tier (``cpu``/``disk``) each planned chunk is in."""
+        tiers = self._planned.get(request.request_id, [])
         hit = len(tiers) * self.chunk_tokens
         out: dict[str, int] = {}
         for pos in range(hit - num_external_tokens, hit, self.block_size):
@@ -167,7 +167,7 @@ class SchedulerSide:
         meta = KVTierMetadata(loads=self._loads)
         self._loads = []
         for load in meta.loads:
-            self._pinned.pop(load.req_id, None)  # the worker consumes the pin in this step
+            self._planned.pop(load.req_id, None)
         if self.save_enabled:
             for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
                 save = self._save_job(req_id, num_scheduled, scheduler_output)
@@ -185,7 +185,7 @@ class SchedulerSide:
         start = self._saved_chunks.get(req_id, 0)
         if end <= start:
             return None
-        keys = request_keys(request, end * self.chunk_tokens)
+        keys = self._chain(request, end)
         if keys is None:
             return None
         state = getattr(scheduler_output, "kv_connector_block_state", None)
@@ -197,22 +197,21 @@ class SchedulerSide:
         if len(needed) < (end - start) * self.k:
             return None  # blocks not all allocated (should not happen); skip rather than guess
         self._saved_chunks[req_id] = end
-        return SaveJob(req_id, keys, start, end, tuple(needed))
+        return SaveJob(req_id, tuple(keys), start, tuple(needed))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Fold the ranks' index changes (vLLM's worker → scheduler metadata) into the mirror."""
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, KVTierWorkerMeta):
+            for rank in sorted(meta.ranks):
+                self.mirror.apply(rank, meta.ranks[rank])
 
     # ---- end of a request --------------------------------------------------------------------
-    def release(self, req_id: str) -> None:
-        """Drop ``req_id``'s pins on every rank (no-op if none)."""
-        if self._pinned.pop(req_id, None) is None:
-            return
-        for endpoint in self._ranks():
-            try:
-                endpoint.release(req_id)
-            except ServiceUnavailable as exc:
-                log.warning("kvtier: %s; could not release request %s", exc, req_id)
-
     def request_finished(self, request: Any) -> None:
+        """Forget ``request``.  A load in flight still ends in ``finished_recving``; vLLM keeps the
+        request's blocks until then (it delays freeing blocks of WAITING_FOR_REMOTE_KVS requests)."""
         req_id = request.request_id
-        self.release(req_id)
-        self._loads = [job for job in self._loads if job.req_id != req_id] if self._loads else self._loads
+        self._planned.pop(req_id, None)
         self._requests.pop(req_id, None)
+        self._chains.pop(req_id, None)
         self._saved_chunks.pop(req_id, None)

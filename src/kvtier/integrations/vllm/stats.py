@@ -19,6 +19,10 @@ Exported (Prometheus adds ``_total`` to counters; ``tier`` is ``cpu`` or ``disk`
   ``direction`` = ``load`` (kvtier → engine) or ``save`` (engine → kvtier).
 - ``kvtier_evictions_total{tier}``, ``kvtier_dropped_saves_total``, ``kvtier_corrupt_chunks_total``.
 - ``kvtier_usage_bytes{tier}``, ``kvtier_capacity_bytes{tier}``: summed over ranks.
+- ``kvtier_pinned_chunks{tier}``, ``kvtier_pinned_bytes{tier}``: chunks held by loads or disk
+  writes in flight (zero when idle: a leaked pin shows); ``kvtier_dirty_bytes``: bytes in DRAM not
+  yet on the disk tier (the restart-loss window when the stop is not graceful).
+- ``kvtier_flush_missed_chunks_total``: dirty chunks a graceful stop could not write in time.
 
 Token counts are reported by tensor-parallel rank 0 only (every rank moves the same tokens);
 bytes, seconds, evictions, dropped saves, corrupt chunks and usage are summed over ranks.
@@ -53,14 +57,22 @@ COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "evictions_disk": ("kvtier_evictions", "Chunks evicted from a kvtier tier.", ("disk",)),
     "dropped_saves": ("kvtier_dropped_saves", "Chunk saves dropped (no room, or disk queue full).", ()),
     "corrupt_chunks": ("kvtier_corrupt_chunks", "Chunks that failed verification and were recomputed.", ()),
+    "flush_missed_chunks": ("kvtier_flush_missed_chunks", "Dirty chunks a graceful stop could not write to disk in time.",
+                            ()),
 }
 LABELS: dict[str, str] = {"kvtier_loaded_tokens": "tier", "kvtier_transfer_seconds": "direction",
                           "kvtier_transfer_bytes": "direction", "kvtier_evictions": "tier"}
-GAUGES: dict[str, tuple[str, str, str]] = {
+GAUGES: dict[str, tuple[str, str, str | None]] = {
     "usage_bytes_cpu": ("kvtier_usage_bytes", "Bytes held by kvtier, by tier (all ranks).", "cpu"),
     "usage_bytes_disk": ("kvtier_usage_bytes", "Bytes held by kvtier, by tier (all ranks).", "disk"),
     "capacity_bytes_cpu": ("kvtier_capacity_bytes", "kvtier capacity in bytes, by tier (all ranks).", "cpu"),
     "capacity_bytes_disk": ("kvtier_capacity_bytes", "kvtier capacity in bytes, by tier (all ranks).", "disk"),
+    "pinned_chunks_cpu": ("kvtier_pinned_chunks", "Chunks pinned by loads or disk writes in flight (all ranks).", "cpu"),
+    "pinned_chunks_disk": ("kvtier_pinned_chunks", "Chunks pinned by loads or disk writes in flight (all ranks).", "disk"),
+    "pinned_bytes_cpu": ("kvtier_pinned_bytes", "Bytes of chunks pinned by loads or disk writes (all ranks).", "cpu"),
+    "pinned_bytes_disk": ("kvtier_pinned_bytes", "Bytes of chunks pinned by loads or disk writes (all ranks).", "disk"),
+    "dirty_bytes": ("kvtier_dirty_bytes", "Bytes in DRAM not yet on the disk tier: what a crash loses (all ranks).",
+                    None),
 }
 
 
@@ -108,10 +120,10 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
                 self._counters[prom_name] = self._counter_cls(name=prom_name, documentation=help_text,
                                                               labelnames=labelnames + extra)
         self._gauges: dict[str, Any] = {}
-        for prom_name, help_text, _ in GAUGES.values():
+        for prom_name, help_text, tier in GAUGES.values():
             if prom_name not in self._gauges:
                 self._gauges[prom_name] = self._gauge_cls(name=prom_name, documentation=help_text,
-                                                          labelnames=labelnames + ["tier"],
+                                                          labelnames=labelnames + (["tier"] if tier else []),
                                                           multiprocess_mode="mostrecent")  # type: ignore[call-arg]
         # Create every labelled child up front so a scrape shows zeros, not absence.
         for engine_idx in per_engine_labelvalues:
@@ -128,5 +140,5 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
         for key, value in transfer_stats_data.get("gauges", {}).items():
             if key in GAUGES:
                 prom_name, _help, tier = GAUGES[key]
-                self._gauges[prom_name].labels(*base, tier).set(value)
+                self._gauges[prom_name].labels(*base, *([tier] if tier else [])).set(value)
 

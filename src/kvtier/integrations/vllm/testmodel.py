@@ -14,6 +14,9 @@ Geometries (:data:`GEOMETRIES`):
   8192, bfloat16 — the attention geometry of Qwen2-0.5B (its public config.json), for benchmarks
   where prefill costs real time; serve it with ``--load-format dummy``.
 
+- ``small8``: 8 layers, hidden 256, 4 heads, 2 KV heads, head size 64, float32 — 8 KiB of KV per
+  token, long contexts (8192 positions) at a small compute cost (scripts/itl_gap.py).
+
 Hybrid geometries, for the hybrid KV cache manager (HMA; several KV cache groups):
 
 - ``tiny-swa``: ``tiny`` with 4 layers alternating sliding-window (64 tokens) and full
@@ -69,6 +72,8 @@ GEOMETRIES: dict[str, Geometry] = {
                      intermediate_size=256, vocab_size=2048, max_position=4096, dtype="float32"),
     "mid": Geometry(num_layers=24, hidden_size=896, num_heads=14, num_kv_heads=2, head_size=64,
                     intermediate_size=4864, vocab_size=8192, max_position=8192, dtype="bfloat16"),
+    "small8": Geometry(num_layers=8, hidden_size=256, num_heads=4, num_kv_heads=2, head_size=64,
+                       intermediate_size=512, vocab_size=2048, max_position=8192, dtype="float32"),
     "tiny-swa": Geometry(num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2, head_size=64,
                          intermediate_size=256, vocab_size=2048, max_position=4096, dtype="float32",
                          layer_types=("sliding_attention", "full_attention") * 2, sliding_window=64),

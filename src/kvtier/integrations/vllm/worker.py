@@ -1,20 +1,31 @@
-"""Worker side of the connector: owns this rank's store, copies blocks in and out.
+"""Worker side of the connector: owns this rank's store and bytes, moves blocks in and out.
 
-- ``register_kv_caches``: detect the layout, build the namespace and the rank's
-  :class:`~kvtier.core.store.TieredStore`, start the rank's service for the scheduler side.
-- ``start_load``: before the forward pass, copy each load job's pinned chunks into its blocks;
-  a job that cannot be completed reports all its blocks through ``take_errors`` (vLLM's
-  ``get_block_ids_with_load_errors``), so the engine recomputes them.
-- ``save``: after the forward pass, copy each save job's full chunks out of the engine into
-  cpu pages and publish them; disk spill then happens on the store's threads.  The copy is
-  finished when the call returns, so no save outlives the blocks it reads (a preempted or
-  aborted request's blocks can be reused at once).
+- ``register_kv_caches``: request AMX tile permission (see below), detect the layout, build the
+  namespace (with the identity fingerprint) and the rank's :class:`~kvtier.core.store.TieredStore`.
+- ``start_load``: hand each load job to the :class:`~kvtier.integrations.vllm.loader.AsyncLoader`
+  (returns at once); ``finished_loads`` reports ended loads (vLLM's ``get_finished``) and
+  ``take_errors`` the blocks they could not fill (``get_block_ids_with_load_errors``).
+- ``save``: after the forward pass, copy each save job's full chunks out of the engine into cpu
+  pages and publish them (a bounded memcpy on the engine's thread); disk writes then happen on
+  the store's threads through its bounded queue (full: dropped and counted).  The copy is done
+  when the call returns, so no save outlives the blocks it reads and vLLM may free them at once.
+- ``worker_meta``: this rank's index changes for the scheduler's mirror (vLLM carries them).
+- ``shutdown``: stop loading, write dirty DRAM chunks to disk within ``shutdown_flush_s``
+  (what misses the deadline is counted and logged), stop the store.
+
+AMX: on Intel CPUs with AMX, a process must ask the kernel for permission to use AMX tiles
+before its first AMX instruction.  oneDNN asks on its first large bf16 GEMM, which a cold prefill
+always has; a fresh engine whose very first forward runs over connector-loaded KV reaches vLLM's
+AMX attention kernel first and dies with SIGILL.  ``torch._C._cpu._init_amx()`` (where it exists)
+asks up front.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
+import threading
 import time
 from collections import defaultdict
 from typing import Any
@@ -22,20 +33,22 @@ from typing import Any
 import torch
 
 from kvtier.core.config import KVTierConfig
-from kvtier.core.keys import Namespace
+from kvtier.core.keys import ChunkKey, Namespace
 from kvtier.core.store import TieredStore
 from kvtier.integrations.vllm.copy import BlockCopier, Span
+from kvtier.integrations.vllm.identity import model_fingerprint
 from kvtier.integrations.vllm.layout import KVLayout, detect_layout
-from kvtier.integrations.vllm.protocol import KVTierMetadata, LoadJob, SaveJob
-from kvtier.integrations.vllm.service import RankService, ServiceServer, authkey_for, service_address
+from kvtier.integrations.vllm.loader import AsyncLoader
+from kvtier.integrations.vllm.protocol import KVTierMetadata, KVTierWorkerMeta, RankReport, SaveJob
 from kvtier.integrations.vllm.stats import KVTierStats
 
 log = logging.getLogger(__name__)
 
-_STORE_COUNTERS = ("evictions_cpu", "evictions_disk", "dropped_saves", "corrupt_chunks")
+_STORE_COUNTERS = ("evictions_cpu", "evictions_disk", "dropped_saves", "corrupt_chunks", "flush_missed_chunks")
 # Every rank moves the same tokens (its own KV heads of them), and vLLM sums the ranks' stats:
 # token counters are reported by rank 0 only; bytes, seconds and store counters by every rank.
 _RANK0_ONLY = ("loaded_tokens_cpu", "loaded_tokens_disk", "reloaded_tokens", "saved_tokens", "load_failed_blocks")
+MAX_INDEX_CHANGES = 4096  # index changes per rank per step sent to the scheduler (a snapshot goes whole)
 
 
 def _tp_rank() -> int:
@@ -56,8 +69,19 @@ def _backend_name(vllm_config: Any, layer_name: str) -> str:
         return "unknown"
 
 
+def request_amx_permission() -> bool:
+    """Ask the kernel for AMX tile permission (``torch._C._cpu._init_amx``); False where unavailable."""
+    init_amx = getattr(getattr(torch._C, "_cpu", None), "_init_amx", None)
+    if init_amx is None:
+        return False
+    try:
+        return bool(init_amx())
+    except Exception:  # noqa: BLE001 - no AMX on this CPU: nothing to ask for
+        return False
+
+
 def build_namespace(vllm_config: Any, kv_cache_config: Any, layout: KVLayout, config: KVTierConfig,
-                    tp_size: int, tp_rank: int) -> Namespace:
+                    tp_size: int, tp_rank: int, fingerprint: str) -> Namespace:
     """Everything that changes this rank's KV bytes (see :class:`kvtier.core.keys.Namespace`)."""
     model_config = vllm_config.model_config
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
@@ -74,17 +98,23 @@ def build_namespace(vllm_config: Any, kv_cache_config: Any, layout: KVLayout, co
         tp_rank=tp_rank,
         chunk_tokens=config.chunk_tokens,
         extra=(("block_size", str(vllm_config.cache_config.block_size)),
+               ("identity", fingerprint),
                ("kv_cache_layout", str(getattr(kv_layout, "name", kv_layout))),
                ("layers", layers),
                ("spec", type(spec).__name__)),
     )
 
 
+def key_root(namespace: Namespace) -> bytes:
+    """The root chunk keys are chained from: the namespace minus the rank, so every rank (and the
+    scheduler's mirror) names a chunk alike while each rank's bytes live in its own directory."""
+    return dataclasses.replace(namespace, tp_rank=-1).digest()
+
+
 class WorkerSide:
     """Per-rank state of the worker-side connector."""
 
-    def __init__(self, vllm_config: Any, kv_cache_config: Any, config: KVTierConfig, engine_id: str,
-                 dp_rank: int) -> None:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, config: KVTierConfig) -> None:
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
         self.config = config
@@ -92,80 +122,60 @@ class WorkerSide:
         self.blocks_per_chunk = config.chunk_tokens // self.block_size
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.tp_rank = _tp_rank()
-        self.address = service_address(engine_id, dp_rank, self.tp_rank)
-        self.authkey = authkey_for(engine_id)
-        self.service: RankService | None = None
-        self.server: ServiceServer | None = None
+        self.store: TieredStore | None = None
         self.copier: BlockCopier | None = None
+        self.loader: AsyncLoader | None = None
         self.layout: KVLayout | None = None
-        self._errors: set[int] = set()
+        self.key_root = b""
         self._counters: defaultdict[str, float] = defaultdict(float)
+        self._counters_lock = threading.Lock()
         self._store_seen: dict[str, int] = {}
         self._gauges_sent: dict[str, float] = {}
+        self._errors: set[int] = set()
+        self._closed = False
 
     # ---- setup -------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         first = next(iter(kv_caches), "")
         self.layout = detect_layout(kv_caches, self.kv_cache_config.num_blocks,
                                     _backend_name(self.vllm_config, first))
+        amx = request_amx_permission() if self.layout.device == "cpu" else False
+        mc = self.vllm_config.model_config
+        fingerprint = model_fingerprint(str(mc.model), mc.revision, getattr(mc, "tokenizer", None))
         namespace = build_namespace(self.vllm_config, self.kv_cache_config, self.layout, self.config,
-                                    self.tp_size, self.tp_rank)
-        store = TieredStore(self.config, namespace, self.layout.chunk_bytes(self.blocks_per_chunk), self.tp_size)
-        self.service = RankService(store)
+                                    self.tp_size, self.tp_rank, fingerprint)
+        self.key_root = key_root(namespace)
+        self.store = TieredStore(self.config, namespace, self.layout.chunk_bytes(self.blocks_per_chunk), self.tp_size)
         self.copier = BlockCopier(self.layout, kv_caches, self.blocks_per_chunk)
-        self.server = ServiceServer(self.service, self.address, self.authkey)
-        log.info("kvtier: rank %d layout %s, chunk %d tokens = %d bytes, namespace %s, service %s",
-                 self.tp_rank, self.layout.describe(), self.config.chunk_tokens, store.chunk_bytes,
-                 namespace.digest().hex(), self.address)
+        self.loader = AsyncLoader(self.store, self.copier, self.blocks_per_chunk, self.block_size,
+                                  self.config.io_threads, self._count)
+        log.info("kvtier: rank %d layout %s, chunk %d tokens = %d bytes, namespace %s, identity %s, AMX %s",
+                 self.tp_rank, self.layout.describe(), self.config.chunk_tokens, self.store.chunk_bytes,
+                 namespace.digest().hex(), fingerprint, "requested" if amx else "not available")
+
+    def _count(self, name: str, value: float) -> None:
+        with self._counters_lock:
+            self._counters[name] += value
 
     # ---- loads -------------------------------------------------------------------------------
     def start_load(self, meta: KVTierMetadata) -> None:
+        assert self.loader is not None
         for job in meta.loads:
-            self._load_one(job)
+            self.loader.submit(job)
 
-    def _load_one(self, job: LoadJob) -> None:
-        assert self.service is not None and self.copier is not None
-        handle = self.service.take(job.req_id)
-        if handle is None or handle.num_chunks < job.num_chunks:
-            log.warning("kvtier: load of request %s found %s pinned chunks of %d; recomputing",
-                        job.req_id, handle.num_chunks if handle else 0, job.num_chunks)
-            if handle is not None:
-                self.service.store.complete_load(handle, False)
-            self._fail(job)
-            return
-        k = self.blocks_per_chunk
-        spans, tiers = [], []
-        for c in range(job.first_block // k, job.num_chunks):
-            lo, hi = max(job.first_block, c * k), (c + 1) * k
-            spans.append(Span(handle.buffers[c], lo - c * k, job.block_ids[lo - job.first_block:hi - job.first_block]))
-            tiers.append(handle.tiers[c])
-        ok = False
-        t0 = time.perf_counter()
-        try:
-            self.copier.load(spans)
-            ok = True
-        except Exception:
-            log.exception("kvtier: copying request %s's chunks into the engine failed; recomputing", job.req_id)
-        finally:
-            self.service.store.complete_load(handle, ok, first_chunk=job.first_block // k)
-        if not ok:
-            self._fail(job)
-            return
-        assert self.layout is not None
-        num_blocks = sum(len(s.block_ids) for s in spans)
-        self._counters["load_seconds"] += time.perf_counter() - t0
-        self._counters["load_bytes"] += num_blocks * self.layout.block_bytes * self.layout.num_layers
-        for span, tier in zip(spans, tiers):
-            # vLLM counts hits of re-admitted (preempted) requests apart; so do we, so that
-            # kvtier_loaded_tokens_total matches vllm:external_prefix_cache_hits_total.
-            name = "reloaded_tokens" if job.resumed else f"loaded_tokens_{tier}"
-            self._counters[name] += len(span.block_ids) * self.block_size
-
-    def _fail(self, job: LoadJob) -> None:
-        self._errors.update(job.block_ids)
-        self._counters["load_failed_blocks"] += len(job.block_ids)
+    def finished_loads(self, finished_req_ids: set[str]) -> set[str]:
+        """Requests whose load ended (either way) since the last call; ``finished_req_ids``
+        (requests vLLM finished) lets loads not started yet be skipped."""
+        if self.loader is None:
+            return set()
+        if finished_req_ids:
+            self.loader.abort(finished_req_ids)
+        finished, errors = self.loader.take()
+        self._errors |= errors
+        return finished
 
     def take_errors(self) -> set[int]:
+        """Blocks of ended loads that could not be filled (vLLM recomputes from the first one)."""
         errors, self._errors = self._errors, set()
         return errors
 
@@ -178,11 +188,9 @@ class WorkerSide:
                 log.exception("kvtier: saving request %s's chunks failed", job.req_id)
 
     def _save_one(self, job: SaveJob) -> None:
-        assert self.service is not None and self.copier is not None and self.layout is not None
-        store = self.service.store
-        chain = self.service.chain(job.keys, job.chunk_end)
-        if len(chain) < job.chunk_end:
-            return
+        assert self.store is not None and self.copier is not None
+        store = self.store
+        chain = [ChunkKey(k) for k in job.keys]
         handle = store.prepare_store(chain, start=job.chunk_start)
         if not handle.num_chunks:
             return
@@ -197,21 +205,32 @@ class WorkerSide:
         finally:
             store.complete_store(handle, ok)
         seconds = time.perf_counter() - t0
-        self._counters["save_seconds"] += seconds
-        self._counters["save_bytes"] += handle.num_chunks * store.chunk_bytes
-        self._counters["saved_tokens"] += handle.num_chunks * store.chunk_tokens
+        self._count("save_seconds", seconds)
+        self._count("save_bytes", handle.num_chunks * store.chunk_bytes)
+        self._count("saved_tokens", handle.num_chunks * store.chunk_tokens)
         store.metrics.moved("engine_to_cpu", handle.num_chunks * store.chunk_bytes, seconds)
+
+    # ---- worker -> scheduler -----------------------------------------------------------------
+    def worker_meta(self) -> KVTierWorkerMeta | None:
+        """This rank's index changes since the last step (the first one is a full snapshot)."""
+        if self.store is None:
+            return None
+        delta = self.store.drain_changes(MAX_INDEX_CHANGES)
+        if not delta.changes and not delta.full:
+            return None
+        report = RankReport(self.key_root, [(bytes(key), tier) for key, tier in delta.changes], delta.full)
+        return KVTierWorkerMeta({self.tp_rank: report})
 
     # ---- metrics and lifecycle ---------------------------------------------------------------
     def stats(self) -> KVTierStats | None:
         """This step's counters and the store's current usage; ``None`` if nothing changed."""
-        if self.service is None:
+        if self.store is None:
             return None
-        store = self.service.store
-        snapshot = store.stats()
-        counters: dict[str, float] = {k: v for k, v in self._counters.items()
-                                      if v and (self.tp_rank == 0 or k not in _RANK0_ONLY)}
-        self._counters.clear()
+        snapshot = self.store.stats()
+        with self._counters_lock:
+            counters: dict[str, float] = {k: v for k, v in self._counters.items()
+                                          if v and (self.tp_rank == 0 or k not in _RANK0_ONLY)}
+            self._counters.clear()
         for name in _STORE_COUNTERS:
             now = int(snapshot.get(name, 0) or 0)
             delta = now - self._store_seen.get(name, 0)
@@ -219,16 +238,32 @@ class WorkerSide:
             if delta:
                 counters[name] = delta
         disk = snapshot.get("disk") or {}
+        pinned = snapshot["pinned_chunks"]
+        chunk_bytes = self.store.chunk_bytes
         gauges = {"usage_bytes_cpu": snapshot["cpu"]["used_bytes"], "capacity_bytes_cpu": snapshot["cpu"]["capacity_bytes"],
-                  "usage_bytes_disk": disk.get("used_bytes", 0), "capacity_bytes_disk": disk.get("capacity_bytes", 0)}
+                  "usage_bytes_disk": disk.get("used_bytes", 0), "capacity_bytes_disk": disk.get("capacity_bytes", 0),
+                  "pinned_chunks_cpu": pinned["cpu"], "pinned_chunks_disk": pinned["disk"],
+                  "pinned_bytes_cpu": pinned["cpu"] * chunk_bytes, "pinned_bytes_disk": pinned["disk"] * chunk_bytes,
+                  "dirty_bytes": snapshot["dirty_bytes"]}
         if not counters and gauges == self._gauges_sent:
             return None
         self._gauges_sent = gauges
         return KVTierStats(data={"counters": counters, "gauges": dict(gauges)})
 
     def shutdown(self) -> None:
-        if self.server is not None:
-            self.server.close()
-            self.server = None
-        if self.service is not None:
-            self.service.store.close()
+        """Stop loading, flush dirty chunks to disk within ``shutdown_flush_s``, stop the store.  Idempotent."""
+        if self._closed or self.store is None:
+            return
+        self._closed = True
+        if self.loader is not None:
+            self.loader.shutdown()
+        t0 = time.monotonic()
+        written, missed = self.store.flush_dirty(self.config.shutdown_flush_s)
+        if missed:
+            log.warning("kvtier: rank %d shutdown flush wrote %d dirty chunks to disk in %.1f s; %d (%.1f MiB) "
+                        "missed shutdown_flush_s=%s and are lost", self.tp_rank, written, time.monotonic() - t0,
+                        missed, missed * self.store.chunk_bytes / (1 << 20), self.config.shutdown_flush_s)
+        elif written:
+            log.info("kvtier: rank %d shutdown flush wrote %d dirty chunks to disk in %.1f s",
+                     self.tp_rank, written, time.monotonic() - t0)
+        self.store.close(timeout_s=max(self.config.shutdown_flush_s - (time.monotonic() - t0), 1.0))

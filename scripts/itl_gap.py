@@ -1,0 +1,160 @@
+"""Inter-token gaps of running streams while a request whose long prefix sits only on disk is admitted.
+
+Scenario (issue 9): three requests stream long outputs; a fourth, whose 6,000-token prefix is
+held only by kvtier's disk tier (the page cache of its chunk files dropped with
+``posix_fadvise(DONTNEED)``), is admitted meanwhile.  With loads off the scheduler's step the
+streams' largest inter-token gap during that admission should stay within 3× their median gap
+(it was ~18× when admission pinned and read the prefix synchronously).
+
+Steps: write the ``small8`` test model (8 layers, 8 KiB of KV per token); server A prefills the
+prefix once (write-through: it reaches the disk tier) and stops gracefully; the chunk files'
+pages are dropped from the page cache; server B (fresh process: empty cpu tier, empty engine
+cache, so the prefix is on disk only) runs the three streams and admits the fourth request after
+``--settle-s`` seconds.  A gap is "during the admission" when it ends between the fourth
+request's submission and ``--window-s`` seconds after its first token.
+
+Usage::
+
+    python scripts/itl_gap.py --workdir /tmp/itl [--prefix-tokens 6000] [--stream-tokens 300]
+
+Prints one JSON object (and writes it to WORKDIR/itl_gap.json): per-stream median gap, largest
+gap during the admission, their ratio, the fourth request's TTFT and kvtier's disk hit tokens,
+plus ``uptime``'s load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import shutil
+import signal
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+
+def drop_page_cache(directory: Path) -> int:
+    """``posix_fadvise(DONTNEED)`` every file under ``directory`` (after ``sync``); files touched."""
+    os.sync()
+    count = 0
+    for root, _dirs, files in os.walk(directory):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                count += 1
+            finally:
+                os.close(fd)
+    return count
+
+
+def prompt_of(tokenizer_path: Path, num_tokens: int, seed: int) -> str:
+    """A made-up-words prompt of about ``num_tokens`` tokens (counted with the model's tokenizer)."""
+    from tokenizers import Tokenizer
+
+    from kvtier.integrations.vllm.testmodel import random_prompt
+
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    words = num_tokens // 2
+    text = random_prompt(seed, words)
+    while len(tok.encode(text).ids) < num_tokens:
+        words += max(8, (num_tokens - len(tok.encode(text).ids)) // 2)
+        text = random_prompt(seed, words)
+    return text
+
+
+def stream(base_url: str, model: str, prompt: str, max_tokens: int, times: list[float]) -> None:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=900.0) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                times.append(time.perf_counter())
+
+
+def stop(server) -> None:  # a kvtier.integrations.vllm.serve.Server
+    if server.proc.poll() is None:
+        server.proc.send_signal(signal.SIGTERM)
+        try:
+            server.proc.wait(timeout=120)
+        except Exception:  # noqa: BLE001 - a server that does not stop is killed
+            server.proc.kill()
+            server.proc.wait()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workdir", type=Path, required=True)
+    parser.add_argument("--prefix-tokens", type=int, default=6000)
+    parser.add_argument("--stream-tokens", type=int, default=300)
+    parser.add_argument("--settle-s", type=float, default=4.0)
+    parser.add_argument("--window-s", type=float, default=0.5)
+    args = parser.parse_args()
+
+    from kvtier.integrations.vllm.serve import start_server
+    from kvtier.integrations.vllm.testmodel import write_model
+
+    work = args.workdir
+    work.mkdir(parents=True, exist_ok=True)
+    model = write_model(work / "small8", "small8", weights="random", seed=0)
+    disk = work / "disk"
+    shutil.rmtree(disk, ignore_errors=True)
+    kvtier = {"cpu_gib": 0.25, "disk_path": str(disk), "disk_gib": 1.0, "write_mode": "write-through"}
+    extra = ["--max-model-len", "8192", "--kv-cache-memory-bytes", str(512 << 20), "--shutdown-timeout", "30"]
+    prefix = prompt_of(model / "tokenizer.json", args.prefix_tokens, seed=7)
+    fourth = prefix + " " + prompt_of(model / "tokenizer.json", 40, seed=8)
+
+    a = start_server(model, kvtier, work / "server-a.log", engine_id="itl-a", extra_args=extra)
+    try:
+        a.wait_ready(900)
+        a.complete(prefix, max_tokens=1)  # computed once: saved to the cpu tier and written to disk
+    finally:
+        stop(a)
+    dropped = drop_page_cache(disk)
+
+    b = start_server(model, kvtier, work / "server-b.log", engine_id="itl-b", extra_args=extra)
+    try:
+        b.wait_ready(900)
+        b.complete("warm up the engine", max_tokens=4)
+        times: list[list[float]] = [[], [], []]
+        threads = [threading.Thread(target=stream, args=(b.base_url, b.model_name,
+                                                           prompt_of(model / "tokenizer.json", 64, seed=20 + i),
+                                                           args.stream_tokens, times[i]))
+                   for i in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(args.settle_s)
+        submitted = time.perf_counter()
+        ttft, _text = b.complete(fourth, max_tokens=1)
+        first_token = submitted + ttft
+        for t in threads:
+            t.join()
+        metrics = b.metrics()
+    finally:
+        stop(b)
+
+    streams = []
+    for ts in times:
+        gaps = [(t1, t1 - t0) for t0, t1 in itertools.pairwise(ts)]
+        during = [g for end, g in gaps if submitted <= end <= first_token + args.window_s]
+        median = statistics.median(g for _e, g in gaps)
+        worst = max(during) if during else float("nan")
+        streams.append({"tokens": len(ts), "median_gap_ms": round(median * 1e3, 2),
+                        "max_gap_during_admission_ms": round(worst * 1e3, 2), "ratio": round(worst / median, 2)})
+    out = {"prefix_tokens": args.prefix_tokens, "fourth_ttft_s": round(ttft, 3),
+           "fourth_disk_hit_tokens": metrics.get("kvtier_loaded_tokens_total{disk}", 0.0),
+           "page_cache_dropped_files": dropped, "streams": streams,
+           "worst_ratio": max(s["ratio"] for s in streams), "load_average": os.getloadavg()}
+    (work / "itl_gap.json").write_text(json.dumps(out, indent=2))
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,140 @@
+"""Asynchronous loads on a worker rank: store → (disk read, verify) → engine blocks, off the engine's thread.
+
+One :class:`LoadJob` per request admitted with a kvtier hit.  ``submit`` returns at once; a
+loader thread (``threads`` of them) then:
+
+1. ``store.prepare_load(chain)``: pins the chunks still held and reads/verifies those only on
+   disk (promotion into the cpu tier); the mirror that planned the load may be stale, so this
+   can return fewer chunks than planned, never other bytes;
+2. copies the delivered chunks into the job's engine blocks (:class:`BlockCopier`);
+3. ``store.complete_load`` in ``finally`` (unpins; hits counted only for delivered chunks);
+4. records the blocks it could not fill (short or failed load) as load errors, then the request
+   as finished receiving, in that order, so both reach vLLM no later than the same step.
+
+Bounds: jobs in flight are bounded by the engine's KV cache (each holds its request's blocks
+until reported); ``shutdown`` cancels jobs not started and waits for running ones.  A job whose
+request was aborted before it started is skipped and reported as finished (vLLM waits for that
+report before it frees the blocks; vllm/v1/core/sched/scheduler.py ``finish_requests``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from kvtier.core.keys import ChunkKey
+from kvtier.core.store import TieredStore
+from kvtier.integrations.vllm.copy import BlockCopier, Span
+from kvtier.integrations.vllm.protocol import LoadJob
+
+log = logging.getLogger(__name__)
+
+
+class AsyncLoader:
+    """Runs :class:`LoadJob` s on a bounded thread pool and collects their outcomes.
+
+    Args:
+        store: this rank's store.
+        copier: copies pages into the engine's blocks.
+        blocks_per_chunk: ``chunk_tokens // block_size``.
+        block_size: tokens per engine block.
+        threads: loader threads (> 0).
+        count: callback ``count(name, value)`` accumulating this rank's stats counters.
+    """
+
+    def __init__(self, store: TieredStore, copier: BlockCopier, blocks_per_chunk: int, block_size: int,
+                 threads: int, count: Callable[[str, float], None]) -> None:
+        self.store = store
+        self.copier = copier
+        self.k = blocks_per_chunk
+        self.block_size = block_size
+        self._count = count
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-load")
+        self._lock = threading.Lock()
+        self._finished: set[str] = set()
+        self._errors: set[int] = set()
+        self._aborted: set[str] = set()
+        self._inflight: dict[str, Future[None]] = {}
+
+    def submit(self, job: LoadJob) -> None:
+        """Start ``job`` in the background (never blocks)."""
+        with self._lock:
+            self._aborted.discard(job.req_id)
+            self._inflight[job.req_id] = self._pool.submit(self._run, job)
+
+    def abort(self, req_ids: set[str]) -> None:
+        """Requests vLLM finished (aborted): their loads not started yet are skipped."""
+        with self._lock:
+            self._aborted.update(r for r in req_ids if r in self._inflight)
+
+    def take(self) -> tuple[set[str], set[int]]:
+        """Requests whose load ended since the last call, and the blocks that could not be filled."""
+        with self._lock:
+            finished, errors = self._finished, self._errors
+            self._finished, self._errors = set(), set()
+            return finished, errors
+
+    @property
+    def num_inflight(self) -> int:
+        with self._lock:
+            return len(self._inflight)
+
+    def _run(self, job: LoadJob) -> None:
+        first_chunk = job.first_block // self.k
+        delivered = first_chunk  # chunks whose blocks are filled (chunks before first_chunk need none)
+        handle = None
+        ok = skipped = False
+        t0 = time.perf_counter()
+        try:
+            with self._lock:
+                skipped = job.req_id in self._aborted
+            if skipped:
+                return
+            handle = self.store.prepare_load([ChunkKey(k) for k in job.keys])
+            usable = handle.num_chunks
+            spans, tiers = [], []
+            for c in range(first_chunk, usable):
+                lo, hi = max(job.first_block, c * self.k), (c + 1) * self.k
+                spans.append(Span(handle.buffers[c], lo - c * self.k,
+                                  job.block_ids[lo - job.first_block:hi - job.first_block]))
+                tiers.append(handle.tiers[c])
+            self.copier.load(spans)
+            ok = True
+            delivered = max(usable, first_chunk)
+            if usable < job.num_chunks:
+                log.info("kvtier: request %s: %d of %d planned chunks still held; recomputing the rest",
+                         job.req_id, usable, job.num_chunks)
+            for span, tier in zip(spans, tiers):
+                # vLLM counts hits of re-admitted (preempted) requests apart; so do we.
+                name = "reloaded_tokens" if job.resumed else f"loaded_tokens_{tier}"
+                self._count(name, len(span.block_ids) * self.block_size)
+            num_blocks = sum(len(s.block_ids) for s in spans)
+            self._count("load_bytes", num_blocks * self.copier.layout.block_bytes * self.copier.layout.num_layers)
+            self._count("load_seconds", time.perf_counter() - t0)
+        except Exception:
+            log.exception("kvtier: loading request %s's chunks failed; recomputing them", job.req_id)
+        finally:
+            if handle is not None:
+                self.store.complete_load(handle, ok and delivered > first_chunk, first_chunk=first_chunk)
+            failed = () if skipped else job.block_ids[max(delivered * self.k - job.first_block, 0):]
+            if failed:
+                self._count("load_failed_blocks", len(failed))
+            with self._lock:
+                self._errors.update(failed)  # errors first: they must not reach vLLM after the finish
+                self._finished.add(job.req_id)
+                self._inflight.pop(job.req_id, None)
+                self._aborted.discard(job.req_id)
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Cancel jobs not started, wait up to ``timeout_s`` for running ones.  Idempotent."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + timeout_s
+        while self.num_inflight and time.monotonic() < deadline:
+            with self._lock:
+                pending = [f for f in self._inflight.values() if not f.cancelled()]
+                if not pending:
+                    break
+            time.sleep(0.01)

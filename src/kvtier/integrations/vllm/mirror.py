@@ -1,0 +1,91 @@
+"""The scheduler's in-memory mirror of every rank's store index.
+
+Fed only by the :class:`~kvtier.integrations.vllm.protocol.RankReport` s that vLLM carries back
+from the workers each step; read by ``get_num_new_matched_tokens`` without any I/O.
+
+- One view for all tensor-parallel ranks: a chunk is available only when **every** rank holds
+  it (each rank stores its own KV heads of it).  Its tier, for vLLM's hit-source metrics, is the
+  slowest tier any rank holds it in (``disk`` if one rank has it only on disk).
+- The mirror is ready once every rank has sent its first full snapshot (sent at the first step
+  after start-up, so a restarted engine knows its disk tier before its first request is admitted).
+- All ranks must chain keys from the same root; a rank reporting another root disables loads
+  (logged once) rather than risk loading under the wrong keys.
+- The mirror may lag the stores by a step or more (evictions happen meanwhile): a mirror hit is a
+  promise the worker checks; a chunk gone since is reported as a load error and recomputed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from kvtier.integrations.vllm.protocol import RankReport
+
+log = logging.getLogger(__name__)
+
+_SLOWER = {"cpu": 0, "disk": 1}
+
+
+class IndexMirror:
+    """Key → tier per rank, for ``tp_size`` ranks.
+
+    Args:
+        tp_size: tensor-parallel ranks whose reports are expected (> 0).
+    """
+
+    def __init__(self, tp_size: int) -> None:
+        self.tp_size = tp_size
+        self._ranks: list[dict[bytes, str]] = [{} for _ in range(tp_size)]
+        self._snapshotted = [False] * tp_size
+        self.key_root: bytes | None = None
+        self.broken = False
+
+    @property
+    def ready(self) -> bool:
+        """Every rank sent its first snapshot and all agree on the key root."""
+        return all(self._snapshotted) and not self.broken
+
+    def apply(self, rank: int, report: RankReport) -> None:
+        """Fold one rank's report in (in step order)."""
+        if not 0 <= rank < self.tp_size:
+            log.warning("kvtier: report from tensor-parallel rank %d of %d ignored", rank, self.tp_size)
+            return
+        if self.key_root is None:
+            self.key_root = report.key_root
+        elif report.key_root != self.key_root and not self.broken:
+            self.broken = True
+            log.error("kvtier: tensor-parallel rank %d chains chunk keys from another namespace than rank 0 "
+                      "(different model files or settings per rank?); kvtier loads are off for this engine", rank)
+        index = self._ranks[rank]
+        if report.full:
+            index.clear()
+            self._snapshotted[rank] = True
+        for key, tier in report.changes:
+            if tier is None:
+                index.pop(key, None)
+            else:
+                index[key] = tier
+
+    def lookup(self, chain: Sequence[bytes]) -> list[str]:
+        """Tier of each leading chunk of ``chain`` held by every rank (stops at the first miss)."""
+        if not self.ready:
+            return []
+        out: list[str] = []
+        if self.tp_size == 1:
+            index = self._ranks[0]
+            for key in chain:
+                tier = index.get(key)
+                if tier is None:
+                    break
+                out.append(tier)
+            return out
+        for key in chain:
+            tiers = [r.get(key) for r in self._ranks]
+            if None in tiers:
+                break
+            out.append(max(tiers, key=lambda t: _SLOWER.get(t or "", 0)) or "cpu")
+        return out
+
+    def num_chunks(self, rank: int = 0) -> int:
+        """Chunks the mirror holds for ``rank``."""
+        return len(self._ranks[rank])

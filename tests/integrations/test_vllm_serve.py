@@ -1,0 +1,76 @@
+"""A real ``python -m vllm.entrypoints.openai.api_server`` stopped with SIGTERM and started again.
+
+The first server runs in write-back mode with a cpu tier that never fills, so nothing reaches
+the disk tier unless the graceful stop flushes it (``--shutdown-timeout`` lets vLLM stop its
+worker gracefully; the connector's ``shutdown()`` then writes the dirty chunks).  The restarted
+server must serve its very first request from disk, with the tokens and logprobs of the cold
+run.  The engine runs in bfloat16: a fresh engine whose first forward runs over loaded KV
+reaches vLLM's AMX attention kernel before any oneDNN GEMM has asked for AMX permission, which
+kills the process with SIGILL on AMX CPUs unless the connector asked first.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.engine
+
+TOLERANCE = 1e-3  # bfloat16 engine: logprobs of a cold prefill vs one continuing from loaded KV
+
+
+def _complete(base_url: str, model: str, prompt: str) -> dict[str, Any]:
+    body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "logprobs": 0}
+    r = httpx.post(base_url + "/v1/completions", json=body, timeout=600.0)
+    r.raise_for_status()
+    choice = r.json()["choices"][0]
+    return {"text": choice["text"], "tokens": choice["logprobs"]["tokens"],
+            "logprobs": choice["logprobs"]["token_logprobs"]}
+
+
+def _stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout_s: float = 120) -> int:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return int(proc.returncode)
+
+
+def test_sigterm_restart_serves_the_first_request_from_disk(tiny_model: Path, tmp_path: Path) -> None:
+    from kvtier.integrations.vllm.serve import start_server
+    from kvtier.integrations.vllm.testmodel import random_prompt
+
+    kvtier = {"cpu_gib": 0.25, "disk_path": str(tmp_path / "disk"), "disk_gib": 0.5, "write_mode": "write-back"}
+    args = ["--dtype", "bfloat16", "--shutdown-timeout", "30"]
+    prompt = random_prompt(400, 400)  # ~800 tokens: 6 full 128-token chunks
+    outs, metrics = [], []
+    for name in ("first", "second"):
+        server = start_server(tiny_model, kvtier, tmp_path / f"{name}.log", engine_id=f"serve-{name}",
+                              extra_args=args)
+        try:
+            server.wait_ready(600)
+            outs.append(_complete(server.base_url, server.model_name, prompt))
+            metrics.append(server.metrics())
+        finally:
+            rc = _stop(server.proc)
+        log = server.log_tail(200_000)
+        assert "Illegal instruction" not in log
+        assert rc == 0, f"{name} server did not stop cleanly ({rc}):\n{server.log_tail()}"
+        if name == "first":
+            assert "shutdown flush wrote" in log, f"the graceful stop did not flush:\n{server.log_tail()}"
+    first, second = metrics
+    assert first.get("kvtier_saved_tokens_total", 0) >= 768
+    assert first.get("kvtier_dirty_bytes", 0) > 0  # write-back: only in DRAM until the stop
+    hit = second.get("kvtier_loaded_tokens_total{disk}", 0)
+    assert hit >= 768, "the first request of the restarted server must be served from disk"
+    assert second.get("vllm:external_prefix_cache_hits_total", 0) == hit
+    assert outs[0]["tokens"] == outs[1]["tokens"]
+    assert max(abs(a - b) for a, b in zip(outs[0]["logprobs"], outs[1]["logprobs"])) < TOLERANCE
