@@ -215,11 +215,10 @@ def test_stale_mirror_is_a_recompute_never_wrong_kv(engine: Engine, monkeypatch:
         with store._lock:  # what eviction does, at the worst moment
             for key in chain:
                 if store.cpu.contains(key):
-                    store._evict_cpu_locked(key)
-                if store.disk is not None and store.disk.indexed(key):
-                    store.disk.delete(key)
-                    store.disk_policy.remove(key)
-                    store._note_locked(key)
+                    store.top.evict(key)
+                for lower in store.lower:
+                    if lower.tier.indexed(key):
+                        lower._evict_locked(key)
         return real_prepare(chain, max_chunks)
 
     monkeypatch.setattr(store, "prepare_load", evict_then_prepare)
