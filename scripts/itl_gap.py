@@ -29,7 +29,6 @@ import itertools
 import json
 import os
 import shutil
-import signal
 import statistics
 import threading
 import time
@@ -78,14 +77,17 @@ def stream(base_url: str, model: str, prompt: str, max_tokens: int, times: list[
                 times.append(time.perf_counter())
 
 
-def stop(server) -> None:  # a kvtier.integrations.vllm.serve.Server
-    if server.proc.poll() is None:
-        server.proc.send_signal(signal.SIGTERM)
-        try:
-            server.proc.wait(timeout=120)
-        except Exception:  # noqa: BLE001 - a server that does not stop is killed
-            server.proc.kill()
-            server.proc.wait()
+def metrics_of(base_url: str) -> dict[str, float]:
+    """``/metrics`` samples summed over labels except ``tier`` (kept as ``name{tier}``)."""
+    from kvtier.core.scrape import fetch_metrics, metric_families
+
+    out: dict[str, float] = {}
+    for family in metric_families(fetch_metrics(base_url), base_url):
+        for sample in family.samples:
+            if not sample.name.endswith("_created"):
+                name = sample.name + (f"{{{sample.labels['tier']}}}" if "tier" in sample.labels else "")
+                out[name] = out.get(name, 0.0) + float(sample.value)
+    return out
 
 
 def main() -> int:
@@ -97,7 +99,7 @@ def main() -> int:
     parser.add_argument("--window-s", type=float, default=0.5)
     args = parser.parse_args()
 
-    from kvtier.integrations.vllm.serve import start_server
+    from kvtier.integrations.vllm.serve import Server, ServerSpec, transfer_config
     from kvtier.integrations.vllm.testmodel import write_model
 
     work = args.workdir
@@ -106,25 +108,22 @@ def main() -> int:
     disk = work / "disk"
     shutil.rmtree(disk, ignore_errors=True)
     kvtier = {"cpu_gib": 0.25, "disk_path": str(disk), "disk_gib": 1.0, "write_mode": "write-through"}
-    extra = ["--max-model-len", "8192", "--kv-cache-memory-bytes", str(512 << 20), "--shutdown-timeout", "30"]
-    prefix = prompt_of(model / "tokenizer.json", args.prefix_tokens, seed=7)
-    fourth = prefix + " " + prompt_of(model / "tokenizer.json", 40, seed=8)
+    spec = ServerSpec(model=str(model), max_model_len=8192, kv_cache_bytes=512 << 20, load_format=None,
+                      kv_transfer_config=transfer_config(kvtier), memory_fraction=0.1, enforce_eager=True,
+                      shutdown_timeout_s=30)
+    tokenizer = model / "tokenizer.json"
+    prefix = prompt_of(tokenizer, args.prefix_tokens, seed=7)
+    fourth = prefix + " " + prompt_of(tokenizer, 40, seed=8)
 
-    a = start_server(model, kvtier, work / "server-a.log", engine_id="itl-a", extra_args=extra)
-    try:
-        a.wait_ready(900)
+    with Server(spec, work / "server-a.log").start(900) as a:
         a.complete(prefix, max_tokens=1)  # computed once: saved to the cpu tier and written to disk
-    finally:
-        stop(a)
-    dropped = drop_page_cache(disk)
+    dropped = drop_page_cache(disk)  # server A stopped gracefully: its files are complete
 
-    b = start_server(model, kvtier, work / "server-b.log", engine_id="itl-b", extra_args=extra)
-    try:
-        b.wait_ready(900)
+    with Server(spec, work / "server-b.log").start(900) as b:
         b.complete("warm up the engine", max_tokens=4)
         times: list[list[float]] = [[], [], []]
-        threads = [threading.Thread(target=stream, args=(b.base_url, b.model_name,
-                                                           prompt_of(model / "tokenizer.json", 64, seed=20 + i),
+        threads = [threading.Thread(target=stream, args=(b.base_url, b.served_model,
+                                                           prompt_of(tokenizer, 64, seed=20 + i),
                                                            args.stream_tokens, times[i]))
                    for i in range(3)]
         for t in threads:
@@ -135,9 +134,7 @@ def main() -> int:
         first_token = submitted + ttft
         for t in threads:
             t.join()
-        metrics = b.metrics()
-    finally:
-        stop(b)
+        metrics = metrics_of(b.base_url)
 
     streams = []
     for ts in times:

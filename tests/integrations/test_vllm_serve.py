@@ -11,8 +11,6 @@ kills the process with SIGILL on AMX CPUs unless the connector asked first.
 
 from __future__ import annotations
 
-import signal
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -33,39 +31,37 @@ def _complete(base_url: str, model: str, prompt: str) -> dict[str, Any]:
             "logprobs": choice["logprobs"]["token_logprobs"]}
 
 
-def _stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout_s: float = 120) -> int:
-    if proc.poll() is None:
-        proc.send_signal(sig)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return int(proc.returncode)
+def _metrics(base_url: str) -> dict[str, float]:
+    """``/metrics`` samples summed over labels except ``tier`` (kept as ``name{tier}``)."""
+    from kvtier.core.scrape import fetch_metrics, metric_families
+
+    out: dict[str, float] = {}
+    for family in metric_families(fetch_metrics(base_url), base_url):
+        for sample in family.samples:
+            if not sample.name.endswith("_created"):
+                name = sample.name + (f"{{{sample.labels['tier']}}}" if "tier" in sample.labels else "")
+                out[name] = out.get(name, 0.0) + float(sample.value)
+    return out
 
 
 def test_sigterm_restart_serves_the_first_request_from_disk(tiny_model: Path, tmp_path: Path) -> None:
-    from kvtier.integrations.vllm.serve import start_server
+    from kvtier.integrations.vllm.serve import Server, ServerSpec, transfer_config
     from kvtier.integrations.vllm.testmodel import random_prompt
 
     kvtier = {"cpu_gib": 0.25, "disk_path": str(tmp_path / "disk"), "disk_gib": 0.5, "write_mode": "write-back"}
-    args = ["--dtype", "bfloat16", "--shutdown-timeout", "30"]
+    spec = ServerSpec(model=str(tiny_model), max_model_len=2048, kv_cache_bytes=256 << 20, load_format=None,
+                      kv_transfer_config=transfer_config(kvtier), memory_fraction=0.1, enforce_eager=True,
+                      shutdown_timeout_s=30, extra_args=("--dtype", "bfloat16"))
     prompt = random_prompt(400, 400)  # ~800 tokens: 6 full 128-token chunks
-    outs, metrics = [], []
+    outs, metrics, logs = [], [], []
     for name in ("first", "second"):
-        server = start_server(tiny_model, kvtier, tmp_path / f"{name}.log", engine_id=f"serve-{name}",
-                              extra_args=args)
-        try:
-            server.wait_ready(600)
-            outs.append(_complete(server.base_url, server.model_name, prompt))
-            metrics.append(server.metrics())
-        finally:
-            rc = _stop(server.proc)
-        log = server.log_tail(200_000)
-        assert "Illegal instruction" not in log
-        assert rc == 0, f"{name} server did not stop cleanly ({rc}):\n{server.log_tail()}"
-        if name == "first":
-            assert "shutdown flush wrote" in log, f"the graceful stop did not flush:\n{server.log_tail()}"
+        with Server(spec, tmp_path / f"{name}.log").start(600) as server:
+            outs.append(_complete(server.base_url, server.served_model, prompt))
+            metrics.append(_metrics(server.base_url))
+        # leaving the block sent SIGTERM; the server stopped gracefully (--shutdown-timeout 30)
+        logs.append((tmp_path / f"{name}.log").read_text(errors="replace"))
+        assert "Illegal instruction" not in logs[-1]
+    assert "shutdown flush wrote" in logs[0], f"the graceful stop did not flush:\n{logs[0][-3000:]}"
     first, second = metrics
     assert first.get("kvtier_saved_tokens_total", 0) >= 768
     assert first.get("kvtier_dirty_bytes", 0) > 0  # write-back: only in DRAM until the stop
