@@ -27,8 +27,8 @@ demo: $(STAMP)
 # The tests start their own redis-server processes on 127.0.0.1 (standalone and a 3-master
 # Cluster); Debian 12's redis-server package (7.0) has Cluster mode and redis-cli --cluster.
 redis-bin:
-	command -v redis-server >/dev/null && command -v redis-cli >/dev/null || \
-	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
+	command -v redis-server >/dev/null && command -v redis-cli >/dev/null && command -v openssl >/dev/null || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server openssl; }
 
 test: $(STAMP) redis-bin
 	$(PY) -m pytest -q tests

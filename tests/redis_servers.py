@@ -16,6 +16,7 @@ import socket
 import subprocess
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import redis
@@ -58,22 +59,27 @@ class RedisServer:
     """One redis-server process on 127.0.0.1 with no persistence (a restart comes back empty)."""
 
     def __init__(self, workdir: Path, port: int | None = None, cluster: bool = False,
-                 extra: tuple[str, ...] = ()) -> None:
+                 extra: tuple[str, ...] = (), tls: TlsFiles | None = None) -> None:
         self.server_bin, _ = redis_binaries()
         self.port = port if port is not None else free_port(10000 if cluster else 0)
         self.dir = workdir / f"redis-{self.port}"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.cluster = cluster
         self.extra = extra
+        self.tls = tls
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://{HOST}:{self.port}/0"
+        return f"{'rediss' if self.tls else 'redis'}://{HOST}:{self.port}/0"
 
     def start(self) -> RedisServer:
         args = [self.server_bin, "--bind", HOST, "--port", str(self.port), "--save", "", "--appendonly", "no",
                 "--dir", str(self.dir), "--protected-mode", "no", "--loglevel", "warning", *self.extra]
+        if self.tls:  # TLS only: the plain port is closed
+            args[args.index("--port") + 1] = "0"
+            args += ["--tls-port", str(self.port), "--tls-cert-file", str(self.tls.cert), "--tls-key-file",
+                     str(self.tls.key), "--tls-ca-cert-file", str(self.tls.ca), "--tls-auth-clients", "no"]
         if self.cluster:
             args += ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{self.port}.conf",
                      "--cluster-node-timeout", "5000", "--cluster-require-full-coverage", "no"]
@@ -85,7 +91,8 @@ class RedisServer:
         return self
 
     def client(self) -> redis.Redis:
-        return redis.Redis(host=HOST, port=self.port, socket_timeout=5, socket_connect_timeout=2)
+        tls = {"ssl": True, "ssl_ca_certs": str(self.tls.ca)} if self.tls else {}
+        return redis.Redis(host=HOST, port=self.port, socket_timeout=5, socket_connect_timeout=2, **tls)
 
     def wait_ready(self, timeout_s: float = 15.0) -> None:
         end = time.monotonic() + timeout_s
@@ -128,6 +135,35 @@ class RedisServer:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
         self.proc = None
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """A CA and a server certificate for 127.0.0.1 made with the openssl command (PEM files)."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+    @classmethod
+    def make(cls, directory: Path) -> TlsFiles:
+        openssl = shutil.which("openssl")
+        if not openssl:
+            raise RuntimeError("openssl is not installed; run `make test` (it installs it) or apt-get install openssl")
+        d = directory
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "san.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
+        steps = [
+            ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=kvtier test CA",
+             "-keyout", "ca.key", "-out", "ca.crt"],
+            ["req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", "server.key",
+             "-out", "server.csr"],
+            ["x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+             "-days", "2", "-extfile", "san.cnf", "-out", "server.crt"],
+        ]
+        for step in steps:
+            subprocess.run([openssl, *step], cwd=d, check=True, capture_output=True, timeout=60)
+        return cls(d / "ca.crt", d / "server.crt", d / "server.key")
 
 
 class RedisClusterServers:

@@ -81,7 +81,10 @@ def test_kill9_then_restart_empty(redis_factory, key_prefix):
     tier = reader.tier("redis")
     assert tier.breaker.num_opened >= 1
     put_chain(writer, chain_of(2, 3))  # writes while down are skipped and counted, never block
-    assert writer.tier("redis").skipped_writes >= 1
+    skipped = writer.tier("redis").skipped_writes
+    assert skipped >= 1
+    assert writer.metrics.registry.get_sample_value("kvtier_tier_skipped_writes_total", {"tier": "redis"}) == skipped
+    assert reader.metrics.registry.get_sample_value("kvtier_tier_breaker_state", {"tier": "redis"}) == 2  # open
 
     server.start()  # same port, empty dataset
     assert wait_until(fresh_round_trip(writer, server.url, key_prefix, itertools.count(100)), timeout_s=15)

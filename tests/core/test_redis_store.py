@@ -174,3 +174,24 @@ def test_bad_url_is_one_clear_error():
     with pytest.raises(ConfigError, match="redis:// or rediss://") as err:
         make_store(None, cpu_chunks=4, redis_url="http://user:hunter2-pw@host:6379")
     assert "hunter2-pw" not in str(err.value)
+
+
+def test_tls_server_round_trip_and_unverifiable_server_is_a_miss(redis_factory, key_prefix, tmp_path):
+    from ..redis_servers import TlsFiles
+
+    tls = TlsFiles.make(tmp_path / "tls")
+    server = redis_factory(tls=tls)
+    assert server.url.startswith("rediss://")
+    a = host(server.url, key_prefix, redis_tls_ca_file=str(tls.ca))
+    b = host(server.url, key_prefix, redis_tls_ca_file=str(tls.ca))
+    chain = chain_of(8, 3)
+    put_chain(a, chain)
+    assert a.flush(10)
+    assert b.lookup_async(chain).wait(5) == 3
+    assert b.get(chain) == [payload(k) for k in chain]
+    # the system CAs do not know the test CA: the handshake fails, and that is a miss, not an error
+    untrusted = host(server.url, key_prefix)
+    assert untrusted.lookup_async(chain).wait(5) == 0 and untrusted.get(chain) == []
+    # plain redis:// against the TLS port: also a miss
+    plain = host(server.url.replace("rediss://", "redis://"), key_prefix)
+    assert plain.lookup_async(chain).wait(5) == 0

@@ -295,6 +295,7 @@ class RedisTier(Tier):
         if created is None:  # a fault, or skipped while the breaker is open; a late thread may still
             with self._lock:  # read the buffers, so they are not reused
                 self.skipped_writes += len(keys)
+            self.metrics.skipped_writes.inc(len(keys))
             return [PutResult.FAILED] * len(keys)
         with self._lock:
             for key, value in zip(keys, values):

@@ -3,7 +3,8 @@
 The store's own metrics (:mod:`kvtier.core.metrics`) count what the store asked for and got;
 these count what the tier did on the wire: lookups and hits, bytes and seconds per direction
 (``read``/``write``), call latency by operation, errors, calls skipped (breaker open or the
-tier's queue full), corrupt values, and the breaker state (0 closed, 1 half-open, 2 open).
+tier's queue full), chunks whose write was skipped or failed, corrupt values, and the breaker
+state (0 closed, 1 half-open, 2 open).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class TierMetrics:
                               ["tier", "op"], registry=r)
         self._skipped = Counter("kvtier_tier_skipped_calls", "Calls not made: breaker open or queue full.",
                                ["tier", "op"], registry=r)
+        self.skipped_writes = Counter("kvtier_tier_skipped_writes", "Chunks not written: breaker open, queue full "
+                                      "or the write failed.", ["tier"], registry=r).labels(tier)
         self.corrupt = Counter("kvtier_tier_corrupt_values", "Values that failed verification.", ["tier"],
                                registry=r).labels(tier)
         self.breaker_state = Gauge("kvtier_tier_breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open.",
