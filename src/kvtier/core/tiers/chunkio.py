@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import mmap
 import os
+import statistics
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -348,7 +350,8 @@ def direct_supported(directory: str | os.PathLike[str]) -> bool:
 
 
 PROBE_BYTES = 16 << 20
-"""Bytes written and read back per mode by :func:`measure_direct`."""
+"""Bytes written and read back per mode and round by :func:`measure_direct`."""
+PROBE_ROUNDS = 3
 _measured: dict[int, tuple[bool, str]] = {}
 _measured_lock = threading.Lock()
 
@@ -356,18 +359,17 @@ _measured_lock = threading.Lock()
 def measure_direct(directory: str | os.PathLike[str]) -> tuple[bool, str]:
     """Choose ``O_DIRECT`` for ``directory`` by measurement (the ``disk_io: auto`` rule).
 
-    Writes :data:`PROBE_BYTES` in 1 MiB writes and reads them back, once buffered (``fdatasync``
+    Writes :data:`PROBE_BYTES` in 4 MiB writes and reads them back, buffered (``fdatasync``
     after writing, and the file dropped from the page cache with ``posix_fadvise(DONTNEED)``
-    before reading, so both modes pay the device) and once with ``O_DIRECT``.  Direct wins
-    when it is supported and takes at most 1.1× the buffered time: it keeps the host's page cache
+    before reading, so both modes pay the device) and with ``O_DIRECT``, alternating, in
+    :data:`PROBE_ROUNDS` rounds.  Direct wins when it is supported and its median time is at
+    most 1.1× the buffered median: it keeps the host's page cache
     free of chunks the cpu tier already holds, which is worth a little throughput.  The result is
     remembered per filesystem (``st_dev``) for the life of the process.
 
     Returns:
         (use direct, one line saying why, with the measured times).
     """
-    import time
-
     dev = os.stat(directory).st_dev
     with _measured_lock:
         if dev in _measured:
@@ -375,35 +377,42 @@ def measure_direct(directory: str | os.PathLike[str]) -> tuple[bool, str]:
         if not direct_supported(directory):
             _measured[dev] = (False, "the filesystem refuses O_DIRECT")
             return _measured[dev]
-        block = aligned_buffer(1 << 20)
+        block = aligned_buffer(4 << 20)
         block[:] = np.random.default_rng(0).integers(0, 256, block.nbytes, dtype=np.uint8).tobytes()
-        seconds = {}
-        for name, flags in (("buffered", 0), ("direct", O_DIRECT)):
-            path = os.path.join(directory, f".kvtier-io-probe-{os.getpid()}")
-            try:
-                t0 = time.perf_counter()
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | flags, 0o600)
-                try:
-                    for off in range(0, PROBE_BYTES, block.nbytes):
-                        _pwrite_all(fd, block, off)
-                    os.fdatasync(fd)
-                    if not flags and hasattr(os, "posix_fadvise"):
-                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                    for off in range(0, PROBE_BYTES, block.nbytes):
-                        os.preadv(fd, [block], off)
-                finally:
-                    os.close(fd)
-                seconds[name] = time.perf_counter() - t0
-            finally:
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
+        rounds: dict[str, list[float]] = {"buffered": [], "direct": []}
+        for _round in range(PROBE_ROUNDS):  # alternating, so both modes see the same machine state
+            for name, flags in (("buffered", 0), ("direct", O_DIRECT)):
+                rounds[name].append(_probe(directory, block, flags))
+        seconds = {name: statistics.median(times) for name, times in rounds.items()}
         direct = seconds["direct"] <= 1.1 * seconds["buffered"]
         why = (f"{PROBE_BYTES >> 20} MiB written and read back: buffered {seconds['buffered'] * 1e3:.0f} ms, "
                f"O_DIRECT {seconds['direct'] * 1e3:.0f} ms")
         _measured[dev] = (direct, why)
         return _measured[dev]
+
+
+def _probe(directory: str | os.PathLike[str], block: memoryview, flags: int) -> float:
+    """Seconds to write :data:`PROBE_BYTES` of ``block`` copies, sync, and read them back."""
+    path = os.path.join(directory, f".kvtier-io-probe-{os.getpid()}")
+    try:
+        t0 = time.perf_counter()
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | flags, 0o600)
+        try:
+            for off in range(0, PROBE_BYTES, block.nbytes):
+                _pwrite_all(fd, block, off)
+            os.fdatasync(fd)
+            if not flags and hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            for off in range(0, PROBE_BYTES, block.nbytes):
+                os.preadv(fd, [block], off)
+        finally:
+            os.close(fd)
+        return time.perf_counter() - t0
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 def helper_threads(io_threads: int) -> int:
