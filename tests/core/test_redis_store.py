@@ -195,3 +195,16 @@ def test_tls_server_round_trip_and_unverifiable_server_is_a_miss(redis_factory, 
     # plain redis:// against the TLS port: also a miss
     plain = host(server.url.replace("rediss://", "redis://"), key_prefix)
     assert plain.lookup_async(chain).wait(5) == 0
+
+
+def test_cluster_down_at_start_is_a_run_of_misses_not_a_failed_start(key_prefix):
+    from ..redis_servers import free_port
+
+    dead = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    store = host(dead, key_prefix, redis_cluster=True, shared_deadline_s=1.0, redis_connect_timeout_s=0.2)
+    chain = chain_of(9, 2)
+    assert store.lookup_async(chain).wait(5) == 0  # the engine starts and serves; the tier misses
+    assert store.put(chain, [payload(k) for k in chain]) == 2  # saved locally; the redis write fails
+    assert store.flush(10) and store.tier("redis").skipped_writes == 2
+    assert store.get(chain) == [payload(k) for k in chain]  # served from the cpu tier
+    store.close()

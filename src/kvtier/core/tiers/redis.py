@@ -426,16 +426,46 @@ def make_client(config: KVTierConfig) -> Any:
                           "start the cluster or fix redis_url") from None
 
 
+class LazyClusterClient:
+    """A Cluster client made on first use, on the tier's threads: a Cluster that is down when the
+    engine starts is then a run of misses (under the deadline and the breaker), not a failed start."""
+
+    def __init__(self, config: KVTierConfig) -> None:
+        self._config = config
+        self._client: Any = None
+        self._lock = threading.Lock()
+
+    def get(self) -> Any:
+        """The client, connecting to the seed node now if needed.  Raises ConfigError if unreachable."""
+        with self._lock:
+            if self._client is None:
+                self._client = make_client(self._config)
+            return self._client
+
+    def pipeline(self, transaction: bool = False) -> Any:
+        return self.get().pipeline(transaction=transaction)
+
+    def delete(self, *names: bytes) -> Any:
+        return self.get().delete(*names)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+
+
 def from_config(ctx: TierContext) -> RedisTier | None:
-    """The redis tier, or ``None`` without ``redis_url``.
+    """The redis tier, or ``None`` without ``redis_url``.  The server need not be up: an
+    unreachable one is a run of misses until it answers.
 
     Raises:
-        ConfigError: see :func:`make_client`, :func:`shared_secret`.
+        ConfigError: redis-py missing, or an unreadable password or secret file
+            (:func:`make_client`, :func:`shared_secret`).
     """
     config = ctx.config
     if not config.redis_url:
         return None
-    client = make_client(config)
+    client = LazyClusterClient(config) if config.redis_cluster else make_client(config)
     return RedisTier(client, ctx.namespace, shared_secret(config), config.redis_key_prefix, config.redis_ttl_s,
                      config.shared_deadline_s, config.io_threads, config.shared_queue_depth,
                      CircuitBreaker(config.redis_breaker_failures, config.redis_breaker_probe_s),
