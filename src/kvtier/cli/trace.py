@@ -34,6 +34,7 @@ def register(app: typer.Typer) -> None:
     trace_app = typer.Typer(help="Make and describe request traces (Mooncake JSONL: block ids, lengths and "
                             "times only, never prompt text).", no_args_is_help=True)
     app.add_typer(trace_app, name="trace")
+    register_record(trace_app)
 
     @trace_app.command("synth", help=SYNTH_HELP)
     def synth(
@@ -81,3 +82,51 @@ def register(app: typer.Typer) -> None:
                    f"{requests.block_tokens} tokens")
         for line in histogram_lines(reuse_histogram(requests)):
             typer.echo(line)
+
+
+def register_record(trace_app: typer.Typer) -> None:
+    @trace_app.command("record")
+    def record(
+        url: str = typer.Option(..., "--url", help="The server to record (e.g. http://127.0.0.1:8000); it needs "
+                                "vLLM's /tokenize endpoint."),
+        out: Path = typer.Option(..., "--out", help="Trace file to write (Mooncake JSONL)."),
+        listen: str = typer.Option("127.0.0.1:8100", "--listen", help="HOST:PORT the recording proxy listens on: "
+                                   "point clients here instead of --url."),
+        block_tokens: int = typer.Option(512, "--block-tokens", help="Tokens per hash id (Mooncake: 512; use "
+                                         "kvtier's chunk_tokens to replay at its granularity)."),
+        duration_s: float = typer.Option(0.0, "--duration-s", help="Stop after this many seconds (0: on Ctrl-C)."),
+        timeout_s: float = typer.Option(600.0, "--timeout-s", help="Limit of each call to the server, seconds."),
+    ) -> None:
+        """Record a live server's traffic as a Mooncake trace (block ids, lengths and times only,
+        never prompt text) through a pass-through proxy; then run `kvtier simulate` on it."""
+        import time
+
+        import httpx
+
+        from kvtier.simulate.record import TraceRecorder
+
+        host, sep, port_text = listen.rpartition(":")
+        if not sep or not port_text.isdigit():
+            fail(f"--listen must be HOST:PORT such as 127.0.0.1:8100; got {listen!r}")
+        if block_tokens <= 0 or duration_s < 0 or timeout_s <= 0:
+            fail("--block-tokens and --timeout-s must be positive and --duration-s >= 0")
+        try:
+            httpx.get(url.rstrip("/") + "/v1/models", timeout=10).raise_for_status()
+        except httpx.HTTPError as exc:
+            fail(f"cannot reach the server at {url} ({exc}); pass the base URL of a running OpenAI-compatible server")
+        try:
+            recorder = TraceRecorder(url, out, host or "127.0.0.1", int(port_text), block_tokens, timeout_s).start()
+        except OSError as exc:
+            fail(f"cannot record to {out} or listen on {listen} ({exc.strerror}); pick a writable path and a free port")
+        typer.echo(f"recording {url} through http://{host or '127.0.0.1'}:{recorder.port} into {out} "
+                   f"({'Ctrl-C' if not duration_s else f'{duration_s:g} s'} to stop)")
+        try:
+            deadline = time.monotonic() + duration_s if duration_s else None
+            while deadline is None or time.monotonic() < deadline:
+                time.sleep(0.2)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            recorder.close()
+        typer.echo(f"{out}: {recorder.recorded} requests recorded ({recorder.failed} passed through unrecorded: "
+                   "the server could not tokenize them)")

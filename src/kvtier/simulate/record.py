@@ -1,0 +1,252 @@
+"""Record a live server's traffic as a Mooncake trace: block ids, lengths and times, never text.
+
+``kvtier trace record --url http://SERVER:8000 --listen 127.0.0.1:8100 --out trace.jsonl`` runs a
+small HTTP proxy: point clients at ``--listen`` instead of the server.  Every request is passed
+through unchanged (streaming included); for each completion request (``/v1/completions``,
+``/v1/chat/completions``) it appends one line to the trace once the answer has been sent::
+
+    client ──► proxy ──► server          answer streamed back as it comes
+                 │
+                 └─► server /tokenize (same prompt or messages, same chat template)
+                     token ids → blocks of B tokens → chained BLAKE3 digests → dense ints
+                     {"timestamp": ms since start, "input_length": n, "output_length": m,
+                      "hash_ids": [ids]}                    (the digests and tokens are dropped)
+
+Chained digests (block ``i`` hashes block ``i-1``'s digest with its own tokens, as vLLM and
+kvtier key KV blocks) make equal ids mean equal prefixes; ids are numbered in order of first
+appearance, so the file reveals nothing of the prompts but their sharing structure.  Works with
+any server that has vLLM's ``/tokenize`` endpoint; needs nothing inside the engine.
+
+Bounds: at most ``max_in_flight`` requests are proxied at once (more get HTTP 503); every upstream
+call has ``timeout_s``.  ``output_length`` is the server's ``usage.completion_tokens`` (for a
+stream, from its last usage chunk if the client asked for one; else the streamed choice chunks).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import IO, Any
+
+import blake3
+import httpx
+
+from kvtier.core.mooncake import format_record
+
+RECORDED_PATHS = ("/v1/completions", "/v1/chat/completions")
+_HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "content-encoding",
+                "date", "server"}
+
+
+def block_digests(token_ids: list[int], block_tokens: int) -> list[bytes]:
+    """Chained BLAKE3 digests (16 bytes) of each block of ``token_ids``, the last possibly partial."""
+    out = []
+    previous = b""
+    for start in range(0, len(token_ids), block_tokens):
+        block = token_ids[start:start + block_tokens]
+        digest = blake3.blake3(previous + b"".join(t.to_bytes(4, "little", signed=False) for t in block)).digest(16)
+        out.append(digest)
+        previous = digest
+    return out
+
+
+class TraceRecorder:
+    """Proxy ``upstream`` on ``host:port`` and append one Mooncake line per completion request.
+
+    Args:
+        upstream: base URL of the server (``http://host:port``).
+        out: trace file (JSONL, created or truncated).
+        host, port: where to listen (port 0: any free port; see :attr:`port`).
+        block_tokens: tokens per hash id (512 as Mooncake; use your kvtier ``chunk_tokens`` to
+            replay at kvtier's granularity).
+        timeout_s: limit of each upstream call.
+        max_in_flight: requests proxied at once; more are answered 503.
+
+    Raises:
+        OSError: the file cannot be opened or the address is taken.
+    """
+
+    def __init__(self, upstream: str, out: str | Path, host: str = "127.0.0.1", port: int = 0,
+                 block_tokens: int = 512, timeout_s: float = 600.0, max_in_flight: int = 256) -> None:
+        if block_tokens <= 0:
+            raise ValueError(f"--block-tokens must be positive, got {block_tokens}")
+        self.upstream = upstream.rstrip("/")
+        self.block_tokens = block_tokens
+        self._client = httpx.Client(base_url=self.upstream, timeout=timeout_s)
+        self._file: IO[str] = Path(out).open("w", encoding="utf-8")
+        self._lock = threading.Lock()
+        self._ids: dict[bytes, int] = {}
+        self._slots = threading.BoundedSemaphore(max_in_flight)
+        self._start = time.monotonic()
+        self.recorded = 0
+        self.failed = 0  # completion requests passed through but not recorded (tokenize failed)
+        recorder = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:  # quiet: no prompt ever logged
+                return
+
+            def do_GET(self) -> None:
+                recorder._proxy(self, b"")
+
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                recorder._proxy(self, self.rfile.read(length) if length else b"")
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> TraceRecorder:
+        """Serve in a background thread."""
+        self._thread = threading.Thread(target=self._server.serve_forever, name="kvtier-trace-record", daemon=True)
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        self._server.serve_forever()
+
+    def close(self) -> None:
+        """Stop listening, close the trace and put its lines in arrival order (they are written as
+        answers finish, so concurrent requests may land out of order)."""
+        self._server.shutdown()
+        self._server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        with self._lock:
+            self._file.close()
+        self._client.close()
+        path = Path(self._file.name)
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+        lines.sort(key=lambda line: json.loads(line)["timestamp"])
+        path.write_text("".join(lines), encoding="utf-8")
+
+    # -- per request -------------------------------------------------------------------------
+    def _proxy(self, handler: BaseHTTPRequestHandler, body: bytes) -> None:
+        if not self._slots.acquire(blocking=False):
+            self._reply(handler, 503, b'{"error": "kvtier trace record: too many requests in flight"}')
+            return
+        try:
+            arrival_ms = (time.monotonic() - self._start) * 1000.0
+            path = handler.path
+            headers = {k: v for k, v in handler.headers.items() if k.lower() not in _HOP_HEADERS}
+            output = self._forward(handler, path, body, headers)
+            if handler.command == "POST" and path.split("?")[0] in RECORDED_PATHS and output is not None:
+                self._record(path, body, arrival_ms, output)
+        finally:
+            self._slots.release()
+
+    def _forward(self, handler: BaseHTTPRequestHandler, path: str, body: bytes,
+                 headers: dict[str, str]) -> int | None:
+        """Pass the request through; returns the completion tokens seen (None if it failed)."""
+        try:
+            with self._client.stream(handler.command, path, content=body or None, headers=headers) as response:
+                handler.send_response(response.status_code)
+                for key, value in response.headers.items():
+                    if key.lower() not in _HOP_HEADERS:
+                        handler.send_header(key, value)
+                handler.send_header("Transfer-Encoding", "chunked")
+                handler.end_headers()
+                counter = _OutputCounter()
+                for chunk in response.iter_bytes():
+                    counter.feed(chunk)
+                    handler.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                    handler.wfile.flush()
+                handler.wfile.write(b"0\r\n\r\n")
+                return counter.tokens() if response.status_code == 200 else None
+        except httpx.HTTPError as exc:
+            message = json.dumps({"error": f"kvtier trace record: upstream {self.upstream} failed ({exc})"})
+            self._reply(handler, 502, message.encode())
+            return None
+        except OSError:  # the client went away
+            return None
+
+    def _reply(self, handler: BaseHTTPRequestHandler, status: int, body: bytes) -> None:
+        try:
+            handler.send_response(status)
+            handler.send_header("Content-Type", "application/json")
+            handler.send_header("Content-Length", str(len(body)))
+            handler.end_headers()
+            handler.wfile.write(body)
+        except OSError:
+            pass
+
+    def _record(self, path: str, body: bytes, arrival_ms: float, output_tokens: int) -> None:
+        try:
+            request = json.loads(body)
+            if path.startswith("/v1/chat/"):
+                query = {"model": request.get("model"), "messages": request["messages"]}
+                for key in ("add_generation_prompt", "continue_final_message", "chat_template",
+                            "chat_template_kwargs", "tools", "add_special_tokens"):
+                    if key in request:
+                        query[key] = request[key]
+            else:
+                prompt = request["prompt"]
+                if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+                    self._write(arrival_ms, prompt, output_tokens)
+                    return
+                query = {"model": request.get("model"), "prompt": prompt}
+                if "add_special_tokens" in request:
+                    query["add_special_tokens"] = request["add_special_tokens"]
+            answer = self._client.post("/tokenize", json=query)
+            answer.raise_for_status()
+            tokens = answer.json()["tokens"]
+        except (ValueError, KeyError, TypeError, httpx.HTTPError):
+            with self._lock:
+                self.failed += 1
+            return
+        self._write(arrival_ms, tokens, output_tokens)
+
+    def _write(self, arrival_ms: float, tokens: list[int], output_tokens: int) -> None:
+        digests = block_digests(tokens, self.block_tokens)
+        with self._lock:
+            ids = [self._ids.setdefault(d, len(self._ids)) for d in digests]
+            if self._file.closed or not ids:
+                return
+            self._file.write(format_record(round(arrival_ms, 3), len(tokens), output_tokens, ids) + "\n")
+            self._file.flush()
+            self.recorded += 1
+
+
+class _OutputCounter:
+    """Completion tokens from a JSON answer's ``usage``, or from an SSE stream (usage chunk if any,
+    else one token per streamed choice chunk with text)."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+        self._usage: int | None = None
+        self._chunks = 0
+
+    def feed(self, data: bytes) -> None:
+        self._buffer += data
+        if len(self._buffer) > (64 << 20):  # bounded: a huge non-stream answer is not parsed
+            self._buffer.clear()
+
+    def tokens(self) -> int:
+        text = bytes(self._buffer).decode("utf-8", "replace")
+        if not text.lstrip().startswith("data:"):
+            try:
+                return int(json.loads(text)["usage"]["completion_tokens"])
+            except (ValueError, KeyError, TypeError):
+                return 0
+        for line in text.splitlines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            try:
+                event = json.loads(line[5:])
+            except ValueError:
+                continue
+            usage = event.get("usage") if isinstance(event, dict) else None
+            if usage and usage.get("completion_tokens") is not None:
+                self._usage = int(usage["completion_tokens"])
+            elif isinstance(event, dict) and event.get("choices"):
+                choice = event["choices"][0]
+                if choice.get("text") or (choice.get("delta") or {}).get("content"):
+                    self._chunks += 1
+        return self._usage if self._usage is not None else self._chunks
