@@ -76,7 +76,7 @@ class TraceRecorder:
         self.upstream = upstream.rstrip("/")
         self.block_tokens = block_tokens
         self._client = httpx.Client(base_url=self.upstream, timeout=timeout_s)
-        self._file: IO[str] = Path(out).open("w", encoding="utf-8")
+        self._file: IO[str] = Path(out).open("w", encoding="utf-8")  # noqa: SIM115 (open until close())
         self._lock = threading.Lock()
         self._ids: dict[bytes, int] = {}
         self._slots = threading.BoundedSemaphore(max_in_flight)
