@@ -63,6 +63,7 @@ from kvtier.core.keys import ChunkKey, Namespace
 from kvtier.core.lower import LowerTier, WriteJob
 from kvtier.core.metrics import StoreMetrics
 from kvtier.core.policies import make_policy
+from kvtier.core.shared import SharedLookups
 from kvtier.core.tiers.base import GetResult, StagingTier, Tier
 from kvtier.core.tiers.registry import TierContext, make_tier
 from kvtier.core.top import TopTier
@@ -130,7 +131,8 @@ class TieredStore(ChangeFeedMixin):
         self._local = [lt for lt in self.lower if not lt.shared]
         self._shared = [lt for lt in self.lower if lt.shared]
         self._through = [lt for lt in self.lower if not lt.write_back]
-        self._lookups_in_flight = 0
+        self.shared = SharedLookups(self._shared[0], config.shared_deadline_s, config.shared_queue_depth,
+                                    self.metrics, self.counters, self.chunk_tokens) if self._shared else None
         self._ahead = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-read-ahead")
         for t in tiers:
             self.metrics.capacity_bytes.labels(t.name).set(t.usage().capacity_bytes)
@@ -193,34 +195,9 @@ class TieredStore(ChangeFeedMixin):
     def lookup_async(self, chain: Sequence[ChunkKey]) -> PendingLookup:
         """Local lookup now, continued in the shared tier in the background (see module docstring)."""
         n = self.lookup(chain)
-        if not self._shared or n >= len(chain):
+        if self.shared is None or n >= len(chain):
             return PendingLookup(n, len(chain))
-        with self._lock:
-            if self._lookups_in_flight >= self.config.shared_queue_depth:
-                self.counters["shared_lookups_skipped"] += 1
-                return PendingLookup(n, len(chain))
-            self._lookups_in_flight += 1
-        rest = list(chain[n:])
-
-        def remote() -> int:
-            try:
-                found = 0
-                for lt in self._shared[:1]:  # the first shared tier answers; chunks must be contiguous
-                    for hit in lt.tier.contains_many(rest):
-                        if not hit:
-                            break
-                        found += 1
-                    if found:
-                        self.metrics.lookup_hit_chunks.labels(lt.name).inc(found)
-                        self.metrics.lookup_hit_tokens.labels(lt.name).inc(found * self.chunk_tokens)
-                return found
-            finally:
-                with self._lock:
-                    self._lookups_in_flight -= 1
-
-        future = self._shared[0].submit(remote)
-        return PendingLookup(n, len(chain), future,  # type: ignore[arg-type]
-                             time.monotonic() + self.config.shared_deadline_s)
+        return self.shared.lookup(chain, n)
 
     # ---- load ----------------------------------------------------------------------------
     def prepare_load(self, chain: Sequence[ChunkKey], max_chunks: int | None = None,
@@ -279,10 +256,8 @@ class TieredStore(ChangeFeedMixin):
         """Queue reads of ``chain[start:limit]`` from the first shared tier (checked first if ``unbounded``)."""
         lt = self._shared[0]
         want = list(chain[start:limit])
-        if unbounded:  # nobody asked the shared tier yet: one presence batch, so misses cost no bytes
-            present = lt.tier.contains_many(want)
-            n = next((i for i, hit in enumerate(present) if not hit), len(want))
-            want = want[:n]
+        if unbounded and self.shared is not None:  # nobody asked yet: one presence batch, so misses cost no bytes
+            want = want[:self.shared.leading_present(want)]
         with self._lock:
             for offset, key in enumerate(want):
                 handle.keys.append(key)
