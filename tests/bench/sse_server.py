@@ -4,7 +4,9 @@ Run: ``python sse_server.py PORT [--die-on N] [--hang-on N] [--gap S]``.  Each P
 ``/v1/completions`` streams ``max_tokens`` chunks ``gap`` seconds apart, each carrying the running
 ``usage.completion_tokens`` as vLLM does with ``continuous_usage_stats``.  Request number N
 (1-based) makes the process exit mid-stream (``--die-on``) or go silent (``--hang-on``): the two
-ways a real engine fails that the client must report.  Not a vLLM stand-in for anything else.
+ways a real engine fails that the client must report.  ``GET /v1/models`` names one model and
+``GET /metrics`` reports ``sse_max_in_flight``, the most completions it streamed at once (what a
+client's concurrency bound is checked against).  Not a vLLM stand-in for anything else.
 """
 
 import argparse
@@ -16,6 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 LOCK = threading.Lock()
 COUNT = [0]
+IN_FLIGHT = [0, 0]  # now, most
 
 
 def main() -> None:
@@ -33,8 +36,10 @@ def main() -> None:
             pass
 
         def do_GET(self):
-            body = b"ok" if self.path == "/health" else b""
-            self.send_response(200 if self.path == "/health" else 404)
+            pages = {"/health": b"ok", "/v1/models": json.dumps({"data": [{"id": "m", "max_model_len": 4096}]}).encode(),
+                     "/metrics": f"# TYPE sse_max_in_flight gauge\nsse_max_in_flight {IN_FLIGHT[1]}\n".encode()}
+            body = pages.get(self.path, b"")
+            self.send_response(200 if self.path in pages else 404)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
@@ -44,6 +49,8 @@ def main() -> None:
             with LOCK:
                 COUNT[0] += 1
                 number = COUNT[0]
+                IN_FLIGHT[0] += 1
+                IN_FLIGHT[1] = max(IN_FLIGHT)
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Transfer-Encoding", "chunked")
@@ -65,6 +72,8 @@ def main() -> None:
                                  "usage": {"prompt_tokens": prompt, "completion_tokens": i,
                                            "total_tokens": prompt + i}}))
             send("[DONE]")
+            with LOCK:
+                IN_FLIGHT[0] -= 1
             self.wfile.write(b"0\r\n\r\n")
             self.wfile.flush()
 

@@ -94,3 +94,15 @@ def test_a_hanging_server_is_reported_as_hung(server):
     assert run.failed_at == ("prefix-1",)
     assert run.results[1].error.startswith("stall")
     assert all(r.error.startswith(NOT_SENT) for r in run.results[2:])
+
+
+def test_bench_run_prefix_repetition_is_a_bounded_closed_loop_by_default(server):
+    _, url = server
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "bench", "run", "--url", url, "--workload",
+                          "prefix-repetition", "--num-requests", "12", "--prefix-len", "8", "--suffix-len", "4",
+                          "--num-prefixes", "3", "--output-len", "3", "--vocab-size", "500", "--no-progress"],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "closed loop: at most 4 requests in flight" in out.stdout
+    metrics = httpx.get(url + "/metrics", timeout=5).text
+    assert "sse_max_in_flight 4" in metrics  # 12 requests, never more than 4 at once (and the bound was reached)
