@@ -50,7 +50,9 @@ def test_json_plot_and_recommend(tmp_path, trace_file):
     assert set(doc) == {"elapsed_s", "rows"} and doc["elapsed_s"] > 0
     assert len(doc["rows"]) == 12
     for row in doc["rows"]:
-        assert set(row) == {"policy", "cpu_gib", "token_hit_ratio", "chunk_hit_ratio", "bytes_loaded"}
+        assert set(row) == {"policy", "cpu_gib", "token_hit_ratio", "chunk_hit_ratio", "bytes_loaded",
+                            "tier_hit_ratio", "saved_s"}
+        assert abs(sum(row["tier_hit_ratio"].values()) - row["token_hit_ratio"]) < 1e-9
         assert isinstance(row["bytes_loaded"], int) and row["bytes_loaded"] % (512 * KV_PER_TOKEN) == 0
         assert 0 <= row["token_hit_ratio"] <= row["chunk_hit_ratio"] <= 1
     for gib in (0.5, 1, 2):
@@ -61,8 +63,12 @@ def test_json_plot_and_recommend(tmp_path, trace_file):
     direct = run_sweep(read_trace(trace_file), spec, workers=1)
     assert [r["token_hit_ratio"] for r in doc["rows"]] == [r.token_hit_ratio for r in direct.rows]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "knee" in result.output and "reaches" in result.output
-    assert "share of the LRU–Belady gap" in result.output
+    assert "sizes for default" in result.output and "LRU–Belady gap closed" in result.output
+    cpu_line = next(line for line in result.output.splitlines() if line.strip().startswith("cpu "))
+    assert "GiB" in cpu_line  # a concrete size, not a restated sweep
+    disk_line = next(line for line in result.output.splitlines() if line.strip().startswith("disk "))
+    assert "GiB" in disk_line or "none" in disk_line or "not needed" in disk_line
+    assert max(len(line) for line in result.output.splitlines()) <= 80
 
 
 def test_model_config_and_disk_tier(tmp_path, trace_file):
@@ -73,7 +79,7 @@ def test_model_config_and_disk_tier(tmp_path, trace_file):
     result = run("--trace", str(trace_file), "--model", str(config), "--engine-gib", "0", "--cpu-gib", "0.125",
                  "--disk-gib", "1", "--policy", "lru", "--json", str(out))
     assert result.exit_code == 0, result.output
-    assert "131,072 KV" in result.output and "disk" in result.output
+    assert "131,072 B" in result.output and "disk" in result.output
     assert json.loads(out.read_text())["rows"][0]["bytes_loaded"] > 0
 
 
@@ -108,3 +114,30 @@ def test_malformed_trace_line_and_missing_model(tmp_path, trace_file):
     result = run("--trace", str(trace_file), "--model", str(tmp_path / "config.json"), "--engine-gib", "1",
                  "--cpu-gib", "1")
     assert result.exit_code == 2 and "does not exist" in result.output
+
+
+def test_three_tiers_admission_and_latency(tmp_path, trace_file):
+    out = tmp_path / "t.json"
+    args = ("--trace", str(trace_file), "--kv-bytes-per-token", str(KV_PER_TOKEN), "--engine-gib", "0",
+            "--cpu-gib", "0.25", "--disk-gib", "0.5", "--shared-gib", "1", "--policy", "lru", "--workers", "1")
+    result = run(*args, "--json", str(out))
+    assert result.exit_code == 0, result.output
+    assert max(len(line) for line in result.output.splitlines()) <= 80
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["tier_hit_ratio"]["disk"] > 0 and row["tier_hit_ratio"]["shared"] >= 0
+    strict = run(*args, "--disk-admission", "reused", "--shared-admission", "reused", "--json", str(out))
+    assert strict.exit_code == 0, strict.output
+    reused = json.loads(out.read_text())["rows"][0]
+    assert reused["tier_hit_ratio"] != row["tier_hit_ratio"]
+    from kvtier.core.policies import make_policy
+    from kvtier.simulate.replay import replay
+
+    trace = read_trace(trace_file)
+    counts = {a: replay(trace, [0] * trace.num_requests, 2, 4, lambda: make_policy("lru"), shared_chunks=8,
+                        admission=(a, a)) for a in ("all", "reused")}
+    assert counts["reused"].rejected > 0 and counts["all"].rejected == 0  # one-off chunks never reach disk
+    assert counts["reused"].disk_stores < counts["all"].disk_stores
+    slow = run(*args, "--disk-latency-ms", "100000", "--json", str(out))
+    assert json.loads(out.read_text())["rows"][0]["saved_s"] < row["saved_s"] and slow.exit_code == 0
+    bad = run(*args, "--disk-admission", "sometimes")
+    assert bad.exit_code == 2 and "--disk-admission must be one of all, reused" in bad.output

@@ -43,17 +43,28 @@ def register(app: typer.Typer) -> None:
         cpu_gib: str = typer.Option(..., "--cpu-gib", help="CPU tier capacities to sweep, GiB, comma-separated, "
                                     "total across tensor-parallel ranks (e.g. 64,128,256)."),
         disk_gib: float = typer.Option(0.0, "--disk-gib", help="Disk tier capacity, GiB (0: none)."),
+        shared_gib: float = typer.Option(0.0, "--shared-gib", help="Shared (Redis/Valkey) tier capacity, GiB "
+                                         "(0: none)."),
+        disk_admission: str = typer.Option("all", "--disk-admission", help="all, or reused: the disk takes only "
+                                           "chunks the cpu tier served."),
+        shared_admission: str = typer.Option("all", "--shared-admission", help="all or reused, for the shared tier."),
         policy: str = typer.Option("lru,lru-tail,default,belady", "--policy",
                                    help="Eviction policies, comma-separated, from: "
                                    + ", ".join(available_policies() + ["belady"]) + "."),
         json_path: Path | None = typer.Option(None, "--json", help="Write results as JSON here."),
         plot_path: Path | None = typer.Option(None, "--plot", help="Write a PNG hit-ratio plot here."),
-        recommend_mode: bool = typer.Option(False, "--recommend", help="Print the smallest cpu capacity "
-                                            "reaching 95% of the largest one's hit ratio, and the knee."),
+        recommend_mode: bool = typer.Option(False, "--recommend", help="Print a size per tier (cpu: knee of "
+                                            "the default's curve; disk/shared: smallest reaching 95% of the "
+                                            "no-eviction ceiling), or one line saying why none is enough."),
         prefill_tokens_per_s: float = typer.Option(20_000.0, "--prefill-tokens-per-s",
                                                    help="Prefill throughput, tokens/s (see docs/simulate.md)."),
         cpu_gb_per_s: float = typer.Option(64.0, "--cpu-gb-per-s", help="CPU→GPU bandwidth, GB/s (PCIe Gen5 x16)."),
         disk_gb_per_s: float = typer.Option(7.0, "--disk-gb-per-s", help="Disk read bandwidth, GB/s (Gen4 NVMe)."),
+        shared_gb_per_s: float = typer.Option(1.25, "--shared-gb-per-s", help="Shared tier bandwidth, GB/s "
+                                              "(10 Gb/s Ethernet)."),
+        disk_latency_ms: float = typer.Option(0.1, "--disk-latency-ms", help="Disk latency per request served, ms."),
+        shared_latency_ms: float = typer.Option(0.5, "--shared-latency-ms", help="Shared tier latency per request "
+                                                "served, ms."),
         workers: int = typer.Option(0, "--workers", help="Processes (0: one per CPU core)."),
     ) -> None:
         """Replay a trace through the engine's prefix cache, a cpu tier and a disk tier, and report
@@ -62,7 +73,7 @@ def register(app: typer.Typer) -> None:
 
         from kvtier.simulate.cost import Throughputs
         from kvtier.simulate.geometry import GeometryError, kv_bytes_per_token_from_file
-        from kvtier.simulate.recommend import recommend
+        from kvtier.simulate.recommend import size_tiers
         from kvtier.simulate.report import print_report, write_json
         from kvtier.simulate.sweep import SweepSpec, check_policies, policy_label, run_sweep
         from kvtier.simulate.trace import TraceError, read_trace
@@ -74,8 +85,13 @@ def register(app: typer.Typer) -> None:
             fail(f"--kv-bytes-per-token must be a positive integer, got {kv_bytes_per_token}")
         if tokens_per_block is not None and tokens_per_block <= 0:
             fail(f"--tokens-per-block must be a positive integer, got {tokens_per_block}")
-        if not 0 <= engine_gib < float("inf") or not 0 <= disk_gib < float("inf"):
-            fail("--engine-gib and --disk-gib must be finite and >= 0 GiB")
+        if not all(0 <= g < float("inf") for g in (engine_gib, disk_gib, shared_gib)):
+            fail("--engine-gib, --disk-gib and --shared-gib must be finite and >= 0 GiB")
+        from kvtier.core.policies.admission import available_admissions
+
+        for option, value in (("--disk-admission", disk_admission), ("--shared-admission", shared_admission)):
+            if value not in available_admissions():
+                fail(f"{option} must be one of {', '.join(available_admissions())}, got {value!r}")
         if workers < 0:
             fail(f"--workers must be >= 0, got {workers}")
         gibs = parse_gib_list(cpu_gib, "--cpu-gib")
@@ -84,7 +100,8 @@ def register(app: typer.Typer) -> None:
             fail("--policy lists no policy; give e.g. lru,default,belady")
         try:
             check_policies(policies)
-            rates = Throughputs(prefill_tokens_per_s, cpu_gb_per_s, disk_gb_per_s)
+            rates = Throughputs(prefill_tokens_per_s, cpu_gb_per_s, disk_gb_per_s, shared_gb_per_s, 0.0,
+                                disk_latency_ms, shared_latency_ms)
         except ValueError as exc:
             fail(str(exc))
         try:
@@ -92,29 +109,32 @@ def register(app: typer.Typer) -> None:
             requests = read_trace(trace, fmt, tokens_per_block)
         except (GeometryError, TraceError) as exc:
             fail(str(exc))
-        spec = SweepSpec(per_token * requests.block_tokens, engine_gib, gibs, disk_gib, policies)
+        spec = SweepSpec(per_token * requests.block_tokens, engine_gib, gibs, disk_gib, policies, shared_gib,
+                         (disk_admission, shared_admission))
         result = run_sweep(requests, spec, workers)
         elapsed = time.perf_counter() - started
 
         console = Console()
         console.print(f"{requests.name}: {requests.num_requests:,} requests, {requests.num_chunks:,} chunks "
-                      f"({requests.num_unique_chunks:,} distinct) of {requests.block_tokens} tokens, "
-                      f"{per_token:,} KV bytes/token, {spec.chunk_bytes / 2**20:,.1f} MiB/chunk; "
-                      f"replayed in {elapsed:.1f} s")
+                      f"({requests.num_unique_chunks:,} distinct)")
+        console.print(f"{requests.block_tokens} tokens × {per_token:,} B = {spec.chunk_bytes / 2**20:,.1f} MiB "
+                      f"per chunk; replayed in {elapsed:.1f} s")
         print_report(console, result, rates)
         if recommend_mode:
-            for name in policies:
-                rows = result.curve(name)
-                rec = recommend([r.cpu_gib for r in rows], [r.token_hit_ratio for r in rows])
-                knee = "none (no bend from steep to flat)" if rec.knee_gib is None else f"{rec.knee_gib:g} GiB"
-                line = (f"{policy_label(name)}: {rec.enough_gib:g} GiB reaches {rec.enough_hit_ratio:.2%} "
-                        f"(≥ 95% of {rec.largest_hit_ratio:.2%} at {max(gibs):g} GiB); knee: {knee}")
-                if rec.enough_gib == max(gibs) and len(gibs) > 1:
-                    line += "; still rising at the largest capacity tried: sweep larger ones"
-                console.print(line)
+            name = "default" if "default" in policies else next((p for p in policies if p != "belady"), None)
+            if name is None:
+                fail("--recommend needs an online policy in --policy (belady knows the future)")
+            rows = result.curve(name)
+            lower = [t for t, g in (("disk", disk_gib), ("shared", shared_gib)) if g > 0] or ["disk"]
+            ceiling, sizes = size_tiers(requests, spec, [(r.cpu_gib, r.token_hit_ratio) for r in rows],
+                                        name, rates, lower)
+            console.print(f"sizes for {policy_label(name)} (ceiling {ceiling:.1%}: a cache that never evicts):")
+            for size in sizes:
+                gib = "none" if size.gib is None else f"{size.gib:,.0f} GiB"
+                console.print(f"  {size.tier:<6} {gib:>10}  {size.reason}")
         try:
             if json_path is not None:
-                write_json(json_path, result, elapsed)
+                write_json(json_path, result, elapsed, rates)
                 console.print(f"JSON: {json_path}")
             if plot_path is not None:
                 from kvtier.simulate.plot import write_plot

@@ -25,6 +25,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvtier.core.errors import ConfigError
+from kvtier.core.policies.admission import available_admissions
 from kvtier.core.policies.registry import available_policies
 from kvtier.core.tiers.registry import available_tiers
 
@@ -44,6 +45,9 @@ class KVTierConfig(BaseSettings):
         "write-through", description="write-through: every saved chunk is queued for disk at once (a hard kill "
         "loses at most the queue); write-back: chunks go to disk when evicted from cpu or at a graceful stop.")
     policy: str = Field("default", description="Eviction policy name (kvtier.core.policies).")
+    admission: dict[str, str] = Field(default_factory=dict, description=(
+        "Admission policy per lower tier, e.g. {disk: reused}: all (default) or reused (only chunks served "
+        "from the cpu tier at least once); kvtier.core.policies.admission."))
     save_queue_depth: int = Field(64, gt=0, description="Disk writes queued at most; more are dropped and counted.")
     io_threads: int = Field(2, gt=0, le=64, description="Worker threads for disk I/O.")
     disk_io: Literal["auto", "buffered", "direct"] = Field(
@@ -82,6 +86,19 @@ class KVTierConfig(BaseSettings):
     def _known_policy(cls, value: str) -> str:
         if value not in available_policies():
             raise ValueError(f"unknown policy {value!r}; choose one of {', '.join(available_policies())}")
+        return value
+
+    @field_validator("admission")
+    @classmethod
+    def _known_admission(cls, value: dict[str, str]) -> dict[str, str]:
+        lower = [t for t in available_tiers() if t != "cpu"]
+        for tier, name in value.items():
+            if tier not in lower:
+                raise ValueError(f"admission is set for tier {tier!r}; set it for a lower tier: {', '.join(lower)} "
+                                 "(the cpu tier takes every chunk the engine computes)")
+            if name not in available_admissions():
+                raise ValueError(f"unknown admission policy {name!r} for tier {tier!r}; choose one of "
+                                 f"{', '.join(available_admissions())}")
         return value
 
     @field_validator("tiers")

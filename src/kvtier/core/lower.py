@@ -32,6 +32,7 @@ import numpy as np
 from kvtier.core.keys import ChunkKey
 from kvtier.core.metrics import StoreMetrics
 from kvtier.core.policies import EvictionPolicy, make_policy
+from kvtier.core.policies.admission import AdmissionPolicy, AdmitAll
 from kvtier.core.tiers.base import GetResult, PutResult, Tier
 
 log = logging.getLogger("kvtier.core.store")
@@ -85,6 +86,7 @@ class LowerTier:
         self.shared = tier.shared
         self.write_back = write_back and not tier.shared
         self.policy: EvictionPolicy | None = None if tier.shared else make_policy(policy)
+        self.admission: AdmissionPolicy = AdmitAll()  # the store sets the configured one
         self.pins: Counter[ChunkKey] = Counter()
         self._lock = lock
         self._metrics = metrics

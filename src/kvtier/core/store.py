@@ -63,6 +63,7 @@ from kvtier.core.keys import ChunkKey, Namespace
 from kvtier.core.lower import LowerTier, WriteJob
 from kvtier.core.metrics import StoreMetrics
 from kvtier.core.policies import make_policy
+from kvtier.core.policies.admission import make_admission
 from kvtier.core.shared import SharedLookups
 from kvtier.core.tiers.base import GetResult, StagingTier, Tier
 from kvtier.core.tiers.registry import TierContext, make_tier
@@ -127,6 +128,8 @@ class TieredStore(ChangeFeedMixin):
                                 config.save_queue_depth, self._lock, self.metrics, self.counters,
                                 self.cpu.view, self._on_written, self._note_locked, self._resync_locked)
                       for t in tiers[1:]]
+        for lt in self.lower:  # admission per lower tier (kvtier.core.policies.admission)
+            lt.admission = make_admission(config.admission.get(lt.name, "all"))
         self.top.back = [lt for lt in self.lower if lt.write_back]
         self._local = [lt for lt in self.lower if not lt.shared]
         self._shared = [lt for lt in self.lower if lt.shared]
@@ -375,7 +378,7 @@ class TieredStore(ChangeFeedMixin):
                 self.top.unpin(key)
             handle.pinned = []
             if refresh and handle.keys:
-                self.cpu_policy.touch([k for k in handle.keys if self.cpu.contains(k)])
+                self.top.used([k for k in handle.keys if self.cpu.contains(k)])
                 for lt in self._local:
                     used = [k for k, t in zip(handle.keys, handle.tiers) if t == lt.name]
                     if used and lt.policy is not None:

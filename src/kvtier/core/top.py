@@ -54,6 +54,7 @@ class TopTier:
         self.writing: Counter[ChunkKey] = Counter()  # write jobs reading a page (subset of pins)
         self.staged: dict[ChunkKey, StagedCopy] = {}
         self.parent: dict[ChunkKey, ChunkKey | None] = {}
+        self.uses: Counter[ChunkKey] = Counter()  # times each resident chunk was served (admission)
         self._metrics = metrics
         self._counters = counters
         self.on_change: Callable[[ChunkKey], None] = lambda key: None  # the store's change feed
@@ -101,6 +102,7 @@ class TopTier:
         self.tier.delete(key)
         self.policy.remove(key)
         self.parent.pop(key, None)
+        self.uses.pop(key, None)
         self.on_change(key)
         self._counters[f"evictions_{self.name}"] += 1
         self._metrics.evictions.labels(self.name).inc()
@@ -113,7 +115,7 @@ class TopTier:
         victim = self.policy.victim(self.evictable)
         if victim is None:
             return False
-        missing = [lt for lt in self.back if not lt.tier.indexed(victim)]
+        missing = self._admitting(victim)
         if missing:  # write-back: stage a copy so the page is free now; the writes happen on workers
             copy = self.stage(victim)
             for lt in missing:
@@ -136,7 +138,7 @@ class TopTier:
             victim = self.policy.victim(lambda k: self.evictable(k) and k not in writing)
             if victim is None:
                 return
-            missing = [lt for lt in self.back if not lt.tier.indexed(victim)]
+            missing = self._admitting(victim)
             if not missing:
                 self.evict(victim)
                 free += 1
@@ -145,6 +147,17 @@ class TopTier:
                       for lt in missing]
             if not any(queued):
                 return
+
+    def used(self, keys: list[ChunkKey]) -> None:
+        """One request was served these resident chunks: tell the policy, count the uses."""
+        self.policy.touch(keys)
+        for key in keys:
+            self.uses[key] += 1
+
+    def _admitting(self, victim: ChunkKey) -> list[LowerTier]:
+        """Write-back tiers that lack ``victim`` and whose admission takes it."""
+        uses = self.uses.get(victim, 0)
+        return [lt for lt in self.back if not lt.tier.indexed(victim) and lt.admission.judge(victim, uses)]
 
     def enqueue(self, lt: LowerTier, job: WriteJob) -> bool:
         """Queue ``job`` for ``lt``, pinning the page it reads; False (counted) if the queue is full."""

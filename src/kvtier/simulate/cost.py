@@ -7,6 +7,10 @@ For each token served from a tier instead of recomputed::
     saved = 1 / prefill_tokens_per_s - bytes_per_token / disk_bytes_per_s
                                      - bytes_per_token / cpu_bytes_per_s            (disk tier,
                                                               read to host, then over PCIe)
+    saved = 1 / prefill_tokens_per_s - bytes_per_token / shared_bytes_per_s
+                                     - bytes_per_token / cpu_bytes_per_s          (shared tier)
+
+and each request that a tier serves pays that tier's latency once (``*_latency_ms``).
 
 Prefill cost is taken as linear in tokens (it is not: attention grows with context, so long
 prompts save more than this says), transfers are not overlapped with compute, and a negative
@@ -19,6 +23,11 @@ Defaults and their sources (GB = 10^9 bytes):
   with ``kvtier bench-store`` and pass it.
 - ``disk_gb_per_s = 7``: one PCIe Gen4 NVMe SSD, sequential read (Samsung 990 PRO datasheet:
   up to 7,450 MB/s).
+- ``shared_gb_per_s = 1.25``: one 10 Gb/s Ethernet link (10GBASE-T line rate, IEEE 802.3an)
+  between the host and a Redis/Valkey server.
+- ``disk_latency_ms = 0.1``: one NVMe read round trip (order of 100 µs; Samsung 990 PRO datasheet
+  random-read figures); ``shared_latency_ms = 0.5``: one network round trip to Redis in a data
+  centre plus the server's work; ``cpu_latency_ms = 0``.
 - ``prefill_tokens_per_s = 20000``: an 8B-parameter model on one H100 at ~30 % of peak:
   prefill costs about 2 × parameters FLOPs per token (Kaplan et al., "Scaling Laws for Neural
   Language Models", 2020, section 2.1), 989 TFLOPS dense BF16 (NVIDIA H100 SXM datasheet):
@@ -33,20 +42,31 @@ from dataclasses import dataclass
 DEFAULT_PREFILL_TOKENS_PER_S = 20_000.0
 DEFAULT_CPU_GB_PER_S = 64.0
 DEFAULT_DISK_GB_PER_S = 7.0
+DEFAULT_SHARED_GB_PER_S = 1.25
+DEFAULT_DISK_LATENCY_MS = 0.1
+DEFAULT_SHARED_LATENCY_MS = 0.5
 
 
 @dataclass(frozen=True)
 class Throughputs:
-    """Prefill speed (tokens/s) and tier-to-engine bandwidths (GB/s, 10^9 bytes/s)."""
+    """Prefill speed (tokens/s), tier-to-engine bandwidths (GB/s, 10^9 bytes/s) and per-request
+    latency of each tier (ms)."""
 
     prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S
     cpu_gb_per_s: float = DEFAULT_CPU_GB_PER_S
     disk_gb_per_s: float = DEFAULT_DISK_GB_PER_S
+    shared_gb_per_s: float = DEFAULT_SHARED_GB_PER_S
+    cpu_latency_ms: float = 0.0
+    disk_latency_ms: float = DEFAULT_DISK_LATENCY_MS
+    shared_latency_ms: float = DEFAULT_SHARED_LATENCY_MS
 
     def __post_init__(self) -> None:
-        for name in ("prefill_tokens_per_s", "cpu_gb_per_s", "disk_gb_per_s"):
+        for name in ("prefill_tokens_per_s", "cpu_gb_per_s", "disk_gb_per_s", "shared_gb_per_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        for name in ("cpu_latency_ms", "disk_latency_ms", "shared_latency_ms"):
+            if not 0 <= getattr(self, name) < float("inf"):
+                raise ValueError(f"{name.replace('_', '-')} must be finite and >= 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -56,11 +76,12 @@ class TimeSaved:
     engine_s: float
     cpu_s: float
     disk_s: float
+    shared_s: float = 0.0
 
     @property
     def offload_s(self) -> float:
-        """What the cpu and disk tiers add beyond the engine's own cache."""
-        return self.cpu_s + self.disk_s
+        """What the cpu, disk and shared tiers add beyond the engine's own cache."""
+        return self.cpu_s + self.disk_s + self.shared_s
 
     @property
     def total_s(self) -> float:
@@ -68,16 +89,21 @@ class TimeSaved:
 
 
 def time_saved(engine_tokens: int, cpu_tokens: int, disk_tokens: int, kv_bytes_per_token: float,
-               rates: Throughputs) -> TimeSaved:
+               rates: Throughputs, shared_tokens: int = 0, loads: tuple[int, int, int] = (0, 0, 0)) -> TimeSaved:
     """Prefill seconds saved by tokens served from each tier (see the module docstring).
 
     Args:
-        engine_tokens, cpu_tokens, disk_tokens: prompt tokens served by each tier.
+        engine_tokens, cpu_tokens, disk_tokens, shared_tokens: prompt tokens served by each tier.
         kv_bytes_per_token: KV bytes per token (all layers, K and V).
-        rates: prefill speed and bandwidths.
+        rates: prefill speed, bandwidths and latencies.
+        loads: requests served by the cpu, disk and shared tier (each pays its latency once).
     """
     recompute = 1.0 / rates.prefill_tokens_per_s
     cpu_load = kv_bytes_per_token / (rates.cpu_gb_per_s * 1e9)
     disk_load = kv_bytes_per_token / (rates.disk_gb_per_s * 1e9) + cpu_load
-    return TimeSaved(engine_tokens * recompute, cpu_tokens * (recompute - cpu_load),
-                     disk_tokens * (recompute - disk_load))
+    shared_load = kv_bytes_per_token / (rates.shared_gb_per_s * 1e9) + cpu_load
+    cpu_n, disk_n, shared_n = loads
+    return TimeSaved(engine_tokens * recompute,
+                     cpu_tokens * (recompute - cpu_load) - cpu_n * rates.cpu_latency_ms / 1e3,
+                     disk_tokens * (recompute - disk_load) - disk_n * rates.disk_latency_ms / 1e3,
+                     shared_tokens * (recompute - shared_load) - shared_n * rates.shared_latency_ms / 1e3)

@@ -16,6 +16,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvtier.simulate.cost import Throughputs
+    from kvtier.simulate.sweep import SweepSpec
+    from kvtier.simulate.trace import Trace
 
 
 @dataclass(frozen=True)
@@ -59,3 +65,91 @@ def _knee(points: list[tuple[float, float]]) -> float | None:
     diffs = [(y - min(ys)) / y_span - (x - xs[0]) / x_span for x, y in zip(xs, ys)]
     best = max(range(len(points)), key=lambda i: diffs[i])
     return points[best][0] if diffs[best] > 0 else None
+
+
+@dataclass(frozen=True)
+class TierSize:
+    """A recommended size for one tier, or why there is none.
+
+    Attributes:
+        tier: ``cpu``, ``disk`` or ``shared``.
+        gib: the size, GiB; ``None`` when no size is enough (``reason`` says why).
+        hit_ratio: token hit ratio of the whole stack with this size (and the tiers above it).
+        reason: one line.
+    """
+
+    tier: str
+    gib: float | None
+    hit_ratio: float
+    reason: str
+
+
+def size_tiers(trace: Trace, spec: SweepSpec, cpu_curve: Sequence[tuple[float, float]], policy: str,
+               rates: Throughputs, lower: Sequence[str], share: float = 0.95) -> tuple[float, list[TierSize]]:
+    """A concrete size per tier: cpu from its swept curve (the knee, else the smallest capacity
+    reaching ``share`` of the largest), then each lower tier in order, with the tiers above at
+    their recommended size: the smallest of ``cpu × 2^k`` (k = 1, 3, 5, ... up to twice the
+    trace's footprint) that brings the whole stack to ``share`` of the *ceiling*, the hit ratio of
+    a cache that never evicts.
+
+    Args:
+        trace, spec: as swept (chunk size, engine tier, admission).
+        cpu_curve: ``(cpu GiB, token hit ratio)`` of ``policy`` from the sweep.
+        policy: eviction policy of every tier.
+        rates: bandwidths, to refuse a tier that is slower than recomputing.
+        lower: lower tiers to size, in lookup order (``disk``, ``shared``).
+
+    Returns:
+        (ceiling token hit ratio, one :class:`TierSize` per tier: cpu first).
+    """
+    from kvtier.core.policies import make_policy
+    from kvtier.simulate.replay import chunk_parents, engine_prefix_hits, replay
+
+    parents = chunk_parents(trace)
+    engine = engine_prefix_hits(trace, spec.chunks(spec.engine_gib))
+    footprint = trace.num_unique_chunks
+    gib_per_chunk = spec.chunk_bytes / (1 << 30)
+
+    def hit(cpu: int, disk: int = 0, shared: int = 0) -> float:
+        c = replay(trace, engine, cpu, disk, lambda: make_policy(policy), parents, shared_chunks=shared,
+                   admission=spec.admission)
+        return (c.engine_hits + c.cpu_hits + c.disk_hits + c.shared_hits) * trace.block_tokens / c.prompt_tokens
+
+    ceiling = hit(footprint)
+    rec = recommend([g for g, _ in cpu_curve], [h for _, h in cpu_curve], share)
+    cpu_gib = rec.knee_gib if rec.knee_gib is not None else rec.enough_gib
+    cpu_hit = dict(cpu_curve)[cpu_gib]
+    how = "knee of the curve" if rec.knee_gib is not None else f"{share:.0%} of the largest swept"
+    sizes = [TierSize("cpu", cpu_gib, cpu_hit, f"{how}; hits {cpu_hit:.1%}")]
+    target = share * ceiling
+    chosen = {"cpu": spec.chunks(cpu_gib), "disk": 0, "shared": 0}
+    best = cpu_hit
+    per_token = spec.chunk_bytes / trace.block_tokens
+    for tier in lower:
+        bandwidth = rates.disk_gb_per_s if tier == "disk" else rates.shared_gb_per_s
+        if per_token / (bandwidth * 1e9) + per_token / (rates.cpu_gb_per_s * 1e9) >= 1 / rates.prefill_tokens_per_s:
+            sizes.append(TierSize(tier, None, best, f"slower than prefill ({bandwidth:g} GB/s vs "
+                                                    f"{rates.prefill_tokens_per_s:,.0f} tok/s)"))
+            continue
+        if best >= target:
+            sizes.append(TierSize(tier, None, best, f"not needed: the tiers above hit {best:.1%}"))
+            continue
+        found = None
+        trials = [max(chosen["cpu"], 1) * 2]
+        while trials[-1] < 2 * footprint:
+            trials.append(trials[-1] * 4)
+        for chunks in trials:
+            trial = dict(chosen, **{tier: chunks})
+            ratio = hit(trial["cpu"], trial["disk"], trial["shared"])
+            if ratio >= target:
+                found = (chunks, ratio)
+                break
+            best = max(best, ratio)
+        if found is None:
+            sizes.append(TierSize(tier, None, best, f"none is enough: {trials[-1] * gib_per_chunk:,.0f} GiB "
+                                                    f"hits {best:.1%} < {share:.0%} of the ceiling"))
+            continue
+        chosen[tier], best = found
+        sizes.append(TierSize(tier, found[0] * gib_per_chunk, best, f"then hits {best:.1%} "
+                                                                     f"(≥ {share:.0%} of the ceiling)"))
+    return ceiling, sizes

@@ -10,8 +10,12 @@ The model, one request at a time in arrival order (no overlap between requests):
              offered to the cpu tier: resident ones are touched, missing ones are stored
              (write-through from the engine, like vLLM's offloading connector and LMCache:
              the engine drops HBM blocks silently, so they must be saved when computed).
-             A chunk evicted from cpu spills to disk (write-back, kvtier's TieredStore); a disk
-             hit is promoted to cpu (it is stored there again) and stays on disk.
+             A chunk evicted from cpu spills to disk and to the shared tier (write-back, kvtier's
+             TieredStore), each if its admission takes it (``judge(key, uses in cpu)``,
+             :mod:`kvtier.core.policies.admission`); a disk or shared hit is promoted to cpu (it
+             is stored there again) and stays where it was.  The shared tier (Redis/Valkey) evicts
+             least recently used first (Redis ``maxmemory-policy allkeys-lru``); lookups go cpu,
+             disk, shared.
 
 Only the first ``(num_tokens - 1) // block_tokens`` chunks may hit: when a whole prompt is cached
 the engine still recomputes the last token to get logits, and its block with it (vLLM
@@ -34,8 +38,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.core.policies.admission import make_admission
 from kvtier.core.policies.base import EvictionPolicy
-from kvtier.core.policies.lru import TailFirstLRUPolicy
+from kvtier.core.policies.lru import LRUPolicy, TailFirstLRUPolicy
 from kvtier.simulate.trace import Trace
 
 
@@ -100,6 +105,10 @@ class ReplayCounts:
         engine_hits, cpu_hits, disk_hits: chunks served by each tier (not recomputed).
         cpu_stores, disk_stores: chunks written into each tier.
         cpu_evictions, disk_evictions: chunks evicted from each tier.
+        shared_hits, shared_stores, shared_evictions: the same for the shared tier.
+        cpu_loads, disk_loads, shared_loads: requests served at least one chunk by that tier
+            (each pays the tier's latency once).
+        rejected: chunks a lower tier's admission turned away.
     """
 
     prompt_tokens: int
@@ -111,6 +120,13 @@ class ReplayCounts:
     disk_stores: int
     cpu_evictions: int
     disk_evictions: int
+    shared_hits: int = 0
+    shared_stores: int = 0
+    shared_evictions: int = 0
+    cpu_loads: int = 0
+    disk_loads: int = 0
+    shared_loads: int = 0
+    rejected: int = 0
 
 
 class OfflinePolicy(EvictionPolicy):
@@ -138,7 +154,8 @@ def chunk_parents(trace: Trace) -> dict[int, int | None]:
 
 
 def replay(trace: Trace, engine_hits: list[int], cpu_chunks: int, disk_chunks: int,
-           make_policy: PolicyFactory, parents: dict[int, int | None] | None = None) -> ReplayCounts:
+           make_policy: PolicyFactory, parents: dict[int, int | None] | None = None, *, shared_chunks: int = 0,
+           admission: tuple[str, str] = ("all", "all")) -> ReplayCounts:
     """Replay ``trace`` with one fresh policy per tier from ``make_policy``.
 
     Args:
@@ -149,14 +166,22 @@ def replay(trace: Trace, engine_hits: list[int], cpu_chunks: int, disk_chunks: i
         make_policy: returns a fresh policy (called once per tier).
         parents: :func:`chunk_parents` of the trace (computed if not given; pass it when
             sweeping to compute it once).
+        shared_chunks: shared-tier capacity in chunks (0: none).
+        admission: admission policy names of the disk and the shared tier.
 
     Returns:
         the counts of this run.
     """
     cpu_policy = make_policy()
     disk_policy = make_policy() if disk_chunks > 0 else None
-    if disk_policy is not None and parents is None:
+    if parents is None:
         parents = chunk_parents(trace)
+    disk_admits = make_admission(admission[0]).judge
+    shared_admits = make_admission(admission[1]).judge
+    shared: set[Any] = set()
+    shared_lru = LRUPolicy()
+    uses: dict[Any, int] = {}  # cpu-resident chunk -> times served from cpu
+    shared_hits = shared_stores = shared_evictions = cpu_loads = disk_loads = shared_loads = rejected = 0
     clocked = [p for p in (cpu_policy, disk_policy) if isinstance(p, OfflinePolicy)]
     cpu: set[Any] = set()
     disk: set[Any] = set()
@@ -174,19 +199,32 @@ def replay(trace: Trace, engine_hits: list[int], cpu_chunks: int, disk_chunks: i
         limit = limits[r]
         j = engine_hits[r]
         from_disk: list[Any] = []
+        from_shared: list[Any] = []
+        served = 0
         while j < limit:
             key = keys[j]
             if key in cpu:
-                cpu_hits += 1
+                served += 1
+                uses[key] = uses.get(key, 0) + 1
             elif key in disk:
                 from_disk.append(key)
+            elif key in shared:
+                from_shared.append(key)
             else:
                 break
             j += 1
+        if served:
+            cpu_hits += served
+            cpu_loads += 1
         if from_disk:
             disk_hits += len(from_disk)
+            disk_loads += 1
             assert disk_policy is not None
             disk_policy.touch(from_disk)
+        if from_shared:
+            shared_hits += len(from_shared)
+            shared_loads += 1
+            shared_lru.touch(from_shared)
         resident = [k for k in keys if k in cpu]
         if resident:
             cpu_touch(resident)
@@ -204,7 +242,22 @@ def replay(trace: Trace, engine_hits: list[int], cpu_chunks: int, disk_chunks: i
                     cpu_remove(victim)
                     cpu.discard(victim)
                     cpu_evictions += 1
-                    if disk_policy is not None and victim not in disk:
+                    used = uses.pop(victim, 0)
+                    if shared_chunks > 0 and victim not in shared:
+                        if shared_admits(victim, used):
+                            shared.add(victim)
+                            shared_lru.insert(victim, None)
+                            shared_stores += 1
+                            if len(shared) > shared_chunks:
+                                gone = shared_lru.victim()
+                                shared_lru.remove(gone)
+                                shared.discard(gone)
+                                shared_evictions += 1
+                        else:
+                            rejected += 1
+                    if disk_policy is not None and victim not in disk and not disk_admits(victim, used):
+                        rejected += 1
+                    elif disk_policy is not None and victim not in disk:
                         disk.add(victim)
                         disk_policy.insert(victim, parent_of[victim])
                         disk_stores += 1
@@ -216,4 +269,5 @@ def replay(trace: Trace, engine_hits: list[int], cpu_chunks: int, disk_chunks: i
                             disk_evictions += 1
             parent = key
     return ReplayCounts(sum(trace.num_tokens), sum(limits), sum(engine_hits), cpu_hits, disk_hits,
-                        cpu_stores, disk_stores, cpu_evictions, disk_evictions)
+                        cpu_stores, disk_stores, cpu_evictions, disk_evictions, shared_hits, shared_stores,
+                        shared_evictions, cpu_loads, disk_loads, shared_loads, rejected)

@@ -4,11 +4,14 @@ JSON (``--json PATH``), exactly::
 
     {"elapsed_s": float,
      "rows": [{"policy": str, "cpu_gib": float, "token_hit_ratio": float,
-               "chunk_hit_ratio": float, "bytes_loaded": int}, ...]}
+               "chunk_hit_ratio": float, "bytes_loaded": int,
+               "tier_hit_ratio": {"engine": float, "cpu": float, "disk": float, "shared": float},
+               "saved_s": float}, ...]}
 
-``token_hit_ratio``: prompt tokens served by any tier (engine, cpu, disk) / prompt tokens;
-``chunk_hit_ratio``: chunks served / chunks that could hit; ``bytes_loaded``: bytes loaded into
-the engine from cpu and disk.
+``token_hit_ratio``: prompt tokens served by any tier (engine, cpu, disk, shared) / prompt
+tokens; ``tier_hit_ratio``: the same per serving tier; ``chunk_hit_ratio``: chunks served /
+chunks that could hit; ``bytes_loaded``: bytes loaded into the engine from cpu, disk and shared;
+``saved_s``: estimated prefill seconds saved (:mod:`kvtier.simulate.cost`).
 """
 
 from __future__ import annotations
@@ -18,11 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from kvtier.core.policies.registry import DEFAULT_POLICY
 from kvtier.simulate.cost import Throughputs, TimeSaved, time_saved
-from kvtier.simulate.sweep import GIB, SweepResult, SweepRow, policy_label
+from kvtier.simulate.sweep import SweepResult, SweepRow
 
 LRU_POLICIES = ("lru", "lru-tail")
 
@@ -31,45 +36,56 @@ def row_time_saved(row: SweepRow, rates: Throughputs) -> TimeSaved:
     """Prefill seconds saved over the trace by this run's hits."""
     c = row.counts
     per_token = row.chunk_bytes / row.block_tokens
-    return time_saved(row.tokens(c.engine_hits), row.tokens(c.cpu_hits), row.tokens(c.disk_hits), per_token, rates)
+    return time_saved(row.tokens(c.engine_hits), row.tokens(c.cpu_hits), row.tokens(c.disk_hits), per_token, rates,
+                      row.tokens(c.shared_hits), (c.cpu_loads, c.disk_loads, c.shared_loads))
 
 
-def to_json(result: SweepResult, elapsed_s: float) -> dict[str, Any]:
+def to_json(result: SweepResult, elapsed_s: float, rates: Throughputs | None = None) -> dict[str, Any]:
     """The JSON document of the module docstring."""
+    rates = rates or Throughputs()
     return {"elapsed_s": elapsed_s,
             "rows": [{"policy": r.policy, "cpu_gib": r.cpu_gib, "token_hit_ratio": r.token_hit_ratio,
-                      "chunk_hit_ratio": r.chunk_hit_ratio, "bytes_loaded": r.bytes_loaded}
+                      "chunk_hit_ratio": r.chunk_hit_ratio, "bytes_loaded": r.bytes_loaded,
+                      "tier_hit_ratio": {t: r.tier_token_hit_ratio(t) for t in ("engine", "cpu", "disk", "shared")},
+                      "saved_s": row_time_saved(r, rates).total_s}
                      for r in result.rows]}
 
 
-def write_json(path: Path, result: SweepResult, elapsed_s: float) -> None:
+def write_json(path: Path, result: SweepResult, elapsed_s: float, rates: Throughputs | None = None) -> None:
     """Write :func:`to_json` to ``path`` (OSError if the directory is missing or read-only)."""
-    path.write_text(json.dumps(to_json(result, elapsed_s), indent=2) + "\n", encoding="utf-8")
+    path.write_text(json.dumps(to_json(result, elapsed_s, rates), indent=2) + "\n", encoding="utf-8")
 
 
 def table(result: SweepResult, rates: Throughputs) -> Table:
-    """One line per (cpu capacity, policy): token hit ratio in all and per serving tier, chunk hit
-    ratio, GiB loaded into the engine and stored into the tiers, prefill seconds saved."""
-    has_disk = result.disk_chunks > 0
-    title = f"engine tier {result.spec.engine_gib:g} GiB ({result.engine_chunks} chunks)"
-    if has_disk:
-        title += f", disk tier {result.spec.disk_gib:g} GiB ({result.disk_chunks} chunks)"
-    t = Table(title=title, caption=f"{policy_label('default')}; hit: prompt tokens not recomputed, and by "
-              "serving tier; saved: prefill seconds, total (cpu + disk part)")
-    tiers = ("engine", "cpu", "disk") if has_disk else ("engine", "cpu")
-    for header in ("cpu GiB", "policy", "hit", *tiers, "chunk hit", "loaded GiB", "stored GiB", "saved s"):
-        t.add_column(header, justify="left" if header == "policy" else "right")
+    """One line per (cpu capacity, policy): token hit ratio in all and per serving tier, and
+    prefill seconds saved.  Fits 80 columns (per-tier GiB moved and chunk ratios are in --json)."""
+    tiers = ["cpu"] + [t for t, n in (("disk", result.disk_chunks), ("shared", result.shared_chunks)) if n > 0]
+    spec = result.spec
+    title = f"engine {spec.engine_gib:g} GiB"
+    if result.disk_chunks:
+        title += f", disk {spec.disk_gib:g} GiB" + (f" ({spec.admission[0]})" if spec.admission[0] != "all" else "")
+    if result.shared_chunks:
+        title += f", shared {spec.shared_gib:g} GiB" + (
+            f" ({spec.admission[1]})" if spec.admission[1] != "all" else "")
+    t = Table(title=title, caption=f"hit: not recomputed (engine {_engine_share(result):.1%} of it); saved: prefill s", box=box.SIMPLE_HEAD, pad_edge=False)
+    for header in ("cpu GiB", "policy", "hit", *tiers, "saved s"):
+        t.add_column(header, justify="left" if header == "policy" else "right", no_wrap=True)
     previous = None
     for row in result.rows:
-        c = row.counts
         saved = row_time_saved(row, rates)
-        t.add_row(f"{row.cpu_gib:g}" if row.cpu_gib != previous else "", row.policy,
+        t.add_row(f"{row.cpu_gib:g}" if row.cpu_gib != previous else "", _short(row.policy),
                   f"{row.token_hit_ratio:.1%}", *(f"{row.tier_token_hit_ratio(tier):.1%}" for tier in tiers),
-                  f"{row.chunk_hit_ratio:.1%}", f"{row.bytes_loaded / GIB:,.0f}",
-                  f"{(c.cpu_stores + c.disk_stores) * row.chunk_bytes / GIB:,.0f}",
-                  f"{saved.total_s:,.0f} ({saved.offload_s:,.0f})")
+                  f"{saved.total_s:,.0f}")
         previous = row.cpu_gib
     return t
+
+
+def _engine_share(result: SweepResult) -> float:
+    return result.rows[0].tier_token_hit_ratio("engine") if result.rows else 0.0
+
+
+def _short(policy: str) -> str:
+    return f"default={DEFAULT_POLICY}" if policy == "default" else policy
 
 
 @dataclass(frozen=True)
@@ -107,9 +123,9 @@ def belady_gaps(result: SweepResult, policy: str) -> list[GapRow]:
 
 def gap_table(gaps: list[GapRow], policy: str) -> Table:
     widest = max(gaps, key=lambda g: g.gap)
-    t = Table(title=f"share of the LRU–Belady gap closed by {policy_label(policy)} (widest gap: {widest.cpu_gib:g} GiB)")
-    for header in ("cpu GiB", "best LRU", policy_label(policy), "Belady", "gap", "closed"):
-        t.add_column(header, justify="right")
+    t = Table(title=f"LRU–Belady gap closed by {_short(policy)} (* widest)", box=box.SIMPLE_HEAD, pad_edge=False)
+    for header in ("cpu GiB", "best LRU", _short(policy), "Belady", "gap", "closed"):
+        t.add_column(header, justify="right", no_wrap=True)
     for g in gaps:
         closed = "–" if g.closed is None else f"{g.closed:.1%}"
         t.add_row(f"{g.cpu_gib:g}" + (" *" if g is widest else ""), f"{g.lru:.2%}", f"{g.policy:.2%}",

@@ -55,6 +55,8 @@ class SweepSpec:
         cpu_gibs: cpu-tier capacities to try, GiB.
         disk_gib: disk-tier capacity, GiB (0: no disk tier).
         policies: policy names, in report order.
+        shared_gib: shared-tier (Redis/Valkey) capacity, GiB (0: none).
+        admission: admission policy names of the disk and shared tiers.
     """
 
     chunk_bytes: int
@@ -62,6 +64,8 @@ class SweepSpec:
     cpu_gibs: tuple[float, ...]
     disk_gib: float
     policies: tuple[str, ...]
+    shared_gib: float = 0.0
+    admission: tuple[str, str] = ("all", "all")
 
     def chunks(self, gib: float) -> int:
         """Chunks that fit in ``gib`` GiB."""
@@ -85,7 +89,7 @@ class SweepRow:
     @property
     def hit_chunks(self) -> int:
         c = self.counts
-        return c.engine_hits + c.cpu_hits + c.disk_hits
+        return c.engine_hits + c.cpu_hits + c.disk_hits + c.shared_hits
 
     @property
     def token_hit_ratio(self) -> float:
@@ -93,7 +97,7 @@ class SweepRow:
         return self.tokens(self.hit_chunks) / self.counts.prompt_tokens
 
     def tier_token_hit_ratio(self, tier: str) -> float:
-        """The share of prompt tokens served by ``tier`` (``engine``, ``cpu`` or ``disk``)."""
+        """The share of prompt tokens served by ``tier`` (``engine``, ``cpu``, ``disk`` or ``shared``)."""
         return self.tokens(getattr(self.counts, f"{tier}_hits")) / self.counts.prompt_tokens
 
     @property
@@ -103,8 +107,8 @@ class SweepRow:
 
     @property
     def bytes_loaded(self) -> int:
-        """Bytes loaded into the engine from the cpu and disk tiers."""
-        return (self.counts.cpu_hits + self.counts.disk_hits) * self.chunk_bytes
+        """Bytes loaded into the engine from the cpu, disk and shared tiers."""
+        return (self.counts.cpu_hits + self.counts.disk_hits + self.counts.shared_hits) * self.chunk_bytes
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,7 @@ class SweepResult:
     engine_chunks: int
     disk_chunks: int
     rows: list[SweepRow]
+    shared_chunks: int = 0
 
     def curve(self, policy: str) -> list[SweepRow]:
         """Rows of one policy, by increasing cpu capacity."""
@@ -135,7 +140,8 @@ def _make(policy: str) -> EvictionPolicy:
 def _run(job: tuple[str, int]) -> ReplayCounts:
     policy, cpu_chunks = job
     return replay(_SHARED["trace"], _SHARED["engine_hits"], cpu_chunks, _SHARED["disk_chunks"],
-                  lambda: _make(policy), _SHARED["parents"])
+                  lambda: _make(policy), _SHARED["parents"], shared_chunks=_SHARED["shared_chunks"],
+                  admission=_SHARED["admission"])
 
 
 _COST_RANK = {"adaptive": 0, "prefix-freq": 0, "default": 0, "belady": 1, "s3fifo": 2, "prefix-lru": 2}
@@ -160,7 +166,8 @@ def run_sweep(trace: Trace, spec: SweepSpec, workers: int = 0) -> SweepResult:
     disk_chunks = spec.chunks(spec.disk_gib)
     _SHARED.clear()
     _SHARED.update(trace=trace, engine_hits=engine_prefix_hits(trace, engine_chunks),
-                   disk_chunks=disk_chunks, parents=chunk_parents(trace))
+                   disk_chunks=disk_chunks, parents=chunk_parents(trace),
+                   shared_chunks=spec.chunks(spec.shared_gib), admission=spec.admission)
     if "belady" in spec.policies:
         _SHARED["oracle"] = TraceOracle(trace)
     jobs = [(policy, spec.chunks(gib)) for gib in spec.cpu_gibs for policy in spec.policies]
@@ -180,4 +187,4 @@ def run_sweep(trace: Trace, spec: SweepSpec, workers: int = 0) -> SweepResult:
         assert job_counts is not None
         rows.append(SweepRow(policy, gib, cpu_chunks, job_counts, trace.block_tokens, spec.chunk_bytes))
     _SHARED.clear()
-    return SweepResult(spec, engine_chunks, disk_chunks, rows)
+    return SweepResult(spec, engine_chunks, disk_chunks, rows, spec.chunks(spec.shared_gib))
