@@ -100,6 +100,29 @@ def test_env_typo_is_rejected_and_env_errors_name_the_variable(monkeypatch):
         KVTierConfig.from_dict({})
 
 
+def test_the_variable_named_by_redis_password_env_is_not_a_setting_typo(monkeypatch):
+    # docs/shared-tier.md's own example keeps the password in KVTIER_REDIS_PASSWORD
+    monkeypatch.setenv("KVTIER_REDIS_PASSWORD", "hunter2")
+    cfg = KVTierConfig.from_dict({"redis_url": "redis://127.0.0.1:6390/0", "redis_password_env": "KVTIER_REDIS_PASSWORD"})
+    assert cfg.redis_password_env == "KVTIER_REDIS_PASSWORD"
+    monkeypatch.setenv("KVTIER_REDIS_PASSWORD_ENV", "KVTIER_REDIS_PASSWORD")  # named from the environment too
+    assert KVTierConfig.from_dict({}).redis_password_env == "KVTIER_REDIS_PASSWORD"
+    monkeypatch.delenv("KVTIER_REDIS_PASSWORD_ENV")
+    with pytest.raises(ConfigError, match="KVTIER_REDIS_PASSWORD is not a kvtier setting") as info:
+        KVTierConfig.from_dict({"redis_password_env": "OTHER_VAR"})  # not the named one: still a typo guard
+    assert info.value.env_var == "KVTIER_REDIS_PASSWORD"
+
+
+def test_an_explicit_bad_value_is_named_before_a_bad_environment_variable(monkeypatch):
+    monkeypatch.setenv("KVTIER_CPU_GIB", "lots")
+    with pytest.raises(ConfigError, match="'write_mode'") as info:
+        KVTierConfig.from_dict({"write_mode": "write-around"})
+    assert info.value.env_var is None
+    with pytest.raises(ConfigError, match="from environment variable KVTIER_CPU_GIB") as info:
+        KVTierConfig.from_dict({"write_mode": "write-back"})
+    assert info.value.env_var == "KVTIER_CPU_GIB"
+
+
 def test_home_is_expanded_and_failed_checks_create_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     cfg = KVTierConfig.from_dict({"disk_path": "~/kv", "disk_gib": 0.001})

@@ -132,6 +132,19 @@ def test_cli_check_good_bad_and_unreadable(tmp_path):
     assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
 
 
+def test_environment_problems_are_reported_once_and_the_password_variable_is_accepted(monkeypatch):
+    shared = {"redis_url": "redis://127.0.0.1:6390/0", "redis_password_env": "KVTIER_REDIS_PASSWORD"}
+    env = {**os.environ, "KVTIER_REDIS_PASSWORD": "hunter2"}
+    run = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "check", json.dumps(transfer(extra=shared))],
+                         capture_output=True, text=True, check=False, timeout=120, env=env)
+    assert run.returncode == 0 and run.stdout.startswith("ok:"), run.stdout + run.stderr
+    monkeypatch.setenv("KVTIER_CPU_GIB", "lots")  # one bad variable, several explicit keys: one error, about it
+    problems = check_transfer_config(transfer(extra={"chunk_tokens": 128, "write_mode": "write-back"}))
+    assert [(p.severity, p.key) for p in problems] == [("error", "kv_connector_extra_config")], problems
+    assert "KVTIER_CPU_GIB" in problems[0].message
+    assert check_transfer_config(transfer(extra={"chunk_tokens": 128, "cpu_gib": 0.5})) == []  # explicit wins
+
+
 @pytest.mark.engine
 def test_vllm_server_with_a_bad_kvtier_config_stops_before_the_model_loads(tiny_model: Path):
     """The plugin is registered through pyproject's vllm.general_plugins entry point (as installed by make)."""

@@ -163,11 +163,11 @@ class KVTierConfig(BaseSettings):
                 # checked here: pydantic-settings would take keys such as "_env_file" as its own options
                 raise ConfigError(f"unknown kvtier config key {key!r}{did_you_mean(key, cls.model_fields)}; "
                                   f"known keys are {', '.join(cls.model_fields)}")
-        _check_env()
+        _check_env(values)
         try:
             return cls(**values)
         except ValidationError as exc:
-            raise ConfigError(_one_sentence(exc, explicit=set(values))) from None
+            raise ConfigError(*_one_sentence(exc, explicit=set(values))) from None
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> KVTierConfig:
@@ -294,13 +294,20 @@ def did_you_mean(name: str, known: Iterable[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _check_env() -> None:
-    """Reject ``KVTIER_*`` variables that name no field (a typo would otherwise be ignored)."""
+def _check_env(values: dict[str, Any]) -> None:
+    """Reject ``KVTIER_*`` variables that name no field (a typo would otherwise be ignored).
+
+    The variable that ``redis_password_env`` names (in ``values`` or ``KVTIER_REDIS_PASSWORD_ENV``)
+    holds the password, not a setting, and is exempt: docs/shared-tier.md names it
+    ``KVTIER_REDIS_PASSWORD``.
+    """
     known = {f"KVTIER_{name.upper()}" for name in KVTierConfig.model_fields}
+    password_env = values.get("redis_password_env", os.environ.get("KVTIER_REDIS_PASSWORD_ENV"))
     for var in os.environ:
-        if var.upper().startswith("KVTIER_") and var.upper() not in known:
+        if var.upper().startswith("KVTIER_") and var.upper() not in known and var != password_env:
             raise ConfigError(f"environment variable {var} is not a kvtier setting{did_you_mean(var.upper(), known)}; "
-                              f"known ones are {', '.join(sorted(known))}")
+                              "rename or unset it (a Redis password variable must be the one named by "
+                              f"redis_password_env); known ones are {', '.join(sorted(known))}", env_var=var)
 
 
 def _dir_bytes(path: Path) -> int:
@@ -314,16 +321,20 @@ def _dir_bytes(path: Path) -> int:
     return total
 
 
-def _one_sentence(exc: ValidationError, explicit: set[str] | None = None) -> str:
-    err = exc.errors()[0]
+def _one_sentence(exc: ValidationError, explicit: set[str] | None = None) -> tuple[str, str | None]:
+    """The first error of ``exc`` as one sentence, and the ``KVTIER_*`` variable it comes from (or None)."""
+    errors = exc.errors()
+    # a value the caller gave explicitly first: an environment variable's error is the caller's only if no other
+    err = next((e for e in errors if explicit and ".".join(map(str, e["loc"])) in explicit), errors[0])
     field = ".".join(str(p) for p in err["loc"])
     msg = err["msg"].removeprefix("Value error, ")
     if not field:  # a check across fields: its message names the fields itself
-        return f"kvtier config: {msg}"
-    source = ""
+        return f"kvtier config: {msg}", None
+    env_var = None
     if explicit is not None and field not in explicit and f"KVTIER_{field.upper()}" in os.environ:
-        source = f" (from environment variable KVTIER_{field.upper()})"
+        env_var = f"KVTIER_{field.upper()}"
+    source = f" (from environment variable {env_var})" if env_var else ""
     value = err.get("input")
     secret = field in ("redis_url", "shared_secret")  # never echo a password or a secret
     shown = f" (got {value!r})" if value is not None and not isinstance(value, dict) and not secret else ""
-    return f"kvtier config field {field!r}{source}: {msg}{shown}; fix the value of {field!r}"
+    return f"kvtier config field {field!r}{source}: {msg}{shown}; fix the value of {field!r}", env_var

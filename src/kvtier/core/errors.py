@@ -23,7 +23,17 @@ class UserError(KVTierError):
 
 
 class ConfigError(UserError, ValueError):
-    """A configuration value is wrong; the message is one sentence naming the field and the fix."""
+    """A configuration value is wrong; the message is one sentence naming the field and the fix.
+
+    Attributes:
+        env_var: the ``KVTIER_*`` environment variable the problem comes from (an unknown name, or
+            the bad value of a field the explicit config did not set); None when it comes from the
+            explicit config.
+    """
+
+    def __init__(self, message: str, env_var: str | None = None) -> None:
+        super().__init__(message)
+        self.env_var = env_var
 
 
 class MetricsError(UserError):

@@ -188,6 +188,9 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
             KVTierConfig.from_dict({k: known[k] for k in group})
             good.update({k: known[k] for k in group})
         except ConfigError as exc:
+            if exc.env_var is not None:  # not this group's fault: the check of all values below reports it, once
+                good.update({k: known[k] for k in group})
+                continue
             problems.append(Problem("error", f"{key}.{group[0]}" if len(group) == 1 else key, str(exc)))
     try:
         config = KVTierConfig.from_dict(good)  # the valid values, defaults for the rest
