@@ -11,8 +11,10 @@ XXH3-128, computed over every payload byte:
   kernel copies that compete with the hash for the same cores: each slice is hashed right after
   it is read (while it is in the CPU cache), and overlap comes from ``io_threads`` chunks read at
   once by the disk tier.
-- **Writes** hash the whole payload on a helper thread while the calling thread writes it; the
-  header (which holds the digest) is written last, at offset 0.
+- **Writes**, buffered: a payload of at least :data:`OVERLAP_MIN_BYTES` is hashed on a helper
+  thread while it is written, and the header (which holds the digest) goes last, at offset 0.
+  Direct writes, and smaller payloads, are hashed first and written with their header in one
+  call: one device request costs less than a second, synchronous one for the header.
 - **O_DIRECT** (``direct=True``): the page cache is bypassed, so the kernel does not copy the
   bytes and the host's page cache is not filled with chunks the cpu tier already holds.  I/O goes
   straight to and from the caller's buffer when it is 4096-byte aligned (the cpu tier's pages
@@ -51,7 +53,7 @@ DEFAULT_SLICE_BYTES = 2 << 20
 READ_DEPTH = 4
 """Slices read ahead at once in a pipelined read (keeps the device busy with several requests)."""
 OVERLAP_MIN_BYTES = 2 << 20
-"""Payloads at least this large are hashed on a helper thread while they are written."""
+"""Buffered payloads at least this large are hashed on a helper thread while they are written."""
 
 
 def aligned_buffer(nbytes: int) -> memoryview:
@@ -105,7 +107,9 @@ class ChunkIO:
             raise ValueError(f"slice_bytes must be a positive multiple of {ALIGN}, got {slice_bytes}")
         self.direct = direct
         self.pipeline = direct if pipeline is None else pipeline
-        self.overlap_min_bytes = OVERLAP_MIN_BYTES
+        # direct writes: one device I/O (header + payload) beats hashing on a helper and writing the
+        # header afterwards (measured, docs/benchmarks.md); buffered writes are CPU copies worth overlapping
+        self.overlap_min_bytes = 1 << 62 if direct else OVERLAP_MIN_BYTES
         self.read_depth = READ_DEPTH
         self.slice_bytes = slice_bytes
         self.open_flags = O_DIRECT if direct else 0
