@@ -71,9 +71,16 @@ def test_disk_path_that_is_a_file(tmp_path):
 
 def test_chunk_tokens_against_the_block_size():
     cfg = transfer(extra={"chunk_tokens": 100})
-    assert errors(cfg) == []  # block size unknown: not judged
+    assert errors(cfg) == []  # block size unknown: a --block-size 4 server takes it, so only a warning
+    (warned,) = check_transfer_config(cfg)
+    assert (warned.severity, warned.key) == ("warning", "kv_connector_extra_config.chunk_tokens")
+    assert "16 (CUDA) or 128 (CPU)" in warned.message
+    (warned,) = check_transfer_config(transfer(extra={"chunk_tokens": 64}))  # fine on CUDA, refused on CPU
+    assert "block size 128 (CPU)" in warned.message and "16" not in warned.message
+    assert check_transfer_config(transfer(extra={"chunk_tokens": 256})) == []
     (found,) = errors(cfg, block_size=16)
     assert "multiple of the engine block size 16" in found
+    assert check_transfer_config(transfer(extra={"chunk_tokens": 64}), block_size=16) == []
 
 
 @pytest.mark.parametrize("changes, words", [
@@ -128,6 +135,8 @@ def test_cli_check_good_bad_and_unreadable(tmp_path):
     warned = kvtier_check(str(path), "--json")
     data = json.loads(warned.stdout)
     assert warned.returncode == 0 and data["ok"] and data["problems"][0]["key"] == "kv_load_failure_policy"
+    odd = kvtier_check(json.dumps(transfer(extra={"chunk_tokens": 100})))  # no --block-size: warned, not a bare ok
+    assert odd.returncode == 0 and odd.stdout.startswith("warning: kv_connector_extra_config.chunk_tokens:")
     missing = kvtier_check(str(tmp_path / "nope.json"))
     assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
 

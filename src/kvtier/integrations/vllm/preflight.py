@@ -20,6 +20,7 @@ What is checked (each problem is one sentence naming the key and the fix):
 * ``kv_connector_extra_config`` with :meth:`KVTierConfig.from_dict`: unknown keys (closest key
   suggested), bad values, disk path checks (missing, not writable, not enough free space, a kernel
   pseudo filesystem such as ``/proc``), plus ``chunk_tokens`` against ``--block-size`` when known
+  (else a warning when it is not a multiple of vLLM's default block sizes, 16 and 128 on CPU)
   and ``cpu_gib`` against the memory this host has available (the connector refuses both);
 * MultiConnector children that name KVTierConnector are checked the same way.
 """
@@ -48,6 +49,10 @@ KV_TRANSFER_FIELDS = (
 
 KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
+
+DEFAULT_BLOCK_SIZES = {"CUDA": 16, "CPU": 128}
+"""vLLM 0.32's block size (tokens) without ``--block-size``: ``CacheConfig.DEFAULT_BLOCK_SIZE``
+(vllm/config/cache.py) and the CPU backend's override (vllm/platforms/cpu.py)."""
 
 Severity = Literal["error", "warning"]
 _DISK_KEYS = ("disk_path", "disk_gib")
@@ -201,6 +206,8 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
             config.validate_block_size(block_size)
         except ConfigError as exc:
             problems.append(Problem("error", f"{key}.chunk_tokens", str(exc)))
+    else:
+        problems.extend(_default_block_problem(key, config.chunk_tokens))
     if not host_checks:
         return problems
     available = available_memory()
@@ -214,6 +221,18 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
                                 f"disk_path {config.disk_path!r} is on tmpfs, i.e. in memory: the disk tier then "
                                 "competes with the cpu tier for RAM and is lost on reboot; use a local disk"))
     return problems
+
+
+def _default_block_problem(key: str, chunk_tokens: int) -> list[Problem]:
+    """A warning when ``chunk_tokens`` is not a multiple of a default block size (the server's is unknown)."""
+    misses = [f"{size} ({platform})" for platform, size in DEFAULT_BLOCK_SIZES.items() if chunk_tokens % size]
+    if not misses:
+        return []
+    return [Problem("warning", f"{key}.chunk_tokens",
+                    f"chunk_tokens={chunk_tokens} is not a multiple of vLLM's default block size "
+                    f"{' or '.join(misses)}, so the connector refuses it on a server without a --block-size that "
+                    f"divides it; set chunk_tokens to a multiple of {max(DEFAULT_BLOCK_SIZES.values())}, or pass "
+                    "--block-size to check against the server's")]
 
 
 def _disk_size_problem(key: str, disk_gib: Any) -> list[Problem]:
