@@ -139,6 +139,13 @@ def test_cli_check_good_bad_and_unreadable(tmp_path):
     assert odd.returncode == 0 and odd.stdout.startswith("warning: kv_connector_extra_config.chunk_tokens:")
     missing = kvtier_check(str(tmp_path / "nope.json"))
     assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
+    for unreadable in ("{", '{"kv_connector": "KVTierConnector",'):  # not JSON: unreadable input, like a bad path
+        broken = kvtier_check(unreadable)
+        assert broken.returncode == 2 and broken.stdout == "", broken
+        assert broken.stderr.startswith("error: --kv-transfer-config is not valid JSON at line 1")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    listed = kvtier_check(str(tmp_path / "list.json"))
+    assert listed.returncode == 2 and "must be a JSON object" in listed.stderr
 
 
 def test_environment_problems_are_reported_once_and_the_password_variable_is_accepted(monkeypatch):

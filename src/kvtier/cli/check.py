@@ -8,10 +8,11 @@ import sys
 import typer
 
 from kvtier.cli.errors import fail
+from kvtier.core.errors import ConfigError
 
 HELP = """Check a --kv-transfer-config for KVTierConnector in under a second, without starting vLLM.
 
-Runs the connector's own validator (the same checks it applies at engine start-up, after the model has loaded) and vLLM's transfer-config rules: unknown keys (with the closest known key), bad values, the disk tier path (exists or can be created, writable, enough free space, not a kernel filesystem such as /proc), cpu_gib against the memory this host has, chunk_tokens against --block-size (without it, a warning when it is not a multiple of vLLM's default block sizes, 16 and 128 on CPU), kv_connector_module_path, kv_role, and kv_load_failure_policy. Exit code 0 when it would start, 1 when it has errors, 2 when the input cannot be read.
+Runs the connector's own validator (the same checks it applies at engine start-up, after the model has loaded) and vLLM's transfer-config rules: unknown keys (with the closest known key), bad values, the disk tier path (exists or can be created, writable, enough free space, not a kernel filesystem such as /proc), cpu_gib against the memory this host has, chunk_tokens against --block-size (without it, a warning when it is not a multiple of vLLM's default block sizes, 16 and 128 on CPU), kv_connector_module_path, kv_role, and kv_load_failure_policy. Exit code 0 when it would start, 1 when it has errors, 2 when the input cannot be read (no such file, or not a JSON object).
 
 CONFIG is the JSON itself, a file holding it, or - for stdin. To check a whole serve command line, use `kvtier audit` (it runs the same checks).
 
@@ -45,11 +46,14 @@ def check_command(
 
     if block_size is not None and block_size < 1:
         fail(f"--block-size must be at least 1, got {block_size}.")
-    text = _read(config)
-    problems = check_transfer_config(text, block_size)
+    try:
+        transfer = parse_transfer_config(_read(config))
+    except ConfigError as exc:  # not JSON, or not an object: the input cannot be read (exit 2, as documented)
+        fail(str(exc))
+    problems = check_transfer_config(transfer, block_size)
     names_kvtier = False
     if not problems:
-        names_kvtier = uses_kvtier(parse_transfer_config(text))
+        names_kvtier = uses_kvtier(transfer)
     errors = [p for p in problems if p.severity == "error"]
     if as_json:
         print(json.dumps({"ok": not errors and (names_kvtier or bool(problems)),
