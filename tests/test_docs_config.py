@@ -1,0 +1,61 @@
+"""The operator docs state the configuration defaults that :class:`kvtier.core.config.KVTierConfig`
+really has: the key tables of docs/vllm.md and docs/shared-tier.md, and prose such as
+"(128, the default, is)"."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from kvtier.core.config import KVTierConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "docs" / "vllm.md", ROOT / "docs" / "shared-tier.md"]
+
+
+def documented_defaults(path: Path) -> list[tuple[str, str]]:
+    """``(key, default cell)`` of every table row whose first cell names config keys (``a`` / ``b``)."""
+    fields = KVTierConfig.model_fields
+    rows = []
+    for line in path.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        keys = re.findall(r"`([a-z_]+)`", cells[0]) if line.startswith("| `") else []
+        if not keys or not all(k in fields for k in keys):
+            continue
+        default = cells[2] if len(cells) >= 4 and path.name == "vllm.md" else cells[1]  # vllm.md has a unit column
+        values = [v.strip() for v in default.split(" / ")]
+        rows.extend(zip(keys, values if len(values) == len(keys) else values * len(keys), strict=True))
+    return rows
+
+
+def matches(cell: str, default: object) -> bool:
+    text = cell.strip("`")
+    if default is None:
+        return text.startswith("unset") or not re.fullmatch(r"[\d.]+|true|false", text)  # "system CAs"
+    if isinstance(default, bool):
+        return text == str(default).lower()
+    if isinstance(default, int | float):
+        return re.fullmatch(r"[\d.]+", text) is not None and float(text) == float(default)
+    return text == str(default)
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_key_tables_state_the_real_defaults(path: Path):
+    rows = documented_defaults(path)
+    assert len(rows) >= 10, f"found only {rows} in {path.name}: did the table format change?"
+    defaults = KVTierConfig.from_dict({}).model_dump()
+    wrong = [(key, cell, defaults[key]) for key, cell in rows if not matches(cell, defaults[key])]
+    assert wrong == []
+
+
+@pytest.mark.parametrize("path", [*DOCS, ROOT / "README.md", ROOT / "docs" / "store.md"], ids=lambda p: p.name)
+def test_prose_names_the_real_chunk_tokens_default(path: Path):
+    default = KVTierConfig.from_dict({}).chunk_tokens
+    # "(256, the default, is)" / "chunk_tokens (default 256)" near a mention of chunk_tokens
+    text = " ".join(path.read_text().split())
+    claims = re.findall(r"chunk_tokens`?[^.]{0,80}?\(?(\d+),? (?:the default|by default)|chunk_tokens`? \(default (\d+)",
+                        text)
+    stated = {int(a or b) for a, b in claims}
+    assert stated <= {default}, f"{path.name} says the chunk_tokens default is {stated}, it is {default}"
