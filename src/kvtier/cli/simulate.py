@@ -40,8 +40,10 @@ def register(app: typer.Typer) -> None:
             "kvtier-jsonl records carry their own)."),
         engine_gib: float = typer.Option(..., "--engine-gib", help="The engine's own prefix-cache KV budget "
                                          "(tier 0, HBM), GiB, total across tensor-parallel ranks."),
-        cpu_gib: str = typer.Option(..., "--cpu-gib", help="CPU tier capacities to sweep, GiB, comma-separated, "
-                                    "total across tensor-parallel ranks (e.g. 64,128,256)."),
+        cpu_gib: str | None = typer.Option(None, "--cpu-gib", help="CPU tier capacities to sweep, GiB, "
+                                           "comma-separated, total across tensor-parallel ranks (e.g. 64,128,256)."),
+        cpu_pct: str | None = typer.Option(None, "--cpu-pct", help="Instead of --cpu-gib: capacities as % of the "
+                                           "trace's distinct chunks (e.g. 1,2,5,10,20,50,100)."),
         disk_gib: float = typer.Option(0.0, "--disk-gib", help="Disk tier capacity, GiB (0: none)."),
         shared_gib: float = typer.Option(0.0, "--shared-gib", help="Shared (Redis/Valkey) tier capacity, GiB "
                                          "(0: none)."),
@@ -94,7 +96,9 @@ def register(app: typer.Typer) -> None:
                 fail(f"{option} must be one of {', '.join(available_admissions())}, got {value!r}")
         if workers < 0:
             fail(f"--workers must be >= 0, got {workers}")
-        gibs = parse_gib_list(cpu_gib, "--cpu-gib")
+        if (cpu_gib is None) == (cpu_pct is None):
+            fail("pass exactly one of --cpu-gib (GiB) or --cpu-pct (% of the trace's distinct chunks)")
+        gibs = parse_gib_list(cpu_gib or cpu_pct or "", "--cpu-gib" if cpu_gib else "--cpu-pct")
         policies = tuple(p.strip() for p in policy.split(",") if p.strip())
         if not policies:
             fail("--policy lists no policy; give e.g. lru,default,belady")
@@ -109,6 +113,9 @@ def register(app: typer.Typer) -> None:
             requests = read_trace(trace, fmt, tokens_per_block)
         except (GeometryError, TraceError) as exc:
             fail(str(exc))
+        if cpu_pct is not None:  # whole chunks: pct of the footprint, at least one
+            chunk_gib = per_token * requests.block_tokens / 2**30
+            gibs = tuple(max(1, round(requests.num_unique_chunks * p / 100)) * chunk_gib for p in gibs)
         spec = SweepSpec(per_token * requests.block_tokens, engine_gib, gibs, disk_gib, policies, shared_gib,
                          (disk_admission, shared_admission))
         result = run_sweep(requests, spec, workers)

@@ -67,7 +67,7 @@ def table(result: SweepResult, rates: Throughputs) -> Table:
     if result.shared_chunks:
         title += f", shared {spec.shared_gib:g} GiB" + (
             f" ({spec.admission[1]})" if spec.admission[1] != "all" else "")
-    t = Table(title=title, caption=f"hit: not recomputed (engine {_engine_share(result):.1%} of it); saved: prefill s", box=box.SIMPLE_HEAD, pad_edge=False)
+    t = Table(title=title, caption=f"saved: prefill s; engine: {_engine_share(result):.1%}", box=box.SIMPLE_HEAD, pad_edge=False)
     for header in ("cpu GiB", "policy", "hit", *tiers, "saved s"):
         t.add_column(header, justify="left" if header == "policy" else "right", no_wrap=True)
     previous = None

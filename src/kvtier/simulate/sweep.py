@@ -69,7 +69,7 @@ class SweepSpec:
 
     def chunks(self, gib: float) -> int:
         """Chunks that fit in ``gib`` GiB."""
-        return int(gib * GIB // self.chunk_bytes)
+        return int(gib * GIB / self.chunk_bytes + 1e-6)  # whole chunks; a capacity of exactly n chunks is n
 
 
 @dataclass(frozen=True)
