@@ -5,6 +5,7 @@ really has: the key tables of docs/vllm.md and docs/shared-tier.md, and prose su
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,29 @@ def test_prose_names_the_real_chunk_tokens_default(path: Path):
                         text)
     stated = {int(a or b) for a, b in claims}
     assert stated <= {default}, f"{path.name} says the chunk_tokens default is {stated}, it is {default}"
+
+
+def shell_commands(path: Path) -> list[str]:
+    """Every command of the fenced shell (or untagged) blocks of ``path``, continuations and quoted newlines joined."""
+    commands: list[str] = []
+    for block in re.findall(r"```(?:bash|sh|console)?\n(.*?)```", path.read_text(), flags=re.DOTALL):
+        pending = ""
+        for line in block.splitlines():
+            pending += line + "\n"
+            try:
+                shlex.split(pending, comments=True)
+            except ValueError:  # an open quote: the command goes on
+                continue
+            if not line.rstrip().endswith("\\"):
+                commands.append(pending)
+                pending = ""
+    return commands
+
+
+@pytest.mark.parametrize("path", [ROOT / "README.md", *DOCS], ids=lambda p: p.name)
+def test_every_kvtier_serve_line_stops_gracefully_on_sigterm(path: Path):
+    # without --shutdown-timeout vLLM 0.32's api_server force-kills its workers on SIGTERM: no flush (docs/vllm.md)
+    serve = [c for c in shell_commands(path)
+             if re.search(r"vllm serve|vllm\.entrypoints\.openai\.api_server", c) and "--kv-transfer-config" in c]
+    assert serve, f"no serve line with --kv-transfer-config found in {path.name}"
+    assert [c for c in serve if "--shutdown-timeout" not in c] == []
