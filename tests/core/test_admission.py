@@ -11,7 +11,7 @@ from tests.core.test_store import assert_served, put_chain
 
 
 def test_disk_admits_only_what_the_cpu_tier_served(tmp_path):
-    store = make_store(tmp_path, cpu_chunks=4, disk_chunks=32, admission={"disk": "reused"})
+    store = make_store(tmp_path, cpu_chunks=4, disk_chunks=32, admission={"disk": "reused"}, write_mode="write-back")
     try:
         a, b, c = chain_of(1, 2), chain_of(2, 2), chain_of(3, 4)
         put_chain(store, a)
@@ -49,7 +49,12 @@ def test_judge_and_names():
         make_admission("tinylfu")
 
 
-@pytest.mark.parametrize("admission, message", [({"cpu": "reused"}, "lower tier"), ({"disk": "often"}, "'often'")])
-def test_config_errors_name_the_tier_or_policy(admission, message):
+@pytest.mark.parametrize("values, message", [
+    ({"admission": {"cpu": "reused"}}, "lower tier"),
+    ({"admission": {"disk": "often"}}, "'often'"),
+    ({"admission": {"disk": "reused"}, "write_mode": "write-through"}, "needs write_mode write-back"),
+    ({"admission": {"redis": "reused"}, "write_mode": "write-back"}, "local tier"),
+])
+def test_config_errors_name_the_tier_or_policy(values, message):
     with pytest.raises(ConfigError, match=message):
-        KVTierConfig.from_dict({"admission": admission})
+        KVTierConfig.from_dict(values)

@@ -136,6 +136,11 @@ class KVTierConfig(BaseSettings):
             raise ValueError("disk_gib is set but disk_path is not; set disk_path to a local directory or disk_gib to 0")
         if self.disk_path and self.disk_gib > 0:
             _check_disk_path(Path(self.disk_path), self.disk_gib)
+        for tier, name in self.admission.items():  # judged when a chunk leaves the cpu tier (write-back)
+            if name != "all" and (tier == "redis" or self.write_mode != "write-back"):
+                raise ValueError(f"admission {name!r} for tier {tier!r} needs write_mode write-back and a local tier "
+                                 "(a chunk is judged when it leaves the cpu tier); set write_mode: write-back "
+                                 "or admission all")
         return self
 
     def public_dict(self) -> dict[str, Any]:
