@@ -1,11 +1,15 @@
-"""The operator docs state the configuration defaults that :class:`kvtier.core.config.KVTierConfig`
-really has: the key tables of docs/vllm.md and docs/shared-tier.md, and prose such as
-"(128, the default, is)"."""
+"""The operator docs say what the code does: the configuration defaults of
+:class:`kvtier.core.config.KVTierConfig` (the key tables of docs/vllm.md and docs/shared-tier.md,
+prose such as "(128, the default, is)"), serve lines that let kvtier flush on SIGTERM, and the
+README's request, run as written."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -86,3 +90,14 @@ def test_every_kvtier_serve_line_stops_gracefully_on_sigterm(path: Path):
              if re.search(r"vllm serve|vllm\.entrypoints\.openai\.api_server", c) and "--kv-transfer-config" in c]
     assert serve, f"no serve line with --kv-transfer-config found in {path.name}"
     assert [c for c in serve if "--shutdown-timeout" not in c] == []
+
+
+def test_readme_request_is_greedy_so_its_repeat_gives_the_same_text(tmp_path: Path):
+    # README step 4 sends one request twice and says the repeat's KV is found: sampled answers would differ
+    (command,) = [c for c in shell_commands(ROOT / "README.md") if "random_prompt" in c]
+    snippet = shlex.split(command.split(">")[0])
+    assert snippet[:2] == ["python", "-c"]
+    run = subprocess.run([sys.executable, "-c", snippet[2]], capture_output=True, text=True, check=True, timeout=300,
+                         cwd=tmp_path)
+    request = json.loads(run.stdout)
+    assert request["temperature"] == 0 and request["max_tokens"] > 0 and len(request["prompt"]) > 1000
