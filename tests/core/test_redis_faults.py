@@ -16,7 +16,7 @@ from .helpers import chain_of, make_store, payload
 
 DEADLINE_S = 0.3
 SLACK_S = 0.7  # thread scheduling on a shared, loaded test machine
-FAULT_SETTINGS = {"shared_deadline_s": DEADLINE_S, "redis_timeout_s": 0.5, "redis_connect_timeout_s": 0.3,
+FAULT_SETTINGS = {"shared_deadline_s": DEADLINE_S, "shared_transfer_deadline_s": DEADLINE_S, "redis_timeout_s": 0.5, "redis_connect_timeout_s": 0.3,
                   "redis_breaker_failures": 2, "redis_breaker_probe_s": 0.5}
 
 

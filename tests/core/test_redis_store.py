@@ -25,7 +25,7 @@ def put_chain(store, chain):
 
 def host(url: str, prefix: str, cpu_chunks: int = 16, **settings):
     # a deadline that a loaded 2-core test machine meets (tests/core/test_redis_faults.py uses tight ones)
-    values = {"shared_deadline_s": 2.0, "redis_timeout_s": 2.0, **settings}
+    values = {"shared_deadline_s": 2.0, "shared_transfer_deadline_s": 2.0, "redis_timeout_s": 2.0, **settings}
     return make_store(None, cpu_chunks=cpu_chunks, redis_url=url, redis_key_prefix=prefix, **values)
 
 

@@ -102,6 +102,7 @@ def make_redis_tier(url: str, ns: bytes, prefix: str, **settings: Any) -> redis_
     """A redis tier on ``url`` built the way the store builds it (from a config)."""
     # a deadline that a loaded 2-core test machine meets; the fault tests use tight ones
     config = KVTierConfig.from_dict({"redis_url": url, "redis_key_prefix": prefix, "shared_deadline_s": 2.0,
+                                     "shared_transfer_deadline_s": 2.0,
                                      "redis_timeout_s": 2.0, **settings})
     tier = redis_tier.from_config(TierContext(config, ns, CHUNK, 1, CollectorRegistry()))
     assert tier is not None

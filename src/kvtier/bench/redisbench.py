@@ -43,7 +43,7 @@ def bench_redis(url: str, chunk_mib: float, total_mib: float, repeats: int, clus
     nbytes = num * chunk_bytes
     prefix = f"kvtier-bench-{uuid.uuid4().hex[:8]}:"
     settings: dict[str, object] = {"redis_url": url, "redis_cluster": cluster, "redis_key_prefix": prefix,
-                                   "shared_deadline_s": 60.0, "redis_timeout_s": 60.0, "redis_ttl_s": 3600}
+                                   "shared_deadline_s": 60.0, "shared_transfer_deadline_s": 600.0, "redis_timeout_s": 60.0, "redis_ttl_s": 3600}
     if shared_secret:
         settings["shared_secret"] = shared_secret
     config = KVTierConfig.from_dict(settings)

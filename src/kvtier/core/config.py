@@ -60,6 +60,8 @@ class KVTierConfig(BaseSettings):
         "Tiers in order, top first (kvtier.core.tiers.registry); a tier whose settings are unset is skipped."))
     shared_deadline_s: float = Field(0.25, gt=0, le=60, allow_inf_nan=False, description=(
         "Deadline of one shared-tier lookup or read batch, seconds; past it the shared tier counts as a miss."))
+    shared_transfer_deadline_s: float = Field(5.0, gt=0, le=600, allow_inf_nan=False, description=(
+        "Deadline of one shared-tier read or write batch (chunk bytes on the wire), seconds; later is a miss."))
     shared_queue_depth: int = Field(64, gt=0, description=(
         "Shared-tier lookups in flight at most; more are answered from local tiers alone."))
     shared_secret: str | None = Field(None, repr=False, min_length=16, description=(

@@ -69,7 +69,8 @@ class RedisTier(Tier):
         secret: shared secret bytes (keyed MAC) or ``None``.
         key_prefix: prefix of every key.
         ttl_s: seconds each value lives.
-        deadline_s: longest a caller waits for one call or batch.
+        deadline_s: longest a caller waits for a presence batch (a lookup) or a delete.
+        transfer_deadline_s: longest a caller waits for a read or write batch (bytes on the wire).
         io_threads / queue_depth: the tier's threads and how many calls may wait for them.
         breaker: the circuit breaker.
         registry: prometheus registry for the tier's metrics.
@@ -81,6 +82,7 @@ class RedisTier(Tier):
 
     def __init__(self, client: Any, namespace: bytes, secret: bytes | None, key_prefix: str, ttl_s: int,
                  deadline_s: float, io_threads: int, queue_depth: int, breaker: CircuitBreaker,
+                 transfer_deadline_s: float | None = None,
                  registry: CollectorRegistry | None = None, where: str = "redis") -> None:
         super().__init__()
         self.client = client
@@ -88,6 +90,7 @@ class RedisTier(Tier):
         self.prefix = f"{key_prefix}{namespace.hex()}:".encode()
         self.ttl_s = ttl_s
         self.deadline_s = deadline_s
+        self.transfer_deadline_s = deadline_s if transfer_deadline_s is None else transfer_deadline_s
         self.breaker = breaker
         self.metrics = TierMetrics(self.name, registry)
         self.where = where
@@ -107,8 +110,11 @@ class RedisTier(Tier):
         return self.prefix + key.hex().encode()
 
     def _call(self, op: str, fn: Callable[[], T]) -> T | None:
-        """Run ``fn`` on the tier's threads under the deadline; ``None`` on any fault (counted)."""
+        """Run ``fn`` on the tier's threads under the op's deadline; ``None`` on any fault (counted)."""
         return self._wait(op, self._submit(op, fn))
+
+    def _deadline(self, op: str) -> float:
+        return self.transfer_deadline_s if op in ("get", "put") else self.deadline_s
 
     def _submit(self, op: str, fn: Callable[[], T]) -> tuple[Future[T], float] | None:
         """Start ``fn`` on the tier's threads; ``None`` (counted as skipped) if the breaker is open or
@@ -128,11 +134,12 @@ class RedisTier(Tier):
             return None
         future, t0 = started
         try:
-            result = future.result(timeout=max(self.deadline_s - (time.perf_counter() - t0), 0.0))
+            deadline_s = self._deadline(op)
+            result = future.result(timeout=max(deadline_s - (time.perf_counter() - t0), 0.0))
         except FutureTimeout:
             if future.cancel():  # never started: its slot is ours to give back
                 self._slots.release()
-            self._fault(op, f"deadline of {self.deadline_s:.3f} s passed")
+            self._fault(op, f"deadline of {deadline_s:.3f} s passed")
             return None
         except Exception as exc:  # noqa: BLE001 - every server or network fault is a miss
             self._fault(op, f"{type(exc).__name__}: {exc}")
@@ -469,4 +476,5 @@ def from_config(ctx: TierContext) -> RedisTier | None:
     return RedisTier(client, ctx.namespace, shared_secret(config), config.redis_key_prefix, config.redis_ttl_s,
                      config.shared_deadline_s, config.io_threads, config.shared_queue_depth,
                      CircuitBreaker(config.redis_breaker_failures, config.redis_breaker_probe_s),
-                     ctx.registry, redact_url(config.redis_url))
+                     transfer_deadline_s=config.shared_transfer_deadline_s, registry=ctx.registry,
+                     where=redact_url(config.redis_url))
