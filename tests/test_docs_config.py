@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from kvtier.core.config import KVTierConfig
 
@@ -36,6 +37,11 @@ def documented_defaults(path: Path) -> list[tuple[str, str]]:
 
 
 def matches(cell: str, default: object) -> bool:
+    if isinstance(default, dict | list | tuple):  # "`{}` (all)": the first literal, as YAML
+        literal = re.match(r"`([^`]*)`", cell)
+        value = yaml.safe_load(literal.group(1)) if literal else None
+        return isinstance(value, dict | list) and (list(value) if isinstance(value, list) else value) == (
+            list(default) if isinstance(default, tuple | list) else default)
     text = cell.strip("`")
     if default is None:
         return text.startswith("unset") or not re.fullmatch(r"[\d.]+|true|false", text)  # "system CAs"
