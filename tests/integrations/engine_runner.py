@@ -5,7 +5,8 @@ engine tests that need their own process (restarts, several engines at once).
 Usage: ``python engine_runner.py SPEC.json OUT.json``.  SPEC keys:
 
 - ``model``: model directory; ``kvtier``: the ``kv_connector_extra_config`` dict;
-  ``role``: ``kv_both`` / ``kv_producer`` / ``kv_consumer``; ``engine``: extra ``LLM`` kwargs.
+  ``role``: ``kv_both`` / ``kv_producer`` / ``kv_consumer``; ``engine``: extra ``LLM`` kwargs;
+  ``beside``: another connector's ``kv_transfer_config``, run with kvtier under MultiConnector.
 - ``steps``: list of ``{"op": "generate", "prompts": [...], "max_tokens": N, "salt": s}``,
   ``{"op": "flush"}`` (step the engine until ``/metrics`` shows no dirty bytes),
   ``{"op": "reset_prefix_cache"}``, ``{"op": "touch", "path": p}``,
@@ -50,6 +51,10 @@ def main(spec_path: str, out_path: str) -> int:
     transfer = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
                 "kv_role": spec.get("role", "kv_both"), "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": spec["kvtier"]}
+    if spec.get("beside"):  # a MultiConnector: kvtier first, then this other connector's config
+        transfer = {"kv_connector": "MultiConnector", "kv_role": transfer["kv_role"],
+                    "kv_load_failure_policy": "recompute",
+                    "kv_connector_extra_config": {"connectors": [transfer, spec["beside"]]}}
     engine = {"dtype": "float32", "max_model_len": 1024, "enforce_eager": True, "gpu_memory_utilization": 0.05,
               "kv_cache_memory_bytes": 64 << 20, "block_size": 32, "num_gpu_blocks_override": 64,
               "enable_prefix_caching": True, "disable_log_stats": False, "seed": 0}

@@ -190,3 +190,39 @@ def test_advice_names_the_chunk_size_a_state_group_wants():
     assert plan(full(), mamba(64)).advice() == []
     (note,) = plan(full(), mamba(32)).advice()
     assert "only about 1 prompt in 2" in note and "set chunk_tokens to 32" in note
+
+
+def test_group_jobs_plan_pages_over_the_real_mirror():
+    """GroupJobs names each page by (chunk key, group), reads presence from the scheduler's mirror
+    (every rank must hold a page), and turns plan decisions into page moves."""
+    from kvtier.core.keys import chunk_keys
+    from kvtier.integrations.vllm.group_jobs import GroupJobs
+    from kvtier.integrations.vllm.mirror import IndexMirror
+    from kvtier.integrations.vllm.protocol import PageMove, RankReport
+
+    p = plan(swa(64), full(), mamba(), retention=None)
+    root = bytes(16)
+    chain = [bytes(k) for k in chunk_keys(root, list(range(400)), C)]  # 6 chunks
+    mirror = IndexMirror(tp_size=2)
+    jobs = GroupJobs(p, mirror)
+
+    def report(rank: int, pages: list[tuple[int, int]], tier: str = "cpu") -> None:
+        changes = [(bytes(group_key(ChunkKey(chain[c]), g)), tier) for g, c in pages]
+        mirror.apply(rank, RankReport(root, changes, full=True))
+
+    everything = [(1, c) for c in range(6)] + [(0, 4), (0, 5), (2, 5)]
+    report(0, everything)
+    report(1, everything[:-1])  # rank 1 lacks the state at 384
+    assert jobs.lookup(chain, 0, 391) == (0, [])
+    report(1, everything, tier="disk")
+    hit, tiers = jobs.lookup(chain, 0, 391)
+    assert hit == 384 and tiers == ["disk"] * 6  # the slowest tier any rank holds a chunk's page in
+    pages = jobs.load_pages(chain, ([0] * 10 + [31, 32], list(range(1, 13)), [0] * 11 + [41]), 64, hit)
+    assert [(pg.group, pg.chunk) for pg in pages] == [(0, 5), (1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (2, 5)]
+    assert pages[0] == PageMove(bytes(group_key(ChunkKey(chain[5]), 0)), 0, 5, 0, (31, 32))
+    assert pages[-1].block_ids == (41,)
+    saves = jobs.save_pages(chain, 0, 6, (list(range(1, 13)), list(range(21, 33)), [0] * 11 + [41]),
+                            [(2, 41, 384), (2, 40, 352)], 391)
+    assert sorted((pg.group, pg.chunk) for pg in saves) == sorted(
+        [(0, c) for c in range(6)] + [(1, c) for c in range(6)] + [(2, 5)])
+

@@ -15,8 +15,10 @@ tier).
 
 What the connector declares to vLLM (vLLM 0.32, vllm/distributed/kv_transfer/kv_connector/v1/base.py):
 
-- Not ``SupportsHMA``: kvtier handles one full-attention KV cache group; vLLM then turns the
-  hybrid KV cache manager off, and a model that needs several groups is refused at start-up.
+- ``SupportsHMA``: the hybrid KV cache manager stays on; a hybrid model's groups (full
+  attention, sliding window, Mamba/linear-attention/conv state) are stored per group
+  (:mod:`kvtier.integrations.vllm.groups`), and a failed hybrid load is reported per request
+  (``failed_recving``), the only way vLLM accepts with several groups.
 - ``requires_kv_delivery = False``: a best-effort cache; a dropped save is a future miss.
 - Loads are asynchronous (``get_num_new_matched_tokens`` returns ``(n, True)``), saves are not
   (``request_finished`` returns ``False``: the copy out of the engine ends within its step).
@@ -36,6 +38,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -82,7 +86,7 @@ _use_vllm_logging()
 _SOURCES = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
 
 
-class KVTierConnector(KVConnectorBase_V1):
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM v1 KV connector backed by a kvtier :class:`~kvtier.core.store.TieredStore` per rank.
 
     Raises (at construction, i.e. engine start-up):
@@ -148,6 +152,14 @@ class KVTierConnector(KVConnectorBase_V1):
             return None, None
         return None, (self.worker_side.finished_loads(finished_req_ids) or None)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Finished loads, and (hybrid models) loads that failed whole: with several KV cache
+        groups vLLM takes request-level failures only (``failed_recving``), never block ids."""
+        results = super().get_transfer_results(finished_req_ids)
+        if self.worker_side is not None:
+            results.failed_recving = self.worker_side.take_failed()
+        return results
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.take_errors() if self.worker_side is not None else set()
 
@@ -197,6 +209,12 @@ class KVTierConnector(KVConnectorBase_V1):
         if self.scheduler_side is not None:
             self.scheduler_side.request_finished(request)
         return False, None  # saves finish within their step: blocks can be freed at once
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...],
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """``SupportsHMA``: vLLM calls this instead of :meth:`request_finished` (every group's
+        blocks; saves finish within their step, so they can be freed at once)."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
 
     # ---- metrics -----------------------------------------------------------------------------
     @classmethod

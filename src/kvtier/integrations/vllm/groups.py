@@ -378,3 +378,12 @@ class HybridPlan:
             assert [s for s, _ in slots] == list(range(first_slot, first_slot + len(ids))), "null inside a window"
             pages.append(ChunkBlocks(group.index, c, first_slot, ids))
         return pages
+
+
+def engine_plan(vllm_config: Any, kv_cache_config: Any, chunk_tokens: int) -> HybridPlan:
+    """The :class:`HybridPlan` of a running engine: its groups and its resolved
+    ``prefix_cache_retention_interval`` (``KVCacheConfig``, else ``CacheConfig``)."""
+    retention = getattr(kv_cache_config, "prefix_cache_retention_interval", None)
+    if retention is None and not hasattr(kv_cache_config, "prefix_cache_retention_interval"):
+        retention = getattr(vllm_config.cache_config, "prefix_cache_retention_interval", 0)
+    return HybridPlan(groups_from_kv_cache_config(kv_cache_config), chunk_tokens, retention)

@@ -28,6 +28,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from kvtier.core.keys import ChunkKey
 from kvtier.core.store import TieredStore
 from kvtier.integrations.vllm.copy import BlockCopier, Span
+from kvtier.integrations.vllm.group_io import GroupCopiers, load_pages
+from kvtier.integrations.vllm.mirror import TIER_ORDER
 from kvtier.integrations.vllm.protocol import LoadJob
 
 log = logging.getLogger(__name__)
@@ -45,10 +47,12 @@ class AsyncLoader:
         count: callback ``count(name, value)`` accumulating this rank's stats counters.
     """
 
-    def __init__(self, store: TieredStore, copier: BlockCopier, blocks_per_chunk: int, block_size: int,
-                 threads: int, count: Callable[[str, float], None]) -> None:
+    def __init__(self, store: TieredStore, copier: BlockCopier | None, blocks_per_chunk: int, block_size: int,
+                 threads: int, count: Callable[[str, float], None], groups: GroupCopiers | None = None) -> None:
         self.store = store
         self.copier = copier
+        self.groups = groups  # hybrid models: one copier per KV cache group, page jobs
+        self._failed: set[str] = set()
         self.k = blocks_per_chunk
         self.block_size = block_size
         self._count = count
@@ -77,12 +81,22 @@ class AsyncLoader:
             self._finished, self._errors = set(), set()
             return finished, errors
 
+    def take_failed(self) -> set[str]:
+        """Hybrid models: requests whose page load failed whole since the last call (they are
+        also in :meth:`take`'s finished set, no later than this)."""
+        with self._lock:
+            failed, self._failed = self._failed, set()
+            return failed
+
     @property
     def num_inflight(self) -> int:
         with self._lock:
             return len(self._inflight)
 
     def _run(self, job: LoadJob) -> None:
+        if job.pages:
+            self._run_pages(job)
+            return
         first_chunk = job.first_block // self.k
         delivered = first_chunk  # chunks whose blocks are filled (chunks before first_chunk need none)
         handle = None
@@ -101,6 +115,7 @@ class AsyncLoader:
                 spans.append(Span(handle.buffers[c], lo - c * self.k,
                                   job.block_ids[lo - job.first_block:hi - job.first_block]))
                 tiers.append(handle.tiers[c])
+            assert self.copier is not None
             self.copier.load(spans)
             ok = True
             delivered = max(usable, first_chunk)
@@ -127,6 +142,37 @@ class AsyncLoader:
                 self._finished.add(job.req_id)
                 self._inflight.pop(job.req_id, None)
                 self._aborted.discard(job.req_id)
+
+    def _run_pages(self, job: LoadJob) -> None:
+        """A hybrid model's load: every page of every group, or a failed request."""
+        assert self.groups is not None
+        tiers = None
+        t0 = time.perf_counter()
+        try:
+            with self._lock:
+                skipped = job.req_id in self._aborted
+            if not skipped:
+                tiers = load_pages(self.store, self.groups, job.pages)
+                if tiers is None:
+                    log.info("kvtier: request %s: the store no longer holds every planned page; recomputing it",
+                             job.req_id)
+        except Exception:
+            log.exception("kvtier: loading request %s's pages failed; recomputing it", job.req_id)
+            tiers = None
+            skipped = False
+        if tiers is not None:
+            slowest = max(tiers, key=lambda t: TIER_ORDER.get(t, 0), default="cpu")
+            tokens = job.hit_tokens - job.first_block * self.block_size  # first_block: the engine's own hit
+            self._count("reloaded_tokens" if job.resumed else f"loaded_tokens_{slowest}", tokens)
+            self._count("load_bytes", self.groups.moved_bytes(job.pages))
+            self._count("load_seconds", time.perf_counter() - t0)
+        with self._lock:
+            if tiers is None and not skipped:
+                self._failed.add(job.req_id)
+                self._count("load_failed_blocks", sum(len(p.block_ids) for p in job.pages))
+            self._finished.add(job.req_id)
+            self._inflight.pop(job.req_id, None)
+            self._aborted.discard(job.req_id)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Cancel jobs not started, wait up to ``timeout_s`` for running ones.  Idempotent."""

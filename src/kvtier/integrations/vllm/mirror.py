@@ -23,7 +23,7 @@ from kvtier.integrations.vllm.protocol import RankReport
 
 log = logging.getLogger(__name__)
 
-_SLOWER = {"cpu": 0, "disk": 1}
+TIER_ORDER = {"cpu": 0, "disk": 1}  # tier order, fastest first (also used by the loader and group_jobs)
 
 
 class IndexMirror:
@@ -66,6 +66,15 @@ class IndexMirror:
             else:
                 index[key] = tier
 
+    def tier(self, key: bytes) -> str | None:
+        """Tier of ``key`` if every rank holds it (the slowest of theirs), else ``None``."""
+        if not self.ready:
+            return None
+        tiers = [r.get(key) for r in self._ranks]
+        if None in tiers:
+            return None
+        return max(tiers, key=lambda t: TIER_ORDER.get(t or "", 0))
+
     def lookup(self, chain: Sequence[bytes]) -> list[str]:
         """Tier of each leading chunk of ``chain`` held by every rank (stops at the first miss)."""
         if not self.ready:
@@ -83,7 +92,7 @@ class IndexMirror:
             tiers = [r.get(key) for r in self._ranks]
             if None in tiers:
                 break
-            out.append(max(tiers, key=lambda t: _SLOWER.get(t or "", 0)) or "cpu")
+            out.append(max(tiers, key=lambda t: TIER_ORDER.get(t or "", 0)) or "cpu")
         return out
 
     def num_chunks(self, rank: int = 0) -> int:

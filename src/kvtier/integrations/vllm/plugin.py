@@ -31,11 +31,13 @@ _MARK = "_kvtier_preflight_installed"
 
 
 def register() -> None:
-    """Install the pre-flight on vLLM's ``KVTransferConfig`` (idempotent; a no-op without vLLM)."""
+    """Install the pre-flight on vLLM's ``KVTransferConfig`` and register KVTierConnector by
+    name (idempotent; a no-op without vLLM)."""
     try:
         from vllm.config.kv_transfer import KVTransferConfig
     except ImportError:
         return
+    register_connector()
     if getattr(KVTransferConfig, _MARK, False):
         return
     original = KVTransferConfig.__post_init__
@@ -46,6 +48,21 @@ def register() -> None:
 
     KVTransferConfig.__post_init__ = __post_init__  # type: ignore[method-assign]
     setattr(KVTransferConfig, _MARK, True)
+
+
+def register_connector() -> None:
+    """Name KVTierConnector in vLLM's ``KVConnectorFactory`` (lazily imported), so vLLM can find
+    it by name where no ``kv_connector_module_path`` is at hand: ``MultiConnector`` builds its
+    children's metrics in the API process that way
+    (vllm/distributed/kv_transfer/kv_connector/v1/multi_connector.py ``build_kv_connector_stats``),
+    and without it a MultiConnector holding kvtier fails at its first stats log."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    except ImportError:
+        return
+    if "KVTierConnector" not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector("KVTierConnector", "kvtier.integrations.vllm.connector",
+                                              "KVTierConnector")
 
 
 def preflight(config: Any) -> None:

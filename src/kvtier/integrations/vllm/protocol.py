@@ -26,6 +26,27 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 
 @dataclass(frozen=True)
+class PageMove:
+    """One stored page of one KV cache group of a hybrid model (see
+    :mod:`kvtier.integrations.vllm.groups`): page slot ``first_slot + j`` ↔ engine block
+    ``block_ids[j]`` of group ``group``'s layers.
+
+    Attributes:
+        key: the page's key (``group_key(chunk key, group)``, 16 bytes).
+        group: KV cache group index.
+        chunk: chunk index (for a state page: the chunk ending at the snapshot's boundary).
+        first_slot: first page slot moved.
+        block_ids: engine block ids of that group (never the null block).
+    """
+
+    key: bytes
+    group: int
+    chunk: int
+    first_slot: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class LoadJob:
     """Move a request's cached prefix into its engine blocks, asynchronously, on the workers.
 
@@ -35,6 +56,10 @@ class LoadJob:
         first_block: request-relative index of the first block to fill.
         block_ids: engine block ids for blocks ``first_block .. num_chunks*k - 1``.
         resumed: the request is re-admitted after a preemption (vLLM counts its hits apart).
+        pages: hybrid models only: every page to move (all groups); ``keys`` and ``block_ids``
+            are then empty.  The load succeeds whole or is reported failed whole (vLLM takes no
+            block-level errors with several KV cache groups).
+        hit_tokens: hybrid models only: the boundary the pages resume at.
     """
 
     req_id: str
@@ -42,6 +67,8 @@ class LoadJob:
     first_block: int
     block_ids: tuple[int, ...]
     resumed: bool = False
+    pages: tuple[PageMove, ...] = ()
+    hit_tokens: int = 0
 
     @property
     def num_chunks(self) -> int:
@@ -57,12 +84,14 @@ class SaveJob:
         keys: chunk keys ``0 .. chunk_end - 1`` (parents are needed by the eviction policy).
         chunk_start: first chunk to save (earlier ones were handled in earlier steps).
         block_ids: engine block ids of chunks ``chunk_start .. chunk_end - 1`` (``k`` per chunk).
+        pages: hybrid models only: the pages to save (``keys``/``block_ids`` then empty).
     """
 
     req_id: str
     keys: tuple[bytes, ...]
     chunk_start: int
     block_ids: tuple[int, ...]
+    pages: tuple[PageMove, ...] = ()
 
     @property
     def chunk_end(self) -> int:

@@ -31,6 +31,8 @@ from typing import Any
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import chunk_keys, request_root
+from kvtier.integrations.vllm.group_jobs import GroupJobs, handoffs_of
+from kvtier.integrations.vllm.groups import engine_plan
 from kvtier.integrations.vllm.mirror import IndexMirror
 from kvtier.integrations.vllm.protocol import KVTierMetadata, KVTierWorkerMeta, LoadJob, SaveJob
 
@@ -77,15 +79,16 @@ class SchedulerSide:
     def __init__(self, vllm_config: Any, kv_cache_config: Any, config: KVTierConfig, load: bool, save: bool) -> None:
         self.block_size = int(vllm_config.cache_config.block_size)
         config.validate_block_size(self.block_size)
-        if len(kv_cache_config.kv_cache_groups) != 1:
-            raise ConfigError(f"the model has {len(kv_cache_config.kv_cache_groups)} KV cache groups; kvtier "
-                              "handles models with one (plain full attention); drop the kvtier connector for it")
+        plan = engine_plan(vllm_config, kv_cache_config, config.chunk_tokens)  # ConfigError: unsupported groups
+        for note in plan.advice():
+            log.warning("kvtier: %s", note)
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             raise ConfigError("kvtier does not support pipeline parallelism yet; use tensor parallelism only")
         self.chunk_tokens = config.chunk_tokens
         self.k = self.chunk_tokens // self.block_size
         self.load_enabled, self.save_enabled = load, save
         self.mirror = IndexMirror(int(vllm_config.parallel_config.tensor_parallel_size))
+        self.groups = GroupJobs(plan, self.mirror) if plan.is_hybrid else None  # hybrid models: pages per group
         self._requests: dict[str, Any] = {}
         self._chains: dict[str, RequestChain] = {}
         self._planned: dict[str, list[str]] = {}  # req -> tier of each chunk of its planned load
@@ -129,8 +132,11 @@ class SchedulerSide:
         chain = self._chain(request, max_chunks)
         if chain is None:
             return 0, False
-        tiers = self.mirror.lookup(chain)
-        hit = len(tiers) * self.chunk_tokens
+        if self.groups is not None:
+            hit, tiers = self.groups.lookup(chain, num_computed_tokens, request.num_tokens)
+        else:
+            tiers = self.mirror.lookup(chain)
+            hit = len(tiers) * self.chunk_tokens
         if hit <= num_computed_tokens:
             return 0, False
         self._planned[req_id] = tiers
@@ -146,10 +152,15 @@ class SchedulerSide:
             return
         num_chunks = len(tiers)
         hit = num_chunks * self.chunk_tokens
+        resumed = getattr(request, "num_preemptions", 0) > 0
+        if self.groups is not None:
+            local = hit - num_external_tokens
+            pages = self.groups.load_pages(self._chains[req_id].keys, blocks.get_block_ids(), local, hit)
+            self._loads.append(LoadJob(req_id, (), local // self.block_size, (), resumed, pages, hit))
+            return
         first_block, end_block = (hit - num_external_tokens) // self.block_size, hit // self.block_size
         block_ids = blocks.get_block_ids()[0]
         keys = self._chains[req_id].keys[:num_chunks]
-        resumed = getattr(request, "num_preemptions", 0) > 0
         self._loads.append(LoadJob(req_id, tuple(keys), first_block, tuple(block_ids[first_block:end_block]), resumed))
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
@@ -190,9 +201,15 @@ class SchedulerSide:
             return None
         state = getattr(scheduler_output, "kv_connector_block_state", None)
         if state is not None:
-            block_ids = state.resolve_block_ids(req_id)[0]
+            all_block_ids = state.resolve_block_ids(req_id)
         else:
-            block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
+            all_block_ids = self._kv_cache_manager.get_block_ids(req_id)
+        if self.groups is not None:
+            self._saved_chunks[req_id] = end
+            pages = self.groups.save_pages(keys, start, end, all_block_ids, handoffs_of(scheduler_output, req_id),
+                                           request.num_prompt_tokens)
+            return SaveJob(req_id, (), start, (), pages) if pages else None
+        block_ids = all_block_ids[0]
         needed = block_ids[start * self.k:end * self.k]
         if len(needed) < (end - start) * self.k:
             return None  # blocks not all allocated (should not happen); skip rather than guess

@@ -36,8 +36,10 @@ from kvtier.core.config import KVTierConfig
 from kvtier.core.keys import ChunkKey, Namespace
 from kvtier.core.store import TieredStore
 from kvtier.integrations.vllm.copy import BlockCopier, Span
+from kvtier.integrations.vllm.group_io import GroupCopiers, save_pages
+from kvtier.integrations.vllm.groups import GroupKind, engine_plan
 from kvtier.integrations.vllm.identity import model_fingerprint
-from kvtier.integrations.vllm.layout import KVLayout, detect_layout
+from kvtier.integrations.vllm.layout import KVLayout, detect_group_layouts, detect_layout
 from kvtier.integrations.vllm.loader import AsyncLoader
 from kvtier.integrations.vllm.protocol import KVTierMetadata, KVTierWorkerMeta, RankReport, SaveJob
 from kvtier.integrations.vllm.stats import KVTierStats
@@ -81,19 +83,30 @@ def request_amx_permission() -> bool:
 
 
 def build_namespace(vllm_config: Any, kv_cache_config: Any, layout: KVLayout, config: KVTierConfig,
-                    tp_size: int, tp_rank: int, fingerprint: str) -> Namespace:
-    """Everything that changes this rank's KV bytes (see :class:`kvtier.core.keys.Namespace`)."""
+                    tp_size: int, tp_rank: int, fingerprint: str,
+                    group_layouts: dict[int, KVLayout] | None = None) -> Namespace:
+    """Everything that changes this rank's KV bytes (see :class:`kvtier.core.keys.Namespace`).
+
+    ``group_layouts`` (hybrid models): every KV cache group's layout, all in the namespace.
+    """
     model_config = vllm_config.model_config
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-    layers = hashlib.blake2b("\0".join(layout.layer_names).encode(), digest_size=8).hexdigest()
+    names = list(layout.layer_names)
+    description = layout.describe()
+    spec_names = type(spec).__name__
+    if group_layouts:
+        names = [n for g in sorted(group_layouts) for n in group_layouts[g].layer_names]
+        description = "|".join(f"g{g}={group_layouts[g].describe()}" for g in sorted(group_layouts))
+        spec_names = ",".join(type(grp.kv_cache_spec).__name__ for grp in kv_cache_config.kv_cache_groups)
+    layers = hashlib.blake2b("\0".join(names).encode(), digest_size=8).hexdigest()
     kv_layout = getattr(kv_cache_config, "kv_cache_layout", None)
     return Namespace(
         model=f"{model_config.model}@{model_config.revision or ''}",
         kv_dtype=f"{vllm_config.cache_config.cache_dtype}:{str(layout.dtype).removeprefix('torch.')}",
-        num_layers=layout.num_layers,
+        num_layers=len(names),
         num_kv_heads=int(getattr(spec, "num_kv_heads", 0)),
         head_size=int(getattr(spec, "head_size", 0)),
-        layout=layout.describe(),
+        layout=description,
         tp_size=tp_size,
         tp_rank=tp_rank,
         chunk_tokens=config.chunk_tokens,
@@ -101,7 +114,7 @@ def build_namespace(vllm_config: Any, kv_cache_config: Any, layout: KVLayout, co
                ("identity", fingerprint),
                ("kv_cache_layout", str(getattr(kv_layout, "name", kv_layout))),
                ("layers", layers),
-               ("spec", type(spec).__name__)),
+               ("spec", spec_names)),
     )
 
 
@@ -132,16 +145,22 @@ class WorkerSide:
         self._store_seen: dict[str, int] = {}
         self._gauges_sent: dict[str, float] = {}
         self._errors: set[int] = set()
+        self._failed: set[str] = set()
         self._closed = False
+        self.plan = engine_plan(vllm_config, kv_cache_config, config.chunk_tokens)
+        self.groups: GroupCopiers | None = None
 
     # ---- setup -------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        mc = self.vllm_config.model_config
+        fingerprint = model_fingerprint(str(mc.model), mc.revision, getattr(mc, "tokenizer", None))
+        if self.plan.is_hybrid:
+            self._register_groups(kv_caches, fingerprint)
+            return
         first = next(iter(kv_caches), "")
         self.layout = detect_layout(kv_caches, self.kv_cache_config.num_blocks,
                                     _backend_name(self.vllm_config, first))
         amx = request_amx_permission() if self.layout.device == "cpu" else False
-        mc = self.vllm_config.model_config
-        fingerprint = model_fingerprint(str(mc.model), mc.revision, getattr(mc, "tokenizer", None))
         namespace = build_namespace(self.vllm_config, self.kv_cache_config, self.layout, self.config,
                                     self.tp_size, self.tp_rank, fingerprint)
         self.key_root = key_root(namespace)
@@ -152,6 +171,26 @@ class WorkerSide:
         log.info("kvtier: rank %d layout %s, chunk %d tokens = %d bytes, namespace %s, identity %s, AMX %s",
                  self.tp_rank, self.layout.describe(), self.config.chunk_tokens, self.store.chunk_bytes,
                  namespace.digest().hex(), fingerprint, "requested" if amx else "not available")
+
+    def _register_groups(self, kv_caches: dict[str, torch.Tensor], fingerprint: str) -> None:
+        """Hybrid model: one layout and copier per KV cache group, pages of the largest group's size."""
+        layouts = detect_group_layouts(kv_caches, self.kv_cache_config,
+                                       lambda name: _backend_name(self.vllm_config, name))
+        first = layouts[min(layouts)]
+        self.layout = first
+        amx = request_amx_permission() if first.device == "cpu" else False
+        namespace = build_namespace(self.vllm_config, self.kv_cache_config, first, self.config,
+                                    self.tp_size, self.tp_rank, fingerprint, group_layouts=layouts)
+        self.key_root = key_root(namespace)
+        self.groups = GroupCopiers(self.plan, layouts, kv_caches)
+        self.store = TieredStore(self.config, namespace, self.groups.page_bytes, self.tp_size)
+        self.loader = AsyncLoader(self.store, None, self.blocks_per_chunk, self.block_size,
+                                  self.config.io_threads, self._count, groups=self.groups)
+        log.info("kvtier: rank %d hybrid model, %s; page %d bytes, namespace %s, identity %s, AMX %s",
+                 self.tp_rank, ", ".join(f"group {g.index} {g.kind.value} {layouts[g.index].describe()}"
+                                         for g in self.plan.groups),
+                 self.groups.page_bytes, namespace.digest().hex(), fingerprint,
+                 "requested" if amx else "not available")
 
     def _count(self, name: str, value: float) -> None:
         with self._counters_lock:
@@ -172,7 +211,13 @@ class WorkerSide:
             self.loader.abort(finished_req_ids)
         finished, errors = self.loader.take()
         self._errors |= errors
+        self._failed |= self.loader.take_failed()
         return finished
+
+    def take_failed(self) -> set[str]:
+        """Hybrid models: requests whose load failed whole (vLLM recomputes them from the start)."""
+        failed, self._failed = self._failed, set()
+        return failed
 
     def take_errors(self) -> set[int]:
         """Blocks of ended loads that could not be filled (vLLM recomputes from the first one)."""
@@ -188,6 +233,9 @@ class WorkerSide:
                 log.exception("kvtier: saving request %s's chunks failed", job.req_id)
 
     def _save_one(self, job: SaveJob) -> None:
+        if job.pages:
+            self._save_pages(job)
+            return
         assert self.store is not None and self.copier is not None
         store = self.store
         chain = [ChunkKey(k) for k in job.keys]
@@ -209,6 +257,17 @@ class WorkerSide:
         self._count("save_bytes", handle.num_chunks * store.chunk_bytes)
         self._count("saved_tokens", handle.num_chunks * store.chunk_tokens)
         store.metrics.moved("engine_to_cpu", handle.num_chunks * store.chunk_bytes, seconds)
+
+    def _save_pages(self, job: SaveJob) -> None:
+        assert self.store is not None and self.groups is not None
+        t0 = time.perf_counter()
+        stored = save_pages(self.store, self.groups, job.pages)
+        seconds = time.perf_counter() - t0
+        self._count("save_seconds", seconds)
+        self._count("save_bytes", stored * self.store.chunk_bytes)
+        full = {g.index for g in self.plan.groups if g.kind is GroupKind.FULL}
+        self._count("saved_tokens", sum(1 for p in job.pages if p.group in full) * self.store.chunk_tokens)
+        self.store.metrics.moved("engine_to_cpu", stored * self.store.chunk_bytes, seconds)
 
     # ---- worker -> scheduler -----------------------------------------------------------------
     def worker_meta(self) -> KVTierWorkerMeta | None:

