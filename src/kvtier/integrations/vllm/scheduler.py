@@ -20,6 +20,11 @@ the load succeeded, came up short or failed); missing blocks are reported throug
 ``get_block_ids_with_load_errors`` in the same step or earlier, so vLLM (policy ``recompute``)
 keeps the valid prefix and recomputes the rest (vllm/v1/core/sched/scheduler.py:
 ``_update_requests_with_invalid_blocks``, ``_update_waiting_for_remote_kv``).
+
+Hybrid models (several KV cache groups) take the same steps through
+:class:`~kvtier.integrations.vllm.group_jobs.GroupJobs`: the hit is the largest chunk boundary
+every group can resume at, loads and saves are lists of per-group pages, and a load that cannot
+deliver them all fails whole (``failed_recving``; vLLM takes no block ids with several groups).
 """
 
 from __future__ import annotations
@@ -72,8 +77,9 @@ class SchedulerSide:
             (``kv_both``, ``kv_producer``).
 
     Raises:
-        ConfigError: ``chunk_tokens`` not a multiple of the block size, several KV cache
-            groups, or pipeline parallelism.
+        ConfigError: ``chunk_tokens`` not a multiple of the block size (of every KV cache
+            group's, for a hybrid model), a KV cache group kind kvtier does not store, or
+            pipeline parallelism.
     """
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, config: KVTierConfig, load: bool, save: bool) -> None:
