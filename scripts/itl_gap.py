@@ -6,20 +6,23 @@ held only by kvtier's disk tier (the page cache of its chunk files dropped with
 streams' largest inter-token gap during that admission should stay within 3× their median gap
 (it was ~18× when admission pinned and read the prefix synchronously).
 
-Steps: write the ``small8`` test model (8 layers, 8 KiB of KV per token); server A prefills the
-prefix once (write-through: it reaches the disk tier) and stops gracefully; the chunk files'
-pages are dropped from the page cache; server B (fresh process: empty cpu tier, empty engine
-cache, so the prefix is on disk only) runs the three streams and admits the fourth request after
-``--settle-s`` seconds.  A gap is "during the admission" when it ends between the fourth
-request's submission and ``--window-s`` seconds after its first token.
+Steps: write the ``small8`` test model (8 layers, float32: 8 KiB of KV per token); server A
+prefills the prefix once (write-through: it reaches the disk tier) and stops gracefully; the chunk
+files' pages are dropped from the page cache; server B (fresh process: empty cpu tier, empty
+engine cache, so the prefix is on disk only) runs the three streams and admits the fourth request
+(prefix + 8 new tokens, as token ids) after ``--settle-s`` seconds.  Then, on the same server, the
+reference: three new streams and a fourth request with the same prefix (now in vLLM's own prefix
+cache, so only its tail is computed) and another 8-token suffix.  A gap is "during the admission"
+when it ends between the fourth request's submission and ``--window-s`` seconds after its first
+token.
 
 Usage::
 
     python scripts/itl_gap.py --workdir /tmp/itl [--prefix-tokens 6000] [--stream-tokens 300]
 
-Prints one JSON object (and writes it to WORKDIR/itl_gap.json): per-stream median gap, largest
-gap during the admission, their ratio, the fourth request's TTFT and kvtier's disk hit tokens,
-plus ``uptime``'s load average.
+Prints one JSON object (and writes it to WORKDIR/itl_gap.json): for the disk admission and for
+the engine-cache reference, per-stream median gap, largest gap during the admission and their
+ratio, and the fourth request's TTFT; kvtier's disk hit tokens; ``uptime``'s load average.
 """
 
 from __future__ import annotations
@@ -52,22 +55,22 @@ def drop_page_cache(directory: Path) -> int:
     return count
 
 
-def prompt_of(tokenizer_path: Path, num_tokens: int, seed: int) -> str:
-    """A made-up-words prompt of about ``num_tokens`` tokens (counted with the model's tokenizer)."""
+def token_ids(tokenizer_path: Path, num_tokens: int, seed: int) -> list[int]:
+    """Exactly ``num_tokens`` token ids of a made-up-words text (the model's own tokenizer)."""
     from tokenizers import Tokenizer
 
     from kvtier.integrations.vllm.testmodel import random_prompt
 
     tok = Tokenizer.from_file(str(tokenizer_path))
-    words = num_tokens // 2
-    text = random_prompt(seed, words)
-    while len(tok.encode(text).ids) < num_tokens:
-        words += max(8, (num_tokens - len(tok.encode(text).ids)) // 2)
-        text = random_prompt(seed, words)
-    return text
+    words = num_tokens
+    ids = tok.encode(random_prompt(seed, words)).ids
+    while len(ids) < num_tokens:
+        words *= 2
+        ids = tok.encode(random_prompt(seed, words)).ids
+    return list(ids[:num_tokens])
 
 
-def stream(base_url: str, model: str, prompt: str, max_tokens: int, times: list[float]) -> None:
+def stream(base_url: str, model: str, prompt: list[int], max_tokens: int, times: list[float]) -> None:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "ignore_eos": True}
     with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=900.0) as r:
@@ -110,44 +113,55 @@ def main() -> int:
     kvtier = {"cpu_gib": 0.25, "disk_path": str(disk), "disk_gib": 1.0, "write_mode": "write-through"}
     spec = ServerSpec(model=str(model), max_model_len=8192, kv_cache_bytes=512 << 20, load_format=None,
                       kv_transfer_config=transfer_config(kvtier), memory_fraction=0.1, enforce_eager=True,
-                      shutdown_timeout_s=30)
+                      shutdown_timeout_s=30, extra_args=("--dtype", "float32"))  # 8 KiB of KV per token
     tokenizer = model / "tokenizer.json"
-    prefix = prompt_of(tokenizer, args.prefix_tokens, seed=7)
-    fourth = prefix + " " + prompt_of(tokenizer, 40, seed=8)
+    prefix = token_ids(tokenizer, args.prefix_tokens, seed=7)
 
     with Server(spec, work / "server-a.log").start(900) as a:
         a.complete(prefix, max_tokens=1)  # computed once: saved to the cpu tier and written to disk
     dropped = drop_page_cache(disk)  # server A stopped gracefully: its files are complete
 
-    with Server(spec, work / "server-b.log").start(900) as b:
-        b.complete("warm up the engine", max_tokens=4)
+    def admit_during_streams(server: Server, prompt: list[int], seed: int) -> dict[str, object]:
+        """Three streams; ``prompt`` admitted after ``settle_s``; the streams' gaps around it."""
         times: list[list[float]] = [[], [], []]
-        threads = [threading.Thread(target=stream, args=(b.base_url, b.served_model,
-                                                           prompt_of(tokenizer, 64, seed=20 + i),
+        threads = [threading.Thread(target=stream, args=(server.base_url, server.served_model,
+                                                           token_ids(tokenizer, 64, seed=seed + i),
                                                            args.stream_tokens, times[i]))
                    for i in range(3)]
         for t in threads:
             t.start()
         time.sleep(args.settle_s)
         submitted = time.perf_counter()
-        ttft, _text = b.complete(fourth, max_tokens=1)
+        ttft, _text = server.complete(prompt, max_tokens=1)
         first_token = submitted + ttft
         for t in threads:
             t.join()
-        metrics = metrics_of(b.base_url)
+        streams = []
+        for ts in times:
+            gaps = [(t1, t1 - t0) for t0, t1 in itertools.pairwise(ts)]
+            during = [g for end, g in gaps if submitted <= end <= first_token + args.window_s]
+            median = statistics.median(g for _e, g in gaps)
+            worst = max(during) if during else float("nan")
+            streams.append({"tokens": len(ts), "median_gap_ms": round(median * 1e3, 2),
+                            "max_gap_during_admission_ms": round(worst * 1e3, 2), "ratio": round(worst / median, 2)})
+        return {"fourth_ttft_s": round(ttft, 3), "streams": streams,
+                "worst_ratio": max(float(str(s["ratio"])) for s in streams)}
 
-    streams = []
-    for ts in times:
-        gaps = [(t1, t1 - t0) for t0, t1 in itertools.pairwise(ts)]
-        during = [g for end, g in gaps if submitted <= end <= first_token + args.window_s]
-        median = statistics.median(g for _e, g in gaps)
-        worst = max(during) if during else float("nan")
-        streams.append({"tokens": len(ts), "median_gap_ms": round(median * 1e3, 2),
-                        "max_gap_during_admission_ms": round(worst * 1e3, 2), "ratio": round(worst / median, 2)})
-    out = {"prefix_tokens": args.prefix_tokens, "fourth_ttft_s": round(ttft, 3),
-           "fourth_disk_hit_tokens": metrics.get("kvtier_loaded_tokens_total{disk}", 0.0),
-           "page_cache_dropped_files": dropped, "streams": streams,
-           "worst_ratio": max(s["ratio"] for s in streams), "load_average": os.getloadavg()}
+    with Server(spec, work / "server-b.log").start(900) as b:
+        b.complete("warm up the engine", max_tokens=4)
+        # the prefix is on disk only (fresh process, page cache dropped): kvtier loads it
+        from_disk = admit_during_streams(b, prefix + token_ids(tokenizer, 8, seed=8), seed=20)
+        after_disk = metrics_of(b.base_url)
+        # reference, same server: the prefix is now in vLLM's own prefix cache; only the tail is computed
+        engine_cache = admit_during_streams(b, prefix + token_ids(tokenizer, 8, seed=9), seed=30)
+        after_ref = metrics_of(b.base_url)
+
+    out = {"prefix_tokens": args.prefix_tokens, "page_cache_dropped_files": dropped,
+           "disk_hit_tokens": after_disk.get("kvtier_loaded_tokens_total{disk}", 0.0),
+           "load_seconds": after_disk.get("kvtier_transfer_seconds_total", 0.0),
+           "reference_external_hit_tokens": after_ref.get("vllm:external_prefix_cache_hits_total", 0.0)
+           - after_disk.get("vllm:external_prefix_cache_hits_total", 0.0),
+           "from_disk": from_disk, "reference_engine_cache_hit": engine_cache, "load_average": os.getloadavg()}
     (work / "itl_gap.json").write_text(json.dumps(out, indent=2))
     print(json.dumps(out, indent=2))
     return 0
