@@ -45,7 +45,7 @@ from collections.abc import Iterable, Sequence
 from itertools import count
 from typing import Any
 
-from kvtier.core.policies.base import Evictable, EvictionPolicy, always_evictable
+from kvtier.core.policies.base import Evictable, EvictionPolicy, always_evictable, heap_victim
 
 MODES = ("lru", "quarantine", "quarantine-long", "bip")
 QUARANTINE = 5.0
@@ -232,21 +232,13 @@ class AdaptivePolicy(EvictionPolicy):
     def victim(self, evictable: Evictable = always_evictable) -> Any | None:
         if self._stale or len(self._nodes) > 2 * self._scale:
             self._rebuild()
-        heap, nodes, children = self._heap, self._nodes, self._children
-        best = None
-        pinned = []
-        while heap:
-            _, _, s, key = heap[0]
-            node = nodes.get(key)
-            if node is None or node.seq != s or key in children:
-                heapq.heappop(heap)
-            elif evictable(key):
-                best = key
-                break
-            else:
-                pinned.append(heapq.heappop(heap))
-        for entry in pinned:
-            heapq.heappush(heap, entry)
+        nodes, children = self._nodes, self._children
+
+        def stale(entry: tuple[Any, ...]) -> bool:  # re-queued, evicted, or gained children
+            node = nodes.get(entry[3])
+            return node is None or node.seq != entry[2] or entry[3] in children
+
+        best = heap_victim(self._heap, stale, evictable)
         if best is None and nodes:
             order = sorted(nodes, key=lambda k: (k in children, nodes[k].rank, -nodes[k].depth))
             best = next((k for k in order if evictable(k)), None)

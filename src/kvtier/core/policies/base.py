@@ -25,9 +25,10 @@ Policies are not thread-safe; the owner serialises calls (the store holds its lo
 
 from __future__ import annotations
 
+import heapq
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from kvtier.core.keys import ChunkKey
 
@@ -37,6 +38,28 @@ Evictable = Callable[[ChunkKey], bool]
 def always_evictable(key: ChunkKey) -> bool:
     """An ``evictable`` predicate for owners that never pin (the simulator)."""
     return True
+
+
+def heap_victim(heap: list[tuple[Any, ...]], stale: Callable[[tuple[Any, ...]], bool],
+                evictable: Evictable) -> Any | None:
+    """The key of the first live, evictable entry of a lazy-deletion heap (the key is an entry's
+    last item), or ``None``.  Stale entries (``stale(entry)``: evicted, re-ranked, or no longer a
+    leaf) are dropped; entries of pinned keys are looked past and put back, so the heap keeps them.
+    Used by the heap-ordered policies (prefix-lru, prefix-freq, adaptive)."""
+    pinned = []
+    best = None
+    while heap:
+        entry = heap[0]
+        if stale(entry):
+            heapq.heappop(heap)
+        elif evictable(entry[-1]):
+            best = entry[-1]
+            break
+        else:  # pinned by a transfer in flight
+            pinned.append(heapq.heappop(heap))
+    for entry in pinned:
+        heapq.heappush(heap, entry)
+    return best
 
 
 class EvictionPolicy(ABC):

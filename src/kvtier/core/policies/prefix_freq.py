@@ -48,7 +48,7 @@ from collections.abc import Iterable, Sequence
 from itertools import count
 from typing import Any
 
-from kvtier.core.policies.base import Evictable, EvictionPolicy, always_evictable
+from kvtier.core.policies.base import Evictable, EvictionPolicy, always_evictable, heap_victim
 
 QUARANTINE = 5.0
 """While quarantining, a never-reused chunk ranks as if last used this many tier-sizes earlier."""
@@ -169,21 +169,13 @@ class PrefixFrequencyPolicy(EvictionPolicy):
     def victim(self, evictable: Evictable = always_evictable) -> Any | None:
         if self._stale or len(self._nodes) > 2 * self._scale:
             self._rebuild()
-        heap, nodes, children = self._heap, self._nodes, self._children
-        best = None
-        pinned = []
-        while heap:  # drop stale entries (re-ranked or evicted) and chunks that gained children
-            rank, _, _, key = heap[0]
-            node = nodes.get(key)
-            if node is None or node.rank != rank or key in children:
-                heapq.heappop(heap)
-            elif evictable(key):
-                best = key
-                break
-            else:  # pinned by a transfer in flight: look past it, then put it back
-                pinned.append(heapq.heappop(heap))
-        for entry in pinned:
-            heapq.heappush(heap, entry)
+        nodes, children = self._nodes, self._children
+
+        def stale(entry: tuple[Any, ...]) -> bool:  # re-ranked, evicted, or gained children
+            node = nodes.get(entry[3])
+            return node is None or node.rank != entry[0] or entry[3] in children
+
+        best = heap_victim(self._heap, stale, evictable)
         if best is None and nodes:
             # Every leaf pinned, or no leaf at all (only if an owner passed inconsistent parents).
             best = self._scan(evictable)

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from itertools import count
 from typing import Any
 
-from kvtier.core.policies.base import Evictable, EvictionPolicy, always_evictable
+from kvtier.core.policies.base import Evictable, EvictionPolicy, always_evictable, heap_victim
 
 
 class PrefixAwareLRUPolicy(EvictionPolicy):
@@ -72,20 +72,9 @@ class PrefixAwareLRUPolicy(EvictionPolicy):
                     heapq.heappush(self._leaves, (self._stamp[parent], next(self._seq), parent))
 
     def victim(self, evictable: Evictable = always_evictable) -> Any | None:
-        leaves, stamps, children = self._leaves, self._stamp, self._children
-        best = None
-        pinned = []
-        while leaves:
-            stamp, _, key = leaves[0]
-            if stamps.get(key) != stamp or children.get(key):
-                heapq.heappop(leaves)  # stale: removed, used since, or no longer a leaf
-            elif evictable(key):
-                best = key
-                break
-            else:  # pinned: look past it, then put it back
-                pinned.append(heapq.heappop(leaves))
-        for entry in pinned:
-            heapq.heappush(leaves, entry)
+        stamps, children = self._stamp, self._children
+        # stale: removed, used since, or no longer a leaf
+        best = heap_victim(self._leaves, lambda e: stamps.get(e[2]) != e[0] or bool(children.get(e[2])), evictable)
         if best is None and stamps:
             # Every leaf pinned: the least recent evictable key, leaves first.
             order = sorted(stamps, key=lambda k: (bool(children.get(k)), stamps[k]))
