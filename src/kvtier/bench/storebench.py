@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from kvtier.core.config import GiB, KVTierConfig
-from kvtier.core.keys import Namespace, chunk_keys, request_root
+from kvtier.core.keys import ChunkKey, Namespace, chunk_keys, request_root
 from kvtier.core.store import TieredStore
 from kvtier.core.tiers.chunkio import ALIGN, O_DIRECT, aligned_buffer, direct_supported
 from kvtier.core.tiers.disk import DiskTier
@@ -64,7 +64,7 @@ def _rate(nbytes: int, seconds: float) -> float:
     return nbytes / GiB / max(seconds, 1e-9)
 
 
-def _timed(fn: Callable[[], None]) -> float:
+def _timed(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
@@ -91,15 +91,15 @@ def bench_cpu(chunk_mib: float, total_mib: float, repeats: int) -> list[StoreBen
     for r in range(repeats):
         store = TieredStore(cfg, ns, chunk_bytes)
         chain = chunk_keys(request_root(ns, cache_salt=str(r)), np.arange(num * 16), 16)
-        def ref() -> None:
+        def copy_all() -> None:
             for d, s in zip(dsts, datas):
                 np.copyto(d, s)
 
         if r % 2:  # alternate who goes first, so neither always meets a cold cache
             put_s.append(_timed(lambda: store.put(chain, datas)))
-            ref_s.append(_timed(ref))
+            ref_s.append(_timed(copy_all))
         else:
-            ref_s.append(_timed(ref))
+            ref_s.append(_timed(copy_all))
             put_s.append(_timed(lambda: store.put(chain, datas)))
 
         def get() -> None:
@@ -142,14 +142,14 @@ def _raw_io(directory: Path, direct: bool, threads: int) -> tuple[Callable[[list
     def write_one(i: int, data: np.ndarray) -> None:
         fd = os.open(directory / f"{i}.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, 0o644)
         try:
-            os.pwrite(fd, memoryview(data), 0)
+            os.pwrite(fd, data.data, 0)
         finally:
             os.close(fd)
 
     def read_one(i: int, dst: np.ndarray) -> None:
         fd = os.open(directory / f"{i}.bin", os.O_RDONLY | flags)
         try:
-            os.preadv(fd, [memoryview(dst)], 0)
+            os.preadv(fd, [dst.data], 0)
         finally:
             os.close(fd)
 
@@ -185,19 +185,20 @@ def bench_disk(chunk_mib: float, total_mib: float, repeats: int, directory: Path
         root = directory / f"round{r}"
         ref_dir = root / "reference"
         ref_dir.mkdir(parents=True)
-        tier = DiskTier(root / "tier", os.urandom(16), capacity_bytes=2 * nbytes, io=io, io_threads=threads)
+        tier = DiskTier(root / "tier", os.urandom(16), capacity_bytes=2 * nbytes,
+                        io="direct" if io == "direct" else "buffered", io_threads=threads)
         if tier.io_mode != io:
             tier.close()
             raise OSError(errno.EINVAL, f"the filesystem of {directory} refuses O_DIRECT")
         ref_write, ref_read = _raw_io(ref_dir, io == "direct", threads)
-        keys = [i.to_bytes(16, "little") for i in range(num)]
+        keys = [ChunkKey(i.to_bytes(16, "little")) for i in range(num)]
 
         def tier_put() -> None:
-            if not all(tier.put_many(keys, [memoryview(d) for d in datas])):
+            if not all(tier.put_many(keys, [d.data for d in datas])):
                 raise RuntimeError("disk tier refused a chunk during the benchmark")
 
         def tier_get() -> None:
-            if not all(tier.get_many(keys, [memoryview(d) for d in dsts])):
+            if not all(tier.get_many(keys, [d.data for d in dsts])):
                 raise RuntimeError("disk tier lost a chunk during the benchmark")
 
         pairs = [("ref_put", lambda: ref_write(datas)), ("put", tier_put),

@@ -43,7 +43,7 @@ def bench_store(
     from rich.console import Console
     from rich.table import Table
 
-    from kvtier.bench.storebench import run_store_bench
+    from kvtier.bench.storebench import StoreBenchResult, run_store_bench
 
     try:
         chunk_mibs = [float(s) for s in sizes.split(",") if s.strip()]
@@ -70,7 +70,8 @@ def bench_store(
         fail(f"--json {str(json_path)!r} must be a file path in an existing directory")
     if redis_only and not redis_url:
         fail("--redis-only needs --redis-url, e.g. --redis-url redis://127.0.0.1:6379/0")
-    rows, notes = [], []
+    rows: list[StoreBenchResult] = []
+    notes: list[str] = []
     if not redis_only:
         try:
             rows, notes = run_store_bench(chunk_mibs, total_mib, repeats, directory, thread_counts, modes)
