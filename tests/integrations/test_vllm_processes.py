@@ -89,6 +89,8 @@ def test_producer_hands_kv_to_consumer_through_shared_disk(tiny_model: Path, tmp
     assert made["metrics"]["kvtier_saved_tokens_total"] == 2 * LOADABLE
     assert made["metrics"]["kvtier_loaded_tokens_total{cpu}"] + made["metrics"]["kvtier_loaded_tokens_total{disk}"] == 0
     assert used["metrics"]["kvtier_saved_tokens_total"] == 0  # a consumer never writes
+    # its graceful stop says so: the flush line is logged with nothing dirty too (breaker F8)
+    assert "kvtier: rank 0 shutdown flush wrote 0 dirty chunks" in (tmp_path / "consumer.log").read_text(errors="replace")
     assert used["metrics"]["kvtier_loaded_tokens_total{disk}"] == 2 * LOADABLE
     assert used["metrics"]["vllm:external_prefix_cache_hits_total"] == 2 * LOADABLE
     _same(made["results"][0], used["results"][0])

@@ -322,7 +322,11 @@ class WorkerSide:
             log.warning("kvtier: rank %d shutdown flush wrote %d dirty chunks to disk in %.1f s; %d (%.1f MiB) "
                         "missed shutdown_flush_s=%s and are lost", self.tp_rank, written, time.monotonic() - t0,
                         missed, missed * self.store.chunk_bytes / (1 << 20), self.config.shutdown_flush_s)
-        elif written:
+        else:  # logged with nothing dirty too, so that an operator can tell the graceful path ran
             log.info("kvtier: rank %d shutdown flush wrote %d dirty chunks to disk in %.1f s",
                      self.tp_rank, written, time.monotonic() - t0)
-        self.store.close(timeout_s=max(self.config.shutdown_flush_s - (time.monotonic() - t0), 1.0))
+        t1 = time.monotonic()
+        self.store.close(timeout_s=max(self.config.shutdown_flush_s - (t1 - t0), 1.0))
+        if time.monotonic() - t1 > 1.0:  # vLLM sends SIGTERM after VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5)
+            log.warning("kvtier: rank %d store close (queued writes, tier threads) took %.1f s",
+                        self.tp_rank, time.monotonic() - t1)
