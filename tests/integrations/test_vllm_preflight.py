@@ -161,6 +161,27 @@ def test_environment_problems_are_reported_once_and_the_password_variable_is_acc
     assert check_transfer_config(transfer(extra={"chunk_tokens": 128, "cpu_gib": 0.5})) == []  # explicit wins
 
 
+def test_shared_tier_password_and_secret_are_read_as_the_tier_reads_them(tmp_path, monkeypatch):
+    shared = {"cpu_gib": 0.5, "redis_url": "redis://127.0.0.1:6390/0"}
+    cases = [({"shared_secret_file": str(tmp_path / "none")}, "shared_secret_file", "cannot read shared_secret_file"),
+             ({"redis_password_file": str(tmp_path / "none")}, "redis_password_file", "cannot read redis_password_file"),
+             ({"redis_password_env": "KVTIER_TEST_UNSET_PW"}, "redis_password_env", "variable is not set")]
+    (tmp_path / "short").write_text("too short\n")
+    cases.append(({"shared_secret_file": str(tmp_path / "short")}, "shared_secret_file", "fewer than 16 characters"))
+    for extra, key, words in cases:
+        problems = check_transfer_config(transfer(extra={**shared, **extra}))
+        assert [(p.severity, p.key) for p in problems] == [("error", f"kv_connector_extra_config.{key}")], extra
+        assert words in problems[0].message
+    (tmp_path / "secret").write_text("0123456789abcdef0123\n")
+    monkeypatch.setenv("KVTIER_REDIS_PASSWORD", "hunter2")
+    good = {**shared, "shared_secret_file": str(tmp_path / "secret"), "redis_password_env": "KVTIER_REDIS_PASSWORD"}
+    assert check_transfer_config(transfer(extra=good)) == []
+    monkeypatch.delenv("KVTIER_REDIS_PASSWORD")
+    # without redis_url the tier is off and nothing is read; a config for another host is not read here
+    assert check_transfer_config(transfer(extra={"shared_secret_file": str(tmp_path / "none")})) == []
+    assert check_transfer_config(transfer(extra={**shared, **cases[0][0]}), host_checks=False) == []
+
+
 @pytest.mark.engine
 def test_vllm_server_with_a_bad_kvtier_config_stops_before_the_model_loads(tiny_model: Path):
     """The plugin is registered through pyproject's vllm.general_plugins entry point (as installed by make)."""

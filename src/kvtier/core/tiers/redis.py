@@ -360,7 +360,12 @@ class RedisTier(Tier):
             log.debug("kvtier redis tier: close: %s", exc)
 
 
-def _password(config: KVTierConfig) -> str | None:
+def redis_password(config: KVTierConfig) -> str | None:
+    """The Redis password from ``redis_password_env`` or ``redis_password_file`` (``None`` if neither).
+
+    Raises:
+        ConfigError: the named environment variable is unset, or the file cannot be read.
+    """
     if config.redis_password_env:
         value = os.environ.get(config.redis_password_env)
         if value is None:
@@ -416,7 +421,7 @@ def make_client(config: KVTierConfig) -> Any:
         "socket_timeout": config.redis_timeout_s,
         "retry": Retry(NoBackoff(), 0),
     }
-    password = _password(config)
+    password = redis_password(config)
     if password is not None:
         kwargs["password"] = password
     if config.redis_url.startswith("rediss://") and config.redis_tls_ca_file:

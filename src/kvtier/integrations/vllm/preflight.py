@@ -21,7 +21,9 @@ What is checked (each problem is one sentence naming the key and the fix):
   suggested), bad values, disk path checks (missing, not writable, not enough free space, a kernel
   pseudo filesystem such as ``/proc``), plus ``chunk_tokens`` against ``--block-size`` when known
   (else a warning when it is not a multiple of vLLM's default block sizes, 16 and 128 on CPU)
-  and ``cpu_gib`` against the memory this host has available (the connector refuses both);
+  and ``cpu_gib`` against the memory this host has available (the connector refuses both), and
+  with ``redis_url`` the password (``redis_password_env``/``_file``) and ``shared_secret_file``,
+  read as the redis tier reads them at start-up;
 * MultiConnector children that name KVTierConnector are checked the same way.
 """
 
@@ -216,10 +218,27 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
                                 f"cpu_gib={config.cpu_gib:g} is more than the {available / GiB:.1f} GiB of memory "
                                 "this host has available (the connector refuses it); lower cpu_gib, the total "
                                 "across tensor-parallel ranks"))
+    problems.extend(_shared_tier_problems(key, config))
     if config.disk_path and config.disk_gib > 0 and _on_tmpfs(Path(config.disk_path)):
         problems.append(Problem("warning", f"{key}.disk_path",
                                 f"disk_path {config.disk_path!r} is on tmpfs, i.e. in memory: the disk tier then "
                                 "competes with the cpu tier for RAM and is lost on reboot; use a local disk"))
+    return problems
+
+
+def _shared_tier_problems(key: str, config: KVTierConfig) -> list[Problem]:
+    """The redis tier's password and shared secret, read as its start-up reads them (files, env var)."""
+    if not config.redis_url or "redis" not in config.tiers:
+        return []
+    from kvtier.core.tiers.redis import redis_password, shared_secret  # no redis-py import at module level
+
+    problems = []
+    password_key = "redis_password_env" if config.redis_password_env else "redis_password_file"
+    for name, read in ((password_key, redis_password), ("shared_secret_file", shared_secret)):
+        try:
+            read(config)
+        except ConfigError as exc:
+            problems.append(Problem("error", f"{key}.{name}", str(exc)))
     return problems
 
 
