@@ -107,3 +107,14 @@ def test_readme_request_is_greedy_so_its_repeat_gives_the_same_text(tmp_path: Pa
                          cwd=tmp_path)
     request = json.loads(run.stdout)
     assert request["temperature"] == 0 and request["max_tokens"] > 0 and len(request["prompt"]) > 1000
+
+
+def test_shared_tier_docs_say_whether_the_connector_reads_redis():
+    # breaker F10: the docs promised cross-replica hits while the connector only wrote to Redis
+    connector = "\n".join(p.read_text() for p in (ROOT / "src" / "kvtier" / "integrations" / "vllm").glob("*.py"))
+    # the remote-lookup entry points: the store's (core/shared.py) or the redis tier's own presence batch
+    reads_shared = any(name in connector for name in ("lookup_async", "PendingLookup", "contains_many"))
+    shared_doc = (ROOT / "docs" / "shared-tier.md").read_text()
+    vllm_doc = (ROOT / "docs" / "vllm.md").read_text()
+    says_not_yet = "only the write half works" in shared_doc and "does not yet look there" in vllm_doc
+    assert says_not_yet != reads_shared, "update docs/shared-tier.md and docs/vllm.md: the connector's Redis reads"
