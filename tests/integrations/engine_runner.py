@@ -10,7 +10,8 @@ Usage: ``python engine_runner.py SPEC.json OUT.json``.  SPEC keys:
 - ``steps``: list of ``{"op": "generate", "prompts": [...], "max_tokens": N, "salt": s}``,
   ``{"op": "flush"}`` (step the engine until ``/metrics`` shows no dirty bytes),
   ``{"op": "reset_prefix_cache"}``, ``{"op": "touch", "path": p}``,
-  ``{"op": "wait", "path": p, "timeout_s": t}``.
+  ``{"op": "wait", "path": p, "timeout_s": t}``, ``{"op": "metrics"}`` (wait for the stats of the
+  steps so far to reach the metrics, then record a snapshot in OUT's ``snapshots``).
 
 The worker (and its store) lives in vLLM's worker process; the runner sees it only through
 vLLM's ``/metrics`` collectors in this process, as an operator would.  At the end the engine is
@@ -61,6 +62,7 @@ def main(spec_path: str, out_path: str) -> int:
     engine.update(spec.get("engine", {}))
     llm = LLM(model=spec["model"], kv_transfer_config=transfer, **engine)
     results = []
+    snapshots = []
     quiet = SamplingParams(max_tokens=1, temperature=0.0)
     for step in spec["steps"]:
         op = step["op"]
@@ -78,6 +80,9 @@ def main(spec_path: str, out_path: str) -> int:
             while _metrics().get("kvtier_dirty_bytes", 0.0) > 0 and time.monotonic() < deadline:
                 time.sleep(0.2)
                 llm.generate(["flush"], quiet, use_tqdm=False)
+        elif op == "metrics":
+            time.sleep(1.5)  # let the last step's stats reach the metrics logger
+            snapshots.append(_metrics())
         elif op == "reset_prefix_cache":
             llm.reset_prefix_cache()
         elif op == "touch":
@@ -91,7 +96,7 @@ def main(spec_path: str, out_path: str) -> int:
         else:
             raise ValueError(f"unknown op {op!r}")
     time.sleep(1.5)  # let the last step's stats reach the metrics logger
-    out = {"results": results, "metrics": _metrics()}
+    out = {"results": results, "metrics": _metrics(), "snapshots": snapshots}
     llm.llm_engine.engine_core.shutdown()  # graceful: the worker's connector flushes and closes
     Path(out_path).write_text(json.dumps(out))
     return 0

@@ -1,40 +1,77 @@
-"""An engine configured with the shared redis tier (real vLLM process, real redis-server).
+"""Engines configured with the shared redis tier (real vLLM processes, real redis-servers).
 
-Today the connector writes to the shared tier (write-through) but does not yet look it up
-(docs/shared-tier.md § Status in the vLLM connector); this test pins what holds now: the engine
-serves normally, and every chunk it saved is in Redis as one verifiable kvtier value.
+Two engines, one Redis (one test, so that the suite starts as few engines as it can):
+
+- every chunk engine A saves is in Redis as one verifiable kvtier value (write-through);
+- a prompt A served is loaded from Redis on engine B (another process, its own cpu tier, no
+  disk), with exactly the tokens and logprobs of A's recompute (equal compute threads), and
+  counted as a hit by kvtier and by vLLM;
+- then Redis is killed (``kill -9``) and B keeps serving the next prompt (also in Redis until
+  then) by recomputing it, exactly, with no hit.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 
 from kvtier.core.tiers.sharedvalue import HEADER_BYTES, ValueCodec
 from tests.integrations.vllm_helpers import PROMPT_WORDS, result_of, run_engine
+from tests.redis_servers import wait_until
 
 pytestmark = pytest.mark.engine
 
 LOADABLE = 6 * 64
+# vLLM reserves one more core when a connector is set: pin it, so that every engine compared runs
+# its forward passes on the same number of threads.
+EQUAL_THREADS = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 
 
-def test_engine_writes_every_saved_chunk_to_redis(tiny_model: Path, tmp_path: Path, redis_server, key_prefix) -> None:
+def test_prefix_saved_on_one_engine_is_a_hit_on_another(tiny_model: Path, tmp_path: Path, redis_factory,
+                                                        key_prefix) -> None:
     from kvtier.integrations.vllm.testmodel import random_prompt
 
-    prompts = [random_prompt(700 + i, PROMPT_WORDS) for i in range(2)]
-    spec = {"model": str(tiny_model), "role": "kv_both", "steps": [{"op": "generate", "prompts": prompts}],
-            "kvtier": {"chunk_tokens": 64, "cpu_gib": 0.01, "redis_url": redis_server.url,
-                       "redis_key_prefix": key_prefix, "shared_deadline_s": 5.0, "redis_timeout_s": 5.0}}
-    out = result_of(run_engine(spec, tmp_path, "redis"), tmp_path, "redis")
-    assert out["metrics"]["kvtier_saved_tokens_total"] == 2 * LOADABLE
-    assert all(r["tokens"] for r in out["results"][0])
-    client = redis_server.client()
-    keys = list(client.scan_iter(match=f"{key_prefix}*".encode(), count=1000))
-    assert len(keys) == 2 * 6  # one value per saved chunk (TP 1: one namespace)
-    for rk in keys:
+    server = redis_factory()  # private: this test kills it
+    first, second = (random_prompt(720 + i, PROMPT_WORDS) for i in range(2))
+    kvtier = {"chunk_tokens": 64, "cpu_gib": 0.01, "redis_url": server.url, "redis_key_prefix": key_prefix,
+              "shared_deadline_s": 5.0, "redis_timeout_s": 5.0}
+    gen = [{"op": "generate", "prompts": [first]}, {"op": "generate", "prompts": [second]}]
+    # Engine A computes both prompts (nothing in Redis yet): the recompute reference.
+    made = result_of(run_engine({"model": str(tiny_model), "steps": gen, "kvtier": kvtier}, tmp_path, "a",
+                                env=EQUAL_THREADS), tmp_path, "a")
+    assert made["metrics"]["vllm:external_prefix_cache_hits_total"] == 0
+    assert made["metrics"]["kvtier_saved_tokens_total"] == 2 * LOADABLE
+    client = server.client()
+    assert wait_until(lambda: len(list(client.scan_iter(match=f"{key_prefix}*".encode()))) == 2 * 6, 30)
+    for rk in client.scan_iter(match=f"{key_prefix}*".encode()):  # one value per saved chunk (TP 1)
         value = client.get(rk)
         namespace, key = value[8:24], bytes.fromhex(rk.decode().rsplit(":", 1)[1])
         assert rk.decode().startswith(f"{key_prefix}{namespace.hex()}:")
         decoded = ValueCodec(namespace, None).decode(key, value, len(value))  # raises unless it verifies
         assert decoded.length == len(value) - HEADER_BYTES > 0
+
+    # Engine B (another process, its own empty cpu tier): the first prompt comes from Redis; then
+    # Redis is killed and the second prompt, also in Redis until then, is recomputed.
+    ready, killed = tmp_path / "b-ready", tmp_path / "redis-killed"
+    steps = [gen[0], {"op": "metrics"}, {"op": "touch", "path": str(ready)},
+             {"op": "wait", "path": str(killed), "timeout_s": 300}, gen[1]]
+    proc = run_engine({"model": str(tiny_model), "steps": steps, "kvtier": kvtier}, tmp_path, "b", env=EQUAL_THREADS)
+    deadline = time.monotonic() + 420
+    while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    server.kill9()
+    killed.write_text("done")
+    served = result_of(proc, tmp_path, "b")  # exit 0: the engine stayed up without its Redis
+
+    for (x,), (y,) in zip(made["results"], served["results"], strict=True):
+        assert x["tokens"] == y["tokens"]
+        assert x["logprobs"] == y["logprobs"]  # exact: same KV bytes, same compute threads
+    hit = served["snapshots"][0]
+    assert hit["kvtier_loaded_tokens_total{redis}"] == LOADABLE
+    assert hit["vllm:external_prefix_cache_hits_total"] == LOADABLE
+    end = served["metrics"]
+    assert end["kvtier_loaded_tokens_total{redis}"] == LOADABLE  # no hit once Redis was gone
+    assert end["vllm:external_prefix_cache_hits_total"] == LOADABLE
+    assert end["kvtier_load_failed_blocks_total"] == 0

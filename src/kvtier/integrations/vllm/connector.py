@@ -22,7 +22,8 @@ What the connector declares to vLLM (vLLM 0.32, vllm/distributed/kv_transfer/kv_
 - ``requires_kv_delivery = False``: a best-effort cache; a dropped save is a future miss.
 - Loads are asynchronous (``get_num_new_matched_tokens`` returns ``(n, True)``), saves are not
   (``request_finished`` returns ``False``: the copy out of the engine ends within its step).
-- External hits are reported by source (``host`` for the cpu tier, ``disk``).
+- External hits are reported by source (``host`` for the cpu tier, ``disk``, and
+  ``external_unspecified`` for the shared redis tier).
 
 The scheduler-side and worker-side objects are separate and usually in separate processes; they
 meet only through vLLM's own per-step messages (see the package docstring for the contract).
@@ -83,7 +84,8 @@ def _use_vllm_logging() -> None:
 
 _use_vllm_logging()
 
-_SOURCES = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
+# vLLM 0.32 has no member for a remote store: EXTERNAL_UNSPECIFIED is its documented fallback for one.
+_SOURCES = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK, "redis": CacheHitSource.EXTERNAL_UNSPECIFIED}
 
 
 class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
@@ -172,6 +174,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self.worker_side is not None:
             self.worker_side.shutdown()
+        if self.scheduler_side is not None:
+            self.scheduler_side.shutdown()
 
     # ---- scheduler side ----------------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:

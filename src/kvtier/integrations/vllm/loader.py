@@ -4,8 +4,9 @@ One :class:`LoadJob` per request admitted with a kvtier hit.  ``submit`` returns
 loader thread (``threads`` of them) then:
 
 1. ``store.prepare_load(chain)``: pins the chunks still held and reads/verifies those only on
-   disk (promotion into the cpu tier); the mirror that planned the load may be stale, so this
-   can return fewer chunks than planned, never other bytes;
+   disk or in the shared tier (one pipelined ``GET`` batch; promotion into the cpu tier); the
+   mirror that planned the load may be stale, so this can return fewer chunks than planned,
+   never other bytes;
 2. copies the delivered chunks into the job's engine blocks (:class:`BlockCopier`);
 3. ``store.complete_load`` in ``finally`` (unpins; hits counted only for delivered chunks);
 4. records the blocks it could not fill (short or failed load) as load errors, then the request
@@ -107,7 +108,8 @@ class AsyncLoader:
                 skipped = job.req_id in self._aborted
             if skipped:
                 return
-            handle = self.store.prepare_load([ChunkKey(k) for k in job.keys])
+            # max_chunks: the plan already asked the shared tier, so its reads need no second presence batch
+            handle = self.store.prepare_load([ChunkKey(k) for k in job.keys], max_chunks=job.num_chunks)
             usable = handle.num_chunks
             spans, tiers = [], []
             for c in range(first_chunk, usable):

@@ -10,6 +10,8 @@ from the workers each step; read by ``get_num_new_matched_tokens`` without any I
   after start-up, so a restarted engine knows its disk tier before its first request is admitted).
 - All ranks must chain keys from the same root; a rank reporting another root disables loads
   (logged once) rather than risk loading under the wrong keys.
+- Each rank's store namespace digest (its report's ``namespace``) is kept for the shared tier,
+  whose keys carry it (:mod:`kvtier.integrations.vllm.remote`).
 - The mirror may lag the stores by a step or more (evictions happen meanwhile): a mirror hit is a
   promise the worker checks; a chunk gone since is reported as a load error and recomputed.
 """
@@ -23,7 +25,7 @@ from kvtier.integrations.vllm.protocol import RankReport
 
 log = logging.getLogger(__name__)
 
-TIER_ORDER = {"cpu": 0, "disk": 1}  # tier order, fastest first (also used by the loader and group_jobs)
+TIER_ORDER = {"cpu": 0, "disk": 1, "redis": 2}  # tier order, fastest first (also used by the loader and group_jobs)
 
 
 class IndexMirror:
@@ -39,6 +41,7 @@ class IndexMirror:
         self._snapshotted = [False] * tp_size
         self.key_root: bytes | None = None
         self.broken = False
+        self.namespaces: list[bytes] = [b""] * tp_size
 
     @property
     def ready(self) -> bool:
@@ -56,6 +59,8 @@ class IndexMirror:
             self.broken = True
             log.error("kvtier: tensor-parallel rank %d chains chunk keys from another namespace than rank 0 "
                       "(different model files or settings per rank?); kvtier loads are off for this engine", rank)
+        if report.namespace:
+            self.namespaces[rank] = report.namespace
         index = self._ranks[rank]
         if report.full:
             index.clear()

@@ -114,11 +114,15 @@ class RankReport:
         key_root: the rank-independent namespace digest chunk keys are chained from (16 bytes).
         changes: ``(key, tier)`` pairs from the store's change feed (``tier`` ``None`` = gone).
         full: ``changes`` is a complete snapshot (the mirror of this rank is replaced).
+        namespace: this rank's store namespace digest (16 bytes; with the tp rank in it): the
+            shared tier's keys are ``<prefix><namespace hex>:<chunk key hex>``, so the scheduler
+            needs it to ask the shared tier about this rank's chunks.
     """
 
     key_root: bytes
     changes: list[tuple[bytes, str | None]] = field(default_factory=list)
     full: bool = False
+    namespace: bytes = b""
 
 
 @dataclass

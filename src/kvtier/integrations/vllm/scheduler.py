@@ -7,6 +7,9 @@ Per request (``k = chunk_tokens // block_size``)::
         (capped so ≥ 1 prompt token is computed); returns (hit - local, True): vLLM allocates
         the blocks and parks the request in WAITING_FOR_REMOTE_KVS.  No file, socket or
         network I/O.  Before the workers' first report it answers None ("ask next step").
+        With a shared tier (``redis_url``), the chunks beyond the mirror's hit are asked about
+        in the background (:mod:`~kvtier.integrations.vllm.remote`); None while that runs,
+        at most ``shared_deadline_s``, then the chunks found there join the hit (tier ``redis``).
     update_state_after_alloc(req, blocks, n) n > 0: queue a LoadJob for blocks local/bs .. hit/bs
     build_connector_meta(step)               ship queued loads; for every scheduled request
                                              whose computed tokens complete new full chunks
@@ -40,6 +43,7 @@ from kvtier.integrations.vllm.group_jobs import GroupJobs, handoffs_of
 from kvtier.integrations.vllm.groups import engine_plan
 from kvtier.integrations.vllm.mirror import IndexMirror
 from kvtier.integrations.vllm.protocol import KVTierMetadata, KVTierWorkerMeta, LoadJob, SaveJob
+from kvtier.integrations.vllm.remote import RemoteLookups, shared_tier_configured
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +106,7 @@ class SchedulerSide:
         self._saved_chunks: dict[str, int] = {}
         self._kv_cache_manager: Any = None
         self._waiting_since: float | None = None
+        self.remote = RemoteLookups(config) if load and shared_tier_configured(config) else None
 
     def bind_kv_cache_manager(self, manager: Any) -> None:
         self._kv_cache_manager = manager
@@ -142,6 +147,11 @@ class SchedulerSide:
             hit, tiers = self.groups.lookup(chain, num_computed_tokens, request.num_tokens)
         else:
             tiers = self.mirror.lookup(chain)
+            if self.remote is not None and len(tiers) < max_chunks and self.remote.bind(self.mirror.namespaces):
+                more = self.remote.poll(req_id, chain, len(tiers))
+                if more is None:
+                    return None, False  # the shared tier has not answered yet: ask again next step
+                tiers = tiers + ["redis"] * more
             hit = len(tiers) * self.chunk_tokens
         if hit <= num_computed_tokens:
             return 0, False
@@ -150,6 +160,8 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         req_id = request.request_id
+        if self.remote is not None:
+            self.remote.forget(req_id)
         tiers = self._planned.get(req_id)
         if num_external_tokens <= 0 or tiers is None:
             self._planned.pop(req_id, None)
@@ -170,7 +182,7 @@ class SchedulerSide:
         self._loads.append(LoadJob(req_id, tuple(keys), first_block, tuple(block_ids[first_block:end_block]), resumed))
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
-        """Split ``num_external_tokens`` by the tier (``cpu``/``disk``) each planned chunk is in."""
+        """Split ``num_external_tokens`` by the tier (``cpu``/``disk``/``redis``) each planned chunk is in."""
         tiers = self._planned.get(request.request_id, [])
         hit = len(tiers) * self.chunk_tokens
         out: dict[str, int] = {}
@@ -238,3 +250,10 @@ class SchedulerSide:
         self._requests.pop(req_id, None)
         self._chains.pop(req_id, None)
         self._saved_chunks.pop(req_id, None)
+        if self.remote is not None:
+            self.remote.forget(req_id)
+
+    def shutdown(self) -> None:
+        """Stop the shared-tier lookups (idempotent)."""
+        if self.remote is not None:
+            self.remote.close()

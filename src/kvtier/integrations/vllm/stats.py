@@ -6,7 +6,7 @@ ships them to the front-end process, and calls :meth:`KVTierPromMetrics.observe`
 collectors were created with vLLM's metric classes and so land in the same registry as
 ``vllm:prefix_cache_*`` and ``vllm:external_prefix_cache_*``.
 
-Exported (Prometheus adds ``_total`` to counters; ``tier`` is ``cpu`` or ``disk``):
+Exported (Prometheus adds ``_total`` to counters; ``tier`` is ``cpu``, ``disk`` or ``redis``):
 
 - ``kvtier_loaded_tokens_total{tier}``: tokens copied from kvtier into the engine.  Over a run
   it equals ``vllm:external_prefix_cache_hits_total`` (both count only loads that happened, and
@@ -45,6 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "loaded_tokens_cpu": ("kvtier_loaded_tokens", "Tokens loaded from kvtier into the engine.", ("cpu",)),
     "loaded_tokens_disk": ("kvtier_loaded_tokens", "Tokens loaded from kvtier into the engine.", ("disk",)),
+    "loaded_tokens_redis": ("kvtier_loaded_tokens", "Tokens loaded from kvtier into the engine.", ("redis",)),
     "reloaded_tokens": ("kvtier_reloaded_tokens", ("Tokens loaded from kvtier into requests resumed after "
                                                    "preemption (vLLM counts these apart from external hits)."), ()),
     "saved_tokens": ("kvtier_saved_tokens", "Tokens newly saved into kvtier.", ()),

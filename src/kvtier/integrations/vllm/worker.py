@@ -49,7 +49,8 @@ log = logging.getLogger(__name__)
 _STORE_COUNTERS = ("evictions_cpu", "evictions_disk", "dropped_saves", "corrupt_chunks", "flush_missed_chunks")
 # Every rank moves the same tokens (its own KV heads of them), and vLLM sums the ranks' stats:
 # token counters are reported by rank 0 only; bytes, seconds and store counters by every rank.
-_RANK0_ONLY = ("loaded_tokens_cpu", "loaded_tokens_disk", "reloaded_tokens", "saved_tokens", "load_failed_blocks")
+_RANK0_ONLY = ("loaded_tokens_cpu", "loaded_tokens_disk", "loaded_tokens_redis", "reloaded_tokens", "saved_tokens",
+               "load_failed_blocks")
 MAX_INDEX_CHANGES = 4096  # index changes per rank per step sent to the scheduler (a snapshot goes whole)
 
 
@@ -140,6 +141,7 @@ class WorkerSide:
         self.loader: AsyncLoader | None = None
         self.layout: KVLayout | None = None
         self.key_root = b""
+        self.namespace = b""
         self._counters: defaultdict[str, float] = defaultdict(float)
         self._counters_lock = threading.Lock()
         self._store_seen: dict[str, int] = {}
@@ -164,6 +166,7 @@ class WorkerSide:
         namespace = build_namespace(self.vllm_config, self.kv_cache_config, self.layout, self.config,
                                     self.tp_size, self.tp_rank, fingerprint)
         self.key_root = key_root(namespace)
+        self.namespace = namespace.digest()
         self.store = TieredStore(self.config, namespace, self.layout.chunk_bytes(self.blocks_per_chunk), self.tp_size)
         self.copier = BlockCopier(self.layout, kv_caches, self.blocks_per_chunk)
         self.loader = AsyncLoader(self.store, self.copier, self.blocks_per_chunk, self.block_size,
@@ -277,7 +280,8 @@ class WorkerSide:
         delta = self.store.drain_changes(MAX_INDEX_CHANGES)
         if not delta.changes and not delta.full:
             return None
-        report = RankReport(self.key_root, [(bytes(key), tier) for key, tier in delta.changes], delta.full)
+        report = RankReport(self.key_root, [(bytes(key), tier) for key, tier in delta.changes], delta.full,
+                            self.namespace)
         return KVTierWorkerMeta({self.tp_rank: report})
 
     # ---- metrics and lifecycle ---------------------------------------------------------------

@@ -1,0 +1,154 @@
+"""The scheduler's questions to the shared tier (Redis / Valkey), asked off the scheduler's thread.
+
+The mirror (:mod:`kvtier.integrations.vllm.mirror`) knows only what the engine's own workers
+hold.  For the part of a prompt beyond the mirror's hit, :class:`RemoteLookups` sends one
+pipelined presence batch (``EXISTS`` per chunk) to the shared tier per tensor-parallel rank, on
+its own threads, and hands back "ask again" (``None``) until the answer is in or
+``shared_deadline_s`` has passed (then: 0 more chunks).  vLLM's ``get_num_new_matched_tokens``
+answers ``(None, False)`` meanwhile (vllm/v1/core/sched/scheduler.py skips the request for this
+step and asks again in the next one), so the engine's step never waits on the network.
+
+- A chunk counts only if every rank's value is there (each rank stores its own KV heads under its
+  own namespace, reported by the workers in ``RankReport.namespace``): the answer is the minimum
+  over ranks of the leading chunks found.
+- Bounded: at most ``shared_queue_depth`` lookups in flight; more are answered "0 more" at once
+  (counted in :attr:`RemoteLookups.skipped`).  Each rank's tier has its own deadline, timeouts and
+  circuit breaker (:class:`~kvtier.core.tiers.redis.RedisTier`): a dead server is a fast miss.
+- The answer is a promise the worker checks: the load reads the values with one pipelined ``GET``
+  and verifies each; a value gone since (evicted, server restarted) ends the load short and vLLM
+  recomputes the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from kvtier.core.config import KVTierConfig
+from kvtier.core.errors import ConfigError
+from kvtier.core.handles import PendingLookup
+from kvtier.core.keys import ChunkKey
+
+log = logging.getLogger(__name__)
+
+
+class _Answered(PendingLookup):
+    """A lookup whose answer is known (asked again, e.g. when vLLM could not allocate blocks yet)."""
+
+
+def shared_tier_configured(config: KVTierConfig) -> bool:
+    """Whether ``config`` asks for the redis shared tier (``redis_url`` set and ``redis`` in ``tiers``)."""
+    return bool(config.redis_url) and "redis" in config.tiers
+
+
+class RemoteLookups:
+    """Background presence checks in the shared tier for the scheduler (see the module docstring).
+
+    Args:
+        config: kvtier configuration (``redis_url``, deadlines, ``shared_queue_depth``, ``io_threads``).
+    """
+
+    def __init__(self, config: KVTierConfig) -> None:
+        self.config = config
+        self.deadline_s = config.shared_deadline_s
+        self.queue_depth = config.shared_queue_depth
+        self._tiers: list[Any] = []
+        self._namespaces: tuple[bytes, ...] = ()
+        self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-remote-lookup")
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        # req_id -> ((start, end), pending lookup); answered ones stay until the request is planned or gone
+        self._pending: dict[str, tuple[tuple[int, int], PendingLookup]] = {}
+        self.asked = self.found_chunks = self.timed_out = self.skipped = 0
+
+    def bind(self, namespaces: Sequence[bytes]) -> bool:
+        """Use the shared tier under the ranks' ``namespaces``; False while a rank's is unknown."""
+        key = tuple(namespaces)
+        if key == self._namespaces:
+            return bool(self._tiers)
+        if not all(key):
+            return False
+        from prometheus_client import CollectorRegistry
+
+        from kvtier.core.tiers.redis import from_config
+        from kvtier.core.tiers.registry import TierContext
+
+        self.close_tiers()
+        self._namespaces = key
+        try:
+            # A private registry per tier: the scheduler's tiers only ask about presence; their
+            # kvtier_tier_* numbers are not exported (the workers' tiers do the reads and writes).
+            for ns in key:
+                tier = from_config(TierContext(self.config, ns, 0, len(key), CollectorRegistry()))
+                if tier is not None:
+                    self._tiers.append(tier)
+        except ConfigError as exc:  # the workers' stores refused the same config at start-up already
+            log.error("kvtier: the scheduler cannot use the shared tier (%s); answering from local tiers", exc)
+            self.close_tiers()
+        return bool(self._tiers)
+
+    def poll(self, req_id: str, chain: Sequence[bytes], start: int) -> int | None:
+        """Chunks of ``chain[start:]`` held in the shared tier by every rank, leading ones only;
+        ``None`` ("ask again") while the lookup runs.  Never blocks."""
+        span = (start, len(chain))
+        entry = self._pending.get(req_id)
+        if entry is None or entry[0] != span:
+            entry = self._pending[req_id] = (span, self._submit(chain[start:]))
+        found = entry[1].poll()
+        if found is not None and not isinstance(entry[1], _Answered):  # keep the answer, drop the future
+            if entry[1].timed_out:
+                self.timed_out += 1
+                log.info("kvtier: shared-tier lookup for request %s passed shared_deadline_s=%s; answered from "
+                         "local tiers", req_id, self.deadline_s)
+            self._pending[req_id] = (span, _Answered(found, span[1] - start))
+        return found
+
+    def forget(self, req_id: str) -> None:
+        """Drop ``req_id``'s lookup (planned, or the request is gone)."""
+        self._pending.pop(req_id, None)
+
+    def _submit(self, keys: Sequence[bytes]) -> PendingLookup:
+        with self._lock:
+            if not self._tiers or self._in_flight >= self.queue_depth:
+                self.skipped += 1
+                return PendingLookup(0, len(keys))
+            self._in_flight += 1
+            tiers = list(self._tiers)
+        self.asked += 1
+        chunk_keys = [ChunkKey(k) for k in keys]
+
+        def remote() -> int:
+            try:
+                found = len(chunk_keys)
+                for tier in tiers:  # one pipelined EXISTS batch per rank; stop at the first rank with none
+                    present = tier.contains_many(chunk_keys[:found])
+                    found = next((i for i, hit in enumerate(present) if not hit), len(present))
+                    if not found:
+                        break
+                self.found_chunks += found
+                return found
+            finally:
+                with self._lock:
+                    self._in_flight -= 1
+
+        try:
+            future: Future[int] = self._pool.submit(remote)
+        except RuntimeError:  # closed
+            with self._lock:
+                self._in_flight -= 1
+            return PendingLookup(0, len(keys))
+        return PendingLookup(0, len(keys), future, time.monotonic() + self.deadline_s)
+
+    def close_tiers(self) -> None:
+        for tier in self._tiers:
+            tier.close()
+        self._tiers = []
+
+    def close(self) -> None:
+        """Stop asking; idempotent."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.close_tiers()

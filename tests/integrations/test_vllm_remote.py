@@ -1,0 +1,128 @@
+"""The scheduler's shared-tier lookups (kvtier.integrations.vllm.remote) against real redis-servers.
+
+Stores stand in for the workers of another engine (one per tensor-parallel rank, each with its
+own namespace, as under vLLM); the scheduler-side :class:`RemoteLookups` asks Redis about their
+chunks and must never block: "ask again" (``None``) until the answer is in, bounded by
+``shared_deadline_s``; a dead server is a prompt miss.  The engine-level version is
+tests/integrations/test_vllm_redis_tier.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from kvtier.core.config import KVTierConfig
+from kvtier.core.store import TieredStore
+from kvtier.integrations.vllm.remote import RemoteLookups, shared_tier_configured
+from tests.core.helpers import CHUNK_BYTES, CHUNK_TOKENS, NS, chain_of, payload
+from tests.redis_servers import DelayProxy
+
+
+def _config(url: str, prefix: str, **settings: object) -> KVTierConfig:
+    values = {"chunk_tokens": CHUNK_TOKENS, "cpu_gib": 16 * CHUNK_BYTES / 2**30, "redis_url": url,
+              "redis_key_prefix": prefix, "shared_deadline_s": 2.0, "redis_timeout_s": 2.0, **settings}
+    return KVTierConfig.from_dict(values)
+
+
+def _rank(url: str, prefix: str, tp_rank: int, chain, tp_size: int = 1) -> tuple[TieredStore, bytes]:
+    """A worker rank's store that saved ``chain`` (written through to Redis); its namespace digest."""
+    namespace = dataclasses.replace(NS, tp_size=tp_size, tp_rank=tp_rank)
+    store = TieredStore(_config(url, prefix), namespace, CHUNK_BYTES, tp_size)
+    assert store.put(chain, [payload(k) for k in chain]) == len(chain)
+    assert store.flush(10)
+    return store, namespace.digest()
+
+
+def _answer(lookups: RemoteLookups, req_id: str, chain, start: int, timeout_s: float = 10.0) -> tuple[int, int]:
+    """Poll as the scheduler does once per step: (answer, number of "ask again" replies before it)."""
+    asks = 0
+    end = time.monotonic() + timeout_s
+    while (found := lookups.poll(req_id, chain, start)) is None:
+        asks += 1
+        assert time.monotonic() < end, "the lookup never answered"
+        time.sleep(0.01)
+    return found, asks
+
+
+def test_a_prefix_another_engine_saved_is_found_without_blocking(redis_server, key_prefix):
+    chain = chain_of(11, 6)
+    store, namespace = _rank(redis_server.url, key_prefix, 0, chain)
+    proxy = DelayProxy(redis_server.port, delay_s=0.2)  # a server the step must not wait for
+    # deadlines a loaded 2-core machine meets through the proxy (connection set-up is 2 round trips more)
+    lookups = RemoteLookups(_config(proxy.url, key_prefix, shared_deadline_s=5.0, redis_timeout_s=5.0))
+    try:
+        assert not lookups.bind([b""])  # the worker's namespace not reported yet: no lookup
+        assert lookups.bind([namespace])
+        t0 = time.perf_counter()
+        assert lookups.poll("r1", chain, 0) is None  # ask again
+        assert time.perf_counter() - t0 < 0.1  # never waits on the network
+        found, asks = _answer(lookups, "r1", chain, 0)
+        assert (found, lookups.asked, lookups.timed_out) == (6, 1, 0)
+        assert asks >= 1
+        assert lookups.poll("r1", chain, 0) == 6 and lookups.asked == 1  # asked again: the known answer
+        assert _answer(lookups, "r1", chain, 2)[0] == 4  # the mirror's hit grew: the rest only
+        lookups.forget("r1")
+        other = chain_of(12, 3)
+        assert _answer(lookups, "r2", other, 0)[0] == 0  # never saved: a miss
+    finally:
+        lookups.close()
+        proxy.close()
+        store.close()
+
+
+def test_a_chunk_counts_only_when_every_rank_holds_it(redis_server, key_prefix):
+    chain = chain_of(13, 5)
+    rank0, ns0 = _rank(redis_server.url, key_prefix, 0, chain, tp_size=2)
+    rank1, ns1 = _rank(redis_server.url, key_prefix, 1, chain[:3], tp_size=2)
+    lookups = RemoteLookups(_config(redis_server.url, key_prefix))
+    try:
+        assert lookups.bind([ns0, ns1])
+        assert _answer(lookups, "r", chain, 0)[0] == 3
+        assert lookups.bind([ns0, ns0]) and _answer(lookups, "s", chain, 0)[0] == 5  # rebinding follows the ranks
+    finally:
+        lookups.close()
+        rank0.close()
+        rank1.close()
+
+
+def test_a_slow_server_is_a_miss_after_the_deadline(redis_server, key_prefix):
+    chain = chain_of(14, 4)
+    store, namespace = _rank(redis_server.url, key_prefix, 0, chain)
+    proxy = DelayProxy(redis_server.port, delay_s=1.5)
+    lookups = RemoteLookups(_config(proxy.url, key_prefix, shared_deadline_s=0.3))
+    try:
+        assert lookups.bind([namespace])
+        t0 = time.monotonic()
+        found, asks = _answer(lookups, "r", chain, 0)
+        assert found == 0 and asks >= 1
+        # answered at the deadline (the tier's own, or the lookup's), not when the server was
+        assert 0.3 <= time.monotonic() - t0 < 1.5
+    finally:
+        lookups.close()
+        proxy.close()
+        store.close()
+
+
+def test_a_killed_server_is_a_prompt_miss(redis_factory, key_prefix):
+    server = redis_factory()
+    chain = chain_of(15, 4)
+    store, namespace = _rank(server.url, key_prefix, 0, chain)
+    lookups = RemoteLookups(_config(server.url, key_prefix))
+    try:
+        assert lookups.bind([namespace])
+        assert _answer(lookups, "before", chain, 0)[0] == 4
+        server.kill9()
+        t0 = time.monotonic()
+        assert _answer(lookups, "after", chain, 0)[0] == 0  # connection refused: a miss, no exception
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        lookups.close()
+        store.close()
+
+
+def test_the_shared_tier_is_asked_only_when_configured():
+    assert not shared_tier_configured(KVTierConfig.from_dict({}))
+    assert shared_tier_configured(KVTierConfig.from_dict({"redis_url": "redis://127.0.0.1:1/0"}))
+    assert not shared_tier_configured(KVTierConfig.from_dict({"redis_url": "redis://127.0.0.1:1/0",
+                                                              "tiers": ["cpu", "disk"]}))
