@@ -115,3 +115,16 @@ def test_tensor_parallel_ranks_each_hold_their_share(tiny_model: Path, tmp_path:
     assert m["kvtier_dirty_bytes"] == 0
     first, second = out["results"]
     _same(first, second)
+
+
+def test_a_cpu_tier_too_small_for_one_prompt_and_the_write_queue_is_warned_about(tiny_model: Path,
+                                                                                 tmp_path: Path) -> None:
+    """breaker F9: cpu_gib 0.004 holds 32 chunks of this model, fewer than a 1,024-token prompt (16) plus the
+    disk write queue (64); the engine still starts and serves, and its log says why saves will be dropped."""
+    spec = _spec(tiny_model, tmp_path / "disk", [{"op": "generate", "prompts": _prompts()[:1]}])
+    spec["kvtier"]["cpu_gib"] = 0.004
+    out = result_of(run_engine(spec, tmp_path, "small"), tmp_path, "small")
+    assert out["results"][0][0]["tokens"]
+    log = (tmp_path / "small.log").read_text(errors="replace")
+    assert "kvtier: rank 0 cpu tier holds 32 chunks, fewer than one max_model_len prompt (16 chunks) plus the disk " \
+           "write queue (save_queue_depth 64)" in log

@@ -174,6 +174,25 @@ class WorkerSide:
         log.info("kvtier: rank %d layout %s, chunk %d tokens = %d bytes, namespace %s, identity %s, AMX %s",
                  self.tp_rank, self.layout.describe(), self.config.chunk_tokens, self.store.chunk_bytes,
                  namespace.digest().hex(), fingerprint, "requested" if amx else "not available")
+        self._warn_small_cpu_tier()
+
+    def _warn_small_cpu_tier(self) -> None:
+        """Warn when the cpu tier cannot hold one longest prompt plus the disk write queue.
+
+        Every saved chunk passes through a cpu page, and with a disk tier each queued write pins its
+        page until written (up to ``save_queue_depth``); with fewer pages, saves are dropped
+        (``kvtier_dropped_saves_total``) even though the config is valid.
+        """
+        assert self.store is not None
+        pages = self.store.cpu.usage().capacity_bytes // self.store.chunk_bytes
+        longest = -(-self.vllm_config.model_config.max_model_len // self.config.chunk_tokens)
+        queued = self.config.save_queue_depth if self.config.disk_path and self.config.disk_gib > 0 else 0
+        if pages < longest + queued:
+            need_gib = (longest + queued) * self.store.chunk_bytes * self.tp_size / (1 << 30)
+            log.warning("kvtier: rank %d cpu tier holds %d chunks, fewer than one max_model_len prompt (%d chunks) "
+                        "plus the disk write queue (save_queue_depth %d): saves will be dropped "
+                        "(kvtier_dropped_saves_total); raise cpu_gib to at least %.3f", self.tp_rank, pages,
+                        longest, queued, need_gib)
 
     def _register_groups(self, kv_caches: dict[str, torch.Tensor], fingerprint: str) -> None:
         """Hybrid model: one layout and copier per KV cache group, pages of the largest group's size."""
