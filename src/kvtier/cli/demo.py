@@ -63,9 +63,9 @@ def register(app: typer.Typer) -> None:
                                                    "comparison.")] = True,
         repeats: Annotated[int, typer.Option(min=1, max=5, help="Comparison runs per arm, interleaved.")] = 2,
     ) -> None:
-        """Run kvtier on a real vLLM (24-layer test model, dummy weights, ~10 minutes on 2 cores): a
-        SIGTERM restart served from kvtier's disk tier, then baseline vs vLLM's native CPU offload vs
-        kvtier on a workload that overflows the engine cache.
+        """Run kvtier on a real vLLM (24-layer test model, dummy weights, ~10 minutes on 2 idle cores,
+        36 measured on a busy shared machine): a SIGTERM restart served from kvtier's disk tier, then
+        baseline vs vLLM's native CPU offload vs kvtier on a workload that overflows the engine cache.
 
         Example: kvtier demo --workdir .kvtier
         """
