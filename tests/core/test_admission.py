@@ -20,7 +20,7 @@ def test_disk_admits_only_what_the_cpu_tier_served(tmp_path):
         store.complete_load(handle, True)
         put_chain(store, c)  # evicts a and b from cpu
         store.flush()
-        assert store.stats()["evictions_cpu"] == 4
+        assert store.stats().tier("cpu").evictions == 4
         assert all(store.disk.contains(k) for k in b) and not any(store.disk.contains(k) for k in a)
         assert store.lookup(a) == 0 and store.lookup(b) == 2
         assert_served(store, b, 2)

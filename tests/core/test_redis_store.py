@@ -41,9 +41,9 @@ def test_prefix_saved_on_host_a_is_a_hit_on_host_b(redis_server, key_prefix):
     assert handle.tiers == ["redis"] * 5
     assert [buf.tobytes() for buf in handle.buffers] == [payload(k) for k in chain]
     b.complete_load(handle, True)
-    assert b.stats()["hits_redis"] == 5
+    assert b.stats().tier("redis").load_hit_chunks == 5
     assert b.lookup(chain) == 5  # promoted into B's cpu tier
-    assert b.metrics.load_hit_chunks.labels("redis")._value.get() == 5
+    assert b.metrics.registry.get_sample_value("kvtier_load_hit_chunks_total", {"tier": "redis"}) == 5
     for store in (a, b):
         store.check_integrity()
         store.close()
@@ -101,7 +101,7 @@ def test_shared_secret_rejects_values_written_without_it(redis_server, key_prefi
         handle = signed.prepare_load(chain, max_chunks=3)
     assert handle.num_chunks == 0  # ...but never accepted
     signed.complete_load(handle, True)
-    assert signed.stats()["corrupt_chunks"] == 3  # one pipelined batch: each value verified, each deleted
+    assert signed.stats().corrupt_chunks == 3  # one pipelined batch: each value verified, each deleted
     assert signed.lookup_async(chain).wait(5) == 0
     put_chain(signed, chain)
     signed.flush(10)

@@ -49,7 +49,7 @@ def test_cpu_eviction_spills_to_disk_and_get_promotes(tmp_path):
     put_chain(store, a)
     put_chain(store, b)  # evicts all of a from cpu: write-back spills it
     store.flush()
-    assert store.stats()["evictions_cpu"] == 4
+    assert store.stats().tier("cpu").evictions == 4
     assert all(store.disk.contains(k) for k in a)
     assert not any(store.cpu.contains(k) for k in a)
     assert store.lookup(a) == 4
@@ -58,7 +58,7 @@ def test_cpu_eviction_spills_to_disk_and_get_promotes(tmp_path):
     store.complete_load(handle, True)
     assert all(store.cpu.contains(k) for k in a)  # promoted
     assert_served(store, a, 4)
-    assert store.stats()["hits_disk"] == 4 and store.stats()["hits_cpu"] == 4
+    assert store.stats().tier("disk").load_hit_chunks == 4 and store.stats().tier("cpu").load_hit_chunks == 4
     store.flush()
     store.check_integrity()
 
@@ -98,8 +98,8 @@ def test_corrupt_chunk_on_disk_truncates_the_prefix_and_is_counted(tmp_path):
     assert handle.num_chunks == 2
     assert [b.tobytes() for b in handle.buffers] == [payload(k) for k in a[:2]]
     again.complete_load(handle, True)
-    assert again.stats()["corrupt_chunks"] == 1
-    assert again.metrics.corrupt_chunks.labels("disk")._value.get() == 1
+    assert again.stats().corrupt_chunks == 1
+    assert again.metrics.registry.get_sample_value("kvtier_corrupt_chunks_total", {"tier": "disk"}) == 1
     assert again.lookup(a) == 2  # the bad file is gone; chunks after it are useless
     again.flush()
     again.check_integrity()
@@ -110,15 +110,15 @@ def test_failed_load_is_not_a_hit_and_releases_pins(tmp_path):
     a = chain_of(1, 3)
     put_chain(store, a)
     handle = store.prepare_load(a)
-    assert store.stats()["pinned"] == 3
+    assert store.stats().pinned_chunks == 3
     with pytest.raises(RuntimeError):
         try:
             raise RuntimeError("transfer to the engine failed")
         finally:
             store.complete_load(handle, success=False)
-    assert "hits_cpu" not in store.stats() and store.stats()["failed_loads"] == 1
+    assert store.stats().tier("cpu").load_hit_chunks == 0 and store.stats().failed_loads == 1
     store.complete_load(handle, success=True)  # a second completion is a no-op
-    assert "hits_cpu" not in store.stats()
+    assert store.stats().tier("cpu").load_hit_chunks == 0
     store.check_integrity()
 
 
@@ -128,7 +128,7 @@ def test_pinned_chunks_are_never_evicted(tmp_path):
     put_chain(store, a)
     handle = store.prepare_load(a)  # all four pinned
     assert put_chain(store, chain_of(2, 2)) == 0  # no room and nothing evictable: dropped, no wait
-    assert store.stats()["dropped_saves"] == 2
+    assert store.stats().dropped_saves == 2
     assert [b.tobytes() for b in handle.buffers] == [payload(k) for k in a]
     store.complete_load(handle, True)
     assert put_chain(store, chain_of(2, 2)) == 2
@@ -160,8 +160,8 @@ def test_full_save_queue_drops_and_counts_without_blocking(tmp_path):
     store.flush()
     stats = store.stats()
     # one write at most in the worker, one in the queue: the rest are dropped, and counted
-    assert stats["dropped_saves"] >= 18
-    assert store.metrics.dropped_saves._value.get() == stats["dropped_saves"]
+    assert stats.dropped_saves >= 18
+    assert store.metrics.registry.get_sample_value("kvtier_dropped_saves_total") == stats.dropped_saves
     assert store.lookup(a) == 20  # still served from cpu
     store.check_integrity()
 
@@ -173,7 +173,7 @@ def test_disk_tier_evicts_within_its_capacity(tmp_path):
         store.flush()
     disk = store.disk.usage()
     assert disk.used_bytes <= disk.capacity_bytes and disk.num_chunks == 4
-    assert store.stats()["evictions_disk"] == 6
+    assert store.stats().tier("disk").evictions == 6
     store.check_integrity()
 
 
@@ -183,8 +183,8 @@ def test_metrics_count_bytes_and_hits(tmp_path):
     put_chain(store, a)
     store.get(a)
     m = store.metrics
-    assert m.bytes_moved.labels("engine_to_cpu")._value.get() == 2 * CHUNK_BYTES
-    assert m.load_hit_tokens.labels("cpu")._value.get() == 2 * store.chunk_tokens
+    assert m.registry.get_sample_value("kvtier_transfer_bytes_total", {"direction": "engine_to_cpu"}) == 2 * CHUNK_BYTES
+    assert m.registry.get_sample_value("kvtier_load_hit_tokens_total", {"tier": "cpu"}) == 2 * store.chunk_tokens
     text = __import__("prometheus_client").generate_latest(m.registry).decode()
     assert "kvtier_config_info" in text and 'kvtier_capacity_bytes{tier="cpu"}' in text
 
@@ -235,7 +235,7 @@ def test_cancelled_load_counts_neither_hit_nor_failure(tmp_path):
     handle = store.prepare_load(a)
     store.cancel_load(handle)
     stats = store.stats()
-    assert "hits_cpu" not in stats and "failed_loads" not in stats and stats["pinned"] == 0
+    assert stats.tier("cpu").load_hit_chunks == 0 and stats.failed_loads == 0 and stats.pinned_chunks == 0
     store.check_integrity()
 
 
@@ -245,8 +245,8 @@ def test_chunks_the_engine_already_held_are_not_hits(tmp_path):
     put_chain(store, a)
     handle = store.prepare_load(a)
     store.complete_load(handle, True, first_chunk=3)  # the engine's own cache had chunks 0-2
-    assert store.stats()["hits_cpu"] == 1
-    assert store.metrics.load_hit_tokens.labels("cpu")._value.get() == store.chunk_tokens
+    assert store.stats().tier("cpu").load_hit_chunks == 1
+    assert store.metrics.registry.get_sample_value("kvtier_load_hit_tokens_total", {"tier": "cpu"}) == store.chunk_tokens
 
 
 def test_disk_tier_shrunk_since_last_run_is_trimmed_oldest_first(tmp_path):

@@ -69,7 +69,7 @@ def test_write_back_dirty_bytes_and_shutdown_flush(tmp_path):
     chain = chain_of(1, 5)
     store.put(chain, [payload(k) for k in chain])
     assert store.dirty_bytes() == 5 * CHUNK_BYTES
-    assert store.stats()["dirty_bytes"] == 5 * CHUNK_BYTES
+    assert store.stats().dirty_bytes == 5 * CHUNK_BYTES
     written, missed = store.flush_dirty(timeout_s=10)
     assert (written, missed) == (5, 0)
     assert store.dirty_bytes() == 0 and all(store.disk.indexed(k) for k in chain)
@@ -84,7 +84,7 @@ def test_flush_that_misses_its_deadline_counts_the_missed_chunks(tmp_path):
     chain = chain_of(1, 4)
     store.put(chain, [payload(k) for k in chain])
     assert store.flush_dirty(timeout_s=0) == (0, 4)
-    assert store.stats()["flush_missed_chunks"] == 4
+    assert store.stats().flush_missed_chunks == 4
 
 
 def test_pinned_chunks_are_visible_while_a_load_holds_them(tmp_path):
@@ -92,8 +92,8 @@ def test_pinned_chunks_are_visible_while_a_load_holds_them(tmp_path):
     chain = chain_of(1, 3)
     store.put(chain, [payload(k) for k in chain])
     handle = store.prepare_load(chain)
-    assert store.stats()["pinned_chunks"] == {"cpu": 3, "disk": 0}
+    assert (store.stats().tier("cpu").pinned_chunks, store.stats().tier("disk").pinned_chunks) == (3, 0)
     assert store.metrics.registry.get_sample_value("kvtier_pinned_bytes", {"tier": "cpu"}) == 3 * CHUNK_BYTES
     store.complete_load(handle, True)
-    assert store.stats()["pinned_chunks"] == {"cpu": 0, "disk": 0}
+    assert (store.stats().tier("cpu").pinned_chunks, store.stats().tier("disk").pinned_chunks) == (0, 0)
     assert store.metrics.registry.get_sample_value("kvtier_pinned_chunks", {"tier": "cpu"}) == 0

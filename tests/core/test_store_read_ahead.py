@@ -32,7 +32,7 @@ def test_tail_is_read_ahead_and_served_verified(tmp_path):
     assert handle.wait(30.0) and handle.num_chunks == handle.ready_chunks() == 6
     assert [b.tobytes() for b in handle.buffers] == [payload(k) for k in chain]
     store.complete_load(handle, True)
-    assert store.stats()["hits_disk"] == 6
+    assert store.stats().tier("disk").load_hit_chunks == 6
     assert store.lookup(chain) == 6 and all(store.cpu.contains(k) for k in chain)  # promoted
     store.check_integrity()
     store.close()
@@ -45,7 +45,7 @@ def test_corrupt_chunk_read_ahead_ends_the_prefix(tmp_path):
     assert handle.wait(30.0) and handle.num_chunks == 4
     assert [b.tobytes() for b in handle.buffers] == [payload(k) for k in chain[:4]]
     store.complete_load(handle, True)
-    assert store.stats()["corrupt_chunks"] == 1 and store.stats()["hits_disk"] == 4
+    assert store.stats().corrupt_chunks == 1 and store.stats().tier("disk").load_hit_chunks == 4
     store.check_integrity()
     store.close()
 
@@ -66,7 +66,7 @@ def test_load_cancelled_during_read_ahead_leaves_no_pins(tmp_path):
     handle = store.prepare_load(chain, read_ahead=True)
     store.cancel_load(handle)  # before the tail has arrived: unpinned once the reads end
     assert handle.wait(30.0)
-    assert store.stats()["pinned"] == 0 and "hits_disk" not in store.stats()
+    assert store.stats().pinned_chunks == 0 and store.stats().tier("disk").load_hit_chunks == 0
     store.check_integrity()
     store.close()
 
@@ -74,6 +74,6 @@ def test_load_cancelled_during_read_ahead_leaves_no_pins(tmp_path):
 def test_get_serves_a_disk_prefix_through_read_ahead(tmp_path):
     store, chain = on_disk_only(tmp_path, 7, io_threads=1)
     assert store.get(chain) == [payload(k) for k in chain]
-    assert store.stats()["hits_disk"] == 7
+    assert store.stats().tier("disk").load_hit_chunks == 7
     store.check_integrity()
     store.close()

@@ -121,6 +121,9 @@ def test_cold_cpu_and_disk_loads_give_identical_tokens_and_logprobs(engine: Engi
     m2 = metrics_snapshot()
     assert delta(m2, m1, LOADED_CPU) == LOADABLE
     assert delta(m2, m1, EXT_HITS) == LOADABLE
+    # bytes are read from the store's snapshot (kvtier.core.stats), tokens from the worker: they agree
+    assert delta(m2, m1, "kvtier_transfer_bytes_total{load}") == LOADABLE // CHUNK_TOKENS * CHUNK_BYTES
+    assert delta(m1, m0, "kvtier_transfer_bytes_total{save}") >= LOADABLE // CHUNK_TOKENS * CHUNK_BYTES
 
     engine.evict_from_cpu_tier(seed=900)
     m3 = metrics_snapshot()
@@ -188,11 +191,11 @@ def test_corrupt_chunk_on_disk_is_recomputed(engine: Engine) -> None:
     raw = bytearray(victim.read_bytes())
     raw[-100] ^= 0xFF  # one flipped payload byte: the checksum must catch it
     victim.write_bytes(bytes(raw))
-    corrupt_before = engine.store.stats()["corrupt_chunks"]
+    corrupt_before = engine.store.stats().corrupt_chunks
     m0 = metrics_snapshot()
     again = engine.generate(p)
     m1 = metrics_snapshot()
-    assert engine.store.stats()["corrupt_chunks"] == corrupt_before + 1
+    assert engine.store.stats().corrupt_chunks == corrupt_before + 1
     # the mirror promised 6 chunks; the loader delivered chunks 0-1 and reported the rest as failed
     assert engine.loaded(m0, m1) == 2 * CHUNK_TOKENS
     assert delta(m1, m0, "kvtier_load_failed_blocks_total") == (LOADABLE - 2 * CHUNK_TOKENS) // 32

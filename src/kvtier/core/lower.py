@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtier.core.keys import ChunkKey
-from kvtier.core.metrics import StoreMetrics
 from kvtier.core.policies import EvictionPolicy, make_policy
 from kvtier.core.policies.admission import AdmissionPolicy, AdmitAll
+from kvtier.core.stats import StoreCounters
 from kvtier.core.tiers.base import GetResult, PutResult, Tier
 
 log = logging.getLogger("kvtier.core.store")
@@ -69,7 +69,7 @@ class LowerTier:
         io_threads: writer threads and reader pool size.
         queue_depth: write jobs queued at most.
         lock: the store's lock.
-        metrics / counters: the store's.
+        counters: the store's event counters.
         source: returns the top tier's bytes of a key (called with the lock held).
         on_written: ``on_written(job, tier_name, ok)``, called with the lock held after each job.
         on_change: ``on_change(key)`` when the tier gained or lost ``key``; ``on_resync()`` when
@@ -77,7 +77,7 @@ class LowerTier:
     """
 
     def __init__(self, tier: Tier, policy: str, write_back: bool, io_threads: int, queue_depth: int,
-                 lock: threading.RLock, metrics: StoreMetrics, counters: Counter[str],
+                 lock: threading.RLock, counters: StoreCounters,
                  source: Callable[[ChunkKey], np.ndarray],
                  on_written: Callable[[WriteJob, str, bool], None],
                  on_change: Callable[[ChunkKey], None], on_resync: Callable[[], None]) -> None:
@@ -89,7 +89,6 @@ class LowerTier:
         self.admission: AdmissionPolicy = AdmitAll()  # the store sets the configured one
         self.pins: Counter[ChunkKey] = Counter()
         self._lock = lock
-        self._metrics = metrics
         self._counters = counters
         self._source = source
         self._on_written = on_written
@@ -144,8 +143,7 @@ class LowerTier:
             self.queue.put_nowait(job)
             return True
         except queue.Full:
-            self._counters["dropped_saves"] += 1
-            self._metrics.dropped_saves.inc()
+            self._counters.dropped()
             return False
 
     def _trim(self) -> None:
@@ -164,8 +162,7 @@ class LowerTier:
         self.tier.delete(key)
         self.policy.remove(key)
         self._on_change(key)
-        self._counters[f"evictions_{self.name}"] += 1
-        self._metrics.evictions.labels(self.name).inc()
+        self._counters.evicted(self.name)
 
     def _write_loop(self) -> None:
         while True:
@@ -218,12 +215,11 @@ class LowerTier:
                 self.policy.insert(job.key, job.parent)
             if not ok:
                 log.debug("kvtier: %s write of %s dropped (%s)", self.name, job.key.hex(), result.value)
-                self._counters["dropped_saves"] += 1
-                self._metrics.dropped_saves.inc()
+                self._counters.dropped()
             self._on_change(job.key)
             self._on_written(job, self.name, ok)
         if result is PutResult.STORED and data is not None:
-            self._metrics.moved(f"cpu_to_{self.name}", data.size, seconds)
+            self._counters.moved(f"cpu_to_{self.name}", data.size, seconds)
 
     # ---- lifecycle -----------------------------------------------------------------------
     def flush(self, deadline: float | None) -> bool:

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
 from collections.abc import Sequence
 
 from kvtier.core.handles import PendingLookup
 from kvtier.core.keys import ChunkKey
 from kvtier.core.lower import LowerTier
-from kvtier.core.metrics import StoreMetrics
+from kvtier.core.stats import StoreCounters
 
 
 class SharedLookups:
@@ -29,18 +28,15 @@ class SharedLookups:
         lower: the shared tier and its threads.
         deadline_s: the longest a lookup may take before it counts as a miss.
         queue_depth: lookups in flight at most.
-        metrics / counters: the store's.
-        chunk_tokens: tokens per chunk (for the token counters).
+        counters: the store's.
     """
 
-    def __init__(self, lower: LowerTier, deadline_s: float, queue_depth: int, metrics: StoreMetrics,
-                 counters: Counter[str], chunk_tokens: int) -> None:
+    def __init__(self, lower: LowerTier, deadline_s: float, queue_depth: int,
+                 counters: StoreCounters) -> None:
         self.lower = lower
         self.deadline_s = deadline_s
         self.queue_depth = queue_depth
-        self._metrics = metrics
         self._counters = counters
-        self._chunk_tokens = chunk_tokens
         self._in_flight = 0
         self._lock = threading.Lock()
 
@@ -54,7 +50,7 @@ class SharedLookups:
         """Continue a lookup of ``chain`` whose first ``local_chunks`` chunks were found locally."""
         with self._lock:
             if self._in_flight >= self.queue_depth:
-                self._counters["shared_lookups_skipped"] += 1
+                self._counters.shared_skipped()
                 return PendingLookup(local_chunks, len(chain))
             self._in_flight += 1
         rest = list(chain[local_chunks:])
@@ -63,8 +59,7 @@ class SharedLookups:
             try:
                 found = self.leading_present(rest)
                 if found:
-                    self._metrics.lookup_hit_chunks.labels(self.lower.name).inc(found)
-                    self._metrics.lookup_hit_tokens.labels(self.lower.name).inc(found * self._chunk_tokens)
+                    self._counters.found(self.lower.name, found)
                 return found
             finally:
                 with self._lock:

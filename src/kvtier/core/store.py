@@ -65,6 +65,7 @@ from kvtier.core.metrics import StoreMetrics
 from kvtier.core.policies import make_policy
 from kvtier.core.policies.admission import make_admission
 from kvtier.core.shared import SharedLookups
+from kvtier.core.stats import StoreCounters, StoreStats, TierStats
 from kvtier.core.tiers.base import GetResult, StagingTier, Tier
 from kvtier.core.tiers.registry import TierContext, make_tier
 from kvtier.core.top import TopTier
@@ -98,12 +99,12 @@ class TieredStore(ChangeFeedMixin):
         self.namespace = namespace
         self.chunk_bytes = chunk_bytes
         self.chunk_tokens = config.chunk_tokens
-        self.metrics = StoreMetrics(registry)
+        self.counters = StoreCounters()
+        self.metrics = StoreMetrics(self.stats, registry)
         self.metrics.set_config({**config.public_dict(), "chunk_bytes": chunk_bytes, "tp_size": tp_size,
                                  "namespace": namespace.digest().hex()})
         self._lock = threading.RLock()
         self._init_feed()
-        self.counters: Counter[str] = Counter()
         ctx = TierContext(config, namespace.digest(), chunk_bytes, tp_size, self.metrics.registry)
         tiers: list[Tier] = []
         try:
@@ -120,12 +121,12 @@ class TieredStore(ChangeFeedMixin):
                               "list 'cpu' first in tiers")
         self.cpu: StagingTier = tiers[0]
         self.cpu_policy = make_policy(config.policy)
-        self.top = TopTier(self.cpu, self.cpu_policy, self.metrics, self.counters, config.spill_watermark, chunk_bytes)
+        self.top = TopTier(self.cpu, self.cpu_policy, self.counters, config.spill_watermark, chunk_bytes)
         self.top.on_change = self._note_locked
         self.lower: list[LowerTier] = []
         self._local: list[LowerTier] = []
         self.lower = [LowerTier(t, config.policy, config.write_mode == "write-back", config.io_threads,
-                                config.save_queue_depth, self._lock, self.metrics, self.counters,
+                                config.save_queue_depth, self._lock, self.counters,
                                 self.cpu.view, self._on_written, self._note_locked, self._resync_locked)
                       for t in tiers[1:]]
         for lt in self.lower:  # admission per lower tier (kvtier.core.policies.admission)
@@ -135,10 +136,8 @@ class TieredStore(ChangeFeedMixin):
         self._shared = [lt for lt in self.lower if lt.shared]
         self._through = [lt for lt in self.lower if not lt.write_back]
         self.shared = SharedLookups(self._shared[0], config.shared_deadline_s, config.shared_queue_depth,
-                                    self.metrics, self.counters, self.chunk_tokens) if self._shared else None
+                                    self.counters) if self._shared else None
         self._ahead = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-read-ahead")
-        for t in tiers:
-            self.metrics.capacity_bytes.labels(t.name).set(t.usage().capacity_bytes)
         self._closed = False
 
     def _on_written(self, job: WriteJob, tier_name: str, ok: bool) -> None:
@@ -183,17 +182,9 @@ class TieredStore(ChangeFeedMixin):
                         break
                     found[lt.name] += 1
                 n += 1
-        self._count_lookup(len(chain), found)
+        self.counters.looked_up(len(chain), found)
         self.metrics.lookup_seconds.observe(time.perf_counter() - start)
         return n
-
-    def _count_lookup(self, num_chunks: int, found: Counter[str]) -> None:
-        m = self.metrics
-        m.lookups_chunks.inc(num_chunks)
-        m.lookups_tokens.inc(num_chunks * self.chunk_tokens)
-        for tier, count in found.items():
-            m.lookup_hit_chunks.labels(tier).inc(count)
-            m.lookup_hit_tokens.labels(tier).inc(count * self.chunk_tokens)
 
     def lookup_async(self, chain: Sequence[ChunkKey]) -> PendingLookup:
         """Local lookup now, continued in the shared tier in the background (see module docstring)."""
@@ -242,8 +233,6 @@ class TieredStore(ChangeFeedMixin):
             self._promote(chain, handle, promote[:len(promote) - len(ahead)])
             if ahead:
                 self._read_ahead(chain, handle, ahead)
-        else:
-            self._update_usage()
         return handle
 
     def _promotion_buffer_locked(self, key: ChunkKey, promote: list[tuple[int, ChunkKey, np.ndarray, bool,
@@ -276,15 +265,14 @@ class TieredStore(ChangeFeedMixin):
             got = lt.read([job[1] for job in jobs], [job[2] for job in jobs])
             seconds = time.perf_counter() - t0
             results.extend(got)
-            self.metrics.moved(f"{lt.name}_to_cpu", sum(1 for r in got if r) * self.chunk_bytes, seconds)
+            self.counters.moved(f"{lt.name}_to_cpu", sum(1 for r in got if r) * self.chunk_bytes, seconds)
         failed = [pos for (pos, *_rest), res in zip(promote, results) if not res]
         cut = min(failed) if failed else None  # handle position == chain position (a prefix)
         with self._lock:
             for (pos, key, _buf, reserved, lt), res in zip(promote, results):
                 if not lt.shared:
                     lt.unpin_locked(key)
-                if res is GetResult.CORRUPT:
-                    self.metrics.corrupt_chunks.labels(lt.name).inc()
+                if res is GetResult.CORRUPT:  # counted by the tier (Tier.corrupt)
                     lt.forget_locked(key)  # also tells the change feed
                 if cut is not None and pos >= cut:
                     if reserved:
@@ -300,7 +288,6 @@ class TieredStore(ChangeFeedMixin):
                         handle.pinned.remove(key)
                         self.top.unpin(key)
                 del handle.keys[cut:], handle.buffers[cut:], handle.tiers[cut:]
-        self._update_usage()
 
     def _read_ahead(self, chain: Sequence[ChunkKey], handle: LoadHandle,
                     ahead: list[tuple[int, ChunkKey, np.ndarray, bool, LowerTier]]) -> None:
@@ -344,14 +331,9 @@ class TieredStore(ChangeFeedMixin):
         if not self._release(handle, refresh=success):
             return
         if not success:
-            self.counters["failed_loads"] += 1
-            self.metrics.failed_loads.inc()
+            self.counters.load_failed()
             return
-        by_tier = Counter(handle.tiers[first_chunk:delivered])
-        for tier, count in by_tier.items():
-            self.counters[f"hits_{tier}"] += count
-            self.metrics.load_hit_chunks.labels(tier).inc(count)
-            self.metrics.load_hit_tokens.labels(tier).inc(count * self.chunk_tokens)
+        self.counters.loaded(Counter(handle.tiers[first_chunk:delivered]))
 
     def cancel_load(self, handle: LoadHandle) -> None:
         """Unpin a load that will not happen (request aborted, or nothing left to load).
@@ -383,7 +365,6 @@ class TieredStore(ChangeFeedMixin):
                     used = [k for k, t in zip(handle.keys, handle.tiers) if t == lt.name]
                     if used and lt.policy is not None:
                         lt.policy.touch(used)
-        self._update_usage()
 
     # ---- store ---------------------------------------------------------------------------
     def prepare_store(self, chain: Sequence[ChunkKey], start: int = 0) -> StoreHandle:
@@ -397,8 +378,7 @@ class TieredStore(ChangeFeedMixin):
                 page = self.cpu.reserve(key) if self.top.free_page() else None
                 if page is None:
                     dropped = len(chain) - i
-                    self.counters["dropped_saves"] += dropped
-                    self.metrics.dropped_saves.inc(dropped)
+                    self.counters.dropped(dropped)
                     break
                 handle.keys.append(key)
                 handle.indices.append(i)
@@ -421,9 +401,8 @@ class TieredStore(ChangeFeedMixin):
                     if not lt.tier.indexed(key):
                         self.top.enqueue(lt, WriteJob(key, parent, None, evict_after=False))
             if success:
-                self.counters["saved_chunks"] += len(handle.keys)
+                self.counters.saved(len(handle.keys))
                 self.top.spill_ahead()
-        self._update_usage()
 
     # ---- convenience ---------------------------------------------------------------------
     def put(self, chain: Sequence[ChunkKey], datas: Sequence[bytes | memoryview | np.ndarray]) -> int:
@@ -434,7 +413,7 @@ class TieredStore(ChangeFeedMixin):
             t0 = time.perf_counter()
             for idx, buf in zip(handle.indices, handle.buffers):
                 np.copyto(buf, np.frombuffer(datas[idx], dtype=np.uint8))
-            self.metrics.moved("engine_to_cpu", handle.num_chunks * self.chunk_bytes, time.perf_counter() - t0)
+            self.counters.moved("engine_to_cpu", handle.num_chunks * self.chunk_bytes, time.perf_counter() - t0)
             ok = True
         finally:
             self.complete_store(handle, ok)
@@ -501,38 +480,22 @@ class TieredStore(ChangeFeedMixin):
             time.sleep(0.005)
         missed = len(self.dirty_keys())
         if missed:
-            self.counters["flush_missed_chunks"] += missed
+            self.counters.flush_missed(missed)
         return max(before - missed, 0), missed
 
     def _pinned_locked(self) -> dict[str, int]:
         return {self.cpu.name: len(self.top.pins), "disk": 0, **{lt.name: len(lt.pins) for lt in self.lower}}
 
-    def _update_usage(self) -> None:
-        m = self.metrics
-        m.usage_bytes.labels(self.cpu.name).set(self.cpu.usage().used_bytes)
-        for lt in self.lower:
-            m.usage_bytes.labels(lt.name).set(lt.tier.usage().used_bytes)
+    def stats(self) -> StoreStats:
+        """The store's counters and each tier's usage, as one snapshot (:mod:`kvtier.core.stats`)."""
         with self._lock:
             pinned = self._pinned_locked()
-        for tier, pins in pinned.items():
-            m.pinned_chunks.labels(tier).set(pins)
-            m.pinned_bytes.labels(tier).set(pins * self.chunk_bytes)
-        m.dirty_bytes.set(self.dirty_bytes())
-
-    def stats(self) -> dict[str, Any]:
-        """Counters and usage per tier, as plain numbers (for tests, logs and ``bench-store``)."""
-        with self._lock:
-            out: dict[str, Any] = dict(self.counters)
-            out["disk"] = None
-            out[self.cpu.name] = self.cpu.usage()._asdict()
-            for lt in self.lower:
-                out[lt.name] = lt.tier.usage()._asdict()
-            out["corrupt_chunks"] = self.cpu.corrupt + sum(lt.tier.corrupt for lt in self.lower)
-            out["pinned"] = sum(self.top.pins.values()) + sum(sum(lt.pins.values()) for lt in self.lower)
-            out["pinned_chunks"] = self._pinned_locked()
-            out["dirty_bytes"] = self.dirty_bytes()
-            out["queued_writes"] = sum(lt.queue.unfinished_tasks for lt in self.lower)
-            return out
+            usage = {t.name: t.usage() for t in (self.cpu, *(lt.tier for lt in self.lower))}
+            corrupt = {self.cpu.name: self.cpu.corrupt, **{lt.name: lt.tier.corrupt for lt in self.lower}}
+            tiers = {name: TierStats(u.used_bytes, u.capacity_bytes, u.num_chunks, corrupt_chunks=corrupt[name],
+                                     pinned_chunks=pinned.get(name, 0)) for name, u in usage.items()}
+            return self.counters.snapshot(self.chunk_bytes, self.chunk_tokens, tiers, self.dirty_bytes(),
+                                          sum(lt.queue.unfinished_tasks for lt in self.lower))
 
     def check_integrity(self, expect_idle: bool = True) -> None:
         """Assert the store's invariants (see module docstring).

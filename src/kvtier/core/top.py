@@ -26,8 +26,8 @@ import numpy as np
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.lower import LowerTier, WriteJob
-from kvtier.core.metrics import StoreMetrics
 from kvtier.core.policies import EvictionPolicy
+from kvtier.core.stats import StoreCounters
 from kvtier.core.tiers.base import StagingTier
 
 
@@ -42,8 +42,8 @@ class StagedCopy:
 class TopTier:
     """The top (staging) tier with its policy, pins and staged copies (see module docstring)."""
 
-    def __init__(self, tier: StagingTier, policy: EvictionPolicy, metrics: StoreMetrics,
-                 counters: Counter[str], spill_watermark: float, chunk_bytes: int) -> None:
+    def __init__(self, tier: StagingTier, policy: EvictionPolicy, counters: StoreCounters,
+                 spill_watermark: float, chunk_bytes: int) -> None:
         self.tier = tier
         self.back: list[LowerTier] = []  # write-back tiers, set by the store once they exist
         self.spill_watermark = spill_watermark
@@ -55,7 +55,6 @@ class TopTier:
         self.staged: dict[ChunkKey, StagedCopy] = {}
         self.parent: dict[ChunkKey, ChunkKey | None] = {}
         self.uses: Counter[ChunkKey] = Counter()  # times each resident chunk was served (admission)
-        self._metrics = metrics
         self._counters = counters
         self.on_change: Callable[[ChunkKey], None] = lambda key: None  # the store's change feed
 
@@ -104,8 +103,7 @@ class TopTier:
         self.parent.pop(key, None)
         self.uses.pop(key, None)
         self.on_change(key)
-        self._counters[f"evictions_{self.name}"] += 1
-        self._metrics.evictions.labels(self.name).inc()
+        self._counters.evicted(self.name)
 
     # ---- eviction and spill --------------------------------------------------------------
     def free_page(self) -> bool:

@@ -129,8 +129,8 @@ class AsyncLoader:
                 name = "reloaded_tokens" if job.resumed else f"loaded_tokens_{tier}"
                 self._count(name, len(span.block_ids) * self.block_size)
             num_blocks = sum(len(s.block_ids) for s in spans)
-            self._count("load_bytes", num_blocks * self.copier.layout.block_bytes * self.copier.layout.num_layers)
-            self._count("load_seconds", time.perf_counter() - t0)
+            self.store.counters.moved("cpu_to_engine", num_blocks * self.copier.layout.block_bytes
+                                      * self.copier.layout.num_layers, time.perf_counter() - t0)
         except Exception:
             log.exception("kvtier: loading request %s's chunks failed; recomputing them", job.req_id)
         finally:
@@ -166,8 +166,7 @@ class AsyncLoader:
             slowest = max(tiers, key=lambda t: TIER_ORDER.get(t, 0), default="cpu")
             tokens = job.hit_tokens - job.first_block * self.block_size  # first_block: the engine's own hit
             self._count("reloaded_tokens" if job.resumed else f"loaded_tokens_{slowest}", tokens)
-            self._count("load_bytes", self.groups.moved_bytes(job.pages))
-            self._count("load_seconds", time.perf_counter() - t0)
+            self.store.counters.moved("cpu_to_engine", self.groups.moved_bytes(job.pages), time.perf_counter() - t0)
         with self._lock:
             if tiers is None and not skipped:
                 self._failed.add(job.req_id)

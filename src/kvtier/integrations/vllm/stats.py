@@ -30,6 +30,7 @@ bytes, seconds, evictions, dropped saves, corrupt chunks and usage are summed ov
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetric,
     PromMetricT,
 )
+
+from kvtier.core.stats import StoreStats
 
 # counter name in the stats payload -> (prometheus name, help, label value or None)
 COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
@@ -75,6 +78,36 @@ GAUGES: dict[str, tuple[str, str, str | None]] = {
     "dirty_bytes": ("kvtier_dirty_bytes", "Bytes in DRAM not yet on the disk tier: what a crash loses (all ranks).",
                     None),
 }
+
+# payload counters read from the store's snapshot (kvtier.core.stats): each is sent as the change
+# between two snapshots; the others are engine-side counts of the worker (tokens and blocks).
+STORE_COUNTERS: dict[str, Callable[[StoreStats], float]] = {
+    "evictions_cpu": lambda s: s.tier("cpu").evictions,
+    "evictions_disk": lambda s: s.tier("disk").evictions,
+    "dropped_saves": lambda s: s.dropped_saves,
+    "corrupt_chunks": lambda s: s.corrupt_chunks,
+    "flush_missed_chunks": lambda s: s.flush_missed_chunks,
+    "load_bytes": lambda s: s.transfer_bytes["cpu_to_engine"],
+    "load_seconds": lambda s: s.transfer_seconds["cpu_to_engine"],
+    "save_bytes": lambda s: s.transfer_bytes["engine_to_cpu"],
+    "save_seconds": lambda s: s.transfer_seconds["engine_to_cpu"],
+}
+
+
+def store_counters(now: StoreStats, before: StoreStats | None) -> dict[str, float]:
+    """The :data:`STORE_COUNTERS` that changed from ``before`` (``None``: the store's start) to ``now``."""
+    deltas = {name: read(now) - (read(before) if before is not None else 0) for name, read in STORE_COUNTERS.items()}
+    return {name: delta for name, delta in deltas.items() if delta}
+
+
+def store_gauges(s: StoreStats) -> dict[str, float]:
+    """The :data:`GAUGES` of one rank, read from its store's snapshot."""
+    cpu, disk = s.tier("cpu"), s.tier("disk")
+    return {"usage_bytes_cpu": cpu.used_bytes, "capacity_bytes_cpu": cpu.capacity_bytes,
+            "usage_bytes_disk": disk.used_bytes, "capacity_bytes_disk": disk.capacity_bytes,
+            "pinned_chunks_cpu": cpu.pinned_chunks, "pinned_chunks_disk": disk.pinned_chunks,
+            "pinned_bytes_cpu": cpu.pinned_chunks * s.chunk_bytes, "pinned_bytes_disk": disk.pinned_chunks * s.chunk_bytes,
+            "dirty_bytes": s.dirty_bytes}
 
 
 @dataclass

@@ -34,6 +34,7 @@ import torch
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.keys import ChunkKey, Namespace
+from kvtier.core.stats import StoreStats
 from kvtier.core.store import TieredStore
 from kvtier.integrations.vllm.copy import BlockCopier, Span
 from kvtier.integrations.vllm.group_io import GroupCopiers, save_pages
@@ -42,11 +43,10 @@ from kvtier.integrations.vllm.identity import model_fingerprint
 from kvtier.integrations.vllm.layout import KVLayout, detect_group_layouts, detect_layout
 from kvtier.integrations.vllm.loader import AsyncLoader
 from kvtier.integrations.vllm.protocol import KVTierMetadata, KVTierWorkerMeta, RankReport, SaveJob
-from kvtier.integrations.vllm.stats import KVTierStats
+from kvtier.integrations.vllm.stats import KVTierStats, store_counters, store_gauges
 
 log = logging.getLogger(__name__)
 
-_STORE_COUNTERS = ("evictions_cpu", "evictions_disk", "dropped_saves", "corrupt_chunks", "flush_missed_chunks")
 # Every rank moves the same tokens (its own KV heads of them), and vLLM sums the ranks' stats:
 # token counters are reported by rank 0 only; bytes, seconds and store counters by every rank.
 _RANK0_ONLY = ("loaded_tokens_cpu", "loaded_tokens_disk", "loaded_tokens_redis", "reloaded_tokens", "saved_tokens",
@@ -144,7 +144,7 @@ class WorkerSide:
         self.namespace = b""
         self._counters: defaultdict[str, float] = defaultdict(float)
         self._counters_lock = threading.Lock()
-        self._store_seen: dict[str, int] = {}
+        self._store_seen: StoreStats | None = None
         self._gauges_sent: dict[str, float] = {}
         self._errors: set[int] = set()
         self._failed: set[str] = set()
@@ -275,21 +275,17 @@ class WorkerSide:
         finally:
             store.complete_store(handle, ok)
         seconds = time.perf_counter() - t0
-        self._count("save_seconds", seconds)
-        self._count("save_bytes", handle.num_chunks * store.chunk_bytes)
         self._count("saved_tokens", handle.num_chunks * store.chunk_tokens)
-        store.metrics.moved("engine_to_cpu", handle.num_chunks * store.chunk_bytes, seconds)
+        store.counters.moved("engine_to_cpu", handle.num_chunks * store.chunk_bytes, seconds)
 
     def _save_pages(self, job: SaveJob) -> None:
         assert self.store is not None and self.groups is not None
         t0 = time.perf_counter()
         stored = save_pages(self.store, self.groups, job.pages)
         seconds = time.perf_counter() - t0
-        self._count("save_seconds", seconds)
-        self._count("save_bytes", stored * self.store.chunk_bytes)
         full = {g.index for g in self.plan.groups if g.kind is GroupKind.FULL}
         self._count("saved_tokens", sum(1 for p in job.pages if p.group in full) * self.store.chunk_tokens)
-        self.store.metrics.moved("engine_to_cpu", stored * self.store.chunk_bytes, seconds)
+        self.store.counters.moved("engine_to_cpu", stored * self.store.chunk_bytes, seconds)
 
     # ---- worker -> scheduler -----------------------------------------------------------------
     def worker_meta(self) -> KVTierWorkerMeta | None:
@@ -313,20 +309,9 @@ class WorkerSide:
             counters: dict[str, float] = {k: v for k, v in self._counters.items()
                                           if v and (self.tp_rank == 0 or k not in _RANK0_ONLY)}
             self._counters.clear()
-        for name in _STORE_COUNTERS:
-            now = int(snapshot.get(name, 0) or 0)
-            delta = now - self._store_seen.get(name, 0)
-            self._store_seen[name] = now
-            if delta:
-                counters[name] = delta
-        disk = snapshot.get("disk") or {}
-        pinned = snapshot["pinned_chunks"]
-        chunk_bytes = self.store.chunk_bytes
-        gauges = {"usage_bytes_cpu": snapshot["cpu"]["used_bytes"], "capacity_bytes_cpu": snapshot["cpu"]["capacity_bytes"],
-                  "usage_bytes_disk": disk.get("used_bytes", 0), "capacity_bytes_disk": disk.get("capacity_bytes", 0),
-                  "pinned_chunks_cpu": pinned["cpu"], "pinned_chunks_disk": pinned["disk"],
-                  "pinned_bytes_cpu": pinned["cpu"] * chunk_bytes, "pinned_bytes_disk": pinned["disk"] * chunk_bytes,
-                  "dirty_bytes": snapshot["dirty_bytes"]}
+        counters.update(store_counters(snapshot, self._store_seen))
+        self._store_seen = snapshot
+        gauges = store_gauges(snapshot)
         if not counters and gauges == self._gauges_sent:
             return None
         self._gauges_sent = gauges

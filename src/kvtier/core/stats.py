@@ -1,0 +1,184 @@
+"""The store's numbers in one place: events counted once, read as one typed snapshot.
+
+:class:`StoreCounters` is where the store and its tiers count events (lookups, hits, evictions,
+dropped saves, transfers); :meth:`kvtier.core.store.TieredStore.stats` combines it with each
+tier's usage into a frozen :class:`StoreStats`.  Everything that shows a store number reads that
+snapshot: the store's Prometheus collector (:mod:`kvtier.core.metrics`), the vLLM connector's
+per-step stats (deltas of two snapshots, :mod:`kvtier.integrations.vllm.stats`), tests and tools.
+
+Units: ``*_chunks`` count chunks, ``*_bytes`` bytes, ``*_seconds`` seconds; tokens are chunks
+times ``chunk_tokens``.  Tier names are those of :mod:`kvtier.core.tiers` (``cpu``, ``disk``,
+``redis``); transfer directions are :data:`DIRECTIONS`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+DIRECTIONS = ("engine_to_cpu", "cpu_to_engine", "cpu_to_disk", "disk_to_cpu", "cpu_to_redis", "redis_to_cpu")
+TIERS = ("cpu", "disk", "redis")
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """One tier's numbers at the time of a snapshot (counters since the store started).
+
+    Attributes:
+        used_bytes / capacity_bytes: bytes held and the tier's capacity (this rank).
+        num_chunks: chunks held.
+        lookup_hit_chunks: chunks found in this tier by lookups.
+        load_hit_chunks: chunks from this tier delivered by successful loads.
+        evictions: chunks evicted from this tier.
+        corrupt_chunks: chunks that failed verification (each served as a miss).
+        pinned_chunks: chunks held by loads or writes in flight (zero when idle).
+    """
+
+    used_bytes: int = 0
+    capacity_bytes: int = 0
+    num_chunks: int = 0
+    lookup_hit_chunks: int = 0
+    load_hit_chunks: int = 0
+    evictions: int = 0
+    corrupt_chunks: int = 0
+    pinned_chunks: int = 0
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """A store's numbers at one moment.
+
+    Attributes:
+        chunk_bytes / chunk_tokens: size of one chunk (bytes of this rank; tokens).
+        tiers: the store's tiers by name, in tier order.
+        lookup_chunks: chunks asked for by lookups.
+        failed_loads: loads completed with ``success=False``.
+        dropped_saves: chunk saves dropped (no room, or a write queue full, or a write failed).
+        saved_chunks: chunks newly stored.
+        flush_missed_chunks: dirty chunks a flush could not write in time.
+        shared_lookups_skipped: shared-tier lookups not made because the queue was full.
+        transfer_bytes / transfer_seconds: volume and time moved, by direction (:data:`DIRECTIONS`).
+        dirty_bytes: bytes in DRAM not yet on the disk tier (what a crash would lose).
+        queued_writes: writes queued or running in the lower tiers.
+    """
+
+    chunk_bytes: int
+    chunk_tokens: int
+    tiers: Mapping[str, TierStats]
+    lookup_chunks: int = 0
+    failed_loads: int = 0
+    dropped_saves: int = 0
+    saved_chunks: int = 0
+    flush_missed_chunks: int = 0
+    shared_lookups_skipped: int = 0
+    transfer_bytes: Mapping[str, int] = field(default_factory=dict)
+    transfer_seconds: Mapping[str, float] = field(default_factory=dict)
+    dirty_bytes: int = 0
+    queued_writes: int = 0
+
+    def tier(self, name: str) -> TierStats:
+        """The tier called ``name``; all zeros if the store has none."""
+        return self.tiers.get(name, TierStats())
+
+    @property
+    def corrupt_chunks(self) -> int:
+        """Chunks that failed verification, all tiers."""
+        return sum(t.corrupt_chunks for t in self.tiers.values())
+
+    @property
+    def pinned_chunks(self) -> int:
+        """Chunks pinned, all tiers."""
+        return sum(t.pinned_chunks for t in self.tiers.values())
+
+
+class StoreCounters:
+    """The store's event counters (thread-safe; every method adds to a running total).
+
+    The store and its tiers call these methods; :meth:`kvtier.core.store.TieredStore.stats` reads
+    them into a :class:`StoreStats`.  No other place counts these events.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.lookup_chunks = 0
+        self.lookup_hit_chunks: Counter[str] = Counter()
+        self.load_hit_chunks: Counter[str] = Counter()
+        self.evictions: Counter[str] = Counter()
+        self.failed_loads = 0
+        self.dropped_saves = 0
+        self.saved_chunks = 0
+        self.flush_missed_chunks = 0
+        self.shared_lookups_skipped = 0
+        self.transfer_bytes: Counter[str] = Counter()
+        self.transfer_seconds: dict[str, float] = {}
+
+    def looked_up(self, num_chunks: int, found: Mapping[str, int]) -> None:
+        """A lookup of ``num_chunks`` chunks found ``found[tier]`` chunks in each tier."""
+        with self._lock:
+            self.lookup_chunks += num_chunks
+            self.lookup_hit_chunks.update(found)
+
+    def found(self, tier: str, num_chunks: int) -> None:
+        """A lookup continued in ``tier`` (a shared tier) found ``num_chunks`` more chunks."""
+        with self._lock:
+            self.lookup_hit_chunks[tier] += num_chunks
+
+    def loaded(self, by_tier: Mapping[str, int]) -> None:
+        """A successful load delivered ``by_tier[tier]`` chunks from each tier."""
+        with self._lock:
+            self.load_hit_chunks.update(by_tier)
+
+    def load_failed(self) -> None:
+        with self._lock:
+            self.failed_loads += 1
+
+    def evicted(self, tier: str) -> None:
+        with self._lock:
+            self.evictions[tier] += 1
+
+    def dropped(self, num_chunks: int = 1) -> None:
+        """``num_chunks`` chunk saves were dropped."""
+        with self._lock:
+            self.dropped_saves += num_chunks
+
+    def saved(self, num_chunks: int) -> None:
+        with self._lock:
+            self.saved_chunks += num_chunks
+
+    def flush_missed(self, num_chunks: int) -> None:
+        with self._lock:
+            self.flush_missed_chunks += num_chunks
+
+    def shared_skipped(self) -> None:
+        with self._lock:
+            self.shared_lookups_skipped += 1
+
+    def moved(self, direction: str, num_bytes: int, seconds: float) -> None:
+        """One transfer of ``num_bytes`` bytes taking ``seconds`` seconds in ``direction``.
+
+        Raises:
+            ValueError: ``direction`` is not one of :data:`DIRECTIONS`.
+        """
+        if direction not in DIRECTIONS:
+            raise ValueError(f"unknown transfer direction {direction!r}; use one of {', '.join(DIRECTIONS)}")
+        with self._lock:
+            self.transfer_bytes[direction] += num_bytes
+            self.transfer_seconds[direction] = self.transfer_seconds.get(direction, 0.0) + max(seconds, 0.0)
+
+    def snapshot(self, chunk_bytes: int, chunk_tokens: int, tiers: Mapping[str, TierStats],
+                 dirty_bytes: int, queued_writes: int) -> StoreStats:
+        """The counters with the given usage, as one :class:`StoreStats`.
+
+        ``tiers`` carries each tier's usage, corrupt and pinned chunks; the hit and eviction counts
+        are filled in here."""
+        with self._lock:
+            merged = {name: TierStats(t.used_bytes, t.capacity_bytes, t.num_chunks, self.lookup_hit_chunks[name],
+                                      self.load_hit_chunks[name], self.evictions[name], t.corrupt_chunks,
+                                      t.pinned_chunks)
+                      for name, t in tiers.items()}
+            return StoreStats(chunk_bytes, chunk_tokens, merged, self.lookup_chunks, self.failed_loads,
+                              self.dropped_saves, self.saved_chunks, self.flush_missed_chunks,
+                              self.shared_lookups_skipped, {d: self.transfer_bytes[d] for d in DIRECTIONS},
+                              {d: self.transfer_seconds.get(d, 0.0) for d in DIRECTIONS}, dirty_bytes, queued_writes)
