@@ -7,7 +7,8 @@ Two engines, one Redis (one test, so that the suite starts as few engines as it 
   disk), with exactly the tokens and logprobs of A's recompute (equal compute threads), and
   counted as a hit by kvtier and by vLLM;
 - then Redis is killed (``kill -9``) and B keeps serving the next prompt (also in Redis until
-  then) by recomputing it, exactly, with no hit.
+  then) by recomputing it, exactly, with no hit, counting the failed shared-tier calls; the first
+  prompt, promoted into B's cpu tier by its load, is still a (cpu) hit.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def test_prefix_saved_on_one_engine_is_a_hit_on_another(tiny_model: Path, tmp_pa
     # Redis is killed and the second prompt, also in Redis until then, is recomputed.
     ready, killed = tmp_path / "b-ready", tmp_path / "redis-killed"
     steps = [gen[0], {"op": "metrics"}, {"op": "touch", "path": str(ready)},
-             {"op": "wait", "path": str(killed), "timeout_s": 300}, gen[1]]
+             {"op": "wait", "path": str(killed), "timeout_s": 300}, gen[1],
+             {"op": "reset_prefix_cache"}, gen[0]]
     proc = run_engine({"model": str(tiny_model), "steps": steps, "kvtier": kvtier}, tmp_path, "b", env=EQUAL_THREADS)
     deadline = time.monotonic() + 420
     while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -65,7 +67,7 @@ def test_prefix_saved_on_one_engine_is_a_hit_on_another(tiny_model: Path, tmp_pa
     killed.write_text("done")
     served = result_of(proc, tmp_path, "b")  # exit 0: the engine stayed up without its Redis
 
-    for (x,), (y,) in zip(made["results"], served["results"], strict=True):
+    for (x,), (y,) in zip(made["results"] + made["results"][:1], served["results"], strict=True):
         assert x["tokens"] == y["tokens"]
         assert x["logprobs"] == y["logprobs"]  # exact: same KV bytes, same compute threads
     hit = served["snapshots"][0]
@@ -73,5 +75,8 @@ def test_prefix_saved_on_one_engine_is_a_hit_on_another(tiny_model: Path, tmp_pa
     assert hit["vllm:external_prefix_cache_hits_total"] == LOADABLE
     end = served["metrics"]
     assert end["kvtier_loaded_tokens_total{redis}"] == LOADABLE  # no hit once Redis was gone
-    assert end["vllm:external_prefix_cache_hits_total"] == LOADABLE
+    assert end["vllm:external_prefix_cache_hits_total"] == 2 * LOADABLE  # the redis hit, then the cpu hit
     assert end["kvtier_load_failed_blocks_total"] == 0
+    assert end["kvtier_loaded_tokens_total{cpu}"] == LOADABLE  # the redis load promoted it into B's cpu tier
+    assert end["kvtier_redis_errors_total"] + end["kvtier_redis_skipped_calls_total"] > 0
+    assert end["kvtier_redis_skipped_writes_total"] > 0  # the second prompt's chunks never reached Redis

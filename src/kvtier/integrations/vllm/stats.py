@@ -23,6 +23,10 @@ Exported (Prometheus adds ``_total`` to counters; ``tier`` is ``cpu``, ``disk`` 
   writes in flight (zero when idle: a leaked pin shows); ``kvtier_dirty_bytes``: bytes in DRAM not
   yet on the disk tier (the restart-loss window when the stop is not graceful).
 - ``kvtier_flush_missed_chunks_total``: dirty chunks a graceful stop could not write in time.
+- Shared tier (workers' side; summed over ranks): ``kvtier_redis_errors_total`` (calls that
+  failed), ``kvtier_redis_skipped_calls_total`` (not made: breaker open or queue full),
+  ``kvtier_redis_skipped_writes_total`` (chunks not written), ``kvtier_redis_breaker_state``
+  (0 closed; 1 half-open, 2 open, per rank).
 
 Token counts are reported by tensor-parallel rank 0 only (every rank moves the same tokens);
 bytes, seconds, evictions, dropped saves, corrupt chunks and usage are summed over ranks.
@@ -43,6 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvtier.core.stats import StoreStats
+from kvtier.core.tiers.tiermetrics import OPS
 
 # counter name in the stats payload -> (prometheus name, help, label value or None)
 COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
@@ -61,6 +66,11 @@ COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "evictions_disk": ("kvtier_evictions", "Chunks evicted from a kvtier tier.", ("disk",)),
     "dropped_saves": ("kvtier_dropped_saves", "Chunk saves dropped (no room, or disk queue full).", ()),
     "corrupt_chunks": ("kvtier_corrupt_chunks", "Chunks that failed verification and were recomputed.", ()),
+    "redis_errors": ("kvtier_redis_errors", "Shared-tier (redis) calls that failed: timeout, connection, server error.",
+                     ()),
+    "redis_skipped_calls": ("kvtier_redis_skipped_calls", "Shared-tier calls not made: breaker open or queue full.", ()),
+    "redis_skipped_writes": ("kvtier_redis_skipped_writes", ("Chunks not written to the shared tier (breaker open, "
+                             "queue full or the write failed)."), ()),
     "flush_missed_chunks": ("kvtier_flush_missed_chunks", "Dirty chunks a graceful stop could not write to disk in time.",
                             ()),
 }
@@ -77,6 +87,8 @@ GAUGES: dict[str, tuple[str, str, str | None]] = {
     "pinned_bytes_disk": ("kvtier_pinned_bytes", "Bytes of chunks pinned by loads or disk writes (all ranks).", "disk"),
     "dirty_bytes": ("kvtier_dirty_bytes", "Bytes in DRAM not yet on the disk tier: what a crash loses (all ranks).",
                     None),
+    "redis_breaker_state": ("kvtier_redis_breaker_state", ("Shared-tier circuit breaker, summed over ranks: 0 closed "
+                            "everywhere; 1 half-open, 2 open per rank."), None),
 }
 
 # payload counters read from the store's snapshot (kvtier.core.stats): each is sent as the change
@@ -108,6 +120,15 @@ def store_gauges(s: StoreStats) -> dict[str, float]:
             "pinned_chunks_cpu": cpu.pinned_chunks, "pinned_chunks_disk": disk.pinned_chunks,
             "pinned_bytes_cpu": cpu.pinned_chunks * s.chunk_bytes, "pinned_bytes_disk": disk.pinned_chunks * s.chunk_bytes,
             "dirty_bytes": s.dirty_bytes}
+
+
+def shared_tier_totals(tier: Any) -> dict[str, int]:
+    """Totals since start of a shared tier's (:class:`~kvtier.core.tiers.redis.RedisTier`) wire
+    faults: ``redis_errors``, ``redis_skipped_calls``, ``redis_skipped_writes``."""
+    m = tier.metrics
+    return {"redis_errors": int(sum(m.count("errors", op) for op in OPS)),
+            "redis_skipped_calls": int(sum(m.count("skipped", op) for op in OPS)),
+            "redis_skipped_writes": int(tier.skipped_writes)}
 
 
 @dataclass

@@ -43,7 +43,7 @@ from kvtier.integrations.vllm.identity import model_fingerprint
 from kvtier.integrations.vllm.layout import KVLayout, detect_group_layouts, detect_layout
 from kvtier.integrations.vllm.loader import AsyncLoader
 from kvtier.integrations.vllm.protocol import KVTierMetadata, KVTierWorkerMeta, RankReport, SaveJob
-from kvtier.integrations.vllm.stats import KVTierStats, store_counters, store_gauges
+from kvtier.integrations.vllm.stats import KVTierStats, shared_tier_totals, store_counters, store_gauges
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +145,7 @@ class WorkerSide:
         self._counters: defaultdict[str, float] = defaultdict(float)
         self._counters_lock = threading.Lock()
         self._store_seen: StoreStats | None = None
+        self._shared_seen: dict[str, int] = {}
         self._gauges_sent: dict[str, float] = {}
         self._errors: set[int] = set()
         self._failed: set[str] = set()
@@ -312,6 +313,13 @@ class WorkerSide:
         counters.update(store_counters(snapshot, self._store_seen))
         self._store_seen = snapshot
         gauges = store_gauges(snapshot)
+        shared = self.store.tier("redis")
+        if shared is not None:  # what the shared tier did on the wire (its kvtier_tier_* live in the store's registry)
+            totals = shared_tier_totals(shared)
+            counters.update({k: v - self._shared_seen.get(k, 0) for k, v in totals.items()
+                             if v != self._shared_seen.get(k, 0)})
+            self._shared_seen = totals
+            gauges["redis_breaker_state"] = int(shared.breaker.state)
         if not counters and gauges == self._gauges_sent:
             return None
         self._gauges_sent = gauges
