@@ -2,7 +2,8 @@
 
 Two engines, one Redis (one test, so that the suite starts as few engines as it can):
 
-- every chunk engine A saves is in Redis as one verifiable kvtier value (write-through);
+- every chunk engine A (a ``kv_producer``) saves is in Redis as one verifiable kvtier value
+  (write-through);
 - a prompt A served is loaded from Redis on engine B (another process, its own cpu tier, no
   disk), with exactly the tokens and logprobs of A's recompute (equal compute threads), and
   counted as a hit by kvtier and by vLLM;
@@ -39,9 +40,9 @@ def test_prefix_saved_on_one_engine_is_a_hit_on_another(tiny_model: Path, tmp_pa
     kvtier = {"chunk_tokens": 64, "cpu_gib": 0.01, "redis_url": server.url, "redis_key_prefix": key_prefix,
               "shared_deadline_s": 5.0, "redis_timeout_s": 5.0}
     gen = [{"op": "generate", "prompts": [first]}, {"op": "generate", "prompts": [second]}]
-    # Engine A computes both prompts (nothing in Redis yet): the recompute reference.
-    made = result_of(run_engine({"model": str(tiny_model), "steps": gen, "kvtier": kvtier}, tmp_path, "a",
-                                env=EQUAL_THREADS), tmp_path, "a")
+    # Engine A, a kv_producer (saves only), computes both prompts: the recompute reference.
+    made = result_of(run_engine({"model": str(tiny_model), "role": "kv_producer", "steps": gen, "kvtier": kvtier},
+                                tmp_path, "a", env=EQUAL_THREADS), tmp_path, "a")
     assert made["metrics"]["vllm:external_prefix_cache_hits_total"] == 0
     assert made["metrics"]["kvtier_saved_tokens_total"] == 2 * LOADABLE
     client = server.client()
