@@ -62,6 +62,12 @@ class StoreStats:
         transfer_bytes / transfer_seconds: volume and time moved, by direction (:data:`DIRECTIONS`).
         dirty_bytes: bytes in DRAM not yet on the disk tier (what a crash would lose).
         queued_writes: writes queued or running in the lower tiers.
+        loaded_tokens: tokens copied into the engine, by the slowest tier they came from; counted by
+            the engine integration, which knows block boundaries (a load may start mid-chunk).
+        reloaded_tokens: tokens copied into requests resumed after a preemption (apart from
+            ``loaded_tokens``, as vLLM counts them apart from its external hits).
+        saved_tokens: tokens of the chunks newly saved from the engine.
+        load_failed_blocks: engine blocks a load could not fill (the engine recomputes them).
     """
 
     chunk_bytes: int
@@ -77,6 +83,10 @@ class StoreStats:
     transfer_seconds: Mapping[str, float] = field(default_factory=dict)
     dirty_bytes: int = 0
     queued_writes: int = 0
+    loaded_tokens: Mapping[str, int] = field(default_factory=dict)
+    reloaded_tokens: int = 0
+    saved_tokens: int = 0
+    load_failed_blocks: int = 0
 
     def tier(self, name: str) -> TierStats:
         """The tier called ``name``; all zeros if the store has none."""
@@ -113,6 +123,10 @@ class StoreCounters:
         self.shared_lookups_skipped = 0
         self.transfer_bytes: Counter[str] = Counter()
         self.transfer_seconds: dict[str, float] = {}
+        self.loaded_tokens: Counter[str] = Counter()
+        self.reloaded_tokens = 0
+        self.saved_tokens = 0
+        self.load_failed_blocks = 0
 
     def looked_up(self, num_chunks: int, found: Mapping[str, int]) -> None:
         """A lookup of ``num_chunks`` chunks found ``found[tier]`` chunks in each tier."""
@@ -155,6 +169,22 @@ class StoreCounters:
         with self._lock:
             self.shared_lookups_skipped += 1
 
+    def engine_loaded(self, tier: str, num_tokens: int, resumed: bool) -> None:
+        """``num_tokens`` tokens reached the engine from ``tier`` (``resumed``: a preempted request)."""
+        with self._lock:
+            if resumed:
+                self.reloaded_tokens += num_tokens
+            else:
+                self.loaded_tokens[tier] += num_tokens
+
+    def engine_saved(self, num_tokens: int) -> None:
+        with self._lock:
+            self.saved_tokens += num_tokens
+
+    def engine_load_failed(self, num_blocks: int) -> None:
+        with self._lock:
+            self.load_failed_blocks += num_blocks
+
     def moved(self, direction: str, num_bytes: int, seconds: float) -> None:
         """One transfer of ``num_bytes`` bytes taking ``seconds`` seconds in ``direction``.
 
@@ -181,4 +211,6 @@ class StoreCounters:
             return StoreStats(chunk_bytes, chunk_tokens, merged, self.lookup_chunks, self.failed_loads,
                               self.dropped_saves, self.saved_chunks, self.flush_missed_chunks,
                               self.shared_lookups_skipped, {d: self.transfer_bytes[d] for d in DIRECTIONS},
-                              {d: self.transfer_seconds.get(d, 0.0) for d in DIRECTIONS}, dirty_bytes, queued_writes)
+                              {d: self.transfer_seconds.get(d, 0.0) for d in DIRECTIONS}, dirty_bytes, queued_writes,
+                              {t: self.loaded_tokens[t] for t in dict.fromkeys((*TIERS, *self.loaded_tokens))},
+                              self.reloaded_tokens, self.saved_tokens, self.load_failed_blocks)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvtier.core.keys import ChunkKey
@@ -45,18 +44,16 @@ class AsyncLoader:
         blocks_per_chunk: ``chunk_tokens // block_size``.
         block_size: tokens per engine block.
         threads: loader threads (> 0).
-        count: callback ``count(name, value)`` accumulating this rank's stats counters.
     """
 
     def __init__(self, store: TieredStore, copier: BlockCopier | None, blocks_per_chunk: int, block_size: int,
-                 threads: int, count: Callable[[str, float], None], groups: GroupCopiers | None = None) -> None:
+                 threads: int, groups: GroupCopiers | None = None) -> None:
         self.store = store
         self.copier = copier
         self.groups = groups  # hybrid models: one copier per KV cache group, page jobs
         self._failed: set[str] = set()
         self.k = blocks_per_chunk
         self.block_size = block_size
-        self._count = count
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-load")
         self._lock = threading.Lock()
         self._finished: set[str] = set()
@@ -126,8 +123,7 @@ class AsyncLoader:
                          job.req_id, usable, job.num_chunks)
             for span, tier in zip(spans, tiers):
                 # vLLM counts hits of re-admitted (preempted) requests apart; so do we.
-                name = "reloaded_tokens" if job.resumed else f"loaded_tokens_{tier}"
-                self._count(name, len(span.block_ids) * self.block_size)
+                self.store.counters.engine_loaded(tier, len(span.block_ids) * self.block_size, job.resumed)
             num_blocks = sum(len(s.block_ids) for s in spans)
             self.store.counters.moved("cpu_to_engine", num_blocks * self.copier.layout.block_bytes
                                       * self.copier.layout.num_layers, time.perf_counter() - t0)
@@ -138,7 +134,7 @@ class AsyncLoader:
                 self.store.complete_load(handle, ok and delivered > first_chunk, first_chunk=first_chunk)
             failed = () if skipped else job.block_ids[max(delivered * self.k - job.first_block, 0):]
             if failed:
-                self._count("load_failed_blocks", len(failed))
+                self.store.counters.engine_load_failed(len(failed))
             with self._lock:
                 self._errors.update(failed)  # errors first: they must not reach vLLM after the finish
                 self._finished.add(job.req_id)
@@ -165,12 +161,12 @@ class AsyncLoader:
         if tiers is not None:
             slowest = max(tiers, key=lambda t: TIER_ORDER.get(t, 0), default="cpu")
             tokens = job.hit_tokens - job.first_block * self.block_size  # first_block: the engine's own hit
-            self._count("reloaded_tokens" if job.resumed else f"loaded_tokens_{slowest}", tokens)
+            self.store.counters.engine_loaded(slowest, tokens, job.resumed)
             self.store.counters.moved("cpu_to_engine", self.groups.moved_bytes(job.pages), time.perf_counter() - t0)
         with self._lock:
             if tiers is None and not skipped:
                 self._failed.add(job.req_id)
-                self._count("load_failed_blocks", sum(len(p.block_ids) for p in job.pages))
+                self.store.counters.engine_load_failed(sum(len(p.block_ids) for p in job.pages))
             self._finished.add(job.req_id)
             self._inflight.pop(job.req_id, None)
             self._aborted.discard(job.req_id)

@@ -91,9 +91,15 @@ GAUGES: dict[str, tuple[str, str, str | None]] = {
                             "everywhere; 1 half-open, 2 open per rank."), None),
 }
 
-# payload counters read from the store's snapshot (kvtier.core.stats): each is sent as the change
-# between two snapshots; the others are engine-side counts of the worker (tokens and blocks).
+# every payload counter is read from the store's snapshot (kvtier.core.stats) and sent as the change
+# between two snapshots
 STORE_COUNTERS: dict[str, Callable[[StoreStats], float]] = {
+    "loaded_tokens_cpu": lambda s: s.loaded_tokens.get("cpu", 0),
+    "loaded_tokens_disk": lambda s: s.loaded_tokens.get("disk", 0),
+    "loaded_tokens_redis": lambda s: s.loaded_tokens.get("redis", 0),
+    "reloaded_tokens": lambda s: s.reloaded_tokens,
+    "saved_tokens": lambda s: s.saved_tokens,
+    "load_failed_blocks": lambda s: s.load_failed_blocks,
     "evictions_cpu": lambda s: s.tier("cpu").evictions,
     "evictions_disk": lambda s: s.tier("disk").evictions,
     "dropped_saves": lambda s: s.dropped_saves,
@@ -106,9 +112,17 @@ STORE_COUNTERS: dict[str, Callable[[StoreStats], float]] = {
 }
 
 
-def store_counters(now: StoreStats, before: StoreStats | None) -> dict[str, float]:
-    """The :data:`STORE_COUNTERS` that changed from ``before`` (``None``: the store's start) to ``now``."""
-    deltas = {name: read(now) - (read(before) if before is not None else 0) for name, read in STORE_COUNTERS.items()}
+# Every rank moves the same tokens (its own KV heads of them), and vLLM sums the ranks' stats:
+# token counters are reported by rank 0 only; bytes, seconds and store counters by every rank.
+RANK0_ONLY = ("loaded_tokens_cpu", "loaded_tokens_disk", "loaded_tokens_redis", "reloaded_tokens", "saved_tokens",
+              "load_failed_blocks")
+
+
+def store_counters(now: StoreStats, before: StoreStats | None, tp_rank: int = 0) -> dict[str, float]:
+    """The :data:`STORE_COUNTERS` that changed from ``before`` (``None``: the store's start) to ``now``,
+    without the :data:`RANK0_ONLY` ones on other ranks than ``tp_rank`` 0."""
+    deltas = {name: read(now) - (read(before) if before is not None else 0) for name, read in STORE_COUNTERS.items()
+              if tp_rank == 0 or name not in RANK0_ONLY}
     return {name: delta for name, delta in deltas.items() if delta}
 
 

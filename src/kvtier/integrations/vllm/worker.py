@@ -25,9 +25,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-import threading
 import time
-from collections import defaultdict
 from typing import Any
 
 import torch
@@ -47,10 +45,6 @@ from kvtier.integrations.vllm.stats import KVTierStats, shared_tier_totals, stor
 
 log = logging.getLogger(__name__)
 
-# Every rank moves the same tokens (its own KV heads of them), and vLLM sums the ranks' stats:
-# token counters are reported by rank 0 only; bytes, seconds and store counters by every rank.
-_RANK0_ONLY = ("loaded_tokens_cpu", "loaded_tokens_disk", "loaded_tokens_redis", "reloaded_tokens", "saved_tokens",
-               "load_failed_blocks")
 MAX_INDEX_CHANGES = 4096  # index changes per rank per step sent to the scheduler (a snapshot goes whole)
 
 
@@ -142,8 +136,6 @@ class WorkerSide:
         self.layout: KVLayout | None = None
         self.key_root = b""
         self.namespace = b""
-        self._counters: defaultdict[str, float] = defaultdict(float)
-        self._counters_lock = threading.Lock()
         self._store_seen: StoreStats | None = None
         self._shared_seen: dict[str, int] = {}
         self._gauges_sent: dict[str, float] = {}
@@ -171,7 +163,7 @@ class WorkerSide:
         self.store = TieredStore(self.config, namespace, self.layout.chunk_bytes(self.blocks_per_chunk), self.tp_size)
         self.copier = BlockCopier(self.layout, kv_caches, self.blocks_per_chunk)
         self.loader = AsyncLoader(self.store, self.copier, self.blocks_per_chunk, self.block_size,
-                                  self.config.io_threads, self._count)
+                                  self.config.io_threads)
         log.info("kvtier: rank %d layout %s, chunk %d tokens = %d bytes, namespace %s, identity %s, AMX %s",
                  self.tp_rank, self.layout.describe(), self.config.chunk_tokens, self.store.chunk_bytes,
                  namespace.digest().hex(), fingerprint, "requested" if amx else "not available")
@@ -208,16 +200,12 @@ class WorkerSide:
         self.groups = GroupCopiers(self.plan, layouts, kv_caches)
         self.store = TieredStore(self.config, namespace, self.groups.page_bytes, self.tp_size)
         self.loader = AsyncLoader(self.store, None, self.blocks_per_chunk, self.block_size,
-                                  self.config.io_threads, self._count, groups=self.groups)
+                                  self.config.io_threads, groups=self.groups)
         log.info("kvtier: rank %d hybrid model, %s; page %d bytes, namespace %s, identity %s, AMX %s",
                  self.tp_rank, ", ".join(f"group {g.index} {g.kind.value} {layouts[g.index].describe()}"
                                          for g in self.plan.groups),
                  self.groups.page_bytes, namespace.digest().hex(), fingerprint,
                  "requested" if amx else "not available")
-
-    def _count(self, name: str, value: float) -> None:
-        with self._counters_lock:
-            self._counters[name] += value
 
     # ---- loads -------------------------------------------------------------------------------
     def start_load(self, meta: KVTierMetadata) -> None:
@@ -276,7 +264,7 @@ class WorkerSide:
         finally:
             store.complete_store(handle, ok)
         seconds = time.perf_counter() - t0
-        self._count("saved_tokens", handle.num_chunks * store.chunk_tokens)
+        store.counters.engine_saved(handle.num_chunks * store.chunk_tokens)
         store.counters.moved("engine_to_cpu", handle.num_chunks * store.chunk_bytes, seconds)
 
     def _save_pages(self, job: SaveJob) -> None:
@@ -285,7 +273,7 @@ class WorkerSide:
         stored = save_pages(self.store, self.groups, job.pages)
         seconds = time.perf_counter() - t0
         full = {g.index for g in self.plan.groups if g.kind is GroupKind.FULL}
-        self._count("saved_tokens", sum(1 for p in job.pages if p.group in full) * self.store.chunk_tokens)
+        self.store.counters.engine_saved(sum(1 for p in job.pages if p.group in full) * self.store.chunk_tokens)
         self.store.counters.moved("engine_to_cpu", stored * self.store.chunk_bytes, seconds)
 
     # ---- worker -> scheduler -----------------------------------------------------------------
@@ -302,15 +290,11 @@ class WorkerSide:
 
     # ---- metrics and lifecycle ---------------------------------------------------------------
     def stats(self) -> KVTierStats | None:
-        """This step's counters and the store's current usage; ``None`` if nothing changed."""
+        """The change of the store's snapshot since the last call, and its usage; ``None`` if nothing changed."""
         if self.store is None:
             return None
         snapshot = self.store.stats()
-        with self._counters_lock:
-            counters: dict[str, float] = {k: v for k, v in self._counters.items()
-                                          if v and (self.tp_rank == 0 or k not in _RANK0_ONLY)}
-            self._counters.clear()
-        counters.update(store_counters(snapshot, self._store_seen))
+        counters = store_counters(snapshot, self._store_seen, self.tp_rank)
         self._store_seen = snapshot
         gauges = store_gauges(snapshot)
         shared = self.store.tier("redis")

@@ -1,0 +1,33 @@
+"""The connector's per-step stats are changes of the store's one snapshot (kvtier.core.stats)."""
+
+from kvtier.integrations.vllm.stats import KVTierStats, store_counters, store_gauges
+from tests.core.helpers import CHUNK_BYTES, chain_of, make_store
+
+
+def test_step_stats_are_snapshot_deltas_and_tokens_come_from_rank_0_only(tmp_path):
+    store = make_store(tmp_path, cpu_chunks=4, disk_chunks=16)
+    a = chain_of(1, 3)
+    store.put(a, [bytes([i]) * CHUNK_BYTES for i in range(3)])
+    store.counters.engine_saved(3 * store.chunk_tokens)
+    first = store.stats()
+    assert store_counters(first, None) == {"saved_tokens": 3 * store.chunk_tokens, "save_bytes": 3 * CHUNK_BYTES,
+                                           "save_seconds": first.transfer_seconds["engine_to_cpu"]}
+    store.counters.engine_loaded("disk", 40, resumed=False)
+    store.counters.engine_loaded("cpu", 8, resumed=True)
+    store.counters.engine_load_failed(2)
+    store.counters.moved("cpu_to_engine", 4096, 0.5)
+    second = store.stats()
+    rank0 = store_counters(second, first)
+    assert rank0 == {"loaded_tokens_disk": 40, "reloaded_tokens": 8, "load_failed_blocks": 2, "load_bytes": 4096,
+                     "load_seconds": 0.5}
+    assert store_counters(second, first, tp_rank=1) == {"load_bytes": 4096, "load_seconds": 0.5}
+    assert store_counters(second, second) == {}
+    gauges = store_gauges(second)
+    assert gauges["usage_bytes_cpu"] == second.tier("cpu").used_bytes == 3 * CHUNK_BYTES
+    assert gauges["capacity_bytes_disk"] == second.tier("disk").capacity_bytes > 0
+    # two ranks' stats sum (vLLM's aggregate), as the exported counters do
+    both = KVTierStats(data={"counters": dict(rank0), "gauges": dict(gauges)})
+    both.aggregate(KVTierStats(data={"counters": store_counters(second, first, 1), "gauges": dict(gauges)}))
+    assert both.data["counters"]["load_bytes"] == 8192 and both.data["counters"]["loaded_tokens_disk"] == 40
+    assert both.data["gauges"]["usage_bytes_cpu"] == 6 * CHUNK_BYTES
+    store.close()
