@@ -18,6 +18,7 @@ import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from importlib import resources
+from itertools import islice
 from pathlib import Path
 from typing import IO
 
@@ -107,6 +108,35 @@ def parse_record(raw: object, index: int, where: str, block_tokens: int | None) 
     return TraceRecord(index, float(stamp), tokens, output, tuple(ids))
 
 
+def jsonl_objects(path: str | Path, start: int = 0) -> Iterator[tuple[int, str, dict]]:
+    """``(0-based line number, "NAME line N", object)`` for every non-blank line from ``start`` on of a
+    ``.jsonl`` or ``.jsonl.gz`` file: the one JSONL reader of the trace formats.
+
+    Raises:
+        TraceError: missing/unreadable file, a line that is not JSON or not a JSON object (naming the line).
+    """
+    path = Path(path)
+    try:
+        with _open(path, "r") as handle:
+            for lineno, line in enumerate(handle):
+                if lineno < start or not line.strip():
+                    continue
+                where = f"{path.name} line {lineno + 1}"
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise TraceError(f"{where} is not valid JSON ({exc.msg}); fix or remove that line") from None
+                if not isinstance(obj, dict):
+                    raise TraceError(f"{where} is not a JSON object; each line must be one request object")
+                yield lineno, where, obj
+    except FileNotFoundError:
+        raise TraceError(f"trace file {path} does not exist; pass an existing .jsonl(.gz) file") from None
+    except IsADirectoryError:
+        raise TraceError(f"trace path {path} is a directory; pass a .jsonl(.gz) file") from None
+    except (OSError, UnicodeDecodeError, EOFError) as exc:
+        raise TraceError(f"cannot read trace file {path} ({exc}); check that it is JSONL text or gzip") from None
+
+
 def iter_records(path: str | Path, block_tokens: int | None = None, start: int = 0,
                  limit: int | None = None) -> Iterator[TraceRecord]:
     """Records of lines ``start .. start+limit-1`` (0-based) of a ``.jsonl`` or ``.jsonl.gz`` file,
@@ -115,28 +145,8 @@ def iter_records(path: str | Path, block_tokens: int | None = None, start: int =
     Raises:
         TraceError: missing/unreadable file, bad JSON, bad record (naming the line).
     """
-    path = Path(path)
-    count = 0
-    try:
-        with _open(path, "r") as handle:
-            for lineno, line in enumerate(handle):
-                if lineno < start or not line.strip():
-                    continue
-                if limit is not None and count >= limit:
-                    return
-                where = f"{path.name} line {lineno + 1}"
-                try:
-                    raw = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise TraceError(f"{where} is not valid JSON ({exc.msg}); fix or remove that line") from None
-                yield parse_record(raw, lineno, where, block_tokens)
-                count += 1
-    except FileNotFoundError:
-        raise TraceError(f"trace file {path} does not exist; pass an existing .jsonl(.gz) file") from None
-    except IsADirectoryError:
-        raise TraceError(f"trace path {path} is a directory; pass a .jsonl(.gz) file") from None
-    except (OSError, UnicodeDecodeError, EOFError) as exc:
-        raise TraceError(f"cannot read trace file {path} ({exc}); check that it is JSONL text or gzip") from None
+    records = (parse_record(raw, lineno, where, block_tokens) for lineno, where, raw in jsonl_objects(path, start))
+    yield from islice(records, limit)
 
 
 def format_record(timestamp_ms: float, input_length: int, output_length: int, hash_ids: Iterable[int]) -> str:

@@ -27,15 +27,13 @@ Both may be gzip-compressed (``.gz``).  Errors raise :class:`TraceError` naming 
 
 from __future__ import annotations
 
-import gzip
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
 from kvtier.core.errors import TraceError
-from kvtier.core.mooncake import MOONCAKE_BLOCK_TOKENS, iter_records
+from kvtier.core.mooncake import MOONCAKE_BLOCK_TOKENS, iter_records, jsonl_objects
 
 FORMATS = ("mooncake", "kvtier-jsonl")
 
@@ -114,26 +112,6 @@ def format_kvtier_record(time_s: float, num_tokens: int, chunk_tokens: int, keys
                        "chunk_keys": [key.hex() for key in keys]}, separators=(",", ":"))
 
 
-def _open(path: Path) -> IO[str]:
-    if path.suffix == ".gz":
-        return gzip.open(path, "rt", encoding="utf-8")
-    return path.open("r", encoding="utf-8")
-
-
-def _lines(path: Path) -> Iterator[tuple[int, str]]:
-    try:
-        with _open(path) as handle:
-            for lineno, line in enumerate(handle, 1):
-                if line.strip():
-                    yield lineno, line
-    except FileNotFoundError:
-        raise TraceError(f"trace file {path} does not exist; pass an existing file to --trace") from None
-    except IsADirectoryError:
-        raise TraceError(f"trace path {path} is a directory; pass a .jsonl file to --trace") from None
-    except (OSError, UnicodeDecodeError, EOFError) as exc:
-        raise TraceError(f"cannot read trace file {path} ({exc}); check that it is JSONL text or gzip") from None
-
-
 class _Parser:
     block_tokens: int | None
 
@@ -148,14 +126,7 @@ def _read(path: str | Path, parser: _Parser) -> Trace:
     num_tokens: list[int] = []
     chunk_keys: list[list[int]] = []
     key_to_id: dict[int | str, int] = {}
-    for lineno, line in _lines(path):
-        where = f"{path.name} line {lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise TraceError(f"{where} is not valid JSON ({exc.msg}); fix or remove that line") from None
-        if not isinstance(obj, dict):
-            raise TraceError(f"{where} is not a JSON object; each line must be one request object")
+    for _, where, obj in jsonl_objects(path):
         time_s, tokens, keys = parser.parse(obj, where)
         # Dense ids: the replay loop then hashes small ints whatever the key format was.
         chunk_keys.append([key_to_id.setdefault(key, len(key_to_id)) for key in keys])
