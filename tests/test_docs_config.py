@@ -1,7 +1,7 @@
 """The operator docs say what the code does: the configuration defaults of
 :class:`kvtier.core.config.KVTierConfig` (the key tables of docs/vllm.md and docs/shared-tier.md,
-prose such as "(128, the default, is)"), serve lines that let kvtier flush on SIGTERM, and the
-README's request, run as written."""
+prose such as "(128, the default, is)"), serve lines that let kvtier flush on SIGTERM, and
+the quick start's request, run as written."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def test_key_tables_state_the_real_defaults(path: Path):
     assert wrong == []
 
 
-@pytest.mark.parametrize("path", [*DOCS, ROOT / "README.md", ROOT / "docs" / "store.md"], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [*DOCS, ROOT / "README.md", ROOT / "docs" / "quickstart.md", ROOT / "docs" / "store.md"], ids=lambda p: p.name)
 def test_prose_names_the_real_chunk_tokens_default(path: Path):
     default = KVTierConfig.from_dict({}).chunk_tokens
     # "(256, the default, is)" / "chunk_tokens (default 256)" near a mention of chunk_tokens
@@ -89,7 +89,7 @@ def shell_commands(path: Path) -> list[str]:
     return commands
 
 
-@pytest.mark.parametrize("path", [ROOT / "README.md", *DOCS], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [ROOT / "README.md", ROOT / "docs" / "quickstart.md", *DOCS], ids=lambda p: p.name)
 def test_every_kvtier_serve_line_stops_gracefully_on_sigterm(path: Path):
     # without --shutdown-timeout vLLM 0.32's api_server force-kills its workers on SIGTERM: no flush (docs/vllm.md)
     serve = [c for c in shell_commands(path)
@@ -99,8 +99,8 @@ def test_every_kvtier_serve_line_stops_gracefully_on_sigterm(path: Path):
 
 
 def test_readme_request_is_greedy_so_its_repeat_gives_the_same_text(tmp_path: Path):
-    # README step 4 sends one request twice and says the repeat's KV is found: sampled answers would differ
-    (command,) = [c for c in shell_commands(ROOT / "README.md") if "random_prompt" in c]
+    # docs/quickstart.md step 4 sends one request twice and says the repeat's KV is found: sampled answers would differ
+    (command,) = [c for c in shell_commands(ROOT / "docs" / "quickstart.md") if "random_prompt" in c]
     snippet = shlex.split(command.split(">")[0])
     assert snippet[:2] == ["python", "-c"]
     run = subprocess.run([sys.executable, "-c", snippet[2]], capture_output=True, text=True, check=True, timeout=300,
