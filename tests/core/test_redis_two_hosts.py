@@ -2,15 +2,14 @@
 others, joined by veth pairs.  A prefix saved on host A is a hit on host B with identical bytes.
 
 Only the namespaces' own addresses (10.211.1.0/24, 10.211.2.0/24, which exist only inside them)
-are contacted.  Needs root and ``ip`` (iproute2); ``make test`` runs as root in CI.  The
-engine-level version (vLLM on each host) waits for the connector's shared-tier support.
+are contacted (tests/netns.py); skipped only where the machine cannot create a namespace.  The
+engine-level version: tests/integrations/test_vllm_two_hosts.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import uuid
@@ -18,40 +17,20 @@ from pathlib import Path
 
 import pytest
 
+from ..netns import cannot_create
+from ..netns import netns_hosts as hosts
 from ..redis_servers import redis_binaries, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def sh(*args: str) -> None:
-    subprocess.run(args, check=True, capture_output=True, timeout=30)
-
-
 @pytest.fixture
 def netns_hosts():
-    if os.geteuid() != 0 or not shutil.which("ip"):
-        pytest.skip("network namespaces need root and iproute2 (make test runs as root in CI)")
-    tag = uuid.uuid4().hex[:6]
-    names = {role: f"kvt{role}{tag}" for role in ("r", "a", "b")}
-    created: list[str] = []
-    try:
-        for ns in names.values():
-            sh("ip", "netns", "add", ns)
-            created.append(ns)
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
-        for i, host in enumerate(("a", "b"), start=1):  # one veth pair per host, to the redis namespace
-            left, right = f"vr{host}{tag}", f"vh{host}{tag}"
-            sh("ip", "link", "add", left, "type", "veth", "peer", "name", right)
-            sh("ip", "link", "set", left, "netns", names["r"])
-            sh("ip", "link", "set", right, "netns", names[host])
-            sh("ip", "-n", names["r"], "addr", "add", f"10.211.{i}.1/24", "dev", left)
-            sh("ip", "-n", names[host], "addr", "add", f"10.211.{i}.2/24", "dev", right)
-            sh("ip", "-n", names["r"], "link", "set", left, "up")
-            sh("ip", "-n", names[host], "link", "set", right, "up")
+    reason = cannot_create()
+    if reason:
+        pytest.skip(reason)
+    with hosts() as names:
         yield names
-    finally:
-        for ns in created:  # deleting a namespace deletes its veth ends and kills nothing else
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30, check=False)
 
 
 def run_host(ns: str, *args: str) -> dict:

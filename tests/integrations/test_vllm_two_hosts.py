@@ -1,0 +1,112 @@
+"""Two hosts, one cache, at engine level: Redis in one network namespace, a real ``vllm serve``
+(``python -m vllm.entrypoints.openai.api_server``) with KVTierConnector in each of two others,
+joined by veth pairs (tests/netns.py; only 127.0.0.1 inside each namespace and the namespaces'
+own 10.211.x addresses are contacted).
+
+Host A is a ``kv_producer`` (it computes and saves to Redis, never loads), host B a
+``kv_consumer`` (it loads, never saves): disaggregated prefill through the shared tier.
+- A serves prompt P and prompt Q; B serves P: its KV comes from Redis (A's prefill), tokens and
+  logprobs exactly those of A's own computation (a recompute: A never loads);
+- B serves Q' (Q's first 150 words, then other words): the shared prefix is a redis hit on B;
+  A, its own prefix cache reset, recomputes Q' as the reference, again exactly equal.
+Both engines run float32 with one reserved core (equal compute threads).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.netns import REDIS_ADDRESS, cannot_create, in_netns, netns_hosts
+from tests.redis_servers import redis_binaries, wait_until
+
+from .vllm_helpers import live_spec
+
+pytestmark = pytest.mark.engine
+
+ROOT = Path(__file__).resolve().parents[2]
+CHUNK = 128
+PORT = 8000  # each host has its own loopback: the same port on both
+
+
+def client(ns: str, ops: list[dict[str, Any]], workdir: Path, timeout_s: float = 900) -> list[Any]:
+    """Run tests/integrations/openai_client.py inside namespace ``ns`` against its 127.0.0.1:PORT."""
+    ops_file = workdir / f"ops-{uuid.uuid4().hex[:6]}.json"
+    ops_file.write_text(json.dumps(ops))
+    proc = subprocess.run(in_netns(ns, [sys.executable, "-m", "tests.integrations.openai_client",
+                                        f"http://127.0.0.1:{PORT}", str(ops_file)]),
+                          capture_output=True, text=True, timeout=timeout_s, cwd=ROOT, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_producer_on_host_a_hands_kv_to_consumer_on_host_b(tiny_model: Path, tmp_path: Path) -> None:
+    from kvtier.integrations.vllm.serve import Server
+    from kvtier.integrations.vllm.testmodel import random_prompt
+
+    reason = cannot_create()
+    if reason:
+        pytest.skip(reason)
+    server_bin, cli_bin = redis_binaries()
+    p, q = random_prompt(810, 200), random_prompt(811, 200)
+    q_prime = " ".join(q.split()[:150] + random_prompt(812, 50).split())
+    prefix = f"twohosts-{uuid.uuid4().hex[:8]}:"
+    with netns_hosts() as ns:
+        redis = subprocess.Popen(in_netns(ns["r"], [server_bin, "--bind", *REDIS_ADDRESS.values(), "--port", "6379",
+                                                    "--save", "", "--appendonly", "no", "--protected-mode", "no",
+                                                    "--dir", str(tmp_path)]),
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        servers: list[Server] = []
+        try:
+            for host, role in (("a", "kv_producer"), ("b", "kv_consumer")):
+                kvtier = {"chunk_tokens": CHUNK, "cpu_gib": 0.01, "redis_key_prefix": prefix,
+                          "redis_url": f"redis://{REDIS_ADDRESS[host]}:6379/0",
+                          "shared_deadline_s": 5.0, "redis_timeout_s": 5.0, "redis_connect_timeout_s": 2.0}
+                server = Server(live_spec(tiny_model, kvtier, role), tmp_path / f"{host}.log", port=PORT)
+                server.command = in_netns(ns[host], server.command)
+                servers.append(server.launch())
+            for host, server in zip("ab", servers, strict=True):
+                assert client(ns[host], [{"op": "ready", "timeout_s": 600}], tmp_path) == [True], \
+                    f"host {host}'s server did not start: {server.exit_reason()}\n{server.log_tail(40)}"
+
+            made_p, made_q = client(ns["a"], [{"op": "complete", "prompt": p}, {"op": "complete", "prompt": q}],
+                                    tmp_path)
+            saved = sum(r["prompt_tokens"] // CHUNK for r in (made_p, made_q))
+
+            def in_redis() -> int:
+                keys = subprocess.run(in_netns(ns["r"], [cli_bin, "-h", REDIS_ADDRESS["a"], "--scan", "--pattern",
+                                                         f"{prefix}*"]),
+                                      capture_output=True, text=True, timeout=30, check=False)
+                return len(keys.stdout.split())
+            assert wait_until(lambda: in_redis() >= saved, timeout_s=60), f"{in_redis()} of {saved} chunks in Redis"
+
+            before, got_q, after_q, got_p, after_p = client(
+                ns["b"], [{"op": "metrics"}, {"op": "complete", "prompt": q_prime}, {"op": "metrics"},
+                          {"op": "complete", "prompt": p}, {"op": "metrics"}], tmp_path)
+            reset, ref_q = client(ns["a"], [{"op": "reset_prefix_cache"}, {"op": "complete", "prompt": q_prime}],
+                                  tmp_path)
+            assert reset is True
+            for server in servers:
+                assert server.exit_reason() is None
+        finally:
+            for server in servers:
+                server.stop(grace_s=20)
+            redis.kill()
+            redis.wait(timeout=10)
+
+    # Disaggregated prefill: P's KV on B is A's, and B's answer is A's recompute, exactly.
+    assert (got_p["tokens"], got_p["logprobs"]) == (made_p["tokens"], made_p["logprobs"])
+    # Prefix sharing across hosts: Q' on B continues Q's prefix from Redis, equal to A's recompute.
+    assert (got_q["tokens"], got_q["logprobs"]) == (ref_q["tokens"], ref_q["logprobs"])
+    loaded_q = after_q.get("kvtier_loaded_tokens_total{redis}", 0) - before.get("kvtier_loaded_tokens_total{redis}", 0)
+    loaded_p = after_p.get("kvtier_loaded_tokens_total{redis}", 0) - after_q.get("kvtier_loaded_tokens_total{redis}", 0)
+    assert loaded_q == 2 * CHUNK  # Q's first 150 words (~300 tokens) hold two whole chunks
+    assert loaded_p == (made_p["prompt_tokens"] - 1) // CHUNK * CHUNK  # every whole chunk but the last token
+    assert after_p["vllm:external_prefix_cache_hits_total"] == loaded_q + loaded_p
+    assert after_p.get("kvtier_saved_tokens_total", 0) == 0  # a consumer never saves
