@@ -7,12 +7,16 @@ until the server answered), loads it from Redis, and serves the exact bytes.
 from __future__ import annotations
 
 import logging
+import os
 
+import numpy as np
 import pytest
 import redis
 
 from kvtier.core.errors import ConfigError
-from kvtier.core.tiers import GetResult
+from kvtier.core.keys import ChunkKey
+from kvtier.core.tiers import GetResult, PutResult
+from kvtier.core.tiers.sharedvalue import ValueCodec
 
 from ..redis_servers import DelayProxy
 from .helpers import chain_of, make_store, payload
@@ -208,3 +212,32 @@ def test_cluster_down_at_start_is_a_run_of_misses_not_a_failed_start(key_prefix)
     assert store.flush(10) and store.tier("redis").skipped_writes == 2
     assert store.get(chain) == [payload(k) for k in chain]  # served from the cpu tier
     store.close()
+
+
+def test_streamed_put_stores_exactly_the_encoded_value_and_a_changed_payload_is_corrupt(redis_server, key_prefix):
+    # put_many sends header and payload as two pieces of one SET argument (tiers/redisstream.py):
+    # the server must hold byte for byte what ValueCodec.encode would have joined, with its TTL
+    ns = os.urandom(16)
+    tier = make_redis_tier(redis_server.url, ns, key_prefix, redis_ttl_s=777)
+    assert tier._streamed
+    raw = redis.Redis.from_url(redis_server.url)
+    keys = [ChunkKey(os.urandom(16)) for _ in range(5)]
+    datas = [np.frombuffer(os.urandom(1000 + 4096 * i), dtype=np.uint8).copy() for i in range(5)]
+    assert tier.put_many(keys, [memoryview(d) for d in datas]) == [PutResult.STORED] * 5
+    assert tier.put_many(keys[:2], [memoryview(d) for d in datas[:2]]) == [PutResult.PRESENT] * 2
+    for key, data in zip(keys, datas):
+        assert raw.get(tier.rkey(key)) == bytes(ValueCodec(ns, None).encode(key, data))
+        assert 700 < raw.ttl(tier.rkey(key)) <= 777
+    # a payload that changes after its digest was taken (a write abandoned at the deadline, its
+    # buffer reused): the reader sees a corrupt value, deletes it, and never serves it
+    codec = ValueCodec(ns, None)
+    key = ChunkKey(os.urandom(16))
+    header = codec.header(key, memoryview(datas[0]))
+    changed = datas[0].copy()
+    changed[17] ^= 1
+    raw.set(tier.rkey(key), header + changed.tobytes())
+    dst = np.empty_like(datas[0])
+    assert tier.get_many([key], [memoryview(dst)]) == [GetResult.CORRUPT]
+    assert raw.exists(tier.rkey(key)) == 0
+    tier.close()
+    raw.close()

@@ -1,8 +1,8 @@
 """Store benchmark of the redis tier: put/get throughput against raw redis-py on the same server.
 
 - tier ``put``: ``RedisTier.put_many`` — one value per chunk (64-byte header + XXH3-128 over
-  header and payload, or a keyed BLAKE3 MAC with ``--shared-secret``), one pipelined batch of
-  ``SET … EX … NX``;
+  header and payload, or a keyed BLAKE3 MAC with ``--shared-secret``), ``SET … EX … NX``
+  pipelined on one connection, the payload sent from the caller's buffer;
 - tier ``get``: ``RedisTier.get_many`` — one pipelined batch of ``GET``, every value verified and
   copied into a caller buffer (what a load into the cpu tier does);
 - reference: raw redis-py pipelined ``SET key bytes EX ttl`` / ``GET key`` of the same payload

@@ -9,7 +9,8 @@
   chunks of one prefix spread over all slots and shards.
 - **Batches**: ``contains_many`` / ``get_many`` send one pipeline (redis-py's Cluster pipeline
   splits it per node), so a step costs one round trip per server, not one per chunk
-  (LMCache#1639).
+  (LMCache#1639).  ``put_many`` on a standalone server sends every ``SET`` back to back with
+  each value as (header, payload) pieces, never joined (:mod:`kvtier.core.tiers.redisstream`).
 - **Bounded**: network calls run on the tier's own threads (``io_threads``), at most
   ``queue_depth`` calls waiting; the caller waits at most ``deadline_s`` and then gets misses
   (bytes arriving later are dropped, never copied into a buffer the caller has given back).
@@ -41,6 +42,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from kvtier.core.config import redact_url
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
+from kvtier.core.tiers import redisstream
 from kvtier.core.tiers.base import GetResult, PutResult, Tier, TierUsage
 from kvtier.core.tiers.breaker import CircuitBreaker
 from kvtier.core.tiers.sharedvalue import HEADER_BYTES, SharedValueError, ValueCodec, copy_payload
@@ -103,6 +105,7 @@ class RedisTier(Tier):
         self._free_buffers: list[bytearray] = []
         self._closed = False
         self._last_error = 0.0
+        self._streamed = getattr(client, "connection_pool", None) is not None  # standalone (see put_many)
 
     # ---- keys and the call path ----------------------------------------------------------
     def rkey(self, key: ChunkKey) -> bytes:
@@ -244,8 +247,21 @@ class RedisTier(Tier):
         return self.put_many([key], [data])[0]
 
     def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> list[PutResult]:
-        """Pipelined ``SET key value EX ttl NX`` in batches of about ``BATCH_BYTES``; the next batch
-        is encoded (copy + digest) while the previous one is on the wire."""
+        """Pipelined ``SET key value EX ttl NX``, one value per chunk.
+
+        Standalone: all commands back to back on one connection, each value sent as (header,
+        payload) straight from ``datas`` (:mod:`~kvtier.core.tiers.redisstream`), headers digested
+        on this thread while the earlier chunks are on the wire.  Cluster: redis-py's pipeline in
+        batches of about ``BATCH_BYTES`` of joined values, the next batch encoded while the
+        previous one is on the wire.
+
+        A write given up at the deadline may still be sending from ``datas`` for a moment: a
+        payload changed meanwhile no longer matches its digest, so a reader treats it as corrupt
+        (a miss), never as a hit."""
+        if not keys:
+            return []
+        if self._streamed:
+            return self._put_streamed(keys, datas)
         batches: list[tuple[int, int]] = []
         start = 0
         while start < len(keys):  # batches bound the memory of encoded values held at once
@@ -260,11 +276,31 @@ class RedisTier(Tier):
         for start, end in batches:
             values = self._encode(keys[start:end], datas[start:end])
             if in_flight is not None:
-                out += self._finish_put(*in_flight)
+                out += self._finish_batch(*in_flight)
             in_flight = (keys[start:end], values, self._submit("put", self._setter(keys[start:end], values)))
         if in_flight is not None:
-            out += self._finish_put(*in_flight)
+            out += self._finish_batch(*in_flight)
         return out
+
+    def _put_streamed(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> list[PutResult]:
+        rkeys = [self.rkey(k) for k in keys]
+        payloads = [memoryview(d).cast("B") for d in datas]
+        headers: list[bytes] = []
+        ready = threading.Semaphore(0)
+        abandoned = threading.Event()
+        started = self._submit("put", lambda: redisstream.set_many(
+            self.client, rkeys, headers, payloads, self.ttl_s, ready, abandoned.is_set, self.transfer_deadline_s))
+        try:
+            if started is not None:
+                for key, payload in zip(keys, payloads):
+                    headers.append(self.codec.header(key, payload))
+                    ready.release()
+            created = self._wait("put", started)
+        finally:
+            abandoned.set()  # a writer still running stops before its next chunk
+            ready.release()
+        return self._finish_put(keys, [HEADER_BYTES + p.nbytes for p in payloads], created,
+                                started[1] if started is not None else time.perf_counter())
 
     def _encode(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> list[bytearray]:
         buffers = self._take_buffers([HEADER_BYTES + memoryview(d).nbytes for d in datas])
@@ -295,26 +331,33 @@ class RedisTier(Tier):
             while sum(len(b) for b in self._free_buffers) > BATCH_BYTES * 3:
                 self._free_buffers.pop(0)
 
-    def _finish_put(self, keys: Sequence[ChunkKey], values: list[bytearray],
-                    started: tuple[Future[list[bool]], float] | None) -> list[PutResult]:
+    def _finish_batch(self, keys: Sequence[ChunkKey], values: list[bytearray],
+                      started: tuple[Future[list[bool]], float] | None) -> list[PutResult]:
         t0 = started[1] if started is not None else time.perf_counter()
         created = self._wait("put", started)
-        if created is None:  # a fault, or skipped while the breaker is open; a late thread may still
-            with self._lock:  # read the buffers, so they are not reused
+        results = self._finish_put(keys, [len(v) for v in values], created, t0)
+        if created is not None:  # after a fault a late thread may still read the buffers: not reused
+            self._give_buffers(values)
+        return results
+
+    def _finish_put(self, keys: Sequence[ChunkKey], sizes: list[int], created: list[bool] | None,
+                    t0: float) -> list[PutResult]:
+        """Account one written batch (``sizes``: value bytes; ``created``: ``None`` after a fault or skip)."""
+        if created is None:  # a fault, or skipped while the breaker is open
+            with self._lock:
                 self.skipped_writes += len(keys)
             self.metrics.skipped_writes.inc(len(keys))
             return [PutResult.FAILED] * len(keys)
         with self._lock:
-            for key, value in zip(keys, values):
+            for key, size in zip(keys, sizes):
                 if key not in self._written:
-                    self._written[key] = len(value)
-                    self._used += len(value)
+                    self._written[key] = size
+                    self._used += size
             while len(self._written) > WRITTEN_KEYS_MAX:
-                _, size = self._written.popitem(last=False)
-                self._used -= size
-        self.metrics.moved("write", sum(len(v) - HEADER_BYTES for v, c in zip(values, created) if c),
+                _, old = self._written.popitem(last=False)
+                self._used -= old
+        self.metrics.moved("write", sum(size - HEADER_BYTES for size, c in zip(sizes, created) if c),
                            time.perf_counter() - t0)
-        self._give_buffers(values)
         return [PutResult.STORED if c else PutResult.PRESENT for c in created]
 
     def delete(self, key: ChunkKey) -> bool:

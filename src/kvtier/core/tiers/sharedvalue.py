@@ -78,17 +78,25 @@ class ValueCodec:
         mac.update(payload)
         return mac.digest(DIGEST_BYTES)
 
+    def header(self, key: bytes, payload: memoryview | bytes) -> bytes:
+        """The ``HEADER_BYTES`` that go in front of ``payload`` in its value (digest included).
+
+        A writer may send header and payload as two pieces of one ``SET`` argument
+        (:mod:`kvtier.core.tiers.redisstream`): the value on the server is the same bytes as
+        :meth:`encode`'s, without the copy."""
+        view = memoryview(payload).cast("B")
+        fields = _FIELDS.pack(MAGIC, VERSION, self.kind, 0, self.namespace, key, view.nbytes)
+        return fields + self._digest(fields, view)
+
     def encode(self, key: bytes, payload: memoryview | bytes, out: bytearray | None = None) -> bytearray:
         """One value: header + a copy of ``payload``, written into ``out`` (reused, so its pages are
         already faulted in) when it has exactly ``HEADER_BYTES + len(payload)`` bytes."""
         view = memoryview(payload).cast("B")
-        fields = _FIELDS.pack(MAGIC, VERSION, self.kind, 0, self.namespace, key, view.nbytes)
         value = out if out is not None and len(out) == HEADER_BYTES + view.nbytes else \
             bytearray(HEADER_BYTES + view.nbytes)
         # numpy's copy is a memcpy; bytearray slice assignment from a memoryview is ~7x slower
         np.copyto(np.frombuffer(value, dtype=np.uint8, offset=HEADER_BYTES), np.frombuffer(view, dtype=np.uint8))
-        value[:_FIELDS.size] = fields
-        value[_FIELDS.size:HEADER_BYTES] = self._digest(fields, view)
+        value[:HEADER_BYTES] = self.header(key, view)
         return value
 
     def decode(self, key: bytes, value: bytes, max_length: int) -> Decoded:
