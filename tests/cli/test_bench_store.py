@@ -15,8 +15,11 @@ def test_bench_store_json_shape(tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     rows = report["results"]
-    direct = not report["notes"]  # a filesystem refusing O_DIRECT skips those rows and says so
-    assert direct or "refuses O_DIRECT" in report["notes"][0]
+    refused = [n for n in report["notes"] if "refuses O_DIRECT" in n]
+    direct = not refused  # a filesystem refusing O_DIRECT skips those rows and says so
+    split_notes = [n for n in report["notes"] if "of reads split" in n]  # what the read chooser did
+    assert len(split_notes) == 4 and {n.split(":")[0] for n in split_notes} == {
+        f"buffered get at {c} MiB, {t} thread(s)" for c in ("0.25", "1") for t in (1, 2)}
     want = {("cpu", "memory", 1, o, c) for o in ("put", "get") for c in (0.25, 1.0)}
     want |= {("disk", io, n, o, c) for io in (("buffered", "direct") if direct else ("buffered",))
              for n in (1, 2) for o in ("put", "get") for c in (0.25, 1.0)}

@@ -11,7 +11,7 @@ import pytest
 import xxhash
 
 from kvtier.core.keys import ChunkKey
-from kvtier.core.tiers import DiskTier, GetResult, PutResult, chunkio
+from kvtier.core.tiers import DiskTier, GetResult, PutResult, iomode, readchoice
 from kvtier.core.tiers.chunkfile import HEADER_BYTES
 from kvtier.core.tiers.chunkio import O_DIRECT, aligned_buffer
 from kvtier.core.tiers.disk import STALE_TMP_S
@@ -176,19 +176,26 @@ def odd_bytes(n: int, seed: int) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
 
 
-def sliced(where, overlapped):
-    """A tier with 8 KiB slices; ``overlapped``: every read pipelined and every write hashed on a helper."""
+STRATEGIES = ["default", "overlapped", "split"]
+
+
+def sliced(where, strategy, monkeypatch):
+    """A tier with 8 KiB slices; ``overlapped``: every read pipelined and every write hashed on a
+    helper; ``split``: every buffered read split over two threads (readchoice.ReadChooser)."""
+    if strategy == "split" and where[0] != "buffered":
+        pytest.skip("split reads are a buffered-mode strategy")
     tier = DiskTier(where[1], NS, capacity_bytes=1 << 20, io=where[0], slice_bytes=8192)
-    if overlapped:
+    if strategy == "overlapped":
         tier._io.pipeline, tier._io.overlap_min_bytes = True, 0
+    monkeypatch.setattr(readchoice.CHOOSER, "force", "split" if strategy == "split" else "serial")
     return tier
 
 
 @pytest.mark.parametrize("length", [0, 1, 4095, 4096, 8192 * 3 + 17, 8192 * 4, 100_003])
 @pytest.mark.parametrize("misaligned", [False, True], ids=["aligned", "misaligned"])
-@pytest.mark.parametrize("overlapped", [False, True], ids=["default", "overlapped"])
-def test_roundtrip_any_length_and_buffer_alignment(where, length, misaligned, overlapped):
-    tier = sliced(where, overlapped)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_roundtrip_any_length_and_buffer_alignment(where, length, misaligned, strategy, monkeypatch):
+    tier = sliced(where, strategy, monkeypatch)
     src_store = aligned_buffer(length + 8)
     src = src_store[1:length + 1] if misaligned else src_store[:length]
     src[:] = odd_bytes(length, length)
@@ -223,9 +230,9 @@ def sliced_damage():
 
 
 @pytest.mark.parametrize("damage", sliced_damage(), ids=lambda f: f.__name__)
-@pytest.mark.parametrize("overlapped", [False, True], ids=["default", "overlapped"])
-def test_damage_in_a_sliced_read_is_a_counted_miss(where, damage, overlapped):
-    tier = sliced(where, overlapped)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_damage_in_a_sliced_read_is_a_counted_miss(where, damage, strategy, monkeypatch):
+    tier = sliced(where, strategy, monkeypatch)
     payload = odd_bytes(8192 * 5 + 100, 5)
     assert tier.put(key(1), payload)
     damage(tier.path(key(1)))
@@ -269,7 +276,7 @@ def refuse_direct(monkeypatch):
         return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(os, "open", open_)
-    monkeypatch.setattr(chunkio, "_measured", {})
+    monkeypatch.setattr(iomode, "_measured", {})
 
 
 def test_direct_refused_at_start_falls_back_to_buffered(tmp_path, monkeypatch):
@@ -307,3 +314,57 @@ def test_payload_of_another_length_is_a_counted_miss(tmp_path):
     assert tier.put(key(7), data(7)[:CHUNK - 8])
     assert read(tier, 7) is None
     assert tier.corrupt == 1 and not tier.contains(key(7))
+
+
+# ---- buffered reads: serial or split, as measured (readchoice.ReadChooser) --------------------------
+def test_read_chooser_uses_the_faster_way_and_keeps_measuring_the_other():
+    chooser = readchoice.ReadChooser(cpus=4)
+    length = 4 << 20
+    picks = []
+    for i in range(2 * chooser.warmup):  # warm-up alternates: each way gets its samples
+        cls, split = chooser.begin(length)
+        picks.append(split)
+        chooser.end(cls, split, length, 0.001 if split else 0.002)  # split twice as fast
+    assert picks.count(True) == picks.count(False) == chooser.warmup
+    later = []
+    for _ in range(4 * chooser.explore_every):
+        cls, split = chooser.begin(length)
+        later.append(split)
+        chooser.end(cls, split, length, 0.001 if split else 0.002)
+    assert later.count(False) == 4  # serial only on the exploring reads
+    for _ in range(8 * chooser.explore_every):  # the machine got busy: split now twice as slow
+        cls, split = chooser.begin(length)
+        chooser.end(cls, split, length, 0.004 if split else 0.002)
+    final = []
+    for _ in range(2 * chooser.explore_every):
+        cls, split = chooser.begin(length)
+        final.append(split)
+        chooser.end(cls, split, length, 0.004 if split else 0.002)
+    assert final.count(True) == 2 and chooser.running == 0
+
+
+def test_read_chooser_never_splits_small_reads_one_cpu_or_a_busy_process():
+    assert not readchoice.ReadChooser(cpus=1).begin(32 << 20)[1]
+    chooser = readchoice.ReadChooser(cpus=4)
+    assert not chooser.begin(readchoice.SPLIT_MIN_BYTES - 1)[1]
+    chooser.begin(32 << 20)
+    chooser.begin(32 << 20)
+    assert not chooser.begin(32 << 20)[1]  # a third read at once on 4 CPUs: no core to spare
+
+
+@pytest.mark.parametrize(("times_ms", "direct"), [
+    ([(50, 60), (50, 40), (50, 55)], True),      # close: direct
+    ([(50, 120), (50, 40), (50, 130)], True),    # slower twice, not every round: direct (stable under noise)
+    ([(50, 70), (50, 72), (50, 74)], True),      # slower, but not clearly (< 1.5x): direct
+    ([(50, 120), (50, 110), (50, 130)], False),  # clearly slower in every round: buffered
+])
+def test_auto_keeps_direct_unless_clearly_slower_in_every_round(tmp_path, monkeypatch, times_ms, direct):
+    """The ``disk_io: auto`` rule (iomode.measure_direct) on scripted probe times (buffered, direct)."""
+    script = iter(t / 1e3 for pair in times_ms for t in pair)
+    monkeypatch.setattr(iomode, "_probe", lambda directory, block, flags: next(script))
+    monkeypatch.setattr(iomode, "_measured", {})
+    if not iomode.direct_supported(tmp_path):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    chosen, why = iomode.measure_direct(tmp_path)
+    assert chosen is direct and why.endswith("direct" if direct else "buffered")
+    assert "50/" in why and next(script, None) is None  # every round ran and is reported

@@ -33,8 +33,10 @@ import numpy as np
 from kvtier.core.config import GiB, KVTierConfig
 from kvtier.core.keys import ChunkKey, Namespace, chunk_keys, request_root
 from kvtier.core.store import TieredStore
-from kvtier.core.tiers.chunkio import ALIGN, O_DIRECT, aligned_buffer, direct_supported
+from kvtier.core.tiers.chunkio import ALIGN, O_DIRECT, aligned_buffer
 from kvtier.core.tiers.disk import DiskTier
+from kvtier.core.tiers.iomode import direct_supported
+from kvtier.core.tiers.readchoice import CHOOSER
 
 MiB = 1 << 20
 
@@ -256,7 +258,12 @@ def run_store_bench(chunk_mibs: list[float], total_mib: float = 256, repeats: in
                     notes.append(f"direct rows at {mib:g} MiB skipped: O_DIRECT needs a multiple of 4 KiB")
                     continue
                 for n in threads:
+                    before = CHOOSER.splits, CHOOSER.serials
                     rows += bench_disk(mib, total_mib, repeats, base / f"{mib}-{io}-{n}", n, io)
+                    split, serial = CHOOSER.splits - before[0], CHOOSER.serials - before[1]
+                    if io == "buffered" and split + serial:
+                        notes.append(f"buffered get at {mib:g} MiB, {n} thread(s): {split / (split + serial):.0%} "
+                                     "of reads split over two threads (chosen by measurement, docs/store.md#disk-io)")
     finally:
         shutil.rmtree(base, ignore_errors=True)
     return rows, notes

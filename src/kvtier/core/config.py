@@ -51,7 +51,8 @@ class KVTierConfig(BaseSettings):
     save_queue_depth: int = Field(64, gt=0, description="Disk writes queued at most; more are dropped and counted.")
     io_threads: int = Field(2, gt=0, le=64, description="Worker threads for disk I/O.")
     disk_io: Literal["auto", "buffered", "direct"] = Field(
-        "auto", description="Disk tier I/O: direct = O_DIRECT (bypasses the page cache), buffered, or auto = measured at start.")
+        "auto", description="Disk tier I/O: direct = O_DIRECT (bypasses the page cache), buffered, or auto = direct "
+        "where supported unless a start-up probe finds it clearly slower.")
     disk_fsync: bool = Field(False, description="fsync each chunk file before it becomes visible (durable across power loss).")
     shutdown_flush_s: float = Field(30.0, ge=0, allow_inf_nan=False,
                                     description="On a graceful stop, seconds allowed to write dirty DRAM chunks to disk.")

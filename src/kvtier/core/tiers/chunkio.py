@@ -7,10 +7,13 @@ XXH3-128, computed over every payload byte:
 - **Reads** go in slices of ``slice_bytes``; the header block comes with the first slice in one
   call.  In direct mode (``pipeline``) helper threads keep :data:`READ_DEPTH` slices in flight
   while the calling thread hashes the completed ones in order (``os.preadv`` releases the GIL and
-  so does xxhash), so the device stays busy and the hash hides behind it.  Buffered reads are
-  kernel copies that compete with the hash for the same cores: each slice is hashed right after
-  it is read (while it is in the CPU cache), and overlap comes from ``io_threads`` chunks read at
-  once by the disk tier.
+  so does xxhash's ``update``, measured: another thread runs Python code meanwhile), so the device
+  stays busy and the hash hides behind it.  Buffered reads are kernel copies from the page cache
+  (CPU work, 9-17 GiB/s) and the hash adds about a third to them on one core; they are read
+  either *serially* (each slice hashed right after it is read, while it is in the CPU cache) or
+  *split* (a helper reads the payload's tail while the calling thread reads and hashes the head,
+  then hashes the tail), whichever :class:`~kvtier.core.tiers.readchoice.ReadChooser` measures
+  to be faster now: split wins only with a free core, and costs a hand-off when there is none.
 - **Writes**, buffered: a payload of at least :data:`OVERLAP_MIN_BYTES` is hashed on a helper
   thread while it is written, and the header (which holds the digest) goes last, at offset 0.
   Direct writes, and smaller payloads, are hashed first and written with their header in one
@@ -33,7 +36,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import statistics
 import threading
 import time
 from collections import deque
@@ -44,6 +46,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kvtier.core.tiers.chunkfile import HEADER_BYTES, ChunkFormatError, PayloadHasher, payload_digest
+from kvtier.core.tiers.readchoice import CHOOSER
 
 T = TypeVar("T")
 ALIGN = 4096
@@ -54,6 +57,9 @@ READ_DEPTH = 4
 """Slices read ahead at once in a pipelined read (keeps the device busy with several requests)."""
 OVERLAP_MIN_BYTES = 2 << 20
 """Buffered payloads at least this large are hashed on a helper thread while they are written."""
+SPLIT_HEAD_SHARE = 0.45
+"""Share of a split read's payload read (and hashed) by the calling thread: with the hash at about a
+third of the read's cost, reading 0.45 and hashing it takes about as long as reading the other 0.55."""
 
 
 def aligned_buffer(nbytes: int) -> memoryview:
@@ -93,9 +99,8 @@ class ChunkIO:
         slice_bytes: bytes per read slice, a positive multiple of 4096.
         helper_threads: threads of the helper pool that reads ahead and hashes writes.
         pipeline: read slice ``i + 1`` on a helper while slice ``i`` is hashed (default: in direct
-            mode only, where the device, not the CPU, moves the bytes; buffered reads are kernel
-            copies competing with the hash for the same cores, so they hash each slice right after
-            reading it, and overlap comes from ``io_threads`` chunks at once).
+            mode only, where the device, not the CPU, moves the bytes; buffered reads are serial
+            or split, as :class:`~kvtier.core.tiers.readchoice.ReadChooser` measures best).
 
     Raises:
         ValueError: ``slice_bytes`` is not a positive multiple of 4096.
@@ -114,6 +119,7 @@ class ChunkIO:
         self.slice_bytes = slice_bytes
         self.open_flags = O_DIRECT if direct else 0
         self._buffers = _Buffers()
+        self.chooser = CHOOSER
         self._closed = False
         self._helpers = ThreadPoolExecutor(max(helper_threads, 1), thread_name_prefix="kvtier-disk-helper")
 
@@ -189,6 +195,8 @@ class ChunkIO:
                 out[off + n // ALIGN * ALIGN:off + n] = tail[:n % ALIGN]
             return out[off:off + n]
 
+        if not self.direct and not self.pipeline:
+            return self._read_buffered(fd, out, length, check_header)
         hasher = PayloadHasher()
         if not self.pipeline or len(offsets) == 1:
             got = read(0)
@@ -217,6 +225,38 @@ class ChunkIO:
                     out[off:off + got.nbytes] = got
         finally:
             wait(inflight)  # never leave a read into the caller's buffers running
+        return hasher.digest() == expected
+
+    def _read_buffered(self, fd: int, out: memoryview, length: int,
+                       check_header: Callable[[memoryview, int], bytes]) -> bool:
+        """A buffered read, serial or split (:mod:`kvtier.core.tiers.readchoice`); see :meth:`read_chunk`."""
+        chooser = self.chooser
+        cls, split = chooser.begin(length)
+        split = split and not self._closed
+        t0 = time.perf_counter()
+        cut = max(ALIGN, int(length * SPLIT_HEAD_SHARE) // ALIGN * ALIGN) if split else length
+        tail: Future[None] | None = None
+        try:
+            if split:  # the tail on a helper, while this thread reads and hashes the head
+                tail = self._submit(_pread_exact, fd, [out[cut:]], HEADER_BYTES + cut, length - cut)
+            header = self._buffers.header
+            hasher = PayloadHasher()
+            expected = b""
+            for off in range(0, cut, self.slice_bytes) if cut else range(1):
+                n = min(self.slice_bytes, cut - off)
+                if off == 0:
+                    _pread_exact(fd, [header, out[:n]], 0, HEADER_BYTES + n)
+                    expected = check_header(header, length)
+                else:
+                    _pread_exact(fd, [out[off:off + n]], HEADER_BYTES + off, n)
+                hasher.update(out[off:off + n])  # right after its read, while in the CPU cache
+            if tail is not None:
+                tail.result()
+                hasher.update(out[cut:])
+        finally:
+            if tail is not None:
+                wait([tail])  # never leave a read into the caller's buffer running
+            chooser.end(cls, split, length, time.perf_counter() - t0)
         return hasher.digest() == expected
 
     # ---- writes --------------------------------------------------------------------------
@@ -319,104 +359,6 @@ def _pwritev_all(fd: int, iov: list[memoryview], offset: int) -> None:
     done = os.pwritev(fd, iov, offset)
     while done < total:  # short writes are rare but legal
         done += os.pwritev(fd, _skip(iov, done), offset + done)
-
-
-def direct_supported(directory: str | os.PathLike[str]) -> bool:
-    """Whether files in ``directory`` can be opened, written and read with ``O_DIRECT``.
-
-    A filesystem that refuses it (EINVAL at open, as tmpfs did before Linux 6.6, or at the first
-    aligned I/O) gives ``False``; other errors propagate as ``OSError``.
-    """
-    if not O_DIRECT:
-        return False
-    path = os.path.join(directory, f".kvtier-direct-probe-{os.getpid()}-{threading.get_ident()}")
-    buf = aligned_buffer(ALIGN)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | O_DIRECT, 0o600)
-    except OSError as exc:
-        if exc.errno == 22:  # EINVAL: the filesystem does not do O_DIRECT
-            return False
-        raise
-    try:
-        os.pwrite(fd, buf, 0)
-        os.preadv(fd, [buf], 0)
-        return True
-    except OSError as exc:
-        if exc.errno == 22:
-            return False
-        raise
-    finally:
-        os.close(fd)
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-
-
-PROBE_BYTES = 16 << 20
-"""Bytes written and read back per mode and round by :func:`measure_direct`."""
-PROBE_ROUNDS = 3
-_measured: dict[int, tuple[bool, str]] = {}
-_measured_lock = threading.Lock()
-
-
-def measure_direct(directory: str | os.PathLike[str]) -> tuple[bool, str]:
-    """Choose ``O_DIRECT`` for ``directory`` by measurement (the ``disk_io: auto`` rule).
-
-    Writes :data:`PROBE_BYTES` in 4 MiB writes and reads them back, buffered (``fdatasync``
-    after writing, and the file dropped from the page cache with ``posix_fadvise(DONTNEED)``
-    before reading, so both modes pay the device) and with ``O_DIRECT``, alternating, in
-    :data:`PROBE_ROUNDS` rounds.  Direct wins when it is supported and its median time is at
-    most 1.1× the buffered median: it keeps the host's page cache
-    free of chunks the cpu tier already holds, which is worth a little throughput.  The result is
-    remembered per filesystem (``st_dev``) for the life of the process.
-
-    Returns:
-        (use direct, one line saying why, with the measured times).
-    """
-    dev = os.stat(directory).st_dev
-    with _measured_lock:
-        if dev in _measured:
-            return _measured[dev]
-        if not direct_supported(directory):
-            _measured[dev] = (False, "the filesystem refuses O_DIRECT")
-            return _measured[dev]
-        block = aligned_buffer(4 << 20)
-        block[:] = np.random.default_rng(0).integers(0, 256, block.nbytes, dtype=np.uint8).tobytes()
-        rounds: dict[str, list[float]] = {"buffered": [], "direct": []}
-        for _round in range(PROBE_ROUNDS):  # alternating, so both modes see the same machine state
-            for name, flags in (("buffered", 0), ("direct", O_DIRECT)):
-                rounds[name].append(_probe(directory, block, flags))
-        seconds = {name: statistics.median(times) for name, times in rounds.items()}
-        direct = seconds["direct"] <= 1.1 * seconds["buffered"]
-        why = (f"{PROBE_BYTES >> 20} MiB written and read back: buffered {seconds['buffered'] * 1e3:.0f} ms, "
-               f"O_DIRECT {seconds['direct'] * 1e3:.0f} ms")
-        _measured[dev] = (direct, why)
-        return _measured[dev]
-
-
-def _probe(directory: str | os.PathLike[str], block: memoryview, flags: int) -> float:
-    """Seconds to write :data:`PROBE_BYTES` of ``block`` copies, sync, and read them back."""
-    path = os.path.join(directory, f".kvtier-io-probe-{os.getpid()}")
-    try:
-        t0 = time.perf_counter()
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | flags, 0o600)
-        try:
-            for off in range(0, PROBE_BYTES, block.nbytes):
-                _pwrite_all(fd, block, off)
-            os.fdatasync(fd)
-            if not flags and hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            for off in range(0, PROBE_BYTES, block.nbytes):
-                os.preadv(fd, [block], off)
-        finally:
-            os.close(fd)
-        return time.perf_counter() - t0
-    finally:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
 
 
 def helper_threads(io_threads: int) -> int:

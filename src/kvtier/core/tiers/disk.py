@@ -40,13 +40,8 @@ from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers.base import GetResult, PutResult, Tier, TierUsage
 from kvtier.core.tiers.chunkfile import HEADER_BYTES, ChunkFormatError, decode_header, encode_header
-from kvtier.core.tiers.chunkio import (
-    DEFAULT_SLICE_BYTES,
-    ChunkIO,
-    direct_supported,
-    helper_threads,
-    measure_direct,
-)
+from kvtier.core.tiers.chunkio import DEFAULT_SLICE_BYTES, ChunkIO, helper_threads
+from kvtier.core.tiers.iomode import direct_supported, measure_direct
 
 if TYPE_CHECKING:
     from kvtier.core.tiers.registry import TierContext
@@ -69,7 +64,7 @@ class DiskTier(Tier):
         fsync: fsync each file before renaming it into place.
         io: ``"buffered"`` (through the page cache), ``"direct"`` (``O_DIRECT``; buffered where
             the filesystem refuses it) or ``"auto"`` (chosen by measurement,
-            :func:`~kvtier.core.tiers.chunkio.measure_direct`).  The mode in use is ``io_mode``.
+            :func:`~kvtier.core.tiers.iomode.measure_direct`).  The mode in use is ``io_mode``.
         io_threads: chunks read or written at once by ``get_many``/``put_many``, and helper
             threads that read ahead and hash (:class:`~kvtier.core.tiers.chunkio.ChunkIO`).
         slice_bytes: bytes per read slice (a multiple of 4096).
@@ -89,6 +84,7 @@ class DiskTier(Tier):
         super().__init__()
         self.namespace = namespace
         self.dir = Path(root) / namespace.hex()
+        self._root = str(self.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.capacity_bytes = max(capacity_bytes, 0)
         self.fsync = fsync
@@ -116,8 +112,12 @@ class DiskTier(Tier):
     # ---- paths and index -----------------------------------------------------------------
     def path(self, key: ChunkKey) -> Path:
         """File path of ``key``."""
+        return Path(self._file(key))
+
+    def _file(self, key: ChunkKey) -> str:
+        """File path of ``key`` as a string (a ``Path`` costs 8 µs to build, a string 0.4 µs)."""
         h = key.hex()
-        return self.dir / h[:2] / (h + SUFFIX)
+        return f"{self._root}{os.sep}{h[:2]}{os.sep}{h}{SUFFIX}"
 
     def _rebuild_index(self) -> None:
         found: list[tuple[float, ChunkKey, int]] = []
@@ -185,7 +185,7 @@ class DiskTier(Tier):
         return self.file_bytes(payload_bytes)
 
     def get_into(self, key: ChunkKey, dst: memoryview) -> GetResult:
-        path = self.path(key)
+        path = self._file(key)
         if key in self._bad:  # counted once already, when it was found unusable
             return GetResult.MISS
         try:
@@ -200,11 +200,11 @@ class DiskTier(Tier):
                 self._forget(key)
             return GetResult.MISS
         except (ChunkFormatError, OSError) as exc:
-            self._quarantine(key, path, str(exc))
+            self._quarantine(key, Path(path), str(exc))
             return GetResult.CORRUPT
         return GetResult.HIT
 
-    def _read_verified(self, key: ChunkKey, path: Path, dst: memoryview) -> None:
+    def _read_verified(self, key: ChunkKey, path: str, dst: memoryview) -> None:
         """Read ``key``'s payload into ``dst``; raises ChunkFormatError unless every check passes."""
         io = self._io
         # O_NONBLOCK: a FIFO or device planted at a chunk's path must not hang the caller
