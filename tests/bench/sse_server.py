@@ -6,7 +6,11 @@ Run: ``python sse_server.py PORT [--die-on N] [--hang-on N] [--gap S]``.  Each P
 (1-based) makes the process exit mid-stream (``--die-on``) or go silent (``--hang-on``): the two
 ways a real engine fails that the client must report.  ``GET /v1/models`` names one model and
 ``GET /metrics`` reports ``sse_max_in_flight``, the most completions it streamed at once (what a
-client's concurrency bound is checked against).  Not a vLLM stand-in for anything else.
+client's concurrency bound is checked against), and vLLM's two prefix-cache counters
+(``vllm:prefix_cache_queries``: prompt tokens received; ``vllm:prefix_cache_hits``: per prompt, the
+longest prefix it shares with an earlier prompt sent to this process, at most all but its last
+token) so that a client spreading requests over several of these servers can check which server
+saw what.  Not a vLLM stand-in for anything else.
 """
 
 import argparse
@@ -19,6 +23,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 LOCK = threading.Lock()
 COUNT = [0]
 IN_FLIGHT = [0, 0]  # now, most
+SEEN: list[list[int]] = []
+COUNTERS = {"queries": 0, "hits": 0}
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def main() -> None:
@@ -37,7 +52,11 @@ def main() -> None:
 
         def do_GET(self):
             pages = {"/health": b"ok", "/v1/models": json.dumps({"data": [{"id": "m", "max_model_len": 4096}]}).encode(),
-                     "/metrics": f"# TYPE sse_max_in_flight gauge\nsse_max_in_flight {IN_FLIGHT[1]}\n".encode()}
+                     "/metrics": (f"# TYPE sse_max_in_flight gauge\nsse_max_in_flight {IN_FLIGHT[1]}\n"
+                                  "# TYPE vllm:prefix_cache_queries counter\n"
+                                  f"vllm:prefix_cache_queries_total {COUNTERS['queries']}\n"
+                                  "# TYPE vllm:prefix_cache_hits counter\n"
+                                  f"vllm:prefix_cache_hits_total {COUNTERS['hits']}\n").encode()}
             body = pages.get(self.path, b"")
             self.send_response(200 if self.path in pages else 404)
             self.send_header("Content-Length", str(len(body)))
@@ -49,6 +68,11 @@ def main() -> None:
             with LOCK:
                 COUNT[0] += 1
                 number = COUNT[0]
+                prompt_ids = list(payload["prompt"])
+                hit = max((shared_prefix(prompt_ids, seen) for seen in SEEN), default=0)
+                COUNTERS["queries"] += len(prompt_ids)
+                COUNTERS["hits"] += min(hit, len(prompt_ids) - 1)
+                SEEN.append(prompt_ids)
                 IN_FLIGHT[0] += 1
                 IN_FLIGHT[1] = max(IN_FLIGHT)
             self.send_response(200)

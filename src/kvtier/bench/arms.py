@@ -3,6 +3,8 @@
 * ``baseline``: no KV connector; the engine's own prefix cache only.
 * ``kvtier``: kvtier's ``KVTierConnector`` (module ``kvtier.integrations.vllm``) with its default
   configuration, or the ``kv_connector_extra_config`` the caller gives.
+* ``kvtier-redis``: the ``kvtier`` arm plus kvtier's shared ``redis`` tier (``redis_url``: the
+  server ``bench compare --redis`` names or starts); with ``--replicas N`` its N servers share it.
 * ``native``: vLLM's own ``OffloadingConnector`` with its CPU tier (``CPUOffloadingSpec``,
   vllm/v1/kv_offload/cpu/spec.py), sized like kvtier's cpu tier.  On a CPU-only vLLM it is loaded
   through :mod:`kvtier.bench.native_cpu`, a benchmark-only module that swaps the CUDA copy
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ARM_NAMES = ("baseline", "kvtier", "native", "example")
+ARM_NAMES = ("baseline", "kvtier", "kvtier-redis", "native", "example")
 BASELINE = "baseline"
 NATIVE_SHIM_LABEL = "vLLM OffloadingConnector via kvtier's CPU shim (benchmark-only host copies)"
 
@@ -69,12 +71,24 @@ def native_arm(cpu_gib: float, block_tokens: int | None = None) -> ArmSpec:
     return ArmSpec("native", config, f"{NATIVE_SHIM_LABEL}, CPU tier {cpu_gib:g} GiB")
 
 
-def make_arm(name: str, work_dir: Path, kvtier_config: dict[str, Any] | None = None) -> ArmSpec:
-    """The arm called ``name``; files an arm writes (ExampleConnector's storage) go under ``work_dir``.
+def make_arm(name: str, work_dir: Path, kvtier_config: dict[str, Any] | None = None,
+             redis_url: str | None = None) -> ArmSpec:
+    """The arm called ``name``; files an arm writes (ExampleConnector's storage) go under ``work_dir``;
+    ``redis_url`` is the shared server of the ``kvtier-redis`` arm.
 
     Raises:
-        ValueError: ``name`` is not one of :data:`ARM_NAMES`.
+        ValueError: ``name`` is not one of :data:`ARM_NAMES`, or ``kvtier-redis`` without ``redis_url``.
     """
+    if name == "kvtier-redis":
+        if not redis_url:
+            raise ValueError("the kvtier-redis arm needs --redis: 'auto' (a private redis-server on 127.0.0.1) "
+                             "or the redis:// URL of a running server")
+        from kvtier.core.config import redact_url
+
+        base = make_arm("kvtier", work_dir, {**(kvtier_config or {}), "redis_url": redis_url})
+        what = ", ".join(f"{k}={v}" for k, v in (kvtier_config or {}).items())
+        return ArmSpec(name, base.kv_transfer_config,
+                       f"KVTierConnector ({what + ', ' if what else ''}shared redis tier at {redact_url(redis_url)})")
     if name == "baseline":
         return ArmSpec(name, None, "no connector: the engine's own prefix cache")
     if name == "kvtier":

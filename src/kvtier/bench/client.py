@@ -6,6 +6,11 @@ both); ``ignore_eos`` makes the server generate exactly ``max_tokens`` tokens, s
 different arms do the same work.  TTFT is send -> first chunk carrying a completion token; ITL is
 the gap between chunks divided by the tokens the later chunk added.
 
+Several servers (``replica_urls``): request number ``k`` of the workload (0-based, workload order)
+goes to server ``k mod N``, as a round-robin load balancer without session affinity spreads
+requests over replicas; the assignment depends on the workload alone, so every arm and run sends
+each request to the same replica index.  Each result records its replica.
+
 Scheduling: requests of one session go one after another (``think_time_s`` after the previous
 finished); every chain waits for its request's ``arrival_s``; at most ``max_concurrency`` requests
 are in flight.  ``should_stop`` is polled twice a second: when it returns a reason (the engine
@@ -17,6 +22,7 @@ A request that receives nothing for ``stall_timeout_s`` fails as a stall; with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -39,6 +45,8 @@ class ClientOptions:
         stall_timeout_s: seconds without a byte from the server before a request fails.
         abort_on_stall: stop the whole run at the first stalled request.
         progress: draw a rich progress bar.
+        replica_urls: server roots to spread the requests over round robin (see the module
+            docstring); empty = every request to ``base_url``.
     """
 
     base_url: str
@@ -47,6 +55,12 @@ class ClientOptions:
     stall_timeout_s: float = 300.0
     abort_on_stall: bool = False
     progress: bool = True
+    replica_urls: tuple[str, ...] = ()
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        """The servers requests go to, in replica order."""
+        return self.replica_urls or (self.base_url,)
 
 
 class _Abort(Exception):
@@ -60,7 +74,7 @@ def _payload(request: BenchRequest, model: str) -> dict[str, object]:
 
 
 async def _send(client: httpx.AsyncClient, request: BenchRequest, options: ClientOptions,
-                t_run: float) -> RequestResult:
+                t_run: float, replica: int = 0) -> RequestResult:
     """Send one request and time its stream; never raises for server-side failures."""
     t0 = time.perf_counter()
     start_s = t0 - t_run
@@ -71,7 +85,8 @@ async def _send(client: httpx.AsyncClient, request: BenchRequest, options: Clien
     gaps: list[float] = []
 
     def failed(error: str) -> RequestResult:
-        return RequestResult(request.request_id, request.prompt_len, tokens, start_s, ttft, None, tuple(gaps), error)
+        return RequestResult(request.request_id, request.prompt_len, tokens, start_s, ttft, None, tuple(gaps), error,
+                             replica)
 
     try:
         async with client.stream("POST", "/v1/completions", json=_payload(request, options.model)) as response:
@@ -114,7 +129,8 @@ async def _send(client: httpx.AsyncClient, request: BenchRequest, options: Clien
         return failed("the stream ended without a completion token")
     if not done:  # the connection closed mid-stream: a server that died, not a finished request
         return failed("the stream ended before [DONE]")
-    return RequestResult(request.request_id, request.prompt_len, tokens, start_s, ttft, end - t0, tuple(gaps))
+    return RequestResult(request.request_id, request.prompt_len, tokens, start_s, ttft, end - t0, tuple(gaps),
+                         replica=replica)
 
 
 async def _wait_for_stop(should_stop: Callable[[], str | None], seconds: float) -> str | None:
@@ -183,12 +199,16 @@ async def run_workload_async(workload: Workload, options: ClientOptions,
             return await _wait_for_stop(should_stop, seconds=3.0)  # a dying server exits shortly after
         return None
 
-    async def one(client: httpx.AsyncClient, request: BenchRequest) -> RequestResult:
+    urls = options.urls
+    replica_of = {r.request_id: k % len(urls) for k, r in enumerate(workload.requests)}
+
+    async def one(clients: list[httpx.AsyncClient], request: BenchRequest) -> RequestResult:
         # the request stays "in flight" (and holds its concurrency slot) until its failure is
         # judged, so the report names it and no new request is sent to a server that just died
         state.in_flight.add(request.request_id)
+        replica = replica_of[request.request_id]
         try:
-            result = await _send(client, request, options, state.t_run)
+            result = await _send(clients[replica], request, options, state.t_run, replica)
             if result.error is not None:
                 reason = await failure_reason(request, result.error)
                 if reason is not None:
@@ -197,7 +217,7 @@ async def run_workload_async(workload: Workload, options: ClientOptions,
         finally:
             state.in_flight.discard(request.request_id)
 
-    async def chain(client: httpx.AsyncClient, requests: list[BenchRequest]) -> None:
+    async def chain(clients: list[httpx.AsyncClient], requests: list[BenchRequest]) -> None:
         prev_end: float | None = None
         for request in requests:
             target = request.arrival_s
@@ -210,9 +230,9 @@ async def run_workload_async(workload: Workload, options: ClientOptions,
                 async with sem:
                     if state.aborted is not None:
                         return
-                    result = await one(client, request)
+                    result = await one(clients, request)
             else:
-                result = await one(client, request)
+                result = await one(clients, request)
             state.results[request.request_id] = result
             prev_end = time.perf_counter() - state.t_run
             if result.ok:
@@ -235,8 +255,10 @@ async def run_workload_async(workload: Workload, options: ClientOptions,
             await asyncio.sleep(0.5)
 
     with progress:
-        async with httpx.AsyncClient(base_url=options.base_url, timeout=timeout, limits=limits) as client:
-            tasks = [asyncio.create_task(chain(client, c)) for c in _chains(workload)]
+        async with contextlib.AsyncExitStack() as stack:
+            clients = [await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits))
+                       for url in urls]
+            tasks = [asyncio.create_task(chain(clients, c)) for c in _chains(workload)]
             watcher = asyncio.create_task(watch(tasks))
             await asyncio.gather(*tasks, return_exceptions=True)
             await watcher
@@ -248,7 +270,8 @@ async def run_workload_async(workload: Workload, options: ClientOptions,
             continue
         # cancelled in flight: it failed where the run stopped; never started: not sent
         error = str(state.aborted) if request.request_id in state.failed_at else f"{NOT_SENT}: {state.aborted}"
-        ordered.append(RequestResult(request.request_id, request.prompt_len, 0, 0.0, None, None, (), error))
+        ordered.append(RequestResult(request.request_id, request.prompt_len, 0, 0.0, None, None, (), error,
+                                     replica_of[request.request_id]))
     return RunResult(results=tuple(ordered), duration_s=duration, aborted=state.aborted, failed_at=state.failed_at)
 
 

@@ -16,6 +16,7 @@ the ``baseline`` arm when it ran, on the medians over runs, with the noise check
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -28,12 +29,20 @@ from typing import Any
 
 from kvtier.bench.arms import BASELINE, ArmSpec
 from kvtier.bench.client import ClientOptions, run_workload
-from kvtier.bench.meters import MeterDeltas, MetricsError, deltas, scrape
+from kvtier.bench.meters import MeterDeltas, MetricsError
+from kvtier.bench.replicas import (
+    REPLICA_FIGURE_KEYS,
+    ReplicaSet,
+    replica_deltas,
+    replica_figures,
+    replica_log_paths,
+    sum_deltas,
+)
 from kvtier.bench.results import RunResult, RunSummary
 from kvtier.bench.spread import Spread, figures_of, judge_spread, spreads
 from kvtier.bench.verdict import ArmFigures, Thresholds, Verdict, VerdictKind, judge
 from kvtier.bench.workload import BenchRequest, TokenSpace, Workload
-from kvtier.integrations.vllm.serve import Server, ServerSpec, ServerStartError
+from kvtier.integrations.vllm.serve import ServerSpec, ServerStartError
 
 DOMAIN_WARMUP = 99
 
@@ -66,6 +75,9 @@ class ArmOutcome:
             is per arm, :attr:`ArmResult.verdict`).
         repeat: which run of the arm this was (0-based).
         load_avg_1m: the machine's 1-minute load average when the run's workload started.
+        replica_meters: per server of the arm, its counter deltas (``meters`` is their sum; empty
+            when they could not be read).
+        replica_logs: every server's log, in replica order.
     """
 
     arm: ArmSpec
@@ -77,6 +89,8 @@ class ArmOutcome:
     verdict: Verdict | None = None
     repeat: int = 0
     load_avg_1m: float | None = None
+    replica_meters: tuple[MeterDeltas, ...] = ()
+    replica_logs: tuple[Path, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -120,6 +134,12 @@ class ArmOutcome:
                 "ttft_p50_s": ttft.p50 if ttft else None, "ttft_p99_s": ttft.p99 if ttft else None,
                 "output_tok_per_s": summary.output_tok_per_s if summary else None}
 
+    def replica_figures(self) -> list[dict[str, float | None]]:
+        """Per server of the arm: :func:`kvtier.bench.replicas.replica_figures` (empty without meters)."""
+        if self.run is None or not self.replica_meters:
+            return []
+        return replica_figures(self.run, self.replica_meters)
+
 
 @dataclass(frozen=True)
 class ArmResult:
@@ -153,6 +173,20 @@ class ArmResult:
         """Median and range of each figure over the completed runs."""
         return spreads([r.run_figures() for r in self.ok_runs])
 
+    def replica_spreads(self) -> list[dict[str, Spread]]:
+        """Per replica, median and range of each of its figures over the completed runs."""
+        per_run = [o.replica_figures() for o in self.ok_runs]
+        count = max((len(f) for f in per_run), default=0)
+        out = []
+        for i in range(count):
+            figures = {}
+            for key in REPLICA_FIGURE_KEYS:
+                spread = Spread.of([float(v) for f in per_run if i < len(f) and (v := f[i].get(key)) is not None])
+                if spread is not None:
+                    figures[key] = spread
+            out.append(figures)
+        return out
+
     def json_figures(self) -> dict[str, Any]:
         """The arm's entry of ``--json``: the issue's keys, each the median over completed runs."""
         s = self.spreads()
@@ -172,7 +206,8 @@ class CompareResult:
     Attributes:
         workload, engine: what every run used; outcomes: every run in run order;
         arms: per arm, in the order given (filled by :func:`run_compare`; derived from
-        ``outcomes`` without verdicts when left empty); repeats: runs per arm.
+        ``outcomes`` without verdicts when left empty); repeats: runs per arm; replicas: servers
+        per arm and run (requests round robin over them).
     """
 
     workload: Workload
@@ -180,6 +215,7 @@ class CompareResult:
     outcomes: tuple[ArmOutcome, ...]
     arms: tuple[ArmResult, ...] = ()
     repeats: int = 1
+    replicas: int = 1
 
     def __post_init__(self) -> None:
         if not self.arms:
@@ -221,73 +257,94 @@ def fresh_storage(arm: ArmSpec, repeat: int) -> tuple[ArmSpec, Path | None]:
 
 def run_arm(arm: ArmSpec, workload: Workload, engine: ServerSpec, log_path: Path, *,
             warmup: Workload | None, max_concurrency: int | None, stall_timeout_s: float,
-            start_timeout_s: float = 900.0, progress: bool = True, repeat: int = 0) -> ArmOutcome:
-    """Run one arm start to finish; never raises for a failing server (see the module docstring)."""
+            start_timeout_s: float = 900.0, progress: bool = True, repeat: int = 0, replicas: int = 1) -> ArmOutcome:
+    """Run one arm start to finish on ``replicas`` servers (requests round robin, see
+    :mod:`kvtier.bench.replicas`); never raises for a failing server (see the module docstring)."""
     spec = dataclasses.replace(engine, kv_transfer_config=arm.kv_transfer_config)
-    server = Server(spec, log_path)
+    logs = replica_log_paths(log_path, replicas)
+    servers = ReplicaSet(spec, logs)
+    log_path = logs[0]
+
+    def failed(reason: str, request_ids: tuple[str, ...] = (), run: RunResult | None = None,
+               load: float | None = None) -> ArmOutcome:
+        where = next((p for p, s in zip(logs, servers.servers, strict=True) if s.exit_reason() not in
+                      (None, "was never started")), log_path)
+        return ArmOutcome(arm, where, servers.startup_s, run, None, ArmFailure(reason, request_ids, where),
+                          repeat=repeat, load_avg_1m=load, replica_logs=tuple(logs))
+
     try:
         try:
-            server.start(timeout_s=start_timeout_s)
+            servers.start(timeout_s=start_timeout_s)
         except ServerStartError as exc:
-            return ArmOutcome(arm, log_path, 0.0, None, None, ArmFailure(str(exc), (), log_path), repeat=repeat)
-        options = ClientOptions(base_url=server.base_url, model=server.served_model,
+            return failed(str(exc))
+        options = ClientOptions(base_url=servers.urls[0], model=servers.servers[0].served_model,
                                 max_concurrency=max_concurrency, stall_timeout_s=stall_timeout_s,
-                                abort_on_stall=True, progress=progress)
-        if warmup is not None:
-            warm = run_workload(warmup, dataclasses.replace(options, progress=False), server.exit_reason)
-            if warm.aborted or not all(r.ok for r in warm.results):
-                why = warm.aborted or next(r.error for r in warm.results if not r.ok)
-                return ArmOutcome(arm, log_path, server.startup_s, None, None,
-                                  ArmFailure(f"warm-up request failed: {why}", ("warmup",), log_path), repeat=repeat)
+                                abort_on_stall=True, progress=progress,
+                                replica_urls=servers.urls if replicas > 1 else ())
+        if warmup is not None:  # once per server: every replica's first-call costs stay out of the workload
+            for url in servers.urls:
+                warm = run_workload(warmup, dataclasses.replace(options, base_url=url, replica_urls=(),
+                                                                progress=False), servers.exit_reason)
+                if warm.aborted or not all(r.ok for r in warm.results):
+                    why = warm.aborted or next(r.error for r in warm.results if not r.ok)
+                    return failed(f"warm-up request failed: {why}", ("warmup",))
         try:
-            before = scrape(server.base_url, save_to=log_path.with_suffix('.metrics-before.txt'))
+            before = servers.scrape(".metrics-before.txt")
         except MetricsError as exc:
-            return ArmOutcome(arm, log_path, server.startup_s, None, None, ArmFailure(str(exc), (), log_path),
-                              repeat=repeat)
+            return failed(str(exc))
         load = os.getloadavg()[0]
-        run = run_workload(workload, options, server.exit_reason)
+        run = run_workload(workload, options, servers.exit_reason)
         log_path.with_suffix(".requests.json").write_text(json.dumps(run.to_dict(), indent=1) + "\n")
         if run.aborted is not None:
-            return ArmOutcome(arm, log_path, server.startup_s, run, None,
-                              ArmFailure(run.aborted, run.failed_at, log_path), repeat=repeat, load_avg_1m=load)
+            return failed(run.aborted, run.failed_at, run, load)
         try:
-            after = scrape(server.base_url, save_to=log_path.with_suffix('.metrics-after.txt'))
-            meters: MeterDeltas | None = deltas(before, after)
-            failure = None
+            per_replica = replica_deltas(before, servers.scrape(".metrics-after.txt"))
         except MetricsError as exc:
-            meters, failure = None, ArmFailure(str(exc), (), log_path)
-        return ArmOutcome(arm, log_path, server.startup_s, run, meters, failure, repeat=repeat, load_avg_1m=load)
+            return failed(str(exc), (), run, load)
+        return ArmOutcome(arm, log_path, servers.startup_s, run, sum_deltas(per_replica), None, repeat=repeat,
+                          load_avg_1m=load, replica_meters=tuple(per_replica), replica_logs=tuple(logs))
     finally:
-        server.stop()
+        servers.stop()
 
 
 def run_compare(arms: list[ArmSpec], workload: Workload, engine: ServerSpec, out_dir: Path, *,
                 warmup: Workload | None, max_concurrency: int | None = None, stall_timeout_s: float = 300.0,
                 start_timeout_s: float = 900.0, thresholds: Thresholds | None = None, progress: bool = True,
-                repeats: int = 1, on_arm: Callable[[ArmSpec, int], None] | None = None) -> CompareResult:
-    """Run every arm ``repeats`` times, interleaved, and judge each against ``baseline`` (see the
-    module docstring).
+                repeats: int = 1, on_arm: Callable[[ArmSpec, int], None] | None = None,
+                replicas: int = 1) -> CompareResult:
+    """Run every arm ``repeats`` times, interleaved, each run on ``replicas`` servers (requests
+    round robin, :mod:`kvtier.bench.replicas`), and judge each against ``baseline`` (see the
+    module docstring).  An arm with a shared ``redis_url`` gets a key prefix of its own per run,
+    deleted afterwards (:func:`kvtier.bench.shared_redis.with_run_prefix`).
 
     ``on_arm(arm, repeat)`` is called before each run starts (the CLI prints a line there).  Server
     logs are written to ``out_dir/<arm>.log`` (``<arm>-run<k>.log`` with several runs), the raw
     ``/metrics`` texts beside them (``.metrics-before.txt``, ``.metrics-after.txt``) and the
-    client's per-request results (``.requests.json``).
+    client's per-request results (``.requests.json``); with several replicas, ``-r<i>`` before the
+    suffix names each server's log and ``/metrics`` texts.
     """
+    from kvtier.bench.shared_redis import delete_prefix, run_tag, with_run_prefix
+
     thresholds = thresholds or Thresholds()
     outcomes: list[ArmOutcome] = []
+    tag = run_tag()
     for k in range(repeats):
         for arm in arms:
             if on_arm is not None:
                 on_arm(arm, k)
             run_spec, run_dir = fresh_storage(arm, k)
+            run_spec, key_prefix, redis_url = with_run_prefix(run_spec, tag, k)
             stem = arm.name if repeats == 1 else f"{arm.name}-run{k}"
             try:
                 outcome = run_arm(run_spec, workload, engine, out_dir / f"{stem}.log", warmup=warmup,
                                   max_concurrency=max_concurrency, stall_timeout_s=stall_timeout_s,
-                                  start_timeout_s=start_timeout_s, progress=progress, repeat=k)
+                                  start_timeout_s=start_timeout_s, progress=progress, repeat=k, replicas=replicas)
             finally:
                 if run_dir is not None:
                     shutil.rmtree(run_dir, ignore_errors=True)
+                if key_prefix is not None and redis_url is not None:
+                    with contextlib.suppress(Exception):  # best effort: the keys expire at redis_ttl_s anyway
+                        delete_prefix(redis_url, key_prefix)
             outcomes.append(dataclasses.replace(outcome, arm=arm))
     per_arm = [(arm, tuple(o for o in outcomes if o.arm.name == arm.name)) for arm in arms]
     base = next((runs for arm, runs in per_arm if arm.name == BASELINE), None)
@@ -304,5 +361,5 @@ def run_compare(arms: list[ArmSpec], workload: Workload, engine: ServerSpec, out
             verdict = judge_spread(s, base_spreads or None, thresholds)
         results.append(ArmResult(arm, runs, verdict))
     return CompareResult(workload=workload, engine=engine, outcomes=tuple(outcomes), arms=tuple(results),
-                         repeats=repeats)
+                         repeats=repeats, replicas=replicas)
 

@@ -24,11 +24,18 @@ def compare_json(result: CompareResult) -> dict[str, Any]:
     """``{"arms": {NAME: {ttft_p50_s, ttft_p99_s, prefix_hit_rate, external_hit_rate,
     output_tok_per_s, num_requests}}, "repeats": N, "runs": {NAME: [per-run figures]}}`` for
     arms whose runs all completed (figures: medians over runs); arms with a failed run are listed
-    under ``"failed"`` with the reason, the requests in flight and the log path."""
+    under ``"failed"`` with the reason, the requests in flight and the log path.  With several
+    replicas: ``"replicas": N``, ``"per_replica": {NAME: [per replica {hit rates, external_hit_tokens,
+    ttft_p50_s, ttft_p99_s, num_requests}]}`` (medians over runs) and each run's ``"replicas"`` list."""
     arms = {a.arm.name: a.json_figures() for a in result.arms if a.ok}
-    runs = {a.arm.name: [{**o.run_figures(), "load_avg_1m": o.load_avg_1m} for o in a.runs if o.ok]
+    runs = {a.arm.name: [{**o.run_figures(), "load_avg_1m": o.load_avg_1m,
+                          **({"replicas": o.replica_figures()} if result.replicas > 1 else {})} for o in a.runs if o.ok]
             for a in result.arms if a.ok}
     out: dict[str, Any] = {"arms": arms, "repeats": result.repeats, "runs": runs}
+    if result.replicas > 1:
+        out["replicas"] = result.replicas
+        out["per_replica"] = {a.arm.name: [{k: v.median for k, v in r.items()} for r in a.replica_spreads()]
+                              for a in result.arms if a.ok}
     failed = {a.arm.name: {"reason": f.reason, "requests": list(f.request_ids), "log": str(f.log_path)}
               for a in result.arms if (f := a.failure) is not None}
     if failed:
@@ -109,6 +116,29 @@ def rows(result: CompareResult) -> list[Row]:
     return out
 
 
+REPLICA_COLUMNS = ("arm", "replica", "requests", "hit rate", "engine hit", "external hit", "external hit tokens",
+                   "TTFT p50", "TTFT p99")
+
+
+def replica_rows(result: CompareResult) -> list[Row]:
+    """Per arm and replica (medians over the arm's runs): what each server of the arm served.
+    Empty with one replica per arm."""
+    if result.replicas < 2:
+        return []
+    out = []
+    for a in result.arms:
+        for i, s in enumerate(a.replica_spreads()):
+            def med(key: str, s: dict[str, Any] = s) -> float | None:
+                return s[key].median if key in s else None
+
+            tokens, n = med("external_hit_tokens"), med("num_requests")
+            out.append(Row((a.arm.name, str(i), "-" if n is None else f"{n:.0f}", _fmt_rate(med("prefix_hit_rate")),
+                            _fmt_rate(med("engine_hit_rate")), _fmt_rate(med("external_hit_rate")),
+                            "-" if tokens is None else f"{tokens:,.0f}", _fmt_s(med("ttft_p50_s")),
+                            _fmt_s(med("ttft_p99_s")))))
+    return out
+
+
 def print_table(result: CompareResult) -> None:
     """Print the comparison table, each arm's verdict reason and each failure to the terminal."""
     from rich import box
@@ -125,6 +155,15 @@ def print_table(result: CompareResult) -> None:
     for row in rows(result):
         table.add_row(*row.cells)
     console.print(table)
+    per_replica = replica_rows(result)
+    if per_replica:
+        table = Table(title=f"per replica ({result.replicas} servers per arm, requests round robin)",
+                      box=box.SIMPLE_HEAVY)
+        for col in REPLICA_COLUMNS:
+            table.add_column(col, justify="left" if col == "arm" else "right", no_wrap=True)
+        for row in per_replica:
+            table.add_row(*row.cells)
+        console.print(table)
     for a in result.arms:
         if a.verdict is not None:
             console.print(f"[bold]{a.arm.name}[/bold]: {a.verdict.kind.value}: {a.verdict.reason}", highlight=False)
@@ -197,17 +236,26 @@ def markdown(result: CompareResult, plot_name: str | None, command: str | None) 
                  f"arm's runs; core pinning for every run: {pinning}"
                  + (f"; load average (1 min) at run starts {min(loads):.2f}-{max(loads):.2f}" if loads else ""))
     lines += [workload_line, engine_line, runs_line]
+    if result.replicas > 1:
+        lines.append(f"- replicas: {result.replicas} servers per arm and run, same configuration; request k of the "
+                     f"workload goes to replica k mod {result.replicas} (round robin, no affinity); hit rates sum "
+                     "the replicas' counters, TTFTs are over every request")
     lines += [f"- note: {n}" for n in w.notes]
     lines += ["", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(r.cells) + " |" for r in rows(result)]
     lines += ["", HIT_RATE_NOTE, ""]
+    per_replica = replica_rows(result)
+    if per_replica:
+        lines += ["Per replica (medians over runs):", "", "| " + " | ".join(REPLICA_COLUMNS) + " |",
+                  "|" + "---|" * len(REPLICA_COLUMNS)]
+        lines += ["| " + " | ".join(r.cells) + " |" for r in per_replica] + [""]
     reuse = reuse_lines(result)
     if reuse:
         head = "Repeated vs first-time prompts (all runs pooled; first-time = nothing shared with an earlier request):"
         lines += [head, ""] + [f"- {line}" for line in reuse] + [""]
     lines += ["## Arms", ""]
     for a in result.arms:
-        logs = ", ".join(f"`{o.log_path}`" for o in a.runs)
+        logs = ", ".join(f"`{p}`" for o in a.runs for p in (o.replica_logs or (o.log_path,)))
         lines.append(f"- **{a.arm.name}**: {a.arm.description}; server log(s) {logs}")
         if a.verdict is not None:
             lines.append(f"  - verdict: **{a.verdict.kind.value}**: {a.verdict.reason}")

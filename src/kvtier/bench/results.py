@@ -8,7 +8,7 @@ run (first send to last completion).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -28,6 +28,7 @@ class RequestResult:
         itl_s: gap between consecutive completion tokens, seconds, one entry per token after the
             first (a chunk carrying ``k`` tokens contributes ``k`` equal gaps).
         error: why the request failed, or ``None``.
+        replica: which server of the arm it was sent to (0-based; see :class:`~kvtier.bench.client.ClientOptions`).
     """
 
     request_id: str
@@ -38,6 +39,7 @@ class RequestResult:
     e2e_s: float | None
     itl_s: tuple[float, ...] = ()
     error: str | None = None
+    replica: int = 0
 
     @property
     def ok(self) -> bool:
@@ -124,6 +126,11 @@ class RunResult:
             output_tok_per_s=sum(r.output_tokens for r in ok) / duration,
             prompt_tok_per_s=sum(r.prompt_tokens for r in ok) / duration,
             request_per_s=len(ok) / duration)
+
+    def of_replica(self, replica: int) -> RunResult:
+        """The requests sent to server ``replica`` only (same ``duration_s``: the servers of an arm
+        serve side by side, so per-replica throughputs add up to the arm's)."""
+        return replace(self, results=tuple(r for r in self.results if r.replica == replica))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (per-request results plus the summary)."""

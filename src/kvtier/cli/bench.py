@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +28,13 @@ Examples:
 
 COMPARE_HELP = """Start one vLLM server per arm and run, and send each the same workload.
 
-Arms: baseline (no connector), kvtier (KVTierConnector, default config or --kvtier-config), native (vLLM's OffloadingConnector with a CPU tier the size of kvtier's; on a CPU-only vLLM through kvtier.bench.native_cpu, a benchmark-only shim that swaps the CUDA copy kernel for host copies), example (vLLM's ExampleConnector), and any connector given as --arm NAME='KV_TRANSFER_CONFIG_JSON'. Same model, engine cache size (--engine-cache-tokens), core pinning and workload for every arm. With --repeats N the arms run interleaved (A B C A B C ...) and every figure is the median of N runs with its range; "helping" needs TTFT p50 ranges that do not overlap. Prints one table (hit rates, TTFT p50/p99, throughput, ratios to baseline, verdict) and writes report.md, ttft_cdf.png, per-run server logs and /metrics texts to --out; --json writes the figures as JSON. An arm whose engine dies or hangs is reported with the request where it happened and its log; the other arms still run.
+Arms: baseline (no connector), kvtier (KVTierConnector, default config or --kvtier-config), kvtier-redis (the kvtier arm plus the shared redis tier on the server --redis names or, with --redis auto, starts on 127.0.0.1; every run under a key prefix of its own, deleted afterwards), native (vLLM's OffloadingConnector with a CPU tier the size of kvtier's; on a CPU-only vLLM through kvtier.bench.native_cpu, a benchmark-only shim that swaps the CUDA copy kernel for host copies), example (vLLM's ExampleConnector), and any connector given as --arm NAME='KV_TRANSFER_CONFIG_JSON'. Same model, engine cache size (--engine-cache-tokens), core pinning and workload for every arm. With --repeats N the arms run interleaved (A B C A B C ...) and every figure is the median of N runs with its range; "helping" needs TTFT p50 ranges that do not overlap. Prints one table (hit rates, TTFT p50/p99, throughput, ratios to baseline, verdict) and writes report.md, ttft_cdf.png, per-run server logs and /metrics texts to --out; --json writes the figures as JSON. An arm whose engine dies or hangs is reported with the request where it happened and its log; the other arms still run. With --replicas N every arm runs N servers side by side and request k goes to server k mod N (a round-robin load balancer without affinity); the table's figures are per arm (hit-rate counters summed over its servers, TTFTs over every request) and a second table gives each replica's.
 
 Examples:
 
   kvtier bench compare --model models/mid --max-model-len 4096 --engine-cache-tokens 8192 --workload prefix-repetition --prefix-len 4000 --suffix-len 0 --num-prefixes 3 --num-requests 6 --output-len 1 --max-concurrency 1 --repeats 3
+
+  kvtier bench compare --model models/mid --arms baseline,kvtier,kvtier-redis --replicas 2 --redis auto --kvtier-config cpu.yaml --max-model-len 2048 --engine-cache-tokens 4096 --enforce-eager --workload trace --start 0 --limit 300 --returning-only --tokens-per-block 32 --max-output-tokens 2 --max-concurrency 2 --repeats 2
 
   kvtier bench compare --model models/tiny --arms baseline,kvtier --arm lmcache='{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_both"}' --workload trace --start 0 --limit 300 --max-concurrency 2 --json out.json
 """
@@ -157,9 +161,15 @@ def run_command(
 def compare_command(
     model: str = typer.Option(..., "--model", "-m", help="Model directory (or name) every arm serves."),
     arms: str = typer.Option("baseline,native,kvtier", "--arms",
-                             help="Comma-separated arms out of baseline, kvtier, native, example; run in this order."),
+                             help="Comma-separated arms out of baseline, kvtier, kvtier-redis, native, example; run in this order."),
     arm: list[str] = typer.Option([], "--arm", help="Another arm, NAME='KV_TRANSFER_CONFIG_JSON' (repeatable)."),
     repeats: int = typer.Option(1, "--repeats", min=1, max=20, help="Runs per arm, interleaved (A B C A B C ...)."),
+    replicas: int = typer.Option(1, "--replicas",
+                                 help="vLLM servers per arm and run, all with the arm's config; request k goes to "
+                                      "server k mod N (round robin, no affinity). Figures per arm and per replica."),
+    redis: str | None = typer.Option(None, "--redis",
+                                     help="The kvtier-redis arm's shared Redis: 'auto' (a private redis-server on "
+                                          "127.0.0.1, stopped at the end) or redis://HOST:PORT/DB of a running one."),
     max_model_len: int = typer.Option(4096, "--max-model-len", min=64, help="Context length of every arm, tokens."),
     engine_cache_tokens: int = typer.Option(8192, "--engine-cache-tokens", min=1,
                                             help="Engine KV cache of every arm, tokens (at least --max-model-len)."),
@@ -198,6 +208,11 @@ def compare_command(
     unknown = [a for a in names if a not in ARM_NAMES]
     if unknown or len(set(names)) != len(names):
         fail(f"--arms {arms!r} must list distinct arms out of {', '.join(ARM_NAMES)}")
+    if replicas < 1:
+        fail(f"--replicas {replicas} must be at least 1 (the number of vLLM servers each arm runs side by side)")
+    if ("kvtier-redis" in names) != (redis is not None):
+        fail("the kvtier-redis arm needs --redis auto (or --redis redis://HOST:PORT/DB)" if redis is None else
+             "--redis is used by the kvtier-redis arm only; add kvtier-redis to --arms")
     try:
         custom = [parse_custom_arm(text) for text in arm]
     except ValueError as exc:
@@ -232,11 +247,14 @@ def compare_command(
                       block_size=block_size, load_format=None if load_format == "auto" else load_format,
                       memory_fraction=memory_fraction, max_num_batched_tokens=max_num_batched_tokens,
                       enforce_eager=enforce_eager)
-    arm_specs = [make_arm(n, out, extra) for n in names] + custom
-    result = run_compare(arm_specs, built, spec, out, warmup=warmup_workload(vocab_token_space(seed, vocab)),
-                         max_concurrency=max_concurrency, stall_timeout_s=stall_timeout, progress=not no_progress,
-                         repeats=repeats, on_arm=lambda a, k: print(
-                             f"arm {a.name} (run {k + 1}/{repeats}): starting vLLM ({a.description})", flush=True))
+    with _shared_redis(redis, out) as redis_url:
+        arm_specs = [make_arm(n, out, extra, redis_url) for n in names] + custom
+        servers = f"{replicas} vLLM servers" if replicas > 1 else "vLLM"
+        result = run_compare(arm_specs, built, spec, out, warmup=warmup_workload(vocab_token_space(seed, vocab)),
+                             max_concurrency=max_concurrency, stall_timeout_s=stall_timeout, progress=not no_progress,
+                             repeats=repeats, replicas=replicas, on_arm=lambda a, k: print(
+                                 f"arm {a.name} (run {k + 1}/{repeats}): starting {servers} ({a.description})",
+                                 flush=True))
     print_table(result)
     paths = write_reports(result, out, json_path, command=shlex.join(["kvtier", *sys.argv[1:]]))
     print(f"report: {paths.markdown}")
@@ -246,6 +264,32 @@ def compare_command(
         print(f"JSON: {paths.json}")
     if all(o.failure is not None for o in result.outcomes):
         fail(f"every arm failed; see the server logs under {out}")
+
+
+@contextlib.contextmanager
+def _shared_redis(redis: str | None, out: Path) -> Iterator[str | None]:
+    """The kvtier-redis arm's server URL: ``None`` without ``--redis``; a private redis-server under
+    ``out`` for ``auto`` (stopped on exit); else the given URL once it answered ``PING``."""
+    from kvtier.bench.shared_redis import LocalRedis, check_redis_url
+    from kvtier.core.errors import ServerStartError
+
+    if redis is None:
+        yield None
+        return
+    if redis != "auto":
+        try:
+            check_redis_url(redis)
+        except ValueError as exc:
+            fail(str(exc))
+        yield redis
+        return
+    try:
+        server = LocalRedis.start(out / "redis")
+    except ServerStartError as exc:
+        fail(str(exc))
+    print(f"--redis auto: redis-server on {server.url} (log {server.log_path})", flush=True)
+    with server:
+        yield server.url
 
 
 def register(app: typer.Typer) -> None:

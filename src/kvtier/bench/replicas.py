@@ -1,0 +1,126 @@
+"""The servers of one arm when ``bench compare --replicas N`` runs N of them side by side.
+
+An operator who outgrows one engine runs N replicas behind a load balancer; without session
+affinity, a conversation's next turn lands on any replica.  ``--replicas N`` reproduces that:
+every arm starts N servers with the same configuration (same model, engine cache, connector
+config, core pinning), the client sends request ``k`` of the workload to replica ``k mod N``
+(:class:`~kvtier.bench.client.ClientOptions`), and each replica's ``/metrics`` is scraped before
+and after the workload.
+
+Figures: the arm's hit rate is the sum of the replicas' counter deltas (tokens), its TTFTs the
+percentiles over every request; per replica, the same figures over its own counters and requests
+(:func:`replica_figures`).  Round robin sends each replica every N-th request, so a prompt that
+comes back usually lands on another replica than the one that computed it: only a tier the
+replicas share (kvtier's ``redis`` tier) can serve it there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from kvtier.bench.meters import MeterDeltas, MetricsSnapshot, deltas, scrape
+from kvtier.bench.results import RunResult
+from kvtier.core.errors import ServerStartError
+from kvtier.integrations.vllm.serve import Server, ServerSpec
+
+REPLICA_FIGURE_KEYS = ("prefix_hit_rate", "engine_hit_rate", "external_hit_rate", "external_hit_tokens",
+                       "ttft_p50_s", "ttft_p99_s", "num_requests")
+
+
+def replica_log_paths(log_path: Path, replicas: int) -> list[Path]:
+    """Server log paths: ``log_path`` itself for one replica, ``<stem>-r<i><suffix>`` for several."""
+    if replicas == 1:
+        return [log_path]
+    return [log_path.with_name(f"{log_path.stem}-r{i}{log_path.suffix}") for i in range(replicas)]
+
+
+class ReplicaSet:
+    """N ``vllm serve`` children of one spec, started together and stopped together.
+
+    Attributes:
+        servers: in replica order; startup_s: seconds until the slowest answered.
+    """
+
+    def __init__(self, spec: ServerSpec, log_paths: Sequence[Path]) -> None:
+        if not log_paths:
+            raise ValueError("a replica set needs at least one server")
+        self.servers = [Server(spec, path) for path in log_paths]
+        self.startup_s = 0.0
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        """The servers' root URLs, in replica order."""
+        return tuple(s.base_url for s in self.servers)
+
+    def _name(self, i: int) -> str:
+        return "the vLLM server" if len(self.servers) == 1 else f"replica {i}"
+
+    def start(self, timeout_s: float = 900.0) -> None:
+        """Launch every server, then wait for each (they start concurrently).
+
+        Raises:
+            ServerStartError: one of them exited or did not answer within ``timeout_s`` seconds
+                (the message names the replica and its log; the others are stopped by :meth:`stop`).
+        """
+        for server in self.servers:
+            server.launch()
+        for i, server in enumerate(self.servers):
+            try:
+                server.wait_ready(timeout_s)
+            except ServerStartError as exc:
+                raise ServerStartError(str(exc) if len(self.servers) == 1 else f"replica {i}: {exc}") from None
+        self.startup_s = max(s.startup_s for s in self.servers)
+
+    def exit_reason(self) -> str | None:
+        """``None`` while every server runs, else which one ended and how."""
+        for i, server in enumerate(self.servers):
+            reason = server.exit_reason()
+            if reason is not None:
+                return reason if len(self.servers) == 1 else f"replica {i} {reason}"
+        return None
+
+    def scrape(self, suffix: str) -> list[MetricsSnapshot]:
+        """Every server's ``/metrics``, the raw text saved beside its log as ``<log stem><suffix>``.
+
+        Raises:
+            MetricsError: a server did not answer or its text is not Prometheus format.
+        """
+        return [scrape(s.base_url, save_to=s.log_path.with_suffix(suffix)) for s in self.servers]
+
+    def stop(self) -> None:
+        """Stop every server (gracefully, concurrently: see :meth:`Server.stop`)."""
+        with ThreadPoolExecutor(max_workers=len(self.servers)) as pool:
+            list(pool.map(lambda s: s.stop(), self.servers))
+
+
+def replica_deltas(before: Sequence[MetricsSnapshot], after: Sequence[MetricsSnapshot]) -> list[MeterDeltas]:
+    """Per replica, the counters' increase between the two scrapes."""
+    return [deltas(b, a) for b, a in zip(before, after, strict=True)]
+
+
+def sum_deltas(parts: Sequence[MeterDeltas]) -> MeterDeltas:
+    """The arm's meters: every counter summed over its replicas (tokens and bytes add up)."""
+    directions: dict[str, float] = {}
+    for part in parts:
+        for direction, value in part.kvtier_bytes.items():
+            directions[direction] = directions.get(direction, 0.0) + value
+    return MeterDeltas(prefix_queries=sum(p.prefix_queries for p in parts),
+                       prefix_hits=sum(p.prefix_hits for p in parts),
+                       external_queries=sum(p.external_queries for p in parts),
+                       external_hits=sum(p.external_hits for p in parts), kvtier_bytes=directions)
+
+
+def replica_figures(run: RunResult, meters: Sequence[MeterDeltas]) -> list[dict[str, float | None]]:
+    """Per replica (in order): hit rates, external hit tokens, TTFT p50/p99 (s) and requests served
+    of the requests sent to it (``None`` = not measured, e.g. no successful request)."""
+    out: list[dict[str, float | None]] = []
+    for i, m in enumerate(meters):
+        summary = run.of_replica(i).summary()
+        ttft = summary.ttft_s
+        out.append({"prefix_hit_rate": m.prefix_hit_rate, "engine_hit_rate": m.engine_hit_rate,
+                    "external_hit_rate": m.external_hit_rate or 0.0, "external_hit_tokens": m.external_hits,
+                    "ttft_p50_s": ttft.p50 if ttft else None, "ttft_p99_s": ttft.p99 if ttft else None,
+                    "num_requests": float(summary.num_ok)})
+    return out

@@ -1,0 +1,149 @@
+"""``bench compare --replicas``: round robin over several real HTTP servers, figures per replica and
+summed per arm (against tests/bench/sse_server.py, which counts prompt tokens and prefix hits per
+process), and the ``--redis`` plumbing against real redis-servers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from kvtier.bench.arms import make_arm
+from kvtier.bench.client import ClientOptions, run_workload
+from kvtier.bench.compare import ArmOutcome, CompareResult
+from kvtier.bench.meters import scrape
+from kvtier.bench.prefix_repetition import prefix_repetition_workload
+from kvtier.bench.replicas import replica_deltas, replica_figures, replica_log_paths, sum_deltas
+from kvtier.bench.report import compare_json, markdown, replica_rows
+from kvtier.bench.shared_redis import LocalRedis, check_redis_url, delete_prefix, with_run_prefix
+from kvtier.bench.workload import TokenSpace
+from kvtier.integrations.vllm.serve import ServerSpec, free_port
+
+TOKENS = TokenSpace(seed=0, low=10, high=500)
+
+
+@pytest.fixture()
+def sse_servers() -> Iterator[list[str]]:
+    """Three fresh SSE servers (each remembers only the prompts it was sent)."""
+    procs, urls = [], []
+    for _ in range(3):
+        port = free_port()
+        procs.append(subprocess.Popen([sys.executable, str(Path(__file__).with_name("sse_server.py")), str(port),
+                                       "--gap", "0.005"]))
+        urls.append(f"http://127.0.0.1:{port}")
+    for url in urls:
+        for _ in range(200):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.05)
+    yield urls
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def _shared(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _expected_hits(prompts: list[tuple[int, ...]]) -> int:
+    """The SSE server's hit rule over the prompts one server received, in order."""
+    return sum(min(max((_shared(p, q) for q in prompts[:i]), default=0), len(p) - 1) for i, p in enumerate(prompts))
+
+
+def test_round_robin_sends_request_k_to_replica_k_mod_n_and_sums_the_meters(sse_servers: list[str]) -> None:
+    # A B C A B C over two replicas: every returning prefix lands on the other replica
+    w = prefix_repetition_workload(TOKENS, num_requests=6, prefix_len=40, suffix_len=5, num_prefixes=3, output_len=3)
+    urls = tuple(sse_servers[:2])
+    before = [scrape(u) for u in urls]
+    run = run_workload(w, ClientOptions(urls[0], "m", max_concurrency=1, progress=False, replica_urls=urls))
+    per_replica = replica_deltas(before, [scrape(u) for u in urls])
+
+    assert run.aborted is None and all(r.ok for r in run.results)
+    assert [r.replica for r in run.results] == [0, 1, 0, 1, 0, 1]
+    for i, meters in enumerate(per_replica):
+        mine = [r.prompt_token_ids for k, r in enumerate(w.requests) if k % 2 == i]
+        assert meters.prefix_queries == sum(len(p) for p in mine) == 3 * 45
+        assert meters.prefix_hits == _expected_hits(mine)
+        assert meters.prefix_hits < 40  # no prefix came back to the replica that saw it
+    total = sum_deltas(per_replica)
+    assert total.prefix_queries == 6 * 45
+    assert total.prefix_hits == per_replica[0].prefix_hits + per_replica[1].prefix_hits
+
+    figures = replica_figures(run, per_replica)
+    assert [f["num_requests"] for f in figures] == [3.0, 3.0]
+    for i, f in enumerate(figures):
+        ttfts = sorted(r.ttft_s for r in run.results if r.replica == i)
+        assert f["ttft_p50_s"] == pytest.approx(ttfts[1])
+        assert f["prefix_hit_rate"] == per_replica[i].prefix_hit_rate
+
+    # the same workload on one server: each returning prefix is a hit there
+    one = sse_servers[2]
+    b1 = scrape(one)
+    single = run_workload(w, ClientOptions(one, "m", max_concurrency=1, progress=False))
+    alone = replica_deltas([b1], [scrape(one)])[0]
+    assert {r.replica for r in single.results} == {0}
+    assert alone.prefix_hits == _expected_hits([r.prompt_token_ids for r in w.requests]) >= 3 * 40
+    assert alone.prefix_hits > total.prefix_hits
+
+    # reports: one row per replica, per-replica JSON, the round-robin note
+    arm = make_arm("kvtier", Path("/nonexistent"))
+    outcome = ArmOutcome(arm, Path("kvtier-r0.log"), 1.0, run, total, None, replica_meters=tuple(per_replica),
+                         replica_logs=(Path("kvtier-r0.log"), Path("kvtier-r1.log")))
+    result = CompareResult(workload=w, engine=ServerSpec(model="m", cache_tokens=512), outcomes=(outcome,),
+                           replicas=2)
+    rows = replica_rows(result)
+    assert [r.cells[:3] for r in rows] == [("kvtier", "0", "3"), ("kvtier", "1", "3")]
+    data = compare_json(result)
+    assert data["replicas"] == 2
+    assert [r["prefix_hit_rate"] for r in data["per_replica"]["kvtier"]] == [m.prefix_hit_rate for m in per_replica]
+    assert data["arms"]["kvtier"]["prefix_hit_rate"] == total.prefix_hit_rate
+    page = markdown(result, None, "kvtier bench compare --replicas 2")
+    assert "replica k mod 2" in page and "kvtier-r1.log" in page
+
+
+def test_replica_logs_and_run_prefixes() -> None:
+    assert replica_log_paths(Path("out/kvtier.log"), 1) == [Path("out/kvtier.log")]
+    assert replica_log_paths(Path("out/kvtier-run1.log"), 2) == [Path("out/kvtier-run1-r0.log"),
+                                                                  Path("out/kvtier-run1-r1.log")]
+    plain = make_arm("kvtier", Path("/tmp"), {"cpu_gib": 0.5})
+    assert with_run_prefix(plain, "t", 0) == (plain, None, None)
+    with pytest.raises(ValueError, match="needs --redis"):
+        make_arm("kvtier-redis", Path("/tmp"), {"cpu_gib": 0.5})
+    shared = make_arm("kvtier-redis", Path("/tmp"), {"cpu_gib": 0.5}, "redis://u:pw@127.0.0.1:7/0")
+    assert "pw" not in shared.description
+    arm0, prefix0, url = with_run_prefix(shared, "abc", 0)
+    _, prefix1, _ = with_run_prefix(shared, "abc", 1)
+    extra = arm0.kv_transfer_config["kv_connector_extra_config"]  # type: ignore[index]
+    assert url == "redis://u:pw@127.0.0.1:7/0" and extra["cpu_gib"] == 0.5
+    assert extra["redis_key_prefix"] == prefix0 == "kvtier:bench-abc-kvtier-redis-run0:" != prefix1
+
+
+def test_local_redis_starts_answers_deletes_one_prefix_and_stops(tmp_path: Path) -> None:
+    pytest.importorskip("redis")
+    with pytest.raises(ValueError, match="no Redis answered PING at redis://127.0.0.1"):
+        check_redis_url(f"redis://127.0.0.1:{free_port()}/0", timeout_s=1.0)
+    with pytest.raises(ValueError, match="redis:// or rediss://"):
+        check_redis_url("http://127.0.0.1:6379")
+    server = LocalRedis.start(tmp_path)
+    with server:
+        check_redis_url(server.url)
+        client = redis.Redis.from_url(server.url)
+        client.mset({"kvtier:bench-x-run0:a": b"1", "kvtier:bench-x-run0:b": b"2", "kvtier:other": b"3"})
+        assert delete_prefix(server.url, "kvtier:bench-x-run0:") == 2
+        assert client.keys("*") == [b"kvtier:other"]
+    with pytest.raises(ValueError, match="no Redis answered"):
+        check_redis_url(server.url, timeout_s=1.0)
