@@ -53,6 +53,29 @@ def test_prefix_saved_on_host_a_is_a_hit_on_host_b(redis_server, key_prefix):
         store.close()
 
 
+def test_the_redis_tiers_wire_numbers_are_in_the_stores_snapshot_and_its_metrics(redis_server, key_prefix):
+    a, b = host(redis_server.url, key_prefix), host(redis_server.url, key_prefix)
+    chain = chain_of(3, 4)
+    put_chain(a, chain)
+    assert a.flush(10)
+    assert b.lookup_async(chain + chain_of(4, 2)).wait(5) == 4
+    handle = b.prepare_load(chain, max_chunks=4)
+    b.complete_load(handle, True)
+    wrote, read = a.stats().tier("redis").wire, b.stats().tier("redis").wire
+    assert wrote is not None and read is not None and a.stats().tier("cpu").wire is None
+    assert wrote.bytes["write"] == 4 * len(payload(chain[0])) and wrote.bytes["read"] == 0
+    assert read.bytes["read"] == 4 * len(payload(chain[0])) and read.seconds["read"] > 0
+    assert (read.lookup_keys, read.lookup_hit_keys) == (6, 4)
+    assert (read.breaker_state, read.total_errors, read.skipped_writes) == (0, 0, 0)
+    sample = b.metrics.registry.get_sample_value
+    assert sample("kvtier_tier_lookup_hit_keys_total", {"tier": "redis"}) == 4
+    assert sample("kvtier_tier_bytes_total", {"tier": "redis", "direction": "read"}) == read.bytes["read"]
+    assert sample("kvtier_tier_breaker_state", {"tier": "redis"}) == 0
+    assert sample("kvtier_tier_errors_total", {"tier": "redis", "op": "get"}) == 0
+    for store in (a, b):
+        store.close()
+
+
 def test_local_head_and_remote_tail_form_one_prefix(redis_server, key_prefix):
     a, b = host(redis_server.url, key_prefix), host(redis_server.url, key_prefix)
     chain = chain_of(2, 6)

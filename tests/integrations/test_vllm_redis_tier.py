@@ -74,6 +74,9 @@ def test_prefix_saved_on_one_engine_is_a_hit_on_another(tiny_model: Path, tmp_pa
     hit = served["snapshots"][0]
     assert hit["kvtier_loaded_tokens_total{redis}"] == LOADABLE
     assert hit["vllm:external_prefix_cache_hits_total"] == LOADABLE
+    # the scheduler's lookup found those chunks (exported by the scheduler-side connector)
+    assert hit["kvtier_shared_lookup_hit_chunks_total"] == LOADABLE // 64
+    assert hit["kvtier_shared_lookups_answered_total"] == hit["kvtier_shared_lookups_total"] >= 1
     end = served["metrics"]
     assert end["kvtier_loaded_tokens_total{redis}"] == LOADABLE  # no hit once Redis was gone
     assert end["vllm:external_prefix_cache_hits_total"] == 2 * LOADABLE  # the redis hit, then the cpu hit
@@ -81,3 +84,5 @@ def test_prefix_saved_on_one_engine_is_a_hit_on_another(tiny_model: Path, tmp_pa
     assert end["kvtier_loaded_tokens_total{cpu}"] == LOADABLE  # the redis load promoted it into B's cpu tier
     assert end["kvtier_redis_errors_total"] + end["kvtier_redis_skipped_calls_total"] > 0
     assert end["kvtier_redis_skipped_writes_total"] > 0  # the second prompt's chunks never reached Redis
+    assert end["kvtier_shared_lookup_hit_chunks_total"] == LOADABLE // 64  # nothing found once Redis was gone
+    assert end["kvtier_shared_lookup_chunks_total"] > end["kvtier_shared_lookup_hit_chunks_total"]

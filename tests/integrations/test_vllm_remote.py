@@ -65,6 +65,11 @@ def test_a_prefix_another_engine_saved_is_found_without_blocking(redis_server, k
         lookups.forget("r1")
         other = chain_of(12, 3)
         assert _answer(lookups, "r2", other, 0)[0] == 0  # never saved: a miss
+        # what the scheduler-side connector exports (kvtier_shared_lookups_*): 10 of 13 chunks found
+        assert lookups.counters() == {"shared_lookups": 3, "shared_lookups_answered": 3, "shared_lookups_timed_out": 0,
+                                      "shared_lookups_skipped": 0, "shared_lookup_chunks": 6 + 4 + 3,
+                                      "shared_lookup_hit_chunks": 6 + 4}
+        assert lookups.pending == 0
     finally:
         lookups.close()
         proxy.close()

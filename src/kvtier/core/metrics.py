@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvtier.core.stats import DIRECTIONS, TIERS, StoreStats
+from kvtier.core.tiers.tiermetrics import wire_families
 
 __all__ = ["DIRECTIONS", "TIERS", "StoreMetrics"]
 
@@ -36,6 +37,7 @@ class StoreMetrics(Collector):
         kvtier_pinned_chunks{tier} / kvtier_pinned_bytes{tier}: chunks held by loads or disk writes in
             flight; zero when idle, so a leak shows.
         kvtier_dirty_bytes: bytes in DRAM not yet on the disk tier (what a crash would lose).
+        kvtier_tier_*{tier}: a remote tier's wire numbers (:func:`~kvtier.core.tiers.tiermetrics.wire_families`).
 
     Args:
         snapshot: returns the store's current :class:`StoreStats`.
@@ -111,3 +113,4 @@ class StoreMetrics(Collector):
         if s is not None:
             dirty.add_metric([], s.dirty_bytes)
         yield dirty
+        yield from wire_families({n: t.wire for n, t in tiers.items() if t.wire is not None} if s is not None else None)

@@ -6,9 +6,15 @@ tier's usage into a frozen :class:`StoreStats`.  Everything that shows a store n
 snapshot: the store's Prometheus collector (:mod:`kvtier.core.metrics`), the vLLM connector's
 per-step stats (deltas of two snapshots, :mod:`kvtier.integrations.vllm.stats`), tests and tools.
 
+A remote tier (redis) counts what it did on the wire in a :class:`WireCounters`; the store's
+snapshot carries it as ``TierStats.wire`` (:class:`WireStats`), so its lookups, hits, bytes and
+seconds per direction, errors, skipped calls and writes and breaker state are read from the same
+snapshot as everything else.
+
 Units: ``*_chunks`` count chunks, ``*_bytes`` bytes, ``*_seconds`` seconds; tokens are chunks
 times ``chunk_tokens``.  Tier names are those of :mod:`kvtier.core.tiers` (``cpu``, ``disk``,
-``redis``); transfer directions are :data:`DIRECTIONS`.
+``redis``); transfer directions are :data:`DIRECTIONS`; a remote tier's calls are :data:`OPS` and
+its wire directions :data:`WIRE_DIRECTIONS`.
 """
 
 from __future__ import annotations
@@ -20,6 +26,92 @@ from dataclasses import dataclass, field
 
 DIRECTIONS = ("engine_to_cpu", "cpu_to_engine", "cpu_to_disk", "disk_to_cpu", "cpu_to_redis", "redis_to_cpu")
 TIERS = ("cpu", "disk", "redis")
+OPS = ("lookup", "get", "put", "delete")
+WIRE_DIRECTIONS = ("read", "write")
+
+
+@dataclass(frozen=True)
+class WireStats:
+    """What a remote tier did on the wire since it started (this rank's connection to the server).
+
+    Attributes:
+        lookup_keys / lookup_hit_keys: keys asked about by presence batches / found.
+        bytes / seconds: payload bytes moved and seconds spent, by :data:`WIRE_DIRECTIONS`.
+        errors: calls that failed (timeout, connection or server error), by :data:`OPS`.
+        skipped_calls: calls not made (breaker open or the tier's queue full), by :data:`OPS`.
+        skipped_writes: chunks not written (breaker open, queue full, or the write failed).
+        corrupt_values: values that failed verification (each a miss, deleted).
+        breaker_state: the circuit breaker now: 0 closed, 1 half-open, 2 open
+            (:class:`kvtier.core.tiers.breaker.BreakerState`).
+        breaker_opened: times the breaker opened.
+    """
+
+    lookup_keys: int = 0
+    lookup_hit_keys: int = 0
+    bytes: Mapping[str, int] = field(default_factory=lambda: dict.fromkeys(WIRE_DIRECTIONS, 0))
+    seconds: Mapping[str, float] = field(default_factory=lambda: dict.fromkeys(WIRE_DIRECTIONS, 0.0))
+    errors: Mapping[str, int] = field(default_factory=lambda: dict.fromkeys(OPS, 0))
+    skipped_calls: Mapping[str, int] = field(default_factory=lambda: dict.fromkeys(OPS, 0))
+    skipped_writes: int = 0
+    corrupt_values: int = 0
+    breaker_state: int = 0
+    breaker_opened: int = 0
+
+    @property
+    def total_errors(self) -> int:
+        return sum(self.errors.values())
+
+    @property
+    def total_skipped_calls(self) -> int:
+        return sum(self.skipped_calls.values())
+
+
+class WireCounters:
+    """A remote tier's wire counters (thread-safe; the only place they are counted)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.lookup_keys = self.lookup_hit_keys = self.skipped_writes = self.corrupt_values = 0
+        self.bytes: Counter[str] = Counter()
+        self.seconds: dict[str, float] = {}
+        self.errors: Counter[str] = Counter()
+        self.skipped_calls: Counter[str] = Counter()
+
+    def looked_up(self, num_keys: int, num_found: int) -> None:
+        """A presence batch of ``num_keys`` keys found ``num_found`` (0 when the call failed)."""
+        with self._lock:
+            self.lookup_keys += num_keys
+            self.lookup_hit_keys += num_found
+
+    def moved(self, direction: str, num_bytes: int, seconds: float) -> None:
+        """``num_bytes`` payload bytes moved in ``direction`` (:data:`WIRE_DIRECTIONS`) in ``seconds``."""
+        with self._lock:
+            self.bytes[direction] += num_bytes
+            self.seconds[direction] = self.seconds.get(direction, 0.0) + max(seconds, 0.0)
+
+    def error(self, op: str) -> None:
+        with self._lock:
+            self.errors[op] += 1
+
+    def skipped(self, op: str) -> None:
+        with self._lock:
+            self.skipped_calls[op] += 1
+
+    def writes_skipped(self, num_chunks: int) -> None:
+        with self._lock:
+            self.skipped_writes += num_chunks
+
+    def corrupt(self) -> None:
+        with self._lock:
+            self.corrupt_values += 1
+
+    def snapshot(self, breaker_state: int, breaker_opened: int) -> WireStats:
+        """The counters with the breaker's state, as one :class:`WireStats`."""
+        with self._lock:
+            return WireStats(self.lookup_keys, self.lookup_hit_keys, {d: self.bytes[d] for d in WIRE_DIRECTIONS},
+                             {d: self.seconds.get(d, 0.0) for d in WIRE_DIRECTIONS},
+                             {op: self.errors[op] for op in OPS}, {op: self.skipped_calls[op] for op in OPS},
+                             self.skipped_writes, self.corrupt_values, breaker_state, breaker_opened)
 
 
 @dataclass(frozen=True)
@@ -34,6 +126,7 @@ class TierStats:
         evictions: chunks evicted from this tier.
         corrupt_chunks: chunks that failed verification (each served as a miss).
         pinned_chunks: chunks held by loads or writes in flight (zero when idle).
+        wire: a remote tier's wire numbers (:class:`WireStats`); ``None`` for a local tier.
     """
 
     used_bytes: int = 0
@@ -44,6 +137,7 @@ class TierStats:
     evictions: int = 0
     corrupt_chunks: int = 0
     pinned_chunks: int = 0
+    wire: WireStats | None = None
 
 
 @dataclass(frozen=True)
@@ -206,7 +300,7 @@ class StoreCounters:
         with self._lock:
             merged = {name: TierStats(t.used_bytes, t.capacity_bytes, t.num_chunks, self.lookup_hit_chunks[name],
                                       self.load_hit_chunks[name], self.evictions[name], t.corrupt_chunks,
-                                      t.pinned_chunks)
+                                      t.pinned_chunks, t.wire)
                       for name, t in tiers.items()}
             return StoreStats(chunk_bytes, chunk_tokens, merged, self.lookup_chunks, self.failed_loads,
                               self.dropped_saves, self.saved_chunks, self.flush_missed_chunks,

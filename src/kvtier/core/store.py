@@ -490,10 +490,10 @@ class TieredStore(ChangeFeedMixin):
         """The store's counters and each tier's usage, as one snapshot (:mod:`kvtier.core.stats`)."""
         with self._lock:
             pinned = self._pinned_locked()
-            usage = {t.name: t.usage() for t in (self.cpu, *(lt.tier for lt in self.lower))}
-            corrupt = {self.cpu.name: self.cpu.corrupt, **{lt.name: lt.tier.corrupt for lt in self.lower}}
-            tiers = {name: TierStats(u.used_bytes, u.capacity_bytes, u.num_chunks, corrupt_chunks=corrupt[name],
-                                     pinned_chunks=pinned.get(name, 0)) for name, u in usage.items()}
+            all_tiers = {t.name: t for t in (self.cpu, *(lt.tier for lt in self.lower))}
+            tiers = {name: TierStats(u.used_bytes, u.capacity_bytes, u.num_chunks, corrupt_chunks=t.corrupt,
+                                     pinned_chunks=pinned.get(name, 0), wire=t.wire_stats())
+                     for name, t in all_tiers.items() for u in (t.usage(),)}
             return self.counters.snapshot(self.chunk_bytes, self.chunk_tokens, tiers, self.dirty_bytes(),
                                           sum(lt.queue.unfinished_tasks for lt in self.lower))
 

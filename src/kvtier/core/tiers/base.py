@@ -34,6 +34,8 @@ Operations (none raises on a miss, a fault or bad bytes: those are results):
   what this process wrote; its capacity is the server's business).
 - ``stored_bytes(payload_bytes)``: bytes one chunk takes in the tier (header included).
 - ``check()``: assert the tier's own accounting; raises ``AssertionError`` naming what broke.
+- ``wire_stats()``: a remote tier's wire numbers (:class:`~kvtier.core.stats.WireStats`), which
+  the store puts in its snapshot; ``None`` for a local tier.
 - ``close()``: release connections and threads; idempotent.
 - ``get_many`` / ``put_many`` / ``delete_many``: batch forms with per-key results (a remote tier
   answers a batch in one round trip per server).
@@ -54,6 +56,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kvtier.core.keys import ChunkKey
+from kvtier.core.stats import WireStats
 
 
 class GetResult(enum.Enum):
@@ -133,6 +136,10 @@ class Tier(ABC):
     def stored_bytes(self, payload_bytes: int) -> int:
         """Bytes one chunk of ``payload_bytes`` takes in this tier."""
         return payload_bytes
+
+    def wire_stats(self) -> WireStats | None:
+        """What a remote tier did on the wire (lookups, bytes, faults, breaker); ``None`` for a local tier."""
+        return None
 
     def close(self) -> None:
         """Release connections and threads.  Idempotent."""

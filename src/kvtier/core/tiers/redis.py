@@ -23,7 +23,9 @@
 - **Secrets**: the password comes from the URL, an environment variable or a file; no log line
   or metric shows it (URLs are redacted).
 
-Thread-safe.  Metrics: :class:`~kvtier.core.tiers.tiermetrics.TierMetrics` (``kvtier_tier_*``).
+Thread-safe.  Numbers: :meth:`RedisTier.wire_stats` (:class:`~kvtier.core.stats.WireStats`, in the
+store's snapshot and its ``kvtier_tier_*`` metrics) and a call latency histogram
+(:class:`~kvtier.core.tiers.tiermetrics.TierMetrics`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from kvtier.core.config import redact_url
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
+from kvtier.core.stats import WireCounters, WireStats
 from kvtier.core.tiers import redisstream
 from kvtier.core.tiers.base import GetResult, PutResult, Tier, TierUsage
 from kvtier.core.tiers.breaker import CircuitBreaker
@@ -95,8 +98,8 @@ class RedisTier(Tier):
         self.transfer_deadline_s = deadline_s if transfer_deadline_s is None else transfer_deadline_s
         self.breaker = breaker
         self.metrics = TierMetrics(self.name, registry)
+        self.wire = WireCounters()
         self.where = where
-        self.skipped_writes = 0
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-redis")
         self._slots = threading.BoundedSemaphore(io_threads + queue_depth)
         self._lock = threading.Lock()
@@ -123,11 +126,11 @@ class RedisTier(Tier):
         """Start ``fn`` on the tier's threads; ``None`` (counted as skipped) if the breaker is open or
         every thread is busy and the queue is full."""
         if self._closed or not self._slots.acquire(blocking=False):
-            self.metrics.skip(op)
+            self.wire.skipped(op)
             return None
         if not self.breaker.allow():
             self._slots.release()
-            self.metrics.skip(op)
+            self.wire.skipped(op)
             return None
         return self._pool.submit(self._run, fn), time.perf_counter()
 
@@ -148,7 +151,6 @@ class RedisTier(Tier):
             self._fault(op, f"{type(exc).__name__}: {exc}")
             return None
         self.breaker.success()
-        self.metrics.set_breaker(self.breaker.state)
         self.metrics.observe(op, time.perf_counter() - t0)
         return result
 
@@ -160,8 +162,7 @@ class RedisTier(Tier):
 
     def _fault(self, op: str, reason: str) -> None:
         self.breaker.failure()
-        self.metrics.error(op)
-        self.metrics.set_breaker(self.breaker.state)
+        self.wire.error(op)
         now = time.monotonic()
         if now - self._last_error > 10.0:  # one line per 10 s, not one per call
             self._last_error = now
@@ -184,11 +185,8 @@ class RedisTier(Tier):
             return list(pipe.execute())
 
         got = self._call("lookup", exists)
-        self.metrics.lookups.inc(len(keys))
-        if got is None:
-            return [False] * len(keys)
-        found = [bool(n) for n in got]
-        self.metrics.hits.inc(sum(found))
+        found = [False] * len(keys) if got is None else [bool(n) for n in got]
+        self.wire.looked_up(len(keys), sum(found))
         return found
 
     def get_into(self, key: ChunkKey, dst: memoryview) -> GetResult:
@@ -226,7 +224,7 @@ class RedisTier(Tier):
                 self._forget(key)
                 with self._lock:
                     self.corrupt += 1
-                self.metrics.corrupt.inc()
+                self.wire.corrupt()
                 results.append(GetResult.CORRUPT)
                 continue
             copy_payload(value, decoded, dst)
@@ -234,7 +232,7 @@ class RedisTier(Tier):
             results.append(GetResult.HIT)
         if bad:
             self._call("delete", lambda: self._delete_each(bad))
-        self.metrics.moved("read", num_bytes, time.perf_counter() - t0)
+        self.wire.moved("read", num_bytes, time.perf_counter() - t0)
         return results
 
     def _delete_each(self, rkeys: Sequence[bytes]) -> int:
@@ -344,9 +342,7 @@ class RedisTier(Tier):
                     t0: float) -> list[PutResult]:
         """Account one written batch (``sizes``: value bytes; ``created``: ``None`` after a fault or skip)."""
         if created is None:  # a fault, or skipped while the breaker is open
-            with self._lock:
-                self.skipped_writes += len(keys)
-            self.metrics.skipped_writes.inc(len(keys))
+            self.wire.writes_skipped(len(keys))
             return [PutResult.FAILED] * len(keys)
         with self._lock:
             for key, size in zip(keys, sizes):
@@ -356,7 +352,7 @@ class RedisTier(Tier):
             while len(self._written) > WRITTEN_KEYS_MAX:
                 _, old = self._written.popitem(last=False)
                 self._used -= old
-        self.metrics.moved("write", sum(size - HEADER_BYTES for size, c in zip(sizes, created) if c),
+        self.wire.moved("write", sum(size - HEADER_BYTES for size, c in zip(sizes, created) if c),
                            time.perf_counter() - t0)
         return [PutResult.STORED if c else PutResult.PRESENT for c in created]
 
@@ -380,6 +376,15 @@ class RedisTier(Tier):
     def keys(self) -> list[ChunkKey]:
         with self._lock:
             return list(self._written)
+
+    def wire_stats(self) -> WireStats:
+        """What this tier did on the wire since it started, with the breaker's state now."""
+        return self.wire.snapshot(int(self.breaker.state), self.breaker.num_opened)
+
+    @property
+    def skipped_writes(self) -> int:
+        """Chunks not written (breaker open, queue full, or the write failed); from :meth:`wire_stats`."""
+        return self.wire_stats().skipped_writes
 
     def stored_bytes(self, payload_bytes: int) -> int:
         return payload_bytes + HEADER_BYTES

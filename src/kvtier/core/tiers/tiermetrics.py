@@ -1,74 +1,69 @@
-"""Prometheus metrics of one remote tier (``kvtier_tier_*``, label ``tier``).
+"""Prometheus view of a remote tier (``kvtier_tier_*``, label ``tier``).
 
 The store's own metrics (:mod:`kvtier.core.metrics`) count what the store asked for and got;
-these count what the tier did on the wire: lookups and hits, bytes and seconds per direction
-(``read``/``write``), call latency by operation, errors, calls skipped (breaker open or the
-tier's queue full), chunks whose write was skipped or failed, corrupt values, and the breaker
-state (0 closed, 1 half-open, 2 open).
+these show what the tier did on the wire: lookups and hits, bytes and seconds per direction
+(``read``/``write``), errors and calls skipped (breaker open or the tier's queue full) by
+operation, chunks whose write was skipped or failed, corrupt values, and the breaker state (0
+closed, 1 half-open, 2 open).  The counters live in the tier's
+:class:`~kvtier.core.stats.WireCounters` and reach Prometheus through the store's snapshot
+(:func:`wire_families`, called by :class:`~kvtier.core.metrics.StoreMetrics`); only the call
+latency histogram is kept here.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from collections.abc import Iterator, Mapping
 
-OPS = ("lookup", "get", "put", "delete")
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvtier.core.stats import OPS, WireStats
+
+__all__ = ["OPS", "TierMetrics", "wire_families"]
 
 
 class TierMetrics:
-    """Collectors of one tier, registered in ``registry`` (a fresh one by default)."""
+    """The call latency histogram of one tier (``kvtier_tier_call_seconds{tier, op}``), registered in
+    ``registry`` (a fresh one by default)."""
 
     def __init__(self, tier: str, registry: CollectorRegistry | None = None) -> None:
-        r = registry if registry is not None else CollectorRegistry()
-        self.registry = r
+        self.registry = registry if registry is not None else CollectorRegistry()
         self.tier = tier
-        self.lookups = Counter("kvtier_tier_lookup_keys", "Keys asked about.", ["tier"], registry=r).labels(tier)
-        self.hits = Counter("kvtier_tier_lookup_hit_keys", "Keys found.", ["tier"], registry=r).labels(tier)
-        self._bytes = Counter("kvtier_tier_bytes", "Payload bytes moved, by direction.", ["tier", "direction"],
-                              registry=r)
-        self._seconds = Counter("kvtier_tier_seconds", "Seconds spent moving payload bytes, by direction.",
-                                ["tier", "direction"], registry=r)
         self._latency = Histogram("kvtier_tier_call_seconds", "Latency of one call or pipelined batch.",
-                                 ["tier", "op"], registry=r,
-                                 buckets=(1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0))
-        self._errors = Counter("kvtier_tier_errors", "Calls that failed (timeout, connection, server error).",
-                              ["tier", "op"], registry=r)
-        self._skipped = Counter("kvtier_tier_skipped_calls", "Calls not made: breaker open or queue full.",
-                               ["tier", "op"], registry=r)
-        self.skipped_writes = Counter("kvtier_tier_skipped_writes", "Chunks not written: breaker open, queue full "
-                                      "or the write failed.", ["tier"], registry=r).labels(tier)
-        self.corrupt = Counter("kvtier_tier_corrupt_values", "Values that failed verification.", ["tier"],
-                               registry=r).labels(tier)
-        self.breaker_state = Gauge("kvtier_tier_breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open.",
-                                   ["tier"], registry=r).labels(tier)
-        for direction in ("read", "write"):
-            self._bytes.labels(tier, direction)
-            self._seconds.labels(tier, direction)
-        for op in OPS:
-            self._errors.labels(tier, op)
-            self._skipped.labels(tier, op)
+                                  ["tier", "op"], registry=self.registry,
+                                  buckets=(1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0))
 
     def observe(self, op: str, seconds: float) -> None:
         """One call of ``op`` took ``seconds``."""
         self._latency.labels(self.tier, op).observe(seconds)
 
-    def error(self, op: str) -> None:
-        """One call of ``op`` failed."""
-        self._errors.labels(self.tier, op).inc()
 
-    def skip(self, op: str) -> None:
-        """One call of ``op`` was not made (breaker open or queue full)."""
-        self._skipped.labels(self.tier, op).inc()
+def wire_families(wires: Mapping[str, WireStats] | None) -> Iterator[Metric]:
+    """The ``kvtier_tier_*`` families of the remote tiers in ``wires`` (tier name -> its numbers);
+    ``None``: the families without samples (Prometheus ``describe``)."""
+    tiers = wires or {}
 
-    def count(self, name: str, op: str) -> float:
-        """Current value of ``errors`` or ``skipped`` for ``op`` (for tests and ``stats``)."""
-        collector = self._errors if name == "errors" else self._skipped
-        return float(collector.labels(self.tier, op)._value.get())
+    def family(name: str, doc: str, read: str, labels: tuple[str, ...] = (),
+               cls: type[CounterMetricFamily | GaugeMetricFamily] = CounterMetricFamily) -> Metric:
+        fam = cls(name, doc, labels=["tier", *labels])
+        for tier, w in tiers.items():
+            value = getattr(w, read)
+            if labels:
+                for label, v in value.items():
+                    fam.add_metric([tier, label], v)
+            else:
+                fam.add_metric([tier], value)
+        return fam
 
-    def moved(self, direction: str, num_bytes: int, seconds: float) -> None:
-        """Account ``num_bytes`` payload bytes moved in ``direction`` taking ``seconds``."""
-        self._bytes.labels(self.tier, direction).inc(num_bytes)
-        self._seconds.labels(self.tier, direction).inc(max(seconds, 0.0))
+    yield family("kvtier_tier_lookup_keys", "Keys asked about.", "lookup_keys")
+    yield family("kvtier_tier_lookup_hit_keys", "Keys found.", "lookup_hit_keys")
+    yield family("kvtier_tier_bytes", "Payload bytes moved, by direction.", "bytes", ("direction",))
+    yield family("kvtier_tier_seconds", "Seconds spent moving payload bytes, by direction.", "seconds", ("direction",))
+    yield family("kvtier_tier_errors", "Calls that failed (timeout, connection, server error).", "errors", ("op",))
+    yield family("kvtier_tier_skipped_calls", "Calls not made: breaker open or queue full.", "skipped_calls", ("op",))
+    yield family("kvtier_tier_skipped_writes", "Chunks not written: breaker open, queue full or the write failed.",
+                 "skipped_writes")
+    yield family("kvtier_tier_corrupt_values", "Values that failed verification.", "corrupt_values")
+    yield family("kvtier_tier_breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open.", "breaker_state",
+                 cls=GaugeMetricFamily)
 
-    def set_breaker(self, state: int) -> None:
-        """Publish the breaker state."""
-        self.breaker_state.set(int(state))

@@ -169,7 +169,11 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return self.worker_side.worker_meta() if self.worker_side is not None else None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        return self.worker_side.stats() if self.worker_side is not None else None
+        # vLLM asks both sides: the workers' stats ride the model runner output, the scheduler's are
+        # added in Scheduler.update_from_output (vllm/v1/core/sched/scheduler.py)
+        if self.worker_side is not None:
+            return self.worker_side.stats()
+        return self.scheduler_side.stats() if self.scheduler_side is not None else None
 
     def shutdown(self) -> None:
         if self.worker_side is not None:

@@ -17,6 +17,9 @@ step and asks again in the next one), so the engine's step never waits on the ne
 - The answer is a promise the worker checks: the load reads the values with one pipelined ``GET``
   and verifies each; a value gone since (evicted, server restarted) ends the load short and vLLM
   recomputes the rest.
+- Counted (:meth:`RemoteLookups.counters`, exported to vLLM's ``/metrics`` as
+  ``kvtier_shared_lookups_*`` by the scheduler-side connector): lookups sent, answered, timed
+  out and skipped, chunks asked and found by the answered ones, and lookups in flight.
 """
 
 from __future__ import annotations
@@ -63,7 +66,8 @@ class RemoteLookups:
         self._in_flight = 0
         # req_id -> ((start, end), pending lookup); answered ones stay until the request is planned or gone
         self._pending: dict[str, tuple[tuple[int, int], PendingLookup]] = {}
-        self.asked = self.found_chunks = self.timed_out = self.skipped = 0
+        self.asked = self.answered = self.timed_out = self.skipped = 0
+        self.answered_chunks = self.found_chunks = 0  # over answered lookups: the shared tier's hit rate
 
     def bind(self, namespaces: Sequence[bytes]) -> bool:
         """Use the shared tier under the ranks' ``namespaces``; False while a rank's is unknown."""
@@ -100,6 +104,9 @@ class RemoteLookups:
             entry = self._pending[req_id] = (span, self._submit(chain[start:]))
         found = entry[1].poll()
         if found is not None and not isinstance(entry[1], _Answered):  # keep the answer, drop the future
+            self.answered += 1
+            self.answered_chunks += span[1] - start
+            self.found_chunks += found
             if entry[1].timed_out:
                 self.timed_out += 1
                 log.info("kvtier: shared-tier lookup for request %s passed shared_deadline_s=%s; answered from "
@@ -129,7 +136,6 @@ class RemoteLookups:
                     found = next((i for i, hit in enumerate(present) if not hit), len(present))
                     if not found:
                         break
-                self.found_chunks += found
                 return found
             finally:
                 with self._lock:
@@ -142,6 +148,21 @@ class RemoteLookups:
                 self._in_flight -= 1
             return PendingLookup(0, len(keys))
         return PendingLookup(0, len(keys), future, time.monotonic() + self.deadline_s)
+
+    @property
+    def pending(self) -> int:
+        """Lookups in flight now."""
+        with self._lock:
+            return self._in_flight
+
+    def counters(self) -> dict[str, int]:
+        """Totals since start: ``shared_lookups`` (sent), ``shared_lookups_answered``,
+        ``shared_lookups_timed_out``, ``shared_lookups_skipped`` (not sent: queue full or the tier
+        not ready), ``shared_lookup_chunks`` / ``shared_lookup_hit_chunks`` (asked / found, over
+        answered lookups)."""
+        return {"shared_lookups": self.asked, "shared_lookups_answered": self.answered,
+                "shared_lookups_timed_out": self.timed_out, "shared_lookups_skipped": self.skipped,
+                "shared_lookup_chunks": self.answered_chunks, "shared_lookup_hit_chunks": self.found_chunks}
 
     def close_tiers(self) -> None:
         for tier in self._tiers:

@@ -44,6 +44,7 @@ from kvtier.integrations.vllm.groups import engine_plan
 from kvtier.integrations.vllm.mirror import IndexMirror
 from kvtier.integrations.vllm.protocol import KVTierMetadata, KVTierWorkerMeta, LoadJob, SaveJob
 from kvtier.integrations.vllm.remote import RemoteLookups, shared_tier_configured
+from kvtier.integrations.vllm.stats import KVTierStats
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,8 @@ class SchedulerSide:
         self._kv_cache_manager: Any = None
         self._waiting_since: float | None = None
         self.remote = RemoteLookups(config) if load and shared_tier_configured(config) else None
+        self._remote_seen: dict[str, int] = {}
+        self._remote_pending_sent: int | None = None
 
     def bind_kv_cache_manager(self, manager: Any) -> None:
         self._kv_cache_manager = manager
@@ -252,6 +255,20 @@ class SchedulerSide:
         self._saved_chunks.pop(req_id, None)
         if self.remote is not None:
             self.remote.forget(req_id)
+
+    def stats(self) -> KVTierStats | None:
+        """The shared-tier lookup counters' change since the last call and the lookups in flight
+        (``kvtier_shared_lookups_*``); ``None`` without a shared tier or when nothing changed."""
+        if self.remote is None:
+            return None
+        totals = self.remote.counters()
+        counters = {k: v - self._remote_seen.get(k, 0) for k, v in totals.items() if v != self._remote_seen.get(k, 0)}
+        self._remote_seen = totals
+        pending = self.remote.pending
+        if not counters and pending == self._remote_pending_sent:
+            return None
+        self._remote_pending_sent = pending
+        return KVTierStats(data={"counters": counters, "gauges": {"shared_lookups_pending": pending}})
 
     def shutdown(self) -> None:
         """Stop the shared-tier lookups (idempotent)."""

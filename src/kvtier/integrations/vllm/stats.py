@@ -23,10 +23,16 @@ Exported (Prometheus adds ``_total`` to counters; ``tier`` is ``cpu``, ``disk`` 
   writes in flight (zero when idle: a leaked pin shows); ``kvtier_dirty_bytes``: bytes in DRAM not
   yet on the disk tier (the restart-loss window when the stop is not graceful).
 - ``kvtier_flush_missed_chunks_total``: dirty chunks a graceful stop could not write in time.
-- Shared tier (workers' side; summed over ranks): ``kvtier_redis_errors_total`` (calls that
-  failed), ``kvtier_redis_skipped_calls_total`` (not made: breaker open or queue full),
-  ``kvtier_redis_skipped_writes_total`` (chunks not written), ``kvtier_redis_breaker_state``
-  (0 closed; 1 half-open, 2 open, per rank).
+- Shared tier (workers' side, from each store's snapshot ``TierStats.wire``; summed over ranks):
+  ``kvtier_redis_errors_total`` (calls that failed), ``kvtier_redis_skipped_calls_total`` (not
+  made: breaker open or queue full), ``kvtier_redis_skipped_writes_total`` (chunks not written),
+  ``kvtier_redis_breaker_state`` (0 closed; 1 half-open, 2 open, per rank).
+- Shared tier (scheduler side, :meth:`RemoteLookups.counters
+  <kvtier.integrations.vllm.remote.RemoteLookups.counters>`): ``kvtier_shared_lookups_total``
+  (sent), ``kvtier_shared_lookups_answered_total``, ``kvtier_shared_lookups_timed_out_total``,
+  ``kvtier_shared_lookups_skipped_total``, ``kvtier_shared_lookup_chunks_total`` and
+  ``kvtier_shared_lookup_hit_chunks_total`` (their ratio is the shared tier's hit rate),
+  ``kvtier_shared_lookups_pending`` (in flight).
 
 Token counts are reported by tensor-parallel rank 0 only (every rank moves the same tokens);
 bytes, seconds, evictions, dropped saves, corrupt chunks and usage are summed over ranks.
@@ -46,8 +52,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
-from kvtier.core.stats import StoreStats
-from kvtier.core.tiers.tiermetrics import OPS
+from kvtier.core.stats import StoreStats, WireStats
 
 # counter name in the stats payload -> (prometheus name, help, label value or None)
 COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
@@ -73,6 +78,17 @@ COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
                              "queue full or the write failed)."), ()),
     "flush_missed_chunks": ("kvtier_flush_missed_chunks", "Dirty chunks a graceful stop could not write to disk in time.",
                             ()),
+    # the scheduler's shared-tier lookups (integrations/vllm/remote.py)
+    "shared_lookups": ("kvtier_shared_lookups", "Shared-tier lookups the scheduler sent.", ()),
+    "shared_lookups_answered": ("kvtier_shared_lookups_answered", "Shared-tier lookups answered (timed out included).",
+                                ()),
+    "shared_lookups_timed_out": ("kvtier_shared_lookups_timed_out", "Shared-tier lookups that passed shared_deadline_s.",
+                                 ()),
+    "shared_lookups_skipped": ("kvtier_shared_lookups_skipped", ("Shared-tier lookups not sent: shared_queue_depth "
+                               "lookups in flight, or the tier not ready; each answered 0 chunks."), ()),
+    "shared_lookup_chunks": ("kvtier_shared_lookup_chunks", "Chunks asked of the shared tier by answered lookups.", ()),
+    "shared_lookup_hit_chunks": ("kvtier_shared_lookup_hit_chunks", ("Chunks found in the shared tier (every rank's "
+                                 "value present) by answered lookups."), ()),
 }
 LABELS: dict[str, str] = {"kvtier_loaded_tokens": "tier", "kvtier_transfer_seconds": "direction",
                           "kvtier_transfer_bytes": "direction", "kvtier_evictions": "tier"}
@@ -89,7 +105,13 @@ GAUGES: dict[str, tuple[str, str, str | None]] = {
                     None),
     "redis_breaker_state": ("kvtier_redis_breaker_state", ("Shared-tier circuit breaker, summed over ranks: 0 closed "
                             "everywhere; 1 half-open, 2 open per rank."), None),
+    "shared_lookups_pending": ("kvtier_shared_lookups_pending", "Shared-tier lookups in flight (scheduler).", None),
 }
+
+def _wire(s: StoreStats) -> WireStats:
+    """The redis tier's wire numbers (zeros when the store has none)."""
+    return s.tier("redis").wire or WireStats()
+
 
 # every payload counter is read from the store's snapshot (kvtier.core.stats) and sent as the change
 # between two snapshots
@@ -105,6 +127,9 @@ STORE_COUNTERS: dict[str, Callable[[StoreStats], float]] = {
     "dropped_saves": lambda s: s.dropped_saves,
     "corrupt_chunks": lambda s: s.corrupt_chunks,
     "flush_missed_chunks": lambda s: s.flush_missed_chunks,
+    "redis_errors": lambda s: _wire(s).total_errors,
+    "redis_skipped_calls": lambda s: _wire(s).total_skipped_calls,
+    "redis_skipped_writes": lambda s: _wire(s).skipped_writes,
     "load_bytes": lambda s: s.transfer_bytes["cpu_to_engine"],
     "load_seconds": lambda s: s.transfer_seconds["cpu_to_engine"],
     "save_bytes": lambda s: s.transfer_bytes["engine_to_cpu"],
@@ -133,16 +158,8 @@ def store_gauges(s: StoreStats) -> dict[str, float]:
             "usage_bytes_disk": disk.used_bytes, "capacity_bytes_disk": disk.capacity_bytes,
             "pinned_chunks_cpu": cpu.pinned_chunks, "pinned_chunks_disk": disk.pinned_chunks,
             "pinned_bytes_cpu": cpu.pinned_chunks * s.chunk_bytes, "pinned_bytes_disk": disk.pinned_chunks * s.chunk_bytes,
-            "dirty_bytes": s.dirty_bytes}
-
-
-def shared_tier_totals(tier: Any) -> dict[str, int]:
-    """Totals since start of a shared tier's (:class:`~kvtier.core.tiers.redis.RedisTier`) wire
-    faults: ``redis_errors``, ``redis_skipped_calls``, ``redis_skipped_writes``."""
-    m = tier.metrics
-    return {"redis_errors": int(sum(m.count("errors", op) for op in OPS)),
-            "redis_skipped_calls": int(sum(m.count("skipped", op) for op in OPS)),
-            "redis_skipped_writes": int(tier.skipped_writes)}
+            "dirty_bytes": s.dirty_bytes,
+            **({"redis_breaker_state": s.tier("redis").wire.breaker_state} if s.tier("redis").wire else {})}
 
 
 @dataclass

@@ -41,7 +41,7 @@ from kvtier.integrations.vllm.identity import model_fingerprint
 from kvtier.integrations.vllm.layout import KVLayout, detect_group_layouts, detect_layout
 from kvtier.integrations.vllm.loader import AsyncLoader
 from kvtier.integrations.vllm.protocol import KVTierMetadata, KVTierWorkerMeta, RankReport, SaveJob
-from kvtier.integrations.vllm.stats import KVTierStats, shared_tier_totals, store_counters, store_gauges
+from kvtier.integrations.vllm.stats import KVTierStats, store_counters, store_gauges
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,6 @@ class WorkerSide:
         self.key_root = b""
         self.namespace = b""
         self._store_seen: StoreStats | None = None
-        self._shared_seen: dict[str, int] = {}
         self._gauges_sent: dict[str, float] = {}
         self._errors: set[int] = set()
         self._failed: set[str] = set()
@@ -297,13 +296,6 @@ class WorkerSide:
         counters = store_counters(snapshot, self._store_seen, self.tp_rank)
         self._store_seen = snapshot
         gauges = store_gauges(snapshot)
-        shared = self.store.tier("redis")
-        if shared is not None:  # what the shared tier did on the wire (its kvtier_tier_* live in the store's registry)
-            totals = shared_tier_totals(shared)
-            counters.update({k: v - self._shared_seen.get(k, 0) for k, v in totals.items()
-                             if v != self._shared_seen.get(k, 0)})
-            self._shared_seen = totals
-            gauges["redis_breaker_state"] = int(shared.breaker.state)
         if not counters and gauges == self._gauges_sent:
             return None
         self._gauges_sent = gauges
