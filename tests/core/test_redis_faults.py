@@ -137,3 +137,22 @@ def test_delaying_proxy(redis_server, key_prefix):
                           timeout_s=20)
     finally:
         proxy.close()
+
+
+def test_restart_empty_then_the_same_chunks_are_written_again(redis_factory, key_prefix):
+    """A server restarted empty (or one that evicted on its own) no longer holds what this store
+    wrote: a chunk computed again after it left the cpu tier is written again, so the other hosts
+    hit it again (found by the engine-level fault test: before, hits never resumed)."""
+    server = redis_factory()
+    writer = make_store(None, cpu_chunks=4, redis_url=server.url, redis_key_prefix=key_prefix, **FAULT_SETTINGS)
+    chain = chain_of(6, 4)
+    assert put_chain(writer, chain)
+    assert wait_until(lambda: hits_resume(server.url, key_prefix, chain), timeout_s=10)
+    server.stop()
+    server.start()  # same port, empty dataset
+    put_chain(writer, chain_of(7, 4))  # other chunks push the chain out of the 4-chunk cpu tier
+    assert writer.lookup(chain) == 0
+    assert wait_until(fresh_round_trip(writer, server.url, key_prefix, itertools.count(200)), timeout_s=15)
+    assert put_chain(writer, chain)  # computed again: stored in the cpu tier and written to Redis again
+    assert wait_until(lambda: hits_resume(server.url, key_prefix, chain), timeout_s=10)
+    writer.close()

@@ -397,9 +397,9 @@ class TieredStore(ChangeFeedMixin):
                     self.cpu.abort(key)
                     continue
                 self.top.publish(key, parent)
-                for lt in self._through:
-                    if not lt.tier.indexed(key):
-                        self.top.enqueue(lt, WriteJob(key, parent, None, evict_after=False))
+                for lt in self._through:  # a shared server may have lost what this process wrote
+                    if lt.shared or not lt.tier.indexed(key):  # (restart, its own eviction, TTL): write
+                        self.top.enqueue(lt, WriteJob(key, parent, None, evict_after=False))  # again
             if success:
                 self.counters.saved(len(handle.keys))
                 self.top.spill_ahead()
