@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import threading
@@ -129,7 +130,8 @@ def metrics_server():
 
 def doctor(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kvtier.cli.main", "doctor", *args], capture_output=True,
-                          text=True, check=False, timeout=60, env={"COLUMNS": "200", "PATH": "/usr/bin"})
+                          text=True, check=False, timeout=60,
+                          env={"COLUMNS": "200", "PATH": "/usr/bin", "PYTHONPATH": os.environ.get("PYTHONPATH", "")})
 
 
 def test_cli_over_http_matches_the_recorded_files(metrics_server):

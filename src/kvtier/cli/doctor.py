@@ -11,7 +11,7 @@ import typer
 from kvtier.cli.errors import fail
 from kvtier.core.errors import UserError
 
-HELP = """Check a running vLLM server: prefix-cache hit rate, external (offload) hit rate, TTFT p50/p99, and the offload size vLLM actually allocated, then give a verdict.
+HELP = """Check a running vLLM server: prefix-cache hit rate, external (offload) hit rate, TTFT p50/p99, the offload size vLLM actually allocated, and kvtier's shared tier (redis: hit rate, circuit breaker, skipped writes), then give a verdict.
 
 Scrapes URL/metrics twice, --interval seconds apart (run it while traffic flows), and compares the offload size with --expect-offload-gib (GiB, total across TP ranks): vLLM's --kv-offloading-size from vllm:cache_config_info, or for kvtier the sum of its tiers (cpu + disk, from kvtier_capacity_bytes), each tier also reported alone with what it holds and the prompt tokens it served. Exit code 1 when the verdict is "problem".
 
@@ -51,6 +51,11 @@ def _print_text(url: str, meters, alloc, diagnosis, expect_gib: float | None) ->
         loaded = meters.loaded_tokens_by_tier.get(tier)
         served = "" if loaded is None else f"; served {loaded:,.0f} prompt tokens"
         console.print(f"    kvtier {tier:<5}         {capacity:g} GiB, {alloc.used_gib.get(tier, 0.0):.3g} GiB held{served}")
+    shared = meters.shared
+    if shared is not None:
+        console.print(f"  shared tier (redis)     hit rate {pct(shared.hit_rate)}  ({shared.hit_chunks:,.0f} / "
+                      f"{shared.lookup_chunks:,.0f} chunks asked); breaker {shared.breaker}; "
+                      f"{shared.skipped_writes:,.0f} writes skipped, {shared.errors:,.0f} failed calls")
     style = {"ok": "green", "warning": "yellow", "problem": "bold red"}
     for check in diagnosis.checks:
         console.print(f"  [{style[check.level]}]{check.level:<8}[/] {check.message}")
@@ -135,6 +140,12 @@ def doctor_command(
             "tiers": {tier: {"capacity_gib": gib, "used_gib": alloc.used_gib.get(tier, 0.0),
                              "loaded_tokens": meters.loaded_tokens_by_tier.get(tier)}
                       for tier, gib in alloc.tiers_gib.items()},
+            "shared_tier": None if meters.shared is None else {
+                "hit_rate": meters.shared.hit_rate, "lookup_chunks": meters.shared.lookup_chunks,
+                "hit_chunks": meters.shared.hit_chunks, "timed_out_lookups": meters.shared.timed_out_lookups,
+                "skipped_lookups": meters.shared.skipped_lookups, "errors": meters.shared.errors,
+                "skipped_calls": meters.shared.skipped_calls, "skipped_writes": meters.shared.skipped_writes,
+                "breaker": meters.shared.breaker, "breaker_state": meters.shared.breaker_state},
             "expected_offload_gib": expect_offload_gib, "tp": tp,
             "checks": [{"level": c.level, "message": c.message} for c in diagnosis.checks],
             "verdict": diagnosis.verdict,

@@ -8,9 +8,9 @@ deltas) and :func:`~kvtier.doctor.meters.allocation` (offload GiB vLLM reports) 
 Errors: :class:`kvtier.core.errors.UserError` for unreachable URLs and non-vLLM metrics.
 """
 
-from kvtier.doctor.meters import Allocation, Meters, allocation, histogram_quantile, measure
+from kvtier.doctor.meters import Allocation, Meters, SharedTier, allocation, histogram_quantile, measure
 from kvtier.doctor.snapshot import Snapshot, parse_metrics
 from kvtier.doctor.verdict import Check, Diagnosis, diagnose
 
-__all__ = ["Allocation", "Check", "Diagnosis", "Meters", "Snapshot", "allocation", "diagnose",
+__all__ = ["Allocation", "Check", "Diagnosis", "Meters", "SharedTier", "Snapshot", "allocation", "diagnose",
            "histogram_quantile", "measure", "parse_metrics"]

@@ -9,7 +9,9 @@ Meters (how-to § "How to tell it's helping — three meters, in order"):
 
 plus the external (connector) hit rate Δ``external_prefix_cache_hits`` / Δ``…_queries`` (operator's
 guide § "Validating": ``external_prefix_cache_hits_total`` must rise).  Rates are None when their
-denominator did not move between the scrapes.
+denominator did not move between the scrapes.  With kvtier's shared tier (redis), :class:`SharedTier`:
+its hit rate, lookups past the deadline, failed calls and skipped writes between the scrapes, and
+the breaker state at the second one.
 """
 
 from __future__ import annotations
@@ -48,6 +50,48 @@ def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:
 
 
 @dataclass(frozen=True)
+class SharedTier:
+    """kvtier's shared tier (redis) between two scrapes; ``breaker_state`` is the second scrape's
+    gauge (summed over ranks: 0 closed everywhere, 1 per half-open rank, 2 per open rank)."""
+
+    lookup_chunks: float
+    hit_chunks: float
+    timed_out_lookups: float
+    skipped_lookups: float
+    errors: float
+    skipped_calls: float
+    skipped_writes: float
+    breaker_state: float
+
+    @property
+    def hit_rate(self) -> float | None:
+        """Chunks found in the shared tier / chunks the scheduler asked it about."""
+        return self.hit_chunks / self.lookup_chunks if self.lookup_chunks > 0 else None
+
+    @property
+    def breaker(self) -> str:
+        if self.breaker_state <= 0:
+            return "closed"
+        return "half-open (probing)" if self.breaker_state < 2 else "open"
+
+
+def shared_tier(before: Snapshot, after: Snapshot) -> SharedTier | None:
+    """The shared tier's meters, None when ``after`` shows no redis tier.  A counter lower in
+    ``after`` (a restart) counts from zero."""
+    if not after.has_shared_tier:
+        return None
+
+    def delta(name: str) -> float:
+        now, then = after.shared.get(name, 0.0), before.shared.get(name, 0.0)
+        return now - then if now >= then else now
+
+    return SharedTier(delta("kvtier_shared_lookup_chunks"), delta("kvtier_shared_lookup_hit_chunks"),
+                      delta("kvtier_shared_lookups_timed_out"), delta("kvtier_shared_lookups_skipped"),
+                      delta("kvtier_redis_errors"), delta("kvtier_redis_skipped_calls"),
+                      delta("kvtier_redis_skipped_writes"), after.shared.get("kvtier_redis_breaker_state", 0.0))
+
+
+@dataclass(frozen=True)
 class Meters:
     """What happened between two scrapes ``interval_s`` seconds apart (None when unknown, e.g. two
     recorded files).  Tokens are prompt tokens.  ``went_backwards`` names the counters that were
@@ -66,6 +110,8 @@ class Meters:
     went_backwards: tuple[str, ...] = ()
     loaded_tokens_by_tier: dict[str, float] = field(default_factory=dict)
     """kvtier only: prompt tokens each tier (cpu, disk) served into the engine between the scrapes."""
+    shared: SharedTier | None = None
+    """kvtier's shared tier (redis), None when the server has none."""
 
     @property
     def hit_rate(self) -> float | None:
@@ -115,6 +161,7 @@ def measure(before: Snapshot, after: Snapshot, interval_s: float | None) -> Mete
         loaded_tokens_by_tier={tier: (value - before.kvtier_loaded.get(tier, 0.0)
                                       if value >= before.kvtier_loaded.get(tier, 0.0) else value)
                                for tier, value in sorted(after.kvtier_loaded.items())},
+        shared=shared_tier(before, after),
     )
 
 

@@ -5,8 +5,9 @@ Parsed with :mod:`prometheus_client.parser` (never by hand).  Metric names are v
 ``vllm:external_prefix_cache_queries``/``_hits`` (tokens; exposed with ``_total``), the histogram
 ``vllm:time_to_first_token_seconds``, and the info gauge ``vllm:cache_config_info`` whose labels
 are every ``CacheConfig`` field (``kv_offloading_size`` in GiB, total across TP; ``None`` when
-unset).  kvtier's connector adds ``kvtier_capacity_bytes{tier}`` (summed over ranks).  Values of
-several engines (data parallel) are summed.
+unset).  kvtier's connector adds ``kvtier_capacity_bytes{tier}`` (summed over ranks) and, with the
+shared tier (redis), :data:`SHARED` (the scheduler's lookups and the workers' wire faults,
+src/kvtier/integrations/vllm/stats.py).  Values of several engines (data parallel) are summed.
 """
 
 from __future__ import annotations
@@ -24,6 +25,13 @@ CACHE_INFO = "vllm:cache_config_info"
 KVTIER_CAPACITY = "kvtier_capacity_bytes"
 KVTIER_USAGE = "kvtier_usage_bytes"
 KVTIER_LOADED = "kvtier_loaded_tokens"
+BREAKER = "kvtier_redis_breaker_state"
+SHARED = ("kvtier_shared_lookup_chunks", "kvtier_shared_lookup_hit_chunks", "kvtier_shared_lookups_timed_out",
+          "kvtier_shared_lookups_skipped", "kvtier_redis_errors", "kvtier_redis_skipped_calls",
+          "kvtier_redis_skipped_writes", BREAKER)
+"""The shared tier's series: counters (``_total``) and the breaker gauge (summed over ranks: 0 closed
+everywhere; 1 per half-open rank, 2 per open rank).  The gauge is present only when the workers
+have a redis tier, so its presence says the shared tier is configured."""
 
 
 @dataclass
@@ -38,6 +46,12 @@ class Snapshot:
     kvtier_capacity: dict[str, float] = field(default_factory=dict)
     kvtier_usage: dict[str, float] = field(default_factory=dict)
     kvtier_loaded: dict[str, float] = field(default_factory=dict)
+    shared: dict[str, float] = field(default_factory=dict)
+    """The shared tier's :data:`SHARED` values by name (empty without a redis tier)."""
+
+    @property
+    def has_shared_tier(self) -> bool:
+        return BREAKER in self.shared
 
     def counter(self, name: str) -> float:
         return self.counters.get(name, 0.0)
@@ -74,6 +88,11 @@ def parse_metrics(text: str, where: str) -> Snapshot:
             for sample in family.samples:
                 snap.cache_config = {k: v for k, v in sample.labels.items()}
                 break
+        elif family.name in SHARED:
+            values = [s.value for s in family.samples
+                      if not s.name.endswith("_created") and math.isfinite(s.value) and s.value >= 0]
+            if values:
+                snap.shared[family.name] = snap.shared.get(family.name, 0.0) + sum(values)
         elif family.name in (KVTIER_CAPACITY, KVTIER_USAGE, KVTIER_LOADED):
             into = {KVTIER_CAPACITY: snap.kvtier_capacity, KVTIER_USAGE: snap.kvtier_usage,
                     KVTIER_LOADED: snap.kvtier_loaded}[family.name]

@@ -14,6 +14,10 @@ how-to's "one-line checklist" (helping = hit rate ↑, TTFT p50 ↓, p99 tail bo
   latter.  "Near zero" is kvtier's
   threshold :data:`NO_REUSE_HIT_RATE`;
 - offload size ≠ expected, and 1/TP of it in particular (root cause 4: sized per GPU) → problem;
+- kvtier's shared tier (redis), judged even without traffic: breaker open → problem (every
+  lookup misses and every write is skipped until the server answers); half-open, writes
+  skipped, or lookups past ``shared_deadline_s`` between the scrapes → warning; else ok with
+  its hit rate (docs/shared-tier.md);
 - offload configured but no external hits (root cause 5: cold cache, or tier too small) → warning;
 - TTFT p99 more than :data:`TAIL_RATIO` × p50 (how-to meter 3: thrash tail) → warning (kvtier's
   heuristic threshold, not from the documents).
@@ -27,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvtier.doctor.meters import Allocation, Meters
+from kvtier.doctor.meters import Allocation, Meters, SharedTier
 
 Level = Literal["ok", "warning", "problem"]
 NO_REUSE_HIT_RATE = 0.05
@@ -78,6 +82,31 @@ def _size_check(alloc: Allocation, expect_gib: float | None, tp: int) -> Check |
                  f"{' (compare it with cpu_gib + disk_gib)' if len(alloc.tiers_gib) > 1 else ''}.")
 
 
+def _shared_checks(shared: SharedTier) -> list[Check]:
+    """The shared tier's lines: its state, then what went wrong between the scrapes."""
+    rate = "-" if shared.hit_rate is None else f"{shared.hit_rate:.1%}"
+    seen = (f"hit rate {rate} ({shared.hit_chunks:,.0f} / {shared.lookup_chunks:,.0f} chunks asked), "
+            f"{shared.skipped_writes:,.0f} writes skipped, {shared.errors:,.0f} failed calls")
+    checks = []
+    if shared.breaker == "open":
+        checks.append(Check("problem", f"Shared tier (redis): circuit breaker open: lookups miss and writes are "
+                            f"skipped until the server answers again ({seen}); check that Redis is up and "
+                            "reachable at redis_url, and its log."))
+    elif shared.breaker != "closed":
+        checks.append(Check("warning", f"Shared tier (redis): circuit breaker half-open, probing a server that "
+                            f"failed ({seen})."))
+    if shared.skipped_writes > 0 and shared.breaker == "closed":
+        checks.append(Check("warning", f"Shared tier (redis): {shared.skipped_writes:,.0f} chunk writes skipped "
+                            f"between the scrapes (a write failed, or the tier's queue was full; "
+                            f"{shared.errors:,.0f} failed calls): other replicas will not find those prefixes."))
+    if shared.timed_out_lookups > 0:
+        checks.append(Check("warning", f"Shared tier (redis): {shared.timed_out_lookups:,.0f} lookups passed "
+                            "shared_deadline_s and were answered from the local tiers: a slow server or network."))
+    if not checks:
+        checks.append(Check("ok", f"Shared tier (redis): breaker closed, {seen}."))
+    return checks
+
+
 def _cannot_judge(meters: Meters) -> str | None:
     """Why the traffic between the scrapes cannot be judged, or None when it can."""
     if meters.went_backwards:
@@ -104,6 +133,8 @@ def diagnose(meters: Meters, alloc: Allocation, cache_config: dict[str, str], ex
     size = _size_check(alloc, expect_gib, tp)
     if size:
         add(size)
+    if meters.shared is not None:
+        d.checks.extend(_shared_checks(meters.shared))
     why_not = _cannot_judge(meters)
     if why_not:
         add(Check("warning", why_not))

@@ -1,0 +1,127 @@
+"""kvtier doctor on a server with the shared tier (redis): hit rate, breaker, skipped writes.
+
+The shared-tier series are made by the real pieces, not written by hand: a worker rank's store
+with a redis tier and the scheduler's :class:`RemoteLookups` talk to a real ``redis-server``;
+their numbers go through the connector's :class:`KVTierPromMetrics` (what vLLM's ``/metrics``
+serves, in a private registry) and are added to the /metrics texts recorded from a real vLLM
+server (tests/doctor/data/kvtier-cpu).  Then Redis is killed (``kill -9``): the breaker opens and
+writes are skipped, and the doctor must say so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import time
+import types
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvtier.core.config import KVTierConfig
+from kvtier.core.store import TieredStore
+from kvtier.doctor import allocation, diagnose, measure, parse_metrics
+from kvtier.integrations.vllm.remote import RemoteLookups
+from kvtier.integrations.vllm.stats import KVTierPromMetrics, KVTierStats, store_counters, store_gauges
+from tests.core.helpers import CHUNK_BYTES, CHUNK_TOKENS, NS, chain_of, payload
+
+from .test_doctor import AFTER, BEFORE, doctor
+
+
+class Server:
+    """One engine as /metrics shows it: a worker rank's store and the scheduler's lookups on Redis,
+    exported through the connector's KVTierPromMetrics."""
+
+    def __init__(self, url: str, prefix: str) -> None:
+        config = KVTierConfig.from_dict({"chunk_tokens": CHUNK_TOKENS, "cpu_gib": 64 * CHUNK_BYTES / 2**30,
+                                         "redis_url": url, "redis_key_prefix": prefix, "shared_deadline_s": 2.0,
+                                         "redis_timeout_s": 2.0, "redis_breaker_probe_s": 600.0})
+        namespace = dataclasses.replace(NS, tp_size=1, tp_rank=0)
+        self.store = TieredStore(config, namespace, CHUNK_BYTES, 1)
+        self.lookups = RemoteLookups(config)
+        assert self.lookups.bind([namespace.digest()])
+        self.registry = CollectorRegistry()
+        types_ = {cls: functools.partial(cls, registry=self.registry) for cls in (Counter, Gauge, Histogram)}
+        self.prom = KVTierPromMetrics(types.SimpleNamespace(kv_transfer_config=None), types_,  # type: ignore[arg-type]
+                                      ["model_name", "engine"], {0: ["tiny", "0"]})
+        self._seen = None
+        self._asked: dict[str, int] = {}
+
+    def save(self, chain) -> None:
+        self.store.put(chain, [payload(k) for k in chain])
+        self.store.flush(10)
+
+    def ask(self, req_id: str, chain) -> int:
+        end = time.monotonic() + 10
+        while (found := self.lookups.poll(req_id, chain, 0)) is None:
+            assert time.monotonic() < end
+            time.sleep(0.01)
+        return found
+
+    def metrics(self) -> str:
+        """A step's stats, as the worker and the scheduler report them, then the scrape's shared-tier lines."""
+        snapshot = self.store.stats()
+        totals = self.lookups.counters()
+        counters = {**store_counters(snapshot, self._seen),
+                    **{k: v - self._asked.get(k, 0) for k, v in totals.items()}}
+        self._seen, self._asked = snapshot, totals
+        stats = KVTierStats(data={"counters": counters, "gauges": {**store_gauges(snapshot),
+                                                                    "shared_lookups_pending": self.lookups.pending}})
+        self.prom.observe(stats.data, 0)
+        text = generate_latest(self.registry).decode()
+        return "".join(line + "\n" for line in text.splitlines()
+                       if any(name in line for name in ("kvtier_shared_", "kvtier_redis_")))
+
+    def close(self) -> None:
+        self.lookups.close()
+        self.store.close()
+
+
+def test_doctor_reports_the_shared_tier_and_an_open_breaker(redis_factory, key_prefix, tmp_path):
+    server = redis_factory()
+    engine = Server(server.url, key_prefix)
+    try:
+        engine.save(chain_of(40, 4))
+        before = BEFORE + engine.metrics()
+        assert engine.ask("hit", chain_of(40, 4)) == 4
+        assert engine.ask("miss", chain_of(41, 2)) == 0
+        healthy = AFTER + engine.metrics()
+        meters = measure(parse_metrics(before, "before"), parse_metrics(healthy, "after"), 10.0)
+        assert meters.shared is not None
+        assert (meters.shared.lookup_chunks, meters.shared.hit_chunks) == (6, 4)
+        assert meters.shared.breaker == "closed" and meters.shared.skipped_writes == 0
+        diagnosis = diagnose(meters, allocation(parse_metrics(healthy, "a")), {}, None, 1)
+        assert diagnosis.verdict == "healthy"
+        assert any(c.level == "ok" and "hit rate 66.7% (4 / 6 chunks asked)" in c.message for c in diagnosis.checks)
+
+        server.kill9()  # the shared tier dies while traffic flows: writes fail, the breaker opens
+        for i in range(4):
+            engine.save(chain_of(50 + i, 2))
+        assert engine.ask("after-kill", chain_of(40, 4)) == 0
+        broken = AFTER + engine.metrics()
+        files = []
+        for name, text in (("before", healthy), ("after", broken)):
+            files.append(tmp_path / f"{name}.txt")
+            files[-1].write_text(text)
+        proc = doctor("--from-files", *map(str, files), "--json")
+        assert proc.returncode == 1, proc.stderr  # "problem"
+        report = json.loads(proc.stdout)
+        assert report["verdict"] == "problem"
+        shared = report["shared_tier"]
+        assert shared["breaker"] == "open" and shared["breaker_state"] == 2
+        assert shared["skipped_writes"] == engine.store.stats().tier("redis").wire.skipped_writes > 0
+        assert shared["errors"] >= 3  # redis_breaker_failures failed calls opened it
+        assert (shared["lookup_chunks"], shared["hit_chunks"]) == (4, 0)
+        assert any(c["level"] == "problem" and "circuit breaker open" in c["message"] for c in report["checks"])
+        text = doctor("--from-files", *map(str, files))
+        assert "shared tier (redis)" in text.stdout and "breaker open" in text.stdout
+        assert "verdict: problem" in text.stdout
+    finally:
+        engine.close()
+
+
+def test_no_shared_tier_no_shared_lines():
+    meters = measure(parse_metrics(BEFORE, "b"), parse_metrics(AFTER, "a"), 10.0)
+    assert meters.shared is None
+    assert not any("Shared tier" in c.message for c in diagnose(meters, allocation(parse_metrics(AFTER, "a")),
+                                                                 {}, None, 1).checks)
