@@ -233,3 +233,32 @@ def test_loopback_shared_tier_is_not_warned_and_a_password_is_never_echoed():
     assert "kvtier-shared-tier-unprotected" not in {f.rule for f in findings}
     assert "kvtier-redis-password-in-url" in {f.rule for f in findings}
     assert not any("hunter2-pw" in f.message for f in findings)
+
+
+def _shared_findings(text: str) -> dict[str, str]:
+    return {f.rule: f.message for f in audit(load_configs(text, "t", parse_version(V)))
+            if f.rule in ("kvtier-shared-tier-unprotected", "kvtier-redis-password-in-url")}
+
+
+def test_shared_tier_settings_from_kvtier_environment_variables_count():
+    # kvtier reads KVTIER_* variables as settings (core/config.py): a URL or secret set there is audited too
+    line = "KVTIER_REDIS_URL=redis://:env-pw@kv.internal:6379/0 " + kvtier_line()
+    found = _shared_findings(line)
+    assert "TLS" in found["kvtier-shared-tier-unprotected"] and "env-pw" not in found["kvtier-redis-password-in-url"]
+    quiet = ("KVTIER_REDIS_URL=rediss://kv.internal:6380/0 KVTIER_SHARED_SECRET_FILE=/etc/kvtier/secret "
+             + kvtier_line())
+    assert _shared_findings(quiet) == {}
+    # the serve line's own value wins over the environment, as in kvtier
+    assert _shared_findings("KVTIER_REDIS_URL=redis://kv.internal:6379/0 "
+                            + kvtier_line(redis_url="redis://127.0.0.1:6379/0")) == {}
+
+
+def test_all_of_127_8_is_this_host_and_other_password_and_secret_spellings_warn():
+    assert _shared_findings(kvtier_line(redis_url="redis://127.0.0.2:6379/0")) == {}
+    query = _shared_findings(kvtier_line(redis_url="redis://127.0.0.1:6379/0?password=q-pw-1"))
+    assert "password" in query["kvtier-redis-password-in-url"] and "q-pw-1" not in query["kvtier-redis-password-in-url"]
+    inline = _shared_findings(kvtier_line(redis_url="rediss://kv.internal:6380/0",
+                                          shared_secret="0123456789abcdef-inline"))
+    assert "kvtier-shared-tier-unprotected" not in inline  # protected: TLS and a secret
+    assert "shared_secret" in inline["kvtier-redis-password-in-url"]
+    assert "0123456789abcdef-inline" not in inline["kvtier-redis-password-in-url"]

@@ -2,25 +2,40 @@
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from kvtier.audit.model import ServeConfig
 from kvtier.audit.rules.base import rule
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _DOCS = "kvtier docs/shared-tier.md"
 
 
 def _redis(c: ServeConfig) -> tuple[str, dict[str, Any]] | None:
-    """(redis_url, kv_connector_extra_config) of a KVTierConnector config with a shared tier."""
+    """(redis_url, settings) of a KVTierConnector config with a shared tier.  Settings are
+    ``kv_connector_extra_config`` over the ``KVTIER_*`` environment variables of the line or
+    manifest (kvtier reads both; src/kvtier/core/config.py), so a URL or secret set in ``env`` counts."""
     transfer = c.kv_transfer_config
     if not transfer or not c.uses("KVTierConnector"):
         return None
     extra = transfer.get("kv_connector_extra_config")
-    if not isinstance(extra, dict) or not isinstance(extra.get("redis_url"), str):
+    settings: dict[str, Any] = {name[len("KVTIER_"):].lower(): value for name, value in c.env.items()
+                                if name.upper().startswith("KVTIER_")}
+    if isinstance(extra, dict):
+        settings.update(extra)
+    if not isinstance(settings.get("redis_url"), str):
         return None
-    return extra["redis_url"], extra
+    return settings["redis_url"], settings
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback  # all of 127.0.0.0/8, and ::1
+    except ValueError:
+        return False
 
 
 @rule("kvtier-shared-tier-unprotected", "warning",
@@ -38,7 +53,7 @@ def kvtier_shared_tier_unprotected(c: ServeConfig) -> str | None:
         host = parts.hostname or ""
     except ValueError:
         return None  # kvtier-config-invalid reports a malformed URL
-    if host in LOOPBACK:
+    if _is_loopback(host):
         return None
     missing = []
     if parts.scheme != "rediss":
@@ -50,18 +65,27 @@ def kvtier_shared_tier_unprotected(c: ServeConfig) -> str | None:
     return f"redis_url points at {host}, beyond this host, without " + " and without ".join(missing) + "."
 
 
-@rule("kvtier-redis-password-in-url", "warning", "Redis password written into the serve line",
+@rule("kvtier-redis-password-in-url", "warning", "Redis password or shared secret written into the serve line",
       "Move the password out of redis_url into redis_password_env or redis_password_file (e.g. a mounted "
-      "Kubernetes Secret); kvtier never logs it, but ps, shell history and manifests show the serve line.",
+      "Kubernetes Secret), and a shared_secret into shared_secret_file; kvtier never logs them, but ps, shell "
+      "history and manifests show the serve line.",
       _DOCS, locate="KVTierConnector")
 def kvtier_redis_password_in_url(c: ServeConfig) -> str | None:
     found = _redis(c)
     if found is None:
         return None
+    url, settings = found
     try:
-        password = urlsplit(found[0]).password
+        parts = urlsplit(url)
+        password = parts.password or parse_qs(parts.query).get("password", [""])[0]
     except ValueError:
         return None
-    if not password:
+    leaks = []
+    if password:
+        leaks.append("redis_url carries a password")
+    if isinstance(settings.get("shared_secret"), str) and settings["shared_secret"]:
+        leaks.append("shared_secret is written out")
+    if not leaks:
         return None
-    return "redis_url carries a password in the serve line (not shown here); anyone who can read the line can use it."
+    return (" and ".join(leaks) + " in the serve line (not shown here); anyone who can read the line can use "
+            + ("them." if len(leaks) > 1 else "it."))
