@@ -53,6 +53,9 @@ class KVTierConfig(BaseSettings):
     disk_io: Literal["auto", "buffered", "direct"] = Field(
         "auto", description="Disk tier I/O: direct = O_DIRECT (bypasses the page cache), buffered, or auto = direct "
         "where supported unless a start-up probe finds it clearly slower.")
+    disk_rescan_s: float | None = Field(None, ge=0, le=3600, allow_inf_nan=False, description=(
+        "Seconds between rescans of disk_path for chunk files other engines wrote or removed (adopted into "
+        "the index, reported to the scheduler); 0 = never; unset = 2 for a kv_consumer engine, never otherwise."))
     disk_fsync: bool = Field(False, description="fsync each chunk file before it becomes visible (durable across power loss).")
     shutdown_flush_s: float = Field(30.0, ge=0, allow_inf_nan=False,
                                     description="On a graceful stop, seconds allowed to write dirty DRAM chunks to disk.")

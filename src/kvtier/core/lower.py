@@ -117,6 +117,25 @@ class LowerTier:
         # one batch: a remote tier pipelines it under its deadline, the disk tier reads in parallel
         return self.tier.get_many(keys, [memoryview(d.data) for d in dsts])
 
+    def rescan(self) -> int:
+        """Take in chunk files other processes wrote or removed (a tier with ``rescan``, the disk
+        tier): adopted keys join the policy, removed ones leave it, both go to the change feed.
+        The directory is read without the store's lock.  Returns the keys adopted or forgotten."""
+        rescan = getattr(self.tier, "rescan", None)
+        if rescan is None or self.shared:
+            return 0
+        found = rescan()
+        with self._lock:
+            for key in found.adopted:
+                if self.policy is not None and self.tier.indexed(key) and key not in self.policy:
+                    self.policy.insert(key, None)
+                self._on_change(key)
+            for key in found.gone:
+                if self.policy is not None and not self.tier.indexed(key):
+                    self.policy.remove(key)
+                self._on_change(key)
+        return len(found.adopted) + len(found.gone)
+
     def submit(self, fn: Callable[[], object]) -> Future[object]:
         """Run ``fn`` on this (shared) tier's lookup threads."""
         assert self.readers is not None, "only a shared tier runs background lookups"

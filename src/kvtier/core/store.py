@@ -139,6 +139,12 @@ class TieredStore(ChangeFeedMixin):
                                     self.counters) if self._shared else None
         self._ahead = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-read-ahead")
         self._closed = False
+        self._rescan_stop = threading.Event()
+        self._rescanner: threading.Thread | None = None
+        if config.disk_rescan_s and self._local:  # None or 0: never (the vLLM connector sets it for consumers)
+            self._rescanner = threading.Thread(target=self._rescan_loop, args=(config.disk_rescan_s,),
+                                               name="kvtier-disk-rescan", daemon=True)
+            self._rescanner.start()
 
     def _on_written(self, job: WriteJob, tier_name: str, ok: bool) -> None:
         self.top.written(job, ok)  # the top tier is built before the lower tiers that call this
@@ -433,6 +439,21 @@ class TieredStore(ChangeFeedMixin):
         self.complete_load(handle, True)
         return out
 
+    # ---- other processes' chunk files -----------------------------------------------------
+    def rescan(self) -> int:
+        """Adopt chunk files other processes wrote into the local lower tiers since start, and
+        forget those they removed (:meth:`kvtier.core.tiers.disk.DiskTier.rescan`); both reach the
+        change feed, so a scheduler's mirror learns of them.  Runs every ``disk_rescan_s``
+        seconds on a background thread when that is set.  Returns the keys adopted or forgotten."""
+        return sum(lt.rescan() for lt in self._local)
+
+    def _rescan_loop(self, interval_s: float) -> None:
+        while not self._rescan_stop.wait(interval_s):
+            try:
+                self.rescan()
+            except Exception:  # the thread must outlive one bad round (e.g. the directory vanished)
+                log.exception("kvtier: rescanning the disk tier failed")
+
     # ---- lifecycle and checks ------------------------------------------------------------
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until queued writes of every tier are done; False if ``timeout_s`` passed first."""
@@ -445,6 +466,9 @@ class TieredStore(ChangeFeedMixin):
         if self._closed:
             return
         self._closed = True
+        self._rescan_stop.set()
+        if self._rescanner is not None:
+            self._rescanner.join(timeout=timeout_s)
         self.flush(timeout_s)
         self._ahead.shutdown(wait=True)
         for lt in self.lower:

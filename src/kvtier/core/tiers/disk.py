@@ -14,8 +14,11 @@
   directory at start, so a restarted engine still hits.  Stale temporary files are removed.
 - **Shared directory**: several processes may point at the same directory (two engines, or a
   prefill and a decode instance).  A key missing from this process's index is looked up on the
-  filesystem before being called a miss, and a file another process deleted is a miss.  Capacity
-  is accounted per process, over the files it knows.
+  filesystem before being called a miss, and a file another process deleted is a miss.
+  :meth:`DiskTier.rescan` adopts files other processes wrote since start (header checked) and
+  forgets those they removed, looking only into shard directories that changed
+  (:mod:`kvtier.core.tiers.diskscan`); the store runs it every ``disk_rescan_s`` seconds.
+  Capacity is accounted per process, over the files it knows.
 
 Thread-safety: ``get_into`` and ``put`` do their I/O without a lock and may run concurrently on
 different keys; the index is guarded by a lock.
@@ -41,15 +44,17 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers.base import GetResult, PutResult, Tier, TierUsage
 from kvtier.core.tiers.chunkfile import HEADER_BYTES, ChunkFormatError, decode_header, encode_header
 from kvtier.core.tiers.chunkio import DEFAULT_SLICE_BYTES, ChunkIO, helper_threads
+from kvtier.core.tiers.diskscan import SUFFIX, RescanResult, ShardWatch, chunk_names, header_bytes
 from kvtier.core.tiers.iomode import direct_supported, measure_direct
 
 if TYPE_CHECKING:
     from kvtier.core.tiers.registry import TierContext
 
 log = logging.getLogger(__name__)
-SUFFIX = ".kvc"
 IOMode = Literal["auto", "buffered", "direct"]
 IO_MODES: tuple[IOMode, ...] = ("auto", "buffered", "direct")
+RESCAN_MAX_NEW = 4096
+"""Header checks of new files per :meth:`DiskTier.rescan` round at most (the rest wait a round)."""
 STALE_TMP_S = 120.0
 """A temporary file older than this (seconds) at start-up is a crash leftover and is removed."""
 
@@ -100,6 +105,8 @@ class DiskTier(Tier):
         self._used = 0
         self._adopted = 0  # files indexed after start (written by other processes)
         self._bad: set[ChunkKey] = set()  # unusable entries that could not be removed
+        self._writing: set[ChunkKey] = set()  # indexed before their file is renamed into place
+        self._watch = ShardWatch(self._root)
         self.generation = 0  # bumped when the directory vanished and the index was dropped
         self._rebuild_index()
         for i in range(256):  # fan-out directories made once, not on the write path
@@ -263,6 +270,7 @@ class DiskTier(Tier):
                 return PutResult.NO_ROOM
             self._key_to_size[key] = size  # reserve room while writing
             self._used += size
+            self._writing.add(key)
         path = self.path(key)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
@@ -276,13 +284,79 @@ class DiskTier(Tier):
         except OSError as exc:
             _unlink(tmp)
             with self._lock:
+                self._writing.discard(key)
                 self._forget(key)
                 if not self.dir.is_dir():
                     self._recreate_locked()
                     return PutResult.FAILED
             log.warning("kvtier disk tier: writing %s failed (%s); chunk not stored", path, exc.strerror)
             return PutResult.FAILED
+        with self._lock:
+            self._writing.discard(key)
         return PutResult.STORED
+
+    def rescan(self, max_new: int = RESCAN_MAX_NEW) -> RescanResult:
+        """Adopt chunk files other processes wrote since the index was built; forget removed ones.
+
+        Lists only the shard directories that changed since their last listing
+        (:class:`~kvtier.core.tiers.diskscan.ShardWatch`).  A file not in the index has its header
+        block read and checked (namespace, key, length against its size; at most ``max_new``
+        files per call, the rest on the next) and is indexed; a file whose header fails is
+        counted in ``corrupt`` and removed, as a failed read is.  An indexed key whose file is
+        gone (and that this process is not writing) is forgotten.  The payload checksum is
+        checked when the chunk is read, as always.  Thread-safe; the I/O runs outside the lock.
+
+        Returns:
+            what changed (:class:`~kvtier.core.tiers.diskscan.RescanResult`).
+        """
+        result = RescanResult()
+        budget = max(max_new, 0)
+        changed = self._watch.changed()
+        if not changed:
+            return result
+        by_shard: dict[int, set[ChunkKey]] = {shard: set() for shard, _path, _mtime in changed}
+        with self._lock:  # one pass over the index (a key's shard is its first byte)
+            for key in self._key_to_size:
+                if key[0] in by_shard:
+                    by_shard[key[0]].add(key)
+        for shard, path, mtime in changed:
+            on_disk = chunk_names(path, shard, len(self.namespace))
+            result.shards_listed += 1
+            indexed = by_shard[shard]
+            new = [k for k in on_disk - indexed if k not in self._bad]
+            with self._lock:
+                for key in indexed - on_disk:  # removed by another process (or by hand)
+                    if key in self._key_to_size and key not in self._writing and not os.path.lexists(self._file(key)):
+                        self._forget(key)
+                        result.gone.append(key)
+            complete = len(new) <= budget
+            for key in new[:budget]:
+                self._adopt_checked(key, result)
+            budget -= min(len(new), budget)
+            if complete:
+                self._watch.listed(shard, mtime)
+            else:
+                result.more = True
+        return result
+
+    def _adopt_checked(self, key: ChunkKey, result: RescanResult) -> None:
+        """Index ``key``'s file if its header checks out; quarantine it if it does not."""
+        path = self._file(key)
+        try:
+            size = header_bytes(path, self.namespace, key)
+        except FileNotFoundError:
+            return
+        except (ChunkFormatError, OSError) as exc:
+            self._quarantine(key, Path(path), str(exc))
+            result.corrupt += 1
+            return
+        with self._lock:
+            if key in self._key_to_size or key in self._bad:
+                return
+            self._key_to_size[key] = size
+            self._used += size
+            self._adopted += 1
+        result.adopted.append(key)
 
     def _write_file(self, key: ChunkKey, tmp: Path, payload: memoryview) -> None:
         io = self._io
@@ -331,6 +405,7 @@ class DiskTier(Tier):
                     self.dir, len(self._key_to_size))
         self._key_to_size.clear()
         self._used = 0
+        self._watch.forget()
         self.generation += 1
         try:
             for i in range(256):

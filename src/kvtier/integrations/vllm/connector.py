@@ -49,7 +49,7 @@ from kvtier.core.errors import ConfigError
 from kvtier.integrations.vllm.protocol import KVTierMetadata, KVTierWorkerMeta
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.stats import KVTierPromMetrics, KVTierStats
-from kvtier.integrations.vllm.worker import WorkerSide
+from kvtier.integrations.vllm.worker import WorkerSide, role_config
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -119,7 +119,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler_side = SchedulerSide(vllm_config, kv_cache_config, self.kvtier_config,
                                                 load=load, save=save)
         else:
-            self.worker_side = WorkerSide(vllm_config, kv_cache_config, self.kvtier_config)
+            self.worker_side = WorkerSide(vllm_config, kv_cache_config, role_config(self.kvtier_config, transfer.kv_role))
 
     @property
     def requires_kv_delivery(self) -> bool:
