@@ -9,6 +9,7 @@ process) meet only through vLLM's own per-step messages, as under ``vllm serve``
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +92,37 @@ def test_producer_hands_kv_to_consumer_through_shared_disk(tiny_model: Path, tmp
     assert used["metrics"]["kvtier_saved_tokens_total"] == 0  # a consumer never writes
     # its graceful stop says so: the flush line is logged with nothing dirty too (breaker F8)
     assert "kvtier: rank 0 shutdown flush wrote 0 dirty chunks" in (tmp_path / "consumer.log").read_text(errors="replace")
+    assert used["metrics"]["kvtier_loaded_tokens_total{disk}"] == 2 * LOADABLE
+    assert used["metrics"]["vllm:external_prefix_cache_hits_total"] == 2 * LOADABLE
+    _same(made["results"][0], used["results"][0])
+
+
+def test_running_consumer_adopts_what_a_producer_writes_later(tiny_model: Path, tmp_path: Path) -> None:
+    """A kv_consumer starts on an empty shared disk tier and keeps running; a kv_producer then
+    prefills and stops.  The consumer's periodic rescan (``disk_rescan_s``) adopts the producer's
+    chunk files, its next engine step carries them to the scheduler's mirror, and it serves the
+    prompts from disk with the producer's tokens and logprobs."""
+    disk = tmp_path / "disk"
+    ready, done = tmp_path / "consumer-ready", tmp_path / "producer-done"
+    prompts = _prompts()
+    spec = _spec(tiny_model, disk, [{"op": "touch", "path": str(ready)},
+                                    {"op": "wait", "path": str(done), "timeout_s": 600},
+                                    {"op": "metrics"},  # 1.5 s: several rescans
+                                    {"op": "flush"},  # one engine step: the index changes reach the mirror
+                                    {"op": "generate", "prompts": prompts}], role="kv_consumer")
+    spec["kvtier"]["disk_rescan_s"] = 0.2
+    consumer = run_engine(spec, tmp_path, "consumer", timeout_s=900)
+    try:
+        deadline = time.monotonic() + 420
+        while not ready.exists() and consumer.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert ready.exists(), "the consumer did not start"
+        made = result_of(run_engine(_spec(tiny_model, disk, [{"op": "generate", "prompts": prompts}],
+                                          role="kv_producer"), tmp_path, "producer"), tmp_path, "producer")
+    finally:
+        done.write_text("done")
+    used = result_of(consumer, tmp_path, "consumer")
+    assert made["metrics"]["kvtier_saved_tokens_total"] == 2 * LOADABLE
     assert used["metrics"]["kvtier_loaded_tokens_total{disk}"] == 2 * LOADABLE
     assert used["metrics"]["vllm:external_prefix_cache_hits_total"] == 2 * LOADABLE
     _same(made["results"][0], used["results"][0])
