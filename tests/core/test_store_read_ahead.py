@@ -77,3 +77,23 @@ def test_get_serves_a_disk_prefix_through_read_ahead(tmp_path):
     assert store.stats().tier("disk").load_hit_chunks == 7
     store.check_integrity()
     store.close()
+
+
+def test_read_ahead_in_batches_stops_at_a_corrupt_chunk_and_gives_the_rest_back(tmp_path):
+    """io_threads=1: the tail is read one chunk per batch; ``ready_chunks`` only grows, never past a
+    chunk that failed verification, and the batches after it release their pins and pages."""
+    store, chain = on_disk_only(tmp_path, 7, io_threads=1)
+    flip(store, chain[4])
+    handle = store.prepare_load(chain, read_ahead=True)
+    assert handle.ahead_from == 1
+    seen = [handle.ready_chunks()]
+    while not handle.wait(0.0005):
+        seen.append(handle.ready_chunks())
+    seen.append(handle.ready_chunks())
+    assert seen == sorted(seen) and seen[-1] == handle.num_chunks == 4
+    assert [b.tobytes() for b in handle.buffers] == [payload(k) for k in chain[:4]]
+    store.complete_load(handle, True)
+    assert store.cpu.usage().num_chunks == 4  # chunks 5 and 6 were never read: no page kept for them
+    assert store.stats().pinned_chunks == 0 and store.stats().corrupt_chunks == 1
+    store.check_integrity()
+    store.close()

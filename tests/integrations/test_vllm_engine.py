@@ -54,7 +54,7 @@ class Engine:
             request["cache_salt"] = salt
         out = self.llm.generate([request], params, use_tqdm=False)[0]
         c = out.outputs[0]
-        return {"prompt_ids": list(out.prompt_token_ids), "tokens": list(c.token_ids),
+        return {"prompt_ids": list(out.prompt_token_ids), "tokens": list(c.token_ids), "cached": out.num_cached_tokens,
                 "logprobs": [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]}
 
     def chain(self, prompt_ids: list[int], salt: str | None = None) -> list[bytes]:
@@ -214,7 +214,7 @@ def test_stale_mirror_is_a_recompute_never_wrong_kv(engine: Engine, monkeypatch:
     store = engine.store
     real_prepare = store.prepare_load
 
-    def evict_then_prepare(chain, max_chunks=None):
+    def evict_then_prepare(chain, max_chunks=None, **kwargs):
         with store._lock:  # what eviction does, at the worst moment
             for key in chain:
                 if store.cpu.contains(key):
@@ -222,7 +222,7 @@ def test_stale_mirror_is_a_recompute_never_wrong_kv(engine: Engine, monkeypatch:
                 for lower in store.lower:
                     if lower.tier.indexed(key):
                         lower._evict_locked(key)
-        return real_prepare(chain, max_chunks)
+        return real_prepare(chain, max_chunks, **kwargs)
 
     monkeypatch.setattr(store, "prepare_load", evict_then_prepare)
     m0 = metrics_snapshot()
@@ -235,6 +235,66 @@ def test_stale_mirror_is_a_recompute_never_wrong_kv(engine: Engine, monkeypatch:
     assert again["tokens"] == cold["tokens"]
     assert max_logprob_diff(again["logprobs"], cold["logprobs"]) < TOLERANCE
     store.check_integrity()
+
+
+def test_prefix_partly_on_disk_copies_the_head_while_the_tail_is_read_ahead(engine: Engine) -> None:
+    """Chunk 0 in the cpu tier, chunks 1-5 on disk only: the loader copies the head (and the
+    first io_threads disk chunks) while the rest is read ahead into the cpu tier; the result is
+    bit-identical to the same prefix loaded from the cpu tier alone, and equal to recompute."""
+    p = prompt(108)
+    cold = engine.generate(p)
+    engine.llm.reset_prefix_cache()
+    from_cpu = engine.generate(p)
+    store = engine.store
+    store.flush()  # write-through: every chunk is on disk too
+    chain = engine.chain(cold["prompt_ids"])
+    with store._lock:  # the cpu tier forgets chunks 1-5 (as its eviction would); the disk keeps them
+        for key in chain[1:]:
+            store.top.evict(key)
+    engine.generate("one step", max_tokens=1)  # the scheduler's mirror learns of changes with the next step
+    engine.llm.reset_prefix_cache()
+    m0 = metrics_snapshot()
+    mixed = engine.generate(p)
+    m1 = metrics_snapshot()
+    assert delta(m1, m0, LOADED_CPU) == CHUNK_TOKENS
+    assert delta(m1, m0, LOADED_DISK) == LOADABLE - CHUNK_TOKENS
+    assert delta(m1, m0, "kvtier_load_failed_blocks_total") == 0
+    assert mixed["cached"] == LOADABLE
+    assert all(store.cpu.contains(k) for k in chain)  # the tail was promoted on its way to the engine
+    assert mixed["tokens"] == from_cpu["tokens"] == cold["tokens"]
+    assert mixed["logprobs"] == from_cpu["logprobs"]  # same bytes, same attention path: bit-identical
+    assert max_logprob_diff(mixed["logprobs"], cold["logprobs"]) < TOLERANCE
+    store.check_integrity()
+
+
+def test_corrupt_tail_chunk_recomputes_only_from_that_chunk_on(engine: Engine) -> None:
+    """The prefix is on disk only and chunk 4 (read ahead, after the first io_threads chunks) fails
+    verification: chunks 0-3 are loaded, only chunks 4-5's blocks are reported failed and recomputed."""
+    p = prompt(109)
+    cold = engine.generate(p)
+    engine.llm.reset_prefix_cache()
+    from_cpu = engine.generate(p)
+    engine.evict_from_cpu_tier(seed=970)
+    chain = engine.chain(cold["prompt_ids"])
+    assert not any(engine.store.cpu.contains(k) for k in chain)
+    victim = engine.store.disk.path(chain[4])
+    raw = bytearray(victim.read_bytes())
+    raw[-100] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+    corrupt_before = engine.store.stats().corrupt_chunks
+    m0 = metrics_snapshot()
+    again = engine.generate(p)
+    m1 = metrics_snapshot()
+    assert engine.store.stats().corrupt_chunks == corrupt_before + 1
+    assert delta(m1, m0, LOADED_DISK) == 4 * CHUNK_TOKENS
+    assert delta(m1, m0, "kvtier_load_failed_blocks_total") == 2 * CHUNK_TOKENS // 32
+    # vLLM (policy recompute) resets the request to the first failed block (block 8 = chunk 4) and
+    # recomputes from there; its num_cached_tokens still reports the admitted hit (384), so the
+    # failed-block count above is the check that only chunks 4-5 were given back
+    assert again["tokens"] == cold["tokens"]
+    assert again["logprobs"] == from_cpu["logprobs"]
+    assert max_logprob_diff(again["logprobs"], cold["logprobs"]) < TOLERANCE
+    engine.store.check_integrity()
 
 
 def test_aborted_and_preempted_requests_leave_no_pins(engine: Engine) -> None:

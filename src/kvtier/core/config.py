@@ -50,6 +50,9 @@ class KVTierConfig(BaseSettings):
         "from the cpu tier at least once); kvtier.core.policies.admission."))
     save_queue_depth: int = Field(64, gt=0, description="Disk writes queued at most; more are dropped and counted.")
     io_threads: int = Field(2, gt=0, le=64, description="Worker threads for disk I/O.")
+    load_wait_s: float = Field(10.0, gt=0, le=600, allow_inf_nan=False, description=(
+        "Longest an engine load waits for chunks still being read from a lower tier (disk, shared); "
+        "past it, the blocks from the first missing chunk on are recomputed by the engine."))
     disk_io: Literal["auto", "buffered", "direct"] = Field(
         "auto", description="Disk tier I/O: direct = O_DIRECT (bypasses the page cache), buffered, or auto = direct "
         "where supported unless a start-up probe finds it clearly slower.")

@@ -205,8 +205,9 @@ class TieredStore(ChangeFeedMixin):
         """Pin and return the longest available prefix of ``chain`` (at most ``max_chunks``).
 
         With ``read_ahead``, only the first ``io_threads`` chunks found below the cpu tier are read
-        before returning; the rest are read into cpu pages in the background while the caller
-        copies the ready ones out (``handle.ready_chunks()``, then ``handle.wait(timeout_s)``)."""
+        before returning; the rest are read into cpu pages in the background, ``io_threads`` at a
+        time, while the caller copies the ready ones out (``handle.ready_chunks()`` grows as they
+        arrive; ``handle.wait(timeout_s)`` for the end)."""
         limit = len(chain) if max_chunks is None else min(max_chunks, len(chain))
         handle = LoadHandle([], [], [])
         promote: list[tuple[int, ChunkKey, np.ndarray, bool, LowerTier]] = []  # pos, key, buffer, page?, tier
@@ -306,8 +307,12 @@ class TieredStore(ChangeFeedMixin):
             except RuntimeError:  # closed: read here
                 self._promote_ahead(chain, handle, ahead)
             return
+        self._give_back(ahead)
+
+    def _give_back(self, jobs: list[tuple[int, ChunkKey, np.ndarray, bool, LowerTier]]) -> None:
+        """Promotions that will not be read: unpin their lower-tier chunks, release their reserved pages."""
         with self._lock:
-            for _pos, key, _buf, reserved, lt in ahead:
+            for _pos, key, _buf, reserved, lt in jobs:
                 if not lt.shared:
                     lt.unpin_locked(key)
                 if reserved:
@@ -315,8 +320,18 @@ class TieredStore(ChangeFeedMixin):
 
     def _promote_ahead(self, chain: Sequence[ChunkKey], handle: LoadHandle,
                        ahead: list[tuple[int, ChunkKey, np.ndarray, bool, LowerTier]]) -> None:
+        """Read ``ahead`` in batches of ``io_threads`` chunks, advancing ``handle.ahead_from`` (what
+        :meth:`LoadHandle.ready_chunks` reports) after each, so a caller copies while the rest is read."""
+        step = self.config.io_threads
         try:
-            self._promote(chain, handle, ahead)
+            for i in range(0, len(ahead), step):
+                batch = ahead[i:i + step]
+                if handle.num_chunks > batch[0][0]:
+                    self._promote(chain, handle, batch)
+                else:  # the prefix ended in an earlier batch (a chunk failed): give this one's pins and pages back
+                    self._give_back(batch)
+                with self._lock:
+                    handle.ahead_from = min(batch[-1][0] + 1, handle.num_chunks)
         finally:
             with self._lock:
                 handle.reading_ahead = False

@@ -3,17 +3,21 @@
 One :class:`LoadJob` per request admitted with a kvtier hit.  ``submit`` returns at once; a
 loader thread (``threads`` of them) then:
 
-1. ``store.prepare_load(chain)``: pins the chunks still held and reads/verifies those only on
-   disk or in the shared tier (one pipelined ``GET`` batch; promotion into the cpu tier); the
-   mirror that planned the load may be stale, so this can return fewer chunks than planned,
-   never other bytes;
-2. copies the delivered chunks into the job's engine blocks (:class:`BlockCopier`);
+1. ``store.prepare_load(chain, read_ahead=True)``: pins the chunks still held and reads/verifies
+   the first ``io_threads`` of those only on disk or in the shared tier before it returns; the
+   rest are read into cpu pages in the background (promotion); the mirror that planned the load
+   may be stale, so this can end with fewer chunks than planned, never other bytes;
+2. copies each chunk into the job's engine blocks as soon as it is ready
+   (``handle.ready_chunks()``), so the head is copied while the tail is still being read, and
+   waits at most ``load_wait_s`` in all for the tail (a chunk that failed verification ends the
+   prefix there; a tail that did not arrive in time is recomputed);
 3. ``store.complete_load`` in ``finally`` (unpins; hits counted only for delivered chunks);
 4. records the blocks it could not fill (short or failed load) as load errors, then the request
    as finished receiving, in that order, so both reach vLLM no later than the same step.
 
 Bounds: jobs in flight are bounded by the engine's KV cache (each holds its request's blocks
-until reported); ``shutdown`` cancels jobs not started and waits for running ones.  A job whose
+until reported); a job waits for its read-ahead at most ``load_wait_s``; ``shutdown`` cancels
+jobs not started and waits for running ones.  A job whose
 request was aborted before it started is skipped and reported as finished (vLLM waits for that
 report before it frees the blocks; vllm/v1/core/sched/scheduler.py ``finish_requests``).
 """
@@ -25,6 +29,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from kvtier.core.handles import LoadHandle
 from kvtier.core.keys import ChunkKey
 from kvtier.core.store import TieredStore
 from kvtier.integrations.vllm.copy import BlockCopier, Span
@@ -33,6 +38,8 @@ from kvtier.integrations.vllm.mirror import TIER_ORDER
 from kvtier.integrations.vllm.protocol import LoadJob
 
 log = logging.getLogger(__name__)
+
+READ_AHEAD_POLL_S = 0.002  # how often a load looks for more chunks read ahead (on its own thread)
 
 
 class AsyncLoader:
@@ -44,11 +51,14 @@ class AsyncLoader:
         blocks_per_chunk: ``chunk_tokens // block_size``.
         block_size: tokens per engine block.
         threads: loader threads (> 0).
+        groups: hybrid models: one copier per KV cache group.
+        wait_s: longest a job waits for the chunks read ahead from a lower tier, seconds.
     """
 
     def __init__(self, store: TieredStore, copier: BlockCopier | None, blocks_per_chunk: int, block_size: int,
-                 threads: int, groups: GroupCopiers | None = None) -> None:
+                 threads: int, groups: GroupCopiers | None = None, wait_s: float = 10.0) -> None:
         self.store = store
+        self.wait_s = wait_s  # longest wait for chunks read ahead (config load_wait_s)
         self.copier = copier
         self.groups = groups  # hybrid models: one copier per KV cache group, page jobs
         self._failed: set[str] = set()
@@ -106,25 +116,29 @@ class AsyncLoader:
             if skipped:
                 return
             # max_chunks: the plan already asked the shared tier, so its reads need no second presence batch
-            handle = self.store.prepare_load([ChunkKey(k) for k in job.keys], max_chunks=job.num_chunks)
-            usable = handle.num_chunks
-            spans, tiers = [], []
-            for c in range(first_chunk, usable):
-                lo, hi = max(job.first_block, c * self.k), (c + 1) * self.k
-                spans.append(Span(handle.buffers[c], lo - c * self.k,
-                                  job.block_ids[lo - job.first_block:hi - job.first_block]))
-                tiers.append(handle.tiers[c])
+            handle = self.store.prepare_load([ChunkKey(k) for k in job.keys], max_chunks=job.num_chunks,
+                                             read_ahead=True)
             assert self.copier is not None
-            self.copier.load(spans)
+            deadline = time.monotonic() + self.wait_s
+            num_blocks = 0
+            while True:
+                complete = handle.wait(0)  # True once the read-ahead ended: num_chunks is final
+                ready = handle.num_chunks if complete else handle.ready_chunks()
+                if ready > delivered:
+                    num_blocks += self._copy(job, handle, delivered, ready)
+                    delivered = ready
+                if complete:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.warning("kvtier: request %s: chunks %d.. were not read within load_wait_s=%s; "
+                                "recomputing them", job.req_id, delivered, self.wait_s)
+                    break
+                handle.wait(min(left, READ_AHEAD_POLL_S))
             ok = True
-            delivered = max(usable, first_chunk)
-            if usable < job.num_chunks:
-                log.info("kvtier: request %s: %d of %d planned chunks still held; recomputing the rest",
-                         job.req_id, usable, job.num_chunks)
-            for span, tier in zip(spans, tiers):
-                # vLLM counts hits of re-admitted (preempted) requests apart; so do we.
-                self.store.counters.engine_loaded(tier, len(span.block_ids) * self.block_size, job.resumed)
-            num_blocks = sum(len(s.block_ids) for s in spans)
+            if delivered < job.num_chunks:
+                log.info("kvtier: request %s: %d of %d planned chunks loaded; recomputing the rest",
+                         job.req_id, delivered, job.num_chunks)
             self.store.counters.moved("cpu_to_engine", num_blocks * self.copier.layout.block_bytes
                                       * self.copier.layout.num_layers, time.perf_counter() - t0)
         except Exception:
@@ -140,6 +154,19 @@ class AsyncLoader:
                 self._finished.add(job.req_id)
                 self._inflight.pop(job.req_id, None)
                 self._aborted.discard(job.req_id)
+
+    def _copy(self, job: LoadJob, handle: LoadHandle, start: int, end: int) -> int:
+        """Copy chunks ``start .. end - 1`` of ``handle`` into the job's blocks; returns blocks copied."""
+        assert self.copier is not None
+        spans = []
+        for c in range(start, end):
+            lo, hi = max(job.first_block, c * self.k), (c + 1) * self.k
+            spans.append(Span(handle.buffers[c], lo - c * self.k, job.block_ids[lo - job.first_block:hi - job.first_block]))
+        self.copier.load(spans)
+        for c, span in zip(range(start, end), spans):
+            # vLLM counts hits of re-admitted (preempted) requests apart; so do we.
+            self.store.counters.engine_loaded(handle.tiers[c], len(span.block_ids) * self.block_size, job.resumed)
+        return sum(len(s.block_ids) for s in spans)
 
     def _run_pages(self, job: LoadJob) -> None:
         """A hybrid model's load: every page of every group, or a failed request."""

@@ -173,7 +173,7 @@ class WorkerSide:
         self.store = TieredStore(self.config, namespace, self.layout.chunk_bytes(self.blocks_per_chunk), self.tp_size)
         self.copier = BlockCopier(self.layout, kv_caches, self.blocks_per_chunk)
         self.loader = AsyncLoader(self.store, self.copier, self.blocks_per_chunk, self.block_size,
-                                  self.config.io_threads)
+                                  self.config.io_threads, wait_s=self.config.load_wait_s)
         log.info("kvtier: rank %d layout %s, chunk %d tokens = %d bytes, namespace %s, identity %s, AMX %s",
                  self.tp_rank, self.layout.describe(), self.config.chunk_tokens, self.store.chunk_bytes,
                  namespace.digest().hex(), fingerprint, "requested" if amx else "not available")
