@@ -4,7 +4,7 @@ token hit ratio), far above it where LRU thrashes, and the same object the store
 import pytest
 
 from kvtier.core.policies import make_policy
-from kvtier.core.policies.adaptive import AdaptivePolicy
+from kvtier.core.policies.adaptive import SHADOW_KEYS, AdaptivePolicy
 from kvtier.core.policies.registry import DEFAULT_POLICY
 from kvtier.simulate.replay import chunk_parents, replay
 from kvtier.simulate.synth import generate, make_params
@@ -47,6 +47,17 @@ def test_cycling_working_set_keeps_a_stable_part():
     adaptive = 100 * counts.cpu_hits * 512 / counts.prompt_tokens
     assert policies[0].mode == "bip"
     assert adaptive > lru + 40  # LRU only keeps the shared system block; most of 80 % stays resident
+
+
+def test_shadows_stay_small_while_a_tier_fills_without_evicting():
+    policy = AdaptivePolicy()
+    parent = None
+    for key in range(8 * SHADOW_KEYS):  # a tier never asked for a victim (larger than its traffic)
+        policy.insert(key, parent)
+        parent = key
+    policy.touch(list(range(8 * SHADOW_KEYS)))
+    assert len(policy) == 8 * SHADOW_KEYS
+    assert 0 < policy.shadow_keys <= 3 * SHADOW_KEYS  # sampled at ~SHADOW_KEYS / n, not every key
 
 
 def test_default_is_adaptive_and_the_store_holds_it(tmp_path):

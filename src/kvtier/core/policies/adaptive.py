@@ -117,8 +117,10 @@ class _Shadow:
             node = nodes[key] = _Node(time, uses, gap, depth, None, lucky)
         node.rank = rank = _rank(self.mode, time, uses, gap, node.mru, scale)
         node.seq = s = next(seq)
-        heapq.heappush(self.heap, (rank, -node.depth, s, key))
-        self.shrink(capacity)
+        heap = self.heap
+        heapq.heappush(heap, (rank, -node.depth, s, key))
+        if len(nodes) > capacity or len(heap) > 4 * len(nodes) + 64:
+            self.shrink(capacity)
 
     def shrink(self, capacity: int) -> None:
         nodes, heap = self.nodes, self.heap
@@ -166,12 +168,18 @@ class AdaptivePolicy(EvictionPolicy):
         self._runs = 0  # request runs inserted (a run: chunks inserted in prompt order)
         self._shadows = [_Shadow(m) for m in range(len(MODES))]
         self._threshold = 1 << _SAMPLE_BITS  # sample every key while the tier is small
+        self._sampled_n = 1  # tracked chunks when the sampling rate was last set
         self._sampled = 0  # sampled accesses since the last decay
         self.switches = 0
 
     @property
     def mode(self) -> str:
         return MODES[self._mode]
+
+    @property
+    def shadow_keys(self) -> int:
+        """Sampled keys the largest shadow holds now (about SHADOW_KEYS at most)."""
+        return max(len(shadow.nodes) for shadow in self._shadows)
 
     # -- mutations ---------------------------------------------------------------------------
     def insert(self, key: Any, parent: Any | None) -> None:
@@ -195,6 +203,8 @@ class AdaptivePolicy(EvictionPolicy):
         if parent is not None:
             self._children[parent] = self._children.get(parent, 0) + 1
         self._queue(key, node)
+        if len(nodes) > 2 * self._sampled_n:  # a tier that fills without evicting
+            self._resample(len(nodes))
         if _sample(key) < self._threshold:
             self._shadow(key, time, uses, gap, depth, lucky)
 
@@ -265,11 +275,7 @@ class AdaptivePolicy(EvictionPolicy):
         n = max(len(self._nodes), 1)
         if n > 2 * self._scale or n * 2 < self._scale:
             self._scale = n
-            threshold = min(1 << _SAMPLE_BITS, (SHADOW_KEYS << _SAMPLE_BITS) // n)
-            if threshold != self._threshold:
-                self._threshold = threshold
-                for shadow in self._shadows:
-                    shadow.resample(threshold, self._shadow_capacity(), n)
+            self._resample(n)
         mode, scale, children, seq = self._mode, self._scale, self._children, self._seq
         heap = []
         for key, node in self._nodes.items():
@@ -279,6 +285,16 @@ class AdaptivePolicy(EvictionPolicy):
                 heap.append((node.rank, -node.depth, s, key))
         heapq.heapify(heap)
         self._heap = heap
+
+    def _resample(self, n: int) -> None:
+        """Sampling rate for ``n`` tracked chunks: shadows hold at most about SHADOW_KEYS keys,
+        also while a tier fills without evicting (no victim asked yet)."""
+        self._sampled_n = n
+        threshold = min(1 << _SAMPLE_BITS, (SHADOW_KEYS << _SAMPLE_BITS) // n)
+        if threshold != self._threshold:
+            self._threshold = threshold
+            for shadow in self._shadows:
+                shadow.resample(threshold, self._shadow_capacity(), self._scale)
 
     def _shadow_capacity(self) -> int:
         return max(1, (len(self._nodes) * self._threshold) >> _SAMPLE_BITS)
@@ -294,10 +310,13 @@ class AdaptivePolicy(EvictionPolicy):
             self._sampled = 0
             for shadow in shadows:
                 shadow.hits /= 2
+        best, top = 0, shadows[0].hits
+        for m in range(1, len(shadows)):
+            if shadows[m].hits > top:
+                best, top = m, shadows[m].hits
         current = shadows[self._mode].hits
-        best = max(range(len(shadows)), key=lambda m: shadows[m].hits)
-        lead = shadows[best].hits - current
-        if best != self._mode and lead > MARGIN * current and lead * lead > SIGNIFICANCE * (shadows[best].hits + current):
+        lead = top - current
+        if best != self._mode and lead > MARGIN * current and lead * lead > SIGNIFICANCE * (top + current):
             self._mode = best
             self._stale = True
             self.switches += 1
