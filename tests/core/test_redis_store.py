@@ -15,7 +15,7 @@ import redis
 
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
-from kvtier.core.tiers import GetResult, PutResult
+from kvtier.core.tiers import GetResult, PutResult, redisstream
 from kvtier.core.tiers.sharedvalue import ValueCodec
 
 from ..redis_servers import DelayProxy
@@ -264,3 +264,29 @@ def test_streamed_put_stores_exactly_the_encoded_value_and_a_changed_payload_is_
     assert raw.exists(tier.rkey(key)) == 0
     tier.close()
     raw.close()
+
+
+def test_streamed_get_reads_every_reply_shape_and_an_error_reply_leaves_the_pool_usable(redis_server, key_prefix):
+    # tiers/redisstream.get_many parses replies itself: values smaller than its 64 KiB line buffer
+    # (several replies in one recv), larger ones (received straight into the value), empty, absent
+    client = redis.Redis.from_url(redis_server.url, socket_timeout=10)
+    sizes = [0, 1, 100, 65_530, 65_536, 70_001, 3 << 20]
+    values = {f"{key_prefix}v{i}".encode(): os.urandom(n) for i, n in enumerate(sizes)}
+    client.mset(values)
+    keys = [*values, f"{key_prefix}absent".encode()]
+    taken: list[int] = []
+
+    def take(n: int) -> bytearray:
+        taken.append(n)
+        return bytearray(n)
+
+    got = redisstream.get_many(client, keys * 2, take)
+    assert [None if v is None else bytes(v) for v in got] == [*values.values(), None] * 2
+    assert taken == sizes * 2
+    client.rpush(f"{key_prefix}list".encode(), b"x")  # a GET of a list is an error reply (WRONGTYPE)
+    with pytest.raises(redisstream.ReplyError, match="WRONGTYPE"):
+        redisstream.get_many(client, [keys[0], f"{key_prefix}list".encode(), keys[1]], take)
+    assert [bytes(v) for v in redisstream.get_many(client, keys[:2], take)] == list(values.values())[:2]
+    assert client.ping()
+    client.delete(*keys, f"{key_prefix}list".encode())
+    client.close()

@@ -3,8 +3,9 @@
 - tier ``put``: ``RedisTier.put_many`` — one value per chunk (64-byte header + XXH3-128 over
   header and payload, or a keyed BLAKE3 MAC with ``--shared-secret``), ``SET … EX … NX``
   pipelined on one connection, the payload sent from the caller's buffer;
-- tier ``get``: ``RedisTier.get_many`` — one pipelined batch of ``GET``, every value verified and
-  copied into a caller buffer (what a load into the cpu tier does);
+- tier ``get``: ``RedisTier.get_many`` — one pipelined batch of ``GET`` (replies received straight
+  into reused buffers), every value verified and copied into a caller buffer (what a load into the
+  cpu tier does);
 - reference: raw redis-py pipelined ``SET key bytes EX ttl`` / ``GET key`` of the same payload
   bytes to the same server through a client with the same settings, in the same round (the
   reference's ``GET`` only receives the bytes: it neither verifies nor copies them).

@@ -9,8 +9,9 @@
   chunks of one prefix spread over all slots and shards.
 - **Batches**: ``contains_many`` / ``get_many`` send one pipeline (redis-py's Cluster pipeline
   splits it per node), so a step costs one round trip per server, not one per chunk
-  (LMCache#1639).  ``put_many`` on a standalone server sends every ``SET`` back to back with
-  each value as (header, payload) pieces, never joined (:mod:`kvtier.core.tiers.redisstream`).
+  (LMCache#1639).  On a standalone server ``put_many`` sends every ``SET`` back to back with
+  each value as (header, payload) pieces, never joined, and ``get_many`` receives values
+  straight into reused buffers (:mod:`kvtier.core.tiers.redisstream`).
 - **Bounded**: network calls run on the tier's own threads (``io_threads``), at most
   ``queue_depth`` calls waiting; the caller waits at most ``deadline_s`` and then gets misses
   (bytes arriving later are dropped, never copied into a buffer the caller has given back).
@@ -61,6 +62,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 BATCH_BYTES = 32 << 20
 """Payload bytes of one pipelined write batch; encode buffers up to three times this are kept for reuse."""
+READ_BUFFER_BYTES = 64 << 20
+"""Bytes of read buffers (standalone ``get_many``) kept for reuse."""
 WRITTEN_KEYS_MAX = 1 << 16
 """Keys this process remembers having written (``indexed``/``keys``), most recent kept."""
 
@@ -106,6 +109,7 @@ class RedisTier(Tier):
         self._written: OrderedDict[ChunkKey, int] = OrderedDict()  # key -> value bytes, oldest first
         self._used = 0
         self._free_buffers: list[bytearray] = []
+        self._free_reads: list[bytearray] = []
         self._closed = False
         self._last_error = 0.0
         self._streamed = getattr(client, "connection_pool", None) is not None  # standalone (see put_many)
@@ -198,13 +202,15 @@ class RedisTier(Tier):
         rkeys = [self.rkey(k) for k in keys]
 
         def fetch() -> list[Any]:
+            if self._streamed:  # values received straight into the tier's read buffers
+                return list(redisstream.get_many(self.client, rkeys, self._read_buffer))
             pipe = self.client.pipeline(transaction=False)
             for rk in rkeys:
                 pipe.get(rk)
             return list(pipe.execute())
 
         t0 = time.perf_counter()
-        values = self._call("get", fetch)
+        values = self._call("get", fetch)  # after a fault a late thread may still fill its buffers: not reused
         if values is None:
             return [GetResult.MISS] * len(keys)
         results: list[GetResult] = []
@@ -230,10 +236,24 @@ class RedisTier(Tier):
             copy_payload(value, decoded, dst)
             num_bytes += decoded.length
             results.append(GetResult.HIT)
+        if self._streamed:
+            self._give_read_buffers([v.obj for v in values if v is not None])
         if bad:
             self._call("delete", lambda: self._delete_each(bad))
         self.wire.moved("read", num_bytes, time.perf_counter() - t0)
         return results
+
+    def _read_buffer(self, size: int) -> bytearray:
+        """A buffer of ``size`` bytes for one value being read (reused, so its pages are faulted in)."""
+        with self._lock:
+            i = next((j for j, b in enumerate(self._free_reads) if len(b) == size), None)
+            return self._free_reads.pop(i) if i is not None else bytearray(size)
+
+    def _give_read_buffers(self, buffers: list[bytearray]) -> None:
+        with self._lock:
+            self._free_reads.extend(buffers)
+            while sum(len(b) for b in self._free_reads) > READ_BUFFER_BYTES:
+                self._free_reads.pop(0)
 
     def _delete_each(self, rkeys: Sequence[bytes]) -> int:
         pipe = self.client.pipeline(transaction=False)

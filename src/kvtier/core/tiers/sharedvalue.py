@@ -99,7 +99,7 @@ class ValueCodec:
         value[:HEADER_BYTES] = self.header(key, view)
         return value
 
-    def decode(self, key: bytes, value: bytes, max_length: int) -> Decoded:
+    def decode(self, key: bytes, value: bytes | memoryview, max_length: int) -> Decoded:
         """Verify ``value`` for ``key``; where its payload lies.
 
         Raises:
@@ -127,7 +127,7 @@ class ValueCodec:
         return Decoded(HEADER_BYTES, length)
 
 
-def copy_payload(value: bytes, decoded: Decoded, dst: memoryview) -> None:
+def copy_payload(value: bytes | memoryview, decoded: Decoded, dst: memoryview) -> None:
     """Copy a verified payload into ``dst``."""
     src = np.frombuffer(value, dtype=np.uint8, count=decoded.length, offset=decoded.offset)
     np.copyto(np.frombuffer(dst, dtype=np.uint8, count=decoded.length), src)
