@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import statistics
 import threading
+from collections import deque
 
 ALIGN = 4096
 SPLIT_MIN_BYTES = 256 << 10
@@ -18,27 +20,42 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+class _Samples:
+    """Recent wall seconds per byte of each way, for one class of reads."""
+
+    __slots__ = ("reads", "serial", "split")
+
+    def __init__(self, window: int) -> None:
+        self.serial: deque[float] = deque(maxlen=window)
+        self.split: deque[float] = deque(maxlen=window)
+        self.reads = 0
+
+
 class ReadChooser:
     """Serial or split buffered reads: whichever is measured faster now.
 
     Serial costs read + hash on one thread (R + H).  Split costs about R/2 + H plus a hand-off
     when a core is free, and R + H + a hand-off (a wait for a core) when none is: the machine's
     load decides, so it is measured instead of assumed.  For each class of reads (payload size,
-    by its power of two, and how many reads ran at once: 1, 2, 3-4, more) the chooser keeps an
-    exponentially weighted mean of wall seconds per byte of each way, uses the faster one, and the
-    other one every :attr:`explore_every`-th read so that its estimate follows the load (a loaded
-    machine pays the hand-off on one read in 16).  Split is not tried at all while more reads run
-    at once than half the usable CPUs (each split read keeps two busy) or on a single CPU.
+    by its power of two, and how many reads ran at once: 1, 2, 3-4, more) the chooser keeps the
+    last :attr:`window` wall times per byte of each way and compares their medians (one read
+    preempted by another process must not swing the choice): split is used when its median is
+    below :attr:`split_margin` × serial's, serial otherwise, and the other way every
+    :attr:`explore_every`-th read so that its samples follow the load (a loaded machine pays the
+    hand-off on one read in 8).  Split is not tried at all while more reads run at once than half
+    the usable CPUs (each split read keeps two busy) or on a single CPU.
 
-    One chooser serves the whole process (:data:`CHOOSER`): the load is the machine's.  Updates
+    One chooser serves the whole process (:data:`CHOOSER`): the load is the machine's.  Samples
     are not locked; a race loses a sample, never a read.
     """
 
-    explore_every = 16
+    explore_every = 8
+    window = 8
+    """Samples of each way kept per class."""
     warmup = 3
-    """Samples of each way taken (alternating) before the means decide."""
-    weight = 0.25
-    """Weight of a new sample in the running mean."""
+    """Samples of each way taken (alternating) before the medians decide."""
+    split_margin = 0.95
+    """Split must be this much faster than serial to be used (ties go to the cheaper, serial way)."""
 
     def __init__(self, cpus: int | None = None) -> None:
         self.cpus = usable_cpus() if cpus is None else cpus
@@ -46,7 +63,7 @@ class ReadChooser:
         """``"serial"`` or ``"split"`` to fix the choice (tests, benchmarks); ``None`` to measure."""
         self.running = 0
         self._lock = threading.Lock()
-        self._stats: dict[tuple[int, int], list[float]] = {}  # class -> [serial s/B, split s/B, n serial, n split, reads]
+        self._classes: dict[tuple[int, int], _Samples] = {}
         self.splits = 0
         self.serials = 0
 
@@ -55,18 +72,20 @@ class ReadChooser:
         with self._lock:
             self.running += 1
             running = self.running
-        cls = (length.bit_length(), min(running, 3) if running < 5 else 4)
+        cls = (length.bit_length(), running if running < 3 else (3 if running < 5 else 4))
         if self.force is not None:
             return cls, self.force == "split" and length >= ALIGN * 2
         if length < SPLIT_MIN_BYTES or self.cpus < 2 or 2 * running > self.cpus:
             return cls, False
-        st = self._stats.setdefault(cls, [0.0, 0.0, 0, 0, 0])
-        st[4] += 1
-        if st[2] < self.warmup or st[3] < self.warmup:
-            return cls, st[3] < st[2]  # alternate until each way has its samples
-        faster_split = st[1] < st[0]
-        explore = st[4] % self.explore_every == 0
-        return cls, faster_split != explore
+        st = self._classes.get(cls)
+        if st is None:
+            st = self._classes[cls] = _Samples(self.window)
+        st.reads += 1
+        if len(st.serial) < self.warmup or len(st.split) < self.warmup:
+            return cls, len(st.split) < len(st.serial)  # alternate until each way has its samples
+        use_split = statistics.median(st.split) < self.split_margin * statistics.median(st.serial)
+        explore = st.reads % self.explore_every == 0
+        return cls, use_split != explore
 
     def end(self, cls: tuple[int, int], split: bool, length: int, seconds: float) -> None:
         """Record a finished read of ``length`` bytes that took ``seconds``."""
@@ -76,13 +95,10 @@ class ReadChooser:
                 self.splits += 1
             else:
                 self.serials += 1
-        st = self._stats.get(cls)
+        st = self._classes.get(cls)
         if st is None or length <= 0 or self.force is not None:
             return
-        i = 1 if split else 0
-        per_byte = seconds / length
-        st[i] = per_byte if not st[2 + i] else st[i] + self.weight * (per_byte - st[i])
-        st[2 + i] += 1
+        (st.split if split else st.serial).append(seconds / length)
 
     def split_share(self) -> float:
         """Share of the buffered reads since start that were split (for benchmark notes)."""
