@@ -36,6 +36,18 @@ def test_a_tail_blowup_stands_even_when_medians_overlap():
     base = runs(0.0, [1.0, 1.1], p99_factor=1.1)
     verdict = judge_spread(runs(0.5, [1.0, 1.05], p99_factor=4.0), base)
     assert verdict.kind is VerdictKind.HURTING and "tail" in verdict.reason
+    assert "p99 per run 4000-4200 (n=2)" in verdict.reason and "do not overlap" in verdict.reason
+
+
+def test_a_tail_blowup_within_noise_is_unjudged():
+    # medians say the p99 doubled, but one baseline run's p99 is as high as the arm's lowest
+    base = spreads([{"prefix_hit_rate": 0.0, "ttft_p50_s": p, "ttft_p99_s": q}
+                    for p, q in ((1.0, 1.1), (1.1, 1.2), (1.05, 9.0))])
+    arm = spreads([{"prefix_hit_rate": 0.5, "ttft_p50_s": p, "ttft_p99_s": q}
+                   for p, q in ((0.9, 2.5), (1.0, 2.6), (0.95, 2.7))])
+    verdict = judge_spread(arm, base)
+    assert verdict.kind is VerdictKind.UNJUDGED and "tail" in verdict.reason
+    assert "p99 per run 2500-2700 (n=3)" in verdict.reason and "overlap" in verdict.reason
 
 
 def test_custom_arm_from_json_and_its_errors():

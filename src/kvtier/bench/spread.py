@@ -71,8 +71,9 @@ def _ms(x: float) -> str:
 def judge_spread(arm: dict[str, Spread], baseline: dict[str, Spread] | None,
                  thresholds: Thresholds = Thresholds()) -> Verdict | None:
     """:func:`~kvtier.bench.verdict.judge` on the medians, then the noise check: with several runs a
-    "helping" or "hurting" TTFT verdict stands only if the two TTFT p50 ranges do not overlap, else
-    it becomes ``unjudged`` ("within noise"); the reason names the number of runs and the ranges."""
+    "helping" or "hurting" TTFT verdict stands only if the two TTFT p50 ranges do not overlap (for a p99 tail
+    blow-up: the two p99 ranges), else it becomes ``unjudged`` ("within noise"); the reason names
+    the number of runs and the ranges compared."""
     figures = figures_of(arm)
     if figures is None:
         return None
@@ -86,7 +87,13 @@ def judge_spread(arm: dict[str, Spread], baseline: dict[str, Spread] | None,
     if p50.n < 2 or base_p50.n < 2:
         return dataclasses.replace(verdict, reason=f"{verdict.reason}; one run per arm, so the noise is not "
                                    "measured (use --repeats 3)")
-    tail_blowup = verdict.kind is VerdictKind.HURTING and "tail" in verdict.reason
-    if p50.overlaps(base_p50) and not tail_blowup:
+    if verdict.kind is VerdictKind.HURTING and "tail" in verdict.reason:
+        # a tail blow-up is a p99 verdict: it stands only if the p99 ranges do not overlap
+        p99, base_p99 = arm["ttft_p99_s"], baseline["ttft_p99_s"]
+        tails = f"TTFT p99 per run {p99.range_text(_ms)} ms vs baseline {base_p99.range_text(_ms)} ms"
+        if p99.overlaps(base_p99):
+            return Verdict(VerdictKind.UNJUDGED, f"{verdict.reason}, but within noise: {tails} overlap")
+        return dataclasses.replace(verdict, reason=f"{verdict.reason}; beyond noise: {tails} do not overlap")
+    if p50.overlaps(base_p50):
         return Verdict(VerdictKind.UNJUDGED, f"{verdict.reason}, but within noise: {ranges} overlap")
     return dataclasses.replace(verdict, reason=f"{verdict.reason}; beyond noise: {ranges} do not overlap")
