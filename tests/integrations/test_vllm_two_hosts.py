@@ -18,6 +18,7 @@ import json
 import subprocess
 import sys
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -95,8 +96,8 @@ def test_producer_on_host_a_hands_kv_to_consumer_on_host_b(tiny_model: Path, tmp
             for server in servers:
                 assert server.exit_reason() is None
         finally:
-            for server in servers:
-                server.stop(grace_s=20)
+            with ThreadPoolExecutor(2) as pool:  # both at once: each may take its grace period
+                list(pool.map(lambda server: server.stop(grace_s=20), servers))
             redis.kill()
             redis.wait(timeout=10)
 
