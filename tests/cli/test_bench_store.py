@@ -46,6 +46,7 @@ import pytest
     (["--threads", "0"], "--threads"),
     (["--threads", "two"], "--threads"),
     (["--disk-io", "mmap"], "--disk-io"),
+    (["--buffered-reads", "mmap"], "--buffered-reads"),
 ])
 def test_bench_store_bad_input_is_one_line_error(args, needle):
     result = CliRunner().invoke(app, ["bench-store", *args])
@@ -70,3 +71,15 @@ def test_bench_store_redis_rows_against_a_real_server(tmp_path, redis_server):
 def test_bench_store_redis_only_needs_a_url():
     result = CliRunner().invoke(app, ["bench-store", "--redis-only"])
     assert result.exit_code == 2 and "--redis-url" in result.output and "Traceback" not in result.output
+
+
+def test_bench_store_measures_forced_buffered_read_ways_beside_auto(tmp_path):
+    out = tmp_path / "bs.json"
+    result = CliRunner().invoke(app, ["bench-store", "--sizes", "0.5", "--total-mib", "2", "--repeats", "1",
+                                      "--disk-io", "buffered", "--buffered-reads", "serial,split,auto",
+                                      "--dir", str(tmp_path), "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert {(r["io"], r["op"]) for r in report["results"] if r["tier"] == "disk"} == {
+        (io, op) for io in ("buffered:serial", "buffered:split", "buffered") for op in ("put", "get")}
+    assert len([n for n in report["notes"] if "of reads split" in n]) == 1  # the measured way only

@@ -167,10 +167,12 @@ def _raw_io(directory: Path, direct: bool, threads: int) -> tuple[Callable[[list
 
 
 def bench_disk(chunk_mib: float, total_mib: float, repeats: int, directory: Path, threads: int = 1,
-               io: str = "buffered") -> list[StoreBenchResult]:
+               io: str = "buffered", read_way: str = "auto") -> list[StoreBenchResult]:
     """disk-tier put/get (verified) vs raw file write/read of the same bytes, ``total_mib`` MiB
     per round, ``threads`` chunks at a time in both, in ``io`` mode (``buffered`` or ``direct``)
-    for both.  Buffers are page-aligned, as the cpu tier's pages are.
+    for both.  Buffers are page-aligned, as the cpu tier's pages are.  ``read_way``: buffered
+    reads ``auto`` (as measured, kvtier.core.tiers.readchoice), or always ``serial`` / ``split``
+    (rows labelled ``buffered:serial`` / ``buffered:split``).
 
     Raises:
         RuntimeError: the tier lost or corrupted a chunk during the run.
@@ -183,6 +185,26 @@ def bench_disk(chunk_mib: float, total_mib: float, repeats: int, directory: Path
     for d in dsts:
         d[::4096] = 0  # fault the pages in before timing
     times: dict[str, list[float]] = {"put": [], "get": [], "ref_put": [], "ref_get": []}
+    forced, CHOOSER.force = CHOOSER.force, None if read_way == "auto" else read_way
+    try:
+        _rounds(chunk_bytes, num, repeats, directory, threads, io, datas, dsts, times)
+    finally:
+        CHOOSER.force = forced
+    label = io if read_way == "auto" or io != "buffered" else f"{io}:{read_way}"
+    rows = []
+    for op in ("put", "get"):
+        rate = _rate(nbytes, statistics.median(times[op]))
+        ref_rate = _rate(nbytes, statistics.median(times[f"ref_{op}"]))
+        per_round = [ref / t for t, ref in zip(times[op], times[f"ref_{op}"])]
+        rows.append(StoreBenchResult("disk", op, chunk_mib, rate, ref_rate, rate / ref_rate, label, threads,
+                                     min(per_round), max(per_round)))
+    return rows
+
+
+def _rounds(chunk_bytes: int, num: int, repeats: int, directory: Path, threads: int, io: str,
+            datas: list[np.ndarray], dsts: list[np.ndarray], times: dict[str, list[float]]) -> None:
+    """The timed rounds of :func:`bench_disk` (times appended to ``times``)."""
+    nbytes = num * chunk_bytes
     for r in range(repeats):
         root = directory / f"round{r}"
         ref_dir = root / "reference"
@@ -213,21 +235,15 @@ def bench_disk(chunk_mib: float, total_mib: float, repeats: int, directory: Path
         if not np.array_equal(dsts[-1], datas[-1]):
             raise RuntimeError("disk tier returned wrong bytes during the benchmark")
         shutil.rmtree(root, ignore_errors=True)
-    rows = []
-    for op in ("put", "get"):
-        rate = _rate(nbytes, statistics.median(times[op]))
-        ref_rate = _rate(nbytes, statistics.median(times[f"ref_{op}"]))
-        per_round = [ref / t for t, ref in zip(times[op], times[f"ref_{op}"])]
-        rows.append(StoreBenchResult("disk", op, chunk_mib, rate, ref_rate, rate / ref_rate, io, threads,
-                                     min(per_round), max(per_round)))
-    return rows
 
 
 def run_store_bench(chunk_mibs: list[float], total_mib: float = 256, repeats: int = 5,
                     directory: Path | None = None, threads: Sequence[int] = (1,),
-                    ios: Sequence[str] = ("buffered", "direct")) -> tuple[list[StoreBenchResult], list[str]]:
-    """All rows: for each chunk size, cpu (one thread) then disk for each I/O mode and thread count.
-    Files go to ``directory`` (a temp dir by default).
+                    ios: Sequence[str] = ("buffered", "direct"),
+                    read_ways: Sequence[str] = ("auto",)) -> tuple[list[StoreBenchResult], list[str]]:
+    """All rows: for each chunk size, cpu (one thread) then disk for each I/O mode and thread count
+    (buffered: once per ``read_ways`` entry, see :func:`bench_disk`).  Files go to ``directory``
+    (a temp dir by default).
 
     Returns:
         (rows, notes): notes say which disk configurations were skipped and why (O_DIRECT
@@ -242,6 +258,8 @@ def run_store_bench(chunk_mibs: list[float], total_mib: float = 256, repeats: in
         raise ValueError("thread counts must be positive integers, e.g. --threads 1,2,4")
     if not ios or any(io not in ("buffered", "direct") for io in ios):
         raise ValueError("--disk-io must list buffered and/or direct, e.g. --disk-io buffered,direct")
+    if not read_ways or any(w not in ("auto", "serial", "split") for w in read_ways):
+        raise ValueError("--buffered-reads must list auto, serial and/or split, e.g. --buffered-reads auto,serial,split")
     rows: list[StoreBenchResult] = []
     notes: list[str] = []
     base = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir=directory))
@@ -258,12 +276,14 @@ def run_store_bench(chunk_mibs: list[float], total_mib: float = 256, repeats: in
                     notes.append(f"direct rows at {mib:g} MiB skipped: O_DIRECT needs a multiple of 4 KiB")
                     continue
                 for n in threads:
-                    before = CHOOSER.splits, CHOOSER.serials
-                    rows += bench_disk(mib, total_mib, repeats, base / f"{mib}-{io}-{n}", n, io)
-                    split, serial = CHOOSER.splits - before[0], CHOOSER.serials - before[1]
-                    if io == "buffered" and split + serial:
-                        notes.append(f"buffered get at {mib:g} MiB, {n} thread(s): {split / (split + serial):.0%} "
-                                     "of reads split over two threads (chosen by measurement, docs/store.md#disk-io)")
+                    for way in read_ways if io == "buffered" else ("auto",):
+                        before = CHOOSER.splits, CHOOSER.serials
+                        rows += bench_disk(mib, total_mib, repeats, base / f"{mib}-{io}-{n}-{way}", n, io, way)
+                        split, serial = CHOOSER.splits - before[0], CHOOSER.serials - before[1]
+                        if io == "buffered" and way == "auto" and split + serial:
+                            notes.append(f"buffered get at {mib:g} MiB, {n} thread(s): {split / (split + serial):.0%} "
+                                         "of reads split over two threads (chosen by measurement, "
+                                         "docs/store.md#disk-io)")
     finally:
         shutil.rmtree(base, ignore_errors=True)
     return rows, notes

@@ -29,6 +29,8 @@ def bench_store(
                                           "tier (io_threads) and by the reference, e.g. 1,2,4."),
     disk_io: str = typer.Option("buffered,direct", help="Disk I/O modes to measure: buffered and/or direct "
                                                         "(O_DIRECT); the reference uses the same mode."),
+    buffered_reads: str = typer.Option("auto", help="Buffered reads to measure: auto (serial or split over two "
+                                                    "threads, as measured), serial and/or split (forced)."),
     directory: Path | None = typer.Option(None, "--dir", help="Where the disk tier writes (default: a temp dir)."),
     json_path: Path | None = typer.Option(None, "--json", help="Also write results as JSON here."),
     redis_url: str | None = typer.Option(None, help="Also measure the redis tier on this server "
@@ -64,6 +66,9 @@ def bench_store(
     modes = [m.strip() for m in disk_io.split(",") if m.strip()]
     if not modes or not all(m in ("buffered", "direct") for m in modes):
         fail(f"--disk-io {disk_io!r} must list buffered and/or direct, e.g. --disk-io buffered,direct")
+    ways = [w.strip() for w in buffered_reads.split(",") if w.strip()]
+    if not ways or not all(w in ("auto", "serial", "split") for w in ways):
+        fail(f"--buffered-reads {buffered_reads!r} must list auto, serial and/or split, e.g. --buffered-reads auto,split")
     if directory is not None and (not directory.is_dir() or not os.access(directory, os.W_OK | os.X_OK)):
         fail(f"--dir {str(directory)!r} is not a writable directory; create it or omit --dir")
     if json_path is not None and (json_path.is_dir() or not json_path.parent.is_dir()):
@@ -74,7 +79,7 @@ def bench_store(
     notes: list[str] = []
     if not redis_only:
         try:
-            rows, notes = run_store_bench(chunk_mibs, total_mib, repeats, directory, thread_counts, modes)
+            rows, notes = run_store_bench(chunk_mibs, total_mib, repeats, directory, thread_counts, modes, ways)
         except ValueError as exc:
             fail(str(exc))
         except OSError as exc:
