@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import numpy as np
 import pytest
@@ -290,3 +291,31 @@ def test_streamed_get_reads_every_reply_shape_and_an_error_reply_leaves_the_pool
     assert client.ping()
     client.delete(*keys, f"{key_prefix}list".encode())
     client.close()
+
+
+def test_a_put_to_a_paused_server_fails_within_the_deadline_and_the_next_one_is_whole(redis_factory, key_prefix):
+    # the streamed writer may be mid-value when the caller gives up: its connection is dropped, so
+    # the server never stores a partial value, and every value read back afterwards is whole
+    server = redis_factory()
+    ns = os.urandom(16)
+    tier = make_redis_tier(server.url, ns, key_prefix, shared_transfer_deadline_s=0.5, redis_timeout_s=1.0)
+    keys = [ChunkKey(os.urandom(16)) for _ in range(8)]
+    datas = [np.frombuffer(os.urandom(4 << 20), dtype=np.uint8).copy() for _ in keys]  # beyond socket buffers
+    assert tier.put_many(keys[:1], [memoryview(datas[0])]) == [PutResult.STORED]  # connected
+    server.pause()
+    try:
+        t0 = time.monotonic()
+        assert tier.put_many(keys[1:], [memoryview(d) for d in datas[1:]]) == [PutResult.FAILED] * 7
+        assert time.monotonic() - t0 < 0.5 + 0.7  # the deadline, plus scheduling slack on a loaded machine
+    finally:
+        server.resume()
+    time.sleep(1.5)  # the abandoned writer's socket times out and is dropped
+    # the SETs the kernel had taken in full may have run once the server resumed (whole values,
+    # PRESENT now); a half-sent one was discarded with its connection (STORED now)
+    again = tier.put_many(keys[1:], [memoryview(d) for d in datas[1:]])
+    assert set(again) <= {PutResult.STORED, PutResult.PRESENT} and PutResult.STORED in again
+    dsts = [np.empty_like(d) for d in datas]
+    assert tier.get_many(keys, [memoryview(d) for d in dsts]) == [GetResult.HIT] * 8
+    assert all(np.array_equal(a, b) for a, b in zip(dsts, datas))
+    assert tier.wire_stats().skipped_writes == 7
+    tier.close()
