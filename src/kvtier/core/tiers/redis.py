@@ -21,7 +21,7 @@
   ``breaker_failures`` in a row the breaker opens, lookups and reads miss and writes are skipped
   (counted) without touching the network, and one probe per ``breaker_probe_s`` checks whether
   the server is back (:mod:`kvtier.core.tiers.breaker`).
-- **Secrets**: the password comes from the URL, an environment variable or a file; no log line
+- **Secrets** (:mod:`kvtier.core.tiers.redisclient`): the password comes from the URL, an environment variable or a file; no log line
   or metric shows it (URLs are redacted).
 
 Thread-safe.  Numbers: :meth:`RedisTier.wire_stats` (:class:`~kvtier.core.stats.WireStats`, in the
@@ -32,30 +32,27 @@ store's snapshot and its ``kvtier_tier_*`` metrics) and a call latency histogram
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvtier.core.config import redact_url
-from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.stats import WireCounters, WireStats
 from kvtier.core.tiers import redisstream
 from kvtier.core.tiers.base import GetResult, PutResult, Tier, TierUsage
 from kvtier.core.tiers.breaker import CircuitBreaker
+from kvtier.core.tiers.redisclient import LazyClusterClient, make_client, shared_secret
 from kvtier.core.tiers.sharedvalue import HEADER_BYTES, SharedValueError, ValueCodec, copy_payload
 from kvtier.core.tiers.tiermetrics import TierMetrics
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from kvtier.core.config import KVTierConfig
     from kvtier.core.tiers.registry import TierContext
 
 log = logging.getLogger(__name__)
@@ -426,112 +423,6 @@ class RedisTier(Tier):
             self.client.close()
         except Exception as exc:  # noqa: BLE001 - closing a dead connection may fail; nothing to do
             log.debug("kvtier redis tier: close: %s", exc)
-
-
-def redis_password(config: KVTierConfig) -> str | None:
-    """The Redis password from ``redis_password_env`` or ``redis_password_file`` (``None`` if neither).
-
-    Raises:
-        ConfigError: the named environment variable is unset, or the file cannot be read.
-    """
-    if config.redis_password_env:
-        value = os.environ.get(config.redis_password_env)
-        if value is None:
-            raise ConfigError(f"redis_password_env names {config.redis_password_env!r} but that environment "
-                              "variable is not set; set it or remove redis_password_env")
-        return value
-    if config.redis_password_file:
-        try:
-            return Path(config.redis_password_file).read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            raise ConfigError(f"cannot read redis_password_file {config.redis_password_file!r}: "
-                              f"{exc.strerror}; fix the path or its permissions") from None
-    return None
-
-
-def shared_secret(config: KVTierConfig) -> bytes | None:
-    """The shared secret from ``shared_secret`` or ``shared_secret_file`` (``None`` if neither).
-
-    Raises:
-        ConfigError: the file cannot be read or holds fewer than 16 characters.
-    """
-    if config.shared_secret:
-        return config.shared_secret.encode()
-    if config.shared_secret_file:
-        try:
-            text = Path(config.shared_secret_file).read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            raise ConfigError(f"cannot read shared_secret_file {config.shared_secret_file!r}: {exc.strerror}; "
-                              "fix the path or its permissions") from None
-        if len(text) < 16:
-            raise ConfigError(f"shared_secret_file {config.shared_secret_file!r} holds fewer than 16 characters; "
-                              "use a long random secret (e.g. openssl rand -hex 32)")
-        return text.encode()
-    return None
-
-
-def make_client(config: KVTierConfig) -> Any:
-    """A redis-py client for ``config.redis_url`` (Cluster client if ``redis_cluster``), timeouts set,
-    redis-py's retries off.  Connects lazily (standalone) or to the seed node (Cluster).
-
-    Raises:
-        ConfigError: redis-py is not installed, or the Cluster seed node cannot be reached.
-    """
-    try:
-        import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-    except ImportError:
-        raise ConfigError("the redis tier needs redis-py; install it (pip install redis) or unset redis_url") from None
-    assert config.redis_url is not None
-    kwargs: dict[str, Any] = {
-        "socket_connect_timeout": config.redis_connect_timeout_s,
-        "socket_timeout": config.redis_timeout_s,
-        "retry": Retry(NoBackoff(), 0),
-    }
-    password = redis_password(config)
-    if password is not None:
-        kwargs["password"] = password
-    if config.redis_url.startswith("rediss://") and config.redis_tls_ca_file:
-        kwargs["ssl_ca_certs"] = config.redis_tls_ca_file
-    if not config.redis_cluster:
-        kwargs["health_check_interval"] = 0
-        return redis.Redis.from_url(config.redis_url, **kwargs)
-    from redis.cluster import RedisCluster
-
-    try:
-        return RedisCluster.from_url(config.redis_url, require_full_coverage=False, **kwargs)
-    except (redis.RedisError, OSError) as exc:
-        raise ConfigError(f"cannot reach the Redis Cluster seed node {redact_url(config.redis_url)} ({exc}); "
-                          "start the cluster or fix redis_url") from None
-
-
-class LazyClusterClient:
-    """A Cluster client made on first use, on the tier's threads: a Cluster that is down when the
-    engine starts is then a run of misses (under the deadline and the breaker), not a failed start."""
-
-    def __init__(self, config: KVTierConfig) -> None:
-        self._config = config
-        self._client: Any = None
-        self._lock = threading.Lock()
-
-    def get(self) -> Any:
-        """The client, connecting to the seed node now if needed.  Raises ConfigError if unreachable."""
-        with self._lock:
-            if self._client is None:
-                self._client = make_client(self._config)
-            return self._client
-
-    def pipeline(self, transaction: bool = False) -> Any:
-        return self.get().pipeline(transaction=transaction)
-
-    def delete(self, *names: bytes) -> Any:
-        return self.get().delete(*names)
-
-    def close(self) -> None:
-        with self._lock:
-            if self._client is not None:
-                self._client.close()
 
 
 def from_config(ctx: TierContext) -> RedisTier | None:

@@ -230,7 +230,10 @@ def _shared_tier_problems(key: str, config: KVTierConfig) -> list[Problem]:
     """The redis tier's password and shared secret, read as its start-up reads them (files, env var)."""
     if not config.redis_url or "redis" not in config.tiers:
         return []
-    from kvtier.core.tiers.redis import redis_password, shared_secret  # no redis-py import at module level
+    from kvtier.core.tiers.redisclient import (  # no redis-py import at module level
+        redis_password,
+        shared_secret,
+    )
 
     problems = []
     password_key = "redis_password_env" if config.redis_password_env else "redis_password_file"
