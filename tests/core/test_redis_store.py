@@ -246,7 +246,8 @@ def test_streamed_put_stores_exactly_the_encoded_value_and_a_changed_payload_is_
     assert tier._streamed
     raw = redis.Redis.from_url(redis_server.url)
     keys = [ChunkKey(os.urandom(16)) for _ in range(5)]
-    datas = [np.frombuffer(os.urandom(1000 + 4096 * i), dtype=np.uint8).copy() for i in range(5)]
+    # payloads below and above redisstream.SMALL_BYTES (joined with their framing, or sent apart)
+    datas = [np.frombuffer(os.urandom(n), dtype=np.uint8).copy() for n in (1000, 200_000, 5096, 70_000, 17_384)]
     assert tier.put_many(keys, [memoryview(d) for d in datas]) == [PutResult.STORED] * 5
     assert tier.put_many(keys[:2], [memoryview(d) for d in datas[:2]]) == [PutResult.PRESENT] * 2
     for key, data in zip(keys, datas):

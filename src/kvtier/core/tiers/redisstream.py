@@ -32,6 +32,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 CRLF = b"\r\n"
+SMALL_BYTES = 64 << 10
+"""Payloads shorter than this are joined with the framing around them (one send, not two)."""
 
 
 class ReplyError(Exception):
@@ -64,15 +66,23 @@ def set_many(client: Any, rkeys: Sequence[bytes], headers: Sequence[bytes],
     conn = pool.get_connection()
     ex = b"".join((CRLF, _bulk(b"EX"), _bulk(str(ttl_s).encode()), _bulk(b"NX")))
     try:
-        tail = b""
+        small = bytearray()  # framing and small payloads, sent together before the next large payload
         for i, (rk, payload) in enumerate(zip(rkeys, payloads, strict=True)):
             if not ready.acquire(timeout=wait_s) or abandoned():
                 raise WriteAbandoned(f"header {i} of {len(rkeys)} not ready")
             header = headers[i]
-            head = b"%b*6\r\n$3\r\nSET\r\n%b$%d\r\n%b" % (tail, _bulk(rk), len(header) + payload.nbytes, header)
-            conn.send_packed_command([head, payload], check_health=False)
-            tail = ex
-        conn.send_packed_command([tail], check_health=False)
+            small += b"*6\r\n$3\r\nSET\r\n%b$%d\r\n%b" % (_bulk(rk), len(header) + payload.nbytes, header)
+            if payload.nbytes < SMALL_BYTES:
+                small += payload
+            else:
+                conn.send_packed_command([bytes(small), payload], check_health=False)
+                small.clear()
+            small += ex
+            if len(small) >= SMALL_BYTES:
+                conn.send_packed_command([bytes(small)], check_health=False)
+                small.clear()
+        if small:
+            conn.send_packed_command([bytes(small)], check_health=False)
         return [conn.read_response() is not None for _ in rkeys]
     except BaseException:
         conn.disconnect()  # a half-sent command or unread replies: the socket is out of step
