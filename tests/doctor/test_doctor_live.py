@@ -27,14 +27,16 @@ def _wait_for_first_scrape(log: Path, before: int, timeout_s: float = 60.0) -> N
         time.sleep(0.1)
 
 
-def test_doctor_reads_a_live_server(tmp_path: Path):
+def test_doctor_reads_a_live_server(tmp_path: Path, redis_server, key_prefix):
     pytest.importorskip("vllm")
     from kvtier.integrations.vllm.serve import start_server
     from kvtier.integrations.vllm.testmodel import write_model
 
     model = write_model(tmp_path / "tiny", "tiny", weights="random", seed=0)
     # A 20-block engine cache cannot keep the 3 prefixes, so their reuse comes back from kvtier.
-    server = start_server(model, {"chunk_tokens": 256, "cpu_gib": 0.5}, tmp_path / "serve.log",
+    # With the shared tier on a real redis-server: the doctor reports it (closed breaker, no skipped write).
+    kvtier = {"chunk_tokens": 256, "cpu_gib": 0.5, "redis_url": redis_server.url, "redis_key_prefix": key_prefix}
+    server = start_server(model, kvtier, tmp_path / "serve.log",
                           engine_id=f"doctor-{uuid.uuid4().hex[:8]}",
                           extra_args=["--num-gpu-blocks-override", "20", "--block-size", "128"])
     try:
@@ -59,3 +61,9 @@ def test_doctor_reads_a_live_server(tmp_path: Path):
     assert report["external_hits"] > 0  # the second round's prefixes came back from kvtier
     assert report["offload_allocated_gib"] == pytest.approx(0.5) and report["offload_backend"] == "kvtier"
     assert report["verdict"] == "healthy"
+    shared = report["shared_tier"]
+    assert shared is not None and shared["breaker"] == "closed" and shared["skipped_writes"] == 0
+    assert shared["lookup_chunks"] > 0  # the first round's prefixes were asked of Redis (and missed)
+    assert shared["hit_chunks"] <= shared["lookup_chunks"]
+    assert any("Shared tier (redis): breaker closed" in c["message"] for c in report["checks"])
+    assert redis_server.client().keys(f"{key_prefix}*")  # the engine wrote its chunks through to Redis
