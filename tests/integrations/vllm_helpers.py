@@ -62,11 +62,12 @@ def live_spec(model: Path, kvtier: dict[str, Any], role: str = "kv_both", cache_
     """A small ``vllm serve`` (api_server) with KVTierConnector for the live engine tests: float32
     (logprobs compared exactly), eager mode, context 1,024, an engine cache of ``cache_tokens``,
     128-token blocks, one reserved core (``VLLM_CPU_NUM_OF_RESERVED_CPU=1``: equal compute threads
-    for every engine compared), the dev endpoints on (``POST /reset_prefix_cache``)."""
+    for every engine compared), the dev endpoints on (``POST /reset_prefix_cache``), no graceful
+    stop (SIGTERM force-stops the workers: these tests never need the shutdown flush)."""
     from kvtier.integrations.vllm.serve import ServerSpec, transfer_config
 
     return ServerSpec(model=str(model), max_model_len=1024, cache_tokens=cache_tokens, block_size=128,
                       load_format=None, kv_transfer_config=transfer_config(kvtier, role), memory_fraction=0.1,
-                      enforce_eager=True, shutdown_timeout_s=10, extra_args=("--dtype", "float32"),
+                      enforce_eager=True, shutdown_timeout_s=None, extra_args=("--dtype", "float32"),
                       env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1",
                            **(env or {})}, reserved_cpus=1)
