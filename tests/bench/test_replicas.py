@@ -147,3 +147,28 @@ def test_local_redis_starts_answers_deletes_one_prefix_and_stops(tmp_path: Path)
         assert client.keys("*") == [b"kvtier:other"]
     with pytest.raises(ValueError, match="no Redis answered"):
         check_redis_url(server.url, timeout_s=1.0)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--replicas", "0"], "--replicas 0 must be at least 1"),
+    (["--arms", "kvtier,kvtier-redis"], "the kvtier-redis arm needs --redis"),
+    (["--arms", "kvtier", "--redis", "auto"], "--redis is used by the kvtier-redis arm only"),
+    (["--arms", "kvtier-redis", "--redis", "http://127.0.0.1:6379"], "must be 'auto' or a redis:// or rediss:// URL"),
+    (["--arms", "kvtier-redis", "--redis", "redis://:secret@127.0.0.1:{port}/0"],
+     "no Redis answered PING at redis://***@127.0.0.1:{port}/0"),
+])
+def test_bad_replica_or_redis_input_is_one_sentence_and_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
+    from typer.testing import CliRunner
+
+    from kvtier.cli.main import app
+    from kvtier.integrations.vllm.testmodel import write_model
+
+    model = write_model(tmp_path / "tiny", "tiny", weights="none")
+    port = str(free_port())
+    args = [a.replace("{port}", port) for a in args]
+    result = CliRunner().invoke(app, ["bench", "compare", "--model", str(model), "--out", str(tmp_path / "out"),
+                                      *args])
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message.replace("{port}", port) in lines[0]
+    assert "secret" not in result.output and "Traceback" not in result.output
