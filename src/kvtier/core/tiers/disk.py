@@ -31,7 +31,6 @@ import logging
 import os
 import stat
 import threading
-import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -44,7 +43,14 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers.base import GetResult, PutResult, Tier, TierUsage
 from kvtier.core.tiers.chunkfile import HEADER_BYTES, ChunkFormatError, decode_header, encode_header
 from kvtier.core.tiers.chunkio import DEFAULT_SLICE_BYTES, ChunkIO, helper_threads
-from kvtier.core.tiers.diskscan import SUFFIX, RescanResult, ShardWatch, chunk_names, header_bytes
+from kvtier.core.tiers.diskscan import (
+    SUFFIX,
+    RescanResult,
+    ShardWatch,
+    chunk_names,
+    header_bytes,
+    indexed_files,
+)
 from kvtier.core.tiers.iomode import direct_supported, measure_direct
 
 if TYPE_CHECKING:
@@ -127,33 +133,7 @@ class DiskTier(Tier):
         return f"{self._root}{os.sep}{h[:2]}{os.sep}{h}{SUFFIX}"
 
     def _rebuild_index(self) -> None:
-        found: list[tuple[float, ChunkKey, int]] = []
-        for sub in self.dir.iterdir() if self.dir.exists() else ():
-            if not sub.is_dir():
-                continue
-            for entry in os.scandir(sub):
-                if entry.name.endswith(".tmp"):
-                    # left by a crash mid-write; a fresh one may belong to a live process sharing the directory
-                    try:
-                        if time.time() - entry.stat().st_mtime > STALE_TMP_S:
-                            _unlink(Path(entry.path))
-                    except OSError:
-                        pass
-                    continue
-                name = entry.name[:-len(SUFFIX)]
-                # only <key[:2]>/<key>.kvc regular files are chunks; anything else is not ours to count
-                if not entry.name.endswith(SUFFIX) or name[:2] != sub.name or len(name) != 2 * len(self.namespace):
-                    continue
-                try:
-                    key = ChunkKey(bytes.fromhex(name))
-                    st = entry.stat(follow_symlinks=False)
-                except (ValueError, OSError):
-                    continue
-                if not stat.S_ISREG(st.st_mode):
-                    continue
-                found.append((st.st_mtime, key, st.st_size))
-        found.sort(key=lambda item: item[0])  # oldest first: the store's policy sees them in that order
-        for _mtime, key, size in found:
+        for key, size in indexed_files(self.dir, len(self.namespace), STALE_TMP_S):  # oldest first
             self._key_to_size[key] = size
             self._used += size
 

@@ -11,6 +11,7 @@ The disk tier's index is rebuilt from its directory at start; a process sharing 
   file.  A shard whose mtime is less than :data:`RACY_NS` old is listed again next round:
   timestamps come from a coarse clock (a few ms), so a change in the same tick as the listing
   would otherwise go unseen (the "racily clean" case git's index handles the same way).
+- :func:`indexed_files` is the scan at start (every chunk file, oldest first; crash leftovers removed).
 - :func:`chunk_names` lists one shard's chunk files by name only (no ``stat`` per file).
 - :func:`header_bytes` reads and checks one file's header block (namespace, key, length
   against the file's size) before a file is adopted; its payload checksum is checked when it is
@@ -23,6 +24,7 @@ import os
 import stat
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers.chunkfile import HEADER_BYTES, ChunkFormatError, decode_header
@@ -81,6 +83,39 @@ class ShardWatch:
     def forget(self) -> None:
         """List every shard on the next round (the directory was recreated)."""
         self._seen.clear()
+
+
+def indexed_files(directory: Path, key_bytes: int, stale_tmp_s: float) -> list[tuple[ChunkKey, int]]:
+    """``(key, file bytes)`` of every chunk file under ``directory``, oldest first (by mtime).
+
+    Only regular files named ``<key hex[:2]>/<key hex>.kvc`` are chunks; anything else is not ours
+    to count.  Temporary files (``*.tmp``) older than ``stale_tmp_s`` are crash leftovers and are
+    removed (a fresh one may belong to a live process sharing the directory).
+    """
+    found: list[tuple[float, ChunkKey, int]] = []
+    for sub in directory.iterdir() if directory.exists() else ():
+        if not sub.is_dir():
+            continue
+        for entry in os.scandir(sub):
+            if entry.name.endswith(".tmp"):
+                try:
+                    if time.time() - entry.stat().st_mtime > stale_tmp_s:
+                        os.unlink(entry.path)
+                except OSError:
+                    pass
+                continue
+            name = entry.name[:-len(SUFFIX)]
+            if not entry.name.endswith(SUFFIX) or name[:2] != sub.name or len(name) != 2 * key_bytes:
+                continue
+            try:
+                key = ChunkKey(bytes.fromhex(name))
+                st = entry.stat(follow_symlinks=False)
+            except (ValueError, OSError):
+                continue
+            if stat.S_ISREG(st.st_mode):
+                found.append((st.st_mtime, key, st.st_size))
+    found.sort(key=lambda item: item[0])  # the store's policy sees them in that order
+    return [(key, size) for _mtime, key, size in found]
 
 
 def chunk_names(path: str, shard: int, key_bytes: int) -> set[ChunkKey]:
