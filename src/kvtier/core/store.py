@@ -321,11 +321,16 @@ class TieredStore(ChangeFeedMixin):
     def _promote_ahead(self, chain: Sequence[ChunkKey], handle: LoadHandle,
                        ahead: list[tuple[int, ChunkKey, np.ndarray, bool, LowerTier]]) -> None:
         """Read ``ahead`` in batches of ``io_threads`` chunks, advancing ``handle.ahead_from`` (what
-        :meth:`LoadHandle.ready_chunks` reports) after each, so a caller copies while the rest is read."""
-        step = self.config.io_threads
+        :meth:`LoadHandle.ready_chunks` reports) after each, so a caller copies while the rest is read.
+        Chunks of a shared tier stay in one batch (one pipelined round trip)."""
         try:
-            for i in range(0, len(ahead), step):
-                batch = ahead[i:i + step]
+            i = 0
+            while i < len(ahead):
+                if ahead[i][4].shared:
+                    end = next((j for j in range(i, len(ahead)) if not ahead[j][4].shared), len(ahead))
+                else:
+                    end = min(i + self.config.io_threads, len(ahead))
+                batch, i = ahead[i:end], end
                 if handle.num_chunks > batch[0][0]:
                     self._promote(chain, handle, batch)
                 else:  # the prefix ended in an earlier batch (a chunk failed): give this one's pins and pages back
