@@ -217,6 +217,8 @@ def admit_during_streams(args: argparse.Namespace, llm: Any, steps: StepLog, tok
         "longest_step_ms": round(durations.get(id(longest), 0.0) * 1e3, 2),
         "longest_step_tokens": sum(longest["scheduled"].values()),
         "gaps_during_admission": len(during),
+        "admission_steps_ms_tokens": [(round(durations.get(id(s), 0.0) * 1e3, 1), sum(s["scheduled"].values()))
+                                      for s in admission],  # every step from arrival to first token
     }
 
 
