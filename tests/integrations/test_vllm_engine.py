@@ -137,6 +137,34 @@ def test_cold_cpu_and_disk_loads_give_identical_tokens_and_logprobs(engine: Engi
     assert from_cpu["logprobs"] == from_disk["logprobs"]  # same bytes, same code path: bit-identical
 
 
+def test_loaded_kv_reproduces_the_engines_own_prefix_cache_bit_for_bit(engine: Engine) -> None:
+    """The exact reference: vLLM's own prefix cache holding exactly the tokens kvtier loads, so
+    both runs compute the same tail over the same cached prefix with the same threads; any
+    difference in tokens or logprobs (not just one above TOLERANCE) would be kvtier's."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0)
+
+    def run(ids: list[int]) -> tuple[list[int], list[float], int]:
+        out = engine.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+        c = out.outputs[0]
+        return list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)], out.num_cached_tokens
+
+    ids = engine.generate(prompt(108), max_tokens=1)["prompt_ids"]
+    assert len(ids) > LOADABLE + 1
+    engine.llm.reset_prefix_cache()
+    run(ids[:LOADABLE])  # vLLM's cache now holds exactly the loadable prefix (12 blocks of 32)
+    ref_tokens, ref_logprobs, ref_cached = run(ids)
+    assert ref_cached == LOADABLE
+    engine.llm.reset_prefix_cache()
+    m0 = metrics_snapshot()
+    tokens, logprobs, cached = run(ids)
+    assert engine.loaded(m0, metrics_snapshot()) == LOADABLE
+    assert cached == LOADABLE
+    assert tokens == ref_tokens
+    assert logprobs == ref_logprobs  # bit for bit, no tolerance
+
+
 def test_wrong_kv_changes_tokens_or_logprobs(engine: Engine) -> None:
     """Control: the comparison above would catch a load of the wrong KV."""
     q, other = prompt(102), prompt(103)
