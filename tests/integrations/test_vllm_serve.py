@@ -17,6 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.integrations.openai_client import metrics as served_metrics
+
 pytestmark = pytest.mark.engine
 
 TOLERANCE = 1e-3  # bfloat16 engine: logprobs of a cold prefill vs one continuing from loaded KV
@@ -29,19 +31,6 @@ def _complete(base_url: str, model: str, prompt: str) -> dict[str, Any]:
     choice = r.json()["choices"][0]
     return {"text": choice["text"], "tokens": choice["logprobs"]["tokens"],
             "logprobs": choice["logprobs"]["token_logprobs"]}
-
-
-def _metrics(base_url: str) -> dict[str, float]:
-    """``/metrics`` samples summed over labels except ``tier`` (kept as ``name{tier}``)."""
-    from kvtier.core.scrape import fetch_metrics, metric_families
-
-    out: dict[str, float] = {}
-    for family in metric_families(fetch_metrics(base_url), base_url):
-        for sample in family.samples:
-            if not sample.name.endswith("_created"):
-                name = sample.name + (f"{{{sample.labels['tier']}}}" if "tier" in sample.labels else "")
-                out[name] = out.get(name, 0.0) + float(sample.value)
-    return out
 
 
 def test_sigterm_restart_serves_the_first_request_from_disk(tiny_model: Path, tmp_path: Path) -> None:
@@ -57,7 +46,7 @@ def test_sigterm_restart_serves_the_first_request_from_disk(tiny_model: Path, tm
     for name in ("first", "second"):
         with Server(spec, tmp_path / f"{name}.log").start(600) as server:
             outs.append(_complete(server.base_url, server.served_model, prompt))
-            metrics.append(_metrics(server.base_url))
+            metrics.append(served_metrics(server.base_url))
         # leaving the block sent SIGTERM; the server stopped gracefully (--shutdown-timeout 30)
         logs.append((tmp_path / f"{name}.log").read_text(errors="replace"))
         assert "Illegal instruction" not in logs[-1]
