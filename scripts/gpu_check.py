@@ -37,9 +37,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from kvtier.core.tiers.cpu import CpuTier  # noqa: E402
-from kvtier.integrations.vllm.copy import BlockCopier, Span  # noqa: E402
-from kvtier.integrations.vllm.layout import detect_layout  # noqa: E402
+from kvtier.core.tiers.cpu import CpuTier
+from kvtier.integrations.vllm.copy import BlockCopier, Span
+from kvtier.integrations.vllm.layout import detect_layout
 
 GiB = float(1 << 30)
 
@@ -146,7 +146,7 @@ def check_layout(layout: str, device: torch.device, args: argparse.Namespace, rn
                         nbytes / d2h_s / GiB, nbytes / h2d_s / GiB, equal)
 
 
-class _nullcontext:  # noqa: N801 - contextlib.nullcontext without the import dance in a one-file script
+class _nullcontext:
     def __enter__(self) -> None:
         return None
 

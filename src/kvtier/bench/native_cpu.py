@@ -135,7 +135,7 @@ _ORIGINAL_HANDLER_INIT = gpu_worker.SingleDirectionOffloadingHandler.__init__
 
 def _handler_init(self: Any, gpu_tensors: list[torch.Tensor], *args: Any, **kwargs: Any) -> None:
     tagged = [t.as_subclass(_DeviceTagged) for t in gpu_tensors]
-    _ORIGINAL_HANDLER_INIT(self, tagged, *args, **kwargs)
+    _ORIGINAL_HANDLER_INIT(self, tagged, *args, **kwargs)  # type: ignore[arg-type]  # tagged tensors are Tensors
     plain = [t.as_subclass(torch.Tensor) for t in tagged]  # the copies use plain tensors
     if self.gpu_to_cpu:
         self.src_tensors = plain

@@ -63,17 +63,17 @@ def bench_redis(url: str, chunk_mib: float, total_mib: float, repeats: int, clus
             raw_keys = [f"{prefix}raw:{r}:{i}".encode() for i in range(num)]
 
             def tier_put() -> None:
-                if tier.put_many(keys, [memoryview(d) for d in datas]) != [PutResult.STORED] * num:
+                if tier.put_many(keys, [d.data for d in datas]) != [PutResult.STORED] * num:
                     raise RuntimeError("the redis tier did not store every chunk (server unreachable or full?)")
 
             def raw_put() -> None:
                 pipe = raw.pipeline(transaction=False)
                 for k, d in zip(raw_keys, datas):
-                    pipe.set(k, memoryview(d), ex=3600)
+                    pipe.set(k, d.data, ex=3600)
                 pipe.execute()
 
             def tier_get() -> None:
-                if tier.get_many(keys, [memoryview(d) for d in dsts]) != [GetResult.HIT] * num:
+                if tier.get_many(keys, [d.data for d in dsts]) != [GetResult.HIT] * num:
                     raise RuntimeError("the redis tier lost a chunk during the benchmark (maxmemory too small?)")
 
             def raw_get() -> None:

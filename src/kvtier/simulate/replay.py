@@ -250,6 +250,7 @@ def replay(trace: Trace, engine_hits: list[int], cpu_chunks: int, disk_chunks: i
                             shared_stores += 1
                             if len(shared) > shared_chunks:
                                 gone = shared_lru.victim()
+                                assert gone is not None  # the shared tier is over its size: not empty
                                 shared_lru.remove(gone)
                                 shared.discard(gone)
                                 shared_evictions += 1

@@ -245,7 +245,7 @@ def make_params(regime: str, overrides: dict[str, str]) -> Any:
     for name, text in overrides.items():
         if name not in fields:
             raise SynthError(f"regime {regime} has no parameter {name!r}; its parameters are {', '.join(fields)}")
-        kind = type(fields[name].default)
+        kind: Any = type(fields[name].default)
         try:
             values[name] = kind(text)
         except ValueError:
@@ -272,7 +272,7 @@ def generate(regime: str, params: Any, num_requests: int, seed: int, block_token
         raise SynthError(f"unknown regime {regime!r}; choose one of {', '.join(REGIMES)}")
     rng = random.Random(f"kvtier-synth/{regime}/{seed}")
     blocks = _Blocks(block_tokens)
-    stream = {"chat": _chat, "agent": _agent, "rag": _rag, "batch": _batch, "cycle": _cycle}[regime]
+    stream: Any = {"chat": _chat, "agent": _agent, "rag": _rag, "batch": _batch, "cycle": _cycle}[regime]
     out = []
     for record in stream(params, rng, blocks):
         out.append(record)

@@ -159,7 +159,7 @@ def store_gauges(s: StoreStats) -> dict[str, float]:
             "pinned_chunks_cpu": cpu.pinned_chunks, "pinned_chunks_disk": disk.pinned_chunks,
             "pinned_bytes_cpu": cpu.pinned_chunks * s.chunk_bytes, "pinned_bytes_disk": disk.pinned_chunks * s.chunk_bytes,
             "dirty_bytes": s.dirty_bytes,
-            **({"redis_breaker_state": s.tier("redis").wire.breaker_state} if s.tier("redis").wire else {})}
+            **({"redis_breaker_state": wire.breaker_state} if (wire := s.tier("redis").wire) else {})}
 
 
 @dataclass
