@@ -137,8 +137,9 @@ def test_state_model_sigterm_restart_is_served_from_disk(tmp_path: Path):
     restarted server's first request is served from disk with the cold run's tokens."""
     from kvtier.integrations.vllm.serve import Server, ServerSpec, transfer_config
     from kvtier.integrations.vllm.testmodel import engine_kwargs, random_prompt, write_model
+    from tests.integrations.openai_client import metrics as _metrics
     from tests.integrations.test_vllm_serve import TOLERANCE as TOLERANCE_BF16
-    from tests.integrations.test_vllm_serve import _complete, _metrics
+    from tests.integrations.test_vllm_serve import _complete
 
     model = write_model(tmp_path / "tiny-conv", "tiny-conv", weights="random", seed=0)
     kvtier = {"chunk_tokens": 32, "cpu_gib": 0.25, "disk_path": str(tmp_path / "disk"), "disk_gib": 0.5,
