@@ -148,7 +148,6 @@ class WorkerSide:
         self.key_root = b""
         self.namespace = b""
         self._store_seen: StoreStats | None = None
-        self._gauges_sent: dict[str, float] = {}
         self._errors: set[int] = set()
         self._failed: set[str] = set()
         self._closed = False
@@ -300,17 +299,16 @@ class WorkerSide:
 
     # ---- metrics and lifecycle ---------------------------------------------------------------
     def stats(self) -> KVTierStats | None:
-        """The change of the store's snapshot since the last call, and its usage; ``None`` if nothing changed."""
+        """The change of the store's snapshot since the last call, and its usage.
+
+        Sent every step, even unchanged: vLLM sums one step's reports over the tensor-parallel
+        ranks, so a rank that skipped an unchanged report would drop out of the summed gauges."""
         if self.store is None:
             return None
         snapshot = self.store.stats()
         counters = store_counters(snapshot, self._store_seen, self.tp_rank)
         self._store_seen = snapshot
-        gauges = store_gauges(snapshot)
-        if not counters and gauges == self._gauges_sent:
-            return None
-        self._gauges_sent = gauges
-        return KVTierStats(data={"counters": counters, "gauges": dict(gauges)})
+        return KVTierStats(data={"counters": counters, "gauges": dict(store_gauges(snapshot))})
 
     def shutdown(self) -> None:
         """Stop loading, flush dirty chunks to disk within ``shutdown_flush_s``, stop the store.  Idempotent."""
