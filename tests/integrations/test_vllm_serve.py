@@ -11,6 +11,7 @@ kills the process with SIGILL on AMX CPUs unless the connector asked first.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,8 @@ pytestmark = pytest.mark.engine
 TOLERANCE = 1e-3  # bfloat16 engine: logprobs of a cold prefill vs one continuing from loaded KV
 
 
-def _complete(base_url: str, model: str, prompt: str) -> dict[str, Any]:
-    body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "logprobs": 0}
+def _complete(base_url: str, model: str, prompt: str | list[int], max_tokens: int = 8) -> dict[str, Any]:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "logprobs": 0}
     r = httpx.post(base_url + "/v1/completions", json=body, timeout=600.0)
     r.raise_for_status()
     choice = r.json()["choices"][0]
@@ -59,3 +60,50 @@ def test_sigterm_restart_serves_the_first_request_from_disk(tiny_model: Path, tm
     assert second.get("vllm:external_prefix_cache_hits_total", 0) == hit
     assert outs[0]["tokens"] == outs[1]["tokens"]
     assert max(abs(a - b) for a, b in zip(outs[0]["logprobs"], outs[1]["logprobs"])) < TOLERANCE
+
+
+def _token_ids(base_url: str, model: str, prompt: str) -> list[int]:
+    r = httpx.post(base_url + "/tokenize", json={"model": model, "prompt": prompt}, timeout=60.0)
+    r.raise_for_status()
+    return [int(t) for t in r.json()["tokens"]]
+
+
+def test_restart_with_the_default_config_reproduces_the_engines_own_prefix_cache_bit_for_bit(
+        tiny_model: Path, tmp_path: Path) -> None:
+    """The operator's case with nothing tuned: kvtier's default settings (write-through, default
+    policy, ``disk_io: auto``) plus a disk tier; the server is stopped with SIGTERM and started
+    again, and its first request is compared, with no tolerance, against the exact reference: a
+    server without any connector whose own prefix cache holds exactly the tokens kvtier loads
+    (it first prefills that prefix alone), so both compute the same tail over the same cached
+    prefix with the same threads (``VLLM_CPU_NUM_OF_RESERVED_CPU`` pinned for all three).  In
+    bfloat16, so the restarted server's first forward runs over loaded KV on the AMX path."""
+    from kvtier.integrations.vllm.serve import Server, ServerSpec, transfer_config
+    from kvtier.integrations.vllm.testmodel import random_prompt
+
+    kvtier = {"disk_path": str(tmp_path / "disk"), "disk_gib": 0.5}  # everything else: kvtier's defaults
+    with_kvtier = ServerSpec(model=str(tiny_model), max_model_len=2048, kv_cache_bytes=256 << 20, load_format=None,
+                             kv_transfer_config=transfer_config(kvtier), memory_fraction=0.1, enforce_eager=True,
+                             shutdown_timeout_s=30, extra_args=("--dtype", "bfloat16"))
+    text = random_prompt(401, 420)
+    runs, metrics = [], []
+    for name in ("first", "restarted"):
+        with Server(with_kvtier, tmp_path / f"{name}.log").start(600) as server:
+            ids = _token_ids(server.base_url, server.served_model, text)
+            runs.append(_complete(server.base_url, server.served_model, ids))
+            metrics.append(served_metrics(server.base_url))
+        assert "Illegal instruction" not in (tmp_path / f"{name}.log").read_text(errors="replace")
+    loaded = int(metrics[1].get("kvtier_loaded_tokens_total{disk}", 0))
+    assert loaded == (len(ids) - 1) // 128 * 128 >= 768, "the restarted server must load every full chunk from disk"
+    assert metrics[1].get("vllm:external_prefix_cache_hits_total", 0) == loaded
+
+    without = dataclasses.replace(with_kvtier, kv_transfer_config=None)
+    with Server(without, tmp_path / "reference.log").start(600) as server:
+        _complete(server.base_url, server.served_model, ids[:loaded], max_tokens=1)  # vLLM caches exactly that prefix
+        before = served_metrics(server.base_url)
+        reference = _complete(server.base_url, server.served_model, ids)
+        cached = served_metrics(server.base_url).get("vllm:prefix_cache_hits_total", 0) - before.get(
+            "vllm:prefix_cache_hits_total", 0)
+    assert cached == loaded, "the reference must compute the same tail over its own cached prefix"
+    assert runs[1]["tokens"] == reference["tokens"]
+    assert runs[1]["logprobs"] == reference["logprobs"]  # bit for bit, no tolerance
+    assert runs[0]["tokens"] == runs[1]["tokens"]  # and the cold run agrees on the tokens
