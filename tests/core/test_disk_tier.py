@@ -2,6 +2,7 @@
 buffered and O_DIRECT mode (the ``disk_io`` fixture of tests/core/conftest.py)."""
 
 import errno
+import itertools
 import os
 import struct
 import time
@@ -317,38 +318,48 @@ def test_payload_of_another_length_is_a_counted_miss(tmp_path):
 
 
 # ---- buffered reads: serial or split, as measured (readchoice.ReadChooser) --------------------------
+def _choose(chooser, length, reads, split_s, serial_s):
+    """Run ``reads`` reads through ``chooser``; split ones take ``split_s``, serial ones ``serial_s``."""
+    picks = []
+    for _ in range(reads):
+        cls, split = chooser.begin(length)
+        picks.append(split)
+        chooser.end(cls, split, length, split_s if split else serial_s)
+    return picks
+
+
 def test_read_chooser_uses_the_faster_way_and_keeps_measuring_the_other():
     chooser = readchoice.ReadChooser(cpus=4)
     length = 4 << 20
-    picks = []
-    for i in range(2 * chooser.warmup):  # warm-up alternates: each way gets its samples
-        cls, split = chooser.begin(length)
-        picks.append(split)
-        chooser.end(cls, split, length, 0.001 if split else 0.002)  # split twice as fast
-    assert picks.count(True) == picks.count(False) == chooser.warmup
-    later = []
-    for _ in range(4 * chooser.explore_every):
-        cls, split = chooser.begin(length)
-        later.append(split)
-        chooser.end(cls, split, length, 0.001 if split else 0.002)
-    assert later.count(False) == 4  # serial only on the exploring reads
-    cls, split = chooser.begin(length)
-    chooser.end(cls, split, length, 0.1)  # one read preempted by another process: 100x slower
-    after = []
-    for _ in range(7):
-        cls, split = chooser.begin(length)
-        after.append(split)
-        chooser.end(cls, split, length, 0.001 if split else 0.002)
-    assert after.count(True) >= 6  # the median shrugs it off
-    for _ in range(8 * chooser.explore_every):  # the machine got busy: split now twice as slow
-        cls, split = chooser.begin(length)
-        chooser.end(cls, split, length, 0.004 if split else 0.002)
-    final = []
-    for _ in range(2 * chooser.explore_every):
-        cls, split = chooser.begin(length)
-        final.append(split)
-        chooser.end(cls, split, length, 0.004 if split else 0.002)
-    assert final.count(True) == 2 and chooser.running == 0
+    picks = _choose(chooser, length, 2 * chooser.warmup, 0.001, 0.002)  # split twice as fast
+    assert picks.count(True) == picks.count(False) == chooser.warmup  # warm-up alternates
+    later = _choose(chooser, length, 4 * chooser.explore_every, 0.001, 0.002)
+    # serial only on exploring reads; each loses, so the gap doubles: reads 8 and 8 + 16
+    assert [i + 1 for i, split in enumerate(later) if not split] == [8, 24]
+    _choose(chooser, length, 1, 0.1, 0.002)  # one read preempted by another process: 100x slower
+    after = _choose(chooser, length, 7, 0.001, 0.002)
+    assert after.count(True) == 7  # the median shrugs it off
+    busy = _choose(chooser, length, 8 * chooser.explore_every, 0.004, 0.002)  # split now twice as slow
+    assert busy[8:].count(True) <= 2  # the split median follows within the window; split only explores
+    final = _choose(chooser, length, 2 * chooser.explore_every, 0.004, 0.002)
+    assert final.count(True) <= 1 and chooser.running == 0
+
+
+def test_read_chooser_backs_off_exploring_a_losing_way_and_resumes_when_it_wins():
+    chooser = readchoice.ReadChooser(cpus=4)
+    length = 32 << 20
+    _choose(chooser, length, 2 * chooser.warmup, 0.004, 0.002)  # split loses (no free core)
+    picks = _choose(chooser, length, 2000, 0.004, 0.002)
+    explored = [i + 1 for i, split in enumerate(picks) if split]
+    # the gap doubles after each losing exploration, 8 -> 256, then stays at 256
+    assert explored[:7] == [8, 24, 56, 120, 248, 504, 760]
+    assert [b - a for a, b in itertools.pairwise(explored[6:])] == [chooser.explore_max] * (len(explored) - 7)
+    assert len(explored) == 11  # 0.55 % of the reads, against 12.5 % at a fixed 1 in 8
+    # a core frees up: split now twice as fast; found at the next exploring read, then used
+    freed = _choose(chooser, length, chooser.explore_max + 6 * chooser.explore_every, 0.001, 0.002)
+    first = freed.index(True)
+    assert first < chooser.explore_max
+    assert freed[-chooser.explore_every:].count(True) >= chooser.explore_every - 1
 
 
 def test_read_chooser_never_splits_small_reads_one_cpu_or_a_busy_process():

@@ -14,10 +14,12 @@ XXH3-128, computed over every payload byte:
   *split* (a helper reads the payload's tail while the calling thread reads and hashes the head,
   then hashes the tail), whichever :class:`~kvtier.core.tiers.readchoice.ReadChooser` measures
   to be faster now: split wins only with a free core, and costs a hand-off when there is none.
-- **Writes**, buffered: a payload of at least :data:`OVERLAP_MIN_BYTES` is hashed on a helper
-  thread while it is written, and the header (which holds the digest) goes last, at offset 0.
-  Direct writes, and smaller payloads, are hashed first and written with their header in one
-  call: one device request costs less than a second, synchronous one for the header.
+- **Writes**: a payload of at least :data:`OVERLAP_MIN_BYTES` (buffered) or
+  :data:`DIRECT_OVERLAP_MIN_BYTES` (direct) is hashed on a helper thread while the calling thread
+  writes it, and the header (which holds the digest) goes last, at offset 0.  Smaller payloads
+  are hashed first and written with their header in one call: below 16 MiB one device request
+  costs less than the hash plus a second, synchronous request for the header (interleaved A/B,
+  docs/benchmarks.md "Session 4"); above it the hidden hash (1.9 ms per 32 MiB) is worth more.
 - **O_DIRECT** (``direct=True``): the page cache is bypassed, so the kernel does not copy the
   bytes and the host's page cache is not filled with chunks the cpu tier already holds.  I/O goes
   straight to and from the caller's buffer when it is 4096-byte aligned (the cpu tier's pages
@@ -57,6 +59,8 @@ READ_DEPTH = 4
 """Slices read ahead at once in a pipelined read (keeps the device busy with several requests)."""
 OVERLAP_MIN_BYTES = 2 << 20
 """Buffered payloads at least this large are hashed on a helper thread while they are written."""
+DIRECT_OVERLAP_MIN_BYTES = 16 << 20
+"""``O_DIRECT`` payloads at least this large are hashed on a helper thread while they are written."""
 SPLIT_HEAD_SHARE = 0.45
 """Share of a split read's payload read (and hashed) by the calling thread: with the hash at about a
 third of the read's cost, reading 0.45 and hashing it takes about as long as reading the other 0.55."""
@@ -112,9 +116,9 @@ class ChunkIO:
             raise ValueError(f"slice_bytes must be a positive multiple of {ALIGN}, got {slice_bytes}")
         self.direct = direct
         self.pipeline = direct if pipeline is None else pipeline
-        # direct writes: one device I/O (header + payload) beats hashing on a helper and writing the
-        # header afterwards (measured, docs/benchmarks.md); buffered writes are CPU copies worth overlapping
-        self.overlap_min_bytes = 1 << 62 if direct else OVERLAP_MIN_BYTES
+        # direct writes: below DIRECT_OVERLAP_MIN_BYTES one device request (header + payload) beats
+        # hashing on a helper and a second request for the header (measured, docs/benchmarks.md)
+        self.overlap_min_bytes = DIRECT_OVERLAP_MIN_BYTES if direct else OVERLAP_MIN_BYTES
         self.read_depth = READ_DEPTH
         self.slice_bytes = slice_bytes
         self.open_flags = O_DIRECT if direct else 0

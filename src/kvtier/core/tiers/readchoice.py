@@ -23,12 +23,14 @@ def usable_cpus() -> int:
 class _Samples:
     """Recent wall seconds per byte of each way, for one class of reads."""
 
-    __slots__ = ("reads", "serial", "split")
+    __slots__ = ("gap", "prefer_split", "serial", "split", "until_explore")
 
-    def __init__(self, window: int) -> None:
+    def __init__(self, window: int, gap: int) -> None:
         self.serial: deque[float] = deque(maxlen=window)
         self.split: deque[float] = deque(maxlen=window)
-        self.reads = 0
+        self.prefer_split = False
+        self.gap = gap  # reads between two exploring reads
+        self.until_explore = gap
 
 
 class ReadChooser:
@@ -40,16 +42,22 @@ class ReadChooser:
     by its power of two, and how many reads ran at once: 1, 2, 3-4, more) the chooser keeps the
     last :attr:`window` wall times per byte of each way and compares their medians (one read
     preempted by another process must not swing the choice): split is used when its median is
-    below :attr:`split_margin` × serial's, serial otherwise, and the other way every
-    :attr:`explore_every`-th read so that its samples follow the load (a loaded machine pays the
-    hand-off on one read in 8).  Split is not tried at all while more reads run at once than half
-    the usable CPUs (each split read keeps two busy) or on a single CPU.
+    below :attr:`split_margin` × serial's, serial otherwise, and the other way on an *exploring*
+    read so that its samples follow the load.  Exploring reads come every :attr:`explore_every`
+    reads at first; each one that loses (is not faster than the chosen way's median by the
+    margin) doubles the gap, up to :attr:`explore_max`, and one that wins brings it back to
+    :attr:`explore_every`, so a way that keeps losing costs one read in 256, and one that starts
+    winning is found within a few dozen reads.  Split is not tried at all while more reads run at
+    once than half the usable CPUs (each split read keeps two busy) or on a single CPU.
 
     One chooser serves the whole process (:data:`CHOOSER`): the load is the machine's.  Samples
     are not locked; a race loses a sample, never a read.
     """
 
     explore_every = 8
+    """Reads between two exploring reads at first, and after an exploring read won."""
+    explore_max = 256
+    """Reads between two exploring reads at most (after exploring reads kept losing)."""
     window = 8
     """Samples of each way kept per class."""
     warmup = 3
@@ -79,13 +87,14 @@ class ReadChooser:
             return cls, False
         st = self._classes.get(cls)
         if st is None:
-            st = self._classes[cls] = _Samples(self.window)
-        st.reads += 1
+            st = self._classes[cls] = _Samples(self.window, self.explore_every)
         if len(st.serial) < self.warmup or len(st.split) < self.warmup:
             return cls, len(st.split) < len(st.serial)  # alternate until each way has its samples
-        use_split = statistics.median(st.split) < self.split_margin * statistics.median(st.serial)
-        explore = st.reads % self.explore_every == 0
-        return cls, use_split != explore
+        st.until_explore -= 1
+        if st.until_explore <= 0:
+            st.until_explore = st.gap
+            return cls, not st.prefer_split
+        return cls, st.prefer_split
 
     def end(self, cls: tuple[int, int], split: bool, length: int, seconds: float) -> None:
         """Record a finished read of ``length`` bytes that took ``seconds``."""
@@ -98,7 +107,16 @@ class ReadChooser:
         st = self._classes.get(cls)
         if st is None or length <= 0 or self.force is not None:
             return
-        (st.split if split else st.serial).append(seconds / length)
+        per_byte = seconds / length
+        warm = len(st.serial) >= self.warmup and len(st.split) >= self.warmup
+        if warm and split != st.prefer_split:  # an exploring read: did the other way win this time?
+            chosen = statistics.median(st.split if st.prefer_split else st.serial)
+            won = per_byte < self.split_margin * chosen if split else per_byte * self.split_margin < chosen
+            st.gap = self.explore_every if won else min(2 * st.gap, self.explore_max)
+            st.until_explore = st.gap
+        (st.split if split else st.serial).append(per_byte)
+        if len(st.serial) >= self.warmup and len(st.split) >= self.warmup:
+            st.prefer_split = statistics.median(st.split) < self.split_margin * statistics.median(st.serial)
 
     def split_share(self) -> float:
         """Share of the buffered reads since start that were split (for benchmark notes)."""
