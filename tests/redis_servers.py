@@ -211,12 +211,14 @@ class RedisClusterServers:
 
 class DelayProxy:
     """A TCP proxy on 127.0.0.1 that forwards to ``target_port``, holding each chunk of bytes
-    ``delay_s`` seconds in each direction (settable while running).  Daemon threads; ``close()``
-    stops it."""
+    ``delay_s`` seconds in each direction, and passing the server's replies on at no more than
+    ``reply_bytes_s`` bytes per second (a slow link for large values; small replies such as a
+    lookup's pass at once).  Both settable while running.  Daemon threads; ``close()`` stops it."""
 
-    def __init__(self, target_port: int, delay_s: float = 0.0) -> None:
+    def __init__(self, target_port: int, delay_s: float = 0.0, reply_bytes_s: float | None = None) -> None:
         self.target_port = target_port
         self.delay_s = delay_s
+        self.reply_bytes_s = reply_bytes_s
         self.listener = socket.create_server((HOST, 0))
         self.port = self.listener.getsockname()[1]
         self._closed = False
@@ -240,10 +242,10 @@ class DelayProxy:
                 continue
             upstream.settimeout(None)
             self._socks += [client, upstream]
-            for src, dst in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+            for src, dst, replies in ((client, upstream, False), (upstream, client, True)):
+                threading.Thread(target=self._pump, args=(src, dst, replies), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, replies: bool) -> None:
         try:
             while True:
                 data = src.recv(1 << 20)
@@ -251,7 +253,12 @@ class DelayProxy:
                     break
                 if self.delay_s:
                     time.sleep(self.delay_s)
-                dst.sendall(data)
+                view = memoryview(data)
+                while replies and self.reply_bytes_s and len(view) > 4096:  # 4 KiB pieces at the rate
+                    dst.sendall(view[:4096])
+                    view = view[4096:]
+                    time.sleep(4096 / self.reply_bytes_s)
+                dst.sendall(view)
         except OSError:
             pass
         finally:

@@ -86,3 +86,43 @@ def test_prefix_saved_on_one_engine_is_a_hit_on_another(tiny_model: Path, tmp_pa
     assert end["kvtier_redis_skipped_writes_total"] > 0  # the second prompt's chunks never reached Redis
     assert end["kvtier_shared_lookup_hit_chunks_total"] == LOADABLE // 64  # nothing found once Redis was gone
     assert end["kvtier_shared_lookup_chunks_total"] > end["kvtier_shared_lookup_hit_chunks_total"]
+
+
+def test_a_load_slower_than_load_wait_s_recomputes_its_tail(tiny_model: Path, tmp_path: Path, redis_factory,
+                                                           key_prefix) -> None:
+    """``load_wait_s`` bounds an engine load whose chunks arrive slowly: engine B reads Redis
+    through a proxy passing replies at 64 KiB/s (1 s per 64 KiB float32 chunk; lookups, small replies,
+    pass at once), with ``load_wait_s`` 1 s and the transfer and socket deadlines far above the
+    whole load (30 s), so only ``load_wait_s`` can cut it.  The load delivers the chunks read
+    before it returns (the first ``io_threads``), gives up on the rest after 1 s, and vLLM
+    recomputes exactly those blocks: same tokens as A's recompute, logprobs within float32
+    tolerance (the recomputed tail is summed in another order than A's single prefill)."""
+    from kvtier.integrations.vllm.testmodel import random_prompt
+    from tests.redis_servers import DelayProxy
+
+    from .vllm_helpers import max_logprob_diff
+
+    server = redis_factory()
+    prompt = random_prompt(730, PROMPT_WORDS)
+    kvtier = {"chunk_tokens": 64, "cpu_gib": 0.01, "redis_url": server.url, "redis_key_prefix": key_prefix,
+              "shared_deadline_s": 5.0, "redis_timeout_s": 30.0, "shared_transfer_deadline_s": 30.0}
+    gen = [{"op": "generate", "prompts": [prompt]}]
+    made = result_of(run_engine({"model": str(tiny_model), "role": "kv_producer", "steps": gen, "kvtier": kvtier},
+                                tmp_path, "a", env=EQUAL_THREADS), tmp_path, "a")
+    assert made["metrics"]["kvtier_saved_tokens_total"] == LOADABLE
+    proxy = DelayProxy(server.port, reply_bytes_s=64 << 10)
+    try:
+        slow = {**kvtier, "redis_url": proxy.url, "load_wait_s": 1.0, "io_threads": 2}
+        served = result_of(run_engine({"model": str(tiny_model), "role": "kv_consumer", "steps": gen, "kvtier": slow},
+                                      tmp_path, "b", env=EQUAL_THREADS), tmp_path, "b")
+    finally:
+        proxy.close()
+    log = (tmp_path / "b.log").read_text(errors="replace")
+    assert "were not read within load_wait_s=1.0" in log, log[-3000:]
+    end = served["metrics"]
+    loaded = end["kvtier_loaded_tokens_total{redis}"]
+    assert 0 < loaded < LOADABLE, "the chunks read before the wait began are loaded, the slow tail is not"
+    assert end["kvtier_load_failed_blocks_total"] * 32 == LOADABLE - loaded  # 32-token engine blocks
+    ((x,),), ((y,),) = made["results"], served["results"]
+    assert x["tokens"] == y["tokens"]
+    assert max_logprob_diff(x["logprobs"], y["logprobs"]) < 1e-4
