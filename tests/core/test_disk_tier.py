@@ -362,8 +362,11 @@ def test_read_chooser_backs_off_exploring_a_losing_way_and_resumes_when_it_wins(
     assert freed[-chooser.explore_every:].count(True) >= chooser.explore_every - 1
 
 
-def test_read_chooser_never_splits_small_reads_one_cpu_or_a_busy_process():
+def test_read_chooser_never_splits_small_reads_two_cpus_or_a_busy_process():
     assert not readchoice.ReadChooser(cpus=1).begin(32 << 20)[1]
+    two = readchoice.ReadChooser(cpus=2)  # no core left over for the rest of the host
+    picks = _choose(two, 32 << 20, 100, 0.001, 0.002)
+    assert not any(picks) and two.serials == 100
     chooser = readchoice.ReadChooser(cpus=4)
     assert not chooser.begin(readchoice.SPLIT_MIN_BYTES - 1)[1]
     chooser.begin(32 << 20)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import statistics
 import threading
 from collections import deque
 
@@ -18,6 +17,13 @@ def usable_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def _median(samples: deque[float]) -> float:
+    """Median of a non-empty window (``statistics.median``'s result at a third of its cost)."""
+    ordered = sorted(samples)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 class _Samples:
@@ -44,11 +50,17 @@ class ReadChooser:
     preempted by another process must not swing the choice): split is used when its median is
     below :attr:`split_margin` × serial's, serial otherwise, and the other way on an *exploring*
     read so that its samples follow the load.  Exploring reads come every :attr:`explore_every`
-    reads at first; each one that loses (is not faster than the chosen way's median by the
-    margin) doubles the gap, up to :attr:`explore_max`, and one that wins brings it back to
-    :attr:`explore_every`, so a way that keeps losing costs one read in 256, and one that starts
-    winning is found within a few dozen reads.  Split is not tried at all while more reads run at
-    once than half the usable CPUs (each split read keeps two busy) or on a single CPU.
+    reads at first; each one that loses (is not faster by the margin than every read of the
+    chosen way in the window) doubles the gap, up to :attr:`explore_max`, and one that wins
+    brings it back to :attr:`explore_every`, so a way that keeps losing costs one read in 256,
+    and one that starts winning is found at the next exploring read.
+
+    Split is not tried at all unless a core is left over for the rest of the host: while twice
+    the reads at once reach the usable CPUs (each split read keeps two busy), so never on 1 or 2
+    CPUs.  Measured on 2 CPUs (docs/benchmarks.md, sessions 3 and 4): split never beat serial,
+    idle or loaded, and under load (other processes on both cores) single reads swing 10x, so the
+    medians of 8 samples picked split while it was slower (32 MiB: 0.66 against serial's 0.77 ×
+    raw, interleaved).
 
     One chooser serves the whole process (:data:`CHOOSER`): the load is the machine's.  Samples
     are not locked; a race loses a sample, never a read.
@@ -62,8 +74,9 @@ class ReadChooser:
     """Samples of each way kept per class."""
     warmup = 3
     """Samples of each way taken (alternating) before the medians decide."""
-    split_margin = 0.95
-    """Split must be this much faster than serial to be used (ties go to the cheaper, serial way)."""
+    split_margin = 0.85
+    """Split must be this much faster than serial to be used (ties, and noise, go to the cheaper,
+    serial way; with a free core split is expected at ~0.6-0.7 of serial's time)."""
 
     def __init__(self, cpus: int | None = None) -> None:
         self.cpus = usable_cpus() if cpus is None else cpus
@@ -83,7 +96,7 @@ class ReadChooser:
         cls = (length.bit_length(), running if running < 3 else (3 if running < 5 else 4))
         if self.force is not None:
             return cls, self.force == "split" and length >= ALIGN * 2
-        if length < SPLIT_MIN_BYTES or self.cpus < 2 or 2 * running > self.cpus:
+        if length < SPLIT_MIN_BYTES or 2 * running >= self.cpus:
             return cls, False
         st = self._classes.get(cls)
         if st is None:
@@ -110,13 +123,15 @@ class ReadChooser:
         per_byte = seconds / length
         warm = len(st.serial) >= self.warmup and len(st.split) >= self.warmup
         if warm and split != st.prefer_split:  # an exploring read: did the other way win this time?
-            chosen = statistics.median(st.split if st.prefer_split else st.serial)
+            # won: faster than every recent read of the chosen way (one lucky read on a noisy host
+            # should not bring exploration back to 1 in 8)
+            chosen = min(st.split if st.prefer_split else st.serial)
             won = per_byte < self.split_margin * chosen if split else per_byte * self.split_margin < chosen
             st.gap = self.explore_every if won else min(2 * st.gap, self.explore_max)
             st.until_explore = st.gap
         (st.split if split else st.serial).append(per_byte)
         if len(st.serial) >= self.warmup and len(st.split) >= self.warmup:
-            st.prefer_split = statistics.median(st.split) < self.split_margin * statistics.median(st.serial)
+            st.prefer_split = _median(st.split) < self.split_margin * _median(st.serial)
 
     def split_share(self) -> float:
         """Share of the buffered reads since start that were split (for benchmark notes)."""
