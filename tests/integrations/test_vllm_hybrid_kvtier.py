@@ -162,3 +162,31 @@ def test_state_model_sigterm_restart_is_served_from_disk(tmp_path: Path):
     assert outs[0]["tokens"] == outs[1]["tokens"]
     # bfloat16 (as test_vllm_serve.py): a cold prefill and one continuing from loaded KV round apart
     assert max(abs(a - b) for a, b in zip(outs[0]["logprobs"], outs[1]["logprobs"])) < TOLERANCE_BF16
+
+
+def test_sliding_window_model_loads_another_engines_pages_from_the_shared_tier(tmp_path: Path, redis_factory,
+                                                                             key_prefix) -> None:
+    """A hybrid model across engines: A saves its pages to Redis (write-through); B, another
+    process with an empty cpu tier and no disk, asks the shared tier about the pages its own
+    tiers lack (per group), plans the hit over them and loads every group from Redis, with A's
+    tokens and logprobs exactly (equal compute threads)."""
+    model, prompt, n = model_and_prompt(tmp_path, "tiny-swa")
+    boundary = (n - 1) // 64 * 64
+    server = redis_factory()
+    kvtier = {"chunk_tokens": 64, "cpu_gib": 0.25, "redis_url": server.url, "redis_key_prefix": key_prefix,
+              "shared_deadline_s": 5.0, "redis_timeout_s": 5.0}
+
+    def spec(role: str) -> dict:
+        from kvtier.integrations.vllm.testmodel import engine_kwargs
+
+        return {"model": str(model), "role": role, "kvtier": kvtier, "steps": [generate(prompt)],
+                "engine": {"num_gpu_blocks_override": 128, **engine_kwargs("tiny-swa")}}
+
+    made = result_of(run_engine(spec("kv_both"), tmp_path, "a", env=ENV), tmp_path, "a")
+    assert made["metrics"]["vllm:external_prefix_cache_hits_total"] == 0
+    served = result_of(run_engine(spec("kv_both"), tmp_path, "b", env=ENV), tmp_path, "b")
+    m = served["metrics"]
+    assert m["kvtier_loaded_tokens_total{redis}"] == boundary == m["vllm:external_prefix_cache_hits_total"]
+    assert m["kvtier_shared_lookup_hit_chunks_total"] == boundary // 64 + 1  # pages: every full chunk + 1 window
+    (cold,), (warm,) = made["results"][0], served["results"][0]
+    assert (warm["tokens"], warm["logprobs"]) == (cold["tokens"], cold["logprobs"])

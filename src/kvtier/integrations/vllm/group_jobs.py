@@ -16,6 +16,7 @@ and the group.  Per request::
 from __future__ import annotations
 
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from kvtier.core.keys import ChunkKey
@@ -40,18 +41,35 @@ class GroupJobs:
     def _key(self, chain: Sequence[bytes], group: int, chunk: int) -> bytes:
         return bytes(group_key(ChunkKey(chain[chunk]), group))
 
-    def lookup(self, chain: Sequence[bytes], num_computed_tokens: int, num_tokens: int) -> tuple[int, list[str]]:
+    def lookup(self, chain: Sequence[bytes], num_computed_tokens: int, num_tokens: int,
+               shared: AbstractSet[bytes] = frozenset()) -> tuple[int, list[str]]:
         """The hit (tokens, 0 if none beyond ``num_computed_tokens``) and, per chunk before it,
-        the slowest tier any of its pages is held in (for vLLM's hit-source metrics)."""
-        def present(group: int, chunk: int) -> bool:
-            return chunk < len(chain) and self.mirror.tier(self._key(chain, group, chunk)) is not None
+        the slowest tier any of its pages is held in (for vLLM's hit-source metrics).
 
-        hit = self.plan.hit_tokens(present, num_computed_tokens, num_tokens)
+        ``shared``: page keys the shared tier holds for every rank (tier ``redis``), from
+        :meth:`~kvtier.integrations.vllm.remote.RemoteLookups.poll_pages` over :meth:`unheld_pages`.
+        """
+        def tier(group: int, chunk: int) -> str | None:
+            if chunk >= len(chain):
+                return None
+            key = self._key(chain, group, chunk)
+            return self.mirror.tier(key) or ("redis" if key in shared else None)
+
+        hit = self.plan.hit_tokens(lambda g, c: tier(g, c) is not None, num_computed_tokens, num_tokens)
         tiers = []
         for c in range(hit // self.C):
-            held = [self.mirror.tier(self._key(chain, g.index, c)) for g in self.plan.groups]
+            held = [tier(g.index, c) for g in self.plan.groups]
             tiers.append(max((t for t in held if t), key=lambda t: TIER_ORDER.get(t, 0), default="cpu"))
         return hit, tiers
+
+    def unheld_pages(self, chain: Sequence[bytes], num_computed_tokens: int, num_tokens: int) -> list[bytes]:
+        """Keys of the pages a hit beyond ``num_computed_tokens`` could use that no rank's local
+        tiers hold (every group, every chunk up to the last one vLLM lets a connector load):
+        what the scheduler asks the shared tier about."""
+        first = num_computed_tokens // self.C
+        limit = min(len(chain), max(0, num_tokens - 1) // self.C)
+        return [key for c in range(first, limit) for g in self.plan.groups
+                if self.mirror.tier(key := self._key(chain, g.index, c)) is None]
 
     def load_pages(self, chain: Sequence[bytes], block_ids: Sequence[Sequence[int]], num_computed_tokens: int,
                    hit: int) -> tuple[PageMove, ...]:

@@ -8,6 +8,9 @@ its own threads, and hands back "ask again" (``None``) until the answer is in or
 answers ``(None, False)`` meanwhile (vllm/v1/core/sched/scheduler.py skips the request for this
 step and asks again in the next one), so the engine's step never waits on the network.
 
+- Hybrid models (:meth:`RemoteLookups.poll_pages`): the same batch over the page keys (chunk key
+  and KV cache group) no local tier holds; the hit is then planned over local and shared pages
+  together (:meth:`~kvtier.integrations.vllm.group_jobs.GroupJobs.lookup`).
 - A chunk counts only if every rank's value is there (each rank stores its own KV heads under its
   own namespace, reported by the workers in ``RankReport.namespace``): the answer is the minimum
   over ranks of the leading chunks found.
@@ -66,6 +69,8 @@ class RemoteLookups:
         self._in_flight = 0
         # req_id -> ((start, end), pending lookup); answered ones stay until the request is planned or gone
         self._pending: dict[str, tuple[tuple[int, int], PendingLookup]] = {}
+        # hybrid models: req_id -> (page keys asked, the lookup or its answer, deadline)
+        self._pending_pages: dict[str, tuple[tuple[bytes, ...], Future[frozenset[bytes]] | frozenset[bytes], float]] = {}
         self.asked = self.answered = self.timed_out = self.skipped = 0
         self.answered_chunks = self.found_chunks = 0  # over answered lookups: the shared tier's hit rate
 
@@ -114,9 +119,70 @@ class RemoteLookups:
             self._pending[req_id] = (span, _Answered(found, span[1] - start))
         return found
 
+    def poll_pages(self, req_id: str, keys: Sequence[bytes]) -> frozenset[bytes] | None:
+        """Hybrid models: which of ``keys`` (page keys, in any order; none of them held locally)
+        the shared tier holds for every rank; ``None`` ("ask again") while the lookup runs, the
+        empty set past ``shared_deadline_s`` or on a fault.  Never blocks."""
+        asked = tuple(keys)
+        entry = self._pending_pages.get(req_id)
+        if entry is not None and isinstance(entry[1], frozenset) and set(asked) <= set(entry[0]):
+            return entry[1].intersection(asked)  # answered; pages since saved locally are no longer asked
+        if entry is None or entry[0] != asked:
+            entry = self._pending_pages[req_id] = (asked, self._submit_pages(asked), time.monotonic() + self.deadline_s)
+        _, answer, deadline = entry
+        if isinstance(answer, frozenset):
+            return answer
+        if answer.done():
+            try:
+                found = answer.result()
+            except Exception:  # noqa: BLE001 - a fault in the shared tier is a miss
+                found = frozenset()
+        elif time.monotonic() >= deadline:
+            found = frozenset()
+            self.timed_out += 1
+            log.info("kvtier: shared-tier lookup for request %s passed shared_deadline_s=%s; answered from "
+                     "local tiers", req_id, self.deadline_s)
+        else:
+            return None
+        self.answered += 1
+        self.answered_chunks += len(asked)
+        self.found_chunks += len(found)
+        self._pending_pages[req_id] = (asked, found, deadline)
+        return found
+
+    def _submit_pages(self, keys: tuple[bytes, ...]) -> Future[frozenset[bytes]] | frozenset[bytes]:
+        with self._lock:
+            if not keys or not self._tiers or self._in_flight >= self.queue_depth:
+                self.skipped += bool(keys)
+                return frozenset()
+            self._in_flight += 1
+            tiers = list(self._tiers)
+        self.asked += 1
+
+        def remote() -> frozenset[bytes]:
+            try:
+                left = list(keys)
+                for tier in tiers:  # one pipelined EXISTS batch per rank, over what every earlier rank holds
+                    present = tier.contains_many([ChunkKey(k) for k in left])
+                    left = [k for k, hit in zip(left, present) if hit]
+                    if not left:
+                        break
+                return frozenset(left)
+            finally:
+                with self._lock:
+                    self._in_flight -= 1
+
+        try:
+            return self._pool.submit(remote)
+        except RuntimeError:  # closed
+            with self._lock:
+                self._in_flight -= 1
+            return frozenset()
+
     def forget(self, req_id: str) -> None:
         """Drop ``req_id``'s lookup (planned, or the request is gone)."""
         self._pending.pop(req_id, None)
+        self._pending_pages.pop(req_id, None)
 
     def _submit(self, keys: Sequence[bytes]) -> PendingLookup:
         with self._lock:

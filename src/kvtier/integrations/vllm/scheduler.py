@@ -148,6 +148,14 @@ class SchedulerSide:
             return 0, False
         if self.groups is not None:
             hit, tiers = self.groups.lookup(chain, num_computed_tokens, request.num_tokens)
+            if self.remote is not None and hit < max_chunks * self.chunk_tokens and self.remote.bind(
+                    self.mirror.namespaces):
+                found = self.remote.poll_pages(req_id, self.groups.unheld_pages(chain, num_computed_tokens,
+                                                                                 request.num_tokens))
+                if found is None:
+                    return None, False  # the shared tier has not answered yet: ask again next step
+                if found:
+                    hit, tiers = self.groups.lookup(chain, num_computed_tokens, request.num_tokens, found)
         else:
             tiers = self.mirror.lookup(chain)
             if self.remote is not None and len(tiers) < max_chunks and self.remote.bind(self.mirror.namespaces):

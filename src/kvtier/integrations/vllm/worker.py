@@ -206,6 +206,7 @@ class WorkerSide:
         namespace = build_namespace(self.vllm_config, self.kv_cache_config, first, self.config,
                                     self.tp_size, self.tp_rank, fingerprint, group_layouts=layouts)
         self.key_root = key_root(namespace)
+        self.namespace = namespace.digest()  # reported to the scheduler, which asks the shared tier under it
         self.groups = GroupCopiers(self.plan, layouts, kv_caches)
         self.store = TieredStore(self.config, namespace, self.groups.page_bytes, self.tp_size)
         self.loader = AsyncLoader(self.store, None, self.blocks_per_chunk, self.block_size,
