@@ -15,25 +15,34 @@ construction with SHARDS", FAST 2015): a key is sampled when a hash of it falls 
 ``n`` = chunks tracked); for each ordering a shadow of ``rate × n`` slots replays the sampled
 keys only (keys and a few integers, no KV) and counts its hits; the hit counts decay by half
 every ``DECAY`` shadow-sizes of sampled accesses.  The real tier uses the ordering whose shadow
-leads beyond noise (``MARGIN``, ``SIGNIFICANCE``; LRU until one does).  The orderings (``MODES``), as a rank per chunk, lowest
-evicted first, ties to the deeper chunk (tail first):
+leads beyond noise (``MARGIN``, ``SIGNIFICANCE``: a paired sign test on the accesses where the
+two shadows disagree; LRU until one leads).  The orderings (``MODES``), as a rank per chunk,
+lowest evicted first, ties to the deeper chunk (tail first):
 
 - ``lru``: time of last use.
 - ``quarantine``: time of last use, minus ``QUARANTINE × n`` if the chunk was never used before
   (within the remembered history), plus ``min(uses, MAX_USES) × n`` otherwise: one-hit chunks
   leave first, proven ones stay longer the more they were used (2Q, VLDB'94; S3-FIFO, SOSP'23;
   LRFU, IEEE ToC 2001).  This is what the earlier default ``prefix-freq`` did when quarantining.
+- ``quarantine-long``: the same with a longer memory (``MEMORY``).
 - ``bip``: bimodal insertion (Qureshi et al. 2007): a chunk that arrives goes to the *bottom*
   (evicted before anything that has been used while resident) except one request run in
   ``BIP_LUCKY``; a used chunk goes to the top.  A cycling working set then keeps a stable part
   resident instead of evicting each chunk just before its reuse.
+- ``frequency``: time of last use, plus ``FREQUENCY_BONUS × min(uses, MAX_USES) × n`` with uses
+  counted over a long, bounded history (``FREQUENCY_HISTORY`` tier-sizes of keys), minus
+  ``QUARANTINE × n`` if never used there: LFU with LRU among equals and aging by forgetting
+  (LRFU, IEEE ToC 2001; the long-window frequency of TinyLFU, Einziger et al., ACM ToS 2017,
+  kept as exact counts of keys rather than a count-min sketch).  It keeps a hot set whose
+  members return after more tier-sizes than the other orderings remember (a batch job's hot
+  prompts among scan-once documents).
 
 The prefix constraint holds in every mode: a chunk with resident children is never the victim
 (leaves first, as radix-tree caches: SGLang, NeurIPS 2024).  Shadows ignore it (their sampled
 keys rarely include a parent), which is why they only choose the ordering.
 
 Costs: O(log n) per operation in the real tier, plus, per sampled access, O(log SHADOW_KEYS) in
-each of the three shadows; victim rebuilds the heap when the mode switches or the tier doubles.
+each of the five shadows; victim rebuilds the heap when the mode switches or the tier doubles.
 Owners should offer every full chunk of each request: ``touch`` the resident ones and ``insert``
 the missing ones in prompt order, as the simulator does.
 """
@@ -47,7 +56,7 @@ from typing import Any
 
 from kvtier.core.policies.base import Evictable, EvictionPolicy, always_evictable, heap_victim
 
-MODES = ("lru", "quarantine", "quarantine-long", "bip")
+MODES = ("lru", "quarantine", "quarantine-long", "bip", "frequency")
 QUARANTINE = 5.0
 """``quarantine``: a never-used chunk ranks as if last used this many tier-sizes earlier."""
 MAX_USES = 7
@@ -56,40 +65,57 @@ BIP_LUCKY = 32
 MEMORY = (8.0, 32.0)
 """``quarantine`` / ``quarantine-long``: a chunk counts as used before if its previous use lies
 within this many tier-sizes of insertions."""
+FREQUENCY_BONUS = 16.0
+"""``frequency``: each prior use ranks a chunk this many tier-sizes later (up to MAX_USES)."""
+FREQUENCY_HISTORY = 128.0
+"""``frequency`` counts uses over this many tier-sizes of keys, at least half as many (keys only)."""
 HISTORY = 32.0
 """Use counts are remembered for this many tier-sizes of keys, at least half as many (keys only)."""
 SHADOW_KEYS = 2048
 """Sampled keys per shadow, at most."""
 DECAY = 8.0
 """Shadow hit counts halve every this many shadow-sizes of sampled accesses."""
-MARGIN = 0.02
-SIGNIFICANCE = 4.0
+MARGIN = 0.05
+SIGNIFICANCE = 9.0
 """A shadow must lead the current mode's shadow by MARGIN of its hits, and by more than
-``sqrt(SIGNIFICANCE × (both hit counts))`` (two standard deviations if hits were Poisson counts),
-to switch the tier to its ordering."""
+``sqrt(SIGNIFICANCE × discordant)`` (three standard deviations of a paired sign test), to switch
+the tier to its ordering.  ``discordant``: sampled accesses on which exactly one of the two
+shadows hit (decayed like the hits).  Every shadow replays the same sampled keys, so their hit
+counts are strongly correlated; under "no difference" the lead is a sum of ±1 over the
+discordant accesses, variance = their count (McNemar, Psychometrika 1947), not the sum of both
+hit counts that treating them as independent Poisson counts gives: a real lead of a few percent
+clears it within a short trace.  Three sigma, not two, because the test is repeated at every
+sampled access; on independent uniform draws (every ordering equal) it switched in 1 stream of
+20, once, over 60 tier-sizes of traffic each (tests/core/test_policies_adaptive.py)."""
 
 _MIX = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
 _SAMPLE_BITS = 24
 
 
-def _rank(mode: int, time: int, uses: int, gap: int, mru: bool, scale: int) -> float:
+def _rank(mode: int, time: int, uses: int, gap: int, mru: bool, scale: int, long_uses: int) -> float:
     if mode == 0:
         return time
     if mode < 3:
         if uses and gap <= MEMORY[mode - 1] * scale:
             return time + scale * min(uses, MAX_USES)
         return time - scale * QUARANTINE
-    return time if mru else -1.0 - time
+    if mode == 3:
+        return time if mru else -1.0 - time
+    if long_uses:
+        return time + scale * FREQUENCY_BONUS * min(long_uses, MAX_USES)
+    return time - scale * QUARANTINE
 
 
 class _Node:
-    __slots__ = ("depth", "gap", "mru", "parent", "rank", "seq", "time", "uses")
+    __slots__ = ("depth", "gap", "long_uses", "mru", "parent", "rank", "seq", "time", "uses")
 
-    def __init__(self, time: int, uses: int, gap: int, depth: int, parent: Any | None, mru: bool) -> None:
+    def __init__(self, time: int, uses: int, gap: int, long_uses: int, depth: int, parent: Any | None,
+                 mru: bool) -> None:
         self.time = time  # clock of last use, shared by one request's chain
         self.uses = uses  # prior uses (remembered ones)
         self.gap = gap  # insertions between the previous use and the last one
+        self.long_uses = long_uses  # prior uses within the long history (``frequency``)
         self.depth = depth
         self.parent = parent
         self.mru = mru  # bip: used while resident, or inserted by a lucky run
@@ -106,21 +132,25 @@ class _Shadow:
         self.heap: list[tuple[float, int, int, Any]] = []
         self.hits = 0.0
 
-    def access(self, key: Any, time: int, uses: int, gap: int, depth: int, lucky: bool, capacity: int,
-               scale: int, seq: Any) -> None:
+    def access(self, key: Any, time: int, uses: int, gap: int, long_uses: int, depth: int, lucky: bool,
+               capacity: int, scale: int, seq: Any) -> bool:
+        """Replay one sampled access; True if it hit."""
         nodes = self.nodes
         node = nodes.get(key)
         if node is not None:
             self.hits += 1
-            node.time, node.uses, node.gap, node.mru = time, uses, gap, True
+            node.time, node.uses, node.gap, node.long_uses, node.mru = time, uses, gap, long_uses, True
+            hit = True
         else:
-            node = nodes[key] = _Node(time, uses, gap, depth, None, lucky)
-        node.rank = rank = _rank(self.mode, time, uses, gap, node.mru, scale)
+            node = nodes[key] = _Node(time, uses, gap, long_uses, depth, None, lucky)
+            hit = False
+        node.rank = rank = _rank(self.mode, time, uses, gap, node.mru, scale, long_uses)
         node.seq = s = next(seq)
         heap = self.heap
         heapq.heappush(heap, (rank, -node.depth, s, key))
         if len(nodes) > capacity or len(heap) > 4 * len(nodes) + 64:
             self.shrink(capacity)
+        return hit
 
     def shrink(self, capacity: int) -> None:
         nodes, heap = self.nodes, self.heap
@@ -138,7 +168,7 @@ class _Shadow:
         self.nodes = {k: v for k, v in self.nodes.items() if _sample(k) < threshold}
         self.heap = []
         for key, node in self.nodes.items():
-            node.rank = _rank(self.mode, node.time, node.uses, node.gap, node.mru, scale)
+            node.rank = _rank(self.mode, node.time, node.uses, node.gap, node.mru, scale, node.long_uses)
             self.heap.append((node.rank, -node.depth, node.seq, key))
         heapq.heapify(self.heap)
         self.shrink(capacity)
@@ -161,12 +191,15 @@ class AdaptivePolicy(EvictionPolicy):
         self._seq = count()
         self._uses: dict[Any, tuple[int, int]] = {}  # key -> (uses, clock of last use), recent
         self._old_uses: dict[Any, tuple[int, int]] = {}
+        self._long_uses: dict[Any, int] = {}  # key -> uses, over FREQUENCY_HISTORY
+        self._old_long_uses: dict[Any, int] = {}
         self._mode = 0
         self._scale = 1
         self._stale = False
         self._run: tuple[Any, int] = (None, 0)
         self._runs = 0  # request runs inserted (a run: chunks inserted in prompt order)
         self._shadows = [_Shadow(m) for m in range(len(MODES))]
+        self._wins = [[0.0] * len(MODES) for _ in MODES]  # [a][b]: sampled accesses a hit and b missed
         self._threshold = 1 << _SAMPLE_BITS  # sample every key while the tier is small
         self._sampled_n = 1  # tracked chunks when the sampling rate was last set
         self._sampled = 0  # sampled accesses since the last decay
@@ -196,17 +229,17 @@ class AdaptivePolicy(EvictionPolicy):
             time = clock
             self._runs += 1
         self._run = (key, time)
-        uses, gap = self._count(key, clock)
+        uses, gap, long_uses = self._count(key, clock)
         depth = up.depth + 1 if up else 0
         lucky = self._runs % BIP_LUCKY == 0
-        node = nodes[key] = _Node(time, uses, gap, depth, parent, lucky)
+        node = nodes[key] = _Node(time, uses, gap, long_uses, depth, parent, lucky)
         if parent is not None:
             self._children[parent] = self._children.get(parent, 0) + 1
         self._queue(key, node)
         if len(nodes) > 2 * self._sampled_n:  # a tier that fills without evicting
             self._resample(len(nodes))
         if _sample(key) < self._threshold:
-            self._shadow(key, time, uses, gap, depth, lucky)
+            self._shadow(key, time, uses, gap, long_uses, depth, lucky)
 
     def touch(self, keys: Sequence[Any]) -> None:
         nodes = self._nodes
@@ -215,12 +248,12 @@ class AdaptivePolicy(EvictionPolicy):
         for key in keys:
             node = nodes.get(key)
             if node is not None:
-                node.uses, node.gap = self._count(key, clock)
+                node.uses, node.gap, node.long_uses = self._count(key, clock)
                 node.time = clock
                 node.mru = True
                 self._queue(key, node)
                 if _sample(key) < threshold:
-                    self._shadow(key, clock, node.uses, node.gap, node.depth, False)
+                    self._shadow(key, clock, node.uses, node.gap, node.long_uses, node.depth, False)
 
     def remove(self, key: Any) -> None:
         node = self._nodes.pop(key, None)
@@ -265,7 +298,7 @@ class AdaptivePolicy(EvictionPolicy):
 
     # -- internals ---------------------------------------------------------------------------
     def _queue(self, key: Any, node: _Node) -> None:
-        node.rank = rank = _rank(self._mode, node.time, node.uses, node.gap, node.mru, self._scale)
+        node.rank = rank = _rank(self._mode, node.time, node.uses, node.gap, node.mru, self._scale, node.long_uses)
         if key not in self._children:
             node.seq = s = next(self._seq)
             heapq.heappush(self._heap, (rank, -node.depth, s, key))
@@ -279,7 +312,7 @@ class AdaptivePolicy(EvictionPolicy):
         mode, scale, children, seq = self._mode, self._scale, self._children, self._seq
         heap = []
         for key, node in self._nodes.items():
-            node.rank = _rank(mode, node.time, node.uses, node.gap, node.mru, scale)
+            node.rank = _rank(mode, node.time, node.uses, node.gap, node.mru, scale, node.long_uses)
             if key not in children:
                 node.seq = s = next(seq)
                 heap.append((node.rank, -node.depth, s, key))
@@ -299,36 +332,58 @@ class AdaptivePolicy(EvictionPolicy):
     def _shadow_capacity(self) -> int:
         return max(1, (len(self._nodes) * self._threshold) >> _SAMPLE_BITS)
 
-    def _shadow(self, key: Any, time: int, uses: int, gap: int, depth: int, lucky: bool) -> None:
+    def _shadow(self, key: Any, time: int, uses: int, gap: int, long_uses: int, depth: int, lucky: bool) -> None:
         capacity = self._shadow_capacity()
         scale, seq = self._scale, self._seq
         shadows = self._shadows
-        for shadow in shadows:
-            shadow.access(key, time, uses, gap, depth, lucky, capacity, scale, seq)
+        hits = [shadow.access(key, time, uses, gap, long_uses, depth, lucky, capacity, scale, seq) for shadow in shadows]
+        wins = self._wins
+        if any(hits) and not all(hits):
+            for a, hit in enumerate(hits):
+                if hit:
+                    row = wins[a]
+                    for b, other in enumerate(hits):
+                        if not other:
+                            row[b] += 1
         self._sampled += 1
         if self._sampled >= DECAY * capacity:
             self._sampled = 0
             for shadow in shadows:
                 shadow.hits /= 2
+            for row in wins:
+                for b in range(len(row)):
+                    row[b] /= 2
+        mode = self._mode
         best, top = 0, shadows[0].hits
         for m in range(1, len(shadows)):
             if shadows[m].hits > top:
                 best, top = m, shadows[m].hits
-        current = shadows[self._mode].hits
+        if best == mode:
+            return
+        current = shadows[mode].hits
         lead = top - current
-        if best != self._mode and lead > MARGIN * current and lead * lead > SIGNIFICANCE * (top + current):
+        discordant = wins[best][mode] + wins[mode][best]
+        if lead > MARGIN * current and lead * lead > SIGNIFICANCE * discordant:
             self._mode = best
             self._stale = True
             self.switches += 1
 
-    def _count(self, key: Any, clock: int) -> tuple[int, int]:
-        """(prior uses, insertions since the previous use) of ``key``, then count this use.
-        Remembered for HISTORY/2 to HISTORY tier-sizes of keys (two generations)."""
+    def _count(self, key: Any, clock: int) -> tuple[int, int, int]:
+        """(prior uses, insertions since the previous use, prior uses in the long history) of
+        ``key``, then count this use.  Remembered for HISTORY/2 to HISTORY tier-sizes of keys,
+        and FREQUENCY_HISTORY/2 to FREQUENCY_HISTORY (two generations each)."""
+        n = max(len(self._nodes), 1)
+        long_uses = self._long_uses.get(key)
+        if long_uses is None:
+            long_uses = self._old_long_uses.get(key, 0)
+        self._long_uses[key] = long_uses + 1
+        if len(self._long_uses) > FREQUENCY_HISTORY / 2 * n:
+            self._old_long_uses, self._long_uses = self._long_uses, {}
         seen = self._uses.get(key)
         if seen is None:
             seen = self._old_uses.get(key, (0, -(1 << 62)))
         uses, last = seen
         self._uses[key] = (uses + 1, clock)
-        if len(self._uses) > HISTORY / 2 * max(len(self._nodes), 1):
+        if len(self._uses) > HISTORY / 2 * n:
             self._old_uses, self._uses = self._uses, {}
-        return uses, clock - last
+        return uses, clock - last, long_uses
