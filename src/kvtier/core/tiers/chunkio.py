@@ -13,13 +13,14 @@ XXH3-128, computed over every payload byte:
   either *serially* (each slice hashed right after it is read, while it is in the CPU cache) or
   *split* (a helper reads the payload's tail while the calling thread reads and hashes the head,
   then hashes the tail), whichever :class:`~kvtier.core.tiers.readchoice.ReadChooser` measures
-  to be faster now: split wins only with a free core, and costs a hand-off when there is none.
+  to be faster now: split wins only with a free core, and costs a hand-off when there is none
+  (so it is never tried on 1-2 CPUs).
 - **Writes**: a payload of at least :data:`OVERLAP_MIN_BYTES` (buffered) or
   :data:`DIRECT_OVERLAP_MIN_BYTES` (direct) is hashed on a helper thread while the calling thread
   writes it, and the header (which holds the digest) goes last, at offset 0.  Smaller payloads
   are hashed first and written with their header in one call: below 16 MiB one device request
   costs less than the hash plus a second, synchronous request for the header (interleaved A/B,
-  docs/benchmarks.md "Session 4"); above it the hidden hash (1.9 ms per 32 MiB) is worth more.
+  docs/benchmarks.md "Session 4"); above it the hidden hash (~2 ms per 32 MiB) is worth more.
 - **O_DIRECT** (``direct=True``): the page cache is bypassed, so the kernel does not copy the
   bytes and the host's page cache is not filled with chunks the cpu tier already holds.  I/O goes
   straight to and from the caller's buffer when it is 4096-byte aligned (the cpu tier's pages
