@@ -144,11 +144,19 @@ class _Shadow:
         else:
             node = nodes[key] = _Node(time, uses, gap, long_uses, depth, None, lucky)
             hit = False
-        node.rank = rank = _rank(self.mode, time, uses, gap, node.mru, scale, long_uses)
+        mode = self.mode
+        node.rank = rank = time if mode == 0 else _rank(mode, time, uses, gap, node.mru, scale, long_uses)
         node.seq = s = next(seq)
         heap = self.heap
         heapq.heappush(heap, (rank, -node.depth, s, key))
-        if len(nodes) > capacity or len(heap) > 4 * len(nodes) + 64:
+        if len(nodes) > capacity:  # shrink's loop, inlined: this runs on most misses
+            pop = heapq.heappop
+            while len(nodes) > capacity and heap:
+                _, _, s, key = pop(heap)
+                node = nodes.get(key)
+                if node is not None and node.seq == s:
+                    del nodes[key]
+        if len(heap) > 4 * len(nodes) + 64:
             self.shrink(capacity)
         return hit
 
