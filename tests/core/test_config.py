@@ -40,6 +40,9 @@ def test_yaml(tmp_path):
     ({"write_mode": "sometimes"}, "write_mode"),
     ({"cpu_gb": 4}, "unknown kvtier config key 'cpu_gb'"),
     ({"disk_gib": 1}, "disk_path"),
+    ({"redis_url": "redis://127.0.0.1:notaport/0"}, "port must be a number"),
+    ({"redis_url": "redis://:secretpw@127.0.0.1:99999/0"}, "port must be a number"),
+    ({"redis_url": "rediss://127.0.0.1:0/0"}, "port must be a number"),
 ])
 def test_bad_values_fail_with_one_sentence(values, needle):
     with pytest.raises(ConfigError) as info:
@@ -137,3 +140,13 @@ def test_non_utf8_yaml(tmp_path):
     path.write_bytes("# caf\xe9\ncpu_gib: 2\n".encode("latin-1"))
     with pytest.raises(ConfigError, match="UTF-8"):
         KVTierConfig.from_yaml(path)
+
+
+def test_a_redis_url_without_a_port_is_accepted():
+    assert KVTierConfig.from_dict({"redis_url": "redis://10.0.0.5/0"}).redis_url == "redis://10.0.0.5/0"
+
+
+def test_a_bad_redis_url_port_never_echoes_the_password():
+    with pytest.raises(ConfigError) as info:
+        KVTierConfig.from_dict({"redis_url": "redis://:hunter2@127.0.0.1:99999/0"})
+    assert "hunter2" not in str(info.value)

@@ -128,6 +128,14 @@ class KVTierConfig(BaseSettings):
     def _redis_scheme(cls, value: str | None) -> str | None:
         if value is not None and urlsplit(value).scheme not in ("redis", "rediss"):
             raise ValueError("redis_url must start with redis:// or rediss:// (TLS), e.g. redis://10.0.0.5:6379/0")
+        if value is not None:
+            # redis-py parses the port the same way (urllib); a bad one raised in the worker after the model loaded
+            try:
+                port = urlsplit(value).port
+            except ValueError:
+                port = 0
+            if port == 0:
+                raise ValueError("redis_url's port must be a number from 1 to 65535, e.g. redis://10.0.0.5:6379/0")
         return value
 
     @field_validator("disk_path")
