@@ -125,6 +125,13 @@ def test_replica_logs_and_run_prefixes() -> None:
         make_arm("kvtier-redis", Path("/tmp"), {"cpu_gib": 0.5})
     shared = make_arm("kvtier-redis", Path("/tmp"), {"cpu_gib": 0.5}, "redis://u:pw@127.0.0.1:7/0")
     assert "pw" not in shared.description
+    # secrets from --kvtier-config never reach the label (printed and written into the reports), and the
+    # config's own redis_url, which --redis replaces, is not named beside the one in use
+    secret = {"cpu_gib": 0.5, "redis_url": "redis://u:cfgpw@10.0.0.9:6379/0", "shared_secret": "s3cr3t-0123456789ab"}
+    for arm in (make_arm("kvtier", Path("/tmp"), secret),
+                make_arm("kvtier-redis", Path("/tmp"), secret, "redis://127.0.0.1:7/0")):
+        assert "cfgpw" not in arm.description and "s3cr3t" not in arm.description
+    assert "10.0.0.9" not in make_arm("kvtier-redis", Path("/tmp"), secret, "redis://127.0.0.1:7/0").description
     arm0, prefix0, url = with_run_prefix(shared, "abc", 0)
     _, prefix1, _ = with_run_prefix(shared, "abc", 1)
     extra = arm0.kv_transfer_config["kv_connector_extra_config"]  # type: ignore[index]

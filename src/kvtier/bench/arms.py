@@ -71,6 +71,21 @@ def native_arm(cpu_gib: float, block_tokens: int | None = None) -> ArmSpec:
     return ArmSpec("native", config, f"{NATIVE_SHIM_LABEL}, CPU tier {cpu_gib:g} GiB")
 
 
+def _describe(kvtier_config: dict[str, Any]) -> str:
+    """``key=value, ...`` for an arm's label (printed, and written into the reports): a redis_url's
+    password and the shared_secret are never shown."""
+    from kvtier.core.config import redact_url
+
+    def shown(key: str, value: Any) -> Any:
+        if key == "shared_secret":
+            return "***"
+        if key == "redis_url" and isinstance(value, str):
+            return redact_url(value)
+        return value
+
+    return ", ".join(f"{k}={shown(k, v)}" for k, v in kvtier_config.items())
+
+
 def make_arm(name: str, work_dir: Path, kvtier_config: dict[str, Any] | None = None,
              redis_url: str | None = None) -> ArmSpec:
     """The arm called ``name``; files an arm writes (ExampleConnector's storage) go under ``work_dir``;
@@ -86,7 +101,8 @@ def make_arm(name: str, work_dir: Path, kvtier_config: dict[str, Any] | None = N
         from kvtier.core.config import redact_url
 
         base = make_arm("kvtier", work_dir, {**(kvtier_config or {}), "redis_url": redis_url})
-        what = ", ".join(f"{k}={v}" for k, v in (kvtier_config or {}).items())
+        # the arm's redis_url replaces one from --kvtier-config: only the one in use is named
+        what = _describe({k: v for k, v in (kvtier_config or {}).items() if k != "redis_url"})
         return ArmSpec(name, base.kv_transfer_config,
                        f"KVTierConnector ({what + ', ' if what else ''}shared redis tier at {redact_url(redis_url)})")
     if name == "baseline":
@@ -97,7 +113,7 @@ def make_arm(name: str, work_dir: Path, kvtier_config: dict[str, Any] | None = N
                                   "kv_load_failure_policy": "recompute"}
         if kvtier_config:
             config["kv_connector_extra_config"] = dict(kvtier_config)
-        what = "default config" if not kvtier_config else ", ".join(f"{k}={v}" for k, v in kvtier_config.items())
+        what = "default config" if not kvtier_config else _describe(kvtier_config)
         return ArmSpec(name, config, f"KVTierConnector ({what})")
     if name == "native":  # the same CPU tier as the kvtier arm (its default when not set)
         from kvtier.core.config import KVTierConfig
