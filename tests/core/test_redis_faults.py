@@ -156,3 +156,35 @@ def test_restart_empty_then_the_same_chunks_are_written_again(redis_factory, key
     assert put_chain(writer, chain)  # computed again: stored in the cpu tier and written to Redis again
     assert wait_until(lambda: hits_resume(server.url, key_prefix, chain), timeout_s=10)
     writer.close()
+
+
+def test_a_full_server_refusing_writes_keeps_serving_reads(redis_factory, key_prefix):
+    """Redis full under its default ``maxmemory-policy noeviction`` answers every SET with -OOM
+    but still serves GETs.  The refusals are counted as failed writes; they must not open the
+    breaker, or the reads of chunks already there would be skipped too (while another process's
+    lookups, whose EXISTS calls succeed, keep promising them: a load retried every step)."""
+    server = redis_factory()
+    writer, reader = host(server.url, key_prefix), host(server.url, key_prefix)
+    try:
+        stored = chain_of(7100, 4)
+        assert put_chain(writer, stored)
+        client = server.client()
+        client.config_set("maxmemory", max(1, int(client.info("memory")["used_memory"]) // 2))
+        for i in range(6):  # more refused writes than redis_breaker_failures (2)
+            put_chain(writer, chain_of(7200 + i, 2))
+        wire = writer.stats().tier("redis").wire
+        assert wire is not None
+        assert wire.errors["put"] >= 3, "the refused writes are counted"
+        assert wire.breaker_state == 0 and wire.breaker_opened == 0, "refused writes leave the breaker closed"
+        assert timed_lookup(reader, chain_of(7205, 2))[0] == 0  # nothing of them reached the server
+        assert timed_lookup(reader, stored)[0] == 4
+        assert remote_load(reader, stored, 4)[0] == 4  # byte-exact, checked in remote_load
+        # the writer itself still reads from the server (its breaker is closed): drop its cpu copy first
+        local = host(server.url, key_prefix)
+        try:
+            assert remote_load(local, stored, 4)[0] == 4
+        finally:
+            local.close()
+    finally:
+        writer.close()
+        reader.close()

@@ -118,25 +118,56 @@ def test_lookup_is_ask_again_while_the_server_is_slow(redis_server, key_prefix):
         proxy.close()
 
 
+def _redis_tier(store):
+    return next(lt.tier for lt in store.lower if lt.shared)
+
+
 def test_shared_secret_rejects_values_written_without_it(redis_server, key_prefix, caplog):
     plain = host(redis_server.url, key_prefix)
     signed = host(redis_server.url, key_prefix, shared_secret="a-secret-of-at-least-16")
     chain = chain_of(5, 3)
-    put_chain(plain, chain)  # a writer without the secret (or an attacker with server access)
+    put_chain(plain, chain)  # an engine without the secret
     plain.flush(10)
-    assert signed.lookup_async(chain).wait(5) == 3  # present on the server...
+    assert signed.lookup_async(chain).wait(5) == 0  # another key space: never seen, never deleted
+    assert signed.stats().corrupt_chunks == 0
+    reader = host(redis_server.url, key_prefix)
+    assert reader.lookup_async(chain).wait(5) == 3  # still there for engines without a secret
+    # A writer with access to the server but not the secret (an attacker) plants values under
+    # the signed engine's keys: present, but never accepted, and deleted.
+    client = redis_server.client()
+    for k in chain:
+        client.set(_redis_tier(signed).rkey(k), client.get(_redis_tier(plain).rkey(k)))
+    assert signed.lookup_async(chain).wait(5) == 3
     with caplog.at_level(logging.WARNING):
         handle = signed.prepare_load(chain, max_chunks=3)
-    assert handle.num_chunks == 0  # ...but never accepted
+    assert handle.num_chunks == 0
     signed.complete_load(handle, True)
     assert signed.stats().corrupt_chunks == 3  # one pipelined batch: each value verified, each deleted
     assert signed.lookup_async(chain).wait(5) == 0
-    put_chain(signed, chain)
-    signed.flush(10)
-    other = host(redis_server.url, key_prefix, shared_secret="another-secret-0123456")
-    handle = other.prepare_load(chain, max_chunks=3)
-    assert handle.num_chunks == 0  # a different secret is no better than none
-    other.complete_load(handle, True)
+
+
+def test_engines_with_different_secrets_share_nothing_and_destroy_nothing(redis_server, key_prefix):
+    a = host(redis_server.url, key_prefix, shared_secret="a-secret-of-at-least-16")
+    b = host(redis_server.url, key_prefix, shared_secret="another-secret-0123456")
+    chain = chain_of(6, 3)
+    put_chain(a, chain)
+    a.flush(10)
+    assert b.lookup_async(chain).wait(5) == 0
+    handle = b.prepare_load(chain)  # asks the shared tier itself: nothing there under b's secret
+    assert handle.num_chunks == 0
+    b.complete_load(handle, True)
+    put_chain(b, chain)  # b writes its own values beside a's
+    b.flush(10)
+    assert b.stats().corrupt_chunks == 0
+    for secret, chunks in (("a-secret-of-at-least-16", 3), ("another-secret-0123456", 3)):
+        fresh = host(redis_server.url, key_prefix, shared_secret=secret)  # an empty cpu tier
+        assert fresh.lookup_async(chain).wait(5) == chunks
+        handle = fresh.prepare_load(chain, max_chunks=chunks)
+        assert handle.num_chunks == chunks and fresh.stats().corrupt_chunks == 0
+        fresh.complete_load(handle, True)
+        fresh.close()
+    assert _redis_tier(a).rkey(chain[0]) != _redis_tier(b).rkey(chain[0])
+    assert b"a-secret" not in _redis_tier(a).rkey(chain[0])  # the key space is derived one-way
 
 
 def test_keys_spread_over_every_cluster_shard(redis_cluster, key_prefix):

@@ -1,5 +1,6 @@
 """TieredStore scenarios, narrated: spill, promotion, restart, corruption, dropped saves, pins."""
 
+import logging
 import os
 import threading
 import time
@@ -249,7 +250,7 @@ def test_chunks_the_engine_already_held_are_not_hits(tmp_path):
     assert store.metrics.registry.get_sample_value("kvtier_load_hit_tokens_total", {"tier": "cpu"}) == store.chunk_tokens
 
 
-def test_disk_tier_shrunk_since_last_run_is_trimmed_oldest_first(tmp_path):
+def test_disk_tier_shrunk_since_last_run_is_trimmed_oldest_first(tmp_path, caplog):
     big = make_store(tmp_path, cpu_chunks=4, disk_chunks=20, write_mode="write-through")
     chains = [chain_of(p, 2) for p in range(6)]
     for chain in chains:
@@ -258,8 +259,11 @@ def test_disk_tier_shrunk_since_last_run_is_trimmed_oldest_first(tmp_path):
         for k in chain:  # distinct modification times, in put order
             os.utime(big.disk.path(k), (time.time() - 100 + chains.index(chain), time.time() - 100 + chains.index(chain)))
     big.close()
-    small = make_store(tmp_path, cpu_chunks=4, disk_chunks=4)
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        small = make_store(tmp_path, cpu_chunks=4, disk_chunks=4)
     assert small.disk.usage().num_chunks == 4
+    said = [r.getMessage() for r in caplog.records if "at start-up" in r.getMessage()]
+    assert len(said) == 1 and "evicted 8 chunks" in said[0]  # the operator is told, once
     assert small.lookup(chains[-1]) == 2 and small.lookup(chains[0]) == 0
     small.check_integrity()
 

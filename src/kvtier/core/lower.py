@@ -170,11 +170,21 @@ class LowerTier:
         assert self.policy is not None
         exact = getattr(self.tier, "usage_exact", None)
         used = exact if exact is not None else (lambda: self.tier.usage().used_bytes)
-        while used() > self.tier.usage().capacity_bytes:
+        capacity = self.tier.usage().capacity_bytes
+        before, evicted = used(), 0
+        while used() > capacity:
             victim = self.policy.victim()
             if victim is None:
                 break
             self._evict_locked(victim)
+            evicted += 1
+        if evicted:
+            # Chunks found at start-up beyond this tier's size: e.g. a directory shared with an
+            # engine whose disk_gib is larger (each engine bounds the files it knows of).
+            log.warning("kvtier: the %s tier held %.1f MiB at start-up, more than its %.1f MiB: evicted %d chunks "
+                        "(%.1f MiB) to fit; other engines sharing this directory lose them too. Give every "
+                        "engine on one directory the same size, or each its own directory",
+                        self.name, before / 2**20, capacity / 2**20, evicted, (before - used()) / 2**20)
 
     def _evict_locked(self, key: ChunkKey) -> None:
         assert self.policy is not None

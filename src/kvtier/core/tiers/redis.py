@@ -18,9 +18,12 @@
   Sockets carry connect and read/write timeouts, and redis-py's own retries are off: the circuit
   breaker decides when to try again.
 - **Faults are misses**: a timeout, connection error or server error fails the call; after
-  ``breaker_failures`` in a row the breaker opens, lookups and reads miss and writes are skipped
-  (counted) without touching the network, and one probe per ``breaker_probe_s`` checks whether
-  the server is back (:mod:`kvtier.core.tiers.breaker`).
+  ``breaker_failures`` timeouts or connection errors in a row the breaker opens, lookups and
+  reads miss and writes are skipped (counted) without touching the network, and one probe per
+  ``breaker_probe_s`` checks whether the server is back (:mod:`kvtier.core.tiers.breaker`).  An
+  error *reply* (``-OOM`` from a full server under Redis's default ``maxmemory-policy
+  noeviction``, ``-READONLY`` from a replica, ``-NOPERM``) fails only that call: the server is
+  up, so the breaker stays closed and reads go on while writes are refused.
 - **Secrets** (:mod:`kvtier.core.tiers.redisclient`): the password comes from the URL, an environment variable or a file; no log line
   or metric shows it (URLs are redacted).
 
@@ -47,7 +50,7 @@ from kvtier.core.tiers import redisstream
 from kvtier.core.tiers.base import GetResult, PutResult, Tier, TierUsage
 from kvtier.core.tiers.breaker import CircuitBreaker
 from kvtier.core.tiers.redisclient import LazyClusterClient, make_client, shared_secret
-from kvtier.core.tiers.sharedvalue import HEADER_BYTES, SharedValueError, ValueCodec, copy_payload
+from kvtier.core.tiers.sharedvalue import HEADER_BYTES, SharedValueError, ValueCodec, copy_payload, keyspace
 from kvtier.core.tiers.tiermetrics import TierMetrics
 
 if TYPE_CHECKING:
@@ -92,7 +95,7 @@ class RedisTier(Tier):
         super().__init__()
         self.client = client
         self.codec = ValueCodec(namespace, secret)
-        self.prefix = f"{key_prefix}{namespace.hex()}:".encode()
+        self.prefix = f"{key_prefix}{namespace.hex()}:{keyspace(secret)}".encode()
         self.ttl_s = ttl_s
         self.deadline_s = deadline_s
         self.transfer_deadline_s = deadline_s if transfer_deadline_s is None else transfer_deadline_s
@@ -148,6 +151,13 @@ class RedisTier(Tier):
                 self._slots.release()
             self._fault(op, f"deadline of {deadline_s:.3f} s passed")
             return None
+        except (redisstream.ReplyError, _response_errors()) as exc:
+            # The server is up and refused the command (-OOM under maxmemory with noeviction, a
+            # -READONLY replica, -NOPERM): counted, but it never opens the breaker, so a server
+            # that refuses writes keeps serving reads.
+            self.breaker.success()
+            self._fault(op, f"{type(exc).__name__}: {exc}", refused=True)
+            return None
         except Exception as exc:  # noqa: BLE001 - every server or network fault is a miss
             self._fault(op, f"{type(exc).__name__}: {exc}")
             return None
@@ -161,14 +171,17 @@ class RedisTier(Tier):
         finally:
             self._slots.release()
 
-    def _fault(self, op: str, reason: str) -> None:
-        self.breaker.failure()
+    def _fault(self, op: str, reason: str, refused: bool = False) -> None:
+        if not refused:
+            self.breaker.failure()
         self.wire.error(op)
         now = time.monotonic()
         if now - self._last_error > 10.0:  # one line per 10 s, not one per call
             self._last_error = now
-            log.warning("kvtier redis tier (%s): %s failed (%s); treated as a miss, breaker %s",
-                        self.where, op, reason, self.breaker.state.name.lower())
+            outcome = "chunks not written" if op == "put" else "treated as a miss"
+            log.warning("kvtier redis tier (%s): %s %s (%s); %s, breaker %s", self.where, op,
+                        "refused by the server" if refused else "failed", reason, outcome,
+                        self.breaker.state.name.lower())
 
     # ---- Tier contract -------------------------------------------------------------------
     def contains(self, key: ChunkKey) -> bool:
@@ -423,6 +436,15 @@ class RedisTier(Tier):
             self.client.close()
         except Exception as exc:  # noqa: BLE001 - closing a dead connection may fail; nothing to do
             log.debug("kvtier redis tier: close: %s", exc)
+
+
+def _response_errors() -> type[Exception]:
+    """redis-py's class for an error reply (the server answered, with ``-ERR``/``-OOM``/...)."""
+    try:
+        from redis.exceptions import ResponseError
+    except ImportError:  # pragma: no cover - redis-py is a dependency; without it no tier exists
+        return redisstream.ReplyError
+    return ResponseError
 
 
 def from_config(ctx: TierContext) -> RedisTier | None:

@@ -54,6 +54,20 @@ class Decoded(NamedTuple):
     length: int
 
 
+KEYSPACE_CONTEXT = "kvtier shared tier v1 key space"
+
+
+def keyspace(secret: bytes | None) -> str:
+    """The key segment that keeps values under different secrets apart: ``""`` without a secret,
+    else 16 hex digits derived from it (BLAKE3 ``derive_key``, context :data:`KEYSPACE_CONTEXT`,
+    one-way: the secret cannot be recovered from it).  Engines with another secret, or none, then
+    never see, fail to verify, and delete each other's values: they share nothing, as engines
+    of different models do."""
+    if secret is None:
+        return ""
+    return blake3.blake3(secret, derive_key_context=KEYSPACE_CONTEXT).hexdigest(length=8) + ":"
+
+
 class ValueCodec:
     """Encodes and verifies values of one namespace, with or without a shared secret.
 
