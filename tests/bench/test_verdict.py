@@ -40,6 +40,7 @@ def test_p99_slack_keeps_millisecond_noise_from_counting_as_a_blowup():
 
 def test_without_baseline_only_the_hit_rate_is_read():
     assert judge(ArmFigures(0.5, 0.1, 0.2), None).kind is VerdictKind.UNJUDGED
+    assert "baseline in --arms" in judge(ArmFigures(0.5, 0.1, 0.2), None).reason  # bench compare without one
     assert judge(ArmFigures(0.0, 0.1, 0.2), None).kind is VerdictKind.NO_REUSE
 
 

@@ -76,7 +76,7 @@ def judge(arm: ArmFigures, baseline: ArmFigures | None, thresholds: Thresholds =
                        "cannot help; check that prompts share prefixes and prefix caching is on")
     if baseline is None:
         return Verdict(VerdictKind.UNJUDGED, f"hit rate {_pct(arm.prefix_hit_rate)}; without a baseline the TTFT "
-                       "meters cannot be read (run `kvtier bench compare`)")
+                       "meters cannot be read (measure one: `kvtier bench compare` with baseline in --arms)")
     p99_limit = max(baseline.ttft_p99_s * t.p99_blowup, baseline.ttft_p99_s + t.p99_slack_s)
     if arm.ttft_p99_s > p99_limit:
         return Verdict(VerdictKind.HURTING, f"TTFT p99 {arm.ttft_p99_s:.3f} s vs baseline "
