@@ -6,7 +6,9 @@ import pytest
 
 from kvtier.simulate.cost import Throughputs, time_saved
 from kvtier.simulate.geometry import GeometryError, kv_bytes_per_token, kv_bytes_per_token_from_file
-from kvtier.simulate.recommend import recommend
+from kvtier.simulate.recommend import recommend, size_tiers
+from kvtier.simulate.sweep import SweepSpec
+from tests.simulate.helpers import make_trace
 
 LLAMA_8B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
             "hidden_size": 4096, "torch_dtype": "bfloat16"}
@@ -64,3 +66,17 @@ def test_recommend_enough_and_knee():
     assert recommend([4, 1, 2], [0.3, 0.1, 0.2]).enough_gib == 4  # unsorted input is fine
     with pytest.raises(ValueError):
         recommend([], [])
+
+
+def test_size_tiers_judges_the_cpu_tier_alone_when_lower_tiers_were_swept():
+    """A sweep with --disk-gib reports the whole stack's hit ratio per cpu size; the recommendation
+    must not read it as the cpu tier's, or the disk tier that earns the hits is called "not needed"."""
+    prompts = [[2 * i, 2 * i + 1] for i in range(8)]  # 8 two-chunk prompts, cycled: LRU on 2 chunks never hits
+    trace = make_trace([(keys, 1) for _ in range(6) for keys in prompts])
+    spec = SweepSpec(chunk_bytes=1 << 30, engine_gib=0, cpu_gibs=(1, 2), disk_gib=64, policies=("lru",))
+    fast = Throughputs(prefill_tokens_per_s=1.0)  # loading always beats recomputing here
+    stack_curve = [(1.0, 0.8), (2.0, 0.8)]  # what the sweep reports with the 64-GiB disk tier below
+    ceiling, sizes = size_tiers(trace, spec, stack_curve, "lru", fast, ["disk"])
+    cpu, disk = sizes
+    assert ceiling > 0.5 and cpu.hit_ratio == 0.0
+    assert disk.gib is not None and disk.hit_ratio >= 0.95 * ceiling, disk.reason

@@ -94,7 +94,8 @@ def size_tiers(trace: Trace, spec: SweepSpec, cpu_curve: Sequence[tuple[float, f
 
     Args:
         trace, spec: as swept (chunk size, engine tier, admission).
-        cpu_curve: ``(cpu GiB, token hit ratio)`` of ``policy`` from the sweep.
+        cpu_curve: ``(cpu GiB, token hit ratio)`` of ``policy`` from the sweep; when the sweep had
+            disk or shared tiers, the cpu tier's own curve is replayed here from its capacities.
         policy: eviction policy of every tier.
         rates: bandwidths, to refuse a tier that is slower than recomputing.
         lower: lower tiers to size, in lookup order (``disk``, ``shared``).
@@ -116,6 +117,11 @@ def size_tiers(trace: Trace, spec: SweepSpec, cpu_curve: Sequence[tuple[float, f
         return (c.engine_hits + c.cpu_hits + c.disk_hits + c.shared_hits) * trace.block_tokens / c.prompt_tokens
 
     ceiling = hit(footprint)
+    if spec.disk_gib > 0 or spec.shared_gib > 0:
+        # the swept curve is the whole stack's (with the disk/shared tiers given); the cpu size and
+        # each lower tier's "tiers above" must be judged on the cpu tier alone, else a lower tier
+        # that does the work is called "not needed"
+        cpu_curve = [(gib, hit(spec.chunks(gib))) for gib, _ in cpu_curve]
     rec = recommend([g for g, _ in cpu_curve], [h for _, h in cpu_curve], share)
     cpu_gib = rec.knee_gib if rec.knee_gib is not None else rec.enough_gib
     cpu_hit = dict(cpu_curve)[cpu_gib]
