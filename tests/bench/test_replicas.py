@@ -179,3 +179,49 @@ def test_bad_replica_or_redis_input_is_one_sentence_and_exit_2(tmp_path: Path, a
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message.replace("{port}", port) in lines[0]
     assert "secret" not in result.output and "Traceback" not in result.output
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and text in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+def test_sigterm_stops_the_vllm_servers_and_the_private_redis(tmp_path: Path) -> None:
+    """A CI timeout or ``kill`` sends SIGTERM: bench compare stops what it started (its servers run in
+    sessions of their own, so nothing else would), and exits 143."""
+    import re
+    import signal
+
+    from kvtier.integrations.vllm.testmodel import write_model
+
+    model = write_model(tmp_path / "tiny", "tiny", weights="none")
+    proc = subprocess.Popen([sys.executable, "-u", "-m", "kvtier.cli.main", "bench", "compare", "--model", str(model),
+                             "--arms", "kvtier-redis", "--redis", "auto", "--no-progress", "--out", str(tmp_path / "out")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("arm kvtier-redis"):
+                break
+        url = re.search(r"redis-server on (redis://\S+)", "".join(lines))
+        assert url, lines
+        deadline = time.monotonic() + 60
+        while not _processes_mentioning(str(model)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _processes_mentioning(str(model)), "the vLLM server was never launched"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert _processes_mentioning(str(model)) == []
+    with pytest.raises(redis.RedisError):
+        redis.Redis.from_url(url.group(1), socket_connect_timeout=1.0).ping()

@@ -7,6 +7,8 @@ Each command module defines ``register(app: typer.Typer) -> None`` and keeps hea
 from __future__ import annotations
 
 import importlib
+import signal
+import threading
 from typing import Any
 
 import typer
@@ -23,7 +25,27 @@ class _Group(TyperGroup):
 
     def main(self, *args: Any, **kwargs: Any) -> Any:
         _plain_flags(self)
-        return super().main(*args, **kwargs)
+        previous = _exit_on_termination()
+        try:
+            return super().main(*args, **kwargs)
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+
+def _exit_on_termination() -> dict[int, Any]:
+    """Make SIGTERM and SIGHUP raise ``SystemExit(128 + signal)`` in the main thread, as Ctrl-C raises
+    KeyboardInterrupt, so the ``finally`` blocks and context managers of a command run: ``bench
+    compare`` and ``demo`` start vLLM servers and a redis-server in sessions of their own, which
+    Python's default action (exit at once) left running when a CI timeout or ``kill`` stopped kvtier.
+    Returns the handlers it replaced (none outside the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def stop(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    return {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGHUP)}
 
 
 def _plain_flags(command: Any) -> None:
