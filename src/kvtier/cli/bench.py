@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import shlex
 import sys
 from collections.abc import Iterator
@@ -210,6 +211,10 @@ def compare_command(
         fail(f"--arms {arms!r} must list distinct arms out of {', '.join(ARM_NAMES)}")
     if replicas < 1:
         fail(f"--replicas {replicas} must be at least 1 (the number of vLLM servers each arm runs side by side)")
+    cores = os.cpu_count() or 1
+    if replicas > cores:  # every replica is a whole vLLM server, started at once
+        fail(f"--replicas {replicas} is more than the {cores} CPU cores of this host, which run every replica's "
+             f"vLLM server at once; use at most {cores}")
     if ("kvtier-redis" in names) != (redis is not None):
         fail("the kvtier-redis arm needs --redis auto (or --redis redis://HOST:PORT/DB)" if redis is None else
              "--redis is used by the kvtier-redis arm only; add kvtier-redis to --arms")
