@@ -166,7 +166,9 @@ def test_state_model_sigterm_restart_is_served_from_disk(tmp_path: Path):
 
 def test_sliding_window_model_loads_another_engines_pages_from_the_shared_tier(tmp_path: Path, redis_factory,
                                                                              key_prefix) -> None:
-    """A hybrid model across engines: A saves its pages to Redis (write-through); B, another
+    """A hybrid model across engines: A (a ``kv_producer``; its first request is its first step,
+    whose sliding-window page must be saved before the window moves on) saves its pages to
+    Redis; B, another
     process with an empty cpu tier and no disk, asks the shared tier about the pages its own
     tiers lack (per group), plans the hit over them and loads every group from Redis, with A's
     tokens and logprobs exactly (equal compute threads)."""
@@ -182,7 +184,7 @@ def test_sliding_window_model_loads_another_engines_pages_from_the_shared_tier(t
         return {"model": str(model), "role": role, "kvtier": kvtier, "steps": [generate(prompt)],
                 "engine": {"num_gpu_blocks_override": 128, **engine_kwargs("tiny-swa")}}
 
-    made = result_of(run_engine(spec("kv_both"), tmp_path, "a", env=ENV), tmp_path, "a")
+    made = result_of(run_engine(spec("kv_producer"), tmp_path, "a", env=ENV), tmp_path, "a")
     assert made["metrics"]["vllm:external_prefix_cache_hits_total"] == 0
     served = result_of(run_engine(spec("kv_both"), tmp_path, "b", env=ENV), tmp_path, "b")
     m = served["metrics"]

@@ -115,6 +115,13 @@ def test_a_load_slower_than_load_wait_s_recomputes_its_tail(tiny_model: Path, tm
         slow = {**kvtier, "redis_url": proxy.url, "load_wait_s": 1.0, "io_threads": 2}
         served = result_of(run_engine({"model": str(tiny_model), "role": "kv_consumer", "steps": gen, "kvtier": slow},
                                       tmp_path, "b", env=EQUAL_THREADS), tmp_path, "b")
+        # The same slow link with a transfer deadline shorter than one read: every load fails at
+        # once, while the scheduler's lookups (small replies) keep finding the chunks.  The
+        # request must be recomputed after one failed load, not loaded again every step.
+        doomed = {**kvtier, "redis_url": proxy.url, "shared_transfer_deadline_s": 0.3, "redis_timeout_s": 0.5,
+                  "redis_breaker_failures": 1}
+        failed = result_of(run_engine({"model": str(tiny_model), "role": "kv_consumer", "steps": gen,
+                                       "kvtier": doomed}, tmp_path, "c", env=EQUAL_THREADS), tmp_path, "c")
     finally:
         proxy.close()
     log = (tmp_path / "b.log").read_text(errors="replace")
@@ -123,6 +130,11 @@ def test_a_load_slower_than_load_wait_s_recomputes_its_tail(tiny_model: Path, tm
     loaded = end["kvtier_loaded_tokens_total{redis}"]
     assert 0 < loaded < LOADABLE, "the chunks read before the wait began are loaded, the slow tail is not"
     assert end["kvtier_load_failed_blocks_total"] * 32 == LOADABLE - loaded  # 32-token engine blocks
-    ((x,),), ((y,),) = made["results"], served["results"]
-    assert x["tokens"] == y["tokens"]
+    ((x,),), ((y,),), ((z,),) = made["results"], served["results"], failed["results"]
+    assert x["tokens"] == y["tokens"] == z["tokens"]
     assert max_logprob_diff(x["logprobs"], y["logprobs"]) < 1e-4
+    assert x["logprobs"] == z["logprobs"]  # all recomputed, with A's threads: exact
+    c = failed["metrics"]
+    assert c["kvtier_loaded_tokens_total{redis}"] == 0
+    assert c["kvtier_load_failed_blocks_total"] == LOADABLE // 32, "one failed load, then recompute"
+    assert (tmp_path / "c.log").read_text(errors="replace").count("Recovered from KV load failure") == 1

@@ -104,6 +104,12 @@ class SchedulerSide:
         self._chains: dict[str, RequestChain] = {}
         self._planned: dict[str, list[str]] = {}  # req -> tier of each chunk of its planned load
         self._loads: list[LoadJob] = []
+        # loads shipped and not yet reported finished: req_id -> the engine blocks they fill
+        self._loading: dict[str, frozenset[int]] = {}
+        # requests whose load failed (blocks reported invalid, or the whole load failed): vLLM
+        # asks again for them at once, and the same answer would fail the same way (e.g. a worker
+        # whose shared tier skips reads while the scheduler's lookups succeed): they recompute.
+        self._load_failed: set[str] = set()
         self._saved_chunks: dict[str, int] = {}
         self._kv_cache_manager: Any = None
         self._waiting_since: float | None = None
@@ -130,19 +136,22 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
         self._planned.pop(req_id, None)
-        if not self.load_enabled:
-            return 0, False
         self._requests.setdefault(req_id, request)
         # vLLM must compute at least the last prompt token itself (to sample from its logits).
         max_chunks = (request.num_tokens - 1) // self.chunk_tokens
-        if max_chunks * self.chunk_tokens <= num_computed_tokens:
-            return 0, False
-        if not self.mirror.ready:
+        loadable = self.load_enabled and max_chunks * self.chunk_tokens > num_computed_tokens
+        if not self.mirror.ready and (loadable or (self.save_enabled and request.num_tokens >= self.chunk_tokens)):
+            # The workers' first report (their index and the key root chunk keys hang from) comes
+            # with the next step.  A producer waits too: keys for its saves need the root, and a
+            # sliding-window page is gone from the engine by the step after its prefill.
             now = time.monotonic()
             self._waiting_since = self._waiting_since or now
-            if self.mirror.broken or now - self._waiting_since > READY_WAIT_S:
-                return 0, False
-            return None, False  # the workers' first index snapshot comes with the next step
+            if not (self.mirror.broken or now - self._waiting_since > READY_WAIT_S):
+                return None, False
+        if not loadable or not self.mirror.ready:
+            return 0, False
+        if req_id in self._load_failed:
+            return 0, False  # its load failed once: recompute rather than load again
         chain = self._chain(request, max_chunks)
         if chain is None:
             return 0, False
@@ -208,6 +217,7 @@ class SchedulerSide:
         self._loads = []
         for load in meta.loads:
             self._planned.pop(load.req_id, None)
+            self._loading[load.req_id] = frozenset(load.block_ids)
         if self.save_enabled:
             for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
                 save = self._save_job(req_id, num_scheduled, scheduler_output)
@@ -251,6 +261,18 @@ class SchedulerSide:
         if isinstance(meta, KVTierWorkerMeta):
             for rank in sorted(meta.ranks):
                 self.mirror.apply(rank, meta.ranks[rank])
+        if self._loading:
+            invalid = getattr(connector_output, "invalid_block_ids", None) or set()
+            failed = getattr(connector_output, "failed_recving", None) or set()
+            finished = getattr(connector_output, "finished_recving", None) or set()
+            for req_id, blocks in list(self._loading.items()):
+                if req_id in failed or not blocks.isdisjoint(invalid):
+                    if req_id not in self._load_failed:
+                        log.info("kvtier: request %s: its load failed; it recomputes from there and is not "
+                                 "loaded again", req_id)
+                    self._load_failed.add(req_id)
+                if req_id in finished or req_id in failed:
+                    del self._loading[req_id]
 
     # ---- end of a request --------------------------------------------------------------------
     def request_finished(self, request: Any) -> None:
@@ -259,6 +281,8 @@ class SchedulerSide:
         req_id = request.request_id
         self._planned.pop(req_id, None)
         self._requests.pop(req_id, None)
+        self._loading.pop(req_id, None)
+        self._load_failed.discard(req_id)
         self._chains.pop(req_id, None)
         self._saved_chunks.pop(req_id, None)
         if self.remote is not None:
