@@ -154,6 +154,28 @@ def test_unremovable_entry_is_counted_and_logged_once(disk, caplog):
     assert disk.corrupt == 1 and caplog.text.count("unusable") == 1
 
 
+def test_failed_writes_are_counted_and_logged_once_per_interval(disk, caplog, monkeypatch):
+    """A full disk fails every write; one warning line per interval, not one per chunk (breaker F10:
+    123 lines in a second), and the next line says how many failed in between."""
+    import shutil
+
+    from kvtier.core.tiers import disk as disk_module
+
+    monkeypatch.setattr(disk_module, "WRITE_WARNING_INTERVAL_S", 1.0)
+    shard = disk.path(key(100)).parent  # keys 0..255 share shard 00
+    shutil.rmtree(shard)
+    shard.write_text("a file where the shard directory was")  # every write below fails (ENOTDIR)
+    for i in range(100, 150):
+        assert disk.put(key(i), data(i)) == PutResult.FAILED
+    assert disk.write_errors == 50
+    assert caplog.text.count("chunk not stored") == 1 and "more chunk writes failed" not in caplog.text
+    time.sleep(1.1)
+    assert disk.put(key(150), data(150)) == PutResult.FAILED
+    assert disk.write_errors == 51 and caplog.text.count("chunk not stored") == 2
+    assert "49 more chunk writes failed since the last such line" in caplog.text
+    assert not list(disk.dir.rglob("*.tmp")) and read(disk, 100) is None
+
+
 def test_files_outside_their_shard_are_not_indexed(disk, where):
     src = disk.path(key(0))
     wrong = disk.dir / "zz"

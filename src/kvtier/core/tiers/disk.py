@@ -31,6 +31,7 @@ import logging
 import os
 import stat
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -63,6 +64,9 @@ RESCAN_MAX_NEW = 4096
 """Header checks of new files per :meth:`DiskTier.rescan` round at most (the rest wait a round)."""
 STALE_TMP_S = 120.0
 """A temporary file older than this (seconds) at start-up is a crash leftover and is removed."""
+WRITE_WARNING_INTERVAL_S = 10.0
+"""At most one warning line per this many seconds about failed chunk writes (a full disk fails
+every write: one line per chunk was thousands per second); the redis tier's rule (``_fault``)."""
 
 
 class DiskTier(Tier):
@@ -106,6 +110,9 @@ class DiskTier(Tier):
         self._workers: ThreadPoolExecutor | None = None
         self._closed = False
         self.corrupt = 0
+        self.write_errors = 0  # chunk writes that failed (ENOSPC, EIO, a read-only directory...)
+        self._write_errors_logged = 0  # write_errors when the last warning line was logged
+        self._write_warned_at = -WRITE_WARNING_INTERVAL_S  # time.monotonic() of that line
         self._lock = threading.Lock()
         self._key_to_size: dict[ChunkKey, int] = {}
         self._used = 0
@@ -269,7 +276,15 @@ class DiskTier(Tier):
                 if not self.dir.is_dir():
                     self._recreate_locked()
                     return PutResult.FAILED
-            log.warning("kvtier disk tier: writing %s failed (%s); chunk not stored", path, exc.strerror)
+                self.write_errors += 1
+                now = time.monotonic()
+                if now - self._write_warned_at < WRITE_WARNING_INTERVAL_S:
+                    return PutResult.FAILED
+                unlogged = self.write_errors - self._write_errors_logged - 1
+                self._write_warned_at, self._write_errors_logged = now, self.write_errors
+            since = (f"; {unlogged} more chunk writes failed since the last such line" if unlogged else "")
+            log.warning("kvtier disk tier: writing %s failed (%s); chunk not stored (at most one such line per "
+                        "%.0f s%s)", path, exc.strerror, WRITE_WARNING_INTERVAL_S, since)
             return PutResult.FAILED
         with self._lock:
             self._writing.discard(key)
