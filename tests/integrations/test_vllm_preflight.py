@@ -33,8 +33,9 @@ def transfer(**changes: object) -> dict[str, object]:
     return out
 
 
-def errors(cfg: dict[str, object] | str, block_size: int | None = None) -> list[str]:
-    return [p.message for p in check_transfer_config(cfg, block_size) if p.severity == "error"]
+def errors(cfg: dict[str, object] | str, block_size: int | None = None, block_divisor: int | None = None) -> list[str]:
+    return [p.message for p in check_transfer_config(cfg, block_size, block_divisor=block_divisor)
+            if p.severity == "error"]
 
 
 def test_a_good_config_has_no_problem(tmp_path):
@@ -180,6 +181,39 @@ def test_shared_tier_password_and_secret_are_read_as_the_tier_reads_them(tmp_pat
     # without redis_url the tier is off and nothing is read; a config for another host is not read here
     assert check_transfer_config(transfer(extra={"shared_secret_file": str(tmp_path / "none")})) == []
     assert check_transfer_config(transfer(extra={**shared, **cases[0][0]}), host_checks=False) == []
+
+
+def test_chunk_tokens_against_every_block_size_the_cpu_backend_may_choose():
+    """Without the model the CPU block size is 128 or --block-size, 16 (MLA), 256 (DeepSeek-V4), or a
+    multiple for hybrid models: only a chunk_tokens no such size divides is refused (breaker F14)."""
+    from kvtier.integrations.vllm.plugin import _block_divisor
+    from kvtier.integrations.vllm.preflight import cpu_block_divisor
+
+    assert cpu_block_divisor(None) == 16 and cpu_block_divisor(64) == 16 and cpu_block_divisor(8) == 8
+    refused = errors(transfer(extra={"chunk_tokens": 100}), block_divisor=16)
+    assert len(refused) == 1 and "chunk_tokens=100 is not a multiple of 16" in refused[0]
+    assert errors(transfer(extra={"chunk_tokens": 64}), block_divisor=16) == []  # fine with MLA's 16: left to the worker
+    assert errors(transfer(extra={"chunk_tokens": 640}), block_divisor=16) == []
+    serve = ["api_server", "--model", "m"]
+    assert _block_divisor(serve) == 16  # this venv's vLLM is the CPU backend
+    assert _block_divisor([*serve, "--block-size", "8"]) == 8
+    assert _block_divisor([*serve, "--block_size=24"]) == 8
+    assert _block_divisor([*serve, "--config", "c.yaml"]) is None  # the file may set it
+    assert _block_divisor([*serve, "--block-size", "x"]) is None  # vLLM's argparse says what is wrong
+
+
+@pytest.mark.engine
+def test_vllm_server_with_chunk_tokens_no_cpu_block_size_divides_stops_before_the_model_loads(tiny_model: Path):
+    cfg = json.dumps(transfer(extra={"chunk_tokens": 100}))
+    proc = subprocess.run([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model),
+                           "--port", "0", "--kv-transfer-config", cfg],
+                          capture_output=True, text=True, check=False, timeout=300,
+                          env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    ours = [ln for ln in proc.stderr.splitlines() if "kvtier" in ln]
+    assert len(ours) == 1 and ours[0].startswith("ERROR kvtier: invalid --kv-transfer-config: chunk_tokens=100 is "
+                                                 "not a multiple of 16"), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "Loading weights" not in proc.stderr + proc.stdout
 
 
 @pytest.mark.engine

@@ -16,6 +16,11 @@ On an error:
 * built in Python (``LLM(kv_transfer_config=...)``): raise :class:`~kvtier.core.errors.ConfigError`
   (pydantic reports it as a ``ValidationError`` naming the same sentence).
 
+On the command line ``chunk_tokens`` is also checked against the block sizes the CPU backend may
+choose (``--block-size``, else 128; see :func:`~kvtier.integrations.vllm.preflight.cpu_block_divisor`);
+the exact block size is known only once the engine has chosen it, after the model loaded, where
+the connector checks it again.
+
 Warnings (e.g. ``kv_load_failure_policy``) are left to the connector's own log line.
 """
 
@@ -25,7 +30,7 @@ import sys
 from typing import Any
 
 from kvtier.core.errors import ConfigError
-from kvtier.integrations.vllm.preflight import check_transfer_config, uses_kvtier
+from kvtier.integrations.vllm.preflight import check_transfer_config, cpu_block_divisor, uses_kvtier
 
 _MARK = "_kvtier_preflight_installed"
 
@@ -77,15 +82,42 @@ def preflight(config: Any) -> None:
                  "kv_connector_extra_config")}
     if not uses_kvtier(transfer):
         return
-    errors = [p for p in check_transfer_config(transfer) if p.severity == "error"]
+    command_line = _from_command_line()
+    divisor = _block_divisor(sys.argv) if command_line else None
+    errors = [p for p in check_transfer_config(transfer, block_divisor=divisor) if p.severity == "error"]
     if not errors:
         return
     more = f" ({len(errors) - 1} more: run kvtier check on this config)" if len(errors) > 1 else ""
     message = f"{errors[0].message}{more}"
-    if _from_command_line():
+    if command_line:
         print(f"ERROR kvtier: invalid --kv-transfer-config: {message}", file=sys.stderr, flush=True)
         raise SystemExit(2)
     raise ConfigError(f"kvtier: {message}")
+
+
+def _block_divisor(argv: list[str]) -> int | None:
+    """What every block size the engine may choose is a multiple of (:func:`cpu_block_divisor`),
+    from ``--block-size`` on the command line; None when it cannot be known here: not the CPU
+    backend (CUDA backends choose their own, vllm/platforms/interface.py), a ``--config`` file
+    that may set it, or an unreadable value (vLLM's own argparse reports that)."""
+    size: int | None = None
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if name == "--config":
+            return None
+        if name.replace("_", "-") == "--block-size":
+            value = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+            try:
+                size = int(value)
+            except ValueError:
+                return None
+            if size <= 0:
+                return None
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return None
+    return cpu_block_divisor(size) if current_platform.is_cpu() else None
 
 
 def _from_command_line() -> bool:

@@ -30,6 +30,7 @@ What is checked (each problem is one sentence naming the key and the fix):
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -55,6 +56,10 @@ LOAD_FAILURE_POLICIES = ("recompute", "fail")
 DEFAULT_BLOCK_SIZES = {"CUDA": 16, "CPU": 128}
 """vLLM 0.32's block size (tokens) without ``--block-size``: ``CacheConfig.DEFAULT_BLOCK_SIZE``
 (vllm/config/cache.py) and the CPU backend's override (vllm/platforms/cpu.py)."""
+
+CPU_FORCED_BLOCK_SIZES = (16, 256)
+"""Block sizes vLLM 0.32's CPU backend forces whatever ``--block-size`` says: 16 for MLA models,
+256 for DeepSeek-V4 (vllm/platforms/cpu.py ``CpuPlatform.check_and_update_config``)."""
 
 Severity = Literal["error", "warning"]
 _DISK_KEYS = ("disk_path", "disk_gib")
@@ -99,8 +104,23 @@ def uses_kvtier(transfer: dict[str, Any]) -> bool:
     return bool(_kvtier_entries(transfer))
 
 
+def cpu_block_divisor(block_size: int | None) -> int:
+    """A number (tokens) that every block size vLLM 0.32's CPU backend may choose is a multiple of.
+
+    Before the model is known the block size is not: it is ``--block-size`` (``block_size``) or
+    128 (``CpuPlatform.check_and_update_config`` in vllm/platforms/cpu.py, when
+    ``user_specified_block_size`` is false), forced to 16 for MLA models and 256 for DeepSeek-V4
+    (same function), and raised to a multiple of it for hybrid models (attention + Mamba/state
+    groups: ``Platform`` block alignment in vllm/platforms/interface.py, e.g. 640 for Qwen3-Next).
+    A ``chunk_tokens`` that is not a multiple of the gcd of these is certainly refused by the
+    connector (:meth:`KVTierConfig.validate_block_size`); one that is may still be, which is left
+    to the connector, once the engine has chosen.
+    """
+    return math.gcd(block_size or DEFAULT_BLOCK_SIZES["CPU"], *CPU_FORCED_BLOCK_SIZES)
+
+
 def check_transfer_config(transfer: dict[str, Any] | str, block_size: int | None = None,
-                          host_checks: bool = True) -> list[Problem]:
+                          host_checks: bool = True, block_divisor: int | None = None) -> list[Problem]:
     """Every problem of a ``--kv-transfer-config`` for KVTierConnector, errors first.
 
     Args:
@@ -112,6 +132,9 @@ def check_transfer_config(transfer: dict[str, Any] | str, block_size: int | None
             when it can be, as the connector would) and ``cpu_gib`` against available memory.  True
             on the serving host (``kvtier check``, the vLLM plugin); False for a config that will run
             elsewhere (``kvtier audit`` of a manifest).
+        block_divisor: when ``block_size`` is not known, a number of tokens every block size the
+            engine may choose is a multiple of (:func:`cpu_block_divisor`): ``chunk_tokens`` not a
+            multiple of it is an error.
 
     Returns:
         Problems, errors before warnings; empty when the config is fine or does not use kvtier.
@@ -146,7 +169,7 @@ def check_transfer_config(transfer: dict[str, Any] | str, block_size: int | None
                                 'fails (a chunk that fails verification, a disk error) fails too; add '
                                 '"kv_load_failure_policy":"recompute" so vLLM recomputes those tokens instead'))
     for prefix, entry in entries:
-        problems.extend(_check_entry(prefix, entry, block_size, host_checks))
+        problems.extend(_check_entry(prefix, entry, block_size, host_checks, block_divisor))
     return sorted(problems, key=lambda p: p.severity != "error")
 
 
@@ -164,7 +187,8 @@ def _kvtier_entries(transfer: dict[str, Any]) -> list[tuple[str, dict[str, Any]]
     return found
 
 
-def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, host_checks: bool) -> list[Problem]:
+def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, host_checks: bool,
+                 block_divisor: int | None = None) -> list[Problem]:
     problems: list[Problem] = []
     module = entry.get("kv_connector_module_path")
     if module != MODULE_PATH:
@@ -208,6 +232,14 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
             config.validate_block_size(block_size)
         except ConfigError as exc:
             problems.append(Problem("error", f"{key}.chunk_tokens", str(exc)))
+    elif block_divisor and config.chunk_tokens % block_divisor:
+        default = DEFAULT_BLOCK_SIZES["CPU"]
+        problems.append(Problem("error", f"{key}.chunk_tokens",
+                                f"chunk_tokens={config.chunk_tokens} is not a multiple of {block_divisor}, so not of "
+                                f"any block size this CPU server can choose (--block-size, else {default}; 16 for "
+                                "MLA models, 256 for DeepSeek-V4, a multiple of these for hybrid models) and the "
+                                f"connector would refuse it after the model loaded; set chunk_tokens to a multiple "
+                                f"of the block size (e.g. {default})"))
     else:
         problems.extend(_default_block_problem(key, config.chunk_tokens))
     if not host_checks:
