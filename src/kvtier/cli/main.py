@@ -7,6 +7,7 @@ Each command module defines ``register(app: typer.Typer) -> None`` and keeps hea
 from __future__ import annotations
 
 import importlib
+import os
 import signal
 import threading
 from typing import Any
@@ -33,6 +34,23 @@ class _Group(TyperGroup):
                 signal.signal(signum, handler)
 
 
+def _signal_child_sessions(signum: int) -> None:
+    """Send ``signum`` to the process group of each child of this process that leads a session of its
+    own (the servers kvtier starts with ``start_new_session``); other children are left alone."""
+    me = os.getpid()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            if ppid == me and os.getsid(pid) == pid:
+                os.killpg(pid, signum)
+        except (OSError, ValueError, IndexError):
+            continue
+
+
 def _exit_on_termination() -> dict[int, Any]:
     """Make SIGTERM and SIGHUP raise ``SystemExit(128 + signal)`` in the main thread, as Ctrl-C raises
     KeyboardInterrupt, so the ``finally`` blocks and context managers of a command run: ``bench
@@ -43,6 +61,7 @@ def _exit_on_termination() -> dict[int, Any]:
         return {}
 
     def stop(signum: int, _frame: Any) -> None:
+        _signal_child_sessions(signal.SIGTERM)  # a child whose Popen the signal interrupted has no handle to stop
         raise SystemExit(128 + signum)
 
     return {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGHUP)}
