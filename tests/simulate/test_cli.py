@@ -141,3 +141,39 @@ def test_three_tiers_admission_and_latency(tmp_path, trace_file):
     assert json.loads(out.read_text())["rows"][0]["saved_s"] < row["saved_s"] and slow.exit_code == 0
     bad = run(*args, "--disk-admission", "sometimes")
     assert bad.exit_code == 2 and "--disk-admission must be one of all, reused" in bad.output
+
+
+def test_cpu_pct_zero_is_a_true_zero_row_like_cpu_gib_zero(tmp_path, trace_file):
+    """--cpu-pct 0 used to be rounded up to a 1-chunk tier (breaker F1)."""
+    rows = {}
+    for option in ("--cpu-gib", "--cpu-pct"):
+        out = tmp_path / f"{option[2:]}.json"
+        result = run("--trace", str(trace_file), "--kv-bytes-per-token", str(KV_PER_TOKEN), "--engine-gib", "0.25",
+                     option, "0", "--policy", "lru,default,belady", "--json", str(out), "--workers", "1")
+        assert result.exit_code == 0, result.output
+        rows[option] = json.loads(out.read_text())["rows"]
+    assert [r["cpu_gib"] for r in rows["--cpu-pct"]] == [0, 0, 0]
+    assert [r["token_hit_ratio"] for r in rows["--cpu-pct"]] == [r["token_hit_ratio"] for r in rows["--cpu-gib"]]
+    assert all(r["tier_hit_ratio"].get("cpu", 0) == 0 for r in rows["--cpu-pct"])
+
+
+def test_gap_closed_is_blank_where_it_means_nothing():
+    from kvtier.simulate.report import GapRow
+
+    assert GapRow(0.0625, lru=0.1483, belady=0.1483 + 0.0115, policy=0.0936).closed is None  # was -375 %
+    assert GapRow(1, lru=0.2, belady=0.2, policy=0.2).closed is None
+    assert GapRow(1, lru=0.2, belady=0.4, policy=0.3).closed == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_unwritable_output_is_refused_before_the_trace_is_read(tmp_path, option):
+    bad_trace = tmp_path / "bad.jsonl"
+    bad_trace.write_text("not json\n")
+    result = run("--trace", str(bad_trace), "--kv-bytes-per-token", str(KV_PER_TOKEN), "--engine-gib", "1",
+                 "--cpu-gib", "1", option, str(tmp_path / "no" / "out"))
+    assert result.exit_code == 2
+    assert result.output.startswith(f"error: {option} ") and "does not exist" in result.output, result.output
+    (tmp_path / "d").mkdir()
+    result = run("--trace", str(bad_trace), "--kv-bytes-per-token", str(KV_PER_TOKEN), "--engine-gib", "1",
+                 "--cpu-gib", "1", option, str(tmp_path / "d"))
+    assert result.exit_code == 2 and "is a directory" in result.output, result.output

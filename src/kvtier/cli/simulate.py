@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -25,6 +26,19 @@ def parse_gib_list(text: str, option: str) -> tuple[float, ...]:
     if len(set(values)) != len(values):
         fail(f"{option} lists a capacity twice ({text}); give each capacity once")
     return tuple(values)
+
+
+def check_output_path(path: Path | None, option: str) -> None:
+    """Refuse (typer.Exit, one sentence) an output file that cannot be written, before any work."""
+    if path is None:
+        return
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        fail(f"{option} {path} is a directory; give a file name in it")
+    if not parent.is_dir():
+        fail(f"{option} {path}: directory {parent} does not exist; create it or pass a path in an existing directory")
+    if not os.access(path if path.exists() else parent, os.W_OK):
+        fail(f"{option} {path} is not writable; pass a path in a writable directory")
 
 
 def register(app: typer.Typer) -> None:
@@ -99,6 +113,8 @@ def register(app: typer.Typer) -> None:
         if (cpu_gib is None) == (cpu_pct is None):
             fail("pass exactly one of --cpu-gib (GiB) or --cpu-pct (% of the trace's distinct chunks)")
         gibs = parse_gib_list(cpu_gib or cpu_pct or "", "--cpu-gib" if cpu_gib else "--cpu-pct")
+        check_output_path(json_path, "--json")
+        check_output_path(plot_path, "--plot")
         policies = tuple(p.strip() for p in policy.split(",") if p.strip())
         if not policies:
             fail("--policy lists no policy; give e.g. lru,default,belady")
@@ -113,9 +129,10 @@ def register(app: typer.Typer) -> None:
             requests = read_trace(trace, fmt, tokens_per_block)
         except (GeometryError, TraceError) as exc:
             fail(str(exc))
-        if cpu_pct is not None:  # whole chunks: pct of the footprint, at least one
+        if cpu_pct is not None:  # whole chunks: pct of the footprint, at least one (0 %: no cpu tier, like --cpu-gib 0)
             chunk_gib = per_token * requests.block_tokens / 2**30
-            gibs = tuple(max(1, round(requests.num_unique_chunks * p / 100)) * chunk_gib for p in gibs)
+            gibs = tuple(max(1, round(requests.num_unique_chunks * p / 100)) * chunk_gib if p > 0 else 0.0
+                         for p in gibs)
         spec = SweepSpec(per_token * requests.block_tokens, engine_gib, gibs, disk_gib, policies, shared_gib,
                          (disk_admission, shared_admission))
         result = run_sweep(requests, spec, workers)

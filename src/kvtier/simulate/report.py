@@ -103,8 +103,11 @@ class GapRow:
 
     @property
     def closed(self) -> float | None:
-        """(policy - LRU) / (Belady - LRU); ``None`` where there is no gap."""
-        return (self.policy - self.lru) / self.gap if self.gap > 1e-12 else None
+        """(policy - LRU) / (Belady - LRU); ``None`` where it means nothing: no gap, or the policy
+        below LRU (at a tier of a handful of chunks a few hits of difference gave "-375 %")."""
+        if self.gap <= 1e-12 or self.policy < self.lru - 1e-12:
+            return None
+        return (self.policy - self.lru) / self.gap
 
 
 def belady_gaps(result: SweepResult, policy: str) -> list[GapRow]:
@@ -130,6 +133,8 @@ def gap_table(gaps: list[GapRow], policy: str) -> Table:
         closed = "–" if g.closed is None else f"{g.closed:.1%}"
         t.add_row(f"{g.cpu_gib:g}" + (" *" if g is widest else ""), f"{g.lru:.2%}", f"{g.policy:.2%}",
                   f"{g.belady:.2%}", f"{g.gap:.2%}", closed)
+    if any(g.closed is None for g in gaps):
+        t.caption = f"–: no gap, or {_short(policy)} below the best LRU"
     return t
 
 
