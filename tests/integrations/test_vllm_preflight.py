@@ -254,3 +254,15 @@ def test_kv_transfer_config_built_in_python_raises_instead_of_exiting():
                          kv_connector_extra_config={"cpu_gb": 4})
     ok = KVTransferConfig(**{k: v for k, v in GOOD.items()})  # type: ignore[arg-type]
     assert ok.kv_connector_extra_config == {"cpu_gib": 0.5}
+
+
+def test_inline_json_that_is_not_an_object_and_tiers_left_out(tmp_path):
+    """Breaker F13: '["a"]' was taken for a file name; a configured tier left out of tiers was silent."""
+    run = kvtier_check('["a"]')
+    assert run.returncode == 2 and "must be a JSON object" in run.stderr, run.stderr
+    extra = {"redis_url": "redis://127.0.0.1:6379", "tiers": ["cpu"], "disk_path": str(tmp_path / "d"), "disk_gib": 1}
+    warnings = [p.message for p in check_transfer_config(transfer(extra=extra)) if p.severity == "warning"]
+    assert any("redis_url is set but tiers ['cpu'] leaves out 'redis'" in w for w in warnings), warnings
+    assert any("disk_path and disk_gib are set but tiers ['cpu'] leaves out 'disk'" in w for w in warnings), warnings
+    used = {**extra, "tiers": ["cpu", "disk", "redis"], "redis_url": None}
+    assert not [p for p in check_transfer_config(transfer(extra=used)) if "leaves out" in p.message]

@@ -26,7 +26,7 @@ Examples:
 
 def _read(config: str) -> str:
     """The JSON text: ``config`` itself when it looks like JSON, else the file it names (``-``: stdin)."""
-    if config.lstrip().startswith("{"):
+    if config.lstrip().startswith(("{", "[")):  # inline JSON; not an object is named by the parser
         return config
     try:
         if config == "-":

@@ -242,6 +242,7 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
                                 f"of the block size (e.g. {default})"))
     else:
         problems.extend(_default_block_problem(key, config.chunk_tokens))
+    problems.extend(_unused_tier_problems(key, extra, config))
     if not host_checks:
         return problems
     available = available_memory()
@@ -275,6 +276,17 @@ def _shared_tier_problems(key: str, config: KVTierConfig) -> list[Problem]:
         except ConfigError as exc:
             problems.append(Problem("error", f"{key}.{name}", str(exc)))
     return problems
+
+
+def _unused_tier_problems(key: str, extra: dict[str, Any], config: KVTierConfig) -> list[Problem]:
+    """A warning per tier whose settings are given but which ``tiers`` leaves out (it is not used)."""
+    settings = {"disk": [k for k in _DISK_KEYS if extra.get(k) is not None],
+                "redis": ["redis_url"] if extra.get("redis_url") else []}
+    return [Problem("warning", f"{key}.tiers",
+                    f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} set but tiers "
+                    f"{list(config.tiers)} leaves out {tier!r}, so the {tier} tier is not used; add {tier!r} to "
+                    f"tiers or remove {' and '.join(given)}")
+            for tier, given in settings.items() if given and "tiers" in extra and tier not in config.tiers]
 
 
 def _default_block_problem(key: str, chunk_tokens: int) -> list[Problem]:
