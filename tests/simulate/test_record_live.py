@@ -88,6 +88,30 @@ def test_records_a_live_server_and_simulate_replays_it(server, tmp_path: Path):
     assert max(r["token_hit_ratio"] for r in rows) > 0.3  # the shared context hits
 
 
+def test_a_batch_of_prompts_gets_one_line_per_prompt(server, tmp_path: Path):
+    """Breaker F5: a list of prompts (strings, or token lists) was dropped as "could not tokenize"."""
+    out = tmp_path / "batch.jsonl"
+    recorder = TraceRecorder(server.base_url, out, block_tokens=BLOCK, timeout_s=300).start()
+    shared = " ".join(f"{SECRET} batch context {i}." for i in range(20))
+    ask = {"model": server.served_model, "max_tokens": 3, "temperature": 0}
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{recorder.port}", timeout=300) as client:
+            single = client.post("/v1/completions", json={**ask, "prompt": shared}).json()
+            texts = client.post("/v1/completions", json={**ask, "prompt": [shared, "d e f"]}).json()
+            ids = client.post("/v1/completions", json={**ask, "prompt": [[5, 6, 7], [8, 9, 10, 11]]}).json()
+    finally:
+        recorder.close()
+    assert len(texts["choices"]) == 2 and len(ids["choices"]) == 2  # vLLM answered both batches
+    records = list(iter_records(out, block_tokens=BLOCK))
+    assert len(records) == 5 and recorder.failed == 0
+    assert records[1].hash_ids == records[0].hash_ids  # the batch's first prompt is the single one
+    assert records[0].input_length == single["usage"]["prompt_tokens"]
+    assert records[1].input_length + records[2].input_length == texts["usage"]["prompt_tokens"]
+    assert records[1].output_length + records[2].output_length == texts["usage"]["completion_tokens"]
+    assert [r.input_length for r in records[3:]] == [3, 4]
+    assert records[3].output_length + records[4].output_length == ids["usage"]["completion_tokens"]
+
+
 def test_block_digests_chain():
     a = block_digests(list(range(70)), 32)
     b = block_digests(list(range(64)) + [9, 9], 32)

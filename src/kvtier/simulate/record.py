@@ -178,6 +178,10 @@ class TraceRecorder:
             pass
 
     def _record(self, path: str, body: bytes, arrival_ms: float, output_tokens: int) -> None:
+        """Append the request's trace line(s); a batch (``"prompt"`` a list of strings or of token
+        lists) gets one line per prompt, as vLLM runs each as its own request
+        (vllm/entrypoints/openai/completion/serving.py), each with an equal share of the batch's
+        ``output_tokens`` (the usage the server reports is the batch's total)."""
         try:
             request = json.loads(body)
             if path.startswith("/v1/chat/"):
@@ -186,22 +190,37 @@ class TraceRecorder:
                             "chat_template_kwargs", "tools", "add_special_tokens"):
                     if key in request:
                         query[key] = request[key]
+                batch = [self._tokenize(query)]
             else:
                 prompt = request["prompt"]
-                if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-                    self._write(arrival_ms, prompt, output_tokens)
-                    return
-                query = {"model": request.get("model"), "prompt": prompt}
-                if "add_special_tokens" in request:
-                    query["add_special_tokens"] = request["add_special_tokens"]
-            answer = self._client.post("/tokenize", json=query)
-            answer.raise_for_status()
-            tokens = answer.json()["tokens"]
+                batched = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+                batch = [self._prompt_tokens(request, one) for one in (prompt if batched else [prompt])]
         except (ValueError, KeyError, TypeError, httpx.HTTPError):
             with self._lock:
                 self.failed += 1
             return
-        self._write(arrival_ms, tokens, output_tokens)
+        share, extra = divmod(output_tokens, len(batch))
+        for i, tokens in enumerate(batch):
+            self._write(arrival_ms, tokens, share + (i < extra))
+
+    def _prompt_tokens(self, request: dict[str, Any], prompt: Any) -> list[int]:
+        """Token ids of one completion prompt: given as ids, else from the server's ``/tokenize``."""
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return prompt
+        if not isinstance(prompt, str):
+            raise TypeError("a prompt is a string or a list of token ids")
+        query = {"model": request.get("model"), "prompt": prompt}
+        if "add_special_tokens" in request:
+            query["add_special_tokens"] = request["add_special_tokens"]
+        return self._tokenize(query)
+
+    def _tokenize(self, query: dict[str, Any]) -> list[int]:
+        answer = self._client.post("/tokenize", json=query)
+        answer.raise_for_status()
+        tokens = answer.json()["tokens"]
+        if not isinstance(tokens, list):
+            raise TypeError("/tokenize answered no token list")
+        return tokens
 
     def _write(self, arrival_ms: float, tokens: list[int], output_tokens: int) -> None:
         digests = block_digests(tokens, self.block_tokens)
