@@ -214,15 +214,19 @@ def test_sigterm_stops_the_vllm_servers_and_the_private_redis(tmp_path: Path) ->
                 break
         url = re.search(r"redis-server on (redis://\S+)", "".join(lines))
         assert url, lines
-        deadline = time.monotonic() + 60  # as soon as the server exists: possibly inside Popen itself
-        while not _processes_mentioning(str(model)) and time.monotonic() < deadline:
+        server = f"api_server\0--model\0{model}\0"  # the vLLM server's argv, not kvtier's own
+        deadline = time.monotonic() + 60
+        while not _processes_mentioning(server) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _processes_mentioning(str(model)), "the vLLM server was never launched"
+        assert _processes_mentioning(server), "the vLLM server was never launched"
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=120) == 128 + signal.SIGTERM
+        rest, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 128 + signal.SIGTERM
+        assert "kvtier: stopped by SIGTERM; stopping what it started, then exiting with 143" in rest
+        assert "Traceback" not in rest
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert _processes_mentioning(str(model)) == []
+    assert _processes_mentioning(server) == []
     with pytest.raises(redis.RedisError):
         redis.Redis.from_url(url.group(1), socket_connect_timeout=1.0).ping()

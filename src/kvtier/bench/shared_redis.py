@@ -84,18 +84,21 @@ class LocalRedis:
         with open(server.log_path, "ab") as log:
             server._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                             start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if server._proc.poll() is not None:
-                raise ServerStartError(f"redis-server exited with code {server._proc.returncode} at start-up; "
-                                       f"see {server.log_path}")
-            try:
-                _client(server.url, 1.0).ping()
-                return server
-            except redis.RedisError:
-                time.sleep(0.05)
-        server.stop()
-        raise ServerStartError(f"redis-server did not answer PING within {timeout_s:g} s; see {server.log_path}")
+        try:  # stopped on any way out but success (a SIGTERM raising SystemExit in the wait included)
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                if server._proc.poll() is not None:
+                    raise ServerStartError(f"redis-server exited with code {server._proc.returncode} at "
+                                           f"start-up; see {server.log_path}")
+                try:
+                    _client(server.url, 1.0).ping()
+                    return server
+                except redis.RedisError:
+                    time.sleep(0.05)
+            raise ServerStartError(f"redis-server did not answer PING within {timeout_s:g} s; see {server.log_path}")
+        except BaseException:
+            server.stop()
+            raise
 
     def stop(self) -> None:
         """Stop the server (SIGTERM, then SIGKILL after 10 s)."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 import os
 import signal
+import subprocess
+import sys
 import threading
 from typing import Any
 
@@ -56,15 +58,38 @@ def _exit_on_termination() -> dict[int, Any]:
     KeyboardInterrupt, so the ``finally`` blocks and context managers of a command run: ``bench
     compare`` and ``demo`` start vLLM servers and a redis-server in sessions of their own, which
     Python's default action (exit at once) left running when a CI timeout or ``kill`` stopped kvtier.
-    Returns the handlers it replaced (none outside the main thread)."""
+    Says so in one line on stderr; a second SIGTERM/SIGHUP while the servers stop is ignored, so it
+    cannot cut their clean-up short (SIGKILL still ends kvtier at once).  Returns the handlers it
+    replaced (none outside the main thread)."""
     if threading.current_thread() is not threading.main_thread():
         return {}
 
-    def stop(signum: int, _frame: Any) -> None:
-        _signal_child_sessions(signal.SIGTERM)  # a child whose Popen the signal interrupted has no handle to stop
+    def stop(signum: int, frame: Any) -> None:
+        if _inside_popen(frame):  # raising now would lose the handle of a child being started
+            retry = threading.Timer(0.05, os.kill, (os.getpid(), signum))
+            retry.daemon = True
+            retry.start()
+            return
+        for other in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(other, signal.SIG_IGN)
+        sys.stderr.write(f"kvtier: stopped by {signal.Signals(signum).name}; stopping what it started, then exiting "
+                         f"with {128 + signum}\n")
+        sys.stderr.flush()
+        _signal_child_sessions(signal.SIGTERM)  # belt and braces: a child whose handle was lost all the same
         raise SystemExit(128 + signum)
 
     return {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGHUP)}
+
+
+def _inside_popen(frame: Any) -> bool:
+    """Whether ``frame`` runs inside ``subprocess.Popen()``: an exception raised there after the fork
+    leaves the new child (a vLLM server or redis-server in a session of its own) running, its
+    ``Popen`` object never returned to the code that would stop it."""
+    while frame is not None:
+        if frame.f_code is subprocess.Popen.__init__.__code__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _plain_flags(command: Any) -> None:
