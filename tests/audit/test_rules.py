@@ -4,6 +4,7 @@ that does not.  The table below has exactly one entry per rule (checked by the l
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -262,3 +263,31 @@ def test_all_of_127_8_is_this_host_and_other_password_and_secret_spellings_warn(
     assert "kvtier-shared-tier-unprotected" not in inline  # protected: TLS and a secret
     assert "shared_secret" in inline["kvtier-redis-password-in-url"]
     assert "0123456789abcdef-inline" not in inline["kvtier-redis-password-in-url"]
+
+
+def _manifest(line: str, env: list[dict[str, str]]) -> str:
+    import shlex
+
+    import yaml
+
+    argv = shlex.split(line)
+    return yaml.safe_dump({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "d"},
+                           "spec": {"template": {"spec": {"containers": [
+                               {"name": "vllm", "image": "vllm/vllm-openai:v0.32.0", "command": argv[:2],
+                                "args": argv[2:], "env": env}]}}}})
+
+
+def test_kvtier_environment_of_the_audited_line_or_manifest_applies_as_the_connector_does(monkeypatch):
+    """Breaker F3: KVTIER_* of the line or manifest were ignored; the connector refuses them."""
+    def invalid(text: str) -> list[str]:
+        return [f.message for f in audit(load_configs(text, "t", parse_version(V))) if f.rule == "kvtier-config-invalid"]
+
+    typo = invalid("KVTIER_CPU_GB=3 " + kvtier_line(cpu_gib=1))
+    assert len(typo) == 1 and "KVTIER_CPU_GB is not a kvtier setting (did you mean 'KVTIER_CPU_GIB'?)" in typo[0]
+    bad = invalid(_manifest(kvtier_line(cpu_gib=1), [{"name": "KVTIER_DISK_GIB", "value": "lots"}]))
+    assert len(bad) == 1 and "(from environment variable KVTIER_DISK_GIB)" in bad[0] and "'lots'" in bad[0]
+    assert invalid(_manifest(kvtier_line(cpu_gib=1), [{"name": "KVTIER_CPU_GIB", "value": "2"}])) == []
+    # the auditor's own shell does not count for the audited server, and is left as it was
+    monkeypatch.setenv("KVTIER_CPU_GB", "3")
+    assert invalid(kvtier_line(cpu_gib=1)) == []
+    assert os.environ["KVTIER_CPU_GB"] == "3" and "KVTIER_DISK_GIB" not in os.environ

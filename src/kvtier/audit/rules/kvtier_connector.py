@@ -15,8 +15,10 @@ def _problems(c: ServeConfig) -> list[Problem]:
     if not transfer or not c.uses("KVTierConnector"):
         return []
     block = c.number("--block-size")
-    # host_checks off: the audited config may run on another machine (a manifest, a script)
-    return check_transfer_config(transfer, int(block) if block and block >= 1 else None, host_checks=False)
+    # host_checks off: the audited config may run on another machine (a manifest, a script); its own
+    # KVTIER_* environment (K=V on the line, docker -e, a manifest's env) applies, as the connector's would
+    return check_transfer_config(transfer, int(block) if block and block >= 1 else None, host_checks=False,
+                                 environ=c.env)
 
 
 @rule("kvtier-config-invalid", "error", "KVTierConnector config that the connector refuses at start-up",

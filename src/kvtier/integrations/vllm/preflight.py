@@ -31,6 +31,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -120,7 +123,8 @@ def cpu_block_divisor(block_size: int | None) -> int:
 
 
 def check_transfer_config(transfer: dict[str, Any] | str, block_size: int | None = None,
-                          host_checks: bool = True, block_divisor: int | None = None) -> list[Problem]:
+                          host_checks: bool = True, block_divisor: int | None = None,
+                          environ: Mapping[str, str] | None = None) -> list[Problem]:
     """Every problem of a ``--kv-transfer-config`` for KVTierConnector, errors first.
 
     Args:
@@ -135,6 +139,11 @@ def check_transfer_config(transfer: dict[str, Any] | str, block_size: int | None
         block_divisor: when ``block_size`` is not known, a number of tokens every block size the
             engine may choose is a multiple of (:func:`cpu_block_divisor`): ``chunk_tokens`` not a
             multiple of it is an error.
+        environ: the environment the server will run with (``kvtier audit``: the ``K=V`` of a
+            serve line, ``docker run -e``, a manifest's ``env``): its ``KVTIER_*`` variables are
+            applied as the connector applies its own (:meth:`KVTierConfig.from_dict`: an unknown
+            name or a bad value is an error) instead of this process's.  None: this process's
+            environment (``kvtier check`` and the vLLM plugin run where the server runs).
 
     Returns:
         Problems, errors before warnings; empty when the config is fine or does not use kvtier.
@@ -145,6 +154,9 @@ def check_transfer_config(transfer: dict[str, Any] | str, block_size: int | None
             transfer = parse_transfer_config(transfer)
         except ConfigError as exc:
             return [Problem("error", "", str(exc))]
+    if environ is not None:
+        with _kvtier_environ(environ):
+            return check_transfer_config(transfer, block_size, host_checks, block_divisor)
     problems = [Problem("error", key, f"--kv-transfer-config has an unknown key {key!r}"
                         f"{did_you_mean(key, KV_TRANSFER_FIELDS)}; vLLM refuses it (known keys: "
                         f"{', '.join(KV_TRANSFER_FIELDS)})")
@@ -171,6 +183,23 @@ def check_transfer_config(transfer: dict[str, Any] | str, block_size: int | None
     for prefix, entry in entries:
         problems.extend(_check_entry(prefix, entry, block_size, host_checks, block_divisor))
     return sorted(problems, key=lambda p: p.severity != "error")
+
+
+@contextmanager
+def _kvtier_environ(environ: Mapping[str, str]) -> Iterator[None]:
+    """This process's ``KVTIER_*`` variables replaced by those of ``environ`` for the duration
+    (:class:`KVTierConfig` reads ``os.environ``, as pydantic-settings does); restored after.
+    Not thread-safe: for the single-threaded ``kvtier audit``."""
+    saved = {k: v for k, v in os.environ.items() if k.upper().startswith("KVTIER_")}
+    try:
+        for name in saved:
+            del os.environ[name]
+        os.environ.update({k: v for k, v in environ.items() if k.upper().startswith("KVTIER_")})
+        yield
+    finally:
+        for name in [k for k in os.environ if k.upper().startswith("KVTIER_")]:
+            del os.environ[name]
+        os.environ.update(saved)
 
 
 def _kvtier_entries(transfer: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
