@@ -202,15 +202,21 @@ def test_chunk_tokens_against_every_block_size_the_cpu_backend_may_choose():
     assert _block_divisor([*serve, "--block-size", "x"]) is None  # vLLM's argparse says what is wrong
 
 
-@pytest.mark.engine
-def test_vllm_server_with_chunk_tokens_no_cpu_block_size_divides_stops_before_the_model_loads(tiny_model: Path):
-    cfg = json.dumps(transfer(extra={"chunk_tokens": 100}))
-    proc = subprocess.run([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model),
+def _serve_refused(model: Path, extra: dict) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    """Start a real api_server with ``extra`` as kvtier's config; it must exit 2. Returns the run
+    and its stderr lines that name kvtier."""
+    cfg = json.dumps(transfer(extra=extra))
+    proc = subprocess.run([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                            "--port", "0", "--kv-transfer-config", cfg],
                           capture_output=True, text=True, check=False, timeout=300,
                           env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
     assert proc.returncode == 2, proc.stderr[-3000:]
-    ours = [ln for ln in proc.stderr.splitlines() if "kvtier" in ln]
+    return proc, [ln for ln in proc.stderr.splitlines() if "kvtier" in ln]
+
+
+@pytest.mark.engine
+def test_vllm_server_with_chunk_tokens_no_cpu_block_size_divides_stops_before_the_model_loads(tiny_model: Path):
+    proc, ours = _serve_refused(tiny_model, {"chunk_tokens": 100})
     assert len(ours) == 1 and ours[0].startswith("ERROR kvtier: invalid --kv-transfer-config: chunk_tokens=100 is "
                                                  "not a multiple of 16"), proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "Loading weights" not in proc.stderr + proc.stdout
@@ -219,13 +225,7 @@ def test_vllm_server_with_chunk_tokens_no_cpu_block_size_divides_stops_before_th
 @pytest.mark.engine
 def test_vllm_server_with_a_bad_kvtier_config_stops_before_the_model_loads(tiny_model: Path):
     """The plugin is registered through pyproject's vllm.general_plugins entry point (as installed by make)."""
-    cfg = json.dumps(transfer(extra={"cpu_gb": 4}))
-    proc = subprocess.run([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model),
-                           "--port", "0", "--kv-transfer-config", cfg],
-                          capture_output=True, text=True, check=False, timeout=300,
-                          env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    ours = [ln for ln in proc.stderr.splitlines() if "kvtier" in ln]
+    proc, ours = _serve_refused(tiny_model, {"cpu_gb": 4})
     assert ours == ["ERROR kvtier: invalid --kv-transfer-config: unknown kvtier config key 'cpu_gb' (did you mean "
                     "'cpu_gib'?); known keys are " + ", ".join(_fields())], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
