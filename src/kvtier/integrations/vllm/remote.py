@@ -30,9 +30,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
@@ -40,6 +40,7 @@ from kvtier.core.handles import PendingLookup
 from kvtier.core.keys import ChunkKey
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class _Answered(PendingLookup):
@@ -109,13 +110,7 @@ class RemoteLookups:
             entry = self._pending[req_id] = (span, self._submit(chain[start:]))
         found = entry[1].poll()
         if found is not None and not isinstance(entry[1], _Answered):  # keep the answer, drop the future
-            self.answered += 1
-            self.answered_chunks += span[1] - start
-            self.found_chunks += found
-            if entry[1].timed_out:
-                self.timed_out += 1
-                log.info("kvtier: shared-tier lookup for request %s passed shared_deadline_s=%s; answered from "
-                         "local tiers", req_id, self.deadline_s)
+            self._answered(req_id, span[1] - start, found, entry[1].timed_out)
             self._pending[req_id] = (span, _Answered(found, span[1] - start))
         return found
 
@@ -128,90 +123,70 @@ class RemoteLookups:
         if entry is not None and isinstance(entry[1], frozenset) and set(asked) <= set(entry[0]):
             return entry[1].intersection(asked)  # answered; pages since saved locally are no longer asked
         if entry is None or entry[0] != asked:
-            entry = self._pending_pages[req_id] = (asked, self._submit_pages(asked), time.monotonic() + self.deadline_s)
+            future = self._start(lambda tiers: _held_by_every_rank(tiers, asked)) if asked else None
+            entry = self._pending_pages[req_id] = (asked, frozenset() if future is None else future,
+                                                   time.monotonic() + self.deadline_s)
         _, answer, deadline = entry
         if isinstance(answer, frozenset):
             return answer
+        timed_out = False
         if answer.done():
             try:
                 found = answer.result()
             except Exception:  # noqa: BLE001 - a fault in the shared tier is a miss
                 found = frozenset()
         elif time.monotonic() >= deadline:
-            found = frozenset()
-            self.timed_out += 1
-            log.info("kvtier: shared-tier lookup for request %s passed shared_deadline_s=%s; answered from "
-                     "local tiers", req_id, self.deadline_s)
+            found, timed_out = frozenset(), True
         else:
             return None
-        self.answered += 1
-        self.answered_chunks += len(asked)
-        self.found_chunks += len(found)
+        self._answered(req_id, len(asked), len(found), timed_out)
         self._pending_pages[req_id] = (asked, found, deadline)
         return found
 
-    def _submit_pages(self, keys: tuple[bytes, ...]) -> Future[frozenset[bytes]] | frozenset[bytes]:
-        with self._lock:
-            if not keys or not self._tiers or self._in_flight >= self.queue_depth:
-                self.skipped += bool(keys)
-                return frozenset()
-            self._in_flight += 1
-            tiers = list(self._tiers)
-        self.asked += 1
-
-        def remote() -> frozenset[bytes]:
-            try:
-                left = list(keys)
-                for tier in tiers:  # one pipelined EXISTS batch per rank, over what every earlier rank holds
-                    present = tier.contains_many([ChunkKey(k) for k in left])
-                    left = [k for k, hit in zip(left, present) if hit]
-                    if not left:
-                        break
-                return frozenset(left)
-            finally:
-                with self._lock:
-                    self._in_flight -= 1
-
-        try:
-            return self._pool.submit(remote)
-        except RuntimeError:  # closed
-            with self._lock:
-                self._in_flight -= 1
-            return frozenset()
+    def _answered(self, req_id: str, asked: int, found: int, timed_out: bool) -> None:
+        """Count an answered lookup (``asked`` chunks or pages, ``found`` of them in the shared tier)."""
+        self.answered += 1
+        self.answered_chunks += asked
+        self.found_chunks += found
+        if timed_out:
+            self.timed_out += 1
+            log.info("kvtier: shared-tier lookup for request %s passed shared_deadline_s=%s; answered from "
+                     "local tiers", req_id, self.deadline_s)
 
     def forget(self, req_id: str) -> None:
         """Drop ``req_id``'s lookup (planned, or the request is gone)."""
         self._pending.pop(req_id, None)
         self._pending_pages.pop(req_id, None)
 
-    def _submit(self, keys: Sequence[bytes]) -> PendingLookup:
+    def _start(self, ask: Callable[[list[Any]], T]) -> Future[T] | None:
+        """Run ``ask(tiers)`` on the lookup threads; ``None`` (counted as skipped) when the tier is
+        not ready, ``shared_queue_depth`` lookups are in flight, or the pool is closed."""
         with self._lock:
             if not self._tiers or self._in_flight >= self.queue_depth:
                 self.skipped += 1
-                return PendingLookup(0, len(keys))
+                return None
             self._in_flight += 1
             tiers = list(self._tiers)
         self.asked += 1
-        chunk_keys = [ChunkKey(k) for k in keys]
 
-        def remote() -> int:
+        def run() -> T:
             try:
-                found = len(chunk_keys)
-                for tier in tiers:  # one pipelined EXISTS batch per rank; stop at the first rank with none
-                    present = tier.contains_many(chunk_keys[:found])
-                    found = next((i for i, hit in enumerate(present) if not hit), len(present))
-                    if not found:
-                        break
-                return found
+                return ask(tiers)
             finally:
                 with self._lock:
                     self._in_flight -= 1
 
         try:
-            future: Future[int] = self._pool.submit(remote)
+            return self._pool.submit(run)
         except RuntimeError:  # closed
             with self._lock:
                 self._in_flight -= 1
+            return None
+
+    def _submit(self, keys: Sequence[bytes]) -> PendingLookup:
+        chunk_keys = [ChunkKey(k) for k in keys]
+        future = self._start(lambda tiers: _leading_held_by_every_rank(tiers, chunk_keys))
+        if future is None:
             return PendingLookup(0, len(keys))
         return PendingLookup(0, len(keys), future, time.monotonic() + self.deadline_s)
 
@@ -239,3 +214,27 @@ class RemoteLookups:
         """Stop asking; idempotent."""
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.close_tiers()
+
+
+def _leading_held_by_every_rank(tiers: Sequence[Any], keys: list[ChunkKey]) -> int:
+    """Leading ``keys`` every rank's tier holds: one pipelined EXISTS batch per rank, stopping at
+    the first rank that holds none."""
+    found = len(keys)
+    for tier in tiers:
+        present = tier.contains_many(keys[:found])
+        found = next((i for i, hit in enumerate(present) if not hit), len(present))
+        if not found:
+            break
+    return found
+
+
+def _held_by_every_rank(tiers: Sequence[Any], keys: Sequence[bytes]) -> frozenset[bytes]:
+    """Those of ``keys`` (in any order) every rank's tier holds: one pipelined EXISTS batch per
+    rank, over what every earlier rank holds."""
+    left = list(keys)
+    for tier in tiers:
+        present = tier.contains_many([ChunkKey(k) for k in left])
+        left = [k for k, hit in zip(left, present) if hit]
+        if not left:
+            break
+    return frozenset(left)
