@@ -24,6 +24,7 @@ from kvtier.bench.report import compare_json, markdown, replica_rows
 from kvtier.bench.shared_redis import LocalRedis, check_redis_url, delete_prefix, with_run_prefix
 from kvtier.bench.workload import TokenSpace
 from kvtier.integrations.vllm.serve import ServerSpec, free_port
+from tests.processes import pids_mentioning
 
 TOKENS = TokenSpace(seed=0, low=10, high=500)
 
@@ -182,17 +183,6 @@ def test_bad_replica_or_redis_input_is_one_sentence_and_exit_2(tmp_path: Path, a
     assert "secret" not in result.output and "Traceback" not in result.output
 
 
-def _processes_mentioning(text: str) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and text in (entry / "cmdline").read_bytes().decode(errors="replace"):
-                pids.append(int(entry.name))
-        except OSError:
-            continue
-    return pids
-
-
 def test_sigterm_stops_the_vllm_servers_and_the_private_redis(tmp_path: Path) -> None:
     """A CI timeout or ``kill`` sends SIGTERM: bench compare stops what it started (its servers run in
     sessions of their own, so nothing else would), and exits 143."""
@@ -216,9 +206,9 @@ def test_sigterm_stops_the_vllm_servers_and_the_private_redis(tmp_path: Path) ->
         assert url, lines
         server = f"api_server\0--model\0{model}\0"  # the vLLM server's argv, not kvtier's own
         deadline = time.monotonic() + 60
-        while not _processes_mentioning(server) and time.monotonic() < deadline:
+        while not pids_mentioning(server) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _processes_mentioning(server), "the vLLM server was never launched"
+        assert pids_mentioning(server), "the vLLM server was never launched"
         proc.send_signal(signal.SIGTERM)
         rest, _ = proc.communicate(timeout=120)
         assert proc.returncode == 128 + signal.SIGTERM
@@ -227,6 +217,6 @@ def test_sigterm_stops_the_vllm_servers_and_the_private_redis(tmp_path: Path) ->
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert _processes_mentioning(server) == []
+    assert pids_mentioning(server) == []
     with pytest.raises(redis.RedisError):
         redis.Redis.from_url(url.group(1), socket_connect_timeout=1.0).ping()

@@ -11,12 +11,14 @@ import signal
 import subprocess
 import sys
 import uuid
-from pathlib import Path
+
+from tests.processes import pids_mentioning
 
 SCRIPT = """
 import os, signal, subprocess, sys, threading, time
-from kvtier.cli.main import _exit_on_termination
-_exit_on_termination()
+from kvtier.cli.termination import exit_on_termination
+guard = exit_on_termination()  # held: the handlers live as long as the block
+guard.__enter__()
 # SIGTERM arrives while Popen() waits for the child's exec (its preexec_fn sleeps): a handler that
 # raised there would lose the child's handle, and the child would run on in its own session.
 threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
@@ -34,21 +36,10 @@ finally:
 """
 
 
-def _children_with(marker: str) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
-                pids.append(int(entry.name))
-        except OSError:
-            continue
-    return pids
-
-
 def test_sigterm_while_a_child_starts_still_stops_the_child() -> None:
     marker = f"60.{uuid.uuid4().int % 10**12:012d}"  # the child's `sleep` time: unique to this test run
     result = subprocess.run([sys.executable, "-c", SCRIPT, marker], check=False, capture_output=True, text=True, timeout=60)
-    leaked = _children_with(marker)
+    leaked = pids_mentioning(marker)
     for pid in leaked:  # ours: clean up before asserting
         os.kill(pid, signal.SIGKILL)
     assert result.returncode == 128 + signal.SIGTERM, result.stderr

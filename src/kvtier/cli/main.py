@@ -7,15 +7,12 @@ Each command module defines ``register(app: typer.Typer) -> None`` and keeps hea
 from __future__ import annotations
 
 import importlib
-import os
-import signal
-import subprocess
-import sys
-import threading
 from typing import Any
 
 import typer
 from typer.core import TyperGroup
+
+from kvtier.cli.termination import exit_on_termination
 
 
 class _Group(TyperGroup):
@@ -28,68 +25,8 @@ class _Group(TyperGroup):
 
     def main(self, *args: Any, **kwargs: Any) -> Any:
         _plain_flags(self)
-        previous = _exit_on_termination()
-        try:
+        with exit_on_termination():
             return super().main(*args, **kwargs)
-        finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
-
-
-def _signal_child_sessions(signum: int) -> None:
-    """Send ``signum`` to the process group of each child of this process that leads a session of its
-    own (the servers kvtier starts with ``start_new_session``); other children are left alone."""
-    me = os.getpid()
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        pid = int(entry.name)
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
-            if ppid == me and os.getsid(pid) == pid:
-                os.killpg(pid, signum)
-        except (OSError, ValueError, IndexError):
-            continue
-
-
-def _exit_on_termination() -> dict[int, Any]:
-    """Make SIGTERM and SIGHUP raise ``SystemExit(128 + signal)`` in the main thread, as Ctrl-C raises
-    KeyboardInterrupt, so the ``finally`` blocks and context managers of a command run: ``bench
-    compare`` and ``demo`` start vLLM servers and a redis-server in sessions of their own, which
-    Python's default action (exit at once) left running when a CI timeout or ``kill`` stopped kvtier.
-    Says so in one line on stderr; a second SIGTERM/SIGHUP while the servers stop is ignored, so it
-    cannot cut their clean-up short (SIGKILL still ends kvtier at once).  Returns the handlers it
-    replaced (none outside the main thread)."""
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-
-    def stop(signum: int, frame: Any) -> None:
-        if _inside_popen(frame):  # raising now would lose the handle of a child being started
-            retry = threading.Timer(0.05, os.kill, (os.getpid(), signum))
-            retry.daemon = True
-            retry.start()
-            return
-        for other in (signal.SIGTERM, signal.SIGHUP):
-            signal.signal(other, signal.SIG_IGN)
-        sys.stderr.write(f"kvtier: stopped by {signal.Signals(signum).name}; stopping what it started, then exiting "
-                         f"with {128 + signum}\n")
-        sys.stderr.flush()
-        _signal_child_sessions(signal.SIGTERM)  # belt and braces: a child whose handle was lost all the same
-        raise SystemExit(128 + signum)
-
-    return {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGHUP)}
-
-
-def _inside_popen(frame: Any) -> bool:
-    """Whether ``frame`` runs inside ``subprocess.Popen()``: an exception raised there after the fork
-    leaves the new child (a vLLM server or redis-server in a session of its own) running, its
-    ``Popen`` object never returned to the code that would stop it."""
-    while frame is not None:
-        if frame.f_code is subprocess.Popen.__init__.__code__:
-            return True
-        frame = frame.f_back
-    return False
 
 
 def _plain_flags(command: Any) -> None:
