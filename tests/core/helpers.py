@@ -10,6 +10,7 @@ from kvtier.core.config import GiB, KVTierConfig
 from kvtier.core.keys import ChunkKey, Namespace, chunk_keys, request_root
 from kvtier.core.store import TieredStore
 from kvtier.core.tiers.chunkfile import HEADER_BYTES
+from kvtier.core.tiers.disk import DiskTier
 
 CHUNK_TOKENS = 4
 CHUNK_BYTES = 1024
@@ -36,3 +37,15 @@ def chain_of(prompt: int, num_chunks: int, salt: str | None = None) -> list[Chun
 def payload(key: bytes) -> bytes:
     """Deterministic chunk bytes derived from the key, so any mix-up shows."""
     return (key * (CHUNK_BYTES // len(key) + 1))[:CHUNK_BYTES]
+
+
+def break_disk_shards(disk: DiskTier, keys: list[ChunkKey]) -> None:
+    """Make every write of ``keys`` to ``disk`` fail (ENOTDIR): a file stands where each key's shard
+    directory was."""
+    import shutil
+
+    for k in keys:
+        shard = disk.path(k).parent
+        if shard.is_dir():
+            shutil.rmtree(shard)
+        shard.write_text("not a directory")

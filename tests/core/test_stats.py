@@ -6,10 +6,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.core.stats import DIRECTIONS, StoreCounters
 
-from .helpers import CHUNK_BYTES, chain_of, make_store
+from .helpers import CHUNK_BYTES, break_disk_shards, chain_of, make_store, payload
 
 TIER_LABELLED = ("kvtier_corrupt_chunks_total", "kvtier_evictions_total", "kvtier_load_hit_chunks_total",
-                 "kvtier_load_hit_tokens_total", "kvtier_lookup_hit_chunks_total", "kvtier_lookup_hit_tokens_total")
+                 "kvtier_load_hit_tokens_total", "kvtier_lookup_hit_chunks_total", "kvtier_lookup_hit_tokens_total",
+                 "kvtier_write_errors_total")
 PRESENT_TIER = ("kvtier_capacity_bytes", "kvtier_usage_bytes", "kvtier_pinned_bytes", "kvtier_pinned_chunks")
 PLAIN = ("kvtier_dirty_bytes", "kvtier_dropped_saves_total", "kvtier_failed_loads_total", "kvtier_lookup_chunks_total",
          "kvtier_lookup_tokens_total")
@@ -58,6 +59,21 @@ def test_exported_series_keep_their_names_and_labels_and_read_the_snapshot(tmp_p
     assert series[("kvtier_transfer_bytes_total", (("direction", "engine_to_cpu"),))] == 4 * CHUNK_BYTES
     assert s.transfer_bytes["engine_to_cpu"] == 4 * CHUNK_BYTES
     assert s.tier("redis").load_hit_chunks == 0 and "redis" not in s.tiers
+    store.close()
+
+
+def test_failed_disk_writes_are_counted_in_the_snapshot_and_exported(tmp_path):
+    store = make_store(tmp_path, cpu_chunks=8, disk_chunks=16, write_mode="write-through")
+    a = chain_of(7, 4)
+    break_disk_shards(store.lower[0].tier, a)
+    assert store.put(a, [payload(k) for k in a]) == 4
+    store.flush()
+    s = store.stats()
+    assert s.tier("disk").write_errors == 4 == s.write_errors and s.tier("cpu").write_errors == 0
+    assert s.tier("disk").num_chunks == 0
+    series = exported(store)
+    assert series[("kvtier_write_errors_total", (("tier", "disk"),))] == 4
+    assert series[("kvtier_write_errors_total", (("tier", "cpu"),))] == 0
     store.close()
 
 

@@ -1,7 +1,7 @@
 """The connector's per-step stats are changes of the store's one snapshot (kvtier.core.stats)."""
 
 from kvtier.integrations.vllm.stats import KVTierStats, store_counters, store_gauges
-from tests.core.helpers import CHUNK_BYTES, chain_of, make_store
+from tests.core.helpers import CHUNK_BYTES, break_disk_shards, chain_of, make_store, payload
 
 
 def test_step_stats_are_snapshot_deltas_and_tokens_come_from_rank_0_only(tmp_path):
@@ -30,4 +30,15 @@ def test_step_stats_are_snapshot_deltas_and_tokens_come_from_rank_0_only(tmp_pat
     both.aggregate(KVTierStats(data={"counters": store_counters(second, first, 1), "gauges": dict(gauges)}))
     assert both.data["counters"]["load_bytes"] == 8192 and both.data["counters"]["loaded_tokens_disk"] == 40
     assert both.data["gauges"]["usage_bytes_cpu"] == 6 * CHUNK_BYTES
+    store.close()
+
+
+def test_failed_disk_writes_reach_the_step_counters(tmp_path):
+    store = make_store(tmp_path, cpu_chunks=8, disk_chunks=16, write_mode="write-through")
+    before = store.stats()
+    a = chain_of(3, 2)
+    break_disk_shards(store.lower[0].tier, a)
+    store.put(a, [payload(k) for k in a])
+    store.flush()
+    assert store_counters(store.stats(), before)["disk_write_errors"] == 2
     store.close()

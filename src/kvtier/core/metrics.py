@@ -101,6 +101,8 @@ class StoreMetrics(Collector):
                       s.dropped_saves if s else 0)
         yield by("kvtier_corrupt_chunks", "Chunks that failed verification (served as misses).", "tier",
                  {n: t.corrupt_chunks for n, t in all_tiers.items()})
+        yield by("kvtier_write_errors", "Chunk writes that failed in the tier's storage (full or read-only disk).",
+                 "tier", {n: t.write_errors for n, t in all_tiers.items()})
         yield by("kvtier_usage_bytes", "Bytes held, by tier.", "tier",
                  {n: t.used_bytes for n, t in tiers.items()}, GaugeMetricFamily)
         yield by("kvtier_capacity_bytes", "Capacity in bytes, by tier.", "tier",

@@ -126,6 +126,9 @@ class TierStats:
         evictions: chunks evicted from this tier.
         corrupt_chunks: chunks that failed verification (each served as a miss).
         pinned_chunks: chunks held by loads or writes in flight (zero when idle).
+        write_errors: chunk writes that failed in the tier's own storage (a full or read-only disk
+            directory, an I/O error); each such chunk is not stored.  A remote tier's failed writes
+            are in ``wire.skipped_writes``.
         wire: a remote tier's wire numbers (:class:`WireStats`); ``None`` for a local tier.
     """
 
@@ -138,6 +141,7 @@ class TierStats:
     corrupt_chunks: int = 0
     pinned_chunks: int = 0
     wire: WireStats | None = None
+    write_errors: int = 0
 
 
 @dataclass(frozen=True)
@@ -190,6 +194,11 @@ class StoreStats:
     def corrupt_chunks(self) -> int:
         """Chunks that failed verification, all tiers."""
         return sum(t.corrupt_chunks for t in self.tiers.values())
+
+    @property
+    def write_errors(self) -> int:
+        """Chunk writes that failed in a tier's own storage, all tiers."""
+        return sum(t.write_errors for t in self.tiers.values())
 
     @property
     def pinned_chunks(self) -> int:
@@ -300,7 +309,7 @@ class StoreCounters:
         with self._lock:
             merged = {name: TierStats(t.used_bytes, t.capacity_bytes, t.num_chunks, self.lookup_hit_chunks[name],
                                       self.load_hit_chunks[name], self.evictions[name], t.corrupt_chunks,
-                                      t.pinned_chunks, t.wire)
+                                      t.pinned_chunks, t.wire, t.write_errors)
                       for name, t in tiers.items()}
             return StoreStats(chunk_bytes, chunk_tokens, merged, self.lookup_chunks, self.failed_loads,
                               self.dropped_saves, self.saved_chunks, self.flush_missed_chunks,

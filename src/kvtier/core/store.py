@@ -536,7 +536,8 @@ class TieredStore(ChangeFeedMixin):
             pinned = self._pinned_locked()
             all_tiers = {t.name: t for t in (self.cpu, *(lt.tier for lt in self.lower))}
             tiers = {name: TierStats(u.used_bytes, u.capacity_bytes, u.num_chunks, corrupt_chunks=t.corrupt,
-                                     pinned_chunks=pinned.get(name, 0), wire=t.wire_stats())
+                                     pinned_chunks=pinned.get(name, 0), wire=t.wire_stats(),
+                                     write_errors=t.write_errors)
                      for name, t in all_tiers.items() for u in (t.usage(),)}
             return self.counters.snapshot(self.chunk_bytes, self.chunk_tokens, tiers, self.dirty_bytes(),
                                           sum(lt.queue.unfinished_tasks for lt in self.lower))

@@ -100,6 +100,7 @@ class Tier(ABC):
 
     def __init__(self) -> None:
         self.corrupt = 0  # values that failed verification (each also a CORRUPT result)
+        self.write_errors = 0  # chunk writes that failed in the tier's storage (a full or read-only disk...)
 
     @abstractmethod
     def contains(self, key: ChunkKey) -> bool:

@@ -109,8 +109,6 @@ class DiskTier(Tier):
         self._io = ChunkIO(self.io_mode == "direct", slice_bytes, helper_threads(self.io_threads))
         self._workers: ThreadPoolExecutor | None = None
         self._closed = False
-        self.corrupt = 0
-        self.write_errors = 0  # chunk writes that failed (ENOSPC, EIO, a read-only directory...)
         self._write_errors_logged = 0  # write_errors when the last warning line was logged
         self._write_warned_at = -WRITE_WARNING_INTERVAL_S  # time.monotonic() of that line
         self._lock = threading.Lock()

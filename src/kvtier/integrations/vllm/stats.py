@@ -18,6 +18,8 @@ Exported (Prometheus adds ``_total`` to counters; ``tier`` is ``cpu``, ``disk`` 
 - ``kvtier_transfer_seconds_total{direction}`` and ``kvtier_transfer_bytes_total{direction}``,
   ``direction`` = ``load`` (kvtier → engine) or ``save`` (engine → kvtier).
 - ``kvtier_evictions_total{tier}``, ``kvtier_dropped_saves_total``, ``kvtier_corrupt_chunks_total``.
+- ``kvtier_disk_write_errors_total``: chunk writes to the disk tier that failed (a full or
+  read-only directory, an I/O error); those chunks were not stored.
 - ``kvtier_usage_bytes{tier}``, ``kvtier_capacity_bytes{tier}``: summed over ranks.
 - ``kvtier_pinned_chunks{tier}``, ``kvtier_pinned_bytes{tier}``: chunks held by loads or disk
   writes in flight (zero when idle: a leaked pin shows); ``kvtier_dirty_bytes``: bytes in DRAM not
@@ -35,7 +37,7 @@ Exported (Prometheus adds ``_total`` to counters; ``tier`` is ``cpu``, ``disk`` 
   ``kvtier_shared_lookups_pending`` (in flight).
 
 Token counts are reported by tensor-parallel rank 0 only (every rank moves the same tokens);
-bytes, seconds, evictions, dropped saves, corrupt chunks and usage are summed over ranks.
+bytes, seconds, evictions, dropped saves, corrupt chunks, write errors and usage are summed over ranks.
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "evictions_disk": ("kvtier_evictions", "Chunks evicted from a kvtier tier.", ("disk",)),
     "dropped_saves": ("kvtier_dropped_saves", "Chunk saves dropped (no room, or disk queue full).", ()),
     "corrupt_chunks": ("kvtier_corrupt_chunks", "Chunks that failed verification and were recomputed.", ()),
+    "disk_write_errors": ("kvtier_disk_write_errors", ("Chunk writes to the disk tier that failed (full or read-only "
+                          "directory, I/O error); those chunks were not stored."), ()),
     "redis_errors": ("kvtier_redis_errors", "Shared-tier (redis) calls that failed: timeout, connection, server error.",
                      ()),
     "redis_skipped_calls": ("kvtier_redis_skipped_calls", "Shared-tier calls not made: breaker open or queue full.", ()),
@@ -126,6 +130,7 @@ STORE_COUNTERS: dict[str, Callable[[StoreStats], float]] = {
     "evictions_disk": lambda s: s.tier("disk").evictions,
     "dropped_saves": lambda s: s.dropped_saves,
     "corrupt_chunks": lambda s: s.corrupt_chunks,
+    "disk_write_errors": lambda s: s.tier("disk").write_errors,
     "flush_missed_chunks": lambda s: s.flush_missed_chunks,
     "redis_errors": lambda s: _wire(s).total_errors,
     "redis_skipped_calls": lambda s: _wire(s).total_skipped_calls,
