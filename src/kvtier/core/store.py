@@ -20,8 +20,8 @@ outside it on pinned chunks):
   and counted in ``shared_lookups_skipped``.
 - ``prepare_load(chain, max_chunks) -> LoadHandle``: pins the longest available prefix.  Chunks
   found below the top tier are read, verified, and promoted into top-tier pages (hot chunks move
-  up); chunks beyond the local prefix are read from a shared tier, at most ``max_chunks`` in all
-  (pass the count ``lookup_async`` returned).  A chunk that is missing or fails verification ends
+  up; :mod:`kvtier.core.promotion`); chunks beyond the local prefix are read from a shared tier,
+  at most ``max_chunks`` in all (pass the count ``lookup_async`` returned).  A chunk that is missing or fails verification ends
   the prefix.  ``complete_load(handle, success)`` unpins and, only if ``success``, counts hits and
   refreshes recency.  A failed transfer is never a hit; ``cancel_load(handle)`` unpins a load that
   will not happen without counting anything.
@@ -49,7 +49,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -64,9 +63,10 @@ from kvtier.core.lower import LowerTier, WriteJob
 from kvtier.core.metrics import StoreMetrics
 from kvtier.core.policies import make_policy
 from kvtier.core.policies.admission import make_admission
+from kvtier.core.promotion import Promoter, Promotion
 from kvtier.core.shared import SharedLookups
 from kvtier.core.stats import StoreCounters, StoreStats, TierStats
-from kvtier.core.tiers.base import GetResult, StagingTier, Tier
+from kvtier.core.tiers.base import StagingTier, Tier
 from kvtier.core.tiers.registry import TierContext, make_tier
 from kvtier.core.top import TopTier
 
@@ -137,7 +137,8 @@ class TieredStore(ChangeFeedMixin):
         self._through = [lt for lt in self.lower if not lt.write_back]
         self.shared = SharedLookups(self._shared[0], config.shared_deadline_s, config.shared_queue_depth,
                                     self.counters) if self._shared else None
-        self._ahead = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-read-ahead")
+        self.promoter = Promoter(self._lock, self.cpu, self.top, self.counters, chunk_bytes, config.io_threads,
+                                 self._unpin_handle)
         self._closed = False
         self._rescan_stop = threading.Event()
         self._rescanner: threading.Thread | None = None
@@ -210,7 +211,7 @@ class TieredStore(ChangeFeedMixin):
         arrive; ``handle.wait(timeout_s)`` for the end)."""
         limit = len(chain) if max_chunks is None else min(max_chunks, len(chain))
         handle = LoadHandle([], [], [])
-        promote: list[tuple[int, ChunkKey, np.ndarray, bool, LowerTier]] = []  # pos, key, buffer, page?, tier
+        promote: list[Promotion] = []  # chunks to read from lower tiers (kvtier.core.promotion)
         with self._lock:
             for i in range(limit):
                 key = chain[i]
@@ -227,7 +228,7 @@ class TieredStore(ChangeFeedMixin):
                     if lt is None:
                         break
                     lt.pin_locked(key)
-                    buf = self._promotion_buffer_locked(key, promote, i, lt)
+                    buf = self.promoter.buffer_locked(key, promote, i, lt)
                     source = lt.name
                 handle.keys.append(key)
                 handle.buffers.append(buf)
@@ -236,22 +237,11 @@ class TieredStore(ChangeFeedMixin):
         if start < limit and self._shared:
             self._plan_shared_reads(chain, start, limit, max_chunks is None, handle, promote)
         if promote:
-            ahead = promote[self.config.io_threads:] if read_ahead else []
-            self._promote(chain, handle, promote[:len(promote) - len(ahead)])
-            if ahead:
-                self._read_ahead(chain, handle, ahead)
+            self.promoter.run(chain, handle, promote, read_ahead)
         return handle
 
-    def _promotion_buffer_locked(self, key: ChunkKey, promote: list[tuple[int, ChunkKey, np.ndarray, bool,
-                                 LowerTier]], pos: int, lt: LowerTier) -> np.ndarray:
-        page = self.cpu.reserve(key) if self.top.free_page() else None
-        buf = page if page is not None else np.empty(self.chunk_bytes, dtype=np.uint8)
-        promote.append((pos, key, buf, page is not None, lt))
-        return buf
-
     def _plan_shared_reads(self, chain: Sequence[ChunkKey], start: int, limit: int, unbounded: bool,
-                           handle: LoadHandle, promote: list[tuple[int, ChunkKey, np.ndarray, bool,
-                                                                   LowerTier]]) -> None:
+                           handle: LoadHandle, promote: list[Promotion]) -> None:
         """Queue reads of ``chain[start:limit]`` from the first shared tier (checked first if ``unbounded``)."""
         lt = self._shared[0]
         want = list(chain[start:limit])
@@ -260,89 +250,8 @@ class TieredStore(ChangeFeedMixin):
         with self._lock:
             for offset, key in enumerate(want):
                 handle.keys.append(key)
-                handle.buffers.append(self._promotion_buffer_locked(key, promote, start + offset, lt))
+                handle.buffers.append(self.promoter.buffer_locked(key, promote, start + offset, lt))
                 handle.tiers.append(lt.name)
-
-    def _promote(self, chain: Sequence[ChunkKey], handle: LoadHandle,
-                 promote: list[tuple[int, ChunkKey, np.ndarray, bool, LowerTier]]) -> None:
-        results: list[GetResult] = []
-        for lt in dict.fromkeys(job[4] for job in promote):  # one batch per tier, in tier order
-            jobs = [job for job in promote if job[4] is lt]
-            t0 = time.perf_counter()
-            got = lt.read([job[1] for job in jobs], [job[2] for job in jobs])
-            seconds = time.perf_counter() - t0
-            results.extend(got)
-            self.counters.moved(f"{lt.name}_to_cpu", sum(1 for r in got if r) * self.chunk_bytes, seconds)
-        failed = [pos for (pos, *_rest), res in zip(promote, results) if not res]
-        cut = min(failed) if failed else None  # handle position == chain position (a prefix)
-        with self._lock:
-            for (pos, key, _buf, reserved, lt), res in zip(promote, results):
-                if not lt.shared:
-                    lt.unpin_locked(key)
-                if res is GetResult.CORRUPT:  # counted by the tier (Tier.corrupt)
-                    lt.forget_locked(key)  # also tells the change feed
-                if cut is not None and pos >= cut:
-                    if reserved:
-                        self.cpu.abort(key)
-                    continue
-                if reserved:
-                    self.top.publish(key, chain[pos - 1] if pos > 0 else None)
-                    self.top.pin(key)
-                    handle.pinned.append(key)
-            if cut is not None:  # everything from the first unusable chunk on is dropped
-                for key in handle.keys[cut:]:
-                    if key in handle.pinned:
-                        handle.pinned.remove(key)
-                        self.top.unpin(key)
-                del handle.keys[cut:], handle.buffers[cut:], handle.tiers[cut:]
-
-    def _read_ahead(self, chain: Sequence[ChunkKey], handle: LoadHandle,
-                    ahead: list[tuple[int, ChunkKey, np.ndarray, bool, LowerTier]]) -> None:
-        """Promote ``ahead`` in the background; if the prefix already ended before it, give back its pins and pages."""
-        if handle.num_chunks > ahead[0][0]:
-            handle.ahead_from = ahead[0][0]
-            handle.reading_ahead = True
-            try:
-                handle.pending = self._ahead.submit(self._promote_ahead, chain, handle, ahead)
-            except RuntimeError:  # closed: read here
-                self._promote_ahead(chain, handle, ahead)
-            return
-        self._give_back(ahead)
-
-    def _give_back(self, jobs: list[tuple[int, ChunkKey, np.ndarray, bool, LowerTier]]) -> None:
-        """Promotions that will not be read: unpin their lower-tier chunks, release their reserved pages."""
-        with self._lock:
-            for _pos, key, _buf, reserved, lt in jobs:
-                if not lt.shared:
-                    lt.unpin_locked(key)
-                if reserved:
-                    self.cpu.abort(key)
-
-    def _promote_ahead(self, chain: Sequence[ChunkKey], handle: LoadHandle,
-                       ahead: list[tuple[int, ChunkKey, np.ndarray, bool, LowerTier]]) -> None:
-        """Read ``ahead`` in batches of ``io_threads`` chunks, advancing ``handle.ahead_from`` (what
-        :meth:`LoadHandle.ready_chunks` reports) after each, so a caller copies while the rest is read.
-        Chunks of a shared tier stay in one batch (one pipelined round trip)."""
-        try:
-            i = 0
-            while i < len(ahead):
-                if ahead[i][4].shared:
-                    end = next((j for j in range(i, len(ahead)) if not ahead[j][4].shared), len(ahead))
-                else:
-                    end = min(i + self.config.io_threads, len(ahead))
-                batch, i = ahead[i:end], end
-                if handle.num_chunks > batch[0][0]:
-                    self._promote(chain, handle, batch)
-                else:  # the prefix ended in an earlier batch (a chunk failed): give this one's pins and pages back
-                    self._give_back(batch)
-                with self._lock:
-                    handle.ahead_from = min(batch[-1][0] + 1, handle.num_chunks)
-        finally:
-            with self._lock:
-                handle.reading_ahead = False
-                refresh = handle.release_after_read
-            if refresh is not None:  # released while the reads ran: unpin now
-                self._unpin_handle(handle, refresh)
 
     def complete_load(self, handle: LoadHandle, success: bool, first_chunk: int = 0) -> None:
         """Unpin a load's chunks; count hits only if ``success``.  Idempotent.
@@ -490,7 +399,7 @@ class TieredStore(ChangeFeedMixin):
         if self._rescanner is not None:
             self._rescanner.join(timeout=timeout_s)
         self.flush(timeout_s)
-        self._ahead.shutdown(wait=True)
+        self.promoter.close()
         for lt in self.lower:
             lt.close()
         self.cpu.close()
