@@ -160,6 +160,7 @@ def test_local_redis_starts_answers_deletes_one_prefix_and_stops(tmp_path: Path)
 @pytest.mark.parametrize(("args", "message"), [
     (["--replicas", "0"], "--replicas 0 must be at least 1"),
     (["--replicas", "100000"], "--replicas 100000 is more than the"),
+    (["--replicas", "2", "--memory-fraction", "0.5"], "--replicas 2 x --memory-fraction 0.5 would reserve 100%"),
     (["--arms", "kvtier,kvtier-redis"], "the kvtier-redis arm needs --redis"),
     (["--arms", "kvtier", "--redis", "auto"], "--redis is used by the kvtier-redis arm only"),
     (["--arms", "kvtier-redis", "--redis", "http://127.0.0.1:6379"], "must be 'auto' or a redis:// or rediss:// URL"),

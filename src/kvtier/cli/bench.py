@@ -103,6 +103,11 @@ def _build(knobs: Any, vocab_size: int | None, model: str, max_model_len: int | 
         fail(str(exc))
 
 
+MAX_RAM_SHARE = 0.9
+"""Share of RAM all replicas of one arm may reserve together (``--replicas`` x ``--memory-fraction``):
+the rest is for kvtier's own tiers, the client and the OS."""
+
+
 def _served_model(url: str) -> tuple[str, int | None]:
     import httpx
 
@@ -215,6 +220,10 @@ def compare_command(
     if replicas > cores:  # every replica is a whole vLLM server, started at once
         fail(f"--replicas {replicas} is more than the {cores} CPU cores of this host, which run every replica's "
              f"vLLM server at once; use at most {cores}")
+    if replicas * memory_fraction > MAX_RAM_SHARE:  # the CPU backend reserves its share of RAM per server
+        fail(f"--replicas {replicas} x --memory-fraction {memory_fraction:g} would reserve "
+             f"{replicas * memory_fraction:.0%} of this host's RAM at once; keep the product at most "
+             f"{MAX_RAM_SHARE:g} (lower --memory-fraction or --replicas)")
     if ("kvtier-redis" in names) != (redis is not None):
         fail("the kvtier-redis arm needs --redis auto (or --redis redis://HOST:PORT/DB)" if redis is None else
              "--redis is used by the kvtier-redis arm only; add kvtier-redis to --arms")
