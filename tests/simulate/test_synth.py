@@ -62,10 +62,18 @@ def test_stats_command_and_bad_parameters(tmp_path):
     result = CliRunner().invoke(app, ["trace", "stats", "--trace", str(path)])
     assert result.exit_code == 0 and "regime: cycling" in result.output
     for sets, message in ((["think_median_s=abc"], "must be float"), (["bogus=1"], "no parameter 'bogus'"),
-                          (["single_turn_share=2"], "between 0 and 1"), (["mean_turns=1"], ">= 2"),
-                          (["novalue"], "NAME=VALUE")):
+                          (["single_turn_share=2"], "between 0 and 1"), (["mean_turns=1"], "at least 2"),
+                          (["novalue"], "NAME=VALUE"), (["think_sigma=1e308"], "at most 4, got 1e+308"),
+                          (["mean_turns=inf"], "at most 1,000, got inf"), (["think_median_s=nan"], "got nan"),
+                          (["user_median_tokens=1e12"], "chat must be positive and at most 1,000,000")):
         args = ["trace", "synth", "--regime", "chat", "--out", str(tmp_path / "x.jsonl")]
         result = CliRunner().invoke(app, args + [a for s in sets for a in ("--set", s)])
         assert result.exit_code == 2 and message in result.output, result.output
     with pytest.raises(SynthError, match="unknown regime"):
         make_params("video", {})
+    with pytest.raises(SynthError, match="1,000,000 tokens .125,000 blocks of 8.* bound of 65,536 blocks per prompt"):
+        generate("chat", make_params("chat", {"system_tokens": "1000000"}), 10, 0, 8)
+    with pytest.raises(SynthError, match="more than 20,000,000 block ids"):  # bounded memory, not an OOM
+        generate("cycle", make_params("cycle", {"prompt_tokens": "1000000", "prompts": "10"}), 10_000, 0, 16)
+    result = CliRunner().invoke(app, ["trace", "stats", "--trace", str(path), "--tokens-per-block", "0"])
+    assert result.exit_code == 2 and "--tokens-per-block must be a positive integer, got 0" in result.output

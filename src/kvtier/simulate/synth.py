@@ -38,6 +38,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+MAX_PROMPT_BLOCKS = 65_536
+"""Most blocks in one generated prompt (32 Mi tokens at 512 tokens a block: past every model's context)."""
+MAX_TRACE_BLOCKS = 20_000_000
+"""Most block ids in one generated trace (about 0.7 GiB of memory while it is built)."""
+
 
 @dataclass(frozen=True)
 class Record:
@@ -63,6 +68,7 @@ class _Blocks:
         :meth:`extend`).  Block ``i`` gets an id keyed by ``(prefix, i, filled tokens)``."""
         out = []
         b = self.block_tokens
+        _check_prompt_blocks(math.ceil(num_tokens / b), num_tokens, b)
         for i in range(math.ceil(num_tokens / b)):
             filled = min(b, num_tokens - i * b)
             key = (prefix, i * b + filled)
@@ -88,6 +94,7 @@ class _Prompt:
         """Append ``tokens`` tokens of new content; returns the prompt's ids (last may be partial)."""
         b = self._blocks.block_tokens
         self.tokens += tokens
+        _check_prompt_blocks(math.ceil(self.tokens / b), self.tokens, b)
         while len(self.full) < self.tokens // b:
             self.full.append(self._fresh())
         tail = (self._fresh(),) if self.tokens % b else ()
@@ -97,6 +104,13 @@ class _Prompt:
         blocks = self._blocks
         blocks._next += 1
         return blocks._next - 1
+
+
+def _check_prompt_blocks(num_blocks: int, num_tokens: int, block_tokens: int) -> None:
+    if num_blocks > MAX_PROMPT_BLOCKS:
+        raise SynthError(f"a generated prompt reached {num_tokens:,} tokens ({num_blocks:,} blocks of {block_tokens}), "
+                         f"over the generator's bound of {MAX_PROMPT_BLOCKS:,} blocks per prompt; lower the *_tokens "
+                         "parameters (or mean_turns / mean_steps), or raise --block-tokens")
 
 
 def _lognormal(rng: random.Random, median: float, sigma: float, low: float = 1.0) -> float:
@@ -253,11 +267,35 @@ def make_params(regime: str, overrides: dict[str, str]) -> Any:
     params = cls(**values)
     for name in fields:
         value = getattr(params, name)
-        share = name.endswith("share") or name == "jitter"
-        if not (0 <= value <= 1 if share else value > 0) or (name == "mean_turns" and value < 2):
-            rule = "between 0 and 1" if share else (">= 2" if name == "mean_turns" else "positive")
+        high = _maximum(name)
+        most = f"{int(high):,}" if float(high).is_integer() else f"{high:g}"
+        if name.endswith("share") or name == "jitter":
+            ok, rule = 0 <= value <= 1, "between 0 and 1"
+        elif name == "mean_turns":
+            ok, rule = 2 <= value <= high, f"at least 2 and at most {most}"
+        else:
+            ok, rule = 0 < value <= high, f"positive and at most {most}"
+        if not ok:  # NaN fails every comparison, infinity the upper bound
             raise SynthError(f"parameter {name} of regime {regime} must be {rule}, got {value}")
     return params
+
+
+def _maximum(name: str) -> float:
+    """Largest accepted value of parameter ``name``: far past any real traffic, small enough that a
+    typo cannot make the generator run for hours or fill the memory."""
+    if name.endswith("_tokens"):
+        return 1_000_000
+    if name.endswith("sigma"):
+        return 4.0
+    if name == "zipf_s":
+        return 10.0
+    if name == "rate_per_s":
+        return 100_000.0
+    if name.endswith("_s"):  # think and tool times
+        return 30 * 86_400.0
+    if name in ("mean_turns", "mean_steps"):
+        return 1_000.0
+    return 1_000_000  # counts: system prompts, agents, documents, templates, hot prompts, prompts
 
 
 def generate(regime: str, params: Any, num_requests: int, seed: int, block_tokens: int = 512) -> list[Record]:
@@ -274,8 +312,14 @@ def generate(regime: str, params: Any, num_requests: int, seed: int, block_token
     blocks = _Blocks(block_tokens)
     stream: Any = {"chat": _chat, "agent": _agent, "rag": _rag, "batch": _batch, "cycle": _cycle}[regime]
     out = []
+    num_ids = 0
     for record in stream(params, rng, blocks):
         out.append(record)
+        num_ids += len(record.hash_ids)
+        if num_ids > MAX_TRACE_BLOCKS:
+            raise SynthError(f"the trace would hold more than {MAX_TRACE_BLOCKS:,} block ids after {len(out):,} of "
+                             f"{num_requests:,} requests; lower --requests or the *_tokens parameters, or raise "
+                             "--block-tokens")
         if len(out) == num_requests:
             break
     return out

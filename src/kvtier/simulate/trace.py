@@ -85,10 +85,13 @@ def read_trace(path: str | Path, fmt: str = "mooncake", block_tokens: int | None
             their own ``chunk_tokens`` and this, if given, must match it.
 
     Raises:
-        TraceError: missing/unreadable file, malformed line, unknown format, empty trace.
+        TraceError: missing/unreadable file, malformed line, unknown format, empty trace,
+            ``block_tokens`` not positive.
     """
+    if block_tokens is not None and block_tokens <= 0:
+        raise TraceError(f"--tokens-per-block must be a positive integer, got {block_tokens}")
     if fmt == "mooncake":
-        return _read_mooncake(Path(path), block_tokens or MOONCAKE_BLOCK_TOKENS)
+        return _read_mooncake(Path(path), block_tokens if block_tokens is not None else MOONCAKE_BLOCK_TOKENS)
     if fmt == "kvtier-jsonl":
         return _read(path, _KVTierParser(block_tokens))
     raise TraceError(f"unknown trace format {fmt!r}; use one of {', '.join(FORMATS)}")
