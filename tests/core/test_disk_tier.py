@@ -412,3 +412,82 @@ def test_auto_keeps_direct_unless_clearly_slower_in_every_round(tmp_path, monkey
     chosen, why = iomode.measure_direct(tmp_path)
     assert chosen is direct and why.endswith("direct" if direct else "buffered")
     assert "50/" in why and next(script, None) is None  # every round ran and is reported
+
+
+# ---- a full or read-only filesystem (a tier sized to the free space fills it by design) -----------
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A fresh 8 MiB tmpfs, unmounted after the test."""
+    import subprocess
+
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], check=False, capture_output=True,
+                             text=True, timeout=30)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip()}); run as root")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False, capture_output=True, timeout=30)
+
+
+def fill(directory, leave_bytes):
+    """Write a file into ``directory`` until at most ``leave_bytes`` of its filesystem are free."""
+    path = directory / f"filler-{leave_bytes}"
+    with open(path, "wb") as f:
+        while True:
+            free = os.statvfs(directory).f_bavail * os.statvfs(directory).f_frsize
+            if free <= leave_bytes:
+                return path
+            try:
+                f.write(b"\0" * min(free - leave_bytes, 1 << 20))
+                f.flush()
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC
+                return path
+
+
+def test_a_full_filesystem_never_stops_the_tier_from_starting(small_filesystem, monkeypatch):
+    monkeypatch.setattr(iomode, "_measured", {})
+    filler = fill(small_filesystem, 1 << 20)  # room for chunks, not for the 16 MiB timing probe
+    tier = DiskTier(small_filesystem / "a", NS, capacity_bytes=100 * CHUNK, io="auto")
+    assert "could not write (No space left on device)" in tier.io_reason or "refuses O_DIRECT" in tier.io_reason
+    assert tier.put(key(1), data(1)) and read(tier, 1) == data(1)
+    iomode._measured.clear()
+    rest = fill(small_filesystem, 0)  # not one free block: even the 4 KiB O_DIRECT test fails
+    full = DiskTier(small_filesystem / "b", NS, capacity_bytes=100 * CHUNK, io="auto")
+    assert full.io_mode == "buffered" and "could not write (No space left on device)" in full.io_reason
+    assert full.put(key(2), data(2)) == PutResult.FAILED and full.write_errors == 1
+    filler.unlink()
+    rest.unlink()
+    assert full.put(key(2), data(2)) == PutResult.STORED and read(full, 2) == data(2)
+    tier.close()
+    full.close()
+
+
+def test_a_read_only_filesystem_fails_writes_with_one_throttled_line(small_filesystem, caplog):
+    import subprocess
+
+    tier = DiskTier(small_filesystem / "a", NS, capacity_bytes=100 * CHUNK, io="buffered")
+    assert tier.put(key(1), data(1))
+    subprocess.run(["mount", "-o", "remount,ro", str(small_filesystem)], check=True, timeout=30)
+    try:
+        for i in range(2, 12):
+            assert tier.put(key(i), data(i)) == PutResult.FAILED
+        assert tier.write_errors == 10 and read(tier, 1) == data(1)
+        assert caplog.text.count("chunk not stored") == 1 and "cannot remove" not in caplog.text
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(small_filesystem)], check=True, timeout=30)
+    tier.close()
+
+
+def test_a_config_on_a_filesystem_full_of_its_own_chunk_files_is_accepted(small_filesystem):
+    from kvtier.core.config import KVTierConfig
+    from kvtier.core.errors import ConfigError
+
+    ours = small_filesystem / "kv"
+    ours.mkdir()
+    fill(ours, 0)  # what the directory holds is the tier's to evict
+    KVTierConfig.from_dict({"disk_path": str(ours), "disk_gib": 0.007})
+    assert not [p for p in ours.iterdir() if p.name.startswith(".kvtier-write-probe")]
+    with pytest.raises(ConfigError, match="exceeds the 0.0 GiB free"):
+        KVTierConfig.from_dict({"disk_path": str(small_filesystem / "other"), "disk_gib": 0.007})

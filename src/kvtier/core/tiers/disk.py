@@ -267,7 +267,8 @@ class DiskTier(Tier):
                 self._write_file(key, tmp, payload)
             os.replace(tmp, path)
         except OSError as exc:
-            _unlink(tmp)
+            if os.path.lexists(tmp):  # not when the open failed (a read-only filesystem answers EROFS, not ENOENT)
+                _unlink(tmp)
             with self._lock:
                 self._writing.discard(key)
                 self._forget(key)
@@ -451,9 +452,23 @@ def from_config(ctx: TierContext) -> DiskTier | None:
 
 
 def _resolve_io(io: IOMode, directory: Path) -> tuple[str, str]:
-    """(``"direct"`` or ``"buffered"``, why) for the configured mode ``io`` on ``directory``."""
+    """(``"direct"`` or ``"buffered"``, why) for the configured mode ``io`` on ``directory``.
+
+    A probe that cannot write at all (a full filesystem: a tier sized to the free space fills it
+    by design, so a restart finds it full; an I/O error) never stops the engine: buffered I/O works
+    wherever writing does, and the tier's own evictions make room again.
+    """
     if io == "buffered":
         return "buffered", "configured"
+    try:
+        return _probe_io(io, directory)
+    except OSError as exc:
+        log.warning("kvtier disk tier: could not test O_DIRECT in %s (%s); using buffered I/O until the next start",
+                    directory, exc.strerror)
+        return "buffered", f"{io}: the O_DIRECT probe could not write ({exc.strerror})"
+
+
+def _probe_io(io: IOMode, directory: Path) -> tuple[str, str]:
     if io == "direct":
         if direct_supported(directory):
             return "direct", "configured"
