@@ -1,6 +1,5 @@
 """On the bundled Mooncake trace (the report in docs/simulate.md): Belady bounds every policy and
-the default never falls more than 0.2 point of token hit ratio below the stronger LRU (issue 12's
-floor), at a small, the widest-gap and a large capacity."""
+the default never falls below the stronger LRU, at a small, the widest-gap and a large capacity."""
 
 from importlib import resources
 
@@ -16,7 +15,7 @@ def test_default_never_below_lru_and_belady_on_top():
     spec = SweepSpec(CHUNK_BYTES, 40.0, (64.0, 256.0, 2048.0), 0.0, ("lru", "lru-tail", "default", "belady"))
     result = run_sweep(trace, spec, workers=2)
     for gap in belady_gaps(result, "default"):
-        assert gap.lru - 0.002 <= gap.policy <= gap.belady, gap
+        assert gap.lru <= gap.policy <= gap.belady, gap
     hits = {(r.policy, r.cpu_gib): r.token_hit_ratio for r in result.rows}
     assert hits["default", 256.0] > 1.5 * hits["lru", 256.0]  # quarantine pays where LRU thrashes
     assert all(hits["belady", gib] >= hits[name, gib] for name, gib in hits)

@@ -16,8 +16,8 @@ construction with SHARDS", FAST 2015): a key is sampled when a hash of it falls 
 keys only (keys and a few integers, no KV) and counts its hits; the hit counts decay by half
 every ``DECAY`` shadow-sizes of sampled accesses.  The real tier uses the ordering whose shadow
 leads beyond noise (``MARGIN``, ``SIGNIFICANCE``: a paired sign test on the accesses where the
-two shadows disagree); it starts in ``START_MODE`` (below).  The orderings (``MODES``), as a
-rank per chunk, lowest evicted first, ties to the deeper chunk (tail first):
+two shadows disagree; LRU until one leads).  The orderings (``MODES``), as a rank per chunk,
+lowest evicted first, ties to the deeper chunk (tail first):
 
 - ``lru``: time of last use.
 - ``quarantine``: time of last use, minus ``QUARANTINE × n`` if the chunk was never used before
@@ -36,16 +36,6 @@ rank per chunk, lowest evicted first, ties to the deeper chunk (tail first):
   kept as exact counts of keys rather than a count-min sketch).  It keeps a hot set whose
   members return after more tier-sizes than the other orderings remember (a batch job's hot
   prompts among scan-once documents).
-
-Start.  Until the shadows disagree there is no evidence, yet the start decides what the tier
-holds when they begin to: a hot set returning after more tier-sizes than ``quarantine``
-remembers is only kept by an ordering that counted its earlier uses.  Batch, hot share 0.1, 2 %
-(docs/simulate.md): the shadows first disagree 25 % into the trace; moving from LRU to
-``frequency`` at that access closes 35.3 % of the LRU→Belady gap, at the first three-sigma lead
-31.2 %, starting in it 37.0 %.  So the tier starts in ``frequency`` and leaves it, without a
-margin, for ``lru`` on a one-sigma lead (``EXIT_SIGNIFICANCE``: where LRU is right, reuse within
-a few tier-sizes, that shows within a few tier-sizes; a false exit only returns to the previous
-default's start), for another ordering on a three-sigma one.  Then MARGIN and SIGNIFICANCE.
 
 The prefix constraint holds in every mode: a chunk with resident children is never the victim
 (leaves first, as radix-tree caches: SGLang, NeurIPS 2024).  Shadows ignore it (their sampled
@@ -81,10 +71,6 @@ FREQUENCY_HISTORY = 128.0
 """``frequency`` counts uses over this many tier-sizes of keys, at least half as many (keys only)."""
 HISTORY = 32.0
 """Use counts are remembered for this many tier-sizes of keys, at least half as many (keys only)."""
-START_MODE = "frequency"
-"""The ordering a tier uses until its shadows first show a lead (see "Start" above)."""
-EXIT_SIGNIFICANCE = 1.0
-"""Leaving START_MODE: for ``lru`` a one-sigma lead suffices, for others SIGNIFICANCE; no MARGIN."""
 SHADOW_KEYS = 2048
 """Sampled keys per shadow, at most."""
 DECAY = 8.0
@@ -215,7 +201,7 @@ class AdaptivePolicy(EvictionPolicy):
         self._old_uses: dict[Any, tuple[int, int]] = {}
         self._long_uses: dict[Any, int] = {}  # key -> uses, over FREQUENCY_HISTORY
         self._old_long_uses: dict[Any, int] = {}
-        self._mode = MODES.index(START_MODE)
+        self._mode = 0
         self._scale = 1
         self._stale = False
         self._run: tuple[Any, int] = (None, 0)
@@ -385,11 +371,7 @@ class AdaptivePolicy(EvictionPolicy):
         current = shadows[mode].hits
         lead = top - current
         discordant = wins[best][mode] + wins[mode][best]
-        if self.switches:
-            switch = lead > MARGIN * current and lead * lead > SIGNIFICANCE * discordant
-        else:  # still in START_MODE: no margin, and one sigma suffices to fall back to lru
-            switch = lead * lead > (EXIT_SIGNIFICANCE if best == 0 else SIGNIFICANCE) * discordant
-        if switch:
+        if lead > MARGIN * current and lead * lead > SIGNIFICANCE * discordant:
             self._mode = best
             self._stale = True
             self.switches += 1
