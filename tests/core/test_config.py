@@ -35,6 +35,7 @@ def test_yaml(tmp_path):
 
 @pytest.mark.parametrize("values,needle", [
     ({"cpu_gib": -1}, "cpu_gib"),
+    ({"cpu_gib": 0}, "must be above 0: every chunk passes through the cpu tier"),
     ({"chunk_tokens": 0}, "chunk_tokens"),
     ({"policy": "nope"}, "policy"),
     ({"write_mode": "sometimes"}, "write_mode"),

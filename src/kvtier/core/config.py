@@ -40,7 +40,8 @@ class KVTierConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVTIER_", extra="forbid", frozen=True)
 
     chunk_tokens: int = Field(128, gt=0, description="Tokens per chunk; a multiple of the engine's block size.")
-    cpu_gib: float = Field(4.0, ge=0, allow_inf_nan=False, description="CPU DRAM tier size in GiB, total across TP ranks.")
+    cpu_gib: float = Field(4.0, ge=0, allow_inf_nan=False, description=(
+        "CPU DRAM tier size in GiB, total across TP ranks; above 0: every chunk passes through the cpu tier."))
     disk_path: str | None = Field(None, description="Directory of the disk tier (local NVMe); unset = no disk tier.")
     disk_gib: float = Field(0.0, ge=0, allow_inf_nan=False, description="Disk tier size in GiB, total across TP ranks.")
     write_mode: Literal["write-back", "write-through"] = Field(
@@ -91,6 +92,14 @@ class KVTierConfig(BaseSettings):
     redis_breaker_failures: int = Field(3, gt=0, description="Failed calls in a row that open the circuit breaker.")
     redis_breaker_probe_s: float = Field(2.0, gt=0, le=3600, allow_inf_nan=False,
                                          description="Seconds between probes while the breaker is open.")
+
+    @field_validator("cpu_gib")
+    @classmethod
+    def _cpu_tier_present(cls, value: float) -> float:
+        if value == 0:
+            raise ValueError("must be above 0: every chunk passes through the cpu tier, also on its way to disk or "
+                             "Redis; give it room for hundreds of chunks, e.g. 4")
+        return value
 
     @field_validator("policy")
     @classmethod
