@@ -1,6 +1,6 @@
 """A small real HTTP server streaming completions in vLLM's SSE format, for client failure tests.
 
-Run: ``python sse_server.py PORT [--die-on N] [--hang-on N] [--gap S]``.  Each POST to
+Run: ``python sse_server.py PORT [--die-on N] [--hang-on N] [--gap S] [--reject-first N] [--trickle PATH]``.  Each POST to
 ``/v1/completions`` streams ``max_tokens`` chunks ``gap`` seconds apart, each carrying the running
 ``usage.completion_tokens`` as vLLM does with ``continuous_usage_stats``.  Request number N
 (1-based) makes the process exit mid-stream (``--die-on``) or go silent (``--hang-on``): the two
@@ -10,7 +10,11 @@ client's concurrency bound is checked against), and vLLM's two prefix-cache coun
 (``vllm:prefix_cache_queries``: prompt tokens received; ``vllm:prefix_cache_hits``: per prompt, the
 longest prefix it shares with an earlier prompt sent to this process, at most all but its last
 token) so that a client spreading requests over several of these servers can check which server
-saw what.  Not a vLLM stand-in for anything else.
+saw what.  ``--reject-first N``: the first N completions are answered HTTP 400 with vLLM's error body
+(``{"error": {"message": ..., "type": "BadRequestError", ...}}``), as vLLM answers token ids beyond
+its vocabulary.  ``--trickle PATH`` (repeatable): that path answers 200 with a 100 MB
+``Content-Length`` and then one byte every 0.2 s, a half-dead server or wedged proxy that every
+per-read timeout lets through.  Not a vLLM stand-in for anything else.
 """
 
 import argparse
@@ -42,6 +46,8 @@ def main() -> None:
     parser.add_argument("--die-on", type=int, default=0)
     parser.add_argument("--hang-on", type=int, default=0)
     parser.add_argument("--gap", type=float, default=0.02)
+    parser.add_argument("--reject-first", type=int, default=0)
+    parser.add_argument("--trickle", action="append", default=[])
     args = parser.parse_args()
 
     class Handler(BaseHTTPRequestHandler):
@@ -50,7 +56,21 @@ def main() -> None:
         def log_message(self, *a):  # quiet
             pass
 
+        def trickle(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", "100000000")
+            self.end_headers()
+            try:
+                while True:
+                    self.wfile.write(b"#")
+                    self.wfile.flush()
+                    time.sleep(0.2)
+            except OSError:  # the client gave up
+                self.close_connection = True
+
         def do_GET(self):
+            if self.path in args.trickle:
+                return self.trickle()
             pages = {"/health": b"ok", "/v1/models": json.dumps({"data": [{"id": "m", "max_model_len": 4096}]}).encode(),
                      "/metrics": (f"# TYPE sse_max_in_flight gauge\nsse_max_in_flight {IN_FLIGHT[1]}\n"
                                   "# TYPE vllm:prefix_cache_queries counter\n"
@@ -65,9 +85,21 @@ def main() -> None:
 
         def do_POST(self):
             payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self.path in args.trickle:
+                return self.trickle()
             with LOCK:
                 COUNT[0] += 1
                 number = COUNT[0]
+            if number <= args.reject_first:
+                body = json.dumps({"error": {"message": f"Token id {max(payload['prompt'])} is out of vocabulary",
+                                             "type": "BadRequestError", "param": None, "code": 400}}).encode()
+                self.send_response(400)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return None
+            with LOCK:
                 prompt_ids = list(payload["prompt"])
                 hit = max((shared_prefix(prompt_ids, seen) for seen in SEEN), default=0)
                 COUNTERS["queries"] += len(prompt_ids)

@@ -4,7 +4,6 @@ import itertools
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -14,26 +13,8 @@ from kvtier.bench.multi_round import multi_round_workload
 from kvtier.bench.prefix_repetition import prefix_repetition_workload
 from kvtier.bench.results import NOT_SENT
 from kvtier.bench.workload import TokenSpace
-from kvtier.integrations.vllm.serve import free_port
 
 TOKENS = TokenSpace(seed=0, low=10, high=500)
-
-
-@pytest.fixture()
-def server(request):
-    port = free_port()
-    args = getattr(request, "param", [])
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("sse_server.py")), str(port), *args])
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(100):
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    yield proc, url
-    proc.kill()
-    proc.wait()
 
 
 def exit_reason(proc):

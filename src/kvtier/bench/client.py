@@ -15,7 +15,8 @@ Scheduling: requests of one session go one after another (``think_time_s`` after
 finished); every chain waits for its request's ``arrival_s``; at most ``max_concurrency`` requests
 are in flight.  ``should_stop`` is polled twice a second: when it returns a reason (the engine
 process died), in-flight requests are cancelled and recorded as failed, unsent ones as not sent.
-A request that receives nothing for ``stall_timeout_s`` fails as a stall; with
+A request that receives no new completion token for ``stall_timeout_s`` (bytes without a token,
+e.g. a server or proxy that trickles, do not count) fails as a stall; with
 ``abort_on_stall`` the run stops there (the engine is taken as hung).
 """
 
@@ -42,7 +43,8 @@ class ClientOptions:
         base_url: server root, e.g. ``http://127.0.0.1:8000``.
         model: the served model name (``/v1/models``).
         max_concurrency: requests in flight at most; ``None`` = unlimited.
-        stall_timeout_s: seconds without a byte from the server before a request fails.
+        stall_timeout_s: seconds without a new completion token before a request fails (an
+            error answer's body is read within the same deadline).
         abort_on_stall: stop the whole run at the first stalled request.
         progress: draw a rich progress bar.
         replica_urls: server roots to spread the requests over round robin (see the module
@@ -73,9 +75,47 @@ def _payload(request: BenchRequest, model: str) -> dict[str, object]:
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
 
 
+MAX_REASON_CHARS = 200
+"""Longest server message kept in a failed request's reason (characters)."""
+
+_ERROR_BODY_BYTES = 4096
+"""Bytes of a non-200 answer read for its message (the rest is not waited for)."""
+
+
+def server_message(body: str) -> str:
+    """The message of a server's error answer, at most MAX_REASON_CHARS characters: the
+    ``message`` of an OpenAI-style ``{"error": {"message": ...}}`` (or vLLM's older
+    ``{"object": "error", "message": ...}``), else the text itself."""
+    text = body.strip()
+    with contextlib.suppress(ValueError, TypeError, AttributeError):
+        parsed = json.loads(text)
+        inner = parsed.get("error", parsed) if isinstance(parsed, dict) else parsed
+        if isinstance(inner, dict) and isinstance(inner.get("message"), str):
+            text = inner["message"]
+        elif isinstance(inner, str):
+            text = inner
+    text = " ".join(text.split())
+    return text if len(text) <= MAX_REASON_CHARS else text[:MAX_REASON_CHARS - 3] + "..."
+
+
+async def _error_body(response: httpx.Response) -> str:
+    """The start of a non-200 answer's body (at most _ERROR_BODY_BYTES; the caller's deadline
+    bounds the wait)."""
+    body = bytearray()
+    async for chunk in response.aiter_bytes():
+        body += chunk
+        if len(body) >= _ERROR_BODY_BYTES:
+            break
+    return bytes(body[:_ERROR_BODY_BYTES]).decode("utf-8", "replace")
+
+
 async def _send(client: httpx.AsyncClient, request: BenchRequest, options: ClientOptions,
                 t_run: float, replica: int = 0) -> RequestResult:
-    """Send one request and time its stream; never raises for server-side failures."""
+    """Send one request and time its stream; never raises for server-side failures.
+
+    The stall deadline is progress, not bytes: the request fails as a stall when no new
+    completion token arrived for ``stall_timeout_s`` (counted from the send, then from each
+    token), so a server that trickles bytes without tokens cannot hold it."""
     t0 = time.perf_counter()
     start_s = t0 - t_run
     ttft: float | None = None
@@ -83,46 +123,48 @@ async def _send(client: httpx.AsyncClient, request: BenchRequest, options: Clien
     tokens = 0
     done = False
     gaps: list[float] = []
+    loop = asyncio.get_running_loop()
 
     def failed(error: str) -> RequestResult:
         return RequestResult(request.request_id, request.prompt_len, tokens, start_s, ttft, None, tuple(gaps), error,
                              replica)
 
     try:
-        async with client.stream("POST", "/v1/completions", json=_payload(request, options.model)) as response:
-            if response.status_code != 200:
-                body = (await response.aread()).decode("utf-8", "replace")[:300]
-                return failed(f"HTTP {response.status_code}: {body}")
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    return failed(f"server error: {chunk['error']}")
-                usage = chunk.get("usage") or {}
-                choices = chunk.get("choices") or []
-                if "completion_tokens" in usage:
-                    count = int(usage["completion_tokens"])
-                else:  # a server without continuous usage: one token per choice chunk
-                    count = tokens + (1 if choices else 0)
-                new = count - tokens
-                if new <= 0:
-                    continue
-                now = time.perf_counter()
-                if ttft is None:
-                    ttft = now - t0
-                    new -= 1  # the first token has a TTFT, not an ITL
-                if new > 0:
-                    gaps.extend([(now - last_t) / new] * new)
-                last_t = now
-                tokens = count
-    except httpx.ReadTimeout:
-        return failed(f"stall: nothing received for {options.stall_timeout_s:g} s")
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        async with asyncio.timeout(options.stall_timeout_s) as deadline:
+            async with client.stream("POST", "/v1/completions", json=_payload(request, options.model)) as response:
+                if response.status_code != 200:
+                    return failed(f"HTTP {response.status_code}: {server_message(await _error_body(response))}")
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        done = True
+                        break
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        return failed(f"server error: {server_message(json.dumps(chunk))}")
+                    usage = chunk.get("usage") or {}
+                    choices = chunk.get("choices") or []
+                    if "completion_tokens" in usage:
+                        count = int(usage["completion_tokens"])
+                    else:  # a server without continuous usage: one token per choice chunk
+                        count = tokens + (1 if choices else 0)
+                    new = count - tokens
+                    if new <= 0:
+                        continue
+                    deadline.reschedule(loop.time() + options.stall_timeout_s)
+                    now = time.perf_counter()
+                    if ttft is None:
+                        ttft = now - t0
+                        new -= 1  # the first token has a TTFT, not an ITL
+                    if new > 0:
+                        gaps.extend([(now - last_t) / new] * new)
+                    last_t = now
+                    tokens = count
+    except (TimeoutError, httpx.ReadTimeout):
+        return failed(f"stall: no new token for {options.stall_timeout_s:g} s")
+    except (httpx.HTTPError, json.JSONDecodeError, AttributeError, TypeError, ValueError) as exc:
         return failed(f"{type(exc).__name__}: {exc}")
     end = time.perf_counter()
     if tokens == 0:
@@ -194,7 +236,7 @@ async def run_workload_async(workload: Workload, options: ClientOptions,
 
     async def failure_reason(request: BenchRequest, error: str) -> str | None:
         if error.startswith("stall") and options.abort_on_stall:
-            return f"engine hung: request {request.request_id} received nothing for {options.stall_timeout_s:g} s"
+            return f"engine hung: request {request.request_id} received no new token for {options.stall_timeout_s:g} s"
         if should_stop is not None and not error.startswith("HTTP 4"):
             return await _wait_for_stop(should_stop, seconds=3.0)  # a dying server exits shortly after
         return None

@@ -8,8 +8,9 @@ empty directory ``<path>/run-<k>`` per run, removed after the run, so no run sta
 Per run: start the server (same model, engine cache size and limits; only the KV connector
 differs), send one warm-up request (tokens no workload uses, so first-call costs do not land on
 the workload and no cache entry is shared), scrape ``/metrics``, send the workload, scrape again,
-stop the server (gracefully: SIGTERM).  An arm whose server fails to start, dies or hangs is recorded as a failure with
-the requests in flight and its log path; the other arms still run.  Verdicts are taken against
+stop the server (gracefully: SIGTERM).  An arm whose server fails to start, dies or hangs, or whose
+run has no successful request, is recorded as a failure with the requests in flight (or the first
+failed request's reason) and its log path; the other arms still run.  Verdicts are taken against
 the ``baseline`` arm when it ran, on the medians over runs, with the noise check of
 :func:`~kvtier.bench.spread.judge_spread`.
 """
@@ -255,6 +256,18 @@ def fresh_storage(arm: ArmSpec, repeat: int) -> tuple[ArmSpec, Path | None]:
     return dataclasses.replace(arm, kv_transfer_config=config), run_dir
 
 
+def run_failure(run: RunResult) -> str | None:
+    """Why a run of an arm counts as failed, or ``None``: the run was aborted (engine died or
+    hung), or no request succeeded (e.g. every one answered HTTP 400), so there is no figure to
+    judge and no verdict may be given as if the arm were fine.  Some failed requests alone do
+    not fail the run (the report names them, :meth:`RunResult.failure_text`)."""
+    if run.aborted is not None:
+        return run.aborted
+    if run.summary().num_ok == 0:
+        return f"no request succeeded: {run.failure_text() or 'none was sent'}"
+    return None
+
+
 def run_arm(arm: ArmSpec, workload: Workload, engine: ServerSpec, log_path: Path, *,
             warmup: Workload | None, max_concurrency: int | None, stall_timeout_s: float,
             start_timeout_s: float = 900.0, progress: bool = True, repeat: int = 0, replicas: int = 1) -> ArmOutcome:
@@ -295,8 +308,8 @@ def run_arm(arm: ArmSpec, workload: Workload, engine: ServerSpec, log_path: Path
         load = os.getloadavg()[0]
         run = run_workload(workload, options, servers.exit_reason)
         log_path.with_suffix(".requests.json").write_text(json.dumps(run.to_dict(), indent=1) + "\n")
-        if run.aborted is not None:
-            return failed(run.aborted, run.failed_at, run, load)
+        if (why := run_failure(run)) is not None:
+            return failed(why, run.failed_at, run, load)
         try:
             per_replica = replica_deltas(before, servers.scrape(".metrics-after.txt"))
         except MetricsError as exc:
@@ -346,6 +359,13 @@ def run_compare(arms: list[ArmSpec], workload: Workload, engine: ServerSpec, out
                     with contextlib.suppress(Exception):  # best effort: the keys expire at redis_ttl_s anyway
                         delete_prefix(redis_url, key_prefix)
             outcomes.append(dataclasses.replace(outcome, arm=arm))
+    return CompareResult(workload=workload, engine=engine, outcomes=tuple(outcomes),
+                         arms=judge_arms(arms, outcomes, thresholds), repeats=repeats, replicas=replicas)
+
+
+def judge_arms(arms: list[ArmSpec], outcomes: list[ArmOutcome], thresholds: Thresholds) -> tuple[ArmResult, ...]:
+    """Per arm (in ``arms`` order) its runs and its verdict against the baseline, over the runs
+    that completed (:attr:`ArmOutcome.ok`); an arm without a completed run has no verdict."""
     per_arm = [(arm, tuple(o for o in outcomes if o.arm.name == arm.name)) for arm in arms]
     base = next((runs for arm, runs in per_arm if arm.name == BASELINE), None)
     base_spreads = spreads([o.run_figures() for o in base if o.ok]) if base else None
@@ -360,6 +380,5 @@ def run_compare(arms: list[ArmSpec], workload: Workload, engine: ServerSpec, out
         else:
             verdict = judge_spread(s, base_spreads or None, thresholds)
         results.append(ArmResult(arm, runs, verdict))
-    return CompareResult(workload=workload, engine=engine, outcomes=tuple(outcomes), arms=tuple(results),
-                         repeats=repeats, replicas=replicas)
+    return tuple(results)
 

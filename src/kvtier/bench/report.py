@@ -143,6 +143,7 @@ def print_table(result: CompareResult) -> None:
     """Print the comparison table, each arm's verdict reason and each failure to the terminal."""
     from rich import box
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console()
@@ -169,7 +170,13 @@ def print_table(result: CompareResult) -> None:
             console.print(f"[bold]{a.arm.name}[/bold]: {a.verdict.kind.value}: {a.verdict.reason}", highlight=False)
         if (f := a.failure) is not None:
             where = f" during {', '.join(f.request_ids)}" if f.request_ids else ""
-            console.print(f"[bold red]{a.arm.name}[/bold red]: {f.reason}{where}; log: {f.log_path}", highlight=False)
+            console.print(f"[bold red]{a.arm.name}[/bold red]: {escape(f.reason)}{where}; log: {f.log_path}",
+                          highlight=False)
+        for o in a.runs:
+            if o.failure is None and o.run is not None and (why := o.run.failure_text()) is not None:
+                run = f" (run {o.repeat + 1})" if result.repeats > 1 else ""
+                console.print(f"[bold yellow]{a.arm.name}[/bold yellow]{run}: {escape(why)}; its figures are over "
+                              "the requests that succeeded", highlight=False)
     for line in reuse_lines(result):
         console.print(line, highlight=False)
     loads = [o.load_avg_1m for o in result.outcomes if o.load_avg_1m is not None]
@@ -272,6 +279,8 @@ def markdown(result: CompareResult, plot_name: str | None, command: str | None) 
             s = o.summary()
             if s is not None and (s.num_failed or s.num_not_sent):
                 lines.append(f"  - requests: {s.num_ok} ok, {s.num_failed} failed, {s.num_not_sent} not sent")
+            if o.failure is None and o.run is not None and (why := o.run.failure_text()) is not None:
+                lines.append(f"  - partial failure{f' (run {o.repeat})' if result.repeats > 1 else ''}: {why}")
     if plot_name:
         lines += ["", f"![TTFT CDF]({plot_name})"]
     return "\n".join(lines) + "\n"

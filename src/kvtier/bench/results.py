@@ -127,6 +127,23 @@ class RunResult:
             prompt_tok_per_s=sum(r.prompt_tokens for r in ok) / duration,
             request_per_s=len(ok) / duration)
 
+    def first_failure(self) -> RequestResult | None:
+        """The failed request that was sent first (requests never sent do not count), or ``None``."""
+        failed = [r for r in self.results if not r.ok and not (r.error or "").startswith(NOT_SENT)]
+        return min(failed, key=lambda r: r.start_s) if failed else None
+
+    def failure_text(self) -> str | None:
+        """One sentence on the failed requests: how many of how many, and the first one's
+        request id and reason (e.g. ``HTTP 400: <the server's message>``); ``None`` when every
+        sent request succeeded."""
+        first = self.first_failure()
+        if first is None:
+            return None
+        s = self.summary()
+        not_sent = f" ({s.num_not_sent} not sent)" if s.num_not_sent else ""
+        return (f"{s.num_failed} of {s.num_requests} requests failed{not_sent}; the first, {first.request_id}: "
+                f"{first.error}")
+
     def of_replica(self, replica: int) -> RunResult:
         """The requests sent to server ``replica`` only (same ``duration_s``: the servers of an arm
         serve side by side, so per-replica throughputs add up to the arm's)."""

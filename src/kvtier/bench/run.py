@@ -96,6 +96,7 @@ def _ms(x: float | None) -> str:
 def print_run(outcome: RunOutcome, verdict: Verdict | None) -> None:
     """Print the summary, the meters and the verdict."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console()
@@ -110,6 +111,10 @@ def print_run(outcome: RunOutcome, verdict: Verdict | None) -> None:
     console.print(f"requests: {s.num_ok} ok, {s.num_failed} failed, {s.num_not_sent} not sent; "
                   f"throughput {s.output_tok_per_s:.1f} output tok/s, {s.prompt_tok_per_s:.0f} prompt tok/s, "
                   f"{s.request_per_s:.2f} req/s")
+    failures = outcome.run.failure_text()
+    if failures is not None and s.num_ok > 0:
+        console.print(f"[bold yellow]warning[/bold yellow]: {escape(failures)}; the figures are over the {s.num_ok} "
+                      "that succeeded", highlight=False)
     m = outcome.meters
     if m is not None:
         def pct(x: float | None) -> str:

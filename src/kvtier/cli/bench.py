@@ -46,7 +46,7 @@ DEFAULT_RUN_CONCURRENCY = 4
 # ---- workload options, shared by both commands ------------------------------------------------
 WORKLOAD = typer.Option("trace", "--workload", "-w", help="trace, prefix-repetition or multi-round.")
 SEED = typer.Option(0, "--seed", help="Seed of every token id (same seed, same requests).")
-VOCAB = typer.Option(None, "--vocab-size", help="Token ids are drawn below this (default: the model's config.json).")
+VOCAB = typer.Option(None, "--vocab-size", min=1, help="Token ids are drawn below this (default: the model's config.json).")
 MAX_CONC = typer.Option(None, "--max-concurrency", min=1,
                         help="Requests in flight at most (closed loop); trace arrivals are then ignored unless --time-scale is given. "
                              "bench run: default 4 for prefix-repetition without --request-rate.")
@@ -74,7 +74,9 @@ QUESTION = typer.Option(128, "--question-len", min=1, help="multi-round: user to
 ANSWER = typer.Option(64, "--answer-len", min=1, help="multi-round: completion tokens per turn.")
 THINK = typer.Option(1.0, "--think-time", min=0.0, help="multi-round: seconds between a reply and the next turn.")
 INTERVAL = typer.Option(0.5, "--session-interval", min=0.0, help="multi-round: seconds between session starts.")
-STALL = typer.Option(300.0, "--stall-timeout", min=1.0, help="Seconds without a byte before a request fails (compare: the engine counts as hung).")
+STALL = typer.Option(300.0, "--stall-timeout", min=1.0,
+                     help="Seconds without a new token before a request fails, bytes without a token (a trickle) "
+                          "included (compare: the engine counts as hung).")
 RUN_OUT = typer.Option(None, "--out", help="Directory for requests.json, summary.json and the /metrics texts.")
 BASELINE_FILE = typer.Option(None, "--baseline", help="summary.json of an earlier run to judge TTFT against.")
 KVTIER_CONFIG = typer.Option(None, "--kvtier-config", help="YAML of kvtier settings for the kvtier arm.")
@@ -92,11 +94,15 @@ def _build(knobs: Any, vocab_size: int | None, model: str, max_model_len: int | 
            closed_loop: bool) -> tuple[Any, int]:
     """The workload and the vocabulary size its tokens were drawn from."""
     from kvtier.bench.factory import build_workload, model_vocab_size
-    from kvtier.bench.workload import WorkloadError
+    from kvtier.bench.workload import WorkloadError, vocab_token_space
 
-    vocab = vocab_size or model_vocab_size(model)
+    vocab = vocab_size if vocab_size is not None else model_vocab_size(model)
     if vocab is None:
         fail(f"cannot tell the vocabulary size of model {model!r}; pass --vocab-size")
+    try:
+        vocab_token_space(0, vocab)
+    except ValueError as exc:
+        fail(f"{exc} (--vocab-size)")
     try:
         return build_workload(knobs, vocab, max_model_len, closed_loop), vocab
     except WorkloadError as exc:
@@ -108,16 +114,31 @@ MAX_RAM_SHARE = 0.9
 the rest is for kvtier's own tiers, the client and the OS."""
 
 
-def _served_model(url: str) -> tuple[str, int | None]:
-    import httpx
+PROBE_TIMEOUT_S = 10.0
+"""Total deadline of `bench run`'s start-up probe of ``/v1/models`` and of each ``/metrics`` scrape, seconds."""
 
+
+def _served_model(url: str) -> tuple[str, int | None]:
+    """The server's first model and its ``max_model_len``, read from ``/v1/models`` within
+    PROBE_TIMEOUT_S seconds in all (:func:`kvtier.core.httpget.get_within`); fails with exit 2."""
+    import json
+
+    from kvtier.core.errors import ServerAnswerError
+    from kvtier.core.httpget import get_within
+
+    models_url = url.rstrip("/") + "/v1/models"
     try:
-        response = httpx.get(url.rstrip("/") + "/v1/models", timeout=10.0)
-        response.raise_for_status()
-        card = response.json()["data"][0]
-    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
-        fail(f"no OpenAI-compatible server answered at {url} ({type(exc).__name__}); start one or fix --url")
-    return str(card["id"]), card.get("max_model_len")
+        page = get_within(models_url, PROBE_TIMEOUT_S, "its model list", max_body_bytes=1 << 20)
+    except ServerAnswerError as exc:
+        fail(f"{exc} (--url must be the root of a running OpenAI-compatible server)")
+    if page.status != 200:
+        fail(f"{models_url} answered HTTP {page.status}; --url must be the root of a running OpenAI-compatible server")
+    try:
+        card = json.loads(page.text)["data"][0]
+        return str(card["id"]), card.get("max_model_len")
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError):
+        fail(f"{models_url} did not answer an OpenAI model list; --url must be the root of a running "
+             "OpenAI-compatible server")
 
 
 def run_command(
@@ -162,6 +183,9 @@ def run_command(
     if outcome.error is not None:
         fail(outcome.error)
     print_run(outcome, judge_run(outcome, reference))
+    assert outcome.run is not None
+    if outcome.run.summary().num_ok == 0:  # nothing measured: a CI job must not read this as a pass
+        fail(f"no request succeeded: {outcome.run.failure_text() or 'none was sent'}")
 
 
 def compare_command(

@@ -101,8 +101,8 @@ def register_record(trace_app: typer.Typer) -> None:
         never prompt text) through a pass-through proxy; then run `kvtier simulate` on it."""
         import time
 
-        import httpx
-
+        from kvtier.core.errors import ServerAnswerError
+        from kvtier.core.httpget import get_within
         from kvtier.simulate.record import TraceRecorder
 
         host, sep, port_text = listen.rpartition(":")
@@ -110,9 +110,11 @@ def register_record(trace_app: typer.Typer) -> None:
             fail(f"--listen must be HOST:PORT such as 127.0.0.1:8100; got {listen!r}")
         if block_tokens <= 0 or duration_s < 0 or timeout_s <= 0:
             fail("--block-tokens and --timeout-s must be positive and --duration-s >= 0")
-        try:
-            httpx.get(url.rstrip("/") + "/v1/models", timeout=10).raise_for_status()
-        except httpx.HTTPError as exc:
+        try:  # 10 s in all (kvtier.core.httpget): a server that trickles cannot hold the start
+            page = get_within(url.rstrip("/") + "/v1/models", 10.0, "its model list", max_body_bytes=1 << 20)
+            if page.status != 200:
+                raise ServerAnswerError(f"it answered HTTP {page.status}")
+        except ServerAnswerError as exc:
             fail(f"cannot reach the server at {url} ({exc}); pass the base URL of a running OpenAI-compatible server")
         try:
             recorder = TraceRecorder(url, out, host or "127.0.0.1", int(port_text), block_tokens, timeout_s).start()

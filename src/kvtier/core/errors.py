@@ -9,7 +9,8 @@ Hierarchy::
     KVTierError
     └── UserError            a mistake in the user's input (flag, file, URL, config)
         ├── ConfigError      a kvtier configuration value (also a ValueError, for pydantic)
-        └── MetricsError     a /metrics page that cannot be fetched or parsed
+        └── ServerAnswerError  a server's page that cannot be fetched (in time, or at all)
+            └── MetricsError   a /metrics page that cannot be fetched or parsed
     ServerStartError         a vLLM server kvtier started exited or did not answer in time
 """
 
@@ -36,7 +37,12 @@ class ConfigError(UserError, ValueError):
         self.env_var = env_var
 
 
-class MetricsError(UserError):
+class ServerAnswerError(UserError):
+    """A server's HTTP page could not be fetched within its deadline (:mod:`kvtier.core.httpget`);
+    the message names the URL and the cause."""
+
+
+class MetricsError(ServerAnswerError):
     """A server's ``/metrics`` could not be fetched or parsed; the message names the URL and the cause."""
 
 

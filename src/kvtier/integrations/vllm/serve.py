@@ -33,7 +33,8 @@ from typing import Any, Self
 
 import httpx
 
-from kvtier.core.errors import ServerStartError
+from kvtier.core.errors import ServerAnswerError, ServerStartError
+from kvtier.core.httpget import get_within
 
 __all__ = ["CPU_DEFAULT_BLOCK_SIZE", "Server", "ServerSpec", "ServerStartError", "free_port", "start_server",
            "tail", "transfer_config"]
@@ -193,13 +194,13 @@ class Server:
             reason = self.exit_reason()
             if reason is not None:
                 raise ServerStartError(f"the vLLM server {reason} during start-up; see {self.log_path}")
-            try:
-                response = httpx.get(self.base_url + "/v1/models", timeout=2.0)
-                if response.status_code == 200:
-                    self.served_model = str(response.json()["data"][0]["id"])
+            try:  # 2 s in all (kvtier.core.httpget): a wedged server cannot hold this loop past its deadline
+                page = get_within(self.base_url + "/v1/models", 2.0, "its model list", max_body_bytes=1 << 20)
+                if page.status == 200:
+                    self.served_model = str(json.loads(page.text)["data"][0]["id"])
                     self.startup_s = time.perf_counter() - self._t0
                     return self
-            except (httpx.HTTPError, ValueError, KeyError, IndexError):
+            except (ServerAnswerError, ValueError, KeyError, IndexError, TypeError):
                 pass
             time.sleep(0.5)
         self.stop()

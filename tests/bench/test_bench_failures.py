@@ -1,0 +1,140 @@
+"""`kvtier bench run` and `bench compare` against real local HTTP servers that fail (break test
+F-bench-1, F-bench-2): every wait ends (a server that trickles its model list, its /metrics or its
+completions), and a run where no request succeeded exits 2 with the first failure's reason."""
+
+import subprocess
+import sys
+
+import pytest
+
+from kvtier.bench.arms import make_arm
+from kvtier.bench.client import ClientOptions, run_workload
+from kvtier.bench.compare import ArmFailure, ArmOutcome, CompareResult, judge_arms, run_failure
+from kvtier.bench.meters import deltas, scrape
+from kvtier.bench.prefix_repetition import prefix_repetition_workload
+from kvtier.bench.report import compare_json, markdown, print_table
+from kvtier.bench.verdict import Thresholds
+from kvtier.bench.workload import TokenSpace
+from kvtier.integrations.vllm.serve import ServerSpec
+
+TOKENS = TokenSpace(seed=0, low=10, high=500)
+WORKLOAD = ["--workload", "prefix-repetition", "--num-requests", "4", "--prefix-len", "8", "--suffix-len", "4",
+            "--num-prefixes", "2", "--output-len", "3", "--vocab-size", "500", "--no-progress"]
+
+
+def bench_run(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    # generous bound: the command must end by itself well before it (the machine is noisy)
+    return subprocess.run([sys.executable, "-m", "kvtier.cli.main", "bench", "run", "--url", url, *WORKLOAD, *args],
+                          capture_output=True, text=True, timeout=90, check=False)
+
+
+def error_line(out: subprocess.CompletedProcess[str]) -> str:
+    """The one `error:` line of a failed command (and no traceback)."""
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("server", [["--trickle", "/v1/models"]], indirect=True)
+def test_a_trickling_model_list_ends_the_start_up_probe(server):
+    _, url = server
+    line = error_line(bench_run(url, "--stall-timeout", "3"))
+    assert f"{url}/v1/models did not send its model list within 10 s" in line
+
+
+@pytest.mark.parametrize("server", [["--trickle", "/metrics"]], indirect=True)
+def test_a_trickling_metrics_page_ends_the_scrape(server):
+    _, url = server
+    line = error_line(bench_run(url, "--stall-timeout", "3"))
+    assert f"{url}/metrics did not send its /metrics within 10 s" in line
+
+
+@pytest.mark.parametrize("server", [["--trickle", "/v1/completions"]], indirect=True)
+def test_trickling_completions_stall_and_no_success_exits_2(server):
+    _, url = server
+    line = error_line(bench_run(url, "--stall-timeout", "2"))
+    assert "no request succeeded: 4 of 4 requests failed; the first, prefix-" in line
+    assert line.endswith("stall: no new token for 2 s")
+
+
+@pytest.mark.parametrize("server", [["--reject-first", "1000"]], indirect=True)
+def test_every_request_rejected_exits_2_with_the_servers_reason(server, tmp_path):
+    _, url = server
+    out = bench_run(url, "--out", str(tmp_path / "run"))
+    line = error_line(out)
+    assert "no request succeeded: 4 of 4 requests failed; the first, prefix-" in line
+    assert ": HTTP 400: Token id " in line and line.endswith("is out of vocabulary")
+    assert "requests: 0 ok, 4 failed" in out.stdout  # the summary is still printed and written
+    assert (tmp_path / "run" / "requests.json").is_file()
+
+
+@pytest.mark.parametrize("server", [["--reject-first", "1"]], indirect=True)
+def test_some_requests_rejected_warns_with_count_and_reason_and_exits_0(server):
+    _, url = server
+    out = bench_run(url, "--max-concurrency", "1")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "requests: 3 ok, 1 failed" in out.stdout
+    assert "warning: 1 of 4 requests failed; the first, prefix-0: HTTP 400: Token id" in out.stdout
+    assert "the figures are over the 3 that succeeded" in out.stdout
+
+
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_vocab_size_below_1_is_refused(value):
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "bench", "run", "--url", "http://127.0.0.1:9",
+                          "--vocab-size", value], capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 2 and "Invalid value for '--vocab-size'" in out.stderr, out.stderr
+
+
+def test_a_tiny_vocab_size_is_one_error_line(server):
+    _, url = server
+    line = error_line(subprocess.run([sys.executable, "-m", "kvtier.cli.main", "bench", "run", "--url", url,
+                                      "--vocab-size", "2"], capture_output=True, text=True, timeout=60, check=False))
+    assert "vocabulary size 2 is too small" in line and "--vocab-size" in line
+
+
+@pytest.mark.parametrize("server", [["--trickle", "/v1/completions"]], indirect=True)
+def test_client_stalls_on_bytes_without_tokens(server):
+    _, url = server
+    w = prefix_repetition_workload(TOKENS, num_requests=2, prefix_len=4, suffix_len=2, num_prefixes=1, output_len=2)
+    run = run_workload(w, ClientOptions(url, "m", max_concurrency=2, stall_timeout_s=1.0, progress=False))
+    assert [r.error for r in run.results] == ["stall: no new token for 1 s"] * 2
+
+
+@pytest.mark.parametrize("server", [["--reject-first", "5"]], indirect=True)
+def test_compare_gives_no_verdict_to_an_arm_whose_requests_all_failed(server, tmp_path, capsys):
+    """Two arms on one real server: the first five requests are answered 400, so every request of
+    the `kvtier` arm and the first of the baseline fail.  The kvtier arm is a failure with the
+    server's reason and no verdict; the baseline keeps its verdict, and the report names its one
+    failed request."""
+    _, url = server
+    w = prefix_repetition_workload(TOKENS, num_requests=4, prefix_len=8, suffix_len=4, num_prefixes=2, output_len=2)
+    options = ClientOptions(url, "m", max_concurrency=1, progress=False)
+    outcomes = []
+    for name in ("kvtier", "baseline"):
+        arm = make_arm(name, tmp_path)
+        before = scrape(url)
+        run = run_workload(w, options)
+        meters = deltas(before, scrape(url))
+        why = run_failure(run)
+        failure = None if why is None else ArmFailure(why, run.failed_at, tmp_path / f"{name}.log")
+        outcomes.append(ArmOutcome(arm, tmp_path / f"{name}.log", 0.0, run, None if failure else meters, failure))
+    arms = [o.arm for o in outcomes]
+    result = CompareResult(workload=w, engine=ServerSpec(model="m"), outcomes=tuple(outcomes),
+                           arms=judge_arms(arms, outcomes, Thresholds()))
+    kv, base = result.arm_result("kvtier"), result.arm_result("baseline")
+    assert kv is not None and base is not None
+    assert kv.verdict is None and not kv.ok
+    assert kv.failure is not None and kv.failure.reason.startswith("no request succeeded: 4 of 4 requests failed")
+    assert "HTTP 400: Token id" in kv.failure.reason
+    assert base.ok and base.verdict is not None
+    assert set(compare_json(result)["failed"]) == {"kvtier"}
+    assert base.runs[0].summary().num_ok == 3
+    print_table(result)
+    printed = capsys.readouterr().out
+    assert "no request succeeded: 4 of 4 requests failed" in printed
+    assert "baseline: 1 of 4 requests failed; the first, prefix-0: HTTP 400: Token id" in printed
+    report = markdown(result, None, None)
+    assert "FAILED: no request succeeded" in report
+    assert "partial failure: 1 of 4 requests failed; the first, prefix-0: HTTP 400" in report
