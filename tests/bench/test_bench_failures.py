@@ -94,6 +94,13 @@ def test_a_tiny_vocab_size_is_one_error_line(server):
     assert "vocabulary size 2 is too small" in line and "--vocab-size" in line
 
 
+@pytest.mark.parametrize("server", [["--reject-first", "1000", "--reject-in-stream"]], indirect=True)
+def test_an_error_chunk_in_the_stream_is_the_reason(server):
+    _, url = server
+    line = error_line(bench_run(url))
+    assert ": server error 400: Token id " in line and line.endswith("is out of vocabulary")
+
+
 @pytest.mark.parametrize("server", [["--trickle", "/v1/completions"]], indirect=True)
 def test_client_stalls_on_bytes_without_tokens(server):
     _, url = server

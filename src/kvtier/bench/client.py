@@ -142,8 +142,10 @@ async def _send(client: httpx.AsyncClient, request: BenchRequest, options: Clien
                         done = True
                         break
                     chunk = json.loads(data)
-                    if "error" in chunk:
-                        return failed(f"server error: {server_message(json.dumps(chunk))}")
+                    if "error" in chunk:  # vLLM streams a rejected prompt's error as a chunk, status 200
+                        error = chunk["error"]
+                        code = f" {error['code']}" if isinstance(error, dict) and error.get("code") else ""
+                        return failed(f"server error{code}: {server_message(json.dumps(chunk))}")
                     usage = chunk.get("usage") or {}
                     choices = chunk.get("choices") or []
                     if "completion_tokens" in usage:
