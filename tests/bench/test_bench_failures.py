@@ -145,3 +145,22 @@ def test_compare_gives_no_verdict_to_an_arm_whose_requests_all_failed(server, tm
     report = markdown(result, None, None)
     assert "FAILED: no request succeeded" in report
     assert "partial failure: 1 of 4 requests failed; the first, prefix-0: HTTP 400" in report
+
+
+@pytest.mark.engine
+def test_compare_where_every_arm_is_rejected_exits_2_with_the_reason(tmp_path):
+    """A real vLLM (tiny test model) rejects token ids beyond its 2,048-token vocabulary: the one
+    arm fails (no verdict) and the command ends with one error line naming the server's reason."""
+    from kvtier.integrations.vllm.testmodel import write_model
+
+    model = write_model(tmp_path / "tiny", "tiny", weights="none")
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "bench", "compare", "--model", str(model),
+                          "--arms", "baseline", "--max-model-len", "2048", "--engine-cache-tokens", "4096",
+                          "--enforce-eager", "--workload", "prefix-repetition", "--num-requests", "2",
+                          "--prefix-len", "32", "--suffix-len", "8", "--output-len", "2", "--max-concurrency", "1",
+                          "--vocab-size", "99999999", "--no-progress", "--out", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=900, check=False)
+    line = error_line(out)
+    assert "every arm failed (the first, baseline: " in line
+    assert "server error 400: Token id " in line and "is out of vocabulary" in line
+    assert "FAILED" in out.stdout and "verdict: " not in out.stdout

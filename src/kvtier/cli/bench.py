@@ -301,7 +301,9 @@ def compare_command(
     if paths.json is not None:
         print(f"JSON: {paths.json}")
     if all(o.failure is not None for o in result.outcomes):
-        fail(f"every arm failed; see the server logs under {out}")
+        first = result.outcomes[0]
+        assert first.failure is not None
+        fail(f"every arm failed (the first, {first.arm.name}: {first.failure.reason}); see the server logs under {out}")
 
 
 @contextlib.contextmanager
