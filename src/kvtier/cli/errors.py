@@ -6,7 +6,9 @@ graph), so library packages never import the CLI.
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 from typing import NoReturn
 
 import typer
@@ -16,3 +18,29 @@ def fail(message: str, code: int = 2) -> NoReturn:
     """Print ``error: message`` to stderr and exit with ``code``."""
     print(f"error: {message}", file=sys.stderr)
     raise typer.Exit(code)
+
+
+def check_output_path(path: Path | None, option: str) -> None:
+    """Refuse (exit 2, one sentence) an output file that cannot be written, before any work."""
+    if path is None:
+        return
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        fail(f"{option} {path} is a directory; give a file name in it")
+    if not parent.is_dir():
+        fail(f"{option} {path}: directory {parent} does not exist; create it or pass a path in an existing directory")
+    if not os.access(path if path.exists() else parent, os.W_OK):
+        fail(f"{option} {path} is not writable; pass a path in a writable directory")
+
+
+def make_output_dir(path: Path, option: str) -> None:
+    """Create the report directory ``path`` (and its parents) before any work, or refuse (exit 2,
+    one sentence naming the problem and the fix): an existing file, a place that cannot hold one."""
+    if path.exists() and not path.is_dir():
+        fail(f"{option} {path} is an existing file, not a directory; pass a new or existing directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        fail(f"{option} {path} cannot be created ({exc.strerror}); pass a directory path you can write to")
+    if not os.access(path, os.W_OK | os.X_OK):
+        fail(f"{option} {path} is not writable; pass a directory you can write to")

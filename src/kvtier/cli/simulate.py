@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 import typer
 
-from kvtier.cli.errors import fail
+from kvtier.cli.errors import check_output_path, fail
 from kvtier.core.policies import available_policies
 
 
@@ -26,19 +25,6 @@ def parse_gib_list(text: str, option: str) -> tuple[float, ...]:
     if len(set(values)) != len(values):
         fail(f"{option} lists a capacity twice ({text}); give each capacity once")
     return tuple(values)
-
-
-def check_output_path(path: Path | None, option: str) -> None:
-    """Refuse (typer.Exit, one sentence) an output file that cannot be written, before any work."""
-    if path is None:
-        return
-    parent = path.parent if str(path.parent) else Path(".")
-    if path.is_dir():
-        fail(f"{option} {path} is a directory; give a file name in it")
-    if not parent.is_dir():
-        fail(f"{option} {path}: directory {parent} does not exist; create it or pass a path in an existing directory")
-    if not os.access(path if path.exists() else parent, os.W_OK):
-        fail(f"{option} {path} is not writable; pass a path in a writable directory")
 
 
 def register(app: typer.Typer) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from kvtier.cli.errors import fail
+from kvtier.cli.errors import check_output_path, fail
 
 SYNTH_HELP = """Generate a seeded synthetic trace (Mooncake JSONL) of one traffic regime.
 
@@ -89,13 +89,17 @@ def register_record(trace_app: typer.Typer) -> None:
     def record(
         url: str = typer.Option(..., "--url", help="The server to record (e.g. http://127.0.0.1:8000); it needs "
                                 "vLLM's /tokenize endpoint."),
-        out: Path = typer.Option(..., "--out", help="Trace file to write (Mooncake JSONL)."),
+        out: Path = typer.Option(..., "--out", help="Trace file to write (Mooncake JSONL); written when recording "
+                                 "ends, only if a request was recorded. An existing file is refused without --force."),
+        force: bool = typer.Option(False, "--force", help="Replace an existing --out (still only if a request was "
+                                   "recorded)."),
         listen: str = typer.Option("127.0.0.1:8100", "--listen", help="HOST:PORT the recording proxy listens on: "
                                    "point clients here instead of --url."),
         block_tokens: int = typer.Option(512, "--block-tokens", help="Tokens per hash id (Mooncake: 512; use "
                                          "kvtier's chunk_tokens to replay at its granularity)."),
         duration_s: float = typer.Option(0.0, "--duration-s", help="Stop after this many seconds (0: on Ctrl-C)."),
-        timeout_s: float = typer.Option(600.0, "--timeout-s", help="Limit of each call to the server, seconds."),
+        timeout_s: float = typer.Option(600.0, "--timeout-s", help="Limit of each call to the server in all "
+                                        "(connect, headers and whole answer), seconds."),
     ) -> None:
         """Record a live server's traffic as a Mooncake trace (block ids, lengths and times only,
         never prompt text) through a pass-through proxy; then run `kvtier simulate` on it."""
@@ -108,8 +112,14 @@ def register_record(trace_app: typer.Typer) -> None:
         host, sep, port_text = listen.rpartition(":")
         if not sep or not port_text.isdigit():
             fail(f"--listen must be HOST:PORT such as 127.0.0.1:8100; got {listen!r}")
-        if block_tokens <= 0 or duration_s < 0 or timeout_s <= 0:
-            fail("--block-tokens and --timeout-s must be positive and --duration-s >= 0")
+        if not 1 <= int(port_text) <= 65535:
+            fail(f"--listen port {port_text} is out of range; give a port from 1 to 65535 such as 127.0.0.1:8100")
+        if block_tokens <= 0 or not duration_s >= 0 or not 0 < timeout_s < float("inf") or duration_s == float("inf"):
+            fail("--block-tokens and --timeout-s must be positive and --duration-s >= 0 (finite numbers)")
+        check_output_path(out, "--out")
+        if out.exists() and not force:
+            fail(f"--out {out} already exists; pass another file name, or --force to replace it once a request "
+                 "is recorded")
         try:  # 10 s in all (kvtier.core.httpget): a server that trickles cannot hold the start
             page = get_within(url.rstrip("/") + "/v1/models", 10.0, "its model list", max_body_bytes=1 << 20)
             if page.status != 200:
@@ -119,7 +129,8 @@ def register_record(trace_app: typer.Typer) -> None:
         try:
             recorder = TraceRecorder(url, out, host or "127.0.0.1", int(port_text), block_tokens, timeout_s).start()
         except OSError as exc:
-            fail(f"cannot record to {out} or listen on {listen} ({exc.strerror}); pick a writable path and a free port")
+            fail(f"cannot listen on {listen} or write next to {out} ({exc.strerror}); pick a free port and a writable "
+                 "directory")
         typer.echo(f"recording {url} through http://{host or '127.0.0.1'}:{recorder.port} into {out} "
                    f"({'Ctrl-C' if not duration_s else f'{duration_s:g} s'} to stop)")
         try:
@@ -130,5 +141,9 @@ def register_record(trace_app: typer.Typer) -> None:
             pass
         finally:
             recorder.close()
-        typer.echo(f"{out}: {recorder.recorded} requests recorded ({recorder.failed} passed through unrecorded: "
-                   "the server could not tokenize them)")
+        unrecorded = f"{recorder.failed} passed through unrecorded: the server could not tokenize them"
+        if recorder.kept:
+            typer.echo(f"{out}: {recorder.recorded} requests recorded ({unrecorded})")
+        else:
+            typer.echo(f"no request recorded ({unrecorded}); {out} was not written"
+                       + (" and still holds its previous trace" if out.exists() else ""))

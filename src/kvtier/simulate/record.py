@@ -18,13 +18,21 @@ appearance, so the file reveals nothing of the prompts but their sharing structu
 any server that has vLLM's ``/tokenize`` endpoint; needs nothing inside the engine.
 
 Bounds: at most ``max_in_flight`` requests are proxied at once (more get HTTP 503); every upstream
-call has ``timeout_s``.  ``output_length`` is the server's ``usage.completion_tokens`` (for a
+call (the proxied request with its whole answer, and ``/tokenize``) ends within ``timeout_s`` in
+all (:func:`kvtier.core.httpget.stream_within`: a server that trickles bytes cannot hold it), and
+:meth:`TraceRecorder.close` ends the requests still in flight at once.
+
+The trace is written into a temporary file next to ``out`` and renamed over ``out`` by
+:meth:`TraceRecorder.close` only when at least one request was recorded: a recording that fails
+to start, or records nothing, leaves ``out`` as it was.  ``output_length`` is the server's ``usage.completion_tokens`` (for a
 stream, from its last usage chunk if the client asked for one; else the streamed choice chunks).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -34,6 +42,8 @@ from typing import IO, Any
 import blake3
 import httpx
 
+from kvtier.core.errors import ServerAnswerError
+from kvtier.core.httpget import Head, request_within, stream_within
 from kvtier.core.mooncake import format_record
 
 RECORDED_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -58,15 +68,16 @@ class TraceRecorder:
 
     Args:
         upstream: base URL of the server (``http://host:port``).
-        out: trace file (JSONL, created or truncated).
+        out: trace file (JSONL); replaced by :meth:`close` only when at least one request was
+            recorded (see :attr:`kept`), untouched otherwise.
         host, port: where to listen (port 0: any free port; see :attr:`port`).
         block_tokens: tokens per hash id (512 as Mooncake; use your kvtier ``chunk_tokens`` to
             replay at kvtier's granularity).
-        timeout_s: limit of each upstream call.
+        timeout_s: limit of each upstream call in all (connect, headers and whole answer), seconds.
         max_in_flight: requests proxied at once; more are answered 503.
 
     Raises:
-        OSError: the file cannot be opened or the address is taken.
+        OSError: the address is taken, or no file can be created next to ``out``.
     """
 
     def __init__(self, upstream: str, out: str | Path, host: str = "127.0.0.1", port: int = 0,
@@ -75,8 +86,10 @@ class TraceRecorder:
             raise ValueError(f"--block-tokens must be positive, got {block_tokens}")
         self.upstream = upstream.rstrip("/")
         self.block_tokens = block_tokens
-        self._client = httpx.Client(base_url=self.upstream, timeout=timeout_s)
-        self._file: IO[str] = Path(out).open("w", encoding="utf-8")  # noqa: SIM115 (open until close())
+        self.out = Path(out)
+        self.timeout_s = timeout_s
+        self.kept = False  # whether close() wrote ``out``
+        self._closing = threading.Event()
         self._lock = threading.Lock()
         self._ids: dict[bytes, int] = {}
         self._slots = threading.BoundedSemaphore(max_in_flight)
@@ -98,8 +111,16 @@ class TraceRecorder:
                 length = int(self.headers.get("Content-Length") or 0)
                 recorder._proxy(self, self.rfile.read(length) if length else b"")
 
-        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server = ThreadingHTTPServer((host, port), Handler)  # first: a taken port leaves no file behind
         self._server.daemon_threads = True
+        try:
+            fd, temp = tempfile.mkstemp(prefix=f".{self.out.name}.", suffix=".part", dir=self.out.parent)
+        except OSError:
+            self._server.server_close()
+            raise
+        self._temp = Path(temp)
+        self._file: IO[str] = os.fdopen(fd, "w", encoding="utf-8")
+        self._client = httpx.Client(timeout=timeout_s)
         self.port = self._server.server_address[1]
         self._thread: threading.Thread | None = None
 
@@ -113,8 +134,11 @@ class TraceRecorder:
         self._server.serve_forever()
 
     def close(self) -> None:
-        """Stop listening, close the trace and put its lines in arrival order (they are written as
-        answers finish, so concurrent requests may land out of order)."""
+        """Stop listening, end the requests still in flight (their clients see the connection
+        close), and, when at least one request was recorded, put the lines in arrival order (they
+        are written as answers finish, so concurrent requests may land out of order) and rename
+        the temporary file over ``out`` (:attr:`kept` True); else delete it, ``out`` untouched."""
+        self._closing.set()
         self._server.shutdown()
         self._server.server_close()
         if self._thread is not None:
@@ -122,10 +146,14 @@ class TraceRecorder:
         with self._lock:
             self._file.close()
         self._client.close()
-        path = Path(self._file.name)
-        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+        if self.recorded == 0:
+            self._temp.unlink(missing_ok=True)
+            return
+        lines = self._temp.read_text(encoding="utf-8").splitlines(keepends=True)
         lines.sort(key=lambda line: json.loads(line)["timestamp"])
-        path.write_text("".join(lines), encoding="utf-8")
+        self._temp.write_text("".join(lines), encoding="utf-8")
+        os.replace(self._temp, self.out)
+        self.kept = True
 
     # -- per request -------------------------------------------------------------------------
     def _proxy(self, handler: BaseHTTPRequestHandler, body: bytes) -> None:
@@ -144,28 +172,42 @@ class TraceRecorder:
 
     def _forward(self, handler: BaseHTTPRequestHandler, path: str, body: bytes,
                  headers: dict[str, str]) -> int | None:
-        """Pass the request through; returns the completion tokens seen (None if it failed)."""
+        """Pass the request through; returns the completion tokens seen (None if it failed).
+
+        The whole exchange ends within ``timeout_s`` (or at :meth:`close`): before the answer's
+        head the client gets a 502 naming the cause; after it, the connection is closed without
+        the chunked body's end, so the client sees a cut answer rather than a complete one."""
+        status = 0
+        answer = stream_within(handler.command, self.upstream + path, self.timeout_s, "its answer", content=body or None,
+                               headers=headers, client=self._client, stop=self._closing)
         try:
-            with self._client.stream(handler.command, path, content=body or None, headers=headers) as response:
-                handler.send_response(response.status_code)
-                for key, value in response.headers.items():
-                    if key.lower() not in _HOP_HEADERS:
-                        handler.send_header(key, value)
-                handler.send_header("Transfer-Encoding", "chunked")
-                handler.end_headers()
-                counter = _OutputCounter()
-                for chunk in response.iter_bytes():
-                    counter.feed(chunk)
-                    handler.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-                    handler.wfile.flush()
-                handler.wfile.write(b"0\r\n\r\n")
-                return counter.tokens() if response.status_code == 200 else None
-        except httpx.HTTPError as exc:
-            message = json.dumps({"error": f"kvtier trace record: upstream {self.upstream} failed ({exc})"})
-            self._reply(handler, 502, message.encode())
+            counter = _OutputCounter()
+            for item in answer:
+                if isinstance(item, Head):
+                    status = item.status
+                    handler.send_response(status)
+                    for key, value in item.headers:
+                        if key.lower() not in _HOP_HEADERS:
+                            handler.send_header(key, value)
+                    handler.send_header("Transfer-Encoding", "chunked")
+                    handler.end_headers()
+                    continue
+                counter.feed(item)
+                handler.wfile.write(b"%x\r\n%s\r\n" % (len(item), item))
+                handler.wfile.flush()
+            handler.wfile.write(b"0\r\n\r\n")
+            return counter.tokens() if status == 200 else None
+        except ServerAnswerError as exc:
+            handler.close_connection = True
+            if not status:
+                message = json.dumps({"error": f"kvtier trace record: upstream {self.upstream} failed ({exc})"})
+                self._reply(handler, 502, message.encode())
             return None
         except OSError:  # the client went away
+            handler.close_connection = True
             return None
+        finally:
+            answer.close()
 
     def _reply(self, handler: BaseHTTPRequestHandler, status: int, body: bytes) -> None:
         try:
@@ -195,7 +237,7 @@ class TraceRecorder:
                 prompt = request["prompt"]
                 batched = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
                 batch = [self._prompt_tokens(request, one) for one in (prompt if batched else [prompt])]
-        except (ValueError, KeyError, TypeError, httpx.HTTPError):
+        except (ValueError, KeyError, TypeError, ServerAnswerError):
             with self._lock:
                 self.failed += 1
             return
@@ -215,9 +257,11 @@ class TraceRecorder:
         return self._tokenize(query)
 
     def _tokenize(self, query: dict[str, Any]) -> list[int]:
-        answer = self._client.post("/tokenize", json=query)
-        answer.raise_for_status()
-        tokens = answer.json()["tokens"]
+        answer = request_within("POST", self.upstream + "/tokenize", self.timeout_s, "the prompt's token ids",
+                                json=query, client=self._client, stop=self._closing, max_body_bytes=64 << 20)
+        if answer.status != 200:
+            raise ValueError(f"/tokenize answered HTTP {answer.status}")
+        tokens = json.loads(answer.text)["tokens"]
         if not isinstance(tokens, list):
             raise TypeError("/tokenize answered no token list")
         return tokens

@@ -1,0 +1,171 @@
+"""``kvtier trace record`` against real local HTTP servers (tests/bench/sse_server.py): an existing
+trace is never destroyed (refused without --force; replaced only once a request was recorded; kept
+when recording fails to start), a trickling server cannot hold the recording past --duration-s or a
+request past --timeout-s, and a bad --listen port is one sentence (break test F-trace-3/4/5)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from kvtier.cli.main import app
+from kvtier.core.mooncake import iter_records
+from kvtier.integrations.vllm.serve import free_port
+from kvtier.simulate.record import TraceRecorder
+
+SSE_SERVER = Path(__file__).parent.parent / "bench" / "sse_server.py"
+OLD = '{"timestamp": 0, "input_length": 3, "output_length": 1, "hash_ids": [0]}\n'
+
+
+def _start(*args: str) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(SSE_SERVER), str(port), *args])
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("sse_server.py did not start")
+
+
+@pytest.fixture()
+def server() -> Iterator[str]:
+    proc, url = _start()
+    yield url
+    proc.kill()
+    proc.wait()
+
+
+@pytest.fixture()
+def trickle() -> Iterator[str]:
+    """Answers every completion with headers, then one byte every 0.2 s (never ends)."""
+    proc, url = _start("--trickle", "/v1/completions")
+    yield url
+    proc.kill()
+    proc.wait()
+
+
+@pytest.fixture()
+def kept(tmp_path: Path) -> Path:
+    path = tmp_path / "keep.jsonl"
+    path.write_text(OLD)
+    return path
+
+
+def _record(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(app, ["trace", "record", *args])
+    return result.exit_code, result.output
+
+
+def _leftovers(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.endswith(".part"))
+
+
+def test_an_existing_out_is_refused_without_force(server: str, kept: Path) -> None:
+    code, output = _record("--url", server, "--out", str(kept), "--listen", f"127.0.0.1:{free_port()}",
+                           "--duration-s", "1")
+    assert code == 2 and "already exists" in output and "--force" in output
+    assert kept.read_text() == OLD
+
+
+def test_a_taken_port_or_a_dead_server_leaves_out_as_it_was(server: str, kept: Path) -> None:
+    taken = server.rsplit(":", 1)[1]  # the server's own port is in use
+    code, output = _record("--url", server, "--out", str(kept), "--listen", f"127.0.0.1:{taken}", "--force",
+                           "--duration-s", "1")
+    assert code == 2 and "cannot listen on" in output and "free port" in output
+    assert kept.read_text() == OLD and _leftovers(kept.parent) == []
+    code, output = _record("--url", f"http://127.0.0.1:{free_port()}", "--out", str(kept), "--force",
+                           "--listen", f"127.0.0.1:{free_port()}", "--duration-s", "1")
+    assert code == 2 and "cannot reach the server" in output
+    assert kept.read_text() == OLD and _leftovers(kept.parent) == []
+
+
+@pytest.mark.parametrize("port", ["99999", "0"])
+def test_a_port_out_of_range_is_one_sentence(server: str, tmp_path: Path, port: str) -> None:
+    code, output = _record("--url", server, "--out", str(tmp_path / "t.jsonl"), "--listen", f"127.0.0.1:{port}")
+    assert code == 2 and f"--listen port {port} is out of range" in output and "1 to 65535" in output
+    assert "Traceback" not in output and not (tmp_path / "t.jsonl").exists()
+
+
+def test_out_is_replaced_only_once_a_request_was_recorded(server: str, kept: Path) -> None:
+    nothing = TraceRecorder(server, kept, block_tokens=4, timeout_s=30).start()
+    nothing.close()
+    assert not nothing.kept and kept.read_text() == OLD and _leftovers(kept.parent) == []
+
+    recorder = TraceRecorder(server, kept, block_tokens=4, timeout_s=30).start()
+    try:
+        answer = httpx.post(f"http://127.0.0.1:{recorder.port}/v1/completions", timeout=30,
+                            json={"model": "m", "prompt": list(range(1, 11)), "max_tokens": 3})
+        assert answer.status_code == 200 and "data: [DONE]" in answer.text
+        assert kept.read_text() == OLD  # nothing replaced while recording
+    finally:
+        recorder.close()
+    assert recorder.kept and _leftovers(kept.parent) == []
+    records = list(iter_records(kept, block_tokens=4))
+    assert [(r.input_length, r.output_length, len(r.hash_ids)) for r in records] == [(10, 3, 3)]
+
+
+def test_close_ends_a_request_still_in_flight(trickle: str, tmp_path: Path) -> None:
+    recorder = TraceRecorder(trickle, tmp_path / "t.jsonl", timeout_s=600).start()
+    outcome: list[object] = []
+
+    def ask() -> None:
+        try:
+            with httpx.stream("POST", f"http://127.0.0.1:{recorder.port}/v1/completions", timeout=120,
+                              json={"model": "m", "prompt": [1, 2, 3], "max_tokens": 2}) as answer:
+                outcome.append(answer.status_code)
+                answer.read()
+            outcome.append("complete")
+        except httpx.HTTPError as exc:
+            outcome.append(exc)
+
+    client = threading.Thread(target=ask)
+    client.start()
+    time.sleep(1.0)
+    recorder.close()
+    client.join(60)
+    assert not client.is_alive(), "close() left the trickled request running"
+    assert outcome[0] == 200 and isinstance(outcome[-1], httpx.RemoteProtocolError)  # a cut answer, not a whole one
+    assert not recorder.kept and not (tmp_path / "t.jsonl").exists()
+
+
+def test_a_trickling_server_cannot_hold_the_recording(trickle: str, kept: Path) -> None:
+    """--timeout-s bounds each proxied request in all, --duration-s ends the recording on time."""
+    port = free_port()
+    command = [sys.executable, "-m", "kvtier.cli.main", "trace", "record", "--url", trickle, "--out", str(kept),
+               "--force", "--listen", f"127.0.0.1:{port}", "--duration-s", "4", "--timeout-s", "1"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        outcome: list[object] = []
+        for _ in range(200):
+            try:
+                with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=120,
+                                  json={"model": "m", "prompt": [1, 2, 3], "max_tokens": 2}) as answer:
+                    outcome.append(answer.status_code)
+                    answer.read()
+                outcome.append("complete")
+                break
+            except httpx.ConnectError:
+                time.sleep(0.05)  # the proxy is not listening yet
+            except httpx.HTTPError as exc:
+                outcome.append(exc)
+                break
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert outcome[0] == 200 and isinstance(outcome[-1], httpx.RemoteProtocolError)  # cut after --timeout-s
+    assert proc.returncode == 0, output
+    assert b"no request recorded" in output and b"still holds its previous trace" in output
+    assert kept.read_text() == OLD and _leftovers(kept.parent) == []
