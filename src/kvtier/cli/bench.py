@@ -12,7 +12,7 @@ from typing import Any
 
 import typer
 
-from kvtier.cli.errors import fail
+from kvtier.cli.errors import check_output_path, fail, make_output_dir
 
 RUN_HELP = """Replay a workload against a running server and read its meters.
 
@@ -159,6 +159,8 @@ def run_command(
 ) -> None:
     from kvtier.bench.run import judge_run, load_baseline, print_run, run_once
 
+    if out is not None:
+        make_output_dir(out, "--out")
     served, max_len = _served_model(url)
     model = model or served
     knobs = _knobs(kind=workload, seed=seed, trace_path=trace, start=start, limit=limit,
@@ -273,6 +275,8 @@ def compare_command(
         except (ConfigError, OSError) as exc:
             fail(f"--kvtier-config {kvtier_config}: {exc}")
     out = out or Path(".kvtier/bench") / time.strftime("compare-%Y%m%d-%H%M%S")
+    check_output_path(json_path, "--json")  # before any server starts: a bad path fails in one line, not after minutes
+    make_output_dir(out, "--out")
     knobs = _knobs(kind=workload, seed=seed, trace_path=trace, start=start, limit=limit,
                    tokens_per_block=tokens_per_block, time_scale=time_scale, max_prompt_tokens=max_prompt_tokens,
                    max_output_tokens=max_output_tokens, returning_only=returning_only, num_requests=num_requests, prefix_len=prefix_len,
