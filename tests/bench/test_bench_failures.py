@@ -164,3 +164,49 @@ def test_compare_where_every_arm_is_rejected_exits_2_with_the_reason(tmp_path):
     assert "every arm failed (the first, baseline: " in line
     assert "server error 400: Token id " in line and "is out of vocabulary" in line
     assert "FAILED" in out.stdout and "verdict: " not in out.stdout
+
+
+@pytest.mark.parametrize("where, message", [
+    ("file", "is an existing file, not a directory"),
+    ("file/sub", "cannot be created (Not a directory)"),
+])
+def test_compare_refuses_an_unusable_out_before_any_server_starts(tmp_path, where, message):
+    """Break test F-bench-3: `--out` an existing file or a path under one was a traceback from the launcher."""
+    (tmp_path / "file").write_text("an old report")
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "bench", "compare", "--model",
+                          str(tmp_path / "no-model"), "--arms", "baseline", *WORKLOAD, "--out", str(tmp_path / where)],
+                         capture_output=True, text=True, timeout=90, check=False)
+    line = error_line(out)
+    assert f"--out {tmp_path / where} {message}" in line
+    assert (tmp_path / "file").read_text() == "an old report" and sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_compare_refuses_a_json_path_in_a_missing_directory_before_creating_out(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "bench", "compare", "--model",
+                          str(tmp_path / "no-model"), "--arms", "baseline", *WORKLOAD, "--out", str(tmp_path / "r"),
+                          "--json", str(tmp_path / "missing" / "x.json")], capture_output=True, text=True, timeout=90,
+                         check=False)
+    assert "directory" in error_line(out) and "does not exist" in error_line(out)
+    assert not (tmp_path / "r").exists()
+
+
+def test_run_refuses_an_out_that_is_a_file(tmp_path):
+    (tmp_path / "file").write_text("x")
+    line = error_line(bench_run("http://127.0.0.1:9", "--out", str(tmp_path / "file")))
+    assert f"--out {tmp_path / 'file'} is an existing file, not a directory" in line
+
+
+@pytest.mark.parametrize("server", [[], ["--trickle", "/v1/completions"]], indirect=True)
+def test_server_complete_ends_within_its_timeout(server, tmp_path, request):
+    """`Server.complete` (the launcher's test completion) has a total deadline: a trickle ends it."""
+    from kvtier.core.errors import ServerAnswerError
+    from kvtier.integrations.vllm.serve import Server
+
+    _, url = server
+    launcher = Server(ServerSpec(model="m", max_model_len=4096), tmp_path / "log", port=int(url.rsplit(":", 1)[1]))
+    if "--trickle" in request.node.callspec.params["server"]:
+        with pytest.raises(ServerAnswerError, match="did not send a completion within 2 s"):
+            launcher.complete([1, 2, 3], max_tokens=3, timeout_s=2)
+    else:
+        ttft, text = launcher.complete([1, 2, 3], max_tokens=3, timeout_s=30)
+        assert text == " t1 t2 t3" and 0 < ttft < 30

@@ -93,6 +93,38 @@ def test_unreachable_hub_is_a_clean_error(monkeypatch):
     assert "hub is unreachable" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_a_hub_that_trickles_config_json_is_a_clean_error_in_time():
+    """The hub download has a total deadline (kvtier.core.httpget): headers then a byte every 0.2 s
+    (tests/bench/sse_server.py --trickle) end in one sentence, not a wait without end."""
+    import os
+    import time
+    from pathlib import Path
+
+    import httpx
+
+    from kvtier.integrations.vllm.serve import free_port
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, str(Path(__file__).parent.parent / "bench" / "sse_server.py"), str(port),
+                               "--trickle", "/someorg/slow-model/resolve/main/config.json"])
+    try:
+        for _ in range(200):
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        proc = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "size", "--model", "someorg/slow-model"],
+                              check=False, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "HF_ENDPOINT": f"http://127.0.0.1:{port}"})
+    finally:
+        server.kill()
+        server.wait()
+    assert proc.returncode == 2, proc.stderr
+    assert "hub is unreachable or too slow" in proc.stderr and "within 10 s" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
 def test_list_presets_and_help_show_examples():
     assert "deepseek-ai/DeepSeek-V3" in run("--list-presets").stdout
     help_text = run("--help").stdout

@@ -141,7 +141,7 @@ def run_restart_demo(workdir: Path = Path(".kvtier"), timeout_s: float = 900.0,
 
     Raises:
         ServerStartError: a server failed to start (the message names its log).
-        httpx.HTTPError: a request failed.
+        ServerAnswerError: a request failed or did not end in time.
     """
     model = model or demo_model(workdir)
     disk = workdir / "demo-disk"

@@ -69,14 +69,13 @@ def register(app: typer.Typer) -> None:
 
         Example: kvtier demo --workdir .kvtier
         """
-        from kvtier.core.errors import ServerStartError
+        from kvtier.core.errors import ServerAnswerError, ServerStartError
 
         try:
             import vllm  # noqa: F401
         except ImportError:
             fail("vLLM is not installed in this environment; run `make install` first")
         _check_workdir(workdir)
-        import httpx
 
         from kvtier.bench.demo import print_demo_compare, run_demo_compare, run_restart_demo
 
@@ -84,7 +83,7 @@ def register(app: typer.Typer) -> None:
               "server (24-layer model; each server takes a minute or more to start)", flush=True)
         try:
             result = run_restart_demo(workdir)
-        except (ServerStartError, httpx.HTTPError, OSError) as exc:
+        except (ServerStartError, ServerAnswerError, OSError) as exc:
             fail(str(exc).splitlines()[0] + f" (see the logs under {workdir / 'logs'})")
         _print_restart(result)
         if result.second.external_hit_tokens <= 0:

@@ -13,9 +13,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
-from kvtier.core.errors import UserError
+from kvtier.core.errors import ServerAnswerError, UserError
+from kvtier.core.httpget import get_within
 from kvtier.size.geometry import KVGeometry
 from kvtier.size.hf_config import geometry_from_config, load_config_file
 from kvtier.size.presets import GIB, find_preset
@@ -59,20 +58,20 @@ def _local_weights(directory: Path) -> tuple[float | None, str, tuple[str, ...]]
 def _fetch_hub_config(repo_id: str, timeout_s: float) -> dict[str, object]:
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
     url = f"{endpoint}/{repo_id}/resolve/main/config.json"
-    try:
-        response = httpx.get(url, timeout=timeout_s, follow_redirects=True)
-    except httpx.HTTPError as exc:
+    try:  # timeout_s in all (kvtier.core.httpget): a hub or proxy that trickles cannot hold `kvtier size`
+        response = get_within(url, timeout_s, "its config.json", max_body_bytes=4 << 20, follow_redirects=True)
+    except ServerAnswerError as exc:
         raise UserError(
-            f"{repo_id!r} is neither a local path nor a built-in preset, and the hub is unreachable "
-            f"({exc.__class__.__name__}); pass the path of its config.json."
+            f"{repo_id!r} is neither a local path nor a built-in preset, and the hub is unreachable or too slow ({exc}); "
+            "pass the path of its config.json."
         ) from None
-    if response.status_code != 200:
+    if response.status != 200:
         raise UserError(
-            f"the hub answered {response.status_code} for {repo_id}'s config.json (gated or misspelt?); "
+            f"the hub answered {response.status} for {repo_id}'s config.json (gated or misspelt?); "
             "download config.json and pass its path."
         )
     try:
-        data = response.json()
+        data = json.loads(response.text)
     except json.JSONDecodeError:
         raise UserError(f"the hub's config.json for {repo_id} is not JSON; pass a local config.json.") from None
     if not isinstance(data, dict):

@@ -31,10 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
-import httpx
-
 from kvtier.core.errors import ServerAnswerError, ServerStartError
-from kvtier.core.httpget import get_within
+from kvtier.core.httpget import Head, get_within, stream_within
 
 __all__ = ["CPU_DEFAULT_BLOCK_SIZE", "Server", "ServerSpec", "ServerStartError", "free_port", "start_server",
            "tail", "transfer_config"]
@@ -224,25 +222,38 @@ class Server:
         return tail(self.log_path, num_lines)
 
     def complete(self, prompt: str | list[int], max_tokens: int = 16, timeout_s: float = 600.0) -> tuple[float, str]:
-        """Stream one greedy completion; returns (TTFT in seconds, generated text).
+        """Stream one greedy completion; returns (TTFT in seconds, generated text).  The whole
+        request ends within ``timeout_s`` seconds (:func:`kvtier.core.httpget.stream_within`).
 
         Raises:
-            httpx.HTTPError: the request failed.
+            ServerAnswerError: the request failed, was answered with an HTTP error, or did not end
+                within ``timeout_s``.
         """
         body = {"model": self.served_model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                 "stream": True}
+        url = self.base_url + "/v1/completions"
         start = time.perf_counter()
         ttft: float | None = None
         text = []
-        with httpx.stream("POST", self.base_url + "/v1/completions", json=body, timeout=timeout_s) as r:
-            r.raise_for_status()
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+        pending = b""
+        answer = stream_within("POST", url, timeout_s, "a completion", json=body)
+        try:
+            for item in answer:
+                if isinstance(item, Head):
+                    if item.status != 200:
+                        raise ServerAnswerError(f"{url} answered HTTP {item.status}; see {self.log_path}")
                     continue
-                piece = json.loads(line[6:])["choices"][0].get("text", "")
-                if ttft is None:
-                    ttft = time.perf_counter() - start
-                text.append(piece)
+                *lines, pending = (pending + item).split(b"\n")
+                for raw in lines:
+                    line = raw.decode("utf-8", "replace").strip()
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    piece = json.loads(line[6:])["choices"][0].get("text", "")
+                    if ttft is None:
+                        ttft = time.perf_counter() - start
+                    text.append(piece)
+        finally:
+            answer.close()
         return (ttft if ttft is not None else time.perf_counter() - start), "".join(text)
 
     def stop(self, grace_s: float = 60.0) -> None:
