@@ -112,6 +112,8 @@ def test_out_is_replaced_only_once_a_request_was_recorded(server: str, kept: Pat
     finally:
         recorder.close()
     assert recorder.kept and _leftovers(kept.parent) == []
+    (kept.parent / "fresh").write_text("")
+    assert kept.stat().st_mode == (kept.parent / "fresh").stat().st_mode  # a new file's usual mode, not 0600
     records = list(iter_records(kept, block_tokens=4))
     assert [(r.input_length, r.output_length, len(r.hash_ids)) for r in records] == [(10, 3, 3)]
 

@@ -119,6 +119,9 @@ class TraceRecorder:
             self._server.server_close()
             raise
         self._temp = Path(temp)
+        umask = os.umask(0o022)  # read it back: the trace gets a new file's usual mode, not mkstemp's 0600
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
         self._file: IO[str] = os.fdopen(fd, "w", encoding="utf-8")
         self._client = httpx.Client(timeout=timeout_s)
         self.port = self._server.server_address[1]
