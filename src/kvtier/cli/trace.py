@@ -120,8 +120,9 @@ def register_record(trace_app: typer.Typer) -> None:
         if out.exists() and not force:
             fail(f"--out {out} already exists; pass another file name, or --force to replace it once a request "
                  "is recorded")
-        try:  # 10 s in all (kvtier.core.httpget): a server that trickles cannot hold the start
-            page = get_within(url.rstrip("/") + "/v1/models", 10.0, "its model list", max_body_bytes=1 << 20)
+        try:  # 10 s (or --timeout-s if shorter) in all (kvtier.core.httpget): a trickle cannot hold the start
+            page = get_within(url.rstrip("/") + "/v1/models", min(10.0, timeout_s), "its model list",
+                              max_body_bytes=1 << 20)
             if page.status != 200:
                 raise ServerAnswerError(f"it answered HTTP {page.status}")
         except ServerAnswerError as exc:
