@@ -171,3 +171,16 @@ def test_a_trickling_server_cannot_hold_the_recording(trickle: str, kept: Path) 
     assert proc.returncode == 0, output
     assert b"no request recorded" in output and b"still holds its previous trace" in output
     assert kept.read_text() == OLD and _leftovers(kept.parent) == []
+
+
+def test_a_gz_out_is_written_gzipped(server: str, tmp_path: Path) -> None:
+    out = tmp_path / "live.jsonl.gz"
+    recorder = TraceRecorder(server, out, block_tokens=4, timeout_s=30).start()
+    try:
+        answer = httpx.post(f"http://127.0.0.1:{recorder.port}/v1/completions", timeout=30,
+                            json={"model": "m", "prompt": list(range(1, 11)), "max_tokens": 3})
+        assert answer.status_code == 200
+    finally:
+        recorder.close()
+    assert out.read_bytes()[:2] == b"\x1f\x8b"  # gzip magic: readable by simulate, which goes by the name
+    assert [(r.input_length, r.output_length) for r in iter_records(out, block_tokens=4)] == [(10, 3)]

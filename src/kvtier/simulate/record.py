@@ -30,6 +30,7 @@ stream, from its last usage chunk if the client asked for one; else the streamed
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import tempfile
@@ -154,7 +155,11 @@ class TraceRecorder:
             return
         lines = self._temp.read_text(encoding="utf-8").splitlines(keepends=True)
         lines.sort(key=lambda line: json.loads(line)["timestamp"])
-        self._temp.write_text("".join(lines), encoding="utf-8")
+        if self.out.suffix == ".gz":  # as every trace reader and writer takes the name (kvtier.core.mooncake)
+            with gzip.open(self._temp, "wt", encoding="utf-8") as packed:
+                packed.write("".join(lines))
+        else:
+            self._temp.write_text("".join(lines), encoding="utf-8")
         os.replace(self._temp, self.out)
         self.kept = True
 
