@@ -78,6 +78,22 @@ def test_graceful_stop_keeps_the_hot_set_and_replaced_weights_miss(tiny_model: P
     assert third["results"][0][0]["logprobs"] != first["results"][0][0]["logprobs"]  # the weights did change
 
 
+def test_an_engine_with_other_hf_overrides_never_loads_the_kv(tiny_model: Path, tmp_path: Path) -> None:
+    """Same model files, same disk tier, but ``--hf-overrides`` changes every layer's KV (break test
+    F-hf-overrides): the second engine loads nothing and answers as its own prefill does."""
+    disk = tmp_path / "disk"
+    steps = [{"op": "generate", "prompts": _prompts()}]
+    plain = result_of(run_engine(_spec(tiny_model, disk, steps), tmp_path, "plain"), tmp_path, "plain")
+    assert plain["metrics"]["kvtier_saved_tokens_total"] == 2 * LOADABLE
+    spec = dict(_spec(tiny_model, disk, steps), engine={"hf_overrides": {"rms_norm_eps": 0.9}})
+    other = result_of(run_engine(spec, tmp_path, "override"), tmp_path, "override")
+    m = other["metrics"]
+    assert m["kvtier_loaded_tokens_total{disk}"] + m["kvtier_loaded_tokens_total{cpu}"] == 0
+    assert m["vllm:external_prefix_cache_hits_total"] == 0
+    assert m["kvtier_saved_tokens_total"] == 2 * LOADABLE  # its own chunks, in its own namespace
+    assert other["results"][0][0]["logprobs"] != plain["results"][0][0]["logprobs"]  # the override does change KV
+
+
 def test_producer_hands_kv_to_consumer_through_shared_disk(tiny_model: Path, tmp_path: Path) -> None:
     """A kv_producer (saves only) prefills and stops; a kv_consumer (loads only) started on the
     same disk tier then serves the same prompts from what the producer wrote."""

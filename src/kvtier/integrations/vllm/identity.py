@@ -19,13 +19,20 @@ old weights, a re-quantization).  KV computed by the old weights must then never
 A model given as a Hugging Face repo id is resolved to its local snapshot (already downloaded
 by vLLM) without network access; if it cannot be resolved, the fingerprint covers what is known
 (name and revision) and says so in the log.
+
+The files are not the whole story: ``--hf-overrides`` (``{"rms_norm_eps": 0.9}``, a rope
+change), ``--quantization`` applied at load time and ``--dtype`` change the KV of the same files.
+:func:`effective_config_digest` covers the configuration vLLM actually runs, after every override;
+both go into the namespace (:func:`kvtier.integrations.vllm.worker.build_namespace`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import blake3
 
@@ -104,3 +111,26 @@ def model_fingerprint(model: str, revision: str | None = None, tokenizer: str | 
             except OSError as exc:
                 log.warning("kvtier: cannot read %s for the identity fingerprint (%s)", path, exc.strerror)
     return h.hexdigest(16)
+
+
+def effective_config_digest(model_config: Any) -> str:
+    """Hex digest (16 chars) of the model configuration vLLM runs, after every override.
+
+    Covers ``hf_config`` and ``hf_text_config`` as vLLM holds them (``--hf-overrides`` applied;
+    serialized with transformers' ``to_json_string(use_diff=False)``, sorted keys), the load-time
+    ``quantization`` and the model ``dtype``.  Two engines share KV only when all of it matches.
+
+    Args:
+        model_config: vLLM's ``vllm_config.model_config``.
+    """
+    h = blake3.blake3(b"kvtier-effective-config\0")
+    for name in ("hf_config", "hf_text_config"):
+        config = getattr(model_config, name, None)
+        try:
+            text = config.to_json_string(use_diff=False) if config is not None else "none"
+        except (TypeError, ValueError, AttributeError):  # a field JSON cannot encode: its repr still differs
+            text = json.dumps(vars(config), sort_keys=True, default=repr)
+        h.update(f"{name}\0{text}\0".encode())
+    for name in ("quantization", "dtype"):
+        h.update(f"{name}\0{getattr(model_config, name, None)}\0".encode())
+    return h.hexdigest(8)

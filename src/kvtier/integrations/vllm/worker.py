@@ -37,7 +37,7 @@ from kvtier.core.store import TieredStore
 from kvtier.integrations.vllm.copy import BlockCopier, Span
 from kvtier.integrations.vllm.group_io import GroupCopiers, save_pages
 from kvtier.integrations.vllm.groups import GroupKind, engine_plan
-from kvtier.integrations.vllm.identity import model_fingerprint
+from kvtier.integrations.vllm.identity import effective_config_digest, model_fingerprint
 from kvtier.integrations.vllm.layout import KVLayout, detect_group_layouts, detect_layout
 from kvtier.integrations.vllm.loader import AsyncLoader
 from kvtier.integrations.vllm.protocol import KVTierMetadata, KVTierWorkerMeta, RankReport, SaveJob
@@ -118,6 +118,7 @@ def build_namespace(vllm_config: Any, kv_cache_config: Any, layout: KVLayout, co
         chunk_tokens=config.chunk_tokens,
         extra=(("block_size", str(vllm_config.cache_config.block_size)),
                ("identity", fingerprint),
+               ("effective_config", effective_config_digest(model_config)),
                ("kv_cache_layout", str(getattr(kv_layout, "name", kv_layout))),
                ("layers", layers),
                ("spec", spec_names)),
