@@ -44,6 +44,8 @@ def test_yaml(tmp_path):
     ({"redis_url": "redis://127.0.0.1:notaport/0"}, "port must be a number"),
     ({"redis_url": "redis://:secretpw@127.0.0.1:99999/0"}, "port must be a number"),
     ({"redis_url": "rediss://127.0.0.1:0/0"}, "port must be a number"),
+    ({"redis_url": "redis://127.0.0.1:6379/abc"}, "database 'abc' must be a number"),
+    ({"redis_url": "redis://"}, "redis_url names no host"),
 ])
 def test_bad_values_fail_with_one_sentence(values, needle):
     with pytest.raises(ConfigError) as info:
@@ -102,6 +104,17 @@ def test_env_typo_is_rejected_and_env_errors_name_the_variable(monkeypatch):
     monkeypatch.setenv("KVTIER_CPU_GIB", "lots")
     with pytest.raises(ConfigError, match="from environment variable KVTIER_CPU_GIB"):
         KVTierConfig.from_dict({})
+
+
+@pytest.mark.parametrize("value", ["{disk:bogus}", "notjson"])
+def test_a_mapping_variable_that_is_not_json_is_one_sentence(monkeypatch, tmp_path, value):
+    monkeypatch.setenv("KVTIER_ADMISSION", value)
+    with pytest.raises(ConfigError, match="KVTIER_ADMISSION must be JSON for admission") as info:
+        KVTierConfig.from_dict({})
+    assert info.value.env_var == "KVTIER_ADMISSION"
+    monkeypatch.setenv("KVTIER_ADMISSION", '{"disk": "reused"}')
+    assert KVTierConfig.from_dict({"disk_path": str(tmp_path / "d"), "disk_gib": 0.001,
+                                   "write_mode": "write-back"}).admission == {"disk": "reused"}
 
 
 def test_the_variable_named_by_redis_password_env_is_not_a_setting_typo(monkeypatch):

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from kvtier.core.errors import ConfigError
 from kvtier.core.policies.admission import available_admissions
@@ -147,6 +147,12 @@ class KVTierConfig(BaseSettings):
                 port = 0
             if port == 0:
                 raise ValueError("redis_url's port must be a number from 1 to 65535, e.g. redis://10.0.0.5:6379/0")
+            parts = urlsplit(value)
+            if not parts.hostname:
+                raise ValueError("redis_url names no host; give one, e.g. redis://10.0.0.5:6379/0")
+            database = parts.path.strip("/")
+            if database and not database.isdigit():  # redis-py reads the path as the database number
+                raise ValueError(f"redis_url's database {database!r} must be a number, e.g. redis://10.0.0.5:6379/0")
         return value
 
     @field_validator("disk_path")
@@ -201,6 +207,11 @@ class KVTierConfig(BaseSettings):
             return cls(**values)
         except ValidationError as exc:
             raise ConfigError(*_one_sentence(exc, explicit=set(values))) from None
+        except SettingsError as exc:  # a KVTIER_* variable of a list or mapping field that is not JSON
+            field = next((name for name in cls.model_fields if f'field "{name}"' in str(exc)), "")
+            var = f"KVTIER_{field.upper()}"
+            raise ConfigError(f"environment variable {var} must be JSON for {field}, e.g. "
+                              f"{var}='{_JSON_EXAMPLES.get(field, '...')}'; fix or unset it", env_var=var) from None
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> KVTierConfig:
@@ -329,6 +340,9 @@ def did_you_mean(name: str, known: Iterable[str]) -> str:
     """`` (did you mean 'x'?)`` for the closest known name, or ``""`` when none is close."""
     close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+_JSON_EXAMPLES = {"admission": '{"disk": "reused"}', "tiers": '["cpu", "disk"]'}
 
 
 def _check_env(values: dict[str, Any]) -> None:
