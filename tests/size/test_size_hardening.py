@@ -76,6 +76,17 @@ def test_non_finite_numbers_are_refused(flag, value):
     assert result.exit_code == 2 and f"{flag} must be a finite number" in result.output
 
 
+@pytest.mark.parametrize("flag, value, bound", [("--weights-gib", "1e308", "1,048,576"),
+                                                ("--overhead-gib", "1e308", "1,048,576"),
+                                                ("--gpu-memory-gib", "1e308", "1,048,576"),
+                                                ("--offload-gib", "1e308", "1,048,576"),
+                                                ("--context", "100000000000", "100,000,000")])
+def test_huge_finite_numbers_are_refused(flag, value, bound):
+    result = run("--model", LLAMA, "--gpu", "H100", "--sessions", "10", flag, value)
+    assert result.exit_code == 2 and f"{flag} must be at most {bound}" in result.output
+    assert "Traceback" not in result.output
+
+
 def test_lmcache_recipe_quotes_paths_and_follows_chunk_tokens():
     data = _json("--model", LLAMA, "--offload-gib", "100", "--host-ram-gib", "40", "--disk-path", "/mnt/my kv",
                  "--chunk-tokens", "512")

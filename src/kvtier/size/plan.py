@@ -27,10 +27,18 @@ MIN_CPU_GIB = 4.0
 through its cpu tier on the way to and from disk, so a disk tier with ``cpu_gib: 0`` cannot work."""
 
 
-def check_finite(label: str, value: float | None) -> None:
-    """Raise UserError when ``value`` is inf or NaN (Typer accepts both as floats)."""
+MAX_GIB = float(1 << 20)
+"""Largest memory size accepted anywhere (GiB): 1 PiB, past any host or GPU, far below float overflow."""
+MAX_COUNT = 100_000_000
+"""Largest ``--context`` (tokens) and ``--sessions`` accepted."""
+
+
+def check_finite(label: str, value: float | None, maximum: float = MAX_GIB) -> None:
+    """Raise UserError when ``value`` is inf, NaN (Typer accepts both as floats) or above ``maximum``."""
     if value is not None and not math.isfinite(value):
         raise UserError(f"{label} must be a finite number, got {value}.")
+    if value is not None and value > maximum:
+        raise UserError(f"{label} must be at most {maximum:,.0f}, got {value:g}.")
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,7 @@ class Deployment:
             if value is not None and value < 0:
                 raise UserError(f"{label} must not be negative, got {value}.")
         for label, count in (("--context", self.context_tokens), ("--sessions", self.sessions)):
+            check_finite(label, count, MAX_COUNT)
             if count is not None and count < 1:
                 raise UserError(f"{label} must be at least 1, got {count}.")
 
