@@ -67,9 +67,45 @@ def test_a_prefix_another_engine_saved_is_found_without_blocking(redis_server, k
         assert _answer(lookups, "r2", other, 0)[0] == 0  # never saved: a miss
         # what the scheduler-side connector exports (kvtier_shared_lookups_*): 10 of 13 chunks found
         assert lookups.counters() == {"shared_lookups": 3, "shared_lookups_answered": 3, "shared_lookups_timed_out": 0,
-                                      "shared_lookups_skipped": 0, "shared_lookup_chunks": 6 + 4 + 3,
+                                      "shared_lookups_superseded": 0, "shared_lookups_skipped": 0, "shared_lookup_chunks": 6 + 4 + 3,
                                       "shared_lookup_hit_chunks": 6 + 4}
         assert lookups.pending == 0
+    finally:
+        lookups.close()
+        proxy.close()
+        store.close()
+
+
+def test_replaced_and_dropped_lookups_count_as_superseded(redis_server, key_prefix):
+    """F-lookup-counters (break test s5-2): a lookup replaced when the request's span changed, or
+    dropped with its request, before its answer was read, counts as superseded, so that
+    sent == answered + superseded + pending at every scrape (it was 20 sent, 16 answered, 0 pending)."""
+    chain = chain_of(16, 6)
+    store, namespace = _rank(redis_server.url, key_prefix, 0, chain)
+    proxy = DelayProxy(redis_server.port, delay_s=0.3)  # answers come after the span changes below
+    lookups = RemoteLookups(_config(proxy.url, key_prefix, shared_deadline_s=5.0, redis_timeout_s=5.0))
+
+    def adds_up() -> bool:
+        c = lookups.counters()
+        return c["shared_lookups"] == c["shared_lookups_answered"] + c["shared_lookups_superseded"] + lookups.pending
+
+    try:
+        assert lookups.bind([namespace])
+        assert lookups.poll("r1", chain, 0) is None  # sent, not answered
+        assert (lookups.asked, lookups.pending, lookups.superseded) == (1, 1, 0) and adds_up()
+        assert lookups.poll("r1", chain, 2) is None  # the local hit grew: a new lookup replaces the first
+        assert (lookups.asked, lookups.pending, lookups.superseded) == (2, 1, 1) and adds_up()
+        assert _answer(lookups, "r1", chain, 2)[0] == 4  # the replacement's answer
+        assert (lookups.answered, lookups.pending) == (1, 0) and adds_up()
+        assert lookups.poll("r1", chain, 2) == 4 and lookups.asked == 2  # known answer, nothing sent
+        assert lookups.poll("r2", chain, 0) is None
+        lookups.forget("r2")  # the request went away before its answer was read
+        lookups.forget("r1")  # answered: not superseded
+        assert lookups.counters() == {"shared_lookups": 3, "shared_lookups_answered": 1,
+                                      "shared_lookups_timed_out": 0, "shared_lookups_superseded": 2,
+                                      "shared_lookups_skipped": 0, "shared_lookup_chunks": 4,
+                                      "shared_lookup_hit_chunks": 4}
+        assert lookups.pending == 0 and adds_up()
     finally:
         lookups.close()
         proxy.close()

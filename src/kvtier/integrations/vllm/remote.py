@@ -22,7 +22,10 @@ step and asks again in the next one), so the engine's step never waits on the ne
   recomputes the rest.
 - Counted (:meth:`RemoteLookups.counters`, exported to vLLM's ``/metrics`` as
   ``kvtier_shared_lookups_*`` by the scheduler-side connector): lookups sent, answered, timed
-  out and skipped, chunks asked and found by the answered ones, and lookups in flight.
+  out, superseded and skipped, chunks asked and found by the answered ones, and lookups pending.
+  At every scrape ``sent == answered + superseded + pending``: a lookup whose request's span
+  changed (its local hit grew) is replaced by a new one and counted superseded, as is one
+  dropped with its request before its answer was read.
 """
 
 from __future__ import annotations
@@ -72,7 +75,9 @@ class RemoteLookups:
         self._pending: dict[str, tuple[tuple[int, int], PendingLookup]] = {}
         # hybrid models: req_id -> (page keys asked, the lookup or its answer, deadline)
         self._pending_pages: dict[str, tuple[tuple[bytes, ...], Future[frozenset[bytes]] | frozenset[bytes], float]] = {}
-        self.asked = self.answered = self.timed_out = self.skipped = 0
+        # sent lookups whose answer was not read yet: ("chunks" | "pages", req_id)
+        self._unanswered: set[tuple[str, str]] = set()
+        self.asked = self.answered = self.timed_out = self.skipped = self.superseded = 0
         self.answered_chunks = self.found_chunks = 0  # over answered lookups: the shared tier's hit rate
 
     def bind(self, namespaces: Sequence[bytes]) -> bool:
@@ -107,10 +112,11 @@ class RemoteLookups:
         span = (start, len(chain))
         entry = self._pending.get(req_id)
         if entry is None or entry[0] != span:
-            entry = self._pending[req_id] = (span, self._submit(chain[start:]))
+            self._supersede("chunks", req_id)
+            entry = self._pending[req_id] = (span, self._submit(req_id, chain[start:]))
         found = entry[1].poll()
         if found is not None and not isinstance(entry[1], _Answered):  # keep the answer, drop the future
-            self._answered(req_id, span[1] - start, found, entry[1].timed_out)
+            self._answered(("chunks", req_id), span[1] - start, found, entry[1].timed_out)
             self._pending[req_id] = (span, _Answered(found, span[1] - start))
         return found
 
@@ -123,7 +129,10 @@ class RemoteLookups:
         if entry is not None and isinstance(entry[1], frozenset) and set(asked) <= set(entry[0]):
             return entry[1].intersection(asked)  # answered; pages since saved locally are no longer asked
         if entry is None or entry[0] != asked:
+            self._supersede("pages", req_id)
             future = self._start(lambda tiers: _held_by_every_rank(tiers, asked)) if asked else None
+            if future is not None:
+                self._unanswered.add(("pages", req_id))
             entry = self._pending_pages[req_id] = (asked, frozenset() if future is None else future,
                                                    time.monotonic() + self.deadline_s)
         _, answer, deadline = entry
@@ -139,12 +148,14 @@ class RemoteLookups:
             found, timed_out = frozenset(), True
         else:
             return None
-        self._answered(req_id, len(asked), len(found), timed_out)
+        self._answered(("pages", req_id), len(asked), len(found), timed_out)
         self._pending_pages[req_id] = (asked, found, deadline)
         return found
 
-    def _answered(self, req_id: str, asked: int, found: int, timed_out: bool) -> None:
+    def _answered(self, lookup: tuple[str, str], asked: int, found: int, timed_out: bool) -> None:
         """Count an answered lookup (``asked`` chunks or pages, ``found`` of them in the shared tier)."""
+        self._unanswered.discard(lookup)
+        req_id = lookup[1]
         self.answered += 1
         self.answered_chunks += asked
         self.found_chunks += found
@@ -153,8 +164,17 @@ class RemoteLookups:
             log.info("kvtier: shared-tier lookup for request %s passed shared_deadline_s=%s; answered from "
                      "local tiers", req_id, self.deadline_s)
 
+    def _supersede(self, kind: str, req_id: str) -> None:
+        """Count ``req_id``'s sent lookup of ``kind`` as superseded if its answer was never read."""
+        if (kind, req_id) in self._unanswered:
+            self._unanswered.discard((kind, req_id))
+            self.superseded += 1
+
     def forget(self, req_id: str) -> None:
-        """Drop ``req_id``'s lookup (planned, or the request is gone)."""
+        """Drop ``req_id``'s lookup (planned, or the request is gone); one still unanswered
+        counts as superseded."""
+        self._supersede("chunks", req_id)
+        self._supersede("pages", req_id)
         self._pending.pop(req_id, None)
         self._pending_pages.pop(req_id, None)
 
@@ -183,26 +203,31 @@ class RemoteLookups:
                 self._in_flight -= 1
             return None
 
-    def _submit(self, keys: Sequence[bytes]) -> PendingLookup:
+    def _submit(self, req_id: str, keys: Sequence[bytes]) -> PendingLookup:
         chunk_keys = [ChunkKey(k) for k in keys]
         future = self._start(lambda tiers: _leading_held_by_every_rank(tiers, chunk_keys))
         if future is None:
             return PendingLookup(0, len(keys))
+        self._unanswered.add(("chunks", req_id))
         return PendingLookup(0, len(keys), future, time.monotonic() + self.deadline_s)
 
     @property
     def pending(self) -> int:
-        """Lookups in flight now."""
-        with self._lock:
-            return self._in_flight
+        """Lookups sent whose answer the scheduler has not read yet (neither answered nor
+        superseded), so that ``asked == answered + superseded + pending``.  Superseded lookups
+        still running occupy ``shared_queue_depth`` until they finish but are not counted here."""
+        return len(self._unanswered)
 
     def counters(self) -> dict[str, int]:
         """Totals since start: ``shared_lookups`` (sent), ``shared_lookups_answered``,
-        ``shared_lookups_timed_out``, ``shared_lookups_skipped`` (not sent: queue full or the tier
-        not ready), ``shared_lookup_chunks`` / ``shared_lookup_hit_chunks`` (asked / found, over
-        answered lookups)."""
+        ``shared_lookups_timed_out`` (answered at the deadline), ``shared_lookups_superseded``
+        (replaced or dropped before their answer was read; sent = answered + superseded +
+        :attr:`pending`), ``shared_lookups_skipped`` (not sent: queue full or the tier not ready),
+        ``shared_lookup_chunks`` / ``shared_lookup_hit_chunks`` (asked / found, over answered
+        lookups)."""
         return {"shared_lookups": self.asked, "shared_lookups_answered": self.answered,
-                "shared_lookups_timed_out": self.timed_out, "shared_lookups_skipped": self.skipped,
+                "shared_lookups_timed_out": self.timed_out, "shared_lookups_superseded": self.superseded,
+                "shared_lookups_skipped": self.skipped,
                 "shared_lookup_chunks": self.answered_chunks, "shared_lookup_hit_chunks": self.found_chunks}
 
     def close_tiers(self) -> None:

@@ -32,9 +32,11 @@ Exported (Prometheus adds ``_total`` to counters; ``tier`` is ``cpu``, ``disk`` 
 - Shared tier (scheduler side, :meth:`RemoteLookups.counters
   <kvtier.integrations.vllm.remote.RemoteLookups.counters>`): ``kvtier_shared_lookups_total``
   (sent), ``kvtier_shared_lookups_answered_total``, ``kvtier_shared_lookups_timed_out_total``,
+  ``kvtier_shared_lookups_superseded_total`` (replaced by a newer lookup, or dropped with the
+  request, before the answer was read: sent = answered + superseded + pending),
   ``kvtier_shared_lookups_skipped_total``, ``kvtier_shared_lookup_chunks_total`` and
   ``kvtier_shared_lookup_hit_chunks_total`` (their ratio is the shared tier's hit rate),
-  ``kvtier_shared_lookups_pending`` (in flight).
+  ``kvtier_shared_lookups_pending`` (sent, answer not read yet).
 
 Token counts are reported by tensor-parallel rank 0 only (every rank moves the same tokens);
 bytes, seconds, evictions, dropped saves, corrupt chunks, write errors and usage are summed over ranks.
@@ -88,6 +90,9 @@ COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                 ()),
     "shared_lookups_timed_out": ("kvtier_shared_lookups_timed_out", "Shared-tier lookups that passed shared_deadline_s.",
                                  ()),
+    "shared_lookups_superseded": ("kvtier_shared_lookups_superseded", ("Shared-tier lookups replaced by a newer "
+                                  "lookup for the same request (its local hit grew) or dropped with the request "
+                                  "before their answer was read; sent = answered + superseded + pending."), ()),
     "shared_lookups_skipped": ("kvtier_shared_lookups_skipped", ("Shared-tier lookups not sent: shared_queue_depth "
                                "lookups in flight, or the tier not ready; each answered 0 chunks."), ()),
     "shared_lookup_chunks": ("kvtier_shared_lookup_chunks", "Chunks asked of the shared tier by answered lookups.", ()),
@@ -109,7 +114,8 @@ GAUGES: dict[str, tuple[str, str, str | None]] = {
                     None),
     "redis_breaker_state": ("kvtier_redis_breaker_state", ("Shared-tier circuit breaker, summed over ranks: 0 closed "
                             "everywhere; 1 half-open, 2 open per rank."), None),
-    "shared_lookups_pending": ("kvtier_shared_lookups_pending", "Shared-tier lookups in flight (scheduler).", None),
+    "shared_lookups_pending": ("kvtier_shared_lookups_pending", ("Shared-tier lookups sent whose answer the "
+                               "scheduler has not read yet."), None),
 }
 
 def _wire(s: StoreStats) -> WireStats:
