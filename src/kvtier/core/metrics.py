@@ -97,7 +97,7 @@ class StoreMetrics(Collector):
         yield by("kvtier_transfer_seconds", "Seconds spent moving bytes, by direction.", "direction",
                  s.transfer_seconds if s else {})
         yield by("kvtier_evictions", "Chunks evicted, by tier.", "tier", {n: t.evictions for n, t in all_tiers.items()})
-        yield counter("kvtier_dropped_saves", "Saves dropped: no room or the save queue was full.",
+        yield counter("kvtier_dropped_saves", "Saves dropped by any tier: no room, a write queue full, a failed write.",
                       s.dropped_saves if s else 0)
         yield by("kvtier_corrupt_chunks", "Chunks that failed verification (served as misses).", "tier",
                  {n: t.corrupt_chunks for n, t in all_tiers.items()})

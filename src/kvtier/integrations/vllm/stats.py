@@ -73,7 +73,8 @@ COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "save_bytes": ("kvtier_transfer_bytes", "Bytes copied between engine and kvtier.", ("save",)),
     "evictions_cpu": ("kvtier_evictions", "Chunks evicted from a kvtier tier.", ("cpu",)),
     "evictions_disk": ("kvtier_evictions", "Chunks evicted from a kvtier tier.", ("disk",)),
-    "dropped_saves": ("kvtier_dropped_saves", "Chunk saves dropped (no room, or disk queue full).", ()),
+    "dropped_saves": ("kvtier_dropped_saves", ("Chunk saves given up by any tier: no room in the cpu tier, a write "
+                      "queue full, or a write that failed (see redis_skipped_writes, disk_write_errors)."), ()),
     "corrupt_chunks": ("kvtier_corrupt_chunks", "Chunks that failed verification and were recomputed.", ()),
     "disk_write_errors": ("kvtier_disk_write_errors", ("Chunk writes to the disk tier that failed (full or read-only "
                           "directory, I/O error); those chunks were not stored."), ()),

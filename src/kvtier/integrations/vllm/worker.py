@@ -119,10 +119,18 @@ def build_namespace(vllm_config: Any, kv_cache_config: Any, layout: KVLayout, co
         extra=(("block_size", str(vllm_config.cache_config.block_size)),
                ("identity", fingerprint),
                ("effective_config", effective_config_digest(model_config)),
+               ("weights", _weights_source(vllm_config)),
                ("kv_cache_layout", str(getattr(kv_layout, "name", kv_layout))),
                ("layers", layers),
                ("spec", spec_names)),
     )
+
+
+def _weights_source(vllm_config: Any) -> str:
+    """``"dummy"`` when vLLM makes up the weights (``--load-format dummy``), else ``"files"``: KV of
+    made-up weights must never meet KV of the real ones, whatever the files on disk are."""
+    load_format = getattr(getattr(vllm_config, "load_config", None), "load_format", None)
+    return "dummy" if str(getattr(load_format, "value", load_format)) == "dummy" else "files"
 
 
 def key_root(namespace: Namespace) -> bytes:
