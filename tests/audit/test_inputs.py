@@ -109,6 +109,8 @@ def test_bad_version_strings_are_user_errors(text):
     ("vllm serve m --kv-transfer-config '{unterminated", "quotes"),
     ("just some prose\nwith no command\n", "neither"),
     ("   \n", "empty"),
+    ("kind: Pod\nspec:\n  containers:\n  - name: v\n    command: [vllm, serve, [m]]\n",
+     "must be a list of strings, but one item is a list: \\['m'\\]"),
 ])
 def test_unreadable_inputs_are_user_errors(text, words):
     with pytest.raises(UserError, match=words):

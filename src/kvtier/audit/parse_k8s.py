@@ -63,8 +63,11 @@ def _words(container: dict[str, Any], key: str, where: str) -> list[str]:
             return shlex.split(value)
         except ValueError as exc:
             raise UserError(f"{where} {key} is not a valid shell line ({exc}); write it as a list.") from None
-    if not isinstance(value, list) or any(isinstance(w, (dict, list)) for w in value):
+    if not isinstance(value, list):
         raise UserError(f"{where} {key} must be a list of strings, got {type(value).__name__}.")
+    bad = next((w for w in value if isinstance(w, (dict, list))), None)
+    if bad is not None:
+        raise UserError(f"{where} {key} must be a list of strings, but one item is a {type(bad).__name__}: {bad!r}.")
     return [str(w) for w in value]
 
 
