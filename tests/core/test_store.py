@@ -268,7 +268,7 @@ def test_disk_tier_shrunk_since_last_run_is_trimmed_oldest_first(tmp_path, caplo
     small.check_integrity()
 
 
-@pytest.mark.parametrize("cpu_chunks", [0])
+@pytest.mark.parametrize("cpu_chunks", [0.5, 0.999])  # 0 itself is refused by the config validator (test_config)
 def test_cpu_tier_smaller_than_one_chunk_fails_at_start(tmp_path, cpu_chunks):
     with pytest.raises(ConfigError, match="less than one chunk"):
         make_store(tmp_path, cpu_chunks=cpu_chunks, disk_chunks=8)
