@@ -15,7 +15,10 @@ from typing import Any, Literal
 
 from packaging.version import Version
 
+from kvtier.audit.dotted import merge_dotted
 from kvtier.core.errors import UserError
+
+TRANSFER_FLAG = "--kv-transfer-config"
 
 Severity = Literal["error", "warning", "info"]
 SEVERITIES: tuple[Severity, ...] = ("error", "warning", "info")
@@ -102,12 +105,39 @@ class ServeConfig:
 
     @property
     def kv_transfer_config(self) -> dict[str, Any] | None:
-        """``--kv-transfer-config`` parsed, None when absent or not a JSON object.
+        """The transfer config vLLM runs with: the dotted ``--kv-transfer-config.KEY=VALUE`` flags
+        merged when there are any (they replace the JSON, see :mod:`kvtier.audit.dotted`), else
+        :attr:`kv_transfer_json`.
+
+        Raises:
+            UserError: a value is nested too deeply for Python's parser (RecursionError).
+        """
+        dotted = self.kv_transfer_dotted
+        return dotted if dotted is not None else self.kv_transfer_json
+
+    @property
+    def kv_transfer_dotted_flags(self) -> list[str]:
+        """The dotted ``--kv-transfer-config.KEY[=VALUE]`` flags, as written (normalised), in order."""
+        return [name if value is None else f"{name}={value}" for name, value in self.flags
+                if name.startswith(TRANSFER_FLAG + ".")]
+
+    @property
+    def kv_transfer_dotted(self) -> dict[str, Any] | None:
+        """The dict vLLM builds from the dotted flags, None when there are none."""
+        try:
+            return merge_dotted(TRANSFER_FLAG, self.flags)
+        except RecursionError:
+            raise UserError(f"{self.origin}: a --kv-transfer-config.KEY value is nested too deeply to be a "
+                            "connector config.") from None
+
+    @property
+    def kv_transfer_json(self) -> dict[str, Any] | None:
+        """The plain ``--kv-transfer-config '{...}'`` JSON parsed, None when absent or not a JSON object.
 
         Raises:
             UserError: the JSON is nested too deeply for Python's parser (RecursionError).
         """
-        raw = self.value("--kv-transfer-config")
+        raw = self.value(TRANSFER_FLAG)
         if raw is None:
             return None
         try:

@@ -3,7 +3,9 @@
 Shell words are split with :mod:`shlex` (quotes, backslash continuations and ``#`` comments work
 as in a shell).  ``export K=V`` lines, ``K=V`` prefixes and ``docker run -e K=V`` set the
 environment; ``vllm serve`` (or ``python -m vllm.entrypoints.openai.api_server``, or the arguments
-after a ``vllm-openai`` image in ``docker run``) starts the vLLM arguments.
+after a ``vllm-openai`` image in ``docker run``) starts the vLLM arguments.  Dotted flags
+(``--kv-transfer-config.kv_role=kv_both``, ``--kv-transfer-config.kv_role kv_both``) are kept as
+flags of that name; :mod:`kvtier.audit.dotted` merges them as vLLM does.
 """
 
 from __future__ import annotations
@@ -30,8 +32,13 @@ BOOL_FLAGS = frozenset({
 
 
 def normalise_flag(word: str) -> str:
-    """``--foo_bar`` → ``--foo-bar`` (vLLM accepts both spellings)."""
-    return "--" + word[2:].replace("_", "-") if word.startswith("--") else word
+    """``--foo_bar`` → ``--foo-bar`` (vLLM accepts both spellings); in a dotted flag only the part
+    before the first dot (``--kv_transfer_config.kv_role`` → ``--kv-transfer-config.kv_role``), as
+    vLLM's ``FlexibleArgumentParser.parse_args`` does (vllm/utils/argparse_utils.py)."""
+    if not word.startswith("--"):
+        return word
+    name, dot, keys = word[2:].partition(".")
+    return "--" + name.replace("_", "-") + dot + keys
 
 
 def parse_vllm_args(words: list[str], config: ServeConfig) -> None:
@@ -48,8 +55,9 @@ def parse_vllm_args(words: list[str], config: ServeConfig) -> None:
             else:
                 name = normalise_flag(word)
                 nxt = words[i + 1] if i + 1 < len(words) else None
+                dotted = "." in name and name.startswith("--")  # vLLM takes the next word, whatever it is
                 if name not in BOOL_FLAGS and nxt is not None and nxt not in _STOP and (
-                        not nxt.startswith("-") or _is_number(nxt)):
+                        dotted or not nxt.startswith("-") or _is_number(nxt)):
                     config.flags.append((name, nxt))
                     i += 1
                 else:

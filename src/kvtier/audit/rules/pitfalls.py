@@ -96,8 +96,33 @@ def prefix_caching_off(c: ServeConfig) -> str | None:
       'vLLM vllm/config/kv_transfer.py KVTransferConfig, parsed from JSON by '
       'vllm/engine/arg_utils.py', locate="--kv-transfer-config")
 def transfer_config_invalid(c: ServeConfig) -> str | None:
-    if c.has("--kv-transfer-config") and c.kv_transfer_config is None:
+    if c.has("--kv-transfer-config") and c.kv_transfer_json is None:
         return f"--kv-transfer-config {c.value('--kv-transfer-config')!r} does not parse as a JSON object."
+    return None
+
+
+@rule("kv-transfer-config-dotted", "error", "dotted --kv-transfer-config.KEY flags leave the server without "
+      "its KV connector",
+      "Put every key in the one --kv-transfer-config JSON (or give them all as dotted flags, kv_connector, "
+      "kv_role and kv_connector_module_path included); vLLM never merges the two forms.",
+      'vLLM vllm/utils/argparse_utils.py FlexibleArgumentParser.parse_args (dotted keys become one '
+      '--kv-transfer-config JSON appended after every other argument; argparse keeps the last)',
+      locate="--kv-transfer-config.")
+def transfer_config_dotted(c: ServeConfig) -> str | None:
+    dotted = c.kv_transfer_dotted
+    if dotted is None:
+        return None
+    flags = " ".join(c.kv_transfer_dotted_flags)
+    plain = c.kv_transfer_json
+    lost = plain.get("kv_connector") if plain else None
+    if lost and dotted.get("kv_connector") != lost:
+        now = dotted.get("kv_connector")
+        return (f"{flags} replaces the whole --kv-transfer-config JSON (vLLM builds a new config from the dotted "
+                f"keys), so the server runs {'with ' + str(now) if now else 'with no KV connector'} instead of "
+                f"{lost}: {'without kvtier, ' if lost == 'KVTierConnector' else ''}nothing is offloaded or loaded.")
+    if not dotted.get("kv_connector"):
+        return (f"{flags} sets no kv_connector, so vLLM runs with no KV connector and ignores these keys"
+                f"{' (the --kv-transfer-config JSON is replaced by them)' if c.has('--kv-transfer-config') else ''}.")
     return None
 
 
