@@ -130,3 +130,17 @@ def test_identity_fingerprint_follows_weights_tokenizer_and_config(tmp_path: Pat
     tok.write_text(tok.read_text().replace('"<unk>"', '"<UNK>"', 1))
     assert model_fingerprint(str(model)) != reseeded
     assert model_fingerprint("no/such-model") == model_fingerprint("no/such-model")  # unresolved: name only
+
+
+def test_effective_config_digest_follows_overrides_and_is_stable(tmp_path: Path) -> None:
+    from vllm.config import ModelConfig
+
+    from kvtier.integrations.vllm.identity import effective_config_digest
+    from kvtier.integrations.vllm.testmodel import write_model
+
+    model = write_model(tmp_path / "tiny", "tiny", weights="none")
+    plain = effective_config_digest(ModelConfig(model=str(model), dtype="float32"))
+    assert plain == effective_config_digest(ModelConfig(model=str(model), dtype="float32"))  # same config, same digest
+    overridden = ModelConfig(model=str(model), dtype="float32", hf_overrides={"rms_norm_eps": 0.9})
+    assert effective_config_digest(overridden) != plain
+    assert effective_config_digest(ModelConfig(model=str(model), dtype="bfloat16")) != plain

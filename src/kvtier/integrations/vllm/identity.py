@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -128,8 +129,8 @@ def effective_config_digest(model_config: Any) -> str:
         config = getattr(model_config, name, None)
         try:
             text = config.to_json_string(use_diff=False) if config is not None else "none"
-        except (TypeError, ValueError, AttributeError):  # a field JSON cannot encode: its repr still differs
-            text = json.dumps(vars(config), sort_keys=True, default=repr)
+        except (TypeError, ValueError, AttributeError):  # a field JSON cannot encode: its repr, minus any address
+            text = json.dumps(vars(config), sort_keys=True, default=lambda o: re.sub(r" at 0x[0-9a-fA-F]+", "", repr(o)))
         h.update(f"{name}\0{text}\0".encode())
     for name in ("quantization", "dtype"):
         h.update(f"{name}\0{getattr(model_config, name, None)}\0".encode())
