@@ -21,6 +21,8 @@ per-read timeout lets through.  Not a vLLM stand-in for anything else.
 import argparse
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -39,6 +41,26 @@ def shared_prefix(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
+
+
+def launch(*args: str) -> tuple[subprocess.Popen[bytes], str]:
+    """Start this server on a free port with ``args`` in a child process; ``(process, url)`` once
+    ``/health`` answers (the caller kills it)."""
+    import httpx
+
+    from kvtier.integrations.vllm.serve import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, __file__, str(port), *args])
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("sse_server.py did not start")
 
 
 def main() -> None:

@@ -10,7 +10,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import redis
 
@@ -24,6 +23,7 @@ from kvtier.bench.report import compare_json, markdown, replica_rows
 from kvtier.bench.shared_redis import LocalRedis, check_redis_url, delete_prefix, with_run_prefix
 from kvtier.bench.workload import TokenSpace
 from kvtier.integrations.vllm.serve import ServerSpec, free_port
+from tests.bench.sse_server import launch
 from tests.processes import pids_mentioning
 
 TOKENS = TokenSpace(seed=0, low=10, high=500)
@@ -32,20 +32,8 @@ TOKENS = TokenSpace(seed=0, low=10, high=500)
 @pytest.fixture()
 def sse_servers() -> Iterator[list[str]]:
     """Three fresh SSE servers (each remembers only the prompts it was sent)."""
-    procs, urls = [], []
-    for _ in range(3):
-        port = free_port()
-        procs.append(subprocess.Popen([sys.executable, str(Path(__file__).with_name("sse_server.py")), str(port),
-                                       "--gap", "0.005"]))
-        urls.append(f"http://127.0.0.1:{port}")
-    for url in urls:
-        for _ in range(200):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.05)
-    yield urls
+    procs, urls = zip(*(launch("--gap", "0.005") for _ in range(3)), strict=True)
+    yield list(urls)
     for proc in procs:
         proc.kill()
         proc.wait()

@@ -20,28 +20,14 @@ from kvtier.cli.main import app
 from kvtier.core.mooncake import iter_records
 from kvtier.integrations.vllm.serve import free_port
 from kvtier.simulate.record import TraceRecorder
+from tests.bench.sse_server import launch
 
-SSE_SERVER = Path(__file__).parent.parent / "bench" / "sse_server.py"
 OLD = '{"timestamp": 0, "input_length": 3, "output_length": 1, "hash_ids": [0]}\n'
-
-
-def _start(*args: str) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, str(SSE_SERVER), str(port), *args])
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("sse_server.py did not start")
 
 
 @pytest.fixture()
 def server() -> Iterator[str]:
-    proc, url = _start()
+    proc, url = launch()
     yield url
     proc.kill()
     proc.wait()
@@ -50,7 +36,7 @@ def server() -> Iterator[str]:
 @pytest.fixture()
 def trickle() -> Iterator[str]:
     """Answers every completion with headers, then one byte every 0.2 s (never ends)."""
-    proc, url = _start("--trickle", "/v1/completions")
+    proc, url = launch("--trickle", "/v1/completions")
     yield url
     proc.kill()
     proc.wait()
