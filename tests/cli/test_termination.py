@@ -46,3 +46,32 @@ def test_sigterm_while_a_child_starts_still_stops_the_child() -> None:
     assert "kvtier: stopped by SIGTERM" in result.stderr
     assert result.stdout.split() == ["started", "stopped", "the", "child"]
     assert leaked == []
+
+
+FORK_SCRIPT = """
+import multiprocessing, os, signal, sys, time
+from kvtier.cli.termination import exit_on_termination
+with exit_on_termination():
+    pid = os.fork()
+    if pid == 0:  # a forked child inherits the handler: SIGTERM must kill it, silently
+        time.sleep(30)
+        os._exit(0)
+    time.sleep(0.3)
+    os.kill(pid, signal.SIGTERM)
+    _, status = os.waitpid(pid, 0)
+    print("child", os.WTERMSIG(status) if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}")
+    # a fork pool's terminate() (what `with Pool()` does on leaving) SIGTERMs its idle workers
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        print("pool", sum(pool.map(abs, [-1, -2, -3])))
+print("done")
+"""
+
+
+def test_sigterm_to_a_forked_child_kills_it_without_kvtier_message() -> None:
+    # before the fix the child ran kvtier's handler: "kvtier: stopped by SIGTERM ... exiting with 143"
+    # on stderr (once per pool worker), exit status 143 for the child, 0 for the command
+    result = subprocess.run([sys.executable, "-c", FORK_SCRIPT], check=False, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["child", str(int(signal.SIGTERM)), "pool", "6", "done"]
+    assert "stopped by" not in result.stderr

@@ -52,12 +52,22 @@ def _install() -> dict[int, Any]:
     compare`` and ``demo`` start vLLM servers and a redis-server in sessions of their own, which
     Python's default action (exit at once) left running when a CI timeout or ``kill`` stopped kvtier.
     Says so in one line on stderr; a second SIGTERM/SIGHUP while the servers stop is ignored, so it
-    cannot cut their clean-up short (SIGKILL still ends kvtier at once).  Returns the handlers it
-    replaced (none outside the main thread)."""
+    cannot cut their clean-up short (SIGKILL still ends kvtier at once).  Only in this process: a
+    child forked from it (a ``multiprocessing`` fork pool's worker, which the pool ends with SIGTERM)
+    dies of the signal as without the handler, silently.  Returns the handlers it replaced (none
+    outside the main thread)."""
     if threading.current_thread() is not threading.main_thread():
         return {}
+    owner_pid = os.getpid()
 
     def stop(signum: int, frame: Any) -> None:
+        if os.getpid() != owner_pid:
+            # a forked child (a multiprocessing pool worker: `simulate` sweeps in a fork pool, whose
+            # terminate() SIGTERMs its workers) inherits this handler; it must die of the signal as it
+            # would without kvtier, not print kvtier's message and exit as if it were the command
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         if _inside_popen(frame):  # raising now would lose the handle of a child being started
             retry = threading.Timer(0.05, os.kill, (os.getpid(), signum))
             retry.daemon = True
