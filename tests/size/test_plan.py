@@ -112,3 +112,14 @@ def test_three_dialects_state_the_same_total(tp):
                if line.startswith("export "))
     assert float(env["LMCACHE_MAX_LOCAL_CPU_SIZE"]) * tp == total
     assert env["LMCACHE_ENABLE_ASYNC_LOADING"] == "False"
+
+
+def test_the_kvtier_recipe_stops_gracefully():
+    # without --shutdown-timeout vLLM 0.32 force-kills the engine core on SIGTERM: no flush to disk
+    from kvtier.core.config import KVTierConfig
+    from kvtier.size.recipe import SHUTDOWN_TIMEOUT_S
+
+    recipe = build_recipe("org/model", 2, cpu_gib=64, disk_gib=500, disk_path="/nvme/kv")
+    args = shlex.split(recipe.kvtier.replace("\\\n", " "))
+    timeout_s = int(args[args.index("--shutdown-timeout") + 1])
+    assert timeout_s == SHUTDOWN_TIMEOUT_S >= KVTierConfig.model_fields["shutdown_flush_s"].default

@@ -2,7 +2,8 @@
 
 - kvtier connector: ``--kv-transfer-config`` with ``kv_connector_extra_config`` keys
   ``chunk_tokens``, ``cpu_gib``, ``disk_path``, ``disk_gib``; sizes are the TOTAL across TP ranks
-  (kvtier's convention, the same as vLLM's flag).
+  (kvtier's convention, the same as vLLM's flag); ``--shutdown-timeout`` so a SIGTERM lets the
+  connector flush (:data:`SHUTDOWN_TIMEOUT_S`).
 - vLLM native: ``--kv-offloading-backend native --kv-offloading-size GiB``, total across TP
   (operator's guide § "Sizing math"; flags from v0.11.1, § "Version gates").  Native offload is
   CPU DRAM only here; a disk share is left to kvtier or LMCache.
@@ -77,6 +78,13 @@ class Recipe:
                 "redis_maxmemory_gib": self.redis_maxmemory_gib, "redis": self.redis}
 
 
+SHUTDOWN_TIMEOUT_S = 30
+"""``--shutdown-timeout`` of the kvtier line, seconds: without it vLLM 0.32 aborts on SIGTERM and
+force-kills its engine core at once (``shutdown_timeout`` 0, vllm/engine/arg_utils.py), so the
+connector's graceful-stop flush never runs; vLLM then gives the engine core this long in all to
+drain and tear down (vllm/v1/utils.py ``shutdown``), which covers kvtier's default
+``shutdown_flush_s`` (30 s) on an idle server (docs/vllm.md "Shutdown and restart", docs/deploy.md)."""
+
 REDIS_OVERHEAD = 0.05
 """Share added to the tier size for Redis: 64-byte value headers plus per-key bookkeeping (tens of
 bytes) are far below 1% for chunks of hundreds of KiB; the rest is allocator slack."""
@@ -108,7 +116,8 @@ def build_recipe(model: str, tp: int, cpu_gib: float, disk_gib: float = 0.0,
                  " --requirepass \"$REDIS_PASSWORD\"\n# one server for every replica; put the same secret "
                  "(openssl rand -hex 32) in /etc/kvtier/secret on each engine")
     transfer = dict(KVTIER_CONNECTOR, kv_connector_extra_config=extra)
-    kvtier = f"{base} \\\n  --kv-transfer-config {shlex.quote(json.dumps(transfer, separators=(',', ':')))}"
+    kvtier = (f"{base} --shutdown-timeout {SHUTDOWN_TIMEOUT_S} \\\n  --kv-transfer-config "
+              f"{shlex.quote(json.dumps(transfer, separators=(',', ':')))}")
     native = f"{base} \\\n  --kv-offloading-backend native --kv-offloading-size {cpu}"
     if disk:
         native += f"\n# native offload holds only the {cpu} GiB DRAM share; the {disk} GiB disk share needs kvtier or LMCache"
