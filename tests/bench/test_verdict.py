@@ -54,3 +54,15 @@ def test_recorded_runs_give_helping_for_kvtier_and_no_reuse_for_baseline():
     kvtier = ArmFigures(meters("kvtier").prefix_hit_rate, 0.0175, 0.0417)
     assert judge(base, None).kind is VerdictKind.NO_REUSE
     assert judge(kvtier, base).kind is VerdictKind.HELPING
+
+
+def test_hurting_on_a_model_too_small_for_prefill_to_cost_anything_says_so():
+    # the quick start's last step on the tiny model: hit rate up, p50 0.97x (baseline ~50 ms)
+    small = ArmFigures(0.05, 0.050, 0.080)
+    verdict = judge(ArmFigures(0.40, 0.0485, 0.081), small)
+    assert verdict.kind is VerdictKind.HURTING and "loading costs" in verdict.reason
+    assert "only 50 ms, too little prefill" in verdict.reason and "--geometry mid" in verdict.reason
+    # a baseline whose prefill costs something: the same verdict without the note
+    assert "too little prefill" not in judge(ArmFigures(0.40, 0.395, 0.900), BASE).reason
+    # and no note on a verdict that is not hurting
+    assert "too little prefill" not in judge(ArmFigures(0.40, 0.030, 0.081), small).reason

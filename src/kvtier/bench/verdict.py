@@ -7,6 +7,12 @@ Configure vLLM's KV-Cache Offloading", dreaming.press 2026, and vLLM's own valid
 3. TTFT p99 against the baseline: is the miss tail bounded?  A p99 blow-up is **hurting**, whatever
    the median says.
 
+A hurting verdict says so when the baseline's TTFT p50 is under ``Thresholds.small_prefill_s``:
+there is then little prefill for any cache to save (a test model of a few layers, or short
+prompts), so the fixed cost of a lookup and copy per request decides, which says little about a
+real model; the reason points to a model whose prefill costs more (the test model's
+``--geometry mid``).
+
 Without a baseline only meter 1 can be read, so an arm that reuses is ``unjudged``.  The baseline
 arm itself is the ``reference``.
 """
@@ -55,6 +61,9 @@ class Thresholds:
         p50_gain: p50 must be at most ``(1 - p50_gain)`` x the baseline's to count as down.
         p99_blowup: p99 above this multiple of the baseline's is a blow-up ...
         p99_slack_s: ... unless it is within this many seconds (noise on tiny latencies).
+        small_prefill_s: a baseline TTFT p50 under this is too little prefill for a cache to save
+            (kvtier's heuristic: the quick start's tiny model answers a 512-token prompt in ~50 ms on
+            2 CPU cores, the 24-layer mid geometry in seconds; docs/quickstart.md).
     """
 
     min_hit_rate: float = 0.02
@@ -62,6 +71,7 @@ class Thresholds:
     p50_gain: float = 0.05
     p99_blowup: float = 1.5
     p99_slack_s: float = 0.010
+    small_prefill_s: float = 0.100
 
 
 def _pct(x: float) -> str:
@@ -70,7 +80,16 @@ def _pct(x: float) -> str:
 
 def judge(arm: ArmFigures, baseline: ArmFigures | None, thresholds: Thresholds = Thresholds()) -> Verdict:
     """The verdict of ``arm`` against ``baseline`` (``None``: no baseline measured)."""
-    t = thresholds
+    verdict = _judge(arm, baseline, thresholds)
+    if verdict.kind is VerdictKind.HURTING and baseline is not None and baseline.ttft_p50_s < thresholds.small_prefill_s:
+        return Verdict(verdict.kind, f"{verdict.reason}; but the baseline's TTFT p50 is only "
+                       f"{baseline.ttft_p50_s * 1000:.0f} ms, too little prefill for a cache to save (a small model "
+                       "or short prompts), so the fixed cost of each lookup and copy decides: measure a model whose "
+                       "prefill costs more (the test model's --geometry mid) or longer prompts")
+    return verdict
+
+
+def _judge(arm: ArmFigures, baseline: ArmFigures | None, t: Thresholds) -> Verdict:
     if arm.prefix_hit_rate < t.min_hit_rate:
         return Verdict(VerdictKind.NO_REUSE, f"hit rate {_pct(arm.prefix_hit_rate)}: nothing is reused, so a cache "
                        "cannot help; check that prompts share prefixes and prefix caching is on")
