@@ -135,3 +135,35 @@ def test_unchanged_shards_are_not_listed_again(tmp_path, monkeypatch):
     assert found.shards_listed == 1 and found.adopted == [key]
     tier.close()
     other.close()
+
+
+def test_adopted_chunks_enter_the_eviction_policy_and_the_cap_holds(tmp_path):
+    """B may hold 6 chunk files; A wrote 10 into the shared directory.  B's rescan adopts them into
+    its policy and trims to its size at once, and B's own later writes evict adopted
+    chunks like its own: the directory never holds more than B's cap once B has looked."""
+    a = make_store(tmp_path, cpu_chunks=16, disk_chunks=64, write_mode="write-through")
+    b = make_store(tmp_path, cpu_chunks=4, disk_chunks=6, write_mode="write-through")
+    try:
+        chain = produce(a, 8, 10)
+        assert b.rescan() == 10
+        b.check_integrity()  # policy == tier both ways, used <= capacity
+        cap = b.disk.usage().capacity_bytes
+        assert b.disk.usage_exact() <= cap and b.stats().tier("disk").evictions == 4
+        kept = {k for k in chain if b.disk.indexed(k)}
+        assert len(kept) == 6 and kept == {k for k in chain if a.disk.path(k).exists()}  # deleted for every engine
+        mine = chain_of(9, 3)
+        assert b.put(mine, [payload(k) for k in mine]) == 3 and b.flush(10)
+        assert all(b.disk.indexed(k) for k in mine) and b.stats().tier("disk").evictions == 7
+        assert b.disk.usage_exact() <= cap
+        b.check_integrity()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_integrity_check_sees_a_tier_holding_chunks_its_policy_does_not_track(pair):
+    a, b = pair
+    produce(a, 10, 2)
+    b.disk.rescan()  # the bare tier's rescan, behind the store's back: indexed, not in the policy
+    with pytest.raises(AssertionError, match="does not track"):
+        b.check_integrity()

@@ -129,12 +129,20 @@ def test_file_renamed_to_another_key_is_a_miss(disk):
     assert read(disk, 5) is None and disk.corrupt == 1
 
 
-def test_files_from_another_process_are_adopted(where):
+def test_files_from_another_process_are_adopted_by_a_rescan_only(where):
+    """``contains`` has no side effect: another process's file is unknown (and uncounted) until
+    an explicit rescan indexes it, counted in usage; one it deletes is then a plain miss."""
     a, b = make(where), make(where)
     a.put(key(4), data(4))
+    assert not b.contains(key(4)) and not b.contains(key(4))  # asking twice changes nothing
+    assert b.usage().num_chunks == 0 and b.usage_exact() == 0
+    assert b.rescan().adopted == [key(4)]
     assert b.contains(key(4)) and read(b, 4) == data(4)
+    assert b.usage_exact() == CHUNK + HEADER_BYTES
     a.delete(key(4))
-    assert read(b, 4) is None  # deleted elsewhere: a plain miss
+    assert read(b, 4) is None and not b.contains(key(4))  # deleted elsewhere: a plain miss, forgotten
+    assert b.usage_exact() == 0
+    b.check()
 
 
 def test_fifo_at_a_chunk_path_is_a_miss_not_a_hang(disk):

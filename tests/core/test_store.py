@@ -224,8 +224,11 @@ def test_two_stores_share_one_disk_directory(tmp_path):
     a = chain_of(3, 3)
     put_chain(writer, a)
     writer.flush()
+    assert reader.lookup(a) == 0  # a lookup has no side effect: the writer's files are unknown until a rescan
+    assert reader.rescan() == 3
     assert reader.lookup(a) == 3
     assert_served(reader, a, 3)
+    reader.check_integrity()  # the adopted chunks are in the reader's eviction policy
     assert all(writer.disk.path(k).is_file() for k in a)  # the reader was served the writer's own files
 
 

@@ -61,7 +61,9 @@ class KVTierConfig(BaseSettings):
         "where supported unless a start-up probe finds it clearly slower.")
     disk_rescan_s: float | None = Field(None, ge=0, le=3600, allow_inf_nan=False, description=(
         "Seconds between rescans of disk_path for chunk files other engines wrote or removed (adopted into "
-        "the index, reported to the scheduler); 0 = never; unset = 2 for a kv_consumer engine, never otherwise."))
+        "the index and the eviction policy, reported to the scheduler); lookups never touch the filesystem, so "
+        "this is how engines sharing a directory see each other's chunks; 0 = never; unset = 2 in a vLLM engine, "
+        "never for a store used on its own."))
     disk_fsync: bool = Field(False, description="fsync each chunk file before it becomes visible (durable across power loss).")
     shutdown_flush_s: float = Field(30.0, ge=0, allow_inf_nan=False,
                                     description="On a graceful stop, seconds allowed to write dirty DRAM chunks to disk.")

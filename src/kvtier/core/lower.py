@@ -101,7 +101,7 @@ class LowerTier:
         if self.policy is not None:
             for key in tier.keys():  # noqa: SIM118 - a list, oldest first
                 self.policy.insert(key, None)
-            self._trim()
+            self._trim("at start-up")
         self._workers = [threading.Thread(target=self._write_loop, name=f"kvtier-{self.name}-write-{i}",
                                           daemon=True) for i in range(io_threads)]
         for t in self._workers:
@@ -118,22 +118,26 @@ class LowerTier:
         return self.tier.get_many(keys, [memoryview(d.data) for d in dsts])
 
     def rescan(self) -> int:
-        """Take in chunk files other processes wrote or removed (a tier with ``rescan``, the disk
-        tier): adopted keys join the policy, removed ones leave it, both go to the change feed.
-        The directory is read without the store's lock.  Returns the keys adopted or forgotten."""
-        rescan = getattr(self.tier, "rescan", None)
-        if rescan is None or self.shared:
+        """Take in chunk files other processes wrote or removed (a tier with ``scan``/``adopt``,
+        the disk tier).  The directory is read without the store's lock (``scan``); the index
+        changes under it (``adopt``), in the same hold as the policy: adopted keys join the policy
+        (then the tier is trimmed to its capacity), removed ones leave it, both go to the change
+        feed.  Returns the keys adopted or forgotten."""
+        scan = getattr(self.tier, "scan", None)
+        if scan is None or self.shared or self.policy is None:
             return 0
-        found = rescan()
+        found = scan()
         with self._lock:
+            found = self.tier.adopt(found)  # type: ignore[attr-defined]
             for key in found.adopted:
-                if self.policy is not None and self.tier.indexed(key) and key not in self.policy:
+                if key not in self.policy:
                     self.policy.insert(key, None)
                 self._on_change(key)
             for key in found.gone:
-                if self.policy is not None and not self.tier.indexed(key):
-                    self.policy.remove(key)
+                self.policy.remove(key)
                 self._on_change(key)
+            if found.adopted:
+                self._trim("after adopting other engines' chunk files")
         return len(found.adopted) + len(found.gone)
 
     def submit(self, fn: Callable[[], object]) -> Future[object]:
@@ -165,8 +169,9 @@ class LowerTier:
             self._counters.dropped()
             return False
 
-    def _trim(self) -> None:
-        """Evict down to capacity when the tier holds more than it may (it was shrunk since)."""
+    def _trim(self, when: str) -> None:
+        """Evict down to capacity when the tier holds more than it may (it was shrunk since, or
+        other engines on its directory wrote more than this one may hold)."""
         assert self.policy is not None
         exact = getattr(self.tier, "usage_exact", None)
         used = exact if exact is not None else (lambda: self.tier.usage().used_bytes)
@@ -181,10 +186,10 @@ class LowerTier:
         if evicted:
             # Chunks found at start-up beyond this tier's size: e.g. a directory shared with an
             # engine whose disk_gib is larger (each engine bounds the files it knows of).
-            log.warning("kvtier: the %s tier held %.1f MiB at start-up, more than its %.1f MiB: evicted %d chunks "
+            log.warning("kvtier: the %s tier held %.1f MiB %s, more than its %.1f MiB: evicted %d chunks "
                         "(%.1f MiB) to fit; other engines sharing this directory lose them too. Give every "
                         "engine on one directory the same size, or each its own directory",
-                        self.name, before / 2**20, capacity / 2**20, evicted, (before - used()) / 2**20)
+                        self.name, before / 2**20, when, capacity / 2**20, evicted, (before - used()) / 2**20)
 
     def _evict_locked(self, key: ChunkKey) -> None:
         assert self.policy is not None
@@ -276,8 +281,17 @@ class LowerTier:
         self.tier.close()
 
     def check_locked(self) -> None:
-        """Assert the tier's accounting and that the policy tracks only stored chunks."""
+        """Assert the tier's accounting, that it holds no more than its capacity, and that the
+        policy tracks exactly the stored chunks (a chunk being written, pinned, is not tracked yet)."""
         self.tier.check()
-        if self.policy is not None:
-            stray = set(self.policy.keys()) - set(self.tier.keys())
-            assert not stray, f"{self.name} policy tracks {len(stray)} chunks that are not in the tier"
+        if self.policy is None:
+            return
+        exact = getattr(self.tier, "usage_exact", None)
+        used = exact() if exact is not None else self.tier.usage().used_bytes
+        capacity = self.tier.usage().capacity_bytes
+        assert used <= capacity, f"{self.name} tier holds {used} bytes, more than its {capacity}"
+        stored, tracked = set(self.tier.keys()), set(self.policy.keys())
+        stray = tracked - stored
+        assert not stray, f"{self.name} policy tracks {len(stray)} chunks that are not in the tier"
+        untracked = stored - tracked - set(self.pins)
+        assert not untracked, f"{self.name} tier holds {len(untracked)} chunks its eviction policy does not track"

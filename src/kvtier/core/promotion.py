@@ -114,8 +114,10 @@ class Promoter:
             for p, res in zip(batch, results):
                 if not p.tier.shared:
                     p.tier.unpin_locked(p.key)
-                if res is GetResult.CORRUPT:  # counted by the tier (Tier.corrupt)
-                    p.tier.forget_locked(p.key)  # also tells the change feed
+                if res is GetResult.CORRUPT or (res is GetResult.MISS and not p.tier.shared
+                                                and not p.tier.tier.indexed(p.key)):
+                    # corrupt (counted by the tier, Tier.corrupt) or removed by another process:
+                    p.tier.forget_locked(p.key)  # the policy and the change feed let go of it too
                 if cut is not None and p.pos >= cut:
                     if p.reserved:
                         self.cpu.abort(p.key)

@@ -11,14 +11,19 @@
 - **Buffered or O_DIRECT** I/O (``io``), and ``io_threads`` chunks at once in ``get_many`` /
   ``put_many``.
 - **Restart recovery**: the index (key → file size) is rebuilt by scanning the namespace
-  directory at start, so a restarted engine still hits.  Stale temporary files are removed.
+  directory at start, so a restarted engine still hits.  Temporary files a crashed writer left
+  are removed at once (every writer holds a lock the kernel drops when it dies,
+  :class:`~kvtier.core.tiers.diskscan.WriterLock`), so a restart right after a SIGKILL
+  mid-write counts nothing twice and leaves nothing uncounted.
 - **Shared directory**: several processes may point at the same directory (two engines, or a
-  prefill and a decode instance).  A key missing from this process's index is looked up on the
-  filesystem before being called a miss, and a file another process deleted is a miss.
-  :meth:`DiskTier.rescan` adopts files other processes wrote since start (header checked) and
-  forgets those they removed, looking only into shard directories that changed
-  (:mod:`kvtier.core.tiers.diskscan`); the store runs it every ``disk_rescan_s`` seconds.
-  Capacity is accounted per process, over the files it knows.
+  prefill and a decode instance).  ``contains`` answers from this process's index only (no
+  filesystem access, no side effect); a file another process deleted is a miss when read.
+  Files other processes wrote since start are taken in only by an explicit rescan: :meth:`scan`
+  (header checked, no lock held) then :meth:`adopt` (the index changes; the store runs it under
+  its own lock so that adopted chunks enter its eviction policy in the same step), looking only
+  into shard directories that changed (:mod:`kvtier.core.tiers.diskscan`); the store runs both
+  every ``disk_rescan_s`` seconds.  Capacity is accounted over the files this process knows, so
+  engines that rescan one directory bound it together by the smallest ``disk_gib`` among them.
 
 Thread-safety: ``get_into`` and ``put`` do their I/O without a lock and may run concurrently on
 different keys; the index is guarded by a lock.
@@ -48,9 +53,12 @@ from kvtier.core.tiers.diskscan import (
     SUFFIX,
     RescanResult,
     ShardWatch,
+    WriterLock,
     chunk_names,
     header_bytes,
     indexed_files,
+    remove_if_dead,
+    tmp_name,
 )
 from kvtier.core.tiers.iomode import direct_supported, measure_direct
 
@@ -63,7 +71,8 @@ IO_MODES: tuple[IOMode, ...] = ("auto", "buffered", "direct")
 RESCAN_MAX_NEW = 4096
 """Header checks of new files per :meth:`DiskTier.rescan` round at most (the rest wait a round)."""
 STALE_TMP_S = 120.0
-"""A temporary file older than this (seconds) at start-up is a crash leftover and is removed."""
+"""A temporary file whose writer has no lock file (an older kvtier's) is a crash leftover once
+older than this (seconds); one of a writer whose lock is free is one at once."""
 WRITE_WARNING_INTERVAL_S = 10.0
 """At most one warning line per this many seconds about failed chunk writes (a full disk fails
 every write: one line per chunk was thousands per second); the redis tier's rule (``_fault``)."""
@@ -114,9 +123,11 @@ class DiskTier(Tier):
         self._lock = threading.Lock()
         self._key_to_size: dict[ChunkKey, int] = {}
         self._used = 0
-        self._adopted = 0  # files indexed after start (written by other processes)
+        self._foreign = 0  # files indexed that this process did not write (start-up scan, rescans)
         self._bad: set[ChunkKey] = set()  # unusable entries that could not be removed
         self._writing: set[ChunkKey] = set()  # indexed before their file is renamed into place
+        self._removed: set[ChunkKey] | None = None  # keys removed while a scan runs (adopt skips them)
+        self._tmp_shards: set[int] = set()  # shards holding a live writer's temporary file, listed every round
         self._watch = ShardWatch(self._root)
         self.generation = 0  # bumped when the directory vanished and the index was dropped
         self._rebuild_index()
@@ -126,6 +137,7 @@ class DiskTier(Tier):
             if not os.access(shard, os.W_OK | os.X_OK):
                 raise ConfigError(f"disk tier directory {str(shard)!r} is not writable by this process; "
                                   "fix its permissions or choose another disk_path")
+        self._writer = WriterLock(self.dir)
 
     # ---- paths and index -----------------------------------------------------------------
     def path(self, key: ChunkKey) -> Path:
@@ -138,35 +150,30 @@ class DiskTier(Tier):
         return f"{self._root}{os.sep}{h[:2]}{os.sep}{h}{SUFFIX}"
 
     def _rebuild_index(self) -> None:
-        for key, size in indexed_files(self.dir, len(self.namespace), STALE_TMP_S):  # oldest first
+        files, removed = indexed_files(self.dir, len(self.namespace), STALE_TMP_S)
+        for key, size in files:  # oldest first
             self._key_to_size[key] = size
             self._used += size
-
-    def _adopt(self, key: ChunkKey) -> bool:
-        """Index a file written by another process; caller holds the lock."""
-        try:
-            size = self.path(key).stat().st_size
-        except OSError:
-            return False
-        self._key_to_size[key] = size
-        self._used += size
-        self._adopted += 1
-        return True
+        self._foreign = len(files)
+        if removed:
+            log.info("kvtier disk tier: removed %d temporary files crashed writers left in %s", removed, self.dir)
 
     def _forget(self, key: ChunkKey) -> None:
+        """Drop ``key`` from the index; caller holds the lock."""
         size = self._key_to_size.pop(key, None)
         if size is not None:
             self._used -= size
+        if self._removed is not None:
+            self._removed.add(key)
 
     # ---- Tier contract -------------------------------------------------------------------
     def contains(self, key: ChunkKey) -> bool:
-        with self._lock:
-            if key in self._bad:
-                return False
-            return key in self._key_to_size or self._adopt(key)
+        """Whether ``key`` is in this process's index and readable: no filesystem access, no side
+        effect (a file another process wrote is known after the next :meth:`scan`/:meth:`adopt`)."""
+        return key in self._key_to_size and key not in self._writing and key not in self._bad
 
     def indexed(self, key: ChunkKey) -> bool:
-        """Whether ``key`` is in this process's index (no filesystem access)."""
+        """Whether ``key`` is in this process's index (being written included; no filesystem access)."""
         return key in self._key_to_size
 
     def file_bytes(self, payload_bytes: int) -> int:
@@ -189,7 +196,8 @@ class DiskTier(Tier):
                 self._read_verified(key, path, dst)
         except FileNotFoundError:
             with self._lock:
-                self._forget(key)
+                if key not in self._writing:  # removed by another process (a write in flight is not)
+                    self._forget(key)
             return GetResult.MISS
         except (ChunkFormatError, OSError) as exc:
             self._quarantine(key, Path(path), str(exc))
@@ -257,7 +265,7 @@ class DiskTier(Tier):
             self._used += size
             self._writing.add(key)
         path = self.path(key)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp = path.with_name(tmp_name(path.name, self._writer.writer_id, threading.get_ident()))
         try:
             try:
                 self._write_file(key, tmp, payload)
@@ -290,67 +298,101 @@ class DiskTier(Tier):
         return PutResult.STORED
 
     def rescan(self, max_new: int = RESCAN_MAX_NEW) -> RescanResult:
-        """Adopt chunk files other processes wrote since the index was built; forget removed ones.
+        """:meth:`scan` then :meth:`adopt` (for a tier used without a store)."""
+        return self.adopt(self.scan(max_new))
+
+    def scan(self, max_new: int = RESCAN_MAX_NEW) -> RescanResult:
+        """Find chunk files other processes wrote since the index was built, and indexed ones
+        they removed; the index does not change (see :meth:`adopt`).
 
         Lists only the shard directories that changed since their last listing
-        (:class:`~kvtier.core.tiers.diskscan.ShardWatch`).  A file not in the index has its header
-        block read and checked (namespace, key, length against its size; at most ``max_new``
-        files per call, the rest on the next) and is indexed; a file whose header fails is
-        counted in ``corrupt`` and removed, as a failed read is.  An indexed key whose file is
-        gone (and that this process is not writing) is forgotten.  The payload checksum is
-        checked when the chunk is read, as always.  Thread-safe; the I/O runs outside the lock.
+        (:class:`~kvtier.core.tiers.diskscan.ShardWatch`), and those that held a live writer's
+        temporary file last time.  A file not in the index has its header block read and checked
+        (namespace, key, length against its size; at most ``max_new`` files per call, the rest on
+        the next); one whose header fails is counted in ``corrupt`` and removed, as a failed read
+        is.  Temporary files of crashed writers are removed.  The payload checksum is checked
+        when the chunk is read, as always.  Thread-safe; the I/O runs outside every lock.
 
         Returns:
-            what changed (:class:`~kvtier.core.tiers.diskscan.RescanResult`).
+            the candidates (``found``, ``missing``) and what the scan itself did.
         """
-        result = RescanResult()
+        result = RescanResult(generation=self.generation)
         budget = max(max_new, 0)
-        changed = self._watch.changed()
+        changed: list[tuple[int, str, int | None]] = list(self._watch.changed())
+        listed = {shard for shard, _path, _mtime in changed}  # and those holding a live writer's temporary file:
+        changed += [(shard, f"{self._root}{os.sep}{shard:02x}", None) for shard in sorted(self._tmp_shards - listed)]
         if not changed:
             return result
-        by_shard: dict[int, set[ChunkKey]] = {shard: set() for shard, _path, _mtime in changed}
-        with self._lock:  # one pass over the index (a key's shard is its first byte)
-            for key in self._key_to_size:
+        with self._lock:
+            self._removed = set()
+            by_shard: dict[int, set[ChunkKey]] = {shard: set() for shard, _path, _mtime in changed}
+            for key in self._key_to_size:  # one pass over the index (a key's shard is its first byte)
                 if key[0] in by_shard:
                     by_shard[key[0]].add(key)
+        liveness: dict[str, bool | None] = {}
+        found: list[tuple[ChunkKey, int, float] | None] = []  # None: a file whose header failed
         for shard, path, mtime in changed:
-            on_disk = chunk_names(path, shard, len(self.namespace))
+            on_disk, tmps = chunk_names(path, shard, len(self.namespace))
             result.shards_listed += 1
+            live_tmp = False
+            for tmp in tmps:
+                removed = remove_if_dead(self.dir, tmp, liveness, STALE_TMP_S)
+                result.dead_tmp_removed += removed
+                live_tmp = live_tmp or not removed
+            (self._tmp_shards.add if live_tmp else self._tmp_shards.discard)(shard)
             indexed = by_shard[shard]
+            result.missing += [k for k in indexed - on_disk if not os.path.lexists(self._file(k))]
             new = [k for k in on_disk - indexed if k not in self._bad]
-            with self._lock:
-                for key in indexed - on_disk:  # removed by another process (or by hand)
-                    if key in self._key_to_size and key not in self._writing and not os.path.lexists(self._file(key)):
-                        self._forget(key)
-                        result.gone.append(key)
             complete = len(new) <= budget
             for key in new[:budget]:
-                self._adopt_checked(key, result)
+                self._check_new(key, found)
             budget -= min(len(new), budget)
+            if mtime is None:
+                continue
             if complete:
                 self._watch.listed(shard, mtime)
             else:
                 result.more = True
+        result.corrupt = sum(1 for item in found if item is None)
+        # oldest first, as at start-up, so the policy's order follows the files' ages
+        result.found = [(key, size) for key, size, _mtime in sorted((i for i in found if i), key=lambda i: i[2])]
         return result
 
-    def _adopt_checked(self, key: ChunkKey, result: RescanResult) -> None:
-        """Index ``key``'s file if its header checks out; quarantine it if it does not."""
+    def adopt(self, result: RescanResult) -> RescanResult:
+        """Index the files :meth:`scan` found and forget the keys whose files it missed, unless
+        this process changed them since (wrote, removed or is writing them, or the directory was
+        recreated); fills ``result.adopted`` and ``result.gone``.  Thread-safe; no I/O."""
+        with self._lock:
+            removed, self._removed = self._removed or set(), None
+            if result.generation != self.generation:
+                result.found, result.missing = [], []
+                return result
+            for key, size in result.found:
+                if key in self._key_to_size or key in self._bad or key in removed:
+                    continue
+                self._key_to_size[key] = size
+                self._used += size
+                self._foreign += 1
+                result.adopted.append(key)
+            for key in result.missing:
+                if key in self._key_to_size and key not in self._writing and key not in removed:
+                    self._forget(key)
+                    result.gone.append(key)
+        return result
+
+    def _check_new(self, key: ChunkKey, found: list[tuple[ChunkKey, int, float] | None]) -> None:
+        """Append ``(key, bytes, mtime)`` of ``key``'s file to ``found`` if its header checks out;
+        quarantine it (and append ``None``) if not."""
         path = self._file(key)
         try:
-            size = header_bytes(path, self.namespace, key)
+            size, mtime = header_bytes(path, self.namespace, key)
         except FileNotFoundError:
             return
         except (ChunkFormatError, OSError) as exc:
             self._quarantine(key, Path(path), str(exc))
-            result.corrupt += 1
+            found.append(None)
             return
-        with self._lock:
-            if key in self._key_to_size or key in self._bad:
-                return
-            self._key_to_size[key] = size
-            self._used += size
-            self._adopted += 1
-        result.adopted.append(key)
+        found.append((key, size, mtime))
 
     def _write_file(self, key: ChunkKey, tmp: Path, payload: memoryview) -> None:
         io = self._io
@@ -392,6 +434,7 @@ class DiskTier(Tier):
         if workers is not None:
             workers.shutdown(wait=True)
         self._io.close()
+        self._writer.release()
 
     def _recreate_locked(self) -> None:
         """The tier's directory vanished (deleted by hand): forget the index and make it again."""
@@ -399,11 +442,15 @@ class DiskTier(Tier):
                     self.dir, len(self._key_to_size))
         self._key_to_size.clear()
         self._used = 0
+        self._foreign = 0
         self._watch.forget()
+        self._tmp_shards.clear()
         self.generation += 1
         try:
             for i in range(256):
                 (self.dir / f"{i:02x}").mkdir(parents=True, exist_ok=True)
+            self._writer.release()  # its lock file went with the directory
+            self._writer = WriterLock(self.dir)
         except OSError as exc:
             log.warning("kvtier disk tier: cannot recreate %s (%s)", self.dir, exc.strerror)
 
@@ -424,15 +471,17 @@ class DiskTier(Tier):
             return TierUsage(used, self.capacity_bytes - used, self.capacity_bytes, len(self._key_to_size))
 
     def usage_exact(self) -> int:
-        """Bytes of the indexed chunk files (may exceed capacity right after start, see the store's trim)."""
+        """Bytes of the indexed chunk files (may exceed capacity after the start-up scan or an
+        :meth:`adopt` until the store trims it)."""
         with self._lock:
             return self._used
 
     def check(self) -> None:
-        """Assert index accounting: used bytes equal the indexed sizes and stay within capacity."""
+        """Assert index accounting: used bytes equal the indexed sizes, and stay within capacity
+        unless files this process did not write were indexed (the store trims those)."""
         with self._lock:
             assert self._used == sum(self._key_to_size.values()), "disk tier used bytes drifted from its index"
-            assert self._adopted or self._used <= self.capacity_bytes, \
+            assert self._foreign or self._used <= self.capacity_bytes, \
                 f"disk tier over capacity: {self._used} > {self.capacity_bytes} bytes"
 
 

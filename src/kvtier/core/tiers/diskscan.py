@@ -12,7 +12,16 @@ The disk tier's index is rebuilt from its directory at start; a process sharing 
   timestamps come from a coarse clock (a few ms), so a change in the same tick as the listing
   would otherwise go unseen (the "racily clean" case git's index handles the same way).
 - :func:`indexed_files` is the scan at start (every chunk file, oldest first; crash leftovers removed).
-- :func:`chunk_names` lists one shard's chunk files by name only (no ``stat`` per file).
+- :func:`chunk_names` lists one shard's chunk files by name only (no ``stat`` per file), and the
+  temporary files in it.
+- :class:`WriterLock` and :func:`writer_alive` tell a temporary file of a live writer from one a
+  crashed writer left: every writing process holds an exclusive ``flock(2)`` on its own lock file
+  ``.writers/<writer id>.lock`` for its whole life, and names its temporary files
+  ``<key hex>.kvc.<writer id>.<thread>.tmp``.  The kernel drops the lock when the process dies,
+  however it dies (SIGKILL included), so a lock file that can be locked belongs to a dead writer
+  and its temporary files are removed at once, whatever their age (PIDs are reused and differ
+  between containers sharing a directory; a lock is neither).  A temporary file whose writer has
+  no lock file (written by an older kvtier) is removed once older than ``stale_tmp_s``.
 - :func:`header_bytes` reads and checks one file's header block (namespace, key, length
   against the file's size) before a file is adopted; its payload checksum is checked when it is
   read, as for every chunk, so a damaged payload is still a counted miss then.
@@ -20,7 +29,9 @@ The disk tier's index is rebuilt from its directory at start; a process sharing 
 
 from __future__ import annotations
 
+import fcntl
 import os
+import secrets
 import stat
 import time
 from dataclasses import dataclass, field
@@ -30,6 +41,9 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers.chunkfile import HEADER_BYTES, ChunkFormatError, decode_header
 
 SUFFIX = ".kvc"
+TMP_SUFFIX = ".tmp"
+WRITERS_DIR = ".writers"
+"""Directory (inside a namespace directory) of the writers' lock files."""
 RACY_NS = 2_000_000_000
 """A shard directory modified less than this long ago (ns) is listed again on the next round."""
 
@@ -44,6 +58,11 @@ class RescanResult:
         corrupt: files whose header failed the checks (counted in the tier's ``corrupt``, removed).
         shards_listed: shard directories listed (the others had not changed).
         more: the round stopped at its bound of new files; the next one continues.
+        dead_tmp_removed: temporary files of crashed writers removed.
+        found: ``(key, file bytes)`` of header-checked files :meth:`~kvtier.core.tiers.disk.DiskTier.scan`
+            found, oldest first, that :meth:`~kvtier.core.tiers.disk.DiskTier.adopt` has still to index.
+        missing: indexed keys whose files the scan did not find (forgotten by ``adopt``).
+        generation: the tier's generation when the scan started (``adopt`` drops a stale scan).
     """
 
     adopted: list[ChunkKey] = field(default_factory=list)
@@ -51,6 +70,10 @@ class RescanResult:
     corrupt: int = 0
     shards_listed: int = 0
     more: bool = False
+    dead_tmp_removed: int = 0
+    found: list[tuple[ChunkKey, int]] = field(default_factory=list)
+    missing: list[ChunkKey] = field(default_factory=list)
+    generation: int = 0
 
 
 class ShardWatch:
@@ -85,24 +108,24 @@ class ShardWatch:
         self._seen.clear()
 
 
-def indexed_files(directory: Path, key_bytes: int, stale_tmp_s: float) -> list[tuple[ChunkKey, int]]:
-    """``(key, file bytes)`` of every chunk file under ``directory``, oldest first (by mtime).
+def indexed_files(directory: Path, key_bytes: int, stale_tmp_s: float) -> tuple[list[tuple[ChunkKey, int]], int]:
+    """``(key, file bytes)`` of every chunk file under ``directory``, oldest first (by mtime), and
+    the number of crash leftovers removed.
 
     Only regular files named ``<key hex[:2]>/<key hex>.kvc`` are chunks; anything else is not ours
-    to count.  Temporary files (``*.tmp``) older than ``stale_tmp_s`` are crash leftovers and are
-    removed (a fresh one may belong to a live process sharing the directory).
+    to count.  Temporary files (``*.tmp``) of a dead writer are removed at once; those of a writer
+    without a lock file once older than ``stale_tmp_s`` (see :func:`writer_alive`); those of a live
+    writer (another process sharing the directory) are left to it.
     """
     found: list[tuple[float, ChunkKey, int]] = []
+    liveness: dict[str, bool | None] = {}
+    removed = 0
     for sub in directory.iterdir() if directory.exists() else ():
-        if not sub.is_dir():
+        if len(sub.name) != 2 or not sub.is_dir():
             continue
         for entry in os.scandir(sub):
-            if entry.name.endswith(".tmp"):
-                try:
-                    if time.time() - entry.stat().st_mtime > stale_tmp_s:
-                        os.unlink(entry.path)
-                except OSError:
-                    pass
+            if entry.name.endswith(TMP_SUFFIX):
+                removed += remove_if_dead(directory, entry.path, liveness, stale_tmp_s)
                 continue
             name = entry.name[:-len(SUFFIX)]
             if not entry.name.endswith(SUFFIX) or name[:2] != sub.name or len(name) != 2 * key_bytes:
@@ -115,31 +138,121 @@ def indexed_files(directory: Path, key_bytes: int, stale_tmp_s: float) -> list[t
             if stat.S_ISREG(st.st_mode):
                 found.append((st.st_mtime, key, st.st_size))
     found.sort(key=lambda item: item[0])  # the store's policy sees them in that order
-    return [(key, size) for _mtime, key, size in found]
+    return [(key, size) for _mtime, key, size in found], removed
 
 
-def chunk_names(path: str, shard: int, key_bytes: int) -> set[ChunkKey]:
-    """Keys of the files named ``<key hex>.kvc`` in shard directory ``path`` (names only)."""
+def tmp_name(final_name: str, writer_id: str, thread_id: int) -> str:
+    """Name of the temporary file a writer writes ``final_name`` into."""
+    return f"{final_name}.{writer_id}.{thread_id}{TMP_SUFFIX}"
+
+
+def tmp_writer(name: str) -> str | None:
+    """The writer id in a temporary file's name (``<key hex>.kvc.<writer id>.<thread>.tmp``)."""
+    parts = name.split(".")
+    return parts[2] if len(parts) == 5 and parts[1] == SUFFIX[1:] and parts[4] == TMP_SUFFIX[1:] else None
+
+
+class WriterLock:
+    """This process's writer identity in one namespace directory: an exclusive ``flock`` on
+    ``.writers/<writer id>.lock`` held until :meth:`release` or the process's death.
+
+    Raises:
+        OSError: the lock file cannot be created.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        writers = directory / WRITERS_DIR
+        writers.mkdir(exist_ok=True)
+        self.writer_id = f"{os.getpid()}-{secrets.token_hex(6)}"
+        self.path = writers / f"{self.writer_id}.lock"
+        # read-only: flock needs no write access, and a file open for writing would block a remount read-only
+        self._fd: int | None = os.open(self.path, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    def release(self) -> None:
+        """Drop the lock and its file (idempotent; temporary files written later count as a
+        lock-less writer's)."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+        os.close(fd)
+
+
+def writer_alive(directory: Path, writer_id: str) -> bool | None:
+    """Whether the writer ``writer_id`` still runs: ``True`` while its lock file is locked,
+    ``False`` once it can be locked (the writer died; its lock file is then removed), ``None``
+    when it has no lock file (an older kvtier's writer, or one already found dead)."""
+    path = directory / WRITERS_DIR / f"{writer_id}.lock"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return True  # cannot tell: never remove what a live writer may be writing
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # EWOULDBLOCK: held by its live writer; anything else: cannot tell, so alive
+            return True
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        return False
+    finally:
+        os.close(fd)
+
+
+def remove_if_dead(directory: Path, path: str, liveness: dict[str, bool | None], stale_tmp_s: float) -> int:
+    """Remove the temporary file ``path`` if its writer is dead (or lock-less and the file older
+    than ``stale_tmp_s``); 1 if removed.  ``liveness`` caches :func:`writer_alive` per writer id."""
+    writer = tmp_writer(os.path.basename(path))
+    alive = None
+    if writer is not None:
+        if writer not in liveness:
+            liveness[writer] = writer_alive(directory, writer)
+        alive = liveness[writer]
+    try:
+        if alive is False or (alive is None and time.time() - os.stat(path).st_mtime > stale_tmp_s):
+            os.unlink(path)
+            return 1
+    except OSError:
+        pass
+    return 0
+
+
+def chunk_names(path: str, shard: int, key_bytes: int) -> tuple[set[ChunkKey], list[str]]:
+    """Keys of the files named ``<key hex>.kvc`` in shard directory ``path`` (names only), and the
+    paths of the temporary files there."""
     prefix = f"{shard:02x}"
     keys: set[ChunkKey] = set()
+    tmps: list[str] = []
     try:
         entries = os.scandir(path)
     except OSError:
-        return keys
+        return keys, tmps
     with entries:
         for entry in entries:
             name = entry.name
+            if name.endswith(TMP_SUFFIX):
+                tmps.append(entry.path)
+                continue
             if not name.endswith(SUFFIX) or len(name) != 2 * key_bytes + len(SUFFIX) or not name.startswith(prefix):
                 continue
             try:
                 keys.add(ChunkKey(bytes.fromhex(name[:-len(SUFFIX)])))
             except ValueError:
                 continue
-    return keys
+    return keys, tmps
 
 
-def header_bytes(path: str, namespace: bytes, key: ChunkKey) -> int:
-    """Size in bytes of the chunk file at ``path`` once its header block checks out.
+def header_bytes(path: str, namespace: bytes, key: ChunkKey) -> tuple[int, float]:
+    """Size in bytes and modification time (s) of the chunk file at ``path`` once its header
+    block checks out.
 
     Raises:
         ChunkFormatError: not a regular file, or a header that is short, of another format,
@@ -159,4 +272,4 @@ def header_bytes(path: str, namespace: bytes, key: ChunkKey) -> int:
         raise ChunkFormatError("chunk belongs to another namespace or key")
     if header.length != st.st_size - HEADER_BYTES:
         raise ChunkFormatError(f"payload is {st.st_size - HEADER_BYTES} bytes on disk, header says {header.length}")
-    return int(st.st_size)
+    return int(st.st_size), st.st_mtime

@@ -46,16 +46,20 @@ from kvtier.integrations.vllm.stats import KVTierStats, store_counters, store_ga
 log = logging.getLogger(__name__)
 
 MAX_INDEX_CHANGES = 4096  # index changes per rank per step sent to the scheduler (a snapshot goes whole)
-CONSUMER_RESCAN_S = 2.0
-"""``disk_rescan_s`` of a ``kv_consumer`` that leaves it unset: it learns of a producer's chunk files this often."""
+ENGINE_RESCAN_S = 2.0
+"""``disk_rescan_s`` of an engine that leaves it unset: it learns of the chunk files other engines
+sharing its disk directory wrote or removed this often (the disk tier's lookups never touch the
+filesystem, :meth:`~kvtier.core.tiers.disk.DiskTier.contains`)."""
 
 
 def role_config(config: KVTierConfig, kv_role: str | None) -> KVTierConfig:
-    """``config`` with the defaults of ``kv_role``: a ``kv_consumer`` rescans the disk directory
-    every :data:`CONSUMER_RESCAN_S` seconds for the files a producer sharing it writes after the
-    consumer started (``disk_rescan_s`` unset; an explicit value, 0 included, is kept)."""
-    if config.disk_rescan_s is None and kv_role == "kv_consumer" and config.disk_path:
-        return config.model_copy(update={"disk_rescan_s": CONSUMER_RESCAN_S})
+    """``config`` with the engine's defaults: with a disk tier, every role rescans the directory
+    every :data:`ENGINE_RESCAN_S` seconds (``disk_rescan_s`` unset; an explicit value, 0
+    included, is kept): a consumer for a producer's new chunks, replicas for each other's, and
+    every engine for the files the others evicted, so that engines on one directory bound it
+    together."""
+    if config.disk_rescan_s is None and config.disk_path:
+        return config.model_copy(update={"disk_rescan_s": ENGINE_RESCAN_S})
     return config
 
 
