@@ -91,7 +91,9 @@ sampled access; on independent uniform draws (every ordering equal) it switched 
 GUARD_SHARE = 0.0005
 """The guard: the tier's hits may trail its full LRU shadow's by at most this share of its
 accesses (0.05 %: 0.05 point of hit ratio) before it falls back to LRU ordering."""
-GUARD_HYSTERESIS = 64
+GUARD_CREDIT = 8
+"""...and by this many hits more (room for the selector's first trial on a short trace)."""
+GUARD_HYSTERESIS = 2
 """The guard leaves LRU ordering once the deficit is this many hits below the allowance again."""
 
 _MIX = 0x9E3779B97F4A7C15
@@ -348,7 +350,7 @@ class AdaptivePolicy(EvictionPolicy):
         deficit = self._deficit + ghost_hit - hit
         floor = -len(self._nodes)  # banked gains pay for at most one tier-size of later losses
         self._deficit = deficit = deficit if deficit > floor else floor
-        allowance = GUARD_SHARE * self._accesses
+        allowance = GUARD_SHARE * self._accesses + GUARD_CREDIT
         if not self.fallback:
             if deficit > allowance:
                 self.fallback = True
