@@ -10,8 +10,13 @@ Usage: ``python engine_runner.py SPEC.json OUT.json``.  SPEC keys:
 - ``steps``: list of ``{"op": "generate", "prompts": [...], "max_tokens": N, "salt": s}``,
   ``{"op": "flush"}`` (step the engine until ``/metrics`` shows no dirty bytes),
   ``{"op": "reset_prefix_cache"}``, ``{"op": "touch", "path": p}``,
-  ``{"op": "wait", "path": p, "timeout_s": t}``, ``{"op": "metrics"}`` (wait for the stats of the
-  steps so far to reach the metrics, then record a snapshot in OUT's ``snapshots``).
+  ``{"op": "wait", "path": p, "timeout_s": t}``, ``{"op": "until", "metric": name, "at_least": x,
+  "timeout_s": t}`` (step the engine with a one-token request until that ``/metrics`` sample
+  reaches ``x``), ``{"op": "metrics"}`` (record a snapshot in OUT's ``snapshots``).
+
+Metrics are read in this process: ``LLMEngine.step`` records each step's stats (the connector's
+included) into the Prometheus registry before ``generate`` returns, so a snapshot taken after a
+step holds that step's figures; nothing arrives while the engine is not stepped.
 
 The worker (and its store) lives in vLLM's worker process; the runner sees it only through
 vLLM's ``/metrics`` collectors in this process, as an operator would.  At the end the engine is
@@ -80,8 +85,14 @@ def main(spec_path: str, out_path: str) -> int:
             while _metrics().get("kvtier_dirty_bytes", 0.0) > 0 and time.monotonic() < deadline:
                 time.sleep(0.2)
                 llm.generate(["flush"], quiet, use_tqdm=False)
+        elif op == "until":  # gauges arrive with engine steps: step until the sample reaches the value
+            deadline = time.monotonic() + step.get("timeout_s", 60)
+            while _metrics().get(step["metric"], 0.0) < step["at_least"]:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{step['metric']} stayed below {step['at_least']}: {_metrics()}")
+                time.sleep(0.1)
+                llm.generate(["flush"], quiet, use_tqdm=False)
         elif op == "metrics":
-            time.sleep(1.5)  # let the last step's stats reach the metrics logger
             snapshots.append(_metrics())
         elif op == "reset_prefix_cache":
             llm.reset_prefix_cache()
@@ -95,7 +106,6 @@ def main(spec_path: str, out_path: str) -> int:
                 time.sleep(0.1)
         else:
             raise ValueError(f"unknown op {op!r}")
-    time.sleep(1.5)  # let the last step's stats reach the metrics logger
     out = {"results": results, "metrics": _metrics(), "snapshots": snapshots}
     llm.llm_engine.engine_core.shutdown()  # graceful: the worker's connector flushes and closes
     Path(out_path).write_text(json.dumps(out))
