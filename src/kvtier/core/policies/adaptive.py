@@ -349,7 +349,7 @@ class AdaptivePolicy(EvictionPolicy):
         self.lru_hits += ghost_hit
         deficit = self._deficit + ghost_hit - hit
         floor = -len(self._nodes)  # banked gains pay for at most one tier-size of later losses
-        self._deficit = deficit = deficit if deficit > floor else floor
+        self._deficit = deficit = max(floor, deficit)
         allowance = GUARD_SHARE * self._accesses + GUARD_CREDIT
         if not self.fallback:
             if deficit > allowance:
