@@ -5,6 +5,8 @@ inside a namespace, the Kubernetes default grace period)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import yaml
@@ -84,3 +86,27 @@ def test_cleartext_shared_tier_inside_and_outside_the_namespace():
     # no namespace in the manifest: only a bare Service name is known to be inside
     assert rule in findings(_manifest("redis://kvtier-redis.inference.svc.cluster.local:6379/0", namespace=None))
     assert rule not in findings(_manifest("redis://kvtier-redis:6379/0", namespace=None))
+
+
+def test_audit_reads_a_kustomize_directory_and_refuses_what_it_cannot_render(tmp_path: Path):
+    from tests.audit.test_rules import pod
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "vllm.yaml").write_text(pod(grace=45))
+    (base / "kustomization.yaml").write_text("resources:\n  - vllm.yaml\n")
+    top = tmp_path / "top"
+    top.mkdir()
+    (top / "kustomization.yaml").write_text("resources:\n  - ../base\n")
+    def run(target: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "kvtier.cli.main", "audit", str(target), "--format", "json"],
+                              capture_output=True, text=True, check=False, timeout=60)
+
+    found = run(top)
+    assert found.returncode == 1, found.stderr
+    assert "kvtier-grace-period-too-short" in {f["rule"] for f in json.loads(found.stdout)["findings"]}
+    (top / "kustomization.yaml").write_text("resources:\n  - ../base\npatches:\n  - path: p.yaml\n")
+    refused = run(top)
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert refused.stderr.strip() == (f"error: {top / 'kustomization.yaml'} uses patches, which kvtier audit does not "
+                                      f"apply; render it first: kubectl kustomize {top} | kvtier audit -")
