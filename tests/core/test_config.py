@@ -54,6 +54,32 @@ def test_bad_values_fail_with_one_sentence(values, needle):
     assert needle in message and "\n" not in message
 
 
+def test_one_rule_one_sentence_whatever_the_bad_cpu_gib():
+    """Issue 24: cpu_gib -1 and 0 broke one rule but got two different sentences."""
+    messages = []
+    for bad in (-1, 0, -0.5):
+        with pytest.raises(ConfigError) as info:
+            KVTierConfig.from_dict({"cpu_gib": bad})
+        messages.append(str(info.value).replace(f"(got {bad})", "(got X)"))
+    assert messages[0] == messages[1] == messages[2], messages
+    assert "must be above 0: every chunk passes through the cpu tier" in messages[0]
+
+
+def test_a_disk_path_that_does_not_exist_is_named_as_such(tmp_path):
+    """Issue 24: 'exceeds the 70.6 GiB free on /nvme/kvtier' for a path that did not exist: the free
+    space was the root disk's.  The sentence says the path does not exist and whose free space it is."""
+    missing = tmp_path / "nvme" / "kvtier"
+    with pytest.raises(ConfigError) as info:
+        KVTierConfig.from_dict({"disk_path": str(missing), "disk_gib": 1e9})
+    message = str(info.value)
+    assert f"disk_path '{missing}' does not exist" in message, message
+    assert f"free on '{tmp_path}', its nearest existing parent" in message, message
+    assert not missing.exists()  # refused before anything was created
+    missing.mkdir(parents=True)
+    with pytest.raises(ConfigError, match=f"exceeds the .* GiB free on '{missing}'; lower disk_gib"):
+        KVTierConfig.from_dict({"disk_path": str(missing), "disk_gib": 1e9})
+
+
 def test_unwritable_disk_path(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
