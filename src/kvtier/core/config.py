@@ -39,7 +39,9 @@ class KVTierConfig(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="KVTIER_", extra="forbid", frozen=True)
 
-    chunk_tokens: int = Field(128, gt=0, description="Tokens per chunk; a multiple of the engine's block size.")
+    chunk_tokens: int | Literal["auto"] = Field("auto", description=(
+        "Tokens per chunk, a multiple of every KV cache group's block size; auto = the smallest such "
+        "multiple that is at least 128, read from the engine's KV cache groups at start-up."))
     cpu_gib: float = Field(4.0, allow_inf_nan=False, description=(
         "CPU DRAM tier size in GiB, total across TP ranks; above 0: every chunk passes through the cpu tier."))
     disk_path: str | None = Field(None, description="Directory of the disk tier (local NVMe); unset = no disk tier.")
@@ -94,6 +96,20 @@ class KVTierConfig(BaseSettings):
     redis_breaker_failures: int = Field(3, gt=0, description="Failed calls in a row that open the circuit breaker.")
     redis_breaker_probe_s: float = Field(2.0, gt=0, le=3600, allow_inf_nan=False,
                                          description="Seconds between probes while the breaker is open.")
+
+    @field_validator("chunk_tokens", mode="before")
+    @classmethod
+    def _chunk_tokens(cls, value: Any) -> int | str:
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value.strip())
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError("must be auto or a positive whole number of tokens that every KV cache group's block "
+                             "size divides, e.g. 128")
+        return value
 
     @field_validator("cpu_gib")
     @classmethod
@@ -240,11 +256,14 @@ class KVTierConfig(BaseSettings):
 
     # ---- derived values ------------------------------------------------------------------
     def validate_block_size(self, block_size: int) -> None:
-        """Check ``chunk_tokens`` against the engine's block size (tokens).
+        """Check ``chunk_tokens`` against the engine's block size (tokens); ``auto`` always fits
+        (the engine resolves it to a multiple of every block size).
 
         Raises:
             ConfigError: if ``chunk_tokens`` is not a positive multiple of ``block_size``.
         """
+        if self.chunk_tokens == "auto":
+            return
         if self.chunk_tokens % block_size:
             raise ConfigError(f"chunk_tokens={self.chunk_tokens} is not a multiple of the engine block size "
                               f"{block_size}; set chunk_tokens to a multiple of {block_size} "

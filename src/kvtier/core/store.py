@@ -98,7 +98,7 @@ class TieredStore(ChangeFeedMixin):
         self.config = config
         self.namespace = namespace
         self.chunk_bytes = chunk_bytes
-        self.chunk_tokens = config.chunk_tokens
+        self.chunk_tokens = namespace.chunk_tokens  # the engine's resolved size (config may say auto)
         self.counters = StoreCounters()
         self.metrics = StoreMetrics(self.stats, registry)
         self.metrics.set_config({**config.public_dict(), "chunk_bytes": chunk_bytes, "tp_size": tp_size,

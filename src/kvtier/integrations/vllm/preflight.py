@@ -19,8 +19,9 @@ What is checked (each problem is one sentence naming the key and the fix):
   loaded; with ``"recompute"`` a kvtier chunk that fails verification is recomputed (warning);
 * ``kv_connector_extra_config`` with :meth:`KVTierConfig.from_dict`: unknown keys (closest key
   suggested), bad values, disk path checks (missing, not writable, not enough free space, a kernel
-  pseudo filesystem such as ``/proc``), plus ``chunk_tokens`` against ``--block-size`` when known
-  (else a warning when it is not a multiple of vLLM's default block sizes, 16 and 128 on CPU)
+  pseudo filesystem such as ``/proc``), plus an explicit ``chunk_tokens`` against ``--block-size``
+  when known (else a warning when it is not a multiple of vLLM's default block sizes, 16 and 128
+  on CPU); ``auto`` (the default) always fits, the engine resolves it from its block sizes
   and ``cpu_gib`` against the memory this host has available (the connector refuses both), and
   with ``redis_url`` the password (``redis_password_env``/``_file``) and ``shared_secret_file``,
   read as the redis tier reads them at start-up;
@@ -260,7 +261,9 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
         config = KVTierConfig.from_dict(good)  # the valid values, defaults for the rest
     except ConfigError as exc:  # a check across groups, or a KVTIER_* variable of this environment
         return [*problems, Problem("error", key, str(exc))]
-    if block_size is not None:
+    if config.chunk_tokens == "auto":
+        pass  # the engine resolves it from its KV cache groups' block sizes: it always fits
+    elif block_size is not None:
         try:
             config.validate_block_size(block_size)
         except ConfigError as exc:
@@ -271,8 +274,8 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
                                 f"chunk_tokens={config.chunk_tokens} is not a multiple of {block_divisor}, so not of "
                                 f"any block size this CPU server can choose (--block-size, else {default}; 16 for "
                                 "MLA models, 256 for DeepSeek-V4, a multiple of these for hybrid models) and the "
-                                f"connector would refuse it after the model loaded; set chunk_tokens to a multiple "
-                                f"of the block size (e.g. {default})"))
+                                f"connector would refuse it after the model loaded; set chunk_tokens to auto (the "
+                                f"default) or to a multiple of the block size (e.g. {default})"))
     else:
         problems.extend(_default_block_problem(key, config.chunk_tokens))
     problems.extend(_unused_tier_problems(key, extra, config))
@@ -381,8 +384,8 @@ def _default_block_problem(key: str, chunk_tokens: int) -> list[Problem]:
     return [Problem("warning", f"{key}.chunk_tokens",
                     f"chunk_tokens={chunk_tokens} is not a multiple of vLLM's default block size "
                     f"{' or '.join(misses)}, so the connector refuses it on a server without a --block-size that "
-                    f"divides it; set chunk_tokens to a multiple of {max(DEFAULT_BLOCK_SIZES.values())}, or pass "
-                    "--block-size to check against the server's")]
+                    f"divides it; set chunk_tokens to auto (the default) or a multiple of "
+                    f"{max(DEFAULT_BLOCK_SIZES.values())}, or pass --block-size to check against the server's")]
 
 
 def _disk_size_problem(key: str, disk_gib: Any) -> list[Problem]:
