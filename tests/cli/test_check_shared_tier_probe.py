@@ -108,3 +108,21 @@ def test_the_serve_line_preflight_warns_and_does_not_refuse(redis_factory, capsy
     live = redis_factory()
     assert warn_unreachable_shared_tier(transfer({"redis_url": live.url})) == []
     assert capsys.readouterr().err == ""
+
+
+def test_the_plugin_hook_probes_a_valid_config_and_not_a_refused_one(capsys: pytest.CaptureFixture[str]):
+    """plugin.preflight (what vLLM's KVTransferConfig.__post_init__ calls) warns for a valid config's
+    unreachable tier; a config it refuses is not probed (its error is what the operator must see)."""
+    from types import SimpleNamespace
+
+    from kvtier.core.errors import ConfigError
+    from kvtier.integrations.vllm.plugin import preflight
+
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    preflight(SimpleNamespace(**transfer({"redis_url": url})))  # the fields vLLM's config carries
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"WARNING kvtier: shared tier {url} is unreachable (connection refused"), line
+    other = f"redis://127.0.0.1:{free_port()}/0"
+    with pytest.raises(ConfigError, match="cpu_gib"):
+        preflight(SimpleNamespace(**transfer({"redis_url": other, "cpu_gib": -1})))
+    assert capsys.readouterr().err == ""
