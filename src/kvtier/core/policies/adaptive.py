@@ -88,6 +88,14 @@ clears it within a short trace.  Three sigma, not two, because the test is repea
 sampled access; on independent uniform draws (every ordering equal) it switched in 1 stream of
 20, once, over 60 tier-sizes of traffic each (tests/core/test_policies_adaptive.py)."""
 
+GUARD_SHARE = 0.0005
+"""The guard: the tier's hits may trail its full LRU shadow's by at most this share of its
+accesses (0.05 %: 0.05 point of hit ratio) before it falls back to LRU ordering."""
+GUARD_CREDIT = 8
+"""...and by this many hits more (room for the selector's first trial on a short trace)."""
+GUARD_HYSTERESIS = 2
+"""The guard leaves LRU ordering once the deficit is this many hits below the allowance again."""
+
 _MIX = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
 _SAMPLE_BITS = 24
@@ -191,7 +199,7 @@ class AdaptivePolicy(EvictionPolicy):
 
     name = "adaptive"
 
-    def __init__(self) -> None:
+    def __init__(self, guard: bool = True) -> None:
         self._clock = 0  # insertions so far: the unit of age
         self._nodes: dict[Any, _Node] = {}
         self._children: dict[Any, int] = {}
@@ -212,15 +220,36 @@ class AdaptivePolicy(EvictionPolicy):
         self._sampled_n = 1  # tracked chunks when the sampling rate was last set
         self._sampled = 0  # sampled accesses since the last decay
         self.switches = 0
+        self._guarded = guard
+        self._below = 0  # chunks the tiers below hold: they take this tier's victims
+        self._active = 0  # the ordering the tier uses: the selector's, or LRU while the guard holds
+        self._ghost: dict[Any, tuple[int, int, int]] = {}  # full LRU shadow: key -> (time, -depth, seq)
+        self._ghost_heap: list[tuple[int, int, int, Any]] = []
+        self._deficit = 0  # LRU shadow's hits minus the tier's, floored at -len(self)
+        self._accesses = 0
+        self.fallback = False
+        self.fallbacks = 0
+        self.hits = 0  # accesses to resident chunks (touches)
+        self.lru_hits = 0  # accesses the full LRU shadow would have hit
 
     @property
     def mode(self) -> str:
+        """The ordering the selector chose (the tier uses LRU instead while ``fallback``)."""
         return MODES[self._mode]
 
     @property
     def shadow_keys(self) -> int:
         """Sampled keys the largest shadow holds now (about SHADOW_KEYS at most)."""
         return max(len(shadow.nodes) for shadow in self._shadows)
+
+    def set_capacity_below(self, chunks: int) -> None:
+        """The tiers below this one hold ``chunks`` chunks and take its victims (write-back).
+        The shadows then replay the stack's reach (this tier's size plus ``chunks``), so the
+        selector picks an ordering for what the stack keeps, not for this tier alone: a victim
+        is not lost, it moves down, and an ordering that pays in a lone tier (quarantine of
+        unproven chunks) can cost the stack more first reuses than it saves."""
+        self._below = max(0, int(chunks))
+        self._resample(max(len(self._nodes), 1))
 
     # -- mutations ---------------------------------------------------------------------------
     def insert(self, key: Any, parent: Any | None) -> None:
@@ -244,6 +273,13 @@ class AdaptivePolicy(EvictionPolicy):
         if parent is not None:
             self._children[parent] = self._children.get(parent, 0) + 1
         self._queue(key, node)
+        if self._guarded:
+            ghost_time = time
+            if up is not None:
+                above = self._ghost.get(parent)
+                if above is not None and above[0] < time:
+                    ghost_time = above[0]  # a chunk is never more recent than its prefix
+            self._guard(key, False, ghost_time, depth)
         if len(nodes) > 2 * self._sampled_n:  # a tier that fills without evicting
             self._resample(len(nodes))
         if _sample(key) < self._threshold:
@@ -260,6 +296,8 @@ class AdaptivePolicy(EvictionPolicy):
                 node.time = clock
                 node.mru = True
                 self._queue(key, node)
+                if self._guarded:
+                    self._guard(key, True, clock, node.depth)
                 if _sample(key) < threshold:
                     self._shadow(key, clock, node.uses, node.gap, node.long_uses, node.depth, False)
 
@@ -267,6 +305,8 @@ class AdaptivePolicy(EvictionPolicy):
         node = self._nodes.pop(key, None)
         if node is None:
             return
+        if self._guarded:
+            self._trim_ghost()
         parent = node.parent
         if parent is not None:
             left = self._children[parent] - 1
@@ -305,8 +345,50 @@ class AdaptivePolicy(EvictionPolicy):
         return self._nodes.keys()
 
     # -- internals ---------------------------------------------------------------------------
+    def _guard(self, key: Any, hit: bool, time: int, depth: int) -> None:
+        """Replay one access through the full LRU shadow (keys only, as many as the tier holds),
+        count both hit totals, and switch the tier's ordering to LRU while the tier trails."""
+        ghost = self._ghost
+        ghost_hit = key in ghost
+        s = next(self._seq)
+        ghost[key] = (time, -depth, s)
+        heapq.heappush(self._ghost_heap, (time, -depth, s, key))
+        self._trim_ghost()
+        self._accesses += 1
+        self.hits += hit
+        self.lru_hits += ghost_hit
+        deficit = self._deficit + ghost_hit - hit
+        floor = -len(self._nodes)  # banked gains pay for at most one tier-size of later losses
+        self._deficit = deficit = max(floor, deficit)
+        allowance = GUARD_SHARE * self._accesses + GUARD_CREDIT
+        if not self.fallback:
+            if deficit > allowance:
+                self.fallback = True
+                self.fallbacks += 1
+                self._set_active(0)
+        elif deficit < allowance - GUARD_HYSTERESIS:
+            self.fallback = False
+            self._set_active(self._mode)
+
+    def _trim_ghost(self) -> None:
+        ghost, heap, n = self._ghost, self._ghost_heap, len(self._nodes)
+        pop = heapq.heappop
+        while len(ghost) > n and heap:
+            _, _, s, key = pop(heap)
+            entry = ghost.get(key)
+            if entry is not None and entry[2] == s:
+                del ghost[key]
+        if len(heap) > 2 * len(ghost) + 64:  # drop stale entries now and then
+            self._ghost_heap = [e for e in heap if (g := ghost.get(e[3])) is not None and g[2] == e[2]]
+            heapq.heapify(self._ghost_heap)
+
+    def _set_active(self, mode: int) -> None:
+        if mode != self._active:
+            self._active = mode
+            self._stale = True
+
     def _queue(self, key: Any, node: _Node) -> None:
-        node.rank = rank = _rank(self._mode, node.time, node.uses, node.gap, node.mru, self._scale, node.long_uses)
+        node.rank = rank = _rank(self._active, node.time, node.uses, node.gap, node.mru, self._scale, node.long_uses)
         if key not in self._children:
             node.seq = s = next(self._seq)
             heapq.heappush(self._heap, (rank, -node.depth, s, key))
@@ -317,7 +399,7 @@ class AdaptivePolicy(EvictionPolicy):
         if n > 2 * self._scale or n * 2 < self._scale:
             self._scale = n
             self._resample(n)
-        mode, scale, children, seq = self._mode, self._scale, self._children, self._seq
+        mode, scale, children, seq = self._active, self._scale, self._children, self._seq
         heap = []
         for key, node in self._nodes.items():
             node.rank = _rank(mode, node.time, node.uses, node.gap, node.mru, scale, node.long_uses)
@@ -331,18 +413,18 @@ class AdaptivePolicy(EvictionPolicy):
         """Sampling rate for ``n`` tracked chunks: shadows hold at most about SHADOW_KEYS keys,
         also while a tier fills without evicting (no victim asked yet)."""
         self._sampled_n = n
-        threshold = min(1 << _SAMPLE_BITS, (SHADOW_KEYS << _SAMPLE_BITS) // n)
+        threshold = min(1 << _SAMPLE_BITS, (SHADOW_KEYS << _SAMPLE_BITS) // (n + self._below))
         if threshold != self._threshold:
             self._threshold = threshold
             for shadow in self._shadows:
-                shadow.resample(threshold, self._shadow_capacity(), self._scale)
+                shadow.resample(threshold, self._shadow_capacity(), self._scale + self._below)
 
     def _shadow_capacity(self) -> int:
-        return max(1, (len(self._nodes) * self._threshold) >> _SAMPLE_BITS)
+        return max(1, ((len(self._nodes) + self._below) * self._threshold) >> _SAMPLE_BITS)
 
     def _shadow(self, key: Any, time: int, uses: int, gap: int, long_uses: int, depth: int, lucky: bool) -> None:
         capacity = self._shadow_capacity()
-        scale, seq = self._scale, self._seq
+        scale, seq = self._scale + self._below, self._seq
         shadows = self._shadows
         hits = [shadow.access(key, time, uses, gap, long_uses, depth, lucky, capacity, scale, seq) for shadow in shadows]
         wins = self._wins
@@ -373,8 +455,9 @@ class AdaptivePolicy(EvictionPolicy):
         discordant = wins[best][mode] + wins[mode][best]
         if lead > MARGIN * current and lead * lead > SIGNIFICANCE * discordant:
             self._mode = best
-            self._stale = True
             self.switches += 1
+            if not self.fallback:
+                self._set_active(best)
 
     def _count(self, key: Any, clock: int) -> tuple[int, int, int]:
         """(prior uses, insertions since the previous use, prior uses in the long history) of
@@ -395,3 +478,12 @@ class AdaptivePolicy(EvictionPolicy):
         if len(self._uses) > HISTORY / 2 * n:
             self._old_uses, self._uses = self._uses, {}
         return uses, clock - last, long_uses
+
+
+class UnguardedAdaptivePolicy(AdaptivePolicy):
+    """``adaptive`` without its LRU guard: the selector alone (for comparison in the simulator)."""
+
+    name = "adaptive-unguarded"
+
+    def __init__(self) -> None:
+        super().__init__(guard=False)

@@ -24,6 +24,8 @@ Exported (Prometheus adds ``_total`` to counters; ``tier`` is ``cpu``, ``disk`` 
 - ``kvtier_pinned_chunks{tier}``, ``kvtier_pinned_bytes{tier}``: chunks held by loads or disk
   writes in flight (zero when idle: a leaked pin shows); ``kvtier_dirty_bytes``: bytes in DRAM not
   yet on the disk tier (the restart-loss window when the stop is not graceful).
+- ``kvtier_chunk_tokens``: tokens per chunk the engine runs with (``chunk_tokens``, ``auto``
+  resolved from the KV cache groups' block sizes; rank 0 reports it, so the sum is the value).
 - ``kvtier_flush_missed_chunks_total``: dirty chunks a graceful stop could not write in time.
 - Shared tier (workers' side, from each store's snapshot ``TierStats.wire``; summed over ranks):
   ``kvtier_redis_errors_total`` (calls that failed), ``kvtier_redis_skipped_calls_total`` (not
@@ -111,6 +113,8 @@ GAUGES: dict[str, tuple[str, str, str | None]] = {
     "pinned_chunks_disk": ("kvtier_pinned_chunks", "Chunks pinned by loads or disk writes in flight (all ranks).", "disk"),
     "pinned_bytes_cpu": ("kvtier_pinned_bytes", "Bytes of chunks pinned by loads or disk writes (all ranks).", "cpu"),
     "pinned_bytes_disk": ("kvtier_pinned_bytes", "Bytes of chunks pinned by loads or disk writes (all ranks).", "disk"),
+    "chunk_tokens": ("kvtier_chunk_tokens", ("Tokens per kvtier chunk this engine runs with (chunk_tokens; auto "
+                     "resolved from the KV cache groups' block sizes); reported by rank 0."), None),
     "dirty_bytes": ("kvtier_dirty_bytes", "Bytes in DRAM not yet on the disk tier: what a crash loses (all ranks).",
                     None),
     "redis_breaker_state": ("kvtier_redis_breaker_state", ("Shared-tier circuit breaker, summed over ranks: 0 closed "
