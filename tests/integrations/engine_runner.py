@@ -1,6 +1,13 @@
-"""Run a real vLLM engine (``vllm.LLM``, default multiprocessing: scheduler and worker in
-separate processes) with KVTierConnector through a scripted list of steps; used by the
-engine tests that need their own process (restarts, several engines at once).
+"""Run a real vLLM engine (``vllm.LLM``: scheduler and worker in separate processes) with
+KVTierConnector through a scripted list of steps; used by the engine tests that need their own
+process (restarts, several engines at once).
+
+Processes: the engine core (scheduler and the scheduler-side connector) runs in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by tests/integrations/vllm_helpers.py) and the worker
+(with the worker-side connector and its store) in its own, through vLLM's multiprocessing
+executor (``distributed_executor_backend="mp"``, what vLLM's CPU platform uses under ``vllm
+serve``), so the two connector halves meet only through vLLM's per-step messages, as under
+``vllm serve``; an engine-core process of its own would only cost one more start-up.
 
 Usage: ``python engine_runner.py SPEC.json OUT.json``.  SPEC keys:
 
@@ -77,7 +84,7 @@ def main(spec_path: str, out_path: str) -> int:
                     "kv_connector_extra_config": {"connectors": [transfer, spec["beside"]]}}
     engine = {"dtype": "float32", "max_model_len": 1024, "enforce_eager": True, "gpu_memory_utilization": 0.05,
               "kv_cache_memory_bytes": 64 << 20, "block_size": 32, "num_gpu_blocks_override": 64,
-              "enable_prefix_caching": True, "disable_log_stats": False, "seed": 0}
+              "enable_prefix_caching": True, "disable_log_stats": False, "seed": 0, "distributed_executor_backend": "mp"}
     engine.update(spec.get("engine", {}))
     llm = LLM(model=spec["model"], kv_transfer_config=transfer, **engine)
     results = []

@@ -2,8 +2,8 @@
 producer handing KV to a running consumer, tensor parallelism (7 engine start-ups in all: each
 test chains the scenarios that can share its engines).
 
-Each engine is ``engine_runner.py`` in its own process with vLLM's default multiprocessing, so
-the scheduler-side connector (EngineCore process) and the worker-side connector (worker
+Each engine is ``engine_runner.py`` in its own process with vLLM's multiprocessing executor, so
+the scheduler-side connector (the runner's process) and the worker-side connector (the worker
 process) meet only through vLLM's own per-step messages, as under ``vllm serve`` on CPU.
 """
 

@@ -32,7 +32,8 @@ def run_engine(spec: dict[str, Any], workdir: Path, name: str, timeout_s: float 
     spec_path = workdir / f"{name}.spec.json"
     spec_path.write_text(json.dumps(spec))
     log = open(workdir / f"{name}.log", "wb")  # noqa: SIM115 - held by the child process
-    child_env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", OMP_NUM_THREADS="1", **(env or {}))
+    # the engine core (scheduler) in the runner's process, the worker in its own (engine_runner.py)
+    child_env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1", **(env or {}))
     proc = subprocess.Popen([sys.executable, str(RUNNER), str(spec_path), str(workdir / f"{name}.out.json")],
                             stdout=log, stderr=subprocess.STDOUT, env=child_env, cwd=workdir)
     proc.timeout_s = timeout_s  # type: ignore[attr-defined]

