@@ -17,5 +17,7 @@ def test_default_never_below_lru_and_belady_on_top():
     for gap in belady_gaps(result, "default"):
         assert gap.lru <= gap.policy <= gap.belady, gap
     hits = {(r.policy, r.cpu_gib): r.token_hit_ratio for r in result.rows}
-    assert hits["default", 256.0] > 1.5 * hits["lru", 256.0]  # quarantine pays where LRU thrashes
+    # quarantine pays where LRU thrashes (1.49x with the LRU guard, which admits only what the
+    # ordering has earned; 1.6x without it: docs/simulate.md, "The guard")
+    assert hits["default", 256.0] > 1.4 * hits["lru", 256.0]
     assert all(hits["belady", gib] >= hits[name, gib] for name, gib in hits)

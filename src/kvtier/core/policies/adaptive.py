@@ -88,13 +88,12 @@ clears it within a short trace.  Three sigma, not two, because the test is repea
 sampled access; on independent uniform draws (every ordering equal) it switched in 1 stream of
 20, once, over 60 tier-sizes of traffic each (tests/core/test_policies_adaptive.py)."""
 
-GUARD_SHARE = 0.0005
-"""The guard: the tier's hits may trail its full LRU shadow's by at most this share of its
-accesses (0.05 %: 0.05 point of hit ratio) before it falls back to LRU ordering."""
-GUARD_CREDIT = 8
-"""...and by this many hits more (room for the selector's first trial on a short trace)."""
-GUARD_HYSTERESIS = 2
-"""The guard leaves LRU ordering once the deficit is this many hits below the allowance again."""
+GUARD_SHARE = 0.0008
+"""The guard's allowance grows by this share of the tier's accesses (0.08 %: 0.08 point)..."""
+GUARD_CREDIT = 16
+"""...from this many hits (room for the selector's first trial on a short trace).  The tier's
+hits never trail its full LRU shadow's by more than the allowance plus one (docs/simulate.md,
+"The guard")."""
 
 _MIX = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
@@ -227,14 +226,13 @@ class AdaptivePolicy(EvictionPolicy):
         self._ghost_heap: list[tuple[int, int, int, Any]] = []
         self._deficit = 0  # LRU shadow's hits minus the tier's, floored at -len(self)
         self._accesses = 0
-        self.fallback = False
-        self.fallbacks = 0
+        self._outside: dict[Any, None] = {}  # resident chunks the LRU shadow no longer holds, oldest first
         self.hits = 0  # accesses to resident chunks (touches)
         self.lru_hits = 0  # accesses the full LRU shadow would have hit
 
     @property
     def mode(self) -> str:
-        """The ordering the selector chose (the tier uses LRU instead while ``fallback``)."""
+        """The ordering the selector chose (the guard overrides its victims when the budget is spent)."""
         return MODES[self._mode]
 
     @property
@@ -306,6 +304,7 @@ class AdaptivePolicy(EvictionPolicy):
         if node is None:
             return
         if self._guarded:
+            self._outside.pop(key, None)
             self._trim_ghost()
         parent = node.parent
         if parent is not None:
@@ -325,11 +324,22 @@ class AdaptivePolicy(EvictionPolicy):
             self._rebuild()
         nodes, children = self._nodes, self._children
 
+        if self._guarded and self._outside and self._over_budget():
+            for key in self._outside:  # oldest first: a chunk leaves the shadow after its children
+                if key not in children and key != self._run[0] and evictable(key):
+                    return key
+
         def stale(entry: tuple[Any, ...]) -> bool:  # re-queued, evicted, or gained children
             node = nodes.get(entry[3])
             return node is None or node.seq != entry[2] or entry[3] in children
 
-        best = heap_victim(self._heap, stale, evictable)
+        # The chunk inserted last is the parent of the next one of its prompt: evicting it
+        # before that one arrives would leave a chunk that can never be served (its prefix is
+        # gone), so it goes only when nothing else may.
+        last = self._run[0]
+        best = heap_victim(self._heap, stale, lambda k: k != last and evictable(k))
+        if best is None and last in nodes and last not in children and evictable(last):
+            best = last
         if best is None and nodes:
             order = sorted(nodes, key=lambda k: (k in children, nodes[k].rank, -nodes[k].depth))
             best = next((k for k in order if evictable(k)), None)
@@ -346,38 +356,46 @@ class AdaptivePolicy(EvictionPolicy):
 
     # -- internals ---------------------------------------------------------------------------
     def _guard(self, key: Any, hit: bool, time: int, depth: int) -> None:
-        """Replay one access through the full LRU shadow (keys only, as many as the tier holds),
-        count both hit totals, and switch the tier's ordering to LRU while the tier trails."""
+        """Replay one access through the full LRU shadow (keys only, as many as the tier holds)
+        and count both hit totals (see :meth:`_over_budget`)."""
         ghost = self._ghost
         ghost_hit = key in ghost
         s = next(self._seq)
         ghost[key] = (time, -depth, s)
         heapq.heappush(self._ghost_heap, (time, -depth, s, key))
+        self._outside.pop(key, None)
         self._trim_ghost()
         self._accesses += 1
         self.hits += hit
         self.lru_hits += ghost_hit
-        deficit = self._deficit + ghost_hit - hit
         floor = -len(self._nodes)  # banked gains pay for at most one tier-size of later losses
-        self._deficit = deficit = max(floor, deficit)
+        self._deficit = max(floor, self._deficit + ghost_hit - hit)
+
+    def _over_budget(self) -> bool:
+        """Whether evicting a chunk the LRU shadow still holds could break the bound.
+
+        ``deficit`` (the shadow's hits minus the tier's) plus ``len(outside)`` (resident chunks
+        the shadow has dropped) only grows, by one, when the tier evicts a chunk the shadow holds;
+        every access the shadow hits and the tier misses is paid by one chunk outside the shadow
+        (docs/simulate.md, "The guard").  So while it would pass the allowance the victim comes
+        from outside the shadow, and the deficit never exceeds ``GUARD_SHARE × accesses +
+        GUARD_CREDIT + 1``."""
         allowance = GUARD_SHARE * self._accesses + GUARD_CREDIT
-        if not self.fallback:
-            if deficit > allowance:
-                self.fallback = True
-                self.fallbacks += 1
-                self._set_active(0)
-        elif deficit < allowance - GUARD_HYSTERESIS:
-            self.fallback = False
-            self._set_active(self._mode)
+        if self._below:  # above write-back tiers: what this tier keeps apart from LRU shapes theirs too
+            allowance *= len(self._nodes) / (len(self._nodes) + self._below)
+        return self._deficit + len(self._outside) + 1 > allowance
 
     def _trim_ghost(self) -> None:
         ghost, heap, n = self._ghost, self._ghost_heap, len(self._nodes)
         pop = heapq.heappop
+        nodes, outside = self._nodes, self._outside
         while len(ghost) > n and heap:
             _, _, s, key = pop(heap)
             entry = ghost.get(key)
             if entry is not None and entry[2] == s:
                 del ghost[key]
+                if key in nodes:
+                    outside[key] = None
         if len(heap) > 2 * len(ghost) + 64:  # drop stale entries now and then
             self._ghost_heap = [e for e in heap if (g := ghost.get(e[3])) is not None and g[2] == e[2]]
             heapq.heapify(self._ghost_heap)
@@ -456,8 +474,7 @@ class AdaptivePolicy(EvictionPolicy):
         if lead > MARGIN * current and lead * lead > SIGNIFICANCE * discordant:
             self._mode = best
             self.switches += 1
-            if not self.fallback:
-                self._set_active(best)
+            self._set_active(best)
 
     def _count(self, key: Any, clock: int) -> tuple[int, int, int]:
         """(prior uses, insertions since the previous use, prior uses in the long history) of
