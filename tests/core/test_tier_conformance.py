@@ -10,6 +10,8 @@ import pytest
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers import GetResult, PutResult, available_tiers
+from kvtier.core.tiers.base import capabilities
+from kvtier.core.tiers.registry import spec
 
 from .tier_harness import CHUNK, HARNESSES, NS, OTHER_NS
 
@@ -43,6 +45,17 @@ def read(tier, k) -> tuple[GetResult, bytes]:
 def test_every_registered_tier_has_a_harness():
     variants = {name.split("-")[0] for name in HARNESSES}
     assert set(available_tiers()) <= variants, f"no conformance harness for {set(available_tiers()) - variants}"
+
+
+def test_tier_implements_exactly_the_capabilities_its_record_declares(harness, tier):
+    """The registry record's capabilities (typed protocols, kvtier.core.tiers.base) are what the
+    store relies on instead of probing attributes: a record must not promise one the tier lacks,
+    nor hide one it has."""
+    from tests.dict_tier import SPEC as DICT_SPEC
+
+    record = DICT_SPEC if harness.tier_name == DICT_SPEC.name else spec(harness.tier_name)
+    assert capabilities(tier) == record.capabilities
+    assert tier.name == record.name and tier.shared == record.shared
 
 
 def test_put_get_roundtrip_byte_identical(tier):
@@ -127,7 +140,7 @@ def test_concurrent_callers_get_exact_bytes(tier):
 
     def worker(base: int) -> None:
         for i in range(base, base + 3):
-            if not tier.put(key(i), data(i)):
+            if not tier.put(key(i), data(i)).stored:
                 continue  # no room is allowed; wrong bytes are not
             result, got = read(tier, key(i))
             if result is GetResult.HIT and got != data(i):

@@ -43,6 +43,7 @@ from pydantic import TypeAdapter, ValidationError
 from kvtier.core.config import GiB, KVTierConfig, did_you_mean, mount_of
 from kvtier.core.errors import ConfigError
 from kvtier.core.sizing import available_memory
+from kvtier.core.tiers import registry
 
 CONNECTOR = "KVTierConnector"
 MODULE_PATH = "kvtier.integrations.vllm"
@@ -289,28 +290,15 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
 
 
 def _shared_tier_problems(key: str, config: KVTierConfig) -> list[Problem]:
-    """The redis tier's password and shared secret, read as its start-up reads them (files, env var)."""
-    if not config.redis_url or "redis" not in config.tiers:
-        return []
-    from kvtier.core.tiers.redisclient import (  # no redis-py import at module level
-        redis_password,
-        shared_secret,
-    )
-
-    problems = []
-    password_key = "redis_password_env" if config.redis_password_env else "redis_password_file"
-    for name, read in ((password_key, redis_password), ("shared_secret_file", shared_secret)):
-        try:
-            read(config)
-        except ConfigError as exc:
-            problems.append(Problem("error", f"{key}.{name}", str(exc)))
-    return problems
+    """Each configured tier's own preflight (:func:`kvtier.core.tiers.registry.check`: e.g. the
+    redis tier's password and shared secret, read as its start-up reads them)."""
+    return [Problem("error", f"{key}.{name}", message)
+            for tier in config.tiers for name, message in registry.check(tier, config)]
 
 
 def _unused_tier_problems(key: str, extra: dict[str, Any], config: KVTierConfig) -> list[Problem]:
     """A warning per tier whose settings are given but which ``tiers`` leaves out (it is not used)."""
-    settings = {"disk": [k for k in _DISK_KEYS if extra.get(k) is not None],
-                "redis": ["redis_url"] if extra.get("redis_url") else []}
+    settings = {s.name: [k for k in s.keys if extra.get(k) not in (None, "")] for s in registry.specs()}
     return [Problem("warning", f"{key}.tiers",
                     f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} set but tiers "
                     f"{list(config.tiers)} leaves out {tier!r}, so the {tier} tier is not used; add {tier!r} to "
