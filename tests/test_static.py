@@ -110,3 +110,56 @@ def test_the_tier_name_check_finds_a_literal(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text('"""the "disk" tier."""\nTIER = "disk"\n', encoding="utf-8")
     assert _string_literals(probe) == [(2, "disk")]
+
+
+# What starts a real vLLM engine in a test (directly or through a fixture of the same module).
+ENGINE_STARTS = {"run_engine", "start_server", "LLM", "run_compare", "run_restart_demo", "_serve_refused", "probe"}
+"""Calls that start vLLM; kvtier's ``Server`` launcher counts where the same function starts it."""
+ENGINE_SCRIPTS = ("engine_runner.py", "native_runner.py", "hybrid_probe.py", "vllm.entrypoints.openai.api_server")
+
+
+def _starts_engine(node: object) -> bool:
+    import ast
+
+    names = set()
+    for sub in ast.walk(node):  # type: ignore[arg-type]
+        if isinstance(sub, ast.Call):
+            f = sub.func
+            names.add(f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else "")
+    if names & ENGINE_STARTS or ("Server" in names and names & {"start", "launch"}):
+        return True
+    for sub in ast.walk(node):  # type: ignore[arg-type]
+        if isinstance(sub, ast.Constant) and isinstance(sub.value, str) and sub.value.endswith(ENGINE_SCRIPTS):
+            return True
+        if isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) and sub.func.attr == "with_name" \
+                and sub.args and isinstance(sub.args[0], ast.Constant) and str(sub.args[0].value).endswith(ENGINE_SCRIPTS):
+            return True
+    return False
+
+
+def _marked_engine(decorators: list[object]) -> bool:
+    import ast
+
+    return any("mark.engine" in ast.unparse(d) for d in decorators)  # type: ignore[arg-type]
+
+
+def test_every_test_that_starts_a_vllm_engine_carries_the_engine_marker():
+    """``make test-fast`` (-m "not engine") must never start vLLM, and the engine lock rule relies
+    on the marker: a test that starts an engine itself or through a fixture of its module is marked."""
+    import ast
+
+    unmarked = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        module_marked = any(isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)
+                            and "mark.engine" in ast.unparse(n.value) for n in tree.body)
+        functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+        starters = {name for name, fn in functions.items() if _starts_engine(fn)}
+        for name, fn in functions.items():
+            if not name.startswith("test_") or module_marked or _marked_engine(fn.decorator_list):
+                continue
+            uses = {a.arg for a in fn.args.args} | {
+                getattr(c.func, "id", "") for c in ast.walk(fn) if isinstance(c, ast.Call)}
+            if name in starters or uses & starters:
+                unmarked.append(f"{path.relative_to(ROOT)}::{name}")
+    assert unmarked == [], f"these tests start vLLM without @pytest.mark.engine: {unmarked}"

@@ -83,3 +83,24 @@ def test_files_are_written_and_failures_named(result, tmp_path, capsys):
     print_table(result)
     out = capsys.readouterr().out
     assert "example: engine exited with code 1 during prefix-4; log:" in out
+
+
+def test_cdf_title_and_legend_agree_with_the_table(tmp_path):
+    """Two runs of 12 requests: the title says so (12 requests × 2 runs, pooled), the legend's n
+    is the pooled 24 and its p50 is the table's (median of the runs' p50s: 40 ms from runs at
+    20 and 60 ms; the pooled values' own p50 would be 40 ms only by chance, here it is 20 ms)."""
+    from kvtier.bench.report import cdf_figures
+
+    w = prefix_repetition_workload(TokenSpace(seed=0, low=100, high=1900), num_requests=12, prefix_len=1536,
+                                   suffix_len=64, num_prefixes=3, output_len=4)
+    arm = make_arm("kvtier", tmp_path)
+    runs = [run_of(w, [0.02] * 12), run_of(w, [0.02] * 5 + [0.06] * 7)]
+    outcomes = tuple(ArmOutcome(arm, tmp_path / f"kvtier-run{k}.log", 45.0, run, recorded_meters("kvtier"), None,
+                                Verdict(VerdictKind.HELPING, "ok")) for k, run in enumerate(runs))
+    result = CompareResult(workload=w, engine=ServerSpec(model="m"), outcomes=outcomes, repeats=2)
+    title, ttfts, labels = cdf_figures(result)
+    assert title.endswith("12 requests × 2 runs, pooled")
+    assert len(ttfts["kvtier"]) == 24
+    table_p50 = result.arms[0].spreads()["ttft_p50_s"].median
+    assert table_p50 == pytest.approx(0.04)
+    assert labels["kvtier"] == "kvtier (TTFT p50 40 ms, median of 2 runs; n=24)"

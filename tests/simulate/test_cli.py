@@ -2,6 +2,7 @@
 and one-line errors for bad input."""
 
 import json
+import re
 
 import pytest
 from typer.testing import CliRunner
@@ -124,7 +125,9 @@ def test_three_tiers_admission_and_latency(tmp_path, trace_file):
     assert result.exit_code == 0, result.output
     assert max(len(line) for line in result.output.splitlines()) <= 80
     row = json.loads(out.read_text())["rows"][0]
-    assert row["tier_hit_ratio"]["disk"] > 0 and row["tier_hit_ratio"]["shared"] >= 0
+    # the shared tier serves what fell out of cpu and disk; every hit is counted in exactly one tier
+    assert row["tier_hit_ratio"]["disk"] > 0 and row["tier_hit_ratio"]["shared"] > 0
+    assert sum(row["tier_hit_ratio"].values()) == pytest.approx(row["token_hit_ratio"])
     strict = run(*args, "--disk-admission", "reused", "--shared-admission", "reused", "--json", str(out))
     assert strict.exit_code == 0, strict.output
     reused = json.loads(out.read_text())["rows"][0]
@@ -177,3 +180,38 @@ def test_unwritable_output_is_refused_before_the_trace_is_read(tmp_path, option)
     result = run("--trace", str(bad_trace), "--kv-bytes-per-token", str(KV_PER_TOKEN), "--engine-gib", "1",
                  "--cpu-gib", "1", option, str(tmp_path / "d"))
     assert result.exit_code == 2 and "is a directory" in result.output, result.output
+
+
+def _table_hits(output: str, policy: str) -> dict[float, str]:
+    """``{cpu GiB: hit cell}`` of one policy's rows in the printed table."""
+    hits, gib = {}, None
+    for line in output.splitlines():
+        cells = line.split()
+        if len(cells) >= 3 and cells[-1].replace(",", "").isdigit():
+            if cells[0].replace(".", "", 1).isdigit():
+                gib, cells = float(cells[0]), cells[1:]
+            if cells[0] == policy:
+                hits[gib] = cells[1]
+    return hits
+
+
+def test_recommend_agrees_with_its_table(tmp_path, trace_file):
+    """The recommended cpu size is a row of the table and its hit ratio is that row's, for the
+    whole stack as configured; the disk tier given is kept, not resized."""
+    result = run("--trace", str(trace_file), "--kv-bytes-per-token", str(KV_PER_TOKEN), "--engine-gib", "0.25",
+                 "--cpu-gib", "0.25,0.5,1,2", "--disk-gib", "1.5", "--policy", "lru,default", "--recommend",
+                 "--workers", "1")
+    assert result.exit_code == 0, result.output
+    hits = _table_hits(result.output, "default=adaptive")
+    assert set(hits) == {0.25, 0.5, 1.0, 2.0}, result.output
+    lines: list[str] = []
+    for line in result.output.splitlines():  # a size's reason wraps at 80 columns, indented
+        if line.startswith(" " * 21) and lines:
+            lines[-1] += " " + line.strip()
+        else:
+            lines.append(line)
+    cpu_line = next(line for line in lines if re.match(r"  cpu +[0-9.]+ GiB ", line))
+    gib = float(cpu_line.split()[1])
+    assert gib in hits and f"hits {hits[gib]}" in cpu_line, (cpu_line, hits)
+    disk_line = next(line for line in lines if line.strip().startswith("disk "))
+    assert disk_line.split()[1:3] == ["1.5", "GiB"] and "as given" in disk_line

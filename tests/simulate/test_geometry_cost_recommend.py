@@ -6,8 +6,8 @@ import pytest
 
 from kvtier.simulate.cost import Throughputs, time_saved
 from kvtier.simulate.geometry import GeometryError, kv_bytes_per_token, kv_bytes_per_token_from_file
-from kvtier.simulate.recommend import recommend, size_tiers
-from kvtier.simulate.sweep import SweepSpec
+from kvtier.simulate.recommend import advise, cpu_size, recommend
+from kvtier.simulate.sweep import SweepSpec, run_sweep
 from tests.simulate.helpers import make_trace
 
 LLAMA_8B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -68,15 +68,44 @@ def test_recommend_enough_and_knee():
         recommend([], [])
 
 
-def test_size_tiers_judges_the_cpu_tier_alone_when_lower_tiers_were_swept():
-    """A sweep with --disk-gib reports the whole stack's hit ratio per cpu size; the recommendation
-    must not read it as the cpu tier's, or the disk tier that earns the hits is called "not needed"."""
-    prompts = [[2 * i, 2 * i + 1] for i in range(8)]  # 8 two-chunk prompts, cycled: LRU on 2 chunks never hits
+def test_cpu_size_says_when_the_curve_has_no_knee_inside_the_range():
+    bent = cpu_size([(16, 0.10), (32, 0.30), (64, 0.50), (128, 0.58), (256, 0.60), (512, 0.61)], 4096)
+    assert (bent.gib, bent.hit_ratio) == (64, 0.50) and bent.reason.startswith("knee of the curve; hits 50.0%")
+    rising = cpu_size([(200, 0.20), (400, 0.30), (800, 0.45)], 20_000)  # convex: still climbing at the top
+    assert rising.gib == 800 and rising.hit_ratio == 0.45
+    assert "no knee inside 200–800 GiB" in rising.reason and "lower bound" in rising.reason
+    assert "--cpu-gib 800,1600,3200,6400 " in rising.reason  # the range to sweep next, up to 8× the largest
+    whole = cpu_size([(200, 0.20), (400, 0.30), (800, 0.45)], 700)  # the largest already holds everything
+    assert "whole footprint" in whole.reason and whole.gib == 800
+    capped = cpu_size([(200, 0.20), (400, 0.30), (800, 0.45)], 2000)
+    assert "--cpu-gib 800,1600,2000 " in capped.reason  # never past the footprint
+    flat = cpu_size([(64, 0.3000), (128, 0.3004), (256, 0.3005)], 4096)
+    assert flat.gib == 64 and "flat" in flat.reason and "--cpu-gib 4,64,256,4096)" in flat.reason
+
+
+def test_advise_reads_the_sweeps_own_rows_and_keeps_the_disk_given():
+    """The sizes come from the very rows the table prints (every tier as configured): the cpu
+    size is a swept row whose hit ratio is that row's, and a disk tier given is reported as
+    given, never resized."""
+    prompts = [[2 * i, 2 * i + 1] for i in range(8)]  # 8 two-chunk prompts, cycled
     trace = make_trace([(keys, 1) for _ in range(6) for keys in prompts])
-    spec = SweepSpec(chunk_bytes=1 << 30, engine_gib=0, cpu_gibs=(1, 2), disk_gib=64, policies=("lru",))
-    fast = Throughputs(prefill_tokens_per_s=1.0)  # loading always beats recomputing here
-    stack_curve = [(1.0, 0.8), (2.0, 0.8)]  # what the sweep reports with the 64-GiB disk tier below
-    ceiling, sizes = size_tiers(trace, spec, stack_curve, "lru", fast, ["disk"])
+    spec = SweepSpec(chunk_bytes=1 << 30, engine_gib=0, cpu_gibs=(1, 2, 4, 8, 16), disk_gib=6, policies=("lru",))
+    result = run_sweep(trace, spec, workers=1)
+    rows = result.curve("lru")
+    ceiling, sizes = advise(trace, spec, rows, "lru", Throughputs(prefill_tokens_per_s=1.0))
     cpu, disk = sizes
-    assert ceiling > 0.5 and cpu.hit_ratio == 0.0
-    assert disk.gib is not None and disk.hit_ratio >= 0.95 * ceiling, disk.reason
+    row = next(r for r in rows if r.cpu_gib == cpu.gib)
+    assert cpu.hit_ratio == row.token_hit_ratio and f"hits {row.token_hit_ratio:.1%}" in cpu.reason
+    assert disk.tier == "disk" and disk.gib == 6 and disk.reason.startswith("as given")
+    assert f"serves {row.tier_token_hit_ratio('disk'):.1%}" in disk.reason
+    assert 0 < ceiling <= 1
+
+
+def test_advise_sizes_a_disk_tier_only_when_none_was_given():
+    prompts = [[2 * i, 2 * i + 1] for i in range(8)]  # LRU on 2 chunks never hits this cycle
+    trace = make_trace([(keys, 1) for _ in range(6) for keys in prompts])
+    spec = SweepSpec(chunk_bytes=1 << 30, engine_gib=0, cpu_gibs=(1, 2), disk_gib=0, policies=("lru",))
+    rows = run_sweep(trace, spec, workers=1).curve("lru")
+    ceiling, (cpu, disk) = advise(trace, spec, rows, "lru", Throughputs(prefill_tokens_per_s=1.0))
+    assert cpu.hit_ratio == 0.0 and "flat" in cpu.reason and cpu.gib == 1
+    assert disk.gib is not None and disk.hit_ratio >= 0.95 * ceiling and "not in the table" in disk.reason

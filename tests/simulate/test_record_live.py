@@ -35,6 +35,7 @@ def server(tmp_path_factory):
         yield running
 
 
+@pytest.mark.engine
 def test_records_a_live_server_and_simulate_replays_it(server, tmp_path: Path):
     out = tmp_path / "live.jsonl"
     recorder = TraceRecorder(server.base_url, out, block_tokens=BLOCK, timeout_s=300).start()
@@ -88,6 +89,7 @@ def test_records_a_live_server_and_simulate_replays_it(server, tmp_path: Path):
     assert max(r["token_hit_ratio"] for r in rows) > 0.3  # the shared context hits
 
 
+@pytest.mark.engine
 def test_a_batch_of_prompts_gets_one_line_per_prompt(server, tmp_path: Path):
     """Breaker F5: a list of prompts (strings, or token lists) was dropped as "could not tokenize"."""
     out = tmp_path / "batch.jsonl"

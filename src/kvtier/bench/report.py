@@ -212,11 +212,29 @@ def reuse_lines(result: CompareResult) -> list[str]:
     return out
 
 
-def write_plot(result: CompareResult, path: Path) -> Path:
-    """The TTFT CDF of every arm with results (all its runs pooled)."""
-    ttfts = {a.arm.name: [r.ttft_s for o in a.runs if o.run is not None for r in o.run.results
+def cdf_figures(result: CompareResult) -> tuple[str, dict[str, list[float]], dict[str, str]]:
+    """What the TTFT CDF draws and says, from the figures the table prints: (title, TTFTs per arm
+    with all its completed runs pooled, legend label per arm).  The title counts requests per run
+    and runs, so it agrees with the legend's pooled n; the legend's p50 is the table's (median over
+    runs of each run's p50), not the p50 of the pooled values."""
+    ttfts = {a.arm.name: [r.ttft_s for o in a.ok_runs if o.run is not None for r in o.run.results
                           if r.ok and r.ttft_s is not None] for a in result.arms}
-    return plot_ttft_cdf(ttfts, path, f"TTFT CDF: {result.workload.name}, {len(result.workload.requests)} requests")
+    labels = {}
+    for a in result.arms:
+        p50 = a.spreads().get("ttft_p50_s")
+        if p50 is not None and ttfts[a.arm.name]:
+            runs = len(a.ok_runs)
+            labels[a.arm.name] = (f"{a.arm.name} (TTFT p50 {p50.median * 1000:.0f} ms"
+                                  + (f", median of {runs} runs" if runs > 1 else "") + f"; n={len(ttfts[a.arm.name])})")
+    runs = f" × {result.repeats} runs, pooled" if result.repeats > 1 else ""
+    title = f"TTFT CDF: {result.workload.name}, {len(result.workload.requests)} requests{runs}"
+    return title, ttfts, labels
+
+
+def write_plot(result: CompareResult, path: Path) -> Path:
+    """The TTFT CDF of every arm with results (all its completed runs pooled; see :func:`cdf_figures`)."""
+    title, ttfts, labels = cdf_figures(result)
+    return plot_ttft_cdf(ttfts, path, title, labels)
 
 
 HIT_RATE_NOTE = ("Hit rate: share of prompt tokens not recomputed ((engine hits + connector hits) / prompt "

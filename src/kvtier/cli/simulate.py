@@ -75,7 +75,7 @@ def register(app: typer.Typer) -> None:
 
         from kvtier.simulate.cost import Throughputs
         from kvtier.simulate.geometry import GeometryError, kv_bytes_per_token_from_file
-        from kvtier.simulate.recommend import size_tiers
+        from kvtier.simulate.recommend import advise
         from kvtier.simulate.report import print_report, write_json
         from kvtier.simulate.sweep import SweepSpec, check_policies, policy_label, run_sweep
         from kvtier.simulate.trace import TraceError, read_trace
@@ -134,14 +134,16 @@ def register(app: typer.Typer) -> None:
             name = "default" if "default" in policies else next((p for p in policies if p != "belady"), None)
             if name is None:
                 fail("--recommend needs an online policy in --policy (belady knows the future)")
-            rows = result.curve(name)
-            lower = [t for t, g in (("disk", disk_gib), ("shared", shared_gib)) if g > 0] or ["disk"]
-            ceiling, sizes = size_tiers(requests, spec, [(r.cpu_gib, r.token_hit_ratio) for r in rows],
-                                        name, rates, lower)
-            console.print(f"sizes for {policy_label(name)} (ceiling {ceiling:.1%}: a cache that never evicts):")
+            ceiling, sizes = advise(requests, spec, result.curve(name), name, rates)
+            import textwrap
+
+            console.print(textwrap.fill(f"sizes for {policy_label(name)}, read from the table's rows (ceiling "
+                                        f"{ceiling:.1%}: a cache that never evicts):", 80), soft_wrap=True)
             for size in sizes:
-                gib = "none" if size.gib is None else f"{size.gib:,.0f} GiB"
-                console.print(f"  {size.tier:<6} {gib:>10}  {size.reason}")
+                gib = "none" if size.gib is None else f"{size.gib:,.0f} GiB" if size.gib >= 10 else f"{size.gib:g} GiB"
+                console.print(textwrap.fill(f"  {size.tier:<6} {gib:>10}  {size.reason}", 80,
+                                            subsequent_indent=" " * 21, break_on_hyphens=False), soft_wrap=True,
+                              markup=False, highlight=False)
         try:
             if json_path is not None:
                 write_json(json_path, result, elapsed, rates)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvtier.simulate.cost import Throughputs
-    from kvtier.simulate.sweep import SweepSpec
+    from kvtier.simulate.sweep import SweepRow, SweepSpec
     from kvtier.simulate.trace import Trace
 
 
@@ -74,7 +74,9 @@ class TierSize:
     Attributes:
         tier: ``cpu``, ``disk`` or ``shared``.
         gib: the size, GiB; ``None`` when no size is enough (``reason`` says why).
-        hit_ratio: token hit ratio of the whole stack with this size (and the tiers above it).
+        hit_ratio: token hit ratio of the whole stack with this size (and the tiers above it);
+            for ``cpu`` and for lower tiers given on the command line, the very figure of the
+            table's row.
         reason: one line.
     """
 
@@ -84,28 +86,105 @@ class TierSize:
     reason: str
 
 
-def size_tiers(trace: Trace, spec: SweepSpec, cpu_curve: Sequence[tuple[float, float]], policy: str,
-               rates: Throughputs, lower: Sequence[str], share: float = 0.95) -> tuple[float, list[TierSize]]:
-    """A concrete size per tier: cpu from its swept curve (the knee, else the smallest capacity
-    reaching ``share`` of the largest), then each lower tier in order, with the tiers above at
-    their recommended size: the smallest of ``cpu × 2^k`` (k = 1, 3, 5, ... up to twice the
-    trace's footprint) that brings the whole stack to ``share`` of the *ceiling*, the hit ratio of
-    a cache that never evicts.
+FLAT = 0.001
+"""A curve whose hit ratios span less than this (0.1 point) is flat: more cpu buys nothing."""
+
+
+def _gib(value: float) -> str:
+    return f"{value:,.0f}" if value >= 10 else f"{value:g}"
+
+
+def _option(values: Sequence[float]) -> str:
+    """A --cpu-gib value list (no thousands separators: the list is comma-separated)."""
+    return ",".join(f"{v:.0f}" if v >= 10 else f"{v:g}" for v in values)
+
+
+def cpu_size(curve: Sequence[tuple[float, float]], footprint_gib: float, share: float = 0.95,
+             ceiling: float | None = None) -> TierSize:
+    """The cpu size read from the table's own curve (``(cpu GiB, token hit ratio)`` of one
+    policy, every tier as configured): the knee if the curve bends inside the swept range; else
+    the smallest capacity reaching ``share`` of the largest's hit ratio when that is not the
+    largest itself; else the largest, saying the curve has no knee inside the range and which
+    range to sweep next.  Never a size that is not a row of the table.
 
     Args:
-        trace, spec: as swept (chunk size, engine tier, admission).
-        cpu_curve: ``(cpu GiB, token hit ratio)`` of ``policy`` from the sweep; when the sweep had
-            disk or shared tiers, the cpu tier's own curve is replayed here from its capacities.
+        curve: swept points, any order, shape ``[k]`` (k >= 1).
+        footprint_gib: GiB the trace's distinct chunks take (a tier this large never evicts).
+        share: see :func:`recommend`.
+        ceiling: hit ratio of a cache that never evicts, if known: a curve that reaches it (within
+            0.1 point) is read as done there, not as still rising.
+
+    Raises:
+        ValueError: empty curve.
+    """
+    points = sorted(curve)
+    rec = recommend([g for g, _ in points], [h for _, h in points], share)
+    lo, hi = points[0][0], points[-1][0]
+    hit = dict(points)
+    span = f"{_gib(lo)}–{_gib(hi)} GiB"
+    if len(points) > 1 and max(hit.values()) - min(hit.values()) < FLAT:
+        gib = lo
+        wider = sorted({v for v in (lo / 16, lo, hi, min(hi * 16, footprint_gib)) if v > 0})
+        reason = (f"the curve is flat over {span} (within 0.1 point): the smallest swept does as well as the "
+                  f"largest; sweep a wider range (e.g. --cpu-gib {_option(wider)}) to find where it bends")
+    elif ceiling is not None and hit[hi] >= ceiling - FLAT:
+        gib = next(g for g, h in points if h >= ceiling - FLAT)
+        reason = "the smallest swept where the stack reaches the ceiling"
+        if gib == lo and lo > 0:
+            reason += f" (the smallest swept: try --cpu-gib {_option([lo / 16, lo / 4, lo])} for less)"
+    elif rec.knee_gib is not None and rec.knee_gib < hi:
+        gib = rec.knee_gib
+        reason = "knee of the curve"
+    elif rec.enough_gib < hi:
+        gib = rec.enough_gib
+        reason = f"no knee inside {span}; the smallest swept reaching {share:.0%} of the largest's hit ratio"
+    else:
+        gib = hi
+        if len(points) == 1:
+            reason = "the only capacity swept; sweep several (e.g. --cpu-pct 1,2,5,10,20,50,100) to find a knee"
+        elif hi >= footprint_gib:
+            reason = (f"no knee inside {span}: the hit ratio rises up to the largest, which holds the trace's "
+                      f"whole footprint ({_gib(footprint_gib)} GiB); try sizes between {_gib(points[-2][0])} "
+                      f"and {_gib(hi)} GiB")
+        else:
+            nxt = sorted({min(hi * 2**k, footprint_gib) for k in range(4)})
+            reason = (f"no knee inside {span}: the hit ratio still rises at the largest swept "
+                      f"({hit[points[-2][0]]:.1%} → {hit[hi]:.1%}), so this is a lower bound; sweep "
+                      f"--cpu-gib {_option(nxt)} (the footprint is {_gib(footprint_gib)} GiB)")
+    return TierSize("cpu", gib, hit[gib], f"{reason}; hits {hit[gib]:.1%}")
+
+
+def advise(trace: Trace, spec: SweepSpec, rows: Sequence[SweepRow], policy: str, rates: Throughputs,
+           share: float = 0.95) -> tuple[float, list[TierSize]]:
+    """A size per tier, read from the sweep's own rows of ``policy`` (the replay the table
+    shows, every tier as configured).
+
+    cpu: :func:`cpu_size` of the rows' curve.  A lower tier given in ``spec`` (``disk_gib``,
+    ``shared_gib`` > 0) is reported at the size given, with its share of the hits in the chosen
+    row: it was part of every row, so the table already measured it.  With no lower tier
+    given, a disk tier is sized by extra replays (cpu at its recommended size; said so in the
+    line): the smallest of ``2 × cpu``, ``8 × cpu``, ``32 × cpu``, ... (up to twice the trace's
+    footprint) that brings the whole stack to ``share`` of the *ceiling*, the hit ratio of a
+    cache that never evicts.
+
+    Args:
+        trace, spec: as swept.
+        rows: the sweep's rows of ``policy`` (:meth:`SweepResult.curve`), shape ``[k]``, k >= 1.
         policy: eviction policy of every tier.
         rates: bandwidths, to refuse a tier that is slower than recomputing.
-        lower: lower tiers to size, in lookup order (``disk``, ``shared``).
+        share: see :func:`recommend`.
 
     Returns:
         (ceiling token hit ratio, one :class:`TierSize` per tier: cpu first).
+
+    Raises:
+        ValueError: no rows.
     """
     from kvtier.core.policies import make_policy
     from kvtier.simulate.replay import chunk_parents, engine_prefix_hits, replay
 
+    if not rows:
+        raise ValueError("advise needs the sweep's rows of the policy")
     parents = chunk_parents(trace)
     engine = engine_prefix_hits(trace, spec.chunks(spec.engine_gib))
     footprint = trace.num_unique_chunks
@@ -117,45 +196,38 @@ def size_tiers(trace: Trace, spec: SweepSpec, cpu_curve: Sequence[tuple[float, f
         return (c.engine_hits + c.cpu_hits + c.disk_hits + c.shared_hits) * trace.block_tokens / c.prompt_tokens
 
     ceiling = hit(footprint)
-    if spec.disk_gib > 0 or spec.shared_gib > 0:
-        # the swept curve is the whole stack's (with the disk/shared tiers given); the cpu size and
-        # each lower tier's "tiers above" must be judged on the cpu tier alone, else a lower tier
-        # that does the work is called "not needed"
-        cpu_curve = [(gib, hit(spec.chunks(gib))) for gib, _ in cpu_curve]
-    rec = recommend([g for g, _ in cpu_curve], [h for _, h in cpu_curve], share)
-    cpu_gib = rec.knee_gib if rec.knee_gib is not None else rec.enough_gib
-    cpu_hit = dict(cpu_curve)[cpu_gib]
-    how = "knee of the curve" if rec.knee_gib is not None else f"{share:.0%} of the largest swept"
-    sizes = [TierSize("cpu", cpu_gib, cpu_hit, f"{how}; hits {cpu_hit:.1%}")]
-    target = share * ceiling
-    chosen = {"cpu": spec.chunks(cpu_gib), "disk": 0, "shared": 0}
-    best = cpu_hit
+    cpu = cpu_size([(r.cpu_gib, r.token_hit_ratio) for r in rows], footprint * gib_per_chunk, share, ceiling)
+    sizes = [cpu]
+    row = next(r for r in rows if r.cpu_gib == cpu.gib)
+    given = [(t, g) for t, g in (("disk", spec.disk_gib), ("shared", spec.shared_gib)) if g > 0]
+    if given:
+        for tier, gib in given:
+            sizes.append(TierSize(tier, gib, row.token_hit_ratio,
+                                  f"as given (in every row); serves {row.tier_token_hit_ratio(tier):.1%} "
+                                  f"of prompt tokens at cpu {_gib(row.cpu_gib)} GiB"))
+        return ceiling, sizes
+    best = row.token_hit_ratio
     per_token = spec.chunk_bytes / trace.block_tokens
-    for tier in lower:
-        bandwidth = rates.disk_gb_per_s if tier == "disk" else rates.shared_gb_per_s
-        if per_token / (bandwidth * 1e9) + per_token / (rates.cpu_gb_per_s * 1e9) >= 1 / rates.prefill_tokens_per_s:
-            sizes.append(TierSize(tier, None, best, f"slower than prefill ({bandwidth:g} GB/s vs "
-                                                    f"{rates.prefill_tokens_per_s:,.0f} tok/s)"))
-            continue
-        if best >= target:
-            sizes.append(TierSize(tier, None, best, f"not needed: the tiers above hit {best:.1%}"))
-            continue
-        found = None
-        trials = [max(chosen["cpu"], 1) * 2]
-        while trials[-1] < 2 * footprint:
-            trials.append(trials[-1] * 4)
-        for chunks in trials:
-            trial = dict(chosen, **{tier: chunks})
-            ratio = hit(trial["cpu"], trial["disk"], trial["shared"])
-            if ratio >= target:
-                found = (chunks, ratio)
-                break
-            best = max(best, ratio)
-        if found is None:
-            sizes.append(TierSize(tier, None, best, f"none is enough: {trials[-1] * gib_per_chunk:,.0f} GiB "
-                                                    f"hits {best:.1%} < {share:.0%} of the ceiling"))
-            continue
-        chosen[tier], best = found
-        sizes.append(TierSize(tier, found[0] * gib_per_chunk, best, f"then hits {best:.1%} "
-                                                                     f"(≥ {share:.0%} of the ceiling)"))
+    if per_token / (rates.disk_gb_per_s * 1e9) + per_token / (rates.cpu_gb_per_s * 1e9) >= 1 / rates.prefill_tokens_per_s:
+        sizes.append(TierSize("disk", None, best, f"slower than prefill ({rates.disk_gb_per_s:g} GB/s vs "
+                                                  f"{rates.prefill_tokens_per_s:,.0f} tok/s)"))
+        return ceiling, sizes
+    target = share * ceiling
+    if best >= target:
+        sizes.append(TierSize("disk", None, best, f"not needed: the cpu tier already hits {best:.1%}"))
+        return ceiling, sizes
+    cpu_chunks = spec.chunks(row.cpu_gib)
+    trials = [max(cpu_chunks, 1) * 2]
+    while trials[-1] < 2 * footprint:
+        trials.append(trials[-1] * 4)
+    for chunks in trials:
+        ratio = hit(cpu_chunks, chunks)
+        if ratio >= target:
+            sizes.append(TierSize("disk", chunks * gib_per_chunk, ratio,
+                                  f"extra replay with cpu {_gib(row.cpu_gib)} GiB (not in the table): the stack "
+                                  f"then hits {ratio:.1%} (≥ {share:.0%} of the ceiling)"))
+            return ceiling, sizes
+        best = max(best, ratio)
+    sizes.append(TierSize("disk", None, best, f"none is enough: {trials[-1] * gib_per_chunk:,.0f} GiB hits "
+                                              f"{best:.1%} < {share:.0%} of the ceiling (extra replays)"))
     return ceiling, sizes

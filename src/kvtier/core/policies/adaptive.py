@@ -88,6 +88,14 @@ clears it within a short trace.  Three sigma, not two, because the test is repea
 sampled access; on independent uniform draws (every ordering equal) it switched in 1 stream of
 20, once, over 60 tier-sizes of traffic each (tests/core/test_policies_adaptive.py)."""
 
+GUARD_SHARE = 0.0005
+"""The guard: the tier's hits may trail its full LRU shadow's by at most this share of its
+accesses (0.05 %: 0.05 point of hit ratio) before it falls back to LRU ordering."""
+GUARD_CREDIT = 8
+"""...and by this many hits more (room for the selector's first trial on a short trace)."""
+GUARD_HYSTERESIS = 2
+"""The guard leaves LRU ordering once the deficit is this many hits below the allowance again."""
+
 _MIX = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
 _SAMPLE_BITS = 24
@@ -191,7 +199,7 @@ class AdaptivePolicy(EvictionPolicy):
 
     name = "adaptive"
 
-    def __init__(self) -> None:
+    def __init__(self, guard: bool = True) -> None:
         self._clock = 0  # insertions so far: the unit of age
         self._nodes: dict[Any, _Node] = {}
         self._children: dict[Any, int] = {}
@@ -212,9 +220,20 @@ class AdaptivePolicy(EvictionPolicy):
         self._sampled_n = 1  # tracked chunks when the sampling rate was last set
         self._sampled = 0  # sampled accesses since the last decay
         self.switches = 0
+        self._guarded = guard
+        self._active = 0  # the ordering the tier uses: the selector's, or LRU while the guard holds
+        self._ghost: dict[Any, tuple[int, int, int]] = {}  # full LRU shadow: key -> (time, -depth, seq)
+        self._ghost_heap: list[tuple[int, int, int, Any]] = []
+        self._deficit = 0  # LRU shadow's hits minus the tier's, floored at -len(self)
+        self._accesses = 0
+        self.fallback = False
+        self.fallbacks = 0
+        self.hits = 0  # accesses to resident chunks (touches)
+        self.lru_hits = 0  # accesses the full LRU shadow would have hit
 
     @property
     def mode(self) -> str:
+        """The ordering the selector chose (the tier uses LRU instead while ``fallback``)."""
         return MODES[self._mode]
 
     @property
@@ -244,6 +263,13 @@ class AdaptivePolicy(EvictionPolicy):
         if parent is not None:
             self._children[parent] = self._children.get(parent, 0) + 1
         self._queue(key, node)
+        if self._guarded:
+            ghost_time = time
+            if up is not None:
+                above = self._ghost.get(parent)
+                if above is not None and above[0] < time:
+                    ghost_time = above[0]  # a chunk is never more recent than its prefix
+            self._guard(key, False, ghost_time, depth)
         if len(nodes) > 2 * self._sampled_n:  # a tier that fills without evicting
             self._resample(len(nodes))
         if _sample(key) < self._threshold:
@@ -260,6 +286,8 @@ class AdaptivePolicy(EvictionPolicy):
                 node.time = clock
                 node.mru = True
                 self._queue(key, node)
+                if self._guarded:
+                    self._guard(key, True, clock, node.depth)
                 if _sample(key) < threshold:
                     self._shadow(key, clock, node.uses, node.gap, node.long_uses, node.depth, False)
 
@@ -267,6 +295,8 @@ class AdaptivePolicy(EvictionPolicy):
         node = self._nodes.pop(key, None)
         if node is None:
             return
+        if self._guarded:
+            self._trim_ghost()
         parent = node.parent
         if parent is not None:
             left = self._children[parent] - 1
@@ -305,8 +335,50 @@ class AdaptivePolicy(EvictionPolicy):
         return self._nodes.keys()
 
     # -- internals ---------------------------------------------------------------------------
+    def _guard(self, key: Any, hit: bool, time: int, depth: int) -> None:
+        """Replay one access through the full LRU shadow (keys only, as many as the tier holds),
+        count both hit totals, and switch the tier's ordering to LRU while the tier trails."""
+        ghost = self._ghost
+        ghost_hit = key in ghost
+        s = next(self._seq)
+        ghost[key] = (time, -depth, s)
+        heapq.heappush(self._ghost_heap, (time, -depth, s, key))
+        self._trim_ghost()
+        self._accesses += 1
+        self.hits += hit
+        self.lru_hits += ghost_hit
+        deficit = self._deficit + ghost_hit - hit
+        floor = -len(self._nodes)  # banked gains pay for at most one tier-size of later losses
+        self._deficit = deficit = max(floor, deficit)
+        allowance = GUARD_SHARE * self._accesses + GUARD_CREDIT
+        if not self.fallback:
+            if deficit > allowance:
+                self.fallback = True
+                self.fallbacks += 1
+                self._set_active(0)
+        elif deficit < allowance - GUARD_HYSTERESIS:
+            self.fallback = False
+            self._set_active(self._mode)
+
+    def _trim_ghost(self) -> None:
+        ghost, heap, n = self._ghost, self._ghost_heap, len(self._nodes)
+        pop = heapq.heappop
+        while len(ghost) > n and heap:
+            _, _, s, key = pop(heap)
+            entry = ghost.get(key)
+            if entry is not None and entry[2] == s:
+                del ghost[key]
+        if len(heap) > 2 * len(ghost) + 64:  # drop stale entries now and then
+            self._ghost_heap = [e for e in heap if (g := ghost.get(e[3])) is not None and g[2] == e[2]]
+            heapq.heapify(self._ghost_heap)
+
+    def _set_active(self, mode: int) -> None:
+        if mode != self._active:
+            self._active = mode
+            self._stale = True
+
     def _queue(self, key: Any, node: _Node) -> None:
-        node.rank = rank = _rank(self._mode, node.time, node.uses, node.gap, node.mru, self._scale, node.long_uses)
+        node.rank = rank = _rank(self._active, node.time, node.uses, node.gap, node.mru, self._scale, node.long_uses)
         if key not in self._children:
             node.seq = s = next(self._seq)
             heapq.heappush(self._heap, (rank, -node.depth, s, key))
@@ -317,7 +389,7 @@ class AdaptivePolicy(EvictionPolicy):
         if n > 2 * self._scale or n * 2 < self._scale:
             self._scale = n
             self._resample(n)
-        mode, scale, children, seq = self._mode, self._scale, self._children, self._seq
+        mode, scale, children, seq = self._active, self._scale, self._children, self._seq
         heap = []
         for key, node in self._nodes.items():
             node.rank = _rank(mode, node.time, node.uses, node.gap, node.mru, scale, node.long_uses)
@@ -373,8 +445,9 @@ class AdaptivePolicy(EvictionPolicy):
         discordant = wins[best][mode] + wins[mode][best]
         if lead > MARGIN * current and lead * lead > SIGNIFICANCE * discordant:
             self._mode = best
-            self._stale = True
             self.switches += 1
+            if not self.fallback:
+                self._set_active(best)
 
     def _count(self, key: Any, clock: int) -> tuple[int, int, int]:
         """(prior uses, insertions since the previous use, prior uses in the long history) of
@@ -395,3 +468,12 @@ class AdaptivePolicy(EvictionPolicy):
         if len(self._uses) > HISTORY / 2 * n:
             self._old_uses, self._uses = self._uses, {}
         return uses, clock - last, long_uses
+
+
+class UnguardedAdaptivePolicy(AdaptivePolicy):
+    """``adaptive`` without its LRU guard: the selector alone (for comparison in the simulator)."""
+
+    name = "adaptive-unguarded"
+
+    def __init__(self) -> None:
+        super().__init__(guard=False)
