@@ -63,8 +63,6 @@ TIER_NAME_ALLOWED = {
                                        "name the tier each measures")),
     "src/kvtier/bench/redisbench.py": ({"redis"}, "bench-store's redis report row (user-facing output)"),
     "src/kvtier/cli/bench.py": ({"redis"}, "directory name of the bench's own redis-server"),
-    "src/kvtier/cli/simulate.py": ({"disk"}, ("the simulator's hardware model (cpu / disk / shared "
-                                   "capacities), not registered tiers")),
     "src/kvtier/simulate/recommend.py": ({"cpu", "disk"}, "the simulator's hardware model"),
     "src/kvtier/simulate/report.py": ({"cpu", "disk"}, "the simulator's hardware model (report keys)"),
     "src/kvtier/size/recipe.py": ({"redis"}, "the size recipe's redis-server section (user-facing output)"),

@@ -48,7 +48,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from prometheus_client import CollectorRegistry
@@ -83,6 +83,8 @@ class TieredStore(ChangeFeedMixin):
         chunk_bytes: bytes of one chunk's KV (all layers of this rank), > 0.
         tp_size: tensor-parallel size; capacities are per rank (total / tp_size).
         registry: prometheus registry to register metrics in (a fresh one by default).
+        wrap: ``wrap(tier) -> tier`` applied to each lower tier as it is built (e.g. a
+            :class:`~kvtier.core.tiers.wrappers.FaultyTier` in tests and drills); ``None``: none.
 
     Raises:
         ValueError: ``chunk_bytes`` not positive.
@@ -91,7 +93,7 @@ class TieredStore(ChangeFeedMixin):
     """
 
     def __init__(self, config: KVTierConfig, namespace: Namespace, chunk_bytes: int, tp_size: int = 1,
-                 registry: CollectorRegistry | None = None) -> None:
+                 registry: CollectorRegistry | None = None, wrap: Callable[[Tier], Tier] | None = None) -> None:
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
         self.config = config
@@ -110,7 +112,7 @@ class TieredStore(ChangeFeedMixin):
             for name in config.tiers:
                 tier = make_tier(name, ctx)
                 if tier is not None:
-                    tiers.append(tier)
+                    tiers.append(wrap(tier) if wrap is not None and tiers else tier)
         except BaseException:
             for tier in tiers:
                 tier.close()
