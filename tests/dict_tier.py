@@ -4,8 +4,10 @@ It exists to prove that a tier is a plug-in (issue 20 item 1): this module, the 
 module :mod:`tests.dict_tier_plugin` (named in ``tier_modules``) and one conformance harness
 (``tests/core/tier_harness.py``) are all it takes; no kvtier module names it.
 
-Settings (``tier_settings: {dict: {capacity_mib: N}}``): ``capacity_mib``, the tier's size in
-MiB per rank (the store evicts from it with its eviction policy, as from the disk tier).
+Settings: ``dict_capacity_mib``, the tier's size in MiB per rank (the store evicts from it with
+its eviction policy, as from the disk tier); given flat in ``kv_connector_extra_config``
+(``{"dict_capacity_mib": 8}``), as a built-in tier's keys are, or nested
+(``{"tier_settings": {"dict": {"dict_capacity_mib": 8}}}``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ class DictSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    capacity_mib: float = Field(gt=0, description="Tier size in MiB per rank.")
+    dict_capacity_mib: float = Field(gt=0, description="Tier size in MiB per rank.")
 
 
 class DictTier(Tier):
@@ -90,9 +92,9 @@ def configured(config: KVTierConfig) -> bool:
 def from_config(ctx: TierContext) -> DictTier | None:
     """The dict tier of one rank, or ``None`` without its settings."""
     settings: DictSettings | None = ctx.config.settings_of(NAME) if configured(ctx.config) else None
-    return None if settings is None else DictTier(int(settings.capacity_mib * (1 << 20)))
+    return None if settings is None else DictTier(int(settings.dict_capacity_mib * (1 << 20)))
 
 
 SPEC = TierSpec(NAME, 15, False, "external_unspecified", "tests.dict_tier:from_config", "tests.dict_tier:configured",
-                "tests.dict_tier:DictSettings", keys=())
+                "tests.dict_tier:DictSettings", keys=("dict_capacity_mib",))
 """The tier's registry record: between disk (10) and redis (20) in the default order."""

@@ -30,10 +30,9 @@ def plugin():
 
 def test_a_module_named_in_tier_modules_registers_its_tier(plugin):
     assert SPEC.name not in registry.available_tiers()
-    config = KVTierConfig.from_dict({"tier_modules": [PLUGIN], "tiers": ["cpu", "dict"],
-                                     "tier_settings": {"dict": {"capacity_mib": 1}}})
+    config = KVTierConfig.from_dict({"tier_modules": [PLUGIN], "tiers": ["cpu", "dict"], "dict_capacity_mib": 1})
     assert registry.available_tiers() == ["cpu", "disk", "dict", "redis"]  # by the record's order
-    assert registry.configured("dict", config) and config.settings_of("dict").capacity_mib == 1
+    assert registry.configured("dict", config) and config.settings_of("dict").dict_capacity_mib == 1
     assert registry.hit_source("dict") == "external_unspecified"
     assert registry.slowest(["dict", "cpu", "disk"]) == "dict"
     assert {"cpu_to_dict", "dict_to_cpu"} <= set(directions())
@@ -44,7 +43,7 @@ def test_the_store_builds_evicts_into_and_loads_from_a_plugin_tier(plugin, tmp_p
 
     config = KVTierConfig.from_dict({"tier_modules": [PLUGIN], "tiers": ["cpu", "dict"], "chunk_tokens": CHUNK_TOKENS,
                                      "cpu_gib": 2 * CHUNK_BYTES / (1 << 30), "write_mode": "write-back",
-                                     "tier_settings": {"dict": {"capacity_mib": 16 * CHUNK_BYTES / (1 << 20)}}})
+                                     "tier_settings": {"dict": {"dict_capacity_mib": 16 * CHUNK_BYTES / (1 << 20)}}})
     store = TieredStore(config, NS, CHUNK_BYTES)
     try:
         assert [lt.name for lt in store.lower] == ["dict"] and isinstance(store.tier("dict"), DictTier)
@@ -63,8 +62,11 @@ def test_the_store_builds_evicts_into_and_loads_from_a_plugin_tier(plugin, tmp_p
 
 
 def test_tier_settings_are_checked_by_the_tiers_own_model(plugin):
-    with pytest.raises(ConfigError, match=r"tier_settings\.dict\.capacity_mib: Input should be greater than 0"):
-        KVTierConfig.from_dict({"tier_modules": [PLUGIN], "tier_settings": {"dict": {"capacity_mib": 0}}})
+    with pytest.raises(ConfigError, match=r"tier_settings\.dict\.dict_capacity_mib: Input should be greater than 0"):
+        KVTierConfig.from_dict({"tier_modules": [PLUGIN], "dict_capacity_mib": 0})
+    with pytest.raises(ConfigError, match="'dict_capacity_mib' is given both at the top level and in tier_settings"):
+        KVTierConfig.from_dict({"tier_modules": [PLUGIN], "dict_capacity_mib": 1,
+                                "tier_settings": {"dict": {"dict_capacity_mib": 2}}})
     with pytest.raises(ConfigError, match="tier_settings names 'nosuch': unknown tier 'nosuch'"):
         KVTierConfig.from_dict({"tier_settings": {"nosuch": {}}})
 
@@ -77,6 +79,8 @@ def test_an_unimportable_tier_module_is_one_sentence():
 def test_an_unregistered_tier_name_says_how_to_register_one():
     with pytest.raises(ConfigError, match="unknown tier 'dict'; choose from cpu, disk, redis"):
         KVTierConfig.from_dict({"tiers": ["cpu", "dict"]})
+    with pytest.raises(ConfigError, match="unknown kvtier config key 'dict_capacity_mib'"):
+        KVTierConfig.from_dict({"dict_capacity_mib": 1})  # without the module that registers the tier
 
 
 def test_a_bad_record_is_refused():

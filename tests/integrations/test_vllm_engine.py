@@ -91,7 +91,7 @@ def engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
     # a third tier from outside kvtier (tests/dict_tier.py), registered by the module tier_modules names
     kvtier = {"chunk_tokens": CHUNK_TOKENS, "cpu_gib": 16 * CHUNK_BYTES / (1 << 30), "disk_path": str(disk),
               "disk_gib": 0.05, "write_mode": "write-through", "tier_modules": ["tests.dict_tier_plugin"],
-              "tiers": ["cpu", "disk", "dict"], "tier_settings": {"dict": {"capacity_mib": 64 * CHUNK_BYTES / 2**20}}}
+              "tiers": ["cpu", "disk", "dict"], "dict_capacity_mib": 64 * CHUNK_BYTES / 2**20}
     llm = LLM(model=str(tiny_model), dtype="float32", max_model_len=1024, enforce_eager=True,
               gpu_memory_utilization=0.05, kv_cache_memory_bytes=64 << 20, block_size=32,
               num_gpu_blocks_override=40, enable_prefix_caching=True, disable_log_stats=False, seed=0,

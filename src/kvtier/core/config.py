@@ -34,6 +34,7 @@ from kvtier.core.tiers.registry import (
     available_tiers,
     import_tier_modules,
     lower_tiers,
+    settings_keys,
     settings_model,
     spec,
     top_tier,
@@ -177,7 +178,7 @@ class KVTierConfig(BaseSettings):
             if model is None:
                 raise ValueError(f"tier_settings names tier {name!r}, which takes no settings there; remove it")
             try:
-                model.model_validate(settings)
+                model(**settings)  # a pydantic-settings model also reads its KVTIER_* variables
             except ValidationError as exc:
                 err = exc.errors()[0]
                 where = ".".join(str(p) for p in err["loc"])
@@ -193,7 +194,7 @@ class KVTierConfig(BaseSettings):
             ConfigError: unknown tier.
         """
         model = settings_model(name)
-        return None if model is None else model.model_validate(self.tier_settings.get(name, {}))
+        return None if model is None else model(**self.tier_settings.get(name, {}))
 
     @field_validator("redis_url")
     @classmethod
@@ -247,6 +248,24 @@ class KVTierConfig(BaseSettings):
             out["shared_secret"] = "<set>"
         return out
 
+    @classmethod
+    def known_keys(cls, values: dict[str, Any] | None = None) -> list[str]:
+        """Every key a configuration may hold: the fields of this model, then each registered
+        tier's settings keys (after importing the ``tier_modules`` of ``values``, which register
+        tiers), which may be given flat (``{"mytier_size_mib": 8}``) or under ``tier_settings``.
+
+        Raises:
+            ConfigError: a module in ``tier_modules`` cannot be imported, or two tiers declare one key.
+        """
+        modules = (values or {}).get("tier_modules")
+        if isinstance(modules, (list, tuple)) and all(isinstance(m, str) for m in modules):
+            import_tier_modules(tuple(modules))
+        try:
+            tier_keys = settings_keys()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        return [*cls.model_fields, *(k for k in tier_keys if k not in cls.model_fields)]
+
     # ---- loaders -------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None = None) -> KVTierConfig:
@@ -258,11 +277,13 @@ class KVTierConfig(BaseSettings):
         if values is not None and not isinstance(values, dict):
             raise ConfigError("kvtier config must be a mapping of keys to values, e.g. {\"cpu_gib\": 8}")
         values = dict(values or {})
+        known = cls.known_keys(values)
         for key in values:
-            if key not in cls.model_fields:
+            if key not in known:
                 # checked here: pydantic-settings would take keys such as "_env_file" as its own options
-                raise ConfigError(f"unknown kvtier config key {key!r}{did_you_mean(key, cls.model_fields)}; "
-                                  f"known keys are {', '.join(cls.model_fields)}")
+                raise ConfigError(f"unknown kvtier config key {key!r}{did_you_mean(key, known)}; "
+                                  f"known keys are {', '.join(known)}")
+        values = _route_tier_keys(values, known)
         _check_env(values)
         try:
             return cls(**values)
@@ -414,13 +435,35 @@ def _check_env(values: dict[str, Any]) -> None:
     holds the password, not a setting, and is exempt: docs/shared-tier.md names it
     ``KVTIER_REDIS_PASSWORD``.
     """
-    known = {f"KVTIER_{name.upper()}" for name in KVTierConfig.model_fields}
+    known = {f"KVTIER_{name.upper()}" for name in KVTierConfig.known_keys(values)}
     password_env = values.get("redis_password_env", os.environ.get("KVTIER_REDIS_PASSWORD_ENV"))
     for var in os.environ:
         if var.upper().startswith("KVTIER_") and var.upper() not in known and var != password_env:
             raise ConfigError(f"environment variable {var} is not a kvtier setting{did_you_mean(var.upper(), known)}; "
                               "rename or unset it (a Redis password variable must be the one named by "
                               f"redis_password_env); known ones are {', '.join(sorted(known))}", env_var=var)
+
+
+def _route_tier_keys(values: dict[str, Any], known: list[str]) -> dict[str, Any]:
+    """``values`` with each flat key of a tier's settings model moved under ``tier_settings[tier]``.
+
+    Raises:
+        ConfigError: a key given both flat and under ``tier_settings``.
+    """
+    owners = {k: t for k, t in settings_keys().items() if k not in KVTierConfig.model_fields}
+    flat = [k for k in values if k in owners]
+    if not flat:
+        return values
+    out = {k: v for k, v in values.items() if k not in owners}
+    nested = {name: dict(v) for name, v in (values.get("tier_settings") or {}).items()} \
+        if isinstance(values.get("tier_settings"), dict) else {}
+    for key in flat:
+        tier = owners[key]
+        if key in nested.setdefault(tier, {}):
+            raise ConfigError(f"{key!r} is given both at the top level and in tier_settings.{tier}; give it once")
+        nested[tier][key] = values[key]
+    out["tier_settings"] = nested
+    return out
 
 
 def _env_list(var: str) -> list[str] | None:

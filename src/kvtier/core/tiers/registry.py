@@ -262,6 +262,23 @@ def settings_model(name: str) -> type[Any] | None:
     return _load(record.settings, name) if record.settings else None
 
 
+def settings_keys() -> dict[str, str]:
+    """Flat configuration key -> tier name, for every field of every registered tier's settings
+    model (a tier's keys are accepted at the top level of ``kv_connector_extra_config`` too).
+
+    Raises:
+        ValueError: two tiers' models declare the same key.
+    """
+    out: dict[str, str] = {}
+    for record in specs():
+        model = settings_model(record.name) if record.settings else None
+        for key in getattr(model, "model_fields", {}):
+            if key in out:
+                raise ValueError(f"tiers {out[key]!r} and {record.name!r} both declare the setting {key!r}")
+            out[key] = record.name
+    return out
+
+
 def make_tier(name: str, ctx: TierContext) -> Tier | None:
     """Build tier ``name`` from ``ctx``; ``None`` if the configuration does not ask for it.
 

@@ -231,7 +231,10 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
     if not isinstance(extra, dict):
         return [*problems, Problem("error", key, f"{key} must be a JSON object of kvtier keys, e.g. "
                                    '{"cpu_gib": 8}')]
-    fields = KVTierConfig.model_fields
+    try:
+        fields = KVTierConfig.known_keys(extra)  # with the keys of tiers that tier_modules registers
+    except ConfigError as exc:
+        return [*problems, Problem("error", f"{key}.tier_modules", str(exc))]
     for name in extra:
         if name not in fields:
             problems.append(Problem("error", f"{key}.{name}",
@@ -246,7 +249,9 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
     good: dict[str, Any] = {}
     for group in filter(None, groups):
         try:
-            KVTierConfig.from_dict({k: known[k] for k in group})
+            # a tier's own key needs the module that registers the tier
+            plugins = {"tier_modules": known["tier_modules"]} if "tier_modules" in known else {}
+            KVTierConfig.from_dict({**plugins, **{k: known[k] for k in group}})
             good.update({k: known[k] for k in group})
         except ConfigError as exc:
             if exc.env_var is not None:  # not this group's fault: the check of all values below reports it, once
