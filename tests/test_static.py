@@ -52,7 +52,8 @@ def test_imports_point_down():
 
 TIER_MODULES = ("src/kvtier/core/tiers/cpu.py", "src/kvtier/core/tiers/disk.py", "src/kvtier/core/tiers/diskscan.py",
                 "src/kvtier/core/tiers/redis.py", "src/kvtier/core/tiers/redisclient.py",
-                "src/kvtier/core/tiers/redisstream.py", "src/kvtier/core/tiers/registry.py")
+                "src/kvtier/core/tiers/redisstream.py", "src/kvtier/core/tiers/redisprobe.py",
+                "src/kvtier/core/tiers/registry.py")
 """A tier's own modules and the registry: the only places that may name a tier."""
 
 TIER_NAME_ALLOWED = {
@@ -66,6 +67,9 @@ TIER_NAME_ALLOWED = {
     "src/kvtier/simulate/recommend.py": ({"cpu", "disk"}, "the simulator's hardware model"),
     "src/kvtier/simulate/report.py": ({"cpu", "disk"}, "the simulator's hardware model (report keys)"),
     "src/kvtier/size/recipe.py": ({"redis"}, "the size recipe's redis-server section (user-facing output)"),
+    "src/kvtier/audit/rules/deploy.py": ({"disk", "redis"}, ("audit rules about one tier's deployment (the disk "
+                                         "tier's volume mount, the redis tier's Service) read a manifest's raw "
+                                         "tiers list, before any configuration is built")),
 }
 """Files that may hold a built-in tier's name as a string, with what it means there."""
 

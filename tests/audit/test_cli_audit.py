@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def kvtier(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kvtier.cli.main", "audit", *args], input=stdin,
-                          capture_output=True, text=True, check=False, env={"COLUMNS": "200", "PATH": "/usr/bin"})
+                          capture_output=True, text=True, check=False,
+                          env={"COLUMNS": "200", "PATH": "/usr/bin",  # the kvtier under test, not another install
+                               **({"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {})})
 
 
 def test_json_format_is_exactly_the_issue_shape_and_errors_exit_1():

@@ -67,7 +67,7 @@ def test_an_invalid_kvtier_value_through_a_dotted_key_gets_the_validator_finding
     same = findings("vllm serve m --kv-transfer-config '" + json.dumps(
         {**KVTIER, "kv_connector_extra_config": {"cpu_gib": -1}}) + "'")["kvtier-config-invalid"]
     assert invalid.message == same.message
-    assert "'cpu_gib': Input should be greater than or equal to 0 (got -1)" in invalid.message
+    assert "'cpu_gib': must be above 0: every chunk passes through the cpu tier" in invalid.message
 
 
 def test_nested_dotted_keys_merge_and_read_values_as_vllm_does():

@@ -8,6 +8,7 @@ import os
 import re
 
 import pytest
+import yaml
 
 from kvtier.audit.engine import audit
 from kvtier.audit.loader import load_configs
@@ -20,6 +21,29 @@ def ktc(connector: str, **extra: object) -> str:
     if extra:
         cfg["kv_connector_extra_config"] = extra
     return "--kv-transfer-config '" + json.dumps(cfg) + "'"
+
+
+def pod(image: str = "registry.example.com/kvtier-vllm:v0.32.0-kvtier0.1.0", install: bool = False,
+        timeout: int | None = 30, grace: int | None = 90, mount: str = "/nvme", redis_url: str | None = None) -> str:
+    """A Deployment running vLLM + kvtier with a disk tier at /nvme/kvtier in namespace ``inference``;
+    each argument changes one fact (the defaults are a correct pod)."""
+    extra: dict[str, object] = {"cpu_gib": 16, "disk_path": "/nvme/kvtier", "disk_gib": 500}
+    if redis_url:
+        extra.update(redis_url=redis_url, tiers=["cpu", "disk", "redis"])
+    cfg = {"kv_connector": "KVTierConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+           "kv_connector_module_path": "kvtier.integrations.vllm", "kv_connector_extra_config": extra}
+    serve = ["vllm", "serve", "Qwen/Qwen3-8B", *(["--shutdown-timeout", str(timeout)] if timeout else []),
+             "--kv-transfer-config", json.dumps(cfg)]
+    command = ["sh", "-c", "pip install kvtier==0.1.0 && " + " ".join(
+        w if w.startswith(("v", "Q", "-")) else f"'{w}'" for w in serve)] if install else serve
+    spec: dict[str, object] = {"containers": [{"name": "vllm", "image": image, "command": command,
+                                                "volumeMounts": [{"name": "nvme", "mountPath": mount}]}],
+                               "volumes": [{"name": "nvme", "emptyDir": {}}]}
+    if grace is not None:
+        spec["terminationGracePeriodSeconds"] = grace
+    return yaml.safe_dump({"apiVersion": "apps/v1", "kind": "Deployment",
+                           "metadata": {"name": "vllm", "namespace": "inference"},
+                           "spec": {"template": {"spec": spec}}}, width=10_000)
 
 
 TIERED = ktc("OffloadingConnector", spec_name="TieringOffloadingSpec", secondary_tiers=[{"type": "obj"}])
@@ -142,6 +166,14 @@ CASES: dict[str, tuple[tuple[str, str | None], tuple[str, str | None]]] = {
     "kvtier-redis-password-in-url": ((kvtier_line(redis_url="redis://:s3cr3t-pw@127.0.0.1:6379/0"), V),
                                      (kvtier_line(redis_url="redis://127.0.0.1:6379/0",
                                                   redis_password_env="REDIS_PW"), V)),
+    "kvtier-image-without-kvtier": ((pod(image="vllm/vllm-openai:v0.32.0"), V),
+                                    (pod(image="vllm/vllm-openai:v0.32.0", install=True), V)),
+    "kvtier-no-shutdown-timeout": ((pod(timeout=None), V), (pod(), V)),
+    "kvtier-grace-period-too-short": ((pod(grace=45), V), (pod(grace=60), V)),
+    "kvtier-disk-path-not-on-volume": ((pod(mount="/var/cache/kvtier"), V), (pod(), V)),
+    "kvtier-shared-tier-cleartext-beyond-namespace": (
+        (pod(redis_url="redis://redis.other-team.svc.cluster.local:6379/0"), V),
+        (pod(redis_url="redis://redis.inference.svc.cluster.local:6379/0"), V)),
 }
 
 

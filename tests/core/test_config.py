@@ -8,7 +8,18 @@ from kvtier.core.errors import ConfigError
 
 def test_defaults_and_dict():
     cfg = KVTierConfig.from_dict({"cpu_gib": 8})
-    assert cfg.chunk_tokens == 128 and cfg.cpu_gib == 8 and cfg.write_mode == "write-through"
+    assert cfg.chunk_tokens == "auto" and cfg.cpu_gib == 8 and cfg.write_mode == "write-through"
+
+
+@pytest.mark.parametrize("value,want", [("auto", "auto"), ("Auto", "auto"), (640, 640), ("640", 640), (128.0, 128)])
+def test_chunk_tokens_is_auto_or_a_whole_number(value, want):
+    assert KVTierConfig.from_dict({"chunk_tokens": value}).chunk_tokens == want
+
+
+def test_chunk_tokens_auto_from_the_environment(monkeypatch):
+    monkeypatch.setenv("KVTIER_CHUNK_TOKENS", "auto")
+    assert KVTierConfig.from_dict({}).chunk_tokens == "auto"
+    assert KVTierConfig.from_dict({"chunk_tokens": 256}).chunk_tokens == 256
 
 
 def test_sizes_are_totals_across_tensor_parallel_ranks():
@@ -37,6 +48,9 @@ def test_yaml(tmp_path):
     ({"cpu_gib": -1}, "cpu_gib"),
     ({"cpu_gib": 0}, "must be above 0: every chunk passes through the cpu tier"),
     ({"chunk_tokens": 0}, "chunk_tokens"),
+    ({"chunk_tokens": "big"}, "must be auto or a positive whole number of tokens"),
+    ({"chunk_tokens": 1.5}, "must be auto or a positive whole number of tokens"),
+    ({"chunk_tokens": True}, "must be auto or a positive whole number of tokens"),
     ({"policy": "nope"}, "policy"),
     ({"write_mode": "sometimes"}, "write_mode"),
     ({"cpu_gb": 4}, "unknown kvtier config key 'cpu_gb'"),
@@ -52,6 +66,32 @@ def test_bad_values_fail_with_one_sentence(values, needle):
         KVTierConfig.from_dict(values)
     message = str(info.value)
     assert needle in message and "\n" not in message
+
+
+def test_one_rule_one_sentence_whatever_the_bad_cpu_gib():
+    """Issue 24: cpu_gib -1 and 0 broke one rule but got two different sentences."""
+    messages = []
+    for bad in (-1, 0, -0.5):
+        with pytest.raises(ConfigError) as info:
+            KVTierConfig.from_dict({"cpu_gib": bad})
+        messages.append(str(info.value).replace(f"(got {bad})", "(got X)"))
+    assert messages[0] == messages[1] == messages[2], messages
+    assert "must be above 0: every chunk passes through the cpu tier" in messages[0]
+
+
+def test_a_disk_path_that_does_not_exist_is_named_as_such(tmp_path):
+    """Issue 24: 'exceeds the 70.6 GiB free on /nvme/kvtier' for a path that did not exist: the free
+    space was the root disk's.  The sentence says the path does not exist and whose free space it is."""
+    missing = tmp_path / "nvme" / "kvtier"
+    with pytest.raises(ConfigError) as info:
+        KVTierConfig.from_dict({"disk_path": str(missing), "disk_gib": 1e9})
+    message = str(info.value)
+    assert f"disk_path '{missing}' does not exist" in message, message
+    assert f"free on '{tmp_path}', its nearest existing parent" in message, message
+    assert not missing.exists()  # refused before anything was created
+    missing.mkdir(parents=True)
+    with pytest.raises(ConfigError, match=f"exceeds the .* GiB free on '{missing}'; lower disk_gib"):
+        KVTierConfig.from_dict({"disk_path": str(missing), "disk_gib": 1e9})
 
 
 def test_unwritable_disk_path(tmp_path):
@@ -71,6 +111,7 @@ def test_chunk_tokens_must_be_multiple_of_block_size():
     cfg.validate_block_size(8)
     with pytest.raises(ConfigError, match="multiple of the engine block size 16"):
         cfg.validate_block_size(16)
+    KVTierConfig.from_dict({}).validate_block_size(640)  # auto: resolved from the block sizes, always fits
 
 
 def test_yaml_errors(tmp_path):

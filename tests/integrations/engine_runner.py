@@ -7,17 +7,25 @@ Usage: ``python engine_runner.py SPEC.json OUT.json``.  SPEC keys:
 - ``model``: model directory; ``kvtier``: the ``kv_connector_extra_config`` dict;
   ``role``: ``kv_both`` / ``kv_producer`` / ``kv_consumer``; ``engine``: extra ``LLM`` kwargs;
   ``beside``: another connector's ``kv_transfer_config``, run with kvtier under MultiConnector.
-- ``steps``: list of ``{"op": "generate", "prompts": [...], "max_tokens": N, "salt": s}``,
+- ``steps``: list of ``{"op": "generate", "prompts": [...], "max_tokens": N, "salt": s}`` (a
+  prompt is a text or a list of token ids; ``"cut_at_chunk": true`` cuts token-id prompts to
+  their last chunk boundary plus one token, the chunk size read from ``kvtier_chunk_tokens``),
   ``{"op": "flush"}`` (step the engine until ``/metrics`` shows no dirty bytes),
   ``{"op": "reset_prefix_cache"}``, ``{"op": "touch", "path": p}``,
-  ``{"op": "wait", "path": p, "timeout_s": t}``, ``{"op": "metrics"}`` (wait for the stats of the
-  steps so far to reach the metrics, then record a snapshot in OUT's ``snapshots``).
+  ``{"op": "wait", "path": p, "timeout_s": t}``, ``{"op": "until", "metric": name, "at_least": x,
+  "timeout_s": t}`` (step the engine with a one-token request until that ``/metrics`` sample
+  reaches ``x``), ``{"op": "metrics"}`` (record a snapshot in OUT's ``snapshots``).
+
+Metrics are read in this process: ``LLMEngine.step`` records each step's stats (the connector's
+included) into the Prometheus registry before ``generate`` returns, so a snapshot taken after a
+step holds that step's figures; nothing arrives while the engine is not stepped.
 
 The worker (and its store) lives in vLLM's worker process; the runner sees it only through
 vLLM's ``/metrics`` collectors in this process, as an operator would.  At the end the engine is
 shut down gracefully (the connector's shutdown flush runs).
 
-OUT holds ``results`` (per generate step: token ids and chosen-token logprobs per prompt),
+OUT holds ``results`` (per generate step: token ids, chosen-token logprobs, the prompt's length
+and vLLM's ``num_cached_tokens`` per prompt),
 ``metrics`` (``vllm:*prefix_cache*`` and ``kvtier_*`` samples summed over labels, by name and
 tier) taken after the last step.
 """
@@ -45,6 +53,17 @@ def _metrics() -> dict[str, float]:
     return out
 
 
+def _chunk_tokens(timeout_s: float = 60.0) -> int:
+    """The engine's resolved chunk size, from ``kvtier_chunk_tokens`` (it arrives with the stats of
+    an engine step: run one before asking)."""
+    deadline = time.monotonic() + timeout_s
+    while not (chunk := int(_metrics().get("kvtier_chunk_tokens", 0))):
+        if time.monotonic() > deadline:
+            raise TimeoutError("kvtier_chunk_tokens never reached the metrics")
+        time.sleep(0.05)
+    return chunk
+
+
 def main(spec_path: str, out_path: str) -> int:
     from vllm import LLM, SamplingParams
 
@@ -68,10 +87,14 @@ def main(spec_path: str, out_path: str) -> int:
         op = step["op"]
         if op == "generate":
             params = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0.0, logprobs=0)
-            prompts = [{"prompt": p, **({"cache_salt": step["salt"]} if step.get("salt") else {})}
-                       for p in step["prompts"]]
+            if step.get("cut_at_chunk"):  # token-id prompts cut to their last chunk boundary + 1 token
+                chunk = _chunk_tokens()
+                step = {**step, "prompts": [p[:(len(p) - 1) // chunk * chunk + 1] for p in step["prompts"]]}
+            prompts = [{("prompt_token_ids" if isinstance(p, list) else "prompt"): p,
+                        **({"cache_salt": step["salt"]} if step.get("salt") else {})} for p in step["prompts"]]
             outs = llm.generate(prompts, params, use_tqdm=False)
-            results.append([{"tokens": list(o.outputs[0].token_ids),
+            results.append([{"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens,
+                             "prompt_tokens": len(o.prompt_token_ids or []),
                              "logprobs": [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]}
                             for o in outs])
         elif op == "flush":  # gauges arrive with engine steps: step until no dirty bytes are left
@@ -80,8 +103,14 @@ def main(spec_path: str, out_path: str) -> int:
             while _metrics().get("kvtier_dirty_bytes", 0.0) > 0 and time.monotonic() < deadline:
                 time.sleep(0.2)
                 llm.generate(["flush"], quiet, use_tqdm=False)
+        elif op == "until":  # gauges arrive with engine steps: step until the sample reaches the value
+            deadline = time.monotonic() + step.get("timeout_s", 60)
+            while _metrics().get(step["metric"], 0.0) < step["at_least"]:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{step['metric']} stayed below {step['at_least']}: {_metrics()}")
+                time.sleep(0.1)
+                llm.generate(["flush"], quiet, use_tqdm=False)
         elif op == "metrics":
-            time.sleep(1.5)  # let the last step's stats reach the metrics logger
             snapshots.append(_metrics())
         elif op == "reset_prefix_cache":
             llm.reset_prefix_cache()
@@ -95,7 +124,6 @@ def main(spec_path: str, out_path: str) -> int:
                 time.sleep(0.1)
         else:
             raise ValueError(f"unknown op {op!r}")
-    time.sleep(1.5)  # let the last step's stats reach the metrics logger
     out = {"results": results, "metrics": _metrics(), "snapshots": snapshots}
     llm.llm_engine.engine_core.shutdown()  # graceful: the worker's connector flushes and closes
     Path(out_path).write_text(json.dumps(out))

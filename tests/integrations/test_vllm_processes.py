@@ -1,5 +1,6 @@
 """KVTierConnector across engine processes: graceful stop and restart, the identity fence, a
-producer handing KV to a consumer, tensor parallelism.
+producer handing KV to a running consumer, tensor parallelism (7 engine start-ups in all: each
+test chains the scenarios that can share its engines).
 
 Each engine is ``engine_runner.py`` in its own process with vLLM's default multiprocessing, so
 the scheduler-side connector (EngineCore process) and the worker-side connector (worker
@@ -42,21 +43,31 @@ def _same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
         assert max_logprob_diff(x["logprobs"], y["logprobs"]) < TOLERANCE
 
 
-def test_graceful_stop_keeps_the_hot_set_and_replaced_weights_miss(tiny_model: Path, tmp_path: Path) -> None:
+def test_graceful_stop_keeps_the_hot_set_and_other_identities_miss(tiny_model: Path, tmp_path: Path) -> None:
     """Write-back with a cpu tier that never fills: only the shutdown flush puts chunks on disk.
-    The restarted engine is served from disk; after the weight file is replaced in place (same
-    names, shapes and sizes, other values) nothing is served."""
+    The restarted engine is served from disk.  Then two engines whose KV differs from the first
+    one's, on the same disk tier, load nothing and answer as their own prefill does: one with
+    ``--hf-overrides`` changing every layer's KV (break test F-hf-overrides), one after the weight
+    file is replaced in place (same names, shapes and sizes, other values).
+
+    The first engine's cpu tier (cpu_gib 0.004: 32 chunks of this model) is smaller than one
+    max_model_len prompt (16 chunks) plus the disk write queue (64): it still starts and serves,
+    and its log says why saves may be dropped (breaker F9)."""
     model = tmp_path / "model"
     shutil.copytree(tiny_model, model)
     disk = tmp_path / "disk"
     prompts = _prompts()
     steps = [{"op": "generate", "prompts": prompts}]
-    first = result_of(run_engine(_spec(model, disk, steps, write_mode="write-back"), tmp_path, "first"),
-                      tmp_path, "first")
+    small = _spec(model, disk, steps, write_mode="write-back")
+    small["kvtier"]["cpu_gib"] = 0.004
+    first = result_of(run_engine(small, tmp_path, "first"), tmp_path, "first")
     m = first["metrics"]
     assert m["kvtier_saved_tokens_total"] == 2 * LOADABLE
     assert m["kvtier_dirty_bytes"] > 0, "write-back: the chunks were only in DRAM when the engine stopped"
     assert m["kvtier_pinned_chunks{cpu}"] == m["kvtier_pinned_chunks{disk}"] == 0
+    log = (tmp_path / "first.log").read_text(errors="replace")
+    assert "kvtier: rank 0 cpu tier holds 32 chunks, fewer than one max_model_len prompt (16 chunks) plus the disk " \
+           "write queue (save_queue_depth 64)" in log
 
     second = result_of(run_engine(_spec(model, disk, steps, write_mode="write-back"), tmp_path, "second"),
                        tmp_path, "second")
@@ -65,6 +76,14 @@ def test_graceful_stop_keeps_the_hot_set_and_replaced_weights_miss(tiny_model: P
     assert m["vllm:external_prefix_cache_hits_total"] == 2 * LOADABLE
     assert m["kvtier_pinned_chunks{cpu}"] == m["kvtier_pinned_chunks{disk}"] == 0
     _same(first["results"][0], second["results"][0])
+
+    spec = dict(_spec(model, disk, steps), engine={"hf_overrides": {"rms_norm_eps": 0.9}})
+    other = result_of(run_engine(spec, tmp_path, "override"), tmp_path, "override")
+    m = other["metrics"]
+    assert m["kvtier_loaded_tokens_total{disk}"] + m["kvtier_loaded_tokens_total{cpu}"] == 0
+    assert m["vllm:external_prefix_cache_hits_total"] == 0
+    assert m["kvtier_saved_tokens_total"] == 2 * LOADABLE  # its own chunks, in its own namespace
+    assert other["results"][0][0]["logprobs"] != first["results"][0][0]["logprobs"]  # the override does change KV
 
     from kvtier.integrations.vllm.testmodel import GEOMETRIES, _write_weights
 
@@ -78,52 +97,21 @@ def test_graceful_stop_keeps_the_hot_set_and_replaced_weights_miss(tiny_model: P
     assert third["results"][0][0]["logprobs"] != first["results"][0][0]["logprobs"]  # the weights did change
 
 
-def test_an_engine_with_other_hf_overrides_never_loads_the_kv(tiny_model: Path, tmp_path: Path) -> None:
-    """Same model files, same disk tier, but ``--hf-overrides`` changes every layer's KV (break test
-    F-hf-overrides): the second engine loads nothing and answers as its own prefill does."""
-    disk = tmp_path / "disk"
-    steps = [{"op": "generate", "prompts": _prompts()}]
-    plain = result_of(run_engine(_spec(tiny_model, disk, steps), tmp_path, "plain"), tmp_path, "plain")
-    assert plain["metrics"]["kvtier_saved_tokens_total"] == 2 * LOADABLE
-    spec = dict(_spec(tiny_model, disk, steps), engine={"hf_overrides": {"rms_norm_eps": 0.9}})
-    other = result_of(run_engine(spec, tmp_path, "override"), tmp_path, "override")
-    m = other["metrics"]
-    assert m["kvtier_loaded_tokens_total{disk}"] + m["kvtier_loaded_tokens_total{cpu}"] == 0
-    assert m["vllm:external_prefix_cache_hits_total"] == 0
-    assert m["kvtier_saved_tokens_total"] == 2 * LOADABLE  # its own chunks, in its own namespace
-    assert other["results"][0][0]["logprobs"] != plain["results"][0][0]["logprobs"]  # the override does change KV
-
-
-def test_producer_hands_kv_to_consumer_through_shared_disk(tiny_model: Path, tmp_path: Path) -> None:
-    """A kv_producer (saves only) prefills and stops; a kv_consumer (loads only) started on the
-    same disk tier then serves the same prompts from what the producer wrote."""
-    disk = tmp_path / "disk"
-    prompts = _prompts()
-    made = result_of(run_engine(_spec(tiny_model, disk, [{"op": "generate", "prompts": prompts}],
-                                      role="kv_producer"), tmp_path, "producer"), tmp_path, "producer")
-    used = result_of(run_engine(_spec(tiny_model, disk, [{"op": "generate", "prompts": prompts}],
-                                      role="kv_consumer"), tmp_path, "consumer"), tmp_path, "consumer")
-    assert made["metrics"]["kvtier_saved_tokens_total"] == 2 * LOADABLE
-    assert made["metrics"]["kvtier_loaded_tokens_total{cpu}"] + made["metrics"]["kvtier_loaded_tokens_total{disk}"] == 0
-    assert used["metrics"]["kvtier_saved_tokens_total"] == 0  # a consumer never writes
-    # its graceful stop says so: the flush line is logged with nothing dirty too (breaker F8)
-    assert "kvtier: rank 0 shutdown flush wrote 0 dirty chunks" in (tmp_path / "consumer.log").read_text(errors="replace")
-    assert used["metrics"]["kvtier_loaded_tokens_total{disk}"] == 2 * LOADABLE
-    assert used["metrics"]["vllm:external_prefix_cache_hits_total"] == 2 * LOADABLE
-    _same(made["results"][0], used["results"][0])
-
-
 def test_running_consumer_adopts_what_a_producer_writes_later(tiny_model: Path, tmp_path: Path) -> None:
-    """A kv_consumer starts on an empty shared disk tier and keeps running; a kv_producer then
-    prefills and stops.  The consumer's periodic rescan (``disk_rescan_s``) adopts the producer's
-    chunk files, its next engine step carries them to the scheduler's mirror, and it serves the
-    prompts from disk with the producer's tokens and logprobs."""
+    """A kv_consumer (loads only) starts on an empty shared disk tier and keeps running; a
+    kv_producer (saves only) then prefills and stops.  The consumer's periodic rescan
+    (``disk_rescan_s``) adopts the producer's chunk files, its next engine step carries them to the
+    scheduler's mirror, and it serves the prompts from disk with the producer's tokens and
+    logprobs; it never writes, and its graceful stop says so."""
     disk = tmp_path / "disk"
     ready, done = tmp_path / "consumer-ready", tmp_path / "producer-done"
     prompts = _prompts()
+    chunk_bytes = 2 * 2 * (2 * 32 * 64 * 2 * 4)  # layers × blocks per chunk × (K,V × block × heads × head × fp32)
     spec = _spec(tiny_model, disk, [{"op": "touch", "path": str(ready)},
                                     {"op": "wait", "path": str(done), "timeout_s": 600},
-                                    {"op": "metrics"},  # 1.5 s: several rescans
+                                    # a rescan adopted the producer's 12 chunk files (the gauge comes with steps)
+                                    {"op": "until", "metric": "kvtier_usage_bytes{disk}",
+                                     "at_least": 2 * 6 * chunk_bytes, "timeout_s": 60},
                                     {"op": "flush"},  # one engine step: the index changes reach the mirror
                                     {"op": "generate", "prompts": prompts}], role="kv_consumer")
     spec["kvtier"]["disk_rescan_s"] = 0.2
@@ -139,6 +127,10 @@ def test_running_consumer_adopts_what_a_producer_writes_later(tiny_model: Path, 
         done.write_text("done")
     used = result_of(consumer, tmp_path, "consumer")
     assert made["metrics"]["kvtier_saved_tokens_total"] == 2 * LOADABLE
+    assert made["metrics"]["kvtier_loaded_tokens_total{cpu}"] + made["metrics"]["kvtier_loaded_tokens_total{disk}"] == 0
+    assert used["metrics"]["kvtier_saved_tokens_total"] == 0  # a consumer never writes
+    # its graceful stop says so: the flush line is logged with nothing dirty too (breaker F8)
+    assert "kvtier: rank 0 shutdown flush wrote 0 dirty chunks" in (tmp_path / "consumer.log").read_text(errors="replace")
     assert used["metrics"]["kvtier_loaded_tokens_total{disk}"] == 2 * LOADABLE
     assert used["metrics"]["vllm:external_prefix_cache_hits_total"] == 2 * LOADABLE
     _same(made["results"][0], used["results"][0])
@@ -163,16 +155,3 @@ def test_tensor_parallel_ranks_each_hold_their_share(tiny_model: Path, tmp_path:
     assert m["kvtier_dirty_bytes"] == 0
     first, second = out["results"]
     _same(first, second)
-
-
-def test_a_cpu_tier_too_small_for_one_prompt_and_the_write_queue_is_warned_about(tiny_model: Path,
-                                                                                 tmp_path: Path) -> None:
-    """breaker F9: cpu_gib 0.004 holds 32 chunks of this model, fewer than a 1,024-token prompt (16) plus the
-    disk write queue (64); the engine still starts and serves, and its log says why saves will be dropped."""
-    spec = _spec(tiny_model, tmp_path / "disk", [{"op": "generate", "prompts": _prompts()[:1]}])
-    spec["kvtier"]["cpu_gib"] = 0.004
-    out = result_of(run_engine(spec, tmp_path, "small"), tmp_path, "small")
-    assert out["results"][0][0]["tokens"]
-    log = (tmp_path / "small.log").read_text(errors="replace")
-    assert "kvtier: rank 0 cpu tier holds 32 chunks, fewer than one max_model_len prompt (16 chunks) plus the disk " \
-           "write queue (save_queue_depth 64)" in log

@@ -1,6 +1,7 @@
 """Engines configured with the shared redis tier (real vLLM processes, real redis-servers).
 
-Two engines, one Redis (one test, so that the suite starts as few engines as it can):
+Four engines, one Redis (one test, so that the suite starts as few engines as it can); engine A,
+a ``kv_producer``, computes every prompt once and is the recompute reference of the others:
 
 - every chunk engine A (a ``kv_producer``) saves is in Redis as one verifiable kvtier value
   (write-through);
@@ -9,7 +10,10 @@ Two engines, one Redis (one test, so that the suite starts as few engines as it 
   counted as a hit by kvtier and by vLLM;
 - then Redis is killed (``kill -9``) and B keeps serving the next prompt (also in Redis until
   then) by recomputing it, exactly, with no hit, counting the failed shared-tier calls; the first
-  prompt, promoted into B's cpu tier by its load, is still a (cpu) hit.
+  prompt, promoted into B's cpu tier by its load, is still a (cpu) hit;
+- before that, engines C and D read a third prompt through a slow proxy: C's ``load_wait_s``
+  cuts a slow load and only its tail is recomputed; D's transfer deadline fails every load and
+  the request is recomputed after one failed load.
 """
 
 from __future__ import annotations
@@ -31,28 +35,68 @@ LOADABLE = 6 * 64
 EQUAL_THREADS = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 
 
-def test_prefix_saved_on_one_engine_is_a_hit_on_another(tiny_model: Path, tmp_path: Path, redis_factory,
-                                                        key_prefix) -> None:
+def test_a_prefix_saved_by_one_engine_is_served_from_redis_to_others_slow_loads_and_a_dead_redis_recompute(
+        tiny_model: Path, tmp_path: Path, redis_factory, key_prefix) -> None:
     from kvtier.integrations.vllm.testmodel import random_prompt
+    from tests.redis_servers import DelayProxy
+
+    from .vllm_helpers import max_logprob_diff
 
     server = redis_factory()  # private: this test kills it
-    first, second = (random_prompt(720 + i, PROMPT_WORDS) for i in range(2))
+    first, second, third = (random_prompt(seed, PROMPT_WORDS) for seed in (720, 721, 730))
     kvtier = {"chunk_tokens": 64, "cpu_gib": 0.01, "redis_url": server.url, "redis_key_prefix": key_prefix,
               "shared_deadline_s": 5.0, "redis_timeout_s": 5.0}
-    gen = [{"op": "generate", "prompts": [first]}, {"op": "generate", "prompts": [second]}]
-    # Engine A, a kv_producer (saves only), computes both prompts: the recompute reference.
+    gen = [{"op": "generate", "prompts": [p]} for p in (first, second, third)]
+    # Engine A, a kv_producer (saves only), computes every prompt: the recompute reference.
     made = result_of(run_engine({"model": str(tiny_model), "role": "kv_producer", "steps": gen, "kvtier": kvtier},
                                 tmp_path, "a", env=EQUAL_THREADS), tmp_path, "a")
     assert made["metrics"]["vllm:external_prefix_cache_hits_total"] == 0
-    assert made["metrics"]["kvtier_saved_tokens_total"] == 2 * LOADABLE
+    assert made["metrics"]["kvtier_saved_tokens_total"] == 3 * LOADABLE
     client = server.client()
-    assert wait_until(lambda: len(list(client.scan_iter(match=f"{key_prefix}*".encode()))) == 2 * 6, 30)
+    assert wait_until(lambda: len(list(client.scan_iter(match=f"{key_prefix}*".encode()))) == 3 * 6, 30)
     for rk in client.scan_iter(match=f"{key_prefix}*".encode()):  # one value per saved chunk (TP 1)
         value = client.get(rk)
         namespace, key = value[8:24], bytes.fromhex(rk.decode().rsplit(":", 1)[1])
         assert rk.decode().startswith(f"{key_prefix}{namespace.hex()}:")
         decoded = ValueCodec(namespace, None).decode(key, value, len(value))  # raises unless it verifies
         assert decoded.length == len(value) - HEADER_BYTES > 0
+
+    # ``load_wait_s`` bounds an engine load whose chunks arrive slowly: engine C reads Redis through
+    # a proxy passing replies at 64 KiB/s (1 s per 64 KiB float32 chunk; lookups, small replies,
+    # pass at once), with ``load_wait_s`` 1 s and the transfer and socket deadlines far above the
+    # whole load (30 s), so only ``load_wait_s`` can cut it.  The load delivers the chunks read
+    # before it returns (the first ``io_threads``), gives up on the rest after 1 s, and vLLM
+    # recomputes exactly those blocks: same tokens as A's recompute, logprobs within float32
+    # tolerance (the recomputed tail is summed in another order than A's single prefill).
+    proxy = DelayProxy(server.port, reply_bytes_s=64 << 10)
+    try:
+        slow = {**kvtier, "redis_url": proxy.url, "redis_timeout_s": 30.0, "shared_transfer_deadline_s": 30.0,
+                "load_wait_s": 1.0, "io_threads": 2}
+        served_slow = result_of(run_engine({"model": str(tiny_model), "role": "kv_consumer", "steps": gen[2:],
+                                            "kvtier": slow}, tmp_path, "c", env=EQUAL_THREADS), tmp_path, "c")
+        # The same slow link with a transfer deadline shorter than one read: every load fails at
+        # once, while the scheduler's lookups (small replies) keep finding the chunks (engine D).
+        # The request must be recomputed after one failed load, not loaded again every step.
+        doomed = {**kvtier, "redis_url": proxy.url, "shared_transfer_deadline_s": 0.3, "redis_timeout_s": 0.5,
+                  "redis_breaker_failures": 1}
+        failed = result_of(run_engine({"model": str(tiny_model), "role": "kv_consumer", "steps": gen[2:],
+                                       "kvtier": doomed}, tmp_path, "d", env=EQUAL_THREADS), tmp_path, "d")
+    finally:
+        proxy.close()
+    log = (tmp_path / "c.log").read_text(errors="replace")
+    assert "were not read within load_wait_s=1.0" in log, log[-3000:]
+    end = served_slow["metrics"]
+    loaded = end["kvtier_loaded_tokens_total{redis}"]
+    assert 0 < loaded < LOADABLE, "the chunks read before the wait began are loaded, the slow tail is not"
+    assert end["kvtier_load_failed_blocks_total"] * 32 == LOADABLE - loaded  # 32-token engine blocks
+    (x,), ((y,),), ((z,),) = made["results"][2], served_slow["results"], failed["results"]
+    assert x["tokens"] == y["tokens"] == z["tokens"]
+    assert max_logprob_diff(x["logprobs"], y["logprobs"]) < 1e-4
+    assert x["logprobs"] == z["logprobs"]  # all recomputed, with A's threads: exact
+    c = failed["metrics"]
+    assert c["kvtier_loaded_tokens_total{redis}"] == 0
+    assert c["kvtier_load_failed_blocks_total"] == LOADABLE // 32, "one failed load, then recompute"
+    assert (tmp_path / "d.log").read_text(errors="replace").count("Recovered from KV load failure") == 1
 
     # Engine B (another process, its own empty cpu tier): the first prompt comes from Redis; then
     # Redis is killed and the second prompt, also in Redis until then, is recomputed.
@@ -68,7 +112,7 @@ def test_prefix_saved_on_one_engine_is_a_hit_on_another(tiny_model: Path, tmp_pa
     killed.write_text("done")
     served = result_of(proc, tmp_path, "b")  # exit 0: the engine stayed up without its Redis
 
-    for (x,), (y,) in zip(made["results"] + made["results"][:1], served["results"], strict=True):
+    for (x,), (y,) in zip(made["results"][:2] + made["results"][:1], served["results"], strict=True):
         assert x["tokens"] == y["tokens"]
         assert x["logprobs"] == y["logprobs"]  # exact: same KV bytes, same compute threads
     hit = served["snapshots"][0]
@@ -86,55 +130,3 @@ def test_prefix_saved_on_one_engine_is_a_hit_on_another(tiny_model: Path, tmp_pa
     assert end["kvtier_redis_skipped_writes_total"] > 0  # the second prompt's chunks never reached Redis
     assert end["kvtier_shared_lookup_hit_chunks_total"] == LOADABLE // 64  # nothing found once Redis was gone
     assert end["kvtier_shared_lookup_chunks_total"] > end["kvtier_shared_lookup_hit_chunks_total"]
-
-
-def test_a_load_slower_than_load_wait_s_recomputes_its_tail(tiny_model: Path, tmp_path: Path, redis_factory,
-                                                           key_prefix) -> None:
-    """``load_wait_s`` bounds an engine load whose chunks arrive slowly: engine B reads Redis
-    through a proxy passing replies at 64 KiB/s (1 s per 64 KiB float32 chunk; lookups, small replies,
-    pass at once), with ``load_wait_s`` 1 s and the transfer and socket deadlines far above the
-    whole load (30 s), so only ``load_wait_s`` can cut it.  The load delivers the chunks read
-    before it returns (the first ``io_threads``), gives up on the rest after 1 s, and vLLM
-    recomputes exactly those blocks: same tokens as A's recompute, logprobs within float32
-    tolerance (the recomputed tail is summed in another order than A's single prefill)."""
-    from kvtier.integrations.vllm.testmodel import random_prompt
-    from tests.redis_servers import DelayProxy
-
-    from .vllm_helpers import max_logprob_diff
-
-    server = redis_factory()
-    prompt = random_prompt(730, PROMPT_WORDS)
-    kvtier = {"chunk_tokens": 64, "cpu_gib": 0.01, "redis_url": server.url, "redis_key_prefix": key_prefix,
-              "shared_deadline_s": 5.0, "redis_timeout_s": 30.0, "shared_transfer_deadline_s": 30.0}
-    gen = [{"op": "generate", "prompts": [prompt]}]
-    made = result_of(run_engine({"model": str(tiny_model), "role": "kv_producer", "steps": gen, "kvtier": kvtier},
-                                tmp_path, "a", env=EQUAL_THREADS), tmp_path, "a")
-    assert made["metrics"]["kvtier_saved_tokens_total"] == LOADABLE
-    proxy = DelayProxy(server.port, reply_bytes_s=64 << 10)
-    try:
-        slow = {**kvtier, "redis_url": proxy.url, "load_wait_s": 1.0, "io_threads": 2}
-        served = result_of(run_engine({"model": str(tiny_model), "role": "kv_consumer", "steps": gen, "kvtier": slow},
-                                      tmp_path, "b", env=EQUAL_THREADS), tmp_path, "b")
-        # The same slow link with a transfer deadline shorter than one read: every load fails at
-        # once, while the scheduler's lookups (small replies) keep finding the chunks.  The
-        # request must be recomputed after one failed load, not loaded again every step.
-        doomed = {**kvtier, "redis_url": proxy.url, "shared_transfer_deadline_s": 0.3, "redis_timeout_s": 0.5,
-                  "redis_breaker_failures": 1}
-        failed = result_of(run_engine({"model": str(tiny_model), "role": "kv_consumer", "steps": gen,
-                                       "kvtier": doomed}, tmp_path, "c", env=EQUAL_THREADS), tmp_path, "c")
-    finally:
-        proxy.close()
-    log = (tmp_path / "b.log").read_text(errors="replace")
-    assert "were not read within load_wait_s=1.0" in log, log[-3000:]
-    end = served["metrics"]
-    loaded = end["kvtier_loaded_tokens_total{redis}"]
-    assert 0 < loaded < LOADABLE, "the chunks read before the wait began are loaded, the slow tail is not"
-    assert end["kvtier_load_failed_blocks_total"] * 32 == LOADABLE - loaded  # 32-token engine blocks
-    ((x,),), ((y,),), ((z,),) = made["results"], served["results"], failed["results"]
-    assert x["tokens"] == y["tokens"] == z["tokens"]
-    assert max_logprob_diff(x["logprobs"], y["logprobs"]) < 1e-4
-    assert x["logprobs"] == z["logprobs"]  # all recomputed, with A's threads: exact
-    c = failed["metrics"]
-    assert c["kvtier_loaded_tokens_total{redis}"] == 0
-    assert c["kvtier_load_failed_blocks_total"] == LOADABLE // 32, "one failed load, then recompute"
-    assert (tmp_path / "c.log").read_text(errors="replace").count("Recovered from KV load failure") == 1

@@ -3,10 +3,12 @@
 The first server runs in write-back mode with a cpu tier that never fills, so nothing reaches
 the disk tier unless the graceful stop flushes it (``--shutdown-timeout`` lets vLLM stop its
 worker gracefully; the connector's ``shutdown()`` then writes the dirty chunks).  The restarted
-server must serve its very first request from disk, with the tokens and logprobs of the cold
-run.  The engine runs in bfloat16: a fresh engine whose first forward runs over loaded KV
-reaches vLLM's AMX attention kernel before any oneDNN GEMM has asked for AMX permission, which
-kills the process with SIGILL on AMX CPUs unless the connector asked first.
+server, with kvtier's default settings and only a disk tier named, must serve its very first
+request from disk, bit for bit as vLLM's own prefix cache holding the same prefix does.  The
+engine runs in bfloat16: a fresh engine whose first forward runs over loaded KV reaches vLLM's
+AMX attention kernel before any oneDNN GEMM has asked for AMX permission, which kills the process
+with SIGILL on AMX CPUs unless the connector asked first.  (kvtier's default write-through save
+before a SIGTERM restart is test_vllm_demo.py's case.)
 """
 
 from __future__ import annotations
@@ -34,67 +36,48 @@ def _complete(base_url: str, model: str, prompt: str | list[int], max_tokens: in
             "logprobs": choice["logprobs"]["token_logprobs"]}
 
 
-def test_sigterm_restart_serves_the_first_request_from_disk(tiny_model: Path, tmp_path: Path) -> None:
-    from kvtier.integrations.vllm.serve import Server, ServerSpec, transfer_config
-    from kvtier.integrations.vllm.testmodel import random_prompt
-
-    kvtier = {"cpu_gib": 0.25, "disk_path": str(tmp_path / "disk"), "disk_gib": 0.5, "write_mode": "write-back"}
-    spec = ServerSpec(model=str(tiny_model), max_model_len=2048, kv_cache_bytes=256 << 20, load_format=None,
-                      kv_transfer_config=transfer_config(kvtier), memory_fraction=0.1, enforce_eager=True,
-                      shutdown_timeout_s=30, extra_args=("--dtype", "bfloat16"))
-    prompt = random_prompt(400, 400)  # ~800 tokens: 6 full 128-token chunks
-    outs, metrics, logs = [], [], []
-    for name in ("first", "second"):
-        with Server(spec, tmp_path / f"{name}.log").start(600) as server:
-            outs.append(_complete(server.base_url, server.served_model, prompt))
-            metrics.append(served_metrics(server.base_url))
-        # leaving the block sent SIGTERM; the server stopped gracefully (--shutdown-timeout 30)
-        logs.append((tmp_path / f"{name}.log").read_text(errors="replace"))
-        assert "Illegal instruction" not in logs[-1]
-    assert "shutdown flush wrote" in logs[0], f"the graceful stop did not flush:\n{logs[0][-3000:]}"
-    first, second = metrics
-    assert first.get("kvtier_saved_tokens_total", 0) >= 768
-    assert first.get("kvtier_dirty_bytes", 0) > 0  # write-back: only in DRAM until the stop
-    hit = second.get("kvtier_loaded_tokens_total{disk}", 0)
-    assert hit >= 768, "the first request of the restarted server must be served from disk"
-    assert second.get("vllm:external_prefix_cache_hits_total", 0) == hit
-    assert outs[0]["tokens"] == outs[1]["tokens"]
-    assert max(abs(a - b) for a, b in zip(outs[0]["logprobs"], outs[1]["logprobs"])) < TOLERANCE
-
-
 def _token_ids(base_url: str, model: str, prompt: str) -> list[int]:
     r = httpx.post(base_url + "/tokenize", json={"model": model, "prompt": prompt}, timeout=60.0)
     r.raise_for_status()
     return [int(t) for t in r.json()["tokens"]]
 
 
-def test_restart_with_the_default_config_reproduces_the_engines_own_prefix_cache_bit_for_bit(
+def test_sigterm_flushes_write_back_and_the_restart_reproduces_the_engines_own_prefix_cache_bit_for_bit(
         tiny_model: Path, tmp_path: Path) -> None:
-    """The operator's case with nothing tuned: kvtier's default settings (write-through, default
-    policy, ``disk_io: auto``) plus a disk tier; the server is stopped with SIGTERM and started
-    again, and its first request is compared, with no tolerance, against the exact reference: a
-    server without any connector whose own prefix cache holds exactly the tokens kvtier loads
-    (it first prefills that prefix alone), so both compute the same tail over the same cached
-    prefix with the same threads (``VLLM_CPU_NUM_OF_RESERVED_CPU`` pinned for all three).  In
-    bfloat16, so the restarted server's first forward runs over loaded KV on the AMX path."""
+    """The operator's case: a write-back server stopped with SIGTERM flushes its dirty chunks; the
+    server started again with nothing tuned (kvtier's default settings, ``disk_io: auto``, plus the
+    same disk tier) serves its first request from disk, and that answer is compared, with no
+    tolerance, against the exact reference: a server without any connector whose own prefix cache
+    holds exactly the tokens kvtier loads (it first prefills that prefix alone), so both compute
+    the same tail over the same cached prefix with the same threads
+    (``VLLM_CPU_NUM_OF_RESERVED_CPU`` pinned for all three)."""
     from kvtier.integrations.vllm.serve import Server, ServerSpec, transfer_config
     from kvtier.integrations.vllm.testmodel import random_prompt
 
-    kvtier = {"disk_path": str(tmp_path / "disk"), "disk_gib": 0.5}  # everything else: kvtier's defaults
+    disk = {"disk_path": str(tmp_path / "disk"), "disk_gib": 0.5}
+    write_back = {**disk, "cpu_gib": 0.25, "write_mode": "write-back"}
     with_kvtier = ServerSpec(model=str(tiny_model), max_model_len=2048, kv_cache_bytes=256 << 20, load_format=None,
-                             kv_transfer_config=transfer_config(kvtier), memory_fraction=0.1, enforce_eager=True,
+                             kv_transfer_config=transfer_config(disk), memory_fraction=0.1, enforce_eager=True,
                              shutdown_timeout_s=30, extra_args=("--dtype", "bfloat16"))
     text = random_prompt(401, 420)
-    runs, metrics = [], []
-    for name in ("first", "restarted"):
-        with Server(with_kvtier, tmp_path / f"{name}.log").start(600) as server:
+    runs, metrics, logs = [], [], []
+    for name, kvtier in (("first", write_back), ("restarted", disk)):
+        spec = dataclasses.replace(with_kvtier, kv_transfer_config=transfer_config(kvtier))
+        with Server(spec, tmp_path / f"{name}.log").start(600) as server:
             ids = _token_ids(server.base_url, server.served_model, text)
             runs.append(_complete(server.base_url, server.served_model, ids))
             metrics.append(served_metrics(server.base_url))
-        assert "Illegal instruction" not in (tmp_path / f"{name}.log").read_text(errors="replace")
+        # leaving the block sent SIGTERM; the server stopped gracefully (--shutdown-timeout 30)
+        logs.append((tmp_path / f"{name}.log").read_text(errors="replace"))
+        assert "Illegal instruction" not in logs[-1]
+    assert "shutdown flush wrote" in logs[0], f"the graceful stop did not flush:\n{logs[0][-3000:]}"
+    assert metrics[0].get("kvtier_saved_tokens_total", 0) >= 768
+    assert metrics[0].get("kvtier_dirty_bytes", 0) > 0  # write-back: only in DRAM until the stop
     loaded = int(metrics[1].get("kvtier_loaded_tokens_total{disk}", 0))
     assert loaded == (len(ids) - 1) // 128 * 128 >= 768, "the restarted server must load every full chunk from disk"
     assert metrics[1].get("vllm:external_prefix_cache_hits_total", 0) == loaded
+    assert runs[0]["tokens"] == runs[1]["tokens"]  # the cold run agrees on the tokens ...
+    assert max(abs(a - b) for a, b in zip(runs[0]["logprobs"], runs[1]["logprobs"])) < TOLERANCE  # ... within bf16
 
     without = dataclasses.replace(with_kvtier, kv_transfer_config=None)
     with Server(without, tmp_path / "reference.log").start(600) as server:
@@ -106,4 +89,3 @@ def test_restart_with_the_default_config_reproduces_the_engines_own_prefix_cache
     assert cached == loaded, "the reference must compute the same tail over its own cached prefix"
     assert runs[1]["tokens"] == reference["tokens"]
     assert runs[1]["logprobs"] == reference["logprobs"]  # bit for bit, no tolerance
-    assert runs[0]["tokens"] == runs[1]["tokens"]  # and the cold run agrees on the tokens

@@ -44,6 +44,25 @@ vllm/distributed/kv_transfer/kv_connector/v1/; KVTierConnector: kvtier issue 10,
 MultiConnector counts only when every child does; LMCacheConnectorV1 does not (LMCache#3106)."""
 
 
+@dataclass(frozen=True)
+class PodFacts:
+    """What a Kubernetes manifest says about the pod a vLLM container runs in.
+
+    Attributes:
+        grace_period_s: ``terminationGracePeriodSeconds``, None when unset (Kubernetes then gives
+            30 s: PodSpec API reference, kubernetes.io/docs/reference/kubernetes-api/workload-resources/pod-v1/).
+        mount_paths: the container's ``volumeMounts[].mountPath``, in order.
+        namespace: ``metadata.namespace`` of the workload, None when unset (the namespace it is
+            applied to).
+        services: names of the Services defined in the same file (hosts inside the namespace).
+    """
+
+    grace_period_s: float | None = None
+    mount_paths: tuple[str, ...] = ()
+    namespace: str | None = None
+    services: frozenset[str] = frozenset()
+
+
 @dataclass
 class ServeConfig:
     """One configured vLLM server.
@@ -56,6 +75,9 @@ class ServeConfig:
         image: container image reference, if known.
         version: vLLM version in force, if known.
         text: the raw input text (for locating findings by line).
+        launch: the words that start the server, joined (a container's ``command`` + ``args``, a
+            shell line): install steps such as ``pip install kvtier`` are looked for in it.
+        pod: the pod around the container, when read from a Kubernetes manifest; None otherwise.
     """
 
     origin: str
@@ -65,6 +87,8 @@ class ServeConfig:
     image: str | None = None
     version: Version | None = None
     text: str = ""
+    launch: str = ""
+    pod: PodFacts | None = None
 
     # --- flags -----------------------------------------------------------------------------
     def has(self, flag: str) -> bool:

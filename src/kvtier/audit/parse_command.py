@@ -89,7 +89,7 @@ def parse_command(text: str, origin: str) -> ServeConfig:
         UserError: unbalanced quotes, or no ``vllm serve`` / vLLM image in the text.
     """
     words = _split(text, origin)
-    config = ServeConfig(origin=origin, text=text)
+    config = ServeConfig(origin=origin, text=text, launch=text)
     start: int | None = None
     i = 0
     while i < len(words):

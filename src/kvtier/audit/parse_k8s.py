@@ -6,6 +6,8 @@ and ``List`` items.  A container is audited when its image or command mentions v
 ``command`` + ``args`` (lists; a plain string is split like a shell would) are read as a shell line when they run ``sh -c "…"``, otherwise as the words
 after ``vllm serve`` (the ``vllm/vllm-openai`` entrypoint).  ``env`` entries with a literal
 ``value`` are read; ``valueFrom`` / ``envFrom`` cannot be resolved offline and are skipped.
+The pod around each container (grace period, the container's volume mounts, the namespace, the
+Services of the same file) is kept as :class:`~kvtier.audit.model.PodFacts` for the deployment rules.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import shlex
 from typing import Any
 
-from kvtier.audit.model import ServeConfig
+from kvtier.audit.model import PodFacts, ServeConfig
 from kvtier.audit.parse_command import parse_command, parse_vllm_args
 from kvtier.audit.safe_yaml import load_all
 from kvtier.core.errors import UserError
@@ -79,6 +81,7 @@ def _is_vllm(container: dict[str, Any], where: str) -> bool:
 
 def _container_config(container: dict[str, Any], origin: str, text: str) -> ServeConfig:
     words = _words(container, "command", origin) + _words(container, "args", origin)
+    launch = " ".join(words)
     image = container.get("image")
     if len(words) >= 2 and words[0].rsplit("/", 1)[-1] in ("sh", "bash") and "-c" in words:
         script = " ".join(words[words.index("-c") + 1:])
@@ -91,6 +94,7 @@ def _container_config(container: dict[str, Any], origin: str, text: str) -> Serv
             words = words[words.index("vllm.entrypoints.openai.api_server") + 1:]
         parse_vllm_args(words, config)
     config.text = text
+    config.launch = launch
     config.image = str(image) if image else config.image
     env = container.get("env") or []
     if not isinstance(env, list):
@@ -99,6 +103,26 @@ def _container_config(container: dict[str, Any], origin: str, text: str) -> Serv
         if isinstance(entry, dict) and "name" in entry and "value" in entry:
             config.env[str(entry["name"])] = "" if entry["value"] is None else str(entry["value"])
     return config
+
+
+def _mount_paths(container: dict[str, Any]) -> tuple[str, ...]:
+    mounts = container.get("volumeMounts") or []
+    if not isinstance(mounts, list):
+        return ()
+    return tuple(str(m["mountPath"]) for m in mounts if isinstance(m, dict) and m.get("mountPath"))
+
+
+def _grace_period(spec: dict[str, Any]) -> float | None:
+    value = spec.get("terminationGracePeriodSeconds")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def _namespace(doc: dict[str, Any]) -> str | None:
+    metadata = doc.get("metadata")
+    value = metadata.get("namespace") if isinstance(metadata, dict) else None
+    return str(value) if value else None
 
 
 def parse_manifests(text: str, origin: str) -> list[ServeConfig]:
@@ -113,6 +137,9 @@ def parse_manifests(text: str, origin: str) -> list[ServeConfig]:
     for doc in docs:
         if not isinstance(doc, dict):
             raise UserError(f"{origin} holds a YAML document that is not a mapping; is it a Kubernetes manifest?")
+    services = frozenset(str(d["metadata"]["name"]) for d in docs if d.get("kind") == "Service"
+                         and isinstance(d.get("metadata"), dict) and d["metadata"].get("name"))
+    for doc in docs:
         for workload, spec in _pod_specs(doc, origin):
             containers = spec.get("containers") or []
             if not isinstance(containers, list):
@@ -120,7 +147,9 @@ def parse_manifests(text: str, origin: str) -> list[ServeConfig]:
             for container in containers:
                 name = container.get("name", "?") if isinstance(container, dict) else "?"
                 if isinstance(container, dict) and _is_vllm(container, f"{origin}:{workload}/{name}"):
-                    configs.append(_container_config(container, f"{origin}:{workload}/{name}", text))
+                    config = _container_config(container, f"{origin}:{workload}/{name}", text)
+                    config.pod = PodFacts(_grace_period(spec), _mount_paths(container), _namespace(doc), services)
+                    configs.append(config)
     if not configs:
         raise UserError(f"{origin} has no container running vLLM (Pod, Deployment, StatefulSet, ...).")
     return configs

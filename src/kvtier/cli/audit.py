@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import typer
 
@@ -11,7 +12,7 @@ from kvtier.core.errors import UserError
 
 HELP = """Audit a vLLM KV-cache configuration against version gates, pitfalls and known bugs.
 
-Reads a `vllm serve ...` command line (or `docker run` line), an env file (KEY=VALUE lines) or a Kubernetes manifest (Deployment/StatefulSet/Pod YAML, multi-document) from FILE or stdin (`-`). The vLLM version comes from --vllm-version or the image tag. Each finding names its rule, severity, the fix and its source. Exit code 1 when any error is found, 2 on unreadable input.
+Reads a `vllm serve ...` command line (or `docker run` line), an env file (KEY=VALUE lines), a Kubernetes manifest (Deployment/StatefulSet/Pod YAML, multi-document) or a kustomize directory of plain resources (the manifests it lists, audited together) from FILE or stdin (`-`). The vLLM version comes from --vllm-version or the image tag. Each finding names its rule, severity, the fix and its source. Exit code 1 when any error is found, 2 on unreadable input.
 
 Examples:
 
@@ -36,6 +37,11 @@ def _read_input(file: str) -> tuple[str, str]:
         UserError: closed stdin, unreadable file, input over MAX_INPUT_BYTES, or not UTF-8 text.
     """
     origin = "<stdin>" if file == "-" else file
+    if file != "-":
+        from kvtier.audit.kustomize import kustomization_file, read_kustomization
+
+        if kustomization_file(Path(file)) is not None or Path(file).is_dir():
+            return read_kustomization(Path(file), MAX_INPUT_BYTES), origin
     try:
         if file == "-":
             if sys.stdin is None or sys.stdin.closed:

@@ -12,7 +12,7 @@ from kvtier.core.errors import ConfigError
 
 HELP = """Check a --kv-transfer-config for KVTierConnector in under a second, without starting vLLM.
 
-Runs the connector's own validator (the same checks it applies at engine start-up, after the model has loaded) and vLLM's transfer-config rules: unknown keys (with the closest known key), bad values, the disk tier path (exists or can be created, writable, enough free space, not a kernel filesystem such as /proc), cpu_gib against the memory this host has, the Redis password and shared_secret_file when redis_url is set, chunk_tokens against --block-size (without it, a warning when it is not a multiple of vLLM's default block sizes, 16 and 128 on CPU), kv_connector_module_path, kv_role, and kv_load_failure_policy. Exit code 0 when it would start, 1 when it has errors, 2 when the input cannot be read (no such file, or not a JSON object).
+Runs the connector's own validator (the same checks it applies at engine start-up, after the model has loaded) and vLLM's transfer-config rules: unknown keys (with the closest known key), bad values, the disk tier path (exists or can be created, writable, enough free space, not a kernel filesystem such as /proc), cpu_gib against the memory this host has, the Redis password and shared_secret_file when redis_url is set, then the shared tier itself (connect and PING within 2 s, never a write: one line saying reachable, unreachable or auth failed, a warning unless reachable; --offline skips it), chunk_tokens against --block-size (without it, a warning when it is not a multiple of vLLM's default block sizes, 16 and 128 on CPU; auto, the default, always fits), kv_connector_module_path, kv_role, and kv_load_failure_policy. Exit code 0 when it would start, 1 when it has errors, 2 when the input cannot be read (no such file, or not a JSON object).
 
 CONFIG is the JSON itself, a file holding it, or - for stdin. To check a whole serve command line, use `kvtier audit` (it runs the same checks).
 
@@ -41,8 +41,14 @@ def check_command(
     config: str = typer.Argument(..., help="The --kv-transfer-config JSON, a file holding it, or - for stdin."),
     block_size: int | None = typer.Option(None, "--block-size", help="The server's --block-size, tokens."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
+    offline: bool = typer.Option(False, "--offline", help="Do not probe the shared tier (redis_url)."),
 ) -> None:
-    from kvtier.integrations.vllm.preflight import check_transfer_config, parse_transfer_config, uses_kvtier
+    from kvtier.integrations.vllm.preflight import (
+        check_transfer_config,
+        parse_transfer_config,
+        probe_shared_tiers,
+        uses_kvtier,
+    )
 
     if block_size is not None and block_size < 1:
         fail(f"--block-size must be at least 1, got {block_size}.")
@@ -51,6 +57,8 @@ def check_command(
     except ConfigError as exc:  # not JSON, or not an object: the input cannot be read (exit 2, as documented)
         fail(str(exc))
     problems = check_transfer_config(transfer, block_size)
+    probes = [] if offline else probe_shared_tiers(transfer)
+    problems += [p.problem for p in probes if p.problem is not None]
     names_kvtier = False
     if not problems:
         names_kvtier = uses_kvtier(transfer)
@@ -58,10 +66,15 @@ def check_command(
     if as_json:
         print(json.dumps({"ok": not errors and (names_kvtier or bool(problems)),
                           "problems": [{"severity": p.severity, "key": p.key, "message": p.message}
-                                       for p in problems]}, indent=2))
+                                       for p in problems],
+                          "shared_tier": [{"key": p.key, "state": p.result.state, "url": p.result.url,
+                                           "detail": p.result.detail} for p in probes]}, indent=2))
     else:
         for p in problems:
             print(f"{p.severity}: {p.key + ': ' if p.key else ''}{p.message}")
+        for probe in probes:
+            if probe.problem is None:
+                print(f"ok: {probe.key}: {probe.result.message}")
     if not problems and not names_kvtier:
         fail('the config does not name KVTierConnector ("kv_connector":"KVTierConnector"); nothing to check.', 1)
     if errors:

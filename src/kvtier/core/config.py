@@ -48,8 +48,10 @@ class KVTierConfig(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="KVTIER_", extra="forbid", frozen=True)
 
-    chunk_tokens: int = Field(128, gt=0, description="Tokens per chunk; a multiple of the engine's block size.")
-    cpu_gib: float = Field(4.0, ge=0, allow_inf_nan=False, description=(
+    chunk_tokens: int | Literal["auto"] = Field("auto", description=(
+        "Tokens per chunk, a multiple of every KV cache group's block size; auto = the smallest such "
+        "multiple that is at least 128, read from the engine's KV cache groups at start-up."))
+    cpu_gib: float = Field(4.0, allow_inf_nan=False, description=(
         "CPU DRAM tier size in GiB, total across TP ranks; above 0: every chunk passes through the cpu tier."))
     disk_path: str | None = Field(None, description="Directory of the disk tier (local NVMe); unset = no disk tier.")
     disk_gib: float = Field(0.0, ge=0, allow_inf_nan=False, description="Disk tier size in GiB, total across TP ranks.")
@@ -126,10 +128,26 @@ class KVTierConfig(BaseSettings):
                 raise ValueError(str(exc)) from None
         return values
 
+    @field_validator("chunk_tokens", mode="before")
+    @classmethod
+    def _chunk_tokens(cls, value: Any) -> int | str:
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value.strip())
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError("must be auto or a positive whole number of tokens that every KV cache group's block "
+                             "size divides, e.g. 128")
+        return value
+
     @field_validator("cpu_gib")
     @classmethod
     def _cpu_tier_present(cls, value: float) -> float:
-        if value == 0:
+        # one rule, one sentence: 0 and a negative size are refused alike (no ge=0 on the field,
+        # whose generic "greater than or equal to 0" would give -1 another sentence than 0)
+        if value <= 0:
             raise ValueError("must be above 0: every chunk passes through the cpu tier, also on its way to disk or "
                              "Redis; give it room for hundreds of chunks, e.g. 4")
         return value
@@ -318,11 +336,14 @@ class KVTierConfig(BaseSettings):
 
     # ---- derived values ------------------------------------------------------------------
     def validate_block_size(self, block_size: int) -> None:
-        """Check ``chunk_tokens`` against the engine's block size (tokens).
+        """Check ``chunk_tokens`` against the engine's block size (tokens); ``auto`` always fits
+        (the engine resolves it to a multiple of every block size).
 
         Raises:
             ConfigError: if ``chunk_tokens`` is not a positive multiple of ``block_size``.
         """
+        if self.chunk_tokens == "auto":
+            return
         if self.chunk_tokens % block_size:
             raise ConfigError(f"chunk_tokens={self.chunk_tokens} is not a multiple of the engine block size "
                               f"{block_size}; set chunk_tokens to a multiple of {block_size} "
@@ -366,8 +387,15 @@ def _check_disk_path(path: Path, disk_gib: float) -> None:
     free = shutil.disk_usage(existing).free
     used = _dir_bytes(path) if path.exists() else 0  # what kvtier already holds there is available to it
     if disk_gib * GiB > free + used:
-        raise ValueError(f"disk_gib={disk_gib} exceeds the {(free + used) / GiB:.1f} GiB free on "
-                         f"{str(path)!r}; lower disk_gib or free space")
+        if path.exists():
+            raise ValueError(f"disk_gib={disk_gib} exceeds the {(free + used) / GiB:.1f} GiB free on "
+                             f"{str(path)!r}; lower disk_gib or free space")
+        # a path that does not exist is named as such: the free space is its nearest existing parent's,
+        # typically the root disk because the volume meant for the tier is not mounted
+        raise ValueError(f"disk_path {str(path)!r} does not exist, and disk_gib={disk_gib} exceeds the "
+                         f"{free / GiB:.1f} GiB free on {str(existing)!r}, its nearest existing parent, where it "
+                         "would be created; mount the disk meant for the tier there (e.g. the NVMe volume), or "
+                         "lower disk_gib")
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".kvtier-write-probe-{os.getpid()}"

@@ -99,7 +99,7 @@ class TieredStore(ChangeFeedMixin):
         self.config = config
         self.namespace = namespace
         self.chunk_bytes = chunk_bytes
-        self.chunk_tokens = config.chunk_tokens
+        self.chunk_tokens = namespace.chunk_tokens  # the engine's resolved size (config may say auto)
         self.counters = StoreCounters()
         self.metrics = StoreMetrics(self.stats, registry)
         self.metrics.set_config({**config.public_dict(), "chunk_bytes": chunk_bytes, "tp_size": tp_size,
@@ -133,6 +133,8 @@ class TieredStore(ChangeFeedMixin):
         for lt in self.lower:  # admission per lower tier (kvtier.core.policies.admission)
             lt.admission = make_admission(config.admission.get(lt.name, "all"))
         self.top.back = [lt for lt in self.lower if lt.write_back]
+        # victims move down, so the default orders the cpu tier for the reach of the whole stack
+        self.cpu_policy.set_capacity_below(sum(lt.tier.usage().capacity_bytes for lt in self.top.back) // chunk_bytes)
         self._local = [lt for lt in self.lower if not lt.shared]
         self._shared = [lt for lt in self.lower if lt.shared]
         self._through = [lt for lt in self.lower if not lt.write_back]

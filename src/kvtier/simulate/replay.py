@@ -173,6 +173,7 @@ def replay(trace: Trace, engine_hits: list[int], cpu_chunks: int, disk_chunks: i
         the counts of this run.
     """
     cpu_policy = make_policy()
+    cpu_policy.set_capacity_below(disk_chunks + shared_chunks)  # as the store tells its cpu tier's policy
     disk_policy = make_policy() if disk_chunks > 0 else None
     if parents is None:
         parents = chunk_parents(trace)

@@ -221,6 +221,7 @@ class AdaptivePolicy(EvictionPolicy):
         self._sampled = 0  # sampled accesses since the last decay
         self.switches = 0
         self._guarded = guard
+        self._below = 0  # chunks the tiers below hold: they take this tier's victims
         self._active = 0  # the ordering the tier uses: the selector's, or LRU while the guard holds
         self._ghost: dict[Any, tuple[int, int, int]] = {}  # full LRU shadow: key -> (time, -depth, seq)
         self._ghost_heap: list[tuple[int, int, int, Any]] = []
@@ -240,6 +241,15 @@ class AdaptivePolicy(EvictionPolicy):
     def shadow_keys(self) -> int:
         """Sampled keys the largest shadow holds now (about SHADOW_KEYS at most)."""
         return max(len(shadow.nodes) for shadow in self._shadows)
+
+    def set_capacity_below(self, chunks: int) -> None:
+        """The tiers below this one hold ``chunks`` chunks and take its victims (write-back).
+        The shadows then replay the stack's reach (this tier's size plus ``chunks``), so the
+        selector picks an ordering for what the stack keeps, not for this tier alone: a victim
+        is not lost, it moves down, and an ordering that pays in a lone tier (quarantine of
+        unproven chunks) can cost the stack more first reuses than it saves."""
+        self._below = max(0, int(chunks))
+        self._resample(max(len(self._nodes), 1))
 
     # -- mutations ---------------------------------------------------------------------------
     def insert(self, key: Any, parent: Any | None) -> None:
@@ -403,18 +413,18 @@ class AdaptivePolicy(EvictionPolicy):
         """Sampling rate for ``n`` tracked chunks: shadows hold at most about SHADOW_KEYS keys,
         also while a tier fills without evicting (no victim asked yet)."""
         self._sampled_n = n
-        threshold = min(1 << _SAMPLE_BITS, (SHADOW_KEYS << _SAMPLE_BITS) // n)
+        threshold = min(1 << _SAMPLE_BITS, (SHADOW_KEYS << _SAMPLE_BITS) // (n + self._below))
         if threshold != self._threshold:
             self._threshold = threshold
             for shadow in self._shadows:
-                shadow.resample(threshold, self._shadow_capacity(), self._scale)
+                shadow.resample(threshold, self._shadow_capacity(), self._scale + self._below)
 
     def _shadow_capacity(self) -> int:
-        return max(1, (len(self._nodes) * self._threshold) >> _SAMPLE_BITS)
+        return max(1, ((len(self._nodes) + self._below) * self._threshold) >> _SAMPLE_BITS)
 
     def _shadow(self, key: Any, time: int, uses: int, gap: int, long_uses: int, depth: int, lucky: bool) -> None:
         capacity = self._shadow_capacity()
-        scale, seq = self._scale, self._seq
+        scale, seq = self._scale + self._below, self._seq
         shadows = self._shadows
         hits = [shadow.access(key, time, uses, gap, long_uses, depth, lucky, capacity, scale, seq) for shadow in shadows]
         wins = self._wins

@@ -91,6 +91,10 @@ class EvictionPolicy(ABC):
     def __contains__(self, key: object) -> bool:
         """Whether ``key`` is tracked."""
 
+    def set_capacity_below(self, chunks: int) -> None:
+        """The tiers below this one hold ``chunks`` chunks and take its victims; a policy may
+        use it to order for the whole stack (the default does; others ignore it)."""
+
     def keys(self) -> Iterable[ChunkKey]:
         """Tracked keys, in no promised order (for integrity checks)."""
         raise NotImplementedError  # pragma: no cover - every shipped policy overrides it

@@ -5,7 +5,7 @@ Enable it with::
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVTierConnector",
         "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"chunk_tokens": 128, "cpu_gib": 8,
+        "kv_connector_extra_config": {"cpu_gib": 8,
                                       "disk_path": "/nvme/kvtier", "disk_gib": 200}}'
 
 ``kv_connector_extra_config`` is a :class:`~kvtier.core.config.KVTierConfig` (unknown keys are
@@ -47,6 +47,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.tiers.registry import hit_source
+from kvtier.integrations.vllm.groups import resolved_config
 from kvtier.integrations.vllm.protocol import KVTierMetadata, KVTierWorkerMeta
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.stats import KVTierPromMetrics, KVTierStats
@@ -90,8 +91,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM v1 KV connector backed by a kvtier :class:`~kvtier.core.store.TieredStore` per rank.
 
     Raises (at construction, i.e. engine start-up):
-        ConfigError: a bad ``kv_connector_extra_config`` value, ``chunk_tokens`` not a multiple
-            of the engine block size, or a model/parallelism kvtier does not handle.
+        ConfigError: a bad ``kv_connector_extra_config`` value, an explicit ``chunk_tokens`` not a
+            multiple of every KV cache group's block size (``auto``, the default, is resolved from
+            them: :func:`~kvtier.integrations.vllm.groups.resolved_config`), or a model/parallelism
+            kvtier does not handle.
     """
 
     _cache_hit_source = CacheHitSource.HOST
@@ -99,25 +102,35 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
+        load = transfer.kv_role in ("kv_both", "kv_consumer")
+        save = transfer.kv_role in ("kv_both", "kv_producer")
+        self.scheduler_side: SchedulerSide | None = None
+        self.worker_side: WorkerSide | None = None
         try:
             self.kvtier_config = KVTierConfig.from_dict(dict(transfer.kv_connector_extra_config or {}))
-            self.kvtier_config.validate_block_size(vllm_config.cache_config.block_size)
+            # chunk_tokens (auto, or an explicit value checked) is resolved from kv_cache_config's
+            # groups by each side alike: the scheduler and every worker get the same groups
+            requested = self.kvtier_config.chunk_tokens
+            self.kvtier_config = resolved_config(self.kvtier_config, kv_cache_config)
+            if role == KVConnectorRole.SCHEDULER:
+                self.scheduler_side = SchedulerSide(vllm_config, kv_cache_config, self.kvtier_config,
+                                                    load=load, save=save)
+            else:
+                self.worker_side = WorkerSide(vllm_config, kv_cache_config,
+                                              role_config(self.kvtier_config, transfer.kv_role))
         except ConfigError as exc:
             # one line an operator can find in the engine's log, above vLLM's own traceback
             log.error("kvtier configuration error: %s", exc)
             raise ConfigError(str(exc)) from None
-        load = transfer.kv_role in ("kv_both", "kv_consumer")
-        save = transfer.kv_role in ("kv_both", "kv_producer")
+        if role == KVConnectorRole.SCHEDULER:
+            sizes = sorted({int(g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups})
+            log.info("kvtier: chunk_tokens %d (%s; KV cache group block sizes %s tokens)",
+                     self.kvtier_config.chunk_tokens,
+                     "auto: the smallest multiple of every block size that is at least 128" if requested == "auto"
+                     else "as configured", ", ".join(map(str, sizes)))
         if transfer.kv_load_failure_policy != "recompute":
             log.warning("kvtier: kv_load_failure_policy is %r; set it to \"recompute\" so that a failed "
                         "kvtier load is recomputed instead of failing the request", transfer.kv_load_failure_policy)
-        self.scheduler_side: SchedulerSide | None = None
-        self.worker_side: WorkerSide | None = None
-        if role == KVConnectorRole.SCHEDULER:
-            self.scheduler_side = SchedulerSide(vllm_config, kv_cache_config, self.kvtier_config,
-                                                load=load, save=save)
-        else:
-            self.worker_side = WorkerSide(vllm_config, kv_cache_config, role_config(self.kvtier_config, transfer.kv_role))
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -21,7 +21,10 @@ choose (``--block-size``, else 128; see :func:`~kvtier.integrations.vllm.preflig
 the exact block size is known only once the engine has chosen it, after the model loaded, where
 the connector checks it again.
 
-Warnings (e.g. ``kv_load_failure_policy``) are left to the connector's own log line.
+Warnings (e.g. ``kv_load_failure_policy``) are left to the connector's own log line, except one:
+a configured shared tier (``redis_url``) is probed (connect + PING within 2 s, never a write) and,
+when it is unreachable or refuses the password, ``WARNING kvtier: <one sentence>`` is printed to
+stderr before the model loads; the server starts anyway (the tier may come up later).
 """
 
 from __future__ import annotations
@@ -30,7 +33,12 @@ import sys
 from typing import Any
 
 from kvtier.core.errors import ConfigError
-from kvtier.integrations.vllm.preflight import check_transfer_config, cpu_block_divisor, uses_kvtier
+from kvtier.integrations.vllm.preflight import (
+    check_transfer_config,
+    cpu_block_divisor,
+    probe_shared_tiers,
+    uses_kvtier,
+)
 
 _MARK = "_kvtier_preflight_installed"
 
@@ -86,6 +94,7 @@ def preflight(config: Any) -> None:
     divisor = _block_divisor(sys.argv) if command_line else None
     errors = [p for p in check_transfer_config(transfer, block_divisor=divisor) if p.severity == "error"]
     if not errors:
+        warn_unreachable_shared_tier(transfer)
         return
     more = f" ({len(errors) - 1} more: run kvtier check on this config)" if len(errors) > 1 else ""
     message = f"{errors[0].message}{more}"
@@ -93,6 +102,30 @@ def preflight(config: Any) -> None:
         print(f"ERROR kvtier: invalid --kv-transfer-config: {message}", file=sys.stderr, flush=True)
         raise SystemExit(2)
     raise ConfigError(f"kvtier: {message}")
+
+
+_probed: set[str] = set()
+
+
+def warn_unreachable_shared_tier(transfer: dict[str, Any]) -> list[str]:
+    """Probe the shared tier of a valid config (:func:`~kvtier.integrations.vllm.preflight.probe_shared_tiers`:
+    connect + PING within 2 s, never a write) and print ``WARNING kvtier: <one sentence>`` to stderr
+    when it is unreachable or refuses the password.  Never refuses to start: the tier may come up
+    after the engine, and until then its lookups are misses.  Each URL is probed once per process
+    (vLLM may build the transfer config more than once).
+
+    Returns:
+        The warning lines printed (empty when the tier answered, or none is configured).
+    """
+    lines = []
+    for probe in probe_shared_tiers(transfer):
+        if probe.result.url in _probed:
+            continue
+        _probed.add(probe.result.url)
+        if probe.problem is not None:
+            lines.append(f"WARNING kvtier: {probe.problem.message}")
+            print(lines[-1], file=sys.stderr, flush=True)
+    return lines
 
 
 def _block_divisor(argv: list[str]) -> int | None:

@@ -19,12 +19,16 @@ What is checked (each problem is one sentence naming the key and the fix):
   loaded; with ``"recompute"`` a kvtier chunk that fails verification is recomputed (warning);
 * ``kv_connector_extra_config`` with :meth:`KVTierConfig.from_dict`: unknown keys (closest key
   suggested), bad values, disk path checks (missing, not writable, not enough free space, a kernel
-  pseudo filesystem such as ``/proc``), plus ``chunk_tokens`` against ``--block-size`` when known
-  (else a warning when it is not a multiple of vLLM's default block sizes, 16 and 128 on CPU)
+  pseudo filesystem such as ``/proc``), plus an explicit ``chunk_tokens`` against ``--block-size``
+  when known (else a warning when it is not a multiple of vLLM's default block sizes, 16 and 128
+  on CPU); ``auto`` (the default) always fits, the engine resolves it from its block sizes
   and ``cpu_gib`` against the memory this host has available (the connector refuses both), and
   with ``redis_url`` the password (``redis_password_env``/``_file``) and ``shared_secret_file``,
   read as the redis tier reads them at start-up;
 * MultiConnector children that name KVTierConnector are checked the same way.
+
+:func:`probe_shared_tiers` then tries the shared tier itself (connect + ``PING`` within a short
+deadline, never a write): ``kvtier check`` (unless ``--offline``) and the vLLM plugin call it.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ from kvtier.core.config import GiB, KVTierConfig, did_you_mean, mount_of
 from kvtier.core.errors import ConfigError
 from kvtier.core.sizing import available_memory
 from kvtier.core.tiers import registry
+from kvtier.core.tiers.redisprobe import PROBE_DEADLINE_S, ProbeResult, probe_redis
+from kvtier.core.tiers.redisprobe import TIER as REDIS_TIER
 
 CONNECTOR = "KVTierConnector"
 MODULE_PATH = "kvtier.integrations.vllm"
@@ -262,7 +268,9 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
         config = KVTierConfig.from_dict(good)  # the valid values, defaults for the rest
     except ConfigError as exc:  # a check across groups, or a KVTIER_* variable of this environment
         return [*problems, Problem("error", key, str(exc))]
-    if block_size is not None:
+    if config.chunk_tokens == "auto":
+        pass  # the engine resolves it from its KV cache groups' block sizes: it always fits
+    elif block_size is not None:
         try:
             config.validate_block_size(block_size)
         except ConfigError as exc:
@@ -273,8 +281,8 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
                                 f"chunk_tokens={config.chunk_tokens} is not a multiple of {block_divisor}, so not of "
                                 f"any block size this CPU server can choose (--block-size, else {default}; 16 for "
                                 "MLA models, 256 for DeepSeek-V4, a multiple of these for hybrid models) and the "
-                                f"connector would refuse it after the model loaded; set chunk_tokens to a multiple "
-                                f"of the block size (e.g. {default})"))
+                                f"connector would refuse it after the model loaded; set chunk_tokens to auto (the "
+                                f"default) or to a multiple of the block size (e.g. {default})"))
     else:
         problems.extend(_default_block_problem(key, config.chunk_tokens))
     problems.extend(_unused_tier_problems(key, extra, config))
@@ -292,6 +300,57 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
                                 f"disk_path {config.disk_path!r} is on tmpfs, i.e. in memory: the disk tier then "
                                 "competes with the cpu tier for RAM and is lost on reboot; use a local disk"))
     return problems
+
+
+@dataclass(frozen=True)
+class SharedTierProbe:
+    """A probe of one KVTierConnector's shared tier (:func:`probe_shared_tiers`).
+
+    Attributes:
+        key: the dotted key of its ``redis_url`` (``kv_connector_extra_config.redis_url``).
+        result: what the probe found (:class:`kvtier.core.tiers.redisprobe.ProbeResult`).
+    """
+
+    key: str
+    result: ProbeResult
+
+    @property
+    def problem(self) -> Problem | None:
+        """A warning when the tier is unreachable or refused the password; None when reachable."""
+        if self.result.state == "reachable":
+            return None
+        return Problem("warning", self.key, self.result.message)
+
+
+def probe_shared_tiers(transfer: dict[str, Any], deadline_s: float = PROBE_DEADLINE_S) -> list[SharedTierProbe]:
+    """Connect to and ``PING`` the shared tier of every KVTierConnector in ``transfer`` that uses one
+    (``redis_url`` set and ``"redis"`` in ``tiers``), each within ``deadline_s`` seconds; never writes.
+
+    An entry whose config is invalid, or whose Redis password cannot be read, is skipped: those are
+    errors of :func:`check_transfer_config`, reported there.  ``kvtier check`` prints each result
+    in one line (``--offline`` skips this); the vLLM plugin prints a warning for a tier that is
+    unreachable or refuses the password, and starts anyway (the tier may come up later).
+
+    Returns:
+        One :class:`SharedTierProbe` per shared tier probed, in the order of the entries.
+    """
+    probes: list[SharedTierProbe] = []
+    for prefix, entry in _kvtier_entries(transfer):
+        extra = entry.get("kv_connector_extra_config")
+        if not isinstance(extra, dict) or not extra.get("redis_url"):
+            continue
+        try:
+            config = KVTierConfig.from_dict({k: v for k, v in extra.items() if k not in _DISK_KEYS})
+        except ConfigError:
+            continue
+        if not registry.configured(REDIS_TIER, config):
+            continue
+        try:
+            result = probe_redis(config, deadline_s)
+        except ConfigError:
+            continue
+        probes.append(SharedTierProbe(f"{prefix}kv_connector_extra_config.redis_url", result))
+    return probes
 
 
 def _shared_tier_problems(key: str, config: KVTierConfig) -> list[Problem]:
@@ -319,8 +378,8 @@ def _default_block_problem(key: str, chunk_tokens: int) -> list[Problem]:
     return [Problem("warning", f"{key}.chunk_tokens",
                     f"chunk_tokens={chunk_tokens} is not a multiple of vLLM's default block size "
                     f"{' or '.join(misses)}, so the connector refuses it on a server without a --block-size that "
-                    f"divides it; set chunk_tokens to a multiple of {max(DEFAULT_BLOCK_SIZES.values())}, or pass "
-                    "--block-size to check against the server's")]
+                    f"divides it; set chunk_tokens to auto (the default) or a multiple of "
+                    f"{max(DEFAULT_BLOCK_SIZES.values())}, or pass --block-size to check against the server's")]
 
 
 def _disk_size_problem(key: str, disk_gib: Any) -> list[Problem]:

@@ -40,7 +40,7 @@ from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import chunk_keys, request_root
 from kvtier.integrations.vllm.group_jobs import GroupJobs, handoffs_of
-from kvtier.integrations.vllm.groups import engine_plan
+from kvtier.integrations.vllm.groups import engine_plan, resolved_config
 from kvtier.integrations.vllm.mirror import IndexMirror
 from kvtier.integrations.vllm.protocol import KVTierMetadata, KVTierWorkerMeta, LoadJob, SaveJob
 from kvtier.integrations.vllm.remote import RemoteLookups, shared_tier_configured
@@ -82,13 +82,17 @@ class SchedulerSide:
             (``kv_both``, ``kv_producer``).
 
     Raises:
-        ConfigError: ``chunk_tokens`` not a multiple of the block size (of every KV cache
-            group's, for a hybrid model), a KV cache group kind kvtier does not store, or
+        ConfigError: an explicit ``chunk_tokens`` not a multiple of the block size of every KV
+            cache group (``auto`` is resolved from them:
+            :func:`~kvtier.integrations.vllm.groups.resolved_config`), a KV cache group kind kvtier
+            does not store, or
             pipeline parallelism.
     """
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, config: KVTierConfig, load: bool, save: bool) -> None:
         self.block_size = int(vllm_config.cache_config.block_size)
+        config = resolved_config(config, kv_cache_config)  # as the workers resolve it: the same KV cache groups
+        assert isinstance(config.chunk_tokens, int)
         config.validate_block_size(self.block_size)
         plan = engine_plan(vllm_config, kv_cache_config, config.chunk_tokens)  # ConfigError: unsupported groups
         for note in plan.advice():

@@ -26,6 +26,8 @@ tiers: cpu, disk, redis):
 - ``kvtier_pinned_chunks{tier}``, ``kvtier_pinned_bytes{tier}``: chunks held by loads or disk
   writes in flight (zero when idle: a leaked pin shows); ``kvtier_dirty_bytes``: bytes in DRAM not
   yet on the disk tier (the restart-loss window when the stop is not graceful).
+- ``kvtier_chunk_tokens``: tokens per chunk the engine runs with (``chunk_tokens``, ``auto``
+  resolved from the KV cache groups' block sizes; rank 0 reports it, so the sum is the value).
 - ``kvtier_flush_missed_chunks_total``: dirty chunks a graceful stop could not write in time.
 - Shared tier (workers' side, from each store's snapshot ``TierStats.wire``; summed over ranks):
   ``kvtier_redis_errors_total`` (calls that failed), ``kvtier_redis_skipped_calls_total`` (not
@@ -97,6 +99,8 @@ _PLAIN_COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 LABELS: dict[str, str] = {"kvtier_loaded_tokens": "tier", "kvtier_transfer_seconds": "direction",
                           "kvtier_transfer_bytes": "direction", "kvtier_evictions": "tier"}
 _PLAIN_GAUGES: dict[str, tuple[str, str, str | None]] = {
+    "chunk_tokens": ("kvtier_chunk_tokens", ("Tokens per kvtier chunk this engine runs with (chunk_tokens; auto "
+                     "resolved from the KV cache groups' block sizes); reported by rank 0."), None),
     "dirty_bytes": ("kvtier_dirty_bytes", "Bytes in DRAM not yet on the disk tier: what a crash loses (all ranks).",
                     None),
     "shared_lookups_pending": ("kvtier_shared_lookups_pending", ("Shared-tier lookups sent whose answer the "

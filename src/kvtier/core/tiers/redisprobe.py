@@ -1,0 +1,174 @@
+"""Probe of a configured shared tier (Redis/Valkey): connect and ``PING`` within a short deadline,
+never a write.  Used by ``kvtier check`` and by the serve-line pre-flight, which warn (the tier
+may come up after the engine; until then every shared-tier lookup is a miss under the breaker).
+
+The answer is one of three states, each with one sentence for the operator:
+
+* ``reachable``: the server answered ``PING`` (``+PONG``) within the deadline;
+* ``auth failed``: it answered, but refused the password (``WRONGPASS``, ``NOAUTH``: Redis
+  ``AUTH`` command reference, https://redis.io/docs/latest/commands/auth/);
+* ``unreachable``: no answer (the host does not resolve, the port is closed, a TLS handshake or
+  the deadline failed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import ssl
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from kvtier.core.config import redact_url
+from kvtier.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvtier.core.config import KVTierConfig
+
+ProbeState = Literal["reachable", "unreachable", "auth failed"]
+
+TIER = "redis"
+"""The registry name of the tier this probe checks (kvtier.core.tiers.registry)."""
+
+PROBE_DEADLINE_S = 2.0
+"""Longest a probe may take, seconds, name resolution included (it runs on a daemon thread that
+is abandoned at the deadline, since ``getaddrinfo`` has no timeout of its own)."""
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """What a probe of the shared tier found.
+
+    Attributes:
+        state: ``"reachable"``, ``"unreachable"`` or ``"auth failed"``.
+        url: the tier's URL with any password replaced by ``***``.
+        detail: why, in a few words (``"connection refused"``, ``"PING answered in 1.2 ms"``).
+        elapsed_s: seconds the probe took.
+    """
+
+    state: ProbeState
+    url: str
+    detail: str
+    elapsed_s: float
+
+    @property
+    def message(self) -> str:
+        """One sentence for the operator naming the state, the URL and what to do."""
+        if self.state == "reachable":
+            return f"shared tier {self.url} is reachable ({self.detail})"
+        if self.state == "auth failed":
+            return (f"shared tier {self.url}: auth failed ({self.detail}); vLLM would start, but every shared-tier "
+                    "lookup would be a miss: fix redis_password_env or redis_password_file (or the server's "
+                    "requirepass/ACL)")
+        return (f"shared tier {self.url} is unreachable ({self.detail}); vLLM would start, but every shared-tier "
+                "lookup would be a miss until it answers: start it, fix redis_url, or open the network path")
+
+
+def probe_redis(config: KVTierConfig, deadline_s: float = PROBE_DEADLINE_S) -> ProbeResult:
+    """Connect to ``config.redis_url`` and send ``PING``, within ``deadline_s`` seconds.
+
+    Uses the tier's own client (:func:`kvtier.core.tiers.redisclient.make_client`: password, TLS CA,
+    Cluster seed), its connect and call timeouts capped at ``deadline_s``.  Sends nothing but
+    ``AUTH`` (when a password is configured, as the tier does) and ``PING``.
+
+    Raises:
+        ConfigError: ``config`` has no ``redis_url``, redis-py is not installed, or the password
+            cannot be read (the pre-flight reports those itself, as errors).
+    """
+    from kvtier.core.tiers.redisclient import make_client, redis_password
+
+    if not config.redis_url:
+        raise ConfigError("probe_redis needs a config with redis_url set")
+    try:
+        import redis  # noqa: F401 - make_client needs it; without it the tier itself cannot start
+    except ImportError:
+        raise ConfigError("the redis tier needs redis-py; install it (pip install redis) or unset redis_url") from None
+    redis_password(config)  # an unreadable password file is the config's error, raised here, not a probe state
+    url = redact_url(config.redis_url)
+    capped = config.model_copy(update={"redis_connect_timeout_s": min(config.redis_connect_timeout_s, deadline_s),
+                                       "redis_timeout_s": min(config.redis_timeout_s, deadline_s)})
+    outcome: list[ProbeResult] = []
+    start = time.monotonic()
+
+    def run() -> None:
+        outcome.append(_ping(capped, url, start, make_client))
+
+    worker = threading.Thread(target=run, name="kvtier-redis-probe", daemon=True)
+    worker.start()
+    worker.join(deadline_s)
+    if outcome:
+        return outcome[0]
+    return ProbeResult("unreachable", url, f"no answer within {deadline_s:g} s", time.monotonic() - start)
+
+
+def _ping(config: KVTierConfig, url: str, start: float, make_client: object) -> ProbeResult:
+    import redis
+
+    client = None
+    try:
+        client = make_client(config)  # type: ignore[operator]
+        client.ping()
+        elapsed = time.monotonic() - start
+        return ProbeResult("reachable", url, f"PING answered in {elapsed * 1000:.1f} ms", elapsed)
+    except redis.AuthenticationError as exc:
+        return ProbeResult("auth failed", url, _auth_detail(config, exc), time.monotonic() - start)
+    except redis.ResponseError as exc:  # NOPERM, or an AUTH error redis-py does not map to AuthenticationError
+        text = _first_line(exc)
+        if text.upper().startswith(("NOAUTH", "WRONGPASS", "NOPERM")) or "authenticated" in text.lower():
+            return ProbeResult("auth failed", url, _auth_detail(config, exc), time.monotonic() - start)
+        return ProbeResult("unreachable", url, f"the server refused PING: {text}", time.monotonic() - start)
+    except ConfigError as exc:  # the Cluster seed node did not answer
+        return ProbeResult("unreachable", url, str(exc).split(" (", 1)[-1].split("); ")[0],
+                           time.monotonic() - start)
+    except (redis.RedisError, OSError) as exc:
+        reason = _reason(exc)
+        if reason == "connect timed out" and url.startswith("rediss://"):
+            reason += " (a rediss:// URL to a port that speaks plain text looks the same)"
+        return ProbeResult("unreachable", url, reason, time.monotonic() - start)
+    finally:
+        if client is not None:
+            with contextlib.suppress(Exception):  # closing a half-open client must not hide the probe's answer
+                client.close()
+
+
+def _auth_detail(config: KVTierConfig, exc: BaseException) -> str:
+    """Why authentication failed: no password configured for a server that wants one, or a refused one."""
+    if not (config.redis_password_env or config.redis_password_file):
+        return "the server requires a password and none is configured"
+    return f"the server refused the password: {_first_line(exc)}"
+
+
+def _reason(exc: BaseException) -> str:
+    """A few words for why a connection failed: the OS error under redis-py's ConnectionError."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, socket.gaierror):
+            return "the host name does not resolve"
+        if isinstance(seen, ssl.SSLError):
+            return f"TLS handshake failed: {seen.reason or seen}"
+        if isinstance(seen, ConnectionRefusedError):
+            return "connection refused: nothing listens on that port"
+        if isinstance(seen, (TimeoutError, socket.timeout)):
+            return "connect timed out"
+        seen = seen.__cause__ or seen.__context__
+    text = _first_line(exc)
+    lowered = text.lower()
+    if "name or service not known" in lowered or "nodename nor servname" in lowered or "temporary failure in name" \
+            in lowered:
+        return "the host name does not resolve"
+    if "connection refused" in lowered:
+        return "connection refused: nothing listens on that port"
+    if "timeout" in lowered or "timed out" in lowered:
+        return "connect timed out"
+    if "protocol error" in lowered:
+        return f"something answered on that port, but not Redis ({text})"
+    if "ssl" in lowered or "certificate" in lowered:
+        return f"TLS handshake failed: {text}"
+    return text
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else exc.__class__.__name__

@@ -1,0 +1,110 @@
+"""``kvtier check`` and the serve-line pre-flight probe a configured shared tier: connect + PING within
+a short deadline, never a write, and one line saying reachable / unreachable / auth failed (issue 24
+item 3).  Against real redis-server processes started here (tests/redis_servers.py) and a closed port."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.core.config import KVTierConfig
+from kvtier.core.tiers.redisprobe import probe_redis
+from kvtier.integrations.vllm.plugin import warn_unreachable_shared_tier
+from kvtier.integrations.vllm.preflight import probe_shared_tiers
+from tests.redis_servers import free_port
+
+PASSWORD = "probe-password-0123456789"
+
+
+def transfer(extra: dict[str, object]) -> dict[str, object]:
+    return {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"cpu_gib": 0.5, "tiers": ["cpu", "redis"], **extra}}
+
+
+def check(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvtier.cli.main", "check", *args], capture_output=True,
+                          text=True, check=False, timeout=60, env={"COLUMNS": "300", "PATH": "/usr/bin:/bin",
+                                                                    "PYTHONPATH": ":".join(sys.path)})
+
+
+def lines_about(stdout: str, key: str = "kv_connector_extra_config.redis_url") -> list[str]:
+    return [ln for ln in stdout.splitlines() if f"{key}:" in ln]
+
+
+def test_a_closed_port_is_unreachable_in_one_line_and_offline_skips_the_probe():
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    run = check(json.dumps(transfer({"redis_url": url})))
+    assert run.returncode == 0, run.stdout + run.stderr  # vLLM would start: the tier may come up later
+    assert lines_about(run.stdout) == [(
+        f"warning: kv_connector_extra_config.redis_url: shared tier {url} is unreachable (connection refused: "
+        "nothing listens on that port); vLLM would start, but every shared-tier lookup would be a miss until it "
+        "answers: start it, fix redis_url, or open the network path")], run.stdout
+    assert run.stdout.splitlines()[-1] == "ok: vLLM would start with this KVTierConnector config (1 warning(s))."
+    offline = check("--offline", json.dumps(transfer({"redis_url": url})))
+    assert offline.returncode == 0 and lines_about(offline.stdout) == [], offline.stdout
+    assert offline.stdout.strip() == "ok: vLLM would start with this KVTierConnector config."
+    data = json.loads(check("--json", json.dumps(transfer({"redis_url": url}))).stdout)
+    assert [(t["state"], t["url"]) for t in data["shared_tier"]] == [("unreachable", url)]
+
+
+def test_a_host_that_does_not_resolve_is_unreachable_within_the_deadline():
+    result = probe_redis(KVTierConfig.from_dict({"redis_url": "redis://kvtier-no-such-host.invalid:6379/0"}))
+    assert (result.state, result.detail) == ("unreachable", "the host name does not resolve"), result
+    assert result.elapsed_s < 2.5
+
+
+def test_a_live_server_is_reachable_and_the_probe_writes_nothing(redis_factory):
+    server = redis_factory()
+    run = check(json.dumps(transfer({"redis_url": server.url})))
+    assert run.returncode == 0, run.stdout + run.stderr
+    (line,) = lines_about(run.stdout)
+    assert line.startswith(f"ok: kv_connector_extra_config.redis_url: shared tier {server.url} is reachable "
+                           "(PING answered in "), line
+    client = server.client()
+    assert client.dbsize() == 0
+    called = {name.removeprefix("cmdstat_").split("|")[0] for name in client.info("commandstats")}
+    assert "ping" in called and called <= {"ping", "hello", "auth", "client", "info", "dbsize"}, called
+
+
+def test_a_password_the_server_refuses_or_none_given_is_auth_failed(redis_factory, tmp_path: Path):
+    server = redis_factory(extra=("--requirepass", PASSWORD))
+    none_given = check(json.dumps(transfer({"redis_url": server.url})))
+    assert lines_about(none_given.stdout) == [(
+        f"warning: kv_connector_extra_config.redis_url: shared tier {server.url}: auth failed (the server requires "
+        "a password and none is configured); vLLM would start, but every shared-tier lookup would be a miss: fix "
+        "redis_password_env or redis_password_file (or the server's requirepass/ACL)")], none_given.stdout
+    (tmp_path / "pw").write_text("not-the-password\n")
+    wrong = probe_shared_tiers(transfer({"redis_url": server.url, "redis_password_file": str(tmp_path / "pw")}))
+    assert [p.result.state for p in wrong] == ["auth failed"]
+    assert wrong[0].result.detail.startswith("the server refused the password: "), wrong[0].result
+    (tmp_path / "pw").write_text(PASSWORD + "\n")
+    right = probe_shared_tiers(transfer({"redis_url": server.url, "redis_password_file": str(tmp_path / "pw")}))
+    assert [(p.result.state, p.problem) for p in right] == [("reachable", None)]
+
+
+def test_no_probe_without_a_redis_tier_or_with_an_unreadable_password(tmp_path: Path):
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    assert probe_shared_tiers(transfer({"redis_url": url, "tiers": ["cpu"]})) == []  # tier left out: not used
+    assert probe_shared_tiers(transfer({})) == []
+    # an unreadable password file is check_transfer_config's error, not a probe result
+    assert probe_shared_tiers(transfer({"redis_url": url, "redis_password_file": str(tmp_path / "none")})) == []
+
+
+def test_the_serve_line_preflight_warns_and_does_not_refuse(redis_factory, capsys: pytest.CaptureFixture[str]):
+    """The vLLM plugin's hook (run while vLLM parses --kv-transfer-config, before the model loads)
+    prints one WARNING line for an unreachable tier and nothing for a live one; it never exits."""
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    lines = warn_unreachable_shared_tier(transfer({"redis_url": url}))
+    assert lines == [(f"WARNING kvtier: shared tier {url} is unreachable (connection refused: nothing listens on "
+                     "that port); vLLM would start, but every shared-tier lookup would be a miss until it answers: "
+                     "start it, fix redis_url, or open the network path")]
+    assert capsys.readouterr().err.splitlines() == lines
+    assert warn_unreachable_shared_tier(transfer({"redis_url": url})) == []  # once per URL and process
+    live = redis_factory()
+    assert warn_unreachable_shared_tier(transfer({"redis_url": live.url})) == []
+    assert capsys.readouterr().err == ""
