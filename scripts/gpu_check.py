@@ -37,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from kvtier.core.tiers.base import Reservation
 from kvtier.core.tiers.cpu import CpuTier
 from kvtier.integrations.vllm.copy import BlockCopier, Span
 from kvtier.integrations.vllm.layout import detect_layout
@@ -115,9 +116,10 @@ def check_layout(layout: str, device: torch.device, args: argparse.Namespace, rn
         for kv in caches.values():
             kv.view(torch.int16).random_(-(1 << 15), (1 << 15) - 1)
     keys = [bytes([i]) * 16 for i in range(num_chunks)]
-    pages = [tier.reserve(k) for k in keys]
-    assert all(p is not None for p in pages), "the cpu tier refused a page"
-    spans = [Span(p, 0, blocks[i * bpc:(i + 1) * bpc].tolist()) for i, p in enumerate(pages)]  # type: ignore[arg-type]
+    reserved = [tier.reserve(k) for k in keys]
+    pages = [r.buffer for r in reserved if isinstance(r, Reservation)]
+    assert len(pages) == len(keys), f"the cpu tier refused a page: {reserved}"
+    spans = [Span(p, 0, blocks[i * bpc:(i + 1) * bpc].tolist()) for i, p in enumerate(pages)]
     with torch.cuda.stream(compute) if compute is not None else _nullcontext():
         copier.save(spans)  # issued from the compute stream: ordered after the writes above
         for k in keys:

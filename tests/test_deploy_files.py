@@ -12,7 +12,6 @@ without a cluster, a registry or an engine:
 
 from __future__ import annotations
 
-import ast
 import copy
 import json
 import re
@@ -149,15 +148,10 @@ def test_the_manifests_carry_what_a_graceful_stop_needs():
 
 def _kvtier_metrics() -> set[str]:
     """Names kvtier exports, as Prometheus shows them (counters with ``_total``), read from the
-    COUNTERS and GAUGES tables of stats.py without importing vLLM."""
-    tree = ast.parse(STATS_SOURCE.read_text())
-    names: set[str] = set()
-    for node in tree.body:
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and \
-                node.target.id in ("COUNTERS", "GAUGES"):
-            table = ast.literal_eval(node.value)
-            suffix = "_total" if node.target.id == "COUNTERS" else ""
-            names |= {entry[0] + suffix for entry in table.values()}
+    counter and gauge tables of stats.py (they follow the registered tiers, kvtier.core.tiers.registry)."""
+    from kvtier.integrations.vllm.stats import counters, gauges
+
+    names = {entry[0] + "_total" for entry in counters().values()} | {entry[0] for entry in gauges().values()}
     assert len(names) > 20, names
     return names
 

@@ -50,6 +50,70 @@ def test_imports_point_down():
     assert not wrong, "\n".join(wrong)
 
 
+TIER_MODULES = ("src/kvtier/core/tiers/cpu.py", "src/kvtier/core/tiers/disk.py", "src/kvtier/core/tiers/diskscan.py",
+                "src/kvtier/core/tiers/redis.py", "src/kvtier/core/tiers/redisclient.py",
+                "src/kvtier/core/tiers/redisstream.py", "src/kvtier/core/tiers/redisprobe.py",
+                "src/kvtier/core/tiers/registry.py")
+"""A tier's own modules and the registry: the only places that may name a tier."""
+
+TIER_NAME_ALLOWED = {
+    "src/kvtier/core/tiers/__init__.py": ({"cpu", "disk"}, "the package's lazy export map names its submodules"),
+    "src/kvtier/core/config.py": ({"redis"}, "the redis:// URL scheme of redis_url, not the tier"),
+    "src/kvtier/integrations/vllm/worker.py": ({"cpu"}, "a torch device type, not a tier"),
+    "src/kvtier/bench/storebench.py": ({"cpu", "disk"}, ("bench-store's report rows (user-facing output) "
+                                       "name the tier each measures")),
+    "src/kvtier/bench/redisbench.py": ({"redis"}, "bench-store's redis report row (user-facing output)"),
+    "src/kvtier/cli/bench.py": ({"redis"}, "directory name of the bench's own redis-server"),
+    "src/kvtier/simulate/recommend.py": ({"cpu", "disk"}, "the simulator's hardware model"),
+    "src/kvtier/simulate/report.py": ({"cpu", "disk"}, "the simulator's hardware model (report keys)"),
+    "src/kvtier/size/recipe.py": ({"redis"}, "the size recipe's redis-server section (user-facing output)"),
+    "src/kvtier/audit/rules/deploy.py": ({"disk", "redis"}, ("audit rules about one tier's deployment (the disk "
+                                         "tier's volume mount, the redis tier's Service) read a manifest's raw "
+                                         "tiers list, before any configuration is built")),
+}
+"""Files that may hold a built-in tier's name as a string, with what it means there."""
+
+
+def _string_literals(path: Path) -> list[tuple[int, str]]:
+    """``(line, value)`` of the string constants of a source file, docstrings excluded (docs text)."""
+    import ast
+
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    return [(node.lineno, node.value) for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings]
+
+
+def test_tier_names_appear_only_in_their_modules_and_the_registry():
+    """Everything that differs per tier is read from the registry (issue 20 item 1): a string equal to a
+    built-in tier's name is allowed only in the tier's own modules, the registry and the allow-list above."""
+    from kvtier.core.tiers.registry import BUILTIN
+
+    names = {s.name for s in BUILTIN}
+    wrong = []
+    for path in sorted((ROOT / "src" / "kvtier").rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        if rel in TIER_MODULES:
+            continue
+        allowed = TIER_NAME_ALLOWED.get(rel, (set(), ""))[0]
+        wrong += [f"{rel}:{line}: {value!r}" for line, value in _string_literals(path)
+                  if value in names and value not in allowed]
+    assert not wrong, "tier names outside their modules and the registry (read them from the registry):\n" + \
+        "\n".join(wrong)
+    stale = [rel for rel, (allowed, _why) in TIER_NAME_ALLOWED.items()
+             if not any(v in allowed for _line, v in _string_literals(ROOT / rel))]
+    assert not stale, f"allow-list entries no longer needed: {stale}"
+
+
+def test_the_tier_name_check_finds_a_literal(tmp_path):
+    """The scan above sees a tier name in code (and not in a docstring)."""
+    probe = tmp_path / "probe.py"
+    probe.write_text('"""the "disk" tier."""\nTIER = "disk"\n', encoding="utf-8")
+    assert _string_literals(probe) == [(2, "disk")]
+
+
 # What starts a real vLLM engine in a test (directly or through a fixture of the same module).
 ENGINE_STARTS = {"run_engine", "start_server", "LLM", "run_compare", "run_restart_demo", "_serve_refused", "probe"}
 """Calls that start vLLM; kvtier's ``Server`` launcher counts where the same function starts it."""

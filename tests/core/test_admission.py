@@ -21,7 +21,7 @@ def test_disk_admits_only_what_the_cpu_tier_served(tmp_path):
         put_chain(store, c)  # evicts a and b from cpu
         store.flush()
         assert store.stats().tier("cpu").evictions == 4
-        assert all(store.disk.contains(k) for k in b) and not any(store.disk.contains(k) for k in a)
+        assert all(store.tier("disk").contains(k) for k in b) and not any(store.tier("disk").contains(k) for k in a)
         assert store.lookup(a) == 0 and store.lookup(b) == 2
         assert_served(store, b, 2)
         store.check_integrity()
@@ -37,7 +37,7 @@ def test_default_admits_everything(tmp_path):
         put_chain(store, a)
         put_chain(store, chain_of(2, 2))
         store.flush()
-        assert all(store.disk.contains(k) for k in a)
+        assert all(store.tier("disk").contains(k) for k in a)
     finally:
         store.close()
 

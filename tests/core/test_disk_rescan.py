@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from kvtier.core.tiers import DiskTier
+from kvtier.core.tiers import DiskTier, GetResult, PutResult
 from kvtier.core.tiers.chunkfile import HEADER_BYTES
 
 from .helpers import NS, chain_of, make_store, payload
@@ -41,7 +41,7 @@ def test_consumer_adopts_later_files_and_serves_them_byte_exact(pair):
     assert mirror == {k: "disk" for k in chain} == index_of(b)  # the feed carried them
     assert b.get(chain) == [payload(k) for k in chain]
     assert b.stats().tiers["disk"].load_hit_chunks == 3
-    assert b.rescan() == 0 and b.disk.corrupt == 0
+    assert b.rescan() == 0 and b.tier("disk").corrupt == 0
     b.check_integrity()
 
 
@@ -50,7 +50,7 @@ def test_files_removed_by_the_producer_leave_the_consumer_index(pair):
     chain = produce(a, 2, 3)
     b.rescan()
     mirror = mirror_of(b)
-    os.unlink(a.disk.path(chain[2]))  # the producer evicted it
+    os.unlink(a.tier("disk").path(chain[2]))  # the producer evicted it
     assert b.rescan() == 1
     mirror = mirror_of(b, mirror)
     assert mirror == {k: "disk" for k in chain[:2]} == index_of(b)
@@ -62,12 +62,12 @@ def test_damaged_adopted_file_is_a_counted_miss(pair):
     a, b = pair
     chain = produce(a, 3, 3)
     assert b.rescan() == 3
-    path = a.disk.path(chain[1])
+    path = a.tier("disk").path(chain[1])
     raw = bytearray(path.read_bytes())
     raw[HEADER_BYTES + 7] ^= 0x40  # payload damage: only the read's checksum can see it
     path.write_bytes(bytes(raw))
     assert b.get(chain) == [payload(chain[0])]  # the prefix ends at the damaged chunk
-    assert b.disk.corrupt == 1 and not path.exists()
+    assert b.tier("disk").corrupt == 1 and not path.exists()
     assert mirror_of(b).get(chain[1]) is None
     b.check_integrity()
 
@@ -75,12 +75,12 @@ def test_damaged_adopted_file_is_a_counted_miss(pair):
 def test_file_with_a_bad_header_is_counted_and_never_adopted(pair):
     a, b = pair
     chain = produce(a, 4, 2)
-    path = a.disk.path(chain[1])
+    path = a.tier("disk").path(chain[1])
     raw = bytearray(path.read_bytes())
     raw[30] ^= 0x01  # inside the key field: the header checksum fails
     path.write_bytes(bytes(raw))
     assert b.rescan() == 1
-    assert b.disk.corrupt == 1 and not path.exists()
+    assert b.tier("disk").corrupt == 1 and not path.exists()
     assert mirror_of(b) == {chain[0]: "disk"}
     b.check_integrity()
 
@@ -115,10 +115,10 @@ def test_rescan_during_this_process_own_write_keeps_the_key(tmp_path, monkeypatc
 
     monkeypatch.setattr(os, "replace", replace)
     key = chain_of(6, 1)[0]
-    assert tier.put(key, payload(key))
+    assert tier.put(key, payload(key)) is PutResult.STORED
     assert rounds and not rounds[0].gone and not rounds[0].adopted and tier.indexed(key)
     out = bytearray(len(payload(key)))
-    assert tier.get_into(key, memoryview(out)) and bytes(out) == payload(key)
+    assert tier.get_into(key, memoryview(out)) is GetResult.HIT and bytes(out) == payload(key)
     tier.check()
     tier.close()
 
@@ -130,7 +130,7 @@ def test_unchanged_shards_are_not_listed_again(tmp_path, monkeypatch):
     assert first.shards_listed == 256 and tier.rescan().shards_listed == 0
     other = DiskTier(tmp_path, NS.digest(), capacity_bytes=1 << 20, io="buffered")
     key = chain_of(7, 1)[0]
-    assert other.put(key, payload(key))
+    assert other.put(key, payload(key)) is PutResult.STORED
     found = tier.rescan()
     assert found.shards_listed == 1 and found.adopted == [key]
     tier.close()
@@ -147,14 +147,14 @@ def test_adopted_chunks_enter_the_eviction_policy_and_the_cap_holds(tmp_path):
         chain = produce(a, 8, 10)
         assert b.rescan() == 10
         b.check_integrity()  # policy == tier both ways, used <= capacity
-        cap = b.disk.usage().capacity_bytes
-        assert b.disk.usage_exact() <= cap and b.stats().tier("disk").evictions == 4
-        kept = {k for k in chain if b.disk.indexed(k)}
-        assert len(kept) == 6 and kept == {k for k in chain if a.disk.path(k).exists()}  # deleted for every engine
+        cap = b.tier("disk").usage().capacity_bytes
+        assert b.tier("disk").usage_exact() <= cap and b.stats().tier("disk").evictions == 4
+        kept = {k for k in chain if b.tier("disk").indexed(k)}
+        assert len(kept) == 6 and kept == {k for k in chain if a.tier("disk").path(k).exists()}  # deleted for every engine
         mine = chain_of(9, 3)
         assert b.put(mine, [payload(k) for k in mine]) == 3 and b.flush(10)
-        assert all(b.disk.indexed(k) for k in mine) and b.stats().tier("disk").evictions == 7
-        assert b.disk.usage_exact() <= cap
+        assert all(b.tier("disk").indexed(k) for k in mine) and b.stats().tier("disk").evictions == 7
+        assert b.tier("disk").usage_exact() <= cap
         b.check_integrity()
     finally:
         a.close()
@@ -164,6 +164,6 @@ def test_adopted_chunks_enter_the_eviction_policy_and_the_cap_holds(tmp_path):
 def test_integrity_check_sees_a_tier_holding_chunks_its_policy_does_not_track(pair):
     a, b = pair
     produce(a, 10, 2)
-    b.disk.rescan()  # the bare tier's rescan, behind the store's back: indexed, not in the policy
+    b.tier("disk").rescan()  # the bare tier's rescan, behind the store's back: indexed, not in the policy
     with pytest.raises(AssertionError, match="does not track"):
         b.check_integrity()

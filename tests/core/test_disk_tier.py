@@ -46,14 +46,14 @@ def make(where, namespace=NS, **kwargs):
 def disk(where):
     tier = make(where)
     for i in range(3):
-        assert tier.put(key(i), data(i))
+        assert tier.put(key(i), data(i)) is PutResult.STORED
     yield tier
     tier.close()
 
 
 def read(tier, i):
     out = bytearray(CHUNK)
-    return bytes(out) if tier.get_into(key(i), memoryview(out)) else None
+    return bytes(out) if tier.get_into(key(i), memoryview(out)) is GetResult.HIT else None
 
 
 def test_restart_rebuilds_index(disk, where):
@@ -230,11 +230,11 @@ def test_roundtrip_any_length_and_buffer_alignment(where, length, misaligned, st
     src_store = aligned_buffer(length + 8)
     src = src_store[1:length + 1] if misaligned else src_store[:length]
     src[:] = odd_bytes(length, length)
-    assert tier.put(key(length), src)
+    assert tier.put(key(length), src) is PutResult.STORED
     assert os.path.getsize(tier.path(key(length))) == HEADER_BYTES + length
     dst_store = aligned_buffer(length + 8)
     dst = dst_store[3:length + 3] if misaligned else dst_store[:length]
-    assert tier.get_into(key(length), dst)
+    assert tier.get_into(key(length), dst) is GetResult.HIT
     assert bytes(dst) == bytes(src) and tier.corrupt == 0
     tier.close()
 
@@ -265,10 +265,10 @@ def sliced_damage():
 def test_damage_in_a_sliced_read_is_a_counted_miss(where, damage, strategy, monkeypatch):
     tier = sliced(where, strategy, monkeypatch)
     payload = odd_bytes(8192 * 5 + 100, 5)
-    assert tier.put(key(1), payload)
+    assert tier.put(key(1), payload) is PutResult.STORED
     damage(tier.path(key(1)))
     out = bytearray(len(payload))
-    assert not tier.get_into(key(1), memoryview(out))
+    assert tier.get_into(key(1), memoryview(out)) is not GetResult.HIT
     assert tier.corrupt == 1 and not tier.path(key(1)).exists()
     tier.close()
 
@@ -315,15 +315,15 @@ def test_direct_refused_at_start_falls_back_to_buffered(tmp_path, monkeypatch):
     for mode in ("direct", "auto"):
         tier = DiskTier(tmp_path / mode, NS, capacity_bytes=100 * CHUNK, io=mode)
         assert tier.io_mode == "buffered" and "refuses O_DIRECT" in tier.io_reason
-        assert tier.put(key(1), data(1)) and read(tier, 1) == data(1)
+        assert tier.put(key(1), data(1)) is PutResult.STORED and read(tier, 1) == data(1)
 
 
 def test_direct_refused_at_run_time_falls_back_without_a_miss(direct_dir, monkeypatch):
     tier = make(("direct", direct_dir))
-    assert tier.put(key(1), data(1))
+    assert tier.put(key(1), data(1)) is PutResult.STORED
     refuse_direct(monkeypatch)
     assert read(tier, 1) == data(1) and tier.io_mode == "buffered" and tier.corrupt == 0
-    assert tier.put(key(2), data(2)) and read(tier, 2) == data(2)
+    assert tier.put(key(2), data(2)) is PutResult.STORED and read(tier, 2) == data(2)
 
 
 def test_auto_mode_measures_and_says_why(where):
@@ -348,7 +348,7 @@ def test_auto_mode_measures_and_says_why(where):
         if not near:
             assert tier.io_mode == ("buffered" if slower else "direct"), tier.io_reason
         assert tier.io_reason.endswith(tier.io_mode)
-    assert tier.put(key(1), data(1)) and read(tier, 1) == data(1)
+    assert tier.put(key(1), data(1)) is PutResult.STORED and read(tier, 1) == data(1)
 
 
 def test_unknown_io_mode_is_refused(tmp_path):
@@ -360,7 +360,7 @@ def test_payload_of_another_length_is_a_counted_miss(tmp_path):
     """A well-formed chunk file whose payload is not the expected chunk size (written under
     another chunk size or geometry) is never served, not even as a partial fill."""
     tier = DiskTier(tmp_path, NS, capacity_bytes=100 * CHUNK)
-    assert tier.put(key(7), data(7)[:CHUNK - 8])
+    assert tier.put(key(7), data(7)[:CHUNK - 8]) is PutResult.STORED
     assert read(tier, 7) is None
     assert tier.corrupt == 1 and not tier.contains(key(7))
 
@@ -477,7 +477,7 @@ def test_a_full_filesystem_never_stops_the_tier_from_starting(small_filesystem, 
     filler = fill(small_filesystem, 1 << 20)  # room for chunks, not for the 16 MiB timing probe
     tier = DiskTier(small_filesystem / "a", NS, capacity_bytes=100 * CHUNK, io="auto")
     assert "could not write (No space left on device)" in tier.io_reason or "refuses O_DIRECT" in tier.io_reason
-    assert tier.put(key(1), data(1)) and read(tier, 1) == data(1)
+    assert tier.put(key(1), data(1)) is PutResult.STORED and read(tier, 1) == data(1)
     iomode._measured.clear()
     rest = fill(small_filesystem, 0)  # not one free block: even the 4 KiB O_DIRECT test fails
     full = DiskTier(small_filesystem / "b", NS, capacity_bytes=100 * CHUNK, io="auto")
@@ -494,7 +494,7 @@ def test_a_read_only_filesystem_fails_writes_with_one_throttled_line(small_files
     import subprocess
 
     tier = DiskTier(small_filesystem / "a", NS, capacity_bytes=100 * CHUNK, io="buffered")
-    assert tier.put(key(1), data(1))
+    assert tier.put(key(1), data(1)) is PutResult.STORED
     subprocess.run(["mount", "-o", "remount,ro", str(small_filesystem)], check=True, timeout=30)
     try:
         for i in range(2, 12):

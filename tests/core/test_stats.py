@@ -4,7 +4,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier.core.stats import DIRECTIONS, StoreCounters
+from kvtier.core.stats import StoreCounters, directions
 
 from .helpers import CHUNK_BYTES, break_disk_shards, chain_of, make_store, payload
 
@@ -41,7 +41,7 @@ def test_exported_series_keep_their_names_and_labels_and_read_the_snapshot(tmp_p
     want |= {(n, (("tier", t),)) for n in PRESENT_TIER for t in ("cpu", "disk")}
     want |= {(n, ()) for n in PLAIN}
     want |= {(n, (("direction", d),)) for n in ("kvtier_transfer_bytes_total", "kvtier_transfer_seconds_total")
-             for d in DIRECTIONS}
+             for d in directions()}
     assert set(series) == want
     s = store.stats()
     assert s.lookup_chunks == 6 and s.dropped_saves == 2  # 4 cpu pages: two of six saves had no room

@@ -51,7 +51,7 @@ def test_cpu_eviction_spills_to_disk_and_get_promotes(tmp_path):
     put_chain(store, b)  # evicts all of a from cpu: write-back spills it
     store.flush()
     assert store.stats().tier("cpu").evictions == 4
-    assert all(store.disk.contains(k) for k in a)
+    assert all(store.tier("disk").contains(k) for k in a)
     assert not any(store.cpu.contains(k) for k in a)
     assert store.lookup(a) == 4
     handle = store.prepare_load(a)
@@ -69,7 +69,7 @@ def test_write_through_writes_every_chunk_at_once(tmp_path):
     a = chain_of(1, 3)
     put_chain(store, a)
     store.flush()
-    assert all(store.cpu.contains(k) and store.disk.contains(k) for k in a)
+    assert all(store.cpu.contains(k) and store.tier("disk").contains(k) for k in a)
     store.check_integrity()
 
 
@@ -90,7 +90,7 @@ def test_corrupt_chunk_on_disk_truncates_the_prefix_and_is_counted(tmp_path):
     a = chain_of(1, 5)
     put_chain(store, a)
     store.close()
-    path = store.disk.path(a[2])
+    path = store.tier("disk").path(a[2])
     raw = bytearray(path.read_bytes())
     raw[HEADER_BYTES + 7] ^= 0x40
     path.write_bytes(bytes(raw))
@@ -172,7 +172,7 @@ def test_disk_tier_evicts_within_its_capacity(tmp_path):
     for p in range(5):
         put_chain(store, chain_of(p, 2))
         store.flush()
-    disk = store.disk.usage()
+    disk = store.tier("disk").usage()
     assert disk.used_bytes <= disk.capacity_bytes and disk.num_chunks == 4
     assert store.stats().tier("disk").evictions == 6
     store.check_integrity()
@@ -229,7 +229,7 @@ def test_two_stores_share_one_disk_directory(tmp_path):
     assert reader.lookup(a) == 3
     assert_served(reader, a, 3)
     reader.check_integrity()  # the adopted chunks are in the reader's eviction policy
-    assert all(writer.disk.path(k).is_file() for k in a)  # the reader was served the writer's own files
+    assert all(writer.tier("disk").path(k).is_file() for k in a)  # the reader was served the writer's own files
 
 
 def test_cancelled_load_counts_neither_hit_nor_failure(tmp_path):
@@ -260,11 +260,11 @@ def test_disk_tier_shrunk_since_last_run_is_trimmed_oldest_first(tmp_path, caplo
         put_chain(big, chain)
         big.flush()
         for k in chain:  # distinct modification times, in put order
-            os.utime(big.disk.path(k), (time.time() - 100 + chains.index(chain), time.time() - 100 + chains.index(chain)))
+            os.utime(big.tier("disk").path(k), (time.time() - 100 + chains.index(chain), time.time() - 100 + chains.index(chain)))
     big.close()
     with caplog.at_level(logging.WARNING, logger="kvtier"):
         small = make_store(tmp_path, cpu_chunks=4, disk_chunks=4)
-    assert small.disk.usage().num_chunks == 4
+    assert small.tier("disk").usage().num_chunks == 4
     said = [r.getMessage() for r in caplog.records if "at start-up" in r.getMessage()]
     assert len(said) == 1 and "evicted 8 chunks" in said[0]  # the operator is told, once
     assert small.lookup(chains[-1]) == 2 and small.lookup(chains[0]) == 0
@@ -299,7 +299,7 @@ def test_disk_directory_deleted_while_running_is_recreated(tmp_path):
     b = chain_of(3, 2)
     put_chain(store, b)
     store.flush()
-    assert all(store.disk.path(k).exists() for k in b)
+    assert all(store.tier("disk").path(k).exists() for k in b)
     on_disk = sum(1 for _ in (tmp_path / "disk").rglob("*.kvc"))
-    assert store.disk.usage().num_chunks == on_disk
+    assert store.tier("disk").usage().num_chunks == on_disk
     store.check_integrity()

@@ -22,7 +22,7 @@ def mirror_of(store, mirror=None, max_items=4096):
 
 
 def index_of(store):
-    out = {k: "disk" for k in (store.disk.keys() if store.disk else [])}
+    out = {k: "disk" for k in (store.tier("disk").keys() if store.tier("disk") else [])}
     out.update({k: "cpu" for k in [*store.cpu.keys(), *store.top.staged]})
     return out
 
@@ -72,7 +72,7 @@ def test_write_back_dirty_bytes_and_shutdown_flush(tmp_path):
     assert store.stats().dirty_bytes == 5 * CHUNK_BYTES
     written, missed = store.flush_dirty(timeout_s=10)
     assert (written, missed) == (5, 0)
-    assert store.dirty_bytes() == 0 and all(store.disk.indexed(k) for k in chain)
+    assert store.dirty_bytes() == 0 and all(store.tier("disk").indexed(k) for k in chain)
     store.check_integrity()
     store.close()
     again = make_store(tmp_path, cpu_chunks=8, disk_chunks=32)

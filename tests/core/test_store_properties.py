@@ -63,7 +63,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def within_capacity(self):
-        for usage in (self.store.cpu.usage(), self.store.disk.usage()):
+        for usage in (self.store.cpu.usage(), self.store.tier("disk").usage()):
             assert usage.used_bytes <= usage.capacity_bytes
             assert usage.used_bytes + usage.free_bytes == usage.capacity_bytes
         self.store.check_integrity(expect_idle=False)

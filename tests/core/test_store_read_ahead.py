@@ -16,7 +16,7 @@ def on_disk_only(tmp_path, num_chunks, io_threads=2):
 
 
 def flip(store, key):
-    path = store.disk.path(key)
+    path = store.tier("disk").path(key)
     raw = bytearray(path.read_bytes())
     raw[HEADER_BYTES + 3] ^= 0x10
     path.write_bytes(bytes(raw))

@@ -10,6 +10,11 @@ import pytest
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers import GetResult, PutResult, available_tiers
+from kvtier.core.tiers.base import Tier, capabilities
+from kvtier.core.tiers.breaker import CircuitBreaker
+from kvtier.core.tiers.guarded import GuardedTier
+from kvtier.core.tiers.registry import spec
+from kvtier.core.tiers.wrappers import FaultyTier, unwrap
 
 from .tier_harness import CHUNK, HARNESSES, NS, OTHER_NS
 
@@ -19,9 +24,22 @@ def harness(request, tmp_path):
     return HARNESSES[request.param](request, tmp_path)
 
 
+def guarded_faulty(inner: Tier, harness) -> Tier:
+    """``inner`` under both wrappers with no faults to inject: each must be a pass-through."""
+    return GuardedTier(FaultyTier(inner), deadline_s=harness.deadline_s / 2, transfer_deadline_s=harness.deadline_s / 2,
+                       io_threads=4, queue_depth=16, breaker=CircuitBreaker(3, 0.5))
+
+
+@pytest.fixture(params=["bare", "wrapped"])
+def wrapping(request):
+    return request.param
+
+
 @pytest.fixture
-def tier(harness):
+def tier(harness, wrapping):
     t = harness.make(NS)
+    if wrapping == "wrapped":
+        t = guarded_faulty(t, harness)
     yield t
     t.close()
 
@@ -43,6 +61,19 @@ def read(tier, k) -> tuple[GetResult, bytes]:
 def test_every_registered_tier_has_a_harness():
     variants = {name.split("-")[0] for name in HARNESSES}
     assert set(available_tiers()) <= variants, f"no conformance harness for {set(available_tiers()) - variants}"
+
+
+def test_tier_implements_exactly_the_capabilities_its_record_declares(harness, tier, wrapping):
+    """The registry record's capabilities (typed protocols, kvtier.core.tiers.base) are what the
+    store relies on instead of probing attributes: a record must not promise one the tier lacks,
+    nor hide one it has."""
+    from tests.dict_tier import SPEC as DICT_SPEC
+
+    record = DICT_SPEC if harness.tier_name == DICT_SPEC.name else spec(harness.tier_name)
+    # a wrapper forwards every capability but staging (the store's top tier is never wrapped)
+    want = record.capabilities - {"staging"} if wrapping == "wrapped" else record.capabilities
+    assert capabilities(tier) == want
+    assert tier.name == record.name and tier.shared == record.shared
 
 
 def test_put_get_roundtrip_byte_identical(tier):
@@ -101,7 +132,7 @@ def test_tampered_value_is_a_counted_miss_and_forgotten(harness, tier, how):
         pytest.skip(f"{harness.tier_name} pages are process memory: nothing outside can tamper with them")
     tier.put(key(1), data(1))
     tier.put(key(2), data(2))
-    harness.tamper(tier, key(1), how)
+    harness.tamper(unwrap(tier), key(1), how)
     assert read(tier, key(1))[0] is GetResult.CORRUPT
     assert tier.corrupt == 1
     assert not tier.contains(key(1))  # the bad value was removed
@@ -127,7 +158,7 @@ def test_concurrent_callers_get_exact_bytes(tier):
 
     def worker(base: int) -> None:
         for i in range(base, base + 3):
-            if not tier.put(key(i), data(i)):
+            if not tier.put(key(i), data(i)).stored:
                 continue  # no room is allowed; wrong bytes are not
             result, got = read(tier, key(i))
             if result is GetResult.HIT and got != data(i):
@@ -147,7 +178,7 @@ def test_stalled_backend_is_a_miss_within_the_deadline(harness, tier):
     if harness.stall is None:
         pytest.skip(f"{harness.tier_name} has no backend that can stall")
     tier.put(key(1), data(1))
-    with harness.stall(tier, key(1)):
+    with harness.stall(unwrap(tier), key(1)):
         t0 = time.monotonic()
         result, _ = read(tier, key(1))
         elapsed = time.monotonic() - t0

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.keys import ChunkKey
-from kvtier.core.tiers import CpuTier, DiskTier, Tier, TierContext
+from kvtier.core.tiers import CpuTier, DiskTier, PutResult, Tier, TierContext
 from kvtier.core.tiers import redis as redis_tier
 from kvtier.core.tiers.chunkfile import HEADER_BYTES
 from kvtier.core.tiers.sharedvalue import HEADER_BYTES as VALUE_HEADER_BYTES
@@ -78,7 +78,7 @@ def disk_harness(request: pytest.FixtureRequest, tmp: Path, mode: str = "buffere
             del raw[HEADER_BYTES + CHUNK // 2:]
         elif how == "foreign":
             other = DiskTier(tmp, OTHER_NS, capacity_bytes=CAPACITY_CHUNKS * (CHUNK + HEADER_BYTES), io=mode)  # type: ignore[arg-type]
-            assert other.put(key, bytes(raw[HEADER_BYTES:]))
+            assert other.put(key, bytes(raw[HEADER_BYTES:])) is PutResult.STORED
             raw = bytearray(other.path(key).read_bytes())
         path.write_bytes(bytes(raw))
 
@@ -159,8 +159,16 @@ def redis_cluster_harness(request: pytest.FixtureRequest, _tmp: Path) -> TierHar
     return _redis_harness("redis", cluster.url, raw, cluster.node_of, redis_cluster=True)
 
 
+def dict_harness(_request: pytest.FixtureRequest, _tmp: Path) -> TierHarness:
+    """The toy tier from outside kvtier (tests/dict_tier.py): a plug-in's one conformance fixture."""
+    from tests.dict_tier import DictTier
+
+    return TierHarness("dict", lambda ns: DictTier(CAPACITY_CHUNKS * CHUNK))
+
+
 HARNESSES: dict[str, Callable[[pytest.FixtureRequest, Path], TierHarness]] = {
     "cpu": cpu_harness,
+    "dict": dict_harness,
     "disk-buffered": disk_harness,
     "disk-direct": lambda request, tmp: disk_harness(request, tmp, "direct"),
     "redis": redis_harness,

@@ -88,8 +88,10 @@ def engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
     saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     disk = tmp_path_factory.mktemp("kvtier-disk")
+    # a third tier from outside kvtier (tests/dict_tier.py), registered by the module tier_modules names
     kvtier = {"chunk_tokens": CHUNK_TOKENS, "cpu_gib": 16 * CHUNK_BYTES / (1 << 30), "disk_path": str(disk),
-              "disk_gib": 0.05, "write_mode": "write-through"}
+              "disk_gib": 0.05, "write_mode": "write-through", "tier_modules": ["tests.dict_tier_plugin"],
+              "tiers": ["cpu", "disk", "dict"], "dict_capacity_mib": 64 * CHUNK_BYTES / 2**20}
     llm = LLM(model=str(tiny_model), dtype="float32", max_model_len=1024, enforce_eager=True,
               gpu_memory_utilization=0.05, kv_cache_memory_bytes=64 << 20, block_size=32,
               num_gpu_blocks_override=40, enable_prefix_caching=True, disable_log_stats=False, seed=0,
@@ -103,6 +105,9 @@ def engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
     worker.store.flush()
     worker.store.check_integrity()
     llm.llm_engine.engine_core.shutdown()
+    from kvtier.core.tiers.registry import unregister
+
+    unregister("dict")  # the toy tier is this module's only
     if saved is None:
         os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     else:
@@ -215,7 +220,7 @@ def test_corrupt_chunk_on_disk_is_recomputed(engine: Engine) -> None:
     cold = engine.generate(p)
     engine.evict_from_cpu_tier(seed=960)
     chain = engine.chain(cold["prompt_ids"])
-    victim = engine.store.disk.path(chain[2])
+    victim = engine.store.tier("disk").path(chain[2])
     raw = bytearray(victim.read_bytes())
     raw[-100] ^= 0xFF  # one flipped payload byte: the checksum must catch it
     victim.write_bytes(bytes(raw))
@@ -305,7 +310,7 @@ def test_corrupt_tail_chunk_recomputes_only_from_that_chunk_on(engine: Engine) -
     engine.evict_from_cpu_tier(seed=970)
     chain = engine.chain(cold["prompt_ids"])
     assert not any(engine.store.cpu.contains(k) for k in chain)
-    victim = engine.store.disk.path(chain[4])
+    victim = engine.store.tier("disk").path(chain[4])
     raw = bytearray(victim.read_bytes())
     raw[-100] ^= 0xFF
     victim.write_bytes(bytes(raw))
@@ -323,6 +328,47 @@ def test_corrupt_tail_chunk_recomputes_only_from_that_chunk_on(engine: Engine) -
     assert again["logprobs"] == from_cpu["logprobs"]
     assert max_logprob_diff(again["logprobs"], cold["logprobs"]) < TOLERANCE
     engine.store.check_integrity()
+
+
+def _cached_by_source(source: str) -> float:
+    """vLLM's ``prompt_tokens_cached_by_source`` for ``source``, summed over engines."""
+    import prometheus_client
+
+    return sum(s.value for f in prometheus_client.REGISTRY.collect() for s in f.samples
+               if s.name == "vllm:prompt_tokens_cached_by_source_total" and s.labels.get("source") == source)
+
+
+def test_a_tier_from_outside_kvtier_serves_a_load(engine: Engine) -> None:
+    """The toy dict tier (tests/dict_tier.py: one module, registered through tier_modules, no kvtier
+    module names it) holds a prefix no other tier holds, and serves it: the engine gets the same bytes
+    as from the cpu tier (bit-identical tokens and logprobs), counted under the tier's own name and
+    reported to vLLM under the hit source its registry record declares."""
+    p = prompt(111)
+    cold = engine.generate(p)
+    engine.llm.reset_prefix_cache()
+    from_cpu = engine.generate(p)
+    store = engine.store
+    store.flush()  # write-through: every chunk is on disk and in the dict tier too
+    chain = engine.chain(cold["prompt_ids"])
+    disk = next(lt for lt in store.lower if lt.name == "disk")
+    toy = next(lt for lt in store.lower if lt.name == "dict")
+    assert all(toy.tier.contains(k) for k in chain)
+    with store._lock:  # the cpu and disk tiers forget the prefix (as their evictions would); the dict tier keeps it
+        for key in chain:
+            store.top.evict(key)
+            disk._evict_locked(key)
+    engine.generate("one step", max_tokens=1)  # the scheduler's mirror learns of changes with the next step
+    engine.llm.reset_prefix_cache()
+    m0, external0 = metrics_snapshot(), _cached_by_source("external_unspecified")
+    got = engine.generate(p)
+    m1 = metrics_snapshot()
+    assert delta(m1, m0, "kvtier_loaded_tokens_total{dict}") == LOADABLE
+    assert engine.loaded(m0, m1) == 0 and delta(m1, m0, EXT_HITS) == LOADABLE
+    assert _cached_by_source("external_unspecified") - external0 == LOADABLE
+    assert delta(m1, m0, "kvtier_load_failed_blocks_total") == 0
+    assert got["tokens"] == from_cpu["tokens"] == cold["tokens"]
+    assert got["logprobs"] == from_cpu["logprobs"]  # same bytes, same attention path: bit-identical
+    store.check_integrity()
 
 
 def test_aborted_and_preempted_requests_leave_no_pins(engine: Engine) -> None:

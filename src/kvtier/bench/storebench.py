@@ -33,6 +33,7 @@ import numpy as np
 from kvtier.core.config import GiB, KVTierConfig
 from kvtier.core.keys import ChunkKey, Namespace, chunk_keys, request_root
 from kvtier.core.store import TieredStore
+from kvtier.core.tiers.base import GetResult, PutResult
 from kvtier.core.tiers.chunkio import ALIGN, O_DIRECT, aligned_buffer
 from kvtier.core.tiers.disk import DiskTier
 from kvtier.core.tiers.iomode import direct_supported
@@ -218,11 +219,11 @@ def _rounds(chunk_bytes: int, num: int, repeats: int, directory: Path, threads: 
         keys = [ChunkKey(i.to_bytes(16, "little")) for i in range(num)]
 
         def tier_put() -> None:
-            if not all(tier.put_many(keys, [d.data for d in datas])):
+            if not all(r is PutResult.STORED for r in tier.put_many(keys, [d.data for d in datas])):
                 raise RuntimeError("disk tier refused a chunk during the benchmark")
 
         def tier_get() -> None:
-            if not all(tier.get_many(keys, [d.data for d in dsts])):
+            if not all(r is GetResult.HIT for r in tier.get_many(keys, [d.data for d in dsts])):
                 raise RuntimeError("disk tier lost a chunk during the benchmark")
 
         pairs = [("ref_put", lambda: ref_write(datas)), ("put", tier_put),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import errno
+import json
 import os
 import shutil
 from collections.abc import Iterable
@@ -29,7 +30,15 @@ from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 from kvtier.core.errors import ConfigError
 from kvtier.core.policies.admission import available_admissions
 from kvtier.core.policies.registry import available_policies
-from kvtier.core.tiers.registry import available_tiers
+from kvtier.core.tiers.registry import (
+    available_tiers,
+    import_tier_modules,
+    lower_tiers,
+    settings_keys,
+    settings_model,
+    spec,
+    top_tier,
+)
 
 GiB = 1 << 30
 
@@ -70,6 +79,12 @@ class KVTierConfig(BaseSettings):
     shutdown_flush_s: float = Field(30.0, ge=0, allow_inf_nan=False,
                                     description="On a graceful stop, seconds allowed to write dirty DRAM chunks to disk.")
     spill_watermark: float = Field(0.1, ge=0, lt=1, allow_inf_nan=False, description="Free share of the cpu tier kept by spilling ahead.")
+    tier_modules: tuple[str, ...] = Field((), description=(
+        "Python modules imported before the rest is read, each registering tiers from outside kvtier "
+        "(kvtier.core.tiers.registry.register; docs/store.md, 'Adding a tier'); e.g. [mycompany.kvtier_tiers]."))
+    tier_settings: dict[str, dict[str, Any]] = Field(default_factory=dict, description=(
+        "Settings of tiers from outside kvtier, by tier name, each checked by the tier's own settings model "
+        "(kvtier.core.tiers.registry.TierSpec.settings), e.g. {mytier: {capacity_mib: 64}}."))
     tiers: tuple[str, ...] = Field(default_factory=lambda: tuple(available_tiers()), min_length=1, description=(
         "Tiers in order, top first (kvtier.core.tiers.registry); a tier whose settings are unset is skipped."))
     shared_deadline_s: float = Field(0.25, gt=0, le=60, allow_inf_nan=False, description=(
@@ -96,6 +111,22 @@ class KVTierConfig(BaseSettings):
     redis_breaker_failures: int = Field(3, gt=0, description="Failed calls in a row that open the circuit breaker.")
     redis_breaker_probe_s: float = Field(2.0, gt=0, le=3600, allow_inf_nan=False,
                                          description="Seconds between probes while the breaker is open.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _register_tier_modules(cls, values: Any) -> Any:
+        # before any field: ``tiers`` and ``admission`` are checked against the registry these fill
+        modules = values.get("tier_modules") if isinstance(values, dict) else None
+        if modules is None:
+            modules = _env_list("KVTIER_TIER_MODULES")
+        if isinstance(modules, str):
+            modules = [modules]
+        if isinstance(modules, (list, tuple)) and all(isinstance(m, str) for m in modules):
+            try:
+                import_tier_modules(tuple(modules))
+            except ConfigError as exc:
+                raise ValueError(str(exc)) from None
+        return values
 
     @field_validator("chunk_tokens", mode="before")
     @classmethod
@@ -131,11 +162,11 @@ class KVTierConfig(BaseSettings):
     @field_validator("admission")
     @classmethod
     def _known_admission(cls, value: dict[str, str]) -> dict[str, str]:
-        lower = [t for t in available_tiers() if t != "cpu"]
+        lower = lower_tiers()
         for tier, name in value.items():
             if tier not in lower:
                 raise ValueError(f"admission is set for tier {tier!r}; set it for a lower tier: {', '.join(lower)} "
-                                 "(the cpu tier takes every chunk the engine computes)")
+                                 f"(the {top_tier()} tier takes every chunk the engine computes)")
             if name not in available_admissions():
                 raise ValueError(f"unknown admission policy {name!r} for tier {tier!r}; choose one of "
                                  f"{', '.join(available_admissions())}")
@@ -150,9 +181,38 @@ class KVTierConfig(BaseSettings):
                 raise ValueError(f"unknown tier {name!r}; choose from {', '.join(known)}")
         if len(set(value)) != len(value):
             raise ValueError("a tier is listed twice; list each tier once")
-        if value[0] != "cpu":
-            raise ValueError("the first tier must be 'cpu' (every chunk passes through it)")
+        if value[0] != top_tier():
+            raise ValueError(f"the first tier must be {top_tier()!r} (every chunk passes through it)")
         return value
+
+    @field_validator("tier_settings")
+    @classmethod
+    def _known_tier_settings(cls, value: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        for name, settings in value.items():
+            try:
+                model = settings_model(name)
+            except ConfigError as exc:
+                raise ValueError(f"tier_settings names {name!r}: {exc}") from None
+            if model is None:
+                raise ValueError(f"tier_settings names tier {name!r}, which takes no settings there; remove it")
+            try:
+                model(**settings)  # a pydantic-settings model also reads its KVTIER_* variables
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                where = ".".join(str(p) for p in err["loc"])
+                raise ValueError(f"tier_settings.{name}.{where}: {err['msg']}; fix that setting of the {name} "
+                                 "tier") from None
+        return value
+
+    def settings_of(self, name: str) -> Any:
+        """Tier ``name``'s settings (its model from :func:`~kvtier.core.tiers.registry.settings_model`,
+        filled from ``tier_settings[name]``), or ``None`` if the tier declares no model.
+
+        Raises:
+            ConfigError: unknown tier.
+        """
+        model = settings_model(name)
+        return None if model is None else model(**self.tier_settings.get(name, {}))
 
     @field_validator("redis_url")
     @classmethod
@@ -191,7 +251,7 @@ class KVTierConfig(BaseSettings):
         if self.disk_path and self.disk_gib > 0:
             _check_disk_path(Path(self.disk_path), self.disk_gib)
         for tier, name in self.admission.items():  # judged when a chunk leaves the cpu tier (write-back)
-            if name != "all" and (tier == "redis" or self.write_mode != "write-back"):
+            if name != "all" and (spec(tier).shared or self.write_mode != "write-back"):
                 raise ValueError(f"admission {name!r} for tier {tier!r} needs write_mode write-back and a local tier "
                                  "(a chunk is judged when it leaves the cpu tier); set write_mode: write-back "
                                  "or admission all")
@@ -206,6 +266,24 @@ class KVTierConfig(BaseSettings):
             out["shared_secret"] = "<set>"
         return out
 
+    @classmethod
+    def known_keys(cls, values: dict[str, Any] | None = None) -> list[str]:
+        """Every key a configuration may hold: the fields of this model, then each registered
+        tier's settings keys (after importing the ``tier_modules`` of ``values``, which register
+        tiers), which may be given flat (``{"mytier_size_mib": 8}``) or under ``tier_settings``.
+
+        Raises:
+            ConfigError: a module in ``tier_modules`` cannot be imported, or two tiers declare one key.
+        """
+        modules = (values or {}).get("tier_modules")
+        if isinstance(modules, (list, tuple)) and all(isinstance(m, str) for m in modules):
+            import_tier_modules(tuple(modules))
+        try:
+            tier_keys = settings_keys()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        return [*cls.model_fields, *(k for k in tier_keys if k not in cls.model_fields)]
+
     # ---- loaders -------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None = None) -> KVTierConfig:
@@ -217,11 +295,13 @@ class KVTierConfig(BaseSettings):
         if values is not None and not isinstance(values, dict):
             raise ConfigError("kvtier config must be a mapping of keys to values, e.g. {\"cpu_gib\": 8}")
         values = dict(values or {})
+        known = cls.known_keys(values)
         for key in values:
-            if key not in cls.model_fields:
+            if key not in known:
                 # checked here: pydantic-settings would take keys such as "_env_file" as its own options
-                raise ConfigError(f"unknown kvtier config key {key!r}{did_you_mean(key, cls.model_fields)}; "
-                                  f"known keys are {', '.join(cls.model_fields)}")
+                raise ConfigError(f"unknown kvtier config key {key!r}{did_you_mean(key, known)}; "
+                                  f"known keys are {', '.join(known)}")
+        values = _route_tier_keys(values, known)
         _check_env(values)
         try:
             return cls(**values)
@@ -372,7 +452,8 @@ def did_you_mean(name: str, known: Iterable[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-_JSON_EXAMPLES = {"admission": '{"disk": "reused"}', "tiers": '["cpu", "disk"]'}
+_JSON_EXAMPLES = {"admission": '{"disk": "reused"}', "tiers": '["cpu", "disk"]',
+                  "tier_modules": '["mycompany.kvtier_tiers"]', "tier_settings": '{"mytier": {"capacity_mib": 64}}'}
 
 
 def _check_env(values: dict[str, Any]) -> None:
@@ -382,13 +463,47 @@ def _check_env(values: dict[str, Any]) -> None:
     holds the password, not a setting, and is exempt: docs/shared-tier.md names it
     ``KVTIER_REDIS_PASSWORD``.
     """
-    known = {f"KVTIER_{name.upper()}" for name in KVTierConfig.model_fields}
+    known = {f"KVTIER_{name.upper()}" for name in KVTierConfig.known_keys(values)}
     password_env = values.get("redis_password_env", os.environ.get("KVTIER_REDIS_PASSWORD_ENV"))
     for var in os.environ:
         if var.upper().startswith("KVTIER_") and var.upper() not in known and var != password_env:
             raise ConfigError(f"environment variable {var} is not a kvtier setting{did_you_mean(var.upper(), known)}; "
                               "rename or unset it (a Redis password variable must be the one named by "
                               f"redis_password_env); known ones are {', '.join(sorted(known))}", env_var=var)
+
+
+def _route_tier_keys(values: dict[str, Any], known: list[str]) -> dict[str, Any]:
+    """``values`` with each flat key of a tier's settings model moved under ``tier_settings[tier]``.
+
+    Raises:
+        ConfigError: a key given both flat and under ``tier_settings``.
+    """
+    owners = {k: t for k, t in settings_keys().items() if k not in KVTierConfig.model_fields}
+    flat = [k for k in values if k in owners]
+    if not flat:
+        return values
+    out = {k: v for k, v in values.items() if k not in owners}
+    nested = {name: dict(v) for name, v in (values.get("tier_settings") or {}).items()} \
+        if isinstance(values.get("tier_settings"), dict) else {}
+    for key in flat:
+        tier = owners[key]
+        if key in nested.setdefault(tier, {}):
+            raise ConfigError(f"{key!r} is given both at the top level and in tier_settings.{tier}; give it once")
+        nested[tier][key] = values[key]
+    out["tier_settings"] = nested
+    return out
+
+
+def _env_list(var: str) -> list[str] | None:
+    """A ``KVTIER_*`` list variable's value: JSON, or one bare name; ``None`` when unset or not a list."""
+    raw = os.environ.get(var)
+    if raw is None:
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return [raw]
+    return value if isinstance(value, list) else None
 
 
 def _dir_bytes(path: Path) -> int:

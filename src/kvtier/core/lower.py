@@ -33,7 +33,8 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.policies import EvictionPolicy, make_policy
 from kvtier.core.policies.admission import AdmissionPolicy, AdmitAll
 from kvtier.core.stats import StoreCounters
-from kvtier.core.tiers.base import GetResult, PutResult, Tier
+from kvtier.core.tiers.base import ExactUsage, Generational, GetResult, PutResult, Rescannable, Tier
+from kvtier.core.tiers.registry import top_tier
 
 log = logging.getLogger("kvtier.core.store")
 
@@ -83,6 +84,7 @@ class LowerTier:
                  on_change: Callable[[ChunkKey], None], on_resync: Callable[[], None]) -> None:
         self.tier = tier
         self.name = tier.name
+        self._top_name = top_tier()
         self.shared = tier.shared
         self.write_back = write_back and not tier.shared
         self.policy: EvictionPolicy | None = None if tier.shared else make_policy(policy)
@@ -94,7 +96,7 @@ class LowerTier:
         self._on_written = on_written
         self._on_change = on_change
         self._on_resync = on_resync
-        self._generation = getattr(tier, "generation", 0)
+        self._generation = tier.generation if isinstance(tier, Generational) else 0
         self.queue: queue.Queue[WriteJob | None] = queue.Queue(maxsize=queue_depth)
         self.readers = ThreadPoolExecutor(io_threads, thread_name_prefix=f"kvtier-{self.name}-lookup") \
             if tier.shared else None
@@ -118,17 +120,17 @@ class LowerTier:
         return self.tier.get_many(keys, [memoryview(d.data) for d in dsts])
 
     def rescan(self) -> int:
-        """Take in chunk files other processes wrote or removed (a tier with ``scan``/``adopt``,
-        the disk tier).  The directory is read without the store's lock (``scan``); the index
+        """Take in chunks other processes wrote or removed (a :class:`~kvtier.core.tiers.base.Rescannable`
+        tier, e.g. the disk tier).  The directory is read without the store's lock (``scan``); the index
         changes under it (``adopt``), in the same hold as the policy: adopted keys join the policy
         (then the tier is trimmed to its capacity), removed ones leave it, both go to the change
         feed.  Returns the keys adopted or forgotten."""
-        scan = getattr(self.tier, "scan", None)
-        if scan is None or self.shared or self.policy is None:
+        tier = self.tier
+        if not isinstance(tier, Rescannable) or self.shared or self.policy is None:
             return 0
-        found = scan()
+        found = tier.scan()
         with self._lock:
-            found = self.tier.adopt(found)  # type: ignore[attr-defined]
+            found = tier.adopt(found)
             for key in found.adopted:
                 if key not in self.policy:
                     self.policy.insert(key, None)
@@ -173,8 +175,7 @@ class LowerTier:
         """Evict down to capacity when the tier holds more than it may (it was shrunk since, or
         other engines on its directory wrote more than this one may hold)."""
         assert self.policy is not None
-        exact = getattr(self.tier, "usage_exact", None)
-        used = exact if exact is not None else (lambda: self.tier.usage().used_bytes)
+        used = self._used_exact
         capacity = self.tier.usage().capacity_bytes
         before, evicted = used(), 0
         while used() > capacity:
@@ -190,6 +191,11 @@ class LowerTier:
                         "(%.1f MiB) to fit; other engines sharing this directory lose them too. Give every "
                         "engine on one directory the same size, or each its own directory",
                         self.name, before / 2**20, when, capacity / 2**20, evicted, (before - used()) / 2**20)
+
+    def _used_exact(self) -> int:
+        """Bytes the tier holds, unclamped where it can say (:class:`~kvtier.core.tiers.base.ExactUsage`)."""
+        tier = self.tier
+        return tier.usage_exact() if isinstance(tier, ExactUsage) else tier.usage().used_bytes
 
     def _evict_locked(self, key: ChunkKey) -> None:
         assert self.policy is not None
@@ -233,9 +239,9 @@ class LowerTier:
         if room and data is not None:
             result = tier.put(job.key, memoryview(data.data))
         seconds = time.perf_counter() - t0
-        ok = bool(result)
+        ok = result.stored
         with self._lock:
-            generation = getattr(tier, "generation", 0)
+            generation = tier.generation if isinstance(tier, Generational) else 0
             if generation != self._generation and self.policy is not None:
                 # the tier lost its contents (a recreated directory): resync the policy
                 self._generation = generation
@@ -253,7 +259,7 @@ class LowerTier:
             self._on_change(job.key)
             self._on_written(job, self.name, ok)
         if result is PutResult.STORED and data is not None:
-            self._counters.moved(f"cpu_to_{self.name}", data.size, seconds)
+            self._counters.moved(f"{self._top_name}_to_{self.name}", data.size, seconds)
 
     # ---- lifecycle -----------------------------------------------------------------------
     def flush(self, deadline: float | None) -> bool:
@@ -286,8 +292,7 @@ class LowerTier:
         self.tier.check()
         if self.policy is None:
             return
-        exact = getattr(self.tier, "usage_exact", None)
-        used = exact() if exact is not None else self.tier.usage().used_bytes
+        used = self._used_exact()
         capacity = self.tier.usage().capacity_bytes
         assert used <= capacity, f"{self.name} tier holds {used} bytes, more than its {capacity}"
         stored, tracked = set(self.tier.keys()), set(self.policy.keys())

@@ -1,8 +1,8 @@
 """Prometheus metrics of one kvtier store: a view over its :class:`~kvtier.core.stats.StoreStats`.
 
 All names start with ``kvtier_``.  Units follow Prometheus conventions: ``_bytes``, ``_seconds``,
-``_total`` for counters.  Label ``tier`` is a tier name (``cpu``, ``disk``, ``redis``); label ``direction`` is one of
-:data:`~kvtier.core.stats.DIRECTIONS`.  Counters and gauges are read from the store's snapshot at
+``_total`` for counters.  Label ``tier`` is a registered tier's name (:mod:`kvtier.core.tiers.registry`); label ``direction``
+is one of :func:`~kvtier.core.stats.directions`.  Counters and gauges are read from the store's snapshot at
 scrape time (nothing is counted here); only the lookup latency histogram and the config info are
 kept by this module.  Each store registers into its own :class:`CollectorRegistry` unless one is
 passed, so several stores (tests, several TP ranks) never collide.
@@ -17,10 +17,11 @@ from prometheus_client import CollectorRegistry, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvtier.core.stats import DIRECTIONS, TIERS, StoreStats
+from kvtier.core.stats import StoreStats
+from kvtier.core.tiers.registry import available_tiers
 from kvtier.core.tiers.tiermetrics import wire_families
 
-__all__ = ["DIRECTIONS", "TIERS", "StoreMetrics"]
+__all__ = ["StoreMetrics"]
 
 
 class StoreMetrics(Collector):
@@ -79,7 +80,7 @@ class StoreMetrics(Collector):
             return family
 
         tiers = s.tiers if s is not None else {}
-        all_tiers = {name: s.tier(name) for name in dict.fromkeys((*TIERS, *tiers))} if s is not None else {}
+        all_tiers = {name: s.tier(name) for name in dict.fromkeys((*available_tiers(), *tiers))} if s is not None else {}
         tokens = s.chunk_tokens if s is not None else 0
         yield counter("kvtier_lookup_chunks", "Chunks asked for by lookups.", s.lookup_chunks if s else 0)
         yield counter("kvtier_lookup_tokens", "Tokens asked for by lookups.", s.lookup_chunks * tokens if s else 0)

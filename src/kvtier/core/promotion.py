@@ -34,7 +34,7 @@ from kvtier.core.handles import LoadHandle
 from kvtier.core.keys import ChunkKey
 from kvtier.core.lower import LowerTier
 from kvtier.core.stats import StoreCounters
-from kvtier.core.tiers.base import GetResult, StagingTier
+from kvtier.core.tiers.base import GetResult, NoRoom, Reservation, StagingTier
 from kvtier.core.top import TopTier
 
 
@@ -83,9 +83,10 @@ class Promoter:
     def buffer_locked(self, key: ChunkKey, promotions: list[Promotion], pos: int, lt: LowerTier) -> np.ndarray:
         """Append the promotion of ``key`` (at chain position ``pos``, held by ``lt``) and return
         its buffer: a reserved cpu page if one is free, else a private buffer."""
-        page = self.cpu.reserve(key) if self.top.free_page() else None
-        buf = page if page is not None else np.empty(self.chunk_bytes, dtype=np.uint8)
-        promotions.append(Promotion(pos, key, buf, page is not None, lt))
+        got = self.cpu.reserve(key) if self.top.free_page() else NoRoom.NO_ROOM
+        reserved = isinstance(got, Reservation)
+        buf = got.buffer if isinstance(got, Reservation) else np.empty(self.chunk_bytes, dtype=np.uint8)
+        promotions.append(Promotion(pos, key, buf, reserved, lt))
         return buf
 
     def run(self, chain: Sequence[ChunkKey], handle: LoadHandle, promotions: list[Promotion],
@@ -107,8 +108,9 @@ class Promoter:
             got = lt.read([p.key for p in jobs], [p.buffer for p in jobs])
             seconds = time.perf_counter() - t0
             results.extend(got)
-            self.counters.moved(f"{lt.name}_to_cpu", sum(1 for r in got if r) * self.chunk_bytes, seconds)
-        failed = [p.pos for p, res in zip(batch, results) if not res]
+            hits = sum(1 for r in got if r is GetResult.HIT)
+            self.counters.moved(f"{lt.name}_to_{self.cpu.name}", hits * self.chunk_bytes, seconds)
+        failed = [p.pos for p, res in zip(batch, results) if res is not GetResult.HIT]
         cut = min(failed) if failed else None
         with self._lock:
             for p, res in zip(batch, results):

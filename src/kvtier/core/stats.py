@@ -12,8 +12,8 @@ seconds per direction, errors, skipped calls and writes and breaker state are re
 snapshot as everything else.
 
 Units: ``*_chunks`` count chunks, ``*_bytes`` bytes, ``*_seconds`` seconds; tokens are chunks
-times ``chunk_tokens``.  Tier names are those of :mod:`kvtier.core.tiers` (``cpu``, ``disk``,
-``redis``); transfer directions are :data:`DIRECTIONS`; a remote tier's calls are :data:`OPS` and
+times ``chunk_tokens``.  Tier names are those of the registry (:mod:`kvtier.core.tiers.registry`);
+transfer directions are :func:`directions`; a remote tier's calls are :data:`OPS` and
 its wire directions :data:`WIRE_DIRECTIONS`.
 """
 
@@ -24,8 +24,18 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-DIRECTIONS = ("engine_to_cpu", "cpu_to_engine", "cpu_to_disk", "disk_to_cpu", "cpu_to_redis", "redis_to_cpu")
-TIERS = ("cpu", "disk", "redis")
+from kvtier.core.tiers.registry import available_tiers, lower_tiers, top_tier
+
+
+def directions() -> tuple[str, ...]:
+    """Transfer directions, from the registered tiers: ``engine_to_<top>``, ``<top>_to_engine``,
+    then ``<top>_to_<tier>`` and ``<tier>_to_<top>`` for each lower tier (e.g. ``cpu_to_disk``)."""
+    top = top_tier()
+    out = [f"engine_to_{top}", f"{top}_to_engine"]
+    for tier in lower_tiers():
+        out += [f"{top}_to_{tier}", f"{tier}_to_{top}"]
+    return tuple(out)
+
 OPS = ("lookup", "get", "put", "delete")
 WIRE_DIRECTIONS = ("read", "write")
 
@@ -157,7 +167,7 @@ class StoreStats:
         saved_chunks: chunks newly stored.
         flush_missed_chunks: dirty chunks a flush could not write in time.
         shared_lookups_skipped: shared-tier lookups not made because the queue was full.
-        transfer_bytes / transfer_seconds: volume and time moved, by direction (:data:`DIRECTIONS`).
+        transfer_bytes / transfer_seconds: volume and time moved, by direction (:func:`directions`).
         dirty_bytes: bytes in DRAM not yet on the disk tier (what a crash would lose).
         queued_writes: writes queued or running in the lower tiers.
         loaded_tokens: tokens copied into the engine, by the slowest tier they came from; counted by
@@ -292,10 +302,11 @@ class StoreCounters:
         """One transfer of ``num_bytes`` bytes taking ``seconds`` seconds in ``direction``.
 
         Raises:
-            ValueError: ``direction`` is not one of :data:`DIRECTIONS`.
+            ValueError: ``direction`` is not one of :func:`directions` (a tier nobody registered).
         """
-        if direction not in DIRECTIONS:
-            raise ValueError(f"unknown transfer direction {direction!r}; use one of {', '.join(DIRECTIONS)}")
+        known = directions()
+        if direction not in known:
+            raise ValueError(f"unknown transfer direction {direction!r}; use one of {', '.join(known)}")
         with self._lock:
             self.transfer_bytes[direction] += num_bytes
             self.transfer_seconds[direction] = self.transfer_seconds.get(direction, 0.0) + max(seconds, 0.0)
@@ -306,6 +317,7 @@ class StoreCounters:
 
         ``tiers`` carries each tier's usage, corrupt and pinned chunks; the hit and eviction counts
         are filled in here."""
+        names = tuple(dict.fromkeys((*directions(), *self.transfer_bytes)))
         with self._lock:
             merged = {name: TierStats(t.used_bytes, t.capacity_bytes, t.num_chunks, self.lookup_hit_chunks[name],
                                       self.load_hit_chunks[name], self.evictions[name], t.corrupt_chunks,
@@ -313,7 +325,7 @@ class StoreCounters:
                       for name, t in tiers.items()}
             return StoreStats(chunk_bytes, chunk_tokens, merged, self.lookup_chunks, self.failed_loads,
                               self.dropped_saves, self.saved_chunks, self.flush_missed_chunks,
-                              self.shared_lookups_skipped, {d: self.transfer_bytes[d] for d in DIRECTIONS},
-                              {d: self.transfer_seconds.get(d, 0.0) for d in DIRECTIONS}, dirty_bytes, queued_writes,
-                              {t: self.loaded_tokens[t] for t in dict.fromkeys((*TIERS, *self.loaded_tokens))},
+                              self.shared_lookups_skipped, {d: self.transfer_bytes[d] for d in names},
+                              {d: self.transfer_seconds.get(d, 0.0) for d in names}, dirty_bytes, queued_writes,
+                              {t: self.loaded_tokens[t] for t in dict.fromkeys((*available_tiers(), *self.loaded_tokens))},
                               self.reloaded_tokens, self.saved_tokens, self.load_failed_blocks)

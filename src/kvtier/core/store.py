@@ -48,8 +48,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from prometheus_client import CollectorRegistry
@@ -66,7 +65,7 @@ from kvtier.core.policies.admission import make_admission
 from kvtier.core.promotion import Promoter, Promotion
 from kvtier.core.shared import SharedLookups
 from kvtier.core.stats import StoreCounters, StoreStats, TierStats
-from kvtier.core.tiers.base import StagingTier, Tier
+from kvtier.core.tiers.base import AlreadyHeld, NoRoom, StagingTier, Tier
 from kvtier.core.tiers.registry import TierContext, make_tier
 from kvtier.core.top import TopTier
 
@@ -84,6 +83,8 @@ class TieredStore(ChangeFeedMixin):
         chunk_bytes: bytes of one chunk's KV (all layers of this rank), > 0.
         tp_size: tensor-parallel size; capacities are per rank (total / tp_size).
         registry: prometheus registry to register metrics in (a fresh one by default).
+        wrap: ``wrap(tier) -> tier`` applied to each lower tier as it is built (e.g. a
+            :class:`~kvtier.core.tiers.wrappers.FaultyTier` in tests and drills); ``None``: none.
 
     Raises:
         ValueError: ``chunk_bytes`` not positive.
@@ -92,7 +93,7 @@ class TieredStore(ChangeFeedMixin):
     """
 
     def __init__(self, config: KVTierConfig, namespace: Namespace, chunk_bytes: int, tp_size: int = 1,
-                 registry: CollectorRegistry | None = None) -> None:
+                 registry: CollectorRegistry | None = None, wrap: Callable[[Tier], Tier] | None = None) -> None:
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
         self.config = config
@@ -111,7 +112,7 @@ class TieredStore(ChangeFeedMixin):
             for name in config.tiers:
                 tier = make_tier(name, ctx)
                 if tier is not None:
-                    tiers.append(tier)
+                    tiers.append(wrap(tier) if wrap is not None and tiers else tier)
         except BaseException:
             for tier in tiers:
                 tier.close()
@@ -169,11 +170,6 @@ class TieredStore(ChangeFeedMixin):
         if name == self.cpu.name:
             return self.cpu
         return next((lt.tier for lt in self.lower if lt.name == name), None)
-
-    @property
-    def disk(self) -> Any:
-        """The ``disk`` tier, or ``None`` (a shortcut for tests and tools)."""
-        return self.tier("disk")
 
     # ---- lookup --------------------------------------------------------------------------
     def lookup(self, chain: Sequence[ChunkKey]) -> int:
@@ -312,15 +308,17 @@ class TieredStore(ChangeFeedMixin):
                 key = chain[i]
                 if self.top.holds(key) or any(lt.tier.indexed(key) for lt in self._local):
                     continue
-                page = self.cpu.reserve(key) if self.top.free_page() else None
-                if page is None:
+                got = self.cpu.reserve(key) if self.top.free_page() else NoRoom.NO_ROOM
+                if got is AlreadyHeld.ALREADY_HELD:  # being promoted from a lower tier: stored when that ends
+                    continue
+                if got is NoRoom.NO_ROOM:
                     dropped = len(chain) - i
                     self.counters.dropped(dropped)
                     break
                 handle.keys.append(key)
                 handle.indices.append(i)
                 handle.parents.append(chain[i - 1] if i > 0 else None)
-                handle.buffers.append(page)
+                handle.buffers.append(got.buffer)
         return handle
 
     def complete_store(self, handle: StoreHandle, success: bool) -> None:
@@ -439,7 +437,7 @@ class TieredStore(ChangeFeedMixin):
         return max(before - missed, 0), missed
 
     def _pinned_locked(self) -> dict[str, int]:
-        return {self.cpu.name: len(self.top.pins), "disk": 0, **{lt.name: len(lt.pins) for lt in self.lower}}
+        return {self.cpu.name: len(self.top.pins), **{lt.name: len(lt.pins) for lt in self.lower}}
 
     def stats(self) -> StoreStats:
         """The store's counters and each tier's usage, as one snapshot (:mod:`kvtier.core.stats`)."""

@@ -28,7 +28,7 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.lower import LowerTier, WriteJob
 from kvtier.core.policies import EvictionPolicy
 from kvtier.core.stats import StoreCounters
-from kvtier.core.tiers.base import StagingTier
+from kvtier.core.tiers.base import Paged, StagingTier
 
 
 @dataclass(slots=True)
@@ -126,7 +126,7 @@ class TopTier:
 
     def spill_ahead(self) -> None:
         """Queue write-backs of likely victims so free pages stay above ``spill_watermark``."""
-        num_pages = int(getattr(self.tier, "num_pages", 0))
+        num_pages = self.tier.num_pages if isinstance(self.tier, Paged) else 0
         if not self.back or not num_pages:
             return
         want = int(self.spill_watermark * num_pages)

@@ -1,13 +1,31 @@
 """Storage tiers: where chunk bytes live.
 
 See :mod:`kvtier.core.tiers.base` for the contract and :mod:`kvtier.core.tiers.registry` for
-tiers by name.  Only the always-present tiers are imported here; ``redis`` loads on demand.
+tiers by name.  Names are imported on first use (PEP 562), so importing one submodule (e.g. the
+registry, which :mod:`kvtier.core.stats` reads) never loads the others; ``redis`` loads on demand.
 """
 
-from kvtier.core.tiers.base import GetResult, PutResult, StagingTier, Tier, TierUsage
-from kvtier.core.tiers.cpu import CpuTier
-from kvtier.core.tiers.disk import DiskTier
-from kvtier.core.tiers.registry import TierContext, available_tiers, make_tier
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvtier.core.tiers.base import GetResult, PutResult, StagingTier, Tier, TierUsage
+    from kvtier.core.tiers.cpu import CpuTier
+    from kvtier.core.tiers.disk import DiskTier
+    from kvtier.core.tiers.registry import TierContext, available_tiers, make_tier
+
+_WHERE = {"GetResult": "base", "PutResult": "base", "StagingTier": "base", "Tier": "base", "TierUsage": "base",
+          "CpuTier": "cpu", "DiskTier": "disk", "TierContext": "registry", "available_tiers": "registry",
+          "make_tier": "registry"}
 
 __all__ = ["CpuTier", "DiskTier", "GetResult", "PutResult", "StagingTier", "Tier", "TierContext", "TierUsage",
            "available_tiers", "make_tier"]
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{where}"), name)

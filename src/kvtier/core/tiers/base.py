@@ -40,10 +40,20 @@ Operations (none raises on a miss, a fault or bad bytes: those are results):
 - ``get_many`` / ``put_many`` / ``delete_many``: batch forms with per-key results (a remote tier
   answers a batch in one round trip per server).
 
+Results have no truth value (``bool(GetResult.MISS)`` raises ``TypeError``): a miss and a
+corrupt value are told apart by every caller.
+
 Tiers that stage writes in place (the cpu tier) implement :class:`StagingTier`:
-``reserve(key) -> buffer | None`` hands out space that ``contains`` does not report yet,
-``commit(key)`` publishes it, ``abort(key)`` gives it back; ``view(key)`` is a zero-copy view of
-a resident chunk, valid while the store holds it pinned.
+``reserve(key) -> Reservation | NoRoom | AlreadyHeld`` hands out space that ``contains`` does
+not report yet, ``commit(key)`` publishes it, ``abort(key)`` gives it back; ``view(key)`` is a
+zero-copy view of a resident chunk, valid while the store holds it pinned.
+
+Optional capabilities are typed protocols, checked with ``isinstance`` (never ``getattr``) and
+declared in the tier's registry record (:attr:`~kvtier.core.tiers.registry.TierSpec.capabilities`,
+checked by the conformance suite): :class:`Rescannable` (takes in other processes' chunks in an
+explicit rescan), :class:`Generational` (may lose its whole contents, and says so by a new
+generation), :class:`ExactUsage` (its byte count may exceed its capacity until trimmed),
+:class:`Paged` (a fixed number of equal pages).
 """
 
 from __future__ import annotations
@@ -51,35 +61,68 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.stats import WireStats
 
+if TYPE_CHECKING:
+    from kvtier.core.tiers.diskscan import RescanResult
+
 
 class GetResult(enum.Enum):
-    """Outcome of one read.  Truthy only for ``HIT``."""
+    """Outcome of one read.  No truth value: callers tell ``MISS`` from ``CORRUPT`` explicitly."""
 
     HIT = "hit"
     MISS = "miss"
     CORRUPT = "corrupt"
 
     def __bool__(self) -> bool:
-        return self is GetResult.HIT
+        raise TypeError("a GetResult has no truth value; compare with GetResult.HIT (a MISS and a CORRUPT differ)")
 
 
 class PutResult(enum.Enum):
-    """Outcome of one write.  Truthy when the key is stored afterwards (``STORED``, ``PRESENT``)."""
+    """Outcome of one write.  No truth value: use :attr:`stored` or compare members."""
 
     STORED = "stored"
     PRESENT = "present"
     NO_ROOM = "no_room"
     FAILED = "failed"
 
-    def __bool__(self) -> bool:
+    @property
+    def stored(self) -> bool:
+        """The key is stored afterwards (``STORED`` or ``PRESENT``)."""
         return self in (PutResult.STORED, PutResult.PRESENT)
+
+    def __bool__(self) -> bool:
+        raise TypeError("a PutResult has no truth value; use .stored or compare with a member")
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """Space :meth:`StagingTier.reserve` handed out: ``buffer`` is a writable uint8 array of the
+    chunk's bytes, invisible to ``contains`` until ``commit``."""
+
+    buffer: np.ndarray
+
+
+class NoRoom(enum.Enum):
+    """:meth:`StagingTier.reserve` found no free space."""
+
+    NO_ROOM = "no_room"
+
+
+class AlreadyHeld(enum.Enum):
+    """:meth:`StagingTier.reserve` found the key stored or reserved already."""
+
+    ALREADY_HELD = "already_held"
+
+
+ReserveResult = Reservation | NoRoom | AlreadyHeld
+"""Outcome of :meth:`StagingTier.reserve`: match on the type (no truth value on the enums)."""
 
 
 class TierUsage(NamedTuple):
@@ -170,9 +213,10 @@ class StagingTier(Tier):
         """Whether :meth:`reserve` would find room now."""
 
     @abstractmethod
-    def reserve(self, key: ChunkKey) -> np.ndarray | None:
-        """A writable uint8 buffer for ``key``, invisible to ``contains`` until :meth:`commit`;
-        ``None`` if there is no room or ``key`` is already present or reserved."""
+    def reserve(self, key: ChunkKey) -> ReserveResult:
+        """A :class:`Reservation` (a writable uint8 buffer for ``key``, invisible to ``contains``
+        until :meth:`commit`); ``NoRoom.NO_ROOM`` if there is no free space;
+        ``AlreadyHeld.ALREADY_HELD`` if ``key`` is already present or reserved."""
 
     @abstractmethod
     def commit(self, key: ChunkKey) -> None:
@@ -185,3 +229,50 @@ class StagingTier(Tier):
     @abstractmethod
     def view(self, key: ChunkKey) -> np.ndarray:
         """Zero-copy uint8 view of a resident chunk.  Raises ``KeyError`` if absent."""
+
+
+@runtime_checkable
+class Rescannable(Protocol):
+    """A tier other processes write behind its back (a shared directory): :meth:`scan` finds
+    their chunks without locks, :meth:`adopt` takes them into the index (capability
+    ``rescannable``)."""
+
+    def scan(self) -> RescanResult:
+        """Find chunks written or removed by other processes; no index change."""
+
+    def adopt(self, result: RescanResult) -> RescanResult:
+        """Index what :meth:`scan` found; fills ``result.adopted`` / ``result.gone``."""
+
+
+@runtime_checkable
+class Generational(Protocol):
+    """A tier that may lose its whole contents (a recreated directory) and then bumps
+    :attr:`generation` (capability ``generational``)."""
+
+    generation: int
+
+
+@runtime_checkable
+class ExactUsage(Protocol):
+    """A tier whose bytes held may exceed its capacity until the store trims it (capability
+    ``exact_usage``); :meth:`usage_exact` is that byte count (``usage()`` clamps it)."""
+
+    def usage_exact(self) -> int:
+        """Bytes held, unclamped."""
+
+
+@runtime_checkable
+class Paged(Protocol):
+    """A tier of ``num_pages`` equal pages (capability ``paged``)."""
+
+    num_pages: int
+
+
+CAPABILITY_PROTOCOLS: dict[str, type] = {"rescannable": Rescannable, "generational": Generational,
+                                         "exact_usage": ExactUsage, "paged": Paged, "staging": StagingTier}
+"""Capability name (:attr:`~kvtier.core.tiers.registry.TierSpec.capabilities`) -> protocol or base class."""
+
+
+def capabilities(tier: object) -> frozenset[str]:
+    """Names of the capabilities ``tier`` implements (for the conformance suite and wrappers)."""
+    return frozenset(name for name, proto in CAPABILITY_PROTOCOLS.items() if isinstance(tier, proto))

@@ -24,7 +24,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvtier.core.keys import ChunkKey
-from kvtier.core.tiers.base import GetResult, PutResult, StagingTier, TierUsage
+from kvtier.core.tiers.base import (
+    AlreadyHeld,
+    GetResult,
+    NoRoom,
+    PutResult,
+    Reservation,
+    ReserveResult,
+    StagingTier,
+    TierUsage,
+)
 
 if TYPE_CHECKING:
     from kvtier.core.tiers.registry import TierContext
@@ -79,9 +88,10 @@ class CpuTier(StagingTier):
         """Whether a free page exists."""
         return bool(self._free)
 
-    def reserve(self, key: ChunkKey, length: int | None = None) -> np.ndarray | None:
-        """A writable view ``[length]`` (default ``page_bytes``) of a fresh page for ``key``, not yet
-        visible to ``contains``; ``None`` if no page is free or ``key`` is already present/reserved.
+    def reserve(self, key: ChunkKey, length: int | None = None) -> ReserveResult:
+        """A :class:`Reservation` of a writable view ``[length]`` (default ``page_bytes``) of a fresh
+        page for ``key``, not yet visible to ``contains``; ``AlreadyHeld.ALREADY_HELD`` if ``key`` is
+        present or reserved, else ``NoRoom.NO_ROOM`` if no page is free.
 
         Raises:
             ValueError: ``length`` larger than ``page_bytes``.
@@ -90,12 +100,14 @@ class CpuTier(StagingTier):
         if length > self.page_bytes:
             raise ValueError(f"chunk of {length} bytes does not fit a {self.page_bytes}-byte page")
         with self._lock:
-            if not self._free or key in self._key_to_page or key in self._reserved:
-                return None
+            if key in self._key_to_page or key in self._reserved:
+                return AlreadyHeld.ALREADY_HELD
+            if not self._free:
+                return NoRoom.NO_ROOM
             page = self._free.pop()
             self._reserved[key] = page
             self._key_to_len[key] = length
-        return self._pages[page, :length]
+        return Reservation(self._pages[page, :length])
 
     def commit(self, key: ChunkKey) -> None:
         """Publish a reserved page.  Raises KeyError if ``key`` was not reserved."""
@@ -137,10 +149,12 @@ class CpuTier(StagingTier):
         if key in self._key_to_page or key in self._reserved:  # checked again by reserve
             return PutResult.PRESENT
         src = np.frombuffer(data, dtype=np.uint8)
-        dst = self.reserve(key, src.size)
-        if dst is None:
+        got = self.reserve(key, src.size)
+        if got is AlreadyHeld.ALREADY_HELD:
+            return PutResult.PRESENT
+        if got is NoRoom.NO_ROOM:
             return PutResult.NO_ROOM
-        np.copyto(dst, src)
+        np.copyto(got.buffer, src)
         self.commit(key)
         return PutResult.STORED
 

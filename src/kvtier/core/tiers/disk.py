@@ -63,6 +63,7 @@ from kvtier.core.tiers.diskscan import (
 from kvtier.core.tiers.iomode import direct_supported, measure_direct
 
 if TYPE_CHECKING:
+    from kvtier.core.config import KVTierConfig
     from kvtier.core.tiers.registry import TierContext
 
 log = logging.getLogger(__name__)
@@ -483,6 +484,11 @@ class DiskTier(Tier):
             assert self._used == sum(self._key_to_size.values()), "disk tier used bytes drifted from its index"
             assert self._foreign or self._used <= self.capacity_bytes, \
                 f"disk tier over capacity: {self._used} > {self.capacity_bytes} bytes"
+
+
+def configured(config: KVTierConfig) -> bool:
+    """Whether ``config`` asks for a disk tier (``disk_path`` and ``disk_gib`` > 0)."""
+    return bool(config.disk_path) and config.disk_gib > 0
 
 
 def from_config(ctx: TierContext) -> DiskTier | None:

@@ -44,6 +44,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvtier.core.config import redact_url
+from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.stats import WireCounters, WireStats
 from kvtier.core.tiers import redisstream
@@ -56,6 +57,7 @@ from kvtier.core.tiers.tiermetrics import TierMetrics
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
+    from kvtier.core.config import KVTierConfig
     from kvtier.core.tiers.registry import TierContext
 
 log = logging.getLogger(__name__)
@@ -445,6 +447,26 @@ def _response_errors() -> type[Exception]:
     except ImportError:  # pragma: no cover - redis-py is a dependency; without it no tier exists
         return redisstream.ReplyError
     return ResponseError
+
+
+def check(config: KVTierConfig) -> list[tuple[str, str]]:
+    """The password and shared secret, read as start-up reads them (files, the environment
+    variable): ``(config key, message)`` per one that start-up would refuse."""
+    from kvtier.core.tiers.redisclient import redis_password
+
+    problems = []
+    password_key = "redis_password_env" if config.redis_password_env else "redis_password_file"
+    for name, read in ((password_key, redis_password), ("shared_secret_file", shared_secret)):
+        try:
+            read(config)
+        except ConfigError as exc:
+            problems.append((name, str(exc)))
+    return problems
+
+
+def configured(config: KVTierConfig) -> bool:
+    """Whether ``config`` asks for the redis tier (``redis_url`` set)."""
+    return bool(config.redis_url)
 
 
 def from_config(ctx: TierContext) -> RedisTier | None:

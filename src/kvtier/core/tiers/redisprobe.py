@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 
 ProbeState = Literal["reachable", "unreachable", "auth failed"]
 
+TIER = "redis"
+"""The registry name of the tier this probe checks (kvtier.core.tiers.registry)."""
+
 PROBE_DEADLINE_S = 2.0
 """Longest a probe may take, seconds, name resolution included (it runs on a daemon thread that
 is abandoned at the deadline, since ``getaddrinfo`` has no timeout of its own)."""

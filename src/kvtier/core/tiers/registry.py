@@ -1,15 +1,33 @@
-"""Tiers by name, imported lazily (so ``redis`` stays optional until a redis tier is configured).
+"""Tiers by name: one :class:`TierSpec` record per tier, the only place outside a tier's own module
+that knows it.
 
-Adding a tier is one module with a ``from_config(ctx: TierContext) -> Tier | None`` function
-(``None`` when the configuration does not ask for the tier), one line in :data:`TIER_FACTORIES`,
-and one fixture in ``tests/core/test_tier_conformance.py``.
+Everything that differs per tier is read from its record: the store's tier order, whether it is
+shared (asked asynchronously, never evicted by the store), the vLLM hit source its loads report
+(``prompt_tokens_cached_by_source``), metric labels, the scheduler's mirror ranking, the remote
+lookups of a shared tier, the preflight and the audit.  Modules are imported lazily (so ``redis``
+stays optional until a redis tier is configured) and a tier module never needs an edit elsewhere.
+
+Adding a tier (docs/store.md, "Adding a tier"):
+
+1. one module with ``from_config(ctx: TierContext) -> Tier | None`` (``None`` when the
+   configuration does not ask for the tier) and, optionally, ``configured(config) -> bool``
+   (whether the configuration asks for it, without building it) and a pydantic settings model
+   of the keys it reads;
+2. one :func:`register` call: a line in :data:`BUILTIN` for a tier shipped with kvtier, or, for a
+   tier outside kvtier, a call in a module that ``kv_connector_extra_config``'s ``tier_modules``
+   names (kvtier imports those modules in every process that reads the configuration, before the
+   configuration is validated: the scheduler, every worker, the tools);
+3. one fixture in ``tests/core/tier_harness.py`` (the conformance suite refuses a registered
+   tier without one).
 """
 
 from __future__ import annotations
 
 import importlib
+import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple, cast
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from prometheus_client import CollectorRegistry
 
@@ -19,12 +37,49 @@ if TYPE_CHECKING:
     from kvtier.core.config import KVTierConfig
     from kvtier.core.tiers.base import Tier
 
-TIER_FACTORIES: dict[str, str] = {
-    "cpu": "kvtier.core.tiers.cpu:from_config",
-    "disk": "kvtier.core.tiers.disk:from_config",
-    "redis": "kvtier.core.tiers.redis:from_config",
-}
-"""Tier name -> ``module:function`` building it from a :class:`TierContext`."""
+HIT_SOURCES = ("host", "disk", "p2p", "external_unspecified")
+"""vLLM 0.32's ``CacheHitSource`` values a tier may report (vllm/v1/metrics/cache_hit_source.py);
+``external_unspecified`` is vLLM's documented fallback for a remote store."""
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """What kvtier knows of one tier, apart from its module.
+
+    Attributes:
+        name: the tier's name in ``tiers``, metric labels and logs (lower case, ``[a-z0-9_]``).
+        order: rank in the default tier order, fastest first (the top tier is the smallest);
+            the scheduler reports a chunk held in several tiers as held in the slowest one.
+        shared: other hosts write the tier and it evicts on its own (see
+            :mod:`kvtier.core.tiers.base`): asked asynchronously, never evicted by the store.
+        hit_source: the vLLM ``CacheHitSource`` value its loads report (:data:`HIT_SOURCES`).
+        factory: ``"module:function"`` building the tier from a :class:`TierContext`.
+        configured: ``"module:function"`` telling from a configuration whether it asks for the
+            tier (without building it); ``None``: whenever the tier is in ``tiers``.
+        settings: ``"module:Class"`` of the pydantic model of the tier's configuration keys
+            (documentation and the audit's per-tier key list); ``None`` if it has none.
+        capabilities: names of the optional protocols of :mod:`kvtier.core.tiers.base` the tier
+            implements (``rescannable``, ``generational``, ``exact_usage``, ``paged``,
+            ``staging``); the conformance suite checks the tier implements exactly these.
+        top: the tier every chunk passes through (exactly one registered tier).
+        keys: the configuration keys that ask for the tier (the preflight warns when they are set
+            but ``tiers`` leaves the tier out).
+        check: ``"module:function"`` of the tier's preflight, ``check(config) -> [(key, message)]``:
+            what its start-up would refuse, read the way start-up reads it (files, environment);
+            ``None`` if it has none.
+    """
+
+    name: str
+    order: int
+    shared: bool
+    hit_source: str
+    factory: str
+    configured: str | None = None
+    settings: str | None = None
+    capabilities: frozenset[str] = field(default_factory=frozenset)
+    top: bool = False
+    keys: tuple[str, ...] = ()
+    check: str | None = None
 
 
 class TierContext(NamedTuple):
@@ -45,9 +100,183 @@ class TierContext(NamedTuple):
     registry: CollectorRegistry
 
 
+BUILTIN = (
+    TierSpec("cpu", 0, False, "host", "kvtier.core.tiers.cpu:from_config", top=True,
+             capabilities=frozenset({"staging", "paged"})),
+    TierSpec("disk", 10, False, "disk", "kvtier.core.tiers.disk:from_config", "kvtier.core.tiers.disk:configured",
+             capabilities=frozenset({"rescannable", "generational", "exact_usage"}), keys=("disk_path", "disk_gib")),
+    TierSpec("redis", 20, True, "external_unspecified", "kvtier.core.tiers.redis:from_config",
+             "kvtier.core.tiers.redis:configured", keys=("redis_url",), check="kvtier.core.tiers.redis:check"),
+)
+"""The tiers shipped with kvtier: one line each."""
+
+CAPABILITIES = frozenset({"staging", "paged", "rescannable", "generational", "exact_usage"})
+
+_lock = threading.Lock()
+_specs: dict[str, TierSpec] = {s.name: s for s in BUILTIN}
+
+
+def register(spec: TierSpec) -> None:
+    """Add ``spec`` (a tier outside kvtier; see the module docstring).  Registering the same
+    record twice is a no-op (a module imported again).
+
+    Raises:
+        ValueError: another record already has the name, the name is not ``[a-z0-9_]+``, the
+            hit source or a capability is unknown, or a second top tier.
+    """
+    if not spec.name or not all(c.isascii() and (c.isalnum() or c == "_") for c in spec.name) \
+            or spec.name != spec.name.lower():
+        raise ValueError(f"tier name {spec.name!r} must be lower-case letters, digits and '_'")
+    if spec.hit_source not in HIT_SOURCES:
+        raise ValueError(f"tier {spec.name!r}: unknown hit source {spec.hit_source!r}; use one of "
+                         f"{', '.join(HIT_SOURCES)}")
+    if unknown := spec.capabilities - CAPABILITIES:
+        raise ValueError(f"tier {spec.name!r}: unknown capabilities {sorted(unknown)}; use {sorted(CAPABILITIES)}")
+    with _lock:
+        old = _specs.get(spec.name)
+        if old == spec:
+            return
+        if old is not None:
+            raise ValueError(f"a tier named {spec.name!r} is registered already ({old.factory})")
+        if spec.top:
+            raise ValueError(f"tier {spec.name!r}: only the built-in top tier may be the top tier")
+        _specs[spec.name] = spec
+
+
+def unregister(name: str) -> None:
+    """Remove a tier registered with :func:`register` (tests that register a tier for a while).
+
+    Raises:
+        ValueError: ``name`` is a built-in tier.
+    """
+    if any(s.name == name for s in BUILTIN):
+        raise ValueError(f"tier {name!r} is built in and cannot be unregistered")
+    with _lock:
+        _specs.pop(name, None)
+
+
+def specs() -> list[TierSpec]:
+    """Every registered tier's record, in the default order (fastest first)."""
+    with _lock:
+        return sorted(_specs.values(), key=lambda s: (s.order, s.name))
+
+
+def spec(name: str) -> TierSpec:
+    """The record of tier ``name``.
+
+    Raises:
+        ConfigError: no tier of that name is registered.
+    """
+    with _lock:
+        found = _specs.get(name)
+    if found is None:
+        raise ConfigError(f"unknown tier {name!r}; choose from {', '.join(available_tiers())} "
+                          "(a tier outside kvtier is registered by a module named in tier_modules)")
+    return found
+
+
 def available_tiers() -> list[str]:
     """Registered tier names, in the default order."""
-    return list(TIER_FACTORIES)
+    return [s.name for s in specs()]
+
+
+def top_tier() -> str:
+    """Name of the tier every chunk passes through (``tiers`` must start with it)."""
+    return next(s.name for s in specs() if s.top)
+
+
+def lower_tiers() -> list[str]:
+    """Registered tiers below the top tier, in order."""
+    return [s.name for s in specs() if not s.top]
+
+
+def local_tiers() -> list[str]:
+    """Registered tiers that are not shared, in order."""
+    return [s.name for s in specs() if not s.shared]
+
+
+def tier_rank(name: str | None) -> int:
+    """Order of tier ``name`` for ranking (the slowest of several is the largest); an unknown
+    name or ``None`` ranks first (a report of a tier this process has no record of)."""
+    with _lock:
+        found = _specs.get(name or "")
+    return found.order if found is not None else -1
+
+
+def slowest(names: list[str] | tuple[str, ...]) -> str:
+    """The slowest (largest :func:`tier_rank`) of ``names``; the top tier if there are none."""
+    return max(names, key=tier_rank, default=top_tier())
+
+
+def hit_source(name: str) -> str:
+    """vLLM ``CacheHitSource`` value for loads from tier ``name``; an unknown tier reports vLLM's
+    fallback ``external_unspecified``."""
+    with _lock:
+        found = _specs.get(name)
+    return found.hit_source if found is not None else "external_unspecified"
+
+
+def _load(target: str, name: str) -> Any:
+    module_name, attr = target.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        if exc.name and not exc.name.startswith("kvtier"):
+            raise ConfigError(f"tier {name!r} needs the Python package {exc.name!r}; install it "
+                              f"(pip install {exc.name}) or remove the tier from the config") from None
+        raise
+    return getattr(module, attr)
+
+
+def configured(name: str, config: KVTierConfig) -> bool:
+    """Whether ``config`` asks for tier ``name`` (in ``tiers`` and its settings set).
+
+    Raises:
+        ConfigError: unknown name, or the tier's module cannot be imported.
+    """
+    if name not in config.tiers:
+        return False
+    record = spec(name)
+    if record.configured is None:
+        return True
+    return bool(cast(Callable[["KVTierConfig"], bool], _load(record.configured, name))(config))
+
+
+def shared_configured(config: KVTierConfig) -> list[str]:
+    """The shared tiers ``config`` asks for, in order."""
+    return [s.name for s in specs() if s.shared and configured(s.name, config)]
+
+
+def check(name: str, config: KVTierConfig) -> list[tuple[str, str]]:
+    """Tier ``name``'s preflight over ``config``: ``(key, message)`` per problem its start-up
+    would refuse; empty if the tier has no check or is not configured."""
+    record = spec(name)
+    if record.check is None or not configured(name, config):
+        return []
+    return list(cast(Callable[["KVTierConfig"], list[tuple[str, str]]], _load(record.check, name))(config))
+
+
+def settings_model(name: str) -> type[Any] | None:
+    """The pydantic settings model of tier ``name``, or ``None`` if it declares none."""
+    record = spec(name)
+    return _load(record.settings, name) if record.settings else None
+
+
+def settings_keys() -> dict[str, str]:
+    """Flat configuration key -> tier name, for every field of every registered tier's settings
+    model (a tier's keys are accepted at the top level of ``kv_connector_extra_config`` too).
+
+    Raises:
+        ValueError: two tiers' models declare the same key.
+    """
+    out: dict[str, str] = {}
+    for record in specs():
+        model = settings_model(record.name) if record.settings else None
+        for key in getattr(model, "model_fields", {}):
+            if key in out:
+                raise ValueError(f"tiers {out[key]!r} and {record.name!r} both declare the setting {key!r}")
+            out[key] = record.name
+    return out
 
 
 def make_tier(name: str, ctx: TierContext) -> Tier | None:
@@ -57,14 +286,22 @@ def make_tier(name: str, ctx: TierContext) -> Tier | None:
         ConfigError: unknown name, or the tier's module cannot be imported (a missing optional
             dependency, named in the message).
     """
-    target = TIER_FACTORIES.get(name)
-    if target is None:
-        raise ConfigError(f"unknown tier {name!r}; choose from {', '.join(TIER_FACTORIES)}")
-    module_name, func_name = target.split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"tier {name!r} needs the Python package {exc.name!r}; "
-                          f"install it (pip install {exc.name}) or remove the tier from the config") from None
-    factory = cast(Callable[[TierContext], "Tier | None"], getattr(module, func_name))
+    record = spec(name)
+    factory = cast(Callable[[TierContext], "Tier | None"], _load(record.factory, name))
     return factory(ctx)
+
+
+def import_tier_modules(modules: tuple[str, ...] | list[str]) -> None:
+    """Import ``modules`` (``tier_modules``), each of which registers tiers with :func:`register`.
+
+    Raises:
+        ConfigError: a module cannot be imported, or registers a bad record.
+    """
+    for module_name in modules:
+        try:
+            importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ConfigError(f"tier_modules names {module_name!r}, which cannot be imported ({exc}); "
+                              "install the package that provides it or remove it from tier_modules") from None
+        except ValueError as exc:
+            raise ConfigError(f"tier module {module_name!r} registers a bad tier: {exc}") from None

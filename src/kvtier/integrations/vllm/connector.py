@@ -46,6 +46,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
+from kvtier.core.tiers.registry import hit_source
 from kvtier.integrations.vllm.groups import resolved_config
 from kvtier.integrations.vllm.protocol import KVTierMetadata, KVTierWorkerMeta
 from kvtier.integrations.vllm.scheduler import SchedulerSide
@@ -84,9 +85,6 @@ def _use_vllm_logging() -> None:
 
 
 _use_vllm_logging()
-
-# vLLM 0.32 has no member for a remote store: EXTERNAL_UNSPECIFIED is its documented fallback for one.
-_SOURCES = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK, "redis": CacheHitSource.EXTERNAL_UNSPECIFIED}
 
 
 class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
@@ -220,7 +218,12 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if num_external_tokens == 0 or self.scheduler_side is None:
             return {}
         split = self.scheduler_side.hit_sources(request, num_external_tokens)
-        return {_SOURCES[tier]: n for tier, n in split.items() if n}
+        out: dict[CacheHitSource, int] = {}
+        for tier, n in split.items():  # each tier's source is its registry record's (kvtier.core.tiers.registry)
+            if n:
+                source = CacheHitSource(hit_source(tier))
+                out[source] = out.get(source, 0) + n
+        return out
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler_side is not None

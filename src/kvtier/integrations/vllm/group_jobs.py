@@ -20,8 +20,9 @@ from collections.abc import Set as AbstractSet
 from typing import Any
 
 from kvtier.core.keys import ChunkKey
+from kvtier.core.tiers.registry import slowest
 from kvtier.integrations.vllm.groups import GroupKind, HybridPlan, group_key
-from kvtier.integrations.vllm.mirror import TIER_ORDER, IndexMirror
+from kvtier.integrations.vllm.mirror import IndexMirror
 from kvtier.integrations.vllm.protocol import PageMove
 
 
@@ -42,24 +43,24 @@ class GroupJobs:
         return bytes(group_key(ChunkKey(chain[chunk]), group))
 
     def lookup(self, chain: Sequence[bytes], num_computed_tokens: int, num_tokens: int,
-               shared: AbstractSet[bytes] = frozenset()) -> tuple[int, list[str]]:
+               shared: AbstractSet[bytes] = frozenset(), shared_tier: str = "") -> tuple[int, list[str]]:
         """The hit (tokens, 0 if none beyond ``num_computed_tokens``) and, per chunk before it,
         the slowest tier any of its pages is held in (for vLLM's hit-source metrics).
 
-        ``shared``: page keys the shared tier holds for every rank (tier ``redis``), from
+        ``shared``: page keys the shared tier ``shared_tier`` holds for every rank, from
         :meth:`~kvtier.integrations.vllm.remote.RemoteLookups.poll_pages` over :meth:`unheld_pages`.
         """
         def tier(group: int, chunk: int) -> str | None:
             if chunk >= len(chain):
                 return None
             key = self._key(chain, group, chunk)
-            return self.mirror.tier(key) or ("redis" if key in shared else None)
+            return self.mirror.tier(key) or (shared_tier if key in shared else None)
 
         hit = self.plan.hit_tokens(lambda g, c: tier(g, c) is not None, num_computed_tokens, num_tokens)
         tiers = []
         for c in range(hit // self.C):
             held = [tier(g.index, c) for g in self.plan.groups]
-            tiers.append(max((t for t in held if t), key=lambda t: TIER_ORDER.get(t, 0), default="cpu"))
+            tiers.append(slowest([t for t in held if t]))
         return hit, tiers
 
     def unheld_pages(self, chain: Sequence[bytes], num_computed_tokens: int, num_tokens: int) -> list[bytes]:

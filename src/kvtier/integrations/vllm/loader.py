@@ -32,9 +32,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from kvtier.core.handles import LoadHandle
 from kvtier.core.keys import ChunkKey
 from kvtier.core.store import TieredStore
+from kvtier.core.tiers.registry import slowest
 from kvtier.integrations.vllm.copy import BlockCopier, Span
 from kvtier.integrations.vllm.group_io import GroupCopiers, load_pages
-from kvtier.integrations.vllm.mirror import TIER_ORDER
 from kvtier.integrations.vllm.protocol import LoadJob
 
 log = logging.getLogger(__name__)
@@ -186,9 +186,9 @@ class AsyncLoader:
             tiers = None
             skipped = False
         if tiers is not None:
-            slowest = max(tiers, key=lambda t: TIER_ORDER.get(t, 0), default="cpu")
+            slowest_tier = slowest(tiers)
             tokens = job.hit_tokens - job.first_block * self.block_size  # first_block: the engine's own hit
-            self.store.counters.engine_loaded(slowest, tokens, job.resumed)
+            self.store.counters.engine_loaded(slowest_tier, tokens, job.resumed)
             self.store.counters.moved("cpu_to_engine", self.groups.moved_bytes(job.pages), time.perf_counter() - t0)
         with self._lock:
             if tiers is None and not skipped:

@@ -5,7 +5,7 @@ from the workers each step; read by ``get_num_new_matched_tokens`` without any I
 
 - One view for all tensor-parallel ranks: a chunk is available only when **every** rank holds
   it (each rank stores its own KV heads of it).  Its tier, for vLLM's hit-source metrics, is the
-  slowest tier any rank holds it in (``disk`` if one rank has it only on disk).
+  slowest tier any rank holds it in (the registry's order, :func:`~kvtier.core.tiers.registry.slowest`).
 - The mirror is ready once every rank has sent its first full snapshot (sent at the first step
   after start-up, so a restarted engine knows its disk tier before its first request is admitted).
 - All ranks must chain keys from the same root; a rank reporting another root disables loads
@@ -21,11 +21,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+from kvtier.core.tiers.registry import slowest, tier_rank
 from kvtier.integrations.vllm.protocol import RankReport
 
 log = logging.getLogger(__name__)
 
-TIER_ORDER = {"cpu": 0, "disk": 1, "redis": 2}  # tier order, fastest first (also used by the loader and group_jobs)
 
 
 class IndexMirror:
@@ -78,7 +78,7 @@ class IndexMirror:
         tiers = [r.get(key) for r in self._ranks]
         if None in tiers:
             return None
-        return max(tiers, key=lambda t: TIER_ORDER.get(t or "", 0))
+        return max(tiers, key=tier_rank)
 
     def lookup(self, chain: Sequence[bytes]) -> list[str]:
         """Tier of each leading chunk of ``chain`` held by every rank (stops at the first miss)."""
@@ -97,7 +97,7 @@ class IndexMirror:
             tiers = [r.get(key) for r in self._ranks]
             if None in tiers:
                 break
-            out.append(max(tiers, key=lambda t: TIER_ORDER.get(t or "", 0)) or "cpu")
+            out.append(slowest([t for t in tiers if t]))
         return out
 
     def num_chunks(self, rank: int = 0) -> int:

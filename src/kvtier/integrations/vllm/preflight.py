@@ -47,7 +47,9 @@ from pydantic import TypeAdapter, ValidationError
 from kvtier.core.config import GiB, KVTierConfig, did_you_mean, mount_of
 from kvtier.core.errors import ConfigError
 from kvtier.core.sizing import available_memory
+from kvtier.core.tiers import registry
 from kvtier.core.tiers.redisprobe import PROBE_DEADLINE_S, ProbeResult, probe_redis
+from kvtier.core.tiers.redisprobe import TIER as REDIS_TIER
 
 CONNECTOR = "KVTierConnector"
 MODULE_PATH = "kvtier.integrations.vllm"
@@ -235,7 +237,10 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
     if not isinstance(extra, dict):
         return [*problems, Problem("error", key, f"{key} must be a JSON object of kvtier keys, e.g. "
                                    '{"cpu_gib": 8}')]
-    fields = KVTierConfig.model_fields
+    try:
+        fields = KVTierConfig.known_keys(extra)  # with the keys of tiers that tier_modules registers
+    except ConfigError as exc:
+        return [*problems, Problem("error", f"{key}.tier_modules", str(exc))]
     for name in extra:
         if name not in fields:
             problems.append(Problem("error", f"{key}.{name}",
@@ -250,7 +255,9 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
     good: dict[str, Any] = {}
     for group in filter(None, groups):
         try:
-            KVTierConfig.from_dict({k: known[k] for k in group})
+            # a tier's own key needs the module that registers the tier
+            plugins = {"tier_modules": known["tier_modules"]} if "tier_modules" in known else {}
+            KVTierConfig.from_dict({**plugins, **{k: known[k] for k in group}})
             good.update({k: known[k] for k in group})
         except ConfigError as exc:
             if exc.env_var is not None:  # not this group's fault: the check of all values below reports it, once
@@ -336,7 +343,7 @@ def probe_shared_tiers(transfer: dict[str, Any], deadline_s: float = PROBE_DEADL
             config = KVTierConfig.from_dict({k: v for k, v in extra.items() if k not in _DISK_KEYS})
         except ConfigError:
             continue
-        if "redis" not in config.tiers:
+        if not registry.configured(REDIS_TIER, config):
             continue
         try:
             result = probe_redis(config, deadline_s)
@@ -347,28 +354,15 @@ def probe_shared_tiers(transfer: dict[str, Any], deadline_s: float = PROBE_DEADL
 
 
 def _shared_tier_problems(key: str, config: KVTierConfig) -> list[Problem]:
-    """The redis tier's password and shared secret, read as its start-up reads them (files, env var)."""
-    if not config.redis_url or "redis" not in config.tiers:
-        return []
-    from kvtier.core.tiers.redisclient import (  # no redis-py import at module level
-        redis_password,
-        shared_secret,
-    )
-
-    problems = []
-    password_key = "redis_password_env" if config.redis_password_env else "redis_password_file"
-    for name, read in ((password_key, redis_password), ("shared_secret_file", shared_secret)):
-        try:
-            read(config)
-        except ConfigError as exc:
-            problems.append(Problem("error", f"{key}.{name}", str(exc)))
-    return problems
+    """Each configured tier's own preflight (:func:`kvtier.core.tiers.registry.check`: e.g. the
+    redis tier's password and shared secret, read as its start-up reads them)."""
+    return [Problem("error", f"{key}.{name}", message)
+            for tier in config.tiers for name, message in registry.check(tier, config)]
 
 
 def _unused_tier_problems(key: str, extra: dict[str, Any], config: KVTierConfig) -> list[Problem]:
     """A warning per tier whose settings are given but which ``tiers`` leaves out (it is not used)."""
-    settings = {"disk": [k for k in _DISK_KEYS if extra.get(k) is not None],
-                "redis": ["redis_url"] if extra.get("redis_url") else []}
+    settings = {s.name: [k for k in s.keys if extra.get(k) not in (None, "")] for s in registry.specs()}
     return [Problem("warning", f"{key}.tiers",
                     f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} set but tiers "
                     f"{list(config.tiers)} leaves out {tier!r}, so the {tier} tier is not used; add {tier!r} to "

@@ -1,4 +1,4 @@
-"""The scheduler's questions to the shared tier (Redis / Valkey), asked off the scheduler's thread.
+"""The scheduler's questions to the shared tier (e.g. Redis / Valkey), asked off the scheduler's thread.
 
 The mirror (:mod:`kvtier.integrations.vllm.mirror`) knows only what the engine's own workers
 hold.  For the part of a prompt beyond the mirror's hit, :class:`RemoteLookups` sends one
@@ -16,7 +16,7 @@ step and asks again in the next one), so the engine's step never waits on the ne
   over ranks of the leading chunks found.
 - Bounded: at most ``shared_queue_depth`` lookups in flight; more are answered "0 more" at once
   (counted in :attr:`RemoteLookups.skipped`).  Each rank's tier has its own deadline, timeouts and
-  circuit breaker (:class:`~kvtier.core.tiers.redis.RedisTier`): a dead server is a fast miss.
+  circuit breaker (:class:`~kvtier.core.tiers.guarded.GuardedTier`): a dead server is a fast miss.
 - The answer is a promise the worker checks: the load reads the values with one pipelined ``GET``
   and verifies each; a value gone since (evicted, server restarted) ends the load short and vLLM
   recomputes the rest.
@@ -41,6 +41,7 @@ from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.handles import PendingLookup
 from kvtier.core.keys import ChunkKey
+from kvtier.core.tiers.registry import TierContext, make_tier, shared_configured
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -51,19 +52,31 @@ class _Answered(PendingLookup):
 
 
 def shared_tier_configured(config: KVTierConfig) -> bool:
-    """Whether ``config`` asks for the redis shared tier (``redis_url`` set and ``redis`` in ``tiers``)."""
-    return bool(config.redis_url) and "redis" in config.tiers
+    """Whether ``config`` asks for a shared tier (a registered tier with ``shared``, in ``tiers``
+    and configured; :func:`kvtier.core.tiers.registry.shared_configured`)."""
+    return bool(shared_configured(config))
 
 
 class RemoteLookups:
     """Background presence checks in the shared tier for the scheduler (see the module docstring).
 
+    Asks the first shared tier ``config`` lists (the store's :class:`~kvtier.core.shared.SharedLookups`
+    continues a lookup in that one too); :attr:`tier_name` is its name.
+
     Args:
-        config: kvtier configuration (``redis_url``, deadlines, ``shared_queue_depth``, ``io_threads``).
+        config: kvtier configuration (the shared tier's settings, deadlines, ``shared_queue_depth``,
+            ``io_threads``).
+
+    Raises:
+        ConfigError: ``config`` asks for no shared tier.
     """
 
     def __init__(self, config: KVTierConfig) -> None:
         self.config = config
+        names = shared_configured(config)
+        if not names:
+            raise ConfigError("remote lookups need a shared tier in tiers and its settings set")
+        self.tier_name = names[0]
         self.deadline_s = config.shared_deadline_s
         self.queue_depth = config.shared_queue_depth
         self._tiers: list[Any] = []
@@ -89,16 +102,13 @@ class RemoteLookups:
             return False
         from prometheus_client import CollectorRegistry
 
-        from kvtier.core.tiers.redis import from_config
-        from kvtier.core.tiers.registry import TierContext
-
         self.close_tiers()
         self._namespaces = key
         try:
             # A private registry per tier: the scheduler's tiers only ask about presence; their
             # kvtier_tier_* numbers are not exported (the workers' tiers do the reads and writes).
             for ns in key:
-                tier = from_config(TierContext(self.config, ns, 0, len(key), CollectorRegistry()))
+                tier = make_tier(self.tier_name, TierContext(self.config, ns, 0, len(key), CollectorRegistry()))
                 if tier is not None:
                     self._tiers.append(tier)
         except ConfigError as exc:  # the workers' stores refused the same config at start-up already

@@ -168,14 +168,15 @@ class SchedulerSide:
                 if found is None:
                     return None, False  # the shared tier has not answered yet: ask again next step
                 if found:
-                    hit, tiers = self.groups.lookup(chain, num_computed_tokens, request.num_tokens, found)
+                    hit, tiers = self.groups.lookup(chain, num_computed_tokens, request.num_tokens, found,
+                                                    self.remote.tier_name)
         else:
             tiers = self.mirror.lookup(chain)
             if self.remote is not None and len(tiers) < max_chunks and self.remote.bind(self.mirror.namespaces):
                 more = self.remote.poll(req_id, chain, len(tiers))
                 if more is None:
                     return None, False  # the shared tier has not answered yet: ask again next step
-                tiers = tiers + ["redis"] * more
+                tiers = tiers + [self.remote.tier_name] * more
             hit = len(tiers) * self.chunk_tokens
         if hit <= num_computed_tokens:
             return 0, False

@@ -6,7 +6,9 @@ ships them to the front-end process, and calls :meth:`KVTierPromMetrics.observe`
 collectors were created with vLLM's metric classes and so land in the same registry as
 ``vllm:prefix_cache_*`` and ``vllm:external_prefix_cache_*``.
 
-Exported (Prometheus adds ``_total`` to counters; ``tier`` is ``cpu``, ``disk`` or ``redis``):
+Exported (Prometheus adds ``_total`` to counters; ``tier`` is a registered tier's name, and
+the per-tier series follow the registry, :mod:`kvtier.core.tiers.registry`; with the built-in
+tiers: cpu, disk, redis):
 
 - ``kvtier_loaded_tokens_total{tier}``: tokens copied from kvtier into the engine.  Over a run
   it equals ``vllm:external_prefix_cache_hits_total`` (both count only loads that happened, and
@@ -59,12 +61,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvtier.core.stats import StoreStats, WireStats
+from kvtier.core.tiers import registry
 
-# counter name in the stats payload -> (prometheus name, help, label value or None)
-COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
-    "loaded_tokens_cpu": ("kvtier_loaded_tokens", "Tokens loaded from kvtier into the engine.", ("cpu",)),
-    "loaded_tokens_disk": ("kvtier_loaded_tokens", "Tokens loaded from kvtier into the engine.", ("disk",)),
-    "loaded_tokens_redis": ("kvtier_loaded_tokens", "Tokens loaded from kvtier into the engine.", ("redis",)),
+_LOADED = "Tokens loaded from kvtier into the engine."
+_EVICTED = "Chunks evicted from a kvtier tier."
+
+# tier-independent counters: name in the stats payload -> (prometheus name, help, label values)
+_PLAIN_COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "reloaded_tokens": ("kvtier_reloaded_tokens", ("Tokens loaded from kvtier into requests resumed after "
                                                    "preemption (vLLM counts these apart from external hits)."), ()),
     "saved_tokens": ("kvtier_saved_tokens", "Tokens newly saved into kvtier.", ()),
@@ -73,18 +76,9 @@ COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "save_seconds": ("kvtier_transfer_seconds", "Seconds copying KV between engine and kvtier.", ("save",)),
     "load_bytes": ("kvtier_transfer_bytes", "Bytes copied between engine and kvtier.", ("load",)),
     "save_bytes": ("kvtier_transfer_bytes", "Bytes copied between engine and kvtier.", ("save",)),
-    "evictions_cpu": ("kvtier_evictions", "Chunks evicted from a kvtier tier.", ("cpu",)),
-    "evictions_disk": ("kvtier_evictions", "Chunks evicted from a kvtier tier.", ("disk",)),
-    "dropped_saves": ("kvtier_dropped_saves", ("Chunk saves given up by any tier: no room in the cpu tier, a write "
-                      "queue full, or a write that failed (see redis_skipped_writes, disk_write_errors)."), ()),
+    "dropped_saves": ("kvtier_dropped_saves", ("Chunk saves given up by any tier: no room in the top tier, a write "
+                      "queue full, or a write that failed (see *_skipped_writes, *_write_errors)."), ()),
     "corrupt_chunks": ("kvtier_corrupt_chunks", "Chunks that failed verification and were recomputed.", ()),
-    "disk_write_errors": ("kvtier_disk_write_errors", ("Chunk writes to the disk tier that failed (full or read-only "
-                          "directory, I/O error); those chunks were not stored."), ()),
-    "redis_errors": ("kvtier_redis_errors", "Shared-tier (redis) calls that failed: timeout, connection, server error.",
-                     ()),
-    "redis_skipped_calls": ("kvtier_redis_skipped_calls", "Shared-tier calls not made: breaker open or queue full.", ()),
-    "redis_skipped_writes": ("kvtier_redis_skipped_writes", ("Chunks not written to the shared tier (breaker open, "
-                             "queue full or the write failed)."), ()),
     "flush_missed_chunks": ("kvtier_flush_missed_chunks", "Dirty chunks a graceful stop could not write to disk in time.",
                             ()),
     # the scheduler's shared-tier lookups (integrations/vllm/remote.py)
@@ -104,78 +98,126 @@ COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 }
 LABELS: dict[str, str] = {"kvtier_loaded_tokens": "tier", "kvtier_transfer_seconds": "direction",
                           "kvtier_transfer_bytes": "direction", "kvtier_evictions": "tier"}
-GAUGES: dict[str, tuple[str, str, str | None]] = {
-    "usage_bytes_cpu": ("kvtier_usage_bytes", "Bytes held by kvtier, by tier (all ranks).", "cpu"),
-    "usage_bytes_disk": ("kvtier_usage_bytes", "Bytes held by kvtier, by tier (all ranks).", "disk"),
-    "capacity_bytes_cpu": ("kvtier_capacity_bytes", "kvtier capacity in bytes, by tier (all ranks).", "cpu"),
-    "capacity_bytes_disk": ("kvtier_capacity_bytes", "kvtier capacity in bytes, by tier (all ranks).", "disk"),
-    "pinned_chunks_cpu": ("kvtier_pinned_chunks", "Chunks pinned by loads or disk writes in flight (all ranks).", "cpu"),
-    "pinned_chunks_disk": ("kvtier_pinned_chunks", "Chunks pinned by loads or disk writes in flight (all ranks).", "disk"),
-    "pinned_bytes_cpu": ("kvtier_pinned_bytes", "Bytes of chunks pinned by loads or disk writes (all ranks).", "cpu"),
-    "pinned_bytes_disk": ("kvtier_pinned_bytes", "Bytes of chunks pinned by loads or disk writes (all ranks).", "disk"),
+_PLAIN_GAUGES: dict[str, tuple[str, str, str | None]] = {
     "chunk_tokens": ("kvtier_chunk_tokens", ("Tokens per kvtier chunk this engine runs with (chunk_tokens; auto "
                      "resolved from the KV cache groups' block sizes); reported by rank 0."), None),
     "dirty_bytes": ("kvtier_dirty_bytes", "Bytes in DRAM not yet on the disk tier: what a crash loses (all ranks).",
                     None),
-    "redis_breaker_state": ("kvtier_redis_breaker_state", ("Shared-tier circuit breaker, summed over ranks: 0 closed "
-                            "everywhere; 1 half-open, 2 open per rank."), None),
     "shared_lookups_pending": ("kvtier_shared_lookups_pending", ("Shared-tier lookups sent whose answer the "
                                "scheduler has not read yet."), None),
 }
 
-def _wire(s: StoreStats) -> WireStats:
-    """The redis tier's wire numbers (zeros when the store has none)."""
-    return s.tier("redis").wire or WireStats()
+
+def _wire(s: StoreStats, tier: str) -> WireStats:
+    """Shared tier ``tier``'s wire numbers (zeros when the store has none)."""
+    return s.tier(tier).wire or WireStats()
 
 
-# every payload counter is read from the store's snapshot (kvtier.core.stats) and sent as the change
-# between two snapshots
-STORE_COUNTERS: dict[str, Callable[[StoreStats], float]] = {
-    "loaded_tokens_cpu": lambda s: s.loaded_tokens.get("cpu", 0),
-    "loaded_tokens_disk": lambda s: s.loaded_tokens.get("disk", 0),
-    "loaded_tokens_redis": lambda s: s.loaded_tokens.get("redis", 0),
-    "reloaded_tokens": lambda s: s.reloaded_tokens,
-    "saved_tokens": lambda s: s.saved_tokens,
-    "load_failed_blocks": lambda s: s.load_failed_blocks,
-    "evictions_cpu": lambda s: s.tier("cpu").evictions,
-    "evictions_disk": lambda s: s.tier("disk").evictions,
-    "dropped_saves": lambda s: s.dropped_saves,
-    "corrupt_chunks": lambda s: s.corrupt_chunks,
-    "disk_write_errors": lambda s: s.tier("disk").write_errors,
-    "flush_missed_chunks": lambda s: s.flush_missed_chunks,
-    "redis_errors": lambda s: _wire(s).total_errors,
-    "redis_skipped_calls": lambda s: _wire(s).total_skipped_calls,
-    "redis_skipped_writes": lambda s: _wire(s).skipped_writes,
-    "load_bytes": lambda s: s.transfer_bytes["cpu_to_engine"],
-    "load_seconds": lambda s: s.transfer_seconds["cpu_to_engine"],
-    "save_bytes": lambda s: s.transfer_bytes["engine_to_cpu"],
-    "save_seconds": lambda s: s.transfer_seconds["engine_to_cpu"],
-}
+def _counter_readers(name: str) -> dict[str, Callable[[StoreStats], float]]:
+    return {f"loaded_tokens_{name}": lambda s: s.loaded_tokens.get(name, 0)}
 
 
-# Every rank moves the same tokens (its own KV heads of them), and vLLM sums the ranks' stats:
-# token counters are reported by rank 0 only; bytes, seconds and store counters by every rank.
-RANK0_ONLY = ("loaded_tokens_cpu", "loaded_tokens_disk", "loaded_tokens_redis", "reloaded_tokens", "saved_tokens",
-              "load_failed_blocks")
+def counters() -> dict[str, tuple[str, str, tuple[str, ...]]]:
+    """Payload counter name -> (prometheus name, help, label values), for the registered tiers
+    (:mod:`kvtier.core.tiers.registry`): ``loaded_tokens_<tier>`` for every tier,
+    ``evictions_<tier>`` for local ones, ``<tier>_write_errors`` for local lower tiers,
+    ``<tier>_errors`` / ``_skipped_calls`` / ``_skipped_writes`` for shared ones."""
+    out: dict[str, tuple[str, str, tuple[str, ...]]] = {}
+    for spec in registry.specs():
+        t = spec.name
+        out[f"loaded_tokens_{t}"] = ("kvtier_loaded_tokens", _LOADED, (t,))
+        if not spec.shared:
+            out[f"evictions_{t}"] = ("kvtier_evictions", _EVICTED, (t,))
+        if not spec.shared and not spec.top:
+            out[f"{t}_write_errors"] = (f"kvtier_{t}_write_errors", (f"Chunk writes to the {t} tier that failed "
+                                        "in its storage (full or read-only, I/O error); those chunks were not "
+                                        "stored."), ())
+        if spec.shared:
+            out[f"{t}_errors"] = (f"kvtier_{t}_errors", (f"Shared-tier ({t}) calls that failed: timeout, "
+                                  "connection, server error."), ())
+            out[f"{t}_skipped_calls"] = (f"kvtier_{t}_skipped_calls", (f"Shared-tier ({t}) calls not made: "
+                                         "breaker open or queue full."), ())
+            out[f"{t}_skipped_writes"] = (f"kvtier_{t}_skipped_writes", (f"Chunks not written to the shared tier "
+                                          f"({t}): breaker open, queue full or the write failed."), ())
+    return {**out, **_PLAIN_COUNTERS}
+
+
+def gauges() -> dict[str, tuple[str, str, str | None]]:
+    """Payload gauge name -> (prometheus name, help, ``tier`` label value or None), for the
+    registered tiers: usage, capacity and pins of each local tier, the breaker of each shared one."""
+    out: dict[str, tuple[str, str, str | None]] = {}
+    for spec in registry.specs():
+        t = spec.name
+        if spec.shared:
+            out[f"{t}_breaker_state"] = (f"kvtier_{t}_breaker_state", (f"Shared-tier ({t}) circuit breaker, summed "
+                                         "over ranks: 0 closed everywhere; 1 half-open, 2 open per rank."), None)
+            continue
+        out[f"usage_bytes_{t}"] = ("kvtier_usage_bytes", "Bytes held by kvtier, by tier (all ranks).", t)
+        out[f"capacity_bytes_{t}"] = ("kvtier_capacity_bytes", "kvtier capacity in bytes, by tier (all ranks).", t)
+        out[f"pinned_chunks_{t}"] = ("kvtier_pinned_chunks",
+                                     "Chunks pinned by loads or disk writes in flight (all ranks).", t)
+        out[f"pinned_bytes_{t}"] = ("kvtier_pinned_bytes", "Bytes of chunks pinned by loads or disk writes (all ranks).", t)
+    return {**out, **_PLAIN_GAUGES}
+
+
+def store_counter_readers() -> dict[str, Callable[[StoreStats], float]]:
+    """Every payload counter read from the store's snapshot (:mod:`kvtier.core.stats`), sent as
+    the change between two snapshots."""
+    top = registry.top_tier()
+    out: dict[str, Callable[[StoreStats], float]] = {}
+    for spec in registry.specs():
+        t = spec.name
+        out.update(_counter_readers(t))
+        if not spec.shared:
+            out[f"evictions_{t}"] = lambda s, t=t: s.tier(t).evictions  # type: ignore[misc]
+        if not spec.shared and not spec.top:
+            out[f"{t}_write_errors"] = lambda s, t=t: s.tier(t).write_errors  # type: ignore[misc]
+        if spec.shared:
+            out[f"{t}_errors"] = lambda s, t=t: _wire(s, t).total_errors  # type: ignore[misc]
+            out[f"{t}_skipped_calls"] = lambda s, t=t: _wire(s, t).total_skipped_calls  # type: ignore[misc]
+            out[f"{t}_skipped_writes"] = lambda s, t=t: _wire(s, t).skipped_writes  # type: ignore[misc]
+    return {**out,
+            "reloaded_tokens": lambda s: s.reloaded_tokens,
+            "saved_tokens": lambda s: s.saved_tokens,
+            "load_failed_blocks": lambda s: s.load_failed_blocks,
+            "dropped_saves": lambda s: s.dropped_saves,
+            "corrupt_chunks": lambda s: s.corrupt_chunks,
+            "flush_missed_chunks": lambda s: s.flush_missed_chunks,
+            "load_bytes": lambda s: s.transfer_bytes[f"{top}_to_engine"],
+            "load_seconds": lambda s: s.transfer_seconds[f"{top}_to_engine"],
+            "save_bytes": lambda s: s.transfer_bytes[f"engine_to_{top}"],
+            "save_seconds": lambda s: s.transfer_seconds[f"engine_to_{top}"]}
+
+
+def rank0_only() -> tuple[str, ...]:
+    """Payload counters reported by rank 0 only.  Every rank moves the same tokens (its own KV
+    heads of them), and vLLM sums the ranks' stats: token counters come from rank 0 only; bytes,
+    seconds and store counters from every rank."""
+    return (*(f"loaded_tokens_{t}" for t in registry.available_tiers()), "reloaded_tokens", "saved_tokens",
+            "load_failed_blocks")
 
 
 def store_counters(now: StoreStats, before: StoreStats | None, tp_rank: int = 0) -> dict[str, float]:
-    """The :data:`STORE_COUNTERS` that changed from ``before`` (``None``: the store's start) to ``now``,
-    without the :data:`RANK0_ONLY` ones on other ranks than ``tp_rank`` 0."""
-    deltas = {name: read(now) - (read(before) if before is not None else 0) for name, read in STORE_COUNTERS.items()
-              if tp_rank == 0 or name not in RANK0_ONLY}
+    """The :func:`store_counter_readers` that changed from ``before`` (``None``: the store's start)
+    to ``now``, without the :func:`rank0_only` ones on other ranks than ``tp_rank`` 0."""
+    skip = rank0_only() if tp_rank else ()
+    deltas = {name: read(now) - (read(before) if before is not None else 0)
+              for name, read in store_counter_readers().items() if name not in skip}
     return {name: delta for name, delta in deltas.items() if delta}
 
 
 def store_gauges(s: StoreStats) -> dict[str, float]:
-    """The :data:`GAUGES` of one rank, read from its store's snapshot."""
-    cpu, disk = s.tier("cpu"), s.tier("disk")
-    return {"usage_bytes_cpu": cpu.used_bytes, "capacity_bytes_cpu": cpu.capacity_bytes,
-            "usage_bytes_disk": disk.used_bytes, "capacity_bytes_disk": disk.capacity_bytes,
-            "pinned_chunks_cpu": cpu.pinned_chunks, "pinned_chunks_disk": disk.pinned_chunks,
-            "pinned_bytes_cpu": cpu.pinned_chunks * s.chunk_bytes, "pinned_bytes_disk": disk.pinned_chunks * s.chunk_bytes,
-            "dirty_bytes": s.dirty_bytes,
-            **({"redis_breaker_state": wire.breaker_state} if (wire := s.tier("redis").wire) else {})}
+    """The :func:`gauges` of one rank, read from its store's snapshot."""
+    out: dict[str, float] = {"dirty_bytes": s.dirty_bytes}
+    for spec in registry.specs():
+        t, stats = spec.name, s.tier(spec.name)
+        if spec.shared:
+            if stats.wire is not None:
+                out[f"{t}_breaker_state"] = stats.wire.breaker_state
+            continue
+        out.update({f"usage_bytes_{t}": stats.used_bytes, f"capacity_bytes_{t}": stats.capacity_bytes,
+                    f"pinned_chunks_{t}": stats.pinned_chunks, f"pinned_bytes_{t}": stats.pinned_chunks * s.chunk_bytes})
+    return out
 
 
 @dataclass
@@ -215,14 +257,18 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
                  labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        extra_config = getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {}
+        registry.import_tier_modules(tuple(extra_config.get("tier_modules", ())))  # this process's registry
+        self._counter_table = counters()
+        self._gauge_table = gauges()
         self._counters: dict[str, Any] = {}
-        for prom_name, help_text, _ in COUNTERS.values():
+        for prom_name, help_text, _ in self._counter_table.values():
             if prom_name not in self._counters:
                 extra = [LABELS[prom_name]] if prom_name in LABELS else []
                 self._counters[prom_name] = self._counter_cls(name=prom_name, documentation=help_text,
                                                               labelnames=labelnames + extra)
         self._gauges: dict[str, Any] = {}
-        for prom_name, help_text, tier in GAUGES.values():
+        for prom_name, help_text, tier in self._gauge_table.values():
             if prom_name not in self._gauges:
                 self._gauges[prom_name] = self._gauge_cls(name=prom_name, documentation=help_text,
                                                           labelnames=labelnames + (["tier"] if tier else []),
@@ -234,13 +280,13 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         base = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]
         counters = transfer_stats_data.get("counters", {})
-        for key, (prom_name, _help, label) in COUNTERS.items():
+        for key, (prom_name, _help, label) in self._counter_table.items():
             child = self._counters[prom_name].labels(*base, *label)
             value = counters.get(key, 0)
             if value:
                 child.inc(value)
         for key, value in transfer_stats_data.get("gauges", {}).items():
-            if key in GAUGES:
-                prom_name, _help, tier = GAUGES[key]
+            if key in self._gauge_table:
+                prom_name, _help, tier = self._gauge_table[key]
                 self._gauges[prom_name].labels(*base, *([tier] if tier else [])).set(value)
 
