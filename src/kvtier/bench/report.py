@@ -226,8 +226,8 @@ def cdf_figures(result: CompareResult) -> tuple[str, dict[str, list[float]], dic
             runs = len(a.ok_runs)
             labels[a.arm.name] = (f"{a.arm.name} (TTFT p50 {p50.median * 1000:.0f} ms"
                                   + (f", median of {runs} runs" if runs > 1 else "") + f"; n={len(ttfts[a.arm.name])})")
-    runs = f" × {result.repeats} runs, pooled" if result.repeats > 1 else ""
-    title = f"TTFT CDF: {result.workload.name}, {len(result.workload.requests)} requests{runs}"
+    pooled = f" × {result.repeats} runs, pooled" if result.repeats > 1 else ""
+    title = f"TTFT CDF: {result.workload.name}, {len(result.workload.requests)} requests{pooled}"
     return title, ttfts, labels
 
 
