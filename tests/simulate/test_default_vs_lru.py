@@ -50,7 +50,7 @@ def sweep(trace: Trace, layout: str) -> list[tuple[int, float, float]]:
         cpu = max(1, footprint * pct // 100)
         disk = 0 if layout == "single" else max(1, footprint * min(100, 3 * pct) // 100)
 
-        def ratio(name: str) -> float:
+        def ratio(name: str, cpu: int = cpu, disk: int = disk) -> float:
             c = replay(trace, engine, cpu, disk, lambda: make_policy(name), parents)
             return 100 * (c.engine_hits + c.cpu_hits + c.disk_hits) * trace.block_tokens / c.prompt_tokens
 
