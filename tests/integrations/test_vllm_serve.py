@@ -14,6 +14,8 @@ before a SIGTERM restart is test_vllm_demo.py's case.)
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,21 @@ def _token_ids(base_url: str, model: str, prompt: str) -> list[int]:
     return [int(t) for t in r.json()["tokens"]]
 
 
+def _settled(base_url: str, condition: Callable[[dict[str, float]], bool], timeout_s: float = 5.0) -> bool:
+    """Whether ``condition`` holds of ``/metrics`` within ``timeout_s`` seconds (polled)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if condition(served_metrics(base_url)):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+
+
+def _gauges(metrics: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in metrics.items() if k.startswith(("kvtier_pinned_", "kvtier_capacity_", "kvtier_usage_"))}
+
+
 def test_sigterm_flushes_write_back_and_the_restart_reproduces_the_engines_own_prefix_cache_bit_for_bit(
         tiny_model: Path, tmp_path: Path) -> None:
     """The operator's case: a write-back server stopped with SIGTERM flushes its dirty chunks; the
@@ -64,9 +81,17 @@ def test_sigterm_flushes_write_back_and_the_restart_reproduces_the_engines_own_p
     for name, kvtier in (("first", write_back), ("restarted", disk)):
         spec = dataclasses.replace(with_kvtier, kv_transfer_config=transfer_config(kvtier))
         with Server(spec, tmp_path / f"{name}.log").start(600) as server:
+            # an idle engine steps until kvtier's first report is in: capacities show before any request
+            booted = _settled(server.base_url, lambda m: m.get("kvtier_capacity_bytes{cpu}", 0) > 0
+                              and m.get("kvtier_capacity_bytes{disk}", 0) > 0)
+            assert booted, f"capacities still 0 at idle after boot: {_gauges(served_metrics(server.base_url))}"
             ids = _token_ids(server.base_url, server.served_model, text)
             runs.append(_complete(server.base_url, server.served_model, ids))
             metrics.append(served_metrics(server.base_url))
+            # ... and until its pins are released: at idle the pin gauges read 0 within seconds
+            unpinned = _settled(server.base_url, lambda m: not any(v for k, v in m.items()
+                                                                  if k.startswith("kvtier_pinned_")))
+            assert unpinned, f"pins still shown at idle: {_gauges(served_metrics(server.base_url))}"
         # leaving the block sent SIGTERM; the server stopped gracefully (--shutdown-timeout 30)
         logs.append((tmp_path / f"{name}.log").read_text(errors="replace"))
         assert "Illegal instruction" not in logs[-1]

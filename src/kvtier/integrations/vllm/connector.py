@@ -225,6 +225,11 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 out[source] = out.get(source, 0) + n
         return out
 
+    def has_pending_push_work(self) -> bool:
+        """Keep an idle engine stepping until the workers' gauges are true (pins released, the
+        first report in), at most ``SETTLE_S`` seconds: :mod:`kvtier.integrations.vllm.settle`."""
+        return self.scheduler_side is not None and self.scheduler_side.settle.pending()
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler_side is not None
         return self.scheduler_side.build_connector_meta(scheduler_output)

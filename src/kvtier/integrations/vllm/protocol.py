@@ -117,12 +117,15 @@ class RankReport:
         namespace: this rank's store namespace digest (16 bytes; with the tp rank in it): the
             shared tier's keys are ``<prefix><namespace hex>:<chunk key hex>``, so the scheduler
             needs it to ask the shared tier about this rank's chunks.
+        busy: chunks of this rank are pinned by loads or disk writes in flight (the scheduler keeps
+            an idle engine stepping until it is false: :mod:`kvtier.integrations.vllm.settle`).
     """
 
     key_root: bytes
     changes: list[tuple[bytes, str | None]] = field(default_factory=list)
     full: bool = False
     namespace: bytes = b""
+    busy: bool = False
 
 
 @dataclass

@@ -44,6 +44,7 @@ from kvtier.integrations.vllm.groups import engine_plan, resolved_config
 from kvtier.integrations.vllm.mirror import IndexMirror
 from kvtier.integrations.vllm.protocol import KVTierMetadata, KVTierWorkerMeta, LoadJob, SaveJob
 from kvtier.integrations.vllm.remote import RemoteLookups, shared_tier_configured
+from kvtier.integrations.vllm.settle import Settle
 from kvtier.integrations.vllm.stats import KVTierStats
 
 log = logging.getLogger(__name__)
@@ -120,6 +121,7 @@ class SchedulerSide:
         self.remote = RemoteLookups(config) if load and shared_tier_configured(config) else None
         self._remote_seen: dict[str, int] = {}
         self._remote_pending_sent: int | None = None
+        self.settle = Settle()  # keeps an idle engine stepping until the workers' gauges are true
 
     def bind_kv_cache_manager(self, manager: Any) -> None:
         self._kv_cache_manager = manager
@@ -220,6 +222,7 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
         meta = KVTierMetadata(loads=self._loads)
         self._loads = []
+        self.settle.step(idle=not scheduler_output.num_scheduled_tokens and not self._requests and not self._loading)
         for load in meta.loads:
             self._planned.pop(load.req_id, None)
             self._loading[load.req_id] = frozenset(load.block_ids)
@@ -263,6 +266,7 @@ class SchedulerSide:
     def update_connector_output(self, connector_output: Any) -> None:
         """Fold the ranks' index changes (vLLM's worker → scheduler metadata) into the mirror."""
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        self.settle.observe(meta)
         if isinstance(meta, KVTierWorkerMeta):
             for rank in sorted(meta.ranks):
                 self.mirror.apply(rank, meta.ranks[rank])

@@ -171,6 +171,8 @@ class WorkerSide:
         self.key_root = b""
         self.namespace = b""
         self._store_seen: StoreStats | None = None
+        self._busy = False  # chunks pinned at the last stats() (loads or disk writes in flight)
+        self._busy_reported: bool | None = None  # busy as last told to the scheduler
         self._errors: set[int] = set()
         self._failed: set[str] = set()
         self._closed = False
@@ -315,10 +317,11 @@ class WorkerSide:
         if self.store is None:
             return None
         delta = self.store.drain_changes(MAX_INDEX_CHANGES)
-        if not delta.changes and not delta.full:
+        if not delta.changes and not delta.full and self._busy == self._busy_reported:
             return None
+        self._busy_reported = self._busy
         report = RankReport(self.key_root, [(bytes(key), tier) for key, tier in delta.changes], delta.full,
-                            self.namespace)
+                            self.namespace, busy=self._busy)
         return KVTierWorkerMeta({self.tp_rank: report})
 
     # ---- metrics and lifecycle ---------------------------------------------------------------
@@ -333,6 +336,7 @@ class WorkerSide:
         counters = store_counters(snapshot, self._store_seen, self.tp_rank)
         self._store_seen = snapshot
         gauges = dict(store_gauges(snapshot))
+        self._busy = snapshot.queued_writes > 0 or any(t.pinned_chunks for t in snapshot.tiers.values())
         if self.tp_rank == 0:  # vLLM sums the ranks' gauges: one rank reports the engine's chunk size
             gauges["chunk_tokens"] = self.chunk_tokens
         return KVTierStats(data={"counters": counters, "gauges": gauges})
