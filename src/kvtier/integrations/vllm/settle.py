@@ -73,8 +73,10 @@ class Settle:
         if self._idle_since is not None and self._clock() - self._idle_since > self.settle_s:
             if not self._gave_up:
                 self._gave_up = True
-                log.warning("kvtier: ranks %s still report pinned chunks %.0f s after the engine went idle; "
-                            "the pin gauges may be stale until the next request", sorted(self._busy), self.settle_s)
+                what = (f"ranks {sorted(self._busy)} still report pinned chunks" if self._reported
+                        else "no worker has reported yet")
+                log.warning("kvtier: %s %.0f s after the engine went idle; kvtier's gauges may be stale until "
+                            "the next request", what, self.settle_s)
             return False
         return True
 
