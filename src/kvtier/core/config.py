@@ -78,6 +78,9 @@ class KVTierConfig(BaseSettings):
     disk_fsync: bool = Field(False, description="fsync each chunk file before it becomes visible (durable across power loss).")
     shutdown_flush_s: float = Field(30.0, ge=0, allow_inf_nan=False,
                                     description="On a graceful stop, seconds allowed to write dirty DRAM chunks to disk.")
+    reset_scope: Literal["cpu", "local", "all"] = Field("local", description=(
+        "Tiers cleared when vLLM asks for an external reset (POST /reset_prefix_cache?reset_external=true): "
+        "cpu = the cpu tier; local = cpu and disk; all = also the shared tier (only this engine's namespace keys)."))
     spill_watermark: float = Field(0.1, ge=0, lt=1, allow_inf_nan=False, description="Free share of the cpu tier kept by spilling ahead.")
     tier_modules: tuple[str, ...] = Field((), description=(
         "Python modules imported before the rest is read, each registering tiers from outside kvtier "
