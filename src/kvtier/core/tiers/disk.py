@@ -469,10 +469,12 @@ class DiskTier(Tier):
 
     def clear(self) -> ClearResult:
         """Forget the index and remove every chunk file of the namespace, other processes' too
-        (:func:`~kvtier.core.tiers.diskreset.remove_chunk_files`), then the reset marker.  A scan
+        (:func:`~kvtier.core.tiers.diskreset.remove_chunk_files`), then the reset marker; the keys
+        returned are the index's and the files'.  A scan
         running meanwhile adopts nothing (the generation changes).  A write in flight may land
         after: the store removes it (:mod:`kvtier.core.lower`)."""
         with self._lock:
+            known = list(self._key_to_size)
             self._key_to_size.clear()
             self._used = 0
             self._foreign = 0
@@ -482,7 +484,8 @@ class DiskTier(Tier):
         result = remove_chunk_files(self.dir, len(self.namespace))
         if result.ok:
             unmark_reset(self.dir)
-        return result
+        # the index's keys too: files another process (a reset hook) removed first were still this tier's
+        return result._replace(keys=list(dict.fromkeys((*known, *result.keys))))
 
     def keys(self) -> list[ChunkKey]:
         """Keys in this process's index."""
