@@ -4,6 +4,7 @@ whose block dimension is not the first."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -106,6 +107,34 @@ def test_mirror_merges_ranks_through_vllm_worker_metadata(tmp_path: Path) -> Non
     assert mirror.lookup(chain) == []  # chunk 0 gone from rank 0: nothing after it is usable
     for store in stores:
         store.close()
+
+
+def test_mirror_plans_nothing_from_before_a_reset_until_the_ranks_report_their_cleared_stores(tmp_path: Path) -> None:
+    """The scheduler's side of a reset: the mirror empties at once, drops the ranks' reports sent
+    before they applied the order (their stores still held the chunks), and takes the first
+    report of the new epoch, a full snapshot of the cleared store, plus what was saved after."""
+    store = _store(tmp_path / "disk", 0)
+    root = key_root(store.namespace)
+    chain = chunk_keys(request_root(root), list(range(16)), 4)
+    mirror = IndexMirror(tp_size=1)
+    store.put(chain[:3], [bytes([i]) * 64 for i in range(3)])
+    mirror.apply(0, _report(store, root))
+    assert mirror.lookup(chain) == ["cpu"] * 3
+
+    held = mirror.reset(epoch=1)
+
+    assert held == {"cpu": chain[:3]}  # what the reset hook hands on (BlockRemoved, later)
+    assert mirror.lookup(chain) == [] and mirror.ready  # a miss, not "ask again": the order needs a step to ship
+    store.put(chain[3:4], [bytes([3]) * 64])
+    mirror.apply(0, _report(store, root))  # sent before the rank applied the order (epoch 0)
+    assert mirror.lookup(chain) == []
+    store.clear(["cpu", "disk"])  # the rank applies the order ...
+    store.put(chain[:2], [bytes([i]) * 64 for i in range(2)])  # ... and saves what this step recomputed
+    report = _report(store, root)
+    assert report.full
+    mirror.apply(0, dataclasses.replace(report, epoch=1))
+    assert mirror.lookup(chain) == ["cpu", "cpu"]
+    store.close()
 
 
 def test_mirror_refuses_ranks_that_disagree_on_the_key_root() -> None:
