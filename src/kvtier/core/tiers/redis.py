@@ -45,11 +45,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvtier.core.config import redact_url
 from kvtier.core.errors import ConfigError
-from kvtier.core.keys import KEY_BYTES, ChunkKey
+from kvtier.core.keys import ChunkKey
 from kvtier.core.stats import WireCounters, WireStats
 from kvtier.core.tiers import redisstream
 from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, TierUsage
 from kvtier.core.tiers.breaker import CircuitBreaker
+from kvtier.core.tiers.redisclear import CLEAR_DEADLINE_S, clear_namespace
 from kvtier.core.tiers.redisclient import LazyClusterClient, make_client, shared_secret
 from kvtier.core.tiers.sharedvalue import HEADER_BYTES, SharedValueError, ValueCodec, copy_payload, keyspace
 from kvtier.core.tiers.tiermetrics import TierMetrics
@@ -66,10 +67,6 @@ BATCH_BYTES = 32 << 20
 """Payload bytes of one pipelined write batch; encode buffers up to three times this are kept for reuse."""
 READ_BUFFER_BYTES = 64 << 20
 """Bytes of read buffers (standalone ``get_many``) kept for reuse."""
-CLEAR_DEADLINE_S = 30.0
-"""Longest :meth:`RedisTier.clear` waits for the server to list and delete a namespace's keys."""
-CLEAR_BATCH = 1000
-"""Keys asked per ``SCAN`` call and deleted per ``UNLINK`` while clearing."""
 WRITTEN_KEYS_MAX = 1 << 16
 """Keys this process remembers having written (``indexed``/``keys``), most recent kept."""
 
@@ -130,7 +127,7 @@ class RedisTier(Tier):
         return self._wait(op, self._submit(op, fn))
 
     def _deadline(self, op: str) -> float:
-        if op == "clear":
+        if op == "clear":  # a whole namespace listed and deleted (kvtier.core.tiers.redisclear)
             return CLEAR_DEADLINE_S
         return self.transfer_deadline_s if op in ("get", "put") else self.deadline_s
 
@@ -401,35 +398,12 @@ class RedisTier(Tier):
         return bool(removed)
 
     def clear(self) -> ClearResult:
-        """Delete every key of this tier's namespace on the server (``SCAN MATCH <prefix>`` and a chunk key's 32 hex digits, then
-        ``UNLINK`` in batches of :data:`CLEAR_BATCH`), other processes' writes of the namespace
-        included, never another namespace's; at most :data:`CLEAR_DEADLINE_S` seconds.  The
-        keys this process remembers writing are forgotten either way."""
-        # exactly <prefix><32 hex digits>: not the keys of this namespace under a shared secret's keyspace
-        pattern = _glob_escape(self.prefix) + b"?" * (2 * KEY_BYTES)
-        prefix_len = len(self.prefix)
-
-        def scan_and_unlink() -> list[ChunkKey]:
-            removed: list[ChunkKey] = []
-            batch: list[bytes] = []
-            for rk in self.client.scan_iter(match=pattern, count=CLEAR_BATCH):
-                batch.append(rk)
-                if len(batch) >= CLEAR_BATCH:
-                    self.client.unlink(*batch)
-                    removed += _chunk_keys(batch, prefix_len)
-                    batch = []
-            if batch:
-                self.client.unlink(*batch)
-                removed += _chunk_keys(batch, prefix_len)
-            return removed
-
+        """Delete every key of this tier's namespace on the server, never another namespace's
+        (:func:`kvtier.core.tiers.redisclear.clear_namespace`)."""
         with self._lock:
             self._written.clear()
             self._used = 0
-        removed = self._call("clear", scan_and_unlink)
-        if removed is None:
-            return ClearResult([], False, f"the server at {self.where} did not list and delete the namespace's keys")
-        return ClearResult(removed)
+        return clear_namespace(self.client, self.prefix, lambda fn: self._call("clear", fn), self.where)
 
     def _forget(self, key: ChunkKey) -> None:
         with self._lock:
@@ -475,46 +449,6 @@ class RedisTier(Tier):
             self.client.close()
         except Exception as exc:  # noqa: BLE001 - closing a dead connection may fail; nothing to do
             log.debug("kvtier redis tier: close: %s", exc)
-
-
-def _glob_escape(raw: bytes) -> bytes:
-    """``raw`` with Redis glob characters escaped, so a key prefix matches only itself."""
-    out = bytearray()
-    for byte in raw:
-        if byte in b"*?[]\\":
-            out += b"\\"
-        out.append(byte)
-    return bytes(out)
-
-
-def _chunk_keys(rkeys: list[bytes], prefix_len: int) -> list[ChunkKey]:
-    """The chunk keys of Redis keys ``<prefix><chunk key hex>`` (others are skipped)."""
-    out = []
-    for rk in rkeys:
-        try:
-            out.append(ChunkKey(bytes.fromhex(rk[prefix_len:].decode())))
-        except ValueError:
-            continue
-    return out
-
-
-def reset(config: KVTierConfig, namespace: bytes) -> ClearResult:
-    """Delete namespace ``namespace``'s keys from the configured server from outside any store
-    (:meth:`RedisTier.clear` on a tier made for the purpose); nothing to do without ``redis_url``."""
-    from prometheus_client import CollectorRegistry
-
-    from kvtier.core.tiers.registry import TierContext
-
-    try:
-        tier = from_config(TierContext(config, namespace, 0, 1, CollectorRegistry()))
-    except ConfigError as exc:
-        return ClearResult([], False, str(exc))
-    if tier is None:
-        return ClearResult([])
-    try:
-        return tier.clear()
-    finally:
-        tier.close()
 
 
 def _response_errors() -> type[Exception]:

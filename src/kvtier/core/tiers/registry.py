@@ -114,7 +114,7 @@ BUILTIN = (
              reset="kvtier.core.tiers.diskreset:reset"),
     TierSpec("redis", 20, True, "external_unspecified", "kvtier.core.tiers.redis:from_config",
              "kvtier.core.tiers.redis:configured", keys=("redis_url",), check="kvtier.core.tiers.redis:check",
-             reset="kvtier.core.tiers.redis:reset"),
+             reset="kvtier.core.tiers.redisclear:reset"),
 )
 """The tiers shipped with kvtier: one line each."""
 
