@@ -24,7 +24,7 @@ class ResetOutcome:
     """What :func:`reset_outside` did.
 
     Attributes:
-        removed: chunk keys removed, by tier (all ranks' namespaces together).
+        removed: chunk keys removed, by tier (all ranks' namespaces together, each key once).
         problems: one phrase per tier and namespace that could not be cleared whole.
         unknown_namespaces: ranks whose namespace was not reported yet (a fresh engine that ran no
             step): their tiers are cleared by the workers when the order arrives, before any load.
@@ -60,4 +60,6 @@ def reset_outside(config: KVTierConfig, tiers: Sequence[str], namespaces: Sequen
             out.removed.setdefault(tier, []).extend(bytes(k) for k in result.keys)
             if not result.ok:
                 out.problems.append(f"{tier} tier of namespace {namespace.hex()}: {result.reason}")
+    # every rank stores its own KV heads of a chunk under the same key: one key per chunk
+    out.removed = {tier: list(dict.fromkeys(keys)) for tier, keys in out.removed.items()}
     return out

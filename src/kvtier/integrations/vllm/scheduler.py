@@ -327,7 +327,7 @@ class SchedulerSide:
             self.remote.forget_all()  # answers asked before the reset may count chunks it removes
         self._reset_order = ResetOrder(self._reset_epoch, tiers)
         outcome = reset_outside(self.config, tiers, self.mirror.namespaces)
-        self.removed_by_reset({t: planned.get(t, []) + outcome.removed.get(t, [])
+        self.removed_by_reset({t: list(dict.fromkeys((*planned.get(t, ()), *outcome.removed.get(t, ()))))
                                for t in dict.fromkeys((*planned, *outcome.removed))})
         self._count_reset("resets")
         if outcome.problems:
