@@ -153,6 +153,28 @@ def test_other_namespace_never_sees_the_chunk(harness, tier):
         other.close()
 
 
+def test_clear_removes_the_namespace_and_never_another(harness, tier):
+    for i in range(1, 4):
+        tier.put(key(i), data(i))
+    other = harness.make(OTHER_NS) if harness.tamper is not None else None  # a namespace stored beside it
+    try:
+        if other is not None:
+            other.put(key(1), data(1))
+        result = tier.clear()
+        assert result.ok and sorted(result.keys) == [key(i) for i in range(1, 4)]
+        assert not any(tier.contains(key(i)) for i in range(1, 4))
+        assert read(tier, key(2))[0] is GetResult.MISS
+        assert tier.usage().num_chunks == 0 and tier.keys() == []
+        tier.check()
+        assert tier.put(key(2), data(2)) is PutResult.STORED  # usable at once
+        assert read(tier, key(2)) == (GetResult.HIT, data(2))
+        if other is not None:
+            assert read(other, key(1)) == (GetResult.HIT, data(1))
+    finally:
+        if other is not None:
+            other.close()
+
+
 def test_concurrent_callers_get_exact_bytes(tier):
     errors: list[str] = []
 

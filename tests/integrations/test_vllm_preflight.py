@@ -48,6 +48,7 @@ def test_a_good_config_has_no_problem(tmp_path):
     ({"cpu_gib": -4}, "'cpu_gib'"),
     ({"chunk_tokens": 0}, "'chunk_tokens'"),
     ({"write_mode": "write-around"}, "'write_mode'"),
+    ({"reset_scope": "everything"}, "'reset_scope': must be one of cpu, local, all (got 'everything')"),
     ({"disk_gib": 10}, "disk_gib is set but disk_path is not"),
     ({"disk_path": "/proc/kvtier", "disk_gib": 1}, "proc filesystem mounted at /proc"),
     ({"disk_path": "/sys/kvtier", "disk_gib": 1}, "sysfs filesystem"),

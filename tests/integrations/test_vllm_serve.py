@@ -8,7 +8,9 @@ request from disk, bit for bit as vLLM's own prefix cache holding the same prefi
 engine runs in bfloat16: a fresh engine whose first forward runs over loaded KV reaches vLLM's
 AMX attention kernel before any oneDNN GEMM has asked for AMX permission, which kills the process
 with SIGILL on AMX CPUs unless the connector asked first.  (kvtier's default write-through save
-before a SIGTERM restart is test_vllm_demo.py's case.)
+before a SIGTERM restart is test_vllm_demo.py's case.)  The restarted server then takes an external
+reset (``/reset_prefix_cache?reset_external=true``): the files are gone when it answers, and the
+repeat of the prompt comes from no cache, bit for bit as the first server's cold run.
 """
 
 from __future__ import annotations
@@ -57,6 +59,29 @@ def _settled(base_url: str, condition: Callable[[dict[str, float]], bool], timeo
 
 def _gauges(metrics: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in metrics.items() if k.startswith(("kvtier_pinned_", "kvtier_capacity_", "kvtier_usage_"))}
+def _reset_and_repeat(base_url: str, model: str, ids: list[int], disk_path: Path) -> tuple[dict[str, Any], dict[str, float]]:
+    """``POST /reset_prefix_cache?reset_external=true`` on a server that just served ``ids`` (vLLM's
+    own prefix cache and kvtier's tiers hold it), then ``ids`` again: nothing of it may come from
+    any cache.  Returns the repeat's completion and the metrics after it."""
+    r = httpx.post(base_url + "/reset_prefix_cache", params={"reset_external": "true"}, timeout=60.0)
+    r.raise_for_status()
+    assert r.json() == {"success": True}
+    # done means a restart now would find nothing: the chunk files went before the answer, though no
+    # step has run since (the workers clear their stores with the next one)
+    assert list(disk_path.glob("*/*/*.kvc")) == []
+    before = served_metrics(base_url)
+    repeat = _complete(base_url, model, ids)
+    after = served_metrics(base_url)
+
+    def grew(prefix: str) -> float:
+        return sum(v for k, v in after.items() if k.startswith(prefix)) - \
+            sum(v for k, v in before.items() if k.startswith(prefix))
+
+    assert grew("kvtier_loaded_tokens_total") == 0, "a reset kvtier served cached tokens"
+    assert grew("vllm:external_prefix_cache_hits_total") == 0
+    assert grew("vllm:prefix_cache_hits_total") == 0  # vLLM's own cache was reset too
+    assert not list(disk_path.glob("*/reset-pending")), "the workers applied the reset with the repeat's step"
+    return repeat, after
 
 
 def test_sigterm_flushes_write_back_and_the_restart_reproduces_the_engines_own_prefix_cache_bit_for_bit(
@@ -79,7 +104,8 @@ def test_sigterm_flushes_write_back_and_the_restart_reproduces_the_engines_own_p
     text = random_prompt(401, 420)
     runs, metrics, logs = [], [], []
     for name, kvtier in (("first", write_back), ("restarted", disk)):
-        spec = dataclasses.replace(with_kvtier, kv_transfer_config=transfer_config(kvtier))
+        spec = dataclasses.replace(with_kvtier, kv_transfer_config=transfer_config(kvtier),
+                                   env={"VLLM_SERVER_DEV_MODE": "1"})  # POST /reset_prefix_cache
         with Server(spec, tmp_path / f"{name}.log").start(600) as server:
             # an idle engine steps until kvtier's first report is in: capacities show before any request
             booted = _settled(server.base_url, lambda m: m.get("kvtier_capacity_bytes{cpu}", 0) > 0
@@ -92,6 +118,9 @@ def test_sigterm_flushes_write_back_and_the_restart_reproduces_the_engines_own_p
             unpinned = _settled(server.base_url, lambda m: not any(v for k, v in m.items()
                                                                   if k.startswith("kvtier_pinned_")))
             assert unpinned, f"pins still shown at idle: {_gauges(served_metrics(server.base_url))}"
+            if name == "restarted":
+                after_reset, reset_metrics = _reset_and_repeat(server.base_url, server.served_model, ids,
+                                                               tmp_path / "disk")
         # leaving the block sent SIGTERM; the server stopped gracefully (--shutdown-timeout 30)
         logs.append((tmp_path / f"{name}.log").read_text(errors="replace"))
         assert "Illegal instruction" not in logs[-1]
@@ -101,6 +130,11 @@ def test_sigterm_flushes_write_back_and_the_restart_reproduces_the_engines_own_p
     loaded = int(metrics[1].get("kvtier_loaded_tokens_total{disk}", 0))
     assert loaded == (len(ids) - 1) // 128 * 128 >= 768, "the restarted server must load every full chunk from disk"
     assert metrics[1].get("vllm:external_prefix_cache_hits_total", 0) == loaded
+    # after the reset nothing is cached anywhere: the repeat computes the whole prompt, as the first
+    # server's cold run did (same threads): equal bit for bit
+    assert after_reset["tokens"] == runs[0]["tokens"] and after_reset["logprobs"] == runs[0]["logprobs"]
+    assert reset_metrics.get("kvtier_resets_total", 0) == 1
+    assert reset_metrics.get("kvtier_reset_chunks_total{disk}", 0) >= loaded // 128  # the files the restart indexed
     assert runs[0]["tokens"] == runs[1]["tokens"]  # the cold run agrees on the tokens ...
     assert max(abs(a - b) for a, b in zip(runs[0]["logprobs"], runs[1]["logprobs"])) < TOLERANCE  # ... within bf16
 

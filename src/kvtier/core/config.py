@@ -31,6 +31,7 @@ from kvtier.core.errors import ConfigError
 from kvtier.core.policies.admission import available_admissions
 from kvtier.core.policies.registry import available_policies
 from kvtier.core.tiers.registry import (
+    RESET_SCOPES,
     available_tiers,
     import_tier_modules,
     lower_tiers,
@@ -78,6 +79,9 @@ class KVTierConfig(BaseSettings):
     disk_fsync: bool = Field(False, description="fsync each chunk file before it becomes visible (durable across power loss).")
     shutdown_flush_s: float = Field(30.0, ge=0, allow_inf_nan=False,
                                     description="On a graceful stop, seconds allowed to write dirty DRAM chunks to disk.")
+    reset_scope: str = Field("local", description=(
+        "Tiers cleared when vLLM asks for an external reset (POST /reset_prefix_cache?reset_external=true): "
+        "cpu = the cpu tier; local = cpu and disk; all = also the shared tier (only this engine's namespace keys)."))
     spill_watermark: float = Field(0.1, ge=0, lt=1, allow_inf_nan=False, description="Free share of the cpu tier kept by spilling ahead.")
     tier_modules: tuple[str, ...] = Field((), description=(
         "Python modules imported before the rest is read, each registering tiers from outside kvtier "
@@ -140,6 +144,13 @@ class KVTierConfig(BaseSettings):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError("must be auto or a positive whole number of tokens that every KV cache group's block "
                              "size divides, e.g. 128")
+        return value
+
+    @field_validator("reset_scope")
+    @classmethod
+    def _known_reset_scope(cls, value: str) -> str:
+        if value not in RESET_SCOPES:  # the scopes' names come from the tier registry
+            raise ValueError(f"must be one of {', '.join(RESET_SCOPES)}")
         return value
 
     @field_validator("cpu_gib")

@@ -65,6 +65,7 @@ class StoreHandle:
         indices: position of each key in the chain passed to ``prepare_store``.
         parents: the previous key in the chain for each key (``None`` for chunk 0).
         buffers: writable uint8 arrays ``[chunk_bytes]``; fill them, then call ``complete_store``.
+        epoch: the store's reset epoch when the pages were reserved (a reset since: nothing is published).
     """
 
     keys: list[ChunkKey]
@@ -72,6 +73,7 @@ class StoreHandle:
     parents: list[ChunkKey | None]
     buffers: list[np.ndarray]
     done: bool = False
+    epoch: int = 0
 
     @property
     def num_chunks(self) -> int:

@@ -33,7 +33,15 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.policies import EvictionPolicy, make_policy
 from kvtier.core.policies.admission import AdmissionPolicy, AdmitAll
 from kvtier.core.stats import StoreCounters
-from kvtier.core.tiers.base import ExactUsage, Generational, GetResult, PutResult, Rescannable, Tier
+from kvtier.core.tiers.base import (
+    ClearResult,
+    ExactUsage,
+    Generational,
+    GetResult,
+    PutResult,
+    Rescannable,
+    Tier,
+)
 from kvtier.core.tiers.registry import top_tier
 
 log = logging.getLogger("kvtier.core.store")
@@ -47,12 +55,15 @@ class WriteJob:
         key / parent: the chunk and the previous chunk of its chain (``None`` for chunk 0).
         data: a private staged copy of the bytes, or ``None`` to read the pinned top-tier page.
         evict_after: drop the chunk from the top tier once written (spill ahead).
+        epoch: the tier's reset epoch when queued (set by :meth:`LowerTier.enqueue`); a write of an
+            older epoch is dropped, or its chunk deleted if it landed after the reset.
     """
 
     key: ChunkKey
     parent: ChunkKey | None
     data: np.ndarray | None
     evict_after: bool
+    epoch: int = 0
 
     @property
     def from_top(self) -> bool:
@@ -97,6 +108,7 @@ class LowerTier:
         self._on_change = on_change
         self._on_resync = on_resync
         self._generation = tier.generation if isinstance(tier, Generational) else 0
+        self.epoch = 0  # resets of this tier so far (clear_locked)
         self.queue: queue.Queue[WriteJob | None] = queue.Queue(maxsize=queue_depth)
         self.readers = ThreadPoolExecutor(io_threads, thread_name_prefix=f"kvtier-{self.name}-lookup") \
             if tier.shared else None
@@ -164,6 +176,7 @@ class LowerTier:
     # ---- writes --------------------------------------------------------------------------
     def enqueue(self, job: WriteJob) -> bool:
         """Queue ``job``; ``False`` (counted in ``dropped_saves``) if the queue is full."""
+        job.epoch = self.epoch
         try:
             self.queue.put_nowait(job)
             return True
@@ -230,6 +243,9 @@ class LowerTier:
     def _write(self, job: WriteJob) -> None:
         tier = self.tier
         with self._lock:
+            if job.epoch != self.epoch:  # queued before a reset of this tier: what it would write is gone
+                self._on_written(job, self.name, False)
+                return
             data = self._source(job.key) if job.from_top else job.data
             room = self._make_room_locked(tier.stored_bytes(data.size if data is not None else 0))
             if room:
@@ -241,6 +257,15 @@ class LowerTier:
         seconds = time.perf_counter() - t0
         ok = result.stored
         with self._lock:
+            if job.epoch != self.epoch:  # the tier was reset while this write ran: it must not resurrect the chunk
+                if result is PutResult.STORED:
+                    tier.delete(job.key)
+                result, ok = PutResult.FAILED, False
+                if room:
+                    self.unpin_locked(job.key)
+                self._on_change(job.key)
+                self._on_written(job, self.name, False)
+                return
             generation = tier.generation if isinstance(tier, Generational) else 0
             if generation != self._generation and self.policy is not None:
                 # the tier lost its contents (a recreated directory): resync the policy
@@ -260,6 +285,20 @@ class LowerTier:
             self._on_written(job, self.name, ok)
         if result is PutResult.STORED and data is not None:
             self._counters.moved(f"{self._top_name}_to_{self.name}", data.size, seconds)
+
+    def clear_locked(self) -> ClearResult:
+        """A reset of this tier: bump :attr:`epoch` (queued and running writes are dropped, see
+        :meth:`_write`), clear the tier (:meth:`~kvtier.core.tiers.base.Tier.clear`), forget its
+        policy.  Pins stay with their owners (a read in flight; its promotion is dropped by the
+        store's epoch).  The store's lock held; the store resyncs its change feed."""
+        self.epoch += 1
+        result = self.tier.clear()
+        if self.policy is not None:
+            for key in list(self.policy.keys()):
+                self.policy.remove(key)
+        if isinstance(self.tier, Generational):
+            self._generation = self.tier.generation  # cleared on purpose, not a vanished directory
+        return result
 
     # ---- lifecycle -----------------------------------------------------------------------
     def flush(self, deadline: float | None) -> bool:

@@ -47,6 +47,7 @@ class Promotion(NamedTuple):
         buffer: uint8 ``[chunk_bytes]`` the tier reads into: a reserved cpu page, or a private buffer.
         reserved: ``buffer`` is a reserved cpu page (published if the read succeeds, given back if not).
         tier: the lower tier holding the chunk (pinned there if local).
+        epoch: the store's reset epoch when it was planned (a reset since: the chunk is dropped).
     """
 
     pos: int
@@ -54,6 +55,7 @@ class Promotion(NamedTuple):
     buffer: np.ndarray
     reserved: bool
     tier: LowerTier
+    epoch: int = 0
 
 
 class Promoter:
@@ -86,7 +88,7 @@ class Promoter:
         got = self.cpu.reserve(key) if self.top.free_page() else NoRoom.NO_ROOM
         reserved = isinstance(got, Reservation)
         buf = got.buffer if isinstance(got, Reservation) else np.empty(self.chunk_bytes, dtype=np.uint8)
-        promotions.append(Promotion(pos, key, buf, reserved, lt))
+        promotions.append(Promotion(pos, key, buf, reserved, lt, self.top.epoch))
         return buf
 
     def run(self, chain: Sequence[ChunkKey], handle: LoadHandle, promotions: list[Promotion],
@@ -110,9 +112,10 @@ class Promoter:
             results.extend(got)
             hits = sum(1 for r in got if r is GetResult.HIT)
             self.counters.moved(f"{lt.name}_to_{self.cpu.name}", hits * self.chunk_bytes, seconds)
-        failed = [p.pos for p, res in zip(batch, results) if res is not GetResult.HIT]
-        cut = min(failed) if failed else None
         with self._lock:
+            # a reset since the load was planned: what was read is pre-reset, never published or served
+            failed = [p.pos for p, res in zip(batch, results) if res is not GetResult.HIT or p.epoch != self.top.epoch]
+            cut = min(failed) if failed else None
             for p, res in zip(batch, results):
                 if not p.tier.shared:
                     p.tier.unpin_locked(p.key)

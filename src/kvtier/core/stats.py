@@ -140,6 +140,7 @@ class TierStats:
             directory, an I/O error); each such chunk is not stored.  A remote tier's failed writes
             are in ``wire.skipped_writes``.
         wire: a remote tier's wire numbers (:class:`WireStats`); ``None`` for a local tier.
+        reset_chunks: chunks removed from this tier by resets (:meth:`kvtier.core.store.TieredStore.clear`).
     """
 
     used_bytes: int = 0
@@ -152,6 +153,7 @@ class TierStats:
     pinned_chunks: int = 0
     wire: WireStats | None = None
     write_errors: int = 0
+    reset_chunks: int = 0
 
 
 @dataclass(frozen=True)
@@ -240,6 +242,7 @@ class StoreCounters:
         self.reloaded_tokens = 0
         self.saved_tokens = 0
         self.load_failed_blocks = 0
+        self.reset_chunks: Counter[str] = Counter()
 
     def looked_up(self, num_chunks: int, found: Mapping[str, int]) -> None:
         """A lookup of ``num_chunks`` chunks found ``found[tier]`` chunks in each tier."""
@@ -294,6 +297,11 @@ class StoreCounters:
         with self._lock:
             self.saved_tokens += num_tokens
 
+    def reset_removed(self, tier: str, num_chunks: int) -> None:
+        """A reset removed ``num_chunks`` chunks from ``tier``."""
+        with self._lock:
+            self.reset_chunks[tier] += num_chunks
+
     def engine_load_failed(self, num_blocks: int) -> None:
         with self._lock:
             self.load_failed_blocks += num_blocks
@@ -321,7 +329,7 @@ class StoreCounters:
         with self._lock:
             merged = {name: TierStats(t.used_bytes, t.capacity_bytes, t.num_chunks, self.lookup_hit_chunks[name],
                                       self.load_hit_chunks[name], self.evictions[name], t.corrupt_chunks,
-                                      t.pinned_chunks, t.wire, t.write_errors)
+                                      t.pinned_chunks, t.wire, t.write_errors, self.reset_chunks[name])
                       for name, t in tiers.items()}
             return StoreStats(chunk_bytes, chunk_tokens, merged, self.lookup_chunks, self.failed_loads,
                               self.dropped_saves, self.saved_chunks, self.flush_missed_chunks,

@@ -35,6 +35,13 @@ outside it on pinned chunks):
   stored chunk queued at once.  Queues are bounded (``save_queue_depth``): a write that does not
   fit is dropped and counted in ``dropped_saves``; callers are never blocked.  A background
   spill keeps ``spill_watermark`` of the top tier's pages free so that saves rarely wait.
+- ``clear(tiers) -> {tier: ClearResult}``: a reset (vLLM's external prefix-cache reset): drops
+  every chunk of the named tiers at once, and bumps :attr:`TieredStore.epoch`.  Chunks pinned by a
+  load in flight become invisible at once and are freed when unpinned; a save or promotion
+  started before the reset does not publish; a queued or running write of a cleared lower tier
+  is dropped, or its chunk deleted if it landed after the clear; a scan of other processes'
+  files running meanwhile adopts nothing.  A caller that copied bytes out of a load started
+  before the reset compares ``epoch`` to tell (:mod:`kvtier.integrations.vllm.loader`).
 - ``check_integrity()``: each tier's accounting, policies track exactly the resident chunks, and
   no pins remain (call it once all requests are done).
 
@@ -48,7 +55,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
 from prometheus_client import CollectorRegistry
@@ -65,7 +72,7 @@ from kvtier.core.policies.admission import make_admission
 from kvtier.core.promotion import Promoter, Promotion
 from kvtier.core.shared import SharedLookups
 from kvtier.core.stats import StoreCounters, StoreStats, TierStats
-from kvtier.core.tiers.base import AlreadyHeld, NoRoom, StagingTier, Tier
+from kvtier.core.tiers.base import AlreadyHeld, ClearResult, NoRoom, StagingTier, Tier
 from kvtier.core.tiers.registry import TierContext, make_tier
 from kvtier.core.top import TopTier
 
@@ -163,7 +170,37 @@ class TieredStore(ChangeFeedMixin):
         return bool(self._local) and self.top.holds(key) and not any(lt.tier.indexed(key) for lt in self._local)
 
     def _held_keys_locked(self) -> list[ChunkKey]:
-        return [*self.cpu.keys(), *self.top.staged, *(k for lt in self._local for k in lt.tier.keys())]  # noqa: SIM118
+        doomed = self.top.doomed
+        return [*(k for k in self.cpu.keys() if k not in doomed), *self.top.staged,  # noqa: SIM118
+                *(k for lt in self._local for k in lt.tier.keys())]  # noqa: SIM118
+
+    @property
+    def epoch(self) -> int:
+        """Resets so far (:meth:`clear`); a load started under another epoch serves pre-reset bytes."""
+        return self.top.epoch
+
+    def clear(self, tiers: Collection[str]) -> dict[str, ClearResult]:
+        """Reset: drop every chunk of the store's tiers named in ``tiers`` (names it lacks are
+        ignored) and bump :attr:`epoch`; see the module docstring for what is in flight.  The next
+        :meth:`drain_changes` is a full snapshot.  Runs the tiers' removals under the store's lock
+        (a rare operator action: loads and saves wait for it).
+
+        Returns:
+            per tier cleared, what it removed (``ok`` False, with a reason, where something could
+            not be removed); counted in each tier's ``reset_chunks``.
+        """
+        out: dict[str, ClearResult] = {}
+        with self._lock:
+            self.top.epoch += 1  # even when the top tier is kept: no promotion or save of before publishes
+            if self.cpu.name in tiers:
+                out[self.cpu.name] = ClearResult(self.top.clear())
+            for lt in self.lower:
+                if lt.name in tiers:
+                    out[lt.name] = lt.clear_locked()
+            self._resync_locked()
+        for name, result in out.items():
+            self.counters.reset_removed(name, len(result.keys))
+        return out
 
     def tier(self, name: str) -> Tier | None:
         """The tier called ``name``, or ``None`` if the store has none."""
@@ -213,7 +250,7 @@ class TieredStore(ChangeFeedMixin):
         with self._lock:
             for i in range(limit):
                 key = chain[i]
-                if self.cpu.contains(key):
+                if self.top.resident(key):
                     self.top.pin(key)
                     handle.pinned.append(key)
                     buf = self.cpu.view(key)
@@ -293,7 +330,7 @@ class TieredStore(ChangeFeedMixin):
                 self.top.unpin(key)
             handle.pinned = []
             if refresh and handle.keys:
-                self.top.used([k for k in handle.keys if self.cpu.contains(k)])
+                self.top.used([k for k in handle.keys if self.top.resident(k)])
                 for lt in self._local:
                     used = [k for k, t in zip(handle.keys, handle.tiers) if t == lt.name]
                     if used and lt.policy is not None:
@@ -304,6 +341,7 @@ class TieredStore(ChangeFeedMixin):
         """Reserve top-tier pages for ``chain[start:]`` chunks not stored yet (see module docstring)."""
         handle = StoreHandle([], [], [], [])
         with self._lock:
+            handle.epoch = self.top.epoch
             for i in range(start, len(chain)):
                 key = chain[i]
                 if self.top.holds(key) or any(lt.tier.indexed(key) for lt in self._local):
@@ -327,6 +365,7 @@ class TieredStore(ChangeFeedMixin):
             if handle.done:
                 return
             handle.done = True
+            success = success and handle.epoch == self.top.epoch  # bytes copied before a reset: not stored
             for key, parent in zip(handle.keys, handle.parents):
                 if not success:
                     self.cpu.abort(key)
@@ -422,7 +461,7 @@ class TieredStore(ChangeFeedMixin):
             while time.monotonic() < deadline:
                 with self._lock:
                     missing = [lt for lt in self._local if not lt.tier.indexed(key)]
-                    if not self.cpu.contains(key) or key in self.top.writing or not missing:
+                    if not self.top.resident(key) or key in self.top.writing or not missing:
                         break  # evicted (then staged and queued), already on its way, or written
                     if not any(lt.queue.full() for lt in missing):
                         for lt in missing:

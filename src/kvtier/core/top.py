@@ -6,7 +6,10 @@ are promoted into them.  :class:`TopTier` tracks
 - ``pins``: chunks that callers hold views of, or that a write job reads; never evicted;
 - ``staged``: private copies of chunks already evicted from the pages but still queued for a
   write-back tier; servable until every queued write of them is done (``pending``);
-- ``parent``: the previous chunk of each resident chunk's chain, for the policies.
+- ``parent``: the previous chunk of each resident chunk's chain, for the policies;
+- ``epoch``: the store's reset count; ``doomed``: chunks a reset (:meth:`TopTier.clear`) dropped
+  while they were pinned: invisible at once (``holds``/``resident`` say no), their pages freed
+  when the last pin goes.
 
 Eviction lives here too: when a page is needed the policy's victim (never a pinned chunk) leaves;
 a write-back tier (``back``) that lacks it gets a staged copy queued, so the page is free at once;
@@ -55,12 +58,18 @@ class TopTier:
         self.staged: dict[ChunkKey, StagedCopy] = {}
         self.parent: dict[ChunkKey, ChunkKey | None] = {}
         self.uses: Counter[ChunkKey] = Counter()  # times each resident chunk was served (admission)
+        self.epoch = 0  # resets so far (the store's; promotions and saves started in an older one are dropped)
+        self.doomed: set[ChunkKey] = set()  # dropped by a reset while pinned: freed at the last unpin
         self._counters = counters
         self.on_change: Callable[[ChunkKey], None] = lambda key: None  # the store's change feed
 
     def holds(self, key: ChunkKey) -> bool:
-        """Resident in a page or staged."""
-        return self.tier.contains(key) or key in self.staged
+        """Resident in a page or staged (a doomed chunk is neither)."""
+        return self.resident(key) or key in self.staged
+
+    def resident(self, key: ChunkKey) -> bool:
+        """In a page and not doomed by a reset."""
+        return self.tier.contains(key) and key not in self.doomed
 
     def pin(self, key: ChunkKey) -> None:
         self.pins[key] += 1
@@ -69,6 +78,27 @@ class TopTier:
         self.pins[key] -= 1
         if self.pins[key] <= 0:
             del self.pins[key]
+            if key in self.doomed:
+                self.doomed.discard(key)
+                self._drop(key)
+
+    def clear(self) -> list[ChunkKey]:
+        """A reset: drop every resident and staged chunk now, except pinned ones, which become
+        doomed (freed at their last unpin).  Reserved pages stay with their owners (a save or a
+        promotion), which give them back when they see the new :attr:`epoch` (the store bumps it).
+        Returns the keys dropped or doomed."""
+        removed = [k for k in self.tier.keys() if k not in self.doomed]  # noqa: SIM118 - a list
+        for key in removed:
+            if key in self.pins:
+                self.doomed.add(key)
+            else:
+                self._drop(key)
+        for key in list(self.staged):  # queued writes keep their copies; the store drops those writes
+            del self.staged[key]
+            if key not in removed:
+                removed.append(key)
+            self.on_change(key)
+        return removed
 
     def evictable(self, key: ChunkKey) -> bool:
         return key not in self.pins
@@ -97,13 +127,16 @@ class TopTier:
                 self.on_change(key)
 
     def evict(self, key: ChunkKey) -> None:
-        """Drop a resident chunk from its page."""
+        """Drop a resident chunk from its page (an eviction, counted)."""
+        self._drop(key)
+        self._counters.evicted(self.name)
+
+    def _drop(self, key: ChunkKey) -> None:
         self.tier.delete(key)
         self.policy.remove(key)
         self.parent.pop(key, None)
         self.uses.pop(key, None)
         self.on_change(key)
-        self._counters.evicted(self.name)
 
     # ---- eviction and spill --------------------------------------------------------------
     def free_page(self) -> bool:
@@ -180,7 +213,7 @@ class TopTier:
             self.release_staged(job.key)
             return
         self._done_writing(job.key)
-        if job.evict_after and ok and self.tier.contains(job.key) and job.key not in self.pins:
+        if job.evict_after and ok and self.resident(job.key) and job.key not in self.pins:
             self.evict(job.key)
 
     def check(self) -> None:

@@ -37,6 +37,10 @@ Operations (none raises on a miss, a fault or bad bytes: those are results):
 - ``wire_stats()``: a remote tier's wire numbers (:class:`~kvtier.core.stats.WireStats`), which
   the store puts in its snapshot; ``None`` for a local tier.
 - ``close()``: release connections and threads; idempotent.
+- ``clear() -> ClearResult``: remove every chunk of the tier's namespace that the tier can reach
+  (a local tier: its index and its storage, other processes' files of the namespace included;
+  a shared tier: every key of its namespace on the server, never another namespace's); the
+  keys it can name are returned.  Never raises on a fault: ``ok`` is then ``False``.
 - ``get_many`` / ``put_many`` / ``delete_many``: batch forms with per-key results (a remote tier
   answers a batch in one round trip per server).
 
@@ -125,6 +129,21 @@ ReserveResult = Reservation | NoRoom | AlreadyHeld
 """Outcome of :meth:`StagingTier.reserve`: match on the type (no truth value on the enums)."""
 
 
+class ClearResult(NamedTuple):
+    """What :meth:`Tier.clear` removed.
+
+    Attributes:
+        keys: the removed chunks the tier can name (a chunk being written when the clear ran may
+            land afterwards: the store deletes it then, :mod:`kvtier.core.lower`).
+        ok: ``False`` when something could not be removed (an I/O error, an unreachable server).
+        reason: why not, one phrase for a log line (empty when ``ok``).
+    """
+
+    keys: list[ChunkKey]
+    ok: bool = True
+    reason: str = ""
+
+
 class TierUsage(NamedTuple):
     """Occupancy of one tier, in bytes (``used + free == capacity``) and chunks."""
 
@@ -187,6 +206,13 @@ class Tier(ABC):
 
     def close(self) -> None:
         """Release connections and threads.  Idempotent."""
+
+    def clear(self) -> ClearResult:
+        """Remove every chunk of the tier's namespace it can reach (see the module docstring).
+        This default deletes the keys this process knows (:meth:`keys`)."""
+        keys = self.keys()
+        self.delete_many(keys)
+        return ClearResult(keys)
 
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
         """Batch form of :meth:`contains`."""

@@ -46,9 +46,10 @@ import numpy as np
 
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
-from kvtier.core.tiers.base import GetResult, PutResult, Tier, TierUsage
+from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, TierUsage
 from kvtier.core.tiers.chunkfile import HEADER_BYTES, ChunkFormatError, decode_header, encode_header
 from kvtier.core.tiers.chunkio import DEFAULT_SLICE_BYTES, ChunkIO, helper_threads
+from kvtier.core.tiers.diskreset import remove_chunk_files, reset_marked, unmark_reset
 from kvtier.core.tiers.diskscan import (
     SUFFIX,
     RescanResult,
@@ -130,7 +131,12 @@ class DiskTier(Tier):
         self._removed: set[ChunkKey] | None = None  # keys removed while a scan runs (adopt skips them)
         self._tmp_shards: set[int] = set()  # shards holding a live writer's temporary file, listed every round
         self._watch = ShardWatch(self._root)
-        self.generation = 0  # bumped when the directory vanished and the index was dropped
+        self.generation = 0  # bumped when the directory vanished or was cleared, and the index was dropped
+        if reset_marked(self.dir):  # a reset was acknowledged and never applied (kvtier.core.tiers.diskreset)
+            gone = remove_chunk_files(self.dir, len(namespace))
+            log.info("kvtier disk tier: removed %d chunk files of %s that an acknowledged reset dropped%s",
+                     len(gone.keys), self.dir, "" if gone.ok else f" ({gone.reason})")
+            unmark_reset(self.dir)
         self._rebuild_index()
         for i in range(256):  # fan-out directories made once, not on the write path
             shard = self.dir / f"{i:02x}"
@@ -460,6 +466,26 @@ class DiskTier(Tier):
             known = key in self._key_to_size
             self._forget(key)
         return _unlink(self.path(key)) or known
+
+    def clear(self) -> ClearResult:
+        """Forget the index and remove every chunk file of the namespace, other processes' too
+        (:func:`~kvtier.core.tiers.diskreset.remove_chunk_files`), then the reset marker; the keys
+        returned are the index's and the files'.  A scan
+        running meanwhile adopts nothing (the generation changes).  A write in flight may land
+        after: the store removes it (:mod:`kvtier.core.lower`)."""
+        with self._lock:
+            known = list(self._key_to_size)
+            self._key_to_size.clear()
+            self._used = 0
+            self._foreign = 0
+            self._bad.clear()
+            self._watch.forget()
+            self.generation += 1
+        result = remove_chunk_files(self.dir, len(self.namespace))
+        if result.ok:
+            unmark_reset(self.dir)
+        # the index's keys too: files another process (a reset hook) removed first were still this tier's
+        return result._replace(keys=list(dict.fromkeys((*known, *result.keys))))
 
     def keys(self) -> list[ChunkKey]:
         """Keys in this process's index."""

@@ -48,8 +48,9 @@ from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.stats import WireCounters, WireStats
 from kvtier.core.tiers import redisstream
-from kvtier.core.tiers.base import GetResult, PutResult, Tier, TierUsage
+from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, TierUsage
 from kvtier.core.tiers.breaker import CircuitBreaker
+from kvtier.core.tiers.redisclear import CLEAR_DEADLINE_S, clear_namespace
 from kvtier.core.tiers.redisclient import LazyClusterClient, make_client, shared_secret
 from kvtier.core.tiers.sharedvalue import HEADER_BYTES, SharedValueError, ValueCodec, copy_payload, keyspace
 from kvtier.core.tiers.tiermetrics import TierMetrics
@@ -126,6 +127,8 @@ class RedisTier(Tier):
         return self._wait(op, self._submit(op, fn))
 
     def _deadline(self, op: str) -> float:
+        if op == "clear":  # a whole namespace listed and deleted (kvtier.core.tiers.redisclear)
+            return CLEAR_DEADLINE_S
         return self.transfer_deadline_s if op in ("get", "put") else self.deadline_s
 
     def _submit(self, op: str, fn: Callable[[], T]) -> tuple[Future[T], float] | None:
@@ -393,6 +396,14 @@ class RedisTier(Tier):
         self._forget(key)
         removed = self._call("delete", lambda: int(self.client.delete(rk)))
         return bool(removed)
+
+    def clear(self) -> ClearResult:
+        """Delete every key of this tier's namespace on the server, never another namespace's
+        (:func:`kvtier.core.tiers.redisclear.clear_namespace`)."""
+        with self._lock:
+            self._written.clear()
+            self._used = 0
+        return clear_namespace(self.client, self.prefix, lambda fn: self._call("clear", fn), self.where)
 
     def _forget(self, key: ChunkKey) -> None:
         with self._lock:

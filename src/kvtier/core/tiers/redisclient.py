@@ -117,6 +117,12 @@ class LazyClusterClient:
     def delete(self, *names: bytes) -> Any:
         return self.get().delete(*names)
 
+    def unlink(self, *names: bytes) -> Any:
+        return self.get().unlink(*names)
+
+    def scan_iter(self, match: bytes, count: int) -> Any:
+        return self.get().scan_iter(match=match, count=count)
+
     def close(self) -> None:
         with self._lock:
             if self._client is not None:

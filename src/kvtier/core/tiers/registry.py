@@ -35,7 +35,7 @@ from kvtier.core.errors import ConfigError
 
 if TYPE_CHECKING:
     from kvtier.core.config import KVTierConfig
-    from kvtier.core.tiers.base import Tier
+    from kvtier.core.tiers.base import ClearResult, Tier
 
 HIT_SOURCES = ("host", "disk", "p2p", "external_unspecified")
 """vLLM 0.32's ``CacheHitSource`` values a tier may report (vllm/v1/metrics/cache_hit_source.py);
@@ -67,6 +67,11 @@ class TierSpec:
         check: ``"module:function"`` of the tier's preflight, ``check(config) -> [(key, message)]``:
             what its start-up would refuse, read the way start-up reads it (files, environment);
             ``None`` if it has none.
+        reset: ``"module:function"`` dropping a namespace's chunks from outside the stores that
+            hold them, ``reset(config, namespace) -> ClearResult``; what must not survive a restart
+            once a reset is acknowledged (vLLM's scheduler calls it,
+            :mod:`kvtier.integrations.vllm.scheduler`); ``None`` for a tier that lives only in the
+            stores' processes (the cpu tier).
     """
 
     name: str
@@ -80,6 +85,7 @@ class TierSpec:
     top: bool = False
     keys: tuple[str, ...] = ()
     check: str | None = None
+    reset: str | None = None
 
 
 class TierContext(NamedTuple):
@@ -104,9 +110,11 @@ BUILTIN = (
     TierSpec("cpu", 0, False, "host", "kvtier.core.tiers.cpu:from_config", top=True,
              capabilities=frozenset({"staging", "paged"})),
     TierSpec("disk", 10, False, "disk", "kvtier.core.tiers.disk:from_config", "kvtier.core.tiers.disk:configured",
-             capabilities=frozenset({"rescannable", "generational", "exact_usage"}), keys=("disk_path", "disk_gib")),
+             capabilities=frozenset({"rescannable", "generational", "exact_usage"}), keys=("disk_path", "disk_gib"),
+             reset="kvtier.core.tiers.diskreset:reset"),
     TierSpec("redis", 20, True, "external_unspecified", "kvtier.core.tiers.redis:from_config",
-             "kvtier.core.tiers.redis:configured", keys=("redis_url",), check="kvtier.core.tiers.redis:check"),
+             "kvtier.core.tiers.redis:configured", keys=("redis_url",), check="kvtier.core.tiers.redis:check",
+             reset="kvtier.core.tiers.redisclear:reset"),
 )
 """The tiers shipped with kvtier: one line each."""
 
@@ -254,6 +262,35 @@ def check(name: str, config: KVTierConfig) -> list[tuple[str, str]]:
     if record.check is None or not configured(name, config):
         return []
     return list(cast(Callable[["KVTierConfig"], list[tuple[str, str]]], _load(record.check, name))(config))
+
+
+RESET_SCOPES = ("cpu", "local", "all")
+"""Values of ``reset_scope``: the top tier; every tier that is not shared; every tier."""
+
+
+def reset_tiers(scope: str) -> list[str]:
+    """Registered tiers a reset of ``scope`` (:data:`RESET_SCOPES`) clears, in order.
+
+    Raises:
+        ValueError: unknown scope.
+    """
+    if scope not in RESET_SCOPES:
+        raise ValueError(f"unknown reset scope {scope!r}; use one of {', '.join(RESET_SCOPES)}")
+    return [s.name for s in specs() if s.top or scope == "all" or (scope == "local" and not s.shared)]
+
+
+def reset_outside(name: str, config: KVTierConfig, namespace: bytes) -> ClearResult | None:
+    """Tier ``name``'s reset hook (:attr:`TierSpec.reset`) over ``namespace``; ``None`` when the tier
+    has none or ``config`` does not ask for it.
+
+    Raises:
+        ConfigError: unknown name, or the tier's module cannot be imported.
+    """
+    record = spec(name)
+    if record.reset is None or not configured(name, config):
+        return None
+    hook = cast(Callable[["KVTierConfig", bytes], "ClearResult"], _load(record.reset, name))
+    return hook(config, namespace)
 
 
 def settings_model(name: str) -> type[Any] | None:

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.stats import WireStats
-from kvtier.core.tiers.base import GetResult, PutResult, Tier, TierUsage
+from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, TierUsage
 
 Op = Literal["contains", "get", "put", "delete"]
 FaultKind = Literal["error", "raise", "corrupt", "truncate", "delay"]
@@ -113,6 +113,9 @@ class TierWrapper(Tier):
 
     def wire_stats(self) -> WireStats | None:
         return self.inner.wire_stats()
+
+    def clear(self) -> ClearResult:
+        return self.inner.clear()
 
     def close(self) -> None:
         self.inner.close()

@@ -245,6 +245,17 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         blocks; saves finish within their step, so they can be freed at once)."""
         return self.request_finished(request, block_ids[0] if block_ids else [])
 
+    def reset_cache(self) -> bool:
+        """vLLM's external prefix-cache reset (``POST /reset_prefix_cache?reset_external=true``), on
+        the scheduler side: clears the tiers ``reset_scope`` names for this engine's namespaces;
+        ``True`` when done, ``False`` (logged) when a tier could not be cleared
+        (:meth:`~kvtier.integrations.vllm.scheduler.SchedulerSide.reset_cache`, docs/vllm.md
+        "Resetting the cache").  vLLM counts the base class's ``None`` as success: never ``None``."""
+        if self.scheduler_side is None:
+            log.warning("kvtier: reset_cache reached a worker-side connector; only the scheduler side resets")
+            return False
+        return self.scheduler_side.reset_cache()
+
     # ---- metrics -----------------------------------------------------------------------------
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:

@@ -15,6 +15,12 @@ loader thread (``threads`` of them) then:
 4. records the blocks it could not fill (short or failed load) as load errors, then the request
    as finished receiving, in that order, so both reach vLLM no later than the same step.
 
+A reset (the store's :attr:`~kvtier.core.store.TieredStore.epoch` changed) fails every load that
+started before it and is reported after it: its blocks are reported as load errors (a hybrid
+model's request as failed), so vLLM recomputes them and nothing read before the reset reaches a
+request after it; the check is made when the outcome is taken (:meth:`AsyncLoader.take`), which
+the worker does after applying the order.
+
 Bounds: jobs in flight are bounded by the engine's KV cache (each holds its request's blocks
 until reported); a job waits for its read-ahead at most ``load_wait_s``; ``shutdown`` cancels
 jobs not started and waits for running ones.  A job whose
@@ -70,6 +76,8 @@ class AsyncLoader:
         self._errors: set[int] = set()
         self._aborted: set[str] = set()
         self._inflight: dict[str, Future[None]] = {}
+        # ended loads not yet taken: req_id -> (store epoch at their start, blocks filled; None: a page load)
+        self._filled: dict[str, tuple[int, tuple[int, ...] | None]] = {}
 
     def submit(self, job: LoadJob) -> None:
         """Start ``job`` in the background (never blocks)."""
@@ -87,6 +95,16 @@ class AsyncLoader:
         with self._lock:
             finished, errors = self._finished, self._errors
             self._finished, self._errors = set(), set()
+            epoch = self.store.epoch
+            for req_id, (started, filled) in self._filled.items():
+                if started == epoch:
+                    continue
+                if filled is None:  # a hybrid model's load: failed whole
+                    self._failed.add(req_id)
+                elif filled:
+                    errors.update(filled)
+                    self.store.counters.engine_load_failed(len(filled))
+            self._filled.clear()
             return finished, errors
 
     def take_failed(self) -> set[str]:
@@ -110,6 +128,7 @@ class AsyncLoader:
         handle = None
         ok = skipped = False
         t0 = time.perf_counter()
+        epoch = self.store.epoch  # before anything is read: a reset from here on fails the load
         try:
             with self._lock:
                 skipped = job.req_id in self._aborted
@@ -152,6 +171,8 @@ class AsyncLoader:
             with self._lock:
                 self._errors.update(failed)  # errors first: they must not reach vLLM after the finish
                 self._finished.add(job.req_id)
+                if not skipped:
+                    self._filled[job.req_id] = (epoch, job.block_ids[:max(delivered * self.k - job.first_block, 0)])
                 self._inflight.pop(job.req_id, None)
                 self._aborted.discard(job.req_id)
 
@@ -173,6 +194,7 @@ class AsyncLoader:
         assert self.groups is not None
         tiers = None
         t0 = time.perf_counter()
+        epoch = self.store.epoch  # before anything is read: a reset from here on fails the load
         try:
             with self._lock:
                 skipped = job.req_id in self._aborted
@@ -194,6 +216,8 @@ class AsyncLoader:
             if tiers is None and not skipped:
                 self._failed.add(job.req_id)
                 self.store.counters.engine_load_failed(sum(len(p.block_ids) for p in job.pages))
+            if tiers is not None:
+                self._filled[job.req_id] = (epoch, None)
             self._finished.add(job.req_id)
             self._inflight.pop(job.req_id, None)
             self._aborted.discard(job.req_id)

@@ -12,6 +12,10 @@ from the workers each step; read by ``get_num_new_matched_tokens`` without any I
   (logged once) rather than risk loading under the wrong keys.
 - Each rank's store namespace digest (its report's ``namespace``) is kept for the shared tier,
   whose keys carry it (:mod:`kvtier.integrations.vllm.remote`).
+- A reset (:meth:`IndexMirror.reset`) empties every rank's view at once and raises the mirror's
+  epoch: reports of an older epoch (sent before the rank applied the reset order) are dropped, so
+  nothing held before the reset is planned as a hit again; a rank's first report of the new epoch
+  is a full snapshot of its cleared store.
 - The mirror may lag the stores by a step or more (evictions happen meanwhile): a mirror hit is a
   promise the worker checks; a chunk gone since is reported as a load error and recomputed.
 """
@@ -42,6 +46,7 @@ class IndexMirror:
         self.key_root: bytes | None = None
         self.broken = False
         self.namespaces: list[bytes] = [b""] * tp_size
+        self.epoch = 0  # resets so far (reset); older reports are dropped
 
     @property
     def ready(self) -> bool:
@@ -53,6 +58,8 @@ class IndexMirror:
         if not 0 <= rank < self.tp_size:
             log.warning("kvtier: report from tensor-parallel rank %d of %d ignored", rank, self.tp_size)
             return
+        if report.epoch < self.epoch:
+            return  # the rank has not applied the reset yet: its news is of the store before it
         if self.key_root is None:
             self.key_root = report.key_root
         elif report.key_root != self.key_root and not self.broken:
@@ -70,6 +77,24 @@ class IndexMirror:
                 index.pop(key, None)
             else:
                 index[key] = tier
+
+    def reset(self, epoch: int) -> dict[str, list[bytes]]:
+        """Forget every rank's view and drop reports older than ``epoch`` from now on.
+
+        Returns:
+            what the mirror held, by tier (a chunk held by every rank, in the slowest of its tiers):
+            what the scheduler had planned hits from until now.
+        """
+        held: dict[str, list[bytes]] = {}
+        if self.ready:
+            for key in self._ranks[0]:
+                tier = self.tier(key)
+                if tier is not None:
+                    held.setdefault(tier, []).append(key)
+        self.epoch = epoch
+        for index in self._ranks:
+            index.clear()
+        return held
 
     def tier(self, key: bytes) -> str | None:
         """Tier of ``key`` if every rank holds it (the slowest of theirs), else ``None``."""

@@ -98,12 +98,27 @@ class SaveJob:
         return len(self.keys)
 
 
+@dataclass(frozen=True)
+class ResetOrder:
+    """Clear this rank's store (vLLM's external prefix-cache reset; the scheduler acknowledged it).
+
+    Attributes:
+        epoch: the scheduler's reset count; the rank reports it back (``RankReport.epoch``) once applied.
+        tiers: names of the tiers to clear (``reset_scope`` resolved by the registry).
+    """
+
+    epoch: int
+    tiers: tuple[str, ...]
+
+
 @dataclass
 class KVTierMetadata(KVConnectorMetadata):
-    """One step's jobs: loads start in ``start_load_kv``, saves copy in ``wait_for_save``."""
+    """One step's jobs: loads start in ``start_load_kv``, saves copy in ``wait_for_save``; a
+    ``reset`` order is applied in ``start_load_kv`` before this step's loads start."""
 
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
+    reset: ResetOrder | None = None
 
 
 @dataclass
@@ -119,6 +134,8 @@ class RankReport:
             needs it to ask the shared tier about this rank's chunks.
         busy: chunks of this rank are pinned by loads or disk writes in flight (the scheduler keeps
             an idle engine stepping until it is false: :mod:`kvtier.integrations.vllm.settle`).
+        epoch: the last :class:`ResetOrder` epoch this rank applied (0: none); the mirror drops
+            reports of an older epoch than its own.
     """
 
     key_root: bytes
@@ -126,6 +143,7 @@ class RankReport:
     full: bool = False
     namespace: bytes = b""
     busy: bool = False
+    epoch: int = 0
 
 
 @dataclass

@@ -188,6 +188,11 @@ class RemoteLookups:
         self._pending.pop(req_id, None)
         self._pending_pages.pop(req_id, None)
 
+    def forget_all(self) -> None:
+        """Drop every request's lookup (a reset: answers given before it may count removed chunks)."""
+        for req_id in {*self._pending, *self._pending_pages}:
+            self.forget(req_id)
+
     def _start(self, ask: Callable[[list[Any]], T]) -> Future[T] | None:
         """Run ``ask(tiers)`` on the lookup threads; ``None`` (counted as skipped) when the tier is
         not ready, ``shared_queue_depth`` lookups are in flight, or the pool is closed."""

@@ -17,6 +17,7 @@ Per request (``k = chunk_tokens // block_size``)::
     update_connector_output(out)             fold each rank's index changes into the mirror
     request_finished(req)                    forget the request (blocks freed at once: the
                                              copy out of the engine finished in its own step)
+    reset_cache()                            vLLM's external prefix-cache reset: see below
 
 A load job always ends with the request in ``finished_recving`` (the worker reports it whether
 the load succeeded, came up short or failed); missing blocks are reported through
@@ -39,11 +40,13 @@ from typing import Any
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import chunk_keys, request_root
+from kvtier.core.tiers.registry import reset_tiers
 from kvtier.integrations.vllm.group_jobs import GroupJobs, handoffs_of
 from kvtier.integrations.vllm.groups import engine_plan, resolved_config
 from kvtier.integrations.vllm.mirror import IndexMirror
-from kvtier.integrations.vllm.protocol import KVTierMetadata, KVTierWorkerMeta, LoadJob, SaveJob
+from kvtier.integrations.vllm.protocol import KVTierMetadata, KVTierWorkerMeta, LoadJob, ResetOrder, SaveJob
 from kvtier.integrations.vllm.remote import RemoteLookups, shared_tier_configured
+from kvtier.integrations.vllm.reset import reset_outside
 from kvtier.integrations.vllm.settle import Settle
 from kvtier.integrations.vllm.stats import KVTierStats
 
@@ -100,6 +103,7 @@ class SchedulerSide:
             log.warning("kvtier: %s", note)
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             raise ConfigError("kvtier does not support pipeline parallelism yet; use tensor parallelism only")
+        self.config = config
         self.chunk_tokens = config.chunk_tokens
         self.k = self.chunk_tokens // self.block_size
         self.load_enabled, self.save_enabled = load, save
@@ -122,6 +126,9 @@ class SchedulerSide:
         self._remote_seen: dict[str, int] = {}
         self._remote_pending_sent: int | None = None
         self.settle = Settle()  # keeps an idle engine stepping until the workers' gauges are true
+        self._reset_epoch = 0  # resets acknowledged so far
+        self._reset_order: ResetOrder | None = None  # shipped with the next step's metadata
+        self._reset_counts: dict[str, int] = {}  # reset counters not yet sent to /metrics
 
     def bind_kv_cache_manager(self, manager: Any) -> None:
         self._kv_cache_manager = manager
@@ -220,8 +227,8 @@ class SchedulerSide:
 
     # ---- per step ----------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
-        meta = KVTierMetadata(loads=self._loads)
-        self._loads = []
+        meta = KVTierMetadata(loads=self._loads, reset=self._reset_order)
+        self._loads, self._reset_order = [], None
         self.settle.step(idle=not scheduler_output.num_scheduled_tokens and not self._requests and not self._loading)
         for load in meta.loads:
             self._planned.pop(load.req_id, None)
@@ -297,19 +304,76 @@ class SchedulerSide:
         if self.remote is not None:
             self.remote.forget(req_id)
 
+    # ---- reset ---------------------------------------------------------------------------------
+    def reset_cache(self) -> bool:
+        """vLLM's external prefix-cache reset (``/reset_prefix_cache?reset_external=true``): clear the
+        tiers ``reset_scope`` names, for this engine's namespaces only.
+
+        "Done" (the return value ``True``) means, when this returns: no hit is planned from anything
+        held before (the mirror is emptied and drops the ranks' reports until they applied the
+        order); the order rides the next step's metadata, where every rank fails its loads that
+        started before (recomputed), then clears its store before that step's loads and saves; the
+        tiers that outlive the process (disk files, the shared tier's keys under ``all``) are
+        already cleared here, for every rank's namespace, and a disk directory carries a marker
+        until its rank applied the order, so a restart before the next step serves nothing of
+        before either (:mod:`kvtier.core.tiers.diskreset`).  The cpu tier is emptied by the next
+        step (the engine idle: its pages wait, unreachable, since nothing plans a hit from them).
+
+        Returns:
+            ``False`` (one log line saying why) when a tier could not be cleared (a disk file not
+            removed, the shared server unreachable); the rest is done all the same.
+        """
+        self._reset_epoch += 1
+        tiers = tuple(reset_tiers(self.config.reset_scope))
+        planned = self.mirror.reset(self._reset_epoch)
+        self._planned.clear()
+        if self.remote is not None:
+            self.remote.forget_all()  # answers asked before the reset may count chunks it removes
+        self._reset_order = ResetOrder(self._reset_epoch, tiers)
+        outcome = reset_outside(self.config, tiers, self.mirror.namespaces)
+        self.removed_by_reset({t: list(dict.fromkeys((*planned.get(t, ()), *outcome.removed.get(t, ()))))
+                               for t in dict.fromkeys((*planned, *outcome.removed))})
+        self._count_reset("resets")
+        if outcome.problems:
+            self._count_reset("reset_failures")
+            log.warning("kvtier: reset (scope %s) not complete: %s; the other tiers were cleared",
+                        self.config.reset_scope, "; ".join(outcome.problems))
+            return False
+        log.info("kvtier: reset %d (scope %s: %s): no hit is planned from before it; removed %s; the workers "
+                 "clear their stores at the next step", self._reset_epoch, self.config.reset_scope, ", ".join(tiers),
+                 outcome.describe())
+        return True
+
+    def removed_by_reset(self, keys_by_tier: dict[str, list[bytes]]) -> None:
+        """The chunks a reset removed that this process knows, by tier: what the mirror held (every
+        rank, in the slowest tier of each) and what the scheduler itself removed from the tiers that
+        outlive the process.  The place where vLLM ``BlockRemoved`` KV events for a reset start
+        (issue 22 item 1); until then the counts are logged."""
+        log.debug("kvtier: reset removed %s", ", ".join(f"{len(keys)} {tier} chunks" for tier, keys in
+                                                       keys_by_tier.items()) or "nothing the scheduler knew of")
+
+    def _count_reset(self, name: str) -> None:
+        self._reset_counts[name] = self._reset_counts.get(name, 0) + 1
+
     def stats(self) -> KVTierStats | None:
-        """The shared-tier lookup counters' change since the last call and the lookups in flight
-        (``kvtier_shared_lookups_*``); ``None`` without a shared tier or when nothing changed."""
-        if self.remote is None:
+        """The scheduler's counters' change since the last call: resets (``kvtier_resets_total``,
+        ``kvtier_reset_failures_total``) and, with a shared tier, its lookups and those in flight
+        (``kvtier_shared_lookups_*``); ``None`` when nothing changed."""
+        counters: dict[str, float] = dict(self._reset_counts)
+        self._reset_counts = {}
+        gauges: dict[str, float] = {}
+        if self.remote is not None:
+            totals = self.remote.counters()
+            counters |= {k: v - self._remote_seen.get(k, 0) for k, v in totals.items()
+                         if v != self._remote_seen.get(k, 0)}
+            self._remote_seen = totals
+            pending = self.remote.pending
+            if pending != self._remote_pending_sent or counters:
+                gauges["shared_lookups_pending"] = pending
+                self._remote_pending_sent = pending
+        if not counters and not gauges:
             return None
-        totals = self.remote.counters()
-        counters = {k: v - self._remote_seen.get(k, 0) for k, v in totals.items() if v != self._remote_seen.get(k, 0)}
-        self._remote_seen = totals
-        pending = self.remote.pending
-        if not counters and pending == self._remote_pending_sent:
-            return None
-        self._remote_pending_sent = pending
-        return KVTierStats(data={"counters": counters, "gauges": {"shared_lookups_pending": pending}})
+        return KVTierStats(data={"counters": counters, "gauges": gauges})
 
     def shutdown(self) -> None:
         """Stop the shared-tier lookups (idempotent)."""

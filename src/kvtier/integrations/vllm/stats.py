@@ -29,6 +29,9 @@ tiers: cpu, disk, redis):
 - ``kvtier_chunk_tokens``: tokens per chunk the engine runs with (``chunk_tokens``, ``auto``
   resolved from the KV cache groups' block sizes; rank 0 reports it, so the sum is the value).
 - ``kvtier_flush_missed_chunks_total``: dirty chunks a graceful stop could not write in time.
+- Resets (vLLM's ``/reset_prefix_cache?reset_external=true``): ``kvtier_resets_total`` (asked of
+  the scheduler side), ``kvtier_reset_failures_total`` (answered ``False``: a tier not cleared
+  whole), ``kvtier_reset_chunks_total{tier}`` (chunks the workers' stores removed, all ranks).
 - Shared tier (workers' side, from each store's snapshot ``TierStats.wire``; summed over ranks):
   ``kvtier_redis_errors_total`` (calls that failed), ``kvtier_redis_skipped_calls_total`` (not
   made: breaker open or queue full), ``kvtier_redis_skipped_writes_total`` (chunks not written),
@@ -65,6 +68,7 @@ from kvtier.core.tiers import registry
 
 _LOADED = "Tokens loaded from kvtier into the engine."
 _EVICTED = "Chunks evicted from a kvtier tier."
+_RESET = "Chunks removed from a kvtier tier by resets (all ranks)."
 
 # tier-independent counters: name in the stats payload -> (prometheus name, help, label values)
 _PLAIN_COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
@@ -81,6 +85,9 @@ _PLAIN_COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "corrupt_chunks": ("kvtier_corrupt_chunks", "Chunks that failed verification and were recomputed.", ()),
     "flush_missed_chunks": ("kvtier_flush_missed_chunks", "Dirty chunks a graceful stop could not write to disk in time.",
                             ()),
+    # the scheduler's resets (integrations/vllm/scheduler.py reset_cache)
+    "resets": ("kvtier_resets", "External prefix-cache resets vLLM asked of kvtier (reset_external=true).", ()),
+    "reset_failures": ("kvtier_reset_failures", "Resets answered False: a tier could not be cleared whole.", ()),
     # the scheduler's shared-tier lookups (integrations/vllm/remote.py)
     "shared_lookups": ("kvtier_shared_lookups", "Shared-tier lookups the scheduler sent.", ()),
     "shared_lookups_answered": ("kvtier_shared_lookups_answered", "Shared-tier lookups answered (timed out included).",
@@ -97,7 +104,8 @@ _PLAIN_COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                  "value present) by answered lookups."), ()),
 }
 LABELS: dict[str, str] = {"kvtier_loaded_tokens": "tier", "kvtier_transfer_seconds": "direction",
-                          "kvtier_transfer_bytes": "direction", "kvtier_evictions": "tier"}
+                          "kvtier_transfer_bytes": "direction", "kvtier_evictions": "tier",
+                          "kvtier_reset_chunks": "tier"}
 _PLAIN_GAUGES: dict[str, tuple[str, str, str | None]] = {
     "chunk_tokens": ("kvtier_chunk_tokens", ("Tokens per kvtier chunk this engine runs with (chunk_tokens; auto "
                      "resolved from the KV cache groups' block sizes); reported by rank 0."), None),
@@ -126,6 +134,7 @@ def counters() -> dict[str, tuple[str, str, tuple[str, ...]]]:
     for spec in registry.specs():
         t = spec.name
         out[f"loaded_tokens_{t}"] = ("kvtier_loaded_tokens", _LOADED, (t,))
+        out[f"reset_chunks_{t}"] = ("kvtier_reset_chunks", _RESET, (t,))
         if not spec.shared:
             out[f"evictions_{t}"] = ("kvtier_evictions", _EVICTED, (t,))
         if not spec.shared and not spec.top:
@@ -168,6 +177,7 @@ def store_counter_readers() -> dict[str, Callable[[StoreStats], float]]:
     for spec in registry.specs():
         t = spec.name
         out.update(_counter_readers(t))
+        out[f"reset_chunks_{t}"] = lambda s, t=t: s.tier(t).reset_chunks  # type: ignore[misc]
         if not spec.shared:
             out[f"evictions_{t}"] = lambda s, t=t: s.tier(t).evictions  # type: ignore[misc]
         if not spec.shared and not spec.top:

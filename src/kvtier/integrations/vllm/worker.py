@@ -10,6 +10,10 @@
   the store's threads through its bounded queue (full: dropped and counted).  The copy is done
   when the call returns, so no save outlives the blocks it reads and vLLM may free them at once.
 - ``worker_meta``: this rank's index changes for the scheduler's mirror (vLLM carries them).
+- a reset order (``KVTierMetadata.reset``): applied in ``start_load`` before the step's loads:
+  the store is cleared (:meth:`~kvtier.core.store.TieredStore.clear`), loads started before it
+  end failed (:class:`~kvtier.integrations.vllm.loader.AsyncLoader` compares the store's epoch),
+  and the next report carries the order's epoch with a full snapshot.
 - ``shutdown``: stop loading, write dirty DRAM chunks to disk within ``shutdown_flush_s``
   (what misses the deadline is counted and logged), stop the store.
 
@@ -40,7 +44,13 @@ from kvtier.integrations.vllm.groups import GroupKind, engine_plan, resolved_con
 from kvtier.integrations.vllm.identity import effective_config_digest, model_fingerprint
 from kvtier.integrations.vllm.layout import KVLayout, detect_group_layouts, detect_layout
 from kvtier.integrations.vllm.loader import AsyncLoader
-from kvtier.integrations.vllm.protocol import KVTierMetadata, KVTierWorkerMeta, RankReport, SaveJob
+from kvtier.integrations.vllm.protocol import (
+    KVTierMetadata,
+    KVTierWorkerMeta,
+    RankReport,
+    ResetOrder,
+    SaveJob,
+)
 from kvtier.integrations.vllm.stats import KVTierStats, store_counters, store_gauges
 
 log = logging.getLogger(__name__)
@@ -176,6 +186,7 @@ class WorkerSide:
         self._errors: set[int] = set()
         self._failed: set[str] = set()
         self._closed = False
+        self.reset_epoch = 0  # the last reset order applied (RankReport.epoch)
         self.plan = engine_plan(vllm_config, kv_cache_config, self.chunk_tokens)
         self.groups: GroupCopiers | None = None
 
@@ -245,6 +256,8 @@ class WorkerSide:
     # ---- loads -------------------------------------------------------------------------------
     def start_load(self, meta: KVTierMetadata) -> None:
         assert self.loader is not None
+        if meta.reset is not None:
+            self.apply_reset(meta.reset)
         for job in meta.loads:
             self.loader.submit(job)
 
@@ -269,6 +282,18 @@ class WorkerSide:
         """Blocks of ended loads that could not be filled (vLLM recomputes from the first one)."""
         errors, self._errors = self._errors, set()
         return errors
+
+    def apply_reset(self, order: ResetOrder) -> None:
+        """Clear ``order.tiers`` of this rank's store (see the module docstring); a tier that could not
+        be cleared whole is logged (the scheduler has already answered vLLM)."""
+        assert self.store is not None
+        t0 = time.monotonic()
+        results = self.store.clear(order.tiers)
+        self.reset_epoch = order.epoch
+        problems = [f"{tier}: {r.reason}" for tier, r in results.items() if not r.ok]
+        log.info("kvtier: rank %d reset %d cleared %s in %.2f s%s", self.tp_rank, order.epoch,
+                 ", ".join(f"{tier} ({len(r.keys)} chunks)" for tier, r in results.items()) or "nothing",
+                 time.monotonic() - t0, f"; not whole: {'; '.join(problems)}" if problems else "")
 
     # ---- saves -------------------------------------------------------------------------------
     def save(self, meta: KVTierMetadata) -> None:
@@ -321,7 +346,7 @@ class WorkerSide:
             return None
         self._busy_reported = self._busy
         report = RankReport(self.key_root, [(bytes(key), tier) for key, tier in delta.changes], delta.full,
-                            self.namespace, busy=self._busy)
+                            self.namespace, busy=self._busy, epoch=self.reset_epoch)
         return KVTierWorkerMeta({self.tp_rank: report})
 
     # ---- metrics and lifecycle ---------------------------------------------------------------

@@ -1,0 +1,118 @@
+"""Removing every chunk file of one namespace from the disk tier's directory, and the reset marker.
+
+A reset (vLLM's ``/reset_prefix_cache?reset_external=true``, :mod:`kvtier.integrations.vllm.scheduler`)
+is acknowledged by one process (vLLM's scheduler) while the stores that hold the files live in
+others (the workers), which apply it only when the next engine step carries the order.  So that a
+restart in between never serves what the reset dropped, the acknowledging process:
+
+1. writes the marker ``<disk_path>/<namespace hex>/reset-pending`` (:func:`mark_reset`), then
+2. removes every chunk file of the namespace (:func:`remove_chunk_files`).
+
+Files written after step 2 by a store that has not applied the order yet (writes queued before
+the reset, a graceful stop's flush) are removed by whichever comes first: the store applying the
+order (:meth:`~kvtier.core.tiers.disk.DiskTier.clear`, which then removes the marker), or the
+next store that opens the directory and finds the marker (it removes every chunk file before
+building its index).
+
+Temporary files of writers in flight are left alone: they become chunk files only by a rename
+the writing store checks against its reset epoch (:mod:`kvtier.core.lower`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvtier.core.keys import ChunkKey
+from kvtier.core.tiers.base import ClearResult
+from kvtier.core.tiers.diskscan import SUFFIX
+
+if TYPE_CHECKING:
+    from kvtier.core.config import KVTierConfig
+
+log = logging.getLogger(__name__)
+RESET_MARKER = "reset-pending"
+"""File (inside a namespace directory) saying a reset was acknowledged and may not be applied yet."""
+
+
+def mark_reset(directory: Path) -> None:
+    """Write the reset marker in ``directory`` (a namespace directory that exists).
+
+    Raises:
+        OSError: the marker cannot be written.
+    """
+    fd = os.open(directory / RESET_MARKER, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.fsync(fd)  # the marker must outlive a crash right after the reset was acknowledged
+    finally:
+        os.close(fd)
+
+
+def reset_marked(directory: Path) -> bool:
+    """Whether ``directory`` holds the reset marker."""
+    return (directory / RESET_MARKER).exists()
+
+
+def unmark_reset(directory: Path) -> None:
+    """Remove the reset marker (absent: nothing to do)."""
+    with contextlib.suppress(FileNotFoundError):
+        (directory / RESET_MARKER).unlink()
+
+
+def remove_chunk_files(directory: Path, key_bytes: int) -> ClearResult:
+    """Remove every chunk file ``<key hex>.kvc`` in the 256 shard directories of ``directory``.
+
+    Args:
+        directory: a namespace directory of the disk tier.
+        key_bytes: bytes of a chunk key (names of another length are not chunk files).
+
+    Returns:
+        the keys removed; ``ok`` is ``False`` (with the first error) if a file could not be removed.
+    """
+    removed: list[ChunkKey] = []
+    error = ""
+    name_len = 2 * key_bytes + len(SUFFIX)
+    for shard in range(256):
+        try:
+            entries = os.scandir(directory / f"{shard:02x}")
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            error = error or f"cannot list {directory / f'{shard:02x}'} ({exc.strerror})"
+            continue
+        with entries:
+            for entry in entries:
+                name = entry.name
+                if len(name) != name_len or not name.endswith(SUFFIX):
+                    continue
+                try:
+                    key = ChunkKey(bytes.fromhex(name[:-len(SUFFIX)]))
+                    os.unlink(entry.path)
+                except ValueError:
+                    continue
+                except FileNotFoundError:  # removed meanwhile (another process, an eviction)
+                    continue
+                except OSError as exc:
+                    error = error or f"cannot remove {entry.path} ({exc.strerror})"
+                    continue
+                removed.append(key)
+    return ClearResult(removed, not error, error)
+
+
+def reset(config: KVTierConfig, namespace: bytes) -> ClearResult:
+    """Drop namespace ``namespace``'s chunk files from ``config.disk_path`` from outside its stores:
+    marker first, then the files (see the module docstring).  Nothing to do without a disk tier
+    or before the namespace directory exists."""
+    if not config.disk_path or config.disk_gib <= 0:
+        return ClearResult([])
+    directory = Path(config.disk_path) / namespace.hex()
+    if not directory.is_dir():
+        return ClearResult([])
+    try:
+        mark_reset(directory)
+    except OSError as exc:
+        return ClearResult([], False, f"cannot write {directory / RESET_MARKER} ({exc.strerror})")
+    return remove_chunk_files(directory, len(namespace))
