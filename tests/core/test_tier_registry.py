@@ -11,7 +11,7 @@ import pytest
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.stats import directions
-from kvtier.core.tiers import registry
+from kvtier.core.tiers import factory, registry
 from tests.dict_tier import SPEC, DictTier
 
 from .helpers import CHUNK_BYTES, CHUNK_TOKENS, NS, chain_of, payload
@@ -32,7 +32,7 @@ def test_a_module_named_in_tier_modules_registers_its_tier(plugin):
     assert SPEC.name not in registry.available_tiers()
     config = KVTierConfig.from_dict({"tier_modules": [PLUGIN], "tiers": ["cpu", "dict"], "dict_capacity_mib": 1})
     assert registry.available_tiers() == ["cpu", "disk", "dict", "redis"]  # by the record's order
-    assert registry.configured("dict", config) and config.settings_of("dict").dict_capacity_mib == 1
+    assert factory.configured("dict", config) and config.settings_of("dict").dict_capacity_mib == 1
     assert registry.hit_source("dict") == "external_unspecified"
     assert registry.slowest(["dict", "cpu", "disk"]) == "dict"
     assert {"cpu_to_dict", "dict_to_cpu"} <= set(directions())

@@ -64,7 +64,7 @@ from kvtier.core.tiers.iomode import direct_supported, measure_direct
 
 if TYPE_CHECKING:
     from kvtier.core.config import KVTierConfig
-    from kvtier.core.tiers.registry import TierContext
+    from kvtier.core.tiers.factory import TierContext
 
 log = logging.getLogger(__name__)
 IOMode = Literal["auto", "buffered", "direct"]

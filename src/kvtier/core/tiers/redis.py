@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from kvtier.core.config import KVTierConfig
-    from kvtier.core.tiers.registry import TierContext
+    from kvtier.core.tiers.factory import TierContext
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -47,7 +47,7 @@ from pydantic import TypeAdapter, ValidationError
 from kvtier.core.config import GiB, KVTierConfig, did_you_mean, mount_of
 from kvtier.core.errors import ConfigError
 from kvtier.core.sizing import available_memory
-from kvtier.core.tiers import registry
+from kvtier.core.tiers import factory, registry
 from kvtier.core.tiers.redisprobe import PROBE_DEADLINE_S, ProbeResult, probe_redis
 from kvtier.core.tiers.redisprobe import TIER as REDIS_TIER
 
@@ -343,7 +343,7 @@ def probe_shared_tiers(transfer: dict[str, Any], deadline_s: float = PROBE_DEADL
             config = KVTierConfig.from_dict({k: v for k, v in extra.items() if k not in _DISK_KEYS})
         except ConfigError:
             continue
-        if not registry.configured(REDIS_TIER, config):
+        if not factory.configured(REDIS_TIER, config):
             continue
         try:
             result = probe_redis(config, deadline_s)
@@ -354,10 +354,10 @@ def probe_shared_tiers(transfer: dict[str, Any], deadline_s: float = PROBE_DEADL
 
 
 def _shared_tier_problems(key: str, config: KVTierConfig) -> list[Problem]:
-    """Each configured tier's own preflight (:func:`kvtier.core.tiers.registry.check`: e.g. the
+    """Each configured tier's own preflight (:func:`kvtier.core.tiers.factory.check`: e.g. the
     redis tier's password and shared secret, read as its start-up reads them)."""
     return [Problem("error", f"{key}.{name}", message)
-            for tier in config.tiers for name, message in registry.check(tier, config)]
+            for tier in config.tiers for name, message in factory.check(tier, config)]
 
 
 def _unused_tier_problems(key: str, extra: dict[str, Any], config: KVTierConfig) -> list[Problem]:
