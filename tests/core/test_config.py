@@ -1,9 +1,21 @@
 """Configuration: sources, per-rank sizing, and one-sentence errors for bad values."""
 
+import re
+
 import pytest
 
 from kvtier.core.config import GiB, KVTierConfig
 from kvtier.core.errors import ConfigError
+from kvtier.core.tiers import disk
+
+
+def disk_refusal(values: dict) -> str:
+    """The one sentence the disk tier's start-up check (its factory and the preflight) gives for
+    ``values``: the configuration itself looks at no filesystem (issue 20 item 4)."""
+    config = KVTierConfig.from_dict(values)
+    problems = disk.check(config)
+    assert len(problems) == 1, problems
+    return problems[0][1]
 
 
 def test_defaults_and_dict():
@@ -41,7 +53,8 @@ def test_yaml(tmp_path):
     path.write_text(f"cpu_gib: 2\ndisk_path: {tmp_path / 'd'}\ndisk_gib: 0.01\nwrite_mode: write-through\n")
     cfg = KVTierConfig.from_yaml(path)
     assert cfg.disk_gib == 0.01 and cfg.write_mode == "write-through"
-    assert (tmp_path / "d").is_dir()
+    assert not (tmp_path / "d").exists()  # validating looks at no filesystem
+    assert disk.check(cfg) == [] and (tmp_path / "d").is_dir()  # the tier's check creates it, as the tier would
 
 
 @pytest.mark.parametrize("values,needle", [
@@ -83,27 +96,45 @@ def test_a_disk_path_that_does_not_exist_is_named_as_such(tmp_path):
     """Issue 24: 'exceeds the 70.6 GiB free on /nvme/kvtier' for a path that did not exist: the free
     space was the root disk's.  The sentence says the path does not exist and whose free space it is."""
     missing = tmp_path / "nvme" / "kvtier"
-    with pytest.raises(ConfigError) as info:
-        KVTierConfig.from_dict({"disk_path": str(missing), "disk_gib": 1e9})
-    message = str(info.value)
+    message = disk_refusal({"disk_path": str(missing), "disk_gib": 1e9})
     assert f"disk_path '{missing}' does not exist" in message, message
     assert f"free on '{tmp_path}', its nearest existing parent" in message, message
     assert not missing.exists()  # refused before anything was created
     missing.mkdir(parents=True)
-    with pytest.raises(ConfigError, match=f"exceeds the .* GiB free on '{missing}'; lower disk_gib"):
-        KVTierConfig.from_dict({"disk_path": str(missing), "disk_gib": 1e9})
+    assert re.search(f"exceeds the .* GiB free on '{missing}'; lower disk_gib",
+                     disk_refusal({"disk_path": str(missing), "disk_gib": 1e9}))
 
 
 def test_unwritable_disk_path(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    with pytest.raises(ConfigError, match="not writable"):
-        KVTierConfig.from_dict({"disk_path": str(blocker / "sub"), "disk_gib": 0.001})
+    assert "not writable" in disk_refusal({"disk_path": str(blocker / "sub"), "disk_gib": 0.001})
 
 
 def test_disk_larger_than_free_space(tmp_path):
-    with pytest.raises(ConfigError, match="exceeds"):
-        KVTierConfig.from_dict({"disk_path": str(tmp_path), "disk_gib": 10_000_000})
+    assert "exceeds" in disk_refusal({"disk_path": str(tmp_path), "disk_gib": 10_000_000})
+
+
+def test_the_disk_tier_refuses_to_start_with_the_checks_sentence(tmp_path):
+    """Without a preflight (a store used on its own) the disk tier's factory refuses what the
+    check refuses, in the same sentence, and builds nothing."""
+    from prometheus_client import CollectorRegistry
+
+    from kvtier.core.tiers.factory import TierContext
+
+    (tmp_path / "f").write_text("x")
+    config = KVTierConfig.from_dict({"disk_path": str(tmp_path / "f"), "disk_gib": 0.001})
+    with pytest.raises(ConfigError) as info:
+        disk.from_config(TierContext(config, b"n" * 16, 4096, 1, CollectorRegistry()))
+    assert str(info.value) == disk.check(config)[0][1] == (
+        f"kvtier config: disk_path '{tmp_path / 'f'}' is a file, not a directory; point it at a directory")
+
+
+@pytest.mark.parametrize("path", ["/etc/hostname", "/proc/kvtier"])
+def test_validating_a_config_looks_at_no_filesystem(path):
+    """Issue 20 item 4: the checks of the directory belong to the disk tier and the preflight."""
+    assert KVTierConfig.from_dict({"disk_path": path, "disk_gib": 0.001}).disk_path == path
+    assert disk_refusal({"disk_path": path, "disk_gib": 0.001})
 
 
 def test_chunk_tokens_must_be_multiple_of_block_size():
@@ -128,7 +159,6 @@ def test_yaml_errors(tmp_path):
     ({"_cli_parse_args": True}, "unknown kvtier config key"),
     ({"cpu_gib": float("inf")}, "finite"),
     ({"disk_gib": float("nan"), "disk_path": "/tmp"}, "finite"),
-    ({"disk_path": "/etc/hostname", "disk_gib": 0.001}, "is a file, not a directory"),
     ({"disk_path": "/tmp/a\0b", "disk_gib": 0.001}, "NUL"),
 ])
 def test_hostile_values_are_one_sentence_errors(values, needle):
@@ -184,9 +214,8 @@ def test_an_explicit_bad_value_is_named_before_a_bad_environment_variable(monkey
 def test_home_is_expanded_and_failed_checks_create_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     cfg = KVTierConfig.from_dict({"disk_path": "~/kv", "disk_gib": 0.001})
-    assert cfg.disk_path == str(tmp_path / "kv") and (tmp_path / "kv").is_dir()
-    with pytest.raises(ConfigError, match="exceeds"):
-        KVTierConfig.from_dict({"disk_path": str(tmp_path / "toolarge"), "disk_gib": 10_000_000})
+    assert cfg.disk_path == str(tmp_path / "kv") and disk.check(cfg) == [] and (tmp_path / "kv").is_dir()
+    assert "exceeds" in disk_refusal({"disk_path": str(tmp_path / "toolarge"), "disk_gib": 10_000_000})
     assert not (tmp_path / "toolarge").exists()
 
 

@@ -7,17 +7,17 @@ across TP ranks); each rank's store gets ``total / tp_size``.
 
 Precedence: explicit values (dict or YAML) over ``KVTIER_*`` environment variables over defaults.
 Every bad value fails at start-up with :class:`~kvtier.core.errors.ConfigError`, one sentence
-naming the field and the fix.
+naming the field and the fix.  Validating is pure: it reads the values and the ``KVTIER_*``
+environment, never a filesystem; what a tier needs of the host (the disk tier's directory, the
+redis tier's password file) is checked by the tier's factory and by its preflight check
+(:func:`kvtier.core.tiers.factory.check`: ``kvtier check``, the vLLM plugin before the model loads).
 """
 
 from __future__ import annotations
 
-import contextlib
 import difflib
-import errno
 import json
 import os
-import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
@@ -248,8 +248,6 @@ class KVTierConfig(BaseSettings):
     def _disk_consistent(self) -> KVTierConfig:
         if self.disk_gib > 0 and not self.disk_path:
             raise ValueError("disk_gib is set but disk_path is not; set disk_path to a local directory or disk_gib to 0")
-        if self.disk_path and self.disk_gib > 0:
-            _check_disk_path(Path(self.disk_path), self.disk_gib)
         for tier, name in self.admission.items():  # judged when a chunk leaves the cpu tier (write-back)
             if name != "all" and (spec(tier).shared or self.write_mode != "write-back"):
                 raise ValueError(f"admission {name!r} for tier {tier!r} needs write_mode write-back and a local tier "
@@ -370,82 +368,6 @@ def redact_url(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
-def _check_disk_path(path: Path, disk_gib: float) -> None:
-    """Writability and free space of the disk tier's directory, creating it only if both hold."""
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"disk_path {str(path)!r} is a file, not a directory; point it at a directory")
-    existing = path
-    while not existing.exists():
-        existing = existing.parent
-    pseudo = pseudo_filesystem(existing)
-    if pseudo is not None:
-        fstype, mount_point = pseudo
-        raise ValueError(f"disk_path {str(path)!r} is on the {fstype} filesystem mounted at {mount_point}, a kernel "
-                         "interface that cannot hold chunk files; point it at a directory on a local disk (e.g. NVMe)")
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"disk_path {str(path)!r} is not writable; point it at a writable directory")
-    free = shutil.disk_usage(existing).free
-    used = _dir_bytes(path) if path.exists() else 0  # what kvtier already holds there is available to it
-    if disk_gib * GiB > free + used:
-        if path.exists():
-            raise ValueError(f"disk_gib={disk_gib} exceeds the {(free + used) / GiB:.1f} GiB free on "
-                             f"{str(path)!r}; lower disk_gib or free space")
-        # a path that does not exist is named as such: the free space is its nearest existing parent's,
-        # typically the root disk because the volume meant for the tier is not mounted
-        raise ValueError(f"disk_path {str(path)!r} does not exist, and disk_gib={disk_gib} exceeds the "
-                         f"{free / GiB:.1f} GiB free on {str(existing)!r}, its nearest existing parent, where it "
-                         "would be created; mount the disk meant for the tier there (e.g. the NVMe volume), or "
-                         "lower disk_gib")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".kvtier-write-probe-{os.getpid()}"
-        probe.write_bytes(b"x")
-        probe.unlink()
-    except OSError as exc:
-        if exc.errno == errno.ENOSPC and used:  # full of kvtier's own chunk files, which the tier evicts to make room
-            with contextlib.suppress(OSError):
-                probe.unlink()
-            return
-        raise ValueError(f"disk_path {str(path)!r} is not writable ({exc.strerror}); "
-                         "point it at a writable directory") from None
-
-
-PSEUDO_FILESYSTEMS = frozenset({
-    "proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs", "pstore",
-    "bpf", "configfs", "fusectl", "mqueue", "binfmt_misc", "autofs", "efivarfs", "nsfs", "rpc_pipefs",
-})
-"""Kernel interfaces that look like directories but hold no files (proc(5), sysfs(5))."""
-
-
-def mount_of(path: Path, mounts: str = "/proc/self/mounts") -> tuple[str, str] | None:
-    """``(fstype, mount point)`` of the filesystem holding ``path`` (an existing path), or None.
-
-    Reads the longest matching mount point of ``mounts`` (proc(5) ``/proc/self/mounts``); None on a
-    host without that file (not Linux).
-    """
-    try:
-        lines = Path(mounts).read_text().splitlines()
-    except OSError:
-        return None
-    resolved = str(path.resolve())
-    best: tuple[str, str] | None = None
-    for line in lines:
-        fields = line.split()
-        if len(fields) < 3:
-            continue
-        point = fields[1].replace("\\040", " ")
-        inside = resolved == point or resolved.startswith(point.rstrip("/") + "/")
-        if inside and (best is None or len(point) >= len(best[1])):
-            best = (fields[2], point)
-    return best
-
-
-def pseudo_filesystem(path: Path) -> tuple[str, str] | None:
-    """``(fstype, mount point)`` when ``path`` (an existing path) lies on a kernel pseudo filesystem."""
-    mount = mount_of(path)
-    return mount if mount is not None and mount[0] in PSEUDO_FILESYSTEMS else None
-
-
 def did_you_mean(name: str, known: Iterable[str]) -> str:
     """`` (did you mean 'x'?)`` for the closest known name, or ``""`` when none is close."""
     close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
@@ -504,17 +426,6 @@ def _env_list(var: str) -> list[str] | None:
     except ValueError:
         return [raw]
     return value if isinstance(value, list) else None
-
-
-def _dir_bytes(path: Path) -> int:
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.stat(os.path.join(root, name)).st_size
-            except OSError:
-                pass
-    return total
 
 
 def _one_sentence(exc: ValidationError, explicit: set[str] | None = None) -> tuple[str, str | None]:

@@ -81,7 +81,8 @@ BUILTIN = (
     TierSpec("cpu", 0, False, "host", "kvtier.core.tiers.cpu:from_config", top=True,
              capabilities=frozenset({"staging", "paged"})),
     TierSpec("disk", 10, False, "disk", "kvtier.core.tiers.disk:from_config", "kvtier.core.tiers.disk:configured",
-             capabilities=frozenset({"rescannable", "generational", "exact_usage"}), keys=("disk_path", "disk_gib")),
+             capabilities=frozenset({"rescannable", "generational", "exact_usage"}), keys=("disk_path", "disk_gib"),
+             check="kvtier.core.tiers.disk:check"),
     TierSpec("redis", 20, True, "external_unspecified", "kvtier.core.tiers.redis:from_config",
              "kvtier.core.tiers.redis:configured", keys=("redis_url",), check="kvtier.core.tiers.redis:check"),
 )
