@@ -7,6 +7,7 @@ import pytest
 from kvtier.core.config import GiB, KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.tiers import disk
+from kvtier.core.tiers.redissettings import redis_settings
 
 
 def disk_refusal(values: dict) -> str:
@@ -192,9 +193,9 @@ def test_the_variable_named_by_redis_password_env_is_not_a_setting_typo(monkeypa
     # docs/shared-tier.md's own example keeps the password in KVTIER_REDIS_PASSWORD
     monkeypatch.setenv("KVTIER_REDIS_PASSWORD", "hunter2")
     cfg = KVTierConfig.from_dict({"redis_url": "redis://127.0.0.1:6390/0", "redis_password_env": "KVTIER_REDIS_PASSWORD"})
-    assert cfg.redis_password_env == "KVTIER_REDIS_PASSWORD"
+    assert redis_settings(cfg).redis_password_env == "KVTIER_REDIS_PASSWORD"
     monkeypatch.setenv("KVTIER_REDIS_PASSWORD_ENV", "KVTIER_REDIS_PASSWORD")  # named from the environment too
-    assert KVTierConfig.from_dict({}).redis_password_env == "KVTIER_REDIS_PASSWORD"
+    assert redis_settings(KVTierConfig.from_dict({})).redis_password_env == "KVTIER_REDIS_PASSWORD"
     monkeypatch.delenv("KVTIER_REDIS_PASSWORD_ENV")
     with pytest.raises(ConfigError, match="KVTIER_REDIS_PASSWORD is not a kvtier setting") as info:
         KVTierConfig.from_dict({"redis_password_env": "OTHER_VAR"})  # not the named one: still a typo guard
@@ -227,10 +228,44 @@ def test_non_utf8_yaml(tmp_path):
 
 
 def test_a_redis_url_without_a_port_is_accepted():
-    assert KVTierConfig.from_dict({"redis_url": "redis://10.0.0.5/0"}).redis_url == "redis://10.0.0.5/0"
+    assert redis_settings(KVTierConfig.from_dict({"redis_url": "redis://10.0.0.5/0"})).redis_url == "redis://10.0.0.5/0"
 
 
 def test_a_bad_redis_url_port_never_echoes_the_password():
     with pytest.raises(ConfigError) as info:
         KVTierConfig.from_dict({"redis_url": "redis://:hunter2@127.0.0.1:99999/0"})
     assert "hunter2" not in str(info.value)
+
+
+@pytest.mark.parametrize("given", [{"redis_url": "redis://kv:hunter2@10.0.0.5:6379/0"},
+                                   {"tier_settings": {"redis": {"redis_url": "redis://kv:hunter2@10.0.0.5:6379/0"}}}])
+def test_the_redis_tiers_keys_live_in_its_settings_and_their_secrets_stay_hidden(given):
+    """Issue 20 item 1: the redis keys are the redis tier's own settings model, given flat (as
+    always) or nested; the URL's password never shows in the repr, the exported labels or an error."""
+    cfg = KVTierConfig.from_dict({**given, "shared_secret": "0123456789abcdef0123"})
+    assert redis_settings(cfg).redis_url == "redis://kv:hunter2@10.0.0.5:6379/0"
+    public = cfg.public_dict()
+    assert public["redis_url"] == "redis://***@10.0.0.5:6379/0" and public["shared_secret"] == "<set>"
+    assert public["redis_ttl_s"] == 86400 and "tier_settings" not in public
+    assert "hunter2" not in repr(cfg) and "0123456789abcdef" not in repr(cfg) and "redis_ttl_s=86400" in repr(cfg)
+    assert cfg.flat_dict(exclude_unset=True) == {"redis_url": "redis://kv:hunter2@10.0.0.5:6379/0",
+                                                 "shared_secret": "0123456789abcdef0123"}
+
+
+def test_a_redis_key_from_the_environment_is_read_and_named_in_its_error(monkeypatch):
+    monkeypatch.setenv("KVTIER_REDIS_TTL_S", "60")
+    assert redis_settings(KVTierConfig.from_dict({})).redis_ttl_s == 60
+    assert redis_settings(KVTierConfig.from_dict({"redis_ttl_s": 5})).redis_ttl_s == 5  # explicit beats env
+    monkeypatch.setenv("KVTIER_REDIS_TTL_S", "soon")
+    with pytest.raises(ConfigError) as info:
+        KVTierConfig.from_dict({})
+    assert str(info.value) == ("kvtier config field 'redis_ttl_s' (from environment variable KVTIER_REDIS_TTL_S): "
+                               "Input should be a valid integer, unable to parse string as an integer (got 'soon'); "
+                               "fix the value of 'redis_ttl_s'") and info.value.env_var == "KVTIER_REDIS_TTL_S"
+    with pytest.raises(ConfigError, match="'write_mode'") as info:  # a value given is named before the variable
+        KVTierConfig.from_dict({"write_mode": "write-around"})
+    assert info.value.env_var is None
+    with pytest.raises(ConfigError) as info:
+        KVTierConfig.from_dict({"redis_ttl_s": 0})
+    assert str(info.value) == ("kvtier config field 'redis_ttl_s': Input should be greater than 0 (got 0); "
+                               "fix the value of 'redis_ttl_s'")

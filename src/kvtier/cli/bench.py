@@ -271,7 +271,7 @@ def compare_command(
         from kvtier.core.errors import ConfigError
 
         try:  # validated once here; the arm passes on only the keys the file set
-            extra = KVTierConfig.from_yaml(kvtier_config).model_dump(exclude_unset=True)
+            extra = KVTierConfig.from_yaml(kvtier_config).flat_dict(exclude_unset=True)
         except (ConfigError, OSError) as exc:
             fail(f"--kvtier-config {kvtier_config}: {exc}")
     out = out or Path(".kvtier/bench") / time.strftime("compare-%Y%m%d-%H%M%S")

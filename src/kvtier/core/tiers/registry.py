@@ -84,7 +84,8 @@ BUILTIN = (
              capabilities=frozenset({"rescannable", "generational", "exact_usage"}), keys=("disk_path", "disk_gib"),
              check="kvtier.core.tiers.disk:check"),
     TierSpec("redis", 20, True, "external_unspecified", "kvtier.core.tiers.redis:from_config",
-             "kvtier.core.tiers.redis:configured", keys=("redis_url",), check="kvtier.core.tiers.redis:check"),
+             "kvtier.core.tiers.redis:configured", settings="kvtier.core.tiers.redissettings:RedisSettings",
+             keys=("redis_url",), check="kvtier.core.tiers.redis:check"),
 )
 """The tiers shipped with kvtier: one line each."""
 
