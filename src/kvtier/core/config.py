@@ -109,7 +109,8 @@ class KVTierConfig(BaseSettings):
     shared_secret: str | None = Field(None, repr=False, min_length=16, description=(
         "Secret shared by every engine of one cache: values carry a keyed BLAKE3 MAC (docs/shared-tier.md)."))
     shared_secret_file: str | None = Field(None, description="File holding shared_secret (e.g. a Kubernetes Secret).")
-    _tier_models: dict[str, BaseModel] = PrivateAttr(default_factory=dict)
+    _tier_models: dict[str, BaseModel] = PrivateAttr(default_factory=dict)  # settings_of's, built once
+
     @model_validator(mode="before")
     @classmethod
     def _register_tier_modules(cls, values: Any) -> Any:
