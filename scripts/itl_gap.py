@@ -85,7 +85,7 @@ def token_ids(tokenizer_path: Path, num_tokens: int, seed: int) -> list[int]:
     """Exactly ``num_tokens`` token ids of a made-up-words text (the model's own tokenizer)."""
     from tokenizers import Tokenizer
 
-    from kvtier.integrations.vllm.testmodel import random_prompt
+    from kvtier.launch.testmodel import random_prompt
 
     tok = Tokenizer.from_file(str(tokenizer_path))
     words = num_tokens
@@ -293,7 +293,7 @@ def main() -> int:
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")  # the same cores with and without a connector
-    from kvtier.integrations.vllm.testmodel import write_model
+    from kvtier.launch.testmodel import write_model
 
     work = args.workdir
     work.mkdir(parents=True, exist_ok=True)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import httpx
 
-from kvtier.integrations.vllm.serve import start_server
-from kvtier.integrations.vllm.testmodel import write_model
+from kvtier.launch.serve import start_server
+from kvtier.launch.testmodel import write_model
 
 
 def main(out: Path) -> None:

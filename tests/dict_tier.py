@@ -19,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvtier.core.config import KVTierConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers.base import GetResult, PutResult, Tier, TierUsage
-from kvtier.core.tiers.registry import TierContext, TierSpec
+from kvtier.core.tiers.factory import TierContext
+from kvtier.core.tiers.registry import TierSpec
 
 NAME = "dict"
 

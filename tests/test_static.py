@@ -50,15 +50,99 @@ def test_imports_point_down():
     assert not wrong, "\n".join(wrong)
 
 
+def _module_name(path: Path, root: Path) -> str:
+    """Dotted name of a source file under ``root`` (``root/a/b.py`` -> ``a.b``; a package's ``__init__`` -> the package)."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path, package: str) -> dict[str, set[str]]:
+    """Module -> the modules of ``package`` it imports, for every ``*.py`` under ``root`` (the
+    directory holding ``package``), read from the AST.
+
+    Every ``import`` statement counts, wherever it stands: at module level, under ``if
+    TYPE_CHECKING:`` and inside functions.  A lazy or type-only import is still an arrow a reader
+    follows and a layer the importer leans on; a circle of them is a design circle even when Python
+    happens to run it.  ``from a import b`` counts as importing ``a.b`` when that is a module, else
+    ``a``; a module's parent packages are not added (Python imports them, but their ``__init__``
+    modules are kept free of imports that would close a circle).  Imports by string
+    (``importlib.import_module``, the tier registry's ``"module:function"`` records) are not
+    imports here: they are the plug-in points.
+    """
+    import ast
+
+    modules = {_module_name(p, root): p for p in (root / package).rglob("*.py")}
+
+    def known(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        here = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                candidates = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = here.split(".")[: len(here.split(".")) - node.level + 1]
+                    base = ".".join([*up, base] if base else up)
+                candidates = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            else:
+                continue
+            targets.update(t for c in candidates if c.split(".")[0] == package and (t := known(c)) and t != name)
+        graph[name] = targets
+    return graph
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One circle of ``graph`` (``[a, b, ..., a]``: a imports b ... imports a), or None."""
+    import graphlib
+
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as exc:
+        return list(reversed(exc.args[1]))  # graphlib lists it against the arrows
+    return None
+
+
+def test_kvtier_has_no_import_circles():
+    """Arrows point down (issue 20 item 4): no kvtier module imports, however indirectly, a module
+    that imports it back.  See :func:`import_graph` for what counts as an import."""
+    cycle = import_cycle(import_graph(ROOT / "src", "kvtier"))
+    assert cycle is None, "import circle: " + " -> ".join(cycle or [])
+
+
+def test_the_import_circle_check_finds_a_circle(tmp_path):
+    """The check above sees a circle closed by a lazy import and one closed under TYPE_CHECKING,
+    and passes a package without one."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("", encoding="utf-8")
+    (pkg / "sub" / "__init__.py").write_text("", encoding="utf-8")
+    (pkg / "a.py").write_text("from pkg.sub import b\n", encoding="utf-8")
+    (pkg / "sub" / "b.py").write_text("import os\n", encoding="utf-8")
+    assert import_cycle(import_graph(tmp_path, "pkg")) is None
+    (pkg / "sub" / "b.py").write_text("def f():\n    from ..a import X\n", encoding="utf-8")
+    assert import_cycle(import_graph(tmp_path, "pkg")) in (["pkg.a", "pkg.sub.b", "pkg.a"],
+                                                            ["pkg.sub.b", "pkg.a", "pkg.sub.b"])
+    (pkg / "sub" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.a\n",
+                                      encoding="utf-8")
+    assert import_cycle(import_graph(tmp_path, "pkg")) is not None
+
+
 TIER_MODULES = ("src/kvtier/core/tiers/cpu.py", "src/kvtier/core/tiers/disk.py", "src/kvtier/core/tiers/diskscan.py",
                 "src/kvtier/core/tiers/redis.py", "src/kvtier/core/tiers/redisclient.py",
                 "src/kvtier/core/tiers/redisstream.py", "src/kvtier/core/tiers/redisprobe.py",
+                "src/kvtier/core/tiers/redissettings.py", "src/kvtier/core/tiers/diskcheck.py",
                 "src/kvtier/core/tiers/registry.py")
 """A tier's own modules and the registry: the only places that may name a tier."""
 
 TIER_NAME_ALLOWED = {
     "src/kvtier/core/tiers/__init__.py": ({"cpu", "disk"}, "the package's lazy export map names its submodules"),
-    "src/kvtier/core/config.py": ({"redis"}, "the redis:// URL scheme of redis_url, not the tier"),
     "src/kvtier/integrations/vllm/worker.py": ({"cpu"}, "a torch device type, not a tier"),
     "src/kvtier/bench/storebench.py": ({"cpu", "disk"}, ("bench-store's report rows (user-facing output) "
                                        "name the tier each measures")),

@@ -22,7 +22,7 @@ def main(model: str, out_path: str) -> int:
     import prometheus_client
     from vllm import LLM, SamplingParams
 
-    from kvtier.integrations.vllm.testmodel import random_prompt
+    from kvtier.launch.testmodel import random_prompt
 
     transfer = {"kv_connector": "OffloadingConnector", "kv_connector_module_path": "kvtier.bench.native_cpu",
                 "kv_role": "kv_both", "kv_connector_extra_config": {"cpu_bytes_to_use": 64 << 20}}

@@ -48,7 +48,7 @@ def launch(*args: str) -> tuple[subprocess.Popen[bytes], str]:
     ``/health`` answers (the caller kills it)."""
     import httpx
 
-    from kvtier.integrations.vllm.serve import free_port
+    from kvtier.launch.serve import free_port
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, __file__, str(port), *args])

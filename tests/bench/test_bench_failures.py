@@ -15,7 +15,7 @@ from kvtier.bench.prefix_repetition import prefix_repetition_workload
 from kvtier.bench.report import compare_json, markdown, print_table
 from kvtier.bench.verdict import Thresholds
 from kvtier.bench.workload import TokenSpace
-from kvtier.integrations.vllm.serve import ServerSpec
+from kvtier.launch.serve import ServerSpec
 
 TOKENS = TokenSpace(seed=0, low=10, high=500)
 WORKLOAD = ["--workload", "prefix-repetition", "--num-requests", "4", "--prefix-len", "8", "--suffix-len", "4",
@@ -151,7 +151,7 @@ def test_compare_gives_no_verdict_to_an_arm_whose_requests_all_failed(server, tm
 def test_compare_where_every_arm_is_rejected_exits_2_with_the_reason(tmp_path):
     """A real vLLM (tiny test model) rejects token ids beyond its 2,048-token vocabulary: the one
     arm fails (no verdict) and the command ends with one error line naming the server's reason."""
-    from kvtier.integrations.vllm.testmodel import write_model
+    from kvtier.launch.testmodel import write_model
 
     model = write_model(tmp_path / "tiny", "tiny", weights="none")
     out = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "bench", "compare", "--model", str(model),
@@ -200,7 +200,7 @@ def test_run_refuses_an_out_that_is_a_file(tmp_path):
 def test_server_complete_ends_within_its_timeout(server, tmp_path, request):
     """`Server.complete` (the launcher's test completion) has a total deadline: a trickle ends it."""
     from kvtier.core.errors import ServerAnswerError
-    from kvtier.integrations.vllm.serve import Server
+    from kvtier.launch.serve import Server
 
     _, url = server
     launcher = Server(ServerSpec(model="m", max_model_len=4096), tmp_path / "log", port=int(url.rsplit(":", 1)[1]))

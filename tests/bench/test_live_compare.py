@@ -29,8 +29,8 @@ def test_compare_baseline_kvtier_and_a_broken_arm(tmp_path: Path, capsys: pytest
     from kvtier.bench.spread import figures_of
     from kvtier.bench.verdict import VerdictKind, judge
     from kvtier.bench.workload import vocab_token_space
-    from kvtier.integrations.vllm.serve import ServerSpec
-    from kvtier.integrations.vllm.testmodel import write_model
+    from kvtier.launch.serve import ServerSpec
+    from kvtier.launch.testmodel import write_model
 
     model = write_model(tmp_path / "tiny", "tiny", weights="none")
     tokens = vocab_token_space(seed=0, vocab_size=2048)

@@ -24,8 +24,8 @@ def test_two_replicas_reuse_each_others_prefixes_only_through_redis(tmp_path: Pa
     from kvtier.bench.prefix_repetition import prefix_repetition_workload
     from kvtier.bench.report import compare_json
     from kvtier.bench.workload import vocab_token_space
-    from kvtier.integrations.vllm.serve import ServerSpec
-    from kvtier.integrations.vllm.testmodel import write_model
+    from kvtier.launch.serve import ServerSpec
+    from kvtier.launch.testmodel import write_model
 
     model = write_model(tmp_path / "tiny", "tiny", weights="none")
     tokens = vocab_token_space(seed=0, vocab_size=2048)

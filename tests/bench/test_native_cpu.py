@@ -15,7 +15,7 @@ pytestmark = pytest.mark.engine
 
 
 def test_native_cpu_tier_serves_exact_kv(tmp_path: Path) -> None:
-    from kvtier.integrations.vllm.testmodel import write_model
+    from kvtier.launch.testmodel import write_model
 
     model = write_model(tmp_path / "tiny", "tiny", weights="random", seed=0)
     out = tmp_path / "out.json"

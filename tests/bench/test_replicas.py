@@ -22,7 +22,7 @@ from kvtier.bench.replicas import replica_deltas, replica_figures, replica_log_p
 from kvtier.bench.report import compare_json, markdown, replica_rows
 from kvtier.bench.shared_redis import LocalRedis, check_redis_url, delete_prefix, with_run_prefix
 from kvtier.bench.workload import TokenSpace
-from kvtier.integrations.vllm.serve import ServerSpec, free_port
+from kvtier.launch.serve import ServerSpec, free_port
 from tests.bench.sse_server import launch
 from tests.processes import pids_mentioning
 
@@ -159,7 +159,7 @@ def test_bad_replica_or_redis_input_is_one_sentence_and_exit_2(tmp_path: Path, a
     from typer.testing import CliRunner
 
     from kvtier.cli.main import app
-    from kvtier.integrations.vllm.testmodel import write_model
+    from kvtier.launch.testmodel import write_model
 
     model = write_model(tmp_path / "tiny", "tiny", weights="none")
     port = str(free_port())
@@ -179,7 +179,7 @@ def test_sigterm_stops_the_vllm_servers_and_the_private_redis(tmp_path: Path) ->
     import re
     import signal
 
-    from kvtier.integrations.vllm.testmodel import write_model
+    from kvtier.launch.testmodel import write_model
 
     model = write_model(tmp_path / "tiny", "tiny", weights="none")
     proc = subprocess.Popen([sys.executable, "-u", "-m", "kvtier.cli.main", "bench", "compare", "--model", str(model),

@@ -14,7 +14,7 @@ from kvtier.bench.report import compare_json, print_table, rows, write_reports
 from kvtier.bench.results import RequestResult, RunResult
 from kvtier.bench.verdict import Verdict, VerdictKind
 from kvtier.bench.workload import TokenSpace
-from kvtier.integrations.vllm.serve import ServerSpec
+from kvtier.launch.serve import ServerSpec
 
 DATA = Path(__file__).parent / "data"
 KEYS = {"ttft_p50_s", "ttft_p99_s", "prefix_hit_rate", "external_hit_rate", "output_tok_per_s", "num_requests"}

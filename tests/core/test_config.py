@@ -1,9 +1,22 @@
 """Configuration: sources, per-rank sizing, and one-sentence errors for bad values."""
 
+import re
+
 import pytest
 
 from kvtier.core.config import GiB, KVTierConfig
 from kvtier.core.errors import ConfigError
+from kvtier.core.tiers import disk
+from kvtier.core.tiers.redissettings import redis_settings
+
+
+def disk_refusal(values: dict) -> str:
+    """The one sentence the disk tier's start-up check (its factory and the preflight) gives for
+    ``values``: the configuration itself looks at no filesystem (issue 20 item 4)."""
+    config = KVTierConfig.from_dict(values)
+    problems = disk.check(config)
+    assert len(problems) == 1, problems
+    return problems[0][1]
 
 
 def test_defaults_and_dict():
@@ -41,7 +54,8 @@ def test_yaml(tmp_path):
     path.write_text(f"cpu_gib: 2\ndisk_path: {tmp_path / 'd'}\ndisk_gib: 0.01\nwrite_mode: write-through\n")
     cfg = KVTierConfig.from_yaml(path)
     assert cfg.disk_gib == 0.01 and cfg.write_mode == "write-through"
-    assert (tmp_path / "d").is_dir()
+    assert not (tmp_path / "d").exists()  # validating looks at no filesystem
+    assert disk.check(cfg) == [] and (tmp_path / "d").is_dir()  # the tier's check creates it, as the tier would
 
 
 @pytest.mark.parametrize("values,needle", [
@@ -83,27 +97,45 @@ def test_a_disk_path_that_does_not_exist_is_named_as_such(tmp_path):
     """Issue 24: 'exceeds the 70.6 GiB free on /nvme/kvtier' for a path that did not exist: the free
     space was the root disk's.  The sentence says the path does not exist and whose free space it is."""
     missing = tmp_path / "nvme" / "kvtier"
-    with pytest.raises(ConfigError) as info:
-        KVTierConfig.from_dict({"disk_path": str(missing), "disk_gib": 1e9})
-    message = str(info.value)
+    message = disk_refusal({"disk_path": str(missing), "disk_gib": 1e9})
     assert f"disk_path '{missing}' does not exist" in message, message
     assert f"free on '{tmp_path}', its nearest existing parent" in message, message
     assert not missing.exists()  # refused before anything was created
     missing.mkdir(parents=True)
-    with pytest.raises(ConfigError, match=f"exceeds the .* GiB free on '{missing}'; lower disk_gib"):
-        KVTierConfig.from_dict({"disk_path": str(missing), "disk_gib": 1e9})
+    assert re.search(f"exceeds the .* GiB free on '{missing}'; lower disk_gib",
+                     disk_refusal({"disk_path": str(missing), "disk_gib": 1e9}))
 
 
 def test_unwritable_disk_path(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    with pytest.raises(ConfigError, match="not writable"):
-        KVTierConfig.from_dict({"disk_path": str(blocker / "sub"), "disk_gib": 0.001})
+    assert "not writable" in disk_refusal({"disk_path": str(blocker / "sub"), "disk_gib": 0.001})
 
 
 def test_disk_larger_than_free_space(tmp_path):
-    with pytest.raises(ConfigError, match="exceeds"):
-        KVTierConfig.from_dict({"disk_path": str(tmp_path), "disk_gib": 10_000_000})
+    assert "exceeds" in disk_refusal({"disk_path": str(tmp_path), "disk_gib": 10_000_000})
+
+
+def test_the_disk_tier_refuses_to_start_with_the_checks_sentence(tmp_path):
+    """Without a preflight (a store used on its own) the disk tier's factory refuses what the
+    check refuses, in the same sentence, and builds nothing."""
+    from prometheus_client import CollectorRegistry
+
+    from kvtier.core.tiers.factory import TierContext
+
+    (tmp_path / "f").write_text("x")
+    config = KVTierConfig.from_dict({"disk_path": str(tmp_path / "f"), "disk_gib": 0.001})
+    with pytest.raises(ConfigError) as info:
+        disk.from_config(TierContext(config, b"n" * 16, 4096, 1, CollectorRegistry()))
+    assert str(info.value) == disk.check(config)[0][1] == (
+        f"kvtier config: disk_path '{tmp_path / 'f'}' is a file, not a directory; point it at a directory")
+
+
+@pytest.mark.parametrize("path", ["/etc/hostname", "/proc/kvtier"])
+def test_validating_a_config_looks_at_no_filesystem(path):
+    """Issue 20 item 4: the checks of the directory belong to the disk tier and the preflight."""
+    assert KVTierConfig.from_dict({"disk_path": path, "disk_gib": 0.001}).disk_path == path
+    assert disk_refusal({"disk_path": path, "disk_gib": 0.001})
 
 
 def test_chunk_tokens_must_be_multiple_of_block_size():
@@ -128,7 +160,6 @@ def test_yaml_errors(tmp_path):
     ({"_cli_parse_args": True}, "unknown kvtier config key"),
     ({"cpu_gib": float("inf")}, "finite"),
     ({"disk_gib": float("nan"), "disk_path": "/tmp"}, "finite"),
-    ({"disk_path": "/etc/hostname", "disk_gib": 0.001}, "is a file, not a directory"),
     ({"disk_path": "/tmp/a\0b", "disk_gib": 0.001}, "NUL"),
 ])
 def test_hostile_values_are_one_sentence_errors(values, needle):
@@ -162,9 +193,9 @@ def test_the_variable_named_by_redis_password_env_is_not_a_setting_typo(monkeypa
     # docs/shared-tier.md's own example keeps the password in KVTIER_REDIS_PASSWORD
     monkeypatch.setenv("KVTIER_REDIS_PASSWORD", "hunter2")
     cfg = KVTierConfig.from_dict({"redis_url": "redis://127.0.0.1:6390/0", "redis_password_env": "KVTIER_REDIS_PASSWORD"})
-    assert cfg.redis_password_env == "KVTIER_REDIS_PASSWORD"
+    assert redis_settings(cfg).redis_password_env == "KVTIER_REDIS_PASSWORD"
     monkeypatch.setenv("KVTIER_REDIS_PASSWORD_ENV", "KVTIER_REDIS_PASSWORD")  # named from the environment too
-    assert KVTierConfig.from_dict({}).redis_password_env == "KVTIER_REDIS_PASSWORD"
+    assert redis_settings(KVTierConfig.from_dict({})).redis_password_env == "KVTIER_REDIS_PASSWORD"
     monkeypatch.delenv("KVTIER_REDIS_PASSWORD_ENV")
     with pytest.raises(ConfigError, match="KVTIER_REDIS_PASSWORD is not a kvtier setting") as info:
         KVTierConfig.from_dict({"redis_password_env": "OTHER_VAR"})  # not the named one: still a typo guard
@@ -184,9 +215,8 @@ def test_an_explicit_bad_value_is_named_before_a_bad_environment_variable(monkey
 def test_home_is_expanded_and_failed_checks_create_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     cfg = KVTierConfig.from_dict({"disk_path": "~/kv", "disk_gib": 0.001})
-    assert cfg.disk_path == str(tmp_path / "kv") and (tmp_path / "kv").is_dir()
-    with pytest.raises(ConfigError, match="exceeds"):
-        KVTierConfig.from_dict({"disk_path": str(tmp_path / "toolarge"), "disk_gib": 10_000_000})
+    assert cfg.disk_path == str(tmp_path / "kv") and disk.check(cfg) == [] and (tmp_path / "kv").is_dir()
+    assert "exceeds" in disk_refusal({"disk_path": str(tmp_path / "toolarge"), "disk_gib": 10_000_000})
     assert not (tmp_path / "toolarge").exists()
 
 
@@ -198,10 +228,44 @@ def test_non_utf8_yaml(tmp_path):
 
 
 def test_a_redis_url_without_a_port_is_accepted():
-    assert KVTierConfig.from_dict({"redis_url": "redis://10.0.0.5/0"}).redis_url == "redis://10.0.0.5/0"
+    assert redis_settings(KVTierConfig.from_dict({"redis_url": "redis://10.0.0.5/0"})).redis_url == "redis://10.0.0.5/0"
 
 
 def test_a_bad_redis_url_port_never_echoes_the_password():
     with pytest.raises(ConfigError) as info:
         KVTierConfig.from_dict({"redis_url": "redis://:hunter2@127.0.0.1:99999/0"})
     assert "hunter2" not in str(info.value)
+
+
+@pytest.mark.parametrize("given", [{"redis_url": "redis://kv:hunter2@10.0.0.5:6379/0"},
+                                   {"tier_settings": {"redis": {"redis_url": "redis://kv:hunter2@10.0.0.5:6379/0"}}}])
+def test_the_redis_tiers_keys_live_in_its_settings_and_their_secrets_stay_hidden(given):
+    """Issue 20 item 1: the redis keys are the redis tier's own settings model, given flat (as
+    always) or nested; the URL's password never shows in the repr, the exported labels or an error."""
+    cfg = KVTierConfig.from_dict({**given, "shared_secret": "0123456789abcdef0123"})
+    assert redis_settings(cfg).redis_url == "redis://kv:hunter2@10.0.0.5:6379/0"
+    public = cfg.public_dict()
+    assert public["redis_url"] == "redis://***@10.0.0.5:6379/0" and public["shared_secret"] == "<set>"
+    assert public["redis_ttl_s"] == 86400 and "tier_settings" not in public
+    assert "hunter2" not in repr(cfg) and "0123456789abcdef" not in repr(cfg) and "redis_ttl_s=86400" in repr(cfg)
+    assert cfg.flat_dict(exclude_unset=True) == {"redis_url": "redis://kv:hunter2@10.0.0.5:6379/0",
+                                                 "shared_secret": "0123456789abcdef0123"}
+
+
+def test_a_redis_key_from_the_environment_is_read_and_named_in_its_error(monkeypatch):
+    monkeypatch.setenv("KVTIER_REDIS_TTL_S", "60")
+    assert redis_settings(KVTierConfig.from_dict({})).redis_ttl_s == 60
+    assert redis_settings(KVTierConfig.from_dict({"redis_ttl_s": 5})).redis_ttl_s == 5  # explicit beats env
+    monkeypatch.setenv("KVTIER_REDIS_TTL_S", "soon")
+    with pytest.raises(ConfigError) as info:
+        KVTierConfig.from_dict({})
+    assert str(info.value) == ("kvtier config field 'redis_ttl_s' (from environment variable KVTIER_REDIS_TTL_S): "
+                               "Input should be a valid integer, unable to parse string as an integer (got 'soon'); "
+                               "fix the value of 'redis_ttl_s'") and info.value.env_var == "KVTIER_REDIS_TTL_S"
+    with pytest.raises(ConfigError, match="'write_mode'") as info:  # a value given is named before the variable
+        KVTierConfig.from_dict({"write_mode": "write-around"})
+    assert info.value.env_var is None
+    with pytest.raises(ConfigError) as info:
+        KVTierConfig.from_dict({"redis_ttl_s": 0})
+    assert str(info.value) == ("kvtier config field 'redis_ttl_s': Input should be greater than 0 (got 0); "
+                               "fix the value of 'redis_ttl_s'")

@@ -508,12 +508,13 @@ def test_a_read_only_filesystem_fails_writes_with_one_throttled_line(small_files
 
 def test_a_config_on_a_filesystem_full_of_its_own_chunk_files_is_accepted(small_filesystem):
     from kvtier.core.config import KVTierConfig
-    from kvtier.core.errors import ConfigError
+    from kvtier.core.tiers import disk
 
     ours = small_filesystem / "kv"
     ours.mkdir()
     fill(ours, 0)  # what the directory holds is the tier's to evict
-    KVTierConfig.from_dict({"disk_path": str(ours), "disk_gib": 0.007})
+    assert disk.check(KVTierConfig.from_dict({"disk_path": str(ours), "disk_gib": 0.007})) == []
     assert not [p for p in ours.iterdir() if p.name.startswith(".kvtier-write-probe")]
-    with pytest.raises(ConfigError, match="exceeds the 0.0 GiB free"):
-        KVTierConfig.from_dict({"disk_path": str(small_filesystem / "other"), "disk_gib": 0.007})
+    ((_key, refused),) = disk.check(KVTierConfig.from_dict({"disk_path": str(small_filesystem / "other"),
+                                                            "disk_gib": 0.007}))
+    assert "exceeds the 0.0 GiB free" in refused

@@ -11,7 +11,7 @@ import pytest
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.stats import directions
-from kvtier.core.tiers import registry
+from kvtier.core.tiers import factory, registry
 from tests.dict_tier import SPEC, DictTier
 
 from .helpers import CHUNK_BYTES, CHUNK_TOKENS, NS, chain_of, payload
@@ -32,7 +32,7 @@ def test_a_module_named_in_tier_modules_registers_its_tier(plugin):
     assert SPEC.name not in registry.available_tiers()
     config = KVTierConfig.from_dict({"tier_modules": [PLUGIN], "tiers": ["cpu", "dict"], "dict_capacity_mib": 1})
     assert registry.available_tiers() == ["cpu", "disk", "dict", "redis"]  # by the record's order
-    assert registry.configured("dict", config) and config.settings_of("dict").dict_capacity_mib == 1
+    assert factory.configured("dict", config) and config.settings_of("dict").dict_capacity_mib == 1
     assert registry.hit_source("dict") == "external_unspecified"
     assert registry.slowest(["dict", "cpu", "disk"]) == "dict"
     assert {"cpu_to_dict", "dict_to_cpu"} <= set(directions())
@@ -62,8 +62,13 @@ def test_the_store_builds_evicts_into_and_loads_from_a_plugin_tier(plugin, tmp_p
 
 
 def test_tier_settings_are_checked_by_the_tiers_own_model(plugin):
-    with pytest.raises(ConfigError, match=r"tier_settings\.dict\.dict_capacity_mib: Input should be greater than 0"):
+    # a key given flat reads like any other key; one given nested is named by its path
+    with pytest.raises(ConfigError, match=r"^kvtier config field 'dict_capacity_mib': Input should be greater than 0 "
+                                          r"\(got 0\); fix the value of 'dict_capacity_mib'$"):
         KVTierConfig.from_dict({"tier_modules": [PLUGIN], "dict_capacity_mib": 0})
+    with pytest.raises(ConfigError, match=r"^kvtier config field 'tier_settings\.dict\.dict_capacity_mib': Input should "
+                                          r"be greater than 0 \(got 0\)"):
+        KVTierConfig.from_dict({"tier_modules": [PLUGIN], "tier_settings": {"dict": {"dict_capacity_mib": 0}}})
     with pytest.raises(ConfigError, match="'dict_capacity_mib' is given both at the top level and in tier_settings"):
         KVTierConfig.from_dict({"tier_modules": [PLUGIN], "dict_capacity_mib": 1,
                                 "tier_settings": {"dict": {"dict_capacity_mib": 2}}})

@@ -16,8 +16,8 @@ from typing import ClassVar
 import pytest
 
 from kvtier.core.errors import UserError
-from kvtier.core.scrape import MAX_BODY_BYTES, fetch_metrics
 from kvtier.doctor import parse_metrics
+from kvtier.tools.scrape import MAX_BODY_BYTES, fetch_metrics
 
 DATA = Path(__file__).parent / "data" / "kvtier-cpu"
 BEFORE = (DATA / "before.txt").read_text()

@@ -9,6 +9,6 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvtier.integrations.vllm.testmodel import write_model
+    from kvtier.launch.testmodel import write_model
 
     return write_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", weights="random", seed=0)

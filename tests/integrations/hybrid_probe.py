@@ -18,7 +18,7 @@ def main(model: str, geometry: str, out_path: str) -> int:
     sys.path.insert(0, str(Path(__file__).parent))  # hma_recorder, by kv_connector_module_path
     from vllm import LLM, SamplingParams
 
-    from kvtier.integrations.vllm.testmodel import engine_kwargs, random_prompt
+    from kvtier.launch.testmodel import engine_kwargs, random_prompt
 
     transfer = {"kv_connector": "HMARecorder", "kv_connector_module_path": "hma_recorder", "kv_role": "kv_both"}
     llm = LLM(model=model, dtype="float32", max_model_len=1024, enforce_eager=True, block_size=32,

@@ -62,7 +62,7 @@ def served_model(base_url: str) -> str:
 
 def metrics(base_url: str) -> dict[str, float]:
     """``/metrics`` samples summed over labels except ``tier`` (kept as ``name{tier}``)."""
-    from kvtier.core.scrape import fetch_metrics, metric_families
+    from kvtier.tools.scrape import fetch_metrics, metric_families
 
     out: dict[str, float] = {}
     for family in metric_families(fetch_metrics(base_url), base_url):

@@ -183,7 +183,7 @@ def test_mirror_refuses_ranks_that_disagree_on_the_key_root() -> None:
 
 def test_identity_fingerprint_follows_weights_tokenizer_and_config(tmp_path: Path) -> None:
     from kvtier.integrations.vllm.identity import model_fingerprint
-    from kvtier.integrations.vllm.testmodel import GEOMETRIES, _write_weights, write_model
+    from kvtier.launch.testmodel import GEOMETRIES, _write_weights, write_model
 
     model = write_model(tmp_path / "m", "tiny", weights="random", seed=0)
     base = model_fingerprint(str(model))
@@ -201,7 +201,7 @@ def test_effective_config_digest_follows_overrides_and_is_stable(tmp_path: Path)
     from vllm.config import ModelConfig
 
     from kvtier.integrations.vllm.identity import effective_config_digest
-    from kvtier.integrations.vllm.testmodel import write_model
+    from kvtier.launch.testmodel import write_model
 
     model = write_model(tmp_path / "tiny", "tiny", weights="none")
     plain = effective_config_digest(ModelConfig(model=str(model), dtype="float32"))

@@ -75,7 +75,7 @@ class Engine:
 
 
 def prompt(seed: int, words: int = PROMPT_WORDS) -> str:
-    from kvtier.integrations.vllm.testmodel import random_prompt
+    from kvtier.launch.testmodel import random_prompt
 
     return random_prompt(seed, words)
 

@@ -33,7 +33,7 @@ PAGE_BYTES = 2 * 2 * (2 * 32 * 64 * 2 * 4)  # group layers Ã— blocks per chunk Ã
 
 
 def spec_for(model: Path, geometry: str, disk: Path, chunk: int, steps: list[dict], **extra: object) -> dict:
-    from kvtier.integrations.vllm.testmodel import engine_kwargs
+    from kvtier.launch.testmodel import engine_kwargs
 
     return {"model": str(model),
             "kvtier": {"chunk_tokens": chunk, "cpu_gib": 0.25, "disk_path": str(disk), "disk_gib": 0.5},
@@ -44,7 +44,7 @@ def spec_for(model: Path, geometry: str, disk: Path, chunk: int, steps: list[dic
 def model_and_prompt(tmp_path: Path, geometry: str) -> tuple[Path, str, int]:
     from transformers import AutoTokenizer
 
-    from kvtier.integrations.vllm.testmodel import random_prompt, write_model
+    from kvtier.launch.testmodel import random_prompt, write_model
 
     model = write_model(tmp_path / geometry, geometry, weights="random", seed=0)
     prompt = random_prompt(7, 200)
@@ -116,7 +116,7 @@ def test_state_model_served_from_cpu_and_disk_and_a_failed_load_is_recomputed(tm
 
     from transformers import AutoTokenizer
 
-    from kvtier.integrations.vllm.testmodel import random_prompt
+    from kvtier.launch.testmodel import random_prompt
 
     model, prompt, n = model_and_prompt(tmp_path, "tiny-conv")
     other = random_prompt(9, 200)  # 428 tokens: its 8 generated tokens stay in the prompt's last block, as P's do
@@ -173,8 +173,8 @@ def test_state_model_sigterm_restart_is_served_from_disk(tmp_path: Path):
     """``python -m vllm.entrypoints.openai.api_server`` on tiny-conv (bfloat16, write-back),
     stopped with SIGTERM and started again: the graceful stop flushes the hybrid pages and the
     restarted server's first request is served from disk with the cold run's tokens."""
-    from kvtier.integrations.vllm.serve import Server, ServerSpec, transfer_config
-    from kvtier.integrations.vllm.testmodel import engine_kwargs, random_prompt, write_model
+    from kvtier.launch.serve import Server, ServerSpec, transfer_config
+    from kvtier.launch.testmodel import engine_kwargs, random_prompt, write_model
     from tests.integrations.openai_client import metrics as _metrics
     from tests.integrations.test_vllm_serve import TOLERANCE as TOLERANCE_BF16
     from tests.integrations.test_vllm_serve import _complete
@@ -213,9 +213,8 @@ def test_hybrid_models_start_with_the_default_config_and_serve_exact_kv(tmp_path
     kvtier with tokens and logprobs equal, bit for bit, to the same engine's own prefix cache
     holding that prefix (the second run: computed inside the same prompt, with the same threads).
     (A dense model with the default settings is test_vllm_serve.py's restarted server.)"""
-    from transformers import AutoTokenizer
-
     from kvtier.integrations.vllm.testmodel import engine_kwargs, random_prompt, write_model
+    from transformers import AutoTokenizer
 
     model = write_model(tmp_path / geometry, geometry, weights="random", seed=0)
     prompt = random_prompt(11, 700)

@@ -25,7 +25,7 @@ CHUNK = 64
 
 
 def probe(tmp_path: Path, geometry: str) -> tuple[dict, list[dict]]:
-    from kvtier.integrations.vllm.testmodel import write_model
+    from kvtier.launch.testmodel import write_model
 
     model = write_model(tmp_path / geometry, geometry, weights="random", seed=0)
     out, record = tmp_path / "out.json", tmp_path / "record.jsonl"

@@ -25,7 +25,7 @@ TOLERANCE = 1e-4
 
 
 def _prompts() -> list[str]:
-    from kvtier.integrations.vllm.testmodel import random_prompt
+    from kvtier.launch.testmodel import random_prompt
 
     return [random_prompt(300 + i, PROMPT_WORDS) for i in range(2)]
 
@@ -85,7 +85,7 @@ def test_graceful_stop_keeps_the_hot_set_and_other_identities_miss(tiny_model: P
     assert m["kvtier_saved_tokens_total"] == 2 * LOADABLE  # its own chunks, in its own namespace
     assert other["results"][0][0]["logprobs"] != first["results"][0][0]["logprobs"]  # the override does change KV
 
-    from kvtier.integrations.vllm.testmodel import GEOMETRIES, _write_weights
+    from kvtier.launch.testmodel import GEOMETRIES, _write_weights
 
     before = (model / "model.safetensors").stat().st_size
     _write_weights(model, GEOMETRIES["tiny"], seed=1)  # replaced in place: same file, same size

@@ -64,7 +64,7 @@ class Workload:
     ``FRESH_EVERY``-th request a fresh prompt (``prompt`` -1 in its record)."""
 
     def __init__(self, base_url: str, prompts: list[str]) -> None:
-        from kvtier.integrations.vllm.testmodel import random_prompt
+        from kvtier.launch.testmodel import random_prompt
 
         self.base_url, self.prompts, self.fresh = base_url, prompts, random_prompt
         self.records: list[dict[str, Any]] = []
@@ -102,8 +102,8 @@ class Workload:
 
 
 def test_faults_while_a_workload_runs(tiny_model: Path, tmp_path: Path, redis_factory, key_prefix) -> None:
-    from kvtier.integrations.vllm.serve import Server
-    from kvtier.integrations.vllm.testmodel import random_prompt
+    from kvtier.launch.serve import Server
+    from kvtier.launch.testmodel import random_prompt
 
     server = redis_factory()
     proxy = DelayProxy(server.port)

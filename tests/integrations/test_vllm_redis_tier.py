@@ -37,7 +37,7 @@ EQUAL_THREADS = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 
 def test_a_prefix_saved_by_one_engine_is_served_from_redis_to_others_slow_loads_and_a_dead_redis_recompute(
         tiny_model: Path, tmp_path: Path, redis_factory, key_prefix) -> None:
-    from kvtier.integrations.vllm.testmodel import random_prompt
+    from kvtier.launch.testmodel import random_prompt
     from tests.redis_servers import DelayProxy
 
     from .vllm_helpers import max_logprob_diff

@@ -93,8 +93,8 @@ def test_sigterm_flushes_write_back_and_the_restart_reproduces_the_engines_own_p
     holds exactly the tokens kvtier loads (it first prefills that prefix alone), so both compute
     the same tail over the same cached prefix with the same threads
     (``VLLM_CPU_NUM_OF_RESERVED_CPU`` pinned for all three)."""
-    from kvtier.integrations.vllm.serve import Server, ServerSpec, transfer_config
-    from kvtier.integrations.vllm.testmodel import random_prompt
+    from kvtier.launch.serve import Server, ServerSpec, transfer_config
+    from kvtier.launch.testmodel import random_prompt
 
     disk = {"disk_path": str(tmp_path / "disk"), "disk_gib": 0.5}
     write_back = {**disk, "cpu_gib": 0.25, "write_mode": "write-back"}

@@ -48,8 +48,8 @@ def client(ns: str, ops: list[dict[str, Any]], workdir: Path, timeout_s: float =
 
 
 def test_producer_on_host_a_hands_kv_to_consumer_on_host_b(tiny_model: Path, tmp_path: Path) -> None:
-    from kvtier.integrations.vllm.serve import Server
-    from kvtier.integrations.vllm.testmodel import random_prompt
+    from kvtier.launch.serve import Server
+    from kvtier.launch.testmodel import random_prompt
 
     reason = cannot_create()
     if reason:

@@ -65,7 +65,7 @@ def live_spec(model: Path, kvtier: dict[str, Any], role: str = "kv_both", cache_
     128-token blocks, one reserved core (``VLLM_CPU_NUM_OF_RESERVED_CPU=1``: equal compute threads
     for every engine compared), the dev endpoints on (``POST /reset_prefix_cache``), no graceful
     stop (SIGTERM force-stops the workers: these tests never need the shutdown flush)."""
-    from kvtier.integrations.vllm.serve import ServerSpec, transfer_config
+    from kvtier.launch.serve import ServerSpec, transfer_config
 
     return ServerSpec(model=str(model), max_model_len=1024, cache_tokens=cache_tokens, block_size=128,
                       load_format=None, kv_transfer_config=transfer_config(kvtier, role), memory_fraction=0.1,

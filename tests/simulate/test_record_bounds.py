@@ -17,9 +17,9 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtier.cli.main import app
-from kvtier.core.mooncake import iter_records
-from kvtier.integrations.vllm.serve import free_port
+from kvtier.launch.serve import free_port
 from kvtier.simulate.record import TraceRecorder
+from kvtier.tools.mooncake import iter_records
 from tests.bench.sse_server import launch
 
 OLD = '{"timestamp": 0, "input_length": 3, "output_length": 1, "hash_ids": [0]}\n'

@@ -20,8 +20,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtier.cli.main import app
-from kvtier.core.mooncake import iter_records
 from kvtier.simulate.record import TraceRecorder, block_digests
+from kvtier.tools.mooncake import iter_records
 
 BLOCK = 32
 SECRET = "zebracorn"
@@ -34,8 +34,8 @@ def server(tmp_path_factory, redis_server):
     under a key prefix of its own, in ``server.key_prefix``), a 20-block engine cache of 128-token
     blocks (3 prompts of 600 tokens do not fit: their reuse comes back from kvtier) and a chat
     template (the tiny test model has none)."""
-    from kvtier.integrations.vllm.serve import Server, ServerSpec, transfer_config
-    from kvtier.integrations.vllm.testmodel import write_model
+    from kvtier.launch.serve import Server, ServerSpec, transfer_config
+    from kvtier.launch.testmodel import write_model
 
     model = write_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", weights="random", seed=0)
     template = tmp_path_factory.mktemp("template") / "chat.jinja"

@@ -5,10 +5,10 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtier.cli.main import app
-from kvtier.core.mooncake import iter_records
 from kvtier.simulate.reuse import regime, reuse_histogram
 from kvtier.simulate.synth import REGIMES, SynthError, generate, make_params
 from kvtier.simulate.trace import read_trace
+from kvtier.tools.mooncake import iter_records
 
 
 def synth_file(tmp_path, name, requests=600, seed=3, *sets):

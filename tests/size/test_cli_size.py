@@ -94,7 +94,7 @@ def test_unreachable_hub_is_a_clean_error(monkeypatch):
 
 
 def test_a_hub_that_trickles_config_json_is_a_clean_error_in_time():
-    """The hub download has a total deadline (kvtier.core.httpget): headers then a byte every 0.2 s
+    """The hub download has a total deadline (kvtier.tools.httpget): headers then a byte every 0.2 s
     (tests/bench/sse_server.py --trickle) end in one sentence, not a wait without end."""
     import os
     import time
@@ -102,7 +102,7 @@ def test_a_hub_that_trickles_config_json_is_a_clean_error_in_time():
 
     import httpx
 
-    from kvtier.integrations.vllm.serve import free_port
+    from kvtier.launch.serve import free_port
 
     port = free_port()
     server = subprocess.Popen([sys.executable, str(Path(__file__).parent.parent / "bench" / "sse_server.py"), str(port),

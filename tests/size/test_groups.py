@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtier.cli.main import app
-from kvtier.integrations.vllm.testmodel import config_json
+from kvtier.launch.testmodel import config_json
 from kvtier.size.hf_config import geometry_from_config
 from kvtier.size.presets import find_preset
 

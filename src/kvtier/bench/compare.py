@@ -43,7 +43,7 @@ from kvtier.bench.results import RunResult, RunSummary
 from kvtier.bench.spread import Spread, figures_of, judge_spread, spreads
 from kvtier.bench.verdict import ArmFigures, Thresholds, Verdict, VerdictKind, judge
 from kvtier.bench.workload import BenchRequest, TokenSpace, Workload
-from kvtier.integrations.vllm.serve import ServerSpec, ServerStartError
+from kvtier.launch.serve import ServerSpec, ServerStartError
 
 DOMAIN_WARMUP = 99
 

@@ -1,5 +1,5 @@
 """What ``make demo`` (``kvtier demo``) runs, on the 24-layer ``mid`` test geometry where a prefill
-costs seconds (:mod:`kvtier.integrations.vllm.testmodel`, dummy weights: nothing is downloaded).
+costs seconds (:mod:`kvtier.launch.testmodel`, dummy weights: nothing is downloaded).
 
 1. Restart (:func:`run_restart_demo`): ``vllm serve`` with KVTierConnector (cpu + disk tiers)
    answers a few long prompts cold, is stopped with SIGTERM (graceful: ``--shutdown-timeout``, so
@@ -31,7 +31,7 @@ from kvtier.bench.meters import MetricsError, scrape
 from kvtier.bench.report import ReportPaths, print_table, write_reports
 from kvtier.bench.spread import Spread
 from kvtier.bench.workload import vocab_token_space
-from kvtier.integrations.vllm.serve import Server, ServerSpec, transfer_config
+from kvtier.launch.serve import Server, ServerSpec, transfer_config
 
 DEMO_GEOMETRY = "mid"
 DEMO_PROMPT_TOKENS = 1028
@@ -57,7 +57,7 @@ def demo_kvtier_config(disk: Path) -> dict[str, object]:
 
 def demo_model(workdir: Path) -> Path:
     """The mid test model (config and tokenizer only; served with ``--load-format dummy``)."""
-    from kvtier.integrations.vllm.testmodel import write_model
+    from kvtier.launch.testmodel import write_model
 
     return write_model(workdir / "models" / DEMO_GEOMETRY, DEMO_GEOMETRY, weights="none")
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtier.core.errors import MetricsError
-from kvtier.core.scrape import fetch_metrics, metric_families
+from kvtier.tools.scrape import fetch_metrics, metric_families
 
 PREFIX_QUERIES = "vllm:prefix_cache_queries"
 PREFIX_HITS = "vllm:prefix_cache_hits"

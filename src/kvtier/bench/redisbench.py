@@ -29,6 +29,7 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers import GetResult, PutResult, TierContext
 from kvtier.core.tiers import redis as redis_tier
 from kvtier.core.tiers.redisclient import make_client
+from kvtier.core.tiers.redissettings import redis_settings
 
 
 def bench_redis(url: str, chunk_mib: float, total_mib: float, repeats: int, cluster: bool = False,
@@ -51,7 +52,7 @@ def bench_redis(url: str, chunk_mib: float, total_mib: float, repeats: int, clus
     config = KVTierConfig.from_dict(settings)
     tier = redis_tier.from_config(TierContext(config, os.urandom(16), chunk_bytes, 1, CollectorRegistry()))
     assert tier is not None
-    raw = make_client(config)
+    raw = make_client(redis_settings(config))
     datas = _chunks(num, chunk_bytes, seed=2)
     dsts = [np.empty(chunk_bytes, dtype=np.uint8) for _ in range(num)]
     for d, s in zip(dsts, datas):  # fault the destination pages in before any timing

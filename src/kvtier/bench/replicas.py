@@ -23,7 +23,7 @@ from pathlib import Path
 from kvtier.bench.meters import MeterDeltas, MetricsSnapshot, deltas, scrape
 from kvtier.bench.results import RunResult
 from kvtier.core.errors import ServerStartError
-from kvtier.integrations.vllm.serve import Server, ServerSpec
+from kvtier.launch.serve import Server, ServerSpec
 
 REPLICA_FIGURE_KEYS = ("prefix_hit_rate", "engine_hit_rate", "external_hit_rate", "external_hit_tokens",
                        "ttft_p50_s", "ttft_p99_s", "num_requests")

@@ -71,7 +71,7 @@ class LocalRedis:
         Raises:
             ServerStartError: ``redis-server`` is not installed, exited, or did not answer in time.
         """
-        from kvtier.integrations.vllm.serve import free_port
+        from kvtier.launch.serve import free_port
 
         binary = shutil.which("redis-server")
         if binary is None:

@@ -22,13 +22,13 @@ from pathlib import Path
 
 from kvtier.bench.workload import DOMAIN_TRACE_BLOCK, BenchRequest, TokenSpace, Workload, WorkloadError
 from kvtier.core.errors import TraceError
-from kvtier.core.mooncake import (
+from kvtier.tools.mooncake import (
     BUNDLED_TRACE,
     MOONCAKE_BLOCK_TOKENS,
     TraceRecord,
     iter_records,
 )
-from kvtier.core.mooncake import bundled_trace_path as _bundled
+from kvtier.tools.mooncake import bundled_trace_path as _bundled
 
 __all__ = ["BUNDLED_TRACE", "MOONCAKE_BLOCK_TOKENS", "TraceRecord", "bundled_trace_path", "load_trace",
            "returning_only", "scaled_prompt_len", "trace_workload"]
@@ -48,7 +48,7 @@ def bundled_trace_path() -> Path:
 
 def load_trace(path: Path, start: int = 0, limit: int | None = None) -> list[TraceRecord]:
     """Read records ``start .. start+limit-1`` (0-based line numbers) of a ``.jsonl`` or ``.jsonl.gz``
-    Mooncake trace (read by :mod:`kvtier.core.mooncake`, the one Mooncake reader).
+    Mooncake trace (read by :mod:`kvtier.tools.mooncake`, the one Mooncake reader).
 
     Raises:
         WorkloadError: the file is missing, a line is not a Mooncake record, or the window is empty.

@@ -120,11 +120,11 @@ PROBE_TIMEOUT_S = 10.0
 
 def _served_model(url: str) -> tuple[str, int | None]:
     """The server's first model and its ``max_model_len``, read from ``/v1/models`` within
-    PROBE_TIMEOUT_S seconds in all (:func:`kvtier.core.httpget.get_within`); fails with exit 2."""
+    PROBE_TIMEOUT_S seconds in all (:func:`kvtier.tools.httpget.get_within`); fails with exit 2."""
     import json
 
     from kvtier.core.errors import ServerAnswerError
-    from kvtier.core.httpget import get_within
+    from kvtier.tools.httpget import get_within
 
     models_url = url.rstrip("/") + "/v1/models"
     try:
@@ -234,7 +234,7 @@ def compare_command(
     from kvtier.bench.compare import run_compare, warmup_workload
     from kvtier.bench.report import print_table, write_reports
     from kvtier.bench.workload import vocab_token_space
-    from kvtier.integrations.vllm.serve import ServerSpec
+    from kvtier.launch.serve import ServerSpec
 
     names = [a.strip() for a in arms.split(",") if a.strip()]
     unknown = [a for a in names if a not in ARM_NAMES]
@@ -271,7 +271,7 @@ def compare_command(
         from kvtier.core.errors import ConfigError
 
         try:  # validated once here; the arm passes on only the keys the file set
-            extra = KVTierConfig.from_yaml(kvtier_config).model_dump(exclude_unset=True)
+            extra = KVTierConfig.from_yaml(kvtier_config).flat_dict(exclude_unset=True)
         except (ConfigError, OSError) as exc:
             fail(f"--kvtier-config {kvtier_config}: {exc}")
     out = out or Path(".kvtier/bench") / time.strftime("compare-%Y%m%d-%H%M%S")

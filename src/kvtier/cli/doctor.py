@@ -69,7 +69,7 @@ MAX_INTERVAL_S = 86400.0
 
 def _read_file(path: str) -> str:
     """A recorded /metrics text, at most MAX_BODY_BYTES.  Raises UserError when unreadable or binary."""
-    from kvtier.core.scrape import MAX_BODY_BYTES
+    from kvtier.tools.scrape import MAX_BODY_BYTES
 
     try:
         with open(path, "rb") as handle:
@@ -95,8 +95,8 @@ def doctor_command(
     timeout: float = typer.Option(10.0, "--timeout", help="HTTP timeout per scrape, seconds."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
 ) -> None:
-    from kvtier.core.scrape import fetch_metrics, metrics_url
     from kvtier.doctor import allocation, diagnose, measure, parse_metrics
+    from kvtier.tools.scrape import fetch_metrics, metrics_url
 
     try:
         if tp < 1:

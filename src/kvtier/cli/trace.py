@@ -45,8 +45,8 @@ def register(app: typer.Typer) -> None:
         block_tokens: int = typer.Option(512, "--block-tokens", help="Tokens per hash id (Mooncake: 512)."),
         sets: list[str] = typer.Option([], "--set", help="Regime parameter NAME=VALUE (repeatable)."),
     ) -> None:
-        from kvtier.core.mooncake import TraceRecord, write_records
         from kvtier.simulate.synth import SynthError, generate, make_params
+        from kvtier.tools.mooncake import TraceRecord, write_records
 
         try:
             params = make_params(regime, _parse_sets(sets))
@@ -106,8 +106,8 @@ def register_record(trace_app: typer.Typer) -> None:
         import time
 
         from kvtier.core.errors import ServerAnswerError
-        from kvtier.core.httpget import get_within
         from kvtier.simulate.record import TraceRecorder
+        from kvtier.tools.httpget import get_within
 
         host, sep, port_text = listen.rpartition(":")
         if not sep or not port_text.isdigit():
@@ -120,7 +120,7 @@ def register_record(trace_app: typer.Typer) -> None:
         if out.exists() and not force:
             fail(f"--out {out} already exists; pass another file name, or --force to replace it once a request "
                  "is recorded")
-        try:  # 10 s (or --timeout-s if shorter) in all (kvtier.core.httpget): a trickle cannot hold the start
+        try:  # 10 s (or --timeout-s if shorter) in all (kvtier.tools.httpget): a trickle cannot hold the start
             page = get_within(url.rstrip("/") + "/v1/models", min(10.0, timeout_s), "its model list",
                               max_body_bytes=1 << 20)
             if page.status != 200:

@@ -7,24 +7,24 @@ across TP ranks); each rank's store gets ``total / tp_size``.
 
 Precedence: explicit values (dict or YAML) over ``KVTIER_*`` environment variables over defaults.
 Every bad value fails at start-up with :class:`~kvtier.core.errors.ConfigError`, one sentence
-naming the field and the fix.
+naming the field and the fix.  Validating is pure: it reads the values and the ``KVTIER_*``
+environment, never a filesystem; what a tier needs of the host (the disk tier's directory, a
+password file) is checked by the tier's factory and by its preflight check
+(:func:`kvtier.core.tiers.factory.check`: ``kvtier check``, the vLLM plugin before the model loads).
 """
 
 from __future__ import annotations
 
-import contextlib
 import difflib
-import errno
 import json
 import os
-import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from kvtier.core.errors import ConfigError
@@ -40,12 +40,24 @@ from kvtier.core.tiers.registry import (
     spec,
     top_tier,
 )
+from kvtier.core.tiersettings import (
+    ERROR_TYPE,
+    build_tier_settings,
+    check_tier_settings,
+    env_var_rules,
+    field_sentence,
+    named_env_vars,
+    route_flat_keys,
+)
 
 GiB = 1 << 30
 
 
 class KVTierConfig(BaseSettings):
-    """kvtier settings.  See docs/vllm.md for the operator's table of keys."""
+    """kvtier settings.  See docs/vllm.md for the operator's table of keys.
+
+    Each registered tier's own keys (:meth:`settings_of`; e.g. the redis tier's) are accepted flat
+    as well as under ``tier_settings`` (:mod:`kvtier.core.tiersettings`)."""
 
     model_config = SettingsConfigDict(env_prefix="KVTIER_", extra="forbid", frozen=True)
 
@@ -86,9 +98,10 @@ class KVTierConfig(BaseSettings):
     tier_modules: tuple[str, ...] = Field((), description=(
         "Python modules imported before the rest is read, each registering tiers from outside kvtier "
         "(kvtier.core.tiers.registry.register; docs/store.md, 'Adding a tier'); e.g. [mycompany.kvtier_tiers]."))
-    tier_settings: dict[str, dict[str, Any]] = Field(default_factory=dict, description=(
-        "Settings of tiers from outside kvtier, by tier name, each checked by the tier's own settings model "
-        "(kvtier.core.tiers.registry.TierSpec.settings), e.g. {mytier: {capacity_mib: 64}}."))
+    tier_settings: dict[str, dict[str, Any]] = Field(default_factory=dict, validate_default=True, repr=False, description=(
+        "Settings of tiers by tier name, each checked by the tier's own settings model "
+        "(kvtier.core.tiers.registry.TierSpec.settings), e.g. {mytier: {capacity_mib: 64}}; a tier's keys "
+        "may also be given at the top level, as the built-in tiers' are."))
     tiers: tuple[str, ...] = Field(default_factory=lambda: tuple(available_tiers()), min_length=1, description=(
         "Tiers in order, top first (kvtier.core.tiers.registry); a tier whose settings are unset is skipped."))
     shared_deadline_s: float = Field(0.25, gt=0, le=60, allow_inf_nan=False, description=(
@@ -100,21 +113,7 @@ class KVTierConfig(BaseSettings):
     shared_secret: str | None = Field(None, repr=False, min_length=16, description=(
         "Secret shared by every engine of one cache: values carry a keyed BLAKE3 MAC (docs/shared-tier.md)."))
     shared_secret_file: str | None = Field(None, description="File holding shared_secret (e.g. a Kubernetes Secret).")
-    redis_url: str | None = Field(None, repr=False, description=(
-        "redis:// or rediss:// (TLS) URL of the shared tier (Redis or Valkey); unset = no redis tier."))
-    redis_cluster: bool = Field(False, description="The URL names a seed node of a Redis/Valkey Cluster.")
-    redis_password_env: str | None = Field(None, description="Environment variable holding the Redis password.")
-    redis_password_file: str | None = Field(None, description="File holding the Redis password.")
-    redis_tls_ca_file: str | None = Field(None, description="CA bundle for rediss:// (default: the system's).")
-    redis_key_prefix: str = Field("kvtier:", max_length=128, description="Prefix of every key kvtier writes.")
-    redis_ttl_s: int = Field(86400, gt=0, description="Seconds a value lives in Redis (SET ... EX).")
-    redis_connect_timeout_s: float = Field(0.5, gt=0, le=60, allow_inf_nan=False,
-                                           description="Connect timeout of one Redis connection, seconds.")
-    redis_timeout_s: float = Field(1.0, gt=0, le=60, allow_inf_nan=False,
-                                   description="Read/write timeout of one Redis call, seconds.")
-    redis_breaker_failures: int = Field(3, gt=0, description="Failed calls in a row that open the circuit breaker.")
-    redis_breaker_probe_s: float = Field(2.0, gt=0, le=3600, allow_inf_nan=False,
-                                         description="Seconds between probes while the breaker is open.")
+    _tier_models: dict[str, BaseModel] = PrivateAttr(default_factory=dict)  # settings_of's, built once
 
     @model_validator(mode="before")
     @classmethod
@@ -130,7 +129,8 @@ class KVTierConfig(BaseSettings):
                 import_tier_modules(tuple(modules))
             except ConfigError as exc:
                 raise ValueError(str(exc)) from None
-        return values
+        # a tier's keys given at the top level go under tier_settings, checked by the tier's model there
+        return route_flat_keys(values, set(cls.model_fields)) if isinstance(values, dict) else values
 
     @field_validator("chunk_tokens", mode="before")
     @classmethod
@@ -196,55 +196,26 @@ class KVTierConfig(BaseSettings):
             raise ValueError(f"the first tier must be {top_tier()!r} (every chunk passes through it)")
         return value
 
-    @field_validator("tier_settings")
+    @field_validator("tier_settings", mode="before")
     @classmethod
-    def _known_tier_settings(cls, value: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-        for name, settings in value.items():
-            try:
-                model = settings_model(name)
-            except ConfigError as exc:
-                raise ValueError(f"tier_settings names {name!r}: {exc}") from None
-            if model is None:
-                raise ValueError(f"tier_settings names tier {name!r}, which takes no settings there; remove it")
-            try:
-                model(**settings)  # a pydantic-settings model also reads its KVTIER_* variables
-            except ValidationError as exc:
-                err = exc.errors()[0]
-                where = ".".join(str(p) for p in err["loc"])
-                raise ValueError(f"tier_settings.{name}.{where}: {err['msg']}; fix that setting of the {name} "
-                                 "tier") from None
-        return value
+    def _known_tier_settings(cls, value: Any) -> Any:
+        return check_tier_settings(value)
 
     def settings_of(self, name: str) -> Any:
-        """Tier ``name``'s settings (its model from :func:`~kvtier.core.tiers.registry.settings_model`,
-        filled from ``tier_settings[name]``), or ``None`` if the tier declares no model.
+        """Tier ``name``'s settings: its model (:func:`~kvtier.core.tiers.registry.settings_model`)
+        filled from ``tier_settings[name]`` (flat keys land there) and the environment when this
+        configuration was built, or ``None`` if the tier declares no model.
 
         Raises:
             ConfigError: unknown tier.
+            pydantic.ValidationError: the tier's model needs a key that is not given.
         """
         model = settings_model(name)
-        return None if model is None else model(**self.tier_settings.get(name, {}))
-
-    @field_validator("redis_url")
-    @classmethod
-    def _redis_scheme(cls, value: str | None) -> str | None:
-        if value is not None and urlsplit(value).scheme not in ("redis", "rediss"):
-            raise ValueError("redis_url must start with redis:// or rediss:// (TLS), e.g. redis://10.0.0.5:6379/0")
-        if value is not None:
-            # redis-py parses the port the same way (urllib); a bad one raised in the worker after the model loaded
-            try:
-                port = urlsplit(value).port
-            except ValueError:
-                port = 0
-            if port == 0:
-                raise ValueError("redis_url's port must be a number from 1 to 65535, e.g. redis://10.0.0.5:6379/0")
-            parts = urlsplit(value)
-            if not parts.hostname:
-                raise ValueError("redis_url names no host; give one, e.g. redis://10.0.0.5:6379/0")
-            database = parts.path.strip("/")
-            if database and not database.isdigit():  # redis-py reads the path as the database number
-                raise ValueError(f"redis_url's database {database!r} must be a number, e.g. redis://10.0.0.5:6379/0")
-        return value
+        if model is None:
+            return None
+        if name not in self._tier_models:
+            self._tier_models[name] = model(**self.tier_settings.get(name, {}))
+        return self._tier_models[name]
 
     @field_validator("disk_path")
     @classmethod
@@ -259,22 +230,40 @@ class KVTierConfig(BaseSettings):
     def _disk_consistent(self) -> KVTierConfig:
         if self.disk_gib > 0 and not self.disk_path:
             raise ValueError("disk_gib is set but disk_path is not; set disk_path to a local directory or disk_gib to 0")
-        if self.disk_path and self.disk_gib > 0:
-            _check_disk_path(Path(self.disk_path), self.disk_gib)
         for tier, name in self.admission.items():  # judged when a chunk leaves the cpu tier (write-back)
             if name != "all" and (spec(tier).shared or self.write_mode != "write-back"):
                 raise ValueError(f"admission {name!r} for tier {tier!r} needs write_mode write-back and a local tier "
                                  "(a chunk is judged when it leaves the cpu tier); set write_mode: write-back "
                                  "or admission all")
+        self._tier_models.update(build_tier_settings(self.tier_settings))
         return self
 
+    def __repr_args__(self) -> Any:
+        # each tier's settings by its own model's repr, which leaves out its secrets (repr=False)
+        yield from super().__repr_args__()
+        for model in self._tier_models.values():
+            yield from model.__repr_args__()
+
+    def flat_dict(self, exclude_unset: bool = False) -> dict[str, Any]:
+        """The settings as ``kv_connector_extra_config`` takes them: this model's fields and every
+        tier's settings at the top level (``tier_settings`` itself left out); with
+        ``exclude_unset`` only what was given (explicitly or by a ``KVTIER_*`` variable)."""
+        out = self.model_dump(exclude_unset=exclude_unset, exclude={"tier_settings"})
+        for name in self._tier_models:
+            out.update(self.settings_of(name).model_dump(exclude_unset=exclude_unset))
+        return out
+
     def public_dict(self) -> dict[str, Any]:
-        """The settings with secrets hidden (a URL's password, ``shared_secret``), safe to log or export."""
-        out = self.model_dump()
-        if self.redis_url:
-            out["redis_url"] = redact_url(self.redis_url)
-        if self.shared_secret:
-            out["shared_secret"] = "<set>"
+        """:meth:`flat_dict` with secrets hidden (``repr=False`` fields: a URL's password and user,
+        anything else as ``<set>``), safe to log or export."""
+        secret = {k for k, f in type(self).model_fields.items() if f.repr is False}
+        for name in self._tier_models:
+            secret.update(k for k, f in type(self.settings_of(name)).model_fields.items() if f.repr is False)
+        out = self.flat_dict()
+        for key in secret:
+            value = out.get(key)
+            if value:
+                out[key] = redact_url(value) if isinstance(value, str) and "://" in value else "<set>"
         return out
 
     @classmethod
@@ -312,7 +301,6 @@ class KVTierConfig(BaseSettings):
                 # checked here: pydantic-settings would take keys such as "_env_file" as its own options
                 raise ConfigError(f"unknown kvtier config key {key!r}{did_you_mean(key, known)}; "
                                   f"known keys are {', '.join(known)}")
-        values = _route_tier_keys(values, known)
         _check_env(values)
         try:
             return cls(**values)
@@ -381,82 +369,6 @@ def redact_url(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
-def _check_disk_path(path: Path, disk_gib: float) -> None:
-    """Writability and free space of the disk tier's directory, creating it only if both hold."""
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"disk_path {str(path)!r} is a file, not a directory; point it at a directory")
-    existing = path
-    while not existing.exists():
-        existing = existing.parent
-    pseudo = pseudo_filesystem(existing)
-    if pseudo is not None:
-        fstype, mount_point = pseudo
-        raise ValueError(f"disk_path {str(path)!r} is on the {fstype} filesystem mounted at {mount_point}, a kernel "
-                         "interface that cannot hold chunk files; point it at a directory on a local disk (e.g. NVMe)")
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"disk_path {str(path)!r} is not writable; point it at a writable directory")
-    free = shutil.disk_usage(existing).free
-    used = _dir_bytes(path) if path.exists() else 0  # what kvtier already holds there is available to it
-    if disk_gib * GiB > free + used:
-        if path.exists():
-            raise ValueError(f"disk_gib={disk_gib} exceeds the {(free + used) / GiB:.1f} GiB free on "
-                             f"{str(path)!r}; lower disk_gib or free space")
-        # a path that does not exist is named as such: the free space is its nearest existing parent's,
-        # typically the root disk because the volume meant for the tier is not mounted
-        raise ValueError(f"disk_path {str(path)!r} does not exist, and disk_gib={disk_gib} exceeds the "
-                         f"{free / GiB:.1f} GiB free on {str(existing)!r}, its nearest existing parent, where it "
-                         "would be created; mount the disk meant for the tier there (e.g. the NVMe volume), or "
-                         "lower disk_gib")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".kvtier-write-probe-{os.getpid()}"
-        probe.write_bytes(b"x")
-        probe.unlink()
-    except OSError as exc:
-        if exc.errno == errno.ENOSPC and used:  # full of kvtier's own chunk files, which the tier evicts to make room
-            with contextlib.suppress(OSError):
-                probe.unlink()
-            return
-        raise ValueError(f"disk_path {str(path)!r} is not writable ({exc.strerror}); "
-                         "point it at a writable directory") from None
-
-
-PSEUDO_FILESYSTEMS = frozenset({
-    "proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs", "pstore",
-    "bpf", "configfs", "fusectl", "mqueue", "binfmt_misc", "autofs", "efivarfs", "nsfs", "rpc_pipefs",
-})
-"""Kernel interfaces that look like directories but hold no files (proc(5), sysfs(5))."""
-
-
-def mount_of(path: Path, mounts: str = "/proc/self/mounts") -> tuple[str, str] | None:
-    """``(fstype, mount point)`` of the filesystem holding ``path`` (an existing path), or None.
-
-    Reads the longest matching mount point of ``mounts`` (proc(5) ``/proc/self/mounts``); None on a
-    host without that file (not Linux).
-    """
-    try:
-        lines = Path(mounts).read_text().splitlines()
-    except OSError:
-        return None
-    resolved = str(path.resolve())
-    best: tuple[str, str] | None = None
-    for line in lines:
-        fields = line.split()
-        if len(fields) < 3:
-            continue
-        point = fields[1].replace("\\040", " ")
-        inside = resolved == point or resolved.startswith(point.rstrip("/") + "/")
-        if inside and (best is None or len(point) >= len(best[1])):
-            best = (fields[2], point)
-    return best
-
-
-def pseudo_filesystem(path: Path) -> tuple[str, str] | None:
-    """``(fstype, mount point)`` when ``path`` (an existing path) lies on a kernel pseudo filesystem."""
-    mount = mount_of(path)
-    return mount if mount is not None and mount[0] in PSEUDO_FILESYSTEMS else None
-
-
 def did_you_mean(name: str, known: Iterable[str]) -> str:
     """`` (did you mean 'x'?)`` for the closest known name, or ``""`` when none is close."""
     close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
@@ -470,39 +382,17 @@ _JSON_EXAMPLES = {"admission": '{"disk": "reused"}', "tiers": '["cpu", "disk"]',
 def _check_env(values: dict[str, Any]) -> None:
     """Reject ``KVTIER_*`` variables that name no field (a typo would otherwise be ignored).
 
-    The variable that ``redis_password_env`` names (in ``values`` or ``KVTIER_REDIS_PASSWORD_ENV``)
-    holds the password, not a setting, and is exempt: docs/shared-tier.md names it
-    ``KVTIER_REDIS_PASSWORD``.
+    A variable that a tier setting names (``names_env_var``, :mod:`kvtier.core.tiersettings`)
+    holds a secret, not a setting, and is exempt, even when its name starts with ``KVTIER_``.
     """
     known = {f"KVTIER_{name.upper()}" for name in KVTierConfig.known_keys(values)}
-    password_env = values.get("redis_password_env", os.environ.get("KVTIER_REDIS_PASSWORD_ENV"))
+    exempt = named_env_vars(values)
+    rules = env_var_rules()
+    why = f" ({'; '.join(rules)})" if rules else ""
     for var in os.environ:
-        if var.upper().startswith("KVTIER_") and var.upper() not in known and var != password_env:
+        if var.upper().startswith("KVTIER_") and var.upper() not in known and var not in exempt:
             raise ConfigError(f"environment variable {var} is not a kvtier setting{did_you_mean(var.upper(), known)}; "
-                              "rename or unset it (a Redis password variable must be the one named by "
-                              f"redis_password_env); known ones are {', '.join(sorted(known))}", env_var=var)
-
-
-def _route_tier_keys(values: dict[str, Any], known: list[str]) -> dict[str, Any]:
-    """``values`` with each flat key of a tier's settings model moved under ``tier_settings[tier]``.
-
-    Raises:
-        ConfigError: a key given both flat and under ``tier_settings``.
-    """
-    owners = {k: t for k, t in settings_keys().items() if k not in KVTierConfig.model_fields}
-    flat = [k for k in values if k in owners]
-    if not flat:
-        return values
-    out = {k: v for k, v in values.items() if k not in owners}
-    nested = {name: dict(v) for name, v in (values.get("tier_settings") or {}).items()} \
-        if isinstance(values.get("tier_settings"), dict) else {}
-    for key in flat:
-        tier = owners[key]
-        if key in nested.setdefault(tier, {}):
-            raise ConfigError(f"{key!r} is given both at the top level and in tier_settings.{tier}; give it once")
-        nested[tier][key] = values[key]
-    out["tier_settings"] = nested
-    return out
+                              f"rename or unset it{why}; known ones are {', '.join(sorted(known))}", env_var=var)
 
 
 def _env_list(var: str) -> list[str] | None:
@@ -517,22 +407,20 @@ def _env_list(var: str) -> list[str] | None:
     return value if isinstance(value, list) else None
 
 
-def _dir_bytes(path: Path) -> int:
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.stat(os.path.join(root, name)).st_size
-            except OSError:
-                pass
-    return total
-
-
 def _one_sentence(exc: ValidationError, explicit: set[str] | None = None) -> tuple[str, str | None]:
-    """The first error of ``exc`` as one sentence, and the ``KVTIER_*`` variable it comes from (or None)."""
+    """The first error of ``exc`` as one sentence, and the ``KVTIER_*`` variable it comes from (or None).
+
+    A value the caller gave is named before one from the environment; a tier setting's error
+    (:data:`~kvtier.core.tiersettings.ERROR_TYPE`) carries its sentence already."""
+    def given(e: Any) -> bool:
+        if e["type"] == ERROR_TYPE:
+            return not e["ctx"]["env_var"]
+        return bool(explicit) and ".".join(map(str, e["loc"])) in (explicit or ())
+
     errors = exc.errors()
-    # a value the caller gave explicitly first: an environment variable's error is the caller's only if no other
-    err = next((e for e in errors if explicit and ".".join(map(str, e["loc"])) in explicit), errors[0])
+    err = next((e for e in errors if given(e)), errors[0])
+    if err["type"] == ERROR_TYPE:
+        return err["ctx"]["sentence"], err["ctx"]["env_var"] or None
     field = ".".join(str(p) for p in err["loc"])
     msg = err["msg"].removeprefix("Value error, ")
     if not field:  # a check across fields: its message names the fields itself
@@ -540,8 +428,6 @@ def _one_sentence(exc: ValidationError, explicit: set[str] | None = None) -> tup
     env_var = None
     if explicit is not None and field not in explicit and f"KVTIER_{field.upper()}" in os.environ:
         env_var = f"KVTIER_{field.upper()}"
-    source = f" (from environment variable {env_var})" if env_var else ""
-    value = err.get("input")
-    secret = field in ("redis_url", "shared_secret")  # never echo a password or a secret
-    shown = f" (got {value!r})" if value is not None and not isinstance(value, dict) and not secret else ""
-    return f"kvtier config field {field!r}{source}: {msg}{shown}; fix the value of {field!r}", env_var
+    model_field = KVTierConfig.model_fields.get(str(err["loc"][0]))
+    secret = model_field is not None and model_field.repr is False  # never echo a password or a secret
+    return field_sentence(field, msg, err.get("input"), env_var, secret), env_var

@@ -38,7 +38,7 @@ class ConfigError(UserError, ValueError):
 
 
 class ServerAnswerError(UserError):
-    """A server's HTTP page could not be fetched within its deadline (:mod:`kvtier.core.httpget`);
+    """A server's HTTP page could not be fetched within its deadline (:mod:`kvtier.tools.httpget`);
     the message names the URL and the cause."""
 
 
@@ -62,5 +62,5 @@ class ChunkFormatError(KVTierError):
 
 
 class ServerStartError(KVTierError, RuntimeError):
-    """A vLLM server started by kvtier (:mod:`kvtier.integrations.vllm.serve`) exited or did not
+    """A vLLM server started by kvtier (:mod:`kvtier.launch.serve`) exited or did not
     answer in time; the message names its log file."""

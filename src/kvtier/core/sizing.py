@@ -8,16 +8,14 @@ from __future__ import annotations
 from kvtier.core.config import GiB, KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.tiers.chunkfile import HEADER_BYTES
-from kvtier.core.tiers.cpu import CpuTier
 
 
-def make_cpu_tier(config: KVTierConfig, chunk_bytes: int, tp_size: int) -> CpuTier:
-    """The cpu tier of one rank (``cpu_gib`` × GiB / ``tp_size`` bytes of ``chunk_bytes`` pages).
+def cpu_capacity_bytes(config: KVTierConfig, chunk_bytes: int, tp_size: int) -> int:
+    """Bytes of the cpu tier of one rank (``cpu_gib`` × GiB / ``tp_size``), checked.
 
     Raises:
         ConfigError: the tier would hold less than one chunk, the disk tier less than one chunk
-            file, the host has less memory available than all ranks' cpu tiers together, or the
-            pool cannot be allocated.
+            file, or the host has less memory available than all ranks' cpu tiers together.
     """
     capacity = config.cpu_bytes_per_rank(tp_size)
     if capacity < chunk_bytes:
@@ -34,10 +32,7 @@ def make_cpu_tier(config: KVTierConfig, chunk_bytes: int, tp_size: int) -> CpuTi
         raise ConfigError(f"cpu_gib={config.cpu_gib} asks for {capacity * tp_size / GiB:.1f} GiB of DRAM but this "
                           f"host has {available / GiB:.1f} GiB available; lower cpu_gib (it is the total across "
                           "TP ranks)")
-    try:
-        return CpuTier(capacity, chunk_bytes)
-    except (MemoryError, ValueError) as exc:
-        raise ConfigError(f"cannot allocate the cpu tier of {capacity / GiB:.1f} GiB ({exc}); lower cpu_gib") from None
+    return capacity
 
 
 def available_memory() -> int:

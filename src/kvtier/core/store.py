@@ -73,7 +73,7 @@ from kvtier.core.promotion import Promoter, Promotion
 from kvtier.core.shared import SharedLookups
 from kvtier.core.stats import StoreCounters, StoreStats, TierStats
 from kvtier.core.tiers.base import AlreadyHeld, ClearResult, NoRoom, StagingTier, Tier
-from kvtier.core.tiers.registry import TierContext, make_tier
+from kvtier.core.tiers.factory import TierContext, make_tier
 from kvtier.core.top import TopTier
 
 log = logging.getLogger(__name__)

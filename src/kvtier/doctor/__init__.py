@@ -1,6 +1,6 @@
 """``kvtier doctor``: is KV offload helping on a live vLLM server?
 
-Flow: :func:`~kvtier.core.scrape.fetch_metrics` ``/metrics`` twice ``interval`` seconds apart →
+Flow: :func:`~kvtier.tools.scrape.fetch_metrics` ``/metrics`` twice ``interval`` seconds apart →
 :func:`~kvtier.doctor.snapshot.parse_metrics` (prometheus_client's parser) →
 :func:`~kvtier.doctor.meters.measure` (hit rate, external hit rate, TTFT p50/p99 from bucket
 deltas) and :func:`~kvtier.doctor.meters.allocation` (offload GiB vLLM reports) →

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 
 from kvtier.core.errors import UserError
-from kvtier.core.scrape import metric_families
+from kvtier.tools.scrape import metric_families
 
 COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:external_prefix_cache_queries",
             "vllm:external_prefix_cache_hits")

@@ -19,7 +19,7 @@ any server that has vLLM's ``/tokenize`` endpoint; needs nothing inside the engi
 
 Bounds: at most ``max_in_flight`` requests are proxied at once (more get HTTP 503); every upstream
 call (the proxied request with its whole answer, and ``/tokenize``) ends within ``timeout_s`` in
-all (:func:`kvtier.core.httpget.stream_within`: a server that trickles bytes cannot hold it), and
+all (:func:`kvtier.tools.httpget.stream_within`: a server that trickles bytes cannot hold it), and
 :meth:`TraceRecorder.close` ends the requests still in flight at once.
 
 The trace is written into a temporary file next to ``out`` and renamed over ``out`` by
@@ -44,8 +44,8 @@ import blake3
 import httpx
 
 from kvtier.core.errors import ServerAnswerError
-from kvtier.core.httpget import Head, request_within, stream_within
-from kvtier.core.mooncake import format_record
+from kvtier.tools.httpget import Head, request_within, stream_within
+from kvtier.tools.mooncake import format_record
 
 RECORDED_PATHS = ("/v1/completions", "/v1/chat/completions")
 _HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "content-encoding",
@@ -155,7 +155,7 @@ class TraceRecorder:
             return
         lines = self._temp.read_text(encoding="utf-8").splitlines(keepends=True)
         lines.sort(key=lambda line: json.loads(line)["timestamp"])
-        if self.out.suffix == ".gz":  # as every trace reader and writer takes the name (kvtier.core.mooncake)
+        if self.out.suffix == ".gz":  # as every trace reader and writer takes the name (kvtier.tools.mooncake)
             with gzip.open(self._temp, "wt", encoding="utf-8") as packed:
                 packed.write("".join(lines))
         else:

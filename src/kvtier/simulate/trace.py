@@ -11,7 +11,7 @@ Keys are chained (a key names its chunk together with the whole prefix before it
 mean equal prefixes.  Readers map every key to a small ``int`` once, so the replay loop hashes
 ints, never strings or digests.
 
-Two formats are read (Mooncake through :mod:`kvtier.core.mooncake`, the one Mooncake reader):
+Two formats are read (Mooncake through :mod:`kvtier.tools.mooncake`, the one Mooncake reader):
 
 - **Mooncake JSONL** (FAST'25 release, kvcache-ai/Mooncake ``FAST25-release/traces``): one object
   per line with ``timestamp`` (ms), ``input_length`` (tokens), ``output_length`` and ``hash_ids``
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.core.errors import TraceError
-from kvtier.core.mooncake import MOONCAKE_BLOCK_TOKENS, iter_records, jsonl_objects
+from kvtier.tools.mooncake import MOONCAKE_BLOCK_TOKENS, iter_records, jsonl_objects
 
 FORMATS = ("mooncake", "kvtier-jsonl")
 
@@ -152,7 +152,7 @@ def _number(obj: dict, name: str, where: str, minimum: int, integer: bool) -> fl
 
 
 def _read_mooncake(path: Path, block_tokens: int) -> Trace:
-    """A Mooncake file through :mod:`kvtier.core.mooncake` (the one Mooncake reader); the last,
+    """A Mooncake file through :mod:`kvtier.tools.mooncake` (the one Mooncake reader); the last,
     partial block of each prompt is dropped (always recomputed)."""
     if block_tokens <= 0:
         raise TraceError(f"--tokens-per-block must be positive, got {block_tokens}")

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.core.errors import ServerAnswerError, UserError
-from kvtier.core.httpget import get_within
 from kvtier.size.geometry import KVGeometry
 from kvtier.size.hf_config import geometry_from_config, load_config_file
 from kvtier.size.presets import GIB, find_preset
+from kvtier.tools.httpget import get_within
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ def _local_weights(directory: Path) -> tuple[float | None, str, tuple[str, ...]]
 def _fetch_hub_config(repo_id: str, timeout_s: float) -> dict[str, object]:
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
     url = f"{endpoint}/{repo_id}/resolve/main/config.json"
-    try:  # timeout_s in all (kvtier.core.httpget): a hub or proxy that trickles cannot hold `kvtier size`
+    try:  # timeout_s in all (kvtier.tools.httpget): a hub or proxy that trickles cannot hold `kvtier size`
         response = get_within(url, timeout_s, "its config.json", max_body_bytes=4 << 20, follow_redirects=True)
     except ServerAnswerError as exc:
         raise UserError(

@@ -14,11 +14,12 @@ if TYPE_CHECKING:
     from kvtier.core.tiers.base import GetResult, PutResult, StagingTier, Tier, TierUsage
     from kvtier.core.tiers.cpu import CpuTier
     from kvtier.core.tiers.disk import DiskTier
-    from kvtier.core.tiers.registry import TierContext, available_tiers, make_tier
+    from kvtier.core.tiers.factory import TierContext, make_tier
+    from kvtier.core.tiers.registry import available_tiers
 
 _WHERE = {"GetResult": "base", "PutResult": "base", "StagingTier": "base", "Tier": "base", "TierUsage": "base",
-          "CpuTier": "cpu", "DiskTier": "disk", "TierContext": "registry", "available_tiers": "registry",
-          "make_tier": "registry"}
+          "CpuTier": "cpu", "DiskTier": "disk", "TierContext": "factory", "available_tiers": "registry",
+          "make_tier": "factory"}
 
 __all__ = ["CpuTier", "DiskTier", "GetResult", "PutResult", "StagingTier", "Tier", "TierContext", "TierUsage",
            "available_tiers", "make_tier"]

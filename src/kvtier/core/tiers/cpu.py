@@ -23,7 +23,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvtier.core.config import GiB
+from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
+from kvtier.core.sizing import cpu_capacity_bytes
 from kvtier.core.tiers.base import (
     AlreadyHeld,
     GetResult,
@@ -36,7 +39,7 @@ from kvtier.core.tiers.base import (
 )
 
 if TYPE_CHECKING:
-    from kvtier.core.tiers.registry import TierContext
+    from kvtier.core.tiers.factory import TierContext
 
 
 def _allocate_pool(num_bytes: int) -> tuple[np.ndarray, bool]:
@@ -190,8 +193,11 @@ def from_config(ctx: TierContext) -> CpuTier:
     """The cpu tier of one rank (always present: every chunk passes through it).
 
     Raises:
-        ConfigError: see :func:`kvtier.core.sizing.make_cpu_tier`.
+        ConfigError: a size :func:`kvtier.core.sizing.cpu_capacity_bytes` refuses, or the pool
+            cannot be allocated.
     """
-    from kvtier.core.sizing import make_cpu_tier  # sizing imports this module
-
-    return make_cpu_tier(ctx.config, ctx.chunk_bytes, ctx.tp_size)
+    capacity = cpu_capacity_bytes(ctx.config, ctx.chunk_bytes, ctx.tp_size)
+    try:
+        return CpuTier(capacity, ctx.chunk_bytes)
+    except (MemoryError, ValueError) as exc:
+        raise ConfigError(f"cannot allocate the cpu tier of {capacity / GiB:.1f} GiB ({exc}); lower cpu_gib") from None

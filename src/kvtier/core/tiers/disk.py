@@ -49,6 +49,7 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, TierUsage
 from kvtier.core.tiers.chunkfile import HEADER_BYTES, ChunkFormatError, decode_header, encode_header
 from kvtier.core.tiers.chunkio import DEFAULT_SLICE_BYTES, ChunkIO, helper_threads
+from kvtier.core.tiers.diskcheck import disk_path_problem
 from kvtier.core.tiers.diskreset import remove_chunk_files, reset_marked, unmark_reset
 from kvtier.core.tiers.diskscan import (
     SUFFIX,
@@ -65,7 +66,7 @@ from kvtier.core.tiers.iomode import direct_supported, measure_direct
 
 if TYPE_CHECKING:
     from kvtier.core.config import KVTierConfig
-    from kvtier.core.tiers.registry import TierContext
+    from kvtier.core.tiers.factory import TierContext
 
 log = logging.getLogger(__name__)
 IOMode = Literal["auto", "buffered", "direct"]
@@ -517,17 +518,31 @@ def configured(config: KVTierConfig) -> bool:
     return bool(config.disk_path) and config.disk_gib > 0
 
 
+def check(config: KVTierConfig) -> list[tuple[str, str]]:
+    """The directory ``disk_path`` checked for ``disk_gib`` as start-up checks it
+    (:func:`kvtier.core.tiers.diskcheck.disk_path_problem`: a file, a kernel filesystem, not
+    writable, too little free space), creating it when it passes: ``(config key, sentence)``, or
+    nothing."""
+    if not configured(config):
+        return []
+    assert config.disk_path is not None
+    problem = disk_path_problem(Path(config.disk_path), config.disk_gib)
+    return [] if problem is None else [(problem[0], f"kvtier config: {problem[1]}")]
+
+
 def from_config(ctx: TierContext) -> DiskTier | None:
     """The disk tier of one rank, or ``None`` without ``disk_path``/``disk_gib``.
 
     Raises:
+        ConfigError: the directory is unfit (:func:`check`) or a shard directory is not writable.
         OSError: the directory cannot be created.
-        ConfigError: a shard directory is not writable.
     """
     config = ctx.config
     capacity = config.disk_bytes_per_rank(ctx.tp_size)
     if not config.disk_path or capacity <= 0:
         return None
+    for _key, message in check(config):
+        raise ConfigError(message)
     return DiskTier(config.disk_path, ctx.namespace, capacity, fsync=config.disk_fsync, io=config.disk_io,
                     io_threads=config.io_threads)
 

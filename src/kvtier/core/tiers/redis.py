@@ -52,6 +52,7 @@ from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, Tier
 from kvtier.core.tiers.breaker import CircuitBreaker
 from kvtier.core.tiers.redisclear import CLEAR_DEADLINE_S, clear_namespace
 from kvtier.core.tiers.redisclient import LazyClusterClient, make_client, shared_secret
+from kvtier.core.tiers.redissettings import redis_settings
 from kvtier.core.tiers.sharedvalue import HEADER_BYTES, SharedValueError, ValueCodec, copy_payload, keyspace
 from kvtier.core.tiers.tiermetrics import TierMetrics
 
@@ -59,7 +60,7 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from kvtier.core.config import KVTierConfig
-    from kvtier.core.tiers.registry import TierContext
+    from kvtier.core.tiers.factory import TierContext
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -466,10 +467,12 @@ def check(config: KVTierConfig) -> list[tuple[str, str]]:
     from kvtier.core.tiers.redisclient import redis_password
 
     problems = []
-    password_key = "redis_password_env" if config.redis_password_env else "redis_password_file"
-    for name, read in ((password_key, redis_password), ("shared_secret_file", shared_secret)):
+    settings = redis_settings(config)
+    password_key = "redis_password_env" if settings.redis_password_env else "redis_password_file"
+    for name, read in ((password_key, lambda: redis_password(settings)), ("shared_secret_file",
+                                                                          lambda: shared_secret(config))):
         try:
-            read(config)
+            read()
         except ConfigError as exc:
             problems.append((name, str(exc)))
     return problems
@@ -477,7 +480,7 @@ def check(config: KVTierConfig) -> list[tuple[str, str]]:
 
 def configured(config: KVTierConfig) -> bool:
     """Whether ``config`` asks for the redis tier (``redis_url`` set)."""
-    return bool(config.redis_url)
+    return bool(redis_settings(config).redis_url)
 
 
 def from_config(ctx: TierContext) -> RedisTier | None:
@@ -489,11 +492,12 @@ def from_config(ctx: TierContext) -> RedisTier | None:
             (:func:`make_client`, :func:`shared_secret`).
     """
     config = ctx.config
-    if not config.redis_url:
+    settings = redis_settings(config)
+    if not settings.redis_url:
         return None
-    client = LazyClusterClient(config) if config.redis_cluster else make_client(config)
-    return RedisTier(client, ctx.namespace, shared_secret(config), config.redis_key_prefix, config.redis_ttl_s,
+    client = LazyClusterClient(settings) if settings.redis_cluster else make_client(settings)
+    return RedisTier(client, ctx.namespace, shared_secret(config), settings.redis_key_prefix, settings.redis_ttl_s,
                      config.shared_deadline_s, config.io_threads, config.shared_queue_depth,
-                     CircuitBreaker(config.redis_breaker_failures, config.redis_breaker_probe_s),
+                     CircuitBreaker(settings.redis_breaker_failures, settings.redis_breaker_probe_s),
                      transfer_deadline_s=config.shared_transfer_deadline_s, registry=ctx.registry,
-                     where=redact_url(config.redis_url))
+                     where=redact_url(settings.redis_url))

@@ -88,7 +88,7 @@ def reset(config: KVTierConfig, namespace: bytes) -> ClearResult:
     from prometheus_client import CollectorRegistry
 
     from kvtier.core.tiers.redis import from_config
-    from kvtier.core.tiers.registry import TierContext
+    from kvtier.core.tiers.factory import TierContext
 
     try:
         tier = from_config(TierContext(config, namespace, 0, 1, CollectorRegistry()))

@@ -1,4 +1,4 @@
-"""The redis tier's client and secrets: a redis-py client built from the config (timeouts set,
+"""The redis tier's client and secrets: a redis-py client built from its settings (timeouts set,
 redis-py's retries off; the Cluster client made lazily), the Redis password from an environment
 variable or a file, and the shared secret.  None of them is ever logged.
 """
@@ -15,9 +15,10 @@ from kvtier.core.errors import ConfigError
 
 if TYPE_CHECKING:
     from kvtier.core.config import KVTierConfig
+    from kvtier.core.tiers.redissettings import RedisSettings
 
 
-def redis_password(config: KVTierConfig) -> str | None:
+def redis_password(config: RedisSettings) -> str | None:
     """The Redis password from ``redis_password_env`` or ``redis_password_file`` (``None`` if neither).
 
     Raises:
@@ -59,7 +60,7 @@ def shared_secret(config: KVTierConfig) -> bytes | None:
     return None
 
 
-def make_client(config: KVTierConfig) -> Any:
+def make_client(config: RedisSettings) -> Any:
     """A redis-py client for ``config.redis_url`` (Cluster client if ``redis_cluster``), timeouts set,
     redis-py's retries off.  Connects lazily (standalone) or to the seed node (Cluster).
 
@@ -99,7 +100,7 @@ class LazyClusterClient:
     """A Cluster client made on first use, on the tier's threads: a Cluster that is down when the
     engine starts is then a run of misses (under the deadline and the breaker), not a failed start."""
 
-    def __init__(self, config: KVTierConfig) -> None:
+    def __init__(self, config: RedisSettings) -> None:
         self._config = config
         self._client: Any = None
         self._lock = threading.Lock()

@@ -26,6 +26,7 @@ from kvtier.core.errors import ConfigError
 
 if TYPE_CHECKING:
     from kvtier.core.config import KVTierConfig
+    from kvtier.core.tiers.redissettings import RedisSettings
 
 ProbeState = Literal["reachable", "unreachable", "auth failed"]
 
@@ -78,17 +79,20 @@ def probe_redis(config: KVTierConfig, deadline_s: float = PROBE_DEADLINE_S) -> P
             cannot be read (the pre-flight reports those itself, as errors).
     """
     from kvtier.core.tiers.redisclient import make_client, redis_password
+    from kvtier.core.tiers.redissettings import redis_settings
 
-    if not config.redis_url:
+    settings = redis_settings(config)
+    if not settings.redis_url:
         raise ConfigError("probe_redis needs a config with redis_url set")
     try:
         import redis  # noqa: F401 - make_client needs it; without it the tier itself cannot start
     except ImportError:
         raise ConfigError("the redis tier needs redis-py; install it (pip install redis) or unset redis_url") from None
-    redis_password(config)  # an unreadable password file is the config's error, raised here, not a probe state
-    url = redact_url(config.redis_url)
-    capped = config.model_copy(update={"redis_connect_timeout_s": min(config.redis_connect_timeout_s, deadline_s),
-                                       "redis_timeout_s": min(config.redis_timeout_s, deadline_s)})
+    redis_password(settings)  # an unreadable password file is the config's error, raised here, not a probe state
+    url = redact_url(settings.redis_url)
+    capped = settings.model_copy(update={
+        "redis_connect_timeout_s": min(settings.redis_connect_timeout_s, deadline_s),
+        "redis_timeout_s": min(settings.redis_timeout_s, deadline_s)})
     outcome: list[ProbeResult] = []
     start = time.monotonic()
 
@@ -103,7 +107,7 @@ def probe_redis(config: KVTierConfig, deadline_s: float = PROBE_DEADLINE_S) -> P
     return ProbeResult("unreachable", url, f"no answer within {deadline_s:g} s", time.monotonic() - start)
 
 
-def _ping(config: KVTierConfig, url: str, start: float, make_client: object) -> ProbeResult:
+def _ping(config: RedisSettings, url: str, start: float, make_client: object) -> ProbeResult:
     import redis
 
     client = None
@@ -133,7 +137,7 @@ def _ping(config: KVTierConfig, url: str, start: float, make_client: object) -> 
                 client.close()
 
 
-def _auth_detail(config: KVTierConfig, exc: BaseException) -> str:
+def _auth_detail(config: RedisSettings, exc: BaseException) -> str:
     """Why authentication failed: no password configured for a server that wants one, or a refused one."""
     if not (config.redis_password_env or config.redis_password_file):
         return "the server requires a password and none is configured"

@@ -1,5 +1,6 @@
 """Tiers by name: one :class:`TierSpec` record per tier, the only place outside a tier's own module
-that knows it.
+that knows it.  Building a tier from a configuration is :mod:`kvtier.core.tiers.factory`'s part;
+this module reads no configuration, so :mod:`kvtier.core.config` can check names against it.
 
 Everything that differs per tier is read from its record: the store's tier order, whether it is
 shared (asked asynchronously, never evicted by the store), the vLLM hit source its loads report
@@ -25,17 +26,10 @@ from __future__ import annotations
 
 import importlib
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
-
-from prometheus_client import CollectorRegistry
+from typing import Any
 
 from kvtier.core.errors import ConfigError
-
-if TYPE_CHECKING:
-    from kvtier.core.config import KVTierConfig
-    from kvtier.core.tiers.base import ClearResult, Tier
 
 HIT_SOURCES = ("host", "disk", "p2p", "external_unspecified")
 """vLLM 0.32's ``CacheHitSource`` values a tier may report (vllm/v1/metrics/cache_hit_source.py);
@@ -53,7 +47,8 @@ class TierSpec:
         shared: other hosts write the tier and it evicts on its own (see
             :mod:`kvtier.core.tiers.base`): asked asynchronously, never evicted by the store.
         hit_source: the vLLM ``CacheHitSource`` value its loads report (:data:`HIT_SOURCES`).
-        factory: ``"module:function"`` building the tier from a :class:`TierContext`.
+        factory: ``"module:function"`` building the tier from a
+            :class:`~kvtier.core.tiers.factory.TierContext`.
         configured: ``"module:function"`` telling from a configuration whether it asks for the
             tier (without building it); ``None``: whenever the tier is in ``tiers``.
         settings: ``"module:Class"`` of the pydantic model of the tier's configuration keys
@@ -88,32 +83,15 @@ class TierSpec:
     reset: str | None = None
 
 
-class TierContext(NamedTuple):
-    """What a tier factory gets: the configuration and the facts of one rank's store.
-
-    Attributes:
-        config: the kvtier configuration.
-        namespace: 16-byte namespace digest (a tier never returns another namespace's chunks).
-        chunk_bytes: payload bytes of one chunk.
-        tp_size: tensor-parallel size (local capacities are totals / ``tp_size``).
-        registry: prometheus registry for the tier's own metrics.
-    """
-
-    config: KVTierConfig
-    namespace: bytes
-    chunk_bytes: int
-    tp_size: int
-    registry: CollectorRegistry
-
-
 BUILTIN = (
     TierSpec("cpu", 0, False, "host", "kvtier.core.tiers.cpu:from_config", top=True,
              capabilities=frozenset({"staging", "paged"})),
     TierSpec("disk", 10, False, "disk", "kvtier.core.tiers.disk:from_config", "kvtier.core.tiers.disk:configured",
              capabilities=frozenset({"rescannable", "generational", "exact_usage"}), keys=("disk_path", "disk_gib"),
-             reset="kvtier.core.tiers.diskreset:reset"),
+             check="kvtier.core.tiers.disk:check", reset="kvtier.core.tiers.diskreset:reset"),
     TierSpec("redis", 20, True, "external_unspecified", "kvtier.core.tiers.redis:from_config",
-             "kvtier.core.tiers.redis:configured", keys=("redis_url",), check="kvtier.core.tiers.redis:check",
+             "kvtier.core.tiers.redis:configured", settings="kvtier.core.tiers.redissettings:RedisSettings",
+             keys=("redis_url",), check="kvtier.core.tiers.redis:check",
              reset="kvtier.core.tiers.redisclear:reset"),
 )
 """The tiers shipped with kvtier: one line each."""
@@ -224,7 +202,12 @@ def hit_source(name: str) -> str:
     return found.hit_source if found is not None else "external_unspecified"
 
 
-def _load(target: str, name: str) -> Any:
+def load(target: str, name: str) -> Any:
+    """The object ``target`` (``"module:attribute"``) names, for tier ``name``'s record.
+
+    Raises:
+        ConfigError: the module needs a package that is not installed (named in the message).
+    """
     module_name, attr = target.split(":")
     try:
         module = importlib.import_module(module_name)
@@ -234,34 +217,6 @@ def _load(target: str, name: str) -> Any:
                               f"(pip install {exc.name}) or remove the tier from the config") from None
         raise
     return getattr(module, attr)
-
-
-def configured(name: str, config: KVTierConfig) -> bool:
-    """Whether ``config`` asks for tier ``name`` (in ``tiers`` and its settings set).
-
-    Raises:
-        ConfigError: unknown name, or the tier's module cannot be imported.
-    """
-    if name not in config.tiers:
-        return False
-    record = spec(name)
-    if record.configured is None:
-        return True
-    return bool(cast(Callable[["KVTierConfig"], bool], _load(record.configured, name))(config))
-
-
-def shared_configured(config: KVTierConfig) -> list[str]:
-    """The shared tiers ``config`` asks for, in order."""
-    return [s.name for s in specs() if s.shared and configured(s.name, config)]
-
-
-def check(name: str, config: KVTierConfig) -> list[tuple[str, str]]:
-    """Tier ``name``'s preflight over ``config``: ``(key, message)`` per problem its start-up
-    would refuse; empty if the tier has no check or is not configured."""
-    record = spec(name)
-    if record.check is None or not configured(name, config):
-        return []
-    return list(cast(Callable[["KVTierConfig"], list[tuple[str, str]]], _load(record.check, name))(config))
 
 
 RESET_SCOPES = ("cpu", "local", "all")
@@ -279,24 +234,10 @@ def reset_tiers(scope: str) -> list[str]:
     return [s.name for s in specs() if s.top or scope == "all" or (scope == "local" and not s.shared)]
 
 
-def reset_outside(name: str, config: KVTierConfig, namespace: bytes) -> ClearResult | None:
-    """Tier ``name``'s reset hook (:attr:`TierSpec.reset`) over ``namespace``; ``None`` when the tier
-    has none or ``config`` does not ask for it.
-
-    Raises:
-        ConfigError: unknown name, or the tier's module cannot be imported.
-    """
-    record = spec(name)
-    if record.reset is None or not configured(name, config):
-        return None
-    hook = cast(Callable[["KVTierConfig", bytes], "ClearResult"], _load(record.reset, name))
-    return hook(config, namespace)
-
-
 def settings_model(name: str) -> type[Any] | None:
     """The pydantic settings model of tier ``name``, or ``None`` if it declares none."""
     record = spec(name)
-    return _load(record.settings, name) if record.settings else None
+    return load(record.settings, name) if record.settings else None
 
 
 def settings_keys() -> dict[str, str]:
@@ -314,18 +255,6 @@ def settings_keys() -> dict[str, str]:
                 raise ValueError(f"tiers {out[key]!r} and {record.name!r} both declare the setting {key!r}")
             out[key] = record.name
     return out
-
-
-def make_tier(name: str, ctx: TierContext) -> Tier | None:
-    """Build tier ``name`` from ``ctx``; ``None`` if the configuration does not ask for it.
-
-    Raises:
-        ConfigError: unknown name, or the tier's module cannot be imported (a missing optional
-            dependency, named in the message).
-    """
-    record = spec(name)
-    factory = cast(Callable[[TierContext], "Tier | None"], _load(record.factory, name))
-    return factory(ctx)
 
 
 def import_tier_modules(modules: tuple[str, ...] | list[str]) -> None:

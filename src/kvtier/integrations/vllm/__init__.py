@@ -39,8 +39,9 @@ Contract: who owns what (anchor: vLLM's ``vllm/v1/kv_offload/`` and ``Offloading
   disk write queue (``kvtier_dirty_bytes`` shows it).  A restarted worker reports its disk index
   in its first step, before the first request is admitted.
 
-The connector class is imported lazily (PEP 562 ``__getattr__``) so that helpers of this package,
-such as :mod:`kvtier.integrations.vllm.testmodel`, do not import vLLM and torch.
+The connector class is imported lazily (PEP 562 ``__getattr__``) so that modules of this package
+that tools import, such as :mod:`kvtier.integrations.vllm.preflight` (``kvtier check``), do not import
+vLLM and torch.
 """
 
 from __future__ import annotations

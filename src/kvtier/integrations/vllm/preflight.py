@@ -40,14 +40,13 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import TypeAdapter, ValidationError
-
-from kvtier.core.config import GiB, KVTierConfig, did_you_mean, mount_of
+from kvtier.core.config import GiB, KVTierConfig, did_you_mean
 from kvtier.core.errors import ConfigError
 from kvtier.core.sizing import available_memory
-from kvtier.core.tiers import registry
+from kvtier.core.tiers import factory, registry
+from kvtier.core.tiers.diskcheck import mount_of
 from kvtier.core.tiers.redisprobe import PROBE_DEADLINE_S, ProbeResult, probe_redis
 from kvtier.core.tiers.redisprobe import TIER as REDIS_TIER
 
@@ -246,10 +245,7 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
             problems.append(Problem("error", f"{key}.{name}",
                                     f"unknown kvtier config key {name!r}{did_you_mean(name, fields)}; known keys "
                                     f"are {', '.join(fields)}"))
-    known = {k: v for k, v in extra.items() if k in fields}
-    if not host_checks and known.get("disk_path") is not None:
-        # the disk path alone (its own field checks), the size as a plain number: no filesystem looked at
-        problems.extend(_disk_size_problem(key, known.pop("disk_gib", None)))
+    known = {k: v for k, v in extra.items() if k in fields}  # the configuration looks at no filesystem
     # each value alone (the disk pair together), so that every bad value is named, not just the first
     groups = [[k] for k in known if k not in _DISK_KEYS] + [[k for k in known if k in _DISK_KEYS]]
     good: dict[str, Any] = {}
@@ -294,7 +290,7 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
                                 f"cpu_gib={config.cpu_gib:g} is more than the {available / GiB:.1f} GiB of memory "
                                 "this host has available (the connector refuses it); lower cpu_gib, the total "
                                 "across tensor-parallel ranks"))
-    problems.extend(_shared_tier_problems(key, config))
+    problems.extend(_tier_problems(key, config))
     if config.disk_path and config.disk_gib > 0 and _on_tmpfs(Path(config.disk_path)):
         problems.append(Problem("warning", f"{key}.disk_path",
                                 f"disk_path {config.disk_path!r} is on tmpfs, i.e. in memory: the disk tier then "
@@ -340,10 +336,10 @@ def probe_shared_tiers(transfer: dict[str, Any], deadline_s: float = PROBE_DEADL
         if not isinstance(extra, dict) or not extra.get("redis_url"):
             continue
         try:
-            config = KVTierConfig.from_dict({k: v for k, v in extra.items() if k not in _DISK_KEYS})
+            config = KVTierConfig.from_dict(extra)
         except ConfigError:
             continue
-        if not registry.configured(REDIS_TIER, config):
+        if not factory.configured(REDIS_TIER, config):
             continue
         try:
             result = probe_redis(config, deadline_s)
@@ -353,11 +349,12 @@ def probe_shared_tiers(transfer: dict[str, Any], deadline_s: float = PROBE_DEADL
     return probes
 
 
-def _shared_tier_problems(key: str, config: KVTierConfig) -> list[Problem]:
-    """Each configured tier's own preflight (:func:`kvtier.core.tiers.registry.check`: e.g. the
-    redis tier's password and shared secret, read as its start-up reads them)."""
+def _tier_problems(key: str, config: KVTierConfig) -> list[Problem]:
+    """Each configured tier's own preflight (:func:`kvtier.core.tiers.factory.check`), read as its
+    start-up reads it: e.g. the disk tier's directory (kept when it passes, as the tier would create
+    it), the redis tier's password and shared secret."""
     return [Problem("error", f"{key}.{name}", message)
-            for tier in config.tiers for name, message in registry.check(tier, config)]
+            for tier in config.tiers for name, message in factory.check(tier, config)]
 
 
 def _unused_tier_problems(key: str, extra: dict[str, Any], config: KVTierConfig) -> list[Problem]:
@@ -380,18 +377,6 @@ def _default_block_problem(key: str, chunk_tokens: int) -> list[Problem]:
                     f"{' or '.join(misses)}, so the connector refuses it on a server without a --block-size that "
                     f"divides it; set chunk_tokens to auto (the default) or a multiple of "
                     f"{max(DEFAULT_BLOCK_SIZES.values())}, or pass --block-size to check against the server's")]
-
-
-def _disk_size_problem(key: str, disk_gib: Any) -> list[Problem]:
-    """``disk_gib`` checked as a finite number ≥ 0 (the field's own constraints), without a filesystem."""
-    if disk_gib is None:
-        return []
-    try:
-        TypeAdapter(Annotated[float, KVTierConfig.model_fields["disk_gib"]]).validate_python(disk_gib)
-    except ValidationError as exc:
-        return [Problem("error", f"{key}.disk_gib", f"kvtier config field 'disk_gib': {exc.errors()[0]['msg']} "
-                        f"(got {disk_gib!r}); fix the value of 'disk_gib'")]
-    return []
 
 
 def _on_tmpfs(path: Path) -> bool:

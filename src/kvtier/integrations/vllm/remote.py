@@ -41,7 +41,7 @@ from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.handles import PendingLookup
 from kvtier.core.keys import ChunkKey
-from kvtier.core.tiers.registry import TierContext, make_tier, shared_configured
+from kvtier.core.tiers.factory import TierContext, make_tier, shared_configured
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -53,7 +53,7 @@ class _Answered(PendingLookup):
 
 def shared_tier_configured(config: KVTierConfig) -> bool:
     """Whether ``config`` asks for a shared tier (a registered tier with ``shared``, in ``tiers``
-    and configured; :func:`kvtier.core.tiers.registry.shared_configured`)."""
+    and configured; :func:`kvtier.core.tiers.factory.shared_configured`)."""
     return bool(shared_configured(config))
 
 

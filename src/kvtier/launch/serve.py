@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from kvtier.core.errors import ServerAnswerError, ServerStartError
-from kvtier.core.httpget import Head, get_within, stream_within
+from kvtier.tools.httpget import Head, get_within, stream_within
 
 __all__ = ["CPU_DEFAULT_BLOCK_SIZE", "Server", "ServerSpec", "ServerStartError", "free_port", "start_server",
            "tail", "transfer_config"]
@@ -192,7 +192,7 @@ class Server:
             reason = self.exit_reason()
             if reason is not None:
                 raise ServerStartError(f"the vLLM server {reason} during start-up; see {self.log_path}")
-            try:  # 2 s in all (kvtier.core.httpget): a wedged server cannot hold this loop past its deadline
+            try:  # 2 s in all (kvtier.tools.httpget): a wedged server cannot hold this loop past its deadline
                 page = get_within(self.base_url + "/v1/models", 2.0, "its model list", max_body_bytes=1 << 20)
                 if page.status == 200:
                     self.served_model = str(json.loads(page.text)["data"][0]["id"])
@@ -223,7 +223,7 @@ class Server:
 
     def complete(self, prompt: str | list[int], max_tokens: int = 16, timeout_s: float = 600.0) -> tuple[float, str]:
         """Stream one greedy completion; returns (TTFT in seconds, generated text).  The whole
-        request ends within ``timeout_s`` seconds (:func:`kvtier.core.httpget.stream_within`).
+        request ends within ``timeout_s`` seconds (:func:`kvtier.tools.httpget.stream_within`).
 
         Raises:
             ServerAnswerError: the request failed, was answered with an HTTP error, or did not end

@@ -37,7 +37,7 @@ Hybrid geometries, for the hybrid KV cache manager (HMA; several KV cache groups
 
 Usage::
 
-    python -m kvtier.integrations.vllm.testmodel --geometry tiny --out models/tiny --weights random
+    python -m kvtier.launch.testmodel --geometry tiny --out models/tiny --weights random
 
 Idempotent: a directory that already holds a complete model of the same geometry, weights and
 seed is left as it is (``.kvtier-testmodel.json`` records what was written).
@@ -386,7 +386,7 @@ def write_model(out: str | Path, geometry: str = "tiny", weights: str = "random"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvtier.integrations.vllm.testmodel",
+    parser = argparse.ArgumentParser(prog="python -m kvtier.launch.testmodel",
                                      description="Write a small model directory for vLLM.")
     parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="tiny")
     parser.add_argument("--out", required=True, help="target directory")

@@ -1,7 +1,7 @@
 """Read a server's ``/metrics``: the one place kvtier fetches and parses a Prometheus page.
 
 Used by ``kvtier doctor``, ``kvtier bench`` and the vLLM test launcher.  :func:`fetch_metrics`
-is one GET through :func:`kvtier.core.httpget.get_within`, whose ``timeout_s`` bounds the whole
+is one GET through :func:`kvtier.tools.httpget.get_within`, whose ``timeout_s`` bounds the whole
 scrape (connect, headers and body together), not each socket read: a server that trickles a byte
 a second would otherwise hold the caller forever; the body is refused beyond
 :data:`MAX_BODY_BYTES` (a real vLLM /metrics page is tens of KiB).  :func:`metric_families`
@@ -19,7 +19,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.core.errors import MetricsError
-from kvtier.core.httpget import MAX_BODY_BYTES, get_within
+from kvtier.tools.httpget import MAX_BODY_BYTES, get_within
 
 __all__ = ["MAX_BODY_BYTES", "fetch_metrics", "metric_families", "metrics_url"]
 

@@ -9,7 +9,7 @@ deadline; the worker stops at its next byte once the caller has gone.  :func:`re
 (and :func:`get_within`) collect a whole small answer that way, refusing a body beyond
 ``max_body_bytes``.
 
-Used for ``/metrics`` (:mod:`kvtier.core.scrape`: ``kvtier doctor``, ``kvtier bench``), the
+Used for ``/metrics`` (:mod:`kvtier.tools.scrape`: ``kvtier doctor``, ``kvtier bench``), the
 ``/v1/models`` probes of ``kvtier bench run``, ``kvtier trace record`` and the vLLM launcher, the
 recording proxy's upstream calls (:mod:`kvtier.simulate.record`), the launcher's test completions
 (``Server.complete``) and the hub's ``config.json`` (:mod:`kvtier.size.models`).

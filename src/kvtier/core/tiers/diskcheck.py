@@ -1,0 +1,111 @@
+"""Filesystem checks of the disk tier's directory, run where the tier is about to be used: by the
+disk tier's factory (:func:`kvtier.core.tiers.disk.from_config`, in each worker) and by its
+preflight (:func:`kvtier.core.tiers.disk.check`: ``kvtier check`` and the vLLM plugin, before the
+model loads).  The configuration itself never looks at the disk (:mod:`kvtier.core.config`).
+
+Each problem is one sentence naming ``disk_path`` or ``disk_gib`` and the fix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+from pathlib import Path
+
+GiB = 1 << 30
+
+PSEUDO_FILESYSTEMS = frozenset({
+    "proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs", "pstore",
+    "bpf", "configfs", "fusectl", "mqueue", "binfmt_misc", "autofs", "efivarfs", "nsfs", "rpc_pipefs",
+})
+"""Kernel interfaces that look like directories but hold no files (proc(5), sysfs(5))."""
+
+
+def disk_path_problem(path: Path, disk_gib: float) -> tuple[str, str] | None:
+    """``(key, sentence)`` of what makes ``path`` unfit to hold ``disk_gib`` GiB of chunk files
+    (a file, a kernel pseudo filesystem, not writable, too little free space), or None; creates
+    the directory only when all of these hold (and leaves nothing else behind).
+
+    The free space counts what the directory holds already: it is the tier's to evict.
+    """
+    if path.exists() and not path.is_dir():
+        return "disk_path", f"disk_path {str(path)!r} is a file, not a directory; point it at a directory"
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    pseudo = pseudo_filesystem(existing)
+    if pseudo is not None:
+        fstype, mount_point = pseudo
+        return "disk_path", (f"disk_path {str(path)!r} is on the {fstype} filesystem mounted at {mount_point}, a "
+                             "kernel interface that cannot hold chunk files; point it at a directory on a local disk "
+                             "(e.g. NVMe)")
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        return "disk_path", f"disk_path {str(path)!r} is not writable; point it at a writable directory"
+    free = shutil.disk_usage(existing).free
+    used = dir_bytes(path) if path.exists() else 0
+    if disk_gib * GiB > free + used:
+        if path.exists():
+            return "disk_gib", (f"disk_gib={disk_gib} exceeds the {(free + used) / GiB:.1f} GiB free on "
+                                f"{str(path)!r}; lower disk_gib or free space")
+        # a path that does not exist is named as such: the free space is its nearest existing parent's,
+        # typically the root disk because the volume meant for the tier is not mounted
+        return "disk_path", (f"disk_path {str(path)!r} does not exist, and disk_gib={disk_gib} exceeds the "
+                             f"{free / GiB:.1f} GiB free on {str(existing)!r}, its nearest existing parent, where it "
+                             "would be created; mount the disk meant for the tier there (e.g. the NVMe volume), or "
+                             "lower disk_gib")
+    probe = path / f".kvtier-write-probe-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC and used:  # full of kvtier's own chunk files, which the tier evicts to make room
+            with contextlib.suppress(OSError):
+                probe.unlink()
+            return None
+        return "disk_path", (f"disk_path {str(path)!r} is not writable ({exc.strerror}); "
+                             "point it at a writable directory")
+    return None
+
+
+def mount_of(path: Path, mounts: str = "/proc/self/mounts") -> tuple[str, str] | None:
+    """``(fstype, mount point)`` of the filesystem holding ``path`` (an existing path), or None.
+
+    Reads the longest matching mount point of ``mounts`` (proc(5) ``/proc/self/mounts``); None on a
+    host without that file (not Linux).
+    """
+    try:
+        lines = Path(mounts).read_text().splitlines()
+    except OSError:
+        return None
+    resolved = str(path.resolve())
+    best: tuple[str, str] | None = None
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = resolved == point or resolved.startswith(point.rstrip("/") + "/")
+        if inside and (best is None or len(point) >= len(best[1])):
+            best = (fields[2], point)
+    return best
+
+
+def pseudo_filesystem(path: Path) -> tuple[str, str] | None:
+    """``(fstype, mount point)`` when ``path`` (an existing path) lies on a kernel pseudo filesystem."""
+    mount = mount_of(path)
+    return mount if mount is not None and mount[0] in PSEUDO_FILESYSTEMS else None
+
+
+def dir_bytes(path: Path) -> int:
+    """Bytes of the files under ``path`` (recursively); files that vanish meanwhile count 0."""
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total

@@ -1,0 +1,81 @@
+"""The redis tier's configuration keys: its settings model, registered through its
+:class:`~kvtier.core.tiers.registry.TierSpec` (``settings``).
+
+The keys are given flat in ``kv_connector_extra_config`` (``{"redis_url": "redis://..."}``, as
+always) or under ``tier_settings.redis``, and as ``KVTIER_REDIS_*`` environment variables; each
+is checked here, with the same one-sentence errors as every other key
+(:class:`kvtier.core.config.KVTierConfig`).  docs/shared-tier.md has the operator's table.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, cast
+from urllib.parse import urlsplit
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from kvtier.core.config import redact_url
+
+if TYPE_CHECKING:
+    from kvtier.core.config import KVTierConfig
+
+TIER = "redis"
+"""The tier these settings belong to (its name in the registry)."""
+
+
+class RedisSettings(BaseSettings):
+    """The redis tier's keys; unset ``redis_url`` = no redis tier."""
+
+    model_config = SettingsConfigDict(env_prefix="KVTIER_", extra="forbid", frozen=True)
+
+    redis_url: str | None = Field(None, repr=False, description=(
+        "redis:// or rediss:// (TLS) URL of the shared tier (Redis or Valkey); unset = no redis tier."))
+    redis_cluster: bool = Field(False, description="The URL names a seed node of a Redis/Valkey Cluster.")
+    redis_password_env: str | None = Field(None, description="Environment variable holding the Redis password.",
+                                           json_schema_extra={"names_env_var": "a Redis password"})
+    redis_password_file: str | None = Field(None, description="File holding the Redis password.")
+    redis_tls_ca_file: str | None = Field(None, description="CA bundle for rediss:// (default: the system's).")
+    redis_key_prefix: str = Field("kvtier:", max_length=128, description="Prefix of every key kvtier writes.")
+    redis_ttl_s: int = Field(86400, gt=0, description="Seconds a value lives in Redis (SET ... EX).")
+    redis_connect_timeout_s: float = Field(0.5, gt=0, le=60, allow_inf_nan=False,
+                                           description="Connect timeout of one Redis connection, seconds.")
+    redis_timeout_s: float = Field(1.0, gt=0, le=60, allow_inf_nan=False,
+                                   description="Read/write timeout of one Redis call, seconds.")
+    redis_breaker_failures: int = Field(3, gt=0, description="Failed calls in a row that open the circuit breaker.")
+    redis_breaker_probe_s: float = Field(2.0, gt=0, le=3600, allow_inf_nan=False,
+                                         description="Seconds between probes while the breaker is open.")
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if urlsplit(value).scheme not in ("redis", "rediss"):
+            raise ValueError("redis_url must start with redis:// or rediss:// (TLS), e.g. redis://10.0.0.5:6379/0")
+        # redis-py parses the port the same way (urllib); a bad one raised in the worker after the model loaded
+        try:
+            port = urlsplit(value).port
+        except ValueError:
+            port = 0
+        if port == 0:
+            raise ValueError("redis_url's port must be a number from 1 to 65535, e.g. redis://10.0.0.5:6379/0")
+        parts = urlsplit(value)
+        if not parts.hostname:
+            raise ValueError("redis_url names no host; give one, e.g. redis://10.0.0.5:6379/0")
+        database = parts.path.strip("/")
+        if database and not database.isdigit():  # redis-py reads the path as the database number
+            raise ValueError(f"redis_url's database {database!r} must be a number, e.g. redis://10.0.0.5:6379/0")
+        return value
+
+    def public_dict(self) -> dict[str, Any]:
+        """The settings with the URL's password (and user) hidden, safe to log or export."""
+        out = self.model_dump()
+        if self.redis_url:
+            out["redis_url"] = redact_url(self.redis_url)
+        return out
+
+
+def redis_settings(config: KVTierConfig) -> RedisSettings:
+    """The redis tier's settings of ``config`` (:meth:`KVTierConfig.settings_of`)."""
+    return cast(RedisSettings, config.settings_of(TIER))
