@@ -87,8 +87,8 @@ def reset(config: KVTierConfig, namespace: bytes) -> ClearResult:
     tier made for the purpose, then closed); nothing to do without ``redis_url``."""
     from prometheus_client import CollectorRegistry
 
-    from kvtier.core.tiers.redis import from_config
     from kvtier.core.tiers.factory import TierContext
+    from kvtier.core.tiers.redis import from_config
 
     try:
         tier = from_config(TierContext(config, namespace, 0, 1, CollectorRegistry()))
