@@ -501,3 +501,22 @@ def from_config(ctx: TierContext) -> RedisTier | None:
                      CircuitBreaker(settings.redis_breaker_failures, settings.redis_breaker_probe_s),
                      transfer_deadline_s=config.shared_transfer_deadline_s, registry=ctx.registry,
                      where=redact_url(settings.redis_url))
+
+
+def reset(config: KVTierConfig, namespace: bytes) -> ClearResult:
+    """Delete namespace ``namespace``'s keys from the configured server from outside any store (a
+    tier made for the purpose, then closed); nothing to do without ``redis_url``."""
+    from prometheus_client import CollectorRegistry
+
+    from kvtier.core.tiers.factory import TierContext
+
+    try:
+        tier = from_config(TierContext(config, namespace, 0, 1, CollectorRegistry()))
+    except ConfigError as exc:
+        return ClearResult([], False, str(exc))
+    if tier is None:
+        return ClearResult([])
+    try:
+        return tier.clear()
+    finally:
+        tier.close()

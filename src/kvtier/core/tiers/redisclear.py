@@ -5,21 +5,17 @@ Keys are ``<prefix><namespace hex>:<keyspace><chunk key hex>`` (:mod:`kvtier.cor
 exactly a chunk key's 32 hex digits: never another namespace's keys, nor this namespace's under
 another shared secret's keyspace) and deletes them with ``UNLINK`` in batches, on the tier's own
 threads under :data:`CLEAR_DEADLINE_S`.  In a Cluster, redis-py's ``scan_iter`` visits every
-primary.  :func:`reset` is the tier's registry hook (:attr:`~kvtier.core.tiers.registry.TierSpec.reset`):
-the same from outside any store (vLLM's scheduler).
+primary.  :func:`kvtier.core.tiers.redis.reset`, the tier's registry hook
+(:attr:`~kvtier.core.tiers.registry.TierSpec.reset`), does the same from outside any store (vLLM's scheduler).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from kvtier.core.errors import ConfigError
 from kvtier.core.keys import KEY_BYTES, ChunkKey
 from kvtier.core.tiers.base import ClearResult
-
-if TYPE_CHECKING:
-    from kvtier.core.config import KVTierConfig
 
 CLEAR_DEADLINE_S = 30.0
 """Longest a clear waits for the server to list and delete a namespace's keys, seconds."""
@@ -80,23 +76,3 @@ def clear_namespace(client: Any, prefix: bytes, call: Callable[[Callable[[], lis
     if removed is None:
         return ClearResult([], False, f"the server at {where} did not list and delete the namespace's keys")
     return ClearResult(removed)
-
-
-def reset(config: KVTierConfig, namespace: bytes) -> ClearResult:
-    """Delete namespace ``namespace``'s keys from the configured server from outside any store (a
-    tier made for the purpose, then closed); nothing to do without ``redis_url``."""
-    from prometheus_client import CollectorRegistry
-
-    from kvtier.core.tiers.factory import TierContext
-    from kvtier.core.tiers.redis import from_config
-
-    try:
-        tier = from_config(TierContext(config, namespace, 0, 1, CollectorRegistry()))
-    except ConfigError as exc:
-        return ClearResult([], False, str(exc))
-    if tier is None:
-        return ClearResult([])
-    try:
-        return tier.clear()
-    finally:
-        tier.close()

@@ -92,7 +92,7 @@ BUILTIN = (
     TierSpec("redis", 20, True, "external_unspecified", "kvtier.core.tiers.redis:from_config",
              "kvtier.core.tiers.redis:configured", settings="kvtier.core.tiers.redissettings:RedisSettings",
              keys=("redis_url",), check="kvtier.core.tiers.redis:check",
-             reset="kvtier.core.tiers.redisclear:reset"),
+             reset="kvtier.core.tiers.redis:reset"),
 )
 """The tiers shipped with kvtier: one line each."""
 
