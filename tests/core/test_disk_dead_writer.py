@@ -52,15 +52,16 @@ def dir_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and p.parent.name != ".writers")
 
 
-def kill_mid_write(root: Path) -> Path:
-    """Run a writer process on ``root`` and SIGKILL it while its temporary file exists; returns that file."""
+def kill_mid_write(root: Path, others: tuple[Path, ...] = ()) -> Path:
+    """Run a writer process on ``root`` and SIGKILL it while its temporary file exists; returns that
+    file.  ``others``: temporary files already there (another writer's), never taken for the writer's."""
     for _attempt in range(20):
         proc = subprocess.Popen([sys.executable, "-c", WRITER, str(root), str(CHUNK), str(NUM_CHUNKS)],
                                 stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
         try:
             assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
             deadline = time.monotonic() + 30
-            while not tmp_files(root) and time.monotonic() < deadline:
+            while not set(tmp_files(root)) - set(others) and time.monotonic() < deadline:
                 time.sleep(0.0005)
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=30)
@@ -68,7 +69,7 @@ def kill_mid_write(root: Path) -> Path:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        left = tmp_files(root)
+        left = [p for p in tmp_files(root) if p not in others]
         if left:  # the kill landed inside a write
             return left[0]
     pytest.fail("the writer was never killed while its temporary file existed")
@@ -97,7 +98,7 @@ def test_a_live_sharers_rescan_removes_a_dead_writers_leftover_and_keeps_a_live_
     assert sharer.rescan().dead_tmp_removed == 0
     live = sharer.path(key(7)).with_name(f"{sharer.path(key(7)).name}.{sharer._writer.writer_id}.1.tmp")
     live.write_bytes(b"in flight")  # a temporary file of a live writer (this process) is never touched
-    tmp = kill_mid_write(tmp_path)
+    tmp = kill_mid_write(tmp_path, others=(live,))
     found = sharer.rescan()
     assert found.dead_tmp_removed == 1 and not tmp.exists() and live.exists()
     assert sorted(found.adopted) == [key(i) for i in range(NUM_CHUNKS - 1)]
