@@ -24,7 +24,8 @@ def ktc(connector: str, **extra: object) -> str:
 
 
 def pod(image: str = "registry.example.com/kvtier-vllm:v0.32.0-kvtier0.1.0", install: bool = False,
-        timeout: int | None = 30, grace: int | None = 90, mount: str = "/nvme", redis_url: str | None = None) -> str:
+        timeout: int | None = 30, grace: int | None = 90, mount: str = "/nvme", redis_url: str | None = None,
+        worker_s: str | None = "35", read_only: bool = False, volume: dict[str, object] | None = None) -> str:
     """A Deployment running vLLM + kvtier with a disk tier at /nvme/kvtier in namespace ``inference``;
     each argument changes one fact (the defaults are a correct pod)."""
     extra: dict[str, object] = {"cpu_gib": 16, "disk_path": "/nvme/kvtier", "disk_gib": 500}
@@ -36,9 +37,11 @@ def pod(image: str = "registry.example.com/kvtier-vllm:v0.32.0-kvtier0.1.0", ins
              "--kv-transfer-config", json.dumps(cfg)]
     command = ["sh", "-c", "pip install kvtier==0.1.0 && " + " ".join(
         w if w.startswith(("v", "Q", "-")) else f"'{w}'" for w in serve)] if install else serve
-    spec: dict[str, object] = {"containers": [{"name": "vllm", "image": image, "command": command,
-                                                "volumeMounts": [{"name": "nvme", "mountPath": mount}]}],
-                               "volumes": [{"name": "nvme", "emptyDir": {}}]}
+    env = [{"name": "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "value": worker_s}] if worker_s is not None else []
+    spec: dict[str, object] = {"containers": [{"name": "vllm", "image": image, "command": command, "env": env,
+                                                "volumeMounts": [{"name": "nvme", "mountPath": mount,
+                                                                  "readOnly": read_only}]}],
+                               "volumes": [{"name": "nvme", **(volume or {"emptyDir": {"sizeLimit": "550Gi"}})}]}
     if grace is not None:
         spec["terminationGracePeriodSeconds"] = grace
     return yaml.safe_dump({"apiVersion": "apps/v1", "kind": "Deployment",
@@ -171,6 +174,10 @@ CASES: dict[str, tuple[tuple[str, str | None], tuple[str, str | None]]] = {
     "kvtier-no-shutdown-timeout": ((pod(timeout=None), V), (pod(), V)),
     "kvtier-grace-period-too-short": ((pod(grace=45), V), (pod(grace=60), V)),
     "kvtier-disk-path-not-on-volume": ((pod(mount="/var/cache/kvtier"), V), (pod(), V)),
+    "kvtier-worker-shutdown-timeout-short": ((pod(worker_s="5"), V), (pod(), V)),
+    "kvtier-unsupported-vllm": ((pod(image="registry.example.com/kvtier-vllm:v0.33.0-kvtier0.1.0"), None),
+                                (pod(), None)),
+    "kvtier-disk-volume-unfit": ((pod(read_only=True), V), (pod(), V)),
     "kvtier-shared-tier-cleartext-beyond-namespace": (
         (pod(redis_url="redis://redis.other-team.svc.cluster.local:6379/0"), V),
         (pod(redis_url="redis://redis.inference.svc.cluster.local:6379/0"), V)),

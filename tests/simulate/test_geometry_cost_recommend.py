@@ -121,7 +121,7 @@ def test_advise_never_recommends_a_cpu_tier_kvtier_refuses():
     spec = SweepSpec(chunk_bytes=1 << 30, engine_gib=0, cpu_gibs=(0, 1, 2), disk_gib=0, policies=("lru",))
     rows = run_sweep(trace, spec, workers=1).curve("lru")
     said: list[str] = []
-    ceiling, (cpu, disk) = advise(trace, spec, rows, "lru", Throughputs(prefill_tokens_per_s=1.0), say=said.append)
+    _, (cpu, disk) = advise(trace, spec, rows, "lru", Throughputs(prefill_tokens_per_s=1.0), say=said.append)
     assert cpu.gib == 1 and "the swept 0 GiB is left out" in cpu.reason
     assert disk.gib is not None and "with cpu 1 GiB" in disk.reason
     assert any(line.startswith("sizing a disk tier: up to ") for line in said), said
