@@ -258,6 +258,23 @@ def test_audit_does_not_judge_or_touch_the_disk_path_of_another_host(tmp_path):
     assert not target.exists()
 
 
+@pytest.mark.parametrize("source", ["env", "mixed"])
+def test_audit_does_not_touch_a_disk_path_from_the_environment(tmp_path, source):
+    """KVTIER_DISK_PATH / KVTIER_DISK_GIB on the line (or disk_gib in the JSON, the path in the
+    environment) are another host's too: no host finding, nothing created here (issue 24)."""
+    target = tmp_path / "not-created" / "disk"
+    if source == "env":
+        text = f"export KVTIER_DISK_PATH={target}\nexport KVTIER_DISK_GIB=100000\n" + kvtier_line(cpu_gib=32)
+    else:
+        text = "export KVTIER_DISK_GIB=100000\n" + kvtier_line(cpu_gib=32, disk_path=str(target))
+    findings = audit(load_configs(text, "t", parse_version(V)))
+    assert not [f.message for f in findings if f.rule == "kvtier-config-invalid"]
+    assert not target.parent.exists()
+    bad = audit(load_configs("export KVTIER_DISK_GIB=abc\n" + kvtier_line(cpu_gib=32), "t", parse_version(V)))
+    (message,) = [f.message for f in bad if f.rule == "kvtier-config-invalid"]
+    assert message.count("KVTIER_DISK_GIB") == 1, message
+
+
 @pytest.mark.parametrize("url, extra, missing", [
     ("redis://kv.internal:6379/0", {"shared_secret_file": "/s"}, ["TLS"]),
     ("rediss://kv.internal:6380/0", {}, ["shared_secret"]),

@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 from collections.abc import Iterable
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
@@ -41,6 +42,10 @@ from kvtier.core.tiers.registry import (
 )
 
 GiB = 1 << 30
+
+HOST_CHECKS: ContextVar[bool] = ContextVar("kvtier_host_checks", default=True)
+"""False while a configuration meant for another host is validated (``kvtier audit``): the disk
+tier's directory is then neither looked at nor created, wherever ``disk_path`` came from."""
 
 
 class KVTierConfig(BaseSettings):
@@ -248,7 +253,7 @@ class KVTierConfig(BaseSettings):
     def _disk_consistent(self) -> KVTierConfig:
         if self.disk_gib > 0 and not self.disk_path:
             raise ValueError("disk_gib is set but disk_path is not; set disk_path to a local directory or disk_gib to 0")
-        if self.disk_path and self.disk_gib > 0:
+        if self.disk_path and self.disk_gib > 0 and HOST_CHECKS.get():
             _check_disk_path(Path(self.disk_path), self.disk_gib)
         for tier, name in self.admission.items():  # judged when a chunk leaves the cpu tier (write-back)
             if name != "all" and (spec(tier).shared or self.write_mode != "write-back"):

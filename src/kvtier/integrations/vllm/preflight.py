@@ -44,7 +44,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import TypeAdapter, ValidationError
 
-from kvtier.core.config import GiB, KVTierConfig, did_you_mean, mount_of
+from kvtier.core.config import HOST_CHECKS, GiB, KVTierConfig, did_you_mean, mount_of
 from kvtier.core.errors import ConfigError
 from kvtier.core.sizing import available_memory
 from kvtier.core.tiers import registry
@@ -164,6 +164,13 @@ def check_transfer_config(transfer: dict[str, Any] | str, block_size: int | None
     if environ is not None:
         with _kvtier_environ(environ):
             return check_transfer_config(transfer, block_size, host_checks, block_divisor)
+    if not host_checks and HOST_CHECKS.get():
+        # no host check wherever a value came from (the JSON or a KVTIER_* variable): another host's disk
+        token = HOST_CHECKS.set(False)
+        try:
+            return check_transfer_config(transfer, block_size, host_checks, block_divisor)
+        finally:
+            HOST_CHECKS.reset(token)
     problems = [Problem("error", key, f"--kv-transfer-config has an unknown key {key!r}"
                         f"{did_you_mean(key, KV_TRANSFER_FIELDS)}; vLLM refuses it (known keys: "
                         f"{', '.join(KV_TRANSFER_FIELDS)})")
@@ -190,6 +197,16 @@ def check_transfer_config(transfer: dict[str, Any] | str, block_size: int | None
     for prefix, entry in entries:
         problems.extend(_check_entry(prefix, entry, block_size, host_checks, block_divisor))
     return sorted(problems, key=lambda p: p.severity != "error")
+
+
+def _fine_alone(values: dict[str, Any]) -> bool:
+    """Whether ``values`` pass with no ``KVTIER_*`` variable at all."""
+    with _kvtier_environ({}):
+        try:
+            KVTierConfig.from_dict(values)
+        except ConfigError:
+            return False
+    return True
 
 
 @contextmanager
@@ -260,7 +277,9 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
             KVTierConfig.from_dict({**plugins, **{k: known[k] for k in group}})
             good.update({k: known[k] for k in group})
         except ConfigError as exc:
-            if exc.env_var is not None:  # not this group's fault: the check of all values below reports it, once
+            # not this group's fault (a KVTIER_* variable's value, or a check across it and the
+            # environment's values): the check of all values below reports it, once
+            if exc.env_var is not None or _fine_alone({**plugins, **{k: known[k] for k in group}}):
                 good.update({k: known[k] for k in group})
                 continue
             problems.append(Problem("error", f"{key}.{group[0]}" if len(group) == 1 else key, str(exc)))
