@@ -205,3 +205,16 @@ def test_a_bad_redis_url_port_never_echoes_the_password():
     with pytest.raises(ConfigError) as info:
         KVTierConfig.from_dict({"redis_url": "redis://:hunter2@127.0.0.1:99999/0"})
     assert "hunter2" not in str(info.value)
+
+
+@pytest.mark.parametrize("key", ["cpu_gib", "disk_gib", "io_threads", "save_queue_depth", "shutdown_flush_s",
+                                 "spill_watermark", "disk_rescan_s", "load_wait_s", "shared_queue_depth"])
+@pytest.mark.parametrize("value", [True, False])
+def test_a_boolean_is_never_a_size_or_count(key, value):
+    """pydantic's lax mode would read true as 1: every numeric field refuses a boolean in one sentence
+    (issue 24); a numeric string stays accepted, as a KVTIER_* variable's value is one."""
+    values = {key: value, **({"disk_path": "/nonexistent-kvtier"} if key == "disk_gib" else {})}
+    with pytest.raises(ConfigError) as caught:
+        KVTierConfig.from_dict(values)
+    assert f"field {key!r}: must be a number, not the boolean {str(value).lower()}" in str(caught.value)
+    assert KVTierConfig.from_dict({"cpu_gib": "4"}).cpu_gib == 4.0

@@ -25,7 +25,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from kvtier.core.errors import ConfigError
@@ -42,6 +42,9 @@ from kvtier.core.tiers.registry import (
 )
 
 GiB = 1 << 30
+
+_NUMBER_TYPES: tuple[Any, ...] = (int, float, int | None, float | None)
+"""Annotations of the sizes, counts and durations that :meth:`KVTierConfig._no_bool_numbers` guards."""
 
 HOST_CHECKS: ContextVar[bool] = ContextVar("kvtier_host_checks", default=True)
 """False while a configuration meant for another host is validated (``kvtier audit``): the disk
@@ -132,6 +135,15 @@ class KVTierConfig(BaseSettings):
             except ConfigError as exc:
                 raise ValueError(str(exc)) from None
         return values
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic's lax mode reads true as 1 for an int or float field: a size or count is never a boolean
+        if isinstance(value, bool) and info.field_name is not None and \
+                cls.model_fields[info.field_name].annotation in _NUMBER_TYPES:
+            raise ValueError(f"must be a number, not the boolean {str(value).lower()}")
+        return value
 
     @field_validator("chunk_tokens", mode="before")
     @classmethod
