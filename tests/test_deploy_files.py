@@ -144,6 +144,32 @@ def test_the_manifests_carry_what_a_graceful_stop_needs():
         assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(container["ports"][0]["containerPort"])
 
 
+def test_the_shared_tier_certificate_and_maxmemory_agree_with_the_url_and_the_sizing_rule():
+    """The certificate the header asks for names the host of redis_url (redis-py checks host names),
+    and Redis' maxmemory is kvtier size's rule for the replicas' cpu + disk tiers, or the manifest
+    names that rule's figure and says why it ships less (issue 24)."""
+    from urllib.parse import urlsplit
+
+    from kvtier.size.recipe import build_recipe
+
+    directory = DEPLOY / "kubernetes" / "shared-tier"
+    vllm_text = (directory / "vllm.yaml").read_text()
+    docs = [d for d in yaml.safe_load_all(read_kustomization(directory, 1 << 20)) if d]
+    (vllm_set,) = [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "vllm"]
+    args = vllm_set["spec"]["template"]["spec"]["containers"][0]["args"]
+    extra = json.loads(args[args.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+    host = urlsplit(extra["redis_url"]).hostname
+    header = vllm_text.split("\n---", 1)[0]
+    assert re.search(rf"certificate whose subjectAltName names {re.escape(host)}\b", header), header
+    (redis_set,) = [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "kvtier-redis"]
+    redis_args = redis_set["spec"]["template"]["spec"]["containers"][0]["args"]
+    shipped = redis_args[redis_args.index("--maxmemory") + 1]
+    rule = build_recipe("m", 1, extra["cpu_gib"], extra["disk_gib"], redis_url=extra["redis_url"]).redis_maxmemory_gib
+    if shipped != f"{rule}gb":
+        redis_text = (directory / "redis.yaml").read_text()
+        assert f"{rule}gb for vllm.yaml's {extra['cpu_gib']} + {extra['disk_gib']}" in redis_text, (shipped, rule)
+
+
 # --- metrics: alerts and dashboard ---------------------------------------------------------------
 
 def _kvtier_metrics() -> set[str]:

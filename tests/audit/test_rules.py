@@ -24,7 +24,8 @@ def ktc(connector: str, **extra: object) -> str:
 
 
 def pod(image: str = "registry.example.com/kvtier-vllm:v0.32.0-kvtier0.1.0", install: bool = False,
-        timeout: int | None = 30, grace: int | None = 90, mount: str = "/nvme", redis_url: str | None = None) -> str:
+        timeout: int | None = 30, grace: int | None = 90, mount: str = "/nvme", redis_url: str | None = None,
+        worker_s: str | None = "35", read_only: bool = False, volume: dict[str, object] | None = None) -> str:
     """A Deployment running vLLM + kvtier with a disk tier at /nvme/kvtier in namespace ``inference``;
     each argument changes one fact (the defaults are a correct pod)."""
     extra: dict[str, object] = {"cpu_gib": 16, "disk_path": "/nvme/kvtier", "disk_gib": 500}
@@ -36,9 +37,11 @@ def pod(image: str = "registry.example.com/kvtier-vllm:v0.32.0-kvtier0.1.0", ins
              "--kv-transfer-config", json.dumps(cfg)]
     command = ["sh", "-c", "pip install kvtier==0.1.0 && " + " ".join(
         w if w.startswith(("v", "Q", "-")) else f"'{w}'" for w in serve)] if install else serve
-    spec: dict[str, object] = {"containers": [{"name": "vllm", "image": image, "command": command,
-                                                "volumeMounts": [{"name": "nvme", "mountPath": mount}]}],
-                               "volumes": [{"name": "nvme", "emptyDir": {}}]}
+    env = [{"name": "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "value": worker_s}] if worker_s is not None else []
+    spec: dict[str, object] = {"containers": [{"name": "vllm", "image": image, "command": command, "env": env,
+                                                "volumeMounts": [{"name": "nvme", "mountPath": mount,
+                                                                  "readOnly": read_only}]}],
+                               "volumes": [{"name": "nvme", **(volume or {"emptyDir": {"sizeLimit": "550Gi"}})}]}
     if grace is not None:
         spec["terminationGracePeriodSeconds"] = grace
     return yaml.safe_dump({"apiVersion": "apps/v1", "kind": "Deployment",
@@ -171,6 +174,10 @@ CASES: dict[str, tuple[tuple[str, str | None], tuple[str, str | None]]] = {
     "kvtier-no-shutdown-timeout": ((pod(timeout=None), V), (pod(), V)),
     "kvtier-grace-period-too-short": ((pod(grace=45), V), (pod(grace=60), V)),
     "kvtier-disk-path-not-on-volume": ((pod(mount="/var/cache/kvtier"), V), (pod(), V)),
+    "kvtier-worker-shutdown-timeout-short": ((pod(worker_s="5"), V), (pod(), V)),
+    "kvtier-unsupported-vllm": ((pod(image="registry.example.com/kvtier-vllm:v0.33.0-kvtier0.1.0"), None),
+                                (pod(), None)),
+    "kvtier-disk-volume-unfit": ((pod(read_only=True), V), (pod(), V)),
     "kvtier-shared-tier-cleartext-beyond-namespace": (
         (pod(redis_url="redis://redis.other-team.svc.cluster.local:6379/0"), V),
         (pod(redis_url="redis://redis.inference.svc.cluster.local:6379/0"), V)),
@@ -249,6 +256,23 @@ def test_audit_does_not_judge_or_touch_the_disk_path_of_another_host(tmp_path):
     configs = load_configs(kvtier_line(disk_path=str(target), disk_gib=100000), "t", parse_version(V))
     assert not [f for f in audit(configs) if f.rule == "kvtier-config-invalid"]
     assert not target.exists()
+
+
+@pytest.mark.parametrize("source", ["env", "mixed"])
+def test_audit_does_not_touch_a_disk_path_from_the_environment(tmp_path, source):
+    """KVTIER_DISK_PATH / KVTIER_DISK_GIB on the line (or disk_gib in the JSON, the path in the
+    environment) are another host's too: no host finding, nothing created here (issue 24)."""
+    target = tmp_path / "not-created" / "disk"
+    if source == "env":
+        text = f"export KVTIER_DISK_PATH={target}\nexport KVTIER_DISK_GIB=100000\n" + kvtier_line(cpu_gib=32)
+    else:
+        text = "export KVTIER_DISK_GIB=100000\n" + kvtier_line(cpu_gib=32, disk_path=str(target))
+    findings = audit(load_configs(text, "t", parse_version(V)))
+    assert not [f.message for f in findings if f.rule == "kvtier-config-invalid"]
+    assert not target.parent.exists()
+    bad = audit(load_configs("export KVTIER_DISK_GIB=abc\n" + kvtier_line(cpu_gib=32), "t", parse_version(V)))
+    (message,) = [f.message for f in bad if f.rule == "kvtier-config-invalid"]
+    assert message.count("KVTIER_DISK_GIB") == 1, message
 
 
 @pytest.mark.parametrize("url, extra, missing", [

@@ -126,3 +126,19 @@ def test_the_plugin_hook_probes_a_valid_config_and_not_a_refused_one(capsys: pyt
     with pytest.raises(ConfigError, match="cpu_gib"):
         preflight(SimpleNamespace(**transfer({"redis_url": other, "cpu_gib": -1})))
     assert capsys.readouterr().err == ""
+
+
+def test_a_certificate_for_another_host_names_the_mismatch(redis_factory, tmp_path: Path):
+    """The server's certificate names 127.0.0.1 only: reached as localhost, the handshake fails, and the
+    line says the certificate must name the URL's host (deploy/kubernetes/shared-tier: kvtier-redis)."""
+    from tests.redis_servers import TlsFiles
+
+    tls = TlsFiles.make(tmp_path / "tls")
+    server = redis_factory(tls=tls)
+    url = f"rediss://localhost:{server.port}/0"
+    result = probe_redis(KVTierConfig.from_dict({"redis_url": url, "redis_tls_ca_file": str(tls.ca)}))
+    assert result.state == "unreachable", result
+    assert "mismatch" in result.detail and "must name the host of redis_url" in result.detail, \
+        result.detail
+    assert probe_redis(KVTierConfig.from_dict({"redis_url": server.url, "redis_tls_ca_file": str(tls.ca)})).state \
+        == "reachable"

@@ -269,3 +269,16 @@ def test_a_redis_key_from_the_environment_is_read_and_named_in_its_error(monkeyp
         KVTierConfig.from_dict({"redis_ttl_s": 0})
     assert str(info.value) == ("kvtier config field 'redis_ttl_s': Input should be greater than 0 (got 0); "
                                "fix the value of 'redis_ttl_s'")
+
+
+@pytest.mark.parametrize("key", ["cpu_gib", "disk_gib", "io_threads", "save_queue_depth", "shutdown_flush_s",
+                                 "spill_watermark", "disk_rescan_s", "load_wait_s", "shared_queue_depth"])
+@pytest.mark.parametrize("value", [True, False])
+def test_a_boolean_is_never_a_size_or_count(key, value):
+    """pydantic's lax mode would read true as 1: every numeric field refuses a boolean in one sentence
+    (issue 24); a numeric string stays accepted, as a KVTIER_* variable's value is one."""
+    values = {key: value, **({"disk_path": "/nonexistent-kvtier"} if key == "disk_gib" else {})}
+    with pytest.raises(ConfigError) as caught:
+        KVTierConfig.from_dict(values)
+    assert f"field {key!r}: must be a number, not the boolean {str(value).lower()}" in str(caught.value)
+    assert KVTierConfig.from_dict({"cpu_gib": "4"}).cpu_gib == 4.0

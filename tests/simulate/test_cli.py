@@ -215,3 +215,18 @@ def test_recommend_agrees_with_its_table(tmp_path, trace_file):
     assert gib in hits and f"hits {hits[gib]}" in cpu_line, (cpu_line, hits)
     disk_line = next(line for line in lines if line.strip().startswith("disk "))
     assert disk_line.split()[1:3] == ["1.5", "GiB"] and "as given" in disk_line
+
+
+def test_recommend_skips_a_swept_0_and_announces_its_extra_replays(trace_file):
+    """kvtier refuses cpu_gib 0, so the cpu size is never the swept 0 (the line says it was left out);
+    with no lower tier given, the extra replays that size a disk tier are announced before they run."""
+    result = run("--trace", str(trace_file), "--kv-bytes-per-token", str(KV_PER_TOKEN), "--engine-gib", "0.25",
+                 "--cpu-gib", "0,0.25", "--policy", "lru", "--recommend", "--workers", "1")
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    cpu = re.search(r" cpu +([0-9.]+) GiB ", text)
+    assert cpu is not None and float(cpu.group(1)) == 0.25, result.output
+    assert "the swept 0 GiB is left out: kvtier refuses cpu_gib 0" in text, result.output
+    assert "extra replay with cpu 0.25 GiB" in text or "(extra replays)" in text, result.output
+    announced = text.index("sizing a disk tier: up to ")
+    assert announced < text.index(" disk ", announced), result.output

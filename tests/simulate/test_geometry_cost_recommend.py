@@ -109,3 +109,36 @@ def test_advise_sizes_a_disk_tier_only_when_none_was_given():
     ceiling, (cpu, disk) = advise(trace, spec, rows, "lru", Throughputs(prefill_tokens_per_s=1.0))
     assert cpu.hit_ratio == 0.0 and "flat" in cpu.reason and cpu.gib == 1
     assert disk.gib is not None and disk.hit_ratio >= 0.95 * ceiling and "not in the table" in disk.reason
+
+
+def test_advise_never_recommends_a_cpu_tier_kvtier_refuses():
+    """kvtier refuses cpu_gib 0: a swept 0 is left out (the line says so), even where it would be
+    the flat curve's smallest, and a disk tier is then sized with a cpu tier that exists; with only
+    0 swept there is no cpu size and no lower tier sized.  The extra replays are announced before
+    they run."""
+    prompts = [[2 * i, 2 * i + 1] for i in range(8)]  # LRU on 2 chunks never hits this cycle
+    trace = make_trace([(keys, 1) for _ in range(6) for keys in prompts])
+    spec = SweepSpec(chunk_bytes=1 << 30, engine_gib=0, cpu_gibs=(0, 1, 2), disk_gib=0, policies=("lru",))
+    rows = run_sweep(trace, spec, workers=1).curve("lru")
+    said: list[str] = []
+    _, (cpu, disk) = advise(trace, spec, rows, "lru", Throughputs(prefill_tokens_per_s=1.0), say=said.append)
+    assert cpu.gib == 1 and "the swept 0 GiB is left out" in cpu.reason
+    assert disk.gib is not None and "with cpu 1 GiB" in disk.reason
+    assert any(line.startswith("sizing a disk tier: up to ") for line in said), said
+    only_zero = SweepSpec(chunk_bytes=1 << 30, engine_gib=0, cpu_gibs=(0,), disk_gib=8, policies=("lru",))
+    rows = run_sweep(trace, only_zero, workers=1).curve("lru")
+    _, sizes = advise(trace, only_zero, rows, "lru", Throughputs(prefill_tokens_per_s=1.0))
+    assert [(s.tier, s.gib) for s in sizes] == [("cpu", None)] and "kvtier refuses" in sizes[0].reason
+
+
+def test_advise_reads_the_ceiling_from_a_row_holding_the_whole_footprint():
+    """A row whose cpu tier holds every distinct chunk never evicts: its hit ratio is the ceiling,
+    with no extra replay (nothing announced)."""
+    prompts = [[2 * i, 2 * i + 1] for i in range(8)]
+    trace = make_trace([(keys, 1) for _ in range(6) for keys in prompts])
+    spec = SweepSpec(chunk_bytes=1 << 30, engine_gib=0, cpu_gibs=(1, 16), disk_gib=0, policies=("lru",))
+    rows = run_sweep(trace, spec, workers=1).curve("lru")
+    said: list[str] = []
+    ceiling, (cpu, disk) = advise(trace, spec, rows, "lru", Throughputs(prefill_tokens_per_s=1.0), say=said.append)
+    assert ceiling == rows[-1].token_hit_ratio > 0 and said == []
+    assert cpu.gib == 16 and disk.gib is None and disk.reason.startswith("not needed")

@@ -119,3 +119,20 @@ def test_non_regular_and_oversized_configs_are_refused(tmp_path):
     big.write_text('{"pad": "' + "x" * (9 << 20) + '"}')
     result = run("--model", str(big))
     assert result.exit_code == 2 and "larger than" in result.output
+
+
+def test_a_huge_layer_count_or_deep_nesting_is_one_sentence_and_exit_2(tmp_path):
+    """num_hidden_layers 10^20 overflowed building one entry per layer; 100,000 nested objects hit
+    Python's recursion limit in the JSON decoder, in kvtier size and kvtier simulate (issue 24)."""
+    huge = tmp_path / "huge.json"
+    huge.write_text('{"num_hidden_layers": 100000000000000000000, "num_attention_heads": 32, '
+                    '"num_key_value_heads": 8, "hidden_size": 4096}')
+    result = run("--model", str(huge))
+    assert result.exit_code == 2 and "'num_hidden_layers' is 100,000,000,000,000,000,000, more than" in result.output
+    deep = tmp_path / "deep.json"
+    deep.write_text('{"a":' * 100_000 + "1" + "}" * 100_000)
+    result = run("--model", str(deep))
+    assert result.exit_code == 2 and "nested too deeply" in result.output, result.output
+    simulate = runner.invoke(app, ["simulate", "--model", str(deep), "--trace", str(huge), "--engine-gib", "1",
+                                   "--cpu-gib", "1"], env={"COLUMNS": "200"})
+    assert simulate.exit_code == 2 and "nested too deeply" in simulate.output, simulate.output

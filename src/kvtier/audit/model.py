@@ -45,6 +45,27 @@ MultiConnector counts only when every child does; LMCacheConnectorV1 does not (L
 
 
 @dataclass(frozen=True)
+class MountFacts:
+    """One ``volumeMounts`` entry of the container and the pod volume behind it.
+
+    Attributes:
+        path: ``mountPath``.
+        read_only: ``readOnly: true`` on the mount.
+        medium: the emptyDir's ``medium`` (``Memory``: a tmpfs in RAM), None otherwise.
+        size_gib: what the volume may hold, GiB: an emptyDir's ``sizeLimit``, or the storage request of
+            the PersistentVolumeClaim (a ``volumeClaimTemplates`` entry, an ephemeral volume's template or
+            a PersistentVolumeClaim in the same file); None when unknown or unbounded.
+        size_source: where ``size_gib`` came from, for messages (e.g. ``emptyDir sizeLimit 8Gi``).
+    """
+
+    path: str
+    read_only: bool = False
+    medium: str | None = None
+    size_gib: float | None = None
+    size_source: str = ""
+
+
+@dataclass(frozen=True)
 class PodFacts:
     """What a Kubernetes manifest says about the pod a vLLM container runs in.
 
@@ -55,12 +76,14 @@ class PodFacts:
         namespace: ``metadata.namespace`` of the workload, None when unset (the namespace it is
             applied to).
         services: names of the Services defined in the same file (hosts inside the namespace).
+        mounts: the container's mounts with their volumes, in order (``mount_paths`` are their paths).
     """
 
     grace_period_s: float | None = None
     mount_paths: tuple[str, ...] = ()
     namespace: str | None = None
     services: frozenset[str] = frozenset()
+    mounts: tuple[MountFacts, ...] = ()
 
 
 @dataclass

@@ -15,6 +15,7 @@ from __future__ import annotations
 import shlex
 from typing import Any
 
+from kvtier.audit.k8s_volumes import claim_requests, mounts
 from kvtier.audit.model import PodFacts, ServeConfig
 from kvtier.audit.parse_command import parse_command, parse_vllm_args
 from kvtier.audit.safe_yaml import load_all
@@ -32,7 +33,8 @@ def _mapping(value: Any, where: str) -> dict[str, Any]:
     return value
 
 
-def _pod_specs(doc: dict[str, Any], origin: str) -> list[tuple[str, dict[str, Any]]]:
+def _pod_specs(doc: dict[str, Any], origin: str) -> list[tuple[str, dict[str, Any], list[Any]]]:
+    """``(workload, pod spec, volumeClaimTemplates)`` of each workload in ``doc``."""
     kind = doc.get("kind")
     name = _mapping(doc.get("metadata"), f"{origin}: metadata").get("name", "?")
     where = f"{origin}: {kind}/{name}"
@@ -43,15 +45,18 @@ def _pod_specs(doc: dict[str, Any], origin: str) -> list[tuple[str, dict[str, An
             raise UserError(f"{where} items must be a list.")
         return [ps for item in items if isinstance(item, dict) for ps in _pod_specs(item, origin)]
     if kind == "Pod":
-        return [(f"Pod/{name}", spec)]
+        return [(f"Pod/{name}", spec, [])]
     if kind in _TEMPLATE_KINDS:
         template = _mapping(spec.get("template"), f"{where} spec.template")
-        return [(f"{kind}/{name}", _mapping(template.get("spec"), f"{where} spec.template.spec"))]
+        claims = spec.get("volumeClaimTemplates") if kind == "StatefulSet" else None
+        return [(f"{kind}/{name}", _mapping(template.get("spec"), f"{where} spec.template.spec"),
+                 claims if isinstance(claims, list) else [])]
     if kind == "CronJob":
         job = _mapping(_mapping(spec.get("jobTemplate"), f"{where} spec.jobTemplate").get("spec"),
                        f"{where} spec.jobTemplate.spec")
         template = _mapping(job.get("template"), f"{where} spec.jobTemplate.spec.template")
-        return [(f"CronJob/{name}", _mapping(template.get("spec"), f"{where} spec.jobTemplate.spec.template.spec"))]
+        return [(f"CronJob/{name}", _mapping(template.get("spec"), f"{where} spec.jobTemplate.spec.template.spec"),
+                 [])]
     return []
 
 
@@ -112,10 +117,16 @@ def _mount_paths(container: dict[str, Any]) -> tuple[str, ...]:
     return tuple(str(m["mountPath"]) for m in mounts if isinstance(m, dict) and m.get("mountPath"))
 
 
-def _grace_period(spec: dict[str, Any]) -> float | None:
+def _grace_period(spec: dict[str, Any], where: str) -> float | None:
+    """``terminationGracePeriodSeconds``, None when unset; UserError unless a whole number >= 0 (the
+    PodSpec field is an int64 that Kubernetes refuses when negative)."""
     value = spec.get("terminationGracePeriodSeconds")
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if value is None:
         return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value).is_integer() \
+            or value < 0:
+        raise UserError(f"{where} terminationGracePeriodSeconds must be a whole number of seconds >= 0 such as 90, "
+                        f"got {type(value).__name__} {str(value)[:40]!r}.")
     return float(value)
 
 
@@ -139,8 +150,9 @@ def parse_manifests(text: str, origin: str) -> list[ServeConfig]:
             raise UserError(f"{origin} holds a YAML document that is not a mapping; is it a Kubernetes manifest?")
     services = frozenset(str(d["metadata"]["name"]) for d in docs if d.get("kind") == "Service"
                          and isinstance(d.get("metadata"), dict) and d["metadata"].get("name"))
+    claims = claim_requests(docs)
     for doc in docs:
-        for workload, spec in _pod_specs(doc, origin):
+        for workload, spec, templates in _pod_specs(doc, origin):
             containers = spec.get("containers") or []
             if not isinstance(containers, list):
                 raise UserError(f"{origin}: {workload} spec.containers must be a list.")
@@ -148,7 +160,8 @@ def parse_manifests(text: str, origin: str) -> list[ServeConfig]:
                 name = container.get("name", "?") if isinstance(container, dict) else "?"
                 if isinstance(container, dict) and _is_vllm(container, f"{origin}:{workload}/{name}"):
                     config = _container_config(container, f"{origin}:{workload}/{name}", text)
-                    config.pod = PodFacts(_grace_period(spec), _mount_paths(container), _namespace(doc), services)
+                    config.pod = PodFacts(_grace_period(spec, f"{origin}: {workload}"), _mount_paths(container),
+                                          _namespace(doc), services, mounts(container, spec, templates, claims))
                     configs.append(config)
     if not configs:
         raise UserError(f"{origin} has no container running vLLM (Pod, Deployment, StatefulSet, ...).")

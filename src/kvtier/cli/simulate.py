@@ -56,8 +56,10 @@ def register(app: typer.Typer) -> None:
         json_path: Path | None = typer.Option(None, "--json", help="Write results as JSON here."),
         plot_path: Path | None = typer.Option(None, "--plot", help="Write a PNG hit-ratio plot here."),
         recommend_mode: bool = typer.Option(False, "--recommend", help="Print a size per tier (cpu: knee of "
-                                            "the default's curve; disk/shared: smallest reaching 95% of the "
-                                            "no-eviction ceiling), or one line saying why none is enough."),
+                                            "the default's curve, never 0; a disk or shared tier given: as given; "
+                                            "no lower tier given: the smallest disk tier reaching 95% of the "
+                                            "no-eviction ceiling, by extra replays), or one line saying why none "
+                                            "is enough."),
         prefill_tokens_per_s: float = typer.Option(20_000.0, "--prefill-tokens-per-s",
                                                    help="Prefill throughput, tokens/s (see docs/simulate.md)."),
         cpu_gb_per_s: float = typer.Option(64.0, "--cpu-gb-per-s", help="CPU→GPU bandwidth, GB/s (PCIe Gen5 x16)."),
@@ -134,7 +136,8 @@ def register(app: typer.Typer) -> None:
             name = "default" if "default" in policies else next((p for p in policies if p != "belady"), None)
             if name is None:
                 fail("--recommend needs an online policy in --policy (belady knows the future)")
-            ceiling, sizes = advise(requests, spec, result.curve(name), name, rates)
+            ceiling, sizes = advise(requests, spec, result.curve(name), name, rates, workers=workers,
+                                    say=lambda line: console.print(line, markup=False, highlight=False))
             import textwrap
 
             console.print(textwrap.fill(f"sizes for {policy_label(name)}, read from the table's rows (ceiling "

@@ -173,7 +173,7 @@ def size_command(
         fail(str(exc))
     recipe = None
     if offload_gib is not None and offload_gib > 0:
-        split = split_tier(offload_gib, host_ram_gib, host_reserve_gib)
+        split = split_tier(offload_gib, host_ram_gib, host_reserve_gib, tp)
         report.notes.extend(split.notes)
         recipe = build_recipe(model, tp, split.cpu_gib, split.disk_gib, disk_path, chunk_tokens, redis_url)
     elif report.offload_needed:
@@ -181,11 +181,14 @@ def size_command(
                               redis_url)
     if recipe is not None:
         report.notes.extend(chunk_notes(chunk_tokens))
+    elif offload_gib is not None:  # --offload-gib 0: the size chosen is no tier
+        report.notes.append("--offload-gib 0 asks for no offload tier, so there is no config to print.")
     elif report.recommended_offload_gib is None:
         missing = [flag for flag, value in (("--context TOKENS (tokens per session)", context),
                                             ("--sessions N (sessions to keep warm)", sessions)) if value is None]
-        if report.hbm_kv_budget_bytes is None:
-            missing.append("--gpu (or --gpu-memory-gib)")
+        if report.hbm_kv_budget_bytes is None:  # the flags that would give the HBM budget, as plan's note names them
+            missing += [flag for flag, value in (("--gpu (or --gpu-memory-gib)", memory),
+                                                 ("--weights-gib", weights)) if value is None]
         report.notes.append(f"No offload tier size: add {' and '.join(missing)} for the recommended tier and its "
                             "kvtier / vLLM / LMCache configs, or --offload-gib GIB for the configs of a size you chose.")
     if as_json:

@@ -24,7 +24,15 @@ from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 import yaml
-from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from kvtier.core.errors import ConfigError
@@ -51,6 +59,9 @@ from kvtier.core.tiersettings import (
 )
 
 GiB = 1 << 30
+
+_NUMBER_TYPES: tuple[Any, ...] = (int, float, int | None, float | None)
+"""Annotations of the sizes, counts and durations that :meth:`KVTierConfig._no_bool_numbers` guards."""
 
 
 class KVTierConfig(BaseSettings):
@@ -131,6 +142,15 @@ class KVTierConfig(BaseSettings):
                 raise ValueError(str(exc)) from None
         # a tier's keys given at the top level go under tier_settings, checked by the tier's model there
         return route_flat_keys(values, set(cls.model_fields)) if isinstance(values, dict) else values
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic's lax mode reads true as 1 for an int or float field: a size or count is never a boolean
+        if isinstance(value, bool) and info.field_name is not None and \
+                cls.model_fields[info.field_name].annotation in _NUMBER_TYPES:
+            raise ValueError(f"must be a number, not the boolean {str(value).lower()}")
+        return value
 
     @field_validator("chunk_tokens", mode="before")
     @classmethod

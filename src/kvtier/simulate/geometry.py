@@ -64,6 +64,9 @@ def kv_bytes_per_token_from_file(path: str | Path) -> int:
         raise GeometryError(f"cannot read model config {path} ({exc})") from None
     except json.JSONDecodeError as exc:
         raise GeometryError(f"model config {path} is not valid JSON ({exc.msg})") from None
+    except RecursionError:
+        raise GeometryError(f"model config {path} is nested too deeply to be a config.json; pass a HF "
+                            "config.json") from None
     if not isinstance(config, dict):
         raise GeometryError(f"model config {path} is not a JSON object; pass a HF config.json")
     return kv_bytes_per_token(config)

@@ -14,9 +14,11 @@ Two readings of a curve ``hit(capacity)`` measured at a few capacities:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import multiprocessing
+import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvtier.simulate.cost import Throughputs
@@ -154,18 +156,49 @@ def cpu_size(curve: Sequence[tuple[float, float]], footprint_gib: float, share: 
     return TierSize("cpu", gib, hit[gib], f"{reason}; hits {hit[gib]:.1%}")
 
 
+def _replay_hits(job: tuple[int, int]) -> float:
+    """Token hit ratio of one extra replay ``(cpu chunks, disk chunks)`` (state in ``_EXTRA``)."""
+    from kvtier.core.policies import make_policy
+    from kvtier.simulate.replay import replay
+
+    cpu, disk = job
+    x = _EXTRA
+    c = replay(x["trace"], x["engine"], cpu, disk, lambda: make_policy(x["policy"]), x["parents"],
+               admission=x["admission"])
+    return (c.engine_hits + c.cpu_hits + c.disk_hits + c.shared_hits) * x["trace"].block_tokens / c.prompt_tokens
+
+
+_EXTRA: dict[str, Any] = {}
+"""Shared with forked workers of the extra replays (set before the pool starts, cleared after)."""
+
+
+def _run_extra(jobs: list[tuple[int, int]], workers: int) -> list[float]:
+    workers = min(workers or os.cpu_count() or 1, len(jobs))
+    if workers > 1 and "fork" in multiprocessing.get_all_start_methods():
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            return pool.map(_replay_hits, jobs, chunksize=1)
+    return [_replay_hits(job) for job in jobs]
+
+
 def advise(trace: Trace, spec: SweepSpec, rows: Sequence[SweepRow], policy: str, rates: Throughputs,
-           share: float = 0.95) -> tuple[float, list[TierSize]]:
+           share: float = 0.95, *, workers: int = 1, say: Callable[[str], None] | None = None,
+           ) -> tuple[float, list[TierSize]]:
     """A size per tier, read from the sweep's own rows of ``policy`` (the replay the table
     shows, every tier as configured).
 
-    cpu: :func:`cpu_size` of the rows' curve.  A lower tier given in ``spec`` (``disk_gib``,
-    ``shared_gib`` > 0) is reported at the size given, with its share of the hits in the chosen
-    row: it was part of every row, so the table already measured it.  With no lower tier
-    given, a disk tier is sized by extra replays (cpu at its recommended size; said so in the
-    line): the smallest of ``2 × cpu``, ``8 × cpu``, ``32 × cpu``, ... (up to twice the trace's
-    footprint) that brings the whole stack to ``share`` of the *ceiling*, the hit ratio of a
-    cache that never evicts.
+    cpu: :func:`cpu_size` of the rows' curve, rows with a cpu tier only: kvtier refuses
+    ``cpu_gib`` 0 (every chunk passes through the cpu tier), so a swept 0 is left out, and the
+    line says so; with only 0 swept there is no cpu size and no lower tier is sized.  A lower
+    tier given in ``spec`` (``disk_gib``, ``shared_gib`` > 0) is reported at the size given,
+    with its share of the hits in the chosen row: it was part of every row, so the table already
+    measured it.  With no lower tier given, a disk tier is sized by extra replays (cpu at its
+    recommended size; said so in the line, and announced through ``say`` before they run): the
+    smallest of ``2 × cpu``, ``8 × cpu``, ``32 × cpu``, ... (up to twice the trace's footprint,
+    so at most :data:`MAX_EXTRA_REPLAYS`, smallest first, ``workers`` at once, stopping at the first
+    enough) that brings the
+    whole stack to ``share`` of the *ceiling*, the hit ratio of a cache that never evicts (the
+    table's row when one holds the whole footprint, else one more replay).  A shared tier is
+    never sized by replay: give ``--shared-gib`` to measure one.
 
     Args:
         trace, spec: as swept.
@@ -173,6 +206,8 @@ def advise(trace: Trace, spec: SweepSpec, rows: Sequence[SweepRow], policy: str,
         policy: eviction policy of every tier.
         rates: bandwidths, to refuse a tier that is slower than recomputing.
         share: see :func:`recommend`.
+        workers: processes for the extra replays (0: one per CPU core).
+        say: called with one line before any extra replay starts (what runs, how many).
 
     Returns:
         (ceiling token hit ratio, one :class:`TierSize` per tier: cpu first).
@@ -180,54 +215,84 @@ def advise(trace: Trace, spec: SweepSpec, rows: Sequence[SweepRow], policy: str,
     Raises:
         ValueError: no rows.
     """
-    from kvtier.core.policies import make_policy
-    from kvtier.simulate.replay import chunk_parents, engine_prefix_hits, replay
+    from kvtier.simulate.replay import chunk_parents, engine_prefix_hits
 
     if not rows:
         raise ValueError("advise needs the sweep's rows of the policy")
-    parents = chunk_parents(trace)
-    engine = engine_prefix_hits(trace, spec.chunks(spec.engine_gib))
     footprint = trace.num_unique_chunks
     gib_per_chunk = spec.chunk_bytes / (1 << 30)
+    _EXTRA.clear()
+    _EXTRA.update(trace=trace, engine=engine_prefix_hits(trace, spec.chunks(spec.engine_gib)), policy=policy,
+                  parents=chunk_parents(trace), admission=spec.admission)
+    try:
+        whole = next((r for r in rows if r.cpu_chunks >= footprint), None)  # never evicts: the ceiling itself
+        if whole is not None:
+            ceiling = whole.token_hit_ratio
+        else:
+            if say is not None:
+                say(f"one extra replay (cpu {_gib(footprint * gib_per_chunk)} GiB, the whole footprint) for the "
+                    f"ceiling ...")
+            ceiling = _run_extra([(footprint, 0)], 1)[0]
+        return ceiling, _sizes(trace, spec, rows, rates, share, ceiling, workers, say)
+    finally:
+        _EXTRA.clear()
 
-    def hit(cpu: int, disk: int = 0, shared: int = 0) -> float:
-        c = replay(trace, engine, cpu, disk, lambda: make_policy(policy), parents, shared_chunks=shared,
-                   admission=spec.admission)
-        return (c.engine_hits + c.cpu_hits + c.disk_hits + c.shared_hits) * trace.block_tokens / c.prompt_tokens
 
-    ceiling = hit(footprint)
-    cpu = cpu_size([(r.cpu_gib, r.token_hit_ratio) for r in rows], footprint * gib_per_chunk, share, ceiling)
+MAX_EXTRA_REPLAYS = 12
+"""Extra replays that size a disk tier, at most (2, 8, 32, ... × cpu: 4^12 is far past any trace)."""
+
+
+def _sizes(trace: Trace, spec: SweepSpec, rows: Sequence[SweepRow], rates: Throughputs, share: float,
+           ceiling: float, workers: int, say: Callable[[str], None] | None) -> list[TierSize]:
+    footprint = trace.num_unique_chunks
+    gib_per_chunk = spec.chunk_bytes / (1 << 30)
+    usable = [r for r in rows if r.cpu_gib > 0]
+    if not usable:
+        return [TierSize("cpu", None, rows[0].token_hit_ratio,
+                         "only 0 GiB swept, which kvtier refuses (cpu_gib must be above 0: every chunk passes "
+                         "through the cpu tier); sweep sizes above 0, e.g. --cpu-pct 1,2,5,10,20,50,100")]
+    cpu = cpu_size([(r.cpu_gib, r.token_hit_ratio) for r in usable], footprint * gib_per_chunk, share, ceiling)
+    if len(usable) < len(rows):
+        cpu = TierSize("cpu", cpu.gib, cpu.hit_ratio,
+                       f"{cpu.reason} (the swept 0 GiB is left out: kvtier refuses cpu_gib 0)")
     sizes = [cpu]
-    row = next(r for r in rows if r.cpu_gib == cpu.gib)
+    row = next(r for r in usable if r.cpu_gib == cpu.gib)
     given = [(t, g) for t, g in (("disk", spec.disk_gib), ("shared", spec.shared_gib)) if g > 0]
     if given:
         for tier, gib in given:
             sizes.append(TierSize(tier, gib, row.token_hit_ratio,
                                   f"as given (in every row); serves {row.tier_token_hit_ratio(tier):.1%} "
                                   f"of prompt tokens at cpu {_gib(row.cpu_gib)} GiB"))
-        return ceiling, sizes
+        return sizes
     best = row.token_hit_ratio
     per_token = spec.chunk_bytes / trace.block_tokens
     if per_token / (rates.disk_gb_per_s * 1e9) + per_token / (rates.cpu_gb_per_s * 1e9) >= 1 / rates.prefill_tokens_per_s:
         sizes.append(TierSize("disk", None, best, f"slower than prefill ({rates.disk_gb_per_s:g} GB/s vs "
                                                   f"{rates.prefill_tokens_per_s:,.0f} tok/s)"))
-        return ceiling, sizes
+        return sizes
     target = share * ceiling
     if best >= target:
         sizes.append(TierSize("disk", None, best, f"not needed: the cpu tier already hits {best:.1%}"))
-        return ceiling, sizes
+        return sizes
     cpu_chunks = spec.chunks(row.cpu_gib)
     trials = [max(cpu_chunks, 1) * 2]
-    while trials[-1] < 2 * footprint:
+    while trials[-1] < 2 * footprint and len(trials) < MAX_EXTRA_REPLAYS:
         trials.append(trials[-1] * 4)
-    for chunks in trials:
-        ratio = hit(cpu_chunks, chunks)
-        if ratio >= target:
-            sizes.append(TierSize("disk", chunks * gib_per_chunk, ratio,
-                                  f"extra replay with cpu {_gib(row.cpu_gib)} GiB (not in the table): the stack "
-                                  f"then hits {ratio:.1%} (≥ {share:.0%} of the ceiling)"))
-            return ceiling, sizes
-        best = max(best, ratio)
+    if say is not None:
+        say(f"sizing a disk tier: up to {len(trials)} extra replays (cpu {_gib(row.cpu_gib)} GiB, disk "
+            f"{_gib(trials[0] * gib_per_chunk)}–{_gib(trials[-1] * gib_per_chunk)} GiB, smallest first, stopping at "
+            f"the first enough), each about as long as one row of the table ...")
+    batch = max(1, min(workers or os.cpu_count() or 1, len(trials)))
+    for start in range(0, len(trials), batch):  # smallest first, `batch` at once; stop at the first enough
+        chunk_list = trials[start:start + batch]
+        ratios = _run_extra([(cpu_chunks, chunks) for chunks in chunk_list], batch)
+        for chunks, ratio in zip(chunk_list, ratios):
+            if ratio >= target:
+                sizes.append(TierSize("disk", chunks * gib_per_chunk, ratio,
+                                      f"extra replay with cpu {_gib(row.cpu_gib)} GiB (not in the table): the "
+                                      f"stack then hits {ratio:.1%} (≥ {share:.0%} of the ceiling)"))
+                return sizes
+        best = max([best, *ratios])
     sizes.append(TierSize("disk", None, best, f"none is enough: {trials[-1] * gib_per_chunk:,.0f} GiB hits "
                                               f"{best:.1%} < {share:.0%} of the ceiling (extra replays)"))
-    return ceiling, sizes
+    return sizes

@@ -50,6 +50,8 @@ def load_config_file(path: Path) -> dict[str, Any]:
         raise UserError(f"{file} does not exist; pass a model directory or its config.json.") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UserError(f"{file} is not a readable JSON config ({exc.__class__.__name__}).") from None
+    except RecursionError:
+        raise UserError(f"{file} is nested too deeply to be a config.json; pass the model's config.json.") from None
     if not isinstance(data, dict):
         raise UserError(f"{file} must hold a JSON object, like a Hugging Face config.json.")
     return data
@@ -64,12 +66,21 @@ def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-def _int(cfg: dict[str, Any], key: str, where: str, default: int | None = None) -> int:
+MAX_LAYERS = 100_000
+"""Most ``num_hidden_layers`` read (real models have at most a few hundred): one entry per layer is built."""
+MAX_FIELD = 1 << 53
+"""Most any other integer field read (the largest integer a float holds exactly)."""
+
+
+def _int(cfg: dict[str, Any], key: str, where: str, default: int | None = None, maximum: int = MAX_FIELD) -> int:
     value = cfg.get(key, default)
     if value is None:
         raise UserError(f"{where} lacks the field {key!r}; use a complete config.json or a --model preset.")
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise UserError(f"{where} field {key!r} must be a non-negative integer, got {value!r}.")
+    if value > maximum:
+        raise UserError(f"{where} field {key!r} is {value:,}, more than the {maximum:,} kvtier size reads; pass a "
+                        "real model's config.json.")
     return value
 
 
@@ -163,7 +174,7 @@ def geometry_from_config(cfg: dict[str, Any], name: str, source: str = "") -> KV
     """
     where = f"config of {name}"
     cfg = _text_config(cfg)
-    num_layers = _int(cfg, "num_hidden_layers", where)
+    num_layers = _int(cfg, "num_hidden_layers", where, maximum=MAX_LAYERS)
     heads = _int(cfg, "num_attention_heads", where)
     if heads == 0:
         raise UserError(f"{where} has num_attention_heads 0; it must be at least 1.")

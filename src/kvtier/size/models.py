@@ -72,8 +72,9 @@ def _fetch_hub_config(repo_id: str, timeout_s: float) -> dict[str, object]:
         )
     try:
         data = json.loads(response.text)
-    except json.JSONDecodeError:
-        raise UserError(f"the hub's config.json for {repo_id} is not JSON; pass a local config.json.") from None
+    except (json.JSONDecodeError, RecursionError):
+        raise UserError(f"the hub's config.json for {repo_id} is not JSON (or nested too deeply); pass a local "
+                        "config.json.") from None
     if not isinstance(data, dict):
         raise UserError(f"the hub's config.json for {repo_id} is not a JSON object.")
     return data

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from kvtier.core.errors import UserError
 from kvtier.size.geometry import KVGeometry
+from kvtier.size.recipe import round_total
 
 GIB = 1 << 30
 HEADROOM = 1.15
@@ -231,13 +232,15 @@ class TierSplit:
     notes: tuple[str, ...] = ()
 
 
-def split_tier(total_gib: float, host_ram_gib: float | None, host_reserve_gib: float) -> TierSplit:
+def split_tier(total_gib: float, host_ram_gib: float | None, host_reserve_gib: float, tp: int = 1) -> TierSplit:
     """Put ``total_gib`` in host RAM, spilling to disk what exceeds ``host_ram_gib − host_reserve_gib``.
 
     Without ``host_ram_gib`` everything stays in DRAM.  A disk share always comes with at least
     :data:`MIN_CPU_GIB` of DRAM (kvtier stages chunks through its cpu tier), even when that eats
-    into the reserve; a note says so.
+    into the reserve; a note says so.  The notes name the sizes the recipes print, which round each
+    share up to whole GiB per rank (``tp`` ranks, :func:`kvtier.size.recipe.round_total`).
     """
+
     if host_ram_gib is None:
         return TierSplit(total_gib, 0.0)
     usable = max(0.0, host_ram_gib - host_reserve_gib)
@@ -245,14 +248,18 @@ def split_tier(total_gib: float, host_ram_gib: float | None, host_reserve_gib: f
         return TierSplit(total_gib, 0.0, (f"The tier fits in usable host RAM ({usable:g} GiB).",))
     cpu = round(max(usable, min(MIN_CPU_GIB, total_gib)), 2)
     disk = round(max(0.0, total_gib - cpu), 2)
+    disk_recipe, cpu_recipe = round_total(disk, tp), round_total(cpu, tp)
+    rounded = (f" ({disk:g} GiB rounded up to whole GiB on each of {tp} ranks)" if tp > 1 and disk_recipe != disk
+               else "")
     notes = [
         (f"The tier ({total_gib:g} GiB) exceeds usable host RAM ({usable:g} GiB = {host_ram_gib:g} − "
-        f"{host_reserve_gib:g} reserved): put {disk:g} GiB on a disk tier or keep fewer sessions warm.")
+        f"{host_reserve_gib:g} reserved): put {disk_recipe:g} GiB on a disk tier{rounded} or keep fewer sessions "
+        "warm.")
     ]
-    if cpu > usable:
+    if cpu_recipe > usable:
         notes.append(
             f"A disk tier needs a DRAM tier in front of it (kvtier stages every chunk through its cpu tier), "
-            f"so the recipe keeps {cpu:g} GiB of DRAM although only {usable:g} GiB is usable: "
+            f"so the recipe keeps {cpu_recipe:g} GiB of DRAM although only {usable:g} GiB is usable: "
             "lower --host-reserve-gib or add host RAM."
         )
     return TierSplit(cpu, disk, tuple(notes))
@@ -265,6 +272,10 @@ def _recommend(report: SizeReport, budget: int, dep: Deployment) -> None:
     if spill == 0:
         report.notes.append("Offload not needed: the warm set fits in the HBM KV budget.")
         return
-    split = split_tier(report.recommended_offload_gib, dep.host_ram_gib, dep.host_reserve_gib)
+    if report.recommended_offload_gib > MAX_GIB:
+        raise UserError(f"the warm set needs a {report.recommended_offload_gib:,.0f} GiB offload tier, more than the "
+                        f"{MAX_GIB:,.0f} GiB kvtier size sizes (the bound of --offload-gib); lower --sessions or "
+                        "--context.")
+    split = split_tier(report.recommended_offload_gib, dep.host_ram_gib, dep.host_reserve_gib, dep.tp)
     report.cpu_gib, report.disk_gib = split.cpu_gib, split.disk_gib
     report.notes.extend(split.notes)

@@ -85,6 +85,17 @@ connector's graceful-stop flush never runs; vLLM then gives the engine core this
 drain and tear down (vllm/v1/utils.py ``shutdown``), which covers kvtier's default
 ``shutdown_flush_s`` (30 s) on an idle server (docs/vllm.md "Shutdown and restart", docs/deploy.md)."""
 
+WORKER_SHUTDOWN_TIMEOUT_S = 35
+"""``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`` of a kvtier line with a disk tier: vLLM 0.32 waits this long
+for its workers to exit before SIGTERM (default 5 s, vllm/v1/executor/multiproc_executor.py), and the
+flush of kvtier's default ``shutdown_flush_s`` (30 s) runs in that exit (kvtier audit rule
+``kvtier-worker-shutdown-timeout-short``: at least shutdown_flush_s + 5 s)."""
+
+REDIS_TLS_DIR = "/etc/redis/tls"
+"""Where the Redis server line of a ``rediss://`` recipe reads its certificate, key and CA (PEM)."""
+KVTIER_TLS_CA_FILE = "/etc/kvtier/tls/ca.crt"
+"""``redis_tls_ca_file`` of a ``rediss://`` recipe: the CA that signed the server's certificate."""
+
 REDIS_OVERHEAD = 0.05
 """Share added to the tier size for Redis: 64-byte value headers plus per-key bookkeeping (tens of
 bytes) are far below 1% for chunks of hundreds of KiB; the rest is allocator slack."""
@@ -112,11 +123,15 @@ def build_recipe(model: str, tp: int, cpu_gib: float, disk_gib: float = 0.0,
         extra.update(redis_url=redis_url, redis_password_env="REDIS_PASSWORD",
                      shared_secret_file="/etc/kvtier/secret")
         redis_gib = math.ceil((cpu + disk) * (1 + REDIS_OVERHEAD))
-        redis = (f"redis-server --maxmemory {redis_gib}gb --maxmemory-policy allkeys-lru --save '' --appendonly no"
-                 " --requirepass \"$REDIS_PASSWORD\"\n# one server for every replica; put the same secret "
-                 "(openssl rand -hex 32) in /etc/kvtier/secret on each engine")
+        listen, tls_note = _redis_listen(redis_url)
+        if tls_note:
+            extra["redis_tls_ca_file"] = KVTIER_TLS_CA_FILE
+        redis = (f"redis-server{listen} --maxmemory {redis_gib}gb --maxmemory-policy allkeys-lru --save '' "
+                 "--appendonly no --requirepass \"$REDIS_PASSWORD\"\n# one server for every replica; put the same "
+                 f"secret (openssl rand -hex 32) in /etc/kvtier/secret on each engine{tls_note}")
     transfer = dict(KVTIER_CONNECTOR, kv_connector_extra_config=extra)
-    kvtier = (f"{base} --shutdown-timeout {SHUTDOWN_TIMEOUT_S} \\\n  --kv-transfer-config "
+    worker = f"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS={WORKER_SHUTDOWN_TIMEOUT_S} " if disk else ""
+    kvtier = (f"{worker}{base} --shutdown-timeout {SHUTDOWN_TIMEOUT_S} \\\n  --kv-transfer-config "
               f"{shlex.quote(json.dumps(transfer, separators=(',', ':')))}")
     native = f"{base} \\\n  --kv-offloading-backend native --kv-offloading-size {cpu}"
     if disk:
@@ -130,3 +145,22 @@ def build_recipe(model: str, tp: int, cpu_gib: float, disk_gib: float = 0.0,
     lmcache = "\n".join([per_rank, *(f"export {line}" for line in lines),
                          f"{base} \\\n  --kv-transfer-config {shlex.quote(lmc_transfer)}"])
     return Recipe(cpu, disk, tp, kvtier, native, lmcache, redis_gib, redis)
+
+
+def _redis_listen(redis_url: str) -> tuple[str, str]:
+    """The redis-server flags that make it listen where ``redis_url`` points (its port; TLS only for
+    ``rediss://``), and for TLS a note on the certificate; ``("", "")`` for redis:// on 6379."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(redis_url)
+    try:
+        port = parts.port or 6379
+    except ValueError:
+        port = 6379  # kvtier's config refuses the URL itself; the line keeps Redis' default
+    if parts.scheme != "rediss":
+        return ("" if port == 6379 else f" --port {port}"), ""
+    listen = (f" --port 0 --tls-port {port} --tls-cert-file {REDIS_TLS_DIR}/tls.crt --tls-key-file "
+              f"{REDIS_TLS_DIR}/tls.key --tls-ca-cert-file {REDIS_TLS_DIR}/ca.crt --tls-auth-clients no")
+    note = (f"\n# TLS: {REDIS_TLS_DIR}/tls.crt must name {parts.hostname} (the URL's host) in its subjectAltName; "
+            f"copy the CA that signed it to {KVTIER_TLS_CA_FILE} on each engine")
+    return listen, note

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 from kvtier.audit.model import ServeConfig
 from kvtier.audit.rules.base import rule
+from kvtier.audit.versions import version_from_image
 from kvtier.core.config import KVTierConfig
 
 _DOCS = "kvtier docs/deploy.md"
@@ -28,7 +29,22 @@ kubernetes.io/docs/reference/kubernetes-api/workload-resources/pod-v1/)."""
 STOCK_VLLM_IMAGES = ("vllm/vllm-openai", "vllm/vllm-openai-cpu", "vllm/vllm-cpu")
 """Repositories of vLLM's own images (hub.docker.com/u/vllm): they do not contain kvtier."""
 
-_INSTALL = re.compile(r"\b(pip3?|uv\s+pip|python3?\s+-m\s+pip)\s+install\b[^;&|]*\bkvtier", re.IGNORECASE)
+_INSTALL = re.compile(r"\b(?:pip3?|uv\s+pip|python3?\s+-m\s+pip)\s+install\b([^;&|]*)", re.IGNORECASE)
+_KVTIER_REQUIREMENT = re.compile(
+    r"^(?:kvtier(?:\[[^\]]*\])?(?:(?:===|==|>=|<=|~=|!=|>|<)\S+)?|(?:\S*/)?kvtier-[^/]*\.whl)$", re.IGNORECASE)
+"""The kvtier package itself as a pip requirement: ``kvtier``, ``kvtier==0.1.0``, ``kvtier[extra]``, a path to
+a kvtier wheel; not ``kvtier-utils`` or ``kvtierx`` (PEP 508 names; wheel file names are ``name-version-...``)."""
+
+
+def _installs_kvtier(launch: str) -> bool:
+    """Whether a ``pip install`` in ``launch`` installs the kvtier package (not a dry run)."""
+    for match in _INSTALL.finditer(launch):
+        words = [w.strip("'\"") for w in match.group(1).split()]
+        if "--dry-run" in words:
+            continue
+        if any(_KVTIER_REQUIREMENT.match(w) for w in words if not w.startswith("-")):
+            return True
+    return False
 
 
 def _kvtier_extra(c: ServeConfig) -> dict[str, Any] | None:
@@ -82,23 +98,87 @@ def _repository(image: str) -> str:
 def kvtier_image_without_kvtier(c: ServeConfig) -> str | None:
     if not c.uses("KVTierConnector") or not c.image:
         return None
-    if _repository(c.image) not in STOCK_VLLM_IMAGES or _INSTALL.search(c.launch):
+    if _repository(c.image) not in STOCK_VLLM_IMAGES or _installs_kvtier(c.launch):
         return None
     return (f"image {c.image} is vLLM's own and nothing in the container's command installs kvtier, so vLLM "
             "cannot import kv_connector_module_path kvtier.integrations.vllm and the server dies at start-up.")
 
 
-@rule("kvtier-no-shutdown-timeout", "warning", "disk tier configured but no --shutdown-timeout",
+@rule("kvtier-no-shutdown-timeout", "warning", "disk tier configured but no positive --shutdown-timeout",
       "Add --shutdown-timeout 30 (seconds; kvtier size prints it in its recipe) and give the pod a grace period of "
       "at least shutdown_flush_s + that timeout.",
       "vLLM vllm/engine/arg_utils.py shutdown_timeout (default 0: abort on SIGTERM); kvtier docs/deploy.md § Grace "
       "periods", locate="KVTierConnector")
 def kvtier_no_shutdown_timeout(c: ServeConfig) -> str | None:
     extra = _kvtier_extra(c)
-    if extra is None or _disk_tier(extra) is None or c.has("--shutdown-timeout"):
+    if extra is None or _disk_tier(extra) is None:
         return None
-    return ("a disk tier is configured but the serve line has no --shutdown-timeout, so on SIGTERM vLLM "
-            "force-kills its engine core at once and kvtier's graceful-stop flush of the hot set to disk never runs.")
+    if not c.has("--shutdown-timeout"):
+        said = "the serve line has no --shutdown-timeout"
+    else:
+        raw = c.value("--shutdown-timeout")
+        number = _number(raw, math.nan)
+        if number > 0:
+            return None
+        said = ("--shutdown-timeout has no value" if raw is None
+                else f"--shutdown-timeout is {raw}, not a positive number of seconds")
+    return (f"a disk tier is configured but {said}, so on SIGTERM vLLM force-kills its engine core at once "
+            "(0, its default, aborts) and kvtier's graceful-stop flush of the hot set to disk never runs.")
+
+
+WORKER_EXIT_MARGIN_S = 5.0
+"""Seconds a worker needs after its flush to exit (the shipped manifests: 35 for shutdown_flush_s 30)."""
+VLLM_WORKER_SHUTDOWN_DEFAULT_S = 5
+
+
+@rule("kvtier-worker-shutdown-timeout-short", "warning",
+      "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS shorter than shutdown_flush_s + 5 s with a disk tier",
+      "Set VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS to a whole number of at least shutdown_flush_s + 5 (35 for the "
+      "default 30) in the container's environment.",
+      "vLLM 0.32 vllm/v1/executor/multiproc_executor.py _ensure_worker_termination (waits "
+      "int(VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS), default 5 in vllm/envs.py, for workers to exit, then SIGTERM, "
+      "SIGKILL 4 s later) and vllm/v1/engine/core_client.py (the same wait for the engine core); "
+      f"{_DOCS} § Grace periods", locate="KVTierConnector")
+def kvtier_worker_shutdown_timeout_short(c: ServeConfig) -> str | None:
+    extra = _kvtier_extra(c)
+    if extra is None or _disk_tier(extra) is None:
+        return None
+    need = _flush_s(extra) + WORKER_EXIT_MARGIN_S
+    raw = c.env.get("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS")
+    if raw is None:
+        said = f"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS is unset ({VLLM_WORKER_SHUTDOWN_DEFAULT_S} s by default)"
+    else:
+        try:
+            value = int(raw.strip())
+        except ValueError:
+            return (f"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS is {raw!r}, which vLLM reads with int() and so fails on "
+                    "at shutdown; give a whole number of seconds such as 35.")
+        if value >= need:
+            return None
+        said = f"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS is {value}"
+    return (f"{said}, less than shutdown_flush_s {_flush_s(extra):g} s + {WORKER_EXIT_MARGIN_S:g} s = {need:g} s, "
+            "so vLLM SIGTERMs its workers while kvtier is still flushing the hot set to disk.")
+
+
+SUPPORTED_VLLM = "0.32.0"
+"""The vLLM release kvtier supports (the ``vllm-cpu`` pin of pyproject.toml, deploy/Dockerfile's FROM)."""
+
+
+@rule("kvtier-unsupported-vllm", "error", "KVTierConnector on a vLLM release other than the one kvtier supports",
+      f"Run kvtier on vLLM {SUPPORTED_VLLM}: build deploy/Dockerfile (FROM vllm/vllm-openai:v{SUPPORTED_VLLM}) and "
+      f"tag the image v{SUPPORTED_VLLM}-kvtier<version>; a kvtier release for another vLLM is a kvtier upgrade.",
+      f"{_DOCS} § Upgrade policy; pyproject.toml", locate="KVTierConnector")
+def kvtier_unsupported_vllm(c: ServeConfig) -> str | None:
+    if not c.uses("KVTierConnector") or c.version is None:
+        return None
+    if c.version.release[:3] == tuple(int(p) for p in SUPPORTED_VLLM.split(".")):
+        return None
+    from_tag = c.image is not None and version_from_image(c.image) == c.version
+    if from_tag and "vllm" not in _repository(c.image or "").rsplit("/", 1)[-1]:
+        return None  # a tag of some other image that happens to start with a number: not clearly vLLM's
+    where = f"the image tag of {c.image}" if from_tag else "--vllm-version"
+    return (f"{where} names vLLM {c.version}, but kvtier supports only vLLM {SUPPORTED_VLLM}: its connector hooks "
+            "change between vLLM minor releases, so it may fail at start-up or misbehave while serving.")
 
 
 def _flush_s(extra: dict[str, Any]) -> float:
@@ -148,6 +228,39 @@ def kvtier_disk_path_not_on_volume(c: ServeConfig) -> str | None:
     return (f"disk_path {path} is not under any volumeMount of the container, so the disk tier writes into the "
             "container's own writable layer: the root disk's space, counted as ephemeral storage (the kubelet "
             "evicts the pod when it fills) and lost at every restart.")
+
+
+VOLUME_HEADROOM = 1.10
+"""A disk tier's volume holds ``disk_gib`` + 10 % (file system, chunk-file headers; docs/deploy.md)."""
+
+
+@rule("kvtier-disk-volume-unfit", "error", "the volume under disk_path is read-only, RAM, or smaller than disk_gib + 10 %",
+      "Mount a writable volume on the NVMe at disk_path: not readOnly, not an emptyDir with medium Memory, and with a "
+      "sizeLimit or storage request of at least disk_gib + 10 % (e.g. 880Gi for disk_gib 800).",
+      f"Kubernetes volumes (kubernetes.io/docs/concepts/storage/volumes/#emptydir); {_DOCS} § NVMe volumes",
+      locate="disk_path")
+def kvtier_disk_volume_unfit(c: ServeConfig) -> str | None:
+    extra = _kvtier_extra(c)
+    if extra is None or c.pod is None:
+        return None
+    path = _disk_tier(extra)
+    holding = [m for m in c.pod.mounts if path is not None and _under(path, m.path)]
+    if path is None or not holding:
+        return None  # kvtier-disk-path-not-on-volume speaks for a path under no mount
+    mount = max(holding, key=lambda m: len(posixpath.normpath(m.path)))
+    disk_gib = _number(extra.get("disk_gib"), 0.0)
+    if mount.read_only:
+        problem = "is mounted readOnly, so every chunk write fails and the disk tier never holds anything"
+    elif (mount.medium or "").lower() == "memory":
+        problem = ("is an emptyDir with medium Memory, a tmpfs in RAM: the \"disk\" tier takes host memory counted "
+                   "against the container's limit, not NVMe")
+    elif mount.size_gib is not None and mount.size_gib < disk_gib * VOLUME_HEADROOM - 1e-6:
+        problem = (f"holds {mount.size_gib:,.4g} GiB ({mount.size_source}), less than disk_gib {disk_gib:g} + 10 % = "
+                   f"{disk_gib * VOLUME_HEADROOM:,.4g} GiB, so the tier fills the volume (an emptyDir past its "
+                   "sizeLimit gets the pod evicted; a full claim fails the writes)")
+    else:
+        return None
+    return f"the volume mounted at {mount.path}, which holds disk_path {path}, {problem}."
 
 
 def _inside_namespace(host: str, c: ServeConfig) -> bool:

@@ -150,6 +150,8 @@ def _reason(exc: BaseException) -> str:
     while seen is not None:
         if isinstance(seen, socket.gaierror):
             return "the host name does not resolve"
+        if isinstance(seen, ssl.SSLCertVerificationError):
+            return _verify_failed(seen.verify_message or str(seen.reason or seen))
         if isinstance(seen, ssl.SSLError):
             return f"TLS handshake failed: {seen.reason or seen}"
         if isinstance(seen, ConnectionRefusedError):
@@ -168,9 +170,20 @@ def _reason(exc: BaseException) -> str:
         return "connect timed out"
     if "protocol error" in lowered:
         return f"something answered on that port, but not Redis ({text})"
+    if "certificate verify failed" in lowered or "certificate_verify_failed" in lowered:
+        return _verify_failed(text)
     if "ssl" in lowered or "certificate" in lowered:
         return f"TLS handshake failed: {text}"
     return text
+
+
+def _verify_failed(detail: str) -> str:
+    """A certificate the client refused: the two usual causes, named."""
+    if "mismatch" in detail.lower():
+        return (f"TLS handshake failed: {detail}: the server's certificate must name the host of redis_url "
+                "(in its subjectAltName), or use a host name the certificate names in redis_url")
+    return (f"TLS handshake failed: certificate verify failed ({detail}): check that the certificate is signed by "
+            "the CA in redis_tls_ca_file and names the host of redis_url (a host name mismatch reads the same)")
 
 
 def _first_line(exc: BaseException) -> str:

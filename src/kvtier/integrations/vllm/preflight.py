@@ -191,6 +191,16 @@ def check_transfer_config(transfer: dict[str, Any] | str, block_size: int | None
     return sorted(problems, key=lambda p: p.severity != "error")
 
 
+def _fine_alone(values: dict[str, Any]) -> bool:
+    """Whether ``values`` pass with no ``KVTIER_*`` variable at all."""
+    with _kvtier_environ({}):
+        try:
+            KVTierConfig.from_dict(values)
+        except ConfigError:
+            return False
+    return True
+
+
 @contextmanager
 def _kvtier_environ(environ: Mapping[str, str]) -> Iterator[None]:
     """This process's ``KVTIER_*`` variables replaced by those of ``environ`` for the duration
@@ -256,7 +266,9 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
             KVTierConfig.from_dict({**plugins, **{k: known[k] for k in group}})
             good.update({k: known[k] for k in group})
         except ConfigError as exc:
-            if exc.env_var is not None:  # not this group's fault: the check of all values below reports it, once
+            # not this group's fault (a KVTIER_* variable's value, or a check across it and the
+            # environment's values): the check of all values below reports it, once
+            if exc.env_var is not None or _fine_alone({**plugins, **{k: known[k] for k in group}}):
                 good.update({k: known[k] for k in group})
                 continue
             problems.append(Problem("error", f"{key}.{group[0]}" if len(group) == 1 else key, str(exc)))
