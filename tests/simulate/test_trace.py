@@ -70,6 +70,7 @@ def test_format_kvtier_record_rejects_wrong_key_count():
 @pytest.mark.parametrize("line, message", [
     ("{not json", "not valid JSON"),
     ("[1, 2]", "not a JSON object"),
+    ("[" * 100_000, "nested too deeply"),
     (json.dumps({"input_length": 600, "hash_ids": [1, 2]}), "'timestamp'"),
     (json.dumps({"timestamp": 0, "input_length": -5, "hash_ids": []}), "'input_length'"),
     (json.dumps({"timestamp": 0, "input_length": 600, "hash_ids": "12"}), "'hash_ids'"),

@@ -126,6 +126,9 @@ def jsonl_objects(path: str | Path, start: int = 0) -> Iterator[tuple[int, str, 
                     obj = json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise TraceError(f"{where} is not valid JSON ({exc.msg}); fix or remove that line") from None
+                except RecursionError:  # nested deeper than Python's JSON decoder goes: no request is
+                    raise TraceError(f"{where} is nested too deeply to be a request object; fix or remove "
+                                     "that line") from None
                 if not isinstance(obj, dict):
                     raise TraceError(f"{where} is not a JSON object; each line must be one request object")
                 yield lineno, where, obj
