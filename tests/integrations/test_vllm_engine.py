@@ -405,3 +405,56 @@ def test_aborted_and_preempted_requests_leave_no_pins(engine: Engine) -> None:
     engine.store.check_integrity()  # no pinned chunk, no staging buffer, accounting consistent
     assert engine.worker.loader.num_inflight == 0
     assert engine.generate(prompts[0])["tokens"] == expected[0]["tokens"]  # the engine still serves
+
+
+def test_hit_sources_equal_loaded_tokens_per_tier_under_aborts_and_promotions(engine: Engine) -> None:
+    """vLLM fixes a hit's source at admission, from kvtier's plan; the workers label their
+    loaded-token counters with the tier that plan named.  Under a stream of requests with 20 %
+    aborts over a cpu tier that holds under a third of the prompts (disk loads promote into it,
+    saves evict from it), vLLM's ``prompt_tokens_cached_by_source`` equals kvtier's loaded plus
+    unfilled tokens of the same tier, exactly, for every tier."""
+    from vllm import SamplingParams
+
+    from kvtier.core.tiers.registry import hit_source
+
+    pool = [prompt(200 + i) for i in range(8)]  # 8 × 6 chunks against a 16-chunk cpu tier
+    for p in pool:
+        engine.generate(p, max_tokens=1)  # saved into kvtier
+    engine.store.flush()
+    engine.llm.reset_prefix_cache()
+    tiers = ("cpu", "disk", "dict")
+    sources = {hit_source(t) for t in tiers}
+    m0, vllm0 = metrics_snapshot(), {s: _cached_by_source(s) for s in sources}
+    llm_engine = engine.llm.llm_engine
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    added: dict[str, int] = {}  # request id -> the step it was added at
+    aborted: set[str] = set()
+    step = 0
+    for i in range(36):
+        # newest first: the first few are in the cpu tier, the rest on disk, and every disk load
+        # promotes into the cpu tier while the next plans are made (what moves chunks under a plan)
+        llm_engine.add_request(f"s-{i}", {"prompt": pool[(len(pool) - 1 - i) % len(pool)]}, params)
+        added[f"s-{i}"] = step
+        if i % 3 == 2:  # three requests per step, so that loads overlap
+            llm_engine.step()
+            step += 1
+            for req_id, at in added.items():
+                if int(req_id[2:]) % 5 == 3 and at == step - 1 and req_id not in aborted:
+                    llm_engine.abort_request([req_id])  # 20 %: aborted while waiting for or just after its load
+                    aborted.add(req_id)
+    while llm_engine.has_unfinished_requests():
+        llm_engine.step()
+    assert engine.worker.loader.num_inflight == 0
+    engine.generate("one step", max_tokens=1)  # carries the last load's counters to /metrics
+    m1 = metrics_snapshot()
+    promised = {s: _cached_by_source(s) - vllm0[s] for s in sources}
+    kvtier = {t: (delta(m1, m0, f"kvtier_loaded_tokens_total{{{t}}}"),
+                  delta(m1, m0, f"kvtier_unfilled_tokens_total{{{t}}}")) for t in tiers}
+    by_source = {s: sum(sum(kvtier[t]) for t in tiers if hit_source(t) == s) for s in sources}
+    assert len(aborted) == 7 and kvtier["cpu"][0] > 0 and kvtier["disk"][0] > 0, (aborted, kvtier)
+    print(f"per tier (loaded, unfilled): {kvtier}; vLLM per source: {promised}; rerouted chunks: "
+          f"{delta(m1, m0, 'kvtier_rerouted_chunks_total')}")
+    assert by_source == promised, (kvtier, promised)
+    assert sum(promised.values()) == delta(m1, m0, EXT_HITS)
+    engine.store.flush()
+    engine.store.check_integrity()

@@ -1,5 +1,6 @@
 """The connector's per-step stats are changes of the store's one snapshot (kvtier.core.stats)."""
 
+from kvtier.core.handles import EngineLoad, EngineSave
 from kvtier.integrations.vllm.stats import KVTierStats, store_counters, store_gauges
 from tests.core.helpers import CHUNK_BYTES, break_disk_shards, chain_of, make_store, payload
 
@@ -7,19 +8,22 @@ from tests.core.helpers import CHUNK_BYTES, break_disk_shards, chain_of, make_st
 def test_step_stats_are_snapshot_deltas_and_tokens_come_from_rank_0_only(tmp_path):
     store = make_store(tmp_path, cpu_chunks=4, disk_chunks=16)
     a = chain_of(1, 3)
-    store.put(a, [bytes([i]) * CHUNK_BYTES for i in range(3)])
-    store.counters.engine_saved(3 * store.chunk_tokens)
+    saving = store.prepare_store(a)
+    for i, buf in enumerate(saving.buffers):
+        buf[:] = i
+    store.complete_store(saving, True, EngineSave(3 * store.chunk_tokens, 3 * CHUNK_BYTES, 0.25))
     first = store.stats()
     assert store_counters(first, None) == {"saved_tokens": 3 * store.chunk_tokens, "save_bytes": 3 * CHUNK_BYTES,
-                                           "save_seconds": first.transfer_seconds["engine_to_cpu"]}
-    store.counters.engine_loaded("disk", 40, resumed=False)
-    store.counters.engine_loaded("cpu", 8, resumed=True)
-    store.counters.engine_load_failed(2)
-    store.counters.moved("cpu_to_engine", 4096, 0.5)
+                                           "save_seconds": 0.25}
+    # the integration reports engine-side facts with each load; the store counts them
+    store.complete_load(store.prepare_load(a), True, engine=EngineLoad(
+        tokens={"disk": 40}, unfilled_tokens={"disk": 24}, failed_blocks=2, rerouted_chunks=1, engine_bytes=4096,
+        seconds=0.5))
+    store.load_skipped(EngineLoad(tokens={"cpu": 8}, unfilled_tokens={"cpu": 8}, resumed=True))
     second = store.stats()
     rank0 = store_counters(second, first)
-    assert rank0 == {"loaded_tokens_disk": 40, "reloaded_tokens": 8, "load_failed_blocks": 2, "load_bytes": 4096,
-                     "load_seconds": 0.5}
+    assert rank0 == {"loaded_tokens_disk": 40, "unfilled_tokens_disk": 24, "reloaded_tokens": 8,
+                     "load_failed_blocks": 2, "rerouted_chunks": 1, "load_bytes": 4096, "load_seconds": 0.5}
     assert store_counters(second, first, tp_rank=1) == {"load_bytes": 4096, "load_seconds": 0.5}
     assert store_counters(second, second) == {}
     gauges = store_gauges(second)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -54,6 +55,46 @@ class LoadHandle:
         except TimeoutError:
             return False
         return True
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What one load did on the engine's side, as its caller (the engine integration) saw it; the
+    store counts it (:meth:`TieredStore.complete_load`, :meth:`TieredStore.load_skipped`).
+
+    Attributes:
+        tokens: tokens copied into the engine, by the tier the load's plan named for their chunk.
+        unfilled_tokens: tokens the engine was promised and did not get, by planned tier.
+        resumed: a request re-admitted after a preemption (its tokens count as reloaded; vLLM
+            counts them apart from its hits).
+        failed_blocks: engine blocks reported back to the engine as not filled.
+        rerouted_chunks: chunks read from another tier than the one planned.
+        engine_bytes: bytes copied into the engine (all layers of this rank).
+        seconds: time the load took, from prepare to the last copy.
+    """
+
+    tokens: Mapping[str, int] = field(default_factory=dict)
+    unfilled_tokens: Mapping[str, int] = field(default_factory=dict)
+    resumed: bool = False
+    failed_blocks: int = 0
+    rerouted_chunks: int = 0
+    engine_bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class EngineSave:
+    """What one save copied out of the engine (counted by :meth:`TieredStore.complete_store`).
+
+    Attributes:
+        tokens: tokens the newly stored chunks cover.
+        engine_bytes: bytes copied out of the engine (all layers of this rank).
+        seconds: time the copy took.
+    """
+
+    tokens: int = 0
+    engine_bytes: int = 0
+    seconds: float = 0.0
 
 
 @dataclass

@@ -24,6 +24,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from kvtier.core.handles import EngineLoad, EngineSave
 from kvtier.core.tiers.registry import available_tiers, lower_tiers, top_tier
 
 
@@ -172,8 +173,16 @@ class StoreStats:
         transfer_bytes / transfer_seconds: volume and time moved, by direction (:func:`directions`).
         dirty_bytes: bytes in DRAM not yet on the disk tier (what a crash would lose).
         queued_writes: writes queued or running in the lower tiers.
-        loaded_tokens: tokens copied into the engine, by the slowest tier they came from; counted by
-            the engine integration, which knows block boundaries (a load may start mid-chunk).
+        loaded_tokens: tokens copied into the engine, labelled with the tier the engine's plan
+            named for their chunk (for vLLM: the hit source it was told at admission; the tier
+            the bytes were actually read from is ``TierStats.load_hit_chunks``, and a chunk read
+            from another tier than planned is counted in ``rerouted_chunks``).
+        unfilled_tokens: tokens the engine admitted as hits that no load filled (the request was
+            aborted before its load started, a chunk was gone or failed verification, or its read
+            missed ``load_wait_s``), by planned tier.  ``loaded_tokens + unfilled_tokens`` per tier
+            is what the engine was promised (vLLM's ``prompt_tokens_cached_by_source``).
+        rerouted_chunks: chunks a load read from another tier than the one planned (the planned
+            tier evicted or promoted it in between); their tokens keep the planned label.
         reloaded_tokens: tokens copied into requests resumed after a preemption (apart from
             ``loaded_tokens``, as vLLM counts them apart from its external hits).
         saved_tokens: tokens of the chunks newly saved from the engine.
@@ -197,6 +206,8 @@ class StoreStats:
     reloaded_tokens: int = 0
     saved_tokens: int = 0
     load_failed_blocks: int = 0
+    unfilled_tokens: Mapping[str, int] = field(default_factory=dict)
+    rerouted_chunks: int = 0
 
     def tier(self, name: str) -> TierStats:
         """The tier called ``name``; all zeros if the store has none."""
@@ -243,6 +254,8 @@ class StoreCounters:
         self.saved_tokens = 0
         self.load_failed_blocks = 0
         self.reset_chunks: Counter[str] = Counter()
+        self.unfilled_tokens: Counter[str] = Counter()
+        self.rerouted_chunks = 0
 
     def looked_up(self, num_chunks: int, found: Mapping[str, int]) -> None:
         """A lookup of ``num_chunks`` chunks found ``found[tier]`` chunks in each tier."""
@@ -285,26 +298,30 @@ class StoreCounters:
         with self._lock:
             self.shared_lookups_skipped += 1
 
-    def engine_loaded(self, tier: str, num_tokens: int, resumed: bool) -> None:
-        """``num_tokens`` tokens reached the engine from ``tier`` (``resumed``: a preempted request)."""
+    def engine_load(self, load: EngineLoad, top: str) -> None:
+        """One load's engine-side outcome (:class:`~kvtier.core.handles.EngineLoad`); ``top``: the
+        top tier's name (the transfer direction is ``<top>_to_engine``)."""
         with self._lock:
-            if resumed:
-                self.reloaded_tokens += num_tokens
+            if load.resumed:
+                self.reloaded_tokens += sum(load.tokens.values())
             else:
-                self.loaded_tokens[tier] += num_tokens
+                self.loaded_tokens.update(load.tokens)
+                self.unfilled_tokens.update(load.unfilled_tokens)
+            self.load_failed_blocks += load.failed_blocks
+            self.rerouted_chunks += load.rerouted_chunks
+        if load.engine_bytes:
+            self.moved(f"{top}_to_engine", load.engine_bytes, load.seconds)
 
-    def engine_saved(self, num_tokens: int) -> None:
+    def engine_save(self, save: EngineSave, top: str) -> None:
+        """One save's engine-side outcome (:class:`~kvtier.core.handles.EngineSave`)."""
         with self._lock:
-            self.saved_tokens += num_tokens
+            self.saved_tokens += save.tokens
+        self.moved(f"engine_to_{top}", save.engine_bytes, save.seconds)
 
     def reset_removed(self, tier: str, num_chunks: int) -> None:
         """A reset removed ``num_chunks`` chunks from ``tier``."""
         with self._lock:
             self.reset_chunks[tier] += num_chunks
-
-    def engine_load_failed(self, num_blocks: int) -> None:
-        with self._lock:
-            self.load_failed_blocks += num_blocks
 
     def moved(self, direction: str, num_bytes: int, seconds: float) -> None:
         """One transfer of ``num_bytes`` bytes taking ``seconds`` seconds in ``direction``.
@@ -336,4 +353,7 @@ class StoreCounters:
                               self.shared_lookups_skipped, {d: self.transfer_bytes[d] for d in names},
                               {d: self.transfer_seconds.get(d, 0.0) for d in names}, dirty_bytes, queued_writes,
                               {t: self.loaded_tokens[t] for t in dict.fromkeys((*available_tiers(), *self.loaded_tokens))},
-                              self.reloaded_tokens, self.saved_tokens, self.load_failed_blocks)
+                              self.reloaded_tokens, self.saved_tokens, self.load_failed_blocks,
+                              {t: self.unfilled_tokens[t] for t in dict.fromkeys((*available_tiers(),
+                                                                                  *self.unfilled_tokens))},
+                              self.rerouted_chunks)

@@ -63,7 +63,7 @@ from prometheus_client import CollectorRegistry
 from kvtier.core.changes import ChangeFeedMixin
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
-from kvtier.core.handles import LoadHandle, PendingLookup, StoreHandle
+from kvtier.core.handles import EngineLoad, EngineSave, LoadHandle, PendingLookup, StoreHandle
 from kvtier.core.keys import ChunkKey, Namespace
 from kvtier.core.lower import LowerTier, WriteJob
 from kvtier.core.metrics import StoreMetrics
@@ -288,7 +288,8 @@ class TieredStore(ChangeFeedMixin):
                 handle.buffers.append(self.promoter.buffer_locked(key, promote, start + offset, lt))
                 handle.tiers.append(lt.name)
 
-    def complete_load(self, handle: LoadHandle, success: bool, first_chunk: int = 0) -> None:
+    def complete_load(self, handle: LoadHandle, success: bool, first_chunk: int = 0,
+                      engine: EngineLoad | None = None) -> None:
         """Unpin a load's chunks; count hits only if ``success``.  Idempotent.
 
         Args:
@@ -296,21 +297,31 @@ class TieredStore(ChangeFeedMixin):
             success: whether the chunks reached their destination.
             first_chunk: chunks before this index were pinned but not delivered (the engine's own
                 prefix cache already held them); they are not counted as hits.
+            engine: what the load did in the engine (tokens by planned tier, blocks not filled,
+                bytes and seconds); counted here, once.
         """
         delivered = handle.ready_chunks()  # a caller that did not wait for read-ahead got no more
         if not self._release(handle, refresh=success):
             return
+        if engine is not None:
+            self.counters.engine_load(engine, self.top.name)
         if not success:
             self.counters.load_failed()
             return
         self.counters.loaded(Counter(handle.tiers[first_chunk:delivered]))
 
-    def cancel_load(self, handle: LoadHandle) -> None:
+    def cancel_load(self, handle: LoadHandle, engine: EngineLoad | None = None) -> None:
         """Unpin a load that will not happen (request aborted, or nothing left to load).
 
-        Neither a hit nor a failed load is counted.  Idempotent.
+        Neither a hit nor a failed load is counted; ``engine`` (what the engine was promised
+        and did not get) is.  Idempotent.
         """
-        self._release(handle, refresh=False)
+        if self._release(handle, refresh=False) and engine is not None:
+            self.counters.engine_load(engine, self.top.name)
+
+    def load_skipped(self, engine: EngineLoad) -> None:
+        """Count a load that never reached the store (its request was aborted before it began)."""
+        self.counters.engine_load(engine, self.top.name)
 
     def _release(self, handle: LoadHandle, refresh: bool) -> bool:
         """Unpin ``handle`` once; on ``refresh`` mark its chunks used.  False if already released."""
@@ -359,8 +370,11 @@ class TieredStore(ChangeFeedMixin):
                 handle.buffers.append(got.buffer)
         return handle
 
-    def complete_store(self, handle: StoreHandle, success: bool) -> None:
-        """Publish (``success``) or release the reserved pages.  Idempotent."""
+    def complete_store(self, handle: StoreHandle, success: bool, engine: EngineSave | None = None) -> None:
+        """Publish (``success``) or release the reserved pages; count ``engine`` (what the copy out
+        of the engine moved) when ``success``.  Idempotent."""
+        if success and engine is not None and not handle.done:
+            self.counters.engine_save(engine, self.top.name)
         with self._lock:
             if handle.done:
                 return

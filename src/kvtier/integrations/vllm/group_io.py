@@ -1,5 +1,5 @@
-"""Worker side of hybrid models: moves the pages of every KV cache group between the engine and
-one rank's store.
+"""Worker side of every model: moves the pages of every KV cache group between the engine and
+one rank's store (a dense model is one full-attention group whose pages are its chunks).
 
 Each group has its own layers (:func:`~kvtier.integrations.vllm.layout.detect_group_layouts`)
 and its own page shape: ``[group layers, slots, block bytes]`` with ``chunk_tokens /
@@ -7,11 +7,9 @@ block_size`` slots for a full-attention or sliding-window page and one slot for 
 (the snapshot).  The store holds pages of one size, the largest group's; a smaller page uses
 the front of its buffer.
 
-Saves (engine thread, after the forward pass) and loads (loader threads) follow the store's
-two-phase contract: ``prepare_*`` pins or reserves, the copy runs, ``complete_*`` runs on every
-path.  A hybrid load is all or nothing: vLLM takes no block-level load errors when a model has
-several KV cache groups (vllm/v1/core/sched/scheduler.py ``_handle_invalid_blocks``), so a load
-that cannot deliver every page is reported as a failed request and recomputed whole.
+Saves (engine thread, after the forward pass, :meth:`~kvtier.integrations.vllm.worker.WorkerSide.save`)
+and loads (loader threads, :mod:`~kvtier.integrations.vllm.loader`) follow the store's two-phase
+contract: ``prepare_*`` pins or reserves, the copy runs, ``complete_*`` runs on every path.
 """
 
 from __future__ import annotations
@@ -22,8 +20,6 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.core.keys import ChunkKey
-from kvtier.core.store import TieredStore
 from kvtier.integrations.vllm.copy import BlockCopier, Span
 from kvtier.integrations.vllm.groups import GroupKind, HybridPlan
 from kvtier.integrations.vllm.layout import KVLayout
@@ -72,37 +68,3 @@ class GroupCopiers:
     def moved_bytes(self, pages: Sequence[PageMove]) -> int:
         """Engine bytes the pages cover (all layers of their groups)."""
         return sum(len(p.block_ids) * self.block_bytes[p.group] for p in pages)
-
-
-def save_pages(store: TieredStore, copiers: GroupCopiers, pages: Sequence[PageMove]) -> int:
-    """Store the pages not stored yet; returns how many were stored.
-
-    Pages go to the store as one chain in the order given (the scheduler lists each group's
-    pages in chunk order), so the eviction policy sees each page's predecessor as its parent.
-    """
-    handle = store.prepare_store([ChunkKey(p.key) for p in pages])
-    if not handle.num_chunks:
-        return 0
-    ok = False
-    try:
-        copiers.save([(pages[i], buffer) for i, buffer in zip(handle.indices, handle.buffers)])
-        ok = True
-    finally:
-        store.complete_store(handle, ok)
-    return handle.num_chunks
-
-
-def load_pages(store: TieredStore, copiers: GroupCopiers, pages: Sequence[PageMove]) -> list[str] | None:
-    """Copy every page into the engine; the tier of each page, or ``None`` when the store no
-    longer holds them all (nothing is then counted as a hit)."""
-    handle = store.prepare_load([ChunkKey(p.key) for p in pages])
-    if handle.num_chunks < len(pages):
-        store.cancel_load(handle)
-        return None
-    ok = False
-    try:
-        copiers.load(list(zip(pages, handle.buffers)))
-        ok = True
-    finally:
-        store.complete_load(handle, ok)
-    return list(handle.tiers)

@@ -1,9 +1,10 @@
-"""Scheduler side of hybrid models: turns :class:`~kvtier.integrations.vllm.groups.HybridPlan`
+"""Scheduler side of every model: turns :class:`~kvtier.integrations.vllm.groups.HybridPlan`
 decisions into the pages of load and save jobs, from memory only (the mirror of the ranks'
 indexes, the request's chunk keys, vLLM's per-group block tables and boundary-state hand-offs).
 
-A page is named by ``group_key(chunk key, group)``: the prefix up to and including that chunk,
-and the group.  Per request::
+A dense model is a one-group plan (one full-attention group): its pages are its chunks, named
+by the chunk key.  A hybrid model's page is named by ``group_key(chunk key, group)``: the prefix
+up to and including that chunk, and the group.  Per request::
 
     lookup(chain, local, n)      hit = largest chunk boundary every group can resume at
                                  (HybridPlan.hit_tokens over the mirror)
@@ -38,14 +39,24 @@ class GroupJobs:
         self.plan = plan
         self.mirror = mirror
         self.C = plan.chunk_tokens
+        self.dense = not plan.is_hybrid
 
     def _key(self, chain: Sequence[bytes], group: int, chunk: int) -> bytes:
+        if self.dense:  # one full-attention group: the chunk key itself (the namespace tells it apart)
+            return bytes(chain[chunk])
         return bytes(group_key(ChunkKey(chain[chunk]), group))
+
+    def parent_of(self, chain: Sequence[bytes], page: PageMove) -> bytes:
+        """Key of the page before ``page`` in its group's chain (``b""`` for chunk 0 and for the
+        pages of groups that are not full attention)."""
+        full = any(g.index == page.group and g.kind is GroupKind.FULL for g in self.plan.groups)
+        return self._key(chain, page.group, page.chunk - 1) if full and page.chunk > 0 else b""
 
     def lookup(self, chain: Sequence[bytes], num_computed_tokens: int, num_tokens: int,
                shared: AbstractSet[bytes] = frozenset(), shared_tier: str = "") -> tuple[int, list[str]]:
         """The hit (tokens, 0 if none beyond ``num_computed_tokens``) and, per chunk before it,
-        the slowest tier any of its pages is held in (for vLLM's hit-source metrics).
+        the slowest tier any of its pages is held in (for vLLM's hit-source metrics; ``""`` for
+        a chunk kvtier does not hold before the engine's own hit).
 
         ``shared``: page keys the shared tier ``shared_tier`` holds for every rank, from
         :meth:`~kvtier.integrations.vllm.remote.RemoteLookups.poll_pages` over :meth:`unheld_pages`.
@@ -60,7 +71,7 @@ class GroupJobs:
         tiers = []
         for c in range(hit // self.C):
             held = [tier(g.index, c) for g in self.plan.groups]
-            tiers.append(slowest([t for t in held if t]))
+            tiers.append(slowest([t for t in held if t]) if any(held) else "")
         return hit, tiers
 
     def unheld_pages(self, chain: Sequence[bytes], num_computed_tokens: int, num_tokens: int) -> list[bytes]:

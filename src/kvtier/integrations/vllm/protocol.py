@@ -9,17 +9,20 @@
 There is no other channel.  Everything here is plain data (str, int, bytes, tuples, lists,
 dicts): vLLM serializes it between processes with its own serializer.
 
-Index arithmetic (``k = chunk_tokens // block_size`` engine blocks per chunk)::
+Jobs have one shape for every model: a list of :class:`PageMove` (a dense model is a one-group
+plan whose pages are its chunks).  Index arithmetic of a full-attention group
+(``k = chunk_tokens // block_size`` engine blocks per chunk)::
 
     tokens : |<------- chunk 0 ------->|<------- chunk 1 ------->|<- tail ->|
     blocks : | b0 | b1 | ... | b(k-1)  | bk | ...     | b(2k-1)  |  ...
     a load : local prefix-cache hit ends at block j (block-aligned, maybe mid-chunk);
-             kvtier fills blocks j .. num_chunks*k - 1, reading each block from
-             its chunk's page at offset (block index - chunk index * k).
+             kvtier fills blocks j .. hit/block_size - 1: chunk j // k's page from slot
+             j - (j // k) * k, then whole pages.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
@@ -27,12 +30,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 @dataclass(frozen=True)
 class PageMove:
-    """One stored page of one KV cache group of a hybrid model (see
-    :mod:`kvtier.integrations.vllm.groups`): page slot ``first_slot + j`` ↔ engine block
-    ``block_ids[j]`` of group ``group``'s layers.
+    """One stored page of one KV cache group: page slot ``first_slot + j`` ↔ engine block
+    ``block_ids[j]`` of group ``group``'s layers.  A dense model is a one-group plan: its pages
+    are its chunks (see :mod:`kvtier.integrations.vllm.groups`).
 
     Attributes:
-        key: the page's key (``group_key(chunk key, group)``, 16 bytes).
+        key: the page's key (16 bytes): the chunk key for a dense model,
+            ``group_key(chunk key, group)`` for a hybrid one.
         group: KV cache group index.
         chunk: chunk index (for a state page: the chunk ending at the snapshot's boundary).
         first_slot: first page slot moved.
@@ -46,33 +50,49 @@ class PageMove:
     block_ids: tuple[int, ...]
 
 
+def tokens_by_tier(tiers: Sequence[str], start: int, end: int, chunk_tokens: int) -> dict[str, int]:
+    """Tokens ``[start, end)`` split by the tier of the chunk each lies in (``tiers[c]``: the tier
+    planned for chunk ``c``).  The scheduler's hit sources for vLLM and the worker's loaded-token
+    counters both come from this one function, so they split alike."""
+    out: dict[str, int] = {}
+    pos = start
+    while pos < end:
+        c = pos // chunk_tokens
+        stop = min(end, (c + 1) * chunk_tokens)
+        out[tiers[c]] = out.get(tiers[c], 0) + stop - pos
+        pos = stop
+    return out
+
+
 @dataclass(frozen=True)
 class LoadJob:
     """Move a request's cached prefix into its engine blocks, asynchronously, on the workers.
 
+    One shape for every model: the pages of every KV cache group (one group for a dense model).
+
     Attributes:
         req_id: vLLM request id; reported in ``finished_recving`` when the job ends (either way).
-        keys: chunk keys ``0 .. num_chunks - 1`` of the prefix (16 bytes each).
-        first_block: request-relative index of the first block to fill.
-        block_ids: engine block ids for blocks ``first_block .. num_chunks*k - 1``.
+        pages: every page to move, each group's in chunk order.
+        first_token: the engine's own hit (block aligned): tokens before it are not loaded.
+        hit_tokens: the chunk boundary the load resumes the request at.
+        tiers: the tier the scheduler planned to read each chunk ``0 .. hit_tokens / chunk_tokens
+            - 1`` from (the slowest of its pages' tiers; ``""`` before the engine's own hit): what
+            vLLM was told (``get_external_cache_hit_sources``) and what the loaded-token
+            counters are labelled with.
         resumed: the request is re-admitted after a preemption (vLLM counts its hits apart).
-        pages: hybrid models only: every page to move (all groups); ``keys`` and ``block_ids``
-            are then empty.  The load succeeds whole or is reported failed whole (vLLM takes no
-            block-level errors with several KV cache groups).
-        hit_tokens: hybrid models only: the boundary the pages resume at.
     """
 
     req_id: str
-    keys: tuple[bytes, ...]
-    first_block: int
-    block_ids: tuple[int, ...]
+    pages: tuple[PageMove, ...]
+    first_token: int
+    hit_tokens: int
+    tiers: tuple[str, ...]
     resumed: bool = False
-    pages: tuple[PageMove, ...] = ()
-    hit_tokens: int = 0
 
     @property
-    def num_chunks(self) -> int:
-        return len(self.keys)
+    def block_ids(self) -> frozenset[int]:
+        """Every engine block the job fills (block ids are unique within a group)."""
+        return frozenset(b for p in self.pages for b in p.block_ids)
 
 
 @dataclass(frozen=True)
@@ -81,21 +101,14 @@ class SaveJob:
 
     Attributes:
         req_id: vLLM request id.
-        keys: chunk keys ``0 .. chunk_end - 1`` (parents are needed by the eviction policy).
-        chunk_start: first chunk to save (earlier ones were handled in earlier steps).
-        block_ids: engine block ids of chunks ``chunk_start .. chunk_end - 1`` (``k`` per chunk).
-        pages: hybrid models only: the pages to save (``keys``/``block_ids`` then empty).
+        pages: the pages to save, each group's in chunk order.
+        parent: the key of the page before the first one in its group's chain (``b""``: none);
+            the eviction policy keeps children after their parents.
     """
 
     req_id: str
-    keys: tuple[bytes, ...]
-    chunk_start: int
-    block_ids: tuple[int, ...]
-    pages: tuple[PageMove, ...] = ()
-
-    @property
-    def chunk_end(self) -> int:
-        return len(self.keys)
+    pages: tuple[PageMove, ...]
+    parent: bytes = b""
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,11 @@ its own threads, and hands back "ask again" (``None``) until the answer is in or
 answers ``(None, False)`` meanwhile (vllm/v1/core/sched/scheduler.py skips the request for this
 step and asks again in the next one), so the engine's step never waits on the network.
 
-- Hybrid models (:meth:`RemoteLookups.poll_pages`): the same batch over the page keys (chunk key
-  and KV cache group) no local tier holds; the hit is then planned over local and shared pages
-  together (:meth:`~kvtier.integrations.vllm.group_jobs.GroupJobs.lookup`).
+- The scheduler asks :meth:`RemoteLookups.poll_pages` for every model: the same batch over the
+  page keys no local tier holds (a dense model's pages are its chunks; a hybrid model's are
+  chunk key and KV cache group); the hit is then planned over local and shared pages together
+  (:meth:`~kvtier.integrations.vllm.group_jobs.GroupJobs.lookup`).  :meth:`RemoteLookups.poll`
+  (leading chunks of a chain) serves tools (``kvtier doctor``).
 - A chunk counts only if every rank's value is there (each rank stores its own KV heads under its
   own namespace, reported by the workers in ``RankReport.namespace``): the answer is the minimum
   over ranks of the leading chunks found.
@@ -131,7 +133,7 @@ class RemoteLookups:
         return found
 
     def poll_pages(self, req_id: str, keys: Sequence[bytes]) -> frozenset[bytes] | None:
-        """Hybrid models: which of ``keys`` (page keys, in any order; none of them held locally)
+        """Which of ``keys`` (page keys, in any order; none of them held locally)
         the shared tier holds for every rank; ``None`` ("ask again") while the lookup runs, the
         empty set past ``shared_deadline_s`` or on a fault.  Never blocks."""
         asked = tuple(keys)

@@ -1,34 +1,41 @@
 """Scheduler side of the connector: decides what each step loads and saves, from memory only.
 
-Per request (``k = chunk_tokens // block_size``)::
+Every model takes one path: a dense model is a one-group plan
+(:class:`~kvtier.integrations.vllm.group_jobs.GroupJobs` over
+:class:`~kvtier.integrations.vllm.groups.HybridPlan`), its pages are its chunks.  Per request::
 
     get_num_new_matched_tokens(req, local)   hash the prompt's full chunks (cached per request),
-        look the chain up in the mirror of every rank's index -> hit = chunks × chunk_tokens
-        (capped so ≥ 1 prompt token is computed); returns (hit - local, True): vLLM allocates
-        the blocks and parks the request in WAITING_FOR_REMOTE_KVS.  No file, socket or
-        network I/O.  Before the workers' first report it answers None ("ask next step").
-        With a shared tier (``redis_url``), the chunks beyond the mirror's hit are asked about
-        in the background (:mod:`~kvtier.integrations.vllm.remote`); None while that runs,
-        at most ``shared_deadline_s``, then the chunks found there join the hit (tier ``redis``).
-    update_state_after_alloc(req, blocks, n) n > 0: queue a LoadJob for blocks local/bs .. hit/bs
+        look the pages up in the mirror of every rank's index -> hit = the largest chunk
+        boundary every group can resume at (capped so ≥ 1 prompt token is computed), and the
+        tier of each chunk (the slowest of its pages'); returns (hit - local, True): vLLM
+        allocates the blocks and parks the request in WAITING_FOR_REMOTE_KVS.  No file, socket
+        or network I/O.  Before the workers' first report it answers None ("ask next step").
+        With a shared tier (``redis_url``), the pages no local tier holds are asked about in
+        the background (:mod:`~kvtier.integrations.vllm.remote`); None while that runs, at most
+        ``shared_deadline_s``, then the pages found there join the hit.
+    get_external_cache_hit_sources           the hit split by planned tier (tokens_by_tier)
+    update_state_after_alloc(req, blocks, n) n > 0: queue a LoadJob: the pages that resume every
+                                             group at the hit, and the planned tier per chunk
     build_connector_meta(step)               ship queued loads; for every scheduled request
                                              whose computed tokens complete new full chunks
-                                             this step, a SaveJob for those chunks
+                                             this step, a SaveJob with those chunks' pages
     update_connector_output(out)             fold each rank's index changes into the mirror
     request_finished(req)                    forget the request (blocks freed at once: the
                                              copy out of the engine finished in its own step)
     reset_cache()                            vLLM's external prefix-cache reset: see below
 
 A load job always ends with the request in ``finished_recving`` (the worker reports it whether
-the load succeeded, came up short or failed); missing blocks are reported through
-``get_block_ids_with_load_errors`` in the same step or earlier, so vLLM (policy ``recompute``)
-keeps the valid prefix and recomputes the rest (vllm/v1/core/sched/scheduler.py:
-``_update_requests_with_invalid_blocks``, ``_update_waiting_for_remote_kv``).
+the load succeeded, came up short or failed).  With one KV cache group, missing blocks are
+reported through ``get_block_ids_with_load_errors`` in the same step or earlier, so vLLM (policy
+``recompute``) keeps the valid prefix and recomputes the rest (vllm/v1/core/sched/scheduler.py:
+``_update_requests_with_invalid_blocks``, ``_update_waiting_for_remote_kv``); with several,
+vLLM takes no block ids and a load that cannot deliver every page fails whole
+(``failed_recving``).  The number of groups chooses; the path is the same.
 
-Hybrid models (several KV cache groups) take the same steps through
-:class:`~kvtier.integrations.vllm.group_jobs.GroupJobs`: the hit is the largest chunk boundary
-every group can resume at, loads and saves are lists of per-group pages, and a load that cannot
-deliver them all fails whole (``failed_recving``; vLLM takes no block ids with several groups).
+Hit attribution: vLLM asks for the hit's sources at admission, from this plan; the load job
+carries the plan's tier per chunk and the workers label their loaded-token counters with it
+(:class:`~kvtier.core.stats.StoreStats` ``loaded_tokens``, ``unfilled_tokens``), so the two agree
+per tier exactly.
 """
 
 from __future__ import annotations
@@ -44,7 +51,14 @@ from kvtier.core.tiers.registry import reset_tiers
 from kvtier.integrations.vllm.group_jobs import GroupJobs, handoffs_of
 from kvtier.integrations.vllm.groups import engine_plan, resolved_config
 from kvtier.integrations.vllm.mirror import IndexMirror
-from kvtier.integrations.vllm.protocol import KVTierMetadata, KVTierWorkerMeta, LoadJob, ResetOrder, SaveJob
+from kvtier.integrations.vllm.protocol import (
+    KVTierMetadata,
+    KVTierWorkerMeta,
+    LoadJob,
+    ResetOrder,
+    SaveJob,
+    tokens_by_tier,
+)
 from kvtier.integrations.vllm.remote import RemoteLookups, shared_tier_configured
 from kvtier.integrations.vllm.reset import reset_outside
 from kvtier.integrations.vllm.settle import Settle
@@ -105,10 +119,9 @@ class SchedulerSide:
             raise ConfigError("kvtier does not support pipeline parallelism yet; use tensor parallelism only")
         self.config = config
         self.chunk_tokens = config.chunk_tokens
-        self.k = self.chunk_tokens // self.block_size
         self.load_enabled, self.save_enabled = load, save
         self.mirror = IndexMirror(int(vllm_config.parallel_config.tensor_parallel_size))
-        self.groups = GroupJobs(plan, self.mirror) if plan.is_hybrid else None  # hybrid models: pages per group
+        self.groups = GroupJobs(plan, self.mirror)  # a dense model is a one-group plan
         self._requests: dict[str, Any] = {}
         self._chains: dict[str, RequestChain] = {}
         self._planned: dict[str, list[str]] = {}  # req -> tier of each chunk of its planned load
@@ -168,25 +181,16 @@ class SchedulerSide:
         chain = self._chain(request, max_chunks)
         if chain is None:
             return 0, False
-        if self.groups is not None:
-            hit, tiers = self.groups.lookup(chain, num_computed_tokens, request.num_tokens)
-            if self.remote is not None and hit < max_chunks * self.chunk_tokens and self.remote.bind(
-                    self.mirror.namespaces):
-                found = self.remote.poll_pages(req_id, self.groups.unheld_pages(chain, num_computed_tokens,
-                                                                                 request.num_tokens))
-                if found is None:
-                    return None, False  # the shared tier has not answered yet: ask again next step
-                if found:
-                    hit, tiers = self.groups.lookup(chain, num_computed_tokens, request.num_tokens, found,
-                                                    self.remote.tier_name)
-        else:
-            tiers = self.mirror.lookup(chain)
-            if self.remote is not None and len(tiers) < max_chunks and self.remote.bind(self.mirror.namespaces):
-                more = self.remote.poll(req_id, chain, len(tiers))
-                if more is None:
-                    return None, False  # the shared tier has not answered yet: ask again next step
-                tiers = tiers + [self.remote.tier_name] * more
-            hit = len(tiers) * self.chunk_tokens
+        hit, tiers = self.groups.lookup(chain, num_computed_tokens, request.num_tokens)
+        if self.remote is not None and hit < max_chunks * self.chunk_tokens and self.remote.bind(
+                self.mirror.namespaces):
+            found = self.remote.poll_pages(req_id, self.groups.unheld_pages(chain, num_computed_tokens,
+                                                                             request.num_tokens))
+            if found is None:
+                return None, False  # the shared tier has not answered yet: ask again next step
+            if found:
+                hit, tiers = self.groups.lookup(chain, num_computed_tokens, request.num_tokens, found,
+                                                self.remote.tier_name)
         if hit <= num_computed_tokens:
             return 0, False
         self._planned[req_id] = tiers
@@ -202,28 +206,18 @@ class SchedulerSide:
             if num_external_tokens > 0:  # vLLM asked us to load what we never offered
                 raise RuntimeError(f"kvtier: request {req_id} was allocated external tokens kvtier did not offer")
             return
-        num_chunks = len(tiers)
-        hit = num_chunks * self.chunk_tokens
+        hit = len(tiers) * self.chunk_tokens
+        local = hit - num_external_tokens
+        pages = self.groups.load_pages(self._chains[req_id].keys, blocks.get_block_ids(), local, hit)
         resumed = getattr(request, "num_preemptions", 0) > 0
-        if self.groups is not None:
-            local = hit - num_external_tokens
-            pages = self.groups.load_pages(self._chains[req_id].keys, blocks.get_block_ids(), local, hit)
-            self._loads.append(LoadJob(req_id, (), local // self.block_size, (), resumed, pages, hit))
-            return
-        first_block, end_block = (hit - num_external_tokens) // self.block_size, hit // self.block_size
-        block_ids = blocks.get_block_ids()[0]
-        keys = self._chains[req_id].keys[:num_chunks]
-        self._loads.append(LoadJob(req_id, tuple(keys), first_block, tuple(block_ids[first_block:end_block]), resumed))
+        self._loads.append(LoadJob(req_id, pages, local, hit, tuple(tiers), resumed))
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
-        """Split ``num_external_tokens`` by the tier (``cpu``/``disk``/``redis``) each planned chunk is in."""
+        """Split ``num_external_tokens`` by the tier each planned chunk is in (the same split the
+        workers label ``loaded_tokens`` with: :func:`~kvtier.integrations.vllm.protocol.tokens_by_tier`)."""
         tiers = self._planned.get(request.request_id, [])
         hit = len(tiers) * self.chunk_tokens
-        out: dict[str, int] = {}
-        for pos in range(hit - num_external_tokens, hit, self.block_size):
-            tier = tiers[pos // self.chunk_tokens]
-            out[tier] = out.get(tier, 0) + self.block_size
-        return out
+        return tokens_by_tier(tiers, hit - num_external_tokens, hit, self.chunk_tokens)
 
     # ---- per step ----------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
@@ -232,7 +226,7 @@ class SchedulerSide:
         self.settle.step(idle=not scheduler_output.num_scheduled_tokens and not self._requests and not self._loading)
         for load in meta.loads:
             self._planned.pop(load.req_id, None)
-            self._loading[load.req_id] = frozenset(load.block_ids)
+            self._loading[load.req_id] = load.block_ids
         if self.save_enabled:
             for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
                 save = self._save_job(req_id, num_scheduled, scheduler_output)
@@ -258,17 +252,10 @@ class SchedulerSide:
             all_block_ids = state.resolve_block_ids(req_id)
         else:
             all_block_ids = self._kv_cache_manager.get_block_ids(req_id)
-        if self.groups is not None:
-            self._saved_chunks[req_id] = end
-            pages = self.groups.save_pages(keys, start, end, all_block_ids, handoffs_of(scheduler_output, req_id),
-                                           request.num_prompt_tokens)
-            return SaveJob(req_id, (), start, (), pages) if pages else None
-        block_ids = all_block_ids[0]
-        needed = block_ids[start * self.k:end * self.k]
-        if len(needed) < (end - start) * self.k:
-            return None  # blocks not all allocated (should not happen); skip rather than guess
         self._saved_chunks[req_id] = end
-        return SaveJob(req_id, tuple(keys), start, tuple(needed))
+        pages = self.groups.save_pages(keys, start, end, all_block_ids, handoffs_of(scheduler_output, req_id),
+                                       request.num_prompt_tokens)
+        return SaveJob(req_id, pages, self.groups.parent_of(keys, pages[0])) if pages else None
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Fold the ranks' index changes (vLLM's worker → scheduler metadata) into the mirror."""

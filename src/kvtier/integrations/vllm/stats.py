@@ -10,9 +10,16 @@ Exported (Prometheus adds ``_total`` to counters; ``tier`` is a registered tier'
 the per-tier series follow the registry, :mod:`kvtier.core.tiers.registry`; with the built-in
 tiers: cpu, disk, redis):
 
-- ``kvtier_loaded_tokens_total{tier}``: tokens copied from kvtier into the engine.  Over a run
-  it equals ``vllm:external_prefix_cache_hits_total`` (both count only loads that happened, and
-  neither counts re-admissions after preemption).
+- ``kvtier_loaded_tokens_total{tier}``: tokens copied from kvtier into the engine, labelled with
+  the tier the scheduler's plan named for their chunk: the source vLLM was told at admission
+  (``get_external_cache_hit_sources``).  ``kvtier_unfilled_tokens_total{tier}``: tokens vLLM
+  admitted as kvtier hits that no load filled (request aborted before its load began, a chunk
+  gone or corrupt, ``load_wait_s`` passed), by planned tier.  Per tier, loaded + unfilled equals
+  ``vllm:prompt_tokens_cached_by_source_total`` of the tier's hit source, and over all tiers
+  ``vllm:external_prefix_cache_hits_total``, exactly (neither counts re-admissions after
+  preemption).  ``kvtier_rerouted_chunks_total``: chunks a load read from another tier than
+  planned (evicted or promoted in between); the store's own ``kvtier_load_hit_chunks{tier}``
+  (``kvtier.core.metrics``) counts chunks by the tier they were actually read from.
 - ``kvtier_reloaded_tokens_total``: tokens loaded into requests resumed after a preemption
   (vLLM reports those as preempted hits, apart from its external hits).
 - ``kvtier_saved_tokens_total``: tokens newly written into kvtier.
@@ -66,7 +73,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from kvtier.core.stats import StoreStats, WireStats
 from kvtier.core.tiers import registry
 
-_LOADED = "Tokens loaded from kvtier into the engine."
+_LOADED = "Tokens loaded from kvtier into the engine, by the tier the load's plan named (vLLM's hit source)."
+_UNFILLED = ("Tokens vLLM admitted as kvtier hits that no load filled (aborted before the load, chunk gone or "
+             "corrupt, load_wait_s passed), by planned tier.")
 _EVICTED = "Chunks evicted from a kvtier tier."
 _RESET = "Chunks removed from a kvtier tier by resets (all ranks)."
 
@@ -76,6 +85,8 @@ _PLAIN_COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                                    "preemption (vLLM counts these apart from external hits)."), ()),
     "saved_tokens": ("kvtier_saved_tokens", "Tokens newly saved into kvtier.", ()),
     "load_failed_blocks": ("kvtier_load_failed_blocks", "Engine blocks whose kvtier load failed.", ()),
+    "rerouted_chunks": ("kvtier_rerouted_chunks", ("Chunks a load read from another tier than the one its plan "
+                        "named (evicted or promoted in between); their tokens keep the planned tier's label."), ()),
     "load_seconds": ("kvtier_transfer_seconds", "Seconds copying KV between engine and kvtier.", ("load",)),
     "save_seconds": ("kvtier_transfer_seconds", "Seconds copying KV between engine and kvtier.", ("save",)),
     "load_bytes": ("kvtier_transfer_bytes", "Bytes copied between engine and kvtier.", ("load",)),
@@ -103,9 +114,9 @@ _PLAIN_COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "shared_lookup_hit_chunks": ("kvtier_shared_lookup_hit_chunks", ("Chunks found in the shared tier (every rank's "
                                  "value present) by answered lookups."), ()),
 }
-LABELS: dict[str, str] = {"kvtier_loaded_tokens": "tier", "kvtier_transfer_seconds": "direction",
-                          "kvtier_transfer_bytes": "direction", "kvtier_evictions": "tier",
-                          "kvtier_reset_chunks": "tier"}
+LABELS: dict[str, str] = {"kvtier_loaded_tokens": "tier", "kvtier_unfilled_tokens": "tier",
+                          "kvtier_transfer_seconds": "direction", "kvtier_transfer_bytes": "direction",
+                          "kvtier_evictions": "tier", "kvtier_reset_chunks": "tier"}
 _PLAIN_GAUGES: dict[str, tuple[str, str, str | None]] = {
     "chunk_tokens": ("kvtier_chunk_tokens", ("Tokens per kvtier chunk this engine runs with (chunk_tokens; auto "
                      "resolved from the KV cache groups' block sizes); reported by rank 0."), None),
@@ -122,7 +133,8 @@ def _wire(s: StoreStats, tier: str) -> WireStats:
 
 
 def _counter_readers(name: str) -> dict[str, Callable[[StoreStats], float]]:
-    return {f"loaded_tokens_{name}": lambda s: s.loaded_tokens.get(name, 0)}
+    return {f"loaded_tokens_{name}": lambda s: s.loaded_tokens.get(name, 0),
+            f"unfilled_tokens_{name}": lambda s: s.unfilled_tokens.get(name, 0)}
 
 
 def counters() -> dict[str, tuple[str, str, tuple[str, ...]]]:
@@ -135,6 +147,7 @@ def counters() -> dict[str, tuple[str, str, tuple[str, ...]]]:
         t = spec.name
         out[f"loaded_tokens_{t}"] = ("kvtier_loaded_tokens", _LOADED, (t,))
         out[f"reset_chunks_{t}"] = ("kvtier_reset_chunks", _RESET, (t,))
+        out[f"unfilled_tokens_{t}"] = ("kvtier_unfilled_tokens", _UNFILLED, (t,))
         if not spec.shared:
             out[f"evictions_{t}"] = ("kvtier_evictions", _EVICTED, (t,))
         if not spec.shared and not spec.top:
@@ -190,6 +203,7 @@ def store_counter_readers() -> dict[str, Callable[[StoreStats], float]]:
             "reloaded_tokens": lambda s: s.reloaded_tokens,
             "saved_tokens": lambda s: s.saved_tokens,
             "load_failed_blocks": lambda s: s.load_failed_blocks,
+            "rerouted_chunks": lambda s: s.rerouted_chunks,
             "dropped_saves": lambda s: s.dropped_saves,
             "corrupt_chunks": lambda s: s.corrupt_chunks,
             "flush_missed_chunks": lambda s: s.flush_missed_chunks,
@@ -203,8 +217,9 @@ def rank0_only() -> tuple[str, ...]:
     """Payload counters reported by rank 0 only.  Every rank moves the same tokens (its own KV
     heads of them), and vLLM sums the ranks' stats: token counters come from rank 0 only; bytes,
     seconds and store counters from every rank."""
-    return (*(f"loaded_tokens_{t}" for t in registry.available_tiers()), "reloaded_tokens", "saved_tokens",
-            "load_failed_blocks")
+    tiers = registry.available_tiers()
+    return (*(f"loaded_tokens_{t}" for t in tiers), *(f"unfilled_tokens_{t}" for t in tiers), "reloaded_tokens",
+            "saved_tokens", "load_failed_blocks", "rerouted_chunks")
 
 
 def store_counters(now: StoreStats, before: StoreStats | None, tp_rank: int = 0) -> dict[str, float]:

@@ -35,11 +35,11 @@ from typing import Any
 import torch
 
 from kvtier.core.config import KVTierConfig
+from kvtier.core.handles import EngineSave
 from kvtier.core.keys import ChunkKey, Namespace
 from kvtier.core.stats import StoreStats
 from kvtier.core.store import TieredStore
-from kvtier.integrations.vllm.copy import BlockCopier, Span
-from kvtier.integrations.vllm.group_io import GroupCopiers, save_pages
+from kvtier.integrations.vllm.group_io import GroupCopiers
 from kvtier.integrations.vllm.groups import GroupKind, engine_plan, resolved_config
 from kvtier.integrations.vllm.identity import effective_config_digest, model_fingerprint
 from kvtier.integrations.vllm.layout import KVLayout, detect_group_layouts, detect_layout
@@ -175,7 +175,6 @@ class WorkerSide:
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.tp_rank = _tp_rank()
         self.store: TieredStore | None = None
-        self.copier: BlockCopier | None = None
         self.loader: AsyncLoader | None = None
         self.layout: KVLayout | None = None
         self.key_root = b""
@@ -188,6 +187,8 @@ class WorkerSide:
         self._closed = False
         self.reset_epoch = 0  # the last reset order applied (RankReport.epoch)
         self.plan = engine_plan(vllm_config, kv_cache_config, self.chunk_tokens)
+        # saved tokens are counted on one group's pages: the first full-attention group (none: not counted)
+        self._token_group = next((g.index for g in self.plan.groups if g.kind is GroupKind.FULL), -1)
         self.groups: GroupCopiers | None = None
 
     # ---- setup -------------------------------------------------------------------------------
@@ -205,14 +206,21 @@ class WorkerSide:
                                     self.tp_size, self.tp_rank, fingerprint)
         self.key_root = key_root(namespace)
         self.namespace = namespace.digest()
-        self.store = TieredStore(self.config, namespace, self.layout.chunk_bytes(self.blocks_per_chunk), self.tp_size)
-        self.copier = BlockCopier(self.layout, kv_caches, self.blocks_per_chunk)
-        self.loader = AsyncLoader(self.store, self.copier, self.blocks_per_chunk, self.block_size,
-                                  self.config.io_threads, wait_s=self.config.load_wait_s)
+        self.groups = GroupCopiers(self.plan, {self.plan.groups[0].index: self.layout}, kv_caches)
+        self.store = TieredStore(self.config, namespace, self.groups.page_bytes, self.tp_size)
+        self._start_loader()
         log.info("kvtier: rank %d layout %s, chunk %d tokens = %d bytes, namespace %s, identity %s, AMX %s",
                  self.tp_rank, self.layout.describe(), self.chunk_tokens, self.store.chunk_bytes,
                  namespace.digest().hex(), fingerprint, "requested" if amx else "not available")
         self._warn_small_cpu_tier()
+
+    def _start_loader(self) -> None:
+        """The loader: block-level load errors where vLLM takes them (one full-attention KV cache
+        group), a load that succeeds or fails whole otherwise."""
+        assert self.store is not None and self.groups is not None
+        one_group = len(self.kv_cache_config.kv_cache_groups) == 1 and self.plan.groups[0].kind is GroupKind.FULL
+        self.loader = AsyncLoader(self.store, self.groups, self.chunk_tokens, self.config.io_threads,
+                                  partial=one_group, wait_s=self.config.load_wait_s)
 
     def _warn_small_cpu_tier(self) -> None:
         """Warn when the cpu tier cannot hold one longest prompt plus the disk write queue.
@@ -245,8 +253,7 @@ class WorkerSide:
         self.namespace = namespace.digest()  # reported to the scheduler, which asks the shared tier under it
         self.groups = GroupCopiers(self.plan, layouts, kv_caches)
         self.store = TieredStore(self.config, namespace, self.groups.page_bytes, self.tp_size)
-        self.loader = AsyncLoader(self.store, None, self.blocks_per_chunk, self.block_size,
-                                  self.config.io_threads, groups=self.groups)
+        self._start_loader()
         log.info("kvtier: rank %d hybrid model, %s; chunk %d tokens, page %d bytes, namespace %s, identity %s, "
                  "AMX %s", self.tp_rank, ", ".join(f"group {g.index} {g.kind.value} {layouts[g.index].describe()}"
                                                    for g in self.plan.groups),
@@ -268,13 +275,13 @@ class WorkerSide:
             return set()
         if finished_req_ids:
             self.loader.abort(finished_req_ids)
-        finished, errors = self.loader.take()
+        finished, errors, failed = self.loader.take()
         self._errors |= errors
-        self._failed |= self.loader.take_failed()
+        self._failed |= failed
         return finished
 
     def take_failed(self) -> set[str]:
-        """Hybrid models: requests whose load failed whole (vLLM recomputes them from the start)."""
+        """Requests whose load failed whole (several KV cache groups: vLLM recomputes them from the start)."""
         failed, self._failed = self._failed, set()
         return failed
 
@@ -304,37 +311,26 @@ class WorkerSide:
                 log.exception("kvtier: saving request %s's chunks failed", job.req_id)
 
     def _save_one(self, job: SaveJob) -> None:
-        if job.pages:
-            self._save_pages(job)
-            return
-        assert self.store is not None and self.copier is not None
+        """Copy the job's pages not stored yet out of the engine; the store counts what was saved."""
+        assert self.store is not None and self.groups is not None
         store = self.store
-        chain = [ChunkKey(k) for k in job.keys]
-        handle = store.prepare_store(chain, start=job.chunk_start)
+        chain = [ChunkKey(job.parent)] if job.parent else []
+        chain += [ChunkKey(p.key) for p in job.pages]
+        first = len(chain) - len(job.pages)  # the parent only names the first page's parent
+        t0 = time.perf_counter()
+        handle = store.prepare_store(chain, start=first)
         if not handle.num_chunks:
             return
-        k = self.blocks_per_chunk
-        spans = [Span(buf, 0, job.block_ids[(idx - job.chunk_start) * k:(idx - job.chunk_start + 1) * k])
-                 for idx, buf in zip(handle.indices, handle.buffers)]
+        stored = [job.pages[i - first] for i in handle.indices]
         ok = False
-        t0 = time.perf_counter()
         try:
-            self.copier.save(spans)
+            self.groups.save(list(zip(stored, handle.buffers)))
             ok = True
         finally:
-            store.complete_store(handle, ok)
-        seconds = time.perf_counter() - t0
-        store.counters.engine_saved(handle.num_chunks * store.chunk_tokens)
-        store.counters.moved("engine_to_cpu", handle.num_chunks * store.chunk_bytes, seconds)
-
-    def _save_pages(self, job: SaveJob) -> None:
-        assert self.store is not None and self.groups is not None
-        t0 = time.perf_counter()
-        stored = save_pages(self.store, self.groups, job.pages)
-        seconds = time.perf_counter() - t0
-        full = {g.index for g in self.plan.groups if g.kind is GroupKind.FULL}
-        self.store.counters.engine_saved(sum(1 for p in job.pages if p.group in full) * self.store.chunk_tokens)
-        self.store.counters.moved("engine_to_cpu", stored * self.store.chunk_bytes, seconds)
+            # tokens: those of the full-attention chunks stored (one group's pages count each chunk once)
+            tokens = sum(1 for p in stored if p.group == self._token_group) * self.chunk_tokens
+            store.complete_store(handle, ok, EngineSave(tokens, self.groups.moved_bytes(stored),
+                                                        time.perf_counter() - t0))
 
     # ---- worker -> scheduler -----------------------------------------------------------------
     def worker_meta(self) -> KVTierWorkerMeta | None:

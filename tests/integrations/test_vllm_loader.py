@@ -1,0 +1,152 @@
+"""The worker's loader on its own: a real store (cpu over disk), real tensors as the engine's KV
+cache, the scheduler's own page planning, and no engine.  One load path for every model: with
+one full-attention group a short load keeps its valid prefix and reports the rest as block
+errors; as one of several groups it fails whole.  Either way the store counts the tokens under
+the tier the plan named (what vLLM was told), and the tokens it could not fill apart."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from kvtier.core.config import GiB, KVTierConfig
+from kvtier.core.keys import ChunkKey, Namespace, chunk_keys, request_root
+from kvtier.core.store import TieredStore
+from kvtier.core.tiers.chunkfile import HEADER_BYTES
+from kvtier.integrations.vllm.group_io import GroupCopiers
+from kvtier.integrations.vllm.group_jobs import GroupJobs
+from kvtier.integrations.vllm.groups import GroupKind, GroupSpec, HybridPlan
+from kvtier.integrations.vllm.layout import detect_layout
+from kvtier.integrations.vllm.loader import AsyncLoader
+from kvtier.integrations.vllm.mirror import IndexMirror
+from kvtier.integrations.vllm.protocol import LoadJob
+
+BLOCK, CHUNK, NUM_BLOCKS = 16, 64, 32  # 4 blocks per chunk
+NS = Namespace(model="loader-test", kv_dtype="float32", num_layers=2, num_kv_heads=2, head_size=32,
+               layout="test", chunk_tokens=CHUNK)
+
+
+def _caches(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {f"layer.{i}": torch.randn(NUM_BLOCKS, 2, BLOCK, 64, generator=gen) for i in range(2)}
+
+
+def _setup(tmp_path: Path) -> tuple[TieredStore, HybridPlan, dict[str, torch.Tensor], list[bytes], list[str]]:
+    """Three chunks of a four-chunk prompt saved from engine blocks 1..12 (chunk 3 never saved);
+    a two-page cpu tier, so the first chunk lives on disk only.  Returns where each chunk is."""
+    src = _caches(0)
+    layout = detect_layout(src, NUM_BLOCKS, "TEST")
+    plan = HybridPlan([GroupSpec(0, GroupKind.FULL, BLOCK, tuple(src), page_bytes=layout.block_bytes)], CHUNK, 0)
+    copiers = GroupCopiers(plan, {0: layout}, src)
+    page_bytes = copiers.page_bytes
+    config = KVTierConfig.from_dict({"chunk_tokens": CHUNK, "cpu_gib": 2 * page_bytes / GiB,
+                                     "disk_path": str(tmp_path / "disk"), "disk_gib": 64 * (page_bytes + HEADER_BYTES) / GiB,
+                                     "write_mode": "write-through", "disk_io": "buffered"})
+    store = TieredStore(config, NS, page_bytes)
+    chain = [bytes(k) for k in chunk_keys(request_root(NS), list(range(4 * CHUNK)), CHUNK)]
+    pages = GroupJobs(plan, IndexMirror(1)).save_pages(chain, 0, 3, [list(range(1, 13))], [], 4 * CHUNK)
+    for page in pages:  # one by one, as three engine steps would
+        handle = store.prepare_store([ChunkKey(page.key)])
+        copiers.save([(page, handle.buffers[0])])
+        store.complete_store(handle, True)
+        store.flush()  # on disk before the next save evicts it from the two cpu pages
+    where = ["cpu" if store.cpu.contains(ChunkKey(k)) else "disk" for k in chain[:3]]
+    assert where[0] == "disk" and where[2] == "cpu", where
+    return store, plan, src, chain, where
+
+
+def _load(store: TieredStore, plan: HybridPlan, chain: list[bytes], tiers: tuple[str, ...], partial: bool,
+          ) -> tuple[dict[str, torch.Tensor], set[str], set[int], set[str]]:
+    """Load tokens 16..256 (the engine's own hit is one block) into blocks 13..27 of a fresh cache."""
+    dst = _caches(1)
+    layout = detect_layout(dst, NUM_BLOCKS, "TEST")
+    loader = AsyncLoader(store, GroupCopiers(plan, {0: layout}, dst), CHUNK, threads=1, partial=partial, wait_s=5.0)
+    table = [12] + list(range(13, 28))  # block 12 holds the engine's own first 16 tokens
+    pages = GroupJobs(plan, IndexMirror(1)).load_pages(chain, [table], BLOCK, 4 * CHUNK)
+    loader.submit(LoadJob("r", pages, BLOCK, 4 * CHUNK, tiers))
+    deadline = time.monotonic() + 10
+    finished: set[str] = set()
+    errors: set[int] = set()
+    failed: set[str] = set()
+    while "r" not in finished and time.monotonic() < deadline:
+        done, errs, fails = loader.take()
+        finished |= done
+        errors |= errs
+        failed |= fails
+        time.sleep(0.005)
+    loader.shutdown()
+    return dst, finished, errors, failed
+
+
+def test_one_group_keeps_the_valid_prefix_and_counts_by_the_planned_tier(tmp_path: Path) -> None:
+    store, plan, src, chain, where = _setup(tmp_path)
+    # the plan names chunk 1 in the other tier than the one it is in (evicted or promoted since)
+    planned = ("disk", "cpu" if where[1] == "disk" else "disk", where[2], "cpu")
+    before = store.stats()
+    dst, finished, errors, failed = _load(store, plan, chain, planned, partial=True)
+    after = store.stats()
+    assert finished == {"r"} and not failed
+    assert errors == set(range(24, 28))  # chunk 3's blocks: never stored, recomputed by the engine
+    # chunk 0 from its second block on (13..15 <- 2..4), chunks 1 and 2 whole (16..23 <- 5..12)
+    for layer, t in src.items():
+        for s, d in zip(range(2, 13), range(13, 24)):
+            assert torch.equal(dst[layer][d], t[s]), (layer, s, d)
+    tokens = {t: after.loaded_tokens.get(t, 0) - before.loaded_tokens.get(t, 0) for t in ("cpu", "disk")}
+    expected: dict[str, int] = {"cpu": 0, "disk": 0}
+    expected["disk"] += CHUNK - BLOCK  # chunk 0, after the engine's own block
+    expected[planned[1]] += CHUNK
+    expected[planned[2]] += CHUNK
+    assert tokens == expected
+    assert after.unfilled_tokens["cpu"] - before.unfilled_tokens.get("cpu", 0) == CHUNK  # chunk 3, planned cpu
+    assert after.rerouted_chunks - before.rerouted_chunks == 1  # chunk 1 read where it was, labelled as planned
+    assert after.load_failed_blocks - before.load_failed_blocks == 4
+    store.check_integrity()
+    store.close()
+
+
+def test_a_load_that_must_be_whole_fails_whole(tmp_path: Path) -> None:
+    store, plan, _, chain, where = _setup(tmp_path)
+    planned = (where[0], where[1], where[2], "cpu")
+    before = store.stats()
+    _, finished, errors, failed = _load(store, plan, chain, planned, partial=False)
+    after = store.stats()
+    assert finished == failed == {"r"} and not errors  # several groups: vLLM takes no block ids
+    assert sum(after.loaded_tokens.values()) == sum(before.loaded_tokens.values())
+    unfilled = {t: after.unfilled_tokens.get(t, 0) - before.unfilled_tokens.get(t, 0) for t in ("cpu", "disk")}
+    assert sum(unfilled.values()) == 4 * CHUNK - BLOCK and unfilled["cpu"] >= CHUNK
+    store.check_integrity()
+    store.close()
+
+
+def test_a_load_reported_after_a_reset_fails_its_blocks(tmp_path: Path) -> None:
+    """A load that ended before the rank applied a reset order but is reported after it (the
+    worker takes outcomes after applying the order, in the same step) fails: its filled blocks go
+    back to vLLM as load errors and are recomputed, so nothing read before the reset reaches a
+    request after it.  A load reported before the reset stays a hit."""
+    store, plan, _, chain, where = _setup(tmp_path)
+    layout = detect_layout(dst := _caches(1), NUM_BLOCKS, "TEST")
+    loader = AsyncLoader(store, GroupCopiers(plan, {0: layout}, dst), CHUNK, threads=1, partial=True, wait_s=5.0)
+    table = [12] + list(range(13, 28))
+    pages = GroupJobs(plan, IndexMirror(1)).load_pages(chain, [table], BLOCK, 4 * CHUNK)
+    planned = (where[0], where[1], where[2], "cpu")
+
+    def run(req_id: str) -> None:
+        loader.submit(LoadJob(req_id, pages, BLOCK, 4 * CHUNK, planned))
+        deadline = time.monotonic() + 10
+        while loader.num_inflight and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert not loader.num_inflight
+
+    never_stored = set(range(24, 28))  # chunk 3: recomputed either way
+    run("before")
+    assert loader.take() == ({"before"}, never_stored, set())  # reported before the reset: a hit
+    before = store.stats().load_failed_blocks
+    run("racing")  # ended, not yet reported ...
+    store.clear(["cpu"])  # ... when the rank applies the reset order
+    assert loader.take() == ({"racing"}, set(range(13, 28)), set())
+    assert store.stats().load_failed_blocks - before == 15
+    loader.shutdown()
+    store.check_integrity()
+    store.close()
