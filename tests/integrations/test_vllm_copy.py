@@ -128,6 +128,7 @@ def test_mirror_plans_nothing_from_before_a_reset_until_the_ranks_report_their_c
     store.put(chain[3:4], [bytes([3]) * 64])
     mirror.apply(0, _report(store, root))  # sent before the rank applied the order (epoch 0)
     assert mirror.lookup(chain) == []
+    store.flush()  # chunk 3's disk write done: its cpu page is free again for the saves below
     store.clear(["cpu", "disk"])  # the rank applies the order ...
     store.put(chain[:2], [bytes([i]) * 64 for i in range(2)])  # ... and saves what this step recomputed
     report = _report(store, root)
