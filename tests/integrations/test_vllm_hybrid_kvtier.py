@@ -213,8 +213,9 @@ def test_hybrid_models_start_with_the_default_config_and_serve_exact_kv(tmp_path
     kvtier with tokens and logprobs equal, bit for bit, to the same engine's own prefix cache
     holding that prefix (the second run: computed inside the same prompt, with the same threads).
     (A dense model with the default settings is test_vllm_serve.py's restarted server.)"""
-    from kvtier.integrations.vllm.testmodel import engine_kwargs, random_prompt, write_model
     from transformers import AutoTokenizer
+
+    from kvtier.launch.testmodel import engine_kwargs, random_prompt, write_model
 
     model = write_model(tmp_path / geometry, geometry, weights="random", seed=0)
     prompt = random_prompt(11, 700)

@@ -134,7 +134,9 @@ def test_sigterm_flushes_write_back_and_the_restart_reproduces_the_engines_own_p
     # server's cold run did (same threads): equal bit for bit
     assert after_reset["tokens"] == runs[0]["tokens"] and after_reset["logprobs"] == runs[0]["logprobs"]
     assert reset_metrics.get("kvtier_resets_total", 0) == 1
-    assert reset_metrics.get("kvtier_reset_chunks_total{disk}", 0) >= loaded // 128  # the files the restart indexed
+    # (kvtier_reset_chunks_total{disk} is not asserted here: the scheduler removes the files at once, and
+    # the worker's 2 s rescan may drop them from its index before the order arrives, leaving it 0;
+    # tests/core/test_store_reset.py counts a store's clear exactly)
     assert runs[0]["tokens"] == runs[1]["tokens"]  # the cold run agrees on the tokens ...
     assert max(abs(a - b) for a, b in zip(runs[0]["logprobs"], runs[1]["logprobs"])) < TOLERANCE  # ... within bf16
 
