@@ -62,6 +62,9 @@ def test_recommend_enough_and_knee():
     assert rec.enough_gib == 128 and rec.enough_hit_ratio == 0.58  # 0.58 >= 0.95 * 0.61
     assert rec.knee_gib == 64  # the bend from steep to flat
     assert recommend([64], [0.2]).knee_gib is None
+    # the same gain for every doubling is a straight line on the log2 axis: no knee, whatever the
+    # rounding puts a hair above the chord (the bundled trace's 200/400/800 GiB rows, second tester)
+    assert recommend([200, 400, 800], [0.2523, 0.2692, 0.2857]).knee_gib is None
     assert recommend([1, 2, 4], [0.3, 0.3, 0.3]).knee_gib is None
     assert recommend([4, 1, 2], [0.3, 0.1, 0.2]).enough_gib == 4  # unsorted input is fine
     with pytest.raises(ValueError):

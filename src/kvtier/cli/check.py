@@ -30,6 +30,8 @@ def _read(config: str) -> str:
         return config
     try:
         if config == "-":
+            if sys.stdin is None or sys.stdin.closed:  # `kvtier check - <&-`
+                fail("standard input is closed; pipe the JSON in, or give it or a file holding it.")
             return sys.stdin.read(1 << 20)
         with open(config, encoding="utf-8") as handle:
             return handle.read(1 << 20)

@@ -8,7 +8,9 @@ Two readings of a curve ``hit(capacity)`` measured at a few capacities:
   Kneedle (Satopää, Albrecht, Irwin, Raghavan, "Finding a 'Kneedle' in a Haystack: Detecting
   Knee Points in System Behavior", ICDCS Workshops 2011): scale both axes to [0, 1] and take the
   point farthest above the chord, i.e. the maximum of ``y_norm - x_norm``.  Capacities are
-  usually swept geometrically, so x is taken as log2(capacity) (capacity 0 is left out).
+  usually swept geometrically, so x is taken as log2(capacity) (capacity 0 is left out).  A
+  point less than :data:`KNEE_MIN` above the chord is no knee: a curve that is a straight line on
+  that axis (the same gain for each doubling) does not bend, whatever its rounding says.
 """
 
 from __future__ import annotations
@@ -56,6 +58,11 @@ def recommend(capacities_gib: Sequence[float], hit_ratios: Sequence[float], shar
     return Recommendation(enough[0], enough[1], largest, _knee([p for p in points if p[0] > 0]))
 
 
+KNEE_MIN = 0.05
+"""Least height above the chord, in the [0, 1]-scaled units, that counts as a bend (Kneedle's
+sensitivity threshold plays this part in the paper)."""
+
+
 def _knee(points: list[tuple[float, float]]) -> float | None:
     if len(points) < 3:
         return None
@@ -66,7 +73,7 @@ def _knee(points: list[tuple[float, float]]) -> float | None:
         return None
     diffs = [(y - min(ys)) / y_span - (x - xs[0]) / x_span for x, y in zip(xs, ys)]
     best = max(range(len(points)), key=lambda i: diffs[i])
-    return points[best][0] if diffs[best] > 0 else None
+    return points[best][0] if diffs[best] > KNEE_MIN else None
 
 
 @dataclass(frozen=True)
