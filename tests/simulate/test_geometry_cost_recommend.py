@@ -114,6 +114,23 @@ def test_advise_sizes_a_disk_tier_only_when_none_was_given():
     assert disk.gib is not None and disk.hit_ratio >= 0.95 * ceiling and "not in the table" in disk.reason
 
 
+def test_advise_never_recommends_a_cpu_tier_smaller_than_one_chunk():
+    """A cpu tier under one chunk fails at start-up as cpu_gib 0 is refused: its rows are measured
+    but never recommended, and the line names them (second fresh-eyes pass: 0.001 GiB was
+    recommended with 64 MiB chunks)."""
+    prompts = [[2 * i, 2 * i + 1] for i in range(8)]
+    trace = make_trace([(keys, 1) for _ in range(6) for keys in prompts])
+    spec = SweepSpec(chunk_bytes=1 << 30, engine_gib=0, cpu_gibs=(0.25, 0.5, 1, 2), disk_gib=8, policies=("lru",))
+    rows = run_sweep(trace, spec, workers=1).curve("lru")
+    _, (cpu, _disk) = advise(trace, spec, rows, "lru", Throughputs(prefill_tokens_per_s=1.0))
+    assert cpu.gib is not None and cpu.gib >= 1
+    assert "the swept 0.25,0.5 GiB are left out: kvtier refuses a cpu tier smaller than one 1 GiB chunk" in cpu.reason
+    tiny = SweepSpec(chunk_bytes=1 << 30, engine_gib=0, cpu_gibs=(0.25, 0.5), disk_gib=8, policies=("lru",))
+    rows = run_sweep(trace, tiny, workers=1).curve("lru")
+    _, sizes = advise(trace, tiny, rows, "lru", Throughputs(prefill_tokens_per_s=1.0))
+    assert [s.gib for s in sizes] == [None] and "less than one 1 GiB chunk" in sizes[0].reason
+
+
 def test_advise_never_recommends_a_cpu_tier_kvtier_refuses():
     """kvtier refuses cpu_gib 0: a swept 0 is left out (the line says so), even where it would be
     the flat curve's smallest, and a disk tier is then sized with a cpu tier that exists; with only

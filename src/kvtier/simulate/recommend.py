@@ -253,15 +253,25 @@ def _sizes(trace: Trace, spec: SweepSpec, rows: Sequence[SweepRow], rates: Throu
            ceiling: float, workers: int, say: Callable[[str], None] | None) -> list[TierSize]:
     footprint = trace.num_unique_chunks
     gib_per_chunk = spec.chunk_bytes / (1 << 30)
-    usable = [r for r in rows if r.cpu_gib > 0]
+    # kvtier refuses cpu_gib 0 and fails at start-up with a cpu tier too small for one chunk (every
+    # chunk passes through it): such rows are measured but never recommended
+    usable = [r for r in rows if r.cpu_chunks >= 1]
+    if not usable and any(r.cpu_gib > 0 for r in rows):
+        return [TierSize("cpu", None, rows[0].token_hit_ratio,
+                         f"every size swept holds less than one {_gib(gib_per_chunk)} GiB chunk, which kvtier "
+                         "refuses (every chunk passes through the cpu tier); sweep larger sizes, e.g. "
+                         "--cpu-pct 1,2,5,10,20,50,100")]
     if not usable:
         return [TierSize("cpu", None, rows[0].token_hit_ratio,
                          "only 0 GiB swept, which kvtier refuses (cpu_gib must be above 0: every chunk passes "
                          "through the cpu tier); sweep sizes above 0, e.g. --cpu-pct 1,2,5,10,20,50,100")]
     cpu = cpu_size([(r.cpu_gib, r.token_hit_ratio) for r in usable], footprint * gib_per_chunk, share, ceiling)
-    if len(usable) < len(rows):
-        cpu = TierSize("cpu", cpu.gib, cpu.hit_ratio,
-                       f"{cpu.reason} (the swept 0 GiB is left out: kvtier refuses cpu_gib 0)")
+    left = sorted({r.cpu_gib for r in rows if r.cpu_chunks < 1})
+    if left:
+        why = ("the swept 0 GiB is left out: kvtier refuses cpu_gib 0" if left == [0] else
+               f"the swept {_option(left)} GiB are left out: kvtier refuses a cpu tier smaller than one "
+               f"{_gib(gib_per_chunk)} GiB chunk")
+        cpu = TierSize("cpu", cpu.gib, cpu.hit_ratio, f"{cpu.reason} ({why})")
     sizes = [cpu]
     row = next(r for r in usable if r.cpu_gib == cpu.gib)
     given = [(t, g) for t, g in (("disk", spec.disk_gib), ("shared", spec.shared_gib)) if g > 0]
