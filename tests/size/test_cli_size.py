@@ -165,3 +165,18 @@ def test_bad_redis_url_is_one_sentence(url):
     result = run("--model", "Qwen/Qwen3-8B", "--offload-gib", "10", "--redis-url", url)
     assert result.exit_code == 2 and "--redis-url" in result.output and "Traceback" not in result.output
     assert "hunter2" not in result.output
+
+
+@pytest.mark.parametrize("url", ["redis://r:99999/0", "redis://r:abc/0", "redis://r:0/0", "redis://r:6379/db"])
+def test_a_redis_url_the_connector_refuses_is_refused_before_any_recipe(url):
+    """The recipe's redis_url passes the connector's own rule, so `kvtier check` accepts what `size`
+    prints (second fresh-eyes pass: port 99999 went into the recipe, exit 0)."""
+    result = run("--model", "meta-llama/Llama-3.1-8B", "--gpu", "H100", "--offload-gib", "10", "--redis-url", url)
+    assert result.exit_code == 2 and "--redis-url: redis_url's" in result.output and "{" not in result.output
+
+
+@pytest.mark.parametrize("path", ["", "relative/dir"])
+def test_a_disk_path_that_is_not_absolute_is_refused(path):
+    result = run("--model", "meta-llama/Llama-3.1-8B", "--gpu", "H100", "--offload-gib", "100", "--host-ram-gib",
+                 "20", "--disk-path", path)
+    assert result.exit_code == 2 and "--disk-path must be an absolute directory" in result.output

@@ -169,6 +169,17 @@ def size_command(
         if redis_url is not None and "@" in redis_url.split("//", 1)[-1].split("/", 1)[0]:
             raise UserError("--redis-url must not carry a user or password (the recipe reads the password "
                             "from REDIS_PASSWORD); give host, port and database only.")
+        if redis_url is not None:  # the connector's own rule (port, host, database), so check accepts the recipe
+            from pydantic import ValidationError
+
+            from kvtier.core.tiers.redissettings import RedisSettings
+            try:
+                RedisSettings(redis_url=redis_url)
+            except ValidationError as exc:
+                raise UserError("--redis-url: " + str(exc.errors()[0]["msg"]).removeprefix("Value error, ")
+                                + ".") from None
+        if not disk_path.startswith("/"):
+            raise UserError(f"--disk-path must be an absolute directory on the serving host, got {disk_path!r}.")
     except UserError as exc:
         fail(str(exc))
     recipe = None
