@@ -106,6 +106,8 @@ def test_only_the_kvtier_package_counts_as_installing_kvtier(launch, installs):
     ("registry.example.com/kvtier-vllm:v0.22.0-kvtier0.1.0", True),
     ("registry.example.com/kvtier-vllm:v0.32.0-kvtier0.2.0", False),
     ("registry.example.com/acme-inference:1.4", False),  # not clearly a vLLM version
+    ("registry.example.com/kvtier-vllm:v0.32-kvtier0.1.0", False),  # 0.32 is 0.32.0 (PEP 440)
+    ("registry.example.com/kvtier-vllm:v0.32.0rc1-kvtier0.1.0", True),  # an rc comes before its release
 ])
 def test_kvtier_on_another_vllm_is_an_error(image, flagged):
     messages = variant("image: registry.example.com/kvtier-vllm:v0.32.0-kvtier0.1.0", f"image: {image}")

@@ -171,8 +171,10 @@ SUPPORTED_VLLM = "0.32.0"
 def kvtier_unsupported_vllm(c: ServeConfig) -> str | None:
     if not c.uses("KVTierConnector") or c.version is None:
         return None
-    if c.version.release[:3] == tuple(int(p) for p in SUPPORTED_VLLM.split(".")):
-        return None
+    release = (*c.version.release, 0, 0)[:3] if len(c.version.release) <= 3 else c.version.release
+    supported = tuple(int(p) for p in SUPPORTED_VLLM.split("."))
+    if release == supported and c.version.pre is None and c.version.dev is None:
+        return None  # 0.32 is 0.32.0 (PEP 440); an rc or dev build comes before the release (audit.md)
     from_tag = c.image is not None and version_from_image(c.image) == c.version
     if from_tag and "vllm" not in _repository(c.image or "").rsplit("/", 1)[-1]:
         return None  # a tag of some other image that happens to start with a number: not clearly vLLM's
