@@ -130,7 +130,9 @@ def test_three_tiers_admission_and_latency(tmp_path, trace_file):
     assert sum(row["tier_hit_ratio"].values()) == pytest.approx(row["token_hit_ratio"])
     strict = run(*args, "--disk-admission", "reused", "--shared-admission", "reused", "--json", str(out))
     assert strict.exit_code == 0, strict.output
+    assert "--shared-admission reused models a policy kvtier does not run" in strict.output  # check refuses it
     reused = json.loads(out.read_text())["rows"][0]
+    assert "models a policy" not in run(*args, "--json", str(out.with_name("all.json"))).output
     assert reused["tier_hit_ratio"] != row["tier_hit_ratio"]
     from kvtier.core.policies import make_policy
     from kvtier.simulate.replay import replay

@@ -132,6 +132,10 @@ def register(app: typer.Typer) -> None:
         console.print(f"{requests.block_tokens} tokens × {per_token:,} B = {spec.chunk_bytes / 2**20:,.1f} MiB "
                       f"per chunk; replayed in {elapsed:.1f} s")
         print_report(console, result, rates)
+        if shared_gib > 0 and shared_admission != "all":  # a what-if: the connector's config refuses it
+            console.print(f"note: --shared-admission {shared_admission} models a policy kvtier does not run: its "
+                          "connector takes admission 'all' only for a shared tier (a chunk is judged when it "
+                          "leaves the cpu tier, and a shared tier's chunks never do)", markup=False, highlight=False)
         if recommend_mode:
             name = "default" if "default" in policies else next((p for p in policies if p != "belady"), None)
             if name is None:
