@@ -4,6 +4,9 @@ Redis: one standalone server and one 3-master Cluster per test session, real ``r
 processes on 127.0.0.1 (tests/redis_servers.py), stopped when the session ends.  Tests that fault
 a server (kill, pause, restart) start their own with ``redis_factory``.
 
+S3: one ``rclone serve s3`` per session (tests/s3_servers.py; each test makes its own bucket with
+``s3_server.make_bucket()``); tests that fault the server start their own with ``s3_factory``.
+
 Skips: a skip whose reason is not in :data:`EXPECTED_SKIPS` FAILS the test, so a check that stops
 running on the CI machine (no network namespace, no O_DIRECT directory, no tmpfs mount, a missing
 package) cannot pass CI silently.  On a development machine that lacks some of those, set
@@ -21,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.redis_servers import RedisClusterServers, RedisServer
+from tests.s3_servers import S3Server
 
 
 @pytest.fixture(scope="session")
@@ -48,6 +52,32 @@ def redis_factory(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]:
 
     def start(**kwargs: object) -> RedisServer:
         server = RedisServer(tmp_path / f"srv{len(started)}", **kwargs)  # type: ignore[arg-type]
+        started.append(server)
+        return server.start()
+
+    try:
+        yield start
+    finally:
+        for server in started:
+            server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    server = S3Server(tmp_path_factory.mktemp("s3"))
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_factory(tmp_path: Path) -> Iterator[Callable[[], S3Server]]:
+    """Start private ``rclone serve s3`` servers for one test (stopped afterwards, whatever the test did)."""
+    started: list[S3Server] = []
+
+    def start() -> S3Server:
+        server = S3Server(tmp_path / f"s3-{len(started)}")
         started.append(server)
         return server.start()
 

@@ -159,6 +159,72 @@ def redis_cluster_harness(request: pytest.FixtureRequest, _tmp: Path) -> TierHar
     return _redis_harness("redis", cluster.url, raw, cluster.node_of, redis_cluster=True)
 
 
+def s3_credentials_file(directory: Path, server: Any) -> Path:
+    """An AWS shared-credentials file holding ``server``'s keys (how the harness passes credentials)."""
+    path = directory / "s3-credentials"
+    path.write_text(f"[default]\naws_access_key_id = {server.access_key}\n"
+                    f"aws_secret_access_key = {server.secret_key}\n", encoding="utf-8")
+    return path
+
+
+def make_s3_tier(server: Any, bucket: str, ns: bytes, credentials: Path, **settings: Any) -> Tier:
+    """An s3 tier on ``server``'s ``bucket`` built the way the store builds it (from a config: the
+    bare tier behind GuardedTier)."""
+    from kvtier.core.tiers import s3 as s3_tier
+
+    # deadlines a loaded 2-core test machine meets; the fault tests use tight ones
+    config = KVTierConfig.from_dict({"s3_endpoint_url": server.url, "s3_bucket": bucket, "s3_allow_http": True,
+                                     "s3_credentials_file": str(credentials), "shared_deadline_s": 2.0,
+                                     "shared_transfer_deadline_s": 2.0, **settings})
+    tier = s3_tier.from_config(TierContext(config, ns, CHUNK, 1, CollectorRegistry()))
+    assert tier is not None
+    return tier
+
+
+def _s3_harness(request: pytest.FixtureRequest, tmp: Path, **settings: Any) -> TierHarness:
+    import obstore
+
+    from kvtier.core.tiers import s3 as s3_tier
+
+    server = request.getfixturevalue("s3_server")
+    bucket = server.make_bucket()
+    raw = server.client(bucket)
+    credentials = s3_credentials_file(tmp, server)
+
+    def make(ns: bytes) -> Tier:
+        return make_s3_tier(server, bucket, ns, credentials, **settings)
+
+    def tamper(tier: Tier, key: ChunkKey, how: str) -> None:
+        assert isinstance(tier, s3_tier.S3Tier)
+        path = tier.object_key(key)
+        value = bytearray(bytes(obstore.get(raw, path).bytes()))
+        if how == "flip":
+            value[VALUE_HEADER_BYTES + 17] ^= 0x01
+        elif how == "truncate":
+            del value[VALUE_HEADER_BYTES + CHUNK // 2:]
+        elif how == "foreign":
+            value = ValueCodec(OTHER_NS, None).encode(key, bytes(value[VALUE_HEADER_BYTES:]))
+        obstore.put(raw, path, bytes(value), use_multipart=False)
+
+    @contextlib.contextmanager
+    def stall(tier: Tier, key: ChunkKey) -> Iterator[None]:
+        server.pause()
+        try:
+            yield
+        finally:
+            server.resume()
+
+    return TierHarness("s3", make, tamper, stall, capacity_chunks=None, deadline_s=4.0)
+
+
+def s3_harness(request: pytest.FixtureRequest, tmp: Path) -> TierHarness:
+    return _s3_harness(request, tmp)
+
+
+def s3_mac_harness(request: pytest.FixtureRequest, tmp: Path) -> TierHarness:
+    return _s3_harness(request, tmp, shared_secret="conformance-secret-0123456789")
+
+
 def dict_harness(_request: pytest.FixtureRequest, _tmp: Path) -> TierHarness:
     """The toy tier from outside kvtier (tests/dict_tier.py): a plug-in's one conformance fixture."""
     from tests.dict_tier import DictTier
@@ -174,5 +240,7 @@ HARNESSES: dict[str, Callable[[pytest.FixtureRequest, Path], TierHarness]] = {
     "redis": redis_harness,
     "redis-mac": redis_mac_harness,
     "redis-cluster": redis_cluster_harness,
+    "s3": s3_harness,
+    "s3-mac": s3_mac_harness,
 }
 """Harness variant name -> builder (a tier may have several variants, e.g. redis standalone and Cluster)."""

@@ -93,6 +93,9 @@ BUILTIN = (
              "kvtier.core.tiers.redis:configured", settings="kvtier.core.tiers.redissettings:RedisSettings",
              keys=("redis_url",), check="kvtier.core.tiers.redis:check",
              reset="kvtier.core.tiers.redis:reset"),
+    TierSpec("s3", 30, True, "external_unspecified", "kvtier.core.tiers.s3:from_config",
+             "kvtier.core.tiers.s3:configured", settings="kvtier.core.tiers.s3settings:S3Settings",
+             keys=("s3_bucket", "s3_endpoint_url"), check="kvtier.core.tiers.s3:check", reset="kvtier.core.tiers.s3:reset"),
 )
 """The tiers shipped with kvtier: one line each."""
 

