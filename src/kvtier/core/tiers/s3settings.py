@@ -10,8 +10,8 @@ Credentials are never a key: they come from the standard AWS environment variabl
 (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``), from a file in the AWS
 shared-credentials format named by ``s3_credentials_file``, or from the AWS default chain
 (instance profile, web identity, container credentials) that obstore follows when neither is
-given.  An endpoint URL carrying a user or password is refused, so no credential reaches a serve
-line, a log or ``/metrics``.
+given.  An endpoint URL carrying a user or password is refused without echoing it (the field is
+``repr=False``, like ``redis_url``), so no credential reaches a serve line, a log or ``/metrics``.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from kvtier.core.config import redact_url
 
 if TYPE_CHECKING:
     from kvtier.core.config import KVTierConfig
@@ -36,7 +38,7 @@ class S3Settings(BaseSettings):
 
     s3_bucket: str | None = Field(None, min_length=3, max_length=63, description=(
         "Bucket of the s3 tier (created beforehand; kvtier never creates buckets); unset = no s3 tier."))
-    s3_endpoint_url: str | None = Field(None, description=(
+    s3_endpoint_url: str | None = Field(None, repr=False, description=(
         "http(s):// URL of an S3-compatible server (MinIO, Ceph RGW, R2, rclone serve s3); unset = AWS S3 "
         "in s3_region."))
     s3_region: str = Field("us-east-1", min_length=1, description=(
@@ -120,8 +122,11 @@ class S3Settings(BaseSettings):
         return value
 
     def public_dict(self) -> dict[str, Any]:
-        """The settings, safe to log or export (they hold no credential)."""
-        return self.model_dump()
+        """The settings, safe to log or export (an endpoint URL is shown without any user or password)."""
+        out = self.model_dump()
+        if self.s3_endpoint_url:
+            out["s3_endpoint_url"] = redact_url(self.s3_endpoint_url)
+        return out
 
 
 def s3_settings(config: KVTierConfig) -> S3Settings:
