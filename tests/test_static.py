@@ -148,6 +148,7 @@ TIER_NAME_ALLOWED = {
     "src/kvtier/bench/storebench.py": ({"cpu", "disk"}, ("bench-store's report rows (user-facing output) "
                                        "name the tier each measures")),
     "src/kvtier/bench/redisbench.py": ({"redis"}, "bench-store's redis report row (user-facing output)"),
+    "src/kvtier/bench/s3bench.py": ({"s3"}, "bench-store's s3 report row (user-facing output)"),
     "src/kvtier/cli/bench.py": ({"redis"}, "directory name of the bench's own redis-server"),
     "src/kvtier/simulate/recommend.py": ({"cpu", "disk"}, "the simulator's hardware model"),
     "src/kvtier/simulate/report.py": ({"cpu", "disk"}, "the simulator's hardware model (report keys)"),

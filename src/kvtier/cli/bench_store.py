@@ -37,6 +37,16 @@ def bench_store(
                                                      "(redis:// or rediss://); its keys are deleted afterwards."),
     redis_cluster: bool = typer.Option(False, help="--redis-url names a seed node of a Redis Cluster."),
     redis_only: bool = typer.Option(False, help="Measure only the redis tier (needs --redis-url)."),
+    s3_bucket: str | None = typer.Option(None, help="Also measure the s3 tier on this bucket (created beforehand; "
+                                                     "credentials from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or "
+                                                     "--s3-credentials-file); its objects are deleted afterwards."),
+    s3_endpoint_url: str | None = typer.Option(None, help="S3-compatible server of --s3-bucket (default: AWS S3)."),
+    s3_region: str = typer.Option("us-east-1", help="Region the s3 requests are signed for."),
+    s3_allow_http: bool = typer.Option(False, help="Allow a plain http:// --s3-endpoint-url."),
+    s3_credentials_file: str | None = typer.Option(None, help="AWS shared-credentials file for --s3-bucket."),
+    s3_in_flight: str = typer.Option("1,4,16", help="s3 requests in flight (tier and reference alike), "
+                                                    "comma-separated, e.g. 1,4,16."),
+    s3_only: bool = typer.Option(False, help="Measure only the s3 tier (needs --s3-bucket)."),
 ) -> None:
     """Measure cpu and disk tier put/get throughput against numpy copy and raw file I/O.
 
@@ -75,17 +85,29 @@ def bench_store(
         fail(f"--json {str(json_path)!r} must be a file path in an existing directory")
     if redis_only and not redis_url:
         fail("--redis-only needs --redis-url, e.g. --redis-url redis://127.0.0.1:6379/0")
+    if s3_only and not s3_bucket:
+        fail("--s3-only needs --s3-bucket, e.g. --s3-bucket kvcache --s3-endpoint-url https://minio:9000")
+    try:
+        in_flights = [int(t) for t in s3_in_flight.split(",") if t.strip()]
+    except ValueError:
+        in_flights = []
+    if not in_flights or not all(1 <= t <= 256 for t in in_flights):
+        fail(f"--s3-in-flight {s3_in_flight!r} must be a comma-separated list of counts from 1 to 256; e.g. 1,4,16")
     rows: list[StoreBenchResult] = []
     notes: list[str] = []
-    if not redis_only:
+    if not redis_only and not s3_only:
         try:
             rows, notes = run_store_bench(chunk_mibs, total_mib, repeats, directory, thread_counts, modes, ways)
         except ValueError as exc:
             fail(str(exc))
         except OSError as exc:
             fail(f"the disk benchmark could not write its files ({exc.strerror}); free space or pick another --dir")
-    if redis_url:
+    if redis_url and not s3_only:
         rows += _redis_rows(redis_url, redis_cluster, chunk_mibs, total_mib, repeats)
+    if s3_bucket and not redis_only:
+        s3 = {"s3_bucket": s3_bucket, "s3_endpoint_url": s3_endpoint_url, "s3_region": s3_region,
+              "s3_allow_http": s3_allow_http, "s3_credentials_file": s3_credentials_file}
+        rows += _s3_rows({k: v for k, v in s3.items() if v is not None}, chunk_mibs, total_mib, repeats, in_flights)
     table = Table(title="kvtier bench-store (tier vs same-run reference)")
     for col in ("tier", "io", "threads", "op", "chunk MiB", "GiB/s", "reference GiB/s", "ratio", "round ratios"):
         table.add_column(col, justify="right")
@@ -93,11 +115,13 @@ def bench_store(
         table.add_row(r.tier, r.io, str(r.threads), r.op, f"{r.chunk_mib:g}", f"{r.gib_per_s:.2f}",
                       f"{r.reference_gib_per_s:.2f}", f"{r.ratio:.2f}", f"{r.ratio_min:.2f}-{r.ratio_max:.2f}")
     Console().print(table)
-    if not redis_only:
+    if not redis_only and not s3_only:
         print("reference: cpu = numpy.copyto of the same bytes; disk = open/pwrite/preadv/close of the same "
               "bytes, same I/O mode and thread count")
-    if redis_url:
+    if redis_url and not s3_only:
         print("reference: redis = raw redis-py pipelined SET/GET of the same bytes to the same server")
+    if s3_bucket and not redis_only:
+        print("reference: s3 = raw obstore put/get of the same bytes to the same bucket, same requests in flight")
     for note in notes:
         print(note)
     load = os.getloadavg()
@@ -121,4 +145,24 @@ def _redis_rows(url: str, cluster: bool, chunk_mibs: list[float], total_mib: flo
         fail(str(exc))
     except RuntimeError as exc:
         fail(f"the redis benchmark on {redact_url(url)} failed: {exc}; check the server and its maxmemory")
+    return rows
+
+
+def _s3_rows(settings: dict[str, object], chunk_mibs: list[float], total_mib: float, repeats: int,
+             in_flights: list[int]) -> list:
+    from kvtier.bench.s3bench import bench_s3
+    from kvtier.core.errors import ConfigError
+
+    rows: list = []
+    try:
+        for mib in chunk_mibs:
+            for n in in_flights:
+                rows += bench_s3(settings, mib, total_mib, repeats, n)
+    except ConfigError as exc:
+        fail(str(exc))
+    except RuntimeError as exc:
+        fail(f"the s3 benchmark on bucket {settings['s3_bucket']} failed: {exc}; check the server and credentials")
+    except Exception as exc:  # noqa: BLE001 - obstore's errors (unreachable, 403, no such bucket): one sentence
+        fail(f"the s3 benchmark on bucket {settings['s3_bucket']} failed: {type(exc).__name__}: "
+             f"{str(exc).splitlines()[0][:200]}")
     return rows
