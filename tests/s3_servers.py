@@ -176,3 +176,22 @@ class S3Server:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
         self.proc = None
+
+
+if __name__ == "__main__":  # a server for a benchmark by hand: python -m tests.s3_servers DIR
+    import tempfile
+
+    root = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp(prefix="kvtier-s3-"))
+    server = S3Server(root).start()
+    bucket = server.make_bucket("bench")
+    credentials = root / "credentials"
+    credentials.write_text(f"[default]\naws_access_key_id = {server.access_key}\n"
+                           f"aws_secret_access_key = {server.secret_key}\n", encoding="utf-8")
+    print(f"--s3-bucket {bucket} --s3-endpoint-url {server.url} --s3-allow-http --s3-credentials-file {credentials}",
+          flush=True)
+    try:
+        signal.pause()  # until Ctrl-C / SIGTERM
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
