@@ -83,3 +83,35 @@ def test_bench_store_measures_forced_buffered_read_ways_beside_auto(tmp_path):
     assert {(r["io"], r["op"]) for r in report["results"] if r["tier"] == "disk"} == {
         (io, op) for io in ("buffered:serial", "buffered:split", "buffered") for op in ("put", "get")}
     assert len([n for n in report["notes"] if "of reads split" in n]) == 1  # the measured way only
+
+
+def test_bench_store_s3_rows_against_a_real_server(tmp_path, s3_server):
+    import obstore
+
+    from tests.core.tier_harness import s3_credentials_file
+
+    out = tmp_path / "bs-s3.json"
+    bucket = s3_server.make_bucket()
+    result = CliRunner().invoke(app, ["bench-store", "--sizes", "0.25", "--total-mib", "1", "--repeats", "1",
+                                      "--s3-bucket", bucket, "--s3-endpoint-url", s3_server.url, "--s3-allow-http",
+                                      "--s3-credentials-file", str(s3_credentials_file(tmp_path, s3_server)),
+                                      "--s3-in-flight", "1,4", "--s3-only", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())["results"]
+    assert {(r["tier"], r["op"], r["threads"]) for r in rows} == \
+        {("s3", o, n) for o in ("put", "get") for n in (1, 4)}
+    for r in rows:
+        assert r["gib_per_s"] > 0 and r["reference_gib_per_s"] > 0 and 0 < r["ratio_min"] <= r["ratio_max"]
+    assert [m for page in obstore.list(s3_server.client(bucket)) for m in page] == []  # cleaned up
+    assert "raw obstore put/get" in result.output
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--s3-only"], "--s3-bucket"),
+    (["--s3-in-flight", "0"], "--s3-in-flight"),
+    (["--s3-bucket", "kvcache", "--s3-endpoint-url", "http://127.0.0.1:9", "--s3-only"], "s3_allow_http"),
+])
+def test_bench_store_s3_bad_input_is_one_line_error(args, needle):
+    result = CliRunner().invoke(app, ["bench-store", *args])
+    assert result.exit_code == 2
+    assert needle in result.output and "Traceback" not in result.output
