@@ -196,3 +196,26 @@ def test_wrong_secret_key_is_a_refusal_that_leaves_the_breaker_closed(s3_server,
         assert "nope-nope" not in repr(tier.inner.__dict__)
     finally:
         tier.close()
+
+
+def test_the_cap_never_deletes_an_object_rewritten_since_it_was_counted(s3_server, bucket, creds):
+    """Engine one counted chunk 0 as its oldest; another engine deleted and wrote it again since
+    (a newer Last-Modified).  When one passes its cap it keeps that object (counted as new) and
+    deletes the next oldest instead: an old count never deletes another engine's fresh object."""
+    import time
+
+    cap_gib = 2 * (CHUNK + HEADER_BYTES) / GiB
+    one = make_s3_tier(s3_server, bucket, NS, creds, s3_capacity_gib=cap_gib, s3_sweep_interval_s=3600)
+    other = make_s3_tier(s3_server, bucket, NS, creds)
+    try:
+        assert one.put_many([key(0), key(1)], [data(0), data(1)]) == [PutResult.STORED] * 2
+        time.sleep(1.2)  # Last-Modified has one-second resolution
+        assert other.delete(key(0)) and other.put(key(0), data(0)) is PutResult.STORED
+        assert one.put(key(2), data(2)) is PutResult.STORED  # past the cap: key 0 is the oldest counted
+        inner = unwrap(one)
+        assert objects(s3_server, bucket) == sorted(inner.object_key(key(i)) for i in (0, 2))
+        assert one.keys() == [key(2), key(0)] and one.usage().num_chunks == 2
+        one.check()
+    finally:
+        one.close()
+        other.close()

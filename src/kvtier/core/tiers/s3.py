@@ -66,10 +66,14 @@ CLEAR_DEADLINE_S = 60.0
 """Longest a clear (a reset) lists and deletes a namespace's objects, seconds."""
 SWEEP_MAX_OBJECTS = 1_000_000
 """Objects one sweep lists at most (a larger namespace is swept in part each interval)."""
+EVICT_PASSES = 4
+"""Eviction passes at most per call (each a HEAD batch of the victims, then one delete)."""
 DELETE_BATCH = 1000
 """Keys per bulk delete (S3 ``DeleteObjects`` takes at most 1000)."""
-REWRITTEN_SLACK_S = 1.0
-"""An object whose ``Last-Modified`` is this much newer than counted was rewritten: kept."""
+REWRITTEN_S = 1.0
+"""An object whose ``Last-Modified`` is at least this much newer than counted was rewritten: kept.
+``Last-Modified`` has one-second resolution (an HTTP date), so a chunk this process stored is
+counted at the whole second it was stored in (the engine's and the server's clocks kept in sync)."""
 
 
 def _is_missing(exc: BaseException) -> bool:
@@ -264,8 +268,8 @@ class S3Tier(Tier):
                 await obstore.put_async(self.store, paths[i], value, use_multipart=False,
                                         mode="create" if self.conditional_put else "overwrite")
             except exists_errors:
-                return "present", time.time()
-            return "stored", time.time()
+                return "present", float(int(time.time()))
+            return "stored", float(int(time.time()))  # whole seconds, as Last-Modified
 
         t0 = time.perf_counter()
         outcomes = self._run(lambda: self._each(write, list(range(len(keys)))))
@@ -382,7 +386,7 @@ class S3Tier(Tier):
             with self._lock:
                 listed = {k: (size, mtime) for k, size, mtime in sorted(found, key=lambda f: f[2]) if k not in gone}
                 # keys written while the LIST ran are kept; everything else is as the bucket says
-                fresh = {k: v for k, v in self._index.items() if k not in listed and v[1] >= started}
+                fresh = {k: v for k, v in self._index.items() if k not in listed and v[1] >= int(started)}
                 self._index = OrderedDict(list(listed.items()) + list(fresh.items()))
                 self._used = sum(size for size, _ in self._index.values())
             if self._used > self.capacity_bytes:
@@ -394,33 +398,41 @@ class S3Tier(Tier):
 
     def _evict_past_cap(self) -> None:
         """Delete the oldest objects until the namespace fits the cap; one rewritten since it was
-        counted (``Last-Modified`` newer) is kept and counted as new instead."""
+        counted (``Last-Modified`` newer) is kept and counted as new instead, and the next oldest
+        is taken in its place (at most :data:`EVICT_PASSES` passes, so a bucket rewritten as fast
+        as it is trimmed cannot hold the caller)."""
         assert self.capacity_bytes is not None
-        with self._lock:
-            excess = self._used - self.capacity_bytes
-            victims: list[tuple[ChunkKey, float]] = []
-            for key, (size, mtime) in self._index.items():
-                if excess <= 0:
-                    break
-                victims.append((key, mtime))
-                excess -= size
-        if not victims:
-            return
-        metas = self._run(lambda: self._each(self._head, [self.object_key(k) for k, _ in victims]))
-        doomed = []
-        with self._lock:
-            for (key, mtime), meta in zip(victims, metas, strict=True):
-                now_mtime = meta["last_modified"].timestamp() if meta is not None else None
-                if now_mtime is not None and now_mtime > mtime + REWRITTEN_SLACK_S and key in self._index:
-                    self._index[key] = (self._index[key][0], now_mtime)
-                    self._index.move_to_end(key)
-                    continue
-                doomed.append(key)
-                entry = self._index.pop(key, None)
-                if entry is not None:
-                    self._used -= entry[0]
-        self._delete_paths([self.object_key(k) for k in doomed])
-        self.evicted += len(doomed)
+        for _ in range(EVICT_PASSES):
+            with self._lock:
+                excess = self._used - self.capacity_bytes
+                victims: list[tuple[ChunkKey, float]] = []
+                for key, (size, mtime) in self._index.items():
+                    if excess <= 0:
+                        break
+                    victims.append((key, mtime))
+                    excess -= size
+            if not victims:
+                return
+            paths = [self.object_key(k) for k, _ in victims]
+            metas = self._run(lambda paths=paths: self._each(self._head, paths))  # type: ignore[misc]
+            doomed = []
+            kept = 0
+            with self._lock:
+                for (key, mtime), meta in zip(victims, metas, strict=True):
+                    now_mtime = meta["last_modified"].timestamp() if meta is not None else None
+                    if now_mtime is not None and now_mtime >= mtime + REWRITTEN_S and key in self._index:
+                        self._index[key] = (self._index[key][0], now_mtime)
+                        self._index.move_to_end(key)
+                        kept += 1
+                        continue
+                    doomed.append(key)
+                    entry = self._index.pop(key, None)
+                    if entry is not None:
+                        self._used -= entry[0]
+            self._delete_paths([self.object_key(k) for k in doomed])
+            self.evicted += len(doomed)
+            if not kept:
+                return
 
     # ---- the rest of the contract ----------------------------------------------------------------
     def indexed(self, key: ChunkKey) -> bool:
