@@ -67,6 +67,9 @@ class TierSpec:
             once a reset is acknowledged (vLLM's scheduler calls it,
             :mod:`kvtier.integrations.vllm.scheduler`); ``None`` for a tier that lives only in the
             stores' processes (the cpu tier).
+        probe: ``"module:function"`` of a shared tier's reachability probe,
+            ``probe(config, deadline_s) -> ProbeResult`` (:mod:`kvtier.core.tiers.probe`; never
+            writes), run by ``kvtier check`` and the serve-line pre-flight; ``None`` if it has none.
     """
 
     name: str
@@ -81,6 +84,7 @@ class TierSpec:
     keys: tuple[str, ...] = ()
     check: str | None = None
     reset: str | None = None
+    probe: str | None = None
 
 
 BUILTIN = (
@@ -92,7 +96,7 @@ BUILTIN = (
     TierSpec("redis", 20, True, "external_unspecified", "kvtier.core.tiers.redis:from_config",
              "kvtier.core.tiers.redis:configured", settings="kvtier.core.tiers.redissettings:RedisSettings",
              keys=("redis_url",), check="kvtier.core.tiers.redis:check",
-             reset="kvtier.core.tiers.redis:reset"),
+             reset="kvtier.core.tiers.redis:reset", probe="kvtier.core.tiers.redisprobe:probe_redis"),
 )
 """The tiers shipped with kvtier: one line each."""
 
