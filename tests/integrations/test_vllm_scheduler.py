@@ -220,3 +220,17 @@ def test_an_external_reset_drops_every_hit_the_mirror_held(scheduler: Scheduler)
     scheduler.update_from_output(step, _step_output(step, [request], kv_connector_worker_meta=_report(
         [(k, "cpu") for k in keys], full=True, epoch=1)))
     assert side.get_num_new_matched_tokens(again, 0) == (3 * CHUNK, True)
+
+
+@pytest.mark.parametrize(("asked", "pin_s"), [(30, 30.0), (1e9, 3600.0), (-1, 0.0), ("30", 0.0), (True, 0.0)])
+def test_a_requests_pin_rides_its_save_jobs_checked_and_capped(tiny_model: Path, asked: Any, pin_s: float) -> None:
+    scheduler = _scheduler(tiny_model)
+    params = SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": {"kvtier_pin_s": asked}})
+    params.update_from_generation_config({}, 0)
+    request = Request(request_id="p", prompt_token_ids=list(PROMPT), sampling_params=params, pooling_params=None,
+                      mm_features=None, block_hasher=get_request_block_hasher(BLOCK, sha256))
+    scheduler.add_request(request)
+    first = scheduler.schedule()
+    scheduler.update_from_output(first, _step_output(first, [request], kv_connector_worker_meta=_report([], full=True)))
+    (save,) = _meta(scheduler.schedule()).saves
+    assert save.pin_s == pin_s and save.pin_chunks == len(PROMPT) // CHUNK  # the prompt's full chunks
