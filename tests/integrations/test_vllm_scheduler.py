@@ -24,7 +24,7 @@ from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
@@ -44,7 +44,8 @@ def scheduler(tiny_model: Path) -> Iterator[Scheduler]:
     yield _scheduler(tiny_model)
 
 
-def _scheduler(model: Path, max_batched_tokens: int = 1024, reset_scope: str = "cpu") -> Scheduler:
+def _scheduler(model: Path, max_batched_tokens: int = 1024, reset_scope: str = "cpu",
+               sliding_window: int | None = None) -> Scheduler:
     model_config = ModelConfig(model=str(model), dtype="float32", seed=0, max_model_len=4096)
     config = VllmConfig(
         model_config=model_config,
@@ -57,9 +58,12 @@ def _scheduler(model: Path, max_batched_tokens: int = 1024, reset_scope: str = "
             kv_connector_extra_config={"cpu_gib": 0.05, "reset_scope": reset_scope}),
         device_config=DeviceConfig("cpu"))
     config.cache_config.num_gpu_blocks = NUM_BLOCKS
-    kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["model.layers.0.self_attn.attn"],
-                         FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=16, dtype=torch.float32))])
+    groups = [KVCacheGroupSpec(["model.layers.0.self_attn.attn"],
+                               FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=16, dtype=torch.float32))]
+    if sliding_window is not None:  # a hybrid model: a second group of sliding-window layers
+        groups.append(KVCacheGroupSpec(["model.layers.1.self_attn.attn"], SlidingWindowSpec(
+            block_size=BLOCK, num_kv_heads=1, head_size=16, dtype=torch.float32, sliding_window=sliding_window)))
+    kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
     init_none_hash(sha256)
     return Scheduler(vllm_config=config, kv_cache_config=kv_cache_config, log_stats=True,
                      structured_output_manager=StructuredOutputManager(config), block_size=BLOCK)
@@ -234,3 +238,34 @@ def test_a_requests_pin_rides_its_save_jobs_checked_and_capped(tiny_model: Path,
     scheduler.update_from_output(first, _step_output(first, [request], kv_connector_worker_meta=_report([], full=True)))
     (save,) = _meta(scheduler.schedule()).saves
     assert save.pin_s == pin_s and save.pin_chunks == len(PROMPT) // CHUNK  # the prompt's full chunks
+
+
+def test_a_hybrid_model_saves_every_groups_pages_and_loads_only_the_window_it_resumes_with(tiny_model: Path) -> None:
+    """One job shape for every model: with a full-attention and a sliding-window group (window 64
+    tokens = 4 blocks), the saves carry both groups' pages of every chunk, and a load after vLLM's
+    own cache was reset fills every full-attention block of the hit but only the sliding-window
+    blocks of the last window before it: the blocks vLLM itself allocates for that group."""
+    scheduler = _scheduler(tiny_model, sliding_window=64)
+    request = _request("h")
+    scheduler.add_request(request)
+    step = scheduler.schedule()
+    scheduler.update_from_output(step, _step_output(step, [request], kv_connector_worker_meta=_report([], full=True)))
+    saved = []
+    while request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
+        step = scheduler.schedule()
+        saved += [p for job in _meta(step).saves for p in job.pages]
+        scheduler.update_from_output(step, _step_output(step, [request]))
+    assert sorted((p.group, p.chunk) for p in saved) == [(g, c) for g in (0, 1) for c in range(3)]
+    scheduler.update_from_output(step, _step_output(step, [], kv_connector_worker_meta=_report(
+        [(p.key, "cpu") for p in saved])))
+    assert scheduler.reset_prefix_cache() is True  # vLLM's own cache forgets; kvtier's mirror does not
+
+    again = _request("h2")
+    scheduler.add_request(again)
+    (load,) = _meta(scheduler.schedule()).loads
+    full_blocks, window_blocks = scheduler.kv_cache_manager.get_block_ids("h2")
+    assert load.hit_tokens == 3 * CHUNK and again.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert [b for p in load.pages if p.group == 0 for b in p.block_ids] == list(full_blocks)
+    (window,) = [p for p in load.pages if p.group == 1]
+    assert (window.chunk, window.first_slot) == (2, 4)  # the last 64 tokens before the hit: slots 4..7 of chunk 2
+    assert list(window.block_ids) == [b for b in window_blocks if b != 0]  # 0 is vLLM's null block
