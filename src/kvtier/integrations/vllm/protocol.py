@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
+from kvtier.core.tenant import TenantId
+
 
 @dataclass(frozen=True)
 class PageMove:
@@ -104,11 +106,14 @@ class SaveJob:
         pages: the pages to save, each group's in chunk order.
         parent: the key of the page before the first one in its group's chain (``b""``: none);
             the eviction policy keeps children after their parents.
+        tenant: the request's ``cache_salt`` and LoRA adapter as digests (:class:`~kvtier.core.tenant.TenantId`),
+            stored with the chunks for ``kvtier purge --salt/--lora``; ``None``: unknown.
     """
 
     req_id: str
     pages: tuple[PageMove, ...]
     parent: bytes = b""
+    tenant: TenantId | None = None
 
 
 @dataclass(frozen=True)

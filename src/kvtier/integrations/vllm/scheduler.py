@@ -47,6 +47,7 @@ from typing import Any
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import chunk_keys, request_root
+from kvtier.core.tenant import TenantId
 from kvtier.core.tiers.registry import reset_tiers
 from kvtier.integrations.vllm.group_jobs import GroupJobs, handoffs_of
 from kvtier.integrations.vllm.groups import engine_plan, resolved_config
@@ -77,6 +78,7 @@ class RequestChain:
         lora_id = f"{lora.lora_name}@{lora.lora_path}" if lora is not None else None
         mm = [str(f.identifier) for f in (getattr(request, "mm_features", None) or ())]
         self.root = request_root(key_root, getattr(request, "cache_salt", None), lora_id, mm)
+        self.tenant = TenantId.of(getattr(request, "cache_salt", None), lora.lora_name if lora is not None else None)
         self.chunk_tokens = chunk_tokens
         self.keys: list[bytes] = []
 
@@ -255,7 +257,8 @@ class SchedulerSide:
         self._saved_chunks[req_id] = end
         pages = self.groups.save_pages(keys, start, end, all_block_ids, handoffs_of(scheduler_output, req_id),
                                        request.num_prompt_tokens)
-        return SaveJob(req_id, pages, self.groups.parent_of(keys, pages[0])) if pages else None
+        tenant = self._chains[req_id].tenant if req_id in self._chains else None
+        return SaveJob(req_id, pages, self.groups.parent_of(keys, pages[0]), tenant) if pages else None
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Fold the ranks' index changes (vLLM's worker → scheduler metadata) into the mirror."""
