@@ -78,3 +78,15 @@ def test_bad_input_is_one_sentence_and_exit_2(tmp_path, args, phrase):
     assert result.exit_code == 2, result.output
     assert phrase in result.output and "Traceback" not in result.output
     assert result.output.count("\n") == 1  # one line
+
+
+def test_a_file_whose_header_cannot_be_checked_is_kept_and_named_exit_1(disk_dir):
+    victim = sorted(disk_dir.glob("*/*/*.kvc"))[0]
+    raw = bytearray(victim.read_bytes())
+    raw[5] ^= 0xFF  # the format version: not a chunk file this kvtier reads
+    victim.write_bytes(bytes(raw))
+    result = invoke("--disk-path", str(disk_dir), "--salt", "B", "--json")
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.output)
+    assert any(victim.name in p and "unsupported chunk format" in p for r in report["namespaces"] for p in r["problems"])
+    assert victim.exists()  # a purge by tenant never removes what it cannot attribute
