@@ -81,7 +81,7 @@ def test_bad_input_is_one_sentence_and_exit_2(tmp_path, args, phrase):
 
 
 def test_a_file_whose_header_cannot_be_checked_is_kept_and_named_exit_1(disk_dir):
-    victim = sorted(disk_dir.glob("*/*/*.kvc"))[0]
+    victim = min(disk_dir.glob("*/*/*.kvc"))
     raw = bytearray(victim.read_bytes())
     raw[5] ^= 0xFF  # the format version: not a chunk file this kvtier reads
     victim.write_bytes(bytes(raw))
