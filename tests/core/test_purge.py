@@ -186,6 +186,12 @@ def test_redis_purge_by_namespace_and_age(server, request, key_prefix):
         b.close()
 
 
+def test_a_cluster_node_without_redis_cluster_is_refused_not_purged_in_part(redis_cluster, key_prefix):
+    config = KVTierConfig.from_dict({"redis_url": redis_cluster.url, "redis_key_prefix": key_prefix})
+    with pytest.raises(UserError, match="add --redis-cluster"):
+        purge(config, PurgeSelector(), dry_run=True)
+
+
 def test_unreachable_redis_is_one_sentence(key_prefix):
     config = KVTierConfig.from_dict({"redis_url": "redis://127.0.0.1:1/0", "redis_key_prefix": key_prefix})
     with pytest.raises(PurgeFailed, match="did not answer the purge"):

@@ -45,7 +45,8 @@ def _config(disk_path: str | None, redis: dict[str, Any]) -> tuple[Any, set[str]
 def purge_command(
     disk_path: str | None = typer.Option(None, "--disk-path", help="The disk tier's directory (its disk_path)."),
     redis_url: str | None = typer.Option(None, "--redis-url", help="redis:// or rediss:// URL of the shared tier."),
-    redis_cluster: bool = typer.Option(False, "--redis-cluster", help="--redis-url names a Cluster seed node."),
+    redis_cluster: bool = typer.Option(False, "--redis-cluster",
+                                       help="--redis-url names a Cluster seed node (every primary is purged)."),
     redis_password_env: str | None = typer.Option(None, "--redis-password-env",
                                                   help="Environment variable holding the Redis password."),
     redis_password_file: str | None = typer.Option(None, "--redis-password-file",

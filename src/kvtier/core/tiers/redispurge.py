@@ -28,6 +28,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from kvtier.core.config import redact_url
+from kvtier.core.errors import UserError
 from kvtier.core.purge import NamespacePurge, PurgeFailed, PurgeSelector
 from kvtier.core.tiers.redisclear import glob_escape
 from kvtier.core.tiers.redisclient import make_client
@@ -51,7 +52,8 @@ def purge(config: KVTierConfig, selector: PurgeSelector, dry_run: bool) -> list[
 
     Raises:
         PurgeFailed: the server cannot be reached, refuses the password, or answers with an error.
-        UserError: a bad password file or environment variable (:func:`make_client`).
+        UserError: a bad password file or environment variable (:func:`make_client`), or a Cluster
+            node named without ``redis_cluster`` (a plain client would purge one shard only).
     """
     import redis
 
@@ -63,6 +65,10 @@ def purge(config: KVTierConfig, selector: PurgeSelector, dry_run: bool) -> list[
     prefix = settings.redis_key_prefix.encode()
     results: dict[bytes, NamespacePurge] = {ns: NamespacePurge(TIER, ns) for ns in sorted(selector.namespaces)}
     try:
+        if not settings.redis_cluster and _cluster_enabled(client):
+            # a plain client scans one node only: the purge would miss every other shard's keys, silently
+            raise UserError(f"the Redis server at {where} is a Cluster node; add --redis-cluster so that every "
+                            "primary is purged")
         patterns = ([glob_escape(prefix + ns.hex().encode() + b":") + b"*" for ns in sorted(selector.namespaces)]
                     or [glob_escape(prefix) + b"*"])
         for pattern in patterns:
@@ -86,6 +92,11 @@ def purge(config: KVTierConfig, selector: PurgeSelector, dry_run: bool) -> list[
     finally:
         client.close()
     return [results[ns] for ns in sorted(results)]
+
+
+def _cluster_enabled(client: Any) -> bool:
+    """Whether a standalone client's server runs in Cluster mode (``INFO cluster``)."""
+    return bool(int(client.info("cluster").get("cluster_enabled", 0)))
 
 
 def _purge_batch(client: Any, batch: list[tuple[bytes, bytes]], selector: PurgeSelector, ttl_s: int,
