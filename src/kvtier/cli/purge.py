@@ -15,7 +15,9 @@ HELP = """Remove stored KV chunks from a disk tier's directory (--disk-path) and
 
 Selectors (a chunk must match every one given): --namespace HEX (repeatable; the 32-hex-digit directory names under disk_path; a dry run lists them), --older-than DURATION (written more than that long ago: a file's modification time on disk; redis_ttl_s minus the key's remaining PTTL on Redis, so give --redis-ttl-s if the engines do not use the default), --salt SALT (the requests' cache_salt), --lora NAME (the LoRA adapter's name). --salt and --lora match only chunks saved with a tenant record (kvtier from this version on, disk tier only): older files and every Redis value are left alone and counted as "unknown tenant". Without any selector, purge refuses unless --all is given.
 
---dry-run prints what would go (chunks and bytes per tier and namespace) and removes nothing; without it the same numbers are what was removed. --json prints them as JSON. Exit code 0 when done, 1 when some chunk could not be read or removed, 2 on bad input.
+--dry-run prints what would go (chunks and bytes per tier and namespace) and removes nothing; without it the same numbers are what was removed. --json prints them as JSON. Exit code 0 when done, 1 when some chunk could not be read or removed or a server did not answer, 2 on bad input.
+
+A purge reaches storage outside the engines (files, Redis keys): a live engine's cpu tier and vLLM's own GPU prefix cache keep what they hold until evicted (POST /reset_prefix_cache?reset_external=true clears them, for every tenant).
 
 Examples:
 
@@ -43,8 +45,8 @@ def _config(disk_path: str | None, redis: dict[str, Any]) -> tuple[Any, set[str]
 
 
 def purge_command(
-    disk_path: str | None = typer.Option(None, "--disk-path", help="The disk tier's directory (its disk_path)."),
-    redis_url: str | None = typer.Option(None, "--redis-url", help="redis:// or rediss:// URL of the shared tier."),
+    disk_path: str | None = typer.Option(None, "--disk-path", metavar="DIR", help="The disk tier's directory (its disk_path)."),
+    redis_url: str | None = typer.Option(None, "--redis-url", metavar="URL", help="redis:// or rediss:// URL of the shared tier."),
     redis_cluster: bool = typer.Option(False, "--redis-cluster",
                                        help="--redis-url names a Cluster seed node (every primary is purged)."),
     redis_password_env: str | None = typer.Option(None, "--redis-password-env",
@@ -56,10 +58,10 @@ def purge_command(
                                                 help="The engines' redis_key_prefix (default kvtier:)."),
     redis_ttl_s: int | None = typer.Option(None, "--redis-ttl-s",
                                            help="The engines' redis_ttl_s, for --older-than (default 86400)."),
-    namespace: list[str] = typer.Option([], "--namespace", help="Namespace digest, 32 hex digits (repeatable)."),
-    older_than: str | None = typer.Option(None, "--older-than", help="Only chunks written longer ago: 90s, 30m, 12h, 7d."),
-    salt: str | None = typer.Option(None, "--salt", help="Only chunks saved for requests with this cache_salt."),
-    lora: str | None = typer.Option(None, "--lora", help="Only chunks saved for this LoRA adapter (its name)."),
+    namespace: list[str] = typer.Option([], "--namespace", metavar="HEX", help="Namespace digest, 32 hex digits (repeatable)."),
+    older_than: str | None = typer.Option(None, "--older-than", metavar="DURATION", help="Only chunks written longer ago: 90s, 30m, 12h, 7d."),
+    salt: str | None = typer.Option(None, "--salt", metavar="SALT", help="Only chunks saved for requests with this cache_salt."),
+    lora: str | None = typer.Option(None, "--lora", metavar="NAME", help="Only chunks saved for this LoRA adapter (its name)."),
     purge_all: bool = typer.Option(False, "--all", help="Allow a purge with no selector (every chunk)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Show what would be removed; remove nothing."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
