@@ -137,6 +137,12 @@ class SchedulerSide:
         self._saved_chunks: dict[str, int] = {}
         self._kv_cache_manager: Any = None
         self._waiting_since: float | None = None
+        # An idle engine runs no step, so the workers' rescans (files other engines or kvtier purge
+        # removed or wrote) wait in their change feeds: after an idle gap longer than a rescan, a
+        # lookup asks again once, and the one step that takes brings the news (docs/purge.md).
+        self._refresh_after_s = float(config.disk_rescan_s or 0.0) if config.disk_path else 0.0
+        self._last_report_s = time.monotonic()
+        self._refreshed: set[str] = set()  # requests that asked again for it already (once each)
         self.remote = RemoteLookups(config) if load and shared_tier_configured(config) else None
         self._remote_seen: dict[str, int] = {}
         self._remote_pending_sent: int | None = None
@@ -180,6 +186,10 @@ class SchedulerSide:
             return 0, False
         if req_id in self._load_failed:
             return 0, False  # its load failed once: recompute rather than load again
+        if (self._refresh_after_s and req_id not in self._refreshed
+                and time.monotonic() - self._last_report_s > self._refresh_after_s):
+            self._refreshed.add(req_id)  # idle longer than a rescan: let one step bring the workers' news
+            return None, False
         chain = self._chain(request, max_chunks)
         if chain is None:
             return 0, False
@@ -263,6 +273,7 @@ class SchedulerSide:
     def update_connector_output(self, connector_output: Any) -> None:
         """Fold the ranks' index changes (vLLM's worker → scheduler metadata) into the mirror."""
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        self._last_report_s = time.monotonic()
         self.settle.observe(meta)
         if isinstance(meta, KVTierWorkerMeta):
             for rank in sorted(meta.ranks):
@@ -289,6 +300,7 @@ class SchedulerSide:
         self._requests.pop(req_id, None)
         self._loading.pop(req_id, None)
         self._load_failed.discard(req_id)
+        self._refreshed.discard(req_id)
         self._chains.pop(req_id, None)
         self._saved_chunks.pop(req_id, None)
         if self.remote is not None:
