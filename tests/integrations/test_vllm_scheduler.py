@@ -45,7 +45,7 @@ def scheduler(tiny_model: Path) -> Iterator[Scheduler]:
 
 
 def _scheduler(model: Path, max_batched_tokens: int = 1024, reset_scope: str = "cpu",
-               sliding_window: int | None = None) -> Scheduler:
+               sliding_window: int | None = None, **extra: Any) -> Scheduler:
     model_config = ModelConfig(model=str(model), dtype="float32", seed=0, max_model_len=4096)
     config = VllmConfig(
         model_config=model_config,
@@ -55,7 +55,7 @@ def _scheduler(model: Path, max_batched_tokens: int = 1024, reset_scope: str = "
         kv_transfer_config=KVTransferConfig(
             kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm.connector",
             kv_role="kv_both", kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"cpu_gib": 0.05, "reset_scope": reset_scope}),
+            kv_connector_extra_config={"cpu_gib": 0.05, "reset_scope": reset_scope, **extra}),
         device_config=DeviceConfig("cpu"))
     config.cache_config.num_gpu_blocks = NUM_BLOCKS
     groups = [KVCacheGroupSpec(["model.layers.0.self_attn.attn"],
@@ -269,3 +269,39 @@ def test_a_hybrid_model_saves_every_groups_pages_and_loads_only_the_window_it_re
     (window,) = [p for p in load.pages if p.group == 1]
     assert (window.chunk, window.first_slot) == (2, 4)  # the last 64 tokens before the hit: slots 4..7 of chunk 2
     assert list(window.block_ids) == [b for b in window_blocks if b != 0]  # 0 is vLLM's null block
+
+
+def test_after_an_idle_gap_a_lookup_waits_one_step_for_the_workers_rescan(tiny_model: Path, tmp_path: Path) -> None:
+    """An idle engine runs no step, so what the workers' disk rescans found meanwhile (files another
+    engine or ``kvtier purge`` removed) waits in their change feeds.  After a gap longer than
+    ``disk_rescan_s`` the first lookup of a request asks again once; the one step that takes brings
+    the news, and the request is planned from it: a purged prefix is not reported as a hit
+    (docs/purge.md).  A request admitted without a gap is planned at once."""
+    scheduler = _scheduler(tiny_model, disk_path=str(tmp_path / "disk"), disk_gib=0.01)
+    side = scheduler.connector.scheduler_side  # type: ignore[union-attr]
+    assert side._refresh_after_s == 2.0  # the engine's rescan interval when disk_rescan_s is unset
+    warm = _request("warm")
+    scheduler.add_request(warm)
+    first = scheduler.schedule()
+    purged, kept = _request("purged"), _request("kept", prompt=[t + 1000 for t in PROMPT])
+    pk, kk = _keys(purged, 3), _keys(kept, 3)
+    scheduler.update_from_output(first, _step_output(first, [], kv_connector_worker_meta=_report(
+        [(k, "disk") for k in pk + kk], full=True)))
+    step = scheduler.schedule()
+    scheduler.update_from_output(step, _step_output(step, [warm], kv_connector_worker_meta=_report([])))
+
+    side._last_report_s -= 10.0  # the engine then idles 10 s (longer than a rescan) ...
+    scheduler.add_request(purged)
+    asked = scheduler.schedule()
+    assert "purged" not in asked.num_scheduled_tokens and _meta(asked).loads == []  # ... so it asks again
+    assert purged.status == RequestStatus.WAITING
+    # the step brings what the workers' rescan found while idle: the purged prefix's files are gone
+    scheduler.update_from_output(asked, _step_output(asked, [warm], kv_connector_worker_meta=_report(
+        [(k, None) for k in pk])))
+    planned = scheduler.schedule()
+    assert _meta(planned).loads == [] and planned.num_scheduled_tokens.get("purged") == len(PROMPT)  # a miss
+    scheduler.update_from_output(planned, _step_output(planned, [warm, purged], kv_connector_worker_meta=_report([])))
+
+    scheduler.add_request(kept)  # no idle gap: planned from the mirror at once, its files still there
+    (load,) = _meta(scheduler.schedule()).loads
+    assert load.req_id == "kept" and load.hit_tokens == 3 * CHUNK and load.tiers == ("disk",) * 3

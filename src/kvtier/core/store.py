@@ -72,6 +72,7 @@ from kvtier.core.policies.admission import make_admission
 from kvtier.core.promotion import Promoter, Promotion
 from kvtier.core.shared import SharedLookups
 from kvtier.core.stats import StoreCounters, StoreStats, TierStats
+from kvtier.core.tenant import TenantId
 from kvtier.core.tiers.base import AlreadyHeld, ClearResult, NoRoom, Paged, StagingTier, Tier
 from kvtier.core.tiers.factory import TierContext, make_tier
 from kvtier.core.top import TopTier
@@ -348,9 +349,11 @@ class TieredStore(ChangeFeedMixin):
                         lt.policy.touch(used)
 
     # ---- store ---------------------------------------------------------------------------
-    def prepare_store(self, chain: Sequence[ChunkKey], start: int = 0) -> StoreHandle:
-        """Reserve top-tier pages for ``chain[start:]`` chunks not stored yet (see module docstring)."""
-        handle = StoreHandle([], [], [], [])
+    def prepare_store(self, chain: Sequence[ChunkKey], start: int = 0, tenant: TenantId | None = None) -> StoreHandle:
+        """Reserve top-tier pages for ``chain[start:]`` chunks not stored yet (see module docstring);
+        ``tenant``: who they are saved for, written with them where a tier keeps a tenant record
+        (:mod:`kvtier.core.tenant`; ``None``: unknown)."""
+        handle = StoreHandle([], [], [], [], tenant=tenant)
         with self._lock:
             handle.epoch = self.top.epoch
             for i in range(start, len(chain)):
@@ -384,10 +387,11 @@ class TieredStore(ChangeFeedMixin):
                 if not success:
                     self.cpu.abort(key)
                     continue
-                self.top.publish(key, parent)
+                self.top.publish(key, parent, handle.tenant)
                 for lt in self._through:  # a shared server may have lost what this process wrote
                     if lt.shared or not lt.tier.indexed(key):  # (restart, its own eviction, TTL): write
-                        self.top.enqueue(lt, WriteJob(key, parent, None, evict_after=False))  # again
+                        self.top.enqueue(lt, WriteJob(key, parent, None, evict_after=False,  # again
+                                                      tenant=handle.tenant))
             if success:
                 self.counters.saved(len(handle.keys))
                 self.top.spill_ahead()
@@ -425,9 +429,10 @@ class TieredStore(ChangeFeedMixin):
         return int(self.config.pin_max_share * pages)
 
     # ---- convenience ---------------------------------------------------------------------
-    def put(self, chain: Sequence[ChunkKey], datas: Sequence[bytes | memoryview | np.ndarray]) -> int:
-        """Store ``datas[i]`` (``chunk_bytes`` each) under ``chain[i]``; returns chunks newly stored."""
-        handle = self.prepare_store(chain)
+    def put(self, chain: Sequence[ChunkKey], datas: Sequence[bytes | memoryview | np.ndarray],
+            tenant: TenantId | None = None) -> int:
+        """Store ``datas[i]`` (``chunk_bytes`` each) under ``chain[i]`` for ``tenant``; returns chunks newly stored."""
+        handle = self.prepare_store(chain, tenant=tenant)
         ok = False
         try:
             t0 = time.perf_counter()
@@ -511,7 +516,8 @@ class TieredStore(ChangeFeedMixin):
                         break  # evicted (then staged and queued), already on its way, or written
                     if not any(lt.queue.full() for lt in missing):
                         for lt in missing:
-                            self.top.enqueue(lt, WriteJob(key, self.top.parent.get(key), None, evict_after=False))
+                            self.top.enqueue(lt, WriteJob(key, self.top.parent.get(key), None, evict_after=False,
+                                                                  tenant=self.top.tenant.get(key)))
                         break
                 time.sleep(0.002)
         while any(lt.queue.unfinished_tasks for lt in self._local) and time.monotonic() < deadline:

@@ -34,6 +34,7 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.lower import LowerTier, WriteJob
 from kvtier.core.policies import EvictionPolicy
 from kvtier.core.stats import StoreCounters
+from kvtier.core.tenant import TenantId
 from kvtier.core.tiers.base import Paged, StagingTier
 
 
@@ -60,6 +61,7 @@ class TopTier:
         self.writing: Counter[ChunkKey] = Counter()  # write jobs reading a page (subset of pins)
         self.staged: dict[ChunkKey, StagedCopy] = {}
         self.parent: dict[ChunkKey, ChunkKey | None] = {}
+        self.tenant: dict[ChunkKey, TenantId] = {}  # who each resident chunk was saved for, when known
         self.uses: Counter[ChunkKey] = Counter()  # times each resident chunk was served (admission)
         self.epoch = 0  # resets so far (the store's; promotions and saves started in an older one are dropped)
         self.doomed: set[ChunkKey] = set()  # dropped by a reset while pinned: freed at the last unpin
@@ -141,10 +143,12 @@ class TopTier:
     def evictable(self, key: ChunkKey) -> bool:
         return key not in self.pins and not self.ttl_pinned(key)
 
-    def publish(self, key: ChunkKey, parent: ChunkKey | None) -> None:
-        """Commit a reserved page and start tracking it."""
+    def publish(self, key: ChunkKey, parent: ChunkKey | None, tenant: TenantId | None = None) -> None:
+        """Commit a reserved page and start tracking it (saved for ``tenant``, when known)."""
         self.tier.commit(key)
         self.parent[key] = parent
+        if tenant is not None:
+            self.tenant[key] = tenant
         self.policy.insert(key, parent)
         self.on_change(key)
 
@@ -173,6 +177,7 @@ class TopTier:
         self.tier.delete(key)
         self.policy.remove(key)
         self.parent.pop(key, None)
+        self.tenant.pop(key, None)
         self.uses.pop(key, None)
         self.ttl_pins.pop(key, None)
         self.on_change(key)
@@ -189,7 +194,8 @@ class TopTier:
         if missing:  # write-back: stage a copy so the page is free now; the writes happen on workers
             copy = self.stage(victim)
             for lt in missing:
-                if lt.enqueue(WriteJob(victim, self.parent.get(victim), copy.data, evict_after=False)):
+                if lt.enqueue(WriteJob(victim, self.parent.get(victim), copy.data, evict_after=False,
+                                           tenant=self.tenant.get(victim))):
                     copy.pending += 1
             if not copy.pending:
                 del self.staged[victim]
@@ -213,7 +219,8 @@ class TopTier:
                 self.evict(victim)
                 free += 1
                 continue
-            queued = [self.enqueue(lt, WriteJob(victim, self.parent.get(victim), None, evict_after=True))
+            queued = [self.enqueue(lt, WriteJob(victim, self.parent.get(victim), None, evict_after=True,
+                                                           tenant=self.tenant.get(victim)))
                       for lt in missing]
             if not any(queued):
                 return

@@ -70,6 +70,11 @@ class TierSpec:
         probe: ``"module:function"`` of a shared tier's reachability probe,
             ``probe(config, deadline_s) -> ProbeResult`` (:mod:`kvtier.core.tiers.probe`; never
             writes), run by ``kvtier check`` and the serve-line pre-flight; ``None`` if it has none.
+        purge: ``"module:function"`` for ``kvtier purge``: lists and (unless a dry run) removes the
+            chunks a :class:`~kvtier.core.purge.PurgeSelector` matches, across every namespace the
+            tier's storage holds, ``purge(config, selector, dry_run) -> list[NamespacePurge] | None``
+            (``None``: the configuration names no storage of this tier); ``None`` for a tier that
+            lives only in an engine's processes (the cpu tier).
     """
 
     name: str
@@ -85,6 +90,7 @@ class TierSpec:
     check: str | None = None
     reset: str | None = None
     probe: str | None = None
+    purge: str | None = None
 
 
 BUILTIN = (
@@ -92,11 +98,13 @@ BUILTIN = (
              capabilities=frozenset({"staging", "paged"})),
     TierSpec("disk", 10, False, "disk", "kvtier.core.tiers.disk:from_config", "kvtier.core.tiers.disk:configured",
              capabilities=frozenset({"rescannable", "generational", "exact_usage"}), keys=("disk_path", "disk_gib"),
-             check="kvtier.core.tiers.disk:check", reset="kvtier.core.tiers.diskreset:reset"),
+             check="kvtier.core.tiers.disk:check", reset="kvtier.core.tiers.diskreset:reset",
+             purge="kvtier.core.tiers.diskpurge:purge"),
     TierSpec("redis", 20, True, "external_unspecified", "kvtier.core.tiers.redis:from_config",
              "kvtier.core.tiers.redis:configured", settings="kvtier.core.tiers.redissettings:RedisSettings",
              keys=("redis_url",), check="kvtier.core.tiers.redis:check",
-             reset="kvtier.core.tiers.redis:reset", probe="kvtier.core.tiers.redisprobe:probe_redis"),
+             reset="kvtier.core.tiers.redis:reset", probe="kvtier.core.tiers.redisprobe:probe_redis",
+             purge="kvtier.core.tiers.redispurge:purge"),
 )
 """The tiers shipped with kvtier: one line each."""
 

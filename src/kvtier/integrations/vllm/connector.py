@@ -113,7 +113,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             requested = self.kvtier_config.chunk_tokens
             self.kvtier_config = resolved_config(self.kvtier_config, kv_cache_config)
             if role == KVConnectorRole.SCHEDULER:
-                self.scheduler_side = SchedulerSide(vllm_config, kv_cache_config, self.kvtier_config,
+                # role_config: the workers' rescan interval, which the scheduler's idle refresh follows
+                self.scheduler_side = SchedulerSide(vllm_config, kv_cache_config,
+                                                    role_config(self.kvtier_config, transfer.kv_role),
                                                     load=load, save=save)
             else:
                 self.worker_side = WorkerSide(vllm_config, kv_cache_config,

@@ -52,6 +52,7 @@ from typing import Any
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import chunk_keys, request_root
+from kvtier.core.tenant import TenantId
 from kvtier.core.tiers.registry import reset_tiers
 from kvtier.integrations.vllm.group_jobs import GroupJobs, handoffs_of
 from kvtier.integrations.vllm.groups import engine_plan, resolved_config
@@ -103,6 +104,7 @@ class RequestChain:
         lora_id = f"{lora.lora_name}@{lora.lora_path}" if lora is not None else None
         mm = [str(f.identifier) for f in (getattr(request, "mm_features", None) or ())]
         self.root = request_root(key_root, getattr(request, "cache_salt", None), lora_id, mm)
+        self.tenant = TenantId.of(getattr(request, "cache_salt", None), lora.lora_name if lora is not None else None)
         self.chunk_tokens = chunk_tokens
         self.keys: list[bytes] = []
 
@@ -162,6 +164,12 @@ class SchedulerSide:
         self._pins: dict[str, float] = {}  # req -> its prompt's pin TTL, seconds (asked and valid)
         self._kv_cache_manager: Any = None
         self._waiting_since: float | None = None
+        # An idle engine runs no step, so the workers' rescans (files other engines or kvtier purge
+        # removed or wrote) wait in their change feeds: after an idle gap longer than a rescan, a
+        # lookup asks again once, and the one step that takes brings the news (docs/purge.md).
+        self._refresh_after_s = float(config.disk_rescan_s or 0.0) if config.disk_path else 0.0
+        self._last_report_s = time.monotonic()
+        self._refreshed: set[str] = set()  # requests that asked again for it already (once each)
         self.remote = RemoteLookups(config) if load and shared_tier_configured(config) else None
         self._remote_seen: dict[str, int] = {}
         self._remote_pending_sent: int | None = None
@@ -211,6 +219,10 @@ class SchedulerSide:
             return 0, False
         if req_id in self._load_failed:
             return 0, False  # its load failed once: recompute rather than load again
+        if (self._refresh_after_s and req_id not in self._refreshed
+                and time.monotonic() - self._last_report_s > self._refresh_after_s):
+            self._refreshed.add(req_id)  # idle longer than a rescan: let one step bring the workers' news
+            return None, False
         chain = self._chain(request, max_chunks)
         if chain is None:
             return 0, False
@@ -290,12 +302,14 @@ class SchedulerSide:
                                        request.num_prompt_tokens)
         if not pages:
             return None
-        return SaveJob(req_id, pages, self.groups.parent_of(keys, pages[0]), self._pins.get(req_id, 0.0),
-                       request.num_prompt_tokens // self.chunk_tokens)
+        tenant = self._chains[req_id].tenant if req_id in self._chains else None
+        return SaveJob(req_id, pages, self.groups.parent_of(keys, pages[0]), pin_s=self._pins.get(req_id, 0.0),
+                       pin_chunks=request.num_prompt_tokens // self.chunk_tokens, tenant=tenant)
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Fold the ranks' index changes (vLLM's worker → scheduler metadata) into the mirror."""
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        self._last_report_s = time.monotonic()
         self.settle.observe(meta)
         if isinstance(meta, KVTierWorkerMeta):
             for rank in sorted(meta.ranks):
@@ -322,6 +336,7 @@ class SchedulerSide:
         self._requests.pop(req_id, None)
         self._loading.pop(req_id, None)
         self._load_failed.discard(req_id)
+        self._refreshed.discard(req_id)
         self._chains.pop(req_id, None)
         self._saved_chunks.pop(req_id, None)
         self._pins.pop(req_id, None)

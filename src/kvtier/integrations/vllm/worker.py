@@ -319,7 +319,7 @@ class WorkerSide:
         chain += [ChunkKey(p.key) for p in job.pages]
         first = len(chain) - len(job.pages)  # the parent only names the first page's parent
         t0 = time.perf_counter()
-        handle = store.prepare_store(chain, start=first)
+        handle = store.prepare_store(chain, start=first, tenant=job.tenant)
         if handle.num_chunks:
             stored = [job.pages[i - first] for i in handle.indices]
             ok = False
