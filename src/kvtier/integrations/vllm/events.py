@@ -46,6 +46,7 @@ announced only as requests look them up.
 
 from __future__ import annotations
 
+import array
 import logging
 import os
 import time
@@ -56,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import numpy as np
+from vllm import envs
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.core import kv_cache_utils
 
@@ -112,7 +113,7 @@ class ChunkMeta(msgspec.Struct, array_like=True, frozen=True):
     """What a ``BlockStored`` of one page says, kept from when the scheduler had the request.
 
     ``block_hashes``: vLLM's raw ``BlockHash`` bytes of the page's blocks (``block_size`` tokens
-    each); ``token_ids``: the chunk's token ids as little-endian int32 bytes."""
+    each); ``token_ids``: the chunk's token ids as native int32 bytes (``array("i")``)."""
 
     block_hashes: tuple[bytes, ...]
     parent_block_hash: bytes | None
@@ -172,6 +173,9 @@ class KVEventTracker:
         self._last = clock()
         self._journal_root: bytes | None = None
         self.counters = {"kv_events_stored": 0, "kv_events_removed": 0, "kv_events_dropped": 0}
+        # vLLM's maybe_convert_block_hash, with its environment switch read once (vllm/envs.py
+        # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES; each read of vllm.envs parses the environment)
+        self._int_hashes = bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
 
     # ---- learning payloads ---------------------------------------------------------------------
     def record(self, request: Any, key: bytes, group: int, chunk: int) -> None:
@@ -205,7 +209,7 @@ class KVEventTracker:
         hashes = tuple(bytes(h) for h in raw[first:end])
         parent = bytes(raw[first - 1]) if first > 0 else None
         start_token, end_token = chunk * self.chunk_tokens, (chunk + 1) * self.chunk_tokens
-        tokens = np.asarray(request.all_token_ids[start_token:end_token], dtype="<i4").tobytes()
+        tokens = array.array("i", request.all_token_ids[start_token:end_token]).tobytes()
         lora = getattr(request, "lora_request", None)
         extra = None
         if lora is not None or getattr(request, "cache_salt", None) or getattr(request, "mm_features", None):
@@ -262,7 +266,7 @@ class KVEventTracker:
         self._last = now
         removed, self._removed, self._removed_count = self._removed, {}, 0
         stored: list[KVCacheEvent] = []
-        convert = kv_cache_utils.maybe_convert_block_hash
+        convert = _as_int if self._int_hashes else bytes
         done = []
         for key in self._dirty:
             tier = self._tier_of(key)
@@ -284,7 +288,7 @@ class KVEventTracker:
                 stored.append(BlockStored(
                     block_hashes=[convert(h) for h in meta.block_hashes],  # type: ignore[arg-type]
                     parent_block_hash=convert(meta.parent_block_hash) if meta.parent_block_hash else None,  # type: ignore[arg-type]
-                    token_ids=np.frombuffer(meta.token_ids, dtype="<i4").tolist(),
+                    token_ids=_tokens(meta.token_ids),
                     block_size=meta.block_size, lora_id=meta.lora_id, medium=new, lora_name=meta.lora_name,
                     extra_keys=list(meta.extra_keys) if meta.extra_keys else None, group_idx=meta.group_idx,
                     kv_cache_spec_kind=meta.spec_kind, locality=LOCALITY))
@@ -373,6 +377,17 @@ class KVEventTracker:
         out = {k: v for k, v in self.counters.items() if v}
         self.counters = dict.fromkeys(self.counters, 0)
         return out
+
+
+def _as_int(block_hash: bytes) -> int:
+    """vLLM's ``maybe_convert_block_hash`` with int hashes on: the low 64 bits, big-endian."""
+    return int.from_bytes(block_hash, "big") & 0xFFFF_FFFF_FFFF_FFFF
+
+
+def _tokens(data: bytes) -> list[int]:
+    tokens = array.array("i")
+    tokens.frombytes(data)
+    return tokens.tolist()
 
 
 def _none_hash() -> bytes:
