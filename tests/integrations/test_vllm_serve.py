@@ -131,7 +131,8 @@ def test_sigterm_flushes_write_back_and_the_restart_reproduces_the_engines_own_p
             if name == "restarted":  # the disk tier's chunks, announced from the journal before any request
                 flushed = {h for h, _ in announced["first"]}
                 files = len(list((tmp_path / "disk").glob("*/*/*.kvc")))
-                assert events.wait(lambda held: held == {(h, "STORAGE") for h in flushed}), (
+                on_disk = {(h, "STORAGE") for h in flushed}
+                assert events.wait(lambda held, on_disk=on_disk: held == on_disk), (
                     f"restart announced {len(events.held())} blocks, {files} chunk files on disk, "
                     f"{len(flushed)} announced by the first server")
                 assert files == len(flushed)
@@ -144,7 +145,7 @@ def test_sigterm_flushes_write_back_and_the_restart_reproduces_the_engines_own_p
             assert unpinned, f"pins still shown at idle: {_gauges(served_metrics(server.base_url))}"
             saved = int(served_metrics(server.base_url).get("kvtier_saved_tokens_total", 0)) // 128
             if name == "first":  # every saved chunk (one 128-token block each) at CPU, under vLLM's own hashes
-                assert events.wait(lambda held: len(held) == saved), (len(events.held()), saved)
+                assert events.wait(lambda held, saved=saved: len(held) == saved), (len(events.held()), saved)
                 announced[name] = events.held()
                 assert {m for _, m in announced[name]} == {"CPU"}
                 assert {h for h, _ in announced[name]} <= {h for h, _ in events.held(("GPU",))}
@@ -153,7 +154,7 @@ def test_sigterm_flushes_write_back_and_the_restart_reproduces_the_engines_own_p
                 assert len({h for h, _ in held_now}) == len(held_now) >= len(announced["first"])
                 after_reset, reset_metrics = _reset_and_repeat(
                     server.base_url, server.served_model, ids, tmp_path / "disk",
-                    after_reset=lambda: _assert(events.wait(lambda held: not held), events.held()))
+                    after_reset=lambda events=events: _assert(events.wait(lambda held: not held), events.held()))
         # leaving the block sent SIGTERM; the server stopped gracefully (--shutdown-timeout 30)
         events.close()
         logs.append((tmp_path / f"{name}.log").read_text(errors="replace"))

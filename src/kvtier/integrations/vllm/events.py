@@ -172,7 +172,9 @@ class KVEventTracker:
         self._tokens = float(stored_burst)
         self._last = clock()
         self._journal_root: bytes | None = None
-        self.counters = {"kv_events_stored": 0, "kv_events_removed": 0, "kv_events_dropped": 0}
+        # kv_events_seconds: time spent here (record, observe, take_events), for the cost's share of a step
+        self.counters: dict[str, float] = {"kv_events_stored": 0, "kv_events_removed": 0, "kv_events_dropped": 0,
+                                           "kv_events_seconds": 0.0}
         # vLLM's maybe_convert_block_hash, with its environment switch read once (vllm/envs.py
         # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES; each read of vllm.envs parses the environment)
         self._int_hashes = bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
@@ -181,20 +183,17 @@ class KVEventTracker:
     def record(self, request: Any, key: bytes, group: int, chunk: int) -> None:
         """Learn the payload of page ``key`` (chunk ``chunk`` of group ``group``) of ``request``;
         a page already known is only refreshed in the LRU order.  Cheap when known: one dict move."""
+        start = time.perf_counter()
         meta = self._meta.get(key)
         if meta is not None:
             self._meta.move_to_end(key)
-            return
-        spec = self.groups.get(group)
-        if spec is None or not spec.announced:
-            return
-        meta = self._payload(request, spec, chunk)
-        if meta is None:
-            return
-        self._meta[key] = meta
-        self._dirty[key] = None
-        while len(self._meta) > self.max_chunks:
-            self._forget(next(iter(self._meta)))
+        elif (spec := self.groups.get(group)) is not None and spec.announced and (
+                meta := self._payload(request, spec, chunk)) is not None:
+            self._meta[key] = meta
+            self._dirty[key] = None
+            while len(self._meta) > self.max_chunks:
+                self._forget(next(iter(self._meta)))
+        self.counters["kv_events_seconds"] += time.perf_counter() - start
 
     def _payload(self, request: Any, spec: EventGroup, chunk: int) -> ChunkMeta | None:
         per_chunk = self.chunk_tokens // spec.block_size
@@ -206,8 +205,8 @@ class KVEventTracker:
         first, end = chunk * per_chunk, (chunk + 1) * per_chunk
         if len(raw) < end:
             return None  # the request's hashes do not reach this chunk (cannot be described)
-        hashes = tuple(bytes(h) for h in raw[first:end])
-        parent = bytes(raw[first - 1]) if first > 0 else None
+        hashes = tuple(raw[first:end])  # vLLM's BlockHash values are bytes already
+        parent = raw[first - 1] if first > 0 else None
         start_token, end_token = chunk * self.chunk_tokens, (chunk + 1) * self.chunk_tokens
         tokens = array.array("i", request.all_token_ids[start_token:end_token]).tobytes()
         lora = getattr(request, "lora_request", None)
@@ -240,13 +239,15 @@ class KVEventTracker:
     # ---- mirror changes ------------------------------------------------------------------------
     def observe(self, keys: Iterable[bytes], full: bool = False) -> None:
         """The mirror's view of ``keys`` may have changed (``full``: of every key, a snapshot)."""
+        start = time.perf_counter()
         if full:
             self._dirty.update(dict.fromkeys(self._meta))
-            return
-        meta, dirty = self._meta, self._dirty
-        for key in keys:
-            if key in meta:
-                dirty[key] = None
+        else:
+            meta, dirty = self._meta, self._dirty
+            for key in keys:
+                if key in meta:
+                    dirty[key] = None
+        self.counters["kv_events_seconds"] += time.perf_counter() - start
 
     def reset(self) -> None:
         """The mirror was emptied by a reset: every announced chunk is announced removed at the
@@ -261,6 +262,7 @@ class KVEventTracker:
     def take_events(self) -> list[KVCacheEvent]:
         """The events since the last call (vLLM's ``take_events``): removals first, then stores
         (at most the rate limit's share; the rest next step)."""
+        start = time.perf_counter()
         now = self._clock()
         self._tokens = min(float(self.stored_burst), self._tokens + (now - self._last) * self.stored_per_s)
         self._last = now
@@ -285,13 +287,12 @@ class KVEventTracker:
             if new is not None:
                 self._tokens -= 1
                 self._announced[key] = new
-                stored.append(BlockStored(
-                    block_hashes=[convert(h) for h in meta.block_hashes],  # type: ignore[arg-type]
-                    parent_block_hash=convert(meta.parent_block_hash) if meta.parent_block_hash else None,  # type: ignore[arg-type]
-                    token_ids=_tokens(meta.token_ids),
-                    block_size=meta.block_size, lora_id=meta.lora_id, medium=new, lora_name=meta.lora_name,
-                    extra_keys=list(meta.extra_keys) if meta.extra_keys else None, group_idx=meta.group_idx,
-                    kv_cache_spec_kind=meta.spec_kind, locality=LOCALITY))
+                parent = meta.parent_block_hash
+                stored.append(BlockStored(  # positional: vllm/distributed/kv_events.py's field order
+                    [convert(h) for h in meta.block_hashes], convert(parent) if parent else None,  # type: ignore[arg-type]
+                    _tokens(meta.token_ids), meta.block_size, meta.lora_id, new, meta.lora_name,
+                    list(meta.extra_keys) if meta.extra_keys else None, meta.group_idx, meta.spec_kind, None,
+                    LOCALITY))
                 self.counters["kv_events_stored"] += 1
             done.append(key)
         for key in done:
@@ -300,7 +301,9 @@ class KVEventTracker:
             BlockRemoved(block_hashes=[convert(h) for h in hashes], medium=medium,  # type: ignore[arg-type]
                          group_idx=group, locality=LOCALITY)
             for (medium, group), hashes in removed.items()]
-        return events + stored
+        events += stored
+        self.counters["kv_events_seconds"] += time.perf_counter() - start
+        return events
 
     def announced(self) -> dict[bytes, str]:
         """Page key -> medium, as the router was told (a copy)."""
@@ -372,7 +375,7 @@ class KVEventTracker:
     def journal_loaded(self) -> bool:
         return self._journal_root is not None
 
-    def take_counters(self) -> dict[str, int]:
+    def take_counters(self) -> dict[str, float]:
         """Counters' change since the last call (``kvtier_kv_events_*_total``), only non-zero ones."""
         out = {k: v for k, v in self.counters.items() if v}
         self.counters = dict.fromkeys(self.counters, 0)

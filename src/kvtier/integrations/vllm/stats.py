@@ -41,7 +41,8 @@ tiers: cpu, disk, redis):
   whole), ``kvtier_reset_chunks_total{tier}`` (chunks the workers' stores removed, all ranks).
 - KV events (scheduler side, with ``--kv-events-config``; :mod:`kvtier.integrations.vllm.events`):
   ``kvtier_kv_events_stored_total``, ``kvtier_kv_events_removed_total`` (chunks announced held /
-  gone), ``kvtier_kv_events_dropped_total`` (removals dropped past the backlog).
+  gone), ``kvtier_kv_events_dropped_total`` (removals dropped past the backlog),
+  ``kvtier_kv_events_seconds_total`` (scheduler time spent on them: their cost).
 - Shared tier (workers' side, from each store's snapshot ``TierStats.wire``; summed over ranks):
   ``kvtier_redis_errors_total`` (calls that failed), ``kvtier_redis_skipped_calls_total`` (not
   made: breaker open or queue full), ``kvtier_redis_skipped_writes_total`` (chunks not written),
@@ -107,6 +108,8 @@ _PLAIN_COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
                          ()),
     "kv_events_removed": ("kvtier_kv_events_removed", ("Chunks announced gone (one per chunk in vLLM BlockRemoved "
                           "events kvtier published)."), ()),
+    "kv_events_seconds": ("kvtier_kv_events_seconds", ("Seconds the scheduler spent building kvtier's KV events "
+                          "(learning chunks' block hashes, following the mirror, building the events)."), ()),
     "kv_events_dropped": ("kvtier_kv_events_dropped", ("Removals of chunks the event map forgot that did not fit the "
                           "backlog: a router may keep routing to them until they miss."), ()),
     # the scheduler's shared-tier lookups (integrations/vllm/remote.py)
