@@ -79,8 +79,9 @@ class Settle:
         if self._idle_since is not None and self._clock() - self._idle_since > self.settle_s:
             if not self._gave_up:
                 self._gave_up = True
-                what = (f"ranks {sorted(self._busy)} still report pinned chunks" if self._reported
-                        else "no worker has reported yet")
+                what = ("no worker has reported yet" if not self._reported
+                        else f"ranks {sorted(self._busy)} still report pinned chunks" if self._busy
+                        else "KV events still wait to be published")
                 log.warning("kvtier: %s %.0f s after the engine went idle; kvtier's gauges may be stale until "
                             "the next request", what, self.settle_s)
             return False
