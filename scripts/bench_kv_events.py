@@ -132,12 +132,52 @@ def run(sched: Scheduler, steps: int, kvtier_events: bool, seed: int) -> list[fl
     return times
 
 
+def live(workdir: Path) -> None:
+    """A real server (the tiny model, cpu + disk tiers, events published over ZMQ) under
+    ``kvtier bench run --workload prefix-repetition``: the scheduler time the events cost
+    (``kvtier_kv_events_seconds_total``) over the run's wall time, during which the engine steps
+    without pause but for the gaps between a reply and the next request (closed loop, 4 requests in
+    flight): the wall time stands for the steps' time."""
+    import subprocess
+    import sys
+
+    from kvtier.launch.serve import Server, ServerSpec, transfer_config
+    from kvtier.launch.testmodel import write_model
+    from kvtier.tools.scrape import fetch_metrics
+
+    model = write_model(workdir / "tiny", "tiny", weights="none")
+    kvtier = {"cpu_gib": 0.25, "disk_path": str(workdir / "disk"), "disk_gib": 1}
+    events = '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://127.0.0.1:25557","topic":"kv"}'
+    spec = ServerSpec(model=str(model), max_model_len=4096, cache_tokens=8192, kv_transfer_config=transfer_config(kvtier),
+                      extra_args=("--kv-events-config", events))
+    with Server(spec, workdir / "server.log").start(600) as server:
+        t0 = time.monotonic()
+        subprocess.run([sys.executable, "-m", "kvtier.cli.main", "bench", "run", "--url", server.base_url,
+                        "--workload", "prefix-repetition", "--prefix-len", "2000", "--num-prefixes", "16",
+                        "--num-requests", "96", "--no-progress"], check=True)
+        wall = time.monotonic() - t0
+        time.sleep(3)  # the idle engine's last steps report the last counters
+        m: dict[str, float] = {}  # summed over vLLM's labels (engine, model_name)
+        for line in fetch_metrics(server.base_url).splitlines():
+            if line.startswith("kvtier_kv_events_"):
+                name = line.split("{")[0].split()[0]
+                m[name] = m.get(name, 0.0) + float(line.rsplit(None, 1)[1])
+    spent = m.get("kvtier_kv_events_seconds_total", 0.0)
+    print(f"live: {m.get('kvtier_kv_events_stored_total', 0):.0f} stored, {m.get('kvtier_kv_events_removed_total', 0):.0f} "
+          f"removed; events {spent * 1e3:.1f} ms of {wall:.1f} s of steps: {spent / wall * 100:.3f} %")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--live", action="store_true", help="measure on a real server under a bench workload")
     args = parser.parse_args()
     from kvtier.launch.testmodel import write_model
+
+    if args.live:
+        live(Path(tempfile.mkdtemp()))
+        return
 
     model = write_model(Path(tempfile.mkdtemp()) / "tiny", "tiny", weights="none")
     medians: dict[str, list[float]] = {"off": [], "vllm": [], "kvtier": []}
