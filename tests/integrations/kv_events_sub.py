@@ -64,6 +64,19 @@ class EventSubscriber:
                     elif isinstance(ev, AllBlocksCleared):
                         self._held = {x for x in self._held if x[1] != "GPU"}
 
+    def handshake(self, publish: Callable[[], None], timeout_s: float = 20.0) -> bool:
+        """Call ``publish`` (one empty batch through the publisher) until one arrives: ZMQ drops
+        what a PUB socket sends before a subscriber's subscription reached it ("slow joiner"), so
+        a test stepping the scheduler at once must know the subscription is live first."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            publish()
+            time.sleep(0.05)
+            with self._lock:
+                if self.batches:
+                    return True
+        return False
+
     def held(self, media: tuple[str, ...] = ("CPU", "STORAGE")) -> set[tuple[int | bytes, str]]:
         """(hash, medium) pairs the stream says are held now, of ``media``."""
         with self._lock:
