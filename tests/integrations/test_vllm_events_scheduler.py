@@ -45,7 +45,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", weights="none")
 
 
-def scheduler(model: Path, disk: Path, port: int) -> Scheduler:
+def scheduler(model: Path, disk: Path, port: int, replay_port: int | None = None) -> Scheduler:
     extra = {"cpu_gib": 1, "disk_path": str(disk), "disk_gib": 1}
     vllm_config = VllmConfig(
         model_config=ModelConfig(model=str(model), max_model_len=2048, dtype="bfloat16"),
@@ -56,7 +56,8 @@ def scheduler(model: Path, disk: Path, port: int) -> Scheduler:
                                             kv_connector_module_path="kvtier.integrations.vllm", kv_role="kv_both",
                                             kv_load_failure_policy="recompute", kv_connector_extra_config=extra),
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
-                                        endpoint=f"tcp://*:{port}", topic="kv"))
+                                        endpoint=f"tcp://*:{port}", topic="kv",
+                                        replay_endpoint=f"tcp://*:{replay_port}" if replay_port else None))
     vllm_config.cache_config.num_gpu_blocks = NUM_BLOCKS
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=vllm_config.model_config.dtype)
     kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],  # no worker: no tensors
@@ -162,17 +163,23 @@ def test_the_stream_a_router_reads_matches_the_tiers_through_spills_evictions_re
         events.close()
     assert list((tmp_path / "disk").glob(".kvtier-kv-events-*.msgpack"))
 
-    # the restarted scheduler: its worker's first snapshot is the disk index; no request has run
-    port = free_port()
-    events = EventSubscriber(port)
-    restarted = Engine(scheduler(model, tmp_path / "disk", port))
+    # the restarted scheduler: its worker's first snapshot is the disk index; no request has run.
+    # The router joins late, after the announcements: it asks vLLM's replay endpoint for them.
+    port, replay_port = free_port(), free_port()
+    restarted = Engine(scheduler(model, tmp_path / "disk", port, replay_port))
+    events: EventSubscriber | None = None
     try:
-        assert restarted.subscribed(events)
         restarted.tiers = dict(on_disk)
         restarted.hashes = dict(engine.hashes)  # the truth's hashes, for the comparison only
         restarted.step()
         restarted.step()
+        # vLLM's publisher thread has sent them (ZmqEventPublisher marks each batch done once sent)
+        restarted.sched.kv_event_publisher._event_queue.join()  # type: ignore[attr-defined]
+        events = EventSubscriber(port, replay_port)  # joins after: ZMQ never delivers them live
+        assert restarted.subscribed(events)
         assert events.wait(lambda held: held == restarted.truth() and len(held) == 3), events.held()
+        assert events.replayed > 0
     finally:
         restarted.sched.shutdown()
-        events.close()
+        if events is not None:
+            events.close()

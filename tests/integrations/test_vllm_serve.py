@@ -118,11 +118,14 @@ def test_sigterm_flushes_write_back_and_the_restart_reproduces_the_engines_own_p
     runs, metrics, logs = [], [], []
     announced: dict[str, set[tuple[int | bytes, str]]] = {}  # what the KV event stream implied, by step
     for name, kvtier in (("first", write_back), ("restarted", disk)):
-        port = free_port()
+        port, replay_port = free_port(), free_port()
         spec = dataclasses.replace(with_kvtier, kv_transfer_config=transfer_config(kvtier),
                                    env={"VLLM_SERVER_DEV_MODE": "1"},  # POST /reset_prefix_cache
-                                   extra_args=(*with_kvtier.extra_args, "--kv-events-config", events_config(port)))
-        events = EventSubscriber(port)  # a router's view: subscribed before the server binds
+                                   extra_args=(*with_kvtier.extra_args, "--kv-events-config",
+                                               events_config(port, replay_port)))
+        # a router's view: subscribed before the server binds; what ZMQ drops before the subscription
+        # took (the boot's first batches) it asks of vLLM's replay endpoint
+        events = EventSubscriber(port, replay_port)
         with Server(spec, tmp_path / f"{name}.log").start(600) as server:
             # an idle engine steps until kvtier's first report is in: capacities show before any request
             booted = _settled(server.base_url, lambda m: m.get("kvtier_capacity_bytes{cpu}", 0) > 0
