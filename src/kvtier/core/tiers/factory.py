@@ -19,6 +19,7 @@ from kvtier.core.tiers.registry import load, spec, specs
 
 if TYPE_CHECKING:
     from kvtier.core.tiers.base import ClearResult, Tier
+    from kvtier.core.tiers.probe import ProbeResult
 
 
 class TierContext(NamedTuple):
@@ -106,3 +107,18 @@ def state_dir(config: KVTierConfig) -> Path | None:
             if found is not None:
                 return found
     return None
+
+
+def probe(name: str, config: KVTierConfig, deadline_s: float) -> ProbeResult | None:
+    """Tier ``name``'s reachability probe (:attr:`~kvtier.core.tiers.registry.TierSpec.probe`)
+    within ``deadline_s`` seconds; ``None`` when the tier has none or ``config`` does not ask for it.
+
+    Raises:
+        ConfigError: unknown name, the tier's module cannot be imported, or the probe cannot run
+            (e.g. an unreadable password file: the tier's preflight check reports it).
+    """
+    record = spec(name)
+    if record.probe is None or not configured(name, config):
+        return None
+    hook = cast(Callable[[KVTierConfig, float], "ProbeResult"], load(record.probe, name))
+    return hook(config, deadline_s)

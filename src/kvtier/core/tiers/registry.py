@@ -74,6 +74,9 @@ class TierSpec:
         state_dir: ``"module:function"``, ``state_dir(config) -> Path | None``: a directory that
             outlives the process as the tier's chunks do, where the scheduler may keep small files
             about them (the KV events' chunk -> block hash journal); ``None`` if it has none.
+        probe: ``"module:function"`` of a shared tier's reachability probe,
+            ``probe(config, deadline_s) -> ProbeResult`` (:mod:`kvtier.core.tiers.probe`; never
+            writes), run by ``kvtier check`` and the serve-line pre-flight; ``None`` if it has none.
     """
 
     name: str
@@ -90,6 +93,7 @@ class TierSpec:
     reset: str | None = None
     medium: str | None = None
     state_dir: str | None = None
+    probe: str | None = None
 
 
 BUILTIN = (
@@ -102,7 +106,7 @@ BUILTIN = (
     TierSpec("redis", 20, True, "external_unspecified", "kvtier.core.tiers.redis:from_config",
              "kvtier.core.tiers.redis:configured", settings="kvtier.core.tiers.redissettings:RedisSettings",
              keys=("redis_url",), check="kvtier.core.tiers.redis:check",
-             reset="kvtier.core.tiers.redis:reset"),
+             reset="kvtier.core.tiers.redis:reset", probe="kvtier.core.tiers.redisprobe:probe_redis"),
 )
 """The tiers shipped with kvtier: one line each."""
 

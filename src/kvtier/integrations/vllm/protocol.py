@@ -104,11 +104,16 @@ class SaveJob:
         pages: the pages to save, each group's in chunk order.
         parent: the key of the page before the first one in its group's chain (``b""``: none);
             the eviction policy keeps children after their parents.
+        pin_s: the request asked to keep its prompt's chunks in the cpu tier this long, seconds
+            (``kv_transfer_params`` ``kvtier_pin_s``, capped at ``pin_max_s``); 0: no pin.
+        pin_chunks: the pages of chunks ``0 .. pin_chunks - 1`` (the prompt's full chunks) are pinned.
     """
 
     req_id: str
     pages: tuple[PageMove, ...]
     parent: bytes = b""
+    pin_s: float = 0.0
+    pin_chunks: int = 0
 
 
 @dataclass(frozen=True)

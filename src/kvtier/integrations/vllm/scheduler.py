@@ -22,6 +22,10 @@ Every model takes one path: a dense model is a one-group plan
     update_connector_output(out)             fold each rank's index changes into the mirror
     request_finished(req)                    forget the request (blocks freed at once: the
                                              copy out of the engine finished in its own step)
+    (pins)                                   a request whose kv_transfer_params carry
+                                             ``kvtier_pin_s`` gets its prompt's chunks pinned in
+                                             the cpu tier by the workers as they save them
+                                             (SaveJob.pin_s; TieredStore.ttl_pin)
     reset_cache()                            vLLM's external prefix-cache reset: see below
 
 A load job always ends with the request in ``finished_recving`` (the worker reports it whether
@@ -41,6 +45,7 @@ per tier exactly.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
@@ -69,6 +74,27 @@ from kvtier.integrations.vllm.stats import KVTierStats
 log = logging.getLogger(__name__)
 
 READY_WAIT_S = 60.0  # how long admissions wait for the workers' first index snapshot, at most
+PIN_PARAM = "kvtier_pin_s"
+"""The ``kv_transfer_params`` key a request names its prompt's pin TTL with, seconds (issue 22 item 4)."""
+
+
+def pin_seconds(params: Any, max_s: float) -> tuple[float, str | None]:
+    """A request's pin TTL from its ``kv_transfer_params`` (OpenAI ``extra_body``), seconds.
+
+    Returns:
+        ``(ttl_s, problem)``: ``ttl_s`` 0 when the request asks for no pin or asks wrongly, capped
+        at ``max_s`` (``pin_max_s``); ``problem`` one sentence for the log when the value was
+        refused or cut, else ``None``.
+    """
+    value = params.get(PIN_PARAM) if isinstance(params, dict) else None
+    if value is None:
+        return 0.0, None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        return 0.0, (f"kv_transfer_params.{PIN_PARAM} must be a positive number of seconds, got {value!r}; "
+                     "the prompt is not pinned")
+    if value > max_s:
+        return max_s, f"kv_transfer_params.{PIN_PARAM}={value:g} is above pin_max_s; pinned for {max_s:g} s"
+    return float(value), None
 
 
 class RequestChain:
@@ -135,6 +161,7 @@ class SchedulerSide:
         # whose shared tier skips reads while the scheduler's lookups succeed): they recompute.
         self._load_failed: set[str] = set()
         self._saved_chunks: dict[str, int] = {}
+        self._pins: dict[str, float] = {}  # req -> its prompt's pin TTL, seconds (asked and valid)
         self._kv_cache_manager: Any = None
         self._waiting_since: float | None = None
         self.remote = RemoteLookups(config) if load and shared_tier_configured(config) else None
@@ -164,6 +191,12 @@ class SchedulerSide:
     # ---- admission ---------------------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
         self._requests[request.request_id] = request
+        if self.save_enabled:
+            ttl_s, problem = pin_seconds(getattr(request, "kv_transfer_params", None), self.config.pin_max_s)
+            if problem:
+                log.warning("kvtier: request %s: %s", request.request_id, problem)
+            if ttl_s > 0 and self.config.pin_max_share > 0:
+                self._pins[request.request_id] = ttl_s
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
@@ -267,7 +300,10 @@ class SchedulerSide:
         if self.events is not None:
             for page in pages:
                 self.events.record(request, page.key, page.group, page.chunk)
-        return SaveJob(req_id, pages, self.groups.parent_of(keys, pages[0])) if pages else None
+        if not pages:
+            return None
+        return SaveJob(req_id, pages, self.groups.parent_of(keys, pages[0]), self._pins.get(req_id, 0.0),
+                       request.num_prompt_tokens // self.chunk_tokens)
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Fold the ranks' index changes (vLLM's worker → scheduler metadata) into the mirror."""
@@ -318,6 +354,7 @@ class SchedulerSide:
         self._load_failed.discard(req_id)
         self._chains.pop(req_id, None)
         self._saved_chunks.pop(req_id, None)
+        self._pins.pop(req_id, None)
         if self.remote is not None:
             self.remote.forget(req_id)
 
