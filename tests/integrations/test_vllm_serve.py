@@ -15,6 +15,12 @@ Before the reset, ``kvtier purge --salt`` runs against the restarted server's di
 (docs/purge.md): the first server also served one prompt under two cache salts, and after the
 purge of salt B the live server's next request with salt B loads nothing from kvtier once the
 documented bound has passed, while salt A's identical prompt still loads from disk.
+
+Both kvtier servers publish vLLM KV events (``--kv-events-config``), read by a real ZMQ subscriber
+with vLLM's own ``KVEventBatch``: the (block hash, medium) set the stream implies must be what the
+tiers hold: every saved chunk at ``CPU`` on the first server (its hashes vLLM's own, from its GPU
+events); on the restarted one, before any request, every flushed chunk at ``STORAGE`` (announced
+from the journal the first server wrote at its stop); nothing once the reset is acknowledged.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.integrations.kv_events_sub import EventSubscriber, events_config, free_port
 from tests.integrations.openai_client import metrics as served_metrics
 
 pytestmark = pytest.mark.engine
@@ -112,7 +119,12 @@ def _purge_salt_b_and_repeat(base_url: str, model: str, ids: list[int], disk_pat
     assert a["tokens"] == cold["tokens"]
 
 
-def _reset_and_repeat(base_url: str, model: str, ids: list[int], disk_path: Path) -> tuple[dict[str, Any], dict[str, float]]:
+def _assert(ok: bool, detail: object) -> None:
+    assert ok, detail
+
+
+def _reset_and_repeat(base_url: str, model: str, ids: list[int], disk_path: Path,
+                      after_reset: Callable[[], None] = lambda: None) -> tuple[dict[str, Any], dict[str, float]]:
     """``POST /reset_prefix_cache?reset_external=true`` on a server that just served ``ids`` (vLLM's
     own prefix cache and kvtier's tiers hold it), then ``ids`` again: nothing of it may come from
     any cache.  Returns the repeat's completion and the metrics after it."""
@@ -122,6 +134,7 @@ def _reset_and_repeat(base_url: str, model: str, ids: list[int], disk_path: Path
     # done means a restart now would find nothing: the chunk files went before the answer, though no
     # step has run since (the workers clear their stores with the next one)
     assert list(disk_path.glob("*/*/*.kvc")) == []
+    after_reset()
     before = served_metrics(base_url)
     repeat = _complete(base_url, model, ids)
     after = served_metrics(base_url)
@@ -157,14 +170,29 @@ def test_sigterm_flushes_write_back_and_the_restart_reproduces_the_engines_own_p
     text = random_prompt(401, 420)
     salted_text = random_prompt(402, 420)
     runs, metrics, logs = [], [], []
+    announced: dict[str, set[tuple[int | bytes, str]]] = {}  # what the KV event stream implied, by step
     for name, kvtier in (("first", write_back), ("restarted", disk)):
+        port, replay_port = free_port(), free_port()
         spec = dataclasses.replace(with_kvtier, kv_transfer_config=transfer_config(kvtier),
-                                   env={"VLLM_SERVER_DEV_MODE": "1"})  # POST /reset_prefix_cache
+                                   env={"VLLM_SERVER_DEV_MODE": "1"},  # POST /reset_prefix_cache
+                                   extra_args=(*with_kvtier.extra_args, "--kv-events-config",
+                                               events_config(port, replay_port)))
+        # a router's view: subscribed before the server binds; what ZMQ drops before the subscription
+        # took (the boot's first batches) it asks of vLLM's replay endpoint
+        events = EventSubscriber(port, replay_port)
         with Server(spec, tmp_path / f"{name}.log").start(600) as server:
             # an idle engine steps until kvtier's first report is in: capacities show before any request
             booted = _settled(server.base_url, lambda m: m.get("kvtier_capacity_bytes{cpu}", 0) > 0
                               and m.get("kvtier_capacity_bytes{disk}", 0) > 0)
             assert booted, f"capacities still 0 at idle after boot: {_gauges(served_metrics(server.base_url))}"
+            if name == "restarted":  # the disk tier's chunks, announced from the journal before any request
+                flushed = {h for h, _ in announced["first"]}
+                files = len(list((tmp_path / "disk").glob("*/*/*.kvc")))
+                on_disk = {(h, "STORAGE") for h in flushed}
+                assert events.wait(lambda held, on_disk=on_disk: held == on_disk), (
+                    f"restart announced {len(events.held())} blocks, {files} chunk files on disk, "
+                    f"{len(flushed)} announced by the first server")
+                assert files == len(flushed)
             ids = _token_ids(server.base_url, server.served_model, text)
             runs.append(_complete(server.base_url, server.served_model, ids))
             metrics.append(served_metrics(server.base_url))
@@ -177,12 +205,22 @@ def test_sigterm_flushes_write_back_and_the_restart_reproduces_the_engines_own_p
             unpinned = _settled(server.base_url, lambda m: not any(v for k, v in m.items()
                                                                   if k.startswith("kvtier_pinned_")))
             assert unpinned, f"pins still shown at idle: {_gauges(served_metrics(server.base_url))}"
-            if name == "restarted":
+            saved = int(served_metrics(server.base_url).get("kvtier_saved_tokens_total", 0)) // 128
+            if name == "first":  # every saved chunk (one 128-token block each) at CPU, under vLLM's own hashes
+                assert events.wait(lambda held, saved=saved: len(held) == saved), (len(events.held()), saved)
+                announced[name] = events.held()
+                assert {m for _, m in announced[name]} == {"CPU"}
+                assert {h for h, _ in announced[name]} <= {h for h, _ in events.held(("GPU",))}
+            else:  # everything still held, each block at one medium; then the purge, then the reset
+                held_now = events.held()
+                assert len({h for h, _ in held_now}) == len(held_now) >= len(announced["first"])
                 _purge_salt_b_and_repeat(server.base_url, server.served_model, salted_ids, tmp_path / "disk",
                                          salted_cold)
-                after_reset, reset_metrics = _reset_and_repeat(server.base_url, server.served_model, ids,
-                                                               tmp_path / "disk")
+                after_reset, reset_metrics = _reset_and_repeat(
+                    server.base_url, server.served_model, ids, tmp_path / "disk",
+                    after_reset=lambda events=events: _assert(events.wait(lambda held: not held), events.held()))
         # leaving the block sent SIGTERM; the server stopped gracefully (--shutdown-timeout 30)
+        events.close()
         logs.append((tmp_path / f"{name}.log").read_text(errors="replace"))
         assert "Illegal instruction" not in logs[-1]
     assert "shutdown flush wrote" in logs[0], f"the graceful stop did not flush:\n{logs[0][-3000:]}"

@@ -521,6 +521,13 @@ def configured(config: KVTierConfig) -> bool:
     return bool(config.disk_path) and config.disk_gib > 0
 
 
+def state_dir(config: KVTierConfig) -> Path | None:
+    """``disk_path`` when ``config`` asks for a disk tier (the registry record's ``state_dir``): the
+    scheduler keeps its KV-event journal there, beside the namespace directories, which no rescan
+    or reset reads (:mod:`kvtier.integrations.vllm.events`)."""
+    return Path(config.disk_path) if configured(config) and config.disk_path else None
+
+
 def check(config: KVTierConfig) -> list[tuple[str, str]]:
     """The directory ``disk_path`` checked for ``disk_gib`` as start-up checks it
     (:func:`kvtier.core.tiers.diskcheck.disk_path_problem`: a file, a kernel filesystem, not

@@ -9,6 +9,7 @@ The registry below this module reads no configuration; the configuration reads t
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, cast
 
 from prometheus_client import CollectorRegistry
@@ -90,6 +91,22 @@ def reset_outside(name: str, config: KVTierConfig, namespace: bytes) -> ClearRes
         return None
     hook = cast(Callable[[KVTierConfig, bytes], "ClearResult"], load(record.reset, name))
     return hook(config, namespace)
+
+
+def state_dir(config: KVTierConfig) -> Path | None:
+    """The first configured tier's :attr:`~kvtier.core.tiers.registry.TierSpec.state_dir` (a
+    directory that outlives the process as that tier's chunks do), in tier order; ``None`` when no
+    configured tier has one.
+
+    Raises:
+        ConfigError: a tier's module cannot be imported.
+    """
+    for record in specs():
+        if record.state_dir is not None and configured(record.name, config):
+            found = cast(Callable[[KVTierConfig], "Path | None"], load(record.state_dir, record.name))(config)
+            if found is not None:
+                return found
+    return None
 
 
 def probe(name: str, config: KVTierConfig, deadline_s: float) -> ProbeResult | None:

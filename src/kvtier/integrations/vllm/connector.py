@@ -227,6 +227,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 out[source] = out.get(source, 0) + n
         return out
 
+    def take_events(self) -> list[Any]:
+        """vLLM's KV events from kvtier's local tiers (``BlockStored`` / ``BlockRemoved`` with medium
+        ``CPU`` or ``STORAGE``), when ``--kv-events-config`` enables them: vLLM publishes them after
+        its own each step (vllm/v1/core/sched/scheduler.py ``update_from_output``);
+        :mod:`kvtier.integrations.vllm.events`, docs/vllm.md "KV events"."""
+        return self.scheduler_side.take_events() if self.scheduler_side is not None else []
+
     def has_pending_push_work(self) -> bool:
         """Keep an idle engine stepping until the workers' gauges are true (pins released, the
         first report in), at most ``SETTLE_S`` seconds: :mod:`kvtier.integrations.vllm.settle`."""

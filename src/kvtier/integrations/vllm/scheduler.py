@@ -53,9 +53,11 @@ from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import chunk_keys, request_root
 from kvtier.core.tenant import TenantId
+from kvtier.core.tiers.factory import state_dir
 from kvtier.core.tiers.registry import reset_tiers
+from kvtier.integrations.vllm.events import EventGroup, KVEventTracker, events_enabled
 from kvtier.integrations.vllm.group_jobs import GroupJobs, handoffs_of
-from kvtier.integrations.vllm.groups import engine_plan, resolved_config
+from kvtier.integrations.vllm.groups import GroupKind, engine_plan, resolved_config
 from kvtier.integrations.vllm.mirror import IndexMirror
 from kvtier.integrations.vllm.protocol import (
     KVTierMetadata,
@@ -173,7 +175,11 @@ class SchedulerSide:
         self.remote = RemoteLookups(config) if load and shared_tier_configured(config) else None
         self._remote_seen: dict[str, int] = {}
         self._remote_pending_sent: int | None = None
-        self.settle = Settle()  # keeps an idle engine stepping until the workers' gauges are true
+        # vLLM KV events (--kv-events-config): None when vLLM publishes none
+        self.events = _event_tracker(vllm_config, kv_cache_config, plan, config, self.mirror) if events_enabled(vllm_config) \
+            else None
+        # keeps an idle engine stepping until the workers' gauges are true (and the events are out)
+        self.settle = Settle(more=self.events.pending if self.events is not None else None)
         self._reset_epoch = 0  # resets acknowledged so far
         self._reset_order: ResetOrder | None = None  # shipped with the next step's metadata
         self._reset_counts: dict[str, int] = {}  # reset counters not yet sent to /metrics
@@ -254,6 +260,9 @@ class SchedulerSide:
         hit = len(tiers) * self.chunk_tokens
         local = hit - num_external_tokens
         pages = self.groups.load_pages(self._chains[req_id].keys, blocks.get_block_ids(), local, hit)
+        if self.events is not None:  # a hit whose hashes were unknown (after a crash) is announced now
+            for page in pages:
+                self.events.record(request, page.key, page.group, page.chunk)
         resumed = getattr(request, "num_preemptions", 0) > 0
         self._loads.append(LoadJob(req_id, pages, local, hit, tuple(tiers), resumed))
 
@@ -300,6 +309,9 @@ class SchedulerSide:
         self._saved_chunks[req_id] = end
         pages = self.groups.save_pages(keys, start, end, all_block_ids, handoffs_of(scheduler_output, req_id),
                                        request.num_prompt_tokens)
+        if self.events is not None:
+            for page in pages:
+                self.events.record(request, page.key, page.group, page.chunk)
         if not pages:
             return None
         tenant = self._chains[req_id].tenant if req_id in self._chains else None
@@ -314,6 +326,8 @@ class SchedulerSide:
         if isinstance(meta, KVTierWorkerMeta):
             for rank in sorted(meta.ranks):
                 self.mirror.apply(rank, meta.ranks[rank])
+            if self.events is not None:
+                self._observe_events(meta)
         if self._loading:
             invalid = getattr(connector_output, "invalid_block_ids", None) or set()
             failed = getattr(connector_output, "failed_recving", None) or set()
@@ -326,6 +340,22 @@ class SchedulerSide:
                     self._load_failed.add(req_id)
                 if req_id in finished or req_id in failed:
                     del self._loading[req_id]
+
+    def _observe_events(self, meta: KVTierWorkerMeta) -> None:
+        assert self.events is not None
+        if not self.events.journal_loaded and self.mirror.ready and self.mirror.key_root:
+            self.events.load_journal(self.mirror.key_root)
+        reports = meta.ranks.values()
+        if any(r.full for r in reports):
+            self.events.observe((), full=True)
+        else:
+            for report in reports:
+                self.events.observe(key for key, _ in report.changes)
+
+    def take_events(self) -> list[Any]:
+        """vLLM's ``take_events``: the KV events since the last step (:mod:`kvtier.integrations.vllm.events`);
+        empty when vLLM publishes none."""
+        return self.events.take_events() if self.events is not None else []
 
     # ---- end of a request --------------------------------------------------------------------
     def request_finished(self, request: Any) -> None:
@@ -365,6 +395,8 @@ class SchedulerSide:
         self._reset_epoch += 1
         tiers = tuple(reset_tiers(self.config.reset_scope))
         planned = self.mirror.reset(self._reset_epoch)
+        if self.events is not None:
+            self.events.reset()  # every announced chunk: BlockRemoved at the next step
         self._planned.clear()
         if self.remote is not None:
             self.remote.forget_all()  # answers asked before the reset may count chunks it removes
@@ -386,8 +418,9 @@ class SchedulerSide:
     def removed_by_reset(self, keys_by_tier: dict[str, list[bytes]]) -> None:
         """The chunks a reset removed that this process knows, by tier: what the mirror held (every
         rank, in the slowest tier of each) and what the scheduler itself removed from the tiers that
-        outlive the process.  The place where vLLM ``BlockRemoved`` KV events for a reset start
-        (issue 22 item 1); until then the counts are logged."""
+        outlive the process, logged.  The KV events' ``BlockRemoved`` of a reset come from
+        :meth:`KVEventTracker.reset <kvtier.integrations.vllm.events.KVEventTracker.reset>`: every
+        chunk the router was told of, whatever tier held it."""
         log.debug("kvtier: reset removed %s", ", ".join(f"{len(keys)} {tier} chunks" for tier, keys in
                                                        keys_by_tier.items()) or "nothing the scheduler knew of")
 
@@ -400,6 +433,8 @@ class SchedulerSide:
         (``kvtier_shared_lookups_*``); ``None`` when nothing changed."""
         counters: dict[str, float] = dict(self._reset_counts)
         self._reset_counts = {}
+        if self.events is not None:
+            counters |= self.events.take_counters()
         gauges: dict[str, float] = {}
         if self.remote is not None:
             totals = self.remote.counters()
@@ -415,6 +450,24 @@ class SchedulerSide:
         return KVTierStats(data={"counters": counters, "gauges": gauges})
 
     def shutdown(self) -> None:
-        """Stop the shared-tier lookups (idempotent)."""
+        """Stop the shared-tier lookups and write the KV-event journal (idempotent)."""
         if self.remote is not None:
             self.remote.close()
+        if self.events is not None and self.events.journal_loaded:
+            self.events.save_journal()
+
+
+def _event_tracker(vllm_config: Any, kv_cache_config: Any, plan: Any, config: KVTierConfig,
+                   mirror: IndexMirror) -> KVEventTracker:
+    """The KV event tracker of this engine: its full-attention groups are announced, with vLLM's
+    ``kv_cache_spec_kind`` of each (vllm/v1/kv_cache_interface.py ``get_kv_cache_spec_kind``)."""
+    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+
+    groups = []
+    for g in plan.groups:
+        spec = kv_cache_config.kv_cache_groups[g.index].kv_cache_spec
+        groups.append(EventGroup(g.index, g.block_size, g.kind is GroupKind.FULL, get_kv_cache_spec_kind(spec).value))
+    hash_block_size = int(getattr(kv_cache_config, "hash_block_size", 0) or vllm_config.cache_config.block_size)
+    assert isinstance(config.chunk_tokens, int)
+    return KVEventTracker(mirror.tier, groups, hash_block_size, config.chunk_tokens,
+                          journal_dir=state_dir(config))

@@ -43,6 +43,10 @@ tiers: cpu, disk, redis):
 - Resets (vLLM's ``/reset_prefix_cache?reset_external=true``): ``kvtier_resets_total`` (asked of
   the scheduler side), ``kvtier_reset_failures_total`` (answered ``False``: a tier not cleared
   whole), ``kvtier_reset_chunks_total{tier}`` (chunks the workers' stores removed, all ranks).
+- KV events (scheduler side, with ``--kv-events-config``; :mod:`kvtier.integrations.vllm.events`):
+  ``kvtier_kv_events_stored_total``, ``kvtier_kv_events_removed_total`` (chunks announced held /
+  gone), ``kvtier_kv_events_dropped_total`` (removals dropped past the backlog),
+  ``kvtier_kv_events_seconds_total`` (scheduler time spent on them: their cost).
 - Shared tier (workers' side, from each store's snapshot ``TierStats.wire``; summed over ranks):
   ``kvtier_redis_errors_total`` (calls that failed), ``kvtier_redis_skipped_calls_total`` (not
   made: breaker open or queue full), ``kvtier_redis_skipped_writes_total`` (chunks not written),
@@ -107,6 +111,15 @@ _PLAIN_COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     # the scheduler's resets (integrations/vllm/scheduler.py reset_cache)
     "resets": ("kvtier_resets", "External prefix-cache resets vLLM asked of kvtier (reset_external=true).", ()),
     "reset_failures": ("kvtier_reset_failures", "Resets answered False: a tier could not be cleared whole.", ()),
+    # the scheduler's KV events (integrations/vllm/events.py)
+    "kv_events_stored": ("kvtier_kv_events_stored", "Chunks announced held (vLLM BlockStored events kvtier published).",
+                         ()),
+    "kv_events_removed": ("kvtier_kv_events_removed", ("Chunks announced gone (one per chunk in vLLM BlockRemoved "
+                          "events kvtier published)."), ()),
+    "kv_events_seconds": ("kvtier_kv_events_seconds", ("Seconds the scheduler spent building kvtier's KV events "
+                          "(learning chunks' block hashes, following the mirror, building the events)."), ()),
+    "kv_events_dropped": ("kvtier_kv_events_dropped", ("Removals of chunks the event map forgot that did not fit the "
+                          "backlog: a router may keep routing to them until they miss."), ()),
     # the scheduler's shared-tier lookups (integrations/vllm/remote.py)
     "shared_lookups": ("kvtier_shared_lookups", "Shared-tier lookups the scheduler sent.", ()),
     "shared_lookups_answered": ("kvtier_shared_lookups_answered", "Shared-tier lookups answered (timed out included).",
