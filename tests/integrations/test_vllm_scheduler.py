@@ -101,6 +101,16 @@ def _meta(scheduler_output: Any) -> KVTierMetadata:
     return meta
 
 
+def _parked(scheduler: Scheduler, request: Request) -> Any:
+    """Admit ``request`` while the workers' first report says its 3 chunks are in the cpu tier:
+    the step that parks it in WAITING_FOR_REMOTE_KVS with its load job."""
+    scheduler.add_request(request)
+    first = scheduler.schedule()
+    scheduler.update_from_output(first, _step_output(first, [], kv_connector_worker_meta=_report(
+        [(k, "cpu") for k in _keys(request, 3)], full=True)))
+    return scheduler.schedule()
+
+
 def _free_blocks(scheduler: Scheduler) -> int:
     return scheduler.kv_cache_manager.block_pool.free_block_queue.num_free_blocks
 
@@ -161,12 +171,7 @@ def test_a_miss_loads_nothing_and_saves_each_chunk_once_as_chunked_prefill_compu
 
 def test_an_abort_while_loading_frees_every_block_once_the_load_reports(scheduler: Scheduler) -> None:
     request = _request("c")
-    scheduler.add_request(request)
-    first = scheduler.schedule()
-    keys = _keys(request, 3)
-    scheduler.update_from_output(first, _step_output(first, [], kv_connector_worker_meta=_report(
-        [(k, "cpu") for k in keys], full=True)))
-    parked = scheduler.schedule()
+    parked = _parked(scheduler, request)
     assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and _meta(parked).loads
     held = NUM_BLOCKS - 1 - _free_blocks(scheduler)
     assert held == 3 * CHUNK // BLOCK  # the blocks the load fills (the tail gets its blocks when it runs)
@@ -184,12 +189,7 @@ def test_an_abort_while_loading_frees_every_block_once_the_load_reports(schedule
 def test_a_block_that_failed_to_load_is_recomputed_from_the_valid_prefix_and_never_loaded_again(
         scheduler: Scheduler) -> None:
     request = _request("d")
-    scheduler.add_request(request)
-    first = scheduler.schedule()
-    keys = _keys(request, 3)
-    scheduler.update_from_output(first, _step_output(first, [], kv_connector_worker_meta=_report(
-        [(k, "cpu") for k in keys], full=True)))
-    parked = scheduler.schedule()
+    parked = _parked(scheduler, request)
     (load,) = _meta(parked).loads
     bad = load.pages[1].block_ids[0]  # the first block of chunk 1 did not arrive
     scheduler.update_from_output(parked, _step_output(parked, [], finished_recving={"d"}, invalid_block_ids={bad}))

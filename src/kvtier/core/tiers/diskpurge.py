@@ -26,7 +26,7 @@ from kvtier.core.errors import UserError
 from kvtier.core.keys import KEY_BYTES
 from kvtier.core.purge import NamespacePurge, PurgeSelector
 from kvtier.core.tiers.chunkfile import HEADER_BYTES, ChunkFormatError, decode_header
-from kvtier.core.tiers.diskscan import SUFFIX
+from kvtier.core.tiers.diskscan import chunk_entries
 
 if TYPE_CHECKING:
     from kvtier.core.config import KVTierConfig
@@ -67,45 +67,32 @@ def purge(config: KVTierConfig, selector: PurgeSelector, dry_run: bool) -> list[
 def purge_namespace(directory: Path, namespace: bytes, selector: PurgeSelector, dry_run: bool) -> NamespacePurge:
     """Purge the chunk files of one namespace directory (see :func:`purge`)."""
     result = NamespacePurge(TIER, namespace)
-    name_len = 2 * KEY_BYTES + len(SUFFIX)
-    for shard in range(256):
+    for entry in chunk_entries(directory, KEY_BYTES, result.problem):
         try:
-            entries = os.scandir(directory / f"{shard:02x}")
-        except FileNotFoundError:
+            st = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:  # removed meanwhile (an engine's eviction)
             continue
         except OSError as exc:
-            result.problem(f"cannot list {directory / f'{shard:02x}'} ({exc.strerror})")
+            result.problem(f"cannot stat {entry.path} ({exc.strerror})")
             continue
-        with entries:
-            for entry in entries:
-                name = entry.name
-                if len(name) != name_len or not name.endswith(SUFFIX):
-                    continue
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except FileNotFoundError:  # removed meanwhile (an engine's eviction)
-                    continue
-                except OSError as exc:
-                    result.problem(f"cannot stat {entry.path} ({exc.strerror})")
-                    continue
-                if not selector.old_enough(st.st_mtime):
-                    continue
-                if selector.needs_tenant:
-                    verdict = _tenant_match(entry.path, namespace, selector, result)
-                    if verdict is None:
-                        result.unknown_tenant += 1
-                    if not verdict:
-                        continue
-                if not dry_run:
-                    try:
-                        os.unlink(entry.path)
-                    except FileNotFoundError:
-                        continue
-                    except OSError as exc:
-                        result.problem(f"cannot remove {entry.path} ({exc.strerror})")
-                        continue
-                result.chunks += 1
-                result.bytes += st.st_size
+        if not selector.old_enough(st.st_mtime):
+            continue
+        if selector.needs_tenant:
+            verdict = _tenant_match(entry.path, namespace, selector, result)
+            if verdict is None:
+                result.unknown_tenant += 1
+            if not verdict:
+                continue
+        if not dry_run:
+            try:
+                os.unlink(entry.path)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                result.problem(f"cannot remove {entry.path} ({exc.strerror})")
+                continue
+        result.chunks += 1
+        result.bytes += st.st_size
     return result
 
 
