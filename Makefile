@@ -33,14 +33,18 @@ redis-bin:
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 	      redis-server openssl prometheus; }
 
-# CI runs all of it and prints the 30 slowest tests; a skip not expected on the CI machine kind
-# fails (tests/conftest.py EXPECTED_SKIPS).  test-fast leaves out every test that starts a vLLM
-# engine (marker `engine`): minutes instead of the full run, for development.
+# CI runs all of it and prints the slowest tests; a skip not expected on the CI machine kind
+# fails (tests/conftest.py EXPECTED_SKIPS).  Tests that start no vLLM engine run on two workers
+# (pytest-xdist, one per core); the engine tests (marker `engine`) run one at a time after them:
+# two engines at once share two cores, and the live-server tests judge latency (TTFT tails, a
+# doctor's interval) that a second engine beside them would distort.  test-fast leaves out every
+# engine test: minutes instead of the full run, for development.
 test: $(STAMP) redis-bin
-	$(PY) -m pytest -q --durations=30 tests
+	$(PY) -m pytest -q -n 2 -m "not engine" --durations=15 tests
+	$(PY) -m pytest -q -m engine --durations=30 tests
 
 test-fast: $(STAMP) redis-bin
-	$(PY) -m pytest -q -m "not engine" --durations=30 tests
+	$(PY) -m pytest -q -n 2 -m "not engine" --durations=30 tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests

@@ -197,9 +197,18 @@ def test_files_outside_their_shard_are_not_indexed(disk, where):
 def test_reserved_header_bytes_are_checked(disk):
     path = disk.path(key(2))
     raw = bytearray(path.read_bytes())
-    raw[75] = 1
+    raw[250] = 1  # past the tenant record (72..199), which has its own checksum (kvtier.core.tenant)
     path.write_bytes(bytes(raw))
     assert read(disk, 2) is None and disk.corrupt == 1
+
+
+def test_a_damaged_tenant_record_leaves_the_chunk_readable(disk):
+    """The tenant record only serves kvtier purge: a bad one makes the tenant unknown, never the chunk a miss."""
+    path = disk.path(key(2))
+    raw = bytearray(path.read_bytes())
+    raw[75] = 1
+    path.write_bytes(bytes(raw))
+    assert read(disk, 2) is not None and disk.corrupt == 0
 
 
 # ---- sizes, slices, alignment and formats (both modes) -----------------------------------------

@@ -83,9 +83,25 @@ def test_version_1_header_is_refused_as_an_older_format():
         chunkfile.decode_header(HEADER_VECTORS[1])
 
 
-@pytest.mark.parametrize("offset", [4, 64, 100, 4095])  # version; header checksum; reserved bytes
+@pytest.mark.parametrize("offset", [4, 64, 250, 4095])  # version; header checksum; reserved bytes
 def test_a_changed_pinned_header_is_refused(offset):
     raw = bytearray(HEADER_VECTORS[chunkfile.VERSION])
     raw[offset] ^= 0x01
     with pytest.raises(ChunkFormatError):
         chunkfile.decode_header(bytes(raw))
+
+
+def test_a_changed_tenant_record_is_unknown_not_a_refused_header():
+    """Bytes 72..199 hold the tenant record (kvtier.core.tenant), which has its own checksum: a flipped
+    bit there makes the record unknown (never matched by kvtier purge --salt) and leaves the chunk readable."""
+    from kvtier.core import tenant
+
+    ns = bytes(range(16))
+    rec = tenant.record(ns, tenant.TenantId.of("B", None))
+    header = chunkfile.encode_header(ns, bytes(range(16, 32)), len(PAYLOAD), chunkfile.payload_digest(PAYLOAD), rec)
+    decoded = tenant.decode(chunkfile.decode_header(header).tenant)
+    assert decoded is not None and tenant.matches(decoded, ns, "B", None)
+    assert not tenant.matches(decoded, ns, "A", None)
+    raw = bytearray(header)
+    raw[chunkfile.TENANT_OFFSET + 10] ^= 0x01
+    assert tenant.decode(chunkfile.decode_header(bytes(raw)).tenant) is None

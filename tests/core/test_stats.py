@@ -13,7 +13,7 @@ TIER_LABELLED = ("kvtier_corrupt_chunks_total", "kvtier_evictions_total", "kvtie
                  "kvtier_write_errors_total")
 PRESENT_TIER = ("kvtier_capacity_bytes", "kvtier_usage_bytes", "kvtier_pinned_bytes", "kvtier_pinned_chunks")
 PLAIN = ("kvtier_dirty_bytes", "kvtier_dropped_saves_total", "kvtier_failed_loads_total", "kvtier_lookup_chunks_total",
-         "kvtier_lookup_tokens_total")
+         "kvtier_lookup_tokens_total", "kvtier_ttl_pin_refused_chunks_total")
 
 
 def exported(store):
@@ -40,6 +40,7 @@ def test_exported_series_keep_their_names_and_labels_and_read_the_snapshot(tmp_p
     want = {(n, (("tier", t),)) for n in TIER_LABELLED for t in ("cpu", "disk", "redis")}
     want |= {(n, (("tier", t),)) for n in PRESENT_TIER for t in ("cpu", "disk")}
     want |= {(n, ()) for n in PLAIN}
+    want.add(("kvtier_ttl_pinned_chunks", (("tier", "cpu"),)))  # requests' TTL pins: the top tier only
     want |= {(n, (("direction", d),)) for n in ("kvtier_transfer_bytes_total", "kvtier_transfer_seconds_total")
              for d in directions()}
     assert set(series) == want

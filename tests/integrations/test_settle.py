@@ -47,3 +47,17 @@ def test_settling_stops_after_the_window_and_starts_again_with_work():
     settle.step(idle=False)  # new work: the window starts again from the next idle step
     settle.step(idle=True)
     assert settle.pending()
+
+
+def test_events_waiting_to_be_published_keep_an_idle_engine_stepping_within_the_same_window():
+    clock = Clock()
+    waiting = [True]
+    settle = Settle(settle_s=10.0, clock=clock, more=lambda: waiting[0])
+    settle.observe(report({0: False}))
+    settle.step(idle=True)
+    assert settle.pending()  # a restart's announcements still wait for the rate limit
+    waiting[0] = False
+    assert not settle.pending()
+    waiting[0] = True
+    clock.now += 10.1
+    assert not settle.pending()  # bounded like a pin: the rest waits for the next request's steps

@@ -15,6 +15,7 @@ WAITING_FOR_REMOTE_KVS and the worker's loader threads.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,10 +46,12 @@ class Engine:
     def store(self) -> Any:
         return self.worker.store
 
-    def generate(self, prompt: str, salt: str | None = None, max_tokens: int = 8) -> dict[str, Any]:
+    def generate(self, prompt: str, salt: str | None = None, max_tokens: int = 8,
+                 pin_s: float | None = None) -> dict[str, Any]:
         from vllm import SamplingParams
 
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0)
+        extra = {"kv_transfer_params": {"kvtier_pin_s": pin_s}} if pin_s is not None else None
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, extra_args=extra)
         request: dict[str, Any] = {"prompt": prompt}
         if salt is not None:
             request["cache_salt"] = salt
@@ -91,7 +94,8 @@ def engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
     # a third tier from outside kvtier (tests/dict_tier.py), registered by the module tier_modules names
     kvtier = {"chunk_tokens": CHUNK_TOKENS, "cpu_gib": 16 * CHUNK_BYTES / (1 << 30), "disk_path": str(disk),
               "disk_gib": 0.05, "write_mode": "write-through", "tier_modules": ["tests.dict_tier_plugin"],
-              "tiers": ["cpu", "disk", "dict"], "dict_capacity_mib": 64 * CHUNK_BYTES / 2**20}
+              "tiers": ["cpu", "disk", "dict"], "dict_capacity_mib": 64 * CHUNK_BYTES / 2**20,
+              "pin_max_share": 0.9}  # two pinned prompts (13 chunks; 14 may be pinned) in the 16-chunk cpu tier
     llm = LLM(model=str(tiny_model), dtype="float32", max_model_len=1024, enforce_eager=True,
               gpu_memory_utilization=0.05, kv_cache_memory_bytes=64 << 20, block_size=32,
               num_gpu_blocks_override=40, enable_prefix_caching=True, disable_log_stats=False, seed=0,
@@ -458,3 +462,35 @@ def test_hit_sources_equal_loaded_tokens_per_tier_under_aborts_and_promotions(en
     assert sum(promised.values()) == delta(m1, m0, EXT_HITS)
     engine.store.flush()
     engine.store.check_integrity()
+
+
+def test_a_pinned_prompt_stays_in_the_cpu_tier_through_a_flood_until_its_ttl_passes(engine: Engine) -> None:
+    """Issue 22 item 4: ``kv_transfer_params.kvtier_pin_s`` keeps a prompt's chunks in the cpu tier
+    (the disk tier, write-through here, keeps everything: after its TTL the prompt is served from
+    disk instead).  Runs last: its long pin stays in the cpu tier."""
+    def pinned() -> int:
+        return int(engine.store.stats().tier("cpu").ttl_pinned_chunks)
+
+    def loadable(out: dict[str, Any]) -> int:  # full chunks before the last prompt token
+        return (len(out["prompt_ids"]) - 1) // CHUNK_TOKENS * CHUNK_TOKENS
+
+    system, brief = prompt(1301), prompt(1302)
+    first = engine.generate(system, pin_s=300)
+    held = pinned()
+    assert held == len(first["prompt_ids"]) // CHUNK_TOKENS  # every full chunk of the prompt
+    other = engine.generate(brief, pin_s=6)
+    assert pinned() == held + len(other["prompt_ids"]) // CHUNK_TOKENS
+    deadline = time.monotonic() + 60
+    while pinned() > held:  # brief's TTL passes
+        assert time.monotonic() < deadline, "the 6 s pin never expired"
+        time.sleep(0.2)
+    engine.evict_from_cpu_tier(seed=1400)  # 18 chunks through the pages the pin leaves
+    m0 = metrics_snapshot()
+    again = engine.generate(system)
+    m1 = metrics_snapshot()
+    assert delta(m1, m0, LOADED_CPU) == loadable(first) and delta(m1, m0, LOADED_DISK) == 0
+    engine.generate(brief)
+    m2 = metrics_snapshot()
+    assert delta(m2, m1, LOADED_CPU) == 0 and delta(m2, m1, LOADED_DISK) == loadable(other)
+    assert again["tokens"] == first["tokens"]
+    assert delta(m2, m0, "kvtier_ttl_pin_refused_chunks_total") == 0

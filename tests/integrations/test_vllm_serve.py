@@ -11,11 +11,24 @@ with SIGILL on AMX CPUs unless the connector asked first.  (kvtier's default wri
 before a SIGTERM restart is test_vllm_demo.py's case.)  The restarted server then takes an external
 reset (``/reset_prefix_cache?reset_external=true``): the files are gone when it answers, and the
 repeat of the prompt comes from no cache, bit for bit as the first server's cold run.
+Before the reset, ``kvtier purge --salt`` runs against the restarted server's disk directory
+(docs/purge.md): the first server also served one prompt under two cache salts, and after the
+purge of salt B the live server's next request with salt B loads nothing from kvtier once the
+documented bound has passed, while salt A's identical prompt still loads from disk.
+
+Both kvtier servers publish vLLM KV events (``--kv-events-config``), read by a real ZMQ subscriber
+with vLLM's own ``KVEventBatch``: the (block hash, medium) set the stream implies must be what the
+tiers hold: every saved chunk at ``CPU`` on the first server (its hashes vLLM's own, from its GPU
+events); on the restarted one, before any request, every flushed chunk at ``STORAGE`` (announced
+from the journal the first server wrote at its stop); nothing once the reset is acknowledged.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +37,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.integrations.kv_events_sub import EventSubscriber, events_config, free_port
 from tests.integrations.openai_client import metrics as served_metrics
 
 pytestmark = pytest.mark.engine
@@ -31,8 +45,10 @@ pytestmark = pytest.mark.engine
 TOLERANCE = 1e-3  # bfloat16 engine: logprobs of a cold prefill vs one continuing from loaded KV
 
 
-def _complete(base_url: str, model: str, prompt: str | list[int], max_tokens: int = 8) -> dict[str, Any]:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "logprobs": 0}
+def _complete(base_url: str, model: str, prompt: str | list[int], max_tokens: int = 8,
+              salt: str | None = None) -> dict[str, Any]:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "logprobs": 0,
+            **({"cache_salt": salt} if salt is not None else {})}
     r = httpx.post(base_url + "/v1/completions", json=body, timeout=600.0)
     r.raise_for_status()
     choice = r.json()["choices"][0]
@@ -59,7 +75,56 @@ def _settled(base_url: str, condition: Callable[[dict[str, float]], bool], timeo
 
 def _gauges(metrics: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in metrics.items() if k.startswith(("kvtier_pinned_", "kvtier_capacity_", "kvtier_usage_"))}
-def _reset_and_repeat(base_url: str, model: str, ids: list[int], disk_path: Path) -> tuple[dict[str, Any], dict[str, float]]:
+def _purge(disk_path: Path, *args: str) -> dict[str, Any]:
+    """``kvtier purge --disk-path DISK_PATH ARGS --json`` through the real CLI."""
+    proc = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "purge", "--disk-path", str(disk_path), *args,
+                           "--json"], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    return dict(json.loads(proc.stdout))
+
+
+def _purge_salt_b_and_repeat(base_url: str, model: str, ids: list[int], disk_path: Path,
+                             cold: dict[str, Any]) -> None:
+    """Purge salt B's chunk files under a live server that holds them on disk only (it restarted and
+    served neither salt since), wait for the documented bound (docs/purge.md: the worker's rescan
+    drops the files from its index, and the next step brings that to the scheduler: seen as the
+    disk usage gauge falling by the purged bytes, with one-token requests keeping the engine
+    stepping), then ask salt B and salt A for the same prompt."""
+    unknown_before = _purge(disk_path, "--salt", "purge-a", "--dry-run")["total"]
+    planned = _purge(disk_path, "--salt", "purge-b", "--dry-run")["total"]
+    usage_before = served_metrics(base_url).get("kvtier_usage_bytes{disk}", 0)
+    removed = _purge(disk_path, "--salt", "purge-b")["total"]
+    assert removed == planned and removed["chunks"] >= (len(ids) - 1) // 128 >= 6
+    assert _purge(disk_path, "--salt", "purge-a", "--dry-run")["total"] == unknown_before  # salt A untouched
+    assert unknown_before["chunks"] == removed["chunks"] and unknown_before["unknown_tenant"] == 0
+    deadline = time.monotonic() + 60.0  # generous: the documented bound is about 2.2 s on an idle machine
+    while served_metrics(base_url).get("kvtier_usage_bytes{disk}", 0) > usage_before - removed["bytes"]:
+        assert time.monotonic() < deadline, "the live server never noticed the purged files"
+        _complete(base_url, model, "a step", max_tokens=1)
+        time.sleep(0.2)
+    before = served_metrics(base_url)
+    b = _complete(base_url, model, ids, salt="purge-b")
+    after_b = served_metrics(base_url)
+    a = _complete(base_url, model, ids, salt="purge-a")
+    after_a = served_metrics(base_url)
+
+    def grew(m0: dict[str, float], m1: dict[str, float], name: str) -> float:
+        return m1.get(name, 0) - m0.get(name, 0)
+
+    assert grew(before, after_b, "kvtier_loaded_tokens_total") == 0, "a purged chunk was served"
+    assert grew(before, after_b, "vllm:external_prefix_cache_hits_total") == 0, "reported as a hit past the bound"
+    assert grew(before, after_b, "kvtier_load_failed_blocks_total") == 0
+    assert b["tokens"] == cold["tokens"] and b["logprobs"] == cold["logprobs"]  # computed cold, same threads
+    assert grew(after_b, after_a, "kvtier_loaded_tokens_total{disk}") == (len(ids) - 1) // 128 * 128  # A still hits
+    assert a["tokens"] == cold["tokens"]
+
+
+def _assert(ok: bool, detail: object) -> None:
+    assert ok, detail
+
+
+def _reset_and_repeat(base_url: str, model: str, ids: list[int], disk_path: Path,
+                      after_reset: Callable[[], None] = lambda: None) -> tuple[dict[str, Any], dict[str, float]]:
     """``POST /reset_prefix_cache?reset_external=true`` on a server that just served ``ids`` (vLLM's
     own prefix cache and kvtier's tiers hold it), then ``ids`` again: nothing of it may come from
     any cache.  Returns the repeat's completion and the metrics after it."""
@@ -69,6 +134,7 @@ def _reset_and_repeat(base_url: str, model: str, ids: list[int], disk_path: Path
     # done means a restart now would find nothing: the chunk files went before the answer, though no
     # step has run since (the workers clear their stores with the next one)
     assert list(disk_path.glob("*/*/*.kvc")) == []
+    after_reset()
     before = served_metrics(base_url)
     repeat = _complete(base_url, model, ids)
     after = served_metrics(base_url)
@@ -102,26 +168,59 @@ def test_sigterm_flushes_write_back_and_the_restart_reproduces_the_engines_own_p
                              kv_transfer_config=transfer_config(disk), memory_fraction=0.1, enforce_eager=True,
                              shutdown_timeout_s=30, extra_args=("--dtype", "bfloat16"))
     text = random_prompt(401, 420)
+    salted_text = random_prompt(402, 420)
     runs, metrics, logs = [], [], []
+    announced: dict[str, set[tuple[int | bytes, str]]] = {}  # what the KV event stream implied, by step
     for name, kvtier in (("first", write_back), ("restarted", disk)):
+        port, replay_port = free_port(), free_port()
         spec = dataclasses.replace(with_kvtier, kv_transfer_config=transfer_config(kvtier),
-                                   env={"VLLM_SERVER_DEV_MODE": "1"})  # POST /reset_prefix_cache
+                                   env={"VLLM_SERVER_DEV_MODE": "1"},  # POST /reset_prefix_cache
+                                   extra_args=(*with_kvtier.extra_args, "--kv-events-config",
+                                               events_config(port, replay_port)))
+        # a router's view: subscribed before the server binds; what ZMQ drops before the subscription
+        # took (the boot's first batches) it asks of vLLM's replay endpoint
+        events = EventSubscriber(port, replay_port)
         with Server(spec, tmp_path / f"{name}.log").start(600) as server:
             # an idle engine steps until kvtier's first report is in: capacities show before any request
             booted = _settled(server.base_url, lambda m: m.get("kvtier_capacity_bytes{cpu}", 0) > 0
                               and m.get("kvtier_capacity_bytes{disk}", 0) > 0)
             assert booted, f"capacities still 0 at idle after boot: {_gauges(served_metrics(server.base_url))}"
+            if name == "restarted":  # the disk tier's chunks, announced from the journal before any request
+                flushed = {h for h, _ in announced["first"]}
+                files = len(list((tmp_path / "disk").glob("*/*/*.kvc")))
+                on_disk = {(h, "STORAGE") for h in flushed}
+                assert events.wait(lambda held, on_disk=on_disk: held == on_disk), (
+                    f"restart announced {len(events.held())} blocks, {files} chunk files on disk, "
+                    f"{len(flushed)} announced by the first server")
+                assert files == len(flushed)
             ids = _token_ids(server.base_url, server.served_model, text)
             runs.append(_complete(server.base_url, server.served_model, ids))
             metrics.append(served_metrics(server.base_url))
+            salted_ids = _token_ids(server.base_url, server.served_model, salted_text)
+            if name == "first":  # one prompt under two cache salts: each saved with its tenant record
+                salted_cold = _complete(server.base_url, server.served_model, salted_ids, salt="purge-a")
+                salted_b = _complete(server.base_url, server.served_model, salted_ids, salt="purge-b")
+                assert salted_b["tokens"] == salted_cold["tokens"]  # another salt shares nothing: computed too
             # ... and until its pins are released: at idle the pin gauges read 0 within seconds
             unpinned = _settled(server.base_url, lambda m: not any(v for k, v in m.items()
                                                                   if k.startswith("kvtier_pinned_")))
             assert unpinned, f"pins still shown at idle: {_gauges(served_metrics(server.base_url))}"
-            if name == "restarted":
-                after_reset, reset_metrics = _reset_and_repeat(server.base_url, server.served_model, ids,
-                                                               tmp_path / "disk")
+            saved = int(served_metrics(server.base_url).get("kvtier_saved_tokens_total", 0)) // 128
+            if name == "first":  # every saved chunk (one 128-token block each) at CPU, under vLLM's own hashes
+                assert events.wait(lambda held, saved=saved: len(held) == saved), (len(events.held()), saved)
+                announced[name] = events.held()
+                assert {m for _, m in announced[name]} == {"CPU"}
+                assert {h for h, _ in announced[name]} <= {h for h, _ in events.held(("GPU",))}
+            else:  # everything still held, each block at one medium; then the purge, then the reset
+                held_now = events.held()
+                assert len({h for h, _ in held_now}) == len(held_now) >= len(announced["first"])
+                _purge_salt_b_and_repeat(server.base_url, server.served_model, salted_ids, tmp_path / "disk",
+                                         salted_cold)
+                after_reset, reset_metrics = _reset_and_repeat(
+                    server.base_url, server.served_model, ids, tmp_path / "disk",
+                    after_reset=lambda events=events: _assert(events.wait(lambda held: not held), events.held()))
         # leaving the block sent SIGTERM; the server stopped gracefully (--shutdown-timeout 30)
+        events.close()
         logs.append((tmp_path / f"{name}.log").read_text(errors="replace"))
         assert "Illegal instruction" not in logs[-1]
     assert "shutdown flush wrote" in logs[0], f"the graceful stop did not flush:\n{logs[0][-3000:]}"

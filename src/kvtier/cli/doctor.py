@@ -146,6 +146,9 @@ def doctor_command(
                 "skipped_lookups": meters.shared.skipped_lookups, "errors": meters.shared.errors,
                 "skipped_calls": meters.shared.skipped_calls, "skipped_writes": meters.shared.skipped_writes,
                 "breaker": meters.shared.breaker, "breaker_state": meters.shared.breaker_state},
+            "pins": None if meters.pins is None else {
+                "pinned_chunks": meters.pins.chunks, "pinned_bytes": meters.pins.bytes,
+                "refused_chunks": meters.pins.refused},
             "expected_offload_gib": expect_offload_gib, "tp": tp,
             "checks": [{"level": c.level, "message": c.message} for c in diagnosis.checks],
             "verdict": diagnosis.verdict,

@@ -68,6 +68,7 @@ COMMAND_MODULES = (
     "kvtier.cli.audit",
     "kvtier.cli.check",
     "kvtier.cli.doctor",
+    "kvtier.cli.purge",
 )
 
 for _name in COMMAND_MODULES:

@@ -102,6 +102,11 @@ class KVTierConfig(BaseSettings):
     disk_fsync: bool = Field(False, description="fsync each chunk file before it becomes visible (durable across power loss).")
     shutdown_flush_s: float = Field(30.0, ge=0, allow_inf_nan=False,
                                     description="On a graceful stop, seconds allowed to write dirty DRAM chunks to disk.")
+    pin_max_share: float = Field(0.25, ge=0, le=0.9, allow_inf_nan=False, description=(
+        "Largest share of the cpu tier's pages that requests may pin with a TTL (kv_transfer_params "
+        "kvtier_pin_s); a pin past it is refused and counted; 0 turns pins off."))
+    pin_max_s: float = Field(3600.0, gt=0, allow_inf_nan=False, description=(
+        "Longest TTL a request may ask for its pinned prefix, seconds (a longer one is cut to this)."))
     reset_scope: str = Field("local", description=(
         "Tiers cleared when vLLM asks for an external reset (POST /reset_prefix_cache?reset_external=true): "
         "cpu = the cpu tier; local = cpu and disk; all = also the shared tier (only this engine's namespace keys)."))

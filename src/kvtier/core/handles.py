@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvtier.core.keys import ChunkKey
+from kvtier.core.tenant import TenantId
 
 
 @dataclass
@@ -107,6 +108,8 @@ class StoreHandle:
         parents: the previous key in the chain for each key (``None`` for chunk 0).
         buffers: writable uint8 arrays ``[chunk_bytes]``; fill them, then call ``complete_store``.
         epoch: the store's reset epoch when the pages were reserved (a reset since: nothing is published).
+        tenant: who the chunks are saved for (:mod:`kvtier.core.tenant`), written with them into
+            the tiers that keep a tenant record; ``None``: unknown.
     """
 
     keys: list[ChunkKey]
@@ -115,6 +118,7 @@ class StoreHandle:
     buffers: list[np.ndarray]
     done: bool = False
     epoch: int = 0
+    tenant: TenantId | None = None
 
     @property
     def num_chunks(self) -> int:

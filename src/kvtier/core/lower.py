@@ -33,6 +33,7 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.policies import EvictionPolicy, make_policy
 from kvtier.core.policies.admission import AdmissionPolicy, AdmitAll
 from kvtier.core.stats import StoreCounters
+from kvtier.core.tenant import TenantId, writing_for
 from kvtier.core.tiers.base import (
     ClearResult,
     ExactUsage,
@@ -57,6 +58,7 @@ class WriteJob:
         evict_after: drop the chunk from the top tier once written (spill ahead).
         epoch: the tier's reset epoch when queued (set by :meth:`LowerTier.enqueue`); a write of an
             older epoch is dropped, or its chunk deleted if it landed after the reset.
+        tenant: who the chunk was saved for (:mod:`kvtier.core.tenant`), ``None`` when unknown.
     """
 
     key: ChunkKey
@@ -64,6 +66,7 @@ class WriteJob:
     data: np.ndarray | None
     evict_after: bool
     epoch: int = 0
+    tenant: TenantId | None = None
 
     @property
     def from_top(self) -> bool:
@@ -253,7 +256,8 @@ class LowerTier:
         result = PutResult.NO_ROOM
         t0 = time.perf_counter()
         if room and data is not None:
-            result = tier.put(job.key, memoryview(data.data))
+            with writing_for(job.tenant):  # a tier with room for a tenant record reads it (kvtier.core.tenant)
+                result = tier.put(job.key, memoryview(data.data))
         seconds = time.perf_counter() - t0
         ok = result.stored
         with self._lock:

@@ -37,6 +37,8 @@ class StoreMetrics(Collector):
         kvtier_usage_bytes{tier}, kvtier_capacity_bytes{tier}; kvtier_config (info).
         kvtier_pinned_chunks{tier} / kvtier_pinned_bytes{tier}: chunks held by loads or disk writes in
             flight; zero when idle, so a leak shows.
+        kvtier_ttl_pinned_chunks{tier}, kvtier_ttl_pin_refused_chunks: requests' TTL pins held, and
+            pins refused past ``pin_max_share``.
         kvtier_dirty_bytes: bytes in DRAM not yet on the disk tier (what a crash would lose).
         kvtier_tier_*{tier}: a remote tier's wire numbers (:func:`~kvtier.core.tiers.tiermetrics.wire_families`).
 
@@ -112,6 +114,10 @@ class StoreMetrics(Collector):
                  {n: t.pinned_chunks for n, t in tiers.items()}, GaugeMetricFamily)
         yield by("kvtier_pinned_bytes", "Bytes of pinned chunks, by tier.", "tier",
                  {n: t.pinned_chunks * s.chunk_bytes for n, t in tiers.items()} if s else {}, GaugeMetricFamily)
+        yield by("kvtier_ttl_pinned_chunks", "Chunks pinned by requests with a TTL not yet passed, by tier.", "tier",
+                 {n: t.ttl_pinned_chunks for n, t in list(tiers.items())[:1]}, GaugeMetricFamily)  # the top tier
+        yield counter("kvtier_ttl_pin_refused_chunks", "TTL pins refused: pin_max_share of the cpu tier was pinned.",
+                      s.ttl_pin_refused_chunks if s else 0)
         dirty = GaugeMetricFamily("kvtier_dirty_bytes", "Bytes held in DRAM but not yet on the disk tier.")
         if s is not None:
             dirty.add_metric([], s.dirty_bytes)

@@ -142,6 +142,8 @@ class TierStats:
             are in ``wire.skipped_writes``.
         wire: a remote tier's wire numbers (:class:`WireStats`); ``None`` for a local tier.
         reset_chunks: chunks removed from this tier by resets (:meth:`kvtier.core.store.TieredStore.clear`).
+        ttl_pinned_chunks: chunks requests pinned with a TTL (:meth:`kvtier.core.store.TieredStore.ttl_pin`)
+            whose deadline has not passed.
     """
 
     used_bytes: int = 0
@@ -155,6 +157,7 @@ class TierStats:
     wire: WireStats | None = None
     write_errors: int = 0
     reset_chunks: int = 0
+    ttl_pinned_chunks: int = 0
 
 
 @dataclass(frozen=True)
@@ -187,6 +190,8 @@ class StoreStats:
             ``loaded_tokens``, as vLLM counts them apart from its external hits).
         saved_tokens: tokens of the chunks newly saved from the engine.
         load_failed_blocks: engine blocks a load could not fill (the engine recomputes them).
+        ttl_pin_chunks / ttl_pin_refused_chunks: chunks requests pinned with a TTL, and pins refused
+            because ``pin_max_share`` of the cpu tier was pinned already.
     """
 
     chunk_bytes: int
@@ -208,6 +213,8 @@ class StoreStats:
     load_failed_blocks: int = 0
     unfilled_tokens: Mapping[str, int] = field(default_factory=dict)
     rerouted_chunks: int = 0
+    ttl_pin_chunks: int = 0
+    ttl_pin_refused_chunks: int = 0
 
     def tier(self, name: str) -> TierStats:
         """The tier called ``name``; all zeros if the store has none."""
@@ -256,6 +263,14 @@ class StoreCounters:
         self.reset_chunks: Counter[str] = Counter()
         self.unfilled_tokens: Counter[str] = Counter()
         self.rerouted_chunks = 0
+        self.ttl_pin_chunks = 0
+        self.ttl_pin_refused_chunks = 0
+
+    def ttl_pinned(self, pinned: int, refused: int) -> None:
+        """Requests' TTL pins: ``pinned`` chunks pinned (or renewed), ``refused`` past the budget."""
+        with self._lock:
+            self.ttl_pin_chunks += pinned
+            self.ttl_pin_refused_chunks += refused
 
     def looked_up(self, num_chunks: int, found: Mapping[str, int]) -> None:
         """A lookup of ``num_chunks`` chunks found ``found[tier]`` chunks in each tier."""
@@ -346,7 +361,8 @@ class StoreCounters:
         with self._lock:
             merged = {name: TierStats(t.used_bytes, t.capacity_bytes, t.num_chunks, self.lookup_hit_chunks[name],
                                       self.load_hit_chunks[name], self.evictions[name], t.corrupt_chunks,
-                                      t.pinned_chunks, t.wire, t.write_errors, self.reset_chunks[name])
+                                      t.pinned_chunks, t.wire, t.write_errors, self.reset_chunks[name],
+                                      t.ttl_pinned_chunks)
                       for name, t in tiers.items()}
             return StoreStats(chunk_bytes, chunk_tokens, merged, self.lookup_chunks, self.failed_loads,
                               self.dropped_saves, self.saved_chunks, self.flush_missed_chunks,
@@ -356,4 +372,4 @@ class StoreCounters:
                               self.reloaded_tokens, self.saved_tokens, self.load_failed_blocks,
                               {t: self.unfilled_tokens[t] for t in dict.fromkeys((*available_tiers(),
                                                                                   *self.unfilled_tokens))},
-                              self.rerouted_chunks)
+                              self.rerouted_chunks, self.ttl_pin_chunks, self.ttl_pin_refused_chunks)

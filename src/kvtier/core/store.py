@@ -72,7 +72,8 @@ from kvtier.core.policies.admission import make_admission
 from kvtier.core.promotion import Promoter, Promotion
 from kvtier.core.shared import SharedLookups
 from kvtier.core.stats import StoreCounters, StoreStats, TierStats
-from kvtier.core.tiers.base import AlreadyHeld, ClearResult, NoRoom, StagingTier, Tier
+from kvtier.core.tenant import TenantId
+from kvtier.core.tiers.base import AlreadyHeld, ClearResult, NoRoom, Paged, StagingTier, Tier
 from kvtier.core.tiers.factory import TierContext, make_tier
 from kvtier.core.top import TopTier
 
@@ -348,9 +349,11 @@ class TieredStore(ChangeFeedMixin):
                         lt.policy.touch(used)
 
     # ---- store ---------------------------------------------------------------------------
-    def prepare_store(self, chain: Sequence[ChunkKey], start: int = 0) -> StoreHandle:
-        """Reserve top-tier pages for ``chain[start:]`` chunks not stored yet (see module docstring)."""
-        handle = StoreHandle([], [], [], [])
+    def prepare_store(self, chain: Sequence[ChunkKey], start: int = 0, tenant: TenantId | None = None) -> StoreHandle:
+        """Reserve top-tier pages for ``chain[start:]`` chunks not stored yet (see module docstring);
+        ``tenant``: who they are saved for, written with them where a tier keeps a tenant record
+        (:mod:`kvtier.core.tenant`; ``None``: unknown)."""
+        handle = StoreHandle([], [], [], [], tenant=tenant)
         with self._lock:
             handle.epoch = self.top.epoch
             for i in range(start, len(chain)):
@@ -384,18 +387,52 @@ class TieredStore(ChangeFeedMixin):
                 if not success:
                     self.cpu.abort(key)
                     continue
-                self.top.publish(key, parent)
+                self.top.publish(key, parent, handle.tenant)
                 for lt in self._through:  # a shared server may have lost what this process wrote
                     if lt.shared or not lt.tier.indexed(key):  # (restart, its own eviction, TTL): write
-                        self.top.enqueue(lt, WriteJob(key, parent, None, evict_after=False))  # again
+                        self.top.enqueue(lt, WriteJob(key, parent, None, evict_after=False,  # again
+                                                      tenant=handle.tenant))
             if success:
                 self.counters.saved(len(handle.keys))
                 self.top.spill_ahead()
 
+    # ---- TTL pins ----------------------------------------------------------------------------
+    def ttl_pin(self, keys: Sequence[ChunkKey], ttl_s: float) -> tuple[int, int]:
+        """Keep ``keys`` in the top tier for ``ttl_s`` seconds (a request's pinned prefix, issue 22 item 4).
+
+        Only chunks resident in the top tier are pinned (a chunk not held there is skipped); a pin
+        already held keeps the later deadline.  At most ``pin_max_share`` of the top tier's pages
+        are pinned at once: a pin past that is refused and counted (never an eviction storm).
+        Pinned chunks are never evicted before their deadline and need no unpin; a reset drops them.
+
+        Returns:
+            ``(pinned, refused)`` chunk counts.
+        """
+        if ttl_s <= 0:
+            return 0, 0
+        deadline = time.monotonic() + ttl_s
+        pinned = refused = 0
+        with self._lock:
+            budget = self._ttl_pin_budget()
+            for key in keys:
+                if not self.top.resident(key):
+                    continue
+                if self.top.ttl_pin(key, deadline, budget):
+                    pinned += 1
+                else:
+                    refused += 1
+        self.counters.ttl_pinned(pinned, refused)
+        return pinned, refused
+
+    def _ttl_pin_budget(self) -> int:
+        pages = self.cpu.num_pages if isinstance(self.cpu, Paged) else self.cpu.usage().capacity_bytes // self.chunk_bytes
+        return int(self.config.pin_max_share * pages)
+
     # ---- convenience ---------------------------------------------------------------------
-    def put(self, chain: Sequence[ChunkKey], datas: Sequence[bytes | memoryview | np.ndarray]) -> int:
-        """Store ``datas[i]`` (``chunk_bytes`` each) under ``chain[i]``; returns chunks newly stored."""
-        handle = self.prepare_store(chain)
+    def put(self, chain: Sequence[ChunkKey], datas: Sequence[bytes | memoryview | np.ndarray],
+            tenant: TenantId | None = None) -> int:
+        """Store ``datas[i]`` (``chunk_bytes`` each) under ``chain[i]`` for ``tenant``; returns chunks newly stored."""
+        handle = self.prepare_store(chain, tenant=tenant)
         ok = False
         try:
             t0 = time.perf_counter()
@@ -479,7 +516,8 @@ class TieredStore(ChangeFeedMixin):
                         break  # evicted (then staged and queued), already on its way, or written
                     if not any(lt.queue.full() for lt in missing):
                         for lt in missing:
-                            self.top.enqueue(lt, WriteJob(key, self.top.parent.get(key), None, evict_after=False))
+                            self.top.enqueue(lt, WriteJob(key, self.top.parent.get(key), None, evict_after=False,
+                                                                  tenant=self.top.tenant.get(key)))
                         break
                 time.sleep(0.002)
         while any(lt.queue.unfinished_tasks for lt in self._local) and time.monotonic() < deadline:
@@ -492,14 +530,19 @@ class TieredStore(ChangeFeedMixin):
     def _pinned_locked(self) -> dict[str, int]:
         return {self.cpu.name: len(self.top.pins), **{lt.name: len(lt.pins) for lt in self.lower}}
 
+    def _ttl_pinned_locked(self) -> dict[str, int]:
+        self.top.expire_ttl_pins()
+        return {self.cpu.name: len(self.top.ttl_pins)}
+
     def stats(self) -> StoreStats:
         """The store's counters and each tier's usage, as one snapshot (:mod:`kvtier.core.stats`)."""
         with self._lock:
             pinned = self._pinned_locked()
+            ttl_pinned = self._ttl_pinned_locked()
             all_tiers = {t.name: t for t in (self.cpu, *(lt.tier for lt in self.lower))}
             tiers = {name: TierStats(u.used_bytes, u.capacity_bytes, u.num_chunks, corrupt_chunks=t.corrupt,
                                      pinned_chunks=pinned.get(name, 0), wire=t.wire_stats(),
-                                     write_errors=t.write_errors)
+                                     write_errors=t.write_errors, ttl_pinned_chunks=ttl_pinned.get(name, 0))
                      for name, t in all_tiers.items() for u in (t.usage(),)}
             return self.counters.snapshot(self.chunk_bytes, self.chunk_tokens, tiers, self.dirty_bytes(),
                                           sum(lt.queue.unfinished_tasks for lt in self.lower))

@@ -4,6 +4,8 @@ Every chunk passes through the top tier: saves are staged in its pages, loads fr
 are promoted into them.  :class:`TopTier` tracks
 
 - ``pins``: chunks that callers hold views of, or that a write job reads; never evicted;
+- ``ttl_pins``: chunks a request asked to keep for a while (:meth:`TopTier.ttl_pin`, a deadline
+  each, at most a budget of pages); never evicted before their deadline, forgotten after it;
 - ``staged``: private copies of chunks already evicted from the pages but still queued for a
   write-back tier; servable until every queued write of them is done (``pending``);
 - ``parent``: the previous chunk of each resident chunk's chain, for the policies;
@@ -21,6 +23,7 @@ All methods need the store's lock.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +34,7 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.lower import LowerTier, WriteJob
 from kvtier.core.policies import EvictionPolicy
 from kvtier.core.stats import StoreCounters
+from kvtier.core.tenant import TenantId
 from kvtier.core.tiers.base import Paged, StagingTier
 
 
@@ -57,9 +61,11 @@ class TopTier:
         self.writing: Counter[ChunkKey] = Counter()  # write jobs reading a page (subset of pins)
         self.staged: dict[ChunkKey, StagedCopy] = {}
         self.parent: dict[ChunkKey, ChunkKey | None] = {}
+        self.tenant: dict[ChunkKey, TenantId] = {}  # who each resident chunk was saved for, when known
         self.uses: Counter[ChunkKey] = Counter()  # times each resident chunk was served (admission)
         self.epoch = 0  # resets so far (the store's; promotions and saves started in an older one are dropped)
         self.doomed: set[ChunkKey] = set()  # dropped by a reset while pinned: freed at the last unpin
+        self.ttl_pins: dict[ChunkKey, float] = {}  # requests' TTL pins: chunk -> time.monotonic() deadline
         self._counters = counters
         self.on_change: Callable[[ChunkKey], None] = lambda key: None  # the store's change feed
 
@@ -82,12 +88,46 @@ class TopTier:
                 self.doomed.discard(key)
                 self._drop(key)
 
+    def ttl_pin(self, key: ChunkKey, deadline: float, budget: int) -> bool:
+        """Keep resident ``key`` from eviction until ``deadline`` (``time.monotonic()`` seconds).
+
+        A chunk pinned already keeps the later deadline; a new pin is refused (False) when the
+        chunk is not resident or ``budget`` chunks are pinned already (expired pins do not count)."""
+        if key in self.ttl_pins:
+            self.ttl_pins[key] = max(self.ttl_pins[key], deadline)
+            return True
+        if not self.resident(key):
+            return False
+        if len(self.ttl_pins) >= budget:
+            self.expire_ttl_pins()
+            if len(self.ttl_pins) >= budget:
+                return False
+        self.ttl_pins[key] = deadline
+        return True
+
+    def expire_ttl_pins(self) -> None:
+        """Forget TTL pins whose deadline passed."""
+        now = time.monotonic()
+        for key in [k for k, d in self.ttl_pins.items() if d <= now]:
+            del self.ttl_pins[key]
+
+    def ttl_pinned(self, key: ChunkKey) -> bool:
+        """``key`` has a TTL pin whose deadline has not passed (an expired one is forgotten here)."""
+        deadline = self.ttl_pins.get(key)
+        if deadline is None:
+            return False
+        if deadline <= time.monotonic():
+            del self.ttl_pins[key]
+            return False
+        return True
+
     def clear(self) -> list[ChunkKey]:
         """A reset: drop every resident and staged chunk now, except pinned ones, which become
         doomed (freed at their last unpin).  Reserved pages stay with their owners (a save or a
         promotion), which give them back when they see the new :attr:`epoch` (the store bumps it).
         Returns the keys dropped or doomed."""
         removed = [k for k in self.tier.keys() if k not in self.doomed]  # noqa: SIM118 - a list
+        self.ttl_pins.clear()
         for key in removed:
             if key in self.pins:
                 self.doomed.add(key)
@@ -101,12 +141,14 @@ class TopTier:
         return removed
 
     def evictable(self, key: ChunkKey) -> bool:
-        return key not in self.pins
+        return key not in self.pins and not self.ttl_pinned(key)
 
-    def publish(self, key: ChunkKey, parent: ChunkKey | None) -> None:
-        """Commit a reserved page and start tracking it."""
+    def publish(self, key: ChunkKey, parent: ChunkKey | None, tenant: TenantId | None = None) -> None:
+        """Commit a reserved page and start tracking it (saved for ``tenant``, when known)."""
         self.tier.commit(key)
         self.parent[key] = parent
+        if tenant is not None:
+            self.tenant[key] = tenant
         self.policy.insert(key, parent)
         self.on_change(key)
 
@@ -135,7 +177,9 @@ class TopTier:
         self.tier.delete(key)
         self.policy.remove(key)
         self.parent.pop(key, None)
+        self.tenant.pop(key, None)
         self.uses.pop(key, None)
+        self.ttl_pins.pop(key, None)
         self.on_change(key)
 
     # ---- eviction and spill --------------------------------------------------------------
@@ -150,7 +194,8 @@ class TopTier:
         if missing:  # write-back: stage a copy so the page is free now; the writes happen on workers
             copy = self.stage(victim)
             for lt in missing:
-                if lt.enqueue(WriteJob(victim, self.parent.get(victim), copy.data, evict_after=False)):
+                if lt.enqueue(WriteJob(victim, self.parent.get(victim), copy.data, evict_after=False,
+                                           tenant=self.tenant.get(victim))):
                     copy.pending += 1
             if not copy.pending:
                 del self.staged[victim]
@@ -174,7 +219,8 @@ class TopTier:
                 self.evict(victim)
                 free += 1
                 continue
-            queued = [self.enqueue(lt, WriteJob(victim, self.parent.get(victim), None, evict_after=True))
+            queued = [self.enqueue(lt, WriteJob(victim, self.parent.get(victim), None, evict_after=True,
+                                                           tenant=self.tenant.get(victim)))
                       for lt in missing]
             if not any(queued):
                 return
@@ -213,7 +259,7 @@ class TopTier:
             self.release_staged(job.key)
             return
         self._done_writing(job.key)
-        if job.evict_after and ok and self.resident(job.key) and job.key not in self.pins:
+        if job.evict_after and ok and self.resident(job.key) and self.evictable(job.key):
             self.evict(job.key)
 
     def check(self) -> None:
@@ -225,3 +271,4 @@ class TopTier:
         tracked = set(self.policy.keys())
         assert resident == tracked, \
             f"{self.name} policy tracks {len(tracked)} chunks but {len(resident)} are resident"
+        assert set(self.ttl_pins) <= resident, f"{self.name} TTL-pins chunks that are not resident"

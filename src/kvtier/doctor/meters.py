@@ -92,6 +92,25 @@ def shared_tier(before: Snapshot, after: Snapshot) -> SharedTier | None:
 
 
 @dataclass(frozen=True)
+class Pins:
+    """Requests' TTL pins in the cpu tier at the second scrape, and pins refused between the scrapes."""
+
+    chunks: float
+    bytes: float
+    refused: float
+
+
+def pins_of(before: Snapshot, after: Snapshot) -> Pins | None:
+    """The :class:`Pins` of ``after`` (refusals since ``before``); None when the server exports none."""
+    if "kvtier_ttl_pinned_chunks" not in after.pins:
+        return None
+    refused_after = after.pins.get("kvtier_ttl_pin_refused_chunks", 0.0)
+    refused = refused_after - before.pins.get("kvtier_ttl_pin_refused_chunks", 0.0)
+    return Pins(after.pins["kvtier_ttl_pinned_chunks"], after.pins.get("kvtier_ttl_pinned_bytes", 0.0),
+                refused if refused >= 0 else refused_after)
+
+
+@dataclass(frozen=True)
 class Meters:
     """What happened between two scrapes ``interval_s`` seconds apart (None when unknown, e.g. two
     recorded files).  Tokens are prompt tokens.  ``went_backwards`` names the counters that were
@@ -112,6 +131,8 @@ class Meters:
     """kvtier only: prompt tokens each tier (cpu, disk) served into the engine between the scrapes."""
     shared: SharedTier | None = None
     """kvtier's shared tier (redis), None when the server has none."""
+    pins: Pins | None = None
+    """kvtier's requests' TTL pins, None when the server reports none."""
 
     @property
     def hit_rate(self) -> float | None:
@@ -162,6 +183,7 @@ def measure(before: Snapshot, after: Snapshot, interval_s: float | None) -> Mete
                                       if value >= before.kvtier_loaded.get(tier, 0.0) else value)
                                for tier, value in sorted(after.kvtier_loaded.items())},
         shared=shared_tier(before, after),
+        pins=pins_of(before, after),
     )
 
 

@@ -32,6 +32,9 @@ SHARED = ("kvtier_shared_lookup_chunks", "kvtier_shared_lookup_hit_chunks", "kvt
 """The shared tier's series: counters (``_total``) and the breaker gauge (summed over ranks: 0 closed
 everywhere; 1 per half-open rank, 2 per open rank).  The gauge is present only when the workers
 have a redis tier, so its presence says the shared tier is configured."""
+PINS = ("kvtier_ttl_pinned_chunks", "kvtier_ttl_pinned_bytes", "kvtier_ttl_pin_refused_chunks")
+"""Requests' TTL pins (docs/vllm.md "Pinning a prefix"): the cpu tier's pinned chunks and bytes
+(gauges, summed over ranks) and pins refused past ``pin_max_share`` (a counter, ``_total``)."""
 
 
 @dataclass
@@ -48,6 +51,8 @@ class Snapshot:
     kvtier_loaded: dict[str, float] = field(default_factory=dict)
     shared: dict[str, float] = field(default_factory=dict)
     """The shared tier's :data:`SHARED` values by name (empty without a redis tier)."""
+    pins: dict[str, float] = field(default_factory=dict)
+    """The :data:`PINS` values by name (empty on a kvtier older than pins, or another connector)."""
 
     @property
     def has_shared_tier(self) -> bool:
@@ -88,11 +93,12 @@ def parse_metrics(text: str, where: str) -> Snapshot:
             for sample in family.samples:
                 snap.cache_config = {k: v for k, v in sample.labels.items()}
                 break
-        elif family.name in SHARED:
+        elif family.name in SHARED or family.name in PINS:
+            into = snap.shared if family.name in SHARED else snap.pins
             values = [s.value for s in family.samples
                       if not s.name.endswith("_created") and math.isfinite(s.value) and s.value >= 0]
             if values:
-                snap.shared[family.name] = snap.shared.get(family.name, 0.0) + sum(values)
+                into[family.name] = into.get(family.name, 0.0) + sum(values)
         elif family.name in (KVTIER_CAPACITY, KVTIER_USAGE, KVTIER_LOADED):
             into = {KVTIER_CAPACITY: snap.kvtier_capacity, KVTIER_USAGE: snap.kvtier_usage,
                     KVTIER_LOADED: snap.kvtier_loaded}[family.name]

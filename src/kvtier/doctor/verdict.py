@@ -135,6 +135,14 @@ def diagnose(meters: Meters, alloc: Allocation, cache_config: dict[str, str], ex
         add(size)
     if meters.shared is not None:
         d.checks.extend(_shared_checks(meters.shared))
+    if meters.pins is not None and (meters.pins.chunks or meters.pins.refused):
+        pinned = f"{meters.pins.chunks:,.0f} chunks ({meters.pins.bytes / 2**20:,.1f} MiB) of the cpu tier pinned by requests"
+        if meters.pins.refused:
+            add(Check("warning", f"Pins: {meters.pins.refused:,.0f} chunk pins refused between the scrapes: "
+                      f"pin_max_share of the cpu tier is pinned already ({pinned}); raise pin_max_share or cpu_gib, "
+                      "or pin less (kv_transfer_params kvtier_pin_s)."))
+        else:
+            add(Check("ok", f"Pins: {pinned}."))
     why_not = _cannot_judge(meters)
     if why_not:
         add(Check("warning", why_not))

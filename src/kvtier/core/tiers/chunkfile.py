@@ -12,7 +12,9 @@ payload starting at offset 4096.  The header block holds::
     40      8     payload length, bytes
     48      16    XXH3-128 of the payload
     64      8     XXH3-64 of bytes 0..63 (header checksum)
-    72      4024  reserved (zero)
+    72      128   tenant record (:mod:`kvtier.core.tenant`; zero when unknown), not covered by
+                  the header checksum: it has its own
+    200     3896  reserved (zero)
 
 The payload starts on a 4096-byte boundary so that it can be read and written with ``O_DIRECT``
 straight into and out of page-aligned buffers (the cpu tier's pages); 4096 bytes is the largest
@@ -44,7 +46,13 @@ HEADER_BYTES = 4096
 """Bytes of the header block = offset of the payload in the file."""
 _HEAD = struct.Struct("<4sHH16s16sQ16s")  # 64 bytes, covered by the header checksum
 _SUMMED = _HEAD.size + 8
-_ZEROS = bytes(HEADER_BYTES - _SUMMED)
+TENANT_OFFSET = _SUMMED
+"""Offset of the tenant record in the header block (:mod:`kvtier.core.tenant`)."""
+TENANT_BYTES = 128
+"""Bytes kept for the tenant record (offsets 72..199); the record itself may be shorter."""
+_RESERVED = TENANT_OFFSET + TENANT_BYTES
+_ZEROS = bytes(HEADER_BYTES - _RESERVED)
+_NO_TENANT = bytes(TENANT_BYTES)
 PayloadHasher = xxhash.xxh3_128
 """Streaming XXH3-128: ``h = PayloadHasher(); h.update(slice); ...; h.digest()``."""
 
@@ -57,6 +65,8 @@ class ChunkHeader(NamedTuple):
     key: bytes
     length: int
     payload_digest: bytes
+    tenant: bytes = _NO_TENANT
+    """The :data:`TENANT_BYTES` of the tenant record area (all zero: unknown)."""
 
 
 def payload_digest(payload: memoryview | bytes) -> bytes:
@@ -64,10 +74,13 @@ def payload_digest(payload: memoryview | bytes) -> bytes:
     return xxhash.xxh3_128_digest(payload)
 
 
-def encode_header(namespace: bytes, key: bytes, length: int, digest: bytes) -> bytes:
-    """The 4096-byte header block for a payload of ``length`` bytes whose XXH3-128 is ``digest``."""
+def encode_header(namespace: bytes, key: bytes, length: int, digest: bytes, tenant: bytes = b"") -> bytes:
+    """The 4096-byte header block for a payload of ``length`` bytes whose XXH3-128 is ``digest``,
+    with the tenant record ``tenant`` (at most :data:`TENANT_BYTES`; ``b""``: unknown)."""
+    if len(tenant) > TENANT_BYTES:
+        raise ValueError(f"tenant record of {len(tenant)} bytes exceeds {TENANT_BYTES}")
     head = _HEAD.pack(MAGIC, VERSION, HEADER_BYTES, namespace, key, length, digest)
-    return head + xxhash.xxh3_64_digest(head) + _ZEROS
+    return head + xxhash.xxh3_64_digest(head) + tenant + bytes(TENANT_BYTES - len(tenant)) + _ZEROS
 
 
 def decode_header(raw: bytes | memoryview) -> ChunkHeader:
@@ -89,6 +102,6 @@ def decode_header(raw: bytes | memoryview) -> ChunkHeader:
         raise ChunkFormatError(f"header truncated ({raw.nbytes} of {HEADER_BYTES} bytes)")
     if xxhash.xxh3_64_digest(raw[:_HEAD.size]) != raw[_HEAD.size:_SUMMED]:
         raise ChunkFormatError("header checksum mismatch")
-    if bytes(raw[_SUMMED:HEADER_BYTES]) != _ZEROS:  # a copy compares with memcmp: 15x faster than memoryview ==
+    if bytes(raw[_RESERVED:HEADER_BYTES]) != _ZEROS:  # a copy compares with memcmp: 15x faster than memoryview ==
         raise ChunkFormatError("reserved header bytes are not zero")
-    return ChunkHeader(version, namespace, key, length, digest)
+    return ChunkHeader(version, namespace, key, length, digest, bytes(raw[TENANT_OFFSET:_RESERVED]))

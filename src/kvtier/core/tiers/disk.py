@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
+from kvtier.core import tenant
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, TierUsage
@@ -404,9 +405,11 @@ class DiskTier(Tier):
 
     def _write_file(self, key: ChunkKey, tmp: Path, payload: memoryview) -> None:
         io = self._io
+        writer = tenant.current()  # who the store writes this chunk for (kvtier.core.tenant), on this thread
+        record = b"" if writer is None else tenant.record(self.namespace, writer)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | io.open_flags, 0o644)
         try:
-            io.write_chunk(fd, payload, lambda digest: encode_header(self.namespace, key, payload.nbytes, digest))
+            io.write_chunk(fd, payload, lambda digest: encode_header(self.namespace, key, payload.nbytes, digest, record))
             if self.fsync:
                 os.fsync(fd)
         finally:
@@ -516,6 +519,13 @@ class DiskTier(Tier):
 def configured(config: KVTierConfig) -> bool:
     """Whether ``config`` asks for a disk tier (``disk_path`` and ``disk_gib`` > 0)."""
     return bool(config.disk_path) and config.disk_gib > 0
+
+
+def state_dir(config: KVTierConfig) -> Path | None:
+    """``disk_path`` when ``config`` asks for a disk tier (the registry record's ``state_dir``): the
+    scheduler keeps its KV-event journal there, beside the namespace directories, which no rescan
+    or reset reads (:mod:`kvtier.integrations.vllm.events`)."""
+    return Path(config.disk_path) if configured(config) and config.disk_path else None
 
 
 def check(config: KVTierConfig) -> list[tuple[str, str]]:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers.base import ClearResult
-from kvtier.core.tiers.diskscan import SUFFIX
+from kvtier.core.tiers.diskscan import SUFFIX, chunk_entries
 
 if TYPE_CHECKING:
     from kvtier.core.config import KVTierConfig
@@ -73,32 +73,20 @@ def remove_chunk_files(directory: Path, key_bytes: int) -> ClearResult:
         the keys removed; ``ok`` is ``False`` (with the first error) if a file could not be removed.
     """
     removed: list[ChunkKey] = []
-    error = ""
-    name_len = 2 * key_bytes + len(SUFFIX)
-    for shard in range(256):
+    errors: list[str] = []
+    for entry in chunk_entries(directory, key_bytes, errors.append):
         try:
-            entries = os.scandir(directory / f"{shard:02x}")
-        except FileNotFoundError:
+            key = ChunkKey(bytes.fromhex(entry.name[:-len(SUFFIX)]))
+            os.unlink(entry.path)
+        except ValueError:
+            continue
+        except FileNotFoundError:  # removed meanwhile (another process, an eviction)
             continue
         except OSError as exc:
-            error = error or f"cannot list {directory / f'{shard:02x}'} ({exc.strerror})"
+            errors.append(f"cannot remove {entry.path} ({exc.strerror})")
             continue
-        with entries:
-            for entry in entries:
-                name = entry.name
-                if len(name) != name_len or not name.endswith(SUFFIX):
-                    continue
-                try:
-                    key = ChunkKey(bytes.fromhex(name[:-len(SUFFIX)]))
-                    os.unlink(entry.path)
-                except ValueError:
-                    continue
-                except FileNotFoundError:  # removed meanwhile (another process, an eviction)
-                    continue
-                except OSError as exc:
-                    error = error or f"cannot remove {entry.path} ({exc.strerror})"
-                    continue
-                removed.append(key)
+        removed.append(key)
+    error = errors[0] if errors else ""
     return ClearResult(removed, not error, error)
 
 

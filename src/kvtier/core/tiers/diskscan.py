@@ -34,6 +34,7 @@ import os
 import secrets
 import stat
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -106,6 +107,25 @@ class ShardWatch:
     def forget(self) -> None:
         """List every shard on the next round (the directory was recreated)."""
         self._seen.clear()
+
+
+def chunk_entries(directory: Path, key_bytes: int, problem: Callable[[str], None]) -> Iterator[os.DirEntry[str]]:
+    """Every chunk file ``<key hex>.kvc`` in the 256 shard directories of namespace directory
+    ``directory`` (names of another length or suffix are skipped; a missing shard is empty); a
+    shard that cannot be listed is passed to ``problem`` as one sentence and skipped."""
+    name_len = 2 * key_bytes + len(SUFFIX)
+    for shard in range(256):
+        try:
+            entries = os.scandir(directory / f"{shard:02x}")
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            problem(f"cannot list {directory / f'{shard:02x}'} ({exc.strerror})")
+            continue
+        with entries:
+            for entry in entries:
+                if len(entry.name) == name_len and entry.name.endswith(SUFFIX):
+                    yield entry
 
 
 def indexed_files(directory: Path, key_bytes: int, stale_tmp_s: float) -> tuple[list[tuple[ChunkKey, int]], int]:

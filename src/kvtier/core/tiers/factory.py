@@ -9,6 +9,7 @@ The registry below this module reads no configuration; the configuration reads t
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, cast
 
 from prometheus_client import CollectorRegistry
@@ -18,6 +19,7 @@ from kvtier.core.tiers.registry import load, spec, specs
 
 if TYPE_CHECKING:
     from kvtier.core.tiers.base import ClearResult, Tier
+    from kvtier.core.tiers.probe import ProbeResult
 
 
 class TierContext(NamedTuple):
@@ -89,3 +91,34 @@ def reset_outside(name: str, config: KVTierConfig, namespace: bytes) -> ClearRes
         return None
     hook = cast(Callable[[KVTierConfig, bytes], "ClearResult"], load(record.reset, name))
     return hook(config, namespace)
+
+
+def state_dir(config: KVTierConfig) -> Path | None:
+    """The first configured tier's :attr:`~kvtier.core.tiers.registry.TierSpec.state_dir` (a
+    directory that outlives the process as that tier's chunks do), in tier order; ``None`` when no
+    configured tier has one.
+
+    Raises:
+        ConfigError: a tier's module cannot be imported.
+    """
+    for record in specs():
+        if record.state_dir is not None and configured(record.name, config):
+            found = cast(Callable[[KVTierConfig], "Path | None"], load(record.state_dir, record.name))(config)
+            if found is not None:
+                return found
+    return None
+
+
+def probe(name: str, config: KVTierConfig, deadline_s: float) -> ProbeResult | None:
+    """Tier ``name``'s reachability probe (:attr:`~kvtier.core.tiers.registry.TierSpec.probe`)
+    within ``deadline_s`` seconds; ``None`` when the tier has none or ``config`` does not ask for it.
+
+    Raises:
+        ConfigError: unknown name, the tier's module cannot be imported, or the probe cannot run
+            (e.g. an unreadable password file: the tier's preflight check reports it).
+    """
+    record = spec(name)
+    if record.probe is None or not configured(name, config):
+        return None
+    hook = cast(Callable[[KVTierConfig, float], "ProbeResult"], load(record.probe, name))
+    return hook(config, deadline_s)

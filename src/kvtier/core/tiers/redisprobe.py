@@ -1,6 +1,7 @@
 """Probe of a configured shared tier (Redis/Valkey): connect and ``PING`` within a short deadline,
-never a write.  Used by ``kvtier check`` and by the serve-line pre-flight, which warn (the tier
-may come up after the engine; until then every shared-tier lookup is a miss under the breaker).
+never a write: the redis tier's ``probe`` hook (:mod:`kvtier.core.tiers.probe`), run by ``kvtier check``
+and the serve-line pre-flight, which warn (the tier may come up after the engine; until then every
+shared-tier lookup is a miss under the breaker).
 
 The answer is one of three states, each with one sentence for the operator:
 
@@ -18,53 +19,24 @@ import socket
 import ssl
 import threading
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from kvtier.core.config import redact_url
 from kvtier.core.errors import ConfigError
+from kvtier.core.tiers.probe import PROBE_DEADLINE_S, ProbeResult, ProbeState
 
 if TYPE_CHECKING:
     from kvtier.core.config import KVTierConfig
     from kvtier.core.tiers.redissettings import RedisSettings
 
-ProbeState = Literal["reachable", "unreachable", "auth failed"]
-
 TIER = "redis"
 """The registry name of the tier this probe checks (kvtier.core.tiers.registry)."""
 
-PROBE_DEADLINE_S = 2.0
-"""Longest a probe may take, seconds, name resolution included (it runs on a daemon thread that
-is abandoned at the deadline, since ``getaddrinfo`` has no timeout of its own)."""
+_AUTH_FIX = "fix redis_password_env or redis_password_file (or the server's requirepass/ACL)"
 
 
-@dataclass(frozen=True)
-class ProbeResult:
-    """What a probe of the shared tier found.
-
-    Attributes:
-        state: ``"reachable"``, ``"unreachable"`` or ``"auth failed"``.
-        url: the tier's URL with any password replaced by ``***``.
-        detail: why, in a few words (``"connection refused"``, ``"PING answered in 1.2 ms"``).
-        elapsed_s: seconds the probe took.
-    """
-
-    state: ProbeState
-    url: str
-    detail: str
-    elapsed_s: float
-
-    @property
-    def message(self) -> str:
-        """One sentence for the operator naming the state, the URL and what to do."""
-        if self.state == "reachable":
-            return f"shared tier {self.url} is reachable ({self.detail})"
-        if self.state == "auth failed":
-            return (f"shared tier {self.url}: auth failed ({self.detail}); vLLM would start, but every shared-tier "
-                    "lookup would be a miss: fix redis_password_env or redis_password_file (or the server's "
-                    "requirepass/ACL)")
-        return (f"shared tier {self.url} is unreachable ({self.detail}); vLLM would start, but every shared-tier "
-                "lookup would be a miss until it answers: start it, fix redis_url, or open the network path")
+def _result(state: ProbeState, url: str, detail: str, elapsed_s: float) -> ProbeResult:
+    return ProbeResult(state, url, detail, elapsed_s, auth_fix=_AUTH_FIX, address_key="redis_url")
 
 
 def probe_redis(config: KVTierConfig, deadline_s: float = PROBE_DEADLINE_S) -> ProbeResult:
@@ -104,7 +76,7 @@ def probe_redis(config: KVTierConfig, deadline_s: float = PROBE_DEADLINE_S) -> P
     worker.join(deadline_s)
     if outcome:
         return outcome[0]
-    return ProbeResult("unreachable", url, f"no answer within {deadline_s:g} s", time.monotonic() - start)
+    return _result("unreachable", url, f"no answer within {deadline_s:g} s", time.monotonic() - start)
 
 
 def _ping(config: RedisSettings, url: str, start: float, make_client: object) -> ProbeResult:
@@ -115,22 +87,22 @@ def _ping(config: RedisSettings, url: str, start: float, make_client: object) ->
         client = make_client(config)  # type: ignore[operator]
         client.ping()
         elapsed = time.monotonic() - start
-        return ProbeResult("reachable", url, f"PING answered in {elapsed * 1000:.1f} ms", elapsed)
+        return _result("reachable", url, f"PING answered in {elapsed * 1000:.1f} ms", elapsed)
     except redis.AuthenticationError as exc:
-        return ProbeResult("auth failed", url, _auth_detail(config, exc), time.monotonic() - start)
+        return _result("auth failed", url, _auth_detail(config, exc), time.monotonic() - start)
     except redis.ResponseError as exc:  # NOPERM, or an AUTH error redis-py does not map to AuthenticationError
         text = _first_line(exc)
         if text.upper().startswith(("NOAUTH", "WRONGPASS", "NOPERM")) or "authenticated" in text.lower():
-            return ProbeResult("auth failed", url, _auth_detail(config, exc), time.monotonic() - start)
-        return ProbeResult("unreachable", url, f"the server refused PING: {text}", time.monotonic() - start)
+            return _result("auth failed", url, _auth_detail(config, exc), time.monotonic() - start)
+        return _result("unreachable", url, f"the server refused PING: {text}", time.monotonic() - start)
     except ConfigError as exc:  # the Cluster seed node did not answer
-        return ProbeResult("unreachable", url, str(exc).split(" (", 1)[-1].split("); ")[0],
+        return _result("unreachable", url, str(exc).split(" (", 1)[-1].split("); ")[0],
                            time.monotonic() - start)
     except (redis.RedisError, OSError) as exc:
         reason = _reason(exc)
         if reason == "connect timed out" and url.startswith("rediss://"):
             reason += " (a rediss:// URL to a port that speaks plain text looks the same)"
-        return ProbeResult("unreachable", url, reason, time.monotonic() - start)
+        return _result("unreachable", url, reason, time.monotonic() - start)
     finally:
         if client is not None:
             with contextlib.suppress(Exception):  # closing a half-open client must not hide the probe's answer

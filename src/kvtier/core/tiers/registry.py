@@ -67,6 +67,21 @@ class TierSpec:
             once a reset is acknowledged (vLLM's scheduler calls it,
             :mod:`kvtier.integrations.vllm.scheduler`); ``None`` for a tier that lives only in the
             stores' processes (the cpu tier).
+        medium: the ``medium`` of the vLLM KV events announcing a chunk this tier holds
+            (vllm/distributed/kv_events.py: ``"CPU"`` host memory, ``"STORAGE"`` a local disk;
+            :mod:`kvtier.integrations.vllm.events`); ``None``: the tier is never announced (a
+            shared tier: the store's change feed does not report it, docs/vllm.md "KV events").
+        state_dir: ``"module:function"``, ``state_dir(config) -> Path | None``: a directory that
+            outlives the process as the tier's chunks do, where the scheduler may keep small files
+            about them (the KV events' chunk -> block hash journal); ``None`` if it has none.
+        probe: ``"module:function"`` of a shared tier's reachability probe,
+            ``probe(config, deadline_s) -> ProbeResult`` (:mod:`kvtier.core.tiers.probe`; never
+            writes), run by ``kvtier check`` and the serve-line pre-flight; ``None`` if it has none.
+        purge: ``"module:function"`` for ``kvtier purge``: lists and (unless a dry run) removes the
+            chunks a :class:`~kvtier.core.purge.PurgeSelector` matches, across every namespace the
+            tier's storage holds, ``purge(config, selector, dry_run) -> list[NamespacePurge] | None``
+            (``None``: the configuration names no storage of this tier); ``None`` for a tier that
+            lives only in an engine's processes (the cpu tier).
     """
 
     name: str
@@ -81,18 +96,24 @@ class TierSpec:
     keys: tuple[str, ...] = ()
     check: str | None = None
     reset: str | None = None
+    medium: str | None = None
+    state_dir: str | None = None
+    probe: str | None = None
+    purge: str | None = None
 
 
 BUILTIN = (
     TierSpec("cpu", 0, False, "host", "kvtier.core.tiers.cpu:from_config", top=True,
-             capabilities=frozenset({"staging", "paged"})),
+             capabilities=frozenset({"staging", "paged"}), medium="CPU"),
     TierSpec("disk", 10, False, "disk", "kvtier.core.tiers.disk:from_config", "kvtier.core.tiers.disk:configured",
              capabilities=frozenset({"rescannable", "generational", "exact_usage"}), keys=("disk_path", "disk_gib"),
-             check="kvtier.core.tiers.disk:check", reset="kvtier.core.tiers.diskreset:reset"),
+             check="kvtier.core.tiers.disk:check", reset="kvtier.core.tiers.diskreset:reset",
+             purge="kvtier.core.tiers.diskpurge:purge", medium="STORAGE", state_dir="kvtier.core.tiers.disk:state_dir"),
     TierSpec("redis", 20, True, "external_unspecified", "kvtier.core.tiers.redis:from_config",
              "kvtier.core.tiers.redis:configured", settings="kvtier.core.tiers.redissettings:RedisSettings",
              keys=("redis_url",), check="kvtier.core.tiers.redis:check",
-             reset="kvtier.core.tiers.redis:reset"),
+             reset="kvtier.core.tiers.redis:reset", probe="kvtier.core.tiers.redisprobe:probe_redis",
+             purge="kvtier.core.tiers.redispurge:purge"),
     TierSpec("s3", 30, True, "external_unspecified", "kvtier.core.tiers.s3:from_config",
              "kvtier.core.tiers.s3:configured", settings="kvtier.core.tiers.s3settings:S3Settings",
              keys=("s3_bucket", "s3_endpoint_url"), check="kvtier.core.tiers.s3:check", reset="kvtier.core.tiers.s3:reset"),
@@ -203,6 +224,14 @@ def hit_source(name: str) -> str:
     with _lock:
         found = _specs.get(name)
     return found.hit_source if found is not None else "external_unspecified"
+
+
+def event_medium(name: str | None) -> str | None:
+    """The vLLM KV event ``medium`` of tier ``name`` (its record's), ``None`` for a tier never
+    announced or an unknown name."""
+    with _lock:
+        found = _specs.get(name or "")
+    return found.medium if found is not None else None
 
 
 def load(target: str, name: str) -> Any:

@@ -113,7 +113,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             requested = self.kvtier_config.chunk_tokens
             self.kvtier_config = resolved_config(self.kvtier_config, kv_cache_config)
             if role == KVConnectorRole.SCHEDULER:
-                self.scheduler_side = SchedulerSide(vllm_config, kv_cache_config, self.kvtier_config,
+                # role_config: the workers' rescan interval, which the scheduler's idle refresh follows
+                self.scheduler_side = SchedulerSide(vllm_config, kv_cache_config,
+                                                    role_config(self.kvtier_config, transfer.kv_role),
                                                     load=load, save=save)
             else:
                 self.worker_side = WorkerSide(vllm_config, kv_cache_config,
@@ -224,6 +226,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 source = CacheHitSource(hit_source(tier))
                 out[source] = out.get(source, 0) + n
         return out
+
+    def take_events(self) -> list[Any]:
+        """vLLM's KV events from kvtier's local tiers (``BlockStored`` / ``BlockRemoved`` with medium
+        ``CPU`` or ``STORAGE``), when ``--kv-events-config`` enables them: vLLM publishes them after
+        its own each step (vllm/v1/core/sched/scheduler.py ``update_from_output``);
+        :mod:`kvtier.integrations.vllm.events`, docs/vllm.md "KV events"."""
+        return self.scheduler_side.take_events() if self.scheduler_side is not None else []
 
     def has_pending_push_work(self) -> bool:
         """Keep an idle engine stepping until the workers' gauges are true (pins released, the

@@ -100,6 +100,8 @@ class IndexMirror:
         """Tier of ``key`` if every rank holds it (the slowest of theirs), else ``None``."""
         if not self.ready:
             return None
+        if self.tp_size == 1:
+            return self._ranks[0].get(key)
         tiers = [r.get(key) for r in self._ranks]
         if None in tiers:
             return None

@@ -47,8 +47,7 @@ from kvtier.core.errors import ConfigError
 from kvtier.core.sizing import available_memory
 from kvtier.core.tiers import factory, registry
 from kvtier.core.tiers.diskcheck import mount_of
-from kvtier.core.tiers.redisprobe import PROBE_DEADLINE_S, ProbeResult, probe_redis
-from kvtier.core.tiers.redisprobe import TIER as REDIS_TIER
+from kvtier.core.tiers.probe import PROBE_DEADLINE_S, ProbeResult
 
 CONNECTOR = "KVTierConnector"
 MODULE_PATH = "kvtier.integrations.vllm"
@@ -316,7 +315,7 @@ class SharedTierProbe:
 
     Attributes:
         key: the dotted key of its ``redis_url`` (``kv_connector_extra_config.redis_url``).
-        result: what the probe found (:class:`kvtier.core.tiers.redisprobe.ProbeResult`).
+        result: what the probe found (:class:`kvtier.core.tiers.probe.ProbeResult`).
     """
 
     key: str
@@ -331,33 +330,36 @@ class SharedTierProbe:
 
 
 def probe_shared_tiers(transfer: dict[str, Any], deadline_s: float = PROBE_DEADLINE_S) -> list[SharedTierProbe]:
-    """Connect to and ``PING`` the shared tier of every KVTierConnector in ``transfer`` that uses one
-    (``redis_url`` set and ``"redis"`` in ``tiers``), each within ``deadline_s`` seconds; never writes.
+    """Probe every configured tier that has a probe (:attr:`~kvtier.core.tiers.registry.TierSpec.probe`:
+    a shared tier's connect + harmless request, e.g. Redis ``PING``) for every KVTierConnector in
+    ``transfer``, each within ``deadline_s`` seconds; never writes.
 
-    An entry whose config is invalid, or whose Redis password cannot be read, is skipped: those are
+    An entry whose config is invalid, or whose credentials cannot be read, is skipped: those are
     errors of :func:`check_transfer_config`, reported there.  ``kvtier check`` prints each result
     in one line (``--offline`` skips this); the vLLM plugin prints a warning for a tier that is
-    unreachable or refuses the password, and starts anyway (the tier may come up later).
+    unreachable or refuses the credentials, and starts anyway (the tier may come up later).
 
     Returns:
-        One :class:`SharedTierProbe` per shared tier probed, in the order of the entries.
+        One :class:`SharedTierProbe` per tier probed, in the order of the entries and of ``tiers``;
+        its key names the tier's first configuration key (e.g. ``...kv_connector_extra_config.redis_url``).
     """
     probes: list[SharedTierProbe] = []
     for prefix, entry in _kvtier_entries(transfer):
         extra = entry.get("kv_connector_extra_config")
-        if not isinstance(extra, dict) or not extra.get("redis_url"):
+        if not isinstance(extra, dict):
             continue
         try:
             config = KVTierConfig.from_dict(extra)
         except ConfigError:
             continue
-        if not factory.configured(REDIS_TIER, config):
-            continue
-        try:
-            result = probe_redis(config, deadline_s)
-        except ConfigError:
-            continue
-        probes.append(SharedTierProbe(f"{prefix}kv_connector_extra_config.redis_url", result))
+        for name in config.tiers:
+            try:
+                result = factory.probe(name, config, deadline_s)
+            except ConfigError:
+                continue
+            if result is not None:
+                key = registry.spec(name).keys[0] if registry.spec(name).keys else name
+                probes.append(SharedTierProbe(f"{prefix}kv_connector_extra_config.{key}", result))
     return probes
 
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
+from kvtier.core.tenant import TenantId
+
 
 @dataclass(frozen=True)
 class PageMove:
@@ -104,11 +106,19 @@ class SaveJob:
         pages: the pages to save, each group's in chunk order.
         parent: the key of the page before the first one in its group's chain (``b""``: none);
             the eviction policy keeps children after their parents.
+        pin_s: the request asked to keep its prompt's chunks in the cpu tier this long, seconds
+            (``kv_transfer_params`` ``kvtier_pin_s``, capped at ``pin_max_s``); 0: no pin.
+        pin_chunks: the pages of chunks ``0 .. pin_chunks - 1`` (the prompt's full chunks) are pinned.
+        tenant: the request's ``cache_salt`` and LoRA adapter as digests (:class:`~kvtier.core.tenant.TenantId`),
+            stored with the chunks for ``kvtier purge --salt/--lora``; ``None``: unknown.
     """
 
     req_id: str
     pages: tuple[PageMove, ...]
     parent: bytes = b""
+    pin_s: float = 0.0
+    pin_chunks: int = 0
+    tenant: TenantId | None = None
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,10 @@ Every model takes one path: a dense model is a one-group plan
     update_connector_output(out)             fold each rank's index changes into the mirror
     request_finished(req)                    forget the request (blocks freed at once: the
                                              copy out of the engine finished in its own step)
+    (pins)                                   a request whose kv_transfer_params carry
+                                             ``kvtier_pin_s`` gets its prompt's chunks pinned in
+                                             the cpu tier by the workers as they save them
+                                             (SaveJob.pin_s; TieredStore.ttl_pin)
     reset_cache()                            vLLM's external prefix-cache reset: see below
 
 A load job always ends with the request in ``finished_recving`` (the worker reports it whether
@@ -41,15 +45,19 @@ per tier exactly.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import chunk_keys, request_root
+from kvtier.core.tenant import TenantId
+from kvtier.core.tiers.factory import state_dir
 from kvtier.core.tiers.registry import reset_tiers
+from kvtier.integrations.vllm.events import EventGroup, KVEventTracker, events_enabled
 from kvtier.integrations.vllm.group_jobs import GroupJobs, handoffs_of
-from kvtier.integrations.vllm.groups import engine_plan, resolved_config
+from kvtier.integrations.vllm.groups import GroupKind, engine_plan, resolved_config
 from kvtier.integrations.vllm.mirror import IndexMirror
 from kvtier.integrations.vllm.protocol import (
     KVTierMetadata,
@@ -67,6 +75,27 @@ from kvtier.integrations.vllm.stats import KVTierStats
 log = logging.getLogger(__name__)
 
 READY_WAIT_S = 60.0  # how long admissions wait for the workers' first index snapshot, at most
+PIN_PARAM = "kvtier_pin_s"
+"""The ``kv_transfer_params`` key a request names its prompt's pin TTL with, seconds (issue 22 item 4)."""
+
+
+def pin_seconds(params: Any, max_s: float) -> tuple[float, str | None]:
+    """A request's pin TTL from its ``kv_transfer_params`` (OpenAI ``extra_body``), seconds.
+
+    Returns:
+        ``(ttl_s, problem)``: ``ttl_s`` 0 when the request asks for no pin or asks wrongly, capped
+        at ``max_s`` (``pin_max_s``); ``problem`` one sentence for the log when the value was
+        refused or cut, else ``None``.
+    """
+    value = params.get(PIN_PARAM) if isinstance(params, dict) else None
+    if value is None:
+        return 0.0, None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        return 0.0, (f"kv_transfer_params.{PIN_PARAM} must be a positive number of seconds, got {value!r}; "
+                     "the prompt is not pinned")
+    if value > max_s:
+        return max_s, f"kv_transfer_params.{PIN_PARAM}={value:g} is above pin_max_s; pinned for {max_s:g} s"
+    return float(value), None
 
 
 class RequestChain:
@@ -77,6 +106,7 @@ class RequestChain:
         lora_id = f"{lora.lora_name}@{lora.lora_path}" if lora is not None else None
         mm = [str(f.identifier) for f in (getattr(request, "mm_features", None) or ())]
         self.root = request_root(key_root, getattr(request, "cache_salt", None), lora_id, mm)
+        self.tenant = TenantId.of(getattr(request, "cache_salt", None), lora.lora_name if lora is not None else None)
         self.chunk_tokens = chunk_tokens
         self.keys: list[bytes] = []
 
@@ -133,12 +163,23 @@ class SchedulerSide:
         # whose shared tier skips reads while the scheduler's lookups succeed): they recompute.
         self._load_failed: set[str] = set()
         self._saved_chunks: dict[str, int] = {}
+        self._pins: dict[str, float] = {}  # req -> its prompt's pin TTL, seconds (asked and valid)
         self._kv_cache_manager: Any = None
         self._waiting_since: float | None = None
+        # An idle engine runs no step, so the workers' rescans (files other engines or kvtier purge
+        # removed or wrote) wait in their change feeds: after an idle gap longer than a rescan, a
+        # lookup asks again once, and the one step that takes brings the news (docs/purge.md).
+        self._refresh_after_s = float(config.disk_rescan_s or 0.0) if config.disk_path else 0.0
+        self._last_report_s = time.monotonic()
+        self._refreshed: set[str] = set()  # requests that asked again for it already (once each)
         self.remote = RemoteLookups(config) if load and shared_tier_configured(config) else None
         self._remote_seen: dict[str, int] = {}
         self._remote_pending_sent: int | None = None
-        self.settle = Settle()  # keeps an idle engine stepping until the workers' gauges are true
+        # vLLM KV events (--kv-events-config): None when vLLM publishes none
+        self.events = _event_tracker(vllm_config, kv_cache_config, plan, config, self.mirror) if events_enabled(vllm_config) \
+            else None
+        # keeps an idle engine stepping until the workers' gauges are true (and the events are out)
+        self.settle = Settle(more=self.events.pending if self.events is not None else None)
         self._reset_epoch = 0  # resets acknowledged so far
         self._reset_order: ResetOrder | None = None  # shipped with the next step's metadata
         self._reset_counts: dict[str, int] = {}  # reset counters not yet sent to /metrics
@@ -158,6 +199,12 @@ class SchedulerSide:
     # ---- admission ---------------------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
         self._requests[request.request_id] = request
+        if self.save_enabled:
+            ttl_s, problem = pin_seconds(getattr(request, "kv_transfer_params", None), self.config.pin_max_s)
+            if problem:
+                log.warning("kvtier: request %s: %s", request.request_id, problem)
+            if ttl_s > 0 and self.config.pin_max_share > 0:
+                self._pins[request.request_id] = ttl_s
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
@@ -178,6 +225,10 @@ class SchedulerSide:
             return 0, False
         if req_id in self._load_failed:
             return 0, False  # its load failed once: recompute rather than load again
+        if (self._refresh_after_s and req_id not in self._refreshed
+                and time.monotonic() - self._last_report_s > self._refresh_after_s):
+            self._refreshed.add(req_id)  # idle longer than a rescan: let one step bring the workers' news
+            return None, False
         chain = self._chain(request, max_chunks)
         if chain is None:
             return 0, False
@@ -209,6 +260,9 @@ class SchedulerSide:
         hit = len(tiers) * self.chunk_tokens
         local = hit - num_external_tokens
         pages = self.groups.load_pages(self._chains[req_id].keys, blocks.get_block_ids(), local, hit)
+        if self.events is not None:  # a hit whose hashes were unknown (after a crash) is announced now
+            for page in pages:
+                self.events.record(request, page.key, page.group, page.chunk)
         resumed = getattr(request, "num_preemptions", 0) > 0
         self._loads.append(LoadJob(req_id, pages, local, hit, tuple(tiers), resumed))
 
@@ -255,15 +309,25 @@ class SchedulerSide:
         self._saved_chunks[req_id] = end
         pages = self.groups.save_pages(keys, start, end, all_block_ids, handoffs_of(scheduler_output, req_id),
                                        request.num_prompt_tokens)
-        return SaveJob(req_id, pages, self.groups.parent_of(keys, pages[0])) if pages else None
+        if self.events is not None:
+            for page in pages:
+                self.events.record(request, page.key, page.group, page.chunk)
+        if not pages:
+            return None
+        tenant = self._chains[req_id].tenant if req_id in self._chains else None
+        return SaveJob(req_id, pages, self.groups.parent_of(keys, pages[0]), pin_s=self._pins.get(req_id, 0.0),
+                       pin_chunks=request.num_prompt_tokens // self.chunk_tokens, tenant=tenant)
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Fold the ranks' index changes (vLLM's worker → scheduler metadata) into the mirror."""
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        self._last_report_s = time.monotonic()
         self.settle.observe(meta)
         if isinstance(meta, KVTierWorkerMeta):
             for rank in sorted(meta.ranks):
                 self.mirror.apply(rank, meta.ranks[rank])
+            if self.events is not None:
+                self._observe_events(meta)
         if self._loading:
             invalid = getattr(connector_output, "invalid_block_ids", None) or set()
             failed = getattr(connector_output, "failed_recving", None) or set()
@@ -277,6 +341,22 @@ class SchedulerSide:
                 if req_id in finished or req_id in failed:
                     del self._loading[req_id]
 
+    def _observe_events(self, meta: KVTierWorkerMeta) -> None:
+        assert self.events is not None
+        if not self.events.journal_loaded and self.mirror.ready and self.mirror.key_root:
+            self.events.load_journal(self.mirror.key_root)
+        reports = meta.ranks.values()
+        if any(r.full for r in reports):
+            self.events.observe((), full=True)
+        else:
+            for report in reports:
+                self.events.observe(key for key, _ in report.changes)
+
+    def take_events(self) -> list[Any]:
+        """vLLM's ``take_events``: the KV events since the last step (:mod:`kvtier.integrations.vllm.events`);
+        empty when vLLM publishes none."""
+        return self.events.take_events() if self.events is not None else []
+
     # ---- end of a request --------------------------------------------------------------------
     def request_finished(self, request: Any) -> None:
         """Forget ``request``.  A load in flight still ends in ``finished_recving``; vLLM keeps the
@@ -286,8 +366,10 @@ class SchedulerSide:
         self._requests.pop(req_id, None)
         self._loading.pop(req_id, None)
         self._load_failed.discard(req_id)
+        self._refreshed.discard(req_id)
         self._chains.pop(req_id, None)
         self._saved_chunks.pop(req_id, None)
+        self._pins.pop(req_id, None)
         if self.remote is not None:
             self.remote.forget(req_id)
 
@@ -313,6 +395,8 @@ class SchedulerSide:
         self._reset_epoch += 1
         tiers = tuple(reset_tiers(self.config.reset_scope))
         planned = self.mirror.reset(self._reset_epoch)
+        if self.events is not None:
+            self.events.reset()  # every announced chunk: BlockRemoved at the next step
         self._planned.clear()
         if self.remote is not None:
             self.remote.forget_all()  # answers asked before the reset may count chunks it removes
@@ -334,8 +418,9 @@ class SchedulerSide:
     def removed_by_reset(self, keys_by_tier: dict[str, list[bytes]]) -> None:
         """The chunks a reset removed that this process knows, by tier: what the mirror held (every
         rank, in the slowest tier of each) and what the scheduler itself removed from the tiers that
-        outlive the process.  The place where vLLM ``BlockRemoved`` KV events for a reset start
-        (issue 22 item 1); until then the counts are logged."""
+        outlive the process, logged.  The KV events' ``BlockRemoved`` of a reset come from
+        :meth:`KVEventTracker.reset <kvtier.integrations.vllm.events.KVEventTracker.reset>`: every
+        chunk the router was told of, whatever tier held it."""
         log.debug("kvtier: reset removed %s", ", ".join(f"{len(keys)} {tier} chunks" for tier, keys in
                                                        keys_by_tier.items()) or "nothing the scheduler knew of")
 
@@ -348,6 +433,8 @@ class SchedulerSide:
         (``kvtier_shared_lookups_*``); ``None`` when nothing changed."""
         counters: dict[str, float] = dict(self._reset_counts)
         self._reset_counts = {}
+        if self.events is not None:
+            counters |= self.events.take_counters()
         gauges: dict[str, float] = {}
         if self.remote is not None:
             totals = self.remote.counters()
@@ -363,6 +450,24 @@ class SchedulerSide:
         return KVTierStats(data={"counters": counters, "gauges": gauges})
 
     def shutdown(self) -> None:
-        """Stop the shared-tier lookups (idempotent)."""
+        """Stop the shared-tier lookups and write the KV-event journal (idempotent)."""
         if self.remote is not None:
             self.remote.close()
+        if self.events is not None and self.events.journal_loaded:
+            self.events.save_journal()
+
+
+def _event_tracker(vllm_config: Any, kv_cache_config: Any, plan: Any, config: KVTierConfig,
+                   mirror: IndexMirror) -> KVEventTracker:
+    """The KV event tracker of this engine: its full-attention groups are announced, with vLLM's
+    ``kv_cache_spec_kind`` of each (vllm/v1/kv_cache_interface.py ``get_kv_cache_spec_kind``)."""
+    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+
+    groups = []
+    for g in plan.groups:
+        spec = kv_cache_config.kv_cache_groups[g.index].kv_cache_spec
+        groups.append(EventGroup(g.index, g.block_size, g.kind is GroupKind.FULL, get_kv_cache_spec_kind(spec).value))
+    hash_block_size = int(getattr(kv_cache_config, "hash_block_size", 0) or vllm_config.cache_config.block_size)
+    assert isinstance(config.chunk_tokens, int)
+    return KVEventTracker(mirror.tier, groups, hash_block_size, config.chunk_tokens,
+                          journal_dir=state_dir(config))

@@ -13,7 +13,9 @@ so while
 
 - no worker has reported yet since start (one step delivers the first full snapshot of each
   rank's index and its capacities), or
-- a worker's last report said it was busy (chunks pinned by loads or disk writes in flight),
+- a worker's last report said it was busy (chunks pinned by loads or disk writes in flight), or
+- KV events wait to be published (vLLM publishes a connector's events only on steps:
+  :mod:`kvtier.integrations.vllm.events`, rate-limited after a restart),
 
 and at most :data:`SETTLE_S` seconds from the step where the engine ran out of scheduled work,
 so a pin that never ends (a bug) cannot keep the engine spinning.  Steps taken only to settle
@@ -41,10 +43,14 @@ class Settle:
     Args:
         settle_s: longest the engine steps with no scheduled work, seconds.
         clock: monotonic clock (seconds).
+        more: other work that wants steps (the KV events still to publish,
+            :meth:`~kvtier.integrations.vllm.events.KVEventTracker.pending`), within the same bound.
     """
 
-    def __init__(self, settle_s: float = SETTLE_S, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, settle_s: float = SETTLE_S, clock: Callable[[], float] = time.monotonic,
+                 more: Callable[[], bool] | None = None) -> None:
         self.settle_s = settle_s
+        self._more = more
         self._clock = clock
         self._reported = False
         self._busy: set[int] = set()  # ranks whose last report said busy
@@ -64,7 +70,7 @@ class Settle:
 
     def wanted(self) -> bool:
         """The workers' numbers are not settled yet: the first report is missing or a rank is busy."""
-        return not self._reported or bool(self._busy)
+        return not self._reported or bool(self._busy) or (self._more is not None and self._more())
 
     def pending(self) -> bool:
         """``has_pending_push_work``: settle wanted and the idle window not spent."""
@@ -73,8 +79,9 @@ class Settle:
         if self._idle_since is not None and self._clock() - self._idle_since > self.settle_s:
             if not self._gave_up:
                 self._gave_up = True
-                what = (f"ranks {sorted(self._busy)} still report pinned chunks" if self._reported
-                        else "no worker has reported yet")
+                what = ("no worker has reported yet" if not self._reported
+                        else f"ranks {sorted(self._busy)} still report pinned chunks" if self._busy
+                        else "KV events still wait to be published")
                 log.warning("kvtier: %s %.0f s after the engine went idle; kvtier's gauges may be stale until "
                             "the next request", what, self.settle_s)
             return False

@@ -33,12 +33,20 @@ tiers: cpu, disk, redis):
 - ``kvtier_pinned_chunks{tier}``, ``kvtier_pinned_bytes{tier}``: chunks held by loads or disk
   writes in flight (zero when idle: a leaked pin shows); ``kvtier_dirty_bytes``: bytes in DRAM not
   yet on the disk tier (the restart-loss window when the stop is not graceful).
+- ``kvtier_ttl_pinned_chunks{tier}``, ``kvtier_ttl_pinned_bytes{tier}``: chunks requests pinned
+  with a TTL (``kv_transfer_params`` ``kvtier_pin_s``) that has not passed, cpu tier;
+  ``kvtier_ttl_pin_chunks_total`` (pins made or renewed) and ``kvtier_ttl_pin_refused_chunks_total``
+  (refused: ``pin_max_share`` reached).
 - ``kvtier_chunk_tokens``: tokens per chunk the engine runs with (``chunk_tokens``, ``auto``
   resolved from the KV cache groups' block sizes; rank 0 reports it, so the sum is the value).
 - ``kvtier_flush_missed_chunks_total``: dirty chunks a graceful stop could not write in time.
 - Resets (vLLM's ``/reset_prefix_cache?reset_external=true``): ``kvtier_resets_total`` (asked of
   the scheduler side), ``kvtier_reset_failures_total`` (answered ``False``: a tier not cleared
   whole), ``kvtier_reset_chunks_total{tier}`` (chunks the workers' stores removed, all ranks).
+- KV events (scheduler side, with ``--kv-events-config``; :mod:`kvtier.integrations.vllm.events`):
+  ``kvtier_kv_events_stored_total``, ``kvtier_kv_events_removed_total`` (chunks announced held /
+  gone), ``kvtier_kv_events_dropped_total`` (removals dropped past the backlog),
+  ``kvtier_kv_events_seconds_total`` (scheduler time spent on them: their cost).
 - Shared tier (workers' side, from each store's snapshot ``TierStats.wire``; summed over ranks):
   ``kvtier_redis_errors_total`` (calls that failed), ``kvtier_redis_skipped_calls_total`` (not
   made: breaker open or queue full), ``kvtier_redis_skipped_writes_total`` (chunks not written),
@@ -96,9 +104,22 @@ _PLAIN_COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "corrupt_chunks": ("kvtier_corrupt_chunks", "Chunks that failed verification and were recomputed.", ()),
     "flush_missed_chunks": ("kvtier_flush_missed_chunks", "Dirty chunks a graceful stop could not write to disk in time.",
                             ()),
+    # requests' TTL pins (kv_transfer_params kvtier_pin_s; core/store.py ttl_pin)
+    "ttl_pin_chunks": ("kvtier_ttl_pin_chunks", "Chunks requests pinned (or renewed) with a TTL (all ranks).", ()),
+    "ttl_pin_refused_chunks": ("kvtier_ttl_pin_refused_chunks", ("TTL pins refused: pin_max_share of the cpu tier "
+                               "was pinned already (all ranks)."), ()),
     # the scheduler's resets (integrations/vllm/scheduler.py reset_cache)
     "resets": ("kvtier_resets", "External prefix-cache resets vLLM asked of kvtier (reset_external=true).", ()),
     "reset_failures": ("kvtier_reset_failures", "Resets answered False: a tier could not be cleared whole.", ()),
+    # the scheduler's KV events (integrations/vllm/events.py)
+    "kv_events_stored": ("kvtier_kv_events_stored", "Chunks announced held (vLLM BlockStored events kvtier published).",
+                         ()),
+    "kv_events_removed": ("kvtier_kv_events_removed", ("Chunks announced gone (one per chunk in vLLM BlockRemoved "
+                          "events kvtier published)."), ()),
+    "kv_events_seconds": ("kvtier_kv_events_seconds", ("Seconds the scheduler spent building kvtier's KV events "
+                          "(learning chunks' block hashes, following the mirror, building the events)."), ()),
+    "kv_events_dropped": ("kvtier_kv_events_dropped", ("Removals of chunks the event map forgot that did not fit the "
+                          "backlog: a router may keep routing to them until they miss."), ()),
     # the scheduler's shared-tier lookups (integrations/vllm/remote.py)
     "shared_lookups": ("kvtier_shared_lookups", "Shared-tier lookups the scheduler sent.", ()),
     "shared_lookups_answered": ("kvtier_shared_lookups_answered", "Shared-tier lookups answered (timed out included).",
@@ -179,6 +200,11 @@ def gauges() -> dict[str, tuple[str, str, str | None]]:
         out[f"pinned_chunks_{t}"] = ("kvtier_pinned_chunks",
                                      "Chunks pinned by loads or disk writes in flight (all ranks).", t)
         out[f"pinned_bytes_{t}"] = ("kvtier_pinned_bytes", "Bytes of chunks pinned by loads or disk writes (all ranks).", t)
+        if spec.top:
+            out[f"ttl_pinned_chunks_{t}"] = ("kvtier_ttl_pinned_chunks",
+                                             "Chunks pinned by requests with a TTL not yet passed (all ranks).", t)
+            out[f"ttl_pinned_bytes_{t}"] = ("kvtier_ttl_pinned_bytes",
+                                            "Bytes of chunks pinned by requests with a TTL (all ranks).", t)
     return {**out, **_PLAIN_GAUGES}
 
 
@@ -204,6 +230,8 @@ def store_counter_readers() -> dict[str, Callable[[StoreStats], float]]:
             "saved_tokens": lambda s: s.saved_tokens,
             "load_failed_blocks": lambda s: s.load_failed_blocks,
             "rerouted_chunks": lambda s: s.rerouted_chunks,
+            "ttl_pin_chunks": lambda s: s.ttl_pin_chunks,
+            "ttl_pin_refused_chunks": lambda s: s.ttl_pin_refused_chunks,
             "dropped_saves": lambda s: s.dropped_saves,
             "corrupt_chunks": lambda s: s.corrupt_chunks,
             "flush_missed_chunks": lambda s: s.flush_missed_chunks,
@@ -242,6 +270,9 @@ def store_gauges(s: StoreStats) -> dict[str, float]:
             continue
         out.update({f"usage_bytes_{t}": stats.used_bytes, f"capacity_bytes_{t}": stats.capacity_bytes,
                     f"pinned_chunks_{t}": stats.pinned_chunks, f"pinned_bytes_{t}": stats.pinned_chunks * s.chunk_bytes})
+        if spec.top:
+            out.update({f"ttl_pinned_chunks_{t}": stats.ttl_pinned_chunks,
+                        f"ttl_pinned_bytes_{t}": stats.ttl_pinned_chunks * s.chunk_bytes})
     return out
 
 

@@ -311,26 +311,28 @@ class WorkerSide:
                 log.exception("kvtier: saving request %s's chunks failed", job.req_id)
 
     def _save_one(self, job: SaveJob) -> None:
-        """Copy the job's pages not stored yet out of the engine; the store counts what was saved."""
+        """Copy the job's pages not stored yet out of the engine; the store counts what was saved.
+        Then pin the prompt's pages the job names when the request asked for a TTL pin."""
         assert self.store is not None and self.groups is not None
         store = self.store
         chain = [ChunkKey(job.parent)] if job.parent else []
         chain += [ChunkKey(p.key) for p in job.pages]
         first = len(chain) - len(job.pages)  # the parent only names the first page's parent
         t0 = time.perf_counter()
-        handle = store.prepare_store(chain, start=first)
-        if not handle.num_chunks:
-            return
-        stored = [job.pages[i - first] for i in handle.indices]
-        ok = False
-        try:
-            self.groups.save(list(zip(stored, handle.buffers)))
-            ok = True
-        finally:
-            # tokens: those of the full-attention chunks stored (one group's pages count each chunk once)
-            tokens = sum(1 for p in stored if p.group == self._token_group) * self.chunk_tokens
-            store.complete_store(handle, ok, EngineSave(tokens, self.groups.moved_bytes(stored),
-                                                        time.perf_counter() - t0))
+        handle = store.prepare_store(chain, start=first, tenant=job.tenant)
+        if handle.num_chunks:
+            stored = [job.pages[i - first] for i in handle.indices]
+            ok = False
+            try:
+                self.groups.save(list(zip(stored, handle.buffers)))
+                ok = True
+            finally:
+                # tokens: those of the full-attention chunks stored (one group's pages count each chunk once)
+                tokens = sum(1 for p in stored if p.group == self._token_group) * self.chunk_tokens
+                store.complete_store(handle, ok, EngineSave(tokens, self.groups.moved_bytes(stored),
+                                                            time.perf_counter() - t0))
+        if job.pin_s > 0:
+            store.ttl_pin([ChunkKey(p.key) for p in job.pages if p.chunk < job.pin_chunks], job.pin_s)
 
     # ---- worker -> scheduler -----------------------------------------------------------------
     def worker_meta(self) -> KVTierWorkerMeta | None:

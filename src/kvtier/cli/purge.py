@@ -1,0 +1,144 @@
+"""``kvtier purge``: remove stored KV chunks by namespace, tenant (cache_salt, LoRA) or age from a
+disk tier's directory and/or a Redis/Valkey server, offline or under a live engine."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import typer
+
+from kvtier.cli.errors import fail
+from kvtier.core.errors import UserError
+
+HELP = """Remove stored KV chunks from a disk tier's directory (--disk-path) and/or a Redis/Valkey server or Cluster (--redis-url), selected by namespace, cache_salt, LoRA adapter or age. Safe under a live engine: a purged chunk is never served (the engine reads it as a miss and recomputes); a live engine may still report it as a hit for a bounded time (docs/purge.md).
+
+Selectors (a chunk must match every one given): --namespace HEX (repeatable; the 32-hex-digit directory names under disk_path; a dry run lists them), --older-than DURATION (written more than that long ago: a file's modification time on disk; redis_ttl_s minus the key's remaining PTTL on Redis, so give --redis-ttl-s if the engines do not use the default), --salt SALT (the requests' cache_salt), --lora NAME (the LoRA adapter's name). --salt and --lora match only chunks saved with a tenant record (kvtier from this version on, disk tier only): older files and every Redis value are left alone and counted as "unknown tenant". Without any selector, purge refuses unless --all is given.
+
+--dry-run prints what would go (chunks and bytes per tier and namespace) and removes nothing; without it the same numbers are what was removed. --json prints them as JSON. Exit code 0 when done, 1 when some chunk could not be read or removed or a server did not answer, 2 on bad input.
+
+A purge reaches storage outside the engines (files, Redis keys): a live engine's cpu tier and vLLM's own GPU prefix cache keep what they hold until evicted (POST /reset_prefix_cache?reset_external=true clears them, for every tenant).
+
+Examples:
+
+  kvtier purge --disk-path /nvme/kvtier --salt tenant-b --dry-run
+
+  kvtier purge --disk-path /nvme/kvtier --older-than 7d
+
+  kvtier purge --redis-url redis://10.0.0.5:6379/0 --redis-password-env REDIS_PASSWORD --namespace 3f2a...e1 --json
+
+  kvtier purge --disk-path /nvme/kvtier --all
+"""
+
+
+def _config(disk_path: str | None, redis: dict[str, Any]) -> tuple[Any, set[str]]:
+    """The kvtier configuration of the targets given on the command line, and the keys given."""
+    from kvtier.core.config import KVTierConfig
+
+    values: dict[str, Any] = {k: v for k, v in redis.items() if v is not None}
+    if disk_path is not None:
+        values["disk_path"] = disk_path
+    try:
+        return KVTierConfig.from_dict(values), set(values)
+    except UserError as exc:
+        fail(f"{exc}".rstrip(".") + " (given as the matching --option).")
+
+
+def purge_command(
+    disk_path: str | None = typer.Option(None, "--disk-path", metavar="DIR", help="The disk tier's directory (its disk_path)."),
+    redis_url: str | None = typer.Option(None, "--redis-url", metavar="URL", help="redis:// or rediss:// URL of the shared tier."),
+    redis_cluster: bool = typer.Option(False, "--redis-cluster",
+                                       help="--redis-url names a Cluster seed node (every primary is purged)."),
+    redis_password_env: str | None = typer.Option(None, "--redis-password-env",
+                                                  help="Environment variable holding the Redis password."),
+    redis_password_file: str | None = typer.Option(None, "--redis-password-file",
+                                                   help="File holding the Redis password."),
+    redis_tls_ca_file: str | None = typer.Option(None, "--redis-tls-ca-file", help="CA bundle for rediss://."),
+    redis_key_prefix: str | None = typer.Option(None, "--redis-key-prefix",
+                                                help="The engines' redis_key_prefix (default kvtier:)."),
+    redis_ttl_s: int | None = typer.Option(None, "--redis-ttl-s",
+                                           help="The engines' redis_ttl_s, for --older-than (default 86400)."),
+    namespace: list[str] = typer.Option([], "--namespace", metavar="HEX", help="Namespace digest, 32 hex digits (repeatable)."),
+    older_than: str | None = typer.Option(None, "--older-than", metavar="DURATION", help="Only chunks written longer ago: 90s, 30m, 12h, 7d."),
+    salt: str | None = typer.Option(None, "--salt", metavar="SALT", help="Only chunks saved for requests with this cache_salt."),
+    lora: str | None = typer.Option(None, "--lora", metavar="NAME", help="Only chunks saved for this LoRA adapter (its name)."),
+    purge_all: bool = typer.Option(False, "--all", help="Allow a purge with no selector (every chunk)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Show what would be removed; remove nothing."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    from kvtier.core.purge import PurgeFailed, PurgeSelector, parse_duration, parse_namespace, purge
+
+    if disk_path is None and redis_url is None:
+        fail("give a target to purge: --disk-path DIR (the disk tier's directory) and/or --redis-url URL.")
+    if salt is not None and salt == "":
+        fail("--salt is empty; give the cache_salt the requests carried.")
+    if lora is not None and lora == "":
+        fail("--lora is empty; give the LoRA adapter's name as served (--lora-modules NAME=PATH).")
+    try:
+        selector = PurgeSelector(
+            namespaces=frozenset(parse_namespace(n) for n in namespace),
+            older_than_s=None if older_than is None else parse_duration(older_than),
+            cache_salt=salt, lora_name=lora)
+    except UserError as exc:
+        fail(str(exc).rstrip(".") + ".")
+    if not selector.selects_anything and not purge_all:
+        fail("no selector given, which would remove every chunk; add --namespace, --older-than, --salt or --lora, "
+             "or pass --all to remove everything.")
+    config, given = _config(disk_path, {"redis_url": redis_url, "redis_cluster": redis_cluster or None,
+                                 "redis_password_env": redis_password_env, "redis_password_file": redis_password_file,
+                                 "redis_tls_ca_file": redis_tls_ca_file, "redis_key_prefix": redis_key_prefix,
+                                 "redis_ttl_s": redis_ttl_s})
+    try:
+        # only the targets named on the command line: a KVTIER_* variable must not add one
+        results = purge(config, selector, dry_run, given)
+    except UserError as exc:
+        fail(str(exc).rstrip(".") + ".")
+    except PurgeFailed as exc:
+        fail(str(exc).rstrip(".") + ".", 1)
+    problems = [p for r in results for p in r.problems]
+    if as_json:
+        print(json.dumps({
+            "dry_run": dry_run,
+            "namespaces": [{"tier": r.tier, "namespace": r.namespace.hex(), "chunks": r.chunks, "bytes": r.bytes,
+                            "unknown_tenant": r.unknown_tenant, "problems": r.problems} for r in results],
+            "total": {"chunks": sum(r.chunks for r in results), "bytes": sum(r.bytes for r in results),
+                      "unknown_tenant": sum(r.unknown_tenant for r in results)},
+        }, indent=2))
+    else:
+        _print_table(results, dry_run, selector.needs_tenant)
+    if problems:
+        raise typer.Exit(1)
+
+
+def _print_table(results: list[Any], dry_run: bool, tenant: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(highlight=False)
+    verb = "would remove" if dry_run else "removed"
+    table = Table(title=f"kvtier purge{' (dry run)' if dry_run else ''}")
+    table.add_column("tier")
+    table.add_column("namespace")
+    table.add_column(f"chunks {verb}", justify="right")
+    table.add_column("bytes", justify="right")
+    if tenant:
+        table.add_column("unknown tenant (kept)", justify="right")
+    for r in results:
+        row = [r.tier, r.namespace.hex(), f"{r.chunks:,}", f"{r.bytes:,}"]
+        table.add_row(*row, *([f"{r.unknown_tenant:,}"] if tenant else []))
+    console.print(table)
+    chunks, size = sum(r.chunks for r in results), sum(r.bytes for r in results)
+    console.print(f"{'Would remove' if dry_run else 'Removed'} {chunks:,} chunks, {size:,} bytes "
+                  f"({size / 2**30:.3f} GiB) in {len(results)} namespaces.")
+    unknown = sum(r.unknown_tenant for r in results)
+    if unknown:
+        console.print(f"Kept {unknown:,} chunks whose tenant is unknown (saved before tenant records, or on Redis): "
+                      "--salt and --lora never match them; use --namespace or --older-than to remove them.")
+    for r in results:
+        for p in r.problems:
+            console.print(f"[yellow]problem[/yellow] {r.tier} {r.namespace.hex()}: {p}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``kvtier purge`` to the CLI."""
+    app.command("purge", help=HELP)(purge_command)

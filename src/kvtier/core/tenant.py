@@ -1,0 +1,152 @@
+"""Who a chunk was saved for: the tenant record stored with a chunk so that ``kvtier purge
+--salt``/``--lora`` can find it later (issue 22 item 3).
+
+A chunk key folds the request's ``cache_salt`` and LoRA adapter into its root
+(:func:`kvtier.core.keys.request_root`), so neither can be recovered from a stored chunk.  The
+record keeps, next to the chunk, a digest of each:
+
+1. the scheduler, which sees the request, turns ``cache_salt`` and the LoRA adapter's name into a
+   :class:`TenantId` (:meth:`TenantId.of`: 16-byte BLAKE3 digests, derive-key contexts
+   :data:`SALT_CONTEXT` / :data:`LORA_CONTEXT`; the raw salt never leaves the scheduler) and
+   ships it with the save job;
+2. the store writing the chunk keys each digest by its namespace (:func:`record`: BLAKE3 keyed
+   by a key derived from the namespace digest), so equal salts under two models give unrelated
+   bytes, and writes the 48-byte :data:`RECORD_BYTES` record.
+
+Layout of the record (little-endian)::
+
+    offset  size  field
+    0       4     magic b"KVTN"
+    4       1     record version (1)
+    5       1     flags: bit 0 a salt was given, bit 1 a LoRA adapter was given
+    6       2     zero
+    8       16    keyed digest of the cache_salt (zero without one)
+    24      16    keyed digest of the LoRA adapter's name (zero without one)
+    40      8     XXH3-64 of bytes 0..39
+
+A record that is absent (all zero: a chunk saved before this record existed, or by a writer that
+did not know its tenant) or fails its checksum is **unknown**: ``--salt``/``--lora`` never match
+it, and ``kvtier purge`` reports how many chunks were left for that reason.  A request without a
+salt writes a known record with flag bit 0 clear: it is never matched by ``--salt``.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import NamedTuple
+
+import blake3
+import xxhash
+
+MAGIC = b"KVTN"
+VERSION = 1
+RECORD_BYTES = 48
+DIGEST_BYTES = 16
+SALT_CONTEXT = "kvtier tenant v1 cache_salt"
+LORA_CONTEXT = "kvtier tenant v1 lora name"
+NAMESPACE_KEY_CONTEXT = "kvtier tenant v1 namespace key"
+HAS_SALT = 1
+HAS_LORA = 2
+_FIELDS = struct.Struct("<4sBBH16s16s")  # 40 bytes, then their XXH3-64
+_ZERO_DIGEST = bytes(DIGEST_BYTES)
+
+
+@dataclass(frozen=True)
+class TenantId:
+    """A request's tenant as the scheduler ships it to the workers: unkeyed digests.
+
+    Attributes:
+        salt: 16-byte digest of ``cache_salt`` (``b""``: the request had none).
+        lora: 16-byte digest of the LoRA adapter's name (``b""``: the base model).
+    """
+
+    salt: bytes = b""
+    lora: bytes = b""
+
+    @classmethod
+    def of(cls, cache_salt: str | None, lora_name: str | None) -> TenantId:
+        """The tenant of a request with this ``cache_salt`` (vLLM ``Request.cache_salt``) and LoRA
+        adapter name (``Request.lora_request.lora_name``); ``None`` for either when absent."""
+        return cls(_id(SALT_CONTEXT, cache_salt), _id(LORA_CONTEXT, lora_name))
+
+
+_writing = threading.local()
+
+
+@contextmanager
+def writing_for(tenant: TenantId | None) -> Iterator[None]:
+    """Within the block, chunks this thread writes are written for ``tenant`` (``None``: unknown).
+
+    The store's write path (:mod:`kvtier.core.lower`) wraps each tier write in it, so that a tier
+    with room for the record (the disk tier's header) reads it with :func:`current` without the
+    tier contract's ``put`` growing an argument every tier would have to carry.  A tier that writes
+    on another thread sees ``None``: the record is then unknown, never wrong."""
+    before = getattr(_writing, "tenant", None)
+    _writing.tenant = tenant
+    try:
+        yield
+    finally:
+        _writing.tenant = before
+
+
+def current() -> TenantId | None:
+    """The tenant of the chunk this thread is writing (:func:`writing_for`), or ``None``."""
+    return getattr(_writing, "tenant", None)
+
+
+def _id(context: str, value: str | None) -> bytes:
+    if value is None:
+        return b""
+    return blake3.blake3(value.encode(), derive_key_context=context).digest(DIGEST_BYTES)
+
+
+@lru_cache(maxsize=4096)
+def _keyed(namespace: bytes, ident: bytes) -> bytes:
+    if not ident:
+        return _ZERO_DIGEST
+    key = blake3.blake3(namespace, derive_key_context=NAMESPACE_KEY_CONTEXT).digest()
+    return blake3.blake3(ident, key=key).digest(DIGEST_BYTES)
+
+
+def record(namespace: bytes, tenant: TenantId) -> bytes:
+    """The :data:`RECORD_BYTES` record of ``tenant`` for a chunk of ``namespace`` (16-byte digest)."""
+    flags = (HAS_SALT if tenant.salt else 0) | (HAS_LORA if tenant.lora else 0)
+    fields = _FIELDS.pack(MAGIC, VERSION, flags, 0, _keyed(namespace, tenant.salt), _keyed(namespace, tenant.lora))
+    return fields + xxhash.xxh3_64_digest(fields)
+
+
+class Record(NamedTuple):
+    """A decoded record: the flags and the two keyed digests."""
+
+    flags: int
+    salt: bytes
+    lora: bytes
+
+
+def decode(raw: bytes | memoryview) -> Record | None:
+    """The record in ``raw`` (at least :data:`RECORD_BYTES` bytes); ``None`` when unknown (absent,
+    another version, or a checksum mismatch)."""
+    raw = bytes(raw[:RECORD_BYTES])
+    if len(raw) < RECORD_BYTES or raw[:4] != MAGIC:
+        return None
+    if xxhash.xxh3_64_digest(raw[:_FIELDS.size]) != raw[_FIELDS.size:RECORD_BYTES]:
+        return None
+    _magic, version, flags, _zero, salt, lora = _FIELDS.unpack(raw[:_FIELDS.size])
+    if version != VERSION:
+        return None
+    return Record(flags, salt, lora)
+
+
+def matches(rec: Record, namespace: bytes, cache_salt: str | None, lora_name: str | None) -> bool:
+    """Whether a known record of a chunk of ``namespace`` was written for ``cache_salt`` (when not
+    ``None``) and for the LoRA adapter ``lora_name`` (when not ``None``)."""
+    if cache_salt is not None and not (rec.flags & HAS_SALT and
+                                       rec.salt == _keyed(namespace, _id(SALT_CONTEXT, cache_salt))):
+        return False
+    return lora_name is None or bool(rec.flags & HAS_LORA and
+                                     rec.lora == _keyed(namespace, _id(LORA_CONTEXT, lora_name)))

@@ -1,0 +1,122 @@
+"""``kvtier purge`` over the disk tier's directory: the tier's
+:attr:`~kvtier.core.tiers.registry.TierSpec.purge` hook.
+
+The directory holds one sub-directory per namespace (``<disk_path>/<namespace hex>/``, its 256
+shard directories ``00`` … ``ff`` holding ``<key hex>.kvc`` files: :mod:`kvtier.core.tiers.diskscan`).
+A chunk file matches a :class:`~kvtier.core.purge.PurgeSelector` by its namespace directory, its
+modification time (when it was written: files are written once, into a temporary file renamed into
+place) and, for ``--salt``/``--lora``, the tenant record in its header
+(:mod:`kvtier.core.tenant`); a file whose header cannot be read or checked is left alone and
+reported (a live engine removes it as corrupt when it reads it).
+
+Removing a file a live engine is reading is safe: an open file stays readable to the reader that
+opened it (POSIX ``unlink(2)``), which then serves a verified chunk it had begun to read; a read
+that opens it afterwards finds no file, a miss.  Temporary files of writers in flight are left
+alone (they are not chunks yet), as are the reset marker and the writers' lock files.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvtier.core.errors import UserError
+from kvtier.core.keys import KEY_BYTES
+from kvtier.core.purge import NamespacePurge, PurgeSelector
+from kvtier.core.tiers.chunkfile import HEADER_BYTES, ChunkFormatError, decode_header
+from kvtier.core.tiers.diskscan import chunk_entries
+
+if TYPE_CHECKING:
+    from kvtier.core.config import KVTierConfig
+
+TIER = "disk"
+_NAMESPACE_DIR = re.compile(r"[0-9a-f]{32}")
+
+
+def purge(config: KVTierConfig, selector: PurgeSelector, dry_run: bool) -> list[NamespacePurge] | None:
+    """Purge ``config.disk_path`` (see the module docstring); ``None`` without a ``disk_path``.
+
+    Returns:
+        one :class:`~kvtier.core.purge.NamespacePurge` per namespace directory the selector
+        admits, in name order (those with nothing matched included, so a dry run shows where it looked).
+
+    Raises:
+        UserError: ``disk_path`` is not a directory that can be listed.
+    """
+    if not config.disk_path:
+        return None
+    root = Path(config.disk_path)
+    if not root.is_dir():
+        raise UserError(f"--disk-path {root} is not a directory; give the disk tier's disk_path")
+    try:
+        names = sorted(entry.name for entry in os.scandir(root) if entry.is_dir(follow_symlinks=False)
+                       and _NAMESPACE_DIR.fullmatch(entry.name))
+    except OSError as exc:
+        raise UserError(f"cannot list --disk-path {root} ({exc.strerror}); fix its permissions or run as its owner") \
+            from None
+    out = []
+    for name in names:
+        namespace = bytes.fromhex(name)
+        if selector.wants_namespace(namespace):
+            out.append(purge_namespace(root / name, namespace, selector, dry_run))
+    return out
+
+
+def purge_namespace(directory: Path, namespace: bytes, selector: PurgeSelector, dry_run: bool) -> NamespacePurge:
+    """Purge the chunk files of one namespace directory (see :func:`purge`)."""
+    result = NamespacePurge(TIER, namespace)
+    for entry in chunk_entries(directory, KEY_BYTES, result.problem):
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:  # removed meanwhile (an engine's eviction)
+            continue
+        except OSError as exc:
+            result.problem(f"cannot stat {entry.path} ({exc.strerror})")
+            continue
+        if not selector.old_enough(st.st_mtime):
+            continue
+        if selector.needs_tenant:
+            verdict = _tenant_match(entry.path, namespace, selector, result)
+            if verdict is None:
+                result.unknown_tenant += 1
+            if not verdict:
+                continue
+        if not dry_run:
+            try:
+                os.unlink(entry.path)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                result.problem(f"cannot remove {entry.path} ({exc.strerror})")
+                continue
+        result.chunks += 1
+        result.bytes += st.st_size
+    return result
+
+
+def _tenant_match(path: str, namespace: bytes, selector: PurgeSelector, result: NamespacePurge) -> bool | None:
+    """Whether the file's tenant record matches; ``None`` when unknown; ``False`` (with a problem
+    noted) when the header cannot be read or checked."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        result.problem(f"cannot read {path} ({exc.strerror})")
+        return False
+    try:
+        header = decode_header(os.pread(fd, HEADER_BYTES, 0))
+    except ChunkFormatError as exc:
+        result.problem(f"{path}: {exc}")
+        return False
+    except OSError as exc:
+        result.problem(f"cannot read {path} ({exc.strerror})")
+        return False
+    finally:
+        os.close(fd)
+    if header.namespace != namespace:
+        result.problem(f"{path}: chunk belongs to another namespace")
+        return False
+    return selector.tenant_match(namespace, header.tenant)

@@ -1,0 +1,57 @@
+"""What a probe of a configured shared tier found: one of three states, each with one sentence.
+
+A shared tier's module may name a probe in its :class:`~kvtier.core.tiers.registry.TierSpec`
+(``probe``: ``probe(config, deadline_s) -> ProbeResult``): connect and ask the server something
+harmless within a short deadline, never a write.  ``kvtier check`` and the serve-line pre-flight
+(:func:`kvtier.integrations.vllm.preflight.probe_shared_tiers`) run every configured tier's probe
+and warn: the tier may come up after the engine, and until then every lookup in it is a miss under
+the breaker.
+
+* ``reachable``: the server answered within the deadline;
+* ``auth failed``: it answered, but refused the credentials;
+* ``unreachable``: no answer (the host does not resolve, the port is closed, a TLS handshake or
+  the deadline failed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+ProbeState = Literal["reachable", "unreachable", "auth failed"]
+
+PROBE_DEADLINE_S = 2.0
+"""Longest a probe may take, seconds, name resolution included (probes run on a daemon thread
+that is abandoned at the deadline, since ``getaddrinfo`` has no timeout of its own)."""
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """What a probe of a shared tier found.
+
+    Attributes:
+        state: ``"reachable"``, ``"unreachable"`` or ``"auth failed"``.
+        url: the tier's address with any password replaced by ``***``.
+        detail: why, in a few words (``"connection refused"``, ``"PING answered in 1.2 ms"``).
+        elapsed_s: seconds the probe took.
+        auth_fix: what to change when the credentials are refused (the tier's own keys).
+        address_key: the configuration key naming the address (said when it is unreachable).
+    """
+
+    state: ProbeState
+    url: str
+    detail: str
+    elapsed_s: float
+    auth_fix: str = "fix the tier's credentials"
+    address_key: str = "the tier's address"
+
+    @property
+    def message(self) -> str:
+        """One sentence for the operator naming the state, the address and what to do."""
+        if self.state == "reachable":
+            return f"shared tier {self.url} is reachable ({self.detail})"
+        if self.state == "auth failed":
+            return (f"shared tier {self.url}: auth failed ({self.detail}); vLLM would start, but every shared-tier "
+                    f"lookup would be a miss: {self.auth_fix}")
+        return (f"shared tier {self.url} is unreachable ({self.detail}); vLLM would start, but every shared-tier "
+                f"lookup would be a miss until it answers: start it, fix {self.address_key}, or open the network path")

@@ -1,0 +1,185 @@
+"""kvtier's KV events through a real vLLM 0.32 ``Scheduler`` and its real ZMQ publisher, without
+workers: the scheduler schedules real requests (vLLM's own block hasher), kvtier's scheduler side
+plans their saves, and each step's ``ModelRunnerOutput`` carries the rank report a worker would
+send, written by the test from a tier map it keeps (the truth).  A real ZMQ subscriber decodes the
+stream with vLLM's ``KVEventBatch``; the (hash, medium) set it implies must equal the truth after
+saves, after spills and evictions, after a reset, and after a restart (a second scheduler on the
+same disk directory, announcing the first one's disk chunks from its journal)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from vllm import SamplingParams
+from vllm.config import (
+    CacheConfig,
+    KVEventsConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_events import KVEventBatch
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, maybe_convert_block_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+from kvtier.integrations.vllm.protocol import KVTierWorkerMeta, RankReport
+from tests.integrations.kv_events_sub import EventSubscriber, free_port
+
+BLOCK = 128  # = chunk_tokens (auto): one engine block per chunk
+NUM_BLOCKS = 512
+ROOT = b"\x07" * 16
+MEDIUM = {"cpu": "CPU", "disk": "STORAGE"}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from kvtier.launch.testmodel import write_model
+
+    return write_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", weights="none")
+
+
+def scheduler(model: Path, disk: Path, port: int, replay_port: int | None = None) -> Scheduler:
+    extra = {"cpu_gib": 1, "disk_path": str(disk), "disk_gib": 1}
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(model=str(model), max_model_len=2048, dtype="bfloat16"),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=16, max_model_len=2048,
+                                         is_encoder_decoder=False),
+        kv_transfer_config=KVTransferConfig(kv_connector="KVTierConnector",
+                                            kv_connector_module_path="kvtier.integrations.vllm", kv_role="kv_both",
+                                            kv_load_failure_policy="recompute", kv_connector_extra_config=extra),
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                        endpoint=f"tcp://*:{port}", topic="kv",
+                                        replay_endpoint=f"tcp://*:{replay_port}" if replay_port else None))
+    vllm_config.cache_config.num_gpu_blocks = NUM_BLOCKS
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=vllm_config.model_config.dtype)
+    kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],  # no worker: no tensors
+                                    kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)])
+    return Scheduler(vllm_config, kv_cache_config, StructuredOutputManager(vllm_config), block_size=BLOCK)
+
+
+class Engine:
+    """One scheduler stepped by hand; ``tiers`` is what the (absent) worker's store holds."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+        self.tiers: dict[bytes, str] = {}
+        self.hashes: dict[bytes, int | bytes] = {}  # page key -> its block's hash as events carry it
+        self.pending: list[tuple[bytes, str | None]] = []
+        self.full = True  # the first report is a full snapshot
+        self.epoch = 0  # the last reset order applied
+        hash_fn = get_hash_fn_by_name("sha256")
+        init_none_hash(hash_fn)
+        self.hasher = get_request_block_hasher(BLOCK, hash_fn)
+        self.n = 0
+
+    def subscribed(self, events: EventSubscriber) -> bool:
+        """Whether ``events`` receives this scheduler's batches (an empty batch, published until one arrives)."""
+        return events.handshake(lambda: self.sched.kv_event_publisher.publish(KVEventBatch(ts=0.0, events=[])))
+
+    def add(self, num_tokens: int) -> None:
+        self.n += 1
+        tokens = [(self.n * 977 + i) % 30000 for i in range(num_tokens)]
+        self.sched.add_request(Request(f"r{self.n}", tokens, SamplingParams(max_tokens=2, ignore_eos=True), None,
+                                       block_hasher=self.hasher))
+
+    def change(self, key: bytes, tier: str | None) -> None:
+        if tier is None:
+            self.tiers.pop(key, None)
+        else:
+            self.tiers[key] = tier
+        self.pending.append((key, tier))
+
+    def step(self) -> None:
+        out = self.sched.schedule()
+        order = getattr(out.kv_connector_metadata, "reset", None)
+        if order is not None:  # what a worker does with a reset order: clear, then a full snapshot
+            self.epoch, self.full, self.pending = order.epoch, True, []
+            self.tiers.clear()
+        requests = {r.request_id: r for r in self.sched.running}
+        for save in getattr(out.kv_connector_metadata, "saves", ()):
+            for page in save.pages:
+                self.hashes[page.key] = maybe_convert_block_hash(requests[save.req_id].block_hashes[page.chunk])
+                self.change(page.key, "cpu")
+        report = RankReport(ROOT, list(self.tiers.items()) if self.full else self.pending, full=self.full,
+                            epoch=self.epoch)
+        self.full, self.pending = False, []
+        ids = list(out.num_scheduled_tokens)
+        self.sched.update_from_output(out, ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=[[1] for _ in ids],
+            kv_connector_output=KVConnectorOutput(kv_connector_worker_meta=KVTierWorkerMeta({0: report}))))
+
+    def truth(self) -> set[tuple[int | bytes, str]]:
+        return {(self.hashes[k], MEDIUM[t]) for k, t in self.tiers.items() if k in self.hashes}
+
+
+def test_the_stream_a_router_reads_matches_the_tiers_through_spills_evictions_reset_and_restart(
+        model: Path, tmp_path: Path) -> None:
+    (tmp_path / "disk").mkdir()  # the disk tier's directory (its workers would create it)
+    port = free_port()
+    events = EventSubscriber(port)
+    engine = Engine(scheduler(model, tmp_path / "disk", port))
+    try:
+        assert engine.subscribed(events)
+        engine.step()  # the first report: the mirror is ready
+        for _ in range(3):
+            engine.add(4 * BLOCK + 10)
+        for _ in range(4):
+            engine.step()
+        assert len(engine.tiers) == 12, "3 prompts of 4 full chunks each are saved"
+        assert events.wait(lambda held: held == engine.truth()), (len(events.held()), len(engine.truth()))
+
+        keys = list(engine.tiers)
+        for key in keys[:4]:  # spilled and dropped from cpu
+            engine.change(key, "disk")
+        for key in keys[4:6]:  # evicted from every tier
+            engine.change(key, None)
+        engine.step()
+        assert events.wait(lambda held: held == engine.truth()), (events.held() ^ engine.truth())
+        assert {m for _, m in events.held()} == {"CPU", "STORAGE"}
+
+        assert engine.sched.reset_prefix_cache(reset_connector=True)
+        engine.step()  # the step after a reset publishes its removals (and carries the order)
+        assert events.wait(lambda held: not held), events.held()
+
+        # saved again after the reset, then stopped: the journal keeps the block hashes
+        engine.add(3 * BLOCK + 1)
+        for _ in range(3):
+            engine.step()
+        for key in list(engine.tiers):
+            engine.change(key, "disk")
+        engine.step()
+        assert events.wait(lambda held: held == engine.truth() != set())
+        on_disk = dict(engine.tiers)
+        engine.sched.shutdown()
+    finally:
+        events.close()
+    assert list((tmp_path / "disk").glob(".kvtier-kv-events-*.msgpack"))
+
+    # the restarted scheduler: its worker's first snapshot is the disk index; no request has run.
+    # The router joins late, after the announcements: it asks vLLM's replay endpoint for them.
+    port, replay_port = free_port(), free_port()
+    restarted = Engine(scheduler(model, tmp_path / "disk", port, replay_port))
+    events: EventSubscriber | None = None
+    try:
+        restarted.tiers = dict(on_disk)
+        restarted.hashes = dict(engine.hashes)  # the truth's hashes, for the comparison only
+        restarted.step()
+        restarted.step()
+        # vLLM's publisher thread has sent them (ZmqEventPublisher marks each batch done once sent)
+        restarted.sched.kv_event_publisher._event_queue.join()  # type: ignore[attr-defined]
+        events = EventSubscriber(port, replay_port)  # joins after: ZMQ never delivers them live
+        assert restarted.subscribed(events)
+        assert events.wait(lambda held: held == restarted.truth() and len(held) == 3), events.held()
+        assert events.replayed > 0
+    finally:
+        restarted.sched.shutdown()
+        if events is not None:
+            events.close()
