@@ -219,3 +219,19 @@ def test_the_cap_never_deletes_an_object_rewritten_since_it_was_counted(s3_serve
     finally:
         one.close()
         other.close()
+
+
+def test_the_probe_tells_reachable_auth_failed_and_unreachable(s3_server, bucket, creds, tmp_path):
+    from kvtier.core.tiers.s3probe import probe_s3
+
+    assert probe_s3(config_of(s3_server, bucket, creds)).state == "reachable"
+    wrong = tmp_path / "wrong"
+    wrong.write_text(f"[default]\naws_access_key_id = {s3_server.access_key}\naws_secret_access_key = nope-nope\n",
+                     encoding="utf-8")
+    refused = probe_s3(config_of(s3_server, bucket, wrong))
+    assert refused.state == "auth failed" and "nope-nope" not in refused.message
+    missing = probe_s3(config_of(s3_server, "no-such-bucket-here", creds))
+    assert missing.state == "unreachable" and "no such bucket" in missing.message
+    closed = probe_s3(KVTierConfig.from_dict({"s3_endpoint_url": "http://127.0.0.1:9", "s3_bucket": bucket,
+                                              "s3_allow_http": True, "s3_credentials_file": str(creds)}), 1.0)
+    assert closed.state == "unreachable"

@@ -116,7 +116,8 @@ BUILTIN = (
              purge="kvtier.core.tiers.redispurge:purge"),
     TierSpec("s3", 30, True, "external_unspecified", "kvtier.core.tiers.s3:from_config",
              "kvtier.core.tiers.s3:configured", settings="kvtier.core.tiers.s3settings:S3Settings",
-             keys=("s3_bucket", "s3_endpoint_url"), check="kvtier.core.tiers.s3:check", reset="kvtier.core.tiers.s3:reset"),
+             keys=("s3_bucket", "s3_endpoint_url"), check="kvtier.core.tiers.s3:check", reset="kvtier.core.tiers.s3:reset",
+             probe="kvtier.core.tiers.s3probe:probe_s3"),
 )
 """The tiers shipped with kvtier: one line each."""
 

@@ -1,0 +1,83 @@
+"""The s3 tier's reachability probe (:attr:`~kvtier.core.tiers.registry.TierSpec.probe`): one LIST
+of at most one key under the tier's prefix, within a short deadline, never a write.
+
+``kvtier check`` and the serve-line pre-flight run it (:mod:`kvtier.core.tiers.probe`): a
+``200`` is ``reachable``; a ``403`` is ``auth failed`` (fix the credentials:
+``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY`` or ``s3_credentials_file``); a missing bucket, a
+closed port or no answer in time is ``unreachable``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from kvtier.core.errors import ConfigError
+from kvtier.core.tiers.probe import PROBE_DEADLINE_S, ProbeResult
+from kvtier.core.tiers.s3client import make_store, where
+from kvtier.core.tiers.s3settings import S3Settings, s3_settings
+
+if TYPE_CHECKING:
+    from kvtier.core.config import KVTierConfig
+
+AUTH_MARKS = ("403 Forbidden", "AccessDenied", "SignatureDoesNotMatch", "InvalidAccessKeyId")
+"""Texts of an S3 error that mean the server refused the credentials."""
+AUTH_FIX = "fix AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or s3_credentials_file"
+
+
+def probe_s3(config: KVTierConfig, deadline_s: float = PROBE_DEADLINE_S) -> ProbeResult:
+    """LIST at most one object under ``s3_key_prefix`` of ``s3_bucket``, within ``deadline_s`` seconds.
+
+    Raises:
+        ConfigError: no bucket, obstore missing, plain HTTP without ``s3_allow_http`` or unreadable
+            credentials (the pre-flight reports those itself, as errors).
+    """
+    settings = s3_settings(config)
+    if not settings.s3_bucket:
+        raise ConfigError("probe_s3 needs a config with s3_bucket set")
+    capped = settings.model_copy(update={"s3_connect_timeout_s": min(settings.s3_connect_timeout_s, deadline_s),
+                                         "s3_timeout_s": min(settings.s3_timeout_s, deadline_s), "s3_max_retries": 0})
+    store = make_store(capped, deadline_s)
+    address = where(settings)
+    outcome: list[ProbeResult] = []
+    start = time.monotonic()
+
+    def run() -> None:
+        outcome.append(_list_one(store, capped, address, start))
+
+    worker = threading.Thread(target=run, name="kvtier-s3-probe", daemon=True)
+    worker.start()
+    worker.join(deadline_s)
+    if outcome:
+        return outcome[0]
+    return _result("unreachable", address, f"no answer within {deadline_s:g} s", time.monotonic() - start)
+
+
+def _result(state: str, address: str, detail: str, elapsed_s: float) -> ProbeResult:
+    return ProbeResult(state, address, detail, elapsed_s, auth_fix=AUTH_FIX,  # type: ignore[arg-type]
+                       address_key="s3_endpoint_url or s3_bucket")
+
+
+def _list_one(store: Any, settings: S3Settings, address: str, start: float) -> ProbeResult:
+    import obstore
+    from obstore.exceptions import PermissionDeniedError, UnauthenticatedError
+
+    try:
+        stream = obstore.list(store, settings.s3_key_prefix.rstrip("/") or None, chunk_size=1)
+        next(iter(stream), None)
+    except (PermissionDeniedError, UnauthenticatedError):
+        return _result("auth failed", address, "the server refused the credentials (403)", time.monotonic() - start)
+    except Exception as exc:  # noqa: BLE001 - any other failure: not reachable as configured
+        text = str(exc)
+        if "169.254.169.254" in text or "169.254.170.2" in text:  # the AWS chain's metadata endpoints
+            return _result("auth failed", address, "no credentials: none in the environment or s3_credentials_file, "
+                           "and no instance or container credentials answered", time.monotonic() - start)
+        if any(mark in text for mark in AUTH_MARKS):  # a LIST's 403 arrives as obstore's generic error
+            return _result("auth failed", address, "the server refused the credentials (403)",
+                           time.monotonic() - start)
+        detail = "no such bucket" if "NoSuchBucket" in text else (text.splitlines()[0][:160] if text else
+                                                                   type(exc).__name__)
+        return _result("unreachable", address, detail, time.monotonic() - start)
+    elapsed = time.monotonic() - start
+    return _result("reachable", address, f"LIST answered in {elapsed * 1000:.1f} ms", elapsed)
