@@ -109,6 +109,7 @@ def test_bench_store_s3_rows_against_a_real_server(tmp_path, s3_server):
 @pytest.mark.parametrize(("args", "needle"), [
     (["--s3-only"], "--s3-bucket"),
     (["--s3-in-flight", "0"], "--s3-in-flight"),
+    (["--s3-only", "--redis-only", "--s3-bucket", "b", "--redis-url", "redis://127.0.0.1:1/0"], "exclude each other"),
     (["--s3-bucket", "kvcache", "--s3-endpoint-url", "http://127.0.0.1:9", "--s3-only"], "s3_allow_http"),
 ])
 def test_bench_store_s3_bad_input_is_one_line_error(args, needle):

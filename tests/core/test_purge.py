@@ -192,7 +192,21 @@ def test_a_cluster_node_without_redis_cluster_is_refused_not_purged_in_part(redi
         purge(config, PurgeSelector(), dry_run=True)
 
 
-def test_unreachable_redis_is_one_sentence(key_prefix):
-    config = KVTierConfig.from_dict({"redis_url": "redis://127.0.0.1:1/0", "redis_key_prefix": key_prefix})
-    with pytest.raises(PurgeFailed, match="did not answer the purge"):
-        purge(config, PurgeSelector(), dry_run=True)
+def test_unreachable_redis_is_one_sentence_and_the_disk_purge_before_it_is_still_reported(tmp_path, key_prefix):
+    store = make_store(tmp_path, cpu_chunks=4, disk_chunks=8, write_mode="write-through")
+    chain = chain_of(1, 2)
+    store.put(chain, [payload(k) for k in chain])
+    store.close()
+    for url, cluster in (("redis://127.0.0.1:1/0", False), ("redis://127.0.0.1:1/0", True)):
+        config = KVTierConfig.from_dict({"disk_path": str(tmp_path / "disk"), "disk_gib": 0.01, "redis_url": url,
+                                         "redis_cluster": cluster, "redis_key_prefix": key_prefix})
+        disk, failed = purge(config, PurgeSelector(), dry_run=True)
+        assert (disk.tier, disk.chunks, disk.problems) == ("disk", 2, [])
+        assert (failed.tier, failed.namespace, failed.chunks) == ("redis", b"", 0)
+        (problem,) = failed.problems
+        assert "could not be reached" in problem or "did not answer the purge" in problem
+        assert "Traceback" not in problem and "\n" not in problem
+    from kvtier.core.tiers.redispurge import purge as redis_purge
+
+    with pytest.raises(PurgeFailed, match="could not be reached"):  # the tier's own hook raises; purge() reports
+        redis_purge(config, PurgeSelector(), True)

@@ -274,3 +274,7 @@ def test_inline_json_that_is_not_an_object_and_tiers_left_out(tmp_path):
     assert any("disk_path and disk_gib are set but tiers ['cpu'] leaves out 'disk'" in w for w in warnings), warnings
     used = {**extra, "tiers": ["cpu", "disk", "redis"], "redis_url": None}
     assert not [p for p in check_transfer_config(transfer(extra=used)) if "leaves out" in p.message]
+    # the other way round: tiers names a tier whose settings do not ask for it (it would be skipped)
+    skipped = [p.message for p in check_transfer_config(transfer(extra=used)) if p.severity == "warning"]
+    assert any("tiers lists 'redis' but its settings do not ask for it (redis_url)" in w for w in skipped), skipped
+    assert not any("tiers lists 'disk'" in w for w in skipped), skipped

@@ -83,6 +83,8 @@ def bench_store(
         fail(f"--dir {str(directory)!r} is not a writable directory; create it or omit --dir")
     if json_path is not None and (json_path.is_dir() or not json_path.parent.is_dir()):
         fail(f"--json {str(json_path)!r} must be a file path in an existing directory")
+    if redis_only and s3_only:
+        fail("--redis-only and --s3-only exclude each other; give one of them, or neither to measure every tier")
     if redis_only and not redis_url:
         fail("--redis-only needs --redis-url, e.g. --redis-url redis://127.0.0.1:6379/0")
     if s3_only and not s3_bucket:

@@ -12,7 +12,7 @@ from kvtier.core.errors import ConfigError
 
 HELP = """Check a --kv-transfer-config for KVTierConnector in under a second, without starting vLLM.
 
-Runs the connector's own validator (the same checks it applies at engine start-up, after the model has loaded) and vLLM's transfer-config rules: unknown keys (with the closest known key), bad values, the disk tier path (exists or can be created, writable, enough free space, not a kernel filesystem such as /proc), cpu_gib against the memory this host has, the Redis password and shared_secret_file when redis_url is set, then the shared tier itself (connect and PING within 2 s, never a write: one line saying reachable, unreachable or auth failed, a warning unless reachable; --offline skips it), chunk_tokens against --block-size (without it, a warning when it is not a multiple of vLLM's default block sizes, 16 and 128 on CPU; auto, the default, always fits), kv_connector_module_path, kv_role, and kv_load_failure_policy. Exit code 0 when it would start, 1 when it has errors, 2 when the input cannot be read (no such file, or not a JSON object).
+Runs the connector's own validator (the same checks it applies at engine start-up, after the model has loaded) and vLLM's transfer-config rules: unknown keys (with the closest known key), bad values, the disk tier path (exists or can be created, writable, enough free space, not a kernel filesystem such as /proc), cpu_gib against the memory this host has, the Redis password and shared_secret_file when redis_url is set, then each configured shared tier itself (Redis: connect and PING; S3: a LIST of at most one key; within 2 s, never a write: one line saying reachable, unreachable or auth failed, a warning unless reachable; --offline skips it), chunk_tokens against --block-size (without it, a warning when it is not a multiple of vLLM's default block sizes, 16 and 128 on CPU; auto, the default, always fits), kv_connector_module_path, kv_role, and kv_load_failure_policy. Exit code 0 when it would start, 1 when it has errors, 2 when the input cannot be read (no such file, or not a JSON object).
 
 CONFIG is the JSON itself, a file holding it, or - for stdin. To check a whole serve command line, use `kvtier audit` (it runs the same checks).
 
@@ -43,7 +43,7 @@ def check_command(
     config: str = typer.Argument(..., help="The --kv-transfer-config JSON, a file holding it, or - for stdin."),
     block_size: int | None = typer.Option(None, "--block-size", help="The server's --block-size, tokens."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
-    offline: bool = typer.Option(False, "--offline", help="Do not probe the shared tier (redis_url)."),
+    offline: bool = typer.Option(False, "--offline", help="Do not probe the shared tiers (redis_url, s3_bucket)."),
 ) -> None:
     from kvtier.integrations.vllm.preflight import (
         check_transfer_config,

@@ -70,6 +70,10 @@ def purge_command(
 
     if disk_path is None and redis_url is None:
         fail("give a target to purge: --disk-path DIR (the disk tier's directory) and/or --redis-url URL.")
+    if disk_path is not None and not disk_path.strip():
+        fail("--disk-path is empty; give the disk tier's directory (its disk_path).")
+    if redis_url is not None and not redis_url.strip():
+        fail("--redis-url is empty; give the Redis/Valkey URL the engines use (their redis_url).")
     if salt is not None and salt == "":
         fail("--salt is empty; give the cache_salt the requests carried.")
     if lora is not None and lora == "":
@@ -118,25 +122,26 @@ def _print_table(results: list[Any], dry_run: bool, tenant: bool) -> None:
     verb = "would remove" if dry_run else "removed"
     table = Table(title=f"kvtier purge{' (dry run)' if dry_run else ''}")
     table.add_column("tier")
-    table.add_column("namespace")
+    table.add_column("namespace", no_wrap=True, min_width=32)  # copied into --namespace: never cut
     table.add_column(f"chunks {verb}", justify="right")
     table.add_column("bytes", justify="right")
     if tenant:
         table.add_column("unknown tenant (kept)", justify="right")
     for r in results:
-        row = [r.tier, r.namespace.hex(), f"{r.chunks:,}", f"{r.bytes:,}"]
+        row = [r.tier, r.namespace.hex() or "-", f"{r.chunks:,}", f"{r.bytes:,}"]
         table.add_row(*row, *([f"{r.unknown_tenant:,}"] if tenant else []))
     console.print(table)
     chunks, size = sum(r.chunks for r in results), sum(r.bytes for r in results)
     console.print(f"{'Would remove' if dry_run else 'Removed'} {chunks:,} chunks, {size:,} bytes "
-                  f"({size / 2**30:.3f} GiB) in {len(results)} namespaces.")
+                  f"({size / 2**30:.3f} GiB) in {sum(1 for r in results if r.namespace)} namespaces.")
     unknown = sum(r.unknown_tenant for r in results)
     if unknown:
         console.print(f"Kept {unknown:,} chunks whose tenant is unknown (saved before tenant records, or on Redis): "
                       "--salt and --lora never match them; use --namespace or --older-than to remove them.")
     for r in results:
         for p in r.problems:
-            console.print(f"[yellow]problem[/yellow] {r.tier} {r.namespace.hex()}: {p}")
+            console.print(f"[yellow]problem[/yellow] {r.tier}{' ' + r.namespace.hex() if r.namespace else ''}: {p}",
+                          soft_wrap=True)
 
 
 def register(app: typer.Typer) -> None:

@@ -150,7 +150,10 @@ def purge(config: KVTierConfig, selector: PurgeSelector, dry_run: bool,
 
     Raises:
         UserError: a target named wrongly (not a directory, a bad password file), one sentence.
-        PurgeFailed: a target that does not answer (an unreachable server), one sentence.
+
+    A target that does not answer (an unreachable server: the hook's ``PurgeFailed``) is reported
+    as a result of that tier with no namespace and the sentence as its problem, after the targets
+    before it were purged; the caller reports every result and exits non-zero.
     """
     from kvtier.core.tiers.registry import load, specs
 
@@ -159,7 +162,13 @@ def purge(config: KVTierConfig, selector: PurgeSelector, dry_run: bool,
         if record.purge is None or (keys is not None and not set(record.keys) & set(keys)):
             continue
         hook = cast(PurgeHook, load(record.purge, record.name))
-        result = hook(config, selector, dry_run)
+        try:
+            result = hook(config, selector, dry_run)
+        except PurgeFailed as exc:  # the other targets' results are still reported (and were carried out)
+            failed = NamespacePurge(record.name, b"")
+            failed.problem(str(exc))
+            out.append(failed)
+            continue
         if result is not None:
             out.extend(result)
     return out

@@ -61,7 +61,16 @@ def purge(config: KVTierConfig, selector: PurgeSelector, dry_run: bool) -> list[
     if not settings.redis_url:
         return None
     where = redact_url(settings.redis_url)
-    client = make_client(settings)
+    try:
+        client = make_client(settings)
+    except UserError:
+        raise
+    except (redis.RedisError, redis.exceptions.RedisClusterException, OSError) as exc:  # a Cluster seed that
+        # does not answer, or a node that is not in Cluster mode
+        detail = (str(exc).strip().splitlines() or [exc.__class__.__name__])[0]
+        raise PurgeFailed(f"the Redis server at {where} could not be reached for the purge ({detail}); check "
+                          "--redis-url, that --redis-cluster is given only for a Cluster node, the password and "
+                          "that the server is up") from None
     prefix = settings.redis_key_prefix.encode()
     results: dict[bytes, NamespacePurge] = {ns: NamespacePurge(TIER, ns) for ns in sorted(selector.namespaces)}
     try:
@@ -86,7 +95,7 @@ def purge(config: KVTierConfig, selector: PurgeSelector, dry_run: bool) -> list[
                     batch = []
             if batch:
                 _purge_batch(client, batch, selector, settings.redis_ttl_s, dry_run, results)
-    except (redis.RedisError, OSError) as exc:
+    except (redis.RedisError, redis.exceptions.RedisClusterException, OSError) as exc:
         raise PurgeFailed(f"the Redis server at {where} did not answer the purge ({exc.__class__.__name__}: {exc}); "
                         "check --redis-url, the password and that the server is up") from None
     finally:

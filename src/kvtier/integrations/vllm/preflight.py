@@ -293,6 +293,7 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
     else:
         problems.extend(_default_block_problem(key, config.chunk_tokens))
     problems.extend(_unused_tier_problems(key, extra, config))
+    problems.extend(_unconfigured_tier_problems(key, extra, config))
     if not host_checks:
         return problems
     available = available_memory()
@@ -369,6 +370,24 @@ def _tier_problems(key: str, config: KVTierConfig) -> list[Problem]:
     it), the redis tier's password and shared secret."""
     return [Problem("error", f"{key}.{name}", message)
             for tier in config.tiers for name, message in factory.check(tier, config)]
+
+
+def _unconfigured_tier_problems(key: str, extra: dict[str, Any], config: KVTierConfig) -> list[Problem]:
+    """A warning per tier ``tiers`` names explicitly whose settings are not given (it is skipped)."""
+    if "tiers" not in extra:
+        return []
+    out = []
+    for tier in config.tiers:
+        try:
+            if factory.configured(tier, config):
+                continue
+        except ConfigError:
+            continue  # an unknown tier or a module that does not import: reported by the config's own checks
+        keys = ", ".join(registry.spec(tier).keys)
+        out.append(Problem("warning", f"{key}.tiers",
+                           f"tiers lists {tier!r} but its settings do not ask for it{f' ({keys})' if keys else ''}, "
+                           f"so the {tier} tier is skipped; set them or remove {tier!r} from tiers"))
+    return out
 
 
 def _unused_tier_problems(key: str, extra: dict[str, Any], config: KVTierConfig) -> list[Problem]:
