@@ -5,6 +5,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.core.stats import StoreCounters, directions
+from kvtier.core.tiers.registry import available_tiers
 
 from .helpers import CHUNK_BYTES, break_disk_shards, chain_of, make_store, payload
 
@@ -37,7 +38,7 @@ def test_exported_series_keep_their_names_and_labels_and_read_the_snapshot(tmp_p
     store.lookup(a)
     series = exported(store)
     # the names and labels docs/store.md and the dashboards use (a rename must be deliberate)
-    want = {(n, (("tier", t),)) for n in TIER_LABELLED for t in ("cpu", "disk", "redis")}
+    want = {(n, (("tier", t),)) for n in TIER_LABELLED for t in available_tiers()}  # every registered tier
     want |= {(n, (("tier", t),)) for n in PRESENT_TIER for t in ("cpu", "disk")}
     want |= {(n, ()) for n in PLAIN}
     want.add(("kvtier_ttl_pinned_chunks", (("tier", "cpu"),)))  # requests' TTL pins: the top tier only
