@@ -15,6 +15,9 @@ the breaker.
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -55,3 +58,18 @@ class ProbeResult:
                     f"lookup would be a miss: {self.auth_fix}")
         return (f"shared tier {self.url} is unreachable ({self.detail}); vLLM would start, but every shared-tier "
                 f"lookup would be a miss until it answers: start it, fix {self.address_key}, or open the network path")
+
+
+def within_deadline(attempt: Callable[[float], ProbeResult], deadline_s: float, name: str,
+                    late: Callable[[str, float], ProbeResult]) -> ProbeResult:
+    """Run ``attempt(start)`` (``start``: its ``time.monotonic()`` start) on a daemon thread called
+    ``name`` and return its result, or ``late(detail, elapsed_s)`` when it has not answered within
+    ``deadline_s`` seconds (the thread is abandoned: name resolution has no timeout of its own)."""
+    outcome: list[ProbeResult] = []
+    start = time.monotonic()
+    worker = threading.Thread(target=lambda: outcome.append(attempt(start)), name=name, daemon=True)
+    worker.start()
+    worker.join(deadline_s)
+    if outcome:
+        return outcome[0]
+    return late(f"no answer within {deadline_s:g} s", time.monotonic() - start)

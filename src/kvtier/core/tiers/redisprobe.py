@@ -17,13 +17,12 @@ from __future__ import annotations
 import contextlib
 import socket
 import ssl
-import threading
 import time
 from typing import TYPE_CHECKING
 
 from kvtier.core.config import redact_url
 from kvtier.core.errors import ConfigError
-from kvtier.core.tiers.probe import PROBE_DEADLINE_S, ProbeResult, ProbeState
+from kvtier.core.tiers.probe import PROBE_DEADLINE_S, ProbeResult, ProbeState, within_deadline
 
 if TYPE_CHECKING:
     from kvtier.core.config import KVTierConfig
@@ -65,18 +64,8 @@ def probe_redis(config: KVTierConfig, deadline_s: float = PROBE_DEADLINE_S) -> P
     capped = settings.model_copy(update={
         "redis_connect_timeout_s": min(settings.redis_connect_timeout_s, deadline_s),
         "redis_timeout_s": min(settings.redis_timeout_s, deadline_s)})
-    outcome: list[ProbeResult] = []
-    start = time.monotonic()
-
-    def run() -> None:
-        outcome.append(_ping(capped, url, start, make_client))
-
-    worker = threading.Thread(target=run, name="kvtier-redis-probe", daemon=True)
-    worker.start()
-    worker.join(deadline_s)
-    if outcome:
-        return outcome[0]
-    return _result("unreachable", url, f"no answer within {deadline_s:g} s", time.monotonic() - start)
+    return within_deadline(lambda start: _ping(capped, url, start, make_client), deadline_s, "kvtier-redis-probe",
+                           lambda detail, elapsed_s: _result("unreachable", url, detail, elapsed_s))
 
 
 def _ping(config: RedisSettings, url: str, start: float, make_client: object) -> ProbeResult:

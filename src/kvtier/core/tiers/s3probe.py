@@ -9,12 +9,11 @@ closed port or no answer in time is ``unreachable``.
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import TYPE_CHECKING, Any
 
 from kvtier.core.errors import ConfigError
-from kvtier.core.tiers.probe import PROBE_DEADLINE_S, ProbeResult
+from kvtier.core.tiers.probe import PROBE_DEADLINE_S, ProbeResult, within_deadline
 from kvtier.core.tiers.s3client import make_store, where
 from kvtier.core.tiers.s3settings import S3Settings, s3_settings
 
@@ -40,18 +39,8 @@ def probe_s3(config: KVTierConfig, deadline_s: float = PROBE_DEADLINE_S) -> Prob
                                          "s3_timeout_s": min(settings.s3_timeout_s, deadline_s), "s3_max_retries": 0})
     store = make_store(capped, deadline_s)
     address = where(settings)
-    outcome: list[ProbeResult] = []
-    start = time.monotonic()
-
-    def run() -> None:
-        outcome.append(_list_one(store, capped, address, start))
-
-    worker = threading.Thread(target=run, name="kvtier-s3-probe", daemon=True)
-    worker.start()
-    worker.join(deadline_s)
-    if outcome:
-        return outcome[0]
-    return _result("unreachable", address, f"no answer within {deadline_s:g} s", time.monotonic() - start)
+    return within_deadline(lambda start: _list_one(store, capped, address, start), deadline_s, "kvtier-s3-probe",
+                           lambda detail, elapsed_s: _result("unreachable", address, detail, elapsed_s))
 
 
 def _result(state: str, address: str, detail: str, elapsed_s: float) -> ProbeResult:
