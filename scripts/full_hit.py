@@ -247,11 +247,16 @@ def breakdown(tl: Timeline, rid: str, t_add: float, t_first: float,
 
 
 def summary(runs_by_arm: dict[str, list[dict[str, Any]]]) -> str:
-    ms = lambda v: f"{v * 1e3:.1f}"  # noqa: E731
-    lines = ["| arm | n | TTFT median (range), ms | TTFT − tail forward median (range), ms | engine steps "
-             "admission→tail | lookup | load shipped→done | prepare (pin/read) | copy | tail forward + sample "
-             "| TTFT − copy − tail forward | hit tokens | same token as cold |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    def ms(v: float) -> str:
+        return f"{v * 1e3:.1f}"
+
+    def span(runs: list[dict[str, Any]], k: str) -> str:
+        return f"{ms(min(r[k] for r in runs))}–{ms(max(r[k] for r in runs))}"
+
+    header = ("| arm | n | TTFT median (range), ms | TTFT − tail forward median (range), ms | engine steps "
+              "admission→tail | lookup | load shipped→done | prepare (pin/read) | copy | tail forward + sample "
+              "| TTFT − copy − tail forward | hit tokens | same token as cold |")
+    lines = [header, "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     med: dict[str, tuple[float, float]] = {}
     for arm, runs in runs_by_arm.items():
         for r in runs:
@@ -260,9 +265,8 @@ def summary(runs_by_arm: dict[str, list[dict[str, Any]]]) -> str:
                                                                  "prepare_s", "copy_s", "tail_model_s", "other_s")}
         med[arm] = (m["ttft_s"], m["path_s"])
         steps = sorted(r["steps_to_tail"] for r in runs)
-        span = lambda k: f"{ms(min(r[k] for r in runs))}–{ms(max(r[k] for r in runs))}"  # noqa: E731
-        lines.append(f"| {arm} | {len(runs)} | **{ms(m['ttft_s'])}** ({span('ttft_s')}) | **{ms(m['path_s'])}** "
-                     f"({span('path_s')}) | {steps[0]}–{steps[-1]} | {ms(m['lookup_s'])} | {ms(m['load_s'])} "
+        lines.append(f"| {arm} | {len(runs)} | **{ms(m['ttft_s'])}** ({span(runs, 'ttft_s')}) | **{ms(m['path_s'])}** "
+                     f"({span(runs, 'path_s')}) | {steps[0]}–{steps[-1]} | {ms(m['lookup_s'])} | {ms(m['load_s'])} "
                      f"| {ms(m['prepare_s'])} | {ms(m['copy_s'])} | {ms(m['tail_model_s'])} | {ms(m['other_s'])} "
                      f"| {sorted({r['hit_tokens'] for r in runs})} | {all(r['same_token_as_cold'] for r in runs)} |")
     if "native" in med:
@@ -346,7 +350,9 @@ def main() -> int:
     out = {"prompt_tokens": args.prompt_tokens, "load_average_before": load_before,
            "load_average_at_first_hit": load_start, "load_average_after": os.getloadavg(), "runs": runs}
     (args.workdir / "full_hit.json").write_text(json.dumps(out, indent=1))
-    fmt = lambda v: " / ".join(f"{x:.2f}" for x in v)  # noqa: E731
+    def fmt(v: Any) -> str:
+        return " / ".join(f"{x:.2f}" for x in v)
+
     print(f"{args.prompt_tokens}-token prompt, mid geometry, {args.repeats} full hits per arm interleaved; load "
           f"average {fmt(load_start)} at the first timed hit, {fmt(out['load_average_after'])} after\n")
     print(summary(runs))
