@@ -223,6 +223,7 @@ def _serve_refused(model: Path, extra: dict) -> tuple[subprocess.CompletedProces
 
 
 @pytest.mark.engine
+@pytest.mark.shares_cpu
 def test_vllm_server_with_chunk_tokens_no_cpu_block_size_divides_stops_before_the_model_loads(tiny_model: Path):
     proc, ours = _serve_refused(tiny_model, {"chunk_tokens": 100})
     assert len(ours) == 1 and ours[0].startswith("ERROR kvtier: invalid --kv-transfer-config: chunk_tokens=100 is "
@@ -231,6 +232,7 @@ def test_vllm_server_with_chunk_tokens_no_cpu_block_size_divides_stops_before_th
 
 
 @pytest.mark.engine
+@pytest.mark.shares_cpu
 def test_vllm_server_with_a_bad_kvtier_config_stops_before_the_model_loads(tiny_model: Path):
     """The plugin is registered through pyproject's vllm.general_plugins entry point (as installed by make)."""
     proc, ours = _serve_refused(tiny_model, {"cpu_gb": 4})
