@@ -123,7 +123,7 @@ def pcie_peak(device: torch.device) -> tuple[float, str]:
     if smi:
         try:
             out = subprocess.run([smi, "--query-gpu=pcie.link.gen.max,pcie.link.width.max", "--format=csv,noheader",
-                                  "-i", str(device.index or 0)], capture_output=True, text=True, timeout=10).stdout
+                                  "-i", str(device.index or 0)], check=False, capture_output=True, text=True, timeout=10).stdout
             gen, width = (int(x) for x in out.strip().split(","))
             speed = {1: 2.5, 2: 5.0, 3: 8.0, 4: 16.0, 5: 32.0, 6: 64.0}[gen]
             return _link_gib_s(speed, width), f"nvidia-smi: PCIe Gen{gen} x{width}"
@@ -232,22 +232,28 @@ def check(layout: str, page_target: int, device: torch.device, args: argparse.Na
     result = Result(layout, kv_layout.block_bytes, block_tokens, chunk_bytes, shape, moved, nbytes,
                     nbytes / save_s / GiB, nbytes / load_s / GiB, nbytes / d2h_s / GiB, nbytes / h2d_s / GiB,
                     pinned, staged, equal)
-    del caches, copier, dev, host
+    return result
+
+
+def check_and_free(layout: str, page_target: int, device: torch.device, args: argparse.Namespace,
+                   rng: np.random.Generator) -> Result:
+    """:func:`check`, then give its device memory back (its tensors died with its frame)."""
+    result = check(layout, page_target, device, args, rng)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result
 
 
 def _table(results: list[Result], peak: float) -> list[str]:
-    lines = [f"{'layout':<13}{'page KiB':>9}{'chunk MiB':>10}{'save GiB/s':>11}{'plain D2H':>10}{'ratio':>6}"
-             f"{'load GiB/s':>11}{'plain H2D':>10}{'ratio':>6}" + (f"{'save/peak':>10}{'load/peak':>10}" if peak else "")
+    lines = [f"{'layout':<13}{'page KiB':>9}{'chunk MiB':>10}{'save GiB/s':>11}{'plain D2H':>10}{'ratio':>7}"
+             f"{'load GiB/s':>11}{'plain H2D':>10}{'ratio':>7}" + (f"{'save/peak':>10}{'load/peak':>10}" if peak else "")
              + "  pinned staged equal"]
     for r in results:
         peaks = f"{r.save_gib_s / peak:>10.2f}{r.load_gib_s / peak:>10.2f}" if peak else ""
         lines.append(f"{r.layout:<13}{r.page_bytes / KiB:>9.1f}{r.chunk_bytes / (1 << 20):>10.1f}"
-                     f"{r.save_gib_s:>11.2f}{r.plain_d2h_gib_s:>10.2f}{r.save_gib_s / r.plain_d2h_gib_s:>6.2f}"
-                     f"{r.load_gib_s:>11.2f}{r.plain_h2d_gib_s:>10.2f}{r.load_gib_s / r.plain_h2d_gib_s:>6.2f}"
-                     f"{peaks}  {str(r.pinned):>6} {r.staged_runs:>6} {r.equal}")
+                     f"{r.save_gib_s:>11.2f}{r.plain_d2h_gib_s:>10.2f}{r.save_gib_s / r.plain_d2h_gib_s:>7.2f}"
+                     f"{r.load_gib_s:>11.2f}{r.plain_h2d_gib_s:>10.2f}{r.load_gib_s / r.plain_h2d_gib_s:>7.2f}"
+                     f"{peaks}  {r.pinned!s:>6} {r.staged_runs:>6} {r.equal}")
     return lines
 
 
@@ -291,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()
-    results = [check(name, page, device, args, rng) for page in pages for name in layouts]
+    results = [check_and_free(name, page, device, args, rng) for page in pages for name in layouts]
     peak, peak_source = pcie_peak(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "host"
     print(f"device: {name}; torch {torch.__version__}; {args.layers} layers, bf16, {args.chunk_tokens}-token chunks; "

@@ -130,7 +130,10 @@ def register_host(array: np.ndarray) -> str | None:
         return "torch is not installed"
     if not torch.cuda.is_available():
         return "no CUDA device is visible to torch"
-    cudart = torch.cuda.cudart()
+    try:
+        cudart = torch.cuda.cudart()
+    except (AssertionError, RuntimeError) as exc:  # no libcudart, or CUDA re-initialised in a fork
+        return f"the CUDA runtime is not usable here ({exc})"
     done: list[tuple[int, int]] = []
     for start, nbytes in register_ranges(array.ctypes.data, array.nbytes):
         result = cudart.cudaHostRegister(start, nbytes, CUDA_HOST_REGISTER_PORTABLE)

@@ -103,7 +103,8 @@ class CpuTier(StagingTier):
                         "staging buffer", self.pool.nbytes / GiB, why)
             return False
         self.pinned = True
-        weakref.finalize(self, pinned.unregister_host, pinned.registered_pieces(self.pool))
+        # unpinned when the tier is collected; not at interpreter exit, when CUDA may be torn down already
+        weakref.finalize(self, pinned.unregister_host, pinned.registered_pieces(self.pool)).atexit = False
         return True
 
     # ---- two-phase write -----------------------------------------------------------------
