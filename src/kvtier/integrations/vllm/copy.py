@@ -25,17 +25,20 @@ Two strategies, picked from the cache tensors' device:
 
   Ordering (CUDA streams; every wait is on the device, the host waits only for kvtier's own copies):
 
-  * save (engine thread, after the forward): the save stream waits for the engine's current
+  * save (engine thread, after the forward): the save kernel stream waits for the engine's current
     stream (the forward wrote these blocks), then the copies run on it; the call returns once
     they are done (an event on the save stream), because the store publishes the pages when it
     returns and another reader may then read them.
-  * load (loader threads): the load stream waits for the engine's compute stream (captured when
+  * load (loader threads): the load kernel stream waits for the engine's compute stream (captured when
     the copier is built, on the engine thread): vLLM zeroes newly allocated blocks on it and a
     load must land after that zeroing (vllm/v1/kv_offload/cpu/gpu_worker.py ``transfer_async``);
     the call returns once the copies are done (an event on the load stream), so the request is
     reported finished only when its blocks hold the bytes, and the page's pin outlives the DMA.
 
-  Saves and loads have their own streams, buffers and locks; concurrent loads serialize on theirs.
+  Each direction has a kernel stream and a host-copy stream with two device buffers used in turn,
+  so one batch's gather (or scatter) overlaps the previous batch's transfer; events order each
+  buffer's uses.  Saves and loads have their own streams, buffers and locks; concurrent loads
+  serialize on theirs.
   The same batched code runs on CPU tensors when asked (``batched=True``, no streams), which is how
   its block/page mapping is tested without a GPU.
 
@@ -62,7 +65,8 @@ from kvtier.integrations.vllm.layout import KVLayout
 log = logging.getLogger(__name__)
 
 MAX_BATCH_BYTES = 64 << 20
-"""Default device buffer of one direction's batch, bytes (memory outside vLLM's KV cache budget, so small)."""
+"""Default largest batch, bytes: each direction holds two device buffers of it (memory outside vLLM's
+KV cache budget, so small; large enough that enqueuing a batch's kernels takes less time than its transfer)."""
 
 
 @dataclass(frozen=True)
@@ -177,8 +181,42 @@ def direct_host_copy(on_cuda: bool, page_pinned: bool) -> bool:
     return page_pinned or not on_cuda
 
 
+def _record(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+    """An event marking ``stream``'s work so far (None on the host)."""
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def _after(stream: torch.cuda.Stream | None, event: torch.cuda.Event | None) -> None:
+    """Make ``stream``'s later work wait for ``event`` (on the device; nothing on the host)."""
+    if stream is not None and event is not None:
+        stream.wait_event(event)
+
+
+def _wait(stream: torch.cuda.Stream | None) -> None:
+    """Block the calling thread until ``stream``'s work so far is done (not the whole device)."""
+    event = _record(stream)
+    if event is not None:
+        event.synchronize()
+
+
+@contextmanager
+def _on(stream: torch.cuda.Stream | None) -> Iterator[None]:
+    with torch.cuda.stream(stream) if stream is not None else nullcontext():
+        yield
+
+
 class _Batched:
-    """The batched copy path (see the module docstring): CUDA, or the host when asked (tests)."""
+    """The batched copy path (see the module docstring): CUDA, or the host when asked (tests).
+
+    Each direction has two streams, one for the device kernels (gather / scatter) and one for the
+    host copies, and two device buffers used in turn, so batch ``k + 1``'s kernels run while batch
+    ``k``'s bytes cross the link; events order every use of a buffer after the previous one's.
+    Buffers are sized once per call before any work, so none is freed while a stream uses it.
+    """
 
     def __init__(self, layout: KVLayout, layers: list[torch.Tensor], blocks_per_chunk: int,
                  max_batch_bytes: int) -> None:
@@ -190,36 +228,38 @@ class _Batched:
         self.cuda = self.device.type == "cuda"
         # the engine's compute stream: loads wait for it (block zeroing); captured on the engine thread
         self.compute = torch.cuda.current_stream(self.device) if self.cuda else None
-        self.streams = {d: torch.cuda.Stream(self.device) for d in ("save", "load")} if self.cuda else {}
+        self.streams: dict[str, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {
+            d: (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) for d in ("save", "load")} \
+            if self.cuda else {}
         self.locks = {d: threading.Lock() for d in ("save", "load")}
-        self._buffers: dict[str, torch.Tensor] = {}
-        self._staging: dict[str, torch.Tensor] = {}
-        self._index_host: dict[str, torch.Tensor] = {}
+        self._buffers: dict[tuple[str, int], torch.Tensor] = {}
+        self._staging: dict[tuple[str, int], torch.Tensor] = {}
+        self._index_host: dict[tuple[str, int], torch.Tensor] = {}
         self.staged_runs = 0  # host runs bounced through the staging buffer (pages outside pinned memory)
-        self._warned = False
+        self._noted = False
 
-    # ---- buffers -----------------------------------------------------------------------------
-    def _grow(self, store: dict[str, torch.Tensor], purpose: str, nbytes: int, **kwargs: Any) -> torch.Tensor:
-        have = store.get(purpose)
+    # ---- buffers (grown only at the start of a call, when no stream uses them) ---------------
+    def _grow(self, store: dict[tuple[str, int], torch.Tensor], key: tuple[str, int], nbytes: int,
+              **kwargs: Any) -> torch.Tensor:
+        have = store.get(key)
         if have is None or have.numel() < nbytes:
-            have = store[purpose] = torch.empty(nbytes, **kwargs)
-        return have[:nbytes]
+            have = store[key] = torch.empty(nbytes, **kwargs)
+        return have
 
-    def _buffer(self, purpose: str, nbytes: int) -> torch.Tensor:
-        return self._grow(self._buffers, purpose, nbytes, dtype=torch.uint8, device=self.device)
-
-    def _stage(self, purpose: str, nbytes: int) -> torch.Tensor:
-        return self._grow(self._staging, purpose, nbytes, dtype=torch.uint8, pin_memory=True)
+    def _streams_of(self, purpose: str) -> tuple[torch.cuda.Stream | None, torch.cuda.Stream | None]:
+        """(kernel stream, host-copy stream) of a direction; (None, None) on the host."""
+        pair = self.streams.get(purpose)
+        return (pair[0], pair[1]) if pair is not None else (None, None)
 
     def _indices(self, purpose: str, plans: Sequence[BatchPlan], block_ids: np.ndarray) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each batch's (engine block ids ``[n]``, buffer rows ``[layers, n]``) on the device, from one
-        pinned host array (one small DMA per batch, on the current stream: no host sync)."""
+        pinned host array (one small DMA per batch on the current stream: no host sync)."""
         flat = np.concatenate([np.concatenate([block_ids[p.blocks], p.rows.ravel()]) for p in plans])
         if not self.cuda:
             host = torch.from_numpy(flat)
         else:
-            host = self._grow(self._index_host, purpose, flat.size, dtype=torch.int64, pin_memory=True)
-            host.numpy()[:] = flat
+            host = self._grow(self._index_host, (purpose, 0), flat.size, dtype=torch.int64, pin_memory=True)
+            host.numpy()[:flat.size] = flat
         out, pos = [], 0
         for p in plans:
             n = p.blocks.size
@@ -234,81 +274,94 @@ class _Batched:
 
     def _note_staged(self, runs: int) -> None:
         self.staged_runs += runs
-        if runs and self.cuda and not self._warned:
-            self._warned = True
+        if runs and self.cuda and not self._noted:
+            self._noted = True
             log.info("kvtier: GPU copies of pages outside pinned memory go through a pinned staging buffer "
-                     "(the cpu tier's pool is not pinned, or a page is a private buffer); counted in staged_runs")
+                     "(the cpu tier's pool is not pinned, or a page is a private buffer)")
 
-    def _plan(self, spans: Sequence[Span]) -> tuple[list[BatchPlan], np.ndarray]:
+    def _prepare(self, purpose: str, spans: Sequence[Span]) -> tuple[list[BatchPlan], np.ndarray, list[torch.Tensor]]:
+        """The call's batches, its block ids and the two device buffers, sized for its largest batch."""
         block_ids = np.asarray([b for span in spans for b in span.block_ids], dtype=np.int64)
         plans = plan_batches([(s.first_slot, len(s.block_ids)) for s in spans], self.layout.num_layers,
                              self.blocks_per_chunk, self.layout.block_bytes, self.max_batch_bytes)
-        return plans, block_ids
+        biggest = max((p.buffer_bytes for p in plans), default=0)
+        buffers = [self._grow(self._buffers, (purpose, i), biggest, dtype=torch.uint8, device=self.device)
+                   for i in range(min(2, len(plans)))]
+        return plans, block_ids, buffers
 
-    @contextmanager
-    def _on(self, purpose: str) -> Iterator[torch.cuda.Stream | None]:
-        stream = self.streams.get(purpose)
-        with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            yield stream
-
-    def _wait(self, stream: torch.cuda.Stream | None) -> None:
-        """Block the calling thread until ``stream``'s work so far is done (not the whole device)."""
-        if stream is not None:
-            event = torch.cuda.Event()
-            event.record(stream)
-            event.synchronize()
+    def _bounce(self, purpose: str, spans: Sequence[Span], plans: Sequence[BatchPlan]) -> torch.Tensor | None:
+        """The pinned staging buffer, if a run of this call needs one (sized before any work)."""
+        if not self.cuda:
+            return None
+        need = max((p.buffer_bytes for p in plans if any(not is_pinned(spans[r.span].page) for r in p.runs)),
+                   default=0)
+        return self._grow(self._staging, (purpose, 0), need, dtype=torch.uint8, pin_memory=True) if need else None
 
     # ---- engine -> pages ---------------------------------------------------------------------
     def save(self, spans: Sequence[Span]) -> None:
-        plans, block_ids = self._plan(spans)
-        if not plans:
-            return
         dim = self.layout.block_dim
         with self.locks["save"]:
-            stream = self.streams.get("save")
-            if stream is not None:
-                stream.wait_stream(torch.cuda.current_stream(self.device))  # the forward wrote these blocks
-            with self._on("save"):
+            plans, block_ids, buffers = self._prepare("save", spans)
+            if not plans:
+                return
+            bounce = self._bounce("save", spans, plans)
+            kernels, copies = self._streams_of("save")
+            if kernels is not None:
+                kernels.wait_stream(torch.cuda.current_stream(self.device))  # the forward wrote these blocks
+            with _on(kernels):
                 indices = self._indices("save", plans, block_ids)
-                for plan, (idx, rows) in zip(plans, indices):
-                    buffer = self._buffer("save", plan.buffer_bytes)
+            released: list[torch.cuda.Event | None] = [None, None]  # the copy stream is done with buffer i
+            for k, (plan, (idx, rows)) in enumerate(zip(plans, indices)):
+                buffer = buffers[k % 2][:plan.buffer_bytes]
+                with _on(kernels):
+                    _after(kernels, released[k % 2])
                     typed = self._typed(buffer)
                     for layer, kv in enumerate(self.layers):
                         blocks = kv.index_select(dim, idx)
                         typed.index_copy_(0, rows[layer], blocks.movedim(dim, 0) if dim else blocks)
-                    staged = []
+                    gathered = _record(kernels)
+                staged = []
+                with _on(copies):
+                    _after(copies, gathered)
                     for run in plan.runs:
-                        page = host_tensor(spans[run.span].page[run.page_offset:run.page_offset + run.nbytes])
+                        page_array = spans[run.span].page
+                        page = host_tensor(page_array[run.page_offset:run.page_offset + run.nbytes])
                         src = buffer[run.buffer_offset:run.buffer_offset + run.nbytes]
-                        if direct_host_copy(self.cuda, is_pinned(spans[run.span].page)):
+                        if direct_host_copy(self.cuda, is_pinned(page_array)):
                             page.copy_(src, non_blocking=self.cuda)
                         else:
-                            bounce = self._stage("save", plan.buffer_bytes)[run.buffer_offset:run.buffer_offset + run.nbytes]
-                            bounce.copy_(src, non_blocking=True)
-                            staged.append((page, bounce))
-                    if staged:
-                        self._wait(stream)
-                        for page, bounce in staged:
-                            page.copy_(bounce)
-                        self._note_staged(len(staged))
-            self._wait(stream)  # the pages hold the bytes before the store publishes them
+                            assert bounce is not None
+                            through = bounce[run.buffer_offset:run.buffer_offset + run.nbytes]
+                            through.copy_(src, non_blocking=True)
+                            staged.append((page, through))
+                    released[k % 2] = _record(copies)
+                if staged:  # the bounce buffer is free again before the next batch uses it
+                    _wait(copies)
+                    for page, through in staged:
+                        page.copy_(through)
+                    self._note_staged(len(staged))
+            _wait(copies)  # the pages hold the bytes before the store publishes them (after every gather)
 
     # ---- pages -> engine ---------------------------------------------------------------------
     def load(self, spans: Sequence[Span]) -> None:
-        plans, block_ids = self._plan(spans)
-        if not plans:
-            return
         dim = self.layout.block_dim
         with self.locks["load"]:
-            stream = self.streams.get("load")
-            if stream is not None and self.compute is not None:
-                stream.wait_stream(self.compute)  # vLLM zeroes newly allocated blocks on the compute stream
-            with self._on("load"):
+            plans, block_ids, buffers = self._prepare("load", spans)
+            if not plans:
+                return
+            bounce = self._bounce("load", spans, plans)
+            kernels, copies = self._streams_of("load")
+            if kernels is not None and self.compute is not None:
+                kernels.wait_stream(self.compute)  # vLLM zeroes newly allocated blocks on the compute stream
+            with _on(kernels):
                 indices = self._indices("load", plans, block_ids)
-                staged_before = False
-                for plan, (idx, rows) in zip(plans, indices):
-                    buffer = self._buffer("load", plan.buffer_bytes)
-                    staged = 0
+            released: list[torch.cuda.Event | None] = [None, None]  # the kernel stream is done with buffer i
+            bounce_in_flight = False
+            for k, (plan, (idx, rows)) in enumerate(zip(plans, indices)):
+                buffer = buffers[k % 2][:plan.buffer_bytes]
+                staged = 0
+                with _on(copies):
+                    _after(copies, released[k % 2])
                     for run in plan.runs:
                         page_array = spans[run.span].page
                         page = host_tensor(page_array[run.page_offset:run.page_offset + run.nbytes])
@@ -316,20 +369,25 @@ class _Batched:
                         if direct_host_copy(self.cuda, is_pinned(page_array)):
                             dst.copy_(page, non_blocking=self.cuda)
                             continue
-                        if staged_before:  # the previous batch's bounce may still be in flight
-                            self._wait(stream)
-                            staged_before = False
-                        bounce = self._stage("load", plan.buffer_bytes)[run.buffer_offset:run.buffer_offset + run.nbytes]
-                        bounce.copy_(page)
-                        dst.copy_(bounce, non_blocking=True)
+                        assert bounce is not None
+                        if bounce_in_flight:  # an earlier batch's bounce may still be crossing the link
+                            _wait(copies)
+                            bounce_in_flight = False
+                        through = bounce[run.buffer_offset:run.buffer_offset + run.nbytes]
+                        through.copy_(page)
+                        dst.copy_(through, non_blocking=True)
                         staged += 1
-                    staged_before = staged_before or staged > 0
-                    self._note_staged(staged)
+                    copied = _record(copies)
+                bounce_in_flight = bounce_in_flight or staged > 0
+                self._note_staged(staged)
+                with _on(kernels):
+                    _after(kernels, copied)
                     typed = self._typed(buffer)
                     for layer, kv in enumerate(self.layers):
                         src = typed.index_select(0, rows[layer])
                         kv.index_copy_(dim, idx, src.movedim(0, dim) if dim else src)
-            self._wait(stream)  # the blocks hold the bytes before the load is reported finished
+                    released[k % 2] = _record(kernels)
+            _wait(kernels)  # the blocks hold the bytes before the load is reported finished
 
 
 class BlockCopier:
