@@ -84,11 +84,20 @@ def test_a_span_past_its_page_is_refused(bad):
         plan_batches([bad], 2, 4, 8)
 
 
+def _random_cache(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Random bytes seen as ``dtype`` (any bit pattern: the copy moves bytes, never values)."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (*shape[:-1], shape[-1] * size), generator=gen, dtype=torch.uint8)
+    return raw.view(dtype)
+
+
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 @pytest.mark.parametrize("max_batch_bytes", [1, 4096, 1 << 30])
-def test_batched_path_matches_the_per_block_path_on_host_tensors(name: str, max_batch_bytes: int) -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32])
+def test_batched_path_matches_the_per_block_path_on_host_tensors(name: str, max_batch_bytes: int,
+                                                                 dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(1)
-    src = {f"layer.{i}": torch.randn(*LAYOUTS[name], generator=gen).to(torch.bfloat16) for i in range(3)}
+    src = {f"layer.{i}": _random_cache(LAYOUTS[name], dtype, gen) for i in range(3)}
     layout = detect_layout(src, NUM_BLOCKS, "TEST")
     bpc = 4
     spans = [(0, [7, 1, 9, 3]), (2, [5, 11]), (0, [20, 21, 22, 23]), (1, [0])]
@@ -111,9 +120,9 @@ def test_batched_path_matches_the_per_block_path_on_host_tensors(name: str, max_
     for k, t in src.items():
         for (_f, s_ids), (_g, d_ids) in zip(spans, targets):
             for s, d in zip(s_ids, d_ids):
-                assert torch.equal(dst[k].select(dim, d), t.select(dim, s))
+                assert torch.equal(dst[k].select(dim, d).view(torch.uint8), t.select(dim, s).view(torch.uint8))
         untouched = sorted(set(range(NUM_BLOCKS)) - {d for _g, ids in targets for d in ids})
-        assert not dst[k].index_select(dim, torch.tensor(untouched)).any()
+        assert not dst[k].view(torch.uint8).index_select(dim, torch.tensor(untouched)).any()
     assert batched.batched.staged_runs == 0  # host tensors: every copy is direct
 
 

@@ -26,13 +26,14 @@ Two strategies, picked from the cache tensors' device:
   Ordering (CUDA streams; every wait is on the device, the host waits only for kvtier's own copies):
 
   * save (engine thread, after the forward): the save kernel stream waits for the engine's current
-    stream (the forward wrote these blocks), then the copies run on it; the call returns once
-    they are done (an event on the save stream), because the store publishes the pages when it
+    stream (the forward wrote these blocks), the host copies wait for the gathers; the call
+    returns once they are done (an event on the copy stream), because the store publishes the pages when it
     returns and another reader may then read them.
   * load (loader threads): the load kernel stream waits for the engine's compute stream (captured when
     the copier is built, on the engine thread): vLLM zeroes newly allocated blocks on it and a
     load must land after that zeroing (vllm/v1/kv_offload/cpu/gpu_worker.py ``transfer_async``);
-    the call returns once the copies are done (an event on the load stream), so the request is
+    the scatters wait for the host copies, and the call returns once the scatters are done (an
+    event on the kernel stream), so the request is
     reported finished only when its blocks hold the bytes, and the page's pin outlives the DMA.
 
   Each direction has a kernel stream and a host-copy stream with two device buffers used in turn,
@@ -181,6 +182,10 @@ def direct_host_copy(on_cuda: bool, page_pinned: bool) -> bool:
     return page_pinned or not on_cuda
 
 
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""The integer dtype of each element size: what the batched path views every cache as."""
+
+
 def _record(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
     """An event marking ``stream``'s work so far (None on the host)."""
     if stream is None:
@@ -221,7 +226,10 @@ class _Batched:
     def __init__(self, layout: KVLayout, layers: list[torch.Tensor], blocks_per_chunk: int,
                  max_batch_bytes: int) -> None:
         self.layout = layout
-        self.layers = layers
+        # bytes are moved, never values: every layer seen as integers of its element size, so the
+        # gathers and scatters work for any cache dtype (fp8 too) and never touch a value
+        self.word = _WORDS[layers[0].element_size()]
+        self.layers = [kv.view(self.word) for kv in layers]
         self.blocks_per_chunk = blocks_per_chunk
         self.max_batch_bytes = max_batch_bytes
         self.device = layers[0].device
@@ -269,8 +277,8 @@ class _Batched:
         return out
 
     def _typed(self, buffer: torch.Tensor) -> torch.Tensor:
-        """The buffer as rows of one block: ``[rows, *block_shape]`` of the cache dtype."""
-        return buffer.view(self.layout.dtype).view(-1, *self.layout.block_shape)
+        """The buffer as rows of one block: ``[rows, *block_shape]`` of the layers' integer word."""
+        return buffer.view(self.word).view(-1, *self.layout.block_shape)
 
     def _note_staged(self, runs: int) -> None:
         self.staged_runs += runs

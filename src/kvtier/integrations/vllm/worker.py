@@ -221,9 +221,11 @@ class WorkerSide:
         copies stage through a pinned buffer)."""
         assert self.store is not None and self.layout is not None
         if self.layout.device.startswith("cuda"):
+            t0 = time.monotonic()
             pinned = self.store.cpu.pin_host_memory()
-            log.info("kvtier: rank %d top tier pages %s", self.tp_rank,
-                     "pinned: GPU copies go straight to them" if pinned else "pageable: GPU copies are staged")
+            log.info("kvtier: rank %d top tier pages %s (%.1f s)", self.tp_rank,
+                     "pinned: GPU copies go straight to them" if pinned else "pageable: GPU copies are staged",
+                     time.monotonic() - t0)
 
     def _start_loader(self) -> None:
         """The loader: block-level load errors where vLLM takes them (one full-attention KV cache
