@@ -53,8 +53,8 @@ LABEL_HEX_DIGITS = 12
 def tenant_label(salt_digest: bytes) -> str:
     """The label of a tenant in metrics and tools: the first 12 hex digits of its salt's digest
     (:class:`~kvtier.core.tenant.TenantId` ``.salt``), or :data:`NO_SALT_LABEL`.  An operator gets
-    a salt's label with ``kvtier check`` (it lists each configured salt's label) or
-    ``TenantId.of(salt, None).salt.hex()[:12]``."""
+    a salt's label with ``python -c "from kvtier.core.quota import salt_digest,
+    tenant_label; print(tenant_label(salt_digest('SALT')))"``."""
     return salt_digest.hex()[:LABEL_HEX_DIGITS] if salt_digest else NO_SALT_LABEL
 
 
