@@ -125,13 +125,14 @@ _OFFSET = {SALT_A: 0, SALT_B: 100, "tenant-c": 200, None: 300}  # distinct promp
 
 @settings(max_examples=40, deadline=None)
 @given(ops=_OPS, share_a=st.sampled_from([0.1, 0.3, 0.5]), share_b=st.sampled_from([0.2, 0.4]),
-       disk=st.booleans())
+       default=st.sampled_from([0.2, None]), disk=st.booleans())
 def test_no_save_or_load_of_one_tenant_pushes_another_below_its_guaranteed_share(
-        ops: list[tuple[str, str | None, int, int]], share_a: float, share_b: float, disk: bool) -> None:
+        ops: list[tuple[str, str | None, int, int]], share_a: float, share_b: float, default: float | None,
+        disk: bool) -> None:
     shares = {SALT_A: share_a, SALT_B: share_b}
     with tempfile.TemporaryDirectory() as tmp:
         store = make_store(Path(tmp), cpu_chunks=10, disk_chunks=10 if disk else 0, write_mode="write-back",
-                           tenant_quotas={"default_share": 0.2, "salts": shares})
+                           tenant_quotas={"default_share": default, "salts": shares})
         saved: dict[str | None, set[ChunkKey]] = {salt: set() for salt in _OFFSET}
 
         def held(salt: str | None) -> int:  # the tenant's chunks resident in the cpu tier, read from the tier
@@ -148,7 +149,8 @@ def test_no_save_or_load_of_one_tenant_pushes_another_below_its_guaranteed_share
                     store.get(chain)
                 store.flush(10.0)
                 for other, had in before.items():
-                    guarantee = int(shares.get(other, 0.2) * 10 + 1e-9)  # type: ignore[arg-type]
+                    share = shares.get(other, default) if other is not None else default  # type: ignore[arg-type]
+                    guarantee = int(share * 10 + 1e-9) if share is not None else 0
                     assert held(other) >= min(had, guarantee), (op, salt, other)
                 store.check_integrity()
         finally:
@@ -182,3 +184,15 @@ def test_salt_bs_hit_rate_on_its_replayed_prefixes_survives_a_flood_only_with_qu
     assert before == 1.0 and after >= 0.9 * before, rates
     before, after = rates["none"]
     assert before == 1.0 and after < 0.5 * before, rates
+
+
+def test_a_tenant_without_a_share_is_best_effort_and_cannot_touch_a_listed_tenants_share(tmp_path: Path) -> None:
+    """Only listed salts have a share (no default_share): the others share what is left in the
+    policy's order, as without quotas, and never below a listed tenant's guarantee."""
+    store = make_store(None, cpu_chunks=10, policy="lru", tenant_quotas={"salts": {SALT_B: 0.4}})
+    b = [_put(store, p, 2, SALT_B) for p in range(3)]  # 6 chunks, 4 guaranteed
+    c = _put(store, 10, 4, "tenant-c")
+    for p in range(20, 30):
+        _put(store, p, 2, None)
+    assert _held(store, b) == 4 and _held(store, [c]) == 0  # C, without a share, was flooded out
+    store.check_integrity()

@@ -12,7 +12,11 @@ needs a page and the tier is full (:meth:`TenantLedger.victim`):
    process wrote, a promotion of a chunk saved before the ledger knew it);
    a tenant under its share takes its own chunks only when no such chunk is left;
 3. nothing else: a chunk of a tenant at or below its guarantee is never evicted for another
-   tenant.  When no chunk qualifies the save finds no room (counted in ``dropped_saves``).
+   tenant.
+
+A tenant without a share (not listed, and no ``default_share``; or unknown) is best effort: its
+chunks are evicted in the policy's order for anyone, and it takes the policy's first chunk that
+may go (its own, or one above its tenant's guarantee).  When no chunk qualifies the save finds no room (counted in ``dropped_saves``).
 
 So for every tenant U and every save by another tenant, U's chunks after it are at least
 ``min(U's chunks before, U's guarantee)``; a tenant may use more than its share while the tier
@@ -75,7 +79,8 @@ class QuotaSettings(BaseModel):
     """``tenant_quotas``: each tenant's guaranteed share of every local tier (see module docstring).
 
     Attributes:
-        default_share: the share of a tenant not listed in ``salts`` (0 < share <= 1).
+        default_share: the share of a tenant not listed in ``salts`` (0 < share <= 1); unset: such a
+            tenant has no share (best effort: no guarantee, and its chunks go in the policy's order).
         salts: ``cache_salt`` -> share, overriding ``default_share`` for that tenant.
         no_salt_share: the share of requests without a ``cache_salt`` (one tenant); unset:
             ``default_share``.
@@ -88,13 +93,14 @@ class QuotaSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    default_share: float = Field(0.1, description=(
-        "Share of each local tier guaranteed to a tenant (cache_salt) not listed in salts, above 0 and at most 1."))
+    default_share: float | None = Field(None, description=(
+        "Share of each local tier guaranteed to a tenant (cache_salt) not listed in salts, above 0 and at most 1; "
+        "unset = such tenants have no share (best effort)."))
     salts: dict[str, float] = Field(default_factory=dict, repr=False, description=(
         "Per-cache_salt shares overriding default_share, e.g. {tenant-a: 0.5}; the salts appear in metrics and "
         "dumps only as 12-hex-digit digests."))
     no_salt_share: float | None = Field(None, description=(
-        "Share of requests without a cache_salt (one tenant); unset = default_share."))
+        "Share of requests without a cache_salt (one tenant); unset = default_share (or none)."))
     top_tenants: int = Field(8, ge=1, le=64, description=(
         "Tenants labelled by digest in the per-tenant metrics (the largest); the rest are summed as 'other'."))
 
@@ -171,13 +177,14 @@ class TenantLedger:
         self.chunks: Counter[bytes] = Counter()
         self.quota_evictions = 0
 
-    def share(self, tenant: bytes) -> float:
-        """``tenant``'s configured share of the tier."""
+    def share(self, tenant: bytes) -> float | None:
+        """``tenant``'s configured share of the tier (``None``: it has none, best effort)."""
         return self._shares.get(tenant, self.settings.default_share)
 
     def guarantee(self, tenant: bytes) -> int:
-        """Chunks of the tier no other tenant's save may take from ``tenant``."""
-        return int(self.share(tenant) * self.capacity_chunks + 1e-9)
+        """Chunks of the tier no other tenant's save may take from ``tenant`` (0 without a share)."""
+        share = self.share(tenant)
+        return int(share * self.capacity_chunks + 1e-9) if share is not None else 0
 
     def add(self, key: ChunkKey, tenant: bytes | None) -> None:
         """``key`` entered the tier for ``tenant`` (``None``: unknown, tracked by no tenant)."""
@@ -220,7 +227,13 @@ class TenantLedger:
         def own_victim() -> ChunkKey | None:
             return plain if own(plain) else policy.victim(lambda k: own(k) and evictable(k))
 
-        at_share = tenant is not None and self.chunks[tenant] >= self.guarantee(tenant)
+        if tenant is None or self.share(tenant) is None:  # no share: the policy's order among what may go
+            chosen = plain if own(plain) or self.above_guarantee(plain) else \
+                policy.victim(lambda k: (own(k) or self.above_guarantee(k)) and evictable(k))
+            if chosen is not None and chosen != plain:
+                self.quota_evictions += 1
+            return chosen
+        at_share = self.chunks[tenant] >= self.guarantee(tenant)
         chosen = own_victim() if at_share else None  # 1. at its share: its own first
         if chosen is None:  # 2. a chunk of another tenant above its guarantee (or of no known tenant)
             chosen = plain if not own(plain) and self.above_guarantee(plain) else \

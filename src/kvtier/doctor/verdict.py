@@ -180,12 +180,13 @@ def _control_checks(c: Controls) -> list[Check]:
     largest tenants' bytes (labels are digests of their cache_salt, never the salt)."""
     out = [Check("ok", "KV events: on (routers learn kvtier's cpu and disk chunks)." if c.events_enabled else
                  "KV events: off (start vLLM with --kv-events-config so cache-aware routers see kvtier's tiers).")]
-    if c.quota_default_share <= 0:
+    if c.quota_default_share <= 0 and c.quota_salts <= 0:
         out.append(Check("ok", "Tenant quotas: off (one tenant's burst can evict every other tenant's KV; "
                          "set tenant_quotas to guarantee each cache_salt a share)."))
         return out
     largest = ", ".join(f"{label} {used / 2**20:,.1f} MiB" for label, used in list(c.tenants.items())[:4])
-    out.append(Check("ok", f"Tenant quotas: default share {c.quota_default_share:g}, {c.quota_salts} salt(s) with "
+    default = f"default share {c.quota_default_share:g}" if c.quota_default_share > 0 else "no default share"
+    out.append(Check("ok", f"Tenant quotas: {default}, {c.quota_salts} salt(s) with "
                      f"their own share; {c.quota_evictions:,.0f} evictions chosen by the quotas between the scrapes"
                      + (f"; largest tenants: {largest}." if largest else ".")))
     return out

@@ -441,7 +441,7 @@ class SchedulerSide:
             self._settings_sent = True
             quotas = self.config.tenant_quotas
             gauges |= {"kv_events_enabled": float(self.events is not None),
-                       "tenant_quota_default_share": quotas.default_share if quotas is not None else 0.0,
+                       "tenant_quota_default_share": (quotas.default_share or 0.0) if quotas is not None else 0.0,
                        "tenant_quota_salts": float(len(quotas.salts)) if quotas is not None else 0.0}
         if self.remote is not None:
             totals = self.remote.counters()
