@@ -11,7 +11,7 @@ from .helpers import CHUNK_BYTES, break_disk_shards, chain_of, make_store, paylo
 
 TIER_LABELLED = ("kvtier_corrupt_chunks_total", "kvtier_evictions_total", "kvtier_load_hit_chunks_total",
                  "kvtier_load_hit_tokens_total", "kvtier_lookup_hit_chunks_total", "kvtier_lookup_hit_tokens_total",
-                 "kvtier_write_errors_total")
+                 "kvtier_write_errors_total", "kvtier_quota_evictions_total")
 PRESENT_TIER = ("kvtier_capacity_bytes", "kvtier_usage_bytes", "kvtier_pinned_bytes", "kvtier_pinned_chunks")
 PLAIN = ("kvtier_dirty_bytes", "kvtier_dropped_saves_total", "kvtier_failed_loads_total", "kvtier_lookup_chunks_total",
          "kvtier_lookup_tokens_total", "kvtier_ttl_pin_refused_chunks_total")
