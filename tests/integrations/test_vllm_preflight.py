@@ -249,14 +249,18 @@ def _fields() -> list[str]:
 
 
 @pytest.mark.engine
-def test_kv_transfer_config_built_in_python_raises_instead_of_exiting():
-    """``LLM(kv_transfer_config=KVTransferConfig(...))`` gets an exception naming the key, not an exit."""
+def test_kv_transfer_config_built_in_python_raises_instead_of_exiting(monkeypatch: pytest.MonkeyPatch):
+    """``LLM(kv_transfer_config=KVTransferConfig(...))`` gets an exception naming the key, not an exit.
+    (The pre-flight installed here is taken out again after the test: later tests in this process
+    build configs of their own.)"""
     from pydantic import ValidationError
-
-    from kvtier.integrations.vllm.plugin import register
-
-    register()
     from vllm.config.kv_transfer import KVTransferConfig
+
+    from kvtier.integrations.vllm.plugin import _MARK, register
+
+    monkeypatch.setattr(KVTransferConfig, "__post_init__", KVTransferConfig.__post_init__)
+    monkeypatch.setattr(KVTransferConfig, _MARK, getattr(KVTransferConfig, _MARK, False), raising=False)
+    register()
 
     with pytest.raises(ValidationError, match="did you mean 'cpu_gib'"):
         KVTransferConfig(kv_connector="KVTierConnector", kv_role="kv_both",
