@@ -223,6 +223,7 @@ def _serve_refused(model: Path, extra: dict) -> tuple[subprocess.CompletedProces
 
 
 @pytest.mark.engine
+@pytest.mark.shares_cpu
 def test_vllm_server_with_chunk_tokens_no_cpu_block_size_divides_stops_before_the_model_loads(tiny_model: Path):
     proc, ours = _serve_refused(tiny_model, {"chunk_tokens": 100})
     assert len(ours) == 1 and ours[0].startswith("ERROR kvtier: invalid --kv-transfer-config: chunk_tokens=100 is "
@@ -231,6 +232,7 @@ def test_vllm_server_with_chunk_tokens_no_cpu_block_size_divides_stops_before_th
 
 
 @pytest.mark.engine
+@pytest.mark.shares_cpu
 def test_vllm_server_with_a_bad_kvtier_config_stops_before_the_model_loads(tiny_model: Path):
     """The plugin is registered through pyproject's vllm.general_plugins entry point (as installed by make)."""
     proc, ours = _serve_refused(tiny_model, {"cpu_gb": 4})
@@ -247,14 +249,18 @@ def _fields() -> list[str]:
 
 
 @pytest.mark.engine
-def test_kv_transfer_config_built_in_python_raises_instead_of_exiting():
-    """``LLM(kv_transfer_config=KVTransferConfig(...))`` gets an exception naming the key, not an exit."""
+def test_kv_transfer_config_built_in_python_raises_instead_of_exiting(monkeypatch: pytest.MonkeyPatch):
+    """``LLM(kv_transfer_config=KVTransferConfig(...))`` gets an exception naming the key, not an exit.
+    (The pre-flight installed here is taken out again after the test: later tests in this process
+    build configs of their own.)"""
     from pydantic import ValidationError
-
-    from kvtier.integrations.vllm.plugin import register
-
-    register()
     from vllm.config.kv_transfer import KVTransferConfig
+
+    from kvtier.integrations.vllm.plugin import _MARK, register
+
+    monkeypatch.setattr(KVTransferConfig, "__post_init__", KVTransferConfig.__post_init__)
+    monkeypatch.setattr(KVTransferConfig, _MARK, getattr(KVTransferConfig, _MARK, False), raising=False)
+    register()
 
     with pytest.raises(ValidationError, match="did you mean 'cpu_gib'"):
         KVTransferConfig(kv_connector="KVTierConnector", kv_role="kv_both",
