@@ -109,6 +109,17 @@ def test_load_failure_policy_fail_is_a_warning():
     assert '"kv_load_failure_policy":"recompute"' in problems[0].message
 
 
+def test_extra_config_alone_is_named_as_such():
+    """Only kvtier's own keys, without the transfer config around them: one sentence saying how to
+    wrap them, not one "unknown key" per setting."""
+    (found,) = errors({"cpu_gib": 1, "disk_path": "/tmp/x", "disk_gib": 2})
+    assert "kv_connector_extra_config (cpu_gib, disk_path, disk_gib) without the --kv-transfer-config" in found
+    assert '"kv_connector":"KVTierConnector"' in found
+    # a key that is neither vLLM's nor kvtier's is still the unknown-key error
+    (typo,) = errors({"cpu_gb": 1})
+    assert "unknown key 'cpu_gb'" in typo
+
+
 def test_not_json_and_other_connectors():
     (found,) = errors('{"kv_connector": "KVTierConnector",')
     assert "not valid JSON at line 1" in found
