@@ -208,7 +208,7 @@ def compare(before: dict[str, dict[str, float]], after: dict[str, dict[str, floa
         return round(value(after, name, label) - value(before, name, label))
 
     per_tier = {t: {"source": hit_source(t), "loaded": delta(LOADED, t), "unfilled": delta(UNFILLED, t),
-                    "read_from_tier_chunks": delta("kvtier_load_hit_chunks_total", t)} for t in tiers}
+                    "evictions": delta("kvtier_evictions_total", t)} for t in tiers}
     sources = sorted({hit_source(t) for t in tiers})
     per_source = {}
     for s in sources:
@@ -224,7 +224,6 @@ def compare(before: dict[str, dict[str, float]], after: dict[str, dict[str, floa
             "rerouted_chunks": delta("kvtier_rerouted_chunks_total"),
             "reloaded_tokens": delta("kvtier_reloaded_tokens_total"),
             "load_failed_blocks": delta("kvtier_load_failed_blocks_total"),
-            "evictions": {t: delta("kvtier_evictions_total", t) for t in tiers},
             "saved_tokens": delta("kvtier_saved_tokens_total")}
 
 
@@ -300,9 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.requests} requests in {drive_s:.1f} s: {outcome.completed} completed, "
           f"{outcome.aborted_after_first_chunk} aborted after the first chunk, {outcome.aborted_after_delay} "
           f"after a delay, {outcome.finished_before_abort} ended before their abort, {len(outcome.errors)} errors")
-    print(f"{'tier':8} {'source':22} {'loaded':>9} {'unfilled':>9} {'read here (chunks)':>19}")
+    print(f"{'tier':8} {'source':22} {'loaded':>9} {'unfilled':>9} {'evictions':>10}")
     for t, v in result["per_tier"].items():
-        print(f"{t:8} {v['source']:22} {v['loaded']:>9} {v['unfilled']:>9} {v['read_from_tier_chunks']:>19}")
+        print(f"{t:8} {v['source']:22} {v['loaded']:>9} {v['unfilled']:>9} {v['evictions']:>10}")
     print(f"{'source':22} {'kvtier loaded':>14} {'+ unfilled':>11} {'vLLM cached':>12}  agree")
     for s, v in result["per_source"].items():
         print(f"{s:22} {v['kvtier_loaded']:>14} {v['kvtier_loaded_plus_unfilled']:>11} {v['vllm_cached']:>12}  "
