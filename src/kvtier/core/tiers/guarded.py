@@ -85,8 +85,8 @@ class PutStream:
     Attributes:
         send: puts every chunk (on the wrapper's threads); raises on a fault.
         produce: given the ``time.perf_counter()`` at which the call's deadline passes, prepares
-            what ``send`` consumes (on the caller's thread, while ``send`` runs); waits in it end
-            by that time.
+            what ``send`` consumes (on the caller's thread, while ``send`` runs); any wait in it
+            ends by that time.
         abandon: the caller stopped waiting (returned, in time or not): a ``send`` still running
             stops before its next chunk.  Always called, once.
     """
