@@ -23,6 +23,23 @@ lives here, once:
 
 The inner tier raises on a fault (it is called only through this wrapper); its results on a
 success are passed through unchanged.
+
+Two optional hooks let a tier keep its own data path behind the wrapper (the redis tier has both;
+any tier may):
+
+- :class:`SplitGet`: a read in two halves, the wire (``fetch_many``, on the wrapper's threads,
+  into the tier's own reused buffers) and the rest (``finish_get``: verify and copy into the
+  caller's buffers, on the caller's thread, only after the fetch returned in time).  The wrapper's
+  own per-call buffers and their extra copy are then not needed.
+- :class:`StreamedPut`: a write as a :class:`PutStream`: ``send`` on the wrapper's threads while
+  ``produce`` (e.g. digests) runs on the caller's thread, then ``abandon`` once the caller stops
+  waiting, so a write given up at the deadline stops before its next chunk.  The caller's buffers
+  are passed uncopied: such a tier guarantees that a payload changed after the deadline can only
+  be stored as a value that fails verification (a miss), never served.
+
+A hook is used only on a tier given directly, never through another wrapper (a
+:class:`~kvtier.core.tiers.wrappers.TierWrapper` forwards attributes, and a hook reached that way
+would bypass the wrapper in between).
 """
 
 from __future__ import annotations
@@ -33,19 +50,58 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from prometheus_client import CollectorRegistry
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.stats import WireCounters, WireStats
-from kvtier.core.tiers.base import GetResult, PutResult, Tier
+from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier
 from kvtier.core.tiers.breaker import CircuitBreaker
 from kvtier.core.tiers.tiermetrics import TierMetrics
 from kvtier.core.tiers.wrappers import TierWrapper
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+@runtime_checkable
+class SplitGet(Protocol):
+    """A tier whose reads split into the wire half and the caller's half (see the module docstring)."""
+
+    def fetch_many(self, keys: Sequence[ChunkKey]) -> Any:
+        """Fetch the values of ``keys`` into the tier's own buffers (never a caller's); raises on a fault."""
+
+    def finish_get(self, keys: Sequence[ChunkKey], fetched: Any, dsts: Sequence[memoryview]) -> list[GetResult]:
+        """Verify what :meth:`fetch_many` returned in time and copy each payload into ``dsts[i]``;
+        the wrapper deletes every ``CORRUPT`` key afterwards (a guarded ``delete_many``)."""
+
+
+@dataclass
+class PutStream:
+    """One write of a :class:`StreamedPut` tier.
+
+    Attributes:
+        send: puts every chunk (on the wrapper's threads); raises on a fault.
+        produce: given the ``time.perf_counter()`` at which the call's deadline passes, prepares
+            what ``send`` consumes (on the caller's thread, while ``send`` runs); any wait in it
+            ends by that time.
+        abandon: the caller stopped waiting (returned, in time or not): a ``send`` still running
+            stops before its next chunk.  Always called, once.
+    """
+
+    send: Callable[[], list[PutResult]]
+    produce: Callable[[float], None]
+    abandon: Callable[[], None]
+
+
+@runtime_checkable
+class StreamedPut(Protocol):
+    """A tier whose writes run as a :class:`PutStream` (see the module docstring)."""
+
+    def stream_put(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> PutStream:
+        """The stream that writes ``datas[i]`` under ``keys[i]`` (``datas`` used in place, uncopied)."""
 
 
 class GuardedTier(TierWrapper):
@@ -60,11 +116,14 @@ class GuardedTier(TierWrapper):
         breaker: the circuit breaker.
         registry: prometheus registry for the latency histogram.
         where: where the inner tier's server is (redacted), for log lines.
+        clear_deadline_s: with a value, :meth:`clear` runs the inner tier's on the wrapper's
+            threads under this deadline, seconds (a fault: a ``ClearResult`` that is not ``ok``);
+            ``None``: the inner tier's ``clear`` is called as is (it bounds itself).
     """
 
     def __init__(self, inner: Tier, deadline_s: float, transfer_deadline_s: float, io_threads: int,
                  queue_depth: int, breaker: CircuitBreaker, registry: CollectorRegistry | None = None,
-                 where: str = "") -> None:
+                 where: str = "", clear_deadline_s: float | None = None) -> None:
         super().__init__(inner)
         self.deadline_s = deadline_s
         self.transfer_deadline_s = transfer_deadline_s
@@ -77,10 +136,21 @@ class GuardedTier(TierWrapper):
         self._slots = threading.BoundedSemaphore(io_threads + queue_depth)
         self._closed = False
         self._last_error = 0.0
+        self.clear_deadline_s = clear_deadline_s
+        direct = not isinstance(inner, TierWrapper)  # a hook is never reached through another wrapper
+        self._split_get = inner if direct and isinstance(inner, SplitGet) else None
+        self._streamed_put = inner if direct and isinstance(inner, StreamedPut) else None
 
     # ---- the call path ---------------------------------------------------------------------
-    def _call(self, op: str, fn: Callable[[], T]) -> T | None:
-        """``fn()`` on the wrapper's threads under ``op``'s deadline; ``None`` on any fault (counted)."""
+    def _deadline(self, op: str) -> float:
+        if op == "clear" and self.clear_deadline_s is not None:
+            return self.clear_deadline_s
+        return self.transfer_deadline_s if op in ("get", "put") else self.deadline_s
+
+    def _call(self, op: str, fn: Callable[[], T], during: Callable[[float], None] | None = None) -> T | None:
+        """``fn()`` on the wrapper's threads under ``op``'s deadline; ``None`` on any fault (counted).
+        ``during(deadline)``, if given, runs on the caller's thread once ``fn`` is submitted; the
+        deadline (a ``time.perf_counter()`` value) counts from the submission."""
         if self._closed or not self._slots.acquire(blocking=False):
             self.wire.skipped(op)
             return None
@@ -88,11 +158,13 @@ class GuardedTier(TierWrapper):
             self._slots.release()
             self.wire.skipped(op)
             return None
+        deadline_s = self._deadline(op)
         t0 = time.perf_counter()
         future: Future[T] = self._pool.submit(self._run, fn)
-        deadline_s = self.transfer_deadline_s if op in ("get", "put") else self.deadline_s
         try:
-            result = future.result(timeout=deadline_s)
+            if during is not None:
+                during(t0 + deadline_s)
+            result = future.result(timeout=max(deadline_s - (time.perf_counter() - t0), 0.0))
         except FutureTimeout:
             if future.cancel():  # never started: its slot is ours to give back
                 self._slots.release()
@@ -138,6 +210,15 @@ class GuardedTier(TierWrapper):
     def get_many(self, keys: Sequence[ChunkKey], dsts: Sequence[memoryview]) -> list[GetResult]:
         if not keys:
             return []
+        if (split := self._split_get) is not None:
+            fetched = self._call("get", lambda: split.fetch_many(keys))
+            if fetched is None:
+                return [GetResult.MISS] * len(keys)
+            results = split.finish_get(keys, fetched, dsts)
+            corrupt = [k for k, r in zip(keys, results, strict=True) if r is GetResult.CORRUPT]
+            if corrupt:
+                self.delete_many(corrupt)
+            return results
         own = [bytearray(memoryview(d).nbytes) for d in dsts]  # a late call fills these, never the caller's
         got = self._call("get", lambda: self.inner.get_many(keys, [memoryview(b) for b in own]))
         if got is None:
@@ -150,8 +231,15 @@ class GuardedTier(TierWrapper):
     def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> list[PutResult]:
         if not keys:
             return []
-        copies = [bytes(d) for d in datas]  # the caller may reuse its buffers once this returns
-        got = self._call("put", lambda: self.inner.put_many(keys, copies))
+        if self._streamed_put is not None:  # the caller's buffers, uncopied (see StreamedPut)
+            stream = self._streamed_put.stream_put(keys, datas)
+            try:
+                got = self._call("put", stream.send, during=stream.produce)
+            finally:
+                stream.abandon()
+        else:
+            copies = [bytes(d) for d in datas]  # the caller may reuse its buffers once this returns
+            got = self._call("put", lambda: self.inner.put_many(keys, copies))
         if got is None:
             self.wire.writes_skipped(len(keys))
             return [PutResult.FAILED] * len(keys)
@@ -162,6 +250,22 @@ class GuardedTier(TierWrapper):
             return []
         got = self._call("delete", lambda: self.inner.delete_many(keys))
         return [False] * len(keys) if got is None else got
+
+    def clear(self) -> ClearResult:
+        """The inner tier's ``clear``; with ``clear_deadline_s``, on the wrapper's threads under it
+        (breaker open, queue full, a fault or the deadline: not ``ok``, with the reason)."""
+        if self.clear_deadline_s is None:
+            return self.inner.clear()
+        got = self._call("clear", self.inner.clear)
+        if got is None:
+            return ClearResult([], False, f"the {self.name} server at {self.where} did not list and delete the "
+                                          f"namespace's keys within {self.clear_deadline_s:g} s")
+        return got
+
+    @property
+    def skipped_writes(self) -> int:
+        """Chunks not written (breaker open, queue full, or the write failed); from :meth:`wire_stats`."""
+        return self.wire_stats().skipped_writes
 
     def wire_stats(self) -> WireStats:
         """The inner tier's wire numbers (bytes, seconds, corrupt values) with this wrapper's
