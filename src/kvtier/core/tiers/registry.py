@@ -82,6 +82,11 @@ class TierSpec:
             tier's storage holds, ``purge(config, selector, dry_run) -> list[NamespacePurge] | None``
             (``None``: the configuration names no storage of this tier); ``None`` for a tier that
             lives only in an engine's processes (the cpu tier).
+        advice: ``"module:function"``, ``advice(config) -> [(key, message)]``: what a configuration
+            the tier starts with leaves exposed (e.g. plain HTTP beyond this host without a shared
+            secret), read from the configuration alone (no file, no network); the pre-flight
+            (``kvtier check``, ``kvtier audit``, the vLLM plugin) reports each as a warning.
+            ``None`` if it has none.
     """
 
     name: str
@@ -100,6 +105,7 @@ class TierSpec:
     state_dir: str | None = None
     probe: str | None = None
     purge: str | None = None
+    advice: str | None = None
 
 
 BUILTIN = (
@@ -117,7 +123,7 @@ BUILTIN = (
     TierSpec("s3", 30, True, "external_unspecified", "kvtier.core.tiers.s3:from_config",
              "kvtier.core.tiers.s3:configured", settings="kvtier.core.tiers.s3settings:S3Settings",
              keys=("s3_bucket", "s3_endpoint_url"), check="kvtier.core.tiers.s3:check", reset="kvtier.core.tiers.s3:reset",
-             probe="kvtier.core.tiers.s3probe:probe_s3"),
+             probe="kvtier.core.tiers.s3probe:probe_s3", advice="kvtier.core.tiers.s3:advice"),
 )
 """The tiers shipped with kvtier: one line each."""
 

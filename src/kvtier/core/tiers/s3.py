@@ -51,7 +51,14 @@ from kvtier.core.tiers.breaker import CircuitBreaker
 from kvtier.core.tiers.guarded import GuardedTier
 from kvtier.core.tiers.s3client import http_refusal, make_store, read_credentials, where
 from kvtier.core.tiers.s3settings import S3Settings, s3_settings
-from kvtier.core.tiers.sharedvalue import HEADER_BYTES, SharedValueError, ValueCodec, copy_payload, keyspace
+from kvtier.core.tiers.sharedvalue import (
+    HEADER_BYTES,
+    SharedValueError,
+    ValueCodec,
+    copy_payload,
+    keyspace,
+    shared_secret,
+)
 
 if TYPE_CHECKING:
     from kvtier.core.config import KVTierConfig
@@ -482,8 +489,6 @@ def check(config: KVTierConfig) -> list[tuple[str, str]]:
     """What start-up would refuse, read as it reads it: no bucket, plain HTTP without
     ``s3_allow_http``, unreadable credentials (the file, or half of the environment pair), the
     shared secret file; ``(config key, message)`` each."""
-    from kvtier.core.tiers.redisclient import shared_secret
-
     settings = s3_settings(config)
     problems: list[tuple[str, str]] = []
     if not settings.s3_bucket:
@@ -500,6 +505,40 @@ def check(config: KVTierConfig) -> list[tuple[str, str]]:
     return problems
 
 
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` (a URL's host name) is this host: ``localhost``, all of 127.0.0.0/8, ``::1``."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def advice(config: KVTierConfig) -> list[tuple[str, str]]:
+    """Warnings about a configuration the tier starts with (registry ``advice``): a plain
+    ``http://`` endpoint beyond this host without ``shared_secret``/``shared_secret_file`` sends
+    the chunks in clear and lets any client that can write to the bucket plant KV the engines
+    accept (the checksum catches corruption, not forgery; docs/s3.md "Servers").  Reads the
+    configuration alone: ``(config key, message)`` each."""
+    from urllib.parse import urlsplit
+
+    from kvtier.core.config import redact_url
+
+    url = s3_settings(config).s3_endpoint_url
+    if not url or not url.startswith("http://") or config.shared_secret or config.shared_secret_file:
+        return []
+    host = urlsplit(url).hostname or ""
+    if is_loopback_host(host):
+        return []
+    return [("s3_endpoint_url", (f"s3_endpoint_url {redact_url(url)} is plain HTTP to {host}, beyond this host, "
+             "without a shared_secret: chunks cross the network in clear and any client that can write to the "
+             "bucket can plant KV the engines accept; use https:// and set shared_secret_file to a secret of "
+             "16+ characters that every engine of the cache shares"))]
+
+
 def configured(config: KVTierConfig) -> bool:
     """Whether ``config`` asks for the s3 tier (``s3_bucket`` or ``s3_endpoint_url`` set)."""
     settings = s3_settings(config)
@@ -508,8 +547,6 @@ def configured(config: KVTierConfig) -> bool:
 
 def _tier(config: KVTierConfig, settings: S3Settings, namespace: bytes, sweep: bool = True) -> S3Tier:
     """The bare tier; ``sweep=False``: no expiry, no cap, no sweep thread (a reset's short-lived tier)."""
-    from kvtier.core.tiers.redisclient import shared_secret
-
     store = make_store(settings, config.shared_transfer_deadline_s)
     capacity = None if settings.s3_capacity_gib is None or not sweep else int(settings.s3_capacity_gib * GiB)
     return S3Tier(store, namespace, shared_secret(config), settings.s3_key_prefix, settings.s3_concurrency,
