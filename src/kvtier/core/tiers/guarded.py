@@ -174,7 +174,8 @@ class GuardedTier(TierWrapper):
                          {op: inner.errors.get(op, 0) + n for op, n in mine.errors.items()},
                          {op: inner.skipped_calls.get(op, 0) + n for op, n in mine.skipped_calls.items()},
                          mine.skipped_writes + inner.skipped_writes, mine.corrupt_values + inner.corrupt_values,
-                         mine.breaker_state, mine.breaker_opened)
+                         mine.breaker_state, mine.breaker_opened,
+                         {d: inner.calls.get(d, 0) + n for d, n in mine.calls.items()})
 
     def close(self) -> None:
         if self._closed:
