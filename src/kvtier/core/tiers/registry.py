@@ -150,6 +150,7 @@ BUILTIN = (
     TierSpec("s3", 30, True, "external_unspecified", "kvtier.core.tiers.s3:from_config",
              "kvtier.core.tiers.s3:configured", settings="kvtier.core.tiers.s3settings:S3Settings",
              keys=("s3_bucket", "s3_endpoint_url"), check="kvtier.core.tiers.s3:check", reset="kvtier.core.tiers.s3:reset",
+             purge="kvtier.core.tiers.s3purge:purge",
              probe="kvtier.core.tiers.s3probe:probe_s3", advice="kvtier.core.tiers.s3:advice", model=S3_MODEL),
 )
 """The tiers shipped with kvtier: one line each."""

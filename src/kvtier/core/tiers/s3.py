@@ -49,7 +49,7 @@ from kvtier.core.stats import WireCounters, WireStats
 from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, TierUsage
 from kvtier.core.tiers.breaker import CircuitBreaker
 from kvtier.core.tiers.guarded import GuardedTier
-from kvtier.core.tiers.s3client import http_refusal, make_store, read_credentials, where
+from kvtier.core.tiers.s3client import brief, http_refusal, make_store, read_credentials, where
 from kvtier.core.tiers.s3settings import S3Settings, s3_settings
 from kvtier.core.tiers.sharedvalue import (
     HEADER_BYTES,
@@ -473,8 +473,7 @@ class S3Tier(Tier):
         now = time.monotonic()
         if now - self._last_error > 10.0:  # one line per 10 s
             self._last_error = now
-            log.warning("kvtier s3 tier (%s): %s failed (%s: %s)", self.where, op, type(exc).__name__,
-                        str(exc).splitlines()[0][:200] if str(exc) else "")
+            log.warning("kvtier s3 tier (%s): %s failed (%s: %s)", self.where, op, type(exc).__name__, brief(str(exc)))
 
     def close(self) -> None:
         if self._closed:

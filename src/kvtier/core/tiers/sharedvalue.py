@@ -172,3 +172,23 @@ def shared_secret(config: KVTierConfig) -> bytes | None:
                               "use a long random secret (e.g. openssl rand -hex 32)")
         return text.encode()
     return None
+
+
+class Header(NamedTuple):
+    """The fields of a value's header that name it (:func:`peek`)."""
+
+    namespace: bytes
+    key: bytes
+    length: int
+
+
+def peek(header: bytes | memoryview) -> Header | None:
+    """The namespace, chunk key and payload length a value's first :data:`HEADER_BYTES` bytes name,
+    or ``None`` when they are not a kvtier value header of a known format version (nothing is
+    verified: the digest covers the payload too; a purge reads only the header to know the object)."""
+    if len(header) < HEADER_BYTES:
+        return None
+    magic, version, kind, reserved, namespace, key, length = _FIELDS.unpack_from(header)
+    if magic != MAGIC or version != VERSION or reserved or kind not in (KIND_CHECKSUM, KIND_MAC):
+        return None
+    return Header(namespace, key, length)
