@@ -172,7 +172,8 @@ def test_a_redis_url_the_connector_refuses_is_refused_before_any_recipe(url):
     """The recipe's redis_url passes the connector's own rule, so `kvtier check` accepts what `size`
     prints (second fresh-eyes pass: port 99999 went into the recipe, exit 0)."""
     result = run("--model", "meta-llama/Llama-3.1-8B", "--gpu", "H100", "--offload-gib", "10", "--redis-url", url)
-    assert result.exit_code == 2 and "--redis-url: redis_url's" in result.output and "{" not in result.output
+    assert result.exit_code == 2 and "error: --redis-url's" in result.output and "{" not in result.output
+    assert "redis_url" not in result.output  # the flag the user typed, not the config key
 
 
 @pytest.mark.parametrize("path", ["", "relative/dir"])

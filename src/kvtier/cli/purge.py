@@ -8,7 +8,7 @@ from typing import Any
 
 import typer
 
-from kvtier.cli.errors import fail
+from kvtier.cli.errors import fail, flag_names
 from kvtier.core.errors import UserError
 
 HELP = """Remove stored KV chunks from a disk tier's directory (--disk-path), a Redis/Valkey server or Cluster (--redis-url) and/or an S3 bucket (--s3-bucket, with --s3-endpoint-url for MinIO, Ceph RGW or R2; credentials from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or --s3-credentials-file), selected by namespace, cache_salt, LoRA adapter or age. Safe under a live engine: a purged chunk is never served (the engine reads it as a miss and recomputes); a live engine may still report it as a hit for a bounded time (docs/purge.md).
@@ -42,23 +42,6 @@ def _config(disk_path: str | None, targets: dict[str, Any]) -> tuple[Any, set[st
         return KVTierConfig.from_dict(values), set(values)
     except UserError as exc:
         fail(flag_names(str(exc), [*targets, "disk_path"]).rstrip(".") + ".")
-
-
-def flag_names(message: str, keys: Any) -> str:
-    """``message`` with each configuration key of ``keys`` written as the flag the user typed
-    (``s3_endpoint_url`` -> ``--s3-endpoint-url``): the user gave flags, not keys.  The
-    configuration's framing (``kvtier config field 'k': ...; fix the value of 'k'``) is dropped:
-    the sentence then names the flag once."""
-    import re
-
-    for key in sorted(keys, key=len, reverse=True):
-        message = re.sub(rf"(?<![\w-]){re.escape(key)}(?!\w)", "--" + key.replace("_", "-"), message)
-    message = re.sub(r"(--[\w-]+): true\b", r"\1", message).removeprefix("kvtier config field ")
-    framed = re.match(r"'(--[\w-]+)': (.*?)(?:; fix the value of '\1')?$", message, re.DOTALL)
-    if framed is not None:
-        flag, rest = framed.groups()
-        message = rest if rest.startswith(flag) else f"{flag}: {rest}"
-    return message
 
 
 def purge_command(

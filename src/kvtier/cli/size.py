@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from kvtier.cli.errors import fail
+from kvtier.cli.errors import fail, flag_names
 from kvtier.core.errors import UserError
 
 if TYPE_CHECKING:
@@ -187,8 +187,9 @@ def size_command(
             try:
                 RedisSettings(redis_url=redis_url)
             except ValidationError as exc:
-                raise UserError("--redis-url: " + str(exc.errors()[0]["msg"]).removeprefix("Value error, ")
-                                + ".") from None
+                message = flag_names(str(exc.errors()[0]["msg"]).removeprefix("Value error, "), ["redis_url"])
+                raise UserError(f"{message}." if message.startswith("--redis-url") else f"--redis-url: {message}.") \
+                    from None
         store = _object_store(s3_bucket, s3_endpoint_url, s3_capacity_gib, chunk_tokens * report.kv_bytes_per_token)
         if not disk_path.startswith("/"):
             raise UserError(f"--disk-path must be an absolute directory on the serving host, got {disk_path!r}.")
@@ -245,10 +246,8 @@ def _object_store(bucket: str | None, endpoint_url: str | None, capacity_gib: fl
     except ValidationError as exc:
         error = exc.errors()[0]
         flag = flags.get(str(error["loc"][0]) if error["loc"] else "", "--s3-bucket")
-        message = str(error["msg"]).removeprefix("Value error, ").replace(" (or http:// with s3_allow_http)",
-                                                                             " or http://")
-        for key, name in flags.items():  # the user typed flags: name them, not the config keys
-            message = message.replace(key, name)
+        message = flag_names(str(error["msg"]).removeprefix("Value error, ").replace(
+            " (or http:// with s3_allow_http)", " or http://"), flags)  # the user typed flags, not config keys
         raise UserError(f"{message}." if message.startswith(flag) else f"{flag}: {message}.") from None
     return ObjectStore(bucket, endpoint_url, capacity_gib, chunk_bytes or None)
 
