@@ -10,7 +10,11 @@ lives here, once:
 - **No late writes into a caller's buffer.**  Reads go into the wrapper's own buffers and are
   copied into the caller's only after the call returned in time; a call given up at the
   deadline may finish later, into buffers nobody reads.  Writes hand the inner tier private
-  copies, so a caller may reuse its buffer as soon as ``put_many`` returns.
+  copies, so a caller may reuse its buffer as soon as ``put_many`` returns.  An inner tier that
+  implements :class:`ValueTier` skips both extra copies: its reads return values it allocated
+  itself (a late one lands in nobody's buffer) and are verified and copied into the caller's
+  buffers on the caller's thread after the call returned in time; its writes are encoded (the
+  one copy a write needs) on the caller's thread before the call is queued.
 - **Circuit breaker** (:class:`~kvtier.core.tiers.breaker.CircuitBreaker`): a call that raises
   or passes its deadline is a failure; ``breaker_failures`` in a row open it, and calls are then
   skipped (counted) without reaching the inner tier until a probe every ``breaker_probe_s``
@@ -33,7 +37,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from prometheus_client import CollectorRegistry
 
@@ -46,6 +50,34 @@ from kvtier.core.tiers.wrappers import TierWrapper
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+@runtime_checkable
+class ValueTier(Protocol):
+    """A remote tier whose values can be fetched and stored whole, without the wrapper's private
+    copies (the s3 tier; see the module docstring).  Each method raises on a fault, as the tier's
+    ``get_many``/``put_many`` do.
+
+    - ``read_values(keys)``: one value per key, each a new buffer the tier allocated (``None``:
+      absent), fetched in parallel; runs on the wrapper's threads.
+    - ``accept_values(keys, values, dsts, seconds)``: verify each value and copy its payload into
+      ``dsts`` (a corrupt or expired value is a miss, and the tier deletes it in the background,
+      never waiting); ``seconds``: how long the read took (the tier's numbers).  Runs on the
+      caller's thread, after ``read_values`` returned in time.
+    - ``encode_values(keys, datas)``: the values to write (header + payload), made on the
+      caller's thread so the caller may reuse ``datas`` once ``put_many`` returns.
+    - ``put_values(keys, values, payload_bytes)``: write them; runs on the wrapper's threads.
+    """
+
+    def read_values(self, keys: Sequence[ChunkKey]) -> list[Any]: ...
+
+    def accept_values(self, keys: Sequence[ChunkKey], values: Sequence[Any], dsts: Sequence[memoryview],
+                      seconds: float) -> list[GetResult]: ...
+
+    def encode_values(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> list[Any]: ...
+
+    def put_values(self, keys: Sequence[ChunkKey], values: Sequence[Any], payload_bytes: Sequence[int]
+                   ) -> list[PutResult]: ...
 
 
 class GuardedTier(TierWrapper):
@@ -138,6 +170,13 @@ class GuardedTier(TierWrapper):
     def get_many(self, keys: Sequence[ChunkKey], dsts: Sequence[memoryview]) -> list[GetResult]:
         if not keys:
             return []
+        if isinstance(self.inner, ValueTier):
+            inner = self.inner
+            t0 = time.perf_counter()
+            values = self._call("get", lambda: inner.read_values(keys))
+            if values is None:
+                return [GetResult.MISS] * len(keys)
+            return inner.accept_values(keys, values, dsts, time.perf_counter() - t0)
         own = [bytearray(memoryview(d).nbytes) for d in dsts]  # a late call fills these, never the caller's
         got = self._call("get", lambda: self.inner.get_many(keys, [memoryview(b) for b in own]))
         if got is None:
@@ -150,6 +189,15 @@ class GuardedTier(TierWrapper):
     def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> list[PutResult]:
         if not keys:
             return []
+        if isinstance(self.inner, ValueTier):
+            inner = self.inner
+            values = inner.encode_values(keys, datas)  # the one copy a write needs, on the caller's thread
+            sizes = [memoryview(d).nbytes for d in datas]
+            put = self._call("put", lambda: inner.put_values(keys, values, sizes))
+            if put is None:
+                self.wire.writes_skipped(len(keys))
+                return [PutResult.FAILED] * len(keys)
+            return put
         copies = [bytes(d) for d in datas]  # the caller may reuse its buffers once this returns
         got = self._call("put", lambda: self.inner.put_many(keys, copies))
         if got is None:

@@ -77,6 +77,9 @@ EVICT_PASSES = 4
 """Eviction passes at most per call (each a HEAD batch of the victims, then one delete)."""
 DELETE_BATCH = 1000
 """Keys per bulk delete (S3 ``DeleteObjects`` takes at most 1000)."""
+DELETE_WAIT_S = 1.0
+"""Longest a read waits for the delete of the unusable objects it found, seconds (then it goes on in
+the background)."""
 REWRITTEN_S = 1.0
 """An object whose ``Last-Modified`` is at least this much newer than counted was rewritten: kept.
 ``Last-Modified`` has one-second resolution (an HTTP date), so a chunk this process stored is
@@ -208,6 +211,15 @@ class S3Tier(Tier):
     def get_many(self, keys: Sequence[ChunkKey], dsts: Sequence[memoryview]) -> list[GetResult]:
         if not keys:
             return []
+        t0 = time.perf_counter()
+        return self.accept_values(keys, self.read_values(keys), dsts, time.perf_counter() - t0)
+
+    def read_values(self, keys: Sequence[ChunkKey]) -> list[tuple[Any, float] | None]:
+        """One parallel ``GET`` per key: ``(body, Last-Modified)`` each (the body a buffer obstore
+        allocated for this call), ``None`` where there is no object
+        (:class:`~kvtier.core.tiers.guarded.ValueTier`)."""
+        if not keys:
+            return []
         import obstore
 
         async def fetch(path: str) -> tuple[Any, float] | None:
@@ -218,8 +230,13 @@ class S3Tier(Tier):
                 return None
             return value, got.meta["last_modified"].timestamp()
 
-        t0 = time.perf_counter()
-        values = self._run(lambda: self._each(fetch, [self.object_key(k) for k in keys]))
+        return self._run(lambda: self._each(fetch, [self.object_key(k) for k in keys]))
+
+    def accept_values(self, keys: Sequence[ChunkKey], values: Sequence[tuple[Any, float] | None],
+                      dsts: Sequence[memoryview], seconds: float) -> list[GetResult]:
+        """Verify each value of :meth:`read_values` and copy its payload into ``dsts``; an expired,
+        short, foreign or corrupt one is a miss (corrupt ones counted) and its object is deleted,
+        waiting at most :data:`DELETE_WAIT_S` (:class:`~kvtier.core.tiers.guarded.ValueTier`)."""
         results: list[GetResult] = []
         bad: list[str] = []
         num_bytes = 0
@@ -247,9 +264,26 @@ class S3Tier(Tier):
             num_bytes += decoded.length
             results.append(GetResult.HIT)
         if bad:
-            self._delete_paths(bad)
-        self.wire.moved("read", num_bytes, time.perf_counter() - t0)
+            self._delete_soon(bad)
+        self.wire.moved("read", num_bytes, seconds)
         return results
+
+    def _delete_soon(self, paths: list[str]) -> None:
+        """Delete ``paths`` on the tier's loop, waiting at most :data:`DELETE_WAIT_S` (a reader
+        never waits longer on the network; a slower delete finishes in the background)."""
+        import obstore
+
+        async def delete() -> None:
+            for i in range(0, len(paths), DELETE_BATCH):
+                await obstore.delete_async(self.store, paths[i:i + DELETE_BATCH])
+
+        if self._closed:
+            return
+        future = asyncio.run_coroutine_threadsafe(delete(), self._loop)
+        try:
+            future.result(timeout=DELETE_WAIT_S)
+        except Exception as exc:  # noqa: BLE001 - the object stays; the next read deletes it again
+            self._log_fault("delete", exc)
 
     def put(self, key: ChunkKey, data: memoryview | bytes) -> PutResult:
         return self.put_many([key], [data])[0]
@@ -261,6 +295,18 @@ class S3Tier(Tier):
         ``PRESENT`` from the server's ``412``."""
         if not keys:
             return []
+        return self.put_values(keys, self.encode_values(keys, datas), [memoryview(d).nbytes for d in datas])
+
+    def encode_values(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> list[bytearray]:
+        """The objects to write: header + payload each (the payload copied once)
+        (:class:`~kvtier.core.tiers.guarded.ValueTier`)."""
+        return [self.codec.encode(k, d) for k, d in zip(keys, datas, strict=True)]
+
+    def put_values(self, keys: Sequence[ChunkKey], values: Sequence[Any], payload_bytes: Sequence[int]
+                   ) -> list[PutResult]:
+        """Write the :meth:`encode_values` objects (see :meth:`put_many`)."""
+        if not keys:
+            return []
         import obstore
 
         paths = [self.object_key(k) for k in keys]
@@ -270,9 +316,8 @@ class S3Tier(Tier):
             meta = await self._head(paths[i])
             if meta is not None:
                 return "present", meta["last_modified"].timestamp()
-            value = self.codec.encode(keys[i], datas[i])
             try:
-                await obstore.put_async(self.store, paths[i], value, use_multipart=False,
+                await obstore.put_async(self.store, paths[i], values[i], use_multipart=False,
                                         mode="create" if self.conditional_put else "overwrite")
             except exists_errors:
                 return "present", float(int(time.time()))
@@ -280,7 +325,7 @@ class S3Tier(Tier):
 
         t0 = time.perf_counter()
         outcomes = self._run(lambda: self._each(write, list(range(len(keys)))))
-        sizes = [HEADER_BYTES + memoryview(d).nbytes for d in datas]
+        sizes = [HEADER_BYTES + n for n in payload_bytes]
         stored_bytes = 0
         with self._lock:
             for key, (outcome, mtime), size in zip(keys, outcomes, sizes, strict=True):
