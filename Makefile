@@ -34,14 +34,18 @@ redis-bin:
 	      redis-server openssl prometheus; }
 
 # CI runs all of it and prints the slowest tests; a skip not expected on the CI machine kind
-# fails (tests/conftest.py EXPECTED_SKIPS).  Tests that start no vLLM engine run on two workers
-# (pytest-xdist, one per core); the engine tests (marker `engine`) run one at a time after them:
-# two engines at once share two cores, and the live-server tests judge latency (TTFT tails, a
-# doctor's interval) that a second engine beside them would distort.  test-fast leaves out every
-# engine test: minutes instead of the full run, for development.
+# fails (tests/conftest.py EXPECTED_SKIPS).  Three phases:
+#  1. tests that start no vLLM engine, on two workers (pytest-xdist, one per core);
+#  2. engine tests marked `shares_cpu` (exact outputs and counts only: a start-up beside another
+#     costs time, never a result), on two workers: most of an engine test is process start-up,
+#     which runs on one core;
+#  3. the other engine tests one at a time: the live-server tests judge latency (TTFT tails, a
+#     doctor's interval) or hold deadlines of seconds that a second engine beside them would distort.
+# test-fast leaves out every engine test: minutes instead of the full run, for development.
 test: $(STAMP) redis-bin
 	$(PY) -m pytest -q -n 2 -m "not engine" --durations=15 tests
-	$(PY) -m pytest -q -m engine --durations=30 tests
+	$(PY) -m pytest -q -n 2 -m "engine and shares_cpu" --durations=15 tests
+	$(PY) -m pytest -q -m "engine and not shares_cpu" --durations=30 tests
 
 test-fast: $(STAMP) redis-bin
 	$(PY) -m pytest -q -n 2 -m "not engine" --durations=30 tests

@@ -148,6 +148,7 @@ def test_compare_gives_no_verdict_to_an_arm_whose_requests_all_failed(server, tm
 
 
 @pytest.mark.engine
+@pytest.mark.shares_cpu
 def test_compare_where_every_arm_is_rejected_exits_2_with_the_reason(tmp_path):
     """A real vLLM (tiny test model) rejects token ids beyond its 2,048-token vocabulary: the one
     arm fails (no verdict) and the command ends with one error line naming the server's reason."""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.shares_cpu]
 
 
 def test_native_cpu_tier_serves_exact_kv(tmp_path: Path) -> None:

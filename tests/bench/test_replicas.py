@@ -172,6 +172,7 @@ def test_bad_replica_or_redis_input_is_one_sentence_and_exit_2(tmp_path: Path, a
     assert "secret" not in result.output and "Traceback" not in result.output
 
 
+@pytest.mark.shares_cpu
 @pytest.mark.engine  # launches a real vLLM api_server (stopped while it starts)
 def test_sigterm_stops_the_vllm_servers_and_the_private_redis(tmp_path: Path) -> None:
     """A CI timeout or ``kill`` sends SIGTERM: bench compare stops what it started (its servers run in

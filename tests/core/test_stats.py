@@ -11,7 +11,7 @@ from .helpers import CHUNK_BYTES, break_disk_shards, chain_of, make_store, paylo
 
 TIER_LABELLED = ("kvtier_corrupt_chunks_total", "kvtier_evictions_total", "kvtier_load_hit_chunks_total",
                  "kvtier_load_hit_tokens_total", "kvtier_lookup_hit_chunks_total", "kvtier_lookup_hit_tokens_total",
-                 "kvtier_write_errors_total")
+                 "kvtier_write_errors_total", "kvtier_quota_evictions_total")
 PRESENT_TIER = ("kvtier_capacity_bytes", "kvtier_usage_bytes", "kvtier_pinned_bytes", "kvtier_pinned_chunks")
 PLAIN = ("kvtier_dirty_bytes", "kvtier_dropped_saves_total", "kvtier_failed_loads_total", "kvtier_lookup_chunks_total",
          "kvtier_lookup_tokens_total", "kvtier_ttl_pin_refused_chunks_total")
@@ -86,3 +86,20 @@ def test_a_transfer_in_an_unknown_direction_is_refused():
     counters.moved("cpu_to_disk", 10, -1.0)  # a clock step back never makes time negative
     snap = counters.snapshot(1, 1, {}, 0, 0)
     assert snap.transfer_bytes["cpu_to_disk"] == 10 and snap.transfer_seconds["cpu_to_disk"] == 0.0
+
+
+def test_two_remote_tiers_share_one_latency_histogram_in_a_registry():
+    """redis and s3 in one store: one ``kvtier_tier_call_seconds`` family, a ``tier`` label each
+    (registering it twice raised "Duplicated timeseries" and stopped the worker at start-up)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvtier.core.tiers.tiermetrics import TierMetrics
+
+    registry = CollectorRegistry()
+    first, second = TierMetrics("redis", registry), TierMetrics("s3", registry)
+    first.observe("get", 0.002)
+    second.observe("get", 0.2)
+    text = generate_latest(registry).decode()
+    assert text.count("# TYPE kvtier_tier_call_seconds histogram") == 1
+    assert 'kvtier_tier_call_seconds_count{op="get",tier="redis"} 1.0' in text
+    assert 'kvtier_tier_call_seconds_count{op="get",tier="s3"} 1.0' in text

@@ -67,3 +67,42 @@ def test_no_pin_series_no_pin_lines() -> None:
     assert meters.pins is None
     assert not any(c.message.startswith("Pins") for c in diagnose(meters, allocation(parse_metrics(AFTER, "a")),
                                                                    {}, None, 1).checks)
+
+
+def test_doctor_shows_kv_events_and_tenant_quotas_with_salts_only_as_digests() -> None:
+    """Issue 22 item 6: the scheduler's once-sent gauges (events on, quota settings) and the
+    workers' per-tenant bytes go through the connector's collectors; doctor names what is on and
+    the largest tenants by digest."""
+    from kvtier.core.quota import tenant_label
+    from kvtier.core.tenant import TenantId
+
+    config = KVTierConfig.from_dict({"chunk_tokens": CHUNK_TOKENS, "cpu_gib": 8 * CHUNK_BYTES / 2**30,
+                                     "tenant_quotas": {"default_share": 0.25, "salts": {"acme-secret": 0.5}}})
+    store = TieredStore(config, dataclasses.replace(NS, tp_size=1, tp_rank=0), CHUNK_BYTES, 1)
+    registry = CollectorRegistry()
+    kinds = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
+    prom = KVTierPromMetrics(types.SimpleNamespace(kv_transfer_config=None), kinds,  # type: ignore[arg-type]
+                             ["model_name", "engine"], {0: ["tiny", "0"]})
+    try:
+        for prompt in range(3):
+            chain = chain_of(prompt, 2, salt="acme-secret")
+            store.put(chain, [payload(k) for k in chain], tenant=TenantId.of("acme-secret", None))
+        snapshot = store.stats()
+        prom.observe({"counters": store_counters(snapshot, None), "gauges": store_gauges(snapshot)}, 0)
+        prom.observe({"counters": {}, "gauges": {"kv_events_enabled": 1.0, "tenant_quota_default_share": 0.25,
+                                                 "tenant_quota_salts": 1.0}}, 0)  # the scheduler's, once
+        text = generate_latest(registry).decode()
+        assert "acme-secret" not in text
+        extra = "".join(line + "\n" for line in text.splitlines()
+                        if "kvtier_tenant" in line or "kvtier_kv_events_enabled" in line or "quota_evictions" in line)
+        meters = measure(parse_metrics(BEFORE, "b"), parse_metrics(AFTER + extra, "a"), 10.0)
+        label = tenant_label(TenantId.of("acme-secret", None).salt)
+        assert meters.controls is not None and meters.controls.events_enabled
+        assert meters.controls.tenants == {label: 6 * CHUNK_BYTES}
+        messages = [c.message for c in diagnose(meters, allocation(parse_metrics(AFTER, "a")), {}, None, 1).checks]
+        assert any(m.startswith("KV events: on") for m in messages)
+        assert any(m.startswith("Tenant quotas: default share 0.25, 1 salt(s)") and label in m for m in messages)
+    finally:
+        store.close()
+    meters = measure(parse_metrics(BEFORE, "b"), parse_metrics(AFTER, "a"), 10.0)
+    assert meters.controls is None  # an older kvtier, or another connector: no lines

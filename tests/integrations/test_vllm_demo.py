@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.shares_cpu]
 
 
 def test_restart_after_sigterm_is_served_from_disk(tmp_path: Path, tiny_model: Path) -> None:

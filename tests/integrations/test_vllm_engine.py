@@ -31,6 +31,7 @@ LOADABLE = 6 * CHUNK_TOKENS
 CHUNK_BYTES = 2 * 2 * (2 * 32 * 64 * 2 * 4)  # layers × blocks/chunk × (kv heads × block × head × K,V × fp32)
 TOLERANCE = 1e-4  # logprob difference allowed between a cold prefill and one continuing from loaded KV
 
+QUOTA_SALT = "quota-b"
 LOADED_CPU = "kvtier_loaded_tokens_total{cpu}"
 LOADED_DISK = "kvtier_loaded_tokens_total{disk}"
 EXT_HITS = "vllm:external_prefix_cache_hits_total"
@@ -95,7 +96,10 @@ def engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
     kvtier = {"chunk_tokens": CHUNK_TOKENS, "cpu_gib": 16 * CHUNK_BYTES / (1 << 30), "disk_path": str(disk),
               "disk_gib": 0.05, "write_mode": "write-through", "tier_modules": ["tests.dict_tier_plugin"],
               "tiers": ["cpu", "disk", "dict"], "dict_capacity_mib": 64 * CHUNK_BYTES / 2**20,
-              "pin_max_share": 0.9}  # two pinned prompts (13 chunks; 14 may be pinned) in the 16-chunk cpu tier
+              "pin_max_share": 0.9,  # two pinned prompts (13 chunks; 14 may be pinned) in the 16-chunk cpu tier
+              # only salt quota-b has a share (8 of the 16 cpu chunks): every other request is best
+              # effort, evicted in the policy's order as without quotas (the quota test runs last)
+              "tenant_quotas": {"salts": {QUOTA_SALT: 0.5}}}
     llm = LLM(model=str(tiny_model), dtype="float32", max_model_len=1024, enforce_eager=True,
               gpu_memory_utilization=0.05, kv_cache_memory_bytes=64 << 20, block_size=32,
               num_gpu_blocks_override=40, enable_prefix_caching=True, disable_log_stats=False, seed=0,
@@ -467,7 +471,7 @@ def test_hit_sources_equal_loaded_tokens_per_tier_under_aborts_and_promotions(en
 def test_a_pinned_prompt_stays_in_the_cpu_tier_through_a_flood_until_its_ttl_passes(engine: Engine) -> None:
     """Issue 22 item 4: ``kv_transfer_params.kvtier_pin_s`` keeps a prompt's chunks in the cpu tier
     (the disk tier, write-through here, keeps everything: after its TTL the prompt is served from
-    disk instead).  Runs last: its long pin stays in the cpu tier."""
+    disk instead).  Runs before the quota test only: its long pin stays in the cpu tier."""
     def pinned() -> int:
         return int(engine.store.stats().tier("cpu").ttl_pinned_chunks)
 
@@ -494,3 +498,45 @@ def test_a_pinned_prompt_stays_in_the_cpu_tier_through_a_flood_until_its_ttl_pas
     assert delta(m2, m1, LOADED_CPU) == 0 and delta(m2, m1, LOADED_DISK) == loadable(other)
     assert again["tokens"] == first["tokens"]
     assert delta(m2, m0, "kvtier_ttl_pin_refused_chunks_total") == 0
+
+
+def test_a_salt_with_a_quota_keeps_its_cpu_hits_through_another_tenants_flood(engine: Engine) -> None:
+    """Issue 22 item 5, "Done when": with two salts and a quota, a flood leaves salt B's hit rate
+    (from the cpu tier) on its replayed prefixes at least 90 % of what it was before, while salt C,
+    same traffic and no share, falls (its prefixes come from the disk tier instead: the disk,
+    write-through and large here, keeps everything).  Runs last, after the pin test's 300 s pin
+    (6 of the 16 cpu chunks)."""
+    def loadable(out: dict[str, Any]) -> int:  # full chunks before the last prompt token
+        return (len(out["prompt_ids"]) - 1) // CHUNK_TOKENS * CHUNK_TOKENS
+
+    def replay(prompts: list[str], salt: str) -> tuple[float, float, list[dict[str, Any]]]:
+        """(tokens loaded from the cpu tier, from the disk tier) replaying ``prompts`` under ``salt``."""
+        engine.llm.reset_prefix_cache()  # vLLM's own cache forgets: every hit is kvtier's
+        m0 = metrics_snapshot()
+        outs = [engine.generate(p, salt=salt) for p in prompts]
+        m1 = metrics_snapshot()
+        return delta(m1, m0, LOADED_CPU), delta(m1, m0, LOADED_DISK), outs
+
+    b_prompts = [prompt(1501 + i, words=70) for i in range(2)]  # about 140 tokens: 2 chunks each
+    c_prompts = [prompt(1601 + i, words=70) for i in range(2)]
+    first_b = [engine.generate(p, salt=QUOTA_SALT) for p in b_prompts]
+    first_c = [engine.generate(p, salt="no-quota-c") for p in c_prompts]
+    engine.store.flush()
+    want_b, want_c = sum(map(loadable, first_b)), sum(map(loadable, first_c))
+    assert want_b > 0 and sum(len(o["prompt_ids"]) // CHUNK_TOKENS for o in first_b) <= 8  # within B's share
+    before_b, _, _ = replay(b_prompts, QUOTA_SALT)
+    before_c, _, _ = replay(c_prompts, "no-quota-c")
+    assert before_b == want_b and before_c == want_c  # both served whole from the cpu tier
+
+    engine.evict_from_cpu_tier(seed=1700)  # two floods of unsalted prompts (36 chunks)
+    engine.evict_from_cpu_tier(seed=1710)
+    after_b, _, again_b = replay(b_prompts, QUOTA_SALT)
+    after_c, disk_c, again_c = replay(c_prompts, "no-quota-c")
+    assert after_b >= 0.9 * before_b, (after_b, before_b)
+    assert after_c < 0.5 * before_c and after_c + disk_c == want_c, (after_c, disk_c, before_c)
+    assert [o["tokens"] for o in again_b] == [o["tokens"] for o in first_b]
+    assert [o["tokens"] for o in again_c] == [o["tokens"] for o in first_c]
+    stats = engine.store.stats().tier("cpu")
+    assert stats.quota_evictions > 0 and len(stats.tenant_used_bytes) <= 8 + 2
+    engine.store.flush()
+    engine.store.check_integrity()

@@ -18,7 +18,7 @@ import pytest
 
 from kvtier.integrations.vllm.groups import ChunkBlocks, GroupKind, GroupSpec, HybridPlan
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.shares_cpu]
 
 PROBE = Path(__file__).with_name("hybrid_probe.py")
 CHUNK = 64

@@ -109,6 +109,17 @@ def test_load_failure_policy_fail_is_a_warning():
     assert '"kv_load_failure_policy":"recompute"' in problems[0].message
 
 
+def test_extra_config_alone_is_named_as_such():
+    """Only kvtier's own keys, without the transfer config around them: one sentence saying how to
+    wrap them, not one "unknown key" per setting."""
+    (found,) = errors({"cpu_gib": 1, "disk_path": "/tmp/x", "disk_gib": 2})
+    assert "kv_connector_extra_config (cpu_gib, disk_path, disk_gib) without the --kv-transfer-config" in found
+    assert '"kv_connector":"KVTierConnector"' in found
+    # a key that is neither vLLM's nor kvtier's is still the unknown-key error
+    (typo,) = errors({"cpu_gb": 1})
+    assert "unknown key 'cpu_gb'" in typo
+
+
 def test_not_json_and_other_connectors():
     (found,) = errors('{"kv_connector": "KVTierConnector",')
     assert "not valid JSON at line 1" in found
@@ -223,6 +234,7 @@ def _serve_refused(model: Path, extra: dict) -> tuple[subprocess.CompletedProces
 
 
 @pytest.mark.engine
+@pytest.mark.shares_cpu
 def test_vllm_server_with_chunk_tokens_no_cpu_block_size_divides_stops_before_the_model_loads(tiny_model: Path):
     proc, ours = _serve_refused(tiny_model, {"chunk_tokens": 100})
     assert len(ours) == 1 and ours[0].startswith("ERROR kvtier: invalid --kv-transfer-config: chunk_tokens=100 is "
@@ -231,6 +243,7 @@ def test_vllm_server_with_chunk_tokens_no_cpu_block_size_divides_stops_before_th
 
 
 @pytest.mark.engine
+@pytest.mark.shares_cpu
 def test_vllm_server_with_a_bad_kvtier_config_stops_before_the_model_loads(tiny_model: Path):
     """The plugin is registered through pyproject's vllm.general_plugins entry point (as installed by make)."""
     proc, ours = _serve_refused(tiny_model, {"cpu_gb": 4})
@@ -247,14 +260,18 @@ def _fields() -> list[str]:
 
 
 @pytest.mark.engine
-def test_kv_transfer_config_built_in_python_raises_instead_of_exiting():
-    """``LLM(kv_transfer_config=KVTransferConfig(...))`` gets an exception naming the key, not an exit."""
+def test_kv_transfer_config_built_in_python_raises_instead_of_exiting(monkeypatch: pytest.MonkeyPatch):
+    """``LLM(kv_transfer_config=KVTransferConfig(...))`` gets an exception naming the key, not an exit.
+    (The pre-flight installed here is taken out again after the test: later tests in this process
+    build configs of their own.)"""
     from pydantic import ValidationError
-
-    from kvtier.integrations.vllm.plugin import register
-
-    register()
     from vllm.config.kv_transfer import KVTransferConfig
+
+    from kvtier.integrations.vllm.plugin import _MARK, register
+
+    monkeypatch.setattr(KVTransferConfig, "__post_init__", KVTransferConfig.__post_init__)
+    monkeypatch.setattr(KVTransferConfig, _MARK, getattr(KVTransferConfig, _MARK, False), raising=False)
+    register()
 
     with pytest.raises(ValidationError, match="did you mean 'cpu_gib'"):
         KVTransferConfig(kv_connector="KVTierConnector", kv_role="kv_both",

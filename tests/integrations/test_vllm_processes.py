@@ -18,7 +18,7 @@ import pytest
 
 from tests.integrations.vllm_helpers import PROMPT_WORDS, max_logprob_diff, result_of, run_engine
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.shares_cpu]
 
 LOADABLE = 6 * 64
 TOLERANCE = 1e-4
@@ -44,9 +44,11 @@ def _same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
 
 
 def test_graceful_stop_keeps_the_hot_set_and_other_identities_miss(tiny_model: Path, tmp_path: Path) -> None:
-    """Write-back with a cpu tier that never fills: only the shutdown flush puts chunks on disk.
-    The restarted engine is served from disk.  Then two engines whose KV differs from the first
-    one's, on the same disk tier, load nothing and answer as their own prefill does: one with
+    """Write-back with a cpu tier that never fills: only the shutdown flush puts chunks on disk
+    (that a restart with the same identity is served from them is test_vllm_serve.py's SIGTERM
+    restart, and test_vllm_hybrid_kvtier.py's for a hybrid model).  Then two engines whose KV
+    differs from the first one's, on the same disk tier, load nothing and answer as their own
+    prefill does: one with
     ``--hf-overrides`` changing every layer's KV (break test F-hf-overrides), one after the weight
     file is replaced in place (same names, shapes and sizes, other values).
 
@@ -69,13 +71,8 @@ def test_graceful_stop_keeps_the_hot_set_and_other_identities_miss(tiny_model: P
     assert "kvtier: rank 0 cpu tier holds 32 chunks, fewer than one max_model_len prompt (16 chunks) plus the disk " \
            "write queue (save_queue_depth 64)" in log
 
-    second = result_of(run_engine(_spec(model, disk, steps, write_mode="write-back"), tmp_path, "second"),
-                       tmp_path, "second")
-    m = second["metrics"]
-    assert m["kvtier_loaded_tokens_total{disk}"] == 2 * LOADABLE  # a fresh process: only the disk has it
-    assert m["vllm:external_prefix_cache_hits_total"] == 2 * LOADABLE
-    assert m["kvtier_pinned_chunks{cpu}"] == m["kvtier_pinned_chunks{disk}"] == 0
-    _same(first["results"][0], second["results"][0])
+    # the stop flushed every chunk the first engine saved: the disk holds what a restart would load
+    assert f"kvtier: rank 0 shutdown flush wrote {2 * LOADABLE // 64} dirty chunks" in log
 
     spec = dict(_spec(model, disk, steps), engine={"hf_overrides": {"rms_norm_eps": 0.9}})
     other = result_of(run_engine(spec, tmp_path, "override"), tmp_path, "override")

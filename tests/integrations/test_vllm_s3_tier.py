@@ -5,17 +5,27 @@ second is served by vLLM's own prefix cache: the reference.  Engine B, started a
 restart: its own empty cpu tier, nothing but the bucket in common), serves the same prompt first:
 loaded from S3, with the tokens and logprobs of A's prefix-cache hit exactly (equal compute
 threads, same KV bytes), counted as a hit by kvtier and by vLLM.
+
+Then, on engine B, the S3 server is stalled (``SIGSTOP``: connections are accepted, nothing
+answers) while a second prompt that A saved is asked for: its lookup and any read give up at the
+deadline (counted), and the request finishes by recompute (A's cold tokens and logprobs
+exactly).  Once the server answers again (``SIGCONT``), a third prompt
+A saved is a hit from S3 again, exact against A's prefix-cache hit of it.  The server is a
+private one (the stall would hang every other test's calls).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import time
+
 import obstore
 import pytest
 
 from tests.core.tier_harness import s3_credentials_file
 from tests.integrations.vllm_helpers import PROMPT_WORDS, result_of, run_engine
+from tests.s3_servers import S3Server
 
 pytestmark = pytest.mark.engine
 
@@ -25,33 +35,77 @@ LOADABLE = 6 * 64
 EQUAL_THREADS = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 
 
-def test_a_restarted_engine_serves_its_first_request_from_s3_exactly(tiny_model: Path, tmp_path: Path,
-                                                                     s3_server) -> None:
+def test_a_restarted_engine_serves_from_s3_exactly_recomputes_while_s3_stalls_and_hits_again_after(
+        tiny_model: Path, tmp_path: Path) -> None:
     from kvtier.launch.testmodel import random_prompt
 
+    s3_server = S3Server(tmp_path / "s3").start()
+    try:
+        _run(tiny_model, tmp_path, s3_server, [random_prompt(740 + i, PROMPT_WORDS) for i in range(3)])
+    finally:
+        s3_server.resume()  # never leave a stopped process behind
+        s3_server.stop()
+
+
+def _run(tiny_model: Path, tmp_path: Path, s3_server: S3Server, prompts: list[str]) -> None:
     bucket = s3_server.make_bucket()
-    prompt = random_prompt(740, PROMPT_WORDS)
     kvtier = {"chunk_tokens": 64, "cpu_gib": 0.01, "tiers": ["cpu", "s3"], "s3_bucket": bucket,
               "s3_endpoint_url": s3_server.url, "s3_allow_http": True,
               "s3_credentials_file": str(s3_credentials_file(tmp_path, s3_server)),
-              "shared_deadline_s": 5.0, "shared_transfer_deadline_s": 10.0}
-    gen = {"op": "generate", "prompts": [prompt]}
-    made = result_of(run_engine({"model": str(tiny_model), "steps": [gen, gen], "kvtier": kvtier},
+              "shared_deadline_s": 5.0, "shared_transfer_deadline_s": 10.0, "s3_breaker_probe_s": 1.0}
+    p, q, r = ({"op": "generate", "prompts": [prompt]} for prompt in prompts)
+    made = result_of(run_engine({"model": str(tiny_model), "steps": [p, p, q, r, r], "kvtier": kvtier},
                                 tmp_path, "a", env=EQUAL_THREADS), tmp_path, "a")
     saved = made["metrics"]["kvtier_saved_tokens_total"]
-    assert saved >= LOADABLE  # the prompt's chunks (and any the generated tokens completed)
-    assert made["metrics"]["vllm:external_prefix_cache_hits_total"] == 0  # the second was vLLM's own hit
+    assert saved >= 3 * LOADABLE  # the prompts' chunks (and any the generated tokens completed)
+    assert made["metrics"]["vllm:external_prefix_cache_hits_total"] == 0  # the repeats were vLLM's own hits
     listed = [m for page in obstore.list(s3_server.client(bucket)) for m in page]
     assert len(listed) == saved // 64  # one object per saved chunk (TP 1)
 
-    served = result_of(run_engine({"model": str(tiny_model), "steps": [gen], "kvtier": kvtier},
-                                  tmp_path, "b", env=EQUAL_THREADS), tmp_path, "b")
-    (_computed,), (cached,) = made["results"]
-    ((restarted,),) = served["results"]
-    assert restarted["tokens"] == cached["tokens"]
-    assert restarted["logprobs"] == cached["logprobs"]  # exact: same KV bytes, same compute threads
+    ready, stalled, recomputed, resumed = (tmp_path / n for n in ("b-ready", "stalled", "recomputed", "resumed"))
+    steps = [p, {"op": "metrics"}, {"op": "touch", "path": str(ready)},
+             {"op": "wait", "path": str(stalled), "timeout_s": 300}, q, {"op": "metrics"},
+             {"op": "touch", "path": str(recomputed)}, {"op": "wait", "path": str(resumed), "timeout_s": 300}, r]
+    proc = run_engine({"model": str(tiny_model), "steps": steps, "kvtier": kvtier}, tmp_path, "b", env=EQUAL_THREADS)
+    try:
+        _wait_for(ready, proc, 420)
+        s3_server.pause()
+        stalled.write_text("done")
+        _wait_for(recomputed, proc, 300)  # the stalled prompt finished (by recompute) while S3 hung
+    finally:
+        s3_server.resume()
+        time.sleep(1.5)  # past s3_breaker_probe_s: the next call probes the server
+        stalled.write_text("done")
+        resumed.write_text("done")
+    served = result_of(proc, tmp_path, "b")
+
+    (_p_cold,), (p_cached,), (q_cold,), (_r_cold,), (r_cached,) = made["results"]
+    (p_loaded,), (q_recomputed,), (r_loaded,) = served["results"]
+    # exact: same KV bytes (or the same cold compute), same compute threads
+    assert (p_loaded["tokens"], p_loaded["logprobs"]) == (p_cached["tokens"], p_cached["logprobs"])
+    assert (q_recomputed["tokens"], q_recomputed["logprobs"]) == (q_cold["tokens"], q_cold["logprobs"])
+    assert (r_loaded["tokens"], r_loaded["logprobs"]) == (r_cached["tokens"], r_cached["logprobs"])
+    hit, during = served["snapshots"]
+    assert hit["kvtier_loaded_tokens_total{s3}"] == LOADABLE
+    assert hit["vllm:external_prefix_cache_hits_total"] == LOADABLE
+    assert hit["kvtier_shared_lookup_hit_chunks_total"] == LOADABLE // 64
+    # the stall: nothing loaded, the request recomputed, the calls that hung counted as failed or skipped
+    assert during["kvtier_loaded_tokens_total{s3}"] == LOADABLE
+    assert during["vllm:external_prefix_cache_hits_total"] == LOADABLE
+    assert hit["kvtier_shared_lookups_timed_out_total"] == 0
+    assert during["kvtier_shared_lookups_timed_out_total"] >= 1  # the lookup gave up at shared_deadline_s
+    assert q_recomputed["cached"] == 0
+    # back: the third prompt is a hit from S3 again (its whole chunks: A's two runs of it may have
+    # completed one more chunk with generated tokens)
     end = served["metrics"]
-    assert end["kvtier_loaded_tokens_total{s3}"] == LOADABLE
-    assert end["vllm:external_prefix_cache_hits_total"] == LOADABLE
+    assert r_loaded["cached"] >= LOADABLE
+    assert end["kvtier_loaded_tokens_total{s3}"] == LOADABLE + r_loaded["cached"]
+    assert end["vllm:external_prefix_cache_hits_total"] == LOADABLE + r_loaded["cached"]
     assert end["kvtier_load_failed_blocks_total"] == 0
-    assert end["kvtier_shared_lookup_hit_chunks_total"] == LOADABLE // 64
+
+
+def _wait_for(path: Path, proc, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert path.exists(), f"engine B did not reach {path.name} (exit code {proc.poll()})"

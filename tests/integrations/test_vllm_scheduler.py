@@ -305,3 +305,31 @@ def test_after_an_idle_gap_a_lookup_waits_one_step_for_the_workers_rescan(tiny_m
     scheduler.add_request(kept)  # no idle gap: planned from the mirror at once, its files still there
     (load,) = _meta(scheduler.schedule()).loads
     assert load.req_id == "kept" and load.hit_tokens == 3 * CHUNK and load.tiers == ("disk",) * 3
+
+
+def test_a_salted_requests_saves_carry_its_tenant_and_the_first_stats_say_quotas_and_events(tiny_model: Path) -> None:
+    """Tenant quotas (issue 22 item 5) key a chunk by its request's ``cache_salt``: the save jobs
+    carry the salt's digest (never the salt) to the workers' stores, whose quotas choose victims by
+    it (tests/core/test_store_quotas.py); the scheduler's first stats tell /metrics (and kvtier
+    doctor) that quotas are on and KV events off."""
+    from kvtier.core.quota import salt_digest
+
+    scheduler = _scheduler(tiny_model, tenant_quotas={"default_share": 0.25, "salts": {"tenant-a": 0.5}})
+    params = SamplingParams(max_tokens=4)
+    params.update_from_generation_config({}, 0)
+    salted = Request(request_id="a", prompt_token_ids=list(PROMPT), sampling_params=params, pooling_params=None,
+                     mm_features=None, block_hasher=get_request_block_hasher(BLOCK, sha256), cache_salt="tenant-a")
+    plain = _request("plain", prompt=[t + 1000 for t in PROMPT])
+    scheduler.add_request(salted)
+    scheduler.add_request(plain)
+    first = scheduler.schedule()
+    outputs = scheduler.update_from_output(first, _step_output(first, [salted, plain],
+                                                               kv_connector_worker_meta=_report([], full=True)))
+    stats = [o.scheduler_stats for o in outputs.values() if o.scheduler_stats is not None]
+    gauges = stats[0].kv_connector_stats["gauges"]
+    assert gauges == {"kv_events_enabled": 0.0, "tenant_quota_default_share": 0.25, "tenant_quota_salts": 1.0}
+    saves = {save.req_id: save for save in _meta(scheduler.schedule()).saves}
+    assert saves["a"].tenant is not None and saves["a"].tenant.salt == salt_digest("tenant-a")
+    assert saves["plain"].tenant is not None and saves["plain"].tenant.salt == b""  # the unsalted tenant
+    second = scheduler.connector.get_kv_connector_stats()  # type: ignore[union-attr]
+    assert second is None or "tenant_quota_default_share" not in second.data["gauges"]  # sent once

@@ -1,12 +1,14 @@
-"""Two hosts, one cache, at engine level: Redis in one network namespace, a real ``vllm serve``
-(``python -m vllm.entrypoints.openai.api_server``) with KVTierConnector in each of two others,
-joined by veth pairs (tests/netns.py; only 127.0.0.1 inside each namespace and the namespaces'
-own 10.211.x addresses are contacted).
+"""Two hosts, one cache, at engine level: Redis and an S3 server (``rclone serve s3``) in one
+network namespace, real ``vllm serve`` processes (``python -m vllm.entrypoints.openai.api_server``)
+with KVTierConnector in two others, joined by veth pairs (tests/netns.py; only 127.0.0.1 inside
+each namespace and the namespaces' own 10.211.x addresses are contacted).
 
-Host A is a ``kv_producer`` (it computes and saves to Redis, never loads), host B a
-``kv_consumer`` (it loads, never saves): disaggregated prefill through the shared tier.
+Host A is a ``kv_producer`` (it computes and saves to Redis and to S3, never loads), host B runs
+two ``kv_consumer`` servers (they load, never save), one reading Redis, one reading S3:
+disaggregated prefill through each shared tier.
 - A serves prompt P and prompt Q; B serves P: its KV comes from Redis (A's prefill), tokens and
-  logprobs exactly those of A's own computation (a recompute: A never loads);
+  logprobs exactly those of A's own computation (a recompute: A never loads); B's S3 consumer
+  serves P from the bucket, again exactly A's;
 - B serves Q' (Q's first 150 words, then other words): the shared prefix is a redis hit on B;
   A, its own prefix cache reset, recomputes Q' as the reference, again exactly equal.
 Both engines run float32 with one reserved core (equal compute threads).
@@ -20,12 +22,15 @@ import sys
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from tests.core.tier_harness import s3_credentials_file
 from tests.netns import REDIS_ADDRESS, cannot_create, in_netns, netns_hosts
 from tests.redis_servers import redis_binaries, wait_until
+from tests.s3_servers import ACCESS_KEY, SECRET_KEY, rclone_binary
 
 from .vllm_helpers import live_spec
 
@@ -34,14 +39,15 @@ pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parents[2]
 CHUNK = 128
 PORT = 8000  # each host has its own loopback: the same port on both
+S3_PORT = 8001  # host B's second server (its S3 consumer)
 
 
-def client(ns: str, ops: list[dict[str, Any]], workdir: Path, timeout_s: float = 900) -> list[Any]:
-    """Run tests/integrations/openai_client.py inside namespace ``ns`` against its 127.0.0.1:PORT."""
+def client(ns: str, ops: list[dict[str, Any]], workdir: Path, timeout_s: float = 900, port: int = PORT) -> list[Any]:
+    """Run tests/integrations/openai_client.py inside namespace ``ns`` against its 127.0.0.1:``port``."""
     ops_file = workdir / f"ops-{uuid.uuid4().hex[:6]}.json"
     ops_file.write_text(json.dumps(ops))
     proc = subprocess.run(in_netns(ns, [sys.executable, "-m", "tests.integrations.openai_client",
-                                        f"http://127.0.0.1:{PORT}", str(ops_file)]),
+                                        f"http://127.0.0.1:{port}", str(ops_file)]),
                           capture_output=True, text=True, timeout=timeout_s, cwd=ROOT, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -63,18 +69,36 @@ def test_producer_on_host_a_hands_kv_to_consumer_on_host_b(tiny_model: Path, tmp
                                                     "--save", "", "--appendonly", "no", "--protected-mode", "no",
                                                     "--dir", str(tmp_path)]),
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # the S3 server, listening on the redis namespace's addresses only (a namespace of its own)
+        data, bucket = tmp_path / "s3data", "kvtier-two-hosts"
+        (data / bucket).mkdir(parents=True)  # rclone's local backend: a bucket is a directory
+        (tmp_path / "rclone.conf").touch()
+        rclone = subprocess.Popen(in_netns(ns["r"], [rclone_binary(), "serve", "s3", f":local:{data}", "--addr",
+                                                     "0.0.0.0:9000", "--auth-key", f"{ACCESS_KEY},{SECRET_KEY}",
+                                                     "--config", str(tmp_path / "rclone.conf"), "--log-level", "ERROR"]),
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        credentials = s3_credentials_file(tmp_path, SimpleNamespace(access_key=ACCESS_KEY, secret_key=SECRET_KEY))
         servers: list[Server] = []
         try:
-            for host, role in (("a", "kv_producer"), ("b", "kv_consumer")):
-                kvtier = {"chunk_tokens": CHUNK, "cpu_gib": 0.01, "redis_key_prefix": prefix,
-                          "redis_url": f"redis://{REDIS_ADDRESS[host]}:6379/0",
-                          "shared_deadline_s": 5.0, "redis_timeout_s": 5.0, "redis_connect_timeout_s": 2.0}
-                server = Server(live_spec(tiny_model, kvtier, role), tmp_path / f"{host}.log", port=PORT)
+            for name, host, role, tiers in (("a", "a", "kv_producer", ("redis", "s3")), ("b", "b", "kv_consumer", ("redis",)),
+                                            ("b-s3", "b", "kv_consumer", ("s3",))):
+                kvtier: dict[str, Any] = {"chunk_tokens": CHUNK, "cpu_gib": 0.01, "tiers": ["cpu", *tiers],
+                                          "shared_deadline_s": 5.0}
+                if "redis" in tiers:
+                    kvtier.update(redis_key_prefix=prefix, redis_url=f"redis://{REDIS_ADDRESS[host]}:6379/0",
+                                  redis_timeout_s=5.0, redis_connect_timeout_s=2.0)
+                if "s3" in tiers:
+                    kvtier.update(s3_bucket=bucket, s3_endpoint_url=f"http://{REDIS_ADDRESS[host]}:9000",
+                                  s3_allow_http=True, s3_credentials_file=str(credentials),
+                                  shared_transfer_deadline_s=10.0)
+                port = S3_PORT if name == "b-s3" else PORT
+                server = Server(live_spec(tiny_model, kvtier, role), tmp_path / f"{name}.log", port=port)
                 server.command = in_netns(ns[host], server.command)
                 servers.append(server.launch())
-            for host, server in zip("ab", servers, strict=True):
-                assert client(ns[host], [{"op": "ready", "timeout_s": 600}], tmp_path) == [True], \
-                    f"host {host}'s server did not start: {server.exit_reason()}\n{server.log_tail(40)}"
+            for (name, host, port), server in zip((("a", "a", PORT), ("b", "b", PORT), ("b-s3", "b", S3_PORT)), servers,
+                                                  strict=True):
+                assert client(ns[host], [{"op": "ready", "timeout_s": 600}], tmp_path, port=port) == [True], \
+                    f"server {name} did not start: {server.exit_reason()}\n{server.log_tail(40)}"
 
             made_p, made_q = client(ns["a"], [{"op": "complete", "prompt": p}, {"op": "complete", "prompt": q}],
                                     tmp_path)
@@ -87,19 +111,26 @@ def test_producer_on_host_a_hands_kv_to_consumer_on_host_b(tiny_model: Path, tmp
                 return len(keys.stdout.split())
             assert wait_until(lambda: in_redis() >= saved, timeout_s=60), f"{in_redis()} of {saved} chunks in Redis"
 
+            def in_s3() -> int:
+                return sum(1 for f in (data / bucket).rglob("*") if f.is_file())
+            assert wait_until(lambda: in_s3() >= saved, timeout_s=60), f"{in_s3()} of {saved} chunks in S3"
+
             before, got_q, after_q, got_p, after_p = client(
                 ns["b"], [{"op": "metrics"}, {"op": "complete", "prompt": q_prime}, {"op": "metrics"},
                           {"op": "complete", "prompt": p}, {"op": "metrics"}], tmp_path)
+            s3_before, s3_got_p, s3_after = client(
+                ns["b"], [{"op": "metrics"}, {"op": "complete", "prompt": p}, {"op": "metrics"}], tmp_path, port=S3_PORT)
             reset, ref_q = client(ns["a"], [{"op": "reset_prefix_cache"}, {"op": "complete", "prompt": q_prime}],
                                   tmp_path)
             assert reset is True
             for server in servers:
                 assert server.exit_reason() is None
         finally:
-            with ThreadPoolExecutor(2) as pool:  # both at once: each may take its grace period
+            with ThreadPoolExecutor(3) as pool:  # all at once: each may take its grace period
                 list(pool.map(lambda server: server.stop(grace_s=20), servers))
-            redis.kill()
-            redis.wait(timeout=10)
+            for proc in (redis, rclone):
+                proc.kill()
+                proc.wait(timeout=10)
 
     # Disaggregated prefill: P's KV on B is A's, and B's answer is A's recompute, exactly.
     assert (got_p["tokens"], got_p["logprobs"]) == (made_p["tokens"], made_p["logprobs"])
@@ -111,3 +142,9 @@ def test_producer_on_host_a_hands_kv_to_consumer_on_host_b(tiny_model: Path, tmp
     assert loaded_p == (made_p["prompt_tokens"] - 1) // CHUNK * CHUNK  # every whole chunk but the last token
     assert after_p["vllm:external_prefix_cache_hits_total"] == loaded_q + loaded_p
     assert after_p.get("kvtier_saved_tokens_total", 0) == 0  # a consumer never saves
+    # Disaggregated prefill through S3: P's KV on B's S3 consumer is A's, exactly as through Redis.
+    assert (s3_got_p["tokens"], s3_got_p["logprobs"]) == (made_p["tokens"], made_p["logprobs"])
+    loaded_s3 = s3_after.get("kvtier_loaded_tokens_total{s3}", 0) - s3_before.get("kvtier_loaded_tokens_total{s3}", 0)
+    assert loaded_s3 == loaded_p
+    assert s3_after["vllm:external_prefix_cache_hits_total"] == loaded_s3
+    assert s3_after.get("kvtier_saved_tokens_total", 0) == 0

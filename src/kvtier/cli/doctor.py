@@ -155,6 +155,11 @@ def doctor_command(
             "pins": None if meters.pins is None else {
                 "pinned_chunks": meters.pins.chunks, "pinned_bytes": meters.pins.bytes,
                 "refused_chunks": meters.pins.refused},
+            "controls": None if meters.controls is None else {
+                "kv_events_enabled": meters.controls.events_enabled,
+                "tenant_quota_default_share": meters.controls.quota_default_share,
+                "tenant_quota_salts": meters.controls.quota_salts,
+                "quota_evictions": meters.controls.quota_evictions, "tenant_usage_bytes": meters.controls.tenants},
             "expected_offload_gib": expect_offload_gib, "tp": tp,
             "checks": [{"level": c.level, "message": c.message} for c in diagnosis.checks],
             "verdict": diagnosis.verdict,

@@ -38,6 +38,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 from kvtier.core.errors import ConfigError
 from kvtier.core.policies.admission import available_admissions
 from kvtier.core.policies.registry import available_policies
+from kvtier.core.quota import QuotaSettings
 from kvtier.core.tiers.registry import (
     RESET_SCOPES,
     available_tiers,
@@ -107,6 +108,10 @@ class KVTierConfig(BaseSettings):
         "kvtier_pin_s); a pin past it is refused and counted; 0 turns pins off."))
     pin_max_s: float = Field(3600.0, gt=0, allow_inf_nan=False, description=(
         "Longest TTL a request may ask for its pinned prefix, seconds (a longer one is cut to this)."))
+    tenant_quotas: QuotaSettings | None = Field(None, description=(
+        "Tenant quotas: each cache_salt's guaranteed share of every local tier (cpu, disk), e.g. "
+        "{default_share: 0.2, salts: {tenant-a: 0.5}}; a tenant at its share evicts its own chunks first, and no "
+        "tenant's saves evict another below its share (kvtier.core.quota); unset = no quotas."))
     reset_scope: str = Field("local", description=(
         "Tiers cleared when vLLM asks for an external reset (POST /reset_prefix_cache?reset_external=true): "
         "cpu = the cpu tier; local = cpu and disk; all = also the shared tier (only this engine's namespace keys)."))
@@ -285,6 +290,8 @@ class KVTierConfig(BaseSettings):
         for name in self._tier_models:
             secret.update(k for k, f in type(self.settings_of(name)).model_fields.items() if f.repr is False)
         out = self.flat_dict()
+        if self.tenant_quotas is not None:  # salts only as digests (kvtier.core.quota.tenant_label)
+            out["tenant_quotas"] = self.tenant_quotas.public()
         for key in secret:
             value = out.get(key)
             if value:
@@ -400,7 +407,7 @@ def did_you_mean(name: str, known: Iterable[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-_JSON_EXAMPLES = {"admission": '{"disk": "reused"}', "tiers": '["cpu", "disk"]',
+_JSON_EXAMPLES = {"admission": '{"disk": "reused"}', "tenant_quotas": '{"default_share": 0.2}', "tiers": '["cpu", "disk"]',
                   "tier_modules": '["mycompany.kvtier_tiers"]', "tier_settings": '{"mytier": {"capacity_mib": 64}}'}
 
 

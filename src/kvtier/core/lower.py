@@ -9,6 +9,8 @@ store's ``on_written`` callback, which releases what the job held in the top tie
 - ``write_back``: the tier receives chunks when they leave the top tier (disk in ``write-back``
   mode); otherwise every stored chunk is queued at once (``write-through``; always for a shared
   tier, whose point is that other hosts see the chunk now).
+- ``quota``: with ``tenant_quotas``, a local tier's :class:`~kvtier.core.quota.TenantLedger` (who
+  owns each stored chunk; room for a write is made by its victim choice for the job's tenant).
 - The queue holds at most ``queue_depth`` jobs: a job that does not fit is dropped and counted in
   ``dropped_saves``; callers never wait.
 
@@ -32,6 +34,7 @@ import numpy as np
 from kvtier.core.keys import ChunkKey
 from kvtier.core.policies import EvictionPolicy, make_policy
 from kvtier.core.policies.admission import AdmissionPolicy, AdmitAll
+from kvtier.core.quota import TenantLedger
 from kvtier.core.stats import StoreCounters
 from kvtier.core.tenant import TenantId, writing_for
 from kvtier.core.tiers.base import (
@@ -103,6 +106,7 @@ class LowerTier:
         self.write_back = write_back and not tier.shared
         self.policy: EvictionPolicy | None = None if tier.shared else make_policy(policy)
         self.admission: AdmissionPolicy = AdmitAll()  # the store sets the configured one
+        self.quota: TenantLedger | None = None  # tenant quotas of a local tier (the store sets it when configured)
         self.pins: Counter[ChunkKey] = Counter()
         self._lock = lock
         self._counters = counters
@@ -152,6 +156,8 @@ class LowerTier:
                 self._on_change(key)
             for key in found.gone:
                 self.policy.remove(key)
+                if self.quota is not None:
+                    self.quota.remove(key)
                 self._on_change(key)
             if found.adopted:
                 self._trim("after adopting other engines' chunk files")
@@ -166,7 +172,13 @@ class LowerTier:
         """The tier dropped ``key`` (it failed verification): stop tracking it."""
         if self.policy is not None:
             self.policy.remove(key)
+        if self.quota is not None:
+            self.quota.remove(key)
         self._on_change(key)
+
+    def owner_locked(self, key: ChunkKey) -> bytes | None:
+        """The quota's tenant key of stored ``key`` (``None``: unknown, or no quotas)."""
+        return self.quota.owner.get(key) if self.quota is not None else None
 
     def pin_locked(self, key: ChunkKey) -> None:
         self.pins[key] += 1
@@ -217,6 +229,8 @@ class LowerTier:
         assert self.policy is not None
         self.tier.delete(key)
         self.policy.remove(key)
+        if self.quota is not None:
+            self.quota.remove(key)
         self._on_change(key)
         self._counters.evicted(self.name)
 
@@ -232,12 +246,19 @@ class LowerTier:
             finally:
                 self.queue.task_done()
 
-    def _make_room_locked(self, size: int) -> bool:
+    def _make_room_locked(self, size: int, tenant: bytes | None = None) -> bool:
+        """Evict until ``size`` more bytes fit; with quotas, victims chosen for ``tenant`` (the
+        quota's tenant key of the chunk to write, ``None``: unknown).  False when nothing may go."""
         if self.policy is None:
             return True
         usage = self.tier.usage
+        quota, policy, pins = self.quota, self.policy, self.pins
+
+        def unpinned(key: ChunkKey) -> bool:
+            return key not in pins
+
         while usage().used_bytes + size > usage().capacity_bytes:
-            victim = self.policy.victim(lambda k: k not in self.pins)
+            victim = quota.victim(policy, unpinned, tenant) if quota is not None else policy.victim(unpinned)
             if victim is None:
                 return False
             self._evict_locked(victim)
@@ -250,7 +271,8 @@ class LowerTier:
                 self._on_written(job, self.name, False)
                 return
             data = self._source(job.key) if job.from_top else job.data
-            room = self._make_room_locked(tier.stored_bytes(data.size if data is not None else 0))
+            room = self._make_room_locked(tier.stored_bytes(data.size if data is not None else 0),
+                                          job.tenant.salt if job.tenant is not None else None)
             if room:
                 self.pins[job.key] += 1
         result = PutResult.NO_ROOM
@@ -277,11 +299,15 @@ class LowerTier:
                 for key in list(self.policy.keys()):
                     if not tier.indexed(key):
                         self.policy.remove(key)
+                        if self.quota is not None:
+                            self.quota.remove(key)
                 self._on_resync()
             if room:
                 self.unpin_locked(job.key)
             if ok and self.policy is not None:
                 self.policy.insert(job.key, job.parent)
+                if self.quota is not None:
+                    self.quota.add(job.key, job.tenant.salt if job.tenant is not None else None)
             if not ok:
                 log.debug("kvtier: %s write of %s dropped (%s)", self.name, job.key.hex(), result.value)
                 self._counters.dropped()
@@ -300,6 +326,8 @@ class LowerTier:
         if self.policy is not None:
             for key in list(self.policy.keys()):
                 self.policy.remove(key)
+        if self.quota is not None:
+            self.quota.clear()
         if isinstance(self.tier, Generational):
             self._generation = self.tier.generation  # cleared on purpose, not a vanished directory
         return result
@@ -343,3 +371,5 @@ class LowerTier:
         assert not stray, f"{self.name} policy tracks {len(stray)} chunks that are not in the tier"
         untracked = stored - tracked - set(self.pins)
         assert not untracked, f"{self.name} tier holds {len(untracked)} chunks its eviction policy does not track"
+        if self.quota is not None:
+            self.quota.check(stored)

@@ -40,6 +40,9 @@ class StoreMetrics(Collector):
         kvtier_ttl_pinned_chunks{tier}, kvtier_ttl_pin_refused_chunks: requests' TTL pins held, and
             pins refused past ``pin_max_share``.
         kvtier_dirty_bytes: bytes in DRAM not yet on the disk tier (what a crash would lose).
+        kvtier_tenant_usage_bytes{tier, tenant}, kvtier_quota_evictions{tier}: with ``tenant_quotas``, bytes
+            per tenant (a 12-hex-digit digest of its cache_salt, at most ``top_tenants`` of them, then
+            ``other`` and ``unknown``) and evictions whose victim the quotas chose (:mod:`kvtier.core.quota`).
         kvtier_tier_*{tier}: a remote tier's wire numbers (:func:`~kvtier.core.tiers.tiermetrics.wire_families`).
 
     Args:
@@ -118,6 +121,15 @@ class StoreMetrics(Collector):
                  {n: t.ttl_pinned_chunks for n, t in list(tiers.items())[:1]}, GaugeMetricFamily)  # the top tier
         yield counter("kvtier_ttl_pin_refused_chunks", "TTL pins refused: pin_max_share of the cpu tier was pinned.",
                       s.ttl_pin_refused_chunks if s else 0)
+        yield by("kvtier_quota_evictions", "Evictions whose victim the tenant quotas chose, by tier.", "tier",
+                 {n: t.quota_evictions for n, t in all_tiers.items()})
+        tenants = GaugeMetricFamily("kvtier_tenant_usage_bytes", ("Bytes held per tenant (cache_salt digest; the "
+                                    "top_tenants largest, then other and unknown), by tier; with tenant_quotas."),
+                                    labels=["tier", "tenant"])
+        for n, t in tiers.items():
+            for label, used in t.tenant_used_bytes.items():
+                tenants.add_metric([n, label], used)
+        yield tenants
         dirty = GaugeMetricFamily("kvtier_dirty_bytes", "Bytes held in DRAM but not yet on the disk tier.")
         if s is not None:
             dirty.add_metric([], s.dirty_bytes)

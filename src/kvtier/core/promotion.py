@@ -85,7 +85,7 @@ class Promoter:
     def buffer_locked(self, key: ChunkKey, promotions: list[Promotion], pos: int, lt: LowerTier) -> np.ndarray:
         """Append the promotion of ``key`` (at chain position ``pos``, held by ``lt``) and return
         its buffer: a reserved cpu page if one is free, else a private buffer."""
-        got = self.cpu.reserve(key) if self.top.free_page() else NoRoom.NO_ROOM
+        got = self.cpu.reserve(key) if self.top.free_page(lt.owner_locked(key)) else NoRoom.NO_ROOM
         reserved = isinstance(got, Reservation)
         buf = got.buffer if isinstance(got, Reservation) else np.empty(self.chunk_bytes, dtype=np.uint8)
         promotions.append(Promotion(pos, key, buf, reserved, lt, self.top.epoch))
@@ -128,7 +128,8 @@ class Promoter:
                         self.cpu.abort(p.key)
                     continue
                 if p.reserved:
-                    self.top.publish(p.key, chain[p.pos - 1] if p.pos > 0 else None)
+                    self.top.publish(p.key, chain[p.pos - 1] if p.pos > 0 else None,
+                                     owner=p.tier.owner_locked(p.key))
                     self.top.pin(p.key)
                     handle.pinned.append(p.key)
             if cut is not None:  # everything from the first unusable chunk on is dropped

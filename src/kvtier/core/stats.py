@@ -150,6 +150,11 @@ class TierStats:
         reset_chunks: chunks removed from this tier by resets (:meth:`kvtier.core.store.TieredStore.clear`).
         ttl_pinned_chunks: chunks requests pinned with a TTL (:meth:`kvtier.core.store.TieredStore.ttl_pin`)
             whose deadline has not passed.
+        tenant_used_bytes: with ``tenant_quotas``, bytes held per tenant label (at most ``top_tenants``
+            by digest, then ``other`` and ``unknown``: :meth:`kvtier.core.quota.TenantLedger.usage_by_label`);
+            empty without quotas.
+        quota_evictions: evictions in which the tenant quotas chose another chunk than the eviction
+            policy alone would have (:mod:`kvtier.core.quota`).
     """
 
     used_bytes: int = 0
@@ -164,6 +169,8 @@ class TierStats:
     write_errors: int = 0
     reset_chunks: int = 0
     ttl_pinned_chunks: int = 0
+    tenant_used_bytes: Mapping[str, int] = field(default_factory=dict)
+    quota_evictions: int = 0
 
 
 @dataclass(frozen=True)
@@ -368,7 +375,7 @@ class StoreCounters:
             merged = {name: TierStats(t.used_bytes, t.capacity_bytes, t.num_chunks, self.lookup_hit_chunks[name],
                                       self.load_hit_chunks[name], self.evictions[name], t.corrupt_chunks,
                                       t.pinned_chunks, t.wire, t.write_errors, self.reset_chunks[name],
-                                      t.ttl_pinned_chunks)
+                                      t.ttl_pinned_chunks, t.tenant_used_bytes, t.quota_evictions)
                       for name, t in tiers.items()}
             return StoreStats(chunk_bytes, chunk_tokens, merged, self.lookup_chunks, self.failed_loads,
                               self.dropped_saves, self.saved_chunks, self.flush_missed_chunks,

@@ -56,6 +56,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 import numpy as np
 from prometheus_client import CollectorRegistry
@@ -70,6 +71,7 @@ from kvtier.core.metrics import StoreMetrics
 from kvtier.core.policies import make_policy
 from kvtier.core.policies.admission import make_admission
 from kvtier.core.promotion import Promoter, Promotion
+from kvtier.core.quota import TenantLedger
 from kvtier.core.shared import SharedLookups
 from kvtier.core.stats import StoreCounters, StoreStats, TierStats
 from kvtier.core.tenant import TenantId
@@ -144,6 +146,11 @@ class TieredStore(ChangeFeedMixin):
         # victims move down, so the default orders the cpu tier for the reach of the whole stack
         self.cpu_policy.set_capacity_below(sum(lt.tier.usage().capacity_bytes for lt in self.top.back) // chunk_bytes)
         self._local = [lt for lt in self.lower if not lt.shared]
+        if config.tenant_quotas is not None:  # each local tier's share per tenant (kvtier.core.quota)
+            self.top.quota = TenantLedger(config.tenant_quotas, self._pages(self.cpu))
+            for lt in self._local:
+                lt.quota = TenantLedger(config.tenant_quotas,
+                                        lt.tier.usage().capacity_bytes // lt.tier.stored_bytes(chunk_bytes))
         self._shared = [lt for lt in self.lower if lt.shared]
         self._through = [lt for lt in self.lower if not lt.write_back]
         self.shared = SharedLookups(self._shared[0], config.shared_deadline_s, config.shared_queue_depth,
@@ -354,13 +361,14 @@ class TieredStore(ChangeFeedMixin):
         ``tenant``: who they are saved for, written with them where a tier keeps a tenant record
         (:mod:`kvtier.core.tenant`; ``None``: unknown)."""
         handle = StoreHandle([], [], [], [], tenant=tenant)
+        owner = tenant.salt if tenant is not None else None  # the quota's tenant key
         with self._lock:
             handle.epoch = self.top.epoch
             for i in range(start, len(chain)):
                 key = chain[i]
                 if self.top.holds(key) or any(lt.tier.indexed(key) for lt in self._local):
                     continue
-                got = self.cpu.reserve(key) if self.top.free_page() else NoRoom.NO_ROOM
+                got = self.cpu.reserve(key) if self.top.free_page(owner) else NoRoom.NO_ROOM
                 if got is AlreadyHeld.ALREADY_HELD:  # being promoted from a lower tier: stored when that ends
                     continue
                 if got is NoRoom.NO_ROOM:
@@ -425,8 +433,10 @@ class TieredStore(ChangeFeedMixin):
         return pinned, refused
 
     def _ttl_pin_budget(self) -> int:
-        pages = self.cpu.num_pages if isinstance(self.cpu, Paged) else self.cpu.usage().capacity_bytes // self.chunk_bytes
-        return int(self.config.pin_max_share * pages)
+        return int(self.config.pin_max_share * self._pages(self.cpu))
+
+    def _pages(self, cpu: StagingTier) -> int:
+        return cpu.num_pages if isinstance(cpu, Paged) else cpu.usage().capacity_bytes // self.chunk_bytes
 
     # ---- convenience ---------------------------------------------------------------------
     def put(self, chain: Sequence[ChunkKey], datas: Sequence[bytes | memoryview | np.ndarray],
@@ -540,9 +550,11 @@ class TieredStore(ChangeFeedMixin):
             pinned = self._pinned_locked()
             ttl_pinned = self._ttl_pinned_locked()
             all_tiers = {t.name: t for t in (self.cpu, *(lt.tier for lt in self.lower))}
+            ledgers = {self.cpu.name: self.top.quota, **{lt.name: lt.quota for lt in self._local}}
             tiers = {name: TierStats(u.used_bytes, u.capacity_bytes, u.num_chunks, corrupt_chunks=t.corrupt,
                                      pinned_chunks=pinned.get(name, 0), wire=t.wire_stats(),
-                                     write_errors=t.write_errors, ttl_pinned_chunks=ttl_pinned.get(name, 0))
+                                     write_errors=t.write_errors, ttl_pinned_chunks=ttl_pinned.get(name, 0),
+                                     **_tenant_stats(ledgers.get(name), u.num_chunks, self.chunk_bytes))
                      for name, t in all_tiers.items() for u in (t.usage(),)}
             return self.counters.snapshot(self.chunk_bytes, self.chunk_tokens, tiers, self.dirty_bytes(),
                                           sum(lt.queue.unfinished_tasks for lt in self.lower))
@@ -566,3 +578,11 @@ class TieredStore(ChangeFeedMixin):
                     f"pins left behind: {len(self.top.pins)} {self.cpu.name}, {lower_pins}"
                 assert not self.top.writing and not self.top.staged and \
                     not any(lt.queue.unfinished_tasks for lt in self.lower), "writes still in flight"
+
+
+def _tenant_stats(ledger: TenantLedger | None, num_chunks: int, chunk_bytes: int) -> dict[str, Any]:
+    """A tier's per-tenant bytes and quota evictions for its :class:`TierStats` (none without quotas)."""
+    if ledger is None:
+        return {}
+    return {"tenant_used_bytes": ledger.usage_by_label(chunk_bytes, num_chunks - len(ledger.owner)),
+            "quota_evictions": ledger.quota_evictions}

@@ -9,11 +9,14 @@ are promoted into them.  :class:`TopTier` tracks
 - ``staged``: private copies of chunks already evicted from the pages but still queued for a
   write-back tier; servable until every queued write of them is done (``pending``);
 - ``parent``: the previous chunk of each resident chunk's chain, for the policies;
+- ``quota``: with ``tenant_quotas``, who owns each resident chunk and the quota's victim choice
+  (:class:`~kvtier.core.quota.TenantLedger`; ``None`` without quotas);
 - ``epoch``: the store's reset count; ``doomed``: chunks a reset (:meth:`TopTier.clear`) dropped
   while they were pinned: invisible at once (``holds``/``resident`` say no), their pages freed
   when the last pin goes.
 
-Eviction lives here too: when a page is needed the policy's victim (never a pinned chunk) leaves;
+Eviction lives here too: when a page is needed the policy's victim (never a pinned chunk) leaves
+(with quotas, the ledger's choice for the tenant that needs the page: :mod:`kvtier.core.quota`);
 a write-back tier (``back``) that lacks it gets a staged copy queued, so the page is free at once;
 ``spill_ahead`` queues likely victims early (pinned, evicted once written) to keep
 ``spill_watermark`` of the pages free.
@@ -33,6 +36,7 @@ import numpy as np
 from kvtier.core.keys import ChunkKey
 from kvtier.core.lower import LowerTier, WriteJob
 from kvtier.core.policies import EvictionPolicy
+from kvtier.core.quota import TenantLedger
 from kvtier.core.stats import StoreCounters
 from kvtier.core.tenant import TenantId
 from kvtier.core.tiers.base import Paged, StagingTier
@@ -66,6 +70,7 @@ class TopTier:
         self.epoch = 0  # resets so far (the store's; promotions and saves started in an older one are dropped)
         self.doomed: set[ChunkKey] = set()  # dropped by a reset while pinned: freed at the last unpin
         self.ttl_pins: dict[ChunkKey, float] = {}  # requests' TTL pins: chunk -> time.monotonic() deadline
+        self.quota: TenantLedger | None = None  # tenant quotas (the store sets it when configured)
         self._counters = counters
         self.on_change: Callable[[ChunkKey], None] = lambda key: None  # the store's change feed
 
@@ -143,14 +148,28 @@ class TopTier:
     def evictable(self, key: ChunkKey) -> bool:
         return key not in self.pins and not self.ttl_pinned(key)
 
-    def publish(self, key: ChunkKey, parent: ChunkKey | None, tenant: TenantId | None = None) -> None:
-        """Commit a reserved page and start tracking it (saved for ``tenant``, when known)."""
+    def spillable(self, key: ChunkKey) -> bool:
+        """May leave ahead of need (a spill, or eviction after it is written): evictable, and with
+        quotas only when its tenant stays at or above its guarantee."""
+        return self.evictable(key) and (self.quota is None or self.quota.above_guarantee(key))
+
+    def publish(self, key: ChunkKey, parent: ChunkKey | None, tenant: TenantId | None = None,
+                owner: bytes | None = None) -> None:
+        """Commit a reserved page and start tracking it (saved for ``tenant``, when known).
+        ``owner``: the quota's tenant key when ``tenant`` is not known (a promotion: the lower
+        tier's ledger says whose it is)."""
         self.tier.commit(key)
         self.parent[key] = parent
         if tenant is not None:
             self.tenant[key] = tenant
+        if self.quota is not None:
+            self.quota.add(key, tenant.salt if tenant is not None else owner)
         self.policy.insert(key, parent)
         self.on_change(key)
+
+    def owner(self, key: ChunkKey) -> bytes | None:
+        """The quota's tenant key of resident ``key`` (``None``: unknown, or no quotas)."""
+        return self.quota.owner.get(key) if self.quota is not None else None
 
     def stage(self, key: ChunkKey) -> StagedCopy:
         """A private copy of a resident chunk that outlives its page."""
@@ -180,14 +199,21 @@ class TopTier:
         self.tenant.pop(key, None)
         self.uses.pop(key, None)
         self.ttl_pins.pop(key, None)
+        if self.quota is not None:
+            self.quota.remove(key)
         self.on_change(key)
 
     # ---- eviction and spill --------------------------------------------------------------
-    def free_page(self) -> bool:
-        """Make sure one page is free, evicting if needed; False if everything is pinned."""
+    def free_page(self, tenant: bytes | None = None) -> bool:
+        """Make sure one page is free, evicting if needed; False if everything is pinned (or, with
+        quotas, nothing may go for ``tenant``, the quota's tenant key of whoever needs the page;
+        ``None``: unknown)."""
         if self.tier.can_reserve():
             return True
-        victim = self.policy.victim(self.evictable)
+        if self.quota is not None:
+            victim = self.quota.victim(self.policy, self.evictable, tenant)
+        else:
+            victim = self.policy.victim(self.evictable)
         if victim is None:
             return False
         missing = self._admitting(victim)
@@ -211,7 +237,7 @@ class TopTier:
         free = self.tier.usage().free_bytes // self.chunk_bytes
         writing = self.writing
         while free + len(writing) < want and not any(lt.queue.full() for lt in self.back):
-            victim = self.policy.victim(lambda k: self.evictable(k) and k not in writing)
+            victim = self.policy.victim(lambda k: self.spillable(k) and k not in writing)
             if victim is None:
                 return
             missing = self._admitting(victim)
@@ -259,7 +285,7 @@ class TopTier:
             self.release_staged(job.key)
             return
         self._done_writing(job.key)
-        if job.evict_after and ok and self.resident(job.key) and self.evictable(job.key):
+        if job.evict_after and ok and self.resident(job.key) and self.spillable(job.key):
             self.evict(job.key)
 
     def check(self) -> None:
@@ -272,3 +298,5 @@ class TopTier:
         assert resident == tracked, \
             f"{self.name} policy tracks {len(tracked)} chunks but {len(resident)} are resident"
         assert set(self.ttl_pins) <= resident, f"{self.name} TTL-pins chunks that are not resident"
+        if self.quota is not None:
+            self.quota.check(resident)

@@ -157,6 +157,31 @@ def pins_of(before: Snapshot, after: Snapshot) -> Pins | None:
 
 
 @dataclass(frozen=True)
+class Controls:
+    """What the operator turned on, at the second scrape: KV events, tenant quotas (default share,
+    salts with their own share), evictions the quotas chose between the scrapes, and the bytes of
+    the largest tenants (label -> bytes, all tiers)."""
+
+    events_enabled: bool
+    quota_default_share: float
+    quota_salts: int
+    quota_evictions: float
+    tenants: dict[str, float]
+
+
+def controls_of(before: Snapshot, after: Snapshot) -> Controls | None:
+    """The :class:`Controls` of ``after``; None when the server does not say (an older kvtier)."""
+    c = after.controls
+    if "kvtier_kv_events_enabled" not in c:
+        return None
+    evictions = c.get("kvtier_quota_evictions", 0.0) - before.controls.get("kvtier_quota_evictions", 0.0)
+    return Controls(c["kvtier_kv_events_enabled"] > 0, c.get("kvtier_tenant_quota_default_share", 0.0),
+                    int(c.get("kvtier_tenant_quota_salts", 0.0)),
+                    evictions if evictions >= 0 else c.get("kvtier_quota_evictions", 0.0),
+                    dict(sorted(after.tenants.items(), key=lambda item: -item[1])))
+
+
+@dataclass(frozen=True)
 class Meters:
     """What happened between two scrapes ``interval_s`` seconds apart (None when unknown, e.g. two
     recorded files).  Tokens are prompt tokens.  ``went_backwards`` names the counters that were
@@ -181,6 +206,8 @@ class Meters:
     """Every shared tier the server reports (redis, s3, ...), the first one being :attr:`shared`."""
     pins: Pins | None = None
     """kvtier's requests' TTL pins, None when the server reports none."""
+    controls: Controls | None = None
+    """kvtier's KV events and tenant quotas, None when the server does not say."""
 
     @property
     def hit_rate(self) -> float | None:
@@ -233,6 +260,7 @@ def measure(before: Snapshot, after: Snapshot, interval_s: float | None) -> Mete
         shared=shared_tier(before, after),
         shared_tiers=shared_tiers(before, after),
         pins=pins_of(before, after),
+        controls=controls_of(before, after),
     )
 
 

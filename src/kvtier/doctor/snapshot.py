@@ -39,6 +39,13 @@ TIER_SERIES = ("errors", "skipped_calls", "skipped_writes", "reads", "read_secon
 PINS = ("kvtier_ttl_pinned_chunks", "kvtier_ttl_pinned_bytes", "kvtier_ttl_pin_refused_chunks")
 """Requests' TTL pins (docs/vllm.md "Pinning a prefix"): the cpu tier's pinned chunks and bytes
 (gauges, summed over ranks) and pins refused past ``pin_max_share`` (a counter, ``_total``)."""
+CONTROLS = ("kvtier_kv_events_enabled", "kvtier_tenant_quota_default_share", "kvtier_tenant_quota_salts",
+            "kvtier_quota_evictions")
+"""What the operator turned on (docs/vllm.md "Tenant quotas", "KV events"): KV events (1/0) and the
+tenant quotas' default share and listed salts (0 without quotas), gauges the scheduler sends once;
+and evictions whose victim the quotas chose (a counter, ``_total``, summed over tiers)."""
+TENANTS = "kvtier_tenant_usage_bytes"
+"""Bytes per tenant label (a ``cache_salt`` digest, ``no-salt``, ``other``, ``unknown``) and tier."""
 
 
 @dataclass
@@ -60,6 +67,10 @@ class Snapshot:
     tiers_wire: dict[str, dict[str, float]] = field(default_factory=dict)
     """Each shared tier's :data:`TIER_SERIES` values (``tier → name → value``), for every tier whose
     breaker gauge the scrape has (``kvtier_<tier>_breaker_state``); summed over ranks."""
+    controls: dict[str, float] = field(default_factory=dict)
+    """The :data:`CONTROLS` values by name (empty on an older kvtier, or before its first step)."""
+    tenants: dict[str, float] = field(default_factory=dict)
+    """:data:`TENANTS`: bytes per tenant label, summed over tiers and ranks (empty without quotas)."""
 
     @property
     def has_shared_tier(self) -> bool:
@@ -100,8 +111,13 @@ def parse_metrics(text: str, where: str) -> Snapshot:
             for sample in family.samples:
                 snap.cache_config = {k: v for k, v in sample.labels.items()}
                 break
-        elif family.name in SHARED or family.name in PINS:
-            into = snap.shared if family.name in SHARED else snap.pins
+        elif family.name == TENANTS:
+            for sample in family.samples:
+                if math.isfinite(sample.value) and sample.value >= 0:
+                    label = sample.labels.get("tenant", "?")
+                    snap.tenants[label] = snap.tenants.get(label, 0.0) + sample.value
+        elif family.name in SHARED or family.name in PINS or family.name in CONTROLS:
+            into = snap.shared if family.name in SHARED else snap.pins if family.name in PINS else snap.controls
             values = [s.value for s in family.samples
                       if not s.name.endswith("_created") and math.isfinite(s.value) and s.value >= 0]
             if values:

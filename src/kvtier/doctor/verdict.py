@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvtier.doctor.meters import Allocation, Meters, SharedTier
+from kvtier.doctor.meters import Allocation, Controls, Meters, SharedTier
 
 Level = Literal["ok", "warning", "problem"]
 NO_REUSE_HIT_RATE = 0.05
@@ -158,6 +158,8 @@ def diagnose(meters: Meters, alloc: Allocation, cache_config: dict[str, str], ex
                       "or pin less (kv_transfer_params kvtier_pin_s)."))
         else:
             add(Check("ok", f"Pins: {pinned}."))
+    if meters.controls is not None:
+        d.checks.extend(_control_checks(meters.controls))
     why_not = _cannot_judge(meters)
     if why_not:
         add(Check("warning", why_not))
@@ -186,3 +188,20 @@ def diagnose(meters: Meters, alloc: Allocation, cache_config: dict[str, str], ex
     levels = {c.level for c in d.checks}
     d.verdict = "problem" if "problem" in levels else "warning" if "warning" in levels else "healthy"
     return d
+
+
+def _control_checks(c: Controls) -> list[Check]:
+    """KV events and tenant quotas (:class:`kvtier.doctor.meters.Controls`): what is on, and the
+    largest tenants' bytes (labels are digests of their cache_salt, never the salt)."""
+    out = [Check("ok", "KV events: on (routers learn kvtier's cpu and disk chunks)." if c.events_enabled else
+                 "KV events: off (start vLLM with --kv-events-config so cache-aware routers see kvtier's tiers).")]
+    if c.quota_default_share <= 0 and c.quota_salts <= 0:
+        out.append(Check("ok", "Tenant quotas: off (one tenant's burst can evict every other tenant's KV; "
+                         "set tenant_quotas to guarantee each cache_salt a share)."))
+        return out
+    largest = ", ".join(f"{label} {used / 2**20:,.1f} MiB" for label, used in list(c.tenants.items())[:4])
+    default = f"default share {c.quota_default_share:g}" if c.quota_default_share > 0 else "no default share"
+    out.append(Check("ok", f"Tenant quotas: {default}, {c.quota_salts} salt(s) with "
+                     f"their own share; {c.quota_evictions:,.0f} evictions chosen by the quotas between the scrapes"
+                     + (f"; largest tenants: {largest}." if largest else ".")))
+    return out

@@ -256,6 +256,11 @@ class StagingTier(Tier):
     def view(self, key: ChunkKey) -> np.ndarray:
         """Zero-copy uint8 view of a resident chunk.  Raises ``KeyError`` if absent."""
 
+    def pin_host_memory(self) -> bool:
+        """Make the tier's pages pinned host memory, so a GPU copies straight into and out of them
+        (:mod:`kvtier.core.pinned`); returns whether they are.  Default: not supported (False)."""
+        return False
+
 
 @runtime_checkable
 class Rescannable(Protocol):

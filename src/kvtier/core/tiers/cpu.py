@@ -1,9 +1,12 @@
 """CPU DRAM tier: one allocation of fixed-size pages, one chunk per page.
 
-The pool is allocated once at start (no per-chunk malloc).  When torch is installed and CUDA is
-available the pool is a pinned (page-locked) host tensor, so copies to and from the GPU can be
-asynchronous DMA; otherwise it is anonymous ``mmap`` memory viewed as a numpy array.  Either way
-it starts on a page boundary, so pages of a multiple of 4096 bytes suit ``O_DIRECT`` disk I/O.  :meth:`CpuTier.view` returns zero-copy
+The pool is allocated once at start (no per-chunk malloc) as anonymous ``mmap`` memory viewed as a
+numpy array, so it starts on a page boundary and pages of a multiple of 4096 bytes suit
+``O_DIRECT`` disk I/O.  When the engine's KV cache is on a GPU the worker calls
+:meth:`CpuTier.pin_host_memory`, which registers the pool as pinned host memory
+(``cudaHostRegister``, :mod:`kvtier.core.pinned`) so the GPU copies straight into and out of its
+pages; if registration fails the pool stays pageable and the copy path stages (logged once).
+:meth:`CpuTier.view` returns zero-copy
 numpy views into the pool, valid while the chunk stays resident (the store pins chunks that
 callers hold views of).
 
@@ -17,12 +20,15 @@ them).
 
 from __future__ import annotations
 
+import logging
 import mmap
 import threading
+import weakref
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvtier.core import pinned
 from kvtier.core.config import GiB
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
@@ -42,20 +48,15 @@ if TYPE_CHECKING:
     from kvtier.core.tiers.factory import TierContext
 
 
-def _allocate_pool(num_bytes: int) -> tuple[np.ndarray, bool]:
-    """A uint8 pool of ``num_bytes``, pinned if CUDA is present.  Returns (array, pinned)."""
-    try:
-        import torch  # optional: core does not depend on torch
+log = logging.getLogger(__name__)
 
-        if torch.cuda.is_available():
-            tensor = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
-            return tensor.numpy(), True
-    except ImportError:
-        pass
+
+def _allocate_pool(num_bytes: int) -> np.ndarray:
+    """A page-aligned uint8 pool of ``num_bytes`` (anonymous ``mmap``), every OS page faulted in."""
     # anonymous mmap: page-aligned, so the disk tier's O_DIRECT I/O can use the pages directly
     pool = np.frombuffer(mmap.mmap(-1, num_bytes), dtype=np.uint8) if num_bytes else np.empty(0, np.uint8)
     pool[::4096] = 0  # fault every OS page in now, so the first save into a page is a plain copy
-    return pool, False
+    return pool
 
 
 class CpuTier(StagingTier):
@@ -77,7 +78,8 @@ class CpuTier(StagingTier):
         super().__init__()
         self.page_bytes = page_bytes
         self.num_pages = max(capacity_bytes, 0) // page_bytes
-        self.pool, self.pinned = _allocate_pool(self.num_pages * page_bytes)
+        self.pool = _allocate_pool(self.num_pages * page_bytes)
+        self.pinned = False  # registered as pinned host memory (pin_host_memory)
         self._pages = self.pool.reshape(self.num_pages, page_bytes) if self.num_pages else \
             self.pool.reshape(0, page_bytes)
         self._free: list[int] = list(range(self.num_pages - 1, -1, -1))
@@ -85,6 +87,25 @@ class CpuTier(StagingTier):
         self._key_to_len: dict[ChunkKey, int] = {}
         self._reserved: dict[ChunkKey, int] = {}
         self._lock = threading.RLock()
+
+    def pin_host_memory(self) -> bool:
+        """Register the pool as pinned host memory for GPU copies (:func:`kvtier.core.pinned.register_host`).
+
+        Idempotent.  On failure the pool stays pageable, one warning names the reason, and the copy
+        path stages each page through a pinned bounce buffer (slower, equally correct).  The pool is
+        unregistered when this tier is collected.  Returns whether the pool is pinned.
+        """
+        if self.pinned:
+            return True
+        why = pinned.register_host(self.pool)
+        if why is not None:
+            log.warning("kvtier: the cpu tier's %.1f GiB pool is not pinned (%s); GPU copies go through a "
+                        "staging buffer", self.pool.nbytes / GiB, why)
+            return False
+        self.pinned = True
+        # unpinned when the tier is collected; not at interpreter exit, when CUDA may be torn down already
+        weakref.finalize(self, pinned.unregister_host, pinned.registered_pieces(self.pool)).atexit = False
+        return True
 
     # ---- two-phase write -----------------------------------------------------------------
     def can_reserve(self) -> bool:

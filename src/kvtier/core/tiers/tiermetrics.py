@@ -12,6 +12,8 @@ latency histogram is kept here.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Histogram
@@ -22,16 +24,32 @@ from kvtier.core.stats import OPS, WireStats
 __all__ = ["OPS", "TierMetrics", "wire_families"]
 
 
+_HISTOGRAMS: weakref.WeakKeyDictionary[CollectorRegistry, Histogram] = weakref.WeakKeyDictionary()
+_HISTOGRAMS_LOCK = threading.Lock()
+
+
+def _latency_histogram(registry: CollectorRegistry) -> Histogram:
+    """The one ``kvtier_tier_call_seconds`` histogram of ``registry``: every remote tier of a store
+    (redis and s3 side by side) observes into it under its own ``tier`` label; registering the
+    family twice in one registry is an error (prometheus_client: "Duplicated timeseries")."""
+    with _HISTOGRAMS_LOCK:
+        histogram = _HISTOGRAMS.get(registry)
+        if histogram is None:
+            histogram = Histogram("kvtier_tier_call_seconds", "Latency of one call or pipelined batch.",
+                                  ["tier", "op"], registry=registry,
+                                  buckets=(1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0))
+            _HISTOGRAMS[registry] = histogram
+        return histogram
+
+
 class TierMetrics:
     """The call latency histogram of one tier (``kvtier_tier_call_seconds{tier, op}``), registered in
-    ``registry`` (a fresh one by default)."""
+    ``registry`` (a fresh one by default) and shared with the registry's other remote tiers."""
 
     def __init__(self, tier: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.tier = tier
-        self._latency = Histogram("kvtier_tier_call_seconds", "Latency of one call or pipelined batch.",
-                                  ["tier", "op"], registry=self.registry,
-                                  buckets=(1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0))
+        self._latency = _latency_histogram(self.registry)
 
     def observe(self, op: str, seconds: float) -> None:
         """One call of ``op`` took ``seconds``."""

@@ -162,10 +162,17 @@ def check_transfer_config(transfer: dict[str, Any] | str, block_size: int | None
     if environ is not None:
         with _kvtier_environ(environ):
             return check_transfer_config(transfer, block_size, host_checks, block_divisor)
+    unknown = [key for key in transfer if key not in KV_TRANSFER_FIELDS]
+    if transfer and len(unknown) == len(transfer) and set(unknown) <= set(KVTierConfig.known_keys(transfer)):
+        # every key is kvtier's: the connector's own settings without the transfer config around them
+        return [Problem("error", "", f"this is kvtier's kv_connector_extra_config ({', '.join(unknown)}) without "
+                        "the --kv-transfer-config around it; wrap it: {\"kv_connector\":\"KVTierConnector\","
+                        "\"kv_connector_module_path\":\"kvtier.integrations.vllm\",\"kv_role\":\"kv_both\","
+                        "\"kv_load_failure_policy\":\"recompute\",\"kv_connector_extra_config\":{...}}")]
     problems = [Problem("error", key, f"--kv-transfer-config has an unknown key {key!r}"
                         f"{did_you_mean(key, KV_TRANSFER_FIELDS)}; vLLM refuses it (known keys: "
                         f"{', '.join(KV_TRANSFER_FIELDS)})")
-                for key in transfer if key not in KV_TRANSFER_FIELDS]
+                for key in unknown]
     entries = _kvtier_entries(transfer)
     if not entries:
         return problems

@@ -183,6 +183,7 @@ class SchedulerSide:
         self._reset_epoch = 0  # resets acknowledged so far
         self._reset_order: ResetOrder | None = None  # shipped with the next step's metadata
         self._reset_counts: dict[str, int] = {}  # reset counters not yet sent to /metrics
+        self._settings_sent = False  # kv_events_enabled and the quota gauges go out with the first stats
 
     def bind_kv_cache_manager(self, manager: Any) -> None:
         self._kv_cache_manager = manager
@@ -436,6 +437,12 @@ class SchedulerSide:
         if self.events is not None:
             counters |= self.events.take_counters()
         gauges: dict[str, float] = {}
+        if not self._settings_sent:  # what kvtier doctor shows: events on, quotas (sent once)
+            self._settings_sent = True
+            quotas = self.config.tenant_quotas
+            gauges |= {"kv_events_enabled": float(self.events is not None),
+                       "tenant_quota_default_share": (quotas.default_share or 0.0) if quotas is not None else 0.0,
+                       "tenant_quota_salts": float(len(quotas.salts)) if quotas is not None else 0.0}
         if self.remote is not None:
             totals = self.remote.counters()
             counters |= {k: v - self._remote_seen.get(k, 0) for k, v in totals.items()

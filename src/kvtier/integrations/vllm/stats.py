@@ -37,6 +37,13 @@ tiers: cpu, disk, redis):
   with a TTL (``kv_transfer_params`` ``kvtier_pin_s``) that has not passed, cpu tier;
   ``kvtier_ttl_pin_chunks_total`` (pins made or renewed) and ``kvtier_ttl_pin_refused_chunks_total``
   (refused: ``pin_max_share`` reached).
+- Tenant quotas (``tenant_quotas``, :mod:`kvtier.core.quota`): ``kvtier_tenant_usage_bytes{tier,
+  tenant}`` (bytes per tenant, labelled by a 12-hex-digit digest of its ``cache_salt``, ``no-salt``,
+  at most ``top_tenants`` of them, then ``other`` and ``unknown``: bounded, never a salt in clear;
+  summed over ranks), ``kvtier_quota_evictions_total{tier}`` (evictions whose victim the quotas
+  chose); the scheduler's ``kvtier_tenant_quota_default_share`` and ``kvtier_tenant_quota_salts``
+  (0 and 0 without quotas) and ``kvtier_kv_events_enabled`` (1 with ``--kv-events-config``), sent
+  once, for ``kvtier doctor``.
 - ``kvtier_chunk_tokens``: tokens per chunk the engine runs with (``chunk_tokens``, ``auto``
   resolved from the KV cache groups' block sizes; rank 0 reports it, so the sum is the value).
 - ``kvtier_flush_missed_chunks_total``: dirty chunks a graceful stop could not write in time.
@@ -89,6 +96,11 @@ _UNFILLED = ("Tokens vLLM admitted as kvtier hits that no load filled (aborted b
              "corrupt, load_wait_s passed), by planned tier.")
 _EVICTED = "Chunks evicted from a kvtier tier."
 _RESET = "Chunks removed from a kvtier tier by resets (all ranks)."
+_QUOTA_EVICTED = "Evictions whose victim the tenant quotas chose instead of the eviction policy's own (all ranks)."
+TENANT_GAUGE = "kvtier_tenant_usage_bytes"
+TENANT_PREFIX = "tenant_usage_bytes|"
+"""Payload gauges ``tenant_usage_bytes|<tier>|<tenant label>``: labels change with the traffic
+(the ``top_tenants`` largest), so they are not in :func:`gauges`' fixed table."""
 
 # tier-independent counters: name in the stats payload -> (prometheus name, help, label values)
 _PLAIN_COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
@@ -140,7 +152,8 @@ _PLAIN_COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 }
 LABELS: dict[str, str] = {"kvtier_loaded_tokens": "tier", "kvtier_unfilled_tokens": "tier",
                           "kvtier_transfer_seconds": "direction", "kvtier_transfer_bytes": "direction",
-                          "kvtier_evictions": "tier", "kvtier_reset_chunks": "tier"}
+                          "kvtier_evictions": "tier", "kvtier_reset_chunks": "tier",
+                          "kvtier_quota_evictions": "tier"}
 _PLAIN_GAUGES: dict[str, tuple[str, str, str | None]] = {
     "chunk_tokens": ("kvtier_chunk_tokens", ("Tokens per kvtier chunk this engine runs with (chunk_tokens; auto "
                      "resolved from the KV cache groups' block sizes); reported by rank 0."), None),
@@ -148,6 +161,12 @@ _PLAIN_GAUGES: dict[str, tuple[str, str, str | None]] = {
                     None),
     "shared_lookups_pending": ("kvtier_shared_lookups_pending", ("Shared-tier lookups sent whose answer the "
                                "scheduler has not read yet."), None),
+    # what the scheduler runs with, sent once (kvtier doctor reads them)
+    "kv_events_enabled": ("kvtier_kv_events_enabled", ("1 when kvtier publishes vLLM KV events "
+                          "(--kv-events-config on), else 0."), None),
+    "tenant_quota_default_share": ("kvtier_tenant_quota_default_share", ("tenant_quotas default_share (0: no "
+                                   "tenant quotas)."), None),
+    "tenant_quota_salts": ("kvtier_tenant_quota_salts", "Salts given their own share in tenant_quotas.salts.", None),
 }
 
 
@@ -174,6 +193,7 @@ def counters() -> dict[str, tuple[str, str, tuple[str, ...]]]:
         out[f"unfilled_tokens_{t}"] = ("kvtier_unfilled_tokens", _UNFILLED, (t,))
         if not spec.shared:
             out[f"evictions_{t}"] = ("kvtier_evictions", _EVICTED, (t,))
+            out[f"quota_evictions_{t}"] = ("kvtier_quota_evictions", _QUOTA_EVICTED, (t,))
         if not spec.shared and not spec.top:
             out[f"{t}_write_errors"] = (f"kvtier_{t}_write_errors", (f"Chunk writes to the {t} tier that failed "
                                         "in its storage (full or read-only, I/O error); those chunks were not "
@@ -227,6 +247,7 @@ def store_counter_readers() -> dict[str, Callable[[StoreStats], float]]:
         out[f"reset_chunks_{t}"] = lambda s, t=t: s.tier(t).reset_chunks  # type: ignore[misc]
         if not spec.shared:
             out[f"evictions_{t}"] = lambda s, t=t: s.tier(t).evictions  # type: ignore[misc]
+            out[f"quota_evictions_{t}"] = lambda s, t=t: s.tier(t).quota_evictions  # type: ignore[misc]
         if not spec.shared and not spec.top:
             out[f"{t}_write_errors"] = lambda s, t=t: s.tier(t).write_errors  # type: ignore[misc]
         if spec.shared:
@@ -279,6 +300,7 @@ def store_gauges(s: StoreStats) -> dict[str, float]:
             if stats.wire is not None:
                 out[f"{t}_breaker_state"] = stats.wire.breaker_state
             continue
+        out.update({f"{TENANT_PREFIX}{t}|{label}": used for label, used in stats.tenant_used_bytes.items()})
         out.update({f"usage_bytes_{t}": stats.used_bytes, f"capacity_bytes_{t}": stats.capacity_bytes,
                     f"pinned_chunks_{t}": stats.pinned_chunks, f"pinned_bytes_{t}": stats.pinned_chunks * s.chunk_bytes})
         if spec.top:
@@ -340,6 +362,11 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
                 self._gauges[prom_name] = self._gauge_cls(name=prom_name, documentation=help_text,
                                                           labelnames=labelnames + (["tier"] if tier else []),
                                                           multiprocess_mode="mostrecent")  # type: ignore[call-arg]
+        self._tenants = self._gauge_cls(name=TENANT_GAUGE, documentation=(  # type: ignore[call-arg]
+            "Bytes held per tenant (12-hex-digit cache_salt digest; the top_tenants largest, then other and "
+            "unknown), by tier (all ranks); with tenant_quotas."), labelnames=labelnames + ["tier", "tenant"],
+            multiprocess_mode="mostrecent")
+        self._tenant_children: dict[int, set[tuple[str, str]]] = {}
         # Create every labelled child up front so a scrape shows zeros, not absence.
         for engine_idx in per_engine_labelvalues:
             self.observe({"counters": {}, "gauges": {}}, engine_idx)
@@ -352,8 +379,26 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             value = counters.get(key, 0)
             if value:
                 child.inc(value)
-        for key, value in transfer_stats_data.get("gauges", {}).items():
+        gauges = transfer_stats_data.get("gauges", {})
+        for key, value in gauges.items():
             if key in self._gauge_table:
                 prom_name, _help, tier = self._gauge_table[key]
                 self._gauges[prom_name].labels(*base, *([tier] if tier else [])).set(value)
+        if "dirty_bytes" in gauges:  # the workers' report (every step): its tenants replace the last ones
+            self._observe_tenants(gauges, base, engine_idx)
+
+    def _observe_tenants(self, gauges: dict[str, Any], base: list[str], engine_idx: int) -> None:
+        now: dict[tuple[str, str], float] = {}
+        for key, value in gauges.items():
+            if key.startswith(TENANT_PREFIX):
+                tier, _, label = key.removeprefix(TENANT_PREFIX).partition("|")
+                now[(tier, label)] = value
+        for labels in self._tenant_children.get(engine_idx, set()) - set(now):  # left the top: bounded
+            try:
+                self._tenants.remove(*base, *labels)
+            except (KeyError, AttributeError):  # a metric class without remove: zero it instead
+                self._tenants.labels(*base, *labels).set(0)
+        for labels, value in now.items():
+            self._tenants.labels(*base, *labels).set(value)
+        self._tenant_children[engine_idx] = set(now)
 

@@ -208,11 +208,24 @@ class WorkerSide:
         self.namespace = namespace.digest()
         self.groups = GroupCopiers(self.plan, {self.plan.groups[0].index: self.layout}, kv_caches)
         self.store = TieredStore(self.config, namespace, self.groups.page_bytes, self.tp_size)
+        self._pin_top_tier()
         self._start_loader()
         log.info("kvtier: rank %d layout %s, chunk %d tokens = %d bytes, namespace %s, identity %s, AMX %s",
                  self.tp_rank, self.layout.describe(), self.chunk_tokens, self.store.chunk_bytes,
                  namespace.digest().hex(), fingerprint, "requested" if amx else "not available")
         self._warn_small_cpu_tier()
+
+    def _pin_top_tier(self) -> None:
+        """KV cache on a GPU: register the top tier's pages as pinned host memory, so the copy path
+        DMAs straight between engine blocks and tier pages (a failure is logged by the tier, and the
+        copies stage through a pinned buffer)."""
+        assert self.store is not None and self.layout is not None
+        if self.layout.device.startswith("cuda"):
+            t0 = time.monotonic()
+            pinned = self.store.cpu.pin_host_memory()
+            log.info("kvtier: rank %d top tier pages %s (%.1f s)", self.tp_rank,
+                     "pinned: GPU copies go straight to them" if pinned else "pageable: GPU copies are staged",
+                     time.monotonic() - t0)
 
     def _start_loader(self) -> None:
         """The loader: block-level load errors where vLLM takes them (one full-attention KV cache
@@ -253,6 +266,7 @@ class WorkerSide:
         self.namespace = namespace.digest()  # reported to the scheduler, which asks the shared tier under it
         self.groups = GroupCopiers(self.plan, layouts, kv_caches)
         self.store = TieredStore(self.config, namespace, self.groups.page_bytes, self.tp_size)
+        self._pin_top_tier()
         self._start_loader()
         log.info("kvtier: rank %d hybrid model, %s; chunk %d tokens, page %d bytes, namespace %s, identity %s, "
                  "AMX %s", self.tp_rank, ", ".join(f"group {g.index} {g.kind.value} {layouts[g.index].describe()}"
