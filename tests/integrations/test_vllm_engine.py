@@ -8,14 +8,19 @@ default ``vllm serve`` setup on CPU) is covered by test_vllm_processes.py and te
 Geometry: block 32 tokens, chunk 64 tokens, prompts of about 400 tokens → 6 chunks (384
 tokens) loadable.  The engine's own cache holds 40 blocks (1,280 tokens); kvtier's cpu tier
 holds 16 chunks, so a few other prompts push a prompt out of both, while the disk tier
-(write-through) keeps everything.  Loads are asynchronous: every hit goes through
-WAITING_FOR_REMOTE_KVS and the worker's loader threads.
+(write-through) keeps everything.  A hit held whole in the cpu tier loads synchronously (the
+default ``sync_load_max_bytes``: copied in ``start_load_kv`` before the forward of the step that
+schedules the request); every other hit goes through WAITING_FOR_REMOTE_KVS and the worker's
+loader threads.  The exactness and stale-mirror tests run both paths on cpu-tier hits
+(:func:`load_path` sets the budget to 0 for the asynchronous one).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,6 +72,11 @@ class Engine:
 
         return chunk_keys(request_root(self.worker.key_root, salt), prompt_ids[:LOADABLE], CHUNK_TOKENS)
 
+    @property
+    def scheduler_side(self) -> Any:
+        """The scheduler-side connector state (kvtier.integrations.vllm.scheduler.SchedulerSide)."""
+        return self.llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_side
+
     def loaded(self, before: dict[str, float], after: dict[str, float]) -> float:
         return delta(after, before, LOADED_CPU) + delta(after, before, LOADED_DISK)
 
@@ -76,6 +86,30 @@ class Engine:
             self.generate(prompt(seed + s))
         self.store.flush()
         self.llm.reset_prefix_cache()
+
+
+@contextlib.contextmanager
+def load_path(engine: Engine, path: str) -> Iterator[list[tuple[int | None, bool]]]:
+    """Run the block with cpu-tier hits loaded ``"sync"`` (the engine's default budget) or
+    ``"async"`` (budget 0); yields the scheduler's answers to ``get_num_new_matched_tokens`` that
+    offered a hit, ``(tokens, asynchronous)``, so a test can tell which path its request took."""
+    side = engine.scheduler_side
+    budget, real = side.sync_budget_bytes, side.get_num_new_matched_tokens
+    answers: list[tuple[int | None, bool]] = []
+
+    def recorded(request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        answer = real(request, num_computed_tokens)
+        if answer[0]:
+            answers.append(answer)
+        return answer
+
+    side.sync_budget_bytes = budget if path == "sync" else 0
+    side.get_num_new_matched_tokens = recorded
+    try:
+        yield answers
+    finally:
+        side.sync_budget_bytes = budget
+        del side.get_num_new_matched_tokens
 
 
 def prompt(seed: int, words: int = PROMPT_WORDS) -> str:
@@ -150,10 +184,13 @@ def test_cold_cpu_and_disk_loads_give_identical_tokens_and_logprobs(engine: Engi
     assert from_cpu["logprobs"] == from_disk["logprobs"]  # same bytes, same code path: bit-identical
 
 
-def test_loaded_kv_reproduces_the_engines_own_prefix_cache_bit_for_bit(engine: Engine) -> None:
+@pytest.mark.parametrize("path", ["sync", "async"])
+def test_loaded_kv_reproduces_the_engines_own_prefix_cache_bit_for_bit(engine: Engine, path: str) -> None:
     """The exact reference: vLLM's own prefix cache holding exactly the tokens kvtier loads, so
     both runs compute the same tail over the same cached prefix with the same threads; any
-    difference in tokens or logprobs (not just one above TOLERANCE) would be kvtier's."""
+    difference in tokens or logprobs (not just one above TOLERANCE) would be kvtier's.  Both load
+    paths of a cpu-tier hit: synchronous (copied before the forward of the step that schedules the
+    request) and asynchronous (the loader threads, WAITING_FOR_REMOTE_KVS)."""
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0)
@@ -163,7 +200,7 @@ def test_loaded_kv_reproduces_the_engines_own_prefix_cache_bit_for_bit(engine: E
         c = out.outputs[0]
         return list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)], out.num_cached_tokens
 
-    ids = engine.generate(prompt(108), max_tokens=1)["prompt_ids"]
+    ids = engine.generate(prompt(108 if path == "sync" else 118), max_tokens=1)["prompt_ids"]
     assert len(ids) > LOADABLE + 1
     engine.llm.reset_prefix_cache()
     run(ids[:LOADABLE])  # vLLM's cache now holds exactly the loadable prefix (12 blocks of 32)
@@ -171,8 +208,10 @@ def test_loaded_kv_reproduces_the_engines_own_prefix_cache_bit_for_bit(engine: E
     assert ref_cached == LOADABLE
     engine.llm.reset_prefix_cache()
     m0 = metrics_snapshot()
-    tokens, logprobs, cached = run(ids)
-    assert engine.loaded(m0, metrics_snapshot()) == LOADABLE
+    with load_path(engine, path) as answers:
+        tokens, logprobs, cached = run(ids)
+    assert answers == [(LOADABLE, path == "async")]
+    assert delta(metrics_snapshot(), m0, LOADED_CPU) == LOADABLE
     assert cached == LOADABLE
     assert tokens == ref_tokens
     assert logprobs == ref_logprobs  # bit for bit, no tolerance
@@ -245,11 +284,17 @@ def test_corrupt_chunk_on_disk_is_recomputed(engine: Engine) -> None:
     engine.store.check_integrity()
 
 
-def test_stale_mirror_is_a_recompute_never_wrong_kv(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("path", ["sync", "async"])
+def test_stale_mirror_is_a_recompute_never_wrong_kv(engine: Engine, monkeypatch: pytest.MonkeyPatch,
+                                                    path: str) -> None:
     """The chunks leave every tier after the scheduler planned the load from its mirror and before
     the worker loads: the load comes up empty, its blocks are reported through
-    get_block_ids_with_load_errors, vLLM (policy "recompute") recomputes them."""
-    p = prompt(107)
+    get_block_ids_with_load_errors, vLLM (policy "recompute") recomputes them: a parked request
+    (asynchronous load) before it runs, a running one (synchronous load: the step's token is
+    discarded) from the next step.  The synchronous step's saves of the request are dropped (its
+    KV was computed over unfilled blocks) and redone once recomputed: the next load of the prompt,
+    from the cpu tier again, gives the same tokens."""
+    p = prompt(107 if path == "sync" else 117)
     cold = engine.generate(p)
     engine.llm.reset_prefix_cache()
     store = engine.store
@@ -267,15 +312,25 @@ def test_stale_mirror_is_a_recompute_never_wrong_kv(engine: Engine, monkeypatch:
 
     monkeypatch.setattr(store, "prepare_load", evict_then_prepare)
     m0 = metrics_snapshot()
-    again = engine.generate(p)
+    with load_path(engine, path) as answers:
+        again = engine.generate(p)
     m1 = metrics_snapshot()
     monkeypatch.undo()
+    assert answers[0] == (LOADABLE, path == "async")
     assert delta(m1, m0, EXT_HITS) == LOADABLE  # vLLM admitted the request as a hit of 6 chunks
     assert delta(m1, m0, "kvtier_load_failed_blocks_total") == LOADABLE // 32
     assert engine.loaded(m0, m1) == 0
     assert again["tokens"] == cold["tokens"]
     assert max_logprob_diff(again["logprobs"], cold["logprobs"]) < TOLERANCE
+    store.flush()
     store.check_integrity()
+    engine.llm.reset_prefix_cache()
+    with load_path(engine, path) as answers:
+        third = engine.generate(p)  # saved again after the recompute: loaded from the cpu tier
+    assert answers == [(LOADABLE, path == "async")]
+    assert delta(metrics_snapshot(), m1, LOADED_CPU) == LOADABLE
+    assert third["tokens"] == cold["tokens"]
+    assert max_logprob_diff(third["logprobs"], cold["logprobs"]) < TOLERANCE
 
 
 def test_prefix_partly_on_disk_copies_the_head_while_the_tail_is_read_ahead(engine: Engine) -> None:

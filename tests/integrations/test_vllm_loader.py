@@ -150,3 +150,35 @@ def test_a_load_reported_after_a_reset_fails_its_blocks(tmp_path: Path) -> None:
     loader.shutdown()
     store.check_integrity()
     store.close()
+
+
+def test_a_synchronous_load_copies_what_the_cpu_tier_holds_and_never_reads_below_it(tmp_path: Path) -> None:
+    """``load_now`` (a synchronous load, on the engine's thread): the pages the cpu tier holds are
+    copied into the engine's blocks before it returns; it stops at the first page the cpu tier does
+    not hold (no disk read on the engine's thread: that chunk and the rest are block errors, vLLM
+    recomputes them) and names that page's chunk, from which the worker drops the step's saves."""
+    store, plan, src, chain, where = _setup(tmp_path)
+    layout = detect_layout(dst := _caches(1), NUM_BLOCKS, "TEST")
+    loader = AsyncLoader(store, GroupCopiers(plan, {0: layout}, dst), CHUNK, threads=1, partial=True, wait_s=5.0)
+    table = list(range(13, 29))
+    jobs = GroupJobs(plan, IndexMirror(1))
+    before = store.stats()
+    # the engine's own hit covers chunks 0-1; chunk 2 is in the cpu tier, chunk 3 was never stored
+    tail = LoadJob("t", jobs.load_pages(chain, [table], 2 * CHUNK, 4 * CHUNK), 2 * CHUNK, 4 * CHUNK,
+                   ("", "", where[2], "cpu"), sync=True)
+    assert loader.load_now(tail) == (set(range(25, 29)), 3)
+    for layer, t in src.items():  # chunk 2 = saved from blocks 9..12, now in blocks 21..24
+        for s, d in zip(range(9, 13), range(21, 25)):
+            assert torch.equal(dst[layer][d], t[s]), (layer, s, d)
+    # chunk 0 is only on disk: nothing is read, every block is an error, recomputed from chunk 0
+    whole = LoadJob("w", jobs.load_pages(chain, [table], 0, 4 * CHUNK), 0, 4 * CHUNK, ("disk", "cpu", "cpu", "cpu"),
+                    sync=True)
+    assert loader.load_now(whole) == (set(table), 0)
+    after = store.stats()
+    assert after.loaded_tokens.get("cpu", 0) - before.loaded_tokens.get("cpu", 0) == CHUNK
+    assert after.transfer_seconds.get("disk_to_cpu", 0.0) == before.transfer_seconds.get("disk_to_cpu", 0.0)
+    assert after.load_failed_blocks - before.load_failed_blocks == 4 + 16
+    assert loader.take() == (set(), set(), set())  # no finished_recving for a synchronous load
+    loader.shutdown()
+    store.check_integrity()
+    store.close()

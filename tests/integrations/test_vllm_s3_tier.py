@@ -16,9 +16,8 @@ private one (the stall would hang every other test's calls).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import time
+from pathlib import Path
 
 import obstore
 import pytest

@@ -8,7 +8,10 @@ vLLM's scheduler, KV cache manager and block pool are the real ones.  What the e
 prove with a model (exact bytes), these prove about the plan, in milliseconds: admission waits
 for the first report, a mirror hit parks the request and loads exactly its blocks, the hit is
 attributed per tier as vLLM counts it, an abort mid-load leaks no block, a failed block is
-recomputed and never loaded again, saves follow the computed chunks, and a reset drops every hit.
+recomputed and never loaded again, saves follow the computed chunks, and a reset drops every hit;
+a cpu-tier hit within ``sync_load_max_bytes`` is scheduled in the step that plans it (a synchronous
+load), disk hits and hits past the step's budget park, and a synchronous load's failed block is
+recomputed by the running request and its chunks saved again.
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ def scheduler(tiny_model: Path) -> Iterator[Scheduler]:
 
 def _scheduler(model: Path, max_batched_tokens: int = 1024, reset_scope: str = "cpu",
                sliding_window: int | None = None, **extra: Any) -> Scheduler:
+    """A real vLLM Scheduler with KVTierConnector.  Synchronous loads are off unless ``extra`` sets
+    ``sync_load_max_bytes``: the tests of the asynchronous path park cpu-tier hits."""
+    extra = {"sync_load_max_bytes": 0, **extra}
     model_config = ModelConfig(model=str(model), dtype="float32", seed=0, max_model_len=4096)
     config = VllmConfig(
         model_config=model_config,
@@ -305,6 +311,98 @@ def test_after_an_idle_gap_a_lookup_waits_one_step_for_the_workers_rescan(tiny_m
     scheduler.add_request(kept)  # no idle gap: planned from the mirror at once, its files still there
     (load,) = _meta(scheduler.schedule()).loads
     assert load.req_id == "kept" and load.hit_tokens == 3 * CHUNK and load.tiers == ("disk",) * 3
+
+
+PROMPT_BYTES = 3 * CHUNK * 2 * 16 * 4  # the 3 chunks' KV: K and V, 1 head of 16 float32 values per token
+
+
+def _reported(scheduler: Scheduler, requests: list[Request], tier_of: Any = lambda chunk: "cpu") -> None:
+    """The workers' first report: the 3 chunks of each request held in ``tier_of(chunk)``."""
+    for request in requests:
+        scheduler.add_request(request)
+    first = scheduler.schedule()
+    assert first.num_scheduled_tokens == {}
+    scheduler.update_from_output(first, _step_output(first, [], kv_connector_worker_meta=_report(
+        [(k, tier_of(c)) for r in requests for c, k in enumerate(_keys(r, 3))], full=True)))
+
+
+def test_a_cpu_tier_hit_within_the_budget_is_loaded_and_computed_in_the_step_that_schedules_it(
+        tiny_model: Path) -> None:
+    """``(n, False)``: no WAITING_FOR_REMOTE_KVS step; the tail runs in the same step as the load job
+    (``has_sync_kv_loads``: vLLM calls start_load_kv before that step's forward), the hit counted as
+    vLLM's ``host`` source, and no ``finished_recving`` is needed for the request to finish."""
+    scheduler = _scheduler(tiny_model, sync_load_max_bytes=PROMPT_BYTES)
+    request = _request("s")
+    _reported(scheduler, [request])
+    step = scheduler.schedule()
+    stats = scheduler.make_stats()
+    assert request.status == RequestStatus.RUNNING and step.has_sync_kv_loads
+    assert step.num_scheduled_tokens == {"s": len(PROMPT) - 3 * CHUNK}  # the tail only, this very step
+    (load,) = _meta(step).loads
+    blocks = scheduler.kv_cache_manager.get_block_ids("s")[0]
+    assert load.sync and (load.first_token, load.hit_tokens) == (0, 3 * CHUNK)
+    assert [b for p in load.pages for b in p.block_ids] == list(blocks[:3 * CHUNK // BLOCK])
+    assert stats is not None and stats.connector_prefix_cache_stats is not None
+    assert {str(getattr(k, "value", k)): v for k, v in stats.connector_prefix_cache_stats.hits_by_source.items()} \
+        == {"host": 3 * CHUNK}
+    scheduler.update_from_output(step, _step_output(step, [request]))
+    assert list(request.output_token_ids) == [7]  # its first token from the step that loaded it
+    assert _connector_requests(scheduler)["loading"] == {}
+
+
+@pytest.mark.parametrize(("budget", "tier_of", "why"), [
+    (PROMPT_BYTES, lambda chunk: "disk" if chunk == 2 else "cpu", "a chunk on disk"),
+    (PROMPT_BYTES - 1, lambda chunk: "cpu", "one byte over the budget"),
+    (0, lambda chunk: "cpu", "sync loads off")])
+def test_a_hit_on_disk_or_over_the_budget_loads_asynchronously(tiny_model: Path, budget: int, tier_of: Any,
+                                                               why: str) -> None:
+    scheduler = _scheduler(tiny_model, sync_load_max_bytes=budget)
+    request = _request("w")
+    _reported(scheduler, [request], tier_of)
+    step = scheduler.schedule()
+    (load,) = _meta(step).loads
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not load.sync, why
+    assert step.num_scheduled_tokens == {} and not step.has_sync_kv_loads
+
+
+def test_the_budget_is_per_step_and_shared_by_the_requests_it_schedules(tiny_model: Path) -> None:
+    """Budget for one and a half prompts: of two hits admitted in one step, the first loads
+    synchronously and the second parks; in the next step the budget is whole again."""
+    scheduler = _scheduler(tiny_model, sync_load_max_bytes=PROMPT_BYTES * 3 // 2)
+    first, second = _request("x1"), _request("x2", prompt=[t + 1000 for t in PROMPT])
+    _reported(scheduler, [first, second])
+    step = scheduler.schedule()
+    assert {(j.req_id, j.sync) for j in _meta(step).loads} == {("x1", True), ("x2", False)}
+    assert first.status == RequestStatus.RUNNING and second.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    scheduler.update_from_output(step, _step_output(step, [first]))
+    third = _request("x3", prompt=[t + 2000 for t in PROMPT])
+    side = scheduler.connector.scheduler_side  # type: ignore[union-attr]
+    side.mirror.apply(0, _report([(k, "cpu") for k in _keys(third, 3)]).ranks[0])
+    scheduler.add_request(third)
+    step = scheduler.schedule()
+    assert [(j.req_id, j.sync) for j in _meta(step).loads] == [("x3", True)]
+
+
+def test_a_synchronous_load_that_failed_a_block_is_recomputed_and_its_chunks_saved_again(tiny_model: Path) -> None:
+    """The worker reports the block of chunk 1 it could not fill as a load error of the same step:
+    vLLM keeps chunk 0 and recomputes the rest in the running request; the scheduler then saves
+    chunks 1 and 2 again (the worker dropped that step's saves from chunk 1 on: wrong KV)."""
+    scheduler = _scheduler(tiny_model, sync_load_max_bytes=PROMPT_BYTES)
+    request = _request("f")
+    _reported(scheduler, [request])
+    step = scheduler.schedule()
+    (load,) = _meta(step).loads
+    assert load.sync
+    saved_first = [p.chunk for job in _meta(step).saves for p in job.pages]
+    assert saved_first == [0, 1, 2]  # the step's save job (the worker keeps only chunk 0 of it)
+    bad = load.pages[1].block_ids[0]
+    scheduler.update_from_output(step, _step_output(step, [request], invalid_block_ids={bad}))
+    assert list(request.output_token_ids) == []  # vLLM discards the token sampled over the unfilled block
+    again = scheduler.schedule()
+    assert again.num_scheduled_tokens == {"f": len(PROMPT) - CHUNK} and _meta(again).loads == []
+    assert [p.chunk for job in _meta(again).saves for p in job.pages] == [1, 2]
+    scheduler.update_from_output(again, _step_output(again, [request]))
+    assert list(request.output_token_ids) == [7]
 
 
 def test_a_salted_requests_saves_carry_its_tenant_and_the_first_stats_say_quotas_and_events(tiny_model: Path) -> None:

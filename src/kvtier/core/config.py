@@ -92,6 +92,11 @@ class KVTierConfig(BaseSettings):
     load_wait_s: float = Field(10.0, gt=0, le=600, allow_inf_nan=False, description=(
         "Longest an engine load waits for chunks still being read from a lower tier (disk, shared); "
         "past it, the blocks from the first missing chunk on are recomputed by the engine."))
+    sync_load_max_bytes: int = Field(128 << 20, ge=0, le=1 << 40, description=(
+        "Bytes per rank per engine step a request may load synchronously when every chunk of its hit is in "
+        "the cpu tier: the copy runs in the step that schedules the request, before its forward, instead of "
+        "parking it for at least one more step (WAITING_FOR_REMOTE_KVS); larger hits, disk and shared-tier "
+        "hits, and hybrid models load asynchronously. 0: every load is asynchronous."))
     disk_io: Literal["auto", "buffered", "direct"] = Field(
         "auto", description="Disk tier I/O: direct = O_DIRECT (bypasses the page cache), buffered, or auto = direct "
         "where supported unless a start-up probe finds it clearly slower.")

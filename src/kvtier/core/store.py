@@ -245,13 +245,19 @@ class TieredStore(ChangeFeedMixin):
 
     # ---- load ----------------------------------------------------------------------------
     def prepare_load(self, chain: Sequence[ChunkKey], max_chunks: int | None = None,
-                     read_ahead: bool = False) -> LoadHandle:
+                     read_ahead: bool = False, top_only: bool = False) -> LoadHandle:
         """Pin and return the longest available prefix of ``chain`` (at most ``max_chunks``).
 
         With ``read_ahead``, only the first ``io_threads`` chunks found below the cpu tier are read
         before returning; the rest are read into cpu pages in the background, ``io_threads`` at a
         time, while the caller copies the ready ones out (``handle.ready_chunks()`` grows as they
-        arrive; ``handle.wait(timeout_s)`` for the end)."""
+        arrive; ``handle.wait(timeout_s)`` for the end).
+
+        With ``top_only``, the prefix ends at the first chunk the top (cpu) tier does not hold: no
+        file, socket or network I/O at all, and every buffer is ready when this returns (the
+        connector's synchronous loads, run on the engine's own thread).  Top-tier pages are handed
+        out as they are, pinned, without re-hashing: they never left this process's memory (the
+        lower tiers' reads are verified, :mod:`kvtier.core.promotion`)."""
         limit = len(chain) if max_chunks is None else min(max_chunks, len(chain))
         handle = LoadHandle([], [], [])
         promote: list[Promotion] = []  # chunks to read from lower tiers (kvtier.core.promotion)
@@ -266,6 +272,8 @@ class TieredStore(ChangeFeedMixin):
                 elif key in self.top.staged:  # a private copy, immutable: no pin needed
                     buf = self.top.staged[key].data
                     source = self.top.name
+                elif top_only:
+                    break
                 else:
                     lt = next((lt for lt in self._local if lt.tier.contains(key)), None)
                     if lt is None:
@@ -277,7 +285,7 @@ class TieredStore(ChangeFeedMixin):
                 handle.buffers.append(buf)
                 handle.tiers.append(source)
         start = handle.num_chunks
-        if start < limit and self._shared:
+        if start < limit and self._shared and not top_only:
             self._plan_shared_reads(chain, start, limit, max_chunks is None, handle, promote)
         if promote:
             self.promoter.run(chain, handle, promote, read_ahead)

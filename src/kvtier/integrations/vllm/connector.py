@@ -20,7 +20,11 @@ What the connector declares to vLLM (vLLM 0.32, vllm/distributed/kv_transfer/kv_
   (:mod:`kvtier.integrations.vllm.groups`), and a failed hybrid load is reported per request
   (``failed_recving``), the only way vLLM accepts with several groups.
 - ``requires_kv_delivery = False``: a best-effort cache; a dropped save is a future miss.
-- Loads are asynchronous (``get_num_new_matched_tokens`` returns ``(n, True)``), saves are not
+- Loads are asynchronous (``get_num_new_matched_tokens`` returns ``(n, True)``), except a hit held
+  whole in the cpu tier within ``sync_load_max_bytes`` per step: ``(n, False)``, copied in
+  ``start_load_kv`` before the forward of the step that schedules the request (vLLM calls it
+  before the forward when ``SchedulerOutput.has_sync_kv_loads``,
+  vllm/v1/worker/kv_connector_model_runner_mixin.py).  Saves are synchronous
   (``request_finished`` returns ``False``: the copy out of the engine ends within its step).
 - External hits are reported by source (``host`` for the cpu tier, ``disk``, and
   ``external_unspecified`` for the shared redis tier).
@@ -150,7 +154,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker_side.start_load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are asynchronous: the request waits in WAITING_FOR_REMOTE_KVS, not the layer
+        return  # synchronous loads are whole when start_load_kv returns; asynchronous ones park the request
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:

@@ -20,6 +20,12 @@ them) then:
    request (vLLM recomputes it whole).  Then the request is finished receiving, in that order,
    so both reach vLLM no later than the same step.
 
+Synchronous loads (:meth:`AsyncLoader.load_now`, ``LoadJob.sync``): a hit held whole in the cpu
+tier and within ``sync_load_max_bytes`` is copied on the engine's thread in ``start_load_kv``,
+before the forward of the step that scheduled the request: the same prepare / copy / complete
+over the cpu tier's pinned pages only, no thread hand-off, no ``finished_recving``; the blocks
+it could not fill are vLLM load errors in that same step.
+
 A reset (the store's :attr:`~kvtier.core.store.TieredStore.epoch` changed) fails every load that
 started before it and is reported after it: its blocks are reported as load errors (with several
 KV cache groups, the request as failed), so vLLM recomputes them and nothing read before the reset
@@ -139,6 +145,47 @@ class AsyncLoader:
         finally:
             self._finish(job, handle, delivered, ok, skipped, time.perf_counter() - t0, epoch)
 
+    def load_now(self, job: LoadJob) -> tuple[set[int], int | None]:
+        """Run a synchronous ``job`` on the calling (engine) thread: pin the leading pages the cpu
+        tier holds (``prepare_load(top_only=True)``: no I/O, no re-hashing of pages that never left
+        memory), copy them straight from the tier's pages into the engine's blocks, count, unpin.
+
+        Never raises: a failure is logged and its pages are reported as unfilled.
+
+        Returns:
+            ``(blocks not filled, first chunk not filled)``: the blocks go to vLLM through
+            ``get_block_ids_with_load_errors`` in this same step (vLLM recomputes from the first
+            one, vllm/v1/core/sched/scheduler.py ``_handle_invalid_blocks``); the chunk is ``None``
+            when every page was copied (the worker keeps this step's saves of the request before
+            that chunk: the KV computed over unfilled blocks is wrong).
+
+        Raises:
+            ValueError: the loader reports block-level errors only with one KV cache group
+                (``partial``); the scheduler plans no synchronous load otherwise.
+        """
+        if not self.partial:
+            raise ValueError("a synchronous load needs block-level load errors (one full-attention KV cache group)")
+        handle = None
+        delivered = 0
+        ok = False
+        t0 = time.perf_counter()
+        epoch = self.store.epoch
+        try:
+            handle = self.store.prepare_load([ChunkKey(p.key) for p in job.pages], max_chunks=len(job.pages),
+                                             top_only=True)
+            held = handle.num_chunks
+            if held:
+                self.copiers.load(list(zip(job.pages[:held], handle.buffers[:held])))
+            delivered, ok = held, True  # a copy that raised part-way filled nothing vLLM may use
+            if delivered < len(job.pages):
+                log.info("kvtier: request %s: %d of %d planned pages were in the cpu tier for its synchronous load; "
+                         "recomputing the rest", job.req_id, delivered, len(job.pages))
+        except Exception:
+            log.exception("kvtier: loading request %s's pages synchronously failed; recomputing them", job.req_id)
+        errors = self._finish(job, handle, delivered, ok, False, time.perf_counter() - t0, epoch, sync=True)
+        first_unfilled = None if not errors else job.pages[delivered].chunk
+        return errors, first_unfilled
+
     def _copy_as_ready(self, job: LoadJob, handle: LoadHandle) -> int:
         """Copy the handle's pages into the engine as they become ready; returns pages copied."""
         delivered = 0
@@ -171,8 +218,9 @@ class AsyncLoader:
         return min(job.hit_tokens, (job.pages[delivered - 1].chunk + 1) * self.chunk_tokens)
 
     def _finish(self, job: LoadJob, handle: LoadHandle | None, delivered: int, ok: bool, skipped: bool,
-                seconds: float, epoch: int) -> None:
-        """Count the outcome in the store (once), then report errors and the finish to vLLM."""
+                seconds: float, epoch: int, sync: bool = False) -> set[int]:
+        """Count the outcome in the store (once), then report errors and the finish to vLLM
+        (``sync``: return the blocks not filled instead; a synchronous load has no finish to report)."""
         end = self._filled_end(job, delivered if ok else 0) if not skipped else job.first_token
         failed_whole = not skipped and end < job.hit_tokens and not self.partial
         unfilled_pages = job.pages if failed_whole else job.pages[delivered:] if not skipped else ()
@@ -197,6 +245,8 @@ class AsyncLoader:
             self.store.cancel_load(handle, engine=engine)
         else:
             self.store.complete_load(handle, False, engine=engine)
+        if sync:
+            return set(errors)
         with self._lock:
             self._errors.update(errors)  # errors first: they must not reach vLLM after the finish
             if failed_whole:
@@ -207,6 +257,7 @@ class AsyncLoader:
             self._finished.add(job.req_id)
             self._inflight.pop(job.req_id, None)
             self._aborted.discard(job.req_id)
+        return set()
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Cancel jobs not started, wait up to ``timeout_s`` for running ones.  Idempotent."""

@@ -68,9 +68,15 @@ def tokens_by_tier(tiers: Sequence[str], start: int, end: int, chunk_tokens: int
 
 @dataclass(frozen=True)
 class LoadJob:
-    """Move a request's cached prefix into its engine blocks, asynchronously, on the workers.
+    """Move a request's cached prefix into its engine blocks on the workers.
 
     One shape for every model: the pages of every KV cache group (one group for a dense model).
+    Asynchronous by default (a loader thread; the request waits in ``WAITING_FOR_REMOTE_KVS`` and
+    the job ends in ``finished_recving``).  ``sync``: the copy runs in ``start_load_kv`` before
+    the forward of the step that scheduled the request (vLLM's ``(n, False)`` answer of
+    ``get_num_new_matched_tokens``, vllm/distributed/kv_transfer/kv_connector/v1/base.py); it is
+    never reported in ``finished_recving``, and the blocks it could not fill are reported by
+    ``get_block_ids_with_load_errors`` in that same step.
 
     Attributes:
         req_id: vLLM request id; reported in ``finished_recving`` when the job ends (either way).
@@ -82,6 +88,7 @@ class LoadJob:
             vLLM was told (``get_external_cache_hit_sources``) and what the loaded-token
             counters are labelled with.
         resumed: the request is re-admitted after a preemption (vLLM counts its hits apart).
+        sync: copy in this step, before the forward, from the cpu tier only (see above).
     """
 
     req_id: str
@@ -90,6 +97,7 @@ class LoadJob:
     hit_tokens: int
     tiers: tuple[str, ...]
     resumed: bool = False
+    sync: bool = False
 
     @property
     def block_ids(self) -> frozenset[int]:

@@ -8,7 +8,11 @@ Every model takes one path: a dense model is a one-group plan
         look the pages up in the mirror of every rank's index -> hit = the largest chunk
         boundary every group can resume at (capped so ≥ 1 prompt token is computed), and the
         tier of each chunk (the slowest of its pages'); returns (hit - local, True): vLLM
-        allocates the blocks and parks the request in WAITING_FOR_REMOTE_KVS.  No file, socket
+        allocates the blocks and parks the request in WAITING_FOR_REMOTE_KVS.  A hit whose
+        chunks to load are all in the cpu tier and fit what is left of this step's
+        ``sync_load_max_bytes`` (one full-attention group only) returns (hit - local, False)
+        instead: vLLM schedules the request's tail in this very step and the workers copy the
+        chunks in start_load_kv before its forward (a synchronous load).  No file, socket
         or network I/O.  Before the workers' first report it answers None ("ask next step").
         With a shared tier (``redis_url``), the pages no local tier holds are asked about in
         the background (:mod:`~kvtier.integrations.vllm.remote`); None while that runs, at most
@@ -28,8 +32,12 @@ Every model takes one path: a dense model is a one-group plan
                                              (SaveJob.pin_s; TieredStore.ttl_pin)
     reset_cache()                            vLLM's external prefix-cache reset: see below
 
-A load job always ends with the request in ``finished_recving`` (the worker reports it whether
-the load succeeded, came up short or failed).  With one KV cache group, missing blocks are
+An asynchronous load job always ends with the request in ``finished_recving`` (the worker reports
+it whether the load succeeded, came up short or failed).  A synchronous one never does: its
+missing blocks (a chunk evicted since the mirror said it was there; the worker pins what it finds
+before copying) come back as ``invalid_block_ids`` of its own step, vLLM recomputes the running
+request from the first one (``_handle_invalid_blocks`` on ``self.running``), the worker did not
+save that step's chunks from there, and the scheduler saves them again once recomputed.  With one KV cache group, missing blocks are
 reported through ``get_block_ids_with_load_errors`` in the same step or earlier, so vLLM (policy
 ``recompute``) keeps the valid prefix and recomputes the rest (vllm/v1/core/sched/scheduler.py:
 ``_update_requests_with_invalid_blocks``, ``_update_waiting_for_remote_kv``); with several,
@@ -54,7 +62,7 @@ from kvtier.core.errors import ConfigError
 from kvtier.core.keys import chunk_keys, request_root
 from kvtier.core.tenant import TenantId
 from kvtier.core.tiers.factory import state_dir
-from kvtier.core.tiers.registry import reset_tiers
+from kvtier.core.tiers.registry import reset_tiers, top_tier
 from kvtier.integrations.vllm.events import EventGroup, KVEventTracker, events_enabled
 from kvtier.integrations.vllm.group_jobs import GroupJobs, handoffs_of
 from kvtier.integrations.vllm.groups import GroupKind, engine_plan, resolved_config
@@ -152,6 +160,17 @@ class SchedulerSide:
         self.load_enabled, self.save_enabled = load, save
         self.mirror = IndexMirror(int(vllm_config.parallel_config.tensor_parallel_size))
         self.groups = GroupJobs(plan, self.mirror)  # a dense model is a one-group plan
+        # synchronous loads: one full-attention group only (vLLM takes a sync load's failures as
+        # block ids, which it refuses with several groups: Scheduler._handle_invalid_blocks)
+        one_group = len(kv_cache_config.kv_cache_groups) == 1 and plan.groups[0].kind is GroupKind.FULL
+        self.sync_budget_bytes = int(config.sync_load_max_bytes) if one_group and load else 0
+        self.bytes_per_token = _bytes_per_token(kv_cache_config)
+        self._top_tier = top_tier()
+        self._sync_left_bytes = self.sync_budget_bytes  # this step's budget not yet promised
+        self._sync_planned: dict[str, int] = {}  # requests answered (n, False) this step -> bytes promised
+        # synchronous loads shipped: req -> ((chunk, its engine blocks) per page, outputs left to check:
+        # 2, as with asynchronous scheduling a step's output comes after the next step is scheduled)
+        self._sync_loads: dict[str, tuple[tuple[tuple[int, tuple[int, ...]], ...], int]] = {}
         self._requests: dict[str, Any] = {}
         self._chains: dict[str, RequestChain] = {}
         self._planned: dict[str, list[str]] = {}  # req -> tier of each chunk of its planned load
@@ -210,6 +229,8 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
         self._planned.pop(req_id, None)
+        # asked again in this step (not scheduled after the first answer): its promise is given back
+        self._sync_left_bytes += self._sync_planned.pop(req_id, 0)
         self._requests.setdefault(req_id, request)
         # vLLM must compute at least the last prompt token itself (to sample from its logits).
         max_chunks = (request.num_tokens - 1) // self.chunk_tokens
@@ -246,7 +267,21 @@ class SchedulerSide:
         if hit <= num_computed_tokens:
             return 0, False
         self._planned[req_id] = tiers
+        if self._sync_fits(tiers, num_computed_tokens, hit):
+            promised = (hit - num_computed_tokens) * self.bytes_per_token
+            self._sync_left_bytes -= promised
+            self._sync_planned[req_id] = promised
+            return hit - num_computed_tokens, False  # loaded in this step's start_load_kv, before the forward
         return hit - num_computed_tokens, True
+
+    def _sync_fits(self, tiers: list[str], num_computed_tokens: int, hit: int) -> bool:
+        """Load in the scheduling step itself: every chunk to load is in the cpu tier (by the mirror)
+        and the copy fits what is left of this step's ``sync_load_max_bytes``."""
+        if not self.sync_budget_bytes:
+            return False
+        if (hit - num_computed_tokens) * self.bytes_per_token > self._sync_left_bytes:
+            return False
+        return all(t == self._top_tier for t in tiers[num_computed_tokens // self.chunk_tokens:])
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         req_id = request.request_id
@@ -255,6 +290,7 @@ class SchedulerSide:
         tiers = self._planned.get(req_id)
         if num_external_tokens <= 0 or tiers is None:
             self._planned.pop(req_id, None)
+            self._sync_left_bytes += self._sync_planned.pop(req_id, 0)
             if num_external_tokens > 0:  # vLLM asked us to load what we never offered
                 raise RuntimeError(f"kvtier: request {req_id} was allocated external tokens kvtier did not offer")
             return
@@ -265,7 +301,8 @@ class SchedulerSide:
             for page in pages:
                 self.events.record(request, page.key, page.group, page.chunk)
         resumed = getattr(request, "num_preemptions", 0) > 0
-        self._loads.append(LoadJob(req_id, pages, local, hit, tuple(tiers), resumed))
+        sync = self._sync_planned.pop(req_id, None) is not None
+        self._loads.append(LoadJob(req_id, pages, local, hit, tuple(tiers), resumed, sync=sync))
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
         """Split ``num_external_tokens`` by the tier each planned chunk is in (the same split the
@@ -279,9 +316,14 @@ class SchedulerSide:
         meta = KVTierMetadata(loads=self._loads, reset=self._reset_order)
         self._loads, self._reset_order = [], None
         self.settle.step(idle=not scheduler_output.num_scheduled_tokens and not self._requests and not self._loading)
+        self._sync_left_bytes = self.sync_budget_bytes  # the next step's budget
+        self._sync_planned.clear()
         for load in meta.loads:
             self._planned.pop(load.req_id, None)
-            self._loading[load.req_id] = load.block_ids
+            if load.sync:  # no finished_recving will come: its blocks are checked against this step's errors
+                self._sync_loads[load.req_id] = (tuple((p.chunk, p.block_ids) for p in load.pages), 2)
+            else:
+                self._loading[load.req_id] = load.block_ids
         if self.save_enabled:
             for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
                 save = self._save_job(req_id, num_scheduled, scheduler_output)
@@ -329,6 +371,21 @@ class SchedulerSide:
                 self.mirror.apply(rank, meta.ranks[rank])
             if self.events is not None:
                 self._observe_events(meta)
+        if self._sync_loads:
+            invalid = getattr(connector_output, "invalid_block_ids", None) or set()
+            for req_id, (pages, left) in list(self._sync_loads.items()):
+                bad = [chunk for chunk, blocks in pages if invalid and not invalid.isdisjoint(blocks)]
+                if bad:
+                    # vLLM recomputes it from the first invalid block (the request keeps running); the
+                    # worker did not save the chunks from there: save them again once recomputed
+                    log.info("kvtier: request %s: its synchronous load came up short; vLLM recomputes from chunk %d",
+                             req_id, min(bad))
+                    self._saved_chunks[req_id] = min(self._saved_chunks.get(req_id, 0), min(bad))
+                    left = 1
+                if left <= 1:
+                    del self._sync_loads[req_id]
+                else:
+                    self._sync_loads[req_id] = (pages, left - 1)
         if self._loading:
             invalid = getattr(connector_output, "invalid_block_ids", None) or set()
             failed = getattr(connector_output, "failed_recving", None) or set()
@@ -366,6 +423,8 @@ class SchedulerSide:
         self._planned.pop(req_id, None)
         self._requests.pop(req_id, None)
         self._loading.pop(req_id, None)
+        self._sync_loads.pop(req_id, None)
+        self._sync_left_bytes += self._sync_planned.pop(req_id, 0)
         self._load_failed.discard(req_id)
         self._refreshed.discard(req_id)
         self._chains.pop(req_id, None)
@@ -462,6 +521,16 @@ class SchedulerSide:
             self.remote.close()
         if self.events is not None and self.events.journal_loaded:
             self.events.save_journal()
+
+
+def _bytes_per_token(kv_cache_config: Any) -> int:
+    """KV bytes one token takes in one rank's engine cache, every layer of every group
+    (``kv_cache_spec.page_size_bytes`` is one layer's block): what a synchronous load copies per token."""
+    total = 0
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        total += -(-int(spec.page_size_bytes) * len(group.layer_names) // int(spec.block_size))
+    return max(total, 1)
 
 
 def _event_tracker(vllm_config: Any, kv_cache_config: Any, plan: Any, config: KVTierConfig,

@@ -3,8 +3,10 @@
 - ``register_kv_caches``: request AMX tile permission (see below), detect the layout, build the
   namespace (with the identity fingerprint) and the rank's :class:`~kvtier.core.store.TieredStore`.
 - ``start_load``: hand each load job to the :class:`~kvtier.integrations.vllm.loader.AsyncLoader`
-  (returns at once); ``finished_loads`` reports ended loads (vLLM's ``get_finished``) and
-  ``take_errors`` the blocks they could not fill (``get_block_ids_with_load_errors``).
+  (returns at once), or, for a synchronous job (a cpu-tier hit within ``sync_load_max_bytes``),
+  copy it here before the forward; ``finished_loads`` reports ended asynchronous loads (vLLM's
+  ``get_finished``) and ``take_errors`` the blocks any load could not fill
+  (``get_block_ids_with_load_errors``).
 - ``save``: after the forward pass, copy each save job's full chunks out of the engine into cpu
   pages and publish them (a bounded memcpy on the engine's thread); disk writes then happen on
   the store's threads through its bounded queue (full: dropped and counted).  The copy is done
@@ -184,6 +186,8 @@ class WorkerSide:
         self._busy_reported: bool | None = None  # busy as last told to the scheduler
         self._errors: set[int] = set()
         self._failed: set[str] = set()
+        # this step's synchronous loads that came up short: req -> first chunk not filled
+        self._sync_cut: dict[str, int] = {}
         self._closed = False
         self.reset_epoch = 0  # the last reset order applied (RankReport.epoch)
         self.plan = engine_plan(vllm_config, kv_cache_config, self.chunk_tokens)
@@ -276,11 +280,22 @@ class WorkerSide:
 
     # ---- loads -------------------------------------------------------------------------------
     def start_load(self, meta: KVTierMetadata) -> None:
+        """This step's reset order, then its loads: asynchronous ones handed to the loader threads,
+        synchronous ones (``LoadJob.sync``) copied here, before the forward; their unfilled blocks
+        are this step's load errors and their requests' saves this step stop at the first chunk
+        not filled (KV computed over a block that was not loaded is wrong)."""
         assert self.loader is not None
+        self._sync_cut = {}
         if meta.reset is not None:
             self.apply_reset(meta.reset)
         for job in meta.loads:
-            self.loader.submit(job)
+            if job.sync:
+                errors, first_unfilled = self.loader.load_now(job)
+                self._errors |= errors
+                if first_unfilled is not None:
+                    self._sync_cut[job.req_id] = first_unfilled
+            else:
+                self.loader.submit(job)
 
     def finished_loads(self, finished_req_ids: set[str]) -> set[str]:
         """Requests whose load ended (either way) since the last call; ``finished_req_ids``
@@ -319,6 +334,11 @@ class WorkerSide:
     # ---- saves -------------------------------------------------------------------------------
     def save(self, meta: KVTierMetadata) -> None:
         for job in meta.saves:
+            cut = self._sync_cut.get(job.req_id)
+            if cut is not None:  # its synchronous load came up short: chunks from there on hold wrong KV
+                job = dataclasses.replace(job, pages=tuple(p for p in job.pages if p.chunk < cut))
+                if not job.pages:
+                    continue
             try:
                 self._save_one(job)
             except Exception:  # a failed save is a future miss, never an engine failure

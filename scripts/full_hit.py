@@ -1,0 +1,363 @@
+"""Full-hit TTFT, end to end and broken down: kvtier (synchronous and asynchronous loads) vs vLLM's native offload.
+
+Scenario (issue 23 item 1): a ``--prompt-tokens`` prompt (default 4,000) on the 24-layer ``mid``
+geometry (dummy weights, bf16: 12 KiB of KV per token) is computed once, then resent
+``--warmup + --repeats`` times, each after ``reset_prefix_cache()`` (vLLM's own cache forgets;
+the connector's CPU tier keeps it): every resend is a full hit of the connector (all whole
+128-token blocks/chunks; vLLM computes the rest, at least the last token).
+
+How it is timed: each arm is one vLLM engine run in a child process with
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (scheduler, worker and the connector's threads in one
+process, one clock: ``time.perf_counter``), driven step by step with ``LLMEngine.step()``.  The
+script wraps, on the live objects, without changing them:
+
+- the scheduler's ``schedule`` (each step's start and end, tokens scheduled for the request, its
+  status: ``WAITING_FOR_REMOTE_KVS`` means parked for an asynchronous load);
+- the scheduler-side connector's ``get_num_new_matched_tokens`` (the lookup);
+- the worker-side connector's ``start_load_kv`` and ``get_finished`` (load shipped / reported);
+- the executor's ``execute_model`` + ``sample_tokens`` (the forward of each step);
+- the copy into the engine's blocks: kvtier's ``GroupCopiers.load`` and its store's
+  ``prepare_load`` (pins; reads and verifies only what is below the cpu tier), the native shim's
+  ``host_swap_blocks_batch`` (:mod:`kvtier.bench.native_cpu`).
+
+Per full hit it reports: TTFT (``add_request`` → the step that returns the first token), the
+engine steps from admission to the tail's forward, the lookup, the load (shipped → reported
+finished, or the synchronous copy), the copy itself, the tail's forward, and the rest (TTFT
+minus copy minus tail forward: what is neither).
+
+Arms: ``kvtier`` (default ``sync_load_max_bytes``: cpu-tier hits copied before the forward of
+the step that schedules them), ``kvtier-async`` (``sync_load_max_bytes: 0``: the asynchronous
+path), ``native`` (vLLM's ``OffloadingConnector`` via kvtier's benchmark-only CPU shim).  Every
+arm's engine stays up in its own child process (started one after another, each computing the
+prompt cold and running ``--warmup`` untimed hits); then the timed hits run interleaved, one
+request at a time, arm order rotated each repeat, so a load change on the shared machine hits
+every arm alike; ratios are medians within the run.
+
+Usage::
+
+    python scripts/full_hit.py --workdir /tmp/fullhit [--prompt-tokens 4000] [--repeats 5] [--warmup 2]
+        [--arms kvtier,native,kvtier-async]
+
+Prints one table (WORKDIR/full_hit.json has every request's timings) and the load average
+before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ARMS = ("kvtier", "kvtier-async", "native")
+CPU_GIB = 0.25
+
+
+def token_ids(tokenizer_path: Path, num_tokens: int, seed: int) -> list[int]:
+    """Exactly ``num_tokens`` token ids of a made-up-words text (the model's own tokenizer)."""
+    from tokenizers import Tokenizer
+
+    from kvtier.launch.testmodel import random_prompt
+
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    words = num_tokens
+    ids = tok.encode(random_prompt(seed, words)).ids
+    while len(ids) < num_tokens:
+        words *= 2
+        ids = tok.encode(random_prompt(seed, words)).ids
+    return list(ids[:num_tokens])
+
+
+def transfer_config(arm: str) -> dict[str, Any]:
+    if arm == "native":
+        from kvtier.bench.arms import native_arm
+
+        config = dict(native_arm(CPU_GIB).kv_transfer_config or {})
+        config["kv_load_failure_policy"] = "recompute"
+        return config
+    extra: dict[str, Any] = {"cpu_gib": CPU_GIB}
+    if arm == "kvtier-async":
+        extra["sync_load_max_bytes"] = 0
+    return {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+
+
+class Timeline:
+    """Timestamped calls of the wrapped methods: ``(name, start, end, detail)``."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, float, float, Any]] = []
+
+    def wrap(self, obj: Any, attr: str, name: str, detail: Any = None) -> None:
+        real = getattr(obj, attr)
+
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            out = real(*a, **k)
+            t1 = time.perf_counter()
+            self.calls.append((name, t0, t1, detail(out, a) if detail is not None else None))
+            return out
+
+        setattr(obj, attr, timed)
+
+    def between(self, t0: float, t1: float, name: str) -> list[tuple[str, float, float, Any]]:
+        return [c for c in self.calls if c[0] == name and t0 <= c[1] <= t1]
+
+
+def child(args: argparse.Namespace) -> None:
+    """One arm, one engine: the cold prefill and ``warmup`` untimed full hits, then one timed full
+    hit per ``hit`` line on stdin, its breakdown printed as one ``FULLHIT {json}`` line."""
+    swaps: list[tuple[float, float, int]] = []
+    if args.arm == "native":  # before the engine builds its handlers: they pick the copy function up by name
+        import kvtier.bench.native_cpu as shim
+
+        shim.install()  # idempotent (done on import without CUDA)
+        real_swap = shim.host_swap_blocks_batch
+
+        def timed_swap(src: Any, dst: Any, sizes: Any, **k: Any) -> None:
+            t0 = time.perf_counter()
+            real_swap(src, dst, sizes, **k)
+            swaps.append((t0, time.perf_counter(), int(sizes.sum())))
+
+        shim.host_swap_blocks_batch = timed_swap  # type: ignore[assignment]
+    from vllm import LLM, SamplingParams
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.sampling_params import RequestOutputKind
+
+    from kvtier.launch.testmodel import write_model
+
+    model = write_model(args.workdir / "mid", "mid", weights="none")
+    llm = LLM(model=str(model), load_format="dummy", max_model_len=args.prompt_tokens + 96, enforce_eager=True,
+              gpu_memory_utilization=0.1, kv_cache_memory_bytes=(args.prompt_tokens + 256) * 12288 * 2,
+              enable_prefix_caching=True, seed=0, kv_transfer_config=transfer_config(args.arm))
+    core = llm.llm_engine.engine_core.engine_core
+    engine = llm.llm_engine
+    tl = Timeline()
+    tl.wrap(core.scheduler, "schedule", "schedule",
+            lambda out, a: ({k: v for k, v in out.num_scheduled_tokens.items()},
+                            {rid: r.status.name for rid, r in core.scheduler.requests.items()}))
+    tl.wrap(core.scheduler.connector, "get_num_new_matched_tokens", "lookup", lambda out, a: out)
+    worker = get_kv_transfer_group()
+    tl.wrap(worker, "start_load_kv", "start_load_kv")
+    tl.wrap(worker, "get_finished", "get_finished", lambda out, a: set(out[1] or ()))
+    tl.wrap(worker, "wait_for_save", "save")
+    tl.wrap(core.model_executor, "execute_model", "forward")
+    tl.wrap(core.model_executor, "sample_tokens", "sample")
+    if args.arm != "native":
+        side = worker.worker_side
+        tl.wrap(side.store, "prepare_load", "prepare_load")
+        tl.wrap(side.groups, "load", "copy")  # the loader calls the same object's load
+    ids = token_ids(model / "tokenizer.json", args.prompt_tokens, seed=args.seed)
+    params = SamplingParams(max_tokens=1, temperature=0.0, output_kind=RequestOutputKind.DELTA)
+
+    def request(rid: str) -> tuple[float, float, list[int]]:
+        t_add = time.perf_counter()
+        engine.add_request(rid, {"prompt_token_ids": ids}, params)
+        first = None
+        while first is None:
+            for out in engine.step():
+                if out.request_id == rid and out.outputs and out.outputs[0].token_ids:
+                    first = (time.perf_counter(), list(out.outputs[0].token_ids))
+            if not engine.has_unfinished_requests() and first is None:
+                raise RuntimeError(f"request {rid} ended without a token")
+        while engine.has_unfinished_requests():
+            engine.step()
+        return t_add, first[0], first[1]
+
+    t_cold0, t_cold1, cold_token = request("cold")
+    count = 0
+
+    def hit() -> dict[str, Any]:
+        nonlocal count
+        llm.reset_prefix_cache()  # vLLM's own cache only: the connector's CPU tier keeps the prompt
+        rid = f"hit{count}"
+        count += 1
+        t_add, t_first, token = request(rid)
+        tl.calls = [c for c in tl.calls if c[1] >= t_add]  # this request's calls only, from here on
+        swaps[:] = [s for s in swaps if s[0] >= t_add]
+        return breakdown(tl, rid, t_add, t_first, swaps if args.arm == "native" else None) | {
+            "same_token_as_cold": token == cold_token, "cold_ttft_s": t_cold1 - t_cold0}
+
+    for _ in range(args.warmup):
+        hit()
+    print("FULLHIT ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() != "hit":
+            break
+        print("FULLHIT " + json.dumps(hit()), flush=True)
+    llm.llm_engine.engine_core.shutdown()
+
+
+def breakdown(tl: Timeline, rid: str, t_add: float, t_first: float,
+              swaps: list[tuple[float, float, int]] | None) -> dict[str, Any]:
+    def of(ids: Any) -> Any:  # vLLM appends a suffix to the request id internally
+        return next((v for k, v in ids.items() if k == rid or k.startswith(rid + "-")), None)
+
+    steps = tl.between(t_add, t_first, "schedule")
+    forwards = tl.between(t_add, t_first, "forward")
+    samples = tl.between(t_add, t_first, "sample")
+    admitted = next(i for i, s in enumerate(steps) if of(s[3][1]) not in (None, "WAITING") or of(s[3][0]))
+    tail = next(i for i, s in enumerate(steps) if of(s[3][0]))
+    tail_fwd = [f for f in forwards if f[1] >= steps[tail][2]][:1]
+    tail_smp = [s for s in samples if s[1] >= steps[tail][2]][:1]
+    tail_forward_s = sum(c[2] - c[1] for c in tail_fwd + tail_smp)
+    # inside the tail step's execute_model: the connector's synchronous load and its saves
+    in_tail = [c for c in tl.calls if tail_fwd and tail_fwd[0][1] <= c[1] <= tail_fwd[0][2]]
+    tail_save_s = sum(c[2] - c[1] for c in in_tail if c[0] == "save")
+    tail_start_load_s = sum(c[2] - c[1] for c in in_tail if c[0] == "start_load_kv")
+    lookups = [c for c in tl.between(t_add, t_first, "lookup") if c[3] and c[3][0]]
+    starts = tl.between(steps[admitted][1], t_first, "start_load_kv")
+    done = [c for c in tl.between(t_add, t_first, "get_finished") if any(r == rid or r.startswith(rid + "-")
+                                                                         for r in c[3])]
+    if swaps is not None:
+        copies = [(t0, t1) for t0, t1, _n in swaps if t_add <= t0 <= t_first]
+        prepare = 0.0
+    else:
+        copies = [(c[1], c[2]) for c in tl.between(t_add, t_first, "copy")]
+        prepare = sum(c[2] - c[1] for c in tl.between(t_add, t_first, "prepare_load"))
+    copy_s = sum(t1 - t0 for t0, t1 in copies)
+    ttft = t_first - t_add
+    load_start = starts[0][1] if starts else None
+    load_end = done[0][2] if done else (starts[0][2] if starts else None)
+    return {
+        "ttft_s": ttft,
+        "hit_tokens": lookups[-1][3][0] if lookups else 0,
+        "async": bool(lookups[-1][3][1]) if lookups else None,
+        "steps_to_tail": tail - admitted,  # engine steps between admission and the tail's forward
+        "queue_s": steps[admitted][1] - t_add,
+        "lookup_s": sum(c[2] - c[1] for c in lookups),
+        "load_s": (load_end - load_start) if load_start is not None and load_end is not None else 0.0,
+        "prepare_s": prepare,
+        "copy_s": copy_s,
+        "tail_forward_s": tail_forward_s,
+        "tail_save_s": tail_save_s,
+        "tail_start_load_s": tail_start_load_s,
+        "tail_tokens": of(steps[tail][3][0]),
+        # the model's own forward of the tail: the tail step minus the connector's calls inside it
+        # (a synchronous load's copy runs in start_load_kv, inside that step's execute_model)
+        "tail_model_s": tail_forward_s - tail_save_s - tail_start_load_s,
+        "other_s": ttft - copy_s - (tail_forward_s - tail_save_s - tail_start_load_s),
+        "first_step_to_tail_s": steps[tail][1] - steps[admitted][1],
+    }
+
+
+def summary(runs_by_arm: dict[str, list[dict[str, Any]]]) -> str:
+    def ms(v: float) -> str:
+        return f"{v * 1e3:.1f}"
+
+    def span(runs: list[dict[str, Any]], k: str) -> str:
+        return f"{ms(min(r[k] for r in runs))}–{ms(max(r[k] for r in runs))}"
+
+    header = ("| arm | n | TTFT median (range), ms | TTFT − tail forward median (range), ms | engine steps "
+              "admission→tail | lookup | load shipped→done | prepare (pin/read) | copy | tail forward + sample "
+              "| TTFT − copy − tail forward | hit tokens | same token as cold |")
+    lines = [header, "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    med: dict[str, tuple[float, float]] = {}
+    for arm, runs in runs_by_arm.items():
+        for r in runs:
+            r["path_s"] = r["ttft_s"] - r["tail_model_s"]  # what is not the model's forward of the tail
+        m = {k: statistics.median(r[k] for r in runs) for k in ("ttft_s", "path_s", "lookup_s", "load_s",
+                                                                 "prepare_s", "copy_s", "tail_model_s", "other_s")}
+        med[arm] = (m["ttft_s"], m["path_s"])
+        steps = sorted(r["steps_to_tail"] for r in runs)
+        lines.append(f"| {arm} | {len(runs)} | **{ms(m['ttft_s'])}** ({span(runs, 'ttft_s')}) | **{ms(m['path_s'])}** "
+                     f"({span(runs, 'path_s')}) | {steps[0]}–{steps[-1]} | {ms(m['lookup_s'])} | {ms(m['load_s'])} "
+                     f"| {ms(m['prepare_s'])} | {ms(m['copy_s'])} | {ms(m['tail_model_s'])} | {ms(m['other_s'])} "
+                     f"| {sorted({r['hit_tokens'] for r in runs})} | {all(r['same_token_as_cold'] for r in runs)} |")
+    if "native" in med:
+        lines.append("")
+        lines.extend(f"{arm} / native: median TTFT **{v[0] / med['native'][0]:.2f}×**, median TTFT − tail forward "
+                     f"**{v[1] / med['native'][1]:.2f}×**" for arm, v in med.items() if arm != "native")
+    return "\n".join(lines)
+
+
+class Arm:
+    """A child process holding one arm's engine, answering ``hit`` lines."""
+
+    def __init__(self, args: argparse.Namespace, arm: str) -> None:
+        self.name = arm
+        self.log = open(args.workdir / f"{arm}.log", "wb")  # noqa: SIM115 - closed in close()
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--arm", arm]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.read()  # "ready": engine up, cold prefill and warm-up hits done
+
+    def read(self) -> Any:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("FULLHIT "):
+                body = line[len("FULLHIT "):].strip()
+                return None if body == "ready" else json.loads(body)
+        raise SystemExit(f"the {self.name} engine stopped (exit {self.proc.wait()}); see {self.log.name}")
+
+    def hit(self) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("hit\n")
+        self.proc.stdin.flush()
+        out = self.read()
+        assert isinstance(out, dict)
+        return out
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--workdir", type=Path, required=True)
+    parser.add_argument("--prompt-tokens", type=int, default=4000)
+    parser.add_argument("--repeats", type=int, default=5, help="timed full hits per arm, interleaved")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed full hits per engine first (kernel shapes)")
+    parser.add_argument("--arms", default="kvtier,native,kvtier-async")
+    parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    arms = args.arms.split(",")
+    if any(a not in ARMS for a in arms) or args.repeats < 1 or args.warmup < 0 or \
+            not 256 <= args.prompt_tokens <= 32000:
+        print(f"full_hit.py: --arms takes {', '.join(ARMS)}; --repeats at least 1; --warmup 0 or more; "
+              "--prompt-tokens from 256 to 32000", file=sys.stderr)
+        return 2
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")  # the same cores for every arm
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    if args.arm:
+        child(args)
+        return 0
+    load_before = os.getloadavg()
+    children = []
+    try:
+        for arm in arms:  # one at a time: the cold prefills do not share the cores
+            children.append(Arm(args, arm))
+        load_start = os.getloadavg()
+        runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
+        for r in range(args.repeats):  # interleaved, the order rotated each repeat
+            for child_arm in children[r % len(children):] + children[:r % len(children)]:
+                runs[child_arm.name].append(child_arm.hit() | {"repeat": r, "load_average": os.getloadavg()})
+    finally:
+        for c in children:
+            c.close()
+    out = {"prompt_tokens": args.prompt_tokens, "load_average_before": load_before,
+           "load_average_at_first_hit": load_start, "load_average_after": os.getloadavg(), "runs": runs}
+    (args.workdir / "full_hit.json").write_text(json.dumps(out, indent=1))
+    def fmt(v: Any) -> str:
+        return " / ".join(f"{x:.2f}" for x in v)
+
+    print(f"{args.prompt_tokens}-token prompt, mid geometry, {args.repeats} full hits per arm interleaved; load "
+          f"average {fmt(load_start)} at the first timed hit, {fmt(out['load_average_after'])} after\n")
+    print(summary(runs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
