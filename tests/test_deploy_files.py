@@ -122,7 +122,7 @@ def test_kvtier_audit_reports_nothing_on_any_file_under_deploy_that_configures_v
             continue
         audited += 1
         assert audit(configs) == [], (path, [f.message for f in audit(configs)])
-    assert audited == 3  # local-tiers/vllm.yaml, shared-tier/vllm.yaml, and the Dockerfile's FROM line
+    assert audited == 4  # local-tiers, shared-tier and object-store-tier vllm.yaml, and the Dockerfile's FROM line
 
 
 def test_the_manifests_carry_what_a_graceful_stop_needs():

@@ -169,6 +169,15 @@ CASES: dict[str, tuple[tuple[str, str | None], tuple[str, str | None]]] = {
     "kvtier-redis-password-in-url": ((kvtier_line(redis_url="redis://:s3cr3t-pw@127.0.0.1:6379/0"), V),
                                      (kvtier_line(redis_url="redis://127.0.0.1:6379/0",
                                                   redis_password_env="REDIS_PW"), V)),
+    "kvtier-tier-exposed": ((kvtier_line(tiers=["cpu", "s3"], s3_bucket="kv-cache", s3_allow_http=True,
+                                         s3_endpoint_url="http://10.0.0.5:9000"), V),
+                            (kvtier_line(tiers=["cpu", "s3"], s3_bucket="kv-cache", s3_allow_http=True,
+                                         s3_endpoint_url="http://10.0.0.5:9000",
+                                         shared_secret_file="/etc/kvtier/secret"), V)),
+    "kvtier-credentials-in-serve-line": ((kvtier_line(tiers=["cpu", "s3"], s3_bucket="kv-cache",
+                                                      aws_secret_access_key="wJalrXUtnFEMI-example"), V),
+                                         (kvtier_line(tiers=["cpu", "s3"], s3_bucket="kv-cache",
+                                                      s3_credentials_file="/etc/kvtier/aws"), V)),
     "kvtier-image-without-kvtier": ((pod(image="vllm/vllm-openai:v0.32.0"), V),
                                     (pod(image="vllm/vllm-openai:v0.32.0", install=True), V)),
     "kvtier-no-shutdown-timeout": ((pod(timeout=None), V), (pod(), V)),
@@ -349,3 +358,98 @@ def test_kvtier_environment_of_the_audited_line_or_manifest_applies_as_the_conne
     monkeypatch.setenv("KVTIER_CPU_GB", "3")
     assert invalid(kvtier_line(cpu_gib=1)) == []
     assert os.environ["KVTIER_CPU_GB"] == "3" and "KVTIER_DISK_GIB" not in os.environ
+
+
+S3_HTTP = {"tiers": ["cpu", "s3"], "s3_bucket": "kv-cache", "s3_allow_http": True}
+
+
+def _s3_findings(text: str) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for f in audit(load_configs(text, "t", parse_version(V))):
+        out.setdefault(f.rule, []).append(f.message)
+    return out
+
+
+@pytest.mark.parametrize("endpoint, extra, warned", [
+    ("http://10.0.0.5:9000", {}, True),
+    ("http://minio.storage.svc:9000", {}, True),
+    ("http://minio.storage.svc:9000", {"shared_secret": "0123456789abcdef-inline"}, False),
+    ("https://minio.storage.svc:9000", {}, False),
+    ("http://127.0.0.1:9000", {}, False),
+    ("http://127.9.9.9:9000", {}, False),
+    ("http://localhost:9000", {}, False),
+    ("http://[::1]:9000", {}, False),
+])
+def test_s3_plain_http_beyond_this_host_without_a_secret_is_a_warning(endpoint, extra, warned):
+    found = _s3_findings(kvtier_line(**S3_HTTP, s3_endpoint_url=endpoint, **extra))
+    assert ("kvtier-tier-exposed" in found) is warned, found
+    if warned:
+        (message,) = found["kvtier-tier-exposed"]
+        assert "plain HTTP" in message and "shared_secret" in message
+    assert "kvtier-config-invalid" not in found
+
+
+def test_s3_endpoint_from_the_line_environment_and_tier_settings_is_audited_too():
+    env_line = "KVTIER_S3_ENDPOINT_URL=http://10.0.0.5:9000 " + kvtier_line(**S3_HTTP)
+    assert "kvtier-tier-exposed" in _s3_findings(env_line)
+    nested = kvtier_line(tiers=["cpu", "s3"], tier_settings={"s3": {
+        "s3_bucket": "kv-cache", "s3_allow_http": True, "s3_endpoint_url": "http://10.0.0.5:9000"}})
+    assert "kvtier-tier-exposed" in _s3_findings(nested)
+
+
+@pytest.mark.parametrize("text, where", [
+    (kvtier_line(tiers=["cpu", "s3"], s3_bucket="kv-cache", s3_access_key_id="AKIAEXAMPLEKEY01",
+                 s3_secret_access_key="wJalrXUtnFEMI-example"), "s3_secret_access_key"),
+    (kvtier_line(tiers=["cpu", "s3"], tier_settings={"s3": {"s3_bucket": "kv-cache",
+                                                            "aws_secret_access_key": "wJalrXUtnFEMI-example"}}),
+     "tier_settings.s3.aws_secret_access_key"),
+    (kvtier_line(tiers=["cpu", "s3"], s3_bucket="kv-cache",
+                 s3_endpoint_url="https://AKIAEXAMPLEKEY01:wJalrXUtnFEMI-example@minio.example:9000"),
+     "s3_endpoint_url"),
+    ("AWS_SECRET_ACCESS_KEY=wJalrXUtnFEMI-example " + kvtier_line(tiers=["cpu", "s3"], s3_bucket="kv-cache"),
+     "AWS_SECRET_ACCESS_KEY"),
+])
+def test_s3_credentials_in_the_serve_line_are_an_error_and_never_echoed(text, where):
+    findings = audit(load_configs(text, "t", parse_version(V)))
+    (found,) = [f for f in findings if f.rule == "kvtier-credentials-in-serve-line"]
+    assert found.severity == "error" and where in found.message
+    assert not any("wJalrXUtnFEMI-example" in f.message or "AKIAEXAMPLEKEY01" in f.message for f in findings)
+
+
+def test_s3_credentials_from_a_variable_or_a_secret_reference_are_not_flagged():
+    line = 'AWS_SECRET_ACCESS_KEY="$AWS_SECRET" ' + kvtier_line(tiers=["cpu", "s3"], s3_bucket="kv-cache")
+    assert "kvtier-credentials-in-serve-line" not in _s3_findings(line)
+    manifest = _manifest(kvtier_line(tiers=["cpu", "s3"], s3_bucket="kv-cache"),
+                         [{"name": "AWS_SECRET_ACCESS_KEY", "valueFrom": {"secretKeyRef": {"name": "s3", "key": "k"}}}])
+    assert "kvtier-credentials-in-serve-line" not in _s3_findings(manifest)
+    literal = _manifest(kvtier_line(tiers=["cpu", "s3"], s3_bucket="kv-cache"),
+                        [{"name": "AWS_SECRET_ACCESS_KEY", "value": "wJalrXUtnFEMI-example"}])
+    assert "kvtier-credentials-in-serve-line" in _s3_findings(literal)
+
+
+def _check(**extra: object) -> list[tuple[str, str, str]]:
+    from kvtier.integrations.vllm.preflight import check_transfer_config
+
+    cfg = {"kv_connector": "KVTierConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+           "kv_connector_module_path": "kvtier.integrations.vllm", "kv_connector_extra_config": extra}
+    return [(p.severity, p.key, p.message) for p in check_transfer_config(cfg, host_checks=False)]
+
+
+def test_kvtier_check_warns_on_plain_http_beyond_this_host_and_refuses_credential_keys():
+    """kvtier check runs the same pre-flight: the tier's advice is a warning, a credential key an error."""
+    (warning,) = _check(**S3_HTTP, s3_endpoint_url="http://10.0.0.5:9000")
+    assert warning[0] == "warning" and warning[1].endswith("s3_endpoint_url") and "plain HTTP" in warning[2]
+    assert _check(**S3_HTTP, s3_endpoint_url="http://127.0.0.1:9000") == []
+    leaked = _check(**S3_HTTP, aws_secret_access_key="wJalrXUtnFEMI-example")
+    assert [p[0] for p in leaked] == ["error"] and "credential" in leaked[0][2]
+    assert "AWS_SECRET_ACCESS_KEY" in leaked[0][2] and "wJalrXUtnFEMI-example" not in leaked[0][2]
+    nested = _check(tiers=["cpu", "s3"], tier_settings={"s3": {"s3_bucket": "kv-cache",
+                                                               "aws_secret_access_key": "wJalrXUtnFEMI-example"}})
+    assert any(p[0] == "error" and "credential" in p[2] for p in nested)
+    assert not any("wJalrXUtnFEMI-example" in p[2] for p in nested)
+
+
+def test_a_misspelt_tier_settings_key_gets_the_closest_one():
+    found = _check(tiers=["cpu", "s3"], tier_settings={"s3": {"s3_bucket": "kv-cache", "s3_bukcet": "x"}})
+    (error,) = [p for p in found if p[0] == "error"]
+    assert "did you mean 's3_bucket'?" in error[2] and "tier_settings.s3.s3_bukcet" in error[2]

@@ -110,9 +110,24 @@ def test_bench_store_s3_rows_against_a_real_server(tmp_path, s3_server):
     (["--s3-only"], "--s3-bucket"),
     (["--s3-in-flight", "0"], "--s3-in-flight"),
     (["--s3-only", "--redis-only", "--s3-bucket", "b", "--redis-url", "redis://127.0.0.1:1/0"], "exclude each other"),
-    (["--s3-bucket", "kvcache", "--s3-endpoint-url", "http://127.0.0.1:9", "--s3-only"], "s3_allow_http"),
+    (["--s3-bucket", "kvcache", "--s3-endpoint-url", "http://127.0.0.1:9", "--s3-only"], "set --s3-allow-http"),
+    (["--s3-bucket", "kvcache", "--s3-endpoint-url", "ftp://127.0.0.1:9", "--s3-only"],
+     "--s3-endpoint-url must start with https://"),
 ])
 def test_bench_store_s3_bad_input_is_one_line_error(args, needle):
     result = CliRunner().invoke(app, ["bench-store", *args])
     assert result.exit_code == 2
     assert needle in result.output and "Traceback" not in result.output
+    assert "s3_allow_http" not in result.output and "s3_endpoint_url" not in result.output  # the flags typed
+
+
+def test_bench_store_s3_on_a_dead_endpoint_says_unreachable(s3_factory, monkeypatch):
+    server = s3_factory()
+    url = server.url
+    server.kill9()
+    for name, value in server.env().items():
+        monkeypatch.setenv(name, value)
+    result = CliRunner().invoke(app, ["bench-store", "--s3-only", "--s3-bucket", "kvcache", "--s3-endpoint-url", url,
+                                      "--s3-allow-http", "--sizes", "1", "--total-mib", "4", "--s3-in-flight", "1"])
+    assert result.exit_code == 2 and "failed: unreachable" in result.output, result.output
+    assert "Traceback" not in result.output and result.output.count("\n") == 1

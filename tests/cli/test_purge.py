@@ -71,7 +71,8 @@ def test_all_removes_everything_and_no_selector_is_refused(disk_dir):
     (("--disk-path", "{tmp}", "--older-than", "a week"), "is not a duration"),
     (("--disk-path", "{tmp}", "--namespace", "abc"), "32 hex digits"),
     (("--disk-path", "{tmp}", "--salt", ""), "--salt is empty"),
-    (("--redis-url", "http://x:6379", "--all"), "redis_url must start with redis://"),
+    (("--redis-url", "http://x:6379", "--all"), "error: --redis-url must start with redis://"),  # the flag typed, not the key
+    (("--s3-bucket", "kv-cache", "--s3-endpoint-url", "ftp://x:9000", "--all"), "error: --s3-endpoint-url must start"),
 ])
 def test_bad_input_is_one_sentence_and_exit_2(tmp_path, args, phrase):
     result = invoke(*(a.replace("{tmp}", str(tmp_path)) for a in args))

@@ -29,13 +29,14 @@ from .test_doctor import AFTER, BEFORE, doctor
 
 
 class Server:
-    """One engine as /metrics shows it: a worker rank's store and the scheduler's lookups on Redis,
-    exported through the connector's KVTierPromMetrics."""
+    """One engine as /metrics shows it: a worker rank's store and the scheduler's lookups on a shared
+    tier (``settings``: its keys), exported through the connector's KVTierPromMetrics; ``series``:
+    the prefixes of the lines :meth:`metrics` keeps."""
 
-    def __init__(self, url: str, prefix: str) -> None:
+    def __init__(self, settings: dict[str, object], series: tuple[str, ...] = ("kvtier_shared_", "kvtier_redis_")) -> None:
         config = KVTierConfig.from_dict({"chunk_tokens": CHUNK_TOKENS, "cpu_gib": 64 * CHUNK_BYTES / 2**30,
-                                         "redis_url": url, "redis_key_prefix": prefix, "shared_deadline_s": 2.0,
-                                         "redis_timeout_s": 2.0, "redis_breaker_probe_s": 600.0})
+                                         "shared_deadline_s": 2.0, **settings})
+        self.series = series
         namespace = dataclasses.replace(NS, tp_size=1, tp_rank=0)
         self.store = TieredStore(config, namespace, CHUNK_BYTES, 1)
         self.lookups = RemoteLookups(config)
@@ -70,7 +71,12 @@ class Server:
         self.prom.observe(stats.data, 0)
         text = generate_latest(self.registry).decode()
         return "".join(line + "\n" for line in text.splitlines()
-                       if any(name in line for name in ("kvtier_shared_", "kvtier_redis_")))
+                       if any(name in line for name in self.series))
+
+    def read_back(self, chain) -> None:
+        """Drop the top tier and read ``chain`` again: it comes back from the shared tier."""
+        self.store.clear([self.store.cpu.name])
+        assert len(self.store.get(chain)) == len(chain)
 
     def close(self) -> None:
         self.lookups.close()
@@ -79,7 +85,8 @@ class Server:
 
 def test_doctor_reports_the_shared_tier_and_an_open_breaker(redis_factory, key_prefix, tmp_path):
     server = redis_factory()
-    engine = Server(server.url, key_prefix)
+    engine = Server({"redis_url": server.url, "redis_key_prefix": key_prefix, "redis_timeout_s": 2.0,
+                     "redis_breaker_probe_s": 600.0})
     try:
         engine.save(chain_of(40, 4))
         before = BEFORE + engine.metrics()

@@ -232,3 +232,31 @@ def test_recommend_skips_a_swept_0_and_announces_its_extra_replays(trace_file):
     assert "extra replay with cpu 0.25 GiB" in text or "(extra replays)" in text, result.output
     announced = text.index("sizing a disk tier: up to ")
     assert announced < text.index(" disk ", announced), result.output
+
+
+def test_the_shared_tier_is_modeled_from_its_registry_record(tmp_path, trace_file):
+    """--shared-tier picks the bandwidth and latency defaults of a registered shared tier (TierSpec.model):
+    the s3 tier's first-byte latency (100 ms per request served) saves less than Redis's 0.5 ms."""
+    from kvtier.core.tiers.registry import spec
+
+    args = ("--trace", str(trace_file), "--kv-bytes-per-token", str(KV_PER_TOKEN), "--engine-gib", "0",
+            "--cpu-gib", "0.25", "--shared-gib", "1", "--policy", "lru", "--workers", "1")
+    saved = {}
+    for tier in ("redis", "s3"):
+        out = tmp_path / f"{tier}.json"
+        result = run(*args, "--shared-tier", tier, "--json", str(out))
+        assert result.exit_code == 0, result.output
+        model = spec(tier).model
+        assert model is not None
+        assert f"shared tier modeled as {tier}: {model.gb_per_s:g} GB/s, {model.latency_ms:g} ms" in \
+            " ".join(result.output.split())
+        row = json.loads(out.read_text())["rows"][0]
+        assert row["tier_hit_ratio"]["shared"] > 0
+        saved[tier] = row["saved_s"]
+    assert saved["s3"] < saved["redis"]
+    same = tmp_path / "same.json"
+    given = run(*args, "--shared-tier", "s3", "--shared-latency-ms", "0.5", "--json", str(same))
+    assert given.exit_code == 0 and "as given" in given.output
+    assert json.loads(same.read_text())["rows"][0]["saved_s"] == pytest.approx(saved["redis"])
+    bad = run(*args, "--shared-tier", "s4")
+    assert bad.exit_code == 2 and "--shared-tier must be one of redis, s3, got 's4'" in bad.output

@@ -172,7 +172,8 @@ def test_a_redis_url_the_connector_refuses_is_refused_before_any_recipe(url):
     """The recipe's redis_url passes the connector's own rule, so `kvtier check` accepts what `size`
     prints (second fresh-eyes pass: port 99999 went into the recipe, exit 0)."""
     result = run("--model", "meta-llama/Llama-3.1-8B", "--gpu", "H100", "--offload-gib", "10", "--redis-url", url)
-    assert result.exit_code == 2 and "--redis-url: redis_url's" in result.output and "{" not in result.output
+    assert result.exit_code == 2 and "error: --redis-url's" in result.output and "{" not in result.output
+    assert "redis_url" not in result.output  # the flag the user typed, not the config key
 
 
 @pytest.mark.parametrize("path", ["", "relative/dir"])
@@ -180,3 +181,52 @@ def test_a_disk_path_that_is_not_absolute_is_refused(path):
     result = run("--model", "meta-llama/Llama-3.1-8B", "--gpu", "H100", "--offload-gib", "100", "--host-ram-gib",
                  "20", "--disk-path", path)
     assert result.exit_code == 2 and "--disk-path must be an absolute directory" in result.output
+
+
+def test_s3_bucket_adds_the_object_store_tier_with_its_modeled_chunk_load():
+    """The recipe names the bucket and endpoint (never a credential), expires objects without a cap, and
+    models one chunk's load from the tier's registry record (latency + bytes / bandwidth)."""
+    from kvtier.core.config import KVTierConfig
+    from kvtier.core.tiers.registry import settings_keys, spec
+    from kvtier.integrations.vllm.preflight import check_transfer_config
+
+    result = run("--model", "meta-llama/Llama-3.1-8B", "--offload-gib", "64", "--s3-bucket", "kv-cache",
+                 "--s3-endpoint-url", "https://minio.example:9000", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    recipe = report["recipe"]
+    transfer = json.loads(recipe["kvtier"].split("--kv-transfer-config ", 1)[1].strip("'"))
+    extra = transfer["kv_connector_extra_config"]
+    assert extra["s3_bucket"] == "kv-cache" and extra["s3_endpoint_url"] == "https://minio.example:9000"
+    assert extra["s3_ttl_s"] == 7 * 86400 and extra["shared_secret_file"] and "s3_capacity_gib" not in extra
+    assert not any("key" in k and "access" in k for k in extra)
+    KVTierConfig.from_dict(extra)  # a config the connector accepts
+    assert [p for p in check_transfer_config(transfer, host_checks=False) if p.severity == "error"] == []
+    model = spec(settings_keys()["s3_bucket"]).model
+    assert model is not None
+    chunk_bytes = 128 * report["kv_bytes_per_token"]
+    assert recipe["object_store_chunk_ms"] == pytest.approx(model.latency_ms + chunk_bytes / model.gb_per_s / 1e6,
+                                                            abs=0.1)
+    assert "lifecycle rules" in recipe["object_store"] and "AWS_SECRET_ACCESS_KEY" in recipe["object_store"]
+    capped = run("--model", "meta-llama/Llama-3.1-8B", "--offload-gib", "64", "--s3-bucket", "kv-cache",
+                 "--s3-capacity-gib", "2048", "--json")
+    extra = json.loads(json.loads(capped.stdout)["recipe"]["kvtier"].split("--kv-transfer-config ", 1)[1]
+                       .strip("'"))["kv_connector_extra_config"]
+    assert extra["s3_capacity_gib"] == 2048 and "s3_ttl_s" not in extra and "s3_endpoint_url" not in extra
+    text = run("--model", "meta-llama/Llama-3.1-8B", "--offload-gib", "64", "--s3-bucket", "kv-cache")
+    assert "object-store tier: the bucket" in text.output and "modeled: one chunk" in text.output
+
+
+@pytest.mark.parametrize("args, words", [
+    (("--s3-bucket", "KV_Cache"), "--s3-bucket"),
+    (("--s3-bucket", "kv-cache", "--s3-endpoint-url", "ftp://minio:9000"), "--s3-endpoint-url must start with"),
+    (("--s3-bucket", "kv-cache", "--s3-endpoint-url", "https://AKIAEXAMPLE:wJalrXUtnFEMI@minio:9000"),
+     "--s3-endpoint-url must not carry credentials"),
+    (("--s3-bucket", "kv-cache", "--s3-capacity-gib", "-1"), "--s3-capacity-gib"),
+    (("--s3-capacity-gib", "100"), "need --s3-bucket"),
+])
+def test_bad_s3_flags_are_one_sentence_naming_the_flag(args, words):
+    result = run("--model", "meta-llama/Llama-3.1-8B", "--offload-gib", "10", *args)
+    assert result.exit_code == 2 and words in result.output and "Traceback" not in result.output
+    assert "wJalrXUtnFEMI" not in result.output and "s3_endpoint_url" not in result.output
+    assert "s3_capacity_gib" not in result.output and "s3_allow_http" not in result.output

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from kvtier.cli.errors import fail
+from kvtier.cli.errors import fail, flag_names
 
 MIN_CHUNK_MIB = 0.004  # 4 KiB: one OS page
 MAX_CHUNK_MIB = 1024.0
@@ -161,10 +161,18 @@ def _s3_rows(settings: dict[str, object], chunk_mibs: list[float], total_mib: fl
             for n in in_flights:
                 rows += bench_s3(settings, mib, total_mib, repeats, n)
     except ConfigError as exc:
-        fail(str(exc))
+        fail(flag_names(str(exc), S3_FLAG_KEYS).rstrip(".") + ".")
     except RuntimeError as exc:
         fail(f"the s3 benchmark on bucket {settings['s3_bucket']} failed: {exc}; check the server and credentials")
     except Exception as exc:  # noqa: BLE001 - obstore's errors (unreachable, 403, no such bucket): one sentence
-        fail(f"the s3 benchmark on bucket {settings['s3_bucket']} failed: {type(exc).__name__}: "
-             f"{str(exc).splitlines()[0][:200]}")
+        from kvtier.core.tiers.s3client import describe_failure
+        from kvtier.core.tiers.s3settings import S3Settings
+
+        state, detail = describe_failure(exc, S3Settings(**settings), 1.0)  # type: ignore[arg-type]
+        fail(flag_names(f"the s3 benchmark on bucket {settings['s3_bucket']} failed: {state}: {detail}; check "
+                        "--s3-endpoint-url, that the server is up and the credentials", S3_FLAG_KEYS))
     return rows
+
+
+S3_FLAG_KEYS = ("s3_bucket", "s3_endpoint_url", "s3_region", "s3_allow_http", "s3_credentials_file")
+"""The s3 settings bench-store takes as flags (its errors name the flags)."""

@@ -11,7 +11,7 @@ import typer
 from kvtier.cli.errors import fail
 from kvtier.core.errors import UserError
 
-HELP = """Check a running vLLM server: prefix-cache hit rate, external (offload) hit rate, TTFT p50/p99, the offload size vLLM actually allocated, and kvtier's shared tier (redis: hit rate, circuit breaker, skipped writes), then give a verdict.
+HELP = """Check a running vLLM server: prefix-cache hit rate, external (offload) hit rate, TTFT p50/p99, the offload size vLLM actually allocated, and each of kvtier's shared tiers (redis, s3: hit rate, read latency, circuit breaker, skipped writes), then give a verdict.
 
 Scrapes URL/metrics twice, --interval seconds apart (run it while traffic flows), and compares the offload size with --expect-offload-gib (GiB, total across TP ranks): vLLM's --kv-offloading-size from vllm:cache_config_info, or for kvtier the sum of its tiers (cpu + disk, from kvtier_capacity_bytes), each tier also reported alone with what it holds and the prompt tokens it served. Exit code 1 when the verdict is "problem".
 
@@ -27,6 +27,8 @@ Examples:
 
 def _print_text(url: str, meters, alloc, diagnosis, expect_gib: float | None) -> None:  # type: ignore[no-untyped-def]
     from rich.console import Console
+
+    from kvtier.doctor.verdict import shared_summary
 
     def pct(x: float | None) -> str:
         return "-" if x is None else f"{x:.1%}"
@@ -51,11 +53,8 @@ def _print_text(url: str, meters, alloc, diagnosis, expect_gib: float | None) ->
         loaded = meters.loaded_tokens_by_tier.get(tier)
         served = "" if loaded is None else f"; served {loaded:,.0f} prompt tokens"
         console.print(f"    kvtier {tier:<5}         {capacity:g} GiB, {alloc.used_gib.get(tier, 0.0):.3g} GiB held{served}")
-    shared = meters.shared
-    if shared is not None:
-        console.print(f"  shared tier (redis)     hit rate {pct(shared.hit_rate)}  ({shared.hit_chunks:,.0f} / "
-                      f"{shared.lookup_chunks:,.0f} chunks asked); breaker {shared.breaker}; "
-                      f"{shared.skipped_writes:,.0f} writes skipped, {shared.errors:,.0f} failed calls")
+    for shared in meters.shared_tiers:
+        console.print(f"  {'shared tier (' + shared.tier + ')':<23} {shared_summary(shared)}; breaker {shared.breaker}")
     style = {"ok": "green", "warning": "yellow", "problem": "bold red"}
     for check in diagnosis.checks:
         console.print(f"  [{style[check.level]}]{check.level:<8}[/] {check.message}")
@@ -146,6 +145,13 @@ def doctor_command(
                 "skipped_lookups": meters.shared.skipped_lookups, "errors": meters.shared.errors,
                 "skipped_calls": meters.shared.skipped_calls, "skipped_writes": meters.shared.skipped_writes,
                 "breaker": meters.shared.breaker, "breaker_state": meters.shared.breaker_state},
+            "shared_tiers": {t.tier: {
+                "hit_rate": t.hit_rate if t.asked else None, "lookup_chunks": t.lookup_chunks,
+                "hit_chunks": t.hit_chunks, "timed_out_lookups": t.timed_out_lookups, "errors": t.errors,
+                "skipped_calls": t.skipped_calls, "skipped_writes": t.skipped_writes, "reads": t.reads,
+                "read_latency_s": t.read_latency_s, "read_gib_per_s": t.read_gib_per_s,
+                "loaded_tokens": t.loaded_tokens, "breaker": t.breaker, "breaker_state": t.breaker_state}
+                for t in meters.shared_tiers},
             "pins": None if meters.pins is None else {
                 "pinned_chunks": meters.pins.chunks, "pinned_bytes": meters.pins.bytes,
                 "refused_chunks": meters.pins.refused},

@@ -7,7 +7,9 @@ graph), so library packages never import the CLI.
 from __future__ import annotations
 
 import os
+import re
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import NoReturn
 
@@ -44,3 +46,18 @@ def make_output_dir(path: Path, option: str) -> None:
         fail(f"{option} {path} cannot be created ({exc.strerror}); pass a directory path you can write to")
     if not os.access(path, os.W_OK | os.X_OK):
         fail(f"{option} {path} is not writable; pass a directory you can write to")
+
+
+def flag_names(message: str, keys: Iterable[str]) -> str:
+    """``message`` with each configuration key of ``keys`` written as the flag the user typed
+    (``s3_endpoint_url`` -> ``--s3-endpoint-url``): the user gave flags, not keys.  The
+    configuration's framing (``kvtier config field 'k': ...; fix the value of 'k'``) is dropped:
+    the sentence then names the flag once."""
+    for key in sorted(keys, key=len, reverse=True):
+        message = re.sub(rf"(?<![\w-]){re.escape(key)}(?!\w)", "--" + key.replace("_", "-"), message)
+    message = re.sub(r"(--[\w-]+): true\b", r"\1", message).removeprefix("kvtier config field ")
+    framed = re.match(r"'(--[\w-]+)': (.*?)(?:; fix the value of '\1')?$", message, re.DOTALL)
+    if framed is not None:
+        flag, rest = framed.groups()
+        message = rest if rest.startswith(flag) else f"{flag}: {rest}"
+    return message

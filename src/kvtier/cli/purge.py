@@ -8,12 +8,12 @@ from typing import Any
 
 import typer
 
-from kvtier.cli.errors import fail
+from kvtier.cli.errors import fail, flag_names
 from kvtier.core.errors import UserError
 
-HELP = """Remove stored KV chunks from a disk tier's directory (--disk-path) and/or a Redis/Valkey server or Cluster (--redis-url), selected by namespace, cache_salt, LoRA adapter or age. Safe under a live engine: a purged chunk is never served (the engine reads it as a miss and recomputes); a live engine may still report it as a hit for a bounded time (docs/purge.md).
+HELP = """Remove stored KV chunks from a disk tier's directory (--disk-path), a Redis/Valkey server or Cluster (--redis-url) and/or an S3 bucket (--s3-bucket, with --s3-endpoint-url for MinIO, Ceph RGW or R2; credentials from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or --s3-credentials-file), selected by namespace, cache_salt, LoRA adapter or age. Safe under a live engine: a purged chunk is never served (the engine reads it as a miss and recomputes); a live engine may still report it as a hit for a bounded time (docs/purge.md).
 
-Selectors (a chunk must match every one given): --namespace HEX (repeatable; the 32-hex-digit directory names under disk_path; a dry run lists them), --older-than DURATION (written more than that long ago: a file's modification time on disk; redis_ttl_s minus the key's remaining PTTL on Redis, so give --redis-ttl-s if the engines do not use the default), --salt SALT (the requests' cache_salt), --lora NAME (the LoRA adapter's name). --salt and --lora match only chunks saved with a tenant record (kvtier from this version on, disk tier only): older files and every Redis value are left alone and counted as "unknown tenant". Without any selector, purge refuses unless --all is given.
+Selectors (a chunk must match every one given): --namespace HEX (repeatable; the 32-hex-digit directory names under disk_path; a dry run lists them), --older-than DURATION (written more than that long ago: a file's modification time on disk; an object's Last-Modified on S3; redis_ttl_s minus the key's remaining PTTL on Redis, so give --redis-ttl-s if the engines do not use the default), --salt SALT (the requests' cache_salt), --lora NAME (the LoRA adapter's name). --salt and --lora match only chunks saved with a tenant record (kvtier from this version on, disk tier only): older files and every Redis or S3 value are left alone and counted as "unknown tenant". Without any selector, purge refuses unless --all is given.
 
 --dry-run prints what would go (chunks and bytes per tier and namespace) and removes nothing; without it the same numbers are what was removed. --json prints them as JSON. Exit code 0 when done, 1 when some chunk could not be read or removed or a server did not answer, 2 on bad input.
 
@@ -31,17 +31,17 @@ Examples:
 """
 
 
-def _config(disk_path: str | None, redis: dict[str, Any]) -> tuple[Any, set[str]]:
+def _config(disk_path: str | None, targets: dict[str, Any]) -> tuple[Any, set[str]]:
     """The kvtier configuration of the targets given on the command line, and the keys given."""
     from kvtier.core.config import KVTierConfig
 
-    values: dict[str, Any] = {k: v for k, v in redis.items() if v is not None}
+    values: dict[str, Any] = {k: v for k, v in targets.items() if v is not None}
     if disk_path is not None:
         values["disk_path"] = disk_path
     try:
         return KVTierConfig.from_dict(values), set(values)
     except UserError as exc:
-        fail(f"{exc}".rstrip(".") + " (given as the matching --option).")
+        fail(flag_names(str(exc), [*targets, "disk_path"]).rstrip(".") + ".")
 
 
 def purge_command(
@@ -58,6 +58,15 @@ def purge_command(
                                                 help="The engines' redis_key_prefix (default kvtier:)."),
     redis_ttl_s: int | None = typer.Option(None, "--redis-ttl-s",
                                            help="The engines' redis_ttl_s, for --older-than (default 86400)."),
+    s3_bucket: str | None = typer.Option(None, "--s3-bucket", metavar="BUCKET", help="The s3 tier's bucket (its s3_bucket)."),
+    s3_endpoint_url: str | None = typer.Option(None, "--s3-endpoint-url", metavar="URL",
+                                               help="https:// URL of an S3-compatible server (unset: AWS S3)."),
+    s3_region: str | None = typer.Option(None, "--s3-region", help="The bucket's region (default us-east-1)."),
+    s3_key_prefix: str | None = typer.Option(None, "--s3-key-prefix", help="The engines' s3_key_prefix (default kvtier/)."),
+    s3_allow_http: bool = typer.Option(False, "--s3-allow-http", help="Allow a plain http:// --s3-endpoint-url."),
+    s3_credentials_file: str | None = typer.Option(None, "--s3-credentials-file", metavar="FILE",
+                                                   help="AWS credentials file (else AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY "
+                                                   "or the AWS chain)."),
     namespace: list[str] = typer.Option([], "--namespace", metavar="HEX", help="Namespace digest, 32 hex digits (repeatable)."),
     older_than: str | None = typer.Option(None, "--older-than", metavar="DURATION", help="Only chunks written longer ago: 90s, 30m, 12h, 7d."),
     salt: str | None = typer.Option(None, "--salt", metavar="SALT", help="Only chunks saved for requests with this cache_salt."),
@@ -68,8 +77,12 @@ def purge_command(
 ) -> None:
     from kvtier.core.purge import PurgeFailed, PurgeSelector, parse_duration, parse_namespace, purge
 
-    if disk_path is None and redis_url is None:
-        fail("give a target to purge: --disk-path DIR (the disk tier's directory) and/or --redis-url URL.")
+    if s3_bucket is None and (s3_endpoint_url or s3_key_prefix is not None or s3_credentials_file or s3_region):
+        fail("--s3-endpoint-url, --s3-region, --s3-key-prefix and --s3-credentials-file need --s3-bucket BUCKET "
+             "(the bucket the engines use).")
+    if disk_path is None and redis_url is None and s3_bucket is None:
+        fail("give a target to purge: --disk-path DIR (the disk tier's directory), --redis-url URL and/or "
+             "--s3-bucket BUCKET.")
     if disk_path is not None and not disk_path.strip():
         fail("--disk-path is empty; give the disk tier's directory (its disk_path).")
     if redis_url is not None and not redis_url.strip():
@@ -88,15 +101,18 @@ def purge_command(
     if not selector.selects_anything and not purge_all:
         fail("no selector given, which would remove every chunk; add --namespace, --older-than, --salt or --lora, "
              "or pass --all to remove everything.")
-    config, given = _config(disk_path, {"redis_url": redis_url, "redis_cluster": redis_cluster or None,
+    targets = {"redis_url": redis_url, "redis_cluster": redis_cluster or None,
                                  "redis_password_env": redis_password_env, "redis_password_file": redis_password_file,
                                  "redis_tls_ca_file": redis_tls_ca_file, "redis_key_prefix": redis_key_prefix,
-                                 "redis_ttl_s": redis_ttl_s})
+                                 "redis_ttl_s": redis_ttl_s, "s3_bucket": s3_bucket, "s3_endpoint_url": s3_endpoint_url,
+                                 "s3_region": s3_region, "s3_key_prefix": s3_key_prefix,
+                                 "s3_allow_http": s3_allow_http or None, "s3_credentials_file": s3_credentials_file}
+    config, given = _config(disk_path, targets)
     try:
         # only the targets named on the command line: a KVTIER_* variable must not add one
         results = purge(config, selector, dry_run, given)
     except UserError as exc:
-        fail(str(exc).rstrip(".") + ".")
+        fail(flag_names(str(exc), [*targets, "disk_path"]).rstrip(".") + ".")
     except PurgeFailed as exc:
         fail(str(exc).rstrip(".") + ".", 1)
     problems = [p for r in results for p in r.problems]

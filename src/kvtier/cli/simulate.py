@@ -45,8 +45,11 @@ def register(app: typer.Typer) -> None:
         cpu_pct: str | None = typer.Option(None, "--cpu-pct", help="Instead of --cpu-gib: capacities as % of the "
                                            "trace's distinct chunks (e.g. 1,2,5,10,20,50,100)."),
         disk_gib: float = typer.Option(0.0, "--disk-gib", help="Disk tier capacity, GiB (0: none)."),
-        shared_gib: float = typer.Option(0.0, "--shared-gib", help="Shared (Redis/Valkey) tier capacity, GiB "
-                                         "(0: none)."),
+        shared_gib: float = typer.Option(0.0, "--shared-gib", help="Shared tier capacity, GiB (0: none): Redis/Valkey "
+                                         "maxmemory, or the s3 tier's s3_capacity_gib."),
+        shared_tier: str | None = typer.Option(None, "--shared-tier", help="Which shared tier --shared-gib models: "
+                                               "its bandwidth and latency defaults (redis: 1.25 GB/s, 0.5 ms; s3: "
+                                               "1.25 GB/s, 100 ms first byte). Default: the first registered."),
         disk_admission: str = typer.Option("all", "--disk-admission", help="all, or reused: the disk takes only "
                                            "chunks the cpu tier served."),
         shared_admission: str = typer.Option("all", "--shared-admission", help="all or reused, for the shared tier."),
@@ -64,11 +67,11 @@ def register(app: typer.Typer) -> None:
                                                    help="Prefill throughput, tokens/s (see docs/simulate.md)."),
         cpu_gb_per_s: float = typer.Option(64.0, "--cpu-gb-per-s", help="CPU→GPU bandwidth, GB/s (PCIe Gen5 x16)."),
         disk_gb_per_s: float = typer.Option(7.0, "--disk-gb-per-s", help="Disk read bandwidth, GB/s (Gen4 NVMe)."),
-        shared_gb_per_s: float = typer.Option(1.25, "--shared-gb-per-s", help="Shared tier bandwidth, GB/s "
-                                              "(10 Gb/s Ethernet)."),
+        shared_gb_per_s: float | None = typer.Option(None, "--shared-gb-per-s", help="Shared tier bandwidth, GB/s "
+                                                     "(default: --shared-tier's, 10 Gb/s Ethernet)."),
         disk_latency_ms: float = typer.Option(0.1, "--disk-latency-ms", help="Disk latency per request served, ms."),
-        shared_latency_ms: float = typer.Option(0.5, "--shared-latency-ms", help="Shared tier latency per request "
-                                                "served, ms."),
+        shared_latency_ms: float | None = typer.Option(None, "--shared-latency-ms", help="Shared tier latency per "
+                                                       "request served, ms (default: --shared-tier's)."),
         workers: int = typer.Option(0, "--workers", help="Processes (0: one per CPU core)."),
     ) -> None:
         """Replay a trace through the engine's prefix cache, a cpu tier and a disk tier, and report
@@ -106,6 +109,16 @@ def register(app: typer.Typer) -> None:
         policies = tuple(p.strip() for p in policy.split(",") if p.strip())
         if not policies:
             fail("--policy lists no policy; give e.g. lru,default,belady")
+        from kvtier.core.tiers.registry import modeled_tiers
+
+        models = {spec.name: spec.model for spec in modeled_tiers() if spec.model is not None}
+        name = shared_tier if shared_tier is not None else next(iter(models), None)
+        if name not in models:
+            fail(f"--shared-tier must be one of {', '.join(models) or '(none registered)'}, got {shared_tier!r}")
+        assert name is not None
+        shared_model = models[name]
+        shared_gb_per_s = shared_model.gb_per_s if shared_gb_per_s is None else shared_gb_per_s
+        shared_latency_ms = shared_model.latency_ms if shared_latency_ms is None else shared_latency_ms
         try:
             check_policies(policies)
             rates = Throughputs(prefill_tokens_per_s, cpu_gb_per_s, disk_gb_per_s, shared_gb_per_s, 0.0,
@@ -131,6 +144,11 @@ def register(app: typer.Typer) -> None:
                       f"({requests.num_unique_chunks:,} distinct)")
         console.print(f"{requests.block_tokens} tokens × {per_token:,} B = {spec.chunk_bytes / 2**20:,.1f} MiB "
                       f"per chunk; replayed in {elapsed:.1f} s")
+        if shared_gib > 0:
+            defaults = (shared_gb_per_s, shared_latency_ms) == (shared_model.gb_per_s, shared_model.latency_ms)
+            console.print(f"shared tier modeled as {name}: {shared_gb_per_s:g} GB/s, {shared_latency_ms:g} ms per "
+                          f"request served ({shared_model.source if defaults else 'as given'})",
+                          markup=False, highlight=False)
         print_report(console, result, rates)
         if shared_gib > 0 and shared_admission != "all":  # a what-if: the connector's config refuses it
             console.print(f"note: --shared-admission {shared_admission} models a policy kvtier does not run: its "

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import typer
 
-from kvtier.cli.errors import fail
+from kvtier.cli.errors import fail, flag_names
 from kvtier.core.errors import UserError
+
+if TYPE_CHECKING:
+    from kvtier.size.recipe import ObjectStore
 
 HELP = """Size the KV cache of a model and the offload tier it needs.
 
@@ -98,7 +102,8 @@ def _print_text(report, recipe, weights_note: str) -> None:  # type: ignore[no-u
         console.print(f"- {note}", highlight=False)
     if recipe is not None:
         for title, text in (("kvtier connector", recipe.kvtier), ("vLLM native", recipe.vllm_native),
-                            ("LMCache", recipe.lmcache), ("shared tier: Redis server", recipe.redis)):
+                            ("LMCache", recipe.lmcache), ("shared tier: Redis server", recipe.redis),
+                            ("object-store tier: the bucket", recipe.object_store)):
             if text is None:
                 continue
             console.print(f"\n[bold]{title}[/bold]")
@@ -123,6 +128,12 @@ def size_command(
     chunk_tokens: int = typer.Option(128, "--chunk-tokens", help="kvtier chunk size in tokens."),
     redis_url: str | None = typer.Option(None, "--redis-url", help="Add a shared Redis/Valkey tier on this URL to "
                                          "the kvtier recipe and size the server (docs/shared-tier.md)."),
+    s3_bucket: str | None = typer.Option(None, "--s3-bucket", help="Add the object-store tier on this bucket to the "
+                                         "kvtier recipe, with its modeled load time per chunk (docs/s3.md)."),
+    s3_endpoint_url: str | None = typer.Option(None, "--s3-endpoint-url", help="With --s3-bucket: an S3-compatible "
+                                               "server (MinIO, Ceph RGW, R2), https://host[:port]; unset: AWS S3."),
+    s3_capacity_gib: float | None = typer.Option(None, "--s3-capacity-gib", help="With --s3-bucket: cap on the "
+                                                 "cache's objects, GiB (unset: objects expire after a week)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
     list_presets: bool = typer.Option(False, "--list-presets", help="List the built-in model presets and exit."),
 ) -> None:
@@ -176,8 +187,10 @@ def size_command(
             try:
                 RedisSettings(redis_url=redis_url)
             except ValidationError as exc:
-                raise UserError("--redis-url: " + str(exc.errors()[0]["msg"]).removeprefix("Value error, ")
-                                + ".") from None
+                message = flag_names(str(exc.errors()[0]["msg"]).removeprefix("Value error, "), ["redis_url"])
+                raise UserError(f"{message}." if message.startswith("--redis-url") else f"--redis-url: {message}.") \
+                    from None
+        store = _object_store(s3_bucket, s3_endpoint_url, s3_capacity_gib, chunk_tokens * report.kv_bytes_per_token)
         if not disk_path.startswith("/"):
             raise UserError(f"--disk-path must be an absolute directory on the serving host, got {disk_path!r}.")
     except UserError as exc:
@@ -186,10 +199,10 @@ def size_command(
     if offload_gib is not None and offload_gib > 0:
         split = split_tier(offload_gib, host_ram_gib, host_reserve_gib, tp)
         report.notes.extend(split.notes)
-        recipe = build_recipe(model, tp, split.cpu_gib, split.disk_gib, disk_path, chunk_tokens, redis_url)
+        recipe = build_recipe(model, tp, split.cpu_gib, split.disk_gib, disk_path, chunk_tokens, redis_url, store)
     elif report.offload_needed:
         recipe = build_recipe(model, tp, report.cpu_gib or 0.0, report.disk_gib or 0.0, disk_path, chunk_tokens,
-                              redis_url)
+                              redis_url, store)
     if recipe is not None:
         report.notes.extend(chunk_notes(chunk_tokens))
     elif offload_gib is not None:  # --offload-gib 0: the size chosen is no tier
@@ -209,6 +222,34 @@ def size_command(
         print(json.dumps(payload, indent=2))
     else:
         _print_text(report, recipe, note)
+
+
+def _object_store(bucket: str | None, endpoint_url: str | None, capacity_gib: float | None,
+                  chunk_bytes: int) -> ObjectStore | None:
+    """The recipe's object-store tier from the --s3-* flags, checked as the connector checks its keys.
+
+    Raises:
+        UserError: an --s3-* flag without --s3-bucket, or a value the tier's settings refuse (named by its flag).
+    """
+    from pydantic import ValidationError
+
+    from kvtier.core.tiers.s3settings import S3Settings
+    from kvtier.size.recipe import ObjectStore
+
+    if bucket is None:
+        if endpoint_url is not None or capacity_gib is not None:
+            raise UserError("--s3-endpoint-url and --s3-capacity-gib need --s3-bucket BUCKET (the bucket the tier uses).")
+        return None
+    flags = {"s3_bucket": "--s3-bucket", "s3_endpoint_url": "--s3-endpoint-url", "s3_capacity_gib": "--s3-capacity-gib"}
+    try:
+        S3Settings(s3_bucket=bucket, s3_endpoint_url=endpoint_url, s3_capacity_gib=capacity_gib, s3_allow_http=True)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        flag = flags.get(str(error["loc"][0]) if error["loc"] else "", "--s3-bucket")
+        message = flag_names(str(error["msg"]).removeprefix("Value error, ").replace(
+            " (or http:// with s3_allow_http)", " or http://"), flags)  # the user typed flags, not config keys
+        raise UserError(f"{message}." if message.startswith(flag) else f"{flag}: {message}.") from None
+    return ObjectStore(bucket, endpoint_url, capacity_gib, chunk_bytes or None)
 
 
 def register(app: typer.Typer) -> None:

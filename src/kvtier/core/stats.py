@@ -55,6 +55,8 @@ class WireStats:
         breaker_state: the circuit breaker now: 0 closed, 1 half-open, 2 open
             (:class:`kvtier.core.tiers.breaker.BreakerState`).
         breaker_opened: times the breaker opened.
+        calls: calls (batches) that moved payload bytes, by :data:`WIRE_DIRECTIONS`: ``seconds``
+            over ``calls`` is the mean time of one read (a load's batch of GETs) or write batch.
     """
 
     lookup_keys: int = 0
@@ -67,6 +69,7 @@ class WireStats:
     corrupt_values: int = 0
     breaker_state: int = 0
     breaker_opened: int = 0
+    calls: Mapping[str, int] = field(default_factory=lambda: dict.fromkeys(WIRE_DIRECTIONS, 0))
 
     @property
     def total_errors(self) -> int:
@@ -84,6 +87,7 @@ class WireCounters:
         self._lock = threading.Lock()
         self.lookup_keys = self.lookup_hit_keys = self.skipped_writes = self.corrupt_values = 0
         self.bytes: Counter[str] = Counter()
+        self.calls: Counter[str] = Counter()
         self.seconds: dict[str, float] = {}
         self.errors: Counter[str] = Counter()
         self.skipped_calls: Counter[str] = Counter()
@@ -98,6 +102,7 @@ class WireCounters:
         """``num_bytes`` payload bytes moved in ``direction`` (:data:`WIRE_DIRECTIONS`) in ``seconds``."""
         with self._lock:
             self.bytes[direction] += num_bytes
+            self.calls[direction] += 1
             self.seconds[direction] = self.seconds.get(direction, 0.0) + max(seconds, 0.0)
 
     def error(self, op: str) -> None:
@@ -122,7 +127,8 @@ class WireCounters:
             return WireStats(self.lookup_keys, self.lookup_hit_keys, {d: self.bytes[d] for d in WIRE_DIRECTIONS},
                              {d: self.seconds.get(d, 0.0) for d in WIRE_DIRECTIONS},
                              {op: self.errors[op] for op in OPS}, {op: self.skipped_calls[op] for op in OPS},
-                             self.skipped_writes, self.corrupt_values, breaker_state, breaker_opened)
+                             self.skipped_writes, self.corrupt_values, breaker_state, breaker_opened,
+                             {d: self.calls[d] for d in WIRE_DIRECTIONS})
 
 
 @dataclass(frozen=True)

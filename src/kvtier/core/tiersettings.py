@@ -15,6 +15,7 @@ misspelt ``KVTIER_*`` setting; ``repr=False`` fields are secrets, never echoed o
 
 from __future__ import annotations
 
+import difflib
 import os
 from typing import Any
 
@@ -134,6 +135,11 @@ def _error(tier: str, model: type[BaseModel], exc: ValidationError, given: dict[
     where = ".".join(map(str, err["loc"]))
     if not key:  # a check across the tier's keys: its message names them
         sentence = f"kvtier config: {msg} (tier_settings.{tier})"
+    elif err["type"] == "extra_forbidden":  # a misspelt key: the closest one, never the value (it may be a secret)
+        close = difflib.get_close_matches(key, list(model.model_fields), n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        sentence = (f"unknown key {f'tier_settings.{tier}.{where}'!r}{hint}; the {tier} tier's keys are "
+                    f"{', '.join(model.model_fields)}")
     else:
         name = where if key in flat or env_var else f"tier_settings.{tier}.{where}"
         sentence = field_sentence(name, msg, err.get("input"), env_var, secret)

@@ -9,9 +9,9 @@ Meters (how-to § "How to tell it's helping — three meters, in order"):
 
 plus the external (connector) hit rate Δ``external_prefix_cache_hits`` / Δ``…_queries`` (operator's
 guide § "Validating": ``external_prefix_cache_hits_total`` must rise).  Rates are None when their
-denominator did not move between the scrapes.  With kvtier's shared tier (redis), :class:`SharedTier`:
-its hit rate, lookups past the deadline, failed calls and skipped writes between the scrapes, and
-the breaker state at the second one.
+denominator did not move between the scrapes.  With kvtier's shared tiers (redis, s3),
+:class:`SharedTier` per tier: its hit rate, lookups past the deadline, failed calls, skipped writes,
+mean read latency and read throughput between the scrapes, and the breaker state at the second one.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kvtier.core.tiers.registry import tier_rank
 from kvtier.doctor.snapshot import Snapshot
 
 GIB = 1 << 30
@@ -51,8 +52,11 @@ def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:
 
 @dataclass(frozen=True)
 class SharedTier:
-    """kvtier's shared tier (redis) between two scrapes; ``breaker_state`` is the second scrape's
-    gauge (summed over ranks: 0 closed everywhere, 1 per half-open rank, 2 per open rank)."""
+    """One of kvtier's shared tiers (redis, s3, ...) between two scrapes; ``breaker_state`` is the
+    second scrape's gauge (summed over ranks: 0 closed everywhere, 1 per half-open rank, 2 per open
+    rank).  The lookup numbers are the scheduler's (``kvtier_shared_lookup_*``): it asks the first
+    shared tier of ``tiers`` only (src/kvtier/integrations/vllm/remote.py), so they are zero for
+    the others."""
 
     lookup_chunks: float
     hit_chunks: float
@@ -62,11 +66,34 @@ class SharedTier:
     skipped_calls: float
     skipped_writes: float
     breaker_state: float
+    tier: str = ""
+    reads: float = 0.0
+    """Read batches (one load's parallel reads) the workers made that returned."""
+    read_seconds: float = 0.0
+    read_bytes: float = 0.0
+    loaded_tokens: float = 0.0
+    """Prompt tokens the tier served into the engine (``kvtier_loaded_tokens{tier}``)."""
+    asked: bool = True
+    """Whether the scheduler's lookups go to this tier (the first shared tier)."""
 
     @property
     def hit_rate(self) -> float | None:
         """Chunks found in the shared tier / chunks the scheduler asked it about."""
         return self.hit_chunks / self.lookup_chunks if self.lookup_chunks > 0 else None
+
+    @property
+    def read_latency_s(self) -> float | None:
+        """Mean seconds of one read batch between the scrapes (None without reads)."""
+        return self.read_seconds / self.reads if self.reads > 0 else None
+
+    @property
+    def read_gib_per_s(self) -> float | None:
+        """Payload GiB/s of the reads between the scrapes (None without read time)."""
+        return self.read_bytes / GIB / self.read_seconds if self.read_seconds > 0 else None
+
+    @property
+    def label(self) -> str:
+        return f"Shared tier ({self.tier})" if self.tier else "Shared tier"
 
     @property
     def breaker(self) -> str:
@@ -75,20 +102,39 @@ class SharedTier:
         return "half-open (probing)" if self.breaker_state < 2 else "open"
 
 
-def shared_tier(before: Snapshot, after: Snapshot) -> SharedTier | None:
-    """The shared tier's meters, None when ``after`` shows no redis tier.  A counter lower in
-    ``after`` (a restart) counts from zero."""
-    if not after.has_shared_tier:
-        return None
-
-    def delta(name: str) -> float:
-        now, then = after.shared.get(name, 0.0), before.shared.get(name, 0.0)
+def shared_tiers(before: Snapshot, after: Snapshot) -> tuple[SharedTier, ...]:
+    """Every shared tier ``after`` shows (its ``kvtier_<tier>_breaker_state`` gauge), in the
+    registry's order (an unregistered tier first); the scheduler's lookups go to the first.  A
+    counter lower in ``after`` (a restart) counts from zero."""
+    def delta(now: float, then: float) -> float:
         return now - then if now >= then else now
 
-    return SharedTier(delta("kvtier_shared_lookup_chunks"), delta("kvtier_shared_lookup_hit_chunks"),
-                      delta("kvtier_shared_lookups_timed_out"), delta("kvtier_shared_lookups_skipped"),
-                      delta("kvtier_redis_errors"), delta("kvtier_redis_skipped_calls"),
-                      delta("kvtier_redis_skipped_writes"), after.shared.get("kvtier_redis_breaker_state", 0.0))
+    def shared(name: str) -> float:
+        return delta(after.shared.get(name, 0.0), before.shared.get(name, 0.0))
+
+    out = []
+    for i, tier in enumerate(sorted(after.tiers_wire, key=lambda t: (tier_rank(t), t))):
+        now, then = after.tiers_wire[tier], before.tiers_wire.get(tier, {})
+
+        def wire(name: str, now: dict[str, float] = now, then: dict[str, float] = then) -> float:
+            return delta(now.get(name, 0.0), then.get(name, 0.0))
+
+        first = i == 0
+        loaded = delta(after.kvtier_loaded.get(tier, 0.0), before.kvtier_loaded.get(tier, 0.0))
+        out.append(SharedTier(shared("kvtier_shared_lookup_chunks") if first else 0.0,
+                              shared("kvtier_shared_lookup_hit_chunks") if first else 0.0,
+                              shared("kvtier_shared_lookups_timed_out") if first else 0.0,
+                              shared("kvtier_shared_lookups_skipped") if first else 0.0,
+                              wire("errors"), wire("skipped_calls"), wire("skipped_writes"),
+                              now.get("breaker_state", 0.0), tier, wire("reads"), wire("read_seconds"),
+                              wire("read_bytes"), loaded, first))
+    return tuple(out)
+
+
+def shared_tier(before: Snapshot, after: Snapshot) -> SharedTier | None:
+    """The first shared tier's meters (:func:`shared_tiers`), None when ``after`` shows none."""
+    found = shared_tiers(before, after)
+    return found[0] if found else None
 
 
 @dataclass(frozen=True)
@@ -155,7 +201,9 @@ class Meters:
     loaded_tokens_by_tier: dict[str, float] = field(default_factory=dict)
     """kvtier only: prompt tokens each tier (cpu, disk) served into the engine between the scrapes."""
     shared: SharedTier | None = None
-    """kvtier's shared tier (redis), None when the server has none."""
+    """kvtier's first shared tier (the one the scheduler asks), None when the server has none."""
+    shared_tiers: tuple[SharedTier, ...] = ()
+    """Every shared tier the server reports (redis, s3, ...), the first one being :attr:`shared`."""
     pins: Pins | None = None
     """kvtier's requests' TTL pins, None when the server reports none."""
     controls: Controls | None = None
@@ -210,6 +258,7 @@ def measure(before: Snapshot, after: Snapshot, interval_s: float | None) -> Mete
                                       if value >= before.kvtier_loaded.get(tier, 0.0) else value)
                                for tier, value in sorted(after.kvtier_loaded.items())},
         shared=shared_tier(before, after),
+        shared_tiers=shared_tiers(before, after),
         pins=pins_of(before, after),
         controls=controls_of(before, after),
     )

@@ -6,14 +6,17 @@ Parsed with :mod:`prometheus_client.parser` (never by hand).  Metric names are v
 ``vllm:time_to_first_token_seconds``, and the info gauge ``vllm:cache_config_info`` whose labels
 are every ``CacheConfig`` field (``kv_offloading_size`` in GiB, total across TP; ``None`` when
 unset).  kvtier's connector adds ``kvtier_capacity_bytes{tier}`` (summed over ranks) and, with the
-shared tier (redis), :data:`SHARED` (the scheduler's lookups and the workers' wire faults,
+shared tiers, :data:`SHARED` (the scheduler's lookups) and per tier :data:`TIER_SERIES`
+(the workers' faults, reads, breaker;
 src/kvtier/integrations/vllm/stats.py).  Values of several engines (data parallel) are summed.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvtier.core.errors import UserError
 from kvtier.tools.scrape import metric_families
@@ -25,13 +28,14 @@ CACHE_INFO = "vllm:cache_config_info"
 KVTIER_CAPACITY = "kvtier_capacity_bytes"
 KVTIER_USAGE = "kvtier_usage_bytes"
 KVTIER_LOADED = "kvtier_loaded_tokens"
-BREAKER = "kvtier_redis_breaker_state"
 SHARED = ("kvtier_shared_lookup_chunks", "kvtier_shared_lookup_hit_chunks", "kvtier_shared_lookups_timed_out",
-          "kvtier_shared_lookups_skipped", "kvtier_redis_errors", "kvtier_redis_skipped_calls",
-          "kvtier_redis_skipped_writes", BREAKER)
-"""The shared tier's series: counters (``_total``) and the breaker gauge (summed over ranks: 0 closed
-everywhere; 1 per half-open rank, 2 per open rank).  The gauge is present only when the workers
-have a redis tier, so its presence says the shared tier is configured."""
+          "kvtier_shared_lookups_skipped")
+"""The scheduler's shared-tier lookups (counters, ``_total``): it asks the first shared tier of ``tiers``."""
+TIER_BREAKER = re.compile(r"kvtier_([a-z0-9_]+)_breaker_state")
+"""A shared tier's breaker gauge, ``kvtier_<tier>_breaker_state`` (src/kvtier/integrations/vllm/stats.py
+exports one per registered shared tier whose workers have it): its presence names the tier."""
+TIER_SERIES = ("errors", "skipped_calls", "skipped_writes", "reads", "read_seconds", "read_bytes", "breaker_state")
+"""Each shared tier's own series, ``kvtier_<tier>_<name>`` (counters with ``_total``, the breaker gauge)."""
 PINS = ("kvtier_ttl_pinned_chunks", "kvtier_ttl_pinned_bytes", "kvtier_ttl_pin_refused_chunks")
 """Requests' TTL pins (docs/vllm.md "Pinning a prefix"): the cpu tier's pinned chunks and bytes
 (gauges, summed over ranks) and pins refused past ``pin_max_share`` (a counter, ``_total``)."""
@@ -57,9 +61,12 @@ class Snapshot:
     kvtier_usage: dict[str, float] = field(default_factory=dict)
     kvtier_loaded: dict[str, float] = field(default_factory=dict)
     shared: dict[str, float] = field(default_factory=dict)
-    """The shared tier's :data:`SHARED` values by name (empty without a redis tier)."""
+    """The scheduler's :data:`SHARED` lookup values by name (empty without a shared tier)."""
     pins: dict[str, float] = field(default_factory=dict)
     """The :data:`PINS` values by name (empty on a kvtier older than pins, or another connector)."""
+    tiers_wire: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Each shared tier's :data:`TIER_SERIES` values (``tier → name → value``), for every tier whose
+    breaker gauge the scrape has (``kvtier_<tier>_breaker_state``); summed over ranks."""
     controls: dict[str, float] = field(default_factory=dict)
     """The :data:`CONTROLS` values by name (empty on an older kvtier, or before its first step)."""
     tenants: dict[str, float] = field(default_factory=dict)
@@ -67,7 +74,7 @@ class Snapshot:
 
     @property
     def has_shared_tier(self) -> bool:
-        return BREAKER in self.shared
+        return bool(self.tiers_wire)
 
     def counter(self, name: str) -> float:
         return self.counters.get(name, 0.0)
@@ -123,6 +130,7 @@ def parse_metrics(text: str, where: str) -> Snapshot:
                     continue
                 tier = sample.labels.get("tier", "?")
                 into[tier] = into.get(tier, 0.0) + sample.value
+    _tier_series(snap, families)
     if "vllm:prefix_cache_queries" not in snap.counters:
         raise UserError(f"{where} has no vllm:prefix_cache_queries samples; point --url at a vLLM server.")
     for prefix in ("vllm:", "vllm:external_"):
@@ -133,3 +141,24 @@ def parse_metrics(text: str, where: str) -> Snapshot:
     if snap.ttft_buckets and math.inf not in snap.ttft_buckets:
         raise UserError(f"{where} has a TTFT histogram without its +Inf bucket; the scrape looks truncated.")
     return snap
+
+
+def _tier_series(snap: Snapshot, families: list[Any]) -> None:
+    """Fill :attr:`Snapshot.tiers_wire` (the tiers come from the breaker gauges the scrape holds,
+    so a tier registered by a plug-in is read like a built-in one)."""
+    by_name = {f.name: f for f in families}
+    for name in by_name:
+        found = TIER_BREAKER.fullmatch(name)
+        if found is None or found.group(1) == "tier":  # kvtier_tier_breaker_state{tier}: a store's own registry
+            continue
+        tier = found.group(1)
+        values: dict[str, float] = {}
+        for series in TIER_SERIES:
+            family = by_name.get(f"kvtier_{tier}_{series}")
+            if family is None:
+                continue
+            numbers = [s.value for s in family.samples
+                       if not s.name.endswith("_created") and math.isfinite(s.value) and s.value >= 0]
+            if numbers:
+                values[series] = sum(numbers)
+        snap.tiers_wire[tier] = values

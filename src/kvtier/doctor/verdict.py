@@ -14,10 +14,10 @@ how-to's "one-line checklist" (helping = hit rate ↑, TTFT p50 ↓, p99 tail bo
   latter.  "Near zero" is kvtier's
   threshold :data:`NO_REUSE_HIT_RATE`;
 - offload size ≠ expected, and 1/TP of it in particular (root cause 4: sized per GPU) → problem;
-- kvtier's shared tier (redis), judged even without traffic: breaker open → problem (every
+- each of kvtier's shared tiers (redis, s3), judged even without traffic: breaker open → problem (every
   lookup misses and every write is skipped until the server answers); half-open, writes
   skipped, or lookups past ``shared_deadline_s`` between the scrapes → warning; else ok with
-  its hit rate (docs/shared-tier.md);
+  its hit rate and read latency (docs/shared-tier.md, docs/s3.md);
 - offload configured but no external hits (root cause 5: cold cache, or tier too small) → warning;
 - TTFT p99 more than :data:`TAIL_RATIO` × p50 (how-to meter 3: thrash tail) → warning (kvtier's
   heuristic threshold, not from the documents).
@@ -82,28 +82,43 @@ def _size_check(alloc: Allocation, expect_gib: float | None, tp: int) -> Check |
                  f"{' (compare it with cpu_gib + disk_gib)' if len(alloc.tiers_gib) > 1 else ''}.")
 
 
+def shared_summary(shared: SharedTier) -> str:
+    """A shared tier's numbers between the scrapes in words: hit rate (the tier the scheduler asks),
+    read latency and throughput, skipped writes, failed calls."""
+    parts = []
+    if shared.asked:
+        rate = "-" if shared.hit_rate is None else f"{shared.hit_rate:.1%}"
+        parts.append(f"hit rate {rate} ({shared.hit_chunks:,.0f} / {shared.lookup_chunks:,.0f} chunks asked)")
+    if shared.read_latency_s is not None:
+        speed = "" if shared.read_gib_per_s is None else f", {shared.read_gib_per_s:.2f} GiB/s"
+        parts.append(f"read latency {shared.read_latency_s * 1000:.1f} ms per load ({shared.reads:,.0f} reads{speed})")
+    else:
+        parts.append("no reads")
+    parts.append(f"{shared.skipped_writes:,.0f} writes skipped, {shared.errors:,.0f} failed calls")
+    return ", ".join(parts)
+
+
 def _shared_checks(shared: SharedTier) -> list[Check]:
-    """The shared tier's lines: its state, then what went wrong between the scrapes."""
-    rate = "-" if shared.hit_rate is None else f"{shared.hit_rate:.1%}"
-    seen = (f"hit rate {rate} ({shared.hit_chunks:,.0f} / {shared.lookup_chunks:,.0f} chunks asked), "
-            f"{shared.skipped_writes:,.0f} writes skipped, {shared.errors:,.0f} failed calls")
+    """A shared tier's lines: its state, then what went wrong between the scrapes."""
+    seen = shared_summary(shared)
+    name = shared.label
     checks = []
     if shared.breaker == "open":
-        checks.append(Check("problem", f"Shared tier (redis): circuit breaker open: lookups miss and writes are "
-                            f"skipped until the server answers again ({seen}); check that Redis is up and "
-                            "reachable at redis_url, and its log."))
+        checks.append(Check("problem", f"{name}: circuit breaker open: lookups miss and writes are "
+                            f"skipped until the server answers again ({seen}); check that the server is up and "
+                            "reachable (kvtier check probes it) and its log."))
     elif shared.breaker != "closed":
-        checks.append(Check("warning", f"Shared tier (redis): circuit breaker half-open, probing a server that "
+        checks.append(Check("warning", f"{name}: circuit breaker half-open, probing a server that "
                             f"failed ({seen})."))
     if shared.skipped_writes > 0 and shared.breaker == "closed":
-        checks.append(Check("warning", f"Shared tier (redis): {shared.skipped_writes:,.0f} chunk writes skipped "
+        checks.append(Check("warning", f"{name}: {shared.skipped_writes:,.0f} chunk writes skipped "
                             f"between the scrapes (a write failed, or the tier's queue was full; "
                             f"{shared.errors:,.0f} failed calls): other replicas will not find those prefixes."))
     if shared.timed_out_lookups > 0:
-        checks.append(Check("warning", f"Shared tier (redis): {shared.timed_out_lookups:,.0f} lookups passed "
+        checks.append(Check("warning", f"{name}: {shared.timed_out_lookups:,.0f} lookups passed "
                             "shared_deadline_s and were answered from the local tiers: a slow server or network."))
     if not checks:
-        checks.append(Check("ok", f"Shared tier (redis): breaker closed, {seen}."))
+        checks.append(Check("ok", f"{name}: breaker closed, {seen}."))
     return checks
 
 
@@ -133,8 +148,8 @@ def diagnose(meters: Meters, alloc: Allocation, cache_config: dict[str, str], ex
     size = _size_check(alloc, expect_gib, tp)
     if size:
         add(size)
-    if meters.shared is not None:
-        d.checks.extend(_shared_checks(meters.shared))
+    for shared in meters.shared_tiers or ((meters.shared,) if meters.shared is not None else ()):
+        d.checks.extend(_shared_checks(shared))
     if meters.pins is not None and (meters.pins.chunks or meters.pins.refused):
         pinned = f"{meters.pins.chunks:,.0f} chunks ({meters.pins.bytes / 2**20:,.1f} MiB) of the cpu tier pinned by requests"
         if meters.pins.refused:

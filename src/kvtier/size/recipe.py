@@ -20,6 +20,13 @@ tier (cpu + disk) plus ``REDIS_OVERHEAD`` for value headers (64 bytes per chunk)
 per-key bookkeeping, with ``allkeys-lru`` so a full server evicts instead of refusing writes.  One
 server serves every replica: replicas share prefixes, so it does not grow with their number.
 
+With the object-store tier (``s3_bucket``, docs/s3.md) the kvtier line names the bucket (and an
+S3-compatible server's ``s3_endpoint_url``), a shared-secret file, and either the cap
+``s3_capacity_gib`` or, without one, a week's ``s3_ttl_s``; credentials never enter the line.  The
+recipe adds the tier's modeled cost of one chunk (its registry record's
+:class:`~kvtier.core.tiers.registry.TierModel`: bandwidth and first-byte latency) and the lifecycle
+rules the bucket wants.
+
 ``LMCACHE_CHUNK_SIZE`` follows ``--chunk-tokens`` so both connectors cut the same chunks; paths are
 quoted for the shell (``shlex.quote``).
 
@@ -71,11 +78,16 @@ class Recipe:
     lmcache: str
     redis_maxmemory_gib: int | None = None
     redis: str | None = None
+    object_store: str | None = None
+    """The bucket's setup and the object-store tier's modeled cost per chunk (None without ``s3_bucket``)."""
+    object_store_chunk_ms: float | None = None
+    """Modeled time to load one chunk from the object-store tier, ms (latency + bytes / bandwidth)."""
 
     def to_json(self) -> dict[str, object]:
         return {"cpu_gib": self.cpu_gib, "disk_gib": self.disk_gib, "tp": self.tp, "kvtier": self.kvtier,
                 "vllm_native": self.vllm_native, "lmcache": self.lmcache,
-                "redis_maxmemory_gib": self.redis_maxmemory_gib, "redis": self.redis}
+                "redis_maxmemory_gib": self.redis_maxmemory_gib, "redis": self.redis,
+                "object_store": self.object_store, "object_store_chunk_ms": self.object_store_chunk_ms}
 
 
 SHUTDOWN_TIMEOUT_S = 30
@@ -110,9 +122,10 @@ def round_total(gib: float, tp: int) -> int:
 
 def build_recipe(model: str, tp: int, cpu_gib: float, disk_gib: float = 0.0,
                  disk_path: str = "/mnt/nvme/kvtier", chunk_tokens: int = 128,
-                 redis_url: str | None = None) -> Recipe:
+                 redis_url: str | None = None, s3: ObjectStore | None = None) -> Recipe:
     """Three configurations for a tier of ``cpu_gib`` DRAM plus ``disk_gib`` disk (GiB, totals),
-    the kvtier one with a shared tier on ``redis_url`` when given (see the module docstring)."""
+    the kvtier one with a shared tier on ``redis_url`` and/or the object-store tier ``s3`` when
+    given (see the module docstring)."""
     cpu, disk = round_total(cpu_gib, tp), round_total(disk_gib, tp)
     base = f"vllm serve {shlex.quote(model)}" + (f" --tensor-parallel-size {tp}" if tp > 1 else "")
     extra: dict[str, object] = {"chunk_tokens": chunk_tokens, "cpu_gib": cpu}
@@ -129,6 +142,9 @@ def build_recipe(model: str, tp: int, cpu_gib: float, disk_gib: float = 0.0,
         redis = (f"redis-server{listen} --maxmemory {redis_gib}gb --maxmemory-policy allkeys-lru --save '' "
                  "--appendonly no --requirepass \"$REDIS_PASSWORD\"\n# one server for every replica; put the same "
                  f"secret (openssl rand -hex 32) in /etc/kvtier/secret on each engine{tls_note}")
+    store_text, chunk_ms = None, None
+    if s3 is not None:
+        store_text, chunk_ms = _object_store(s3, extra)
     transfer = dict(KVTIER_CONNECTOR, kv_connector_extra_config=extra)
     worker = f"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS={WORKER_SHUTDOWN_TIMEOUT_S} " if disk else ""
     kvtier = (f"{worker}{base} --shutdown-timeout {SHUTDOWN_TIMEOUT_S} \\\n  --kv-transfer-config "
@@ -144,7 +160,59 @@ def build_recipe(model: str, tp: int, cpu_gib: float, disk_gib: float = 0.0,
     per_rank = f"# LMCACHE_MAX_LOCAL_CPU_SIZE is per rank: {cpu // tp} GiB × TP {tp} = {cpu} GiB total"
     lmcache = "\n".join([per_rank, *(f"export {line}" for line in lines),
                          f"{base} \\\n  --kv-transfer-config {shlex.quote(lmc_transfer)}"])
-    return Recipe(cpu, disk, tp, kvtier, native, lmcache, redis_gib, redis)
+    return Recipe(cpu, disk, tp, kvtier, native, lmcache, redis_gib, redis, store_text, chunk_ms)
+
+
+@dataclass(frozen=True)
+class ObjectStore:
+    """The object-store tier of a recipe.
+
+    Attributes:
+        bucket: ``s3_bucket`` (created beforehand).
+        endpoint_url: ``s3_endpoint_url`` of an S3-compatible server, None for AWS S3.
+        capacity_gib: ``s3_capacity_gib``, None for no cap (then ``s3_ttl_s`` of :data:`OBJECT_TTL_S`).
+        chunk_bytes: bytes of one chunk (all ranks), for the modeled load time; None: not modeled.
+    """
+
+    bucket: str
+    endpoint_url: str | None = None
+    capacity_gib: float | None = None
+    chunk_bytes: int | None = None
+
+
+OBJECT_TTL_S = 7 * 86400
+"""``s3_ttl_s`` of a recipe without a cap: a week (docs/s3.md "Expiry and capacity")."""
+
+
+def _object_store(s3: ObjectStore, extra: dict[str, object]) -> tuple[str, float | None]:
+    """Add the object-store keys to ``extra``; the bucket's setup text and the modeled chunk load, ms."""
+    from kvtier.core.tiers.registry import settings_keys, spec
+
+    tier = settings_keys()["s3_bucket"]
+    extra["s3_bucket"] = s3.bucket
+    if s3.endpoint_url:
+        extra["s3_endpoint_url"] = s3.endpoint_url
+        if s3.endpoint_url.startswith("http://"):
+            extra["s3_allow_http"] = True
+    if s3.capacity_gib is not None:
+        extra["s3_capacity_gib"] = s3.capacity_gib
+    else:
+        extra["s3_ttl_s"] = OBJECT_TTL_S
+    extra["shared_secret_file"] = "/etc/kvtier/secret"
+    lines = [(f"# bucket {s3.bucket} must exist (kvtier never creates one); give the engines AWS_ACCESS_KEY_ID and "
+              "AWS_SECRET_ACCESS_KEY from a secret store, or mount an AWS credentials file and set s3_credentials_file"),
+             (f"# lifecycle rules: expire objects after {OBJECT_TTL_S // 86400} days and abort incomplete multipart "
+              "uploads after 1 day (docs/s3.md)"),
+             "# put the same secret (openssl rand -hex 32) in /etc/kvtier/secret on each engine"]
+    model = spec(tier).model
+    chunk_ms = None
+    if model is not None and s3.chunk_bytes:
+        chunk_ms = round(model.latency_ms + s3.chunk_bytes / (model.gb_per_s * 1e9) * 1e3, 1)
+        lines.append(f"# modeled: one chunk ({s3.chunk_bytes / 2**20:,.1f} MiB, all ranks) loads in about "
+                     f"{chunk_ms:,.0f} ms at {model.gb_per_s:g} GB/s with {model.latency_ms:g} ms first byte "
+                     f"({model.source}); a load's chunks are read in parallel, so a request pays the latency "
+                     "about once: measure yours with kvtier bench-store")
+    return "\n".join(lines), chunk_ms
 
 
 def _redis_listen(redis_url: str) -> tuple[str, str]:

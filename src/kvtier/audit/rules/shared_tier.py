@@ -1,4 +1,5 @@
-"""kvtier's shared (redis) tier on the serve line: protection beyond this host, secrets in the line."""
+"""kvtier's shared tiers on the serve line (redis, the object store): protection beyond this host, secrets in
+the line."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from urllib.parse import parse_qs, urlsplit
 
 from kvtier.audit.model import ServeConfig
 from kvtier.audit.rules.base import rule
+from kvtier.core.config import KVTierConfig
+from kvtier.integrations.vllm.preflight import advice_problems, looks_like_credential
 
 _DOCS = "kvtier docs/shared-tier.md"
 
@@ -89,3 +92,75 @@ def kvtier_redis_password_in_url(c: ServeConfig) -> str | None:
         return None
     return (" and ".join(leaks) + " in the serve line (not shown here); anyone who can read the line can use "
             + ("them." if len(leaks) > 1 else "it."))
+
+
+def _extra(c: ServeConfig) -> dict[str, Any] | None:
+    """The ``kv_connector_extra_config`` of a KVTierConnector serve line, or None."""
+    transfer = c.kv_transfer_config
+    if not transfer or not c.uses("KVTierConnector"):
+        return None
+    extra = transfer.get("kv_connector_extra_config")
+    return extra if isinstance(extra, dict) else {}
+
+
+@rule("kvtier-tier-exposed", "warning",
+      "kvtier tier configured so that its traffic or its values are exposed beyond this host",
+      "Follow the message: for an object-store endpoint beyond this host use https:// and set shared_secret_file "
+      "to a secret of 16+ characters that every engine of the cache shares (values then carry a keyed BLAKE3 MAC "
+      "that a writer without it cannot forge).",
+      "kvtier docs/s3.md § Servers", locate="KVTierConnector")
+def kvtier_tier_exposed(c: ServeConfig) -> str | None:
+    """Each configured tier's advice (the registry's ``advice`` hooks, run by the pre-flight)."""
+    transfer = c.kv_transfer_config
+    if not transfer or not c.uses("KVTierConnector"):
+        return None
+    warnings = [p.message for p in advice_problems(transfer, environ=c.env)]
+    return "; ".join(warnings) + "." if warnings else None
+
+
+_AWS_SECRETS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+
+
+def _credential_keys(value: Any, path: str = "") -> list[str]:
+    """Dotted paths of credential-like keys (not known kvtier keys) anywhere in ``value``."""
+    if not isinstance(value, dict):
+        return []
+    known = set(KVTierConfig.known_keys())
+    out = []
+    for key, inner in value.items():
+        where = f"{path}.{key}" if path else str(key)
+        if str(key) not in known and looks_like_credential(str(key)) and inner not in (None, ""):
+            out.append(where)
+        out.extend(_credential_keys(inner, where))
+    return out
+
+
+@rule("kvtier-credentials-in-serve-line", "error", "object-store credentials written into the serve line",
+      "Take the keys out of the line: give AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY to the server's environment "
+      "from a secret store (a Kubernetes Secret through valueFrom.secretKeyRef) or mount an AWS credentials file "
+      "and name it in s3_credentials_file; never in kv_connector_extra_config or s3_endpoint_url. Then rotate "
+      "the keys: ps, shell history and manifests have shown them.",
+      "kvtier docs/s3.md § Turning it on", locate="KVTierConnector")
+def kvtier_credentials_in_serve_line(c: ServeConfig) -> str | None:
+    extra = _extra(c)
+    if extra is None:
+        return None
+    leaks = [f"kv_connector_extra_config.{where}" for where in _credential_keys(extra)]
+    nested = extra.get("tier_settings")
+    urls = [("s3_endpoint_url", extra.get("s3_endpoint_url"))]
+    urls += [(f"tier_settings.{tier}.s3_endpoint_url", values.get("s3_endpoint_url"))
+             for tier, values in (nested.items() if isinstance(nested, dict) else ()) if isinstance(values, dict)]
+    urls.append(("KVTIER_S3_ENDPOINT_URL", c.env.get("KVTIER_S3_ENDPOINT_URL")))
+    for where, url in urls:
+        try:
+            parts = urlsplit(url) if isinstance(url, str) else None
+        except ValueError:
+            continue
+        if parts is not None and (parts.username or parts.password):
+            leaks.append(f"{where} carries a user or key")
+    # a literal secret in the line's or manifest's env (a $VAR or a valueFrom is not one)
+    leaks += [name for name in _AWS_SECRETS if c.env.get(name) and not c.env[name].startswith("$")]
+    if not leaks:
+        return None
+    return ("Credentials are written out in " + ", ".join(leaks) + " (values not shown here); anyone who can "
+            "read the line or the manifest can use them.")

@@ -68,6 +68,19 @@ def check(name: str, config: KVTierConfig) -> list[tuple[str, str]]:
     return list(cast(Callable[[KVTierConfig], list[tuple[str, str]]], load(record.check, name))(config))
 
 
+def advice(name: str, config: KVTierConfig) -> list[tuple[str, str]]:
+    """Tier ``name``'s advice over ``config`` (:attr:`~kvtier.core.tiers.registry.TierSpec.advice`):
+    ``(key, message)`` per warning; empty if the tier has none or is not configured.
+
+    Raises:
+        ConfigError: unknown name, or the tier's module cannot be imported.
+    """
+    record = spec(name)
+    if record.advice is None or not configured(name, config):
+        return []
+    return list(cast(Callable[[KVTierConfig], list[tuple[str, str]]], load(record.advice, name))(config))
+
+
 def make_tier(name: str, ctx: TierContext) -> Tier | None:
     """Build tier ``name`` from ``ctx``; ``None`` if the configuration does not ask for it.
 

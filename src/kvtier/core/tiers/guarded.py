@@ -10,7 +10,11 @@ lives here, once:
 - **No late writes into a caller's buffer.**  Reads go into the wrapper's own buffers and are
   copied into the caller's only after the call returned in time; a call given up at the
   deadline may finish later, into buffers nobody reads.  Writes hand the inner tier private
-  copies, so a caller may reuse its buffer as soon as ``put_many`` returns.
+  copies, so a caller may reuse its buffer as soon as ``put_many`` returns.  An inner tier given
+  directly that implements :class:`ValueTier` (the s3 tier) skips both extra copies: its reads return values it allocated
+  itself (a late one lands in nobody's buffer) and are verified and copied into the caller's
+  buffers on the caller's thread after the call returned in time; its writes are encoded (the
+  one copy a write needs) on the caller's thread before the call is queued.
 - **Circuit breaker** (:class:`~kvtier.core.tiers.breaker.CircuitBreaker`): a call that raises
   or passes its deadline is a failure; ``breaker_failures`` in a row open it, and calls are then
   skipped (counted) without reaching the inner tier until a probe every ``breaker_probe_s``
@@ -104,6 +108,34 @@ class StreamedPut(Protocol):
         """The stream that writes ``datas[i]`` under ``keys[i]`` (``datas`` used in place, uncopied)."""
 
 
+@runtime_checkable
+class ValueTier(Protocol):
+    """A remote tier whose values can be fetched and stored whole, without the wrapper's private
+    copies (the s3 tier; see the module docstring).  Each method raises on a fault, as the tier's
+    ``get_many``/``put_many`` do.
+
+    - ``read_values(keys)``: one value per key, each a new buffer the tier allocated (``None``:
+      absent), fetched in parallel; runs on the wrapper's threads.
+    - ``accept_values(keys, values, dsts, seconds)``: verify each value and copy its payload into
+      ``dsts`` (a corrupt or expired value is a miss, and the tier deletes it in the background,
+      never waiting); ``seconds``: how long the read took (the tier's numbers).  Runs on the
+      caller's thread, after ``read_values`` returned in time.
+    - ``encode_values(keys, datas)``: the values to write (header + payload), made on the
+      caller's thread so the caller may reuse ``datas`` once ``put_many`` returns.
+    - ``put_values(keys, values, payload_bytes)``: write them; runs on the wrapper's threads.
+    """
+
+    def read_values(self, keys: Sequence[ChunkKey]) -> list[Any]: ...
+
+    def accept_values(self, keys: Sequence[ChunkKey], values: Sequence[Any], dsts: Sequence[memoryview],
+                      seconds: float) -> list[GetResult]: ...
+
+    def encode_values(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> list[Any]: ...
+
+    def put_values(self, keys: Sequence[ChunkKey], values: Sequence[Any], payload_bytes: Sequence[int]
+                   ) -> list[PutResult]: ...
+
+
 class GuardedTier(TierWrapper):
     """``inner`` behind deadlines, a breaker and latency metrics (see the module docstring).
 
@@ -140,6 +172,7 @@ class GuardedTier(TierWrapper):
         direct = not isinstance(inner, TierWrapper)  # a hook is never reached through another wrapper
         self._split_get = inner if direct and isinstance(inner, SplitGet) else None
         self._streamed_put = inner if direct and isinstance(inner, StreamedPut) else None
+        self._value_tier = inner if direct and isinstance(inner, ValueTier) else None
 
     # ---- the call path ---------------------------------------------------------------------
     def _deadline(self, op: str) -> float:
@@ -219,6 +252,13 @@ class GuardedTier(TierWrapper):
             if corrupt:
                 self.delete_many(corrupt)
             return results
+        if (value_tier := self._value_tier) is not None:
+            inner = value_tier
+            t0 = time.perf_counter()
+            values = self._call("get", lambda: inner.read_values(keys))
+            if values is None:
+                return [GetResult.MISS] * len(keys)
+            return inner.accept_values(keys, values, dsts, time.perf_counter() - t0)
         own = [bytearray(memoryview(d).nbytes) for d in dsts]  # a late call fills these, never the caller's
         got = self._call("get", lambda: self.inner.get_many(keys, [memoryview(b) for b in own]))
         if got is None:
@@ -237,6 +277,11 @@ class GuardedTier(TierWrapper):
                 got = self._call("put", stream.send, during=stream.produce)
             finally:
                 stream.abandon()
+        elif (value_tier := self._value_tier) is not None:
+            inner = value_tier
+            values = inner.encode_values(keys, datas)  # the one copy a write needs, on the caller's thread
+            sizes = [memoryview(d).nbytes for d in datas]
+            got = self._call("put", lambda: inner.put_values(keys, values, sizes))
         else:
             copies = [bytes(d) for d in datas]  # the caller may reuse its buffers once this returns
             got = self._call("put", lambda: self.inner.put_many(keys, copies))
@@ -278,7 +323,8 @@ class GuardedTier(TierWrapper):
                          {op: inner.errors.get(op, 0) + n for op, n in mine.errors.items()},
                          {op: inner.skipped_calls.get(op, 0) + n for op, n in mine.skipped_calls.items()},
                          mine.skipped_writes + inner.skipped_writes, mine.corrupt_values + inner.corrupt_values,
-                         mine.breaker_state, mine.breaker_opened)
+                         mine.breaker_state, mine.breaker_opened,
+                         {d: inner.calls.get(d, 0) + n for d, n in mine.calls.items()})
 
     def close(self) -> None:
         if self._closed:

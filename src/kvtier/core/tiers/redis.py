@@ -55,9 +55,16 @@ from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, Tier
 from kvtier.core.tiers.breaker import CircuitBreaker
 from kvtier.core.tiers.guarded import GuardedTier, PutStream
 from kvtier.core.tiers.redisclear import CLEAR_DEADLINE_S, clear_namespace
-from kvtier.core.tiers.redisclient import LazyClusterClient, make_client, shared_secret
+from kvtier.core.tiers.redisclient import LazyClusterClient, make_client
 from kvtier.core.tiers.redissettings import redis_settings
-from kvtier.core.tiers.sharedvalue import HEADER_BYTES, SharedValueError, ValueCodec, copy_payload, keyspace
+from kvtier.core.tiers.sharedvalue import (
+    HEADER_BYTES,
+    SharedValueError,
+    ValueCodec,
+    copy_payload,
+    keyspace,
+    shared_secret,
+)
 
 if TYPE_CHECKING:
     from kvtier.core.config import KVTierConfig

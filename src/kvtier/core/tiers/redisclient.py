@@ -1,6 +1,7 @@
 """The redis tier's client and secrets: a redis-py client built from its settings (timeouts set,
 redis-py's retries off; the Cluster client made lazily), the Redis password from an environment
-variable or a file, and the shared secret.  None of them is ever logged.
+variable or a file (the shared secret: :func:`kvtier.core.tiers.sharedvalue.shared_secret`).  None of
+them is ever logged.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from kvtier.core.config import redact_url
 from kvtier.core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from kvtier.core.config import KVTierConfig
     from kvtier.core.tiers.redissettings import RedisSettings
 
 
@@ -36,27 +36,6 @@ def redis_password(config: RedisSettings) -> str | None:
         except OSError as exc:
             raise ConfigError(f"cannot read redis_password_file {config.redis_password_file!r}: "
                               f"{exc.strerror}; fix the path or its permissions") from None
-    return None
-
-
-def shared_secret(config: KVTierConfig) -> bytes | None:
-    """The shared secret from ``shared_secret`` or ``shared_secret_file`` (``None`` if neither).
-
-    Raises:
-        ConfigError: the file cannot be read or holds fewer than 16 characters.
-    """
-    if config.shared_secret:
-        return config.shared_secret.encode()
-    if config.shared_secret_file:
-        try:
-            text = Path(config.shared_secret_file).read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            raise ConfigError(f"cannot read shared_secret_file {config.shared_secret_file!r}: {exc.strerror}; "
-                              "fix the path or its permissions") from None
-        if len(text) < 16:
-            raise ConfigError(f"shared_secret_file {config.shared_secret_file!r} holds fewer than 16 characters; "
-                              "use a long random secret (e.g. openssl rand -hex 32)")
-        return text.encode()
     return None
 
 

@@ -37,6 +37,22 @@ HIT_SOURCES = ("host", "disk", "p2p", "external_unspecified")
 
 
 @dataclass(frozen=True)
+class TierModel:
+    """A tier's first-order cost figures for ``kvtier simulate`` and ``kvtier size`` (pass your own
+    measured ones where you have them: ``kvtier bench-store``).
+
+    Attributes:
+        gb_per_s: payload bandwidth from the tier into host memory, GB/s (10^9 bytes/s).
+        latency_ms: paid once per request the tier serves (a load's parallel reads overlap), ms.
+        source: where the figures come from, one sentence a user can check.
+    """
+
+    gb_per_s: float
+    latency_ms: float
+    source: str
+
+
+@dataclass(frozen=True)
 class TierSpec:
     """What kvtier knows of one tier, apart from its module.
 
@@ -82,6 +98,14 @@ class TierSpec:
             tier's storage holds, ``purge(config, selector, dry_run) -> list[NamespacePurge] | None``
             (``None``: the configuration names no storage of this tier); ``None`` for a tier that
             lives only in an engine's processes (the cpu tier).
+        advice: ``"module:function"``, ``advice(config) -> [(key, message)]``: what a configuration
+            the tier starts with leaves exposed (e.g. plain HTTP beyond this host without a shared
+            secret), read from the configuration alone (no file, no network); the pre-flight
+            (``kvtier check``, ``kvtier audit``, the vLLM plugin) reports each as a warning.
+            ``None`` if it has none.
+        model: the tier's default bandwidth and latency (:class:`TierModel`) for the sizing and
+            simulation tools; ``None`` for a tier they do not model on its own (cpu, disk: their
+            figures are the tools' own options).
     """
 
     name: str
@@ -100,6 +124,15 @@ class TierSpec:
     state_dir: str | None = None
     probe: str | None = None
     purge: str | None = None
+    advice: str | None = None
+    model: TierModel | None = None
+
+
+REDIS_MODEL = TierModel(1.25, 0.5, "one 10 Gb/s Ethernet link (10GBASE-T line rate, IEEE 802.3an) to the server, and "
+                        "one network round trip in a data centre plus the server's work (about 0.5 ms)")
+S3_MODEL = TierModel(1.25, 100.0, "parallel GETs (s3_concurrency) bounded by one 10 Gb/s Ethernet link, and a "
+                     "first-byte latency of 100-200 ms per request (AWS S3 user guide, 'Performance guidelines "
+                     "for Amazon S3'; a MinIO or Ceph RGW server near the engines answers in milliseconds)")
 
 
 BUILTIN = (
@@ -113,11 +146,12 @@ BUILTIN = (
              "kvtier.core.tiers.redis:configured", settings="kvtier.core.tiers.redissettings:RedisSettings",
              keys=("redis_url",), check="kvtier.core.tiers.redis:check",
              reset="kvtier.core.tiers.redis:reset", probe="kvtier.core.tiers.redisprobe:probe_redis",
-             purge="kvtier.core.tiers.redispurge:purge"),
+             purge="kvtier.core.tiers.redispurge:purge", model=REDIS_MODEL),
     TierSpec("s3", 30, True, "external_unspecified", "kvtier.core.tiers.s3:from_config",
              "kvtier.core.tiers.s3:configured", settings="kvtier.core.tiers.s3settings:S3Settings",
              keys=("s3_bucket", "s3_endpoint_url"), check="kvtier.core.tiers.s3:check", reset="kvtier.core.tiers.s3:reset",
-             probe="kvtier.core.tiers.s3probe:probe_s3"),
+             purge="kvtier.core.tiers.s3purge:purge",
+             probe="kvtier.core.tiers.s3probe:probe_s3", advice="kvtier.core.tiers.s3:advice", model=S3_MODEL),
 )
 """The tiers shipped with kvtier: one line each."""
 
@@ -184,6 +218,11 @@ def spec(name: str) -> TierSpec:
         raise ConfigError(f"unknown tier {name!r}; choose from {', '.join(available_tiers())} "
                           "(a tier outside kvtier is registered by a module named in tier_modules)")
     return found
+
+
+def modeled_tiers() -> list[TierSpec]:
+    """Records of the shared tiers with a :class:`TierModel`, in order (the tools' ``--shared-tier``)."""
+    return [s for s in specs() if s.shared and s.model is not None]
 
 
 def available_tiers() -> list[str]:

@@ -49,9 +49,16 @@ from kvtier.core.stats import WireCounters, WireStats
 from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, TierUsage
 from kvtier.core.tiers.breaker import CircuitBreaker
 from kvtier.core.tiers.guarded import GuardedTier
-from kvtier.core.tiers.s3client import http_refusal, make_store, read_credentials, where
+from kvtier.core.tiers.s3client import brief, http_refusal, make_store, read_credentials, where
 from kvtier.core.tiers.s3settings import S3Settings, s3_settings
-from kvtier.core.tiers.sharedvalue import HEADER_BYTES, SharedValueError, ValueCodec, copy_payload, keyspace
+from kvtier.core.tiers.sharedvalue import (
+    HEADER_BYTES,
+    SharedValueError,
+    ValueCodec,
+    copy_payload,
+    keyspace,
+    shared_secret,
+)
 
 if TYPE_CHECKING:
     from kvtier.core.config import KVTierConfig
@@ -70,6 +77,9 @@ EVICT_PASSES = 4
 """Eviction passes at most per call (each a HEAD batch of the victims, then one delete)."""
 DELETE_BATCH = 1000
 """Keys per bulk delete (S3 ``DeleteObjects`` takes at most 1000)."""
+DELETE_WAIT_S = 1.0
+"""Longest a read waits for the delete of the unusable objects it found, seconds (then it goes on in
+the background)."""
 REWRITTEN_S = 1.0
 """An object whose ``Last-Modified`` is at least this much newer than counted was rewritten: kept.
 ``Last-Modified`` has one-second resolution (an HTTP date), so a chunk this process stored is
@@ -201,6 +211,15 @@ class S3Tier(Tier):
     def get_many(self, keys: Sequence[ChunkKey], dsts: Sequence[memoryview]) -> list[GetResult]:
         if not keys:
             return []
+        t0 = time.perf_counter()
+        return self.accept_values(keys, self.read_values(keys), dsts, time.perf_counter() - t0)
+
+    def read_values(self, keys: Sequence[ChunkKey]) -> list[tuple[Any, float] | None]:
+        """One parallel ``GET`` per key: ``(body, Last-Modified)`` each (the body a buffer obstore
+        allocated for this call), ``None`` where there is no object
+        (:class:`~kvtier.core.tiers.guarded.ValueTier`)."""
+        if not keys:
+            return []
         import obstore
 
         async def fetch(path: str) -> tuple[Any, float] | None:
@@ -211,8 +230,13 @@ class S3Tier(Tier):
                 return None
             return value, got.meta["last_modified"].timestamp()
 
-        t0 = time.perf_counter()
-        values = self._run(lambda: self._each(fetch, [self.object_key(k) for k in keys]))
+        return self._run(lambda: self._each(fetch, [self.object_key(k) for k in keys]))
+
+    def accept_values(self, keys: Sequence[ChunkKey], values: Sequence[tuple[Any, float] | None],
+                      dsts: Sequence[memoryview], seconds: float) -> list[GetResult]:
+        """Verify each value of :meth:`read_values` and copy its payload into ``dsts``; an expired,
+        short, foreign or corrupt one is a miss (corrupt ones counted) and its object is deleted,
+        waiting at most :data:`DELETE_WAIT_S` (:class:`~kvtier.core.tiers.guarded.ValueTier`)."""
         results: list[GetResult] = []
         bad: list[str] = []
         num_bytes = 0
@@ -240,9 +264,26 @@ class S3Tier(Tier):
             num_bytes += decoded.length
             results.append(GetResult.HIT)
         if bad:
-            self._delete_paths(bad)
-        self.wire.moved("read", num_bytes, time.perf_counter() - t0)
+            self._delete_soon(bad)
+        self.wire.moved("read", num_bytes, seconds)
         return results
+
+    def _delete_soon(self, paths: list[str]) -> None:
+        """Delete ``paths`` on the tier's loop, waiting at most :data:`DELETE_WAIT_S` (a reader
+        never waits longer on the network; a slower delete finishes in the background)."""
+        import obstore
+
+        async def delete() -> None:
+            for i in range(0, len(paths), DELETE_BATCH):
+                await obstore.delete_async(self.store, paths[i:i + DELETE_BATCH])
+
+        if self._closed:
+            return
+        future = asyncio.run_coroutine_threadsafe(delete(), self._loop)
+        try:
+            future.result(timeout=DELETE_WAIT_S)
+        except Exception as exc:  # noqa: BLE001 - the object stays; the next read deletes it again
+            self._log_fault("delete", exc)
 
     def put(self, key: ChunkKey, data: memoryview | bytes) -> PutResult:
         return self.put_many([key], [data])[0]
@@ -254,6 +295,18 @@ class S3Tier(Tier):
         ``PRESENT`` from the server's ``412``."""
         if not keys:
             return []
+        return self.put_values(keys, self.encode_values(keys, datas), [memoryview(d).nbytes for d in datas])
+
+    def encode_values(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> list[bytearray]:
+        """The objects to write: header + payload each (the payload copied once)
+        (:class:`~kvtier.core.tiers.guarded.ValueTier`)."""
+        return [self.codec.encode(k, d) for k, d in zip(keys, datas, strict=True)]
+
+    def put_values(self, keys: Sequence[ChunkKey], values: Sequence[Any], payload_bytes: Sequence[int]
+                   ) -> list[PutResult]:
+        """Write the :meth:`encode_values` objects (see :meth:`put_many`)."""
+        if not keys:
+            return []
         import obstore
 
         paths = [self.object_key(k) for k in keys]
@@ -263,9 +316,8 @@ class S3Tier(Tier):
             meta = await self._head(paths[i])
             if meta is not None:
                 return "present", meta["last_modified"].timestamp()
-            value = self.codec.encode(keys[i], datas[i])
             try:
-                await obstore.put_async(self.store, paths[i], value, use_multipart=False,
+                await obstore.put_async(self.store, paths[i], values[i], use_multipart=False,
                                         mode="create" if self.conditional_put else "overwrite")
             except exists_errors:
                 return "present", float(int(time.time()))
@@ -273,7 +325,7 @@ class S3Tier(Tier):
 
         t0 = time.perf_counter()
         outcomes = self._run(lambda: self._each(write, list(range(len(keys)))))
-        sizes = [HEADER_BYTES + memoryview(d).nbytes for d in datas]
+        sizes = [HEADER_BYTES + n for n in payload_bytes]
         stored_bytes = 0
         with self._lock:
             for key, (outcome, mtime), size in zip(keys, outcomes, sizes, strict=True):
@@ -466,8 +518,7 @@ class S3Tier(Tier):
         now = time.monotonic()
         if now - self._last_error > 10.0:  # one line per 10 s
             self._last_error = now
-            log.warning("kvtier s3 tier (%s): %s failed (%s: %s)", self.where, op, type(exc).__name__,
-                        str(exc).splitlines()[0][:200] if str(exc) else "")
+            log.warning("kvtier s3 tier (%s): %s failed (%s: %s)", self.where, op, type(exc).__name__, brief(str(exc)))
 
     def close(self) -> None:
         if self._closed:
@@ -482,8 +533,6 @@ def check(config: KVTierConfig) -> list[tuple[str, str]]:
     """What start-up would refuse, read as it reads it: no bucket, plain HTTP without
     ``s3_allow_http``, unreadable credentials (the file, or half of the environment pair), the
     shared secret file; ``(config key, message)`` each."""
-    from kvtier.core.tiers.redisclient import shared_secret
-
     settings = s3_settings(config)
     problems: list[tuple[str, str]] = []
     if not settings.s3_bucket:
@@ -500,6 +549,40 @@ def check(config: KVTierConfig) -> list[tuple[str, str]]:
     return problems
 
 
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` (a URL's host name) is this host: ``localhost``, all of 127.0.0.0/8, ``::1``."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def advice(config: KVTierConfig) -> list[tuple[str, str]]:
+    """Warnings about a configuration the tier starts with (registry ``advice``): a plain
+    ``http://`` endpoint beyond this host without ``shared_secret``/``shared_secret_file`` sends
+    the chunks in clear and lets any client that can write to the bucket plant KV the engines
+    accept (the checksum catches corruption, not forgery; docs/s3.md "Servers").  Reads the
+    configuration alone: ``(config key, message)`` each."""
+    from urllib.parse import urlsplit
+
+    from kvtier.core.config import redact_url
+
+    url = s3_settings(config).s3_endpoint_url
+    if not url or not url.startswith("http://") or config.shared_secret or config.shared_secret_file:
+        return []
+    host = urlsplit(url).hostname or ""
+    if is_loopback_host(host):
+        return []
+    return [("s3_endpoint_url", (f"s3_endpoint_url {redact_url(url)} is plain HTTP to {host}, beyond this host, "
+             "without a shared_secret: chunks cross the network in clear and any client that can write to the "
+             "bucket can plant KV the engines accept; use https:// and set shared_secret_file to a secret of "
+             "16+ characters that every engine of the cache shares"))]
+
+
 def configured(config: KVTierConfig) -> bool:
     """Whether ``config`` asks for the s3 tier (``s3_bucket`` or ``s3_endpoint_url`` set)."""
     settings = s3_settings(config)
@@ -508,8 +591,6 @@ def configured(config: KVTierConfig) -> bool:
 
 def _tier(config: KVTierConfig, settings: S3Settings, namespace: bytes, sweep: bool = True) -> S3Tier:
     """The bare tier; ``sweep=False``: no expiry, no cap, no sweep thread (a reset's short-lived tier)."""
-    from kvtier.core.tiers.redisclient import shared_secret
-
     store = make_store(settings, config.shared_transfer_deadline_s)
     capacity = None if settings.s3_capacity_gib is None or not sweep else int(settings.s3_capacity_gib * GiB)
     return S3Tier(store, namespace, shared_secret(config), settings.s3_key_prefix, settings.s3_concurrency,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import configparser
 import os
+import re
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -130,3 +131,75 @@ def make_store(settings: S3Settings, retry_timeout_s: float) -> Any:
     retry = {"max_retries": settings.s3_max_retries, "retry_timeout": timedelta(seconds=retry_timeout_s),
              "backoff": {"init_backoff": timedelta(milliseconds=20), "max_backoff": timedelta(seconds=1), "base": 2}}
     return S3Store(settings.s3_bucket, config=config, client_options=client_options, retry_config=retry)  # type: ignore[arg-type]
+
+
+AUTH_MARKS = ("403 Forbidden", "AccessDenied", "SignatureDoesNotMatch", "InvalidAccessKeyId")
+"""Texts of an S3 error that mean the server refused the credentials."""
+UNREACHABLE_MARKS = ("error sending request", "kind: connect", "connection refused", "dns error",
+                     "failed to lookup address", "timed out", "connection reset", "broken pipe")
+"""Texts (lower case) of an obstore error that mean the request never got an answer from a server."""
+METADATA_HOSTS = ("169.254.169.254", "169.254.170.2")
+"""The AWS chain's instance and container credential endpoints: an error naming one means no
+credentials were configured and none came from the host."""
+_CAUSES = (("connection refused", "connection refused"), ("dns error", "host name not resolved"),
+           ("failed to lookup address", "host name not resolved"), ("timed out", "timed out"),
+           ("connection reset", "connection reset"))
+_TIMING = re.compile(r" in [0-9.]+\s*(?:ns|µs|us|ms|s)\b")
+
+
+def brief(text: str, limit: int = 160) -> str:
+    """An obstore error's text in one short phrase: its first line without the ``Generic S3 error:``
+    label and timings, cut at a word boundary (never mid-word) to at most ``limit`` characters,
+    plus the root cause found deeper in its debug text (connection refused, name not resolved)."""
+    lines = text.strip().splitlines()
+    first = _TIMING.sub("", lines[0] if lines else "").removeprefix("Generic S3 error: ").strip()
+    lowered = text.lower()
+    cause = next((phrase for mark, phrase in _CAUSES if mark in lowered and phrase not in first.lower()), None)
+    if len(first) > limit:
+        first = first[:limit].rsplit(" ", 1)[0].rstrip(" ,;:-") + " ..."
+    return f"{first} ({cause})" if cause else first or "no detail"
+
+
+def unreachable(text: str) -> bool:
+    """Whether an obstore error's text says the request got no answer from a server."""
+    lowered = text.lower()
+    return any(mark in lowered for mark in UNREACHABLE_MARKS)
+
+
+def endpoint_answers(settings: S3Settings, timeout_s: float) -> bool:
+    """Whether a TCP connection to the endpoint (``s3_endpoint_url``, else the region's AWS
+    endpoint on 443) opens within ``timeout_s`` seconds: told apart from missing credentials."""
+    import socket
+    from urllib.parse import urlsplit
+
+    url = settings.s3_endpoint_url or f"https://s3.{settings.s3_region}.amazonaws.com"
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parts.hostname or "", port), timeout=max(timeout_s, 0.05)):
+            return True
+    except OSError:
+        return False
+
+
+def describe_failure(exc: BaseException, settings: S3Settings, timeout_s: float) -> tuple[str, str]:
+    """``(state, detail)`` of a failed request: ``unreachable`` (said first: a server that does not
+    answer cannot have refused anything; checked with :func:`endpoint_answers` when the error is
+    about missing credentials), ``no bucket``, ``auth failed`` or ``failed``."""
+    from obstore.exceptions import PermissionDeniedError, UnauthenticatedError
+
+    text = str(exc)
+    if isinstance(exc, (PermissionDeniedError, UnauthenticatedError)):
+        return "auth failed", "the server refused the credentials (403)"
+    if any(host in text for host in METADATA_HOSTS):
+        if not endpoint_answers(settings, timeout_s):
+            return "unreachable", "nothing accepts connections at the endpoint; no credentials are set either"
+        return "auth failed", ("no credentials: none in the environment or s3_credentials_file, and no instance or "
+                               "container credentials answered")
+    if unreachable(text):
+        return "unreachable", brief(text)
+    if "NoSuchBucket" in text:
+        return "no bucket", "no such bucket"
+    if any(mark in text for mark in AUTH_MARKS):  # a LIST's 403 arrives as obstore's generic error
+        return "auth failed", "the server refused the credentials (403)"
+    return "failed", brief(text) if text else type(exc).__name__

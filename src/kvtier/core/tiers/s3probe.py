@@ -4,7 +4,10 @@ of at most one key under the tier's prefix, within a short deadline, never a wri
 ``kvtier check`` and the serve-line pre-flight run it (:mod:`kvtier.core.tiers.probe`): a
 ``200`` is ``reachable``; a ``403`` is ``auth failed`` (fix the credentials:
 ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY`` or ``s3_credentials_file``); a missing bucket, a
-closed port or no answer in time is ``unreachable``.
+closed port or no answer in time is ``unreachable``.  Reachability is judged first
+(:func:`~kvtier.core.tiers.s3client.describe_failure`): without credentials obstore asks the
+instance metadata endpoint before the server, so that error alone would blame the credentials of
+an endpoint that is not even up; a TCP connect to the endpoint tells the two apart.
 """
 
 from __future__ import annotations
@@ -14,14 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.core.errors import ConfigError
 from kvtier.core.tiers.probe import PROBE_DEADLINE_S, ProbeResult, within_deadline
-from kvtier.core.tiers.s3client import make_store, where
+from kvtier.core.tiers.s3client import describe_failure, make_store, where
 from kvtier.core.tiers.s3settings import S3Settings, s3_settings
 
 if TYPE_CHECKING:
     from kvtier.core.config import KVTierConfig
 
-AUTH_MARKS = ("403 Forbidden", "AccessDenied", "SignatureDoesNotMatch", "InvalidAccessKeyId")
-"""Texts of an S3 error that mean the server refused the credentials."""
 AUTH_FIX = "fix AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or s3_credentials_file"
 
 
@@ -39,7 +40,8 @@ def probe_s3(config: KVTierConfig, deadline_s: float = PROBE_DEADLINE_S) -> Prob
                                          "s3_timeout_s": min(settings.s3_timeout_s, deadline_s), "s3_max_retries": 0})
     store = make_store(capped, deadline_s)
     address = where(settings)
-    return within_deadline(lambda start: _list_one(store, capped, address, start), deadline_s, "kvtier-s3-probe",
+    return within_deadline(lambda start: _list_one(store, capped, address, start, deadline_s), deadline_s,
+                           "kvtier-s3-probe",
                            lambda detail, elapsed_s: _result("unreachable", address, detail, elapsed_s))
 
 
@@ -48,25 +50,16 @@ def _result(state: str, address: str, detail: str, elapsed_s: float) -> ProbeRes
                        address_key="s3_endpoint_url or s3_bucket")
 
 
-def _list_one(store: Any, settings: S3Settings, address: str, start: float) -> ProbeResult:
+def _list_one(store: Any, settings: S3Settings, address: str, start: float, deadline_s: float) -> ProbeResult:
     import obstore
-    from obstore.exceptions import PermissionDeniedError, UnauthenticatedError
 
     try:
         stream = obstore.list(store, settings.s3_key_prefix.rstrip("/") or None, chunk_size=1)
         next(iter(stream), None)
-    except (PermissionDeniedError, UnauthenticatedError):
-        return _result("auth failed", address, "the server refused the credentials (403)", time.monotonic() - start)
-    except Exception as exc:  # noqa: BLE001 - any other failure: not reachable as configured
-        text = str(exc)
-        if "169.254.169.254" in text or "169.254.170.2" in text:  # the AWS chain's metadata endpoints
-            return _result("auth failed", address, "no credentials: none in the environment or s3_credentials_file, "
-                           "and no instance or container credentials answered", time.monotonic() - start)
-        if any(mark in text for mark in AUTH_MARKS):  # a LIST's 403 arrives as obstore's generic error
-            return _result("auth failed", address, "the server refused the credentials (403)",
-                           time.monotonic() - start)
-        detail = "no such bucket" if "NoSuchBucket" in text else (text.splitlines()[0][:160] if text else
-                                                                   type(exc).__name__)
-        return _result("unreachable", address, detail, time.monotonic() - start)
+    except Exception as exc:  # noqa: BLE001 - any failure: said as unreachable, no bucket or auth failed
+        left = deadline_s - (time.monotonic() - start)
+        state, detail = describe_failure(exc, settings, left)
+        return _result("auth failed" if state == "auth failed" else "unreachable", address, detail,
+                       time.monotonic() - start)
     elapsed = time.monotonic() - start
     return _result("reachable", address, f"LIST answered in {elapsed * 1000:.1f} ms", elapsed)

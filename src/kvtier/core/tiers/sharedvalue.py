@@ -27,11 +27,17 @@ from __future__ import annotations
 
 import hmac
 import struct
-from typing import NamedTuple
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
 
 import blake3
 import numpy as np
 import xxhash
+
+from kvtier.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvtier.core.config import KVTierConfig
 
 MAGIC = b"KVTR"
 VERSION = 1
@@ -145,3 +151,44 @@ def copy_payload(value: bytes | memoryview, decoded: Decoded, dst: memoryview) -
     """Copy a verified payload into ``dst``."""
     src = np.frombuffer(value, dtype=np.uint8, count=decoded.length, offset=decoded.offset)
     np.copyto(np.frombuffer(dst, dtype=np.uint8, count=decoded.length), src)
+
+
+def shared_secret(config: KVTierConfig) -> bytes | None:
+    """The shared secret from ``shared_secret`` or ``shared_secret_file`` (``None`` if neither).
+
+    Raises:
+        ConfigError: the file cannot be read or holds fewer than 16 characters.
+    """
+    if config.shared_secret:
+        return config.shared_secret.encode()
+    if config.shared_secret_file:
+        try:
+            text = Path(config.shared_secret_file).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read shared_secret_file {config.shared_secret_file!r}: {exc.strerror}; "
+                              "fix the path or its permissions") from None
+        if len(text) < 16:
+            raise ConfigError(f"shared_secret_file {config.shared_secret_file!r} holds fewer than 16 characters; "
+                              "use a long random secret (e.g. openssl rand -hex 32)")
+        return text.encode()
+    return None
+
+
+class Header(NamedTuple):
+    """The fields of a value's header that name it (:func:`peek`)."""
+
+    namespace: bytes
+    key: bytes
+    length: int
+
+
+def peek(header: bytes | memoryview) -> Header | None:
+    """The namespace, chunk key and payload length a value's first :data:`HEADER_BYTES` bytes name,
+    or ``None`` when they are not a kvtier value header of a known format version (nothing is
+    verified: the digest covers the payload too; a purge reads only the header to know the object)."""
+    if len(header) < HEADER_BYTES:
+        return None
+    magic, version, kind, reserved, namespace, key, length = _FIELDS.unpack_from(header)
+    if magic != MAGIC or version != VERSION or reserved or kind not in (KIND_CHECKSUM, KIND_MAC):
+        return None
+    return Header(namespace, key, length)

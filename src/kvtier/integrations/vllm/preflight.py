@@ -257,10 +257,19 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
     except ConfigError as exc:
         return [*problems, Problem("error", f"{key}.tier_modules", str(exc))]
     for name in extra:
-        if name not in fields:
+        if name not in fields and looks_like_credential(name):
+            problems.append(Problem("error", f"{key}.{name}", f"{key} carries a credential under {name!r} (not "
+                                    f"shown here); {CREDENTIALS_FIX}"))
+        elif name not in fields:
             problems.append(Problem("error", f"{key}.{name}",
                                     f"unknown kvtier config key {name!r}{did_you_mean(name, fields)}; known keys "
                                     f"are {', '.join(fields)}"))
+    nested = extra.get("tier_settings")
+    for tier, values in (nested.items() if isinstance(nested, dict) else ()):
+        for name in (values if isinstance(values, dict) else ()):
+            if name not in fields and looks_like_credential(str(name)):
+                where = f"{key}.tier_settings.{tier}.{name}"
+                problems.append(Problem("error", where, f"{where} is a credential (not shown here); {CREDENTIALS_FIX}"))
     known = {k: v for k, v in extra.items() if k in fields}  # the configuration looks at no filesystem
     # each value alone (the disk pair together), so that every bad value is named, not just the first
     groups = [[k] for k in known if k not in _DISK_KEYS] + [[k for k in known if k in _DISK_KEYS]]
@@ -301,6 +310,7 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
         problems.extend(_default_block_problem(key, config.chunk_tokens))
     problems.extend(_unused_tier_problems(key, extra, config))
     problems.extend(_unconfigured_tier_problems(key, extra, config))
+    problems.extend(_advice_problems(key, config))
     if not host_checks:
         return problems
     available = available_memory()
@@ -377,6 +387,56 @@ def _tier_problems(key: str, config: KVTierConfig) -> list[Problem]:
     it), the redis tier's password and shared secret."""
     return [Problem("error", f"{key}.{name}", message)
             for tier in config.tiers for name, message in factory.check(tier, config)]
+
+
+def _advice_problems(key: str, config: KVTierConfig) -> list[Problem]:
+    """Each configured tier's advice (:func:`kvtier.core.tiers.factory.advice`): warnings about what a
+    configuration it starts with leaves exposed, read from the configuration alone."""
+    out: list[Problem] = []
+    for tier in config.tiers:
+        try:
+            found = factory.advice(tier, config)
+        except ConfigError:
+            continue  # an unknown tier or a module that does not import: reported by the config's own checks
+        out.extend(Problem("warning", f"{key}.{name}", message) for name, message in found)
+    return out
+
+
+def advice_problems(transfer: dict[str, Any], environ: Mapping[str, str] | None = None) -> list[Problem]:
+    """The tiers' advice (warnings, :attr:`~kvtier.core.tiers.registry.TierSpec.advice`) for every
+    KVTierConnector of ``transfer`` whose ``kv_connector_extra_config`` is valid (an invalid one is
+    :func:`check_transfer_config`'s error), with ``environ``'s ``KVTIER_*`` variables applied as in
+    :func:`check_transfer_config`; ``kvtier audit`` reports them as a rule of their own."""
+    if environ is not None:
+        with _kvtier_environ(environ):
+            return advice_problems(transfer)
+    out: list[Problem] = []
+    for prefix, entry in _kvtier_entries(transfer):
+        extra = entry.get("kv_connector_extra_config")
+        if not isinstance(extra, dict):
+            continue
+        try:
+            config = KVTierConfig.from_dict(extra)
+        except ConfigError:
+            continue
+        out.extend(_advice_problems(f"{prefix}kv_connector_extra_config", config))
+    return out
+
+
+CREDENTIAL_MARKS = ("access_key", "secret_key", "secret_access", "session_token", "password", "passwd", "api_key",
+                    "aws_secret", "credential")
+"""Fragments of a key name that hold a credential (``aws_secret_access_key``, ``s3_access_key_id``,
+``redis_password``); a known kvtier key (``redis_password_file``, ``s3_credentials_file``) is not one."""
+
+CREDENTIALS_FIX = ("credentials never go in the serve line (ps, shell history and manifests show it): give the "
+                   "S3 keys in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in the server's environment or in the file "
+                   "named by s3_credentials_file, a Redis password in redis_password_env or redis_password_file")
+
+
+def looks_like_credential(name: str) -> bool:
+    """Whether configuration key ``name`` (not a known kvtier key) would hold a credential."""
+    lowered = name.lower()
+    return any(mark in lowered for mark in CREDENTIAL_MARKS)
 
 
 def _unconfigured_tier_problems(key: str, extra: dict[str, Any], config: KVTierConfig) -> list[Problem]:

@@ -57,7 +57,10 @@ tiers: cpu, disk, redis):
 - Shared tier (workers' side, from each store's snapshot ``TierStats.wire``; summed over ranks):
   ``kvtier_redis_errors_total`` (calls that failed), ``kvtier_redis_skipped_calls_total`` (not
   made: breaker open or queue full), ``kvtier_redis_skipped_writes_total`` (chunks not written),
-  ``kvtier_redis_breaker_state`` (0 closed; 1 half-open, 2 open, per rank).
+  ``kvtier_redis_breaker_state`` (0 closed; 1 half-open, 2 open, per rank);
+  ``kvtier_redis_reads_total``, ``kvtier_redis_read_seconds_total``, ``kvtier_redis_read_bytes_total``
+  (read batches that returned, their seconds and payload bytes: the mean read latency).  Every
+  shared tier has these under its own name (``kvtier_s3_*``).
 - Shared tier (scheduler side, :meth:`RemoteLookups.counters
   <kvtier.integrations.vllm.remote.RemoteLookups.counters>`): ``kvtier_shared_lookups_total``
   (sent), ``kvtier_shared_lookups_answered_total``, ``kvtier_shared_lookups_timed_out_total``,
@@ -202,6 +205,11 @@ def counters() -> dict[str, tuple[str, str, tuple[str, ...]]]:
                                          "breaker open or queue full."), ())
             out[f"{t}_skipped_writes"] = (f"kvtier_{t}_skipped_writes", (f"Chunks not written to the shared tier "
                                           f"({t}): breaker open, queue full or the write failed."), ())
+            out[f"{t}_reads"] = (f"kvtier_{t}_reads", (f"Read batches (one load's parallel reads) the workers made "
+                                 f"from the shared tier ({t}) that returned."), ())
+            out[f"{t}_read_seconds"] = (f"kvtier_{t}_read_seconds", (f"Seconds the workers' read batches from the "
+                                        f"shared tier ({t}) took: over kvtier_{t}_reads, the mean read latency."), ())
+            out[f"{t}_read_bytes"] = (f"kvtier_{t}_read_bytes", f"Payload bytes read from the shared tier ({t}).", ())
     return {**out, **_PLAIN_COUNTERS}
 
 
@@ -246,6 +254,9 @@ def store_counter_readers() -> dict[str, Callable[[StoreStats], float]]:
             out[f"{t}_errors"] = lambda s, t=t: _wire(s, t).total_errors  # type: ignore[misc]
             out[f"{t}_skipped_calls"] = lambda s, t=t: _wire(s, t).total_skipped_calls  # type: ignore[misc]
             out[f"{t}_skipped_writes"] = lambda s, t=t: _wire(s, t).skipped_writes  # type: ignore[misc]
+            out[f"{t}_reads"] = lambda s, t=t: _wire(s, t).calls.get("read", 0)  # type: ignore[misc]
+            out[f"{t}_read_seconds"] = lambda s, t=t: _wire(s, t).seconds.get("read", 0.0)  # type: ignore[misc]
+            out[f"{t}_read_bytes"] = lambda s, t=t: _wire(s, t).bytes.get("read", 0)  # type: ignore[misc]
     return {**out,
             "reloaded_tokens": lambda s: s.reloaded_tokens,
             "saved_tokens": lambda s: s.saved_tokens,
