@@ -35,7 +35,7 @@ def _print_text(url: str, meters, alloc, diagnosis, expect_gib: float | None) ->
         return "-" if x is None else f"{x:.3f} s"
 
     console = Console(highlight=False)
-    interval = "interval unknown: recorded files" if meters.interval_s is None else f"interval {meters.interval_s:g} s"
+    interval = "interval unknown: recorded files" if meters.interval_s is None else f"interval {meters.interval_s:.2f} s"
     console.print(f"[bold]kvtier doctor[/bold] {url} ({interval})")
     console.print(f"  reuse (GPU + offload)   {pct(meters.reuse_rate)}")
     console.print(f"  prefix-cache hit rate   {pct(meters.hit_rate)}  ({meters.hits:,.0f} / {meters.queries:,.0f} "
@@ -153,7 +153,8 @@ def doctor_command(
                 "kv_events_enabled": meters.controls.events_enabled,
                 "tenant_quota_default_share": meters.controls.quota_default_share,
                 "tenant_quota_salts": meters.controls.quota_salts,
-                "quota_evictions": meters.controls.quota_evictions, "tenant_usage_bytes": meters.controls.tenants},
+                "quota_evictions": meters.controls.quota_evictions, "tenant_usage_bytes": meters.controls.tenants,
+                "problems": list(meters.controls.problems)},
             "expected_offload_gib": expect_offload_gib, "tp": tp,
             "checks": [{"level": c.level, "message": c.message} for c in diagnosis.checks],
             "verdict": diagnosis.verdict,
