@@ -13,7 +13,7 @@ from kvtier.core.errors import UserError
 
 HELP = """Check a running vLLM server: prefix-cache hit rate, external (offload) hit rate, TTFT p50/p99, the offload size vLLM actually allocated, and kvtier's shared tier (redis: hit rate, circuit breaker, skipped writes), then give a verdict.
 
-Scrapes URL/metrics twice, --interval seconds apart (run it while traffic flows), and compares the offload size with --expect-offload-gib (GiB, total across TP ranks): vLLM's --kv-offloading-size from vllm:cache_config_info, or for kvtier the sum of its tiers (cpu + disk, from kvtier_capacity_bytes), each tier also reported alone with what it holds and the prompt tokens it served. Exit code 1 when the verdict is "problem".
+Scrapes URL/metrics twice (a URL with a path is scraped as given), --interval seconds apart (run it while traffic flows), and compares the offload size with --expect-offload-gib (GiB, total across TP ranks): vLLM's --kv-offloading-size from vllm:cache_config_info, or for kvtier the sum of its tiers (cpu + disk, from kvtier_capacity_bytes), each tier also reported alone with what it holds and the prompt tokens it served. Exit code 1 when the verdict is "problem".
 
 Examples:
 
@@ -85,7 +85,7 @@ def _read_file(path: str) -> str:
 
 
 def doctor_command(
-    url: str | None = typer.Option(None, "--url", help="vLLM server, http://HOST:PORT (/metrics is added)."),
+    url: str | None = typer.Option(None, "--url", help="vLLM server, http://HOST:PORT (/metrics is added); a URL with a path (http://HOST:PORT/prefix/metrics behind a proxy) is scraped as given, nothing added."),
     interval: float = typer.Option(10.0, "--interval", help="Seconds between the two scrapes."),
     expect_offload_gib: float | None = typer.Option(None, "--expect-offload-gib",
                                                     help="Offload size you configured, GiB total across TP ranks: --kv-offloading-size, or for kvtier cpu_gib + disk_gib (compared with the tiers' sum)."),
