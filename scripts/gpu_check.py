@@ -65,6 +65,11 @@ GiB = float(1 << 30)
 KiB = 1 << 10
 ASSUMED_PEAK_GB_S = 32e9 * 16 * 128 / 130 / 8 / 1e9  # PCIe Gen5 x16, one direction, after 128b/130b coding
 DEFAULT_PAGES_KIB = "16,32,64,128,256,512,1024,2048"
+LAYOUTS = ("kv-split", "blocks-first", "mla")
+MAX_PAGE_KIB = 1 << 20
+"""Largest --pages-kib (1 GiB): one block of one layer; vLLM's defaults are 16 KiB to 2 MiB."""
+MAX_MIB = 1 << 16
+"""Largest --mib (64 GiB per direction): the caches hold about twice that on the device."""
 
 
 @dataclass(frozen=True)
@@ -257,18 +262,77 @@ def _table(results: list[Result], peak: float) -> list[str]:
     return lines
 
 
+def _check_args(args: argparse.Namespace) -> tuple[str | None, torch.device | None, list[int]]:
+    """One sentence naming the one flag that is wrong (or None), the device, and the page sizes in bytes."""
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        return f"--device {args.device!r} is not a device; give cuda, cuda:N or cpu.", None, []
+    if device.type not in ("cuda", "cpu"):
+        return f"--device {args.device!r} is not a device this script checks; give cuda, cuda:N or cpu.", None, []
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return "no CUDA device visible to torch; run with --device cpu for a smoke test", None, []
+    for flag, value in (("--layers", args.layers), ("--kv-heads", args.kv_heads), ("--head-size", args.head_size),
+                        ("--chunk-tokens", args.chunk_tokens), ("--mib", args.mib), ("--repeats", args.repeats)):
+        if value <= 0:
+            return f"{flag} must be positive, got {value}.", None, []
+    if args.mib > MAX_MIB:
+        return f"--mib must be at most {MAX_MIB} (64 GiB per direction), got {args.mib}.", None, []
+    pages: list[int] = []
+    for text in args.pages_kib.split(","):
+        try:
+            kib = float(text)
+        except ValueError:
+            return f"--pages-kib has {text!r}, not a number of KiB; give e.g. --pages-kib 16,256.", None, []
+        if not 0 < kib <= MAX_PAGE_KIB:
+            return ((f"--pages-kib has {text!r}: each page size must be above 0 and at most {MAX_PAGE_KIB} KiB "
+                    "(1 GiB)."), None, [])
+        if args.layers * kib * KiB > args.mib * (1 << 20):
+            return ((f"--pages-kib has {text!r}: one page per layer ({args.layers} layers) is more than the "
+                    f"--mib {args.mib} MiB moved per direction; lower --pages-kib or raise --mib."), None, [])
+        pages.append(int(kib * KiB))
+    unknown = [name for name in args.layouts.split(",") if name not in LAYOUTS]
+    if unknown:
+        return f"unknown layout {unknown[0]!r} in --layouts; choose from {', '.join(LAYOUTS)}", None, []
+    if args.json is not None:
+        problem = _writable(args.json)
+        if problem:
+            return problem, None, []
+    return None, device, pages
+
+
+def _writable(path: Path) -> str | None:
+    """Why ``--json path`` cannot be written (one sentence), or None; tried now, not after the run."""
+    existed = path.exists()
+    try:
+        with path.open("a"):
+            pass
+    except OSError as exc:
+        return f"--json {str(path)!r} cannot be written ({exc.strerror}); give a writable file path."
+    if not existed:
+        path.unlink()
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu for a smoke test")
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-size", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=32, help="attention layers, one cache tensor each (default 32)")
+    parser.add_argument("--kv-heads", type=int, default=8,
+                        help="KV heads per layer in kv-split and blocks-first (default 8; mla has one latent)")
+    parser.add_argument("--head-size", type=int, default=128,
+                        help="head size, elements, in kv-split and blocks-first (default 128; mla: 576 latent dims)")
     parser.add_argument("--pages-kib", default=DEFAULT_PAGES_KIB,
-                        help="engine page sizes (one block of one layer), KiB, comma-separated")
+                        help="engine page sizes (one block of one layer), KiB, comma-separated, each at most "
+                             f"{MAX_PAGE_KIB} KiB (1 GiB) and with --layers pages at most --mib; rounded to whole "
+                             "tokens per block (the table shows the sizes used)")
     parser.add_argument("--chunk-tokens", type=int, default=256, help="tokens per kvtier chunk (page of the cpu tier)")
-    parser.add_argument("--mib", type=int, default=256, help="MiB moved per direction per measurement")
+    parser.add_argument("--mib", type=int, default=256,
+                        help=f"MiB moved per direction per measurement (at most {MAX_MIB})")
     parser.add_argument("--repeats", type=int, default=5, help="timed repetitions (best is reported)")
-    parser.add_argument("--layouts", default="kv-split,blocks-first,mla")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS),
+                        help="KV cache layouts to check, comma-separated, from kv-split (FlashAttention), "
+                             "blocks-first (FlashInfer NHD) and mla (default: all three)")
     parser.add_argument("--path", choices=("auto", "batched", "host"), default="auto",
                         help="copy path: auto (batched on CUDA, per block on the host), or force one")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -276,35 +340,29 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0) and 2
-    try:
-        device = torch.device(args.device)
-        pages = [int(float(p) * KiB) for p in args.pages_kib.split(",")]
-    except (RuntimeError, ValueError):
-        print(f"--device {args.device!r} / --pages-kib {args.pages_kib!r}: give e.g. --device cuda:0 "
-              f"--pages-kib 16,256", file=sys.stderr)
+    problem, device, pages = _check_args(args)
+    if problem:
+        print(problem, file=sys.stderr)
         return 2
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device visible to torch; run with --device cpu for a smoke test", file=sys.stderr)
-        return 2
-    if min(args.layers, args.kv_heads, args.head_size, args.chunk_tokens, args.mib, args.repeats, *pages) <= 0:
-        print("--layers, --kv-heads, --head-size, --chunk-tokens, --mib, --repeats and every page size must be "
-              "positive", file=sys.stderr)
-        return 2
+    assert device is not None
     layouts = args.layouts.split(",")
-    unknown = [name for name in layouts if name not in ("kv-split", "blocks-first", "mla")]
-    if unknown:
-        print(f"unknown layout {unknown[0]!r}; choose from kv-split, blocks-first, mla", file=sys.stderr)
-        return 2
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()
     results = [check_and_free(name, page, device, args, rng) for page in pages for name in layouts]
     peak, peak_source = pcie_peak(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "host"
+    rounded = sorted({(r.layout, asked, r.page_bytes) for asked, r in zip(
+        [p for p in pages for _ in layouts], results, strict=True) if r.page_bytes != asked})
+    if rounded:
+        print("page sizes rounded to whole tokens per block: " + ", ".join(
+            f"{layout} {asked / KiB:g} -> {got / KiB:.1f} KiB" for layout, asked, got in rounded))
     print(f"device: {name}; torch {torch.__version__}; {args.layers} layers, bf16, {args.chunk_tokens}-token chunks; "
           f"{args.mib} MiB per direction, GiB/s best of {args.repeats}; plain = one contiguous copy_ of the same "
           f"bytes ({'pinned host' if device.type == 'cuda' else 'unpinned host'})")
     if peak:
         print(f"PCIe peak per direction: {peak:.1f} GiB/s ({peak_source})")
+    if device.type != "cuda":
+        print("host run: every GiB/s below is a host memcpy figure (no GPU, no PCIe link), a smoke test only")
     for line in _table(results, peak):
         print(line)
     big = [r for r in results if r.page_bytes >= 256 * KiB]
@@ -314,10 +372,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(results)} checks in {time.perf_counter() - t0:.1f} s; bytes equal after the round trip: "
           f"{all(r.equal for r in results)}")
     if args.json is not None:
-        args.json.write_text(json.dumps({"device": name, "torch": torch.__version__, "pcie_peak_gib_s": peak,
-                                         "pcie_peak_source": peak_source, "args": {k: str(v) for k, v in
-                                                                                   vars(args).items()},
-                                         "results": [asdict(r) for r in results]}, indent=1) + "\n")
+        try:
+            args.json.write_text(json.dumps({"device": name, "torch": torch.__version__, "pcie_peak_gib_s": peak,
+                                             "gib_s_are": "device copies" if device.type == "cuda" else "host memcpy",
+                                             "pcie_peak_source": peak_source, "args": {k: str(v) for k, v in
+                                                                                       vars(args).items()},
+                                             "results": [asdict(r) for r in results]}, indent=1) + "\n")
+        except OSError as exc:  # checked up front; only a path that changed during the run gets here
+            print(f"--json {str(args.json)!r} cannot be written ({exc.strerror}); the results above stand.",
+                  file=sys.stderr)
+            return 2
     return 0 if all(r.equal for r in results) else 1
 
 

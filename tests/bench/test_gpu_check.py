@@ -55,7 +55,7 @@ def test_gpu_check_refuses_a_missing_cuda_device(capsys):
 def test_gpu_check_refuses_bad_arguments_in_one_sentence(capsys):
     module = _load()
     assert module.main(["--device", "cpu", "--layouts", "kv-split,paged"]) == 2
-    assert "unknown layout 'paged'; choose from" in capsys.readouterr().err
+    assert "unknown layout 'paged' in --layouts; choose from" in capsys.readouterr().err
     assert module.main(["--device", "cpu", "--mib", "0"]) == 2
     assert "must be positive" in capsys.readouterr().err
 
@@ -64,3 +64,58 @@ def test_link_peak_follows_the_pcie_generation():
     module = _load()
     assert module._link_gib_s(32.0, 16) == pytest.approx(63.0e9 / (1 << 30), rel=1e-3)  # Gen5 x16
     assert module._link_gib_s(5.0, 16) == pytest.approx(5e9 * 16 * 0.8 / 8 / (1 << 30))  # Gen2: 8b/10b
+
+
+@pytest.mark.parametrize(("args", "sentence"), [
+    (["--pages-kib", "1e9"], "--pages-kib has '1e9': each page size must be above 0 and at most 1048576 KiB"),
+    (["--pages-kib", "16,nan"], "--pages-kib has 'nan': each page size must be above 0"),
+    (["--pages-kib", "16,x"], "--pages-kib has 'x', not a number of KiB"),
+    (["--pages-kib", "300000"], "--pages-kib has '300000': one page per layer (32 layers) is more than the --mib 256"),
+    (["--layers", "0"], "--layers must be positive, got 0."),
+    (["--repeats", "-1"], "--repeats must be positive, got -1."),
+    (["--mib", "1000000"], "--mib must be at most 65536"),
+    (["--device", "tpu"], "--device 'tpu' is not a device"),
+])
+def test_gpu_check_names_the_one_bad_flag(capsys, args, sentence):
+    """Fixes item 3: each bad argument is one sentence naming its own flag, exit 2, before any work."""
+    assert _load().main(["--device", "cpu", *args]) == 2
+    err = capsys.readouterr().err
+    assert sentence in err and err.count("\n") == 1, err
+    other_flags = {"--layers", "--kv-heads", "--head-size", "--chunk-tokens", "--mib", "--repeats", "--pages-kib"}
+    named = {flag for flag in other_flags if flag in err}
+    assert named <= {args[0], "--mib"}, err  # the page bound names --mib as the way out
+
+
+def test_gpu_check_refuses_an_unwritable_json_path_up_front(tmp_path, capsys):
+    """Fixes item 3: --json under a regular file cannot be written: said before the run, exit 2 (not 1,
+    which means a failed round trip), no traceback, and nothing left behind."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert _load().main(["--device", "cpu", "--json", str(blocker / "out.json")]) == 2
+    captured = capsys.readouterr()
+    assert "--json" in captured.err and "cannot be written" in captured.err and "Traceback" not in captured.err
+    assert captured.out == ""  # refused before any check ran
+    writable = tmp_path / "ok.json"
+    assert _load()._writable(writable) is None and not writable.exists()
+
+
+def test_gpu_check_says_it_rounds_pages_and_labels_host_figures(tmp_path, capsys):
+    """Fixes item 3: --pages-kib 3 is 4 KiB pages (whole 4 KiB tokens): said, not silent; a host
+    run's GiB/s are labelled host memcpy figures (docs/benchmarks.md)."""
+    out = tmp_path / "check.json"
+    assert _load().main(["--device", "cpu", "--layers", "2", "--pages-kib", "3", "--chunk-tokens", "16", "--mib", "1",
+                         "--repeats", "1", "--layouts", "kv-split", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "page sizes rounded to whole tokens per block: kv-split 3 -> 4.0 KiB" in text
+    assert "every GiB/s below is a host memcpy figure" in text
+    report = json.loads(out.read_text())
+    assert report["gib_s_are"] == "host memcpy" and report["results"][0]["page_bytes"] == 4096
+
+
+def test_gpu_check_help_explains_every_shape_flag(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "300")  # one line per flag
+    assert _load().main(["--help"]) == 0
+    text = capsys.readouterr().out
+    for flag, words in (("--layers", "attention layers"), ("--kv-heads", "KV heads"), ("--head-size", "head size"),
+                        ("--layouts", "kv-split")):
+        assert flag in text and words in text, flag

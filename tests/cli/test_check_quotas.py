@@ -57,3 +57,43 @@ def test_check_passes_good_quotas_and_never_prints_a_salt() -> None:
     assert proc.returncode == 0, out
     assert "acme-secret" not in out
     assert tenant_label(salt_digest("acme-secret")) == salt_digest("acme-secret").hex()[:12]
+
+
+@pytest.mark.parametrize(("quotas", "words"), [
+    ({"default_share": 0.1, "salts": {"tenant-a": 0.95}},
+     ["sum to 1.05, over 1", "salts 0.95", "no_salt_share 0.1 inherited from default_share"]),
+    ({"salts": {" ": 0.1}}, ["tenant_quotas.salts", "blank"]),
+    ({"top_tenants": 1e30}, ["tenant_quotas.top_tenants", "from 1 to 64"]),
+    ({"top_tenants": 65}, ["tenant_quotas.top_tenants", "from 1 to 64"]),
+    ([], ["'tenant_quotas'", "must be a mapping"]),
+])
+def test_check_counts_the_inherited_no_salt_share_and_refuses_odd_values(quotas: object, words: list[str]) -> None:
+    """Fixes items 2 and 7: an unset no_salt_share inherits default_share, so it counts in the sum;
+    blank salts, top_tenants past 64 and a non-mapping are one sentence in kvtier's words."""
+    proc = kvtier("check", "--offline", _transfer_config(quotas))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert "Traceback" not in out and "QuotaSettings" not in out and "Input should" not in out, out
+    assert all(w in out for w in words), out
+
+
+@pytest.mark.parametrize("quotas", [{}, {"salts": {}}])
+def test_check_warns_that_empty_quotas_turn_nothing_on(quotas: object) -> None:
+    proc = kvtier("check", "--offline", _transfer_config(quotas))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "warning: kv_connector_extra_config.tenant_quotas: tenant_quotas gives no tenant a share" in out, out
+    assert "vLLM would start" in out, out
+
+
+def test_a_bad_quota_from_the_environment_names_the_variable() -> None:
+    """Fixes item 6: a bad nested value of KVTIER_TENANT_QUOTAS names the variable, not only non-JSON."""
+    from kvtier.core.config import KVTierConfig
+    from kvtier.core.errors import ConfigError
+
+    os.environ["KVTIER_TENANT_QUOTAS"] = '{"default_share": 7}'
+    try:
+        with pytest.raises(ConfigError, match=r"from environment variable KVTIER_TENANT_QUOTAS\).*out of range"):
+            KVTierConfig.from_dict({})
+    finally:
+        del os.environ["KVTIER_TENANT_QUOTAS"]

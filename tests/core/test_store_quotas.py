@@ -123,8 +123,8 @@ _OPS = st.lists(st.tuples(st.sampled_from(["save", "load"]), st.sampled_from([SA
 _OFFSET = {SALT_A: 0, SALT_B: 100, "tenant-c": 200, None: 300}  # distinct prompts per tenant
 
 
-@settings(max_examples=40, deadline=None)
-@given(ops=_OPS, share_a=st.sampled_from([0.1, 0.3, 0.5]), share_b=st.sampled_from([0.2, 0.4]),
+@settings(max_examples=40, deadline=None)  # shares at most 0.5 + 0.3 + 0.2 (no-salt: default_share) = 1
+@given(ops=_OPS, share_a=st.sampled_from([0.1, 0.3, 0.5]), share_b=st.sampled_from([0.2, 0.3]),
        default=st.sampled_from([0.2, None]), disk=st.booleans())
 def test_no_save_or_load_of_one_tenant_pushes_another_below_its_guaranteed_share(
         ops: list[tuple[str, str | None, int, int]], share_a: float, share_b: float, default: float | None,

@@ -184,3 +184,14 @@ def test_kvtier_tiers_are_reported_one_by_one_and_the_comparison_is_named():
     assert meters.loaded_tokens_by_tier["disk"] == 0
     check = diagnose(meters, alloc, after.cache_config, alloc.tiers_gib["cpu"] * 2, 1).checks[0]
     assert check.level == "problem" and "kvtier tiers cpu" in check.message and "cpu_gib + disk_gib" in check.message
+
+
+def test_doctor_url_gets_metrics_added_only_without_a_path():
+    """Fixes item 4 (docs/doctor.md, --url help): /metrics is added to a bare host:port; a URL with a
+    path (a proxy's prefix) is scraped exactly as given."""
+    from kvtier.tools.scrape import metrics_url
+
+    assert metrics_url("http://vllm:8000") == "http://vllm:8000/metrics"
+    assert metrics_url("http://vllm:8000/") == "http://vllm:8000/metrics"
+    assert metrics_url("http://gw:8080/vllm-a/metrics") == "http://gw:8080/vllm-a/metrics"
+    assert metrics_url("http://gw:8080/vllm-a") == "http://gw:8080/vllm-a"

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import types
 
+import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvtier.core.config import KVTierConfig
@@ -106,3 +108,50 @@ def test_doctor_shows_kv_events_and_tenant_quotas_with_salts_only_as_digests() -
         store.close()
     meters = measure(parse_metrics(BEFORE, "b"), parse_metrics(AFTER, "a"), 10.0)
     assert meters.controls is None  # an older kvtier, or another connector: no lines
+
+
+def _two_engine_settings(settings: dict[int, dict[str, float]]) -> str:
+    """The settings gauges of two data-parallel engines (engine "0" and "1"), through the
+    connector's real collectors, as /metrics lines."""
+    registry = CollectorRegistry()
+    kinds = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
+    prom = KVTierPromMetrics(types.SimpleNamespace(kv_transfer_config=None), kinds,  # type: ignore[arg-type]
+                             ["model_name", "engine"], {0: ["tiny", "0"], 1: ["tiny", "1"]})
+    for engine, gauges in settings.items():
+        prom.observe({"counters": {}, "gauges": gauges}, engine)
+    text = generate_latest(registry).decode()
+    return "".join(line + "\n" for line in text.splitlines()
+                   if "kvtier_tenant_quota" in line or "kvtier_kv_events_enabled" in line)
+
+
+def _control_messages(settings: dict[int, dict[str, float]]) -> list[tuple[str, str]]:
+    meters = measure(parse_metrics(BEFORE, "b"), parse_metrics(AFTER + _two_engine_settings(settings), "a"), 10.0)
+    return [(c.level, c.message) for c in diagnose(meters, allocation(parse_metrics(AFTER, "a")), {}, None, 1).checks]
+
+
+SAME = {"kv_events_enabled": 1.0, "tenant_quota_default_share": 0.25, "tenant_quota_salts": 1.0}
+
+
+def test_doctor_shows_settings_of_two_engines_once_never_summed() -> None:
+    """Fixes item 1: settings of data-parallel engines are one value (0.25, not 0.5; 1 salt, not 2)."""
+    messages = _control_messages({0: SAME, 1: SAME})
+    assert ("ok", "KV events: on (routers learn kvtier's cpu and disk chunks).") in messages
+    quota = [m for level, m in messages if m.startswith("Tenant quotas")]
+    assert len(quota) == 1 and quota[0].startswith("Tenant quotas: default share 0.25, 1 salt(s)")
+    assert not any(level == "warning" and "kvtier_" in m for level, m in messages)
+
+
+def test_doctor_says_when_engines_disagree_on_a_setting() -> None:
+    messages = _control_messages({0: SAME, 1: SAME | {"tenant_quota_default_share": 0.5}})
+    warnings = [m for level, m in messages if level == "warning" and "differs between engines" in m]
+    assert warnings == [("kvtier_tenant_quota_default_share differs between engines (0.25, 0.5): start every "
+                        "data-parallel engine with the same kvtier configuration.")]
+    assert any(m.startswith("Tenant quotas: default share 0.25,") for _, m in messages)  # not 0.75
+
+
+@pytest.mark.parametrize("share", [7.0, math.nan, math.inf])
+def test_doctor_never_calls_an_impossible_default_share_ok(share: float) -> None:
+    messages = _control_messages({0: SAME | {"tenant_quota_default_share": share}, 1: SAME})
+    assert any(level == "warning" and m.startswith(f"kvtier_tenant_quota_default_share = {share:g} is impossible")
+               for level, m in messages)
+    assert not any(level == "ok" and f"default share {share:g}" in m for level, m in messages)

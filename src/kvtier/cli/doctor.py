@@ -13,7 +13,7 @@ from kvtier.core.errors import UserError
 
 HELP = """Check a running vLLM server: prefix-cache hit rate, external (offload) hit rate, TTFT p50/p99, the offload size vLLM actually allocated, and each of kvtier's shared tiers (redis, s3: hit rate, read latency, circuit breaker, skipped writes), then give a verdict.
 
-Scrapes URL/metrics twice, --interval seconds apart (run it while traffic flows), and compares the offload size with --expect-offload-gib (GiB, total across TP ranks): vLLM's --kv-offloading-size from vllm:cache_config_info, or for kvtier the sum of its tiers (cpu + disk, from kvtier_capacity_bytes), each tier also reported alone with what it holds and the prompt tokens it served. Exit code 1 when the verdict is "problem".
+Scrapes URL/metrics twice (a URL with a path is scraped as given), --interval seconds apart (run it while traffic flows), and compares the offload size with --expect-offload-gib (GiB, total across TP ranks): vLLM's --kv-offloading-size from vllm:cache_config_info, or for kvtier the sum of its tiers (cpu + disk, from kvtier_capacity_bytes), each tier also reported alone with what it holds and the prompt tokens it served. Exit code 1 when the verdict is "problem".
 
 Examples:
 
@@ -37,7 +37,7 @@ def _print_text(url: str, meters, alloc, diagnosis, expect_gib: float | None) ->
         return "-" if x is None else f"{x:.3f} s"
 
     console = Console(highlight=False)
-    interval = "interval unknown: recorded files" if meters.interval_s is None else f"interval {meters.interval_s:g} s"
+    interval = "interval unknown: recorded files" if meters.interval_s is None else f"interval {meters.interval_s:.2f} s"
     console.print(f"[bold]kvtier doctor[/bold] {url} ({interval})")
     console.print(f"  reuse (GPU + offload)   {pct(meters.reuse_rate)}")
     console.print(f"  prefix-cache hit rate   {pct(meters.hit_rate)}  ({meters.hits:,.0f} / {meters.queries:,.0f} "
@@ -84,7 +84,7 @@ def _read_file(path: str) -> str:
 
 
 def doctor_command(
-    url: str | None = typer.Option(None, "--url", help="vLLM server, http://HOST:PORT (/metrics is added)."),
+    url: str | None = typer.Option(None, "--url", help="vLLM server, http://HOST:PORT (/metrics is added); a URL with a path (http://HOST:PORT/prefix/metrics behind a proxy) is scraped as given, nothing added."),
     interval: float = typer.Option(10.0, "--interval", help="Seconds between the two scrapes."),
     expect_offload_gib: float | None = typer.Option(None, "--expect-offload-gib",
                                                     help="Offload size you configured, GiB total across TP ranks: --kv-offloading-size, or for kvtier cpu_gib + disk_gib (compared with the tiers' sum)."),
@@ -159,7 +159,8 @@ def doctor_command(
                 "kv_events_enabled": meters.controls.events_enabled,
                 "tenant_quota_default_share": meters.controls.quota_default_share,
                 "tenant_quota_salts": meters.controls.quota_salts,
-                "quota_evictions": meters.controls.quota_evictions, "tenant_usage_bytes": meters.controls.tenants},
+                "quota_evictions": meters.controls.quota_evictions, "tenant_usage_bytes": meters.controls.tenants,
+                "problems": list(meters.controls.problems)},
             "expected_offload_gib": expect_offload_gib, "tp": tp,
             "checks": [{"level": c.level, "message": c.message} for c in diagnosis.checks],
             "verdict": diagnosis.verdict,

@@ -452,7 +452,7 @@ def _one_sentence(exc: ValidationError, explicit: set[str] | None = None) -> tup
     def given(e: Any) -> bool:
         if e["type"] == ERROR_TYPE:
             return not e["ctx"]["env_var"]
-        return bool(explicit) and ".".join(map(str, e["loc"])) in (explicit or ())
+        return bool(explicit) and bool(e["loc"]) and str(e["loc"][0]) in (explicit or ())
 
     errors = exc.errors()
     err = next((e for e in errors if given(e)), errors[0])
@@ -463,8 +463,9 @@ def _one_sentence(exc: ValidationError, explicit: set[str] | None = None) -> tup
     if not field:  # a check across fields: its message names the fields itself
         return f"kvtier config: {msg}", None
     env_var = None
-    if explicit is not None and field not in explicit and f"KVTIER_{field.upper()}" in os.environ:
-        env_var = f"KVTIER_{field.upper()}"
+    top = str(err["loc"][0])  # a nested key (tenant_quotas.default_share) comes from its top key's variable
+    if explicit is not None and top not in explicit and f"KVTIER_{top.upper()}" in os.environ:
+        env_var = f"KVTIER_{top.upper()}"
     model_field = KVTierConfig.model_fields.get(str(err["loc"][0]))
     secret = model_field is not None and model_field.repr is False  # never echo a password or a secret
     return field_sentence(field, msg, err.get("input"), env_var, secret), env_var

@@ -52,6 +52,8 @@ NO_SALT_LABEL = "no-salt"
 UNKNOWN_LABEL = "unknown"
 """The metric label of chunks whose tenant is not known (another process wrote them)."""
 LABEL_HEX_DIGITS = 12
+MAX_TOP_TENANTS = 64
+"""Most tenants named in the metrics (``top_tenants``): keeps the number of series bounded."""
 
 
 def tenant_label(salt_digest: bytes) -> str:
@@ -84,11 +86,12 @@ class QuotaSettings(BaseModel):
         salts: ``cache_salt`` -> share, overriding ``default_share`` for that tenant.
         no_salt_share: the share of requests without a ``cache_salt`` (one tenant); unset:
             ``default_share``.
-        top_tenants: tenants labelled by name in metrics (the largest by bytes); the rest are summed
-            under ``other``.
+        top_tenants: tenants labelled by name in metrics (the largest by bytes, 1 to
+            :data:`MAX_TOP_TENANTS`); the rest are summed under ``other``.
 
-    Listed shares (``salts`` and ``no_salt_share``) sum to at most 1: guarantees past the tier
-    could not all be kept.  Raises ``ValueError`` (one sentence) otherwise.
+    Guaranteed shares (``salts`` and the no-salt tenant's: ``no_salt_share``, or ``default_share``
+    when it is unset) sum to at most 1: guarantees past the tier could not all be kept.  Salts are
+    non-blank text.  Raises ``ValueError`` (one sentence) otherwise.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -101,12 +104,17 @@ class QuotaSettings(BaseModel):
         "dumps only as 12-hex-digit digests."))
     no_salt_share: float | None = Field(None, description=(
         "Share of requests without a cache_salt (one tenant); unset = default_share (or none)."))
-    top_tenants: int = Field(8, ge=1, le=64, description=(
-        "Tenants labelled by digest in the per-tenant metrics (the largest); the rest are summed as 'other'."))
+    top_tenants: int = Field(8, ge=1, le=MAX_TOP_TENANTS, description=(
+        "Tenants labelled by digest in the per-tenant metrics (the largest; 1 to 64); the rest are summed as "
+        "'other'."))
 
     @model_validator(mode="before")
     @classmethod
     def _known_keys(cls, values: object) -> object:
+        if not isinstance(values, (Mapping, QuotaSettings)):  # pydantic turns only ValueError into its error
+            raise ValueError(  # noqa: TRY004
+                'tenant_quotas must be a mapping of its keys to values, e.g. {"default_share": 0.2, '
+                '"salts": {"tenant-a": 0.5}}')
         if isinstance(values, Mapping):
             known = list(cls.model_fields)
             for key in values:
@@ -130,20 +138,40 @@ class QuotaSettings(BaseModel):
         if not isinstance(value, Mapping):
             return value  # pydantic's own sentence: a mapping of salt to share
         for salt, share in value.items():
-            if not isinstance(salt, str) or not salt:
-                raise ValueError("tenant_quotas.salts has an empty or non-text salt; give each cache_salt as text")
+            if not isinstance(salt, str) or not salt.strip():
+                raise ValueError("tenant_quotas.salts has an empty, blank or non-text salt; give each cache_salt "
+                                 "as the non-blank text requests send")
             problem = _share_error(share)
             if problem:
                 raise ValueError(f"the share {share!r} of a salt {problem}")
         return value
 
+    @field_validator("top_tenants", mode="before")
+    @classmethod
+    def _top_tenants(cls, value: object) -> object:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value).is_integer() \
+                or not 1 <= value <= MAX_TOP_TENANTS:
+            raise ValueError(f"must be a whole number from 1 to {MAX_TOP_TENANTS} (tenants named in the metrics; "
+                             "the limit keeps the number of series bounded), e.g. 8")
+        return int(value)
+
     @model_validator(mode="after")
     def _sum(self) -> QuotaSettings:
-        listed = sum(self.salts.values()) + (self.no_salt_share or 0.0)
+        no_salt = self.no_salt_share if self.no_salt_share is not None else self.default_share
+        listed = sum(self.salts.values()) + (no_salt or 0.0)
         if listed > 1 + 1e-9:
-            raise ValueError(f"the shares sum to {listed:g}, over 1 (salts plus no_salt_share); lower them so "
-                             "their sum is at most 1, as each is a guaranteed share of the same tier")
+            parts = [f"salts {sum(self.salts.values()):g}"] if self.salts else []
+            if self.no_salt_share is not None:
+                parts.append(f"no_salt_share {self.no_salt_share:g}")
+            elif self.default_share is not None:
+                parts.append(f"no_salt_share {self.default_share:g} inherited from default_share")
+            raise ValueError(f"the guaranteed shares sum to {listed:g}, over 1 ({' + '.join(parts)}); lower them "
+                             "so their sum is at most 1, as each is a guaranteed share of the same tier")
         return self
+
+    def turns_nothing_on(self) -> bool:
+        """Whether no tenant gets a share (no ``default_share``, ``no_salt_share`` or ``salts``)."""
+        return self.default_share is None and self.no_salt_share is None and not self.salts
 
     def shares(self) -> dict[bytes, float]:
         """Tenant key (salt digest, :data:`NO_SALT` for none) -> share, for the listed tenants."""

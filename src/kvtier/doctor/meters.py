@@ -160,25 +160,60 @@ def pins_of(before: Snapshot, after: Snapshot) -> Pins | None:
 class Controls:
     """What the operator turned on, at the second scrape: KV events, tenant quotas (default share,
     salts with their own share), evictions the quotas chose between the scrapes, and the bytes of
-    the largest tenants (label -> bytes, all tiers)."""
+    the largest tenants (label -> bytes, summed over the local tiers and ranks).
+
+    The settings are one value each, never a sum over data-parallel engines: when engines disagree
+    or a value is impossible (NaN, infinite, a share outside [0, 1], a salt count that is not a
+    whole number >= 0, events not 0/1) it is named in ``problems`` and the first engine's value is
+    shown."""
 
     events_enabled: bool
     quota_default_share: float
     quota_salts: int
     quota_evictions: float
     tenants: dict[str, float]
+    problems: tuple[str, ...] = ()
+
+
+_SETTING_RULES = {
+    "kvtier_kv_events_enabled": ("0 or 1", lambda v: v in (0.0, 1.0)),
+    "kvtier_tenant_quota_default_share": ("a share from 0 to 1", lambda v: 0.0 <= v <= 1.0),
+    "kvtier_tenant_quota_salts": ("a whole number >= 0", lambda v: v >= 0 and float(v).is_integer()),
+}
+
+
+def _setting(values: list[float], name: str, problems: list[str]) -> float:
+    """One setting's value from its per-engine ``values`` (rules: :data:`_SETTING_RULES`); appends a
+    sentence to ``problems`` when they disagree or one is impossible, and then returns 0 for an
+    impossible first value (so it is never shown as a plausible setting)."""
+    if not values:
+        return 0.0
+    what, ok = _SETTING_RULES[name]
+    bad = [v for v in values if not math.isfinite(v) or not ok(v)]
+    if bad:
+        problems.append(f"{name} = {bad[0]:g} is impossible (must be {what}); the scrape or the server is wrong.")
+    distinct = sorted({v for v in values if math.isfinite(v)})
+    if len(distinct) > 1:
+        problems.append(f"{name} differs between engines ({', '.join(f'{v:g}' for v in distinct)}): "
+                        "start every data-parallel engine with the same kvtier configuration.")
+    first = values[0]
+    return first if math.isfinite(first) and ok(first) else 0.0
 
 
 def controls_of(before: Snapshot, after: Snapshot) -> Controls | None:
     """The :class:`Controls` of ``after``; None when the server does not say (an older kvtier)."""
-    c = after.controls
-    if "kvtier_kv_events_enabled" not in c:
+    s = after.settings
+    if "kvtier_kv_events_enabled" not in s:
         return None
+    problems: list[str] = []
+    events = _setting(s["kvtier_kv_events_enabled"], "kvtier_kv_events_enabled", problems)
+    share = _setting(s.get("kvtier_tenant_quota_default_share", []), "kvtier_tenant_quota_default_share", problems)
+    salts = _setting(s.get("kvtier_tenant_quota_salts", []), "kvtier_tenant_quota_salts", problems)
+    c = after.controls
     evictions = c.get("kvtier_quota_evictions", 0.0) - before.controls.get("kvtier_quota_evictions", 0.0)
-    return Controls(c["kvtier_kv_events_enabled"] > 0, c.get("kvtier_tenant_quota_default_share", 0.0),
-                    int(c.get("kvtier_tenant_quota_salts", 0.0)),
+    return Controls(events > 0, share, int(salts),
                     evictions if evictions >= 0 else c.get("kvtier_quota_evictions", 0.0),
-                    dict(sorted(after.tenants.items(), key=lambda item: -item[1])))
+                    dict(sorted(after.tenants.items(), key=lambda item: -item[1])), tuple(problems))
 
 
 @dataclass(frozen=True)

@@ -39,11 +39,12 @@ TIER_SERIES = ("errors", "skipped_calls", "skipped_writes", "reads", "read_secon
 PINS = ("kvtier_ttl_pinned_chunks", "kvtier_ttl_pinned_bytes", "kvtier_ttl_pin_refused_chunks")
 """Requests' TTL pins (docs/vllm.md "Pinning a prefix"): the cpu tier's pinned chunks and bytes
 (gauges, summed over ranks) and pins refused past ``pin_max_share`` (a counter, ``_total``)."""
-CONTROLS = ("kvtier_kv_events_enabled", "kvtier_tenant_quota_default_share", "kvtier_tenant_quota_salts",
-            "kvtier_quota_evictions")
+SETTINGS = ("kvtier_kv_events_enabled", "kvtier_tenant_quota_default_share", "kvtier_tenant_quota_salts")
 """What the operator turned on (docs/vllm.md "Tenant quotas", "KV events"): KV events (1/0) and the
-tenant quotas' default share and listed salts (0 without quotas), gauges the scheduler sends once;
-and evictions whose victim the quotas chose (a counter, ``_total``, summed over tiers)."""
+tenant quotas' default share and listed salts (0 when no default share / no salts), gauges each
+engine's scheduler sends once.  Settings, not counters: every engine's value is kept (never summed)."""
+CONTROLS = ("kvtier_quota_evictions",)
+"""Evictions whose victim the quotas chose (a counter, ``_total``, summed over tiers and engines)."""
 TENANTS = "kvtier_tenant_usage_bytes"
 """Bytes per tenant label (a ``cache_salt`` digest, ``no-salt``, ``other``, ``unknown``) and tier."""
 
@@ -69,6 +70,9 @@ class Snapshot:
     breaker gauge the scrape has (``kvtier_<tier>_breaker_state``); summed over ranks."""
     controls: dict[str, float] = field(default_factory=dict)
     """The :data:`CONTROLS` values by name (empty on an older kvtier, or before its first step)."""
+    settings: dict[str, list[float]] = field(default_factory=dict)
+    """The :data:`SETTINGS` values by name, one per series (engine), as sent: NaN and infinities kept
+    so the doctor can call them impossible (empty on an older kvtier, or before its first step)."""
     tenants: dict[str, float] = field(default_factory=dict)
     """:data:`TENANTS`: bytes per tenant label, summed over tiers and ranks (empty without quotas)."""
 
@@ -116,6 +120,10 @@ def parse_metrics(text: str, where: str) -> Snapshot:
                 if math.isfinite(sample.value) and sample.value >= 0:
                     label = sample.labels.get("tenant", "?")
                     snap.tenants[label] = snap.tenants.get(label, 0.0) + sample.value
+        elif family.name in SETTINGS:
+            values = [s.value for s in family.samples if not s.name.endswith("_created")]
+            if values:
+                snap.settings.setdefault(family.name, []).extend(values)
         elif family.name in SHARED or family.name in PINS or family.name in CONTROLS:
             into = snap.shared if family.name in SHARED else snap.pins if family.name in PINS else snap.controls
             values = [s.value for s in family.samples

@@ -192,9 +192,11 @@ def diagnose(meters: Meters, alloc: Allocation, cache_config: dict[str, str], ex
 
 def _control_checks(c: Controls) -> list[Check]:
     """KV events and tenant quotas (:class:`kvtier.doctor.meters.Controls`): what is on, and the
-    largest tenants' bytes (labels are digests of their cache_salt, never the salt)."""
-    out = [Check("ok", "KV events: on (routers learn kvtier's cpu and disk chunks)." if c.events_enabled else
-                 "KV events: off (start vLLM with --kv-events-config so cache-aware routers see kvtier's tiers).")]
+    largest tenants' bytes (labels are digests of their cache_salt, never the salt).  Engines that
+    disagree, or an impossible setting, are a warning each (never an "ok")."""
+    out = [Check("warning", problem) for problem in c.problems]
+    out.append(Check("ok", "KV events: on (routers learn kvtier's cpu and disk chunks)." if c.events_enabled else
+                     "KV events: off (start vLLM with --kv-events-config so cache-aware routers see kvtier's tiers)."))
     if c.quota_default_share <= 0 and c.quota_salts <= 0:
         out.append(Check("ok", "Tenant quotas: off (one tenant's burst can evict every other tenant's KV; "
                          "set tenant_quotas to guarantee each cache_salt a share)."))
@@ -203,5 +205,5 @@ def _control_checks(c: Controls) -> list[Check]:
     default = f"default share {c.quota_default_share:g}" if c.quota_default_share > 0 else "no default share"
     out.append(Check("ok", f"Tenant quotas: {default}, {c.quota_salts} salt(s) with "
                      f"their own share; {c.quota_evictions:,.0f} evictions chosen by the quotas between the scrapes"
-                     + (f"; largest tenants: {largest}." if largest else ".")))
+                     + (f"; largest tenants (bytes summed over the local tiers): {largest}." if largest else ".")))
     return out

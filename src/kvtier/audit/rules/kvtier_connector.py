@@ -22,8 +22,8 @@ def _problems(c: ServeConfig) -> list[Problem]:
 
 
 @rule("kvtier-config-invalid", "error", "KVTierConnector config that the connector refuses at start-up",
-      "Fix each named key (`kvtier check '<the JSON>'` lists them all in under a second); the connector would "
-      "otherwise refuse it only after the model has loaded.",
+      "Fix each named key (`kvtier check '<the JSON>'` lists them all in under a second); with kvtier installed in "
+      "vLLM's environment its kvtier_preflight plugin stops vllm serve with this error before the model loads.",
       'kvtier docs/vllm.md § Configuration keys; validator kvtier/core/config.py KVTierConfig', locate="KVTierConnector")
 def kvtier_config_invalid(c: ServeConfig) -> str | None:
     errors = [p.message for p in _problems(c) if p.severity == "error"]

@@ -311,6 +311,10 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
     problems.extend(_unused_tier_problems(key, extra, config))
     problems.extend(_unconfigured_tier_problems(key, extra, config))
     problems.extend(_advice_problems(key, config))
+    if config.tenant_quotas is not None and config.tenant_quotas.turns_nothing_on():
+        problems.append(Problem("warning", f"{key}.tenant_quotas",
+                                "tenant_quotas gives no tenant a share (no default_share, no_salt_share or salts), "
+                                "so it turns nothing on; set default_share (e.g. 0.2) or list salts, or remove it"))
     if not host_checks:
         return problems
     available = available_memory()
