@@ -365,7 +365,8 @@ def run_compare(arms: list[ArmSpec], workload: Workload, engine: ServerSpec, out
                     with contextlib.suppress(Exception):  # best effort: the keys expire at redis_ttl_s anyway
                         delete_prefix(redis_url, key_prefix)
                 if object_prefix is not None and s3_target is not None:
-                    shared_s3.delete_prefix(s3_target, object_prefix)
+                    with contextlib.suppress(Exception):  # best effort: the server and its files go at the end
+                        shared_s3.delete_prefix(s3_target, object_prefix)
             outcomes.append(dataclasses.replace(outcome, arm=arm))
     return CompareResult(workload=workload, engine=engine, outcomes=tuple(outcomes),
                          arms=judge_arms(arms, outcomes, thresholds), repeats=repeats, replicas=replicas)

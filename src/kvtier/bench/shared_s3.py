@@ -138,7 +138,8 @@ class LocalS3:
         raise ServerStartError(f"rclone serve s3 did not answer within {timeout_s:g} s; see {self.log_path}")
 
     def stop(self) -> None:
-        """Stop the server (SIGTERM, then SIGKILL after 10 s)."""
+        """Stop the server (SIGTERM, then SIGKILL after 10 s) and remove the credentials file."""
+        self.target.credentials_file.unlink(missing_ok=True)
         proc, self._proc = self._proc, None
         if proc is None or proc.poll() is not None:
             return
@@ -168,12 +169,29 @@ def with_run_prefix(arm: ArmSpec, tag: str, repeat: int) -> tuple[ArmSpec, str |
     return dataclasses.replace(arm, kv_transfer_config=new), prefix
 
 
-def delete_prefix(target: S3Target, prefix: str) -> int:
-    """Remove every object under ``prefix`` of the private server's bucket (its files under the
-    served directory; nothing reads that prefix again); the number of objects removed."""
-    root = target.data_dir / target.bucket / prefix.rstrip("/")
-    if not root.is_dir():
-        return 0
-    count = sum(1 for p in root.rglob("*") if p.is_file())
-    shutil.rmtree(root, ignore_errors=True)
-    return count
+def _credentials(path: Path) -> tuple[str, str]:
+    """The access key and secret of the ``default`` section of a file :meth:`LocalS3.start` wrote."""
+    keys = dict(line.split(" = ", 1) for line in path.read_text().splitlines() if " = " in line)
+    return keys["aws_access_key_id"], keys["aws_secret_access_key"]
+
+
+def delete_prefix(target: S3Target, prefix: str, timeout_s: float = 10.0) -> int:
+    """Delete every object under ``prefix`` of the bucket (a LIST, then DELETEs through the S3 API,
+    so the server's own listing forgets them too; each request bounded by ``timeout_s``); the number
+    deleted.
+
+    Raises:
+        obstore.exceptions.BaseError: the server did not answer or refused.
+    """
+    import obstore
+    from obstore.store import S3Store
+
+    access, secret = _credentials(target.credentials_file)
+    store = S3Store(target.bucket, endpoint=target.endpoint_url, access_key_id=access, secret_access_key=secret,
+                    region=REGION, virtual_hosted_style_request=False,
+                    client_options={"allow_http": True, "timeout": f"{timeout_s:g}s", "connect_timeout": "2s"},
+                    retry_config={"max_retries": 1})
+    paths = [meta["path"] for batch in obstore.list(store, prefix=prefix) for meta in batch]
+    for start in range(0, len(paths), 1000):
+        obstore.delete(store, paths[start:start + 1000])
+    return len(paths)
