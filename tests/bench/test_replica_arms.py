@@ -3,7 +3,7 @@
 - ``native``: every replica the same OffloadingConnector config, so each server allocates a CPU
   tier of its own (the arm shares nothing, as vLLM's native offload shares nothing);
 - ``kvtier`` / ``kvtier-redis``: each replica its own ``disk_path`` directory, the Redis server and
-  the run's key prefix shared;
+  the run's key prefix shared; ``example``: one ``shared_storage_path`` (shared by design);
 - ``kvtier-s3``: every replica the same bucket and run prefix on the private ``rclone serve s3``
   the bench starts (a real server here), credentials only in a 0600 file; ``kvtier check`` on a
   replica's config reaches the bucket with them, and a run's objects are removed afterwards;
@@ -78,12 +78,12 @@ def test_kvtier_replicas_keep_their_own_disk_and_share_the_redis_prefix(tmp_path
         assert e["redis_url"] == "redis://127.0.0.1:7/0" and e["redis_key_prefix"] == prefix
     assert {k: v for k, v in extras[0].items() if k != "disk_path"} == \
         {k: v for k, v in extras[1].items() if k != "disk_path"}
-    # one replica: the run's directory itself; ExampleConnector's storage is per replica too
+    # one replica: the run's directory itself; ExampleConnector's storage is shared by design
     assert extra_of(replica_specs(spec, 1)[0])["disk_path"] == str(run_dir)
     example = make_arm("example", tmp_path)
     spec = dataclasses.replace(SPEC, kv_transfer_config=example.kv_transfer_config)
     paths = [extra_of(s)["shared_storage_path"] for s in replica_specs(spec, 2)]
-    assert paths == [str(tmp_path / "example-connector-storage" / f"r{i}") for i in range(2)]
+    assert paths == [str(tmp_path / "example-connector-storage")] * 2
     with pytest.raises(ValueError, match="at least 1"):
         replica_specs(spec, 0)
 

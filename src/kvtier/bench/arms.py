@@ -18,9 +18,8 @@
 * any other connector: ``--arm NAME=KV_TRANSFER_CONFIG_JSON`` (:func:`parse_custom_arm`).
 
 Every arm gets the same model, engine cache size, core pinning and workload; only
-``kv_transfer_config`` differs.  Files an arm writes (``disk_path``, ``shared_storage_path``) are a
-host's own: with several replicas each server gets a directory of its own
-(:func:`kvtier.bench.replicas.replica_specs`).
+``kv_transfer_config`` differs.  kvtier's ``disk_path`` is a host's own: with several replicas
+each server gets a directory of its own (:func:`kvtier.bench.replicas.replica_specs`).
 """
 
 from __future__ import annotations

@@ -14,11 +14,11 @@ comes back usually lands on another replica than the one that computed it: only 
 replicas share (kvtier's ``redis`` and ``s3`` tiers) can serve it there.
 
 What each replica holds of its own (:func:`replica_specs`): its process's memory (kvtier's cpu
-tier, vLLM's native CPU offload tier: each server allocates its own, as on separate hosts) and the
-directory an arm writes files to (kvtier's ``disk_path``, ExampleConnector's
-``shared_storage_path``): replica ``i`` gets ``<path>/r<i>``, a local disk per host.  What they
-share is only what the arm names as shared: the ``redis_url`` server and key prefix, the
-``s3_bucket`` and key prefix.
+tier, vLLM's native CPU offload tier: each server allocates its own, as on separate hosts) and
+kvtier's disk tier: replica ``i`` gets ``<disk_path>/r<i>``, a local disk per host (docs/deploy.md:
+"give each replica its own directory").  What they share is what the arm names as shared: the
+``redis_url`` server and key prefix, the ``s3_bucket`` and key prefix, and ExampleConnector's
+``shared_storage_path`` (a directory vLLM's example shares between instances by design).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from kvtier.bench.results import RunResult
 from kvtier.core.errors import ServerStartError
 from kvtier.launch.serve import Server, ServerSpec
 
-STORAGE_KEYS = ("disk_path", "shared_storage_path")
+STORAGE_KEYS = ("disk_path",)
 """``kv_connector_extra_config`` keys naming a directory a connector writes as its host's own."""
 
 REPLICA_FIGURE_KEYS = ("prefix_hit_rate", "engine_hit_rate", "external_hit_rate", "external_hit_tokens",
