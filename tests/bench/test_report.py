@@ -69,6 +69,7 @@ def test_table_rows_carry_ratios_to_baseline(result):
     assert cells["baseline"][4] == "90 ms"
     assert cells["kvtier"][1] == "72.0%"
     assert cells["kvtier"][4] == "18 ms (0.20x)"
+    assert cells["kvtier"][5] == "18 ms-18 ms (n=1)" and cells["kvtier"][6] == "72.0%-72.0% (n=1)"
     assert cells["example"][-1] == "FAILED"
 
 

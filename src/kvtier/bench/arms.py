@@ -5,6 +5,9 @@
   configuration, or the ``kv_connector_extra_config`` the caller gives.
 * ``kvtier-redis``: the ``kvtier`` arm plus kvtier's shared ``redis`` tier (``redis_url``: the
   server ``bench compare --redis`` names or starts); with ``--replicas N`` its N servers share it.
+* ``kvtier-s3``: the ``kvtier`` arm plus kvtier's shared ``s3`` tier on a private ``rclone serve
+  s3`` the comparison starts (:mod:`kvtier.bench.shared_s3`); with ``--replicas N`` its N servers
+  share one bucket and key prefix.
 * ``native``: vLLM's own ``OffloadingConnector`` with its CPU tier (``CPUOffloadingSpec``,
   vllm/v1/kv_offload/cpu/spec.py), sized like kvtier's cpu tier.  On a CPU-only vLLM it is loaded
   through :mod:`kvtier.bench.native_cpu`, a benchmark-only module that swaps the CUDA copy
@@ -15,7 +18,8 @@
 * any other connector: ``--arm NAME=KV_TRANSFER_CONFIG_JSON`` (:func:`parse_custom_arm`).
 
 Every arm gets the same model, engine cache size, core pinning and workload; only
-``kv_transfer_config`` differs.
+``kv_transfer_config`` differs.  kvtier's ``disk_path`` is a host's own: with several replicas
+each server gets a directory of its own (:func:`kvtier.bench.replicas.replica_specs`).
 """
 
 from __future__ import annotations
@@ -26,7 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ARM_NAMES = ("baseline", "kvtier", "kvtier-redis", "native", "example")
+ARM_NAMES = ("baseline", "kvtier", "kvtier-redis", "kvtier-s3", "native", "example")
+SHARED_TIER_KEYS = {"kvtier-redis": "redis_url", "kvtier-s3": "s3_bucket"}
+"""The arms that add a shared tier, and the configuration key that asks for it (the tier's name is
+read from its registry record, :func:`shared_tier_of`)."""
 BASELINE = "baseline"
 NATIVE_SHIM_LABEL = "vLLM OffloadingConnector via kvtier's CPU shim (benchmark-only host copies)"
 
@@ -86,14 +93,48 @@ def _describe(kvtier_config: dict[str, Any]) -> str:
     return ", ".join(f"{k}={shown(k, v)}" for k, v in kvtier_config.items())
 
 
+def shared_tier_of(arm_name: str) -> str | None:
+    """The registered tier a ``kvtier-<shared>`` arm adds (the record whose ``keys`` hold the arm's
+    key in :data:`SHARED_TIER_KEYS`), ``None`` for the other arms."""
+    from kvtier.core.tiers.registry import specs
+
+    key = SHARED_TIER_KEYS.get(arm_name)
+    return next((s.name for s in specs() if key is not None and key in s.keys), None)
+
+
+def shared_tier_conflict(arm_name: str, kvtier_config: dict[str, Any] | None) -> str | None:
+    """Why ``kvtier_config`` (``--kvtier-config``) cannot run the ``arm_name`` arm, in one sentence,
+    or ``None``: its ``tiers`` list leaves out the shared tier the arm exists to add (the tier would
+    be skipped silently and the arm would measure local tiers only)."""
+    tier = shared_tier_of(arm_name)
+    tiers = (kvtier_config or {}).get("tiers")
+    if tier is None or tiers is None or tier in tiers:
+        return None
+    return (f"the {arm_name} arm adds the {tier} tier, but --kvtier-config sets tiers to {list(tiers)}, which "
+            f"leaves it out; add {tier!r} to tiers or drop the tiers key")
+
+
 def make_arm(name: str, work_dir: Path, kvtier_config: dict[str, Any] | None = None,
-             redis_url: str | None = None) -> ArmSpec:
+             redis_url: str | None = None, s3_config: dict[str, Any] | None = None) -> ArmSpec:
     """The arm called ``name``; files an arm writes (ExampleConnector's storage) go under ``work_dir``;
-    ``redis_url`` is the shared server of the ``kvtier-redis`` arm.
+    ``redis_url`` is the shared server of the ``kvtier-redis`` arm, ``s3_config`` the s3 tier's
+    keys of the ``kvtier-s3`` arm (:meth:`kvtier.bench.shared_s3.S3Target.extra_config`: endpoint,
+    bucket, credentials file; they replace any from ``kvtier_config``).
 
     Raises:
-        ValueError: ``name`` is not one of :data:`ARM_NAMES`, or ``kvtier-redis`` without ``redis_url``.
+        ValueError: ``name`` is not one of :data:`ARM_NAMES`, ``kvtier-redis`` without ``redis_url``
+            or ``kvtier-s3`` without ``s3_config``.
     """
+    if name == "kvtier-s3":
+        if not s3_config or not s3_config.get("s3_bucket"):
+            raise ValueError("the kvtier-s3 arm needs the S3 server bench compare starts for it "
+                             "(kvtier.bench.shared_s3.LocalS3)")
+        base = make_arm("kvtier", work_dir, {**(kvtier_config or {}), **s3_config})
+        # the arm's server replaces the config's: only the one in use is named (no credential is a key)
+        what = _describe({k: v for k, v in (kvtier_config or {}).items() if k not in s3_config})
+        where = f"{s3_config.get('s3_endpoint_url', 'AWS S3')}, bucket {s3_config['s3_bucket']}"
+        return ArmSpec(name, base.kv_transfer_config,
+                       f"KVTierConnector ({what + ', ' if what else ''}shared s3 tier on rclone serve s3 at {where})")
     if name == "kvtier-redis":
         if not redis_url:
             raise ValueError("the kvtier-redis arm needs --redis: 'auto' (a private redis-server on 127.0.0.1) "

@@ -37,9 +37,11 @@ from kvtier.bench.replicas import (
     replica_deltas,
     replica_figures,
     replica_log_paths,
+    replica_specs,
     sum_deltas,
 )
 from kvtier.bench.results import RunResult, RunSummary
+from kvtier.bench.shared_s3 import S3Target
 from kvtier.bench.spread import Spread, figures_of, judge_spread, spreads
 from kvtier.bench.verdict import ArmFigures, Thresholds, Verdict, VerdictKind, judge
 from kvtier.bench.workload import BenchRequest, TokenSpace, Workload
@@ -275,7 +277,7 @@ def run_arm(arm: ArmSpec, workload: Workload, engine: ServerSpec, log_path: Path
     :mod:`kvtier.bench.replicas`); never raises for a failing server (see the module docstring)."""
     spec = dataclasses.replace(engine, kv_transfer_config=arm.kv_transfer_config)
     logs = replica_log_paths(log_path, replicas)
-    servers = ReplicaSet(spec, logs)
+    servers = ReplicaSet(replica_specs(spec, replicas), logs)
     log_path = logs[0]
 
     def failed(reason: str, request_ids: tuple[str, ...] = (), run: RunResult | None = None,
@@ -324,11 +326,13 @@ def run_compare(arms: list[ArmSpec], workload: Workload, engine: ServerSpec, out
                 warmup: Workload | None, max_concurrency: int | None = None, stall_timeout_s: float = 300.0,
                 start_timeout_s: float = 900.0, thresholds: Thresholds | None = None, progress: bool = True,
                 repeats: int = 1, on_arm: Callable[[ArmSpec, int], None] | None = None,
-                replicas: int = 1) -> CompareResult:
+                replicas: int = 1, s3_target: S3Target | None = None) -> CompareResult:
     """Run every arm ``repeats`` times, interleaved, each run on ``replicas`` servers (requests
     round robin, :mod:`kvtier.bench.replicas`), and judge each against ``baseline`` (see the
     module docstring).  An arm with a shared ``redis_url`` gets a key prefix of its own per run,
-    deleted afterwards (:func:`kvtier.bench.shared_redis.with_run_prefix`).
+    deleted afterwards (:func:`kvtier.bench.shared_redis.with_run_prefix`); so does an arm with an
+    ``s3_bucket`` (:func:`kvtier.bench.shared_s3.with_run_prefix`), whose objects are removed from
+    ``s3_target`` (the private server of the ``kvtier-s3`` arm) after the run.
 
     ``on_arm(arm, repeat)`` is called before each run starts (the CLI prints a line there).  Server
     logs are written to ``out_dir/<arm>.log`` (``<arm>-run<k>.log`` with several runs), the raw
@@ -336,6 +340,7 @@ def run_compare(arms: list[ArmSpec], workload: Workload, engine: ServerSpec, out
     client's per-request results (``.requests.json``); with several replicas, ``-r<i>`` before the
     suffix names each server's log and ``/metrics`` texts.
     """
+    from kvtier.bench import shared_s3
     from kvtier.bench.shared_redis import delete_prefix, run_tag, with_run_prefix
 
     thresholds = thresholds or Thresholds()
@@ -347,6 +352,7 @@ def run_compare(arms: list[ArmSpec], workload: Workload, engine: ServerSpec, out
                 on_arm(arm, k)
             run_spec, run_dir = fresh_storage(arm, k)
             run_spec, key_prefix, redis_url = with_run_prefix(run_spec, tag, k)
+            run_spec, object_prefix = shared_s3.with_run_prefix(run_spec, tag, k)
             stem = arm.name if repeats == 1 else f"{arm.name}-run{k}"
             try:
                 outcome = run_arm(run_spec, workload, engine, out_dir / f"{stem}.log", warmup=warmup,
@@ -358,6 +364,9 @@ def run_compare(arms: list[ArmSpec], workload: Workload, engine: ServerSpec, out
                 if key_prefix is not None and redis_url is not None:
                     with contextlib.suppress(Exception):  # best effort: the keys expire at redis_ttl_s anyway
                         delete_prefix(redis_url, key_prefix)
+                if object_prefix is not None and s3_target is not None:
+                    with contextlib.suppress(Exception):  # best effort: the server and its files go at the end
+                        shared_s3.delete_prefix(s3_target, object_prefix)
             outcomes.append(dataclasses.replace(outcome, arm=arm))
     return CompareResult(workload=workload, engine=engine, outcomes=tuple(outcomes),
                          arms=judge_arms(arms, outcomes, thresholds), repeats=repeats, replicas=replicas)

@@ -11,11 +11,19 @@ Figures: the arm's hit rate is the sum of the replicas' counter deltas (tokens),
 percentiles over every request; per replica, the same figures over its own counters and requests
 (:func:`replica_figures`).  Round robin sends each replica every N-th request, so a prompt that
 comes back usually lands on another replica than the one that computed it: only a tier the
-replicas share (kvtier's ``redis`` tier) can serve it there.
+replicas share (kvtier's ``redis`` and ``s3`` tiers) can serve it there.
+
+What each replica holds of its own (:func:`replica_specs`): its process's memory (kvtier's cpu
+tier, vLLM's native CPU offload tier: each server allocates its own, as on separate hosts) and
+kvtier's disk tier: replica ``i`` gets ``<disk_path>/r<i>``, a local disk per host (docs/deploy.md:
+"give each replica its own directory").  What they share is what the arm names as shared: the
+``redis_url`` server and key prefix, the ``s3_bucket`` and key prefix, and ExampleConnector's
+``shared_storage_path`` (a directory vLLM's example shares between instances by design).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,6 +32,9 @@ from kvtier.bench.meters import MeterDeltas, MetricsSnapshot, deltas, scrape
 from kvtier.bench.results import RunResult
 from kvtier.core.errors import ServerStartError
 from kvtier.launch.serve import Server, ServerSpec
+
+STORAGE_KEYS = ("disk_path",)
+"""``kv_connector_extra_config`` keys naming a directory a connector writes as its host's own."""
 
 REPLICA_FIGURE_KEYS = ("prefix_hit_rate", "engine_hit_rate", "external_hit_rate", "external_hit_tokens",
                        "ttft_p50_s", "ttft_p99_s", "num_requests")
@@ -36,17 +47,49 @@ def replica_log_paths(log_path: Path, replicas: int) -> list[Path]:
     return [log_path.with_name(f"{log_path.stem}-r{i}{log_path.suffix}") for i in range(replicas)]
 
 
+def replica_specs(spec: ServerSpec, replicas: int) -> list[ServerSpec]:
+    """The ``replicas`` servers' specs of one arm and run: ``spec`` itself for one replica; for
+    several, the same spec each, with every directory of :data:`STORAGE_KEYS` in its connector's
+    ``kv_connector_extra_config`` moved to ``<dir>/r<i>`` for replica ``i`` (see the module
+    docstring).  Shared servers, buckets and key prefixes are left as they are.
+
+    Raises:
+        ValueError: ``replicas`` is below 1.
+    """
+    if replicas < 1:
+        raise ValueError(f"replicas must be at least 1, not {replicas}")
+    config = spec.kv_transfer_config or {}
+    extra = config.get("kv_connector_extra_config") or {}
+    own = [k for k in STORAGE_KEYS if extra.get(k)]
+    if replicas == 1 or not own:
+        return [spec] * replicas
+    out = []
+    for i in range(replicas):
+        mine = {**extra, **{k: str(Path(str(extra[k])) / f"r{i}") for k in own}}
+        out.append(dataclasses.replace(spec, kv_transfer_config={**config, "kv_connector_extra_config": mine}))
+    return out
+
+
 class ReplicaSet:
-    """N ``vllm serve`` children of one spec, started together and stopped together.
+    """N ``vllm serve`` children, started together and stopped together.
 
     Attributes:
         servers: in replica order; startup_s: seconds until the slowest answered.
     """
 
-    def __init__(self, spec: ServerSpec, log_paths: Sequence[Path]) -> None:
+    def __init__(self, specs: ServerSpec | Sequence[ServerSpec], log_paths: Sequence[Path]) -> None:
+        """``specs``: one spec for every server, or one per server (:func:`replica_specs`), in the
+        order of ``log_paths``.
+
+        Raises:
+            ValueError: no log path, or a different number of specs and log paths.
+        """
         if not log_paths:
             raise ValueError("a replica set needs at least one server")
-        self.servers = [Server(spec, path) for path in log_paths]
+        per_server = [specs] * len(log_paths) if isinstance(specs, ServerSpec) else list(specs)
+        if len(per_server) != len(log_paths):
+            raise ValueError(f"{len(per_server)} server specs for {len(log_paths)} log paths")
+        self.servers = [Server(s, path) for s, path in zip(per_server, log_paths, strict=True)]
         self.startup_s = 0.0
 
     @property

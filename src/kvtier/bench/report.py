@@ -71,8 +71,8 @@ class Row:
     cells: tuple[str, ...]
 
 
-COLUMNS = ("arm", "hit rate", "engine hit", "external hit", "TTFT p50", "p50 range", "TTFT p99", "output tok/s",
-           "verdict")
+COLUMNS = ("arm", "hit rate", "engine hit", "external hit", "TTFT p50", "p50 range", "hit range", "TTFT p99",
+           "output tok/s", "verdict")
 
 
 def _with_ratio(text: str, x: float | None, ref: float | None, is_ref: bool) -> str:
@@ -88,14 +88,14 @@ def _median(a: ArmResult | None, key: str) -> float | None:
 
 def rows(result: CompareResult) -> list[Row]:
     """The table rows, one per arm in the order given: medians over the arm's runs; TTFT and
-    throughput carry their ratio to the baseline in parentheses; "p50 range" is the lowest and
-    highest per-run TTFT p50 and the number of runs."""
+    throughput carry their ratio to the baseline in parentheses; "p50 range" and "hit range" are
+    the lowest and highest per-run TTFT p50 and hit rate, and the number of runs."""
     base = result.arm_result(BASELINE)
     base = base if base is not None and base.ok else None
     out = []
     for a in result.arms:
         if a.failure is not None:
-            out.append(Row((a.arm.name, "-", "-", "-", "-", "-", "-", "-", "FAILED")))
+            out.append(Row((a.arm.name, *["-"] * (len(COLUMNS) - 2), "FAILED")))
             continue
         s = a.spreads()
         is_ref = a is base
@@ -104,12 +104,13 @@ def rows(result: CompareResult) -> list[Row]:
             return _median(arm, key)
 
         p50, p99, tput = med("ttft_p50_s"), med("ttft_p99_s"), med("output_tok_per_s")
-        p50_spread = s.get("ttft_p50_s")
+        p50_spread, hit_spread = s.get("ttft_p50_s"), s.get("prefix_hit_rate")
         out.append(Row((
             a.arm.name, _fmt_rate(med("prefix_hit_rate")), _fmt_rate(med("engine_hit_rate")),
             _fmt_rate(med("external_hit_rate")),
             _with_ratio(_fmt_s(p50), p50, _median(base, "ttft_p50_s"), is_ref),
             "-" if p50_spread is None else p50_spread.range_text(_fmt_s),
+            "-" if hit_spread is None else hit_spread.range_text(_fmt_rate),
             _with_ratio(_fmt_s(p99), p99, _median(base, "ttft_p99_s"), is_ref),
             _with_ratio("-" if tput is None else f"{tput:.1f}", tput, _median(base, "output_tok_per_s"), is_ref),
             a.verdict.kind.value if a.verdict else "-")))
@@ -147,7 +148,7 @@ def print_table(result: CompareResult) -> None:
     from rich.table import Table
 
     console = Console()
-    console = Console(width=max(console.width, 140))  # the table needs ~135 columns; narrower would cut cells
+    console = Console(width=max(console.width, 160))  # the table needs ~155 columns; narrower would cut cells
     runs = f", {result.repeats} runs per arm interleaved, medians" if result.repeats > 1 else ""
     table = Table(title=f"kvtier bench compare: {result.workload.name}, {len(result.workload.requests)} requests"
                   f"{runs} (ratio to baseline in parentheses)", box=box.SIMPLE_HEAVY)

@@ -29,13 +29,15 @@ Examples:
 
 COMPARE_HELP = """Start one vLLM server per arm and run, and send each the same workload.
 
-Arms: baseline (no connector), kvtier (KVTierConnector, default config or --kvtier-config), kvtier-redis (the kvtier arm plus the shared redis tier on the server --redis names or, with --redis auto, starts on 127.0.0.1; every run under a key prefix of its own, deleted afterwards), native (vLLM's OffloadingConnector with a CPU tier the size of kvtier's; on a CPU-only vLLM through kvtier.bench.native_cpu, a benchmark-only shim that swaps the CUDA copy kernel for host copies), example (vLLM's ExampleConnector), and any connector given as --arm NAME='KV_TRANSFER_CONFIG_JSON'. Same model, engine cache size (--engine-cache-tokens), core pinning and workload for every arm. With --repeats N the arms run interleaved (A B C A B C ...) and every figure is the median of N runs with its range; "helping" needs TTFT p50 ranges that do not overlap. Prints one table (hit rates, TTFT p50/p99, throughput, ratios to baseline, verdict) and writes report.md, ttft_cdf.png, per-run server logs and /metrics texts to --out; --json writes the figures as JSON. An arm whose engine dies or hangs is reported with the request where it happened and its log; the other arms still run. With --replicas N every arm runs N servers side by side and request k goes to server k mod N (a round-robin load balancer without affinity); the table's figures are per arm (hit-rate counters summed over its servers, TTFTs over every request) and a second table gives each replica's.
+Arms: baseline (no connector), kvtier (KVTierConnector, default config or --kvtier-config), kvtier-redis (the kvtier arm plus the shared redis tier on the server --redis names or, with --redis auto, starts on 127.0.0.1; every run under a key prefix of its own, deleted afterwards), kvtier-s3 (the kvtier arm plus the shared s3 tier on a private rclone serve s3 the command starts on 127.0.0.1 under --out, one bucket for all replicas, every run under a key prefix of its own, removed afterwards; needs rclone and obstore: make install), native (vLLM's OffloadingConnector with a CPU tier the size of kvtier's, one per server; on a CPU-only vLLM through kvtier.bench.native_cpu, a benchmark-only shim that swaps the CUDA copy kernel for host copies), example (vLLM's ExampleConnector), and any connector given as --arm NAME='KV_TRANSFER_CONFIG_JSON'. Same model, engine cache size (--engine-cache-tokens), core pinning and workload for every arm. With --repeats N the arms run interleaved (A B C A B C ...) and every figure is the median of N runs with its range; "helping" needs TTFT p50 ranges that do not overlap. Prints one table (hit rates, TTFT p50/p99, throughput, ratios to baseline, verdict) and writes report.md, ttft_cdf.png, per-run server logs and /metrics texts to --out; --json writes the figures as JSON. An arm whose engine dies or hangs is reported with the request where it happened and its log; the other arms still run. With --replicas N every arm runs N servers side by side and request k goes to server k mod N (a round-robin load balancer without affinity); the table's figures are per arm (hit-rate counters summed over its servers, TTFTs over every request) and a second table gives each replica's. Each replica has its own cpu tier (kvtier's or native's) and its own disk_path directory (<disk_path>/run-<k>/r<i>); the replicas of kvtier-redis and kvtier-s3 share the Redis server or the bucket.
 
 Examples:
 
   kvtier bench compare --model models/mid --max-model-len 4096 --engine-cache-tokens 8192 --workload prefix-repetition --prefix-len 4000 --suffix-len 0 --num-prefixes 3 --num-requests 6 --output-len 1 --max-concurrency 1 --repeats 3
 
   kvtier bench compare --model models/mid --arms baseline,kvtier,kvtier-redis --replicas 2 --redis auto --kvtier-config cpu.yaml --max-model-len 2048 --engine-cache-tokens 4096 --enforce-eager --workload trace --start 0 --limit 300 --returning-only --tokens-per-block 32 --max-output-tokens 2 --max-concurrency 2 --repeats 2
+
+  kvtier bench compare --model models/mid --arms native,kvtier-redis,kvtier-s3 --replicas 2 --redis auto --kvtier-config cpu.yaml --max-model-len 2048 --engine-cache-tokens 4096 --enforce-eager --workload trace --start 0 --limit 300 --returning-only --tokens-per-block 32 --max-output-tokens 2 --max-concurrency 2 --repeats 2
 
   kvtier bench compare --model models/tiny --arms baseline,kvtier --arm lmcache='{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_both"}' --workload trace --start 0 --limit 300 --max-concurrency 2 --json out.json
 """
@@ -193,7 +195,8 @@ def run_command(
 def compare_command(
     model: str = typer.Option(..., "--model", "-m", help="Model directory (or name) every arm serves."),
     arms: str = typer.Option("baseline,native,kvtier", "--arms",
-                             help="Comma-separated arms out of baseline, kvtier, kvtier-redis, native, example; run in this order."),
+                             help="Comma-separated arms out of baseline, kvtier, kvtier-redis, kvtier-s3, native, example; run in "
+                                  "this order."),
     arm: list[str] = typer.Option([], "--arm", help="Another arm, NAME='KV_TRANSFER_CONFIG_JSON' (repeatable)."),
     repeats: int = typer.Option(1, "--repeats", min=1, max=20, help="Runs per arm, interleaved (A B C A B C ...)."),
     replicas: int = typer.Option(1, "--replicas",
@@ -230,7 +233,7 @@ def compare_command(
     import importlib.util
     import time
 
-    from kvtier.bench.arms import ARM_NAMES, make_arm, parse_custom_arm
+    from kvtier.bench.arms import ARM_NAMES, make_arm, parse_custom_arm, shared_tier_conflict
     from kvtier.bench.compare import run_compare, warmup_workload
     from kvtier.bench.report import print_table, write_reports
     from kvtier.bench.workload import vocab_token_space
@@ -265,6 +268,9 @@ def compare_command(
              "for one full-length request, so raise it or lower --max-model-len")
     if importlib.util.find_spec("vllm") is None:
         fail("vLLM is not installed in this environment; run `make install` first")
+    if "kvtier-s3" in names and importlib.util.find_spec("obstore") is None:
+        fail("the kvtier-s3 arm's servers need obstore, the s3 tier's client; run `make install` or "
+             "pip install 'kvtier[s3]'")
     extra: dict[str, Any] | None = None
     if kvtier_config is not None:
         from kvtier.core.config import KVTierConfig
@@ -274,6 +280,10 @@ def compare_command(
             extra = KVTierConfig.from_yaml(kvtier_config).flat_dict(exclude_unset=True)
         except (ConfigError, OSError) as exc:
             fail(f"--kvtier-config {kvtier_config}: {exc}")
+    for name in names:
+        if (why := shared_tier_conflict(name, extra)) is not None:
+            fail(why)
+    _check_tier_memory(names, extra, replicas, memory_fraction)
     out = out or Path(".kvtier/bench") / time.strftime("compare-%Y%m%d-%H%M%S")
     check_output_path(json_path, "--json")  # before any server starts: a bad path fails in one line, not after minutes
     make_output_dir(out, "--out")
@@ -289,12 +299,13 @@ def compare_command(
                       block_size=block_size, load_format=None if load_format == "auto" else load_format,
                       memory_fraction=memory_fraction, max_num_batched_tokens=max_num_batched_tokens,
                       enforce_eager=enforce_eager)
-    with _shared_redis(redis, out) as redis_url:
-        arm_specs = [make_arm(n, out, extra, redis_url) for n in names] + custom
+    with _shared_redis(redis, out) as redis_url, _shared_s3("kvtier-s3" in names, out) as s3_target:
+        s3_config = s3_target.extra_config() if s3_target is not None else None
+        arm_specs = [make_arm(n, out, extra, redis_url, s3_config) for n in names] + custom
         servers = f"{replicas} vLLM servers" if replicas > 1 else "vLLM"
         result = run_compare(arm_specs, built, spec, out, warmup=warmup_workload(vocab_token_space(seed, vocab)),
                              max_concurrency=max_concurrency, stall_timeout_s=stall_timeout, progress=not no_progress,
-                             repeats=repeats, replicas=replicas, on_arm=lambda a, k: print(
+                             repeats=repeats, replicas=replicas, s3_target=s3_target, on_arm=lambda a, k: print(
                                  f"arm {a.name} (run {k + 1}/{repeats}): starting {servers} ({a.description})",
                                  flush=True))
     print_table(result)
@@ -334,6 +345,50 @@ def _shared_redis(redis: str | None, out: Path) -> Iterator[str | None]:
     print(f"--redis auto: redis-server on {server.url} (log {server.log_path})", flush=True)
     with server:
         yield server.url
+
+
+@contextlib.contextmanager
+def _shared_s3(wanted: bool, out: Path) -> Iterator[Any]:
+    """The kvtier-s3 arm's bucket (:class:`kvtier.bench.shared_s3.S3Target`): ``None`` unless
+    ``wanted``; else a private ``rclone serve s3`` under ``out/s3``, stopped on exit."""
+    from kvtier.bench.shared_s3 import LocalS3
+    from kvtier.core.errors import ServerStartError
+
+    if not wanted:
+        yield None
+        return
+    try:
+        server = LocalS3.start(out / "s3")
+    except ServerStartError as exc:
+        fail(str(exc))
+    print(f"kvtier-s3: rclone serve s3 on {server.target.endpoint_url}, bucket {server.target.bucket} "
+          f"(log {server.log_path})", flush=True)
+    with server:
+        yield server.target
+
+
+TIER_ARMS = ("kvtier", "kvtier-redis", "kvtier-s3", "native")
+"""Arms whose every server holds a cpu tier of ``cpu_gib`` (kvtier's, or vLLM's native one sized like it)."""
+
+
+def _check_tier_memory(names: list[str], extra: dict[str, Any] | None, replicas: int, memory_fraction: float) -> None:
+    """Fail (exit 2) when one arm's servers together would hold more than MAX_RAM_SHARE of this
+    host's RAM: per server ``--memory-fraction`` of RAM plus its cpu tier (vLLM's native tier
+    zero-fills all of it at start, vllm/v1/kv_offload/cpu/gpu_worker.py; kvtier's fills as it is used)."""
+    from kvtier.core.config import KVTierConfig
+
+    if not any(n in TIER_ARMS for n in names):
+        return
+    try:
+        ram_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
+    except (ValueError, OSError):  # not every platform tells
+        return
+    cpu_gib = float((extra or {}).get("cpu_gib", KVTierConfig().cpu_gib))
+    need = replicas * (memory_fraction * ram_gib + cpu_gib)
+    if need > MAX_RAM_SHARE * ram_gib:
+        fail(f"--replicas {replicas} x (--memory-fraction {memory_fraction:g} of RAM + a {cpu_gib:g} GiB cpu tier) "
+             f"would hold {need:.1f} GiB of this host's {ram_gib:.1f} GiB RAM at once (at most {MAX_RAM_SHARE:.0%}); "
+             "lower cpu_gib in --kvtier-config, --memory-fraction or --replicas")
 
 
 def register(app: typer.Typer) -> None:

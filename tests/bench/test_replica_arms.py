@@ -1,0 +1,169 @@
+"""``bench compare --replicas N``: what each replica's server is started with, per arm (no vLLM starts).
+
+- ``native``: every replica the same OffloadingConnector config, so each server allocates a CPU
+  tier of its own (the arm shares nothing, as vLLM's native offload shares nothing);
+- ``kvtier`` / ``kvtier-redis``: each replica its own ``disk_path`` directory, the Redis server and
+  the run's key prefix shared; ``example``: one ``shared_storage_path`` (shared by design);
+- ``kvtier-s3``: every replica the same bucket and run prefix on the private ``rclone serve s3``
+  the bench starts (a real server here), credentials only in a 0600 file; ``kvtier check`` on a
+  replica's config reaches the bucket with them, and a run's objects are removed afterwards;
+- bad combinations end in one ``error:`` line and exit 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.bench.arms import make_arm
+from kvtier.bench.compare import fresh_storage
+from kvtier.bench.replicas import ReplicaSet, replica_log_paths, replica_specs
+from kvtier.bench.shared_redis import with_run_prefix as with_key_prefix
+from kvtier.bench.shared_s3 import LocalS3, delete_prefix
+from kvtier.bench.shared_s3 import with_run_prefix as with_object_prefix
+from kvtier.launch.serve import ServerSpec
+
+SPEC = ServerSpec(model="m", max_model_len=1024, cache_tokens=2048, enforce_eager=True)
+
+
+def serve_line_config(spec: ServerSpec) -> dict:
+    """The ``--kv-transfer-config`` value on the server's command line, parsed back."""
+    argv = spec.argv(8000)
+    return json.loads(argv[argv.index("--kv-transfer-config") + 1])
+
+
+def extra_of(spec: ServerSpec) -> dict:
+    return serve_line_config(spec)["kv_connector_extra_config"]
+
+
+def test_native_replicas_each_get_the_same_own_cpu_tier() -> None:
+    arm = make_arm("native", Path("/unused"), {"cpu_gib": 0.5})
+    spec = dataclasses.replace(SPEC, kv_transfer_config=arm.kv_transfer_config)
+    specs = replica_specs(spec, 2)
+    lines = [serve_line_config(s) for s in specs]
+    assert lines[0] == lines[1]
+    assert lines[0]["kv_connector"] == "OffloadingConnector"
+    assert lines[0]["kv_connector_extra_config"] == {"cpu_bytes_to_use": 1 << 29}
+    import torch
+
+    if not torch.cuda.is_available():
+        assert lines[0]["kv_connector_module_path"] == "kvtier.bench.native_cpu"
+    # one server per log path, each with its own port and its spec
+    logs = replica_log_paths(Path("out/native-run1.log"), 2)
+    servers = ReplicaSet(specs, logs).servers
+    assert [s.log_path.name for s in servers] == ["native-run1-r0.log", "native-run1-r1.log"]
+    assert servers[0].port != servers[1].port and all(s.spec is p for s, p in zip(servers, specs, strict=True))
+    with pytest.raises(ValueError, match="1 server specs for 2 log paths"):
+        ReplicaSet(specs[:1], logs)
+
+
+def test_kvtier_replicas_keep_their_own_disk_and_share_the_redis_prefix(tmp_path: Path) -> None:
+    config = {"cpu_gib": 0.5, "disk_path": str(tmp_path / "disk"), "disk_gib": 1}
+    arm = make_arm("kvtier-redis", tmp_path, config, "redis://127.0.0.1:7/0")
+    run_arm, run_dir = fresh_storage(arm, 1)
+    run_arm, prefix, _url = with_key_prefix(run_arm, "tag", 1)
+    spec = dataclasses.replace(SPEC, kv_transfer_config=run_arm.kv_transfer_config)
+    extras = [extra_of(s) for s in replica_specs(spec, 2)]
+    assert run_dir == tmp_path / "disk" / "run-1"
+    assert [e["disk_path"] for e in extras] == [str(run_dir / "r0"), str(run_dir / "r1")]
+    for e in extras:
+        assert e["redis_url"] == "redis://127.0.0.1:7/0" and e["redis_key_prefix"] == prefix
+    assert {k: v for k, v in extras[0].items() if k != "disk_path"} == \
+        {k: v for k, v in extras[1].items() if k != "disk_path"}
+    # one replica: the run's directory itself; ExampleConnector's storage is shared by design
+    assert extra_of(replica_specs(spec, 1)[0])["disk_path"] == str(run_dir)
+    example = make_arm("example", tmp_path)
+    spec = dataclasses.replace(SPEC, kv_transfer_config=example.kv_transfer_config)
+    paths = [extra_of(s)["shared_storage_path"] for s in replica_specs(spec, 2)]
+    assert paths == [str(tmp_path / "example-connector-storage")] * 2
+    with pytest.raises(ValueError, match="at least 1"):
+        replica_specs(spec, 0)
+
+
+def test_kvtier_s3_replicas_share_one_bucket_and_run_prefix_on_the_private_server(tmp_path: Path) -> None:
+    import obstore
+    from obstore.store import S3Store
+
+    server = LocalS3.start(tmp_path / "s3")
+    with server:
+        target = server.target
+        # the config's own endpoint and bucket are replaced by the private server's; other s3 keys stay
+        mine = {"cpu_gib": 0.5, "s3_bucket": "elsewhere", "s3_endpoint_url": "https://s3.example:9000",
+                "s3_concurrency": 4}
+        arm = make_arm("kvtier-s3", tmp_path, mine, None, target.extra_config())
+        assert "elsewhere" not in arm.description and "s3.example" not in arm.description
+        assert target.endpoint_url in arm.description
+        run0, prefix0 = with_object_prefix(arm, "tag", 0)
+        _run1, prefix1 = with_object_prefix(arm, "tag", 1)
+        assert prefix0 == "kvtier/bench-tag-kvtier-s3-run0/" != prefix1
+        assert with_object_prefix(make_arm("kvtier", tmp_path), "tag", 0)[1] is None
+        spec = dataclasses.replace(SPEC, kv_transfer_config=run0.kv_transfer_config)
+        specs = replica_specs(spec, 2)
+        lines = [serve_line_config(s) for s in specs]
+        assert lines[0] == lines[1]
+        extra = lines[0]["kv_connector_extra_config"]
+        assert extra["s3_bucket"] == target.bucket and extra["s3_endpoint_url"] == target.endpoint_url
+        assert extra["s3_key_prefix"] == prefix0 and extra["s3_concurrency"] == 4 and extra["s3_allow_http"] is True
+        # the credentials are in a file only the owner reads, never on a serve line or in the label
+        creds = Path(extra["s3_credentials_file"])
+        assert stat.S_IMODE(creds.stat().st_mode) == 0o600
+        keys = dict(line.split(" = ") for line in creds.read_text().splitlines() if " = " in line)
+        secret = keys["aws_secret_access_key"]
+        assert len(secret) >= 32 and all(secret not in " ".join(s.argv(8000)) for s in specs)
+        assert secret not in arm.description
+        # a replica's config, as vLLM's preflight reads it: the bucket answers with those credentials
+        check = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "check", json.dumps(lines[0])],
+                               capture_output=True, text=True, timeout=60, check=False)
+        assert check.returncode == 0, check.stdout + check.stderr
+        assert f"shared tier {target.endpoint_url}/{target.bucket}/{prefix0} is reachable" in check.stdout
+        # a run's objects go afterwards; another run's stay
+        store = S3Store(target.bucket, endpoint=target.endpoint_url, access_key_id=keys["aws_access_key_id"],
+                        secret_access_key=secret, region="us-east-1", virtual_hosted_style_request=False,
+                        client_options={"allow_http": True, "timeout": "10s"})
+        for key in (f"{prefix0}ns/a", f"{prefix0}ns/b", f"{prefix1}ns/a"):
+            obstore.put(store, key, b"x" * 10)
+        assert delete_prefix(target, prefix0) == 2
+        assert delete_prefix(target, prefix0) == 0
+        assert sorted(m["path"] for m in obstore.list(store).collect()) == [f"{prefix1}ns/a"]
+        port = server.port
+    with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=1.0):
+        pass
+
+
+def _ram_gib() -> int:
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30))
+
+
+@pytest.mark.parametrize(("args", "config", "message"), [
+    (["--arms", "native,kvtier-s3"], "tiers: [cpu, disk]\n",
+     ("the kvtier-s3 arm adds the s3 tier, but --kvtier-config sets tiers to ['cpu', 'disk'], which leaves it out; "
+     "add 's3' to tiers or drop the tiers key")),
+    (["--arms", "kvtier-redis", "--redis", "auto"], "tiers: [cpu]\n",
+     "the kvtier-redis arm adds the redis tier, but --kvtier-config sets tiers to ['cpu']"),
+    (["--arms", "native", "--replicas", "2"], f"cpu_gib: {_ram_gib()}\n",
+     f"--replicas 2 x (--memory-fraction 0.25 of RAM + a {_ram_gib()} GiB cpu tier) would hold"),
+])
+def test_bad_replica_arm_combinations_are_one_sentence_and_exit_2(tmp_path: Path, args: list[str], config: str,
+                                                                   message: str) -> None:
+    from typer.testing import CliRunner
+
+    from kvtier.cli.main import app
+    from kvtier.launch.testmodel import write_model
+
+    model = write_model(tmp_path / "tiny", "tiny", weights="none")
+    (tmp_path / "kvtier.yaml").write_text(config)
+    result = CliRunner().invoke(app, ["bench", "compare", "--model", str(model), "--out", str(tmp_path / "out"),
+                                      "--kvtier-config", str(tmp_path / "kvtier.yaml"), *args])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.output
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "out" / "s3").exists() and not (tmp_path / "out" / "redis").exists()  # nothing started
