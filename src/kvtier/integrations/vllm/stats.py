@@ -362,7 +362,7 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
                 self._gauges[prom_name] = self._gauge_cls(name=prom_name, documentation=help_text,
                                                           labelnames=labelnames + (["tier"] if tier else []),
                                                           multiprocess_mode="mostrecent")  # type: ignore[call-arg]
-        self._tenants = self._gauge_cls(name=TENANT_GAUGE, documentation=(  # type: ignore[call-arg]
+        self._tenants: Any = self._gauge_cls(name=TENANT_GAUGE, documentation=(  # type: ignore[call-arg]
             "Bytes held per tenant (12-hex-digit cache_salt digest; the top_tenants largest, then other and "
             "unknown), by tier (all ranks); with tenant_quotas."), labelnames=labelnames + ["tier", "tenant"],
             multiprocess_mode="mostrecent")
