@@ -21,6 +21,8 @@ from pathlib import Path
 
 import redis
 
+from tests.sigstop import stop_and_wait
+
 HOST = "127.0.0.1"
 
 
@@ -117,7 +119,7 @@ class RedisServer:
 
     def pause(self) -> None:
         assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
+        stop_and_wait(self.proc.pid)  # returns once nothing of the server runs
 
     def resume(self) -> None:
         assert self.proc is not None

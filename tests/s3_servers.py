@@ -25,6 +25,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from tests.sigstop import stop_and_wait
+
 HOST = "127.0.0.1"
 ACCESS_KEY = "kvtiertestaccess"
 SECRET_KEY = "kvtiertestsecret0123456789"
@@ -153,7 +155,7 @@ class S3Server:
     def pause(self) -> None:
         """SIGSTOP: connections are accepted by the kernel but nothing answers."""
         assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
+        stop_and_wait(self.proc.pid)  # returns once nothing of the server runs
 
     def resume(self) -> None:
         assert self.proc is not None

@@ -71,6 +71,9 @@ WRITTEN_KEYS_MAX = 1 << 16
 """Keys remembered without a capacity cap (``indexed``/``keys``), most recent kept."""
 CLEAR_DEADLINE_S = 60.0
 """Longest a clear (a reset) lists and deletes a namespace's objects, seconds."""
+CALL_BOUND_S = 300.0
+"""Longest a thread waits for one call on the tier's event loop, seconds (far above any caller's
+deadline: a bound on the wrapper's thread, not a deadline anyone is served by)."""
 SWEEP_MAX_OBJECTS = 1_000_000
 """Objects one sweep lists at most (a larger namespace is swept in part each interval)."""
 EVICT_PASSES = 4
@@ -164,10 +167,27 @@ class S3Tier(Tier):
             return None
 
     def _run(self, make: Callable[[], Coroutine[Any, Any, T]], timeout_s: float | None = None) -> T:
-        """Run a coroutine on the tier's loop and wait for it (the wrapper bounds the caller's wait)."""
+        """Run a coroutine on the tier's loop and wait for it, at most ``timeout_s`` (default
+        :data:`CALL_BOUND_S`: the wrapper bounds the caller's own wait far below it; this bounds
+        the wrapper's thread, which :meth:`close` also releases by cancelling what is in flight).
+
+        Raises:
+            RuntimeError: the tier is closed.
+            TimeoutError / CancelledError: the bound passed, or :meth:`close` cancelled the call.
+        """
         if self._closed:
             raise RuntimeError("the s3 tier is closed")
-        return asyncio.run_coroutine_threadsafe(make(), self._loop).result(timeout=timeout_s)
+        future = asyncio.run_coroutine_threadsafe(make(), self._loop)
+        return future.result(timeout=CALL_BOUND_S if timeout_s is None else timeout_s)
+
+    async def _cancel_in_flight(self) -> None:
+        """Cancel every request still running on the loop (at :meth:`close`), so no thread waits
+        on a loop that has stopped."""
+        current = asyncio.current_task()
+        tasks = [task for task in asyncio.all_tasks() if task is not current]
+        for task in tasks:
+            task.cancel()
+        await asyncio.wait(tasks, timeout=2.0) if tasks else None
 
     async def _each(self, fn: Callable[[Any], Awaitable[T]], items: Sequence[Any]) -> list[T]:
         """``fn(item)`` for every item, at most ``concurrency`` at once (shared by all callers)."""
@@ -525,6 +545,10 @@ class S3Tier(Tier):
             return
         self._closed = True
         self._stop.set()
+        try:  # a request hung on a stalled server must not keep its waiting thread (and the process) alive
+            asyncio.run_coroutine_threadsafe(self._cancel_in_flight(), self._loop).result(timeout=5.0)
+        except Exception:  # closing: the loop is stopped below either way
+            log.debug("s3 tier: cancelling in-flight requests at close did not finish", exc_info=True)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
 
