@@ -48,6 +48,10 @@ from kvtier.tools.httpget import Head, request_within, stream_within
 from kvtier.tools.mooncake import format_record
 
 RECORDED_PATHS = ("/v1/completions", "/v1/chat/completions")
+RECORD_GRACE_S = 10.0
+"""Longest :meth:`TraceRecorder.close` waits, seconds, for requests whose answer was sent to write
+their trace lines (each asks the server's ``/tokenize`` first): a client that got its whole answer
+before the close finds its request in the trace."""
 _HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "content-encoding",
                 "date", "server"}
 
@@ -92,6 +96,8 @@ class TraceRecorder:
         self.kept = False  # whether close() wrote ``out``
         self._closing = threading.Event()
         self._lock = threading.Lock()
+        self._answered = 0  # requests whose answer's end was sent and whose line is not written yet
+        self._answered_done = threading.Condition()
         self._ids: dict[bytes, int] = {}
         self._slots = threading.BoundedSemaphore(max_in_flight)
         self._start = time.monotonic()
@@ -142,8 +148,10 @@ class TraceRecorder:
         close), and, when at least one request was recorded, put the lines in arrival order (they
         are written as answers finish, so concurrent requests may land out of order) and rename
         the temporary file over ``out`` (:attr:`kept` True); else delete it, ``out`` untouched."""
+        self._server.shutdown()  # no new requests
+        with self._answered_done:  # a client that has its whole answer gets its line (bounded wait)
+            self._answered_done.wait_for(lambda: self._answered == 0, timeout=min(self.timeout_s, RECORD_GRACE_S))
         self._closing.set()
-        self._server.shutdown()
         self._server.server_close()
         if self._thread is not None:
             self._thread.join(timeout=10)
@@ -172,14 +180,21 @@ class TraceRecorder:
             arrival_ms = (time.monotonic() - self._start) * 1000.0
             path = handler.path
             headers = {k: v for k, v in handler.headers.items() if k.lower() not in _HOP_HEADERS}
-            output = self._forward(handler, path, body, headers)
-            if handler.command == "POST" and path.split("?")[0] in RECORDED_PATHS and output is not None:
-                self._record(path, body, arrival_ms, output)
+            answered: list[bool] = []
+            try:
+                output = self._forward(handler, path, body, headers, answered)
+                if handler.command == "POST" and path.split("?")[0] in RECORDED_PATHS and output is not None:
+                    self._record(path, body, arrival_ms, output)
+            finally:
+                if answered:
+                    with self._answered_done:
+                        self._answered -= 1
+                        self._answered_done.notify_all()
         finally:
             self._slots.release()
 
     def _forward(self, handler: BaseHTTPRequestHandler, path: str, body: bytes,
-                 headers: dict[str, str]) -> int | None:
+                 headers: dict[str, str], answered: list[bool]) -> int | None:
         """Pass the request through; returns the completion tokens seen (None if it failed).
 
         The whole exchange ends within ``timeout_s`` (or at :meth:`close`): before the answer's
@@ -203,6 +218,9 @@ class TraceRecorder:
                 counter.feed(item)
                 handler.wfile.write(b"%x\r\n%s\r\n" % (len(item), item))
                 handler.wfile.flush()
+            with self._answered_done:  # counted before the client can see the end (close waits for it)
+                self._answered += 1
+            answered.append(True)
             handler.wfile.write(b"0\r\n\r\n")
             return counter.tokens() if status == 200 else None
         except ServerAnswerError as exc:
