@@ -17,6 +17,7 @@ from kvtier.core.errors import UserError
 from kvtier.core.purge import PurgeFailed, PurgeSelector, parse_duration, parse_namespace, purge
 from kvtier.core.store import TieredStore
 from kvtier.core.tenant import TenantId
+from kvtier.core.tiers.sharedvalue import HEADER_BYTES
 
 from .helpers import CHUNK_BYTES, NS, chain_of, make_store, payload
 
@@ -162,10 +163,10 @@ def test_redis_purge_by_namespace_and_age(server, request, key_prefix):
 
     dry = purge(config, PurgeSelector(), dry_run=True)
     assert sorted(r.chunks for r in dry) == [3, 4]
-    value_bytes = 64 + CHUNK_BYTES  # the shared value's header and the payload
+    value_bytes = HEADER_BYTES + CHUNK_BYTES  # the shared value's header (with its tenant record) and the payload
     assert all(r.bytes == r.chunks * value_bytes for r in dry)
-    salted = purge(config, PurgeSelector(cache_salt="B"), dry_run=False)  # values hold no tenant record yet
-    assert sum(r.chunks for r in salted) == 0 and sum(r.unknown_tenant for r in salted) == 7
+    salted = purge(config, PurgeSelector(cache_salt="B"), dry_run=True)  # tests/core/test_shared_tenant_purge.py
+    assert sum(r.chunks for r in salted) == 4 and sum(r.unknown_tenant for r in salted) == 3
 
     client = redis.RedisCluster.from_url(url) if cluster else redis.Redis.from_url(url)
     try:
