@@ -112,6 +112,22 @@ def test_lora_selector_and_no_salt_record(tmp_path):
     store.close()
 
 
+def test_a_damaged_tenant_record_on_disk_is_kept_and_a_problem(tmp_path, populated):
+    """A record that fails its own checksum is never trusted: not matched, not "unknown", a problem."""
+    from kvtier.core.tiers.chunkfile import TENANT_OFFSET
+
+    store, _other, chains = populated
+    path = store.tier("disk").path(chains["B"][0])
+    raw = bytearray(path.read_bytes())
+    raw[TENANT_OFFSET + 10] ^= 0x01
+    path.write_bytes(bytes(raw))
+    done = purge(disk_config(tmp_path), PurgeSelector(cache_salt="B"), dry_run=False)
+    (mine,) = [r for r in done if r.namespace.hex() == store.tier("disk").dir.name]
+    assert (mine.chunks, mine.unknown_tenant, mine.damaged_tenant) == (3, 2, 1)
+    assert len(mine.problems) == 1 and str(path) in mine.problems[0] and "fails its checksum" in mine.problems[0]
+    assert path.exists()
+
+
 def test_namespace_and_age_selectors(tmp_path, populated):
     store, other, _chains = populated
     disk = tmp_path / "disk"
