@@ -127,7 +127,13 @@ SHARED_MAC_UNKNOWN_TENANT = (
 
 def test_shared_value_headers_are_pinned_and_both_versions_read():
     from kvtier.core import tenant
-    from kvtier.core.tiers.sharedvalue import HEADER_BYTES, V1_HEADER_BYTES, SharedValueError, ValueCodec, peek
+    from kvtier.core.tiers.sharedvalue import (
+        HEADER_BYTES,
+        V1_HEADER_BYTES,
+        SharedValueError,
+        ValueCodec,
+        peek,
+    )
 
     codec = ValueCodec(SHARED_NS, None)
     v2 = codec.encode(SHARED_KEY, PAYLOAD, writer=tenant.TenantId.of("B", "sql"))
