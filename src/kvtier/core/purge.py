@@ -5,7 +5,7 @@ Each tier that can be purged names a hook in its registry record
 (:attr:`~kvtier.core.tiers.registry.TierSpec.purge`,
 ``purge(config, selector, dry_run) -> list[NamespacePurge] | None``); :func:`purge` runs every
 hook whose target the configuration names (the disk tier's ``disk_path``, the redis tier's
-``redis_url``).  A hook lists what the :class:`PurgeSelector` matches and, unless ``dry_run``,
+``redis_url``, the s3 tier's ``s3_bucket``).  A hook lists what the :class:`PurgeSelector` matches and, unless ``dry_run``,
 removes it; either way it returns the same numbers, so a dry run says exactly what a purge of an
 unchanged store removes.
 
@@ -101,16 +101,6 @@ class PurgeSelector:
     def old_enough(self, written_s: float) -> bool:
         """Whether a chunk written at ``written_s`` (seconds since the epoch) matches the age filter."""
         return self.older_than_s is None or written_s <= self.now - self.older_than_s
-
-    def tenant_match(self, namespace: bytes, raw_record: bytes | memoryview) -> bool | None:
-        """Whether the tenant record ``raw_record`` of a chunk of ``namespace`` matches (``True``
-        when the selector names no tenant); ``None`` when the record is unknown."""
-        if not self.needs_tenant:
-            return True
-        rec = tenant.decode(raw_record)
-        if rec is None:
-            return None
-        return tenant.matches(rec, namespace, self.cache_salt, self.lora_name)
 
     def tenant_admits(self, result: NamespacePurge, namespace: bytes, raw_record: bytes | memoryview | None,
                       where: str) -> bool:
