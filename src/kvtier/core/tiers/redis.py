@@ -1,7 +1,8 @@
 """Redis / Valkey shared tier (standalone or Cluster) on redis-py.
 
 - **One value per chunk**, written with one ``SET key value EX ttl NX``: a header (format version,
-  namespace, key, length, digest) and the payload (:mod:`kvtier.core.tiers.sharedvalue`).  A read
+  namespace, key, length, the writer's tenant record for ``kvtier purge --salt``/``--lora``,
+  digest) and the payload (:mod:`kvtier.core.tiers.sharedvalue`).  A read
   verifies everything; a value that fails is a ``CORRUPT`` miss and is deleted.  A key the server
   evicted on its own (``maxmemory``, TTL) is a plain miss.
 - **Keys** are ``<prefix><namespace hex>:<chunk key hex>``, built in one place for every command
@@ -46,6 +47,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvtier.core import tenant
 from kvtier.core.config import redact_url
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
@@ -231,12 +233,18 @@ class RedisTier(Tier):
 
         A write abandoned at the deadline may still be sending from ``datas`` for a moment: a
         payload changed meanwhile no longer matches its digest, so a reader treats it as corrupt
-        (a miss), never as a hit."""
-        if self._streamed:
-            return self._stream_standalone(keys, datas)
-        return self._stream_cluster(keys, datas)
+        (a miss), never as a hit.
 
-    def _stream_standalone(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> PutStream:
+        Each value's header carries the tenant record of :func:`kvtier.core.tenant.current`, read
+        here, on the calling thread (the store's writer, which set it), and carried to whichever
+        thread encodes the headers."""
+        writer = tenant.current()
+        if self._streamed:
+            return self._stream_standalone(keys, datas, writer)
+        return self._stream_cluster(keys, datas, writer)
+
+    def _stream_standalone(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes],
+                           writer: tenant.TenantId | None) -> PutStream:
         rkeys = [self.rkey(k) for k in keys]
         payloads = [memoryview(d).cast("B") for d in datas]
         headers: list[bytes] = []
@@ -245,7 +253,7 @@ class RedisTier(Tier):
 
         def produce(_deadline: float) -> None:
             for key, payload in zip(keys, payloads, strict=True):
-                headers.append(self.codec.header(key, payload))
+                headers.append(self.codec.header(key, payload, writer))
                 ready.release()
 
         def send() -> list[PutResult]:
@@ -259,7 +267,8 @@ class RedisTier(Tier):
             ready.release()
         return PutStream(send, produce, abandon)
 
-    def _stream_cluster(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> PutStream:
+    def _stream_cluster(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes],
+                        writer: tenant.TenantId | None) -> PutStream:
         batches = self._batches(datas)
         encoded: list[list[bytearray]] = []
         ready, room = threading.Semaphore(0), threading.Semaphore(2)  # one batch on the wire, one encoded
@@ -270,7 +279,7 @@ class RedisTier(Tier):
                 if not room.acquire(timeout=max(deadline - time.perf_counter(), 0.0)) or abandoned.is_set():
                     return  # the writer waits for this batch and gives up
                 buffers = self._take_buffers([HEADER_BYTES + memoryview(d).nbytes for d in datas[start:end]])
-                encoded.append([self.codec.encode(k, d, b)
+                encoded.append([self.codec.encode(k, d, b, writer)
                                 for k, d, b in zip(keys[start:end], datas[start:end], buffers, strict=True)])
                 ready.release()
 

@@ -1,8 +1,8 @@
 """S3 object-store shared tier (AWS S3, MinIO, Ceph RGW, Cloudflare R2, any S3 API) on obstore.
 
 - **One object per chunk**, written whole with one ``PUT`` (never multipart): the same value as
-  the redis tier's, a header (format version, namespace digest, key, length, XXH3 checksum or
-  keyed BLAKE3 MAC with ``shared_secret``) then the payload (:mod:`kvtier.core.tiers.sharedvalue`).
+  the redis tier's, a header (format version, namespace digest, key, length, the writer's tenant
+  record, XXH3 checksum or keyed BLAKE3 MAC with ``shared_secret``) then the payload (:mod:`kvtier.core.tiers.sharedvalue`).
   A ``PUT`` is atomic in S3: a reader sees no object, the old one or the whole new one, never a
   part (AWS S3 user guide, "Amazon S3 data consistency model"); a read still verifies everything,
   and a short body, a foreign namespace or a digest mismatch is a counted ``CORRUPT`` miss and the
@@ -43,6 +43,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvtier.core import tenant
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import KEY_BYTES, ChunkKey
 from kvtier.core.stats import WireCounters, WireStats
@@ -319,8 +320,10 @@ class S3Tier(Tier):
 
     def encode_values(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> list[bytearray]:
         """The objects to write: header + payload each (the payload copied once)
-        (:class:`~kvtier.core.tiers.guarded.ValueTier`)."""
-        return [self.codec.encode(k, d) for k, d in zip(keys, datas, strict=True)]
+        (:class:`~kvtier.core.tiers.guarded.ValueTier`), on the calling thread, whose
+        :func:`kvtier.core.tenant.current` (set by the store's writer) goes into each header."""
+        writer = tenant.current()
+        return [self.codec.encode(k, d, writer=writer) for k, d in zip(keys, datas, strict=True)]
 
     def put_values(self, keys: Sequence[ChunkKey], values: Sequence[Any], payload_bytes: Sequence[int]
                    ) -> list[PutResult]:
