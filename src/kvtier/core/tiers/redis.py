@@ -21,8 +21,8 @@
   full server under Redis's default ``maxmemory-policy noeviction``, ``-READONLY`` from a
   replica, ``-NOPERM``) is one of :attr:`RedisTier.refusal_errors`: it fails only that call and
   leaves the breaker closed, so reads go on while writes are refused.
-- **Behind the wrapper, the data path is the tier's own** (the wrapper's hooks
-  :class:`~kvtier.core.tiers.guarded.SplitGet` and :class:`~kvtier.core.tiers.guarded.StreamedPut`):
+- **Behind the wrapper, the data path is the tier's own** (it implements the wrapper's
+  :class:`~kvtier.core.tiers.guarded.SplitTier`):
   values are received into reused read buffers on the wrapper's thread and verified and copied
   into the caller's buffers on the caller's thread, only after the fetch returned in time (bytes
   arriving later are dropped, never copied into a buffer the caller has given back).  A write
@@ -53,7 +53,7 @@ from kvtier.core.stats import WireCounters, WireStats
 from kvtier.core.tiers import redisstream
 from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, TierUsage
 from kvtier.core.tiers.breaker import CircuitBreaker
-from kvtier.core.tiers.guarded import GuardedTier, PutStream
+from kvtier.core.tiers.guarded import GuardedTier, PutStream, WriteAbandoned
 from kvtier.core.tiers.redisclear import CLEAR_DEADLINE_S, clear_namespace
 from kvtier.core.tiers.redisclient import LazyClusterClient, make_client
 from kvtier.core.tiers.redissettings import redis_settings
@@ -147,7 +147,7 @@ class RedisTier(Tier):
         return results
 
     def fetch_many(self, keys: Sequence[ChunkKey]) -> tuple[list[Any], float]:
-        """The raw values of ``keys`` (``None`` where absent) and when the fetch started.  Standalone:
+        """(:class:`~kvtier.core.tiers.guarded.SplitTier`) The raw values of ``keys`` (``None`` where absent) and when the fetch started.  Standalone:
         received straight into the tier's read buffers (:func:`redisstream.get_many`); Cluster:
         redis-py's pipeline."""
         t0 = time.perf_counter()
@@ -279,7 +279,7 @@ class RedisTier(Tier):
             created: list[bool] = []
             for i, (start, end) in enumerate(batches):
                 if not ready.acquire(timeout=self.header_wait_s) or abandoned.is_set():
-                    raise redisstream.WriteAbandoned(f"batch {i} of {len(batches)} not ready")
+                    raise WriteAbandoned(f"batch {i} of {len(batches)} not ready")
                 pipe = self.client.pipeline(transaction=False)
                 for key, value in zip(keys[start:end], encoded[i], strict=True):
                     pipe.set(self.rkey(key), value, ex=self.ttl_s, nx=True)
