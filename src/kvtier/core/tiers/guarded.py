@@ -121,6 +121,22 @@ class SplitTier(Protocol):
         buffers, uncopied: see the module docstring for what ``send`` may read of them)."""
 
 
+def split_get(split: SplitTier, keys: Sequence[ChunkKey], dsts: Sequence[memoryview], fetch: Callable[[], Any],
+              delete: Callable[[list[ChunkKey]], object]) -> list[GetResult]:
+    """One :class:`SplitTier` read: ``fetch()`` (``split.fetch_many(keys)``, on this thread or
+    under a deadline; ``None``: every key a miss), ``split.finish_get`` on this thread, then
+    ``delete`` of every ``CORRUPT`` key.  A tier's own ``get_many`` and :class:`GuardedTier` both
+    read this way."""
+    fetched = fetch()
+    if fetched is None:
+        return [GetResult.MISS] * len(keys)
+    results = split.finish_get(keys, fetched, dsts)
+    corrupt = [k for k, r in zip(keys, results, strict=True) if r is GetResult.CORRUPT]
+    if corrupt:
+        delete(corrupt)
+    return results
+
+
 class GuardedTier(TierWrapper):
     """``inner`` behind deadlines, a breaker and latency metrics (see the module docstring).
 
@@ -226,15 +242,9 @@ class GuardedTier(TierWrapper):
     def get_many(self, keys: Sequence[ChunkKey], dsts: Sequence[memoryview]) -> list[GetResult]:
         if not keys:
             return []
-        if (split := self._split) is not None:
-            fetched = self._call("get", lambda: split.fetch_many(keys))
-            if fetched is None:
-                return [GetResult.MISS] * len(keys)
-            results = split.finish_get(keys, fetched, dsts)
-            corrupt = [k for k, r in zip(keys, results, strict=True) if r is GetResult.CORRUPT]
-            if corrupt:
-                self.delete_many(corrupt)
-            return results
+        if (split := self._split) is not None:  # the wire half under the deadline, then verify on this thread
+            return split_get(split, keys, dsts, lambda: self._call("get", lambda: split.fetch_many(keys)),
+                             self.delete_many)
         own = [bytearray(memoryview(d).nbytes) for d in dsts]  # a late call fills these, never the caller's
         got = self._call("get", lambda: self.inner.get_many(keys, [memoryview(b) for b in own]))
         if got is None:

@@ -53,18 +53,11 @@ from kvtier.core.stats import WireCounters, WireStats
 from kvtier.core.tiers import redisstream
 from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, TierUsage
 from kvtier.core.tiers.breaker import CircuitBreaker
-from kvtier.core.tiers.guarded import GuardedTier, PutStream, WriteAbandoned
+from kvtier.core.tiers.guarded import GuardedTier, PutStream, WriteAbandoned, split_get
 from kvtier.core.tiers.redisclear import CLEAR_DEADLINE_S, clear_namespace
 from kvtier.core.tiers.redisclient import LazyClusterClient, make_client
 from kvtier.core.tiers.redissettings import redis_settings
-from kvtier.core.tiers.sharedvalue import (
-    HEADER_BYTES,
-    SharedValueError,
-    ValueCodec,
-    copy_payload,
-    keyspace,
-    shared_secret,
-)
+from kvtier.core.tiers.sharedvalue import HEADER_BYTES, ValueCodec, keyspace, shared_secret, verify_into
 
 if TYPE_CHECKING:
     from kvtier.core.config import KVTierConfig
@@ -140,11 +133,7 @@ class RedisTier(Tier):
     def get_many(self, keys: Sequence[ChunkKey], dsts: Sequence[memoryview]) -> list[GetResult]:
         """:meth:`fetch_many` then :meth:`finish_get` on this thread, corrupt values deleted (the
         wrapper splits the two halves over its thread and the caller's)."""
-        results = self.finish_get(keys, self.fetch_many(keys), dsts)
-        corrupt = [k for k, r in zip(keys, results, strict=True) if r is GetResult.CORRUPT]
-        if corrupt:
-            self.delete_many(corrupt)
-        return results
+        return split_get(self, keys, dsts, lambda: self.fetch_many(keys), self.delete_many)
 
     def fetch_many(self, keys: Sequence[ChunkKey]) -> tuple[list[Any], float]:
         """(:class:`~kvtier.core.tiers.guarded.SplitTier`) The raw values of ``keys`` (``None`` where absent) and when the fetch started.  Standalone:
@@ -165,31 +154,14 @@ class RedisTier(Tier):
         written, expired, evicted by the server): ``MISS``; failing verification: ``CORRUPT``
         (counted; the caller deletes it).  The read buffers go back for reuse."""
         values, t0 = fetched
-        results: list[GetResult] = []
-        num_bytes = 0
-        for key, value, dst in zip(keys, values, dsts, strict=True):
-            if value is None:
-                self._forget(key)
-                results.append(GetResult.MISS)
-                continue
-            try:
-                decoded = self.codec.decode(key, value, memoryview(dst).nbytes)
-            except SharedValueError as exc:
-                log.warning("kvtier redis tier (%s): value of chunk %s is unusable (%s); deleted, treated "
-                            "as a miss", self.where, key.hex(), exc)
-                self._forget(key)
-                with self._lock:
-                    self.corrupt += 1
-                self.wire.corrupt()
-                results.append(GetResult.CORRUPT)
-                continue
-            copy_payload(value, decoded, dst)
-            num_bytes += decoded.length
-            results.append(GetResult.HIT)
+        done = verify_into(self.codec, keys, values, dsts, f"kvtier {self.name} tier ({self.where})", self._forget)
+        with self._lock:
+            self.corrupt += done.corrupt
+        self.wire.corrupt(done.corrupt)
         if self._streamed:
             self._give_read_buffers([v.obj for v in values if v is not None])
-        self.wire.moved("read", num_bytes, time.perf_counter() - t0)
-        return results
+        self.wire.moved("read", done.payload_bytes, time.perf_counter() - t0)
+        return done.results
 
     def _read_buffer(self, size: int) -> bytearray:
         """A buffer of ``size`` bytes for one value being read (reused, so its pages are faulted in)."""

@@ -53,17 +53,10 @@ from kvtier.core.keys import KEY_BYTES, ChunkKey
 from kvtier.core.stats import WireCounters, WireStats
 from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, TierUsage
 from kvtier.core.tiers.breaker import CircuitBreaker
-from kvtier.core.tiers.guarded import GuardedTier, PutStream, WriteAbandoned
+from kvtier.core.tiers.guarded import GuardedTier, PutStream, WriteAbandoned, split_get
 from kvtier.core.tiers.s3client import brief, http_refusal, make_store, read_credentials, where
 from kvtier.core.tiers.s3settings import S3Settings, s3_settings
-from kvtier.core.tiers.sharedvalue import (
-    HEADER_BYTES,
-    SharedValueError,
-    ValueCodec,
-    copy_payload,
-    keyspace,
-    shared_secret,
-)
+from kvtier.core.tiers.sharedvalue import HEADER_BYTES, ValueCodec, keyspace, shared_secret, verify_into
 
 if TYPE_CHECKING:
     from kvtier.core.config import KVTierConfig
@@ -238,11 +231,7 @@ class S3Tier(Tier):
         wrapper splits the two halves over its thread and the caller's)."""
         if not keys:
             return []
-        results = self.finish_get(keys, self.fetch_many(keys), dsts)
-        corrupt = [k for k, r in zip(keys, results, strict=True) if r is GetResult.CORRUPT]
-        if corrupt:
-            self.delete_many(corrupt)
-        return results
+        return split_get(self, keys, dsts, lambda: self.fetch_many(keys), self.delete_many)
 
     def fetch_many(self, keys: Sequence[ChunkKey]) -> tuple[list[Any], float]:
         """(:class:`~kvtier.core.tiers.guarded.SplitTier`) One parallel ``GET`` per key: each body
@@ -281,30 +270,12 @@ class S3Tier(Tier):
         and copy its payload into ``dsts[i]``: ``HIT``; no live object: ``MISS``; short, foreign
         or failing its digest: ``CORRUPT`` (counted; the caller deletes it).  No network."""
         values, t0 = fetched
-        results: list[GetResult] = []
-        num_bytes = 0
-        for key, body, dst in zip(keys, values, dsts, strict=True):
-            if body is None:
-                self._forget(key)
-                results.append(GetResult.MISS)
-                continue
-            value = memoryview(body)
-            try:
-                decoded = self.codec.decode(key, value, memoryview(dst).nbytes)
-            except SharedValueError as exc:
-                log.warning("kvtier s3 tier (%s): object of chunk %s is unusable (%s); deleted, treated as a miss",
-                            self.where, key.hex(), exc)
-                self._forget(key)
-                with self._lock:
-                    self.corrupt += 1
-                self.wire.corrupt()
-                results.append(GetResult.CORRUPT)
-                continue
-            copy_payload(value, decoded, dst)
-            num_bytes += decoded.length
-            results.append(GetResult.HIT)
-        self.wire.moved("read", num_bytes, time.perf_counter() - t0)
-        return results
+        done = verify_into(self.codec, keys, values, dsts, f"kvtier {self.name} tier ({self.where})", self._forget)
+        with self._lock:
+            self.corrupt += done.corrupt
+        self.wire.corrupt(done.corrupt)
+        self.wire.moved("read", done.payload_bytes, time.perf_counter() - t0)
+        return done.results
 
     def put(self, key: ChunkKey, data: memoryview | bytes) -> PutResult:
         return self.put_many([key], [data])[0]
