@@ -257,7 +257,8 @@ class S3Tier(Tier):
             values = await self._each(fetch, [self.object_key(k) for k in keys])
             if expired:
                 try:
-                    await obstore.delete_async(self.store, expired)
+                    for i in range(0, len(expired), DELETE_BATCH):
+                        await obstore.delete_async(self.store, expired[i:i + DELETE_BATCH])
                 except Exception as exc:  # noqa: BLE001 - the object stays; the sweep or the next read deletes it
                     self._log_fault("delete", exc)
             return values
