@@ -187,11 +187,15 @@ class S3Tier(Tier):
             task.cancel()
         await asyncio.wait(tasks, timeout=2.0) if tasks else None
 
-    async def _each(self, fn: Callable[[Any], Awaitable[T]], items: Sequence[Any]) -> list[T]:
-        """``fn(item)`` for every item, at most ``concurrency`` at once (shared by all callers)."""
+    def _requests(self) -> asyncio.Semaphore:
+        """The gate of requests in flight: at most ``concurrency``, shared by all callers (on the loop)."""
         if self._gate is None:
             self._gate = asyncio.Semaphore(self.concurrency)
-        gate = self._gate
+        return self._gate
+
+    async def _each(self, fn: Callable[[Any], Awaitable[T]], items: Sequence[Any]) -> list[T]:
+        """``fn(item)`` for every item, at most ``concurrency`` at once (shared by all callers)."""
+        gate = self._requests()
 
         async def one(item: Any) -> T:
             async with gate:
@@ -319,7 +323,9 @@ class S3Tier(Tier):
                 pass
 
         async def write(i: int) -> tuple[str, float]:
-            meta = await self._head(paths[i])
+            gate = self._requests()  # held for each request, never while waiting for produce
+            async with gate:
+                meta = await self._head(paths[i])
             if meta is not None:
                 return "present", meta["last_modified"].timestamp()
             try:
@@ -328,12 +334,16 @@ class S3Tier(Tier):
                 raise WriteAbandoned(f"the objects of {len(keys)} chunks were not encoded in time") from None
             if abandoned.is_set():  # the caller stopped waiting (or produce failed): no new PUT
                 raise WriteAbandoned(f"the write of {len(keys)} chunks was abandoned")
-            try:
-                await obstore.put_async(self.store, paths[i], values[i], use_multipart=False,
-                                        mode="create" if self.conditional_put else "overwrite")
-            except exists_errors:
-                return "present", float(int(time.time()))
+            async with gate:
+                try:
+                    await obstore.put_async(self.store, paths[i], values[i], use_multipart=False,
+                                            mode="create" if self.conditional_put else "overwrite")
+                except exists_errors:
+                    return "present", float(int(time.time()))
             return "stored", float(int(time.time()))  # whole seconds, as Last-Modified
+
+        async def write_all() -> list[tuple[str, float]]:
+            return list(await asyncio.gather(*(write(i) for i in range(len(keys)))))
 
         def produce(_deadline: float) -> None:
             values.extend(self.codec.encode(k, d) for k, d in zip(keys, datas, strict=True))
@@ -341,7 +351,7 @@ class S3Tier(Tier):
 
         def send() -> list[PutResult]:
             t0 = time.perf_counter()
-            outcomes = self._run(lambda: self._each(write, list(range(len(keys)))))
+            outcomes = self._run(write_all)
             return self._written_now(keys, sizes, outcomes, t0)
 
         def abandon() -> None:
