@@ -4,7 +4,7 @@ here, as the tests start them).
 
 For each shared tier and each path, ``--chunks`` chunks of ``--chunk-mib`` MiB are written with
 one ``put_many`` and read back with one ``get_many`` (after one untimed round, so reused buffers
-exist), ``--repeats`` times.  Reported per op:
+exist), ``--repeats`` times, the two paths interleaved round by round.  Reported per op:
 
 - ``alloc/payload``: the peak of Python-allocated bytes during the call (``tracemalloc``, every
   thread) over the payload bytes moved: a private copy of each payload shows as +1.0 (bytes
@@ -74,34 +74,39 @@ def private_path(tier: GuardedTier) -> GuardedTier:
 
 
 def run(name: str, config: KVTierConfig, chunk_bytes: int, chunks: int, repeats: int) -> list[str]:
-    rows = []
+    """Both paths over one inner tier, interleaved round by round (the order alternating), so a
+    load change or a server warming up hits both alike."""
+    built = make_tier(name, TierContext(config, os.urandom(16), chunk_bytes, 1, CollectorRegistry()))
+    assert isinstance(built, GuardedTier)
+    tiers: dict[str, Tier] = {"split": built, "private": private_path(built)}
+    datas = [np.random.default_rng(i).integers(0, 256, chunk_bytes, dtype=np.uint8) for i in range(chunks)]
+    dsts = [np.empty(chunk_bytes, dtype=np.uint8) for _ in range(chunks)]
     memcpy_src = np.random.default_rng(0).integers(0, 256, chunk_bytes * chunks, dtype=np.uint8)
     memcpy_dst = np.empty_like(memcpy_src)
-    for path in ("split", "private"):
-        built = make_tier(name, TierContext(config, os.urandom(16), chunk_bytes, 1, CollectorRegistry()))
-        assert isinstance(built, GuardedTier)
-        tier: Tier = built if path == "split" else private_path(built)
-        datas = [np.random.default_rng(i).integers(0, 256, chunk_bytes, dtype=np.uint8) for i in range(chunks)]
-        dsts = [np.empty(chunk_bytes, dtype=np.uint8) for _ in range(chunks)]
-        got: dict[str, list[tuple[float, int]]] = {"put": [], "get": []}
-        copy_s = []
+    got: dict[tuple[str, str], list[tuple[float, int]]] = {(p, op): [] for p in tiers for op in ("put", "get")}
+    copy_s = []
+    try:
         for r in range(repeats + 1):
-            keys = [ChunkKey(os.urandom(16)) for _ in range(chunks)]
-            put = measured(tier.put_many, keys, [memoryview(d) for d in datas], PutResult.STORED)
-            get = measured(tier.get_many, keys, [memoryview(d) for d in dsts], GetResult.HIT)
-            assert all(np.array_equal(a, b) for a, b in zip(datas, dsts, strict=True))
+            for path in (("split", "private") if r % 2 else ("private", "split")):
+                tier = tiers[path]
+                keys = [ChunkKey(os.urandom(16)) for _ in range(chunks)]
+                put = measured(tier.put_many, keys, [memoryview(d) for d in datas], PutResult.STORED)
+                get = measured(tier.get_many, keys, [memoryview(d) for d in dsts], GetResult.HIT)
+                assert all(np.array_equal(a, b) for a, b in zip(datas, dsts, strict=True))
+                if r:  # the first round warms buffers and connections
+                    got[path, "put"].append(put)
+                    got[path, "get"].append(get)
             t0 = time.perf_counter()
             np.copyto(memcpy_dst, memcpy_src)
             copy_s.append(time.perf_counter() - t0)
-            if r:  # the first round warms buffers and connections
-                got["put"].append(put)
-                got["get"].append(get)
-        tier.close()
-        memcpy = statistics.median(copy_s)
-        for op, samples in got.items():
-            seconds = statistics.median(s for s, _ in samples)
-            alloc = statistics.median(a for _, a in samples) / (chunk_bytes * chunks)
-            rows.append(f"| {name} | {path} | {op} | {alloc:.2f} | {seconds:.4f} | {seconds / memcpy:.1f} |")
+    finally:
+        tiers["private"].close()  # closes the inner tier too
+    memcpy = statistics.median(copy_s)
+    rows = []
+    for (path, op), samples in got.items():
+        seconds = statistics.median(s for s, _ in samples)
+        alloc = statistics.median(a for _, a in samples) / (chunk_bytes * chunks)
+        rows.append(f"| {name} | {path} | {op} | {alloc:.2f} | {seconds:.4f} | {seconds / memcpy:.1f} |")
     return rows
 
 
