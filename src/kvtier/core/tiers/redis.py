@@ -22,8 +22,8 @@
   full server under Redis's default ``maxmemory-policy noeviction``, ``-READONLY`` from a
   replica, ``-NOPERM``) is one of :attr:`RedisTier.refusal_errors`: it fails only that call and
   leaves the breaker closed, so reads go on while writes are refused.
-- **Behind the wrapper, the data path is the tier's own** (the wrapper's hooks
-  :class:`~kvtier.core.tiers.guarded.SplitGet` and :class:`~kvtier.core.tiers.guarded.StreamedPut`):
+- **Behind the wrapper, the data path is the tier's own** (it implements the wrapper's
+  :class:`~kvtier.core.tiers.guarded.SplitTier`):
   values are received into reused read buffers on the wrapper's thread and verified and copied
   into the caller's buffers on the caller's thread, only after the fetch returned in time (bytes
   arriving later are dropped, never copied into a buffer the caller has given back).  A write
@@ -55,18 +55,11 @@ from kvtier.core.stats import WireCounters, WireStats
 from kvtier.core.tiers import redisstream
 from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, TierUsage
 from kvtier.core.tiers.breaker import CircuitBreaker
-from kvtier.core.tiers.guarded import GuardedTier, PutStream
+from kvtier.core.tiers.guarded import GuardedTier, PutStream, WriteAbandoned, split_get
 from kvtier.core.tiers.redisclear import CLEAR_DEADLINE_S, clear_namespace
 from kvtier.core.tiers.redisclient import LazyClusterClient, make_client
 from kvtier.core.tiers.redissettings import redis_settings
-from kvtier.core.tiers.sharedvalue import (
-    HEADER_BYTES,
-    SharedValueError,
-    ValueCodec,
-    copy_payload,
-    keyspace,
-    shared_secret,
-)
+from kvtier.core.tiers.sharedvalue import HEADER_BYTES, ValueCodec, keyspace, shared_secret, verify_into
 
 if TYPE_CHECKING:
     from kvtier.core.config import KVTierConfig
@@ -142,14 +135,10 @@ class RedisTier(Tier):
     def get_many(self, keys: Sequence[ChunkKey], dsts: Sequence[memoryview]) -> list[GetResult]:
         """:meth:`fetch_many` then :meth:`finish_get` on this thread, corrupt values deleted (the
         wrapper splits the two halves over its thread and the caller's)."""
-        results = self.finish_get(keys, self.fetch_many(keys), dsts)
-        corrupt = [k for k, r in zip(keys, results, strict=True) if r is GetResult.CORRUPT]
-        if corrupt:
-            self.delete_many(corrupt)
-        return results
+        return split_get(self, keys, dsts, lambda: self.fetch_many(keys), self.delete_many)
 
     def fetch_many(self, keys: Sequence[ChunkKey]) -> tuple[list[Any], float]:
-        """The raw values of ``keys`` (``None`` where absent) and when the fetch started.  Standalone:
+        """(:class:`~kvtier.core.tiers.guarded.SplitTier`) The raw values of ``keys`` (``None`` where absent) and when the fetch started.  Standalone:
         received straight into the tier's read buffers (:func:`redisstream.get_many`); Cluster:
         redis-py's pipeline."""
         t0 = time.perf_counter()
@@ -167,31 +156,14 @@ class RedisTier(Tier):
         written, expired, evicted by the server): ``MISS``; failing verification: ``CORRUPT``
         (counted; the caller deletes it).  The read buffers go back for reuse."""
         values, t0 = fetched
-        results: list[GetResult] = []
-        num_bytes = 0
-        for key, value, dst in zip(keys, values, dsts, strict=True):
-            if value is None:
-                self._forget(key)
-                results.append(GetResult.MISS)
-                continue
-            try:
-                decoded = self.codec.decode(key, value, memoryview(dst).nbytes)
-            except SharedValueError as exc:
-                log.warning("kvtier redis tier (%s): value of chunk %s is unusable (%s); deleted, treated "
-                            "as a miss", self.where, key.hex(), exc)
-                self._forget(key)
-                with self._lock:
-                    self.corrupt += 1
-                self.wire.corrupt()
-                results.append(GetResult.CORRUPT)
-                continue
-            copy_payload(value, decoded, dst)
-            num_bytes += decoded.length
-            results.append(GetResult.HIT)
+        done = verify_into(self.codec, keys, values, dsts, f"kvtier {self.name} tier ({self.where})", self._forget)
+        with self._lock:
+            self.corrupt += done.corrupt
+        self.wire.corrupt(done.corrupt)
         if self._streamed:
             self._give_read_buffers([v.obj for v in values if v is not None])
-        self.wire.moved("read", num_bytes, time.perf_counter() - t0)
-        return results
+        self.wire.moved("read", done.payload_bytes, time.perf_counter() - t0)
+        return done.results
 
     def _read_buffer(self, size: int) -> bytearray:
         """A buffer of ``size`` bytes for one value being read (reused, so its pages are faulted in)."""
@@ -288,7 +260,7 @@ class RedisTier(Tier):
             created: list[bool] = []
             for i, (start, end) in enumerate(batches):
                 if not ready.acquire(timeout=self.header_wait_s) or abandoned.is_set():
-                    raise redisstream.WriteAbandoned(f"batch {i} of {len(batches)} not ready")
+                    raise WriteAbandoned(f"batch {i} of {len(batches)} not ready")
                 pipe = self.client.pipeline(transaction=False)
                 for key, value in zip(keys[start:end], encoded[i], strict=True):
                     pipe.set(self.rkey(key), value, ex=self.ttl_s, nx=True)

@@ -39,7 +39,9 @@ which catches corruption, not forgery.
 from __future__ import annotations
 
 import hmac
+import logging
 import struct
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -49,10 +51,13 @@ import xxhash
 
 from kvtier.core import tenant
 from kvtier.core.errors import ConfigError
+from kvtier.core.keys import ChunkKey
+from kvtier.core.tiers.base import GetResult
 
 if TYPE_CHECKING:
     from kvtier.core.config import KVTierConfig
 
+log = logging.getLogger(__name__)
 MAGIC = b"KVTR"
 VERSION = 2
 """The format version this kvtier writes (it reads :data:`V1` too)."""
@@ -182,6 +187,50 @@ def copy_payload(value: bytes | memoryview, decoded: Decoded, dst: memoryview) -
     """Copy a verified payload into ``dst``."""
     src = np.frombuffer(value, dtype=np.uint8, count=decoded.length, offset=decoded.offset)
     np.copyto(np.frombuffer(dst, dtype=np.uint8, count=decoded.length), src)
+
+
+class Verified(NamedTuple):
+    """What :func:`verify_into` made of one batch of values.
+
+    Attributes:
+        results: per key, ``HIT`` (payload copied), ``MISS`` (no value) or ``CORRUPT``.
+        payload_bytes: bytes copied into the destinations.
+        corrupt: how many values failed verification (each logged, each a ``CORRUPT`` result).
+    """
+
+    results: list[GetResult]
+    payload_bytes: int
+    corrupt: int
+
+
+def verify_into(codec: ValueCodec, keys: Sequence[ChunkKey], values: Sequence[bytes | memoryview | None],
+                dsts: Sequence[memoryview], where: str, forget: Callable[[ChunkKey], None]) -> Verified:
+    """Verify ``values[i]`` (``None``: absent) for ``keys[i]`` and copy its payload into ``dsts[i]``,
+    for a shared tier's read (the caller's half of a :class:`~kvtier.core.tiers.guarded.SplitTier`
+    read).  ``forget(key)`` is called for each key without a usable value.  A value that fails
+    :meth:`ValueCodec.decode` is ``CORRUPT`` and logged, one line each naming ``where`` (e.g.
+    ``"kvtier redis tier (host:port)"``) and the chunk; the tier counts it and the caller deletes
+    it.  No network."""
+    results: list[GetResult] = []
+    num_bytes = corrupt = 0
+    for key, value, dst in zip(keys, values, dsts, strict=True):
+        if value is None:
+            forget(key)
+            results.append(GetResult.MISS)
+            continue
+        view = memoryview(value)  # any buffer: bytes, a read buffer's view, obstore's body
+        try:
+            decoded = codec.decode(key, view, memoryview(dst).nbytes)
+        except SharedValueError as exc:
+            log.warning("%s: value of chunk %s is unusable (%s); deleted, treated as a miss", where, key.hex(), exc)
+            forget(key)
+            corrupt += 1
+            results.append(GetResult.CORRUPT)
+            continue
+        copy_payload(view, decoded, dst)
+        num_bytes += decoded.length
+        results.append(GetResult.HIT)
+    return Verified(results, num_bytes, corrupt)
 
 
 def shared_secret(config: KVTierConfig) -> bytes | None:
