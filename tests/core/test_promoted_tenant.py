@@ -190,3 +190,28 @@ def test_only_a_verified_value_gives_its_record(shared, tmp_path):
     # the damaged record was not carried: the disk file's tenant is unknown, never a wrong or damaged one
     assert disk_purge(tmp_path, PurgeSelector(cache_salt="B")) == (1, 1, 0)
     assert disk_purge(tmp_path, PurgeSelector(cache_salt="A")) == (0, 1, 0)
+
+
+def test_a_chunk_promoted_from_disk_and_written_back_keeps_its_record(tmp_path):
+    """The disk tier's own record travels the same way: a chunk read from its file into the cpu
+    tier, then written to the disk again (here: the disk tier alone was reset, as vLLM's reset with
+    a scope does, and the chunk is then evicted from the cpu tier, write-back), gets the record its
+    file had, not an unknown one."""
+    chain = chain_of(8, 3, "B")
+    store = make_store(tmp_path, cpu_chunks=CPU_CHUNKS, disk_chunks=64, io_threads=2)
+    try:
+        assert store.put(chain, [payload(k) for k in chain], tenant=TenantId.of("B", None)) == 3
+        assert store.flush_dirty(20) == (3, 0)
+        want = tenant.record(store.tier("disk").namespace, TenantId.of("B", None))
+        assert [disk_record(store, k) for k in chain] == [want] * 3
+        store.clear([store.cpu.name])
+        assert store.get(chain) == [payload(k) for k in chain]  # promoted from the disk files (2 helper threads)
+        store.clear(["disk"])
+        assert not any(store.tier("disk").indexed(k) for k in chain)
+        other = chain_of(9, CPU_CHUNKS, "A")  # this engine's next saves need every page: B's go down again
+        assert store.put(other, [payload(k) for k in other], tenant=TenantId.of("A", None)) == CPU_CHUNKS
+        assert store.flush(20)
+        assert [disk_record(store, k) for k in chain] == [want] * 3
+    finally:
+        store.close()
+    assert disk_purge(tmp_path, PurgeSelector(cache_salt="B")) == (3, 0, 0)

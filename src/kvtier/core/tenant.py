@@ -147,13 +147,33 @@ def reading() -> Iterator[dict[bytes, RecordedTenant]]:
     tier, without the tier contract's ``get`` growing an argument.  Only :func:`note_verified`
     fills it, called by a shared tier once a value's digest (which covers the record) is verified,
     on the thread that verifies it (:func:`kvtier.core.tiers.sharedvalue.verify_into`, the caller's
-    thread also behind :class:`~kvtier.core.tiers.guarded.GuardedTier`).  A read verified on another
-    thread leaves the chunk's tenant unknown, never wrong.  Blocks nest: the inner one collects."""
+    thread also behind :class:`~kvtier.core.tiers.guarded.GuardedTier`), and the disk tier once a
+    chunk file's payload checksum passed (its helper threads note into the caller's
+    :func:`collector`).  A read verified on another thread leaves the chunk's tenant unknown, never
+    wrong.  Blocks nest: the inner one collects."""
     before = getattr(_reading, "records", None)
     records: dict[bytes, RecordedTenant] = {}
     _reading.records = records
     try:
         yield records
+    finally:
+        _reading.records = before
+
+
+def collector() -> dict[bytes, RecordedTenant] | None:
+    """The dict this thread's :func:`reading` block collects into, or ``None`` outside one: a tier
+    that verifies on helper threads hands it to them with :func:`collecting_into`."""
+    return getattr(_reading, "records", None)
+
+
+@contextmanager
+def collecting_into(records: dict[bytes, RecordedTenant] | None) -> Iterator[None]:
+    """Within the block, this thread's :func:`note_verified` calls go to ``records`` (another
+    thread's :func:`collector`; ``None``: nowhere).  Threads note distinct keys."""
+    before = getattr(_reading, "records", None)
+    _reading.records = records
+    try:
+        yield
     finally:
         _reading.records = before
 
