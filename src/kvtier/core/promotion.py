@@ -16,11 +16,11 @@ are read before ``prepare_load`` returns and the rest on a background thread, ``
 at a time (a shared tier's chunks in one pipelined batch), advancing ``LoadHandle.ahead_from``
 so that the caller copies the ready head while the tail is read.
 
-A chunk read from a shared tier keeps its writer's tenant record: the tier notes the record of
-each value it verified (:func:`kvtier.core.tenant.reading`), and the published page carries it
-(``TopTier.tenant``), so a later write of the chunk to the disk tier writes the same record and
-``kvtier purge --salt``/``--lora`` finds it there (issue 22).  A value that failed verification
-is never published, so its record is never used.
+A chunk read from a lower tier keeps its writer's tenant record: the tier notes the record of
+each value or chunk file it verified (:func:`kvtier.core.tenant.reading`), and the published page
+carries it (``TopTier.tenant``), so a later write of the chunk to the disk tier writes the same
+record and ``kvtier purge --salt``/``--lora`` finds it there (issue 22).  A chunk that failed
+verification is never published, so its record is never used.
 
 Locking: the store's lock guards pins, pages and the handle's lists; reads run outside it, on
 pinned chunks (local tiers) or keys nobody else can publish yet (reserved pages).
@@ -115,7 +115,7 @@ class Promoter:
         for lt in dict.fromkeys(p.tier for p in batch):
             jobs = [p for p in batch if p.tier is lt]
             t0 = time.perf_counter()
-            with tenant.reading() as read_records:  # a shared tier's verified values name their writer
+            with tenant.reading() as read_records:  # verified values and chunk files name their writer
                 got = lt.read([p.key for p in jobs], [p.buffer for p in jobs])
             seconds = time.perf_counter() - t0
             records.update(read_records)

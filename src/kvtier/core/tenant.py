@@ -84,8 +84,8 @@ class TenantId:
 
 @dataclass(frozen=True)
 class RecordedTenant:
-    """A chunk's tenant known only by the record a verified shared value carried (a chunk read from
-    the redis or s3 tier and promoted into the cpu tier, issue 22): the keyed digests cannot be
+    """A chunk's tenant known only by the record a verified shared value or chunk file carried (a
+    chunk read from the redis, s3 or disk tier and promoted into the cpu tier, issue 22): the keyed digests cannot be
     turned back into a :class:`TenantId`, so the record itself travels on, and a tier that writes
     the chunk down (the disk tier's header) writes the same :data:`RECORD_BYTES` bytes.
 
@@ -107,7 +107,7 @@ class RecordedTenant:
 
 
 Writer = TenantId | RecordedTenant
-"""Who a chunk is written for: a request's tenant, or the record a verified value carried."""
+"""Who a chunk is written for: a request's tenant, or the record a verified value or file carried."""
 
 _writing = threading.local()
 _reading = threading.local()
