@@ -79,6 +79,22 @@ def test_write_back_dirty_bytes_and_shutdown_flush(tmp_path):
     assert again.get(chain) == [payload(k) for k in chain]  # the restart finds the hot set
 
 
+def test_a_reset_of_the_disk_tier_alone_makes_the_cpu_chunks_dirty_again(tmp_path):
+    """After the disk tier alone is reset, the chunks the cpu tier kept are on no local tier: they
+    count in dirty bytes and a graceful stop's flush writes them again (the dirty set was only
+    narrowed on a resync, so they were lost to the flush)."""
+    store = make_store(tmp_path, cpu_chunks=8, disk_chunks=32)
+    chain = chain_of(1, 4)
+    store.put(chain, [payload(k) for k in chain])
+    assert store.flush_dirty(timeout_s=10) == (4, 0) and store.dirty_bytes() == 0
+    store.clear(["disk"])
+    assert store.dirty_bytes() == 4 * CHUNK_BYTES
+    assert store.flush_dirty(timeout_s=10) == (4, 0)
+    assert store.dirty_bytes() == 0 and all(store.tier("disk").indexed(k) for k in chain)
+    store.check_integrity()
+    store.close()
+
+
 def test_flush_that_misses_its_deadline_counts_the_missed_chunks(tmp_path):
     store = make_store(tmp_path, cpu_chunks=8, disk_chunks=32)
     chain = chain_of(1, 4)

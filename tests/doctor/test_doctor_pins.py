@@ -155,3 +155,35 @@ def test_doctor_never_calls_an_impossible_default_share_ok(share: float) -> None
     assert any(level == "warning" and m.startswith(f"kvtier_tenant_quota_default_share = {share:g} is impossible")
                for level, m in messages)
     assert not any(level == "ok" and f"default share {share:g}" in m for level, m in messages)
+
+
+def test_doctor_shows_quotas_on_when_only_the_no_salt_share_is_set() -> None:
+    """Issue 22: ``tenant_quotas`` with only ``no_salt_share`` guarantees the requests without a
+    salt their share; doctor said "off" because it read only the default share and the salts.  The
+    gauge's value is the one the scheduler sends (``QuotaSettings.no_salt_guarantee``)."""
+    quotas = KVTierConfig.from_dict({"tenant_quotas": {"no_salt_share": 0.3}}).tenant_quotas
+    assert quotas is not None and quotas.default_share is None and not quotas.salts
+    settings = {"kv_events_enabled": 0.0, "tenant_quota_default_share": 0.0, "tenant_quota_salts": 0.0,
+                "tenant_quota_no_salt_share": quotas.no_salt_guarantee}
+    messages = _control_messages({0: settings, 1: settings})
+    quota = [m for level, m in messages if level == "ok" and m.startswith("Tenant quotas")]
+    assert quota == [("Tenant quotas: no default share, 0 salt(s) with their own share, no-salt share 0.3; "
+                      "0 evictions chosen by the quotas between the scrapes.")]
+    assert not any(level == "warning" for level, _ in messages)
+
+
+def test_doctor_shows_quotas_off_without_any_share_and_from_an_older_kvtier() -> None:
+    off = {"kv_events_enabled": 0.0, "tenant_quota_default_share": 0.0, "tenant_quota_salts": 0.0,
+           "tenant_quota_no_salt_share": 0.0}
+    older = {k: v for k, v in off.items() if k != "tenant_quota_no_salt_share"}  # before the no-salt gauge
+    for settings in (off, older):
+        messages = _control_messages({0: settings})
+        assert any(m.startswith("Tenant quotas: off") for _, m in messages)
+
+
+@pytest.mark.parametrize("share", [1.5, math.nan])
+def test_doctor_never_calls_an_impossible_no_salt_share_ok(share: float) -> None:
+    messages = _control_messages({0: SAME | {"tenant_quota_no_salt_share": share}})
+    assert any(level == "warning" and m.startswith(f"kvtier_tenant_quota_no_salt_share = {share:g} is impossible")
+               for level, m in messages)
+    assert not any(f"no-salt share {share:g}" in m for _, m in messages)

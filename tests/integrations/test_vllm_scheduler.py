@@ -425,7 +425,8 @@ def test_a_salted_requests_saves_carry_its_tenant_and_the_first_stats_say_quotas
                                                                kv_connector_worker_meta=_report([], full=True)))
     stats = [o.scheduler_stats for o in outputs.values() if o.scheduler_stats is not None]
     gauges = stats[0].kv_connector_stats["gauges"]
-    assert gauges == {"kv_events_enabled": 0.0, "tenant_quota_default_share": 0.25, "tenant_quota_salts": 1.0}
+    assert gauges == {"kv_events_enabled": 0.0, "tenant_quota_default_share": 0.25, "tenant_quota_salts": 1.0,
+                      "tenant_quota_no_salt_share": 0.25}  # no_salt_share unset: the default share
     saves = {save.req_id: save for save in _meta(scheduler.schedule()).saves}
     assert saves["a"].tenant is not None and saves["a"].tenant.salt == salt_digest("tenant-a")
     assert saves["plain"].tenant is not None and saves["plain"].tenant.salt == b""  # the unsalted tenant

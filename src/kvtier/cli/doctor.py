@@ -159,6 +159,7 @@ def doctor_command(
                 "kv_events_enabled": meters.controls.events_enabled,
                 "tenant_quota_default_share": meters.controls.quota_default_share,
                 "tenant_quota_salts": meters.controls.quota_salts,
+                "tenant_quota_no_salt_share": meters.controls.quota_no_salt_share,
                 "quota_evictions": meters.controls.quota_evictions, "tenant_usage_bytes": meters.controls.tenants,
                 "problems": list(meters.controls.problems)},
             "expected_offload_gib": expect_offload_gib, "tp": tp,

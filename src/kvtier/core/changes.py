@@ -86,10 +86,13 @@ class ChangeFeedMixin:
             self._resync = True
 
     def _resync_locked(self) -> None:
-        """Make the next drain a full snapshot (e.g. the disk directory was recreated)."""
+        """Make the next drain a full snapshot (e.g. the disk directory was recreated, or a reset),
+        and recount the dirty chunks over every held key: chunks the top tier holds whose local
+        copies just went are dirty now (a graceful stop's ``flush_dirty`` writes them again).
+        Rare, so one pass over the held keys."""
         self._changed.clear()
         self._resync = True
-        self._dirty = {k for k in self._dirty if self._dirty_locked(k)}
+        self._dirty = {k for k in self._held_keys_locked() if self._dirty_locked(k)}
 
     def drain_changes(self, max_items: int = 4096) -> IndexDelta:
         """Changes since the last drain, at most ``max_items`` (a full snapshot is sent whole).

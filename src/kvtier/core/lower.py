@@ -36,7 +36,7 @@ from kvtier.core.policies import EvictionPolicy, make_policy
 from kvtier.core.policies.admission import AdmissionPolicy, AdmitAll
 from kvtier.core.quota import TenantLedger
 from kvtier.core.stats import StoreCounters
-from kvtier.core.tenant import TenantId, writing_for
+from kvtier.core.tenant import Writer, writing_for
 from kvtier.core.tiers.base import (
     ClearResult,
     ExactUsage,
@@ -69,7 +69,7 @@ class WriteJob:
     data: np.ndarray | None
     evict_after: bool
     epoch: int = 0
-    tenant: TenantId | None = None
+    tenant: Writer | None = None
 
     @property
     def from_top(self) -> bool:
@@ -272,7 +272,7 @@ class LowerTier:
                 return
             data = self._source(job.key) if job.from_top else job.data
             room = self._make_room_locked(tier.stored_bytes(data.size if data is not None else 0),
-                                          job.tenant.salt if job.tenant is not None else None)
+                                          job.tenant.quota_key if job.tenant is not None else None)
             if room:
                 self.pins[job.key] += 1
         result = PutResult.NO_ROOM
@@ -307,7 +307,7 @@ class LowerTier:
             if ok and self.policy is not None:
                 self.policy.insert(job.key, job.parent)
                 if self.quota is not None:
-                    self.quota.add(job.key, job.tenant.salt if job.tenant is not None else None)
+                    self.quota.add(job.key, job.tenant.quota_key if job.tenant is not None else None)
             if not ok:
                 log.debug("kvtier: %s write of %s dropped (%s)", self.name, job.key.hex(), result.value)
                 self._counters.dropped()

@@ -16,6 +16,12 @@ are read before ``prepare_load`` returns and the rest on a background thread, ``
 at a time (a shared tier's chunks in one pipelined batch), advancing ``LoadHandle.ahead_from``
 so that the caller copies the ready head while the tail is read.
 
+A chunk read from a lower tier keeps its writer's tenant record: the tier notes the record of
+each value or chunk file it verified (:func:`kvtier.core.tenant.reading`), and the published page
+carries it (``TopTier.tenant``), so a later write of the chunk to the disk tier writes the same
+record and ``kvtier purge --salt``/``--lora`` finds it there (issue 22).  A chunk that failed
+verification is never published, so its record is never used.
+
 Locking: the store's lock guards pins, pages and the handle's lists; reads run outside it, on
 pinned chunks (local tiers) or keys nobody else can publish yet (reserved pages).
 """
@@ -30,6 +36,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kvtier.core import tenant
 from kvtier.core.handles import LoadHandle
 from kvtier.core.keys import ChunkKey
 from kvtier.core.lower import LowerTier
@@ -104,11 +111,14 @@ class Promoter:
         """Read ``batch`` (one read per tier, in tier order), publish what arrived, cut the prefix
         at the first chunk that did not."""
         results: list[GetResult] = []
+        records: dict[bytes, tenant.RecordedTenant] = {}
         for lt in dict.fromkeys(p.tier for p in batch):
             jobs = [p for p in batch if p.tier is lt]
             t0 = time.perf_counter()
-            got = lt.read([p.key for p in jobs], [p.buffer for p in jobs])
+            with tenant.reading() as read_records:  # verified values and chunk files name their writer
+                got = lt.read([p.key for p in jobs], [p.buffer for p in jobs])
             seconds = time.perf_counter() - t0
+            records.update(read_records)
             results.extend(got)
             hits = sum(1 for r in got if r is GetResult.HIT)
             self.counters.moved(f"{lt.name}_to_{self.cpu.name}", hits * self.chunk_bytes, seconds)
@@ -128,7 +138,7 @@ class Promoter:
                         self.cpu.abort(p.key)
                     continue
                 if p.reserved:
-                    self.top.publish(p.key, chain[p.pos - 1] if p.pos > 0 else None,
+                    self.top.publish(p.key, chain[p.pos - 1] if p.pos > 0 else None, records.get(p.key),
                                      owner=p.tier.owner_locked(p.key))
                     self.top.pin(p.key)
                     handle.pinned.append(p.key)

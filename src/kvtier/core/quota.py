@@ -157,8 +157,7 @@ class QuotaSettings(BaseModel):
 
     @model_validator(mode="after")
     def _sum(self) -> QuotaSettings:
-        no_salt = self.no_salt_share if self.no_salt_share is not None else self.default_share
-        listed = sum(self.salts.values()) + (no_salt or 0.0)
+        listed = sum(self.salts.values()) + self.no_salt_guarantee
         if listed > 1 + 1e-9:
             parts = [f"salts {sum(self.salts.values()):g}"] if self.salts else []
             if self.no_salt_share is not None:
@@ -168,6 +167,13 @@ class QuotaSettings(BaseModel):
             raise ValueError(f"the guaranteed shares sum to {listed:g}, over 1 ({' + '.join(parts)}); lower them "
                              "so their sum is at most 1, as each is a guaranteed share of the same tier")
         return self
+
+    @property
+    def no_salt_guarantee(self) -> float:
+        """The share requests without a ``cache_salt`` are guaranteed: ``no_salt_share``, else
+        ``default_share``; 0 when neither is set."""
+        share = self.no_salt_share if self.no_salt_share is not None else self.default_share
+        return share or 0.0
 
     def turns_nothing_on(self) -> bool:
         """Whether no tenant gets a share (no ``default_share``, ``no_salt_share`` or ``salts``)."""

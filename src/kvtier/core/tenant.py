@@ -70,6 +70,11 @@ class TenantId:
     salt: bytes = b""
     lora: bytes = b""
 
+    @property
+    def quota_key(self) -> bytes:
+        """The tenant quotas' key (:mod:`kvtier.core.quota`): the salt digest (``b""``: no salt)."""
+        return self.salt
+
     @classmethod
     def of(cls, cache_salt: str | None, lora_name: str | None) -> TenantId:
         """The tenant of a request with this ``cache_salt`` (vLLM ``Request.cache_salt``) and LoRA
@@ -77,11 +82,39 @@ class TenantId:
         return cls(_id(SALT_CONTEXT, cache_salt), _id(LORA_CONTEXT, lora_name))
 
 
+@dataclass(frozen=True)
+class RecordedTenant:
+    """A chunk's tenant known only by the record a verified shared value or chunk file carried (a
+    chunk read from the redis, s3 or disk tier and promoted into the cpu tier, issue 22): the keyed digests cannot be
+    turned back into a :class:`TenantId`, so the record itself travels on, and a tier that writes
+    the chunk down (the disk tier's header) writes the same :data:`RECORD_BYTES` bytes.
+
+    Attributes:
+        namespace: 16-byte namespace digest the record is keyed by (:func:`record`).
+        raw: the :data:`RECORD_BYTES` record as read, its own check passed (:func:`read`).
+    """
+
+    namespace: bytes
+    raw: bytes
+
+    @property
+    def quota_key(self) -> bytes | None:
+        """The tenant quotas' key (:mod:`kvtier.core.quota`): ``b""`` for a chunk saved without a
+        ``cache_salt`` (all such requests are one tenant); ``None`` (unknown) for a salted one, whose
+        salt digest the keyed record does not give back."""
+        rec = decode(self.raw)
+        return None if rec is None or rec.flags & HAS_SALT else b""
+
+
+Writer = TenantId | RecordedTenant
+"""Who a chunk is written for: a request's tenant, or the record a verified value or file carried."""
+
 _writing = threading.local()
+_reading = threading.local()
 
 
 @contextmanager
-def writing_for(tenant: TenantId | None) -> Iterator[None]:
+def writing_for(tenant: Writer | None) -> Iterator[None]:
     """Within the block, chunks this thread writes are written for ``tenant`` (``None``: unknown).
 
     The store's write path (:mod:`kvtier.core.lower`) wraps each tier write in it, so that a tier
@@ -99,9 +132,63 @@ def writing_for(tenant: TenantId | None) -> Iterator[None]:
         _writing.tenant = before
 
 
-def current() -> TenantId | None:
+def current() -> Writer | None:
     """The tenant of the chunk this thread is writing (:func:`writing_for`), or ``None``."""
     return getattr(_writing, "tenant", None)
+
+
+@contextmanager
+def reading() -> Iterator[dict[bytes, RecordedTenant]]:
+    """Within the block, the tenant records of the values this thread verifies are collected in the
+    dict it yields (chunk key -> :class:`RecordedTenant`).
+
+    The store's promotion (:mod:`kvtier.core.promotion`) wraps each lower-tier read in it, so that a
+    chunk promoted from a shared tier keeps its writer's record when it is written down to the disk
+    tier, without the tier contract's ``get`` growing an argument.  Only :func:`note_verified`
+    fills it, called by a shared tier once a value's digest (which covers the record) is verified,
+    on the thread that verifies it (:func:`kvtier.core.tiers.sharedvalue.verify_into`, the caller's
+    thread also behind :class:`~kvtier.core.tiers.guarded.GuardedTier`), and the disk tier once a
+    chunk file's payload checksum passed (its helper threads note into the caller's
+    :func:`collector`).  A read verified on another thread leaves the chunk's tenant unknown, never
+    wrong.  Blocks nest: the inner one collects."""
+    before = getattr(_reading, "records", None)
+    records: dict[bytes, RecordedTenant] = {}
+    _reading.records = records
+    try:
+        yield records
+    finally:
+        _reading.records = before
+
+
+def collector() -> dict[bytes, RecordedTenant] | None:
+    """The dict this thread's :func:`reading` block collects into, or ``None`` outside one: a tier
+    that verifies on helper threads hands it to them with :func:`collecting_into`."""
+    return getattr(_reading, "records", None)
+
+
+@contextmanager
+def collecting_into(records: dict[bytes, RecordedTenant] | None) -> Iterator[None]:
+    """Within the block, this thread's :func:`note_verified` calls go to ``records`` (another
+    thread's :func:`collector`; ``None``: nowhere).  Threads note distinct keys."""
+    before = getattr(_reading, "records", None)
+    _reading.records = records
+    try:
+        yield
+    finally:
+        _reading.records = before
+
+
+def note_verified(namespace: bytes, key: bytes, raw: bytes | memoryview) -> None:
+    """A value of chunk ``key`` in ``namespace`` whose digest covers the tenant record ``raw``
+    (:data:`RECORD_BYTES` bytes) was verified on this thread: keep the record for :func:`reading`.
+    An absent record (unknown) or one that fails its own check (:class:`DamagedRecord`) is not
+    kept: the chunk's tenant stays unknown.  Call it only after verification passed."""
+    records: dict[bytes, RecordedTenant] | None = getattr(_reading, "records", None)
+    if records is None:
+        return
+    raw = bytes(raw[:RECORD_BYTES])
+    if decode(raw) is not None:
+        records[bytes(key)] = RecordedTenant(bytes(namespace), raw)
 
 
 def _id(context: str, value: str | None) -> bytes:
@@ -118,8 +205,12 @@ def _keyed(namespace: bytes, ident: bytes) -> bytes:
     return blake3.blake3(ident, key=key).digest(DIGEST_BYTES)
 
 
-def record(namespace: bytes, tenant: TenantId) -> bytes:
-    """The :data:`RECORD_BYTES` record of ``tenant`` for a chunk of ``namespace`` (16-byte digest)."""
+def record(namespace: bytes, tenant: Writer) -> bytes:
+    """The :data:`RECORD_BYTES` record of ``tenant`` for a chunk of ``namespace`` (16-byte digest).
+    A :class:`RecordedTenant` gives its own bytes when it was keyed by ``namespace``, else an
+    all-zero (unknown) record: keyed digests cannot be keyed anew."""
+    if isinstance(tenant, RecordedTenant):
+        return tenant.raw if tenant.namespace == namespace else bytes(RECORD_BYTES)
     flags = (HAS_SALT if tenant.salt else 0) | (HAS_LORA if tenant.lora else 0)
     fields = _FIELDS.pack(MAGIC, VERSION, flags, 0, _keyed(namespace, tenant.salt), _keyed(namespace, tenant.lora))
     return fields + xxhash.xxh3_64_digest(fields)

@@ -38,7 +38,7 @@ from kvtier.core.lower import LowerTier, WriteJob
 from kvtier.core.policies import EvictionPolicy
 from kvtier.core.quota import TenantLedger
 from kvtier.core.stats import StoreCounters
-from kvtier.core.tenant import TenantId
+from kvtier.core.tenant import Writer
 from kvtier.core.tiers.base import Paged, StagingTier
 
 
@@ -65,7 +65,7 @@ class TopTier:
         self.writing: Counter[ChunkKey] = Counter()  # write jobs reading a page (subset of pins)
         self.staged: dict[ChunkKey, StagedCopy] = {}
         self.parent: dict[ChunkKey, ChunkKey | None] = {}
-        self.tenant: dict[ChunkKey, TenantId] = {}  # who each resident chunk was saved for, when known
+        self.tenant: dict[ChunkKey, Writer] = {}  # who each resident chunk was saved for, when known
         self.uses: Counter[ChunkKey] = Counter()  # times each resident chunk was served (admission)
         self.epoch = 0  # resets so far (the store's; promotions and saves started in an older one are dropped)
         self.doomed: set[ChunkKey] = set()  # dropped by a reset while pinned: freed at the last unpin
@@ -153,17 +153,19 @@ class TopTier:
         quotas only when its tenant stays at or above its guarantee."""
         return self.evictable(key) and (self.quota is None or self.quota.above_guarantee(key))
 
-    def publish(self, key: ChunkKey, parent: ChunkKey | None, tenant: TenantId | None = None,
+    def publish(self, key: ChunkKey, parent: ChunkKey | None, tenant: Writer | None = None,
                 owner: bytes | None = None) -> None:
-        """Commit a reserved page and start tracking it (saved for ``tenant``, when known).
-        ``owner``: the quota's tenant key when ``tenant`` is not known (a promotion: the lower
-        tier's ledger says whose it is)."""
+        """Commit a reserved page and start tracking it (saved for ``tenant``, when known: a
+        save's :class:`~kvtier.core.tenant.TenantId`, or a promotion's record read from a verified
+        shared value).  ``owner``: the quota's tenant key when ``tenant`` does not give one (a
+        promotion: the lower tier's ledger says whose it is)."""
         self.tier.commit(key)
         self.parent[key] = parent
         if tenant is not None:
             self.tenant[key] = tenant
         if self.quota is not None:
-            self.quota.add(key, tenant.salt if tenant is not None else owner)
+            quota_key = tenant.quota_key if tenant is not None else None
+            self.quota.add(key, quota_key if quota_key is not None else owner)
         self.policy.insert(key, parent)
         self.on_change(key)
 

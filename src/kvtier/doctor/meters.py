@@ -159,7 +159,7 @@ def pins_of(before: Snapshot, after: Snapshot) -> Pins | None:
 @dataclass(frozen=True)
 class Controls:
     """What the operator turned on, at the second scrape: KV events, tenant quotas (default share,
-    salts with their own share), evictions the quotas chose between the scrapes, and the bytes of
+    salts with their own share, the share of requests without a salt), evictions the quotas chose between the scrapes, and the bytes of
     the largest tenants (label -> bytes, summed over the local tiers and ranks).
 
     The settings are one value each, never a sum over data-parallel engines: when engines disagree
@@ -173,12 +173,21 @@ class Controls:
     quota_evictions: float
     tenants: dict[str, float]
     problems: tuple[str, ...] = ()
+    quota_no_salt_share: float = 0.0
+    """``no_salt_share`` (else ``default_share``) of ``tenant_quotas``; 0 when none or not reported."""
+
+    @property
+    def quotas_on(self) -> bool:
+        """Whether the quotas give any tenant a share (a default share, a listed salt, or the
+        requests without a salt: ``tenant_quotas`` with only ``no_salt_share`` is on)."""
+        return self.quota_default_share > 0 or self.quota_salts > 0 or self.quota_no_salt_share > 0
 
 
 _SETTING_RULES = {
     "kvtier_kv_events_enabled": ("0 or 1", lambda v: v in (0.0, 1.0)),
     "kvtier_tenant_quota_default_share": ("a share from 0 to 1", lambda v: 0.0 <= v <= 1.0),
     "kvtier_tenant_quota_salts": ("a whole number >= 0", lambda v: v >= 0 and float(v).is_integer()),
+    "kvtier_tenant_quota_no_salt_share": ("a share from 0 to 1", lambda v: 0.0 <= v <= 1.0),
 }
 
 
@@ -209,11 +218,12 @@ def controls_of(before: Snapshot, after: Snapshot) -> Controls | None:
     events = _setting(s["kvtier_kv_events_enabled"], "kvtier_kv_events_enabled", problems)
     share = _setting(s.get("kvtier_tenant_quota_default_share", []), "kvtier_tenant_quota_default_share", problems)
     salts = _setting(s.get("kvtier_tenant_quota_salts", []), "kvtier_tenant_quota_salts", problems)
+    no_salt = _setting(s.get("kvtier_tenant_quota_no_salt_share", []), "kvtier_tenant_quota_no_salt_share", problems)
     c = after.controls
     evictions = c.get("kvtier_quota_evictions", 0.0) - before.controls.get("kvtier_quota_evictions", 0.0)
     return Controls(events > 0, share, int(salts),
                     evictions if evictions >= 0 else c.get("kvtier_quota_evictions", 0.0),
-                    dict(sorted(after.tenants.items(), key=lambda item: -item[1])), tuple(problems))
+                    dict(sorted(after.tenants.items(), key=lambda item: -item[1])), tuple(problems), no_salt)
 
 
 @dataclass(frozen=True)

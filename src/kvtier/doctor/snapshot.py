@@ -39,9 +39,11 @@ TIER_SERIES = ("errors", "skipped_calls", "skipped_writes", "reads", "read_secon
 PINS = ("kvtier_ttl_pinned_chunks", "kvtier_ttl_pinned_bytes", "kvtier_ttl_pin_refused_chunks")
 """Requests' TTL pins (docs/vllm.md "Pinning a prefix"): the cpu tier's pinned chunks and bytes
 (gauges, summed over ranks) and pins refused past ``pin_max_share`` (a counter, ``_total``)."""
-SETTINGS = ("kvtier_kv_events_enabled", "kvtier_tenant_quota_default_share", "kvtier_tenant_quota_salts")
+SETTINGS = ("kvtier_kv_events_enabled", "kvtier_tenant_quota_default_share", "kvtier_tenant_quota_salts",
+            "kvtier_tenant_quota_no_salt_share")
 """What the operator turned on (docs/vllm.md "Tenant quotas", "KV events"): KV events (1/0) and the
-tenant quotas' default share and listed salts (0 when no default share / no salts), gauges each
+tenant quotas' default share, listed salts and the share of requests without a salt (0 when no
+default share / no salts / no such share; an older kvtier sends no no-salt gauge), gauges each
 engine's scheduler sends once.  Settings, not counters: every engine's value is kept (never summed)."""
 CONTROLS = ("kvtier_quota_evictions",)
 """Evictions whose victim the quotas chose (a counter, ``_total``, summed over tiers and engines)."""

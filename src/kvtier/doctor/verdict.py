@@ -197,13 +197,14 @@ def _control_checks(c: Controls) -> list[Check]:
     out = [Check("warning", problem) for problem in c.problems]
     out.append(Check("ok", "KV events: on (routers learn kvtier's cpu and disk chunks)." if c.events_enabled else
                      "KV events: off (start vLLM with --kv-events-config so cache-aware routers see kvtier's tiers)."))
-    if c.quota_default_share <= 0 and c.quota_salts <= 0:
+    if not c.quotas_on:
         out.append(Check("ok", "Tenant quotas: off (one tenant's burst can evict every other tenant's KV; "
                          "set tenant_quotas to guarantee each cache_salt a share)."))
         return out
     largest = ", ".join(f"{label} {used / 2**20:,.1f} MiB" for label, used in list(c.tenants.items())[:4])
     default = f"default share {c.quota_default_share:g}" if c.quota_default_share > 0 else "no default share"
+    no_salt = f", no-salt share {c.quota_no_salt_share:g}" if c.quota_no_salt_share > 0 else ""
     out.append(Check("ok", f"Tenant quotas: {default}, {c.quota_salts} salt(s) with "
-                     f"their own share; {c.quota_evictions:,.0f} evictions chosen by the quotas between the scrapes"
+                     f"their own share{no_salt}; {c.quota_evictions:,.0f} evictions chosen by the quotas between the scrapes"
                      + (f"; largest tenants (bytes summed over the local tiers): {largest}." if largest else ".")))
     return out

@@ -214,8 +214,11 @@ class DiskTier(Tier):
         return GetResult.HIT
 
     def _read_verified(self, key: ChunkKey, path: str, dst: memoryview) -> None:
-        """Read ``key``'s payload into ``dst``; raises ChunkFormatError unless every check passes."""
+        """Read ``key``'s payload into ``dst``; raises ChunkFormatError unless every check passes.
+        Then its tenant record goes to :func:`kvtier.core.tenant.note_verified` (kept only within a
+        promotion's :func:`kvtier.core.tenant.reading`, and only when it passes its own check)."""
         io = self._io
+        record = b""
         # O_NONBLOCK: a FIFO or device planted at a chunk's path must not hang the caller
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | io.open_flags)
         try:
@@ -224,6 +227,7 @@ class DiskTier(Tier):
                 raise ChunkFormatError("not a regular file")
 
             def check(raw: memoryview, payload_bytes: int) -> bytes:
+                nonlocal record
                 header = decode_header(raw)
                 if header.namespace != self.namespace or header.key != key:
                     raise ChunkFormatError("chunk belongs to another namespace or key")
@@ -231,6 +235,7 @@ class DiskTier(Tier):
                     raise ChunkFormatError(f"payload is {payload_bytes} bytes on disk, header says {header.length}")
                 if header.length != out.nbytes:  # another chunk size (config, geometry): never a partial fill
                     raise ChunkFormatError(f"payload of {header.length} bytes is not the expected {out.nbytes}")
+                record = bytes(header.tenant[:tenant.RECORD_BYTES])
                 return header.payload_digest
 
             out = memoryview(np.frombuffer(dst, dtype=np.uint8).data)
@@ -238,6 +243,7 @@ class DiskTier(Tier):
                 raise ChunkFormatError("payload checksum mismatch")
         finally:
             os.close(fd)
+        tenant.note_verified(self.namespace, key, record)
 
     def _fall_back(self, exc: OSError) -> bool:
         """Switch to buffered I/O when O_DIRECT is refused at run time (EINVAL); True if switched."""
@@ -420,7 +426,15 @@ class DiskTier(Tier):
         pool = self._pool()
         if pool is None or len(keys) < 2:
             return super().get_many(keys, dsts)
-        return list(pool.map(self.get_into, keys, dsts))
+        records = tenant.collector()  # a promotion collecting tenant records: the helpers note into it
+        if records is None:
+            return list(pool.map(self.get_into, keys, dsts))
+
+        def get_noting(key: ChunkKey, dst: memoryview) -> GetResult:
+            with tenant.collecting_into(records):
+                return self.get_into(key, dst)
+
+        return list(pool.map(get_noting, keys, dsts))
 
     def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> list[PutResult]:
         """Batch :meth:`put`, ``io_threads`` chunks at a time."""

@@ -216,7 +216,7 @@ class RedisTier(Tier):
         return self._stream_cluster(keys, datas, writer)
 
     def _stream_standalone(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes],
-                           writer: tenant.TenantId | None) -> PutStream:
+                           writer: tenant.Writer | None) -> PutStream:
         rkeys = [self.rkey(k) for k in keys]
         payloads = [memoryview(d).cast("B") for d in datas]
         headers: list[bytes] = []
@@ -240,7 +240,7 @@ class RedisTier(Tier):
         return PutStream(send, produce, abandon)
 
     def _stream_cluster(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes],
-                        writer: tenant.TenantId | None) -> PutStream:
+                        writer: tenant.Writer | None) -> PutStream:
         batches = self._batches(datas)
         encoded: list[list[bytearray]] = []
         ready, room = threading.Semaphore(0), threading.Semaphore(2)  # one batch on the wire, one encoded

@@ -125,7 +125,7 @@ class ValueCodec:
         mac.update(payload)
         return mac.digest(DIGEST_BYTES)
 
-    def header(self, key: bytes, payload: memoryview | bytes, writer: tenant.TenantId | None = None) -> bytes:
+    def header(self, key: bytes, payload: memoryview | bytes, writer: tenant.Writer | None = None) -> bytes:
         """The :data:`HEADER_BYTES` that go in front of ``payload`` in its value (digest included),
         with the tenant record of ``writer`` (``None``: unknown, an all-zero record).
 
@@ -138,7 +138,7 @@ class ValueCodec:
         return fields + self._digest(fields, view)
 
     def encode(self, key: bytes, payload: memoryview | bytes, out: bytearray | None = None,
-               writer: tenant.TenantId | None = None) -> bytearray:
+               writer: tenant.Writer | None = None) -> bytearray:
         """One value: header (with ``writer``'s tenant record) + a copy of ``payload``, written into
         ``out`` (reused, so its pages are already faulted in) when it has exactly ``HEADER_BYTES +
         len(payload)`` bytes."""
@@ -210,7 +210,9 @@ def verify_into(codec: ValueCodec, keys: Sequence[ChunkKey], values: Sequence[by
     read).  ``forget(key)`` is called for each key without a usable value.  A value that fails
     :meth:`ValueCodec.decode` is ``CORRUPT`` and logged, one line each naming ``where`` (e.g.
     ``"kvtier redis tier (host:port)"``) and the chunk; the tier counts it and the caller deletes
-    it.  No network."""
+    it.  No network.  The tenant record of each verified version-2 value goes to
+    :func:`kvtier.core.tenant.note_verified` (kept where this thread reads within
+    :func:`kvtier.core.tenant.reading`: a promotion)."""
     results: list[GetResult] = []
     num_bytes = corrupt = 0
     for key, value, dst in zip(keys, values, dsts, strict=True):
@@ -228,6 +230,8 @@ def verify_into(codec: ValueCodec, keys: Sequence[ChunkKey], values: Sequence[by
             results.append(GetResult.CORRUPT)
             continue
         copy_payload(view, decoded, dst)
+        if decoded.offset == HEADER_BYTES:  # version 2: the verified digest covers its tenant record
+            tenant.note_verified(codec.namespace, key, view[RECORD_OFFSET:RECORD_OFFSET + tenant.RECORD_BYTES])
         num_bytes += decoded.length
         results.append(GetResult.HIT)
     return Verified(results, num_bytes, corrupt)

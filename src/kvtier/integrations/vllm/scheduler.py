@@ -501,7 +501,8 @@ class SchedulerSide:
             quotas = self.config.tenant_quotas
             gauges |= {"kv_events_enabled": float(self.events is not None),
                        "tenant_quota_default_share": (quotas.default_share or 0.0) if quotas is not None else 0.0,
-                       "tenant_quota_salts": float(len(quotas.salts)) if quotas is not None else 0.0}
+                       "tenant_quota_salts": float(len(quotas.salts)) if quotas is not None else 0.0,
+                       "tenant_quota_no_salt_share": quotas.no_salt_guarantee if quotas is not None else 0.0}
         if self.remote is not None:
             totals = self.remote.counters()
             counters |= {k: v - self._remote_seen.get(k, 0) for k, v in totals.items()

@@ -41,8 +41,8 @@ tiers: cpu, disk, redis):
   tenant}`` (bytes per tenant, labelled by a 12-hex-digit digest of its ``cache_salt``, ``no-salt``,
   at most ``top_tenants`` of them, then ``other`` and ``unknown``: bounded, never a salt in clear;
   summed over ranks), ``kvtier_quota_evictions_total{tier}`` (evictions whose victim the quotas
-  chose); the scheduler's ``kvtier_tenant_quota_default_share`` and ``kvtier_tenant_quota_salts``
-  (0 and 0 without quotas) and ``kvtier_kv_events_enabled`` (1 with ``--kv-events-config``), sent
+  chose); the scheduler's ``kvtier_tenant_quota_default_share``, ``kvtier_tenant_quota_salts``
+  and ``kvtier_tenant_quota_no_salt_share`` (0, 0 and 0 without quotas) and ``kvtier_kv_events_enabled`` (1 with ``--kv-events-config``), sent
   once, for ``kvtier doctor``.
 - ``kvtier_chunk_tokens``: tokens per chunk the engine runs with (``chunk_tokens``, ``auto``
   resolved from the KV cache groups' block sizes; rank 0 reports it, so the sum is the value).
@@ -167,6 +167,8 @@ _PLAIN_GAUGES: dict[str, tuple[str, str, str | None]] = {
     "tenant_quota_default_share": ("kvtier_tenant_quota_default_share", ("tenant_quotas default_share (0: none "
                                    "set, without quotas or with salts-only quotas)."), None),
     "tenant_quota_salts": ("kvtier_tenant_quota_salts", "Salts given their own share in tenant_quotas.salts.", None),
+    "tenant_quota_no_salt_share": ("kvtier_tenant_quota_no_salt_share", ("Share tenant_quotas guarantees requests "
+                                   "without a cache_salt (no_salt_share, else default_share; 0: none)."), None),
 }
 
 
