@@ -19,11 +19,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 from tests.sigstop import stop_and_wait
 
@@ -178,6 +180,119 @@ class S3Server:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
         self.proc = None
+
+
+
+PRECONDITION_FAILED = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>PreconditionFailed</Code><Message>At '
+                       b'least one of the pre-conditions you specified did not hold</Message>'
+                       b'<Condition>If-None-Match</Condition></Error>')
+"""AWS S3's answer body to a conditional write on an existing key (AWS S3 user guide,
+"Add preconditions to S3 operations with conditional requests")."""
+
+
+class ConditionalPutProxy:
+    """A front for an :class:`S3Server` that honours ``If-None-Match: *`` on ``PUT`` as AWS S3,
+    MinIO and R2 do, where ``rclone serve s3`` (v1.75) ignores it and replaces the object.
+
+    A ``PUT`` carrying ``If-None-Match: *`` on a key whose object exists (its file under the
+    served directory) is answered ``412 Precondition Failed`` with AWS's error body; every other
+    request goes to rclone byte for byte (the signature stays valid: the client signed for this
+    host and port, and rclone checks it against the ``Host`` header it receives).  The existence
+    check and the forwarded create run under one lock, so two conditional creates of one key never
+    both succeed.  One request per connection (each answer says ``Connection: close``).
+
+    Attributes:
+        requests: ``(method, path, conditional)`` of every request, in arrival order.
+        refused: conditional ``PUT``s answered ``412``.
+    """
+
+    def __init__(self, server: S3Server) -> None:
+        self.server = server
+        self.listener = socket.create_server((HOST, 0))
+        self.port = int(self.listener.getsockname()[1])
+        self.requests: list[tuple[str, str, bool]] = []
+        self.refused = 0
+        self._create_lock = threading.Lock()
+        threading.Thread(target=self._accept, name="s3-conditional-proxy", daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def client(self, bucket: str, **config: Any) -> Any:
+        """A raw obstore ``S3Store`` on ``bucket`` through this front."""
+        from obstore.store import S3Store
+
+        return S3Store(bucket, endpoint=self.url, access_key_id=self.server.access_key,
+                       secret_access_key=self.server.secret_key, region=REGION, virtual_hosted_style_request=False,
+                       client_options={"allow_http": True, "timeout": "10s", "connect_timeout": "2s"},
+                       retry_config={"max_retries": 2}, **config)
+
+    def methods(self, conditional: bool | None = None) -> list[str]:
+        """The methods of the requests so far (only conditional or unconditional ones if asked)."""
+        return [m for m, _, c in list(self.requests) if conditional is None or c == conditional]
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                head = b""
+                while b"\r\n\r\n" not in head:
+                    piece = conn.recv(65536)
+                    if not piece:
+                        return
+                    head += piece
+                head, body = head.split(b"\r\n\r\n", 1)
+                lines = head.decode("latin-1").split("\r\n")
+                method, target, _version = lines[0].split(" ", 2)
+                headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
+                if "chunked" in headers.get("transfer-encoding", ""):
+                    raise RuntimeError("ConditionalPutProxy reads Content-Length bodies only")
+                length = int(headers.get("content-length", "0"))
+                while len(body) < length:
+                    piece = conn.recv(min(1 << 20, length - len(body)))
+                    if not piece:
+                        return
+                    body += piece
+                conditional = method == "PUT" and headers.get("if-none-match") == "*"
+                self.requests.append((method, target, conditional))
+                # hop-by-hop, never signed: rclone closes after its answer, which ends this exchange
+                request = b"\r\n".join([l.encode("latin-1") for l in lines if not l.lower().startswith("connection:")]
+                                        + [b"Connection: close"]) + b"\r\n\r\n" + body
+                if not conditional:
+                    conn.sendall(self._forward(request))
+                    return
+                path = self.server.data / unquote(target.split("?", 1)[0].lstrip("/"))
+                with self._create_lock:
+                    if path.exists():
+                        self.refused += 1
+                        conn.sendall(b"HTTP/1.1 412 Precondition Failed\r\nContent-Type: application/xml\r\n"
+                                     b"Connection: close\r\nContent-Length: " + str(len(PRECONDITION_FAILED)).encode()
+                                     + b"\r\n\r\n" + PRECONDITION_FAILED)
+                        return
+                    answer = self._forward(request)
+                conn.sendall(answer)
+            except OSError:
+                return
+
+    def _forward(self, request: bytes) -> bytes:
+        """Send one request to rclone and read its whole answer (it closes the connection)."""
+        with socket.create_connection((HOST, self.server.port), timeout=60.0) as upstream:
+            upstream.sendall(request)
+            answer = bytearray()
+            while piece := upstream.recv(1 << 20):
+                answer += piece
+        return bytes(answer)
+
+    def close(self) -> None:
+        self.listener.close()
 
 
 if __name__ == "__main__":  # a server for a benchmark by hand: python -m tests.s3_servers DIR

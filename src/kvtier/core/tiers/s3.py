@@ -12,8 +12,20 @@
   different secrets apart, as in the redis tier; a LIST of one namespace's "directory" never
   lists another's.
 - **Batches in parallel**: ``contains_many`` is one ``HEAD`` per chunk, ``get_many`` one ``GET``
-  per chunk and ``put_many`` a ``HEAD`` then a ``PUT`` per new chunk, at most ``s3_concurrency``
-  requests in flight (one asyncio loop on the tier's own thread drives them all).
+  per chunk and ``put_many`` one ``PUT`` per chunk, at most ``s3_concurrency`` requests in flight
+  (one asyncio loop on the tier's own thread drives them all).
+- **Writes never replace an object** (chunk bytes never change under their key).  With
+  ``s3_conditional_put`` each ``PUT`` carries ``If-None-Match: *`` and the server refuses one on an
+  existing key (``412 Precondition Failed``; AWS S3 user guide, "Add preconditions to S3
+  operations with conditional requests"): that chunk is ``PRESENT``, with no ``HEAD`` first.  Not
+  every gateway honours the header (``rclone serve s3`` v1.75 replaces the object and answers
+  ``200``), so the first write of a tier asks the server once: it creates a probe object under the
+  namespace (a name that is no chunk key), creates it again and deletes it; a server that accepts
+  the second create ignores the header, and the tier then sends a ``HEAD`` before each ``PUT``, as
+  it does without ``s3_conditional_put`` (which writes with no header, for a gateway that answers
+  ``501`` to it).  A ``412`` comes after the chunk's bytes were sent, where a ``HEAD`` would have
+  cost one round trip: the saving holds while most chunks written are new (a chunk is written
+  again when another engine computed and saved it too).
 - **Deadlines, breaker, metrics**: the factory wraps this tier in
   :class:`~kvtier.core.tiers.guarded.GuardedTier` (``shared_deadline_s`` for lookups and
   deletes, ``shared_transfer_deadline_s`` for reads and writes, ``s3_breaker_*``).  This class
@@ -39,9 +51,10 @@ import asyncio
 import logging
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import KEY_BYTES, ChunkKey
@@ -83,6 +96,9 @@ DELETE_BATCH = 1000
 DELETE_WAIT_S = 1.0
 """Longest a read waits for the delete of the unusable objects it found, seconds (then it goes on in
 the background)."""
+PROBE_NAME = "kvtier-conditional-put-probe-"
+"""Start of the probe object's name (under the namespace; never a chunk key, which is 32 hex
+digits, so sweeps, clears and purges pass it by)."""
 REWRITTEN_S = 1.0
 """An object whose ``Last-Modified`` is at least this much newer than counted was rewritten: kept.
 ``Last-Modified`` has one-second resolution (an HTTP date), so a chunk this process stored is
@@ -130,6 +146,11 @@ class S3Tier(Tier):
         self.ttl_s = ttl_s
         self.sweep_interval_s = sweep_interval_s
         self.conditional_put = conditional_put
+        self.conditional_honoured: bool | None = None if conditional_put else False
+        """Whether the server refuses a ``PUT`` with ``If-None-Match: *`` on an existing key:
+        ``None`` until the first write asks it (:meth:`_ask_conditional`), ``False`` without
+        ``s3_conditional_put``; while not ``True`` each ``PUT`` follows a ``HEAD``."""
+        self._probe_lock: asyncio.Lock | None = None
         self.where = where
         self.wire = WireCounters()
         self.sweeps = 0
@@ -309,10 +330,10 @@ class S3Tier(Tier):
         return self.put_many([key], [data])[0]
 
     def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> list[PutResult]:
-        """A ``HEAD`` per chunk, then one whole-object ``PUT`` per chunk not there yet (parallel).
-        A chunk already stored is ``PRESENT`` and keeps its object (chunk bytes never change under
-        their key); with ``s3_conditional_put`` a writer racing another to the same key gets
-        ``PRESENT`` from the server's ``412``."""
+        """One whole-object ``PUT`` per chunk (parallel); a chunk already stored is ``PRESENT`` and
+        keeps its object (chunk bytes never change under their key).  With ``s3_conditional_put``
+        on a server that honours ``If-None-Match: *`` the server's ``412`` says so; otherwise a
+        ``HEAD`` before each ``PUT`` does (module docstring, "Writes never replace an object")."""
         if not keys:
             return []
         return self.put_values(keys, self.encode_values(keys, datas), [memoryview(d).nbytes for d in datas])
@@ -321,6 +342,44 @@ class S3Tier(Tier):
         """The objects to write: header + payload each (the payload copied once)
         (:class:`~kvtier.core.tiers.guarded.ValueTier`)."""
         return [self.codec.encode(k, d) for k, d in zip(keys, datas, strict=True)]
+
+    async def _ask_conditional(self) -> bool:
+        """Whether the server honours ``If-None-Match: *`` (:attr:`conditional_honoured`), asked
+        once per tier: create a probe object, create it again (a server that honours the header
+        refuses), delete it.  A fault raises (the write fails as any would) and the next write asks
+        again.
+
+        Raises:
+            obstore.exceptions.BaseError: the server failed or refused the first create.
+        """
+        import obstore
+
+        if self.conditional_honoured is not None:
+            return self.conditional_honoured
+        if self._probe_lock is None:
+            self._probe_lock = asyncio.Lock()
+        async with self._probe_lock:
+            if self.conditional_honoured is not None:  # another batch asked meanwhile
+                return self.conditional_honoured
+            path = f"{self.prefix}{PROBE_NAME}{uuid.uuid4().hex[:16]}"
+            try:
+                await obstore.put_async(self.store, path, b"kvtier probe", use_multipart=False, mode="create")
+                try:
+                    await obstore.put_async(self.store, path, b"kvtier probe", use_multipart=False, mode="create")
+                    honoured = False
+                except self._exists_errors:
+                    honoured = True
+            finally:
+                try:
+                    await obstore.delete_async(self.store, path)
+                except Exception as exc:  # noqa: BLE001 - a left-over probe object is a few bytes no sweep counts
+                    self._log_fault("delete of the conditional-put probe", exc)
+            if not honoured:
+                log.warning("kvtier s3 tier (%s): the server ignores If-None-Match: * (a second conditional PUT "
+                            "replaced the object); each write HEADs its object first, one round trip more per "
+                            "chunk (AWS S3 honours the header; rclone serve s3 does not)", self.where)
+            self.conditional_honoured = honoured
+            return honoured
 
     def put_values(self, keys: Sequence[ChunkKey], values: Sequence[Any], payload_bytes: Sequence[int]
                    ) -> list[PutResult]:
@@ -331,20 +390,26 @@ class S3Tier(Tier):
 
         paths = [self.object_key(k) for k in keys]
         exists_errors = self._exists_errors
+        mode: Literal["create", "overwrite"] = "create" if self.conditional_put else "overwrite"
 
-        async def write(i: int) -> tuple[str, float]:
-            meta = await self._head(paths[i])
-            if meta is not None:
-                return "present", meta["last_modified"].timestamp()
-            try:
-                await obstore.put_async(self.store, paths[i], values[i], use_multipart=False,
-                                        mode="create" if self.conditional_put else "overwrite")
-            except exists_errors:
-                return "present", float(int(time.time()))
-            return "stored", float(int(time.time()))  # whole seconds, as Last-Modified
+        async def write_all() -> list[tuple[str, float]]:
+            head_first = not (self.conditional_put and await self._ask_conditional())
+
+            async def write(i: int) -> tuple[str, float]:
+                if head_first:
+                    meta = await self._head(paths[i])
+                    if meta is not None:
+                        return "present", meta["last_modified"].timestamp()
+                try:
+                    await obstore.put_async(self.store, paths[i], values[i], use_multipart=False, mode=mode)
+                except exists_errors:  # 412: there already (its Last-Modified unknown: counted as now)
+                    return "present", float(int(time.time()))
+                return "stored", float(int(time.time()))  # whole seconds, as Last-Modified
+
+            return await self._each(write, list(range(len(keys))))
 
         t0 = time.perf_counter()
-        outcomes = self._run(lambda: self._each(write, list(range(len(keys)))))
+        outcomes = self._run(write_all)
         sizes = [HEADER_BYTES + n for n in payload_bytes]
         stored_bytes = 0
         with self._lock:
