@@ -381,6 +381,15 @@ class S3Tier(Tier):
             self.conditional_honoured = honoured
             return honoured
 
+    def ask_conditional(self) -> bool:
+        """Whether the server honours ``If-None-Match: *`` (asked once, then remembered:
+        :attr:`conditional_honoured`); ``False`` without ``s3_conditional_put``.
+
+        Raises:
+            obstore.exceptions.BaseError: the server failed or refused (nothing remembered).
+        """
+        return self.conditional_put and self._run(self._ask_conditional)
+
     def put_values(self, keys: Sequence[ChunkKey], values: Sequence[Any], payload_bytes: Sequence[int]
                    ) -> list[PutResult]:
         """Write the :meth:`encode_values` objects (see :meth:`put_many`)."""
