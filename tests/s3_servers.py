@@ -264,6 +264,7 @@ if __name__ == "__main__":  # a server for a benchmark by hand: python -m tests.
                            f"aws_secret_access_key = {server.secret_key}\n", encoding="utf-8")
     print(f"--s3-bucket {bucket} --s3-endpoint-url {server.url} --s3-allow-http --s3-credentials-file {credentials}",
           flush=True)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM as Ctrl-C: rclone is stopped too
     try:
         signal.pause()  # until Ctrl-C / SIGTERM
     except KeyboardInterrupt:
