@@ -21,6 +21,7 @@ from pathlib import Path
 
 import redis
 
+from kvtier.launch.localserver import stop_process
 from tests.sigstop import stop_and_wait
 
 HOST = "127.0.0.1"
@@ -126,16 +127,7 @@ class RedisServer:
         self.proc.send_signal(signal.SIGCONT)
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)  # a paused server cannot handle SIGTERM
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        stop_process(self.proc)  # SIGCONT first: a paused server cannot handle SIGTERM
         self.proc = None
 
 

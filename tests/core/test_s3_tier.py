@@ -21,6 +21,7 @@ from kvtier.core.tiers.sharedvalue import HEADER_BYTES
 from kvtier.core.tiers.wrappers import unwrap
 
 from ..redis_servers import wait_until
+from ..s3_servers import ConditionalPutProxy
 from .tier_harness import CHUNK, NS, OTHER_NS, make_s3_tier, s3_credentials_file
 
 
@@ -40,6 +41,21 @@ def bucket(s3_server):
 @pytest.fixture
 def creds(s3_server, tmp_path):
     return s3_credentials_file(tmp_path, s3_server)
+
+
+@pytest.fixture
+def front(s3_server):
+    """rclone behind a front that answers 412 to a conditional PUT on an existing key, as AWS S3 does."""
+    proxy = ConditionalPutProxy(s3_server)
+    yield proxy
+    proxy.close()
+
+
+@pytest.fixture(params=["rclone", "412-front"])
+def endpoint(request, s3_server):
+    """Where the tiers of a test write: rclone itself (it ignores If-None-Match: the tier HEADs
+    before each PUT) or the front honouring it (no HEAD; the server's 412 says "already there")."""
+    return s3_server if request.param == "rclone" else request.getfixturevalue("front")
 
 
 def objects(s3_server, bucket) -> list[str]:
@@ -111,9 +127,10 @@ def test_expired_objects_are_misses_and_the_sweep_deletes_them(s3_server, bucket
         tier.close()
 
 
-def test_capacity_cap_deletes_the_oldest_and_a_second_engine_counts_from_the_listing(s3_server, bucket, creds):
+def test_capacity_cap_deletes_the_oldest_and_a_second_engine_counts_from_the_listing(s3_server, endpoint, bucket,
+                                                                                      creds):
     cap_gib = 3 * (CHUNK + HEADER_BYTES) / GiB
-    one = make_s3_tier(s3_server, bucket, NS, creds, s3_capacity_gib=cap_gib, s3_sweep_interval_s=3600)
+    one = make_s3_tier(endpoint, bucket, NS, creds, s3_capacity_gib=cap_gib, s3_sweep_interval_s=3600)
     two = None
     try:
         for i in range(5):
@@ -125,11 +142,12 @@ def test_capacity_cap_deletes_the_oldest_and_a_second_engine_counts_from_the_lis
         assert objects(s3_server, bucket) == sorted(inner.object_key(key(i)) for i in (2, 3, 4))
         # another engine on the same namespace counts what the bucket holds, each object once,
         # even the ones it writes again itself
-        two = make_s3_tier(s3_server, bucket, NS, creds, s3_capacity_gib=cap_gib, s3_sweep_interval_s=3600)
+        two = make_s3_tier(endpoint, bucket, NS, creds, s3_capacity_gib=cap_gib, s3_sweep_interval_s=3600)
         assert wait_until(lambda: unwrap(two).sweeps >= 1, timeout_s=10)
         assert sorted(two.keys()) == [key(2), key(3), key(4)]
         assert two.put(key(4), data(4)) is PutResult.PRESENT
         assert two.usage().num_chunks == 3 and two.usage().used_bytes == 3 * (CHUNK + HEADER_BYTES)
+        assert two.wire_stats().bytes["write"] == 0  # nothing stored: no written bytes counted
         two.check()
     finally:
         one.close()
@@ -200,15 +218,15 @@ def test_wrong_secret_key_is_a_refusal_that_leaves_the_breaker_closed(s3_server,
         tier.close()
 
 
-def test_the_cap_never_deletes_an_object_rewritten_since_it_was_counted(s3_server, bucket, creds):
+def test_the_cap_never_deletes_an_object_rewritten_since_it_was_counted(s3_server, endpoint, bucket, creds):
     """Engine one counted chunk 0 as its oldest; another engine deleted and wrote it again since
     (a newer Last-Modified).  When one passes its cap it keeps that object (counted as new) and
     deletes the next oldest instead: an old count never deletes another engine's fresh object."""
     import time
 
     cap_gib = 2 * (CHUNK + HEADER_BYTES) / GiB
-    one = make_s3_tier(s3_server, bucket, NS, creds, s3_capacity_gib=cap_gib, s3_sweep_interval_s=3600)
-    other = make_s3_tier(s3_server, bucket, NS, creds)
+    one = make_s3_tier(endpoint, bucket, NS, creds, s3_capacity_gib=cap_gib, s3_sweep_interval_s=3600)
+    other = make_s3_tier(endpoint, bucket, NS, creds)
     try:
         assert one.put_many([key(0), key(1)], [data(0), data(1)]) == [PutResult.STORED] * 2
         time.sleep(1.2)  # Last-Modified has one-second resolution
@@ -237,3 +255,76 @@ def test_the_probe_tells_reachable_auth_failed_and_unreachable(s3_server, bucket
     closed = probe_s3(KVTierConfig.from_dict({"s3_endpoint_url": "http://127.0.0.1:9", "s3_bucket": bucket,
                                               "s3_allow_http": True, "s3_credentials_file": str(creds)}), 1.0)
     assert closed.state == "unreachable"
+
+
+def test_rclone_replaces_an_object_despite_if_none_match_and_the_tier_heads_before_writing(s3_server, bucket, creds):
+    """The test server ignores If-None-Match: * (rclone serve s3 v1.75: a second conditional PUT
+    answers 200 and replaces the object).  The tier's one probe finds that out and each write then
+    HEADs first: a second engine writing the same chunks gets PRESENT, the objects keep their
+    bytes, each chunk is counted once and no written bytes are counted for them."""
+    raw = s3_server.client(bucket)
+    obstore.put(raw, "probe/k", b"one", mode="create", use_multipart=False)
+    obstore.put(raw, "probe/k", b"two", mode="create", use_multipart=False)  # no 412
+    assert bytes(obstore.get(raw, "probe/k").bytes()) == b"two"
+    obstore.delete(raw, "probe/k")
+    one, two = make_s3_tier(s3_server, bucket, NS, creds), make_s3_tier(s3_server, bucket, NS, creds)
+    try:
+        assert unwrap(one).conditional_honoured is None
+        keys = [key(i) for i in range(3)]
+        assert one.put_many(keys, [data(i) for i in range(3)]) == [PutResult.STORED] * 3
+        assert unwrap(one).conditional_honoured is False
+        assert two.put_many(keys, [data(10 + i) for i in range(3)]) == [PutResult.PRESENT] * 3
+        assert two.put_many(keys, [data(i) for i in range(3)]) == [PutResult.PRESENT] * 3
+        for i, k in enumerate(keys):
+            assert two.get_into(k, memoryview(out := bytearray(CHUNK))) is GetResult.HIT and bytes(out) == data(i)
+        assert two.usage().num_chunks == 3 and two.usage().used_bytes == 3 * (CHUNK + HEADER_BYTES)
+        assert two.wire_stats().bytes["write"] == 0 and one.wire_stats().bytes["write"] == 3 * CHUNK
+        two.check()
+        assert objects(s3_server, bucket) == sorted(unwrap(one).object_key(k) for k in keys)  # probes deleted
+    finally:
+        one.close()
+        two.close()
+
+
+def test_a_server_answering_412_spares_every_head_and_counts_each_chunk_once(s3_server, front, bucket, creds):
+    """Through a server that honours If-None-Match: * (the front): after the one probe (create,
+    refused create, delete) a write is one conditional PUT per chunk and no HEAD; a second engine
+    writing the same chunks gets the server's 412 as PRESENT, the objects keep their first bytes,
+    each chunk is counted once and no written bytes are counted for a refused PUT."""
+    one, two = make_s3_tier(front, bucket, NS, creds), make_s3_tier(front, bucket, NS, creds)
+    try:
+        keys = [key(i) for i in range(4)]
+        assert one.put_many(keys, [data(i) for i in range(4)]) == [PutResult.STORED] * 4
+        assert unwrap(one).conditional_honoured is True
+        assert front.methods() == ["PUT", "PUT", "POST"] + ["PUT"] * 4  # the probe's delete is a bulk POST ?delete and front.refused == 1
+        assert front.methods(conditional=True) == ["PUT"] * 6
+        assert two.put_many(keys, [data(10 + i) for i in range(4)]) == [PutResult.PRESENT] * 4
+        assert two.put(key(0), data(0)) is PutResult.PRESENT
+        assert "HEAD" not in front.methods() and front.refused == 1 + 1 + 4 + 1
+        for i, k in enumerate(keys):
+            assert two.get_into(k, memoryview(out := bytearray(CHUNK))) is GetResult.HIT and bytes(out) == data(i)
+        assert two.usage().num_chunks == 4 and two.usage().used_bytes == 4 * (CHUNK + HEADER_BYTES)
+        assert one.usage().num_chunks == 4
+        assert two.wire_stats().bytes["write"] == 0 and one.wire_stats().bytes["write"] == 4 * CHUNK
+        one.check()
+        two.check()
+        assert objects(s3_server, bucket) == sorted(unwrap(one).object_key(k) for k in keys)
+    finally:
+        one.close()
+        two.close()
+
+
+def test_without_conditional_put_each_write_heads_first_and_sends_no_if_none_match(s3_server, front, bucket, creds):
+    """``s3_conditional_put: false`` (a gateway answering 501 to the header): no probe, no
+    If-None-Match, a HEAD before each PUT; a present chunk is not written again."""
+    tier = make_s3_tier(front, bucket, NS, creds, s3_conditional_put=False)
+    try:
+        assert tier.put_many([key(1), key(2)], [data(1), data(2)]) == [PutResult.STORED] * 2
+        assert sorted(front.methods()) == ["HEAD", "HEAD", "PUT", "PUT"]
+        assert tier.put_many([key(1), key(2)], [data(3), data(4)]) == [PutResult.PRESENT] * 2
+        assert sorted(front.methods()) == ["HEAD"] * 4 + ["PUT", "PUT"]
+        assert front.methods(conditional=True) == [] and unwrap(tier).conditional_honoured is False
+        assert tier.get_into(key(1), memoryview(out := bytearray(CHUNK))) is GetResult.HIT and bytes(out) == data(1)
+        assert tier.usage().num_chunks == 2
+    finally:
+        tier.close()

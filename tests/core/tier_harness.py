@@ -169,7 +169,8 @@ def s3_credentials_file(directory: Path, server: Any) -> Path:
 
 def make_s3_tier(server: Any, bucket: str, ns: bytes, credentials: Path, **settings: Any) -> Tier:
     """An s3 tier on ``server``'s ``bucket`` built the way the store builds it (from a config: the
-    bare tier behind GuardedTier)."""
+    bare tier behind GuardedTier); ``server`` is an ``S3Server`` or a ``ConditionalPutProxy`` in
+    front of one (its ``url`` is the endpoint; the keys are the same)."""
     from kvtier.core.tiers import s3 as s3_tier
 
     # deadlines a loaded 2-core test machine meets; the fault tests use tight ones
@@ -181,18 +182,26 @@ def make_s3_tier(server: Any, bucket: str, ns: bytes, credentials: Path, **setti
     return tier
 
 
-def _s3_harness(request: pytest.FixtureRequest, tmp: Path, **settings: Any) -> TierHarness:
+def _s3_harness(request: pytest.FixtureRequest, tmp: Path, conditional_front: bool = False,
+                **settings: Any) -> TierHarness:
+    """``conditional_front``: the tier talks to rclone through a ``ConditionalPutProxy`` (a server
+    that answers ``412`` to a conditional ``PUT`` on an existing key, where rclone replaces it)."""
     import obstore
 
     from kvtier.core.tiers import s3 as s3_tier
+    from tests.s3_servers import ConditionalPutProxy
 
     server = request.getfixturevalue("s3_server")
     bucket = server.make_bucket()
     raw = server.client(bucket)
     credentials = s3_credentials_file(tmp, server)
+    endpoint = server
+    if conditional_front:
+        endpoint = ConditionalPutProxy(server)
+        request.addfinalizer(endpoint.close)
 
     def make(ns: bytes) -> Tier:
-        return make_s3_tier(server, bucket, ns, credentials, **settings)
+        return make_s3_tier(endpoint, bucket, ns, credentials, **settings)
 
     def tamper(tier: Tier, key: ChunkKey, how: str) -> None:
         assert isinstance(tier, s3_tier.S3Tier)
@@ -225,6 +234,10 @@ def s3_mac_harness(request: pytest.FixtureRequest, tmp: Path) -> TierHarness:
     return _s3_harness(request, tmp, shared_secret="conformance-secret-0123456789")
 
 
+def s3_conditional_harness(request: pytest.FixtureRequest, tmp: Path) -> TierHarness:
+    return _s3_harness(request, tmp, conditional_front=True)
+
+
 def dict_harness(_request: pytest.FixtureRequest, _tmp: Path) -> TierHarness:
     """The toy tier from outside kvtier (tests/dict_tier.py): a plug-in's one conformance fixture."""
     from tests.dict_tier import DictTier
@@ -242,5 +255,6 @@ HARNESSES: dict[str, Callable[[pytest.FixtureRequest, Path], TierHarness]] = {
     "redis-cluster": redis_cluster_harness,
     "s3": s3_harness,
     "s3-mac": s3_mac_harness,
+    "s3-412": s3_conditional_harness,
 }
 """Harness variant name -> builder (a tier may have several variants, e.g. redis standalone and Cluster)."""

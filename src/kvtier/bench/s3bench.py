@@ -1,8 +1,12 @@
 """Store benchmark of the s3 tier: put/get throughput against the raw obstore client on the same server.
 
 - tier ``put``: ``put_many`` of the tier as the store builds it (GuardedTier around the s3 tier):
-  a ``HEAD`` per chunk, then one whole-object ``PUT`` of header + payload per chunk, at most
-  ``in_flight`` requests at once (``s3_concurrency``);
+  one whole-object ``PUT`` of header + payload per chunk with ``If-None-Match: *`` where the server
+  honours that header, else a ``HEAD`` first (the tier asks the server once, before the first
+  round, untimed, as a process does once), at most ``in_flight`` requests at once
+  (``s3_concurrency``).  ``assume_conditional_put`` times the path of a server that honours it on
+  one that does not (rclone serve s3): every key the bench writes is new, so the requests are the
+  same ones such a server would get;
 - tier ``get``: ``get_many``: one ``GET`` per chunk, ``in_flight`` at once, every value verified
   (XXH3-128, or the keyed BLAKE3 MAC with a shared secret) and copied into a caller buffer;
 - reference: the raw obstore ``S3Store`` built with the same settings, ``put_async`` /
@@ -35,11 +39,19 @@ from kvtier.core.tiers.wrappers import unwrap
 
 
 def bench_s3(settings: dict[str, Any], chunk_mib: float, total_mib: float, repeats: int, in_flight: int,
-             shared_secret: str | None = None) -> list[StoreBenchResult]:
+             shared_secret: str | None = None, assume_conditional_put: bool = False
+             ) -> tuple[list[StoreBenchResult], str]:
     """s3-tier put/get vs raw obstore put/get, ``total_mib`` MiB per round, ``in_flight`` requests at once.
 
     Args:
         settings: the s3 tier's keys (``s3_bucket``, ``s3_endpoint_url``, ...).
+        assume_conditional_put: time puts without a ``HEAD`` whatever the server answered (module
+            docstring).
+
+    Returns:
+        the rows (put, get) and how the tier's puts went, in words: one ``PUT`` per chunk (the
+        server honours ``If-None-Match: *``, or ``assume_conditional_put``) or a ``HEAD`` then a
+        ``PUT``.
 
     Raises:
         ConfigError: bad settings or unreadable credentials.
@@ -60,6 +72,14 @@ def bench_s3(settings: dict[str, Any], chunk_mib: float, total_mib: float, repea
     tier = s3_tier.from_config(TierContext(config, os.urandom(16), chunk_bytes, 1, CollectorRegistry()))
     assert tier is not None
     raw = make_store(s3_settings(config), 600.0)
+    inner = unwrap(tier)
+    assert isinstance(inner, s3_tier.S3Tier)
+    if assume_conditional_put:
+        inner.conditional_honoured = True
+        write_path = "one PUT per chunk, no HEAD (--s3-assume-conditional-put)"
+    else:  # the one question a process asks the server, before any timing
+        write_path = ("one PUT per chunk, no HEAD (the server honours If-None-Match: *)" if inner.ask_conditional()
+                      else "a HEAD then a PUT per chunk (the server ignores If-None-Match: *)")
     datas = _chunks(num, chunk_bytes, seed=3)
     dsts = [np.empty(chunk_bytes, dtype=np.uint8) for _ in range(num)]
     for d, s in zip(dsts, datas):  # fault the destination pages in before any timing
@@ -105,8 +125,6 @@ def bench_s3(settings: dict[str, Any], chunk_mib: float, total_mib: float, repea
                 times[name].append(_timed(fn))
             if not np.array_equal(dsts[-1], datas[-1]):
                 raise RuntimeError("the s3 tier returned wrong bytes")
-            inner = unwrap(tier)
-            assert isinstance(inner, s3_tier.S3Tier)
             obstore.delete(raw, [inner.object_key(k) for k in keys] + raw_paths)
     finally:
         tier.close()
@@ -117,4 +135,4 @@ def bench_s3(settings: dict[str, Any], chunk_mib: float, total_mib: float, repea
         rounds = [raw_s / tier_s for tier_s, raw_s in zip(times[f"tier_{op}"], times[f"raw_{op}"])]
         rows.append(StoreBenchResult("s3", op, chunk_mib, rate, ref, rate / ref, io="network", threads=in_flight,
                                      ratio_min=min(rounds), ratio_max=max(rounds)))
-    return rows
+    return rows, write_path

@@ -14,7 +14,6 @@ import dataclasses
 import secrets
 import shutil
 import subprocess
-import time
 from pathlib import Path
 from typing import Self
 
@@ -23,6 +22,7 @@ import redis
 from kvtier.bench.arms import ArmSpec
 from kvtier.core.config import redact_url
 from kvtier.core.errors import ServerStartError
+from kvtier.launch.localserver import stop_process, wait_until_answers
 
 HOST = "127.0.0.1"
 DEFAULT_KEY_PREFIX = "kvtier:"
@@ -85,32 +85,22 @@ class LocalRedis:
             server._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                             start_new_session=True)
         try:  # stopped on any way out but success (a SIGTERM raising SystemExit in the wait included)
-            deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline:
-                if server._proc.poll() is not None:
-                    raise ServerStartError(f"redis-server exited with code {server._proc.returncode} at "
-                                           f"start-up; see {server.log_path}")
-                try:
-                    _client(server.url, 1.0).ping()
-                    return server
-                except redis.RedisError:
-                    time.sleep(0.05)
-            raise ServerStartError(f"redis-server did not answer PING within {timeout_s:g} s; see {server.log_path}")
+            wait_until_answers(server._proc, server._pings, timeout_s, "redis-server", server.log_path)
+            return server
         except BaseException:
             server.stop()
             raise
 
+    def _pings(self) -> bool:
+        try:
+            return bool(_client(self.url, 1.0).ping())
+        except redis.RedisError:
+            return False
+
     def stop(self) -> None:
         """Stop the server (SIGTERM, then SIGKILL after 10 s)."""
         proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop_process(proc)
 
     def __enter__(self) -> Self:
         return self

@@ -22,15 +22,14 @@ import dataclasses
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Self
 
 from kvtier.bench.arms import ArmSpec
 from kvtier.core.errors import ServerStartError
+from kvtier.launch.localserver import http_answers, stop_process, wait_until_answers
 
 HOST = "127.0.0.1"
 DEFAULT_KEY_PREFIX = "kvtier/"
@@ -113,42 +112,18 @@ class LocalS3:
             server._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                             env=env, cwd=workdir, start_new_session=True)
         try:  # stopped on any way out but success (a SIGTERM raising SystemExit in the wait included)
-            server._wait_ready(timeout_s)
+            wait_until_answers(server._proc, lambda: http_answers(HOST, server.port), timeout_s, "rclone serve s3",
+                               server.log_path)
             return server
         except BaseException:
             server.stop()
             raise
 
-    def _wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self._proc is not None
-            if self._proc.poll() is not None:
-                raise ServerStartError(f"rclone serve s3 exited with code {self._proc.returncode} at start-up; "
-                                       f"see {self.log_path}")
-            try:
-                with socket.create_connection((HOST, self.port), timeout=1.0) as s:
-                    s.settimeout(2.0)
-                    s.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
-                    if s.recv(12).startswith(b"HTTP/1."):
-                        return
-            except OSError:
-                pass
-            time.sleep(0.05)
-        raise ServerStartError(f"rclone serve s3 did not answer within {timeout_s:g} s; see {self.log_path}")
-
     def stop(self) -> None:
         """Stop the server (SIGTERM, then SIGKILL after 10 s) and remove the credentials file."""
         self.target.credentials_file.unlink(missing_ok=True)
         proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop_process(proc)
 
     def __enter__(self) -> Self:
         return self

@@ -47,6 +47,10 @@ def bench_store(
     s3_in_flight: str = typer.Option("1,4,16", help="s3 requests in flight (tier and reference alike), "
                                                     "comma-separated, e.g. 1,4,16."),
     s3_only: bool = typer.Option(False, help="Measure only the s3 tier (needs --s3-bucket)."),
+    s3_assume_conditional_put: bool = typer.Option(
+        False, help="Time s3 puts as on a server that honours If-None-Match: * (one PUT per chunk, no HEAD) even "
+                    "where the server ignores it, as rclone serve s3 does; every key the benchmark writes is new, "
+                    "so the requests are the same ones."),
 ) -> None:
     """Measure cpu and disk tier put/get throughput against numpy copy and raw file I/O.
 
@@ -109,7 +113,10 @@ def bench_store(
     if s3_bucket and not redis_only:
         s3 = {"s3_bucket": s3_bucket, "s3_endpoint_url": s3_endpoint_url, "s3_region": s3_region,
               "s3_allow_http": s3_allow_http, "s3_credentials_file": s3_credentials_file}
-        rows += _s3_rows({k: v for k, v in s3.items() if v is not None}, chunk_mibs, total_mib, repeats, in_flights)
+        s3_rows, s3_path = _s3_rows({k: v for k, v in s3.items() if v is not None}, chunk_mibs, total_mib, repeats,
+                                    in_flights, s3_assume_conditional_put)
+        rows += s3_rows
+        notes.append(f"s3 put: {s3_path}")
     table = Table(title="kvtier bench-store (tier vs same-run reference)")
     for col in ("tier", "io", "threads", "op", "chunk MiB", "GiB/s", "reference GiB/s", "ratio", "round ratios"):
         table.add_column(col, justify="right")
@@ -151,15 +158,18 @@ def _redis_rows(url: str, cluster: bool, chunk_mibs: list[float], total_mib: flo
 
 
 def _s3_rows(settings: dict[str, object], chunk_mibs: list[float], total_mib: float, repeats: int,
-             in_flights: list[int]) -> list:
+             in_flights: list[int], assume_conditional_put: bool) -> tuple[list, str]:
     from kvtier.bench.s3bench import bench_s3
     from kvtier.core.errors import ConfigError
 
     rows: list = []
+    path = ""
     try:
         for mib in chunk_mibs:
             for n in in_flights:
-                rows += bench_s3(settings, mib, total_mib, repeats, n)
+                got, path = bench_s3(settings, mib, total_mib, repeats, n,
+                                     assume_conditional_put=assume_conditional_put)
+                rows += got
     except ConfigError as exc:
         fail(flag_names(str(exc), S3_FLAG_KEYS).rstrip(".") + ".")
     except RuntimeError as exc:
@@ -171,7 +181,7 @@ def _s3_rows(settings: dict[str, object], chunk_mibs: list[float], total_mib: fl
         state, detail = describe_failure(exc, S3Settings(**settings), 1.0)  # type: ignore[arg-type]
         fail(flag_names(f"the s3 benchmark on bucket {settings['s3_bucket']} failed: {state}: {detail}; check "
                         "--s3-endpoint-url, that the server is up and the credentials", S3_FLAG_KEYS))
-    return rows
+    return rows, path
 
 
 S3_FLAG_KEYS = ("s3_bucket", "s3_endpoint_url", "s3_region", "s3_allow_http", "s3_credentials_file")

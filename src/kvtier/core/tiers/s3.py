@@ -12,13 +12,25 @@
   different secrets apart, as in the redis tier; a LIST of one namespace's "directory" never
   lists another's.
 - **Batches in parallel**: ``contains_many`` is one ``HEAD`` per chunk, ``get_many`` one ``GET``
-  per chunk and ``put_many`` a ``HEAD`` then a ``PUT`` per new chunk, at most ``s3_concurrency``
-  requests in flight (one asyncio loop on the tier's own thread drives them all).
+  per chunk and ``put_many`` one ``PUT`` per chunk, at most ``s3_concurrency`` requests in flight
+  (one asyncio loop on the tier's own thread drives them all).
+- **Writes never replace an object** (chunk bytes never change under their key).  With
+  ``s3_conditional_put`` each ``PUT`` carries ``If-None-Match: *`` and the server refuses one on an
+  existing key (``412 Precondition Failed``; AWS S3 user guide, "Add preconditions to S3
+  operations with conditional requests"): that chunk is ``PRESENT``, with no ``HEAD`` first.  Not
+  every gateway honours the header (``rclone serve s3`` v1.75 replaces the object and answers
+  ``200``), so the first write of a tier asks the server once: it creates a probe object under the
+  namespace (a name that is no chunk key), creates it again and deletes it; a server that accepts
+  the second create ignores the header, and the tier then sends a ``HEAD`` before each ``PUT``, as
+  it does without ``s3_conditional_put`` (which writes with no header, for a gateway that answers
+  ``501`` to it).  A ``412`` comes after the chunk's bytes were sent, where a ``HEAD`` would have
+  cost one round trip: the saving holds while most chunks written are new (a chunk is written
+  again when another engine computed and saved it too).
 - **Behind the wrapper, the data path is the tier's own** (it implements the wrapper's
   :class:`~kvtier.core.tiers.guarded.SplitTier`): a read's bodies are buffers obstore allocated
   for the call, verified and copied once into the caller's buffers on the caller's thread after
   the fetch returned in time; a write's objects (header + payload, the one copy a write needs)
-  are encoded on the caller's thread while the ``HEAD`` requests are on the wire.
+  are encoded on the caller's thread while the probe or the ``HEAD`` requests are on the wire.
 - **Deadlines, breaker, metrics**: the factory wraps this tier in
   :class:`~kvtier.core.tiers.guarded.GuardedTier` (``shared_deadline_s`` for lookups and
   deletes, ``shared_transfer_deadline_s`` for reads and writes, ``s3_breaker_*``).  This class
@@ -44,9 +56,10 @@ import asyncio
 import logging
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from kvtier.core import tenant
 from kvtier.core.errors import ConfigError
@@ -79,6 +92,9 @@ EVICT_PASSES = 4
 """Eviction passes at most per call (each a HEAD batch of the victims, then one delete)."""
 DELETE_BATCH = 1000
 """Keys per bulk delete (S3 ``DeleteObjects`` takes at most 1000)."""
+PROBE_NAME = "kvtier-conditional-put-probe-"
+"""Start of the probe object's name (under the namespace; never a chunk key, which is 32 hex
+digits, so sweeps, clears and purges pass it by)."""
 REWRITTEN_S = 1.0
 """An object whose ``Last-Modified`` is at least this much newer than counted was rewritten: kept.
 ``Last-Modified`` has one-second resolution (an HTTP date), so a chunk this process stored is
@@ -128,6 +144,11 @@ class S3Tier(Tier):
         self.ttl_s = ttl_s
         self.sweep_interval_s = sweep_interval_s
         self.conditional_put = conditional_put
+        self.conditional_honoured: bool | None = None if conditional_put else False
+        """Whether the server refuses a ``PUT`` with ``If-None-Match: *`` on an existing key:
+        ``None`` until the first write asks it (:meth:`_ask_conditional`), ``False`` without
+        ``s3_conditional_put``; while not ``True`` each ``PUT`` follows a ``HEAD``."""
+        self._probe_lock: asyncio.Lock | None = None
         self.where = where
         self.produce_wait_s = produce_wait_s
         self.wire = WireCounters()
@@ -283,6 +304,56 @@ class S3Tier(Tier):
         self.wire.moved("read", done.payload_bytes, time.perf_counter() - t0)
         return done.results
 
+    async def _ask_conditional(self) -> bool:
+        """Whether the server honours ``If-None-Match: *`` (:attr:`conditional_honoured`), asked
+        once per tier: create a probe object, create it again (a server that honours the header
+        refuses), delete it.  A fault raises (the write fails as any would) and the next write asks
+        again.
+
+        Raises:
+            obstore.exceptions.BaseError: the server failed or refused the first create.
+        """
+        import obstore
+
+        if self.conditional_honoured is not None:
+            return self.conditional_honoured
+        if self._probe_lock is None:
+            self._probe_lock = asyncio.Lock()
+        async with self._probe_lock:
+            if self.conditional_honoured is not None:  # another batch asked meanwhile
+                return self.conditional_honoured
+            path = f"{self.prefix}{PROBE_NAME}{uuid.uuid4().hex[:16]}"
+            try:
+                async with self._requests():
+                    await obstore.put_async(self.store, path, b"kvtier probe", use_multipart=False, mode="create")
+                try:
+                    async with self._requests():
+                        await obstore.put_async(self.store, path, b"kvtier probe", use_multipart=False, mode="create")
+                    honoured = False
+                except self._exists_errors:
+                    honoured = True
+            finally:
+                try:
+                    async with self._requests():
+                        await obstore.delete_async(self.store, path)
+                except Exception as exc:  # noqa: BLE001 - a left-over probe object is a few bytes no sweep counts
+                    self._log_fault("delete of the conditional-put probe", exc)
+            if not honoured:
+                log.warning("kvtier s3 tier (%s): the server ignores If-None-Match: * (a second conditional PUT "
+                            "replaced the object); each write HEADs its object first, one round trip more per "
+                            "chunk (AWS S3 honours the header; rclone serve s3 does not)", self.where)
+            self.conditional_honoured = honoured
+            return honoured
+
+    def ask_conditional(self) -> bool:
+        """Whether the server honours ``If-None-Match: *`` (asked once, then remembered:
+        :attr:`conditional_honoured`); ``False`` without ``s3_conditional_put``.
+
+        Raises:
+            obstore.exceptions.BaseError: the server failed or refused (nothing remembered).
+        """
+        return self.conditional_put and self._run(self._ask_conditional)
+
     def put(self, key: ChunkKey, data: memoryview | bytes) -> PutResult:
         return self.put_many([key], [data])[0]
 
@@ -298,18 +369,18 @@ class S3Tier(Tier):
             stream.abandon()
 
     def stream_put(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> PutStream:
-        """A ``HEAD`` per chunk, then one whole-object ``PUT`` per chunk not there yet (parallel),
-        as a :class:`~kvtier.core.tiers.guarded.PutStream`.  A chunk already stored is ``PRESENT``
-        and keeps its object (chunk bytes never change under their key); with
-        ``s3_conditional_put`` a writer racing another to the same key gets ``PRESENT`` from the
-        server's ``412``.
+        """One whole-object ``PUT`` per chunk (parallel), as a
+        :class:`~kvtier.core.tiers.guarded.PutStream`.  A chunk already stored is ``PRESENT`` and
+        keeps its object (chunk bytes never change under their key): with ``s3_conditional_put``
+        on a server that honours ``If-None-Match: *`` the server's ``412`` says so; otherwise a
+        ``HEAD`` before each ``PUT`` does (module docstring, "Writes never replace an object").
 
         ``produce`` (the caller's thread) encodes every object, header + payload: the one copy a
         write needs, so ``send`` never reads ``datas`` and the caller may reuse them once
-        ``put_many`` returns.  ``send``'s ``HEAD`` requests go out meanwhile; each ``PUT`` waits
-        for the encoded objects at most ``produce_wait_s`` (``abandon`` ends the wait).  Each header
-        carries the tenant record of :func:`kvtier.core.tenant.current` on the calling thread (set
-        by the store's writer)."""
+        ``put_many`` returns.  ``send``'s probe or ``HEAD`` requests go out meanwhile; each ``PUT``
+        waits for the encoded objects at most ``produce_wait_s`` (``abandon`` ends the wait).  Each
+        header carries the tenant record of :func:`kvtier.core.tenant.current` on the calling thread
+        (set by the store's writer)."""
         import obstore
 
         paths = [self.object_key(k) for k in keys]
@@ -319,6 +390,7 @@ class S3Tier(Tier):
         encoded = asyncio.Event()  # set on the loop: by produce once every object is encoded, or by abandon
         abandoned = threading.Event()
         exists_errors = self._exists_errors
+        mode: Literal["create", "overwrite"] = "create" if self.conditional_put else "overwrite"
 
         def wake() -> None:
             try:
@@ -326,12 +398,13 @@ class S3Tier(Tier):
             except RuntimeError:  # the loop is closed: nothing waits on it
                 pass
 
-        async def write(i: int) -> tuple[str, float]:
+        async def write(i: int, head_first: bool) -> tuple[str, float]:
             gate = self._requests()  # held for each request, never while waiting for produce
-            async with gate:
-                meta = await self._head(paths[i])
-            if meta is not None:
-                return "present", meta["last_modified"].timestamp()
+            if head_first:
+                async with gate:
+                    meta = await self._head(paths[i])
+                if meta is not None:
+                    return "present", meta["last_modified"].timestamp()
             try:
                 await asyncio.wait_for(encoded.wait(), self.produce_wait_s)
             except TimeoutError:
@@ -340,14 +413,14 @@ class S3Tier(Tier):
                 raise WriteAbandoned(f"the write of {len(keys)} chunks was abandoned")
             async with gate:
                 try:
-                    await obstore.put_async(self.store, paths[i], values[i], use_multipart=False,
-                                            mode="create" if self.conditional_put else "overwrite")
-                except exists_errors:
+                    await obstore.put_async(self.store, paths[i], values[i], use_multipart=False, mode=mode)
+                except exists_errors:  # 412: there already (its Last-Modified unknown: counted as now)
                     return "present", float(int(time.time()))
             return "stored", float(int(time.time()))  # whole seconds, as Last-Modified
 
         async def write_all() -> list[tuple[str, float]]:
-            return list(await asyncio.gather(*(write(i) for i in range(len(keys)))))
+            head_first = not (self.conditional_put and await self._ask_conditional())
+            return list(await asyncio.gather(*(write(i, head_first) for i in range(len(keys)))))
 
         def produce(_deadline: float) -> None:
             values.extend(self.codec.encode(k, d, writer=writer) for k, d in zip(keys, datas, strict=True))

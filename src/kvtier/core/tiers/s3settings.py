@@ -63,7 +63,8 @@ class S3Settings(BaseSettings):
     s3_concurrency: int = Field(16, gt=0, le=256, description=(
         "Requests in flight at most to the S3 server (parallel GETs of one load, PUTs of one save)."))
     s3_conditional_put: bool = Field(True, description=(
-        "Write with If-None-Match: * so two writers of one chunk never replace each other's object; turn "
+        "Write with If-None-Match: * so the server refuses to replace an existing object and a save needs no "
+        "HEAD per chunk (a server that ignores the header is found once and gets a HEAD before each PUT); turn "
         "off for a server that refuses the header (older gateways answer 501)."))
     s3_connect_timeout_s: float = Field(1.0, gt=0, le=60, allow_inf_nan=False,
                                         description="Connect timeout of one S3 connection, seconds.")
