@@ -94,6 +94,11 @@ def test_model_config_and_disk_tier(tmp_path, trace_file):
     (["--model", "nope/config.json"], "exactly one of --model"),
     (["--engine-gib", "-1"], "--engine-gib"),
     (["--cpu-gb-per-s", "0"], "cpu-gb-per-s"),
+    # finite but past any real capacity: these used to end in an OverflowError traceback (tester3)
+    (["--cpu-gib", "1,1e300"], "--cpu-gib values must be at most 1,048,576 GiB"),
+    (["--engine-gib", "1e300"], "--engine-gib must be at most 1,048,576 GiB"),
+    (["--disk-gib", "1e300"], "--disk-gib must be at most 1,048,576 GiB"),
+    (["--shared-gib", "1e300"], "--shared-gib must be at most 1,048,576 GiB"),
 ])
 def test_bad_input_is_one_line(tmp_path, trace_file, args, fragment):
     base = {"--trace": str(trace_file), "--kv-bytes-per-token": str(KV_PER_TOKEN), "--engine-gib": "1",

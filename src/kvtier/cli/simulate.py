@@ -10,6 +10,8 @@ import typer
 from kvtier.cli.errors import check_output_path, fail
 from kvtier.core.policies import available_policies
 
+MAX_CAPACITY_GIB = float(1 << 20)  # 1 PiB: the bound of `kvtier size --offload-gib` (docs/size.md)
+
 
 def parse_gib_list(text: str, option: str) -> tuple[float, ...]:
     """``"64,128,256"`` → ``(64.0, 128.0, 256.0)``; one sentence on a bad list (typer.Exit)."""
@@ -21,6 +23,8 @@ def parse_gib_list(text: str, option: str) -> tuple[float, ...]:
             fail(f"{option} must be comma-separated GiB numbers such as 64,128,256; {part.strip()!r} is not a number")
         if not value >= 0 or value == float("inf"):
             fail(f"{option} values must be finite and >= 0 GiB; got {part.strip()}")
+        if value > MAX_CAPACITY_GIB:
+            fail(f"{option} values must be at most {MAX_CAPACITY_GIB:,.0f} GiB (1 PiB); got {part.strip()}")
         values.append(value)
     if len(set(values)) != len(values):
         fail(f"{option} lists a capacity twice ({text}); give each capacity once")
@@ -94,6 +98,9 @@ def register(app: typer.Typer) -> None:
             fail(f"--tokens-per-block must be a positive integer, got {tokens_per_block}")
         if not all(0 <= g < float("inf") for g in (engine_gib, disk_gib, shared_gib)):
             fail("--engine-gib, --disk-gib and --shared-gib must be finite and >= 0 GiB")
+        for option, capacity in (("--engine-gib", engine_gib), ("--disk-gib", disk_gib), ("--shared-gib", shared_gib)):
+            if capacity > MAX_CAPACITY_GIB:
+                fail(f"{option} must be at most {MAX_CAPACITY_GIB:,.0f} GiB (1 PiB), got {capacity:g}")
         from kvtier.core.policies.admission import available_admissions
 
         for option, value in (("--disk-admission", disk_admission), ("--shared-admission", shared_admission)):
