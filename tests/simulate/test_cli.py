@@ -112,6 +112,21 @@ def test_bad_input_is_one_line(tmp_path, trace_file, args, fragment):
     assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("value, message", [
+    ("-1", "--cpu-pct values must be finite and >= 0 %; got -1"),
+    ("150", "--cpu-pct values must be at most 100 % (a cpu tier holding every distinct chunk of the trace); got 150"),
+    ("1e300", "--cpu-pct values must be at most 100 %"),
+    ("5%", "--cpu-pct must be comma-separated percentages such as 1,5,10,100; '5%' is not a number"),
+])
+def test_bad_cpu_pct_speaks_percent(trace_file, value, message):
+    """--cpu-pct errors named GiB, and 1e300 % ended in an OverflowError traceback (tester3)."""
+    result = run("--trace", str(trace_file), "--kv-bytes-per-token", str(KV_PER_TOKEN), "--engine-gib", "1",
+                 "--cpu-pct", value)
+    assert result.exit_code == 2
+    assert result.output.strip() == f"error: {message}" or result.output.startswith(f"error: {message}")
+    assert "GiB" not in result.output and len(result.output.strip().splitlines()) == 1
+
+
 def test_malformed_trace_line_and_missing_model(tmp_path, trace_file):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(trace_file.read_text() + "{broken\n")

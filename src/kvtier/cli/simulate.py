@@ -14,17 +14,26 @@ MAX_CAPACITY_GIB = float(1 << 20)  # 1 PiB: the bound of `kvtier size --offload-
 
 
 def parse_gib_list(text: str, option: str) -> tuple[float, ...]:
-    """``"64,128,256"`` → ``(64.0, 128.0, 256.0)``; one sentence on a bad list (typer.Exit)."""
+    """``"64,128,256"`` → ``(64.0, 128.0, 256.0)``; one sentence on a bad list (typer.Exit).
+
+    ``option`` ``--cpu-pct`` reads percentages of the trace's distinct chunks (0 to 100: 100 % already
+    holds every chunk, so the tier never evicts); any other option reads GiB, at most 1 PiB.
+    """
+    pct = option == "--cpu-pct"
+    unit, example, maximum = ("%", "1,5,10,100", 100.0) if pct else ("GiB", "64,128,256", MAX_CAPACITY_GIB)
     values = []
     for part in text.split(","):
         try:
             value = float(part)
         except ValueError:
-            fail(f"{option} must be comma-separated GiB numbers such as 64,128,256; {part.strip()!r} is not a number")
+            fail(f"{option} must be comma-separated {'percentages' if pct else 'GiB numbers'} such as {example}; "
+                 f"{part.strip()!r} is not a number")
         if not value >= 0 or value == float("inf"):
-            fail(f"{option} values must be finite and >= 0 GiB; got {part.strip()}")
-        if value > MAX_CAPACITY_GIB:
-            fail(f"{option} values must be at most {MAX_CAPACITY_GIB:,.0f} GiB (1 PiB); got {part.strip()}")
+            fail(f"{option} values must be finite and >= 0 {unit}; got {part.strip()}")
+        if value > maximum:
+            fail(f"{option} values must be at most 100 % (a cpu tier holding every distinct chunk of the trace); "
+                 f"got {part.strip()}" if pct else
+                 f"{option} values must be at most {MAX_CAPACITY_GIB:,.0f} GiB (1 PiB); got {part.strip()}")
         values.append(value)
     if len(set(values)) != len(values):
         fail(f"{option} lists a capacity twice ({text}); give each capacity once")
