@@ -146,7 +146,8 @@ def _redis_rows(url: str, cluster: bool, chunk_mibs: list[float], total_mib: flo
     except ConfigError as exc:
         fail(str(exc))
     except RuntimeError as exc:
-        fail(f"the redis benchmark on {redact_url(url)} failed: {exc}; check the server and its maxmemory")
+        fail(f"the redis benchmark on {redact_url(url)} failed: {exc}; check --redis-url, that the server is up "
+             "and its maxmemory")
     return rows
 
 
