@@ -43,6 +43,22 @@ def test_warnings_only_exit_0():
     assert [f["rule"] for f in json.loads(proc.stdout)["findings"]] == ["cpu-offload-gb-is-weights"]
 
 
+@pytest.mark.parametrize("value", ["inf", "nan", "1e400", "0", "-2", "0.5", "two"])
+def test_a_parallel_size_vllm_refuses_is_a_finding_not_a_traceback(tmp_path, value):
+    """--tensor-parallel-size inf / nan ended in an OverflowError / ValueError traceback (exit 1, no
+    output); 0, -2 and 0.5 passed silently although vLLM refuses them (tester3)."""
+    line = tmp_path / "serve.sh"
+    line.write_text(f"vllm serve m --tensor-parallel-size {value} --kv-offloading-backend native "
+                    "--kv-offloading-size 64 -pp 2\n")
+    proc = kvtier(str(line), "--vllm-version", "0.32.0", "--format", "json")
+    assert "Traceback" not in proc.stderr and proc.returncode == 1, proc.stderr
+    findings = {f["rule"]: f for f in json.loads(proc.stdout)["findings"]}
+    assert findings["parallel-size-invalid"]["message"].startswith(
+        f"--tensor-parallel-size {value!r} is not a whole number of at least 1")
+    # the sizing rules read the bad TP as 1: 64 GiB over the 2 pipeline ranks only
+    assert "32 GiB per rank over 2 ranks" in findings["kv-offloading-size-is-total"]["message"]
+
+
 def test_text_format_lists_rule_fix_and_source():
     proc = kvtier(str(DATA / "serve.sh"), "--vllm-version", "0.32.0")
     assert proc.returncode == 1

@@ -80,6 +80,29 @@ def offloading_size_invalid(c: ServeConfig) -> str | None:
     return None
 
 
+@rule("parallel-size-invalid", "error", "a parallel size that is not a whole number of at least 1",
+      "Give --tensor-parallel-size / --pipeline-parallel-size as a whole number of GPUs, at least 1, e.g. "
+      "--tensor-parallel-size 2.",
+      "vLLM vllm/config/parallel.py ParallelConfig.tensor_parallel_size and pipeline_parallel_size "
+      "(int, ge=1), read by vllm/engine/arg_utils.py")
+def parallel_size_invalid(c: ServeConfig) -> str | None:
+    bad = []
+    for flag, short in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp")):
+        given = c.parallel_size(flag, short)
+        if given is None:
+            continue
+        try:
+            ok = int(given[1], 10) >= 1
+        except ValueError:
+            ok = False
+        if not ok:
+            bad.append(f"{given[0]} {given[1]!r}")
+    if bad:
+        return (f"{' and '.join(bad)} is not a whole number of at least 1; vLLM refuses to start, and the audit "
+                "reads it as 1 for its sizing rules.")
+    return None
+
+
 @rule("prefix-caching-off-with-offload", "error", "KV offload with prefix caching off",
       "Remove --no-enable-prefix-caching (prefix caching is on by default).",
       'vLLM vllm/config/cache.py enable_prefix_caching (default True): offloaded KV is found '
