@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from kvtier.audit.model import ServeConfig
 from kvtier.audit.rules.base import rule
 
@@ -41,7 +43,7 @@ def cpu_offload_gb_beside_kv(c: ServeConfig) -> str | None:
       locate="--kv-offloading-size")
 def kv_offloading_size_is_total(c: ServeConfig) -> str | None:
     size, ranks = c.number("--kv-offloading-size"), c.tp * c.pp
-    if size and ranks > 1:
+    if size and math.isfinite(size) and ranks > 1:  # a non-finite size is kv-offloading-size-invalid's
         return (f"--kv-offloading-size {size:g} is {size:g} GiB in total, {size / ranks:g} GiB per rank over "
                 f"{ranks} ranks; a per-GPU figure would need {size * ranks:g}.")
     return None
@@ -75,8 +77,8 @@ def offloading_size_invalid(c: ServeConfig) -> str | None:
     if not c.has("--kv-offloading-size"):
         return None
     size = c.number("--kv-offloading-size")
-    if size is None or size <= 0:
-        return f"--kv-offloading-size {c.value('--kv-offloading-size')!r} is not a positive size in GiB."
+    if size is None or not 0 < size < math.inf:  # nan and inf too: vLLM would size a buffer from them
+        return f"--kv-offloading-size {c.value('--kv-offloading-size')!r} is not a positive, finite size in GiB."
     return None
 
 
