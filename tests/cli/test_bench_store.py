@@ -145,3 +145,14 @@ def test_bench_store_s3_on_a_dead_endpoint_says_unreachable(s3_factory, monkeypa
                                       "--s3-allow-http", "--sizes", "1", "--total-mib", "4", "--s3-in-flight", "1"])
     assert result.exit_code == 2 and "failed: unreachable" in result.output, result.output
     assert "Traceback" not in result.output and result.output.count("\n") == 1
+
+
+def test_bench_store_json_on_a_full_device_is_one_sentence():
+    """--json on a device that is full (Linux's /dev/full: every write ENOSPC) ended in an OSError
+    traceback after the whole run (tester3)."""
+    result = CliRunner().invoke(app, ["bench-store", "--sizes", "0.25", "--total-mib", "1", "--repeats", "1",
+                                      "--disk-io", "buffered", "--json", "/dev/full"])
+    assert result.exit_code == 2, result.output
+    assert ("error: cannot write --json /dev/full (No space left on device); free space or pass a path in a "
+            "writable directory (the table above has the results)") in result.output
+    assert "Traceback" not in result.output

@@ -280,3 +280,14 @@ def test_the_shared_tier_is_modeled_from_its_registry_record(tmp_path, trace_fil
     assert json.loads(same.read_text())["rows"][0]["saved_s"] == pytest.approx(saved["redis"])
     bad = run(*args, "--shared-tier", "s4")
     assert bad.exit_code == 2 and "--shared-tier must be one of redis, s3, got 's4'" in bad.output
+
+
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_output_on_a_full_device_names_the_option_and_file(trace_file, option):
+    """A write that failed late said "cannot write output (No space left on device: None)" (tester3)."""
+    result = run("--trace", str(trace_file), "--kv-bytes-per-token", str(KV_PER_TOKEN), "--engine-gib", "1",
+                 "--cpu-gib", "1", "--policy", "lru", "--workers", "1", option, "/dev/full")
+    assert result.exit_code == 2, result.output
+    assert (f"error: cannot write {option} /dev/full (No space left on device); free space or pass a path in a "
+            "writable directory") in result.output
+    assert "None" not in result.output

@@ -185,15 +185,18 @@ def register(app: typer.Typer) -> None:
                 console.print(textwrap.fill(f"  {size.tier:<6} {gib:>10}  {size.reason}", 80,
                                             subsequent_indent=" " * 21, break_on_hyphens=False), soft_wrap=True,
                               markup=False, highlight=False)
+        writing = None
         try:
             if json_path is not None:
+                writing = f"--json {json_path}"
                 write_json(json_path, result, elapsed, rates)
                 console.print(f"JSON: {json_path}")
             if plot_path is not None:
                 from kvtier.simulate.plot import write_plot
 
+                writing = f"--plot {plot_path}"
                 write_plot(plot_path, result, f"{requests.name}, engine tier {engine_gib:g} GiB, "
                                               f"{spec.chunk_bytes / 2**20:,.0f} MiB chunks")
                 console.print(f"plot: {plot_path}")
         except OSError as exc:
-            fail(f"cannot write output ({exc.strerror}: {exc.filename}); pass a path in a writable directory")
+            fail(f"cannot write {writing} ({exc.strerror}); free space or pass a path in a writable directory")
