@@ -184,6 +184,8 @@ def geometry_from_config(cfg: dict[str, Any], name: str, source: str = "") -> KV
     head_dim = cfg.get("head_dim")
     if head_dim is None:
         hidden = _int(cfg, "hidden_size", where)
+        if hidden == 0:  # 0 % heads passed the test below and sized 0 bytes per token
+            raise UserError(f"{where} has hidden_size 0; it must be at least 1 (or give the model's 'head_dim').")
         if hidden % heads:
             raise UserError(f"{where} has hidden_size {hidden} not divisible by num_attention_heads {heads}; "
                             "add the model's 'head_dim' to the config.")
