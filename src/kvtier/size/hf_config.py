@@ -195,6 +195,9 @@ def geometry_from_config(cfg: dict[str, Any], name: str, source: str = "") -> KV
     mla = None
     if cfg.get("kv_lora_rank"):
         mla = MLASpec(_int(cfg, "kv_lora_rank", where), _int(cfg, "qk_rope_head_dim", where))
+    elif heads % kv_heads:  # vLLM's Attention layer asserts it (vllm/model_executor/layers/attention/attention.py)
+        raise UserError(f"{where} has num_attention_heads {heads} not divisible by num_key_value_heads {kv_heads}; "
+                        "vLLM refuses such a model (each KV head serves a whole group of query heads): check both.")
     kinds = _layer_kinds(cfg, num_layers, where)
     num_state = kinds.count("state")
     window = cfg.get("sliding_window") if "swa" in kinds else None
