@@ -40,6 +40,19 @@ def test_geometry_errors(tmp_path):
     assert kv_bytes_per_token_from_file(tmp_path / "good.json") == 131_072
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"num_key_value_heads": 64}, "num_attention_heads 32 not divisible by num_key_value_heads 64"),
+    ({"num_key_value_heads": 5}, "num_attention_heads 32 not divisible by num_key_value_heads 5"),
+    ({"hidden_size": 100}, "hidden_size 100 not divisible by num_attention_heads 32"),
+])
+def test_heads_that_do_not_fit_are_refused_as_kvtier_size_refuses_them(tmp_path, change, message):
+    """These were sized silently (hidden_size 100 over 32 heads: a floored head_dim of 3), while
+    kvtier size refuses them (tester3)."""
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_8B, **change}))
+    with pytest.raises(GeometryError, match=message):
+        kv_bytes_per_token_from_file(tmp_path / "config.json")
+
+
 def test_time_saved_per_tier():
     rates = Throughputs(prefill_tokens_per_s=10_000, cpu_gb_per_s=50, disk_gb_per_s=5)
     per_token = 100_000  # bytes: 2 µs over "PCIe", 20 µs from "disk"

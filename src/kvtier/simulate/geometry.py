@@ -34,7 +34,9 @@ def kv_bytes_per_token(config: dict[str, Any], kv_dtype: str | None = None) -> i
         bytes per token (> 0).  Divide by the tensor-parallel size for one rank's share.
 
     Raises:
-        GeometryError: a needed field is missing or not positive, or the dtype is unknown.
+        GeometryError: a needed field is missing or not positive, the dtype is unknown, or the heads
+            do not fit (KV heads not dividing the attention heads; a ``hidden_size`` the attention
+            heads do not divide, without ``head_dim``), as ``kvtier size`` refuses them.
     """
     cfg = config.get("text_config") or config
     dtype = kv_dtype or cfg.get("torch_dtype") or cfg.get("dtype") or config.get("torch_dtype") or "bfloat16"
@@ -46,7 +48,17 @@ def kv_bytes_per_token(config: dict[str, Any], kv_dtype: str | None = None) -> i
         return layers * latent * DTYPE_BYTES[dtype]
     heads = _positive(cfg, "num_attention_heads")
     kv_heads = _positive(cfg, "num_key_value_heads") if "num_key_value_heads" in cfg else heads
-    head_dim = _positive(cfg, "head_dim") if cfg.get("head_dim") else _positive(cfg, "hidden_size") // heads
+    if heads % kv_heads:  # vLLM's Attention asserts it (vllm/model_executor/layers/attention/attention.py)
+        raise GeometryError(f"model config has num_attention_heads {heads} not divisible by num_key_value_heads "
+                            f"{kv_heads}; vLLM refuses such a model: check both (the same rule as kvtier size)")
+    if cfg.get("head_dim"):
+        head_dim = _positive(cfg, "head_dim")
+    else:
+        hidden = _positive(cfg, "hidden_size")
+        if hidden % heads:  # a floor here sized a head that does not exist
+            raise GeometryError(f"model config has hidden_size {hidden} not divisible by num_attention_heads "
+                                f"{heads}; add the model's 'head_dim' to the config")
+        head_dim = hidden // heads
     return layers * 2 * kv_heads * head_dim * DTYPE_BYTES[dtype]
 
 
