@@ -53,6 +53,22 @@ def test_heads_that_do_not_fit_are_refused_as_kvtier_size_refuses_them(tmp_path,
         kv_bytes_per_token_from_file(tmp_path / "config.json")
 
 
+def test_every_preset_gets_the_bytes_per_token_kvtier_size_gives():
+    """Hybrid models were sized from every layer: Jamba 1.5 Mini 8x (131,072 B for its 4 attention
+    layers of 32), Qwen3-Next 4x kvtier size's figure, so a simulated tier held too few chunks (tester3)."""
+    from kvtier.size.hf_config import geometry_from_config
+    from kvtier.size.presets import PRESETS
+
+    for preset in PRESETS:
+        geometry = geometry_from_config(preset.config, preset.name)
+        assert kv_bytes_per_token(preset.config, kv_dtype="bf16") == geometry.kv_bytes_per_token(1, 2), preset.name
+    jamba = next(p.config for p in PRESETS if "Jamba" in p.name)
+    assert kv_bytes_per_token(jamba, kv_dtype="bf16") == 4 * 2 * 8 * 128 * 2  # 4 attention layers of 32
+    all_mamba = {**LLAMA_8B, "layer_types": ["mamba"] * 32}
+    with pytest.raises(GeometryError, match="no attention layers"):
+        kv_bytes_per_token(all_mamba)
+
+
 def test_time_saved_per_tier():
     rates = Throughputs(prefill_tokens_per_s=10_000, cpu_gb_per_s=50, disk_gb_per_s=5)
     per_token = 100_000  # bytes: 2 µs over "PCIe", 20 µs from "disk"

@@ -2,7 +2,7 @@
 
 Standard attention stores a K and a V vector per layer and KV head::
 
-    bytes/token = num_hidden_layers × 2 × num_key_value_heads × head_dim × dtype_bytes
+    bytes/token = attention layers × 2 × num_key_value_heads × head_dim × dtype_bytes
 
 (e.g. 32 × 2 × 8 × 128 × 2 = 131,072 bytes = 128 KiB for Llama-3.1-8B in bf16).  Multi-head
 latent attention (DeepSeek-V2/V3, fields ``kv_lora_rank`` and ``qk_rope_head_dim``) stores one
@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.core.dtypes import DTYPE_BYTES
-from kvtier.core.errors import GeometryError
+from kvtier.core.errors import GeometryError, UserError
+from kvtier.size.hf_config import attention_layers
 
 
 def kv_bytes_per_token(config: dict[str, Any], kv_dtype: str | None = None) -> int:
@@ -42,7 +43,14 @@ def kv_bytes_per_token(config: dict[str, Any], kv_dtype: str | None = None) -> i
     dtype = kv_dtype or cfg.get("torch_dtype") or cfg.get("dtype") or config.get("torch_dtype") or "bfloat16"
     if dtype not in DTYPE_BYTES:
         raise GeometryError(f"unknown KV dtype {dtype!r}; use one of {', '.join(sorted(DTYPE_BYTES))}")
-    layers = _positive(cfg, "num_hidden_layers")
+    _positive(cfg, "num_hidden_layers")
+    try:  # hybrid models: only the attention layers keep KV per token (Jamba: 4 of 32), as kvtier size counts
+        layers = attention_layers(config, "model")
+    except UserError as exc:
+        raise GeometryError(str(exc).rstrip(".")) from None
+    if layers == 0:
+        raise GeometryError("model config has no attention layers (every layer is Mamba, linear attention or "
+                            "convolution), so it has no per-token KV to simulate")
     if "kv_lora_rank" in cfg:
         latent = _positive(cfg, "kv_lora_rank") + _positive(cfg, "qk_rope_head_dim")
         return layers * latent * DTYPE_BYTES[dtype]

@@ -166,6 +166,21 @@ def _state_spec(cfg: dict[str, Any], where: str) -> StateSpec:
     raise UserError(f"{where} has Mamba / linear-attention layers of a kind kvtier size does not know.")
 
 
+def attention_layers(cfg: dict[str, Any], name: str) -> int:
+    """Layers of the model ``cfg`` describes that keep KV per token: full and sliding-window attention,
+    not Mamba / linear-attention / short-convolution layers nor MLP-only blocks (the layer kinds
+    :func:`geometry_from_config` reads: ``layer_types``, ``hybrid_override_pattern``,
+    ``full_attention_interval``, ``attn_layer_period``).
+
+    Raises:
+        UserError: ``num_hidden_layers`` missing or malformed, or a layer type not known.
+    """
+    where = f"config of {name}"
+    cfg = _text_config(cfg)
+    num_layers = _int(cfg, "num_hidden_layers", where, maximum=MAX_LAYERS)
+    return sum(kind in ("full", "swa") for kind in _layer_kinds(cfg, num_layers, where))
+
+
 def geometry_from_config(cfg: dict[str, Any], name: str, source: str = "") -> KVGeometry:
     """Build the KV geometry of the model described by ``cfg`` (a parsed config.json).
 
