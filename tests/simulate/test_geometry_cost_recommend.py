@@ -17,7 +17,10 @@ LLAMA_8B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_h
 def test_gqa_mha_explicit_head_dim_and_mla():
     assert kv_bytes_per_token(LLAMA_8B) == 32 * 2 * 8 * 128 * 2 == 131_072
     mha = {"num_hidden_layers": 12, "num_attention_heads": 12, "hidden_size": 768, "torch_dtype": "float32"}
-    assert kv_bytes_per_token(mha) == 12 * 2 * 12 * 64 * 4
+    # vLLM's --dtype auto runs a float32 checkpoint in 16 bits (vllm/config/model.py, "Downcast for float32
+    # models"), its KV cache too; this was 4 bytes a value, twice kvtier size's figure (tester3)
+    assert kv_bytes_per_token(mha) == 12 * 2 * 12 * 64 * 2
+    assert kv_bytes_per_token(mha, kv_dtype="float32") == 12 * 2 * 12 * 64 * 4  # asked for explicitly
     assert kv_bytes_per_token({**LLAMA_8B, "head_dim": 256}) == 32 * 2 * 8 * 256 * 2
     assert kv_bytes_per_token(LLAMA_8B, kv_dtype="fp8") == 65_536
     mla = {"num_hidden_layers": 61, "num_attention_heads": 128, "kv_lora_rank": 512,

@@ -29,7 +29,8 @@ def kv_bytes_per_token(config: dict[str, Any], kv_dtype: str | None = None) -> i
     Args:
         config: a parsed HF ``config.json``; a nested ``text_config`` (multimodal models) is used
             when present.
-        kv_dtype: KV cache dtype; default the config's ``torch_dtype``/``dtype``, else bfloat16.
+        kv_dtype: KV cache dtype; default the config's ``torch_dtype``/``dtype`` as vLLM's ``--dtype
+            auto`` runs it (a float32 checkpoint in 16 bits), else bfloat16.
 
     Returns:
         bytes per token (> 0).  Divide by the tensor-parallel size for one rank's share.
@@ -41,6 +42,10 @@ def kv_bytes_per_token(config: dict[str, Any], kv_dtype: str | None = None) -> i
     """
     cfg = config.get("text_config") or config
     dtype = kv_dtype or cfg.get("torch_dtype") or cfg.get("dtype") or config.get("torch_dtype") or "bfloat16"
+    if kv_dtype is None and dtype in ("float32", "float", "fp32"):
+        # vLLM's --dtype auto downcasts a float32 checkpoint to 16 bits (vllm/config/model.py,
+        # "Downcast for float32 models"), and the KV cache follows the model dtype; kvtier size does the same
+        dtype = "bfloat16"
     if dtype not in DTYPE_BYTES:
         raise GeometryError(f"unknown KV dtype {dtype!r}; use one of {', '.join(sorted(DTYPE_BYTES))}")
     _positive(cfg, "num_hidden_layers")
