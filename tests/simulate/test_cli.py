@@ -291,3 +291,21 @@ def test_output_on_a_full_device_names_the_option_and_file(trace_file, option):
     assert (f"error: cannot write {option} /dev/full (No space left on device); free space or pass a path in a "
             "writable directory") in result.output
     assert "None" not in result.output
+
+
+def test_workers_never_exceed_the_runs():
+    """--workers 30 for one run forked 30 processes (a pool starts them all at once); a typo such as
+    --workers 100000 would fork that many (tester3)."""
+    from kvtier.simulate.sweep import pool_size
+
+    assert pool_size(30, 1) == 1 and pool_size(100_000, 12) == 12 and pool_size(2, 12) == 2
+    assert 1 <= pool_size(0, 3) <= 3 and pool_size(0, 0) == 1
+
+
+def test_many_workers_for_few_runs_give_the_rows_of_one_worker(tmp_path, trace_file):
+    out1, out2 = tmp_path / "one.json", tmp_path / "many.json"
+    base = ["--trace", str(trace_file), "--kv-bytes-per-token", str(KV_PER_TOKEN), "--engine-gib", "0.25",
+            "--cpu-gib", "0.5,1", "--policy", "lru"]
+    assert run(*base, "--workers", "1", "--json", str(out1)).exit_code == 0
+    assert run(*base, "--workers", "64", "--json", str(out2)).exit_code == 0  # not 100000: a regression would fork them
+    assert json.loads(out1.read_text())["rows"] == json.loads(out2.read_text())["rows"]
