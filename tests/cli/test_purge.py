@@ -100,6 +100,21 @@ def test_a_neighbouring_directory_is_refused_not_reported_as_purged(disk_dir):
     assert fresh.exit_code == 0 and json.loads(fresh.output)["total"]["chunks"] == 0, fresh.output
 
 
+def test_a_namespace_found_nowhere_is_said(disk_dir):
+    """A mistyped --namespace digest printed "Removed 0 chunks ... in 0 namespaces" and nothing else, as
+    if the purge had been done (tester3)."""
+    real = next(p.name for p in disk_dir.iterdir() if p.is_dir())
+    typo = "0" * 32
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(
+        app, ["purge", "--disk-path", str(disk_dir), "--namespace", typo, "--namespace", real, "--dry-run", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["total"]["chunks"] == 9  # the real namespace, whole
+    assert result.stderr == (f"note: namespace {typo} holds nothing in the targets given; check the digest (a dry "
+                             "run without --namespace lists the namespaces there).\n")
+    found = CliRunner().invoke(app, ["purge", "--disk-path", str(disk_dir), "--namespace", real, "--dry-run", "--json"])
+    assert found.exit_code == 0 and found.stderr == ""
+
+
 def test_a_file_whose_header_cannot_be_checked_is_kept_and_named_exit_1(disk_dir):
     victim = min(disk_dir.glob("*/*/*.kvc"))
     raw = bytearray(victim.read_bytes())
