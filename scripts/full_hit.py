@@ -54,23 +54,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvtier.launch.testmodel import random_prompt_ids
+
 ARMS = ("kvtier", "kvtier-async", "native")
 CPU_GIB = 0.25
-
-
-def token_ids(tokenizer_path: Path, num_tokens: int, seed: int) -> list[int]:
-    """Exactly ``num_tokens`` token ids of a made-up-words text (the model's own tokenizer)."""
-    from tokenizers import Tokenizer
-
-    from kvtier.launch.testmodel import random_prompt
-
-    tok = Tokenizer.from_file(str(tokenizer_path))
-    words = num_tokens
-    ids = tok.encode(random_prompt(seed, words)).ids
-    while len(ids) < num_tokens:
-        words *= 2
-        ids = tok.encode(random_prompt(seed, words)).ids
-    return list(ids[:num_tokens])
 
 
 def transfer_config(arm: str) -> dict[str, Any]:
@@ -152,7 +139,7 @@ def child(args: argparse.Namespace) -> None:
         side = worker.worker_side
         tl.wrap(side.store, "prepare_load", "prepare_load")
         tl.wrap(side.groups, "load", "copy")  # the loader calls the same object's load
-    ids = token_ids(model / "tokenizer.json", args.prompt_tokens, seed=args.seed)
+    ids = random_prompt_ids(model / "tokenizer.json", args.prompt_tokens, seed=args.seed)
     params = SamplingParams(max_tokens=1, temperature=0.0, output_kind=RequestOutputKind.DELTA)
 
     def request(rid: str) -> tuple[float, float, list[int]]:

@@ -60,6 +60,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvtier.launch.testmodel import random_prompt_ids
+
 STREAMS = 3
 STREAM_PROMPT_TOKENS = 64
 SUFFIX_TOKENS = 8
@@ -79,21 +81,6 @@ def drop_page_cache(directory: Path) -> int:
             finally:
                 os.close(fd)
     return count
-
-
-def token_ids(tokenizer_path: Path, num_tokens: int, seed: int) -> list[int]:
-    """Exactly ``num_tokens`` token ids of a made-up-words text (the model's own tokenizer)."""
-    from tokenizers import Tokenizer
-
-    from kvtier.launch.testmodel import random_prompt
-
-    tok = Tokenizer.from_file(str(tokenizer_path))
-    words = num_tokens
-    ids = tok.encode(random_prompt(seed, words)).ids
-    while len(ids) < num_tokens:
-        words *= 2
-        ids = tok.encode(random_prompt(seed, words)).ids
-    return list(ids[:num_tokens])
 
 
 def make_llm(args: argparse.Namespace, model: Path, disk: Path) -> Any:
@@ -116,7 +103,7 @@ def prefixes(args: argparse.Namespace, tokenizer: Path, setting: int | None = No
     """Every prefix (``setting`` None: for the first engine to compute) or one setting's ``repeats``
     (each measuring engine gets prefixes no other engine has loaded: on disk only)."""
     settings = range(len(args.thresholds)) if setting is None else [setting]
-    return [token_ids(tokenizer, args.prefix_tokens, seed=7 + 100 * k + r) for k in settings for r in range(args.repeats)]
+    return [random_prompt_ids(tokenizer, args.prefix_tokens, seed=7 + 100 * k + r) for k in settings for r in range(args.repeats)]
 
 
 def compute_prefixes(args: argparse.Namespace, model: Path, disk: Path) -> None:
@@ -159,7 +146,7 @@ def admit_during_streams(args: argparse.Namespace, llm: Any, steps: StepLog, tok
                                    output_kind=RequestOutputKind.DELTA)
     stream_ids = [f"{tag}-stream{i}" for i in range(STREAMS)]
     for i, rid in enumerate(stream_ids):
-        engine.add_request(rid, {"prompt_token_ids": token_ids(tokenizer, STREAM_PROMPT_TOKENS, seed + i)},
+        engine.add_request(rid, {"prompt_token_ids": random_prompt_ids(tokenizer, STREAM_PROMPT_TOKENS, seed + i)},
                            stream_params)
     fourth = f"{tag}-fourth"
     times: dict[str, list[float]] = {rid: [] for rid in stream_ids}
@@ -231,15 +218,15 @@ def measure(args: argparse.Namespace, model: Path, disk: Path) -> dict[str, Any]
     store = get_kv_transfer_group().worker_side.store
     steps = StepLog(llm.llm_engine.engine_core.engine_core.scheduler)
     greedy = SamplingParams(max_tokens=4, temperature=0.0)
-    warm = token_ids(tokenizer, args.prefix_tokens, seed=1000)
-    for prompt in (token_ids(tokenizer, 16, seed=99), warm, warm + token_ids(tokenizer, SUFFIX_TOKENS, seed=1001)):
+    warm = random_prompt_ids(tokenizer, args.prefix_tokens, seed=1000)
+    for prompt in (random_prompt_ids(tokenizer, 16, seed=99), warm, warm + random_prompt_ids(tokenizer, SUFFIX_TOKENS, seed=1001)):
         llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)
     results: list[dict[str, Any]] = []
     for r, prefix in enumerate(prefixes(args, tokenizer, args.setting)):
         for arm, suffix_seed in (("disk", 8), ("reference", 9)):
             before = store.stats()
             row = admit_during_streams(args, llm, steps, tokenizer,
-                                       prefix + token_ids(tokenizer, SUFFIX_TOKENS, seed=suffix_seed + 100 * r),
+                                       prefix + random_prompt_ids(tokenizer, SUFFIX_TOKENS, seed=suffix_seed + 100 * r),
                                        f"r{r}-{arm}", seed=20 + 10 * len(results))
             after = store.stats()
             row["kvtier_loaded_tokens"] = {t: n - before.loaded_tokens.get(t, 0) for t, n in after.loaded_tokens.items()

@@ -7,6 +7,12 @@ a server (kill, pause, restart) start their own with ``redis_factory``.
 S3: one ``rclone serve s3`` per session (tests/s3_servers.py; each test makes its own bucket with
 ``s3_server.make_bucket()``); tests that fault the server start their own with ``s3_factory``.
 
+Engines under pytest-xdist (``make test``'s second phase runs two at a time): each worker's
+engines bind their one OpenMP compute thread to a core of their own (``VLLM_CPU_OMP_THREADS_BIND``
+= the worker's index over this process's cores, set below) instead of vLLM's automatic choice,
+which is the same first core for every engine: two engines beside each other then computed on one
+core and left the other idle.  One thread each, so numerics are those of every other engine.
+
 Skips: a skip whose reason is not in :data:`EXPECTED_SKIPS` FAILS the test, so a check that stops
 running on the CI machine (no network namespace, no O_DIRECT directory, no tmpfs mount, a missing
 package) cannot pass CI silently.  On a development machine that lacks some of those, set
@@ -25,6 +31,18 @@ import pytest
 
 from tests.redis_servers import RedisClusterServers, RedisServer
 from tests.s3_servers import S3Server
+
+
+def _bind_this_workers_engines() -> None:
+    """Under xdist, pin this worker's engines to core ``index mod cores`` (see the module docstring)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw") or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[int(worker[2:]) % len(cores)])
+
+
+_bind_this_workers_engines()
 
 
 @pytest.fixture(scope="session")

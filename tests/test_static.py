@@ -157,9 +157,6 @@ TIER_NAME_ALLOWED = {
     "src/kvtier/simulate/recommend.py": ({"cpu", "disk"}, "the simulator's hardware model"),
     "src/kvtier/simulate/report.py": ({"cpu", "disk"}, "the simulator's hardware model (report keys)"),
     "src/kvtier/size/recipe.py": ({"redis"}, "the size recipe's redis-server section (user-facing output)"),
-    "src/kvtier/audit/rules/deploy.py": ({"disk", "redis"}, ("audit rules about one tier's deployment (the disk "
-                                         "tier's volume mount, the redis tier's Service) read a manifest's raw "
-                                         "tiers list, before any configuration is built")),
 }
 """Files that may hold a built-in tier's name as a string, with what it means there."""
 

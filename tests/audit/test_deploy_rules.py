@@ -57,8 +57,9 @@ def test_image_repository_names():
     assert _repository("ghcr.io/acme/kvtier-vllm:0.1.0") == "acme/kvtier-vllm"
 
 
-def _manifest(redis_url: str, namespace: str | None = "inference", services: tuple[str, ...] = ()) -> str:
-    extra = {"cpu_gib": 8, "redis_url": redis_url, "tiers": ["cpu", "redis"]}
+def _manifest(redis_url: str, namespace: str | None = "inference", services: tuple[str, ...] = (),
+              **settings: object) -> str:
+    extra = {"cpu_gib": 8, "redis_url": redis_url, "tiers": ["cpu", "redis"], **settings}
     cfg = {"kv_connector": "KVTierConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
            "kv_connector_module_path": "kvtier.integrations.vllm", "kv_connector_extra_config": extra}
     metadata: dict[str, object] = {"name": "vllm", **({"namespace": namespace} if namespace else {})}
@@ -86,6 +87,19 @@ def test_cleartext_shared_tier_inside_and_outside_the_namespace():
     # no namespace in the manifest: only a bare Service name is known to be inside
     assert rule in findings(_manifest("redis://kvtier-redis.inference.svc.cluster.local:6379/0", namespace=None))
     assert rule not in findings(_manifest("redis://kvtier-redis:6379/0", namespace=None))
+
+
+def test_a_tiers_list_that_leaves_a_tier_out_quiets_its_deployment_rules():
+    """The rules find the tier a key asks for in the registry (its record's ``keys``), then read the raw
+    ``tiers`` list: a tier left out of it is not deployed, so its rules say nothing."""
+    outside = "redis://cache.example.com:6379/0"
+    disk_rules = {"kvtier-no-shutdown-timeout", "kvtier-disk-path-not-on-volume", "kvtier-worker-shutdown-timeout-short"}
+    both = findings(_manifest(outside, disk_path="/var/lib/kvtier", disk_gib=100, tiers=["cpu", "disk", "redis"]))
+    assert disk_rules | {"kvtier-shared-tier-cleartext-beyond-namespace"} <= set(both), both
+    no_disk = findings(_manifest(outside, disk_path="/var/lib/kvtier", disk_gib=100, tiers=["cpu", "redis"]))
+    assert "kvtier-shared-tier-cleartext-beyond-namespace" in no_disk and not disk_rules & set(no_disk), no_disk
+    no_redis = findings(_manifest(outside, disk_path="/var/lib/kvtier", disk_gib=100, tiers=["cpu", "disk"]))
+    assert disk_rules <= set(no_redis) and "kvtier-shared-tier-cleartext-beyond-namespace" not in no_redis, no_redis
 
 
 def test_audit_reads_a_kustomize_directory_and_refuses_what_it_cannot_render(tmp_path: Path):

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.engine
+# functional checks only, no deadline under two minutes: it may run beside another engine test
+pytestmark = [pytest.mark.engine, pytest.mark.shares_cpu]
 
 KEYS = {"ttft_p50_s", "ttft_p99_s", "prefix_hit_rate", "external_hit_rate", "output_tok_per_s", "num_requests"}
 

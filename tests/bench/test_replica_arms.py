@@ -167,3 +167,28 @@ def test_bad_replica_arm_combinations_are_one_sentence_and_exit_2(tmp_path: Path
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.output
     assert "Traceback" not in result.output
     assert not (tmp_path / "out" / "s3").exists() and not (tmp_path / "out" / "redis").exists()  # nothing started
+
+
+def test_each_replica_computes_on_its_own_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier.bench.replicas import replica_cores
+
+    # vLLM would bind every server to the same cores; the replicas split them, leaving one per replica free
+    assert replica_cores(2, 1, range(2)) == ["0", "1"]
+    assert replica_cores(2, 1, range(64)) == [",".join(map(str, range(31))), ",".join(map(str, range(31, 62)))]
+    assert replica_cores(3, 0, [4, 5, 6, 7, 8, 9]) == ["4,5", "6,7", "8,9"]
+    assert replica_cores(3, 1, range(2)) == ["0", "1", "0"]  # more replicas than cores: wrap around
+    assert replica_cores(1, 1, range(8)) is None
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    binds = replica_cores(2, 1)
+    assert binds is not None and len(set(binds)) == min(2, len(os.sched_getaffinity(0)))
+    specs = replica_specs(SPEC, 2)
+    assert [s.env["VLLM_CPU_OMP_THREADS_BIND"] for s in specs] == binds
+    assert all(s.environment()["VLLM_CPU_OMP_THREADS_BIND"] == b for s, b in zip(specs, binds, strict=True))
+    # a binding chosen by the operator (spec, environment) or tensor parallel ranks are left alone
+    own = dataclasses.replace(SPEC, env={"VLLM_CPU_OMP_THREADS_BIND": "0-3"})
+    assert [s.env["VLLM_CPU_OMP_THREADS_BIND"] for s in replica_specs(own, 2)] == ["0-3", "0-3"]
+    tp = dataclasses.replace(SPEC, extra_args=("--tensor-parallel-size", "2"))
+    assert all("VLLM_CPU_OMP_THREADS_BIND" not in s.env for s in replica_specs(tp, 2))
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1")
+    assert all("VLLM_CPU_OMP_THREADS_BIND" not in s.env for s in replica_specs(SPEC, 2))
+    assert replica_specs(SPEC, 1) == [SPEC]

@@ -1,5 +1,6 @@
-"""Pinned test vectors for the two formats that outlive a process: the chunk-key derivation
-(``kvtier.core.keys``) and the chunk-file header (``kvtier.core.tiers.chunkfile``).
+"""Pinned test vectors for the formats that outlive a process: the chunk-key derivation
+(``kvtier.core.keys``), the chunk-file header (``kvtier.core.tiers.chunkfile``) and the shared
+value header (``kvtier.core.tiers.sharedvalue``).
 
 Chunk files written today are read by tomorrow's process, possibly another kvtier version; if a
 key or a header changed silently, old files would be misread or (worse) served under the wrong
@@ -105,3 +106,50 @@ def test_a_changed_tenant_record_is_unknown_not_a_refused_header():
     raw = bytearray(header)
     raw[chunkfile.TENANT_OFFSET + 10] ^= 0x01
     assert tenant.decode(chunkfile.decode_header(bytes(raw)).tenant) is None
+
+
+# ---- shared values (the redis and s3 tiers: kvtier.core.tiers.sharedvalue) ----------------------
+SHARED_NS, SHARED_KEY = bytes(range(16)), bytes(range(16, 32))
+SHARED_HEADER_VECTORS = {
+    # version 1: before the tenant record (64 bytes); still read, never written
+    1: "4b56545201000000000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f14000000000000"
+       "0087bbcb0e441672711c762ad8ed7d29c8",
+    # version 2: salt "B", LoRA "sql", XXH3-128 (112 bytes; the record at 48..95)
+    2: "4b56545202000000000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f14000000000000"
+       "004b56544e01030000e47ca3fd7eb127e97d8d5ed5d84a2a29d09edfb43ad3431c74d17d914d32ea4b5fcaf9380658"
+       "c09e538c23c5c7257248c6d503dd3a911a9d",
+}
+SHARED_MAC_UNKNOWN_TENANT = (
+    "4b56545202000100000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f1400000000000000"
+    "000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000"
+    "e1a213781cb13cfcfb60d1725c467fbb")
+
+
+def test_shared_value_headers_are_pinned_and_both_versions_read():
+    from kvtier.core import tenant
+    from kvtier.core.tiers.sharedvalue import (
+        HEADER_BYTES,
+        V1_HEADER_BYTES,
+        SharedValueError,
+        ValueCodec,
+        peek,
+    )
+
+    codec = ValueCodec(SHARED_NS, None)
+    v2 = codec.encode(SHARED_KEY, PAYLOAD, writer=tenant.TenantId.of("B", "sql"))
+    assert bytes(v2[:HEADER_BYTES]).hex() == SHARED_HEADER_VECTORS[2]
+    mac = ValueCodec(SHARED_NS, b"0123456789abcdef-secret").encode(SHARED_KEY, PAYLOAD)
+    assert bytes(mac[:HEADER_BYTES]).hex() == SHARED_MAC_UNKNOWN_TENANT
+    for version, header_bytes in ((1, V1_HEADER_BYTES), (2, HEADER_BYTES)):
+        value = bytes.fromhex(SHARED_HEADER_VECTORS[version]) + PAYLOAD
+        assert codec.decode(SHARED_KEY, value, len(PAYLOAD)) == (header_bytes, len(PAYLOAD))
+        assert peek(value).key == SHARED_KEY
+    assert peek(bytes.fromhex(SHARED_HEADER_VECTORS[1]) + PAYLOAD).record is None  # no record: unknown tenant
+    record = tenant.read(peek(bytes(v2)).record)
+    assert record is not None and tenant.matches(record, SHARED_NS, "B", "sql")
+    changed = bytearray(v2)
+    changed[60] ^= 0x01  # inside the record: the value's digest covers it, so a read refuses the value
+    with pytest.raises(SharedValueError, match="digest mismatch"):
+        codec.decode(SHARED_KEY, bytes(changed), len(PAYLOAD))
+    with pytest.raises(tenant.DamagedRecord):  # and the purge, which reads the header alone, never trusts it
+        tenant.read(peek(bytes(changed)).record)

@@ -17,6 +17,7 @@ from kvtier.core.errors import UserError
 from kvtier.core.purge import PurgeFailed, PurgeSelector, parse_duration, parse_namespace, purge
 from kvtier.core.store import TieredStore
 from kvtier.core.tenant import TenantId
+from kvtier.core.tiers.sharedvalue import HEADER_BYTES
 
 from .helpers import CHUNK_BYTES, NS, chain_of, make_store, payload
 
@@ -111,6 +112,22 @@ def test_lora_selector_and_no_salt_record(tmp_path):
     store.close()
 
 
+def test_a_damaged_tenant_record_on_disk_is_kept_and_a_problem(tmp_path, populated):
+    """A record that fails its own checksum is never trusted: not matched, not "unknown", a problem."""
+    from kvtier.core.tiers.chunkfile import TENANT_OFFSET
+
+    store, _other, chains = populated
+    path = store.tier("disk").path(chains["B"][0])
+    raw = bytearray(path.read_bytes())
+    raw[TENANT_OFFSET + 10] ^= 0x01
+    path.write_bytes(bytes(raw))
+    done = purge(disk_config(tmp_path), PurgeSelector(cache_salt="B"), dry_run=False)
+    (mine,) = [r for r in done if r.namespace.hex() == store.tier("disk").dir.name]
+    assert (mine.chunks, mine.unknown_tenant, mine.damaged_tenant) == (3, 2, 1)
+    assert len(mine.problems) == 1 and str(path) in mine.problems[0] and "fails its checksum" in mine.problems[0]
+    assert path.exists()
+
+
 def test_namespace_and_age_selectors(tmp_path, populated):
     store, other, _chains = populated
     disk = tmp_path / "disk"
@@ -162,10 +179,10 @@ def test_redis_purge_by_namespace_and_age(server, request, key_prefix):
 
     dry = purge(config, PurgeSelector(), dry_run=True)
     assert sorted(r.chunks for r in dry) == [3, 4]
-    value_bytes = 64 + CHUNK_BYTES  # the shared value's header and the payload
+    value_bytes = HEADER_BYTES + CHUNK_BYTES  # the shared value's header (with its tenant record) and the payload
     assert all(r.bytes == r.chunks * value_bytes for r in dry)
-    salted = purge(config, PurgeSelector(cache_salt="B"), dry_run=False)  # values hold no tenant record yet
-    assert sum(r.chunks for r in salted) == 0 and sum(r.unknown_tenant for r in salted) == 7
+    salted = purge(config, PurgeSelector(cache_salt="B"), dry_run=True)  # tests/core/test_shared_tenant_purge.py
+    assert sum(r.chunks for r in salted) == 4 and sum(r.unknown_tenant for r in salted) == 3
 
     client = redis.RedisCluster.from_url(url) if cluster else redis.Redis.from_url(url)
     try:

@@ -1,6 +1,6 @@
 """The redis tier behind GuardedTier (kvtier.core.tiers.guarded) against real redis-servers: the
 wrapper owns deadlines, breaker and latency metrics, while reads and writes keep the tier's own
-data path (its SplitGet and StreamedPut hooks)."""
+data path (it implements the wrapper's SplitTier)."""
 
 from __future__ import annotations
 

@@ -99,7 +99,9 @@ def test_expired_objects_are_misses_and_the_sweep_deletes_them(s3_server, bucket
         assert tier.contains(key(1))
         # Last-Modified has one-second resolution: wait until the object is past the TTL
         assert wait_until(lambda: not tier.contains(key(1)), timeout_s=10, interval_s=0.2)
+        assert objects(s3_server, bucket) == [inner.object_key(key(1))]  # a lookup only hides it
         assert tier.get_into(key(1), memoryview(bytearray(CHUNK))) is GetResult.MISS
+        assert objects(s3_server, bucket) == []  # the read that found it expired deleted it
         assert tier.put(key(2), data(2)) is PutResult.STORED  # a fresh one survives the sweep
         inner.sweep()
         assert objects(s3_server, bucket) == [inner.object_key(key(2))]

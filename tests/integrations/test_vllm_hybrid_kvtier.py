@@ -29,7 +29,8 @@ from tests.integrations.vllm_helpers import result_of, run_engine
 
 pytestmark = [pytest.mark.engine, pytest.mark.shares_cpu]
 
-ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+# one compute thread for every engine compared (on its xdist worker's own core: tests/conftest.py)
+ENV = {"VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0"), "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 PAGE_BYTES = 2 * 2 * (2 * 32 * 64 * 2 * 4)  # group layers × blocks per chunk × (K,V × block × heads × head × fp32)
 
 

@@ -29,7 +29,7 @@ def probe(tmp_path: Path, geometry: str) -> tuple[dict, list[dict]]:
 
     model = write_model(tmp_path / geometry, geometry, weights="random", seed=0)
     out, record = tmp_path / "out.json", tmp_path / "record.jsonl"
-    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="0", HMA_RECORD=str(record))
+    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0"), HMA_RECORD=str(record))
     proc = subprocess.run([sys.executable, str(PROBE), str(model), geometry, str(out)], check=False, env=env,
                           cwd=tmp_path, capture_output=True, timeout=420)
     if proc.returncode != 0:

@@ -19,11 +19,19 @@ kvtier's disk tier: replica ``i`` gets ``<disk_path>/r<i>``, a local disk per ho
 "give each replica its own directory").  What they share is what the arm names as shared: the
 ``redis_url`` server and key prefix, the ``s3_bucket`` and key prefix, and ExampleConnector's
 ``shared_storage_path`` (a directory vLLM's example shares between instances by design).
+
+Cores (:func:`replica_cores`): vLLM's CPU backend binds a server's OpenMP compute threads to the
+host's cores minus the reserved ones, the same cores for every server (vllm/utils/ompmultiprocessing.py,
+v0.32.0, ``VLLM_CPU_OMP_THREADS_BIND=auto``), so N replicas on one host would all compute on one set
+of cores and leave the rest idle.  Each replica gets its own slice of this process's cores instead
+(``VLLM_CPU_OMP_THREADS_BIND``), as separate hosts would, unless the spec or the environment already
+sets a binding or the spec runs tensor parallel.  Every arm of a run gets the same slices.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -47,26 +55,58 @@ def replica_log_paths(log_path: Path, replicas: int) -> list[Path]:
     return [log_path.with_name(f"{log_path.stem}-r{i}{log_path.suffix}") for i in range(replicas)]
 
 
+def replica_cores(replicas: int, reserved_per_replica: int, cores: Sequence[int] | None = None) -> list[str] | None:
+    """Each replica's ``VLLM_CPU_OMP_THREADS_BIND`` value: ``cores`` (this process's, by default)
+    split into ``replicas`` equal runs after leaving ``reserved_per_replica`` free per replica (the
+    scheduler's core, as vLLM reserves one), at least one core each, wrapping around when there are
+    more replicas than cores; e.g. cores 0-1, 2 replicas, 1 reserved: ``["0", "1"]``; cores 0-63:
+    ``["0-30", "31-61"]``.  ``None`` for one replica (vLLM's own choice stands)."""
+    if replicas <= 1:
+        return None
+    ids = sorted(os.sched_getaffinity(0) if cores is None else cores)
+    per = max(1, (len(ids) - replicas * max(0, reserved_per_replica)) // replicas)
+    out = []
+    for i in range(replicas):
+        mine = [ids[(i * per + j) % len(ids)] for j in range(per)]
+        out.append(str(mine[0]) if per == 1 else ",".join(map(str, mine)))
+    return out
+
+
+def _binds_itself(spec: ServerSpec) -> bool:
+    """The spec (or this environment) chooses its own cores, or runs tensor parallel (one list per rank)."""
+    args = " ".join(spec.extra_args)
+    return ("VLLM_CPU_OMP_THREADS_BIND" in spec.env or "VLLM_CPU_OMP_THREADS_BIND" in os.environ
+            or "--tensor-parallel-size" in args or "-tp" in spec.extra_args)
+
+
 def replica_specs(spec: ServerSpec, replicas: int) -> list[ServerSpec]:
     """The ``replicas`` servers' specs of one arm and run: ``spec`` itself for one replica; for
     several, the same spec each, with every directory of :data:`STORAGE_KEYS` in its connector's
     ``kv_connector_extra_config`` moved to ``<dir>/r<i>`` for replica ``i`` (see the module
-    docstring).  Shared servers, buckets and key prefixes are left as they are.
+    docstring), and, for several, replica ``i``'s ``VLLM_CPU_OMP_THREADS_BIND`` set to its slice of
+    :func:`replica_cores` (unless the spec binds its own cores).  Shared servers, buckets and key
+    prefixes are left as they are.
 
     Raises:
         ValueError: ``replicas`` is below 1.
     """
     if replicas < 1:
         raise ValueError(f"replicas must be at least 1, not {replicas}")
+    if replicas == 1:
+        return [spec]
     config = spec.kv_transfer_config or {}
     extra = config.get("kv_connector_extra_config") or {}
     own = [k for k in STORAGE_KEYS if extra.get(k)]
-    if replicas == 1 or not own:
-        return [spec] * replicas
+    binds = None if _binds_itself(spec) else replica_cores(replicas, spec.reserved_cpus or 0)
     out = []
     for i in range(replicas):
-        mine = {**extra, **{k: str(Path(str(extra[k])) / f"r{i}") for k in own}}
-        out.append(dataclasses.replace(spec, kv_transfer_config={**config, "kv_connector_extra_config": mine}))
+        mine = spec
+        if own:
+            moved = {**extra, **{k: str(Path(str(extra[k])) / f"r{i}") for k in own}}
+            mine = dataclasses.replace(mine, kv_transfer_config={**config, "kv_connector_extra_config": moved})
+        if binds is not None:
+            mine = dataclasses.replace(mine, env={**spec.env, "VLLM_CPU_OMP_THREADS_BIND": binds[i]})
+        out.append(mine)
     return out
 
 

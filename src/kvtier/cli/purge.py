@@ -1,5 +1,5 @@
 """``kvtier purge``: remove stored KV chunks by namespace, tenant (cache_salt, LoRA) or age from a
-disk tier's directory and/or a Redis/Valkey server, offline or under a live engine."""
+disk tier's directory, a Redis/Valkey server and/or an S3 bucket, offline or under a live engine."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from kvtier.core.errors import UserError
 
 HELP = """Remove stored KV chunks from a disk tier's directory (--disk-path), a Redis/Valkey server or Cluster (--redis-url) and/or an S3 bucket (--s3-bucket, with --s3-endpoint-url for MinIO, Ceph RGW or R2; credentials from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or --s3-credentials-file), selected by namespace, cache_salt, LoRA adapter or age. Safe under a live engine: a purged chunk is never served (the engine reads it as a miss and recomputes); a live engine may still report it as a hit for a bounded time (docs/purge.md).
 
-Selectors (a chunk must match every one given): --namespace HEX (repeatable; the 32-hex-digit directory names under disk_path; a dry run lists them), --older-than DURATION (written more than that long ago: a file's modification time on disk; an object's Last-Modified on S3; redis_ttl_s minus the key's remaining PTTL on Redis, so give --redis-ttl-s if the engines do not use the default), --salt SALT (the requests' cache_salt), --lora NAME (the LoRA adapter's name). --salt and --lora match only chunks saved with a tenant record (kvtier from this version on, disk tier only): older files and every Redis or S3 value are left alone and counted as "unknown tenant". Without any selector, purge refuses unless --all is given.
+Selectors (a chunk must match every one given): --namespace HEX (repeatable; the 32-hex-digit directory names under disk_path; a dry run lists them), --older-than DURATION (written more than that long ago: a file's modification time on disk; an object's Last-Modified on S3; redis_ttl_s minus the key's remaining PTTL on Redis, so give --redis-ttl-s if the engines do not use the default), --salt SALT (the requests' cache_salt), --lora NAME (the LoRA adapter's name). --salt and --lora match only chunks saved with a tenant record (kvtier from this version on; disk files, Redis values and S3 objects alike): older chunks are left alone and counted as "unknown tenant", and a chunk whose record fails its check is left alone and named as a problem. Without any selector, purge refuses unless --all is given.
 
 --dry-run prints what would go (chunks and bytes per tier and namespace) and removes nothing; without it the same numbers are what was removed. --json prints them as JSON. Exit code 0 when done, 1 when some chunk could not be read or removed or a server did not answer, 2 on bad input.
 
@@ -27,6 +27,10 @@ Examples:
   kvtier purge --disk-path /nvme/kvtier --older-than 7d
 
   kvtier purge --redis-url redis://10.0.0.5:6379/0 --redis-password-env REDIS_PASSWORD --namespace 3f2a...e1 --json
+
+  kvtier purge --redis-url redis://10.0.0.5:7000 --redis-cluster --salt tenant-b --dry-run
+
+  kvtier purge --s3-bucket kvcache --s3-endpoint-url https://minio.example:9000 --salt tenant-b
 
   kvtier purge --disk-path /nvme/kvtier --all
 """
@@ -126,9 +130,11 @@ def purge_command(
         print(json.dumps({
             "dry_run": dry_run,
             "namespaces": [{"tier": r.tier, "namespace": r.namespace.hex(), "chunks": r.chunks, "bytes": r.bytes,
-                            "unknown_tenant": r.unknown_tenant, "problems": r.problems} for r in results],
+                            "unknown_tenant": r.unknown_tenant, "damaged_tenant": r.damaged_tenant,
+                            "problems": r.problems} for r in results],
             "total": {"chunks": sum(r.chunks for r in results), "bytes": sum(r.bytes for r in results),
-                      "unknown_tenant": sum(r.unknown_tenant for r in results)},
+                      "unknown_tenant": sum(r.unknown_tenant for r in results),
+                      "damaged_tenant": sum(r.damaged_tenant for r in results)},
         }, indent=2))
     else:
         _print_table(results, dry_run, selector.needs_tenant)
@@ -158,8 +164,13 @@ def _print_table(results: list[Any], dry_run: bool, tenant: bool) -> None:
                   f"({size / 2**30:.3f} GiB) in {sum(1 for r in results if r.namespace)} namespaces.")
     unknown = sum(r.unknown_tenant for r in results)
     if unknown:
-        console.print(f"Kept {unknown:,} chunks whose tenant is unknown (saved before tenant records, or on Redis): "
-                      "--salt and --lora never match them; use --namespace or --older-than to remove them.")
+        console.print(f"Kept {unknown:,} chunks whose tenant is unknown (saved before tenant records, or by a store "
+                      "not told its tenant): --salt and --lora never match them; use --namespace or --older-than to "
+                      "remove them.")
+    damaged = sum(r.damaged_tenant for r in results)
+    if damaged:
+        console.print(f"Kept {damaged:,} chunks whose tenant record fails its check (never trusted; named below): "
+                      "use --namespace or --older-than to remove them.")
     for r in results:
         for p in r.problems:
             console.print(f"[yellow]problem[/yellow] {r.tier}{' ' + r.namespace.hex() if r.namespace else ''}: {p}",

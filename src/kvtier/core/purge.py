@@ -5,7 +5,7 @@ Each tier that can be purged names a hook in its registry record
 (:attr:`~kvtier.core.tiers.registry.TierSpec.purge`,
 ``purge(config, selector, dry_run) -> list[NamespacePurge] | None``); :func:`purge` runs every
 hook whose target the configuration names (the disk tier's ``disk_path``, the redis tier's
-``redis_url``).  A hook lists what the :class:`PurgeSelector` matches and, unless ``dry_run``,
+``redis_url``, the s3 tier's ``s3_bucket``).  A hook lists what the :class:`PurgeSelector` matches and, unless ``dry_run``,
 removes it; either way it returns the same numbers, so a dry run says exactly what a purge of an
 unchanged store removes.
 
@@ -102,14 +102,25 @@ class PurgeSelector:
         """Whether a chunk written at ``written_s`` (seconds since the epoch) matches the age filter."""
         return self.older_than_s is None or written_s <= self.now - self.older_than_s
 
-    def tenant_match(self, namespace: bytes, raw_record: bytes | memoryview) -> bool | None:
-        """Whether the tenant record ``raw_record`` of a chunk of ``namespace`` matches (``True``
-        when the selector names no tenant); ``None`` when the record is unknown."""
+    def tenant_admits(self, result: NamespacePurge, namespace: bytes, raw_record: bytes | memoryview | None,
+                      where: str) -> bool:
+        """Whether a chunk of ``namespace`` with tenant record ``raw_record`` (``None``: a value
+        format with no room for one) goes, counting in ``result`` why one stays: an absent record
+        is an unknown tenant (:attr:`NamespacePurge.unknown_tenant`); a record that fails its check
+        (:class:`~kvtier.core.tenant.DamagedRecord`) is never trusted: kept, counted in
+        :attr:`NamespacePurge.damaged_tenant` and named as a problem (``where``: the chunk's
+        file, key or object).  ``True`` when the selector names no tenant."""
         if not self.needs_tenant:
             return True
-        rec = tenant.decode(raw_record)
+        try:
+            rec = None if raw_record is None else tenant.read(raw_record)
+        except tenant.DamagedRecord as exc:
+            result.damaged_tenant += 1
+            result.problem(f"{where}: {exc}; kept")
+            return False
         if rec is None:
-            return None
+            result.unknown_tenant += 1
+            return False
         return tenant.matches(rec, namespace, self.cache_salt, self.lora_name)
 
 
@@ -123,6 +134,8 @@ class NamespacePurge:
         chunks / bytes: chunks matched and their stored bytes (headers included).
         unknown_tenant: chunks a ``--salt``/``--lora`` selector left alone because their tenant
             record is unknown (saved before the record existed, or by a store that could not say).
+        damaged_tenant: chunks a ``--salt``/``--lora`` selector left alone because their tenant
+            record fails its check (each also a problem).
         problems: one phrase per chunk that could not be read or removed (first few only).
     """
 
@@ -131,6 +144,7 @@ class NamespacePurge:
     chunks: int = 0
     bytes: int = 0
     unknown_tenant: int = 0
+    damaged_tenant: int = 0
     problems: list[str] = field(default_factory=list)
 
     def problem(self, text: str) -> None:

@@ -117,9 +117,10 @@ class WireCounters:
         with self._lock:
             self.skipped_writes += num_chunks
 
-    def corrupt(self) -> None:
+    def corrupt(self, n: int = 1) -> None:
+        """``n`` values that failed verification."""
         with self._lock:
-            self.corrupt_values += 1
+            self.corrupt_values += n
 
     def snapshot(self, breaker_state: int, breaker_opened: int) -> WireStats:
         """The counters with the breaker's state, as one :class:`WireStats`."""

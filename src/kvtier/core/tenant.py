@@ -25,8 +25,10 @@ Layout of the record (little-endian)::
     40      8     XXH3-64 of bytes 0..39
 
 A record that is absent (all zero: a chunk saved before this record existed, or by a writer that
-did not know its tenant) or fails its checksum is **unknown**: ``--salt``/``--lora`` never match
-it, and ``kvtier purge`` reports how many chunks were left for that reason.  A request without a
+did not know its tenant) is **unknown**: ``--salt``/``--lora`` never match it, and ``kvtier
+purge`` reports how many chunks were left for that reason.  One that is present but fails its
+check (:func:`read` raises :class:`DamagedRecord`) is never trusted: the purge leaves the chunk
+alone and names it as a problem.  A request without a
 salt writes a known record with flag bit 0 clear: it is never matched by ``--salt``.
 """
 
@@ -85,7 +87,10 @@ def writing_for(tenant: TenantId | None) -> Iterator[None]:
     The store's write path (:mod:`kvtier.core.lower`) wraps each tier write in it, so that a tier
     with room for the record (the disk tier's header) reads it with :func:`current` without the
     tier contract's ``put`` growing an argument every tier would have to carry.  A tier that writes
-    on another thread sees ``None``: the record is then unknown, never wrong."""
+    on another thread sees ``None``: the record is then unknown, never wrong.  The shared tiers
+    (redis, s3) read it where their ``put_many``/``stream_put``/``encode_values`` is called (the
+    caller's thread, also behind :class:`~kvtier.core.tiers.guarded.GuardedTier`) and carry it
+    with the write to their own threads."""
     before = getattr(_writing, "tenant", None)
     _writing.tenant = tenant
     try:
@@ -128,18 +133,39 @@ class Record(NamedTuple):
     lora: bytes
 
 
-def decode(raw: bytes | memoryview) -> Record | None:
-    """The record in ``raw`` (at least :data:`RECORD_BYTES` bytes); ``None`` when unknown (absent,
-    another version, or a checksum mismatch)."""
+class DamagedRecord(ValueError):
+    """A record that is not all zero (so a writer put one there) but fails its check: another
+    magic or version, or its checksum fails.  Never trusted: ``kvtier purge`` leaves the chunk
+    alone and names it as a problem."""
+
+
+def read(raw: bytes | memoryview) -> Record | None:
+    """The record in ``raw`` (at least :data:`RECORD_BYTES` bytes); ``None`` when absent (all zero:
+    the writer did not know its tenant, or wrote before records existed).
+
+    Raises:
+        DamagedRecord: not all zero, and a short record, another magic or version, or a checksum mismatch.
+    """
     raw = bytes(raw[:RECORD_BYTES])
+    if raw == bytes(RECORD_BYTES):
+        return None
     if len(raw) < RECORD_BYTES or raw[:4] != MAGIC:
-        return None
+        raise DamagedRecord("its tenant record is not one this kvtier writes")
     if xxhash.xxh3_64_digest(raw[:_FIELDS.size]) != raw[_FIELDS.size:RECORD_BYTES]:
-        return None
+        raise DamagedRecord("its tenant record fails its checksum")
     _magic, version, flags, _zero, salt, lora = _FIELDS.unpack(raw[:_FIELDS.size])
     if version != VERSION:
-        return None
+        raise DamagedRecord(f"its tenant record is of version {version}, which this kvtier does not read")
     return Record(flags, salt, lora)
+
+
+def decode(raw: bytes | memoryview) -> Record | None:
+    """The record in ``raw`` (at least :data:`RECORD_BYTES` bytes); ``None`` when unknown (absent,
+    another version, or a checksum mismatch: :func:`read` tells those apart)."""
+    try:
+        return read(raw)
+    except DamagedRecord:
+        return None
 
 
 def matches(rec: Record, namespace: bytes, cache_salt: str | None, lora_name: str | None) -> bool:

@@ -127,6 +127,21 @@ def random_prompt(seed: int, num_words: int) -> str:
     return " ".join(rng.choice(words) for _ in range(num_words))
 
 
+def random_prompt_ids(tokenizer_path: Path, num_tokens: int, seed: int) -> list[int]:
+    """Exactly ``num_tokens`` token ids of a seeded :func:`random_prompt` encoded with the
+    ``tokenizer.json`` at ``tokenizer_path`` (the test model's own; benchmarks that drive an engine
+    with ``prompt_token_ids``)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    words = num_tokens
+    ids = tok.encode(random_prompt(seed, words)).ids
+    while len(ids) < num_tokens:
+        words *= 2
+        ids = tok.encode(random_prompt(seed, words)).ids
+    return list(ids[:num_tokens])
+
+
 def _write_tokenizer(out: Path, vocab_size: int, seed: int) -> int:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 

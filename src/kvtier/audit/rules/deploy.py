@@ -20,6 +20,7 @@ from kvtier.audit.model import ServeConfig
 from kvtier.audit.rules.base import rule
 from kvtier.audit.versions import version_from_image
 from kvtier.core.config import KVTierConfig
+from kvtier.core.tiers.registry import asked_by
 
 _DOCS = "kvtier docs/deploy.md"
 K8S_DEFAULT_GRACE_S = 30.0
@@ -66,15 +67,19 @@ def _number(value: Any, default: float) -> float:
     return number if math.isfinite(number) else default
 
 
-def _disk_tier(extra: dict[str, Any]) -> str | None:
-    """``disk_path`` when the disk tier is on (a path, disk_gib > 0, "disk" in tiers if given)."""
-    path = extra.get("disk_path")
+def _left_out(extra: dict[str, Any], key: str) -> bool:
+    """Whether the settings' ``tiers`` list, if given, leaves out the tier that ``key`` asks for
+    (the registry's record listing ``key``; the raw list is read: no configuration is built)."""
     tiers = extra.get("tiers")
+    return isinstance(tiers, list) and asked_by(key) not in tiers
+
+
+def _disk_tier(extra: dict[str, Any]) -> str | None:
+    """``disk_path`` when the disk tier is on (a path, disk_gib > 0, its tier in tiers if given)."""
+    path = extra.get("disk_path")
     if not isinstance(path, str) or not path or _number(extra.get("disk_gib"), 0.0) <= 0:
         return None
-    if isinstance(tiers, list) and "disk" not in tiers:
-        return None
-    return path
+    return None if _left_out(extra, "disk_path") else path
 
 
 def _repository(image: str) -> str:
@@ -299,8 +304,7 @@ def kvtier_shared_tier_cleartext_beyond_namespace(c: ServeConfig) -> str | None:
     if extra is None or c.pod is None:
         return None
     url = extra.get("redis_url")
-    tiers = extra.get("tiers")
-    if not isinstance(url, str) or (isinstance(tiers, list) and "redis" not in tiers):
+    if not isinstance(url, str) or _left_out(extra, "redis_url"):
         return None
     try:
         parts = urlsplit(url)

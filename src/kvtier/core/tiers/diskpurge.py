@@ -6,8 +6,9 @@ shard directories ``00`` … ``ff`` holding ``<key hex>.kvc`` files: :mod:`kvtie
 A chunk file matches a :class:`~kvtier.core.purge.PurgeSelector` by its namespace directory, its
 modification time (when it was written: files are written once, into a temporary file renamed into
 place) and, for ``--salt``/``--lora``, the tenant record in its header
-(:mod:`kvtier.core.tenant`); a file whose header cannot be read or checked is left alone and
-reported (a live engine removes it as corrupt when it reads it).
+(:mod:`kvtier.core.tenant`); a file whose header cannot be read or checked, or whose tenant
+record fails its own check, is left alone and reported (a live engine removes a bad header as
+corrupt when it reads it; a bad tenant record leaves the chunk readable).
 
 Removing a file a live engine is reading is safe: an open file stays readable to the reader that
 opened it (POSIX ``unlink(2)``), which then serves a verified chunk it had begun to read; a read
@@ -129,10 +130,8 @@ def purge_namespace(directory: Path, namespace: bytes, selector: PurgeSelector, 
         if not selector.old_enough(st.st_mtime):
             continue
         if selector.needs_tenant:
-            verdict = _tenant_match(entry.path, namespace, selector, result)
-            if verdict is None:
-                result.unknown_tenant += 1
-            if not verdict:
+            record = _tenant_record(entry.path, namespace, result)
+            if record is None or not selector.tenant_admits(result, namespace, record, entry.path):
                 continue
         if not dry_run:
             try:
@@ -147,27 +146,27 @@ def purge_namespace(directory: Path, namespace: bytes, selector: PurgeSelector, 
     return result
 
 
-def _tenant_match(path: str, namespace: bytes, selector: PurgeSelector, result: NamespacePurge) -> bool | None:
-    """Whether the file's tenant record matches; ``None`` when unknown; ``False`` (with a problem
-    noted) when the header cannot be read or checked."""
+def _tenant_record(path: str, namespace: bytes, result: NamespacePurge) -> bytes | None:
+    """The raw tenant record in the file's header; ``None`` (with a problem noted) when the header
+    cannot be read or checked, or the file is gone."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     except FileNotFoundError:
-        return False
+        return None
     except OSError as exc:
         result.problem(f"cannot read {path} ({exc.strerror})")
-        return False
+        return None
     try:
         header = decode_header(os.pread(fd, HEADER_BYTES, 0))
     except ChunkFormatError as exc:
         result.problem(f"{path}: {exc}")
-        return False
+        return None
     except OSError as exc:
         result.problem(f"cannot read {path} ({exc.strerror})")
-        return False
+        return None
     finally:
         os.close(fd)
     if header.namespace != namespace:
         result.problem(f"{path}: chunk belongs to another namespace")
-        return False
-    return selector.tenant_match(namespace, header.tenant)
+        return None
+    return bytes(header.tenant)

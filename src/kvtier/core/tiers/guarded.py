@@ -10,11 +10,8 @@ lives here, once:
 - **No late writes into a caller's buffer.**  Reads go into the wrapper's own buffers and are
   copied into the caller's only after the call returned in time; a call given up at the
   deadline may finish later, into buffers nobody reads.  Writes hand the inner tier private
-  copies, so a caller may reuse its buffer as soon as ``put_many`` returns.  An inner tier given
-  directly that implements :class:`ValueTier` (the s3 tier) skips both extra copies: its reads return values it allocated
-  itself (a late one lands in nobody's buffer) and are verified and copied into the caller's
-  buffers on the caller's thread after the call returned in time; its writes are encoded (the
-  one copy a write needs) on the caller's thread before the call is queued.
+  copies, so a caller may reuse its buffer as soon as ``put_many`` returns.  A tier that
+  implements :class:`SplitTier` keeps its own data path instead, without those copies (below).
 - **Circuit breaker** (:class:`~kvtier.core.tiers.breaker.CircuitBreaker`): a call that raises
   or passes its deadline is a failure; ``breaker_failures`` in a row open it, and calls are then
   skipped (counted) without reaching the inner tier until a probe every ``breaker_probe_s``
@@ -28,22 +25,30 @@ lives here, once:
 The inner tier raises on a fault (it is called only through this wrapper); its results on a
 success are passed through unchanged.
 
-Two optional hooks let a tier keep its own data path behind the wrapper (the redis tier has both;
-any tier may):
+One optional protocol, :class:`SplitTier`, lets a remote tier keep its own data path behind the
+wrapper, with no copy of a payload beyond the one each direction needs (the redis and s3 tiers
+implement it; a new remote tier implements it too, or gets the private copies above).  Each
+direction splits into a wire half on the wrapper's threads (under the deadline and the breaker)
+and a half on the caller's thread:
 
-- :class:`SplitGet`: a read in two halves, the wire (``fetch_many``, on the wrapper's threads,
-  into the tier's own reused buffers) and the rest (``finish_get``: verify and copy into the
-  caller's buffers, on the caller's thread, only after the fetch returned in time).  The wrapper's
-  own per-call buffers and their extra copy are then not needed.
-- :class:`StreamedPut`: a write as a :class:`PutStream`: ``send`` on the wrapper's threads while
-  ``produce`` (e.g. digests) runs on the caller's thread, then ``abandon`` once the caller stops
-  waiting, so a write given up at the deadline stops before its next chunk.  The caller's buffers
-  are passed uncopied: such a tier guarantees that a payload changed after the deadline can only
-  be stored as a value that fails verification (a miss), never served.
+- **Reads**: ``fetch_many`` (wrapper's threads) receives the values into buffers the tier owns,
+  never a caller's: reused ones (redis) or new ones per call (s3); a late fetch lands in nobody's
+  buffer.  ``finish_get`` (caller's thread, only after the fetch returned in time) verifies each
+  value and copies its payload into the caller's buffer: the one copy a read needs.  It touches
+  no network; the wrapper then deletes every ``CORRUPT`` key through its own guarded
+  ``delete_many``.
+- **Writes**: ``stream_put`` returns a :class:`PutStream`: ``send`` on the wrapper's threads while
+  ``produce`` (digests, or whole encoded values) runs on the caller's thread, then ``abandon``
+  once the caller stops waiting, so a write given up at the deadline stops before its next
+  chunk.  What ``send`` may read of the caller's buffers after ``put_many`` returned is the
+  tier's guarantee: either nothing (the s3 tier's ``produce`` encodes header + payload, the one
+  copy a write needs) or payloads whose digests ``produce`` already took, so a payload changed
+  after the deadline is stored as a value that fails verification (a miss), never served (the
+  redis tier sends payloads straight from the caller's memory).
 
-A hook is used only on a tier given directly, never through another wrapper (a
-:class:`~kvtier.core.tiers.wrappers.TierWrapper` forwards attributes, and a hook reached that way
-would bypass the wrapper in between).
+The protocol is used only on a tier given directly, never through another wrapper (a
+:class:`~kvtier.core.tiers.wrappers.TierWrapper` forwards attributes, and a method reached that
+way would bypass the wrapper in between).
 """
 
 from __future__ import annotations
@@ -70,24 +75,18 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-@runtime_checkable
-class SplitGet(Protocol):
-    """A tier whose reads split into the wire half and the caller's half (see the module docstring)."""
-
-    def fetch_many(self, keys: Sequence[ChunkKey]) -> Any:
-        """Fetch the values of ``keys`` into the tier's own buffers (never a caller's); raises on a fault."""
-
-    def finish_get(self, keys: Sequence[ChunkKey], fetched: Any, dsts: Sequence[memoryview]) -> list[GetResult]:
-        """Verify what :meth:`fetch_many` returned in time and copy each payload into ``dsts[i]``;
-        the wrapper deletes every ``CORRUPT`` key afterwards (a guarded ``delete_many``)."""
+class WriteAbandoned(Exception):
+    """A :class:`PutStream`'s ``send`` stopped: the caller abandoned the write, or ``produce`` did
+    not deliver the next chunk in time (a fault of that call, nothing more)."""
 
 
 @dataclass
 class PutStream:
-    """One write of a :class:`StreamedPut` tier.
+    """One write of a :class:`SplitTier`.
 
     Attributes:
-        send: puts every chunk (on the wrapper's threads); raises on a fault.
+        send: puts every chunk (on the wrapper's threads); raises on a fault, and
+            :class:`WriteAbandoned` once ``abandon`` was called or ``produce`` fell behind.
         produce: given the ``time.perf_counter()`` at which the call's deadline passes, prepares
             what ``send`` consumes (on the caller's thread, while ``send`` runs); any wait in it
             ends by that time.
@@ -101,39 +100,41 @@ class PutStream:
 
 
 @runtime_checkable
-class StreamedPut(Protocol):
-    """A tier whose writes run as a :class:`PutStream` (see the module docstring)."""
+class SplitTier(Protocol):
+    """A remote tier whose reads and writes split into a wire half (the wrapper's threads) and a
+    half on the caller's thread, so :class:`GuardedTier` needs no private copies (see the module
+    docstring).  The redis and s3 tiers implement it; each method raises on a fault, as the tier's
+    ``get_many``/``put_many`` do, which are expected to be these halves run on one thread."""
+
+    def fetch_many(self, keys: Sequence[ChunkKey]) -> Any:
+        """Fetch the values of ``keys`` into buffers the tier owns (never a caller's); an opaque
+        result for :meth:`finish_get`.  Runs on the wrapper's threads."""
+
+    def finish_get(self, keys: Sequence[ChunkKey], fetched: Any, dsts: Sequence[memoryview]) -> list[GetResult]:
+        """Verify what :meth:`fetch_many` returned in time and copy each payload into ``dsts[i]``
+        (``MISS``: absent; ``CORRUPT``: failed verification, counted and forgotten).  Runs on the
+        caller's thread and touches no network: the wrapper deletes every ``CORRUPT`` key
+        afterwards (a guarded ``delete_many``)."""
 
     def stream_put(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> PutStream:
-        """The stream that writes ``datas[i]`` under ``keys[i]`` (``datas`` used in place, uncopied)."""
+        """The stream that writes ``datas[i]`` under ``keys[i]`` (``datas`` are the caller's
+        buffers, uncopied: see the module docstring for what ``send`` may read of them)."""
 
 
-@runtime_checkable
-class ValueTier(Protocol):
-    """A remote tier whose values can be fetched and stored whole, without the wrapper's private
-    copies (the s3 tier; see the module docstring).  Each method raises on a fault, as the tier's
-    ``get_many``/``put_many`` do.
-
-    - ``read_values(keys)``: one value per key, each a new buffer the tier allocated (``None``:
-      absent), fetched in parallel; runs on the wrapper's threads.
-    - ``accept_values(keys, values, dsts, seconds)``: verify each value and copy its payload into
-      ``dsts`` (a corrupt or expired value is a miss, and the tier deletes it in the background,
-      never waiting); ``seconds``: how long the read took (the tier's numbers).  Runs on the
-      caller's thread, after ``read_values`` returned in time.
-    - ``encode_values(keys, datas)``: the values to write (header + payload), made on the
-      caller's thread so the caller may reuse ``datas`` once ``put_many`` returns.
-    - ``put_values(keys, values, payload_bytes)``: write them; runs on the wrapper's threads.
-    """
-
-    def read_values(self, keys: Sequence[ChunkKey]) -> list[Any]: ...
-
-    def accept_values(self, keys: Sequence[ChunkKey], values: Sequence[Any], dsts: Sequence[memoryview],
-                      seconds: float) -> list[GetResult]: ...
-
-    def encode_values(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> list[Any]: ...
-
-    def put_values(self, keys: Sequence[ChunkKey], values: Sequence[Any], payload_bytes: Sequence[int]
-                   ) -> list[PutResult]: ...
+def split_get(split: SplitTier, keys: Sequence[ChunkKey], dsts: Sequence[memoryview], fetch: Callable[[], Any],
+              delete: Callable[[list[ChunkKey]], object]) -> list[GetResult]:
+    """One :class:`SplitTier` read: ``fetch()`` (``split.fetch_many(keys)``, on this thread or
+    under a deadline; ``None``: every key a miss), ``split.finish_get`` on this thread, then
+    ``delete`` of every ``CORRUPT`` key.  A tier's own ``get_many`` and :class:`GuardedTier` both
+    read this way."""
+    fetched = fetch()
+    if fetched is None:
+        return [GetResult.MISS] * len(keys)
+    results = split.finish_get(keys, fetched, dsts)
+    corrupt = [k for k, r in zip(keys, results, strict=True) if r is GetResult.CORRUPT]
+    if corrupt:
+        delete(corrupt)
+    return results
 
 
 class GuardedTier(TierWrapper):
@@ -169,10 +170,8 @@ class GuardedTier(TierWrapper):
         self._closed = False
         self._last_error = 0.0
         self.clear_deadline_s = clear_deadline_s
-        direct = not isinstance(inner, TierWrapper)  # a hook is never reached through another wrapper
-        self._split_get = inner if direct and isinstance(inner, SplitGet) else None
-        self._streamed_put = inner if direct and isinstance(inner, StreamedPut) else None
-        self._value_tier = inner if direct and isinstance(inner, ValueTier) else None
+        direct = not isinstance(inner, TierWrapper)  # SplitTier is never reached through another wrapper
+        self._split = inner if direct and isinstance(inner, SplitTier) else None
 
     # ---- the call path ---------------------------------------------------------------------
     def _deadline(self, op: str) -> float:
@@ -243,22 +242,9 @@ class GuardedTier(TierWrapper):
     def get_many(self, keys: Sequence[ChunkKey], dsts: Sequence[memoryview]) -> list[GetResult]:
         if not keys:
             return []
-        if (split := self._split_get) is not None:
-            fetched = self._call("get", lambda: split.fetch_many(keys))
-            if fetched is None:
-                return [GetResult.MISS] * len(keys)
-            results = split.finish_get(keys, fetched, dsts)
-            corrupt = [k for k, r in zip(keys, results, strict=True) if r is GetResult.CORRUPT]
-            if corrupt:
-                self.delete_many(corrupt)
-            return results
-        if (value_tier := self._value_tier) is not None:
-            inner = value_tier
-            t0 = time.perf_counter()
-            values = self._call("get", lambda: inner.read_values(keys))
-            if values is None:
-                return [GetResult.MISS] * len(keys)
-            return inner.accept_values(keys, values, dsts, time.perf_counter() - t0)
+        if (split := self._split) is not None:  # the wire half under the deadline, then verify on this thread
+            return split_get(split, keys, dsts, lambda: self._call("get", lambda: split.fetch_many(keys)),
+                             self.delete_many)
         own = [bytearray(memoryview(d).nbytes) for d in dsts]  # a late call fills these, never the caller's
         got = self._call("get", lambda: self.inner.get_many(keys, [memoryview(b) for b in own]))
         if got is None:
@@ -271,17 +257,12 @@ class GuardedTier(TierWrapper):
     def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> list[PutResult]:
         if not keys:
             return []
-        if self._streamed_put is not None:  # the caller's buffers, uncopied (see StreamedPut)
-            stream = self._streamed_put.stream_put(keys, datas)
+        if self._split is not None:  # the caller's buffers, uncopied (see SplitTier)
+            stream = self._split.stream_put(keys, datas)
             try:
                 got = self._call("put", stream.send, during=stream.produce)
             finally:
                 stream.abandon()
-        elif (value_tier := self._value_tier) is not None:
-            inner = value_tier
-            values = inner.encode_values(keys, datas)  # the one copy a write needs, on the caller's thread
-            sizes = [memoryview(d).nbytes for d in datas]
-            got = self._call("put", lambda: inner.put_values(keys, values, sizes))
         else:
             copies = [bytes(d) for d in datas]  # the caller may reuse its buffers once this returns
             got = self._call("put", lambda: self.inner.put_many(keys, copies))

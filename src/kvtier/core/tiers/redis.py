@@ -1,7 +1,8 @@
 """Redis / Valkey shared tier (standalone or Cluster) on redis-py.
 
 - **One value per chunk**, written with one ``SET key value EX ttl NX``: a header (format version,
-  namespace, key, length, digest) and the payload (:mod:`kvtier.core.tiers.sharedvalue`).  A read
+  namespace, key, length, the writer's tenant record for ``kvtier purge --salt``/``--lora``,
+  digest) and the payload (:mod:`kvtier.core.tiers.sharedvalue`).  A read
   verifies everything; a value that fails is a ``CORRUPT`` miss and is deleted.  A key the server
   evicted on its own (``maxmemory``, TTL) is a plain miss.
 - **Keys** are ``<prefix><namespace hex>:<chunk key hex>``, built in one place for every command
@@ -21,8 +22,8 @@
   full server under Redis's default ``maxmemory-policy noeviction``, ``-READONLY`` from a
   replica, ``-NOPERM``) is one of :attr:`RedisTier.refusal_errors`: it fails only that call and
   leaves the breaker closed, so reads go on while writes are refused.
-- **Behind the wrapper, the data path is the tier's own** (the wrapper's hooks
-  :class:`~kvtier.core.tiers.guarded.SplitGet` and :class:`~kvtier.core.tiers.guarded.StreamedPut`):
+- **Behind the wrapper, the data path is the tier's own** (it implements the wrapper's
+  :class:`~kvtier.core.tiers.guarded.SplitTier`):
   values are received into reused read buffers on the wrapper's thread and verified and copied
   into the caller's buffers on the caller's thread, only after the fetch returned in time (bytes
   arriving later are dropped, never copied into a buffer the caller has given back).  A write
@@ -46,6 +47,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvtier.core import tenant
 from kvtier.core.config import redact_url
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
@@ -53,18 +55,11 @@ from kvtier.core.stats import WireCounters, WireStats
 from kvtier.core.tiers import redisstream
 from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, TierUsage
 from kvtier.core.tiers.breaker import CircuitBreaker
-from kvtier.core.tiers.guarded import GuardedTier, PutStream
+from kvtier.core.tiers.guarded import GuardedTier, PutStream, WriteAbandoned, split_get
 from kvtier.core.tiers.redisclear import CLEAR_DEADLINE_S, clear_namespace
 from kvtier.core.tiers.redisclient import LazyClusterClient, make_client
 from kvtier.core.tiers.redissettings import redis_settings
-from kvtier.core.tiers.sharedvalue import (
-    HEADER_BYTES,
-    SharedValueError,
-    ValueCodec,
-    copy_payload,
-    keyspace,
-    shared_secret,
-)
+from kvtier.core.tiers.sharedvalue import HEADER_BYTES, ValueCodec, keyspace, shared_secret, verify_into
 
 if TYPE_CHECKING:
     from kvtier.core.config import KVTierConfig
@@ -140,14 +135,10 @@ class RedisTier(Tier):
     def get_many(self, keys: Sequence[ChunkKey], dsts: Sequence[memoryview]) -> list[GetResult]:
         """:meth:`fetch_many` then :meth:`finish_get` on this thread, corrupt values deleted (the
         wrapper splits the two halves over its thread and the caller's)."""
-        results = self.finish_get(keys, self.fetch_many(keys), dsts)
-        corrupt = [k for k, r in zip(keys, results, strict=True) if r is GetResult.CORRUPT]
-        if corrupt:
-            self.delete_many(corrupt)
-        return results
+        return split_get(self, keys, dsts, lambda: self.fetch_many(keys), self.delete_many)
 
     def fetch_many(self, keys: Sequence[ChunkKey]) -> tuple[list[Any], float]:
-        """The raw values of ``keys`` (``None`` where absent) and when the fetch started.  Standalone:
+        """(:class:`~kvtier.core.tiers.guarded.SplitTier`) The raw values of ``keys`` (``None`` where absent) and when the fetch started.  Standalone:
         received straight into the tier's read buffers (:func:`redisstream.get_many`); Cluster:
         redis-py's pipeline."""
         t0 = time.perf_counter()
@@ -165,31 +156,14 @@ class RedisTier(Tier):
         written, expired, evicted by the server): ``MISS``; failing verification: ``CORRUPT``
         (counted; the caller deletes it).  The read buffers go back for reuse."""
         values, t0 = fetched
-        results: list[GetResult] = []
-        num_bytes = 0
-        for key, value, dst in zip(keys, values, dsts, strict=True):
-            if value is None:
-                self._forget(key)
-                results.append(GetResult.MISS)
-                continue
-            try:
-                decoded = self.codec.decode(key, value, memoryview(dst).nbytes)
-            except SharedValueError as exc:
-                log.warning("kvtier redis tier (%s): value of chunk %s is unusable (%s); deleted, treated "
-                            "as a miss", self.where, key.hex(), exc)
-                self._forget(key)
-                with self._lock:
-                    self.corrupt += 1
-                self.wire.corrupt()
-                results.append(GetResult.CORRUPT)
-                continue
-            copy_payload(value, decoded, dst)
-            num_bytes += decoded.length
-            results.append(GetResult.HIT)
+        done = verify_into(self.codec, keys, values, dsts, f"kvtier {self.name} tier ({self.where})", self._forget)
+        with self._lock:
+            self.corrupt += done.corrupt
+        self.wire.corrupt(done.corrupt)
         if self._streamed:
             self._give_read_buffers([v.obj for v in values if v is not None])
-        self.wire.moved("read", num_bytes, time.perf_counter() - t0)
-        return results
+        self.wire.moved("read", done.payload_bytes, time.perf_counter() - t0)
+        return done.results
 
     def _read_buffer(self, size: int) -> bytearray:
         """A buffer of ``size`` bytes for one value being read (reused, so its pages are faulted in)."""
@@ -231,12 +205,18 @@ class RedisTier(Tier):
 
         A write abandoned at the deadline may still be sending from ``datas`` for a moment: a
         payload changed meanwhile no longer matches its digest, so a reader treats it as corrupt
-        (a miss), never as a hit."""
-        if self._streamed:
-            return self._stream_standalone(keys, datas)
-        return self._stream_cluster(keys, datas)
+        (a miss), never as a hit.
 
-    def _stream_standalone(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> PutStream:
+        Each value's header carries the tenant record of :func:`kvtier.core.tenant.current`, read
+        here, on the calling thread (the store's writer, which set it), and carried to whichever
+        thread encodes the headers."""
+        writer = tenant.current()
+        if self._streamed:
+            return self._stream_standalone(keys, datas, writer)
+        return self._stream_cluster(keys, datas, writer)
+
+    def _stream_standalone(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes],
+                           writer: tenant.TenantId | None) -> PutStream:
         rkeys = [self.rkey(k) for k in keys]
         payloads = [memoryview(d).cast("B") for d in datas]
         headers: list[bytes] = []
@@ -245,7 +225,7 @@ class RedisTier(Tier):
 
         def produce(_deadline: float) -> None:
             for key, payload in zip(keys, payloads, strict=True):
-                headers.append(self.codec.header(key, payload))
+                headers.append(self.codec.header(key, payload, writer))
                 ready.release()
 
         def send() -> list[PutResult]:
@@ -259,7 +239,8 @@ class RedisTier(Tier):
             ready.release()
         return PutStream(send, produce, abandon)
 
-    def _stream_cluster(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> PutStream:
+    def _stream_cluster(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes],
+                        writer: tenant.TenantId | None) -> PutStream:
         batches = self._batches(datas)
         encoded: list[list[bytearray]] = []
         ready, room = threading.Semaphore(0), threading.Semaphore(2)  # one batch on the wire, one encoded
@@ -270,7 +251,7 @@ class RedisTier(Tier):
                 if not room.acquire(timeout=max(deadline - time.perf_counter(), 0.0)) or abandoned.is_set():
                     return  # the writer waits for this batch and gives up
                 buffers = self._take_buffers([HEADER_BYTES + memoryview(d).nbytes for d in datas[start:end]])
-                encoded.append([self.codec.encode(k, d, b)
+                encoded.append([self.codec.encode(k, d, b, writer)
                                 for k, d, b in zip(keys[start:end], datas[start:end], buffers, strict=True)])
                 ready.release()
 
@@ -279,7 +260,7 @@ class RedisTier(Tier):
             created: list[bool] = []
             for i, (start, end) in enumerate(batches):
                 if not ready.acquire(timeout=self.header_wait_s) or abandoned.is_set():
-                    raise redisstream.WriteAbandoned(f"batch {i} of {len(batches)} not ready")
+                    raise WriteAbandoned(f"batch {i} of {len(batches)} not ready")
                 pipe = self.client.pipeline(transaction=False)
                 for key, value in zip(keys[start:end], encoded[i], strict=True):
                     pipe.set(self.rkey(key), value, ex=self.ttl_s, nx=True)

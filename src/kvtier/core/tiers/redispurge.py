@@ -14,9 +14,13 @@ the same ``redis_ttl_s`` as the purge (default 86400 s; ``--redis-ttl-s``).  ``O
 was not used: every engine's read resets it, and a server under an LFU ``maxmemory-policy``
 refuses it.
 
-Tenant: values carry no tenant record yet (their format, :mod:`kvtier.core.tiers.sharedvalue`, has
-no spare bytes; a record needs a new value format version), so ``--salt``/``--lora`` match no
-value, and every value they would have looked at is reported as of an unknown tenant.
+Tenant: a value of format version 2 carries its writer's tenant record in its header
+(:mod:`kvtier.core.tiers.sharedvalue`, :mod:`kvtier.core.tenant`).  With ``--salt``/``--lora`` the
+lookup pipeline adds a ``GETRANGE key 0 111`` per key (the header alone, never the payload): a
+value whose header names the namespace and chunk key its key says and whose record matches goes;
+a version-1 value (written before records) or an all-zero record is of an unknown tenant, kept and
+counted; a header that is not a kvtier value's or names another chunk, and a record that fails its
+check, are kept and named as problems.
 
 Every call is bounded by the client's socket timeouts (``redis_timeout_s``); a failure is a
 :class:`~kvtier.core.purge.PurgeFailed` naming the server.
@@ -33,6 +37,7 @@ from kvtier.core.purge import NamespacePurge, PurgeFailed, PurgeSelector
 from kvtier.core.tiers.redisclear import glob_escape
 from kvtier.core.tiers.redisclient import make_client
 from kvtier.core.tiers.redissettings import redis_settings
+from kvtier.core.tiers.sharedvalue import HEADER_BYTES, peek
 
 if TYPE_CHECKING:
     from kvtier.core.config import KVTierConfig
@@ -40,7 +45,7 @@ if TYPE_CHECKING:
 TIER = "redis"
 BATCH = 1000
 """Keys asked per ``SCAN`` call and looked up (``STRLEN``, ``PTTL``) or removed per pipeline."""
-_REST = re.compile(rb"([0-9a-f]{32}):(?:[0-9a-f]{16}:)?[0-9a-f]{32}")
+_REST = re.compile(rb"([0-9a-f]{32}):(?:[0-9a-f]{16}:)?([0-9a-f]{32})")
 
 
 def purge(config: KVTierConfig, selector: PurgeSelector, dry_run: bool) -> list[NamespacePurge] | None:
@@ -81,7 +86,7 @@ def purge(config: KVTierConfig, selector: PurgeSelector, dry_run: bool) -> list[
         patterns = ([glob_escape(prefix + ns.hex().encode() + b":") + b"*" for ns in sorted(selector.namespaces)]
                     or [glob_escape(prefix) + b"*"])
         for pattern in patterns:
-            batch: list[tuple[bytes, bytes]] = []
+            batch: list[tuple[bytes, bytes, bytes]] = []
             for rkey in client.scan_iter(match=pattern, count=BATCH):
                 match = _REST.fullmatch(rkey[len(prefix):])
                 if match is None:
@@ -89,7 +94,7 @@ def purge(config: KVTierConfig, selector: PurgeSelector, dry_run: bool) -> list[
                 namespace = bytes.fromhex(match.group(1).decode())
                 if not selector.wants_namespace(namespace):
                     continue
-                batch.append((namespace, rkey))
+                batch.append((namespace, bytes.fromhex(match.group(2).decode()), rkey))
                 if len(batch) >= BATCH:
                     _purge_batch(client, batch, selector, settings.redis_ttl_s, dry_run, results)
                     batch = []
@@ -108,17 +113,20 @@ def _cluster_enabled(client: Any) -> bool:
     return bool(int(client.info("cluster").get("cluster_enabled", 0)))
 
 
-def _purge_batch(client: Any, batch: list[tuple[bytes, bytes]], selector: PurgeSelector, ttl_s: int,
+def _purge_batch(client: Any, batch: list[tuple[bytes, bytes, bytes]], selector: PurgeSelector, ttl_s: int,
                  dry_run: bool, results: dict[bytes, NamespacePurge]) -> None:
-    """Look up (and unless ``dry_run`` remove) one batch of ``(namespace, redis key)``."""
+    """Look up (and unless ``dry_run`` remove) one batch of ``(namespace, chunk key, redis key)``."""
+    per_key = 3 if selector.needs_tenant else 2
     pipe = client.pipeline(transaction=False)
-    for _ns, rkey in batch:
+    for _ns, _key, rkey in batch:
         pipe.strlen(rkey)
         pipe.pttl(rkey)
+        if selector.needs_tenant:
+            pipe.getrange(rkey, 0, HEADER_BYTES - 1)  # the header, with the tenant record: never the payload
     answers = pipe.execute()
     chosen: list[tuple[bytes, bytes, int]] = []
-    for i, (namespace, rkey) in enumerate(batch):
-        size, pttl = int(answers[2 * i]), int(answers[2 * i + 1])
+    for i, (namespace, key, rkey) in enumerate(batch):
+        size, pttl = int(answers[per_key * i]), int(answers[per_key * i + 1])
         if pttl == -2 or size == 0:  # expired or removed meanwhile
             continue
         result = results.setdefault(namespace, NamespacePurge(TIER, namespace))
@@ -136,8 +144,8 @@ def _purge_batch(client: Any, batch: list[tuple[bytes, bytes]], selector: PurgeS
             written_s = selector.now - (ttl_s - pttl / 1000.0)
             if not selector.old_enough(written_s):
                 continue
-        if selector.needs_tenant:  # values hold no tenant record (module docstring)
-            result.unknown_tenant += 1
+        if selector.needs_tenant and not _tenant_admits(selector, result, namespace, key, rkey,
+                                                        bytes(answers[per_key * i + 2] or b"")):
             continue
         chosen.append((namespace, rkey, size))
     if not chosen:
@@ -153,3 +161,15 @@ def _purge_batch(client: Any, batch: list[tuple[bytes, bytes]], selector: PurgeS
         if gone:
             results[namespace].chunks += 1
             results[namespace].bytes += size
+
+
+def _tenant_admits(selector: PurgeSelector, result: NamespacePurge, namespace: bytes, key: bytes, rkey: bytes,
+                   head: bytes) -> bool:
+    """Whether the value whose first bytes are ``head`` goes under the selector's tenant (see the
+    module docstring; problems and unknown tenants counted in ``result``)."""
+    name = rkey.decode(errors="replace")
+    header = peek(head)
+    if header is None or header.namespace != namespace or header.key != key:
+        result.problem(f"{name} is not a kvtier value of this name (its header differs); kept")
+        return False
+    return selector.tenant_admits(result, namespace, header.record, name)

@@ -31,6 +31,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvtier.core.tiers.guarded import WriteAbandoned
+
 CRLF = b"\r\n"
 SMALL_BYTES = 64 << 10
 """Payloads shorter than this are joined with the framing around them (one send, not two)."""
@@ -38,10 +40,6 @@ SMALL_BYTES = 64 << 10
 
 class ReplyError(Exception):
     """The server answered a command with an error, or with bytes that are not a RESP reply."""
-
-
-class WriteAbandoned(Exception):
-    """The caller stopped producing headers (it gave up or failed); the connection was dropped."""
 
 
 def _bulk(arg: bytes) -> bytes:

@@ -74,7 +74,8 @@ class TierSpec:
             ``staging``); the conformance suite checks the tier implements exactly these.
         top: the tier every chunk passes through (exactly one registered tier).
         keys: the configuration keys that ask for the tier (the preflight warns when they are set
-            but ``tiers`` leaves the tier out).
+            but ``tiers`` leaves the tier out; ``kvtier audit``'s deployment rules find a key's tier
+            with :func:`asked_by`).
         check: ``"module:function"`` of the tier's preflight, ``check(config) -> [(key, message)]``:
             what its start-up would refuse, read the way start-up reads it (files, environment);
             ``None`` if it has none.
@@ -243,6 +244,14 @@ def lower_tiers() -> list[str]:
 def local_tiers() -> list[str]:
     """Registered tiers that are not shared, in order."""
     return [s.name for s in specs() if not s.shared]
+
+
+def asked_by(key: str) -> str | None:
+    """The registered tier whose record lists configuration key ``key`` among its ``keys`` (the
+    keys that ask for it; e.g. a directory or server URL key), or ``None`` if no record does.
+    Rules that read raw settings before a configuration is built (``kvtier audit``) ask this,
+    never a tier name."""
+    return next((s.name for s in specs() if key in s.keys), None)
 
 
 def tier_rank(name: str | None) -> int:

@@ -1,8 +1,8 @@
 """S3 object-store shared tier (AWS S3, MinIO, Ceph RGW, Cloudflare R2, any S3 API) on obstore.
 
 - **One object per chunk**, written whole with one ``PUT`` (never multipart): the same value as
-  the redis tier's, a header (format version, namespace digest, key, length, XXH3 checksum or
-  keyed BLAKE3 MAC with ``shared_secret``) then the payload (:mod:`kvtier.core.tiers.sharedvalue`).
+  the redis tier's, a header (format version, namespace digest, key, length, the writer's tenant
+  record, XXH3 checksum or keyed BLAKE3 MAC with ``shared_secret``) then the payload (:mod:`kvtier.core.tiers.sharedvalue`).
   A ``PUT`` is atomic in S3: a reader sees no object, the old one or the whole new one, never a
   part (AWS S3 user guide, "Amazon S3 data consistency model"); a read still verifies everything,
   and a short body, a foreign namespace or a digest mismatch is a counted ``CORRUPT`` miss and the
@@ -14,6 +14,11 @@
 - **Batches in parallel**: ``contains_many`` is one ``HEAD`` per chunk, ``get_many`` one ``GET``
   per chunk and ``put_many`` a ``HEAD`` then a ``PUT`` per new chunk, at most ``s3_concurrency``
   requests in flight (one asyncio loop on the tier's own thread drives them all).
+- **Behind the wrapper, the data path is the tier's own** (it implements the wrapper's
+  :class:`~kvtier.core.tiers.guarded.SplitTier`): a read's bodies are buffers obstore allocated
+  for the call, verified and copied once into the caller's buffers on the caller's thread after
+  the fetch returned in time; a write's objects (header + payload, the one copy a write needs)
+  are encoded on the caller's thread while the ``HEAD`` requests are on the wire.
 - **Deadlines, breaker, metrics**: the factory wraps this tier in
   :class:`~kvtier.core.tiers.guarded.GuardedTier` (``shared_deadline_s`` for lookups and
   deletes, ``shared_transfer_deadline_s`` for reads and writes, ``s3_breaker_*``).  This class
@@ -43,22 +48,16 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvtier.core import tenant
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import KEY_BYTES, ChunkKey
 from kvtier.core.stats import WireCounters, WireStats
 from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, TierUsage
 from kvtier.core.tiers.breaker import CircuitBreaker
-from kvtier.core.tiers.guarded import GuardedTier
+from kvtier.core.tiers.guarded import GuardedTier, PutStream, WriteAbandoned, split_get
 from kvtier.core.tiers.s3client import brief, http_refusal, make_store, read_credentials, where
 from kvtier.core.tiers.s3settings import S3Settings, s3_settings
-from kvtier.core.tiers.sharedvalue import (
-    HEADER_BYTES,
-    SharedValueError,
-    ValueCodec,
-    copy_payload,
-    keyspace,
-    shared_secret,
-)
+from kvtier.core.tiers.sharedvalue import HEADER_BYTES, ValueCodec, keyspace, shared_secret, verify_into
 
 if TYPE_CHECKING:
     from kvtier.core.config import KVTierConfig
@@ -80,9 +79,6 @@ EVICT_PASSES = 4
 """Eviction passes at most per call (each a HEAD batch of the victims, then one delete)."""
 DELETE_BATCH = 1000
 """Keys per bulk delete (S3 ``DeleteObjects`` takes at most 1000)."""
-DELETE_WAIT_S = 1.0
-"""Longest a read waits for the delete of the unusable objects it found, seconds (then it goes on in
-the background)."""
 REWRITTEN_S = 1.0
 """An object whose ``Last-Modified`` is at least this much newer than counted was rewritten: kept.
 ``Last-Modified`` has one-second resolution (an HTTP date), so a chunk this process stored is
@@ -108,6 +104,8 @@ class S3Tier(Tier):
         sweep_interval_s: seconds between background sweeps (with a TTL or a cap).
         conditional_put: write with ``If-None-Match: *``.
         where: endpoint/bucket/prefix, for log lines.
+        produce_wait_s: longest a write waits for the caller's thread to encode its objects,
+            seconds (:meth:`stream_put`); the wrapper's abandon ends the wait sooner.
     """
 
     name = "s3"
@@ -115,7 +113,7 @@ class S3Tier(Tier):
 
     def __init__(self, store: Any, namespace: bytes, secret: bytes | None, key_prefix: str, concurrency: int,
                  capacity_bytes: int | None = None, ttl_s: int | None = None, sweep_interval_s: float = 300.0,
-                 conditional_put: bool = True, where: str = "s3") -> None:
+                 conditional_put: bool = True, where: str = "s3", produce_wait_s: float = 5.0) -> None:
         super().__init__()
         from obstore.exceptions import AlreadyExistsError, PermissionDeniedError, PreconditionError
 
@@ -131,6 +129,7 @@ class S3Tier(Tier):
         self.sweep_interval_s = sweep_interval_s
         self.conditional_put = conditional_put
         self.where = where
+        self.produce_wait_s = produce_wait_s
         self.wire = WireCounters()
         self.sweeps = 0
         self.sweep_errors = 0
@@ -189,11 +188,15 @@ class S3Tier(Tier):
             task.cancel()
         await asyncio.wait(tasks, timeout=2.0) if tasks else None
 
-    async def _each(self, fn: Callable[[Any], Awaitable[T]], items: Sequence[Any]) -> list[T]:
-        """``fn(item)`` for every item, at most ``concurrency`` at once (shared by all callers)."""
+    def _requests(self) -> asyncio.Semaphore:
+        """The gate of requests in flight: at most ``concurrency``, shared by all callers (on the loop)."""
         if self._gate is None:
             self._gate = asyncio.Semaphore(self.concurrency)
-        gate = self._gate
+        return self._gate
+
+    async def _each(self, fn: Callable[[Any], Awaitable[T]], items: Sequence[Any]) -> list[T]:
+        """``fn(item)`` for every item, at most ``concurrency`` at once (shared by all callers)."""
+        gate = self._requests()
 
         async def one(item: Any) -> T:
             async with gate:
@@ -229,122 +232,140 @@ class S3Tier(Tier):
         return self.get_many([key], [dst])[0]
 
     def get_many(self, keys: Sequence[ChunkKey], dsts: Sequence[memoryview]) -> list[GetResult]:
+        """:meth:`fetch_many` then :meth:`finish_get` on this thread, corrupt objects deleted (the
+        wrapper splits the two halves over its thread and the caller's)."""
         if not keys:
             return []
-        t0 = time.perf_counter()
-        return self.accept_values(keys, self.read_values(keys), dsts, time.perf_counter() - t0)
+        return split_get(self, keys, dsts, lambda: self.fetch_many(keys), self.delete_many)
 
-    def read_values(self, keys: Sequence[ChunkKey]) -> list[tuple[Any, float] | None]:
-        """One parallel ``GET`` per key: ``(body, Last-Modified)`` each (the body a buffer obstore
-        allocated for this call), ``None`` where there is no object
-        (:class:`~kvtier.core.tiers.guarded.ValueTier`)."""
-        if not keys:
-            return []
+    def fetch_many(self, keys: Sequence[ChunkKey]) -> tuple[list[Any], float]:
+        """(:class:`~kvtier.core.tiers.guarded.SplitTier`) One parallel ``GET`` per key: each body
+        (a buffer obstore allocated for this call) or ``None`` where there is no live object, and
+        when the fetch started.  An object past ``s3_ttl_s`` is not read but deleted here (a fault
+        of that delete is logged; the sweep deletes it later)."""
         import obstore
 
-        async def fetch(path: str) -> tuple[Any, float] | None:
+        t0 = time.perf_counter()
+        expired: list[str] = []
+
+        async def fetch(path: str) -> Any:
             try:
                 got = await obstore.get_async(self.store, path)
-                value = await got.bytes_async()
+                if self._expired(got.meta["last_modified"].timestamp()):
+                    expired.append(path)  # a miss, deleted below
+                    return None
+                return await got.bytes_async()
             except FileNotFoundError:
                 return None
-            return value, got.meta["last_modified"].timestamp()
 
-        return self._run(lambda: self._each(fetch, [self.object_key(k) for k in keys]))
+        async def fetch_all() -> list[Any]:
+            values = await self._each(fetch, [self.object_key(k) for k in keys])
+            if expired:
+                try:
+                    for i in range(0, len(expired), DELETE_BATCH):
+                        await obstore.delete_async(self.store, expired[i:i + DELETE_BATCH])
+                except Exception as exc:  # noqa: BLE001 - the object stays; the sweep or the next read deletes it
+                    self._log_fault("delete", exc)
+            return values
 
-    def accept_values(self, keys: Sequence[ChunkKey], values: Sequence[tuple[Any, float] | None],
-                      dsts: Sequence[memoryview], seconds: float) -> list[GetResult]:
-        """Verify each value of :meth:`read_values` and copy its payload into ``dsts``; an expired,
-        short, foreign or corrupt one is a miss (corrupt ones counted) and its object is deleted,
-        waiting at most :data:`DELETE_WAIT_S` (:class:`~kvtier.core.tiers.guarded.ValueTier`)."""
-        results: list[GetResult] = []
-        bad: list[str] = []
-        num_bytes = 0
-        for key, got, dst in zip(keys, values, dsts, strict=True):
-            if got is None or self._expired(got[1]):  # never written, expired, deleted by a sweep or another engine
-                if got is not None:
-                    bad.append(self.object_key(key))
-                self._forget(key)
-                results.append(GetResult.MISS)
-                continue
-            value = memoryview(got[0])
-            try:
-                decoded = self.codec.decode(key, value, memoryview(dst).nbytes)
-            except SharedValueError as exc:
-                log.warning("kvtier s3 tier (%s): object of chunk %s is unusable (%s); deleted, treated as a miss",
-                            self.where, key.hex(), exc)
-                bad.append(self.object_key(key))
-                self._forget(key)
-                with self._lock:
-                    self.corrupt += 1
-                self.wire.corrupt()
-                results.append(GetResult.CORRUPT)
-                continue
-            copy_payload(value, decoded, dst)
-            num_bytes += decoded.length
-            results.append(GetResult.HIT)
-        if bad:
-            self._delete_soon(bad)
-        self.wire.moved("read", num_bytes, seconds)
-        return results
+        return (self._run(fetch_all) if keys else []), t0
 
-    def _delete_soon(self, paths: list[str]) -> None:
-        """Delete ``paths`` on the tier's loop, waiting at most :data:`DELETE_WAIT_S` (a reader
-        never waits longer on the network; a slower delete finishes in the background)."""
-        import obstore
-
-        async def delete() -> None:
-            for i in range(0, len(paths), DELETE_BATCH):
-                await obstore.delete_async(self.store, paths[i:i + DELETE_BATCH])
-
-        if self._closed:
-            return
-        future = asyncio.run_coroutine_threadsafe(delete(), self._loop)
-        try:
-            future.result(timeout=DELETE_WAIT_S)
-        except Exception as exc:  # noqa: BLE001 - the object stays; the next read deletes it again
-            self._log_fault("delete", exc)
+    def finish_get(self, keys: Sequence[ChunkKey], fetched: tuple[list[Any], float],
+                   dsts: Sequence[memoryview]) -> list[GetResult]:
+        """(:class:`~kvtier.core.tiers.guarded.SplitTier`) Verify each body of :meth:`fetch_many`
+        and copy its payload into ``dsts[i]``: ``HIT``; no live object: ``MISS``; short, foreign
+        or failing its digest: ``CORRUPT`` (counted; the caller deletes it).  No network."""
+        values, t0 = fetched
+        done = verify_into(self.codec, keys, values, dsts, f"kvtier {self.name} tier ({self.where})", self._forget)
+        with self._lock:
+            self.corrupt += done.corrupt
+        self.wire.corrupt(done.corrupt)
+        self.wire.moved("read", done.payload_bytes, time.perf_counter() - t0)
+        return done.results
 
     def put(self, key: ChunkKey, data: memoryview | bytes) -> PutResult:
         return self.put_many([key], [data])[0]
 
     def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> list[PutResult]:
-        """A ``HEAD`` per chunk, then one whole-object ``PUT`` per chunk not there yet (parallel).
-        A chunk already stored is ``PRESENT`` and keeps its object (chunk bytes never change under
-        their key); with ``s3_conditional_put`` a writer racing another to the same key gets
-        ``PRESENT`` from the server's ``412``."""
+        """:meth:`stream_put` on this thread alone: every object encoded, then sent."""
         if not keys:
             return []
-        return self.put_values(keys, self.encode_values(keys, datas), [memoryview(d).nbytes for d in datas])
+        stream = self.stream_put(keys, datas)
+        try:
+            stream.produce(time.perf_counter() + self.produce_wait_s)
+            return stream.send()
+        finally:
+            stream.abandon()
 
-    def encode_values(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> list[bytearray]:
-        """The objects to write: header + payload each (the payload copied once)
-        (:class:`~kvtier.core.tiers.guarded.ValueTier`)."""
-        return [self.codec.encode(k, d) for k, d in zip(keys, datas, strict=True)]
+    def stream_put(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> PutStream:
+        """A ``HEAD`` per chunk, then one whole-object ``PUT`` per chunk not there yet (parallel),
+        as a :class:`~kvtier.core.tiers.guarded.PutStream`.  A chunk already stored is ``PRESENT``
+        and keeps its object (chunk bytes never change under their key); with
+        ``s3_conditional_put`` a writer racing another to the same key gets ``PRESENT`` from the
+        server's ``412``.
 
-    def put_values(self, keys: Sequence[ChunkKey], values: Sequence[Any], payload_bytes: Sequence[int]
-                   ) -> list[PutResult]:
-        """Write the :meth:`encode_values` objects (see :meth:`put_many`)."""
-        if not keys:
-            return []
+        ``produce`` (the caller's thread) encodes every object, header + payload: the one copy a
+        write needs, so ``send`` never reads ``datas`` and the caller may reuse them once
+        ``put_many`` returns.  ``send``'s ``HEAD`` requests go out meanwhile; each ``PUT`` waits
+        for the encoded objects at most ``produce_wait_s`` (``abandon`` ends the wait).  Each header
+        carries the tenant record of :func:`kvtier.core.tenant.current` on the calling thread (set
+        by the store's writer)."""
         import obstore
 
         paths = [self.object_key(k) for k in keys]
+        sizes = [memoryview(d).nbytes for d in datas]
+        writer = tenant.current()  # the store's writer thread: produce may run elsewhere
+        values: list[bytearray] = []
+        encoded = asyncio.Event()  # set on the loop: by produce once every object is encoded, or by abandon
+        abandoned = threading.Event()
         exists_errors = self._exists_errors
 
+        def wake() -> None:
+            try:
+                self._loop.call_soon_threadsafe(encoded.set)
+            except RuntimeError:  # the loop is closed: nothing waits on it
+                pass
+
         async def write(i: int) -> tuple[str, float]:
-            meta = await self._head(paths[i])
+            gate = self._requests()  # held for each request, never while waiting for produce
+            async with gate:
+                meta = await self._head(paths[i])
             if meta is not None:
                 return "present", meta["last_modified"].timestamp()
             try:
-                await obstore.put_async(self.store, paths[i], values[i], use_multipart=False,
-                                        mode="create" if self.conditional_put else "overwrite")
-            except exists_errors:
-                return "present", float(int(time.time()))
+                await asyncio.wait_for(encoded.wait(), self.produce_wait_s)
+            except TimeoutError:
+                raise WriteAbandoned(f"the objects of {len(keys)} chunks were not encoded in time") from None
+            if abandoned.is_set():  # the caller stopped waiting (or produce failed): no new PUT
+                raise WriteAbandoned(f"the write of {len(keys)} chunks was abandoned")
+            async with gate:
+                try:
+                    await obstore.put_async(self.store, paths[i], values[i], use_multipart=False,
+                                            mode="create" if self.conditional_put else "overwrite")
+                except exists_errors:
+                    return "present", float(int(time.time()))
             return "stored", float(int(time.time()))  # whole seconds, as Last-Modified
 
-        t0 = time.perf_counter()
-        outcomes = self._run(lambda: self._each(write, list(range(len(keys)))))
+        async def write_all() -> list[tuple[str, float]]:
+            return list(await asyncio.gather(*(write(i) for i in range(len(keys)))))
+
+        def produce(_deadline: float) -> None:
+            values.extend(self.codec.encode(k, d, writer=writer) for k, d in zip(keys, datas, strict=True))
+            wake()
+
+        def send() -> list[PutResult]:
+            t0 = time.perf_counter()
+            outcomes = self._run(write_all)
+            return self._written_now(keys, sizes, outcomes, t0)
+
+        def abandon() -> None:
+            abandoned.set()
+            wake()
+        return PutStream(send, produce, abandon)
+
+    def _written_now(self, keys: Sequence[ChunkKey], payload_bytes: list[int], outcomes: list[tuple[str, float]],
+                     t0: float) -> list[PutResult]:
+        """Account one written batch (``outcomes``: ``("stored" | "present", mtime)`` per chunk)."""
         sizes = [HEADER_BYTES + n for n in payload_bytes]
         stored_bytes = 0
         with self._lock:
@@ -619,7 +640,7 @@ def _tier(config: KVTierConfig, settings: S3Settings, namespace: bytes, sweep: b
     capacity = None if settings.s3_capacity_gib is None or not sweep else int(settings.s3_capacity_gib * GiB)
     return S3Tier(store, namespace, shared_secret(config), settings.s3_key_prefix, settings.s3_concurrency,
                   capacity, settings.s3_ttl_s if sweep else None, settings.s3_sweep_interval_s,
-                  settings.s3_conditional_put, where(settings))
+                  settings.s3_conditional_put, where(settings), config.shared_transfer_deadline_s)
 
 
 def from_config(ctx: TierContext) -> GuardedTier | None:

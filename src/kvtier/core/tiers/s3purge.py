@@ -4,7 +4,7 @@ Objects are ``<s3_key_prefix><namespace hex>[-<keyspace>]/<chunk key hex>`` (:mo
 the keyspace, 16 hex digits, only under a ``shared_secret``).  The purge asks for the namespace
 "directories" under the prefix (one delimited LIST), lists those the selector admits (one LIST
 page per 1,000 objects), keeps the objects whose name parses as above, and reads each one's
-header (a ranged GET of its first 64 bytes, :func:`~kvtier.core.tiers.sharedvalue.peek`): only an
+header (a ranged GET of its first 112 bytes, :func:`~kvtier.core.tiers.sharedvalue.peek`): only an
 object whose header names the same namespace and chunk key as its name is a kvtier value and may
 be removed; any other is kept and named as a problem.  Removal is S3's bulk ``DeleteObjects``,
 1,000 keys per request.  Bytes are the objects' sizes from the LIST (header and payload).
@@ -13,9 +13,13 @@ Age: an object is written once with one ``PUT`` and never rewritten (kvtier chec
 first), so its ``Last-Modified`` is when it was written (the purge's and the server's clocks
 compared: keep them in NTP).
 
-Tenant: values carry no tenant record (their format, :mod:`kvtier.core.tiers.sharedvalue`, has no
-spare bytes, as for the redis tier), so ``--salt``/``--lora`` match no object, and every object
-they would have looked at is reported as of an unknown tenant.
+Tenant: a value of format version 2 carries its writer's tenant record in its header
+(:mod:`kvtier.core.tiers.sharedvalue`, :mod:`kvtier.core.tenant`), inside the bytes the ranged GET
+above reads anyway: ``--salt``/``--lora`` cost no request more than a namespace purge.  A
+version-1 object (written before records) or an all-zero record is of an unknown tenant, kept and
+counted; a record that fails its check is kept and named as a problem.  The record is in the
+object, not in its user metadata: metadata would need a ``HEAD`` per object as well, and would
+not be covered by the value's digest.
 
 Every request is bounded by ``s3_timeout_s`` (and ``s3_connect_timeout_s``), with
 ``s3_max_retries`` retries; a failure is a :class:`~kvtier.core.purge.PurgeFailed` naming the
@@ -112,19 +116,18 @@ async def _purge(store: Any, settings: S3Settings, selector: PurgeSelector, dry_
                 name = meta["path"][len(directory) + 1:]
                 if not _CHUNK.fullmatch(name) or not selector.old_enough(meta["last_modified"].timestamp()):
                     continue
-                if selector.needs_tenant:  # values hold no tenant record (module docstring)
-                    result.unknown_tenant += 1
-                    continue
                 found.append(_Found(namespace, bytes.fromhex(name), meta["path"], int(meta["size"])))
-        known = await asyncio.gather(*(_is_kvtier_value(store, f, gate) for f in found))
+        heads = await asyncio.gather(*(_read_header(store, f, gate) for f in found))
         chosen = []
-        for item, verdict in zip(found, known, strict=True):
-            if verdict is None:  # deleted meanwhile
+        for item, head in zip(found, heads, strict=True):
+            if head is None:  # deleted meanwhile
                 continue
-            if not verdict:
+            header = peek(head)
+            if header is None or header.namespace != item.namespace or header.key != item.key:
                 result.problem(f"{item.path} is not a kvtier value of this name (its header differs); kept")
                 continue
-            chosen.append(item)
+            if selector.tenant_admits(result, namespace, header.record, item.path):
+                chosen.append(item)
         if not dry_run:
             batches = [chosen[i:i + DELETE_BATCH] for i in range(0, len(chosen), DELETE_BATCH)]
             for batch in batches:
@@ -133,25 +136,27 @@ async def _purge(store: Any, settings: S3Settings, selector: PurgeSelector, dry_
         result.bytes += sum(item.size for item in chosen)
 
 
-async def _is_kvtier_value(store: Any, item: _Found, gate: asyncio.Semaphore) -> bool | None:
-    """Whether the object's header names its namespace and chunk key; ``None`` when it is gone."""
+async def _read_header(store: Any, item: _Found, gate: asyncio.Semaphore) -> bytes | None:
+    """The object's first :data:`HEADER_BYTES` bytes (fewer when it is shorter); ``None`` when it is gone."""
     import obstore
 
+    length = min(HEADER_BYTES, item.size)
+    if length == 0:
+        return b""
     async with gate:
         try:
             try:
-                head = bytes(await obstore.get_range_async(store, item.path, start=0, length=HEADER_BYTES))
+                head = bytes(await obstore.get_range_async(store, item.path, start=0, length=length))
             except Exception as exc:
                 if "non-partial" not in str(exc):
                     raise
                 # a gateway that ignores Range (rclone serve s3) answers the whole object: read its first part only
                 got = await obstore.get_async(store, item.path)
                 head = b""
-                async for part in got.stream(min_chunk_size=HEADER_BYTES):
+                async for part in got.stream(min_chunk_size=length):
                     head += bytes(part)
-                    if len(head) >= HEADER_BYTES:
+                    if len(head) >= length:
                         break
         except FileNotFoundError:
             return None
-    header = peek(memoryview(head)[:HEADER_BYTES])
-    return header is not None and header.namespace == item.namespace and header.key == item.key
+    return head[:HEADER_BYTES]
