@@ -19,7 +19,8 @@ def kvtier(*args: str, stdin: str | bytes | None = None, close_stdin: bool = Fal
                           input=stdin.encode() if isinstance(stdin, str) else stdin,
                           stdin=subprocess.DEVNULL if close_stdin is False and stdin is None else None,
                           capture_output=True, check=False, timeout=60,
-                          env={"COLUMNS": "200", "PATH": "/usr/bin"})
+                          env={"COLUMNS": "200", "PATH": "/usr/bin",  # the kvtier under test, not another install
+                               **({"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {})})
 
 
 def _one_line_exit_2(proc: subprocess.CompletedProcess, words: str) -> None:

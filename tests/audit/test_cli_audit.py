@@ -43,6 +43,44 @@ def test_warnings_only_exit_0():
     assert [f["rule"] for f in json.loads(proc.stdout)["findings"]] == ["cpu-offload-gb-is-weights"]
 
 
+@pytest.mark.parametrize("value", ["inf", "nan", "1e400", "0", "-2", "0.5", "two"])
+def test_a_parallel_size_vllm_refuses_is_a_finding_not_a_traceback(tmp_path, value):
+    """--tensor-parallel-size inf / nan ended in an OverflowError / ValueError traceback (exit 1, no
+    output); 0, -2 and 0.5 passed silently although vLLM refuses them (tester3)."""
+    line = tmp_path / "serve.sh"
+    line.write_text(f"vllm serve m --tensor-parallel-size {value} --kv-offloading-backend native "
+                    "--kv-offloading-size 64 -pp 2\n")
+    proc = kvtier(str(line), "--vllm-version", "0.32.0", "--format", "json")
+    assert "Traceback" not in proc.stderr and proc.returncode == 1, proc.stderr
+    findings = {f["rule"]: f for f in json.loads(proc.stdout)["findings"]}
+    assert findings["parallel-size-invalid"]["message"].startswith(
+        f"--tensor-parallel-size {value!r} is not a whole number of at least 1")
+    # the sizing rules read the bad TP as 1: 64 GiB over the 2 pipeline ranks only
+    assert "32 GiB per rank over 2 ranks" in findings["kv-offloading-size-is-total"]["message"]
+
+
+@pytest.mark.parametrize(("env", "flags", "rule", "message"), [
+    ("", "--kv-offloading-size inf", "kv-offloading-size-invalid",
+     "--kv-offloading-size 'inf' is not a positive, finite size in GiB."),
+    ("", "--kv-offloading-size nan", "kv-offloading-size-invalid",
+     "--kv-offloading-size 'nan' is not a positive, finite size in GiB."),
+    ("", "--kv-offloading-size 1e400 -tp 2", "kv-offloading-size-invalid",
+     "--kv-offloading-size '1e400' is not a positive, finite size in GiB."),
+    ("LMCACHE_MAX_LOCAL_CPU_SIZE=nan ", "--kv-offloading-size 8 -tp 2", "lmcache-size-mismatch",
+     "LMCACHE_MAX_LOCAL_CPU_SIZE='nan' is not a finite size in GB."),
+])
+def test_a_non_finite_offload_size_is_an_error(tmp_path, env, flags, rule, message):
+    """inf and nan sizes passed with no finding and exit 0 (nan compares false to every bound), or
+    printed "inf GiB in total" (tester3)."""
+    line = tmp_path / "serve.sh"
+    line.write_text(f"{env}vllm serve m --kv-offloading-backend lmcache {flags}\n")
+    proc = kvtier(str(line), "--vllm-version", "0.32.0", "--format", "json")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    findings = {f["rule"]: f["message"] for f in json.loads(proc.stdout)["findings"]}
+    assert findings[rule] == message
+    assert "inf GiB" not in proc.stdout and "nan GiB" not in proc.stdout
+
+
 def test_text_format_lists_rule_fix_and_source():
     proc = kvtier(str(DATA / "serve.sh"), "--vllm-version", "0.32.0")
     assert proc.returncode == 1

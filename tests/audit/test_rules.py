@@ -82,6 +82,8 @@ CASES: dict[str, tuple[tuple[str, str | None], tuple[str, str | None]]] = {
     "kv-offloading-backend-without-size": (("vllm serve m --kv-offloading-backend native", V),
                                            ("vllm serve m --kv-offloading-backend native --kv-offloading-size 8", V)),
     "kv-offloading-size-invalid": (("vllm serve m --kv-offloading-size 0", V), ("vllm serve m --kv-offloading-size 8", V)),
+    "parallel-size-invalid": (("vllm serve m --tensor-parallel-size inf --kv-offloading-size 8", V),
+                              ("vllm serve m -tp 2 -pp 2 --kv-offloading-size 8", V)),
     "prefix-caching-off-with-offload": (("vllm serve m --no-enable-prefix-caching --kv-offloading-size 8", V),
                                         ("vllm serve m --no-enable-prefix-caching", V)),
     "kv-transfer-config-invalid": (("vllm serve m --kv-transfer-config '{bad'", V),

@@ -182,6 +182,25 @@ def test_compare_refuses_an_unusable_out_before_any_server_starts(tmp_path, wher
     assert (tmp_path / "file").read_text() == "an old report" and sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
+@pytest.mark.parametrize("model, message", [
+    ("no-model", "does not exist; give the model's directory (the one holding config.json) or a hub id"),
+    ("a-file", "is not a directory; give the model's directory"),
+    ("empty-dir", "holds no config.json, so it is not a model directory"),
+])
+def test_compare_refuses_a_model_path_that_is_no_model_before_any_server_starts(tmp_path, model, message):
+    """tester3: a mistyped --model path said "cannot tell the vocabulary size ...; pass --vocab-size",
+    which sent the user to a flag that only let vLLM fail later, after a server start."""
+    (tmp_path / "a-file").write_text("not a model")
+    (tmp_path / "empty-dir").mkdir()
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "bench", "compare", "--model",
+                          str(tmp_path / model), "--arms", "baseline", *WORKLOAD, "--out", str(tmp_path / "r")],
+                         capture_output=True, text=True, timeout=90, check=False)
+    assert out.returncode == 2, out.stderr
+    line = error_line(out)
+    assert line.startswith(f"error: --model {tmp_path / model} ") and message in line, line
+    assert "vocabulary" not in out.stderr
+
+
 def test_compare_refuses_a_json_path_in_a_missing_directory_before_creating_out(tmp_path):
     out = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "bench", "compare", "--model",
                           str(tmp_path / "no-model"), "--arms", "baseline", *WORKLOAD, "--out", str(tmp_path / "r"),

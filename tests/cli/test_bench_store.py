@@ -68,6 +68,20 @@ def test_bench_store_redis_rows_against_a_real_server(tmp_path, redis_server):
     assert "raw redis-py pipelined SET/GET" in result.output
 
 
+def test_bench_store_redis_nothing_listening_is_one_sentence():
+    """A --redis-url where no server listens ended in redis-py's ConnectionError traceback (tester3)."""
+    from ..redis_servers import free_port
+
+    url = f"redis://127.0.0.1:{free_port()}/0"  # a real refused connection: nothing listens there
+    result = CliRunner().invoke(app, ["bench-store", "--sizes", "0.25", "--total-mib", "1", "--repeats", "1",
+                                      "--redis-url", url, "--redis-only"])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith(f"error: the redis benchmark on {url} failed: the server did not answer "
+                                    "(ConnectionError"), result.output
+    assert "check --redis-url, that the server is up" in result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+
+
 def test_bench_store_redis_only_needs_a_url():
     result = CliRunner().invoke(app, ["bench-store", "--redis-only"])
     assert result.exit_code == 2 and "--redis-url" in result.output and "Traceback" not in result.output
@@ -153,3 +167,14 @@ def test_bench_store_s3_on_a_dead_endpoint_says_unreachable(s3_factory, monkeypa
                                       "--s3-allow-http", "--sizes", "1", "--total-mib", "4", "--s3-in-flight", "1"])
     assert result.exit_code == 2 and "failed: unreachable" in result.output, result.output
     assert "Traceback" not in result.output and result.output.count("\n") == 1
+
+
+def test_bench_store_json_on_a_full_device_is_one_sentence():
+    """--json on a device that is full (Linux's /dev/full: every write ENOSPC) ended in an OSError
+    traceback after the whole run (tester3)."""
+    result = CliRunner().invoke(app, ["bench-store", "--sizes", "0.25", "--total-mib", "1", "--repeats", "1",
+                                      "--disk-io", "buffered", "--json", "/dev/full"])
+    assert result.exit_code == 2, result.output
+    assert ("error: cannot write --json /dev/full (No space left on device); free space or pass a path in a "
+            "writable directory (the table above has the results)") in result.output
+    assert "Traceback" not in result.output

@@ -81,6 +81,40 @@ def test_bad_input_is_one_sentence_and_exit_2(tmp_path, args, phrase):
     assert result.output.count("\n") == 1  # one line
 
 
+def test_a_neighbouring_directory_is_refused_not_reported_as_purged(disk_dir):
+    """--disk-path one level too high (the tier's parent) or too low (one namespace directory)
+    printed "Removed 0 chunks" and exit 0: a tenant looked purged that was not (tester3)."""
+    namespace = next(p for p in disk_dir.iterdir() if p.is_dir())
+    parent = invoke("--disk-path", str(disk_dir.parent), "--salt", "B")
+    assert parent.exit_code == 2, parent.output
+    assert parent.output == (f"error: --disk-path {disk_dir.parent} holds no namespace directory but {disk_dir} "
+                             f"does; give the disk tier's directory, --disk-path {disk_dir}.\n")
+    inside = invoke("--disk-path", str(namespace), "--all")
+    assert inside.exit_code == 2, inside.output
+    assert inside.output == (f"error: --disk-path {namespace} is one namespace directory, not the disk tier's "
+                             f"directory; give --disk-path {disk_dir} --namespace {namespace.name}.\n")
+    assert len(list(disk_dir.glob("*/*/*.kvc"))) == 9  # nothing removed
+    empty = disk_dir.parent / "fresh"  # a disk_path no engine has written yet: nothing to remove, exit 0
+    empty.mkdir()
+    fresh = invoke("--disk-path", str(empty), "--all", "--json")
+    assert fresh.exit_code == 0 and json.loads(fresh.output)["total"]["chunks"] == 0, fresh.output
+
+
+def test_a_namespace_found_nowhere_is_said(disk_dir):
+    """A mistyped --namespace digest printed "Removed 0 chunks ... in 0 namespaces" and nothing else, as
+    if the purge had been done (tester3)."""
+    real = next(p.name for p in disk_dir.iterdir() if p.is_dir())
+    typo = "0" * 32
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(
+        app, ["purge", "--disk-path", str(disk_dir), "--namespace", typo, "--namespace", real, "--dry-run", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["total"]["chunks"] == 9  # the real namespace, whole
+    assert result.stderr == (f"note: namespace {typo} holds nothing in the targets given; check the digest (a dry "
+                             "run without --namespace lists the namespaces there).\n")
+    found = CliRunner().invoke(app, ["purge", "--disk-path", str(disk_dir), "--namespace", real, "--dry-run", "--json"])
+    assert found.exit_code == 0 and found.stderr == ""
+
+
 def test_a_file_whose_header_cannot_be_checked_is_kept_and_named_exit_1(disk_dir):
     victim = min(disk_dir.glob("*/*/*.kvc"))
     raw = bytearray(victim.read_bytes())

@@ -203,6 +203,33 @@ def test_redis_purge_by_namespace_and_age(server, request, key_prefix):
         b.close()
 
 
+def test_a_ttl_longer_than_the_purge_assumes_is_a_problem_not_a_quiet_zero(redis_server, key_prefix):
+    """Engines with a week's redis_ttl_s and a purge assuming the default day: every age read negative,
+    so --older-than removed nothing and said only "0 chunks" (tester3)."""
+    store = redis_store(redis_server.url, key_prefix)
+    put(store, chain_of(1, 2), None)
+    store.flush()
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        keys = [store.tier("redis").rkey(k) for k in chain_of(1, 2)]
+        client.pexpire(keys[0], 7 * 86400 * 1000)  # as an engine with redis_ttl_s one week writes it
+        config = KVTierConfig.from_dict({"redis_url": redis_server.url, "redis_key_prefix": key_prefix})
+        (result,) = purge(config, PurgeSelector(older_than_s=60), dry_run=False)
+        assert result.chunks == 0 and client.exists(keys[0]) == 1
+        (problem,) = result.problems  # "604,800 s" or a second less: the clock runs between the two calls
+        assert problem.startswith("a value has 604,") and problem.endswith(
+            " s left to live, more than redis_ttl_s 86,400 s: the engines use a longer redis_ttl_s, so ages cannot "
+            "be told; pass theirs with --redis-ttl-s (values kept)")
+        week = KVTierConfig.from_dict({"redis_url": redis_server.url, "redis_key_prefix": key_prefix,
+                                       "redis_ttl_s": 7 * 86400})
+        (right,) = purge(week, PurgeSelector(older_than_s=60), dry_run=True)
+        assert right.problems == []  # the week-long key is fresh; the day-long one reads six days old
+        assert right.chunks == 1
+    finally:
+        client.close()
+        store.close()
+
+
 def test_a_cluster_node_without_redis_cluster_is_refused_not_purged_in_part(redis_cluster, key_prefix):
     config = KVTierConfig.from_dict({"redis_url": redis_cluster.url, "redis_key_prefix": key_prefix})
     with pytest.raises(UserError, match="add --redis-cluster"):

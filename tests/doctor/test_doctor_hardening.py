@@ -4,6 +4,7 @@ non-finite options, bad URLs, and hostile servers (a slow trickle, an endless bo
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -26,7 +27,9 @@ AFTER = (DATA / "after.txt").read_text()
 
 def doctor(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kvtier.cli.main", "doctor", *args], capture_output=True,
-                          text=True, check=False, timeout=60, env={"COLUMNS": "200", "PATH": "/usr/bin"})
+                          text=True, check=False, timeout=60,
+                          env={"COLUMNS": "200", "PATH": "/usr/bin",  # the kvtier under test, not another install
+                               **({"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {})})
 
 
 def _set(text: str, metric: str, value: str) -> str:
@@ -86,6 +89,8 @@ def test_help_and_type_lines_without_samples_are_not_vllm_metrics():
     (["--url", "http://127.0.0.1:99999"], "not a valid URL"),
     (["--url", "http://127.0.0.1:9", "--timeout", "nan"], "--timeout"),
     (["--url", "http://127.0.0.1:9", "--timeout", "-1"], "--timeout"),
+    # past any real wait: a reachable server's scrape ended in "OverflowError: timestamp out of range" (tester3)
+    (["--url", "http://127.0.0.1:9", "--timeout", "1e300"], "--timeout must be in (0, 86400] seconds, got 1e+300."),
     (["--url", "http://127.0.0.1:9", "--interval", "nan"], "--interval"),
     (["--url", "http://127.0.0.1:9", "--interval", "inf"], "--interval"),
     (["--url", "http://127.0.0.1:9", "--interval", "1e300"], "--interval"),

@@ -281,6 +281,16 @@ def test_kv_transfer_config_built_in_python_raises_instead_of_exiting(monkeypatc
     assert ok.kv_connector_extra_config == {"cpu_gib": 0.5}
 
 
+@pytest.mark.parametrize("tiers", [["cpu", "foo"], 5, [], ["disk", "cpu"]])
+def test_a_refused_tiers_list_gets_no_advice_about_the_default_list(tiers):
+    """A refused ``tiers`` left the default list in place, and check warned "tiers lists 'disk' / 'redis' /
+    's3' but its settings do not ask for it" about tiers the user never listed (tester3)."""
+    run = kvtier_check(json.dumps(transfer(extra={"cpu_gib": 0.5, "tiers": tiers})))
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    lines = run.stdout.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: kv_connector_extra_config.tiers: "), lines
+
+
 def test_inline_json_that_is_not_an_object_and_tiers_left_out(tmp_path):
     """Breaker F13: '["a"]' was taken for a file name; a configured tier left out of tiers was silent."""
     run = kvtier_check('["a"]')

@@ -94,6 +94,11 @@ def test_model_config_and_disk_tier(tmp_path, trace_file):
     (["--model", "nope/config.json"], "exactly one of --model"),
     (["--engine-gib", "-1"], "--engine-gib"),
     (["--cpu-gb-per-s", "0"], "cpu-gb-per-s"),
+    # finite but past any real capacity: these used to end in an OverflowError traceback (tester3)
+    (["--cpu-gib", "1,1e300"], "--cpu-gib values must be at most 1,048,576 GiB"),
+    (["--engine-gib", "1e300"], "--engine-gib must be at most 1,048,576 GiB"),
+    (["--disk-gib", "1e300"], "--disk-gib must be at most 1,048,576 GiB"),
+    (["--shared-gib", "1e300"], "--shared-gib must be at most 1,048,576 GiB"),
 ])
 def test_bad_input_is_one_line(tmp_path, trace_file, args, fragment):
     base = {"--trace": str(trace_file), "--kv-bytes-per-token": str(KV_PER_TOKEN), "--engine-gib": "1",
@@ -105,6 +110,21 @@ def test_bad_input_is_one_line(tmp_path, trace_file, args, fragment):
     assert result.exit_code == 2
     assert fragment in result.output
     assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("value, message", [
+    ("-1", "--cpu-pct values must be finite and >= 0 %; got -1"),
+    ("150", "--cpu-pct values must be at most 100 % (a cpu tier holding every distinct chunk of the trace); got 150"),
+    ("1e300", "--cpu-pct values must be at most 100 %"),
+    ("5%", "--cpu-pct must be comma-separated percentages such as 1,5,10,100; '5%' is not a number"),
+])
+def test_bad_cpu_pct_speaks_percent(trace_file, value, message):
+    """--cpu-pct errors named GiB, and 1e300 % ended in an OverflowError traceback (tester3)."""
+    result = run("--trace", str(trace_file), "--kv-bytes-per-token", str(KV_PER_TOKEN), "--engine-gib", "1",
+                 "--cpu-pct", value)
+    assert result.exit_code == 2
+    assert result.output.strip() == f"error: {message}" or result.output.startswith(f"error: {message}")
+    assert "GiB" not in result.output and len(result.output.strip().splitlines()) == 1
 
 
 def test_malformed_trace_line_and_missing_model(tmp_path, trace_file):
@@ -260,3 +280,32 @@ def test_the_shared_tier_is_modeled_from_its_registry_record(tmp_path, trace_fil
     assert json.loads(same.read_text())["rows"][0]["saved_s"] == pytest.approx(saved["redis"])
     bad = run(*args, "--shared-tier", "s4")
     assert bad.exit_code == 2 and "--shared-tier must be one of redis, s3, got 's4'" in bad.output
+
+
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_output_on_a_full_device_names_the_option_and_file(trace_file, option):
+    """A write that failed late said "cannot write output (No space left on device: None)" (tester3)."""
+    result = run("--trace", str(trace_file), "--kv-bytes-per-token", str(KV_PER_TOKEN), "--engine-gib", "1",
+                 "--cpu-gib", "1", "--policy", "lru", "--workers", "1", option, "/dev/full")
+    assert result.exit_code == 2, result.output
+    assert (f"error: cannot write {option} /dev/full (No space left on device); free space or pass a path in a "
+            "writable directory") in result.output
+    assert "None" not in result.output
+
+
+def test_workers_never_exceed_the_runs():
+    """--workers 30 for one run forked 30 processes (a pool starts them all at once); a typo such as
+    --workers 100000 would fork that many (tester3)."""
+    from kvtier.simulate.sweep import pool_size
+
+    assert pool_size(30, 1) == 1 and pool_size(100_000, 12) == 12 and pool_size(2, 12) == 2
+    assert 1 <= pool_size(0, 3) <= 3 and pool_size(0, 0) == 1
+
+
+def test_many_workers_for_few_runs_give_the_rows_of_one_worker(tmp_path, trace_file):
+    out1, out2 = tmp_path / "one.json", tmp_path / "many.json"
+    base = ["--trace", str(trace_file), "--kv-bytes-per-token", str(KV_PER_TOKEN), "--engine-gib", "0.25",
+            "--cpu-gib", "0.5,1", "--policy", "lru"]
+    assert run(*base, "--workers", "1", "--json", str(out1)).exit_code == 0
+    assert run(*base, "--workers", "64", "--json", str(out2)).exit_code == 0  # not 100000: a regression would fork them
+    assert json.loads(out1.read_text())["rows"] == json.loads(out2.read_text())["rows"]

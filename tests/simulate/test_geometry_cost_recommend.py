@@ -17,7 +17,10 @@ LLAMA_8B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_h
 def test_gqa_mha_explicit_head_dim_and_mla():
     assert kv_bytes_per_token(LLAMA_8B) == 32 * 2 * 8 * 128 * 2 == 131_072
     mha = {"num_hidden_layers": 12, "num_attention_heads": 12, "hidden_size": 768, "torch_dtype": "float32"}
-    assert kv_bytes_per_token(mha) == 12 * 2 * 12 * 64 * 4
+    # vLLM's --dtype auto runs a float32 checkpoint in 16 bits (vllm/config/model.py, "Downcast for float32
+    # models"), its KV cache too; this was 4 bytes a value, twice kvtier size's figure (tester3)
+    assert kv_bytes_per_token(mha) == 12 * 2 * 12 * 64 * 2
+    assert kv_bytes_per_token(mha, kv_dtype="float32") == 12 * 2 * 12 * 64 * 4  # asked for explicitly
     assert kv_bytes_per_token({**LLAMA_8B, "head_dim": 256}) == 32 * 2 * 8 * 256 * 2
     assert kv_bytes_per_token(LLAMA_8B, kv_dtype="fp8") == 65_536
     mla = {"num_hidden_layers": 61, "num_attention_heads": 128, "kv_lora_rank": 512,
@@ -38,6 +41,35 @@ def test_geometry_errors(tmp_path):
         kv_bytes_per_token_from_file(tmp_path / "bad.json")
     (tmp_path / "good.json").write_text(json.dumps(LLAMA_8B))
     assert kv_bytes_per_token_from_file(tmp_path / "good.json") == 131_072
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"num_key_value_heads": 64}, "num_attention_heads 32 not divisible by num_key_value_heads 64"),
+    ({"num_key_value_heads": 5}, "num_attention_heads 32 not divisible by num_key_value_heads 5"),
+    ({"hidden_size": 100}, "hidden_size 100 not divisible by num_attention_heads 32"),
+])
+def test_heads_that_do_not_fit_are_refused_as_kvtier_size_refuses_them(tmp_path, change, message):
+    """These were sized silently (hidden_size 100 over 32 heads: a floored head_dim of 3), while
+    kvtier size refuses them (tester3)."""
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_8B, **change}))
+    with pytest.raises(GeometryError, match=message):
+        kv_bytes_per_token_from_file(tmp_path / "config.json")
+
+
+def test_every_preset_gets_the_bytes_per_token_kvtier_size_gives():
+    """Hybrid models were sized from every layer: Jamba 1.5 Mini 8x (131,072 B for its 4 attention
+    layers of 32), Qwen3-Next 4x kvtier size's figure, so a simulated tier held too few chunks (tester3)."""
+    from kvtier.size.hf_config import geometry_from_config
+    from kvtier.size.presets import PRESETS
+
+    for preset in PRESETS:
+        geometry = geometry_from_config(preset.config, preset.name)
+        assert kv_bytes_per_token(preset.config, kv_dtype="bf16") == geometry.kv_bytes_per_token(1, 2), preset.name
+    jamba = next(p.config for p in PRESETS if "Jamba" in p.name)
+    assert kv_bytes_per_token(jamba, kv_dtype="bf16") == 4 * 2 * 8 * 128 * 2  # 4 attention layers of 32
+    all_mamba = {**LLAMA_8B, "layer_types": ["mamba"] * 32}
+    with pytest.raises(GeometryError, match="no attention layers"):
+        kv_bytes_per_token(all_mamba)
 
 
 def test_time_saved_per_tier():

@@ -115,3 +115,23 @@ def test_missing_empty_directory_and_unknown_format(tmp_path):
     (tmp_path / "fake.jsonl.gz").write_bytes(b"not gzip at all")
     with pytest.raises(TraceError, match="cannot read"):
         read_trace(tmp_path / "fake.jsonl.gz")
+
+
+def test_a_trace_of_the_other_format_names_the_format_flag(tmp_path):
+    """A Mooncake file read as kvtier-jsonl said "field 'time_s' must be a number >= 0, got None", and the
+    other way round "field 'timestamp' ... got None": true, but not that --format was wrong (tester3)."""
+    mooncake = tmp_path / "m.jsonl"
+    mooncake.write_text(json.dumps({"timestamp": 0, "input_length": 1000, "output_length": 5, "hash_ids": [1, 2]})
+                        + "\n")
+    kvtier = tmp_path / "k.jsonl"
+    kvtier.write_text(json.dumps({"time_s": 0, "num_tokens": 256, "chunk_tokens": 128, "chunk_keys": ["aa", "bb"]})
+                      + "\n")
+    with pytest.raises(TraceError) as as_kvtier:
+        read_trace(mooncake, "kvtier-jsonl")
+    assert str(as_kvtier.value) == ("m.jsonl line 1 is a Mooncake record (hash_ids), not a kvtier-jsonl one; pass "
+                                    "--format mooncake (the default)")
+    with pytest.raises(TraceError) as as_mooncake:
+        read_trace(kvtier, "mooncake")
+    assert str(as_mooncake.value) == ("k.jsonl line 1 is a kvtier-jsonl record (chunk_keys), not a Mooncake one; "
+                                      "pass --format kvtier-jsonl")
+    assert read_trace(mooncake, "mooncake").num_requests == 1 and read_trace(kvtier, "kvtier-jsonl").num_requests == 1

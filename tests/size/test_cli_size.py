@@ -230,3 +230,18 @@ def test_bad_s3_flags_are_one_sentence_naming_the_flag(args, words):
     assert result.exit_code == 2 and words in result.output and "Traceback" not in result.output
     assert "wJalrXUtnFEMI" not in result.output and "s3_endpoint_url" not in result.output
     assert "s3_capacity_gib" not in result.output and "s3_allow_http" not in result.output
+
+
+def test_gpu_a100_says_which_part_it_assumes():
+    """--gpu A100 silently sized an 80 GB part: on an A100-40GB that is a budget twice too big and an
+    offload tier too small; the alias now says so (tester3)."""
+    alias = run("--model", "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "a100", "--json")
+    assert alias.exit_code == 0, alias.output
+    doc = json.loads(alias.stdout)
+    assert ("--gpu a100 read as A100-80GB (80 GiB); give the exact part (--gpu A100-80GB or A100-40GB) or "
+            "--gpu-memory-gib if yours differs.") in doc["notes"]
+    exact = json.loads(run("--model", "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "A100-80GB", "--json").stdout)
+    assert exact["hbm_kv_tokens"] == doc["hbm_kv_tokens"]
+    assert not [n for n in exact["notes"] if "read as" in n]
+    small = json.loads(run("--model", "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "A100-40GB", "--json").stdout)
+    assert small["hbm_kv_tokens"] < doc["hbm_kv_tokens"]

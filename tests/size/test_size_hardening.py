@@ -46,6 +46,15 @@ def test_explicit_offload_gib_is_capped_by_host_ram_with_a_note():
     ({"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 0, "hidden_size": 4096},
      "num_key_value_heads 0"),
     ({"num_hidden_layers": 2, "num_attention_heads": 3, "hidden_size": 100}, "not divisible"),
+    # 0 % heads == 0: sized 0 bytes per token, exit 0 (tester3)
+    ({"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 0},
+     "has hidden_size 0; it must be at least 1 (or give the model's 'head_dim')."),
+    # more KV heads than query heads, or a group size that is not whole: vLLM's Attention asserts
+    # num_heads % num_kv_heads == 0; these were sized silently (tester3)
+    ({"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 64, "hidden_size": 4096},
+     "has num_attention_heads 32 not divisible by num_key_value_heads 64; vLLM refuses such a model"),
+    ({"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 5, "hidden_size": 4096},
+     "has num_attention_heads 32 not divisible by num_key_value_heads 5"),
 ])
 def test_impossible_head_counts_are_refused(tmp_path, cfg, words):
     path = tmp_path / "config.json"

@@ -140,15 +140,32 @@ class ServeConfig:
     def model(self) -> str:
         return self.value("--model") or (self.positionals[0] if self.positionals else "")
 
+    def parallel_size(self, flag: str, short: str) -> tuple[str, str] | None:
+        """The flag given (long or short form, the last one written wins as in vLLM's argparse) and
+        its value, None when neither is given or it is bare."""
+        found = [(name, v) for name, v in self.flags if name in (flag, short) and v is not None]
+        return found[-1] if found else None
+
+    def parallel_degree(self, flag: str, short: str) -> int:
+        """The whole number ≥ 1 given to ``flag`` (or ``short``); 1 when absent or not such a number
+        (vLLM refuses those: ``ParallelConfig`` ``int``, ``ge=1``, vllm/config/parallel.py; rule
+        ``parallel-size-invalid`` reports them), so no rule computes with ``inf`` or ``nan``."""
+        given = self.parallel_size(flag, short)
+        if given is None:
+            return 1
+        try:
+            value = int(given[1], 10)
+        except ValueError:
+            return 1
+        return max(value, 1)
+
     @property
     def tp(self) -> int:
-        raw = self.number("--tensor-parallel-size") or self.number("-tp")
-        return int(raw) if raw else 1
+        return self.parallel_degree("--tensor-parallel-size", "-tp")
 
     @property
     def pp(self) -> int:
-        raw = self.number("--pipeline-parallel-size") or self.number("-pp")
-        return int(raw) if raw else 1
+        return self.parallel_degree("--pipeline-parallel-size", "-pp")
 
     @property
     def kv_transfer_config(self) -> dict[str, Any] | None:

@@ -23,6 +23,7 @@ import uuid
 
 import numpy as np
 from prometheus_client import CollectorRegistry
+from redis.exceptions import RedisError
 
 from kvtier.bench.storebench import MiB, StoreBenchResult, _chunks, _rate, _timed
 from kvtier.core.config import KVTierConfig
@@ -39,8 +40,9 @@ def bench_redis(url: str, chunk_mib: float, total_mib: float, repeats: int, clus
 
     Raises:
         ConfigError: bad URL or unreachable Cluster seed.
-        RuntimeError: the server refused or lost a chunk during the run (unreachable, ``maxmemory``
-            too small for ``total_mib``).
+        RuntimeError: the server did not answer (nothing listening, a wrong password: redis-py's
+            ``RedisError``, named in the message), or refused or lost a chunk during the run
+            (``maxmemory`` too small for ``total_mib``).
     """
     chunk_bytes = int(chunk_mib * MiB)
     num = max(2, int(total_mib / chunk_mib))
@@ -60,6 +62,7 @@ def bench_redis(url: str, chunk_mib: float, total_mib: float, repeats: int, clus
         np.copyto(d, s)
     times: dict[str, list[float]] = {"tier_put": [], "raw_put": [], "tier_get": [], "raw_get": []}
     try:
+        raw.ping()  # an unreachable server is one sentence before any round, not a redis-py traceback
         for r in range(repeats):
             keys = [ChunkKey(os.urandom(16)) for _ in range(num)]
             raw_keys = [f"{prefix}raw:{r}:{i}".encode() for i in range(num)]
@@ -93,6 +96,8 @@ def bench_redis(url: str, chunk_mib: float, total_mib: float, repeats: int, clus
             if not np.array_equal(dsts[-1], datas[-1]):
                 raise RuntimeError("the redis tier returned wrong bytes")
             _delete(raw, [tier.rkey(k) for k in keys] + raw_keys)
+    except RedisError as exc:
+        raise RuntimeError(f"the server did not answer ({type(exc).__name__}: {exc})") from None
     finally:
         tier.close()
         raw.close()

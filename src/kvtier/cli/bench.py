@@ -92,6 +92,24 @@ def _knobs(**values: Any) -> Any:
     return WorkloadKnobs(**values)
 
 
+def _check_local_model(model: str) -> None:
+    """Refuse (exit 2, one sentence) a ``--model`` written as a local path that names no model
+    directory: vLLM reads a path that exists as the model's directory and anything else as a hub id,
+    so a mistyped ``/models/llama`` reached vLLM (after "cannot tell the vocabulary size", or with
+    --vocab-size, a server that fails once started).  A hub id (``Qwen/Qwen3-8B``) is left to vLLM."""
+    path = Path(model).expanduser()
+    if not (model.startswith(("/", "./", "../", "~")) or model in (".", "..") or path.exists()):
+        return
+    if not path.exists():
+        fail(f"--model {model} does not exist; give the model's directory (the one holding config.json) or a "
+             "hub id such as Qwen/Qwen3-8B")
+    if not path.is_dir():
+        fail(f"--model {model} is not a directory; give the model's directory (the one holding config.json)")
+    if not (path / "config.json").is_file():
+        fail(f"--model {model} holds no config.json, so it is not a model directory; give the directory vLLM loads "
+             "(python -m kvtier.launch.testmodel writes one, docs/quickstart.md)")
+
+
 def _build(knobs: Any, vocab_size: int | None, model: str, max_model_len: int | None,
            closed_loop: bool) -> tuple[Any, int]:
     """The workload and the vocabulary size its tokens were drawn from."""
@@ -294,6 +312,7 @@ def compare_command(
                    request_rate=request_rate, shuffle=shuffle, num_sessions=num_sessions, num_rounds=num_rounds,
                    system_len=system_len, question_len=question_len, answer_len=answer_len,
                    think_time_s=think_time, session_interval_s=session_interval)
+    _check_local_model(model)
     built, vocab = _build(knobs, vocab_size, model, max_model_len, max_concurrency is not None)
     spec = ServerSpec(model=model, max_model_len=max_model_len, cache_tokens=engine_cache_tokens,
                       block_size=block_size, load_format=None if load_format == "auto" else load_format,

@@ -136,8 +136,12 @@ def bench_store(
     load = os.getloadavg()
     print(f"load average: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs")
     if json_path is not None:
-        json_path.write_text(json.dumps({"results": [r.as_dict() for r in rows], "notes": notes,
-                                         "load_average": list(load)}, indent=2))
+        try:
+            json_path.write_text(json.dumps({"results": [r.as_dict() for r in rows], "notes": notes,
+                                             "load_average": list(load)}, indent=2))
+        except OSError as exc:  # checked before the run, but a disk can fill or go away meanwhile
+            fail(f"cannot write --json {json_path} ({exc.strerror}); free space or pass a path in a writable "
+                 "directory (the table above has the results)")
         print(f"wrote {json_path}")
 
 
@@ -153,7 +157,8 @@ def _redis_rows(url: str, cluster: bool, chunk_mibs: list[float], total_mib: flo
     except ConfigError as exc:
         fail(str(exc))
     except RuntimeError as exc:
-        fail(f"the redis benchmark on {redact_url(url)} failed: {exc}; check the server and its maxmemory")
+        fail(f"the redis benchmark on {redact_url(url)} failed: {exc}; check --redis-url, that the server is up "
+             "and its maxmemory")
     return rows
 
 

@@ -54,8 +54,18 @@ def check_command(
 
     if block_size is not None and block_size < 1:
         fail(f"--block-size must be at least 1, got {block_size}.")
+    text = _read(config)
+    if not config.lstrip().startswith(("{", "[")):  # a file or stdin: no shell quoting to blame
+        source = "standard input" if config == "-" else repr(config)
+        if not text.strip():
+            fail(f"{source} is empty; it must hold the --kv-transfer-config JSON object.")
+        try:
+            json.loads(text)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            where = f" at line {exc.lineno} column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else ""
+            fail(f"{source} is not valid JSON{where}; check its braces, commas and quotes.")
     try:
-        transfer = parse_transfer_config(_read(config))
+        transfer = parse_transfer_config(text)
     except ConfigError as exc:  # not JSON, or not an object: the input cannot be read (exit 2, as documented)
         fail(str(exc))
     problems = check_transfer_config(transfer, block_size)

@@ -110,8 +110,8 @@ def doctor_command(
         elif url:
             if not math.isfinite(interval) or not 0 < interval <= MAX_INTERVAL_S:
                 raise UserError(f"--interval must be in (0, {MAX_INTERVAL_S:g}] seconds, got {interval}.")
-            if not math.isfinite(timeout) or timeout <= 0:
-                raise UserError(f"--timeout must be a positive number of seconds, got {timeout}.")
+            if not math.isfinite(timeout) or not 0 < timeout <= MAX_INTERVAL_S:  # 1e300 overflowed a thread wait
+                raise UserError(f"--timeout must be in (0, {MAX_INTERVAL_S:g}] seconds, got {timeout}.")
             source = metrics_url(url)
             before = parse_metrics(fetch_metrics(source, timeout), source)
             start = time.monotonic()

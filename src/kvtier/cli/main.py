@@ -6,7 +6,10 @@ Each command module defines ``register(app: typer.Typer) -> None`` and keeps hea
 
 from __future__ import annotations
 
+import errno
 import importlib
+import os
+import sys
 from typing import Any
 
 import typer
@@ -26,7 +29,30 @@ class _Group(TyperGroup):
     def main(self, *args: Any, **kwargs: Any) -> Any:
         _plain_flags(self)
         with exit_on_termination():
-            return super().main(*args, **kwargs)
+            try:
+                return super().main(*args, **kwargs)
+            except OSError as exc:
+                if exc.errno not in _DEVICE_FULL:
+                    raise
+                _device_full(exc.errno)
+
+
+_DEVICE_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+"""Write errors no command can do anything about but say so: a full disk (``kvtier size --json >
+out.json`` on a full file system), a quota, a file too large."""
+
+
+def _device_full(code: int) -> None:
+    """One sentence on stderr and exit 2 for a write that failed for lack of room (a redirected
+    stdout included); stdout is pointed at /dev/null first, so that the interpreter's own flush at
+    exit does not print a second error (Python docs, "Note on SIGPIPE", the same dup2)."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    print(f"error: a write failed: {os.strerror(code)}; free space on that device (or send the output "
+          "elsewhere) and run it again", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def _plain_flags(command: Any) -> None:

@@ -4,6 +4,7 @@ disk tier's directory, a Redis/Valkey server and/or an S3 bucket, offline or und
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 import typer
@@ -120,6 +121,11 @@ def purge_command(
     except PurgeFailed as exc:
         fail(str(exc).rstrip(".") + ".", 1)
     problems = [p for r in results for p in r.problems]
+    unanswered = any(not r.namespace for r in results)  # a target that failed: its namespaces are unknown
+    missing = sorted(n.hex() for n in selector.namespaces if not any(r.namespace == n for r in results))
+    if missing and not unanswered:  # a mistyped digest removed nothing and said only "0 chunks"
+        print(f"note: namespace {', '.join(missing)} holds nothing in the targets given; check the digest (a dry "
+              "run without --namespace lists the namespaces there).", file=sys.stderr)
     if as_json:
         print(json.dumps({
             "dry_run": dry_run,

@@ -10,17 +10,30 @@ import typer
 from kvtier.cli.errors import check_output_path, fail
 from kvtier.core.policies import available_policies
 
+MAX_CAPACITY_GIB = float(1 << 20)  # 1 PiB: the bound of `kvtier size --offload-gib` (docs/size.md)
+
 
 def parse_gib_list(text: str, option: str) -> tuple[float, ...]:
-    """``"64,128,256"`` → ``(64.0, 128.0, 256.0)``; one sentence on a bad list (typer.Exit)."""
+    """``"64,128,256"`` → ``(64.0, 128.0, 256.0)``; one sentence on a bad list (typer.Exit).
+
+    ``option`` ``--cpu-pct`` reads percentages of the trace's distinct chunks (0 to 100: 100 % already
+    holds every chunk, so the tier never evicts); any other option reads GiB, at most 1 PiB.
+    """
+    pct = option == "--cpu-pct"
+    unit, example, maximum = ("%", "1,5,10,100", 100.0) if pct else ("GiB", "64,128,256", MAX_CAPACITY_GIB)
     values = []
     for part in text.split(","):
         try:
             value = float(part)
         except ValueError:
-            fail(f"{option} must be comma-separated GiB numbers such as 64,128,256; {part.strip()!r} is not a number")
+            fail(f"{option} must be comma-separated {'percentages' if pct else 'GiB numbers'} such as {example}; "
+                 f"{part.strip()!r} is not a number")
         if not value >= 0 or value == float("inf"):
-            fail(f"{option} values must be finite and >= 0 GiB; got {part.strip()}")
+            fail(f"{option} values must be finite and >= 0 {unit}; got {part.strip()}")
+        if value > maximum:
+            fail(f"{option} values must be at most 100 % (a cpu tier holding every distinct chunk of the trace); "
+                 f"got {part.strip()}" if pct else
+                 f"{option} values must be at most {MAX_CAPACITY_GIB:,.0f} GiB (1 PiB); got {part.strip()}")
         values.append(value)
     if len(set(values)) != len(values):
         fail(f"{option} lists a capacity twice ({text}); give each capacity once")
@@ -94,6 +107,9 @@ def register(app: typer.Typer) -> None:
             fail(f"--tokens-per-block must be a positive integer, got {tokens_per_block}")
         if not all(0 <= g < float("inf") for g in (engine_gib, disk_gib, shared_gib)):
             fail("--engine-gib, --disk-gib and --shared-gib must be finite and >= 0 GiB")
+        for option, capacity in (("--engine-gib", engine_gib), ("--disk-gib", disk_gib), ("--shared-gib", shared_gib)):
+            if capacity > MAX_CAPACITY_GIB:
+                fail(f"{option} must be at most {MAX_CAPACITY_GIB:,.0f} GiB (1 PiB), got {capacity:g}")
         from kvtier.core.policies.admission import available_admissions
 
         for option, value in (("--disk-admission", disk_admission), ("--shared-admission", shared_admission)):
@@ -169,15 +185,18 @@ def register(app: typer.Typer) -> None:
                 console.print(textwrap.fill(f"  {size.tier:<6} {gib:>10}  {size.reason}", 80,
                                             subsequent_indent=" " * 21, break_on_hyphens=False), soft_wrap=True,
                               markup=False, highlight=False)
+        writing = None
         try:
             if json_path is not None:
+                writing = f"--json {json_path}"
                 write_json(json_path, result, elapsed, rates)
                 console.print(f"JSON: {json_path}")
             if plot_path is not None:
                 from kvtier.simulate.plot import write_plot
 
+                writing = f"--plot {plot_path}"
                 write_plot(plot_path, result, f"{requests.name}, engine tier {engine_gib:g} GiB, "
                                               f"{spec.chunk_bytes / 2**20:,.0f} MiB chunks")
                 console.print(f"plot: {plot_path}")
         except OSError as exc:
-            fail(f"cannot write output ({exc.strerror}: {exc.filename}); pass a path in a writable directory")
+            fail(f"cannot write {writing} ({exc.strerror}); free space or pass a path in a writable directory")

@@ -139,7 +139,7 @@ def size_command(
 ) -> None:
     from kvtier.core.dtypes import DTYPE_BYTES, short_name
     from kvtier.size import Deployment, build_recipe, plan, resolve_model
-    from kvtier.size.hardware import find_gpu
+    from kvtier.size.hardware import GPUS, find_gpu
     from kvtier.size.plan import check_finite, split_tier
     from kvtier.size.recipe import chunk_notes
 
@@ -156,11 +156,12 @@ def size_command(
         check_finite("--offload-gib", offload_gib)
         check_finite("--gpu-memory-gib", gpu_memory_gib)
         memory = gpu_memory_gib
+        found_gpu = None
         if gpu is not None:
-            found = find_gpu(gpu)
-            if found is None:
+            found_gpu = find_gpu(gpu)
+            if found_gpu is None:
                 raise UserError(f"--gpu {gpu!r} is not known; pass --gpu-memory-gib with its memory in GiB.")
-            memory = found.memory_gib if memory is None else memory
+            memory = found_gpu.memory_gib if memory is None else memory
         resolved = resolve_model(model)
         weights = weights_gib if weights_gib is not None else resolved.weights_gib
         note = "given" if weights_gib is not None else resolved.weights_note
@@ -169,6 +170,12 @@ def size_command(
                          weights_gib=weights, overhead_gib=overhead_gib, context_tokens=context,
                          sessions=sessions, host_ram_gib=host_ram_gib, host_reserve_gib=host_reserve_gib)
         report = plan(resolved.geometry, dep)
+        given_gpu = (gpu or "").strip()
+        if found_gpu is not None and gpu_memory_gib is None and found_gpu.name.upper() != given_gpu.upper():
+            # an alias (A100: two memory sizes): say which part the budget assumes
+            parts = " or ".join(g.name for g in GPUS if g.name.upper().startswith(given_gpu.upper()))
+            report.notes.append(f"--gpu {given_gpu} read as {found_gpu.name} ({found_gpu.memory_gib:g} GiB); give "
+                                f"the exact part (--gpu {parts}) or --gpu-memory-gib if yours differs.")
         if weights_gib is None:
             report.notes.extend(resolved.warnings)
         if chunk_tokens < 1:

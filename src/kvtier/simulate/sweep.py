@@ -147,13 +147,20 @@ def _run(job: tuple[str, int]) -> ReplayCounts:
 _COST_RANK = {"adaptive": 0, "prefix-freq": 0, "default": 0, "belady": 1, "s3fifo": 2, "prefix-lru": 2}
 
 
+def pool_size(workers: int, runs: int) -> int:
+    """Processes for ``runs`` replays: ``workers`` (0: one per CPU core), never more than ``runs``
+    (a pool starts every process at once: ``--workers 100000`` for 4 runs forked 100,000)."""
+    return max(1, min(workers or os.cpu_count() or 1, runs))
+
+
 def run_sweep(trace: Trace, spec: SweepSpec, workers: int = 0) -> SweepResult:
     """Replay ``trace`` for every (policy, cpu capacity) of ``spec``.
 
     Args:
         trace: the trace.
         spec: capacities and policies (names checked with :func:`check_policies`).
-        workers: processes; 0 picks ``min(os.cpu_count(), runs)``; 1 runs in this process.
+        workers: processes, at most one per run (:func:`pool_size`); 0 picks ``min(os.cpu_count(),
+            runs)``; 1 runs in this process.
 
     Returns:
         rows in ``spec`` order (capacity-major, then policy).
@@ -173,7 +180,7 @@ def run_sweep(trace: Trace, spec: SweepSpec, workers: int = 0) -> SweepResult:
     jobs = [(policy, spec.chunks(gib)) for gib in spec.cpu_gibs for policy in spec.policies]
     # Slowest policies first, so the last job to finish is a short one.
     order = sorted(range(len(jobs)), key=lambda i: (_COST_RANK.get(jobs[i][0], 3), -jobs[i][1]))
-    workers = workers or min(os.cpu_count() or 1, len(jobs))
+    workers = pool_size(workers, len(jobs))
     if workers > 1 and "fork" in multiprocessing.get_all_start_methods():
         with multiprocessing.get_context("fork").Pool(workers) as pool:
             done = pool.map(_run, [jobs[i] for i in order], chunksize=1)

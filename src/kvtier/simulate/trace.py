@@ -160,6 +160,11 @@ def _read_mooncake(path: Path, block_tokens: int) -> Trace:
     num_tokens: list[int] = []
     chunk_keys: list[list[int]] = []
     key_to_id: dict[int, int] = {}
+    for _lineno, where, first in jsonl_objects(path):  # the first record: the other format, said as such
+        if "timestamp" not in first and "chunk_keys" in first:
+            raise TraceError(f"{where} is a kvtier-jsonl record (chunk_keys), not a Mooncake one; pass --format "
+                             "kvtier-jsonl")
+        break
     for record in iter_records(path, block_tokens):
         full = record.hash_ids[: record.input_length // block_tokens]
         chunk_keys.append([key_to_id.setdefault(key, len(key_to_id)) for key in full])
@@ -177,6 +182,9 @@ class _KVTierParser(_Parser):
         self._requested = block_tokens
 
     def parse(self, obj: dict, where: str) -> tuple[float, int, Sequence[int | str]]:
+        if "time_s" not in obj and "hash_ids" in obj:  # the other format: say which flag reads it
+            raise TraceError(f"{where} is a Mooncake record (hash_ids), not a kvtier-jsonl one; pass --format "
+                             "mooncake (the default)")
         time_s = float(_number(obj, "time_s", where, 0, integer=False))
         tokens = int(_number(obj, "num_tokens", where, 1, integer=True))
         chunk = int(_number(obj, "chunk_tokens", where, 1, integer=True))

@@ -166,6 +166,21 @@ def _state_spec(cfg: dict[str, Any], where: str) -> StateSpec:
     raise UserError(f"{where} has Mamba / linear-attention layers of a kind kvtier size does not know.")
 
 
+def attention_layers(cfg: dict[str, Any], name: str) -> int:
+    """Layers of the model ``cfg`` describes that keep KV per token: full and sliding-window attention,
+    not Mamba / linear-attention / short-convolution layers nor MLP-only blocks (the layer kinds
+    :func:`geometry_from_config` reads: ``layer_types``, ``hybrid_override_pattern``,
+    ``full_attention_interval``, ``attn_layer_period``).
+
+    Raises:
+        UserError: ``num_hidden_layers`` missing or malformed, or a layer type not known.
+    """
+    where = f"config of {name}"
+    cfg = _text_config(cfg)
+    num_layers = _int(cfg, "num_hidden_layers", where, maximum=MAX_LAYERS)
+    return sum(kind in ("full", "swa") for kind in _layer_kinds(cfg, num_layers, where))
+
+
 def geometry_from_config(cfg: dict[str, Any], name: str, source: str = "") -> KVGeometry:
     """Build the KV geometry of the model described by ``cfg`` (a parsed config.json).
 
@@ -184,6 +199,8 @@ def geometry_from_config(cfg: dict[str, Any], name: str, source: str = "") -> KV
     head_dim = cfg.get("head_dim")
     if head_dim is None:
         hidden = _int(cfg, "hidden_size", where)
+        if hidden == 0:  # 0 % heads passed the test below and sized 0 bytes per token
+            raise UserError(f"{where} has hidden_size 0; it must be at least 1 (or give the model's 'head_dim').")
         if hidden % heads:
             raise UserError(f"{where} has hidden_size {hidden} not divisible by num_attention_heads {heads}; "
                             "add the model's 'head_dim' to the config.")
@@ -193,6 +210,9 @@ def geometry_from_config(cfg: dict[str, Any], name: str, source: str = "") -> KV
     mla = None
     if cfg.get("kv_lora_rank"):
         mla = MLASpec(_int(cfg, "kv_lora_rank", where), _int(cfg, "qk_rope_head_dim", where))
+    elif heads % kv_heads:  # vLLM's Attention layer asserts it (vllm/model_executor/layers/attention/attention.py)
+        raise UserError(f"{where} has num_attention_heads {heads} not divisible by num_key_value_heads {kv_heads}; "
+                        "vLLM refuses such a model (each KV head serves a whole group of query heads): check both.")
     kinds = _layer_kinds(cfg, num_layers, where)
     num_state = kinds.count("state")
     window = cfg.get("sliding_window") if "swa" in kinds else None

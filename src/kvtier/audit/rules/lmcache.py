@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from kvtier.audit.model import ServeConfig
 from kvtier.audit.rules.base import rule
 
@@ -26,6 +28,10 @@ def lmcache_size_mismatch(c: ServeConfig) -> str | None:
         per_rank = float(raw)
     except ValueError:
         return f"LMCACHE_MAX_LOCAL_CPU_SIZE={raw!r} is not a number."
+    if not math.isfinite(per_rank):
+        return f"LMCACHE_MAX_LOCAL_CPU_SIZE={raw!r} is not a finite size in GB."
+    if not math.isfinite(total):
+        return None  # kv-offloading-size-invalid reports it
     ranks = c.tp * c.pp
     if abs(per_rank * ranks - total) > 0.02 * total:
         return (f"LMCACHE_MAX_LOCAL_CPU_SIZE={per_rank:g} per rank × {ranks} ranks = {per_rank * ranks:g} GiB, "

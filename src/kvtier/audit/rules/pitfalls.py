@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from kvtier.audit.model import ServeConfig
 from kvtier.audit.rules.base import rule
 
@@ -41,7 +43,7 @@ def cpu_offload_gb_beside_kv(c: ServeConfig) -> str | None:
       locate="--kv-offloading-size")
 def kv_offloading_size_is_total(c: ServeConfig) -> str | None:
     size, ranks = c.number("--kv-offloading-size"), c.tp * c.pp
-    if size and ranks > 1:
+    if size and math.isfinite(size) and ranks > 1:  # a non-finite size is kv-offloading-size-invalid's
         return (f"--kv-offloading-size {size:g} is {size:g} GiB in total, {size / ranks:g} GiB per rank over "
                 f"{ranks} ranks; a per-GPU figure would need {size * ranks:g}.")
     return None
@@ -75,8 +77,31 @@ def offloading_size_invalid(c: ServeConfig) -> str | None:
     if not c.has("--kv-offloading-size"):
         return None
     size = c.number("--kv-offloading-size")
-    if size is None or size <= 0:
-        return f"--kv-offloading-size {c.value('--kv-offloading-size')!r} is not a positive size in GiB."
+    if size is None or not 0 < size < math.inf:  # nan and inf too: vLLM would size a buffer from them
+        return f"--kv-offloading-size {c.value('--kv-offloading-size')!r} is not a positive, finite size in GiB."
+    return None
+
+
+@rule("parallel-size-invalid", "error", "a parallel size that is not a whole number of at least 1",
+      "Give --tensor-parallel-size / --pipeline-parallel-size as a whole number of GPUs, at least 1, e.g. "
+      "--tensor-parallel-size 2.",
+      "vLLM vllm/config/parallel.py ParallelConfig.tensor_parallel_size and pipeline_parallel_size "
+      "(int, ge=1), read by vllm/engine/arg_utils.py")
+def parallel_size_invalid(c: ServeConfig) -> str | None:
+    bad = []
+    for flag, short in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp")):
+        given = c.parallel_size(flag, short)
+        if given is None:
+            continue
+        try:
+            ok = int(given[1], 10) >= 1
+        except ValueError:
+            ok = False
+        if not ok:
+            bad.append(f"{given[0]} {given[1]!r}")
+    if bad:
+        return (f"{' and '.join(bad)} is not a whole number of at least 1; vLLM refuses to start, and the audit "
+                "reads it as 1 for its sizing rules.")
     return None
 
 

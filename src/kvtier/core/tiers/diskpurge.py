@@ -57,12 +57,63 @@ def purge(config: KVTierConfig, selector: PurgeSelector, dry_run: bool) -> list[
     except OSError as exc:
         raise UserError(f"cannot list --disk-path {root} ({exc.strerror}); fix its permissions or run as its owner") \
             from None
+    if not names:
+        _refuse_a_neighbouring_directory(root)
     out = []
     for name in names:
         namespace = bytes.fromhex(name)
         if selector.wants_namespace(namespace):
             out.append(purge_namespace(root / name, namespace, selector, dry_run))
     return out
+
+
+_SHARD_DIR = re.compile(r"[0-9a-f]{2}")
+_LOOK_AT_MOST = 1000
+"""Entries of a directory without namespace directories looked at for the disk tier's own (bounded)."""
+
+
+def _namespace_dirs(directory: Path) -> bool:
+    """Whether ``directory`` holds a namespace directory (among its first entries)."""
+    try:
+        with os.scandir(directory) as entries:
+            for n, entry in enumerate(entries):
+                if n >= _LOOK_AT_MOST:
+                    return False
+                if _NAMESPACE_DIR.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
+                    return True
+    except OSError:
+        pass
+    return False
+
+
+def _refuse_a_neighbouring_directory(root: Path) -> None:
+    """``root`` holds no namespace directory: refuse it when it is plainly not the disk tier's
+    ``disk_path`` but next to it, so that a purge given the wrong directory does not report
+    "removed 0 chunks" and exit 0 (an empty or fresh ``disk_path`` is fine, nothing to remove).
+
+    Raises:
+        UserError: ``root`` is a namespace directory itself (its shard directories ``00``..``ff``
+            inside, its name 32 hex digits), or a directory one of whose sub-directories holds
+            namespace directories (``disk_path``'s parent).
+    """
+    if _NAMESPACE_DIR.fullmatch(root.name):
+        try:
+            shards = any(_SHARD_DIR.fullmatch(e.name) and e.is_dir(follow_symlinks=False) for e in os.scandir(root))
+        except OSError:
+            shards = False
+        if shards:
+            raise UserError(f"--disk-path {root} is one namespace directory, not the disk tier's directory; give "
+                            f"--disk-path {root.parent} --namespace {root.name}")
+    try:
+        with os.scandir(root) as entries:
+            children = [Path(e.path) for _, e in zip(range(_LOOK_AT_MOST), entries)
+                        if e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return
+    for child in sorted(children):
+        if _namespace_dirs(child):
+            raise UserError(f"--disk-path {root} holds no namespace directory but {child} does; give the disk "
+                            f"tier's directory, --disk-path {child}")
 
 
 def purge_namespace(directory: Path, namespace: bytes, selector: PurgeSelector, dry_run: bool) -> NamespacePurge:

@@ -133,6 +133,14 @@ def _purge_batch(client: Any, batch: list[tuple[bytes, bytes, bytes]], selector:
         if selector.older_than_s is not None:
             if pttl < 0:  # no expiry: not written by kvtier's SET ... EX; its age is unknown
                 continue
+            if pttl > (ttl_s + 1) * 1000:  # more left than the TTL assumed: the engines' redis_ttl_s is longer,
+                # every age here reads too young and --older-than would quietly remove nothing
+                problem = (f"a value has {pttl / 1000:,.0f} s left to live, more than redis_ttl_s {ttl_s:,} s: the "
+                           "engines use a longer redis_ttl_s, so ages cannot be told; pass theirs with "
+                           "--redis-ttl-s (values kept)")
+                if problem not in result.problems:
+                    result.problem(problem)
+                continue
             written_s = selector.now - (ttl_s - pttl / 1000.0)
             if not selector.old_enough(written_s):
                 continue

@@ -308,8 +308,9 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
                                 f"default) or to a multiple of the block size (e.g. {default})"))
     else:
         problems.extend(_default_block_problem(key, config.chunk_tokens))
-    problems.extend(_unused_tier_problems(key, extra, config))
-    problems.extend(_unconfigured_tier_problems(key, extra, config))
+    if "tiers" in good or "tiers" not in extra:  # a refused tiers leaves config.tiers at its default: no
+        problems.extend(_unused_tier_problems(key, extra, config))  # advice about a list never given
+        problems.extend(_unconfigured_tier_problems(key, extra, config))
     problems.extend(_advice_problems(key, config))
     if config.tenant_quotas is not None and config.tenant_quotas.turns_nothing_on():
         problems.append(Problem("warning", f"{key}.tenant_quotas",
