@@ -37,8 +37,8 @@ redis-bin:
 # fails (tests/conftest.py EXPECTED_SKIPS).  Three phases:
 #  1. tests that start no vLLM engine, on two workers (pytest-xdist, one per core);
 #  2. engine tests marked `shares_cpu` (exact outputs and counts only: a start-up beside another
-#     costs time, never a result), on two workers (measured: 429 s against about 490 s one at a
-#     time; two engines slow each other about 1.7x on two cores, so the gain is small);
+#     costs time, never a result), on two workers, each worker's engines computing on a core of
+#     their own (tests/conftest.py; measured: 19 tests, about 1,070 test-seconds, in 587 s);
 #  3. the other engine tests one at a time: the live-server tests judge latency (TTFT tails, a
 #     doctor's interval) or hold deadlines of seconds that a second engine beside them would distort.
 # test-fast leaves out every engine test: minutes instead of the full run, for development.
