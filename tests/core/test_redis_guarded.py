@@ -53,10 +53,11 @@ def test_reads_reuse_the_tiers_buffers_and_a_late_read_never_lands_in_the_caller
         assert tier.put_many(keys, [memoryview(d) for d in datas]) == [PutResult.STORED] * 2
         dsts = [np.zeros(size, dtype=np.uint8) for _ in keys]
         assert tier.get_many(keys, [memoryview(d) for d in dsts]) == [GetResult.HIT] * 2
-        reused = {id(b) for b in inner._free_reads}
-        assert len(reused) == 2  # the values were received into the tier's buffers, given back
+        pool = inner.read_buffers
+        assert len(pool) == 2  # the values were received into the tier's buffers, given back
+        reused = pool.reused
         assert tier.get_many(keys, [memoryview(d) for d in dsts]) == [GetResult.HIT] * 2
-        assert {id(b) for b in inner._free_reads} == reused  # and taken again, not reallocated
+        assert pool.reused == reused + 2 and len(pool) == 2  # and taken again, not reallocated
 
         late = [np.zeros(size, dtype=np.uint8) for _ in keys]
         server.pause()

@@ -55,6 +55,7 @@ from kvtier.core.stats import WireCounters, WireStats
 from kvtier.core.tiers import redisstream
 from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, TierUsage
 from kvtier.core.tiers.breaker import CircuitBreaker
+from kvtier.core.tiers.buffers import BufferPool
 from kvtier.core.tiers.guarded import GuardedTier, PutStream, WriteAbandoned, split_get
 from kvtier.core.tiers.redisclear import CLEAR_DEADLINE_S, clear_namespace
 from kvtier.core.tiers.redisclient import LazyClusterClient, make_client
@@ -107,8 +108,8 @@ class RedisTier(Tier):
         self._lock = threading.Lock()
         self._written: OrderedDict[ChunkKey, int] = OrderedDict()  # key -> value bytes, oldest first
         self._used = 0
-        self._free_buffers: list[bytearray] = []
-        self._free_reads: list[bytearray] = []
+        self.encode_buffers = BufferPool(BATCH_BYTES * 3, zeroed=True)
+        self.read_buffers = BufferPool(READ_BUFFER_BYTES, zeroed=True)
         self._closed = False
         self._streamed = getattr(client, "connection_pool", None) is not None  # standalone (see put_many)
 
@@ -144,7 +145,7 @@ class RedisTier(Tier):
         t0 = time.perf_counter()
         rkeys = [self.rkey(k) for k in keys]
         if self._streamed:
-            return list(redisstream.get_many(self.client, rkeys, self._read_buffer)), t0
+            return list(redisstream.get_many(self.client, rkeys, self.read_buffers.take)), t0
         pipe = self.client.pipeline(transaction=False)
         for rk in rkeys:
             pipe.get(rk)
@@ -161,21 +162,9 @@ class RedisTier(Tier):
             self.corrupt += done.corrupt
         self.wire.corrupt(done.corrupt)
         if self._streamed:
-            self._give_read_buffers([v.obj for v in values if v is not None])
+            self.read_buffers.give([v.obj for v in values if v is not None])
         self.wire.moved("read", done.payload_bytes, time.perf_counter() - t0)
         return done.results
-
-    def _read_buffer(self, size: int) -> bytearray:
-        """A buffer of ``size`` bytes for one value being read (reused, so its pages are faulted in)."""
-        with self._lock:
-            i = next((j for j, b in enumerate(self._free_reads) if len(b) == size), None)
-            return self._free_reads.pop(i) if i is not None else bytearray(size)
-
-    def _give_read_buffers(self, buffers: list[bytearray]) -> None:
-        with self._lock:
-            self._free_reads.extend(buffers)
-            while sum(len(b) for b in self._free_reads) > READ_BUFFER_BYTES:
-                self._free_reads.pop(0)
 
     # ---- writes --------------------------------------------------------------------------
     def put(self, key: ChunkKey, data: memoryview | bytes) -> PutResult:
@@ -242,7 +231,7 @@ class RedisTier(Tier):
     def _stream_cluster(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes],
                         writer: tenant.Writer | None) -> PutStream:
         batches = self._batches(datas)
-        encoded: list[list[bytearray]] = []
+        encoded: list[list[bytearray | memoryview]] = []
         ready, room = threading.Semaphore(0), threading.Semaphore(2)  # one batch on the wire, one encoded
         abandoned = threading.Event()
 
@@ -250,7 +239,8 @@ class RedisTier(Tier):
             for start, end in batches:
                 if not room.acquire(timeout=max(deadline - time.perf_counter(), 0.0)) or abandoned.is_set():
                     return  # the writer waits for this batch and gives up
-                buffers = self._take_buffers([HEADER_BYTES + memoryview(d).nbytes for d in datas[start:end]])
+                buffers = self.encode_buffers.take_many(
+                    [HEADER_BYTES + memoryview(d).nbytes for d in datas[start:end]])
                 encoded.append([self.codec.encode(k, d, b, writer)
                                 for k, d, b in zip(keys[start:end], datas[start:end], buffers, strict=True)])
                 ready.release()
@@ -265,7 +255,7 @@ class RedisTier(Tier):
                 for key, value in zip(keys[start:end], encoded[i], strict=True):
                     pipe.set(self.rkey(key), value, ex=self.ttl_s, nx=True)
                 created += [bool(c) for c in pipe.execute()]
-                self._give_buffers(encoded[i])  # sent: no thread reads them any more
+                self.encode_buffers.give(encoded[i])  # sent: no thread reads them any more
                 room.release()
             return self._written_now(keys, [HEADER_BYTES + memoryview(d).nbytes for d in datas], created, t0)
 
@@ -290,21 +280,6 @@ class RedisTier(Tier):
             batches.append((start, end))
             start = end
         return batches
-
-    def _take_buffers(self, sizes: list[int]) -> list[bytearray]:
-        with self._lock:
-            free = self._free_buffers
-            taken = []
-            for size in sizes:
-                i = next((j for j, b in enumerate(free) if len(b) == size), None)
-                taken.append(free.pop(i) if i is not None else bytearray(size))
-            return taken
-
-    def _give_buffers(self, buffers: list[bytearray]) -> None:
-        with self._lock:
-            self._free_buffers.extend(buffers)
-            while sum(len(b) for b in self._free_buffers) > BATCH_BYTES * 3:
-                self._free_buffers.pop(0)
 
     def _written_now(self, keys: Sequence[ChunkKey], sizes: list[int], created: list[bool],
                      t0: float) -> list[PutResult]:

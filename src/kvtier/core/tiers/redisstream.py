@@ -128,7 +128,7 @@ class _Replies:
                 raise ConnectionError("the server closed the connection mid-value")
             have += n
 
-    def bulk(self, take_buffer: Callable[[int], bytearray]) -> memoryview | None:
+    def bulk(self, take_buffer: Callable[[int], bytearray | memoryview]) -> memoryview | None:
         """One bulk-string reply into ``take_buffer(length)`` (at least ``length`` bytes); ``None`` for nil."""
         line = self.line()
         kind = line[:1]
@@ -146,7 +146,7 @@ class _Replies:
         return value
 
 
-def get_many(client: Any, rkeys: Sequence[bytes], take_buffer: Callable[[int], bytearray]) -> list[memoryview | None]:
+def get_many(client: Any, rkeys: Sequence[bytes], take_buffer: Callable[[int], bytearray | memoryview]) -> list[memoryview | None]:
     """``GET`` every key of ``rkeys`` on one connection of ``client``'s pool; each value (a view of a
     buffer from ``take_buffer(length)``) or ``None`` where the key is absent.
 

@@ -52,6 +52,7 @@ import xxhash
 from kvtier.core import tenant
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
+from kvtier.core.tiers import buffers
 from kvtier.core.tiers.base import GetResult
 
 if TYPE_CHECKING:
@@ -137,14 +138,15 @@ class ValueCodec:
         fields = _FIELDS.pack(MAGIC, VERSION, self.kind, 0, self.namespace, key, view.nbytes) + record
         return fields + self._digest(fields, view)
 
-    def encode(self, key: bytes, payload: memoryview | bytes, out: bytearray | None = None,
-               writer: tenant.Writer | None = None) -> bytearray:
+    def encode(self, key: bytes, payload: memoryview | bytes, out: bytearray | memoryview | None = None,
+               writer: tenant.Writer | None = None) -> bytearray | memoryview:
         """One value: header (with ``writer``'s tenant record) + a copy of ``payload``, written into
-        ``out`` (reused, so its pages are already faulted in) when it has exactly ``HEADER_BYTES +
-        len(payload)`` bytes."""
+        ``out`` (reused, so its pages are already faulted in; :mod:`kvtier.core.tiers.buffers`) when
+        it has exactly ``HEADER_BYTES + len(payload)`` bytes, else into a fresh buffer (not zeroed:
+        every byte is written here)."""
         view = memoryview(payload).cast("B")
         value = out if out is not None and len(out) == HEADER_BYTES + view.nbytes else \
-            bytearray(HEADER_BYTES + view.nbytes)
+            buffers.fresh(HEADER_BYTES + view.nbytes)
         # numpy's copy is a memcpy; bytearray slice assignment from a memoryview is ~7x slower
         np.copyto(np.frombuffer(value, dtype=np.uint8, offset=HEADER_BYTES), np.frombuffer(view, dtype=np.uint8))
         value[:HEADER_BYTES] = self.header(key, view, writer)
