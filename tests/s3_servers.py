@@ -146,6 +146,12 @@ PRECONDITION_FAILED = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>Pr
                        b'<Condition>If-None-Match</Condition></Error>')
 """AWS S3's answer body to a conditional write on an existing key (AWS S3 user guide,
 "Add preconditions to S3 operations with conditional requests")."""
+NOT_IMPLEMENTED = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>NotImplemented</Code><Message>A header '
+                   b'you provided implies functionality that is not implemented</Message>'
+                   b'<Header>If-None-Match</Header></Error>')
+"""The answer body of a gateway without conditional writes to a ``PUT`` carrying ``If-None-Match``:
+AWS's error code ``NotImplemented`` (HTTP 501, "A header you provided implies functionality that is
+not implemented", Amazon S3 API reference, "Error responses")."""
 
 
 class ConditionalPutProxy:
@@ -159,13 +165,17 @@ class ConditionalPutProxy:
     check and the forwarded create run under one lock, so two conditional creates of one key never
     both succeed.  One request per connection (each answer says ``Connection: close``).
 
+    With ``not_implemented=True`` it is instead a gateway without conditional writes: every
+    conditional ``PUT`` is answered ``501 NotImplemented`` (nothing is written).
+
     Attributes:
         requests: ``(method, path, conditional)`` of every request, in arrival order.
-        refused: conditional ``PUT``s answered ``412``.
+        refused: conditional ``PUT``s answered ``412`` (or ``501``).
     """
 
-    def __init__(self, server: S3Server) -> None:
+    def __init__(self, server: S3Server, not_implemented: bool = False) -> None:
         self.server = server
+        self.not_implemented = not_implemented
         self.listener = socket.create_server((HOST, 0))
         self.port = int(self.listener.getsockname()[1])
         self.requests: list[tuple[str, str, bool]] = []
@@ -226,6 +236,12 @@ class ConditionalPutProxy:
                                         + [b"Connection: close"]) + b"\r\n\r\n" + body
                 if not conditional:
                     conn.sendall(self._forward(request))
+                    return
+                if self.not_implemented:
+                    self.refused += 1
+                    conn.sendall(b"HTTP/1.1 501 Not Implemented\r\nContent-Type: application/xml\r\n"
+                                 b"Connection: close\r\nContent-Length: " + str(len(NOT_IMPLEMENTED)).encode()
+                                 + b"\r\n\r\n" + NOT_IMPLEMENTED)
                     return
                 path = self.server.data / unquote(target.split("?", 1)[0].lstrip("/"))
                 with self._create_lock:

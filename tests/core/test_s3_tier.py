@@ -314,6 +314,28 @@ def test_a_server_answering_412_spares_every_head_and_counts_each_chunk_once(s3_
         two.close()
 
 
+def test_a_gateway_answering_501_to_if_none_match_gets_head_then_plain_put(s3_server, bucket, creds):
+    """A gateway without conditional writes answers ``501 NotImplemented`` to ``If-None-Match: *``
+    (the front with ``not_implemented``): the tier's probe takes that answer as "not honoured"
+    (``s3_conditional_put`` left at its default), and every write is a HEAD then a PUT without the
+    header: the chunks are stored, a present chunk is not written again."""
+    gateway = ConditionalPutProxy(s3_server, not_implemented=True)
+    tier = make_s3_tier(gateway, bucket, NS, creds)
+    try:
+        assert tier.put_many([key(1), key(2)], [data(1), data(2)]) == [PutResult.STORED] * 2
+        assert unwrap(tier).conditional_honoured is False
+        probes = len(gateway.methods(conditional=True))
+        assert probes >= 1 and gateway.refused == probes  # only the probe carried the header
+        assert sorted(gateway.methods(conditional=False)) == ["HEAD", "HEAD", "POST", "PUT", "PUT"]
+        assert tier.put_many([key(1), key(2)], [data(3), data(4)]) == [PutResult.PRESENT] * 2
+        assert len(gateway.methods(conditional=True)) == probes  # asked once
+        assert tier.get_into(key(1), memoryview(out := bytearray(CHUNK))) is GetResult.HIT and bytes(out) == data(1)
+        assert objects(s3_server, bucket) == sorted(unwrap(tier).object_key(k) for k in (key(1), key(2)))
+    finally:
+        tier.close()
+        gateway.close()
+
+
 def test_without_conditional_put_each_write_heads_first_and_sends_no_if_none_match(s3_server, front, bucket, creds):
     """``s3_conditional_put: false`` (a gateway answering 501 to the header): no probe, no
     If-None-Match, a HEAD before each PUT; a present chunk is not written again."""

@@ -69,7 +69,14 @@ from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, Tier
 from kvtier.core.tiers.breaker import CircuitBreaker
 from kvtier.core.tiers.buffers import BufferPool
 from kvtier.core.tiers.guarded import GuardedTier, PutStream, WriteAbandoned, split_get
-from kvtier.core.tiers.s3client import brief, http_refusal, make_store, read_credentials, where
+from kvtier.core.tiers.s3client import (
+    brief,
+    http_refusal,
+    make_store,
+    not_implemented,
+    read_credentials,
+    where,
+)
 from kvtier.core.tiers.s3settings import S3Settings, s3_settings
 from kvtier.core.tiers.sharedvalue import HEADER_BYTES, ValueCodec, keyspace, shared_secret, verify_into
 
@@ -329,8 +336,17 @@ class S3Tier(Tier):
                 return self.conditional_honoured
             path = f"{self.prefix}{PROBE_NAME}{uuid.uuid4().hex[:16]}"
             try:
-                async with self._requests():
-                    await obstore.put_async(self.store, path, b"kvtier probe", use_multipart=False, mode="create")
+                try:
+                    async with self._requests():
+                        await obstore.put_async(self.store, path, b"kvtier probe", use_multipart=False, mode="create")
+                except Exception as exc:
+                    if not not_implemented(exc):
+                        raise
+                    log.warning("kvtier s3 tier (%s): the server answers 501 Not Implemented to If-None-Match: *; "
+                                "each write HEADs its object first and PUTs without the header (set "
+                                "s3_conditional_put: false to skip this probe)", self.where)
+                    self.conditional_honoured = False
+                    return False
                 try:
                     async with self._requests():
                         await obstore.put_async(self.store, path, b"kvtier probe", use_multipart=False, mode="create")
@@ -395,7 +411,6 @@ class S3Tier(Tier):
         encoded = [asyncio.Event() for _ in keys]  # set on the loop: by produce as each object is encoded, or by abandon
         abandoned = threading.Event()
         exists_errors = self._exists_errors
-        mode: Literal["create", "overwrite"] = "create" if self.conditional_put else "overwrite"
         pool = self.encode_buffers
 
         def wake(events: Sequence[asyncio.Event]) -> None:
@@ -422,6 +437,8 @@ class S3Tier(Tier):
                     raise WriteAbandoned(f"the objects of {len(keys)} chunks were not encoded in time") from None
                 if abandoned.is_set():  # the caller stopped waiting (or produce failed): no new PUT
                     raise WriteAbandoned(f"the write of {len(keys)} chunks was abandoned")
+                # a server that ignores If-None-Match (or refuses it) gets a plain PUT after the HEAD
+                mode: Literal["create", "overwrite"] = "overwrite" if head_first else "create"
                 async with gate:
                     reusable = False
                     try:

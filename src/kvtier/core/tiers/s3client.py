@@ -147,6 +147,15 @@ _CAUSES = (("connection refused", "connection refused"), ("dns error", "host nam
 _TIMING = re.compile(r" in [0-9.]+\s*(?:ns|µs|us|ms|s)\b")
 
 
+def not_implemented(exc: BaseException) -> bool:
+    """Whether an obstore error is the server's ``501 Not Implemented`` (AWS error code
+    ``NotImplemented``: "A header you provided implies functionality that is not implemented",
+    Amazon S3 API reference, "Error responses"): what a gateway without conditional writes answers
+    to ``If-None-Match: *``.  obstore gives only its text: ``... non-2xx status code: 501 ...``."""
+    text = str(exc)
+    return "status code: 501" in text or "<Code>NotImplemented</Code>" in text
+
+
 def brief(text: str, limit: int = 160) -> str:
     """An obstore error's text in one short phrase: its first line without the ``Generic S3 error:``
     label and timings, cut at a word boundary (never mid-word) to at most ``limit`` characters,

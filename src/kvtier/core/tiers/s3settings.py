@@ -64,8 +64,8 @@ class S3Settings(BaseSettings):
         "Requests in flight at most to the S3 server (parallel GETs of one load, PUTs of one save)."))
     s3_conditional_put: bool = Field(True, description=(
         "Write with If-None-Match: * so the server refuses to replace an existing object and a save needs no "
-        "HEAD per chunk (a server that ignores the header is found once and gets a HEAD before each PUT); turn "
-        "off for a server that refuses the header (older gateways answer 501)."))
+        "HEAD per chunk (a server that ignores the header, or answers 501 to it, is found by one probe and gets a "
+        "HEAD before each PUT without the header); off: no probe, a HEAD before each PUT."))
     s3_connect_timeout_s: float = Field(1.0, gt=0, le=60, allow_inf_nan=False,
                                         description="Connect timeout of one S3 connection, seconds.")
     s3_timeout_s: float = Field(30.0, gt=0, le=600, allow_inf_nan=False, description=(
