@@ -41,14 +41,17 @@ def test_s3_writes_reuse_their_encode_buffers(request, tmp_path):
     try:
         pool = tier.inner.encode_buffers
         payloads = [np.random.default_rng(i).integers(0, 256, 1 << 16, dtype=np.uint8) for i in range(3)]
-        for round_ in range(2):
+        reused = []
+        for _round in range(2):
             keys = [ChunkKey(os.urandom(16)) for _ in payloads]
             assert tier.put_many(keys, [memoryview(p) for p in payloads]) == [PutResult.STORED] * 3
-            # every PUT finished: each object's buffer is idle again, and the second round took them
-            assert len(pool) == 3 and pool.idle_bytes == 3 * (HEADER_BYTES + (1 << 16))
-            assert pool.reused == 3 * round_
+            # every PUT finished: the objects' buffers are idle again (fewer than 3 where a later
+            # object of the call was encoded into the buffer an earlier PUT gave back)
+            assert 1 <= len(pool) <= 3 and pool.idle_bytes == len(pool) * (HEADER_BYTES + (1 << 16))
+            reused.append(pool.reused)
             dsts = [np.zeros(1 << 16, dtype=np.uint8) for _ in payloads]
             tier.get_many(keys, [memoryview(d) for d in dsts])
             assert all(np.array_equal(p, d) for p, d in zip(payloads, dsts, strict=True))
+        assert reused[1] > reused[0]  # the second write took the buffers the first one gave back
     finally:
         tier.close()

@@ -18,6 +18,7 @@ import pytest
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers import GetResult, PutResult
+from kvtier.core.tiers.buffers import BufferPool
 from kvtier.core.tiers.guarded import GuardedTier, SplitTier
 from kvtier.core.tiers.wrappers import TierWrapper
 
@@ -55,7 +56,9 @@ def test_shared_tiers_copy_each_payload_only_as_often_as_their_direction_needs(n
         copies = {}
         for path, t in (("split", tier), ("private", private)):
             keys = [ChunkKey(os.urandom(16)) for _ in range(CHUNKS)]
-            tier.inner.encode_buffers.clear()  # nothing to reuse: a copy into a new buffer is one tracemalloc sees
+            # nothing reused (not even a buffer an earlier PUT of this call gave back): every copy
+            # is into a new buffer, which is what tracemalloc sees
+            tier.inner.encode_buffers = BufferPool(0)
             put = peak_copies(lambda t=t, keys=keys: t.put_many(keys, [memoryview(d) for d in datas]),
                               PutResult.STORED)
             t.get_many(keys, [memoryview(d) for d in dsts])  # the redis tier's read buffers exist from now on
