@@ -23,11 +23,15 @@ script wraps, on the live objects, without changing them:
 Per full hit it reports: TTFT (``add_request`` → the step that returns the first token), the
 engine steps from admission to the tail's forward, the lookup, the load (shipped → reported
 finished, or the synchronous copy), the copy itself, the tail's forward, and the rest (TTFT
-minus copy minus tail forward: what is neither).
+minus copy minus tail forward: what is neither); for an asynchronous load also the engine steps
+that scheduled nothing while it ran and the process CPU seconds over it (``time.process_time``:
+every thread; counts that do not depend on how loaded the machine is).
 
 Arms: ``kvtier`` (default ``sync_load_max_bytes``: cpu-tier hits copied before the forward of
 the step that schedules them), ``kvtier-async`` (``sync_load_max_bytes: 0``: the asynchronous
-path), ``native`` (vLLM's ``OffloadingConnector`` via kvtier's benchmark-only CPU shim).  Every
+path), ``kvtier-async-spin`` (the same with ``idle_step_wait_s: 0``: the engine steps empty as fast
+as it can while the load runs, as before that field), ``native`` (vLLM's ``OffloadingConnector``
+via kvtier's benchmark-only CPU shim).  Every
 arm's engine stays up in its own child process (started one after another, each computing the
 prompt cold and running ``--warmup`` untimed hits); then the timed hits run interleaved, one
 request at a time, arm order rotated each repeat, so a load change on the shared machine hits
@@ -36,7 +40,7 @@ every arm alike; ratios are medians within the run.
 Usage::
 
     python scripts/full_hit.py --workdir /tmp/fullhit [--prompt-tokens 4000] [--repeats 5] [--warmup 2]
-        [--arms kvtier,native,kvtier-async]
+        [--arms kvtier,native,kvtier-async,kvtier-async-spin]
 
 Prints one table (WORKDIR/full_hit.json has every request's timings) and the load average
 before and after.
@@ -56,7 +60,7 @@ from typing import Any
 
 from kvtier.launch.testmodel import random_prompt_ids
 
-ARMS = ("kvtier", "kvtier-async", "native")
+ARMS = ("kvtier", "kvtier-async", "kvtier-async-spin", "native")
 CPU_GIB = 0.25
 
 
@@ -68,14 +72,16 @@ def transfer_config(arm: str) -> dict[str, Any]:
         config["kv_load_failure_policy"] = "recompute"
         return config
     extra: dict[str, Any] = {"cpu_gib": CPU_GIB}
-    if arm == "kvtier-async":
+    if arm.startswith("kvtier-async"):
         extra["sync_load_max_bytes"] = 0
+    if arm == "kvtier-async-spin":
+        extra["idle_step_wait_s"] = 0
     return {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
 
 class Timeline:
-    """Timestamped calls of the wrapped methods: ``(name, start, end, detail)``."""
+    """Timestamped calls of the wrapped methods: ``(name, start, end, detail, process CPU s at start, at end)``."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, float, float, Any]] = []
@@ -84,10 +90,10 @@ class Timeline:
         real = getattr(obj, attr)
 
         def timed(*a: Any, **k: Any) -> Any:
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             out = real(*a, **k)
-            t1 = time.perf_counter()
-            self.calls.append((name, t0, t1, detail(out, a) if detail is not None else None))
+            t1, c1 = time.perf_counter(), time.process_time()
+            self.calls.append((name, t0, t1, detail(out, a) if detail is not None else None, c0, c1))
             return out
 
         setattr(obj, attr, timed)
@@ -211,6 +217,11 @@ def breakdown(tl: Timeline, rid: str, t_add: float, t_first: float,
     ttft = t_first - t_add
     load_start = starts[0][1] if starts else None
     load_end = done[0][2] if done else (starts[0][2] if starts else None)
+    # an asynchronous load: the steps that scheduled nothing from its shipping to its report, and
+    # the process's CPU seconds (every thread) over that span
+    empty_steps = [s for s in steps if load_start is not None and done and load_start <= s[1] <= load_end
+                   and not s[3][0]]
+    load_cpu_s = done[0][5] - starts[0][4] if done and starts else 0.0
     return {
         "ttft_s": ttft,
         "hit_tokens": lookups[-1][3][0] if lookups else 0,
@@ -219,6 +230,8 @@ def breakdown(tl: Timeline, rid: str, t_add: float, t_first: float,
         "queue_s": steps[admitted][1] - t_add,
         "lookup_s": sum(c[2] - c[1] for c in lookups),
         "load_s": (load_end - load_start) if load_start is not None and load_end is not None else 0.0,
+        "empty_steps_during_load": len(empty_steps),
+        "load_cpu_s": load_cpu_s,
         "prepare_s": prepare,
         "copy_s": copy_s,
         "tail_forward_s": tail_forward_s,
@@ -242,20 +255,24 @@ def summary(runs_by_arm: dict[str, list[dict[str, Any]]]) -> str:
 
     header = ("| arm | n | TTFT median (range), ms | TTFT − tail forward median (range), ms | engine steps "
               "admission→tail | lookup | load shipped→done | prepare (pin/read) | copy | tail forward + sample "
-              "| TTFT − copy − tail forward | hit tokens | same token as cold |")
-    lines = [header, "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| TTFT − copy − tail forward | hit tokens | same token as cold | empty steps during the load "
+              "| process CPU during the load median (range), ms |")
+    lines = [header, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     med: dict[str, tuple[float, float]] = {}
     for arm, runs in runs_by_arm.items():
         for r in runs:
             r["path_s"] = r["ttft_s"] - r["tail_model_s"]  # what is not the model's forward of the tail
         m = {k: statistics.median(r[k] for r in runs) for k in ("ttft_s", "path_s", "lookup_s", "load_s",
-                                                                 "prepare_s", "copy_s", "tail_model_s", "other_s")}
+                                                                 "prepare_s", "copy_s", "tail_model_s", "other_s",
+                                                                 "load_cpu_s")}
         med[arm] = (m["ttft_s"], m["path_s"])
         steps = sorted(r["steps_to_tail"] for r in runs)
+        empty = sorted(r["empty_steps_during_load"] for r in runs)
         lines.append(f"| {arm} | {len(runs)} | **{ms(m['ttft_s'])}** ({span(runs, 'ttft_s')}) | **{ms(m['path_s'])}** "
                      f"({span(runs, 'path_s')}) | {steps[0]}–{steps[-1]} | {ms(m['lookup_s'])} | {ms(m['load_s'])} "
                      f"| {ms(m['prepare_s'])} | {ms(m['copy_s'])} | {ms(m['tail_model_s'])} | {ms(m['other_s'])} "
-                     f"| {sorted({r['hit_tokens'] for r in runs})} | {all(r['same_token_as_cold'] for r in runs)} |")
+                     f"| {sorted({r['hit_tokens'] for r in runs})} | {all(r['same_token_as_cold'] for r in runs)} "
+                     f"| {empty[0]}–{empty[-1]} | {ms(m['load_cpu_s'])} ({span(runs, 'load_cpu_s')}) |")
     if "native" in med:
         lines.append("")
         lines.extend(f"{arm} / native: median TTFT **{v[0] / med['native'][0]:.2f}×**, median TTFT − tail forward "

@@ -272,7 +272,8 @@ def test_a_redis_key_from_the_environment_is_read_and_named_in_its_error(monkeyp
 
 
 @pytest.mark.parametrize("key", ["cpu_gib", "disk_gib", "io_threads", "save_queue_depth", "shutdown_flush_s",
-                                 "spill_watermark", "disk_rescan_s", "load_wait_s", "shared_queue_depth"])
+                                 "spill_watermark", "disk_rescan_s", "load_wait_s", "idle_step_wait_s",
+                                 "shared_queue_depth"])
 @pytest.mark.parametrize("value", [True, False])
 def test_a_boolean_is_never_a_size_or_count(key, value):
     """pydantic's lax mode would read true as 1: every numeric field refuses a boolean in one sentence

@@ -139,6 +139,7 @@ def test_admission_waits_for_the_first_report_then_loads_the_mirror_hit_per_tier
     second = scheduler.schedule()
     stats = scheduler.make_stats()
     assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and second.num_scheduled_tokens == {}
+    assert _meta(second).no_forward  # nothing to compute: a worker may wait for the load (idle_step_wait_s)
     (load,) = _meta(second).loads
     blocks = scheduler.kv_cache_manager.get_block_ids("a")[0]
     assert load.req_id == "a" and load.hit_tokens == 3 * CHUNK and load.first_token == 0
@@ -154,7 +155,7 @@ def test_admission_waits_for_the_first_report_then_loads_the_mirror_hit_per_tier
     third = scheduler.schedule()
     assert request.status == RequestStatus.RUNNING
     assert third.num_scheduled_tokens == {"a": len(PROMPT) - 3 * CHUNK}  # only the tail is computed
-    assert _meta(third).loads == []
+    assert _meta(third).loads == [] and not _meta(third).no_forward  # a step that computes never waits
 
 
 def test_a_miss_loads_nothing_and_saves_each_chunk_once_as_chunked_prefill_computes_it(tiny_model: Path) -> None:

@@ -97,6 +97,11 @@ class KVTierConfig(BaseSettings):
         "the cpu tier: the copy runs in the step that schedules the request, before its forward, instead of "
         "parking it for at least one more step (WAITING_FOR_REMOTE_KVS); larger hits, disk and shared-tier "
         "hits, and hybrid models load asynchronously. 0: every load is asynchronous."))
+    idle_step_wait_s: float = Field(0.005, ge=0, le=1.0, allow_inf_nan=False, description=(
+        "Longest an engine step that computes no tokens (every request parked for an asynchronous load) waits "
+        "on each rank for a load in flight to end, so that the engine does not spin empty steps while the "
+        "loader threads work; a load that ends during the wait is reported in that step. Also the most a "
+        "request arriving meanwhile waits to be scheduled. Steps that compute tokens never wait. 0: no wait."))
     disk_io: Literal["auto", "buffered", "direct"] = Field(
         "auto", description="Disk tier I/O: direct = O_DIRECT (bypasses the page cache), buffered, or auto = direct "
         "where supported unless a start-up probe finds it clearly slower.")

@@ -32,6 +32,12 @@ KV cache groups, the request as failed), so vLLM recomputes them and nothing rea
 reaches a request after it; the check is made when the outcome is taken (:meth:`AsyncLoader.take`),
 which the worker does after applying the order.
 
+Idle steps: while every request the engine holds is parked for a load, vLLM keeps stepping with
+nothing to compute and asks for finished loads each step (``get_finished``).  The worker then calls
+:meth:`AsyncLoader.wait_ended`, which blocks on a condition the loader threads notify as each load
+ends (never a sleep loop) until one has ended or ``idle_step_wait_s`` passed, so the engine's thread
+neither spins nor holds the GIL the loader threads need while they read, verify and copy.
+
 Bounds: jobs in flight are bounded by the engine's KV cache (each holds its request's blocks
 until reported); a job waits for its read-ahead at most ``load_wait_s``; ``shutdown`` cancels
 jobs not started and waits for running ones.  A job whose request was aborted before it started
@@ -80,6 +86,7 @@ class AsyncLoader:
         self.wait_s = wait_s  # longest wait for pages read ahead (config load_wait_s)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-load")
         self._lock = threading.Lock()
+        self._ended = threading.Condition(self._lock)  # notified when a load ends (_finish)
         self._finished: set[str] = set()
         self._errors: set[int] = set()
         self._failed: set[str] = set()
@@ -118,6 +125,17 @@ class AsyncLoader:
         if stale:  # filled before a reset, recomputed after it: counted as blocks not filled
             self.store.load_skipped(EngineLoad(failed_blocks=stale))
         return finished, errors, failed
+
+    def wait_ended(self, timeout_s: float) -> bool:
+        """Block until a load has ended that :meth:`take` has not returned yet, at most ``timeout_s``
+        seconds; returns at once when one has already ended or none is in flight (a job queued
+        behind busy loader threads counts as in flight).
+
+        Returns:
+            True when a load ended (or none is in flight), False when ``timeout_s`` passed first.
+        """
+        with self._ended:
+            return self._ended.wait_for(lambda: bool(self._finished) or not self._inflight, max(timeout_s, 0.0))
 
     @property
     def num_inflight(self) -> int:
@@ -257,6 +275,7 @@ class AsyncLoader:
             self._finished.add(job.req_id)
             self._inflight.pop(job.req_id, None)
             self._aborted.discard(job.req_id)
+            self._ended.notify_all()
         return set()
 
     def shutdown(self, timeout_s: float = 10.0) -> None:

@@ -145,11 +145,16 @@ class ResetOrder:
 @dataclass
 class KVTierMetadata(KVConnectorMetadata):
     """One step's jobs: loads start in ``start_load_kv``, saves copy in ``wait_for_save``; a
-    ``reset`` order is applied in ``start_load_kv`` before this step's loads start."""
+    ``reset`` order is applied in ``start_load_kv`` before this step's loads start.
+
+    ``no_forward``: the step schedules no tokens (``SchedulerOutput.total_num_scheduled_tokens ==
+    0``; vLLM's worker runs ``kv_connector_no_forward``): a rank with a load in flight may wait for
+    it to end, up to ``idle_step_wait_s``, before it answers ``get_finished``.  False: never waits."""
 
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
     reset: ResetOrder | None = None
+    no_forward: bool = False
 
 
 @dataclass

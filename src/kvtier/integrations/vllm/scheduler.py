@@ -313,7 +313,8 @@ class SchedulerSide:
 
     # ---- per step ----------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
-        meta = KVTierMetadata(loads=self._loads, reset=self._reset_order)
+        meta = KVTierMetadata(loads=self._loads, reset=self._reset_order,
+                              no_forward=scheduler_output.total_num_scheduled_tokens == 0)
         self._loads, self._reset_order = [], None
         self.settle.step(idle=not scheduler_output.num_scheduled_tokens and not self._requests and not self._loading)
         self._sync_left_bytes = self.sync_budget_bytes  # the next step's budget

@@ -6,7 +6,9 @@
   (returns at once), or, for a synchronous job (a cpu-tier hit within ``sync_load_max_bytes``),
   copy it here before the forward; ``finished_loads`` reports ended asynchronous loads (vLLM's
   ``get_finished``) and ``take_errors`` the blocks any load could not fill
-  (``get_block_ids_with_load_errors``).
+  (``get_block_ids_with_load_errors``).  In a step that computes no tokens
+  (``KVTierMetadata.no_forward``) with a load in flight, ``finished_loads`` first waits up to
+  ``idle_step_wait_s`` for one to end, so an engine whose requests are all parked does not spin.
 - ``save``: after the forward pass, copy each save job's full chunks out of the engine into cpu
   pages and publish them (a bounded memcpy on the engine's thread); disk writes then happen on
   the store's threads through its bounded queue (full: dropped and counted).  The copy is done
@@ -188,6 +190,7 @@ class WorkerSide:
         self._failed: set[str] = set()
         # this step's synchronous loads that came up short: req -> first chunk not filled
         self._sync_cut: dict[str, int] = {}
+        self._no_forward = False  # this step computes no tokens: finished_loads may wait (idle_step_wait_s)
         self._closed = False
         self.reset_epoch = 0  # the last reset order applied (RankReport.epoch)
         self.plan = engine_plan(vllm_config, kv_cache_config, self.chunk_tokens)
@@ -286,6 +289,7 @@ class WorkerSide:
         not filled (KV computed over a block that was not loaded is wrong)."""
         assert self.loader is not None
         self._sync_cut = {}
+        self._no_forward = meta.no_forward
         if meta.reset is not None:
             self.apply_reset(meta.reset)
         for job in meta.loads:
@@ -299,11 +303,20 @@ class WorkerSide:
 
     def finished_loads(self, finished_req_ids: set[str]) -> set[str]:
         """Requests whose load ended (either way) since the last call; ``finished_req_ids``
-        (requests vLLM finished) lets loads not started yet be skipped."""
+        (requests vLLM finished) lets loads not started yet be skipped.
+
+        In a step that computes no tokens (the last :meth:`start_load`'s ``meta.no_forward``) with a
+        load in flight, it first blocks until a load ends or ``idle_step_wait_s`` passes (every rank
+        the same bound at most), and a load that ended meanwhile is in this call's answer: vLLM
+        would otherwise run the next empty step at once, spinning the engine's thread against the
+        loader threads.  A step that computes tokens never waits."""
         if self.loader is None:
             return set()
         if finished_req_ids:
             self.loader.abort(finished_req_ids)
+        no_forward, self._no_forward = self._no_forward, False  # one wait per step at most
+        if no_forward and self.config.idle_step_wait_s > 0:
+            self.loader.wait_ended(self.config.idle_step_wait_s)
         finished, errors, failed = self.loader.take()
         self._errors |= errors
         self._failed |= failed
