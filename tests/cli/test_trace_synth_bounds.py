@@ -24,3 +24,11 @@ def test_the_largest_count_is_accepted(tmp_path) -> None:
     result = CliRunner().invoke(app, ["trace", "synth", "--regime", "cycle", "--out", str(out),
                                       "--requests", "3", "--block-tokens", str(1 << 24)])
     assert result.exit_code == 0, result.output
+
+
+def test_trace_record_bounds_its_block_tokens_before_any_connection(tmp_path) -> None:
+    """The same bound as synth's: checked before the server is asked (port 9: nothing listens)."""
+    result = CliRunner().invoke(app, ["trace", "record", "--url", "http://127.0.0.1:9", "--out",
+                                      str(tmp_path / "t.jsonl"), "--block-tokens", "1000000000000"])
+    assert result.exit_code == 2, result.output
+    assert "error: --block-tokens 1,000,000,000,000 is more than 16,777,216" in result.output

@@ -171,3 +171,12 @@ def test_a_known_torch_dtype_is_read(tmp_path, dtype):
     path.write_text(json.dumps({"num_hidden_layers": 4, "num_attention_heads": 8, "hidden_size": 512,
                                 "torch_dtype": dtype}))
     assert run("--model", str(path)).exit_code == 0
+
+
+@pytest.mark.parametrize("tokens", ["0", "16777232", "1000000000000"])
+def test_chunk_tokens_out_of_the_connectors_range_is_refused(tokens):
+    """--chunk-tokens 10^12 gave a recipe whose chunk_tokens the connector (and kvtier check) refuses."""
+    result = run("--model", LLAMA, "--gpu", "H100", "--chunk-tokens", tokens)
+    assert result.exit_code == 2, result.output
+    assert f"--chunk-tokens must be from 1 to 16,777,216 (longer than any model's context), got {int(tokens):,}." \
+        in result.output
