@@ -66,6 +66,12 @@ def test_a_parallel_size_vllm_refuses_is_a_finding_not_a_traceback(tmp_path, val
      "--kv-offloading-size 'nan' is not a positive, finite size in GiB."),
     ("", "--kv-offloading-size 1e400 -tp 2", "kv-offloading-size-invalid",
      "--kv-offloading-size '1e400' is not a positive, finite size in GiB."),
+    ("", "--kv-offloading-size 8 --cpu-offload-gb nan", "cpu-offload-gb-invalid",
+     "--cpu-offload-gb 'nan' is not a finite size in GiB of at least 0."),
+    ("", "--kv-offloading-size 8 --cpu-offload-gb inf", "cpu-offload-gb-invalid",
+     "--cpu-offload-gb 'inf' is not a finite size in GiB of at least 0."),
+    ("", "--kv-offloading-size 8 --cpu-offload-gb -4", "cpu-offload-gb-invalid",
+     "--cpu-offload-gb '-4' is not a finite size in GiB of at least 0."),
     ("LMCACHE_MAX_LOCAL_CPU_SIZE=nan ", "--kv-offloading-size 8 -tp 2", "lmcache-size-mismatch",
      "LMCACHE_MAX_LOCAL_CPU_SIZE='nan' is not a finite size in GB."),
 ])

@@ -74,6 +74,7 @@ V = "0.32.0"
 CASES: dict[str, tuple[tuple[str, str | None], tuple[str, str | None]]] = {
     "cpu-offload-gb-is-weights": (("vllm serve m --cpu-offload-gb 40", V),
                                   ("vllm serve m --cpu-offload-gb 40 --kv-offloading-size 64", V)),
+    "cpu-offload-gb-invalid": (("vllm serve m --cpu-offload-gb nan", V), ("vllm serve m --cpu-offload-gb 0", V)),
     "cpu-offload-gb-beside-kv-offload": (("vllm serve m --cpu-offload-gb 40 --kv-offloading-size 64", V),
                                          ("vllm serve m --kv-offloading-size 64", V)),
     "kv-offloading-size-is-total": (("vllm serve m --tensor-parallel-size 8 --kv-offloading-size 200", V),

@@ -83,6 +83,14 @@ def test_multi_round_is_deterministic():
     (WorkloadKnobs(kind="prefix-repetition", num_prefixes=0), "--num-prefixes"),
     (WorkloadKnobs(kind="multi-round", num_rounds=40), "more than max model len"),
     (WorkloadKnobs(kind="trace", max_output_tokens=5000), "leaves no room"),
+    # nan sent every request at once, inf and tiny rates waited for ever (fresh-operator tester's class)
+    (WorkloadKnobs(kind="prefix-repetition", request_rate=float("nan")), r"--request-rate nan must be from 0.001"),
+    (WorkloadKnobs(kind="prefix-repetition", request_rate=1e-300), r"--request-rate 1e-300 must be from 0.001"),
+    (WorkloadKnobs(kind="prefix-repetition", request_rate=float("inf")), r"--request-rate inf must be from 0.001"),
+    (WorkloadKnobs(kind="multi-round", think_time_s=float("inf")), r"--think-time and --session-interval .*\(an hour\)"),
+    (WorkloadKnobs(kind="multi-round", session_interval_s=float("nan")), "--think-time and --session-interval"),
+    (WorkloadKnobs(kind="trace", time_scale=float("nan")), r"--time-scale nan must be from 0 to 1,000"),
+    (WorkloadKnobs(kind="trace", time_scale=float("inf")), r"--time-scale inf must be from 0 to 1,000"),
 ])
 def test_factory_names_the_knob_to_fix(knobs, match):
     with pytest.raises(WorkloadError, match=match):

@@ -99,6 +99,11 @@ def test_model_config_and_disk_tier(tmp_path, trace_file):
     (["--engine-gib", "1e300"], "--engine-gib must be at most 1,048,576 GiB"),
     (["--disk-gib", "1e300"], "--disk-gib must be at most 1,048,576 GiB"),
     (["--shared-gib", "1e300"], "--shared-gib must be at most 1,048,576 GiB"),
+    # an infinite or absurd speed made that cost free and the report silently wrong (fresh-operator tester)
+    (["--prefill-tokens-per-s", "inf"], "--prefill-tokens-per-s must be positive and at most 1,000,000,000"),
+    (["--cpu-gb-per-s", "1e300"], "--cpu-gb-per-s must be positive and at most 100,000"),
+    (["--disk-gb-per-s", "nan"], "--disk-gb-per-s must be positive and at most 100,000"),
+    (["--shared-latency-ms", "1e300"], "--shared-latency-ms must be finite, >= 0 and at most 3,600,000"),
 ])
 def test_bad_input_is_one_line(tmp_path, trace_file, args, fragment):
     base = {"--trace": str(trace_file), "--kv-bytes-per-token": str(KV_PER_TOKEN), "--engine-gib": "1",

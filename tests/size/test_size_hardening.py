@@ -145,3 +145,38 @@ def test_a_huge_layer_count_or_deep_nesting_is_one_sentence_and_exit_2(tmp_path)
     simulate = runner.invoke(app, ["simulate", "--model", str(deep), "--trace", str(huge), "--engine-gib", "1",
                                    "--cpu-gib", "1"], env={"COLUMNS": "200"})
     assert simulate.exit_code == 2 and "nested too deeply" in simulate.output, simulate.output
+
+
+@pytest.mark.parametrize(("dtype", "hybrid"), [("int3", False), ("bfloat17", True), (16, False)])
+def test_an_unknown_torch_dtype_is_refused_in_one_sentence(tmp_path, dtype, hybrid):
+    """An unknown ``torch_dtype`` was read as bf16 silently (fresh-operator tester)."""
+    config = {"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8, "hidden_size": 512,
+              "torch_dtype": dtype}
+    if hybrid:
+        config.update({"layer_types": ["full_attention", "linear_attention"] * 2, "linear_num_value_heads": 4,
+                       "linear_num_key_heads": 2, "linear_key_head_dim": 32, "linear_value_head_dim": 32,
+                       "linear_conv_kernel_dim": 4})
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    result = run("--model", str(path))
+    assert result.exit_code == 2, result.output
+    assert f"field 'torch_dtype' is {dtype!r}, a dtype kvtier size does not know; use one of bfloat16, float16, " \
+           "half, float32, float (vLLM's names), or fix the config." in result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("dtype", ["float16", "torch.bfloat16", "Float32"])
+def test_a_known_torch_dtype_is_read(tmp_path, dtype):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"num_hidden_layers": 4, "num_attention_heads": 8, "hidden_size": 512,
+                                "torch_dtype": dtype}))
+    assert run("--model", str(path)).exit_code == 0
+
+
+@pytest.mark.parametrize("tokens", ["0", "16777232", "1000000000000"])
+def test_chunk_tokens_out_of_the_connectors_range_is_refused(tokens):
+    """--chunk-tokens 10^12 gave a recipe whose chunk_tokens the connector (and kvtier check) refuses."""
+    result = run("--model", LLAMA, "--gpu", "H100", "--chunk-tokens", tokens)
+    assert result.exit_code == 2, result.output
+    assert f"--chunk-tokens must be from 1 to 16,777,216 (longer than any model's context), got {int(tokens):,}." \
+        in result.output

@@ -23,6 +23,10 @@ from kvtier.bench.workload import (
     WorkloadError,
 )
 
+MAX_WAIT_S = 3600.0
+"""Longest ``--think-time`` and ``--session-interval`` accepted, seconds (an hour: longer waits are
+not a benchmark; inf hung the run)."""
+
 
 def multi_round_workload(tokens: TokenSpace, *, num_sessions: int = 8, num_rounds: int = 4,
                          system_len: int = 512, question_len: int = 128, answer_len: int = 64,
@@ -37,8 +41,9 @@ def multi_round_workload(tokens: TokenSpace, *, num_sessions: int = 8, num_round
                              ("--answer-len", answer_len, 1)):
         if value < low:
             raise WorkloadError(f"{name} {value} must be at least {low}")
-    if think_time_s < 0 or session_interval_s < 0:
-        raise WorkloadError("--think-time and --session-interval are seconds and must be >= 0")
+    if not (0 <= think_time_s <= MAX_WAIT_S and 0 <= session_interval_s <= MAX_WAIT_S):  # nan fails too
+        raise WorkloadError(f"--think-time and --session-interval are seconds and must be from 0 to {MAX_WAIT_S:,.0f} "
+                            f"(an hour), got {think_time_s} and {session_interval_s}")
     system = tokens.block(DOMAIN_SYSTEM, (0,), system_len)
     requests = []
     for s in range(num_sessions):

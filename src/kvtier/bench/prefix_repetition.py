@@ -31,6 +31,12 @@ DEFAULT_NUM_PREFIXES = 10
 DEFAULT_OUTPUT_LEN = 128
 
 
+MIN_REQUEST_RATE = 0.001
+"""Slowest ``--request-rate`` accepted, requests/s: one request every 1,000 s."""
+MAX_REQUEST_RATE = 1_000_000.0
+"""Fastest ``--request-rate`` accepted, requests/s: past any server; faster is closed loop's job."""
+
+
 def prefix_repetition_workload(tokens: TokenSpace, *, num_requests: int, prefix_len: int = DEFAULT_PREFIX_LEN,
                                suffix_len: int = DEFAULT_SUFFIX_LEN, num_prefixes: int = DEFAULT_NUM_PREFIXES,
                                output_len: int = DEFAULT_OUTPUT_LEN, request_rate: float | None = None,
@@ -57,8 +63,10 @@ def prefix_repetition_workload(tokens: TokenSpace, *, num_requests: int, prefix_
             raise WorkloadError(f"{name} {value} must be at least {low}")
     if prefix_len + suffix_len == 0:
         raise WorkloadError("--prefix-len and --suffix-len are both 0; give the prompt at least one token")
-    if request_rate is not None and request_rate <= 0:
-        raise WorkloadError(f"--request-rate {request_rate} must be positive (omit it for closed loop)")
+    if request_rate is not None and not MIN_REQUEST_RATE <= request_rate <= MAX_REQUEST_RATE:  # nan fails both
+        raise WorkloadError(f"--request-rate {request_rate} must be from {MIN_REQUEST_RATE:g} to {MAX_REQUEST_RATE:,.0f} "
+                            "requests per second (nan sent every request at once, a tiny rate waits for days); "
+                            "omit it for closed loop")
     order = np.arange(num_requests) % num_prefixes
     if shuffle:
         order = np.random.default_rng([tokens.seed, DOMAIN_PREFIX, 1]).permutation(order)

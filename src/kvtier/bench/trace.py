@@ -91,6 +91,10 @@ def scaled_prompt_len(record: TraceRecord, tokens_per_block: int) -> int:
     return full * tokens_per_block + max(1, -(-rest * tokens_per_block // MOONCAKE_BLOCK_TOKENS))
 
 
+MAX_TIME_SCALE = 1000.0
+"""Largest ``--time-scale`` accepted: a trace replayed 1,000 times slower than recorded."""
+
+
 def trace_workload(records: list[TraceRecord], tokens: TokenSpace, *, tokens_per_block: int = 64,
                    time_scale: float = 1.0, max_prompt_tokens: int | None = None,
                    max_output_tokens: int | None = None) -> Workload:
@@ -110,8 +114,9 @@ def trace_workload(records: list[TraceRecord], tokens: TokenSpace, *, tokens_per
     """
     if tokens_per_block <= 0:
         raise WorkloadError(f"--tokens-per-block {tokens_per_block} must be a positive number of tokens")
-    if time_scale < 0:
-        raise WorkloadError(f"--time-scale {time_scale} must be >= 0 (0 sends as fast as concurrency allows)")
+    if not 0 <= time_scale <= MAX_TIME_SCALE:  # nan fails too
+        raise WorkloadError(f"--time-scale {time_scale} must be from 0 to {MAX_TIME_SCALE:,.0f} (0 sends as fast as "
+                            "concurrency allows; nan sent everything at once, inf waited forever)")
     if max_prompt_tokens is not None and max_prompt_tokens <= 0:
         raise WorkloadError(f"--max-prompt-tokens {max_prompt_tokens} must be positive")
     if max_output_tokens is not None and max_output_tokens <= 0:

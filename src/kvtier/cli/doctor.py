@@ -103,6 +103,9 @@ def doctor_command(
         if expect_offload_gib is not None and (not math.isfinite(expect_offload_gib) or expect_offload_gib < 0):
             raise UserError(f"--expect-offload-gib must be a finite number ≥ 0, got {expect_offload_gib}.")
         elapsed: float | None
+        if from_files and url:
+            raise UserError("--url and --from-files are two sources of the metrics; give --url to scrape a live "
+                            "server, or --from-files BEFORE AFTER to read recorded texts, not both.")
         if from_files:
             texts = [_read_file(path) for path in from_files]
             before, after = (parse_metrics(t, p) for t, p in zip(texts, from_files, strict=True))

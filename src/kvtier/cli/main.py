@@ -10,9 +10,11 @@ import errno
 import importlib
 import os
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import typer
+from typer._click.exceptions import ClickException, UsageError  # Typer's own copy of click (typer 0.29)
 from typer.core import TyperGroup
 
 from kvtier.cli.termination import exit_on_termination
@@ -26,15 +28,50 @@ class _Group(TyperGroup):
     here once, for every command, rather than in each flag's declaration.
     """
 
-    def main(self, *args: Any, **kwargs: Any) -> Any:
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
+             complete_var: str | None = None, standalone_mode: bool = True, windows_expand_args: bool = True,
+             **extra: Any) -> Any:
+        """Run the CLI.  Typer/click run in their non-standalone mode (click's documented way to
+        handle errors oneself, ``BaseCommand.main(standalone_mode=False)``), so that a usage error
+        (unknown option, missing argument, a value of the wrong type) ends as every other kvtier
+        error does: one ``error:`` line on stderr and exit 2 (:func:`_usage_error`), not Typer's
+        boxed usage panel."""
         _plain_flags(self)
         with exit_on_termination():
             try:
-                return super().main(*args, **kwargs)
+                rv = super().main(args, prog_name, complete_var, standalone_mode=False,
+                                  windows_expand_args=windows_expand_args, **extra)
+            except ClickException as exc:
+                if standalone_mode:
+                    _click_error(exc)
+                raise
+            except typer.Abort:  # Ctrl-D at a prompt (click: "Aborted!", exit 1)
+                if standalone_mode:
+                    print("error: aborted", file=sys.stderr)
+                    raise SystemExit(1) from None
+                raise
             except OSError as exc:
                 if exc.errno not in _DEVICE_FULL:
                     raise
                 _device_full(exc.errno)
+        if not standalone_mode:
+            return rv
+        # non-standalone click returns an Exit's code (typer.Exit, --help, errors.fail) as the value;
+        # the commands themselves return None, which is success
+        raise SystemExit(rv if isinstance(rv, int) else 0)
+
+
+def _click_error(exc: ClickException) -> None:
+    """Print a click error as one line on stderr, ``error: <what>`` plus the command's ``--help``
+    hint for a usage error, and exit with its code (2 for usage errors, as click does)."""
+    if type(exc).__name__ == "NoArgsIsHelpError":  # no arguments: the help was printed (Typer does the same)
+        raise SystemExit(exc.exit_code)
+    message = " ".join(exc.format_message().split()).rstrip(".")
+    ctx = getattr(exc, "ctx", None)
+    if isinstance(exc, UsageError) and ctx is not None and ctx.command.get_help_option(ctx) is not None:
+        message += f"; see '{ctx.command_path} {ctx.help_option_names[0]}'"
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(exc.exit_code)
 
 
 _DEVICE_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}

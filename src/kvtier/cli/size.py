@@ -137,6 +137,7 @@ def size_command(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
     list_presets: bool = typer.Option(False, "--list-presets", help="List the built-in model presets and exit."),
 ) -> None:
+    from kvtier.core.config import MAX_CHUNK_TOKENS
     from kvtier.core.dtypes import DTYPE_BYTES, short_name
     from kvtier.size import Deployment, build_recipe, plan, resolve_model
     from kvtier.size.hardware import GPUS, find_gpu
@@ -178,8 +179,9 @@ def size_command(
                                 f"the exact part (--gpu {parts}) or --gpu-memory-gib if yours differs.")
         if weights_gib is None:
             report.notes.extend(resolved.warnings)
-        if chunk_tokens < 1:
-            raise UserError(f"--chunk-tokens must be at least 1, got {chunk_tokens}.")
+        if not 1 <= chunk_tokens <= MAX_CHUNK_TOKENS:  # the connector's bound: the recipe must pass kvtier check
+            raise UserError(f"--chunk-tokens must be from 1 to {MAX_CHUNK_TOKENS:,} (longer than any model's context), "
+                            f"got {chunk_tokens:,}.")
         if offload_gib is not None and offload_gib < 0:
             raise UserError(f"--offload-gib must not be negative, got {offload_gib}.")
         if redis_url is not None and not redis_url.startswith(("redis://", "rediss://")):

@@ -116,6 +116,11 @@ def register_record(trace_app: typer.Typer) -> None:
             fail(f"--listen port {port_text} is out of range; give a port from 1 to 65535 such as 127.0.0.1:8100")
         if block_tokens <= 0 or not duration_s >= 0 or not 0 < timeout_s < float("inf") or duration_s == float("inf"):
             fail("--block-tokens and --timeout-s must be positive and --duration-s >= 0 (finite numbers)")
+        from kvtier.core.config import MAX_CHUNK_TOKENS
+
+        if block_tokens > MAX_CHUNK_TOKENS:  # the bound trace synth and the connector's chunk_tokens apply
+            fail(f"--block-tokens {block_tokens:,} is more than {MAX_CHUNK_TOKENS:,}, longer than any model's context, "
+                 "so no prompt would fill a block; use Mooncake's 512 or kvtier's chunk_tokens")
         check_output_path(out, "--out")
         if out.exists() and not force:
             fail(f"--out {out} already exists; pass another file name, or --force to replace it once a request "

@@ -61,6 +61,11 @@ from kvtier.core.tiersettings import (
 
 GiB = 1 << 30
 
+MAX_CHUNK_TOKENS = 1 << 24
+"""Longest ``chunk_tokens`` accepted, tokens (16,777,216): longer than the context of any model
+vLLM serves (the longest, Llama 4 Scout's, is 10M tokens), so a longer chunk would never fill and
+kvtier would store nothing; it also keeps a chunk's bytes from overflowing the cpu tier's pages."""
+
 _NUMBER_TYPES: tuple[Any, ...] = (int, float, int | None, float | None)
 """Annotations of the sizes, counts and durations that :meth:`KVTierConfig._no_bool_numbers` guards."""
 
@@ -184,6 +189,10 @@ class KVTierConfig(BaseSettings):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError("must be auto or a positive whole number of tokens that every KV cache group's block "
                              "size divides, e.g. 128")
+        if value > MAX_CHUNK_TOKENS:
+            raise ValueError(f"must be at most {MAX_CHUNK_TOKENS} tokens: a longer chunk is longer than any model's "
+                             "context (the longest, Llama 4 Scout's, is 10M tokens) and would never fill; set it to "
+                             "auto (the default) or e.g. 128")
         return value
 
     @field_validator("reset_scope")

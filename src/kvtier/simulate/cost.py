@@ -46,6 +46,15 @@ DEFAULT_SHARED_GB_PER_S = 1.25
 DEFAULT_DISK_LATENCY_MS = 0.1
 DEFAULT_SHARED_LATENCY_MS = 0.5
 
+MAX_PREFILL_TOKENS_PER_S = 1e9
+"""Fastest prefill accepted, tokens/s: 50,000 times the H100 default above; a larger (or
+infinite) speed makes recomputing free, so every tier would show as worthless."""
+MAX_GB_PER_S = 100_000.0
+"""Widest tier bandwidth accepted, GB/s (100 TB/s, 20 times an H200's HBM at 4.8 TB/s, NVIDIA's
+datasheet); a larger (or infinite) one makes loads free."""
+MAX_LATENCY_MS = 3_600_000.0
+"""Longest per-request tier latency accepted, ms (one hour)."""
+
 
 @dataclass(frozen=True)
 class Throughputs:
@@ -62,11 +71,14 @@ class Throughputs:
 
     def __post_init__(self) -> None:
         for name in ("prefill_tokens_per_s", "cpu_gb_per_s", "disk_gb_per_s", "shared_gb_per_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+            most = MAX_PREFILL_TOKENS_PER_S if name == "prefill_tokens_per_s" else MAX_GB_PER_S
+            if not 0 < getattr(self, name) <= most:  # nan fails every comparison
+                raise ValueError(f"--{name.replace('_', '-')} must be positive and at most {most:,.0f} (a larger one "
+                                 f"makes that cost free), got {getattr(self, name)}")
         for name in ("cpu_latency_ms", "disk_latency_ms", "shared_latency_ms"):
-            if not 0 <= getattr(self, name) < float("inf"):
-                raise ValueError(f"{name.replace('_', '-')} must be finite and >= 0, got {getattr(self, name)}")
+            if not 0 <= getattr(self, name) <= MAX_LATENCY_MS:
+                raise ValueError(f"--{name.replace('_', '-')} must be finite, >= 0 and at most {MAX_LATENCY_MS:,.0f} "
+                                 f"(an hour), got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,9 @@ from typing import Any
 
 MAX_PROMPT_BLOCKS = 65_536
 """Most blocks in one generated prompt (32 Mi tokens at 512 tokens a block: past every model's context)."""
+MAX_REQUESTS = 1_000_000
+"""Most requests in one generated trace: a million takes tens of seconds to generate and write and
+is past what a simulation needs; a typo such as ``--requests 1000000000000`` would run for hours."""
 MAX_TRACE_BLOCKS = 20_000_000
 """Most block ids in one generated trace (about 0.7 GiB of memory while it is built)."""
 
@@ -302,10 +305,20 @@ def generate(regime: str, params: Any, num_requests: int, seed: int, block_token
     """``num_requests`` records of ``regime`` in arrival order (see the module docstring).
 
     Raises:
-        SynthError: ``num_requests`` or ``block_tokens`` not positive, unknown regime.
+        SynthError: ``num_requests`` not from 1 to :data:`MAX_REQUESTS`, ``block_tokens`` not
+            from 1 to :data:`~kvtier.core.config.MAX_CHUNK_TOKENS`, unknown regime.
     """
+    from kvtier.core.config import MAX_CHUNK_TOKENS
+
     if num_requests <= 0 or block_tokens <= 0:
         raise SynthError(f"--requests ({num_requests}) and --block-tokens ({block_tokens}) must be positive")
+    if num_requests > MAX_REQUESTS:
+        raise SynthError(f"--requests {num_requests:,} is more than the {MAX_REQUESTS:,} one trace holds (a million "
+                         "takes tens of seconds to generate; more would run for hours); lower --requests")
+    if block_tokens > MAX_CHUNK_TOKENS:
+        raise SynthError(f"--block-tokens {block_tokens:,} is more than {MAX_CHUNK_TOKENS:,}, longer than any "
+                         "model's context, so no prompt would fill a block; use Mooncake's 512 or kvtier's "
+                         "chunk_tokens")
     if regime not in REGIMES:
         raise SynthError(f"unknown regime {regime!r}; choose one of {', '.join(REGIMES)}")
     rng = random.Random(f"kvtier-synth/{regime}/{seed}")

@@ -84,9 +84,35 @@ def _int(cfg: dict[str, Any], key: str, where: str, default: int | None = None, 
     return value
 
 
-def _model_dtype_bytes(cfg: dict[str, Any]) -> int:
-    name = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
-    return DTYPE_BYTES.get(str(name), 2)
+MODEL_DTYPES = ("bfloat16", "float16", "half", "float32", "float")
+"""The model dtypes vLLM reads from a config (vllm/config/model.py ``_STR_DTYPE_TO_TORCH_DTYPE``)."""
+
+
+def _dtype_bytes(cfg: dict[str, Any], key: str, where: str) -> int | None:
+    """Bytes per element of the dtype in ``cfg[key]`` (``None`` when absent).  A ``torch.`` prefix
+    (``torch.bfloat16``, as some configs write it) is read as the bare name.
+
+    Raises:
+        UserError: a dtype kvtier does not know (it was read as bf16 silently).
+    """
+    name = cfg.get(key)
+    if name is None or name == "":
+        return None
+    known = DTYPE_BYTES.get(str(name).strip().lower().removeprefix("torch."))
+    if known is None:
+        raise UserError(f"{where} field {key!r} is {name!r}, a dtype kvtier size does not know; use one of "
+                        f"{', '.join(MODEL_DTYPES)} (vLLM's names), or fix the config.")
+    return known
+
+
+def _model_dtype_bytes(cfg: dict[str, Any], where: str) -> int:
+    """Bytes per element of the model's dtype (``torch_dtype``, newer configs ``dtype``; bf16 when
+    neither is set)."""
+    for key in ("torch_dtype", "dtype"):
+        size = _dtype_bytes(cfg, key, where)
+        if size is not None:
+            return size
+    return 2
 
 
 def _layer_kinds(cfg: dict[str, Any], num_layers: int, where: str) -> list[str]:
@@ -131,8 +157,8 @@ def _layer_kinds(cfg: dict[str, Any], num_layers: int, where: str) -> list[str]:
 
 def _state_spec(cfg: dict[str, Any], where: str) -> StateSpec:
     """Per-layer state of a Mamba / linear-attention layer (shapes as vLLM's state allocators hold them)."""
-    model_bytes = _model_dtype_bytes(cfg)
-    ssm_bytes = DTYPE_BYTES.get(str(cfg.get("mamba_ssm_dtype", "")), model_bytes)
+    model_bytes = _model_dtype_bytes(cfg, where)
+    ssm_bytes = _dtype_bytes(cfg, "mamba_ssm_dtype", where) or model_bytes
     if "linear_num_value_heads" in cfg:  # gated DeltaNet (Qwen3-Next, Qwen3.5)
         nk = _int(cfg, "linear_num_key_heads", where)
         nv = _int(cfg, "linear_num_value_heads", where)
@@ -177,6 +203,7 @@ def attention_layers(cfg: dict[str, Any], name: str) -> int:
     """
     where = f"config of {name}"
     cfg = _text_config(cfg)
+    _model_dtype_bytes(cfg, where)  # an unknown dtype is refused for every model, not only hybrid ones
     num_layers = _int(cfg, "num_hidden_layers", where, maximum=MAX_LAYERS)
     return sum(kind in ("full", "swa") for kind in _layer_kinds(cfg, num_layers, where))
 
@@ -189,6 +216,7 @@ def geometry_from_config(cfg: dict[str, Any], name: str, source: str = "") -> KV
     """
     where = f"config of {name}"
     cfg = _text_config(cfg)
+    _model_dtype_bytes(cfg, where)  # an unknown dtype is refused for every model, not only hybrid ones
     num_layers = _int(cfg, "num_hidden_layers", where, maximum=MAX_LAYERS)
     heads = _int(cfg, "num_attention_heads", where)
     if heads == 0:

@@ -18,7 +18,7 @@ _SGLANG_FLAGS = ("--hicache-size", "--hicache-ratio", "--enable-hierarchical-cac
       'vllm/config/cache.py kv_offloading_size (KV cache, GiB total across TP)', locate="--cpu-offload-gb")
 def cpu_offload_gb_is_weights(c: ServeConfig) -> str | None:
     gb = c.number("--cpu-offload-gb")
-    if gb and gb > 0 and not c.kv_offload_on:
+    if gb and 0 < gb < math.inf and not c.kv_offload_on:  # a non-finite size is cpu-offload-gb-invalid's
         return (f"--cpu-offload-gb {gb:g} streams model weights from CPU on every forward pass and does nothing "
                 "for the KV cache; no KV offload is configured.")
     return None
@@ -31,8 +31,24 @@ def cpu_offload_gb_is_weights(c: ServeConfig) -> str | None:
       locate="--cpu-offload-gb")
 def cpu_offload_gb_beside_kv(c: ServeConfig) -> str | None:
     gb = c.number("--cpu-offload-gb")
-    if gb and gb > 0 and c.kv_offload_on:
+    if gb and 0 < gb < math.inf and c.kv_offload_on:
         return f"--cpu-offload-gb {gb:g} offloads weights (per GPU) next to KV offload; check it is meant."
+    return None
+
+
+@rule("cpu-offload-gb-invalid", "error", "--cpu-offload-gb is not a finite number of at least 0",
+      "Give the weights to offload in GiB per GPU, e.g. --cpu-offload-gb 10, or drop the flag (0, the default, "
+      "offloads nothing).",
+      "vLLM vllm/config/offload.py UVAOffloadConfig.cpu_offload_gb (float, ge=0: refuses negatives and nan) and "
+      "vllm/model_executor/offloader/base.py int(cpu_offload_gb * 1024**3) (inf: OverflowError at model load)",
+      locate="--cpu-offload-gb")
+def cpu_offload_gb_invalid(c: ServeConfig) -> str | None:
+    if not c.has("--cpu-offload-gb"):
+        return None
+    gb = c.number("--cpu-offload-gb")
+    if gb is None or not 0 <= gb < math.inf:  # nan compares false to every bound
+        raw = c.value("--cpu-offload-gb")
+        return f"--cpu-offload-gb {'has no value' if raw is None else repr(raw) + ' is not a finite size in GiB of at least 0'}."
     return None
 
 

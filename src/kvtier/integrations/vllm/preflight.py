@@ -48,6 +48,7 @@ from kvtier.core.sizing import available_memory
 from kvtier.core.tiers import factory, registry
 from kvtier.core.tiers.diskcheck import mount_of
 from kvtier.core.tiers.probe import PROBE_DEADLINE_S, ProbeResult
+from kvtier.integrations.vllm.groups import AUTO_MIN_CHUNK_TOKENS
 
 CONNECTOR = "KVTierConnector"
 MODULE_PATH = "kvtier.integrations.vllm"
@@ -312,6 +313,7 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
         problems.extend(_unused_tier_problems(key, extra, config))  # advice about a list never given
         problems.extend(_unconfigured_tier_problems(key, extra, config))
     problems.extend(_advice_problems(key, config))
+    problems.extend(_cpu_tier_floor_problems(key, config))
     if config.tenant_quotas is not None and config.tenant_quotas.turns_nothing_on():
         problems.append(Problem("warning", f"{key}.tenant_quotas",
                                 "tenant_quotas gives no tenant a share (no default_share, no_salt_share or salts), "
@@ -470,6 +472,41 @@ def _unused_tier_problems(key: str, extra: dict[str, Any], config: KVTierConfig)
                     f"{list(config.tiers)} leaves out {tier!r}, so the {tier} tier is not used; add {tier!r} to "
                     f"tiers or remove {' and '.join(given)}")
             for tier, given in settings.items() if given and "tiers" in extra and tier not in config.tiers]
+
+
+MIN_KV_BYTES_PER_TOKEN = 64
+"""The least KV bytes one token can take in any model vLLM runs, bytes: one layer, K and V, one KV
+head of 32 (the smallest head size of vLLM's CPU and ROCm attention backends,
+vllm/v1/attention/backends/cpu_attn.py ``get_supported_head_sizes``), one byte each (fp8 cache)."""
+
+SMALL_MODEL_KV_BYTES_PER_TOKEN = 12_288
+"""KV bytes per token of a small model people serve, Qwen2.5-0.5B in bf16 (24 layers, K and V, 2
+KV heads of 64, 2 bytes): below one of its chunks, ``check`` warns."""
+
+
+def _cpu_tier_floor_problems(key: str, config: KVTierConfig) -> list[Problem]:
+    """``cpu_gib`` against one chunk: the connector refuses a cpu tier smaller than one chunk at
+    start-up (:func:`kvtier.core.sizing.cpu_capacity_bytes`), but a chunk's bytes depend on the
+    model, which ``check`` does not know.  An error below one chunk of the smallest layout any
+    model can have (:data:`MIN_KV_BYTES_PER_TOKEN`: certainly refused), a warning below one chunk
+    of a small real model (:data:`SMALL_MODEL_KV_BYTES_PER_TOKEN`).  ``auto`` chunks are counted
+    at their least, 128 tokens."""
+    tokens = AUTO_MIN_CHUNK_TOKENS if config.chunk_tokens == "auto" else config.chunk_tokens
+    cpu_bytes = config.cpu_gib * GiB
+    floors: tuple[tuple[Literal["error", "warning"], int, str], ...] = (
+            ("error", MIN_KV_BYTES_PER_TOKEN, ("of the smallest model vLLM can run (one layer, one 32-wide KV head, "
+             f"fp8: {MIN_KV_BYTES_PER_TOKEN} bytes a token), so the connector would refuse it at start-up")),
+            ("warning", SMALL_MODEL_KV_BYTES_PER_TOKEN, (f"of a model as small as Qwen2.5-0.5B "
+             f"({SMALL_MODEL_KV_BYTES_PER_TOKEN} bytes a token in bf16); the connector refuses a cpu tier smaller "
+             "than one chunk of the served model at start-up")))
+    for severity, per_token, which in floors:
+        chunk_bytes = tokens * per_token
+        if cpu_bytes < chunk_bytes:
+            return [Problem(severity, f"{key}.cpu_gib",
+                            f"cpu_gib={config.cpu_gib:g} ({int(cpu_bytes)} bytes) cannot hold one {tokens}-token "
+                            f"chunk ({chunk_bytes} bytes) {which}; set cpu_gib to room for hundreds of chunks, "
+                            "e.g. 4")]
+    return []
 
 
 def _default_block_problem(key: str, chunk_tokens: int) -> list[Problem]:

@@ -1,0 +1,47 @@
+"""``kvtier check`` applies the limits start-up applies to ``cpu_gib`` and ``chunk_tokens`` (fresh-operator
+tester: cpu_gib 1e-7 and chunk_tokens 1e12 were reported ok)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from kvtier.cli.main import app
+from kvtier.core.config import MAX_CHUNK_TOKENS, KVTierConfig
+from kvtier.core.errors import ConfigError
+
+
+def _check(extra: dict[str, object]) -> tuple[int, str]:
+    transfer = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+                "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+    result = CliRunner().invoke(app, ["check", "--offline", json.dumps(transfer)])
+    return result.exit_code, result.output
+
+
+def test_a_cpu_tier_smaller_than_any_chunk_is_an_error() -> None:
+    code, out = _check({"cpu_gib": 1e-7})
+    assert code == 1, out
+    assert "error: kv_connector_extra_config.cpu_gib: cpu_gib=1e-07 (107 bytes) cannot hold one 128-token chunk" in out
+
+
+def test_a_cpu_tier_smaller_than_a_small_models_chunk_is_a_warning() -> None:
+    code, out = _check({"cpu_gib": 1e-5, "chunk_tokens": 128})
+    assert code == 0, out
+    assert "warning: kv_connector_extra_config.cpu_gib: cpu_gib=1e-05" in out and "128-token chunk (1572864 bytes)" in out
+
+
+def test_a_cpu_tier_of_a_few_chunks_passes() -> None:
+    code, out = _check({"cpu_gib": 0.002})
+    assert code == 0 and "warning" not in out, out
+
+
+@pytest.mark.parametrize("tokens", [1e12, MAX_CHUNK_TOKENS + 16])
+def test_a_chunk_longer_than_any_context_is_refused(tokens: float) -> None:
+    code, out = _check({"chunk_tokens": tokens})
+    assert code == 1, out
+    assert f"must be at most {MAX_CHUNK_TOKENS} tokens" in out
+    with pytest.raises(ConfigError, match="longer than any model's context"):  # the connector's own validator
+        KVTierConfig.from_dict({"chunk_tokens": tokens})
+    assert KVTierConfig.from_dict({"chunk_tokens": MAX_CHUNK_TOKENS}).chunk_tokens == MAX_CHUNK_TOKENS

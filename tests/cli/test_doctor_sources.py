@@ -1,0 +1,21 @@
+"""``kvtier doctor`` with both --url and --from-files refuses the pair (fresh-operator tester: the files
+were used and the URL ignored, silently)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from kvtier.cli.main import app
+
+DATA = Path(__file__).parents[1] / "doctor" / "data" / "kvtier-cpu"
+
+
+def test_url_and_files_together_are_refused() -> None:
+    before, after = str(DATA / "before.txt"), str(DATA / "after.txt")
+    result = CliRunner().invoke(app, ["doctor", "--url", "http://127.0.0.1:9", "--from-files", before, after])
+    assert result.exit_code == 2, result.output
+    assert result.output == ("error: --url and --from-files are two sources of the metrics; give --url to scrape a "
+                             "live server, or --from-files BEFORE AFTER to read recorded texts, not both.\n")
+    assert CliRunner().invoke(app, ["doctor", "--from-files", before, after]).exit_code == 0
