@@ -14,7 +14,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import typer
-from typer._click.exceptions import ClickException, UsageError  # Typer's own copy of click (typer 0.29)
+
+try:  # typer 0.29 and later run on their own copy of click, whose exceptions are not click's
+    from typer._click.exceptions import ClickException, UsageError
+except ImportError:  # older typer runs on the click package
+    from click.exceptions import ClickException, UsageError  # type: ignore[assignment]
 from typer.core import TyperGroup
 
 from kvtier.cli.termination import exit_on_termination
