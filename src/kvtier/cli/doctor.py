@@ -64,6 +64,11 @@ def _print_text(url: str, meters, alloc, diagnosis, expect_gib: float | None) ->
 
 MAX_INTERVAL_S = 86400.0
 """Longest --interval (one day): longer is a typo, and time.sleep overflows on huge values."""
+MAX_TP = 1024
+"""Largest --tp: GPUs in one tensor-parallel group, past any NVLink domain (GB200 NVL72: 72 GPUs); a
+whole number of at least 1 as vLLM requires (``ParallelConfig.tensor_parallel_size``, ``ge=1``,
+vllm/config/parallel.py; audit rule ``parallel-size-invalid``).  Beyond float range --tp crashed the
+comparison with --expect-offload-gib (OverflowError)."""
 
 
 def _read_file(path: str) -> str:
@@ -88,20 +93,22 @@ def doctor_command(
     interval: float = typer.Option(10.0, "--interval", help="Seconds between the two scrapes."),
     expect_offload_gib: float | None = typer.Option(None, "--expect-offload-gib",
                                                     help="Offload size you configured, GiB total across TP ranks: --kv-offloading-size, or for kvtier cpu_gib + disk_gib (compared with the tiers' sum)."),
-    tp: int = typer.Option(1, "--tp", help="Tensor-parallel size of the server."),
+    tp: int = typer.Option(1, "--tp", help=f"Tensor-parallel size of the server, 1 to {MAX_TP:,}."),
     from_files: tuple[str, str] | None = typer.Option(None, "--from-files",
                                                       help="Two recorded /metrics texts (before, after) instead of --url."),
     timeout: float = typer.Option(10.0, "--timeout", help="HTTP timeout per scrape, seconds."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
 ) -> None:
     from kvtier.doctor import allocation, diagnose, measure, parse_metrics
+    from kvtier.size.plan import MAX_GIB
     from kvtier.tools.scrape import fetch_metrics, metrics_url
 
     try:
-        if tp < 1:
-            raise UserError(f"--tp must be at least 1, got {tp}.")
-        if expect_offload_gib is not None and (not math.isfinite(expect_offload_gib) or expect_offload_gib < 0):
-            raise UserError(f"--expect-offload-gib must be a finite number ≥ 0, got {expect_offload_gib}.")
+        if not 1 <= tp <= MAX_TP:
+            raise UserError(f"--tp must be a whole number of GPUs from 1 to {MAX_TP:,}, got {tp:,}.")
+        if expect_offload_gib is not None and not 0 <= expect_offload_gib <= MAX_GIB:  # nan fails too
+            raise UserError(f"--expect-offload-gib must be from 0 to {MAX_GIB:,.0f} GiB (1 PiB, the bound of "
+                            f"kvtier size --offload-gib), got {expect_offload_gib:g}.")
         elapsed: float | None
         if from_files and url:
             raise UserError("--url and --from-files are two sources of the metrics; give --url to scrape a live "
