@@ -87,6 +87,23 @@ def test_vocab_size_below_1_is_refused(value):
     assert out.returncode == 2 and "Invalid value for '--vocab-size'" in out.stderr, out.stderr
 
 
+@pytest.mark.parametrize("args, said", [
+    (["--workload", "foo"], "unknown workload 'foo'"),
+    (["--workload", "prefix-repetition", "--request-rate", "nan"], "--request-rate nan must be from 0.001"),
+    (["--workload", "multi-round", "--think-time", "inf"], "--think-time and --session-interval are seconds"),
+    (["--workload", "trace", "--trace", "/nonexistent/t.jsonl"], "trace file /nonexistent/t.jsonl does not exist"),
+    (["--workload", "trace", "--returning-only", "--limit", "1"], "no conversation of the trace window"),
+    (["--vocab-size", "2"], "vocabulary size 2 is too small"),
+])
+def test_a_bad_workload_option_is_refused_before_the_server_is_reached(args, said):
+    """With no server on --url, a bad workload option was reported as "cannot reach" (clifix2): the
+    options are checked before any request now, and the sentence is the option's."""
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "bench", "run", "--url", "http://127.0.0.1:9",
+                          *args], capture_output=True, text=True, timeout=60, check=False)
+    line = error_line(out)
+    assert said in line and "cannot reach" not in line
+
+
 def test_a_tiny_vocab_size_is_one_error_line(server):
     _, url = server
     line = error_line(subprocess.run([sys.executable, "-m", "kvtier.cli.main", "bench", "run", "--url", url,

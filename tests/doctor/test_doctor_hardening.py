@@ -85,6 +85,10 @@ def test_help_and_type_lines_without_samples_are_not_vllm_metrics():
 @pytest.mark.parametrize("args, words", [
     (["--expect-offload-gib", "inf"], "--expect-offload-gib"),
     (["--expect-offload-gib", "nan"], "--expect-offload-gib"),
+    (["--expect-offload-gib", "1e300"], "--expect-offload-gib must be from 0 to 1,048,576 GiB"),
+    # past float range, --tp crashed the check against --expect-offload-gib with an OverflowError (clifix2)
+    (["--expect-offload-gib", "8", "--tp", "1" + "0" * 400], "--tp must be a whole number of GPUs from 1 to 1,024"),
+    (["--tp", "1000000000000"], "--tp must be a whole number of GPUs from 1 to 1,024, got 1,000,000,000,000."),
     (["--url", "http://[::1"], "not a valid URL"),
     (["--url", "http://127.0.0.1:99999"], "not a valid URL"),
     (["--url", "http://127.0.0.1:9", "--timeout", "nan"], "--timeout"),

@@ -96,6 +96,30 @@ def test_huge_finite_numbers_are_refused(flag, value, bound):
     assert "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("value", ["1e300", "1048577"])
+def test_s3_capacity_past_the_connectors_bound_is_refused(value):
+    """1e300 GiB passed --s3-capacity-gib and the connector's s3_capacity_gib alike: a cap that never binds
+    (clifix2); both now stop at 1 PiB, the bound of --offload-gib, in the connector's own sentence."""
+    from kvtier.core.config import KVTierConfig
+    from kvtier.core.errors import ConfigError
+
+    result = run("--model", LLAMA, "--offload-gib", "10", "--s3-bucket", "kv-cache", "--s3-capacity-gib", value)
+    assert result.exit_code == 2, result.output
+    assert result.output == ("error: --s3-capacity-gib must be at most 1,048,576 GiB (1 PiB); for no cap leave it "
+                             "unset (objects then expire by s3_ttl_s or a lifecycle rule).\n")
+    with pytest.raises(ConfigError, match="s3_capacity_gib must be at most 1,048,576 GiB"):
+        KVTierConfig.from_dict({"s3_bucket": "kv-cache", "s3_capacity_gib": float(value)})
+    assert '"s3_capacity_gib":1048576.0' in _json("--model", LLAMA, "--offload-gib", "10", "--s3-bucket", "kv-cache",
+                                                  "--s3-capacity-gib", "1048576")["recipe"]["kvtier"]
+
+
+@pytest.mark.parametrize("value", ["1e300", "inf", "nan", "-1"])
+def test_gpu_memory_utilization_names_its_own_range(value):
+    """--gpu-memory-utilization 1e300 was told the GiB bound ("at most 1,048,576"), not its range (0, 1]."""
+    result = run("--model", LLAMA, "--gpu", "H100", "--gpu-memory-utilization", value)
+    assert result.exit_code == 2 and "--gpu-memory-utilization must be in (0, 1], got" in result.output
+
+
 def test_lmcache_recipe_quotes_paths_and_follows_chunk_tokens():
     data = _json("--model", LLAMA, "--offload-gib", "100", "--host-ram-gib", "40", "--disk-path", "/mnt/my kv",
                  "--chunk-tokens", "512")

@@ -11,9 +11,16 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.bench.multi_round import multi_round_workload
-from kvtier.bench.prefix_repetition import prefix_repetition_workload
-from kvtier.bench.trace import bundled_trace_path, load_trace, returning_only, trace_workload
+from kvtier.bench.multi_round import check_multi_round, multi_round_workload
+from kvtier.bench.prefix_repetition import check_prefix_repetition, prefix_repetition_workload
+from kvtier.bench.trace import (
+    TraceRecord,
+    bundled_trace_path,
+    check_trace_knobs,
+    load_trace,
+    returning_only,
+    trace_workload,
+)
 from kvtier.bench.workload import Workload, WorkloadError, vocab_token_space
 
 WORKLOADS = ("trace", "prefix-repetition", "multi-round")
@@ -66,6 +73,51 @@ def model_vocab_size(model: str) -> int | None:
     return int(value) if isinstance(value, int) else None
 
 
+def _time_scale(knobs: WorkloadKnobs, closed_loop: bool) -> float:
+    return knobs.time_scale if knobs.time_scale is not None else (0.0 if closed_loop else 1.0)
+
+
+def _trace_window(knobs: WorkloadKnobs) -> tuple[list[TraceRecord], tuple[str, ...]]:
+    """The trace's records in the knobs' window (``--returning-only`` applied) and the notes saying so.
+
+    Raises:
+        WorkloadError: the trace cannot be read, the window is empty, or no conversation in it comes back.
+    """
+    records = load_trace(knobs.trace_path or bundled_trace_path(), knobs.start, knobs.limit)
+    if not knobs.returning_only:
+        return records, ()
+    kept = returning_only(records)
+    if not kept:
+        raise WorkloadError(f"no conversation of the trace window start={knobs.start} limit={knobs.limit} "
+                            "comes back; widen --limit or drop --returning-only")
+    return kept, ((f"returning conversations only: {len(kept)} of the window's {len(records)} requests "
+                   "(those sharing more than the first block with another request of the window)"),)
+
+
+def check_knobs(knobs: WorkloadKnobs, closed_loop: bool) -> None:
+    """Check every knob that does not depend on the server (its vocabulary and max model len), so a
+    command can refuse a bad one before it reaches any server: the kind, each workload's ranges, and
+    for a trace that its window can be read and is not empty.
+
+    Raises:
+        WorkloadError: the same sentence :func:`build_workload` would give.
+    """
+    if knobs.kind == "trace":
+        check_trace_knobs(tokens_per_block=knobs.tokens_per_block, time_scale=_time_scale(knobs, closed_loop),
+                          max_prompt_tokens=knobs.max_prompt_tokens, max_output_tokens=knobs.max_output_tokens)
+        _trace_window(knobs)
+    elif knobs.kind == "prefix-repetition":
+        check_prefix_repetition(num_requests=knobs.num_requests, prefix_len=knobs.prefix_len,
+                                suffix_len=knobs.suffix_len, num_prefixes=knobs.num_prefixes,
+                                output_len=knobs.output_len, request_rate=knobs.request_rate)
+    elif knobs.kind == "multi-round":
+        check_multi_round(num_sessions=knobs.num_sessions, num_rounds=knobs.num_rounds, system_len=knobs.system_len,
+                          question_len=knobs.question_len, answer_len=knobs.answer_len,
+                          think_time_s=knobs.think_time_s, session_interval_s=knobs.session_interval_s)
+    else:
+        raise WorkloadError(f"unknown workload {knobs.kind!r}; choose one of {', '.join(WORKLOADS)}")
+
+
 def build_workload(knobs: WorkloadKnobs, vocab_size: int, max_model_len: int | None,
                    closed_loop: bool) -> Workload:
     """The workload ``knobs.kind``, fitted to ``max_model_len`` (``None``: unknown, no fitting).
@@ -82,18 +134,9 @@ def build_workload(knobs: WorkloadKnobs, vocab_size: int, max_model_len: int | N
                 raise WorkloadError(f"--max-output-tokens {knobs.max_output_tokens} leaves no room for a prompt in "
                                     f"max model len {max_model_len}; lower it")
             cap = room if cap is None else min(cap, room)
-        scale = knobs.time_scale if knobs.time_scale is not None else (0.0 if closed_loop else 1.0)
-        records = load_trace(knobs.trace_path or bundled_trace_path(), knobs.start, knobs.limit)
-        notes: tuple[str, ...] = ()
-        if knobs.returning_only:
-            kept = returning_only(records)
-            if not kept:
-                raise WorkloadError(f"no conversation of the trace window start={knobs.start} limit={knobs.limit} "
-                                    "comes back; widen --limit or drop --returning-only")
-            notes = ((f"returning conversations only: {len(kept)} of the window's {len(records)} requests "
-                      "(those sharing more than the first block with another request of the window)"),)
-            records = kept
-        workload = trace_workload(records, tokens, tokens_per_block=knobs.tokens_per_block, time_scale=scale,
+        records, notes = _trace_window(knobs)
+        workload = trace_workload(records, tokens, tokens_per_block=knobs.tokens_per_block,
+                                  time_scale=_time_scale(knobs, closed_loop),
                                   max_prompt_tokens=cap, max_output_tokens=knobs.max_output_tokens)
         return dataclasses.replace(workload, notes=notes + workload.notes,
                                    params={**workload.params, "start": knobs.start, "limit": knobs.limit,

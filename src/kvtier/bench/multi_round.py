@@ -28,10 +28,9 @@ MAX_WAIT_S = 3600.0
 not a benchmark; inf hung the run)."""
 
 
-def multi_round_workload(tokens: TokenSpace, *, num_sessions: int = 8, num_rounds: int = 4,
-                         system_len: int = 512, question_len: int = 128, answer_len: int = 64,
-                         think_time_s: float = 1.0, session_interval_s: float = 0.5) -> Workload:
-    """Build the workload; requests are listed session by session, turn by turn.
+def check_multi_round(*, num_sessions: int, num_rounds: int, system_len: int, question_len: int, answer_len: int,
+                      think_time_s: float, session_interval_s: float) -> None:
+    """Check the knobs of :func:`multi_round_workload` (same meanings) without building it.
 
     Raises:
         WorkloadError: a knob is out of range.
@@ -44,6 +43,19 @@ def multi_round_workload(tokens: TokenSpace, *, num_sessions: int = 8, num_round
     if not (0 <= think_time_s <= MAX_WAIT_S and 0 <= session_interval_s <= MAX_WAIT_S):  # nan fails too
         raise WorkloadError(f"--think-time and --session-interval are seconds and must be from 0 to {MAX_WAIT_S:,.0f} "
                             f"(an hour), got {think_time_s} and {session_interval_s}")
+
+
+def multi_round_workload(tokens: TokenSpace, *, num_sessions: int = 8, num_rounds: int = 4,
+                         system_len: int = 512, question_len: int = 128, answer_len: int = 64,
+                         think_time_s: float = 1.0, session_interval_s: float = 0.5) -> Workload:
+    """Build the workload; requests are listed session by session, turn by turn.
+
+    Raises:
+        WorkloadError: a knob is out of range.
+    """
+    check_multi_round(num_sessions=num_sessions, num_rounds=num_rounds, system_len=system_len,
+                      question_len=question_len, answer_len=answer_len, think_time_s=think_time_s,
+                      session_interval_s=session_interval_s)
     system = tokens.block(DOMAIN_SYSTEM, (0,), system_len)
     requests = []
     for s in range(num_sessions):

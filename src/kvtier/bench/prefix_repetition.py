@@ -37,6 +37,26 @@ MAX_REQUEST_RATE = 1_000_000.0
 """Fastest ``--request-rate`` accepted, requests/s: past any server; faster is closed loop's job."""
 
 
+def check_prefix_repetition(*, num_requests: int, prefix_len: int, suffix_len: int, num_prefixes: int,
+                            output_len: int, request_rate: float | None) -> None:
+    """Check the knobs of :func:`prefix_repetition_workload` (same meanings) without building it.
+
+    Raises:
+        WorkloadError: a knob is out of range.
+    """
+    for name, value, low in (("--num-requests", num_requests, 1), ("--prefix-len", prefix_len, 0),
+                             ("--suffix-len", suffix_len, 0), ("--num-prefixes", num_prefixes, 1),
+                             ("--output-len", output_len, 1)):
+        if value < low:
+            raise WorkloadError(f"{name} {value} must be at least {low}")
+    if prefix_len + suffix_len == 0:
+        raise WorkloadError("--prefix-len and --suffix-len are both 0; give the prompt at least one token")
+    if request_rate is not None and not MIN_REQUEST_RATE <= request_rate <= MAX_REQUEST_RATE:  # nan fails both
+        raise WorkloadError(f"--request-rate {request_rate} must be from {MIN_REQUEST_RATE:g} to {MAX_REQUEST_RATE:,.0f} "
+                            "requests per second (nan sent every request at once, a tiny rate waits for days); "
+                            "omit it for closed loop")
+
+
 def prefix_repetition_workload(tokens: TokenSpace, *, num_requests: int, prefix_len: int = DEFAULT_PREFIX_LEN,
                                suffix_len: int = DEFAULT_SUFFIX_LEN, num_prefixes: int = DEFAULT_NUM_PREFIXES,
                                output_len: int = DEFAULT_OUTPUT_LEN, request_rate: float | None = None,
@@ -56,17 +76,8 @@ def prefix_repetition_workload(tokens: TokenSpace, *, num_requests: int, prefix_
     Raises:
         WorkloadError: a knob is out of range.
     """
-    for name, value, low in (("--num-requests", num_requests, 1), ("--prefix-len", prefix_len, 0),
-                             ("--suffix-len", suffix_len, 0), ("--num-prefixes", num_prefixes, 1),
-                             ("--output-len", output_len, 1)):
-        if value < low:
-            raise WorkloadError(f"{name} {value} must be at least {low}")
-    if prefix_len + suffix_len == 0:
-        raise WorkloadError("--prefix-len and --suffix-len are both 0; give the prompt at least one token")
-    if request_rate is not None and not MIN_REQUEST_RATE <= request_rate <= MAX_REQUEST_RATE:  # nan fails both
-        raise WorkloadError(f"--request-rate {request_rate} must be from {MIN_REQUEST_RATE:g} to {MAX_REQUEST_RATE:,.0f} "
-                            "requests per second (nan sent every request at once, a tiny rate waits for days); "
-                            "omit it for closed loop")
+    check_prefix_repetition(num_requests=num_requests, prefix_len=prefix_len, suffix_len=suffix_len,
+                            num_prefixes=num_prefixes, output_len=output_len, request_rate=request_rate)
     order = np.arange(num_requests) % num_prefixes
     if shuffle:
         order = np.random.default_rng([tokens.seed, DOMAIN_PREFIX, 1]).permutation(order)

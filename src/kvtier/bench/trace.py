@@ -95,6 +95,24 @@ MAX_TIME_SCALE = 1000.0
 """Largest ``--time-scale`` accepted: a trace replayed 1,000 times slower than recorded."""
 
 
+def check_trace_knobs(*, tokens_per_block: int, time_scale: float, max_prompt_tokens: int | None,
+                      max_output_tokens: int | None) -> None:
+    """Check the knobs of :func:`trace_workload` (same meanings) without building it.
+
+    Raises:
+        WorkloadError: a knob is out of range.
+    """
+    if tokens_per_block <= 0:
+        raise WorkloadError(f"--tokens-per-block {tokens_per_block} must be a positive number of tokens")
+    if not 0 <= time_scale <= MAX_TIME_SCALE:  # nan fails too
+        raise WorkloadError(f"--time-scale {time_scale} must be from 0 to {MAX_TIME_SCALE:,.0f} (0 sends as fast as "
+                            "concurrency allows; nan sent everything at once, inf waited forever)")
+    if max_prompt_tokens is not None and max_prompt_tokens <= 0:
+        raise WorkloadError(f"--max-prompt-tokens {max_prompt_tokens} must be positive")
+    if max_output_tokens is not None and max_output_tokens <= 0:
+        raise WorkloadError(f"--max-output-tokens {max_output_tokens} must be positive")
+
+
 def trace_workload(records: list[TraceRecord], tokens: TokenSpace, *, tokens_per_block: int = 64,
                    time_scale: float = 1.0, max_prompt_tokens: int | None = None,
                    max_output_tokens: int | None = None) -> Workload:
@@ -112,15 +130,8 @@ def trace_workload(records: list[TraceRecord], tokens: TokenSpace, *, tokens_per
     Raises:
         WorkloadError: a knob is out of range.
     """
-    if tokens_per_block <= 0:
-        raise WorkloadError(f"--tokens-per-block {tokens_per_block} must be a positive number of tokens")
-    if not 0 <= time_scale <= MAX_TIME_SCALE:  # nan fails too
-        raise WorkloadError(f"--time-scale {time_scale} must be from 0 to {MAX_TIME_SCALE:,.0f} (0 sends as fast as "
-                            "concurrency allows; nan sent everything at once, inf waited forever)")
-    if max_prompt_tokens is not None and max_prompt_tokens <= 0:
-        raise WorkloadError(f"--max-prompt-tokens {max_prompt_tokens} must be positive")
-    if max_output_tokens is not None and max_output_tokens <= 0:
-        raise WorkloadError(f"--max-output-tokens {max_output_tokens} must be positive")
+    check_trace_knobs(tokens_per_block=tokens_per_block, time_scale=time_scale, max_prompt_tokens=max_prompt_tokens,
+                      max_output_tokens=max_output_tokens)
     t0 = records[0].timestamp_ms
     seen: set[int] = set()
     blocks: dict[int, tuple[int, ...]] = {}  # hash id -> its full block; a partial block is a slice

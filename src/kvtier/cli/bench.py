@@ -129,6 +129,23 @@ def _build(knobs: Any, vocab_size: int | None, model: str, max_model_len: int | 
         fail(str(exc))
 
 
+def _check_offline(knobs: Any, closed_loop: bool, vocab_size: int | None) -> None:
+    """Refuse (exit 2, one sentence) a workload option, or a --vocab-size, that is wrong whatever the
+    server: checked before any request, so a bad option is not reported as an unreachable server."""
+    from kvtier.bench.factory import check_knobs
+    from kvtier.bench.workload import WorkloadError, vocab_token_space
+
+    if vocab_size is not None:
+        try:
+            vocab_token_space(0, vocab_size)
+        except ValueError as exc:
+            fail(f"{exc} (--vocab-size)")
+    try:
+        check_knobs(knobs, closed_loop)
+    except WorkloadError as exc:
+        fail(str(exc))
+
+
 MAX_RAM_SHARE = 0.9
 """Share of RAM all replicas of one arm may reserve together (``--replicas`` x ``--memory-fraction``):
 the rest is for kvtier's own tiers, the client and the OS."""
@@ -179,10 +196,6 @@ def run_command(
 ) -> None:
     from kvtier.bench.run import judge_run, load_baseline, print_run, run_once
 
-    if out is not None:
-        make_output_dir(out, "--out")
-    served, max_len = _served_model(url)
-    model = model or served
     knobs = _knobs(kind=workload, seed=seed, trace_path=trace, start=start, limit=limit,
                    tokens_per_block=tokens_per_block, time_scale=time_scale, max_prompt_tokens=max_prompt_tokens,
                    max_output_tokens=max_output_tokens, returning_only=returning_only, num_requests=num_requests, prefix_len=prefix_len,
@@ -190,17 +203,23 @@ def run_command(
                    request_rate=request_rate, shuffle=shuffle, num_sessions=num_sessions, num_rounds=num_rounds,
                    system_len=system_len, question_len=question_len, answer_len=answer_len,
                    think_time_s=think_time, session_interval_s=session_interval)
-    if max_concurrency is None and workload == "prefix-repetition" and request_rate is None:
-        max_concurrency = DEFAULT_RUN_CONCURRENCY
-        print(f"closed loop: at most {max_concurrency} requests in flight (--max-concurrency to change, "
-              "--request-rate for an open loop)", flush=True)
-    built, _ = _build(knobs, vocab_size, model, max_len, max_concurrency is not None)
+    closed_loop = max_concurrency is not None or (workload == "prefix-repetition" and request_rate is None)
+    _check_offline(knobs, closed_loop, vocab_size)  # a bad option is its own error, not "cannot reach" (clifix2)
     reference = None
     if baseline is not None:
         try:
             reference = load_baseline(baseline)
         except ValueError as exc:
             fail(str(exc))
+    if out is not None:
+        make_output_dir(out, "--out")
+    served, max_len = _served_model(url)
+    model = model or served
+    if max_concurrency is None and workload == "prefix-repetition" and request_rate is None:
+        max_concurrency = DEFAULT_RUN_CONCURRENCY
+        print(f"closed loop: at most {max_concurrency} requests in flight (--max-concurrency to change, "
+              "--request-rate for an open loop)", flush=True)
+    built, _ = _build(knobs, vocab_size, model, max_len, closed_loop)
     outcome = run_once(built, url, model, max_concurrency, stall_timeout, out, progress=not no_progress)
     if outcome.error is not None:
         fail(outcome.error)

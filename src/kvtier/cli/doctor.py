@@ -64,6 +64,15 @@ def _print_text(url: str, meters, alloc, diagnosis, expect_gib: float | None) ->
 
 MAX_INTERVAL_S = 86400.0
 """Longest --interval (one day): longer is a typo, and time.sleep overflows on huge values."""
+DEFAULT_INTERVAL_S = 10.0
+"""--interval when not given, seconds."""
+DEFAULT_TIMEOUT_S = 10.0
+"""--timeout when not given, seconds."""
+MAX_TP = 1024
+"""Largest --tp: GPUs in one tensor-parallel group, past any NVLink domain (GB200 NVL72: 72 GPUs); a
+whole number of at least 1 as vLLM requires (``ParallelConfig.tensor_parallel_size``, ``ge=1``,
+vllm/config/parallel.py; audit rule ``parallel-size-invalid``).  Beyond float range --tp crashed the
+comparison with --expect-offload-gib (OverflowError)."""
 
 
 def _read_file(path: str) -> str:
@@ -85,32 +94,43 @@ def _read_file(path: str) -> str:
 
 def doctor_command(
     url: str | None = typer.Option(None, "--url", help="vLLM server, http://HOST:PORT (/metrics is added); a URL with a path (http://HOST:PORT/prefix/metrics behind a proxy) is scraped as given, nothing added."),
-    interval: float = typer.Option(10.0, "--interval", help="Seconds between the two scrapes."),
+    interval: float | None = typer.Option(None, "--interval", help="With --url: seconds between the two scrapes "
+                                          f"(default {DEFAULT_INTERVAL_S:g})."),
     expect_offload_gib: float | None = typer.Option(None, "--expect-offload-gib",
                                                     help="Offload size you configured, GiB total across TP ranks: --kv-offloading-size, or for kvtier cpu_gib + disk_gib (compared with the tiers' sum)."),
-    tp: int = typer.Option(1, "--tp", help="Tensor-parallel size of the server."),
+    tp: int = typer.Option(1, "--tp", help=f"Tensor-parallel size of the server, 1 to {MAX_TP:,}."),
     from_files: tuple[str, str] | None = typer.Option(None, "--from-files",
                                                       help="Two recorded /metrics texts (before, after) instead of --url."),
-    timeout: float = typer.Option(10.0, "--timeout", help="HTTP timeout per scrape, seconds."),
+    timeout: float | None = typer.Option(None, "--timeout", help="With --url: HTTP timeout per scrape, seconds "
+                                         f"(default {DEFAULT_TIMEOUT_S:g})."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
 ) -> None:
     from kvtier.doctor import allocation, diagnose, measure, parse_metrics
+    from kvtier.size.plan import MAX_GIB
     from kvtier.tools.scrape import fetch_metrics, metrics_url
 
     try:
-        if tp < 1:
-            raise UserError(f"--tp must be at least 1, got {tp}.")
-        if expect_offload_gib is not None and (not math.isfinite(expect_offload_gib) or expect_offload_gib < 0):
-            raise UserError(f"--expect-offload-gib must be a finite number ≥ 0, got {expect_offload_gib}.")
+        if not 1 <= tp <= MAX_TP:
+            raise UserError(f"--tp must be a whole number of GPUs from 1 to {MAX_TP:,}, got {tp:,}.")
+        if expect_offload_gib is not None and not 0 <= expect_offload_gib <= MAX_GIB:  # nan fails too
+            raise UserError(f"--expect-offload-gib must be from 0 to {MAX_GIB:,.0f} GiB (1 PiB, the bound of "
+                            f"kvtier size --offload-gib), got {expect_offload_gib:g}.")
         elapsed: float | None
         if from_files and url:
             raise UserError("--url and --from-files are two sources of the metrics; give --url to scrape a live "
                             "server, or --from-files BEFORE AFTER to read recorded texts, not both.")
         if from_files:
+            given = [flag for flag, value in (("--interval", interval), ("--timeout", timeout)) if value is not None]
+            if given:  # silently unused before: a recording has no scrape to time or wait for
+                raise UserError(f"{' and '.join(given)} {'apply' if len(given) > 1 else 'applies'} to --url only "
+                                f"(the live scrapes); --from-files reads recorded texts, so drop "
+                                f"{'them' if len(given) > 1 else 'it'}.")
             texts = [_read_file(path) for path in from_files]
             before, after = (parse_metrics(t, p) for t, p in zip(texts, from_files, strict=True))
             source, elapsed = " → ".join(from_files), None
         elif url:
+            interval = DEFAULT_INTERVAL_S if interval is None else interval
+            timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
             if not math.isfinite(interval) or not 0 < interval <= MAX_INTERVAL_S:
                 raise UserError(f"--interval must be in (0, {MAX_INTERVAL_S:g}] seconds, got {interval}.")
             if not math.isfinite(timeout) or not 0 < timeout <= MAX_INTERVAL_S:  # 1e300 overflowed a thread wait

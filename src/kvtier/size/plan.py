@@ -75,10 +75,9 @@ class Deployment:
         """Raise UserError for values that cannot describe a deployment."""
         for label, number in (("--gpu-memory-gib", self.gpu_memory_gib), ("--weights-gib", self.weights_gib),
                               ("--host-ram-gib", self.host_ram_gib), ("--overhead-gib", self.overhead_gib),
-                              ("--host-reserve-gib", self.host_reserve_gib),
-                              ("--gpu-memory-utilization", self.gpu_memory_utilization)):
+                              ("--host-reserve-gib", self.host_reserve_gib)):
             check_finite(label, number)
-        if not 0 < self.gpu_memory_utilization <= 1:
+        if not 0 < self.gpu_memory_utilization <= 1:  # nan and inf fail too (a GiB bound said 1e300 was the fault)
             raise UserError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         for label, value in (("--gpu-memory-gib", self.gpu_memory_gib), ("--weights-gib", self.weights_gib),
                              ("--host-ram-gib", self.host_ram_gib), ("--overhead-gib", self.overhead_gib),

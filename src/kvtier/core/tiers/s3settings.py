@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 
 TIER = "s3"
 """The tier these settings belong to (its name in the registry)."""
+MAX_CAPACITY_GIB = float(1 << 20)
+"""Largest ``s3_capacity_gib``, GiB: 1 PiB, the bound of ``kvtier size --offload-gib`` and of
+``kvtier simulate --shared-gib`` (which models this cap); 1e300 passed as a cap that never binds."""
 
 
 class S3Settings(BaseSettings):
@@ -53,8 +56,8 @@ class S3Settings(BaseSettings):
         "aws_session_token) holding the s3 tier's credentials; unset = the AWS environment variables or chain."))
     s3_profile: str = Field("default", min_length=1, description="Section of s3_credentials_file to read.")
     s3_capacity_gib: float | None = Field(None, gt=0, allow_inf_nan=False, description=(
-        "Cap on the objects of this cache's namespace in the bucket, GiB; past it the oldest are deleted. "
-        "Unset = no cap (use s3_ttl_s or a lifecycle rule)."))
+        "Cap on the objects of this cache's namespace in the bucket, GiB, at most 1,048,576 (1 PiB); past it the "
+        "oldest are deleted. Unset = no cap (use s3_ttl_s or a lifecycle rule)."))
     s3_ttl_s: int | None = Field(None, gt=0, description=(
         "Seconds an object lives: older objects are misses and a background sweep deletes them. Unset = forever."))
     s3_sweep_interval_s: float = Field(300.0, gt=0, le=86400, allow_inf_nan=False, description=(
@@ -99,6 +102,14 @@ class S3Settings(BaseSettings):
         if parts.path.strip("/") or parts.query:
             raise ValueError("s3_endpoint_url is the server alone; give the bucket in s3_bucket, "
                              "e.g. https://minio.example:9000")
+        return value
+
+    @field_validator("s3_capacity_gib")
+    @classmethod
+    def _capacity(cls, value: float | None) -> float | None:
+        if value is not None and value > MAX_CAPACITY_GIB:
+            raise ValueError(f"s3_capacity_gib must be at most {MAX_CAPACITY_GIB:,.0f} GiB (1 PiB); for no cap "
+                             "leave it unset (objects then expire by s3_ttl_s or a lifecycle rule)")
         return value
 
     @field_validator("s3_bucket")
