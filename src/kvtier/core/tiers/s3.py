@@ -15,15 +15,13 @@
   per chunk and ``put_many`` one ``PUT`` per chunk, at most ``s3_concurrency`` requests in flight
   (one asyncio loop on the tier's own thread drives them all).
 - **Writes never replace an object** (chunk bytes never change under their key).  With
-  ``s3_conditional_put`` each ``PUT`` carries ``If-None-Match: *`` and the server refuses one on an
-  existing key (``412 Precondition Failed``; AWS S3 user guide, "Add preconditions to S3
-  operations with conditional requests"): that chunk is ``PRESENT``, with no ``HEAD`` first.  Not
-  every gateway honours the header (``rclone serve s3`` v1.75 replaces the object and answers
-  ``200``), so the first write asks the server once (:mod:`kvtier.core.tiers.s3conditional`); on
-  a server that ignores the header, or without ``s3_conditional_put`` (for a gateway that answers
-  ``501`` to it), the tier sends a ``HEAD`` before each ``PUT``.  A ``412`` comes after the chunk's
-  bytes were sent, where a ``HEAD`` would have cost one round trip: the saving holds while most
-  chunks written are new (a chunk is written again when another engine computed and saved it too).
+  ``s3_conditional_put`` each ``PUT`` carries ``If-None-Match: *`` and a server that honours it
+  answers ``412`` on an existing key: that chunk is ``PRESENT``, with no ``HEAD`` first.  The
+  first write asks the server whether it does (:mod:`kvtier.core.tiers.s3conditional`: ``rclone
+  serve s3`` does not); where it does not, or without ``s3_conditional_put`` (for a gateway that
+  answers ``501``), a ``HEAD`` goes before each ``PUT``.  A ``412`` comes after the chunk's bytes
+  were sent, where a ``HEAD`` costs one round trip: the saving holds while most chunks written
+  are new (a chunk is written again when another engine computed and saved it too).
 - **Behind the wrapper, the data path is the tier's own** (it implements the wrapper's
   :class:`~kvtier.core.tiers.guarded.SplitTier`): a read's bodies are buffers obstore allocated
   for the call, verified and copied once into the caller's buffers on the caller's thread after
@@ -67,7 +65,7 @@ from kvtier.core.tiers.s3client import brief, http_refusal, make_store, read_cre
 from kvtier.core.tiers.s3conditional import ConditionalPut
 from kvtier.core.tiers.s3objects import DELETE_BATCH, S3Objects
 from kvtier.core.tiers.s3settings import S3Settings, s3_settings
-from kvtier.core.tiers.s3space import CLEAR_DEADLINE_S, SWEEP_MAX_OBJECTS, S3Space
+from kvtier.core.tiers.s3space import S3Space
 from kvtier.core.tiers.sharedvalue import HEADER_BYTES, ValueCodec, keyspace, shared_secret, verify_into
 
 if TYPE_CHECKING:
@@ -350,16 +348,14 @@ class S3Tier(Tier):
     def clear(self) -> ClearResult:
         """Delete every object of this tier's namespace (and key space) in the bucket, never
         another's; ``ok`` is ``False`` if the server did not list and delete them within
-        :data:`CLEAR_DEADLINE_S`."""
-        self.space.forget_all()
+        :data:`~kvtier.core.tiers.s3space.CLEAR_DEADLINE_S`."""
         try:
-            found = self.objects.run(lambda: self.objects.list(SWEEP_MAX_OBJECTS), CLEAR_DEADLINE_S)
-            self.objects.delete([self.object_key(k) for k, _, _ in found])
+            found = self.space.clear()
         except Exception as exc:  # noqa: BLE001 - any fault: the reset reports it, never raises
             self._log_fault("clear", exc)
             return ClearResult([], False, f"the S3 server at {self.where} did not list and delete the "
                                           f"namespace's objects ({type(exc).__name__})")
-        return ClearResult([k for k, _, _ in found])
+        return ClearResult(found)
 
     # ---- the rest of the contract ----------------------------------------------------------------
     def indexed(self, key: ChunkKey) -> bool:

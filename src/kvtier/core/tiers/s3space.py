@@ -112,11 +112,19 @@ class S3Space:
             if entry is not None:
                 self._used -= entry[0]
 
-    def forget_all(self) -> None:
-        """Stop counting every object (the namespace is being cleared)."""
+    def clear(self) -> list[ChunkKey]:
+        """Forget the count, then delete every object of the namespace (a reset) within
+        :data:`CLEAR_DEADLINE_S` for the LIST: the chunk keys deleted.
+
+        Raises:
+            Exception: the server failed (obstore's errors), or the LIST ran past its deadline.
+        """
         with self._lock:
             self._index.clear()
             self._used = 0
+        found = self.objects.run(lambda: self.objects.list(SWEEP_MAX_OBJECTS), CLEAR_DEADLINE_S)
+        self.objects.delete([self.objects.key(k) for k, _, _ in found])
+        return [k for k, _, _ in found]
 
     def indexed(self, key: ChunkKey) -> bool:
         """Whether ``key`` is counted (written or listed, and not seen to vanish; no network)."""
