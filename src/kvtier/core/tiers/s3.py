@@ -63,7 +63,7 @@ from kvtier.core.tiers.buffers import BufferPool
 from kvtier.core.tiers.guarded import GuardedTier, PutStream, WriteAbandoned, split_get
 from kvtier.core.tiers.s3client import brief, http_refusal, make_store, read_credentials, where
 from kvtier.core.tiers.s3conditional import ConditionalPut
-from kvtier.core.tiers.s3objects import DELETE_BATCH, S3Objects
+from kvtier.core.tiers.s3objects import S3Objects
 from kvtier.core.tiers.s3settings import S3Settings, s3_settings
 from kvtier.core.tiers.s3space import S3Space
 from kvtier.core.tiers.sharedvalue import HEADER_BYTES, ValueCodec, keyspace, shared_secret, verify_into
@@ -195,11 +195,7 @@ class S3Tier(Tier):
         async def fetch_all() -> list[Any]:
             values = await self.objects.each(fetch, [self.object_key(k) for k in keys])
             if expired:
-                try:
-                    for i in range(0, len(expired), DELETE_BATCH):
-                        await obstore.delete_async(self.store, expired[i:i + DELETE_BATCH])
-                except Exception as exc:  # noqa: BLE001 - the object stays; the sweep or the next read deletes it
-                    self._log_fault("delete", exc)
+                await self.space.delete_expired(expired)
             return values
 
         return (self.objects.run(fetch_all) if keys else []), t0

@@ -27,7 +27,7 @@ from typing import Any
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers.base import TierUsage
-from kvtier.core.tiers.s3objects import S3Objects
+from kvtier.core.tiers.s3objects import DELETE_BATCH, S3Objects
 
 WRITTEN_KEYS_MAX = 1 << 16
 """Keys remembered without a capacity cap (``indexed``/``keys``), most recent kept."""
@@ -85,6 +85,17 @@ class S3Space:
         if meta is None or self.expired(meta["last_modified"].timestamp()):
             return None
         return meta
+
+    async def delete_expired(self, paths: list[str]) -> None:
+        """Delete objects a read found past the TTL (bulk deletes one after another, on the loop).
+        A fault is logged, never raised: the object stays, and the sweep or the next read deletes it."""
+        import obstore
+
+        try:
+            for i in range(0, len(paths), DELETE_BATCH):
+                await obstore.delete_async(self.objects.store, paths[i:i + DELETE_BATCH])
+        except Exception as exc:  # noqa: BLE001 - the object stays; the sweep or the next read deletes it
+            self._log_fault("delete", exc)
 
     # ---- the index -------------------------------------------------------------------------------
     def add(self, keys: Sequence[ChunkKey], object_bytes: Sequence[int], mtimes: Sequence[float]) -> None:
