@@ -15,17 +15,13 @@
   per chunk and ``put_many`` one ``PUT`` per chunk, at most ``s3_concurrency`` requests in flight
   (one asyncio loop on the tier's own thread drives them all).
 - **Writes never replace an object** (chunk bytes never change under their key).  With
-  ``s3_conditional_put`` each ``PUT`` carries ``If-None-Match: *`` and the server refuses one on an
-  existing key (``412 Precondition Failed``; AWS S3 user guide, "Add preconditions to S3
-  operations with conditional requests"): that chunk is ``PRESENT``, with no ``HEAD`` first.  Not
-  every gateway honours the header (``rclone serve s3`` v1.75 replaces the object and answers
-  ``200``), so the first write of a tier asks the server once: it creates a probe object under the
-  namespace (a name that is no chunk key), creates it again and deletes it; a server that accepts
-  the second create ignores the header, and the tier then sends a ``HEAD`` before each ``PUT``, as
-  it does without ``s3_conditional_put`` (which writes with no header, for a gateway that answers
-  ``501`` to it).  A ``412`` comes after the chunk's bytes were sent, where a ``HEAD`` would have
-  cost one round trip: the saving holds while most chunks written are new (a chunk is written
-  again when another engine computed and saved it too).
+  ``s3_conditional_put`` each ``PUT`` carries ``If-None-Match: *`` and a server that honours it
+  answers ``412`` on an existing key: that chunk is ``PRESENT``, with no ``HEAD`` first.  The
+  first write asks the server whether it does (:mod:`kvtier.core.tiers.s3conditional`: ``rclone
+  serve s3`` does not); where it does not, or without ``s3_conditional_put`` (for a gateway that
+  answers ``501``), a ``HEAD`` goes before each ``PUT``.  A ``412`` comes after the chunk's bytes
+  were sent, where a ``HEAD`` costs one round trip: the saving holds while most chunks written
+  are new (a chunk is written again when another engine computed and saved it too).
 - **Behind the wrapper, the data path is the tier's own** (it implements the wrapper's
   :class:`~kvtier.core.tiers.guarded.SplitTier`): a read's bodies are buffers obstore allocated
   for the call, verified and copied once into the caller's buffers on the caller's thread after
@@ -36,15 +32,13 @@
   deletes, ``shared_transfer_deadline_s`` for reads and writes, ``s3_breaker_*``).  This class
   raises on a fault; a ``403`` (``PermissionDeniedError``) is a refusal that fails the call but
   leaves the breaker closed, as a full Redis's ``-OOM`` does.
-- **Expiry and capacity**: the bucket evicts nothing by itself.  With ``s3_ttl_s`` an object
-  older than the TTL (by its ``Last-Modified``) is a miss, and a background sweep every
-  ``s3_sweep_interval_s`` LISTs the namespace and deletes expired objects (a bucket lifecycle
-  rule, where the server has them, does the same at day granularity: docs/s3.md).  With
-  ``s3_capacity_gib`` the same pass re-counts the namespace (so the count starts from what the
-  bucket holds and includes other engines' objects, once each: objects are counted by key), and
-  the oldest objects past the cap are deleted; before each delete a ``HEAD`` checks that the
-  object was not rewritten since it was counted, so one engine never deletes another's fresh
-  object on an old count.
+- **Expiry and capacity** (:mod:`kvtier.core.tiers.s3space`): the bucket evicts nothing by
+  itself.  With ``s3_ttl_s`` an object older than the TTL (by its ``Last-Modified``) is a miss,
+  and a background sweep deletes expired objects (a bucket lifecycle rule does the same at day
+  granularity: docs/s3.md); with ``s3_capacity_gib`` the sweep re-counts the namespace and the
+  oldest objects past the cap are deleted, each checked by a ``HEAD`` first.
+- **Requests**: every request runs on one asyncio loop on the tier's own thread, through
+  :class:`~kvtier.core.tiers.s3objects.S3Objects` (where object keys are built).
 
 Thread-safe.  Numbers: :meth:`S3Tier.wire_stats` (bytes, seconds, corrupt values; the wrapper
 adds errors, skipped calls and the breaker).
@@ -56,28 +50,22 @@ import asyncio
 import logging
 import threading
 import time
-import uuid
-from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 from kvtier.core import tenant
 from kvtier.core.errors import ConfigError
-from kvtier.core.keys import KEY_BYTES, ChunkKey
+from kvtier.core.keys import ChunkKey
 from kvtier.core.stats import WireCounters, WireStats
 from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, TierUsage
 from kvtier.core.tiers.breaker import CircuitBreaker
 from kvtier.core.tiers.buffers import BufferPool
 from kvtier.core.tiers.guarded import GuardedTier, PutStream, WriteAbandoned, split_get
-from kvtier.core.tiers.s3client import (
-    brief,
-    http_refusal,
-    make_store,
-    not_implemented,
-    read_credentials,
-    where,
-)
+from kvtier.core.tiers.s3client import brief, http_refusal, make_store, read_credentials, where
+from kvtier.core.tiers.s3conditional import ConditionalPut
+from kvtier.core.tiers.s3objects import S3Objects
 from kvtier.core.tiers.s3settings import S3Settings, s3_settings
+from kvtier.core.tiers.s3space import S3Space
 from kvtier.core.tiers.sharedvalue import HEADER_BYTES, ValueCodec, keyspace, shared_secret, verify_into
 
 if TYPE_CHECKING:
@@ -85,35 +73,10 @@ if TYPE_CHECKING:
     from kvtier.core.tiers.factory import TierContext
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 GiB = 1 << 30
-WRITTEN_KEYS_MAX = 1 << 16
-"""Keys remembered without a capacity cap (``indexed``/``keys``), most recent kept."""
 ENCODE_BUFFER_BYTES = 256 << 20
 """Bytes of encoded-object buffers kept for reuse between writes (:mod:`kvtier.core.tiers.buffers`:
 a fresh 32 MiB buffer costs ~4x the copy into it)."""
-CLEAR_DEADLINE_S = 60.0
-"""Longest a clear (a reset) lists and deletes a namespace's objects, seconds."""
-CALL_BOUND_S = 300.0
-"""Longest a thread waits for one call on the tier's event loop, seconds (far above any caller's
-deadline: a bound on the wrapper's thread, not a deadline anyone is served by)."""
-SWEEP_MAX_OBJECTS = 1_000_000
-"""Objects one sweep lists at most (a larger namespace is swept in part each interval)."""
-EVICT_PASSES = 4
-"""Eviction passes at most per call (each a HEAD batch of the victims, then one delete)."""
-DELETE_BATCH = 1000
-"""Keys per bulk delete (S3 ``DeleteObjects`` takes at most 1000)."""
-PROBE_NAME = "kvtier-conditional-put-probe-"
-"""Start of the probe object's name (under the namespace; never a chunk key, which is 32 hex
-digits, so sweeps, clears and purges pass it by)."""
-REWRITTEN_S = 1.0
-"""An object whose ``Last-Modified`` is at least this much newer than counted was rewritten: kept.
-``Last-Modified`` has one-second resolution (an HTTP date), so a chunk this process stored is
-counted at the whole second it was stored in (the engine's and the server's clocks kept in sync)."""
-
-
-def _is_missing(exc: BaseException) -> bool:
-    return isinstance(exc, FileNotFoundError)
 
 
 class S3Tier(Tier):
@@ -151,105 +114,43 @@ class S3Tier(Tier):
         space = keyspace(secret).rstrip(":")
         self.prefix = f"{key_prefix}{namespace.hex()}{'-' + space if space else ''}/"
         self.concurrency = concurrency
-        self.capacity_bytes = capacity_bytes
-        self.ttl_s = ttl_s
-        self.sweep_interval_s = sweep_interval_s
         self.conditional_put = conditional_put
-        self.conditional_honoured: bool | None = None if conditional_put else False
-        """Whether the server refuses a ``PUT`` with ``If-None-Match: *`` on an existing key:
-        ``None`` until the first write asks it (:meth:`_ask_conditional`), ``False`` without
-        ``s3_conditional_put``; while not ``True`` each ``PUT`` follows a ``HEAD``."""
-        self._probe_lock: asyncio.Lock | None = None
         self.where = where
         self.produce_wait_s = produce_wait_s
         self.encode_buffers = BufferPool(ENCODE_BUFFER_BYTES)
         self.wire = WireCounters()
-        self.sweeps = 0
-        self.sweep_errors = 0
-        self.expired_deleted = 0
-        self.evicted = 0
         self._lock = threading.Lock()
-        self._index: OrderedDict[ChunkKey, tuple[int, float]] = OrderedDict()  # key -> (bytes, mtime), oldest first
-        self._used = 0
-        self._closed = False
-        self._stop = threading.Event()
         self._last_error = 0.0
-        self._loop = asyncio.new_event_loop()
-        self._gate: asyncio.Semaphore | None = None
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kvtier-s3-io", daemon=True)
-        self._thread.start()
-        self._sweeper: threading.Thread | None = None
-        if capacity_bytes is not None or ttl_s is not None:
-            self._sweeper = threading.Thread(target=self._sweep_loop, name="kvtier-s3-sweep", daemon=True)
-            self._sweeper.start()
+        self.objects = S3Objects(store, self.prefix, concurrency)
+        """The namespace's objects and the event loop their requests run on."""
+        self.conditional = ConditionalPut(self.objects, conditional_put, self._exists_errors, where, self._log_fault)
+        """Whether the server honours ``If-None-Match: *`` (asked by the first write)."""
+        self.space = S3Space(self.objects, capacity_bytes, ttl_s, sweep_interval_s, self._log_fault)
+        """The count of the namespace's objects, the TTL, the cap and the sweep thread."""
 
-    # ---- keys and the event loop ---------------------------------------------------------------
+    @property
+    def conditional_honoured(self) -> bool | None:
+        """:attr:`ConditionalPut.honoured <kvtier.core.tiers.s3conditional.ConditionalPut.honoured>`
+        (settable: the benches force a write path)."""
+        return self.conditional.honoured
+
+    @conditional_honoured.setter
+    def conditional_honoured(self, honoured: bool | None) -> None:
+        self.conditional.honoured = honoured
+
+    @property
+    def sweeps(self) -> int:
+        """Sweeps done (:meth:`sweep`)."""
+        return self.space.sweeps
+
+    def sweep(self) -> None:
+        """One pass of :meth:`S3Space.sweep <kvtier.core.tiers.s3space.S3Space.sweep>` (expiry and
+        the cap; raises what it raises)."""
+        self.space.sweep()
+
     def object_key(self, key: ChunkKey) -> str:
-        """The object key of a chunk (the only place keys are built)."""
-        return self.prefix + key.hex()
-
-    def _chunk_of(self, path: str) -> ChunkKey | None:
-        """The chunk key of an object of this namespace, or ``None`` for any other object."""
-        name = path[len(self.prefix):] if path.startswith(self.prefix) else ""
-        if len(name) != 2 * KEY_BYTES:
-            return None
-        try:
-            return ChunkKey(bytes.fromhex(name))
-        except ValueError:
-            return None
-
-    def _run(self, make: Callable[[], Coroutine[Any, Any, T]], timeout_s: float | None = None) -> T:
-        """Run a coroutine on the tier's loop and wait for it, at most ``timeout_s`` (default
-        :data:`CALL_BOUND_S`: the wrapper bounds the caller's own wait far below it; this bounds
-        the wrapper's thread, which :meth:`close` also releases by cancelling what is in flight).
-
-        Raises:
-            RuntimeError: the tier is closed.
-            TimeoutError / CancelledError: the bound passed, or :meth:`close` cancelled the call.
-        """
-        if self._closed:
-            raise RuntimeError("the s3 tier is closed")
-        future = asyncio.run_coroutine_threadsafe(make(), self._loop)
-        return future.result(timeout=CALL_BOUND_S if timeout_s is None else timeout_s)
-
-    async def _cancel_in_flight(self) -> None:
-        """Cancel every request still running on the loop (at :meth:`close`), so no thread waits
-        on a loop that has stopped."""
-        current = asyncio.current_task()
-        tasks = [task for task in asyncio.all_tasks() if task is not current]
-        for task in tasks:
-            task.cancel()
-        await asyncio.wait(tasks, timeout=2.0) if tasks else None
-
-    def _requests(self) -> asyncio.Semaphore:
-        """The gate of requests in flight: at most ``concurrency``, shared by all callers (on the loop)."""
-        if self._gate is None:
-            self._gate = asyncio.Semaphore(self.concurrency)
-        return self._gate
-
-    async def _each(self, fn: Callable[[Any], Awaitable[T]], items: Sequence[Any]) -> list[T]:
-        """``fn(item)`` for every item, at most ``concurrency`` at once (shared by all callers)."""
-        gate = self._requests()
-
-        async def one(item: Any) -> T:
-            async with gate:
-                return await fn(item)
-        return list(await asyncio.gather(*(one(i) for i in items)))
-
-    async def _head(self, path: str) -> dict[str, Any] | None:
-        """The object's metadata, or ``None`` if it is absent (or expired)."""
-        import obstore
-
-        try:
-            meta = await obstore.head_async(self.store, path)
-        except FileNotFoundError:
-            return None
-        if self._expired(meta["last_modified"].timestamp()):
-            return None
-        return dict(meta)
-
-    def _expired(self, mtime: float) -> bool:
-        return self.ttl_s is not None and time.time() - mtime > self.ttl_s
+        """The object key of a chunk (:meth:`S3Objects.key <kvtier.core.tiers.s3objects.S3Objects.key>`)."""
+        return self.objects.key(key)
 
     # ---- Tier contract ---------------------------------------------------------------------------
     def contains(self, key: ChunkKey) -> bool:
@@ -258,7 +159,7 @@ class S3Tier(Tier):
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
         if not keys:
             return []
-        metas = self._run(lambda: self._each(self._head, [self.object_key(k) for k in keys]))
+        metas = self.objects.run(lambda: self.objects.each(self.space.head, [self.object_key(k) for k in keys]))
         return [m is not None for m in metas]
 
     def get_into(self, key: ChunkKey, dst: memoryview) -> GetResult:
@@ -284,7 +185,7 @@ class S3Tier(Tier):
         async def fetch(path: str) -> Any:
             try:
                 got = await obstore.get_async(self.store, path)
-                if self._expired(got.meta["last_modified"].timestamp()):
+                if self.space.expired(got.meta["last_modified"].timestamp()):
                     expired.append(path)  # a miss, deleted below
                     return None
                 return await got.bytes_async()
@@ -292,16 +193,12 @@ class S3Tier(Tier):
                 return None
 
         async def fetch_all() -> list[Any]:
-            values = await self._each(fetch, [self.object_key(k) for k in keys])
+            values = await self.objects.each(fetch, [self.object_key(k) for k in keys])
             if expired:
-                try:
-                    for i in range(0, len(expired), DELETE_BATCH):
-                        await obstore.delete_async(self.store, expired[i:i + DELETE_BATCH])
-                except Exception as exc:  # noqa: BLE001 - the object stays; the sweep or the next read deletes it
-                    self._log_fault("delete", exc)
+                await self.space.delete_expired(expired)
             return values
 
-        return (self._run(fetch_all) if keys else []), t0
+        return (self.objects.run(fetch_all) if keys else []), t0
 
     def finish_get(self, keys: Sequence[ChunkKey], fetched: tuple[list[Any], float],
                    dsts: Sequence[memoryview]) -> list[GetResult]:
@@ -309,71 +206,22 @@ class S3Tier(Tier):
         and copy its payload into ``dsts[i]``: ``HIT``; no live object: ``MISS``; short, foreign
         or failing its digest: ``CORRUPT`` (counted; the caller deletes it).  No network."""
         values, t0 = fetched
-        done = verify_into(self.codec, keys, values, dsts, f"kvtier {self.name} tier ({self.where})", self._forget)
+        done = verify_into(self.codec, keys, values, dsts, f"kvtier {self.name} tier ({self.where})", self.space.forget)
         with self._lock:
             self.corrupt += done.corrupt
         self.wire.corrupt(done.corrupt)
         self.wire.moved("read", done.payload_bytes, time.perf_counter() - t0)
         return done.results
 
-    async def _ask_conditional(self) -> bool:
-        """Whether the server honours ``If-None-Match: *`` (:attr:`conditional_honoured`), asked
-        once per tier: create a probe object, create it again (a server that honours the header
-        refuses), delete it.  A fault raises (the write fails as any would) and the next write asks
-        again.
-
-        Raises:
-            obstore.exceptions.BaseError: the server failed or refused the first create.
-        """
-        import obstore
-
-        if self.conditional_honoured is not None:
-            return self.conditional_honoured
-        if self._probe_lock is None:
-            self._probe_lock = asyncio.Lock()
-        async with self._probe_lock:
-            if self.conditional_honoured is not None:  # another batch asked meanwhile
-                return self.conditional_honoured
-            path = f"{self.prefix}{PROBE_NAME}{uuid.uuid4().hex[:16]}"
-            try:
-                try:
-                    async with self._requests():
-                        await obstore.put_async(self.store, path, b"kvtier probe", use_multipart=False, mode="create")
-                except Exception as exc:
-                    if not not_implemented(exc):
-                        raise
-                    log.warning("kvtier s3 tier (%s): the server answers 501 Not Implemented to If-None-Match: *; "
-                                "each write HEADs its object first and PUTs without the header (set "
-                                "s3_conditional_put: false to skip this probe)", self.where)
-                    self.conditional_honoured = False
-                    return False
-                try:
-                    async with self._requests():
-                        await obstore.put_async(self.store, path, b"kvtier probe", use_multipart=False, mode="create")
-                    honoured = False
-                except self._exists_errors:
-                    honoured = True
-            finally:
-                try:
-                    async with self._requests():
-                        await obstore.delete_async(self.store, path)
-                except Exception as exc:  # noqa: BLE001 - a left-over probe object is a few bytes no sweep counts
-                    self._log_fault("delete of the conditional-put probe", exc)
-            if not honoured:
-                log.warning("kvtier s3 tier (%s): the server ignores If-None-Match: * (a second conditional PUT "
-                            "replaced the object); each write HEADs its object first, one round trip more per "
-                            "chunk (AWS S3 honours the header; rclone serve s3 does not)", self.where)
-            self.conditional_honoured = honoured
-            return honoured
-
     def ask_conditional(self) -> bool:
         """Whether the server honours ``If-None-Match: *`` (asked once, then remembered:
-        :attr:`conditional_honoured`); ``False`` without ``s3_conditional_put``.
+        :attr:`conditional_honoured`; :mod:`kvtier.core.tiers.s3conditional`); ``False`` without
+        ``s3_conditional_put``.
 
         Raises:
             obstore.exceptions.BaseError: the server failed or refused (nothing remembered).
         """
-        return self.conditional_put and self._run(self._ask_conditional)
+        return self.conditional_put and self.objects.run(self.conditional.ask)
 
     def put(self, key: ChunkKey, data: memoryview | bytes) -> PutResult:
         return self.put_many([key], [data])[0]
@@ -412,23 +260,15 @@ class S3Tier(Tier):
         abandoned = threading.Event()
         exists_errors = self._exists_errors
         pool = self.encode_buffers
-
-        def wake(events: Sequence[asyncio.Event]) -> None:
-            def set_all() -> None:
-                for event in events:
-                    event.set()
-            try:
-                self._loop.call_soon_threadsafe(set_all)
-            except RuntimeError:  # the loop is closed: nothing waits on it
-                pass
+        wake = self.objects.wake
 
         async def write(i: int, head_first: bool) -> tuple[str, float]:
-            gate = self._requests()  # held for each request, never while waiting for produce
+            gate = self.objects.requests()  # held for each request, never while waiting for produce
             reusable = True  # False while a PUT may still read the object (a cancelled call's may)
             try:
                 if head_first:
                     async with gate:
-                        meta = await self._head(paths[i])
+                        meta = await self.space.head(paths[i])
                     if meta is not None:
                         return "present", meta["last_modified"].timestamp()
                 try:
@@ -456,7 +296,7 @@ class S3Tier(Tier):
                     pool.give([values[i]])
 
         async def write_all() -> list[tuple[str, float]]:
-            head_first = not (self.conditional_put and await self._ask_conditional())
+            head_first = not (self.conditional_put and await self.conditional.ask())
             return list(await asyncio.gather(*(write(i, head_first) for i in range(len(keys)))))
 
         def produce(_deadline: float) -> None:
@@ -469,7 +309,7 @@ class S3Tier(Tier):
 
         def send() -> list[PutResult]:
             t0 = time.perf_counter()
-            outcomes = self._run(write_all)
+            outcomes = self.objects.run(write_all)
             return self._written_now(keys, sizes, outcomes, t0)
 
         def abandon() -> None:
@@ -480,28 +320,11 @@ class S3Tier(Tier):
     def _written_now(self, keys: Sequence[ChunkKey], payload_bytes: list[int], outcomes: list[tuple[str, float]],
                      t0: float) -> list[PutResult]:
         """Account one written batch (``outcomes``: ``("stored" | "present", mtime)`` per chunk)."""
-        sizes = [HEADER_BYTES + n for n in payload_bytes]
-        stored_bytes = 0
-        with self._lock:
-            for key, (outcome, mtime), size in zip(keys, outcomes, sizes, strict=True):
-                if key not in self._index:  # counted once per key, whoever wrote it
-                    self._index[key] = (size, mtime)
-                    self._used += size
-                if outcome == "stored":
-                    stored_bytes += size - HEADER_BYTES
-            self._trim_unbounded()
+        self.space.add(keys, [HEADER_BYTES + n for n in payload_bytes], [mtime for _, mtime in outcomes])
+        stored_bytes = sum(n for n, (outcome, _) in zip(payload_bytes, outcomes, strict=True) if outcome == "stored")
         self.wire.moved("write", stored_bytes, time.perf_counter() - t0)
-        if self.capacity_bytes is not None and self._used > self.capacity_bytes:
-            self._evict_past_cap()
+        self.space.fit()
         return [PutResult.STORED if o == "stored" else PutResult.PRESENT for o, _ in outcomes]
-
-    def _trim_unbounded(self) -> None:
-        """Without a cap, remember at most :data:`WRITTEN_KEYS_MAX` keys (the lock is held)."""
-        if self.capacity_bytes is not None:
-            return
-        while len(self._index) > WRITTEN_KEYS_MAX:
-            _, (size, _mtime) = self._index.popitem(last=False)
-            self._used -= size
 
     def delete(self, key: ChunkKey) -> bool:
         return self.delete_many([key])[0]
@@ -512,159 +335,40 @@ class S3Tier(Tier):
             return []
         paths = [self.object_key(k) for k in keys]
         for key in keys:
-            self._forget(key)
-        metas = self._run(lambda: self._each(self._head, paths))
+            self.space.forget(key)
+        metas = self.objects.run(lambda: self.objects.each(self.space.head, paths))
         there = [p for p, m in zip(paths, metas, strict=True) if m is not None]
-        self._delete_paths(there)
+        self.objects.delete(there)
         return [m is not None for m in metas]
-
-    def _delete_paths(self, paths: list[str]) -> None:
-        """Delete objects (bulk ``DeleteObjects`` of up to :data:`DELETE_BATCH`; a missing one is no error)."""
-        import obstore
-
-        async def delete(batch: list[str]) -> None:
-            await obstore.delete_async(self.store, batch)
-
-        batches = [paths[i:i + DELETE_BATCH] for i in range(0, len(paths), DELETE_BATCH)]
-        if batches:
-            self._run(lambda: self._each(delete, batches))
-
-    def _forget(self, key: ChunkKey) -> None:
-        with self._lock:
-            entry = self._index.pop(key, None)
-            if entry is not None:
-                self._used -= entry[0]
-
-    async def _list(self, limit: int) -> list[tuple[ChunkKey, int, float]]:
-        """This namespace's objects (key, bytes, mtime), at most ``limit``; other objects skipped."""
-        import obstore
-
-        out: list[tuple[ChunkKey, int, float]] = []
-        async for page in obstore.list(self.store, self.prefix.rstrip("/"), chunk_size=1000):
-            for meta in page:
-                key = self._chunk_of(meta["path"])
-                if key is not None:
-                    out.append((key, int(meta["size"]), meta["last_modified"].timestamp()))
-            if len(out) >= limit:
-                break
-        return out
 
     def clear(self) -> ClearResult:
         """Delete every object of this tier's namespace (and key space) in the bucket, never
         another's; ``ok`` is ``False`` if the server did not list and delete them within
-        :data:`CLEAR_DEADLINE_S`."""
-        with self._lock:
-            self._index.clear()
-            self._used = 0
+        :data:`~kvtier.core.tiers.s3space.CLEAR_DEADLINE_S`."""
         try:
-            found = self._run(lambda: self._list(SWEEP_MAX_OBJECTS), CLEAR_DEADLINE_S)
-            self._delete_paths([self.object_key(k) for k, _, _ in found])
+            found = self.space.clear()
         except Exception as exc:  # noqa: BLE001 - any fault: the reset reports it, never raises
             self._log_fault("clear", exc)
             return ClearResult([], False, f"the S3 server at {self.where} did not list and delete the "
                                           f"namespace's objects ({type(exc).__name__})")
-        return ClearResult([k for k, _, _ in found])
-
-    # ---- expiry and capacity ---------------------------------------------------------------------
-    def _sweep_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.sweep()
-            except Exception as exc:  # noqa: BLE001 - a failed pass is logged; the next one tries again
-                self.sweep_errors += 1
-                self._log_fault("sweep", exc)
-            self._stop.wait(self.sweep_interval_s)
-
-    def sweep(self) -> None:
-        """One pass: LIST the namespace, delete objects past the TTL, re-count it and delete the
-        oldest past the cap.  Runs on the sweep thread (and in tests).
-
-        Raises:
-            Exception: the server failed (obstore's errors); the count is left as it was.
-        """
-        started = time.time()
-        found = self._run(lambda: self._list(SWEEP_MAX_OBJECTS), CLEAR_DEADLINE_S)
-        expired = [k for k, _, mtime in found if self._expired(mtime)]
-        if expired:
-            self._delete_paths([self.object_key(k) for k in expired])
-            self.expired_deleted += len(expired)
-        gone = set(expired)
-        if self.capacity_bytes is not None:
-            with self._lock:
-                listed = {k: (size, mtime) for k, size, mtime in sorted(found, key=lambda f: f[2]) if k not in gone}
-                # keys written while the LIST ran are kept; everything else is as the bucket says
-                fresh = {k: v for k, v in self._index.items() if k not in listed and v[1] >= int(started)}
-                self._index = OrderedDict(list(listed.items()) + list(fresh.items()))
-                self._used = sum(size for size, _ in self._index.values())
-            if self._used > self.capacity_bytes:
-                self._evict_past_cap()
-        else:
-            for key in expired:
-                self._forget(key)
-        self.sweeps += 1
-
-    def _evict_past_cap(self) -> None:
-        """Delete the oldest objects until the namespace fits the cap; one rewritten since it was
-        counted (``Last-Modified`` newer) is kept and counted as new instead, and the next oldest
-        is taken in its place (at most :data:`EVICT_PASSES` passes, so a bucket rewritten as fast
-        as it is trimmed cannot hold the caller)."""
-        assert self.capacity_bytes is not None
-        for _ in range(EVICT_PASSES):
-            with self._lock:
-                excess = self._used - self.capacity_bytes
-                victims: list[tuple[ChunkKey, float]] = []
-                for key, (size, mtime) in self._index.items():
-                    if excess <= 0:
-                        break
-                    victims.append((key, mtime))
-                    excess -= size
-            if not victims:
-                return
-            paths = [self.object_key(k) for k, _ in victims]
-            metas = self._run(lambda paths=paths: self._each(self._head, paths))  # type: ignore[misc]
-            doomed = []
-            kept = 0
-            with self._lock:
-                for (key, mtime), meta in zip(victims, metas, strict=True):
-                    now_mtime = meta["last_modified"].timestamp() if meta is not None else None
-                    if now_mtime is not None and now_mtime >= mtime + REWRITTEN_S and key in self._index:
-                        self._index[key] = (self._index[key][0], now_mtime)
-                        self._index.move_to_end(key)
-                        kept += 1
-                        continue
-                    doomed.append(key)
-                    entry = self._index.pop(key, None)
-                    if entry is not None:
-                        self._used -= entry[0]
-            self._delete_paths([self.object_key(k) for k in doomed])
-            self.evicted += len(doomed)
-            if not kept:
-                return
+        return ClearResult(found)
 
     # ---- the rest of the contract ----------------------------------------------------------------
     def indexed(self, key: ChunkKey) -> bool:
         """Whether this process wrote (or counted) ``key`` and has not seen it vanish (no network)."""
-        with self._lock:
-            return key in self._index
+        return self.space.indexed(key)
 
     def keys(self) -> list[ChunkKey]:
-        with self._lock:
-            return list(self._index)
+        return self.space.keys()
 
     def stored_bytes(self, payload_bytes: int) -> int:
         return payload_bytes + HEADER_BYTES
 
     def usage(self) -> TierUsage:
-        with self._lock:
-            used, n = self._used, len(self._index)
-        if self.capacity_bytes is None:
-            return TierUsage(used, 0, used, n)
-        return TierUsage(used, max(self.capacity_bytes - used, 0), max(self.capacity_bytes, used), n)
+        return self.space.usage()
 
     def check(self) -> None:
-        with self._lock:
-            assert self._used == sum(size for size, _ in self._index.values()), \
-                "s3 tier counted bytes drifted from its index"
+        self.space.check()
 
     def wire_stats(self) -> WireStats:
         return self.wire.snapshot(0, 0)
@@ -676,17 +380,10 @@ class S3Tier(Tier):
             log.warning("kvtier s3 tier (%s): %s failed (%s: %s)", self.where, op, type(exc).__name__, brief(str(exc)))
 
     def close(self) -> None:
-        if self._closed:
+        if self.objects.closed:
             return
-        self._closed = True
-        self._stop.set()
-        try:  # a request hung on a stalled server must not keep its waiting thread (and the process) alive
-            asyncio.run_coroutine_threadsafe(self._cancel_in_flight(), self._loop).result(timeout=5.0)
-        except Exception:  # closing: the loop is stopped below either way
-            log.debug("s3 tier: cancelling in-flight requests at close did not finish", exc_info=True)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
-
+        self.space.stop()
+        self.objects.close()
 
 def check(config: KVTierConfig) -> list[tuple[str, str]]:
     """What start-up would refuse, read as it reads it: no bucket, plain HTTP without
