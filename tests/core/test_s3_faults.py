@@ -164,7 +164,8 @@ class Http500:
 def test_a_server_answering_500_is_a_miss_and_opens_the_breaker(tmp_path, s3_server):
     failing = Http500()
     creds = s3_credentials_file(tmp_path, s3_server)
-    store = host(failing.url, "kvtier-500", creds)
+    # the breaker stays open for the whole test (no half-open probe reaches the server meanwhile)
+    store = host(failing.url, "kvtier-500", creds, s3_breaker_probe_s=60.0)
     try:
         chain = chain_of(9, 4)
         for _ in range(4):
@@ -172,7 +173,13 @@ def test_a_server_answering_500_is_a_miss_and_opens_the_breaker(tmp_path, s3_ser
             assert n == 0 and seconds < DEADLINE_S + SLACK_S
         stats = store.tier("s3").wire_stats()
         assert stats.errors["lookup"] >= 2 and stats.breaker_opened >= 1
-        asked = failing.requests
+        # requests of calls the deadline gave up on (the client's retries) may still arrive: wait
+        # until none has for 0.5 s (the first failing calls opened the breaker, so none are new)
+        asked, quiet_since, deadline = failing.requests, time.monotonic(), time.monotonic() + 10
+        while time.monotonic() - quiet_since < 0.5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            if failing.requests != asked:
+                asked, quiet_since = failing.requests, time.monotonic()
         assert timed_lookup(store, chain)[0] == 0
         assert failing.requests == asked  # the open breaker keeps calls off the failing server
     finally:
