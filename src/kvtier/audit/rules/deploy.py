@@ -9,7 +9,6 @@ The pod facts (grace period, volume mounts, namespace) come from Kubernetes mani
 
 from __future__ import annotations
 
-import ipaddress
 import math
 import posixpath
 import re
@@ -20,6 +19,7 @@ from kvtier.audit.model import ServeConfig
 from kvtier.audit.rules.base import rule
 from kvtier.audit.versions import version_from_image
 from kvtier.core.config import KVTierConfig
+from kvtier.core.hosts import is_loopback_host
 from kvtier.core.tiers.registry import asked_by
 
 _DOCS = "kvtier docs/deploy.md"
@@ -274,11 +274,7 @@ def _inside_namespace(host: str, c: ServeConfig) -> bool:
     """Whether ``host`` names a Service (or a pod of a headless Service) in the pod's own namespace."""
     assert c.pod is not None
     host = host.lower().rstrip(".")
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        pass
-    if host == "localhost":
+    if is_loopback_host(host):
         return True
     labels = host.split(".")
     if len(labels) == 1:

@@ -3,13 +3,13 @@ the line."""
 
 from __future__ import annotations
 
-import ipaddress
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from kvtier.audit.model import ServeConfig
 from kvtier.audit.rules.base import rule
 from kvtier.core.config import KVTierConfig
+from kvtier.core.hosts import is_loopback_host
 from kvtier.integrations.vllm.preflight import advice_problems, looks_like_credential
 
 _DOCS = "kvtier docs/shared-tier.md"
@@ -32,15 +32,6 @@ def _redis(c: ServeConfig) -> tuple[str, dict[str, Any]] | None:
     return settings["redis_url"], settings
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback  # all of 127.0.0.0/8, and ::1
-    except ValueError:
-        return False
-
-
 @rule("kvtier-shared-tier-unprotected", "warning",
       "kvtier shared tier beyond this host without TLS or without a shared secret",
       "Use rediss:// (TLS) and set shared_secret_file to a secret of 16+ characters that every engine of the "
@@ -56,7 +47,7 @@ def kvtier_shared_tier_unprotected(c: ServeConfig) -> str | None:
         host = parts.hostname or ""
     except ValueError:
         return None  # kvtier-config-invalid reports a malformed URL
-    if _is_loopback(host):
+    if is_loopback_host(host):
         return None
     missing = []
     if parts.scheme != "rediss":

@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from kvtier.core import tenant
 from kvtier.core.errors import ConfigError
+from kvtier.core.hosts import is_loopback_host
 from kvtier.core.keys import ChunkKey
 from kvtier.core.stats import WireCounters, WireStats
 from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, TierUsage
@@ -403,18 +404,6 @@ def check(config: KVTierConfig) -> list[tuple[str, str]]:
         except ConfigError as exc:
             problems.append((name, str(exc)))
     return problems
-
-
-def is_loopback_host(host: str) -> bool:
-    """Whether ``host`` (a URL's host name) is this host: ``localhost``, all of 127.0.0.0/8, ``::1``."""
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def advice(config: KVTierConfig) -> list[tuple[str, str]]:
