@@ -21,6 +21,7 @@ from kvtier.bench.workload import (
     TokenSpace,
     Workload,
     WorkloadError,
+    check_at_least,
 )
 
 MAX_WAIT_S = 3600.0
@@ -35,11 +36,9 @@ def check_multi_round(*, num_sessions: int, num_rounds: int, system_len: int, qu
     Raises:
         WorkloadError: a knob is out of range.
     """
-    for name, value, low in (("--num-sessions", num_sessions, 1), ("--num-rounds", num_rounds, 1),
-                             ("--system-len", system_len, 0), ("--question-len", question_len, 1),
-                             ("--answer-len", answer_len, 1)):
-        if value < low:
-            raise WorkloadError(f"{name} {value} must be at least {low}")
+    check_at_least((("--num-sessions", num_sessions, 1), ("--num-rounds", num_rounds, 1),
+                    ("--system-len", system_len, 0), ("--question-len", question_len, 1),
+                    ("--answer-len", answer_len, 1)))
     if not (0 <= think_time_s <= MAX_WAIT_S and 0 <= session_interval_s <= MAX_WAIT_S):  # nan fails too
         raise WorkloadError(f"--think-time and --session-interval are seconds and must be from 0 to {MAX_WAIT_S:,.0f} "
                             f"(an hour), got {think_time_s} and {session_interval_s}")

@@ -23,6 +23,7 @@ from kvtier.bench.workload import (
     TokenSpace,
     Workload,
     WorkloadError,
+    check_at_least,
 )
 
 DEFAULT_PREFIX_LEN = 256
@@ -44,11 +45,9 @@ def check_prefix_repetition(*, num_requests: int, prefix_len: int, suffix_len: i
     Raises:
         WorkloadError: a knob is out of range.
     """
-    for name, value, low in (("--num-requests", num_requests, 1), ("--prefix-len", prefix_len, 0),
-                             ("--suffix-len", suffix_len, 0), ("--num-prefixes", num_prefixes, 1),
-                             ("--output-len", output_len, 1)):
-        if value < low:
-            raise WorkloadError(f"{name} {value} must be at least {low}")
+    check_at_least((("--num-requests", num_requests, 1), ("--prefix-len", prefix_len, 0),
+                    ("--suffix-len", suffix_len, 0), ("--num-prefixes", num_prefixes, 1),
+                    ("--output-len", output_len, 1)))
     if prefix_len + suffix_len == 0:
         raise WorkloadError("--prefix-len and --suffix-len are both 0; give the prompt at least one token")
     if request_rate is not None and not MIN_REQUEST_RATE <= request_rate <= MAX_REQUEST_RATE:  # nan fails both

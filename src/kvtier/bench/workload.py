@@ -140,3 +140,14 @@ def vocab_token_space(seed: int, vocab_size: int) -> TokenSpace:
 
 class WorkloadError(ValueError):
     """A workload cannot be built from the given input; the message names the input and the fix."""
+
+
+def check_at_least(knobs: tuple[tuple[str, int, int], ...]) -> None:
+    """Each ``(option, value, least)`` must have ``value >= least``.
+
+    Raises:
+        WorkloadError: the first that does not, naming the option.
+    """
+    for name, value, low in knobs:
+        if value < low:
+            raise WorkloadError(f"{name} {value} must be at least {low}")
