@@ -111,6 +111,17 @@ def test_a_tiny_vocab_size_is_one_error_line(server):
     assert "vocabulary size 2 is too small" in line and "--vocab-size" in line
 
 
+@pytest.mark.parametrize("command", ["run", "compare"])
+def test_a_negative_seed_is_one_error_line_before_any_server(command, tmp_path):
+    """--seed -1 ended in TokenSpace's ValueError traceback (tester4); it is refused with the other
+    workload knobs, before `run` probes --url and before `compare` starts a server."""
+    target = ["--url", "http://127.0.0.1:9"] if command == "run" else ["--model", "Qwen/Qwen3-0.6B",
+                                                                       "--out", str(tmp_path / "out")]
+    line = error_line(subprocess.run([sys.executable, "-m", "kvtier.cli.main", "bench", command, *target, *WORKLOAD,
+                                      "--seed", "-1"], capture_output=True, text=True, timeout=60, check=False))
+    assert line == "error: --seed -1 is negative; give a seed >= 0"
+
+
 @pytest.mark.parametrize("server", [["--reject-first", "1000", "--reject-in-stream"]], indirect=True)
 def test_an_error_chunk_in_the_stream_is_the_reason(server):
     _, url = server

@@ -94,6 +94,12 @@ def _trace_window(knobs: WorkloadKnobs) -> tuple[list[TraceRecord], tuple[str, .
                    "(those sharing more than the first block with another request of the window)"),)
 
 
+def _check_seed(seed: int) -> None:
+    """Refuse a negative ``--seed`` (WorkloadError): TokenSpace's own ValueError reached the user as a traceback."""
+    if seed < 0:
+        raise WorkloadError(f"--seed {seed} is negative; give a seed >= 0")
+
+
 def check_knobs(knobs: WorkloadKnobs, closed_loop: bool) -> None:
     """Check every knob that does not depend on the server (its vocabulary and max model len), so a
     command can refuse a bad one before it reaches any server: the kind, each workload's ranges, and
@@ -102,6 +108,7 @@ def check_knobs(knobs: WorkloadKnobs, closed_loop: bool) -> None:
     Raises:
         WorkloadError: the same sentence :func:`build_workload` would give.
     """
+    _check_seed(knobs.seed)
     if knobs.kind == "trace":
         check_trace_knobs(tokens_per_block=knobs.tokens_per_block, time_scale=_time_scale(knobs, closed_loop),
                           max_prompt_tokens=knobs.max_prompt_tokens, max_output_tokens=knobs.max_output_tokens)
@@ -125,6 +132,7 @@ def build_workload(knobs: WorkloadKnobs, vocab_size: int, max_model_len: int | N
     Raises:
         WorkloadError: unknown kind, a knob out of range, or a prompt that cannot fit the model.
     """
+    _check_seed(knobs.seed)
     tokens = vocab_token_space(knobs.seed, vocab_size)
     if knobs.kind == "trace":
         cap = knobs.max_prompt_tokens
