@@ -45,7 +45,7 @@ def register(app: typer.Typer) -> None:
     def simulate(
         trace: Path = typer.Option(..., "--trace", help="Request trace (.jsonl or .jsonl.gz)."),
         fmt: str = typer.Option("mooncake", "--format", help="Trace format: mooncake or kvtier-jsonl."),
-        model: Path | None = typer.Option(None, "--model", help="HF config.json giving the KV geometry."),
+        model: Path | None = typer.Option(None, "--model", help="HF config.json giving the KV geometry, or the model directory holding it."),
         kv_bytes_per_token: int | None = typer.Option(
             None, "--kv-bytes-per-token", help="KV bytes per token, all layers (instead of --model)."),
         tokens_per_block: int | None = typer.Option(
