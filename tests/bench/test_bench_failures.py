@@ -94,6 +94,9 @@ def test_vocab_size_below_1_is_refused(value):
     (["--workload", "trace", "--trace", "/nonexistent/t.jsonl"], "trace file /nonexistent/t.jsonl does not exist"),
     (["--workload", "trace", "--returning-only", "--limit", "1"], "no conversation of the trace window"),
     (["--vocab-size", "2"], "vocabulary size 2 is too small"),
+    # the default workload is trace: these ran 200 trace requests and ignored both (tester4)
+    (["--num-requests", "60", "--prefix-len", "512"], ("--num-requests, --prefix-len are options of the "
+     "prefix-repetition workload, not of trace, and would be ignored; add --workload prefix-repetition or drop them")),
 ])
 def test_a_bad_workload_option_is_refused_before_the_server_is_reached(args, said):
     """With no server on --url, a bad workload option was reported as "cannot reach" (clifix2): the
