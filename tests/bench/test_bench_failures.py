@@ -123,6 +123,7 @@ def test_a_negative_seed_is_one_error_line_before_any_server(command, tmp_path):
     line = error_line(subprocess.run([sys.executable, "-m", "kvtier.cli.main", "bench", command, *target, *WORKLOAD,
                                       "--seed", "-1"], capture_output=True, text=True, timeout=60, check=False))
     assert line == "error: --seed -1 is negative; give a seed >= 0"
+    assert not (tmp_path / "out").exists()  # compare made its report directory first, and left it empty
 
 
 @pytest.mark.parametrize("server", [["--reject-first", "1000", "--reject-in-stream"]], indirect=True)
