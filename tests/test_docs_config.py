@@ -135,3 +135,29 @@ def test_shared_tier_docs_say_whether_the_connector_reads_redis():
     promises_hits = "a prompt prefilled on :8001 is a hit on :8002" in shared_doc
     assert (promises_hits and not says_not_yet) == reads_shared, \
         "update docs/shared-tier.md and docs/vllm.md: whether the connector reads Redis"
+
+
+@pytest.mark.parametrize("path", [ROOT / "README.md", ROOT / "docs" / "quickstart.md", *DOCS, ROOT / "docs" / "s3.md"],
+                         ids=lambda p: p.name)
+def test_every_kvtier_serve_line_passes_the_audit_of_its_shutdown(path: Path):
+    """`kvtier audit` on the docs' own serve lines: README's and vllm.md's disk-tier lines and the quick
+    start's drew kvtier-worker-shutdown-timeout-short (vLLM SIGTERMs a worker after 5 s, while kvtier's
+    flush may take 30) (tester4).  A ``"$CONFIG"`` is read from the same document's ``CONFIG='...'``."""
+    from kvtier.audit.engine import audit
+    from kvtier.audit.loader import load_configs
+    from kvtier.audit.versions import parse_version
+
+    text = path.read_text()
+    assigned = dict(re.findall(r"^(\w+)='(\{.*?\})'$", text, flags=re.DOTALL | re.MULTILINE))
+    serve = [c for c in shell_commands(path)
+             if re.search(r"vllm serve|vllm\.entrypoints\.openai\.api_server", c) and "--kv-transfer-config" in c]
+    audited = 0
+    for command in serve:
+        for name, value in assigned.items():
+            command = command.replace(f'"${name}"', shlex.quote(" ".join(value.split())))
+        findings = audit(load_configs(command, path.name, parse_version("0.32.0")))
+        if any(f.rule == "kv-transfer-config-invalid" for f in findings):  # an elided config ("...")
+            continue
+        audited += 1
+        assert [f.message for f in findings if f.rule == "kvtier-worker-shutdown-timeout-short"] == [], command
+    assert audited >= 1, f"no serve line of {path.name} could be audited"

@@ -94,6 +94,9 @@ def test_vocab_size_below_1_is_refused(value):
     (["--workload", "trace", "--trace", "/nonexistent/t.jsonl"], "trace file /nonexistent/t.jsonl does not exist"),
     (["--workload", "trace", "--returning-only", "--limit", "1"], "no conversation of the trace window"),
     (["--vocab-size", "2"], "vocabulary size 2 is too small"),
+    # the default workload is trace: these ran 200 trace requests and ignored both (tester4)
+    (["--num-requests", "60", "--prefix-len", "512"], ("--num-requests, --prefix-len are options of the "
+     "prefix-repetition workload, not of trace, and would be ignored; add --workload prefix-repetition or drop them")),
 ])
 def test_a_bad_workload_option_is_refused_before_the_server_is_reached(args, said):
     """With no server on --url, a bad workload option was reported as "cannot reach" (clifix2): the
@@ -109,6 +112,18 @@ def test_a_tiny_vocab_size_is_one_error_line(server):
     line = error_line(subprocess.run([sys.executable, "-m", "kvtier.cli.main", "bench", "run", "--url", url,
                                       "--vocab-size", "2"], capture_output=True, text=True, timeout=60, check=False))
     assert "vocabulary size 2 is too small" in line and "--vocab-size" in line
+
+
+@pytest.mark.parametrize("command", ["run", "compare"])
+def test_a_negative_seed_is_one_error_line_before_any_server(command, tmp_path):
+    """--seed -1 ended in TokenSpace's ValueError traceback (tester4); it is refused with the other
+    workload knobs, before `run` probes --url and before `compare` starts a server."""
+    target = ["--url", "http://127.0.0.1:9"] if command == "run" else ["--model", "Qwen/Qwen3-0.6B",
+                                                                       "--out", str(tmp_path / "out")]
+    line = error_line(subprocess.run([sys.executable, "-m", "kvtier.cli.main", "bench", command, *target, *WORKLOAD,
+                                      "--seed", "-1"], capture_output=True, text=True, timeout=60, check=False))
+    assert line == "error: --seed -1 is negative; give a seed >= 0"
+    assert not (tmp_path / "out").exists()  # compare made its report directory first, and left it empty
 
 
 @pytest.mark.parametrize("server", [["--reject-first", "1000", "--reject-in-stream"]], indirect=True)

@@ -1,10 +1,11 @@
 """prefix-repetition and multi-round: sharing structure and determinism."""
 
 import itertools
+import re
 
 import pytest
 
-from kvtier.bench.factory import WorkloadKnobs, build_workload
+from kvtier.bench.factory import WorkloadKnobs, build_workload, check_knobs
 from kvtier.bench.multi_round import multi_round_workload
 from kvtier.bench.prefix_repetition import prefix_repetition_workload
 from kvtier.bench.workload import TokenSpace, WorkloadError
@@ -119,3 +120,21 @@ def test_demo_workload_is_the_documented_one():
     assert [r.shared_prefix_tokens for r in w.requests] == [0] * 3 + [DEMO_PROMPT_TOKENS] * 6
     assert DEMO_PROMPT_TOKENS + DEMO_KNOBS.output_len <= DEMO_MAX_MODEL_LEN <= DEMO_CACHE_TOKENS
     assert 2 * DEMO_PROMPT_TOKENS > DEMO_CACHE_TOKENS
+
+
+@pytest.mark.parametrize("knobs, message", [
+    (WorkloadKnobs(kind="trace", num_requests=60), ("--num-requests is an option of the prefix-repetition workload, "
+     "not of trace, and would be ignored; add --workload prefix-repetition or drop it")),
+    (WorkloadKnobs(kind="multi-round", request_rate=5.0, shuffle=True), ("--request-rate, --shuffle are options of the "
+     "prefix-repetition workload, not of multi-round")),
+    (WorkloadKnobs(kind="prefix-repetition", limit=5), "--limit is an option of the trace workload"),
+    (WorkloadKnobs(kind="trace", think_time_s=3.0), "--think-time is an option of the multi-round workload"),
+])
+def test_an_option_of_another_workload_is_refused_not_ignored(knobs, message):
+    """A knob of another workload was ignored without a word (tester4); its default value is fine."""
+    with pytest.raises(WorkloadError, match=re.escape(message)):
+        check_knobs(knobs, closed_loop=True)
+    with pytest.raises(WorkloadError, match=re.escape(message)):  # bench compare builds before any server
+        build_workload(knobs, vocab_size=2048, max_model_len=4096, closed_loop=True)
+    for kind in ("trace", "prefix-repetition", "multi-round"):
+        check_knobs(WorkloadKnobs(kind=kind), closed_loop=True)

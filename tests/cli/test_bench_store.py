@@ -47,6 +47,10 @@ import pytest
     (["--threads", "two"], "--threads"),
     (["--disk-io", "mmap"], "--disk-io"),
     (["--buffered-reads", "mmap"], "--buffered-reads"),
+    # measured the cpu and disk tiers only, exit 0, the s3 / redis option ignored (tester4)
+    (["--s3-endpoint-url", "https://minio:9000"], "--s3-endpoint-url needs --s3-bucket BUCKET to measure the s3 tier"),
+    (["--s3-region", "eu-west-1", "--s3-in-flight", "4"], "--s3-region, --s3-in-flight need --s3-bucket BUCKET"),
+    (["--redis-cluster"], "--redis-cluster needs --redis-url"),
 ])
 def test_bench_store_bad_input_is_one_line_error(args, needle):
     result = CliRunner().invoke(app, ["bench-store", *args])

@@ -125,3 +125,18 @@ def test_a_file_whose_header_cannot_be_checked_is_kept_and_named_exit_1(disk_dir
     report = json.loads(result.output)
     assert any(victim.name in p and "unsupported chunk format" in p for r in report["namespaces"] for p in r["problems"])
     assert victim.exists()  # a purge by tenant never removes what it cannot attribute
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--redis-cluster", "--redis-key-prefix", "kv:"], "--redis-cluster, --redis-key-prefix need --redis-url URL"),
+    (["--redis-ttl-s", "3600"], "--redis-ttl-s needs --redis-url URL"),
+    (["--s3-allow-http"], "--s3-allow-http and --s3-credentials-file need --s3-bucket BUCKET"),
+])
+def test_a_shared_tier_option_without_its_target_is_refused_and_nothing_removed(disk_dir, options, message):
+    """--redis-* without --redis-url (and --s3-allow-http without --s3-bucket) were ignored: the purge
+    went on with the disk tier alone, as if the shared tier had been purged too (tester4)."""
+    before = sorted(disk_dir.glob("*/*/*.kvc"))
+    result = invoke("--disk-path", str(disk_dir), "--all", *options)
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert sorted(disk_dir.glob("*/*/*.kvc")) == before and before

@@ -74,6 +74,8 @@ def test_yaml(tmp_path):
     ({"redis_url": "rediss://127.0.0.1:0/0"}, "port must be a number"),
     ({"redis_url": "redis://127.0.0.1:6379/abc"}, "database 'abc' must be a number"),
     ({"redis_url": "redis://"}, "redis_url names no host"),
+    # accepted before (tester4): a stop that could last 30,000 years, and grace periods sized from it
+    ({"shutdown_flush_s": 1e12}, "'shutdown_flush_s': Input should be less than or equal to 3600 (got 1000000000000.0)"),
 ])
 def test_bad_values_fail_with_one_sentence(values, needle):
     with pytest.raises(ConfigError) as info:

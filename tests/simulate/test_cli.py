@@ -132,6 +132,18 @@ def test_bad_cpu_pct_speaks_percent(trace_file, value, message):
     assert "GiB" not in result.output and len(result.output.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("option, message", [
+    ("--cpu-gib", "--cpu-gib must be comma-separated GiB numbers such as 64,128,256; '' is not a number"),
+    ("--cpu-pct", "--cpu-pct must be comma-separated percentages such as 1,5,10,100; '' is not a number"),
+])
+def test_empty_capacity_list_names_its_own_option(trace_file, option, message):
+    """An empty --cpu-gib '' was reported as a bad --cpu-pct, an option the user never gave (tester4)."""
+    result = run("--trace", str(trace_file), "--kv-bytes-per-token", str(KV_PER_TOKEN), "--engine-gib", "1",
+                 option, "")
+    assert result.exit_code == 2
+    assert result.output.strip() == f"error: {message}"
+
+
 def test_malformed_trace_line_and_missing_model(tmp_path, trace_file):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(trace_file.read_text() + "{broken\n")

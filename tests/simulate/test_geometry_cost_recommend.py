@@ -43,6 +43,17 @@ def test_geometry_errors(tmp_path):
     assert kv_bytes_per_token_from_file(tmp_path / "good.json") == 131_072
 
 
+def test_a_model_directory_is_read_through_its_config_json(tmp_path):
+    """simulate --model DIR said "cannot read model config DIR ([Errno 21] Is a directory ...)" with no
+    fix, where kvtier size --model reads the same directory (tester4)."""
+    (tmp_path / "model").mkdir()
+    with pytest.raises(GeometryError, match=r"model directory .*model holds no config.json; pass a model "
+                                            r"directory or its config.json to --model"):
+        kv_bytes_per_token_from_file(tmp_path / "model")
+    (tmp_path / "model" / "config.json").write_text(json.dumps(LLAMA_8B))
+    assert kv_bytes_per_token_from_file(tmp_path / "model") == 131_072
+
+
 @pytest.mark.parametrize("change, message", [
     ({"num_key_value_heads": 64}, "num_attention_heads 32 not divisible by num_key_value_heads 64"),
     ({"num_key_value_heads": 5}, "num_attention_heads 32 not divisible by num_key_value_heads 5"),

@@ -77,3 +77,14 @@ def test_stats_command_and_bad_parameters(tmp_path):
         generate("cycle", make_params("cycle", {"prompt_tokens": "1000000", "prompts": "10"}), 10_000, 0, 16)
     result = CliRunner().invoke(app, ["trace", "stats", "--trace", str(path), "--tokens-per-block", "0"])
     assert result.exit_code == 2 and "--tokens-per-block must be a positive integer, got 0" in result.output
+
+
+@pytest.mark.parametrize("regime", sorted(REGIMES))
+def test_rate_per_s_below_one_per_30_days_is_refused(regime):
+    """--set rate_per_s=1e-300 was accepted and wrote timestamps of about 300 digits (tester4); the
+    slowest rate accepted, one per 30 days, still generates."""
+    with pytest.raises(SynthError, match=f"rate_per_s of regime {regime} must be at least 3.9e-07 "
+                                         r"\(one per 30 days\) and at most 100,000, got 1e-300"):
+        make_params(regime, {"rate_per_s": "1e-300"})
+    slowest = make_params(regime, {"rate_per_s": str(1 / (30 * 86_400))})
+    assert len(generate(regime, slowest, 3, 0, 512)) == 3

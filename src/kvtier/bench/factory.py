@@ -94,14 +94,52 @@ def _trace_window(knobs: WorkloadKnobs) -> tuple[list[TraceRecord], tuple[str, .
                    "(those sharing more than the first block with another request of the window)"),)
 
 
+def _check_seed(seed: int) -> None:
+    """Refuse a negative ``--seed`` (WorkloadError): TokenSpace's own ValueError reached the user as a traceback."""
+    if seed < 0:
+        raise WorkloadError(f"--seed {seed} is negative; give a seed >= 0")
+
+
+_OWN_KNOBS = {
+    "trace": {"trace_path": "--trace", "start": "--start", "limit": "--limit", "tokens_per_block": "--tokens-per-block",
+              "time_scale": "--time-scale", "max_prompt_tokens": "--max-prompt-tokens",
+              "max_output_tokens": "--max-output-tokens", "returning_only": "--returning-only"},
+    "prefix-repetition": {"num_requests": "--num-requests", "prefix_len": "--prefix-len", "suffix_len": "--suffix-len",
+                          "num_prefixes": "--num-prefixes", "output_len": "--output-len",
+                          "request_rate": "--request-rate", "shuffle": "--shuffle"},
+    "multi-round": {"num_sessions": "--num-sessions", "num_rounds": "--num-rounds", "system_len": "--system-len",
+                    "question_len": "--question-len", "answer_len": "--answer-len", "think_time_s": "--think-time",
+                    "session_interval_s": "--session-interval"},
+}
+"""The knobs each workload reads, with the option that sets each (the rest of WorkloadKnobs is common)."""
+
+
+def _check_foreign_knobs(knobs: WorkloadKnobs) -> None:
+    """Refuse (WorkloadError) a knob of another workload set away from its default: it would be
+    ignored silently (`bench run --num-requests 60` without --workload replayed 200 trace requests)."""
+    defaults = WorkloadKnobs()
+    for kind, own in _OWN_KNOBS.items():
+        if kind == knobs.kind:
+            continue
+        given = [flag for field, flag in own.items() if getattr(knobs, field) != getattr(defaults, field)]
+        if given:
+            raise WorkloadError(f"{', '.join(given)} {'is an option' if len(given) == 1 else 'are options'} of the "
+                                f"{kind} workload, not of {knobs.kind}, and would be ignored; add --workload {kind} "
+                                f"or drop {'it' if len(given) == 1 else 'them'}")
+
+
 def check_knobs(knobs: WorkloadKnobs, closed_loop: bool) -> None:
     """Check every knob that does not depend on the server (its vocabulary and max model len), so a
     command can refuse a bad one before it reaches any server: the kind, each workload's ranges, and
     for a trace that its window can be read and is not empty.
 
     Raises:
-        WorkloadError: the same sentence :func:`build_workload` would give.
+        WorkloadError: the same sentence :func:`build_workload` would give, or a knob of another
+            workload than ``knobs.kind`` set away from its default (it would be ignored).
     """
+    _check_seed(knobs.seed)
+    if knobs.kind in _OWN_KNOBS:
+        _check_foreign_knobs(knobs)
     if knobs.kind == "trace":
         check_trace_knobs(tokens_per_block=knobs.tokens_per_block, time_scale=_time_scale(knobs, closed_loop),
                           max_prompt_tokens=knobs.max_prompt_tokens, max_output_tokens=knobs.max_output_tokens)
@@ -123,8 +161,12 @@ def build_workload(knobs: WorkloadKnobs, vocab_size: int, max_model_len: int | N
     """The workload ``knobs.kind``, fitted to ``max_model_len`` (``None``: unknown, no fitting).
 
     Raises:
-        WorkloadError: unknown kind, a knob out of range, or a prompt that cannot fit the model.
+        WorkloadError: unknown kind, a knob out of range or of another workload, or a prompt that
+            cannot fit the model.
     """
+    _check_seed(knobs.seed)
+    if knobs.kind in _OWN_KNOBS:
+        _check_foreign_knobs(knobs)
     tokens = vocab_token_space(knobs.seed, vocab_size)
     if knobs.kind == "trace":
         cap = knobs.max_prompt_tokens

@@ -321,9 +321,6 @@ def compare_command(
         if (why := shared_tier_conflict(name, extra)) is not None:
             fail(why)
     _check_tier_memory(names, extra, replicas, memory_fraction)
-    out = out or Path(".kvtier/bench") / time.strftime("compare-%Y%m%d-%H%M%S")
-    check_output_path(json_path, "--json")  # before any server starts: a bad path fails in one line, not after minutes
-    make_output_dir(out, "--out")
     knobs = _knobs(kind=workload, seed=seed, trace_path=trace, start=start, limit=limit,
                    tokens_per_block=tokens_per_block, time_scale=time_scale, max_prompt_tokens=max_prompt_tokens,
                    max_output_tokens=max_output_tokens, returning_only=returning_only, num_requests=num_requests, prefix_len=prefix_len,
@@ -331,6 +328,10 @@ def compare_command(
                    request_rate=request_rate, shuffle=shuffle, num_sessions=num_sessions, num_rounds=num_rounds,
                    system_len=system_len, question_len=question_len, answer_len=answer_len,
                    think_time_s=think_time, session_interval_s=session_interval)
+    _check_offline(knobs, max_concurrency is not None, vocab_size)  # a bad workload option leaves no empty --out
+    out = out or Path(".kvtier/bench") / time.strftime("compare-%Y%m%d-%H%M%S")
+    check_output_path(json_path, "--json")  # before any server starts: a bad path fails in one line, not after minutes
+    make_output_dir(out, "--out")
     _check_local_model(model)
     built, vocab = _build(knobs, vocab_size, model, max_model_len, max_concurrency is not None)
     spec = ServerSpec(model=model, max_model_len=max_model_len, cache_tokens=engine_cache_tokens,

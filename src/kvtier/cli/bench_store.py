@@ -93,6 +93,18 @@ def bench_store(
         fail("--redis-only needs --redis-url, e.g. --redis-url redis://127.0.0.1:6379/0")
     if s3_only and not s3_bucket:
         fail("--s3-only needs --s3-bucket, e.g. --s3-bucket kvcache --s3-endpoint-url https://minio:9000")
+    # an option of a tier that is not measured would be ignored, the run reporting the other tiers alone
+    s3_given = [flag for flag, given in (("--s3-endpoint-url", s3_endpoint_url is not None),
+                                         ("--s3-region", s3_region != "us-east-1"), ("--s3-allow-http", s3_allow_http),
+                                         ("--s3-credentials-file", s3_credentials_file is not None),
+                                         ("--s3-in-flight", s3_in_flight != "1,4,16"),
+                                         ("--s3-assume-conditional-put", s3_assume_conditional_put)) if given]
+    if s3_given and not s3_bucket:
+        fail(f"{', '.join(s3_given)} {'needs' if len(s3_given) == 1 else 'need'} --s3-bucket BUCKET to measure the "
+             "s3 tier; add it, or drop them to measure the other tiers only")
+    if redis_cluster and not redis_url:
+        fail("--redis-cluster needs --redis-url (a seed node of the Cluster) to measure the redis tier; add it, or "
+             "drop --redis-cluster to measure the other tiers only")
     try:
         in_flights = [int(t) for t in s3_in_flight.split(",") if t.strip()]
     except ValueError:

@@ -82,9 +82,20 @@ def purge_command(
 ) -> None:
     from kvtier.core.purge import PurgeFailed, PurgeSelector, parse_duration, parse_namespace, purge
 
-    if s3_bucket is None and (s3_endpoint_url or s3_key_prefix is not None or s3_credentials_file or s3_region):
-        fail("--s3-endpoint-url, --s3-region, --s3-key-prefix and --s3-credentials-file need --s3-bucket BUCKET "
-             "(the bucket the engines use).")
+    if s3_bucket is None and (s3_endpoint_url or s3_key_prefix is not None or s3_credentials_file or s3_region
+                              or s3_allow_http):
+        fail("--s3-endpoint-url, --s3-region, --s3-key-prefix, --s3-allow-http and --s3-credentials-file need "
+             "--s3-bucket BUCKET (the bucket the engines use).")
+    redis_given = [flag for flag, value in (("--redis-cluster", redis_cluster or None),
+                                            ("--redis-password-env", redis_password_env),
+                                            ("--redis-password-file", redis_password_file),
+                                            ("--redis-tls-ca-file", redis_tls_ca_file),
+                                            ("--redis-key-prefix", redis_key_prefix),
+                                            ("--redis-ttl-s", redis_ttl_s)) if value is not None]
+    if redis_url is None and redis_given:  # they were ignored: only the disk tier (if any) was purged
+        fail(f"{', '.join(redis_given)} {'needs' if len(redis_given) == 1 else 'need'} --redis-url URL (the Redis/"
+             f"Valkey server the engines use); add it, or drop {'it' if len(redis_given) == 1 else 'them'} to purge only the "
+             "other targets.")
     if disk_path is None and redis_url is None and s3_bucket is None:
         fail("give a target to purge: --disk-path DIR (the disk tier's directory), --redis-url URL and/or "
              "--s3-bucket BUCKET.")

@@ -45,7 +45,7 @@ def register(app: typer.Typer) -> None:
     def simulate(
         trace: Path = typer.Option(..., "--trace", help="Request trace (.jsonl or .jsonl.gz)."),
         fmt: str = typer.Option("mooncake", "--format", help="Trace format: mooncake or kvtier-jsonl."),
-        model: Path | None = typer.Option(None, "--model", help="HF config.json giving the KV geometry."),
+        model: Path | None = typer.Option(None, "--model", help="HF config.json giving the KV geometry, or the model directory holding it."),
         kv_bytes_per_token: int | None = typer.Option(
             None, "--kv-bytes-per-token", help="KV bytes per token, all layers (instead of --model)."),
         tokens_per_block: int | None = typer.Option(
@@ -119,7 +119,9 @@ def register(app: typer.Typer) -> None:
             fail(f"--workers must be >= 0, got {workers}")
         if (cpu_gib is None) == (cpu_pct is None):
             fail("pass exactly one of --cpu-gib (GiB) or --cpu-pct (% of the trace's distinct chunks)")
-        gibs = parse_gib_list(cpu_gib or cpu_pct or "", "--cpu-gib" if cpu_gib else "--cpu-pct")
+        # `is not None`, not truthiness: an empty --cpu-gib '' is --cpu-gib's mistake, not --cpu-pct's
+        gibs = parse_gib_list(cpu_gib if cpu_gib is not None else cpu_pct or "",
+                              "--cpu-gib" if cpu_gib is not None else "--cpu-pct")
         check_output_path(json_path, "--json")
         check_output_path(plot_path, "--plot")
         policies = tuple(p.strip() for p in policy.split(",") if p.strip())

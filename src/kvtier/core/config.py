@@ -116,8 +116,9 @@ class KVTierConfig(BaseSettings):
         "this is how engines sharing a directory see each other's chunks; 0 = never; unset = 2 in a vLLM engine, "
         "never for a store used on its own."))
     disk_fsync: bool = Field(False, description="fsync each chunk file before it becomes visible (durable across power loss).")
-    shutdown_flush_s: float = Field(30.0, ge=0, allow_inf_nan=False,
-                                    description="On a graceful stop, seconds allowed to write dirty DRAM chunks to disk.")
+    shutdown_flush_s: float = Field(30.0, ge=0, le=3600, allow_inf_nan=False, description=(
+        "On a graceful stop, seconds allowed to write dirty DRAM chunks to disk; at most an hour (a stop "
+        "must end: the grace periods of docs/deploy.md are sized from it)."))
     pin_max_share: float = Field(0.25, ge=0, le=0.9, allow_inf_nan=False, description=(
         "Largest share of the cpu tier's pages that requests may pin with a TTL (kv_transfer_params "
         "kvtier_pin_s); a pin past it is refused and counted; 0 turns pins off."))

@@ -76,11 +76,17 @@ def kv_bytes_per_token(config: dict[str, Any], kv_dtype: str | None = None) -> i
 
 
 def kv_bytes_per_token_from_file(path: str | Path) -> int:
-    """:func:`kv_bytes_per_token` of a ``config.json`` file.
+    """:func:`kv_bytes_per_token` of a ``config.json`` file, or of the one in model directory ``path``
+    (as ``kvtier size --model`` reads a directory).
 
     Raises:
-        GeometryError: unreadable file, not JSON, or a field missing.
+        GeometryError: unreadable file, a directory without config.json, not JSON, or a field missing.
     """
+    if Path(path).is_dir():
+        if not (Path(path) / "config.json").is_file():
+            raise GeometryError(f"model directory {path} holds no config.json; pass a model directory or its "
+                                "config.json to --model")
+        path = Path(path) / "config.json"
     try:
         config = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:

@@ -13,7 +13,9 @@ Policy names are those of :func:`kvtier.core.policies.make_policy` (``default`` 
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.pool
 import os
+import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -153,6 +155,19 @@ def pool_size(workers: int, runs: int) -> int:
     return max(1, min(workers or os.cpu_count() or 1, runs))
 
 
+def _ignore_sigint() -> None:
+    """Pool initializer: the worker ignores SIGINT.  Ctrl-C reaches the whole foreground process
+    group, and every worker's KeyboardInterrupt printed ``Process ForkPoolWorker-N:`` under the
+    command's own exit; the parent alone takes it, and leaving its ``with`` block terminates the pool."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def fork_pool(workers: int) -> multiprocessing.pool.Pool:
+    """A pool of ``workers`` forked processes (they share the parent's module globals, as the
+    replays need) that leave Ctrl-C to the parent."""
+    return multiprocessing.get_context("fork").Pool(workers, initializer=_ignore_sigint)
+
+
 def run_sweep(trace: Trace, spec: SweepSpec, workers: int = 0) -> SweepResult:
     """Replay ``trace`` for every (policy, cpu capacity) of ``spec``.
 
@@ -182,7 +197,7 @@ def run_sweep(trace: Trace, spec: SweepSpec, workers: int = 0) -> SweepResult:
     order = sorted(range(len(jobs)), key=lambda i: (_COST_RANK.get(jobs[i][0], 3), -jobs[i][1]))
     workers = pool_size(workers, len(jobs))
     if workers > 1 and "fork" in multiprocessing.get_all_start_methods():
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
+        with fork_pool(workers) as pool:
             done = pool.map(_run, [jobs[i] for i in order], chunksize=1)
     else:
         done = [_run(jobs[i]) for i in order]

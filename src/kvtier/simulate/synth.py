@@ -276,11 +276,17 @@ def make_params(regime: str, overrides: dict[str, str]) -> Any:
             ok, rule = 0 <= value <= 1, "between 0 and 1"
         elif name == "mean_turns":
             ok, rule = 2 <= value <= high, f"at least 2 and at most {most}"
+        elif name == "rate_per_s":  # a mean gap past the longest think time wrote timestamps of 300 digits
+            ok, rule = MIN_RATE_PER_S <= value <= high, f"at least {MIN_RATE_PER_S:.2g} (one per 30 days) and at most {most}"
         else:
             ok, rule = 0 < value <= high, f"positive and at most {most}"
         if not ok:  # NaN fails every comparison, infinity the upper bound
             raise SynthError(f"parameter {name} of regime {regime} must be {rule}, got {value}")
     return params
+
+
+MIN_RATE_PER_S = 1 / (30 * 86_400.0)
+"""Slowest arrival rate a regime accepts, per second: one per 30 days, the bound of think and tool times."""
 
 
 def _maximum(name: str) -> float:

@@ -1,0 +1,57 @@
+"""Ctrl-C during `kvtier simulate`: the command ends as interrupted and says nothing from its pool workers."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from kvtier.simulate.sweep import fork_pool
+from kvtier.simulate.synth import generate, make_params
+from kvtier.tools.mooncake import write_records
+
+
+def _children(pid: int) -> list[str]:
+    """Process ids of ``pid``'s children (Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return f.read().split()
+    except FileNotFoundError:  # the process is gone: the loop's poll() says so
+        return []
+
+
+def test_ctrl_c_in_a_parallel_sweep_prints_nothing_from_the_workers(tmp_path):
+    """Ctrl-C reaches the whole foreground process group; each pool worker's KeyboardInterrupt printed
+    `Process ForkPoolWorker-N:` on stderr under the command's exit (tester4)."""
+    trace = tmp_path / "chat.jsonl"
+    write_records(trace, generate("chat", make_params("chat", {}), 20_000, 0))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvtier.cli.main", "simulate", "--trace", str(trace), "--kv-bytes-per-token",
+         "2048", "--engine-gib", "0.01", "--cpu-gib", "0.5,1,2,4", "--policy", "lru,belady", "--workers", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(_children(proc.pid)) < 2:  # the pool's workers are replaying
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode in (130, -signal.SIGINT)  # Python may end by re-raising SIGINT (an uncaught KeyboardInterrupt)
+    assert "ForkPoolWorker" not in err and "Traceback" not in err, err
+
+
+def _sigint_disposition(_: int) -> object:
+    return signal.getsignal(signal.SIGINT)
+
+
+def test_the_replay_pool_workers_leave_sigint_to_the_parent():
+    """The pool the sweep and --recommend replay in: every worker ignores SIGINT (the parent takes
+    Ctrl-C and terminates them), whatever the parent's own handler."""
+    with fork_pool(2) as pool:
+        assert pool.map(_sigint_disposition, range(4), chunksize=1) == [signal.SIG_IGN] * 4
+    assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
