@@ -25,10 +25,14 @@ def test_ctrl_c_in_a_parallel_sweep_prints_nothing_from_the_workers(tmp_path):
     `Process ForkPoolWorker-N:` on stderr under the command's exit (tester4)."""
     trace = tmp_path / "chat.jsonl"
     write_records(trace, generate("chat", make_params("chat", {}), 20_000, 0))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvtier.cli.main", "simulate", "--trace", str(trace), "--kv-bytes-per-token",
-         "2048", "--engine-gib", "0.01", "--cpu-gib", "0.5,1,2,4", "--policy", "lru,belady", "--workers", "2"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    args = ["simulate", "--trace", str(trace), "--kv-bytes-per-token", "2048", "--engine-gib", "0.01",
+            "--cpu-gib", "0.5,1,2,4", "--policy", "lru,belady", "--workers", "2"]
+    # kvtier as a terminal's foreground command gets it: Ctrl-C raises KeyboardInterrupt. A test run in
+    # the background (nohup, `cmd &`) passes SIGINT on ignored, and Python would then never raise it.
+    as_foreground = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                     "sys.argv = ['kvtier'] + sys.argv[1:]; runpy.run_module('kvtier.cli.main', run_name='__main__')")
+    proc = subprocess.Popen([sys.executable, "-c", as_foreground, *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
         while len(_children(proc.pid)) < 2:  # the pool's workers are replaying
@@ -52,6 +56,10 @@ def _sigint_disposition(_: int) -> object:
 def test_the_replay_pool_workers_leave_sigint_to_the_parent():
     """The pool the sweep and --recommend replay in: every worker ignores SIGINT (the parent takes
     Ctrl-C and terminates them), whatever the parent's own handler."""
-    with fork_pool(2) as pool:
-        assert pool.map(_sigint_disposition, range(4), chunksize=1) == [signal.SIG_IGN] * 4
-    assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as an interactive run has it
+    try:
+        with fork_pool(2) as pool:
+            assert pool.map(_sigint_disposition, range(4), chunksize=1) == [signal.SIG_IGN] * 4
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the parent's own is untouched
+    finally:
+        signal.signal(signal.SIGINT, before)
