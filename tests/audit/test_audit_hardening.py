@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
+import threading
 
 import pytest
 from packaging.version import Version
 
 from kvtier.audit.loader import load_configs
 from kvtier.audit.versions import parse_version, version_from_image
+from kvtier.cli.audit import _read_input
+from kvtier.core.errors import UserError
 
 
 def kvtier(*args: str, stdin: str | bytes | None = None, close_stdin: bool = False) -> subprocess.CompletedProcess:
@@ -88,3 +92,28 @@ def test_vllm_version_accepts_pep440_build_strings(text):
     proc = kvtier("-", "--vllm-version", text, "--format", "json", stdin="vllm serve Qwen/Qwen3-8B\n")
     assert proc.returncode in (0, 1) and proc.stderr == b"", proc.stderr  # 0.22.0.dev0 predates the 0.22.0 floor
     assert "findings" in json.loads(proc.stdout)
+
+
+
+@pytest.mark.parametrize("kind", ["fifo", "chardev"])
+def test_non_regular_file_is_refused_before_reading(tmp_path, kind):
+    """A FIFO nobody writes to, or a device such as /proc/kmsg, blocks a read forever: refused up front."""
+    if kind == "fifo":
+        path = str(tmp_path / "serve.fifo")
+        os.mkfifo(path)
+    else:
+        path = "/dev/zero"
+        assert stat.S_ISCHR(os.stat(path).st_mode)
+    outcome: list[BaseException | tuple[str, str]] = []
+
+    def read() -> None:
+        try:
+            outcome.append(_read_input(path))
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            outcome.append(exc)
+
+    reader = threading.Thread(target=read, daemon=True)  # a blocked open() cannot be cancelled: let it die with us
+    reader.start()
+    reader.join(timeout=10)
+    assert outcome, f"reading {path} blocked"
+    assert isinstance(outcome[0], UserError) and "is not a regular file" in str(outcome[0]), outcome

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import stat
 import sys
 from pathlib import Path
 
@@ -27,14 +28,15 @@ Examples:
 
 
 MAX_INPUT_BYTES = 16 << 20
-"""Largest input read (bytes): serve scripts and manifests are KiB; this bounds /dev/zero and the like."""
+"""Largest input read (bytes): serve scripts and manifests are KiB; this bounds a regular file that is not one."""
 
 
 def _read_input(file: str) -> tuple[str, str]:
     """The text of ``file`` (``-``: stdin) and its name for messages.
 
     Raises:
-        UserError: closed stdin, unreadable file, input over MAX_INPUT_BYTES, or not UTF-8 text.
+        UserError: closed stdin, unreadable file, a path that is not a regular file (a FIFO or device
+            such as /proc/kmsg would block the read), input over MAX_INPUT_BYTES, or not UTF-8 text.
     """
     origin = "<stdin>" if file == "-" else file
     if file != "-":
@@ -48,6 +50,9 @@ def _read_input(file: str) -> tuple[str, str]:
                 raise UserError("stdin is closed; pass a FILE or pipe the configuration into `kvtier audit -`.")
             data = sys.stdin.buffer.read(MAX_INPUT_BYTES + 1)
         else:
+            if not stat.S_ISREG(Path(file).stat().st_mode):
+                raise UserError(f"{origin} is not a regular file (a FIFO, device or socket can block forever); "
+                                f"give a file, or pipe the text into `kvtier audit -`.")
             with open(file, "rb") as handle:
                 data = handle.read(MAX_INPUT_BYTES + 1)
     except UserError:
