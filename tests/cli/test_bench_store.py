@@ -47,6 +47,11 @@ import pytest
     (["--threads", "two"], "--threads"),
     (["--disk-io", "mmap"], "--disk-io"),
     (["--buffered-reads", "mmap"], "--buffered-reads"),
+    # the same size measured twice, 0.50 parsed as 0.5 (clifix3)
+    (["--sizes", "0.5,0.50", "--total-mib", "1", "--repeats", "1"],
+     "--sizes lists a chunk size twice (0.5,0.50); give each chunk size once"),
+    (["--sizes", "0.25", "--total-mib", "1", "--repeats", "1", "--threads", "1,2,1"],
+     "--threads lists a thread count twice (1,2,1); give each thread count once"),
     # measured the cpu and disk tiers only, exit 0, the s3 / redis option ignored (tester4)
     (["--s3-endpoint-url", "https://minio:9000"], "--s3-endpoint-url needs --s3-bucket BUCKET to measure the s3 tier"),
     (["--s3-region", "eu-west-1", "--s3-in-flight", "4"], "--s3-region, --s3-in-flight need --s3-bucket BUCKET"),

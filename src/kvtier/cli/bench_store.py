@@ -68,6 +68,8 @@ def bench_store(
     if not chunk_mibs or not all(math.isfinite(c) and MIN_CHUNK_MIB <= c <= MAX_CHUNK_MIB for c in chunk_mibs):
         fail(f"--sizes {sizes!r} must be a comma-separated list of chunk sizes in MiB between {MIN_CHUNK_MIB} "
              f"and {MAX_CHUNK_MIB}; e.g. --sizes 0.5,4,32")
+    if len(set(chunk_mibs)) != len(chunk_mibs):  # the wording of simulate's capacity lists
+        fail(f"--sizes lists a chunk size twice ({sizes}); give each chunk size once")
     if not math.isfinite(total_mib) or not max(chunk_mibs) <= total_mib <= MAX_TOTAL_MIB:
         fail(f"--total-mib {total_mib} must be at least the largest chunk size and at most {MAX_TOTAL_MIB}")
     try:
@@ -77,6 +79,8 @@ def bench_store(
     if not thread_counts or not all(1 <= t <= MAX_THREADS for t in thread_counts):
         fail(f"--threads {threads!r} must be a comma-separated list of thread counts from 1 to {MAX_THREADS}; "
              "e.g. --threads 1,2,4")
+    if len(set(thread_counts)) != len(thread_counts):
+        fail(f"--threads lists a thread count twice ({threads}); give each thread count once")
     modes = [m.strip() for m in disk_io.split(",") if m.strip()]
     if not modes or not all(m in ("buffered", "direct") for m in modes):
         fail(f"--disk-io {disk_io!r} must list buffered and/or direct, e.g. --disk-io buffered,direct")
