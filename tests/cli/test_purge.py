@@ -140,3 +140,21 @@ def test_a_shared_tier_option_without_its_target_is_refused_and_nothing_removed(
     assert result.exit_code == 2 and message in result.output, result.output
     assert len(result.output.strip().splitlines()) == 1
     assert sorted(disk_dir.glob("*/*/*.kvc")) == before and before
+
+
+def test_many_problems_print_the_first_few_and_one_count_line(disk_dir):
+    """One problem per chunk (a read-only disk tier: hundreds) printed the first few, then their count."""
+    files = sorted(disk_dir.glob("*/*/*.kvc"))
+    assert len(files) == 9
+    for victim in files:
+        raw = bytearray(victim.read_bytes())
+        raw[5] ^= 0xFF  # the format version: each file kept and named as a problem
+        victim.write_bytes(bytes(raw))
+    result = invoke("--disk-path", str(disk_dir), "--salt", "B")
+    assert result.exit_code == 1, result.output  # as before: any problem is exit 1
+    lines = [line for line in result.output.splitlines() if line.startswith("problem ")]
+    assert len(lines) == 5 + 1, result.output
+    assert all("unsupported chunk format" in line for line in lines[:-1])
+    assert lines[-1] == ("problem ... and 4 more (9 problems in all; --json names the first 5 of "
+                         "each namespace).")
+    assert all(f.exists() for f in files)

@@ -153,6 +153,10 @@ def purge_command(
         raise typer.Exit(1)
 
 
+PROBLEM_LINES = 5
+"""Problems printed one per line in the table output; the rest are counted on one line."""
+
+
 def _print_table(results: list[Any], dry_run: bool, tenant: bool) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -182,10 +186,14 @@ def _print_table(results: list[Any], dry_run: bool, tenant: bool) -> None:
     if damaged:
         console.print(f"Kept {damaged:,} chunks whose tenant record fails its check (never trusted; named below): "
                       "use --namespace or --older-than to remove them.")
-    for r in results:
-        for p in r.problems:
-            console.print(f"[yellow]problem[/yellow] {r.tier}{' ' + r.namespace.hex() if r.namespace else ''}: {p}",
-                          soft_wrap=True)
+    problems = [(r, p) for r in results for p in r.problems][:PROBLEM_LINES]
+    for r, p in problems:
+        console.print(f"[yellow]problem[/yellow] {r.tier}{' ' + r.namespace.hex() if r.namespace else ''}: {p}",
+                      soft_wrap=True)
+    count = sum(max(r.problem_count, len(r.problems)) for r in results)
+    if count > len(problems):  # a read-only disk tier has one per chunk: hundreds
+        console.print(f"[yellow]problem[/yellow] ... and {count - len(problems):,} more ({count:,} problems in all; "
+                      "--json names the first 5 of each namespace).", soft_wrap=True)
 
 
 def register(app: typer.Typer) -> None:

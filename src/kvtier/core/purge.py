@@ -137,6 +137,7 @@ class NamespacePurge:
         damaged_tenant: chunks a ``--salt``/``--lora`` selector left alone because their tenant
             record fails its check (each also a problem).
         problems: one phrase per chunk that could not be read or removed (first few only).
+        problem_count: every such chunk, the ones past :attr:`problems`' first few included.
     """
 
     tier: str
@@ -146,9 +147,11 @@ class NamespacePurge:
     unknown_tenant: int = 0
     damaged_tenant: int = 0
     problems: list[str] = field(default_factory=list)
+    problem_count: int = 0
 
     def problem(self, text: str) -> None:
-        """Keep the first 5 problems."""
+        """Count a problem; keep the first 5."""
+        self.problem_count += 1
         if len(self.problems) < 5:
             self.problems.append(text)
 
