@@ -32,3 +32,17 @@ def test_trace_record_bounds_its_block_tokens_before_any_connection(tmp_path) ->
                                       str(tmp_path / "t.jsonl"), "--block-tokens", "1000000000000"])
     assert result.exit_code == 2, result.output
     assert "error: --block-tokens 1,000,000,000,000 is more than 16,777,216" in result.output
+
+
+def test_an_existing_out_is_refused_without_force(tmp_path) -> None:
+    """As `trace record`: an existing --out is kept unless --force (clifix3: synth overwrote it silently)."""
+    out = tmp_path / "t.jsonl"
+    out.write_text("my recorded trace\n")
+    args = ["trace", "synth", "--regime", "cycle", "--out", str(out), "--requests", "3"]
+    refused = CliRunner().invoke(app, args)
+    assert refused.exit_code == 2, refused.output
+    assert f"error: --out {out} already exists; pass another file name, or --force to replace it" in refused.output
+    assert out.read_text() == "my recorded trace\n"
+    replaced = CliRunner().invoke(app, [*args, "--force"])
+    assert replaced.exit_code == 0, replaced.output
+    assert out.read_text() != "my recorded trace\n"

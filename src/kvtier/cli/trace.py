@@ -39,7 +39,9 @@ def register(app: typer.Typer) -> None:
     @trace_app.command("synth", help=SYNTH_HELP)
     def synth(
         regime: str = typer.Option(..., "--regime", help="chat, agent, rag, batch or cycle."),
-        out: Path = typer.Option(..., "--out", help="Output file (.jsonl, or .jsonl.gz to compress)."),
+        out: Path = typer.Option(..., "--out", help="Output file (.jsonl, or .jsonl.gz to compress). An existing "
+                                 "file is refused without --force."),
+        force: bool = typer.Option(False, "--force", help="Replace an existing --out."),
         requests: int = typer.Option(5000, "--requests", help="Number of requests."),
         seed: int = typer.Option(0, "--seed", help="Seed (same seed and parameters: same file)."),
         block_tokens: int = typer.Option(512, "--block-tokens", help="Tokens per hash id (Mooncake: 512)."),
@@ -48,6 +50,8 @@ def register(app: typer.Typer) -> None:
         from kvtier.simulate.synth import SynthError, generate, make_params
         from kvtier.tools.mooncake import TraceRecord, write_records
 
+        if out.exists() and not force:  # the guard and wording of `trace record`
+            fail(f"--out {out} already exists; pass another file name, or --force to replace it")
         try:
             params = make_params(regime, _parse_sets(sets))
             records = generate(regime, params, requests, seed, block_tokens)
