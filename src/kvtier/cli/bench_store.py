@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from kvtier.cli.errors import fail, flag_names
+from kvtier.cli.errors import fail, flag_names, refuse_kernel_filesystem
 
 MIN_CHUNK_MIB = 0.004  # 4 KiB: one OS page
 MAX_CHUNK_MIB = 1024.0
@@ -87,6 +87,10 @@ def bench_store(
     ways = [w.strip() for w in buffered_reads.split(",") if w.strip()]
     if not ways or not all(w in ("auto", "serial", "split") for w in ways):
         fail(f"--buffered-reads {buffered_reads!r} must list auto, serial and/or split, e.g. --buffered-reads auto,split")
+    if directory is not None:
+        refuse_kernel_filesystem(directory, "--dir")
+    if json_path is not None:
+        refuse_kernel_filesystem(json_path, "--json")
     if directory is not None and (not directory.is_dir() or not os.access(directory, os.W_OK | os.X_OK)):
         fail(f"--dir {str(directory)!r} is not a writable directory; create it or omit --dir")
     if json_path is not None and (json_path.is_dir() or not json_path.parent.is_dir()):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -31,8 +32,34 @@ def check_output_path(path: Path | None, option: str) -> None:
         fail(f"{option} {path} is a directory; give a file name in it")
     if not parent.is_dir():
         fail(f"{option} {path}: directory {parent} does not exist; create it or pass a path in an existing directory")
+    refuse_kernel_filesystem(path, option)
     if not os.access(path if path.exists() else parent, os.W_OK):
         fail(f"{option} {path} is not writable; pass a path in a writable directory")
+
+
+def refuse_kernel_filesystem(path: Path, option: str) -> None:
+    """Refuse (exit 2, one sentence) an output path on a kernel pseudo filesystem such as /proc or
+    /sys, whose directories root may write to but which holds no files: the write would fail only
+    after the work.  The test is ``kvtier check``'s for disk_path
+    (:func:`kvtier.core.tiers.diskcheck.pseudo_filesystem`), on the nearest existing ancestor.  An
+    existing stream (a device or FIFO: ``/dev/stdout``, ``/dev/null``, ``/proc/self/fd/1``) is
+    written as the user asked, not refused."""
+    from kvtier.core.tiers.diskcheck import pseudo_filesystem
+
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        mode = None
+    if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        return
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    pseudo = pseudo_filesystem(existing)
+    if pseudo is not None:
+        fstype, mount_point = pseudo
+        fail(f"{option} {path} is on the {fstype} filesystem mounted at {mount_point}, a kernel interface that "
+             "cannot hold files; pass a path on a local disk")
 
 
 def make_output_dir(path: Path, option: str) -> None:
@@ -40,6 +67,7 @@ def make_output_dir(path: Path, option: str) -> None:
     one sentence naming the problem and the fix): an existing file, a place that cannot hold one."""
     if path.exists() and not path.is_dir():
         fail(f"{option} {path} is an existing file, not a directory; pass a new or existing directory")
+    refuse_kernel_filesystem(path, option)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
