@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import stat
 import sys
 from pathlib import Path
@@ -35,8 +36,8 @@ def _read_input(file: str) -> tuple[str, str]:
     """The text of ``file`` (``-``: stdin) and its name for messages.
 
     Raises:
-        UserError: closed stdin, unreadable file, a path that is not a regular file (a FIFO or device
-            such as /proc/kmsg would block the read), input over MAX_INPUT_BYTES, or not UTF-8 text.
+        UserError: closed stdin, unreadable file, a device, socket or kernel file (:func:`_read_path`),
+            input over MAX_INPUT_BYTES, or not UTF-8 text.
     """
     origin = "<stdin>" if file == "-" else file
     if file != "-":
@@ -50,11 +51,7 @@ def _read_input(file: str) -> tuple[str, str]:
                 raise UserError("stdin is closed; pass a FILE or pipe the configuration into `kvtier audit -`.")
             data = sys.stdin.buffer.read(MAX_INPUT_BYTES + 1)
         else:
-            if not stat.S_ISREG(Path(file).stat().st_mode):
-                raise UserError(f"{origin} is not a regular file (a FIFO, device or socket can block forever); "
-                                f"give a file, or pipe the text into `kvtier audit -`.")
-            with open(file, "rb") as handle:
-                data = handle.read(MAX_INPUT_BYTES + 1)
+            data = _read_path(Path(file), origin)
     except UserError:
         raise
     except (OSError, ValueError) as exc:
@@ -65,6 +62,32 @@ def _read_input(file: str) -> tuple[str, str]:
         return data.decode("utf-8"), origin
     except UnicodeDecodeError:
         raise UserError(f"{origin} is not text (not UTF-8); give a command line, env file or manifest.") from None
+
+
+def _read_path(path: Path, origin: str) -> bytes:
+    """At most ``MAX_INPUT_BYTES + 1`` bytes of ``path``: a regular file, or a pipe (``<(cmd)``,
+    ``/dev/stdin`` fed by a pipe; a named pipe nobody writes to reads as empty instead of blocking).
+
+    Raises:
+        UserError: a device, a socket, or a file of a kernel filesystem (``/proc/kmsg`` blocks a read
+            forever): nothing a serve command or manifest is.
+        OSError: the path cannot be read.
+    """
+    from kvtier.core.tiers.diskcheck import pseudo_filesystem
+
+    mode = path.stat().st_mode
+    if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)) or (stat.S_ISREG(mode) and pseudo_filesystem(path)):
+        raise UserError(f"{origin} is not a file of text (a device, a socket or a kernel file such as /proc/kmsg can "
+                        "block forever); give a file, or pipe the text into `kvtier audit -`.")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a pipe with no writer yet opens at once
+    try:
+        os.set_blocking(fd, True)  # then reads wait for the writer's text; none: end of file at once
+        with os.fdopen(fd, "rb") as handle:
+            fd = -1
+            return handle.read(MAX_INPUT_BYTES + 1)
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 def audit_command(
