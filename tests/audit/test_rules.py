@@ -187,7 +187,7 @@ CASES: dict[str, tuple[tuple[str, str | None], tuple[str, str | None]]] = {
     "kvtier-grace-period-too-short": ((pod(grace=45), V), (pod(grace=60), V)),
     "kvtier-disk-path-not-on-volume": ((pod(mount="/var/cache/kvtier"), V), (pod(), V)),
     "kvtier-worker-shutdown-timeout-short": ((pod(worker_s="5"), V), (pod(), V)),
-    "kvtier-unsupported-vllm": ((pod(image="registry.example.com/kvtier-vllm:v0.33.0-kvtier0.1.0"), None),
+    "kvtier-unsupported-vllm": ((pod(image="registry.example.com/kvtier-vllm:v0.35.0-kvtier0.1.0"), None),
                                 (pod(), None)),
     "kvtier-disk-volume-unfit": ((pod(read_only=True), V), (pod(), V)),
     "kvtier-shared-tier-cleartext-beyond-namespace": (
