@@ -112,8 +112,11 @@ REVIEWED_HOOKS: dict[str, str] = {
     "register_finished_partial_tail": "default no-op: saves are whole chunks",
     "get_mem_pool_context": "default: no memory pool of its own on the device",
     "has_pending_block_frees": "default False: request_finished frees at once",
-    "unregister_kv_caches": "not called: sleep mode is refused (supports_sleep_mode False)",
-    "restore_kv_caches": "not called: sleep mode is refused (supports_sleep_mode False)",
+    "unregister_kv_caches": "default no-op (0.33+): sleep mode is refused (supports_sleep_mode False); 0.34 also "
+                            "calls it when a weight update borrows the emptied extensible KV cache "
+                            "(vllm/v1/worker/extensible_kv_cache.py), transfers drained: kvtier holds only views "
+                            "of the cache's address range, which stays reserved",
+    "restore_kv_caches": "default no-op (0.33+): the address range comes back the same (see unregister_kv_caches)",
     "supports_lookahead_block_hashes": "default False (0.34+): kvtier hashes the prompt's own tokens",
     "kv_cache_access": "default IN_PROCESS (0.34+): kvtier's workers copy the KV cache in process",
     "may_load_async": "default (0.34+): a kvtier load starts when a running slot is free, as on 0.32",
