@@ -45,9 +45,12 @@ class DictSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    dict_capacity_mib: float = Field(gt=0, description="Tier size in MiB per rank.")
+    dict_capacity_mib: float = Field(64.0, gt=0, description="Tier size in MiB per rank.")
     dict_storage: str | None = Field(None, min_length=1, description=(
-        "Name of a module-level area the values outlive the tier in (and purge, reset and probe reach)."))
+        "Name of a module-level area the values outlive the tier in (and purge, reset and probe reach)."),
+        json_schema_extra={"tools": {"purge": {"help": "The dict tier's storage area (its dict_storage).",
+                                               "metavar": "NAME", "target": "the area the engines use",
+                                               "empty": "give the area the engines use (their dict_storage)"}}})
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,14 @@ Values are written by a real store through the tier's data path, with real tenan
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import time
 import uuid
 
 import pytest
+import typer
+from typer.testing import CliRunner
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.purge import PurgeSelector, probe_tier, purge, purge_tier, reset_outside
@@ -134,3 +137,33 @@ def test_probe_reports_the_area_reachable_and_a_tier_without_storage_is_not_prob
     private = KVTierConfig.from_dict({"tier_modules": [PLUGIN], "tiers": ["cpu", "dict"], "dict_capacity_mib": 1})
     assert probe_tier("dict", private) is None and purge_tier("dict", private, PurgeSelector(), True) is None
     assert reset_outside("dict", private, NS.digest()) is None
+
+
+def test_kvtier_purge_takes_the_toy_tiers_flags_from_its_settings_model(area):
+    """``kvtier purge`` builds each tier's flags from its settings model (kvtier.core.toolflags): the
+    toy tier's ``dict_storage`` (marked for purge in tests/dict_tier.py) is ``--dict-storage`` with no
+    edit in kvtier.cli, refused without its target like a built-in tier's flags, and purges."""
+    from kvtier.cli.stored import register
+
+    name, config = area
+    app = typer.Typer()
+    app.callback()(lambda: None)
+    register(app)  # built now, with the dict tier registered
+    store = TieredStore(config, NS, CHUNK_BYTES)
+    try:
+        salted = write(store, chain_of(1, 3, "A"), TenantId.of("A", None))
+        rest = write(store, chain_of(2, 2, "B"), TenantId.of("B", None))
+        runner = CliRunner(env={"COLUMNS": "200"})
+        assert "--dict-storage" in runner.invoke(app, ["purge", "--help"]).output
+        given = runner.invoke(app, ["purge", "--dict-storage", name, "--salt", "A", "--json"])
+        assert given.exit_code == 0, given.output
+        assert [(r["tier"], r["chunks"]) for r in json.loads(given.stdout)["namespaces"]] == [("dict", 3)]
+        assert stored(name) == {store.namespace.digest(): rest} and not salted & rest
+        nothing = runner.invoke(app, ["purge", "--all"])
+        assert nothing.exit_code == 2 and nothing.output == (
+            "error: give a target to purge: --disk-path DIR (the disk tier's directory), --dict-storage NAME, "
+            "--redis-url URL and/or --s3-bucket BUCKET.\n")
+        empty = runner.invoke(app, ["purge", "--dict-storage", " ", "--all"])
+        assert empty.exit_code == 2 and "--dict-storage is empty; give the area the engines use" in empty.output
+    finally:
+        store.close()

@@ -115,7 +115,7 @@ def test_cli_purge_errors_name_the_flags_the_user_typed():
     assert result.exit_code == 2 and "--s3-endpoint-url must start with" in result.output
     assert "s3_endpoint_url" not in result.output and "kvtier config field" not in result.output
     alone = CliRunner().invoke(app, ["purge", "--s3-endpoint-url", "https://minio:9000", "--all"])
-    assert alone.exit_code == 2 and "need --s3-bucket" in alone.output
+    assert alone.exit_code == 2 and "--s3-endpoint-url needs --s3-bucket BUCKET" in alone.output
 
 
 def test_brief_never_cuts_a_word():

@@ -31,7 +31,7 @@ from kvtier.core.tiers.probe import PROBE_DEADLINE_S, within_deadline
 if TYPE_CHECKING:
     from kvtier.core.config import KVTierConfig
     from kvtier.core.tiers.base import ClearResult
-    from kvtier.core.tiers.blobs import BlobRef, BlobStore
+    from kvtier.core.tiers.blobs import BlobRef, BlobStat, BlobStore
     from kvtier.core.tiers.probe import ProbeResult, ProbeState
 
 class PurgeFailed(KVTierError):
@@ -242,36 +242,37 @@ def _listing_problems(store: BlobStore, name: str, results: dict[bytes, Namespac
 
 def _purge_batch(store: BlobStore, batch: list[BlobRef], selector: PurgeSelector, dry_run: bool,
                  results: dict[bytes, NamespacePurge]) -> None:
-    """Judge (and unless ``dry_run`` remove) one listed batch (see :func:`purge_tier`)."""
-    aged: list[tuple[BlobRef, int]] = []
-    for ref, found in zip(batch, store.stat(batch, header=False), strict=True):
-        if found is None:
-            continue
-        result = results[ref.namespace]
-        if found.problem is not None:
-            result.problem(found.problem)
-            continue
-        if selector.older_than_s is not None:
-            if found.written_s is None:
-                if found.age_problem is not None and found.age_problem not in result.problems:
-                    result.problem(found.age_problem)
-                continue
-            if not selector.old_enough(found.written_s):
-                continue
-        aged.append((ref, found.size))
-    chosen = aged
-    if aged and (selector.needs_tenant or store.verifies_values):
-        chosen = []
-        for (ref, size), head in zip(aged, store.stat([ref for ref, _ in aged], header=True), strict=True):
-            if head is None:
+    """Judge (and unless ``dry_run`` remove) one listed batch (see :func:`purge_tier`).  Headers are
+    read in the same ``stat`` as sizes when no age is asked (one round trip on a server), else only
+    for the values old enough."""
+    need_header = selector.needs_tenant or store.verifies_values
+    chosen: list[tuple[BlobRef, int]] = []
+    if need_header and selector.older_than_s is None:
+        for ref, found in zip(batch, store.stat(batch, header=True), strict=True):
+            if found is not None and _tenant_admits(selector, results[ref.namespace], ref, found):
+                chosen.append((ref, found.size))
+    else:
+        aged: list[tuple[BlobRef, int]] = []
+        for ref, found in zip(batch, store.stat(batch, header=False), strict=True):
+            if found is None:
                 continue
             result = results[ref.namespace]
-            if head.problem is not None:
-                result.problem(head.problem)
+            if found.problem is not None:
+                result.problem(found.problem)
                 continue
-            record = head.header.tenant if head.header is not None else None
-            if selector.tenant_admits(result, ref.namespace, record, ref.name):
-                chosen.append((ref, size))
+            if selector.older_than_s is not None:
+                if found.written_s is None:
+                    if found.age_problem is not None and found.age_problem not in result.problems:
+                        result.problem(found.age_problem)
+                    continue
+                if not selector.old_enough(found.written_s):
+                    continue
+            aged.append((ref, found.size))
+        chosen = aged
+        if aged and need_header:
+            chosen = [(ref, size) for (ref, size), head in
+                      zip(aged, store.stat([ref for ref, _ in aged], header=True), strict=True)
+                      if head is not None and _tenant_admits(selector, results[ref.namespace], ref, head)]
     if not chosen:
         return
     outcomes: list[bool | str] = [True] * len(chosen) if dry_run else store.delete([ref for ref, _ in chosen])
@@ -282,6 +283,16 @@ def _purge_batch(store: BlobStore, batch: list[BlobRef], selector: PurgeSelector
         elif gone:
             result.chunks += 1
             result.bytes += size
+
+
+def _tenant_admits(selector: PurgeSelector, result: NamespacePurge, ref: BlobRef, found: BlobStat) -> bool:
+    """Whether a value whose header was read goes: one that cannot be read or is not a kvtier value
+    of this name is kept and a problem; then its tenant record is judged."""
+    if found.problem is not None:
+        result.problem(found.problem)
+        return False
+    record = found.header.tenant if found.header is not None else None
+    return selector.tenant_admits(result, ref.namespace, record, ref.name)
 
 
 def reset_outside(name: str, config: KVTierConfig, namespace: bytes) -> ClearResult | None:
