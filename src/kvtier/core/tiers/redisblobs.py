@@ -36,7 +36,7 @@ from kvtier.core.config import redact_url
 from kvtier.core.errors import ConfigError, UserError
 from kvtier.core.tiers.blobs import LIST_BATCH, BlobRef, BlobStat, StorageFailed, ValueHeader
 from kvtier.core.tiers.redisclear import glob_escape
-from kvtier.core.tiers.redisprobe import AUTH_FIX, classify
+from kvtier.core.tiers.redisfailure import AUTH_FIX, classify
 from kvtier.core.tiers.redissettings import RedisSettings, redis_settings
 from kvtier.core.tiers.sharedvalue import HEADER_BYTES, keyspace, peek, shared_secret
 
