@@ -325,8 +325,9 @@ def reset_outside(name: str, config: KVTierConfig, namespace: bytes) -> ClearRes
     try:
         if (why := store.before_reset(namespace)) is not None:
             return ClearResult([], False, why)
+        space = store.space  # this configuration's key space: another secret's values are not its to reset
         for batch in store.list(frozenset({namespace})):
-            mine = [ref for ref in batch if ref.space == store.space]
+            mine = [ref for ref in batch if ref.space == space]
             for ref, gone in zip(mine, store.delete(mine) if mine else [], strict=True):
                 if isinstance(gone, str):
                     errors.append(gone)
