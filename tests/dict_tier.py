@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.keys import ChunkKey
+from kvtier.core.tenant import TenantRecords, Writer
 from kvtier.core.tiers.base import GetResult, PutResult, Tier, TierUsage
 from kvtier.core.tiers.factory import TierContext
 from kvtier.core.tiers.registry import TierSpec
@@ -49,7 +50,7 @@ class DictTier(Tier):
         with self._lock:
             return key in self._data
 
-    def get_into(self, key: ChunkKey, dst: memoryview) -> GetResult:
+    def get_into(self, key: ChunkKey, dst: memoryview, records: TenantRecords | None = None) -> GetResult:
         with self._lock:
             value = self._data.get(key)
         if value is None or len(value) != memoryview(dst).nbytes:
@@ -57,7 +58,7 @@ class DictTier(Tier):
         memoryview(dst).cast("B")[:] = value
         return GetResult.HIT
 
-    def put(self, key: ChunkKey, data: memoryview | bytes) -> PutResult:
+    def put(self, key: ChunkKey, data: memoryview | bytes, tenant: Writer | None = None) -> PutResult:
         value = bytes(data)
         with self._lock:
             if key in self._data:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvtier.core import tenant
+from kvtier.core import envelope, tenant
 from kvtier.core.config import KVTierConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.core.purge import PurgeSelector, purge
@@ -169,9 +169,11 @@ def test_only_a_verified_value_gives_its_record(shared, tmp_path):
         codec = ValueCodec(namespace, None)
         shared.put_raw(reader, good, bytes(codec.encode(good, payload(good), writer=TenantId.of("B", None))))
         # a record that fails its own check under a digest that covers it (a writer that put garbage there)
-        fields = bytearray(codec.header(bad_record, payload(bad_record), TenantId.of("B", None))[:96])
+        fields = bytearray(codec.header(bad_record, payload(bad_record), TenantId.of("B", None))[:envelope.DIGEST_OFFSET])
         fields[sharedvalue.RECORD_OFFSET + 10] ^= 0x01
-        value = bytes(fields) + codec._digest(bytes(fields), payload(bad_record)) + payload(bad_record)
+        digest = codec.envelope.hasher(bytes(fields))
+        digest.update(payload(bad_record))
+        value = bytes(fields) + digest.digest() + payload(bad_record)
         shared.put_raw(reader, bad_record, value)
         # a record changed on the server: the value's digest fails, so it is a miss and never promoted
         tampered = bytearray(codec.encode(bad_digest, payload(bad_digest), writer=TenantId.of("A", None)))
