@@ -213,6 +213,31 @@ def test_a_changed_tenant_record_fails_the_envelope_digest(disk):
     assert read(disk, 2) is None and disk.corrupt == 1
 
 
+def test_files_of_the_release_before_the_envelope_are_indexed_at_restart_and_read(disk, where):
+    """An upgraded engine finds the version-2 chunk files its predecessor left (same directory:
+    the namespace does not change) and serves them bit for bit, tenant record included; what it
+    writes itself is an envelope."""
+    path = disk.path(key(7))
+    payload = data(7)
+    record = tenant.record(disk.namespace, tenant.TenantId.of("B", "sql"))
+    path.write_bytes(chunkfile.encode_header(disk.namespace, key(7), len(payload), chunkfile.payload_digest(payload),
+                                             record) + payload)
+    again = make(where)
+    try:
+        assert again.contains(key(7)) and again.usage().num_chunks == 4
+        records: tenant.TenantRecords = {}
+        assert read(again, 7, records) == payload and again.corrupt == 0
+        assert records[key(7)].raw == record
+        torn = bytearray(path.read_bytes())
+        torn[-1] ^= 1  # the legacy payload checksum still guards it
+        path.write_bytes(bytes(torn))
+        assert read(again, 7) is None and again.corrupt == 1
+        assert again.put(key(8), data(8)) is PutResult.STORED
+        assert envelope.decode_header(again.path(key(8)).read_bytes()[:HEADER_BYTES]).format == envelope.FORMAT
+    finally:
+        again.close()
+
+
 def test_a_legacy_file_with_a_damaged_tenant_record_stays_readable(disk):
     """A version-2 chunk file (before the envelope) kept its record outside its checksums: a bad one
     makes the tenant unknown and leaves the chunk readable, as that release read it."""

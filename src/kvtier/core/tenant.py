@@ -11,7 +11,13 @@ record keeps, next to the chunk, a digest of each:
    ships it with the save job;
 2. the store writing the chunk keys each digest by its namespace (:func:`record`: BLAKE3 keyed
    by a key derived from the namespace digest), so equal salts under two models give unrelated
-   bytes, and writes the 48-byte :data:`RECORD_BYTES` record.
+   bytes, and writes the 48-byte :data:`RECORD_BYTES` record into the value envelope
+   (:mod:`kvtier.core.envelope`).
+
+The record crosses the tier interface as an argument, never as thread state: a write takes the
+:data:`Writer` (``Tier.put(key, data, tenant)``), and a read fills the :data:`TenantRecords` dict
+its caller passes with the records of the values it verified (``Tier.get_many(keys, dsts,
+records)``, :func:`note_verified`).
 
 Layout of the record (little-endian)::
 

@@ -3,8 +3,9 @@
 - **Crash-safe writes**: a chunk is written to a temporary file in the same directory and
   renamed into place (``os.replace`` is atomic on POSIX), so a reader never sees a half-written
   chunk under its final name; with ``fsync=True`` it is also durable across power loss.
-- **Verified reads**: every file carries a header (format version, namespace, key, length) and
-  an XXH3-128 checksum of the payload (:mod:`kvtier.core.tiers.chunkfile`).  A torn, truncated,
+- **Verified reads**: every file is a value envelope (:mod:`kvtier.core.envelope`, header padded
+  to 4096 bytes: :mod:`kvtier.core.tiers.chunkfile`) whose XXH3-128 covers its header and
+  payload; files of the release before (chunk file version 2) are still read.  A torn, truncated,
   foreign-namespace, older-format or corrupt file is a miss: it is counted in ``corrupt``,
   logged, and removed.  The checksum is computed while the bytes move, not after
   (:mod:`kvtier.core.tiers.chunkio`).

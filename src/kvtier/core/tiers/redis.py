@@ -1,8 +1,9 @@
 """Redis / Valkey shared tier (standalone or Cluster) on redis-py.
 
-- **One value per chunk**, written with one ``SET key value EX ttl NX``: a header (format version,
-  namespace, key, length, the writer's tenant record for ``kvtier purge --salt``/``--lora``,
-  digest) and the payload (:mod:`kvtier.core.tiers.sharedvalue`).  A read
+- **One value per chunk**, written with one ``SET key value EX ttl NX``: the value envelope
+  (:mod:`kvtier.core.envelope`: a header with namespace, key, lengths, codec chain, the writer's
+  tenant record for ``kvtier purge --salt``/``--lora`` and the digest, then the payload;
+  :mod:`kvtier.core.tiers.sharedvalue`).  A read
   verifies everything; a value that fails is a ``CORRUPT`` miss and is deleted.  A key the server
   evicted on its own (``maxmemory``, TTL) is a plain miss.
 - **Keys** are ``<prefix><namespace hex>:<chunk key hex>``, built in one place for every command

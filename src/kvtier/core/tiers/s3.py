@@ -1,8 +1,9 @@
 """S3 object-store shared tier (AWS S3, MinIO, Ceph RGW, Cloudflare R2, any S3 API) on obstore.
 
 - **One object per chunk**, written whole with one ``PUT`` (never multipart): the same value as
-  the redis tier's, a header (format version, namespace digest, key, length, the writer's tenant
-  record, XXH3 checksum or keyed BLAKE3 MAC with ``shared_secret``) then the payload (:mod:`kvtier.core.tiers.sharedvalue`).
+  the redis tier's, the value envelope (:mod:`kvtier.core.envelope`: a header with namespace digest,
+  key, lengths, codec chain, the writer's tenant record, XXH3 checksum or keyed BLAKE3 MAC with
+  ``shared_secret``, then the payload; :mod:`kvtier.core.tiers.sharedvalue`).
   A ``PUT`` is atomic in S3: a reader sees no object, the old one or the whole new one, never a
   part (AWS S3 user guide, "Amazon S3 data consistency model"); a read still verifies everything,
   and a short body, a foreign namespace or a digest mismatch is a counted ``CORRUPT`` miss and the
