@@ -18,8 +18,9 @@ so that the caller copies the ready head while the tail is read.
 
 A chunk read from a lower tier keeps its writer's tenant record: the tier puts the record of
 each value or chunk file it verified into the dict the read passes (``records``,
-:data:`kvtier.core.tenant.TenantRecords`), and the published page carries it (``TopTier.tenant``), so a later write of the chunk to the disk tier writes the same
-record and ``kvtier purge --salt``/``--lora`` finds it there (issue 22).  A chunk that failed
+:data:`kvtier.core.tenant.TenantRecords`), and the published page carries it (``TopTier.tenant``),
+so a later write of the chunk to the disk tier writes the same record and ``kvtier purge
+--salt``/``--lora`` finds it there (issue 22).  A chunk that failed
 verification is never published, so its record is never used.
 
 Locking: the store's lock guards pins, pages and the handle's lists; reads run outside it, on
