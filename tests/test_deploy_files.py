@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -109,6 +110,29 @@ def test_each_kustomization_lists_its_files_and_audits_clean(directory: Path):
     configs = load_configs(read_kustomization(directory, 1 << 20), str(directory), None)
     assert configs and all(str(c.version) == "0.32.0" for c in configs)  # read from the image tag
     assert audit(configs) == [], [f.message for f in audit(configs)]
+
+
+@pytest.mark.parametrize("render", [True, False], ids=["kubectl-kustomize", "unrendered"])
+@pytest.mark.parametrize("directory", KUSTOMIZATIONS, ids=lambda p: p.name)
+def test_kvtier_audit_exits_0_on_each_kustomization_after_its_first_step(directory: Path, render: bool,
+                                                                          tmp_path: Path):
+    """The header's first step, `kustomize edit set namespace` (a `namespace:` line), then `kvtier audit
+    DIR`: rendered by kubectl where it is installed, read without rendering where not (issue 34: it
+    exited 2, asking for a rendered file)."""
+    from kvtier.audit.kustomize import renderer
+
+    if render and renderer() is None:
+        pytest.skip("neither kustomize nor kubectl is installed: kvtier audit's rendering path is not checked")
+    copy_dir = tmp_path / directory.name
+    shutil.copytree(directory, copy_dir)
+    with (copy_dir / "kustomization.yaml").open("a") as handle:
+        handle.write("namespace: llm-serving\n")
+    env = {**os.environ, **({} if render else {"PATH": str(Path(sys.executable).parent)})}
+    run = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "audit", str(copy_dir), "--format", "json"],
+                         capture_output=True, text=True, check=False, timeout=120, env=env)
+    assert run.returncode == 0 and json.loads(run.stdout)["findings"] == [], run.stdout + run.stderr
+    docs = [d for d in yaml.safe_load_all(read_kustomization(copy_dir, 1 << 20, render=render)) if d]
+    assert {d["metadata"].get("namespace") for d in docs} == {"llm-serving"}
 
 
 def test_kvtier_audit_reports_nothing_on_any_file_under_deploy_that_configures_vllm():
