@@ -73,6 +73,43 @@ def test_dockerfile_pins_the_supported_vllm_and_this_repository_s_wheel():
             assert image.endswith(f":v{supported}-kvtier{PYPROJECT['project']['version']}"), (manifest, image)
 
 
+def _manifest_tiers() -> dict[Path, set[str]]:
+    """The ``tiers`` of every KVTierConnector in each shipped manifest (``cpu`` and ``disk`` by default)."""
+    from kvtier.core.config import KVTierConfig
+
+    found: dict[Path, set[str]] = {}
+    for manifest in MANIFESTS:
+        for config in load_configs(manifest.read_text(), str(manifest), None) if "vllm" in manifest.name else []:
+            extra = config.kv_transfer_config["kv_connector_extra_config"]
+            found[manifest] = set(KVTierConfig.from_dict(extra).tiers)
+    return found
+
+
+def test_the_image_installs_and_imports_the_client_of_every_tier_the_manifests_use():
+    """Each tier a manifest configures beyond cpu and disk has the extra of its name in pyproject.toml
+    (redis, s3); the image pins every requirement of that extra, at a version the extra allows, and its
+    build imports it (issue 34: the object-store manifest's s3 tier ran on an image without obstore)."""
+    from packaging.requirements import Requirement
+
+    tiers = _manifest_tiers()
+    assert tiers[DEPLOY / "kubernetes" / "object-store-tier" / "vllm.yaml"] >= {"s3"}
+    assert tiers[DEPLOY / "kubernetes" / "shared-tier" / "vllm.yaml"] >= {"redis"}
+    text = DOCKERFILE.read_text()
+    (install,) = re.findall(r"^RUN python3 -m pip install (.*?)(?=^\s*&& rm )", text, re.MULTILINE | re.DOTALL)
+    pins = {Requirement(p).name: Requirement(p) for p in re.findall(r'"([A-Za-z0-9_.-]+==[^"]+)"', install)}
+    (imports,) = re.findall(r'python3 -c "import ([^"]+)"', text)
+    imported = {m.strip() for m in imports.split(",")}
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    for tier in set().union(*tiers.values()) - {"cpu", "disk"}:
+        assert tier in extras, f"tier {tier} has no extra of its name in pyproject.toml"
+        for needed in map(Requirement, extras[tier]):
+            pin = pins.get(needed.name)
+            assert pin is not None, f"the image does not install {needed.name} (extra {tier})"
+            version = next(iter(pin.specifier)).version
+            assert needed.specifier.contains(version), (tier, str(pin), str(needed))
+            assert needed.name in imported, f"the build's import check leaves out {needed.name}"
+
+
 # --- Kubernetes ----------------------------------------------------------------------------------
 
 _API = ApiClient()
