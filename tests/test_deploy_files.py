@@ -36,8 +36,11 @@ from kvtier.core.errors import UserError
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 DOCKERFILE = DEPLOY / "Dockerfile"
-KUSTOMIZATIONS = sorted(p.parent for p in (DEPLOY / "kubernetes").glob("*/kustomization.yaml"))
-MANIFESTS = sorted(p for p in (DEPLOY / "kubernetes").rglob("*.yaml") if p.name != "kustomization.yaml")
+ALL_KUSTOMIZATIONS = sorted(p.parent for p in (DEPLOY / "kubernetes").glob("*/kustomization.yaml"))
+KUSTOMIZATIONS = [d for d in ALL_KUSTOMIZATIONS if (d / "vllm.yaml").is_file()]  # those that run vLLM
+OPERATOR = DEPLOY / "kubernetes" / "prometheus-operator"  # PodMonitor + PrometheusRule (CRDs of the Operator)
+MANIFESTS = sorted(p for p in (DEPLOY / "kubernetes").rglob("*.yaml")
+                   if p.name != "kustomization.yaml" and p.parent != OPERATOR)
 ALERTS = DEPLOY / "prometheus" / "kvtier-alerts.yaml"
 DASHBOARD = DEPLOY / "grafana" / "kvtier-vllm-dashboard.json"
 STATS_SOURCE = ROOT / "src" / "kvtier" / "integrations" / "vllm" / "stats.py"
@@ -140,10 +143,14 @@ def test_the_strict_round_trip_catches_a_misspelt_field():
     assert strict_round_trip(bad) != bad and strict_round_trip(doc) == doc
 
 
-@pytest.mark.parametrize("directory", KUSTOMIZATIONS, ids=lambda p: p.name)
-def test_each_kustomization_lists_its_files_and_audits_clean(directory: Path):
+@pytest.mark.parametrize("directory", ALL_KUSTOMIZATIONS, ids=lambda p: p.name)
+def test_each_kustomization_lists_exactly_the_files_beside_it(directory: Path):
     listed = yaml.safe_load((directory / "kustomization.yaml").read_text())["resources"]
     assert sorted(listed) == sorted(p.name for p in directory.glob("*.yaml") if p.name != "kustomization.yaml")
+
+
+@pytest.mark.parametrize("directory", KUSTOMIZATIONS, ids=lambda p: p.name)
+def test_each_kustomization_audits_clean(directory: Path):
     configs = load_configs(read_kustomization(directory, 1 << 20), str(directory), None)
     assert configs and all(str(c.version) == "0.32.0" for c in configs)  # read from the image tag
     assert audit(configs) == [], [f.message for f in audit(configs)]
@@ -229,6 +236,94 @@ def test_the_shared_tier_certificate_and_maxmemory_agree_with_the_url_and_the_si
     if shipped != f"{rule}gb":
         redis_text = (directory / "redis.yaml").read_text()
         assert f"{rule}gb for vllm.yaml's {extra['cpu_gib']} + {extra['disk_gib']}" in redis_text, (shipped, rule)
+
+
+# --- metrics with the Prometheus Operator: PodMonitor and PrometheusRule ---------------------------
+
+PODMONITOR_TARGET_LABELS = {"namespace", "pod", "container", "endpoint", "job", "instance"}
+"""Labels the Prometheus Operator gives every series a PodMonitor scrapes (the relabelings it generates,
+prometheus-operator pkg/prometheus/promcfg.go): the alerts and the dashboard may key on these and the
+metrics' own labels, nothing else."""
+_PODMONITOR_SPEC_KEYS = {"jobLabel", "podTargetLabels", "podMetricsEndpoints", "selector", "namespaceSelector",
+                         "sampleLimit", "targetLimit", "labelLimit", "attachMetadata", "scrapeClass"}
+_ENDPOINT_KEYS = {"port", "portNumber", "path", "scheme", "params", "interval", "scrapeTimeout", "honorLabels",
+                  "honorTimestamps", "relabelings", "metricRelabelings", "tlsConfig", "filterRunning"}
+"""PodMonitorSpec and PodMetricsEndpoint fields (prometheus-operator.dev/docs/api-reference/api/, monitoring.coreos.com/v1)."""
+
+
+def _operator_docs() -> dict[str, dict[str, Any]]:
+    docs = [d for d in yaml.safe_load_all(read_kustomization(OPERATOR, 1 << 20, render=False)) if d]
+    assert all(d["apiVersion"] == "monitoring.coreos.com/v1" for d in docs)
+    return {d["kind"]: d for d in docs}
+
+
+def test_the_podmonitor_is_well_formed_and_scrapes_every_vllm_pod():
+    """Strict where the Kubernetes client has models (metadata, the label selector), a closed set of
+    fields elsewhere; its selector picks each manifest's vLLM pods, by their port's name, at the path
+    of their scrape annotations."""
+    from kubernetes.client import V1LabelSelector, V1ObjectMeta
+
+    monitor = _operator_docs()["PodMonitor"]
+    assert set(monitor) == {"apiVersion", "kind", "metadata", "spec"}
+    meta = _API.sanitize_for_serialization(_API._ApiClient__deserialize(monitor["metadata"], V1ObjectMeta))  # type: ignore[attr-defined]
+    assert meta == monitor["metadata"]
+    spec = monitor["spec"]
+    assert set(spec) <= _PODMONITOR_SPEC_KEYS and "namespaceSelector" not in spec  # its own namespace only
+    selector = _API.sanitize_for_serialization(_API._ApiClient__deserialize(spec["selector"], V1LabelSelector))  # type: ignore[attr-defined]
+    assert selector == spec["selector"] and selector["matchLabels"]
+    (endpoint,) = spec["podMetricsEndpoints"]
+    assert set(endpoint) <= _ENDPOINT_KEYS and _DURATION.match(endpoint["interval"]), endpoint
+    for directory in KUSTOMIZATIONS:
+        docs = [d for d in yaml.safe_load_all(read_kustomization(directory, 1 << 20, render=False)) if d]
+        (vllm_set,) = [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "vllm"]
+        pod = vllm_set["spec"]["template"]
+        assert selector["matchLabels"].items() <= pod["metadata"]["labels"].items(), directory
+        (container,) = pod["spec"]["containers"]
+        assert endpoint["port"] in {p["name"] for p in container["ports"]}, directory
+        assert endpoint["path"] == pod["metadata"]["annotations"]["prometheus.io/path"], directory
+        others = [d for d in docs if d["kind"] in ("StatefulSet", "Deployment") and d is not vllm_set]
+        assert not any(selector["matchLabels"].items() <= o["spec"]["template"]["metadata"]["labels"].items()
+                       for o in others), directory  # Redis is not scraped as vLLM
+
+
+def test_the_prometheusrule_holds_the_alert_rules_file():
+    rule = _operator_docs()["PrometheusRule"]
+    assert set(rule) == {"apiVersion", "kind", "metadata", "spec"} and set(rule["spec"]) == {"groups"}
+    assert rule["spec"]["groups"] == yaml.safe_load(ALERTS.read_text())["groups"]
+
+
+def _metric_labels() -> set[str]:
+    """Label names of kvtier's and vLLM's series themselves: kvtier's (stats.py ``LABELS``; the gauges
+    per tier carry ``tier``), vLLM's ``model_name`` and ``engine`` (vllm/v1/metrics/loggers.py
+    ``labelnames``) and the histograms' ``le``."""
+    from kvtier.integrations.vllm.stats import LABELS
+
+    return set(LABELS.values()) | {"tier", "model_name", "engine", "le"}
+
+
+def test_alerts_and_dashboard_key_on_the_labels_the_podmonitor_produces():
+    """Every alert groups by (namespace, pod) and names only those labels; the dashboard chooses by
+    namespace and pod (issue 34: the alerts grouped by (namespace, pod), the dashboard by instance)."""
+    own = _metric_labels()
+    for group in yaml.safe_load(ALERTS.read_text())["groups"]:
+        for rule in group["rules"]:
+            groupings = [set(re.split(r"\s*,\s*", g.strip())) for g in re.findall(r"\bby \(([^)]*)\)", rule["expr"])]
+            assert groupings and all({"namespace", "pod"} <= g for g in groupings), rule["alert"]
+            assert set().union(*groupings) <= PODMONITOR_TARGET_LABELS | own, rule["alert"]
+            used = set(re.findall(r"\$labels\.([A-Za-z_]+)", json.dumps(rule["annotations"])))
+            assert used <= set.intersection(*groupings), (rule["alert"], used)
+    dashboard = json.loads(DASHBOARD.read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert {"namespace", "pod"} <= set(variables) and "instance" not in variables
+    assert variables["pod"]["query"] == 'label_values(vllm:num_requests_running{namespace=~"$namespace"}, pod)'
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            selectors = re.findall(r"(?:vllm:|kvtier_)[A-Za-z0-9_:]+(\{[^}]*\})?", target["expr"])
+            assert selectors and all('namespace=~"$namespace"' in s and 'pod=~"$pod"' in s for s in selectors), \
+                (panel["title"], target["expr"])
+            keys = set(re.findall(r"([A-Za-z_]+)\s*=~?", " ".join(selectors))) | \
+                {k.strip() for g in re.findall(r"\bby \(([^)]*)\)", target["expr"]) for k in g.split(",")}
+            assert keys <= PODMONITOR_TARGET_LABELS | own, (panel["title"], keys)
 
 
 # --- metrics: alerts and dashboard ---------------------------------------------------------------
