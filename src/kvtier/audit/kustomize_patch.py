@@ -93,7 +93,7 @@ def apply_patches(docs: list[dict[str, Any]], patches: list[Patch], where: str) 
         if target:  # a target matches what it names; a namespace left out matches any
             kind, name, namespace = target.get("kind"), target.get("name"), target.get("namespace", _ANY)
         else:  # the patch's own kind, name and namespace (none matches only a resource without one)
-            metadata = patch.get("metadata") if isinstance(patch.get("metadata"), dict) else {}
+            metadata = _metadata(patch)
             kind, name, namespace = patch.get("kind"), metadata.get("name"), metadata.get("namespace")
         matched = [d for d in docs if (kind is None or d.get("kind") == kind)
                    and (name is None or _metadata(d).get("name") == name)
