@@ -107,6 +107,9 @@ class TierSpec:
         model: the tier's default bandwidth and latency (:class:`TierModel`) for the sizing and
             simulation tools; ``None`` for a tier they do not model on its own (cpu, disk: their
             figures are the tools' own options).
+        packages: the modules of the tier's client outside kvtier (``redis``, ``obstore``: the
+            extra of the tier's name in pyproject.toml); the pre-flight reports one that does not
+            import as an error (:func:`kvtier.core.tiers.factory.check`).
     """
 
     name: str
@@ -127,6 +130,7 @@ class TierSpec:
     purge: str | None = None
     advice: str | None = None
     model: TierModel | None = None
+    packages: tuple[str, ...] = ()
 
 
 REDIS_MODEL = TierModel(1.25, 0.5, "one 10 Gb/s Ethernet link (10GBASE-T line rate, IEEE 802.3an) to the server, and "
@@ -147,12 +151,13 @@ BUILTIN = (
              "kvtier.core.tiers.redis:configured", settings="kvtier.core.tiers.redissettings:RedisSettings",
              keys=("redis_url",), check="kvtier.core.tiers.redis:check",
              reset="kvtier.core.tiers.redis:reset", probe="kvtier.core.tiers.redisprobe:probe_redis",
-             purge="kvtier.core.tiers.redispurge:purge", model=REDIS_MODEL),
+             purge="kvtier.core.tiers.redispurge:purge", model=REDIS_MODEL, packages=("redis",)),
     TierSpec("s3", 30, True, "external_unspecified", "kvtier.core.tiers.s3:from_config",
              "kvtier.core.tiers.s3:configured", settings="kvtier.core.tiers.s3settings:S3Settings",
              keys=("s3_bucket", "s3_endpoint_url"), check="kvtier.core.tiers.s3:check", reset="kvtier.core.tiers.s3:reset",
              purge="kvtier.core.tiers.s3purge:purge",
-             probe="kvtier.core.tiers.s3probe:probe_s3", advice="kvtier.core.tiers.s3:advice", model=S3_MODEL),
+             probe="kvtier.core.tiers.s3probe:probe_s3", advice="kvtier.core.tiers.s3:advice", model=S3_MODEL,
+             packages=("obstore",)),
 )
 """The tiers shipped with kvtier: one line each."""
 
