@@ -5,10 +5,12 @@ inside a namespace, the Kubernetes default grace period)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from kvtier.audit.engine import audit
@@ -102,25 +104,114 @@ def test_a_tiers_list_that_leaves_a_tier_out_quiets_its_deployment_rules():
     assert disk_rules <= set(no_redis) and "kvtier-shared-tier-cleartext-beyond-namespace" not in no_redis, no_redis
 
 
-def test_audit_reads_a_kustomize_directory_and_refuses_what_it_cannot_render(tmp_path: Path):
+def _audit_cli(target: Path, render: bool) -> subprocess.CompletedProcess[str]:
+    """``kvtier audit TARGET --format json``; without ``render`` no kustomize or kubectl is on PATH."""
+    env = dict(os.environ)
+    if not render:
+        env["PATH"] = str(Path(sys.executable).parent)  # the venv's bin: python, no kubectl or kustomize
+    return subprocess.run([sys.executable, "-m", "kvtier.cli.main", "audit", str(target), "--format", "json"],
+                          capture_output=True, text=True, check=False, timeout=120, env=env)
+
+
+def _needs_renderer() -> None:
+    from kvtier.audit.kustomize import renderer
+
+    if renderer() is None:
+        pytest.skip("neither kustomize nor kubectl is installed: kvtier audit's rendering path is not checked")
+
+
+@pytest.mark.parametrize("render", [True, False], ids=["kubectl-kustomize", "unrendered"])
+def test_audit_applies_a_kustomization_s_namespace_and_patches(tmp_path: Path, render: bool):
+    """A base whose pod has a 45 s grace period and a cleartext Redis in namespace llm: both are findings
+    until an overlay sets the namespace (`kustomize edit set namespace llm`) and patches the grace period,
+    whether kubectl renders the overlay or kvtier reads it without rendering (issue 34)."""
     from tests.audit.test_rules import pod
 
+    if render:
+        _needs_renderer()
     base = tmp_path / "base"
     base.mkdir()
-    (base / "vllm.yaml").write_text(pod(grace=45))
+    (base / "vllm.yaml").write_text(pod(grace=45, redis_url="redis://kvtier-redis.llm:6379/0"))
     (base / "kustomization.yaml").write_text("resources:\n  - vllm.yaml\n")
     top = tmp_path / "top"
     top.mkdir()
     (top / "kustomization.yaml").write_text("resources:\n  - ../base\n")
-    def run(target: Path) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "kvtier.cli.main", "audit", str(target), "--format", "json"],
-                              capture_output=True, text=True, check=False, timeout=60)
+    before = _audit_cli(top, render)
+    assert before.returncode == 1, before.stderr
+    assert {"kvtier-grace-period-too-short", "kvtier-shared-tier-cleartext-beyond-namespace"} <= \
+        {f["rule"] for f in json.loads(before.stdout)["findings"]}
+    (top / "grace.yaml").write_text("apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: vllm, namespace: inference}\n"
+                                    "spec: {template: {spec: {terminationGracePeriodSeconds: 120}}}\n")
+    (top / "kustomization.yaml").write_text("resources:\n  - ../base\nnamespace: llm\npatches:\n  - path: grace.yaml\n")
+    after = _audit_cli(top, render)
+    assert after.returncode == 0, after.stdout + after.stderr
+    assert not {"kvtier-grace-period-too-short", "kvtier-shared-tier-cleartext-beyond-namespace"} & \
+        {f["rule"] for f in json.loads(after.stdout)["findings"]}, after.stdout
 
-    found = run(top)
-    assert found.returncode == 1, found.stderr
-    assert "kvtier-grace-period-too-short" in {f["rule"] for f in json.loads(found.stdout)["findings"]}
-    (top / "kustomization.yaml").write_text("resources:\n  - ../base\npatches:\n  - path: p.yaml\n")
-    refused = run(top)
+
+def test_audit_refuses_what_it_cannot_read_without_rendering(tmp_path: Path):
+    from tests.audit.test_rules import pod
+
+    (tmp_path / "vllm.yaml").write_text(pod())
+    (tmp_path / "kustomization.yaml").write_text(
+        "resources:\n  - vllm.yaml\nconfigMapGenerator:\n  - name: c\n    literals: [a=b]\n")
+    refused = _audit_cli(tmp_path, render=False)
     assert refused.returncode == 2 and refused.stdout == ""
-    assert refused.stderr.strip() == (f"error: {top / 'kustomization.yaml'} uses patches, which kvtier audit does not "
-                                      f"apply; render it first: kubectl kustomize {top} | kvtier audit -")
+    assert refused.stderr.strip() == (
+        f"error: {tmp_path / 'kustomization.yaml'} uses configMapGenerator, which kvtier audit does not apply "
+        f"without kustomize or kubectl on PATH; render it first: kubectl kustomize {tmp_path} | kvtier audit -")
+    (tmp_path / "kustomization.yaml").write_text(
+        "resources:\n  - vllm.yaml\npatches:\n  - patch: '[{op: replace, path: /spec/replicas, value: 2}]'\n"
+        "    target: {kind: Deployment}\n")
+    json_patch = _audit_cli(tmp_path, render=False)
+    assert json_patch.returncode == 2 and "JSON 6902 patch" in json_patch.stderr, json_patch.stderr
+
+
+def test_audit_says_why_a_kustomization_does_not_render(tmp_path: Path):
+    from tests.audit.test_rules import pod
+
+    _needs_renderer()
+    (tmp_path / "vllm.yaml").write_text(pod())
+    (tmp_path / "kustomization.yaml").write_text("resources:\n  - vllm.yaml\npatches:\n  - path: missing.yaml\n")
+    failed = _audit_cli(tmp_path, render=True)
+    assert failed.returncode == 2 and failed.stdout == "", failed.stdout
+    (line,) = failed.stderr.strip().splitlines()
+    assert line.startswith("error: ") and f"kustomize {tmp_path} failed: " in line and "missing.yaml" in line, line
+    assert line.endswith("; fix the kustomization so that it renders."), line
+
+
+def test_a_kustomization_read_without_rendering_is_what_kubectl_renders(tmp_path: Path):
+    """namespace, images, patches (a file, an inline patch with a target) and patchesStrategicMerge, read
+    by kvtier without kustomize, give the documents `kubectl kustomize` renders."""
+    from kvtier.audit.kustomize import read_kustomization
+    from tests.audit.test_rules import pod
+
+    _needs_renderer()
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "vllm.yaml").write_text(pod(grace=45) + "---\napiVersion: v1\nkind: Service\nmetadata: {name: vllm}\n"
+                                    "spec: {ports: [{port: 8000}]}\n")
+    (base / "kustomization.yaml").write_text("resources:\n  - vllm.yaml\n")
+    (tmp_path / "env.yaml").write_text(
+        "apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: vllm, namespace: inference}\nspec: {template: {spec: {containers: "
+        "[{name: vllm, env: [{name: VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS, value: '40'}, {name: X, value: y}]}]}}}\n")
+    (tmp_path / "mount.yaml").write_text(
+        "apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: vllm, namespace: inference}\nspec: {template: {spec: {containers: "
+        "[{name: vllm, volumeMounts: [{name: nvme, mountPath: /nvme, readOnly: true}]}]}}}\n")
+    (tmp_path / "kustomization.yaml").write_text(
+        "resources:\n  - base\nnamespace: llm\n"
+        "images:\n  - {name: registry.example.com/kvtier-vllm, newName: r.example.org/kv, newTag: v0.32.0-kvtier0.1.1}\n"
+        "patches:\n  - path: env.yaml\n"
+        "  - target: {kind: Deployment, name: vllm}\n"
+        "    patch: |\n      apiVersion: apps/v1\n      kind: Deployment\n      metadata: {name: ignored}\n"
+        "      spec: {template: {spec: {terminationGracePeriodSeconds: 120}}}\n"
+        "patchesStrategicMerge:\n  - mount.yaml\n")
+
+    def documents(render: bool) -> list[str]:
+        text = read_kustomization(tmp_path, 1 << 20, render=render)
+        return sorted(json.dumps(d, sort_keys=True) for d in yaml.safe_load_all(text) if d)
+
+    rendered = documents(True)
+    assert any('"image": "r.example.org/kv:v0.32.0-kvtier0.1.1"' in d and '"terminationGracePeriodSeconds": 120' in d
+               and '"value": "40"' in d and '"readOnly": true' in d and '"namespace": "llm"' in d for d in rendered)
+    assert documents(False) == rendered

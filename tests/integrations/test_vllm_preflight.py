@@ -141,21 +141,26 @@ def kvtier_check(*args: str) -> subprocess.CompletedProcess[str]:
                           check=False, timeout=120, env={**os.environ, "COLUMNS": "200"})
 
 
+def verdicts(stdout: str) -> list[str]:
+    """``kvtier check``'s lines less the supported-versions statement it always prints."""
+    return [ln for ln in stdout.splitlines() if not ln.startswith("info: kvtier supports vLLM")]
+
+
 def test_cli_check_good_bad_and_unreadable(tmp_path):
     good = kvtier_check(json.dumps(GOOD), "--block-size", "16")
-    assert good.returncode == 0 and good.stdout.startswith("ok:"), good.stderr
+    assert good.returncode == 0 and verdicts(good.stdout)[0].startswith("ok:"), good.stderr
     bad = kvtier_check(json.dumps(transfer(extra={"cpu_gb": 4, "cpu_gib": -4})))
     assert bad.returncode == 1 and "Traceback" not in bad.stderr
-    assert [ln.split(":")[0] for ln in bad.stdout.splitlines()] == ["error", "error"]
+    assert [ln.split(":")[0] for ln in verdicts(bad.stdout)] == ["error", "error"]
     path = tmp_path / "t.json"
     path.write_text(json.dumps(transfer(kv_load_failure_policy=None)))
     warned = kvtier_check(str(path), "--json")
     data = json.loads(warned.stdout)
     assert warned.returncode == 0 and data["ok"] and data["problems"][0]["key"] == "kv_load_failure_policy"
     auto = kvtier_check(json.dumps(transfer(extra={"chunk_tokens": "auto"})), "--block-size", "640")
-    assert auto.returncode == 0 and auto.stdout.startswith("ok:"), auto.stdout + auto.stderr
+    assert auto.returncode == 0 and verdicts(auto.stdout)[0].startswith("ok:"), auto.stdout + auto.stderr
     odd = kvtier_check(json.dumps(transfer(extra={"chunk_tokens": 100})))  # no --block-size: warned, not a bare ok
-    assert odd.returncode == 0 and odd.stdout.startswith("warning: kv_connector_extra_config.chunk_tokens:")
+    assert odd.returncode == 0 and verdicts(odd.stdout)[0].startswith("warning: kv_connector_extra_config.chunk_tokens:")
     missing = kvtier_check(str(tmp_path / "nope.json"))
     assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
     for unreadable in ("{", '{"kv_connector": "KVTierConnector",'):  # not JSON: unreadable input, like a bad path
@@ -173,7 +178,7 @@ def test_environment_problems_are_reported_once_and_the_password_variable_is_acc
     run = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "check", "--offline",  # no server on 6390
                           json.dumps(transfer(extra=shared))],
                          capture_output=True, text=True, check=False, timeout=120, env=env)
-    assert run.returncode == 0 and run.stdout.startswith("ok:"), run.stdout + run.stderr
+    assert run.returncode == 0 and verdicts(run.stdout)[0].startswith("ok:"), run.stdout + run.stderr
     monkeypatch.setenv("KVTIER_CPU_GIB", "lots")  # one bad variable, several explicit keys: one error, about it
     problems = check_transfer_config(transfer(extra={"chunk_tokens": 128, "write_mode": "write-back"}))
     assert [(p.severity, p.key) for p in problems] == [("error", "kv_connector_extra_config")], problems

@@ -12,7 +12,7 @@ from kvtier.core.errors import ConfigError
 
 HELP = """Check a --kv-transfer-config for KVTierConnector in under a second, without starting vLLM.
 
-Runs the connector's own validator (the same checks it applies at engine start-up, after the model has loaded) and vLLM's transfer-config rules: unknown keys (with the closest known key), bad values, the disk tier path (exists or can be created, writable, enough free space, not a kernel filesystem such as /proc), cpu_gib against the memory this host has, the Redis password and shared_secret_file when redis_url is set, then each configured shared tier itself (Redis: connect and PING; S3: a LIST of at most one key; within 2 s, never a write: one line saying reachable, unreachable or auth failed, a warning unless reachable; --offline skips it), chunk_tokens against --block-size (without it, a warning when it is not a multiple of vLLM's default block sizes, 16 and 128 on CPU; auto, the default, always fits), kv_connector_module_path, kv_role, kv_load_failure_policy, and the installed vLLM against the releases kvtier supports (printed last; docs/vllm.md). Exit code 0 when it would start, 1 when it has errors, 2 when the input cannot be read (no such file, or not a JSON object).
+Runs the connector's own validator (the same checks it applies at engine start-up, after the model has loaded) and vLLM's transfer-config rules: unknown keys (with the closest known key), bad values, the disk tier path (exists or can be created, writable, enough free space, not a kernel filesystem such as /proc), cpu_gib against the memory this host has, the client package of each configured shared tier (redis, obstore), the Redis password and shared_secret_file when redis_url is set, then each configured shared tier itself (Redis: connect and PING; S3: a LIST of at most one key; within 2 s, never a write: one line saying reachable, unreachable or auth failed, a warning unless reachable, an error with --strict; --offline skips it), chunk_tokens against --block-size (without it, a warning when it is not a multiple of vLLM's default block sizes, 16 and 128 on CPU; auto, the default, always fits), kv_connector_module_path, kv_role, kv_load_failure_policy, and the installed vLLM against the releases kvtier supports (printed last; docs/vllm.md). Exit code 0 when it would start, 1 when it has errors (with --strict, also when a configured tier cannot be reached), 2 when the input cannot be read (no such file, or not a JSON object).
 
 CONFIG is the JSON itself, a file holding it, or - for stdin. To check a whole serve command line, use `kvtier audit` (it runs the same checks).
 
@@ -21,6 +21,8 @@ Examples:
   kvtier check '{"kv_connector":"KVTierConnector","kv_connector_module_path":"kvtier.integrations.vllm","kv_role":"kv_both","kv_load_failure_policy":"recompute","kv_connector_extra_config":{"cpu_gib":4}}'
 
   kvtier check kv-transfer.json --block-size 16 --json
+
+  kvtier check --strict kv-transfer.json   # CI: fail when Redis or the S3 endpoint cannot be reached
 """
 
 
@@ -44,6 +46,8 @@ def check_command(
     block_size: int | None = typer.Option(None, "--block-size", help="The server's --block-size, tokens."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
     offline: bool = typer.Option(False, "--offline", help="Do not probe the shared tiers (redis_url, s3_bucket)."),
+    strict: bool = typer.Option(False, "--strict", help="Exit 1 when a configured tier cannot be reached "
+                                "(unreachable or auth failed), for CI; without it that is a warning."),
 ) -> None:
     from kvtier.integrations.vllm.compat import SUPPORTED_RANGE, installed_vllm, statement, unsupported_reason
     from kvtier.integrations.vllm.preflight import (
@@ -54,6 +58,8 @@ def check_command(
         uses_kvtier,
     )
 
+    if strict and offline:
+        fail("--strict needs the shared-tier probes that --offline skips; give one of them.")
     if block_size is not None and block_size < 1:
         fail(f"--block-size must be at least 1, got {block_size}.")
     text = _read(config)
@@ -75,7 +81,9 @@ def check_command(
     if installed is not None and (reason := unsupported_reason(installed)) is not None:
         problems.append(Problem("error", "", reason))
     probes = [] if offline else probe_shared_tiers(transfer)
-    problems += [p.problem for p in probes if p.problem is not None]
+    unreached = [p.problem for p in probes if p.problem is not None]
+    # --strict: a tier that cannot be reached fails the check (exit 1), as an error of its own key
+    problems += [Problem("error", p.key, p.message) for p in unreached] if strict else unreached
     names_kvtier = False
     if not problems:
         names_kvtier = uses_kvtier(transfer)
@@ -95,11 +103,12 @@ def check_command(
                 print(f"ok: {probe.key}: {probe.result.message}")
     if not problems and not names_kvtier:
         fail('the config does not name KVTierConnector ("kv_connector":"KVTierConnector"); nothing to check.', 1)
-    if not as_json:
-        print(f"info: {statement()}")
     if errors:
+        if strict and unreached and not as_json:
+            print(f"error: --strict: {len(unreached)} configured tier(s) cannot be reached.")
         raise typer.Exit(1)
-    if not as_json:
+    if not as_json:  # the errors above are the whole answer when there are any
+        print(f"info: {statement()}")
         warned = len(problems)
         print(f"ok: vLLM would start with this KVTierConnector config{f' ({warned} warning(s))' if warned else ''}.")
 

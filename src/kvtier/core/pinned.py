@@ -119,7 +119,10 @@ def register_host(array: np.ndarray) -> str | None:
 
     Returns:
         None once registered; else one sentence saying why not (no CUDA build of torch, no device,
-        or the driver's error, e.g. a ``RLIMIT_MEMLOCK`` too low in a container).  Pieces already
+        or the driver's error).  ``RLIMIT_MEMLOCK`` is not among the causes: NVIDIA's driver pins
+        the pages with ``pin_user_pages`` and never charges them to that limit (os_lock_user_pages in
+        NVIDIA/open-gpu-kernel-modules kernel-open/nvidia/os-mlock.c), so a container's default
+        memlock limit and dropped capabilities do not stop it (docs/deploy.md).  Pieces already
         registered are unregistered again, so the array is either wholly pinned or not at all.
     """
     if array.nbytes == 0:
@@ -146,7 +149,7 @@ def register_host(array: np.ndarray) -> str | None:
             except (TypeError, RuntimeError):
                 reason = "no description"
             return (f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(result)} ({reason}); "
-                    "raise the memlock limit (ulimit -l) of the container or service")
+                    "docs/deploy.md#pinned-host-memory-and-memlock says what limits pinning (not ulimit -l)")
         done.append((start, nbytes))
     for start, nbytes in done:
         REGIONS.add(start, nbytes)

@@ -10,6 +10,7 @@ The registry below this module reads no configuration; the configuration reads t
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -56,8 +57,21 @@ def shared_configured(config: KVTierConfig) -> list[str]:
 
 def check(name: str, config: KVTierConfig) -> list[tuple[str, str]]:
     """Tier ``name``'s preflight over ``config``: ``(key, message)`` per problem its start-up
-    would refuse; empty if the tier has no check or is not configured."""
-    return plugin(name).check(config) if configured(name, config) else []
+    would refuse; empty if the tier has no check or is not configured.  First, each of the tier's
+    client :attr:`~kvtier.core.tiers.registry.TierSpec.packages` must import here (start-up would
+    fail without it); when one does not, that is the only problem reported."""
+    record = spec(name)
+    if not configured(name, config):
+        return []
+    for package in record.packages:
+        try:
+            importlib.import_module(package)
+        except ImportError:
+            return [(record.keys[0] if record.keys else name,
+                     (f"the {name} tier needs the Python package '{package}', which is not installed here; install "
+                     f"it (pip install 'kvtier[{name}]'; deploy/Dockerfile's image has every tier's client) or "
+                     f"remove the {name} tier from the config"))]
+    return plugin(name).check(config)
 
 
 def advice(name: str, config: KVTierConfig) -> list[tuple[str, str]]:

@@ -83,6 +83,9 @@ class TierSpec:
         model: the tier's default bandwidth and latency (:class:`TierModel`) for the sizing and
             simulation tools; ``None`` for a tier they do not model on its own (cpu, disk: their
             figures are the tools' own options).
+        packages: the modules of the tier's client outside kvtier (``redis``, ``obstore``: the
+            extra of the tier's name in pyproject.toml); the pre-flight reports one that does not
+            import as an error (:func:`kvtier.core.tiers.factory.check`).
     """
 
     name: str
@@ -95,6 +98,7 @@ class TierSpec:
     keys: tuple[str, ...] = ()
     medium: str | None = None
     model: TierModel | None = None
+    packages: tuple[str, ...] = ()
 
 
 REDIS_MODEL = TierModel(1.25, 0.5, "one 10 Gb/s Ethernet link (10GBASE-T line rate, IEEE 802.3an) to the server, and "
@@ -111,9 +115,9 @@ BUILTIN = (
              capabilities=frozenset({"rescannable", "generational", "exact_usage"}), keys=("disk_path", "disk_gib"),
              medium="STORAGE"),
     TierSpec("redis", 20, True, "external_unspecified", "kvtier.core.tiers.builtin:REDIS", keys=("redis_url",),
-             model=REDIS_MODEL),
+             model=REDIS_MODEL, packages=("redis",)),
     TierSpec("s3", 30, True, "external_unspecified", "kvtier.core.tiers.builtin:S3",
-             keys=("s3_bucket", "s3_endpoint_url"), model=S3_MODEL),
+             keys=("s3_bucket", "s3_endpoint_url"), model=S3_MODEL, packages=("obstore",)),
 )
 """The tiers shipped with kvtier: one line each."""
 
