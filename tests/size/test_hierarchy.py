@@ -101,11 +101,13 @@ def test_size_recommends_a_cpu_tier_larger_than_the_engine_or_only_staging(trace
     assert fits.offload_gib == 0 and "Offload not needed" in fits.notes[0]
 
 
+SCENARIO = ("--model", "meta-llama/Llama-3.1-70B", "--tp", "8", "--gpu", "H200", "--trace", "bundled",
+            "--host-ram-gib", "2048", "--nvme-gib", "13970")
+
+
 def test_the_70b_question_never_recommends_more_dram_than_the_host_minus_its_reserves():
-    """Llama-3.1-70B, TP 8, 8× H200, 2,048 GiB of host RAM, a 15 TB drive, the bundled trace."""
-    data = json.loads(invoke("size", "--model", "meta-llama/Llama-3.1-70B", "--tp", "8", "--gpu", "H200",
-                             "--trace", "bundled", "--host-ram-gib", "2048", "--nvme-gib", "13970",
-                             "--context", "32768", "--json").stdout)
+    """Llama-3.1-70B, TP 8, 8× H200, 2,048 GiB of host RAM, a 15 TB drive reading 14 GB/s, the bundled trace."""
+    data = json.loads(invoke("size", *SCENARIO, "--context", "32768", "--disk-gb-per-s", "14", "--json").stdout)
     engine_gib = data["hbm_kv_budget_bytes"] / GIB
     assert data["model"] == "meta-llama/Llama-3.1-70B"
     assert data["host_reserve_gib"] == 16 + 16 * 8
@@ -136,3 +138,33 @@ def test_host_and_nvme_inputs_are_refused_without_recommend_and_when_not_finite(
     result = runner.invoke(app, ["size", "--model", MODEL, "--trace", str(trace_file), "--sessions", "4",
                                  "--context", "100"])
     assert result.exit_code == 2 and "not both" in result.output
+
+
+def test_the_audit_agrees_with_size_on_the_70b_question():
+    """kvtier size's recipe for the 70B question audits clean on H200; the rule of thumb's 408 GiB tier does not."""
+    recipe = json.loads(invoke("size", *SCENARIO, "--disk-gb-per-s", "14", "--json").stdout)["recipe"]
+    for line in (recipe["kvtier"], recipe["vllm_native"].split("\n#")[0]):
+        result = runner.invoke(app, ["audit", "-", "--vllm-version", "0.32.0", "--gpu", "H200", "--format", "json"],
+                               input=line)
+        assert result.exit_code == 0, result.output
+        assert not [f for f in json.loads(result.stdout)["findings"] if f["rule"].startswith("cpu-tier")], result.stdout
+    old = "vllm serve meta-llama/Llama-3.1-70B --tensor-parallel-size 8 --kv-offloading-size 408"
+    result = runner.invoke(app, ["audit", "-", "--vllm-version", "0.32.0", "--gpu", "H200", "--format", "json"],
+                           input=old)
+    assert [f["severity"] for f in json.loads(result.stdout)["findings"] if f["rule"] == "cpu-tier-not-above-engine-cache"] == \
+        ["warning"], result.stdout
+    result = runner.invoke(app, ["audit", "-", "--gpu", "H900"], input=old)
+    assert result.exit_code == 2 and "--gpu 'H900' is not known" in result.output
+
+
+def test_a_disk_slower_than_prefill_gets_no_tier_in_size_as_in_simulate(trace_file):
+    """At simulate's default 7 GB/s and 20,000 tok/s a 320 KiB token loads slower than it recomputes:
+    simulate --recommend says so, and size (the same test, kvtier.simulate.hierarchy) sizes no disk tier."""
+    data = json.loads(invoke("size", *SCENARIO, "--json").stdout)
+    assert data["disk_gib"] == 0 and data["cpu_gib"] == 1904
+    assert any("No disk tier: loading a chunk from it is slower than prefill (7 GB/s" in n for n in data["notes"])
+    out = invoke("simulate", "--trace", str(trace_file), "--model", "meta-llama/Llama-3.1-70B", "--tp", "8",
+                 "--engine-gib", "300", "--cpu-gib", "600", "--policy", "lru", "--recommend", "--workers", "1",
+                 "--host-ram-gib", "2048", "--nvme-gib", "13970").stdout
+    assert re.search(r"^\s+disk\s+none\s+slower than prefill \(7 GB/s", out, re.MULTILINE), out
+    assert re.search(r"^\s+cpu [\d,]+ GiB, disk 0 GiB$", out, re.MULTILINE), out

@@ -226,7 +226,7 @@ def register(app: typer.Typer) -> None:
             if host_ram_gib is not None or nvme_gib is not None:
                 from kvtier.cli.simulate_plan import print_plan
 
-                print_plan(console, requests, spec, name, tp, host_ram_gib, host_reserve_gib, nvme_gib)
+                print_plan(console, requests, spec, name, tp, host_ram_gib, host_reserve_gib, nvme_gib, rates)
         writing = None
         try:
             if json_path is not None:

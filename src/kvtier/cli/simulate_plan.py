@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.simulate.hierarchy import (
     PredictedHits,
+    disk_slower_than_prefill,
     host_reserve_gib,
     plan_tiers,
     replay_plan,
@@ -23,6 +24,7 @@ from kvtier.simulate.hierarchy import (
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from kvtier.simulate.cost import Throughputs
     from kvtier.simulate.sweep import SweepSpec
     from kvtier.simulate.trace import Trace
 
@@ -33,7 +35,7 @@ def _hits(label: str, hits: PredictedHits) -> str:
 
 
 def print_plan(console: Console, trace: Trace, spec: SweepSpec, policy: str, tp: int, host_ram_gib: float | None,
-               reserve_gib: float | None, nvme_gib: float | None) -> None:
+               reserve_gib: float | None, nvme_gib: float | None, rates: Throughputs) -> None:
     """Print the tiers ``kvtier size`` recommends for ``trace`` at ``spec``'s engine size and chunk bytes,
     then one replay of them under ``policy`` (measured next to predicted token hit ratios)."""
     curve = stack_curve(trace)
@@ -41,7 +43,8 @@ def print_plan(console: Console, trace: Trace, spec: SweepSpec, policy: str, tp:
     reserve = reserve_gib if reserve_gib is not None else host_reserve_gib(tp)
     dram = usable_dram_gib(host_ram_gib, reserve) if host_ram_gib is not None else None
     nvme = usable_nvme_gib(nvme_gib) if nvme_gib is not None else None
-    tiers = plan_tiers(warm, spec.engine_gib, dram, nvme, curve, spec.chunk_bytes)
+    slower = disk_slower_than_prefill(spec.chunk_bytes / trace.block_tokens, rates)
+    tiers = plan_tiers(warm, spec.engine_gib, dram, nvme, curve, spec.chunk_bytes, slower)
 
     def say(line: str) -> None:
         console.print(line, markup=False, highlight=False, soft_wrap=True)

@@ -142,6 +142,10 @@ def size_command(
     trace: str | None = typer.Option(None, "--trace", help="Request trace (.jsonl[.gz]; 'bundled': the Mooncake "
                                      "trace shipped with kvtier) to size the warm set from, instead of --sessions."),
     trace_format: str = typer.Option("mooncake", "--trace-format", help="--trace format: mooncake or kvtier-jsonl."),
+    disk_gb_per_s: float = typer.Option(7.0, "--disk-gb-per-s", help="NVMe read bandwidth, GB/s, all drives together "
+                                        "(as kvtier simulate; a disk tier slower than prefill is not recommended)."),
+    prefill_tokens_per_s: float = typer.Option(20_000.0, "--prefill-tokens-per-s", help="Prefill throughput of the "
+                                               "engine, tokens/s (as kvtier simulate, docs/simulate.md)."),
     offload_gib: float | None = typer.Option(None, "--offload-gib", help="Print recipes for this tier size (GiB, total) instead of the recommendation."),
     disk_path: str = typer.Option("/mnt/nvme/kvtier", "--disk-path", help="Disk tier directory used in recipes."),
     chunk_tokens: int = typer.Option(128, "--chunk-tokens", help="kvtier chunk size in tokens."),
@@ -158,6 +162,7 @@ def size_command(
 ) -> None:
     from kvtier.core.config import MAX_CHUNK_TOKENS
     from kvtier.core.dtypes import DTYPE_BYTES, short_name
+    from kvtier.simulate.cost import Throughputs
     from kvtier.size import Deployment, build_recipe, plan, resolve_model
     from kvtier.size.hardware import GPUS, find_gpu
     from kvtier.size.plan import check_finite, split_tier
@@ -194,7 +199,11 @@ def size_command(
                          weights_gib=weights, overhead_gib=overhead_gib, context_tokens=context,
                          sessions=sessions, host_ram_gib=host_ram_gib, host_reserve_gib=host_reserve_gib,
                          nvme_gib=nvme_gib)
-        report = plan(resolved.geometry, dep, curve)
+        try:
+            rates = Throughputs(prefill_tokens_per_s=prefill_tokens_per_s, disk_gb_per_s=disk_gb_per_s)
+        except ValueError as exc:
+            raise UserError(f"{exc}.") from None
+        report = plan(resolved.geometry, dep, curve, rates)
         given_gpu = (gpu or "").strip()
         if found_gpu is not None and gpu_memory_gib is None and found_gpu.name.upper() != given_gpu.upper():
             # an alias (A100: two memory sizes): say which part the budget assumes

@@ -41,6 +41,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+from kvtier.simulate.cost import Throughputs
 from kvtier.simulate.replay import lookup_limits
 from kvtier.simulate.reuse import reuse_distances
 from kvtier.simulate.trace import Trace
@@ -175,13 +176,24 @@ class TierPlan:
         return self.cpu_gib + self.disk_gib
 
 
+def disk_slower_than_prefill(bytes_per_token: float, rates: Throughputs) -> str | None:
+    """Why a disk tier would not pay (loading a token from disk, then over PCIe, takes longer than
+    recomputing it: :mod:`kvtier.simulate.cost`'s first-order model), or None when it pays.  The one test
+    ``kvtier simulate --recommend`` and ``kvtier size`` apply."""
+    load_s = bytes_per_token / (rates.disk_gb_per_s * 1e9) + bytes_per_token / (rates.cpu_gb_per_s * 1e9)
+    if load_s < 1 / rates.prefill_tokens_per_s:
+        return None
+    return (f"slower than prefill ({rates.disk_gb_per_s:g} GB/s vs {rates.prefill_tokens_per_s:,.0f} tok/s)")
+
+
 def warm_set_from_trace(curve: StackCurve, chunk_bytes: int, share: float = SHARE) -> float:
     """GiB the stack must hold to reach ``share`` of ``curve``'s ceiling."""
     return curve.chunks_for(share * curve.ceiling) * chunk_bytes / GIB
 
 
 def plan_tiers(warm_set_gib: float, engine_gib: float, dram_gib: float | None, nvme_gib: float | None,
-               curve: StackCurve | None = None, chunk_bytes: int | None = None) -> TierPlan:
+               curve: StackCurve | None = None, chunk_bytes: int | None = None,
+               disk_slower: str | None = None) -> TierPlan:
     """The tiers to buy (the rule of the module docstring).
 
     Args:
@@ -190,6 +202,7 @@ def plan_tiers(warm_set_gib: float, engine_gib: float, dram_gib: float | None, n
         dram_gib: usable DRAM for the cpu tier (after reserves), GiB; None: unknown (not capped).
         nvme_gib: usable NVMe for the disk tier (after headroom), GiB; None: no NVMe given (no disk tier).
         curve, chunk_bytes: the trace's curve and bytes per chunk, for the predicted hit ratios.
+        disk_slower: :func:`disk_slower_than_prefill`'s reason, when loading from disk does not pay: no disk tier.
 
     Returns:
         the plan; ``cpu_gib == disk_gib == 0`` when the engine holds the warm set or no tier would serve.
@@ -210,7 +223,11 @@ def plan_tiers(warm_set_gib: float, engine_gib: float, dram_gib: float | None, n
     above = max(engine_gib, cpu)
     disk = 0.0
     if warm_set_gib > above:
-        if nvme_gib is None:
+        if disk_slower is not None:
+            notes.append(f"No disk tier: loading a chunk from it is {disk_slower}: recomputing is faster. Give "
+                         "--disk-gb-per-s (the drives' read bandwidth together) and --prefill-tokens-per-s if yours "
+                         "differ.")
+        elif nvme_gib is None:
             what = "the cpu tier" if cpu else "the engine's KV cache"
             notes.append(f"The warm set ({warm_set_gib:,.0f} GiB) is larger than {what} ({above:,.0f} GiB): give "
                          "--nvme-gib to size a disk tier for the rest.")

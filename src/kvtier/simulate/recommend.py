@@ -284,10 +284,11 @@ def _sizes(trace: Trace, spec: SweepSpec, rows: Sequence[SweepRow], rates: Throu
                                   f"of prompt tokens at cpu {_gib(row.cpu_gib)} GiB"))
         return sizes
     best = row.token_hit_ratio
-    per_token = spec.chunk_bytes / trace.block_tokens
-    if per_token / (rates.disk_gb_per_s * 1e9) + per_token / (rates.cpu_gb_per_s * 1e9) >= 1 / rates.prefill_tokens_per_s:
-        sizes.append(TierSize("disk", None, best, f"slower than prefill ({rates.disk_gb_per_s:g} GB/s vs "
-                                                  f"{rates.prefill_tokens_per_s:,.0f} tok/s)"))
+    from kvtier.simulate.hierarchy import disk_slower_than_prefill
+
+    slower = disk_slower_than_prefill(spec.chunk_bytes / trace.block_tokens, rates)
+    if slower is not None:
+        sizes.append(TierSize("disk", None, best, slower))
         return sizes
     target = share * ceiling
     if best >= target:

@@ -21,10 +21,12 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from kvtier.core.errors import UserError
+from kvtier.simulate.cost import Throughputs
 from kvtier.simulate.hierarchy import (
     MIN_STAGING_GIB,
     SESSION_HEADROOM,
     StackCurve,
+    disk_slower_than_prefill,
     host_reserve_gib,
     plan_tiers,
     usable_dram_gib,
@@ -196,10 +198,12 @@ def hbm_kv_budget_bytes(dep: Deployment) -> int | None:
     return max(0, int(per_gpu * GIB)) * dep.tp
 
 
-def plan(geometry: KVGeometry, dep: Deployment, curve: StackCurve | None = None) -> SizeReport:
+def plan(geometry: KVGeometry, dep: Deployment, curve: StackCurve | None = None,
+         rates: Throughputs | None = None) -> SizeReport:
     """Size the KV cache of ``geometry`` served as ``dep``; with ``curve`` (the trace's,
     :func:`kvtier.simulate.hierarchy.stack_curve`) the warm set is read from it instead of
-    sessions × context.
+    sessions × context; ``rates`` (default :class:`~kvtier.simulate.cost.Throughputs`, kvtier simulate's) decide
+    whether a disk tier pays.
 
     Raises:
         UserError: a deployment value is invalid or TP does not fit the model's heads.
@@ -254,11 +258,11 @@ def plan(geometry: KVGeometry, dep: Deployment, curve: StackCurve | None = None)
         chunk_bytes = report.kv_bytes_per_token * curve.block_tokens
         report.warm_set_bytes = int(warm_set_from_trace(curve, chunk_bytes) * GIB)
         if budget is not None:
-            _recommend(report, budget, dep, report.warm_set_bytes, curve, chunk_bytes)
+            _recommend(report, budget, dep, report.warm_set_bytes, rates, curve, chunk_bytes)
     elif dep.sessions is not None and report.bytes_per_session is not None:
         report.warm_set_bytes = report.bytes_per_session * dep.sessions
         if budget is not None:
-            _recommend(report, budget, dep, int(report.warm_set_bytes * HEADROOM))
+            _recommend(report, budget, dep, int(report.warm_set_bytes * HEADROOM), rates)
     elif dep.sessions is not None or dep.context_tokens is not None:
         report.notes.append("Give both --sessions and --context (or --trace) to size the offload tier.")
     return report
@@ -306,8 +310,8 @@ def split_tier(total_gib: float, host_ram_gib: float | None, host_reserve_gib: f
     return TierSplit(cpu, disk, tuple(notes))
 
 
-def _recommend(report: SizeReport, budget: int, dep: Deployment, warm_bytes: int, curve: StackCurve | None = None,
-               chunk_bytes: int | None = None) -> None:
+def _recommend(report: SizeReport, budget: int, dep: Deployment, warm_bytes: int, rates: Throughputs | None,
+               curve: StackCurve | None = None, chunk_bytes: int | None = None) -> None:
     """Fill the report's tiers from :func:`kvtier.simulate.hierarchy.plan_tiers`."""
     if warm_bytes / GIB > MAX_GIB:
         raise UserError(f"the warm set needs a {warm_bytes / GIB:,.0f} GiB offload tier, more than the "
@@ -315,7 +319,8 @@ def _recommend(report: SizeReport, budget: int, dep: Deployment, warm_bytes: int
                         "--context.")
     dram = usable_dram_gib(dep.host_ram_gib, dep.reserve_gib) if dep.host_ram_gib is not None else None
     nvme = usable_nvme_gib(dep.nvme_gib) if dep.nvme_gib is not None else None
-    tiers = plan_tiers(warm_bytes / GIB, budget / GIB, dram, nvme, curve, chunk_bytes)
+    slower = disk_slower_than_prefill(report.kv_bytes_per_token, rates or Throughputs())
+    tiers = plan_tiers(warm_bytes / GIB, budget / GIB, dram, nvme, curve, chunk_bytes, slower)
     report.recommended_offload_gib = round(tiers.offload_gib, 2)
     report.notes.extend(tiers.notes)
     if tiers.hits is not None:
