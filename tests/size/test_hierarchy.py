@@ -19,6 +19,7 @@ from kvtier.simulate.hierarchy import (
     GIB,
     host_reserve_gib,
     plan_tiers,
+    replay_plan,
     stack_curve,
     usable_dram_gib,
     warm_set_from_trace,
@@ -168,3 +169,21 @@ def test_a_disk_slower_than_prefill_gets_no_tier_in_size_as_in_simulate(trace_fi
                  "--host-ram-gib", "2048", "--nvme-gib", "13970").stdout
     assert re.search(r"^\s+disk\s+none\s+slower than prefill \(7 GB/s", out, re.MULTILINE), out
     assert re.search(r"^\s+cpu [\d,]+ GiB, disk 0 GiB$", out, re.MULTILINE), out
+
+
+def test_the_write_through_replay_measures_the_inclusive_prediction_and_write_back_holds_more(trace_file):
+    """kvtier's default disk tier is write-through: the replay that checks a plan stores every chunk in the
+    disk tier when the cpu tier stores it, and then measures the model's prediction; the write-back replay
+    (a cpu victim spills to disk) holds cpu + disk distinct chunks and measures more."""
+    trace = read_trace(trace_file)
+    curve = stack_curve(trace)
+    plan = plan_tiers(warm_set_from_trace(curve, CHUNK_BYTES), 60, 232, 4000 / 1.1, curve, CHUNK_BYTES)
+    assert plan.hits is not None and plan.disk_gib > plan.cpu_gib > 60
+    measured = replay_plan(trace, plan, CHUNK_BYTES, "lru")
+    assert measured.total == pytest.approx(plan.hits.total, rel=0.01)
+    chunks = [int(g * GIB // CHUNK_BYTES) for g in (plan.engine_gib, plan.cpu_gib, plan.disk_gib)]
+    engine = engine_prefix_hits(trace, chunks[0])
+    through = replay(trace, engine, chunks[1], chunks[2], lambda: make_policy("lru"), write_through=True)
+    back = replay(trace, engine, chunks[1], chunks[2], lambda: make_policy("lru"))
+    assert through.disk_stores > back.disk_stores and through.cpu_evictions == back.cpu_evictions
+    assert back.disk_hits > through.disk_hits

@@ -59,7 +59,8 @@ def print_plan(console: Console, trace: Trace, spec: SweepSpec, policy: str, tp:
         say(f"  - {note}")
     if tiers.hits is None or tiers.offload_gib == 0:
         return
-    say(f"replaying the trace once through those tiers (policy {policy}) ...")
+    say(f"replaying the trace once through those tiers (policy {policy}; the disk write-through, kvtier's "
+        "default write_mode, as the tiers above assume) ...")
     measured = replay_plan(trace, tiers, spec.chunk_bytes, policy)
     say(_hits("predicted", tiers.hits))
     say(_hits("replayed", measured))

@@ -268,8 +268,9 @@ def _predict(curve: StackCurve | None, chunk_bytes: int | None, engine_gib: floa
 
 def replay_plan(trace: Trace, tiers: TierPlan, chunk_bytes: int, policy: str = "lru") -> PredictedHits:
     """Replay ``trace`` through ``tiers`` (``kvtier simulate``'s replay: the engine as vLLM's block pool,
-    the cpu and disk tiers under ``policy``) and return the token hit ratios it measures, to set beside
-    :attr:`TierPlan.hits`.  One replay: about a minute on the bundled trace.
+    the cpu and disk tiers under ``policy``, the disk write-through as kvtier's default ``write_mode``)
+    and return the token hit ratios it measures, to set beside :attr:`TierPlan.hits`.  One replay:
+    about a minute on the bundled trace.
 
     Raises:
         ValueError: unknown policy name.
@@ -281,7 +282,8 @@ def replay_plan(trace: Trace, tiers: TierPlan, chunk_bytes: int, policy: str = "
         return int(gib * GIB / chunk_bytes + 1e-6)
 
     engine = engine_prefix_hits(trace, chunks(tiers.engine_gib))
-    counts = replay(trace, engine, chunks(tiers.cpu_gib), chunks(tiers.disk_gib), lambda: make_policy(policy))
+    counts = replay(trace, engine, chunks(tiers.cpu_gib), chunks(tiers.disk_gib), lambda: make_policy(policy),
+                    write_through=True)
     share = trace.block_tokens / counts.prompt_tokens
     served = (counts.engine_hits * share, counts.cpu_hits * share, counts.disk_hits * share)
     return PredictedHits(*served, sum(served))
