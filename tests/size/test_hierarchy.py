@@ -59,6 +59,8 @@ def test_size_and_simulate_give_the_same_tiers_and_the_replay_measures_the_predi
     out = invoke("simulate", "--trace", str(trace_file), "--model", MODEL, "--engine-gib", "60", "--cpu-gib",
                  "30,232", "--policy", "lru", "--recommend", "--host-ram-gib", "264", "--nvme-gib", "4000",
                  "--workers", "1").stdout
+    # the sweep's own disk reading gives way to the one model: no second, different disk size
+    assert re.search(r"^\s+disk\s+none\s+sized below, as kvtier size sizes it", out, re.MULTILINE), out
     tiers = re.search(r"^\s+cpu ([\d,.]+) GiB, disk ([\d,.]+) GiB$", out, re.MULTILINE)
     assert tiers is not None, out
     cpu, disk = (float(g.replace(",", "")) for g in tiers.groups())

@@ -212,8 +212,10 @@ def register(app: typer.Typer) -> None:
             name = "default" if "default" in policies else next((p for p in policies if p != "belady"), None)
             if name is None:
                 fail("--recommend needs an online policy in --policy (belady knows the future)")
+            planned = host_ram_gib is not None or nvme_gib is not None
             ceiling, sizes = advise(requests, spec, result.curve(name), name, rates, workers=workers,
-                                    say=lambda line: console.print(line, markup=False, highlight=False))
+                                    say=lambda line: console.print(line, markup=False, highlight=False),
+                                    disk_elsewhere="sized below, as kvtier size sizes it" if planned else None)
             import textwrap
 
             console.print(textwrap.fill(f"sizes for {policy_label(name)}, read from the table's rows (ceiling "
