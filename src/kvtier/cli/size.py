@@ -105,8 +105,8 @@ def _print_text(report, recipe, weights_note: str) -> None:  # type: ignore[no-u
             staging = " (staging only)" if report.cpu_staging else ""
             rows.append(("  cpu tier / disk tier", f"{report.cpu_gib or 0:,.2f}{staging} / {report.disk_gib or 0:,.2f} GiB"))
     if report.predicted_hits:
-        hits = report.predicted_hits
-        split = f"{hits['total']:.1%} = {hits['engine']:.1%} + {hits['cpu']:.1%} + {hits['disk']:.1%} of prompt tokens"
+        engine, cpu, disk, total = report.predicted_hits.values()  # PredictedHits' fields, in order
+        split = f"{total:.1%} = {engine:.1%} + {cpu:.1%} + {disk:.1%} of prompt tokens"
         rows.append(("predicted hit (engine + cpu + disk)", split))
     for row in rows:
         table.add_row(*row)
