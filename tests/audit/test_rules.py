@@ -68,6 +68,8 @@ def kvtier_line(policy: str | None = "recompute", **extra: object) -> str:
 
 
 GEMMA = "vllm serve google/gemma-3-27b-it"
+KV_PINNED = f"vllm serve m -tp 2 --kv-cache-memory-bytes {100 << 30}"
+LLAMA70 = "vllm serve meta-llama/Llama-3.1-70B --tensor-parallel-size 8"
 V = "0.32.0"
 
 # rule id: ((firing text, version), (quiet text, version)); version None means unknown.
@@ -204,6 +206,12 @@ CASES: dict[str, tuple[tuple[str, str | None], tuple[str, str | None]]] = {
     "kvtier-shared-tier-cleartext-beyond-namespace": (
         (pod(redis_url="redis://redis.other-team.svc.cluster.local:6379/0"), V),
         (pod(redis_url="redis://redis.inference.svc.cluster.local:6379/0"), V)),
+    # 100 GiB of engine KV per GPU × TP 2 = 200 GiB: a 128 GiB cpu tier holds nothing the engine does not
+    "cpu-tier-not-above-engine-cache": ((f"{KV_PINNED} --kv-offloading-size 128", V),
+                                        (f"{KV_PINNED} --kv-offloading-size 256", V)),
+    # Llama-3.1-70B at TP 8: 410 GiB of engine KV on H100, 847 on H200, 1,219 on MI300X
+    "cpu-tier-vs-engine-cache-unknown": ((f"{LLAMA70} --kv-offloading-size 408", V),
+                                         (f"{LLAMA70} --kv-offloading-size 1904", V)),
 }
 
 
@@ -467,3 +475,38 @@ def test_a_misspelt_tier_settings_key_gets_the_closest_one():
     found = _check(tiers=["cpu", "s3"], tier_settings={"s3": {"s3_bucket": "kv-cache", "s3_bukcet": "x"}})
     (error,) = [p for p in found if p[0] == "error"]
     assert "did you mean 's3_bucket'?" in error[2] and "tier_settings.s3.s3_bukcet" in error[2]
+
+
+def _findings_on(text: str, gpu: str | None) -> dict[str, str]:
+    configs = load_configs(text, "test", parse_version(V))
+    for config in configs:
+        config.gpu = gpu
+    return {f.rule: f.message for f in audit(configs)}
+
+
+@pytest.mark.parametrize("cpu_gib, fires", [(408, True), (847, True), (1904, False)])
+def test_a_cpu_tier_is_judged_against_the_engine_cache_of_the_gpu_given(cpu_gib, fires):
+    """Llama-3.1-70B at TP 8 on 8× H200 holds 847 GiB of KV (kvtier size); kvtier size's 1,904 GiB tier passes."""
+    found = _findings_on(f"{LLAMA70} --kv-offloading-size {cpu_gib}", "H200")
+    assert ("cpu-tier-not-above-engine-cache" in found) is fires
+    assert "cpu-tier-vs-engine-cache-unknown" not in found
+    if fires:
+        assert "847 GiB (meta-llama/Llama-3.1-70B at TP 8 on H200" in found["cpu-tier-not-above-engine-cache"]
+
+
+def test_a_kvtier_cpu_tier_counts_its_disk_tier_and_a_shared_tier_makes_it_staging():
+    line = LLAMA70 + " --kv-transfer-config '{}'"
+    small = {"kv_connector": "KVTierConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"cpu_gib": 400}}
+    assert "cpu-tier-not-above-engine-cache" in _findings_on(line.replace("{}", json.dumps(small)), "H200")
+    small["kv_connector_extra_config"] = {"cpu_gib": 4, "disk_path": "/nvme/kv", "disk_gib": 5000}
+    assert "cpu-tier-not-above-engine-cache" not in _findings_on(line.replace("{}", json.dumps(small)), "H200")
+    small["kv_connector_extra_config"] = {"cpu_gib": 4, "disk_path": "/nvme/kv", "disk_gib": 500}
+    assert "cpu-tier-not-above-engine-cache" in _findings_on(line.replace("{}", json.dumps(small)), "H200")
+    small["kv_connector_extra_config"] = {"cpu_gib": 4, "redis_url": "redis://127.0.0.1:6379/0"}
+    assert "cpu-tier-not-above-engine-cache" not in _findings_on(line.replace("{}", json.dumps(small)), "H200")
+
+
+def test_an_unknown_model_on_a_given_gpu_is_said_to_be_beyond_the_audit():
+    found = _findings_on("vllm serve my-org/my-finetune --kv-offloading-size 64", "H200")
+    assert "cannot tell" in found["cpu-tier-vs-engine-cache-unknown"]
+    assert "cpu-tier-not-above-engine-cache" not in found

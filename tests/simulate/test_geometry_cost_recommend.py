@@ -4,8 +4,9 @@ import json
 
 import pytest
 
+from kvtier.cli.simulate import _per_token as per_token
+from kvtier.core.errors import UserError
 from kvtier.simulate.cost import Throughputs, time_saved
-from kvtier.simulate.geometry import GeometryError, kv_bytes_per_token, kv_bytes_per_token_from_file
 from kvtier.simulate.recommend import advise, cpu_size, recommend
 from kvtier.simulate.sweep import SweepSpec, run_sweep
 from tests.simulate.helpers import make_trace
@@ -14,44 +15,51 @@ LLAMA_8B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_h
             "hidden_size": 4096, "torch_dtype": "bfloat16"}
 
 
-def test_gqa_mha_explicit_head_dim_and_mla():
-    assert kv_bytes_per_token(LLAMA_8B) == 32 * 2 * 8 * 128 * 2 == 131_072
+def _config(tmp_path, config: dict, name: str = "config.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def test_gqa_mha_explicit_head_dim_and_mla(tmp_path):
+    """simulate --model reads a model through kvtier size's resolver (kvtier.size.models.resolve_model)."""
+    assert per_token(_config(tmp_path, LLAMA_8B), 1, "auto") == 32 * 2 * 8 * 128 * 2 == 131_072
     mha = {"num_hidden_layers": 12, "num_attention_heads": 12, "hidden_size": 768, "torch_dtype": "float32"}
     # vLLM's --dtype auto runs a float32 checkpoint in 16 bits (vllm/config/model.py, "Downcast for float32
-    # models"), its KV cache too; this was 4 bytes a value, twice kvtier size's figure (tester3)
-    assert kv_bytes_per_token(mha) == 12 * 2 * 12 * 64 * 2
-    assert kv_bytes_per_token(mha, kv_dtype="float32") == 12 * 2 * 12 * 64 * 4  # asked for explicitly
-    assert kv_bytes_per_token({**LLAMA_8B, "head_dim": 256}) == 32 * 2 * 8 * 256 * 2
-    assert kv_bytes_per_token(LLAMA_8B, kv_dtype="fp8") == 65_536
-    mla = {"num_hidden_layers": 61, "num_attention_heads": 128, "kv_lora_rank": 512,
+    # models"), its KV cache too (tester3)
+    assert per_token(_config(tmp_path, mha), 1, "auto") == 12 * 2 * 12 * 64 * 2
+    assert per_token(_config(tmp_path, {**LLAMA_8B, "head_dim": 256}), 1, "auto") == 32 * 2 * 8 * 256 * 2
+    assert per_token(_config(tmp_path, LLAMA_8B), 1, "fp8") == 65_536
+    assert per_token(_config(tmp_path, LLAMA_8B), 4, "auto") == 131_072  # a total across ranks
+    mla = {"num_hidden_layers": 61, "num_attention_heads": 128, "hidden_size": 7168, "kv_lora_rank": 512,
            "qk_rope_head_dim": 64, "torch_dtype": "bfloat16"}
-    assert kv_bytes_per_token(mla) == 61 * (512 + 64) * 2
-    assert kv_bytes_per_token({"text_config": LLAMA_8B}) == 131_072
+    assert per_token(_config(tmp_path, mla), 1, "auto") == 61 * (512 + 64) * 2
+    assert per_token(_config(tmp_path, {"text_config": LLAMA_8B}), 1, "auto") == 131_072
+    assert per_token("meta-llama/Llama-3.1-8B", 1, "auto") == 131_072  # a preset's alias, as kvtier size reads it
 
 
 def test_geometry_errors(tmp_path):
-    with pytest.raises(GeometryError, match="num_hidden_layers"):
-        kv_bytes_per_token({"num_attention_heads": 8})
-    with pytest.raises(GeometryError, match="dtype"):
-        kv_bytes_per_token({**LLAMA_8B, "torch_dtype": "int3"})
-    with pytest.raises(GeometryError, match="does not exist"):
-        kv_bytes_per_token_from_file(tmp_path / "config.json")
+    with pytest.raises(UserError, match="num_hidden_layers"):
+        per_token(_config(tmp_path, {"num_attention_heads": 8}), 1, "auto")
+    with pytest.raises(UserError, match="dtype"):
+        per_token(_config(tmp_path, {**LLAMA_8B, "torch_dtype": "int3"}), 1, "auto")
+    with pytest.raises(UserError, match="does not exist"):
+        per_token(str(tmp_path / "missing.json"), 1, "auto")
     (tmp_path / "bad.json").write_text("{oops")
-    with pytest.raises(GeometryError, match="not valid JSON"):
-        kv_bytes_per_token_from_file(tmp_path / "bad.json")
-    (tmp_path / "good.json").write_text(json.dumps(LLAMA_8B))
-    assert kv_bytes_per_token_from_file(tmp_path / "good.json") == 131_072
+    with pytest.raises(UserError, match="not a readable JSON config"):
+        per_token(str(tmp_path / "bad.json"), 1, "auto")
+    with pytest.raises(UserError, match="--kv-dtype 'int4'"):
+        per_token(_config(tmp_path, LLAMA_8B), 1, "int4")
 
 
 def test_a_model_directory_is_read_through_its_config_json(tmp_path):
-    """simulate --model DIR said "cannot read model config DIR ([Errno 21] Is a directory ...)" with no
-    fix, where kvtier size --model reads the same directory (tester4)."""
+    """simulate --model DIR reads DIR/config.json, as kvtier size --model does (tester4)."""
     (tmp_path / "model").mkdir()
-    with pytest.raises(GeometryError, match=r"model directory .*model holds no config.json; pass a model "
-                                            r"directory or its config.json to --model"):
-        kv_bytes_per_token_from_file(tmp_path / "model")
+    with pytest.raises(UserError, match=r"model/config.json does not exist; pass a model directory or its "
+                                        r"config.json"):
+        per_token(str(tmp_path / "model"), 1, "auto")
     (tmp_path / "model" / "config.json").write_text(json.dumps(LLAMA_8B))
-    assert kv_bytes_per_token_from_file(tmp_path / "model") == 131_072
+    assert per_token(str(tmp_path / "model"), 1, "auto") == 131_072
 
 
 @pytest.mark.parametrize("change, message", [
@@ -60,27 +68,28 @@ def test_a_model_directory_is_read_through_its_config_json(tmp_path):
     ({"hidden_size": 100}, "hidden_size 100 not divisible by num_attention_heads 32"),
 ])
 def test_heads_that_do_not_fit_are_refused_as_kvtier_size_refuses_them(tmp_path, change, message):
-    """These were sized silently (hidden_size 100 over 32 heads: a floored head_dim of 3), while
-    kvtier size refuses them (tester3)."""
-    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_8B, **change}))
-    with pytest.raises(GeometryError, match=message):
-        kv_bytes_per_token_from_file(tmp_path / "config.json")
+    """These were sized silently (hidden_size 100 over 32 heads: a floored head_dim of 3) (tester3)."""
+    with pytest.raises(UserError, match=message):
+        per_token(_config(tmp_path, {**LLAMA_8B, **change}), 1, "auto")
 
 
 def test_every_preset_gets_the_bytes_per_token_kvtier_size_gives():
-    """Hybrid models were sized from every layer: Jamba 1.5 Mini 8x (131,072 B for its 4 attention
-    layers of 32), Qwen3-Next 4x kvtier size's figure, so a simulated tier held too few chunks (tester3)."""
-    from kvtier.size.hf_config import geometry_from_config
+    """Hybrid models count their attention layers only: Jamba 1.5 Mini 4 of 32 (tester3)."""
     from kvtier.size.presets import PRESETS
 
     for preset in PRESETS:
-        geometry = geometry_from_config(preset.config, preset.name)
-        assert kv_bytes_per_token(preset.config, kv_dtype="bf16") == geometry.kv_bytes_per_token(1, 2), preset.name
-    jamba = next(p.config for p in PRESETS if "Jamba" in p.name)
-    assert kv_bytes_per_token(jamba, kv_dtype="bf16") == 4 * 2 * 8 * 128 * 2  # 4 attention layers of 32
-    all_mamba = {**LLAMA_8B, "layer_types": ["mamba"] * 32}
-    with pytest.raises(GeometryError, match="no attention layers"):
-        kv_bytes_per_token(all_mamba)
+        for tp in (1, 8):
+            geometry = preset.geometry()
+            if tp > 1 and (geometry.num_attention_heads or 1) % tp:
+                continue
+            assert per_token(preset.name, tp, "bf16") == geometry.kv_bytes_per_token(tp, 2), preset.name
+    jamba = next(p.name for p in PRESETS if "Jamba" in p.name)
+    assert per_token(jamba, 1, "bf16") == 4 * 2 * 8 * 128 * 2  # 4 attention layers of 32
+
+
+def test_a_model_without_attention_layers_is_refused(tmp_path):
+    with pytest.raises(UserError, match="no attention layers"):
+        per_token(_config(tmp_path, {**LLAMA_8B, "layer_types": ["mamba"] * 32}), 1, "auto")
 
 
 def test_time_saved_per_tier():

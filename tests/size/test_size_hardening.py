@@ -28,16 +28,17 @@ def _json(*args: str) -> dict:
 
 def test_short_host_ram_keeps_a_minimum_dram_tier_in_front_of_disk():
     data = _json("--model", LLAMA, "--gpu", "H100", "--context", "131072", "--sessions", "100",
-                 "--host-ram-gib", "10")
-    assert data["cpu_gib"] == MIN_CPU_GIB and data["disk_gib"] > 0
+                 "--host-ram-gib", "10", "--nvme-gib", "100000")
+    assert data["cpu_gib"] == MIN_CPU_GIB and data["disk_gib"] > 0 and data["cpu_staging"] is True
     assert data["recipe"]["cpu_gib"] >= MIN_CPU_GIB
     assert "LMCACHE_MAX_LOCAL_CPU_SIZE=0" not in data["recipe"]["lmcache"]
     assert "--kv-offloading-size 0" not in data["recipe"]["vllm_native"]
-    assert any("DRAM tier in front of it" in note for note in data["notes"])
+    assert any("in front of the disk tier" in note for note in data["notes"])
+    assert any("exceeds usable host RAM" in note and "--host-reserve-gib" in note for note in data["notes"])
 
 
 def test_explicit_offload_gib_is_capped_by_host_ram_with_a_note():
-    data = _json("--model", LLAMA, "--offload-gib", "100", "--host-ram-gib", "40")
+    data = _json("--model", LLAMA, "--offload-gib", "100", "--host-ram-gib", "40", "--host-reserve-gib", "16")
     assert data["recipe"]["cpu_gib"] == 24 and data["recipe"]["disk_gib"] == 76
     assert any("exceeds usable host RAM" in note for note in data["notes"])
 

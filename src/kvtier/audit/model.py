@@ -101,6 +101,7 @@ class ServeConfig:
         launch: the words that start the server, joined (a container's ``command`` + ``args``, a
             shell line): install steps such as ``pip install kvtier`` are looked for in it.
         pod: the pod around the container, when read from a Kubernetes manifest; None otherwise.
+        gpu: the GPU the server runs on (a ``kvtier size --gpu`` name, from ``kvtier audit --gpu``), if known.
     """
 
     origin: str
@@ -112,6 +113,7 @@ class ServeConfig:
     text: str = ""
     launch: str = ""
     pod: PodFacts | None = None
+    gpu: str | None = None
 
     # --- flags -----------------------------------------------------------------------------
     def has(self, flag: str) -> bool:

@@ -94,6 +94,9 @@ def audit_command(
     file: str = typer.Argument("-", help="File to audit, or - for stdin."),
     vllm_version: str | None = typer.Option(None, "--vllm-version", help="vLLM version X.Y.Z (default: image tag)."),
     output_format: str = typer.Option("text", "--format", "-f", help="text, json or sarif."),
+    gpu: str | None = typer.Option(None, "--gpu", help="GPU the servers run on (H100, H200, B200, ...: kvtier size's "
+                                   "names), so the engine's KV cache can be computed from the model, TP and "
+                                   "--gpu-memory-utilization."),
     rules_markdown: bool = typer.Option(False, "--rules-markdown", help="Print the rule table as Markdown and exit."),
 ) -> None:
     from kvtier.audit.engine import audit, has_errors
@@ -109,8 +112,15 @@ def audit_command(
         fail(f"--format {output_format!r} is not one of text, json, sarif.")
     try:
         version = parse_version(vllm_version) if vllm_version is not None else None
+        from kvtier.size.hardware import GPUS, find_gpu
+
+        found = find_gpu(gpu) if gpu is not None else None
+        if gpu is not None and found is None:
+            raise UserError(f"--gpu {gpu!r} is not known; use one of {', '.join(g.name for g in GPUS)}.")
         text, origin = _read_input(file)
         configs = load_configs(text, origin, version)
+        for config in configs:
+            config.gpu = found.name if found is not None else None
     except UserError as exc:
         fail(str(exc))
     findings = audit(configs)

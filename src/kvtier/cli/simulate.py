@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from kvtier.cli.errors import check_output_path, fail
+from kvtier.core.errors import UserError
 from kvtier.core.policies import available_policies
 
 MAX_CAPACITY_GIB = float(1 << 20)  # 1 PiB: the bound of `kvtier size --offload-gib` (docs/size.md)
@@ -40,12 +41,36 @@ def parse_gib_list(text: str, option: str) -> tuple[float, ...]:
     return tuple(values)
 
 
+def _per_token(model: str, tp: int, kv_dtype: str) -> int:
+    """KV bytes per token of ``model`` at ``tp`` (totals across ranks), resolved exactly as ``kvtier size``
+    resolves it (:func:`kvtier.size.models.resolve_model`: a path, a preset, or the hub).
+
+    Raises:
+        UserError: the model cannot be resolved, TP does not fit its heads, or the dtype is unknown.
+    """
+    from kvtier.core.dtypes import DTYPE_BYTES, short_name
+    from kvtier.size.models import resolve_model
+
+    dtype = "bf16" if kv_dtype.strip().lower() == "auto" else short_name(kv_dtype)
+    if dtype is None:
+        raise UserError(f"--kv-dtype {kv_dtype!r} is not one of auto, bf16, fp16, fp8.")
+    geometry = resolve_model(model).geometry
+    geometry.check_tp(tp)
+    return geometry.kv_bytes_per_token(tp, DTYPE_BYTES[dtype])
+
+
 def register(app: typer.Typer) -> None:
     @app.command("simulate")
     def simulate(
-        trace: Path = typer.Option(..., "--trace", help="Request trace (.jsonl or .jsonl.gz)."),
+        trace: Path = typer.Option(..., "--trace", help="Request trace (.jsonl or .jsonl.gz; 'bundled': the "
+                                   "Mooncake trace shipped with kvtier)."),
         fmt: str = typer.Option("mooncake", "--format", help="Trace format: mooncake or kvtier-jsonl."),
-        model: Path | None = typer.Option(None, "--model", help="HF config.json giving the KV geometry, or the model directory holding it."),
+        model: str | None = typer.Option(None, "--model", help="Model as kvtier size reads it: a config.json, a model "
+                                         "directory, a built-in preset or a hub id (kvtier size --list-presets)."),
+        tp: int = typer.Option(1, "--tp", help="With --model: tensor-parallel size (KV bytes per token are totals "
+                               "across ranks, as kvtier size prints them)."),
+        kv_dtype: str = typer.Option("auto", "--kv-dtype", help="With --model: KV cache dtype: auto (bf16), bf16, "
+                                     "fp16 or fp8."),
         kv_bytes_per_token: int | None = typer.Option(
             None, "--kv-bytes-per-token", help="KV bytes per token, all layers (instead of --model)."),
         tokens_per_block: int | None = typer.Option(
@@ -86,17 +111,22 @@ def register(app: typer.Typer) -> None:
         shared_latency_ms: float | None = typer.Option(None, "--shared-latency-ms", help="Shared tier latency per "
                                                        "request served, ms (default: --shared-tier's)."),
         workers: int = typer.Option(0, "--workers", help="Processes (0: one per CPU core)."),
+        host_ram_gib: float | None = typer.Option(None, "--host-ram-gib", help="With --recommend: host RAM of the "
+                                                  "node, GiB: print kvtier size's tiers for this trace and replay them."),
+        host_reserve_gib: float | None = typer.Option(None, "--host-reserve-gib", help="Host RAM kept from the cpu "
+                                                      "tier, GiB (default: 16 + 16 per GPU of --tp, as kvtier size)."),
+        nvme_gib: float | None = typer.Option(None, "--nvme-gib", help="With --recommend: NVMe capacity for the disk "
+                                              "tier, GiB (as kvtier size --nvme-gib)."),
     ) -> None:
         """Replay a trace through the engine's prefix cache, a cpu tier and a disk tier, and report
         hit ratios per capacity and eviction policy next to Belady's offline optimum."""
         from rich.console import Console
 
         from kvtier.simulate.cost import Throughputs
-        from kvtier.simulate.geometry import GeometryError, kv_bytes_per_token_from_file
         from kvtier.simulate.recommend import advise
         from kvtier.simulate.report import print_report, write_json
         from kvtier.simulate.sweep import SweepSpec, check_policies, policy_label, run_sweep
-        from kvtier.simulate.trace import TraceError, read_trace
+        from kvtier.simulate.trace import read_trace, trace_path
 
         started = time.perf_counter()
         if (model is None) == (kv_bytes_per_token is None):
@@ -143,11 +173,17 @@ def register(app: typer.Typer) -> None:
                                 disk_latency_ms, shared_latency_ms)
         except ValueError as exc:
             fail(str(exc))
+        if (host_ram_gib is not None or nvme_gib is not None) and not recommend_mode:
+            fail("--host-ram-gib and --nvme-gib size kvtier size's tiers, which --recommend prints; add --recommend")
         try:
-            per_token = kv_bytes_per_token_from_file(model) if model is not None else int(kv_bytes_per_token or 0)
-            requests = read_trace(trace, fmt, tokens_per_block)
-        except (GeometryError, TraceError) as exc:
-            fail(str(exc))
+            per_token = _per_token(model, tp, kv_dtype) if model is not None else int(kv_bytes_per_token or 0)
+            requests = read_trace(trace_path(trace), fmt, tokens_per_block)
+            for flag, gib in (("--host-ram-gib", host_ram_gib), ("--host-reserve-gib", host_reserve_gib),
+                              ("--nvme-gib", nvme_gib)):
+                if gib is not None and not 0 <= gib <= MAX_CAPACITY_GIB:
+                    raise UserError(f"{flag} must be from 0 to {MAX_CAPACITY_GIB:,.0f} GiB, got {gib:g}")
+        except UserError as exc:
+            fail(str(exc).rstrip("."))
         if cpu_pct is not None:  # whole chunks: pct of the footprint, at least one (0 %: no cpu tier, like --cpu-gib 0)
             chunk_gib = per_token * requests.block_tokens / 2**30
             gibs = tuple(max(1, round(requests.num_unique_chunks * p / 100)) * chunk_gib if p > 0 else 0.0
@@ -176,17 +212,23 @@ def register(app: typer.Typer) -> None:
             name = "default" if "default" in policies else next((p for p in policies if p != "belady"), None)
             if name is None:
                 fail("--recommend needs an online policy in --policy (belady knows the future)")
+            planned = host_ram_gib is not None or nvme_gib is not None
             ceiling, sizes = advise(requests, spec, result.curve(name), name, rates, workers=workers,
-                                    say=lambda line: console.print(line, markup=False, highlight=False))
+                                    say=lambda line: console.print(line, markup=False, highlight=False),
+                                    disk_elsewhere="sized below, as kvtier size sizes it" if planned else None)
             import textwrap
 
             console.print(textwrap.fill(f"sizes for {policy_label(name)}, read from the table's rows (ceiling "
                                         f"{ceiling:.1%}: a cache that never evicts):", 80), soft_wrap=True)
             for size in sizes:
-                gib = "none" if size.gib is None else f"{size.gib:,.0f} GiB" if size.gib >= 10 else f"{size.gib:g} GiB"
-                console.print(textwrap.fill(f"  {size.tier:<6} {gib:>10}  {size.reason}", 80,
+                shown = "none" if size.gib is None else f"{size.gib:,.0f} GiB" if size.gib >= 10 else f"{size.gib:g} GiB"
+                console.print(textwrap.fill(f"  {size.tier:<6} {shown:>10}  {size.reason}", 80,
                                             subsequent_indent=" " * 21, break_on_hyphens=False), soft_wrap=True,
                               markup=False, highlight=False)
+            if host_ram_gib is not None or nvme_gib is not None:
+                from kvtier.cli.simulate_plan import print_plan
+
+                print_plan(console, requests, spec, name, tp, host_ram_gib, host_reserve_gib, nvme_gib, rates)
         writing = None
         try:
             if json_path is not None:

@@ -11,11 +11,12 @@ from kvtier.cli.errors import fail, flag_names
 from kvtier.core.errors import UserError
 
 if TYPE_CHECKING:
+    from kvtier.simulate.hierarchy import StackCurve
     from kvtier.size.recipe import ObjectStore
 
 HELP = """Size the KV cache of a model and the offload tier it needs.
 
-From a config.json (path), a built-in preset (--list-presets) or a hub id: KV bytes per token for the whole model and per tensor-parallel rank (GQA, MLA, sliding windows, Mamba/linear-attention state, fp8, TP > KV heads), the HBM KV budget, and the offload tier (warm set − HBM budget) × 1.15, printed as kvtier, vLLM-native and LMCache configs. Sizes are TOTALS across TP ranks, like vLLM's --kv-offloading-size.
+From a config.json (path), a built-in preset (--list-presets) or a hub id: KV bytes per token for the whole model and per tensor-parallel rank (GQA, MLA, sliding windows, Mamba/linear-attention state, fp8, TP > KV heads), the HBM KV budget, and the offload tiers, printed as kvtier, vLLM-native and LMCache configs. The warm set comes from a request trace (--trace: the capacity reaching 95% of its ceiling, as kvtier simulate measures it) or from --sessions × --context × 1.15. Tiers are inclusive (kvtier stores every chunk the engine computes), so a cpu tier is recommended only larger than the engine's KV cache, within host RAM less reserves, and a disk tier within --nvme-gib. Sizes are TOTALS across TP ranks, like vLLM's --kv-offloading-size.
 
 Examples:
 
@@ -24,6 +25,8 @@ Examples:
   kvtier size --model Qwen/Qwen3-32B --tp 2 --gpu H100 --context 32768 --sessions 200 --host-ram-gib 512
 
   kvtier size --model ./my-model/config.json --kv-dtype fp8 --gpu-memory-gib 80 --weights-gib 40 --json
+
+  kvtier size --model meta-llama/Llama-3.1-70B --tp 8 --gpu H200 --trace bundled --host-ram-gib 2048 --nvme-gib 13970
 """
 
 
@@ -91,10 +94,20 @@ def _print_text(report, recipe, weights_note: str) -> None:  # type: ignore[no-u
     if report.hbm_sessions is not None:
         rows.append(("sessions that fit in HBM", f"{report.hbm_sessions:,}"))
     if report.warm_set_bytes is not None:
-        rows.append((f"warm set ({report.sessions:,} sessions)", _fmt_bytes(report.warm_set_bytes)))
+        what = f"trace {report.trace}, 95% of its ceiling" if report.trace else f"{report.sessions:,} sessions"
+        rows.append((f"warm set ({what})", _fmt_bytes(report.warm_set_bytes)))
+    if report.host_reserve_gib is not None:
+        rows.append(("host RAM reserved (node + workers)", f"{report.host_reserve_gib:,.0f} GiB"))
     if report.recommended_offload_gib is not None:
-        value = "offload not needed" if not report.offload_needed else f"{report.recommended_offload_gib:g} GiB"
-        rows.append(("recommended offload tier (total)", value))
+        value = "offload not needed" if not report.offload_needed else f"{report.recommended_offload_gib:,.2f} GiB"
+        rows.append(("recommended offload tiers (total)", value))
+        if report.offload_needed:
+            staging = " (staging only)" if report.cpu_staging else ""
+            rows.append(("  cpu tier / disk tier", f"{report.cpu_gib or 0:,.2f}{staging} / {report.disk_gib or 0:,.2f} GiB"))
+    if report.predicted_hits:
+        engine, cpu, disk, total = report.predicted_hits.values()  # PredictedHits' fields, in order
+        split = f"{total:.1%} = {engine:.1%} + {cpu:.1%} + {disk:.1%} of prompt tokens"
+        rows.append(("predicted hit (engine + cpu + disk)", split))
     for row in rows:
         table.add_row(*row)
     console.print(table)
@@ -121,8 +134,18 @@ def size_command(
     overhead_gib: float = typer.Option(4.0, "--overhead-gib", help="Per-GPU activation/CUDA-graph overhead in GiB."),
     context: int | None = typer.Option(None, "--context", help="Tokens per session (typical context)."),
     sessions: int | None = typer.Option(None, "--sessions", help="Sessions to keep warm."),
-    host_ram_gib: float | None = typer.Option(None, "--host-ram-gib", help="Host RAM for the offload tier, GiB."),
-    host_reserve_gib: float = typer.Option(16.0, "--host-reserve-gib", help="Host RAM kept for OS and vLLM, GiB."),
+    host_ram_gib: float | None = typer.Option(None, "--host-ram-gib", help="Host RAM of the node, GiB."),
+    host_reserve_gib: float | None = typer.Option(None, "--host-reserve-gib", help="Host RAM kept from the cpu tier "
+                                                  "for the node and vLLM, GiB (default: 16 + 16 per GPU of --tp)."),
+    nvme_gib: float | None = typer.Option(None, "--nvme-gib", help="NVMe capacity for the disk tier, GiB (the tier "
+                                          "takes at most 1/1.1 of it, the room kvtier audit asks of its volume)."),
+    trace: str | None = typer.Option(None, "--trace", help="Request trace (.jsonl[.gz]; 'bundled': the Mooncake "
+                                     "trace shipped with kvtier) to size the warm set from, instead of --sessions."),
+    trace_format: str = typer.Option("mooncake", "--trace-format", help="--trace format: mooncake or kvtier-jsonl."),
+    disk_gb_per_s: float = typer.Option(7.0, "--disk-gb-per-s", help="NVMe read bandwidth, GB/s, all drives together "
+                                        "(as kvtier simulate; a disk tier slower than prefill is not recommended)."),
+    prefill_tokens_per_s: float = typer.Option(20_000.0, "--prefill-tokens-per-s", help="Prefill throughput of the "
+                                               "engine, tokens/s (as kvtier simulate, docs/simulate.md)."),
     offload_gib: float | None = typer.Option(None, "--offload-gib", help="Print recipes for this tier size (GiB, total) instead of the recommendation."),
     disk_path: str = typer.Option("/mnt/nvme/kvtier", "--disk-path", help="Disk tier directory used in recipes."),
     chunk_tokens: int = typer.Option(128, "--chunk-tokens", help="kvtier chunk size in tokens."),
@@ -139,6 +162,7 @@ def size_command(
 ) -> None:
     from kvtier.core.config import MAX_CHUNK_TOKENS
     from kvtier.core.dtypes import DTYPE_BYTES, short_name
+    from kvtier.simulate.cost import Throughputs
     from kvtier.size import Deployment, build_recipe, plan, resolve_model
     from kvtier.size.hardware import GPUS, find_gpu
     from kvtier.size.plan import check_finite, split_tier
@@ -163,14 +187,23 @@ def size_command(
             if found_gpu is None:
                 raise UserError(f"--gpu {gpu!r} is not known; pass --gpu-memory-gib with its memory in GiB.")
             memory = found_gpu.memory_gib if memory is None else memory
+        if trace is not None and sessions is not None:
+            raise UserError("give --trace (the warm set measured on a trace) or --sessions (sessions × --context), "
+                            "not both.")
         resolved = resolve_model(model)
+        curve = _curve(trace, trace_format) if trace is not None else None
         weights = weights_gib if weights_gib is not None else resolved.weights_gib
         note = "given" if weights_gib is not None else resolved.weights_note
         dep = Deployment(tp=tp, kv_dtype=dtype if kv_dtype != "auto" else "auto (bf16)", dtype_bytes=DTYPE_BYTES[dtype],
                          gpu_memory_gib=memory, gpu_memory_utilization=gpu_memory_utilization,
                          weights_gib=weights, overhead_gib=overhead_gib, context_tokens=context,
-                         sessions=sessions, host_ram_gib=host_ram_gib, host_reserve_gib=host_reserve_gib)
-        report = plan(resolved.geometry, dep)
+                         sessions=sessions, host_ram_gib=host_ram_gib, host_reserve_gib=host_reserve_gib,
+                         nvme_gib=nvme_gib)
+        try:
+            rates = Throughputs(prefill_tokens_per_s=prefill_tokens_per_s, disk_gb_per_s=disk_gb_per_s)
+        except ValueError as exc:
+            raise UserError(f"{exc}.") from None
+        report = plan(resolved.geometry, dep, curve, rates)
         given_gpu = (gpu or "").strip()
         if found_gpu is not None and gpu_memory_gib is None and found_gpu.name.upper() != given_gpu.upper():
             # an alias (A100: two memory sizes): say which part the budget assumes
@@ -206,7 +239,7 @@ def size_command(
         fail(str(exc))
     recipe = None
     if offload_gib is not None and offload_gib > 0:
-        split = split_tier(offload_gib, host_ram_gib, host_reserve_gib, tp)
+        split = split_tier(offload_gib, host_ram_gib, dep.reserve_gib, tp)
         report.notes.extend(split.notes)
         recipe = build_recipe(model, tp, split.cpu_gib, split.disk_gib, disk_path, chunk_tokens, redis_url, store)
     elif report.offload_needed:
@@ -219,6 +252,7 @@ def size_command(
     elif report.recommended_offload_gib is None:
         missing = [flag for flag, value in (("--context TOKENS (tokens per session)", context),
                                             ("--sessions N (sessions to keep warm)", sessions)) if value is None]
+        missing = missing if trace is None else []
         if report.hbm_kv_budget_bytes is None:  # the flags that would give the HBM budget, as plan's note names them
             missing += [flag for flag, value in (("--gpu (or --gpu-memory-gib)", memory),
                                                  ("--weights-gib", weights)) if value is None]
@@ -231,6 +265,18 @@ def size_command(
         print(json.dumps(payload, indent=2))
     else:
         _print_text(report, recipe, note)
+
+
+def _curve(trace: str, fmt: str) -> StackCurve:
+    """The stack-distance curve of ``trace`` (``bundled``: the shipped Mooncake trace).
+
+    Raises:
+        TraceError: the trace cannot be read (a UserError: one sentence naming file and line).
+    """
+    from kvtier.simulate.hierarchy import stack_curve
+    from kvtier.simulate.trace import read_trace, trace_path
+
+    return stack_curve(read_trace(trace_path(trace), fmt))
 
 
 def _object_store(bucket: str | None, endpoint_url: str | None, capacity_gib: float | None,

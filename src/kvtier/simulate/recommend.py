@@ -191,7 +191,7 @@ def _run_extra(jobs: list[tuple[int, int]], workers: int) -> list[float]:
 
 def advise(trace: Trace, spec: SweepSpec, rows: Sequence[SweepRow], policy: str, rates: Throughputs,
            share: float = 0.95, *, workers: int = 1, say: Callable[[str], None] | None = None,
-           ) -> tuple[float, list[TierSize]]:
+           disk_elsewhere: str | None = None) -> tuple[float, list[TierSize]]:
     """A size per tier, read from the sweep's own rows of ``policy`` (the replay the table
     shows, every tier as configured).
 
@@ -217,6 +217,8 @@ def advise(trace: Trace, spec: SweepSpec, rows: Sequence[SweepRow], policy: str,
         share: see :func:`recommend`.
         workers: processes for the extra replays (0: one per CPU core).
         say: called with one line before any extra replay starts (what runs, how many).
+        disk_elsewhere: when set, no disk tier is sized by extra replays; the disk line says this
+            (the hierarchy model sizes it: ``kvtier simulate --recommend --host-ram-gib/--nvme-gib``).
 
     Returns:
         (ceiling token hit ratio, one :class:`TierSize` per tier: cpu first).
@@ -242,7 +244,9 @@ def advise(trace: Trace, spec: SweepSpec, rows: Sequence[SweepRow], policy: str,
                 say(f"one extra replay (cpu {_gib(footprint * gib_per_chunk)} GiB, the whole footprint) for the "
                     f"ceiling ...")
             ceiling = _run_extra([(footprint, 0)], 1)[0]
-        return ceiling, _sizes(trace, spec, rows, rates, share, ceiling, workers, say)
+        sizes = _sizes(trace, spec, rows, rates, share, ceiling, workers, None if disk_elsewhere else say,
+                       disk_elsewhere)
+        return ceiling, sizes
     finally:
         _EXTRA.clear()
 
@@ -252,7 +256,8 @@ MAX_EXTRA_REPLAYS = 12
 
 
 def _sizes(trace: Trace, spec: SweepSpec, rows: Sequence[SweepRow], rates: Throughputs, share: float,
-           ceiling: float, workers: int, say: Callable[[str], None] | None) -> list[TierSize]:
+           ceiling: float, workers: int, say: Callable[[str], None] | None,
+           disk_elsewhere: str | None = None) -> list[TierSize]:
     footprint = trace.num_unique_chunks
     gib_per_chunk = spec.chunk_bytes / (1 << 30)
     # kvtier refuses cpu_gib 0 and fails at start-up with a cpu tier too small for one chunk (every
@@ -284,10 +289,14 @@ def _sizes(trace: Trace, spec: SweepSpec, rows: Sequence[SweepRow], rates: Throu
                                   f"of prompt tokens at cpu {_gib(row.cpu_gib)} GiB"))
         return sizes
     best = row.token_hit_ratio
-    per_token = spec.chunk_bytes / trace.block_tokens
-    if per_token / (rates.disk_gb_per_s * 1e9) + per_token / (rates.cpu_gb_per_s * 1e9) >= 1 / rates.prefill_tokens_per_s:
-        sizes.append(TierSize("disk", None, best, f"slower than prefill ({rates.disk_gb_per_s:g} GB/s vs "
-                                                  f"{rates.prefill_tokens_per_s:,.0f} tok/s)"))
+    if disk_elsewhere is not None:
+        sizes.append(TierSize("disk", None, best, disk_elsewhere))
+        return sizes
+    from kvtier.simulate.hierarchy import disk_slower_than_prefill
+
+    slower = disk_slower_than_prefill(spec.chunk_bytes / trace.block_tokens, rates)
+    if slower is not None:
+        sizes.append(TierSize("disk", None, best, slower))
         return sizes
     target = share * ceiling
     if best >= target:

@@ -155,7 +155,7 @@ def chunk_parents(trace: Trace) -> dict[int, int | None]:
 
 def replay(trace: Trace, engine_hits: list[int], cpu_chunks: int, disk_chunks: int,
            make_policy: PolicyFactory, parents: dict[int, int | None] | None = None, *, shared_chunks: int = 0,
-           admission: tuple[str, str] = ("all", "all")) -> ReplayCounts:
+           admission: tuple[str, str] = ("all", "all"), write_through: bool = False) -> ReplayCounts:
     """Replay ``trace`` with one fresh policy per tier from ``make_policy``.
 
     Args:
@@ -168,6 +168,9 @@ def replay(trace: Trace, engine_hits: list[int], cpu_chunks: int, disk_chunks: i
             sweeping to compute it once).
         shared_chunks: shared-tier capacity in chunks (0: none).
         admission: admission policy names of the disk and the shared tier.
+        write_through: the disk tier takes every chunk the cpu tier stores, when it stores it (kvtier's
+            default ``write_mode: write-through``), instead of the chunks the cpu tier evicts (``write-back``,
+            where admission applies); a cpu victim then needs no spill to disk.
 
     Returns:
         the counts of this run.
@@ -237,6 +240,16 @@ def replay(trace: Trace, engine_hits: list[int], cpu_chunks: int, disk_chunks: i
                 cpu.add(key)
                 cpu_insert(key, parent)
                 cpu_stores += 1
+                if write_through and disk_policy is not None and key not in disk:
+                    disk.add(key)
+                    disk_policy.insert(key, parent)
+                    disk_stores += 1
+                    if len(disk) > disk_chunks:
+                        gone = disk_policy.victim()
+                        assert gone is not None
+                        disk_policy.remove(gone)
+                        disk.discard(gone)
+                        disk_evictions += 1
                 if len(cpu) > cpu_chunks:
                     victim = cpu_victim()
                     assert victim is not None  # the simulator never pins
@@ -257,7 +270,9 @@ def replay(trace: Trace, engine_hits: list[int], cpu_chunks: int, disk_chunks: i
                                 shared_evictions += 1
                         else:
                             rejected += 1
-                    if disk_policy is not None and victim not in disk and not disk_admits(victim, used):
+                    if write_through:
+                        pass  # the disk tier took it when the cpu tier stored it
+                    elif disk_policy is not None and victim not in disk and not disk_admits(victim, used):
                         rejected += 1
                     elif disk_policy is not None and victim not in disk:
                         disk.add(victim)

@@ -51,8 +51,12 @@ class ReuseHistogram:
         return [self.first_uses / total] + [b / total for b in self.buckets]
 
 
-def reuse_histogram(trace: Trace) -> ReuseHistogram:
-    """Exact reuse distances of every full-chunk use, bucketed (see the module docstring)."""
+def reuse_distances(trace: Trace) -> list[int | None]:
+    """Exact reuse distance of every full-chunk use, in trace order (requests in arrival order, each
+    request's chunks in prompt order): the distinct chunks used since the previous use of the same
+    chunk, ``None`` for a first use.  Shape ``[trace.num_chunks]``; O(uses × log uses) with a
+    Fenwick tree over use positions.  Shared by :func:`reuse_histogram` and the hierarchy model
+    (:mod:`kvtier.simulate.hierarchy`)."""
     accesses = [key for keys in trace.chunk_keys for key in keys]
     n = len(accesses)
     tree = [0] * (n + 1)  # Fenwick tree: 1 at the position of each chunk's latest use
@@ -70,26 +74,36 @@ def reuse_histogram(trace: Trace) -> ReuseHistogram:
             i -= i & -i
         return total
 
-    footprint = trace.num_unique_chunks
-    edges = [max(1, footprint * pct // 100) for pct in BUCKETS_PCT]
-    buckets = [0] * len(edges)
+    out: list[int | None] = []
     last: dict[int, int] = {}
-    first = 0
     latest = 0  # distinct chunks seen so far (= prefix(n))
     for pos, key in enumerate(accesses):
         before = last.get(key)
         if before is None:
-            first += 1
             latest += 1
+            out.append(None)
         else:
-            distance = latest - prefix(before + 1)  # distinct chunks used after `before`
-            for i, edge in enumerate(edges):
-                if distance < edge or i == len(edges) - 1:
-                    buckets[i] += 1
-                    break
+            out.append(latest - prefix(before + 1))  # distinct chunks used after `before`
             add(before, -1)
         add(pos, 1)
         last[key] = pos
+    return out
+
+
+def reuse_histogram(trace: Trace) -> ReuseHistogram:
+    """Exact reuse distances of every full-chunk use, bucketed (see the module docstring)."""
+    footprint = trace.num_unique_chunks
+    edges = [max(1, footprint * pct // 100) for pct in BUCKETS_PCT]
+    buckets = [0] * len(edges)
+    first = 0
+    for distance in reuse_distances(trace):
+        if distance is None:
+            first += 1
+            continue
+        for i, edge in enumerate(edges):
+            if distance < edge or i == len(edges) - 1:
+                buckets[i] += 1
+                break
     return ReuseHistogram(footprint, first, tuple(buckets))
 
 

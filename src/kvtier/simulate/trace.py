@@ -75,6 +75,23 @@ class Trace:
         return self.times_s[-1] - self.times_s[0] if self.times_s else 0.0
 
 
+BUNDLED = "bundled"
+"""What ``--trace`` takes for the Mooncake conversation trace shipped in kvtier/data."""
+
+
+def trace_path(text: str | Path) -> Path:
+    """``text`` as a path; :data:`BUNDLED` names the shipped trace (:func:`kvtier.tools.mooncake.bundled_trace_path`).
+
+    Raises:
+        TraceError: ``bundled`` but the package lacks its data file.
+    """
+    if str(text) == BUNDLED and not Path(BUNDLED).exists():
+        from kvtier.tools.mooncake import bundled_trace_path
+
+        return bundled_trace_path()
+    return Path(text)
+
+
 def read_trace(path: str | Path, fmt: str = "mooncake", block_tokens: int | None = None) -> Trace:
     """Read a trace file.
 

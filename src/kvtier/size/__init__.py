@@ -4,9 +4,10 @@ Pipeline (each step a module, each result a typed value):
 
 1. :func:`kvtier.size.models.resolve_model` -- name → :class:`~kvtier.size.geometry.KVGeometry`
    (local config.json, built-in preset from :mod:`kvtier.size.presets`, or the hub).
-2. :func:`kvtier.size.plan.plan` -- geometry + :class:`~kvtier.size.plan.Deployment` →
-   :class:`~kvtier.size.plan.SizeReport` (bytes per token whole-model and per rank, HBM budget,
-   warm set, recommended tier = (warm set − HBM budget) × 1.15 floored at 0, host-RAM check).
+2. :func:`kvtier.size.plan.plan` -- geometry + :class:`~kvtier.size.plan.Deployment` (+ a trace's
+   curve) → :class:`~kvtier.size.plan.SizeReport` (bytes per token whole-model and per rank, HBM
+   budget, warm set, the cpu and disk tiers of :func:`kvtier.simulate.hierarchy.plan_tiers`: inclusive
+   tiers, host RAM less reserves, NVMe).
 3. :func:`kvtier.size.recipe.build_recipe` -- the tier as kvtier / vLLM-native / LMCache configs.
 
 Nothing here mutates anything; all functions raise :class:`kvtier.core.errors.UserError` on bad input.

@@ -80,8 +80,10 @@ def _fetch_hub_config(repo_id: str, timeout_s: float) -> dict[str, object]:
     return data
 
 
-def resolve_model(name: str, hub_timeout_s: float = 10.0) -> ResolvedModel:
-    """Resolve ``name`` (a path, a preset repo id, or a hub repo id) to its geometry.
+def resolve_model(name: str, hub_timeout_s: float = 10.0, hub: bool = True) -> ResolvedModel:
+    """Resolve ``name`` (a path, a preset repo id, or a hub repo id) to its geometry, named ``name``
+    as given.  The one resolver of ``kvtier size``, ``kvtier simulate --model`` and ``kvtier audit``
+    (``hub=False``: never the network; a hub id that is no preset is then refused).
 
     Raises:
         UserError: nothing matches, the hub cannot be reached, or config.json is incomplete.
@@ -94,9 +96,12 @@ def resolve_model(name: str, hub_timeout_s: float = 10.0) -> ResolvedModel:
         weights, note, warnings = _local_weights(directory)
         return ResolvedModel(geometry_from_config(cfg, str(path), source=str(config_file)), weights, note, warnings)
     preset = find_preset(name)
-    if preset is not None:
-        return ResolvedModel(preset.geometry(), preset.weights_gib, preset.weights_note)
-    if name.count("/") == 1 and not name.startswith((".", "/")):
+    if preset is not None:  # named as asked: an alias (the base model of an -Instruct preset) shares its geometry
+        return ResolvedModel(preset.geometry(name.strip()), preset.weights_gib, preset.weights_note)
+    if name.startswith(("/", "./", "../", "~")) or name.endswith(".json"):
+        raise UserError(f"{name} does not exist; pass a model directory or its config.json, a built-in preset "
+                        "(see --list-presets) or a hub id like org/name.")
+    if name.count("/") == 1 and not name.startswith((".", "/")) and hub:
         cfg = _fetch_hub_config(name, hub_timeout_s)
         return ResolvedModel(geometry_from_config(cfg, name, source=f"hub: {name}/config.json"), None, "")
     raise UserError(

@@ -1,29 +1,45 @@
-"""From a KV geometry and a deployment, the HBM KV budget and the offload tier to recommend.
+"""From a KV geometry and a deployment, the HBM KV budget and the offload tiers to recommend.
 
-Rule (how-to § "The sizing math"; FAQ "How big should I make the offload tier?")::
+Rule (the hierarchy model shared with ``kvtier simulate`` and ``kvtier audit``,
+:mod:`kvtier.simulate.hierarchy`)::
 
-    warm_set        = bytes_per_session × sessions_kept_warm
     hbm_kv_budget   = tp × (gpu_memory × gpu_memory_utilization − weights / tp − overhead)
-    offload_tier    = max(0, warm_set − hbm_kv_budget) × 1.15        # ~15% headroom
+    warm_set        = from a trace: the smallest LRU capacity reaching 95 % of its ceiling;
+                      else bytes_per_session × sessions_kept_warm × 1.15     (~15% headroom)
+    cpu tier        = min(warm_set, host RAM − reserves), only if larger than hbm_kv_budget
+    disk tier       = min(warm_set, NVMe / 1.1), only if larger than the tiers above
 
-A zero tier means the warm set fits in HBM: "offload not needed".  All sizes are totals across
-tensor-parallel ranks (vLLM's ``--kv-offloading-size`` convention, operator's guide § "Sizing
-math"); per-rank figures are named so.
+The how-to's ``(warm_set − hbm_kv_budget) × 1.15`` is not used: kvtier's tiers are inclusive (every
+chunk the engine computes is stored), so a cpu tier no larger than the engine's KV cache serves
+nothing.  All sizes are totals across tensor-parallel ranks (vLLM's ``--kv-offloading-size``
+convention, operator's guide § "Sizing math"); per-rank figures are named so.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from kvtier.core.errors import UserError
+from kvtier.simulate.cost import Throughputs
+from kvtier.simulate.hierarchy import (
+    MIN_STAGING_GIB,
+    SESSION_HEADROOM,
+    StackCurve,
+    disk_slower_than_prefill,
+    host_reserve_gib,
+    plan_tiers,
+    usable_dram_gib,
+    usable_nvme_gib,
+    warm_set_from_trace,
+)
 from kvtier.size.geometry import KVGeometry
 from kvtier.size.recipe import round_total
 
 GIB = 1 << 30
-HEADROOM = 1.15
-"""Headroom factor on the offload tier (how-to: "add ~15% headroom")."""
-MIN_CPU_GIB = 4.0
+HEADROOM = SESSION_HEADROOM
+"""Headroom factor on a warm set given as sessions × context (how-to: "add ~15% headroom")."""
+MIN_CPU_GIB = MIN_STAGING_GIB
 """Smallest DRAM tier recommended next to a disk tier (GiB, total): kvtier's store stages every chunk
 through its cpu tier on the way to and from disk, so a disk tier with ``cpu_gib: 0`` cannot work."""
 
@@ -55,8 +71,10 @@ class Deployment:
         overhead_gib: per-GPU activation / CUDA graph overhead outside the KV cache (GiB).
         context_tokens: typical context of one session (tokens) or None.
         sessions: sessions to keep warm or None.
-        host_ram_gib: host RAM available for the offload tier (GiB) or None.
-        host_reserve_gib: host RAM kept back for the OS and vLLM itself (GiB).
+        host_ram_gib: host RAM of the node (GiB) or None.
+        host_reserve_gib: host RAM kept back for the node and vLLM's workers (GiB); None: the rule
+            :func:`kvtier.simulate.hierarchy.host_reserve_gib` (16 GiB + 16 GiB per GPU).
+        nvme_gib: NVMe capacity for the disk tier (GiB) or None (no disk tier sized).
     """
 
     tp: int = 1
@@ -69,19 +87,25 @@ class Deployment:
     context_tokens: int | None = None
     sessions: int | None = None
     host_ram_gib: float | None = None
-    host_reserve_gib: float = 16.0
+    host_reserve_gib: float | None = None
+    nvme_gib: float | None = None
+
+    @property
+    def reserve_gib(self) -> float:
+        """Host RAM kept back, GiB: as given, else 16 GiB for the node + 16 GiB per GPU (TP)."""
+        return self.host_reserve_gib if self.host_reserve_gib is not None else host_reserve_gib(self.tp)
 
     def check(self) -> None:
         """Raise UserError for values that cannot describe a deployment."""
         for label, number in (("--gpu-memory-gib", self.gpu_memory_gib), ("--weights-gib", self.weights_gib),
                               ("--host-ram-gib", self.host_ram_gib), ("--overhead-gib", self.overhead_gib),
-                              ("--host-reserve-gib", self.host_reserve_gib)):
+                              ("--host-reserve-gib", self.host_reserve_gib), ("--nvme-gib", self.nvme_gib)):
             check_finite(label, number)
         if not 0 < self.gpu_memory_utilization <= 1:  # nan and inf fail too (a GiB bound said 1e300 was the fault)
             raise UserError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         for label, value in (("--gpu-memory-gib", self.gpu_memory_gib), ("--weights-gib", self.weights_gib),
                              ("--host-ram-gib", self.host_ram_gib), ("--overhead-gib", self.overhead_gib),
-                             ("--host-reserve-gib", self.host_reserve_gib)):
+                             ("--host-reserve-gib", self.host_reserve_gib), ("--nvme-gib", self.nvme_gib)):
             if value is not None and value < 0:
                 raise UserError(f"{label} must not be negative, got {value}.")
         for label, count in (("--context", self.context_tokens), ("--sessions", self.sessions)):
@@ -118,6 +142,11 @@ class SizeReport:
     disk_gib: float | None = None
     notes: list[str] = field(default_factory=list)
     groups: list[dict[str, object]] = field(default_factory=list)
+    host_reserve_gib: float | None = None
+    nvme_gib: float | None = None
+    trace: str | None = None
+    cpu_staging: bool = False
+    predicted_hits: dict[str, float] | None = None
 
     @property
     def offload_needed(self) -> bool | None:
@@ -153,6 +182,11 @@ class SizeReport:
             "disk_gib": self.disk_gib,
             "notes": list(self.notes),
             "groups": [dict(g) for g in self.groups],
+            "host_reserve_gib": self.host_reserve_gib,
+            "nvme_gib": self.nvme_gib,
+            "trace": self.trace,
+            "cpu_staging": self.cpu_staging,
+            "predicted_hits": dict(self.predicted_hits) if self.predicted_hits is not None else None,
         }
 
 
@@ -164,8 +198,12 @@ def hbm_kv_budget_bytes(dep: Deployment) -> int | None:
     return max(0, int(per_gpu * GIB)) * dep.tp
 
 
-def plan(geometry: KVGeometry, dep: Deployment) -> SizeReport:
-    """Size the KV cache of ``geometry`` served as ``dep``.
+def plan(geometry: KVGeometry, dep: Deployment, curve: StackCurve | None = None,
+         rates: Throughputs | None = None) -> SizeReport:
+    """Size the KV cache of ``geometry`` served as ``dep``; with ``curve`` (the trace's,
+    :func:`kvtier.simulate.hierarchy.stack_curve`) the warm set is read from it instead of
+    sessions × context; ``rates`` (default :class:`~kvtier.simulate.cost.Throughputs`, kvtier simulate's) decide
+    whether a disk tier pays.
 
     Raises:
         UserError: a deployment value is invalid or TP does not fit the model's heads.
@@ -188,6 +226,9 @@ def plan(geometry: KVGeometry, dep: Deployment) -> SizeReport:
         context_tokens=dep.context_tokens,
         sessions=dep.sessions,
         host_ram_gib=dep.host_ram_gib,
+        host_reserve_gib=dep.reserve_gib if dep.host_ram_gib is not None else None,
+        nvme_gib=dep.nvme_gib,
+        trace=curve.name if curve is not None else None,
     )
     if len(geometry.groups(tp, nbytes)) > 1:  # a hybrid: one KV cache group per layer kind in vLLM
         report.groups = [{"kind": g.kind, "num_layers": g.num_layers, "bytes_per_token": g.bytes_per_token,
@@ -213,12 +254,17 @@ def plan(geometry: KVGeometry, dep: Deployment) -> SizeReport:
             report.hbm_sessions = budget // report.bytes_per_session
         if budget == 0:
             report.notes.append("The weights leave no HBM for KV at this TP and utilization.")
-    if dep.sessions is not None and report.bytes_per_session is not None:
+    if curve is not None:
+        chunk_bytes = report.kv_bytes_per_token * curve.block_tokens
+        report.warm_set_bytes = int(warm_set_from_trace(curve, chunk_bytes) * GIB)
+        if budget is not None:
+            _recommend(report, budget, dep, report.warm_set_bytes, rates, curve, chunk_bytes)
+    elif dep.sessions is not None and report.bytes_per_session is not None:
         report.warm_set_bytes = report.bytes_per_session * dep.sessions
         if budget is not None:
-            _recommend(report, budget, dep)
+            _recommend(report, budget, dep, int(report.warm_set_bytes * HEADROOM), rates)
     elif dep.sessions is not None or dep.context_tokens is not None:
-        report.notes.append("Give both --sessions and --context to size the offload tier.")
+        report.notes.append("Give both --sessions and --context (or --trace) to size the offload tier.")
     return report
 
 
@@ -264,17 +310,28 @@ def split_tier(total_gib: float, host_ram_gib: float | None, host_reserve_gib: f
     return TierSplit(cpu, disk, tuple(notes))
 
 
-def _recommend(report: SizeReport, budget: int, dep: Deployment) -> None:
-    assert report.warm_set_bytes is not None
-    spill = max(0, report.warm_set_bytes - budget)
-    report.recommended_offload_gib = round(spill * HEADROOM / GIB, 2)
-    if spill == 0:
-        report.notes.append("Offload not needed: the warm set fits in the HBM KV budget.")
-        return
-    if report.recommended_offload_gib > MAX_GIB:
-        raise UserError(f"the warm set needs a {report.recommended_offload_gib:,.0f} GiB offload tier, more than the "
+def _recommend(report: SizeReport, budget: int, dep: Deployment, warm_bytes: int, rates: Throughputs | None,
+               curve: StackCurve | None = None, chunk_bytes: int | None = None) -> None:
+    """Fill the report's tiers from :func:`kvtier.simulate.hierarchy.plan_tiers`."""
+    if warm_bytes / GIB > MAX_GIB:
+        raise UserError(f"the warm set needs a {warm_bytes / GIB:,.0f} GiB offload tier, more than the "
                         f"{MAX_GIB:,.0f} GiB kvtier size sizes (the bound of --offload-gib); lower --sessions or "
                         "--context.")
-    split = split_tier(report.recommended_offload_gib, dep.host_ram_gib, dep.host_reserve_gib, dep.tp)
-    report.cpu_gib, report.disk_gib = split.cpu_gib, split.disk_gib
-    report.notes.extend(split.notes)
+    dram = usable_dram_gib(dep.host_ram_gib, dep.reserve_gib) if dep.host_ram_gib is not None else None
+    nvme = usable_nvme_gib(dep.nvme_gib) if dep.nvme_gib is not None else None
+    slower = disk_slower_than_prefill(report.kv_bytes_per_token, rates or Throughputs())
+    tiers = plan_tiers(warm_bytes / GIB, budget / GIB, dram, nvme, curve, chunk_bytes, slower)
+    report.recommended_offload_gib = round(tiers.offload_gib, 2)
+    report.notes.extend(tiers.notes)
+    if tiers.hits is not None:
+        report.predicted_hits = asdict(tiers.hits)
+    if tiers.offload_gib == 0:
+        return
+    report.cpu_gib, report.disk_gib, report.cpu_staging = tiers.cpu_gib, tiers.disk_gib, tiers.staging
+    if dram is not None:
+        report.notes.append(f"Usable host RAM: {dram:,.0f} GiB = {dep.host_ram_gib:,.0f} − {dep.reserve_gib:,.0f} "
+                            "reserved (" + ("as given" if dep.host_reserve_gib is not None else
+                                            f"16 GiB for the node + 16 GiB for each of {dep.tp} vLLM workers") + ").")
+        if tiers.cpu_gib > dram:
+            report.notes.append(f"The {tiers.cpu_gib:g} GiB staging cpu tier exceeds usable host RAM ({dram:g} GiB): "
+                                "lower --host-reserve-gib or add host RAM.")

@@ -40,8 +40,9 @@ class Preset:
     def source(self) -> str:
         return _HF.format(self.name)
 
-    def geometry(self) -> KVGeometry:
-        return geometry_from_config(self.config, self.name, source=self.source)
+    def geometry(self, name: str | None = None) -> KVGeometry:
+        """The geometry, named ``name`` (one of the preset's ids, as a user wrote it) or the preset's own."""
+        return geometry_from_config(self.config, name or self.name, source=self.source)
 
 
 def _params(billions: float, bytes_per_param: float, dtype: str) -> tuple[float, str]:

@@ -1,0 +1,141 @@
+"""Offload tiers that serve nothing: a cpu tier not larger than the engine's own KV cache.
+
+kvtier, vLLM's native offload and LMCache store every chunk the engine computes, so their cpu tier is
+inclusive of the engine's KV cache: one no larger than it holds only what the engine already holds
+(:mod:`kvtier.simulate.hierarchy`, the model ``kvtier size`` and ``kvtier simulate`` share).  Measured:
+``kvtier simulate`` on the bundled Mooncake trace, Llama-3.1-70B at TP 8 on 8× H200 (847 GiB of HBM
+KV): a 414 GiB cpu tier serves 0.0 % of prompt tokens under ``--policy lru`` and 2.5 % under kvtier's
+default (adaptive) policy, which keeps often-reused chunks longer than the engine does (docs/size.md §
+Worked example).
+
+The engine's KV cache is computed as ``kvtier size`` computes it: ``--kv-cache-memory-bytes`` × GPUs
+when the line gives it (vLLM then ignores the utilization; vllm/config/cache.py), else from the model
+(a ``kvtier size`` preset or a local config.json, never the network), TP × PP, the GPU
+(``kvtier audit --gpu``) and ``--gpu-memory-utilization``.  Without ``--gpu`` the second rule names
+the GPUs on which the tier would serve nothing.  A disk tier larger than the engine's cache, or a
+shared tier (whose size the line does not give), makes a small cpu tier a staging area: then no finding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtier.audit.model import ServeConfig
+from kvtier.audit.rules.base import rule
+from kvtier.audit.rules.deploy import _disk_tier, _kvtier_extra, _number
+from kvtier.core.config import KVTierConfig
+from kvtier.core.errors import UserError
+from kvtier.size.hardware import DEFAULT_GPU_MEMORY_UTILIZATION, GPUS, find_gpu
+from kvtier.size.models import ResolvedModel, resolve_model
+from kvtier.size.plan import GIB, Deployment, hbm_kv_budget_bytes
+
+_SOURCE = ("kvtier docs/size.md § Inclusive tiers and § Worked example (kvtier simulate, bundled Mooncake trace, "
+           "Llama-3.1-70B TP 8 on H200: a 414 GiB cpu tier serves 0.0 % under LRU); vLLM vllm/config/cache.py "
+           "kv_offloading_size, kv_cache_memory_bytes")
+_FIX = ("Size the cpu tier with `kvtier size --model M --tp N --gpu G --trace T --host-ram-gib R --nvme-gib D`: "
+        "larger than the engine's KV cache, or only a small staging tier in front of a disk tier that is.")
+_SHARED_KEYS = ("redis_url", "s3_bucket")
+
+
+@dataclass(frozen=True)
+class _Tiers:
+    """The offload tiers of a line, GiB totals across ranks: the cpu tier, its flag or key, the largest
+    tier below the engine (cpu or disk), and whether a shared tier follows."""
+
+    cpu_gib: float
+    what: str
+    largest_gib: float
+    shared: bool
+
+
+def _tiers(c: ServeConfig) -> _Tiers | None:
+    extra = _kvtier_extra(c)
+    if extra is not None:
+        default = float(KVTierConfig.model_fields["cpu_gib"].default)
+        cpu = _number(extra.get("cpu_gib"), default)
+        disk = _number(extra.get("disk_gib"), 0.0) if _disk_tier(extra) else 0.0
+        return _Tiers(cpu, f"kvtier's cpu_gib {cpu:g}", max(cpu, disk), any(extra.get(k) for k in _SHARED_KEYS))
+    size = c.number("--kv-offloading-size")
+    if size is None or not size > 0 or size == float("inf"):
+        return None  # absent, or refused by rule kv-offloading-size-invalid
+    return _Tiers(size, f"--kv-offloading-size {size:g}", size, False)
+
+
+def _model(c: ServeConfig) -> ResolvedModel | None:
+    try:
+        resolved = resolve_model(c.model, hub=False) if c.model else None
+    except UserError:
+        return None
+    return resolved if resolved is not None and resolved.weights_gib is not None else None
+
+
+def _gpus(c: ServeConfig) -> int:
+    return c.tp * c.pp
+
+
+def _engine_gib(c: ServeConfig, model: ResolvedModel | None, memory_gib: float) -> float | None:
+    """The engine's KV cache on GPUs of ``memory_gib``, GiB across all of them; None when it cannot be computed."""
+    if model is None:
+        return None
+    util = c.number("--gpu-memory-utilization")
+    util = util if util is not None and 0 < util <= 1 else DEFAULT_GPU_MEMORY_UTILIZATION
+    budget = hbm_kv_budget_bytes(Deployment(tp=_gpus(c), gpu_memory_gib=memory_gib, gpu_memory_utilization=util,
+                                            weights_gib=model.weights_gib))
+    return None if budget is None else budget / GIB
+
+
+def _pinned_gib(c: ServeConfig) -> float | None:
+    """``--kv-cache-memory-bytes`` (per GPU) × GPUs, GiB; None when not given or not a positive number."""
+    per_gpu = c.number("--kv-cache-memory-bytes")
+    return per_gpu * _gpus(c) / GIB if per_gpu is not None and 0 < per_gpu < float("inf") else None
+
+
+def _says(tiers: _Tiers, engine: str) -> str:
+    return (f"{tiers.what} GiB is not larger than {engine}, and the tiers are inclusive (every chunk the engine "
+            "computes is stored), so this cpu tier holds little or nothing the engine does not already hold (kvtier "
+            "simulate: a cpu tier half the engine's cache serves 0.0 % of prompt tokens under LRU, 2.5 % under "
+            "kvtier's default policy)")
+
+
+@rule("cpu-tier-not-above-engine-cache", "warning", "cpu offload tier no larger than the engine's own KV cache",
+      _FIX, _SOURCE, locate="--kv-")
+def cpu_tier_not_above_engine_cache(c: ServeConfig) -> str | None:
+    tiers = _tiers(c)
+    if tiers is None or tiers.shared:
+        return None
+    pinned = _pinned_gib(c)
+    if pinned is not None:
+        engine = pinned
+        how = f"{engine:,.0f} GiB (--kv-cache-memory-bytes × {_gpus(c)} GPUs)"
+    else:
+        gpu = find_gpu(c.gpu) if c.gpu else None
+        engine_or_none = _engine_gib(c, _model(c), gpu.memory_gib) if gpu is not None else None
+        if gpu is None or engine_or_none is None:
+            return None
+        engine = engine_or_none
+        how = (f"{engine:,.0f} GiB ({c.model} at TP {c.tp}"
+               + (f" × PP {c.pp}" if c.pp > 1 else "") + f" on {gpu.name}, as kvtier size computes it)")
+    if tiers.largest_gib > engine:
+        return None
+    return _says(tiers, "the engine's KV cache of " + how) + "."
+
+
+@rule("cpu-tier-vs-engine-cache-unknown", "info", "cannot tell whether the cpu offload tier is larger than the "
+      "engine's KV cache", "Pass `kvtier audit --gpu G` (and a model kvtier size knows: a preset or a local "
+      "config.json) so the audit can compute the engine's KV cache; " + _FIX[0].lower() + _FIX[1:], _SOURCE,
+      locate="--kv-")
+def cpu_tier_vs_engine_cache_unknown(c: ServeConfig) -> str | None:
+    tiers = _tiers(c)
+    if tiers is None or tiers.shared or _pinned_gib(c) is not None:
+        return None
+    model = _model(c)
+    if c.gpu:
+        if model is not None:
+            return None  # computed: the warning rule speaks
+        return (f"cannot tell whether {tiers.what} GiB is larger than the engine's KV cache: {c.model or 'the model'!r} "
+                "is neither a kvtier size preset nor a local config.json, so its weights are not known.")
+    engines = [(g.name, e) for g in GPUS if (e := _engine_gib(c, model, g.memory_gib))]
+    nothing = [f"{name} ({engine:,.0f} GiB)" for name, engine in engines if tiers.largest_gib <= engine]
+    if not nothing:
+        return None
+    return f"the GPU is not known (pass --gpu): on {', '.join(nothing)} " + _says(tiers, "the engine's KV cache") + "."
