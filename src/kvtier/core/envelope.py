@@ -145,8 +145,12 @@ def decode_header(raw: bytes | memoryview) -> EnvelopeHeader:
         ChunkFormatError: not a header of a known format (an :class:`EnvelopeError` for an
             envelope of another version or a malformed one).
     """
-    view = memoryview(raw).cast("B")
-    magic = bytes(view[:4])
+    view = memoryview(raw)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    magic = view[:4].tobytes()
+    if magic == MAGIC and view.nbytes >= FIXED_BYTES:  # the common case first
+        return _decode_envelope(view)
     if magic == legacyformats.CHUNK_MAGIC:
         old = legacyformats.decode_chunk_header(view)
         return EnvelopeHeader(FORMAT_CHUNK_FILE, legacyformats.CHUNK_HEADER_BYTES, KIND_CHECKSUM, old.namespace,
@@ -160,8 +164,16 @@ def decode_header(raw: bytes | memoryview) -> EnvelopeHeader:
                               (codecs.IDENTITY.id,), val.record, bytes(view[covered:val.header_bytes]))
     if magic != MAGIC:
         raise ChunkFormatError("not a kvtier value (bad magic)")
-    if view.nbytes < FIXED_BYTES:
-        raise EnvelopeError(f"header truncated ({view.nbytes} of {FIXED_BYTES} bytes)")
+    raise EnvelopeError(f"header truncated ({view.nbytes} of {FIXED_BYTES} bytes)")
+
+
+@lru_cache(maxsize=8)
+def _zeros(nbytes: int) -> bytes:
+    return bytes(nbytes)
+
+
+def _decode_envelope(view: memoryview) -> EnvelopeHeader:
+    """:func:`decode_header` of an envelope (``view``: at least :data:`FIXED_BYTES` bytes)."""
     (_magic, version, kind, header_bytes, namespace, key, stored, original, layout, count,
      ids) = _FIELDS.unpack_from(view)
     if version != VERSION:
@@ -169,12 +181,12 @@ def decode_header(raw: bytes | memoryview) -> EnvelopeHeader:
     if kind not in (KIND_CHECKSUM, KIND_MAC) or header_bytes < FIXED_BYTES or count > MAX_CODECS \
             or any(ids[count:]):
         raise EnvelopeError("malformed envelope header")
-    pad = view[FIXED_BYTES:min(header_bytes, view.nbytes)]
-    if pad.nbytes and bytes(pad).count(0) != pad.nbytes:
+    end = min(header_bytes, view.nbytes)
+    if end > FIXED_BYTES and view[FIXED_BYTES:end].tobytes() != _zeros(end - FIXED_BYTES):  # memcmp
         raise EnvelopeError("envelope padding is not zero")
     return EnvelopeHeader(FORMAT, header_bytes, kind, namespace, key, stored, original, layout,
-                          tuple(ids[:count]), bytes(view[RECORD_OFFSET:DIGEST_OFFSET]),
-                          bytes(view[DIGEST_OFFSET:FIXED_BYTES]))
+                          tuple(ids[:count]), view[RECORD_OFFSET:DIGEST_OFFSET].tobytes(),
+                          view[DIGEST_OFFSET:FIXED_BYTES].tobytes())
 
 
 @lru_cache(maxsize=64)
@@ -251,6 +263,7 @@ class Envelope:
         self.layout = layout
         ids = self.chain.ids
         self._ids = len(ids), bytes(ids) + bytes(MAX_CODECS - len(ids))
+        self._known = ids  # the chain this envelope writes: known without a look-up
         self._pad = bytes(header_bytes - FIXED_BYTES)
 
     def record(self, writer: tenant.Writer | None) -> bytes:
@@ -308,7 +321,7 @@ class Envelope:
             raise EnvelopeError("value was written with a different shared_secret setting")
         if header.layout != LAYOUT_PAGES:
             raise EnvelopeError(f"layout id {header.layout} is not one this kvtier reads")
-        if not all(codecs.known(i) for i in header.codecs):
+        if header.codecs != self._known and not all(codecs.known(i) for i in header.codecs):
             raise EnvelopeError(f"codec chain {list(header.codecs)} names a codec this kvtier does not know")
         if header.original_bytes != original_bytes:
             raise EnvelopeError(f"payload of {header.original_bytes} bytes is not the expected {original_bytes}")
