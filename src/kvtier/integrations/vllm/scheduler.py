@@ -55,6 +55,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from kvtier.core.config import KVTierConfig
@@ -128,6 +129,40 @@ class RequestChain:
         return self.keys[:num_chunks]
 
 
+@dataclass(eq=False)
+class RequestState:
+    """What the scheduler side knows of one request, from its admission to ``request_finished``.
+
+    Attributes:
+        request: vLLM's ``Request``.
+        chain: its chunk keys, hashed once each as its tokens grow (``None`` until first needed).
+        planned_tiers: the tier of each chunk of the hit last offered (``get_num_new_matched_tokens``),
+            until its load job is shipped or the offer is withdrawn; ``None``: nothing offered.
+        loading_blocks: an asynchronous load shipped and not yet reported finished: the engine
+            blocks it fills.
+        sync_pages: a synchronous load shipped: ``(chunk, its engine blocks)`` per page, checked
+            against the invalid blocks of the next ``sync_outputs_left`` step outputs (2: with
+            asynchronous scheduling a step's output comes after the next step is scheduled).
+        load_failed: its load failed once (blocks reported invalid, or the whole load failed): vLLM
+            asks again at once, and the same answer would fail the same way (e.g. a worker whose
+            shared tier skips reads while the scheduler's lookups succeed), so it recomputes.
+        saved_chunks: chunks ``0 .. saved_chunks - 1`` were put in save jobs.
+        pin_s: its prompt's pin TTL, seconds (asked with ``kvtier_pin_s`` and valid; 0: none).
+        refreshed: it asked again once already after an idle gap (see ``SchedulerSide``).
+    """
+
+    request: Any
+    chain: RequestChain | None = None
+    planned_tiers: list[str] | None = None
+    loading_blocks: frozenset[int] | None = None
+    sync_pages: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    sync_outputs_left: int = 0
+    load_failed: bool = False
+    saved_chunks: int = 0
+    pin_s: float = 0.0
+    refreshed: bool = False
+
+
 class SchedulerSide:
     """Scheduler-side state of the connector.
 
@@ -167,22 +202,9 @@ class SchedulerSide:
         self.bytes_per_token = _bytes_per_token(kv_cache_config)
         self._top_tier = top_tier()
         self._sync_left_bytes = self.sync_budget_bytes  # this step's budget not yet promised
-        self._sync_planned: dict[str, int] = {}  # requests answered (n, False) this step -> bytes promised
-        # synchronous loads shipped: req -> ((chunk, its engine blocks) per page, outputs left to check:
-        # 2, as with asynchronous scheduling a step's output comes after the next step is scheduled)
-        self._sync_loads: dict[str, tuple[tuple[tuple[int, tuple[int, ...]], ...], int]] = {}
-        self._requests: dict[str, Any] = {}
-        self._chains: dict[str, RequestChain] = {}
-        self._planned: dict[str, list[str]] = {}  # req -> tier of each chunk of its planned load
+        self._sync_promised: dict[str, int] = {}  # requests answered (n, False) this step -> bytes promised
+        self.requests: dict[str, RequestState] = {}  # every request between admission and request_finished
         self._loads: list[LoadJob] = []
-        # loads shipped and not yet reported finished: req_id -> the engine blocks they fill
-        self._loading: dict[str, frozenset[int]] = {}
-        # requests whose load failed (blocks reported invalid, or the whole load failed): vLLM
-        # asks again for them at once, and the same answer would fail the same way (e.g. a worker
-        # whose shared tier skips reads while the scheduler's lookups succeed): they recompute.
-        self._load_failed: set[str] = set()
-        self._saved_chunks: dict[str, int] = {}
-        self._pins: dict[str, float] = {}  # req -> its prompt's pin TTL, seconds (asked and valid)
         self._kv_cache_manager: Any = None
         self._waiting_since: float | None = None
         # An idle engine runs no step, so the workers' rescans (files other engines or kvtier purge
@@ -190,7 +212,6 @@ class SchedulerSide:
         # lookup asks again once, and the one step that takes brings the news (docs/purge.md).
         self._refresh_after_s = float(config.disk_rescan_s or 0.0) if config.disk_path else 0.0
         self._last_report_s = time.monotonic()
-        self._refreshed: set[str] = set()  # requests that asked again for it already (once each)
         self.remote = RemoteLookups(config) if load and shared_tier_configured(config) else None
         self._remote_seen: dict[str, int] = {}
         self._remote_pending_sent: int | None = None
@@ -207,31 +228,37 @@ class SchedulerSide:
     def bind_kv_cache_manager(self, manager: Any) -> None:
         self._kv_cache_manager = manager
 
-    def _chain(self, request: Any, num_chunks: int) -> list[bytes] | None:
+    def _chain(self, state: RequestState, num_chunks: int) -> list[bytes] | None:
         """Keys of the request's first ``num_chunks`` chunks; ``None`` if it cannot be keyed."""
+        request = state.request
         if getattr(request, "prompt_embeds", None) is not None or self.mirror.key_root is None:
             return None  # prompt embeddings have no token ids to key on
-        chain = self._chains.get(request.request_id)
-        if chain is None:
-            chain = self._chains[request.request_id] = RequestChain(request, self.mirror.key_root, self.chunk_tokens)
-        return chain.upto(request.all_token_ids, num_chunks)
+        if state.chain is None:
+            state.chain = RequestChain(request, self.mirror.key_root, self.chunk_tokens)
+        return state.chain.upto(request.all_token_ids, num_chunks)
+
+    def _state(self, request: Any) -> RequestState:
+        state = self.requests.get(request.request_id)
+        if state is None:
+            state = self.requests[request.request_id] = RequestState(request)
+        return state
 
     # ---- admission ---------------------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
-        self._requests[request.request_id] = request
+        state = self.requests[request.request_id] = RequestState(request)
         if self.save_enabled:
             ttl_s, problem = pin_seconds(getattr(request, "kv_transfer_params", None), self.config.pin_max_s)
             if problem:
                 log.warning("kvtier: request %s: %s", request.request_id, problem)
             if ttl_s > 0 and self.config.pin_max_share > 0:
-                self._pins[request.request_id] = ttl_s
+                state.pin_s = ttl_s
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
-        self._planned.pop(req_id, None)
+        state = self._state(request)
+        state.planned_tiers = None
         # asked again in this step (not scheduled after the first answer): its promise is given back
-        self._sync_left_bytes += self._sync_planned.pop(req_id, 0)
-        self._requests.setdefault(req_id, request)
+        self._sync_left_bytes += self._sync_promised.pop(req_id, 0)
         # vLLM must compute at least the last prompt token itself (to sample from its logits).
         max_chunks = (request.num_tokens - 1) // self.chunk_tokens
         loadable = self.load_enabled and max_chunks * self.chunk_tokens > num_computed_tokens
@@ -245,13 +272,13 @@ class SchedulerSide:
                 return None, False
         if not loadable or not self.mirror.ready:
             return 0, False
-        if req_id in self._load_failed:
+        if state.load_failed:
             return 0, False  # its load failed once: recompute rather than load again
-        if (self._refresh_after_s and req_id not in self._refreshed
+        if (self._refresh_after_s and not state.refreshed
                 and time.monotonic() - self._last_report_s > self._refresh_after_s):
-            self._refreshed.add(req_id)  # idle longer than a rescan: let one step bring the workers' news
+            state.refreshed = True  # idle longer than a rescan: let one step bring the workers' news
             return None, False
-        chain = self._chain(request, max_chunks)
+        chain = self._chain(state, max_chunks)
         if chain is None:
             return 0, False
         hit, tiers = self.groups.lookup(chain, num_computed_tokens, request.num_tokens)
@@ -266,11 +293,11 @@ class SchedulerSide:
                                                 self.remote.tier_name)
         if hit <= num_computed_tokens:
             return 0, False
-        self._planned[req_id] = tiers
+        state.planned_tiers = tiers
         if self._sync_fits(tiers, num_computed_tokens, hit):
             promised = (hit - num_computed_tokens) * self.bytes_per_token
             self._sync_left_bytes -= promised
-            self._sync_planned[req_id] = promised
+            self._sync_promised[req_id] = promised
             return hit - num_computed_tokens, False  # loaded in this step's start_load_kv, before the forward
         return hit - num_computed_tokens, True
 
@@ -287,27 +314,30 @@ class SchedulerSide:
         req_id = request.request_id
         if self.remote is not None:
             self.remote.forget(req_id)
-        tiers = self._planned.get(req_id)
-        if num_external_tokens <= 0 or tiers is None:
-            self._planned.pop(req_id, None)
-            self._sync_left_bytes += self._sync_planned.pop(req_id, 0)
+        state = self.requests.get(req_id)
+        tiers = state.planned_tiers if state is not None else None
+        if num_external_tokens <= 0 or tiers is None or state is None or state.chain is None:
+            if state is not None:
+                state.planned_tiers = None
+            self._sync_left_bytes += self._sync_promised.pop(req_id, 0)
             if num_external_tokens > 0:  # vLLM asked us to load what we never offered
                 raise RuntimeError(f"kvtier: request {req_id} was allocated external tokens kvtier did not offer")
             return
         hit = len(tiers) * self.chunk_tokens
         local = hit - num_external_tokens
-        pages = self.groups.load_pages(self._chains[req_id].keys, blocks.get_block_ids(), local, hit)
+        pages = self.groups.load_pages(state.chain.keys, blocks.get_block_ids(), local, hit)
         if self.events is not None:  # a hit whose hashes were unknown (after a crash) is announced now
             for page in pages:
                 self.events.record(request, page.key, page.group, page.chunk)
         resumed = getattr(request, "num_preemptions", 0) > 0
-        sync = self._sync_planned.pop(req_id, None) is not None
+        sync = self._sync_promised.pop(req_id, None) is not None
         self._loads.append(LoadJob(req_id, pages, local, hit, tuple(tiers), resumed, sync=sync))
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
         """Split ``num_external_tokens`` by the tier each planned chunk is in (the same split the
         workers label ``loaded_tokens`` with: :func:`~kvtier.integrations.vllm.protocol.tokens_by_tier`)."""
-        tiers = self._planned.get(request.request_id, [])
+        state = self.requests.get(request.request_id)
+        tiers = (state.planned_tiers if state is not None else None) or []
         hit = len(tiers) * self.chunk_tokens
         return tokens_by_tier(tiers, hit - num_external_tokens, hit, self.chunk_tokens)
 
@@ -316,15 +346,19 @@ class SchedulerSide:
         meta = KVTierMetadata(loads=self._loads, reset=self._reset_order,
                               no_forward=scheduler_output.total_num_scheduled_tokens == 0)
         self._loads, self._reset_order = [], None
-        self.settle.step(idle=not scheduler_output.num_scheduled_tokens and not self._requests and not self._loading)
+        # a request whose load is in flight is still in self.requests (vLLM finishes it after the load)
+        self.settle.step(idle=not scheduler_output.num_scheduled_tokens and not self.requests)
         self._sync_left_bytes = self.sync_budget_bytes  # the next step's budget
-        self._sync_planned.clear()
+        self._sync_promised.clear()
         for load in meta.loads:
-            self._planned.pop(load.req_id, None)
+            state = self.requests.get(load.req_id)
+            if state is None:
+                continue  # finished since its job was queued: vLLM frees its blocks, nothing to follow
+            state.planned_tiers = None
             if load.sync:  # no finished_recving will come: its blocks are checked against this step's errors
-                self._sync_loads[load.req_id] = (tuple((p.chunk, p.block_ids) for p in load.pages), 2)
+                state.sync_pages, state.sync_outputs_left = tuple((p.chunk, p.block_ids) for p in load.pages), 2
             else:
-                self._loading[load.req_id] = load.block_ids
+                state.loading_blocks = load.block_ids
         if self.save_enabled:
             for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
                 save = self._save_job(req_id, num_scheduled, scheduler_output)
@@ -333,24 +367,25 @@ class SchedulerSide:
         return meta
 
     def _save_job(self, req_id: str, num_scheduled: int, scheduler_output: Any) -> SaveJob | None:
-        request = self._requests.get(req_id)
-        if request is None:
+        state = self.requests.get(req_id)
+        if state is None:
             return None
+        request = state.request
         # KV of tokens [0, computed + scheduled) exists once this step's forward pass is done.
         done = min(request.num_computed_tokens + num_scheduled, len(request.all_token_ids))
         end = done // self.chunk_tokens
-        start = self._saved_chunks.get(req_id, 0)
+        start = state.saved_chunks
         if end <= start:
             return None
-        keys = self._chain(request, end)
+        keys = self._chain(state, end)
         if keys is None:
             return None
-        state = getattr(scheduler_output, "kv_connector_block_state", None)
-        if state is not None:
-            all_block_ids = state.resolve_block_ids(req_id)
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        if block_state is not None:
+            all_block_ids = block_state.resolve_block_ids(req_id)
         else:
             all_block_ids = self._kv_cache_manager.get_block_ids(req_id)
-        self._saved_chunks[req_id] = end
+        state.saved_chunks = end
         pages = self.groups.save_pages(keys, start, end, all_block_ids, handoffs_of(scheduler_output, req_id),
                                        request.num_prompt_tokens)
         if self.events is not None:
@@ -358,8 +393,8 @@ class SchedulerSide:
                 self.events.record(request, page.key, page.group, page.chunk)
         if not pages:
             return None
-        tenant = self._chains[req_id].tenant if req_id in self._chains else None
-        return SaveJob(req_id, pages, self.groups.parent_of(keys, pages[0]), pin_s=self._pins.get(req_id, 0.0),
+        tenant = state.chain.tenant if state.chain is not None else None
+        return SaveJob(req_id, pages, self.groups.parent_of(keys, pages[0]), pin_s=state.pin_s,
                        pin_chunks=request.num_prompt_tokens // self.chunk_tokens, tenant=tenant)
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -372,33 +407,36 @@ class SchedulerSide:
                 self.mirror.apply(rank, meta.ranks[rank])
             if self.events is not None:
                 self._observe_events(meta)
-        if self._sync_loads:
-            invalid = getattr(connector_output, "invalid_block_ids", None) or set()
-            for req_id, (pages, left) in list(self._sync_loads.items()):
-                bad = [chunk for chunk, blocks in pages if invalid and not invalid.isdisjoint(blocks)]
-                if bad:
-                    # vLLM recomputes it from the first invalid block (the request keeps running); the
-                    # worker did not save the chunks from there: save them again once recomputed
-                    log.info("kvtier: request %s: its synchronous load came up short; vLLM recomputes from chunk %d",
-                             req_id, min(bad))
-                    self._saved_chunks[req_id] = min(self._saved_chunks.get(req_id, 0), min(bad))
-                    left = 1
-                if left <= 1:
-                    del self._sync_loads[req_id]
-                else:
-                    self._sync_loads[req_id] = (pages, left - 1)
-        if self._loading:
-            invalid = getattr(connector_output, "invalid_block_ids", None) or set()
-            failed = getattr(connector_output, "failed_recving", None) or set()
-            finished = getattr(connector_output, "finished_recving", None) or set()
-            for req_id, blocks in list(self._loading.items()):
-                if req_id in failed or not blocks.isdisjoint(invalid):
-                    if req_id not in self._load_failed:
+        invalid = getattr(connector_output, "invalid_block_ids", None) or set()
+        failed = getattr(connector_output, "failed_recving", None) or set()
+        finished = getattr(connector_output, "finished_recving", None) or set()
+        for req_id, state in self.requests.items():
+            if state.sync_outputs_left:
+                self._check_sync_load(req_id, state, invalid)
+            if state.loading_blocks is not None:
+                if req_id in failed or not state.loading_blocks.isdisjoint(invalid):
+                    if not state.load_failed:
                         log.info("kvtier: request %s: its load failed; it recomputes from there and is not "
                                  "loaded again", req_id)
-                    self._load_failed.add(req_id)
+                    state.load_failed = True
                 if req_id in finished or req_id in failed:
-                    del self._loading[req_id]
+                    state.loading_blocks = None
+
+    @staticmethod
+    def _check_sync_load(req_id: str, state: RequestState, invalid: set[int]) -> None:
+        """One step output after a synchronous load: the blocks it could not fill come back as this
+        output's ``invalid_block_ids``."""
+        bad = [chunk for chunk, blocks in state.sync_pages if invalid and not invalid.isdisjoint(blocks)]
+        if bad:
+            # vLLM recomputes it from the first invalid block (the request keeps running); the
+            # worker did not save the chunks from there: save them again once recomputed
+            log.info("kvtier: request %s: its synchronous load came up short; vLLM recomputes from chunk %d",
+                     req_id, min(bad))
+            state.saved_chunks = min(state.saved_chunks, min(bad))
+            state.sync_outputs_left = 1
+        state.sync_outputs_left -= 1
+        if not state.sync_outputs_left:
+            state.sync_pages = ()
 
     def _observe_events(self, meta: KVTierWorkerMeta) -> None:
         assert self.events is not None
@@ -421,16 +459,8 @@ class SchedulerSide:
         """Forget ``request``.  A load in flight still ends in ``finished_recving``; vLLM keeps the
         request's blocks until then (it delays freeing blocks of WAITING_FOR_REMOTE_KVS requests)."""
         req_id = request.request_id
-        self._planned.pop(req_id, None)
-        self._requests.pop(req_id, None)
-        self._loading.pop(req_id, None)
-        self._sync_loads.pop(req_id, None)
-        self._sync_left_bytes += self._sync_planned.pop(req_id, 0)
-        self._load_failed.discard(req_id)
-        self._refreshed.discard(req_id)
-        self._chains.pop(req_id, None)
-        self._saved_chunks.pop(req_id, None)
-        self._pins.pop(req_id, None)
+        self.requests.pop(req_id, None)
+        self._sync_left_bytes += self._sync_promised.pop(req_id, 0)
         if self.remote is not None:
             self.remote.forget(req_id)
 
@@ -458,7 +488,8 @@ class SchedulerSide:
         planned = self.mirror.reset(self._reset_epoch)
         if self.events is not None:
             self.events.reset()  # every announced chunk: BlockRemoved at the next step
-        self._planned.clear()
+        for state in self.requests.values():
+            state.planned_tiers = None
         if self.remote is not None:
             self.remote.forget_all()  # answers asked before the reset may count chunks it removes
         self._reset_order = ResetOrder(self._reset_epoch, tiers)
