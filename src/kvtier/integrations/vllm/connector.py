@@ -17,7 +17,7 @@ What the connector declares to vLLM (vLLM 0.32, vllm/distributed/kv_transfer/kv_
 
 - ``SupportsHMA``: the hybrid KV cache manager stays on; a hybrid model's groups (full
   attention, sliding window, Mamba/linear-attention/conv state) are stored per group
-  (:mod:`kvtier.integrations.vllm.groups`), and a failed hybrid load is reported per request
+  (:mod:`kvtier.integrations.vllm.pages`), and a failed hybrid load is reported per request
   (``failed_recving``), the only way vLLM accepts with several groups.
 - ``requires_kv_delivery = False``: a best-effort cache; a dropped save is a future miss.
 - Loads are asynchronous (``get_num_new_matched_tokens`` returns ``(n, True)``), except a hit held
@@ -51,7 +51,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.tiers.registry import hit_source
-from kvtier.integrations.vllm.groups import resolved_config
+from kvtier.integrations.vllm.engine_config import resolved_config
 from kvtier.integrations.vllm.protocol import KVTierMetadata, KVTierWorkerMeta
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.stats import KVTierPromMetrics, KVTierStats
@@ -97,7 +97,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     Raises (at construction, i.e. engine start-up):
         ConfigError: a bad ``kv_connector_extra_config`` value, an explicit ``chunk_tokens`` not a
             multiple of every KV cache group's block size (``auto``, the default, is resolved from
-            them: :func:`~kvtier.integrations.vllm.groups.resolved_config`), or a model/parallelism
+            them: :func:`~kvtier.integrations.vllm.engine_config.resolved_config`), or a model/parallelism
             kvtier does not handle.
     """
 

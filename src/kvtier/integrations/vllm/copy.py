@@ -61,7 +61,9 @@ import numpy as np
 import torch
 
 from kvtier.core.pinned import is_pinned
+from kvtier.integrations.vllm.cache_groups import GroupKind, GroupSpec
 from kvtier.integrations.vllm.layout import KVLayout
+from kvtier.integrations.vllm.protocol import PageMove
 
 log = logging.getLogger(__name__)
 
@@ -483,3 +485,54 @@ class BlockCopier:
             for layer in range(self.layout.num_layers):
                 for j, block in enumerate(span.block_ids):
                     np.copyto(self._host_block(layer, block), slots[layer, span.first_slot + j])
+
+
+class GroupCopiers:
+    """One :class:`BlockCopier` per KV cache group, over pages of :attr:`page_bytes` bytes.
+
+    Each group has its own layers (:func:`~kvtier.integrations.vllm.layout.detect_group_layouts`)
+    and its own page shape: ``[group layers, slots, block bytes]`` with ``chunk_tokens /
+    block_size`` slots for a full-attention or sliding-window page and one slot for a state page
+    (the snapshot).  The store holds pages of one size, the largest group's; a smaller page uses
+    the front of its buffer.
+
+    Args:
+        groups: the engine's KV cache groups.
+        chunk_tokens: tokens per chunk.
+        layouts: group index → layout of that group's layers.
+        kv_caches: vLLM's registered caches.
+    """
+
+    def __init__(self, groups: Sequence[GroupSpec], chunk_tokens: int, layouts: dict[int, KVLayout],
+                 kv_caches: dict[str, Any]) -> None:
+        self.copiers: dict[int, BlockCopier] = {}
+        self.group_page_bytes: dict[int, int] = {}
+        for group in groups:
+            layout = layouts[group.index]
+            slots = 1 if group.kind is GroupKind.STATE else chunk_tokens // group.block_size
+            self.copiers[group.index] = BlockCopier(layout, kv_caches, slots)
+            self.group_page_bytes[group.index] = layout.chunk_bytes(slots)
+        self.page_bytes = max(self.group_page_bytes.values())
+        self.block_bytes = {g: layouts[g].block_bytes * layouts[g].num_layers for g in layouts}
+
+    def _spans(self, moves: Sequence[tuple[PageMove, np.ndarray]]) -> dict[int, list[Span]]:
+        out: dict[int, list[Span]] = {}
+        for page, buffer in moves:
+            front = buffer[:self.group_page_bytes[page.group]]
+            out.setdefault(page.group, []).append(Span(front, page.first_slot, page.block_ids))
+        return out
+
+    def save(self, moves: Sequence[tuple[PageMove, np.ndarray]]) -> None:
+        """Copy each page's engine blocks into its buffer."""
+        for group, spans in self._spans(moves).items():
+            self.copiers[group].save(spans)
+
+    def load(self, moves: Sequence[tuple[PageMove, np.ndarray]]) -> None:
+        """Copy each buffer into its page's engine blocks."""
+        for group, spans in self._spans(moves).items():
+            self.copiers[group].load(spans)
+
+    def moved_bytes(self, pages: Sequence[PageMove]) -> int:
+        """Engine bytes the pages cover (all layers of their groups)."""
+        return sum(len(p.block_ids) * self.block_bytes[p.group] for p in pages)
+

@@ -56,7 +56,7 @@ from kvtier.core.handles import EngineLoad, LoadHandle
 from kvtier.core.keys import ChunkKey
 from kvtier.core.store import TieredStore
 from kvtier.core.tiers.registry import slowest
-from kvtier.integrations.vllm.group_io import GroupCopiers
+from kvtier.integrations.vllm.copy import GroupCopiers
 from kvtier.integrations.vllm.protocol import LoadJob, tokens_by_tier
 
 log = logging.getLogger(__name__)

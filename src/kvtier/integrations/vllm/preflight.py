@@ -48,7 +48,7 @@ from kvtier.core.sizing import available_memory
 from kvtier.core.tiers import factory, registry
 from kvtier.core.tiers.diskcheck import mount_of
 from kvtier.core.tiers.probe import PROBE_DEADLINE_S, ProbeResult
-from kvtier.integrations.vllm.groups import AUTO_MIN_CHUNK_TOKENS
+from kvtier.integrations.vllm.engine_config import AUTO_MIN_CHUNK_TOKENS
 
 CONNECTOR = "KVTierConnector"
 MODULE_PATH = "kvtier.integrations.vllm"

@@ -34,7 +34,7 @@ from kvtier.core.tenant import TenantId
 class PageMove:
     """One stored page of one KV cache group: page slot ``first_slot + j`` ↔ engine block
     ``block_ids[j]`` of group ``group``'s layers.  A dense model is a one-group plan: its pages
-    are its chunks (see :mod:`kvtier.integrations.vllm.groups`).
+    are its chunks (see :mod:`kvtier.integrations.vllm.pages`).
 
     Attributes:
         key: the page's key (16 bytes): the chunk key for a dense model,

@@ -1,8 +1,8 @@
 """Scheduler side of the connector: decides what each step loads and saves, from memory only.
 
 Every model takes one path: a dense model is a one-group plan
-(:class:`~kvtier.integrations.vllm.group_jobs.GroupJobs` over
-:class:`~kvtier.integrations.vllm.groups.HybridPlan`), its pages are its chunks.  Per request::
+(:class:`~kvtier.integrations.vllm.pages.PagePlanner` over
+:class:`~kvtier.integrations.vllm.pages.HybridPlan`), its pages are its chunks.  Per request::
 
     get_num_new_matched_tokens(req, local)   hash the prompt's full chunks (cached per request),
         look the pages up in the mirror of every rank's index -> hit = the largest chunk
@@ -64,10 +64,11 @@ from kvtier.core.keys import chunk_keys, request_root
 from kvtier.core.tenant import TenantId
 from kvtier.core.tiers.factory import state_dir
 from kvtier.core.tiers.registry import reset_tiers, top_tier
+from kvtier.integrations.vllm.cache_groups import GroupKind
+from kvtier.integrations.vllm.engine_config import resolved_config
 from kvtier.integrations.vllm.events import EventGroup, KVEventTracker, events_enabled
-from kvtier.integrations.vllm.group_jobs import GroupJobs, handoffs_of
-from kvtier.integrations.vllm.groups import GroupKind, engine_plan, resolved_config
 from kvtier.integrations.vllm.mirror import IndexMirror
+from kvtier.integrations.vllm.pages import PagePlanner, engine_plan, handoffs_of
 from kvtier.integrations.vllm.protocol import (
     KVTierMetadata,
     KVTierWorkerMeta,
@@ -175,7 +176,7 @@ class SchedulerSide:
     Raises:
         ConfigError: an explicit ``chunk_tokens`` not a multiple of the block size of every KV
             cache group (``auto`` is resolved from them:
-            :func:`~kvtier.integrations.vllm.groups.resolved_config`), a KV cache group kind kvtier
+            :func:`~kvtier.integrations.vllm.engine_config.resolved_config`), a KV cache group kind kvtier
             does not store, or
             pipeline parallelism.
     """
@@ -194,7 +195,7 @@ class SchedulerSide:
         self.chunk_tokens = config.chunk_tokens
         self.load_enabled, self.save_enabled = load, save
         self.mirror = IndexMirror(int(vllm_config.parallel_config.tensor_parallel_size))
-        self.groups = GroupJobs(plan, self.mirror)  # a dense model is a one-group plan
+        self.groups = PagePlanner(plan, self.mirror)  # a dense model is a one-group plan
         # synchronous loads: one full-attention group only (vLLM takes a sync load's failures as
         # block ids, which it refuses with several groups: Scheduler._handle_invalid_blocks)
         one_group = len(kv_cache_config.kv_cache_groups) == 1 and plan.groups[0].kind is GroupKind.FULL

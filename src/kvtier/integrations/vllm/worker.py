@@ -43,8 +43,9 @@ from kvtier.core.handles import EngineSave
 from kvtier.core.keys import ChunkKey, Namespace
 from kvtier.core.stats import StoreStats
 from kvtier.core.store import TieredStore
-from kvtier.integrations.vllm.group_io import GroupCopiers
-from kvtier.integrations.vllm.groups import GroupKind, engine_plan, resolved_config
+from kvtier.integrations.vllm.cache_groups import GroupKind, groups_from_kv_cache_config, is_dense
+from kvtier.integrations.vllm.copy import GroupCopiers
+from kvtier.integrations.vllm.engine_config import resolved_config
 from kvtier.integrations.vllm.identity import effective_config_digest, model_fingerprint
 from kvtier.integrations.vllm.layout import KVLayout, detect_group_layouts, detect_layout
 from kvtier.integrations.vllm.loader import AsyncLoader
@@ -113,7 +114,7 @@ def build_namespace(vllm_config: Any, kv_cache_config: Any, layout: KVLayout, co
 
     ``group_layouts`` (hybrid models): every KV cache group's layout, all in the namespace.
     ``config.chunk_tokens`` must be resolved
-    (:func:`~kvtier.integrations.vllm.groups.resolved_config`): two engines whose chunk sizes
+    (:func:`~kvtier.integrations.vllm.engine_config.resolved_config`): two engines whose chunk sizes
     differ never share a key space.
 
     Raises:
@@ -193,16 +194,16 @@ class WorkerSide:
         self._no_forward = False  # this step computes no tokens: finished_loads may wait (idle_step_wait_s)
         self._closed = False
         self.reset_epoch = 0  # the last reset order applied (RankReport.epoch)
-        self.plan = engine_plan(vllm_config, kv_cache_config, self.chunk_tokens)
+        self.kv_groups = groups_from_kv_cache_config(kv_cache_config)
         # saved tokens are counted on one group's pages: the first full-attention group (none: not counted)
-        self._token_group = next((g.index for g in self.plan.groups if g.kind is GroupKind.FULL), -1)
+        self._token_group = next((g.index for g in self.kv_groups if g.kind is GroupKind.FULL), -1)
         self.groups: GroupCopiers | None = None
 
     # ---- setup -------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         mc = self.vllm_config.model_config
         fingerprint = model_fingerprint(str(mc.model), mc.revision, getattr(mc, "tokenizer", None))
-        if self.plan.is_hybrid:
+        if not is_dense(self.kv_groups):
             self._register_groups(kv_caches, fingerprint)
             return
         first = next(iter(kv_caches), "")
@@ -213,7 +214,7 @@ class WorkerSide:
                                     self.tp_size, self.tp_rank, fingerprint)
         self.key_root = key_root(namespace)
         self.namespace = namespace.digest()
-        self.groups = GroupCopiers(self.plan, {self.plan.groups[0].index: self.layout}, kv_caches)
+        self.groups = GroupCopiers(self.kv_groups, self.chunk_tokens, {self.kv_groups[0].index: self.layout}, kv_caches)
         self.store = TieredStore(self.config, namespace, self.groups.page_bytes, self.tp_size)
         self._pin_top_tier()
         self._start_loader()
@@ -238,7 +239,7 @@ class WorkerSide:
         """The loader: block-level load errors where vLLM takes them (one full-attention KV cache
         group), a load that succeeds or fails whole otherwise."""
         assert self.store is not None and self.groups is not None
-        one_group = len(self.kv_cache_config.kv_cache_groups) == 1 and self.plan.groups[0].kind is GroupKind.FULL
+        one_group = len(self.kv_cache_config.kv_cache_groups) == 1 and is_dense(self.kv_groups)
         self.loader = AsyncLoader(self.store, self.groups, self.chunk_tokens, self.config.io_threads,
                                   partial=one_group, wait_s=self.config.load_wait_s)
 
@@ -271,13 +272,13 @@ class WorkerSide:
                                     self.tp_size, self.tp_rank, fingerprint, group_layouts=layouts)
         self.key_root = key_root(namespace)
         self.namespace = namespace.digest()  # reported to the scheduler, which asks the shared tier under it
-        self.groups = GroupCopiers(self.plan, layouts, kv_caches)
+        self.groups = GroupCopiers(self.kv_groups, self.chunk_tokens, layouts, kv_caches)
         self.store = TieredStore(self.config, namespace, self.groups.page_bytes, self.tp_size)
         self._pin_top_tier()
         self._start_loader()
         log.info("kvtier: rank %d hybrid model, %s; chunk %d tokens, page %d bytes, namespace %s, identity %s, "
                  "AMX %s", self.tp_rank, ", ".join(f"group {g.index} {g.kind.value} {layouts[g.index].describe()}"
-                                                   for g in self.plan.groups),
+                                                   for g in self.kv_groups),
                  self.chunk_tokens, self.groups.page_bytes, namespace.digest().hex(), fingerprint,
                  "requested" if amx else "not available")
 
