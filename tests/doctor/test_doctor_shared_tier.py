@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from kvtier.core.config import KVTierConfig
 from kvtier.core.store import TieredStore
 from kvtier.doctor import allocation, diagnose, measure, parse_metrics
-from kvtier.integrations.vllm.remote import RemoteLookups
+from kvtier.integrations.vllm.scheduler.remote import RemoteLookups
 from kvtier.integrations.vllm.stats import KVTierPromMetrics, KVTierStats, store_counters, store_gauges
 from tests.core.helpers import CHUNK_BYTES, CHUNK_TOKENS, NS, chain_of, payload
 

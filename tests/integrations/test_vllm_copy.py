@@ -15,11 +15,11 @@ from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import Namespace, chunk_keys, request_root
 from kvtier.core.store import TieredStore
-from kvtier.integrations.vllm.copy import BlockCopier, Span
-from kvtier.integrations.vllm.layout import detect_layout
-from kvtier.integrations.vllm.mirror import IndexMirror
 from kvtier.integrations.vllm.protocol import KVTierWorkerMeta, RankReport
-from kvtier.integrations.vllm.worker import key_root
+from kvtier.integrations.vllm.scheduler.mirror import IndexMirror
+from kvtier.integrations.vllm.worker.copy import BlockCopier, Span
+from kvtier.integrations.vllm.worker.layout import detect_layout
+from kvtier.integrations.vllm.worker.registration import key_root
 
 NUM_BLOCKS = 12
 # name -> per-layer shape with NUM_BLOCKS somewhere, and where the blocks are
@@ -147,7 +147,7 @@ def test_mirror_refuses_ranks_that_disagree_on_the_key_root() -> None:
 
 
 def test_identity_fingerprint_follows_weights_tokenizer_and_config(tmp_path: Path) -> None:
-    from kvtier.integrations.vllm.identity import model_fingerprint
+    from kvtier.integrations.vllm.worker.identity import model_fingerprint
     from kvtier.launch.testmodel import GEOMETRIES, _write_weights, write_model
 
     model = write_model(tmp_path / "m", "tiny", weights="random", seed=0)
@@ -165,7 +165,7 @@ def test_identity_fingerprint_follows_weights_tokenizer_and_config(tmp_path: Pat
 def test_effective_config_digest_follows_overrides_and_is_stable(tmp_path: Path) -> None:
     from vllm.config import ModelConfig
 
-    from kvtier.integrations.vllm.identity import effective_config_digest
+    from kvtier.integrations.vllm.worker.identity import effective_config_digest
     from kvtier.launch.testmodel import write_model
 
     model = write_model(tmp_path / "tiny", "tiny", weights="none")

@@ -18,9 +18,9 @@ from vllm.v1.request import Request
 
 from kvtier.core.keys import chunk_keys
 from kvtier.core.tiers.registry import event_medium
-from kvtier.integrations.vllm.events import EventGroup, KVEventTracker
-from kvtier.integrations.vllm.mirror import IndexMirror
 from kvtier.integrations.vllm.protocol import RankReport
+from kvtier.integrations.vllm.scheduler.events import EventGroup, KVEventTracker
+from kvtier.integrations.vllm.scheduler.mirror import IndexMirror
 
 BLOCK = 16
 CHUNK = 32  # two engine blocks per chunk

@@ -1,4 +1,4 @@
-"""Per-group planning for hybrid models (kvtier.integrations.vllm.pages over
+"""Per-group planning for hybrid models (kvtier.integrations.vllm.scheduler.pages over
 kvtier.integrations.vllm.cache_groups, chunk_tokens from kvtier.integrations.vllm.engine_config) on vLLM's own spec
 objects, with vLLM's sliding-window retention mask as the reference for what is worth storing."""
 
@@ -11,7 +11,7 @@ from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
 from kvtier.integrations.vllm.cache_groups import GroupKind, groups_from_kv_cache_config
 from kvtier.integrations.vllm.engine_config import auto_chunk_tokens, engine_chunk_tokens, resolved_config
-from kvtier.integrations.vllm.pages import ChunkBlocks, HybridPlan, group_key
+from kvtier.integrations.vllm.scheduler.pages import ChunkBlocks, HybridPlan, group_key
 
 vllm_iface = pytest.importorskip("vllm.v1.kv_cache_interface")
 
@@ -127,7 +127,7 @@ def test_namespaces_of_different_resolved_chunk_sizes_never_share_keys():
     for the same tokens; the worker's namespace builder refuses an unresolved ``auto``."""
     from kvtier.core.config import KVTierConfig
     from kvtier.core.keys import Namespace, chunk_keys, request_root
-    from kvtier.integrations.vllm.worker import build_namespace
+    from kvtier.integrations.vllm.worker.registration import build_namespace
 
     a, b = (Namespace("m", "bf16", 4, 2, 64, "cpu", chunk_tokens=n) for n in (640, 1152))
     tokens = list(range(1152 * 2))
@@ -257,9 +257,9 @@ def test_the_page_planner_plans_pages_over_the_real_mirror():
     """PagePlanner names each page by (chunk key, group), reads presence from the scheduler's mirror
     (every rank must hold a page), and turns plan decisions into page moves."""
     from kvtier.core.keys import chunk_keys
-    from kvtier.integrations.vllm.mirror import IndexMirror
-    from kvtier.integrations.vllm.pages import PagePlanner
     from kvtier.integrations.vllm.protocol import PageMove, RankReport
+    from kvtier.integrations.vllm.scheduler.mirror import IndexMirror
+    from kvtier.integrations.vllm.scheduler.pages import PagePlanner
 
     p = plan(swa(64), full(), mamba(), retention=None)
     root = bytes(16)

@@ -16,12 +16,12 @@ from kvtier.core.keys import ChunkKey, Namespace, chunk_keys, request_root
 from kvtier.core.store import TieredStore
 from kvtier.core.tiers.chunkfile import HEADER_BYTES
 from kvtier.integrations.vllm.cache_groups import GroupKind, GroupSpec
-from kvtier.integrations.vllm.copy import GroupCopiers
-from kvtier.integrations.vllm.layout import detect_layout
-from kvtier.integrations.vllm.loader import AsyncLoader
-from kvtier.integrations.vllm.mirror import IndexMirror
-from kvtier.integrations.vllm.pages import HybridPlan, PagePlanner
 from kvtier.integrations.vllm.protocol import LoadJob
+from kvtier.integrations.vllm.scheduler.mirror import IndexMirror
+from kvtier.integrations.vllm.scheduler.pages import HybridPlan, PagePlanner
+from kvtier.integrations.vllm.worker.copy import GroupCopiers
+from kvtier.integrations.vllm.worker.layout import detect_layout
+from kvtier.integrations.vllm.worker.loader import AsyncLoader
 
 BLOCK, CHUNK, NUM_BLOCKS = 16, 64, 32  # 4 blocks per chunk
 NS = Namespace(model="loader-test", kv_dtype="float32", num_layers=2, num_kv_heads=2, head_size=32,

@@ -1,4 +1,4 @@
-"""The scheduler's shared-tier lookups (kvtier.integrations.vllm.remote) against real redis-servers.
+"""The scheduler's shared-tier lookups (kvtier.integrations.vllm.scheduler.remote) against real redis-servers.
 
 Stores stand in for the workers of another engine (one per tensor-parallel rank, each with its
 own namespace, as under vLLM); the scheduler-side :class:`RemoteLookups` asks Redis about their
@@ -14,7 +14,7 @@ import time
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.store import TieredStore
-from kvtier.integrations.vllm.remote import RemoteLookups, shared_tier_configured
+from kvtier.integrations.vllm.scheduler.remote import RemoteLookups, shared_tier_configured
 from tests.core.helpers import CHUNK_BYTES, CHUNK_TOKENS, NS, chain_of, payload
 from tests.redis_servers import DelayProxy
 

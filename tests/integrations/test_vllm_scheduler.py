@@ -33,7 +33,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvtier.integrations.vllm.protocol import KVTierMetadata, KVTierWorkerMeta, RankReport
-from kvtier.integrations.vllm.scheduler import RequestChain
+from kvtier.integrations.vllm.scheduler.requests import RequestChain
 
 BLOCK = 16  # engine block size: a 128-token chunk spans 8 blocks
 CHUNK = 128

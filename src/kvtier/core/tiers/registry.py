@@ -86,7 +86,7 @@ class TierSpec:
             stores' processes (the cpu tier).
         medium: the ``medium`` of the vLLM KV events announcing a chunk this tier holds
             (vllm/distributed/kv_events.py: ``"CPU"`` host memory, ``"STORAGE"`` a local disk;
-            :mod:`kvtier.integrations.vllm.events`); ``None``: the tier is never announced (a
+            :mod:`kvtier.integrations.vllm.scheduler.events`); ``None``: the tier is never announced (a
             shared tier: the store's change feed does not report it, docs/vllm.md "KV events").
         state_dir: ``"module:function"``, ``state_dir(config) -> Path | None``: a directory that
             outlives the process as the tier's chunks do, where the scheduler may keep small files

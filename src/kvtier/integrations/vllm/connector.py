@@ -17,7 +17,7 @@ What the connector declares to vLLM (vLLM 0.32, vllm/distributed/kv_transfer/kv_
 
 - ``SupportsHMA``: the hybrid KV cache manager stays on; a hybrid model's groups (full
   attention, sliding window, Mamba/linear-attention/conv state) are stored per group
-  (:mod:`kvtier.integrations.vllm.pages`), and a failed hybrid load is reported per request
+  (:mod:`kvtier.integrations.vllm.scheduler.pages`), and a failed hybrid load is reported per request
   (``failed_recving``), the only way vLLM accepts with several groups.
 - ``requires_kv_delivery = False``: a best-effort cache; a dropped save is a future miss.
 - Loads are asynchronous (``get_num_new_matched_tokens`` returns ``(n, True)``), except a hit held
@@ -51,11 +51,11 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.tiers.registry import hit_source
-from kvtier.integrations.vllm.engine_config import resolved_config
+from kvtier.integrations.vllm.engine_config import resolved_config, role_config
 from kvtier.integrations.vllm.protocol import KVTierMetadata, KVTierWorkerMeta
-from kvtier.integrations.vllm.scheduler import SchedulerSide
+from kvtier.integrations.vllm.scheduler.side import SchedulerSide
 from kvtier.integrations.vllm.stats import KVTierPromMetrics, KVTierStats
-from kvtier.integrations.vllm.worker import WorkerSide, role_config
+from kvtier.integrations.vllm.worker.side import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -235,12 +235,12 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         """vLLM's KV events from kvtier's local tiers (``BlockStored`` / ``BlockRemoved`` with medium
         ``CPU`` or ``STORAGE``), when ``--kv-events-config`` enables them: vLLM publishes them after
         its own each step (vllm/v1/core/sched/scheduler.py ``update_from_output``);
-        :mod:`kvtier.integrations.vllm.events`, docs/vllm.md "KV events"."""
+        :mod:`kvtier.integrations.vllm.scheduler.events`, docs/vllm.md "KV events"."""
         return self.scheduler_side.take_events() if self.scheduler_side is not None else []
 
     def has_pending_push_work(self) -> bool:
         """Keep an idle engine stepping until the workers' gauges are true (pins released, the
-        first report in), at most ``SETTLE_S`` seconds: :mod:`kvtier.integrations.vllm.settle`."""
+        first report in), at most ``SETTLE_S`` seconds: :mod:`kvtier.integrations.vllm.scheduler.settle`."""
         return self.scheduler_side is not None and self.scheduler_side.settle.pending()
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -262,7 +262,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         """vLLM's external prefix-cache reset (``POST /reset_prefix_cache?reset_external=true``), on
         the scheduler side: clears the tiers ``reset_scope`` names for this engine's namespaces;
         ``True`` when done, ``False`` (logged) when a tier could not be cleared
-        (:meth:`~kvtier.integrations.vllm.scheduler.SchedulerSide.reset_cache`, docs/vllm.md
+        (:meth:`~kvtier.integrations.vllm.scheduler.side.SchedulerSide.reset_cache`, docs/vllm.md
         "Resetting the cache").  vLLM counts the base class's ``None`` as success: never ``None``."""
         if self.scheduler_side is None:
             log.warning("kvtier: reset_cache reached a worker-side connector; only the scheduler side resets")

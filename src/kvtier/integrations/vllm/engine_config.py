@@ -115,3 +115,27 @@ def engine_config(config: KVTierConfig, kv_cache_config: Any, kv_role: str | Non
         ConfigError: as :func:`resolved_config`.
     """
     return role_config(resolved_config(config, kv_cache_config), kv_role)
+
+
+DEFAULT_BLOCK_SIZES = {"CUDA": 16, "CPU": 128}
+"""vLLM 0.32's block size (tokens) without ``--block-size``: ``CacheConfig.DEFAULT_BLOCK_SIZE``
+(vllm/config/cache.py) and the CPU backend's override (vllm/platforms/cpu.py)."""
+
+CPU_FORCED_BLOCK_SIZES = (16, 256)
+"""Block sizes vLLM 0.32's CPU backend forces whatever ``--block-size`` says: 16 for MLA models,
+256 for DeepSeek-V4 (vllm/platforms/cpu.py ``CpuPlatform.check_and_update_config``)."""
+
+
+def cpu_block_divisor(block_size: int | None) -> int:
+    """A number (tokens) that every block size vLLM 0.32's CPU backend may choose is a multiple of.
+
+    Before the model is known the block size is not: it is ``--block-size`` (``block_size``) or
+    128 (``CpuPlatform.check_and_update_config`` in vllm/platforms/cpu.py, when
+    ``user_specified_block_size`` is false), forced to 16 for MLA models and 256 for DeepSeek-V4
+    (same function), and raised to a multiple of it for hybrid models (attention + Mamba/state
+    groups: ``Platform`` block alignment in vllm/platforms/interface.py, e.g. 640 for Qwen3-Next).
+    A ``chunk_tokens`` that is not a multiple of the gcd of these is certainly refused by the
+    connector (:meth:`KVTierConfig.validate_block_size`); one that is may still be, which is left
+    to the connector, once the engine has chosen.
+    """
+    return math.gcd(block_size or DEFAULT_BLOCK_SIZES["CPU"], *CPU_FORCED_BLOCK_SIZES)

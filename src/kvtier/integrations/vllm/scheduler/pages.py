@@ -71,8 +71,8 @@ from kvtier.integrations.vllm.cache_groups import (
     is_dense,
 )
 from kvtier.integrations.vllm.engine_config import resolve_chunk_tokens
-from kvtier.integrations.vllm.mirror import IndexMirror
 from kvtier.integrations.vllm.protocol import PageMove
+from kvtier.integrations.vllm.scheduler.mirror import IndexMirror
 
 
 def group_key(chunk_key: ChunkKey, group: int) -> ChunkKey:
@@ -337,7 +337,7 @@ class PagePlanner:
         a chunk kvtier does not hold before the engine's own hit).
 
         ``shared``: page keys the shared tier ``shared_tier`` holds for every rank, from
-        :meth:`~kvtier.integrations.vllm.remote.RemoteLookups.poll_pages` over :meth:`unheld_pages`.
+        :meth:`~kvtier.integrations.vllm.scheduler.remote.RemoteLookups.poll_pages` over :meth:`unheld_pages`.
         """
         def tier(group: int, chunk: int) -> str | None:
             if chunk >= len(chain):

@@ -11,7 +11,7 @@ from the workers each step; read by ``get_num_new_matched_tokens`` without any I
 - All ranks must chain keys from the same root; a rank reporting another root disables loads
   (logged once) rather than risk loading under the wrong keys.
 - Each rank's store namespace digest (its report's ``namespace``) is kept for the shared tier,
-  whose keys carry it (:mod:`kvtier.integrations.vllm.remote`).
+  whose keys carry it (:mod:`kvtier.integrations.vllm.scheduler.remote`).
 - A reset (:meth:`IndexMirror.reset`) empties every rank's view at once and raises the mirror's
   epoch: reports of an older epoch (sent before the rank applied the reset order) are dropped, so
   nothing held before the reset is planned as a hit again; a rank's first report of the new epoch

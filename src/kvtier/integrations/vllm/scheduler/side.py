@@ -1,169 +1,38 @@
-"""Scheduler side of the connector: decides what each step loads and saves, from memory only.
-
-Every model takes one path: a dense model is a one-group plan
-(:class:`~kvtier.integrations.vllm.pages.PagePlanner` over
-:class:`~kvtier.integrations.vllm.pages.HybridPlan`), its pages are its chunks.  Per request::
-
-    get_num_new_matched_tokens(req, local)   hash the prompt's full chunks (cached per request),
-        look the pages up in the mirror of every rank's index -> hit = the largest chunk
-        boundary every group can resume at (capped so ≥ 1 prompt token is computed), and the
-        tier of each chunk (the slowest of its pages'); returns (hit - local, True): vLLM
-        allocates the blocks and parks the request in WAITING_FOR_REMOTE_KVS.  A hit whose
-        chunks to load are all in the cpu tier and fit what is left of this step's
-        ``sync_load_max_bytes`` (one full-attention group only) returns (hit - local, False)
-        instead: vLLM schedules the request's tail in this very step and the workers copy the
-        chunks in start_load_kv before its forward (a synchronous load).  No file, socket
-        or network I/O.  Before the workers' first report it answers None ("ask next step").
-        With a shared tier (``redis_url``), the pages no local tier holds are asked about in
-        the background (:mod:`~kvtier.integrations.vllm.remote`); None while that runs, at most
-        ``shared_deadline_s``, then the pages found there join the hit.
-    get_external_cache_hit_sources           the hit split by planned tier (tokens_by_tier)
-    update_state_after_alloc(req, blocks, n) n > 0: queue a LoadJob: the pages that resume every
-                                             group at the hit, and the planned tier per chunk
-    build_connector_meta(step)               ship queued loads; for every scheduled request
-                                             whose computed tokens complete new full chunks
-                                             this step, a SaveJob with those chunks' pages
-    update_connector_output(out)             fold each rank's index changes into the mirror
-    request_finished(req)                    forget the request (blocks freed at once: the
-                                             copy out of the engine finished in its own step)
-    (pins)                                   a request whose kv_transfer_params carry
-                                             ``kvtier_pin_s`` gets its prompt's chunks pinned in
-                                             the cpu tier by the workers as they save them
-                                             (SaveJob.pin_s; TieredStore.ttl_pin)
-    reset_cache()                            vLLM's external prefix-cache reset: see below
-
-An asynchronous load job always ends with the request in ``finished_recving`` (the worker reports
-it whether the load succeeded, came up short or failed).  A synchronous one never does: its
-missing blocks (a chunk evicted since the mirror said it was there; the worker pins what it finds
-before copying) come back as ``invalid_block_ids`` of its own step, vLLM recomputes the running
-request from the first one (``_handle_invalid_blocks`` on ``self.running``), the worker did not
-save that step's chunks from there, and the scheduler saves them again once recomputed.  With one KV cache group, missing blocks are
-reported through ``get_block_ids_with_load_errors`` in the same step or earlier, so vLLM (policy
-``recompute``) keeps the valid prefix and recomputes the rest (vllm/v1/core/sched/scheduler.py:
-``_update_requests_with_invalid_blocks``, ``_update_waiting_for_remote_kv``); with several,
-vLLM takes no block ids and a load that cannot deliver every page fails whole
-(``failed_recving``).  The number of groups chooses; the path is the same.
-
-Hit attribution: vLLM asks for the hit's sources at admission, from this plan; the load job
-carries the plan's tier per chunk and the workers label their loaded-token counters with it
-(:class:`~kvtier.core.stats.StoreStats` ``loaded_tokens``, ``unfilled_tokens``), so the two agree
-per tier exactly.
-"""
+"""``SchedulerSide``: the scheduler-side connector vLLM's scheduler calls, step by step (the
+contract, per call, is the package's docstring: :mod:`kvtier.integrations.vllm.scheduler`)."""
 
 from __future__ import annotations
 
 import logging
-import math
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
-from kvtier.core.keys import chunk_keys, request_root
-from kvtier.core.tenant import TenantId
 from kvtier.core.tiers.factory import state_dir
-from kvtier.core.tiers.registry import reset_tiers, top_tier
+from kvtier.core.tiers.registry import top_tier
 from kvtier.integrations.vllm.cache_groups import GroupKind
 from kvtier.integrations.vllm.engine_config import resolved_config
-from kvtier.integrations.vllm.events import EventGroup, KVEventTracker, events_enabled
-from kvtier.integrations.vllm.mirror import IndexMirror
-from kvtier.integrations.vllm.pages import PagePlanner, engine_plan, handoffs_of
 from kvtier.integrations.vllm.protocol import (
     KVTierMetadata,
     KVTierWorkerMeta,
     LoadJob,
-    ResetOrder,
     SaveJob,
     tokens_by_tier,
 )
-from kvtier.integrations.vllm.remote import RemoteLookups, shared_tier_configured
-from kvtier.integrations.vllm.reset import reset_outside
-from kvtier.integrations.vllm.settle import Settle
+from kvtier.integrations.vllm.scheduler.events import EventGroup, KVEventTracker, events_enabled
+from kvtier.integrations.vllm.scheduler.mirror import IndexMirror
+from kvtier.integrations.vllm.scheduler.pages import PagePlanner, engine_plan, handoffs_of
+from kvtier.integrations.vllm.scheduler.remote import RemoteLookups, shared_tier_configured
+from kvtier.integrations.vllm.scheduler.requests import RequestChain, RequestState, pin_seconds
+from kvtier.integrations.vllm.scheduler.reset import Resets
+from kvtier.integrations.vllm.scheduler.settle import Settle
+from kvtier.integrations.vllm.scheduler.sync import SyncBudget, bytes_per_token, check_sync_load
 from kvtier.integrations.vllm.stats import KVTierStats
 
 log = logging.getLogger(__name__)
 
 READY_WAIT_S = 60.0  # how long admissions wait for the workers' first index snapshot, at most
-PIN_PARAM = "kvtier_pin_s"
-"""The ``kv_transfer_params`` key a request names its prompt's pin TTL with, seconds (issue 22 item 4)."""
-
-
-def pin_seconds(params: Any, max_s: float) -> tuple[float, str | None]:
-    """A request's pin TTL from its ``kv_transfer_params`` (OpenAI ``extra_body``), seconds.
-
-    Returns:
-        ``(ttl_s, problem)``: ``ttl_s`` 0 when the request asks for no pin or asks wrongly, capped
-        at ``max_s`` (``pin_max_s``); ``problem`` one sentence for the log when the value was
-        refused or cut, else ``None``.
-    """
-    value = params.get(PIN_PARAM) if isinstance(params, dict) else None
-    if value is None:
-        return 0.0, None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        return 0.0, (f"kv_transfer_params.{PIN_PARAM} must be a positive number of seconds, got {value!r}; "
-                     "the prompt is not pinned")
-    if value > max_s:
-        return max_s, f"kv_transfer_params.{PIN_PARAM}={value:g} is above pin_max_s; pinned for {max_s:g} s"
-    return float(value), None
-
-
-class RequestChain:
-    """Chunk keys of one request, extended as its tokens grow (hashing each chunk once)."""
-
-    def __init__(self, request: Any, key_root: bytes, chunk_tokens: int) -> None:
-        lora = getattr(request, "lora_request", None)
-        lora_id = f"{lora.lora_name}@{lora.lora_path}" if lora is not None else None
-        mm = [str(f.identifier) for f in (getattr(request, "mm_features", None) or ())]
-        self.root = request_root(key_root, getattr(request, "cache_salt", None), lora_id, mm)
-        self.tenant = TenantId.of(getattr(request, "cache_salt", None), lora.lora_name if lora is not None else None)
-        self.chunk_tokens = chunk_tokens
-        self.keys: list[bytes] = []
-
-    def upto(self, token_ids: Any, num_chunks: int) -> list[bytes]:
-        """Keys of chunks ``0 .. num_chunks - 1`` (``token_ids`` must hold them)."""
-        have = len(self.keys)
-        if num_chunks > have:
-            parent = self.keys[-1] if self.keys else self.root
-            more = token_ids[have * self.chunk_tokens:num_chunks * self.chunk_tokens]
-            self.keys.extend(chunk_keys(parent, list(more), self.chunk_tokens))
-        return self.keys[:num_chunks]
-
-
-@dataclass(eq=False)
-class RequestState:
-    """What the scheduler side knows of one request, from its admission to ``request_finished``.
-
-    Attributes:
-        request: vLLM's ``Request``.
-        chain: its chunk keys, hashed once each as its tokens grow (``None`` until first needed).
-        planned_tiers: the tier of each chunk of the hit last offered (``get_num_new_matched_tokens``),
-            until its load job is shipped or the offer is withdrawn; ``None``: nothing offered.
-        loading_blocks: an asynchronous load shipped and not yet reported finished: the engine
-            blocks it fills.
-        sync_pages: a synchronous load shipped: ``(chunk, its engine blocks)`` per page, checked
-            against the invalid blocks of the next ``sync_outputs_left`` step outputs (2: with
-            asynchronous scheduling a step's output comes after the next step is scheduled).
-        load_failed: its load failed once (blocks reported invalid, or the whole load failed): vLLM
-            asks again at once, and the same answer would fail the same way (e.g. a worker whose
-            shared tier skips reads while the scheduler's lookups succeed), so it recomputes.
-        saved_chunks: chunks ``0 .. saved_chunks - 1`` were put in save jobs.
-        pin_s: its prompt's pin TTL, seconds (asked with ``kvtier_pin_s`` and valid; 0: none).
-        refreshed: it asked again once already after an idle gap (see ``SchedulerSide``).
-    """
-
-    request: Any
-    chain: RequestChain | None = None
-    planned_tiers: list[str] | None = None
-    loading_blocks: frozenset[int] | None = None
-    sync_pages: tuple[tuple[int, tuple[int, ...]], ...] = ()
-    sync_outputs_left: int = 0
-    load_failed: bool = False
-    saved_chunks: int = 0
-    pin_s: float = 0.0
-    refreshed: bool = False
-
-
 class SchedulerSide:
     """Scheduler-side state of the connector.
 
@@ -199,11 +68,8 @@ class SchedulerSide:
         # synchronous loads: one full-attention group only (vLLM takes a sync load's failures as
         # block ids, which it refuses with several groups: Scheduler._handle_invalid_blocks)
         one_group = len(kv_cache_config.kv_cache_groups) == 1 and plan.groups[0].kind is GroupKind.FULL
-        self.sync_budget_bytes = int(config.sync_load_max_bytes) if one_group and load else 0
-        self.bytes_per_token = _bytes_per_token(kv_cache_config)
-        self._top_tier = top_tier()
-        self._sync_left_bytes = self.sync_budget_bytes  # this step's budget not yet promised
-        self._sync_promised: dict[str, int] = {}  # requests answered (n, False) this step -> bytes promised
+        self.sync = SyncBudget(int(config.sync_load_max_bytes) if one_group and load else 0,
+                               bytes_per_token(kv_cache_config), top_tier(), self.chunk_tokens)
         self.requests: dict[str, RequestState] = {}  # every request between admission and request_finished
         self._loads: list[LoadJob] = []
         self._kv_cache_manager: Any = None
@@ -221,9 +87,7 @@ class SchedulerSide:
             else None
         # keeps an idle engine stepping until the workers' gauges are true (and the events are out)
         self.settle = Settle(more=self.events.pending if self.events is not None else None)
-        self._reset_epoch = 0  # resets acknowledged so far
-        self._reset_order: ResetOrder | None = None  # shipped with the next step's metadata
-        self._reset_counts: dict[str, int] = {}  # reset counters not yet sent to /metrics
+        self.resets = Resets(config)
         self._settings_sent = False  # kv_events_enabled and the quota gauges go out with the first stats
 
     def bind_kv_cache_manager(self, manager: Any) -> None:
@@ -258,8 +122,7 @@ class SchedulerSide:
         req_id = request.request_id
         state = self._state(request)
         state.planned_tiers = None
-        # asked again in this step (not scheduled after the first answer): its promise is given back
-        self._sync_left_bytes += self._sync_promised.pop(req_id, 0)
+        self.sync.give_back(req_id)  # asked again in this step (not scheduled after the first answer)
         # vLLM must compute at least the last prompt token itself (to sample from its logits).
         max_chunks = (request.num_tokens - 1) // self.chunk_tokens
         loadable = self.load_enabled and max_chunks * self.chunk_tokens > num_computed_tokens
@@ -295,21 +158,9 @@ class SchedulerSide:
         if hit <= num_computed_tokens:
             return 0, False
         state.planned_tiers = tiers
-        if self._sync_fits(tiers, num_computed_tokens, hit):
-            promised = (hit - num_computed_tokens) * self.bytes_per_token
-            self._sync_left_bytes -= promised
-            self._sync_promised[req_id] = promised
+        if self.sync.offer(req_id, tiers, num_computed_tokens, hit):
             return hit - num_computed_tokens, False  # loaded in this step's start_load_kv, before the forward
         return hit - num_computed_tokens, True
-
-    def _sync_fits(self, tiers: list[str], num_computed_tokens: int, hit: int) -> bool:
-        """Load in the scheduling step itself: every chunk to load is in the cpu tier (by the mirror)
-        and the copy fits what is left of this step's ``sync_load_max_bytes``."""
-        if not self.sync_budget_bytes:
-            return False
-        if (hit - num_computed_tokens) * self.bytes_per_token > self._sync_left_bytes:
-            return False
-        return all(t == self._top_tier for t in tiers[num_computed_tokens // self.chunk_tokens:])
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         req_id = request.request_id
@@ -320,7 +171,7 @@ class SchedulerSide:
         if num_external_tokens <= 0 or tiers is None or state is None or state.chain is None:
             if state is not None:
                 state.planned_tiers = None
-            self._sync_left_bytes += self._sync_promised.pop(req_id, 0)
+            self.sync.give_back(req_id)
             if num_external_tokens > 0:  # vLLM asked us to load what we never offered
                 raise RuntimeError(f"kvtier: request {req_id} was allocated external tokens kvtier did not offer")
             return
@@ -331,7 +182,7 @@ class SchedulerSide:
             for page in pages:
                 self.events.record(request, page.key, page.group, page.chunk)
         resumed = getattr(request, "num_preemptions", 0) > 0
-        sync = self._sync_promised.pop(req_id, None) is not None
+        sync = self.sync.taken(req_id)
         self._loads.append(LoadJob(req_id, pages, local, hit, tuple(tiers), resumed, sync=sync))
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
@@ -344,13 +195,12 @@ class SchedulerSide:
 
     # ---- per step ----------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
-        meta = KVTierMetadata(loads=self._loads, reset=self._reset_order,
+        meta = KVTierMetadata(loads=self._loads, reset=self.resets.take_order(),
                               no_forward=scheduler_output.total_num_scheduled_tokens == 0)
-        self._loads, self._reset_order = [], None
+        self._loads = []
         # a request whose load is in flight is still in self.requests (vLLM finishes it after the load)
         self.settle.step(idle=not scheduler_output.num_scheduled_tokens and not self.requests)
-        self._sync_left_bytes = self.sync_budget_bytes  # the next step's budget
-        self._sync_promised.clear()
+        self.sync.new_step()
         for load in meta.loads:
             state = self.requests.get(load.req_id)
             if state is None:
@@ -413,7 +263,7 @@ class SchedulerSide:
         finished = getattr(connector_output, "finished_recving", None) or set()
         for req_id, state in self.requests.items():
             if state.sync_outputs_left:
-                self._check_sync_load(req_id, state, invalid)
+                check_sync_load(req_id, state, invalid)
             if state.loading_blocks is not None:
                 if req_id in failed or not state.loading_blocks.isdisjoint(invalid):
                     if not state.load_failed:
@@ -422,22 +272,6 @@ class SchedulerSide:
                     state.load_failed = True
                 if req_id in finished or req_id in failed:
                     state.loading_blocks = None
-
-    @staticmethod
-    def _check_sync_load(req_id: str, state: RequestState, invalid: set[int]) -> None:
-        """One step output after a synchronous load: the blocks it could not fill come back as this
-        output's ``invalid_block_ids``."""
-        bad = [chunk for chunk, blocks in state.sync_pages if invalid and not invalid.isdisjoint(blocks)]
-        if bad:
-            # vLLM recomputes it from the first invalid block (the request keeps running); the
-            # worker did not save the chunks from there: save them again once recomputed
-            log.info("kvtier: request %s: its synchronous load came up short; vLLM recomputes from chunk %d",
-                     req_id, min(bad))
-            state.saved_chunks = min(state.saved_chunks, min(bad))
-            state.sync_outputs_left = 1
-        state.sync_outputs_left -= 1
-        if not state.sync_outputs_left:
-            state.sync_pages = ()
 
     def _observe_events(self, meta: KVTierWorkerMeta) -> None:
         assert self.events is not None
@@ -451,7 +285,7 @@ class SchedulerSide:
                 self.events.observe(key for key, _ in report.changes)
 
     def take_events(self) -> list[Any]:
-        """vLLM's ``take_events``: the KV events since the last step (:mod:`kvtier.integrations.vllm.events`);
+        """vLLM's ``take_events``: the KV events since the last step (:mod:`kvtier.integrations.vllm.scheduler.events`);
         empty when vLLM publishes none."""
         return self.events.take_events() if self.events is not None else []
 
@@ -461,71 +295,24 @@ class SchedulerSide:
         request's blocks until then (it delays freeing blocks of WAITING_FOR_REMOTE_KVS requests)."""
         req_id = request.request_id
         self.requests.pop(req_id, None)
-        self._sync_left_bytes += self._sync_promised.pop(req_id, 0)
+        self.sync.give_back(req_id)
         if self.remote is not None:
             self.remote.forget(req_id)
 
     # ---- reset ---------------------------------------------------------------------------------
     def reset_cache(self) -> bool:
-        """vLLM's external prefix-cache reset (``/reset_prefix_cache?reset_external=true``): clear the
-        tiers ``reset_scope`` names, for this engine's namespaces only.
-
-        "Done" (the return value ``True``) means, when this returns: no hit is planned from anything
-        held before (the mirror is emptied and drops the ranks' reports until they applied the
-        order); the order rides the next step's metadata, where every rank fails its loads that
-        started before (recomputed), then clears its store before that step's loads and saves; the
-        tiers that outlive the process (disk files, the shared tier's keys under ``all``) are
-        already cleared here, for every rank's namespace, and a disk directory carries a marker
-        until its rank applied the order, so a restart before the next step serves nothing of
-        before either (:mod:`kvtier.core.tiers.diskreset`).  The cpu tier is emptied by the next
-        step (the engine idle: its pages wait, unreachable, since nothing plans a hit from them).
-
-        Returns:
-            ``False`` (one log line saying why) when a tier could not be cleared (a disk file not
-            removed, the shared server unreachable); the rest is done all the same.
-        """
-        self._reset_epoch += 1
-        tiers = tuple(reset_tiers(self.config.reset_scope))
-        planned = self.mirror.reset(self._reset_epoch)
-        if self.events is not None:
-            self.events.reset()  # every announced chunk: BlockRemoved at the next step
+        """vLLM's external prefix-cache reset (``/reset_prefix_cache?reset_external=true``):
+        :meth:`Resets.run <kvtier.integrations.vllm.scheduler.reset.Resets.run>`; ``False`` when a
+        tier could not be cleared."""
         for state in self.requests.values():
             state.planned_tiers = None
-        if self.remote is not None:
-            self.remote.forget_all()  # answers asked before the reset may count chunks it removes
-        self._reset_order = ResetOrder(self._reset_epoch, tiers)
-        outcome = reset_outside(self.config, tiers, self.mirror.namespaces)
-        self.removed_by_reset({t: list(dict.fromkeys((*planned.get(t, ()), *outcome.removed.get(t, ()))))
-                               for t in dict.fromkeys((*planned, *outcome.removed))})
-        self._count_reset("resets")
-        if outcome.problems:
-            self._count_reset("reset_failures")
-            log.warning("kvtier: reset (scope %s) not complete: %s; the other tiers were cleared",
-                        self.config.reset_scope, "; ".join(outcome.problems))
-            return False
-        log.info("kvtier: reset %d (scope %s: %s): no hit is planned from before it; removed %s; the workers "
-                 "clear their stores at the next step", self._reset_epoch, self.config.reset_scope, ", ".join(tiers),
-                 outcome.describe())
-        return True
-
-    def removed_by_reset(self, keys_by_tier: dict[str, list[bytes]]) -> None:
-        """The chunks a reset removed that this process knows, by tier: what the mirror held (every
-        rank, in the slowest tier of each) and what the scheduler itself removed from the tiers that
-        outlive the process, logged.  The KV events' ``BlockRemoved`` of a reset come from
-        :meth:`KVEventTracker.reset <kvtier.integrations.vllm.events.KVEventTracker.reset>`: every
-        chunk the router was told of, whatever tier held it."""
-        log.debug("kvtier: reset removed %s", ", ".join(f"{len(keys)} {tier} chunks" for tier, keys in
-                                                       keys_by_tier.items()) or "nothing the scheduler knew of")
-
-    def _count_reset(self, name: str) -> None:
-        self._reset_counts[name] = self._reset_counts.get(name, 0) + 1
+        return self.resets.run(self.mirror, self.events, self.remote)
 
     def stats(self) -> KVTierStats | None:
         """The scheduler's counters' change since the last call: resets (``kvtier_resets_total``,
         ``kvtier_reset_failures_total``) and, with a shared tier, its lookups and those in flight
         (``kvtier_shared_lookups_*``); ``None`` when nothing changed."""
-        counters: dict[str, float] = dict(self._reset_counts)
-        self._reset_counts = {}
+        counters: dict[str, float] = dict(self.resets.take_counts())
         if self.events is not None:
             counters |= self.events.take_counters()
         gauges: dict[str, float] = {}
@@ -555,16 +342,6 @@ class SchedulerSide:
             self.remote.close()
         if self.events is not None and self.events.journal_loaded:
             self.events.save_journal()
-
-
-def _bytes_per_token(kv_cache_config: Any) -> int:
-    """KV bytes one token takes in one rank's engine cache, every layer of every group
-    (``kv_cache_spec.page_size_bytes`` is one layer's block): what a synchronous load copies per token."""
-    total = 0
-    for group in kv_cache_config.kv_cache_groups:
-        spec = group.kv_cache_spec
-        total += -(-int(spec.page_size_bytes) * len(group.layer_names) // int(spec.block_size))
-    return max(total, 1)
 
 
 def _event_tracker(vllm_config: Any, kv_cache_config: Any, plan: Any, config: KVTierConfig,
