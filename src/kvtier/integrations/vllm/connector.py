@@ -51,7 +51,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.tiers.registry import hit_source
-from kvtier.integrations.vllm.engine_config import resolved_config, role_config
+from kvtier.integrations.vllm.engine_config import engine_config
 from kvtier.integrations.vllm.protocol import KVTierMetadata, KVTierWorkerMeta
 from kvtier.integrations.vllm.scheduler.side import SchedulerSide
 from kvtier.integrations.vllm.stats import KVTierPromMetrics, KVTierStats
@@ -97,7 +97,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     Raises (at construction, i.e. engine start-up):
         ConfigError: a bad ``kv_connector_extra_config`` value, an explicit ``chunk_tokens`` not a
             multiple of every KV cache group's block size (``auto``, the default, is resolved from
-            them: :func:`~kvtier.integrations.vllm.engine_config.resolved_config`), or a model/parallelism
+            them: :func:`~kvtier.integrations.vllm.engine_config.engine_config`), or a model/parallelism
             kvtier does not handle.
     """
 
@@ -111,19 +111,16 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         try:
-            self.kvtier_config = KVTierConfig.from_dict(dict(transfer.kv_connector_extra_config or {}))
-            # chunk_tokens (auto, or an explicit value checked) is resolved from kv_cache_config's
-            # groups by each side alike: the scheduler and every worker get the same groups
-            requested = self.kvtier_config.chunk_tokens
-            self.kvtier_config = resolved_config(self.kvtier_config, kv_cache_config)
+            asked = KVTierConfig.from_dict(dict(transfer.kv_connector_extra_config or {}))
+            # once per connector: chunk_tokens (auto, or an explicit value checked) resolved from
+            # kv_cache_config's groups, which the scheduler and every worker get alike, and the role's
+            # defaults (the workers' rescan interval, which the scheduler's idle refresh follows)
+            self.kvtier_config = engine_config(asked, kv_cache_config, transfer.kv_role)
             if role == KVConnectorRole.SCHEDULER:
-                # role_config: the workers' rescan interval, which the scheduler's idle refresh follows
-                self.scheduler_side = SchedulerSide(vllm_config, kv_cache_config,
-                                                    role_config(self.kvtier_config, transfer.kv_role),
+                self.scheduler_side = SchedulerSide(vllm_config, kv_cache_config, self.kvtier_config,
                                                     load=load, save=save)
             else:
-                self.worker_side = WorkerSide(vllm_config, kv_cache_config,
-                                              role_config(self.kvtier_config, transfer.kv_role))
+                self.worker_side = WorkerSide(vllm_config, kv_cache_config, self.kvtier_config)
         except ConfigError as exc:
             # one line an operator can find in the engine's log, above vLLM's own traceback
             log.error("kvtier configuration error: %s", exc)
@@ -132,7 +129,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             sizes = sorted({int(g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups})
             log.info("kvtier: chunk_tokens %d (%s; KV cache group block sizes %s tokens)",
                      self.kvtier_config.chunk_tokens,
-                     "auto: the smallest multiple of every block size that is at least 128" if requested == "auto"
+                     "auto: the smallest multiple of every block size that is at least 128" if asked.chunk_tokens == "auto"
                      else "as configured", ", ".join(map(str, sizes)))
         if transfer.kv_load_failure_policy != "recompute":
             log.warning("kvtier: kv_load_failure_policy is %r; set it to \"recompute\" so that a failed "

@@ -12,7 +12,6 @@ from kvtier.core.errors import ConfigError
 from kvtier.core.tiers.factory import state_dir
 from kvtier.core.tiers.registry import top_tier
 from kvtier.integrations.vllm.cache_groups import GroupKind
-from kvtier.integrations.vllm.engine_config import resolved_config
 from kvtier.integrations.vllm.protocol import (
     KVTierMetadata,
     KVTierWorkerMeta,
@@ -38,22 +37,22 @@ class SchedulerSide:
 
     Args:
         vllm_config, kv_cache_config: vLLM's configs.
-        config: kvtier configuration.
+        config: the engine's kvtier configuration
+            (:func:`~kvtier.integrations.vllm.engine_config.engine_config`: ``chunk_tokens`` resolved).
         load, save: whether this role loads (``kv_both``, ``kv_consumer``) and saves
             (``kv_both``, ``kv_producer``).
 
     Raises:
-        ConfigError: an explicit ``chunk_tokens`` not a multiple of the block size of every KV
-            cache group (``auto`` is resolved from them:
-            :func:`~kvtier.integrations.vllm.engine_config.resolved_config`), a KV cache group kind kvtier
-            does not store, or
-            pipeline parallelism.
+        ConfigError: ``chunk_tokens`` not a multiple of ``--block-size``, a KV cache group kind
+            kvtier does not store, a retention interval that is not a multiple of ``chunk_tokens``,
+            or pipeline parallelism.
+        TypeError: ``config.chunk_tokens`` is still ``"auto"``.
     """
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, config: KVTierConfig, load: bool, save: bool) -> None:
         self.block_size = int(vllm_config.cache_config.block_size)
-        config = resolved_config(config, kv_cache_config)  # as the workers resolve it: the same KV cache groups
-        assert isinstance(config.chunk_tokens, int)
+        if not isinstance(config.chunk_tokens, int):
+            raise TypeError("SchedulerSide needs the engine's config (chunk_tokens resolved): engine_config()")
         config.validate_block_size(self.block_size)
         plan = engine_plan(vllm_config, kv_cache_config, config.chunk_tokens)  # ConfigError: unsupported groups
         for note in plan.advice():

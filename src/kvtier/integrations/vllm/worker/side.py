@@ -13,7 +13,6 @@ from kvtier.core.config import KVTierConfig
 from kvtier.core.stats import StoreStats
 from kvtier.core.store import TieredStore
 from kvtier.integrations.vllm.cache_groups import GroupKind, groups_from_kv_cache_config
-from kvtier.integrations.vllm.engine_config import resolved_config
 from kvtier.integrations.vllm.protocol import KVTierMetadata, KVTierWorkerMeta, RankReport, ResetOrder
 from kvtier.integrations.vllm.stats import KVTierStats, store_counters, store_gauges
 from kvtier.integrations.vllm.worker.copy import GroupCopiers
@@ -28,13 +27,24 @@ MAX_INDEX_CHANGES = 4096  # index changes per rank per step sent to the schedule
 
 
 class WorkerSide:
-    """Per-rank state of the worker-side connector."""
+    """Per-rank state of the worker-side connector.
+
+    Args:
+        vllm_config, kv_cache_config: vLLM's configs.
+        config: the engine's kvtier configuration
+            (:func:`~kvtier.integrations.vllm.engine_config.engine_config`: ``chunk_tokens`` resolved).
+
+    Raises:
+        ConfigError: a KV cache group kind kvtier does not store.
+        TypeError: ``config.chunk_tokens`` is still ``"auto"``.
+    """
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, config: KVTierConfig) -> None:
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
-        self.config = config = resolved_config(config, kv_cache_config)  # ConfigError: a misfit chunk_tokens
-        assert isinstance(config.chunk_tokens, int)
+        if not isinstance(config.chunk_tokens, int):
+            raise TypeError("WorkerSide needs the engine's config (chunk_tokens resolved): engine_config()")
+        self.config = config
         self.chunk_tokens: int = config.chunk_tokens
         self.block_size = vllm_config.cache_config.block_size
         self.blocks_per_chunk = self.chunk_tokens // self.block_size
