@@ -53,11 +53,12 @@ class Server:
         self.store.flush(10)
 
     def ask(self, req_id: str, chain) -> int:
+        """Chunks of ``chain`` the shared tier holds, asked as the scheduler asks (``poll_pages``, once a step)."""
         end = time.monotonic() + 10
-        while (found := self.lookups.poll(req_id, chain, 0)) is None:
+        while (found := self.lookups.poll_pages(req_id, chain)) is None:
             assert time.monotonic() < end
             time.sleep(0.01)
-        return found
+        return len(found)
 
     def metrics(self) -> str:
         """A step's stats, as the worker and the scheduler report them, then the scrape's shared-tier lines."""
