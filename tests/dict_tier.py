@@ -7,19 +7,34 @@ module :mod:`tests.dict_tier_plugin` (named in ``tier_modules``) and one conform
 Settings: ``dict_capacity_mib``, the tier's size in MiB per rank (the store evicts from it with
 its eviction policy, as from the disk tier); given flat in ``kv_connector_extra_config``
 (``{"dict_capacity_mib": 8}``), as a built-in tier's keys are, or nested
-(``{"tier_settings": {"dict": {"dict_capacity_mib": 8}}}``).
+(``{"tier_settings": {"dict": {"dict_capacity_mib": 8}}}``).  ``dict_storage``, a name: the tier
+keeps its values in a module-level area of that name that outlives the tier (as a directory
+outlives a disk tier), and its plug-in offers that area as a blob store (``list``, ``stat``,
+``delete``: :class:`DictBlobs`), so ``kvtier purge``, a reset from outside the stores and the
+probe work on it with no code of their own (tests/core/test_blob_verbs.py).  Without it each tier
+keeps a private dict.
+
+Each value keeps what an envelope's header would say of it: its namespace, chunk key, the tenant
+record of the request it was written for (:func:`kvtier.core.tenant.current`) and when it was written.
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvtier.core import tenant
 from kvtier.core.config import KVTierConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers.base import GetResult, PutResult, Tier, TierUsage
+from kvtier.core.tiers.blobs import LIST_BATCH, BlobRef, BlobStat, ValueHeader
 from kvtier.core.tiers.factory import TierContext
+from kvtier.core.tiers.plugin import PluginDefaults, TierPlugin
+from kvtier.core.tiers.probe import ProbeState
 from kvtier.core.tiers.registry import TierSpec
 
 NAME = "dict"
@@ -30,7 +45,24 @@ class DictSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    dict_capacity_mib: float = Field(gt=0, description="Tier size in MiB per rank.")
+    dict_capacity_mib: float = Field(64.0, gt=0, description="Tier size in MiB per rank.")
+    dict_storage: str | None = Field(None, min_length=1, description=(
+        "Name of a module-level area the values outlive the tier in (and purge, reset and probe reach)."),
+        json_schema_extra={"tools": {"purge": {"help": "The dict tier's storage area (its dict_storage).",
+                                               "metavar": "NAME", "target": "the area the engines use",
+                                               "empty": "give the area the engines use (their dict_storage)"}}})
+
+
+@dataclass(frozen=True)
+class _Value:
+    data: bytes
+    record: bytes | None
+    written_s: float
+
+
+_lock = threading.Lock()
+_AREAS: dict[str, dict[bytes, dict[ChunkKey, _Value]]] = {}
+"""Storage name -> namespace -> chunk key -> value (``dict_storage``)."""
 
 
 class DictTier(Tier):
@@ -39,11 +71,12 @@ class DictTier(Tier):
     name = NAME
     shared = False
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, namespace: bytes = b"", data: dict[ChunkKey, _Value] | None = None) -> None:
         super().__init__()
         self.capacity_bytes = capacity_bytes
-        self._data: dict[ChunkKey, bytes] = {}
-        self._lock = threading.Lock()
+        self.namespace = namespace
+        self._data: dict[ChunkKey, _Value] = {} if data is None else data
+        self._lock = _lock
 
     def contains(self, key: ChunkKey) -> bool:
         with self._lock:
@@ -51,18 +84,19 @@ class DictTier(Tier):
 
     def get_into(self, key: ChunkKey, dst: memoryview) -> GetResult:
         with self._lock:
-            value = self._data.get(key)
-        if value is None or len(value) != memoryview(dst).nbytes:
+            found = self._data.get(key)
+        if found is None or len(found.data) != memoryview(dst).nbytes:
             return GetResult.MISS
-        memoryview(dst).cast("B")[:] = value
+        memoryview(dst).cast("B")[:] = found.data
         return GetResult.HIT
 
     def put(self, key: ChunkKey, data: memoryview | bytes) -> PutResult:
-        value = bytes(data)
+        writer = tenant.current()  # who the store writes this chunk for, on this thread
+        value = _Value(bytes(data), None if writer is None else tenant.record(self.namespace, writer), time.time())
         with self._lock:
             if key in self._data:
                 return PutResult.PRESENT
-            if sum(map(len, self._data.values())) + len(value) > self.capacity_bytes:
+            if self._used() + len(value.data) > self.capacity_bytes:
                 return PutResult.NO_ROOM
             self._data[key] = value
         return PutResult.STORED
@@ -77,25 +111,105 @@ class DictTier(Tier):
 
     def usage(self) -> TierUsage:
         with self._lock:
-            used = sum(map(len, self._data.values()))
+            used = self._used()
             return TierUsage(used, self.capacity_bytes - used, self.capacity_bytes, len(self._data))
 
     def check(self) -> None:
         with self._lock:
-            assert sum(map(len, self._data.values())) <= self.capacity_bytes, "dict tier over its capacity"
+            assert self._used() <= self.capacity_bytes, "dict tier over its capacity"
+
+    def _used(self) -> int:
+        return sum(len(v.data) for v in self._data.values())
 
 
-def configured(config: KVTierConfig) -> bool:
-    """The tier is asked for when ``tier_settings`` has an entry for it."""
-    return NAME in config.tier_settings
+class DictBlobs:
+    """One ``dict_storage`` area as a blob store (:class:`kvtier.core.tiers.blobs.BlobStore`): the
+    verbs ``kvtier purge``, a reset and the probe run over; nothing else of theirs is here."""
+
+    verifies_values = False
+    space = ""
+    auth_fix = "nothing to fix: the area is in this process"
+    address_key = "dict_storage"
+
+    def __init__(self, storage: str) -> None:
+        self.storage = storage
+        self.where = f"dict:{storage}"
+
+    def _area(self) -> dict[bytes, dict[ChunkKey, _Value]]:
+        return _AREAS.setdefault(self.storage, {})
+
+    def namespaces(self) -> list[bytes]:
+        with _lock:
+            return list(self._area())
+
+    def list(self, namespaces: frozenset[bytes]) -> Iterator[list[BlobRef]]:
+        for namespace in sorted(namespaces or self.namespaces()):
+            with _lock:
+                keys = list(self._area().get(namespace, {}))
+            for i in range(0, len(keys), LIST_BATCH):
+                yield [BlobRef(namespace, bytes(k), f"{self.where}/{namespace.hex()}/{k.hex()}")
+                       for k in keys[i:i + LIST_BATCH]]
+
+    def listing_problems(self) -> list[tuple[bytes, str]]:
+        return []
+
+    def _find(self, ref: BlobRef) -> _Value | None:
+        return self._area().get(ref.namespace, {}).get(ChunkKey(ref.key))
+
+    def stat(self, refs: Sequence[BlobRef], header: bool) -> list[BlobStat | None]:
+        with _lock:
+            found = [self._find(ref) for ref in refs]
+        return [None if v is None else BlobStat(len(v.data), v.written_s,
+                                                ValueHeader(ref.namespace, ref.key, v.record) if header else None)
+                for ref, v in zip(refs, found, strict=True)]
+
+    def delete(self, refs: Sequence[BlobRef]) -> list[bool | str]:
+        with _lock:
+            return [self._area().get(ref.namespace, {}).pop(ChunkKey(ref.key), None) is not None for ref in refs]
+
+    def before_reset(self, namespace: bytes) -> str | None:
+        return None
+
+    def ping(self) -> str:
+        self.namespaces()
+        return "LIST"
+
+    def failure(self, exc: BaseException, left_s: float) -> tuple[ProbeState, str]:
+        return "unreachable", str(exc)
+
+    def close(self) -> None:
+        pass
 
 
-def from_config(ctx: TierContext) -> DictTier | None:
-    """The dict tier of one rank, or ``None`` without its settings."""
-    settings: DictSettings | None = ctx.config.settings_of(NAME) if configured(ctx.config) else None
-    return None if settings is None else DictTier(int(settings.dict_capacity_mib * (1 << 20)))
+class DictPlugin(PluginDefaults):
+    """The dict tier's plug-in object (:class:`kvtier.core.tiers.plugin.TierPlugin`)."""
+
+    settings = DictSettings
+
+    def configured(self, config: KVTierConfig) -> bool:
+        """The tier is asked for when ``tier_settings`` has an entry for it."""
+        return NAME in config.tier_settings
+
+    def build(self, ctx: TierContext) -> DictTier | None:
+        """The dict tier of one rank, or ``None`` without its settings."""
+        settings: DictSettings | None = ctx.config.settings_of(NAME) if self.configured(ctx.config) else None
+        if settings is None:
+            return None
+        data = None
+        if settings.dict_storage is not None:
+            with _lock:
+                data = _AREAS.setdefault(settings.dict_storage, {}).setdefault(ctx.namespace, {})
+        return DictTier(int(settings.dict_capacity_mib * (1 << 20)), ctx.namespace, data)
+
+    def blobs(self, config: KVTierConfig, deadline_s: float | None = None) -> DictBlobs | None:
+        """The ``dict_storage`` area, or ``None`` without one (a private dict dies with its tier)."""
+        settings: DictSettings | None = config.settings_of(NAME) if self.configured(config) else None
+        return None if settings is None or settings.dict_storage is None else DictBlobs(settings.dict_storage)
 
 
-SPEC = TierSpec(NAME, 15, False, "external_unspecified", "tests.dict_tier:from_config", "tests.dict_tier:configured",
-                "tests.dict_tier:DictSettings", keys=("dict_capacity_mib",))
+PLUGIN: TierPlugin = DictPlugin()
+"""Checked by mypy against the protocol here, and at run time when the registry imports it."""
+
+SPEC = TierSpec(NAME, 15, False, "external_unspecified", "tests.dict_tier:PLUGIN",
+                keys=("dict_capacity_mib", "dict_storage"))
 """The tier's registry record: between disk (10) and redis (20) in the default order."""

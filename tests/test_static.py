@@ -137,11 +137,10 @@ def test_the_import_circle_check_finds_a_circle(tmp_path):
 
 TIER_MODULES = ("src/kvtier/core/tiers/cpu.py", "src/kvtier/core/tiers/disk.py", "src/kvtier/core/tiers/diskscan.py",
                 "src/kvtier/core/tiers/redis.py", "src/kvtier/core/tiers/redisclient.py",
-                "src/kvtier/core/tiers/redisstream.py", "src/kvtier/core/tiers/redisprobe.py",
+                "src/kvtier/core/tiers/redisstream.py", "src/kvtier/core/tiers/redisfailure.py",
                 "src/kvtier/core/tiers/redissettings.py", "src/kvtier/core/tiers/diskcheck.py",
-                "src/kvtier/core/tiers/diskpurge.py", "src/kvtier/core/tiers/redispurge.py",
-                "src/kvtier/core/tiers/s3.py", "src/kvtier/core/tiers/s3client.py", "src/kvtier/core/tiers/s3probe.py",
-                "src/kvtier/core/tiers/s3purge.py",
+                "src/kvtier/core/tiers/diskblobs.py", "src/kvtier/core/tiers/redisblobs.py",
+                "src/kvtier/core/tiers/s3.py", "src/kvtier/core/tiers/s3client.py", "src/kvtier/core/tiers/s3blobs.py",
                 "src/kvtier/core/tiers/s3settings.py", "src/kvtier/core/tiers/registry.py")
 """A tier's own modules and the registry: the only places that may name a tier."""
 

@@ -102,9 +102,12 @@ def test_only_the_kvtier_package_counts_as_installing_kvtier(launch, installs):
 
 @pytest.mark.parametrize(("image", "flagged"), [
     ("registry.example.com/kvtier-vllm:v0.31.0-kvtier0.1.0", True),
-    ("registry.example.com/kvtier-vllm:v0.33.0-kvtier0.1.0", True),
+    ("registry.example.com/kvtier-vllm:v0.35.0-kvtier0.1.0", True),
+    ("registry.example.com/kvtier-vllm:v0.35.0rc1-kvtier0.1.0", True),  # <0.35 admits no 0.35 pre-release
     ("registry.example.com/kvtier-vllm:v0.22.0-kvtier0.1.0", True),
     ("registry.example.com/kvtier-vllm:v0.32.0-kvtier0.2.0", False),
+    ("registry.example.com/kvtier-vllm:v0.33.0-kvtier0.1.0", False),  # API-checked (scripts/vllm_compat.py)
+    ("registry.example.com/kvtier-vllm:v0.34.1-kvtier0.1.0", False),
     ("registry.example.com/acme-inference:1.4", False),  # not clearly a vLLM version
     ("registry.example.com/kvtier-vllm:v0.32-kvtier0.1.0", False),  # 0.32 is 0.32.0 (PEP 440)
     ("registry.example.com/kvtier-vllm:v0.32.0rc1-kvtier0.1.0", True),  # an rc comes before its release
@@ -113,4 +116,4 @@ def test_kvtier_on_another_vllm_is_an_error(image, flagged):
     messages = variant("image: registry.example.com/kvtier-vllm:v0.32.0-kvtier0.1.0", f"image: {image}")
     assert ("kvtier-unsupported-vllm" in messages) is flagged, messages
     if flagged:
-        assert "kvtier supports only vLLM 0.32.0" in messages["kvtier-unsupported-vllm"]
+        assert "kvtier supports vLLM 0.32.x, 0.33.x and 0.34.x" in messages["kvtier-unsupported-vllm"]

@@ -72,6 +72,17 @@ V = "0.32.0"
 
 # rule id: ((firing text, version), (quiet text, version)); version None means unknown.
 CASES: dict[str, tuple[tuple[str, str | None], tuple[str, str | None]]] = {
+    "flag-newer-than-vllm": (("vllm serve m --max-num-inflight-kv-loads 8", "0.33.0"),
+                             ("vllm serve m --max-num-inflight-kv-loads 8", "0.34.0")),
+    "v2-model-runner-env-removed": (("VLLM_USE_V2_MODEL_RUNNER=0 vllm serve m", "0.34.0"),
+                                    ("VLLM_USE_V2_MODEL_RUNNER=0 vllm serve m", "0.33.0")),
+    "kvtier-sleep-mode": ((kvtier_line() + " --enable-sleep-mode", "0.33.0"), (kvtier_line(), "0.33.0")),
+    "kvtier-extensible-kv-cache-headroom": ((kvtier_line(), "0.34.0"),
+                                            (kvtier_line() + " --gpu-memory-utilization 0.9", "0.34.0")),
+    "kvtier-chunk-tokens-block-size-64": ((kvtier_line(chunk_tokens=96).replace(" --block-size 16", ""), "0.34.0"),
+                                          (kvtier_line(chunk_tokens=96).replace(" --block-size 16", ""), "0.33.0")),
+    "kvtier-inflight-kv-loads-cap-only": ((kvtier_line() + " --max-num-inflight-kv-loads 4", "0.34.0"),
+                                          ("vllm serve m --max-num-inflight-kv-loads 4", "0.34.0")),
     "cpu-offload-gb-is-weights": (("vllm serve m --cpu-offload-gb 40", V),
                                   ("vllm serve m --cpu-offload-gb 40 --kv-offloading-size 64", V)),
     "cpu-offload-gb-invalid": (("vllm serve m --cpu-offload-gb nan", V), ("vllm serve m --cpu-offload-gb 0", V)),
@@ -187,7 +198,7 @@ CASES: dict[str, tuple[tuple[str, str | None], tuple[str, str | None]]] = {
     "kvtier-grace-period-too-short": ((pod(grace=45), V), (pod(grace=60), V)),
     "kvtier-disk-path-not-on-volume": ((pod(mount="/var/cache/kvtier"), V), (pod(), V)),
     "kvtier-worker-shutdown-timeout-short": ((pod(worker_s="5"), V), (pod(), V)),
-    "kvtier-unsupported-vllm": ((pod(image="registry.example.com/kvtier-vllm:v0.33.0-kvtier0.1.0"), None),
+    "kvtier-unsupported-vllm": ((pod(image="registry.example.com/kvtier-vllm:v0.35.0-kvtier0.1.0"), None),
                                 (pod(), None)),
     "kvtier-disk-volume-unfit": ((pod(read_only=True), V), (pod(), V)),
     "kvtier-shared-tier-cleartext-beyond-namespace": (

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.core.config import KVTierConfig
-from kvtier.core.tiers.redisprobe import probe_redis
+from kvtier.core.purge import probe_tier
 from kvtier.integrations.vllm.plugin import warn_unreachable_shared_tier
 from kvtier.integrations.vllm.preflight import probe_shared_tiers
 from tests.redis_servers import free_port
@@ -47,13 +47,14 @@ def test_a_closed_port_is_unreachable_in_one_line_and_offline_skips_the_probe():
     assert run.stdout.splitlines()[-1] == "ok: vLLM would start with this KVTierConnector config (1 warning(s))."
     offline = check("--offline", json.dumps(transfer({"redis_url": url})))
     assert offline.returncode == 0 and lines_about(offline.stdout) == [], offline.stdout
-    assert offline.stdout.strip() == "ok: vLLM would start with this KVTierConnector config."
+    assert [ln for ln in offline.stdout.splitlines() if not ln.startswith("info: kvtier supports vLLM")] == [
+        "ok: vLLM would start with this KVTierConnector config."], offline.stdout
     data = json.loads(check("--json", json.dumps(transfer({"redis_url": url}))).stdout)
     assert [(t["state"], t["url"]) for t in data["shared_tier"]] == [("unreachable", url)]
 
 
 def test_a_host_that_does_not_resolve_is_unreachable_within_the_deadline():
-    result = probe_redis(KVTierConfig.from_dict({"redis_url": "redis://kvtier-no-such-host.invalid:6379/0"}))
+    result = probe_tier("redis", KVTierConfig.from_dict({"redis_url": "redis://kvtier-no-such-host.invalid:6379/0"}))
     assert (result.state, result.detail) == ("unreachable", "the host name does not resolve"), result
     assert result.elapsed_s < 2.5
 
@@ -136,9 +137,9 @@ def test_a_certificate_for_another_host_names_the_mismatch(redis_factory, tmp_pa
     tls = TlsFiles.make(tmp_path / "tls")
     server = redis_factory(tls=tls)
     url = f"rediss://localhost:{server.port}/0"
-    result = probe_redis(KVTierConfig.from_dict({"redis_url": url, "redis_tls_ca_file": str(tls.ca)}))
+    result = probe_tier("redis", KVTierConfig.from_dict({"redis_url": url, "redis_tls_ca_file": str(tls.ca)}))
     assert result.state == "unreachable", result
     assert "mismatch" in result.detail and "must name the host of redis_url" in result.detail, \
         result.detail
-    assert probe_redis(KVTierConfig.from_dict({"redis_url": server.url, "redis_tls_ca_file": str(tls.ca)})).state \
+    assert probe_tier("redis", KVTierConfig.from_dict({"redis_url": server.url, "redis_tls_ca_file": str(tls.ca)})).state \
         == "reachable"

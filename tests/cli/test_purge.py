@@ -130,7 +130,8 @@ def test_a_file_whose_header_cannot_be_checked_is_kept_and_named_exit_1(disk_dir
 @pytest.mark.parametrize("options, message", [
     (["--redis-cluster", "--redis-key-prefix", "kv:"], "--redis-cluster, --redis-key-prefix need --redis-url URL"),
     (["--redis-ttl-s", "3600"], "--redis-ttl-s needs --redis-url URL"),
-    (["--s3-allow-http"], "--s3-allow-http and --s3-credentials-file need --s3-bucket BUCKET"),
+    (["--s3-allow-http"], "--s3-allow-http needs --s3-bucket BUCKET (the bucket the engines use)"),
+    (["--s3-region", "eu-west-1", "--s3-credentials-file", "c"], "--s3-region, --s3-credentials-file need --s3-bucket"),
 ])
 def test_a_shared_tier_option_without_its_target_is_refused_and_nothing_removed(disk_dir, options, message):
     """--redis-* without --redis-url (and --s3-allow-http without --s3-bucket) were ignored: the purge

@@ -1,4 +1,4 @@
-"""``kvtier purge`` over an S3 bucket (the s3 tier's purge hook, core/tiers/s3purge.py) against the
+"""``kvtier purge`` over an S3 bucket (core/purge.py over the s3 tier's blob store, core/tiers/s3blobs.py) against the
 real ``rclone serve s3`` the tests start (tests/s3_servers.py): chunks written by the real tier in
 two namespaces (one under a shared secret), a foreign object whose name looks like a chunk, and
 the selectors (namespace, age, tenant), dry run first."""
@@ -14,8 +14,7 @@ from typer.testing import CliRunner
 
 from kvtier.cli.main import app
 from kvtier.core.config import KVTierConfig
-from kvtier.core.purge import PurgeFailed, PurgeSelector, purge
-from kvtier.core.tiers import s3purge
+from kvtier.core.purge import PurgeFailed, PurgeSelector, probe_tier, purge, purge_tier
 from kvtier.core.tiers.s3client import brief
 from kvtier.core.tiers.sharedvalue import HEADER_BYTES
 
@@ -107,10 +106,8 @@ def test_unreachable_server_is_said_unreachable_with_or_without_credentials(s3_f
         assert problem.startswith(f"the S3 server at {url}/kv-gone/kvtier/ could not be reached"), problem
         assert "refused the" not in problem and "credentials (403)" not in problem
         with pytest.raises(PurgeFailed, match="could not be reached"):
-            s3purge.purge(KVTierConfig.from_dict(values), PurgeSelector(), dry_run=True)
-        from kvtier.core.tiers.s3probe import probe_s3
-
-        assert probe_s3(KVTierConfig.from_dict(values), 2.0).state == "unreachable"
+            purge_tier("s3", KVTierConfig.from_dict(values), PurgeSelector(), dry_run=True)
+        assert probe_tier("s3", KVTierConfig.from_dict(values), 2.0).state == "unreachable"
 
 
 def test_cli_purge_errors_name_the_flags_the_user_typed():
@@ -118,7 +115,7 @@ def test_cli_purge_errors_name_the_flags_the_user_typed():
     assert result.exit_code == 2 and "--s3-endpoint-url must start with" in result.output
     assert "s3_endpoint_url" not in result.output and "kvtier config field" not in result.output
     alone = CliRunner().invoke(app, ["purge", "--s3-endpoint-url", "https://minio:9000", "--all"])
-    assert alone.exit_code == 2 and "need --s3-bucket" in alone.output
+    assert alone.exit_code == 2 and "--s3-endpoint-url needs --s3-bucket BUCKET" in alone.output
 
 
 def test_brief_never_cuts_a_word():

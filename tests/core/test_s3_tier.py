@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from kvtier.core.config import GiB, KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
+from kvtier.core.purge import reset_outside
 from kvtier.core.tiers import GetResult, PutResult, TierContext, factory
 from kvtier.core.tiers import s3 as s3_tier
 from kvtier.core.tiers.sharedvalue import HEADER_BYTES
@@ -165,7 +166,7 @@ def test_reset_hook_deletes_one_namespace_only(s3_server, bucket, creds):
     try:
         mine.put_many([key(1), key(2)], [data(1), data(2)])
         other.put(key(1), data(1))
-        result = factory.reset_outside("s3", config_of(s3_server, bucket, creds), NS)
+        result = reset_outside("s3", config_of(s3_server, bucket, creds), NS)
         assert result is not None and result.ok and sorted(result.keys) == [key(1), key(2)]
         assert objects(s3_server, bucket) == [unwrap(other).object_key(key(1))]
     finally:
@@ -242,17 +243,17 @@ def test_the_cap_never_deletes_an_object_rewritten_since_it_was_counted(s3_serve
 
 
 def test_the_probe_tells_reachable_auth_failed_and_unreachable(s3_server, bucket, creds, tmp_path):
-    from kvtier.core.tiers.s3probe import probe_s3
+    from kvtier.core.purge import probe_tier
 
-    assert probe_s3(config_of(s3_server, bucket, creds)).state == "reachable"
+    assert probe_tier("s3", config_of(s3_server, bucket, creds)).state == "reachable"
     wrong = tmp_path / "wrong"
     wrong.write_text(f"[default]\naws_access_key_id = {s3_server.access_key}\naws_secret_access_key = nope-nope\n",
                      encoding="utf-8")
-    refused = probe_s3(config_of(s3_server, bucket, wrong))
+    refused = probe_tier("s3", config_of(s3_server, bucket, wrong))
     assert refused.state == "auth failed" and "nope-nope" not in refused.message
-    missing = probe_s3(config_of(s3_server, "no-such-bucket-here", creds))
+    missing = probe_tier("s3", config_of(s3_server, "no-such-bucket-here", creds))
     assert missing.state == "unreachable" and "no such bucket" in missing.message
-    closed = probe_s3(KVTierConfig.from_dict({"s3_endpoint_url": "http://127.0.0.1:9", "s3_bucket": bucket,
+    closed = probe_tier("s3", KVTierConfig.from_dict({"s3_endpoint_url": "http://127.0.0.1:9", "s3_bucket": bucket,
                                               "s3_allow_http": True, "s3_credentials_file": str(creds)}), 1.0)
     assert closed.state == "unreachable"
 

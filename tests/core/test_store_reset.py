@@ -7,8 +7,9 @@ import time
 from pathlib import Path
 
 from kvtier.core.config import GiB, KVTierConfig
+from kvtier.core.purge import reset_outside
 from kvtier.core.store import TieredStore
-from kvtier.core.tiers import factory, registry
+from kvtier.core.tiers import registry
 from kvtier.core.tiers.chunkfile import HEADER_BYTES
 from kvtier.core.tiers.diskreset import RESET_MARKER, mark_reset, reset_marked
 from kvtier.core.tiers.wrappers import SlowTier
@@ -186,7 +187,7 @@ def test_the_disk_reset_hook_marks_and_empties_one_namespace_only(tmp_path):
     put_chain(other, a)
     assert mine.flush(10) and other.flush(10)
 
-    result = factory.reset_outside("disk", mine.config, NS.digest())
+    result = reset_outside("disk", mine.config, NS.digest())
 
     assert result is not None and result.ok and sorted(result.keys) == sorted(a)
     assert chunk_files(mine) == [] and len(chunk_files(other)) == 4
@@ -222,7 +223,7 @@ def test_scope_all_clears_this_namespace_on_the_server_and_no_other(redis_server
     assert other.lookup_async(a).wait(5) == 3
     put_chain(other, b)
     assert other.flush(10)
-    hook = factory.reset_outside("redis", other.config, other.namespace.digest())  # from outside any store
+    hook = reset_outside("redis", other.config, other.namespace.digest())  # from outside any store
     assert hook is not None and hook.ok and sorted(hook.keys) == sorted(a + b)
     assert client.keys(f"{key_prefix}*") == []
     for store in (mine, replica, other, fresh):
@@ -233,7 +234,7 @@ def test_scope_all_clears_this_namespace_on_the_server_and_no_other(redis_server
 def test_an_unreachable_server_makes_the_reset_hook_fail_with_a_reason(key_prefix):
     config = KVTierConfig.from_dict({"redis_url": "redis://127.0.0.1:1", "redis_key_prefix": key_prefix,
                                      "redis_timeout_s": 0.5})
-    result = factory.reset_outside("redis", config, NS.digest())
+    result = reset_outside("redis", config, NS.digest())
     assert result is not None and not result.ok and "did not list and delete" in result.reason
 
 

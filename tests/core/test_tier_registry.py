@@ -4,6 +4,7 @@ then built, ordered, counted and reported by the store like a built-in one."""
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -95,3 +96,27 @@ def test_a_bad_record_is_refused():
         registry.register(registry.TierSpec("disk", 5, False, "disk", "m:f"))
     with pytest.raises(ValueError, match="lower-case"):
         registry.register(registry.TierSpec("My-Tier", 5, False, "disk", "m:f"))
+
+
+NOT_A_PLUGIN = object()
+"""What a record may name by mistake: an object without the plug-in's hooks."""
+
+
+def test_a_record_naming_something_that_is_not_a_plugin_is_refused_in_one_sentence():
+    """The plug-in is checked against the TierPlugin protocol when it is imported; after that every
+    hook is a typed call (no "module:function" strings cast unchecked)."""
+    from kvtier.core.tiers.plugin import TierPlugin
+    from tests.dict_tier import PLUGIN as DICT_PLUGIN
+
+    assert isinstance(DICT_PLUGIN, TierPlugin)
+    for target, phrase in ((f"{__name__}:NOT_A_PLUGIN", "is not a tier plug-in (it lacks settings, build, "),
+                           (f"{__name__}:NO_SUCH_NAME", "names nothing")):
+        registry.register(registry.TierSpec("bogus", 40, False, "external_unspecified", target))
+        try:
+            with pytest.raises(ConfigError, match=re.escape(phrase)):
+                factory.plugin("bogus")
+        finally:
+            registry.unregister("bogus")
+    assert "bogus" not in registry.available_tiers()
+    assert isinstance(factory.plugin("redis"), TierPlugin)
+    assert factory.plugin("redis").settings is registry.settings_model("redis")

@@ -120,6 +120,10 @@ def audit_command(
         print(to_sarif(findings, origin if origin != "<stdin>" else "stdin"))
     else:
         print_text(findings, [c.origin for c in configs])
+        if any(c.uses("KVTierConnector") for c in configs):
+            from kvtier.integrations.vllm.compat import statement
+
+            print(f"info: {statement()}")
     if has_errors(findings):
         raise typer.Exit(1)
 

@@ -12,7 +12,7 @@ from kvtier.core.errors import ConfigError
 
 HELP = """Check a --kv-transfer-config for KVTierConnector in under a second, without starting vLLM.
 
-Runs the connector's own validator (the same checks it applies at engine start-up, after the model has loaded) and vLLM's transfer-config rules: unknown keys (with the closest known key), bad values, the disk tier path (exists or can be created, writable, enough free space, not a kernel filesystem such as /proc), cpu_gib against the memory this host has, the Redis password and shared_secret_file when redis_url is set, then each configured shared tier itself (Redis: connect and PING; S3: a LIST of at most one key; within 2 s, never a write: one line saying reachable, unreachable or auth failed, a warning unless reachable; --offline skips it), chunk_tokens against --block-size (without it, a warning when it is not a multiple of vLLM's default block sizes, 16 and 128 on CPU; auto, the default, always fits), kv_connector_module_path, kv_role, and kv_load_failure_policy. Exit code 0 when it would start, 1 when it has errors, 2 when the input cannot be read (no such file, or not a JSON object).
+Runs the connector's own validator (the same checks it applies at engine start-up, after the model has loaded) and vLLM's transfer-config rules: unknown keys (with the closest known key), bad values, the disk tier path (exists or can be created, writable, enough free space, not a kernel filesystem such as /proc), cpu_gib against the memory this host has, the Redis password and shared_secret_file when redis_url is set, then each configured shared tier itself (Redis: connect and PING; S3: a LIST of at most one key; within 2 s, never a write: one line saying reachable, unreachable or auth failed, a warning unless reachable; --offline skips it), chunk_tokens against --block-size (without it, a warning when it is not a multiple of vLLM's default block sizes, 16 and 128 on CPU; auto, the default, always fits), kv_connector_module_path, kv_role, kv_load_failure_policy, and the installed vLLM against the releases kvtier supports (printed last; docs/vllm.md). Exit code 0 when it would start, 1 when it has errors, 2 when the input cannot be read (no such file, or not a JSON object).
 
 CONFIG is the JSON itself, a file holding it, or - for stdin. To check a whole serve command line, use `kvtier audit` (it runs the same checks).
 
@@ -45,7 +45,9 @@ def check_command(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
     offline: bool = typer.Option(False, "--offline", help="Do not probe the shared tiers (redis_url, s3_bucket)."),
 ) -> None:
+    from kvtier.integrations.vllm.compat import SUPPORTED_RANGE, installed_vllm, statement, unsupported_reason
     from kvtier.integrations.vllm.preflight import (
+        Problem,
         check_transfer_config,
         parse_transfer_config,
         probe_shared_tiers,
@@ -69,6 +71,9 @@ def check_command(
     except ConfigError as exc:  # not JSON, or not an object: the input cannot be read (exit 2, as documented)
         fail(str(exc))
     problems = check_transfer_config(transfer, block_size)
+    installed = installed_vllm()  # the connector refuses a vLLM outside SUPPORTED_VLLM at start-up
+    if installed is not None and (reason := unsupported_reason(installed)) is not None:
+        problems.append(Problem("error", "", reason))
     probes = [] if offline else probe_shared_tiers(transfer)
     problems += [p.problem for p in probes if p.problem is not None]
     names_kvtier = False
@@ -77,6 +82,7 @@ def check_command(
     errors = [p for p in problems if p.severity == "error"]
     if as_json:
         print(json.dumps({"ok": not errors and (names_kvtier or bool(problems)),
+                          "supported_vllm": SUPPORTED_RANGE, "installed_vllm": installed,
                           "problems": [{"severity": p.severity, "key": p.key, "message": p.message}
                                        for p in problems],
                           "shared_tier": [{"key": p.key, "state": p.result.state, "url": p.result.url,
@@ -89,6 +95,8 @@ def check_command(
                 print(f"ok: {probe.key}: {probe.result.message}")
     if not problems and not names_kvtier:
         fail('the config does not name KVTierConnector ("kv_connector":"KVTierConnector"); nothing to check.', 1)
+    if not as_json:
+        print(f"info: {statement()}")
     if errors:
         raise typer.Exit(1)
     if not as_json:

@@ -135,7 +135,7 @@ COMMAND_MODULES = (
     "kvtier.cli.audit",
     "kvtier.cli.check",
     "kvtier.cli.doctor",
-    "kvtier.cli.purge",
+    "kvtier.cli.stored",
 )
 
 for _name in COMMAND_MODULES:

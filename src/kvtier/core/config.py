@@ -137,7 +137,7 @@ class KVTierConfig(BaseSettings):
         "(kvtier.core.tiers.registry.register; docs/store.md, 'Adding a tier'); e.g. [mycompany.kvtier_tiers]."))
     tier_settings: dict[str, dict[str, Any]] = Field(default_factory=dict, validate_default=True, repr=False, description=(
         "Settings of tiers by tier name, each checked by the tier's own settings model "
-        "(kvtier.core.tiers.registry.TierSpec.settings), e.g. {mytier: {capacity_mib: 64}}; a tier's keys "
+        "(kvtier.core.tiers.plugin.TierPlugin.settings), e.g. {mytier: {capacity_mib: 64}}; a tier's keys "
         "may also be given at the top level, as the built-in tiers' are."))
     tiers: tuple[str, ...] = Field(default_factory=lambda: tuple(available_tiers()), min_length=1, description=(
         "Tiers in order, top first (kvtier.core.tiers.registry); a tier whose settings are unset is skipped."))

@@ -1,13 +1,15 @@
-"""Removing stored chunks by namespace, tenant or age, from outside any engine (``kvtier purge``,
-issue 22 item 3).
+"""The operator verbs, written once for every tier over its blob store
+(:mod:`kvtier.core.tiers.blobs`, a plug-in's :meth:`~kvtier.core.tiers.plugin.TierPlugin.blobs`):
 
-Each tier that can be purged names a hook in its registry record
-(:attr:`~kvtier.core.tiers.registry.TierSpec.purge`,
-``purge(config, selector, dry_run) -> list[NamespacePurge] | None``); :func:`purge` runs every
-hook whose target the configuration names (the disk tier's ``disk_path``, the redis tier's
-``redis_url``, the s3 tier's ``s3_bucket``).  A hook lists what the :class:`PurgeSelector` matches and, unless ``dry_run``,
-removes it; either way it returns the same numbers, so a dry run says exactly what a purge of an
-unchanged store removes.
+- :func:`purge`: remove stored chunks by namespace, tenant or age, from outside any engine
+  (``kvtier purge``, issue 22 item 3; docs/purge.md).  Each tier whose storage the configuration
+  names (the disk tier's ``disk_path``, the redis tier's ``redis_url``, the s3 tier's
+  ``s3_bucket``) is listed; what the :class:`PurgeSelector` matches is counted and, unless
+  ``dry_run``, removed; either way the numbers are the same, so a dry run says exactly what a purge
+  of an unchanged store removes.
+- :func:`reset_outside`: drop one namespace from a tier's storage from outside the stores that
+  hold it (vLLM's scheduler acknowledging a reset).
+- :func:`probe_tier`: whether a tier's storage answers (``kvtier check``, the serve-line pre-flight).
 
 A live engine sharing the store treats a purged chunk as a miss when it reads it (a chunk file
 removed under it, a key gone from the server); how soon it stops *reporting* the chunk as a hit is
@@ -18,19 +20,24 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from kvtier.core import tenant
 from kvtier.core.errors import KVTierError, UserError
+from kvtier.core.tiers.probe import PROBE_DEADLINE_S, within_deadline
 
 if TYPE_CHECKING:
     from kvtier.core.config import KVTierConfig
+    from kvtier.core.tiers.base import ClearResult
+    from kvtier.core.tiers.blobs import BlobRef, BlobStat, BlobStore
+    from kvtier.core.tiers.probe import ProbeResult, ProbeState
 
 class PurgeFailed(KVTierError):
     """A purge target that was named correctly could not be purged (a server that does not
-    answer); the message is one sentence naming it."""
+    answer: the store's :class:`~kvtier.core.tiers.blobs.StorageFailed`); the message is one
+    sentence naming it."""
 
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)?\s*$")
@@ -156,31 +163,27 @@ class NamespacePurge:
             self.problems.append(text)
 
 
-PurgeHook = Callable[["KVTierConfig", PurgeSelector, bool], "list[NamespacePurge] | None"]
-
-
 def purge(config: KVTierConfig, selector: PurgeSelector, dry_run: bool,
           keys: Collection[str] | None = None) -> list[NamespacePurge]:
-    """Run every registered tier's purge hook over ``config`` (tiers whose target it does not name
-    return nothing), in tier order; with ``keys``, only the tiers one of whose configuration keys
+    """Purge every registered tier's storage that ``config`` names (:func:`purge_tier`), in tier
+    order; with ``keys``, only the tiers one of whose configuration keys
     (:attr:`~kvtier.core.tiers.registry.TierSpec.keys`) is among them.
 
     Raises:
         UserError: a target named wrongly (not a directory, a bad password file), one sentence.
 
-    A target that does not answer (an unreachable server: the hook's ``PurgeFailed``) is reported
-    as a result of that tier with no namespace and the sentence as its problem, after the targets
+    A target that does not answer (an unreachable server: :class:`PurgeFailed`) is reported as a
+    result of that tier with no namespace and the sentence as its problem, after the targets
     before it were purged; the caller reports every result and exits non-zero.
     """
-    from kvtier.core.tiers.registry import load, specs
+    from kvtier.core.tiers.registry import specs
 
     out: list[NamespacePurge] = []
     for record in specs():
-        if record.purge is None or (keys is not None and not set(record.keys) & set(keys)):
+        if keys is not None and not set(record.keys) & set(keys):
             continue
-        hook = cast(PurgeHook, load(record.purge, record.name))
         try:
-            result = hook(config, selector, dry_run)
+            result = purge_tier(record.name, config, selector, dry_run)
         except PurgeFailed as exc:  # the other targets' results are still reported (and were carried out)
             failed = NamespacePurge(record.name, b"")
             failed.problem(str(exc))
@@ -189,3 +192,194 @@ def purge(config: KVTierConfig, selector: PurgeSelector, dry_run: bool,
         if result is not None:
             out.extend(result)
     return out
+
+
+def purge_tier(name: str, config: KVTierConfig, selector: PurgeSelector, dry_run: bool) -> list[NamespacePurge] | None:
+    """List what ``selector`` matches in tier ``name``'s storage (its plug-in's blob store,
+    :meth:`~kvtier.core.tiers.plugin.TierPlugin.blobs`) and, unless ``dry_run``, remove it; the
+    numbers are the same either way.  ``None`` when ``config`` names no storage of the tier.
+
+    Per value, in order: gone meanwhile: skipped; unreadable: kept, a problem; older than
+    ``--older-than`` asks, by its written time (an unknown time: kept, its reason said once);
+    then, when a tenant is asked for or the store wants its values verified, its header: one
+    that is not a kvtier value of this name is kept and a problem, a tenant record is judged by
+    :meth:`PurgeSelector.tenant_admits`.
+
+    Returns:
+        one :class:`NamespacePurge` per namespace the storage holds that the selector admits
+        (those with nothing matched included, so a dry run shows where it looked), by digest.
+
+    Raises:
+        UserError: the storage is named wrongly (one sentence).
+        PurgeFailed: it does not answer (one sentence naming it).
+    """
+    from kvtier.core.tiers.blobs import StorageFailed
+    from kvtier.core.tiers.factory import plugin
+
+    try:
+        store = plugin(name).blobs(config)
+        if store is None:
+            return None
+        try:
+            results = {ns: NamespacePurge(name, ns) for ns in store.namespaces() if selector.wants_namespace(ns)}
+            for batch in store.list(selector.namespaces):
+                for ref in batch:
+                    results.setdefault(ref.namespace, NamespacePurge(name, ref.namespace))
+                _purge_batch(store, batch, selector, dry_run, results)
+                _listing_problems(store, name, results)
+            _listing_problems(store, name, results)
+        finally:
+            store.close()
+    except StorageFailed as exc:
+        raise PurgeFailed(str(exc)) from None
+    return [results[ns] for ns in sorted(results)]
+
+
+def _listing_problems(store: BlobStore, name: str, results: dict[bytes, NamespacePurge]) -> None:
+    for namespace, text in store.listing_problems():
+        results.setdefault(namespace, NamespacePurge(name, namespace)).problem(text)
+
+
+def _purge_batch(store: BlobStore, batch: list[BlobRef], selector: PurgeSelector, dry_run: bool,
+                 results: dict[bytes, NamespacePurge]) -> None:
+    """Judge (and unless ``dry_run`` remove) one listed batch (see :func:`purge_tier`).  Headers are
+    read in the same ``stat`` as sizes when no age is asked (one round trip on a server), else only
+    for the values old enough."""
+    need_header = selector.needs_tenant or store.verifies_values
+    chosen: list[tuple[BlobRef, int]] = []
+    if need_header and selector.older_than_s is None:
+        for ref, found in zip(batch, store.stat(batch, header=True), strict=True):
+            if found is not None and _tenant_admits(selector, results[ref.namespace], ref, found):
+                chosen.append((ref, found.size))
+    else:
+        aged: list[tuple[BlobRef, int]] = []
+        for ref, found in zip(batch, store.stat(batch, header=False), strict=True):
+            if found is None:
+                continue
+            result = results[ref.namespace]
+            if found.problem is not None:
+                result.problem(found.problem)
+                continue
+            if selector.older_than_s is not None:
+                if found.written_s is None:
+                    if found.age_problem is not None and found.age_problem not in result.problems:
+                        result.problem(found.age_problem)
+                    continue
+                if not selector.old_enough(found.written_s):
+                    continue
+            aged.append((ref, found.size))
+        chosen = aged
+        if aged and need_header:
+            chosen = [(ref, size) for (ref, size), head in
+                      zip(aged, store.stat([ref for ref, _ in aged], header=True), strict=True)
+                      if head is not None and _tenant_admits(selector, results[ref.namespace], ref, head)]
+    if not chosen:
+        return
+    outcomes: list[bool | str] = [True] * len(chosen) if dry_run else store.delete([ref for ref, _ in chosen])
+    for (ref, size), gone in zip(chosen, outcomes, strict=True):
+        result = results[ref.namespace]
+        if isinstance(gone, str):
+            result.problem(gone)
+        elif gone:
+            result.chunks += 1
+            result.bytes += size
+
+
+def _tenant_admits(selector: PurgeSelector, result: NamespacePurge, ref: BlobRef, found: BlobStat) -> bool:
+    """Whether a value whose header was read goes: one that cannot be read or is not a kvtier value
+    of this name is kept and a problem; then its tenant record is judged."""
+    if found.problem is not None:
+        result.problem(found.problem)
+        return False
+    record = found.header.tenant if found.header is not None else None
+    return selector.tenant_admits(result, ref.namespace, record, ref.name)
+
+
+def reset_outside(name: str, config: KVTierConfig, namespace: bytes) -> ClearResult | None:
+    """Drop namespace ``namespace``'s values from tier ``name``'s storage from outside the stores
+    that hold them (vLLM's scheduler acknowledging a reset, :mod:`kvtier.integrations.vllm.scheduler.reset`):
+    the store's :meth:`~kvtier.core.tiers.blobs.BlobStore.before_reset` (the disk tier's marker,
+    so that a restart in between never serves what the reset dropped), then every value of the
+    namespace under this configuration's key space, listed and deleted batch by batch.
+
+    Returns:
+        the chunk keys removed (``ok`` False, with the first reason, when some could not be);
+        ``None`` when ``config`` does not ask for the tier or it has no storage outside the
+        engines (the cpu tier).
+    """
+    from kvtier.core.keys import ChunkKey
+    from kvtier.core.tiers.base import ClearResult
+    from kvtier.core.tiers.blobs import StorageFailed
+    from kvtier.core.tiers.factory import configured, plugin
+
+    if not configured(name, config):
+        return None
+    try:
+        store = plugin(name).blobs(config)
+    except (UserError, StorageFailed) as exc:
+        return ClearResult([], False, str(exc))
+    if store is None:
+        return None
+    removed: list[ChunkKey] = []
+    errors: list[str] = []
+    try:
+        if (why := store.before_reset(namespace)) is not None:
+            return ClearResult([], False, why)
+        space = store.space  # this configuration's key space: another secret's values are not its to reset
+        for batch in store.list(frozenset({namespace})):
+            mine = [ref for ref in batch if ref.space == space]
+            for ref, gone in zip(mine, store.delete(mine) if mine else [], strict=True):
+                if isinstance(gone, str):
+                    errors.append(gone)
+                elif gone:
+                    removed.append(ChunkKey(ref.key))
+        errors += [text for _namespace, text in store.listing_problems()]
+    except StorageFailed as exc:
+        errors.insert(0, f"{store.where} did not list and delete the namespace's values ({exc})")
+    finally:
+        store.close()
+    return ClearResult(removed, not errors, errors[0] if errors else "")
+
+
+def probe_tier(name: str, config: KVTierConfig, deadline_s: float = PROBE_DEADLINE_S) -> ProbeResult | None:
+    """Whether tier ``name``'s storage answers: one harmless request
+    (:meth:`~kvtier.core.tiers.blobs.BlobStore.ping`, never a write) within ``deadline_s`` seconds,
+    name resolution included (:func:`~kvtier.core.tiers.probe.within_deadline`); ``kvtier check``
+    and the serve-line pre-flight run it for every configured shared tier.
+
+    Returns:
+        the :class:`~kvtier.core.tiers.probe.ProbeResult`; ``None`` when ``config`` does not ask for
+        the tier or it has no storage outside the engines.
+
+    Raises:
+        ConfigError: the probe cannot run (an unreadable password file, a missing package): the
+            tier's preflight check reports it.
+    """
+    import time
+
+    from kvtier.core.tiers.factory import configured, plugin
+    from kvtier.core.tiers.probe import ProbeResult
+
+    if not configured(name, config):
+        return None
+    store = plugin(name).blobs(config, deadline_s)
+    if store is None:
+        return None
+
+    def result(state: ProbeState, detail: str, elapsed_s: float) -> ProbeResult:
+        return ProbeResult(state, store.where, detail, elapsed_s, auth_fix=store.auth_fix,
+                           address_key=store.address_key)
+
+    def attempt(start: float) -> ProbeResult:
+        try:
+            verb = store.ping()
+        except Exception as exc:  # noqa: BLE001 - any failure is a state, said in a few words
+            state, detail = store.failure(exc, deadline_s - (time.monotonic() - start))
+            return result(state, detail, time.monotonic() - start)
+        finally:
+            store.close()
+        elapsed = time.monotonic() - start
+        return result("reachable", f"{verb} answered in {elapsed * 1000:.1f} ms", elapsed)
+
+    return within_deadline(attempt, deadline_s, f"kvtier-{name}-probe",
+                           lambda detail, elapsed_s: result("unreachable", detail, elapsed_s))

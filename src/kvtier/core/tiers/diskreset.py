@@ -3,10 +3,11 @@
 A reset (vLLM's ``/reset_prefix_cache?reset_external=true``, :mod:`kvtier.integrations.vllm.scheduler`)
 is acknowledged by one process (vLLM's scheduler) while the stores that hold the files live in
 others (the workers), which apply it only when the next engine step carries the order.  So that a
-restart in between never serves what the reset dropped, the acknowledging process:
+restart in between never serves what the reset dropped, the acknowledging process
+(:func:`kvtier.core.purge.reset_outside` over :class:`~kvtier.core.tiers.diskblobs.DiskBlobs`):
 
 1. writes the marker ``<disk_path>/<namespace hex>/reset-pending`` (:func:`mark_reset`), then
-2. removes every chunk file of the namespace (:func:`remove_chunk_files`).
+2. removes every chunk file of the namespace.
 
 Files written after step 2 by a store that has not applied the order yet (writes queued before
 the reset, a graceful stop's flush) are removed by whichever comes first: the store applying the
@@ -24,14 +25,10 @@ import contextlib
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers.base import ClearResult
 from kvtier.core.tiers.diskscan import SUFFIX, chunk_entries
-
-if TYPE_CHECKING:
-    from kvtier.core.config import KVTierConfig
 
 log = logging.getLogger(__name__)
 RESET_MARKER = "reset-pending"
@@ -88,19 +85,3 @@ def remove_chunk_files(directory: Path, key_bytes: int) -> ClearResult:
         removed.append(key)
     error = errors[0] if errors else ""
     return ClearResult(removed, not error, error)
-
-
-def reset(config: KVTierConfig, namespace: bytes) -> ClearResult:
-    """Drop namespace ``namespace``'s chunk files from ``config.disk_path`` from outside its stores:
-    marker first, then the files (see the module docstring).  Nothing to do without a disk tier
-    or before the namespace directory exists."""
-    if not config.disk_path or config.disk_gib <= 0:
-        return ClearResult([])
-    directory = Path(config.disk_path) / namespace.hex()
-    if not directory.is_dir():
-        return ClearResult([])
-    try:
-        mark_reset(directory)
-    except OSError as exc:
-        return ClearResult([], False, f"cannot write {directory / RESET_MARKER} ({exc.strerror})")
-    return remove_chunk_files(directory, len(namespace))

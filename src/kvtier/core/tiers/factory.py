@@ -1,6 +1,8 @@
-"""Tiers built from a configuration, by their :class:`~kvtier.core.tiers.registry.TierSpec`
-records: what a tier factory gets (:class:`TierContext`), whether a configuration asks for a tier,
-its preflight check, and the tier itself.
+"""Tiers built from a configuration, by their plug-in objects
+(:class:`~kvtier.core.tiers.plugin.TierPlugin`, :func:`plugin`): what
+a tier's ``build`` gets (:class:`TierContext`), whether a configuration asks for a tier, its
+preflight check and advice, and the tier itself.  The reset from outside the stores and the probe
+are :mod:`kvtier.core.purge`'s (:func:`~kvtier.core.purge.reset_outside`, :func:`~kvtier.core.purge.probe_tier`).
 
 The registry below this module reads no configuration; the configuration reads the registry
 (tier names, settings models); this module reads both, so the arrows never turn back.
@@ -8,36 +10,34 @@ The registry below this module reads no configuration; the configuration reads t
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple, cast
-
-from prometheus_client import CollectorRegistry
+from typing import TYPE_CHECKING
 
 from kvtier.core.config import KVTierConfig
-from kvtier.core.tiers.registry import load, spec, specs
+from kvtier.core.errors import ConfigError
+from kvtier.core.tiers.plugin import TierContext, TierPlugin
+from kvtier.core.tiers.registry import load_plugin, spec, specs
+
+__all__ = ["TierContext", "advice", "check", "configured", "make_tier", "plugin", "shared_configured", "state_dir"]
 
 if TYPE_CHECKING:
-    from kvtier.core.tiers.base import ClearResult, Tier
-    from kvtier.core.tiers.probe import ProbeResult
+    from kvtier.core.tiers.base import Tier
 
 
-class TierContext(NamedTuple):
-    """What a tier factory gets: the configuration and the facts of one rank's store.
+def plugin(name: str) -> TierPlugin:
+    """Tier ``name``'s plug-in object, checked against :class:`~kvtier.core.tiers.plugin.TierPlugin`.
 
-    Attributes:
-        config: the kvtier configuration.
-        namespace: 16-byte namespace digest (a tier never returns another namespace's chunks).
-        chunk_bytes: payload bytes of one chunk.
-        tp_size: tensor-parallel size (local capacities are totals / ``tp_size``).
-        registry: prometheus registry for the tier's own metrics.
+    Raises:
+        ConfigError: unknown name, its module cannot be imported (a missing optional dependency,
+            named in the message), or the object is not a tier plug-in.
     """
-
-    config: KVTierConfig
-    namespace: bytes
-    chunk_bytes: int
-    tp_size: int
-    registry: CollectorRegistry
+    found = load_plugin(name)
+    if not isinstance(found, TierPlugin):
+        missing = [m for m in ("settings", "build", "configured", "check", "advice", "state_dir", "blobs")
+                   if not hasattr(found, m)]
+        raise ConfigError(f"tier {name!r}: {spec(name).plugin} is not a tier plug-in (it lacks {', '.join(missing)}); "
+                          "derive it from kvtier.core.tiers.plugin.PluginDefaults")
+    return found
 
 
 def configured(name: str, config: KVTierConfig) -> bool:
@@ -46,12 +46,7 @@ def configured(name: str, config: KVTierConfig) -> bool:
     Raises:
         ConfigError: unknown name, or the tier's module cannot be imported.
     """
-    if name not in config.tiers:
-        return False
-    record = spec(name)
-    if record.configured is None:
-        return True
-    return bool(cast(Callable[[KVTierConfig], bool], load(record.configured, name))(config))
+    return name in config.tiers and plugin(name).configured(config)
 
 
 def shared_configured(config: KVTierConfig) -> list[str]:
@@ -62,23 +57,17 @@ def shared_configured(config: KVTierConfig) -> list[str]:
 def check(name: str, config: KVTierConfig) -> list[tuple[str, str]]:
     """Tier ``name``'s preflight over ``config``: ``(key, message)`` per problem its start-up
     would refuse; empty if the tier has no check or is not configured."""
-    record = spec(name)
-    if record.check is None or not configured(name, config):
-        return []
-    return list(cast(Callable[[KVTierConfig], list[tuple[str, str]]], load(record.check, name))(config))
+    return plugin(name).check(config) if configured(name, config) else []
 
 
 def advice(name: str, config: KVTierConfig) -> list[tuple[str, str]]:
-    """Tier ``name``'s advice over ``config`` (:attr:`~kvtier.core.tiers.registry.TierSpec.advice`):
+    """Tier ``name``'s advice over ``config`` (:meth:`~kvtier.core.tiers.plugin.TierPlugin.advice`):
     ``(key, message)`` per warning; empty if the tier has none or is not configured.
 
     Raises:
         ConfigError: unknown name, or the tier's module cannot be imported.
     """
-    record = spec(name)
-    if record.advice is None or not configured(name, config):
-        return []
-    return list(cast(Callable[[KVTierConfig], list[tuple[str, str]]], load(record.advice, name))(config))
+    return plugin(name).advice(config) if configured(name, config) else []
 
 
 def make_tier(name: str, ctx: TierContext) -> Tier | None:
@@ -88,26 +77,11 @@ def make_tier(name: str, ctx: TierContext) -> Tier | None:
         ConfigError: unknown name, or the tier's module cannot be imported (a missing optional
             dependency, named in the message).
     """
-    factory = cast(Callable[[TierContext], "Tier | None"], load(spec(name).factory, name))
-    return factory(ctx)
-
-
-def reset_outside(name: str, config: KVTierConfig, namespace: bytes) -> ClearResult | None:
-    """Tier ``name``'s reset hook (:attr:`~kvtier.core.tiers.registry.TierSpec.reset`) over
-    ``namespace``; ``None`` when the tier has none or ``config`` does not ask for it.
-
-    Raises:
-        ConfigError: unknown name, or the tier's module cannot be imported.
-    """
-    record = spec(name)
-    if record.reset is None or not configured(name, config):
-        return None
-    hook = cast(Callable[[KVTierConfig, bytes], "ClearResult"], load(record.reset, name))
-    return hook(config, namespace)
+    return plugin(name).build(ctx)
 
 
 def state_dir(config: KVTierConfig) -> Path | None:
-    """The first configured tier's :attr:`~kvtier.core.tiers.registry.TierSpec.state_dir` (a
+    """The first configured tier's :meth:`~kvtier.core.tiers.plugin.TierPlugin.state_dir` (a
     directory that outlives the process as that tier's chunks do), in tier order; ``None`` when no
     configured tier has one.
 
@@ -115,23 +89,8 @@ def state_dir(config: KVTierConfig) -> Path | None:
         ConfigError: a tier's module cannot be imported.
     """
     for record in specs():
-        if record.state_dir is not None and configured(record.name, config):
-            found = cast(Callable[[KVTierConfig], "Path | None"], load(record.state_dir, record.name))(config)
+        if configured(record.name, config):
+            found = plugin(record.name).state_dir(config)
             if found is not None:
                 return found
     return None
-
-
-def probe(name: str, config: KVTierConfig, deadline_s: float) -> ProbeResult | None:
-    """Tier ``name``'s reachability probe (:attr:`~kvtier.core.tiers.registry.TierSpec.probe`)
-    within ``deadline_s`` seconds; ``None`` when the tier has none or ``config`` does not ask for it.
-
-    Raises:
-        ConfigError: unknown name, the tier's module cannot be imported, or the probe cannot run
-            (e.g. an unreadable password file: the tier's preflight check reports it).
-    """
-    record = spec(name)
-    if record.probe is None or not configured(name, config):
-        return None
-    hook = cast(Callable[[KVTierConfig, float], "ProbeResult"], load(record.probe, name))
-    return hook(config, deadline_s)

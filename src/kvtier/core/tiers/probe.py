@@ -1,9 +1,10 @@
 """What a probe of a configured shared tier found: one of three states, each with one sentence.
 
-A shared tier's module may name a probe in its :class:`~kvtier.core.tiers.registry.TierSpec`
-(``probe``: ``probe(config, deadline_s) -> ProbeResult``): connect and ask the server something
-harmless within a short deadline, never a write.  ``kvtier check`` and the serve-line pre-flight
-(:func:`kvtier.integrations.vllm.preflight.probe_shared_tiers`) run every configured tier's probe
+The probe is written once, :func:`kvtier.core.purge.probe_tier`, over the tier's blob store
+(:meth:`~kvtier.core.tiers.blobs.BlobStore.ping`: connect and ask the server something harmless
+within a short deadline, never a write; :meth:`~kvtier.core.tiers.blobs.BlobStore.failure`: what a
+failed request means).  ``kvtier check`` and the serve-line pre-flight
+(:func:`kvtier.integrations.vllm.preflight.probe_shared_tiers`) probe every configured shared tier
 and warn: the tier may come up after the engine, and until then every lookup in it is a miss under
 the breaker.
 

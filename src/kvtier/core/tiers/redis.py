@@ -411,22 +411,3 @@ def from_config(ctx: TierContext) -> GuardedTier | None:
                        config.shared_queue_depth,
                        CircuitBreaker(settings.redis_breaker_failures, settings.redis_breaker_probe_s),
                        registry=ctx.registry, where=where, clear_deadline_s=CLEAR_DEADLINE_S)
-
-
-def reset(config: KVTierConfig, namespace: bytes) -> ClearResult:
-    """Delete namespace ``namespace``'s keys from the configured server from outside any store (a
-    tier made for the purpose, then closed); nothing to do without ``redis_url``."""
-    from prometheus_client import CollectorRegistry
-
-    from kvtier.core.tiers.factory import TierContext
-
-    try:
-        tier = from_config(TierContext(config, namespace, 0, 1, CollectorRegistry()))
-    except ConfigError as exc:
-        return ClearResult([], False, str(exc))
-    if tier is None:
-        return ClearResult([])
-    try:
-        return tier.clear()
-    finally:
-        tier.close()

@@ -5,8 +5,9 @@ Keys are ``<prefix><namespace hex>:<keyspace><chunk key hex>`` (:mod:`kvtier.cor
 exactly a chunk key's 32 hex digits: never another namespace's keys, nor this namespace's under
 another shared secret's keyspace) and deletes them with ``UNLINK`` in batches, on the tier's own
 threads under :data:`CLEAR_DEADLINE_S`.  In a Cluster, redis-py's ``scan_iter`` visits every
-primary.  :func:`kvtier.core.tiers.redis.reset`, the tier's registry hook
-(:attr:`~kvtier.core.tiers.registry.TierSpec.reset`), does the same from outside any store (vLLM's scheduler).
+primary.  This is the store's own clear (the tier's data path); from outside any store (vLLM's
+scheduler) the reset is :func:`kvtier.core.purge.reset_outside` over
+:class:`~kvtier.core.tiers.redisblobs.RedisBlobs`.
 """
 
 from __future__ import annotations

@@ -30,14 +30,28 @@ class RedisSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVTIER_", extra="forbid", frozen=True)
 
     redis_url: str | None = Field(None, repr=False, description=(
-        "redis:// or rediss:// (TLS) URL of the shared tier (Redis or Valkey); unset = no redis tier."))
-    redis_cluster: bool = Field(False, description="The URL names a seed node of a Redis/Valkey Cluster.")
+        "redis:// or rediss:// (TLS) URL of the shared tier (Redis or Valkey); unset = no redis tier."),
+        json_schema_extra={"tools": {"purge": {
+            "help": "redis:// or rediss:// URL of the shared tier.", "metavar": "URL",
+            "target": "the Redis/Valkey server the engines use",
+            "empty": "give the Redis/Valkey URL the engines use (their redis_url)"}}})
+    redis_cluster: bool = Field(False, description="The URL names a seed node of a Redis/Valkey Cluster.",
+                                json_schema_extra={"tools": {"purge": {
+                                    "help": "--redis-url names a Cluster seed node (every primary is purged)."}}})
     redis_password_env: str | None = Field(None, description="Environment variable holding the Redis password.",
-                                           json_schema_extra={"names_env_var": "a Redis password"})
-    redis_password_file: str | None = Field(None, description="File holding the Redis password.")
-    redis_tls_ca_file: str | None = Field(None, description="CA bundle for rediss:// (default: the system's).")
-    redis_key_prefix: str = Field("kvtier:", max_length=128, description="Prefix of every key kvtier writes.")
-    redis_ttl_s: int = Field(86400, gt=0, description="Seconds a value lives in Redis (SET ... EX).")
+                                           json_schema_extra={"names_env_var": "a Redis password", "tools": {
+                                               "purge": {"help": "Environment variable holding the Redis password."}}})
+    redis_password_file: str | None = Field(None, description="File holding the Redis password.",
+                                            json_schema_extra={"tools": {"purge": {
+                                                "help": "File holding the Redis password."}}})
+    redis_tls_ca_file: str | None = Field(None, description="CA bundle for rediss:// (default: the system's).",
+                                          json_schema_extra={"tools": {"purge": {"help": "CA bundle for rediss://."}}})
+    redis_key_prefix: str = Field("kvtier:", max_length=128, description="Prefix of every key kvtier writes.",
+                                  json_schema_extra={"tools": {"purge": {
+                                      "help": "The engines' redis_key_prefix (default kvtier:)."}}})
+    redis_ttl_s: int = Field(86400, gt=0, description="Seconds a value lives in Redis (SET ... EX).",
+                             json_schema_extra={"tools": {"purge": {
+                                 "help": "The engines' redis_ttl_s, for --older-than (default 86400)."}}})
     redis_connect_timeout_s: float = Field(0.5, gt=0, le=60, allow_inf_nan=False,
                                            description="Connect timeout of one Redis connection, seconds.")
     redis_timeout_s: float = Field(1.0, gt=0, le=60, allow_inf_nan=False,

@@ -10,10 +10,11 @@ stays optional until a redis tier is configured) and a tier module never needs a
 
 Adding a tier (docs/store.md, "Adding a tier"):
 
-1. one module with ``from_config(ctx: TierContext) -> Tier | None`` (``None`` when the
-   configuration does not ask for the tier) and, optionally, ``configured(config) -> bool``
-   (whether the configuration asks for it, without building it) and a pydantic settings model
-   of the keys it reads;
+1. one module with the tier and its plug-in object, a
+   :class:`~kvtier.core.tiers.plugin.TierPlugin` (``build(ctx) -> Tier | None``, ``configured``,
+   its pydantic ``settings`` model, ``check``, ``advice``, ``state_dir`` and, for storage that
+   outlives the engines, ``blobs(config)``: the blob store ``kvtier purge``, a reset and the probe
+   run over; :class:`~kvtier.core.tiers.plugin.PluginDefaults` fills in the ones it does not need);
 2. one :func:`register` call: a line in :data:`BUILTIN` for a tier shipped with kvtier, or, for a
    tier outside kvtier, a call in a module that ``kv_connector_extra_config``'s ``tier_modules``
    names (kvtier imports those modules in every process that reads the configuration, before the
@@ -27,7 +28,8 @@ from __future__ import annotations
 import importlib
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+
+from pydantic import BaseModel
 
 from kvtier.core.errors import ConfigError
 
@@ -54,7 +56,7 @@ class TierModel:
 
 @dataclass(frozen=True)
 class TierSpec:
-    """What kvtier knows of one tier, apart from its module.
+    """What kvtier knows of one tier without importing it; the rest is its plug-in object.
 
     Attributes:
         name: the tier's name in ``tiers``, metric labels and logs (lower case, ``[a-z0-9_]``).
@@ -63,47 +65,21 @@ class TierSpec:
         shared: other hosts write the tier and it evicts on its own (see
             :mod:`kvtier.core.tiers.base`): asked asynchronously, never evicted by the store.
         hit_source: the vLLM ``CacheHitSource`` value its loads report (:data:`HIT_SOURCES`).
-        factory: ``"module:function"`` building the tier from a
-            :class:`~kvtier.core.tiers.factory.TierContext`.
-        configured: ``"module:function"`` telling from a configuration whether it asks for the
-            tier (without building it); ``None``: whenever the tier is in ``tiers``.
-        settings: ``"module:Class"`` of the pydantic model of the tier's configuration keys
-            (documentation and the audit's per-tier key list); ``None`` if it has none.
+        plugin: ``"module:attribute"`` of the tier's plug-in object, a
+            :class:`~kvtier.core.tiers.plugin.TierPlugin` (build, configured, settings model,
+            check, advice, state directory, blob store); imported on first use and checked against
+            the protocol (:func:`plugin`), typed from there on.
         capabilities: names of the optional protocols of :mod:`kvtier.core.tiers.base` the tier
             implements (``rescannable``, ``generational``, ``exact_usage``, ``paged``,
             ``staging``); the conformance suite checks the tier implements exactly these.
         top: the tier every chunk passes through (exactly one registered tier).
         keys: the configuration keys that ask for the tier (the preflight warns when they are set
             but ``tiers`` leaves the tier out; ``kvtier audit``'s deployment rules find a key's tier
-            with :func:`asked_by`).
-        check: ``"module:function"`` of the tier's preflight, ``check(config) -> [(key, message)]``:
-            what its start-up would refuse, read the way start-up reads it (files, environment);
-            ``None`` if it has none.
-        reset: ``"module:function"`` dropping a namespace's chunks from outside the stores that
-            hold them, ``reset(config, namespace) -> ClearResult``; what must not survive a restart
-            once a reset is acknowledged (vLLM's scheduler calls it,
-            :mod:`kvtier.integrations.vllm.scheduler`); ``None`` for a tier that lives only in the
-            stores' processes (the cpu tier).
+            with :func:`asked_by`; ``kvtier purge`` runs over the tiers whose keys it was given).
         medium: the ``medium`` of the vLLM KV events announcing a chunk this tier holds
             (vllm/distributed/kv_events.py: ``"CPU"`` host memory, ``"STORAGE"`` a local disk;
             :mod:`kvtier.integrations.vllm.scheduler.events`); ``None``: the tier is never announced (a
             shared tier: the store's change feed does not report it, docs/vllm.md "KV events").
-        state_dir: ``"module:function"``, ``state_dir(config) -> Path | None``: a directory that
-            outlives the process as the tier's chunks do, where the scheduler may keep small files
-            about them (the KV events' chunk -> block hash journal); ``None`` if it has none.
-        probe: ``"module:function"`` of a shared tier's reachability probe,
-            ``probe(config, deadline_s) -> ProbeResult`` (:mod:`kvtier.core.tiers.probe`; never
-            writes), run by ``kvtier check`` and the serve-line pre-flight; ``None`` if it has none.
-        purge: ``"module:function"`` for ``kvtier purge``: lists and (unless a dry run) removes the
-            chunks a :class:`~kvtier.core.purge.PurgeSelector` matches, across every namespace the
-            tier's storage holds, ``purge(config, selector, dry_run) -> list[NamespacePurge] | None``
-            (``None``: the configuration names no storage of this tier); ``None`` for a tier that
-            lives only in an engine's processes (the cpu tier).
-        advice: ``"module:function"``, ``advice(config) -> [(key, message)]``: what a configuration
-            the tier starts with leaves exposed (e.g. plain HTTP beyond this host without a shared
-            secret), read from the configuration alone (no file, no network); the pre-flight
-            (``kvtier check``, ``kvtier audit``, the vLLM plugin) reports each as a warning.
-            ``None`` if it has none.
         model: the tier's default bandwidth and latency (:class:`TierModel`) for the sizing and
             simulation tools; ``None`` for a tier they do not model on its own (cpu, disk: their
             figures are the tools' own options).
@@ -113,19 +89,11 @@ class TierSpec:
     order: int
     shared: bool
     hit_source: str
-    factory: str
-    configured: str | None = None
-    settings: str | None = None
+    plugin: str
     capabilities: frozenset[str] = field(default_factory=frozenset)
     top: bool = False
     keys: tuple[str, ...] = ()
-    check: str | None = None
-    reset: str | None = None
     medium: str | None = None
-    state_dir: str | None = None
-    probe: str | None = None
-    purge: str | None = None
-    advice: str | None = None
     model: TierModel | None = None
 
 
@@ -137,22 +105,15 @@ S3_MODEL = TierModel(1.25, 100.0, "parallel GETs (s3_concurrency) bounded by one
 
 
 BUILTIN = (
-    TierSpec("cpu", 0, False, "host", "kvtier.core.tiers.cpu:from_config", top=True,
+    TierSpec("cpu", 0, False, "host", "kvtier.core.tiers.builtin:CPU", top=True,
              capabilities=frozenset({"staging", "paged"}), medium="CPU"),
-    TierSpec("disk", 10, False, "disk", "kvtier.core.tiers.disk:from_config", "kvtier.core.tiers.disk:configured",
+    TierSpec("disk", 10, False, "disk", "kvtier.core.tiers.builtin:DISK",
              capabilities=frozenset({"rescannable", "generational", "exact_usage"}), keys=("disk_path", "disk_gib"),
-             check="kvtier.core.tiers.disk:check", reset="kvtier.core.tiers.diskreset:reset",
-             purge="kvtier.core.tiers.diskpurge:purge", medium="STORAGE", state_dir="kvtier.core.tiers.disk:state_dir"),
-    TierSpec("redis", 20, True, "external_unspecified", "kvtier.core.tiers.redis:from_config",
-             "kvtier.core.tiers.redis:configured", settings="kvtier.core.tiers.redissettings:RedisSettings",
-             keys=("redis_url",), check="kvtier.core.tiers.redis:check",
-             reset="kvtier.core.tiers.redis:reset", probe="kvtier.core.tiers.redisprobe:probe_redis",
-             purge="kvtier.core.tiers.redispurge:purge", model=REDIS_MODEL),
-    TierSpec("s3", 30, True, "external_unspecified", "kvtier.core.tiers.s3:from_config",
-             "kvtier.core.tiers.s3:configured", settings="kvtier.core.tiers.s3settings:S3Settings",
-             keys=("s3_bucket", "s3_endpoint_url"), check="kvtier.core.tiers.s3:check", reset="kvtier.core.tiers.s3:reset",
-             purge="kvtier.core.tiers.s3purge:purge",
-             probe="kvtier.core.tiers.s3probe:probe_s3", advice="kvtier.core.tiers.s3:advice", model=S3_MODEL),
+             medium="STORAGE"),
+    TierSpec("redis", 20, True, "external_unspecified", "kvtier.core.tiers.builtin:REDIS", keys=("redis_url",),
+             model=REDIS_MODEL),
+    TierSpec("s3", 30, True, "external_unspecified", "kvtier.core.tiers.builtin:S3",
+             keys=("s3_bucket", "s3_endpoint_url"), model=S3_MODEL),
 )
 """The tiers shipped with kvtier: one line each."""
 
@@ -160,6 +121,7 @@ CAPABILITIES = frozenset({"staging", "paged", "rescannable", "generational", "ex
 
 _lock = threading.Lock()
 _specs: dict[str, TierSpec] = {s.name: s for s in BUILTIN}
+_plugins: dict[str, object] = {}
 
 
 def register(spec: TierSpec) -> None:
@@ -183,7 +145,7 @@ def register(spec: TierSpec) -> None:
         if old == spec:
             return
         if old is not None:
-            raise ValueError(f"a tier named {spec.name!r} is registered already ({old.factory})")
+            raise ValueError(f"a tier named {spec.name!r} is registered already ({old.plugin})")
         if spec.top:
             raise ValueError(f"tier {spec.name!r}: only the built-in top tier may be the top tier")
         _specs[spec.name] = spec
@@ -283,13 +245,21 @@ def event_medium(name: str | None) -> str | None:
     return found.medium if found is not None else None
 
 
-def load(target: str, name: str) -> Any:
-    """The object ``target`` (``"module:attribute"``) names, for tier ``name``'s record.
+def load_plugin(name: str) -> object:
+    """Tier ``name``'s plug-in object (its record's :attr:`TierSpec.plugin`), imported on first use;
+    :func:`kvtier.core.tiers.factory.plugin` checks it against
+    :class:`~kvtier.core.tiers.plugin.TierPlugin` (that protocol names the configuration, which reads
+    this module: so the check lives above it).
 
     Raises:
-        ConfigError: the module needs a package that is not installed (named in the message).
+        ConfigError: unknown name, or the module needs a package that is not installed (named in
+            the message), or it has no such attribute.
     """
-    module_name, attr = target.split(":")
+    record = spec(name)
+    with _lock:
+        if record.plugin in _plugins:
+            return _plugins[record.plugin]
+    module_name, _, attr = record.plugin.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -297,7 +267,13 @@ def load(target: str, name: str) -> Any:
             raise ConfigError(f"tier {name!r} needs the Python package {exc.name!r}; install it "
                               f"(pip install {exc.name}) or remove the tier from the config") from None
         raise
-    return getattr(module, attr)
+    if not hasattr(module, attr):
+        raise ConfigError(f"tier {name!r}: {record.plugin} names nothing; name the tier's plug-in object "
+                          "(kvtier.core.tiers.plugin.TierPlugin)")
+    obj: object = getattr(module, attr)
+    with _lock:
+        _plugins[record.plugin] = obj
+    return obj
 
 
 RESET_SCOPES = ("cpu", "local", "all")
@@ -315,10 +291,19 @@ def reset_tiers(scope: str) -> list[str]:
     return [s.name for s in specs() if s.top or scope == "all" or (scope == "local" and not s.shared)]
 
 
-def settings_model(name: str) -> type[Any] | None:
-    """The pydantic settings model of tier ``name``, or ``None`` if it declares none."""
-    record = spec(name)
-    return load(record.settings, name) if record.settings else None
+def settings_model(name: str) -> type[BaseModel] | None:
+    """The pydantic settings model of tier ``name`` (its plug-in's ``settings``), or ``None`` if it
+    declares none.
+
+    Raises:
+        ConfigError: the plug-in's ``settings`` is not a pydantic model class.
+    """
+    model = getattr(load_plugin(name), "settings", None)
+    if model is None:
+        return None
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        raise ConfigError(f"tier {name!r}: its plug-in's settings is {model!r}, not a pydantic model class")
+    return model
 
 
 def settings_keys() -> dict[str, str]:
@@ -330,8 +315,7 @@ def settings_keys() -> dict[str, str]:
     """
     out: dict[str, str] = {}
     for record in specs():
-        model = settings_model(record.name) if record.settings else None
-        for key in getattr(model, "model_fields", {}):
+        for key in getattr(settings_model(record.name), "model_fields", {}):
             if key in out:
                 raise ValueError(f"tiers {out[key]!r} and {record.name!r} both declare the setting {key!r}")
             out[key] = record.name

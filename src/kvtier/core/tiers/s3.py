@@ -461,19 +461,3 @@ def from_config(ctx: TierContext) -> GuardedTier | None:
                        config.shared_queue_depth,
                        CircuitBreaker(settings.s3_breaker_failures, settings.s3_breaker_probe_s),
                        registry=ctx.registry, where=inner.where)
-
-
-def reset(config: KVTierConfig, namespace: bytes) -> ClearResult:
-    """Delete namespace ``namespace``'s objects from the configured bucket from outside any store
-    (a tier made for the purpose, then closed); nothing to do without the s3 tier configured."""
-    settings = s3_settings(config)
-    if not configured(config):
-        return ClearResult([])
-    try:
-        tier = _tier(config, settings, namespace, sweep=False)
-    except ConfigError as exc:
-        return ClearResult([], False, str(exc))
-    try:
-        return tier.clear()
-    finally:
-        tier.close()

@@ -40,20 +40,29 @@ class S3Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVTIER_", extra="forbid", frozen=True)
 
     s3_bucket: str | None = Field(None, min_length=3, max_length=63, description=(
-        "Bucket of the s3 tier (created beforehand; kvtier never creates buckets); unset = no s3 tier."))
+        "Bucket of the s3 tier (created beforehand; kvtier never creates buckets); unset = no s3 tier."),
+        json_schema_extra={"tools": {"purge": {"help": "The s3 tier's bucket (its s3_bucket).", "metavar": "BUCKET",
+                                               "target": "the bucket the engines use",
+                                               "empty": "give the bucket the engines use (their s3_bucket)"}}})
     s3_endpoint_url: str | None = Field(None, repr=False, description=(
         "http(s):// URL of an S3-compatible server (MinIO, Ceph RGW, R2, rclone serve s3); unset = AWS S3 "
-        "in s3_region."))
+        "in s3_region."), json_schema_extra={"tools": {"purge": {
+            "help": "https:// URL of an S3-compatible server (unset: AWS S3).", "metavar": "URL"}}})
     s3_region: str = Field("us-east-1", min_length=1, description=(
-        "Region the requests are signed for (AWS: the bucket's region; most other servers accept us-east-1)."))
+        "Region the requests are signed for (AWS: the bucket's region; most other servers accept us-east-1)."),
+        json_schema_extra={"tools": {"purge": {"help": "The bucket's region (default us-east-1)."}}})
     s3_key_prefix: str = Field("kvtier/", max_length=256, description=(
-        "Prefix of every object kvtier writes; empty or ending in '/'."))
+        "Prefix of every object kvtier writes; empty or ending in '/'."),
+        json_schema_extra={"tools": {"purge": {"help": "The engines' s3_key_prefix (default kvtier/)."}}})
     s3_virtual_hosted_style: bool = Field(False, description=(
         "Address the bucket as BUCKET.host (virtual-hosted style) instead of host/BUCKET (path style)."))
-    s3_allow_http: bool = Field(False, description="Allow a plain http:// s3_endpoint_url (no TLS).")
+    s3_allow_http: bool = Field(False, description="Allow a plain http:// s3_endpoint_url (no TLS).",
+                                json_schema_extra={"tools": {"purge": {"help": "Allow a plain http:// --s3-endpoint-url."}}})
     s3_credentials_file: str | None = Field(None, description=(
         "File in the AWS shared-credentials format (aws_access_key_id, aws_secret_access_key, optional "
-        "aws_session_token) holding the s3 tier's credentials; unset = the AWS environment variables or chain."))
+        "aws_session_token) holding the s3 tier's credentials; unset = the AWS environment variables or chain."),
+        json_schema_extra={"tools": {"purge": {"metavar": "FILE", "help": (
+            "AWS credentials file (else AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or the AWS chain).")}}})
     s3_profile: str = Field("default", min_length=1, description="Section of s3_credentials_file to read.")
     s3_capacity_gib: float | None = Field(None, gt=0, allow_inf_nan=False, description=(
         "Cap on the objects of this cache's namespace in the bucket, GiB, at most 1,048,576 (1 PiB); past it the "

@@ -13,12 +13,14 @@ rejected at start-up).  Roles: ``kv_both`` loads and saves, ``kv_producer`` only
 ``kv_consumer`` only loads (a prefill and a decode instance hand KV over through a shared disk
 tier).
 
-What the connector declares to vLLM (vLLM 0.32, vllm/distributed/kv_transfer/kv_connector/v1/base.py):
+What the connector declares to vLLM (vLLM 0.32–0.34, vllm/distributed/kv_transfer/kv_connector/v1/base.py;
+the releases and how each was checked: :mod:`kvtier.integrations.vllm.compat`):
 
 - ``SupportsHMA``: the hybrid KV cache manager stays on; a hybrid model's groups (full
   attention, sliding window, Mamba/linear-attention/conv state) are stored per group
   (:mod:`kvtier.integrations.vllm.scheduler.pages`), and a failed hybrid load is reported per request
   (``failed_recving``), the only way vLLM accepts with several groups.
+- ``supports_sleep_mode() = False`` (vLLM 0.33+ asks): ``--enable-sleep-mode`` is refused at start-up.
 - ``requires_kv_delivery = False``: a best-effort cache; a dropped save is a future miss.
 - Loads are asynchronous (``get_num_new_matched_tokens`` returns ``(n, True)``), except a hit held
   whole in the cpu tier within ``sync_load_max_bytes`` per step: ``(n, False)``, copied in
@@ -36,9 +38,11 @@ meet only through vLLM's own per-step messages (see the package docstring for th
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
+import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -51,6 +55,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.tiers.registry import hit_source
+from kvtier.integrations.vllm.compat import require_supported
 from kvtier.integrations.vllm.engine_config import engine_config
 from kvtier.integrations.vllm.protocol import KVTierMetadata, KVTierWorkerMeta
 from kvtier.integrations.vllm.scheduler.side import SchedulerSide
@@ -59,6 +64,8 @@ from kvtier.integrations.vllm.worker.side import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.config.kv_transfer import KVTransferConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorPromMetrics,
         KVConnectorStats,
@@ -98,7 +105,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         ConfigError: a bad ``kv_connector_extra_config`` value, an explicit ``chunk_tokens`` not a
             multiple of every KV cache group's block size (``auto``, the default, is resolved from
             them: :func:`~kvtier.integrations.vllm.engine_config.engine_config`), or a model/parallelism
-            kvtier does not handle.
+            kvtier does not handle, or a vLLM outside
+            :data:`~kvtier.integrations.vllm.compat.SUPPORTED_VLLM`.
     """
 
     _cache_hit_source = CacheHitSource.HOST
@@ -111,6 +119,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         try:
+            require_supported(vllm.__version__)  # a vLLM outside SUPPORTED_VLLM, in one sentence (compat.py)
             asked = KVTierConfig.from_dict(dict(transfer.kv_connector_extra_config or {}))
             # once per connector: chunk_tokens (auto, or an explicit value checked) resolved from
             # kv_cache_config's groups, which the scheduler and every worker get alike, and the role's
@@ -137,6 +146,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     @property
     def requires_kv_delivery(self) -> bool:
+        return False
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """False: vLLM 0.33+ refuses ``--enable-sleep-mode`` with KVTierConnector at start-up
+        (vllm/config/vllm.py); kvtier's worker threads copy into the KV cache that sleep unmaps, and
+        sleep was never tested with kvtier.  vLLM 0.32 does not ask."""
         return False
 
     # ---- worker side -------------------------------------------------------------------------
@@ -228,7 +244,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 out[source] = out.get(source, 0) + n
         return out
 
-    def take_events(self) -> list[Any]:
+    def take_events(self) -> Iterable[KVCacheEvent]:
         """vLLM's KV events from kvtier's local tiers (``BlockStored`` / ``BlockRemoved`` with medium
         ``CPU`` or ``STORAGE``), when ``--kv-events-config`` enables them: vLLM publishes them after
         its own each step (vllm/v1/core/sched/scheduler.py ``update_from_output``);

@@ -41,10 +41,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtier.core import purge
 from kvtier.core.config import GiB, KVTierConfig, did_you_mean
 from kvtier.core.errors import ConfigError
 from kvtier.core.sizing import available_memory
-from kvtier.core.tiers import factory, registry
+from kvtier.core.tiers import registry
 from kvtier.core.tiers.probe import PROBE_DEADLINE_S, ProbeResult
 from kvtier.integrations.vllm.engine_config import DEFAULT_BLOCK_SIZES
 from kvtier.integrations.vllm.preflight_tiers import (
@@ -325,7 +326,7 @@ class SharedTierProbe:
 
 
 def probe_shared_tiers(transfer: dict[str, Any], deadline_s: float = PROBE_DEADLINE_S) -> list[SharedTierProbe]:
-    """Probe every configured tier that has a probe (:attr:`~kvtier.core.tiers.registry.TierSpec.probe`:
+    """Probe every configured tier that has a probe (:func:`kvtier.core.purge.probe_tier` over its blob store:
     a shared tier's connect + harmless request, e.g. Redis ``PING``) for every KVTierConnector in
     ``transfer``, each within ``deadline_s`` seconds; never writes.
 
@@ -349,7 +350,7 @@ def probe_shared_tiers(transfer: dict[str, Any], deadline_s: float = PROBE_DEADL
             continue
         for name in config.tiers:
             try:
-                result = factory.probe(name, config, deadline_s)
+                result = purge.probe_tier(name, config, deadline_s) if registry.spec(name).shared else None
             except ConfigError:
                 continue
             if result is not None:
@@ -359,7 +360,7 @@ def probe_shared_tiers(transfer: dict[str, Any], deadline_s: float = PROBE_DEADL
 
 
 def advice_problems(transfer: dict[str, Any], environ: Mapping[str, str] | None = None) -> list[Problem]:
-    """The tiers' advice (warnings, :attr:`~kvtier.core.tiers.registry.TierSpec.advice`) for every
+    """The tiers' advice (warnings, :meth:`~kvtier.core.tiers.plugin.TierPlugin.advice`) for every
     KVTierConnector of ``transfer`` whose ``kv_connector_extra_config`` is valid (an invalid one is
     :func:`check_transfer_config`'s error), with ``environ``'s ``KVTIER_*`` variables applied as in
     :func:`check_transfer_config`; ``kvtier audit`` reports them as a rule of their own."""

@@ -5,7 +5,7 @@ vLLM calls ``reset_cache()`` on the scheduler-side connector
 the order only with the next step's metadata, and an idle engine runs no step.  What a restart
 would find (the disk tier's files, the shared tier's keys under ``reset_scope: all``) is therefore
 removed here at once, for every rank's namespace, through each tier's registry hook
-(:func:`kvtier.core.tiers.factory.reset_outside`); the cpu tier dies with its process and is
+(:func:`kvtier.core.purge.reset_outside`); the cpu tier dies with its process and is
 cleared by the workers.  :class:`Resets` keeps the engine's resets: their epoch, the order the
 next step ships, their counters.
 """
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
-from kvtier.core.tiers.factory import reset_outside as tier_reset
+from kvtier.core.purge import reset_outside as tier_reset
 from kvtier.core.tiers.registry import reset_tiers
 from kvtier.integrations.vllm.protocol import ResetOrder
 

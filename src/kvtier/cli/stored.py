@@ -1,16 +1,20 @@
 """``kvtier purge``: remove stored KV chunks by namespace, tenant (cache_salt, LoRA) or age from a
-disk tier's directory, a Redis/Valkey server and/or an S3 bucket, offline or under a live engine."""
+disk tier's directory, a Redis/Valkey server and/or an S3 bucket, offline or under a live engine
+(the verbs: :mod:`kvtier.core.purge`; each tier's flags: its settings model, :mod:`kvtier.core.toolflags`)."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import typer
 
 from kvtier.cli.errors import fail, flag_names
 from kvtier.core.errors import UserError
+from kvtier.core.toolflags import ToolFlag, tool_flags
 
 HELP = """Remove stored KV chunks from a disk tier's directory (--disk-path), a Redis/Valkey server or Cluster (--redis-url) and/or an S3 bucket (--s3-bucket, with --s3-endpoint-url for MinIO, Ceph RGW or R2; credentials from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or --s3-credentials-file), selected by namespace, cache_salt, LoRA adapter or age. Safe under a live engine: a purged chunk is never served (the engine reads it as a miss and recomputes); a live engine may still report it as a hit for a bounded time (docs/purge.md).
 
@@ -49,60 +53,36 @@ def _config(disk_path: str | None, targets: dict[str, Any]) -> tuple[Any, set[st
         fail(flag_names(str(exc), [*targets, "disk_path"]).rstrip(".") + ".")
 
 
-def purge_command(
-    disk_path: str | None = typer.Option(None, "--disk-path", metavar="DIR", help="The disk tier's directory (its disk_path)."),
-    redis_url: str | None = typer.Option(None, "--redis-url", metavar="URL", help="redis:// or rediss:// URL of the shared tier."),
-    redis_cluster: bool = typer.Option(False, "--redis-cluster",
-                                       help="--redis-url names a Cluster seed node (every primary is purged)."),
-    redis_password_env: str | None = typer.Option(None, "--redis-password-env",
-                                                  help="Environment variable holding the Redis password."),
-    redis_password_file: str | None = typer.Option(None, "--redis-password-file",
-                                                   help="File holding the Redis password."),
-    redis_tls_ca_file: str | None = typer.Option(None, "--redis-tls-ca-file", help="CA bundle for rediss://."),
-    redis_key_prefix: str | None = typer.Option(None, "--redis-key-prefix",
-                                                help="The engines' redis_key_prefix (default kvtier:)."),
-    redis_ttl_s: int | None = typer.Option(None, "--redis-ttl-s",
-                                           help="The engines' redis_ttl_s, for --older-than (default 86400)."),
-    s3_bucket: str | None = typer.Option(None, "--s3-bucket", metavar="BUCKET", help="The s3 tier's bucket (its s3_bucket)."),
-    s3_endpoint_url: str | None = typer.Option(None, "--s3-endpoint-url", metavar="URL",
-                                               help="https:// URL of an S3-compatible server (unset: AWS S3)."),
-    s3_region: str | None = typer.Option(None, "--s3-region", help="The bucket's region (default us-east-1)."),
-    s3_key_prefix: str | None = typer.Option(None, "--s3-key-prefix", help="The engines' s3_key_prefix (default kvtier/)."),
-    s3_allow_http: bool = typer.Option(False, "--s3-allow-http", help="Allow a plain http:// --s3-endpoint-url."),
-    s3_credentials_file: str | None = typer.Option(None, "--s3-credentials-file", metavar="FILE",
-                                                   help="AWS credentials file (else AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY "
-                                                   "or the AWS chain)."),
-    namespace: list[str] = typer.Option([], "--namespace", metavar="HEX", help="Namespace digest, 32 hex digits (repeatable)."),
-    older_than: str | None = typer.Option(None, "--older-than", metavar="DURATION", help="Only chunks written longer ago: 90s, 30m, 12h, 7d."),
-    salt: str | None = typer.Option(None, "--salt", metavar="SALT", help="Only chunks saved for requests with this cache_salt."),
-    lora: str | None = typer.Option(None, "--lora", metavar="NAME", help="Only chunks saved for this LoRA adapter (its name)."),
-    purge_all: bool = typer.Option(False, "--all", help="Allow a purge with no selector (every chunk)."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Show what would be removed; remove nothing."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
-) -> None:
+def _refuse_stray_flags(flags: list[ToolFlag], given: dict[str, Any]) -> None:
+    """A tier's flags without its target were ignored (only the other targets purged, as if this
+    tier's had been too): refuse them, naming the target to add."""
+    for tier in dict.fromkeys(f.tier for f in flags):
+        target = next((f for f in flags if f.tier == tier and f.target), None)
+        if target is None or given.get(target.key) is not None:
+            continue
+        stray = [f.flag for f in flags if f.tier == tier and f is not target and given.get(f.key) is not None]
+        if stray:
+            one = len(stray) == 1
+            fail(f"{', '.join(stray)} {'needs' if one else 'need'} {target.flag} {target.metavar or 'VALUE'} "
+                 f"({target.target}); add it, or drop {'it' if one else 'them'} to purge only the other targets.")
+
+
+def _purge(disk_path: str | None, namespace: list[str], older_than: str | None, salt: str | None, lora: str | None,
+           purge_all: bool, dry_run: bool, as_json: bool, flags: list[ToolFlag], given: dict[str, Any]) -> None:
     from kvtier.core.purge import PurgeFailed, PurgeSelector, parse_duration, parse_namespace, purge
 
-    if s3_bucket is None and (s3_endpoint_url or s3_key_prefix is not None or s3_credentials_file or s3_region
-                              or s3_allow_http):
-        fail("--s3-endpoint-url, --s3-region, --s3-key-prefix, --s3-allow-http and --s3-credentials-file need "
-             "--s3-bucket BUCKET (the bucket the engines use).")
-    redis_given = [flag for flag, value in (("--redis-cluster", redis_cluster or None),
-                                            ("--redis-password-env", redis_password_env),
-                                            ("--redis-password-file", redis_password_file),
-                                            ("--redis-tls-ca-file", redis_tls_ca_file),
-                                            ("--redis-key-prefix", redis_key_prefix),
-                                            ("--redis-ttl-s", redis_ttl_s)) if value is not None]
-    if redis_url is None and redis_given:  # they were ignored: only the disk tier (if any) was purged
-        fail(f"{', '.join(redis_given)} {'needs' if len(redis_given) == 1 else 'need'} --redis-url URL (the Redis/"
-             f"Valkey server the engines use); add it, or drop {'it' if len(redis_given) == 1 else 'them'} to purge only the "
-             "other targets.")
-    if disk_path is None and redis_url is None and s3_bucket is None:
-        fail("give a target to purge: --disk-path DIR (the disk tier's directory), --redis-url URL and/or "
-             "--s3-bucket BUCKET.")
+    _refuse_stray_flags(flags, given)
+    targets = [f for f in flags if f.target]
+    if disk_path is None and all(given.get(f.key) is None for f in targets):
+        named = ["--disk-path DIR (the disk tier's directory)", *(f"{f.flag} {f.metavar or 'VALUE'}" for f in targets)]
+        fail(f"give a target to purge: {', '.join(named[:-1])} and/or {named[-1]}." if len(named) > 1
+             else f"give a target to purge: {named[0]}.")
     if disk_path is not None and not disk_path.strip():
         fail("--disk-path is empty; give the disk tier's directory (its disk_path).")
-    if redis_url is not None and not redis_url.strip():
-        fail("--redis-url is empty; give the Redis/Valkey URL the engines use (their redis_url).")
+    for f in targets:
+        value = given.get(f.key)
+        if isinstance(value, str) and not value.strip():
+            fail(f"{f.flag} is empty; {f.empty or 'give the value the engines use'}.")
     if salt is not None and salt == "":
         fail("--salt is empty; give the cache_salt the requests carried.")
     if lora is not None and lora == "":
@@ -117,18 +97,12 @@ def purge_command(
     if not selector.selects_anything and not purge_all:
         fail("no selector given, which would remove every chunk; add --namespace, --older-than, --salt or --lora, "
              "or pass --all to remove everything.")
-    targets = {"redis_url": redis_url, "redis_cluster": redis_cluster or None,
-                                 "redis_password_env": redis_password_env, "redis_password_file": redis_password_file,
-                                 "redis_tls_ca_file": redis_tls_ca_file, "redis_key_prefix": redis_key_prefix,
-                                 "redis_ttl_s": redis_ttl_s, "s3_bucket": s3_bucket, "s3_endpoint_url": s3_endpoint_url,
-                                 "s3_region": s3_region, "s3_key_prefix": s3_key_prefix,
-                                 "s3_allow_http": s3_allow_http or None, "s3_credentials_file": s3_credentials_file}
-    config, given = _config(disk_path, targets)
+    config, keys = _config(disk_path, given)
     try:
         # only the targets named on the command line: a KVTIER_* variable must not add one
-        results = purge(config, selector, dry_run, given)
+        results = purge(config, selector, dry_run, keys)
     except UserError as exc:
-        fail(flag_names(str(exc), [*targets, "disk_path"]).rstrip(".") + ".")
+        fail(flag_names(str(exc), [*given, "disk_path"]).rstrip(".") + ".")
     except PurgeFailed as exc:
         fail(str(exc).rstrip(".") + ".", 1)
     problems = [p for r in results for p in r.problems]
@@ -196,6 +170,46 @@ def _print_table(results: list[Any], dry_run: bool, tenant: bool) -> None:
                       "--json names the first 5 of each namespace).", soft_wrap=True)
 
 
+def purge_command(flags: list[ToolFlag]) -> Callable[..., None]:
+    """The ``kvtier purge`` command: the fixed options and selectors, and one option per tier flag
+    in ``flags`` (a Typer command built from a signature; values not given are ``None``)."""
+
+    def command(**values: Any) -> None:
+        given = {f.key: (values.pop(f.key) or None) if f.kind is bool else values.pop(f.key) for f in flags}
+        _purge(flags=flags, given=given, **values)
+
+    fixed = {
+        "disk_path": (str | None, typer.Option(None, "--disk-path", metavar="DIR",
+                                               help="The disk tier's directory (its disk_path).")),
+    }
+    selectors = {
+        "namespace": (list[str], typer.Option([], "--namespace", metavar="HEX",
+                                              help="Namespace digest, 32 hex digits (repeatable).")),
+        "older_than": (str | None, typer.Option(None, "--older-than", metavar="DURATION",
+                                                help="Only chunks written longer ago: 90s, 30m, 12h, 7d.")),
+        "salt": (str | None, typer.Option(None, "--salt", metavar="SALT",
+                                          help="Only chunks saved for requests with this cache_salt.")),
+        "lora": (str | None, typer.Option(None, "--lora", metavar="NAME",
+                                          help="Only chunks saved for this LoRA adapter (its name).")),
+        "purge_all": (bool, typer.Option(False, "--all", help="Allow a purge with no selector (every chunk).")),
+        "dry_run": (bool, typer.Option(False, "--dry-run", help="Show what would be removed; remove nothing.")),
+        "as_json": (bool, typer.Option(False, "--json", help="Print JSON instead of a table.")),
+    }
+    tier_options: dict[str, tuple[Any, Any]] = {}
+    for f in flags:
+        if f.kind is bool:
+            tier_options[f.key] = (bool, typer.Option(False, f.flag, help=f.help))
+        else:
+            tier_options[f.key] = (f.kind | None, typer.Option(None, f.flag, metavar=f.metavar, help=f.help))
+    params = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+              for name, (annotation, default) in {**fixed, **tier_options, **selectors}.items()]
+    command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    command.__annotations__ = {p.name: p.annotation for p in params}
+    return command
+
+
 def register(app: typer.Typer) -> None:
-    """Add ``kvtier purge`` to the CLI."""
-    app.command("purge", help=HELP)(purge_command)
+    """Add ``kvtier purge`` to the CLI: its tier flags come from the tiers' settings models
+    (:func:`kvtier.core.toolflags.tool_flags`, the fields marked for ``purge``), so a new tier
+    needs no edit here."""
+    app.command("purge", help=HELP)(purge_command(tool_flags("purge")))

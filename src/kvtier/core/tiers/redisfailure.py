@@ -1,0 +1,103 @@
+"""What a failed request to a Redis/Valkey server means, for the reachability probe
+(:func:`kvtier.core.purge.probe_tier` over :class:`~kvtier.core.tiers.redisblobs.RedisBlobs`: connect
+and ``PING`` within a short deadline, never a write), run by ``kvtier check`` and the serve-line
+pre-flight, which warn (the tier may come up after the engine; until then every shared-tier lookup
+is a miss under the breaker).
+
+The answer is one of three states, each with one sentence for the operator:
+
+* ``reachable``: the server answered ``PING`` (``+PONG``) within the deadline;
+* ``auth failed``: it answered, but refused the password (``WRONGPASS``, ``NOAUTH``: Redis
+  ``AUTH`` command reference, https://redis.io/docs/latest/commands/auth/);
+* ``unreachable``: no answer (the host does not resolve, the port is closed, a TLS handshake or
+  the deadline failed).
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+from typing import TYPE_CHECKING
+
+from kvtier.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvtier.core.tiers.probe import ProbeState
+    from kvtier.core.tiers.redissettings import RedisSettings
+
+AUTH_FIX = "fix redis_password_env or redis_password_file (or the server's requirepass/ACL)"
+"""What the probe tells the operator to change when the server refuses the credentials."""
+
+
+def classify(exc: BaseException, config: RedisSettings) -> tuple[ProbeState, str]:
+    """What a failed ``PING`` (or the client's connect before it) means: ``("auth failed" |
+    "unreachable", a few words)``."""
+    import redis
+
+    if isinstance(exc, redis.AuthenticationError):
+        return "auth failed", _auth_detail(config, exc)
+    if isinstance(exc, redis.ResponseError):  # NOPERM, or an AUTH error redis-py does not map to AuthenticationError
+        text = _first_line(exc)
+        if text.upper().startswith(("NOAUTH", "WRONGPASS", "NOPERM")) or "authenticated" in text.lower():
+            return "auth failed", _auth_detail(config, exc)
+        return "unreachable", f"the server refused PING: {text}"
+    if isinstance(exc, ConfigError):  # the Cluster seed node did not answer
+        return "unreachable", str(exc).split(" (", 1)[-1].split("); ")[0]
+    reason = _reason(exc)
+    if reason == "connect timed out" and (config.redis_url or "").startswith("rediss://"):
+        reason += " (a rediss:// URL to a port that speaks plain text looks the same)"
+    return "unreachable", reason
+
+
+def _auth_detail(config: RedisSettings, exc: BaseException) -> str:
+    """Why authentication failed: no password configured for a server that wants one, or a refused one."""
+    if not (config.redis_password_env or config.redis_password_file):
+        return "the server requires a password and none is configured"
+    return f"the server refused the password: {_first_line(exc)}"
+
+
+def _reason(exc: BaseException) -> str:
+    """A few words for why a connection failed: the OS error under redis-py's ConnectionError."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, socket.gaierror):
+            return "the host name does not resolve"
+        if isinstance(seen, ssl.SSLCertVerificationError):
+            return _verify_failed(seen.verify_message or str(seen.reason or seen))
+        if isinstance(seen, ssl.SSLError):
+            return f"TLS handshake failed: {seen.reason or seen}"
+        if isinstance(seen, ConnectionRefusedError):
+            return "connection refused: nothing listens on that port"
+        if isinstance(seen, (TimeoutError, socket.timeout)):
+            return "connect timed out"
+        seen = seen.__cause__ or seen.__context__
+    text = _first_line(exc)
+    lowered = text.lower()
+    if "name or service not known" in lowered or "nodename nor servname" in lowered or "temporary failure in name" \
+            in lowered:
+        return "the host name does not resolve"
+    if "connection refused" in lowered:
+        return "connection refused: nothing listens on that port"
+    if "timeout" in lowered or "timed out" in lowered:
+        return "connect timed out"
+    if "protocol error" in lowered:
+        return f"something answered on that port, but not Redis ({text})"
+    if "certificate verify failed" in lowered or "certificate_verify_failed" in lowered:
+        return _verify_failed(text)
+    if "ssl" in lowered or "certificate" in lowered:
+        return f"TLS handshake failed: {text}"
+    return text
+
+
+def _verify_failed(detail: str) -> str:
+    """A certificate the client refused: the two usual causes, named."""
+    if "mismatch" in detail.lower():
+        return (f"TLS handshake failed: {detail}: the server's certificate must name the host of redis_url "
+                "(in its subjectAltName), or use a host name the certificate names in redis_url")
+    return (f"TLS handshake failed: certificate verify failed ({detail}): check that the certificate is signed by "
+            "the CA in redis_tls_ca_file and names the host of redis_url (a host name mismatch reads the same)")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else exc.__class__.__name__
