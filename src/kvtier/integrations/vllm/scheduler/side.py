@@ -63,7 +63,7 @@ class SchedulerSide:
         self.chunk_tokens = config.chunk_tokens
         self.load_enabled, self.save_enabled = load, save
         self.mirror = IndexMirror(int(vllm_config.parallel_config.tensor_parallel_size))
-        self.groups = PagePlanner(plan, self.mirror)  # a dense model is a one-group plan
+        self.pages = PagePlanner(plan, self.mirror)  # a dense model is a one-group plan
         # synchronous loads: one full-attention group only (vLLM takes a sync load's failures as
         # block ids, which it refuses with several groups: Scheduler._handle_invalid_blocks)
         one_group = len(kv_cache_config.kv_cache_groups) == 1 and plan.groups[0].kind is GroupKind.FULL
@@ -144,15 +144,15 @@ class SchedulerSide:
         chain = self._chain(state, max_chunks)
         if chain is None:
             return 0, False
-        hit, tiers = self.groups.lookup(chain, num_computed_tokens, request.num_tokens)
+        hit, tiers = self.pages.lookup(chain, num_computed_tokens, request.num_tokens)
         if self.remote is not None and hit < max_chunks * self.chunk_tokens and self.remote.bind(
                 self.mirror.namespaces):
-            found = self.remote.poll_pages(req_id, self.groups.unheld_pages(chain, num_computed_tokens,
+            found = self.remote.poll_pages(req_id, self.pages.unheld_pages(chain, num_computed_tokens,
                                                                              request.num_tokens))
             if found is None:
                 return None, False  # the shared tier has not answered yet: ask again next step
             if found:
-                hit, tiers = self.groups.lookup(chain, num_computed_tokens, request.num_tokens, found,
+                hit, tiers = self.pages.lookup(chain, num_computed_tokens, request.num_tokens, found,
                                                 self.remote.tier_name)
         if hit <= num_computed_tokens:
             return 0, False
@@ -176,7 +176,7 @@ class SchedulerSide:
             return
         hit = len(tiers) * self.chunk_tokens
         local = hit - num_external_tokens
-        pages = self.groups.load_pages(state.chain.keys, blocks.get_block_ids(), local, hit)
+        pages = self.pages.load_pages(state.chain.keys, blocks.get_block_ids(), local, hit)
         if self.events is not None:  # a hit whose hashes were unknown (after a crash) is announced now
             for page in pages:
                 self.events.record(request, page.key, page.group, page.chunk)
@@ -236,7 +236,7 @@ class SchedulerSide:
         else:
             all_block_ids = self._kv_cache_manager.get_block_ids(req_id)
         state.saved_chunks = end
-        pages = self.groups.save_pages(keys, start, end, all_block_ids, handoffs_of(scheduler_output, req_id),
+        pages = self.pages.save_pages(keys, start, end, all_block_ids, handoffs_of(scheduler_output, req_id),
                                        request.num_prompt_tokens)
         if self.events is not None:
             for page in pages:
@@ -244,7 +244,7 @@ class SchedulerSide:
         if not pages:
             return None
         tenant = state.chain.tenant if state.chain is not None else None
-        return SaveJob(req_id, pages, self.groups.parent_of(keys, pages[0]), pin_s=state.pin_s,
+        return SaveJob(req_id, pages, self.pages.parent_of(keys, pages[0]), pin_s=state.pin_s,
                        pin_chunks=request.num_prompt_tokens // self.chunk_tokens, tenant=tenant)
 
     def update_connector_output(self, connector_output: Any) -> None:

@@ -46,8 +46,6 @@ class WorkerSide:
             raise TypeError("WorkerSide needs the engine's config (chunk_tokens resolved): engine_config()")
         self.config = config
         self.chunk_tokens: int = config.chunk_tokens
-        self.block_size = vllm_config.cache_config.block_size
-        self.blocks_per_chunk = self.chunk_tokens // self.block_size
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.tp_rank = tp_rank()
         self.store: TieredStore | None = None
