@@ -15,7 +15,7 @@ probe work on it with no code of their own (tests/core/test_blob_verbs.py).  Wit
 keeps a private dict.
 
 Each value keeps what an envelope's header would say of it: its namespace, chunk key, the tenant
-record of the request it was written for (:func:`kvtier.core.tenant.current`) and when it was written.
+record of the request it was written for (the ``tenant`` its ``put`` is given) and when it was written.
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvtier.core import tenant
 from kvtier.core.config import KVTierConfig
 from kvtier.core.keys import ChunkKey
+from kvtier.core.tenant import TenantRecords, Writer, note_verified
+from kvtier.core.tenant import record as tenant_record
 from kvtier.core.tiers.base import GetResult, PutResult, Tier, TierUsage
 from kvtier.core.tiers.blobs import LIST_BATCH, BlobRef, BlobStat, ValueHeader
 from kvtier.core.tiers.factory import TierContext
@@ -82,17 +83,18 @@ class DictTier(Tier):
         with self._lock:
             return key in self._data
 
-    def get_into(self, key: ChunkKey, dst: memoryview) -> GetResult:
+    def get_into(self, key: ChunkKey, dst: memoryview, records: TenantRecords | None = None) -> GetResult:
         with self._lock:
             found = self._data.get(key)
         if found is None or len(found.data) != memoryview(dst).nbytes:
             return GetResult.MISS
         memoryview(dst).cast("B")[:] = found.data
+        note_verified(records, self.namespace, key, found.record)  # a dict cannot be damaged: read is verified
         return GetResult.HIT
 
-    def put(self, key: ChunkKey, data: memoryview | bytes) -> PutResult:
-        writer = tenant.current()  # who the store writes this chunk for, on this thread
-        value = _Value(bytes(data), None if writer is None else tenant.record(self.namespace, writer), time.time())
+    def put(self, key: ChunkKey, data: memoryview | bytes, tenant: Writer | None = None) -> PutResult:
+        record = None if tenant is None else tenant_record(self.namespace, tenant)
+        value = _Value(bytes(data), record, time.time())
         with self._lock:
             if key in self._data:
                 return PutResult.PRESENT

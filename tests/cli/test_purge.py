@@ -118,7 +118,7 @@ def test_a_namespace_found_nowhere_is_said(disk_dir):
 def test_a_file_whose_header_cannot_be_checked_is_kept_and_named_exit_1(disk_dir):
     victim = min(disk_dir.glob("*/*/*.kvc"))
     raw = bytearray(victim.read_bytes())
-    raw[5] ^= 0xFF  # the format version: not a chunk file this kvtier reads
+    raw[4] ^= 0xFF  # the envelope's version (kvtier.core.envelope): not a chunk file this kvtier reads
     victim.write_bytes(bytes(raw))
     result = invoke("--disk-path", str(disk_dir), "--salt", "B", "--json")
     assert result.exit_code == 1, result.output
@@ -149,7 +149,7 @@ def test_many_problems_print_the_first_few_and_one_count_line(disk_dir):
     assert len(files) == 9
     for victim in files:
         raw = bytearray(victim.read_bytes())
-        raw[5] ^= 0xFF  # the format version: each file kept and named as a problem
+        raw[4] ^= 0xFF  # the envelope's version: each file kept and named as a problem
         victim.write_bytes(bytes(raw))
     result = invoke("--disk-path", str(disk_dir), "--salt", "B")
     assert result.exit_code == 1, result.output  # as before: any problem is exit 1

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import xxhash
 
+from kvtier.core import envelope, tenant
 from kvtier.core.keys import ChunkKey
-from kvtier.core.tiers import DiskTier, GetResult, PutResult, iomode, readchoice
+from kvtier.core.tiers import DiskTier, GetResult, PutResult, chunkfile, iomode, readchoice
 from kvtier.core.tiers.chunkfile import HEADER_BYTES
 from kvtier.core.tiers.chunkio import O_DIRECT, aligned_buffer
 from kvtier.core.tiers.disk import STALE_TMP_S
@@ -51,9 +52,9 @@ def disk(where):
     tier.close()
 
 
-def read(tier, i):
+def read(tier, i, records=None):
     out = bytearray(CHUNK)
-    return bytes(out) if tier.get_into(key(i), memoryview(out)) is GetResult.HIT else None
+    return bytes(out) if tier.get_into(key(i), memoryview(out), records) is GetResult.HIT else None
 
 
 def test_restart_rebuilds_index(disk, where):
@@ -197,18 +198,59 @@ def test_files_outside_their_shard_are_not_indexed(disk, where):
 def test_reserved_header_bytes_are_checked(disk):
     path = disk.path(key(2))
     raw = bytearray(path.read_bytes())
-    raw[250] = 1  # past the tenant record (72..199), which has its own checksum (kvtier.core.tenant)
+    raw[250] = 1  # in the envelope's zero padding (128..4095), which a reader checks
     path.write_bytes(bytes(raw))
     assert read(disk, 2) is None and disk.corrupt == 1
 
 
-def test_a_damaged_tenant_record_leaves_the_chunk_readable(disk):
-    """The tenant record only serves kvtier purge: a bad one makes the tenant unknown, never the chunk a miss."""
+def test_a_changed_tenant_record_fails_the_envelope_digest(disk):
+    """The envelope's digest covers its tenant record (kvtier.core.envelope), as the shared tiers'
+    always did: a changed record makes the chunk a counted miss, never served under a wrong tenant."""
     path = disk.path(key(2))
     raw = bytearray(path.read_bytes())
-    raw[75] = 1
+    raw[envelope.RECORD_OFFSET + 3] ^= 1
     path.write_bytes(bytes(raw))
-    assert read(disk, 2) is not None and disk.corrupt == 0
+    assert read(disk, 2) is None and disk.corrupt == 1
+
+
+def test_files_of_the_release_before_the_envelope_are_indexed_at_restart_and_read(disk, where):
+    """An upgraded engine finds the version-2 chunk files its predecessor left (same directory:
+    the namespace does not change) and serves them bit for bit, tenant record included; what it
+    writes itself is an envelope."""
+    path = disk.path(key(7))
+    payload = data(7)
+    record = tenant.record(disk.namespace, tenant.TenantId.of("B", "sql"))
+    path.write_bytes(chunkfile.encode_header(disk.namespace, key(7), len(payload), chunkfile.payload_digest(payload),
+                                             record) + payload)
+    again = make(where)
+    try:
+        assert again.contains(key(7)) and again.usage().num_chunks == 4
+        records: tenant.TenantRecords = {}
+        assert read(again, 7, records) == payload and again.corrupt == 0
+        assert records[key(7)].raw == record
+        torn = bytearray(path.read_bytes())
+        torn[-1] ^= 1  # the legacy payload checksum still guards it
+        path.write_bytes(bytes(torn))
+        assert read(again, 7) is None and again.corrupt == 1
+        assert again.put(key(8), data(8)) is PutResult.STORED
+        assert envelope.decode_header(again.path(key(8)).read_bytes()[:HEADER_BYTES]).format == envelope.FORMAT
+    finally:
+        again.close()
+
+
+def test_a_legacy_file_with_a_damaged_tenant_record_stays_readable(disk):
+    """A version-2 chunk file (before the envelope) kept its record outside its checksums: a bad one
+    makes the tenant unknown and leaves the chunk readable, as that release read it."""
+    path = disk.path(key(2))
+    payload = data(2)
+    record = bytearray(tenant.record(disk.namespace, tenant.TenantId.of("B", None)))
+    record[3] ^= 1
+    header = chunkfile.encode_header(disk.namespace, key(2), len(payload), chunkfile.payload_digest(payload),
+                                     bytes(record))
+    path.write_bytes(header + payload)
+    records: tenant.TenantRecords = {}
+    assert read(disk, 2, records) == payload and disk.corrupt == 0
+    assert records == {}  # the damaged record is not kept: the tenant is unknown
 
 
 # ---- sizes, slices, alignment and formats (both modes) -----------------------------------------

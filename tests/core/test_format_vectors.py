@@ -1,6 +1,8 @@
 """Pinned test vectors for the formats that outlive a process: the chunk-key derivation
-(``kvtier.core.keys``), the chunk-file header (``kvtier.core.tiers.chunkfile``) and the shared
-value header (``kvtier.core.tiers.sharedvalue``).
+(``kvtier.core.keys``), and the value formats the release before the envelope wrote, the chunk-file
+header version 2 and the shared value headers versions 1 and 2 (``kvtier.core.legacyformats``),
+now read-compatibility tests: no tier writes them, every tier still reads them.  The envelope's
+own vectors are in test_envelope.py.
 
 Chunk files written today are read by tomorrow's process, possibly another kvtier version; if a
 key or a header changed silently, old files would be misread or (worse) served under the wrong
@@ -125,28 +127,41 @@ SHARED_MAC_UNKNOWN_TENANT = (
     "e1a213781cb13cfcfb60d1725c467fbb")
 
 
-def test_shared_value_headers_are_pinned_and_both_versions_read():
+def test_legacy_shared_values_of_both_versions_are_still_read():
+    """Values the release before the envelope wrote (versions 1 and 2, never written any more)
+    are read and verified: their payload comes back bit for bit, a version-2 value's tenant record
+    with it, and a purge still names them by their header alone."""
     from kvtier.core import tenant
     from kvtier.core.tiers.sharedvalue import (
         HEADER_BYTES,
         V1_HEADER_BYTES,
+        V2_HEADER_BYTES,
         SharedValueError,
         ValueCodec,
         peek,
     )
 
     codec = ValueCodec(SHARED_NS, None)
-    v2 = codec.encode(SHARED_KEY, PAYLOAD, writer=tenant.TenantId.of("B", "sql"))
-    assert bytes(v2[:HEADER_BYTES]).hex() == SHARED_HEADER_VECTORS[2]
-    mac = ValueCodec(SHARED_NS, b"0123456789abcdef-secret").encode(SHARED_KEY, PAYLOAD)
-    assert bytes(mac[:HEADER_BYTES]).hex() == SHARED_MAC_UNKNOWN_TENANT
-    for version, header_bytes in ((1, V1_HEADER_BYTES), (2, HEADER_BYTES)):
+    for version, header_bytes in ((1, V1_HEADER_BYTES), (2, V2_HEADER_BYTES)):
         value = bytes.fromhex(SHARED_HEADER_VECTORS[version]) + PAYLOAD
+        assert len(value) == header_bytes + len(PAYLOAD)
         assert codec.decode(SHARED_KEY, value, len(PAYLOAD)) == (header_bytes, len(PAYLOAD))
-        assert peek(value).key == SHARED_KEY
+        out = bytearray(len(PAYLOAD))
+        record = codec.open_into(SHARED_KEY, value, memoryview(out))
+        assert bytes(out) == PAYLOAD
+        assert (record is None) == (version == 1)
+        assert peek(value[:HEADER_BYTES]).key == SHARED_KEY  # a purge's ranged read of the new header size
     assert peek(bytes.fromhex(SHARED_HEADER_VECTORS[1]) + PAYLOAD).record is None  # no record: unknown tenant
-    record = tenant.read(peek(bytes(v2)).record)
+    v2 = bytes.fromhex(SHARED_HEADER_VECTORS[2]) + PAYLOAD
+    record = tenant.read(peek(v2).record)
     assert record is not None and tenant.matches(record, SHARED_NS, "B", "sql")
+    mac = bytes.fromhex(SHARED_MAC_UNKNOWN_TENANT) + PAYLOAD
+    out = bytearray(len(PAYLOAD))
+    assert ValueCodec(SHARED_NS, b"0123456789abcdef-secret").open_into(SHARED_KEY, mac, memoryview(out)) == \
+        bytes(tenant.RECORD_BYTES)
+    assert bytes(out) == PAYLOAD
+    with pytest.raises(SharedValueError, match="shared_secret"):
+        codec.open_into(SHARED_KEY, mac, memoryview(out))
     changed = bytearray(v2)
     changed[60] ^= 0x01  # inside the record: the value's digest covers it, so a read refuses the value
     with pytest.raises(SharedValueError, match="digest mismatch"):

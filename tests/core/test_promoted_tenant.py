@@ -8,14 +8,16 @@ promoted as of an unknown tenant, and one whose digest fails is never promoted a
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+import xxhash
 
-from kvtier.core import tenant
+from kvtier.core import envelope, tenant
 from kvtier.core.config import KVTierConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.core.purge import PurgeSelector, purge
@@ -169,9 +171,11 @@ def test_only_a_verified_value_gives_its_record(shared, tmp_path):
         codec = ValueCodec(namespace, None)
         shared.put_raw(reader, good, bytes(codec.encode(good, payload(good), writer=TenantId.of("B", None))))
         # a record that fails its own check under a digest that covers it (a writer that put garbage there)
-        fields = bytearray(codec.header(bad_record, payload(bad_record), TenantId.of("B", None))[:96])
+        fields = bytearray(codec.header(bad_record, payload(bad_record), TenantId.of("B", None))[:envelope.DIGEST_OFFSET])
         fields[sharedvalue.RECORD_OFFSET + 10] ^= 0x01
-        value = bytes(fields) + codec._digest(bytes(fields), payload(bad_record)) + payload(bad_record)
+        digest = codec.envelope.hasher(bytes(fields))
+        digest.update(payload(bad_record))
+        value = bytes(fields) + digest.digest() + payload(bad_record)
         shared.put_raw(reader, bad_record, value)
         # a record changed on the server: the value's digest fails, so it is a miss and never promoted
         tampered = bytearray(codec.encode(bad_digest, payload(bad_digest), writer=TenantId.of("A", None)))
@@ -190,6 +194,35 @@ def test_only_a_verified_value_gives_its_record(shared, tmp_path):
     # the damaged record was not carried: the disk file's tenant is unknown, never a wrong or damaged one
     assert disk_purge(tmp_path, PurgeSelector(cache_salt="B")) == (1, 1, 0)
     assert disk_purge(tmp_path, PurgeSelector(cache_salt="A")) == (0, 1, 0)
+
+
+def legacy_v2_value(namespace: bytes, key: bytes, data: bytes, record: bytes) -> bytes:
+    """A value as the release before the envelope wrote it (shared value format version 2: 112-byte
+    header, XXH3-128 over the first 96 bytes and the payload), built from its documented layout
+    (kvtier.core.legacyformats)."""
+    fields = struct.pack("<4sHBB16s16sQ", b"KVTR", 2, 0, 0, namespace, key, len(data)) + record
+    digest = xxhash.xxh3_128(fields)
+    digest.update(data)
+    return fields + digest.digest() + data
+
+
+def test_a_value_of_the_release_before_is_read_and_its_record_written_down(shared, tmp_path):
+    """A shared value of format version 2, left on the server by the release before the envelope, is
+    read bit for bit, its tenant record travels with it, and the disk tier writes both as an envelope."""
+    old = chain_of(8, 1, "B")[0]
+    reader = reader_store(shared, tmp_path)
+    try:
+        namespace = reader.tier(shared.name).codec.namespace
+        record = tenant.record(namespace, TenantId.of("B", None))
+        shared.put_raw(reader, old, legacy_v2_value(namespace, old, payload(old), record))
+        assert load(reader, [old]) == [payload(old)]
+        assert reader.flush_dirty(20) == (1, 0)
+        assert disk_record(reader, old) == record
+        header = Path(reader.tier("disk").path(old)).read_bytes()[:DISK_HEADER_BYTES]
+        assert envelope.decode_header(header).format == envelope.FORMAT
+    finally:
+        reader.close()
+    assert disk_purge(tmp_path, PurgeSelector(cache_salt="B")) == (1, 0, 0)
 
 
 def test_a_chunk_promoted_from_disk_and_written_back_keeps_its_record(tmp_path):

@@ -142,7 +142,8 @@ def filled(target) -> Iterator[Filled]:
                 value = target.get_raw(path)
                 assert value is not None and len(value) == HEADER_BYTES + CHUNK_BYTES
                 assert sharedvalue.peek(value[:HEADER_BYTES]).record == \
-                    ValueCodec(namespace, None).header(key, payload(key), tenants[name])[48:96]
+                    ValueCodec(namespace, None).header(key, payload(key), tenants[name])[
+                        sharedvalue.RECORD_OFFSET:sharedvalue.RECORD_OFFSET + 48]
     finally:
         store.close()
     yield Filled(namespace, chains, old, old_value, target.path(store, damaged_key))

@@ -1,7 +1,7 @@
 """Store benchmark of the redis tier: put/get throughput against raw redis-py on the same server.
 
 - tier ``put``: ``put_many`` of the tier as the store builds it (``GuardedTier`` around ``RedisTier``,
-  through its ``SplitTier`` ``stream_put``) — one value per chunk (112-byte header, with the tenant record, + XXH3-128 over
+  through its ``SplitTier`` ``stream_put``) — one value per chunk (the value envelope's 128-byte header, with the tenant record, + XXH3-128 over
   header and payload, or a keyed BLAKE3 MAC with ``--shared-secret``), ``SET … EX … NX``
   pipelined on one connection, the payload sent from the caller's buffer;
 - tier ``get``: ``get_many`` of the same (its ``SplitTier`` ``fetch_many``/``finish_get``) — one pipelined batch of ``GET`` (replies received straight

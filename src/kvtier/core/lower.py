@@ -36,7 +36,7 @@ from kvtier.core.policies import EvictionPolicy, make_policy
 from kvtier.core.policies.admission import AdmissionPolicy, AdmitAll
 from kvtier.core.quota import TenantLedger
 from kvtier.core.stats import StoreCounters
-from kvtier.core.tenant import Writer, writing_for
+from kvtier.core.tenant import TenantRecords, Writer
 from kvtier.core.tiers.base import (
     ClearResult,
     ExactUsage,
@@ -133,10 +133,12 @@ class LowerTier:
         """Presence in a local tier (a shared tier is never asked synchronously)."""
         return not self.shared and self.tier.contains(key)
 
-    def read(self, keys: Sequence[ChunkKey], dsts: Sequence[np.ndarray]) -> list[GetResult]:
-        """Read ``keys`` into ``dsts`` (callers pin the keys of a local tier first)."""
+    def read(self, keys: Sequence[ChunkKey], dsts: Sequence[np.ndarray],
+             records: TenantRecords | None = None) -> list[GetResult]:
+        """Read ``keys`` into ``dsts`` (callers pin the keys of a local tier first); the tenant
+        records of the verified values go into ``records``."""
         # one batch: a remote tier pipelines it under its deadline, the disk tier reads in parallel
-        return self.tier.get_many(keys, [memoryview(d.data) for d in dsts])
+        return self.tier.get_many(keys, [memoryview(d.data) for d in dsts], records)
 
     def rescan(self) -> int:
         """Take in chunks other processes wrote or removed (a :class:`~kvtier.core.tiers.base.Rescannable`
@@ -278,8 +280,7 @@ class LowerTier:
         result = PutResult.NO_ROOM
         t0 = time.perf_counter()
         if room and data is not None:
-            with writing_for(job.tenant):  # a tier with room for a tenant record reads it (kvtier.core.tenant)
-                result = tier.put(job.key, memoryview(data.data))
+            result = tier.put(job.key, memoryview(data.data), job.tenant)  # its envelope keeps the tenant record
         seconds = time.perf_counter() - t0
         ok = result.stored
         with self._lock:

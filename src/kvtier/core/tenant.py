@@ -11,7 +11,13 @@ record keeps, next to the chunk, a digest of each:
    ships it with the save job;
 2. the store writing the chunk keys each digest by its namespace (:func:`record`: BLAKE3 keyed
    by a key derived from the namespace digest), so equal salts under two models give unrelated
-   bytes, and writes the 48-byte :data:`RECORD_BYTES` record.
+   bytes, and writes the 48-byte :data:`RECORD_BYTES` record into the value envelope
+   (:mod:`kvtier.core.envelope`).
+
+The record crosses the tier interface as an argument, never as thread state: a write takes the
+:data:`Writer` (``Tier.put(key, data, tenant)``), and a read fills the :data:`TenantRecords` dict
+its caller passes with the records of the values it verified (``Tier.get_many(keys, dsts,
+records)``, :func:`note_verified`).
 
 Layout of the record (little-endian)::
 
@@ -35,9 +41,6 @@ salt writes a known record with flag bit 0 clear: it is never matched by ``--sal
 from __future__ import annotations
 
 import struct
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
@@ -109,82 +112,19 @@ class RecordedTenant:
 Writer = TenantId | RecordedTenant
 """Who a chunk is written for: a request's tenant, or the record a verified value or file carried."""
 
-_writing = threading.local()
-_reading = threading.local()
+TenantRecords = dict[bytes, RecordedTenant]
+"""Where a read puts the tenant records of the values it verified: chunk key -> record.  The
+caller passes one to a tier's ``get_into``/``get_many`` (``records=``) and reads it afterwards:
+the records travel with the read, explicitly, on whatever thread verifies them."""
 
 
-@contextmanager
-def writing_for(tenant: Writer | None) -> Iterator[None]:
-    """Within the block, chunks this thread writes are written for ``tenant`` (``None``: unknown).
-
-    The store's write path (:mod:`kvtier.core.lower`) wraps each tier write in it, so that a tier
-    with room for the record (the disk tier's header) reads it with :func:`current` without the
-    tier contract's ``put`` growing an argument every tier would have to carry.  A tier that writes
-    on another thread sees ``None``: the record is then unknown, never wrong.  The shared tiers
-    (redis, s3) read it where their ``put_many``/``stream_put``/``encode_values`` is called (the
-    caller's thread, also behind :class:`~kvtier.core.tiers.guarded.GuardedTier`) and carry it
-    with the write to their own threads."""
-    before = getattr(_writing, "tenant", None)
-    _writing.tenant = tenant
-    try:
-        yield
-    finally:
-        _writing.tenant = before
-
-
-def current() -> Writer | None:
-    """The tenant of the chunk this thread is writing (:func:`writing_for`), or ``None``."""
-    return getattr(_writing, "tenant", None)
-
-
-@contextmanager
-def reading() -> Iterator[dict[bytes, RecordedTenant]]:
-    """Within the block, the tenant records of the values this thread verifies are collected in the
-    dict it yields (chunk key -> :class:`RecordedTenant`).
-
-    The store's promotion (:mod:`kvtier.core.promotion`) wraps each lower-tier read in it, so that a
-    chunk promoted from a shared tier keeps its writer's record when it is written down to the disk
-    tier, without the tier contract's ``get`` growing an argument.  Only :func:`note_verified`
-    fills it, called by a shared tier once a value's digest (which covers the record) is verified,
-    on the thread that verifies it (:func:`kvtier.core.tiers.sharedvalue.verify_into`, the caller's
-    thread also behind :class:`~kvtier.core.tiers.guarded.GuardedTier`), and the disk tier once a
-    chunk file's payload checksum passed (its helper threads note into the caller's
-    :func:`collector`).  A read verified on another thread leaves the chunk's tenant unknown, never
-    wrong.  Blocks nest: the inner one collects."""
-    before = getattr(_reading, "records", None)
-    records: dict[bytes, RecordedTenant] = {}
-    _reading.records = records
-    try:
-        yield records
-    finally:
-        _reading.records = before
-
-
-def collector() -> dict[bytes, RecordedTenant] | None:
-    """The dict this thread's :func:`reading` block collects into, or ``None`` outside one: a tier
-    that verifies on helper threads hands it to them with :func:`collecting_into`."""
-    return getattr(_reading, "records", None)
-
-
-@contextmanager
-def collecting_into(records: dict[bytes, RecordedTenant] | None) -> Iterator[None]:
-    """Within the block, this thread's :func:`note_verified` calls go to ``records`` (another
-    thread's :func:`collector`; ``None``: nowhere).  Threads note distinct keys."""
-    before = getattr(_reading, "records", None)
-    _reading.records = records
-    try:
-        yield
-    finally:
-        _reading.records = before
-
-
-def note_verified(namespace: bytes, key: bytes, raw: bytes | memoryview) -> None:
+def note_verified(records: TenantRecords | None, namespace: bytes, key: bytes, raw: bytes | memoryview | None) -> None:
     """A value of chunk ``key`` in ``namespace`` whose digest covers the tenant record ``raw``
-    (:data:`RECORD_BYTES` bytes) was verified on this thread: keep the record for :func:`reading`.
-    An absent record (unknown) or one that fails its own check (:class:`DamagedRecord`) is not
-    kept: the chunk's tenant stays unknown.  Call it only after verification passed."""
-    records: dict[bytes, RecordedTenant] | None = getattr(_reading, "records", None)
-    if records is None:
+    (:data:`RECORD_BYTES` bytes; ``None``: its format has none) was verified: keep the record in
+    ``records`` (``None``: the caller does not collect them).  An absent record (unknown) or one
+    that fails its own check (:class:`DamagedRecord`) is not kept: the chunk's tenant stays
+    unknown.  Call it only after verification passed; readers of one dict note distinct keys."""
+    if records is None or raw is None:
         return
     raw = bytes(raw[:RECORD_BYTES])
     if decode(raw) is not None:

@@ -23,8 +23,12 @@ Operations (none raises on a miss, a fault or bad bytes: those are results):
   exactly the chunk's expected length; a stored payload of another length is never a hit).  ``HIT`` means ``dst`` holds verified bytes; ``MISS`` means the
   key is absent (or the tier could not be reached); ``CORRUPT`` means the stored value failed
   verification; the tier then forgets it and counts it in ``corrupt``.  Unverified bytes are
-  never reported as a hit.
-- ``put(key, data) -> PutResult``: store ``data`` (any buffer).  ``PRESENT`` if the key was
+  never reported as a hit.  With ``records`` (a dict, :data:`~kvtier.core.tenant.TenantRecords`)
+  the tier puts there the tenant record each verified hit carried (a tier that keeps none adds
+  nothing): the record comes back with the payload, explicitly, never through thread state.
+- ``put(key, data, tenant=None) -> PutResult``: store ``data`` (any buffer) for ``tenant`` (who
+  the chunk is written for, :mod:`kvtier.core.tenant`; ``None``: unknown), which a tier that keeps
+  a tenant record (disk, redis, s3: the value envelope, :mod:`kvtier.core.envelope`) writes with it.  ``PRESENT`` if the key was
   already stored (chunk bytes are immutable under their key, the original is kept), ``NO_ROOM``
   if the tier is full, ``FAILED`` if the write failed (I/O error, unreachable server).
 - ``delete(key) -> bool``: forget the chunk; ``False`` if it was not there.
@@ -72,6 +76,7 @@ import numpy as np
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.stats import WireStats
+from kvtier.core.tenant import TenantRecords, Writer
 
 if TYPE_CHECKING:
     from kvtier.core.tiers.diskscan import RescanResult
@@ -169,12 +174,12 @@ class Tier(ABC):
         """Whether ``key`` is stored (no side effects)."""
 
     @abstractmethod
-    def get_into(self, key: ChunkKey, dst: memoryview) -> GetResult:
-        """Copy the chunk into ``dst``; see the module docstring for the results."""
+    def get_into(self, key: ChunkKey, dst: memoryview, records: TenantRecords | None = None) -> GetResult:
+        """Copy the chunk into ``dst``; see the module docstring for the results and ``records``."""
 
     @abstractmethod
-    def put(self, key: ChunkKey, data: memoryview | bytes) -> PutResult:
-        """Store ``data`` under ``key``; see the module docstring for the results."""
+    def put(self, key: ChunkKey, data: memoryview | bytes, tenant: Writer | None = None) -> PutResult:
+        """Store ``data`` under ``key`` for ``tenant``; see the module docstring for the results."""
 
     @abstractmethod
     def delete(self, key: ChunkKey) -> bool:
@@ -218,17 +223,32 @@ class Tier(ABC):
         """Batch form of :meth:`contains`."""
         return [self.contains(k) for k in keys]
 
-    def get_many(self, keys: Sequence[ChunkKey], dsts: Sequence[memoryview]) -> list[GetResult]:
+    def get_many(self, keys: Sequence[ChunkKey], dsts: Sequence[memoryview],
+                 records: TenantRecords | None = None) -> list[GetResult]:
         """Batch form of :meth:`get_into`; ``dsts[i]`` receives ``keys[i]``."""
-        return [self.get_into(k, d) for k, d in zip(keys, dsts, strict=True)]
+        return [self.get_into(k, d, records) for k, d in zip(keys, dsts, strict=True)]
 
-    def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> list[PutResult]:
-        """Batch form of :meth:`put`."""
-        return [self.put(k, d) for k, d in zip(keys, datas, strict=True)]
+    def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes],
+                 tenants: Sequence[Writer | None] | None = None) -> list[PutResult]:
+        """Batch form of :meth:`put`; ``tenants[i]`` is who ``datas[i]`` is written for."""
+        return [self.put(k, d, t) for k, d, t in zip(keys, datas, writers(tenants, len(keys)), strict=True)]
 
     def delete_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
         """Batch form of :meth:`delete`."""
         return [self.delete(k) for k in keys]
+
+
+def writers(tenants: Sequence[Writer | None] | None, count: int) -> Sequence[Writer | None]:
+    """``tenants``, or ``count`` unknown tenants (``None``) when not given.
+
+    Raises:
+        ValueError: ``tenants`` is not ``count`` long.
+    """
+    if tenants is None:
+        return [None] * count
+    if len(tenants) != count:
+        raise ValueError(f"{len(tenants)} tenants for {count} chunks")
+    return tenants
 
 
 class StagingTier(Tier):

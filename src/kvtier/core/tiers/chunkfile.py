@@ -1,72 +1,69 @@
-"""On-disk encoding of one chunk: a fixed header block followed by the payload.
+"""The disk tier's chunk file: the value envelope (:mod:`kvtier.core.envelope`) with its header
+padded to a 4096-byte block, then the payload.
 
-Layout (little-endian), format version 2: a 4096-byte header block, then ``length`` bytes of
-payload starting at offset 4096.  The header block holds::
+A file is ``HEADER_BYTES`` (4096) of header block, the envelope's 128 header bytes followed by
+zero padding, then the stored payload from offset 4096: the payload starts on a 4096-byte boundary
+so that it can be read and written with ``O_DIRECT`` straight into and out of page-aligned
+buffers (the cpu tier's pages); 4096 bytes is the largest logical block size of common NVMe and
+SATA devices (Linux ``/sys/block/*/queue/logical_block_size``).  The envelope's digest (XXH3-128
+of its header fields and the payload) is computed while the bytes move
+(:mod:`kvtier.core.tiers.chunkio`).
 
-    offset  size  field
-    0       4     magic  b"KVTC"
-    4       2     format version (2)
-    6       2     header block size (4096)
-    8       16    namespace digest
-    24      16    chunk key
-    40      8     payload length, bytes
-    48      16    XXH3-128 of the payload
-    64      8     XXH3-64 of bytes 0..63 (header checksum)
-    72      128   tenant record (:mod:`kvtier.core.tenant`; zero when unknown), not covered by
-                  the header checksum: it has its own
-    200     3896  reserved (zero)
+Files the release before the envelope wrote (chunk file version 2, magic ``b"KVTC"``, the same
+4096-byte header block and payload offset, :mod:`kvtier.core.legacyformats`) are still read and
+verified; version 1 files (an 80-byte header) are refused as "unsupported chunk format version 1",
+a counted miss (and removed).
 
-The payload starts on a 4096-byte boundary so that it can be read and written with ``O_DIRECT``
-straight into and out of page-aligned buffers (the cpu tier's pages); 4096 bytes is the largest
-logical block size of common NVMe and SATA devices (Linux ``/sys/block/*/queue/logical_block_size``).
-
-Version 1 (an 80-byte header, payload at offset 80) is no longer read: such a file fails
-:func:`decode_header` with "unsupported chunk format version 1", which the disk tier counts as a
-miss (and removes), never as an error.
-
-Encoding is separate from placement (:mod:`kvtier.core.tiers.disk` decides where files live and
-how they are read), as python-diskcache separates ``Disk`` from ``Cache``.  XXH3 is used for
-checksums because it runs faster than the page cache delivers bytes; its streaming form
-(:class:`PayloadHasher`) gives the same digest as the one-shot form, so a payload can be hashed
-slice by slice while the next slice is read or written.
+:func:`decode_header` reads either kind of header block (the disk tier's rescan, ``kvtier purge``);
+:func:`encode_header` writes only a legacy version-2 block, for read-compatibility tests.
 """
 
 from __future__ import annotations
 
-import struct
 from typing import NamedTuple
 
 import xxhash
 
+from kvtier.core import envelope, legacyformats
 from kvtier.core.errors import ChunkFormatError
 
-MAGIC = b"KVTC"
-VERSION = 2
-HEADER_BYTES = 4096
-"""Bytes of the header block = offset of the payload in the file."""
-_HEAD = struct.Struct("<4sHH16s16sQ16s")  # 64 bytes, covered by the header checksum
-_SUMMED = _HEAD.size + 8
-TENANT_OFFSET = _SUMMED
-"""Offset of the tenant record in the header block (:mod:`kvtier.core.tenant`)."""
-TENANT_BYTES = 128
-"""Bytes kept for the tenant record (offsets 72..199); the record itself may be shorter."""
-_RESERVED = TENANT_OFFSET + TENANT_BYTES
-_ZEROS = bytes(HEADER_BYTES - _RESERVED)
-_NO_TENANT = bytes(TENANT_BYTES)
+__all__ = ["HEADER_BYTES", "VERSION", "ChunkFormatError", "ChunkHeader", "PayloadHasher", "decode_header",
+           "encode_header", "payload_digest"]
+
+MAGIC = legacyformats.CHUNK_MAGIC
+VERSION = legacyformats.CHUNK_VERSION
+"""The last chunk-file format version (2).  It stays 2 under the envelope: it is folded into the
+namespace identity (:mod:`kvtier.integrations.vllm.identity`), and the envelope names its own
+version, so changing it would orphan every stored file rather than read it."""
+HEADER_BYTES = envelope.DISK_HEADER_BYTES
+"""Bytes of the header block = offset of the payload in the file (4096, both formats)."""
+assert HEADER_BYTES == legacyformats.CHUNK_HEADER_BYTES
+TENANT_OFFSET = envelope.RECORD_OFFSET
+"""Offset of the tenant record in the header block this kvtier writes (an envelope's)."""
+LEGACY_TENANT_OFFSET = legacyformats.CHUNK_TENANT_OFFSET
+"""Offset of the tenant record in a version-2 chunk file's header block (72)."""
 PayloadHasher = xxhash.xxh3_128
-"""Streaming XXH3-128: ``h = PayloadHasher(); h.update(slice); ...; h.digest()``."""
+"""Streaming XXH3-128 (a version-2 file's payload digest): ``h = PayloadHasher(); h.update(slice); h.digest()``."""
 
 
 class ChunkHeader(NamedTuple):
-    """Decoded header fields."""
+    """Decoded header fields of a chunk file of either format.
+
+    Attributes:
+        version: 2 for a legacy chunk file; ``0x100 + envelope version`` for an envelope.
+        namespace / key: 16-byte namespace digest and chunk key.
+        length: payload bytes as stored in the file.
+        payload_digest: the stored digest (a legacy file: of the payload alone; an envelope: of
+            its header fields and the payload).
+        tenant: the tenant record (all zero: unknown).
+    """
 
     version: int
     namespace: bytes
     key: bytes
     length: int
     payload_digest: bytes
-    tenant: bytes = _NO_TENANT
-    """The :data:`TENANT_BYTES` of the tenant record area (all zero: unknown)."""
+    tenant: bytes = bytes(legacyformats.CHUNK_TENANT_BYTES)
 
 
 def payload_digest(payload: memoryview | bytes) -> bytes:
@@ -75,33 +72,29 @@ def payload_digest(payload: memoryview | bytes) -> bytes:
 
 
 def encode_header(namespace: bytes, key: bytes, length: int, digest: bytes, tenant: bytes = b"") -> bytes:
-    """The 4096-byte header block for a payload of ``length`` bytes whose XXH3-128 is ``digest``,
-    with the tenant record ``tenant`` (at most :data:`TENANT_BYTES`; ``b""``: unknown)."""
-    if len(tenant) > TENANT_BYTES:
-        raise ValueError(f"tenant record of {len(tenant)} bytes exceeds {TENANT_BYTES}")
-    head = _HEAD.pack(MAGIC, VERSION, HEADER_BYTES, namespace, key, length, digest)
-    return head + xxhash.xxh3_64_digest(head) + tenant + bytes(TENANT_BYTES - len(tenant)) + _ZEROS
+    """A legacy version-2 header block (no tier writes one any more: for read-compatibility tests)."""
+    return legacyformats.encode_chunk_header(namespace, key, length, digest, tenant)
 
 
 def decode_header(raw: bytes | memoryview) -> ChunkHeader:
-    """Parse and verify a header block (``raw`` holds at least :data:`HEADER_BYTES` bytes).
+    """Parse and check a chunk file's header block, envelope or legacy version 2 (``raw`` holds at
+    least :data:`HEADER_BYTES` bytes).
 
     Raises:
-        ChunkFormatError: short, wrong magic, unknown version (including version 1 files),
-            header checksum mismatch, or non-zero reserved bytes.
+        ChunkFormatError: short, wrong magic, unknown version (including version 1 files), a
+            legacy header checksum mismatch, non-zero reserved or padding bytes, or an envelope
+            whose payload does not start at :data:`HEADER_BYTES`.
     """
-    raw = memoryview(raw)
-    if raw.nbytes < _HEAD.size:
-        raise ChunkFormatError(f"header truncated ({raw.nbytes} of {HEADER_BYTES} bytes)")
-    magic, version, header_bytes, namespace, key, length, digest = _HEAD.unpack(raw[:_HEAD.size])
-    if magic != MAGIC:
+    view = memoryview(raw).cast("B")
+    if view.nbytes < HEADER_BYTES and bytes(view[:4]) == envelope.MAGIC:
+        raise ChunkFormatError(f"header truncated ({view.nbytes} of {HEADER_BYTES} bytes)")
+    head = envelope.decode_header(view)
+    if head.format == envelope.FORMAT_CHUNK_FILE:
+        return ChunkHeader(VERSION, head.namespace, head.key, head.stored_bytes, head.digest,
+                           bytes(view[LEGACY_TENANT_OFFSET:LEGACY_TENANT_OFFSET + legacyformats.CHUNK_TENANT_BYTES]))
+    if head.format != envelope.FORMAT:
         raise ChunkFormatError("not a kvtier chunk file (bad magic)")
-    if version != VERSION or header_bytes != HEADER_BYTES:
-        raise ChunkFormatError(f"unsupported chunk format version {version}")
-    if raw.nbytes < HEADER_BYTES:
-        raise ChunkFormatError(f"header truncated ({raw.nbytes} of {HEADER_BYTES} bytes)")
-    if xxhash.xxh3_64_digest(raw[:_HEAD.size]) != raw[_HEAD.size:_SUMMED]:
-        raise ChunkFormatError("header checksum mismatch")
-    if bytes(raw[_RESERVED:HEADER_BYTES]) != _ZEROS:  # a copy compares with memcmp: 15x faster than memoryview ==
-        raise ChunkFormatError("reserved header bytes are not zero")
-    return ChunkHeader(version, namespace, key, length, digest, bytes(raw[TENANT_OFFSET:_RESERVED]))
+    if head.header_bytes != HEADER_BYTES:
+        raise ChunkFormatError(f"envelope header of {head.header_bytes} bytes, a chunk file's is {HEADER_BYTES}")
+    return ChunkHeader(0x100 + envelope.VERSION, head.namespace, head.key, head.stored_bytes, head.digest,
+                       head.record or b"")

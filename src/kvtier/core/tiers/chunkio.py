@@ -48,10 +48,16 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from kvtier.core.tiers.chunkfile import HEADER_BYTES, ChunkFormatError, PayloadHasher, payload_digest
+from kvtier.core.envelope import Hasher
+from kvtier.core.tiers.chunkfile import HEADER_BYTES, ChunkFormatError, payload_digest
 from kvtier.core.tiers.readchoice import CHOOSER
 
 T = TypeVar("T")
+CheckHeader = Callable[[memoryview, int], tuple[bytes, Hasher]]
+"""``check_header(header block, payload bytes) -> (expected digest, hasher)``: checks a file's
+header against what the reader expects (raising ChunkFormatError) and returns the digest the
+payload must give and a streaming hasher already fed what the digest covers before the payload
+(the envelope's header fields; nothing for a legacy file)."""
 ALIGN = 4096
 """Alignment of O_DIRECT buffers, lengths and offsets, bytes."""
 O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -83,7 +89,9 @@ def round_up(n: int) -> int:
 
 
 class _Buffers(threading.local):
-    """Per-thread aligned buffers: a header block, a tail block and two bounce slices."""
+    """Per-thread aligned buffers: a header block, a tail block and two bounce slices.  Only
+    scratch memory for the I/O of the call running on the thread: no request or tenant state
+    (those travel as arguments, issue 33)."""
 
     def __init__(self) -> None:
         self.header = aligned_buffer(HEADER_BYTES)
@@ -147,13 +155,12 @@ class ChunkIO:
         return done
 
     # ---- reads ---------------------------------------------------------------------------
-    def read_chunk(self, fd: int, out: memoryview, file_bytes: int,
-                   check_header: Callable[[memoryview, int], bytes]) -> bool:
-        """Read a chunk file of ``file_bytes`` bytes into ``out``; True if its payload checksum matches.
+    def read_chunk(self, fd: int, out: memoryview, file_bytes: int, check_header: CheckHeader) -> bool:
+        """Read a chunk file of ``file_bytes`` bytes into ``out``; True if its digest matches.
 
         The header block and the first payload slice come in one read; ``check_header(header,
-        payload_bytes)`` must return the expected XXH3-128 or raise ChunkFormatError (namespace,
-        key, length).  The payload, ``file_bytes - HEADER_BYTES`` bytes, lands in ``out`` (which may
+        payload_bytes)`` (:data:`CheckHeader`) returns the expected digest and the hasher to feed
+        the payload, or raises ChunkFormatError (namespace, key, length).  The payload, ``file_bytes - HEADER_BYTES`` bytes, lands in ``out`` (which may
         hold unverified bytes when this returns False or raises).
 
         Raises:
@@ -202,10 +209,9 @@ class ChunkIO:
 
         if not self.direct and not self.pipeline:
             return self._read_buffered(fd, out, length, check_header)
-        hasher = PayloadHasher()
         if not self.pipeline or len(offsets) == 1:
             got = read(0)
-            expected = check_header(header, length)
+            expected, hasher = check_header(header, length)
             for i, off in enumerate(offsets):  # each slice hashed right after it is read
                 if i:
                     got = read(i)
@@ -216,12 +222,11 @@ class ChunkIO:
         # up to read_depth slices in flight on the helpers while this thread hashes them in order
         inflight = deque(self._submit(read, i) for i in range(min(self.read_depth, len(offsets))))
         following = len(inflight)
-        expected = b""
         try:
             for i, off in enumerate(offsets):
                 got = inflight.popleft().result()
                 if i == 0:
-                    expected = check_header(header, length)
+                    expected, hasher = check_header(header, length)
                 if following < len(offsets):
                     inflight.append(self._submit(read, following))
                     following += 1
@@ -232,8 +237,7 @@ class ChunkIO:
             wait(inflight)  # never leave a read into the caller's buffers running
         return hasher.digest() == expected
 
-    def _read_buffered(self, fd: int, out: memoryview, length: int,
-                       check_header: Callable[[memoryview, int], bytes]) -> bool:
+    def _read_buffered(self, fd: int, out: memoryview, length: int, check_header: CheckHeader) -> bool:
         """A buffered read, serial or split (:mod:`kvtier.core.tiers.readchoice`); see :meth:`read_chunk`."""
         chooser = self.chooser
         cls, split = chooser.begin(length)
@@ -245,13 +249,11 @@ class ChunkIO:
             if split:  # the tail on a helper, while this thread reads and hashes the head
                 tail = self._submit(_pread_exact, fd, [out[cut:]], HEADER_BYTES + cut, length - cut)
             header = self._buffers.header
-            hasher = PayloadHasher()
-            expected = b""
             for off in range(0, cut, self.slice_bytes) if cut else range(1):
                 n = min(self.slice_bytes, cut - off)
                 if off == 0:
                     _pread_exact(fd, [header, out[:n]], 0, HEADER_BYTES + n)
-                    expected = check_header(header, length)
+                    expected, hasher = check_header(header, length)
                 else:
                     _pread_exact(fd, [out[off:off + n]], HEADER_BYTES + off, n)
                 hasher.update(out[off:off + n])  # right after its read, while in the CPU cache
@@ -265,8 +267,10 @@ class ChunkIO:
         return hasher.digest() == expected
 
     # ---- writes --------------------------------------------------------------------------
-    def write_chunk(self, fd: int, payload: memoryview, make_header: Callable[[bytes], bytes]) -> None:
-        """Write a chunk file: ``make_header(digest)`` (a :data:`HEADER_BYTES` block) then ``payload``.
+    def write_chunk(self, fd: int, payload: memoryview, make_header: Callable[[bytes], bytes],
+                    digest_of: Callable[[memoryview], bytes] = payload_digest) -> None:
+        """Write a chunk file: ``make_header(digest_of(payload))`` (a :data:`HEADER_BYTES` block)
+        then ``payload``.
 
         A payload of at least ``overlap_min_bytes`` is hashed on a helper thread while it is
         written, and the header goes last; a smaller one is hashed first and written with its
@@ -279,11 +283,11 @@ class ChunkIO:
         length = payload.nbytes
         aligned = not self.direct or address(payload) % ALIGN == 0
         if length < self.overlap_min_bytes:
-            self._write_header(fd, make_header(payload_digest(payload)), with_payload=payload if aligned else None)
+            self._write_header(fd, make_header(digest_of(payload)), with_payload=payload if aligned else None)
             if not aligned:
                 self._write_payload(fd, payload)
         else:
-            digest = self._submit(payload_digest, payload)
+            digest = self._submit(digest_of, payload)
             try:
                 self._write_payload(fd, payload)
             finally:

@@ -33,6 +33,7 @@ from kvtier.core.config import GiB
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.sizing import cpu_capacity_bytes
+from kvtier.core.tenant import TenantRecords, Writer
 from kvtier.core.tiers.base import (
     AlreadyHeld,
     GetResult,
@@ -158,7 +159,9 @@ class CpuTier(StagingTier):
         """Bytes of a resident or reserved chunk.  Raises KeyError if absent."""
         return self._key_to_len[key]
 
-    def get_into(self, key: ChunkKey, dst: memoryview) -> GetResult:
+    def get_into(self, key: ChunkKey, dst: memoryview, records: TenantRecords | None = None) -> GetResult:
+        """Copy a resident chunk into ``dst`` (the cpu tier keeps no tenant record: the store's top
+        tier does, :mod:`kvtier.core.top`; ``records`` gets nothing)."""
         with self._lock:
             page = self._key_to_page.get(key)
             if page is None:
@@ -169,7 +172,8 @@ class CpuTier(StagingTier):
         np.copyto(np.frombuffer(dst, dtype=np.uint8, count=n), self._pages[page, :n])
         return GetResult.HIT
 
-    def put(self, key: ChunkKey, data: memoryview | bytes) -> PutResult:
+    def put(self, key: ChunkKey, data: memoryview | bytes, tenant: Writer | None = None) -> PutResult:
+        """Copy ``data`` into a page (``tenant`` is kept by the store's top tier, not here)."""
         if key in self._key_to_page or key in self._reserved:  # checked again by reserve
             return PutResult.PRESENT
         src = np.frombuffer(data, dtype=np.uint8)

@@ -3,8 +3,9 @@
 - **Crash-safe writes**: a chunk is written to a temporary file in the same directory and
   renamed into place (``os.replace`` is atomic on POSIX), so a reader never sees a half-written
   chunk under its final name; with ``fsync=True`` it is also durable across power loss.
-- **Verified reads**: every file carries a header (format version, namespace, key, length) and
-  an XXH3-128 checksum of the payload (:mod:`kvtier.core.tiers.chunkfile`).  A torn, truncated,
+- **Verified reads**: every file is a value envelope (:mod:`kvtier.core.envelope`, header padded
+  to 4096 bytes: :mod:`kvtier.core.tiers.chunkfile`) whose XXH3-128 covers its header and
+  payload; files of the release before (chunk file version 2) are still read.  A torn, truncated,
   foreign-namespace, older-format or corrupt file is a miss: it is counted in ``corrupt``,
   logged, and removed.  The checksum is computed while the bytes move, not after
   (:mod:`kvtier.core.tiers.chunkio`).
@@ -44,11 +45,12 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from kvtier.core import tenant
+from kvtier.core import envelope
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
-from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, TierUsage
-from kvtier.core.tiers.chunkfile import HEADER_BYTES, ChunkFormatError, decode_header, encode_header
+from kvtier.core.tenant import TenantRecords, Writer, note_verified
+from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, TierUsage, writers
+from kvtier.core.tiers.chunkfile import HEADER_BYTES, ChunkFormatError, PayloadHasher
 from kvtier.core.tiers.chunkio import DEFAULT_SLICE_BYTES, ChunkIO, helper_threads
 from kvtier.core.tiers.diskcheck import disk_path_problem
 from kvtier.core.tiers.diskreset import remove_chunk_files, reset_marked, unmark_reset
@@ -111,6 +113,7 @@ class DiskTier(Tier):
             raise ValueError(f"disk I/O mode must be one of {', '.join(IO_MODES)}, got {io!r}")
         super().__init__()
         self.namespace = namespace
+        self.envelope = envelope.Envelope(namespace, header_bytes=HEADER_BYTES)  # XXH3-128, identity chain
         self.dir = Path(root) / namespace.hex()
         self._root = str(self.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -192,17 +195,17 @@ class DiskTier(Tier):
     def stored_bytes(self, payload_bytes: int) -> int:
         return self.file_bytes(payload_bytes)
 
-    def get_into(self, key: ChunkKey, dst: memoryview) -> GetResult:
+    def get_into(self, key: ChunkKey, dst: memoryview, records: TenantRecords | None = None) -> GetResult:
         path = self._file(key)
         if key in self._bad:  # counted once already, when it was found unusable
             return GetResult.MISS
         try:
             try:
-                self._read_verified(key, path, dst)
+                self._read_verified(key, path, dst, records)
             except OSError as exc:
                 if not self._fall_back(exc):
                     raise
-                self._read_verified(key, path, dst)
+                self._read_verified(key, path, dst, records)
         except FileNotFoundError:
             with self._lock:
                 if key not in self._writing:  # removed by another process (a write in flight is not)
@@ -213,12 +216,13 @@ class DiskTier(Tier):
             return GetResult.CORRUPT
         return GetResult.HIT
 
-    def _read_verified(self, key: ChunkKey, path: str, dst: memoryview) -> None:
+    def _read_verified(self, key: ChunkKey, path: str, dst: memoryview, records: TenantRecords | None) -> None:
         """Read ``key``'s payload into ``dst``; raises ChunkFormatError unless every check passes.
-        Then its tenant record goes to :func:`kvtier.core.tenant.note_verified` (kept only within a
-        promotion's :func:`kvtier.core.tenant.reading`, and only when it passes its own check)."""
+        The file is an envelope (:mod:`kvtier.core.envelope`) or a legacy version-2 chunk file
+        (:mod:`kvtier.core.legacyformats`).  Then its tenant record goes into ``records``
+        (:func:`kvtier.core.tenant.note_verified`: only one that passes its own check)."""
         io = self._io
-        record = b""
+        record: bytes | None = None
         # O_NONBLOCK: a FIFO or device planted at a chunk's path must not hang the caller
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | io.open_flags)
         try:
@@ -226,24 +230,31 @@ class DiskTier(Tier):
             if not stat.S_ISREG(st.st_mode):
                 raise ChunkFormatError("not a regular file")
 
-            def check(raw: memoryview, payload_bytes: int) -> bytes:
+            def check(raw: memoryview, payload_bytes: int) -> tuple[bytes, envelope.Hasher]:
                 nonlocal record
-                header = decode_header(raw)
-                if header.namespace != self.namespace or header.key != key:
-                    raise ChunkFormatError("chunk belongs to another namespace or key")
-                if header.length != payload_bytes:
-                    raise ChunkFormatError(f"payload is {payload_bytes} bytes on disk, header says {header.length}")
-                if header.length != out.nbytes:  # another chunk size (config, geometry): never a partial fill
-                    raise ChunkFormatError(f"payload of {header.length} bytes is not the expected {out.nbytes}")
-                record = bytes(header.tenant[:tenant.RECORD_BYTES])
-                return header.payload_digest
+                header = envelope.decode_header(raw)
+                if header.header_bytes != HEADER_BYTES or header.format not in (envelope.FORMAT,
+                                                                                envelope.FORMAT_CHUNK_FILE):
+                    raise ChunkFormatError(f"not a chunk file ({header.format}, {header.header_bytes}-byte header)")
+                # another namespace or key, a layout or codec this kvtier does not read, or another
+                # chunk size (config, geometry): never a partial fill
+                self.envelope.check(header, key, out.nbytes)
+                if header.stored_bytes != payload_bytes:
+                    raise ChunkFormatError(f"payload is {payload_bytes} bytes on disk, header says {header.stored_bytes}")
+                if header.stored_bytes != header.original_bytes:
+                    raise ChunkFormatError(f"codec chain {list(header.codecs)} changes the payload's length; "
+                                           "the disk tier reads only length-preserving chains")
+                record = header.record
+                if header.format == envelope.FORMAT_CHUNK_FILE:
+                    return header.digest, PayloadHasher()
+                return header.digest, self.envelope.hasher(raw[:envelope.DIGEST_OFFSET])
 
             out = memoryview(np.frombuffer(dst, dtype=np.uint8).data)
             if not io.read_chunk(fd, out, st.st_size, check):
                 raise ChunkFormatError("payload checksum mismatch")
         finally:
             os.close(fd)
-        tenant.note_verified(self.namespace, key, record)
+        note_verified(records, self.namespace, key, record)
 
     def _fall_back(self, exc: OSError) -> bool:
         """Switch to buffered I/O when O_DIRECT is refused at run time (EINVAL); True if switched."""
@@ -268,7 +279,8 @@ class DiskTier(Tier):
             self.corrupt += 1
             self._forget(key)
 
-    def put(self, key: ChunkKey, data: memoryview | bytes) -> PutResult:
+    def put(self, key: ChunkKey, data: memoryview | bytes, tenant: Writer | None = None) -> PutResult:
+        """Write ``data`` as an envelope whose header holds ``tenant``'s record (``None``: unknown)."""
         payload = memoryview(data).cast("B")
         size = self.file_bytes(payload.nbytes)
         with self._lock:
@@ -283,11 +295,11 @@ class DiskTier(Tier):
         tmp = path.with_name(tmp_name(path.name, self._writer.writer_id, threading.get_ident()))
         try:
             try:
-                self._write_file(key, tmp, payload)
+                self._write_file(key, tmp, payload, tenant)
             except OSError as exc:
                 if not self._fall_back(exc):
                     raise
-                self._write_file(key, tmp, payload)
+                self._write_file(key, tmp, payload, tenant)
             os.replace(tmp, path)
         except OSError as exc:
             if os.path.lexists(tmp):  # not when the open failed (a read-only filesystem answers EROFS, not ENOENT)
@@ -409,39 +421,39 @@ class DiskTier(Tier):
             return
         found.append((key, size, mtime))
 
-    def _write_file(self, key: ChunkKey, tmp: Path, payload: memoryview) -> None:
+    def _write_file(self, key: ChunkKey, tmp: Path, payload: memoryview, writer: Writer | None) -> None:
         io = self._io
-        writer = tenant.current()  # who the store writes this chunk for (kvtier.core.tenant), on this thread
-        record = b"" if writer is None else tenant.record(self.namespace, writer)
+        env = self.envelope
+        fields = env.fields(key, payload.nbytes, payload.nbytes, env.record(writer))
+
+        def digest_of(body: memoryview) -> bytes:
+            h = env.hasher(fields)
+            h.update(body)
+            return h.digest()
+
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | io.open_flags, 0o644)
         try:
-            io.write_chunk(fd, payload, lambda digest: encode_header(self.namespace, key, payload.nbytes, digest, record))
+            io.write_chunk(fd, payload, lambda digest: env.finish(fields, digest), digest_of)
             if self.fsync:
                 os.fsync(fd)
         finally:
             os.close(fd)
 
-    def get_many(self, keys: Sequence[ChunkKey], dsts: Sequence[memoryview]) -> list[GetResult]:
-        """Batch :meth:`get_into`, ``io_threads`` chunks at a time."""
+    def get_many(self, keys: Sequence[ChunkKey], dsts: Sequence[memoryview],
+                 records: TenantRecords | None = None) -> list[GetResult]:
+        """Batch :meth:`get_into`, ``io_threads`` chunks at a time (each notes its own key in ``records``)."""
         pool = self._pool()
         if pool is None or len(keys) < 2:
-            return super().get_many(keys, dsts)
-        records = tenant.collector()  # a promotion collecting tenant records: the helpers note into it
-        if records is None:
-            return list(pool.map(self.get_into, keys, dsts))
+            return super().get_many(keys, dsts, records)
+        return list(pool.map(self.get_into, keys, dsts, [records] * len(keys)))
 
-        def get_noting(key: ChunkKey, dst: memoryview) -> GetResult:
-            with tenant.collecting_into(records):
-                return self.get_into(key, dst)
-
-        return list(pool.map(get_noting, keys, dsts))
-
-    def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> list[PutResult]:
+    def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes],
+                 tenants: Sequence[Writer | None] | None = None) -> list[PutResult]:
         """Batch :meth:`put`, ``io_threads`` chunks at a time."""
         pool = self._pool()
         if pool is None or len(keys) < 2:
-            return super().put_many(keys, datas)
-        return list(pool.map(self.put, keys, datas))
+            return super().put_many(keys, datas, tenants)
+        return list(pool.map(self.put, keys, datas, writers(tenants, len(keys))))
 
     def _pool(self) -> ThreadPoolExecutor | None:
         if self.io_threads < 2 or self._closed:

@@ -66,6 +66,7 @@ from prometheus_client import CollectorRegistry
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.stats import WireCounters, WireStats
+from kvtier.core.tenant import TenantRecords, Writer
 from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier
 from kvtier.core.tiers.breaker import CircuitBreaker
 from kvtier.core.tiers.tiermetrics import TierMetrics
@@ -110,19 +111,22 @@ class SplitTier(Protocol):
         """Fetch the values of ``keys`` into buffers the tier owns (never a caller's); an opaque
         result for :meth:`finish_get`.  Runs on the wrapper's threads."""
 
-    def finish_get(self, keys: Sequence[ChunkKey], fetched: Any, dsts: Sequence[memoryview]) -> list[GetResult]:
+    def finish_get(self, keys: Sequence[ChunkKey], fetched: Any, dsts: Sequence[memoryview],
+                   records: TenantRecords | None = None) -> list[GetResult]:
         """Verify what :meth:`fetch_many` returned in time and copy each payload into ``dsts[i]``
-        (``MISS``: absent; ``CORRUPT``: failed verification, counted and forgotten).  Runs on the
+        (``MISS``: absent; ``CORRUPT``: failed verification, counted and forgotten), each verified
+        value's tenant record into ``records``.  Runs on the
         caller's thread and touches no network: the wrapper deletes every ``CORRUPT`` key
         afterwards (a guarded ``delete_many``)."""
 
-    def stream_put(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> PutStream:
-        """The stream that writes ``datas[i]`` under ``keys[i]`` (``datas`` are the caller's
+    def stream_put(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes],
+                   tenants: Sequence[Writer | None] | None = None) -> PutStream:
+        """The stream that writes ``datas[i]`` under ``keys[i]`` for ``tenants[i]`` (``datas`` are the caller's
         buffers, uncopied: see the module docstring for what ``send`` may read of them)."""
 
 
 def split_get(split: SplitTier, keys: Sequence[ChunkKey], dsts: Sequence[memoryview], fetch: Callable[[], Any],
-              delete: Callable[[list[ChunkKey]], object]) -> list[GetResult]:
+              delete: Callable[[list[ChunkKey]], object], records: TenantRecords | None = None) -> list[GetResult]:
     """One :class:`SplitTier` read: ``fetch()`` (``split.fetch_many(keys)``, on this thread or
     under a deadline; ``None``: every key a miss), ``split.finish_get`` on this thread, then
     ``delete`` of every ``CORRUPT`` key.  A tier's own ``get_many`` and :class:`GuardedTier` both
@@ -130,7 +134,7 @@ def split_get(split: SplitTier, keys: Sequence[ChunkKey], dsts: Sequence[memoryv
     fetched = fetch()
     if fetched is None:
         return [GetResult.MISS] * len(keys)
-    results = split.finish_get(keys, fetched, dsts)
+    results = split.finish_get(keys, fetched, dsts, records)
     corrupt = [k for k, r in zip(keys, results, strict=True) if r is GetResult.CORRUPT]
     if corrupt:
         delete(corrupt)
@@ -239,33 +243,38 @@ class GuardedTier(TierWrapper):
         self.wire.looked_up(len(keys), sum(found))
         return found
 
-    def get_many(self, keys: Sequence[ChunkKey], dsts: Sequence[memoryview]) -> list[GetResult]:
+    def get_many(self, keys: Sequence[ChunkKey], dsts: Sequence[memoryview],
+                 records: TenantRecords | None = None) -> list[GetResult]:
         if not keys:
             return []
         if (split := self._split) is not None:  # the wire half under the deadline, then verify on this thread
             return split_get(split, keys, dsts, lambda: self._call("get", lambda: split.fetch_many(keys)),
-                             self.delete_many)
+                             self.delete_many, records)
         own = [bytearray(memoryview(d).nbytes) for d in dsts]  # a late call fills these, never the caller's
-        got = self._call("get", lambda: self.inner.get_many(keys, [memoryview(b) for b in own]))
+        own_records: TenantRecords = {}  # likewise: a late call's records never reach the caller's
+        got = self._call("get", lambda: self.inner.get_many(keys, [memoryview(b) for b in own], own_records))
         if got is None:
             return [GetResult.MISS] * len(keys)
-        for result, buf, dst in zip(got, own, dsts, strict=True):
+        for key, result, buf, dst in zip(keys, got, own, dsts, strict=True):
             if result is GetResult.HIT:
                 memoryview(dst).cast("B")[:] = buf
+                if records is not None and key in own_records:
+                    records[key] = own_records[key]
         return got
 
-    def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> list[PutResult]:
+    def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes],
+                 tenants: Sequence[Writer | None] | None = None) -> list[PutResult]:
         if not keys:
             return []
         if self._split is not None:  # the caller's buffers, uncopied (see SplitTier)
-            stream = self._split.stream_put(keys, datas)
+            stream = self._split.stream_put(keys, datas, tenants)
             try:
                 got = self._call("put", stream.send, during=stream.produce)
             finally:
                 stream.abandon()
         else:
             copies = [bytes(d) for d in datas]  # the caller may reuse its buffers once this returns
-            got = self._call("put", lambda: self.inner.put_many(keys, copies))
+            got = self._call("put", lambda: self.inner.put_many(keys, copies, tenants))
         if got is None:
             self.wire.writes_skipped(len(keys))
             return [PutResult.FAILED] * len(keys)

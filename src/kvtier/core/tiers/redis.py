@@ -1,8 +1,9 @@
 """Redis / Valkey shared tier (standalone or Cluster) on redis-py.
 
-- **One value per chunk**, written with one ``SET key value EX ttl NX``: a header (format version,
-  namespace, key, length, the writer's tenant record for ``kvtier purge --salt``/``--lora``,
-  digest) and the payload (:mod:`kvtier.core.tiers.sharedvalue`).  A read
+- **One value per chunk**, written with one ``SET key value EX ttl NX``: the value envelope
+  (:mod:`kvtier.core.envelope`: a header with namespace, key, lengths, codec chain, the writer's
+  tenant record for ``kvtier purge --salt``/``--lora`` and the digest, then the payload;
+  :mod:`kvtier.core.tiers.sharedvalue`).  A read
   verifies everything; a value that fails is a ``CORRUPT`` miss and is deleted.  A key the server
   evicted on its own (``maxmemory``, TTL) is a plain miss.
 - **Keys** are ``<prefix><namespace hex>:<chunk key hex>``, built in one place for every command
@@ -47,13 +48,13 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvtier.core import tenant
 from kvtier.core.config import redact_url
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.stats import WireCounters, WireStats
+from kvtier.core.tenant import TenantRecords, Writer
 from kvtier.core.tiers import redisstream
-from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, TierUsage
+from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, TierUsage, writers
 from kvtier.core.tiers.breaker import CircuitBreaker
 from kvtier.core.tiers.buffers import BufferPool
 from kvtier.core.tiers.guarded import GuardedTier, PutStream, WriteAbandoned, split_get
@@ -130,13 +131,14 @@ class RedisTier(Tier):
             pipe.exists(self.rkey(key))
         return [bool(n) for n in pipe.execute()]
 
-    def get_into(self, key: ChunkKey, dst: memoryview) -> GetResult:
-        return self.get_many([key], [dst])[0]
+    def get_into(self, key: ChunkKey, dst: memoryview, records: TenantRecords | None = None) -> GetResult:
+        return self.get_many([key], [dst], records)[0]
 
-    def get_many(self, keys: Sequence[ChunkKey], dsts: Sequence[memoryview]) -> list[GetResult]:
+    def get_many(self, keys: Sequence[ChunkKey], dsts: Sequence[memoryview],
+                 records: TenantRecords | None = None) -> list[GetResult]:
         """:meth:`fetch_many` then :meth:`finish_get` on this thread, corrupt values deleted (the
         wrapper splits the two halves over its thread and the caller's)."""
-        return split_get(self, keys, dsts, lambda: self.fetch_many(keys), self.delete_many)
+        return split_get(self, keys, dsts, lambda: self.fetch_many(keys), self.delete_many, records)
 
     def fetch_many(self, keys: Sequence[ChunkKey]) -> tuple[list[Any], float]:
         """(:class:`~kvtier.core.tiers.guarded.SplitTier`) The raw values of ``keys`` (``None`` where absent) and when the fetch started.  Standalone:
@@ -152,12 +154,14 @@ class RedisTier(Tier):
         return list(pipe.execute()), t0
 
     def finish_get(self, keys: Sequence[ChunkKey], fetched: tuple[list[Any], float],
-                   dsts: Sequence[memoryview]) -> list[GetResult]:
+                   dsts: Sequence[memoryview], records: TenantRecords | None = None) -> list[GetResult]:
         """Verify each fetched value and copy its payload into ``dsts[i]``: ``HIT``; absent (never
         written, expired, evicted by the server): ``MISS``; failing verification: ``CORRUPT``
-        (counted; the caller deletes it).  The read buffers go back for reuse."""
+        (counted; the caller deletes it).  Each hit's tenant record goes into ``records``.  The
+        read buffers go back for reuse."""
         values, t0 = fetched
-        done = verify_into(self.codec, keys, values, dsts, f"kvtier {self.name} tier ({self.where})", self._forget)
+        done = verify_into(self.codec, keys, values, dsts, f"kvtier {self.name} tier ({self.where})", self._forget,
+                           records)
         with self._lock:
             self.corrupt += done.corrupt
         self.wire.corrupt(done.corrupt)
@@ -167,14 +171,16 @@ class RedisTier(Tier):
         return done.results
 
     # ---- writes --------------------------------------------------------------------------
-    def put(self, key: ChunkKey, data: memoryview | bytes) -> PutResult:
-        return self.put_many([key], [data])[0]
+    def put(self, key: ChunkKey, data: memoryview | bytes, tenant: Writer | None = None) -> PutResult:
+        return self.put_many([key], [data], [tenant])[0]
 
-    def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> list[PutResult]:
+    def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes],
+                 tenants: Sequence[Writer | None] | None = None) -> list[PutResult]:
         """:meth:`stream_put` on this thread alone, one Cluster batch at a time: produced, then sent."""
         out: list[PutResult] = []
+        who = writers(tenants, len(keys))
         for start, end in self._batches(datas):
-            stream = self.stream_put(keys[start:end], datas[start:end])
+            stream = self.stream_put(keys[start:end], datas[start:end], who[start:end])
             try:
                 stream.produce(time.perf_counter() + self.header_wait_s)
                 out += stream.send()
@@ -182,7 +188,8 @@ class RedisTier(Tier):
                 stream.abandon()
         return out
 
-    def stream_put(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> PutStream:
+    def stream_put(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes],
+                   tenants: Sequence[Writer | None] | None = None) -> PutStream:
         """Pipelined ``SET key value EX ttl NX``, one value per chunk, as a
         :class:`~kvtier.core.tiers.guarded.PutStream`.
 
@@ -196,25 +203,26 @@ class RedisTier(Tier):
         payload changed meanwhile no longer matches its digest, so a reader treats it as corrupt
         (a miss), never as a hit.
 
-        Each value's header carries the tenant record of :func:`kvtier.core.tenant.current`, read
-        here, on the calling thread (the store's writer, which set it), and carried to whichever
-        thread encodes the headers."""
-        writer = tenant.current()
+        Each value's header carries the tenant record of ``tenants[i]`` (``None``: unknown)."""
+        who = writers(tenants, len(keys))
         if self._streamed:
-            return self._stream_standalone(keys, datas, writer)
-        return self._stream_cluster(keys, datas, writer)
+            return self._stream_standalone(keys, datas, who)
+        return self._stream_cluster(keys, datas, who)
 
     def _stream_standalone(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes],
-                           writer: tenant.Writer | None) -> PutStream:
+                           who: Sequence[Writer | None]) -> PutStream:
         rkeys = [self.rkey(k) for k in keys]
         payloads = [memoryview(d).cast("B") for d in datas]
         headers: list[bytes] = []
         ready = threading.Semaphore(0)
         abandoned = threading.Event()
+        if not self.codec.envelope.chain.passthrough:  # bodies differ from the payloads: encode them first
+            payloads = [self.codec.seal(k, p).body for k, p in zip(keys, payloads, strict=True)]
+        lengths = [memoryview(d).nbytes for d in datas]
 
         def produce(_deadline: float) -> None:
-            for key, payload in zip(keys, payloads, strict=True):
-                headers.append(self.codec.header(key, payload, writer))
+            for key, payload, length, writer in zip(keys, payloads, lengths, who, strict=True):
+                headers.append(self.codec.envelope.header(key, payload, length, writer))
                 ready.release()
 
         def send() -> list[PutResult]:
@@ -229,7 +237,7 @@ class RedisTier(Tier):
         return PutStream(send, produce, abandon)
 
     def _stream_cluster(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes],
-                        writer: tenant.Writer | None) -> PutStream:
+                        who: Sequence[Writer | None]) -> PutStream:
         batches = self._batches(datas)
         encoded: list[list[bytearray | memoryview]] = []
         ready, room = threading.Semaphore(0), threading.Semaphore(2)  # one batch on the wire, one encoded
@@ -241,8 +249,8 @@ class RedisTier(Tier):
                     return  # the writer waits for this batch and gives up
                 buffers = self.encode_buffers.take_many(
                     [HEADER_BYTES + memoryview(d).nbytes for d in datas[start:end]])
-                encoded.append([self.codec.encode(k, d, b, writer)
-                                for k, d, b in zip(keys[start:end], datas[start:end], buffers, strict=True)])
+                encoded.append([self.codec.encode(k, d, b, w) for k, d, b, w in
+                                zip(keys[start:end], datas[start:end], buffers, who[start:end], strict=True)])
                 ready.release()
 
         def send() -> list[PutResult]:

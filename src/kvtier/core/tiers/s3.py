@@ -1,8 +1,9 @@
 """S3 object-store shared tier (AWS S3, MinIO, Ceph RGW, Cloudflare R2, any S3 API) on obstore.
 
 - **One object per chunk**, written whole with one ``PUT`` (never multipart): the same value as
-  the redis tier's, a header (format version, namespace digest, key, length, the writer's tenant
-  record, XXH3 checksum or keyed BLAKE3 MAC with ``shared_secret``) then the payload (:mod:`kvtier.core.tiers.sharedvalue`).
+  the redis tier's, the value envelope (:mod:`kvtier.core.envelope`: a header with namespace digest,
+  key, lengths, codec chain, the writer's tenant record, XXH3 checksum or keyed BLAKE3 MAC with
+  ``shared_secret``, then the payload; :mod:`kvtier.core.tiers.sharedvalue`).
   A ``PUT`` is atomic in S3: a reader sees no object, the old one or the whole new one, never a
   part (AWS S3 user guide, "Amazon S3 data consistency model"); a read still verifies everything,
   and a short body, a foreign namespace or a digest mismatch is a counted ``CORRUPT`` miss and the
@@ -53,12 +54,12 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from kvtier.core import tenant
 from kvtier.core.errors import ConfigError
 from kvtier.core.hosts import is_loopback_host
 from kvtier.core.keys import ChunkKey
 from kvtier.core.stats import WireCounters, WireStats
-from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, TierUsage
+from kvtier.core.tenant import TenantRecords, Writer
+from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, TierUsage, writers
 from kvtier.core.tiers.breaker import CircuitBreaker
 from kvtier.core.tiers.buffers import BufferPool
 from kvtier.core.tiers.guarded import GuardedTier, PutStream, WriteAbandoned, split_get
@@ -163,15 +164,16 @@ class S3Tier(Tier):
         metas = self.objects.run(lambda: self.objects.each(self.space.head, [self.object_key(k) for k in keys]))
         return [m is not None for m in metas]
 
-    def get_into(self, key: ChunkKey, dst: memoryview) -> GetResult:
-        return self.get_many([key], [dst])[0]
+    def get_into(self, key: ChunkKey, dst: memoryview, records: TenantRecords | None = None) -> GetResult:
+        return self.get_many([key], [dst], records)[0]
 
-    def get_many(self, keys: Sequence[ChunkKey], dsts: Sequence[memoryview]) -> list[GetResult]:
+    def get_many(self, keys: Sequence[ChunkKey], dsts: Sequence[memoryview],
+                 records: TenantRecords | None = None) -> list[GetResult]:
         """:meth:`fetch_many` then :meth:`finish_get` on this thread, corrupt objects deleted (the
         wrapper splits the two halves over its thread and the caller's)."""
         if not keys:
             return []
-        return split_get(self, keys, dsts, lambda: self.fetch_many(keys), self.delete_many)
+        return split_get(self, keys, dsts, lambda: self.fetch_many(keys), self.delete_many, records)
 
     def fetch_many(self, keys: Sequence[ChunkKey]) -> tuple[list[Any], float]:
         """(:class:`~kvtier.core.tiers.guarded.SplitTier`) One parallel ``GET`` per key: each body
@@ -202,12 +204,14 @@ class S3Tier(Tier):
         return (self.objects.run(fetch_all) if keys else []), t0
 
     def finish_get(self, keys: Sequence[ChunkKey], fetched: tuple[list[Any], float],
-                   dsts: Sequence[memoryview]) -> list[GetResult]:
+                   dsts: Sequence[memoryview], records: TenantRecords | None = None) -> list[GetResult]:
         """(:class:`~kvtier.core.tiers.guarded.SplitTier`) Verify each body of :meth:`fetch_many`
         and copy its payload into ``dsts[i]``: ``HIT``; no live object: ``MISS``; short, foreign
-        or failing its digest: ``CORRUPT`` (counted; the caller deletes it).  No network."""
+        or failing its digest: ``CORRUPT`` (counted; the caller deletes it).  Each hit's tenant
+        record goes into ``records``.  No network."""
         values, t0 = fetched
-        done = verify_into(self.codec, keys, values, dsts, f"kvtier {self.name} tier ({self.where})", self.space.forget)
+        done = verify_into(self.codec, keys, values, dsts, f"kvtier {self.name} tier ({self.where})", self.space.forget,
+                           records)
         with self._lock:
             self.corrupt += done.corrupt
         self.wire.corrupt(done.corrupt)
@@ -224,21 +228,23 @@ class S3Tier(Tier):
         """
         return self.conditional_put and self.objects.run(self.conditional.ask)
 
-    def put(self, key: ChunkKey, data: memoryview | bytes) -> PutResult:
-        return self.put_many([key], [data])[0]
+    def put(self, key: ChunkKey, data: memoryview | bytes, tenant: Writer | None = None) -> PutResult:
+        return self.put_many([key], [data], [tenant])[0]
 
-    def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> list[PutResult]:
+    def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes],
+                 tenants: Sequence[Writer | None] | None = None) -> list[PutResult]:
         """:meth:`stream_put` on this thread alone: every object encoded, then sent."""
         if not keys:
             return []
-        stream = self.stream_put(keys, datas)
+        stream = self.stream_put(keys, datas, tenants)
         try:
             stream.produce(time.perf_counter() + self.produce_wait_s)
             return stream.send()
         finally:
             stream.abandon()
 
-    def stream_put(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> PutStream:
+    def stream_put(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes],
+                   tenants: Sequence[Writer | None] | None = None) -> PutStream:
         """One whole-object ``PUT`` per chunk (parallel), as a
         :class:`~kvtier.core.tiers.guarded.PutStream`.  A chunk already stored is ``PRESENT`` and
         keeps its object (chunk bytes never change under their key): with ``s3_conditional_put``
@@ -249,13 +255,12 @@ class S3Tier(Tier):
         write needs, so ``send`` never reads ``datas`` and the caller may reuse them once
         ``put_many`` returns.  ``send``'s probe or ``HEAD`` requests go out meanwhile; each ``PUT``
         waits for the encoded objects at most ``produce_wait_s`` (``abandon`` ends the wait).  Each
-        header carries the tenant record of :func:`kvtier.core.tenant.current` on the calling thread
-        (set by the store's writer)."""
+        header carries the tenant record of ``tenants[i]`` (``None``: unknown)."""
         import obstore
 
         paths = [self.object_key(k) for k in keys]
         sizes = [memoryview(d).nbytes for d in datas]
-        writer = tenant.current()  # the store's writer thread: produce may run elsewhere
+        who = writers(tenants, len(keys))
         values: list[bytearray | memoryview] = []
         encoded = [asyncio.Event() for _ in keys]  # set on the loop: by produce as each object is encoded, or by abandon
         abandoned = threading.Event()
@@ -302,7 +307,7 @@ class S3Tier(Tier):
 
         def produce(_deadline: float) -> None:
             # Each PUT starts as soon as its own object is encoded (the next is encoded meanwhile).
-            for i, (key, data) in enumerate(zip(keys, datas, strict=True)):
+            for i, (key, data, writer) in enumerate(zip(keys, datas, who, strict=True)):
                 if abandoned.is_set():
                     return
                 values.append(self.codec.encode(key, data, pool.take(HEADER_BYTES + sizes[i]), writer=writer))

@@ -27,7 +27,8 @@ from typing import Any, Literal
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.stats import WireStats
-from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, TierUsage
+from kvtier.core.tenant import TenantRecords, Writer
+from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, TierUsage, writers
 
 Op = Literal["contains", "get", "put", "delete"]
 FaultKind = Literal["error", "raise", "corrupt", "truncate", "delay"]
@@ -81,17 +82,19 @@ class TierWrapper(Tier):
     def indexed(self, key: ChunkKey) -> bool:
         return self.inner.indexed(key)
 
-    def get_into(self, key: ChunkKey, dst: memoryview) -> GetResult:
-        return self.get_many([key], [dst])[0]
+    def get_into(self, key: ChunkKey, dst: memoryview, records: TenantRecords | None = None) -> GetResult:
+        return self.get_many([key], [dst], records)[0]
 
-    def get_many(self, keys: Sequence[ChunkKey], dsts: Sequence[memoryview]) -> list[GetResult]:
-        return self.inner.get_many(keys, dsts)
+    def get_many(self, keys: Sequence[ChunkKey], dsts: Sequence[memoryview],
+                 records: TenantRecords | None = None) -> list[GetResult]:
+        return self.inner.get_many(keys, dsts, records)
 
-    def put(self, key: ChunkKey, data: memoryview | bytes) -> PutResult:
-        return self.put_many([key], [data])[0]
+    def put(self, key: ChunkKey, data: memoryview | bytes, tenant: Writer | None = None) -> PutResult:
+        return self.put_many([key], [data], [tenant])[0]
 
-    def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> list[PutResult]:
-        return self.inner.put_many(keys, datas)
+    def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes],
+                 tenants: Sequence[Writer | None] | None = None) -> list[PutResult]:
+        return self.inner.put_many(keys, datas, tenants)
 
     def delete(self, key: ChunkKey) -> bool:
         return self.delete_many([key])[0]
@@ -207,7 +210,8 @@ class FaultyTier(TierWrapper):
             out.append(False if rule is not None and rule.kind == "error" else self.inner.contains(key))
         return out
 
-    def get_many(self, keys: Sequence[ChunkKey], dsts: Sequence[memoryview]) -> list[GetResult]:
+    def get_many(self, keys: Sequence[ChunkKey], dsts: Sequence[memoryview],
+                 records: TenantRecords | None = None) -> list[GetResult]:
         out = []
         for key, dst in zip(keys, dsts, strict=True):
             rule = self._fault("get", key)
@@ -222,12 +226,13 @@ class FaultyTier(TierWrapper):
                     self._own_corrupt += 1
                 out.append(GetResult.CORRUPT)
             else:
-                out.append(self.inner.get_into(key, dst))
+                out.append(self.inner.get_into(key, dst, records))
         return out
 
-    def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes]) -> list[PutResult]:
+    def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes],
+                 tenants: Sequence[Writer | None] | None = None) -> list[PutResult]:
         out = []
-        for key, data in zip(keys, datas, strict=True):
+        for key, data, tenant in zip(keys, datas, writers(tenants, len(keys)), strict=True):
             rule = self._fault("put", key)
             kind = rule.kind if rule is not None else None
             if rule is not None and kind == "delay":
@@ -238,9 +243,9 @@ class FaultyTier(TierWrapper):
                 out.append(PutResult.FAILED)
             elif kind == "truncate":
                 view = memoryview(data).cast("B")
-                out.append(self.inner.put(key, view[:view.nbytes // 2]))
+                out.append(self.inner.put(key, view[:view.nbytes // 2], tenant))
             else:
-                out.append(self.inner.put(key, data))
+                out.append(self.inner.put(key, data, tenant))
         return out
 
     def delete_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
