@@ -45,7 +45,7 @@ EXT_HITS = "vllm:external_prefix_cache_hits_total"
 @dataclass
 class Engine:
     llm: Any
-    worker: Any  # the worker-side connector state (kvtier.integrations.vllm.worker.WorkerSide)
+    worker: Any  # the worker-side connector state (kvtier.integrations.vllm.worker.side.WorkerSide)
     disk: Path
 
     @property
@@ -79,7 +79,7 @@ class Engine:
 
     @property
     def scheduler_side(self) -> Any:
-        """The scheduler-side connector state (kvtier.integrations.vllm.scheduler.SchedulerSide)."""
+        """The scheduler-side connector state (kvtier.integrations.vllm.scheduler.side.SchedulerSide)."""
         return self.llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_side
 
     def loaded(self, before: dict[str, float], after: dict[str, float]) -> float:
@@ -99,7 +99,7 @@ def load_path(engine: Engine, path: str) -> Iterator[list[tuple[int | None, bool
     ``"async"`` (budget 0); yields the scheduler's answers to ``get_num_new_matched_tokens`` that
     offered a hit, ``(tokens, asynchronous)``, so a test can tell which path its request took."""
     side = engine.scheduler_side
-    budget, real = side.sync_budget_bytes, side.get_num_new_matched_tokens
+    budget, real = side.sync.step_bytes, side.get_num_new_matched_tokens
     answers: list[tuple[int | None, bool]] = []
 
     def recorded(request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -108,12 +108,12 @@ def load_path(engine: Engine, path: str) -> Iterator[list[tuple[int | None, bool
             answers.append(answer)
         return answer
 
-    side.sync_budget_bytes = budget if path == "sync" else 0
+    side.sync.step_bytes = budget if path == "sync" else 0
     side.get_num_new_matched_tokens = recorded
     try:
         yield answers
     finally:
-        side.sync_budget_bytes = budget
+        side.sync.step_bytes = budget
         del side.get_num_new_matched_tokens
 
 
