@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from kvtier.core.config import KVTierConfig
 from kvtier.core.store import TieredStore
 from kvtier.doctor import allocation, diagnose, measure, parse_metrics
-from kvtier.integrations.vllm.remote import RemoteLookups
+from kvtier.integrations.vllm.scheduler.remote import RemoteLookups
 from kvtier.integrations.vllm.stats import KVTierPromMetrics, KVTierStats, store_counters, store_gauges
 from tests.core.helpers import CHUNK_BYTES, CHUNK_TOKENS, NS, chain_of, payload
 
@@ -53,11 +53,12 @@ class Server:
         self.store.flush(10)
 
     def ask(self, req_id: str, chain) -> int:
+        """Chunks of ``chain`` the shared tier holds, asked as the scheduler asks (``poll_pages``, once a step)."""
         end = time.monotonic() + 10
-        while (found := self.lookups.poll(req_id, chain, 0)) is None:
+        while (found := self.lookups.poll_pages(req_id, chain)) is None:
             assert time.monotonic() < end
             time.sleep(0.01)
-        return found
+        return len(found)
 
     def metrics(self) -> str:
         """A step's stats, as the worker and the scheduler report them, then the scrape's shared-tier lines."""

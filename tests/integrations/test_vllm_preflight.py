@@ -210,8 +210,8 @@ def test_shared_tier_password_and_secret_are_read_as_the_tier_reads_them(tmp_pat
 def test_chunk_tokens_against_every_block_size_the_cpu_backend_may_choose():
     """Without the model the CPU block size is 128 or --block-size, 16 (MLA), 256 (DeepSeek-V4), or a
     multiple for hybrid models: only a chunk_tokens no such size divides is refused (breaker F14)."""
+    from kvtier.integrations.vllm.engine_config import cpu_block_divisor
     from kvtier.integrations.vllm.plugin import _block_divisor
-    from kvtier.integrations.vllm.preflight import cpu_block_divisor
 
     assert cpu_block_divisor(None) == 16 and cpu_block_divisor(64) == 16 and cpu_block_divisor(8) == 8
     refused = errors(transfer(extra={"chunk_tokens": 100}), block_divisor=16)

@@ -7,8 +7,8 @@ the namespace "directories" under the prefix (one delimited LIST); :meth:`S3Blob
 asked for (one LIST page per 1,000 objects) and keeps the objects whose name parses as above, with
 their sizes and ``Last-Modified`` from the LIST.  A bucket may hold other programs' objects, so a
 value's header is always read before it is removed (:attr:`S3Blobs.verifies_values`): a ranged GET
-of its first 112 bytes, read by :func:`~kvtier.core.tiers.sharedvalue.peek` (the one place this
-module reads a value's header); only an object whose header names the same namespace and chunk key
+of its first 128 bytes (the envelope's header, :data:`~kvtier.core.envelope.FIXED_BYTES`), read by
+:func:`~kvtier.core.tiers.sharedvalue.peek` (the one place this module reads a value's header); only an object whose header names the same namespace and chunk key
 as its name is a kvtier value and may be removed, any other is kept and named as a problem.  The
 tenant record is inside those bytes: ``--salt``/``--lora`` cost no request more than a namespace
 purge (the record is in the object, not in its user metadata: metadata would need a ``HEAD`` per

@@ -33,12 +33,8 @@ import sys
 from typing import Any
 
 from kvtier.core.errors import ConfigError
-from kvtier.integrations.vllm.preflight import (
-    check_transfer_config,
-    cpu_block_divisor,
-    probe_shared_tiers,
-    uses_kvtier,
-)
+from kvtier.integrations.vllm.engine_config import cpu_block_divisor
+from kvtier.integrations.vllm.preflight import check_transfer_config, probe_shared_tiers, uses_kvtier
 
 _MARK = "_kvtier_preflight_installed"
 
