@@ -151,7 +151,7 @@ TIER_NAME_ALLOWED = {
                                        "name the tier each measures")),
     "src/kvtier/bench/redisbench.py": ({"redis"}, "bench-store's redis report row (user-facing output)"),
     "src/kvtier/bench/s3bench.py": ({"s3"}, "bench-store's s3 report row (user-facing output)"),
-    "src/kvtier/cli/bench.py": ({"redis", "s3"}, "directory names of the bench's own redis-server and S3 server"),
+    "src/kvtier/cli/bench_compare.py": ({"redis", "s3"}, "directory names of the bench's own redis-server and S3 server"),
     "src/kvtier/bench/shared_s3.py": ({"s3"}, "rclone's subcommand `rclone serve s3`, not a tier"),
     "src/kvtier/simulate/recommend.py": ({"cpu", "disk"}, "the simulator's hardware model"),
     "src/kvtier/simulate/report.py": ({"cpu", "disk"}, "the simulator's hardware model (report keys)"),

@@ -158,12 +158,13 @@ def test_mirror_refuses_ranks_that_disagree_on_the_key_root() -> None:
 
 def test_identity_fingerprint_follows_weights_tokenizer_and_config(tmp_path: Path) -> None:
     from kvtier.integrations.vllm.worker.identity import model_fingerprint
-    from kvtier.launch.testmodel import GEOMETRIES, _write_weights, write_model
+    from kvtier.launch.testmodel import GEOMETRIES, write_model
+    from kvtier.launch.testmodel_weights import write_weights
 
     model = write_model(tmp_path / "m", "tiny", weights="random", seed=0)
     base = model_fingerprint(str(model))
     assert base == model_fingerprint(str(model))  # deterministic
-    _write_weights(model, GEOMETRIES["tiny"], seed=1)  # same names, shapes, size; other values
+    write_weights(model, GEOMETRIES["tiny"], seed=1)  # same names, shapes, size; other values
     reseeded = model_fingerprint(str(model))
     assert reseeded != base
     tok = model / "tokenizer.json"
