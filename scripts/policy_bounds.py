@@ -325,7 +325,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=4000)
     parser.add_argument("--set", action="append", default=[], help="regime parameter NAME=VALUE")
     parser.add_argument("--bundled", action="store_true", help="the bundled Mooncake trace (40 GiB engine tier)")
-    parser.add_argument("--pct", type=float, required=True, help="cpu capacity, % of distinct chunks")
+    parser.add_argument("--pct", type=float, required=True, help="cpu capacity, %% of distinct chunks")
     parser.add_argument("--skip", default="", help="references to skip, comma-separated")
     args = parser.parse_args()
     probability: dict[Any, float] = {}
