@@ -47,9 +47,9 @@ def probe_redis(config: KVTierConfig, deadline_s: float = PROBE_DEADLINE_S) -> P
 
     Raises:
         ConfigError: ``config`` has no ``redis_url``, redis-py is not installed, or the password
-            cannot be read (the pre-flight reports those itself, as errors).
+            or the TLS CA file cannot be read (the pre-flight reports those itself, as errors).
     """
-    from kvtier.core.tiers.redisclient import make_client, redis_password
+    from kvtier.core.tiers.redisclient import make_client, redis_password, tls_ca_file
     from kvtier.core.tiers.redissettings import redis_settings
 
     settings = redis_settings(config)
@@ -60,6 +60,7 @@ def probe_redis(config: KVTierConfig, deadline_s: float = PROBE_DEADLINE_S) -> P
     except ImportError:
         raise ConfigError("the redis tier needs redis-py; install it (pip install redis) or unset redis_url") from None
     redis_password(settings)  # an unreadable password file is the config's error, raised here, not a probe state
+    tls_ca_file(settings)  # so is an unreadable TLS CA file (it read as "unreachable")
     url = redact_url(settings.redis_url)
     capped = settings.model_copy(update={
         "redis_connect_timeout_s": min(settings.redis_connect_timeout_s, deadline_s),
