@@ -3,8 +3,8 @@ of at most one key under the tier's prefix, within a short deadline, never a wri
 
 ``kvtier check`` and the serve-line pre-flight run it (:mod:`kvtier.core.tiers.probe`): a
 ``200`` is ``reachable``; a ``403`` is ``auth failed`` (fix the credentials:
-``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY`` or ``s3_credentials_file``); a missing bucket, a
-closed port or no answer in time is ``unreachable``.  Reachability is judged first
+``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY`` or ``s3_credentials_file``); a ``404`` for the
+bucket (``NoSuchBucket``) is ``no bucket``; a closed port or no answer in time is ``unreachable``.  Reachability is judged first
 (:func:`~kvtier.core.tiers.s3client.describe_failure`): without credentials obstore asks the
 instance metadata endpoint before the server, so that error alone would blame the credentials of
 an endpoint that is not even up; a TCP connect to the endpoint tells the two apart.
@@ -59,7 +59,7 @@ def _list_one(store: Any, settings: S3Settings, address: str, start: float, dead
     except Exception as exc:  # noqa: BLE001 - any failure: said as unreachable, no bucket or auth failed
         left = deadline_s - (time.monotonic() - start)
         state, detail = describe_failure(exc, settings, left)
-        return _result("auth failed" if state == "auth failed" else "unreachable", address, detail,
+        return _result(state if state in ("auth failed", "no bucket") else "unreachable", address, detail,
                        time.monotonic() - start)
     elapsed = time.monotonic() - start
     return _result("reachable", address, f"LIST answered in {elapsed * 1000:.1f} ms", elapsed)
