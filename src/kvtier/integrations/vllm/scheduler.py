@@ -67,6 +67,7 @@ from kvtier.integrations.vllm.events import EventGroup, KVEventTracker, events_e
 from kvtier.integrations.vllm.group_jobs import GroupJobs, handoffs_of
 from kvtier.integrations.vllm.groups import GroupKind, engine_plan, resolved_config
 from kvtier.integrations.vllm.mirror import IndexMirror
+from kvtier.integrations.vllm.process_exit import skip_exit_collection
 from kvtier.integrations.vllm.protocol import (
     KVTierMetadata,
     KVTierWorkerMeta,
@@ -519,6 +520,7 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         """Stop the shared-tier lookups and write the KV-event journal (idempotent)."""
+        skip_exit_collection()  # the engine core exits without a slow final GC: process_exit
         if self.remote is not None:
             self.remote.close()
         if self.events is not None and self.events.journal_loaded:

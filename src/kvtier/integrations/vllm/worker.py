@@ -48,6 +48,7 @@ from kvtier.integrations.vllm.groups import GroupKind, engine_plan, resolved_con
 from kvtier.integrations.vllm.identity import effective_config_digest, model_fingerprint
 from kvtier.integrations.vllm.layout import KVLayout, detect_group_layouts, detect_layout
 from kvtier.integrations.vllm.loader import AsyncLoader
+from kvtier.integrations.vllm.process_exit import skip_exit_collection
 from kvtier.integrations.vllm.protocol import (
     KVTierMetadata,
     KVTierWorkerMeta,
@@ -432,3 +433,4 @@ class WorkerSide:
         if time.monotonic() - t1 > 1.0:  # vLLM sends SIGTERM after VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5)
             log.warning("kvtier: rank %d store close (queued writes, tier threads) took %.1f s",
                         self.tp_rank, time.monotonic() - t1)
+        skip_exit_collection()  # the worker process exits within a second of the flush: process_exit
