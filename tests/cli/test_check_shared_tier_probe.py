@@ -153,7 +153,7 @@ def test_a_missing_tls_ca_file_is_named_by_check_not_read_as_a_network_error(tmp
     run = check(json.dumps(transfer({"redis_url": url, "redis_tls_ca_file": str(missing)})))
     assert run.returncode != 0, run.stdout + run.stderr
     found = lines_about(run.stdout, "kv_connector_extra_config.redis_tls_ca_file")
-    assert found == [f"error: kv_connector_extra_config.redis_tls_ca_file: cannot read redis_tls_ca_file "
-                     f"{str(missing)!r} (No such file or directory); point it at the PEM file of the CA that signed "
-                     "the Redis server's certificate"], run.stdout
+    assert found == [(f"error: kv_connector_extra_config.redis_tls_ca_file: cannot read redis_tls_ca_file "
+                      f"{str(missing)!r} (No such file or directory); point it at the PEM file of the CA that "
+                      "signed the Redis server's certificate")], run.stdout
     assert "unreachable" not in run.stdout
