@@ -71,6 +71,14 @@ def test_disk_path_that_is_a_file(tmp_path):
     assert len(found) == 1 and "is a file, not a directory" in found[0]
 
 
+def test_disk_path_under_a_file_says_so(tmp_path):
+    """``/etc/hostname/kv`` read "not writable"; the problem is the file it lies under."""
+    (tmp_path / "f").write_text("x")
+    found = errors(transfer(extra={"disk_path": str(tmp_path / "f" / "kv"), "disk_gib": 0.01}))
+    assert len(found) == 1 and f"lies under {str(tmp_path / 'f')!r}, which is a file" in found[0]
+    assert "not writable" not in found[0]
+
+
 def test_chunk_tokens_against_the_block_size():
     cfg = transfer(extra={"chunk_tokens": 100})
     assert errors(cfg) == []  # block size unknown: a --block-size 4 server takes it, so only a warning

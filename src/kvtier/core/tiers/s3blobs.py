@@ -23,7 +23,8 @@ Every request is bounded by ``s3_timeout_s`` (and ``s3_connect_timeout_s``), wit
 ``s3_max_retries`` retries; a failure is a :class:`~kvtier.core.tiers.blobs.StorageFailed` naming
 the endpoint and bucket, an unreachable server said as such before any credential is blamed.  The
 probe LISTs at most one key under the prefix (never a write): a ``200`` is ``reachable``, a ``403``
-``auth failed``, a missing bucket, a closed port or no answer in time ``unreachable``
+``auth failed``, a ``404`` for the bucket (``NoSuchBucket``) ``no bucket``, a closed port or no answer
+in time ``unreachable``
 (:func:`~kvtier.core.tiers.s3client.describe_failure`).
 """
 
@@ -200,7 +201,9 @@ class S3Blobs:
 
     def failure(self, exc: BaseException, left_s: float) -> tuple[ProbeState, str]:
         state, detail = describe_failure(exc, self.settings, left_s)
-        return ("auth failed" if state == "auth failed" else "unreachable"), detail
+        if state == "auth failed":
+            return "auth failed", detail
+        return ("no bucket" if state == "no bucket" else "unreachable"), detail
 
     def close(self) -> None:
         """Nothing to release (obstore's store closes with its last reference)."""

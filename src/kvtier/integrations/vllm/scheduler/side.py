@@ -12,6 +12,7 @@ from kvtier.core.errors import ConfigError
 from kvtier.core.tiers.factory import state_dir
 from kvtier.core.tiers.registry import top_tier
 from kvtier.integrations.vllm.cache_groups import GroupKind
+from kvtier.integrations.vllm.process_exit import skip_exit_collection
 from kvtier.integrations.vllm.protocol import (
     KVTierMetadata,
     KVTierWorkerMeta,
@@ -337,6 +338,7 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         """Stop the shared-tier lookups and write the KV-event journal (idempotent)."""
+        skip_exit_collection()  # the engine core exits without a slow final GC: process_exit
         if self.remote is not None:
             self.remote.close()
         if self.events is not None and self.events.journal_loaded:

@@ -13,6 +13,7 @@ from kvtier.core.config import KVTierConfig
 from kvtier.core.stats import StoreStats
 from kvtier.core.store import TieredStore
 from kvtier.integrations.vllm.cache_groups import GroupKind, groups_from_kv_cache_config
+from kvtier.integrations.vllm.process_exit import skip_exit_collection
 from kvtier.integrations.vllm.protocol import KVTierMetadata, KVTierWorkerMeta, RankReport, ResetOrder
 from kvtier.integrations.vllm.stats import KVTierStats, store_counters, store_gauges
 from kvtier.integrations.vllm.worker.copy import GroupCopiers
@@ -197,3 +198,4 @@ class WorkerSide:
         if time.monotonic() - t1 > 1.0:  # vLLM sends SIGTERM after VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5)
             log.warning("kvtier: rank %d store close (queued writes, tier threads) took %.1f s",
                         self.tp_rank, time.monotonic() - t1)
+        skip_exit_collection()  # the worker process exits within a second of the flush: process_exit
