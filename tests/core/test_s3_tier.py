@@ -108,14 +108,16 @@ def test_a_reader_racing_a_writer_gets_a_miss_or_the_exact_bytes(s3_server, buck
 
 
 def test_expired_objects_are_misses_and_the_sweep_deletes_them(s3_server, bucket, creds):
-    tier = make_s3_tier(s3_server, bucket, NS, creds, s3_ttl_s=1, s3_sweep_interval_s=3600)
+    # a TTL of 3 s, not 1: with Last-Modified's one-second resolution a put that took a second on a
+    # loaded machine left a 1 s object expired before the first lookup (seen once under load 10)
+    tier = make_s3_tier(s3_server, bucket, NS, creds, s3_ttl_s=3, s3_sweep_interval_s=3600)
     try:
         inner = unwrap(tier)
         assert isinstance(inner, s3_tier.S3Tier)
         assert tier.put(key(1), data(1)) is PutResult.STORED
         assert tier.contains(key(1))
         # Last-Modified has one-second resolution: wait until the object is past the TTL
-        assert wait_until(lambda: not tier.contains(key(1)), timeout_s=10, interval_s=0.2)
+        assert wait_until(lambda: not tier.contains(key(1)), timeout_s=15, interval_s=0.2)
         assert objects(s3_server, bucket) == [inner.object_key(key(1))]  # a lookup only hides it
         assert tier.get_into(key(1), memoryview(bytearray(CHUNK))) is GetResult.MISS
         assert objects(s3_server, bucket) == []  # the read that found it expired deleted it
