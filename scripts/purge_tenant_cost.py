@@ -111,8 +111,8 @@ def main() -> None:
     from tests.redis_servers import RedisServer
     from tests.s3_servers import S3Server
 
-    from kvtier.core.tiers import redis as redis_tier
-    from kvtier.core.tiers import s3 as s3_tier
+    from kvtier.core.tiers.redis import tier as redis_tier
+    from kvtier.core.tiers.s3 import tier as s3_tier
 
     deadlines = {"shared_deadline_s": 30.0, "shared_transfer_deadline_s": 30.0}
     with tempfile.TemporaryDirectory(prefix="kvtier-purge-cost-") as tmp:

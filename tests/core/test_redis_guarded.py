@@ -12,8 +12,8 @@ from prometheus_client import CollectorRegistry
 from kvtier.core.config import KVTierConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers import GetResult, PutResult, TierContext
-from kvtier.core.tiers import redis as redis_tier
 from kvtier.core.tiers.guarded import GuardedTier
+from kvtier.core.tiers.redis import tier as redis_tier
 from kvtier.core.tiers.wrappers import unwrap
 
 from ..redis_servers import wait_until

@@ -17,7 +17,7 @@ from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.purge import reset_outside
 from kvtier.core.tiers import GetResult, PutResult, TierContext, factory
-from kvtier.core.tiers import s3 as s3_tier
+from kvtier.core.tiers.s3 import tier as s3_tier
 from kvtier.core.tiers.sharedvalue import HEADER_BYTES
 from kvtier.core.tiers.wrappers import unwrap
 

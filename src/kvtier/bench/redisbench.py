@@ -29,9 +29,9 @@ from kvtier.bench.storebench import MiB, StoreBenchResult, _chunks, _rate, _time
 from kvtier.core.config import KVTierConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers import GetResult, PutResult, TierContext
-from kvtier.core.tiers import redis as redis_tier
-from kvtier.core.tiers.redisclient import make_client
-from kvtier.core.tiers.redissettings import redis_settings
+from kvtier.core.tiers.redis import tier as redis_tier
+from kvtier.core.tiers.redis.client import make_client
+from kvtier.core.tiers.redis.settings import redis_settings
 
 
 def bench_redis(url: str, chunk_mib: float, total_mib: float, repeats: int, cluster: bool = False,

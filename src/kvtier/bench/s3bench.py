@@ -32,9 +32,9 @@ from kvtier.bench.storebench import MiB, StoreBenchResult, _chunks, _rate, _time
 from kvtier.core.config import KVTierConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers import GetResult, PutResult, TierContext
-from kvtier.core.tiers import s3 as s3_tier
-from kvtier.core.tiers.s3client import make_store
-from kvtier.core.tiers.s3settings import s3_settings
+from kvtier.core.tiers.s3 import tier as s3_tier
+from kvtier.core.tiers.s3.client import make_store
+from kvtier.core.tiers.s3.settings import s3_settings
 from kvtier.core.tiers.wrappers import unwrap
 
 

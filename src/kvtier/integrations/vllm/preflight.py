@@ -47,7 +47,7 @@ from kvtier.core.config import GiB, KVTierConfig, did_you_mean
 from kvtier.core.errors import ConfigError
 from kvtier.core.sizing import available_memory
 from kvtier.core.tiers import factory, registry
-from kvtier.core.tiers.diskcheck import mount_of
+from kvtier.core.tiers.disk.check import mount_of
 from kvtier.core.tiers.probe import PROBE_DEADLINE_S, ProbeResult
 from kvtier.integrations.vllm.groups import AUTO_MIN_CHUNK_TOKENS
 

@@ -63,7 +63,7 @@ MAX_INDEX_CHANGES = 4096  # index changes per rank per step sent to the schedule
 ENGINE_RESCAN_S = 2.0
 """``disk_rescan_s`` of an engine that leaves it unset: it learns of the chunk files other engines
 sharing its disk directory wrote or removed this often (the disk tier's lookups never touch the
-filesystem, :meth:`~kvtier.core.tiers.disk.DiskTier.contains`)."""
+filesystem, :meth:`~kvtier.core.tiers.disk.tier.DiskTier.contains`)."""
 
 
 def role_config(config: KVTierConfig, kv_role: str | None) -> KVTierConfig:

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from kvtier.core.tiers.chunkio import ALIGN, O_DIRECT, _pwrite_all, aligned_buffer
+from kvtier.core.tiers.disk.chunkio import ALIGN, O_DIRECT, _pwrite_all, aligned_buffer
 
 
 def direct_supported(directory: str | os.PathLike[str]) -> bool:

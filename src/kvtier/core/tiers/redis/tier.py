@@ -13,11 +13,11 @@
   splits it per node), so a step costs one round trip per server, not one per chunk
   (LMCache#1639).  On a standalone server ``put_many`` sends every ``SET`` back to back with
   each value as (header, payload) pieces, never joined, and ``get_many`` receives values
-  straight into reused buffers (:mod:`kvtier.core.tiers.redisstream`).
+  straight into reused buffers (:mod:`kvtier.core.tiers.redis.stream`).
 - **Deadlines, breaker, metrics**: the factory wraps this tier in
   :class:`~kvtier.core.tiers.guarded.GuardedTier` (``shared_deadline_s`` for lookups and
   deletes, ``shared_transfer_deadline_s`` for reads and writes, ``redis_breaker_*``, a clear
-  under :data:`~kvtier.core.tiers.redisclear.CLEAR_DEADLINE_S`).  This class only talks to the
+  under :data:`~kvtier.core.tiers.redis.clear.CLEAR_DEADLINE_S`).  This class only talks to the
   server and raises on a fault.  Sockets carry connect and read/write timeouts, and redis-py's
   own retries are off: the breaker decides when to try again.  An error *reply* (``-OOM`` from a
   full server under Redis's default ``maxmemory-policy noeviction``, ``-READONLY`` from a
@@ -31,7 +31,7 @@
   sends the payloads straight from the caller's buffers while the caller's thread takes the
   digests; a write given up at the deadline is abandoned before its next chunk, and a payload
   changed after its digest was taken fails verification on read (a miss, never served).
-- **Secrets** (:mod:`kvtier.core.tiers.redisclient`): the password comes from the URL, an environment variable or a file; no log line
+- **Secrets** (:mod:`kvtier.core.tiers.redis.client`): the password comes from the URL, an environment variable or a file; no log line
   or metric shows it (URLs are redacted).
 
 Thread-safe.  Numbers: :meth:`RedisTier.wire_stats` (bytes, seconds, corrupt values; the wrapper
@@ -53,14 +53,14 @@ from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.stats import WireCounters, WireStats
 from kvtier.core.tenant import TenantRecords, Writer
-from kvtier.core.tiers import redisstream
 from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, TierUsage, writers
 from kvtier.core.tiers.breaker import CircuitBreaker
 from kvtier.core.tiers.buffers import BufferPool
 from kvtier.core.tiers.guarded import GuardedTier, PutStream, WriteAbandoned, split_get
-from kvtier.core.tiers.redisclear import CLEAR_DEADLINE_S, clear_namespace
-from kvtier.core.tiers.redisclient import LazyClusterClient, make_client
-from kvtier.core.tiers.redissettings import redis_settings
+from kvtier.core.tiers.redis import stream as redisstream
+from kvtier.core.tiers.redis.clear import CLEAR_DEADLINE_S, clear_namespace
+from kvtier.core.tiers.redis.client import LazyClusterClient, make_client
+from kvtier.core.tiers.redis.settings import redis_settings
 from kvtier.core.tiers.sharedvalue import HEADER_BYTES, ValueCodec, keyspace, shared_secret, verify_into
 
 if TYPE_CHECKING:
@@ -194,7 +194,7 @@ class RedisTier(Tier):
         :class:`~kvtier.core.tiers.guarded.PutStream`.
 
         Standalone: all commands back to back on one connection, each value sent as (header,
-        payload) straight from ``datas`` (:mod:`~kvtier.core.tiers.redisstream`), headers digested
+        payload) straight from ``datas`` (:mod:`~kvtier.core.tiers.redis.stream`), headers digested
         by ``produce`` while the earlier chunks are on the wire.  Cluster: redis-py's pipeline in
         batches of about ``BATCH_BYTES`` of joined values, ``produce`` encoding the next batch
         while the previous one is on the wire (at most two encoded batches held).
@@ -321,7 +321,7 @@ class RedisTier(Tier):
 
     def clear(self) -> ClearResult:
         """Delete every key of this tier's namespace on the server, never another namespace's
-        (:func:`kvtier.core.tiers.redisclear.clear_namespace`); the wrapper bounds it."""
+        (:func:`kvtier.core.tiers.redis.clear.clear_namespace`); the wrapper bounds it."""
         with self._lock:
             self._written.clear()
             self._used = 0
@@ -379,7 +379,7 @@ def _response_errors() -> type[Exception]:
 def check(config: KVTierConfig) -> list[tuple[str, str]]:
     """The password and shared secret, read as start-up reads them (files, the environment
     variable): ``(config key, message)`` per one that start-up would refuse."""
-    from kvtier.core.tiers.redisclient import redis_password
+    from kvtier.core.tiers.redis.client import redis_password
 
     problems = []
     settings = redis_settings(config)

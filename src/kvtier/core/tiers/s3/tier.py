@@ -18,7 +18,7 @@
 - **Writes never replace an object** (chunk bytes never change under their key).  With
   ``s3_conditional_put`` each ``PUT`` carries ``If-None-Match: *`` and a server that honours it
   answers ``412`` on an existing key: that chunk is ``PRESENT``, with no ``HEAD`` first.  The
-  first write asks the server whether it does (:mod:`kvtier.core.tiers.s3conditional`: ``rclone
+  first write asks the server whether it does (:mod:`kvtier.core.tiers.s3.conditional`: ``rclone
   serve s3`` does not); where it does not, or without ``s3_conditional_put`` (for a gateway that
   answers ``501``), a ``HEAD`` goes before each ``PUT``.  A ``412`` comes after the chunk's bytes
   were sent, where a ``HEAD`` costs one round trip: the saving holds while most chunks written
@@ -33,13 +33,13 @@
   deletes, ``shared_transfer_deadline_s`` for reads and writes, ``s3_breaker_*``).  This class
   raises on a fault; a ``403`` (``PermissionDeniedError``) is a refusal that fails the call but
   leaves the breaker closed, as a full Redis's ``-OOM`` does.
-- **Expiry and capacity** (:mod:`kvtier.core.tiers.s3space`): the bucket evicts nothing by
+- **Expiry and capacity** (:mod:`kvtier.core.tiers.s3.space`): the bucket evicts nothing by
   itself.  With ``s3_ttl_s`` an object older than the TTL (by its ``Last-Modified``) is a miss,
   and a background sweep deletes expired objects (a bucket lifecycle rule does the same at day
   granularity: docs/s3.md); with ``s3_capacity_gib`` the sweep re-counts the namespace and the
   oldest objects past the cap are deleted, each checked by a ``HEAD`` first.
 - **Requests**: every request runs on one asyncio loop on the tier's own thread, through
-  :class:`~kvtier.core.tiers.s3objects.S3Objects` (where object keys are built).
+  :class:`~kvtier.core.tiers.s3.objects.S3Objects` (where object keys are built).
 
 Thread-safe.  Numbers: :meth:`S3Tier.wire_stats` (bytes, seconds, corrupt values; the wrapper
 adds errors, skipped calls and the breaker).
@@ -63,11 +63,11 @@ from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, Tier
 from kvtier.core.tiers.breaker import CircuitBreaker
 from kvtier.core.tiers.buffers import BufferPool
 from kvtier.core.tiers.guarded import GuardedTier, PutStream, WriteAbandoned, split_get
-from kvtier.core.tiers.s3client import brief, http_refusal, make_store, read_credentials, where
-from kvtier.core.tiers.s3conditional import ConditionalPut
-from kvtier.core.tiers.s3objects import S3Objects
-from kvtier.core.tiers.s3settings import S3Settings, s3_settings
-from kvtier.core.tiers.s3space import S3Space
+from kvtier.core.tiers.s3.client import brief, http_refusal, make_store, read_credentials, where
+from kvtier.core.tiers.s3.conditional import ConditionalPut
+from kvtier.core.tiers.s3.objects import S3Objects
+from kvtier.core.tiers.s3.settings import S3Settings, s3_settings
+from kvtier.core.tiers.s3.space import S3Space
 from kvtier.core.tiers.sharedvalue import HEADER_BYTES, ValueCodec, keyspace, shared_secret, verify_into
 
 if TYPE_CHECKING:
@@ -86,7 +86,7 @@ class S3Tier(Tier):
     behind :class:`~kvtier.core.tiers.guarded.GuardedTier` (:func:`from_config` does).
 
     Args:
-        store: an obstore ``S3Store`` on the bucket (:func:`kvtier.core.tiers.s3client.make_store`).
+        store: an obstore ``S3Store`` on the bucket (:func:`kvtier.core.tiers.s3.client.make_store`).
         namespace: 16-byte namespace digest.
         secret: shared secret bytes (keyed MAC) or ``None``.
         key_prefix: prefix of every object key (empty or ending in ``/``).
@@ -132,7 +132,7 @@ class S3Tier(Tier):
 
     @property
     def conditional_honoured(self) -> bool | None:
-        """:attr:`ConditionalPut.honoured <kvtier.core.tiers.s3conditional.ConditionalPut.honoured>`
+        """:attr:`ConditionalPut.honoured <kvtier.core.tiers.s3.conditional.ConditionalPut.honoured>`
         (settable: the benches force a write path)."""
         return self.conditional.honoured
 
@@ -146,12 +146,12 @@ class S3Tier(Tier):
         return self.space.sweeps
 
     def sweep(self) -> None:
-        """One pass of :meth:`S3Space.sweep <kvtier.core.tiers.s3space.S3Space.sweep>` (expiry and
+        """One pass of :meth:`S3Space.sweep <kvtier.core.tiers.s3.space.S3Space.sweep>` (expiry and
         the cap; raises what it raises)."""
         self.space.sweep()
 
     def object_key(self, key: ChunkKey) -> str:
-        """The object key of a chunk (:meth:`S3Objects.key <kvtier.core.tiers.s3objects.S3Objects.key>`)."""
+        """The object key of a chunk (:meth:`S3Objects.key <kvtier.core.tiers.s3.objects.S3Objects.key>`)."""
         return self.objects.key(key)
 
     # ---- Tier contract ---------------------------------------------------------------------------
@@ -220,7 +220,7 @@ class S3Tier(Tier):
 
     def ask_conditional(self) -> bool:
         """Whether the server honours ``If-None-Match: *`` (asked once, then remembered:
-        :attr:`conditional_honoured`; :mod:`kvtier.core.tiers.s3conditional`); ``False`` without
+        :attr:`conditional_honoured`; :mod:`kvtier.core.tiers.s3.conditional`); ``False`` without
         ``s3_conditional_put``.
 
         Raises:
@@ -350,7 +350,7 @@ class S3Tier(Tier):
     def clear(self) -> ClearResult:
         """Delete every object of this tier's namespace (and key space) in the bucket, never
         another's; ``ok`` is ``False`` if the server did not list and delete them within
-        :data:`~kvtier.core.tiers.s3space.CLEAR_DEADLINE_S`."""
+        :data:`~kvtier.core.tiers.s3.space.CLEAR_DEADLINE_S`."""
         try:
             found = self.space.clear()
         except Exception as exc:  # noqa: BLE001 - any fault: the reset reports it, never raises

@@ -4,17 +4,17 @@
   renamed into place (``os.replace`` is atomic on POSIX), so a reader never sees a half-written
   chunk under its final name; with ``fsync=True`` it is also durable across power loss.
 - **Verified reads**: every file is a value envelope (:mod:`kvtier.core.envelope`, header padded
-  to 4096 bytes: :mod:`kvtier.core.tiers.chunkfile`) whose XXH3-128 covers its header and
+  to 4096 bytes: :mod:`kvtier.core.tiers.disk.chunkfile`) whose XXH3-128 covers its header and
   payload; files of the release before (chunk file version 2) are still read.  A torn, truncated,
   foreign-namespace, older-format or corrupt file is a miss: it is counted in ``corrupt``,
   logged, and removed.  The checksum is computed while the bytes move, not after
-  (:mod:`kvtier.core.tiers.chunkio`).
+  (:mod:`kvtier.core.tiers.disk.chunkio`).
 - **Buffered or O_DIRECT** I/O (``io``), and ``io_threads`` chunks at once in ``get_many`` /
   ``put_many``.
 - **Restart recovery**: the index (key → file size) is rebuilt by scanning the namespace
   directory at start, so a restarted engine still hits.  Temporary files a crashed writer left
   are removed at once (every writer holds a lock the kernel drops when it dies,
-  :class:`~kvtier.core.tiers.diskscan.WriterLock`), so a restart right after a SIGKILL
+  :class:`~kvtier.core.tiers.disk.scan.WriterLock`), so a restart right after a SIGKILL
   mid-write counts nothing twice and leaves nothing uncounted.
 - **Shared directory**: several processes may point at the same directory (two engines, or a
   prefill and a decode instance).  ``contains`` answers from this process's index only (no
@@ -22,7 +22,7 @@
   Files other processes wrote since start are taken in only by an explicit rescan: :meth:`scan`
   (header checked, no lock held) then :meth:`adopt` (the index changes; the store runs it under
   its own lock so that adopted chunks enter its eviction policy in the same step), looking only
-  into shard directories that changed (:mod:`kvtier.core.tiers.diskscan`); the store runs both
+  into shard directories that changed (:mod:`kvtier.core.tiers.disk.scan`); the store runs both
   every ``disk_rescan_s`` seconds.  Capacity is accounted over the files this process knows, so
   engines that rescan one directory bound it together by the smallest ``disk_gib`` among them.
 
@@ -50,11 +50,12 @@ from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tenant import TenantRecords, Writer, note_verified
 from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, TierUsage, writers
-from kvtier.core.tiers.chunkfile import HEADER_BYTES, ChunkFormatError, PayloadHasher
-from kvtier.core.tiers.chunkio import DEFAULT_SLICE_BYTES, ChunkIO, helper_threads
-from kvtier.core.tiers.diskcheck import disk_path_problem
-from kvtier.core.tiers.diskreset import remove_chunk_files, reset_marked, unmark_reset
-from kvtier.core.tiers.diskscan import (
+from kvtier.core.tiers.disk.check import disk_path_problem
+from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES, ChunkFormatError, PayloadHasher
+from kvtier.core.tiers.disk.chunkio import DEFAULT_SLICE_BYTES, ChunkIO, helper_threads
+from kvtier.core.tiers.disk.iomode import direct_supported, measure_direct
+from kvtier.core.tiers.disk.reset import remove_chunk_files, reset_marked, unmark_reset
+from kvtier.core.tiers.disk.scan import (
     SUFFIX,
     RescanResult,
     ShardWatch,
@@ -65,7 +66,6 @@ from kvtier.core.tiers.diskscan import (
     remove_if_dead,
     tmp_name,
 )
-from kvtier.core.tiers.iomode import direct_supported, measure_direct
 
 if TYPE_CHECKING:
     from kvtier.core.config import KVTierConfig
@@ -94,9 +94,9 @@ class DiskTier(Tier):
         fsync: fsync each file before renaming it into place.
         io: ``"buffered"`` (through the page cache), ``"direct"`` (``O_DIRECT``; buffered where
             the filesystem refuses it) or ``"auto"`` (chosen by measurement,
-            :func:`~kvtier.core.tiers.iomode.measure_direct`).  The mode in use is ``io_mode``.
+            :func:`~kvtier.core.tiers.disk.iomode.measure_direct`).  The mode in use is ``io_mode``.
         io_threads: chunks read or written at once by ``get_many``/``put_many``, and helper
-            threads that read ahead and hash (:class:`~kvtier.core.tiers.chunkio.ChunkIO`).
+            threads that read ahead and hash (:class:`~kvtier.core.tiers.disk.chunkio.ChunkIO`).
         slice_bytes: bytes per read slice (a multiple of 4096).
 
     Raises:
@@ -137,7 +137,7 @@ class DiskTier(Tier):
         self._tmp_shards: set[int] = set()  # shards holding a live writer's temporary file, listed every round
         self._watch = ShardWatch(self._root)
         self.generation = 0  # bumped when the directory vanished or was cleared, and the index was dropped
-        if reset_marked(self.dir):  # a reset was acknowledged and never applied (kvtier.core.tiers.diskreset)
+        if reset_marked(self.dir):  # a reset was acknowledged and never applied (kvtier.core.tiers.disk.reset)
             gone = remove_chunk_files(self.dir, len(namespace))
             log.info("kvtier disk tier: removed %d chunk files of %s that an acknowledged reset dropped%s",
                      len(gone.keys), self.dir, "" if gone.ok else f" ({gone.reason})")
@@ -333,7 +333,7 @@ class DiskTier(Tier):
         they removed; the index does not change (see :meth:`adopt`).
 
         Lists only the shard directories that changed since their last listing
-        (:class:`~kvtier.core.tiers.diskscan.ShardWatch`), and those that held a live writer's
+        (:class:`~kvtier.core.tiers.disk.scan.ShardWatch`), and those that held a live writer's
         temporary file last time.  A file not in the index has its header block read and checked
         (namespace, key, length against its size; at most ``max_new`` files per call, the rest on
         the next); one whose header fails is counted in ``corrupt`` and removed, as a failed read
@@ -499,7 +499,7 @@ class DiskTier(Tier):
 
     def clear(self) -> ClearResult:
         """Forget the index and remove every chunk file of the namespace, other processes' too
-        (:func:`~kvtier.core.tiers.diskreset.remove_chunk_files`), then the reset marker; the keys
+        (:func:`~kvtier.core.tiers.disk.reset.remove_chunk_files`), then the reset marker; the keys
         returned are the index's and the files'.  A scan
         running meanwhile adopts nothing (the generation changes).  A write in flight may land
         after: the store removes it (:mod:`kvtier.core.lower`)."""
@@ -556,7 +556,7 @@ def state_dir(config: KVTierConfig) -> Path | None:
 
 def check(config: KVTierConfig) -> list[tuple[str, str]]:
     """The directory ``disk_path`` checked for ``disk_gib`` as start-up checks it
-    (:func:`kvtier.core.tiers.diskcheck.disk_path_problem`: a file, a kernel filesystem, not
+    (:func:`kvtier.core.tiers.disk.check.disk_path_problem`: a file, a kernel filesystem, not
     writable, too little free space), creating it when it passes: ``(config key, sentence)``, or
     nothing."""
     if not configured(config):
