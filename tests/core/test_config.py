@@ -6,7 +6,7 @@ import pytest
 
 from kvtier.core.config import GiB, KVTierConfig
 from kvtier.core.errors import ConfigError
-from kvtier.core.tiers.disk import tier as disk
+from kvtier.core.tiers.disk import factory as disk
 from kvtier.core.tiers.redis.settings import redis_settings
 
 

@@ -560,7 +560,7 @@ def test_a_read_only_filesystem_fails_writes_with_one_throttled_line(small_files
 
 def test_a_config_on_a_filesystem_full_of_its_own_chunk_files_is_accepted(small_filesystem):
     from kvtier.core.config import KVTierConfig
-    from kvtier.core.tiers.disk import tier as disk
+    from kvtier.core.tiers.disk import factory as disk
 
     ours = small_filesystem / "kv"
     ours.mkdir()

@@ -35,7 +35,7 @@ class DiskPlugin(PluginDefaults):
     """The disk tier: chunk files under ``disk_path`` (:mod:`kvtier.core.tiers.disk.tier`)."""
 
     def build(self, ctx: TierContext) -> Tier | None:
-        from kvtier.core.tiers.disk.tier import from_config
+        from kvtier.core.tiers.disk.factory import from_config
 
         return from_config(ctx)
 
@@ -43,12 +43,12 @@ class DiskPlugin(PluginDefaults):
         return bool(config.disk_path) and config.disk_gib > 0
 
     def check(self, config: KVTierConfig) -> list[tuple[str, str]]:
-        from kvtier.core.tiers.disk.tier import check
+        from kvtier.core.tiers.disk.factory import check
 
         return check(config)
 
     def state_dir(self, config: KVTierConfig) -> Path | None:
-        from kvtier.core.tiers.disk.tier import state_dir
+        from kvtier.core.tiers.disk.factory import state_dir
 
         return state_dir(config)
 

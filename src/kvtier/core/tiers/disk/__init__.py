@@ -3,14 +3,18 @@ shared by the processes of one host and kept across restarts.
 
 Modules:
 
-- :mod:`~kvtier.core.tiers.disk.tier`: :class:`~kvtier.core.tiers.disk.tier.DiskTier`, its
-  factory, preflight check and state directory;
+- :mod:`~kvtier.core.tiers.disk.tier`: :class:`~kvtier.core.tiers.disk.tier.DiskTier` (index,
+  capacity, reads and writes, clear);
+- :mod:`~kvtier.core.tiers.disk.factory`: the tier from a configuration, its preflight check and
+  state directory;
+- :mod:`~kvtier.core.tiers.disk.rescan`: taking in files other processes wrote or removed;
+- :mod:`~kvtier.core.tiers.disk.files`: one chunk file read and verified, or written;
 - :mod:`~kvtier.core.tiers.disk.chunkfile`: the chunk file format (the value envelope with its
   header padded to a 4096-byte block);
 - :mod:`~kvtier.core.tiers.disk.chunkio`: verified chunk-file I/O, buffered or ``O_DIRECT``;
 - :mod:`~kvtier.core.tiers.disk.iomode`: whether ``O_DIRECT`` works here, the ``disk_io: auto`` rule;
 - :mod:`~kvtier.core.tiers.disk.readchoice`: serial or split buffered reads, whichever measures faster;
-- :mod:`~kvtier.core.tiers.disk.scan`: finding files other processes wrote or removed (rescan);
+- :mod:`~kvtier.core.tiers.disk.scan`: listing shards, header checks and writer locks for the rescan;
 - :mod:`~kvtier.core.tiers.disk.reset`: removing one namespace's files, and the reset marker;
 - :mod:`~kvtier.core.tiers.disk.check`: filesystem checks of ``disk_path``;
 - :mod:`~kvtier.core.tiers.disk.blobs`: the directory as a blob store (purge, reset, probe).

@@ -35,56 +35,32 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import stat
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
-
-import numpy as np
 
 from kvtier.core import envelope
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tenant import TenantRecords, Writer, note_verified
 from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, TierUsage, writers
-from kvtier.core.tiers.disk.check import disk_path_problem
-from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES, ChunkFormatError, PayloadHasher
+from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES, ChunkFormatError
 from kvtier.core.tiers.disk.chunkio import DEFAULT_SLICE_BYTES, ChunkIO, helper_threads
-from kvtier.core.tiers.disk.iomode import direct_supported, measure_direct
+from kvtier.core.tiers.disk.files import read_verified, write_file
+from kvtier.core.tiers.disk.iomode import IO_MODES, IOMode, resolve_io
+from kvtier.core.tiers.disk.rescan import STALE_TMP_S, Rescanning
 from kvtier.core.tiers.disk.reset import remove_chunk_files, reset_marked, unmark_reset
-from kvtier.core.tiers.disk.scan import (
-    SUFFIX,
-    RescanResult,
-    ShardWatch,
-    WriterLock,
-    chunk_names,
-    header_bytes,
-    indexed_files,
-    remove_if_dead,
-    tmp_name,
-)
-
-if TYPE_CHECKING:
-    from kvtier.core.config import KVTierConfig
-    from kvtier.core.tiers.factory import TierContext
+from kvtier.core.tiers.disk.scan import SUFFIX, ShardWatch, WriterLock, indexed_files, tmp_name
 
 log = logging.getLogger(__name__)
-IOMode = Literal["auto", "buffered", "direct"]
-IO_MODES: tuple[IOMode, ...] = ("auto", "buffered", "direct")
-RESCAN_MAX_NEW = 4096
-"""Header checks of new files per :meth:`DiskTier.rescan` round at most (the rest wait a round)."""
-STALE_TMP_S = 120.0
-"""A temporary file whose writer has no lock file (an older kvtier's) is a crash leftover once
-older than this (seconds); one of a writer whose lock is free is one at once."""
 WRITE_WARNING_INTERVAL_S = 10.0
 """At most one warning line per this many seconds about failed chunk writes (a full disk fails
 every write: one line per chunk was thousands per second); the redis tier's rule (``_fault``)."""
 
 
-class DiskTier(Tier):
+class DiskTier(Rescanning, Tier):
     """Chunk files in a directory, within ``capacity_bytes`` (headers included).
 
     Args:
@@ -120,7 +96,7 @@ class DiskTier(Tier):
         self.capacity_bytes = max(capacity_bytes, 0)
         self.fsync = fsync
         self.io_threads = max(io_threads, 1)
-        self.io_mode, self.io_reason = _resolve_io(io, self.dir)
+        self.io_mode, self.io_reason = resolve_io(io, self.dir)
         log.info("kvtier disk tier: %s I/O in %s (%s)", self.io_mode, self.dir, self.io_reason)
         self._io = ChunkIO(self.io_mode == "direct", slice_bytes, helper_threads(self.io_threads))
         self._workers: ThreadPoolExecutor | None = None
@@ -217,44 +193,9 @@ class DiskTier(Tier):
         return GetResult.HIT
 
     def _read_verified(self, key: ChunkKey, path: str, dst: memoryview, records: TenantRecords | None) -> None:
-        """Read ``key``'s payload into ``dst``; raises ChunkFormatError unless every check passes.
-        The file is an envelope (:mod:`kvtier.core.envelope`) or a legacy version-2 chunk file
-        (:mod:`kvtier.core.legacyformats`).  Then its tenant record goes into ``records``
+        """:func:`~kvtier.core.tiers.disk.files.read_verified`, then the file's tenant record into ``records``
         (:func:`kvtier.core.tenant.note_verified`: only one that passes its own check)."""
-        io = self._io
-        record: bytes | None = None
-        # O_NONBLOCK: a FIFO or device planted at a chunk's path must not hang the caller
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | io.open_flags)
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise ChunkFormatError("not a regular file")
-
-            def check(raw: memoryview, payload_bytes: int) -> tuple[bytes, envelope.Hasher]:
-                nonlocal record
-                header = envelope.decode_header(raw)
-                if header.header_bytes != HEADER_BYTES or header.format not in (envelope.FORMAT,
-                                                                                envelope.FORMAT_CHUNK_FILE):
-                    raise ChunkFormatError(f"not a chunk file ({header.format}, {header.header_bytes}-byte header)")
-                # another namespace or key, a layout or codec this kvtier does not read, or another
-                # chunk size (config, geometry): never a partial fill
-                self.envelope.check(header, key, out.nbytes)
-                if header.stored_bytes != payload_bytes:
-                    raise ChunkFormatError(f"payload is {payload_bytes} bytes on disk, header says {header.stored_bytes}")
-                if header.stored_bytes != header.original_bytes:
-                    raise ChunkFormatError(f"codec chain {list(header.codecs)} changes the payload's length; "
-                                           "the disk tier reads only length-preserving chains")
-                record = header.record
-                if header.format == envelope.FORMAT_CHUNK_FILE:
-                    return header.digest, PayloadHasher()
-                return header.digest, self.envelope.hasher(raw[:envelope.DIGEST_OFFSET])
-
-            out = memoryview(np.frombuffer(dst, dtype=np.uint8).data)
-            if not io.read_chunk(fd, out, st.st_size, check):
-                raise ChunkFormatError("payload checksum mismatch")
-        finally:
-            os.close(fd)
-        note_verified(records, self.namespace, key, record)
+        note_verified(records, self.namespace, key, read_verified(self._io, self.envelope, key, path, dst))
 
     def _fall_back(self, exc: OSError) -> bool:
         """Switch to buffered I/O when O_DIRECT is refused at run time (EINVAL); True if switched."""
@@ -295,11 +236,11 @@ class DiskTier(Tier):
         tmp = path.with_name(tmp_name(path.name, self._writer.writer_id, threading.get_ident()))
         try:
             try:
-                self._write_file(key, tmp, payload, tenant)
+                write_file(self._io, self.envelope, key, tmp, payload, tenant, self.fsync)
             except OSError as exc:
                 if not self._fall_back(exc):
                     raise
-                self._write_file(key, tmp, payload, tenant)
+                write_file(self._io, self.envelope, key, tmp, payload, tenant, self.fsync)
             os.replace(tmp, path)
         except OSError as exc:
             if os.path.lexists(tmp):  # not when the open failed (a read-only filesystem answers EROFS, not ENOENT)
@@ -323,121 +264,6 @@ class DiskTier(Tier):
         with self._lock:
             self._writing.discard(key)
         return PutResult.STORED
-
-    def rescan(self, max_new: int = RESCAN_MAX_NEW) -> RescanResult:
-        """:meth:`scan` then :meth:`adopt` (for a tier used without a store)."""
-        return self.adopt(self.scan(max_new))
-
-    def scan(self, max_new: int = RESCAN_MAX_NEW) -> RescanResult:
-        """Find chunk files other processes wrote since the index was built, and indexed ones
-        they removed; the index does not change (see :meth:`adopt`).
-
-        Lists only the shard directories that changed since their last listing
-        (:class:`~kvtier.core.tiers.disk.scan.ShardWatch`), and those that held a live writer's
-        temporary file last time.  A file not in the index has its header block read and checked
-        (namespace, key, length against its size; at most ``max_new`` files per call, the rest on
-        the next); one whose header fails is counted in ``corrupt`` and removed, as a failed read
-        is.  Temporary files of crashed writers are removed.  The payload checksum is checked
-        when the chunk is read, as always.  Thread-safe; the I/O runs outside every lock.
-
-        Returns:
-            the candidates (``found``, ``missing``) and what the scan itself did.
-        """
-        result = RescanResult(generation=self.generation)
-        budget = max(max_new, 0)
-        changed: list[tuple[int, str, int | None]] = list(self._watch.changed())
-        listed = {shard for shard, _path, _mtime in changed}  # and those holding a live writer's temporary file:
-        changed += [(shard, f"{self._root}{os.sep}{shard:02x}", None) for shard in sorted(self._tmp_shards - listed)]
-        if not changed:
-            return result
-        with self._lock:
-            self._removed = set()
-            by_shard: dict[int, set[ChunkKey]] = {shard: set() for shard, _path, _mtime in changed}
-            for key in self._key_to_size:  # one pass over the index (a key's shard is its first byte)
-                if key[0] in by_shard:
-                    by_shard[key[0]].add(key)
-        liveness: dict[str, bool | None] = {}
-        found: list[tuple[ChunkKey, int, float] | None] = []  # None: a file whose header failed
-        for shard, path, mtime in changed:
-            on_disk, tmps = chunk_names(path, shard, len(self.namespace))
-            result.shards_listed += 1
-            live_tmp = False
-            for tmp in tmps:
-                removed = remove_if_dead(self.dir, tmp, liveness, STALE_TMP_S)
-                result.dead_tmp_removed += removed
-                live_tmp = live_tmp or not removed
-            (self._tmp_shards.add if live_tmp else self._tmp_shards.discard)(shard)
-            indexed = by_shard[shard]
-            result.missing += [k for k in indexed - on_disk if not os.path.lexists(self._file(k))]
-            new = [k for k in on_disk - indexed if k not in self._bad]
-            complete = len(new) <= budget
-            for key in new[:budget]:
-                self._check_new(key, found)
-            budget -= min(len(new), budget)
-            if mtime is None:
-                continue
-            if complete:
-                self._watch.listed(shard, mtime)
-            else:
-                result.more = True
-        result.corrupt = sum(1 for item in found if item is None)
-        # oldest first, as at start-up, so the policy's order follows the files' ages
-        result.found = [(key, size) for key, size, _mtime in sorted((i for i in found if i), key=lambda i: i[2])]
-        return result
-
-    def adopt(self, result: RescanResult) -> RescanResult:
-        """Index the files :meth:`scan` found and forget the keys whose files it missed, unless
-        this process changed them since (wrote, removed or is writing them, or the directory was
-        recreated); fills ``result.adopted`` and ``result.gone``.  Thread-safe; no I/O."""
-        with self._lock:
-            removed, self._removed = self._removed or set(), None
-            if result.generation != self.generation:
-                result.found, result.missing = [], []
-                return result
-            for key, size in result.found:
-                if key in self._key_to_size or key in self._bad or key in removed:
-                    continue
-                self._key_to_size[key] = size
-                self._used += size
-                self._foreign += 1
-                result.adopted.append(key)
-            for key in result.missing:
-                if key in self._key_to_size and key not in self._writing and key not in removed:
-                    self._forget(key)
-                    result.gone.append(key)
-        return result
-
-    def _check_new(self, key: ChunkKey, found: list[tuple[ChunkKey, int, float] | None]) -> None:
-        """Append ``(key, bytes, mtime)`` of ``key``'s file to ``found`` if its header checks out;
-        quarantine it (and append ``None``) if not."""
-        path = self._file(key)
-        try:
-            size, mtime = header_bytes(path, self.namespace, key)
-        except FileNotFoundError:
-            return
-        except (ChunkFormatError, OSError) as exc:
-            self._quarantine(key, Path(path), str(exc))
-            found.append(None)
-            return
-        found.append((key, size, mtime))
-
-    def _write_file(self, key: ChunkKey, tmp: Path, payload: memoryview, writer: Writer | None) -> None:
-        io = self._io
-        env = self.envelope
-        fields = env.fields(key, payload.nbytes, payload.nbytes, env.record(writer))
-
-        def digest_of(body: memoryview) -> bytes:
-            h = env.hasher(fields)
-            h.update(body)
-            return h.digest()
-
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | io.open_flags, 0o644)
-        try:
-            io.write_chunk(fd, payload, lambda digest: env.finish(fields, digest), digest_of)
-            if self.fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
 
     def get_many(self, keys: Sequence[ChunkKey], dsts: Sequence[memoryview],
                  records: TenantRecords | None = None) -> list[GetResult]:
@@ -540,74 +366,6 @@ class DiskTier(Tier):
             assert self._used == sum(self._key_to_size.values()), "disk tier used bytes drifted from its index"
             assert self._foreign or self._used <= self.capacity_bytes, \
                 f"disk tier over capacity: {self._used} > {self.capacity_bytes} bytes"
-
-
-def configured(config: KVTierConfig) -> bool:
-    """Whether ``config`` asks for a disk tier (``disk_path`` and ``disk_gib`` > 0)."""
-    return bool(config.disk_path) and config.disk_gib > 0
-
-
-def state_dir(config: KVTierConfig) -> Path | None:
-    """``disk_path`` when ``config`` asks for a disk tier (the registry record's ``state_dir``): the
-    scheduler keeps its KV-event journal there, beside the namespace directories, which no rescan
-    or reset reads (:mod:`kvtier.integrations.vllm.events`)."""
-    return Path(config.disk_path) if configured(config) and config.disk_path else None
-
-
-def check(config: KVTierConfig) -> list[tuple[str, str]]:
-    """The directory ``disk_path`` checked for ``disk_gib`` as start-up checks it
-    (:func:`kvtier.core.tiers.disk.check.disk_path_problem`: a file, a kernel filesystem, not
-    writable, too little free space), creating it when it passes: ``(config key, sentence)``, or
-    nothing."""
-    if not configured(config):
-        return []
-    assert config.disk_path is not None
-    problem = disk_path_problem(Path(config.disk_path), config.disk_gib)
-    return [] if problem is None else [(problem[0], f"kvtier config: {problem[1]}")]
-
-
-def from_config(ctx: TierContext) -> DiskTier | None:
-    """The disk tier of one rank, or ``None`` without ``disk_path``/``disk_gib``.
-
-    Raises:
-        ConfigError: the directory is unfit (:func:`check`) or a shard directory is not writable.
-        OSError: the directory cannot be created.
-    """
-    config = ctx.config
-    capacity = config.disk_bytes_per_rank(ctx.tp_size)
-    if not config.disk_path or capacity <= 0:
-        return None
-    for _key, message in check(config):
-        raise ConfigError(message)
-    return DiskTier(config.disk_path, ctx.namespace, capacity, fsync=config.disk_fsync, io=config.disk_io,
-                    io_threads=config.io_threads)
-
-
-def _resolve_io(io: IOMode, directory: Path) -> tuple[str, str]:
-    """(``"direct"`` or ``"buffered"``, why) for the configured mode ``io`` on ``directory``.
-
-    A probe that cannot write at all (a full filesystem: a tier sized to the free space fills it
-    by design, so a restart finds it full; an I/O error) never stops the engine: buffered I/O works
-    wherever writing does, and the tier's own evictions make room again.
-    """
-    if io == "buffered":
-        return "buffered", "configured"
-    try:
-        return _probe_io(io, directory)
-    except OSError as exc:
-        log.warning("kvtier disk tier: could not test O_DIRECT in %s (%s); using buffered I/O until the next start",
-                    directory, exc.strerror)
-        return "buffered", f"{io}: the O_DIRECT probe could not write ({exc.strerror})"
-
-
-def _probe_io(io: IOMode, directory: Path) -> tuple[str, str]:
-    if io == "direct":
-        if direct_supported(directory):
-            return "direct", "configured"
-        log.warning("kvtier disk tier: the filesystem of %s refuses O_DIRECT; using buffered I/O", directory)
-        return "buffered", "configured direct, but the filesystem refuses O_DIRECT"
-    direct, why = measure_direct(directory)
-    return ("direct" if direct else "buffered"), f"auto: {why}"
 
 
 def _unlink(path: Path) -> bool:
