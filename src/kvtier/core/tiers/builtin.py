@@ -64,7 +64,7 @@ class RedisPlugin(PluginDefaults):
     settings: type[Any] | None = RedisSettings
 
     def build(self, ctx: TierContext) -> Tier | None:
-        from kvtier.core.tiers.redis.tier import from_config
+        from kvtier.core.tiers.redis.factory import from_config
 
         return from_config(ctx)
 
@@ -74,7 +74,7 @@ class RedisPlugin(PluginDefaults):
         return bool(redis_settings(config).redis_url)
 
     def check(self, config: KVTierConfig) -> list[tuple[str, str]]:
-        from kvtier.core.tiers.redis.tier import check
+        from kvtier.core.tiers.redis.factory import check
 
         return check(config)
 
@@ -90,22 +90,22 @@ class S3Plugin(PluginDefaults):
     settings: type[Any] | None = S3Settings
 
     def build(self, ctx: TierContext) -> Tier | None:
-        from kvtier.core.tiers.s3.tier import from_config
+        from kvtier.core.tiers.s3.factory import from_config
 
         return from_config(ctx)
 
     def configured(self, config: KVTierConfig) -> bool:
-        from kvtier.core.tiers.s3.tier import configured
+        from kvtier.core.tiers.s3.factory import configured
 
         return configured(config)
 
     def check(self, config: KVTierConfig) -> list[tuple[str, str]]:
-        from kvtier.core.tiers.s3.tier import check
+        from kvtier.core.tiers.s3.factory import check
 
         return check(config)
 
     def advice(self, config: KVTierConfig) -> list[tuple[str, str]]:
-        from kvtier.core.tiers.s3.tier import advice
+        from kvtier.core.tiers.s3.factory import advice
 
         return advice(config)
 

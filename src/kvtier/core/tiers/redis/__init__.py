@@ -3,7 +3,8 @@ value envelope per chunk, with a TTL.
 
 Modules:
 
-- :mod:`~kvtier.core.tiers.redis.tier`: the tier (data path), its factory and preflight check;
+- :mod:`~kvtier.core.tiers.redis.tier`: the tier (data path);
+- :mod:`~kvtier.core.tiers.redis.factory`: the tier from a configuration and its preflight check;
 - :mod:`~kvtier.core.tiers.redis.stream`: pipelined ``SET``/``GET`` batches without redis-py's copies;
 - :mod:`~kvtier.core.tiers.redis.client`: the redis-py client and the password;
 - :mod:`~kvtier.core.tiers.redis.clear`: clearing one namespace on the server (a reset);

@@ -3,7 +3,8 @@ Cloudflare R2) on obstore, one value envelope per object.
 
 Modules:
 
-- :mod:`~kvtier.core.tiers.s3.tier`: the tier (data path), its factory, check and advice;
+- :mod:`~kvtier.core.tiers.s3.tier`: the tier (data path);
+- :mod:`~kvtier.core.tiers.s3.factory`: the tier from a configuration, its preflight check and advice;
 - :mod:`~kvtier.core.tiers.s3.objects`: object keys and the event loop requests run on;
 - :mod:`~kvtier.core.tiers.s3.space`: the count, TTL sweep and cap;
 - :mod:`~kvtier.core.tiers.s3.conditional`: the ``If-None-Match`` probe;
