@@ -15,7 +15,7 @@ default, set through the tokens per block; small pages are where per-block copie
 vLLM#57555), the script:
 
 1. fills the caches with random bytes on a *compute stream* after a long dummy kernel, and saves
-   random blocks through kvtier's copy path (:class:`kvtier.integrations.vllm.copy.BlockCopier`,
+   random blocks through kvtier's copy path (:class:`kvtier.integrations.vllm.worker.copy.BlockCopier`,
    built on that stream as vLLM's engine thread builds it) into pages of kvtier's cpu tier
    (:class:`kvtier.core.tiers.cpu.tier.CpuTier`, its pool registered as pinned memory), issued from the
    compute stream: a save that did not wait for the writes would read stale bytes;
@@ -58,8 +58,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from kvtier.core.tiers.base import Reservation
 from kvtier.core.tiers.cpu.tier import CpuTier
-from kvtier.integrations.vllm.copy import BlockCopier, Span
-from kvtier.integrations.vllm.layout import detect_layout
+from kvtier.integrations.vllm.worker.copy import BlockCopier, Span
+from kvtier.integrations.vllm.worker.layout import detect_layout
 
 GiB = float(1 << 30)
 KiB = 1 << 10

@@ -40,7 +40,7 @@ from typing import Any
 
 from kvtier.core.policies import make_policy
 from kvtier.core.policies.base import EvictionPolicy, always_evictable, heap_victim
-from kvtier.simulate import synth
+from kvtier.simulate import synth, synth_blocks
 from kvtier.simulate.belady import BeladyPolicy, TraceOracle
 from kvtier.simulate.replay import OfflinePolicy, chunk_parents, engine_prefix_hits, replay
 from kvtier.simulate.trace import Trace, read_trace
@@ -261,7 +261,7 @@ def synthetic(regime: str, seed: int, requests: int, sets: dict[str, str]) -> tu
     chunk's probability of use per request for rag and batch (empty for other regimes)."""
     params = synth.make_params(regime, sets)
     owner: dict[int, Any] = {}
-    plain = synth._Blocks.ids
+    plain = synth_blocks.Blocks.ids
 
     def ids(self: Any, prefix: Any, num_tokens: int) -> tuple[int, ...]:
         out = plain(self, prefix, num_tokens)
@@ -269,11 +269,11 @@ def synthetic(regime: str, seed: int, requests: int, sets: dict[str, str]) -> tu
             owner.setdefault(block, prefix)
         return out
 
-    synth._Blocks.ids = ids  # type: ignore[method-assign]
+    synth_blocks.Blocks.ids = ids  # type: ignore[method-assign]
     try:
         records = synth.generate(regime, params, requests, seed)
     finally:
-        synth._Blocks.ids = plain  # type: ignore[method-assign]
+        synth_blocks.Blocks.ids = plain  # type: ignore[method-assign]
     dense: dict[int, int] = {}
     keys = [[dense.setdefault(h, len(dense)) for h in r.hash_ids[: r.input_length // 512]] for r in records]
     trace = Trace(regime, 512, [r.timestamp_ms / 1000 for r in records], [r.input_length for r in records], keys)
@@ -325,7 +325,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=4000)
     parser.add_argument("--set", action="append", default=[], help="regime parameter NAME=VALUE")
     parser.add_argument("--bundled", action="store_true", help="the bundled Mooncake trace (40 GiB engine tier)")
-    parser.add_argument("--pct", type=float, required=True, help="cpu capacity, % of distinct chunks")
+    parser.add_argument("--pct", type=float, required=True, help="cpu capacity, %% of distinct chunks")
     parser.add_argument("--skip", default="", help="references to skip, comma-separated")
     args = parser.parse_args()
     probability: dict[Any, float] = {}

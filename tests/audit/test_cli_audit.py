@@ -144,3 +144,16 @@ def test_committed_rule_doc_matches_the_rule_data():
     assert committed == rules_markdown(), "regenerate with: kvtier audit --rules-markdown > docs/audit-rules.md"
     for r in RULES:
         assert f"`{r.id}`" in committed
+
+
+def test_every_rule_count_in_the_docs_is_the_registrys():
+    """A hand-written "N rules" in the docs went stale (docs/audit.md said 59 while the tool checked
+    63): any count of audit rules in README.md or docs/ must be the registry's."""
+    import re
+
+    stale = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for n in re.findall(r"\b(\d+) (?:audit )?rules\b", path.read_text()):
+            if int(n) != len(RULES):
+                stale.append(f"{path.relative_to(ROOT)}: {n} rules")
+    assert stale == [], f"the registry has {len(RULES)} rules: {stale}"

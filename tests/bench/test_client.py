@@ -85,5 +85,8 @@ def test_bench_run_prefix_repetition_is_a_bounded_closed_loop_by_default(server)
                          capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "closed loop: at most 4 requests in flight" in out.stdout
+    # labelled as what it is, so that doctor's server-side figure does not contradict it
+    assert "TTFT (client)" in out.stdout and "from sending each request to its first streamed token" in \
+        " ".join(out.stdout.split())
     metrics = httpx.get(url + "/metrics", timeout=5).text
     assert "sse_max_in_flight 4" in metrics  # 12 requests, never more than 4 at once (and the bound was reached)

@@ -66,3 +66,25 @@ def test_hurting_on_a_model_too_small_for_prefill_to_cost_anything_says_so():
     assert "too little prefill" not in judge(ArmFigures(0.40, 0.395, 0.900), BASE).reason
     # and no note on a verdict that is not hurting
     assert "too little prefill" not in judge(ArmFigures(0.40, 0.030, 0.081), small).reason
+
+
+def test_a_baseline_without_reuse_on_a_workload_that_reuses_says_the_engine_cache_is_small():
+    """The recorded run: the baseline reuses nothing, kvtier 60%; the baseline's verdict said
+    "nothing is reused … check that prompts share prefixes" on a workload built on reuse."""
+    from kvtier.bench.verdict import baseline_verdict
+
+    def meters(arm):
+        texts = [(DATA / f"vllm-0.32-cpu-{arm}-{w}.metrics.txt.gz").read_bytes() for w in ("before", "after")]
+        return deltas(*(parse_metrics(gzip.decompress(t).decode()) for t in texts))
+
+    base = ArmFigures(meters("baseline").prefix_hit_rate, 0.0883, 0.1274)
+    kvtier = ArmFigures(meters("kvtier").prefix_hit_rate, 0.0175, 0.0417)
+    verdict = baseline_verdict(base, {"kvtier": kvtier})
+    assert verdict.kind is VerdictKind.REFERENCE
+    assert "check that prompts share prefixes" not in verdict.reason
+    assert "the prompts do share prefixes (kvtier reuses" in verdict.reason and "engine's own cache is too small" \
+        in verdict.reason
+    # no arm reuses anything: the workload itself has no reuse, said as before
+    alone = baseline_verdict(base, {"kvtier": ArmFigures(0.0, 0.09, 0.13)})
+    assert alone.kind is VerdictKind.NO_REUSE and "check that prompts share prefixes" in alone.reason
+    assert baseline_verdict(ArmFigures(0.3, 0.1, 0.2), {}).kind is VerdictKind.REFERENCE

@@ -143,3 +143,18 @@ def test_a_certificate_for_another_host_names_the_mismatch(redis_factory, tmp_pa
         result.detail
     assert probe_tier("redis", KVTierConfig.from_dict({"redis_url": server.url, "redis_tls_ca_file": str(tls.ca)})).state \
         == "reachable"
+
+
+def test_a_missing_tls_ca_file_is_named_by_check_not_read_as_a_network_error(tmp_path: Path):
+    """A ``rediss://`` tier whose ``redis_tls_ca_file`` does not exist: ``kvtier check`` says so in one
+    line (it never looked; the tier then failed at its first connection, reported as unreachable),
+    and the probe is not run on it."""
+    url = f"rediss://127.0.0.1:{free_port()}/0"
+    missing = tmp_path / "ca.pem"
+    run = check(json.dumps(transfer({"redis_url": url, "redis_tls_ca_file": str(missing)})))
+    assert run.returncode != 0, run.stdout + run.stderr
+    found = lines_about(run.stdout, "kv_connector_extra_config.redis_tls_ca_file")
+    assert found == [(f"error: kv_connector_extra_config.redis_tls_ca_file: cannot read redis_tls_ca_file "
+                      f"{str(missing)!r} (No such file or directory); point it at the PEM file of the CA that "
+                      "signed the Redis server's certificate")], run.stdout
+    assert "unreachable" not in run.stdout

@@ -27,3 +27,13 @@ def test_help_shows_no_bool_type(path):
                           check=False, timeout=120, env={**os.environ, "COLUMNS": "200"})
     assert proc.returncode == 0, proc.stderr
     assert "--help" in proc.stdout and "<bool>" not in proc.stdout
+
+
+def test_version_prints_the_installed_package_version():
+    """``kvtier --version``: the version of the installed distribution (importlib.metadata), exit 0."""
+    from importlib.metadata import version
+
+    proc = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "--version"], capture_output=True, text=True,
+                          check=False, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"kvtier {version('kvtier')}"

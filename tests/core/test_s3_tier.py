@@ -243,7 +243,7 @@ def test_the_cap_never_deletes_an_object_rewritten_since_it_was_counted(s3_serve
         other.close()
 
 
-def test_the_probe_tells_reachable_auth_failed_and_unreachable(s3_server, bucket, creds, tmp_path):
+def test_the_probe_tells_reachable_auth_failed_no_bucket_and_unreachable(s3_server, bucket, creds, tmp_path):
     from kvtier.core.purge import probe_tier
 
     assert probe_tier("s3", config_of(s3_server, bucket, creds)).state == "reachable"
@@ -253,7 +253,9 @@ def test_the_probe_tells_reachable_auth_failed_and_unreachable(s3_server, bucket
     refused = probe_tier("s3", config_of(s3_server, bucket, wrong))
     assert refused.state == "auth failed" and "nope-nope" not in refused.message
     missing = probe_tier("s3", config_of(s3_server, "no-such-bucket-here", creds))
-    assert missing.state == "unreachable" and "no such bucket" in missing.message
+    # the endpoint answered 404 for the bucket: up, not unreachable (it read "unreachable" before)
+    assert missing.state == "no bucket" and "the endpoint answers, but the bucket does not exist" in missing.message
+    assert "unreachable" not in missing.message and "no-such-bucket-here" in missing.message
     closed = probe_tier("s3", KVTierConfig.from_dict({"s3_endpoint_url": "http://127.0.0.1:9", "s3_bucket": bucket,
                                               "s3_allow_http": True, "s3_credentials_file": str(creds)}), 1.0)
     assert closed.state == "unreachable"

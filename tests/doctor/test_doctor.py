@@ -195,3 +195,14 @@ def test_doctor_url_gets_metrics_added_only_without_a_path():
     assert metrics_url("http://vllm:8000/") == "http://vllm:8000/metrics"
     assert metrics_url("http://gw:8080/vllm-a/metrics") == "http://gw:8080/vllm-a/metrics"
     assert metrics_url("http://gw:8080/vllm-a") == "http://gw:8080/vllm-a"
+
+
+def test_ttft_says_it_is_the_servers_histogram():
+    """doctor's TTFT (vLLM's server-side histogram, bucket-interpolated) read 19/57 ms where bench run
+    (client-side, to the first streamed token) read 34/113 ms for the same requests: each is now
+    labelled with what it measures (bench run's label: tests/bench/test_client.py)."""
+    args = ("--from-files", str(DATA / "before.txt"), str(DATA / "after.txt"))
+    text, as_json = doctor(*args), doctor(*args, "--json")
+    assert "TTFT p50 / p99 (server)" in text.stdout
+    assert "server-side: vLLM's vllm:time_to_first_token_seconds" in " ".join(text.stdout.split())
+    assert json.loads(as_json.stdout)["ttft_measured"].startswith("server-side")

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from kvtier.core.config import KVTierConfig
 from kvtier.core.store import TieredStore
 from kvtier.doctor import allocation, diagnose, measure, parse_metrics
-from kvtier.integrations.vllm.remote import RemoteLookups
+from kvtier.integrations.vllm.scheduler.remote import RemoteLookups
 from kvtier.integrations.vllm.stats import KVTierPromMetrics, KVTierStats, store_counters, store_gauges
 from tests.core.helpers import CHUNK_BYTES, CHUNK_TOKENS, NS, chain_of, payload
 
@@ -53,11 +53,12 @@ class Server:
         self.store.flush(10)
 
     def ask(self, req_id: str, chain) -> int:
+        """Chunks of ``chain`` the shared tier holds, asked as the scheduler asks (``poll_pages``, once a step)."""
         end = time.monotonic() + 10
-        while (found := self.lookups.poll(req_id, chain, 0)) is None:
+        while (found := self.lookups.poll_pages(req_id, chain)) is None:
             assert time.monotonic() < end
             time.sleep(0.01)
-        return found
+        return len(found)
 
     def metrics(self) -> str:
         """A step's stats, as the worker and the scheduler report them, then the scrape's shared-tier lines."""
@@ -132,3 +133,35 @@ def test_no_shared_tier_no_shared_lines():
     assert meters.shared is None
     assert not any("Shared tier" in c.message for c in diagnose(meters, allocation(parse_metrics(AFTER, "a")),
                                                                  {}, None, 1).checks)
+
+
+def _unset_breaker_families() -> str:
+    """The exposition of a server whose engines configure no shared tier: every registered shared
+    tier's breaker gauge is declared (HELP, TYPE) but, labelled and never set, has no sample
+    (prometheus_client's own text, as KVTierPromMetrics builds those gauges)."""
+    from prometheus_client import CollectorRegistry, Gauge, generate_latest
+
+    registry = CollectorRegistry()
+    for tier in ("redis", "s3"):
+        Gauge(f"kvtier_{tier}_breaker_state", "Shared-tier circuit breaker.", ["engine", "model_name"],
+              registry=registry)
+    text = generate_latest(registry).decode()
+    assert "kvtier_redis_breaker_state" in text and "kvtier_redis_breaker_state{" not in text
+    return text
+
+
+def test_a_shared_tier_not_configured_is_not_reported_ok():
+    """Fixes "doctor prints 'ok Shared tier (redis)' and '(s3)' when neither is configured"."""
+    declared = _unset_breaker_families()
+    before, after = parse_metrics(BEFORE + declared, "b"), parse_metrics(AFTER + declared, "a")
+    meters = measure(before, after, 10.0)
+    assert meters.shared is None and meters.shared_tiers == ()
+    assert not any("Shared tier" in c.message for c in diagnose(meters, allocation(after), {}, None, 1).checks)
+    # a configured one (its gauge set, closed) is still reported
+    configured = declared.replace("# TYPE kvtier_redis_breaker_state gauge\n",
+                                  '# TYPE kvtier_redis_breaker_state gauge\n'
+                                  'kvtier_redis_breaker_state{engine="0",model_name="m"} 0.0\n')
+    meters = measure(parse_metrics(BEFORE + configured, "b"), parse_metrics(AFTER + configured, "a"), 10.0)
+    assert [t.tier for t in meters.shared_tiers] == ["redis"]
+    assert any(c.message.startswith("Shared tier (redis): breaker closed")
+               for c in diagnose(meters, allocation(parse_metrics(AFTER, "a")), {}, None, 1).checks)

@@ -24,7 +24,7 @@ def _record(**event: Any) -> None:
 
 class HMARecorder(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        from kvtier.integrations.vllm.layout import detect_group_layouts
+        from kvtier.integrations.vllm.worker.layout import detect_group_layouts
 
         layouts = detect_group_layouts(kv_caches, self._kv_cache_config, lambda name: "probe")
         _record(event="layouts", layouts={str(i): {"layers": list(x.layer_names), "block_dim": x.block_dim,

@@ -15,11 +15,13 @@ from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import Namespace, chunk_keys, request_root
 from kvtier.core.store import TieredStore
-from kvtier.integrations.vllm.copy import BlockCopier, Span
-from kvtier.integrations.vllm.layout import detect_layout
-from kvtier.integrations.vllm.mirror import IndexMirror
+from kvtier.integrations.vllm.cache_groups import GroupKind, GroupSpec
 from kvtier.integrations.vllm.protocol import KVTierWorkerMeta, RankReport
-from kvtier.integrations.vllm.worker import key_root
+from kvtier.integrations.vllm.scheduler.mirror import IndexMirror
+from kvtier.integrations.vllm.scheduler.pages import HybridPlan, PagePlanner
+from kvtier.integrations.vllm.worker.copy import BlockCopier, Span
+from kvtier.integrations.vllm.worker.layout import detect_layout
+from kvtier.integrations.vllm.worker.registration import key_root
 
 NUM_BLOCKS = 12
 # name -> per-layer shape with NUM_BLOCKS somewhere, and where the blocks are
@@ -28,6 +30,14 @@ LAYOUTS = {
     "flash [2, blocks, block, heads, head]": ((2, NUM_BLOCKS, 16, 2, 64), 1),
     "mla [blocks, block, latent]": ((NUM_BLOCKS, 16, 96), 0),
 }
+
+
+def planned(mirror: IndexMirror, chain: list) -> list[str]:
+    """The tier of each chunk of the hit the scheduler plans from ``mirror`` for a prompt one token
+    longer than ``chain``'s 4-token chunks (``PagePlanner.lookup``, a one-group dense plan)."""
+    plan = HybridPlan([GroupSpec(0, GroupKind.FULL, 4, ("layer",))], 4, 0)
+    _hit, tiers = PagePlanner(plan, mirror).lookup([bytes(k) for k in chain], 0, 4 * len(chain) + 1)
+    return tiers
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
@@ -88,23 +98,23 @@ def test_mirror_merges_ranks_through_vllm_worker_metadata(tmp_path: Path) -> Non
         for rank, report in merged.ranks.items():
             mirror.apply(rank, report)
 
-    assert mirror.lookup(chain) == []  # not ready before the first snapshots
+    assert planned(mirror, chain) == []  # not ready before the first snapshots
     stores[0].put(chain[:3], [bytes([i]) * 64 for i in range(3)])
     stores[1].put(chain[:2], [bytes([i]) * 64 for i in range(2)])
     step()
     assert mirror.ready
-    assert mirror.lookup(chain) == ["cpu", "cpu"]  # rank 1 holds only two
+    assert planned(mirror, chain) == ["cpu", "cpu"]  # rank 1 holds only two
     stores[1].put(chain[2:4], [bytes([i]) * 64 for i in range(2)])
     stores[0].flush_dirty(5.0)
     with stores[0]._lock:
         stores[0].top.evict(chain[0])  # rank 0 keeps chunk 0 on disk only
     step()
-    assert mirror.lookup(chain) == ["disk", "cpu", "cpu"]
+    assert planned(mirror, chain) == ["disk", "cpu", "cpu"]
     with stores[0]._lock:
         (disk,) = (lt for lt in stores[0].lower if lt.name == "disk")
         disk._evict_locked(chain[0])
     step()
-    assert mirror.lookup(chain) == []  # chunk 0 gone from rank 0: nothing after it is usable
+    assert planned(mirror, chain) == []  # chunk 0 gone from rank 0: nothing after it is usable
     for store in stores:
         store.close()
 
@@ -119,22 +129,22 @@ def test_mirror_plans_nothing_from_before_a_reset_until_the_ranks_report_their_c
     mirror = IndexMirror(tp_size=1)
     store.put(chain[:3], [bytes([i]) * 64 for i in range(3)])
     mirror.apply(0, _report(store, root))
-    assert mirror.lookup(chain) == ["cpu"] * 3
+    assert planned(mirror, chain) == ["cpu"] * 3
 
     held = mirror.reset(epoch=1)
 
     assert held == {"cpu": chain[:3]}  # what the reset hook hands on (BlockRemoved, later)
-    assert mirror.lookup(chain) == [] and mirror.ready  # a miss, not "ask again": the order needs a step to ship
+    assert planned(mirror, chain) == [] and mirror.ready  # a miss, not "ask again": the order needs a step to ship
     store.put(chain[3:4], [bytes([3]) * 64])
     mirror.apply(0, _report(store, root))  # sent before the rank applied the order (epoch 0)
-    assert mirror.lookup(chain) == []
+    assert planned(mirror, chain) == []
     store.flush()  # chunk 3's disk write done: its cpu page is free again for the saves below
     store.clear(["cpu", "disk"])  # the rank applies the order ...
     store.put(chain[:2], [bytes([i]) * 64 for i in range(2)])  # ... and saves what this step recomputed
     report = _report(store, root)
     assert report.full
     mirror.apply(0, dataclasses.replace(report, epoch=1))
-    assert mirror.lookup(chain) == ["cpu", "cpu"]
+    assert planned(mirror, chain) == ["cpu", "cpu"]
     store.close()
 
 
@@ -143,17 +153,18 @@ def test_mirror_refuses_ranks_that_disagree_on_the_key_root() -> None:
     mirror.apply(0, RankReport(b"a" * 16, [(b"k" * 16, "cpu")], True))
     mirror.apply(1, RankReport(b"b" * 16, [(b"k" * 16, "cpu")], True))
     assert mirror.broken and not mirror.ready
-    assert mirror.lookup([b"k" * 16]) == []
+    assert planned(mirror, [b"k" * 16]) == []
 
 
 def test_identity_fingerprint_follows_weights_tokenizer_and_config(tmp_path: Path) -> None:
-    from kvtier.integrations.vllm.identity import model_fingerprint
-    from kvtier.launch.testmodel import GEOMETRIES, _write_weights, write_model
+    from kvtier.integrations.vllm.worker.identity import model_fingerprint
+    from kvtier.launch.testmodel import GEOMETRIES, write_model
+    from kvtier.launch.testmodel_weights import write_weights
 
     model = write_model(tmp_path / "m", "tiny", weights="random", seed=0)
     base = model_fingerprint(str(model))
     assert base == model_fingerprint(str(model))  # deterministic
-    _write_weights(model, GEOMETRIES["tiny"], seed=1)  # same names, shapes, size; other values
+    write_weights(model, GEOMETRIES["tiny"], seed=1)  # same names, shapes, size; other values
     reseeded = model_fingerprint(str(model))
     assert reseeded != base
     tok = model / "tokenizer.json"
@@ -165,7 +176,7 @@ def test_identity_fingerprint_follows_weights_tokenizer_and_config(tmp_path: Pat
 def test_effective_config_digest_follows_overrides_and_is_stable(tmp_path: Path) -> None:
     from vllm.config import ModelConfig
 
-    from kvtier.integrations.vllm.identity import effective_config_digest
+    from kvtier.integrations.vllm.worker.identity import effective_config_digest
     from kvtier.launch.testmodel import write_model
 
     model = write_model(tmp_path / "tiny", "tiny", weights="none")

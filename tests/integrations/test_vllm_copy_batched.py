@@ -10,8 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.integrations.vllm.copy import BlockCopier, HostRun, Span, direct_host_copy, plan_batches
-from kvtier.integrations.vllm.layout import detect_layout
+from kvtier.integrations.vllm.worker.batched import HostRun, Span, direct_host_copy, plan_batches
+from kvtier.integrations.vllm.worker.copy import BlockCopier
+from kvtier.integrations.vllm.worker.layout import detect_layout
 
 NUM_BLOCKS = 24
 LAYOUTS = {  # per-layer shape with NUM_BLOCKS somewhere (as in test_vllm_copy.py)

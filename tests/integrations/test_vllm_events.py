@@ -18,9 +18,9 @@ from vllm.v1.request import Request
 
 from kvtier.core.keys import chunk_keys
 from kvtier.core.tiers.registry import event_medium
-from kvtier.integrations.vllm.events import EventGroup, KVEventTracker
-from kvtier.integrations.vllm.mirror import IndexMirror
 from kvtier.integrations.vllm.protocol import RankReport
+from kvtier.integrations.vllm.scheduler.events import EventGroup, KVEventTracker
+from kvtier.integrations.vllm.scheduler.mirror import IndexMirror
 
 BLOCK = 16
 CHUNK = 32  # two engine blocks per chunk
@@ -211,7 +211,7 @@ def test_the_journal_announces_a_restarted_engines_disk_chunks_and_a_foreign_one
     apply(mirror, tracker, {0: report([(k, "cpu") for k in keys], full=True)})
     before = wire(tracker.take_events())
     assert before[0].extra_keys == [("tenant-a",), None]  # the cache_salt, on the first block only
-    tracker.bind_journal(ROOT)
+    assert tracker.load_journal(ROOT) == 0  # as the scheduler does once the mirror is ready: none yet
     assert tracker.save_journal()
 
     # the restarted engine: its disk tier holds chunks 0 and 2 (chunk 1 was evicted meanwhile)

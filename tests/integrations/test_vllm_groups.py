@@ -1,4 +1,5 @@
-"""Per-group planning for hybrid models (kvtier.integrations.vllm.groups) on vLLM's own spec
+"""Per-group planning for hybrid models (kvtier.integrations.vllm.scheduler.pages over
+kvtier.integrations.vllm.cache_groups, chunk_tokens from kvtier.integrations.vllm.engine_config) on vLLM's own spec
 objects, with vLLM's sliding-window retention mask as the reference for what is worth storing."""
 
 from __future__ import annotations
@@ -8,16 +9,9 @@ import torch
 
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
-from kvtier.integrations.vllm.groups import (
-    ChunkBlocks,
-    GroupKind,
-    HybridPlan,
-    auto_chunk_tokens,
-    engine_chunk_tokens,
-    group_key,
-    groups_from_kv_cache_config,
-    resolved_config,
-)
+from kvtier.integrations.vllm.cache_groups import GroupKind, groups_from_kv_cache_config
+from kvtier.integrations.vllm.engine_config import auto_chunk_tokens, engine_chunk_tokens, resolved_config
+from kvtier.integrations.vllm.scheduler.pages import ChunkBlocks, HybridPlan, group_key
 
 vllm_iface = pytest.importorskip("vllm.v1.kv_cache_interface")
 
@@ -133,7 +127,7 @@ def test_namespaces_of_different_resolved_chunk_sizes_never_share_keys():
     for the same tokens; the worker's namespace builder refuses an unresolved ``auto``."""
     from kvtier.core.config import KVTierConfig
     from kvtier.core.keys import Namespace, chunk_keys, request_root
-    from kvtier.integrations.vllm.worker import build_namespace
+    from kvtier.integrations.vllm.worker.registration import build_namespace
 
     a, b = (Namespace("m", "bf16", 4, 2, 64, "cpu", chunk_tokens=n) for n in (640, 1152))
     tokens = list(range(1152 * 2))
@@ -259,19 +253,19 @@ def test_advice_names_the_chunk_size_a_state_group_wants():
     assert "only about 1 prompt in 2" in note and "set chunk_tokens to 32" in note
 
 
-def test_group_jobs_plan_pages_over_the_real_mirror():
-    """GroupJobs names each page by (chunk key, group), reads presence from the scheduler's mirror
+def test_the_page_planner_plans_pages_over_the_real_mirror():
+    """PagePlanner names each page by (chunk key, group), reads presence from the scheduler's mirror
     (every rank must hold a page), and turns plan decisions into page moves."""
     from kvtier.core.keys import chunk_keys
-    from kvtier.integrations.vllm.group_jobs import GroupJobs
-    from kvtier.integrations.vllm.mirror import IndexMirror
     from kvtier.integrations.vllm.protocol import PageMove, RankReport
+    from kvtier.integrations.vllm.scheduler.mirror import IndexMirror
+    from kvtier.integrations.vllm.scheduler.pages import PagePlanner
 
     p = plan(swa(64), full(), mamba(), retention=None)
     root = bytes(16)
     chain = [bytes(k) for k in chunk_keys(root, list(range(400)), C)]  # 6 chunks
     mirror = IndexMirror(tp_size=2)
-    jobs = GroupJobs(p, mirror)
+    jobs = PagePlanner(p, mirror)
 
     def report(rank: int, pages: list[tuple[int, int]], tier: str = "cpu") -> None:
         changes = [(bytes(group_key(ChunkKey(chain[c]), g)), tier) for g, c in pages]

@@ -2,7 +2,7 @@
 (hma_recorder.py, moves no bytes): the hybrid KV cache manager (HMA) stays on, the KV cache
 groups are the ones kvtier plans for, generation is deterministic (a repeat served by vLLM's own
 prefix cache equals the first run bit for bit), and kvtier's per-group plan
-(kvtier.integrations.vllm.groups) applied to what vLLM actually hands a connector picks the
+(kvtier.integrations.vllm.scheduler.pages) applied to what vLLM actually hands a connector picks the
 blocks it should: the sliding window's last chunk before the prompt's end, the state snapshot at
 that boundary."""
 
@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.integrations.vllm.groups import ChunkBlocks, GroupKind, GroupSpec, HybridPlan
+from kvtier.integrations.vllm.cache_groups import GroupKind, GroupSpec
+from kvtier.integrations.vllm.scheduler.pages import ChunkBlocks, HybridPlan
 
 pytestmark = [pytest.mark.engine, pytest.mark.shares_cpu]
 

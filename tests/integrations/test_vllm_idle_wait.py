@@ -1,6 +1,6 @@
 """A step that computes no tokens waits for a load instead of spinning (``idle_step_wait_s``).
 
-The worker side (:class:`~kvtier.integrations.vllm.worker.WorkerSide`) of a real vLLM config over
+The worker side (:class:`~kvtier.integrations.vllm.worker.side.WorkerSide`) of a real vLLM config over
 real tensors, with a real store whose chunks live only in a real redis-server (started by
 tests/redis_servers.py), and no engine: each test drives the calls vLLM's worker makes in one step
 (``start_load_kv`` → ``get_finished``).  Pausing the server (``SIGSTOP``) holds a load in flight
@@ -23,7 +23,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 
 from kvtier.core.config import ConfigError, KVTierConfig
 from kvtier.integrations.vllm.protocol import KVTierMetadata, LoadJob, PageMove, SaveJob
-from kvtier.integrations.vllm.worker import WorkerSide
+from kvtier.integrations.vllm.worker.side import WorkerSide
 from tests.redis_servers import RedisServer
 
 BLOCK, CHUNK, NUM_BLOCKS = 16, 64, 32  # 4 blocks per chunk

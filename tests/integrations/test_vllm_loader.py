@@ -15,13 +15,13 @@ from kvtier.core.config import GiB, KVTierConfig
 from kvtier.core.keys import ChunkKey, Namespace, chunk_keys, request_root
 from kvtier.core.store import TieredStore
 from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES
-from kvtier.integrations.vllm.group_io import GroupCopiers
-from kvtier.integrations.vllm.group_jobs import GroupJobs
-from kvtier.integrations.vllm.groups import GroupKind, GroupSpec, HybridPlan
-from kvtier.integrations.vllm.layout import detect_layout
-from kvtier.integrations.vllm.loader import AsyncLoader
-from kvtier.integrations.vllm.mirror import IndexMirror
+from kvtier.integrations.vllm.cache_groups import GroupKind, GroupSpec
 from kvtier.integrations.vllm.protocol import LoadJob
+from kvtier.integrations.vllm.scheduler.mirror import IndexMirror
+from kvtier.integrations.vllm.scheduler.pages import HybridPlan, PagePlanner
+from kvtier.integrations.vllm.worker.copy import GroupCopiers
+from kvtier.integrations.vllm.worker.layout import detect_layout
+from kvtier.integrations.vllm.worker.loader import AsyncLoader
 
 BLOCK, CHUNK, NUM_BLOCKS = 16, 64, 32  # 4 blocks per chunk
 NS = Namespace(model="loader-test", kv_dtype="float32", num_layers=2, num_kv_heads=2, head_size=32,
@@ -39,14 +39,14 @@ def _setup(tmp_path: Path) -> tuple[TieredStore, HybridPlan, dict[str, torch.Ten
     src = _caches(0)
     layout = detect_layout(src, NUM_BLOCKS, "TEST")
     plan = HybridPlan([GroupSpec(0, GroupKind.FULL, BLOCK, tuple(src), page_bytes=layout.block_bytes)], CHUNK, 0)
-    copiers = GroupCopiers(plan, {0: layout}, src)
+    copiers = GroupCopiers(plan.groups, CHUNK, {0: layout}, src)
     page_bytes = copiers.page_bytes
     config = KVTierConfig.from_dict({"chunk_tokens": CHUNK, "cpu_gib": 2 * page_bytes / GiB,
                                      "disk_path": str(tmp_path / "disk"), "disk_gib": 64 * (page_bytes + HEADER_BYTES) / GiB,
                                      "write_mode": "write-through", "disk_io": "buffered"})
     store = TieredStore(config, NS, page_bytes)
     chain = [bytes(k) for k in chunk_keys(request_root(NS), list(range(4 * CHUNK)), CHUNK)]
-    pages = GroupJobs(plan, IndexMirror(1)).save_pages(chain, 0, 3, [list(range(1, 13))], [], 4 * CHUNK)
+    pages = PagePlanner(plan, IndexMirror(1)).save_pages(chain, 0, 3, [list(range(1, 13))], [], 4 * CHUNK)
     for page in pages:  # one by one, as three engine steps would
         handle = store.prepare_store([ChunkKey(page.key)])
         copiers.save([(page, handle.buffers[0])])
@@ -62,9 +62,9 @@ def _load(store: TieredStore, plan: HybridPlan, chain: list[bytes], tiers: tuple
     """Load tokens 16..256 (the engine's own hit is one block) into blocks 13..27 of a fresh cache."""
     dst = _caches(1)
     layout = detect_layout(dst, NUM_BLOCKS, "TEST")
-    loader = AsyncLoader(store, GroupCopiers(plan, {0: layout}, dst), CHUNK, threads=1, partial=partial, wait_s=5.0)
+    loader = AsyncLoader(store, GroupCopiers(plan.groups, CHUNK, {0: layout}, dst), CHUNK, threads=1, partial=partial, wait_s=5.0)
     table = [12] + list(range(13, 28))  # block 12 holds the engine's own first 16 tokens
-    pages = GroupJobs(plan, IndexMirror(1)).load_pages(chain, [table], BLOCK, 4 * CHUNK)
+    pages = PagePlanner(plan, IndexMirror(1)).load_pages(chain, [table], BLOCK, 4 * CHUNK)
     loader.submit(LoadJob("r", pages, BLOCK, 4 * CHUNK, tiers))
     deadline = time.monotonic() + 10
     finished: set[str] = set()
@@ -127,9 +127,9 @@ def test_a_load_reported_after_a_reset_fails_its_blocks(tmp_path: Path) -> None:
     request after it.  A load reported before the reset stays a hit."""
     store, plan, _, chain, where = _setup(tmp_path)
     layout = detect_layout(dst := _caches(1), NUM_BLOCKS, "TEST")
-    loader = AsyncLoader(store, GroupCopiers(plan, {0: layout}, dst), CHUNK, threads=1, partial=True, wait_s=5.0)
+    loader = AsyncLoader(store, GroupCopiers(plan.groups, CHUNK, {0: layout}, dst), CHUNK, threads=1, partial=True, wait_s=5.0)
     table = [12] + list(range(13, 28))
-    pages = GroupJobs(plan, IndexMirror(1)).load_pages(chain, [table], BLOCK, 4 * CHUNK)
+    pages = PagePlanner(plan, IndexMirror(1)).load_pages(chain, [table], BLOCK, 4 * CHUNK)
     planned = (where[0], where[1], where[2], "cpu")
 
     def run(req_id: str) -> None:
@@ -159,9 +159,9 @@ def test_a_synchronous_load_copies_what_the_cpu_tier_holds_and_never_reads_below
     recomputes them) and names that page's chunk, from which the worker drops the step's saves."""
     store, plan, src, chain, where = _setup(tmp_path)
     layout = detect_layout(dst := _caches(1), NUM_BLOCKS, "TEST")
-    loader = AsyncLoader(store, GroupCopiers(plan, {0: layout}, dst), CHUNK, threads=1, partial=True, wait_s=5.0)
+    loader = AsyncLoader(store, GroupCopiers(plan.groups, CHUNK, {0: layout}, dst), CHUNK, threads=1, partial=True, wait_s=5.0)
     table = list(range(13, 29))
-    jobs = GroupJobs(plan, IndexMirror(1))
+    jobs = PagePlanner(plan, IndexMirror(1))
     before = store.stats()
     # the engine's own hit covers chunks 0-1; chunk 2 is in the cpu tier, chunk 3 was never stored
     tail = LoadJob("t", jobs.load_pages(chain, [table], 2 * CHUNK, 4 * CHUNK), 2 * CHUNK, 4 * CHUNK,

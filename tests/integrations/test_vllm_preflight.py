@@ -71,6 +71,14 @@ def test_disk_path_that_is_a_file(tmp_path):
     assert len(found) == 1 and "is a file, not a directory" in found[0]
 
 
+def test_disk_path_under_a_file_says_so(tmp_path):
+    """``/etc/hostname/kv`` read "not writable"; the problem is the file it lies under."""
+    (tmp_path / "f").write_text("x")
+    found = errors(transfer(extra={"disk_path": str(tmp_path / "f" / "kv"), "disk_gib": 0.01}))
+    assert len(found) == 1 and f"lies under {str(tmp_path / 'f')!r}, which is a file" in found[0]
+    assert "not writable" not in found[0]
+
+
 def test_chunk_tokens_against_the_block_size():
     cfg = transfer(extra={"chunk_tokens": 100})
     assert errors(cfg) == []  # block size unknown: a --block-size 4 server takes it, so only a warning
@@ -210,8 +218,8 @@ def test_shared_tier_password_and_secret_are_read_as_the_tier_reads_them(tmp_pat
 def test_chunk_tokens_against_every_block_size_the_cpu_backend_may_choose():
     """Without the model the CPU block size is 128 or --block-size, 16 (MLA), 256 (DeepSeek-V4), or a
     multiple for hybrid models: only a chunk_tokens no such size divides is refused (breaker F14)."""
+    from kvtier.integrations.vllm.engine_config import cpu_block_divisor
     from kvtier.integrations.vllm.plugin import _block_divisor
-    from kvtier.integrations.vllm.preflight import cpu_block_divisor
 
     assert cpu_block_divisor(None) == 16 and cpu_block_divisor(64) == 16 and cpu_block_divisor(8) == 8
     refused = errors(transfer(extra={"chunk_tokens": 100}), block_divisor=16)

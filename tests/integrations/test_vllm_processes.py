@@ -82,10 +82,11 @@ def test_graceful_stop_keeps_the_hot_set_and_other_identities_miss(tiny_model: P
     assert m["kvtier_saved_tokens_total"] == 2 * LOADABLE  # its own chunks, in its own namespace
     assert other["results"][0][0]["logprobs"] != first["results"][0][0]["logprobs"]  # the override does change KV
 
-    from kvtier.launch.testmodel import GEOMETRIES, _write_weights
+    from kvtier.launch.testmodel import GEOMETRIES
+    from kvtier.launch.testmodel_weights import write_weights
 
     before = (model / "model.safetensors").stat().st_size
-    _write_weights(model, GEOMETRIES["tiny"], seed=1)  # replaced in place: same file, same size
+    write_weights(model, GEOMETRIES["tiny"], seed=1)  # replaced in place: same file, same size
     assert (model / "model.safetensors").stat().st_size == before
     third = result_of(run_engine(_spec(model, disk, steps), tmp_path, "third"), tmp_path, "third")
     m = third["metrics"]

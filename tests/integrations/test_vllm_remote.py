@@ -1,9 +1,10 @@
-"""The scheduler's shared-tier lookups (kvtier.integrations.vllm.remote) against real redis-servers.
+"""The scheduler's shared-tier lookups (kvtier.integrations.vllm.scheduler.remote) against real redis-servers.
 
 Stores stand in for the workers of another engine (one per tensor-parallel rank, each with its
 own namespace, as under vLLM); the scheduler-side :class:`RemoteLookups` asks Redis about their
-chunks and must never block: "ask again" (``None``) until the answer is in, bounded by
-``shared_deadline_s``; a dead server is a prompt miss.  The engine-level version is
+pages as the scheduler does (``poll_pages``: the page keys no local tier holds) and must never
+block: "ask again" (``None``) until the answer is in, bounded by ``shared_deadline_s``; a dead
+server is a prompt miss.  The engine-level version is
 tests/integrations/test_vllm_redis_tier.py.
 """
 
@@ -14,7 +15,7 @@ import time
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.store import TieredStore
-from kvtier.integrations.vllm.remote import RemoteLookups, shared_tier_configured
+from kvtier.integrations.vllm.scheduler.remote import RemoteLookups, shared_tier_configured
 from tests.core.helpers import CHUNK_BYTES, CHUNK_TOKENS, NS, chain_of, payload
 from tests.redis_servers import DelayProxy
 
@@ -34,11 +35,11 @@ def _rank(url: str, prefix: str, tp_rank: int, chain, tp_size: int = 1) -> tuple
     return store, namespace.digest()
 
 
-def _answer(lookups: RemoteLookups, req_id: str, chain, start: int, timeout_s: float = 10.0) -> tuple[int, int]:
-    """Poll as the scheduler does once per step: (answer, number of "ask again" replies before it)."""
+def _answer(lookups: RemoteLookups, req_id: str, keys, timeout_s: float = 10.0) -> tuple[frozenset[bytes], int]:
+    """Poll as the scheduler does once per step: (the keys found, number of "ask again" replies before it)."""
     asks = 0
     end = time.monotonic() + timeout_s
-    while (found := lookups.poll(req_id, chain, start)) is None:
+    while (found := lookups.poll_pages(req_id, keys)) is None:
         asks += 1
         assert time.monotonic() < end, "the lookup never answered"
         time.sleep(0.01)
@@ -55,20 +56,21 @@ def test_a_prefix_another_engine_saved_is_found_without_blocking(redis_server, k
         assert not lookups.bind([b""])  # the worker's namespace not reported yet: no lookup
         assert lookups.bind([namespace])
         t0 = time.perf_counter()
-        assert lookups.poll("r1", chain, 0) is None  # ask again
+        assert lookups.poll_pages("r1", chain) is None  # ask again
         assert time.perf_counter() - t0 < 0.1  # never waits on the network
-        found, asks = _answer(lookups, "r1", chain, 0)
-        assert (found, lookups.asked, lookups.timed_out) == (6, 1, 0)
+        found, asks = _answer(lookups, "r1", chain)
+        assert (found, lookups.asked, lookups.timed_out) == (set(chain), 1, 0)
         assert asks >= 1
-        assert lookups.poll("r1", chain, 0) == 6 and lookups.asked == 1  # asked again: the known answer
-        assert _answer(lookups, "r1", chain, 2)[0] == 4  # the mirror's hit grew: the rest only
+        assert lookups.poll_pages("r1", chain) == set(chain) and lookups.asked == 1  # asked again: the known answer
+        # pages saved locally since are no longer asked: the answer known covers the rest, nothing sent
+        assert lookups.poll_pages("r1", chain[2:]) == set(chain[2:]) and lookups.asked == 1
         lookups.forget("r1")
         other = chain_of(12, 3)
-        assert _answer(lookups, "r2", other, 0)[0] == 0  # never saved: a miss
-        # what the scheduler-side connector exports (kvtier_shared_lookups_*): 10 of 13 chunks found
-        assert lookups.counters() == {"shared_lookups": 3, "shared_lookups_answered": 3, "shared_lookups_timed_out": 0,
-                                      "shared_lookups_superseded": 0, "shared_lookups_skipped": 0, "shared_lookup_chunks": 6 + 4 + 3,
-                                      "shared_lookup_hit_chunks": 6 + 4}
+        assert _answer(lookups, "r2", other)[0] == frozenset()  # never saved: a miss
+        # what the scheduler-side connector exports (kvtier_shared_lookups_*): 6 of 9 pages found
+        assert lookups.counters() == {"shared_lookups": 2, "shared_lookups_answered": 2, "shared_lookups_timed_out": 0,
+                                      "shared_lookups_superseded": 0, "shared_lookups_skipped": 0,
+                                      "shared_lookup_chunks": 6 + 3, "shared_lookup_hit_chunks": 6}
         assert lookups.pending == 0
     finally:
         lookups.close()
@@ -91,14 +93,14 @@ def test_replaced_and_dropped_lookups_count_as_superseded(redis_server, key_pref
 
     try:
         assert lookups.bind([namespace])
-        assert lookups.poll("r1", chain, 0) is None  # sent, not answered
+        assert lookups.poll_pages("r1", chain) is None  # sent, not answered
         assert (lookups.asked, lookups.pending, lookups.superseded) == (1, 1, 0) and adds_up()
-        assert lookups.poll("r1", chain, 2) is None  # the local hit grew: a new lookup replaces the first
+        assert lookups.poll_pages("r1", chain[2:]) is None  # the local hit grew: a new lookup replaces the first
         assert (lookups.asked, lookups.pending, lookups.superseded) == (2, 1, 1) and adds_up()
-        assert _answer(lookups, "r1", chain, 2)[0] == 4  # the replacement's answer
+        assert _answer(lookups, "r1", chain[2:])[0] == set(chain[2:])  # the replacement's answer
         assert (lookups.answered, lookups.pending) == (1, 0) and adds_up()
-        assert lookups.poll("r1", chain, 2) == 4 and lookups.asked == 2  # known answer, nothing sent
-        assert lookups.poll("r2", chain, 0) is None
+        assert lookups.poll_pages("r1", chain[2:]) == set(chain[2:]) and lookups.asked == 2  # known answer, nothing sent
+        assert lookups.poll_pages("r2", chain) is None
         lookups.forget("r2")  # the request went away before its answer was read
         lookups.forget("r1")  # answered: not superseded
         assert lookups.counters() == {"shared_lookups": 3, "shared_lookups_answered": 1,
@@ -119,8 +121,8 @@ def test_a_chunk_counts_only_when_every_rank_holds_it(redis_server, key_prefix):
     lookups = RemoteLookups(_config(redis_server.url, key_prefix))
     try:
         assert lookups.bind([ns0, ns1])
-        assert _answer(lookups, "r", chain, 0)[0] == 3
-        assert lookups.bind([ns0, ns0]) and _answer(lookups, "s", chain, 0)[0] == 5  # rebinding follows the ranks
+        assert _answer(lookups, "r", chain)[0] == set(chain[:3])  # rank 1 holds only three
+        assert lookups.bind([ns0, ns0]) and _answer(lookups, "s", chain)[0] == set(chain)  # rebinding follows the ranks
     finally:
         lookups.close()
         rank0.close()
@@ -135,8 +137,8 @@ def test_a_slow_server_is_a_miss_after_the_deadline(redis_server, key_prefix):
     try:
         assert lookups.bind([namespace])
         t0 = time.monotonic()
-        found, asks = _answer(lookups, "r", chain, 0)
-        assert found == 0 and asks >= 1
+        found, asks = _answer(lookups, "r", chain)
+        assert found == frozenset() and asks >= 1
         # answered at the deadline (the tier's own, or the lookup's), not when the server was
         assert 0.3 <= time.monotonic() - t0 < 1.5
     finally:
@@ -152,10 +154,10 @@ def test_a_killed_server_is_a_prompt_miss(redis_factory, key_prefix):
     lookups = RemoteLookups(_config(server.url, key_prefix))
     try:
         assert lookups.bind([namespace])
-        assert _answer(lookups, "before", chain, 0)[0] == 4
+        assert _answer(lookups, "before", chain)[0] == set(chain)
         server.kill9()
         t0 = time.monotonic()
-        assert _answer(lookups, "after", chain, 0)[0] == 0  # connection refused: a miss, no exception
+        assert _answer(lookups, "after", chain)[0] == frozenset()  # connection refused: a miss, no exception
         assert time.monotonic() - t0 < 2.0
     finally:
         lookups.close()

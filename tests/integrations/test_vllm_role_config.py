@@ -3,7 +3,7 @@ directory (its lookups never touch the filesystem, so this is how engines sharin
 each other's chunk files)."""
 
 from kvtier.core.config import KVTierConfig
-from kvtier.integrations.vllm.worker import ENGINE_RESCAN_S, role_config
+from kvtier.integrations.vllm.engine_config import ENGINE_RESCAN_S, role_config
 
 
 def test_every_role_rescans_by_default_and_an_explicit_value_wins(tmp_path):

@@ -33,7 +33,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvtier.integrations.vllm.protocol import KVTierMetadata, KVTierWorkerMeta, RankReport
-from kvtier.integrations.vllm.scheduler import RequestChain
+from kvtier.integrations.vllm.scheduler.requests import RequestChain
 
 BLOCK = 16  # engine block size: a 128-token chunk spans 8 blocks
 CHUNK = 128
@@ -122,9 +122,10 @@ def _free_blocks(scheduler: Scheduler) -> int:
 
 
 def _connector_requests(scheduler: Scheduler) -> dict[str, Any]:
+    """The scheduler side's request states (``SchedulerSide.requests``), and those with a load in flight."""
     side = scheduler.connector.scheduler_side  # type: ignore[union-attr]
-    return {"requests": dict(side._requests), "loading": dict(side._loading), "chains": dict(side._chains),
-            "planned": dict(side._planned)}
+    return {"requests": dict(side.requests),
+            "loading": {r: s.loading_blocks for r, s in side.requests.items() if s.loading_blocks is not None}}
 
 
 def test_admission_waits_for_the_first_report_then_loads_the_mirror_hit_per_tier(scheduler: Scheduler) -> None:
@@ -190,7 +191,7 @@ def test_an_abort_while_loading_frees_every_block_once_the_load_reports(schedule
     scheduler.schedule()
     assert _free_blocks(scheduler) == NUM_BLOCKS - 1
     assert not scheduler.requests and not scheduler.waiting and not scheduler.running
-    assert _connector_requests(scheduler) == {"requests": {}, "loading": {}, "chains": {}, "planned": {}}
+    assert _connector_requests(scheduler) == {"requests": {}, "loading": {}}  # its state went with it
 
 
 def test_a_block_that_failed_to_load_is_recomputed_from_the_valid_prefix_and_never_loaded_again(
@@ -433,3 +434,23 @@ def test_a_salted_requests_saves_carry_its_tenant_and_the_first_stats_say_quotas
     assert saves["plain"].tenant is not None and saves["plain"].tenant.salt == b""  # the unsalted tenant
     second = scheduler.connector.get_kv_connector_stats()  # type: ignore[union-attr]
     assert second is None or "tenant_quota_default_share" not in second.data["gauges"]  # sent once
+
+
+def test_the_connector_resolves_the_engine_config_once_and_its_side_takes_it_as_is(tiny_model: Path,
+                                                                                     tmp_path: Path) -> None:
+    """``chunk_tokens: auto`` and the role's defaults are applied once, by the connector
+    (``engine_config``): the scheduler side runs with that very object, and refuses a config whose
+    chunk size is still ``auto`` rather than resolving it a second time."""
+    from kvtier.core.config import KVTierConfig
+    from kvtier.integrations.vllm.engine_config import ENGINE_RESCAN_S
+    from kvtier.integrations.vllm.scheduler.side import SchedulerSide
+
+    scheduler = _scheduler(tiny_model, chunk_tokens="auto", disk_path=str(tmp_path / "disk"), disk_gib=0.01)
+    connector = scheduler.connector
+    side = connector.scheduler_side  # type: ignore[union-attr]
+    assert side.config is connector.kvtier_config  # type: ignore[union-attr]
+    assert side.config.chunk_tokens == CHUNK  # auto over 16-token blocks: 128
+    assert side.config.disk_rescan_s == ENGINE_RESCAN_S  # the role's default, applied in the same call
+    with pytest.raises(TypeError, match="engine_config"):
+        SchedulerSide(connector._vllm_config, connector._kv_cache_config,  # type: ignore[union-attr]
+                      KVTierConfig.from_dict({"cpu_gib": 0.05}), load=True, save=True)

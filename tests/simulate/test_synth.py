@@ -88,3 +88,18 @@ def test_rate_per_s_below_one_per_30_days_is_refused(regime):
         make_params(regime, {"rate_per_s": "1e-300"})
     slowest = make_params(regime, {"rate_per_s": str(1 / (30 * 86_400))})
     assert len(generate(regime, slowest, 3, 0, 512)) == 3
+
+
+def test_synth_and_stats_count_the_same_distinct_blocks(tmp_path):
+    """One file, one count: synth counted every hash id (a request's last, partial block too) and
+    stats only full blocks (33,840 vs 21,869 in one file); both now count the full blocks."""
+    import re
+
+    path = tmp_path / "chat.jsonl"
+    made = CliRunner().invoke(app, ["trace", "synth", "--regime", "chat", "--out", str(path), "--requests", "400"])
+    stats = CliRunner().invoke(app, ["trace", "stats", "--trace", str(path)])
+    assert made.exit_code == 0 and stats.exit_code == 0, made.output + stats.output
+    synth_count = int(re.search(r"([\d,]+) distinct full blocks", made.output)[1].replace(",", ""))
+    stats_count = int(re.search(r"\(([\d,]+) distinct\)", stats.output)[1].replace(",", ""))
+    every_id = len({b for r in iter_records(path, block_tokens=512) for b in r.hash_ids})
+    assert synth_count == stats_count == read_trace(path).num_unique_chunks < every_id

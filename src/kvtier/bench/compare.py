@@ -43,7 +43,7 @@ from kvtier.bench.replicas import (
 from kvtier.bench.results import RunResult, RunSummary
 from kvtier.bench.shared_s3 import S3Target
 from kvtier.bench.spread import Spread, figures_of, judge_spread, spreads
-from kvtier.bench.verdict import ArmFigures, Thresholds, Verdict, VerdictKind, judge
+from kvtier.bench.verdict import ArmFigures, Thresholds, Verdict, baseline_verdict
 from kvtier.bench.workload import BenchRequest, TokenSpace, Workload
 from kvtier.launch.serve import ServerSpec, ServerStartError
 
@@ -379,13 +379,13 @@ def judge_arms(arms: list[ArmSpec], outcomes: list[ArmOutcome], thresholds: Thre
     base = next((runs for arm, runs in per_arm if arm.name == BASELINE), None)
     base_spreads = spreads([o.run_figures() for o in base if o.ok]) if base else None
     results = []
+    others = {arm.name: f for arm, runs in per_arm if arm.name != BASELINE
+              and (f := figures_of(spreads([o.run_figures() for o in runs if o.ok]))) is not None}
     for arm, runs in per_arm:
         s = spreads([o.run_figures() for o in runs if o.ok])
         if arm.name == BASELINE:
             figures = figures_of(s)
-            verdict = None if figures is None else (
-                judge(figures, None, thresholds) if figures.prefix_hit_rate < thresholds.min_hit_rate
-                else Verdict(VerdictKind.REFERENCE, "the baseline every other arm is compared with"))
+            verdict = None if figures is None else baseline_verdict(figures, others, thresholds)
         else:
             verdict = judge_spread(s, base_spreads or None, thresholds)
         results.append(ArmResult(arm, runs, verdict))

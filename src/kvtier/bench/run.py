@@ -93,6 +93,14 @@ def _ms(x: float | None) -> str:
     return "-" if x is None or math.isnan(x) else f"{x * 1000:.1f} ms"
 
 
+TTFT_MEASURED = ("measured here, from sending each request to its first streamed token (HTTP, queueing and "
+                 "streaming included); kvtier doctor reads vLLM's server-side histogram, which starts at the engine and "
+                 "reads lower")
+"""What ``bench run``'s TTFT is, said under its table (and doctor's beside its own,
+:data:`kvtier.cli.doctor.TTFT_MEASURED`), so that the two figures for the same requests do not
+contradict each other."""
+
+
 def print_run(outcome: RunOutcome, verdict: Verdict | None) -> None:
     """Print the summary, the meters and the verdict."""
     from rich.console import Console
@@ -105,9 +113,10 @@ def print_run(outcome: RunOutcome, verdict: Verdict | None) -> None:
     table = Table(title=f"kvtier bench run: {outcome.workload.name}, {s.num_requests} requests, {s.duration_s:.1f} s")
     for col in ("latency", "p50", "p90", "p99", "mean"):
         table.add_column(col, justify="right")
-    for name, p in (("TTFT", s.ttft_s), ("ITL", s.itl_s), ("end-to-end", s.e2e_s)):
+    for name, p in (("TTFT (client)", s.ttft_s), ("ITL", s.itl_s), ("end-to-end", s.e2e_s)):
         table.add_row(name, *([_ms(p.p50), _ms(p.p90), _ms(p.p99), _ms(p.mean)] if p else ["-"] * 4))
     console.print(table)
+    console.print(f"[dim]TTFT (client): {TTFT_MEASURED}[/dim]", highlight=False)
     console.print(f"requests: {s.num_ok} ok, {s.num_failed} failed, {s.num_not_sent} not sent; "
                   f"throughput {s.output_tok_per_s:.1f} output tok/s, {s.prompt_tok_per_s:.0f} prompt tok/s, "
                   f"{s.request_per_s:.2f} req/s")

@@ -114,3 +114,23 @@ def _judge(arm: ArmFigures, baseline: ArmFigures | None, t: Thresholds) -> Verdi
                        "pure overhead")
     return Verdict(VerdictKind.NO_REUSE, f"{hits}: nothing reused beyond the engine's own cache "
                    f"(TTFT p50 {p50_ratio:.2f}x baseline)")
+
+
+def baseline_verdict(baseline: ArmFigures, others: dict[str, ArmFigures],
+                     thresholds: Thresholds = Thresholds()) -> Verdict:
+    """The baseline arm's own verdict: the ``reference``, except when it reuses nothing.
+
+    A baseline (the engine alone) that reuses nothing while another arm of the same workload does
+    (``others``: arm name -> figures) is no sign of a workload without reuse: the prompts share
+    prefixes, the engine's own cache is too small to keep them until they come back, and that is
+    what an offload tier is for.  Only when no arm reuses anything is the workload itself said to
+    have no reuse (check that prompts share prefixes and prefix caching is on)."""
+    if baseline.prefix_hit_rate >= thresholds.min_hit_rate:
+        return Verdict(VerdictKind.REFERENCE, "the baseline every other arm is compared with")
+    reusing = {name: f for name, f in others.items() if f.prefix_hit_rate >= thresholds.min_hit_rate}
+    if not reusing:
+        return judge(baseline, None, thresholds)
+    best, figures = max(reusing.items(), key=lambda item: item[1].prefix_hit_rate)
+    return Verdict(VerdictKind.REFERENCE, f"hit rate {_pct(baseline.prefix_hit_rate)}: the prompts do share prefixes "
+                   f"({best} reuses {_pct(figures.prefix_hit_rate)}), but the engine's own cache is too small to keep "
+                   "them until they come back; the baseline every other arm is compared with")

@@ -44,8 +44,8 @@ def _print_text(url: str, meters, alloc, diagnosis, expect_gib: float | None) ->
                   f"tokens; lifetime {pct(meters.lifetime_hit_rate)})")
     console.print(f"  external hit rate       {pct(meters.external_hit_rate)}  ({meters.external_hits:,.0f} / "
                   f"{meters.external_queries:,.0f} tokens)")
-    console.print(f"  TTFT p50 / p99          {sec(meters.ttft_p50_s)} / {sec(meters.ttft_p99_s)}  "
-                  f"({meters.ttft_requests:,.0f} requests)")
+    console.print(f"  TTFT p50 / p99 (server) {sec(meters.ttft_p50_s)} / {sec(meters.ttft_p99_s)}  "
+                  f"({meters.ttft_requests:,.0f} requests)  [dim]({TTFT_MEASURED})[/dim]")
     gib = "none" if alloc.gib is None else f"{alloc.gib:g} GiB"
     expected = "" if expect_gib is None else f", compared with --expect-offload-gib {expect_gib:g}"
     console.print(f"  offload allocated       {gib}  [dim]({alloc.compared}{expected})[/dim]")
@@ -61,6 +61,13 @@ def _print_text(url: str, meters, alloc, diagnosis, expect_gib: float | None) ->
     verdict_style = {"healthy": "green", "warning": "yellow", "problem": "bold red", "inconclusive": "cyan"}
     console.print(f"verdict: [{verdict_style[diagnosis.verdict]}]{diagnosis.verdict}[/]")
 
+
+TTFT_MEASURED = ("server-side: vLLM's vllm:time_to_first_token_seconds, from the request's arrival in the engine "
+                 "to its first token, interpolated within the histogram's buckets; kvtier bench run measures at the "
+                 "client, HTTP and streaming included, and reads higher")
+"""What doctor's TTFT is (vllm/v1/metrics/stats.py: first token time - ``arrival_time``, set by
+``AsyncLLM`` when the request enters the engine), said beside it so that it does not contradict the
+client-side TTFT of ``kvtier bench run`` (:data:`kvtier.bench.run.TTFT_MEASURED`)."""
 
 MAX_INTERVAL_S = 86400.0
 """Longest --interval (one day): longer is a typo, and time.sleep overflows on huge values."""
@@ -156,7 +163,7 @@ def doctor_command(
             "prefix_cache_queries": meters.queries, "prefix_cache_hits": meters.hits,
             "external_queries": meters.external_queries, "external_hits": meters.external_hits,
             "lifetime_hit_rate": meters.lifetime_hit_rate,
-            "ttft_p50_s": meters.ttft_p50_s, "ttft_p99_s": meters.ttft_p99_s, "ttft_requests": meters.ttft_requests,
+            "ttft_p50_s": meters.ttft_p50_s, "ttft_p99_s": meters.ttft_p99_s, "ttft_measured": TTFT_MEASURED, "ttft_requests": meters.ttft_requests,
             "offload_allocated_gib": alloc.gib, "offload_backend": alloc.backend, "offload_detail": alloc.detail,
             "offload_compared": alloc.compared,
             "tiers": {tier: {"capacity_gib": gib, "used_gib": alloc.used_gib.get(tier, 0.0),

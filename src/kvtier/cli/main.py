@@ -120,8 +120,21 @@ app = typer.Typer(
 
 
 
+def _version(value: bool) -> None:
+    """``--version``: the installed distribution's version (``importlib.metadata``), then exit 0."""
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"kvtier {version('kvtier')}")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            print("kvtier (not installed: no package metadata)")
+        raise typer.Exit(0)
+
+
 @app.callback()
-def _root() -> None:
+def _root(show_version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                            help="Print kvtier's version and exit.")) -> None:
     """Tiered KV cache for vLLM: size, audit, simulate, benchmark and run KV offload."""
 
 

@@ -48,6 +48,7 @@ def register(app: typer.Typer) -> None:
         sets: list[str] = typer.Option([], "--set", help="Regime parameter NAME=VALUE (repeatable)."),
     ) -> None:
         from kvtier.simulate.synth import SynthError, generate, make_params
+        from kvtier.simulate.trace import distinct_full_blocks
         from kvtier.tools.mooncake import TraceRecord, write_records
 
         if out.exists() and not force:  # the guard and wording of `trace record`
@@ -62,8 +63,8 @@ def register(app: typer.Typer) -> None:
                                           for i, r in enumerate(records)))
         except OSError as exc:
             fail(f"cannot write {out} ({exc.strerror}); pass a path in a writable directory")
-        blocks = {b for r in records for b in r.hash_ids}
-        typer.echo(f"{out}: {written:,} {regime} requests, {len(blocks):,} distinct blocks of {block_tokens} tokens, "
+        blocks = distinct_full_blocks(records, block_tokens)  # counted as `trace stats` counts them
+        typer.echo(f"{out}: {written:,} {regime} requests, {blocks:,} distinct full blocks of {block_tokens} tokens, "
                    f"{records[-1].timestamp_ms / 1000:,.0f} s (seed {seed})")
 
     @trace_app.command("stats")

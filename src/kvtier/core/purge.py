@@ -297,7 +297,7 @@ def _tenant_admits(selector: PurgeSelector, result: NamespacePurge, ref: BlobRef
 
 def reset_outside(name: str, config: KVTierConfig, namespace: bytes) -> ClearResult | None:
     """Drop namespace ``namespace``'s values from tier ``name``'s storage from outside the stores
-    that hold them (vLLM's scheduler acknowledging a reset, :mod:`kvtier.integrations.vllm.reset`):
+    that hold them (vLLM's scheduler acknowledging a reset, :mod:`kvtier.integrations.vllm.scheduler.reset`):
     the store's :meth:`~kvtier.core.tiers.blobs.BlobStore.before_reset` (the disk tier's marker,
     so that a restart in between never serves what the reset dropped), then every value of the
     namespace under this configuration's key space, listed and deleted batch by batch.

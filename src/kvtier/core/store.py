@@ -41,7 +41,7 @@ outside it on pinned chunks):
   started before the reset does not publish; a queued or running write of a cleared lower tier
   is dropped, or its chunk deleted if it landed after the clear; a scan of other processes'
   files running meanwhile adopts nothing.  A caller that copied bytes out of a load started
-  before the reset compares ``epoch`` to tell (:mod:`kvtier.integrations.vllm.loader`).
+  before the reset compares ``epoch`` to tell (:mod:`kvtier.integrations.vllm.worker.loader`).
 - ``check_integrity()``: each tier's accounting, policies track exactly the resident chunks, and
   no pins remain (call it once all requests are done).
 

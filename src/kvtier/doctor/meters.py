@@ -55,7 +55,7 @@ class SharedTier:
     """One of kvtier's shared tiers (redis, s3, ...) between two scrapes; ``breaker_state`` is the
     second scrape's gauge (summed over ranks: 0 closed everywhere, 1 per half-open rank, 2 per open
     rank).  The lookup numbers are the scheduler's (``kvtier_shared_lookup_*``): it asks the first
-    shared tier of ``tiers`` only (src/kvtier/integrations/vllm/remote.py), so they are zero for
+    shared tier of ``tiers`` only (src/kvtier/integrations/vllm/scheduler/remote.py), so they are zero for
     the others."""
 
     lookup_chunks: float

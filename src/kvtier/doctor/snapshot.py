@@ -171,4 +171,6 @@ def _tier_series(snap: Snapshot, families: list[Any]) -> None:
                        if not s.name.endswith("_created") and math.isfinite(s.value) and s.value >= 0]
             if numbers:
                 values[series] = sum(numbers)
+        if "breaker_state" not in values:  # the family without a sample: the tier is not configured
+            continue  # (its labelled gauge is set only by an engine whose store has it, stats.py store_gauges)
         snap.tiers_wire[tier] = values

@@ -28,9 +28,10 @@ Both may be gzip-compressed (``.gz``).  Errors raise :class:`TraceError` naming 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvtier.core.errors import TraceError
 from kvtier.tools.mooncake import MOONCAKE_BLOCK_TOKENS, iter_records, jsonl_objects
@@ -90,6 +91,18 @@ def trace_path(text: str | Path) -> Path:
 
         return bundled_trace_path()
     return Path(text)
+
+
+def full_blocks(hash_ids: Sequence[int], input_length: int, block_tokens: int) -> Sequence[int]:
+    """The block ids of a Mooncake request's *full* blocks: the first ``input_length // block_tokens``
+    of ``hash_ids`` (its last id may name a partial block, which no cache stores).  The one
+    definition of a trace's blocks: ``trace stats``, ``trace synth`` and the simulator count these."""
+    return hash_ids[: input_length // block_tokens]
+
+
+def distinct_full_blocks(records: Iterable[Any], block_tokens: int) -> int:
+    """Distinct :func:`full_blocks` over ``records`` (each with ``hash_ids`` and ``input_length``)."""
+    return len({b for r in records for b in full_blocks(r.hash_ids, r.input_length, block_tokens)})
 
 
 def read_trace(path: str | Path, fmt: str = "mooncake", block_tokens: int | None = None) -> Trace:
@@ -183,7 +196,7 @@ def _read_mooncake(path: Path, block_tokens: int) -> Trace:
                              "kvtier-jsonl")
         break
     for record in iter_records(path, block_tokens):
-        full = record.hash_ids[: record.input_length // block_tokens]
+        full = full_blocks(record.hash_ids, record.input_length, block_tokens)
         chunk_keys.append([key_to_id.setdefault(key, len(key_to_id)) for key in full])
         times.append(record.timestamp_ms / 1000.0)
         num_tokens.append(record.input_length)

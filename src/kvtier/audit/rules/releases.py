@@ -100,7 +100,7 @@ def kvtier_extensible_kv_cache_headroom(c: ServeConfig) -> str | None:
 @rule("kvtier-chunk-tokens-block-size-64", "warning", "chunk_tokens not a multiple of v0.34's 64-token blocks",
       "Use chunk_tokens auto (the default) or a multiple of 64, or set --block-size to a size that divides it.",
       "vllm/config/cache.py at v0.34.0 (CacheConfig.DEFAULT_BLOCK_SIZE 64, 16 through v0.33.x); kvtier "
-      "src/kvtier/integrations/vllm/groups.py resolved_config",
+      "src/kvtier/integrations/vllm/engine_config.py resolved_config",
       locate="chunk_tokens")
 def kvtier_chunk_tokens_block_size(c: ServeConfig) -> str | None:
     if not c.uses("KVTierConnector") or not c.at_least("0.34.0") or c.has("--block-size"):

@@ -1,4 +1,4 @@
-"""What a probe of a configured shared tier found: one of three states, each with one sentence.
+"""What a probe of a configured shared tier found: one of four states, each with one sentence.
 
 The probe is written once, :func:`kvtier.core.purge.probe_tier`, over the tier's blob store
 (:meth:`~kvtier.core.tiers.blobs.BlobStore.ping`: connect and ask the server something harmless
@@ -10,6 +10,8 @@ the breaker.
 
 * ``reachable``: the server answered within the deadline;
 * ``auth failed``: it answered, but refused the credentials;
+* ``no bucket``: it answered, but the bucket (an object store's) does not exist: a 404 is an
+  endpoint that is up, not an unreachable one;
 * ``unreachable``: no answer (the host does not resolve, the port is closed, a TLS handshake or
   the deadline failed).
 """
@@ -22,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-ProbeState = Literal["reachable", "unreachable", "auth failed"]
+ProbeState = Literal["reachable", "unreachable", "auth failed", "no bucket"]
 
 PROBE_DEADLINE_S = 2.0
 """Longest a probe may take, seconds, name resolution included (probes run on a daemon thread
@@ -34,7 +36,7 @@ class ProbeResult:
     """What a probe of a shared tier found.
 
     Attributes:
-        state: ``"reachable"``, ``"unreachable"`` or ``"auth failed"``.
+        state: ``"reachable"``, ``"unreachable"``, ``"auth failed"`` or ``"no bucket"``.
         url: the tier's address with any password replaced by ``***``.
         detail: why, in a few words (``"connection refused"``, ``"PING answered in 1.2 ms"``).
         elapsed_s: seconds the probe took.
@@ -57,6 +59,9 @@ class ProbeResult:
         if self.state == "auth failed":
             return (f"shared tier {self.url}: auth failed ({self.detail}); vLLM would start, but every shared-tier "
                     f"lookup would be a miss: {self.auth_fix}")
+        if self.state == "no bucket":
+            return (f"shared tier {self.url}: the endpoint answers, but the bucket does not exist ({self.detail}); "
+                    "vLLM would start, but every shared-tier lookup would be a miss: create the bucket or fix its name")
         return (f"shared tier {self.url} is unreachable ({self.detail}); vLLM would start, but every shared-tier "
                 f"lookup would be a miss until it answers: start it, fix {self.address_key}, or open the network path")
 

@@ -78,7 +78,7 @@ class TierSpec:
             with :func:`asked_by`; ``kvtier purge`` runs over the tiers whose keys it was given).
         medium: the ``medium`` of the vLLM KV events announcing a chunk this tier holds
             (vllm/distributed/kv_events.py: ``"CPU"`` host memory, ``"STORAGE"`` a local disk;
-            :mod:`kvtier.integrations.vllm.events`); ``None``: the tier is never announced (a
+            :mod:`kvtier.integrations.vllm.scheduler.events`); ``None``: the tier is never announced (a
             shared tier: the store's change feed does not report it, docs/vllm.md "KV events").
         model: the tier's default bandwidth and latency (:class:`TierModel`) for the sizing and
             simulation tools; ``None`` for a tier they do not model on its own (cpu, disk: their

@@ -18,7 +18,7 @@ the releases and how each was checked: :mod:`kvtier.integrations.vllm.compat`):
 
 - ``SupportsHMA``: the hybrid KV cache manager stays on; a hybrid model's groups (full
   attention, sliding window, Mamba/linear-attention/conv state) are stored per group
-  (:mod:`kvtier.integrations.vllm.groups`), and a failed hybrid load is reported per request
+  (:mod:`kvtier.integrations.vllm.scheduler.pages`), and a failed hybrid load is reported per request
   (``failed_recving``), the only way vLLM accepts with several groups.
 - ``supports_sleep_mode() = False`` (vLLM 0.33+ asks): ``--enable-sleep-mode`` is refused at start-up.
 - ``requires_kv_delivery = False``: a best-effort cache; a dropped save is a future miss.
@@ -56,11 +56,11 @@ from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.tiers.registry import hit_source
 from kvtier.integrations.vllm.compat import require_supported
-from kvtier.integrations.vllm.groups import resolved_config
+from kvtier.integrations.vllm.engine_config import engine_config
 from kvtier.integrations.vllm.protocol import KVTierMetadata, KVTierWorkerMeta
-from kvtier.integrations.vllm.scheduler import SchedulerSide
+from kvtier.integrations.vllm.scheduler.side import SchedulerSide
 from kvtier.integrations.vllm.stats import KVTierPromMetrics, KVTierStats
-from kvtier.integrations.vllm.worker import WorkerSide, role_config
+from kvtier.integrations.vllm.worker.side import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -104,7 +104,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     Raises (at construction, i.e. engine start-up):
         ConfigError: a bad ``kv_connector_extra_config`` value, an explicit ``chunk_tokens`` not a
             multiple of every KV cache group's block size (``auto``, the default, is resolved from
-            them: :func:`~kvtier.integrations.vllm.groups.resolved_config`), or a model/parallelism
+            them: :func:`~kvtier.integrations.vllm.engine_config.engine_config`), or a model/parallelism
             kvtier does not handle, or a vLLM outside
             :data:`~kvtier.integrations.vllm.compat.SUPPORTED_VLLM`.
     """
@@ -120,19 +120,16 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker_side: WorkerSide | None = None
         try:
             require_supported(vllm.__version__)  # a vLLM outside SUPPORTED_VLLM, in one sentence (compat.py)
-            self.kvtier_config = KVTierConfig.from_dict(dict(transfer.kv_connector_extra_config or {}))
-            # chunk_tokens (auto, or an explicit value checked) is resolved from kv_cache_config's
-            # groups by each side alike: the scheduler and every worker get the same groups
-            requested = self.kvtier_config.chunk_tokens
-            self.kvtier_config = resolved_config(self.kvtier_config, kv_cache_config)
+            asked = KVTierConfig.from_dict(dict(transfer.kv_connector_extra_config or {}))
+            # once per connector: chunk_tokens (auto, or an explicit value checked) resolved from
+            # kv_cache_config's groups, which the scheduler and every worker get alike, and the role's
+            # defaults (the workers' rescan interval, which the scheduler's idle refresh follows)
+            self.kvtier_config = engine_config(asked, kv_cache_config, transfer.kv_role)
             if role == KVConnectorRole.SCHEDULER:
-                # role_config: the workers' rescan interval, which the scheduler's idle refresh follows
-                self.scheduler_side = SchedulerSide(vllm_config, kv_cache_config,
-                                                    role_config(self.kvtier_config, transfer.kv_role),
+                self.scheduler_side = SchedulerSide(vllm_config, kv_cache_config, self.kvtier_config,
                                                     load=load, save=save)
             else:
-                self.worker_side = WorkerSide(vllm_config, kv_cache_config,
-                                              role_config(self.kvtier_config, transfer.kv_role))
+                self.worker_side = WorkerSide(vllm_config, kv_cache_config, self.kvtier_config)
         except ConfigError as exc:
             # one line an operator can find in the engine's log, above vLLM's own traceback
             log.error("kvtier configuration error: %s", exc)
@@ -141,7 +138,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             sizes = sorted({int(g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups})
             log.info("kvtier: chunk_tokens %d (%s; KV cache group block sizes %s tokens)",
                      self.kvtier_config.chunk_tokens,
-                     "auto: the smallest multiple of every block size that is at least 128" if requested == "auto"
+                     "auto: the smallest multiple of every block size that is at least 128" if asked.chunk_tokens == "auto"
                      else "as configured", ", ".join(map(str, sizes)))
         if transfer.kv_load_failure_policy != "recompute":
             log.warning("kvtier: kv_load_failure_policy is %r; set it to \"recompute\" so that a failed "
@@ -251,12 +248,12 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         """vLLM's KV events from kvtier's local tiers (``BlockStored`` / ``BlockRemoved`` with medium
         ``CPU`` or ``STORAGE``), when ``--kv-events-config`` enables them: vLLM publishes them after
         its own each step (vllm/v1/core/sched/scheduler.py ``update_from_output``);
-        :mod:`kvtier.integrations.vllm.events`, docs/vllm.md "KV events"."""
+        :mod:`kvtier.integrations.vllm.scheduler.events`, docs/vllm.md "KV events"."""
         return self.scheduler_side.take_events() if self.scheduler_side is not None else []
 
     def has_pending_push_work(self) -> bool:
         """Keep an idle engine stepping until the workers' gauges are true (pins released, the
-        first report in), at most ``SETTLE_S`` seconds: :mod:`kvtier.integrations.vllm.settle`."""
+        first report in), at most ``SETTLE_S`` seconds: :mod:`kvtier.integrations.vllm.scheduler.settle`."""
         return self.scheduler_side is not None and self.scheduler_side.settle.pending()
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -278,7 +275,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         """vLLM's external prefix-cache reset (``POST /reset_prefix_cache?reset_external=true``), on
         the scheduler side: clears the tiers ``reset_scope`` names for this engine's namespaces;
         ``True`` when done, ``False`` (logged) when a tier could not be cleared
-        (:meth:`~kvtier.integrations.vllm.scheduler.SchedulerSide.reset_cache`, docs/vllm.md
+        (:meth:`~kvtier.integrations.vllm.scheduler.side.SchedulerSide.reset_cache`, docs/vllm.md
         "Resetting the cache").  vLLM counts the base class's ``None`` as success: never ``None``."""
         if self.scheduler_side is None:
             log.warning("kvtier: reset_cache reached a worker-side connector; only the scheduler side resets")

@@ -25,6 +25,10 @@ Warnings (e.g. ``kv_load_failure_policy``) are left to the connector's own log l
 a configured shared tier (``redis_url``) is probed (connect + PING within 2 s, never a write) and,
 when it is unreachable or refuses the password, ``WARNING kvtier: <one sentence>`` is printed to
 stderr before the model loads; the server starts anyway (the tier may come up later).
+
+A valid config on the command line (the API server) also gets vLLM PR #49000 backported
+(:mod:`kvtier.integrations.vllm.shutdown_log`): a graceful stop logs no spurious
+``AsyncLLM output_handler failed … EngineDeadError``.
 """
 
 from __future__ import annotations
@@ -33,12 +37,9 @@ import sys
 from typing import Any
 
 from kvtier.core.errors import ConfigError
-from kvtier.integrations.vllm.preflight import (
-    check_transfer_config,
-    cpu_block_divisor,
-    probe_shared_tiers,
-    uses_kvtier,
-)
+from kvtier.integrations.vllm.engine_config import cpu_block_divisor
+from kvtier.integrations.vllm.preflight import check_transfer_config, probe_shared_tiers, uses_kvtier
+from kvtier.integrations.vllm.shutdown_log import install as install_shutdown_race_fix
 
 _MARK = "_kvtier_preflight_installed"
 
@@ -95,6 +96,8 @@ def preflight(config: Any) -> None:
     errors = [p for p in check_transfer_config(transfer, block_divisor=divisor) if p.severity == "error"]
     if not errors:
         warn_unreachable_shared_tier(transfer)
+        if command_line:  # the API server: its graceful stop logs no spurious ERROR (shutdown_log)
+            install_shutdown_race_fix()
         return
     more = f" ({len(errors) - 1} more: run kvtier check on this config)" if len(errors) > 1 else ""
     message = f"{errors[0].message}{more}"

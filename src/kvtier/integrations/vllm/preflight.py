@@ -34,22 +34,31 @@ deadline, never a write): ``kvtier check`` (unless ``--offline``) and the vLLM p
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from kvtier.core import purge
 from kvtier.core.config import GiB, KVTierConfig, did_you_mean
 from kvtier.core.errors import ConfigError
 from kvtier.core.sizing import available_memory
-from kvtier.core.tiers import factory, registry
-from kvtier.core.tiers.disk.check import mount_of
+from kvtier.core.tiers import registry
 from kvtier.core.tiers.probe import PROBE_DEADLINE_S, ProbeResult
-from kvtier.integrations.vllm.groups import AUTO_MIN_CHUNK_TOKENS
+from kvtier.integrations.vllm.engine_config import DEFAULT_BLOCK_SIZES
+from kvtier.integrations.vllm.preflight_tiers import (
+    CREDENTIALS_FIX,
+    Problem,
+    config_advice_problems,
+    cpu_tier_floor_problems,
+    looks_like_credential,
+    on_tmpfs,
+    tier_problems,
+    unconfigured_tier_problems,
+    unused_tier_problems,
+)
 
 CONNECTOR = "KVTierConnector"
 MODULE_PATH = "kvtier.integrations.vllm"
@@ -63,32 +72,7 @@ KV_TRANSFER_FIELDS = (
 KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
-DEFAULT_BLOCK_SIZES = {"CUDA": 16, "CPU": 128}
-"""vLLM 0.32's block size (tokens) without ``--block-size``: ``CacheConfig.DEFAULT_BLOCK_SIZE``
-(vllm/config/cache.py) and the CPU backend's override (vllm/platforms/cpu.py)."""
-
-CPU_FORCED_BLOCK_SIZES = (16, 256)
-"""Block sizes vLLM 0.32's CPU backend forces whatever ``--block-size`` says: 16 for MLA models,
-256 for DeepSeek-V4 (vllm/platforms/cpu.py ``CpuPlatform.check_and_update_config``)."""
-
-Severity = Literal["error", "warning"]
 _DISK_KEYS = ("disk_path", "disk_gib")
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One finding of the pre-flight.
-
-    Attributes:
-        severity: ``"error"`` (vLLM or kvtier refuses to start) or ``"warning"`` (starts, but not
-            as an operator wants).
-        key: the JSON key it is about, dotted (``kv_connector_extra_config.cpu_gib``).
-        message: one sentence naming what is wrong and the fix.
-    """
-
-    severity: Severity
-    key: str
-    message: str
 
 
 def parse_transfer_config(text: str) -> dict[str, Any]:
@@ -114,21 +98,6 @@ def uses_kvtier(transfer: dict[str, Any]) -> bool:
     return bool(_kvtier_entries(transfer))
 
 
-def cpu_block_divisor(block_size: int | None) -> int:
-    """A number (tokens) that every block size vLLM 0.32's CPU backend may choose is a multiple of.
-
-    Before the model is known the block size is not: it is ``--block-size`` (``block_size``) or
-    128 (``CpuPlatform.check_and_update_config`` in vllm/platforms/cpu.py, when
-    ``user_specified_block_size`` is false), forced to 16 for MLA models and 256 for DeepSeek-V4
-    (same function), and raised to a multiple of it for hybrid models (attention + Mamba/state
-    groups: ``Platform`` block alignment in vllm/platforms/interface.py, e.g. 640 for Qwen3-Next).
-    A ``chunk_tokens`` that is not a multiple of the gcd of these is certainly refused by the
-    connector (:meth:`KVTierConfig.validate_block_size`); one that is may still be, which is left
-    to the connector, once the engine has chosen.
-    """
-    return math.gcd(block_size or DEFAULT_BLOCK_SIZES["CPU"], *CPU_FORCED_BLOCK_SIZES)
-
-
 def check_transfer_config(transfer: dict[str, Any] | str, block_size: int | None = None,
                           host_checks: bool = True, block_divisor: int | None = None,
                           environ: Mapping[str, str] | None = None) -> list[Problem]:
@@ -144,7 +113,8 @@ def check_transfer_config(transfer: dict[str, Any] | str, block_size: int | None
             on the serving host (``kvtier check``, the vLLM plugin); False for a config that will run
             elsewhere (``kvtier audit`` of a manifest).
         block_divisor: when ``block_size`` is not known, a number of tokens every block size the
-            engine may choose is a multiple of (:func:`cpu_block_divisor`): ``chunk_tokens`` not a
+            engine may choose is a multiple of
+            (:func:`~kvtier.integrations.vllm.engine_config.cpu_block_divisor`): ``chunk_tokens`` not a
             multiple of it is an error.
         environ: the environment the server will run with (``kvtier audit``: the ``K=V`` of a
             serve line, ``docker run -e``, a manifest's ``env``): its ``KVTIER_*`` variables are
@@ -311,10 +281,10 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
     else:
         problems.extend(_default_block_problem(key, config.chunk_tokens))
     if "tiers" in good or "tiers" not in extra:  # a refused tiers leaves config.tiers at its default: no
-        problems.extend(_unused_tier_problems(key, extra, config))  # advice about a list never given
-        problems.extend(_unconfigured_tier_problems(key, extra, config))
-    problems.extend(_advice_problems(key, config))
-    problems.extend(_cpu_tier_floor_problems(key, config))
+        problems.extend(unused_tier_problems(key, extra, config))  # advice about a list never given
+        problems.extend(unconfigured_tier_problems(key, extra, config))
+    problems.extend(config_advice_problems(key, config))
+    problems.extend(cpu_tier_floor_problems(key, config))
     if config.tenant_quotas is not None and config.tenant_quotas.turns_nothing_on():
         problems.append(Problem("warning", f"{key}.tenant_quotas",
                                 "tenant_quotas gives no tenant a share (no default_share, no_salt_share or salts), "
@@ -327,8 +297,8 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
                                 f"cpu_gib={config.cpu_gib:g} is more than the {available / GiB:.1f} GiB of memory "
                                 "this host has available (the connector refuses it); lower cpu_gib, the total "
                                 "across tensor-parallel ranks"))
-    problems.extend(_tier_problems(key, config))
-    if config.disk_path and config.disk_gib > 0 and _on_tmpfs(Path(config.disk_path)):
+    problems.extend(tier_problems(key, config))
+    if config.disk_path and config.disk_gib > 0 and on_tmpfs(Path(config.disk_path)):
         problems.append(Problem("warning", f"{key}.disk_path",
                                 f"disk_path {config.disk_path!r} is on tmpfs, i.e. in memory: the disk tier then "
                                 "competes with the cpu tier for RAM and is lost on reboot; use a local disk"))
@@ -389,27 +359,6 @@ def probe_shared_tiers(transfer: dict[str, Any], deadline_s: float = PROBE_DEADL
     return probes
 
 
-def _tier_problems(key: str, config: KVTierConfig) -> list[Problem]:
-    """Each configured tier's own preflight (:func:`kvtier.core.tiers.factory.check`), read as its
-    start-up reads it: e.g. the disk tier's directory (kept when it passes, as the tier would create
-    it), the redis tier's password and shared secret."""
-    return [Problem("error", f"{key}.{name}", message)
-            for tier in config.tiers for name, message in factory.check(tier, config)]
-
-
-def _advice_problems(key: str, config: KVTierConfig) -> list[Problem]:
-    """Each configured tier's advice (:func:`kvtier.core.tiers.factory.advice`): warnings about what a
-    configuration it starts with leaves exposed, read from the configuration alone."""
-    out: list[Problem] = []
-    for tier in config.tiers:
-        try:
-            found = factory.advice(tier, config)
-        except ConfigError:
-            continue  # an unknown tier or a module that does not import: reported by the config's own checks
-        out.extend(Problem("warning", f"{key}.{name}", message) for name, message in found)
-    return out
-
-
 def advice_problems(transfer: dict[str, Any], environ: Mapping[str, str] | None = None) -> list[Problem]:
     """The tiers' advice (warnings, :meth:`~kvtier.core.tiers.plugin.TierPlugin.advice`) for every
     KVTierConnector of ``transfer`` whose ``kv_connector_extra_config`` is valid (an invalid one is
@@ -427,87 +376,8 @@ def advice_problems(transfer: dict[str, Any], environ: Mapping[str, str] | None 
             config = KVTierConfig.from_dict(extra)
         except ConfigError:
             continue
-        out.extend(_advice_problems(f"{prefix}kv_connector_extra_config", config))
+        out.extend(config_advice_problems(f"{prefix}kv_connector_extra_config", config))
     return out
-
-
-CREDENTIAL_MARKS = ("access_key", "secret_key", "secret_access", "session_token", "password", "passwd", "api_key",
-                    "aws_secret", "credential")
-"""Fragments of a key name that hold a credential (``aws_secret_access_key``, ``s3_access_key_id``,
-``redis_password``); a known kvtier key (``redis_password_file``, ``s3_credentials_file``) is not one."""
-
-CREDENTIALS_FIX = ("credentials never go in the serve line (ps, shell history and manifests show it): give the "
-                   "S3 keys in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in the server's environment or in the file "
-                   "named by s3_credentials_file, a Redis password in redis_password_env or redis_password_file")
-
-
-def looks_like_credential(name: str) -> bool:
-    """Whether configuration key ``name`` (not a known kvtier key) would hold a credential."""
-    lowered = name.lower()
-    return any(mark in lowered for mark in CREDENTIAL_MARKS)
-
-
-def _unconfigured_tier_problems(key: str, extra: dict[str, Any], config: KVTierConfig) -> list[Problem]:
-    """A warning per tier ``tiers`` names explicitly whose settings are not given (it is skipped)."""
-    if "tiers" not in extra:
-        return []
-    out = []
-    for tier in config.tiers:
-        try:
-            if factory.configured(tier, config):
-                continue
-        except ConfigError:
-            continue  # an unknown tier or a module that does not import: reported by the config's own checks
-        keys = ", ".join(registry.spec(tier).keys)
-        out.append(Problem("warning", f"{key}.tiers",
-                           f"tiers lists {tier!r} but its settings do not ask for it{f' ({keys})' if keys else ''}, "
-                           f"so the {tier} tier is skipped; set them or remove {tier!r} from tiers"))
-    return out
-
-
-def _unused_tier_problems(key: str, extra: dict[str, Any], config: KVTierConfig) -> list[Problem]:
-    """A warning per tier whose settings are given but which ``tiers`` leaves out (it is not used)."""
-    settings = {s.name: [k for k in s.keys if extra.get(k) not in (None, "")] for s in registry.specs()}
-    return [Problem("warning", f"{key}.tiers",
-                    f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} set but tiers "
-                    f"{list(config.tiers)} leaves out {tier!r}, so the {tier} tier is not used; add {tier!r} to "
-                    f"tiers or remove {' and '.join(given)}")
-            for tier, given in settings.items() if given and "tiers" in extra and tier not in config.tiers]
-
-
-MIN_KV_BYTES_PER_TOKEN = 64
-"""The least KV bytes one token can take in any model vLLM runs, bytes: one layer, K and V, one KV
-head of 32 (the smallest head size of vLLM's CPU and ROCm attention backends,
-vllm/v1/attention/backends/cpu_attn.py ``get_supported_head_sizes``), one byte each (fp8 cache)."""
-
-SMALL_MODEL_KV_BYTES_PER_TOKEN = 12_288
-"""KV bytes per token of a small model people serve, Qwen2.5-0.5B in bf16 (24 layers, K and V, 2
-KV heads of 64, 2 bytes): below one of its chunks, ``check`` warns."""
-
-
-def _cpu_tier_floor_problems(key: str, config: KVTierConfig) -> list[Problem]:
-    """``cpu_gib`` against one chunk: the connector refuses a cpu tier smaller than one chunk at
-    start-up (:func:`kvtier.core.sizing.cpu_capacity_bytes`), but a chunk's bytes depend on the
-    model, which ``check`` does not know.  An error below one chunk of the smallest layout any
-    model can have (:data:`MIN_KV_BYTES_PER_TOKEN`: certainly refused), a warning below one chunk
-    of a small real model (:data:`SMALL_MODEL_KV_BYTES_PER_TOKEN`).  ``auto`` chunks are counted
-    at their least, 128 tokens."""
-    tokens = AUTO_MIN_CHUNK_TOKENS if config.chunk_tokens == "auto" else config.chunk_tokens
-    cpu_bytes = config.cpu_gib * GiB
-    floors: tuple[tuple[Literal["error", "warning"], int, str], ...] = (
-            ("error", MIN_KV_BYTES_PER_TOKEN, ("of the smallest model vLLM can run (one layer, one 32-wide KV head, "
-             f"fp8: {MIN_KV_BYTES_PER_TOKEN} bytes a token), so the connector would refuse it at start-up")),
-            ("warning", SMALL_MODEL_KV_BYTES_PER_TOKEN, (f"of a model as small as Qwen2.5-0.5B "
-             f"({SMALL_MODEL_KV_BYTES_PER_TOKEN} bytes a token in bf16); the connector refuses a cpu tier smaller "
-             "than one chunk of the served model at start-up")))
-    for severity, per_token, which in floors:
-        chunk_bytes = tokens * per_token
-        if cpu_bytes < chunk_bytes:
-            return [Problem(severity, f"{key}.cpu_gib",
-                            f"cpu_gib={config.cpu_gib:g} ({int(cpu_bytes)} bytes) cannot hold one {tokens}-token "
-                            f"chunk ({chunk_bytes} bytes) {which}; set cpu_gib to room for hundreds of chunks, "
-                            "e.g. 4")]
-    return []
 
 
 def _default_block_problem(key: str, chunk_tokens: int) -> list[Problem]:
@@ -522,8 +392,3 @@ def _default_block_problem(key: str, chunk_tokens: int) -> list[Problem]:
                     f"{max(DEFAULT_BLOCK_SIZES.values())}, or pass --block-size to check against the server's")]
 
 
-def _on_tmpfs(path: Path) -> bool:
-    while not path.exists():
-        path = path.parent
-    mount = mount_of(path)
-    return mount is not None and mount[0] in ("tmpfs", "ramfs")

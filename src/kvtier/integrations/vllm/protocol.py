@@ -34,7 +34,7 @@ from kvtier.core.tenant import TenantId
 class PageMove:
     """One stored page of one KV cache group: page slot ``first_slot + j`` ↔ engine block
     ``block_ids[j]`` of group ``group``'s layers.  A dense model is a one-group plan: its pages
-    are its chunks (see :mod:`kvtier.integrations.vllm.groups`).
+    are its chunks (see :mod:`kvtier.integrations.vllm.scheduler.pages`).
 
     Attributes:
         key: the page's key (16 bytes): the chunk key for a dense model,
@@ -169,7 +169,7 @@ class RankReport:
             shared tier's keys are ``<prefix><namespace hex>:<chunk key hex>``, so the scheduler
             needs it to ask the shared tier about this rank's chunks.
         busy: chunks of this rank are pinned by loads or disk writes in flight (the scheduler keeps
-            an idle engine stepping until it is false: :mod:`kvtier.integrations.vllm.settle`).
+            an idle engine stepping until it is false: :mod:`kvtier.integrations.vllm.scheduler.settle`).
         epoch: the last :class:`ResetOrder` epoch this rank applied (0: none); the mirror drops
             reports of an older epoch than its own.
     """

@@ -25,7 +25,7 @@ PSEUDO_FILESYSTEMS = frozenset({
 
 def disk_path_problem(path: Path, disk_gib: float) -> tuple[str, str] | None:
     """``(key, sentence)`` of what makes ``path`` unfit to hold ``disk_gib`` GiB of chunk files
-    (a file, a kernel pseudo filesystem, not writable, too little free space), or None; creates
+    (a file or under one, a kernel pseudo filesystem, not writable, too little free space), or None; creates
     the directory only when all of these hold (and leaves nothing else behind).
 
     The free space counts what the directory holds already: it is the tier's to evict.
@@ -35,6 +35,9 @@ def disk_path_problem(path: Path, disk_gib: float) -> tuple[str, str] | None:
     existing = path
     while not existing.exists():
         existing = existing.parent
+    if not existing.is_dir():  # e.g. /etc/hostname/kv: nothing can be created under a file
+        return "disk_path", (f"disk_path {str(path)!r} lies under {str(existing)!r}, which is a file, not a directory; "
+                             "point it at a directory")
     pseudo = pseudo_filesystem(existing)
     if pseudo is not None:
         fstype, mount_point = pseudo

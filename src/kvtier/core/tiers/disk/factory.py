@@ -23,7 +23,7 @@ def configured(config: KVTierConfig) -> bool:
 def state_dir(config: KVTierConfig) -> Path | None:
     """``disk_path`` when ``config`` asks for a disk tier (the registry record's ``state_dir``): the
     scheduler keeps its KV-event journal there, beside the namespace directories, which no rescan
-    or reset reads (:mod:`kvtier.integrations.vllm.events`)."""
+    or reset reads (:mod:`kvtier.integrations.vllm.scheduler.events`)."""
     return Path(config.disk_path) if configured(config) and config.disk_path else None
 
 

@@ -54,9 +54,9 @@ def open_blobs(config: KVTierConfig, deadline_s: float | None = None) -> RedisBl
         deadline_s: cap on the client's connect and call timeouts, seconds (the probe's).
 
     Raises:
-        ConfigError: redis-py is not installed, or the password cannot be read.
+        ConfigError: redis-py is not installed, the password or the TLS CA file cannot be read.
     """
-    from kvtier.core.tiers.redis.client import redis_password
+    from kvtier.core.tiers.redis.client import redis_password, tls_ca_file
 
     settings = redis_settings(config)
     if not settings.redis_url:
@@ -66,6 +66,7 @@ def open_blobs(config: KVTierConfig, deadline_s: float | None = None) -> RedisBl
     except ImportError:
         raise ConfigError("the redis tier needs redis-py; install it (pip install redis) or unset redis_url") from None
     redis_password(settings)  # an unreadable password file is the configuration's error, raised here
+    tls_ca_file(settings)  # so is an unreadable TLS CA file (it read as "unreachable")
     if deadline_s is not None:
         settings = settings.model_copy(update={
             "redis_connect_timeout_s": min(settings.redis_connect_timeout_s, deadline_s),

@@ -39,12 +39,32 @@ def redis_password(config: RedisSettings) -> str | None:
     return None
 
 
+def tls_ca_file(config: RedisSettings) -> str | None:
+    """``redis_tls_ca_file`` when it is used (a ``rediss://`` URL), checked: an existing, readable
+    file (redis-py would only fail at its first connection, which read as a network error).
+
+    Raises:
+        ConfigError: the file is missing, not a file, or unreadable.
+    """
+    path = config.redis_tls_ca_file
+    if not path or not (config.redis_url or "").startswith("rediss://"):
+        return None
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+    except OSError as exc:
+        raise ConfigError(f"cannot read redis_tls_ca_file {path!r} ({exc.strerror}); point it at the PEM file of "
+                          "the CA that signed the Redis server's certificate") from None
+    return path
+
+
 def make_client(config: RedisSettings) -> Any:
     """A redis-py client for ``config.redis_url`` (Cluster client if ``redis_cluster``), timeouts set,
     redis-py's retries off.  Connects lazily (standalone) or to the seed node (Cluster).
 
     Raises:
-        ConfigError: redis-py is not installed, or the Cluster seed node cannot be reached.
+        ConfigError: redis-py is not installed, ``redis_tls_ca_file`` cannot be read
+            (:func:`tls_ca_file`), or the Cluster seed node cannot be reached.
     """
     try:
         import redis
@@ -61,8 +81,9 @@ def make_client(config: RedisSettings) -> Any:
     password = redis_password(config)
     if password is not None:
         kwargs["password"] = password
-    if config.redis_url.startswith("rediss://") and config.redis_tls_ca_file:
-        kwargs["ssl_ca_certs"] = config.redis_tls_ca_file
+    ca_file = tls_ca_file(config)
+    if ca_file is not None:
+        kwargs["ssl_ca_certs"] = ca_file
     if not config.redis_cluster:
         kwargs["health_check_interval"] = 0
         return redis.Redis.from_url(config.redis_url, **kwargs)

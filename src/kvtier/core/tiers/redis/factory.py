@@ -21,15 +21,16 @@ if TYPE_CHECKING:
 
 
 def check(config: KVTierConfig) -> list[tuple[str, str]]:
-    """The password and shared secret, read as start-up reads them (files, the environment
-    variable): ``(config key, message)`` per one that start-up would refuse."""
-    from kvtier.core.tiers.redis.client import redis_password
+    """The password, shared secret and TLS CA file, read as start-up reads them (files, the
+    environment variable): ``(config key, message)`` per one that start-up would refuse."""
+    from kvtier.core.tiers.redis.client import redis_password, tls_ca_file
 
     problems = []
     settings = redis_settings(config)
     password_key = "redis_password_env" if settings.redis_password_env else "redis_password_file"
     for name, read in ((password_key, lambda: redis_password(settings)), ("shared_secret_file",
-                                                                          lambda: shared_secret(config))):
+                                                                          lambda: shared_secret(config)),
+                       ("redis_tls_ca_file", lambda: tls_ca_file(settings))):
         try:
             read()
         except ConfigError as exc:

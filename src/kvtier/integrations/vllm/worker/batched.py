@@ -1,50 +1,37 @@
-"""Copy engine blocks between vLLM's paged KV cache and kvtier chunk pages.
+"""The batched copy path between engine blocks and pages: CUDA caches, or host tensors when asked (tests).
 
-A page is a uint8 array ``[chunk_bytes]`` viewed as ``[num_layers, blocks_per_chunk, block_bytes]``
-(see :mod:`kvtier.integrations.vllm.layout`).  A *span* names which engine blocks go to (or come
-from) which slots of one page: ``Span(page, first_slot, block_ids)``.
+The spans of one call are planned (:func:`plan_batches`) into batches of at most
+``max_batch_bytes``; each batch has a device buffer laid out page by page
+(``[span][layer][slot]``), so every span's bytes are one contiguous run on the device and in its
+page (a full page: one copy of ``chunk_bytes``; a partial span: one copy per layer).  A save
+gathers the blocks of every layer into the buffer on the device (one ``index_select`` and one
+``index_copy_`` per layer and batch, whatever the page size) and copies each span's run straight
+into its tier page; a load copies each page's run into the buffer and scatters it into the
+blocks.  Host copies go straight to the page when it lies in pinned memory (the cpu tier's pool,
+registered by :meth:`~kvtier.core.tiers.cpu.tier.CpuTier.pin_host_memory`); a page outside it (a
+private buffer, or a pool whose registration failed) is bounced through a pinned staging buffer,
+logged once per copier.  So a copy's cost does not collapse with small engine pages (vLLM#57555:
+per-block DMAs at 16 KiB), and no host memcpy sits on the pinned path.
 
-Two strategies, picked from the cache tensors' device:
+Ordering (CUDA streams; every wait is on the device, the host waits only for kvtier's own copies):
 
-- CPU caches (vLLM's CPU backend): each block slice is copied straight into / out of the page
-  with ``numpy.copyto`` on byte views of the cache tensors (strided source or destination is
-  fine), one copy per byte.  numpy copies are single-threaded and release the GIL, so a load
-  running on a connector thread never starts an OpenMP team next to the engine's pinned ones.
-- CUDA caches: batched (:class:`_Batched`).  The spans of one call are planned
-  (:func:`plan_batches`) into batches of at most ``max_batch_bytes``; each batch has a device
-  buffer laid out page by page (``[span][layer][slot]``), so every span's bytes are one contiguous
-  run on the device and in its page (a full page: one copy of ``chunk_bytes``; a partial span: one
-  copy per layer).  A save gathers the blocks of every layer into the buffer on the device (one
-  ``index_select`` and one ``index_copy_`` per layer and batch, whatever the page size) and copies
-  each span's run straight into its tier page; a load copies each page's run into the buffer and
-  scatters it into the blocks.  Host copies go straight to the page when it lies in pinned memory
-  (the cpu tier's pool, registered by :meth:`~kvtier.core.tiers.cpu.tier.CpuTier.pin_host_memory`);
-  a page outside it (a private buffer, or a pool whose registration failed) is bounced through a
-  pinned staging buffer, logged once per copier.  So a copy's cost does not collapse with small
-  engine pages (vLLM#57555: per-block DMAs at 16 KiB), and no host memcpy sits on the pinned path.
+* save (engine thread, after the forward): the save kernel stream waits for the engine's current
+  stream (the forward wrote these blocks), the host copies wait for the gathers; the call returns
+  once they are done (an event on the copy stream), because the store publishes the pages when it
+  returns and another reader may then read them.
+* load (loader threads): the load kernel stream waits for the engine's compute stream (captured
+  when the copier is built, on the engine thread): vLLM zeroes newly allocated blocks on it and a
+  load must land after that zeroing (vllm/v1/kv_offload/cpu/gpu_worker.py ``transfer_async``); the
+  scatters wait for the host copies, and the call returns once the scatters are done (an event on
+  the kernel stream), so the request is reported finished only when its blocks hold the bytes, and
+  the page's pin outlives the DMA.
 
-  Ordering (CUDA streams; every wait is on the device, the host waits only for kvtier's own copies):
-
-  * save (engine thread, after the forward): the save kernel stream waits for the engine's current
-    stream (the forward wrote these blocks), the host copies wait for the gathers; the call
-    returns once they are done (an event on the copy stream), because the store publishes the pages when it
-    returns and another reader may then read them.
-  * load (loader threads): the load kernel stream waits for the engine's compute stream (captured when
-    the copier is built, on the engine thread): vLLM zeroes newly allocated blocks on it and a
-    load must land after that zeroing (vllm/v1/kv_offload/cpu/gpu_worker.py ``transfer_async``);
-    the scatters wait for the host copies, and the call returns once the scatters are done (an
-    event on the kernel stream), so the request is
-    reported finished only when its blocks hold the bytes, and the page's pin outlives the DMA.
-
-  Each direction has a kernel stream and a host-copy stream with two device buffers used in turn,
-  so one batch's gather (or scatter) overlaps the previous batch's transfer; events order each
-  buffer's uses.  Saves and loads have their own streams, buffers and locks; concurrent loads
-  serialize on theirs.
-  The same batched code runs on CPU tensors when asked (``batched=True``, no streams), which is how
-  its block/page mapping is tested without a GPU.
-
-Thread safety: ``save`` runs on the engine's thread, ``load`` on the connector's loader threads;
-they touch different engine blocks (a loading request's blocks belong to no running request).
+Each direction has a kernel stream and a host-copy stream with two device buffers used in turn,
+so one batch's gather (or scatter) overlaps the previous batch's transfer; events order each
+buffer's uses.  Saves and loads have their own streams, buffers and locks; concurrent loads
+serialize on theirs.
+The same batched code runs on CPU tensors when asked (``batched=True``, no streams), which is how
+its block/page mapping is tested without a GPU.
 """
 
 from __future__ import annotations
@@ -61,7 +48,7 @@ import numpy as np
 import torch
 
 from kvtier.core.pinned import is_pinned
-from kvtier.integrations.vllm.layout import KVLayout
+from kvtier.integrations.vllm.worker.layout import KVLayout
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +201,7 @@ def _on(stream: torch.cuda.Stream | None) -> Iterator[None]:
         yield
 
 
-class _Batched:
+class Batched:
     """The batched copy path (see the module docstring): CUDA, or the host when asked (tests).
 
     Each direction has two streams, one for the device kernels (gather / scatter) and one for the
@@ -396,90 +383,3 @@ class _Batched:
                         kv.index_copy_(dim, idx, src.movedim(0, dim) if dim else src)
                     released[k % 2] = _record(kernels)
             _wait(kernels)  # the blocks hold the bytes before the load is reported finished
-
-
-class BlockCopier:
-    """Moves blocks of all registered layers to and from chunk pages.
-
-    Args:
-        layout: the detected layout.
-        kv_caches: vLLM's registered caches (same tensors the layout was detected from).
-        blocks_per_chunk: ``chunk_tokens // block_size``.
-        batched: use the batched path (default: when the caches are on a GPU); True on host
-            tensors runs the same batched code without streams (tests of its mapping).
-        max_batch_bytes: device buffer of one batch per direction, bytes (batched path).
-    """
-
-    def __init__(self, layout: KVLayout, kv_caches: dict[str, torch.Tensor], blocks_per_chunk: int,
-                 batched: bool | None = None, max_batch_bytes: int = MAX_BATCH_BYTES) -> None:
-        self.layout = layout
-        self.layers = [kv_caches[name] for name in layout.layer_names]
-        self.blocks_per_chunk = blocks_per_chunk
-        self.device = self.layers[0].device
-        cuda = self.device.type == "cuda"
-        self.batched = _Batched(layout, self.layers, blocks_per_chunk, max_batch_bytes) \
-            if (cuda if batched is None else batched) else None
-        # host path: byte views of every layer and the byte shape of one block
-        self._host: list[np.ndarray] | None = None
-        if not cuda:
-            try:
-                self._host = [kv.view(torch.uint8).numpy() for kv in self.layers]
-            except RuntimeError:  # innermost dimension not contiguous: copy with torch instead
-                self._host = None
-        self._block_byte_shape = (*layout.block_shape[:-1], layout.block_shape[-1] * self.layers[0].element_size()) \
-            if layout.block_shape else (self.layers[0].element_size(),)
-
-    def _page_slots(self, page: np.ndarray) -> np.ndarray:
-        """``page`` as ``[num_layers, blocks_per_chunk, *block byte shape]`` (a view)."""
-        return page.reshape(self.layout.num_layers, self.blocks_per_chunk, *self._block_byte_shape)
-
-    def _host_block(self, layer: int, block: int) -> np.ndarray:
-        assert self._host is not None
-        arr = self._host[layer]
-        return arr[(slice(None),) * self.layout.block_dim + (block,)]
-
-    def _page_view(self, page: np.ndarray) -> torch.Tensor:
-        return host_tensor(page).view(self.layout.num_layers, self.blocks_per_chunk, self.layout.block_bytes)
-
-    def _slot(self, page_view: torch.Tensor, layer: int, slot: int) -> torch.Tensor:
-        return page_view[layer, slot].view(self.layout.dtype).view(self.layout.block_shape)
-
-    # ---- engine -> pages (save) --------------------------------------------------------------
-    def save(self, spans: Sequence[Span]) -> None:
-        """Copy each span's blocks of every layer into its page; returns when the bytes are there."""
-        if self.batched is not None:
-            self.batched.save(spans)
-            return
-        if self._host is None:
-            dim = self.layout.block_dim
-            for span in spans:
-                view = self._page_view(span.page)
-                for layer, kv in enumerate(self.layers):
-                    for j, block in enumerate(span.block_ids):
-                        self._slot(view, layer, span.first_slot + j).copy_(kv.select(dim, block))
-            return
-        for span in spans:
-            slots = self._page_slots(span.page)
-            for layer in range(self.layout.num_layers):
-                for j, block in enumerate(span.block_ids):
-                    np.copyto(slots[layer, span.first_slot + j], self._host_block(layer, block))
-
-    # ---- pages -> engine (load) --------------------------------------------------------------
-    def load(self, spans: Sequence[Span]) -> None:
-        """Copy each span's page slots into its blocks of every layer; returns when they are there."""
-        if self.batched is not None:
-            self.batched.load(spans)
-            return
-        if self._host is None:
-            dim = self.layout.block_dim
-            for span in spans:
-                view = self._page_view(span.page)
-                for layer, kv in enumerate(self.layers):
-                    for j, block in enumerate(span.block_ids):
-                        kv.select(dim, block).copy_(self._slot(view, layer, span.first_slot + j))
-            return
-        for span in spans:
-            slots = self._page_slots(span.page)
-            for layer in range(self.layout.num_layers):
-                for j, block in enumerate(span.block_ids):
-                    np.copyto(self._host_block(layer, block), slots[layer, span.first_slot + j])

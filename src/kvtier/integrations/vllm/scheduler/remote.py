@@ -1,6 +1,6 @@
 """The scheduler's questions to the shared tier (e.g. Redis / Valkey), asked off the scheduler's thread.
 
-The mirror (:mod:`kvtier.integrations.vllm.mirror`) knows only what the engine's own workers
+The mirror (:mod:`kvtier.integrations.vllm.scheduler.mirror`) knows only what the engine's own workers
 hold.  For the part of a prompt beyond the mirror's hit, :class:`RemoteLookups` sends one
 pipelined presence batch (``EXISTS`` per chunk) to the shared tier per tensor-parallel rank, on
 its own threads, and hands back "ask again" (``None``) until the answer is in or
@@ -8,14 +8,13 @@ its own threads, and hands back "ask again" (``None``) until the answer is in or
 answers ``(None, False)`` meanwhile (vllm/v1/core/sched/scheduler.py skips the request for this
 step and asks again in the next one), so the engine's step never waits on the network.
 
-- The scheduler asks :meth:`RemoteLookups.poll_pages` for every model: the same batch over the
+- The scheduler asks :meth:`RemoteLookups.poll_pages` for every model: the batch is over the
   page keys no local tier holds (a dense model's pages are its chunks; a hybrid model's are
   chunk key and KV cache group); the hit is then planned over local and shared pages together
-  (:meth:`~kvtier.integrations.vllm.group_jobs.GroupJobs.lookup`).  :meth:`RemoteLookups.poll`
-  (leading chunks of a chain) serves tools (``kvtier doctor``).
-- A chunk counts only if every rank's value is there (each rank stores its own KV heads under its
-  own namespace, reported by the workers in ``RankReport.namespace``): the answer is the minimum
-  over ranks of the leading chunks found.
+  (:meth:`~kvtier.integrations.vllm.scheduler.pages.PagePlanner.lookup`).
+- A page counts only if every rank's value is there (each rank stores its own KV heads under its
+  own namespace, reported by the workers in ``RankReport.namespace``): the answer is the pages
+  every rank holds.
 - Bounded: at most ``shared_queue_depth`` lookups in flight; more are answered "0 more" at once
   (counted in :attr:`RemoteLookups.skipped`).  Each rank's tier has its own deadline, timeouts and
   circuit breaker (:class:`~kvtier.core.tiers.guarded.GuardedTier`): a dead server is a fast miss.
@@ -41,16 +40,11 @@ from typing import Any, TypeVar
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
-from kvtier.core.handles import PendingLookup
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers.factory import TierContext, make_tier, shared_configured
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class _Answered(PendingLookup):
-    """A lookup whose answer is known (asked again, e.g. when vLLM could not allocate blocks yet)."""
 
 
 def shared_tier_configured(config: KVTierConfig) -> bool:
@@ -86,12 +80,10 @@ class RemoteLookups:
         self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-remote-lookup")
         self._lock = threading.Lock()
         self._in_flight = 0
-        # req_id -> ((start, end), pending lookup); answered ones stay until the request is planned or gone
-        self._pending: dict[str, tuple[tuple[int, int], PendingLookup]] = {}
-        # hybrid models: req_id -> (page keys asked, the lookup or its answer, deadline)
-        self._pending_pages: dict[str, tuple[tuple[bytes, ...], Future[frozenset[bytes]] | frozenset[bytes], float]] = {}
-        # sent lookups whose answer was not read yet: ("chunks" | "pages", req_id)
-        self._unanswered: set[tuple[str, str]] = set()
+        # req_id -> (page keys asked, the lookup or its answer, deadline); answered ones stay until the
+        # request is planned or gone
+        self._pending: dict[str, tuple[tuple[bytes, ...], Future[frozenset[bytes]] | frozenset[bytes], float]] = {}
+        self._unanswered: set[str] = set()  # requests whose sent lookup's answer was not read yet
         self.asked = self.answered = self.timed_out = self.skipped = self.superseded = 0
         self.answered_chunks = self.found_chunks = 0  # over answered lookups: the shared tier's hit rate
 
@@ -118,34 +110,20 @@ class RemoteLookups:
             self.close_tiers()
         return bool(self._tiers)
 
-    def poll(self, req_id: str, chain: Sequence[bytes], start: int) -> int | None:
-        """Chunks of ``chain[start:]`` held in the shared tier by every rank, leading ones only;
-        ``None`` ("ask again") while the lookup runs.  Never blocks."""
-        span = (start, len(chain))
-        entry = self._pending.get(req_id)
-        if entry is None or entry[0] != span:
-            self._supersede("chunks", req_id)
-            entry = self._pending[req_id] = (span, self._submit(req_id, chain[start:]))
-        found = entry[1].poll()
-        if found is not None and not isinstance(entry[1], _Answered):  # keep the answer, drop the future
-            self._answered(("chunks", req_id), span[1] - start, found, entry[1].timed_out)
-            self._pending[req_id] = (span, _Answered(found, span[1] - start))
-        return found
-
     def poll_pages(self, req_id: str, keys: Sequence[bytes]) -> frozenset[bytes] | None:
         """Which of ``keys`` (page keys, in any order; none of them held locally)
         the shared tier holds for every rank; ``None`` ("ask again") while the lookup runs, the
         empty set past ``shared_deadline_s`` or on a fault.  Never blocks."""
         asked = tuple(keys)
-        entry = self._pending_pages.get(req_id)
+        entry = self._pending.get(req_id)
         if entry is not None and isinstance(entry[1], frozenset) and set(asked) <= set(entry[0]):
             return entry[1].intersection(asked)  # answered; pages since saved locally are no longer asked
         if entry is None or entry[0] != asked:
-            self._supersede("pages", req_id)
+            self._supersede(req_id)
             future = self._start(lambda tiers: _held_by_every_rank(tiers, asked)) if asked else None
             if future is not None:
-                self._unanswered.add(("pages", req_id))
-            entry = self._pending_pages[req_id] = (asked, frozenset() if future is None else future,
+                self._unanswered.add(req_id)
+            entry = self._pending[req_id] = (asked, frozenset() if future is None else future,
                                                    time.monotonic() + self.deadline_s)
         _, answer, deadline = entry
         if isinstance(answer, frozenset):
@@ -160,14 +138,13 @@ class RemoteLookups:
             found, timed_out = frozenset(), True
         else:
             return None
-        self._answered(("pages", req_id), len(asked), len(found), timed_out)
-        self._pending_pages[req_id] = (asked, found, deadline)
+        self._answered(req_id, len(asked), len(found), timed_out)
+        self._pending[req_id] = (asked, found, deadline)
         return found
 
-    def _answered(self, lookup: tuple[str, str], asked: int, found: int, timed_out: bool) -> None:
-        """Count an answered lookup (``asked`` chunks or pages, ``found`` of them in the shared tier)."""
-        self._unanswered.discard(lookup)
-        req_id = lookup[1]
+    def _answered(self, req_id: str, asked: int, found: int, timed_out: bool) -> None:
+        """Count an answered lookup (``asked`` pages, ``found`` of them in the shared tier)."""
+        self._unanswered.discard(req_id)
         self.answered += 1
         self.answered_chunks += asked
         self.found_chunks += found
@@ -176,23 +153,21 @@ class RemoteLookups:
             log.info("kvtier: shared-tier lookup for request %s passed shared_deadline_s=%s; answered from "
                      "local tiers", req_id, self.deadline_s)
 
-    def _supersede(self, kind: str, req_id: str) -> None:
-        """Count ``req_id``'s sent lookup of ``kind`` as superseded if its answer was never read."""
-        if (kind, req_id) in self._unanswered:
-            self._unanswered.discard((kind, req_id))
+    def _supersede(self, req_id: str) -> None:
+        """Count ``req_id``'s sent lookup as superseded if its answer was never read."""
+        if req_id in self._unanswered:
+            self._unanswered.discard(req_id)
             self.superseded += 1
 
     def forget(self, req_id: str) -> None:
         """Drop ``req_id``'s lookup (planned, or the request is gone); one still unanswered
         counts as superseded."""
-        self._supersede("chunks", req_id)
-        self._supersede("pages", req_id)
+        self._supersede(req_id)
         self._pending.pop(req_id, None)
-        self._pending_pages.pop(req_id, None)
 
     def forget_all(self) -> None:
         """Drop every request's lookup (a reset: answers given before it may count removed chunks)."""
-        for req_id in {*self._pending, *self._pending_pages}:
+        for req_id in list(self._pending):
             self.forget(req_id)
 
     def _start(self, ask: Callable[[list[Any]], T]) -> Future[T] | None:
@@ -219,14 +194,6 @@ class RemoteLookups:
             with self._lock:
                 self._in_flight -= 1
             return None
-
-    def _submit(self, req_id: str, keys: Sequence[bytes]) -> PendingLookup:
-        chunk_keys = [ChunkKey(k) for k in keys]
-        future = self._start(lambda tiers: _leading_held_by_every_rank(tiers, chunk_keys))
-        if future is None:
-            return PendingLookup(0, len(keys))
-        self._unanswered.add(("chunks", req_id))
-        return PendingLookup(0, len(keys), future, time.monotonic() + self.deadline_s)
 
     @property
     def pending(self) -> int:
@@ -256,18 +223,6 @@ class RemoteLookups:
         """Stop asking; idempotent."""
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.close_tiers()
-
-
-def _leading_held_by_every_rank(tiers: Sequence[Any], keys: list[ChunkKey]) -> int:
-    """Leading ``keys`` every rank's tier holds: one pipelined EXISTS batch per rank, stopping at
-    the first rank that holds none."""
-    found = len(keys)
-    for tier in tiers:
-        present = tier.contains_many(keys[:found])
-        found = next((i for i, hit in enumerate(present) if not hit), len(present))
-        if not found:
-            break
-    return found
 
 
 def _held_by_every_rank(tiers: Sequence[Any], keys: Sequence[bytes]) -> frozenset[bytes]:

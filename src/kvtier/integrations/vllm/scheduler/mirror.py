@@ -11,7 +11,7 @@ from the workers each step; read by ``get_num_new_matched_tokens`` without any I
 - All ranks must chain keys from the same root; a rank reporting another root disables loads
   (logged once) rather than risk loading under the wrong keys.
 - Each rank's store namespace digest (its report's ``namespace``) is kept for the shared tier,
-  whose keys carry it (:mod:`kvtier.integrations.vllm.remote`).
+  whose keys carry it (:mod:`kvtier.integrations.vllm.scheduler.remote`).
 - A reset (:meth:`IndexMirror.reset`) empties every rank's view at once and raises the mirror's
   epoch: reports of an older epoch (sent before the rank applied the reset order) are dropped, so
   nothing held before the reset is planned as a hit again; a rank's first report of the new epoch
@@ -23,9 +23,8 @@ from the workers each step; read by ``get_num_new_matched_tokens`` without any I
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 
-from kvtier.core.tiers.registry import slowest, tier_rank
+from kvtier.core.tiers.registry import tier_rank
 from kvtier.integrations.vllm.protocol import RankReport
 
 log = logging.getLogger(__name__)
@@ -106,27 +105,3 @@ class IndexMirror:
         if None in tiers:
             return None
         return max(tiers, key=tier_rank)
-
-    def lookup(self, chain: Sequence[bytes]) -> list[str]:
-        """Tier of each leading chunk of ``chain`` held by every rank (stops at the first miss)."""
-        if not self.ready:
-            return []
-        out: list[str] = []
-        if self.tp_size == 1:
-            index = self._ranks[0]
-            for key in chain:
-                tier = index.get(key)
-                if tier is None:
-                    break
-                out.append(tier)
-            return out
-        for key in chain:
-            tiers = [r.get(key) for r in self._ranks]
-            if None in tiers:
-                break
-            out.append(slowest([t for t in tiers if t]))
-        return out
-
-    def num_chunks(self, rank: int = 0) -> int:
-        """Chunks the mirror holds for ``rank``."""
-        return len(self._ranks[rank])

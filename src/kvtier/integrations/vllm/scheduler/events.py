@@ -367,10 +367,6 @@ class KVEventTracker:
             return False
         return True
 
-    def bind_journal(self, key_root: bytes) -> None:
-        """Name the journal's namespace without reading it (tests; :meth:`load_journal` does both)."""
-        self._journal_root = key_root
-
     @property
     def journal_loaded(self) -> bool:
         return self._journal_root is not None

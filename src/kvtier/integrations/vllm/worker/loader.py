@@ -56,8 +56,8 @@ from kvtier.core.handles import EngineLoad, LoadHandle
 from kvtier.core.keys import ChunkKey
 from kvtier.core.store import TieredStore
 from kvtier.core.tiers.registry import slowest
-from kvtier.integrations.vllm.group_io import GroupCopiers
 from kvtier.integrations.vllm.protocol import LoadJob, tokens_by_tier
+from kvtier.integrations.vllm.worker.copy import GroupCopiers
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,144 @@
+"""The preflight's findings about the configured tiers themselves, read from a valid
+:class:`~kvtier.core.config.KVTierConfig` (the transfer config around it is
+:mod:`kvtier.integrations.vllm.preflight`'s): each tier's own check and advice (its registry
+record's hooks), a tier listed but not configured or configured but not listed, credentials put in
+the serve line, a cpu tier smaller than one chunk, a disk tier on tmpfs.  Each problem is one
+sentence naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from kvtier.core.config import GiB, KVTierConfig
+from kvtier.core.errors import ConfigError
+from kvtier.core.tiers import factory, registry
+from kvtier.core.tiers.disk.check import mount_of
+from kvtier.integrations.vllm.engine_config import AUTO_MIN_CHUNK_TOKENS
+
+Severity = Literal["error", "warning"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One finding of the pre-flight.
+
+    Attributes:
+        severity: ``"error"`` (vLLM or kvtier refuses to start) or ``"warning"`` (starts, but not
+            as an operator wants).
+        key: the JSON key it is about, dotted (``kv_connector_extra_config.cpu_gib``).
+        message: one sentence naming what is wrong and the fix.
+    """
+
+    severity: Severity
+    key: str
+    message: str
+
+
+def tier_problems(key: str, config: KVTierConfig) -> list[Problem]:
+    """Each configured tier's own preflight (:func:`kvtier.core.tiers.factory.check`), read as its
+    start-up reads it: e.g. the disk tier's directory (kept when it passes, as the tier would create
+    it), the redis tier's password and shared secret."""
+    return [Problem("error", f"{key}.{name}", message)
+            for tier in config.tiers for name, message in factory.check(tier, config)]
+
+
+def config_advice_problems(key: str, config: KVTierConfig) -> list[Problem]:
+    """Each configured tier's advice (:func:`kvtier.core.tiers.factory.advice`): warnings about what a
+    configuration it starts with leaves exposed, read from the configuration alone."""
+    out: list[Problem] = []
+    for tier in config.tiers:
+        try:
+            found = factory.advice(tier, config)
+        except ConfigError:
+            continue  # an unknown tier or a module that does not import: reported by the config's own checks
+        out.extend(Problem("warning", f"{key}.{name}", message) for name, message in found)
+    return out
+
+
+CREDENTIAL_MARKS = ("access_key", "secret_key", "secret_access", "session_token", "password", "passwd", "api_key",
+                    "aws_secret", "credential")
+"""Fragments of a key name that hold a credential (``aws_secret_access_key``, ``s3_access_key_id``,
+``redis_password``); a known kvtier key (``redis_password_file``, ``s3_credentials_file``) is not one."""
+
+CREDENTIALS_FIX = ("credentials never go in the serve line (ps, shell history and manifests show it): give the "
+                   "S3 keys in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in the server's environment or in the file "
+                   "named by s3_credentials_file, a Redis password in redis_password_env or redis_password_file")
+
+
+def looks_like_credential(name: str) -> bool:
+    """Whether configuration key ``name`` (not a known kvtier key) would hold a credential."""
+    lowered = name.lower()
+    return any(mark in lowered for mark in CREDENTIAL_MARKS)
+
+
+def unconfigured_tier_problems(key: str, extra: dict[str, Any], config: KVTierConfig) -> list[Problem]:
+    """A warning per tier ``tiers`` names explicitly whose settings are not given (it is skipped)."""
+    if "tiers" not in extra:
+        return []
+    out = []
+    for tier in config.tiers:
+        try:
+            if factory.configured(tier, config):
+                continue
+        except ConfigError:
+            continue  # an unknown tier or a module that does not import: reported by the config's own checks
+        keys = ", ".join(registry.spec(tier).keys)
+        out.append(Problem("warning", f"{key}.tiers",
+                           f"tiers lists {tier!r} but its settings do not ask for it{f' ({keys})' if keys else ''}, "
+                           f"so the {tier} tier is skipped; set them or remove {tier!r} from tiers"))
+    return out
+
+
+def unused_tier_problems(key: str, extra: dict[str, Any], config: KVTierConfig) -> list[Problem]:
+    """A warning per tier whose settings are given but which ``tiers`` leaves out (it is not used)."""
+    settings = {s.name: [k for k in s.keys if extra.get(k) not in (None, "")] for s in registry.specs()}
+    return [Problem("warning", f"{key}.tiers",
+                    f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} set but tiers "
+                    f"{list(config.tiers)} leaves out {tier!r}, so the {tier} tier is not used; add {tier!r} to "
+                    f"tiers or remove {' and '.join(given)}")
+            for tier, given in settings.items() if given and "tiers" in extra and tier not in config.tiers]
+
+
+MIN_KV_BYTES_PER_TOKEN = 64
+"""The least KV bytes one token can take in any model vLLM runs, bytes: one layer, K and V, one KV
+head of 32 (the smallest head size of vLLM's CPU and ROCm attention backends,
+vllm/v1/attention/backends/cpu_attn.py ``get_supported_head_sizes``), one byte each (fp8 cache)."""
+
+SMALL_MODEL_KV_BYTES_PER_TOKEN = 12_288
+"""KV bytes per token of a small model people serve, Qwen2.5-0.5B in bf16 (24 layers, K and V, 2
+KV heads of 64, 2 bytes): below one of its chunks, ``check`` warns."""
+
+
+def cpu_tier_floor_problems(key: str, config: KVTierConfig) -> list[Problem]:
+    """``cpu_gib`` against one chunk: the connector refuses a cpu tier smaller than one chunk at
+    start-up (:func:`kvtier.core.sizing.cpu_capacity_bytes`), but a chunk's bytes depend on the
+    model, which ``check`` does not know.  An error below one chunk of the smallest layout any
+    model can have (:data:`MIN_KV_BYTES_PER_TOKEN`: certainly refused), a warning below one chunk
+    of a small real model (:data:`SMALL_MODEL_KV_BYTES_PER_TOKEN`).  ``auto`` chunks are counted
+    at their least, 128 tokens."""
+    tokens = AUTO_MIN_CHUNK_TOKENS if config.chunk_tokens == "auto" else config.chunk_tokens
+    cpu_bytes = config.cpu_gib * GiB
+    floors: tuple[tuple[Literal["error", "warning"], int, str], ...] = (
+            ("error", MIN_KV_BYTES_PER_TOKEN, ("of the smallest model vLLM can run (one layer, one 32-wide KV head, "
+             f"fp8: {MIN_KV_BYTES_PER_TOKEN} bytes a token), so the connector would refuse it at start-up")),
+            ("warning", SMALL_MODEL_KV_BYTES_PER_TOKEN, (f"of a model as small as Qwen2.5-0.5B "
+             f"({SMALL_MODEL_KV_BYTES_PER_TOKEN} bytes a token in bf16); the connector refuses a cpu tier smaller "
+             "than one chunk of the served model at start-up")))
+    for severity, per_token, which in floors:
+        chunk_bytes = tokens * per_token
+        if cpu_bytes < chunk_bytes:
+            return [Problem(severity, f"{key}.cpu_gib",
+                            f"cpu_gib={config.cpu_gib:g} ({int(cpu_bytes)} bytes) cannot hold one {tokens}-token "
+                            f"chunk ({chunk_bytes} bytes) {which}; set cpu_gib to room for hundreds of chunks, "
+                            "e.g. 4")]
+    return []
+
+
+def on_tmpfs(path: Path) -> bool:
+    while not path.exists():
+        path = path.parent
+    mount = mount_of(path)
+    return mount is not None and mount[0] in ("tmpfs", "ramfs")

@@ -1,0 +1,90 @@
+"""One request as the scheduler side knows it: its state between admission and
+``request_finished`` (:class:`RequestState`), its chunk keys (:class:`RequestChain`) and the pin
+TTL it asks for (:func:`pin_seconds`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.core.keys import chunk_keys, request_root
+from kvtier.core.tenant import TenantId
+
+PIN_PARAM = "kvtier_pin_s"
+"""The ``kv_transfer_params`` key a request names its prompt's pin TTL with, seconds (issue 22 item 4)."""
+
+
+def pin_seconds(params: Any, max_s: float) -> tuple[float, str | None]:
+    """A request's pin TTL from its ``kv_transfer_params`` (OpenAI ``extra_body``), seconds.
+
+    Returns:
+        ``(ttl_s, problem)``: ``ttl_s`` 0 when the request asks for no pin or asks wrongly, capped
+        at ``max_s`` (``pin_max_s``); ``problem`` one sentence for the log when the value was
+        refused or cut, else ``None``.
+    """
+    value = params.get(PIN_PARAM) if isinstance(params, dict) else None
+    if value is None:
+        return 0.0, None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        return 0.0, (f"kv_transfer_params.{PIN_PARAM} must be a positive number of seconds, got {value!r}; "
+                     "the prompt is not pinned")
+    if value > max_s:
+        return max_s, f"kv_transfer_params.{PIN_PARAM}={value:g} is above pin_max_s; pinned for {max_s:g} s"
+    return float(value), None
+
+
+class RequestChain:
+    """Chunk keys of one request, extended as its tokens grow (hashing each chunk once)."""
+
+    def __init__(self, request: Any, key_root: bytes, chunk_tokens: int) -> None:
+        lora = getattr(request, "lora_request", None)
+        lora_id = f"{lora.lora_name}@{lora.lora_path}" if lora is not None else None
+        mm = [str(f.identifier) for f in (getattr(request, "mm_features", None) or ())]
+        self.root = request_root(key_root, getattr(request, "cache_salt", None), lora_id, mm)
+        self.tenant = TenantId.of(getattr(request, "cache_salt", None), lora.lora_name if lora is not None else None)
+        self.chunk_tokens = chunk_tokens
+        self.keys: list[bytes] = []
+
+    def upto(self, token_ids: Any, num_chunks: int) -> list[bytes]:
+        """Keys of chunks ``0 .. num_chunks - 1`` (``token_ids`` must hold them)."""
+        have = len(self.keys)
+        if num_chunks > have:
+            parent = self.keys[-1] if self.keys else self.root
+            more = token_ids[have * self.chunk_tokens:num_chunks * self.chunk_tokens]
+            self.keys.extend(chunk_keys(parent, list(more), self.chunk_tokens))
+        return self.keys[:num_chunks]
+
+
+@dataclass(eq=False)
+class RequestState:
+    """What the scheduler side knows of one request, from its admission to ``request_finished``.
+
+    Attributes:
+        request: vLLM's ``Request``.
+        chain: its chunk keys, hashed once each as its tokens grow (``None`` until first needed).
+        planned_tiers: the tier of each chunk of the hit last offered (``get_num_new_matched_tokens``),
+            until its load job is shipped or the offer is withdrawn; ``None``: nothing offered.
+        loading_blocks: an asynchronous load shipped and not yet reported finished: the engine
+            blocks it fills.
+        sync_pages: a synchronous load shipped: ``(chunk, its engine blocks)`` per page, checked
+            against the invalid blocks of the next ``sync_outputs_left`` step outputs (2: with
+            asynchronous scheduling a step's output comes after the next step is scheduled).
+        load_failed: its load failed once (blocks reported invalid, or the whole load failed): vLLM
+            asks again at once, and the same answer would fail the same way (e.g. a worker whose
+            shared tier skips reads while the scheduler's lookups succeed), so it recomputes.
+        saved_chunks: chunks ``0 .. saved_chunks - 1`` were put in save jobs.
+        pin_s: its prompt's pin TTL, seconds (asked with ``kvtier_pin_s`` and valid; 0: none).
+        refreshed: it asked again once already after an idle gap (see ``SchedulerSide``).
+    """
+
+    request: Any
+    chain: RequestChain | None = None
+    planned_tiers: list[str] | None = None
+    loading_blocks: frozenset[int] | None = None
+    sync_pages: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    sync_outputs_left: int = 0
+    load_failed: bool = False
+    saved_chunks: int = 0
+    pin_s: float = 0.0
+    refreshed: bool = False

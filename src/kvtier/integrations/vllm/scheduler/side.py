@@ -1,0 +1,361 @@
+"""``SchedulerSide``: the scheduler-side connector vLLM's scheduler calls, step by step (the
+contract, per call, is the package's docstring: :mod:`kvtier.integrations.vllm.scheduler`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from kvtier.core.config import KVTierConfig
+from kvtier.core.errors import ConfigError
+from kvtier.core.tiers.factory import state_dir
+from kvtier.core.tiers.registry import top_tier
+from kvtier.integrations.vllm.cache_groups import GroupKind
+from kvtier.integrations.vllm.process_exit import skip_exit_collection
+from kvtier.integrations.vllm.protocol import (
+    KVTierMetadata,
+    KVTierWorkerMeta,
+    LoadJob,
+    SaveJob,
+    tokens_by_tier,
+)
+from kvtier.integrations.vllm.scheduler.events import EventGroup, KVEventTracker, events_enabled
+from kvtier.integrations.vllm.scheduler.mirror import IndexMirror
+from kvtier.integrations.vllm.scheduler.pages import PagePlanner, engine_plan, handoffs_of
+from kvtier.integrations.vllm.scheduler.remote import RemoteLookups, shared_tier_configured
+from kvtier.integrations.vllm.scheduler.requests import RequestChain, RequestState, pin_seconds
+from kvtier.integrations.vllm.scheduler.reset import Resets
+from kvtier.integrations.vllm.scheduler.settle import Settle
+from kvtier.integrations.vllm.scheduler.sync import SyncBudget, bytes_per_token, check_sync_load
+from kvtier.integrations.vllm.stats import KVTierStats
+
+log = logging.getLogger(__name__)
+
+READY_WAIT_S = 60.0  # how long admissions wait for the workers' first index snapshot, at most
+class SchedulerSide:
+    """Scheduler-side state of the connector.
+
+    Args:
+        vllm_config, kv_cache_config: vLLM's configs.
+        config: the engine's kvtier configuration
+            (:func:`~kvtier.integrations.vllm.engine_config.engine_config`: ``chunk_tokens`` resolved).
+        load, save: whether this role loads (``kv_both``, ``kv_consumer``) and saves
+            (``kv_both``, ``kv_producer``).
+
+    Raises:
+        ConfigError: ``chunk_tokens`` not a multiple of ``--block-size``, a KV cache group kind
+            kvtier does not store, a retention interval that is not a multiple of ``chunk_tokens``,
+            or pipeline parallelism.
+        TypeError: ``config.chunk_tokens`` is still ``"auto"``.
+    """
+
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, config: KVTierConfig, load: bool, save: bool) -> None:
+        self.block_size = int(vllm_config.cache_config.block_size)
+        if not isinstance(config.chunk_tokens, int):
+            raise TypeError("SchedulerSide needs the engine's config (chunk_tokens resolved): engine_config()")
+        config.validate_block_size(self.block_size)
+        plan = engine_plan(vllm_config, kv_cache_config, config.chunk_tokens)  # ConfigError: unsupported groups
+        for note in plan.advice():
+            log.warning("kvtier: %s", note)
+        if vllm_config.parallel_config.pipeline_parallel_size > 1:
+            raise ConfigError("kvtier does not support pipeline parallelism yet; use tensor parallelism only")
+        self.config = config
+        self.chunk_tokens = config.chunk_tokens
+        self.load_enabled, self.save_enabled = load, save
+        self.mirror = IndexMirror(int(vllm_config.parallel_config.tensor_parallel_size))
+        self.pages = PagePlanner(plan, self.mirror)  # a dense model is a one-group plan
+        # synchronous loads: one full-attention group only (vLLM takes a sync load's failures as
+        # block ids, which it refuses with several groups: Scheduler._handle_invalid_blocks)
+        one_group = len(kv_cache_config.kv_cache_groups) == 1 and plan.groups[0].kind is GroupKind.FULL
+        self.sync = SyncBudget(int(config.sync_load_max_bytes) if one_group and load else 0,
+                               bytes_per_token(kv_cache_config), top_tier(), self.chunk_tokens)
+        self.requests: dict[str, RequestState] = {}  # every request between admission and request_finished
+        self._loads: list[LoadJob] = []
+        self._kv_cache_manager: Any = None
+        self._waiting_since: float | None = None
+        # An idle engine runs no step, so the workers' rescans (files other engines or kvtier purge
+        # removed or wrote) wait in their change feeds: after an idle gap longer than a rescan, a
+        # lookup asks again once, and the one step that takes brings the news (docs/purge.md).
+        self._refresh_after_s = float(config.disk_rescan_s or 0.0) if config.disk_path else 0.0
+        self._last_report_s = time.monotonic()
+        self.remote = RemoteLookups(config) if load and shared_tier_configured(config) else None
+        self._remote_seen: dict[str, int] = {}
+        self._remote_pending_sent: int | None = None
+        # vLLM KV events (--kv-events-config): None when vLLM publishes none
+        self.events = _event_tracker(vllm_config, kv_cache_config, plan, config, self.mirror) if events_enabled(vllm_config) \
+            else None
+        # keeps an idle engine stepping until the workers' gauges are true (and the events are out)
+        self.settle = Settle(more=self.events.pending if self.events is not None else None)
+        self.resets = Resets(config)
+        self._settings_sent = False  # kv_events_enabled and the quota gauges go out with the first stats
+
+    def bind_kv_cache_manager(self, manager: Any) -> None:
+        self._kv_cache_manager = manager
+
+    def _chain(self, state: RequestState, num_chunks: int) -> list[bytes] | None:
+        """Keys of the request's first ``num_chunks`` chunks; ``None`` if it cannot be keyed."""
+        request = state.request
+        if getattr(request, "prompt_embeds", None) is not None or self.mirror.key_root is None:
+            return None  # prompt embeddings have no token ids to key on
+        if state.chain is None:
+            state.chain = RequestChain(request, self.mirror.key_root, self.chunk_tokens)
+        return state.chain.upto(request.all_token_ids, num_chunks)
+
+    def _state(self, request: Any) -> RequestState:
+        state = self.requests.get(request.request_id)
+        if state is None:
+            state = self.requests[request.request_id] = RequestState(request)
+        return state
+
+    # ---- admission ---------------------------------------------------------------------------
+    def on_new_request(self, request: Any) -> None:
+        state = self.requests[request.request_id] = RequestState(request)
+        if self.save_enabled:
+            ttl_s, problem = pin_seconds(getattr(request, "kv_transfer_params", None), self.config.pin_max_s)
+            if problem:
+                log.warning("kvtier: request %s: %s", request.request_id, problem)
+            if ttl_s > 0 and self.config.pin_max_share > 0:
+                state.pin_s = ttl_s
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        req_id = request.request_id
+        state = self._state(request)
+        state.planned_tiers = None
+        self.sync.give_back(req_id)  # asked again in this step (not scheduled after the first answer)
+        # vLLM must compute at least the last prompt token itself (to sample from its logits).
+        max_chunks = (request.num_tokens - 1) // self.chunk_tokens
+        loadable = self.load_enabled and max_chunks * self.chunk_tokens > num_computed_tokens
+        if not self.mirror.ready and (loadable or (self.save_enabled and request.num_tokens >= self.chunk_tokens)):
+            # The workers' first report (their index and the key root chunk keys hang from) comes
+            # with the next step.  A producer waits too: keys for its saves need the root, and a
+            # sliding-window page is gone from the engine by the step after its prefill.
+            now = time.monotonic()
+            self._waiting_since = self._waiting_since or now
+            if not (self.mirror.broken or now - self._waiting_since > READY_WAIT_S):
+                return None, False
+        if not loadable or not self.mirror.ready:
+            return 0, False
+        if state.load_failed:
+            return 0, False  # its load failed once: recompute rather than load again
+        if (self._refresh_after_s and not state.refreshed
+                and time.monotonic() - self._last_report_s > self._refresh_after_s):
+            state.refreshed = True  # idle longer than a rescan: let one step bring the workers' news
+            return None, False
+        chain = self._chain(state, max_chunks)
+        if chain is None:
+            return 0, False
+        hit, tiers = self.pages.lookup(chain, num_computed_tokens, request.num_tokens)
+        if self.remote is not None and hit < max_chunks * self.chunk_tokens and self.remote.bind(
+                self.mirror.namespaces):
+            found = self.remote.poll_pages(req_id, self.pages.unheld_pages(chain, num_computed_tokens,
+                                                                             request.num_tokens))
+            if found is None:
+                return None, False  # the shared tier has not answered yet: ask again next step
+            if found:
+                hit, tiers = self.pages.lookup(chain, num_computed_tokens, request.num_tokens, found,
+                                                self.remote.tier_name)
+        if hit <= num_computed_tokens:
+            return 0, False
+        state.planned_tiers = tiers
+        if self.sync.offer(req_id, tiers, num_computed_tokens, hit):
+            return hit - num_computed_tokens, False  # loaded in this step's start_load_kv, before the forward
+        return hit - num_computed_tokens, True
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        req_id = request.request_id
+        if self.remote is not None:
+            self.remote.forget(req_id)
+        state = self.requests.get(req_id)
+        tiers = state.planned_tiers if state is not None else None
+        if num_external_tokens <= 0 or tiers is None or state is None or state.chain is None:
+            if state is not None:
+                state.planned_tiers = None
+            self.sync.give_back(req_id)
+            if num_external_tokens > 0:  # vLLM asked us to load what we never offered
+                raise RuntimeError(f"kvtier: request {req_id} was allocated external tokens kvtier did not offer")
+            return
+        hit = len(tiers) * self.chunk_tokens
+        local = hit - num_external_tokens
+        pages = self.pages.load_pages(state.chain.keys, blocks.get_block_ids(), local, hit)
+        if self.events is not None:  # a hit whose hashes were unknown (after a crash) is announced now
+            for page in pages:
+                self.events.record(request, page.key, page.group, page.chunk)
+        resumed = getattr(request, "num_preemptions", 0) > 0
+        sync = self.sync.taken(req_id)
+        self._loads.append(LoadJob(req_id, pages, local, hit, tuple(tiers), resumed, sync=sync))
+
+    def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
+        """Split ``num_external_tokens`` by the tier each planned chunk is in (the same split the
+        workers label ``loaded_tokens`` with: :func:`~kvtier.integrations.vllm.protocol.tokens_by_tier`)."""
+        state = self.requests.get(request.request_id)
+        tiers = (state.planned_tiers if state is not None else None) or []
+        hit = len(tiers) * self.chunk_tokens
+        return tokens_by_tier(tiers, hit - num_external_tokens, hit, self.chunk_tokens)
+
+    # ---- per step ----------------------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
+        meta = KVTierMetadata(loads=self._loads, reset=self.resets.take_order(),
+                              no_forward=scheduler_output.total_num_scheduled_tokens == 0)
+        self._loads = []
+        # a request whose load is in flight is still in self.requests (vLLM finishes it after the load)
+        self.settle.step(idle=not scheduler_output.num_scheduled_tokens and not self.requests)
+        self.sync.new_step()
+        for load in meta.loads:
+            state = self.requests.get(load.req_id)
+            if state is None:
+                continue  # finished since its job was queued: vLLM frees its blocks, nothing to follow
+            state.planned_tiers = None
+            if load.sync:  # no finished_recving will come: its blocks are checked against this step's errors
+                state.sync_pages, state.sync_outputs_left = tuple((p.chunk, p.block_ids) for p in load.pages), 2
+            else:
+                state.loading_blocks = load.block_ids
+        if self.save_enabled:
+            for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+                save = self._save_job(req_id, num_scheduled, scheduler_output)
+                if save is not None:
+                    meta.saves.append(save)
+        return meta
+
+    def _save_job(self, req_id: str, num_scheduled: int, scheduler_output: Any) -> SaveJob | None:
+        state = self.requests.get(req_id)
+        if state is None:
+            return None
+        request = state.request
+        # KV of tokens [0, computed + scheduled) exists once this step's forward pass is done.
+        done = min(request.num_computed_tokens + num_scheduled, len(request.all_token_ids))
+        end = done // self.chunk_tokens
+        start = state.saved_chunks
+        if end <= start:
+            return None
+        keys = self._chain(state, end)
+        if keys is None:
+            return None
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        if block_state is not None:
+            all_block_ids = block_state.resolve_block_ids(req_id)
+        else:
+            all_block_ids = self._kv_cache_manager.get_block_ids(req_id)
+        state.saved_chunks = end
+        pages = self.pages.save_pages(keys, start, end, all_block_ids, handoffs_of(scheduler_output, req_id),
+                                       request.num_prompt_tokens)
+        if self.events is not None:
+            for page in pages:
+                self.events.record(request, page.key, page.group, page.chunk)
+        if not pages:
+            return None
+        tenant = state.chain.tenant if state.chain is not None else None
+        return SaveJob(req_id, pages, self.pages.parent_of(keys, pages[0]), pin_s=state.pin_s,
+                       pin_chunks=request.num_prompt_tokens // self.chunk_tokens, tenant=tenant)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Fold the ranks' index changes (vLLM's worker → scheduler metadata) into the mirror."""
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        self._last_report_s = time.monotonic()
+        self.settle.observe(meta)
+        if isinstance(meta, KVTierWorkerMeta):
+            for rank in sorted(meta.ranks):
+                self.mirror.apply(rank, meta.ranks[rank])
+            if self.events is not None:
+                self._observe_events(meta)
+        invalid = getattr(connector_output, "invalid_block_ids", None) or set()
+        failed = getattr(connector_output, "failed_recving", None) or set()
+        finished = getattr(connector_output, "finished_recving", None) or set()
+        for req_id, state in self.requests.items():
+            if state.sync_outputs_left:
+                check_sync_load(req_id, state, invalid)
+            if state.loading_blocks is not None:
+                if req_id in failed or not state.loading_blocks.isdisjoint(invalid):
+                    if not state.load_failed:
+                        log.info("kvtier: request %s: its load failed; it recomputes from there and is not "
+                                 "loaded again", req_id)
+                    state.load_failed = True
+                if req_id in finished or req_id in failed:
+                    state.loading_blocks = None
+
+    def _observe_events(self, meta: KVTierWorkerMeta) -> None:
+        assert self.events is not None
+        if not self.events.journal_loaded and self.mirror.ready and self.mirror.key_root:
+            self.events.load_journal(self.mirror.key_root)
+        reports = meta.ranks.values()
+        if any(r.full for r in reports):
+            self.events.observe((), full=True)
+        else:
+            for report in reports:
+                self.events.observe(key for key, _ in report.changes)
+
+    def take_events(self) -> list[Any]:
+        """vLLM's ``take_events``: the KV events since the last step (:mod:`kvtier.integrations.vllm.scheduler.events`);
+        empty when vLLM publishes none."""
+        return self.events.take_events() if self.events is not None else []
+
+    # ---- end of a request --------------------------------------------------------------------
+    def request_finished(self, request: Any) -> None:
+        """Forget ``request``.  A load in flight still ends in ``finished_recving``; vLLM keeps the
+        request's blocks until then (it delays freeing blocks of WAITING_FOR_REMOTE_KVS requests)."""
+        req_id = request.request_id
+        self.requests.pop(req_id, None)
+        self.sync.give_back(req_id)
+        if self.remote is not None:
+            self.remote.forget(req_id)
+
+    # ---- reset ---------------------------------------------------------------------------------
+    def reset_cache(self) -> bool:
+        """vLLM's external prefix-cache reset (``/reset_prefix_cache?reset_external=true``):
+        :meth:`Resets.run <kvtier.integrations.vllm.scheduler.reset.Resets.run>`; ``False`` when a
+        tier could not be cleared."""
+        for state in self.requests.values():
+            state.planned_tiers = None
+        return self.resets.run(self.mirror, self.events, self.remote)
+
+    def stats(self) -> KVTierStats | None:
+        """The scheduler's counters' change since the last call: resets (``kvtier_resets_total``,
+        ``kvtier_reset_failures_total``) and, with a shared tier, its lookups and those in flight
+        (``kvtier_shared_lookups_*``); ``None`` when nothing changed."""
+        counters: dict[str, float] = dict(self.resets.take_counts())
+        if self.events is not None:
+            counters |= self.events.take_counters()
+        gauges: dict[str, float] = {}
+        if not self._settings_sent:  # what kvtier doctor shows: events on, quotas (sent once)
+            self._settings_sent = True
+            quotas = self.config.tenant_quotas
+            gauges |= {"kv_events_enabled": float(self.events is not None),
+                       "tenant_quota_default_share": (quotas.default_share or 0.0) if quotas is not None else 0.0,
+                       "tenant_quota_salts": float(len(quotas.salts)) if quotas is not None else 0.0,
+                       "tenant_quota_no_salt_share": quotas.no_salt_guarantee if quotas is not None else 0.0}
+        if self.remote is not None:
+            totals = self.remote.counters()
+            counters |= {k: v - self._remote_seen.get(k, 0) for k, v in totals.items()
+                         if v != self._remote_seen.get(k, 0)}
+            self._remote_seen = totals
+            pending = self.remote.pending
+            if pending != self._remote_pending_sent or counters:
+                gauges["shared_lookups_pending"] = pending
+                self._remote_pending_sent = pending
+        if not counters and not gauges:
+            return None
+        return KVTierStats(data={"counters": counters, "gauges": gauges})
+
+    def shutdown(self) -> None:
+        """Stop the shared-tier lookups and write the KV-event journal (idempotent)."""
+        skip_exit_collection()  # the engine core exits without a slow final GC: process_exit
+        if self.remote is not None:
+            self.remote.close()
+        if self.events is not None and self.events.journal_loaded:
+            self.events.save_journal()
+
+
+def _event_tracker(vllm_config: Any, kv_cache_config: Any, plan: Any, config: KVTierConfig,
+                   mirror: IndexMirror) -> KVEventTracker:
+    """The KV event tracker of this engine: its full-attention groups are announced, with vLLM's
+    ``kv_cache_spec_kind`` of each (vllm/v1/kv_cache_interface.py ``get_kv_cache_spec_kind``)."""
+    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+
+    groups = []
+    for g in plan.groups:
+        spec = kv_cache_config.kv_cache_groups[g.index].kv_cache_spec
+        groups.append(EventGroup(g.index, g.block_size, g.kind is GroupKind.FULL, get_kv_cache_spec_kind(spec).value))
+    hash_block_size = int(getattr(kv_cache_config, "hash_block_size", 0) or vllm_config.cache_config.block_size)
+    assert isinstance(config.chunk_tokens, int)
+    return KVEventTracker(mirror.tier, groups, hash_block_size, config.chunk_tokens,
+                          journal_dir=state_dir(config))

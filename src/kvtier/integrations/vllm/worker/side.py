@@ -1,0 +1,201 @@
+"""``WorkerSide``: the worker-side connector of one tensor-parallel rank, as vLLM's model runner
+calls it (the contract, per call, is the package's docstring: :mod:`kvtier.integrations.vllm.worker`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from kvtier.core.config import KVTierConfig
+from kvtier.core.stats import StoreStats
+from kvtier.core.store import TieredStore
+from kvtier.integrations.vllm.cache_groups import GroupKind, groups_from_kv_cache_config
+from kvtier.integrations.vllm.process_exit import skip_exit_collection
+from kvtier.integrations.vllm.protocol import KVTierMetadata, KVTierWorkerMeta, RankReport, ResetOrder
+from kvtier.integrations.vllm.stats import KVTierStats, store_counters, store_gauges
+from kvtier.integrations.vllm.worker.copy import GroupCopiers
+from kvtier.integrations.vllm.worker.layout import KVLayout
+from kvtier.integrations.vllm.worker.loader import AsyncLoader
+from kvtier.integrations.vllm.worker.registration import key_root, register, tp_rank
+from kvtier.integrations.vllm.worker.saves import save_jobs
+
+log = logging.getLogger(__name__)
+
+MAX_INDEX_CHANGES = 4096  # index changes per rank per step sent to the scheduler (a snapshot goes whole)
+
+
+class WorkerSide:
+    """Per-rank state of the worker-side connector.
+
+    Args:
+        vllm_config, kv_cache_config: vLLM's configs.
+        config: the engine's kvtier configuration
+            (:func:`~kvtier.integrations.vllm.engine_config.engine_config`: ``chunk_tokens`` resolved).
+
+    Raises:
+        ConfigError: a KV cache group kind kvtier does not store.
+        TypeError: ``config.chunk_tokens`` is still ``"auto"``.
+    """
+
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, config: KVTierConfig) -> None:
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        if not isinstance(config.chunk_tokens, int):
+            raise TypeError("WorkerSide needs the engine's config (chunk_tokens resolved): engine_config()")
+        self.config = config
+        self.chunk_tokens: int = config.chunk_tokens
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.tp_rank = tp_rank()
+        self.store: TieredStore | None = None
+        self.loader: AsyncLoader | None = None
+        self.layout: KVLayout | None = None
+        self.key_root = b""
+        self.namespace = b""
+        self._store_seen: StoreStats | None = None
+        self._busy = False  # chunks pinned at the last stats() (loads or disk writes in flight)
+        self._busy_reported: bool | None = None  # busy as last told to the scheduler
+        self._errors: set[int] = set()
+        self._failed: set[str] = set()
+        # this step's synchronous loads that came up short: req -> first chunk not filled
+        self._sync_cut: dict[str, int] = {}
+        self._no_forward = False  # this step computes no tokens: finished_loads may wait (idle_step_wait_s)
+        self._closed = False
+        self.reset_epoch = 0  # the last reset order applied (RankReport.epoch)
+        self.kv_groups = groups_from_kv_cache_config(kv_cache_config)
+        # saved tokens are counted on one group's pages: the first full-attention group (none: not counted)
+        self._token_group = next((g.index for g in self.kv_groups if g.kind is GroupKind.FULL), -1)
+        self.groups: GroupCopiers | None = None
+
+    # ---- setup -------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Build this rank's store and loader over vLLM's caches (:func:`~.registration.register`)."""
+        done = register(self.vllm_config, self.kv_cache_config, self.config, self.kv_groups, kv_caches,
+                        self.tp_size, self.tp_rank)
+        self.layout, self.groups, self.store, self.loader = done.layout, done.copiers, done.store, done.loader
+        self.key_root = key_root(done.namespace)
+        self.namespace = done.namespace.digest()  # reported to the scheduler, which asks the shared tier under it
+
+    # ---- loads -------------------------------------------------------------------------------
+    def start_load(self, meta: KVTierMetadata) -> None:
+        """This step's reset order, then its loads: asynchronous ones handed to the loader threads,
+        synchronous ones (``LoadJob.sync``) copied here, before the forward; their unfilled blocks
+        are this step's load errors and their requests' saves this step stop at the first chunk
+        not filled (KV computed over a block that was not loaded is wrong)."""
+        assert self.loader is not None
+        self._sync_cut = {}
+        self._no_forward = meta.no_forward
+        if meta.reset is not None:
+            self.apply_reset(meta.reset)
+        for job in meta.loads:
+            if job.sync:
+                errors, first_unfilled = self.loader.load_now(job)
+                self._errors |= errors
+                if first_unfilled is not None:
+                    self._sync_cut[job.req_id] = first_unfilled
+            else:
+                self.loader.submit(job)
+
+    def finished_loads(self, finished_req_ids: set[str]) -> set[str]:
+        """Requests whose load ended (either way) since the last call; ``finished_req_ids``
+        (requests vLLM finished) lets loads not started yet be skipped.
+
+        In a step that computes no tokens (the last :meth:`start_load`'s ``meta.no_forward``) with a
+        load in flight, it first blocks until a load ends or ``idle_step_wait_s`` passes (every rank
+        the same bound at most), and a load that ended meanwhile is in this call's answer: vLLM
+        would otherwise run the next empty step at once, spinning the engine's thread against the
+        loader threads.  A step that computes tokens never waits."""
+        if self.loader is None:
+            return set()
+        if finished_req_ids:
+            self.loader.abort(finished_req_ids)
+        no_forward, self._no_forward = self._no_forward, False  # one wait per step at most
+        if no_forward and self.config.idle_step_wait_s > 0:
+            self.loader.wait_ended(self.config.idle_step_wait_s)
+        finished, errors, failed = self.loader.take()
+        self._errors |= errors
+        self._failed |= failed
+        return finished
+
+    def take_failed(self) -> set[str]:
+        """Requests whose load failed whole (several KV cache groups: vLLM recomputes them from the start)."""
+        failed, self._failed = self._failed, set()
+        return failed
+
+    def take_errors(self) -> set[int]:
+        """Blocks of ended loads that could not be filled (vLLM recomputes from the first one)."""
+        errors, self._errors = self._errors, set()
+        return errors
+
+    def apply_reset(self, order: ResetOrder) -> None:
+        """Clear ``order.tiers`` of this rank's store (see the module docstring); a tier that could not
+        be cleared whole is logged (the scheduler has already answered vLLM)."""
+        assert self.store is not None
+        t0 = time.monotonic()
+        results = self.store.clear(order.tiers)
+        self.reset_epoch = order.epoch
+        problems = [f"{tier}: {r.reason}" for tier, r in results.items() if not r.ok]
+        log.info("kvtier: rank %d reset %d cleared %s in %.2f s%s", self.tp_rank, order.epoch,
+                 ", ".join(f"{tier} ({len(r.keys)} chunks)" for tier, r in results.items()) or "nothing",
+                 time.monotonic() - t0, f"; not whole: {'; '.join(problems)}" if problems else "")
+
+    # ---- saves -------------------------------------------------------------------------------
+    def save(self, meta: KVTierMetadata) -> None:
+        """This step's save jobs, after the forward pass (:func:`~.saves.save_jobs`)."""
+        assert self.store is not None and self.groups is not None
+        save_jobs(self.store, self.groups, meta.saves, self._sync_cut, self._token_group, self.chunk_tokens)
+
+    # ---- worker -> scheduler -----------------------------------------------------------------
+    def worker_meta(self) -> KVTierWorkerMeta | None:
+        """This rank's index changes since the last step (the first one is a full snapshot)."""
+        if self.store is None:
+            return None
+        delta = self.store.drain_changes(MAX_INDEX_CHANGES)
+        if not delta.changes and not delta.full and self._busy == self._busy_reported:
+            return None
+        self._busy_reported = self._busy
+        report = RankReport(self.key_root, [(bytes(key), tier) for key, tier in delta.changes], delta.full,
+                            self.namespace, busy=self._busy, epoch=self.reset_epoch)
+        return KVTierWorkerMeta({self.tp_rank: report})
+
+    # ---- metrics and lifecycle ---------------------------------------------------------------
+    def stats(self) -> KVTierStats | None:
+        """The change of the store's snapshot since the last call, and its usage.
+
+        Sent every step, even unchanged: vLLM sums one step's reports over the tensor-parallel
+        ranks, so a rank that skipped an unchanged report would drop out of the summed gauges."""
+        if self.store is None:
+            return None
+        snapshot = self.store.stats()
+        counters = store_counters(snapshot, self._store_seen, self.tp_rank)
+        self._store_seen = snapshot
+        gauges = dict(store_gauges(snapshot))
+        self._busy = snapshot.queued_writes > 0 or any(t.pinned_chunks for t in snapshot.tiers.values())
+        if self.tp_rank == 0:  # vLLM sums the ranks' gauges: one rank reports the engine's chunk size
+            gauges["chunk_tokens"] = self.chunk_tokens
+        return KVTierStats(data={"counters": counters, "gauges": gauges})
+
+    def shutdown(self) -> None:
+        """Stop loading, flush dirty chunks to disk within ``shutdown_flush_s``, stop the store.  Idempotent."""
+        if self._closed or self.store is None:
+            return
+        self._closed = True
+        if self.loader is not None:
+            self.loader.shutdown()
+        t0 = time.monotonic()
+        written, missed = self.store.flush_dirty(self.config.shutdown_flush_s)
+        if missed:
+            log.warning("kvtier: rank %d shutdown flush wrote %d dirty chunks to disk in %.1f s; %d (%.1f MiB) "
+                        "missed shutdown_flush_s=%s and are lost", self.tp_rank, written, time.monotonic() - t0,
+                        missed, missed * self.store.chunk_bytes / (1 << 20), self.config.shutdown_flush_s)
+        else:  # logged with nothing dirty too, so that an operator can tell the graceful path ran
+            log.info("kvtier: rank %d shutdown flush wrote %d dirty chunks to disk in %.1f s",
+                     self.tp_rank, written, time.monotonic() - t0)
+        t1 = time.monotonic()
+        self.store.close(timeout_s=max(self.config.shutdown_flush_s - (t1 - t0), 1.0))
+        if time.monotonic() - t1 > 1.0:  # vLLM sends SIGTERM after VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5)
+            log.warning("kvtier: rank %d store close (queued writes, tier threads) took %.1f s",
+                        self.tp_rank, time.monotonic() - t1)
+        skip_exit_collection()  # the worker process exits within a second of the flush: process_exit

@@ -1,0 +1,127 @@
+"""One disk-tier hit read as a story (issue 33, its first "Done when"): scripts/hit_story.py
+profiles one kvtier disk hit through a real in-process vLLM engine on every thread, from
+``add_request`` to the step that returns the first token, and counts the kvtier source files that
+run and the calls from one kvtier file into another (the moves).
+
+The engine test is a ratchet: the counts may only go down.  The profiler's own counting is
+checked first, without an engine, on a two-file package written here."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "hit_story.py"
+
+# Measured with the script's defaults (808-token prompt, 6 chunks of 128 tokens loaded from disk,
+# 2 engine steps) on a 2-core machine at load 6-10: at aa01ead 31 files, 5 threads, 608-613 moves
+# over 6 runs (2,155-2,161 kvtier calls); after the vLLM integration's split by side and the
+# envelope (eb745ba) 35 files and 627 moves: the side packages spread one step's calls over more,
+# smaller files (scheduler/side.py, pages.py, sync.py, worker/side.py, copy.py, stats_table.py).
+# idle_step_wait_s 1.0 and disk_io buffered fix the engine steps and the read path; what still
+# varies is the loader's wait for the chunks read ahead (integrations/vllm/worker/loader.py
+# ``_copy_as_ready``: a poll every 2 ms, 3 moves into core/handles.py each, and 2 more when it finds
+# chunks to copy), so the bound allows 19 more polls than the most seen.  Issue 33's rebuild (an
+# index and a mover in place of the store's seven files) is done at <= 12 files and <= a quarter of
+# aa01ead's moves (152): lower these numbers as the code gets there (the slack can go with the
+# poll), never raise them.
+MAX_FILES = 35
+MEASURED_MOVES = 627
+POLL_SLACK_MOVES = 19 * 3
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("hit_story", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["hit_story"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_profiler_counts_files_moves_and_threads_as_its_docstring_says(tmp_path: Path) -> None:
+    """A package of two files: ``a.run`` calls ``b.double`` twice (two moves) and its own ``a.one``
+    once (a kvtier → kvtier call in the same file, no move); ``b.double`` calls ``b.one`` (same
+    file).  ``a.run`` runs once on the main thread and once on a thread started after
+    ``install``; a file outside the package calls nothing that counts."""
+    hit_story = load_script()
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "a.py").write_text("from pkg import b\n\ndef one():\n    return 1\n\n"
+                                  "def run():\n    return b.double(1) + b.double(2) + one()\n")
+    (package / "b.py").write_text("def one():\n    return 1\n\ndef double(x):\n    return 2 * x * one()\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        from pkg import a  # type: ignore[import-not-found]
+
+        profiler = hit_story.KvtierCallProfiler(package)
+        profiler.install()
+        started = threading.Event()
+        go = threading.Event()
+
+        def worker() -> None:
+            started.set()
+            go.wait(10)
+            a.run()
+
+        thread = threading.Thread(target=worker, name="story-worker")
+        thread.start()
+        started.wait(10)
+        profiler.arm()
+        try:
+            assert a.run() == 7
+            go.set()
+            thread.join(10)
+        finally:
+            profiler.disarm()
+        a.run()  # after the window: not counted
+    finally:
+        sys.path.remove(str(tmp_path))
+        for name in ("pkg", "pkg.a", "pkg.b"):
+            sys.modules.pop(name, None)
+    report = profiler.report()
+    assert report["files"] == {"a.py": 2 * 2, "b.py": 2 * 4}  # run + one; double ×2 + one ×2, per thread
+    assert report["moves_by_pair"] == {"a.py -> b.py": 2 * 2}
+    assert report["moves"] == 4
+    assert report["kvtier_to_kvtier_calls"] == 2 * 5  # every call but run's own entry
+    assert report["entry_calls"] == 2  # run, from the test (main) and from worker (thread)
+    assert sorted(name.split(" (")[0] for name in report["threads"]) == ["MainThread", "story-worker"]
+    assert "story-worker" not in report["threads_not_profiled"]
+
+
+@pytest.mark.engine
+@pytest.mark.shares_cpu
+def test_one_disk_hit_runs_at_most_todays_files_and_moves(tmp_path: Path) -> None:
+    out = tmp_path / "story.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--json", str(out), "--workdir", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    story = json.loads(out.read_text())
+    package = Path(story["kvtier_dir"]).resolve()
+    assert package == (ROOT / "src" / "kvtier").resolve(), "the script measured another kvtier than this tree's"
+
+    hit = story["hit"]
+    assert hit["disk_hit"] and hit["kvtier_loaded_tokens_total{disk}"] == hit["loadable_tokens"] == 768, hit
+    assert hit["kvtier_loaded_tokens_total{cpu}"] == 0
+
+    files = story["files"]
+    connector = story["connector_file"]  # the file of the class kv_connector names, found by the script
+    assert connector.endswith(".py") and connector in files, f"the connector ({connector}) did not run: {sorted(files)}"
+    disk_tier = [f for f in files if re.search(r"(^|/)tiers/disk(\.py$|/)", f)]
+    assert disk_tier, f"no disk tier module ran: {sorted(files)}"
+    # the reads run on the loader's threads: a profiler that saw only the main thread would find one
+    assert story["num_threads"] >= 2 and story["threads_not_profiled"] == [], story["threads"]
+
+    assert story["num_files"] <= MAX_FILES, f"{story['num_files']} kvtier files ran (at most {MAX_FILES}): {files}"
+    bound = MEASURED_MOVES + POLL_SLACK_MOVES
+    assert story["moves"] <= bound, f"{story['moves']} file-to-file moves (at most {bound}): {story['moves_by_pair']}"
