@@ -4,11 +4,11 @@ shared by the processes of one host and kept across restarts.
 Modules:
 
 - :mod:`~kvtier.core.tiers.disk.tier`: :class:`~kvtier.core.tiers.disk.tier.DiskTier` (index,
-  capacity, reads and writes, clear);
+  capacity, verified reads and crash-safe writes);
 - :mod:`~kvtier.core.tiers.disk.factory`: the tier from a configuration, its preflight check and
   state directory;
-- :mod:`~kvtier.core.tiers.disk.rescan`: taking in files other processes wrote or removed;
-- :mod:`~kvtier.core.tiers.disk.files`: one chunk file read and verified, or written;
+- :mod:`~kvtier.core.tiers.disk.directory`: the index kept in step with the directory (the rescan of
+  files other processes wrote or removed, ``clear``, a vanished directory made again);
 - :mod:`~kvtier.core.tiers.disk.chunkfile`: the chunk file format (the value envelope with its
   header padded to a 4096-byte block);
 - :mod:`~kvtier.core.tiers.disk.chunkio`: verified chunk-file I/O, buffered or ``O_DIRECT``;

@@ -35,22 +35,24 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
+
 from kvtier.core import envelope
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tenant import TenantRecords, Writer, note_verified
-from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, TierUsage, writers
-from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES, ChunkFormatError
+from kvtier.core.tiers.base import GetResult, PutResult, Tier, TierUsage, writers
+from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES, ChunkFormatError, PayloadHasher
 from kvtier.core.tiers.disk.chunkio import DEFAULT_SLICE_BYTES, ChunkIO, helper_threads
-from kvtier.core.tiers.disk.files import read_verified, write_file
+from kvtier.core.tiers.disk.directory import STALE_TMP_S, DirectorySync
 from kvtier.core.tiers.disk.iomode import IO_MODES, IOMode, resolve_io
-from kvtier.core.tiers.disk.rescan import STALE_TMP_S, Rescanning
 from kvtier.core.tiers.disk.reset import remove_chunk_files, reset_marked, unmark_reset
 from kvtier.core.tiers.disk.scan import SUFFIX, ShardWatch, WriterLock, indexed_files, tmp_name
 
@@ -60,7 +62,7 @@ WRITE_WARNING_INTERVAL_S = 10.0
 every write: one line per chunk was thousands per second); the redis tier's rule (``_fault``)."""
 
 
-class DiskTier(Rescanning, Tier):
+class DiskTier(DirectorySync, Tier):
     """Chunk files in a directory, within ``capacity_bytes`` (headers included).
 
     Args:
@@ -193,9 +195,44 @@ class DiskTier(Rescanning, Tier):
         return GetResult.HIT
 
     def _read_verified(self, key: ChunkKey, path: str, dst: memoryview, records: TenantRecords | None) -> None:
-        """:func:`~kvtier.core.tiers.disk.files.read_verified`, then the file's tenant record into ``records``
+        """Read ``key``'s payload into ``dst``; raises ChunkFormatError unless every check passes.
+        The file is an envelope (:mod:`kvtier.core.envelope`) or a legacy version-2 chunk file
+        (:mod:`kvtier.core.legacyformats`).  Then its tenant record goes into ``records``
         (:func:`kvtier.core.tenant.note_verified`: only one that passes its own check)."""
-        note_verified(records, self.namespace, key, read_verified(self._io, self.envelope, key, path, dst))
+        io = self._io
+        record: bytes | None = None
+        # O_NONBLOCK: a FIFO or device planted at a chunk's path must not hang the caller
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | io.open_flags)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ChunkFormatError("not a regular file")
+
+            def check(raw: memoryview, payload_bytes: int) -> tuple[bytes, envelope.Hasher]:
+                nonlocal record
+                header = envelope.decode_header(raw)
+                if header.header_bytes != HEADER_BYTES or header.format not in (envelope.FORMAT,
+                                                                                envelope.FORMAT_CHUNK_FILE):
+                    raise ChunkFormatError(f"not a chunk file ({header.format}, {header.header_bytes}-byte header)")
+                # another namespace or key, a layout or codec this kvtier does not read, or another
+                # chunk size (config, geometry): never a partial fill
+                self.envelope.check(header, key, out.nbytes)
+                if header.stored_bytes != payload_bytes:
+                    raise ChunkFormatError(f"payload is {payload_bytes} bytes on disk, header says {header.stored_bytes}")
+                if header.stored_bytes != header.original_bytes:
+                    raise ChunkFormatError(f"codec chain {list(header.codecs)} changes the payload's length; "
+                                           "the disk tier reads only length-preserving chains")
+                record = header.record
+                if header.format == envelope.FORMAT_CHUNK_FILE:
+                    return header.digest, PayloadHasher()
+                return header.digest, self.envelope.hasher(raw[:envelope.DIGEST_OFFSET])
+
+            out = memoryview(np.frombuffer(dst, dtype=np.uint8).data)
+            if not io.read_chunk(fd, out, st.st_size, check):
+                raise ChunkFormatError("payload checksum mismatch")
+        finally:
+            os.close(fd)
+        note_verified(records, self.namespace, key, record)
 
     def _fall_back(self, exc: OSError) -> bool:
         """Switch to buffered I/O when O_DIRECT is refused at run time (EINVAL); True if switched."""
@@ -236,11 +273,11 @@ class DiskTier(Rescanning, Tier):
         tmp = path.with_name(tmp_name(path.name, self._writer.writer_id, threading.get_ident()))
         try:
             try:
-                write_file(self._io, self.envelope, key, tmp, payload, tenant, self.fsync)
+                self._write_file(key, tmp, payload, tenant)
             except OSError as exc:
                 if not self._fall_back(exc):
                     raise
-                write_file(self._io, self.envelope, key, tmp, payload, tenant, self.fsync)
+                self._write_file(key, tmp, payload, tenant)
             os.replace(tmp, path)
         except OSError as exc:
             if os.path.lexists(tmp):  # not when the open failed (a read-only filesystem answers EROFS, not ENOENT)
@@ -264,6 +301,24 @@ class DiskTier(Rescanning, Tier):
         with self._lock:
             self._writing.discard(key)
         return PutResult.STORED
+
+    def _write_file(self, key: ChunkKey, tmp: Path, payload: memoryview, writer: Writer | None) -> None:
+        io = self._io
+        env = self.envelope
+        fields = env.fields(key, payload.nbytes, payload.nbytes, env.record(writer))
+
+        def digest_of(body: memoryview) -> bytes:
+            h = env.hasher(fields)
+            h.update(body)
+            return h.digest()
+
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | io.open_flags, 0o644)
+        try:
+            io.write_chunk(fd, payload, lambda digest: env.finish(fields, digest), digest_of)
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def get_many(self, keys: Sequence[ChunkKey], dsts: Sequence[memoryview],
                  records: TenantRecords | None = None) -> list[GetResult]:
@@ -299,49 +354,11 @@ class DiskTier(Rescanning, Tier):
         self._io.close()
         self._writer.release()
 
-    def _recreate_locked(self) -> None:
-        """The tier's directory vanished (deleted by hand): forget the index and make it again."""
-        log.warning("kvtier disk tier: directory %s vanished; recreating it and forgetting %d indexed chunks",
-                    self.dir, len(self._key_to_size))
-        self._key_to_size.clear()
-        self._used = 0
-        self._foreign = 0
-        self._watch.forget()
-        self._tmp_shards.clear()
-        self.generation += 1
-        try:
-            for i in range(256):
-                (self.dir / f"{i:02x}").mkdir(parents=True, exist_ok=True)
-            self._writer.release()  # its lock file went with the directory
-            self._writer = WriterLock(self.dir)
-        except OSError as exc:
-            log.warning("kvtier disk tier: cannot recreate %s (%s)", self.dir, exc.strerror)
-
     def delete(self, key: ChunkKey) -> bool:
         with self._lock:
             known = key in self._key_to_size
             self._forget(key)
         return _unlink(self.path(key)) or known
-
-    def clear(self) -> ClearResult:
-        """Forget the index and remove every chunk file of the namespace, other processes' too
-        (:func:`~kvtier.core.tiers.disk.reset.remove_chunk_files`), then the reset marker; the keys
-        returned are the index's and the files'.  A scan
-        running meanwhile adopts nothing (the generation changes).  A write in flight may land
-        after: the store removes it (:mod:`kvtier.core.lower`)."""
-        with self._lock:
-            known = list(self._key_to_size)
-            self._key_to_size.clear()
-            self._used = 0
-            self._foreign = 0
-            self._bad.clear()
-            self._watch.forget()
-            self.generation += 1
-        result = remove_chunk_files(self.dir, len(self.namespace))
-        if result.ok:
-            unmark_reset(self.dir)
-        # the index's keys too: files another process (a reset hook) removed first were still this tier's
-        return result._replace(keys=list(dict.fromkeys((*known, *result.keys))))
 
     def keys(self) -> list[ChunkKey]:
         """Keys in this process's index."""

@@ -1,32 +1,46 @@
-"""Taking in the files other processes sharing a disk tier's directory wrote or removed.
+"""A disk tier's index kept in step with its directory when the directory changes under it:
+files other processes sharing it wrote or removed (the rescan), every file of the namespace
+removed (``clear``, a reset), the directory gone (deleted by hand: made again).
 
-:class:`Rescanning` is the part of :class:`~kvtier.core.tiers.disk.tier.DiskTier` that runs a
-rescan (the capability ``rescannable``, :class:`kvtier.core.tiers.base.Rescannable`): :meth:`~Rescanning.scan`
-lists the shard directories that changed and checks new files' headers with no lock held, then
-:meth:`~Rescanning.adopt` changes the index (the store runs it under its own lock).  The pieces it
-uses (listing, header checks, writer locks) are :mod:`kvtier.core.tiers.disk.scan`'s.
+:class:`DirectorySync` is that part of :class:`~kvtier.core.tiers.disk.tier.DiskTier`.  The rescan
+(the capability ``rescannable``, :class:`kvtier.core.tiers.base.Rescannable`):
+:meth:`~DirectorySync.scan` lists the shard directories that changed and checks new files' headers
+with no lock held, then :meth:`~DirectorySync.adopt` changes the index (the store runs it under its
+own lock).  The pieces it uses (listing, header checks, writer locks) are
+:mod:`kvtier.core.tiers.disk.scan`'s.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from pathlib import Path
 
 from kvtier.core.keys import ChunkKey
+from kvtier.core.tiers.base import ClearResult
 from kvtier.core.tiers.disk.chunkfile import ChunkFormatError
-from kvtier.core.tiers.disk.scan import RescanResult, ShardWatch, chunk_names, header_bytes, remove_if_dead
+from kvtier.core.tiers.disk.reset import remove_chunk_files, unmark_reset
+from kvtier.core.tiers.disk.scan import (
+    RescanResult,
+    ShardWatch,
+    WriterLock,
+    chunk_names,
+    header_bytes,
+    remove_if_dead,
+)
 
+log = logging.getLogger(__name__)
 RESCAN_MAX_NEW = 4096
-"""Header checks of new files per :meth:`Rescanning.rescan` round at most (the rest wait a round)."""
+"""Header checks of new files per :meth:`DirectorySync.rescan` round at most (the rest wait a round)."""
 STALE_TMP_S = 120.0
 """A temporary file whose writer has no lock file (an older kvtier's) is a crash leftover once
 older than this (seconds); one of a writer whose lock is free is one at once."""
 
 
-class Rescanning:
-    """The rescan of a :class:`~kvtier.core.tiers.disk.tier.DiskTier`, over the index state the
-    tier holds (declared here; the tier sets it and defines the three index helpers)."""
+class DirectorySync:
+    """The directory-facing part of a :class:`~kvtier.core.tiers.disk.tier.DiskTier`, over the
+    index state the tier holds (declared here; the tier sets it and defines the three index helpers)."""
 
     namespace: bytes
     dir: Path
@@ -41,6 +55,7 @@ class Rescanning:
     _removed: set[ChunkKey] | None
     _tmp_shards: set[int]
     _watch: ShardWatch
+    _writer: WriterLock
 
     def _file(self, key: ChunkKey) -> str:
         raise NotImplementedError
@@ -147,3 +162,41 @@ class Rescanning:
             found.append(None)
             return
         found.append((key, size, mtime))
+
+    def _recreate_locked(self) -> None:
+        """The tier's directory vanished (deleted by hand): forget the index and make it again."""
+        log.warning("kvtier disk tier: directory %s vanished; recreating it and forgetting %d indexed chunks",
+                    self.dir, len(self._key_to_size))
+        self._key_to_size.clear()
+        self._used = 0
+        self._foreign = 0
+        self._watch.forget()
+        self._tmp_shards.clear()
+        self.generation += 1
+        try:
+            for i in range(256):
+                (self.dir / f"{i:02x}").mkdir(parents=True, exist_ok=True)
+            self._writer.release()  # its lock file went with the directory
+            self._writer = WriterLock(self.dir)
+        except OSError as exc:
+            log.warning("kvtier disk tier: cannot recreate %s (%s)", self.dir, exc.strerror)
+
+    def clear(self) -> ClearResult:
+        """Forget the index and remove every chunk file of the namespace, other processes' too
+        (:func:`~kvtier.core.tiers.disk.reset.remove_chunk_files`), then the reset marker; the keys
+        returned are the index's and the files'.  A scan
+        running meanwhile adopts nothing (the generation changes).  A write in flight may land
+        after: the store removes it (:mod:`kvtier.core.lower`)."""
+        with self._lock:
+            known = list(self._key_to_size)
+            self._key_to_size.clear()
+            self._used = 0
+            self._foreign = 0
+            self._bad.clear()
+            self._watch.forget()
+            self.generation += 1
+        result = remove_chunk_files(self.dir, len(self.namespace))
+        if result.ok:
+            unmark_reset(self.dir)
+        # the index's keys too: files another process (a reset hook) removed first were still this tier's
+        return result._replace(keys=list(dict.fromkeys((*known, *result.keys))))
