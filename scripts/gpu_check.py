@@ -17,7 +17,7 @@ vLLM#57555), the script:
 1. fills the caches with random bytes on a *compute stream* after a long dummy kernel, and saves
    random blocks through kvtier's copy path (:class:`kvtier.integrations.vllm.worker.copy.BlockCopier`,
    built on that stream as vLLM's engine thread builds it) into pages of kvtier's cpu tier
-   (:class:`kvtier.core.tiers.cpu.CpuTier`, its pool registered as pinned memory), issued from the
+   (:class:`kvtier.core.tiers.cpu.tier.CpuTier`, its pool registered as pinned memory), issued from the
    compute stream: a save that did not wait for the writes would read stale bytes;
 2. zeroes the target blocks on the compute stream after another long kernel (as vLLM zeroes newly
    allocated blocks) and loads the pages into them: a load that did not wait would be zeroed over;
@@ -57,7 +57,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from kvtier.core.tiers.base import Reservation
-from kvtier.core.tiers.cpu import CpuTier
+from kvtier.core.tiers.cpu.tier import CpuTier
 from kvtier.integrations.vllm.worker.copy import BlockCopier, Span
 from kvtier.integrations.vllm.worker.layout import detect_layout
 

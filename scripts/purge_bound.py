@@ -23,7 +23,7 @@ from kvtier.core.keys import Namespace, chunk_keys, request_root
 from kvtier.core.purge import PurgeSelector, purge
 from kvtier.core.store import TieredStore
 from kvtier.core.tenant import TenantId
-from kvtier.core.tiers.chunkfile import HEADER_BYTES
+from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES
 from kvtier.core.tiers.registry import top_tier
 
 CHUNK_TOKENS, CHUNK_BYTES, CHUNKS = 4, 1 << 16, 8

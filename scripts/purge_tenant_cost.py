@@ -111,8 +111,8 @@ def main() -> None:
     from tests.redis_servers import RedisServer
     from tests.s3_servers import S3Server
 
-    from kvtier.core.tiers import redis as redis_tier
-    from kvtier.core.tiers import s3 as s3_tier
+    from kvtier.core.tiers.redis import factory as redis_factory
+    from kvtier.core.tiers.s3 import factory as s3_factory
 
     deadlines = {"shared_deadline_s": 30.0, "shared_transfer_deadline_s": 30.0}
     with tempfile.TemporaryDirectory(prefix="kvtier-purge-cost-") as tmp:
@@ -133,7 +133,7 @@ def main() -> None:
                 return time.perf_counter() - t0
 
             measure("redis (standalone)", config,
-                    lambda c, ns: redis_tier.from_config(TierContext(c, ns, args.chunk_kib << 10, 1,
+                    lambda c, ns: redis_factory.from_config(TierContext(c, ns, args.chunk_kib << 10, 1,
                                                                      CollectorRegistry())), args, whole_get)
             s3.start()
             bucket = s3.make_bucket()
@@ -143,7 +143,7 @@ def main() -> None:
             config = KVTierConfig.from_dict({"s3_endpoint_url": s3.url, "s3_bucket": bucket, "s3_allow_http": True,
                                              "s3_credentials_file": str(creds), **deadlines})
             measure("s3 (rclone serve s3)", config,
-                    lambda c, ns: s3_tier.from_config(TierContext(c, ns, args.chunk_kib << 10, 1,
+                    lambda c, ns: s3_factory.from_config(TierContext(c, ns, args.chunk_kib << 10, 1,
                                                                   CollectorRegistry())), args)
         finally:
             server.stop()

@@ -1,7 +1,7 @@
 """What the HEAD before each s3 PUT costs, in one process, rounds interleaved (issue 21).
 
 The s3 tier writes a chunk with one conditional PUT where the server honours ``If-None-Match: *``
-and with a HEAD first where it does not (:mod:`kvtier.core.tiers.s3`).  ``bench-store`` runs of
+and with a HEAD first where it does not (:mod:`kvtier.core.tiers.s3.tier`).  ``bench-store`` runs of
 two code versions one after the other on a loaded machine differ by more than the HEAD costs, so
 this script times both write paths of the same tier in the same process, alternating round by
 round (``conditional_honoured`` False: HEAD then PUT, the requests main sent before; True: PUT
@@ -31,9 +31,10 @@ from prometheus_client import CollectorRegistry
 from kvtier.core.config import KVTierConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers import PutResult, TierContext
-from kvtier.core.tiers import s3 as s3_tier
-from kvtier.core.tiers.s3client import make_store
-from kvtier.core.tiers.s3settings import s3_settings
+from kvtier.core.tiers.s3 import factory as s3_factory
+from kvtier.core.tiers.s3 import tier as s3_tier
+from kvtier.core.tiers.s3.client import make_store
+from kvtier.core.tiers.s3.settings import s3_settings
 from kvtier.core.tiers.wrappers import unwrap
 
 MiB = 1 << 20
@@ -69,7 +70,7 @@ def row(settings: dict[str, Any], mib: float, in_flight: int, rounds: int, total
     config = KVTierConfig.from_dict({**settings, "s3_key_prefix": prefix, "s3_concurrency": in_flight,
                                      "shared_deadline_s": 60.0, "shared_transfer_deadline_s": 600.0,
                                      "s3_timeout_s": 600.0, "io_threads": 1})
-    tier = s3_tier.from_config(TierContext(config, os.urandom(16), chunk_bytes, 1, CollectorRegistry()))
+    tier = s3_factory.from_config(TierContext(config, os.urandom(16), chunk_bytes, 1, CollectorRegistry()))
     assert tier is not None
     inner = unwrap(tier)
     assert isinstance(inner, s3_tier.S3Tier)

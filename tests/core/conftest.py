@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.core.tiers.chunkio import O_DIRECT, aligned_buffer
-from kvtier.core.tiers.iomode import direct_supported
+from kvtier.core.tiers.disk.chunkio import O_DIRECT, aligned_buffer
+from kvtier.core.tiers.disk.iomode import direct_supported
 
 MEMORY_FILESYSTEMS = {"tmpfs", "ramfs", "hugetlbfs"}
 

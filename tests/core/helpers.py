@@ -9,8 +9,8 @@ import numpy as np
 from kvtier.core.config import GiB, KVTierConfig
 from kvtier.core.keys import ChunkKey, Namespace, chunk_keys, request_root
 from kvtier.core.store import TieredStore
-from kvtier.core.tiers.chunkfile import HEADER_BYTES
-from kvtier.core.tiers.disk import DiskTier
+from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES
+from kvtier.core.tiers.disk.tier import DiskTier
 
 CHUNK_TOKENS = 4
 CHUNK_BYTES = 1024

@@ -6,8 +6,8 @@ import pytest
 
 from kvtier.core.config import GiB, KVTierConfig
 from kvtier.core.errors import ConfigError
-from kvtier.core.tiers import disk
-from kvtier.core.tiers.redissettings import redis_settings
+from kvtier.core.tiers.disk import factory as disk
+from kvtier.core.tiers.redis.settings import redis_settings
 
 
 def disk_refusal(values: dict) -> str:

@@ -19,7 +19,7 @@ import pytest
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers import DiskTier
-from kvtier.core.tiers.chunkfile import HEADER_BYTES
+from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES
 
 CHUNK = 8 << 20  # large enough that a write takes a while, so the kill lands inside one
 NUM_CHUNKS = 3

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from kvtier.core.tiers import DiskTier, GetResult, PutResult
-from kvtier.core.tiers.chunkfile import HEADER_BYTES
+from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES
 
 from .helpers import NS, chain_of, make_store, payload
 from .test_store_changes import index_of, mirror_of
@@ -125,7 +125,7 @@ def test_rescan_during_this_process_own_write_keeps_the_key(tmp_path, monkeypatc
 
 def test_unchanged_shards_are_not_listed_again(tmp_path, monkeypatch):
     tier = DiskTier(tmp_path, NS.digest(), capacity_bytes=1 << 20, io="buffered")
-    monkeypatch.setattr("kvtier.core.tiers.diskscan.RACY_NS", 0)  # this test's timestamps are all fresh
+    monkeypatch.setattr("kvtier.core.tiers.disk.scan.RACY_NS", 0)  # this test's timestamps are all fresh
     first = tier.rescan()
     assert first.shards_listed == 256 and tier.rescan().shards_listed == 0
     other = DiskTier(tmp_path, NS.digest(), capacity_bytes=1 << 20, io="buffered")

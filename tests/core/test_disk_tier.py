@@ -13,10 +13,11 @@ import xxhash
 
 from kvtier.core import envelope, tenant
 from kvtier.core.keys import ChunkKey
-from kvtier.core.tiers import DiskTier, GetResult, PutResult, chunkfile, iomode, readchoice
-from kvtier.core.tiers.chunkfile import HEADER_BYTES
-from kvtier.core.tiers.chunkio import O_DIRECT, aligned_buffer
-from kvtier.core.tiers.disk import STALE_TMP_S
+from kvtier.core.tiers import DiskTier, GetResult, PutResult
+from kvtier.core.tiers.disk import chunkfile, iomode, readchoice
+from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES
+from kvtier.core.tiers.disk.chunkio import O_DIRECT, aligned_buffer
+from kvtier.core.tiers.disk.tier import STALE_TMP_S
 
 CHUNK = 8192
 NS = b"n" * 16
@@ -168,7 +169,7 @@ def test_failed_writes_are_counted_and_logged_once_per_interval(disk, caplog, mo
     123 lines in a second), and the next line says how many failed in between."""
     import shutil
 
-    from kvtier.core.tiers import disk as disk_module
+    from kvtier.core.tiers.disk import tier as disk_module
 
     monkeypatch.setattr(disk_module, "WRITE_WARNING_INTERVAL_S", 1.0)
     shard = disk.path(key(100)).parent  # keys 0..255 share shard 00
@@ -559,7 +560,7 @@ def test_a_read_only_filesystem_fails_writes_with_one_throttled_line(small_files
 
 def test_a_config_on_a_filesystem_full_of_its_own_chunk_files_is_accepted(small_filesystem):
     from kvtier.core.config import KVTierConfig
-    from kvtier.core.tiers import disk
+    from kvtier.core.tiers.disk import factory as disk
 
     ours = small_filesystem / "kv"
     ours.mkdir()

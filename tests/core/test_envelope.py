@@ -14,7 +14,8 @@ import pytest
 
 from kvtier.core import codecs, envelope, tenant
 from kvtier.core.errors import ChunkFormatError
-from kvtier.core.tiers import chunkfile, sharedvalue
+from kvtier.core.tiers import sharedvalue
+from kvtier.core.tiers.disk import chunkfile
 
 NS, KEY = bytes(range(16)), bytes(range(16, 32))
 PAYLOAD = b"kvtier chunk payload"

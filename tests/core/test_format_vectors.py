@@ -15,7 +15,7 @@ import pytest
 
 from kvtier.core.errors import ChunkFormatError
 from kvtier.core.keys import KEY_FORMAT_VERSION, Namespace, chunk_keys, request_root
-from kvtier.core.tiers import chunkfile
+from kvtier.core.tiers.disk import chunkfile
 
 NS = Namespace(model="m", kv_dtype="bfloat16", num_layers=32, num_kv_heads=8, head_size=128, layout="L",
                chunk_tokens=4, extra=(("block_size", "16"),))

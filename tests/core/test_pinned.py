@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvtier.core import pinned
-from kvtier.core.tiers.cpu import CpuTier
+from kvtier.core.tiers.cpu.tier import CpuTier
 
 
 def test_regions_cover_only_ranges_inside_one_registration():
@@ -54,7 +54,7 @@ def test_an_array_is_pinned_only_inside_a_recorded_region():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this host has CUDA: gpu_check.py checks registration there")
 def test_without_cuda_the_cpu_tier_stays_pageable_and_says_why(caplog):
     tier = CpuTier(4 * 4096, 4096)
-    with caplog.at_level(logging.WARNING, logger="kvtier.core.tiers.cpu"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.core.tiers.cpu.tier"):
         assert tier.pin_host_memory() is False
     assert not tier.pinned and len(pinned.REGIONS) == 0
     assert "no CUDA device is visible to torch" in caplog.text

@@ -25,8 +25,8 @@ from kvtier.core.quota import NO_SALT_LABEL
 from kvtier.core.store import TieredStore
 from kvtier.core.tenant import TenantId
 from kvtier.core.tiers import sharedvalue
-from kvtier.core.tiers.chunkfile import HEADER_BYTES as DISK_HEADER_BYTES
-from kvtier.core.tiers.chunkfile import TENANT_OFFSET
+from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES as DISK_HEADER_BYTES
+from kvtier.core.tiers.disk.chunkfile import TENANT_OFFSET
 from kvtier.core.tiers.sharedvalue import ValueCodec
 
 from .helpers import CHUNK_BYTES, chain_of, make_store, payload

@@ -114,7 +114,7 @@ def test_lora_selector_and_no_salt_record(tmp_path):
 
 def test_a_damaged_tenant_record_on_disk_is_kept_and_a_problem(tmp_path, populated):
     """A record that fails its own checksum is never trusted: not matched, not "unknown", a problem."""
-    from kvtier.core.tiers.chunkfile import TENANT_OFFSET
+    from kvtier.core.tiers.disk.chunkfile import TENANT_OFFSET
 
     store, _other, chains = populated
     path = store.tier("disk").path(chains["B"][0])

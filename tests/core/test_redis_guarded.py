@@ -12,8 +12,9 @@ from prometheus_client import CollectorRegistry
 from kvtier.core.config import KVTierConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers import GetResult, PutResult, TierContext
-from kvtier.core.tiers import redis as redis_tier
 from kvtier.core.tiers.guarded import GuardedTier
+from kvtier.core.tiers.redis import factory as redis_factory
+from kvtier.core.tiers.redis import tier as redis_tier
 from kvtier.core.tiers.wrappers import unwrap
 
 from ..redis_servers import wait_until
@@ -23,7 +24,7 @@ from .tier_harness import make_redis_tier
 def test_the_factory_wraps_the_redis_tier_and_the_wrapper_times_its_calls(redis_server, key_prefix):
     registry = CollectorRegistry()
     config = KVTierConfig.from_dict({"redis_url": redis_server.url, "redis_key_prefix": key_prefix})
-    tier = redis_tier.from_config(TierContext(config, os.urandom(16), 4096, 1, registry))
+    tier = redis_factory.from_config(TierContext(config, os.urandom(16), 4096, 1, registry))
     try:
         assert isinstance(tier, GuardedTier) and isinstance(unwrap(tier), redis_tier.RedisTier)
         keys = [ChunkKey(os.urandom(16)) for _ in range(3)]

@@ -16,7 +16,8 @@ import redis
 
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
-from kvtier.core.tiers import GetResult, PutResult, redisstream
+from kvtier.core.tiers import GetResult, PutResult
+from kvtier.core.tiers.redis import stream as redisstream
 from kvtier.core.tiers.sharedvalue import ValueCodec
 
 from ..redis_servers import DelayProxy
@@ -270,7 +271,7 @@ def test_cluster_down_at_start_is_a_run_of_misses_not_a_failed_start(key_prefix)
 
 
 def test_streamed_put_stores_exactly_the_encoded_value_and_a_changed_payload_is_corrupt(redis_server, key_prefix):
-    # put_many sends header and payload as two pieces of one SET argument (tiers/redisstream.py):
+    # put_many sends header and payload as two pieces of one SET argument (tiers/redis/stream.py):
     # the server must hold byte for byte what ValueCodec.encode would have joined, with its TTL
     ns = os.urandom(16)
     tier = make_redis_tier(redis_server.url, ns, key_prefix, redis_ttl_s=777)

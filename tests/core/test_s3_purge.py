@@ -1,4 +1,4 @@
-"""``kvtier purge`` over an S3 bucket (core/purge.py over the s3 tier's blob store, core/tiers/s3blobs.py) against the
+"""``kvtier purge`` over an S3 bucket (core/purge.py over the s3 tier's blob store, core/tiers/s3/blobs.py) against the
 real ``rclone serve s3`` the tests start (tests/s3_servers.py): chunks written by the real tier in
 two namespaces (one under a shared secret), a foreign object whose name looks like a chunk, and
 the selectors (namespace, age, tenant), dry run first."""
@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from kvtier.cli.main import app
 from kvtier.core.config import KVTierConfig
 from kvtier.core.purge import PurgeFailed, PurgeSelector, probe_tier, purge, purge_tier
-from kvtier.core.tiers.s3client import brief
+from kvtier.core.tiers.s3.client import brief
 from kvtier.core.tiers.sharedvalue import HEADER_BYTES
 
 from .test_s3_tier import data, key, objects

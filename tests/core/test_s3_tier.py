@@ -17,7 +17,8 @@ from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.purge import reset_outside
 from kvtier.core.tiers import GetResult, PutResult, TierContext, factory
-from kvtier.core.tiers import s3 as s3_tier
+from kvtier.core.tiers.s3 import factory as s3_factory
+from kvtier.core.tiers.s3 import tier as s3_tier
 from kvtier.core.tiers.sharedvalue import HEADER_BYTES
 from kvtier.core.tiers.wrappers import unwrap
 
@@ -181,7 +182,7 @@ def test_preflight_names_each_problem_in_one_sentence(s3_server, bucket, creds, 
     (problem,) = factory.check("s3", plain)
     assert problem[0] == "s3_allow_http" and "plain HTTP" in problem[1] and "s3_allow_http: true" in problem[1]
     with pytest.raises(ConfigError, match="plain HTTP"):
-        s3_tier.from_config(TierContext(plain, NS, CHUNK, 1, CollectorRegistry()))
+        s3_factory.from_config(TierContext(plain, NS, CHUNK, 1, CollectorRegistry()))
 
     no_bucket = KVTierConfig.from_dict({"s3_endpoint_url": "https://minio.example:9000"})
     assert [k for k, _ in factory.check("s3", no_bucket)] == ["s3_bucket"]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvtier.core.errors import ConfigError
-from kvtier.core.tiers.chunkfile import HEADER_BYTES
+from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES
 
 from .helpers import CHUNK_BYTES, chain_of, make_store, payload
 

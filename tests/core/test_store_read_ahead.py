@@ -1,7 +1,7 @@
 """Read-ahead: a load whose tail lives on disk returns after the first chunks are read, and the
 rest arrive in cpu pages in the background (``prepare_load(read_ahead=True)``)."""
 
-from kvtier.core.tiers.chunkfile import HEADER_BYTES
+from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES
 
 from .helpers import chain_of, make_store, payload
 

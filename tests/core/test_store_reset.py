@@ -10,8 +10,8 @@ from kvtier.core.config import GiB, KVTierConfig
 from kvtier.core.purge import reset_outside
 from kvtier.core.store import TieredStore
 from kvtier.core.tiers import registry
-from kvtier.core.tiers.chunkfile import HEADER_BYTES
-from kvtier.core.tiers.diskreset import RESET_MARKER, mark_reset, reset_marked
+from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES
+from kvtier.core.tiers.disk.reset import RESET_MARKER, mark_reset, reset_marked
 from kvtier.core.tiers.wrappers import SlowTier
 
 from .helpers import CHUNK_BYTES, CHUNK_TOKENS, NS, chain_of, make_store, payload

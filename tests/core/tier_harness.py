@@ -20,8 +20,9 @@ from prometheus_client import CollectorRegistry
 from kvtier.core.config import KVTierConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers import CpuTier, DiskTier, PutResult, Tier, TierContext
-from kvtier.core.tiers import redis as redis_tier
-from kvtier.core.tiers.chunkfile import HEADER_BYTES
+from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES
+from kvtier.core.tiers.redis import factory as redis_factory
+from kvtier.core.tiers.redis import tier as redis_tier
 from kvtier.core.tiers.sharedvalue import HEADER_BYTES as VALUE_HEADER_BYTES
 from kvtier.core.tiers.sharedvalue import ValueCodec
 
@@ -104,7 +105,7 @@ def make_redis_tier(url: str, ns: bytes, prefix: str, **settings: Any) -> redis_
     config = KVTierConfig.from_dict({"redis_url": url, "redis_key_prefix": prefix, "shared_deadline_s": 2.0,
                                      "shared_transfer_deadline_s": 2.0,
                                      "redis_timeout_s": 2.0, **settings})
-    tier = redis_tier.from_config(TierContext(config, ns, CHUNK, 1, CollectorRegistry()))
+    tier = redis_factory.from_config(TierContext(config, ns, CHUNK, 1, CollectorRegistry()))
     assert tier is not None
     return tier
 
@@ -171,13 +172,13 @@ def make_s3_tier(server: Any, bucket: str, ns: bytes, credentials: Path, **setti
     """An s3 tier on ``server``'s ``bucket`` built the way the store builds it (from a config: the
     bare tier behind GuardedTier); ``server`` is an ``S3Server`` or a ``ConditionalPutProxy`` in
     front of one (its ``url`` is the endpoint; the keys are the same)."""
-    from kvtier.core.tiers import s3 as s3_tier
+    from kvtier.core.tiers.s3 import factory as s3_factory
 
     # deadlines a loaded 2-core test machine meets; the fault tests use tight ones
     config = KVTierConfig.from_dict({"s3_endpoint_url": server.url, "s3_bucket": bucket, "s3_allow_http": True,
                                      "s3_credentials_file": str(credentials), "shared_deadline_s": 2.0,
                                      "shared_transfer_deadline_s": 2.0, **settings})
-    tier = s3_tier.from_config(TierContext(config, ns, CHUNK, 1, CollectorRegistry()))
+    tier = s3_factory.from_config(TierContext(config, ns, CHUNK, 1, CollectorRegistry()))
     assert tier is not None
     return tier
 
@@ -188,7 +189,7 @@ def _s3_harness(request: pytest.FixtureRequest, tmp: Path, conditional_front: bo
     that answers ``412`` to a conditional ``PUT`` on an existing key, where rclone replaces it)."""
     import obstore
 
-    from kvtier.core.tiers import s3 as s3_tier
+    from kvtier.core.tiers.s3 import tier as s3_tier
     from tests.s3_servers import ConditionalPutProxy
 
     server = request.getfixturevalue("s3_server")

@@ -14,7 +14,7 @@ import torch
 from kvtier.core.config import GiB, KVTierConfig
 from kvtier.core.keys import ChunkKey, Namespace, chunk_keys, request_root
 from kvtier.core.store import TieredStore
-from kvtier.core.tiers.chunkfile import HEADER_BYTES
+from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES
 from kvtier.integrations.vllm.cache_groups import GroupKind, GroupSpec
 from kvtier.integrations.vllm.protocol import LoadJob
 from kvtier.integrations.vllm.scheduler.mirror import IndexMirror

@@ -29,9 +29,9 @@ from kvtier.bench.storebench import MiB, StoreBenchResult, _chunks, _rate, _time
 from kvtier.core.config import KVTierConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers import GetResult, PutResult, TierContext
-from kvtier.core.tiers import redis as redis_tier
-from kvtier.core.tiers.redisclient import make_client
-from kvtier.core.tiers.redissettings import redis_settings
+from kvtier.core.tiers.redis import factory as redis_factory
+from kvtier.core.tiers.redis.client import make_client
+from kvtier.core.tiers.redis.settings import redis_settings
 
 
 def bench_redis(url: str, chunk_mib: float, total_mib: float, repeats: int, cluster: bool = False,
@@ -53,7 +53,7 @@ def bench_redis(url: str, chunk_mib: float, total_mib: float, repeats: int, clus
     if shared_secret:
         settings["shared_secret"] = shared_secret
     config = KVTierConfig.from_dict(settings)
-    tier = redis_tier.from_config(TierContext(config, os.urandom(16), chunk_bytes, 1, CollectorRegistry()))
+    tier = redis_factory.from_config(TierContext(config, os.urandom(16), chunk_bytes, 1, CollectorRegistry()))
     assert tier is not None
     raw = make_client(redis_settings(config))
     datas = _chunks(num, chunk_bytes, seed=2)

@@ -32,9 +32,10 @@ from kvtier.bench.storebench import MiB, StoreBenchResult, _chunks, _rate, _time
 from kvtier.core.config import KVTierConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers import GetResult, PutResult, TierContext
-from kvtier.core.tiers import s3 as s3_tier
-from kvtier.core.tiers.s3client import make_store
-from kvtier.core.tiers.s3settings import s3_settings
+from kvtier.core.tiers.s3 import factory as s3_factory
+from kvtier.core.tiers.s3 import tier as s3_tier
+from kvtier.core.tiers.s3.client import make_store
+from kvtier.core.tiers.s3.settings import s3_settings
 from kvtier.core.tiers.wrappers import unwrap
 
 
@@ -69,7 +70,7 @@ def bench_s3(settings: dict[str, Any], chunk_mib: float, total_mib: float, repea
     if shared_secret:
         values["shared_secret"] = shared_secret
     config = KVTierConfig.from_dict(values)
-    tier = s3_tier.from_config(TierContext(config, os.urandom(16), chunk_bytes, 1, CollectorRegistry()))
+    tier = s3_factory.from_config(TierContext(config, os.urandom(16), chunk_bytes, 1, CollectorRegistry()))
     assert tier is not None
     raw = make_store(s3_settings(config), 600.0)
     inner = unwrap(tier)

@@ -33,7 +33,7 @@ from kvtier.launch.localserver import http_answers, stop_process, wait_until_ans
 
 HOST = "127.0.0.1"
 DEFAULT_KEY_PREFIX = "kvtier/"
-"""``s3_key_prefix``'s default (kvtier.core.tiers.s3settings.S3Settings)."""
+"""``s3_key_prefix``'s default (kvtier.core.tiers.s3.settings.S3Settings)."""
 BUCKET = "kvtier-bench"
 REGION = "us-east-1"
 

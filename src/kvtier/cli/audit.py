@@ -73,7 +73,7 @@ def _read_path(path: Path, origin: str) -> bytes:
             forever): nothing a serve command or manifest is.
         OSError: the path cannot be read.
     """
-    from kvtier.core.tiers.diskcheck import pseudo_filesystem
+    from kvtier.core.tiers.disk.check import pseudo_filesystem
 
     mode = path.stat().st_mode
     if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)) or (stat.S_ISREG(mode) and pseudo_filesystem(path)):

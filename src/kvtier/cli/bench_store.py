@@ -200,8 +200,8 @@ def _s3_rows(settings: dict[str, object], chunk_mibs: list[float], total_mib: fl
     except RuntimeError as exc:
         fail(f"the s3 benchmark on bucket {settings['s3_bucket']} failed: {exc}; check the server and credentials")
     except Exception as exc:  # noqa: BLE001 - obstore's errors (unreachable, 403, no such bucket): one sentence
-        from kvtier.core.tiers.s3client import describe_failure
-        from kvtier.core.tiers.s3settings import S3Settings
+        from kvtier.core.tiers.s3.client import describe_failure
+        from kvtier.core.tiers.s3.settings import S3Settings
 
         state, detail = describe_failure(exc, S3Settings(**settings), 1.0)  # type: ignore[arg-type]
         fail(flag_names(f"the s3 benchmark on bucket {settings['s3_bucket']} failed: {state}: {detail}; check "

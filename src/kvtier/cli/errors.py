@@ -41,10 +41,10 @@ def refuse_kernel_filesystem(path: Path, option: str) -> None:
     """Refuse (exit 2, one sentence) an output path on a kernel pseudo filesystem such as /proc or
     /sys, whose directories root may write to but which holds no files: the write would fail only
     after the work.  The test is ``kvtier check``'s for disk_path
-    (:func:`kvtier.core.tiers.diskcheck.pseudo_filesystem`), on the nearest existing ancestor.  An
+    (:func:`kvtier.core.tiers.disk.check.pseudo_filesystem`), on the nearest existing ancestor.  An
     existing stream (a device or FIFO: ``/dev/stdout``, ``/dev/null``, ``/proc/self/fd/1``) is
     written as the user asked, not refused."""
-    from kvtier.core.tiers.diskcheck import pseudo_filesystem
+    from kvtier.core.tiers.disk.check import pseudo_filesystem
 
     try:
         mode = path.stat().st_mode

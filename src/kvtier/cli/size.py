@@ -225,7 +225,7 @@ def size_command(
         if redis_url is not None:  # the connector's own rule (port, host, database), so check accepts the recipe
             from pydantic import ValidationError
 
-            from kvtier.core.tiers.redissettings import RedisSettings
+            from kvtier.core.tiers.redis.settings import RedisSettings
             try:
                 RedisSettings(redis_url=redis_url)
             except ValidationError as exc:
@@ -288,7 +288,7 @@ def _object_store(bucket: str | None, endpoint_url: str | None, capacity_gib: fl
     """
     from pydantic import ValidationError
 
-    from kvtier.core.tiers.s3settings import S3Settings
+    from kvtier.core.tiers.s3.settings import S3Settings
     from kvtier.size.recipe import ObjectStore
 
     if bucket is None:

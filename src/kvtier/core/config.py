@@ -15,15 +15,10 @@ password file) is checked by the tier's factory and by its preflight check
 
 from __future__ import annotations
 
-import difflib
-import json
 import os
-from collections.abc import Iterable
-from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
-import yaml
 from pydantic import (
     BaseModel,
     Field,
@@ -35,6 +30,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
+from kvtier.core.configload import JSON_EXAMPLES, check_env, did_you_mean, env_list, one_sentence, read_yaml
 from kvtier.core.errors import ConfigError
 from kvtier.core.policies.admission import available_admissions
 from kvtier.core.policies.registry import available_policies
@@ -49,15 +45,7 @@ from kvtier.core.tiers.registry import (
     spec,
     top_tier,
 )
-from kvtier.core.tiersettings import (
-    ERROR_TYPE,
-    build_tier_settings,
-    check_tier_settings,
-    env_var_rules,
-    field_sentence,
-    named_env_vars,
-    route_flat_keys,
-)
+from kvtier.core.tiersettings import build_tier_settings, check_tier_settings, route_flat_keys
 
 GiB = 1 << 30
 
@@ -158,7 +146,7 @@ class KVTierConfig(BaseSettings):
         # before any field: ``tiers`` and ``admission`` are checked against the registry these fill
         modules = values.get("tier_modules") if isinstance(values, dict) else None
         if modules is None:
-            modules = _env_list("KVTIER_TIER_MODULES")
+            modules = env_list("KVTIER_TIER_MODULES")
         if isinstance(modules, str):
             modules = [modules]
         if isinstance(modules, (list, tuple)) and all(isinstance(m, str) for m in modules):
@@ -353,16 +341,16 @@ class KVTierConfig(BaseSettings):
                 # checked here: pydantic-settings would take keys such as "_env_file" as its own options
                 raise ConfigError(f"unknown kvtier config key {key!r}{did_you_mean(key, known)}; "
                                   f"known keys are {', '.join(known)}")
-        _check_env(values)
+        check_env(values, known)
         try:
             return cls(**values)
         except ValidationError as exc:
-            raise ConfigError(*_one_sentence(exc, explicit=set(values))) from None
+            raise ConfigError(*one_sentence(exc, cls.model_fields, explicit=set(values))) from None
         except SettingsError as exc:  # a KVTIER_* variable of a list or mapping field that is not JSON
             field = next((name for name in cls.model_fields if f'field "{name}"' in str(exc)), "")
             var = f"KVTIER_{field.upper()}"
             raise ConfigError(f"environment variable {var} must be JSON for {field}, e.g. "
-                              f"{var}='{_JSON_EXAMPLES.get(field, '...')}'; fix or unset it", env_var=var) from None
+                              f"{var}='{JSON_EXAMPLES.get(field, '...')}'; fix or unset it", env_var=var) from None
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> KVTierConfig:
@@ -371,19 +359,7 @@ class KVTierConfig(BaseSettings):
         Raises:
             ConfigError: unreadable file, not a mapping, or a bad field.
         """
-        try:
-            data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-        except UnicodeDecodeError:
-            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text; save it as UTF-8") from None
-        except OSError as exc:
-            raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {str(exc).splitlines()[0]}") from None
-        if data is None:
-            data = {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys to values")
-        return cls.from_dict(data)
+        return cls.from_dict(read_yaml(path))
 
     # ---- derived values ------------------------------------------------------------------
     def validate_block_size(self, block_size: int) -> None:
@@ -419,68 +395,3 @@ def redact_url(url: str) -> str:
         host = f"[{host}]"
     netloc = f"***@{host}" + (f":{parts.port}" if parts.port else "")
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
-
-
-def did_you_mean(name: str, known: Iterable[str]) -> str:
-    """`` (did you mean 'x'?)`` for the closest known name, or ``""`` when none is close."""
-    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-_JSON_EXAMPLES = {"admission": '{"disk": "reused"}', "tenant_quotas": '{"default_share": 0.2}', "tiers": '["cpu", "disk"]',
-                  "tier_modules": '["mycompany.kvtier_tiers"]', "tier_settings": '{"mytier": {"capacity_mib": 64}}'}
-
-
-def _check_env(values: dict[str, Any]) -> None:
-    """Reject ``KVTIER_*`` variables that name no field (a typo would otherwise be ignored).
-
-    A variable that a tier setting names (``names_env_var``, :mod:`kvtier.core.tiersettings`)
-    holds a secret, not a setting, and is exempt, even when its name starts with ``KVTIER_``.
-    """
-    known = {f"KVTIER_{name.upper()}" for name in KVTierConfig.known_keys(values)}
-    exempt = named_env_vars(values)
-    rules = env_var_rules()
-    why = f" ({'; '.join(rules)})" if rules else ""
-    for var in os.environ:
-        if var.upper().startswith("KVTIER_") and var.upper() not in known and var not in exempt:
-            raise ConfigError(f"environment variable {var} is not a kvtier setting{did_you_mean(var.upper(), known)}; "
-                              f"rename or unset it{why}; known ones are {', '.join(sorted(known))}", env_var=var)
-
-
-def _env_list(var: str) -> list[str] | None:
-    """A ``KVTIER_*`` list variable's value: JSON, or one bare name; ``None`` when unset or not a list."""
-    raw = os.environ.get(var)
-    if raw is None:
-        return None
-    try:
-        value = json.loads(raw)
-    except ValueError:
-        return [raw]
-    return value if isinstance(value, list) else None
-
-
-def _one_sentence(exc: ValidationError, explicit: set[str] | None = None) -> tuple[str, str | None]:
-    """The first error of ``exc`` as one sentence, and the ``KVTIER_*`` variable it comes from (or None).
-
-    A value the caller gave is named before one from the environment; a tier setting's error
-    (:data:`~kvtier.core.tiersettings.ERROR_TYPE`) carries its sentence already."""
-    def given(e: Any) -> bool:
-        if e["type"] == ERROR_TYPE:
-            return not e["ctx"]["env_var"]
-        return bool(explicit) and bool(e["loc"]) and str(e["loc"][0]) in (explicit or ())
-
-    errors = exc.errors()
-    err = next((e for e in errors if given(e)), errors[0])
-    if err["type"] == ERROR_TYPE:
-        return err["ctx"]["sentence"], err["ctx"]["env_var"] or None
-    field = ".".join(str(p) for p in err["loc"])
-    msg = err["msg"].removeprefix("Value error, ")
-    if not field:  # a check across fields: its message names the fields itself
-        return f"kvtier config: {msg}", None
-    env_var = None
-    top = str(err["loc"][0])  # a nested key (tenant_quotas.default_share) comes from its top key's variable
-    if explicit is not None and top not in explicit and f"KVTIER_{top.upper()}" in os.environ:
-        env_var = f"KVTIER_{top.upper()}"
-    model_field = KVTierConfig.model_fields.get(str(err["loc"][0]))
-    secret = model_field is not None and model_field.repr is False  # never echo a password or a secret
-    return field_sentence(field, msg, err.get("input"), env_var, secret), env_var

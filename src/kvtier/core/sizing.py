@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from kvtier.core.config import GiB, KVTierConfig
 from kvtier.core.errors import ConfigError
-from kvtier.core.tiers.chunkfile import HEADER_BYTES
+from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES
 
 
 def cpu_capacity_bytes(config: KVTierConfig, chunk_bytes: int, tp_size: int) -> int:

@@ -1,7 +1,7 @@
 """A registered tier's settings inside the kvtier configuration (:class:`kvtier.core.config.KVTierConfig`).
 
 A tier declares its keys as a pydantic model (its plug-in's ``settings``, e.g. the redis tier's
-:class:`~kvtier.core.tiers.redissettings.RedisSettings`).  Its keys are accepted flat in
+:class:`~kvtier.core.tiers.redis.settings.RedisSettings`).  Its keys are accepted flat in
 ``kv_connector_extra_config`` (``{"redis_url": ...}``), nested under ``tier_settings.<tier>``, or
 as ``KVTIER_<KEY>`` environment variables when the model is a pydantic-settings model; the
 configuration routes flat keys under ``tier_settings`` (:func:`route_flat_keys`), checks each tier's

@@ -16,26 +16,9 @@ construction with SHARDS", FAST 2015): a key is sampled when a hash of it falls 
 keys only (keys and a few integers, no KV) and counts its hits; the hit counts decay by half
 every ``DECAY`` shadow-sizes of sampled accesses.  The real tier uses the ordering whose shadow
 leads beyond noise (``MARGIN``, ``SIGNIFICANCE``: a paired sign test on the accesses where the
-two shadows disagree; LRU until one leads).  The orderings (``MODES``), as a rank per chunk,
-lowest evicted first, ties to the deeper chunk (tail first):
-
-- ``lru``: time of last use.
-- ``quarantine``: time of last use, minus ``QUARANTINE × n`` if the chunk was never used before
-  (within the remembered history), plus ``min(uses, MAX_USES) × n`` otherwise: one-hit chunks
-  leave first, proven ones stay longer the more they were used (2Q, VLDB'94; S3-FIFO, SOSP'23;
-  LRFU, IEEE ToC 2001).  This is what the earlier default ``prefix-freq`` did when quarantining.
-- ``quarantine-long``: the same with a longer memory (``MEMORY``).
-- ``bip``: bimodal insertion (Qureshi et al. 2007): a chunk that arrives goes to the *bottom*
-  (evicted before anything that has been used while resident) except one request run in
-  ``BIP_LUCKY``; a used chunk goes to the top.  A cycling working set then keeps a stable part
-  resident instead of evicting each chunk just before its reuse.
-- ``frequency``: time of last use, plus ``FREQUENCY_BONUS × min(uses, MAX_USES) × n`` with uses
-  counted over a long, bounded history (``FREQUENCY_HISTORY`` tier-sizes of keys), minus
-  ``QUARANTINE × n`` if never used there: LFU with LRU among equals and aging by forgetting
-  (LRFU, IEEE ToC 2001; the long-window frequency of TinyLFU, Einziger et al., ACM ToS 2017,
-  kept as exact counts of keys rather than a count-min sketch).  It keeps a hot set whose
-  members return after more tier-sizes than the other orderings remember (a batch job's hot
-  prompts among scan-once documents).
+two shadows disagree; LRU until one leads).  The orderings (``MODES``: ``lru``, ``quarantine``,
+``quarantine-long``, ``bip``, ``frequency``) are ranks per chunk, lowest evicted first, ties to the
+deeper chunk (tail first); what each ranks by, and where it wins: :mod:`kvtier.core.policies.orderings`.
 
 The prefix constraint holds in every mode: a chunk with resident children is never the victim
 (leaves first, as radix-tree caches: SGLang, NeurIPS 2024).  Shadows ignore it (their sampled
@@ -55,18 +38,16 @@ from itertools import count
 from typing import Any
 
 from kvtier.core.policies.base import Evictable, EvictionPolicy, always_evictable, heap_victim
+from kvtier.core.policies.orderings import (
+    BIP_LUCKY,
+    MODES,
+    SAMPLE_BITS,
+    Node,
+    Shadow,
+    ordering_rank,
+    sample_hash,
+)
 
-MODES = ("lru", "quarantine", "quarantine-long", "bip", "frequency")
-QUARANTINE = 5.0
-"""``quarantine``: a never-used chunk ranks as if last used this many tier-sizes earlier."""
-MAX_USES = 7
-BIP_LUCKY = 32
-"""``bip``: one request run in this many is inserted at the top instead of the bottom."""
-MEMORY = (8.0, 32.0)
-"""``quarantine`` / ``quarantine-long``: a chunk counts as used before if its previous use lies
-within this many tier-sizes of insertions."""
-FREQUENCY_BONUS = 16.0
-"""``frequency``: each prior use ranks a chunk this many tier-sizes later (up to MAX_USES)."""
 FREQUENCY_HISTORY = 128.0
 """``frequency`` counts uses over this many tier-sizes of keys, at least half as many (keys only)."""
 HISTORY = 32.0
@@ -95,104 +76,6 @@ GUARD_CREDIT = 16
 hits never trail its full LRU shadow's by more than the allowance plus one (docs/simulate.md,
 "The guard")."""
 
-_MIX = 0x9E3779B97F4A7C15
-_MASK = (1 << 64) - 1
-_SAMPLE_BITS = 24
-
-
-def _rank(mode: int, time: int, uses: int, gap: int, mru: bool, scale: int, long_uses: int) -> float:
-    if mode == 0:
-        return time
-    if mode < 3:
-        if uses and gap <= MEMORY[mode - 1] * scale:
-            return time + scale * min(uses, MAX_USES)
-        return time - scale * QUARANTINE
-    if mode == 3:
-        return time if mru else -1.0 - time
-    if long_uses:
-        return time + scale * FREQUENCY_BONUS * min(long_uses, MAX_USES)
-    return time - scale * QUARANTINE
-
-
-class _Node:
-    __slots__ = ("depth", "gap", "long_uses", "mru", "parent", "rank", "seq", "time", "uses")
-
-    def __init__(self, time: int, uses: int, gap: int, long_uses: int, depth: int, parent: Any | None,
-                 mru: bool) -> None:
-        self.time = time  # clock of last use, shared by one request's chain
-        self.uses = uses  # prior uses (remembered ones)
-        self.gap = gap  # insertions between the previous use and the last one
-        self.long_uses = long_uses  # prior uses within the long history (``frequency``)
-        self.depth = depth
-        self.parent = parent
-        self.mru = mru  # bip: used while resident, or inserted by a lucky run
-        self.rank = 0.0
-        self.seq = -1  # seq of its live heap entry: older entries are stale
-
-
-class _Shadow:
-    """One ordering replayed over the sampled keys only; counts its hits."""
-
-    def __init__(self, mode: int) -> None:
-        self.mode = mode
-        self.nodes: dict[Any, _Node] = {}
-        self.heap: list[tuple[float, int, int, Any]] = []
-        self.hits = 0.0
-
-    def access(self, key: Any, time: int, uses: int, gap: int, long_uses: int, depth: int, lucky: bool,
-               capacity: int, scale: int, seq: Any) -> bool:
-        """Replay one sampled access; True if it hit."""
-        nodes = self.nodes
-        node = nodes.get(key)
-        if node is not None:
-            self.hits += 1
-            node.time, node.uses, node.gap, node.long_uses, node.mru = time, uses, gap, long_uses, True
-            hit = True
-        else:
-            node = nodes[key] = _Node(time, uses, gap, long_uses, depth, None, lucky)
-            hit = False
-        mode = self.mode
-        node.rank = rank = time if mode == 0 else _rank(mode, time, uses, gap, node.mru, scale, long_uses)
-        node.seq = s = next(seq)
-        heap = self.heap
-        heapq.heappush(heap, (rank, -node.depth, s, key))
-        if len(nodes) > capacity:  # shrink's loop, inlined: this runs on most misses
-            pop = heapq.heappop
-            while len(nodes) > capacity and heap:
-                _, _, s, key = pop(heap)
-                node = nodes.get(key)
-                if node is not None and node.seq == s:
-                    del nodes[key]
-        if len(heap) > 4 * len(nodes) + 64:
-            self.shrink(capacity)
-        return hit
-
-    def shrink(self, capacity: int) -> None:
-        nodes, heap = self.nodes, self.heap
-        while len(nodes) > capacity and heap:
-            _, _, s, key = heapq.heappop(heap)
-            node = nodes.get(key)
-            if node is not None and node.seq == s:
-                del nodes[key]
-        if len(heap) > 4 * len(nodes) + 64:  # drop stale entries now and then
-            self.heap = [e for e in heap if (n := nodes.get(e[3])) is not None and n.seq == e[2]]
-            heapq.heapify(self.heap)
-
-    def resample(self, threshold: int, capacity: int, scale: int) -> None:
-        """Keep only keys still sampled under ``threshold``; re-rank for ``scale``."""
-        self.nodes = {k: v for k, v in self.nodes.items() if _sample(k) < threshold}
-        self.heap = []
-        for key, node in self.nodes.items():
-            node.rank = _rank(self.mode, node.time, node.uses, node.gap, node.mru, scale, node.long_uses)
-            self.heap.append((node.rank, -node.depth, node.seq, key))
-        heapq.heapify(self.heap)
-        self.shrink(capacity)
-
-
-def _sample(key: Any) -> int:
-    return ((hash(key) * _MIX) & _MASK) >> (64 - _SAMPLE_BITS)
-
-
 class AdaptivePolicy(EvictionPolicy):
     """See the module docstring.  ``mode`` is the ordering in use (one of ``MODES``)."""
 
@@ -200,7 +83,7 @@ class AdaptivePolicy(EvictionPolicy):
 
     def __init__(self, guard: bool = True) -> None:
         self._clock = 0  # insertions so far: the unit of age
-        self._nodes: dict[Any, _Node] = {}
+        self._nodes: dict[Any, Node] = {}
         self._children: dict[Any, int] = {}
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = count()
@@ -213,9 +96,9 @@ class AdaptivePolicy(EvictionPolicy):
         self._stale = False
         self._run: tuple[Any, int] = (None, 0)
         self._runs = 0  # request runs inserted (a run: chunks inserted in prompt order)
-        self._shadows = [_Shadow(m) for m in range(len(MODES))]
+        self._shadows = [Shadow(m) for m in range(len(MODES))]
         self._wins = [[0.0] * len(MODES) for _ in MODES]  # [a][b]: sampled accesses a hit and b missed
-        self._threshold = 1 << _SAMPLE_BITS  # sample every key while the tier is small
+        self._threshold = 1 << SAMPLE_BITS  # sample every key while the tier is small
         self._sampled_n = 1  # tracked chunks when the sampling rate was last set
         self._sampled = 0  # sampled accesses since the last decay
         self.switches = 0
@@ -267,7 +150,7 @@ class AdaptivePolicy(EvictionPolicy):
         uses, gap, long_uses = self._count(key, clock)
         depth = up.depth + 1 if up else 0
         lucky = self._runs % BIP_LUCKY == 0
-        node = nodes[key] = _Node(time, uses, gap, long_uses, depth, parent, lucky)
+        node = nodes[key] = Node(time, uses, gap, long_uses, depth, parent, lucky)
         if parent is not None:
             self._children[parent] = self._children.get(parent, 0) + 1
         self._queue(key, node)
@@ -280,7 +163,7 @@ class AdaptivePolicy(EvictionPolicy):
             self._guard(key, False, ghost_time, depth)
         if len(nodes) > 2 * self._sampled_n:  # a tier that fills without evicting
             self._resample(len(nodes))
-        if _sample(key) < self._threshold:
+        if sample_hash(key) < self._threshold:
             self._shadow(key, time, uses, gap, long_uses, depth, lucky)
 
     def touch(self, keys: Sequence[Any]) -> None:
@@ -296,7 +179,7 @@ class AdaptivePolicy(EvictionPolicy):
                 self._queue(key, node)
                 if self._guarded:
                     self._guard(key, True, clock, node.depth)
-                if _sample(key) < threshold:
+                if sample_hash(key) < threshold:
                     self._shadow(key, clock, node.uses, node.gap, node.long_uses, node.depth, False)
 
     def remove(self, key: Any) -> None:
@@ -405,8 +288,8 @@ class AdaptivePolicy(EvictionPolicy):
             self._active = mode
             self._stale = True
 
-    def _queue(self, key: Any, node: _Node) -> None:
-        node.rank = rank = _rank(self._active, node.time, node.uses, node.gap, node.mru, self._scale, node.long_uses)
+    def _queue(self, key: Any, node: Node) -> None:
+        node.rank = rank = ordering_rank(self._active, node.time, node.uses, node.gap, node.mru, self._scale, node.long_uses)
         if key not in self._children:
             node.seq = s = next(self._seq)
             heapq.heappush(self._heap, (rank, -node.depth, s, key))
@@ -420,7 +303,7 @@ class AdaptivePolicy(EvictionPolicy):
         mode, scale, children, seq = self._active, self._scale, self._children, self._seq
         heap = []
         for key, node in self._nodes.items():
-            node.rank = _rank(mode, node.time, node.uses, node.gap, node.mru, scale, node.long_uses)
+            node.rank = ordering_rank(mode, node.time, node.uses, node.gap, node.mru, scale, node.long_uses)
             if key not in children:
                 node.seq = s = next(seq)
                 heap.append((node.rank, -node.depth, s, key))
@@ -431,14 +314,14 @@ class AdaptivePolicy(EvictionPolicy):
         """Sampling rate for ``n`` tracked chunks: shadows hold at most about SHADOW_KEYS keys,
         also while a tier fills without evicting (no victim asked yet)."""
         self._sampled_n = n
-        threshold = min(1 << _SAMPLE_BITS, (SHADOW_KEYS << _SAMPLE_BITS) // (n + self._below))
+        threshold = min(1 << SAMPLE_BITS, (SHADOW_KEYS << SAMPLE_BITS) // (n + self._below))
         if threshold != self._threshold:
             self._threshold = threshold
             for shadow in self._shadows:
                 shadow.resample(threshold, self._shadow_capacity(), self._scale + self._below)
 
     def _shadow_capacity(self) -> int:
-        return max(1, ((len(self._nodes) + self._below) * self._threshold) >> _SAMPLE_BITS)
+        return max(1, ((len(self._nodes) + self._below) * self._threshold) >> SAMPLE_BITS)
 
     def _shadow(self, key: Any, time: int, uses: int, gap: int, long_uses: int, depth: int, lucky: bool) -> None:
         capacity = self._shadow_capacity()

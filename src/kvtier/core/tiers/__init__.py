@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvtier.core.tiers.base import GetResult, PutResult, StagingTier, Tier, TierUsage
-    from kvtier.core.tiers.cpu import CpuTier
-    from kvtier.core.tiers.disk import DiskTier
+    from kvtier.core.tiers.cpu.tier import CpuTier
+    from kvtier.core.tiers.disk.tier import DiskTier
     from kvtier.core.tiers.factory import TierContext, make_tier
     from kvtier.core.tiers.registry import available_tiers
 
 _WHERE = {"GetResult": "base", "PutResult": "base", "StagingTier": "base", "Tier": "base", "TierUsage": "base",
-          "CpuTier": "cpu", "DiskTier": "disk", "TierContext": "factory", "available_tiers": "registry",
+          "CpuTier": "cpu.tier", "DiskTier": "disk.tier", "TierContext": "factory", "available_tiers": "registry",
           "make_tier": "factory"}
 
 __all__ = ["CpuTier", "DiskTier", "GetResult", "PutResult", "StagingTier", "Tier", "TierContext", "TierUsage",

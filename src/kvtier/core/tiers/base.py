@@ -79,7 +79,7 @@ from kvtier.core.stats import WireStats
 from kvtier.core.tenant import TenantRecords, Writer
 
 if TYPE_CHECKING:
-    from kvtier.core.tiers.diskscan import RescanResult
+    from kvtier.core.tiers.disk.scan import RescanResult
 
 
 class GetResult(enum.Enum):

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtier.core.tiers.plugin import PluginDefaults
-from kvtier.core.tiers.redissettings import RedisSettings
-from kvtier.core.tiers.s3settings import S3Settings
+from kvtier.core.tiers.redis.settings import RedisSettings
+from kvtier.core.tiers.s3.settings import S3Settings
 
 if TYPE_CHECKING:
     from kvtier.core.config import KVTierConfig
@@ -26,16 +26,16 @@ class CpuPlugin(PluginDefaults):
     """The top tier: host memory of one rank's process; nothing outlives it."""
 
     def build(self, ctx: TierContext) -> Tier | None:
-        from kvtier.core.tiers.cpu import from_config
+        from kvtier.core.tiers.cpu.tier import from_config
 
         return from_config(ctx)
 
 
 class DiskPlugin(PluginDefaults):
-    """The disk tier: chunk files under ``disk_path`` (:mod:`kvtier.core.tiers.disk`)."""
+    """The disk tier: chunk files under ``disk_path`` (:mod:`kvtier.core.tiers.disk.tier`)."""
 
     def build(self, ctx: TierContext) -> Tier | None:
-        from kvtier.core.tiers.disk import from_config
+        from kvtier.core.tiers.disk.factory import from_config
 
         return from_config(ctx)
 
@@ -43,74 +43,74 @@ class DiskPlugin(PluginDefaults):
         return bool(config.disk_path) and config.disk_gib > 0
 
     def check(self, config: KVTierConfig) -> list[tuple[str, str]]:
-        from kvtier.core.tiers.disk import check
+        from kvtier.core.tiers.disk.factory import check
 
         return check(config)
 
     def state_dir(self, config: KVTierConfig) -> Path | None:
-        from kvtier.core.tiers.disk import state_dir
+        from kvtier.core.tiers.disk.factory import state_dir
 
         return state_dir(config)
 
     def blobs(self, config: KVTierConfig, deadline_s: float | None = None) -> BlobStore | None:
-        from kvtier.core.tiers.diskblobs import open_blobs
+        from kvtier.core.tiers.disk.blobs import open_blobs
 
         return open_blobs(config)
 
 
 class RedisPlugin(PluginDefaults):
-    """The redis tier: values on a Redis/Valkey server or Cluster (:mod:`kvtier.core.tiers.redis`)."""
+    """The redis tier: values on a Redis/Valkey server or Cluster (:mod:`kvtier.core.tiers.redis.tier`)."""
 
     settings: type[Any] | None = RedisSettings
 
     def build(self, ctx: TierContext) -> Tier | None:
-        from kvtier.core.tiers.redis import from_config
+        from kvtier.core.tiers.redis.factory import from_config
 
         return from_config(ctx)
 
     def configured(self, config: KVTierConfig) -> bool:
-        from kvtier.core.tiers.redissettings import redis_settings
+        from kvtier.core.tiers.redis.settings import redis_settings
 
         return bool(redis_settings(config).redis_url)
 
     def check(self, config: KVTierConfig) -> list[tuple[str, str]]:
-        from kvtier.core.tiers.redis import check
+        from kvtier.core.tiers.redis.factory import check
 
         return check(config)
 
     def blobs(self, config: KVTierConfig, deadline_s: float | None = None) -> BlobStore | None:
-        from kvtier.core.tiers.redisblobs import open_blobs
+        from kvtier.core.tiers.redis.blobs import open_blobs
 
         return open_blobs(config, deadline_s)
 
 
 class S3Plugin(PluginDefaults):
-    """The s3 tier: objects in an S3-compatible bucket (:mod:`kvtier.core.tiers.s3`)."""
+    """The s3 tier: objects in an S3-compatible bucket (:mod:`kvtier.core.tiers.s3.tier`)."""
 
     settings: type[Any] | None = S3Settings
 
     def build(self, ctx: TierContext) -> Tier | None:
-        from kvtier.core.tiers.s3 import from_config
+        from kvtier.core.tiers.s3.factory import from_config
 
         return from_config(ctx)
 
     def configured(self, config: KVTierConfig) -> bool:
-        from kvtier.core.tiers.s3 import configured
+        from kvtier.core.tiers.s3.factory import configured
 
         return configured(config)
 
     def check(self, config: KVTierConfig) -> list[tuple[str, str]]:
-        from kvtier.core.tiers.s3 import check
+        from kvtier.core.tiers.s3.factory import check
 
         return check(config)
 
     def advice(self, config: KVTierConfig) -> list[tuple[str, str]]:
-        from kvtier.core.tiers.s3 import advice
+        from kvtier.core.tiers.s3.factory import advice
 
         return advice(config)
 
     def blobs(self, config: KVTierConfig, deadline_s: float | None = None) -> BlobStore | None:
-        from kvtier.core.tiers.s3blobs import open_blobs
+        from kvtier.core.tiers.s3.blobs import open_blobs
 
         return open_blobs(config, deadline_s)
 

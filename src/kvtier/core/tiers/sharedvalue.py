@@ -93,7 +93,7 @@ class ValueCodec:
     def seal(self, key: bytes, payload: memoryview | bytes, writer: tenant.Writer | None = None) -> envelope.Sealed:
         """Header (with ``writer``'s tenant record; ``None``: unknown) and body (``payload`` through
         the codec chain: the caller's memory itself for identity) of one value.  A writer may send
-        them as two pieces of one ``SET`` argument (:mod:`kvtier.core.tiers.redisstream`): the
+        them as two pieces of one ``SET`` argument (:mod:`kvtier.core.tiers.redis.stream`): the
         value on the server is the same bytes as :meth:`encode`'s, without the copy."""
         return self.envelope.seal(key, payload, writer)
 

@@ -94,7 +94,7 @@ def resolved_config(config: KVTierConfig, kv_cache_config: Any) -> KVTierConfig:
 ENGINE_RESCAN_S = 2.0
 """``disk_rescan_s`` of an engine that leaves it unset: it learns of the chunk files other engines
 sharing its disk directory wrote or removed this often (the disk tier's lookups never touch the
-filesystem, :meth:`~kvtier.core.tiers.disk.DiskTier.contains`)."""
+filesystem, :meth:`~kvtier.core.tiers.disk.tier.DiskTier.contains`)."""
 
 
 def role_config(config: KVTierConfig, kv_role: str | None) -> KVTierConfig:

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from kvtier.core.config import GiB, KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.tiers import factory, registry
-from kvtier.core.tiers.diskcheck import mount_of
+from kvtier.core.tiers.disk.check import mount_of
 from kvtier.integrations.vllm.engine_config import AUTO_MIN_CHUNK_TOKENS
 
 Severity = Literal["error", "warning"]

@@ -101,7 +101,7 @@ class Resets:
         that step's loads and saves; the tiers that outlive the process (disk files, the shared
         tier's keys under ``all``) are already cleared here, for every rank's namespace, and a disk
         directory carries a marker until its rank applied the order, so a restart before the next
-        step serves nothing of before either (:mod:`kvtier.core.tiers.diskreset`).  The cpu tier is
+        step serves nothing of before either (:mod:`kvtier.core.tiers.disk.reset`).  The cpu tier is
         emptied by the next step (the engine idle: its pages wait, unreachable, since nothing plans
         a hit from them).
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import blake3
 
-from kvtier.core.tiers.chunkfile import VERSION as CHUNK_FILE_VERSION
+from kvtier.core.tiers.disk.chunkfile import VERSION as CHUNK_FILE_VERSION
 
 log = logging.getLogger(__name__)
 

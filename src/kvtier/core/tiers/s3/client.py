@@ -1,4 +1,4 @@
-"""The s3 tier's client: an obstore ``S3Store`` built from :class:`~kvtier.core.tiers.s3settings.S3Settings`,
+"""The s3 tier's client: an obstore ``S3Store`` built from :class:`~kvtier.core.tiers.s3.settings.S3Settings`,
 and the credentials it signs with.
 
 Credentials (never a configuration key, never logged: :class:`Credentials` hides them from
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from kvtier.core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from kvtier.core.tiers.s3settings import S3Settings
+    from kvtier.core.tiers.s3.settings import S3Settings
 
 
 @dataclass(frozen=True)

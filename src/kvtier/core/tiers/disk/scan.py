@@ -2,7 +2,7 @@
 
 The disk tier's index is rebuilt from its directory at start; a process sharing the directory
 (a ``kv_consumer`` next to a producer) learns of later files through
-:meth:`~kvtier.core.tiers.disk.DiskTier.rescan`, which uses these pieces:
+:meth:`~kvtier.core.tiers.disk.tier.DiskTier.rescan`, which uses these pieces:
 
 - :class:`ShardWatch` says which of the 256 shard directories changed since they were last
   listed, by their modification time (a directory's mtime changes when an entry is added,
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtier.core.keys import ChunkKey
-from kvtier.core.tiers.chunkfile import HEADER_BYTES, ChunkFormatError, decode_header
+from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES, ChunkFormatError, decode_header
 
 SUFFIX = ".kvc"
 TMP_SUFFIX = ".tmp"
@@ -51,7 +51,7 @@ RACY_NS = 2_000_000_000
 
 @dataclass
 class RescanResult:
-    """What one :meth:`~kvtier.core.tiers.disk.DiskTier.rescan` round did.
+    """What one :meth:`~kvtier.core.tiers.disk.tier.DiskTier.rescan` round did.
 
     Attributes:
         adopted: keys of valid files now in the index (written by another process).
@@ -60,8 +60,8 @@ class RescanResult:
         shards_listed: shard directories listed (the others had not changed).
         more: the round stopped at its bound of new files; the next one continues.
         dead_tmp_removed: temporary files of crashed writers removed.
-        found: ``(key, file bytes)`` of header-checked files :meth:`~kvtier.core.tiers.disk.DiskTier.scan`
-            found, oldest first, that :meth:`~kvtier.core.tiers.disk.DiskTier.adopt` has still to index.
+        found: ``(key, file bytes)`` of header-checked files :meth:`~kvtier.core.tiers.disk.tier.DiskTier.scan`
+            found, oldest first, that :meth:`~kvtier.core.tiers.disk.tier.DiskTier.adopt` has still to index.
         missing: indexed keys whose files the scan did not find (forgotten by ``adopt``).
         generation: the tier's generation when the scan started (``adopt`` drops a stale scan).
     """

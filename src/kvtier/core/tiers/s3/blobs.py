@@ -1,7 +1,7 @@
 """The s3 tier's bucket as a blob store (:mod:`kvtier.core.tiers.blobs`): what ``kvtier purge``, a
 reset from outside the stores and the probe run over (:mod:`kvtier.core.purge`).
 
-Objects are ``<s3_key_prefix><namespace hex>[-<keyspace>]/<chunk key hex>`` (:mod:`kvtier.core.tiers.s3`;
+Objects are ``<s3_key_prefix><namespace hex>[-<keyspace>]/<chunk key hex>`` (:mod:`kvtier.core.tiers.s3.tier`;
 the keyspace, 16 hex digits, only under a ``shared_secret``).  :meth:`S3Blobs.namespaces` asks for
 the namespace "directories" under the prefix (one delimited LIST); :meth:`S3Blobs.list` lists those
 asked for (one LIST page per 1,000 objects) and keeps the objects whose name parses as above, with
@@ -25,7 +25,7 @@ the endpoint and bucket, an unreachable server said as such before any credentia
 probe LISTs at most one key under the prefix (never a write): a ``200`` is ``reachable``, a ``403``
 ``auth failed``, a ``404`` for the bucket (``NoSuchBucket``) ``no bucket``, a closed port or no answer
 in time ``unreachable``
-(:func:`~kvtier.core.tiers.s3client.describe_failure`).
+(:func:`~kvtier.core.tiers.s3.client.describe_failure`).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.core.errors import ConfigError
 from kvtier.core.tiers.blobs import LIST_BATCH, BlobRef, BlobStat, StorageFailed, ValueHeader
-from kvtier.core.tiers.s3client import describe_failure, make_store, where
-from kvtier.core.tiers.s3settings import S3Settings, s3_settings
+from kvtier.core.tiers.s3.client import describe_failure, make_store, where
+from kvtier.core.tiers.s3.settings import S3Settings, s3_settings
 from kvtier.core.tiers.sharedvalue import HEADER_BYTES, keyspace, peek, shared_secret
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ def open_blobs(config: KVTierConfig, deadline_s: float | None = None) -> S3Blobs
 
     Raises:
         ConfigError: plain HTTP without ``s3_allow_http``, unreadable credentials, obstore missing
-            (:func:`~kvtier.core.tiers.s3client.make_store`).
+            (:func:`~kvtier.core.tiers.s3.client.make_store`).
     """
     settings = s3_settings(config)
     if not settings.s3_bucket:
@@ -211,7 +211,7 @@ class S3Blobs:
 
 def failure_sentence(exc: BaseException, settings: S3Settings) -> str:
     """Why a request to the bucket failed, in one sentence: unreachable (said first), no such
-    bucket, or refused credentials (:func:`~kvtier.core.tiers.s3client.describe_failure`)."""
+    bucket, or refused credentials (:func:`~kvtier.core.tiers.s3.client.describe_failure`)."""
     state, detail = describe_failure(exc, settings, settings.s3_connect_timeout_s)
     address = where(settings)
     if state == "unreachable":

@@ -1,13 +1,13 @@
 """Clearing one namespace of the redis tier on the server: a reset (``reset_scope: all``).
 
-Keys are ``<prefix><namespace hex>:<keyspace><chunk key hex>`` (:mod:`kvtier.core.tiers.redis`).
+Keys are ``<prefix><namespace hex>:<keyspace><chunk key hex>`` (:mod:`kvtier.core.tiers.redis.tier`).
 :func:`clear_namespace` lists them with ``SCAN MATCH`` (the prefix, glob characters escaped, then
 exactly a chunk key's 32 hex digits: never another namespace's keys, nor this namespace's under
 another shared secret's keyspace) and deletes them with ``UNLINK`` in batches, on the tier's own
 threads under :data:`CLEAR_DEADLINE_S`.  In a Cluster, redis-py's ``scan_iter`` visits every
 primary.  This is the store's own clear (the tier's data path); from outside any store (vLLM's
 scheduler) the reset is :func:`kvtier.core.purge.reset_outside` over
-:class:`~kvtier.core.tiers.redisblobs.RedisBlobs`.
+:class:`~kvtier.core.tiers.redis.blobs.RedisBlobs`.
 """
 
 from __future__ import annotations

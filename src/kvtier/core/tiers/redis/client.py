@@ -15,7 +15,7 @@ from kvtier.core.config import redact_url
 from kvtier.core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from kvtier.core.tiers.redissettings import RedisSettings
+    from kvtier.core.tiers.redis.settings import RedisSettings
 
 
 def redis_password(config: RedisSettings) -> str | None:

@@ -13,11 +13,11 @@
   splits it per node), so a step costs one round trip per server, not one per chunk
   (LMCache#1639).  On a standalone server ``put_many`` sends every ``SET`` back to back with
   each value as (header, payload) pieces, never joined, and ``get_many`` receives values
-  straight into reused buffers (:mod:`kvtier.core.tiers.redisstream`).
+  straight into reused buffers (:mod:`kvtier.core.tiers.redis.stream`).
 - **Deadlines, breaker, metrics**: the factory wraps this tier in
   :class:`~kvtier.core.tiers.guarded.GuardedTier` (``shared_deadline_s`` for lookups and
   deletes, ``shared_transfer_deadline_s`` for reads and writes, ``redis_breaker_*``, a clear
-  under :data:`~kvtier.core.tiers.redisclear.CLEAR_DEADLINE_S`).  This class only talks to the
+  under :data:`~kvtier.core.tiers.redis.clear.CLEAR_DEADLINE_S`).  This class only talks to the
   server and raises on a fault.  Sockets carry connect and read/write timeouts, and redis-py's
   own retries are off: the breaker decides when to try again.  An error *reply* (``-OOM`` from a
   full server under Redis's default ``maxmemory-policy noeviction``, ``-READONLY`` from a
@@ -31,7 +31,7 @@
   sends the payloads straight from the caller's buffers while the caller's thread takes the
   digests; a write given up at the deadline is abandoned before its next chunk, and a payload
   changed after its digest was taken fails verification on read (a miss, never served).
-- **Secrets** (:mod:`kvtier.core.tiers.redisclient`): the password comes from the URL, an environment variable or a file; no log line
+- **Secrets** (:mod:`kvtier.core.tiers.redis.client`): the password comes from the URL, an environment variable or a file; no log line
   or metric shows it (URLs are redacted).
 
 Thread-safe.  Numbers: :meth:`RedisTier.wire_stats` (bytes, seconds, corrupt values; the wrapper
@@ -46,26 +46,17 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from kvtier.core.config import redact_url
-from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.stats import WireCounters, WireStats
 from kvtier.core.tenant import TenantRecords, Writer
-from kvtier.core.tiers import redisstream
 from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, TierUsage, writers
-from kvtier.core.tiers.breaker import CircuitBreaker
 from kvtier.core.tiers.buffers import BufferPool
-from kvtier.core.tiers.guarded import GuardedTier, PutStream, WriteAbandoned, split_get
-from kvtier.core.tiers.redisclear import CLEAR_DEADLINE_S, clear_namespace
-from kvtier.core.tiers.redisclient import LazyClusterClient, make_client
-from kvtier.core.tiers.redissettings import redis_settings
-from kvtier.core.tiers.sharedvalue import HEADER_BYTES, ValueCodec, keyspace, shared_secret, verify_into
-
-if TYPE_CHECKING:
-    from kvtier.core.config import KVTierConfig
-    from kvtier.core.tiers.factory import TierContext
+from kvtier.core.tiers.guarded import PutStream, WriteAbandoned, split_get
+from kvtier.core.tiers.redis import stream as redisstream
+from kvtier.core.tiers.redis.clear import clear_namespace
+from kvtier.core.tiers.sharedvalue import HEADER_BYTES, ValueCodec, keyspace, verify_into
 
 log = logging.getLogger(__name__)
 BATCH_BYTES = 32 << 20
@@ -78,7 +69,7 @@ WRITTEN_KEYS_MAX = 1 << 16
 
 class RedisTier(Tier):
     """Chunks as values in Redis/Valkey (see the module docstring); raises on a fault, so it is
-    used behind :class:`~kvtier.core.tiers.guarded.GuardedTier` (:func:`from_config` does).
+    used behind :class:`~kvtier.core.tiers.guarded.GuardedTier` (:func:`kvtier.core.tiers.redis.factory.from_config` does).
 
     Args:
         client: a redis-py ``Redis`` or ``RedisCluster`` client (timeouts set, retries off).
@@ -194,7 +185,7 @@ class RedisTier(Tier):
         :class:`~kvtier.core.tiers.guarded.PutStream`.
 
         Standalone: all commands back to back on one connection, each value sent as (header,
-        payload) straight from ``datas`` (:mod:`~kvtier.core.tiers.redisstream`), headers digested
+        payload) straight from ``datas`` (:mod:`~kvtier.core.tiers.redis.stream`), headers digested
         by ``produce`` while the earlier chunks are on the wire.  Cluster: redis-py's pipeline in
         batches of about ``BATCH_BYTES`` of joined values, ``produce`` encoding the next batch
         while the previous one is on the wire (at most two encoded batches held).
@@ -321,7 +312,7 @@ class RedisTier(Tier):
 
     def clear(self) -> ClearResult:
         """Delete every key of this tier's namespace on the server, never another namespace's
-        (:func:`kvtier.core.tiers.redisclear.clear_namespace`); the wrapper bounds it."""
+        (:func:`kvtier.core.tiers.redis.clear.clear_namespace`); the wrapper bounds it."""
         with self._lock:
             self._written.clear()
             self._used = 0
@@ -374,49 +365,3 @@ def _response_errors() -> type[Exception]:
     except ImportError:  # pragma: no cover - redis-py is a dependency; without it no tier exists
         return redisstream.ReplyError
     return ResponseError
-
-
-def check(config: KVTierConfig) -> list[tuple[str, str]]:
-    """The password, shared secret and TLS CA file, read as start-up reads them (files, the
-    environment variable): ``(config key, message)`` per one that start-up would refuse."""
-    from kvtier.core.tiers.redisclient import redis_password, tls_ca_file
-
-    problems = []
-    settings = redis_settings(config)
-    password_key = "redis_password_env" if settings.redis_password_env else "redis_password_file"
-    for name, read in ((password_key, lambda: redis_password(settings)), ("shared_secret_file",
-                                                                          lambda: shared_secret(config)),
-                       ("redis_tls_ca_file", lambda: tls_ca_file(settings))):
-        try:
-            read()
-        except ConfigError as exc:
-            problems.append((name, str(exc)))
-    return problems
-
-
-def configured(config: KVTierConfig) -> bool:
-    """Whether ``config`` asks for the redis tier (``redis_url`` set)."""
-    return bool(redis_settings(config).redis_url)
-
-
-def from_config(ctx: TierContext) -> GuardedTier | None:
-    """The redis tier behind :class:`~kvtier.core.tiers.guarded.GuardedTier`, or ``None`` without
-    ``redis_url``.  The server need not be up: an
-    unreachable one is a run of misses until it answers.
-
-    Raises:
-        ConfigError: redis-py missing, or an unreadable password or secret file
-            (:func:`make_client`, :func:`shared_secret`).
-    """
-    config = ctx.config
-    settings = redis_settings(config)
-    if not settings.redis_url:
-        return None
-    client = LazyClusterClient(settings) if settings.redis_cluster else make_client(settings)
-    where = redact_url(settings.redis_url)
-    inner = RedisTier(client, ctx.namespace, shared_secret(config), settings.redis_key_prefix, settings.redis_ttl_s,
-                      config.shared_transfer_deadline_s, where)
-    return GuardedTier(inner, config.shared_deadline_s, config.shared_transfer_deadline_s, config.io_threads,
-                       config.shared_queue_depth,
-                       CircuitBreaker(settings.redis_breaker_failures, settings.redis_breaker_probe_s),
-                       registry=ctx.registry, where=where, clear_deadline_s=CLEAR_DEADLINE_S)

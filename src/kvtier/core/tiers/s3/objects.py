@@ -1,7 +1,7 @@
 """One namespace's objects in the s3 tier's bucket, and the event loop their requests run on.
 
-The tier's data path (:mod:`kvtier.core.tiers.s3`), its conditional-put probe
-(:mod:`kvtier.core.tiers.s3conditional`) and its space accounting (:mod:`kvtier.core.tiers.s3space`)
+The tier's data path (:mod:`kvtier.core.tiers.s3.tier`), its conditional-put probe
+(:mod:`kvtier.core.tiers.s3.conditional`) and its space accounting (:mod:`kvtier.core.tiers.s3.space`)
 all reach the bucket through one :class:`S3Objects`:
 
 - object keys are built here only: ``<prefix><chunk key hex>``, the prefix being
@@ -37,7 +37,7 @@ class S3Objects:
     """The objects under ``prefix`` in the bucket of ``store``, and the loop that sends requests.
 
     Args:
-        store: an obstore ``S3Store`` on the bucket (:func:`kvtier.core.tiers.s3client.make_store`).
+        store: an obstore ``S3Store`` on the bucket (:func:`kvtier.core.tiers.s3.client.make_store`).
         prefix: the namespace's "directory", ending in ``/``.
         concurrency: requests in flight at most.
     """

@@ -7,7 +7,7 @@ so that it can be read and written with ``O_DIRECT`` straight into and out of pa
 buffers (the cpu tier's pages); 4096 bytes is the largest logical block size of common NVMe and
 SATA devices (Linux ``/sys/block/*/queue/logical_block_size``).  The envelope's digest (XXH3-128
 of its header fields and the payload) is computed while the bytes move
-(:mod:`kvtier.core.tiers.chunkio`).
+(:mod:`kvtier.core.tiers.disk.chunkio`).
 
 Files the release before the envelope wrote (chunk file version 2, magic ``b"KVTC"``, the same
 4096-byte header block and payload offset, :mod:`kvtier.core.legacyformats`) are still read and

@@ -2,9 +2,9 @@
 a reset from outside the stores and the probe run over (:mod:`kvtier.core.purge`).
 
 The directory holds one sub-directory per namespace (``<disk_path>/<namespace hex>/``, its 256
-shard directories ``00`` … ``ff`` holding ``<key hex>.kvc`` files: :mod:`kvtier.core.tiers.diskscan`).
+shard directories ``00`` … ``ff`` holding ``<key hex>.kvc`` files: :mod:`kvtier.core.tiers.disk.scan`).
 A chunk file's written time is its modification time (files are written once, into a temporary
-file renamed into place); its header (:func:`~kvtier.core.tiers.chunkfile.decode_header`, the one
+file renamed into place); its header (:func:`~kvtier.core.tiers.disk.chunkfile.decode_header`, the one
 place this module reads a value's header) carries its namespace and tenant record
 (:mod:`kvtier.core.tenant`).  A file whose header cannot be read or checked is named as a problem
 (a live engine removes a bad header as corrupt when it reads it).
@@ -16,7 +16,7 @@ alone (they are not chunks yet, and become chunks only by a rename the writing s
 against its reset epoch), as are the reset marker and the writers' lock files.
 
 A reset (:func:`kvtier.core.purge.reset_outside`) writes the reset marker first
-(:meth:`DiskBlobs.before_reset`, :mod:`kvtier.core.tiers.diskreset`), then removes the files.
+(:meth:`DiskBlobs.before_reset`, :mod:`kvtier.core.tiers.disk.reset`), then removes the files.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING
 from kvtier.core.errors import ChunkFormatError, UserError
 from kvtier.core.keys import KEY_BYTES
 from kvtier.core.tiers.blobs import LIST_BATCH, BlobRef, BlobStat, ValueHeader
-from kvtier.core.tiers.chunkfile import HEADER_BYTES, decode_header
-from kvtier.core.tiers.diskreset import RESET_MARKER, mark_reset
-from kvtier.core.tiers.diskscan import SUFFIX, chunk_entries
+from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES, decode_header
+from kvtier.core.tiers.disk.reset import RESET_MARKER, mark_reset
+from kvtier.core.tiers.disk.scan import SUFFIX, chunk_entries
 
 if TYPE_CHECKING:
     from kvtier.core.config import KVTierConfig

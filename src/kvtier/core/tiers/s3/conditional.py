@@ -17,8 +17,8 @@ import logging
 import uuid
 from collections.abc import Callable
 
-from kvtier.core.tiers.s3client import not_implemented
-from kvtier.core.tiers.s3objects import S3Objects
+from kvtier.core.tiers.s3.client import not_implemented
+from kvtier.core.tiers.s3.objects import S3Objects
 
 log = logging.getLogger(__name__)
 PROBE_NAME = "kvtier-conditional-put-probe-"

@@ -4,17 +4,17 @@
   renamed into place (``os.replace`` is atomic on POSIX), so a reader never sees a half-written
   chunk under its final name; with ``fsync=True`` it is also durable across power loss.
 - **Verified reads**: every file is a value envelope (:mod:`kvtier.core.envelope`, header padded
-  to 4096 bytes: :mod:`kvtier.core.tiers.chunkfile`) whose XXH3-128 covers its header and
+  to 4096 bytes: :mod:`kvtier.core.tiers.disk.chunkfile`) whose XXH3-128 covers its header and
   payload; files of the release before (chunk file version 2) are still read.  A torn, truncated,
   foreign-namespace, older-format or corrupt file is a miss: it is counted in ``corrupt``,
   logged, and removed.  The checksum is computed while the bytes move, not after
-  (:mod:`kvtier.core.tiers.chunkio`).
+  (:mod:`kvtier.core.tiers.disk.chunkio`).
 - **Buffered or O_DIRECT** I/O (``io``), and ``io_threads`` chunks at once in ``get_many`` /
   ``put_many``.
 - **Restart recovery**: the index (key → file size) is rebuilt by scanning the namespace
   directory at start, so a restarted engine still hits.  Temporary files a crashed writer left
   are removed at once (every writer holds a lock the kernel drops when it dies,
-  :class:`~kvtier.core.tiers.diskscan.WriterLock`), so a restart right after a SIGKILL
+  :class:`~kvtier.core.tiers.disk.scan.WriterLock`), so a restart right after a SIGKILL
   mid-write counts nothing twice and leaves nothing uncounted.
 - **Shared directory**: several processes may point at the same directory (two engines, or a
   prefill and a decode instance).  ``contains`` answers from this process's index only (no
@@ -22,7 +22,7 @@
   Files other processes wrote since start are taken in only by an explicit rescan: :meth:`scan`
   (header checked, no lock held) then :meth:`adopt` (the index changes; the store runs it under
   its own lock so that adopted chunks enter its eviction policy in the same step), looking only
-  into shard directories that changed (:mod:`kvtier.core.tiers.diskscan`); the store runs both
+  into shard directories that changed (:mod:`kvtier.core.tiers.disk.scan`); the store runs both
   every ``disk_rescan_s`` seconds.  Capacity is accounted over the files this process knows, so
   engines that rescan one directory bound it together by the smallest ``disk_gib`` among them.
 
@@ -41,7 +41,6 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -49,42 +48,21 @@ from kvtier.core import envelope
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tenant import TenantRecords, Writer, note_verified
-from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, TierUsage, writers
-from kvtier.core.tiers.chunkfile import HEADER_BYTES, ChunkFormatError, PayloadHasher
-from kvtier.core.tiers.chunkio import DEFAULT_SLICE_BYTES, ChunkIO, helper_threads
-from kvtier.core.tiers.diskcheck import disk_path_problem
-from kvtier.core.tiers.diskreset import remove_chunk_files, reset_marked, unmark_reset
-from kvtier.core.tiers.diskscan import (
-    SUFFIX,
-    RescanResult,
-    ShardWatch,
-    WriterLock,
-    chunk_names,
-    header_bytes,
-    indexed_files,
-    remove_if_dead,
-    tmp_name,
-)
-from kvtier.core.tiers.iomode import direct_supported, measure_direct
-
-if TYPE_CHECKING:
-    from kvtier.core.config import KVTierConfig
-    from kvtier.core.tiers.factory import TierContext
+from kvtier.core.tiers.base import GetResult, PutResult, Tier, TierUsage, writers
+from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES, ChunkFormatError, PayloadHasher
+from kvtier.core.tiers.disk.chunkio import DEFAULT_SLICE_BYTES, ChunkIO, helper_threads
+from kvtier.core.tiers.disk.directory import STALE_TMP_S, DirectorySync
+from kvtier.core.tiers.disk.iomode import IO_MODES, IOMode, resolve_io
+from kvtier.core.tiers.disk.reset import remove_chunk_files, reset_marked, unmark_reset
+from kvtier.core.tiers.disk.scan import SUFFIX, ShardWatch, WriterLock, indexed_files, tmp_name
 
 log = logging.getLogger(__name__)
-IOMode = Literal["auto", "buffered", "direct"]
-IO_MODES: tuple[IOMode, ...] = ("auto", "buffered", "direct")
-RESCAN_MAX_NEW = 4096
-"""Header checks of new files per :meth:`DiskTier.rescan` round at most (the rest wait a round)."""
-STALE_TMP_S = 120.0
-"""A temporary file whose writer has no lock file (an older kvtier's) is a crash leftover once
-older than this (seconds); one of a writer whose lock is free is one at once."""
 WRITE_WARNING_INTERVAL_S = 10.0
 """At most one warning line per this many seconds about failed chunk writes (a full disk fails
 every write: one line per chunk was thousands per second); the redis tier's rule (``_fault``)."""
 
 
-class DiskTier(Tier):
+class DiskTier(DirectorySync, Tier):
     """Chunk files in a directory, within ``capacity_bytes`` (headers included).
 
     Args:
@@ -94,9 +72,9 @@ class DiskTier(Tier):
         fsync: fsync each file before renaming it into place.
         io: ``"buffered"`` (through the page cache), ``"direct"`` (``O_DIRECT``; buffered where
             the filesystem refuses it) or ``"auto"`` (chosen by measurement,
-            :func:`~kvtier.core.tiers.iomode.measure_direct`).  The mode in use is ``io_mode``.
+            :func:`~kvtier.core.tiers.disk.iomode.measure_direct`).  The mode in use is ``io_mode``.
         io_threads: chunks read or written at once by ``get_many``/``put_many``, and helper
-            threads that read ahead and hash (:class:`~kvtier.core.tiers.chunkio.ChunkIO`).
+            threads that read ahead and hash (:class:`~kvtier.core.tiers.disk.chunkio.ChunkIO`).
         slice_bytes: bytes per read slice (a multiple of 4096).
 
     Raises:
@@ -120,7 +98,7 @@ class DiskTier(Tier):
         self.capacity_bytes = max(capacity_bytes, 0)
         self.fsync = fsync
         self.io_threads = max(io_threads, 1)
-        self.io_mode, self.io_reason = _resolve_io(io, self.dir)
+        self.io_mode, self.io_reason = resolve_io(io, self.dir)
         log.info("kvtier disk tier: %s I/O in %s (%s)", self.io_mode, self.dir, self.io_reason)
         self._io = ChunkIO(self.io_mode == "direct", slice_bytes, helper_threads(self.io_threads))
         self._workers: ThreadPoolExecutor | None = None
@@ -137,7 +115,7 @@ class DiskTier(Tier):
         self._tmp_shards: set[int] = set()  # shards holding a live writer's temporary file, listed every round
         self._watch = ShardWatch(self._root)
         self.generation = 0  # bumped when the directory vanished or was cleared, and the index was dropped
-        if reset_marked(self.dir):  # a reset was acknowledged and never applied (kvtier.core.tiers.diskreset)
+        if reset_marked(self.dir):  # a reset was acknowledged and never applied (kvtier.core.tiers.disk.reset)
             gone = remove_chunk_files(self.dir, len(namespace))
             log.info("kvtier disk tier: removed %d chunk files of %s that an acknowledged reset dropped%s",
                      len(gone.keys), self.dir, "" if gone.ok else f" ({gone.reason})")
@@ -324,103 +302,6 @@ class DiskTier(Tier):
             self._writing.discard(key)
         return PutResult.STORED
 
-    def rescan(self, max_new: int = RESCAN_MAX_NEW) -> RescanResult:
-        """:meth:`scan` then :meth:`adopt` (for a tier used without a store)."""
-        return self.adopt(self.scan(max_new))
-
-    def scan(self, max_new: int = RESCAN_MAX_NEW) -> RescanResult:
-        """Find chunk files other processes wrote since the index was built, and indexed ones
-        they removed; the index does not change (see :meth:`adopt`).
-
-        Lists only the shard directories that changed since their last listing
-        (:class:`~kvtier.core.tiers.diskscan.ShardWatch`), and those that held a live writer's
-        temporary file last time.  A file not in the index has its header block read and checked
-        (namespace, key, length against its size; at most ``max_new`` files per call, the rest on
-        the next); one whose header fails is counted in ``corrupt`` and removed, as a failed read
-        is.  Temporary files of crashed writers are removed.  The payload checksum is checked
-        when the chunk is read, as always.  Thread-safe; the I/O runs outside every lock.
-
-        Returns:
-            the candidates (``found``, ``missing``) and what the scan itself did.
-        """
-        result = RescanResult(generation=self.generation)
-        budget = max(max_new, 0)
-        changed: list[tuple[int, str, int | None]] = list(self._watch.changed())
-        listed = {shard for shard, _path, _mtime in changed}  # and those holding a live writer's temporary file:
-        changed += [(shard, f"{self._root}{os.sep}{shard:02x}", None) for shard in sorted(self._tmp_shards - listed)]
-        if not changed:
-            return result
-        with self._lock:
-            self._removed = set()
-            by_shard: dict[int, set[ChunkKey]] = {shard: set() for shard, _path, _mtime in changed}
-            for key in self._key_to_size:  # one pass over the index (a key's shard is its first byte)
-                if key[0] in by_shard:
-                    by_shard[key[0]].add(key)
-        liveness: dict[str, bool | None] = {}
-        found: list[tuple[ChunkKey, int, float] | None] = []  # None: a file whose header failed
-        for shard, path, mtime in changed:
-            on_disk, tmps = chunk_names(path, shard, len(self.namespace))
-            result.shards_listed += 1
-            live_tmp = False
-            for tmp in tmps:
-                removed = remove_if_dead(self.dir, tmp, liveness, STALE_TMP_S)
-                result.dead_tmp_removed += removed
-                live_tmp = live_tmp or not removed
-            (self._tmp_shards.add if live_tmp else self._tmp_shards.discard)(shard)
-            indexed = by_shard[shard]
-            result.missing += [k for k in indexed - on_disk if not os.path.lexists(self._file(k))]
-            new = [k for k in on_disk - indexed if k not in self._bad]
-            complete = len(new) <= budget
-            for key in new[:budget]:
-                self._check_new(key, found)
-            budget -= min(len(new), budget)
-            if mtime is None:
-                continue
-            if complete:
-                self._watch.listed(shard, mtime)
-            else:
-                result.more = True
-        result.corrupt = sum(1 for item in found if item is None)
-        # oldest first, as at start-up, so the policy's order follows the files' ages
-        result.found = [(key, size) for key, size, _mtime in sorted((i for i in found if i), key=lambda i: i[2])]
-        return result
-
-    def adopt(self, result: RescanResult) -> RescanResult:
-        """Index the files :meth:`scan` found and forget the keys whose files it missed, unless
-        this process changed them since (wrote, removed or is writing them, or the directory was
-        recreated); fills ``result.adopted`` and ``result.gone``.  Thread-safe; no I/O."""
-        with self._lock:
-            removed, self._removed = self._removed or set(), None
-            if result.generation != self.generation:
-                result.found, result.missing = [], []
-                return result
-            for key, size in result.found:
-                if key in self._key_to_size or key in self._bad or key in removed:
-                    continue
-                self._key_to_size[key] = size
-                self._used += size
-                self._foreign += 1
-                result.adopted.append(key)
-            for key in result.missing:
-                if key in self._key_to_size and key not in self._writing and key not in removed:
-                    self._forget(key)
-                    result.gone.append(key)
-        return result
-
-    def _check_new(self, key: ChunkKey, found: list[tuple[ChunkKey, int, float] | None]) -> None:
-        """Append ``(key, bytes, mtime)`` of ``key``'s file to ``found`` if its header checks out;
-        quarantine it (and append ``None``) if not."""
-        path = self._file(key)
-        try:
-            size, mtime = header_bytes(path, self.namespace, key)
-        except FileNotFoundError:
-            return
-        except (ChunkFormatError, OSError) as exc:
-            self._quarantine(key, Path(path), str(exc))
-            found.append(None)
-            return
-        found.append((key, size, mtime))
-
     def _write_file(self, key: ChunkKey, tmp: Path, payload: memoryview, writer: Writer | None) -> None:
         io = self._io
         env = self.envelope
@@ -473,49 +354,11 @@ class DiskTier(Tier):
         self._io.close()
         self._writer.release()
 
-    def _recreate_locked(self) -> None:
-        """The tier's directory vanished (deleted by hand): forget the index and make it again."""
-        log.warning("kvtier disk tier: directory %s vanished; recreating it and forgetting %d indexed chunks",
-                    self.dir, len(self._key_to_size))
-        self._key_to_size.clear()
-        self._used = 0
-        self._foreign = 0
-        self._watch.forget()
-        self._tmp_shards.clear()
-        self.generation += 1
-        try:
-            for i in range(256):
-                (self.dir / f"{i:02x}").mkdir(parents=True, exist_ok=True)
-            self._writer.release()  # its lock file went with the directory
-            self._writer = WriterLock(self.dir)
-        except OSError as exc:
-            log.warning("kvtier disk tier: cannot recreate %s (%s)", self.dir, exc.strerror)
-
     def delete(self, key: ChunkKey) -> bool:
         with self._lock:
             known = key in self._key_to_size
             self._forget(key)
         return _unlink(self.path(key)) or known
-
-    def clear(self) -> ClearResult:
-        """Forget the index and remove every chunk file of the namespace, other processes' too
-        (:func:`~kvtier.core.tiers.diskreset.remove_chunk_files`), then the reset marker; the keys
-        returned are the index's and the files'.  A scan
-        running meanwhile adopts nothing (the generation changes).  A write in flight may land
-        after: the store removes it (:mod:`kvtier.core.lower`)."""
-        with self._lock:
-            known = list(self._key_to_size)
-            self._key_to_size.clear()
-            self._used = 0
-            self._foreign = 0
-            self._bad.clear()
-            self._watch.forget()
-            self.generation += 1
-        result = remove_chunk_files(self.dir, len(self.namespace))
-        if result.ok:
-            unmark_reset(self.dir)
-        # the index's keys too: files another process (a reset hook) removed first were still this tier's
-        return result._replace(keys=list(dict.fromkeys((*known, *result.keys))))
 
     def keys(self) -> list[ChunkKey]:
         """Keys in this process's index."""
@@ -540,74 +383,6 @@ class DiskTier(Tier):
             assert self._used == sum(self._key_to_size.values()), "disk tier used bytes drifted from its index"
             assert self._foreign or self._used <= self.capacity_bytes, \
                 f"disk tier over capacity: {self._used} > {self.capacity_bytes} bytes"
-
-
-def configured(config: KVTierConfig) -> bool:
-    """Whether ``config`` asks for a disk tier (``disk_path`` and ``disk_gib`` > 0)."""
-    return bool(config.disk_path) and config.disk_gib > 0
-
-
-def state_dir(config: KVTierConfig) -> Path | None:
-    """``disk_path`` when ``config`` asks for a disk tier (the registry record's ``state_dir``): the
-    scheduler keeps its KV-event journal there, beside the namespace directories, which no rescan
-    or reset reads (:mod:`kvtier.integrations.vllm.scheduler.events`)."""
-    return Path(config.disk_path) if configured(config) and config.disk_path else None
-
-
-def check(config: KVTierConfig) -> list[tuple[str, str]]:
-    """The directory ``disk_path`` checked for ``disk_gib`` as start-up checks it
-    (:func:`kvtier.core.tiers.diskcheck.disk_path_problem`: a file, a kernel filesystem, not
-    writable, too little free space), creating it when it passes: ``(config key, sentence)``, or
-    nothing."""
-    if not configured(config):
-        return []
-    assert config.disk_path is not None
-    problem = disk_path_problem(Path(config.disk_path), config.disk_gib)
-    return [] if problem is None else [(problem[0], f"kvtier config: {problem[1]}")]
-
-
-def from_config(ctx: TierContext) -> DiskTier | None:
-    """The disk tier of one rank, or ``None`` without ``disk_path``/``disk_gib``.
-
-    Raises:
-        ConfigError: the directory is unfit (:func:`check`) or a shard directory is not writable.
-        OSError: the directory cannot be created.
-    """
-    config = ctx.config
-    capacity = config.disk_bytes_per_rank(ctx.tp_size)
-    if not config.disk_path or capacity <= 0:
-        return None
-    for _key, message in check(config):
-        raise ConfigError(message)
-    return DiskTier(config.disk_path, ctx.namespace, capacity, fsync=config.disk_fsync, io=config.disk_io,
-                    io_threads=config.io_threads)
-
-
-def _resolve_io(io: IOMode, directory: Path) -> tuple[str, str]:
-    """(``"direct"`` or ``"buffered"``, why) for the configured mode ``io`` on ``directory``.
-
-    A probe that cannot write at all (a full filesystem: a tier sized to the free space fills it
-    by design, so a restart finds it full; an I/O error) never stops the engine: buffered I/O works
-    wherever writing does, and the tier's own evictions make room again.
-    """
-    if io == "buffered":
-        return "buffered", "configured"
-    try:
-        return _probe_io(io, directory)
-    except OSError as exc:
-        log.warning("kvtier disk tier: could not test O_DIRECT in %s (%s); using buffered I/O until the next start",
-                    directory, exc.strerror)
-        return "buffered", f"{io}: the O_DIRECT probe could not write ({exc.strerror})"
-
-
-def _probe_io(io: IOMode, directory: Path) -> tuple[str, str]:
-    if io == "direct":
-        if direct_supported(directory):
-            return "direct", "configured"
-        log.warning("kvtier disk tier: the filesystem of %s refuses O_DIRECT; using buffered I/O", directory)
-        return "buffered", "configured direct, but the filesystem refuses O_DIRECT"
-    direct, why = measure_direct(directory)
-    return ("direct" if direct else "buffered"), f"auto: {why}"
 
 
 def _unlink(path: Path) -> bool:

@@ -4,14 +4,14 @@ A reset (vLLM's ``/reset_prefix_cache?reset_external=true``, :mod:`kvtier.integr
 is acknowledged by one process (vLLM's scheduler) while the stores that hold the files live in
 others (the workers), which apply it only when the next engine step carries the order.  So that a
 restart in between never serves what the reset dropped, the acknowledging process
-(:func:`kvtier.core.purge.reset_outside` over :class:`~kvtier.core.tiers.diskblobs.DiskBlobs`):
+(:func:`kvtier.core.purge.reset_outside` over :class:`~kvtier.core.tiers.disk.blobs.DiskBlobs`):
 
 1. writes the marker ``<disk_path>/<namespace hex>/reset-pending`` (:func:`mark_reset`), then
 2. removes every chunk file of the namespace.
 
 Files written after step 2 by a store that has not applied the order yet (writes queued before
 the reset, a graceful stop's flush) are removed by whichever comes first: the store applying the
-order (:meth:`~kvtier.core.tiers.disk.DiskTier.clear`, which then removes the marker), or the
+order (:meth:`~kvtier.core.tiers.disk.tier.DiskTier.clear`, which then removes the marker), or the
 next store that opens the directory and finds the marker (it removes every chunk file before
 building its index).
 
@@ -28,7 +28,7 @@ from pathlib import Path
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers.base import ClearResult
-from kvtier.core.tiers.diskscan import SUFFIX, chunk_entries
+from kvtier.core.tiers.disk.scan import SUFFIX, chunk_entries
 
 log = logging.getLogger(__name__)
 RESET_MARKER = "reset-pending"

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
+from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
-from kvtier.core.tiers.chunkio import ALIGN, O_DIRECT, _pwrite_all, aligned_buffer
+from kvtier.core.tiers.disk.chunkio import ALIGN, O_DIRECT, _pwrite_all, aligned_buffer
+
+log = logging.getLogger(__name__)
+IOMode = Literal["auto", "buffered", "direct"]
+"""The ``disk_io`` modes: ``buffered`` (the page cache), ``direct`` (``O_DIRECT``), ``auto`` (measured)."""
+IO_MODES: tuple[IOMode, ...] = ("auto", "buffered", "direct")
 
 
 def direct_supported(directory: str | os.PathLike[str]) -> bool:
@@ -123,3 +131,30 @@ def _probe(directory: str | os.PathLike[str], block: memoryview, flags: int) -> 
             os.unlink(path)
         except OSError:
             pass
+
+
+def resolve_io(io: IOMode, directory: Path) -> tuple[str, str]:
+    """(``"direct"`` or ``"buffered"``, why) for the configured mode ``io`` on ``directory``.
+
+    A probe that cannot write at all (a full filesystem: a tier sized to the free space fills it
+    by design, so a restart finds it full; an I/O error) never stops the engine: buffered I/O works
+    wherever writing does, and the tier's own evictions make room again.
+    """
+    if io == "buffered":
+        return "buffered", "configured"
+    try:
+        return _probe_io(io, directory)
+    except OSError as exc:
+        log.warning("kvtier disk tier: could not test O_DIRECT in %s (%s); using buffered I/O until the next start",
+                    directory, exc.strerror)
+        return "buffered", f"{io}: the O_DIRECT probe could not write ({exc.strerror})"
+
+
+def _probe_io(io: IOMode, directory: Path) -> tuple[str, str]:
+    if io == "direct":
+        if direct_supported(directory):
+            return "direct", "configured"
+        log.warning("kvtier disk tier: the filesystem of %s refuses O_DIRECT; using buffered I/O", directory)
+        return "buffered", "configured direct, but the filesystem refuses O_DIRECT"
+    direct, why = measure_direct(directory)
+    return ("direct" if direct else "buffered"), f"auto: {why}"

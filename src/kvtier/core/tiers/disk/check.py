@@ -1,6 +1,6 @@
 """Filesystem checks of the disk tier's directory, run where the tier is about to be used: by the
-disk tier's factory (:func:`kvtier.core.tiers.disk.from_config`, in each worker) and by its
-preflight (:func:`kvtier.core.tiers.disk.check`: ``kvtier check`` and the vLLM plugin, before the
+disk tier's factory (:func:`kvtier.core.tiers.disk.factory.from_config`, in each worker) and by its
+preflight (:func:`kvtier.core.tiers.disk.factory.check`: ``kvtier check`` and the vLLM plugin, before the
 model loads).  The configuration itself never looks at the disk (:mod:`kvtier.core.config`).
 
 Each problem is one sentence naming ``disk_path`` or ``disk_gib`` and the fix.

@@ -27,7 +27,7 @@ from typing import Any
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers.base import TierUsage
-from kvtier.core.tiers.s3objects import DELETE_BATCH, S3Objects
+from kvtier.core.tiers.s3.objects import DELETE_BATCH, S3Objects
 
 WRITTEN_KEYS_MAX = 1 << 16
 """Keys remembered without a capacity cap (``indexed``/``keys``), most recent kept."""

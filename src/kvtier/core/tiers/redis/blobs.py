@@ -1,7 +1,7 @@
 """The redis tier's server as a blob store (:mod:`kvtier.core.tiers.blobs`): what ``kvtier purge``,
 a reset from outside the stores and the probe run over (:mod:`kvtier.core.purge`).
 
-Keys are ``<prefix><namespace hex>:[<keyspace>:]<chunk key hex>`` (:mod:`kvtier.core.tiers.redis`;
+Keys are ``<prefix><namespace hex>:[<keyspace>:]<chunk key hex>`` (:mod:`kvtier.core.tiers.redis.tier`;
 the keyspace segment, 16 hex digits, only under a ``shared_secret``).  :meth:`RedisBlobs.list`
 finds them with ``SCAN MATCH`` (the prefix, glob characters escaped; in a Cluster redis-py's
 ``scan_iter`` visits every primary) and keeps those whose name parses as above;
@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING, Any
 from kvtier.core.config import redact_url
 from kvtier.core.errors import ConfigError, UserError
 from kvtier.core.tiers.blobs import LIST_BATCH, BlobRef, BlobStat, StorageFailed, ValueHeader
-from kvtier.core.tiers.redisclear import glob_escape
-from kvtier.core.tiers.redisfailure import AUTH_FIX, classify
-from kvtier.core.tiers.redissettings import RedisSettings, redis_settings
+from kvtier.core.tiers.redis.clear import glob_escape
+from kvtier.core.tiers.redis.failure import AUTH_FIX, classify
+from kvtier.core.tiers.redis.settings import RedisSettings, redis_settings
 from kvtier.core.tiers.sharedvalue import HEADER_BYTES, keyspace, peek, shared_secret
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ def open_blobs(config: KVTierConfig, deadline_s: float | None = None) -> RedisBl
     Raises:
         ConfigError: redis-py is not installed, the password or the TLS CA file cannot be read.
     """
-    from kvtier.core.tiers.redisclient import redis_password, tls_ca_file
+    from kvtier.core.tiers.redis.client import redis_password, tls_ca_file
 
     settings = redis_settings(config)
     if not settings.redis_url:
@@ -104,7 +104,7 @@ class RedisBlobs:
 
     def _connect(self) -> Any:
         """The client (a Cluster client connects to its seed node here); raises what redis-py raises."""
-        from kvtier.core.tiers.redisclient import make_client
+        from kvtier.core.tiers.redis.client import make_client
 
         if self._raw is None:
             self._raw = make_client(self.settings)

@@ -18,7 +18,7 @@
 - **Writes never replace an object** (chunk bytes never change under their key).  With
   ``s3_conditional_put`` each ``PUT`` carries ``If-None-Match: *`` and a server that honours it
   answers ``412`` on an existing key: that chunk is ``PRESENT``, with no ``HEAD`` first.  The
-  first write asks the server whether it does (:mod:`kvtier.core.tiers.s3conditional`: ``rclone
+  first write asks the server whether it does (:mod:`kvtier.core.tiers.s3.conditional`: ``rclone
   serve s3`` does not); where it does not, or without ``s3_conditional_put`` (for a gateway that
   answers ``501``), a ``HEAD`` goes before each ``PUT``.  A ``412`` comes after the chunk's bytes
   were sent, where a ``HEAD`` costs one round trip: the saving holds while most chunks written
@@ -33,13 +33,13 @@
   deletes, ``shared_transfer_deadline_s`` for reads and writes, ``s3_breaker_*``).  This class
   raises on a fault; a ``403`` (``PermissionDeniedError``) is a refusal that fails the call but
   leaves the breaker closed, as a full Redis's ``-OOM`` does.
-- **Expiry and capacity** (:mod:`kvtier.core.tiers.s3space`): the bucket evicts nothing by
+- **Expiry and capacity** (:mod:`kvtier.core.tiers.s3.space`): the bucket evicts nothing by
   itself.  With ``s3_ttl_s`` an object older than the TTL (by its ``Last-Modified``) is a miss,
   and a background sweep deletes expired objects (a bucket lifecycle rule does the same at day
   granularity: docs/s3.md); with ``s3_capacity_gib`` the sweep re-counts the namespace and the
   oldest objects past the cap are deleted, each checked by a ``HEAD`` first.
 - **Requests**: every request runs on one asyncio loop on the tier's own thread, through
-  :class:`~kvtier.core.tiers.s3objects.S3Objects` (where object keys are built).
+  :class:`~kvtier.core.tiers.s3.objects.S3Objects` (where object keys are built).
 
 Thread-safe.  Numbers: :meth:`S3Tier.wire_stats` (bytes, seconds, corrupt values; the wrapper
 adds errors, skipped calls and the breaker).
@@ -52,30 +52,21 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-from kvtier.core.errors import ConfigError
-from kvtier.core.hosts import is_loopback_host
 from kvtier.core.keys import ChunkKey
 from kvtier.core.stats import WireCounters, WireStats
 from kvtier.core.tenant import TenantRecords, Writer
 from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, TierUsage, writers
-from kvtier.core.tiers.breaker import CircuitBreaker
 from kvtier.core.tiers.buffers import BufferPool
-from kvtier.core.tiers.guarded import GuardedTier, PutStream, WriteAbandoned, split_get
-from kvtier.core.tiers.s3client import brief, http_refusal, make_store, read_credentials, where
-from kvtier.core.tiers.s3conditional import ConditionalPut
-from kvtier.core.tiers.s3objects import S3Objects
-from kvtier.core.tiers.s3settings import S3Settings, s3_settings
-from kvtier.core.tiers.s3space import S3Space
-from kvtier.core.tiers.sharedvalue import HEADER_BYTES, ValueCodec, keyspace, shared_secret, verify_into
-
-if TYPE_CHECKING:
-    from kvtier.core.config import KVTierConfig
-    from kvtier.core.tiers.factory import TierContext
+from kvtier.core.tiers.guarded import PutStream, WriteAbandoned, split_get
+from kvtier.core.tiers.s3.client import brief
+from kvtier.core.tiers.s3.conditional import ConditionalPut
+from kvtier.core.tiers.s3.objects import S3Objects
+from kvtier.core.tiers.s3.space import S3Space
+from kvtier.core.tiers.sharedvalue import HEADER_BYTES, ValueCodec, keyspace, verify_into
 
 log = logging.getLogger(__name__)
-GiB = 1 << 30
 ENCODE_BUFFER_BYTES = 256 << 20
 """Bytes of encoded-object buffers kept for reuse between writes (:mod:`kvtier.core.tiers.buffers`:
 a fresh 32 MiB buffer costs ~4x the copy into it)."""
@@ -83,10 +74,10 @@ a fresh 32 MiB buffer costs ~4x the copy into it)."""
 
 class S3Tier(Tier):
     """Chunks as objects in one S3 bucket (see the module docstring).  Raises on a fault: use it
-    behind :class:`~kvtier.core.tiers.guarded.GuardedTier` (:func:`from_config` does).
+    behind :class:`~kvtier.core.tiers.guarded.GuardedTier` (:func:`kvtier.core.tiers.s3.factory.from_config` does).
 
     Args:
-        store: an obstore ``S3Store`` on the bucket (:func:`kvtier.core.tiers.s3client.make_store`).
+        store: an obstore ``S3Store`` on the bucket (:func:`kvtier.core.tiers.s3.client.make_store`).
         namespace: 16-byte namespace digest.
         secret: shared secret bytes (keyed MAC) or ``None``.
         key_prefix: prefix of every object key (empty or ending in ``/``).
@@ -132,7 +123,7 @@ class S3Tier(Tier):
 
     @property
     def conditional_honoured(self) -> bool | None:
-        """:attr:`ConditionalPut.honoured <kvtier.core.tiers.s3conditional.ConditionalPut.honoured>`
+        """:attr:`ConditionalPut.honoured <kvtier.core.tiers.s3.conditional.ConditionalPut.honoured>`
         (settable: the benches force a write path)."""
         return self.conditional.honoured
 
@@ -146,12 +137,12 @@ class S3Tier(Tier):
         return self.space.sweeps
 
     def sweep(self) -> None:
-        """One pass of :meth:`S3Space.sweep <kvtier.core.tiers.s3space.S3Space.sweep>` (expiry and
+        """One pass of :meth:`S3Space.sweep <kvtier.core.tiers.s3.space.S3Space.sweep>` (expiry and
         the cap; raises what it raises)."""
         self.space.sweep()
 
     def object_key(self, key: ChunkKey) -> str:
-        """The object key of a chunk (:meth:`S3Objects.key <kvtier.core.tiers.s3objects.S3Objects.key>`)."""
+        """The object key of a chunk (:meth:`S3Objects.key <kvtier.core.tiers.s3.objects.S3Objects.key>`)."""
         return self.objects.key(key)
 
     # ---- Tier contract ---------------------------------------------------------------------------
@@ -220,7 +211,7 @@ class S3Tier(Tier):
 
     def ask_conditional(self) -> bool:
         """Whether the server honours ``If-None-Match: *`` (asked once, then remembered:
-        :attr:`conditional_honoured`; :mod:`kvtier.core.tiers.s3conditional`); ``False`` without
+        :attr:`conditional_honoured`; :mod:`kvtier.core.tiers.s3.conditional`); ``False`` without
         ``s3_conditional_put``.
 
         Raises:
@@ -350,7 +341,7 @@ class S3Tier(Tier):
     def clear(self) -> ClearResult:
         """Delete every object of this tier's namespace (and key space) in the bucket, never
         another's; ``ok`` is ``False`` if the server did not list and delete them within
-        :data:`~kvtier.core.tiers.s3space.CLEAR_DEADLINE_S`."""
+        :data:`~kvtier.core.tiers.s3.space.CLEAR_DEADLINE_S`."""
         try:
             found = self.space.clear()
         except Exception as exc:  # noqa: BLE001 - any fault: the reset reports it, never raises
@@ -390,79 +381,3 @@ class S3Tier(Tier):
             return
         self.space.stop()
         self.objects.close()
-
-def check(config: KVTierConfig) -> list[tuple[str, str]]:
-    """What start-up would refuse, read as it reads it: no bucket, plain HTTP without
-    ``s3_allow_http``, unreadable credentials (the file, or half of the environment pair), the
-    shared secret file; ``(config key, message)`` each."""
-    settings = s3_settings(config)
-    problems: list[tuple[str, str]] = []
-    if not settings.s3_bucket:
-        message = "the s3 tier has s3_endpoint_url but no s3_bucket; name the bucket (created beforehand)"
-        problems.append(("s3_bucket", message))
-    if (refusal := http_refusal(settings)) is not None:
-        problems.append(("s3_allow_http", refusal))
-    for name, read in (("s3_credentials_file", lambda: read_credentials(settings)),
-                       ("shared_secret_file", lambda: shared_secret(config))):
-        try:
-            read()
-        except ConfigError as exc:
-            problems.append((name, str(exc)))
-    return problems
-
-
-def advice(config: KVTierConfig) -> list[tuple[str, str]]:
-    """Warnings about a configuration the tier starts with (registry ``advice``): a plain
-    ``http://`` endpoint beyond this host without ``shared_secret``/``shared_secret_file`` sends
-    the chunks in clear and lets any client that can write to the bucket plant KV the engines
-    accept (the checksum catches corruption, not forgery; docs/s3.md "Servers").  Reads the
-    configuration alone: ``(config key, message)`` each."""
-    from urllib.parse import urlsplit
-
-    from kvtier.core.config import redact_url
-
-    url = s3_settings(config).s3_endpoint_url
-    if not url or not url.startswith("http://") or config.shared_secret or config.shared_secret_file:
-        return []
-    host = urlsplit(url).hostname or ""
-    if is_loopback_host(host):
-        return []
-    return [("s3_endpoint_url", (f"s3_endpoint_url {redact_url(url)} is plain HTTP to {host}, beyond this host, "
-             "without a shared_secret: chunks cross the network in clear and any client that can write to the "
-             "bucket can plant KV the engines accept; use https:// and set shared_secret_file to a secret of "
-             "16+ characters that every engine of the cache shares"))]
-
-
-def configured(config: KVTierConfig) -> bool:
-    """Whether ``config`` asks for the s3 tier (``s3_bucket`` or ``s3_endpoint_url`` set)."""
-    settings = s3_settings(config)
-    return bool(settings.s3_bucket or settings.s3_endpoint_url)
-
-
-def _tier(config: KVTierConfig, settings: S3Settings, namespace: bytes, sweep: bool = True) -> S3Tier:
-    """The bare tier; ``sweep=False``: no expiry, no cap, no sweep thread (a reset's short-lived tier)."""
-    store = make_store(settings, config.shared_transfer_deadline_s)
-    capacity = None if settings.s3_capacity_gib is None or not sweep else int(settings.s3_capacity_gib * GiB)
-    return S3Tier(store, namespace, shared_secret(config), settings.s3_key_prefix, settings.s3_concurrency,
-                  capacity, settings.s3_ttl_s if sweep else None, settings.s3_sweep_interval_s,
-                  settings.s3_conditional_put, where(settings), config.shared_transfer_deadline_s)
-
-
-def from_config(ctx: TierContext) -> GuardedTier | None:
-    """The s3 tier behind :class:`~kvtier.core.tiers.guarded.GuardedTier`, or ``None`` without
-    ``s3_bucket``/``s3_endpoint_url``.  The server need not be up: an unreachable one is a run of
-    misses until it answers.
-
-    Raises:
-        ConfigError: obstore missing, no bucket, plain HTTP without ``s3_allow_http``, or
-            unreadable credentials or secret file.
-    """
-    config = ctx.config
-    settings = s3_settings(config)
-    if not configured(config):
-        return None
-    inner = _tier(config, settings, ctx.namespace)
-    return GuardedTier(inner, config.shared_deadline_s, config.shared_transfer_deadline_s, config.io_threads,
-                       config.shared_queue_depth,
-                       CircuitBreaker(settings.s3_breaker_failures, settings.s3_breaker_probe_s),
-                       registry=ctx.registry, where=inner.where)

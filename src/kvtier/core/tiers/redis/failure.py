@@ -1,5 +1,5 @@
 """What a failed request to a Redis/Valkey server means, for the reachability probe
-(:func:`kvtier.core.purge.probe_tier` over :class:`~kvtier.core.tiers.redisblobs.RedisBlobs`: connect
+(:func:`kvtier.core.purge.probe_tier` over :class:`~kvtier.core.tiers.redis.blobs.RedisBlobs`: connect
 and ``PING`` within a short deadline, never a write), run by ``kvtier check`` and the serve-line
 pre-flight, which warn (the tier may come up after the engine; until then every shared-tier lookup
 is a miss under the breaker).
@@ -23,7 +23,7 @@ from kvtier.core.errors import ConfigError
 
 if TYPE_CHECKING:
     from kvtier.core.tiers.probe import ProbeState
-    from kvtier.core.tiers.redissettings import RedisSettings
+    from kvtier.core.tiers.redis.settings import RedisSettings
 
 AUTH_FIX = "fix redis_password_env or redis_password_file (or the server's requirepass/ACL)"
 """What the probe tells the operator to change when the server refuses the credentials."""

@@ -1,0 +1,115 @@
+"""Reading a kvtier configuration's sources and saying what is wrong with one in one sentence:
+the YAML file, the ``KVTIER_*`` environment (a variable that names no key is refused), and a
+validation error of :class:`~kvtier.core.config.KVTierConfig` turned into the sentence a user
+reads (:class:`~kvtier.core.errors.ConfigError`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+from pydantic.fields import FieldInfo
+
+from kvtier.core.errors import ConfigError
+from kvtier.core.tiersettings import ERROR_TYPE, env_var_rules, field_sentence, named_env_vars
+
+
+def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The mapping a YAML configuration file holds (``{}`` for an empty file).
+
+    Raises:
+        ConfigError: unreadable file, not UTF-8, not YAML, or not a mapping.
+    """
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text; save it as UTF-8") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys to values")
+    return data
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest known name, or ``""`` when none is close."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+JSON_EXAMPLES = {"admission": '{"disk": "reused"}', "tenant_quotas": '{"default_share": 0.2}', "tiers": '["cpu", "disk"]',
+                 "tier_modules": '["mycompany.kvtier_tiers"]', "tier_settings": '{"mytier": {"capacity_mib": 64}}'}
+"""An example value of each list or mapping key, for the sentence refusing a ``KVTIER_*`` variable that is not JSON."""
+
+
+def check_env(values: dict[str, Any], known_keys: Iterable[str]) -> None:
+    """Reject ``KVTIER_*`` variables that name no key of ``known_keys`` (every key a configuration
+    with ``values`` may hold: :meth:`KVTierConfig.known_keys <kvtier.core.config.KVTierConfig.known_keys>`;
+    a typo would otherwise be ignored).
+
+    A variable that a tier setting names (``names_env_var``, :mod:`kvtier.core.tiersettings`)
+    holds a secret, not a setting, and is exempt, even when its name starts with ``KVTIER_``.
+
+    Raises:
+        ConfigError: one sentence naming the variable, with ``env_var`` set.
+    """
+    known = {f"KVTIER_{name.upper()}" for name in known_keys}
+    exempt = named_env_vars(values)
+    rules = env_var_rules()
+    why = f" ({'; '.join(rules)})" if rules else ""
+    for var in os.environ:
+        if var.upper().startswith("KVTIER_") and var.upper() not in known and var not in exempt:
+            raise ConfigError(f"environment variable {var} is not a kvtier setting{did_you_mean(var.upper(), known)}; "
+                              f"rename or unset it{why}; known ones are {', '.join(sorted(known))}", env_var=var)
+
+
+def env_list(var: str) -> list[str] | None:
+    """A ``KVTIER_*`` list variable's value: JSON, or one bare name; ``None`` when unset or not a list."""
+    raw = os.environ.get(var)
+    if raw is None:
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return [raw]
+    return value if isinstance(value, list) else None
+
+
+def one_sentence(exc: ValidationError, fields: Mapping[str, FieldInfo],
+                 explicit: set[str] | None = None) -> tuple[str, str | None]:
+    """The first error of ``exc`` (validating a model of ``fields``, the values given ``explicit``)
+    as one sentence, and the ``KVTIER_*`` variable it comes from (or None).
+
+    A value the caller gave is named before one from the environment; a tier setting's error
+    (:data:`~kvtier.core.tiersettings.ERROR_TYPE`) carries its sentence already."""
+    def given(e: Any) -> bool:
+        if e["type"] == ERROR_TYPE:
+            return not e["ctx"]["env_var"]
+        return bool(explicit) and bool(e["loc"]) and str(e["loc"][0]) in (explicit or ())
+
+    errors = exc.errors()
+    err = next((e for e in errors if given(e)), errors[0])
+    if err["type"] == ERROR_TYPE:
+        return err["ctx"]["sentence"], err["ctx"]["env_var"] or None
+    field = ".".join(str(p) for p in err["loc"])
+    msg = err["msg"].removeprefix("Value error, ")
+    if not field:  # a check across fields: its message names the fields itself
+        return f"kvtier config: {msg}", None
+    env_var = None
+    top = str(err["loc"][0])  # a nested key (tenant_quotas.default_share) comes from its top key's variable
+    if explicit is not None and top not in explicit and f"KVTIER_{top.upper()}" in os.environ:
+        env_var = f"KVTIER_{top.upper()}"
+    model_field = fields.get(str(err["loc"][0]))
+    secret = model_field is not None and model_field.repr is False  # never echo a password or a secret
+    return field_sentence(field, msg, err.get("input"), env_var, secret), env_var

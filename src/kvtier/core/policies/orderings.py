@@ -1,0 +1,144 @@
+"""The orderings the adaptive policy (:mod:`kvtier.core.policies.adaptive`) chooses among, and
+the sampled shadow cache that replays one of them.
+
+Each ordering is a rank per chunk (:func:`ordering_rank`), lowest evicted first, ties to the deeper
+chunk (tail first); ``n`` is the tier's size in chunks:
+
+- ``lru``: time of last use.
+- ``quarantine``: time of last use, minus ``QUARANTINE × n`` if the chunk was never used before
+  (within the remembered history), plus ``min(uses, MAX_USES) × n`` otherwise: one-hit chunks
+  leave first, proven ones stay longer the more they were used (2Q, VLDB'94; S3-FIFO, SOSP'23;
+  LRFU, IEEE ToC 2001).  This is what the earlier default ``prefix-freq`` did when quarantining.
+- ``quarantine-long``: the same with a longer memory (``MEMORY``).
+- ``bip``: bimodal insertion (Qureshi et al. 2007): a chunk that arrives goes to the *bottom*
+  (evicted before anything that has been used while resident) except one request run in
+  ``BIP_LUCKY``; a used chunk goes to the top.  A cycling working set then keeps a stable part
+  resident instead of evicting each chunk just before its reuse.
+- ``frequency``: time of last use, plus ``FREQUENCY_BONUS × min(uses, MAX_USES) × n`` with uses
+  counted over a long, bounded history (:data:`~kvtier.core.policies.adaptive.FREQUENCY_HISTORY`
+  tier-sizes of keys), minus ``QUARANTINE × n`` if never used there: LFU with LRU among equals and
+  aging by forgetting
+  (LRFU, IEEE ToC 2001; the long-window frequency of TinyLFU, Einziger et al., ACM ToS 2017,
+  kept as exact counts of keys rather than a count-min sketch).  It keeps a hot set whose
+  members return after more tier-sizes than the other orderings remember (a batch job's hot
+  prompts among scan-once documents).
+
+A :class:`Shadow` replays one ordering over the sampled keys only (:func:`sample_hash` below the
+sampling threshold; keys and a few integers, no KV) and counts its hits; :class:`Node` is a
+chunk's record, in the real tier and in the shadows alike.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any
+
+MODES = ("lru", "quarantine", "quarantine-long", "bip", "frequency")
+QUARANTINE = 5.0
+"""``quarantine``: a never-used chunk ranks as if last used this many tier-sizes earlier."""
+MAX_USES = 7
+BIP_LUCKY = 32
+"""``bip``: one request run in this many is inserted at the top instead of the bottom."""
+MEMORY = (8.0, 32.0)
+"""``quarantine`` / ``quarantine-long``: a chunk counts as used before if its previous use lies
+within this many tier-sizes of insertions."""
+FREQUENCY_BONUS = 16.0
+"""``frequency``: each prior use ranks a chunk this many tier-sizes later (up to MAX_USES)."""
+
+_MIX = 0x9E3779B97F4A7C15
+_MASK = (1 << 64) - 1
+SAMPLE_BITS = 24
+"""A key's sample hash (:func:`sample_hash`) is this many bits: sampled when below the threshold."""
+
+
+def ordering_rank(mode: int, time: int, uses: int, gap: int, mru: bool, scale: int, long_uses: int) -> float:
+    if mode == 0:
+        return time
+    if mode < 3:
+        if uses and gap <= MEMORY[mode - 1] * scale:
+            return time + scale * min(uses, MAX_USES)
+        return time - scale * QUARANTINE
+    if mode == 3:
+        return time if mru else -1.0 - time
+    if long_uses:
+        return time + scale * FREQUENCY_BONUS * min(long_uses, MAX_USES)
+    return time - scale * QUARANTINE
+
+
+class Node:
+    __slots__ = ("depth", "gap", "long_uses", "mru", "parent", "rank", "seq", "time", "uses")
+
+    def __init__(self, time: int, uses: int, gap: int, long_uses: int, depth: int, parent: Any | None,
+                 mru: bool) -> None:
+        self.time = time  # clock of last use, shared by one request's chain
+        self.uses = uses  # prior uses (remembered ones)
+        self.gap = gap  # insertions between the previous use and the last one
+        self.long_uses = long_uses  # prior uses within the long history (``frequency``)
+        self.depth = depth
+        self.parent = parent
+        self.mru = mru  # bip: used while resident, or inserted by a lucky run
+        self.rank = 0.0
+        self.seq = -1  # seq of its live heap entry: older entries are stale
+
+
+class Shadow:
+    """One ordering replayed over the sampled keys only; counts its hits."""
+
+    def __init__(self, mode: int) -> None:
+        self.mode = mode
+        self.nodes: dict[Any, Node] = {}
+        self.heap: list[tuple[float, int, int, Any]] = []
+        self.hits = 0.0
+
+    def access(self, key: Any, time: int, uses: int, gap: int, long_uses: int, depth: int, lucky: bool,
+               capacity: int, scale: int, seq: Any) -> bool:
+        """Replay one sampled access; True if it hit."""
+        nodes = self.nodes
+        node = nodes.get(key)
+        if node is not None:
+            self.hits += 1
+            node.time, node.uses, node.gap, node.long_uses, node.mru = time, uses, gap, long_uses, True
+            hit = True
+        else:
+            node = nodes[key] = Node(time, uses, gap, long_uses, depth, None, lucky)
+            hit = False
+        mode = self.mode
+        node.rank = rank = time if mode == 0 else ordering_rank(mode, time, uses, gap, node.mru, scale, long_uses)
+        node.seq = s = next(seq)
+        heap = self.heap
+        heapq.heappush(heap, (rank, -node.depth, s, key))
+        if len(nodes) > capacity:  # shrink's loop, inlined: this runs on most misses
+            pop = heapq.heappop
+            while len(nodes) > capacity and heap:
+                _, _, s, key = pop(heap)
+                node = nodes.get(key)
+                if node is not None and node.seq == s:
+                    del nodes[key]
+        if len(heap) > 4 * len(nodes) + 64:
+            self.shrink(capacity)
+        return hit
+
+    def shrink(self, capacity: int) -> None:
+        nodes, heap = self.nodes, self.heap
+        while len(nodes) > capacity and heap:
+            _, _, s, key = heapq.heappop(heap)
+            node = nodes.get(key)
+            if node is not None and node.seq == s:
+                del nodes[key]
+        if len(heap) > 4 * len(nodes) + 64:  # drop stale entries now and then
+            self.heap = [e for e in heap if (n := nodes.get(e[3])) is not None and n.seq == e[2]]
+            heapq.heapify(self.heap)
+
+    def resample(self, threshold: int, capacity: int, scale: int) -> None:
+        """Keep only keys still sampled under ``threshold``; re-rank for ``scale``."""
+        self.nodes = {k: v for k, v in self.nodes.items() if sample_hash(k) < threshold}
+        self.heap = []
+        for key, node in self.nodes.items():
+            node.rank = ordering_rank(self.mode, node.time, node.uses, node.gap, node.mru, scale, node.long_uses)
+            self.heap.append((node.rank, -node.depth, node.seq, key))
+        heapq.heapify(self.heap)
+        self.shrink(capacity)
+
+
+def sample_hash(key: Any) -> int:
+    return ((hash(key) * _MIX) & _MASK) >> (64 - SAMPLE_BITS)

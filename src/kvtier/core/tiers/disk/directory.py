@@ -1,0 +1,202 @@
+"""A disk tier's index kept in step with its directory when the directory changes under it:
+files other processes sharing it wrote or removed (the rescan), every file of the namespace
+removed (``clear``, a reset), the directory gone (deleted by hand: made again).
+
+:class:`DirectorySync` is that part of :class:`~kvtier.core.tiers.disk.tier.DiskTier`.  The rescan
+(the capability ``rescannable``, :class:`kvtier.core.tiers.base.Rescannable`):
+:meth:`~DirectorySync.scan` lists the shard directories that changed and checks new files' headers
+with no lock held, then :meth:`~DirectorySync.adopt` changes the index (the store runs it under its
+own lock).  The pieces it uses (listing, header checks, writer locks) are
+:mod:`kvtier.core.tiers.disk.scan`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+from kvtier.core.keys import ChunkKey
+from kvtier.core.tiers.base import ClearResult
+from kvtier.core.tiers.disk.chunkfile import ChunkFormatError
+from kvtier.core.tiers.disk.reset import remove_chunk_files, unmark_reset
+from kvtier.core.tiers.disk.scan import (
+    RescanResult,
+    ShardWatch,
+    WriterLock,
+    chunk_names,
+    header_bytes,
+    remove_if_dead,
+)
+
+log = logging.getLogger(__name__)
+RESCAN_MAX_NEW = 4096
+"""Header checks of new files per :meth:`DirectorySync.rescan` round at most (the rest wait a round)."""
+STALE_TMP_S = 120.0
+"""A temporary file whose writer has no lock file (an older kvtier's) is a crash leftover once
+older than this (seconds); one of a writer whose lock is free is one at once."""
+
+
+class DirectorySync:
+    """The directory-facing part of a :class:`~kvtier.core.tiers.disk.tier.DiskTier`, over the
+    index state the tier holds (declared here; the tier sets it and defines the three index helpers)."""
+
+    namespace: bytes
+    dir: Path
+    generation: int
+    _root: str
+    _lock: threading.Lock
+    _key_to_size: dict[ChunkKey, int]
+    _used: int
+    _foreign: int
+    _bad: set[ChunkKey]
+    _writing: set[ChunkKey]
+    _removed: set[ChunkKey] | None
+    _tmp_shards: set[int]
+    _watch: ShardWatch
+    _writer: WriterLock
+
+    def _file(self, key: ChunkKey) -> str:
+        raise NotImplementedError
+
+    def _forget(self, key: ChunkKey) -> None:
+        raise NotImplementedError
+
+    def _quarantine(self, key: ChunkKey, path: Path, reason: str) -> None:
+        raise NotImplementedError
+
+    def rescan(self, max_new: int = RESCAN_MAX_NEW) -> RescanResult:
+        """:meth:`scan` then :meth:`adopt` (for a tier used without a store)."""
+        return self.adopt(self.scan(max_new))
+
+    def scan(self, max_new: int = RESCAN_MAX_NEW) -> RescanResult:
+        """Find chunk files other processes wrote since the index was built, and indexed ones
+        they removed; the index does not change (see :meth:`adopt`).
+
+        Lists only the shard directories that changed since their last listing
+        (:class:`~kvtier.core.tiers.disk.scan.ShardWatch`), and those that held a live writer's
+        temporary file last time.  A file not in the index has its header block read and checked
+        (namespace, key, length against its size; at most ``max_new`` files per call, the rest on
+        the next); one whose header fails is counted in ``corrupt`` and removed, as a failed read
+        is.  Temporary files of crashed writers are removed.  The payload checksum is checked
+        when the chunk is read, as always.  Thread-safe; the I/O runs outside every lock.
+
+        Returns:
+            the candidates (``found``, ``missing``) and what the scan itself did.
+        """
+        result = RescanResult(generation=self.generation)
+        budget = max(max_new, 0)
+        changed: list[tuple[int, str, int | None]] = list(self._watch.changed())
+        listed = {shard for shard, _path, _mtime in changed}  # and those holding a live writer's temporary file:
+        changed += [(shard, f"{self._root}{os.sep}{shard:02x}", None) for shard in sorted(self._tmp_shards - listed)]
+        if not changed:
+            return result
+        with self._lock:
+            self._removed = set()
+            by_shard: dict[int, set[ChunkKey]] = {shard: set() for shard, _path, _mtime in changed}
+            for key in self._key_to_size:  # one pass over the index (a key's shard is its first byte)
+                if key[0] in by_shard:
+                    by_shard[key[0]].add(key)
+        liveness: dict[str, bool | None] = {}
+        found: list[tuple[ChunkKey, int, float] | None] = []  # None: a file whose header failed
+        for shard, path, mtime in changed:
+            on_disk, tmps = chunk_names(path, shard, len(self.namespace))
+            result.shards_listed += 1
+            live_tmp = False
+            for tmp in tmps:
+                removed = remove_if_dead(self.dir, tmp, liveness, STALE_TMP_S)
+                result.dead_tmp_removed += removed
+                live_tmp = live_tmp or not removed
+            (self._tmp_shards.add if live_tmp else self._tmp_shards.discard)(shard)
+            indexed = by_shard[shard]
+            result.missing += [k for k in indexed - on_disk if not os.path.lexists(self._file(k))]
+            new = [k for k in on_disk - indexed if k not in self._bad]
+            complete = len(new) <= budget
+            for key in new[:budget]:
+                self._check_new(key, found)
+            budget -= min(len(new), budget)
+            if mtime is None:
+                continue
+            if complete:
+                self._watch.listed(shard, mtime)
+            else:
+                result.more = True
+        result.corrupt = sum(1 for item in found if item is None)
+        # oldest first, as at start-up, so the policy's order follows the files' ages
+        result.found = [(key, size) for key, size, _mtime in sorted((i for i in found if i), key=lambda i: i[2])]
+        return result
+
+    def adopt(self, result: RescanResult) -> RescanResult:
+        """Index the files :meth:`scan` found and forget the keys whose files it missed, unless
+        this process changed them since (wrote, removed or is writing them, or the directory was
+        recreated); fills ``result.adopted`` and ``result.gone``.  Thread-safe; no I/O."""
+        with self._lock:
+            removed, self._removed = self._removed or set(), None
+            if result.generation != self.generation:
+                result.found, result.missing = [], []
+                return result
+            for key, size in result.found:
+                if key in self._key_to_size or key in self._bad or key in removed:
+                    continue
+                self._key_to_size[key] = size
+                self._used += size
+                self._foreign += 1
+                result.adopted.append(key)
+            for key in result.missing:
+                if key in self._key_to_size and key not in self._writing and key not in removed:
+                    self._forget(key)
+                    result.gone.append(key)
+        return result
+
+    def _check_new(self, key: ChunkKey, found: list[tuple[ChunkKey, int, float] | None]) -> None:
+        """Append ``(key, bytes, mtime)`` of ``key``'s file to ``found`` if its header checks out;
+        quarantine it (and append ``None``) if not."""
+        path = self._file(key)
+        try:
+            size, mtime = header_bytes(path, self.namespace, key)
+        except FileNotFoundError:
+            return
+        except (ChunkFormatError, OSError) as exc:
+            self._quarantine(key, Path(path), str(exc))
+            found.append(None)
+            return
+        found.append((key, size, mtime))
+
+    def _recreate_locked(self) -> None:
+        """The tier's directory vanished (deleted by hand): forget the index and make it again."""
+        log.warning("kvtier disk tier: directory %s vanished; recreating it and forgetting %d indexed chunks",
+                    self.dir, len(self._key_to_size))
+        self._key_to_size.clear()
+        self._used = 0
+        self._foreign = 0
+        self._watch.forget()
+        self._tmp_shards.clear()
+        self.generation += 1
+        try:
+            for i in range(256):
+                (self.dir / f"{i:02x}").mkdir(parents=True, exist_ok=True)
+            self._writer.release()  # its lock file went with the directory
+            self._writer = WriterLock(self.dir)
+        except OSError as exc:
+            log.warning("kvtier disk tier: cannot recreate %s (%s)", self.dir, exc.strerror)
+
+    def clear(self) -> ClearResult:
+        """Forget the index and remove every chunk file of the namespace, other processes' too
+        (:func:`~kvtier.core.tiers.disk.reset.remove_chunk_files`), then the reset marker; the keys
+        returned are the index's and the files'.  A scan
+        running meanwhile adopts nothing (the generation changes).  A write in flight may land
+        after: the store removes it (:mod:`kvtier.core.lower`)."""
+        with self._lock:
+            known = list(self._key_to_size)
+            self._key_to_size.clear()
+            self._used = 0
+            self._foreign = 0
+            self._bad.clear()
+            self._watch.forget()
+            self.generation += 1
+        result = remove_chunk_files(self.dir, len(self.namespace))
+        if result.ok:
+            unmark_reset(self.dir)
+        # the index's keys too: files another process (a reset hook) removed first were still this tier's
+        return result._replace(keys=list(dict.fromkeys((*known, *result.keys))))

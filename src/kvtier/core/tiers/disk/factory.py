@@ -1,0 +1,56 @@
+"""The disk tier from a configuration: whether it is asked for, its preflight check, its state
+directory and its factory (the hooks of its plug-in object, :data:`kvtier.core.tiers.builtin.DISK`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvtier.core.errors import ConfigError
+from kvtier.core.tiers.disk.check import disk_path_problem
+from kvtier.core.tiers.disk.tier import DiskTier
+
+if TYPE_CHECKING:
+    from kvtier.core.config import KVTierConfig
+    from kvtier.core.tiers.factory import TierContext
+
+
+def configured(config: KVTierConfig) -> bool:
+    """Whether ``config`` asks for a disk tier (``disk_path`` and ``disk_gib`` > 0)."""
+    return bool(config.disk_path) and config.disk_gib > 0
+
+
+def state_dir(config: KVTierConfig) -> Path | None:
+    """``disk_path`` when ``config`` asks for a disk tier (the registry record's ``state_dir``): the
+    scheduler keeps its KV-event journal there, beside the namespace directories, which no rescan
+    or reset reads (:mod:`kvtier.integrations.vllm.scheduler.events`)."""
+    return Path(config.disk_path) if configured(config) and config.disk_path else None
+
+
+def check(config: KVTierConfig) -> list[tuple[str, str]]:
+    """The directory ``disk_path`` checked for ``disk_gib`` as start-up checks it
+    (:func:`kvtier.core.tiers.disk.check.disk_path_problem`: a file, a kernel filesystem, not
+    writable, too little free space), creating it when it passes: ``(config key, sentence)``, or
+    nothing."""
+    if not configured(config):
+        return []
+    assert config.disk_path is not None
+    problem = disk_path_problem(Path(config.disk_path), config.disk_gib)
+    return [] if problem is None else [(problem[0], f"kvtier config: {problem[1]}")]
+
+
+def from_config(ctx: TierContext) -> DiskTier | None:
+    """The disk tier of one rank, or ``None`` without ``disk_path``/``disk_gib``.
+
+    Raises:
+        ConfigError: the directory is unfit (:func:`check`) or a shard directory is not writable.
+        OSError: the directory cannot be created.
+    """
+    config = ctx.config
+    capacity = config.disk_bytes_per_rank(ctx.tp_size)
+    if not config.disk_path or capacity <= 0:
+        return None
+    for _key, message in check(config):
+        raise ConfigError(message)
+    return DiskTier(config.disk_path, ctx.namespace, capacity, fsync=config.disk_fsync, io=config.disk_io,
+                    io_threads=config.io_threads)
