@@ -4,7 +4,7 @@
 Starts a private redis-server and ``rclone serve s3`` (the test suite's servers,
 tests/redis_servers.py and tests/s3_servers.py), writes ``--values`` chunks through the real
 tiers (built from a config as the store builds them, behind GuardedTier), half for salt A and
-half for salt B (:func:`kvtier.core.tenant.writing_for`, as the store's writer thread does), then
+half for salt B (each write given its tenant, as the store's writer thread gives it), then
 times, alternating, ``--repeats`` dry runs of each purge of the namespace:
 
 - ``namespace``: ``PurgeSelector(namespaces={ns})`` (Redis: SCAN + STRLEN/PTTL; S3: LIST + the
@@ -35,7 +35,7 @@ from prometheus_client import CollectorRegistry
 from kvtier.core.config import KVTierConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.core.purge import PurgeSelector, purge
-from kvtier.core.tenant import TenantId, writing_for
+from kvtier.core.tenant import TenantId
 from kvtier.core.tiers.factory import TierContext
 
 BATCH = 50
@@ -47,8 +47,8 @@ def fill(tier: Any, num_values: int, chunk_bytes: int) -> None:
     for start in range(0, num_values, BATCH):
         for salt in ("A", "B"):
             keys = [ChunkKey(os.urandom(16)) for _ in range(start, min(start + BATCH, num_values), 2)]
-            with writing_for(TenantId.of(salt, None)):
-                results = tier.put_many(keys, [payload] * len(keys))
+            tenant = TenantId.of(salt, None)
+            results = tier.put_many(keys, [payload] * len(keys), tenants=[tenant] * len(keys))
             assert all(r.stored for r in results), results
 
 

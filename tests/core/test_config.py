@@ -108,10 +108,11 @@ def test_a_disk_path_that_does_not_exist_is_named_as_such(tmp_path):
                      disk_refusal({"disk_path": str(missing), "disk_gib": 1e9}))
 
 
-def test_unwritable_disk_path(tmp_path):
+def test_a_disk_path_under_a_file_is_named_as_such(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    assert "not writable" in disk_refusal({"disk_path": str(blocker / "sub"), "disk_gib": 0.001})
+    refusal = disk_refusal({"disk_path": str(blocker / "sub"), "disk_gib": 0.001})
+    assert "which is a file" in refusal and str(blocker) in refusal
 
 
 def test_disk_larger_than_free_space(tmp_path):
