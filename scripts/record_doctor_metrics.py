@@ -9,7 +9,7 @@ scrapes again, and writes ``before.txt`` / ``after.txt`` into the output directo
 
 from __future__ import annotations
 
-import sys
+import argparse
 import tempfile
 import uuid
 from pathlib import Path
@@ -41,4 +41,6 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    parser = argparse.ArgumentParser(description="Record /metrics before and after repeated-prefix traffic.")
+    parser.add_argument("out", type=Path, help="directory for before.txt, after.txt and serve.log")
+    main(parser.parse_args().out)
