@@ -33,6 +33,7 @@ from kvtier.core.errors import ChunkFormatError, ConfigError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers import buffers
 from kvtier.core.tiers.base import GetResult
+from kvtier.core.tiers.blobs import StorageFailed
 
 if TYPE_CHECKING:
     from kvtier.core.config import KVTierConfig
@@ -74,6 +75,20 @@ def keyspace(secret: bytes | None) -> str:
     if secret is None:
         return ""
     return blake3.blake3(secret, derive_key_context=KEYSPACE_CONTEXT).hexdigest(length=8) + ":"
+
+
+def configured_keyspace(config: KVTierConfig) -> str:
+    """A configuration's key space segment without its trailing ``:`` (:func:`keyspace` of its
+    :func:`shared_secret`), ``""`` without a secret: which values a shared tier's blob store may
+    reset or purge as this configuration's (:mod:`kvtier.core.purge`).
+
+    Raises:
+        StorageFailed: the secret file cannot be read.
+    """
+    try:
+        return keyspace(shared_secret(config)).rstrip(":")
+    except ConfigError as exc:
+        raise StorageFailed(str(exc)) from None
 
 
 class ValueCodec:

@@ -38,7 +38,7 @@ from kvtier.core.tiers.blobs import LIST_BATCH, BlobRef, BlobStat, StorageFailed
 from kvtier.core.tiers.redis.clear import glob_escape
 from kvtier.core.tiers.redis.failure import AUTH_FIX, classify
 from kvtier.core.tiers.redis.settings import RedisSettings, redis_settings
-from kvtier.core.tiers.sharedvalue import HEADER_BYTES, keyspace, peek, shared_secret
+from kvtier.core.tiers.sharedvalue import HEADER_BYTES, configured_keyspace, peek
 
 if TYPE_CHECKING:
     from kvtier.core.config import KVTierConfig
@@ -97,10 +97,7 @@ class RedisBlobs:
         Raises:
             StorageFailed: the secret file cannot be read.
         """
-        try:
-            return keyspace(shared_secret(self._config)).rstrip(":")
-        except ConfigError as exc:
-            raise StorageFailed(str(exc)) from None
+        return configured_keyspace(self._config)
 
     def _connect(self) -> Any:
         """The client (a Cluster client connects to its seed node here); raises what redis-py raises."""

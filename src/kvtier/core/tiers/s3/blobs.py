@@ -36,11 +36,10 @@ import re
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvtier.core.errors import ConfigError
 from kvtier.core.tiers.blobs import LIST_BATCH, BlobRef, BlobStat, StorageFailed, ValueHeader
 from kvtier.core.tiers.s3.client import describe_failure, make_store, where
 from kvtier.core.tiers.s3.settings import S3Settings, s3_settings
-from kvtier.core.tiers.sharedvalue import HEADER_BYTES, keyspace, peek, shared_secret
+from kvtier.core.tiers.sharedvalue import HEADER_BYTES, configured_keyspace, peek
 
 if TYPE_CHECKING:
     from kvtier.core.config import KVTierConfig
@@ -94,10 +93,7 @@ class S3Blobs:
         Raises:
             StorageFailed: the secret file cannot be read.
         """
-        try:
-            return keyspace(shared_secret(self._config)).rstrip(":")
-        except ConfigError as exc:
-            raise StorageFailed(str(exc)) from None
+        return configured_keyspace(self._config)
 
     def _failed(self, exc: BaseException) -> StorageFailed:
         return StorageFailed(failure_sentence(exc, self.settings))
