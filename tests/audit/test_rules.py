@@ -179,6 +179,8 @@ CASES: dict[str, tuple[tuple[str, str | None], tuple[str, str | None]]] = {
         ("vllm serve m --max-model-len 65536 --kv-offloading-size 8 --max-num-batched-tokens 8192", V)),
     "kvtier-config-invalid": ((kvtier_line(chunk_tokens=100), V), (kvtier_line(chunk_tokens=256), V)),
     "kvtier-load-failure-policy": ((kvtier_line(policy=None), V), (kvtier_line(), V)),
+    "kvtier-replaced-by-offloading-flags": ((kvtier_line(cpu_gib=8) + " --kv-offloading-size 8", V),
+                                            (kvtier_line(cpu_gib=8), V)),
     "kvtier-shared-tier-unprotected": ((kvtier_line(redis_url="redis://10.0.0.5:6379/0"), V),
                                        (kvtier_line(redis_url="rediss://10.0.0.5:6380/0",
                                                     shared_secret_file="/etc/kvtier/secret"), V)),

@@ -37,3 +37,20 @@ def kvtier_config_invalid(c: ServeConfig) -> str | None:
 def kvtier_load_failure_policy(c: ServeConfig) -> str | None:
     warnings = [p.message for p in _problems(c) if p.key == "kv_load_failure_policy" and p.severity == "warning"]
     return warnings[0] + "." if warnings else None
+
+
+@rule("kvtier-replaced-by-offloading-flags", "error",
+      "--kv-offloading-size beside a KVTierConnector config: vLLM replaces kvtier's connector",
+      "Drop --kv-offloading-size and --kv-offloading-backend (kvtier's own cpu tier is cpu_gib in "
+      "--kv-transfer-config), or drop the KVTierConnector config to run vLLM's own offload.",
+      "vLLM vllm/config/vllm.py VllmConfig._post_init_kv_transfer_config (v0.32.0: with kv_offloading_size set it "
+      "overwrites kv_transfer_config.kv_connector)", locate="--kv-offloading-size")
+def kvtier_replaced_by_offloading_flags(c: ServeConfig) -> str | None:
+    backend = c.offloading_backend
+    transfer = c.kv_transfer_config or {}
+    if backend is None or transfer.get("kv_connector") != "KVTierConnector":
+        return None
+    replacement = {"native": "OffloadingConnector (or SimpleCPUOffloadConnector with VLLM_USE_SIMPLE_KV_OFFLOAD)",
+                   "lmcache": "LMCacheMPConnector"}.get(backend, f"the {backend!r} backend's connector")
+    return (f"--kv-offloading-size {c.value('--kv-offloading-size')} with backend {backend} makes vLLM set "
+            f"kv_connector to {replacement}, so the KVTierConnector config is ignored and kvtier never runs.")
