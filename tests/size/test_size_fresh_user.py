@@ -70,3 +70,13 @@ def test_table_and_notes_give_one_warm_set_figure(tmp_path):
     noted = re.search(r"the warm set \(([\d,]+) GiB\)", text, re.IGNORECASE)
     assert noted, text
     assert round(float(row.group(1).replace(",", ""))) == int(noted.group(1).replace(",", ""))
+
+
+def test_bench_trace_workload_takes_bundled_as_its_default():
+    from pathlib import Path
+
+    from kvtier.bench.factory import WorkloadKnobs, build_workload
+
+    named = build_workload(WorkloadKnobs(trace_path=Path("bundled"), limit=20), 2048, 4096, closed_loop=True)
+    default = build_workload(WorkloadKnobs(limit=20), 2048, 4096, closed_loop=True)
+    assert len(named.requests) == 20 and named.requests == default.requests
