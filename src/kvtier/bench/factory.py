@@ -22,6 +22,7 @@ from kvtier.bench.trace import (
     trace_workload,
 )
 from kvtier.bench.workload import Workload, WorkloadError, vocab_token_space
+from kvtier.tools.mooncake import BUNDLED
 
 WORKLOADS = ("trace", "prefix-repetition", "multi-round")
 
@@ -83,7 +84,10 @@ def _trace_window(knobs: WorkloadKnobs) -> tuple[list[TraceRecord], tuple[str, .
     Raises:
         WorkloadError: the trace cannot be read, the window is empty, or no conversation in it comes back.
     """
-    records = load_trace(knobs.trace_path or bundled_trace_path(), knobs.start, knobs.limit)
+    path = knobs.trace_path
+    if path is None or (str(path) == BUNDLED and not Path(path).exists()):  # `--trace bundled`, as simulate reads it
+        path = bundled_trace_path()
+    records = load_trace(path, knobs.start, knobs.limit)
     if not knobs.returning_only:
         return records, ()
     kept = returning_only(records)

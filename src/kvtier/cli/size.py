@@ -59,6 +59,8 @@ def _print_text(report, recipe, weights_note: str) -> None:  # type: ignore[no-u
     from rich.console import Console
     from rich.table import Table
 
+    from kvtier.size.plan import HEADROOM
+
     console = Console()
     table = Table(title=f"KV sizing: {report.model}", show_header=False)
     table.add_column("what")
@@ -94,12 +96,18 @@ def _print_text(report, recipe, weights_note: str) -> None:  # type: ignore[no-u
     if report.hbm_sessions is not None:
         rows.append(("sessions that fit in HBM", f"{report.hbm_sessions:,}"))
     if report.warm_set_bytes is not None:
-        what = f"trace {report.trace}, 95% of its ceiling" if report.trace else f"{report.sessions:,} sessions"
-        rows.append((f"warm set ({what})", _fmt_bytes(report.warm_set_bytes)))
+        if report.trace:
+            rows.append((f"warm set (trace {report.trace}, 95% of its ceiling)", _fmt_bytes(report.warm_set_bytes)))
+        else:  # the figure the notes and the tiers use: sessions × context × the headroom, said so
+            sized = int(report.warm_set_bytes * HEADROOM)
+            rows.append((f"warm set ({report.sessions:,} sessions, with ×{HEADROOM:g} headroom)",
+                         f"{_fmt_bytes(sized)} ({_fmt_bytes(report.warm_set_bytes)} × {HEADROOM:g})"))
     if report.host_reserve_gib is not None:
         rows.append(("host RAM reserved (node + workers)", f"{report.host_reserve_gib:,.0f} GiB"))
     if report.recommended_offload_gib is not None:
-        value = "offload not needed" if not report.offload_needed else f"{report.recommended_offload_gib:,.2f} GiB"
+        value = ("offload not needed" if not report.offload_needed else f"{report.recommended_offload_gib:,.2f} GiB")
+        if report.offload_no_room:
+            value = f"needed, no room: {report.offload_no_room}"
         rows.append(("recommended offload tiers (total)", value))
         if report.offload_needed:
             staging = " (staging only)" if report.cpu_staging else ""
@@ -142,6 +150,8 @@ def size_command(
     trace: str | None = typer.Option(None, "--trace", help="Request trace (.jsonl[.gz]; 'bundled': the Mooncake "
                                      "trace shipped with kvtier) to size the warm set from, instead of --sessions."),
     trace_format: str = typer.Option("mooncake", "--trace-format", help="--trace format: mooncake or kvtier-jsonl."),
+    tokens_per_block: int | None = typer.Option(None, "--tokens-per-block",
+                                                help="--trace's tokens per block (mooncake: 512)."),
     disk_gb_per_s: float = typer.Option(7.0, "--disk-gb-per-s", help="NVMe read bandwidth, GB/s, all drives together "
                                         "(as kvtier simulate; a disk tier slower than prefill is not recommended)."),
     prefill_tokens_per_s: float = typer.Option(20_000.0, "--prefill-tokens-per-s", help="Prefill throughput of the "
@@ -191,7 +201,7 @@ def size_command(
             raise UserError("give --trace (the warm set measured on a trace) or --sessions (sessions × --context), "
                             "not both.")
         resolved = resolve_model(model)
-        curve = _curve(trace, trace_format) if trace is not None else None
+        curve = _curve(trace, trace_format, tokens_per_block) if trace is not None else None
         weights = weights_gib if weights_gib is not None else resolved.weights_gib
         note = "given" if weights_gib is not None else resolved.weights_note
         dep = Deployment(tp=tp, kv_dtype=dtype if kv_dtype != "auto" else "auto (bf16)", dtype_bytes=DTYPE_BYTES[dtype],
@@ -267,7 +277,7 @@ def size_command(
         _print_text(report, recipe, note)
 
 
-def _curve(trace: str, fmt: str) -> StackCurve:
+def _curve(trace: str, fmt: str, tokens_per_block: int | None) -> StackCurve:
     """The stack-distance curve of ``trace`` (``bundled``: the shipped Mooncake trace).
 
     Raises:
@@ -276,7 +286,7 @@ def _curve(trace: str, fmt: str) -> StackCurve:
     from kvtier.simulate.hierarchy import stack_curve
     from kvtier.simulate.trace import read_trace, trace_path
 
-    return stack_curve(read_trace(trace_path(trace), fmt))
+    return stack_curve(read_trace(trace_path(trace), fmt, tokens_per_block))
 
 
 def _object_store(bucket: str | None, endpoint_url: str | None, capacity_gib: float | None,

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.core.errors import TraceError
-from kvtier.tools.mooncake import MOONCAKE_BLOCK_TOKENS, iter_records, jsonl_objects
+from kvtier.tools.mooncake import MOONCAKE_BLOCK_TOKENS, iter_records, jsonl_objects, resolve_trace_path
 
 FORMATS = ("mooncake", "kvtier-jsonl")
 
@@ -76,21 +76,13 @@ class Trace:
         return self.times_s[-1] - self.times_s[0] if self.times_s else 0.0
 
 
-BUNDLED = "bundled"
-"""What ``--trace`` takes for the Mooncake conversation trace shipped in kvtier/data."""
-
-
 def trace_path(text: str | Path) -> Path:
-    """``text`` as a path; :data:`BUNDLED` names the shipped trace (:func:`kvtier.tools.mooncake.bundled_trace_path`).
+    """``text`` as a path; ``bundled`` names the shipped trace (:func:`kvtier.tools.mooncake.resolve_trace_path`).
 
     Raises:
         TraceError: ``bundled`` but the package lacks its data file.
     """
-    if str(text) == BUNDLED and not Path(BUNDLED).exists():
-        from kvtier.tools.mooncake import bundled_trace_path
-
-        return bundled_trace_path()
-    return Path(text)
+    return resolve_trace_path(text)
 
 
 def full_blocks(hash_ids: Sequence[int], input_length: int, block_tokens: int) -> Sequence[int]:
@@ -109,7 +101,7 @@ def read_trace(path: str | Path, fmt: str = "mooncake", block_tokens: int | None
     """Read a trace file.
 
     Args:
-        path: a ``.jsonl`` file, or ``.jsonl.gz``.
+        path: a ``.jsonl`` file, or ``.jsonl.gz``; ``bundled`` (:func:`trace_path`): the shipped trace.
         fmt: ``"mooncake"`` or ``"kvtier-jsonl"``.
         block_tokens: tokens per chunk key; Mooncake default 512; kvtier JSONL records carry
             their own ``chunk_tokens`` and this, if given, must match it.
@@ -121,9 +113,9 @@ def read_trace(path: str | Path, fmt: str = "mooncake", block_tokens: int | None
     if block_tokens is not None and block_tokens <= 0:
         raise TraceError(f"--tokens-per-block must be a positive integer, got {block_tokens}")
     if fmt == "mooncake":
-        return _read_mooncake(Path(path), block_tokens if block_tokens is not None else MOONCAKE_BLOCK_TOKENS)
+        return _read_mooncake(trace_path(path), block_tokens if block_tokens is not None else MOONCAKE_BLOCK_TOKENS)
     if fmt == "kvtier-jsonl":
-        return _read(path, _KVTierParser(block_tokens))
+        return _read(trace_path(path), _KVTierParser(block_tokens))
     raise TraceError(f"unknown trace format {fmt!r}; use one of {', '.join(FORMATS)}")
 
 

@@ -147,6 +147,8 @@ class SizeReport:
     trace: str | None = None
     cpu_staging: bool = False
     predicted_hits: dict[str, float] | None = None
+    offload_no_room: str | None = None
+    """Why no tier is recommended although the warm set exceeds the engine's KV cache (None: not that case)."""
 
     @property
     def offload_needed(self) -> bool | None:
@@ -162,6 +164,7 @@ class SizeReport:
             "hbm_kv_tokens": self.hbm_kv_tokens,
             "recommended_offload_gib": self.recommended_offload_gib,
             "offload_needed": self.offload_needed,
+            "offload_no_room": self.offload_no_room,
             "model": self.model,
             "source": self.source,
             "kind": self.kind,
@@ -326,6 +329,14 @@ def _recommend(report: SizeReport, budget: int, dep: Deployment, warm_bytes: int
     if tiers.hits is not None:
         report.predicted_hits = asdict(tiers.hits)
     if tiers.offload_gib == 0:
+        if warm_bytes > budget and dram is not None:  # needed, but the host leaves no tier worth its DRAM
+            room = (f"host RAM {dep.host_ram_gib:,.4g} GiB ≤ reserve {dep.reserve_gib:,.4g} GiB"
+                    if dep.host_ram_gib <= dep.reserve_gib else  # type: ignore[operator]
+                    f"host RAM less reserves ({dram:,.4g} GiB) is not larger than the engine's KV cache "
+                    f"({budget / GIB:,.4g} GiB)")
+            fix = "give --nvme-gib for a disk tier, add host RAM or lower --host-reserve-gib" \
+                if dep.nvme_gib is None else "add host RAM or lower --host-reserve-gib (the notes say why no disk tier)"
+            report.offload_no_room = f"{room}; {fix}"
         return
     report.cpu_gib, report.disk_gib, report.cpu_staging = tiers.cpu_gib, tiers.disk_gib, tiers.staging
     if dram is not None:

@@ -49,6 +49,21 @@ class TraceRecord:
     hash_ids: tuple[int, ...]
 
 
+BUNDLED = "bundled"
+"""What ``--trace`` takes for the Mooncake conversation trace shipped in kvtier/data."""
+
+
+def resolve_trace_path(text: str | Path) -> Path:
+    """``text`` as a path; :data:`BUNDLED` (unless a file of that name exists) names :func:`bundled_trace_path`.
+
+    Raises:
+        TraceError: ``bundled`` but the package lacks its data file.
+    """
+    if str(text) == BUNDLED and not Path(BUNDLED).exists():
+        return bundled_trace_path()
+    return Path(text)
+
+
 def bundled_trace_path() -> Path:
     """Path of the Mooncake conversation trace shipped in ``kvtier/data`` (12,031 requests).
 
