@@ -40,7 +40,7 @@ SERVE = ("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=35 vllm serve Qwen/Qwen3-8B --shu
 
 
 @pytest.mark.parametrize(("source", "text"), [
-    ("inline", SERVE), ("inline", "vllm serve Qwen/Qwen3-8B"), ("inline", "python3 -m vllm.entrypoints.openai.api_server"),
+    ("inline", SERVE), ("inline", "vllm serve Qwen/Qwen3-8B"), ("inline", "CUDA_VISIBLE_DEVICES=0 python3 -m vllm.entrypoints.cli.main serve M"),
     ("file", "#!/bin/sh\n# the server\nexec " + SERVE + "\n"), ("-", SERVE + "\n")])
 def test_check_of_a_serve_line_points_to_audit(tmp_path, source, text) -> None:
     """A whole `vllm serve ...` line, pasted or in serve.sh, was "cannot read '...' (OSError)" or "not valid JSON"
