@@ -117,3 +117,26 @@ def test_kvtier_on_another_vllm_is_an_error(image, flagged):
     assert ("kvtier-unsupported-vllm" in messages) is flagged, messages
     if flagged:
         assert "kvtier supports vLLM 0.32.x, 0.33.x and 0.34.x" in messages["kvtier-unsupported-vllm"]
+
+
+@pytest.mark.parametrize(("limit", "cpu_gib", "flagged"), [
+    ("64Gi", 128, True), ("64Gi", 56, False), ("64Gi", 57, True), ("68719476736", 60, True), ("100G", 84, False),
+    ("100G", 86, True), ("65536Mi", 56, False), ("70000M", 60, True)])
+def test_a_cpu_tier_larger_than_the_memory_limit_is_an_error(limit, cpu_gib, flagged):
+    """The cpu tier's pool is faulted in at start-up and counts against the container's memory limit
+    (docs/deploy.md): cpu_gib plus 8 GiB for vLLM over the limit is an OOM kill at start-up (fresh-user
+    tester: cpu_gib 128 in a 64Gi pod said "No findings"). Quantities in Gi, G, Mi, M and plain bytes."""
+    text = SHIPPED.replace('"cpu_gib":32', f'"cpu_gib":{cpu_gib}').replace(
+        "memory: 64Gi, ephemeral", f"memory: {limit!r}, ephemeral")
+    message = found(text).get("kvtier-cpu-tier-over-memory-limit")
+    assert (message is not None) is flagged, message
+    if flagged:
+        assert f"cpu_gib {cpu_gib} GiB" in message and f"memory limit {limit}" in message, message
+
+
+def test_a_cpu_tier_spread_over_nodes_counts_its_share():
+    text = SHIPPED.replace('"cpu_gib":32', '"cpu_gib":128')
+    assert "kvtier-cpu-tier-over-memory-limit" in found(text)
+    assert "- --shutdown-timeout" in text
+    spread = found(text.replace("- --shutdown-timeout", "- --nnodes\n            - \"4\"\n            - --shutdown-timeout", 1))
+    assert "kvtier-cpu-tier-over-memory-limit" not in spread, spread

@@ -25,7 +25,8 @@ def ktc(connector: str, **extra: object) -> str:
 
 def pod(image: str = "registry.example.com/kvtier-vllm:v0.32.0-kvtier0.1.0", install: bool = False,
         timeout: int | None = 30, grace: int | None = 90, mount: str = "/nvme", redis_url: str | None = None,
-        worker_s: str | None = "35", read_only: bool = False, volume: dict[str, object] | None = None) -> str:
+        worker_s: str | None = "35", read_only: bool = False, volume: dict[str, object] | None = None,
+        memory: str | None = None) -> str:
     """A Deployment running vLLM + kvtier with a disk tier at /nvme/kvtier in namespace ``inference``;
     each argument changes one fact (the defaults are a correct pod)."""
     extra: dict[str, object] = {"cpu_gib": 16, "disk_path": "/nvme/kvtier", "disk_gib": 500}
@@ -40,7 +41,8 @@ def pod(image: str = "registry.example.com/kvtier-vllm:v0.32.0-kvtier0.1.0", ins
     env = [{"name": "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "value": worker_s}] if worker_s is not None else []
     spec: dict[str, object] = {"containers": [{"name": "vllm", "image": image, "command": command, "env": env,
                                                 "volumeMounts": [{"name": "nvme", "mountPath": mount,
-                                                                  "readOnly": read_only}]}],
+                                                                  "readOnly": read_only}],
+                                                **({"resources": {"limits": {"memory": memory}}} if memory else {})}],
                                "volumes": [{"name": "nvme", **(volume or {"emptyDir": {"sizeLimit": "550Gi"}})}]}
     if grace is not None:
         spec["terminationGracePeriodSeconds"] = grace
@@ -205,6 +207,7 @@ CASES: dict[str, tuple[tuple[str, str | None], tuple[str, str | None]]] = {
     "kvtier-unsupported-vllm": ((pod(image="registry.example.com/kvtier-vllm:v0.35.0-kvtier0.1.0"), None),
                                 (pod(), None)),
     "kvtier-disk-volume-unfit": ((pod(read_only=True), V), (pod(), V)),
+    "kvtier-cpu-tier-over-memory-limit": ((pod(memory="20Gi"), V), (pod(memory="24Gi"), V)),
     "kvtier-shared-tier-cleartext-beyond-namespace": (
         (pod(redis_url="redis://redis.other-team.svc.cluster.local:6379/0"), V),
         (pod(redis_url="redis://redis.inference.svc.cluster.local:6379/0"), V)),

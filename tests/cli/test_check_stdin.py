@@ -32,3 +32,30 @@ def test_check_of_a_file_or_stdin_that_is_not_json_names_it(tmp_path, source, te
                             input=text, capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 2, result.stderr
     assert result.stderr == f"error: {message.format(path=path)}\n"
+
+
+SERVE = ("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=35 vllm serve Qwen/Qwen3-8B --shutdown-timeout 30 --kv-transfer-config "
+         """'{"kv_connector":"KVTierConnector","kv_connector_module_path":"kvtier.integrations.vllm","kv_role":"kv_both",'"""
+         """'"kv_connector_extra_config":{"cpu_gib":4}}'""")
+
+
+@pytest.mark.parametrize(("source", "text"), [
+    ("inline", SERVE), ("inline", "vllm serve Qwen/Qwen3-8B"), ("inline", "CUDA_VISIBLE_DEVICES=0 python3 -m vllm.entrypoints.cli.main serve M"),
+    ("file", "#!/bin/sh\n# the server\nexec " + SERVE + "\n"), ("-", SERVE + "\n")])
+def test_check_of_a_serve_line_points_to_audit(tmp_path, source, text) -> None:
+    """A whole `vllm serve ...` line, pasted or in serve.sh, was "cannot read '...' (OSError)" or "not valid JSON"
+    (fresh-user tester): one sentence saying check takes the --kv-transfer-config JSON and audit takes the line."""
+    path = tmp_path / "serve.sh"
+    path.write_text(text)
+    argument = {"inline": text, "file": str(path), "-": "-"}[source]
+    result = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "check", argument],
+                            input=text, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 2, result.stderr
+    assert "is a vLLM serve command line, but kvtier check takes only the --kv-transfer-config JSON" in result.stderr
+    assert "run kvtier audit on the whole serve line" in result.stderr and result.stderr.count("\n") == 1, result.stderr
+
+
+def test_a_missing_file_named_like_vllm_is_still_a_missing_file(tmp_path) -> None:
+    result = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "check", str(tmp_path / "vllm.json")],
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 2 and "cannot read" in result.stderr, result.stderr

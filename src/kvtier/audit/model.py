@@ -77,6 +77,8 @@ class PodFacts:
             applied to).
         services: names of the Services defined in the same file (hosts inside the namespace).
         mounts: the container's mounts with their volumes, in order (``mount_paths`` are their paths).
+        memory_limit: the container's ``resources.limits.memory`` as written (a Kubernetes quantity such
+            as ``64Gi``), None when unset.
     """
 
     grace_period_s: float | None = None
@@ -84,6 +86,7 @@ class PodFacts:
     namespace: str | None = None
     services: frozenset[str] = frozenset()
     mounts: tuple[MountFacts, ...] = ()
+    memory_limit: str | None = None
 
 
 @dataclass

@@ -130,6 +130,14 @@ def _grace_period(spec: dict[str, Any], where: str) -> float | None:
     return float(value)
 
 
+def _memory_limit(container: dict[str, Any]) -> str | None:
+    """``resources.limits.memory`` of the container as written, None when unset."""
+    resources = container.get("resources")
+    limits = resources.get("limits") if isinstance(resources, dict) else None
+    value = limits.get("memory") if isinstance(limits, dict) else None
+    return None if value is None or isinstance(value, bool) else str(value)
+
+
 def _namespace(doc: dict[str, Any]) -> str | None:
     metadata = doc.get("metadata")
     value = metadata.get("namespace") if isinstance(metadata, dict) else None
@@ -161,7 +169,8 @@ def parse_manifests(text: str, origin: str) -> list[ServeConfig]:
                 if isinstance(container, dict) and _is_vllm(container, f"{origin}:{workload}/{name}"):
                     config = _container_config(container, f"{origin}:{workload}/{name}", text)
                     config.pod = PodFacts(_grace_period(spec, f"{origin}: {workload}"), _mount_paths(container),
-                                          _namespace(doc), services, mounts(container, spec, templates, claims))
+                                          _namespace(doc), services, mounts(container, spec, templates, claims),
+                                          _memory_limit(container))
                     configs.append(config)
     if not configs:
         raise UserError(f"{origin} has no container running vLLM (Pod, Deployment, StatefulSet, ...).")

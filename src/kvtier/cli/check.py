@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import typer
@@ -26,6 +27,24 @@ Examples:
 """
 
 
+_SERVE_LINE = re.compile(r"^\s*(?:[A-Za-z_][A-Za-z0-9_]*=\S*\s+)*(?:exec\s+)?(?:\S*/)?(?:vllm|python3?)(?:\s|$)")
+"""A shell line starting vLLM: ``vllm serve ...``, ``VAR=x vllm ...``, ``python -m vllm...``, ``exec vllm ...``."""
+
+
+def _serve_line(text: str) -> bool:
+    """Whether ``text`` looks like a serve command line (its ``#`` comment and shebang lines aside)
+    rather than the ``--kv-transfer-config`` JSON."""
+    lines = [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return "--kv-transfer-config" in text or any(_SERVE_LINE.match(line) for line in lines)
+
+
+def _not_a_serve_line(text: str, source: str) -> None:
+    """Exit 2 with one sentence when ``text`` (from ``source``) is a serve command line."""
+    if _serve_line(text):
+        fail(f"{source} is a vLLM serve command line, but kvtier check takes only the --kv-transfer-config JSON (that "
+             "flag's value); give that, or run kvtier audit on the whole serve line (a file holding it, or -).")
+
+
 def _read(config: str) -> str:
     """The JSON text: ``config`` itself when it looks like JSON, else the file it names (``-``: stdin)."""
     if config.lstrip().startswith(("{", "[")):  # inline JSON; not an object is named by the parser
@@ -38,6 +57,7 @@ def _read(config: str) -> str:
         with open(config, encoding="utf-8") as handle:
             return handle.read(1 << 20)
     except (OSError, UnicodeDecodeError) as exc:
+        _not_a_serve_line(config, "the argument")
         fail(f"cannot read {config!r} ({exc.__class__.__name__}); give the JSON itself, a file holding it, or -.")
 
 
@@ -70,6 +90,7 @@ def check_command(
         try:
             json.loads(text)
         except (json.JSONDecodeError, RecursionError) as exc:
+            _not_a_serve_line(text, source)
             where = f" at line {exc.lineno} column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else ""
             fail(f"{source} is not valid JSON{where}; check its braces, commas and quotes.")
     try:

@@ -15,6 +15,7 @@ import re
 from typing import Any
 from urllib.parse import urlsplit
 
+from kvtier.audit.k8s_volumes import quantity_gib
 from kvtier.audit.model import ServeConfig
 from kvtier.audit.rules.base import rule
 from kvtier.audit.versions import version_from_image
@@ -262,6 +263,37 @@ def kvtier_disk_volume_unfit(c: ServeConfig) -> str | None:
     else:
         return None
     return f"the volume mounted at {mount.path}, which holds disk_path {path}, {problem}."
+
+
+VLLM_HOST_MEMORY_GIB = 8.0
+"""Host memory vLLM itself holds beside kvtier's cpu tier, a floor (API server, engine core, one process per
+GPU with its CUDA context and staging buffers; the shipped manifests budget ~16 GiB: deploy/kubernetes/)."""
+
+
+@rule("kvtier-cpu-tier-over-memory-limit", "error",
+      "the cpu tier's pool plus vLLM's own memory exceeds the container's memory limit",
+      f"Raise resources.limits.memory to at least cpu_gib + {VLLM_HOST_MEMORY_GIB:g} GiB (the shipped manifests give "
+      "cpu_gib + 32Gi, e.g. 64Gi for cpu_gib 32), or lower cpu_gib; kvtier size prints both.",
+      f"{_DOCS} § Pinned host memory and memlock (the pool is faulted in at start-up and counts against the container's memory "
+      "limit); Kubernetes resource quantities (kubernetes.io/docs/reference/kubernetes-api/common-definitions/"
+      "quantity/)", locate="limits:")
+def kvtier_cpu_tier_over_memory_limit(c: ServeConfig) -> str | None:
+    """The pod holds every tensor-parallel rank's share of ``cpu_gib`` (the total across ranks,
+    src/kvtier/core/config.py ``cpu_bytes_per_rank``), or ``cpu_gib / --nnodes`` when vLLM spans nodes."""
+    extra = _kvtier_extra(c)
+    if extra is None or c.pod is None or c.pod.memory_limit is None:
+        return None
+    limit_gib = quantity_gib(c.pod.memory_limit)
+    default = float(KVTierConfig.model_fields["cpu_gib"].default)
+    cpu_gib = max(_number(extra.get("cpu_gib"), default), 0.0)
+    nodes = max(int(_number(c.value("--nnodes"), 1.0)), 1)
+    pod_gib = cpu_gib / nodes
+    if limit_gib is None or pod_gib + VLLM_HOST_MEMORY_GIB <= limit_gib:
+        return None
+    share = f"cpu_gib {cpu_gib:g} / --nnodes {nodes} = {pod_gib:g} GiB" if nodes > 1 else f"cpu_gib {pod_gib:g} GiB"
+    return (f"the cpu tier's pool ({share}, allocated and faulted in at start-up) plus at least "
+            f"{VLLM_HOST_MEMORY_GIB:g} GiB for vLLM itself exceeds the container's memory limit "
+            f"{c.pod.memory_limit} ({limit_gib:,.4g} GiB), so the kernel OOM-kills the container as it starts.")
 
 
 def _inside_namespace(host: str, c: ServeConfig) -> bool:

@@ -246,6 +246,7 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
     # each value alone (the disk pair together), so that every bad value is named, not just the first
     groups = [[k] for k in known if k not in _DISK_KEYS] + [[k for k in known if k in _DISK_KEYS]]
     good: dict[str, Any] = {}
+    refused: set[str] = set()  # keys whose own value failed: no derived problem about their absence below
     for group in filter(None, groups):
         try:
             # a tier's own key needs the module that registers the tier
@@ -259,6 +260,8 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
                 good.update({k: known[k] for k in group})
                 continue
             problems.append(Problem("error", f"{key}.{group[0]}" if len(group) == 1 else key, str(exc)))
+            refused.update(f"{key}.{k}" for k in group)
+    derived = len(problems)
     try:
         config = KVTierConfig.from_dict(good)  # the valid values, defaults for the rest
     except ConfigError as exc:  # a check across groups, or a KVTIER_* variable of this environment
@@ -290,7 +293,7 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
                                 "tenant_quotas gives no tenant a share (no default_share, no_salt_share or salts), "
                                 "so it turns nothing on; set default_share (e.g. 0.2) or list salts, or remove it"))
     if not host_checks:
-        return problems
+        return problems[:derived] + [p for p in problems[derived:] if p.key not in refused]
     available = available_memory()
     if available and config.cpu_gib * GiB > available:
         problems.append(Problem("error", f"{key}.cpu_gib",
@@ -302,7 +305,7 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
         problems.append(Problem("warning", f"{key}.disk_path",
                                 f"disk_path {config.disk_path!r} is on tmpfs, i.e. in memory: the disk tier then "
                                 "competes with the cpu tier for RAM and is lost on reboot; use a local disk"))
-    return problems
+    return problems[:derived] + [p for p in problems[derived:] if p.key not in refused]
 
 
 @dataclass(frozen=True)
