@@ -131,7 +131,8 @@ def main(spec_path: str, out_path: str) -> int:
                 time.sleep(0.1)
         else:
             raise ValueError(f"unknown op {op!r}")
-    out = {"results": results, "metrics": _metrics(), "snapshots": snapshots}
+    out = {"results": results, "metrics": _metrics(), "snapshots": snapshots,
+           "block_size": llm.llm_engine.vllm_config.cache_config.block_size}  # as vLLM resolved it
     llm.llm_engine.engine_core.shutdown()  # graceful: the worker's connector flushes and closes
     Path(out_path).write_text(json.dumps(out))
     return 0
