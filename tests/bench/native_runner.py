@@ -1,9 +1,10 @@
-"""Serve one prompt twice through vLLM's ``OffloadingConnector`` loaded via the benchmark-only CPU
-shim (:mod:`kvtier.bench.native_cpu`), the engine's own prefix cache reset in between, so the
-second run is served from the native CPU tier.  Usage: ``python native_runner.py MODEL OUT.json``.
+"""Serve one prompt through vLLM's ``OffloadingConnector`` loaded via the benchmark-only CPU shim
+(:mod:`kvtier.bench.native_cpu`): its whole-block prefix alone first (cold), then the prompt over
+vLLM's own prefix cache, then the prompt again after that cache is reset, so the third run is served
+from the native CPU tier.  Usage: ``python native_runner.py MODEL OUT.json``.
 
-OUT holds both runs' token ids and chosen-token logprobs, the second run's cached-token count and
-vLLM's external prefix cache counters.
+OUT holds the three runs' token ids, chosen-token logprobs and cached-token counts, and vLLM's
+external prefix cache counters.
 """
 
 from __future__ import annotations
@@ -31,14 +32,18 @@ def main(model: str, out_path: str) -> int:
               num_gpu_blocks_override=64, enable_prefix_caching=True, disable_log_stats=False, seed=0,
               distributed_executor_backend="mp")
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0)
-    prompt = random_prompt(7, 300)
+    ids = list(llm.get_tokenizer().encode(random_prompt(7, 300)))
+    prefix = ids[:(len(ids) - 1) // 32 * 32]  # the whole blocks a full hit of ``ids`` can serve
     runs = []
-    for step in range(2):
-        out = llm.generate([prompt], params, use_tqdm=False)[0]
+    # 1. the prefix alone, cold: vLLM's own cache and the native CPU tier then hold the same bytes;
+    # 2. the whole prompt over vLLM's own prefix cache (the exact reference); 3. the whole prompt
+    # again after vLLM's cache is reset: the prefix comes back from the native CPU tier
+    for step, prompt_ids in enumerate((prefix, ids, ids)):
+        out = llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)[0]
         runs.append({"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens or 0,
                      "prompt_tokens": len(out.prompt_token_ids),
                      "logprobs": [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]})
-        if step == 0:
+        if step == 1:
             llm.generate([random_prompt(9, 5)], params, use_tqdm=False)  # one more step submits the deferred store
             llm.reset_prefix_cache()
     # LLMEngine.step recorded every step's stats before generate returned: nothing more arrives

@@ -26,10 +26,13 @@ def test_native_cpu_tier_serves_exact_kv(tmp_path: Path) -> None:
                           env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
-    first, second = data["runs"]
+    first, reference, second = data["runs"]
     assert first["cached"] == 0
-    # whole 32-token blocks of the prompt came back from the native CPU tier, not the engine cache
-    assert second["cached"] == (second["prompt_tokens"] - 1) // 32 * 32 > 0
+    # whole 32-token blocks of the prompt: from vLLM's own cache, then back from the native CPU tier
+    assert reference["cached"] == second["cached"] == (second["prompt_tokens"] - 1) // 32 * 32 > 0
     assert data["counters"]["vllm:external_prefix_cache_hits_total"] == second["cached"]
-    assert second["tokens"] == first["tokens"]
-    assert second["logprobs"] == first["logprobs"]
+    # the exact reference: vLLM's own prefix cache holding the same bytes (the prefix computed once,
+    # alone), the same tail computed (a cold prefill of the whole prompt differs in the last bits on
+    # an AMD EPYC host)
+    assert second["tokens"] == reference["tokens"]
+    assert second["logprobs"] == reference["logprobs"]
