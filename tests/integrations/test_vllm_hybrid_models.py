@@ -39,10 +39,18 @@ def probe(tmp_path: Path, geometry: str) -> tuple[dict, list[dict]]:
     return json.loads(out.read_text()), [json.loads(line) for line in record.read_text().splitlines()]
 
 
+COLD_VS_CACHED = 1e-4
+"""Logprob difference allowed between a cold prefill and the same prompt over vLLM's own prefix
+cache: not an exact pair (on an AMD EPYC host they differ in the last bits: another GEMM blocking
+for another row count); this probe checks vLLM's groups and the plan, not kvtier's loads, which the
+engine tests compare bit for bit with vLLM's own prefix cache."""
+
+
 def check_deterministic(result: dict) -> None:
     first, second = result["rounds"]
     for a, b in zip(first, second):
-        assert a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"]
+        assert a["tokens"] == b["tokens"]
+        assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"], strict=True)) < COLD_VS_CACHED
         assert b["cached"] >= 352  # the repeat was served from vLLM's prefix cache (~391-token prompts)
     assert first[0]["tokens"] != first[1]["tokens"]
     assert len({t for r in first for t in r["tokens"]}) > 4  # not one repeated token
