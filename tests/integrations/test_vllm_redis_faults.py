@@ -11,8 +11,9 @@ quick restart with an empty dataset (SIGTERM, start), ``SIGSTOP`` for 10 s then 
 a proxy delaying every segment by 3 s each way for 6 s.  For each:
 
 - the engine stays up and every request succeeds;
-- every repeated prompt's tokens and logprobs equal its first (cold, computed) answer on the same
-  engine (float32, one reserved core);
+- every repeated prompt's tokens and logprobs equal, bit for bit, its cold answer (recomputed) or
+  its answer over vLLM's own prefix cache (a cached prefix continued) on the same engine (float32,
+  one reserved core);
 - the TTFT p99 of the requests waiting for their first token at some time during the fault (from
   its start until hits resume; one sent just before it counts) is at most the recompute TTFT
   p99 (fresh prompts outside the faults) + the configured deadlines (``shared_deadline_s`` +
@@ -116,8 +117,15 @@ def test_faults_while_a_workload_runs(tiny_model: Path, tmp_path: Path, redis_fa
         with Server(spec, tmp_path / "engine.log").start(600) as engine:
             url = engine.base_url
             complete(url, random_prompt(899, 200), max_tokens=4)  # warm-up, not measured
-            cold = [complete(url, p, max_tokens=4) for p in prompts]  # nothing anywhere: computed
-            reference = {i: (c["tokens"], c["logprobs"]) for i, c in enumerate(cold)}
+            cold, own = [], []
+            for p in prompts:
+                cold.append(complete(url, p, max_tokens=4))  # nothing anywhere: computed
+                own.append(complete(url, p, max_tokens=4))  # over vLLM's own prefix cache: the exact reference
+            # a repeat is either recomputed (equal to the cold answer) or continues a cached prefix (equal
+            # to vLLM's own prefix cache holding it: 128-token blocks, as the chunks); a cold prefill is no
+            # exact reference for a load (on an AMD EPYC host the last bits differ)
+            reference = {i: ((c["tokens"], c["logprobs"]), (o["tokens"], o["logprobs"]))
+                         for i, (c, o) in enumerate(zip(cold, own, strict=True))}
             assert metrics(url).get(LOADED, 0) == 0
             client = server.client()
             assert wait_until(lambda: len(list(client.scan_iter(match=f"{key_prefix}*".encode()))) >= 3 * NUM_PROMPTS,
@@ -163,7 +171,7 @@ def test_faults_while_a_workload_runs(tiny_model: Path, tmp_path: Path, redis_fa
 
     assert not work.errors, work.errors[:3]
     repeated = [r for r in work.records if r["prompt"] >= 0]
-    wrong = [r for r in repeated if (r["tokens"], r["logprobs"]) != reference[r["prompt"]]]
+    wrong = [r for r in repeated if (r["tokens"], r["logprobs"]) not in reference[r["prompt"]]]
     assert not wrong, f"{len(wrong)} of {len(repeated)} responses differ from recompute, first: {wrong[0]}"
 
     def healthy(r: dict[str, Any]) -> bool:

@@ -112,9 +112,14 @@ def test_a_prefix_saved_by_one_engine_is_served_from_redis_to_others_slow_loads_
     killed.write_text("done")
     served = result_of(proc, tmp_path, "b")  # exit 0: the engine stayed up without its Redis
 
-    for (x,), (y,) in zip(made["results"][:2] + made["results"][:1], served["results"], strict=True):
-        assert x["tokens"] == y["tokens"]
-        assert x["logprobs"] == y["logprobs"]  # exact: same KV bytes, same compute threads
+    ((cold_first,), (cold_second,)), ((from_redis,), (recomputed,), (from_cpu,)) = made["results"][:2], served["results"]
+    assert cold_first["tokens"] == from_redis["tokens"] == from_cpu["tokens"]
+    # a cold prefill is no exact reference for a load (on an AMD EPYC host the last bits differ: another
+    # GEMM blocking for another row count); test_vllm_engine.py compares loads with vLLM's own prefix
+    # cache bit for bit.  Exact here: the same bytes from Redis and from the cpu tier, and two recomputes
+    assert max_logprob_diff(cold_first["logprobs"], from_redis["logprobs"]) < 1e-4
+    assert from_cpu["logprobs"] == from_redis["logprobs"]
+    assert (recomputed["tokens"], recomputed["logprobs"]) == (cold_second["tokens"], cold_second["logprobs"])
     hit = served["snapshots"][0]
     assert hit["kvtier_loaded_tokens_total{redis}"] == LOADABLE
     assert hit["vllm:external_prefix_cache_hits_total"] == LOADABLE

@@ -53,7 +53,10 @@ def _run(tiny_model: Path, tmp_path: Path, s3_server: S3Server, prompts: list[st
               "s3_credentials_file": str(s3_credentials_file(tmp_path, s3_server)),
               "shared_deadline_s": 5.0, "shared_transfer_deadline_s": 10.0, "s3_breaker_probe_s": 1.0}
     p, q, r = ({"op": "generate", "prompts": [prompt]} for prompt in prompts)
-    made = result_of(run_engine({"model": str(tiny_model), "steps": [p, p, q, r, r], "kvtier": kvtier},
+    # 64-token engine blocks, as the chunks: vLLM's own prefix cache (the exact reference) then ends
+    # where kvtier's hit does (with 32-token blocks it could hold one block more, and compute another tail)
+    engine = {"block_size": 64}
+    made = result_of(run_engine({"model": str(tiny_model), "steps": [p, p, q, r, r], "kvtier": kvtier, "engine": engine},
                                 tmp_path, "a", env=EQUAL_THREADS), tmp_path, "a")
     saved = made["metrics"]["kvtier_saved_tokens_total"]
     assert saved >= 3 * LOADABLE  # the prompts' chunks (and any the generated tokens completed)
@@ -65,7 +68,8 @@ def _run(tiny_model: Path, tmp_path: Path, s3_server: S3Server, prompts: list[st
     steps = [p, {"op": "metrics"}, {"op": "touch", "path": str(ready)},
              {"op": "wait", "path": str(stalled), "timeout_s": 300}, q, {"op": "metrics"},
              {"op": "touch", "path": str(recomputed)}, {"op": "wait", "path": str(resumed), "timeout_s": 300}, r]
-    proc = run_engine({"model": str(tiny_model), "steps": steps, "kvtier": kvtier}, tmp_path, "b", env=EQUAL_THREADS)
+    proc = run_engine({"model": str(tiny_model), "steps": steps, "kvtier": kvtier, "engine": engine}, tmp_path, "b",
+                      env=EQUAL_THREADS)
     try:
         _wait_for(ready, proc, 420)
         s3_server.pause()
