@@ -102,6 +102,15 @@ class Workload:
         return [r for r in self.records if r["start"] < end and r["start"] + r["ttft_s"] >= start]
 
 
+LOGPROB_TOLERANCE = 1e-4
+"""Between answers over prefixes cached to different lengths (a cold prefill, a partial load)."""
+
+
+def close_to(r: dict[str, Any], cold: tuple[list[Any], list[float]]) -> bool:
+    tokens, logprobs = cold
+    return r["tokens"] == tokens and max(abs(a - b) for a, b in zip(r["logprobs"], logprobs, strict=True)) < LOGPROB_TOLERANCE
+
+
 def test_faults_while_a_workload_runs(tiny_model: Path, tmp_path: Path, redis_factory, key_prefix) -> None:
     from kvtier.launch.serve import Server
     from kvtier.launch.testmodel import random_prompt
@@ -171,7 +180,11 @@ def test_faults_while_a_workload_runs(tiny_model: Path, tmp_path: Path, redis_fa
 
     assert not work.errors, work.errors[:3]
     repeated = [r for r in work.records if r["prompt"] >= 0]
-    wrong = [r for r in repeated if (r["tokens"], r["logprobs"]) not in reference[r["prompt"]]]
+    # a repeat under faults may also continue a partly loaded prefix (some chunks loaded, the rest
+    # recomputed), for which neither reference is exact on every CPU: tokens equal, logprobs within
+    # LOGPROB_TOLERANCE of the cold answer unless equal to one of the two references bit for bit
+    wrong = [r for r in repeated if (r["tokens"], r["logprobs"]) not in reference[r["prompt"]]
+             and not close_to(r, reference[r["prompt"]][0])]
     assert not wrong, f"{len(wrong)} of {len(repeated)} responses differ from recompute, first: {wrong[0]}"
 
     def healthy(r: dict[str, Any]) -> bool:
