@@ -147,6 +147,26 @@ def test_a_slow_server_is_a_miss_after_the_deadline(redis_server, key_prefix):
         store.close()
 
 
+def test_an_answer_past_the_deadline_is_a_time_out_however_late_it_is_read(redis_server, key_prefix):
+    """A scheduler that polls only after the tier itself gave up (at its own deadline, a miss) still
+    counts a time-out: whether the lookup timed out depends on when its answer came, not on when
+    the next engine step read it (a loaded host's slow steps made this flaky in an engine test)."""
+    chain = chain_of(15, 4)
+    store, namespace = _rank(redis_server.url, key_prefix, 0, chain)
+    proxy = DelayProxy(redis_server.port, delay_s=1.5)
+    lookups = RemoteLookups(_config(proxy.url, key_prefix, shared_deadline_s=0.3))
+    try:
+        assert lookups.bind([namespace])
+        assert lookups.poll_pages("r", chain) is None  # sent; the tier answers (empty) at its deadline
+        time.sleep(1.0)  # the next poll comes long after both deadlines
+        assert lookups.poll_pages("r", chain) == frozenset()
+        assert (lookups.answered, lookups.timed_out) == (1, 1)
+    finally:
+        lookups.close()
+        proxy.close()
+        store.close()
+
+
 def test_a_killed_server_is_a_prompt_miss(redis_factory, key_prefix):
     server = redis_factory()
     chain = chain_of(15, 4)

@@ -82,7 +82,7 @@ class RemoteLookups:
         self._in_flight = 0
         # req_id -> (page keys asked, the lookup or its answer, deadline); answered ones stay until the
         # request is planned or gone
-        self._pending: dict[str, tuple[tuple[bytes, ...], Future[frozenset[bytes]] | frozenset[bytes], float]] = {}
+        self._pending: dict[str, tuple[tuple[bytes, ...], Future[tuple[frozenset[bytes], float]] | frozenset[bytes], float]] = {}
         self._unanswered: set[str] = set()  # requests whose sent lookup's answer was not read yet
         self.asked = self.answered = self.timed_out = self.skipped = self.superseded = 0
         self.answered_chunks = self.found_chunks = 0  # over answered lookups: the shared tier's hit rate
@@ -120,7 +120,9 @@ class RemoteLookups:
             return entry[1].intersection(asked)  # answered; pages since saved locally are no longer asked
         if entry is None or entry[0] != asked:
             self._supersede(req_id)
-            future = self._start(lambda tiers: _held_by_every_rank(tiers, asked)) if asked else None
+            # the answer carries when it came (a late one is a time-out however late the poll that reads it)
+            future = self._start(lambda tiers: (_held_by_every_rank(tiers, asked), time.monotonic())) \
+                if asked else None
             if future is not None:
                 self._unanswered.add(req_id)
             entry = self._pending[req_id] = (asked, frozenset() if future is None else future,
@@ -131,9 +133,11 @@ class RemoteLookups:
         timed_out = False
         if answer.done():
             try:
-                found = answer.result()
+                found, answered_at = answer.result()
             except Exception:  # noqa: BLE001 - a fault in the shared tier is a miss
-                found = frozenset()
+                found, answered_at = frozenset[bytes](), 0.0
+            if answered_at >= deadline:  # came after shared_deadline_s: a time-out, whenever it is read
+                found, timed_out = frozenset[bytes](), True
         elif time.monotonic() >= deadline:
             found, timed_out = frozenset(), True
         else:
