@@ -3,7 +3,7 @@
 A remote tier's own code only talks to its server; what every remote tier needs around that
 lives here, once:
 
-- **Deadlines.**  Each batch call runs on the wrapper's threads (``io_threads``, at most
+- **Deadlines.**  Each batch call (and each blob verb: ``get``, ``read_into``, ``get_range``) runs on the wrapper's threads (``io_threads``, at most
   ``queue_depth`` more waiting: a full queue is a skipped call, never a wait); the caller waits
   at most ``deadline_s`` for presence and delete batches and ``transfer_deadline_s`` for reads
   and writes, then gets misses (``MISS``, ``False``, ``FAILED``).
@@ -70,6 +70,7 @@ from kvtier.core.tenant import TenantRecords, Writer
 from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier
 from kvtier.core.tiers.breaker import CircuitBreaker
 from kvtier.core.tiers.tiermetrics import TierMetrics
+from kvtier.core.tiers.valueread import check_range, check_room
 from kvtier.core.tiers.wrappers import TierWrapper
 
 log = logging.getLogger(__name__)
@@ -261,6 +262,37 @@ class GuardedTier(TierWrapper):
                 if records is not None and key in own_records:
                     records[key] = own_records[key]
         return got
+
+    def get(self, key: ChunkKey, records: TenantRecords | None = None) -> bytes | None:
+        """The inner tier's ``get`` under the read deadline; ``None`` on a fault (counted).  A late
+        call's bytes and record reach nobody (a new buffer, a private record dict)."""
+        own: TenantRecords = {}
+        got = self._call("get", lambda: self.inner.get(key, own))
+        if got is not None and records is not None and key in own:
+            records[key] = own[key]
+        return got
+
+    def read_into(self, key: ChunkKey, dst: memoryview, records: TenantRecords | None = None) -> int | None:
+        """:meth:`get`, then one copy into ``dst`` on the caller's thread (never a late write into it).
+
+        Raises:
+            BufferTooSmall: ``dst`` is shorter than the payload (nothing written).
+        """
+        own: TenantRecords = {}
+        got = self.get(key, own)
+        if got is None:
+            return None
+        check_room(len(got), dst)[:] = got
+        if records is not None and key in own:
+            records[key] = own[key]
+        return len(got)
+
+    def get_range(self, key: ChunkKey, offset: int, length: int) -> bytes | None:
+        """The inner tier's ``get_range`` under the read deadline (unverified bytes: see
+        :mod:`kvtier.core.tiers.valueread`); ``None`` on a fault.  Raises ValueError for a negative
+        ``offset`` or ``length`` (the caller's mistake, not a fault)."""
+        check_range(offset, length)
+        return self._call("get", lambda: self.inner.get_range(key, offset, length))
 
     def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes],
                  tenants: Sequence[Writer | None] | None = None) -> list[PutResult]:
