@@ -25,7 +25,7 @@ from kvtier.core.errors import ChunkFormatError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tenant import TenantRecords, Writer, note_verified
 from kvtier.core.tiers.base import GetResult, PutResult, Tier
-from kvtier.core.tiers.valueread import check_range, open_value, payload_range
+from kvtier.core.tiers.valueread import check_range, open_bytes, open_value, payload_range
 
 log = logging.getLogger(__name__)
 
@@ -101,12 +101,12 @@ class EnvelopeTier(Tier):
         if value is None:
             return None
         try:
-            opened = open_value(self.envelope, key, value)
+            payload, record = open_bytes(self.envelope, key, value)
         except ChunkFormatError as exc:
             self._unusable(key, str(exc))
             return None
-        note_verified(records, self.namespace, key, opened.record)
-        return opened.payload.tobytes()
+        note_verified(records, self.namespace, key, record)
+        return payload
 
     def get_range(self, key: ChunkKey, offset: int, length: int) -> bytes | None:
         """``payload[offset:offset + length]`` after the header's check; the bytes unverified

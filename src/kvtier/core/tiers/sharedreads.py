@@ -34,7 +34,7 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.stats import WireCounters
 from kvtier.core.tenant import TenantRecords, note_verified
 from kvtier.core.tiers.sharedvalue import ValueCodec
-from kvtier.core.tiers.valueread import check_range, open_value, payload_range
+from kvtier.core.tiers.valueread import check_range, open_bytes, open_value, payload_range
 
 log = logging.getLogger(__name__)
 
@@ -80,27 +80,32 @@ class SharedReads:
         self.lost(key)
         self.delete_many([key])
 
-    def _open(self, key: ChunkKey, dst: memoryview | None, records: TenantRecords | None) -> memoryview | None:
+    def _open(self, key: ChunkKey, dst: memoryview | None, records: TenantRecords | None) -> memoryview | bytes | None:
+        """The verified payload in ``dst`` (``None``: a new ``bytes``), or ``None``."""
         values, t0 = self.fetch_many([key])
         try:
             if values[0] is None:
                 self.lost(key)
                 return None
+            payload: memoryview | bytes
             try:
-                opened = open_value(self.codec.envelope, key, memoryview(values[0]), dst)
+                if dst is None:
+                    payload, record = open_bytes(self.codec.envelope, key, memoryview(values[0]))
+                else:
+                    payload, record = open_value(self.codec.envelope, key, memoryview(values[0]), dst)
             except ChunkFormatError as exc:
                 self._unusable(key, str(exc))
                 return None
         finally:
             self.give_back(values)
-        note_verified(records, self.codec.namespace, key, opened.record)  # the verified digest covers it
-        self.wire.moved("read", opened.payload.nbytes, time.perf_counter() - t0)
-        return opened.payload
+        note_verified(records, self.codec.namespace, key, record)  # the verified digest covers it
+        self.wire.moved("read", len(payload), time.perf_counter() - t0)
+        return payload
 
     def get(self, key: ChunkKey, records: TenantRecords | None = None) -> bytes | None:
         """The verified payload (any length), or ``None`` (absent, or failing: counted and deleted)."""
         got = self._open(key, None, records)
-        return None if got is None else got.tobytes()
+        return None if got is None else bytes(got)
 
     def read_into(self, key: ChunkKey, dst: memoryview, records: TenantRecords | None = None) -> int | None:
         """The verified payload into ``dst[:length]``; its length, or ``None`` as :meth:`get`.
@@ -109,7 +114,7 @@ class SharedReads:
             BufferTooSmall: ``dst`` is shorter than the payload (nothing written).
         """
         got = self._open(key, dst, records)
-        return None if got is None else got.nbytes
+        return None if got is None else len(got)
 
     def get_range(self, key: ChunkKey, offset: int, length: int) -> bytes | None:
         """``payload[offset:offset + length]`` clipped at its end; the header checked, the bytes NOT

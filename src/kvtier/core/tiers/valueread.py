@@ -82,6 +82,26 @@ def open_value(env: Envelope, key: bytes, value: bytes | memoryview,
     return Opened(out, header.record)
 
 
+def open_bytes(env: Envelope, key: bytes, value: bytes | memoryview) -> tuple[bytes, bytes | None]:
+    """:func:`open_value` into a new ``bytes`` (a tier's ``get``): the payload and its tenant
+    record.  A chain that keeps the bytes (identity) copies the verified payload once, straight
+    out of ``value``; another decodes into a buffer first.
+
+    Raises:
+        ChunkFormatError: as :func:`open_value`.
+    """
+    view = memoryview(value).cast("B")
+    header = decode_header(view)
+    env.check(header, key, None)
+    if header.stored_bytes != header.original_bytes or not codecs.chain_of(header.codecs).passthrough:
+        opened = open_value(env, key, view)
+        return opened.payload.tobytes(), opened.record
+    if header.stored_bytes != view.nbytes - header.header_bytes:
+        raise EnvelopeError(f"payload is {view.nbytes - header.header_bytes} bytes, header says {header.stored_bytes}")
+    env.verify(header, view)
+    return view[header.header_bytes:].tobytes(), header.record
+
+
 def check_range(offset: int, length: int) -> None:
     """Raises ValueError for a negative ``offset`` or ``length`` (a caller's mistake, not a miss)."""
     if offset < 0 or length < 0:
