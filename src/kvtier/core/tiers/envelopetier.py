@@ -109,17 +109,22 @@ class EnvelopeTier(Tier):
         return payload
 
     def get_range(self, key: ChunkKey, offset: int, length: int) -> bytes | None:
-        """``payload[offset:offset + length]`` after the header's check; the bytes unverified
+        """``payload[offset:offset + length]`` after the header's check, the bytes unverified; of a
+        value whose chain changes the payload, a verified whole read sliced
         (:mod:`kvtier.core.tiers.valueread`)."""
         check_range(offset, length)
         head = self.load_range(key, 0, envelope.FIXED_BYTES)
         if head is None:
             return None
         try:
-            start, end = payload_range(self.envelope, envelope.decode_header(head), key, offset, length)
+            where = payload_range(self.envelope, envelope.decode_header(head), key, offset, length)
         except ChunkFormatError as exc:
             self._unusable(key, str(exc))
             return None
+        if where is None:  # a chain that changes the payload: the whole value, verified, sliced
+            whole = self.get(key)
+            return None if whole is None else whole[offset:offset + length]
+        start, end = where
         if start == end:
             return b""
         got = self.load_range(key, start, end)

@@ -13,8 +13,8 @@ and ranged reads (``get_range``) of the value envelope, over each tier's own fet
 
 Whole reads verify the digest (or MAC) over header and payload
 (:func:`~kvtier.core.tiers.valueread.open_value`).  A ranged read checks the header only (the
-namespace, key, format, sizes, a chain that keeps the bytes): **the range's bytes are not
-verified** (no per-range digest in envelope version 1; :mod:`kvtier.core.tiers.valueread`), so
+namespace, key, format, sizes; a value whose chain changes the payload is read whole, verified,
+and sliced): **the range's bytes are not verified** (no per-range digest in envelope version 1; :mod:`kvtier.core.tiers.valueread`), so
 it never serves KV.  A value that fails either check is logged, counted in ``corrupt`` and
 deleted; the verb answers ``None``.  These run on the caller's thread (bare tier) or on
 :class:`~kvtier.core.tiers.guarded.GuardedTier`'s threads under its deadline; they raise on a fault.
@@ -136,10 +136,14 @@ class SharedReads:
             if header.stored_bytes != size - header.header_bytes:
                 raise ChunkFormatError(f"payload is {size - header.header_bytes} bytes, header says "
                                        f"{header.stored_bytes}")
-            start, end = payload_range(self.codec.envelope, header, key, offset, length)
+            where = payload_range(self.codec.envelope, header, key, offset, length)
         except ChunkFormatError as exc:
             self._unusable(key, str(exc))
             return None
+        if where is None:  # a chain that changes the payload: the whole value, verified, sliced
+            whole = self.get(key)
+            return None if whole is None else whole[offset:offset + length]
+        start, end = where
         if start == end:
             return b""
         if (start, end) != (guess[0], min(guess[1], size)):  # a legacy value's shorter header

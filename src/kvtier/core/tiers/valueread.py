@@ -6,8 +6,9 @@ by every tier below the cpu tier (the blob verbs of :class:`~kvtier.core.tiers.b
   payload decoded, of any length (0 included), into the caller's buffer of at least that length or
   into a new one.  A buffer too short is :class:`BufferTooSmall`, raised before a byte is written.
 - :func:`payload_range`: where a slice of the payload lies in the stored value, after the header
-  was checked (namespace, key, digest kind, layout, known codecs, a chain that keeps the bytes as
-  they are).  **The slice's bytes are not verified**: envelope version 1 has one digest over the
+  was checked (namespace, key, digest kind, layout, known codecs).  A value whose codec chain
+  changes the payload (compressed, encrypted) has no such slice: its ranged read is a whole
+  verified read, sliced.  Otherwise **the slice's bytes are not verified**: envelope version 1 has one digest over the
   whole payload and no per-range digest, so a ranged read cannot prove its bytes without reading
   them all.  A ranged read therefore serves tools and layouts that re-verify (or can afford a
   wrong byte), never KV the engine computes with: serving reads whole values.  A per-range digest
@@ -108,20 +109,22 @@ def check_range(offset: int, length: int) -> None:
         raise ValueError(f"a range needs offset >= 0 and length >= 0, got {offset} and {length}")
 
 
-def payload_range(env: Envelope, header: EnvelopeHeader, key: bytes, offset: int, length: int) -> tuple[int, int]:
+def payload_range(env: Envelope, header: EnvelopeHeader, key: bytes, offset: int,
+                  length: int) -> tuple[int, int] | None:
     """Where ``payload[offset:offset + length]`` lies in the stored value: ``(start, end)`` offsets
     into the value, clipped to the payload's end (``start == end``: nothing to read), once
-    ``header`` passed :meth:`~kvtier.core.envelope.Envelope.check` for ``key`` at any length.  The
-    payload's bytes are not verified (see the module docstring).
+    ``header`` passed :meth:`~kvtier.core.envelope.Envelope.check` for ``key`` at any length; the
+    payload's bytes are not verified (see the module docstring).  ``None`` when the value's codec
+    chain changes the payload (compressed, encrypted: a range of the stored bytes is not a range of
+    the payload): the caller then reads the whole value, verified, and slices it.
 
     Raises:
         ValueError: a negative ``offset`` or ``length``.
-        EnvelopeError: the header does not belong here, or its codec chain changes the payload (a
-            range of encoded bytes is not a range of the payload).
+        EnvelopeError: the header does not belong here.
     """
     check_range(offset, length)
     env.check(header, key, None)
     if header.stored_bytes != header.original_bytes or not codecs.chain_of(header.codecs).passthrough:
-        raise EnvelopeError(f"codec chain {list(header.codecs)} changes the payload: no ranged read")
+        return None
     start = header.header_bytes + min(offset, header.stored_bytes)
     return start, header.header_bytes + min(offset + length, header.stored_bytes)
