@@ -69,6 +69,7 @@ from kvtier.core.stats import WireCounters, WireStats
 from kvtier.core.tenant import TenantRecords, Writer
 from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier
 from kvtier.core.tiers.breaker import CircuitBreaker
+from kvtier.core.tiers.sharedreads import SharedReads
 from kvtier.core.tiers.tiermetrics import TierMetrics
 from kvtier.core.tiers.valueread import check_range, check_room
 from kvtier.core.tiers.wrappers import TierWrapper
@@ -263,9 +264,24 @@ class GuardedTier(TierWrapper):
                     records[key] = own_records[key]
         return got
 
+    def _split_read(self, key: ChunkKey, dst: memoryview | None, records: TenantRecords | None,
+                    split: SharedReads) -> memoryview | bytes | None:
+        """A shared tier's blob read split as ``get_many``'s is: the fetch under the deadline, then
+        verify and decode into ``dst`` on this thread (no copy beyond the one a read needs)."""
+        fetched = self._call("get", lambda: split.fetch_many([key]))
+        if fetched is None:
+            return None
+        payload, failed = split.finish_read(key, fetched, dst, records)
+        if failed:
+            self.delete_many([key])
+        return payload
+
     def get(self, key: ChunkKey, records: TenantRecords | None = None) -> bytes | None:
         """The inner tier's ``get`` under the read deadline; ``None`` on a fault (counted).  A late
         call's bytes and record reach nobody (a new buffer, a private record dict)."""
+        if isinstance(split := self._split, SharedReads):
+            got = self._split_read(key, None, records, split)
+            return None if got is None else bytes(got)
         own: TenantRecords = {}
         got = self._call("get", lambda: self.inner.get(key, own))
         if got is not None and records is not None and key in own:
@@ -273,11 +289,16 @@ class GuardedTier(TierWrapper):
         return got
 
     def read_into(self, key: ChunkKey, dst: memoryview, records: TenantRecords | None = None) -> int | None:
-        """:meth:`get`, then one copy into ``dst`` on the caller's thread (never a late write into it).
+        """A shared tier's read split (the fetch on the wrapper's threads, verified into ``dst`` on
+        this one); another tier's :meth:`get`, then one copy into ``dst`` on this thread.  Never a
+        late write into ``dst``.
 
         Raises:
             BufferTooSmall: ``dst`` is shorter than the payload (nothing written).
         """
+        if isinstance(split := self._split, SharedReads):
+            payload = self._split_read(key, dst, records, split)
+            return None if payload is None else len(payload)
         own: TenantRecords = {}
         got = self.get(key, own)
         if got is None:

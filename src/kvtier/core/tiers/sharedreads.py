@@ -71,22 +71,35 @@ class SharedReads:
     def give_back(self, values: list[Any]) -> None:
         """Return what :meth:`fetch_many` handed out (reused read buffers); default: nothing."""
 
-    def _unusable(self, key: ChunkKey, reason: str) -> None:
+    def _failed(self, key: ChunkKey, reason: str) -> None:
+        """A value failed verification: logged, counted, forgotten (the caller deletes it)."""
         log.warning("kvtier %s tier (%s): value of chunk %s is unusable (%s); deleted, treated as a miss",
                     self.name, self.where, key.hex(), reason)
         with self._lock:
             self.corrupt += 1
         self.wire.corrupt(1)
         self.lost(key)
+
+    def _unusable(self, key: ChunkKey, reason: str) -> None:
+        self._failed(key, reason)
         self.delete_many([key])
 
-    def _open(self, key: ChunkKey, dst: memoryview | None, records: TenantRecords | None) -> memoryview | bytes | None:
-        """The verified payload in ``dst`` (``None``: a new ``bytes``), or ``None``."""
-        values, t0 = self.fetch_many([key])
+    def finish_read(self, key: ChunkKey, fetched: tuple[list[Any], float], dst: memoryview | None,
+                    records: TenantRecords | None = None) -> tuple[memoryview | bytes | None, bool]:
+        """The caller's half of a read of :meth:`fetch_many`'s ``([value], t0)``: verify the value and
+        put its payload in ``dst`` (``None``: a new ``bytes``), its record in ``records``.  Returns
+        the payload (``None``: absent or failed) and whether it failed verification (counted and
+        forgotten here; the caller deletes it: :class:`~kvtier.core.tiers.guarded.GuardedTier` with
+        its guarded delete).  No network.  The fetched buffers go back for reuse.
+
+        Raises:
+            BufferTooSmall: ``dst`` is shorter than the payload (nothing written).
+        """
+        values, t0 = fetched
         try:
             if values[0] is None:
                 self.lost(key)
-                return None
+                return None, False
             payload: memoryview | bytes
             try:
                 if dst is None:
@@ -94,12 +107,18 @@ class SharedReads:
                 else:
                     payload, record = open_value(self.codec.envelope, key, memoryview(values[0]), dst)
             except ChunkFormatError as exc:
-                self._unusable(key, str(exc))
-                return None
+                self._failed(key, str(exc))
+                return None, True
         finally:
             self.give_back(values)
         note_verified(records, self.codec.namespace, key, record)  # the verified digest covers it
         self.wire.moved("read", len(payload), time.perf_counter() - t0)
+        return payload, False
+
+    def _open(self, key: ChunkKey, dst: memoryview | None, records: TenantRecords | None) -> memoryview | bytes | None:
+        payload, failed = self.finish_read(key, self.fetch_many([key]), dst, records)
+        if failed:
+            self.delete_many([key])
         return payload
 
     def get(self, key: ChunkKey, records: TenantRecords | None = None) -> bytes | None:
