@@ -14,8 +14,11 @@ outlives a disk tier), and its plug-in offers that area as a blob store (``list`
 probe work on it with no code of their own (tests/core/test_blob_verbs.py).  Without it each tier
 keeps a private dict.
 
-Each value keeps what an envelope's header would say of it: its namespace, chunk key, the tenant
-record of the request it was written for (the ``tenant`` its ``put`` is given) and when it was written.
+The tier is an :class:`~kvtier.core.tiers.envelopetier.EnvelopeTier`: it only stores and loads
+whole values (:meth:`DictTier.load`, :meth:`DictTier.store`), and kvtier writes every value as an
+envelope (namespace, chunk key, the tenant record of the request it was written for, the digest)
+and verifies it on every read; so the blob verbs (``get``, ``read_into``, ``get_range``), tenant
+records and corruption handling come with no code here.  Each value also keeps when it was written.
 """
 
 from __future__ import annotations
@@ -27,12 +30,13 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvtier.core import envelope
 from kvtier.core.config import KVTierConfig
+from kvtier.core.errors import ChunkFormatError
 from kvtier.core.keys import ChunkKey
-from kvtier.core.tenant import TenantRecords, Writer, note_verified
-from kvtier.core.tenant import record as tenant_record
-from kvtier.core.tiers.base import GetResult, PutResult, Tier, TierUsage
+from kvtier.core.tiers.base import PutResult, TierUsage
 from kvtier.core.tiers.blobs import LIST_BATCH, BlobRef, BlobStat, ValueHeader
+from kvtier.core.tiers.envelopetier import EnvelopeTier
 from kvtier.core.tiers.factory import TierContext
 from kvtier.core.tiers.plugin import PluginDefaults, TierPlugin
 from kvtier.core.tiers.probe import ProbeState
@@ -54,10 +58,9 @@ class DictSettings(BaseModel):
                                                "empty": "give the area the engines use (their dict_storage)"}}})
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Value:
-    data: bytes
-    record: bytes | None
+    data: bytes  # the whole envelope
     written_s: float
 
 
@@ -66,16 +69,21 @@ _AREAS: dict[str, dict[bytes, dict[ChunkKey, _Value]]] = {}
 """Storage name -> namespace -> chunk key -> value (``dict_storage``)."""
 
 
-class DictTier(Tier):
-    """Chunks as ``bytes`` in a dict; a local tier with a fixed capacity (see the module docstring)."""
+class DictTier(EnvelopeTier):
+    """Chunks as envelopes in a dict; a local tier with a fixed capacity (see the module docstring).
+
+    Args:
+        capacity_bytes: stored bytes (headers included) the tier holds at most.
+        namespace: 16-byte namespace digest.
+        data: the area's dict for this namespace (``dict_storage``), or ``None`` for a private one.
+    """
 
     name = NAME
     shared = False
 
-    def __init__(self, capacity_bytes: int, namespace: bytes = b"", data: dict[ChunkKey, _Value] | None = None) -> None:
-        super().__init__()
+    def __init__(self, capacity_bytes: int, namespace: bytes, data: dict[ChunkKey, _Value] | None = None) -> None:
+        super().__init__(namespace)
         self.capacity_bytes = capacity_bytes
-        self.namespace = namespace
         self._data: dict[ChunkKey, _Value] = {} if data is None else data
         self._lock = _lock
 
@@ -83,24 +91,18 @@ class DictTier(Tier):
         with self._lock:
             return key in self._data
 
-    def get_into(self, key: ChunkKey, dst: memoryview, records: TenantRecords | None = None) -> GetResult:
+    def load(self, key: ChunkKey) -> bytes | None:
         with self._lock:
             found = self._data.get(key)
-        if found is None or len(found.data) != memoryview(dst).nbytes:
-            return GetResult.MISS
-        memoryview(dst).cast("B")[:] = found.data
-        note_verified(records, self.namespace, key, found.record)  # a dict cannot be damaged: read is verified
-        return GetResult.HIT
+        return None if found is None else found.data
 
-    def put(self, key: ChunkKey, data: memoryview | bytes, tenant: Writer | None = None) -> PutResult:
-        record = None if tenant is None else tenant_record(self.namespace, tenant)
-        value = _Value(bytes(data), record, time.time())
+    def store(self, key: ChunkKey, value: bytes) -> PutResult:
         with self._lock:
             if key in self._data:
                 return PutResult.PRESENT
-            if self._used() + len(value.data) > self.capacity_bytes:
+            if self._used() + len(value) > self.capacity_bytes:
                 return PutResult.NO_ROOM
-            self._data[key] = value
+            self._data[key] = _Value(value, time.time())
         return PutResult.STORED
 
     def delete(self, key: ChunkKey) -> bool:
@@ -161,9 +163,7 @@ class DictBlobs:
     def stat(self, refs: Sequence[BlobRef], header: bool) -> list[BlobStat | None]:
         with _lock:
             found = [self._find(ref) for ref in refs]
-        return [None if v is None else BlobStat(len(v.data), v.written_s,
-                                                ValueHeader(ref.namespace, ref.key, v.record) if header else None)
-                for ref, v in zip(refs, found, strict=True)]
+        return [None if v is None else _stat(v, header) for v in found]
 
     def delete(self, refs: Sequence[BlobRef]) -> list[bool | str]:
         with _lock:
@@ -181,6 +181,17 @@ class DictBlobs:
 
     def close(self) -> None:
         pass
+
+
+def _stat(value: _Value, header: bool) -> BlobStat:
+    """A value's size and age, and with ``header`` what its envelope header says."""
+    if not header:
+        return BlobStat(len(value.data), value.written_s)
+    try:
+        head = envelope.decode_header(value.data)
+    except ChunkFormatError as exc:
+        return BlobStat(len(value.data), value.written_s, problem=f"not a kvtier value ({exc})")
+    return BlobStat(len(value.data), value.written_s, ValueHeader(head.namespace, head.key, head.record))
 
 
 class DictPlugin(PluginDefaults):

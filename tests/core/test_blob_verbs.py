@@ -17,6 +17,7 @@ import typer
 from typer.testing import CliRunner
 
 from kvtier.core.config import KVTierConfig
+from kvtier.core.envelope import FIXED_BYTES
 from kvtier.core.purge import PurgeSelector, probe_tier, purge, purge_tier, reset_outside
 from kvtier.core.store import TieredStore
 from kvtier.core.tenant import TenantId
@@ -78,7 +79,7 @@ def test_purge_by_salt_removes_exactly_that_tenants_values_and_the_dry_run_said_
 
         dry = purge_tier("dict", config, PurgeSelector(cache_salt="A"), dry_run=True)
         assert dry is not None and [(r.tier, r.namespace, r.chunks, r.bytes, r.unknown_tenant) for r in dry] == \
-            [("dict", ns, 3, 3 * CHUNK_BYTES, 2)]
+            [("dict", ns, 3, 3 * (CHUNK_BYTES + FIXED_BYTES), 2)]  # the values are envelopes: 128-byte headers
         assert stored(name) == {ns: salt_a | salt_b | unknown}  # a dry run removes nothing
 
         done = purge(config, PurgeSelector(cache_salt="A"), dry_run=False, keys={"dict_storage"})

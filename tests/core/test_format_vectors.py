@@ -168,3 +168,39 @@ def test_legacy_shared_values_of_both_versions_are_still_read():
         codec.decode(SHARED_KEY, bytes(changed), len(PAYLOAD))
     with pytest.raises(tenant.DamagedRecord):  # and the purge, which reads the header alone, never trusts it
         tenant.read(peek(bytes(changed)).record)
+
+
+def test_the_blob_verbs_read_the_formats_of_the_release_before(tmp_path, redis_server):
+    """A legacy chunk file (version 2) in a disk tier and legacy shared values (versions 1 and 2,
+    64- and 112-byte headers) on a real Redis come back through the blob verbs: whole reads verified
+    bit for bit, ranged reads at the payload offset the old header names (on Redis a second
+    ``GETRANGE``: the first assumes the envelope's 128-byte header)."""
+    from kvtier.core.keys import ChunkKey
+    from kvtier.core.tiers.disk.tier import DiskTier
+    from kvtier.core.tiers.wrappers import unwrap
+
+    from .tier_harness import make_redis_tier
+
+    key = ChunkKey(SHARED_KEY)
+    shard = tmp_path / SHARED_NS.hex() / SHARED_KEY.hex()[:2]
+    shard.mkdir(parents=True)
+    (shard / f"{SHARED_KEY.hex()}.kvc").write_bytes(HEADER_VECTORS[2] + PAYLOAD)
+    disk = DiskTier(tmp_path, SHARED_NS, capacity_bytes=1 << 20)
+    try:
+        assert disk.get(key) == PAYLOAD and disk.get_range(key, 3, 5) == PAYLOAD[3:8]
+        assert disk.get_range(key, 18, 10) == PAYLOAD[18:] and disk.corrupt == 0
+    finally:
+        disk.close()
+    redis = make_redis_tier(redis_server.url, SHARED_NS, "legacy-blobs:")
+    raw = redis_server.client()
+    try:
+        for version in (1, 2):
+            raw.set(unwrap(redis).rkey(key), bytes.fromhex(SHARED_HEADER_VECTORS[version]) + PAYLOAD)
+            assert redis.get_range(key, 3, 5) == PAYLOAD[3:8]
+            assert redis.get_range(key, 0, 100) == PAYLOAD and redis.get_range(key, 20, 1) == b""
+            out = bytearray(64)
+            assert redis.read_into(key, memoryview(out)) == len(PAYLOAD) and bytes(out[:20]) == PAYLOAD
+            raw.delete(unwrap(redis).rkey(key))
+        assert redis.corrupt == 0
+    finally:
+        redis.close()

@@ -76,3 +76,41 @@ def test_shared_tiers_copy_each_payload_only_as_often_as_their_direction_needs(n
     finally:
         private.close()  # closes the inner tier too (closing twice is a no-op)
         tier.close()
+
+
+def peak_of_one(call: Callable[[], Any]) -> tuple[Any, float]:
+    """``call()``'s result and its peak Python-allocated bytes over one chunk's."""
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        result = call()
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    return result, peak / CHUNK_BYTES
+
+
+@pytest.mark.parametrize("name", sorted(ENCODE_COPIES))
+def test_read_into_through_guarded_tier_copies_no_more_than_get_many(name, request, tmp_path):
+    """The blob verb ``read_into`` takes the same split path as ``get_many`` behind GuardedTier:
+    the fetch on the wrapper's threads, verified and decoded into the caller's buffer on the
+    caller's thread, no Python copy of the payload; the generic path (a TierWrapper in between)
+    makes one (a new buffer, then the copy into the caller's)."""
+    tier = HARNESSES[name](request, tmp_path).make(NS)
+    assert isinstance(tier, GuardedTier) and isinstance(tier.inner, SplitTier)
+    private = GuardedTier(TierWrapper(tier.inner), tier.deadline_s, tier.transfer_deadline_s, 2, 4, tier.breaker)
+    keys = [ChunkKey(os.urandom(16)) for _ in range(2)]
+    datas = [np.random.default_rng(i).integers(0, 256, CHUNK_BYTES, dtype=np.uint8) for i in range(2)]
+    dst = np.zeros(CHUNK_BYTES + 4096, dtype=np.uint8)  # longer than the value: a variable-length read
+    try:
+        assert tier.put_many(keys, [memoryview(d) for d in datas]) == [PutResult.STORED] * 2
+        copies = {}
+        for path, t in (("split", tier), ("private", private)):
+            t.read_into(keys[0], memoryview(dst))  # the redis tier's read buffers exist from now on
+            dst[:] = 0
+            n, copies[path] = peak_of_one(lambda t=t: t.read_into(keys[1], memoryview(dst)))
+            assert n == CHUNK_BYTES and np.array_equal(dst[:CHUNK_BYTES], datas[1]) and not dst[CHUNK_BYTES:].any()
+        assert copies["split"] < 0.5 and copies["private"] > 0.9, copies
+    finally:
+        private.close()
+        tier.close()

@@ -1,4 +1,7 @@
-"""One conformance suite that every registered tier passes (see tests/core/tier_harness.py)."""
+"""One conformance suite that every registered tier passes (see tests/core/tier_harness.py): the
+fixed-length path the store uses (``get_into``/``get_many`` into buffers of the chunk's length) and
+the blob verbs (``get``, ``read_into``, ``get_range``, ``put`` of any length), bare and under the
+wrappers (GuardedTier over FaultyTier)."""
 
 from __future__ import annotations
 
@@ -9,8 +12,10 @@ import numpy as np
 import pytest
 
 from kvtier.core.keys import ChunkKey
+from kvtier.core.tenant import TenantId
+from kvtier.core.tenant import record as tenant_record
 from kvtier.core.tiers import GetResult, PutResult, available_tiers
-from kvtier.core.tiers.base import Tier, capabilities
+from kvtier.core.tiers.base import BufferTooSmall, Paged, Tier, capabilities
 from kvtier.core.tiers.breaker import CircuitBreaker
 from kvtier.core.tiers.guarded import GuardedTier
 from kvtier.core.tiers.registry import spec
@@ -206,3 +211,139 @@ def test_stalled_backend_is_a_miss_within_the_deadline(harness, tier):
         elapsed = time.monotonic() - t0
     assert result is not GetResult.HIT
     assert elapsed < harness.deadline_s, f"a read of a stalled backend took {elapsed:.2f} s"
+
+
+# ---- the blob verbs (issue 33 item 5): every tier, the same cases -------------------------------
+LENGTHS = [0, 1, 4097, CHUNK, 3 * CHUNK + 5]
+"""Payload lengths every tier stores and returns: empty, one byte, odd, a chunk, more than a chunk."""
+
+
+def blob(length: int, seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, length, dtype=np.uint8).tobytes()
+
+
+def keeps_records(harness) -> bool:
+    """Whether the tier writes values in the envelope, with the writer's tenant record (every
+    tier below the cpu tier; the cpu tier's records are the store's top tier's business)."""
+    return harness.tamper is not None
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+def test_blob_verbs_store_and_return_any_length(harness, tier, length):
+    """``put`` of any length, then ``get`` (returned), ``read_into`` (a longer buffer: the length
+    back, the bytes in front, the rest untouched), ``read_into`` a buffer one byte short
+    (BufferTooSmall naming the length, nothing written) and the fixed-length ``get_into`` of exactly
+    that length; the tenant record comes back with every verified read."""
+    k, value = key(100 + length), blob(length, length)
+    writer = TenantId.of("salt-A", None)
+    put = tier.put(k, value, writer)
+    if length > CHUNK and isinstance(unwrap(tier), Paged):
+        assert put is PutResult.NO_ROOM and not tier.contains(k)  # a page holds one chunk at most
+        return
+    assert put is PutResult.STORED and tier.contains(k)
+    records: dict = {}
+    assert tier.get(k, records) == value
+    if keeps_records(harness):
+        assert records[bytes(k)].raw == tenant_record(NS, writer)
+    out = bytearray(b"\xee" * (length + 7))
+    assert tier.read_into(k, memoryview(out)) == length
+    assert bytes(out[:length]) == value and out[length:] == b"\xee" * 7
+    if length:
+        short = bytearray(b"\xee" * (length - 1))
+        with pytest.raises(BufferTooSmall) as raised:
+            tier.read_into(k, memoryview(short))
+        assert raised.value.value_bytes == length and short == b"\xee" * (length - 1)
+    exact = bytearray(length)
+    assert tier.get_into(k, memoryview(exact)) is GetResult.HIT and bytes(exact) == value
+    assert tier.get(key(99)) is None and tier.read_into(key(99), memoryview(out)) is None
+    assert tier.delete(k) and tier.get(k) is None
+    tier.check()
+
+
+def test_ranged_reads_clip_at_the_end_and_miss_when_absent(tier):
+    length = CHUNK - 3  # odd, and within one cpu page
+    k, value = key(7), blob(length, 7)
+    assert tier.put(k, value) is PutResult.STORED
+    assert tier.put(key(8), b"") is PutResult.STORED
+    cases = [(0, 0), (0, length), (0, length + 100), (5, 10), (17, 1), (length - 1, 10), (length, 5),
+             (length + 10, 5), (CHUNK // 2, CHUNK)]
+    for offset, n in cases:
+        assert tier.get_range(k, offset, n) == value[offset:offset + n], (offset, n)
+    assert tier.get_range(key(8), 0, 10) == b""  # an empty value: present, nothing in range
+    assert tier.get_range(key(9), 0, 10) is None  # absent
+    for offset, n in [(-1, 4), (0, -1)]:
+        with pytest.raises(ValueError):
+            tier.get_range(k, offset, n)
+    assert tier.get(k) == value  # ranged reads change nothing
+
+
+@pytest.mark.parametrize("verb", ["get", "read_into", "get_into"])
+def test_a_flipped_payload_byte_is_a_miss_on_every_whole_read(harness, tier, verb):
+    """One payload byte flipped in the tier's storage: every whole read verifies the envelope's
+    digest, so the value is a miss (never served), counted in ``corrupt`` and removed."""
+    if harness.tamper is None:
+        pytest.skip(f"{harness.tier_name} pages are process memory: nothing outside can tamper with them")
+    length = CHUNK - 3
+    k, value = key(11), blob(length, 11)
+    tier.put(k, value)
+    tier.put(key(12), value)
+    harness.tamper(unwrap(tier), k, "flip")
+    out = bytearray(length)
+    if verb == "get":
+        assert tier.get(k) is None
+    elif verb == "read_into":
+        assert tier.read_into(k, memoryview(bytearray(length + 1))) is None
+    else:
+        assert tier.get_into(k, memoryview(out)) is GetResult.CORRUPT
+    assert tier.corrupt == 1 and not tier.contains(k)
+    assert tier.get(k) is None and tier.get_range(k, 0, 4) is None  # removed
+    assert tier.get(key(12)) == value  # neighbours unaffected
+    tier.check()
+
+
+def test_a_ranged_read_checks_the_header_but_not_the_payloads_bytes(harness, tier):
+    """The documented limit of ``get_range`` (kvtier.core.tiers.valueread): no per-range digest
+    exists, so a flipped payload byte comes back as stored (which is why ranged reads never serve
+    KV), while a value whose header belongs to another namespace is a counted miss and removed."""
+    if harness.tamper is None:
+        pytest.skip(f"{harness.tier_name} pages are process memory: nothing outside can tamper with them")
+    length = CHUNK - 3
+    value = blob(length, 13)
+    tier.put(key(13), value)
+    tier.put(key(14), value)
+    harness.tamper(unwrap(tier), key(13), "flip")
+    assert tier.get_range(key(13), 16, 3) == value[16:17] + bytes([value[17] ^ 0x01]) + value[18:19]
+    assert tier.corrupt == 0
+    harness.tamper(unwrap(tier), key(14), "foreign")
+    assert tier.get_range(key(14), 0, 8) is None
+    assert tier.corrupt == 1 and not tier.contains(key(14))
+
+
+def test_the_toy_tier_has_no_blob_verb_code_of_its_own():
+    """The dict tier (tests/dict_tier.py) stores and loads whole values only; every verb above
+    (reads of any length, ranges, verification, tenant records) is kvtier's EnvelopeTier."""
+    from kvtier.core.tiers.envelopetier import EnvelopeTier
+    from tests.dict_tier import DictTier
+
+    assert issubclass(DictTier, EnvelopeTier)
+    own = set(vars(DictTier))
+    assert not own & {"get", "read_into", "get_range", "get_into", "get_many", "put"}
+    assert {"load", "store"} <= own
+
+
+def test_stalled_backend_is_a_miss_within_the_deadline_for_the_blob_verbs(harness):
+    """Under GuardedTier (a bare shared tier raises on a fault: the deadline is the wrapper's)."""
+    if harness.stall is None:
+        pytest.skip(f"{harness.tier_name} has no backend that can stall")
+    inner = harness.make(NS)
+    tier = guarded_faulty(inner, harness)
+    try:
+        tier.put(key(1), data(1))
+        with harness.stall(unwrap(inner), key(1)):
+            for verb in (lambda: tier.get(key(1)), lambda: tier.get_range(key(1), 0, 16),
+                         lambda: tier.read_into(key(1), memoryview(bytearray(CHUNK)))):
+                t0 = time.monotonic()
+                assert verb() is None
+                assert time.monotonic() - t0 < harness.deadline_s
+    finally:
+        tier.close()

@@ -107,3 +107,30 @@ def test_guarded_breaker_opens_after_failures_and_skips_calls_until_a_probe_succ
 def test_a_fault_rule_refuses_what_its_op_cannot_have():
     with pytest.raises(ValueError, match="a corrupt fault applies to get"):
         Fault("put", "corrupt")
+
+
+def test_faulty_tier_get_rules_apply_to_the_blob_verbs(tmp_path):
+    """FaultyTier's ``get`` rules reach the blob verbs too (drills of a tier's variable-length and
+    ranged reads): an ``error`` is a miss without reaching the tier, a ``corrupt`` is counted and
+    the key forgotten in the real disk tier, a ``delay`` delays and then reads."""
+    disk = DiskTier(tmp_path, NS.digest(), capacity_bytes=1 << 20)
+    keys = chain_of(5, 3)
+    value = payload(keys[0])[:1001]  # an odd length: the variable-length path
+    faulty = FaultyTier(disk, [Fault("get", "error", keys=frozenset({keys[0]}), times=3),
+                               Fault("get", "corrupt", keys=frozenset({keys[1]}), times=1),
+                               Fault("get", "delay", keys=frozenset({keys[2]}), times=1, delay_s=0.2)])
+    try:
+        for k in keys:
+            assert faulty.put(k, value) is PutResult.STORED
+        out = memoryview(bytearray(2048))
+        assert faulty.get(keys[0]) is None and faulty.read_into(keys[0], out) is None
+        assert faulty.get_range(keys[0], 0, 8) is None and disk.contains(keys[0])  # the tier was not asked
+        assert faulty.get(keys[0]) == value  # the rule's three calls are spent
+        assert faulty.get_range(keys[1], 0, 8) is None
+        assert faulty.corrupt == 1 and not disk.contains(keys[1]) and disk.get(keys[1]) is None
+        t0 = time.monotonic()
+        assert faulty.read_into(keys[2], out) == 1001 and bytes(out[:1001]) == value
+        assert time.monotonic() - t0 >= 0.2
+        assert faulty.injected == {"error": 3, "corrupt": 1, "delay": 1}
+    finally:
+        faulty.close()

@@ -240,10 +240,29 @@ def s3_conditional_harness(request: pytest.FixtureRequest, tmp: Path) -> TierHar
 
 
 def dict_harness(_request: pytest.FixtureRequest, _tmp: Path) -> TierHarness:
-    """The toy tier from outside kvtier (tests/dict_tier.py): a plug-in's one conformance fixture."""
+    """The toy tier from outside kvtier (tests/dict_tier.py): a plug-in's one conformance fixture.
+    Its values are envelopes kvtier writes for it (EnvelopeTier), so they can be tampered with as
+    a disk file or a Redis value can; two tiers made here share one area (per namespace)."""
     from tests.dict_tier import DictTier
 
-    return TierHarness("dict", lambda ns: DictTier(CAPACITY_CHUNKS * CHUNK))
+    area: dict[bytes, dict[ChunkKey, Any]] = {}
+
+    def make(ns: bytes) -> Tier:
+        return DictTier(CAPACITY_CHUNKS * (CHUNK + VALUE_HEADER_BYTES), ns, area.setdefault(ns, {}))
+
+    def tamper(tier: Tier, key: ChunkKey, how: str) -> None:
+        assert isinstance(tier, DictTier)
+        held = area[tier.namespace][key]
+        value = bytearray(held.data)
+        if how == "flip":
+            value[VALUE_HEADER_BYTES + 17] ^= 0x01
+        elif how == "truncate":
+            del value[VALUE_HEADER_BYTES + CHUNK // 2:]
+        elif how == "foreign":
+            value = ValueCodec(OTHER_NS, None).encode(key, bytes(value[VALUE_HEADER_BYTES:]))
+        held.data = bytes(value)
+
+    return TierHarness("dict", make, tamper)
 
 
 HARNESSES: dict[str, Callable[[pytest.FixtureRequest, Path], TierHarness]] = {

@@ -308,9 +308,10 @@ class Envelope:
         """Bytes a value of ``payload_bytes`` takes (header included) with a passthrough chain."""
         return self.header_bytes + payload_bytes
 
-    def check(self, header: EnvelopeHeader, key: bytes, original_bytes: int) -> None:
+    def check(self, header: EnvelopeHeader, key: bytes, original_bytes: int | None) -> None:
         """Refuse a header that does not belong here: another namespace, key or digest kind, an
-        unknown layout or codec, or another original length than ``original_bytes``.
+        unknown layout or codec, or another original length than ``original_bytes`` (``None``: any
+        length, a variable-length read: :mod:`kvtier.core.tiers.valueread`).
 
         Raises:
             EnvelopeError: naming which.
@@ -323,7 +324,7 @@ class Envelope:
             raise EnvelopeError(f"layout id {header.layout} is not one this kvtier reads")
         if header.codecs != self._known and not all(codecs.known(i) for i in header.codecs):
             raise EnvelopeError(f"codec chain {list(header.codecs)} names a codec this kvtier does not know")
-        if header.original_bytes != original_bytes:
+        if original_bytes is not None and header.original_bytes != original_bytes:
             raise EnvelopeError(f"payload of {header.original_bytes} bytes is not the expected {original_bytes}")
 
     def verify(self, header: EnvelopeHeader, value: memoryview) -> None:

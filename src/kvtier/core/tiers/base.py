@@ -31,6 +31,17 @@ Operations (none raises on a miss, a fault or bad bytes: those are results):
   a tenant record (disk, redis, s3: the value envelope, :mod:`kvtier.core.envelope`) writes with it.  ``PRESENT`` if the key was
   already stored (chunk bytes are immutable under their key, the original is kept), ``NO_ROOM``
   if the tier is full, ``FAILED`` if the write failed (I/O error, unreachable server).
+- Blob verbs (variable length, every tier; :mod:`kvtier.core.tiers.valueread`):
+  ``get(key, records) -> bytes | None`` (the whole verified payload, any length, 0 included);
+  ``read_into(key, dst, records) -> int | None`` (into a buffer of *at least* the payload's
+  length: the length, or ``None``; a buffer too short raises
+  :class:`~kvtier.core.tiers.valueread.BufferTooSmall` naming the length, nothing written);
+  ``get_range(key, offset, length) -> bytes | None`` (``payload[offset:offset + length]``,
+  clipped at the end: ``b""`` past it; ``None``: absent).  ``get`` and ``read_into`` verify the
+  whole value: one that fails is ``None``, counted in ``corrupt`` and forgotten, never served.
+  ``get_range`` checks the value's header (namespace, key, format, a chain that keeps the bytes)
+  and reads only the range: **its bytes are not verified** (no per-range digest exists), so it is
+  never used to serve KV.  ``put`` takes any length.
 - ``delete(key) -> bool``: forget the chunk; ``False`` if it was not there.
 - ``keys()``: keys this process knows to be stored, oldest first (a shared tier cannot list the
   server's keys and returns those this process wrote and has not seen vanish).
@@ -61,7 +72,8 @@ declared in the tier's registry record (:attr:`~kvtier.core.tiers.registry.TierS
 checked by the conformance suite): :class:`Rescannable` (takes in other processes' chunks in an
 explicit rescan), :class:`Generational` (may lose its whole contents, and says so by a new
 generation), :class:`ExactUsage` (its byte count may exceed its capacity until trimmed),
-:class:`Paged` (a fixed number of equal pages).
+:class:`Paged` (a fixed number of equal pages), :class:`RegistersMemory` (registers host buffer
+regions it reads into and writes from, for the GPU copy path: the cpu tier registers its page pool).
 """
 
 from __future__ import annotations
@@ -77,6 +89,11 @@ import numpy as np
 from kvtier.core.keys import ChunkKey
 from kvtier.core.stats import WireStats
 from kvtier.core.tenant import TenantRecords, Writer
+from kvtier.core.tiers.valueread import BufferTooSmall
+
+__all__ = ["AlreadyHeld", "BufferTooSmall", "ClearResult", "ExactUsage", "Generational", "GetResult", "NoRoom",
+           "Paged", "PutResult", "RegistersMemory", "Rescannable", "Reservation", "ReserveResult", "StagingTier",
+           "Tier", "TierUsage", "capabilities", "writers"]
 
 if TYPE_CHECKING:
     from kvtier.core.tiers.disk.scan import RescanResult
@@ -180,6 +197,31 @@ class Tier(ABC):
     @abstractmethod
     def put(self, key: ChunkKey, data: memoryview | bytes, tenant: Writer | None = None) -> PutResult:
         """Store ``data`` under ``key`` for ``tenant``; see the module docstring for the results."""
+
+    @abstractmethod
+    def get(self, key: ChunkKey, records: TenantRecords | None = None) -> bytes | None:
+        """The verified payload of ``key`` (any length), or ``None`` (absent, unreachable, or
+        failing verification: counted in ``corrupt`` and forgotten).  ``records`` as ``get_into``."""
+
+    @abstractmethod
+    def read_into(self, key: ChunkKey, dst: memoryview, records: TenantRecords | None = None) -> int | None:
+        """Put the verified payload of ``key`` in ``dst[:length]`` and return ``length``; ``None``
+        as :meth:`get` (``dst`` may then hold unverified bytes).
+
+        Raises:
+            BufferTooSmall: ``dst`` is shorter than the payload (nothing written;
+                :attr:`~kvtier.core.tiers.valueread.BufferTooSmall.value_bytes` says how long).
+        """
+
+    @abstractmethod
+    def get_range(self, key: ChunkKey, offset: int, length: int) -> bytes | None:
+        """``payload[offset:offset + length]`` of ``key``, clipped at the payload's end (``b""``
+        past it), ``None`` if absent or its header fails its check.  The bytes are NOT verified
+        (see the module docstring): never serve KV from them.
+
+        Raises:
+            ValueError: a negative ``offset`` or ``length``.
+        """
 
     @abstractmethod
     def delete(self, key: ChunkKey) -> bool:
@@ -319,8 +361,27 @@ class Paged(Protocol):
     num_pages: int
 
 
+@runtime_checkable
+class RegistersMemory(Protocol):
+    """A tier that registers buffer regions it reads into and writes from (capability
+    ``registers_memory``), so a GPU copies straight to and from them: host memory is pinned
+    (``cudaHostRegister``, :mod:`kvtier.core.pinned`).  The cpu tier registers its page pool
+    (:meth:`StagingTier.pin_host_memory`) and any host buffer a read lands in (issue 37)."""
+
+    def register_memory(self, region: np.ndarray) -> str | None:
+        """Register ``region`` (a contiguous uint8 array that stays alive while registered);
+        ``None`` once registered (or already), else one sentence saying why not."""
+
+    def unregister_memory(self, region: np.ndarray) -> bool:
+        """Unregister ``region``; ``False`` if it was not registered by this tier."""
+
+    def registered_memory(self) -> list[tuple[int, int]]:
+        """``(address, bytes)`` of each region this tier registered, in registration order."""
+
+
 CAPABILITY_PROTOCOLS: dict[str, type] = {"rescannable": Rescannable, "generational": Generational,
-                                         "exact_usage": ExactUsage, "paged": Paged, "staging": StagingTier}
+                                         "exact_usage": ExactUsage, "paged": Paged, "staging": StagingTier,
+                                         "registers_memory": RegistersMemory}
 """Capability name (:attr:`~kvtier.core.tiers.registry.TierSpec.capabilities`) -> protocol or base class."""
 
 

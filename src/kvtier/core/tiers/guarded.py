@@ -3,7 +3,7 @@
 A remote tier's own code only talks to its server; what every remote tier needs around that
 lives here, once:
 
-- **Deadlines.**  Each batch call runs on the wrapper's threads (``io_threads``, at most
+- **Deadlines.**  Each batch call (and each blob verb: ``get``, ``read_into``, ``get_range``) runs on the wrapper's threads (``io_threads``, at most
   ``queue_depth`` more waiting: a full queue is a skipped call, never a wait); the caller waits
   at most ``deadline_s`` for presence and delete batches and ``transfer_deadline_s`` for reads
   and writes, then gets misses (``MISS``, ``False``, ``FAILED``).
@@ -69,7 +69,9 @@ from kvtier.core.stats import WireCounters, WireStats
 from kvtier.core.tenant import TenantRecords, Writer
 from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier
 from kvtier.core.tiers.breaker import CircuitBreaker
+from kvtier.core.tiers.sharedreads import SharedReads
 from kvtier.core.tiers.tiermetrics import TierMetrics
+from kvtier.core.tiers.valueread import check_range, check_room
 from kvtier.core.tiers.wrappers import TierWrapper
 
 log = logging.getLogger(__name__)
@@ -261,6 +263,57 @@ class GuardedTier(TierWrapper):
                 if records is not None and key in own_records:
                     records[key] = own_records[key]
         return got
+
+    def _split_read(self, key: ChunkKey, dst: memoryview | None, records: TenantRecords | None,
+                    split: SharedReads) -> memoryview | bytes | None:
+        """A shared tier's blob read split as ``get_many``'s is: the fetch under the deadline, then
+        verify and decode into ``dst`` on this thread (no copy beyond the one a read needs)."""
+        fetched = self._call("get", lambda: split.fetch_many([key]))
+        if fetched is None:
+            return None
+        payload, failed = split.finish_read(key, fetched, dst, records)
+        if failed:
+            self.delete_many([key])
+        return payload
+
+    def get(self, key: ChunkKey, records: TenantRecords | None = None) -> bytes | None:
+        """The inner tier's ``get`` under the read deadline; ``None`` on a fault (counted).  A late
+        call's bytes and record reach nobody (a new buffer, a private record dict)."""
+        if isinstance(split := self._split, SharedReads):
+            got = self._split_read(key, None, records, split)
+            return None if got is None else bytes(got)
+        own: TenantRecords = {}
+        got = self._call("get", lambda: self.inner.get(key, own))
+        if got is not None and records is not None and key in own:
+            records[key] = own[key]
+        return got
+
+    def read_into(self, key: ChunkKey, dst: memoryview, records: TenantRecords | None = None) -> int | None:
+        """A shared tier's read split (the fetch on the wrapper's threads, verified into ``dst`` on
+        this one); another tier's :meth:`get`, then one copy into ``dst`` on this thread.  Never a
+        late write into ``dst``.
+
+        Raises:
+            BufferTooSmall: ``dst`` is shorter than the payload (nothing written).
+        """
+        if isinstance(split := self._split, SharedReads):
+            payload = self._split_read(key, dst, records, split)
+            return None if payload is None else len(payload)
+        own: TenantRecords = {}
+        got = self.get(key, own)
+        if got is None:
+            return None
+        check_room(len(got), dst)[:] = got
+        if records is not None and key in own:
+            records[key] = own[key]
+        return len(got)
+
+    def get_range(self, key: ChunkKey, offset: int, length: int) -> bytes | None:
+        """The inner tier's ``get_range`` under the read deadline (unverified bytes: see
+        :mod:`kvtier.core.tiers.valueread`); ``None`` on a fault.  Raises ValueError for a negative
+        ``offset`` or ``length`` (the caller's mistake, not a fault)."""
+        check_range(offset, length)
+        return self._call("get", lambda: self.inner.get_range(key, offset, length))
 
     def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes],
                  tenants: Sequence[Writer | None] | None = None) -> list[PutResult]:

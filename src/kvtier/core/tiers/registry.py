@@ -71,7 +71,8 @@ class TierSpec:
             the protocol (:func:`plugin`), typed from there on.
         capabilities: names of the optional protocols of :mod:`kvtier.core.tiers.base` the tier
             implements (``rescannable``, ``generational``, ``exact_usage``, ``paged``,
-            ``staging``); the conformance suite checks the tier implements exactly these.
+            ``staging``, ``registers_memory``); the conformance suite checks the tier implements
+            exactly these.
         top: the tier every chunk passes through (exactly one registered tier).
         keys: the configuration keys that ask for the tier (the preflight warns when they are set
             but ``tiers`` leaves the tier out; ``kvtier audit``'s deployment rules find a key's tier
@@ -110,7 +111,7 @@ S3_MODEL = TierModel(1.25, 100.0, "parallel GETs (s3_concurrency) bounded by one
 
 BUILTIN = (
     TierSpec("cpu", 0, False, "host", "kvtier.core.tiers.builtin:CPU", top=True,
-             capabilities=frozenset({"staging", "paged"}), medium="CPU"),
+             capabilities=frozenset({"staging", "paged", "registers_memory"}), medium="CPU"),
     TierSpec("disk", 10, False, "disk", "kvtier.core.tiers.builtin:DISK",
              capabilities=frozenset({"rescannable", "generational", "exact_usage"}), keys=("disk_path", "disk_gib"),
              medium="STORAGE"),

@@ -1,7 +1,8 @@
 """Wrappers around a tier: cross-cutting behaviour without touching the tier (pebble's ``vfs``
 and ``errorfs``, foyer's I/O engines).
 
-- :class:`TierWrapper`: forwards every call to ``inner``; the base of the others.  Optional
+- :class:`TierWrapper`: forwards every call to ``inner`` (the blob verbs ``get``, ``read_into``,
+  ``get_range`` included); the base of the others.  Optional
   capabilities (:mod:`kvtier.core.tiers.base` protocols: rescan, generation, exact usage, pages)
   are forwarded too, so a wrapped tier has exactly its inner tier's (a wrapper is never a
   :class:`~kvtier.core.tiers.base.StagingTier`: the store's top tier is never wrapped).
@@ -89,6 +90,15 @@ class TierWrapper(Tier):
                  records: TenantRecords | None = None) -> list[GetResult]:
         return self.inner.get_many(keys, dsts, records)
 
+    def get(self, key: ChunkKey, records: TenantRecords | None = None) -> bytes | None:
+        return self.inner.get(key, records)
+
+    def read_into(self, key: ChunkKey, dst: memoryview, records: TenantRecords | None = None) -> int | None:
+        return self.inner.read_into(key, dst, records)
+
+    def get_range(self, key: ChunkKey, offset: int, length: int) -> bytes | None:
+        return self.inner.get_range(key, offset, length)
+
     def put(self, key: ChunkKey, data: memoryview | bytes, tenant: Writer | None = None) -> PutResult:
         return self.put_many([key], [data], [tenant])[0]
 
@@ -144,7 +154,7 @@ class Fault:
             :class:`~kvtier.core.tiers.guarded.GuardedTier` counts as a failure); ``corrupt`` (``get`` only: the value failed
             verification: ``CORRUPT``, counted in ``corrupt``, and the inner tier forgets the key,
             as the contract says a tier does); ``truncate`` (``get``: the stored value is short,
-            a ``MISS``; ``put``: the inner tier is given the data without its last half, so later
+            a ``MISS``, ``None`` from a blob verb; ``put``: the inner tier is given the data without its last half, so later
             reads of the full length miss); ``delay`` (wait ``delay_s`` seconds, then call the
             inner tier).
         keys: the keys it applies to; ``None`` for every key.
@@ -228,6 +238,30 @@ class FaultyTier(TierWrapper):
             else:
                 out.append(self.inner.get_into(key, dst, records))
         return out
+
+    def _blob_miss(self, key: ChunkKey) -> bool:
+        """A ``get`` rule applied to a blob verb: whether the read is a miss (``error``,
+        ``truncate``, ``corrupt``: counted and the key forgotten, as for ``get_many``)."""
+        rule = self._fault("get", key)
+        if rule is None:
+            return False
+        if rule.kind == "delay":
+            time.sleep(rule.delay_s)
+            return False
+        if rule.kind == "corrupt":
+            self.inner.delete(key)
+            with self._lock:
+                self._own_corrupt += 1
+        return True
+
+    def get(self, key: ChunkKey, records: TenantRecords | None = None) -> bytes | None:
+        return None if self._blob_miss(key) else self.inner.get(key, records)
+
+    def read_into(self, key: ChunkKey, dst: memoryview, records: TenantRecords | None = None) -> int | None:
+        return None if self._blob_miss(key) else self.inner.read_into(key, dst, records)
+
+    def get_range(self, key: ChunkKey, offset: int, length: int) -> bytes | None:
+        return None if self._blob_miss(key) else self.inner.get_range(key, offset, length)
 
     def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes],
                  tenants: Sequence[Writer | None] | None = None) -> list[PutResult]:

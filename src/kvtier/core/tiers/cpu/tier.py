@@ -44,6 +44,7 @@ from kvtier.core.tiers.base import (
     StagingTier,
     TierUsage,
 )
+from kvtier.core.tiers.valueread import check_range, check_room
 
 if TYPE_CHECKING:
     from kvtier.core.tiers.factory import TierContext
@@ -87,6 +88,7 @@ class CpuTier(StagingTier):
         self._key_to_page: dict[ChunkKey, int] = {}
         self._key_to_len: dict[ChunkKey, int] = {}
         self._reserved: dict[ChunkKey, int] = {}
+        self._regions: dict[int, tuple[int, weakref.finalize]] = {}  # address -> (bytes, its unregistration)
         self._lock = threading.RLock()
 
     def pin_host_memory(self) -> bool:
@@ -98,15 +100,49 @@ class CpuTier(StagingTier):
         """
         if self.pinned:
             return True
-        why = pinned.register_host(self.pool)
+        why = self.register_memory(self.pool)
         if why is not None:
             log.warning("kvtier: the cpu tier's %.1f GiB pool is not pinned (%s); GPU copies go through a "
                         "staging buffer", self.pool.nbytes / GiB, why)
             return False
         self.pinned = True
-        # unpinned when the tier is collected; not at interpreter exit, when CUDA may be torn down already
-        weakref.finalize(self, pinned.unregister_host, pinned.registered_pieces(self.pool)).atexit = False
         return True
+
+    # ---- RegistersMemory -----------------------------------------------------------------
+    def register_memory(self, region: np.ndarray) -> str | None:
+        """Pin ``region`` (a contiguous host array, alive while registered) for GPU copies
+        (:func:`kvtier.core.pinned.register_host`); ``None`` once pinned (or already registered
+        here), else why not.  Unpinned when this tier is collected, if not before."""
+        start = int(region.ctypes.data)
+        with self._lock:
+            if start in self._regions:
+                return None
+        why = pinned.register_host(region)
+        if why is not None:
+            return why
+        pieces = pinned.registered_pieces(region)
+        # unpinned when the tier is collected; not at interpreter exit, when CUDA may be torn down already
+        done = weakref.finalize(self, pinned.unregister_host, pieces)
+        done.atexit = False
+        with self._lock:
+            self._regions[start] = (int(region.nbytes), done)
+        return None
+
+    def unregister_memory(self, region: np.ndarray) -> bool:
+        """Unpin a region :meth:`register_memory` pinned; ``False`` if it did not."""
+        with self._lock:
+            found = self._regions.pop(int(region.ctypes.data), None)
+        if found is None:
+            return False
+        found[1]()  # runs pinned.unregister_host once
+        if region.ctypes.data == self.pool.ctypes.data:
+            self.pinned = False
+        return True
+
+    def registered_memory(self) -> list[tuple[int, int]]:
+        """``(address, bytes)`` of each region pinned through this tier."""
+        with self._lock:
+            return [(start, nbytes) for start, (nbytes, _) in self._regions.items()]
 
     # ---- two-phase write -----------------------------------------------------------------
     def can_reserve(self) -> bool:
@@ -172,11 +208,46 @@ class CpuTier(StagingTier):
         np.copyto(np.frombuffer(dst, dtype=np.uint8, count=n), self._pages[page, :n])
         return GetResult.HIT
 
+    def read_into(self, key: ChunkKey, dst: memoryview, records: TenantRecords | None = None) -> int | None:
+        """Copy a resident chunk into ``dst[:length]`` (``dst`` at least its length); its length,
+        or ``None`` if absent.  Pages are process memory: nothing to verify.
+
+        Raises:
+            BufferTooSmall: ``dst`` is shorter than the chunk.
+        """
+        with self._lock:
+            page = self._key_to_page.get(key)
+            if page is None:
+                return None
+            n = self._key_to_len[key]
+            out = check_room(n, dst)
+            np.copyto(np.frombuffer(out, dtype=np.uint8), self._pages[page, :n])
+        return n
+
+    def get(self, key: ChunkKey, records: TenantRecords | None = None) -> bytes | None:
+        """A copy of a resident chunk's bytes, or ``None``."""
+        with self._lock:
+            page = self._key_to_page.get(key)
+            return None if page is None else self._pages[page, :self._key_to_len[key]].tobytes()
+
+    def get_range(self, key: ChunkKey, offset: int, length: int) -> bytes | None:
+        """``chunk[offset:offset + length]`` of a resident chunk (clipped at its end), or ``None``."""
+        check_range(offset, length)
+        with self._lock:
+            page = self._key_to_page.get(key)
+            if page is None:
+                return None
+            n = self._key_to_len[key]
+            return self._pages[page, min(offset, n):min(offset + length, n)].tobytes()
+
     def put(self, key: ChunkKey, data: memoryview | bytes, tenant: Writer | None = None) -> PutResult:
-        """Copy ``data`` into a page (``tenant`` is kept by the store's top tier, not here)."""
+        """Copy ``data`` into a page (``tenant`` is kept by the store's top tier, not here);
+        ``NO_ROOM`` for data longer than a page."""
         if key in self._key_to_page or key in self._reserved:  # checked again by reserve
             return PutResult.PRESENT
         src = np.frombuffer(data, dtype=np.uint8)
+        if src.size > self.page_bytes:
+            return PutResult.NO_ROOM
         got = self.reserve(key, src.size)
         if got is AlreadyHeld.ALREADY_HELD:
             return PutResult.PRESENT

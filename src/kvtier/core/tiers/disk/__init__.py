@@ -4,7 +4,9 @@ shared by the processes of one host and kept across restarts.
 Modules:
 
 - :mod:`~kvtier.core.tiers.disk.tier`: :class:`~kvtier.core.tiers.disk.tier.DiskTier` (index,
-  capacity, verified reads and crash-safe writes);
+  capacity and crash-safe writes);
+- :mod:`~kvtier.core.tiers.disk.reads`: its reads: verified whole reads of the expected length or
+  of any length, and ranged reads at the payload's offset (the header checked, the bytes not);
 - :mod:`~kvtier.core.tiers.disk.factory`: the tier from a configuration, its preflight check and
   state directory;
 - :mod:`~kvtier.core.tiers.disk.directory`: the index kept in step with the directory (the rescan of

@@ -35,24 +35,22 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import stat
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
-
 from kvtier.core import envelope
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
-from kvtier.core.tenant import TenantRecords, Writer, note_verified
+from kvtier.core.tenant import TenantRecords, Writer
 from kvtier.core.tiers.base import GetResult, PutResult, Tier, TierUsage, writers
-from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES, ChunkFormatError, PayloadHasher
+from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES
 from kvtier.core.tiers.disk.chunkio import DEFAULT_SLICE_BYTES, ChunkIO, helper_threads
 from kvtier.core.tiers.disk.directory import STALE_TMP_S, DirectorySync
 from kvtier.core.tiers.disk.iomode import IO_MODES, IOMode, resolve_io
+from kvtier.core.tiers.disk.reads import DiskReads
 from kvtier.core.tiers.disk.reset import remove_chunk_files, reset_marked, unmark_reset
 from kvtier.core.tiers.disk.scan import SUFFIX, ShardWatch, WriterLock, indexed_files, tmp_name
 
@@ -62,7 +60,7 @@ WRITE_WARNING_INTERVAL_S = 10.0
 every write: one line per chunk was thousands per second); the redis tier's rule (``_fault``)."""
 
 
-class DiskTier(DirectorySync, Tier):
+class DiskTier(DirectorySync, DiskReads, Tier):
     """Chunk files in a directory, within ``capacity_bytes`` (headers included).
 
     Args:
@@ -172,67 +170,6 @@ class DiskTier(DirectorySync, Tier):
 
     def stored_bytes(self, payload_bytes: int) -> int:
         return self.file_bytes(payload_bytes)
-
-    def get_into(self, key: ChunkKey, dst: memoryview, records: TenantRecords | None = None) -> GetResult:
-        path = self._file(key)
-        if key in self._bad:  # counted once already, when it was found unusable
-            return GetResult.MISS
-        try:
-            try:
-                self._read_verified(key, path, dst, records)
-            except OSError as exc:
-                if not self._fall_back(exc):
-                    raise
-                self._read_verified(key, path, dst, records)
-        except FileNotFoundError:
-            with self._lock:
-                if key not in self._writing:  # removed by another process (a write in flight is not)
-                    self._forget(key)
-            return GetResult.MISS
-        except (ChunkFormatError, OSError) as exc:
-            self._quarantine(key, Path(path), str(exc))
-            return GetResult.CORRUPT
-        return GetResult.HIT
-
-    def _read_verified(self, key: ChunkKey, path: str, dst: memoryview, records: TenantRecords | None) -> None:
-        """Read ``key``'s payload into ``dst``; raises ChunkFormatError unless every check passes.
-        The file is an envelope (:mod:`kvtier.core.envelope`) or a legacy version-2 chunk file
-        (:mod:`kvtier.core.legacyformats`).  Then its tenant record goes into ``records``
-        (:func:`kvtier.core.tenant.note_verified`: only one that passes its own check)."""
-        io = self._io
-        record: bytes | None = None
-        # O_NONBLOCK: a FIFO or device planted at a chunk's path must not hang the caller
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | io.open_flags)
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise ChunkFormatError("not a regular file")
-
-            def check(raw: memoryview, payload_bytes: int) -> tuple[bytes, envelope.Hasher]:
-                nonlocal record
-                header = envelope.decode_header(raw)
-                if header.header_bytes != HEADER_BYTES or header.format not in (envelope.FORMAT,
-                                                                                envelope.FORMAT_CHUNK_FILE):
-                    raise ChunkFormatError(f"not a chunk file ({header.format}, {header.header_bytes}-byte header)")
-                # another namespace or key, a layout or codec this kvtier does not read, or another
-                # chunk size (config, geometry): never a partial fill
-                self.envelope.check(header, key, out.nbytes)
-                if header.stored_bytes != payload_bytes:
-                    raise ChunkFormatError(f"payload is {payload_bytes} bytes on disk, header says {header.stored_bytes}")
-                if header.stored_bytes != header.original_bytes:
-                    raise ChunkFormatError(f"codec chain {list(header.codecs)} changes the payload's length; "
-                                           "the disk tier reads only length-preserving chains")
-                record = header.record
-                if header.format == envelope.FORMAT_CHUNK_FILE:
-                    return header.digest, PayloadHasher()
-                return header.digest, self.envelope.hasher(raw[:envelope.DIGEST_OFFSET])
-
-            out = memoryview(np.frombuffer(dst, dtype=np.uint8).data)
-            if not io.read_chunk(fd, out, st.st_size, check):
-                raise ChunkFormatError("payload checksum mismatch")
-        finally:
-            os.close(fd)
-        note_verified(records, self.namespace, key, record)
 
     def _fall_back(self, exc: OSError) -> bool:
         """Switch to buffered I/O when O_DIRECT is refused at run time (EINVAL); True if switched."""

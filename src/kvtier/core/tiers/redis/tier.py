@@ -56,6 +56,7 @@ from kvtier.core.tiers.buffers import BufferPool
 from kvtier.core.tiers.guarded import PutStream, WriteAbandoned, split_get
 from kvtier.core.tiers.redis import stream as redisstream
 from kvtier.core.tiers.redis.clear import clear_namespace
+from kvtier.core.tiers.sharedreads import SharedReads
 from kvtier.core.tiers.sharedvalue import HEADER_BYTES, ValueCodec, keyspace, verify_into
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ WRITTEN_KEYS_MAX = 1 << 16
 """Keys this process remembers having written (``indexed``/``keys``), most recent kept."""
 
 
-class RedisTier(Tier):
+class RedisTier(SharedReads, Tier):
     """Chunks as values in Redis/Valkey (see the module docstring); raises on a fault, so it is
     used behind :class:`~kvtier.core.tiers.guarded.GuardedTier` (:func:`kvtier.core.tiers.redis.factory.from_config` does).
 
@@ -160,6 +161,30 @@ class RedisTier(Tier):
             self.read_buffers.give([v.obj for v in values if v is not None])
         self.wire.moved("read", done.payload_bytes, time.perf_counter() - t0)
         return done.results
+
+    def fetch_head_and(self, key: ChunkKey, start: int, end: int) -> tuple[int, bytes, bytes] | None:
+        """(:class:`~kvtier.core.tiers.sharedreads.SharedReads`) One pipeline: ``STRLEN``, the
+        header's ``GETRANGE`` and the range's (Redis clips both at the value's end)."""
+        rk = self.rkey(key)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.strlen(rk)
+        pipe.getrange(rk, 0, HEADER_BYTES - 1)
+        if end > start:
+            pipe.getrange(rk, start, end - 1)
+        size, head, *data = pipe.execute()
+        return None if not size else (int(size), bytes(head), bytes(data[0]) if data else b"")
+
+    def fetch_range(self, key: ChunkKey, start: int, end: int) -> bytes | None:
+        """(:class:`~kvtier.core.tiers.sharedreads.SharedReads`) ``GETRANGE`` (``b""`` absent: ``None``)."""
+        got = self.client.pipeline(transaction=False).getrange(self.rkey(key), start, end - 1).execute()[0]
+        return bytes(got) or None
+
+    def lost(self, key: ChunkKey) -> None:
+        self._forget(key)
+
+    def give_back(self, values: list[Any]) -> None:
+        if self._streamed:
+            self.read_buffers.give([v.obj for v in values if v is not None])
 
     # ---- writes --------------------------------------------------------------------------
     def put(self, key: ChunkKey, data: memoryview | bytes, tenant: Writer | None = None) -> PutResult:

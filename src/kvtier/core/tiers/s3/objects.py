@@ -115,6 +115,42 @@ class S3Objects:
         except FileNotFoundError:
             return None
 
+    async def read_range(self, path: str, start: int, end: int) -> bytes | None:
+        """The object's bytes ``start..end`` (``start < end``, within the object), ``None`` if it
+        is absent: a ranged ``GET``; from a gateway that ignores ``Range`` and answers the whole
+        object (``rclone serve s3``: obstore then refuses a "non-partial response"), the object's
+        bytes streamed up to ``end``, the rest not read."""
+        import obstore
+
+        async with self.requests():
+            try:
+                try:
+                    return bytes(await obstore.get_range_async(self.store, path, start=start, end=end))
+                except Exception as exc:
+                    if "non-partial" not in str(exc):
+                        raise
+                got = await obstore.get_async(self.store, path)
+                data = bytearray()
+                async for part in got.stream(min_chunk_size=min(end, 1 << 20)):
+                    data += part
+                    if len(data) >= end:
+                        break
+                return bytes(data[start:end])
+            except FileNotFoundError:
+                return None
+
+    async def head_and_range(self, path: str, size: int, start: int, end: int) -> tuple[int, bytes, bytes] | None:
+        """``(size, the first HEADER bytes, bytes start..end)`` of an object of ``size`` bytes (both
+        clipped at its end, read in parallel), ``None`` if it vanished meanwhile."""
+        from kvtier.core.envelope import FIXED_BYTES
+
+        async def nothing() -> bytes:
+            return b""
+        end = min(end, size)
+        head, data = await asyncio.gather(self.read_range(path, 0, min(FIXED_BYTES, size)) if size else nothing(),
+                                          self.read_range(path, start, end) if start < end else nothing())
+        return None if head is None or data is None else (size, head, data)
+
     def delete(self, paths: list[str]) -> None:
         """Delete objects (bulk ``DeleteObjects`` of up to :data:`DELETE_BATCH`; a missing one is no error)."""
         import obstore

@@ -64,6 +64,7 @@ from kvtier.core.tiers.s3.client import brief
 from kvtier.core.tiers.s3.conditional import ConditionalPut
 from kvtier.core.tiers.s3.objects import S3Objects
 from kvtier.core.tiers.s3.space import S3Space
+from kvtier.core.tiers.sharedreads import SharedReads
 from kvtier.core.tiers.sharedvalue import HEADER_BYTES, ValueCodec, keyspace, verify_into
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ ENCODE_BUFFER_BYTES = 256 << 20
 a fresh 32 MiB buffer costs ~4x the copy into it)."""
 
 
-class S3Tier(Tier):
+class S3Tier(SharedReads, Tier):
     """Chunks as objects in one S3 bucket (see the module docstring).  Raises on a fault: use it
     behind :class:`~kvtier.core.tiers.guarded.GuardedTier` (:func:`kvtier.core.tiers.s3.factory.from_config` does).
 
@@ -208,6 +209,22 @@ class S3Tier(Tier):
         self.wire.corrupt(done.corrupt)
         self.wire.moved("read", done.payload_bytes, time.perf_counter() - t0)
         return done.results
+
+    def fetch_head_and(self, key: ChunkKey, start: int, end: int) -> tuple[int, bytes, bytes] | None:
+        """A ``HEAD`` (absent or past ``s3_ttl_s``: ``None``), then two ranged ``GET`` in parallel."""
+        path = self.object_key(key)
+
+        async def fetch() -> tuple[int, bytes, bytes] | None:
+            async with self.objects.requests():
+                meta = await self.space.head(path)
+            return None if meta is None else await self.objects.head_and_range(path, int(meta["size"]), start, end)
+        return self.objects.run(fetch)
+
+    def fetch_range(self, key: ChunkKey, start: int, end: int) -> bytes | None:
+        return self.objects.run(lambda: self.objects.read_range(self.object_key(key), start, end))
+
+    def lost(self, key: ChunkKey) -> None:
+        self.space.forget(key)
 
     def ask_conditional(self) -> bool:
         """Whether the server honours ``If-None-Match: *`` (asked once, then remembered:
