@@ -112,3 +112,33 @@ def test_size_puts_the_toy_tier_in_the_recipe_from_its_settings_flags(app):
 
 def test_purge_takes_the_toy_tiers_target(app):
     assert "--dict-storage" in run(app, "purge", "--help").output
+
+
+def test_kvtier_takes_a_tier_from_kvtier_tier_modules(tmp_path):
+    """The real ``kvtier`` registers the tiers of KVTIER_TIER_MODULES (the environment form of tier_modules)
+    before it builds its commands, so an operator's tier has its flags with no edit anywhere; a module that
+    cannot be imported is one sentence, exit 2."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).parents[2]
+
+    def kvtier(modules: str, *args: str) -> subprocess.CompletedProcess[str]:
+        env = {"PATH": "/usr/bin", "COLUMNS": "250", "KVTIER_TIER_MODULES": json.dumps([modules]),
+               **({"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {})}
+        return subprocess.run([sys.executable, "-m", "kvtier.cli.main", *args], capture_output=True, text=True,
+                              check=False, timeout=120, cwd=root, env=env)
+
+    for command in ("bench-store", "size", "purge"):
+        shown = kvtier(PLUGIN, command, "--help")
+        assert shown.returncode == 0 and "--dict-storage" in shown.stdout, shown.stderr
+    out = tmp_path / "bs.json"
+    measured = kvtier(PLUGIN, "bench-store", "--sizes", "0.25", "--total-mib", "0.5", "--repeats", "1",
+                      "--dict-storage", "env-area", "--dict-only", "--json", str(out))
+    assert measured.returncode == 0, measured.stderr
+    assert {r["tier"] for r in json.loads(out.read_text())["results"]} == {"dict"}
+    bad = kvtier("nosuch_tiers_module", "--help")
+    assert bad.returncode == 2 and bad.stdout == "" and bad.stderr == (
+        "error: KVTIER_TIER_MODULES: tier_modules names 'nosuch_tiers_module', which cannot be imported (No module "
+        "named 'nosuch_tiers_module'); install the package that provides it or remove it from tier_modules.\n")
