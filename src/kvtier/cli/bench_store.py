@@ -88,11 +88,12 @@ def bench_store(sizes: str, total_mib: float, repeats: int, threads: str, disk_i
         flags: every tier option: settings flags, the benchmarks' knobs and ``--<tier>-only``.
         tiers: each one's value, by key.
     """
-    settings_flags = [f for f in flags if f.key != f"{f.tier}_only" and f not in _extras(flags)]
     from rich.console import Console
     from rich.table import Table
 
     from kvtier.bench.storebench import StoreBenchResult, run_store_bench
+
+    settings_flags = [f for f in flags if f.key != f"{f.tier}_only" and f not in _extras(flags)]
 
     try:
         chunk_mibs = [float(s) for s in sizes.split(",") if s.strip()]
