@@ -11,7 +11,9 @@ its eviction policy, as from the disk tier); given flat in ``kv_connector_extra_
 keeps its values in a module-level area of that name that outlives the tier (as a directory
 outlives a disk tier), and its plug-in offers that area as a blob store (``list``, ``stat``,
 ``delete``: :class:`DictBlobs`), so ``kvtier purge``, a reset from outside the stores and the
-probe work on it with no code of their own (tests/core/test_blob_verbs.py).  Without it each tier
+probe work on it with no code of their own (tests/core/test_blob_verbs.py).  Its settings fields
+are marked for the tools too, so ``kvtier bench-store`` and ``kvtier size`` take ``--dict-storage``
+and ``--dict-capacity-mib`` with no edit in kvtier.cli (tests/cli/test_tool_flags_of_a_plugin_tier.py).  Without it each tier
 keeps a private dict.
 
 The tier is an :class:`~kvtier.core.tiers.envelopetier.EnvelopeTier`: it only stores and loads
@@ -50,12 +52,18 @@ class DictSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    dict_capacity_mib: float = Field(64.0, gt=0, description="Tier size in MiB per rank.")
+    dict_capacity_mib: float = Field(64.0, gt=0, description="Tier size in MiB per rank.", json_schema_extra={
+        "tools": {"bench-store": {"help": "The dict tier's size in MiB (default 64)."},
+                  "size": {"help": "The dict tier's size in MiB per rank, for the recipe."}}})
     dict_storage: str | None = Field(None, min_length=1, description=(
         "Name of a module-level area the values outlive the tier in (and purge, reset and probe reach)."),
         json_schema_extra={"tools": {"purge": {"help": "The dict tier's storage area (its dict_storage).",
                                                "metavar": "NAME", "target": "the area the engines use",
-                                               "empty": "give the area the engines use (their dict_storage)"}}})
+                                               "empty": "give the area the engines use (their dict_storage)"},
+                                     "bench-store": {"help": "Also measure the dict tier in this area.",
+                                                     "metavar": "NAME", "target": "the area to measure"},
+                                     "size": {"help": "Add the dict tier on this area to the kvtier recipe.",
+                                              "metavar": "NAME", "target": "the area the tier uses"}}})
 
 
 @dataclass

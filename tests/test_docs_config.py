@@ -76,6 +76,16 @@ def test_the_key_tables_cover_every_key_of_the_built_in_tiers():
     assert len(redis_keys) == 11 and redis_keys <= documented, redis_keys - documented
 
 
+def test_the_policy_row_names_every_policy_the_config_accepts():
+    """docs/vllm.md's ``policy`` row left out ``adaptive-unguarded``, which the configuration accepts
+    (fresh-user tester): the row names every policy :func:`available_policies` lists."""
+    from kvtier.core.policies.registry import available_policies
+
+    row = next(line for line in (ROOT / "docs" / "vllm.md").read_text().splitlines() if line.startswith("| `policy` |"))
+    named = set(re.findall(r"`([a-z0-9-]+)`", row.split("|")[4]))
+    assert set(available_policies()) <= named, set(available_policies()) - named
+
+
 @pytest.mark.parametrize("path", [*DOCS, ROOT / "README.md", ROOT / "docs" / "quickstart.md", ROOT / "docs" / "store.md"], ids=lambda p: p.name)
 def test_prose_names_the_real_chunk_tokens_default(path: Path):
     default = KVTierConfig.from_dict({}).chunk_tokens

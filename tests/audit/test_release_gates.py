@@ -89,3 +89,27 @@ def test_chunk_tokens_against_the_64_token_default_block(extra, flags, env, warn
 def test_inflight_kv_loads_with_kvtier_is_explained():
     found = findings(kvtier(flags="--max-num-inflight-kv-loads 4"), "0.34.0")
     assert "does not start them while the running batch is full" in found["kvtier-inflight-kv-loads-cap-only"]
+
+
+def test_a_kvtier_image_tagged_with_kvtiers_own_version_is_not_read_as_vllm():
+    """``kvtier-vllm:0.1.0`` (the installed kvtier's version as the tag) was read as vLLM 0.1.0: three errors
+    (unsupported vLLM, below the security floor, ...) on a release kvtier runs on (fresh-user tester).  Such a
+    tag says nothing of vLLM: the gates are skipped and the info line says how to tag the image; the
+    documented v<vLLM>-kvtier<kvtier> tag is read as before."""
+    from kvtier import __version__
+
+    def manifest(image: str) -> str:
+        return ("apiVersion: v1\nkind: Pod\nmetadata: {name: vllm}\nspec:\n  containers:\n  - name: vllm\n"
+                f"    image: {image}\n    command: [sh, -c, {json.dumps(kvtier())}]\n")
+
+    def run(image: str) -> dict[str, str]:
+        return {f.rule: f.message for f in audit(load_configs(manifest(image), "vllm.yaml"))}
+
+    own = run(f"registry.example.com/kvtier-vllm:{__version__}")
+    assert "kvtier-unsupported-vllm" not in own and "below-security-floor" not in own, own
+    assert own["version-unknown"] == (
+        f"The vLLM version is unknown: the tag of the kvtier image registry.example.com/kvtier-vllm:{__version__} does "
+        "not say it (tag it v<vLLM version>-kvtier<kvtier version>, docs/deploy.md, or pass --vllm-version), so "
+        "version gates were skipped.")
+    documented = run(f"registry.example.com/kvtier-vllm:v0.31.0-kvtier{__version__}")
+    assert "kvtier-unsupported-vllm" in documented and "version-unknown" not in documented

@@ -159,3 +159,27 @@ def test_many_problems_print_the_first_few_and_one_count_line(disk_dir):
     assert lines[-1] == ("problem ... and 4 more (9 problems in all; --json names the first 5 of "
                          "each namespace).")
     assert all(f.exists() for f in files)
+
+
+def test_a_directory_that_is_not_a_disk_tiers_is_refused_and_left_alone(tmp_path):
+    """``--disk-path`` of a directory holding no namespace directory but other things (/etc, a home
+    directory) said "Removed 0 chunks" and exit 0 (fresh-user tester): one sentence, exit 2, nothing touched.
+    An empty directory, or one holding only kvtier's own dot files or lost+found (a fresh disk_path), is not
+    refused."""
+    other = tmp_path / "home"
+    (other / "photos").mkdir(parents=True)
+    (other / "notes.txt").write_text("keep me")
+    (other / ".kvtier-kv-events-00.msgpack").write_bytes(b"")
+    before = sorted(p.relative_to(other) for p in other.rglob("*"))
+    for args in (("--all",), ("--all", "--dry-run"), ("--salt", "A")):
+        result = invoke("--disk-path", str(other), *args)
+        assert result.exit_code == 2 and result.output == (
+            f"error: --disk-path {other} is not a kvtier disk tier's directory: it holds no namespace directory (32 "
+            "hex digits) but other entries (notes.txt, photos); nothing was removed; give the directory the engines' "
+            "disk tier uses.\n")
+    assert sorted(p.relative_to(other) for p in other.rglob("*")) == before
+    fresh = tmp_path / "fresh"
+    (fresh / "lost+found").mkdir(parents=True)
+    (fresh / ".kvtier-kv-events-00.msgpack").write_bytes(b"")
+    result = invoke("--disk-path", str(fresh), "--all")
+    assert result.exit_code == 0 and "Removed 0 chunks" in result.output

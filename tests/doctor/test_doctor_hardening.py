@@ -36,8 +36,25 @@ def _set(text: str, metric: str, value: str) -> str:
     return re.sub(rf"^({re.escape(metric)}\{{.*\}}) .*$", rf"\g<1> {value}", text, flags=re.MULTILINE)
 
 
-def test_swapped_files_are_inconclusive_and_say_why():
-    proc = doctor("--from-files", str(DATA / "after.txt"), str(DATA / "before.txt"), "--json")
+def test_swapped_files_are_refused_in_one_sentence():
+    """Two recordings of one server process (the same process_start_time_seconds) given AFTER then BEFORE
+    printed the later file's lifetime counters as the interval's, then a warning naming two causes
+    (fresh-user tester): the order is plain, so it is refused, naming the order to give."""
+    after, before = str(DATA / "after.txt"), str(DATA / "before.txt")
+    proc = doctor("--from-files", after, before, "--json")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == (f"error: the files are in the wrong order: {after} was recorded after {before} (the same "
+                           f"server process, every counter at or above {before}'s); give --from-files {before} "
+                           f"{after}.\n")
+
+
+def test_counters_going_back_across_a_restart_are_inconclusive_and_say_why(tmp_path):
+    """A server restarted between the scrapes (another process_start_time_seconds) has its counters go back
+    too: not a swap to refuse, a reading that cannot be judged."""
+    restarted = tmp_path / "restarted.txt"
+    restarted.write_text(re.sub(r"^process_start_time_seconds .*$", "process_start_time_seconds 1.8e+09", BEFORE,
+                                flags=re.MULTILINE))
+    proc = doctor("--from-files", str(DATA / "after.txt"), str(restarted), "--json")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert data["verdict"] == "inconclusive"
@@ -154,3 +171,20 @@ def test_endless_body_is_capped(hostile_server):
     _Hostile.mode = "endless"
     with pytest.raises(UserError, match=f"more than {MAX_BODY_BYTES >> 20} MiB"):
         fetch_metrics(hostile_server, timeout_s=30.0)
+
+
+def test_the_sample_output_in_docs_doctor_md_is_the_commands():
+    """docs/doctor.md's example was stale (an older layout, figures the command no longer prints; fresh-user
+    tester): the block is the command it names, run on the recording it names, line for line."""
+    import shlex
+
+    text = (Path(__file__).parents[2] / "docs" / "doctor.md").read_text()
+    block = text.split("## Example", 1)[1].split("```\n", 2)[1]
+    command, *shown = block.splitlines()
+    args = shlex.split(command.removeprefix("$ kvtier doctor "))
+    proc = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "doctor", *args], capture_output=True, text=True,
+                          check=False, timeout=60, cwd=Path(__file__).parents[2],
+                          env={"COLUMNS": "2000", "PATH": "/usr/bin",
+                               **({"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {})})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == shown

@@ -326,3 +326,17 @@ def test_many_workers_for_few_runs_give_the_rows_of_one_worker(tmp_path, trace_f
     assert run(*base, "--workers", "1", "--json", str(out1)).exit_code == 0
     assert run(*base, "--workers", "64", "--json", str(out2)).exit_code == 0  # not 100000: a regression would fork them
     assert json.loads(out1.read_text())["rows"] == json.loads(out2.read_text())["rows"]
+
+
+def test_capacities_print_with_thousands_separators_as_the_other_tools(trace_file):
+    """The table printed 2048 and 1.04858e+06 GiB where kvtier size and the rest print 2,048 and 1,048,576
+    (fresh-user tester)."""
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(app, [
+        "simulate", "--trace", str(trace_file), "--kv-bytes-per-token", str(KV_PER_TOKEN), "--engine-gib", "1500",
+        "--cpu-gib", "2048,1048576", "--disk-gib", "12000.5", "--policy", "lru,default", "--workers", "1"])
+    assert result.exit_code == 0, result.output
+    assert "engine 1,500 GiB, disk 12,000.5 GiB" in result.output
+    rows = [line.split()[0] for line in result.output.splitlines() if line.split()[1:2] == ["lru"]]
+    assert rows[:2] == ["2,048", "1,048,576"], result.output
+    assert "e+0" not in result.output and not re.search(r"\b\d{4,}\b", result.output.split("\n", 2)[2]), \
+        result.output

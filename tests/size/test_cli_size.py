@@ -224,7 +224,7 @@ def test_s3_bucket_adds_the_object_store_tier_with_its_modeled_chunk_load():
     (("--s3-bucket", "kv-cache", "--s3-endpoint-url", "https://AKIAEXAMPLE:wJalrXUtnFEMI@minio:9000"),
      "--s3-endpoint-url must not carry credentials"),
     (("--s3-bucket", "kv-cache", "--s3-capacity-gib", "-1"), "--s3-capacity-gib"),
-    (("--s3-capacity-gib", "100"), "need --s3-bucket"),
+    (("--s3-capacity-gib", "100"), "--s3-capacity-gib needs --s3-bucket BUCKET"),
 ])
 def test_bad_s3_flags_are_one_sentence_naming_the_flag(args, words):
     result = run("--model", "meta-llama/Llama-3.1-8B", "--offload-gib", "10", *args)

@@ -80,3 +80,38 @@ def test_bench_trace_workload_takes_bundled_as_its_default():
     named = build_workload(WorkloadKnobs(trace_path=Path("bundled"), limit=20), 2048, 4096, closed_loop=True)
     default = build_workload(WorkloadKnobs(limit=20), 2048, 4096, closed_loop=True)
     assert len(named.requests) == 20 and named.requests == default.requests
+
+
+def test_gpu_and_gpu_memory_gib_together_are_refused():
+    """--gpu H100 --gpu-memory-gib 40 sized a 40 GiB GPU with exit 0, --gpu silently ignored (fresh-user tester)."""
+    result = run("size", "--model", "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "H100", "--gpu-memory-gib", "40")
+    assert result.exit_code == 2 and result.output == (
+        "error: give --gpu (a known GPU's memory) or --gpu-memory-gib (the memory of one GPU in GiB), not both.\n")
+
+
+def test_a_config_json_path_is_served_as_its_directory(tmp_path):
+    """--model DIR/config.json printed `vllm serve DIR/config.json`, which vLLM cannot load (fresh-user tester)."""
+    cfg = _llama8b_config(tmp_path)
+    doc = json.loads(run("size", "--model", str(cfg), "--offload-gib", "64", "--json").stdout)
+    for dialect in ("kvtier", "vllm_native", "lmcache"):
+        assert f"vllm serve {tmp_path} " in doc["recipe"][dialect] and "config.json" not in doc["recipe"][dialect]
+    assert f"The configs serve {tmp_path}, the directory of --model {cfg}: vllm serve takes a model's directory " \
+           "(or hub id), not its config.json." in doc["notes"]
+    by_dir = json.loads(run("size", "--model", str(tmp_path), "--offload-gib", "64", "--json").stdout)
+    assert by_dir["recipe"] == doc["recipe"] and not [n for n in by_dir["notes"] if "The configs serve" in n]
+
+
+def test_the_recommended_tiers_and_the_configs_agree_on_their_rounding(tmp_path):
+    """The table recommended 345.00 GiB and the configs said 346 with no word why (TP 2 rounds up to whole GiB
+    per rank; fresh-user tester): a note gives the configs' figures and says they are rounded up."""
+    cfg = _llama8b_config(tmp_path)
+    doc = json.loads(run("size", "--model", str(cfg), "--tp", "2", "--gpu", "H100", "--weights-gib", "16",
+                         "--context", "8192", "--sessions", "300", "--host-ram-gib", "512", "--json").stdout)
+    recipe = doc["recipe"]
+    asked = doc["cpu_gib"] + (doc["disk_gib"] or 0)
+    assert recipe["cpu_gib"] + recipe["disk_gib"] > asked and recipe["cpu_gib"] % 2 == 0
+    assert (f"The configs give {recipe['cpu_gib']} GiB (cpu tier) + {recipe['disk_gib']} GiB (disk tier) = "
+            f"{recipe['cpu_gib'] + recipe['disk_gib']} GiB: the {asked:,.2f} GiB above rounded up to whole GiB on "
+            "each of 2 ranks.") in doc["notes"]
+    whole = json.loads(run("size", "--model", str(cfg), "--offload-gib", "64", "--tp", "2", "--json").stdout)
+    assert whole["recipe"]["cpu_gib"] == 64 and not [n for n in whole["notes"] if n.startswith("The configs give")]

@@ -37,16 +37,29 @@ def parse_version(text: str) -> Version:
 
 
 def version_from_image(image: str | None) -> Version | None:
-    """The vLLM version an image tag names (``v0.26.0``, ``0.32.0-cu129``, ``v0.20.0@sha256:…``),
-    None for ``latest``, ``nightly``, a bare digest or model tags such as ``glm51-cu130``."""
+    """The vLLM version an image tag names (``v0.26.0``, ``0.32.0-cu129``, ``v0.20.0@sha256:…``,
+    ``kvtier-vllm:v0.32.0-kvtier0.1.0``), None for ``latest``, ``nightly``, a bare digest, model tags
+    such as ``glm51-cu130``, and a kvtier image's tag without the ``-kvtier<version>`` part
+    (:func:`kvtier_tag_without_vllm`: ``kvtier-vllm:0.1.0`` is kvtier's version, not vLLM 0.1.0)."""
     if not image:
         return None
     last = image.split("@", 1)[0].rsplit("/", 1)[-1]
     if ":" not in last:
         return None
-    tag = last.split(":", 1)[1]
+    repository, tag = last.split(":", 1)
+    if kvtier_tag_without_vllm(repository, tag):
+        return None
     version = _pep440(tag)
     if version is not None and "." in tag:
         return version
     match = _TAG_PREFIX.match(tag)
     return _pep440(match.group(1)) if match else None
+
+
+def kvtier_tag_without_vllm(repository: str, tag: str) -> bool:
+    """Whether ``repository:tag`` is a kvtier image whose tag does not say the vLLM version: the
+    repository names kvtier and the tag lacks the ``-kvtier<version>`` part of the documented
+    ``v<vLLM version>-kvtier<kvtier version>`` (docs/deploy.md; deploy/Dockerfile), so a number in it
+    may be kvtier's own version (``kvtier-vllm:0.1.0``, read as vLLM 0.1.0 before: a fresh-user
+    tester's image failed the supported-vLLM rule and the version gates)."""
+    return "kvtier" in repository.lower() and "kvtier" not in tag.lower()

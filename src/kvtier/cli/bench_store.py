@@ -5,11 +5,16 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import typer
 
 from kvtier.cli.errors import fail, flag_names, refuse_kernel_filesystem
+from kvtier.cli.tierflags import build, given, option, refuse_stray, targets
+from kvtier.core.errors import UserError
+from kvtier.core.toolflags import ToolFlag, tool_flags
 
 MIN_CHUNK_MIB = 0.004  # 4 KiB: one OS page
 MAX_CHUNK_MIB = 1024.0
@@ -18,48 +23,77 @@ MAX_THREADS = 64
 
 
 def register(app: typer.Typer) -> None:
-    app.command("bench-store")(bench_store)
+    """Add ``kvtier bench-store`` to the CLI: the options of the tiers beyond cpu and disk come from
+    their settings models (the fields marked for ``bench-store``, :mod:`kvtier.core.toolflags`) and
+    their benchmarks' own knobs (:mod:`kvtier.bench.tierbenches`), so a new tier needs no edit here."""
+    app.command("bench-store")(bench_store_command(tool_flags("bench-store")))
 
 
-def bench_store(
-    sizes: str = typer.Option("0.5,4,32", help="Chunk sizes in MiB, comma-separated."),
-    total_mib: float = typer.Option(256, help="MiB moved per measurement round."),
-    repeats: int = typer.Option(5, min=1, help="Rounds per figure; the median is reported."),
-    threads: str = typer.Option("1", help="Disk thread counts, comma-separated: chunks moved at once by the "
-                                          "tier (io_threads) and by the reference, e.g. 1,2,4."),
-    disk_io: str = typer.Option("buffered,direct", help="Disk I/O modes to measure: buffered and/or direct "
-                                                        "(O_DIRECT); the reference uses the same mode."),
-    buffered_reads: str = typer.Option("auto", help="Buffered reads to measure: auto (serial or split over two "
-                                                    "threads, as measured), serial and/or split (forced)."),
-    directory: Path | None = typer.Option(None, "--dir", help="Where the disk tier writes (default: a temp dir)."),
-    json_path: Path | None = typer.Option(None, "--json", help="Also write results as JSON here."),
-    redis_url: str | None = typer.Option(None, help="Also measure the redis tier on this server "
-                                                     "(redis:// or rediss://); its keys are deleted afterwards."),
-    redis_cluster: bool = typer.Option(False, help="--redis-url names a seed node of a Redis Cluster."),
-    redis_only: bool = typer.Option(False, help="Measure only the redis tier (needs --redis-url)."),
-    s3_bucket: str | None = typer.Option(None, help="Also measure the s3 tier on this bucket (created beforehand; "
-                                                     "credentials from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or "
-                                                     "--s3-credentials-file); its objects are deleted afterwards."),
-    s3_endpoint_url: str | None = typer.Option(None, help="S3-compatible server of --s3-bucket (default: AWS S3)."),
-    s3_region: str = typer.Option("us-east-1", help="Region the s3 requests are signed for."),
-    s3_allow_http: bool = typer.Option(False, help="Allow a plain http:// --s3-endpoint-url."),
-    s3_credentials_file: str | None = typer.Option(None, help="AWS shared-credentials file for --s3-bucket."),
-    s3_in_flight: str = typer.Option("1,4,16", help="s3 requests in flight (tier and reference alike), "
-                                                    "comma-separated, e.g. 1,4,16."),
-    s3_only: bool = typer.Option(False, help="Measure only the s3 tier (needs --s3-bucket)."),
-    s3_assume_conditional_put: bool = typer.Option(
-        False, help="Time s3 puts as on a server that honours If-None-Match: * (one PUT per chunk, no HEAD) even "
-                    "where the server ignores it, as rclone serve s3 does; every key the benchmark writes is new, "
-                    "so the requests are the same ones."),
-) -> None:
-    """Measure cpu and disk tier put/get throughput against numpy copy and raw file I/O.
+def tier_flags(flags: list[ToolFlag]) -> list[ToolFlag]:
+    """``flags`` with each tier's benchmark knobs after its settings flags, and ``--<tier>-only``
+    for each tier with a target (``--redis-only``)."""
+    from kvtier.bench.tierbenches import tier_bench
 
-    Example: kvtier bench-store --sizes 4,32 --threads 1,2,4 --json out/bench-store.json
+    out: list[ToolFlag] = []
+    for tier, target in targets(flags).items():
+        out += [f for f in flags if f.tier == tier]
+        out += tier_bench(tier).extras
+        out.append(ToolFlag(tier, f"{tier}_only", bool, f"Measure only the {tier} tier (needs {target.flag}).",
+                            default=False))
+    return out
+
+
+def _extras(flags: list[ToolFlag]) -> list[ToolFlag]:
+    from kvtier.bench.tierbenches import tier_bench
+
+    return [e for tier in dict.fromkeys(f.tier for f in flags) for e in tier_bench(tier).extras]
+
+
+FIXED = {
+    "sizes": (str, typer.Option("0.5,4,32", help="Chunk sizes in MiB, comma-separated.")),
+    "total_mib": (float, typer.Option(256, help="MiB moved per measurement round.")),
+    "repeats": (int, typer.Option(5, min=1, help="Rounds per figure; the median is reported.")),
+    "threads": (str, typer.Option("1", help="Disk thread counts, comma-separated: chunks moved at once by the "
+                                            "tier (io_threads) and by the reference, e.g. 1,2,4.")),
+    "disk_io": (str, typer.Option("buffered,direct", help="Disk I/O modes to measure: buffered and/or direct "
+                                                          "(O_DIRECT); the reference uses the same mode.")),
+    "buffered_reads": (str, typer.Option("auto", help="Buffered reads to measure: auto (serial or split over two "
+                                                      "threads, as measured), serial and/or split (forced).")),
+    "directory": (Path | None, typer.Option(None, "--dir", help="Where the disk tier writes (default: a temp dir).")),
+    "json_path": (Path | None, typer.Option(None, "--json", help="Also write results as JSON here.")),
+}
+"""The options of every run (cpu and disk tiers, output)."""
+
+
+def bench_store_command(settings_flags: list[ToolFlag]) -> Callable[..., None]:
+    """The ``kvtier bench-store`` command with the options of :data:`FIXED` and one per tier flag."""
+    flags = tier_flags(settings_flags)
+
+    def body(**values: Any) -> None:
+        """Measure cpu and disk tier put/get throughput against numpy copy and raw file I/O.
+
+        Example: kvtier bench-store --sizes 4,32 --threads 1,2,4 --json out/bench-store.json
+        """
+        tiers = {f.key: values.pop(f.key) for f in flags}
+        bench_store(flags=flags, tiers=tiers, **values)
+
+    return build(body, {**FIXED, **{f.key: option(f, negatable=True) for f in flags}})
+
+
+def bench_store(sizes: str, total_mib: float, repeats: int, threads: str, disk_io: str, buffered_reads: str,
+                directory: Path | None, json_path: Path | None, flags: list[ToolFlag], tiers: dict[str, Any]) -> None:
+    """Run ``kvtier bench-store`` (see :func:`bench_store_command`).
+
+    Args:
+        flags: every tier option: settings flags, the benchmarks' knobs and ``--<tier>-only``.
+        tiers: each one's value, by key.
     """
     from rich.console import Console
     from rich.table import Table
 
     from kvtier.bench.storebench import StoreBenchResult, run_store_bench
+
+    settings_flags = [f for f in flags if f.key != f"{f.tier}_only" and f not in _extras(flags)]
 
     try:
         chunk_mibs = [float(s) for s in sizes.split(",") if s.strip()]
@@ -95,48 +129,48 @@ def bench_store(
         fail(f"--dir {str(directory)!r} is not a writable directory; create it or omit --dir")
     if json_path is not None and (json_path.is_dir() or not json_path.parent.is_dir()):
         fail(f"--json {str(json_path)!r} must be a file path in an existing directory")
-    if redis_only and s3_only:
-        fail("--redis-only and --s3-only exclude each other; give one of them, or neither to measure every tier")
-    if redis_only and not redis_url:
-        fail("--redis-only needs --redis-url, e.g. --redis-url redis://127.0.0.1:6379/0")
-    if s3_only and not s3_bucket:
-        fail("--s3-only needs --s3-bucket, e.g. --s3-bucket kvcache --s3-endpoint-url https://minio:9000")
+    from kvtier.bench.tierbenches import tier_bench
+
+    wanted = targets(flags)
+    only = [t for t in wanted if tiers.get(f"{t}_only")]
+    if len(only) > 1:
+        fail(f"{' and '.join(f'--{t}-only' for t in only)} exclude each other; give one of them, or neither to "
+             "measure every tier")
+    for tier in only:
+        target = wanted[tier]
+        if not given(target, tiers.get(target.key)):
+            example = f", e.g. {target.flag} {target.example}" if target.example else f" ({target.target})"
+            fail(f"--{tier}-only needs {target.flag}{example}")
     # an option of a tier that is not measured would be ignored, the run reporting the other tiers alone
-    s3_given = [flag for flag, given in (("--s3-endpoint-url", s3_endpoint_url is not None),
-                                         ("--s3-region", s3_region != "us-east-1"), ("--s3-allow-http", s3_allow_http),
-                                         ("--s3-credentials-file", s3_credentials_file is not None),
-                                         ("--s3-in-flight", s3_in_flight != "1,4,16"),
-                                         ("--s3-assume-conditional-put", s3_assume_conditional_put)) if given]
-    if s3_given and not s3_bucket:
-        fail(f"{', '.join(s3_given)} {'needs' if len(s3_given) == 1 else 'need'} --s3-bucket BUCKET to measure the "
-             "s3 tier; add it, or drop them to measure the other tiers only")
-    if redis_cluster and not redis_url:
-        fail("--redis-cluster needs --redis-url (a seed node of the Cluster) to measure the redis tier; add it, or "
-             "drop --redis-cluster to measure the other tiers only")
-    try:
-        in_flights = [int(t) for t in s3_in_flight.split(",") if t.strip()]
-    except ValueError:
-        in_flights = []
-    if not in_flights or not all(1 <= t <= 256 for t in in_flights):
-        fail(f"--s3-in-flight {s3_in_flight!r} must be a comma-separated list of counts from 1 to 256; e.g. 1,4,16")
+    refuse_stray([f for f in flags if f.key != f"{f.tier}_only"], tiers, "to measure the {tier} tier",
+                 "to measure the other tiers only")
+    measured = [t for t in wanted if given(wanted[t], tiers.get(wanted[t].key)) and (not only or t in only)]
+    parsed = {}
+    for tier in measured:
+        bench = tier_bench(tier)
+        try:
+            parsed[tier] = bench.parse({f.key: tiers.get(f.key) for f in bench.extras})
+        except UserError as exc:
+            fail(str(exc))
     rows: list[StoreBenchResult] = []
     notes: list[str] = []
-    if not redis_only and not s3_only:
+    if not only:
         try:
             rows, notes = run_store_bench(chunk_mibs, total_mib, repeats, directory, thread_counts, modes, ways)
         except ValueError as exc:
             fail(str(exc))
         except OSError as exc:
             fail(f"the disk benchmark could not write its files ({exc.strerror}); free space or pick another --dir")
-    if redis_url and not s3_only:
-        rows += _redis_rows(redis_url, redis_cluster, chunk_mibs, total_mib, repeats)
-    if s3_bucket and not redis_only:
-        s3 = {"s3_bucket": s3_bucket, "s3_endpoint_url": s3_endpoint_url, "s3_region": s3_region,
-              "s3_allow_http": s3_allow_http, "s3_credentials_file": s3_credentials_file}
-        s3_rows, s3_path = _s3_rows({k: v for k, v in s3.items() if v is not None}, chunk_mibs, total_mib, repeats,
-                                    in_flights, s3_assume_conditional_put)
-        rows += s3_rows
-        notes.append(f"s3 put: {s3_path}")
+    for tier in measured:
+        mine = [f for f in settings_flags if f.tier == tier]
+        keys = [f.key for f in mine]
+        settings = {f.key: tiers[f.key] for f in mine if given(f, tiers.get(f.key))}
+        try:
+            got, more = tier_bench(tier).run(settings, parsed[tier], chunk_mibs, total_mib, repeats)
+        except UserError as exc:
+            fail(flag_names(str(exc), keys).rstrip(".") + ".")
+        rows += got
+        notes += more
     table = Table(title="kvtier bench-store (tier vs same-run reference)")
     for col in ("tier", "io", "threads", "op", "chunk MiB", "GiB/s", "reference GiB/s", "ratio", "round ratios"):
         table.add_column(col, justify="right")
@@ -144,13 +178,11 @@ def bench_store(
         table.add_row(r.tier, r.io, str(r.threads), r.op, f"{r.chunk_mib:g}", f"{r.gib_per_s:.2f}",
                       f"{r.reference_gib_per_s:.2f}", f"{r.ratio:.2f}", f"{r.ratio_min:.2f}-{r.ratio_max:.2f}")
     Console().print(table)
-    if not redis_only and not s3_only:
+    if not only:
         print("reference: cpu = numpy.copyto of the same bytes; disk = open/pwrite/preadv/close of the same "
               "bytes, same I/O mode and thread count")
-    if redis_url and not s3_only:
-        print("reference: redis = raw redis-py pipelined SET/GET of the same bytes to the same server")
-    if s3_bucket and not redis_only:
-        print("reference: s3 = raw obstore put/get of the same bytes to the same bucket, same requests in flight")
+    for tier in measured:
+        print(tier_bench(tier).reference)
     for note in notes:
         print(note)
     load = os.getloadavg()
@@ -163,51 +195,3 @@ def bench_store(
             fail(f"cannot write --json {json_path} ({exc.strerror}); free space or pass a path in a writable "
                  "directory (the table above has the results)")
         print(f"wrote {json_path}")
-
-
-def _redis_rows(url: str, cluster: bool, chunk_mibs: list[float], total_mib: float, repeats: int) -> list:
-    from kvtier.bench.redisbench import bench_redis
-    from kvtier.core.config import redact_url
-    from kvtier.core.errors import ConfigError
-
-    rows: list = []
-    try:
-        for mib in chunk_mibs:
-            rows += bench_redis(url, mib, total_mib, repeats, cluster=cluster)
-    except ConfigError as exc:
-        fail(str(exc))
-    except RuntimeError as exc:
-        fail(f"the redis benchmark on {redact_url(url)} failed: {exc}; check --redis-url, that the server is up "
-             "and its maxmemory")
-    return rows
-
-
-def _s3_rows(settings: dict[str, object], chunk_mibs: list[float], total_mib: float, repeats: int,
-             in_flights: list[int], assume_conditional_put: bool) -> tuple[list, str]:
-    from kvtier.bench.s3bench import bench_s3
-    from kvtier.core.errors import ConfigError
-
-    rows: list = []
-    path = ""
-    try:
-        for mib in chunk_mibs:
-            for n in in_flights:
-                got, path = bench_s3(settings, mib, total_mib, repeats, n,
-                                     assume_conditional_put=assume_conditional_put)
-                rows += got
-    except ConfigError as exc:
-        fail(flag_names(str(exc), S3_FLAG_KEYS).rstrip(".") + ".")
-    except RuntimeError as exc:
-        fail(f"the s3 benchmark on bucket {settings['s3_bucket']} failed: {exc}; check the server and credentials")
-    except Exception as exc:  # noqa: BLE001 - obstore's errors (unreachable, 403, no such bucket): one sentence
-        from kvtier.core.tiers.s3.client import describe_failure
-        from kvtier.core.tiers.s3.settings import S3Settings
-
-        state, detail = describe_failure(exc, S3Settings(**settings), 1.0)  # type: ignore[arg-type]
-        fail(flag_names(f"the s3 benchmark on bucket {settings['s3_bucket']} failed: {state}: {detail}; check "
-                        "--s3-endpoint-url, that the server is up and the credentials", S3_FLAG_KEYS))
-    return rows, path
-
-
-S3_FLAG_KEYS = ("s3_bucket", "s3_endpoint_url", "s3_region", "s3_allow_http", "s3_credentials_file")
-"""The s3 settings bench-store takes as flags (its errors name the flags)."""

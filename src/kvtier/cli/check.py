@@ -9,7 +9,7 @@ import sys
 import typer
 
 from kvtier.cli.errors import fail
-from kvtier.core.errors import ConfigError
+from kvtier.core.errors import ConfigError, UserError
 
 HELP = """Check a --kv-transfer-config for KVTierConnector in under a second, without starting vLLM.
 
@@ -129,9 +129,27 @@ def check_command(
             print(f"error: --strict: {len(unreached)} configured tier(s) cannot be reached.")
         raise typer.Exit(1)
     if not as_json:  # the errors above are the whole answer when there are any
+        missing = _missing_state_dir(transfer)
+        if missing is not None:
+            print(f"info: {missing} does not exist yet: kvtier check created nothing; the engine creates it at "
+                  "start-up (its nearest existing parent was checked for room and write access).")
         print(f"info: {statement()}")
         warned = len(problems)
         print(f"ok: vLLM would start with this KVTierConnector config{f' ({warned} warning(s))' if warned else ''}.")
+
+
+def _missing_state_dir(transfer: object) -> str | None:
+    """The configured tiers' directory (``disk_path``: :func:`kvtier.core.tiers.factory.state_dir`)
+    when it does not exist yet, else ``None`` (also when the config does not load: its errors are reported)."""
+    from kvtier.core.config import KVTierConfig
+    from kvtier.core.tiers.factory import state_dir
+
+    extra = transfer.get("kv_connector_extra_config") if isinstance(transfer, dict) else None
+    try:
+        found = state_dir(KVTierConfig.from_dict(extra if isinstance(extra, dict) else {}))
+    except (UserError, ValueError):
+        return None
+    return None if found is None or found.exists() else str(found)
 
 
 def register(app: typer.Typer) -> None:

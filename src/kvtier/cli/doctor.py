@@ -113,6 +113,7 @@ def doctor_command(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
 ) -> None:
     from kvtier.doctor import allocation, diagnose, measure, parse_metrics
+    from kvtier.doctor.meters import recorded_after
     from kvtier.size.plan import MAX_GIB
     from kvtier.tools.scrape import fetch_metrics, metrics_url
 
@@ -134,6 +135,11 @@ def doctor_command(
                                 f"{'them' if len(given) > 1 else 'it'}.")
             texts = [_read_file(path) for path in from_files]
             before, after = (parse_metrics(t, p) for t, p in zip(texts, from_files, strict=True))
+            if recorded_after(before, after):
+                first, second = from_files
+                raise UserError(f"the files are in the wrong order: {first} was recorded after {second} (the same "
+                                f"server process, every counter at or above {second}'s); give --from-files {second} "
+                                f"{first}.")
             source, elapsed = " → ".join(from_files), None
         elif url:
             interval = DEFAULT_INTERVAL_S if interval is None else interval

@@ -151,6 +151,27 @@ COMMAND_MODULES = (
     "kvtier.cli.stored",
 )
 
+def _import_tier_modules() -> None:
+    """Register the tiers of ``KVTIER_TIER_MODULES`` (the environment form of ``tier_modules``)
+    before the commands are built, so that a tier from outside kvtier has its flags in ``kvtier
+    purge``, ``bench-store`` and ``size`` (read from its settings model, :mod:`kvtier.core.toolflags`).
+    A module that cannot be imported is one sentence on stderr and exit 2."""
+    from kvtier.core.configload import env_list
+    from kvtier.core.errors import ConfigError
+    from kvtier.core.tiers.registry import import_tier_modules
+
+    modules = env_list("KVTIER_TIER_MODULES")
+    if not modules:
+        return
+    try:
+        import_tier_modules(tuple(str(m) for m in modules))
+    except ConfigError as exc:
+        print(f"error: KVTIER_TIER_MODULES: {str(exc).rstrip('.')}.", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+_import_tier_modules()
+
 for _name in COMMAND_MODULES:
     try:
         _module = importlib.import_module(_name)

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import inspect
 import json
-from typing import TYPE_CHECKING
+import typing
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from kvtier.cli.errors import fail, flag_names
+from kvtier.cli.tierflags import build, given, option, refuse_stray, targets
 from kvtier.core.errors import UserError
+from kvtier.core.toolflags import ToolFlag, tool_flags
 
 if TYPE_CHECKING:
     from kvtier.simulate.hierarchy import StackCurve
-    from kvtier.size.recipe import ObjectStore
 
 HELP = """Size the KV cache of a model and the offload tier it needs.
 
@@ -131,7 +135,9 @@ def _print_text(report, recipe, weights_note: str) -> None:  # type: ignore[no-u
             console.print(text, highlight=False, markup=False, soft_wrap=True)
 
 
-def size_command(
+def _size(
+    flags: list[ToolFlag],
+    tiers: dict[str, Any],
     model: str | None = typer.Option(None, "--model", "-m", help="config.json path, model directory, preset or hub id."),
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel size."),
     kv_dtype: str = typer.Option("auto", "--kv-dtype", help="KV cache dtype: auto (model dtype), bf16, fp16 or fp8."),
@@ -159,14 +165,6 @@ def size_command(
     offload_gib: float | None = typer.Option(None, "--offload-gib", help="Print recipes for this tier size (GiB, total) instead of the recommendation."),
     disk_path: str = typer.Option("/mnt/nvme/kvtier", "--disk-path", help="Disk tier directory used in recipes."),
     chunk_tokens: int = typer.Option(128, "--chunk-tokens", help="kvtier chunk size in tokens."),
-    redis_url: str | None = typer.Option(None, "--redis-url", help="Add a shared Redis/Valkey tier on this URL to "
-                                         "the kvtier recipe and size the server (docs/shared-tier.md)."),
-    s3_bucket: str | None = typer.Option(None, "--s3-bucket", help="Add the object-store tier on this bucket to the "
-                                         "kvtier recipe, with its modeled load time per chunk (docs/s3.md)."),
-    s3_endpoint_url: str | None = typer.Option(None, "--s3-endpoint-url", help="With --s3-bucket: an S3-compatible "
-                                               "server (MinIO, Ceph RGW, R2), https://host[:port]; unset: AWS S3."),
-    s3_capacity_gib: float | None = typer.Option(None, "--s3-capacity-gib", help="With --s3-bucket: cap on the "
-                                                 "cache's objects, GiB (unset: objects expire after a week)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
     list_presets: bool = typer.Option(False, "--list-presets", help="List the built-in model presets and exit."),
 ) -> None:
@@ -176,7 +174,7 @@ def size_command(
     from kvtier.size import Deployment, build_recipe, plan, resolve_model
     from kvtier.size.hardware import GPUS, find_gpu
     from kvtier.size.plan import check_finite, split_tier
-    from kvtier.size.recipe import chunk_notes
+    from kvtier.size.recipe import chunk_notes, tier_recipes
 
     if list_presets:
         _list_presets()
@@ -190,13 +188,16 @@ def size_command(
     try:
         check_finite("--offload-gib", offload_gib)
         check_finite("--gpu-memory-gib", gpu_memory_gib)
+        if gpu is not None and gpu_memory_gib is not None:  # one would be ignored
+            raise UserError("give --gpu (a known GPU's memory) or --gpu-memory-gib (the memory of one GPU in GiB), "
+                            "not both.")
         memory = gpu_memory_gib
         found_gpu = None
         if gpu is not None:
             found_gpu = find_gpu(gpu)
             if found_gpu is None:
                 raise UserError(f"--gpu {gpu!r} is not known; pass --gpu-memory-gib with its memory in GiB.")
-            memory = found_gpu.memory_gib if memory is None else memory
+            memory = found_gpu.memory_gib
         if trace is not None and sessions is not None:
             raise UserError("give --trace (the warm set measured on a trace) or --sessions (sessions × --context), "
                             "not both.")
@@ -215,7 +216,7 @@ def size_command(
             raise UserError(f"{exc}.") from None
         report = plan(resolved.geometry, dep, curve, rates)
         given_gpu = (gpu or "").strip()
-        if found_gpu is not None and gpu_memory_gib is None and found_gpu.name.upper() != given_gpu.upper():
+        if found_gpu is not None and found_gpu.name.upper() != given_gpu.upper():
             # an alias (A100: two memory sizes): say which part the budget assumes
             parts = " or ".join(g.name for g in GPUS if g.name.upper().startswith(given_gpu.upper()))
             report.notes.append(f"--gpu {given_gpu} read as {found_gpu.name} ({found_gpu.memory_gib:g} GiB); give "
@@ -227,35 +228,35 @@ def size_command(
                             f"got {chunk_tokens:,}.")
         if offload_gib is not None and offload_gib < 0:
             raise UserError(f"--offload-gib must not be negative, got {offload_gib}.")
-        if redis_url is not None and not redis_url.startswith(("redis://", "rediss://")):
-            raise UserError("--redis-url must start with redis:// or rediss:// (TLS), e.g. redis://10.0.0.5:6379/0.")
-        if redis_url is not None and "@" in redis_url.split("//", 1)[-1].split("/", 1)[0]:
-            raise UserError("--redis-url must not carry a user or password (the recipe reads the password "
-                            "from REDIS_PASSWORD); give host, port and database only.")
-        if redis_url is not None:  # the connector's own rule (port, host, database), so check accepts the recipe
-            from pydantic import ValidationError
-
-            from kvtier.core.tiers.redis.settings import RedisSettings
-            try:
-                RedisSettings(redis_url=redis_url)
-            except ValidationError as exc:
-                message = flag_names(str(exc.errors()[0]["msg"]).removeprefix("Value error, "), ["redis_url"])
-                raise UserError(f"{message}." if message.startswith("--redis-url") else f"--redis-url: {message}.") \
-                    from None
-        store = _object_store(s3_bucket, s3_endpoint_url, s3_capacity_gib, chunk_tokens * report.kv_bytes_per_token)
+        tier_values = _tier_values(flags, tiers)
+        redis_url, store, others, tier_notes = tier_recipes(tier_values, chunk_tokens * report.kv_bytes_per_token)
+        report.notes.extend(tier_notes)
         if not disk_path.startswith("/"):
             raise UserError(f"--disk-path must be an absolute directory on the serving host, got {disk_path!r}.")
     except UserError as exc:
         fail(str(exc))
     recipe = None
+    served = _served_model(model)
+    asked = None
     if offload_gib is not None and offload_gib > 0:
         split = split_tier(offload_gib, host_ram_gib, dep.reserve_gib, tp)
         report.notes.extend(split.notes)
-        recipe = build_recipe(model, tp, split.cpu_gib, split.disk_gib, disk_path, chunk_tokens, redis_url, store)
+        asked = offload_gib
+        recipe = build_recipe(served, tp, split.cpu_gib, split.disk_gib, disk_path, chunk_tokens, redis_url, store,
+                              others)
     elif report.offload_needed:
-        recipe = build_recipe(model, tp, report.cpu_gib or 0.0, report.disk_gib or 0.0, disk_path, chunk_tokens,
-                              redis_url, store)
+        asked = (report.cpu_gib or 0.0) + (report.disk_gib or 0.0)
+        recipe = build_recipe(served, tp, report.cpu_gib or 0.0, report.disk_gib or 0.0, disk_path, chunk_tokens,
+                              redis_url, store, others)
     if recipe is not None:
+        if served != model:
+            report.notes.append(f"The configs serve {served}, the directory of --model {model}: vllm serve takes a "
+                                "model's directory (or hub id), not its config.json.")
+        total = recipe.cpu_gib + recipe.disk_gib
+        if asked is not None and total > asked + 1e-9:  # the table's figures are exact, the configs' whole GiB
+            per_rank = f" on each of {tp} ranks" if tp > 1 else ""
+            report.notes.append(f"The configs give {recipe.cpu_gib:,} GiB (cpu tier) + {recipe.disk_gib:,} GiB (disk "
+                                f"tier) = {total:,} GiB: the {asked:,.2f} GiB above rounded up to whole GiB{per_rank}.")
         report.notes.extend(chunk_notes(chunk_tokens))
     elif offload_gib is not None:  # --offload-gib 0: the size chosen is no tier
         report.notes.append("--offload-gib 0 asks for no offload tier, so there is no config to print.")
@@ -289,34 +290,58 @@ def _curve(trace: str, fmt: str, tokens_per_block: int | None) -> StackCurve:
     return stack_curve(read_trace(trace_path(trace), fmt, tokens_per_block))
 
 
-def _object_store(bucket: str | None, endpoint_url: str | None, capacity_gib: float | None,
-                  chunk_bytes: int) -> ObjectStore | None:
-    """The recipe's object-store tier from the --s3-* flags, checked as the connector checks its keys.
+def _served_model(model: str) -> str:
+    """What ``vllm serve`` is given for ``model``: the directory of a config.json path (vLLM loads a
+    model from its directory or hub id), else ``model`` itself."""
+    import os
+
+    if os.path.isfile(model):
+        return os.path.dirname(model) or "."
+    return model
+
+
+def _tier_values(flags: list[ToolFlag], values: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Tier -> the keys its flags gave, checked as the connector checks them (each tier's settings
+    model); a tier's flags without its target are refused.
 
     Raises:
-        UserError: an --s3-* flag without --s3-bucket, or a value the tier's settings refuse (named by its flag).
+        UserError: a value the tier's settings refuse, one sentence naming the flag.
     """
-    from pydantic import ValidationError
+    from kvtier.size.recipe import tier_problem
 
-    from kvtier.core.tiers.s3.settings import S3Settings
-    from kvtier.size.recipe import ObjectStore
+    refuse_stray(flags, values, "({target}) to add the {tier} tier to the recipe", "to size without it")
+    out: dict[str, dict[str, Any]] = {}
+    for tier, target in targets(flags).items():
+        if not given(target, values.get(target.key)):
+            continue
+        mine = {f.key: values[f.key] for f in flags if f.tier == tier and given(f, values.get(f.key))}
+        problem = tier_problem(tier, mine)
+        if problem is not None:
+            key, sentence = problem
+            flag = "--" + key.replace("_", "-") if key in mine else target.flag
+            message = flag_names(sentence, list(mine))
+            raise UserError(f"{message}." if message.startswith(flag) else f"{flag}: {message}.")
+        out[tier] = mine
+    return out
 
-    if bucket is None:
-        if endpoint_url is not None or capacity_gib is not None:
-            raise UserError("--s3-endpoint-url and --s3-capacity-gib need --s3-bucket BUCKET (the bucket the tier uses).")
-        return None
-    flags = {"s3_bucket": "--s3-bucket", "s3_endpoint_url": "--s3-endpoint-url", "s3_capacity_gib": "--s3-capacity-gib"}
-    try:
-        S3Settings(s3_bucket=bucket, s3_endpoint_url=endpoint_url, s3_capacity_gib=capacity_gib, s3_allow_http=True)
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        flag = flags.get(str(error["loc"][0]) if error["loc"] else "", "--s3-bucket")
-        message = flag_names(str(error["msg"]).removeprefix("Value error, ").replace(
-            " (or http:// with s3_allow_http)", " or http://"), flags)  # the user typed flags, not config keys
-        raise UserError(f"{message}." if message.startswith(flag) else f"{flag}: {message}.") from None
-    return ObjectStore(bucket, endpoint_url, capacity_gib, chunk_bytes or None)
+
+def size_command(flags: list[ToolFlag]) -> Callable[..., None]:
+    """The ``kvtier size`` command: its own options and, before ``--json``, one per tier flag in
+    ``flags`` (the fields of the tiers' settings models marked for ``size``)."""
+
+    def body(**values: Any) -> None:
+        tiers = {f.key: values.pop(f.key) for f in flags}
+        _size(flags, tiers, **values)
+
+    options = {}
+    hints = typing.get_type_hints(_size)
+    for name, param in list(inspect.signature(_size).parameters.items())[2:]:
+        if name == "as_json":
+            options.update({f.key: option(f) for f in flags})
+        options[name] = (hints[name], param.default)
+    return build(body, options)
 
 
 def register(app: typer.Typer) -> None:
     """Add ``kvtier size`` to the CLI."""
-    app.command("size", help=HELP)(size_command)
+    app.command("size", help=HELP)(size_command(tool_flags("size")))

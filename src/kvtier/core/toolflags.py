@@ -1,5 +1,6 @@
 """A tool's flags for a tier, read from the tier's settings model (issue 33 item 6): a new tier needs
-no edit in :mod:`kvtier.cli` for ``kvtier purge`` to reach its storage.
+no edit in :mod:`kvtier.cli` for ``kvtier purge`` to reach its storage, ``kvtier bench-store`` to
+measure it or ``kvtier size`` to put it in a recipe (tools ``purge``, ``bench-store``, ``size``).
 
 A settings field (the model a tier's plug-in names, :meth:`~kvtier.core.tiers.plugin.TierPlugin.settings`)
 becomes ``--<key with dashes>`` of a tool when it carries
@@ -10,7 +11,8 @@ becomes ``--<key with dashes>`` of a tool when it carries
 - ``target`` (optional): the field names the tier's storage, which the tool then reaches; the
   phrase names it (``"the bucket the engines use"``), for the sentence refusing the tier's other
   flags without it;
-- ``empty`` (optional): what to say when the target is given empty.
+- ``empty`` (optional): what to say when the target is given empty;
+- ``example`` (optional): a value of the target an error may show (``redis://127.0.0.1:6379/0``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ class ToolFlag:
         metavar: the value's placeholder, or ``None``.
         target: the phrase naming the storage when the key is the tier's target, else ``None``.
         empty: what to say when the target is given empty, or ``None``.
+        example: a value of the target for an error to show, or ``None``.
+        default: the option's value when not given (``None``: not given; a tool's own knobs, not a
+            settings field's, may have another, e.g. ``kvtier bench-store --s3-in-flight 1,4,16``).
     """
 
     tier: str
@@ -44,6 +49,8 @@ class ToolFlag:
     metavar: str | None = None
     target: str | None = None
     empty: str | None = None
+    example: str | None = None
+    default: Any = None
 
     @property
     def flag(self) -> str:
@@ -78,7 +85,8 @@ def tool_flags(tool: str) -> list[ToolFlag]:
             if not isinstance(spec, dict):
                 continue
             flags.append(ToolFlag(record.name, key, _kind(field.annotation), str(spec.get("help", field.description)),
-                                  _text(spec.get("metavar")), _text(spec.get("target")), _text(spec.get("empty"))))
+                                  _text(spec.get("metavar")), _text(spec.get("target")), _text(spec.get("empty")),
+                                  _text(spec.get("example"))))
         out += sorted(flags, key=lambda f: f.target is None)
     return out
 

@@ -347,3 +347,15 @@ def allocation(snap: Snapshot) -> Allocation:
         parts = " + ".join(f"{tier} {gib:g} GiB" for tier, gib in tiers.items())
         return Allocation(sum(tiers.values()), "kvtier", f"kvtier_capacity_bytes: {parts}", tiers, used)
     return Allocation(None, None, "no KV offload tier reported (cache_config_info kv_offloading_size=None)")
+
+
+def recorded_after(before: Snapshot, after: Snapshot) -> bool:
+    """Whether ``before`` was plainly recorded after ``after`` (two recordings given in the wrong
+    order): the same server process (equal ``process_start_time_seconds``, so no restart between
+    them) and every counter of ``after`` at or below ``before``'s, one strictly below.  Without
+    both start times a restart cannot be told from a swap, and this is ``False``."""
+    if before.process_start_s is None or before.process_start_s != after.process_start_s:
+        return False
+    names = set(before.counters) | set(after.counters)
+    lower = [n for n in names if after.counter(n) < before.counter(n)]
+    return bool(lower) and all(after.counter(n) <= before.counter(n) for n in names)

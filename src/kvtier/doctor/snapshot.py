@@ -77,6 +77,9 @@ class Snapshot:
     so the doctor can call them impossible (empty on an older kvtier, or before its first step)."""
     tenants: dict[str, float] = field(default_factory=dict)
     """:data:`TENANTS`: bytes per tenant label, summed over tiers and ranks (empty without quotas)."""
+    process_start_s: float | None = None
+    """``process_start_time_seconds`` of the scraped process (prometheus_client's process collector),
+    Unix seconds; ``None`` when the page has none."""
 
     @property
     def has_shared_tier(self) -> bool:
@@ -113,6 +116,8 @@ def parse_metrics(text: str, where: str) -> Snapshot:
                 if sample.name.endswith("_bucket"):
                     le = float(sample.labels["le"])  # "+Inf" parses to inf
                     snap.ttft_buckets[le] = snap.ttft_buckets.get(le, 0.0) + sample.value
+        elif family.name == "process_start_time_seconds" and family.samples and snap.process_start_s is None:
+            snap.process_start_s = family.samples[0].value
         elif family.name == CACHE_INFO and not snap.cache_config:
             for sample in family.samples:
                 snap.cache_config = {k: v for k, v in sample.labels.items()}

@@ -32,6 +32,12 @@ from kvtier.simulate.sweep import SweepResult, SweepRow
 LRU_POLICIES = ("lru", "lru-tail")
 
 
+def gib_text(gib: float) -> str:
+    """A capacity in GiB as the tools print numbers: thousands separators, no exponent, no trailing
+    zeros (``1,048,576``, ``2,048``, ``0.5``); ``:g`` printed ``2048`` and ``1.04858e+06``."""
+    return f"{gib:,.6f}".rstrip("0").rstrip(".")
+
+
 def row_time_saved(row: SweepRow, rates: Throughputs) -> TimeSaved:
     """Prefill seconds saved over the trace by this run's hits."""
     c = row.counts
@@ -61,11 +67,11 @@ def table(result: SweepResult, rates: Throughputs) -> Table:
     prefill seconds saved.  Fits 80 columns (per-tier GiB moved and chunk ratios are in --json)."""
     tiers = ["cpu"] + [t for t, n in (("disk", result.disk_chunks), ("shared", result.shared_chunks)) if n > 0]
     spec = result.spec
-    title = f"engine {spec.engine_gib:g} GiB"
+    title = f"engine {gib_text(spec.engine_gib)} GiB"
     if result.disk_chunks:
-        title += f", disk {spec.disk_gib:g} GiB" + (f" ({spec.admission[0]})" if spec.admission[0] != "all" else "")
+        title += f", disk {gib_text(spec.disk_gib)} GiB" + (f" ({spec.admission[0]})" if spec.admission[0] != "all" else "")
     if result.shared_chunks:
-        title += f", shared {spec.shared_gib:g} GiB" + (
+        title += f", shared {gib_text(spec.shared_gib)} GiB" + (
             f" ({spec.admission[1]})" if spec.admission[1] != "all" else "")
     t = Table(title=title, caption=f"saved: prefill s; engine: {_engine_share(result):.1%}", box=box.SIMPLE_HEAD, pad_edge=False)
     for header in ("cpu GiB", "policy", "hit", *tiers, "saved s"):
@@ -73,7 +79,7 @@ def table(result: SweepResult, rates: Throughputs) -> Table:
     previous = None
     for row in result.rows:
         saved = row_time_saved(row, rates)
-        t.add_row(f"{row.cpu_gib:g}" if row.cpu_gib != previous else "", _short(row.policy),
+        t.add_row(gib_text(row.cpu_gib) if row.cpu_gib != previous else "", _short(row.policy),
                   f"{row.token_hit_ratio:.1%}", *(f"{row.tier_token_hit_ratio(tier):.1%}" for tier in tiers),
                   f"{saved.total_s:,.0f}")
         previous = row.cpu_gib
@@ -131,7 +137,7 @@ def gap_table(gaps: list[GapRow], policy: str) -> Table:
         t.add_column(header, justify="right", no_wrap=True)
     for g in gaps:
         closed = "–" if g.closed is None else f"{g.closed:.1%}"
-        t.add_row(f"{g.cpu_gib:g}" + (" *" if g is widest else ""), f"{g.lru:.2%}", f"{g.policy:.2%}",
+        t.add_row(gib_text(g.cpu_gib) + (" *" if g is widest else ""), f"{g.lru:.2%}", f"{g.policy:.2%}",
                   f"{g.belady:.2%}", f"{g.gap:.2%}", closed)
     if any(g.closed is None for g in gaps):
         t.caption = f"–: no gap, or {_short(policy)} below the best LRU"

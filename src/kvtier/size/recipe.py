@@ -40,6 +40,7 @@ import json
 import math
 import shlex
 from dataclasses import dataclass
+from typing import Any
 
 KVTIER_CONNECTOR = {
     "kv_connector": "KVTierConnector",
@@ -122,15 +123,19 @@ def round_total(gib: float, tp: int) -> int:
 
 def build_recipe(model: str, tp: int, cpu_gib: float, disk_gib: float = 0.0,
                  disk_path: str = "/mnt/nvme/kvtier", chunk_tokens: int = 128,
-                 redis_url: str | None = None, s3: ObjectStore | None = None) -> Recipe:
+                 redis_url: str | None = None, s3: ObjectStore | None = None,
+                 others: dict[str, dict[str, Any]] | None = None) -> Recipe:
     """Three configurations for a tier of ``cpu_gib`` DRAM plus ``disk_gib`` disk (GiB, totals),
-    the kvtier one with a shared tier on ``redis_url`` and/or the object-store tier ``s3`` when
-    given (see the module docstring)."""
+    the kvtier one with a shared tier on ``redis_url``, the object-store tier ``s3`` and the keys of
+    any other registered tier (``others``: tier -> its keys, given with ``kvtier size``'s flags for
+    it, :func:`tier_recipes`) when given (see the module docstring)."""
     cpu, disk = round_total(cpu_gib, tp), round_total(disk_gib, tp)
     base = f"vllm serve {shlex.quote(model)}" + (f" --tensor-parallel-size {tp}" if tp > 1 else "")
     extra: dict[str, object] = {"chunk_tokens": chunk_tokens, "cpu_gib": cpu}
     if disk:
         extra.update(disk_path=disk_path, disk_gib=disk)
+    for values in (others or {}).values():
+        extra.update(values)
     redis_gib, redis = None, None
     if redis_url:
         extra.update(redis_url=redis_url, redis_password_env="REDIS_PASSWORD",
@@ -232,3 +237,49 @@ def _redis_listen(redis_url: str) -> tuple[str, str]:
     note = (f"\n# TLS: {REDIS_TLS_DIR}/tls.crt must name {parts.hostname} (the URL's host) in its subjectAltName; "
             f"copy the CA that signed it to {KVTIER_TLS_CA_FILE} on each engine")
     return listen, note
+
+
+def tier_problem(tier: str, values: dict[str, Any]) -> tuple[str, str] | None:
+    """``(key, sentence)`` when the keys ``values`` of ``tier`` (from ``kvtier size``'s flags for it)
+    would not make a recipe the connector accepts (its settings model's own check), else ``None``;
+    the sentence names configuration keys (the CLI writes them as its flags)."""
+    from urllib.parse import urlsplit
+
+    from pydantic import ValidationError
+
+    from kvtier.core.tiers.redis.settings import TIER as REDIS
+    from kvtier.core.tiers.registry import settings_model
+    from kvtier.core.tiers.s3.settings import TIER as S3
+
+    model = settings_model(tier)
+    if model is not None:
+        try:  # the recipe adds s3_allow_http itself for an http:// endpoint
+            model(**values, **({"s3_allow_http": True} if tier == S3 else {}))
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            key = str(error["loc"][0]) if error["loc"] else next(iter(values))
+            return key, str(error["msg"]).removeprefix("Value error, ").replace(
+                " (or http:// with s3_allow_http)", " or http://")
+    if tier == REDIS and "@" in urlsplit(str(values["redis_url"])).netloc:
+        return "redis_url", ("redis_url must not carry a user or password (the recipe reads the password from "
+                             "REDIS_PASSWORD); give host, port and database only")
+    return None
+
+
+def tier_recipes(tiers: dict[str, dict[str, Any]], chunk_bytes: int) -> tuple[str | None, ObjectStore | None,
+                                                                               dict[str, dict[str, Any]], list[str]]:
+    """``build_recipe``'s ``redis_url``, ``s3`` and ``others`` from each tier's keys (``kvtier size``'s
+    flags for it), and notes on tiers from outside kvtier (their module must be in ``tier_modules``)."""
+    from kvtier.core.tiers.redis.settings import TIER as REDIS
+    from kvtier.core.tiers.registry import BUILTIN
+    from kvtier.core.tiers.s3.settings import TIER as S3
+
+    others = {t: v for t, v in tiers.items() if t not in (REDIS, S3)}
+    s3 = tiers.get(S3)
+    store = None if s3 is None else ObjectStore(s3["s3_bucket"], s3.get("s3_endpoint_url"),
+                                                s3.get("s3_capacity_gib"), chunk_bytes or None)
+    builtin = {record.name for record in BUILTIN}
+    notes = [f"the {t} tier is not shipped with kvtier: add the module that registers it to the recipe's "
+             "tier_modules, and install it on every engine (docs/store.md, 'Adding a tier')."
+             for t in others if t not in builtin]
+    return tiers.get(REDIS, {}).get("redis_url"), store, others, notes

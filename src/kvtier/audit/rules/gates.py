@@ -6,6 +6,7 @@ from packaging.version import Version
 
 from kvtier.audit.model import ServeConfig
 from kvtier.audit.rules.base import rule
+from kvtier.audit.versions import kvtier_tag_without_vllm
 
 _BUNDLED_CONNECTORS = ("LMCacheConnectorV1", "LMCacheMPConnector", "NixlConnector", "MooncakeConnector",
                        "MooncakeStoreConnector")
@@ -28,6 +29,11 @@ def _secondary_tiers(c: ServeConfig) -> list[str]:
       'tag')
 def version_unknown(c: ServeConfig) -> str | None:
     if c.version is None:
+        last = (c.image or "").split("@", 1)[0].rsplit("/", 1)[-1]
+        if ":" in last and kvtier_tag_without_vllm(*last.split(":", 1)):
+            return (f"The vLLM version is unknown: the tag of the kvtier image {c.image} does not say it (tag it "
+                    "v<vLLM version>-kvtier<kvtier version>, docs/deploy.md, or pass --vllm-version), so version "
+                    "gates were skipped.")
         return "The vLLM version is unknown (no --vllm-version, image tag not a release), so version gates were skipped."
     return None
 

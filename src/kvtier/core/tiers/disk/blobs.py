@@ -208,8 +208,9 @@ def _refuse_a_neighbouring_directory(root: Path) -> None:
 
     Raises:
         UserError: ``root`` is a namespace directory itself (its shard directories ``00``..``ff``
-            inside, its name 32 hex digits), or a directory one of whose sub-directories holds
-            namespace directories (``disk_path``'s parent).
+            inside, its name 32 hex digits), a directory one of whose sub-directories holds
+            namespace directories (``disk_path``'s parent), or one holding anything but kvtier's own
+            dot files (``/etc``: not a disk tier's directory at all).
     """
     if _NAMESPACE_DIR.fullmatch(root.name):
         try:
@@ -229,3 +230,18 @@ def _refuse_a_neighbouring_directory(root: Path) -> None:
         if _namespace_dirs(child):
             raise UserError(f"--disk-path {root} holds no namespace directory but {child} does; give the disk "
                             f"tier's directory, --disk-path {child}")
+    try:
+        with os.scandir(root) as entries:
+            foreign = sorted(e.name for _, e in zip(range(_LOOK_AT_MOST), entries) if not _kvtier_own(e.name))
+    except OSError:
+        return
+    if foreign:  # /etc, a home directory: "removed 0 chunks" and exit 0 read as a purge that worked
+        raise UserError(f"--disk-path {root} is not a kvtier disk tier's directory: it holds no namespace directory "
+                        f"(32 hex digits) but other entries ({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); "
+                        "nothing was removed; give the directory the engines' disk tier uses")
+
+
+def _kvtier_own(name: str) -> bool:
+    """Whether an entry of ``disk_path`` with no namespace directory yet may be there: kvtier's own
+    dot files (the KV events' journal, I/O probes) or a fresh filesystem's ``lost+found``."""
+    return name.startswith(".kvtier-") or name == "lost+found"

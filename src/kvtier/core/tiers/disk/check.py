@@ -25,8 +25,9 @@ PSEUDO_FILESYSTEMS = frozenset({
 
 def disk_path_problem(path: Path, disk_gib: float) -> tuple[str, str] | None:
     """``(key, sentence)`` of what makes ``path`` unfit to hold ``disk_gib`` GiB of chunk files
-    (a file or under one, a kernel pseudo filesystem, not writable, too little free space), or None; creates
-    the directory only when all of these hold (and leaves nothing else behind).
+    (a file or under one, a kernel pseudo filesystem, not writable, too little free space), or None.
+    Creates nothing: a directory that does not exist is judged by its nearest existing parent (the
+    tier creates it at start-up); one that exists gets a write probe, removed at once.
 
     The free space counts what the directory holds already: it is the tier's to evict.
     """
@@ -58,9 +59,10 @@ def disk_path_problem(path: Path, disk_gib: float) -> tuple[str, str] | None:
                              f"{free / GiB:.1f} GiB free on {str(existing)!r}, its nearest existing parent, where it "
                              "would be created; mount the disk meant for the tier there (e.g. the NVMe volume), or "
                              "lower disk_gib")
+    if not path.exists():  # a check creates nothing: the tier creates it at start-up (DiskTier)
+        return None
     probe = path / f".kvtier-write-probe-{os.getpid()}"
     try:
-        path.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"x")
         probe.unlink()
     except OSError as exc:

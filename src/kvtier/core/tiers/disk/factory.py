@@ -30,8 +30,7 @@ def state_dir(config: KVTierConfig) -> Path | None:
 def check(config: KVTierConfig) -> list[tuple[str, str]]:
     """The directory ``disk_path`` checked for ``disk_gib`` as start-up checks it
     (:func:`kvtier.core.tiers.disk.check.disk_path_problem`: a file, a kernel filesystem, not
-    writable, too little free space), creating it when it passes: ``(config key, sentence)``, or
-    nothing."""
+    writable, too little free space), creating nothing: ``(config key, sentence)``, or nothing."""
     if not configured(config):
         return []
     assert config.disk_path is not None

@@ -34,10 +34,16 @@ class RedisSettings(BaseSettings):
         json_schema_extra={"tools": {"purge": {
             "help": "redis:// or rediss:// URL of the shared tier.", "metavar": "URL",
             "target": "the Redis/Valkey server the engines use",
-            "empty": "give the Redis/Valkey URL the engines use (their redis_url)"}}})
+            "empty": "give the Redis/Valkey URL the engines use (their redis_url)"},
+            "bench-store": {"help": "Also measure the redis tier on this server (redis:// or rediss://); its keys "
+                                    "are deleted afterwards.", "metavar": "URL", "target": "a seed node of the server",
+                            "example": "redis://127.0.0.1:6379/0"},
+            "size": {"help": "Add a shared Redis/Valkey tier on this URL to the kvtier recipe and size the server "
+                             "(docs/shared-tier.md).", "metavar": "URL", "target": "the server the tier uses"}}})
     redis_cluster: bool = Field(False, description="The URL names a seed node of a Redis/Valkey Cluster.",
                                 json_schema_extra={"tools": {"purge": {
-                                    "help": "--redis-url names a Cluster seed node (every primary is purged)."}}})
+                                    "help": "--redis-url names a Cluster seed node (every primary is purged)."},
+                                    "bench-store": {"help": "--redis-url names a seed node of a Redis Cluster."}}})
     redis_password_env: str | None = Field(None, description="Environment variable holding the Redis password.",
                                            json_schema_extra={"names_env_var": "a Redis password", "tools": {
                                                "purge": {"help": "Environment variable holding the Redis password."}}})

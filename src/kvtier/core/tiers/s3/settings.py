@@ -43,30 +43,48 @@ class S3Settings(BaseSettings):
         "Bucket of the s3 tier (created beforehand; kvtier never creates buckets); unset = no s3 tier."),
         json_schema_extra={"tools": {"purge": {"help": "The s3 tier's bucket (its s3_bucket).", "metavar": "BUCKET",
                                                "target": "the bucket the engines use",
-                                               "empty": "give the bucket the engines use (their s3_bucket)"}}})
+                                               "empty": "give the bucket the engines use (their s3_bucket)"},
+                                     "bench-store": {"help": (
+                                         "Also measure the s3 tier on this bucket (created beforehand; credentials "
+                                         "from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or --s3-credentials-file); its "
+                                         "objects are deleted afterwards."), "metavar": "BUCKET",
+                                         "target": "the bucket to measure",
+                                         "example": "kvcache --s3-endpoint-url https://minio:9000"},
+                                     "size": {"help": ("Add the object-store tier on this bucket to the kvtier recipe, "
+                                                       "with its modeled load time per chunk (docs/s3.md)."),
+                                              "metavar": "BUCKET", "target": "the bucket the tier uses"}}})
     s3_endpoint_url: str | None = Field(None, repr=False, description=(
         "http(s):// URL of an S3-compatible server (MinIO, Ceph RGW, R2, rclone serve s3); unset = AWS S3 "
         "in s3_region."), json_schema_extra={"tools": {"purge": {
-            "help": "https:// URL of an S3-compatible server (unset: AWS S3).", "metavar": "URL"}}})
+            "help": "https:// URL of an S3-compatible server (unset: AWS S3).", "metavar": "URL"},
+            "bench-store": {"help": "S3-compatible server of --s3-bucket (default: AWS S3).", "metavar": "URL"},
+            "size": {"help": "With --s3-bucket: an S3-compatible server (MinIO, Ceph RGW, R2), https://host[:port]; "
+                             "unset: AWS S3.", "metavar": "URL"}}})
     s3_region: str = Field("us-east-1", min_length=1, description=(
         "Region the requests are signed for (AWS: the bucket's region; most other servers accept us-east-1)."),
-        json_schema_extra={"tools": {"purge": {"help": "The bucket's region (default us-east-1)."}}})
+        json_schema_extra={"tools": {"purge": {"help": "The bucket's region (default us-east-1)."},
+                                     "bench-store": {"help": "Region the s3 requests are signed for (default "
+                                                             "us-east-1)."}}})
     s3_key_prefix: str = Field("kvtier/", max_length=256, description=(
         "Prefix of every object kvtier writes; empty or ending in '/'."),
         json_schema_extra={"tools": {"purge": {"help": "The engines' s3_key_prefix (default kvtier/)."}}})
     s3_virtual_hosted_style: bool = Field(False, description=(
         "Address the bucket as BUCKET.host (virtual-hosted style) instead of host/BUCKET (path style)."))
     s3_allow_http: bool = Field(False, description="Allow a plain http:// s3_endpoint_url (no TLS).",
-                                json_schema_extra={"tools": {"purge": {"help": "Allow a plain http:// --s3-endpoint-url."}}})
+                                json_schema_extra={"tools": {"purge": {"help": "Allow a plain http:// --s3-endpoint-url."},
+                                                             "bench-store": {"help": "Allow a plain http:// --s3-endpoint-url."}}})
     s3_credentials_file: str | None = Field(None, description=(
         "File in the AWS shared-credentials format (aws_access_key_id, aws_secret_access_key, optional "
         "aws_session_token) holding the s3 tier's credentials; unset = the AWS environment variables or chain."),
         json_schema_extra={"tools": {"purge": {"metavar": "FILE", "help": (
-            "AWS credentials file (else AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or the AWS chain).")}}})
+            "AWS credentials file (else AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or the AWS chain).")},
+            "bench-store": {"metavar": "FILE", "help": "AWS shared-credentials file for --s3-bucket."}}})
     s3_profile: str = Field("default", min_length=1, description="Section of s3_credentials_file to read.")
     s3_capacity_gib: float | None = Field(None, gt=0, allow_inf_nan=False, description=(
         "Cap on the objects of this cache's namespace in the bucket, GiB, at most 1,048,576 (1 PiB); past it the "
-        "oldest are deleted. Unset = no cap (use s3_ttl_s or a lifecycle rule)."))
+        "oldest are deleted. Unset = no cap (use s3_ttl_s or a lifecycle rule)."),
+        json_schema_extra={"tools": {"size": {"help": "With --s3-bucket: cap on the cache's objects, GiB (unset: "
+                                                      "objects expire after a week)."}}})
     s3_ttl_s: int | None = Field(None, gt=0, description=(
         "Seconds an object lives: older objects are misses and a background sweep deletes them. Unset = forever."))
     s3_sweep_interval_s: float = Field(300.0, gt=0, le=86400, allow_inf_nan=False, description=(
