@@ -424,7 +424,6 @@ def test_a_tier_from_outside_kvtier_serves_a_load(engine: Engine) -> None:
     store = engine.store
     store.flush()  # write-through: every chunk is on disk and in the dict tier too
     chain = engine.chain(cold["prompt_ids"])
-    disk = next(lt for lt in store.index.lower if lt.name == "disk")
     toy = next(lt for lt in store.index.lower if lt.name == "dict")
     assert all(toy.tier.contains(k) for k in chain)
     with store.index.lock:  # the cpu and disk tiers forget the prefix (as their evictions would); the dict tier keeps it

@@ -25,6 +25,7 @@ index's lock during tier I/O: each verb it calls takes the lock for its own book
   record: the tier puts the record of each value it verified into ``records``
   (:data:`kvtier.core.tenant.TenantRecords`), and the published page carries it (issue 22).
 - **Presence** in a shared tier: :meth:`Mover.leading_present`, one pipelined batch.
+- **Rescans** of local tiers other processes write into (``disk_rescan_s``): :meth:`Mover.rescan`.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from kvtier.core.handles import LoadHandle, LoadPlan, Read, WriteJob
 from kvtier.core.index import Index
 from kvtier.core.keys import ChunkKey
 from kvtier.core.stats import StoreCounters
-from kvtier.core.tiers.base import GetResult, PutResult, Tier
+from kvtier.core.tiers.base import GetResult, PutResult, Rescannable, Tier
 
 log = logging.getLogger("kvtier.core.store")
 
@@ -72,6 +73,8 @@ class Mover:
         for t in self._writers:
             t.start()
         self._ahead = ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-read-ahead")
+        self._rescan_stop = threading.Event()
+        self._rescanner: threading.Thread | None = None
 
     # ---- writes --------------------------------------------------------------------------
     def submit(self, jobs: Iterable[WriteJob]) -> None:
@@ -94,6 +97,20 @@ class Mover:
     def busy(self, names: Iterable[str] | None = None) -> int:
         """Write jobs queued or running (for the tiers ``names``; ``None``: all)."""
         return sum(self.queues[n].unfinished_tasks for n in (self.queues if names is None else names))
+
+    def write_dirty(self, keys: Iterable[ChunkKey], deadline: float) -> None:
+        """Write each of ``keys`` (dirty chunks) to the local tiers that lack it, waiting for room
+        in their queues (unlike a save), then for the writes, until ``deadline`` (monotonic)."""
+        for key in keys:
+            while time.monotonic() < deadline:
+                done, writes = self.index.plan_flush(key, self.full())
+                self.submit(writes)
+                if done:
+                    break
+                time.sleep(0.002)
+        local = [lt.name for lt in self.index.local]
+        while self.busy(local) and time.monotonic() < deadline:
+            time.sleep(0.005)
 
     def _write_loop(self, name: str) -> None:
         q = self.queues[name]
@@ -179,6 +196,34 @@ class Mover:
                 self.index.advance(handle, batch[-1].pos + 1)
         finally:
             self.index.end_read_ahead(handle)
+
+    # ---- other processes' chunk files ----------------------------------------------------
+    def rescan(self) -> int:
+        """Read each rescannable local tier's directory (without the index's lock) and hand what
+        changed to the index (:meth:`~kvtier.core.upkeep.IndexUpkeep.adopt`); the keys adopted or forgotten."""
+        n = 0
+        for lt in self.index.local:
+            if isinstance(lt.tier, Rescannable) and lt.policy is not None:
+                n += self.index.adopt(lt.name, lt.tier.scan())
+        return n
+
+    def start_rescans(self, interval_s: float) -> None:
+        """:meth:`rescan` every ``interval_s`` seconds on a background thread until :meth:`stop_rescans`."""
+        self._rescanner = threading.Thread(target=self._rescan_loop, args=(interval_s,),
+                                           name="kvtier-disk-rescan", daemon=True)
+        self._rescanner.start()
+
+    def stop_rescans(self, timeout_s: float) -> None:
+        self._rescan_stop.set()
+        if self._rescanner is not None:
+            self._rescanner.join(timeout=timeout_s)
+
+    def _rescan_loop(self, interval_s: float) -> None:
+        while not self._rescan_stop.wait(interval_s):
+            try:
+                self.rescan()
+            except Exception:  # the thread must outlive one bad round (e.g. the directory vanished)
+                log.exception("kvtier: rescanning the disk tier failed")
 
     # ---- lifecycle -----------------------------------------------------------------------
     def flush(self, deadline: float | None) -> bool:

@@ -10,7 +10,7 @@ chunk passes through it.  The store is a thin facade over two parts:
 - the **mover** (:mod:`kvtier.core.mover`): write queues and threads per lower tier, the
   read-ahead pool, tier reads and writes; it runs the plans and reports back to the index.
 
-Contract (all methods thread-safe; one lock guards metadata, data copies and tier I/O run
+Contract (all methods thread-safe; the index's lock guards placement, copies and tier I/O run
 outside it on pinned chunks):
 
 - ``lookup(chain) -> int``: how many **leading** chunks of ``chain`` are available in the top tier
@@ -21,9 +21,8 @@ outside it on pinned chunks):
 - ``prepare_load(chain, max_chunks) -> LoadHandle``: pins the longest available prefix.  Chunks
   found below the top tier are read, verified, and promoted into top-tier pages (hot chunks move
   up; :mod:`kvtier.core.mover`); chunks beyond the local prefix are read from a shared tier,
-  at most ``max_chunks`` in all (the count the scheduler's shared lookup found,
-  :mod:`kvtier.integrations.vllm.scheduler.remote`; ``None``: one presence batch asks first).  A chunk that is missing or fails verification ends
-  the prefix.  ``complete_load(handle, success)`` unpins and, only if ``success``, counts hits and
+  at most ``max_chunks`` in all (what the scheduler's shared lookup found; ``None``: one presence
+  batch asks first).  A chunk that is missing or fails verification ends the prefix.  ``complete_load(handle, success)`` unpins and, only if ``success``, counts hits and
   refreshes recency.  A failed transfer is never a hit; ``cancel_load(handle)`` unpins a load that
   will not happen without counting anything.
 - ``prepare_store(chain, start) -> StoreHandle``: reserves top-tier pages for the chunks not yet
@@ -43,17 +42,14 @@ outside it on pinned chunks):
   is dropped, or its chunk deleted if it landed after the clear; a scan of other processes'
   files running meanwhile adopts nothing.  A caller that copied bytes out of a load started
   before the reset compares ``epoch`` to tell (:mod:`kvtier.integrations.vllm.worker.loader`).
-- ``check_integrity()``: each tier's accounting, policies track exactly the resident chunks, and
-  no pins remain (call it once all requests are done).
+- ``check_integrity()``: every invariant of the index (:meth:`kvtier.core.upkeep.IndexUpkeep.check`).
 
-Sizes: ``chunk_bytes`` is the payload of one chunk; capacities come from
-:class:`~kvtier.core.config.KVTierConfig` divided by ``tp_size`` (sizes are totals across ranks).
+Sizes: ``chunk_bytes`` is one chunk's payload; capacities are the configuration's / ``tp_size``.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
@@ -72,7 +68,7 @@ from kvtier.core.metrics import StoreMetrics
 from kvtier.core.mover import Mover
 from kvtier.core.stats import StoreCounters, StoreStats
 from kvtier.core.tenant import TenantId
-from kvtier.core.tiers.base import ClearResult, Rescannable, StagingTier, Tier
+from kvtier.core.tiers.base import ClearResult, StagingTier, Tier
 from kvtier.core.tiers.factory import TierContext, make_tier
 
 log = logging.getLogger(__name__)
@@ -92,10 +88,8 @@ class TieredStore:
         wrap: ``wrap(tier) -> tier`` applied to each lower tier as it is built (e.g. a
             :class:`~kvtier.core.tiers.wrappers.FaultyTier` in tests and drills); ``None``: none.
 
-    Attributes:
-        index: where every chunk is (:class:`~kvtier.core.index.Index`).
-        mover: what moves the bytes (:class:`~kvtier.core.mover.Mover`).
-        cpu: the top (staging) tier.
+    ``index`` (:class:`~kvtier.core.index.Index`) knows where every chunk is, ``mover``
+    (:class:`~kvtier.core.mover.Mover`) moves the bytes; ``cpu`` is the top (staging) tier.
 
     Raises:
         ValueError: ``chunk_bytes`` not positive.
@@ -134,12 +128,8 @@ class TieredStore:
         self.index = Index(self.cpu, lower, config, self.counters, chunk_bytes)
         self.mover = Mover(self.index, config.io_threads, config.save_queue_depth, self.counters)
         self._closed = False
-        self._rescan_stop = threading.Event()
-        self._rescanner: threading.Thread | None = None
         if config.disk_rescan_s and self.index.local:  # None or 0: never (the vLLM connector sets it for consumers)
-            self._rescanner = threading.Thread(target=self._rescan_loop, args=(config.disk_rescan_s,),
-                                               name="kvtier-disk-rescan", daemon=True)
-            self._rescanner.start()
+            self.mover.start_rescans(config.disk_rescan_s)
 
     @property
     def epoch(self) -> int:
@@ -163,10 +153,8 @@ class TieredStore:
 
     def tier(self, name: str) -> Tier | None:
         """The tier called ``name``, or ``None`` if the store has none."""
-        if name == self.cpu.name:
-            return self.cpu
         lt = self.index.by_name.get(name)
-        return lt.tier if lt is not None else None
+        return self.cpu if name == self.cpu.name else lt.tier if lt is not None else None
 
     # ---- the change feed (kvtier.core.changes, kept by the index) -------------------------
     def drain_changes(self, max_items: int = 4096) -> IndexDelta:
@@ -178,16 +166,16 @@ class TieredStore:
         return self.index.pending_changes()
 
     def dirty_keys(self) -> list[ChunkKey]:
-        """Chunks held in DRAM but on no local lower tier (empty without one)."""
+        """Chunks held in DRAM but on no local lower tier (a crash would lose them)."""
         return self.index.dirty_keys()
 
     def dirty_bytes(self) -> int:
-        """Payload bytes a crash would lose: ``len(dirty_keys()) × chunk_bytes``."""
+        """``len(dirty_keys()) × chunk_bytes``."""
         return self.index.dirty_bytes()
 
     @property
     def change_feed_limit(self) -> int:
-        """Changed keys kept between drains before the next drain is a full snapshot."""
+        """Changed keys kept between drains; past it the next drain is a full snapshot."""
         return self.index.change_feed_limit
 
     @change_feed_limit.setter
@@ -342,18 +330,7 @@ class TieredStore:
         change feed, so a scheduler's mirror learns of them.  Runs every ``disk_rescan_s``
         seconds on a background thread when that is set.  The directory is read without the
         index's lock; the index takes in what was found.  Returns the keys adopted or forgotten."""
-        n = 0
-        for lt in self.index.local:
-            if isinstance(lt.tier, Rescannable) and lt.policy is not None:
-                n += self.index.adopt(lt.name, lt.tier.scan())
-        return n
-
-    def _rescan_loop(self, interval_s: float) -> None:
-        while not self._rescan_stop.wait(interval_s):
-            try:
-                self.rescan()
-            except Exception:  # the thread must outlive one bad round (e.g. the directory vanished)
-                log.exception("kvtier: rescanning the disk tier failed")
+        return self.mover.rescan()
 
     # ---- lifecycle and checks ------------------------------------------------------------
     def flush(self, timeout_s: float | None = None) -> bool:
@@ -365,9 +342,7 @@ class TieredStore:
         if self._closed:
             return
         self._closed = True
-        self._rescan_stop.set()
-        if self._rescanner is not None:
-            self._rescanner.join(timeout=timeout_s)
+        self.mover.stop_rescans(timeout_s)
         self.flush(timeout_s)
         self.mover.close()
         for lt in self.index.lower:
@@ -384,20 +359,10 @@ class TieredStore:
             ``(written, missed)``: chunks that reached a local lower tier, and chunks still dirty
             at the deadline (counted in ``flush_missed_chunks``).  ``(0, 0)`` without one.
         """
-        local = [lt.name for lt in self.index.local]
-        if not local:
+        if not self.index.local:
             return 0, 0
-        deadline = time.monotonic() + max(timeout_s, 0.0)
         before = len(self.dirty_keys())
-        for key in self.dirty_keys():
-            while time.monotonic() < deadline:
-                done, writes = self.index.plan_flush(key, self.mover.full())
-                self.mover.submit(writes)
-                if done:
-                    break
-                time.sleep(0.002)
-        while self.mover.busy(local) and time.monotonic() < deadline:
-            time.sleep(0.005)
+        self.mover.write_dirty(self.dirty_keys(), time.monotonic() + max(timeout_s, 0.0))
         missed = len(self.dirty_keys())
         if missed:
             self.counters.flush_missed(missed)
