@@ -72,24 +72,13 @@ class ChangeFeed:
     def _held_keys(self) -> list[ChunkKey]:  # every key held by a local tier
         raise NotImplementedError
 
+    # ``_note(key)``, which records a change, is the index's own (kvtier.core.index): on a load's path
+
     def _init_feed(self, limit: int = CHANGE_FEED_LIMIT) -> None:
         self._changed = {}
         self._dirty_keys = set()
         self._full_next = True  # the first drain reports everything, disk index included
         self.change_feed_limit = limit
-
-    def _note(self, key: ChunkKey) -> None:
-        """Record that ``key``'s tiers may have changed (the lock held)."""
-        if self._dirty(key):
-            self._dirty_keys.add(key)
-        else:
-            self._dirty_keys.discard(key)
-        if self._full_next:
-            return
-        self._changed[key] = None
-        if len(self._changed) > self.change_feed_limit:
-            self._changed.clear()
-            self._full_next = True
 
     def _resync(self) -> None:
         """Make the next drain a full snapshot (e.g. the disk directory was recreated, or a reset),

@@ -22,30 +22,31 @@ queued; :meth:`end_write` when it ran).  What the index still does to tiers: the
 map (reserve, commit, abort, delete: memory only), and a lower tier's ``delete`` of an eviction
 victim and ``clear`` on a reset (under the lock, so that usage and policy never disagree).
 
-Eviction from the top tier is decided in one place, :meth:`~kvtier.core.upkeep.IndexUpkeep.may_free_page`
-(may this chunk's page be freed now), and done in one place, :meth:`~kvtier.core.upkeep.IndexUpkeep.evict_top`;
-both live in :mod:`kvtier.core.upkeep` with the outcomes of writes, TTL pins, resets and checks.
+Eviction from the top tier is decided in one place, :meth:`Index.may_free_page` (may this
+chunk's page be freed now), and done in one place, :meth:`Index.evict_top`.  This module is a
+load's whole path through the index; saves, the outcomes of writes, TTL pins, resets and checks
+are its second half, :mod:`kvtier.core.upkeep`.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
 
 from kvtier.core.config import KVTierConfig
-from kvtier.core.handles import LoadHandle, LoadPlan, Read, StagedCopy, StoreHandle, WriteJob
+from kvtier.core.handles import LoadHandle, LoadPlan, Read, StagedCopy, WriteJob
 from kvtier.core.keys import ChunkKey
 from kvtier.core.lowerindex import LowerIndex
 from kvtier.core.policies import make_policy
 from kvtier.core.policies.admission import make_admission
 from kvtier.core.quota import TenantLedger
 from kvtier.core.stats import StoreCounters
-from kvtier.core.tenant import TenantId, TenantRecords, Writer
+from kvtier.core.tenant import TenantRecords, Writer
 from kvtier.core.tiers.base import (
-    AlreadyHeld,
     GetResult,
     NoRoom,
     Paged,
@@ -138,6 +139,23 @@ class Index(IndexUpkeep):
         return [*(k for k in self.cpu.keys() if k not in self.doomed), *self.staged,  # noqa: SIM118
                 *(k for lt in self.local for k in lt.tier.keys())]  # noqa: SIM118
 
+    def _note(self, key: ChunkKey) -> None:
+        """Record that ``key``'s tiers may have changed (the lock held)."""
+        if self._dirty(key):
+            self._dirty_keys.add(key)
+        else:
+            self._dirty_keys.discard(key)
+        if self._full_next:
+            return
+        self._changed[key] = None
+        if len(self._changed) > self.change_feed_limit:
+            self._changed.clear()
+            self._full_next = True
+
+    def resident(self, key: ChunkKey) -> bool:
+        """In a cpu page and not doomed by a reset."""
+        return self.cpu.contains(key) and key not in self.doomed
+
     # ---- load ----------------------------------------------------------------------------
     def plan_load(self, chain: Sequence[ChunkKey], limit: int, top_only: bool) -> LoadPlan:
         """Pin the longest prefix of ``chain[:limit]`` held in the top or a local lower tier
@@ -162,7 +180,7 @@ class Index(IndexUpkeep):
                     lt = next((lt for lt in self.local if lt.tier.contains(key)), None)
                     if lt is None:
                         break
-                    lt.pin(key)
+                    lt.pins[key] += 1  # (LowerIndex.pin, inlined on the hit path)
                     buf = self._read_into(plan, key, i, lt)
                     source = lt.name
                 handle.keys.append(key)
@@ -182,7 +200,7 @@ class Index(IndexUpkeep):
     def _read_into(self, plan: LoadPlan, key: ChunkKey, pos: int, lt: LowerIndex) -> np.ndarray:
         """Plan the read of ``key`` (chain position ``pos``, held by ``lt``) and return its buffer:
         a reserved cpu page if one is free, else a private buffer."""
-        got = self.cpu.reserve(key) if self.free_page(lt.owner(key), plan.writes) else NoRoom.NO_ROOM
+        got = self.cpu.reserve(key) if self.free_page(_owner(lt, key), plan.writes) else NoRoom.NO_ROOM
         reserved = isinstance(got, Reservation)
         buf = got.buffer if isinstance(got, Reservation) else np.empty(self.chunk_bytes, dtype=np.uint8)
         plan.reads.append(Read(pos, key, buf, reserved, lt.name, lt.shared, self.epoch))
@@ -210,7 +228,7 @@ class Index(IndexUpkeep):
                     continue
                 if r.reserved:
                     self.publish(r.key, chain[r.pos - 1] if r.pos > 0 else None, records.get(r.key),
-                                 owner=lt.owner(r.key))
+                                 owner=_owner(lt, r.key))
                     self.pins[r.key] += 1
                     handle.pinned.append(r.key)
             if cut is not None:  # everything from the first unusable chunk on is dropped
@@ -280,52 +298,13 @@ class Index(IndexUpkeep):
                     if below and lt.policy is not None:
                         lt.policy.touch(below)
 
-    # ---- store ---------------------------------------------------------------------------
-    def plan_store(self, chain: Sequence[ChunkKey], start: int, tenant: TenantId | None,
-                   writes: list[WriteJob]) -> StoreHandle:
-        """Reserve top-tier pages for ``chain[start:]`` chunks no local tier holds yet (eviction
-        spills go to ``writes``); the chain ends at the first chunk that gets no page."""
-        handle = StoreHandle([], [], [], [], tenant=tenant)
-        owner = tenant.salt if tenant is not None else None  # the quota's tenant key
-        with self.lock:
-            handle.epoch = self.epoch
-            for i in range(start, len(chain)):
-                key = chain[i]
-                if self.holds(key) or any(lt.tier.indexed(key) for lt in self.local):
-                    continue
-                got = self.cpu.reserve(key) if self.free_page(owner, writes) else NoRoom.NO_ROOM
-                if got is AlreadyHeld.ALREADY_HELD:  # being promoted from a lower tier: stored when that ends
-                    continue
-                if got is NoRoom.NO_ROOM:
-                    self.counters.dropped(len(chain) - i)
-                    break
-                handle.keys.append(key)
-                handle.indices.append(i)
-                handle.parents.append(chain[i - 1] if i > 0 else None)
-                handle.buffers.append(got.buffer)
-        return handle
-
-    def complete_store(self, handle: StoreHandle, success: bool, free_slots: dict[str, int],
-                       writes: list[WriteJob]) -> bool:
-        """Publish (``success`` and no reset since) or give back ``handle``'s pages; write-through
-        copies and spills ahead go to ``writes`` (``free_slots``: each tier's free queue slots).
-        Returns whether the chunks were published; False also when released already."""
-        with self.lock:
-            if handle.done:
-                return False
-            handle.done = True
-            success = success and handle.epoch == self.epoch  # bytes copied before a reset: not stored
-            for key, parent in zip(handle.keys, handle.parents):
-                if not success:
-                    self.cpu.abort(key)
-                    continue
-                self.publish(key, parent, handle.tenant)
-                for lt in self.through:  # a shared server may have lost what this process wrote
-                    if lt.shared or not lt.tier.indexed(key):  # (restart, its own eviction, TTL): write again
-                        writes.append(self._job(lt, key, None, evict_after=False, tenant=handle.tenant))
-            if success:
-                self.spill_ahead(free_slots, writes)
-            return success
+    def unpin(self, key: ChunkKey) -> None:
+        self.pins[key] -= 1
+        if self.pins[key] <= 0:
+            del self.pins[key]
+            if key in self.doomed:
+                self.doomed.discard(key)
+                self._drop(key)
 
     def publish(self, key: ChunkKey, parent: ChunkKey | None, tenant: Writer | None = None,
                 owner: bytes | None = None) -> None:
@@ -341,7 +320,40 @@ class Index(IndexUpkeep):
         self.policy.insert(key, parent)
         self._note(key)
 
-    # ---- room in the top tier (what may go: IndexUpkeep.may_free_page) -----------------------
+    def _job(self, lt: LowerIndex, key: ChunkKey, data: np.ndarray | None, evict_after: bool,
+             tenant: Writer | None) -> WriteJob:
+        """A write of ``key`` into ``lt``; one from a page (``data`` None) pins the page until :meth:`written`."""
+        if data is None:
+            self.pins[key] += 1
+            self.writing[key] += 1
+        return WriteJob(lt.name, key, self.parent.get(key), data, evict_after, self.epoch, tenant)
+
+    # ---- eviction from the top tier: decided in may_free_page, done in evict_top ------------
+    def may_free_page(self, key: ChunkKey, ahead: bool) -> bool:
+        """Whether the page of resident ``key`` may be freed now: not pinned, no live TTL pin; ahead
+        of need (a spill, or eviction after its write) with quotas only while its tenant stays at
+        or above its guarantee."""
+        if key in self.pins or self.ttl_pinned(key):
+            return False
+        return not ahead or self.quota is None or self.quota.above_guarantee(key)
+
+    def ttl_pinned(self, key: ChunkKey) -> bool:
+        """``key`` has a TTL pin whose deadline has not passed (an expired one is forgotten here)."""
+        deadline = self.ttl_pins.get(key)
+        if deadline is None:
+            return False
+        if deadline <= time.monotonic():
+            del self.ttl_pins[key]
+            return False
+        return True
+
+    def evict_top(self, key: ChunkKey) -> None:
+        """Drop a resident chunk from its page (an eviction, counted)."""
+        with self.lock:
+            self._drop(key)
+            self.counters.evicted(self.name)
+
+    # ---- room in the top tier (what may go: may_free_page) -----------------------------------
     def free_page(self, tenant: bytes | None, writes: list[WriteJob]) -> bool:
         """Make sure one cpu page is free, evicting if needed (a write-back tier that lacks the
         victim gets a staged copy, its write in ``writes``); False if nothing may go (with quotas,
@@ -365,27 +377,23 @@ class Index(IndexUpkeep):
         self.evict_top(victim)
         return True
 
-    def spill_ahead(self, free_slots: dict[str, int], writes: list[WriteJob]) -> None:
-        """Plan write-backs of likely victims so free pages stay above ``spill_watermark``."""
-        if not self.back or not isinstance(self.cpu, Paged) or not self.cpu.num_pages:
-            return
-        want = int(self.spill_watermark * self.cpu.num_pages)
-        free = self.cpu.usage().free_bytes // self.chunk_bytes
-        writing = self.writing
-        while free + len(writing) < want and all(free_slots.get(lt.name, 0) > 0 for lt in self.back):
-            victim = self.policy.victim(lambda k: self.may_free_page(k, ahead=True) and k not in writing)
-            if victim is None:
-                return
-            missing = self._admitting(victim)
-            if not missing:
-                self.evict_top(victim)
-                free += 1
-                continue
-            for lt in missing:
-                free_slots[lt.name] -= 1
-                writes.append(self._job(lt, victim, None, evict_after=True, tenant=self.tenant.get(victim)))
-
     def _admitting(self, victim: ChunkKey) -> list[LowerIndex]:
         """Write-back tiers that lack ``victim`` and whose admission takes it."""
         uses = self.uses.get(victim, 0)
         return [lt for lt in self.back if not lt.tier.indexed(victim) and lt.admission.judge(victim, uses)]
+
+    def _drop(self, key: ChunkKey) -> None:
+        self.cpu.delete(key)
+        self.policy.remove(key)
+        self.parent.pop(key, None)
+        self.tenant.pop(key, None)
+        self.uses.pop(key, None)
+        self.ttl_pins.pop(key, None)
+        if self.quota is not None:
+            self.quota.remove(key)
+        self._note(key)
+
+
+def _owner(lt: LowerIndex, key: ChunkKey) -> bytes | None:
+    """The quota's tenant key of ``key`` in ``lt`` (:meth:`LowerIndex.owner`, here on the hit path)."""
+    return lt.quota.owner.get(key) if lt.quota is not None else None

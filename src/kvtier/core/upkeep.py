@@ -1,11 +1,11 @@
-"""The index's upkeep: pins, eviction from the top tier, writes' outcomes, TTL pins, resets, checks.
+"""The index's second half: saves, the outcomes of writes, TTL pins, resets, checks.
 
-:class:`IndexUpkeep` is the half of :class:`~kvtier.core.index.Index` that the mover's reports
-and the operator's actions run through (the other half plans loads and saves).  Same lock, same
-state (declared here, set up by :class:`~kvtier.core.index.Index`), no threads, no callbacks.
-
-Eviction from the top tier is decided in one place, :meth:`IndexUpkeep.may_free_page` (may this
-chunk's page be freed now), and done in one place, :meth:`IndexUpkeep.evict_top`.
+:class:`IndexUpkeep` is the part of :class:`~kvtier.core.index.Index` off a load's path: saves
+(:meth:`IndexUpkeep.plan_store`, :meth:`IndexUpkeep.complete_store`, spills ahead), what the
+mover's writers report (:meth:`IndexUpkeep.begin_write`, :meth:`IndexUpkeep.end_write`,
+:meth:`IndexUpkeep.written`), rescans, TTL pins, resets and :meth:`IndexUpkeep.check`.  Same
+lock, same state (declared here, set up by :class:`~kvtier.core.index.Index`, whose methods it
+calls: where a chunk is, pins, publication, eviction), no threads, no callbacks.
 """
 
 from __future__ import annotations
@@ -19,14 +19,22 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvtier.core.changes import ChangeFeed
-from kvtier.core.handles import StagedCopy, WriteJob
+from kvtier.core.handles import StagedCopy, StoreHandle, WriteJob
 from kvtier.core.keys import ChunkKey
 from kvtier.core.lowerindex import LowerIndex
 from kvtier.core.policies import EvictionPolicy
 from kvtier.core.quota import TenantLedger
 from kvtier.core.stats import StoreCounters, TierStats
-from kvtier.core.tenant import Writer
-from kvtier.core.tiers.base import ClearResult, PutResult, Rescannable, StagingTier
+from kvtier.core.tenant import TenantId, Writer
+from kvtier.core.tiers.base import (
+    AlreadyHeld,
+    ClearResult,
+    NoRoom,
+    Paged,
+    PutResult,
+    Rescannable,
+    StagingTier,
+)
 
 if TYPE_CHECKING:
     from kvtier.core.tiers.disk.scan import RescanResult
@@ -54,58 +62,97 @@ class IndexUpkeep(ChangeFeed):
     doomed: set[ChunkKey]  # dropped by a reset while pinned: freed at the last unpin
     ttl_pins: dict[ChunkKey, float]  # requests' TTL pins: chunk -> time.monotonic() deadline
     ttl_budget: int  # TTL pins held at most
+    back: list[LowerIndex]  # write-back tiers
+    through: list[LowerIndex]  # write-through tiers (every shared tier)
+    spill_watermark: float
 
-    def resident(self, key: ChunkKey) -> bool:
-        """In a cpu page and not doomed by a reset."""
-        return self.cpu.contains(key) and key not in self.doomed
+    if TYPE_CHECKING:  # defined by Index (kvtier.core.index), the load's half
+        def holds(self, key: ChunkKey) -> bool: ...
+        def resident(self, key: ChunkKey) -> bool: ...
+        def unpin(self, key: ChunkKey) -> None: ...
+        def publish(self, key: ChunkKey, parent: ChunkKey | None, tenant: Writer | None = None,
+                    owner: bytes | None = None) -> None: ...
+        def _job(self, lt: LowerIndex, key: ChunkKey, data: np.ndarray | None, evict_after: bool,
+                 tenant: Writer | None) -> WriteJob: ...
+        def may_free_page(self, key: ChunkKey, ahead: bool) -> bool: ...
+        def evict_top(self, key: ChunkKey) -> None: ...
+        def free_page(self, tenant: bytes | None, writes: list[WriteJob]) -> bool: ...
+        def _admitting(self, victim: ChunkKey) -> list[LowerIndex]: ...
+        def _drop(self, key: ChunkKey) -> None: ...
+        def _note(self, key: ChunkKey) -> None: ...
 
-    def unpin(self, key: ChunkKey) -> None:
-        self.pins[key] -= 1
-        if self.pins[key] <= 0:
-            del self.pins[key]
-            if key in self.doomed:
-                self.doomed.discard(key)
-                self._drop(key)
-
-    def _job(self, lt: LowerIndex, key: ChunkKey, data: np.ndarray | None, evict_after: bool,
-             tenant: Writer | None) -> WriteJob:
-        """A write of ``key`` into ``lt``; one from a page (``data`` None) pins the page until :meth:`written`."""
-        if data is None:
-            self.pins[key] += 1
-            self.writing[key] += 1
-        return WriteJob(lt.name, key, self.parent.get(key), data, evict_after, self.epoch, tenant)
-
-    # ---- eviction from the top tier: decided in may_free_page, done in evict_top ------------
-    def may_free_page(self, key: ChunkKey, ahead: bool) -> bool:
-        """Whether the page of resident ``key`` may be freed now: not pinned, no live TTL pin; ahead
-        of need (a spill, or eviction after its write) with quotas only while its tenant stays at
-        or above its guarantee."""
-        if key in self.pins or self.ttl_pinned(key):
-            return False
-        return not ahead or self.quota is None or self.quota.above_guarantee(key)
-
-    def evict_top(self, key: ChunkKey) -> None:
-        """Drop a resident chunk from its page (an eviction, counted)."""
+    # ---- store ---------------------------------------------------------------------------
+    def plan_store(self, chain: Sequence[ChunkKey], start: int, tenant: TenantId | None,
+                   writes: list[WriteJob]) -> StoreHandle:
+        """Reserve top-tier pages for ``chain[start:]`` chunks no local tier holds yet (eviction
+        spills go to ``writes``); the chain ends at the first chunk that gets no page."""
+        handle = StoreHandle([], [], [], [], tenant=tenant)
+        owner = tenant.salt if tenant is not None else None  # the quota's tenant key
         with self.lock:
-            self._drop(key)
-            self.counters.evicted(self.name)
+            handle.epoch = self.epoch
+            for i in range(start, len(chain)):
+                key = chain[i]
+                if self.holds(key) or any(lt.tier.indexed(key) for lt in self.local):
+                    continue
+                got = self.cpu.reserve(key) if self.free_page(owner, writes) else NoRoom.NO_ROOM
+                if got is AlreadyHeld.ALREADY_HELD:  # being promoted from a lower tier: stored when that ends
+                    continue
+                if got is NoRoom.NO_ROOM:
+                    self.counters.dropped(len(chain) - i)
+                    break
+                handle.keys.append(key)
+                handle.indices.append(i)
+                handle.parents.append(chain[i - 1] if i > 0 else None)
+                handle.buffers.append(got.buffer)
+        return handle
+
+    def complete_store(self, handle: StoreHandle, success: bool, free_slots: dict[str, int],
+                       writes: list[WriteJob]) -> bool:
+        """Publish (``success`` and no reset since) or give back ``handle``'s pages; write-through
+        copies and spills ahead go to ``writes`` (``free_slots``: each tier's free queue slots).
+        Returns whether the chunks were published; False also when released already."""
+        with self.lock:
+            if handle.done:
+                return False
+            handle.done = True
+            success = success and handle.epoch == self.epoch  # bytes copied before a reset: not stored
+            for key, parent in zip(handle.keys, handle.parents):
+                if not success:
+                    self.cpu.abort(key)
+                    continue
+                self.publish(key, parent, handle.tenant)
+                for lt in self.through:  # a shared server may have lost what this process wrote
+                    if lt.shared or not lt.tier.indexed(key):  # (restart, its own eviction, TTL): write again
+                        writes.append(self._job(lt, key, None, evict_after=False, tenant=handle.tenant))
+            if success:
+                self.spill_ahead(free_slots, writes)
+            return success
+
+    def spill_ahead(self, free_slots: dict[str, int], writes: list[WriteJob]) -> None:
+        """Plan write-backs of likely victims so free pages stay above ``spill_watermark``."""
+        if not self.back or not isinstance(self.cpu, Paged) or not self.cpu.num_pages:
+            return
+        want = int(self.spill_watermark * self.cpu.num_pages)
+        free = self.cpu.usage().free_bytes // self.chunk_bytes
+        writing = self.writing
+        while free + len(writing) < want and all(free_slots.get(lt.name, 0) > 0 for lt in self.back):
+            victim = self.policy.victim(lambda k: self.may_free_page(k, ahead=True) and k not in writing)
+            if victim is None:
+                return
+            missing = self._admitting(victim)
+            if not missing:
+                self.evict_top(victim)
+                free += 1
+                continue
+            for lt in missing:
+                free_slots[lt.name] -= 1
+                writes.append(self._job(lt, victim, None, evict_after=True, tenant=self.tenant.get(victim)))
 
     def evict_below(self, tier: str, key: ChunkKey) -> None:
         """Evict ``key`` from the lower tier ``tier`` now (what its policy would do; drills and tests)."""
         with self.lock:
             self.by_name[tier].evict(key)
             self._note(key)
-
-    def _drop(self, key: ChunkKey) -> None:
-        self.cpu.delete(key)
-        self.policy.remove(key)
-        self.parent.pop(key, None)
-        self.tenant.pop(key, None)
-        self.uses.pop(key, None)
-        self.ttl_pins.pop(key, None)
-        if self.quota is not None:
-            self.quota.remove(key)
-        self._note(key)
 
     # ---- writes into lower tiers (run by the mover) ---------------------------------------
     def begin_write(self, job: WriteJob) -> tuple[np.ndarray, bool] | None:
@@ -220,16 +267,6 @@ class IndexUpkeep(ChangeFeed):
         now = time.monotonic()
         for key in [k for k, d in self.ttl_pins.items() if d <= now]:
             del self.ttl_pins[key]
-
-    def ttl_pinned(self, key: ChunkKey) -> bool:
-        """``key`` has a TTL pin whose deadline has not passed (an expired one is forgotten here)."""
-        deadline = self.ttl_pins.get(key)
-        if deadline is None:
-            return False
-        if deadline <= time.monotonic():
-            del self.ttl_pins[key]
-            return False
-        return True
 
     def clear(self, names: Collection[str]) -> dict[str, ClearResult]:
         """A reset of the tiers in ``names``: bump :attr:`epoch` (no load or save planned before
