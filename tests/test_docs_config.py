@@ -137,7 +137,7 @@ def test_readme_request_is_greedy_so_its_repeat_gives_the_same_text(tmp_path: Pa
 def test_shared_tier_docs_say_whether_the_connector_reads_redis():
     # breaker F10: the docs promised cross-replica hits while the connector only wrote to Redis
     connector = "\n".join(p.read_text() for p in (ROOT / "src" / "kvtier" / "integrations" / "vllm").rglob("*.py"))
-    # the remote-lookup entry points: the store's (core/shared.py) or the redis tier's own presence batch
+    # the remote-lookup entry points: the redis tier's own presence batch (scheduler/remote.py)
     reads_shared = any(name in connector for name in ("lookup_async", "PendingLookup", "contains_many"))
     shared_doc = (ROOT / "docs" / "shared-tier.md").read_text()
     vllm_doc = (ROOT / "docs" / "vllm.md").read_text()

@@ -49,3 +49,14 @@ def break_disk_shards(disk: DiskTier, keys: list[ChunkKey]) -> None:
         if shard.is_dir():
             shutil.rmtree(shard)
         shard.write_text("not a directory")
+
+
+def shared_prefix(store: TieredStore, chain: list[ChunkKey]) -> int:
+    """Leading chunks of ``chain`` held by ``store``'s local tiers and then its first shared tier:
+    what the scheduler's remote lookup finds (one presence batch for the rest of the chain,
+    :mod:`kvtier.integrations.vllm.scheduler.remote`) and what ``prepare_load`` then reads."""
+    n = store.lookup(chain)
+    shared = store.index.shared
+    if not shared or n >= len(chain):
+        return n
+    return n + store.mover.leading_present(shared[0].name, chain[n:])

@@ -3,7 +3,7 @@
     python -m tests.core.netns_host save|load REDIS_URL KEY_PREFIX PROMPT NUM_CHUNKS
 
 ``save`` stores the prompt's chunks and waits for the redis writes; ``load`` asks the shared tier
-(lookup_async), loads what it found and checks every byte.  Prints one JSON line.
+(one presence batch, as the scheduler asks), loads what it found and checks every byte.  Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 
-from tests.core.helpers import chain_of, make_store, payload
+from tests.core.helpers import chain_of, make_store, payload, shared_prefix
 
 
 def main(argv: list[str]) -> int:
@@ -26,7 +26,7 @@ def main(argv: list[str]) -> int:
         out["skipped_writes"] = store.tier("redis").skipped_writes  # type: ignore[union-attr]
     else:
         out["local"] = store.lookup(chain)
-        found = store.lookup_async(chain).wait(10)
+        found = shared_prefix(store, chain)
         handle = store.prepare_load(chain, max_chunks=found)
         out["found"] = found
         out["tiers"] = handle.tiers

@@ -32,7 +32,7 @@ def test_disk_admits_only_what_the_cpu_tier_served(tmp_path):
 def test_default_admits_everything(tmp_path):
     store = make_store(tmp_path, cpu_chunks=2, disk_chunks=32)
     try:
-        assert all(isinstance(lt.admission, AdmitAll) for lt in store.lower)
+        assert all(isinstance(lt.admission, AdmitAll) for lt in store.index.lower)
         a = chain_of(1, 2)
         put_chain(store, a)
         put_chain(store, chain_of(2, 2))

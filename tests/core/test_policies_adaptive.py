@@ -71,10 +71,10 @@ def test_default_is_adaptive_and_the_store_holds_it(tmp_path):
     assert DEFAULT_POLICY == "adaptive" and isinstance(make_policy("default"), AdaptivePolicy)
     store = make_store(tmp_path, cpu_chunks=4, disk_chunks=8)
     try:
-        assert isinstance(store.cpu_policy, AdaptivePolicy) and all(isinstance(t.policy, AdaptivePolicy) for t in store.lower)
+        assert isinstance(store.index.policy, AdaptivePolicy) and all(isinstance(t.policy, AdaptivePolicy) for t in store.index.lower)
         keys = chain_of(1, 6)
         store.put(keys, [payload(key) for key in keys])
-        assert len(store.cpu_policy) == 4  # the store evicts through the very same object
+        assert len(store.index.policy) == 4  # the store evicts through the very same object
     finally:
         store.close()
 

@@ -29,7 +29,7 @@ from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES as DISK_HEADER_BYTES
 from kvtier.core.tiers.disk.chunkfile import TENANT_OFFSET
 from kvtier.core.tiers.sharedvalue import ValueCodec
 
-from .helpers import CHUNK_BYTES, chain_of, make_store, payload
+from .helpers import CHUNK_BYTES, chain_of, make_store, payload, shared_prefix
 from .tier_harness import s3_credentials_file
 
 DEADLINES = {"shared_deadline_s": 5.0, "shared_transfer_deadline_s": 5.0}
@@ -87,7 +87,7 @@ def reader_store(shared: Shared, disk: Path, **overrides: Any) -> TieredStore:
 
 def load(store: TieredStore, chain: list[ChunkKey]) -> list[bytes]:
     """What ``store`` loads of ``chain`` (the shared tier asked, chunks promoted into cpu pages)."""
-    n = store.lookup_async(chain).wait(10)
+    n = shared_prefix(store, chain)
     handle = store.prepare_load(chain, max_chunks=n)
     out = [buf.tobytes() for buf in handle.buffers]
     store.complete_load(handle, True)

@@ -1,7 +1,8 @@
 """The store with a shared redis tier: two stores ("hosts") on one real redis-server.
 
-Narrated: host A saves a prompt; host B, which never saw it, asks (lookup_async: "ask again"
-until the server answered), loads it from Redis, and serves the exact bytes.
+Narrated: host A saves a prompt; host B, which never saw it, asks (one presence batch, as the
+scheduler's remote lookup does: ``shared_prefix``), loads it from Redis, and serves the exact bytes.
+The scheduler's "ask again" while the server is slow is tested in tests/integrations/test_vllm_remote.py.
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ from kvtier.core.tiers import GetResult, PutResult
 from kvtier.core.tiers.redis import stream as redisstream
 from kvtier.core.tiers.sharedvalue import ValueCodec
 
-from ..redis_servers import DelayProxy
-from .helpers import chain_of, make_store, payload
+from .helpers import chain_of, make_store, payload, shared_prefix
 from .tier_harness import make_redis_tier
 
 
@@ -41,7 +41,7 @@ def test_prefix_saved_on_host_a_is_a_hit_on_host_b(redis_server, key_prefix):
     assert put_chain(a, chain) == 5
     assert a.flush(10)
     assert b.lookup(chain) == 0  # local tiers only: never the network
-    n = b.lookup_async(chain).wait(5)
+    n = shared_prefix(b, chain)
     assert n == 5
     handle = b.prepare_load(chain, max_chunks=n)
     assert handle.tiers == ["redis"] * 5
@@ -60,7 +60,7 @@ def test_the_redis_tiers_wire_numbers_are_in_the_stores_snapshot_and_its_metrics
     chain = chain_of(3, 4)
     put_chain(a, chain)
     assert a.flush(10)
-    assert b.lookup_async(chain + chain_of(4, 2)).wait(5) == 4
+    assert shared_prefix(b, chain + chain_of(4, 2)) == 4
     handle = b.prepare_load(chain, max_chunks=4)
     b.complete_load(handle, True)
     wrote, read = a.stats().tier("redis").wire, b.stats().tier("redis").wire
@@ -84,9 +84,8 @@ def test_local_head_and_remote_tail_form_one_prefix(redis_server, key_prefix):
     put_chain(a, chain)
     a.flush(10)
     put_chain(b, chain[:2])
-    pending = b.lookup_async(chain)
-    assert pending.local_chunks == 2
-    assert pending.wait(5) == 6
+    assert b.lookup(chain) == 2
+    assert shared_prefix(b, chain) == 6
     handle = b.prepare_load(chain, max_chunks=6)
     assert handle.tiers == ["cpu", "cpu"] + ["redis"] * 4
     assert [buf.tobytes() for buf in handle.buffers] == [payload(k) for k in chain]
@@ -100,27 +99,12 @@ def test_remote_prefix_stops_at_the_first_gap(redis_server, key_prefix):
     chain = chain_of(3, 5)
     put_chain(a, chain[:3])
     a.flush(10)
-    assert b.lookup_async(chain).wait(5) == 3
+    assert shared_prefix(b, chain) == 3
     assert b.get(chain) == [payload(k) for k in chain[:3]]  # get() checks presence first itself
 
 
-def test_lookup_is_ask_again_while_the_server_is_slow(redis_server, key_prefix):
-    proxy = DelayProxy(redis_server.port, delay_s=0.2)
-    try:
-        a = host(redis_server.url, key_prefix)
-        b = host(proxy.url, key_prefix, shared_deadline_s=3.0)
-        chain = chain_of(4, 3)
-        put_chain(a, chain)
-        a.flush(10)
-        pending = b.lookup_async(chain)
-        assert pending.poll() is None  # the engine is told to ask again next step
-        assert pending.wait(5) == 3 and not pending.timed_out
-    finally:
-        proxy.close()
-
-
 def _redis_tier(store):
-    return next(lt.tier for lt in store.lower if lt.shared)
+    return next(lt.tier for lt in store.index.lower if lt.shared)
 
 
 def test_shared_secret_rejects_values_written_without_it(redis_server, key_prefix, caplog):
@@ -129,22 +113,22 @@ def test_shared_secret_rejects_values_written_without_it(redis_server, key_prefi
     chain = chain_of(5, 3)
     put_chain(plain, chain)  # an engine without the secret
     plain.flush(10)
-    assert signed.lookup_async(chain).wait(5) == 0  # another key space: never seen, never deleted
+    assert shared_prefix(signed, chain) == 0  # another key space: never seen, never deleted
     assert signed.stats().corrupt_chunks == 0
     reader = host(redis_server.url, key_prefix)
-    assert reader.lookup_async(chain).wait(5) == 3  # still there for engines without a secret
+    assert shared_prefix(reader, chain) == 3  # still there for engines without a secret
     # A writer with access to the server but not the secret (an attacker) plants values under
     # the signed engine's keys: present, but never accepted, and deleted.
     client = redis_server.client()
     for k in chain:
         client.set(_redis_tier(signed).rkey(k), client.get(_redis_tier(plain).rkey(k)))
-    assert signed.lookup_async(chain).wait(5) == 3
+    assert shared_prefix(signed, chain) == 3
     with caplog.at_level(logging.WARNING):
         handle = signed.prepare_load(chain, max_chunks=3)
     assert handle.num_chunks == 0
     signed.complete_load(handle, True)
     assert signed.stats().corrupt_chunks == 3  # one pipelined batch: each value verified, each deleted
-    assert signed.lookup_async(chain).wait(5) == 0
+    assert shared_prefix(signed, chain) == 0
 
 
 def test_engines_with_different_secrets_share_nothing_and_destroy_nothing(redis_server, key_prefix):
@@ -153,7 +137,7 @@ def test_engines_with_different_secrets_share_nothing_and_destroy_nothing(redis_
     chain = chain_of(6, 3)
     put_chain(a, chain)
     a.flush(10)
-    assert b.lookup_async(chain).wait(5) == 0
+    assert shared_prefix(b, chain) == 0
     handle = b.prepare_load(chain)  # asks the shared tier itself: nothing there under b's secret
     assert handle.num_chunks == 0
     b.complete_load(handle, True)
@@ -162,7 +146,7 @@ def test_engines_with_different_secrets_share_nothing_and_destroy_nothing(redis_
     assert b.stats().corrupt_chunks == 0
     for secret, chunks in (("a-secret-of-at-least-16", 3), ("another-secret-0123456", 3)):
         fresh = host(redis_server.url, key_prefix, shared_secret=secret)  # an empty cpu tier
-        assert fresh.lookup_async(chain).wait(5) == chunks
+        assert shared_prefix(fresh, chain) == chunks
         handle = fresh.prepare_load(chain, max_chunks=chunks)
         assert handle.num_chunks == chunks and fresh.stats().corrupt_chunks == 0
         fresh.complete_load(handle, True)
@@ -180,7 +164,7 @@ def test_keys_spread_over_every_cluster_shard(redis_cluster, key_prefix):
     per_node = [len(list(n.client().scan_iter(match=f"{key_prefix}*".encode(), count=1000)))
                 for n in redis_cluster.nodes]
     assert sum(per_node) == 30 and all(count > 0 for count in per_node), per_node
-    assert b.lookup_async(chain).wait(5) == 30
+    assert shared_prefix(b, chain) == 30
     assert b.get(chain) == [payload(k) for k in chain]
     a.close()
     b.close()
@@ -216,7 +200,7 @@ def test_password_from_env_and_never_logged(redis_factory, key_prefix, monkeypat
     assert authed.dbsize() == 2  # written with the password from the environment
     with caplog.at_level(logging.DEBUG):
         wrong = host(f"redis://:wrong-Pw-771@127.0.0.1:{server.port}/0", key_prefix)
-        assert wrong.lookup_async(chain).wait(5) == 0  # refused: a miss, not an exception
+        assert shared_prefix(wrong, chain) == 0  # refused: a miss, not an exception
     assert "wrong-Pw-771" not in caplog.text and "pw-Zq81-secret" not in caplog.text
     from prometheus_client import generate_latest
 
@@ -247,14 +231,14 @@ def test_tls_server_round_trip_and_unverifiable_server_is_a_miss(redis_factory, 
     chain = chain_of(8, 3)
     put_chain(a, chain)
     assert a.flush(10)
-    assert b.lookup_async(chain).wait(5) == 3
+    assert shared_prefix(b, chain) == 3
     assert b.get(chain) == [payload(k) for k in chain]
     # the system CAs do not know the test CA: the handshake fails, and that is a miss, not an error
     untrusted = host(server.url, key_prefix)
-    assert untrusted.lookup_async(chain).wait(5) == 0 and untrusted.get(chain) == []
+    assert shared_prefix(untrusted, chain) == 0 and untrusted.get(chain) == []
     # plain redis:// against the TLS port: also a miss
     plain = host(server.url.replace("rediss://", "redis://"), key_prefix)
-    assert plain.lookup_async(chain).wait(5) == 0
+    assert shared_prefix(plain, chain) == 0
 
 
 def test_cluster_down_at_start_is_a_run_of_misses_not_a_failed_start(key_prefix):
@@ -263,7 +247,7 @@ def test_cluster_down_at_start_is_a_run_of_misses_not_a_failed_start(key_prefix)
     dead = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
     store = host(dead, key_prefix, redis_cluster=True, shared_deadline_s=1.0, redis_connect_timeout_s=0.2)
     chain = chain_of(9, 2)
-    assert store.lookup_async(chain).wait(5) == 0  # the engine starts and serves; the tier misses
+    assert shared_prefix(store, chain) == 0  # the engine starts and serves; the tier misses
     assert store.put(chain, [payload(k) for k in chain]) == 2  # saved locally; the redis write fails
     assert store.flush(10) and store.tier("redis").skipped_writes == 2
     assert store.get(chain) == [payload(k) for k in chain]  # served from the cpu tier

@@ -28,7 +28,7 @@ from kvtier.core.tenant import TenantId
 from kvtier.core.tiers import sharedvalue
 from kvtier.core.tiers.sharedvalue import HEADER_BYTES, V1_HEADER_BYTES, ValueCodec
 
-from .helpers import CHUNK_BYTES, chain_of, make_store, payload
+from .helpers import CHUNK_BYTES, chain_of, make_store, payload, shared_prefix
 from .tier_harness import s3_credentials_file
 
 DEADLINES = {"shared_deadline_s": 5.0, "shared_transfer_deadline_s": 5.0}
@@ -153,7 +153,7 @@ def read_back(target: Target, chain: list[ChunkKey]) -> list[bytes]:
     """What a fresh store (an empty cpu tier) loads of ``chain`` from the shared tier."""
     store = target.store()
     try:
-        n = store.lookup_async(chain).wait(10)
+        n = shared_prefix(store, chain)
         handle = store.prepare_load(chain, max_chunks=n)
         out = [buf.tobytes() for buf in handle.buffers]
         store.complete_load(handle, True)

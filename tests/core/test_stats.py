@@ -67,7 +67,7 @@ def test_exported_series_keep_their_names_and_labels_and_read_the_snapshot(tmp_p
 def test_failed_disk_writes_are_counted_in_the_snapshot_and_exported(tmp_path):
     store = make_store(tmp_path, cpu_chunks=8, disk_chunks=16, write_mode="write-through")
     a = chain_of(7, 4)
-    break_disk_shards(store.lower[0].tier, a)
+    break_disk_shards(store.index.lower[0].tier, a)
     assert store.put(a, [payload(k) for k in a]) == 4
     store.flush()
     s = store.stats()

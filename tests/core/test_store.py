@@ -39,7 +39,7 @@ def test_chunk_after_a_gap_is_not_a_hit(tmp_path):
     a = chain_of(1, 4)
     put_chain(store, a)
     store.cpu.delete(a[1])
-    store.cpu_policy.remove(a[1])
+    store.index.policy.remove(a[1])
     assert store.lookup(a) == 1  # chunks 2 and 3 are present but useless without chunk 1
     assert_served(store, a, 1)
 

@@ -23,7 +23,7 @@ def mirror_of(store, mirror=None, max_items=4096):
 
 def index_of(store):
     out = {k: "disk" for k in (store.tier("disk").keys() if store.tier("disk") else [])}
-    out.update({k: "cpu" for k in [*store.cpu.keys(), *store.top.staged]})
+    out.update({k: "cpu" for k in [*store.cpu.keys(), *store.index.staged]})
     return out
 
 

@@ -30,7 +30,7 @@ def _put(store: TieredStore, prompt: int, num_chunks: int, salt: str | None) -> 
 
 def _held(store: TieredStore, chains: list[list[ChunkKey]]) -> int:
     """Chunks of ``chains`` resident in the cpu tier (read from the tier itself)."""
-    return sum(store.cpu.contains(k) and store.top.holds(k) for chain in chains for k in chain)
+    return sum(store.cpu.contains(k) and store.index.holds(k) for chain in chains for k in chain)
 
 
 def _flood_and_count(store: TieredStore) -> int:
@@ -136,7 +136,7 @@ def test_no_save_or_load_of_one_tenant_pushes_another_below_its_guaranteed_share
         saved: dict[str | None, set[ChunkKey]] = {salt: set() for salt in _OFFSET}
 
         def held(salt: str | None) -> int:  # the tenant's chunks resident in the cpu tier, read from the tier
-            return sum(store.top.resident(k) for k in saved[salt])
+            return sum(store.index.resident(k) for k in saved[salt])
 
         try:
             for op, salt, prompt, length in ops:

@@ -14,7 +14,7 @@ from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES
 from kvtier.core.tiers.disk.reset import RESET_MARKER, mark_reset, reset_marked
 from kvtier.core.tiers.wrappers import SlowTier
 
-from .helpers import CHUNK_BYTES, CHUNK_TOKENS, NS, chain_of, make_store, payload
+from .helpers import CHUNK_BYTES, CHUNK_TOKENS, NS, chain_of, make_store, payload, shared_prefix
 
 LOCAL = registry.reset_tiers("local")  # the cpu and disk tiers
 
@@ -146,7 +146,7 @@ def test_a_promotion_racing_a_reset_is_a_miss_and_publishes_nothing(tmp_path):
     handles = []
     reader = threading.Thread(target=lambda: handles.append(store.prepare_load(a)))
     reader.start()  # reads the disk tier for 0.3 s into reserved cpu pages
-    disk = store.lower[0]
+    disk = store.index.lower[0]
     deadline = time.monotonic() + 10
     while not disk.pins and time.monotonic() < deadline:  # the read started: its chunks are pinned
         time.sleep(0.001)
@@ -219,8 +219,8 @@ def test_scope_all_clears_this_namespace_on_the_server_and_no_other(redis_server
     assert removed["redis"].ok and sorted(removed["redis"].keys) == sorted(a + b)
     assert len(client.keys(f"{key_prefix}*")) == 3  # the other namespace's values survive
     fresh = make_store(None, cpu_chunks=8, **settings)
-    assert fresh.lookup_async(a).wait(5) == 0 and fresh.lookup_async(b).wait(5) == 0
-    assert other.lookup_async(a).wait(5) == 3
+    assert shared_prefix(fresh, a) == 0 and shared_prefix(fresh, b) == 0
+    assert shared_prefix(other, a) == 3
     put_chain(other, b)
     assert other.flush(10)
     hook = reset_outside("redis", other.config, other.namespace.digest())  # from outside any store

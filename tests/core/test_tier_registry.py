@@ -47,7 +47,7 @@ def test_the_store_builds_evicts_into_and_loads_from_a_plugin_tier(plugin, tmp_p
                                      "tier_settings": {"dict": {"dict_capacity_mib": 16 * CHUNK_BYTES / (1 << 20)}}})
     store = TieredStore(config, NS, CHUNK_BYTES)
     try:
-        assert [lt.name for lt in store.lower] == ["dict"] and isinstance(store.tier("dict"), DictTier)
+        assert [lt.name for lt in store.index.lower] == ["dict"] and isinstance(store.tier("dict"), DictTier)
         chain = chain_of(3, 6)
         for i in range(0, 6, 2):  # two cpu pages: each pair pushes the one before into the dict tier
             assert store.put(chain[:i + 2], [payload(k) for k in chain[:i + 2]]) == 2

@@ -54,9 +54,9 @@ def test_a_corrupt_read_from_a_lower_tier_cuts_the_load_and_is_forgotten(tmp_pat
     try:
         assert store.put(chain, [payload(k) for k in chain]) == 4
         store.flush()
-        with store._lock:  # the cpu tier forgets the chain (as its eviction would): only the disk tier has it
+        with store.index.lock:  # the cpu tier forgets the chain (as its eviction would): only the disk tier has it
             for key in chain:
-                store.top.evict(key)
+                store.index.evict_top(key)
         assert store.get(chain) == [payload(k) for k in chain[:2]]  # chunk 2 failed verification: the load stops
         assert store.stats().corrupt_chunks == 1 and disk.injected == {"corrupt": 1}
         assert not disk.contains(chain[2]) and store.lookup(chain) == 2

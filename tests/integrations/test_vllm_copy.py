@@ -106,13 +106,10 @@ def test_mirror_merges_ranks_through_vllm_worker_metadata(tmp_path: Path) -> Non
     assert planned(mirror, chain) == ["cpu", "cpu"]  # rank 1 holds only two
     stores[1].put(chain[2:4], [bytes([i]) * 64 for i in range(2)])
     stores[0].flush_dirty(5.0)
-    with stores[0]._lock:
-        stores[0].top.evict(chain[0])  # rank 0 keeps chunk 0 on disk only
+    stores[0].index.evict_top(chain[0])  # rank 0 keeps chunk 0 on disk only
     step()
     assert planned(mirror, chain) == ["disk", "cpu", "cpu"]
-    with stores[0]._lock:
-        (disk,) = (lt for lt in stores[0].lower if lt.name == "disk")
-        disk._evict_locked(chain[0])
+    stores[0].index.evict_below("disk", chain[0])
     step()
     assert planned(mirror, chain) == []  # chunk 0 gone from rank 0: nothing after it is usable
     for store in stores:

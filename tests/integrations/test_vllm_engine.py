@@ -308,13 +308,13 @@ def test_stale_mirror_is_a_recompute_never_wrong_kv(engine: Engine, monkeypatch:
     real_prepare = store.prepare_load
 
     def evict_then_prepare(chain, max_chunks=None, **kwargs):
-        with store._lock:  # what eviction does, at the worst moment
+        with store.index.lock:  # what eviction does, at the worst moment
             for key in chain:
                 if store.cpu.contains(key):
-                    store.top.evict(key)
-                for lower in store.lower:
+                    store.index.evict_top(key)
+                for lower in store.index.lower:
                     if lower.tier.indexed(key):
-                        lower._evict_locked(key)
+                        store.index.evict_below(lower.name, key)
         return real_prepare(chain, max_chunks, **kwargs)
 
     monkeypatch.setattr(store, "prepare_load", evict_then_prepare)
@@ -351,9 +351,9 @@ def test_prefix_partly_on_disk_copies_the_head_while_the_tail_is_read_ahead(engi
     store = engine.store
     store.flush()  # write-through: every chunk is on disk too
     chain = engine.chain(cold["prompt_ids"])
-    with store._lock:  # the cpu tier forgets chunks 1-5 (as its eviction would); the disk keeps them
+    with store.index.lock:  # the cpu tier forgets chunks 1-5 (as its eviction would); the disk keeps them
         for key in chain[1:]:
-            store.top.evict(key)
+            store.index.evict_top(key)
     engine.generate("one step", max_tokens=1)  # the scheduler's mirror learns of changes with the next step
     engine.llm.reset_prefix_cache()
     m0 = metrics_snapshot()
@@ -424,13 +424,12 @@ def test_a_tier_from_outside_kvtier_serves_a_load(engine: Engine) -> None:
     store = engine.store
     store.flush()  # write-through: every chunk is on disk and in the dict tier too
     chain = engine.chain(cold["prompt_ids"])
-    disk = next(lt for lt in store.lower if lt.name == "disk")
-    toy = next(lt for lt in store.lower if lt.name == "dict")
+    toy = next(lt for lt in store.index.lower if lt.name == "dict")
     assert all(toy.tier.contains(k) for k in chain)
-    with store._lock:  # the cpu and disk tiers forget the prefix (as their evictions would); the dict tier keeps it
+    with store.index.lock:  # the cpu and disk tiers forget the prefix (as their evictions would); the dict tier keeps it
         for key in chain:
-            store.top.evict(key)
-            disk._evict_locked(key)
+            store.index.evict_top(key)
+            store.index.evict_below("disk", key)
     engine.generate("one step", max_tokens=1)  # the scheduler's mirror learns of changes with the next step
     engine.llm.reset_prefix_cache()
     m0, external0 = metrics_snapshot(), _cached_by_source("external_unspecified")

@@ -41,7 +41,7 @@ def test_failed_disk_writes_reach_the_step_counters(tmp_path):
     store = make_store(tmp_path, cpu_chunks=8, disk_chunks=16, write_mode="write-through")
     before = store.stats()
     a = chain_of(3, 2)
-    break_disk_shards(store.lower[0].tier, a)
+    break_disk_shards(store.index.lower[0].tier, a)
     store.put(a, [payload(k) for k in a])
     store.flush()
     assert store_counters(store.stats(), before)["disk_write_errors"] == 2

@@ -4,12 +4,13 @@ A :class:`~kvtier.core.store.TieredStore` lives where the bytes are (a vLLM work
 component that decides what to load (vLLM's scheduler) keeps an in-memory *mirror* of the store's
 index and must never ask the store synchronously.  The feed is how that mirror stays current:
 
-- every place that changes where a chunk is held calls ``_note_locked(key)`` (store lock held);
+- every place of the index (:mod:`kvtier.core.index`) that changes where a chunk is held calls
+  ``_note(key)`` (the index's lock held);
 - ``drain_changes(max_items)`` returns an :class:`IndexDelta`: up to ``max_items`` changed keys,
   each with its *current* best local tier (the store's order: ``"cpu"`` before ``"disk"``;
   ``None`` when the chunk is in no local tier any more).  A shared tier (redis) is not in the
-  feed: other hosts change it, and its hits come from the store's asynchronous lookup
-  (``TieredStore.lookup_async``).  A key that changed several times since the last drain appears once, with its
+  feed: other hosts change it, and the scheduler asks it directly
+  (:mod:`kvtier.integrations.vllm.scheduler.remote`).  A key that changed several times since the last drain appears once, with its
   state at drain time, so applying deltas in order reproduces the index;
 - the feed is bounded (``change_feed_limit`` keys): when more changes pile up than that, they are
   forgotten and the next drain is a **full snapshot** (``full=True``: every held key; the mirror
@@ -25,7 +26,6 @@ lower tier (disk), i.e. what a crash would lose.  ``dirty_bytes()`` is exported 
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import TYPE_CHECKING
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from kvtier.core.keys import ChunkKey
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    import threading
 
 CHANGE_FEED_LIMIT = 1 << 16
 
@@ -52,47 +52,42 @@ class IndexDelta:
     full: bool = False
 
 
-class ChangeFeedMixin:
-    """Change-feed half of :class:`~kvtier.core.store.TieredStore` (see module docstring)."""
+class ChangeFeed:
+    """Change-feed half of :class:`~kvtier.core.index.Index` (see module docstring)."""
 
     chunk_bytes: int
-    _lock: threading.RLock
-    # provided by TieredStore (store lock held):
-    _tier_locked: Callable[[ChunkKey], str | None]  # best local tier holding the key, or None
-    _dirty_locked: Callable[[ChunkKey], bool]  # in DRAM and on no local lower tier
-    _held_keys_locked: Callable[[], list[ChunkKey]]  # every key held by a local tier
+    lock: threading.RLock
     _changed: dict[ChunkKey, None]
-    _dirty: set[ChunkKey]
-    _resync: bool
+    _dirty_keys: set[ChunkKey]
+    _full_next: bool
     change_feed_limit: int
+
+    # answered by the index (its lock held)
+    def _tier_of(self, key: ChunkKey) -> str | None:  # best local tier holding the key, or None
+        raise NotImplementedError
+
+    def _dirty(self, key: ChunkKey) -> bool:  # in DRAM and on no local lower tier
+        raise NotImplementedError
+
+    def _held_keys(self) -> list[ChunkKey]:  # every key held by a local tier
+        raise NotImplementedError
+
+    # ``_note(key)``, which records a change, is the index's own (kvtier.core.index): on a load's path
 
     def _init_feed(self, limit: int = CHANGE_FEED_LIMIT) -> None:
         self._changed = {}
-        self._dirty = set()
-        self._resync = True  # the first drain reports everything, disk index included
+        self._dirty_keys = set()
+        self._full_next = True  # the first drain reports everything, disk index included
         self.change_feed_limit = limit
 
-    def _note_locked(self, key: ChunkKey) -> None:
-        """Record that ``key``'s tiers may have changed (store lock held)."""
-        if self._dirty_locked(key):
-            self._dirty.add(key)
-        else:
-            self._dirty.discard(key)
-        if self._resync:
-            return
-        self._changed[key] = None
-        if len(self._changed) > self.change_feed_limit:
-            self._changed.clear()
-            self._resync = True
-
-    def _resync_locked(self) -> None:
+    def _resync(self) -> None:
         """Make the next drain a full snapshot (e.g. the disk directory was recreated, or a reset),
         and recount the dirty chunks over every held key: chunks the top tier holds whose local
         copies just went are dirty now (a graceful stop's ``flush_dirty`` writes them again).
         Rare, so one pass over the held keys."""
         self._changed.clear()
-        self._resync = True
-        self._dirty = {k for k in self._held_keys_locked() if self._dirty_locked(k)}
+        self._full_next = True
+        self._dirty_keys = {k for k in self._held_keys() if self._dirty(k)}
 
     def drain_changes(self, max_items: int = 4096) -> IndexDelta:
         """Changes since the last drain, at most ``max_items`` (a full snapshot is sent whole).
@@ -102,27 +97,27 @@ class ChangeFeedMixin:
         """
         if max_items <= 0:
             raise ValueError(f"max_items must be positive, got {max_items}")
-        with self._lock:
-            if self._resync:
-                self._resync = False
+        with self.lock:
+            if self._full_next:
+                self._full_next = False
                 self._changed.clear()
-                keys = dict.fromkeys(self._held_keys_locked())
-                return IndexDelta([(k, self._tier_locked(k)) for k in keys], full=True)
+                keys = dict.fromkeys(self._held_keys())
+                return IndexDelta([(k, self._tier_of(k)) for k in keys], full=True)
             taken = list(islice(self._changed, max_items))
             for key in taken:
                 del self._changed[key]
-            return IndexDelta([(k, self._tier_locked(k)) for k in taken])
+            return IndexDelta([(k, self._tier_of(k)) for k in taken])
 
     def pending_changes(self) -> int:
         """Changed keys not drained yet (a pending full snapshot counts as 1)."""
-        with self._lock:
-            return 1 if self._resync else len(self._changed)
+        with self.lock:
+            return 1 if self._full_next else len(self._changed)
 
     def dirty_keys(self) -> list[ChunkKey]:
         """Chunks held in DRAM but on no local lower tier (empty without one)."""
-        with self._lock:
-            return list(self._dirty)
+        with self.lock:
+            return list(self._dirty_keys)
 
     def dirty_bytes(self) -> int:
         """Payload bytes a crash would lose: ``len(dirty_keys()) × chunk_bytes``."""
-        return len(self._dirty) * self.chunk_bytes
+        return len(self._dirty_keys) * self.chunk_bytes

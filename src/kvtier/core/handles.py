@@ -1,16 +1,25 @@
-"""Result types of the store's two-phase operations."""
+"""The store's typed plans and handles: what the index (:mod:`kvtier.core.index`) decides and
+the mover (:mod:`kvtier.core.mover`) carries out.
+
+- :class:`LoadHandle` / :class:`StoreHandle`: what a caller of the store holds between
+  ``prepare_*`` and ``complete_*`` (the chunks, their buffers, where each came from).
+- :class:`Read`: one chunk of a load to read from a lower tier into a buffer (a promotion).
+- :class:`WriteJob`: one chunk to write from the top tier (a page or a staged copy) into a lower tier.
+- :class:`LoadPlan` / :class:`StorePlan`: a load's or save's handle and what the mover must do for it.
+- :class:`StagedCopy`: a private copy of an evicted chunk, servable until its writes are done.
+"""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 from kvtier.core.keys import ChunkKey
-from kvtier.core.tenant import TenantId
+from kvtier.core.tenant import TenantId, Writer
 
 
 @dataclass
@@ -126,50 +135,80 @@ class StoreHandle:
         return len(self.keys)
 
 
-class PendingLookup:
-    """A lookup whose shared-tier part runs in the background, from :meth:`TieredStore.lookup_async`.
-
-    ``poll()`` never blocks: ``None`` means "ask again later" (vLLM's
-    ``get_num_new_matched_tokens`` may return ``(None, False)`` for that, see
-    vllm/v1/core/sched/scheduler.py); otherwise the number of leading chunks available, local
-    and shared together.  Once ``deadline`` (``time.monotonic()`` seconds) has passed without an
-    answer, ``poll()`` returns the local count (the shared tier is then treated as a miss).
+class Read(NamedTuple):
+    """One chunk of a load to read from a lower tier (a promotion into the top tier).
 
     Attributes:
-        local_chunks: leading chunks found in local tiers when the lookup was submitted.
-        chain_chunks: chunks in the chain asked about.
+        pos: its position in the chain, which is also its position in the load's handle (a prefix).
+        key: the chunk's key.
+        buffer: uint8 ``[chunk_bytes]`` the tier reads into: a reserved cpu page, or a private buffer.
+        reserved: ``buffer`` is a reserved cpu page (published if the read succeeds, given back if not).
+        tier: the name of the lower tier holding the chunk (pinned there if local).
+        shared: that tier is shared (not pinned; read in one pipelined batch).
+        epoch: the store's reset epoch when it was planned (a reset since: the chunk is dropped).
     """
 
-    def __init__(self, local_chunks: int, chain_chunks: int, future: Future[int] | None = None,
-                 deadline: float = 0.0) -> None:
-        self.local_chunks = local_chunks
-        self.chain_chunks = chain_chunks
-        self.deadline = deadline
-        self.timed_out = False
-        self._future = future
+    pos: int
+    key: ChunkKey
+    buffer: np.ndarray
+    reserved: bool
+    tier: str
+    shared: bool
+    epoch: int = 0
 
-    def poll(self) -> int | None:
-        """Leading chunks available, or ``None`` while the shared tier has not answered."""
-        future = self._future
-        if future is None:
-            return self.local_chunks
-        if future.done():
-            try:
-                return self.local_chunks + future.result()
-            except Exception:  # noqa: BLE001 - a fault in the shared tier is a miss
-                return self.local_chunks
-        if time.monotonic() >= self.deadline:
-            self.timed_out = True
-            return self.local_chunks
-        return None
 
-    def wait(self, timeout_s: float | None = None) -> int:
-        """Block until the answer (at most until the deadline, or ``timeout_s``); for tests and tools."""
-        end = self.deadline if timeout_s is None else min(self.deadline, time.monotonic() + timeout_s)
-        while True:
-            got = self.poll()
-            if got is not None:
-                return got
-            if time.monotonic() >= end:
-                return self.local_chunks
-            time.sleep(0.001)
+@dataclass
+class LoadPlan:
+    """A load as the index planned it: the caller's handle (every chunk, its buffer and source
+    tier), the :class:`Read` s the mover must run before those buffers hold the chunks, and the
+    writes the pages it took caused (victims spilled to a write-back tier)."""
+
+    handle: LoadHandle
+    reads: list[Read] = field(default_factory=list)
+    writes: list[WriteJob] = field(default_factory=list)
+
+
+@dataclass
+class StorePlan:
+    """A save as the index planned (or published) it: the caller's handle and the writes it
+    caused (a page's victim spilled to a write-back tier; on publication, write-through copies
+    and spills ahead), which the mover queues."""
+
+    handle: StoreHandle
+    writes: list[WriteJob] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class WriteJob:
+    """One write of ``key`` into the lower tier ``tier`` (queued by the mover, planned by the index).
+
+    Attributes:
+        tier: the lower tier to write into.
+        key / parent: the chunk and the previous chunk of its chain (``None`` for chunk 0).
+        data: a private staged copy of the bytes, or ``None`` to read the pinned top-tier page.
+        evict_after: drop the chunk from the top tier once written (spill ahead).
+        epoch: the store's reset epoch when planned; a write planned before a reset of ``tier``
+            is dropped, or its chunk deleted if it landed after the reset.
+        tenant: who the chunk was saved for (:mod:`kvtier.core.tenant`), ``None`` when unknown.
+    """
+
+    tier: str
+    key: ChunkKey
+    parent: ChunkKey | None
+    data: np.ndarray | None
+    evict_after: bool
+    epoch: int = 0
+    tenant: Writer | None = None
+
+    @property
+    def from_top(self) -> bool:
+        """Whether the bytes come from a pinned top-tier page."""
+        return self.data is None
+
+
+@dataclass(slots=True)
+class StagedCopy:
+    """A copy of an evicted chunk and the number of writes of it still queued."""
+
+    data: np.ndarray
+    pending: int = 0

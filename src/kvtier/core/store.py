@@ -2,10 +2,15 @@
 
 The tiers come from the configuration's ``tiers`` list, by name (:mod:`kvtier.core.tiers.registry`);
 a tier the configuration does not ask for is skipped.  The first is the top (staging) tier: every
-chunk passes through it (:mod:`kvtier.core.top`).  Each tier below it is a
-:class:`~kvtier.core.lower.LowerTier` with its own policy, pins, bounded write queue and threads.
+chunk passes through it.  The store is a thin facade over two parts:
 
-Contract (all methods thread-safe; one lock guards metadata, data copies and tier I/O run
+- the **index** (:mod:`kvtier.core.index`, :mod:`kvtier.core.upkeep`, one
+  :mod:`~kvtier.core.lowerindex` per lower tier): all placement state under one lock, no threads;
+  its verbs return typed plans (:mod:`kvtier.core.handles`);
+- the **mover** (:mod:`kvtier.core.mover`): write queues and threads per lower tier, the
+  read-ahead pool, tier reads and writes; it runs the plans and reports back to the index.
+
+Contract (all methods thread-safe; the index's lock guards placement, copies and tier I/O run
 outside it on pinned chunks):
 
 - ``lookup(chain) -> int``: how many **leading** chunks of ``chain`` are available in the top tier
@@ -13,16 +18,11 @@ outside it on pinned chunks):
   count stops at the first miss.  Never asks a shared tier, so it never waits on the network.
   No pins; results may be stale by the time a load starts (a load may return fewer chunks,
   never wrong ones).
-- ``lookup_async(chain) -> PendingLookup``: the same, continued in a shared tier in the background
-  (one pipelined batch of presence checks, under ``shared_deadline_s``); ``poll()`` answers
-  "ask again" (``None``) until the shared tier answered or the deadline passed.  At most
-  ``shared_queue_depth`` such lookups run at once; more are answered from local tiers alone
-  and counted in ``shared_lookups_skipped``.
 - ``prepare_load(chain, max_chunks) -> LoadHandle``: pins the longest available prefix.  Chunks
   found below the top tier are read, verified, and promoted into top-tier pages (hot chunks move
-  up; :mod:`kvtier.core.promotion`); chunks beyond the local prefix are read from a shared tier,
-  at most ``max_chunks`` in all (pass the count ``lookup_async`` returned).  A chunk that is missing or fails verification ends
-  the prefix.  ``complete_load(handle, success)`` unpins and, only if ``success``, counts hits and
+  up; :mod:`kvtier.core.mover`); chunks beyond the local prefix are read from a shared tier,
+  at most ``max_chunks`` in all (what the scheduler's shared lookup found; ``None``: one presence
+  batch asks first).  A chunk that is missing or fails verification ends the prefix.  ``complete_load(handle, success)`` unpins and, only if ``success``, counts hits and
   refreshes recency.  A failed transfer is never a hit; ``cancel_load(handle)`` unpins a load that
   will not happen without counting anything.
 - ``prepare_store(chain, start) -> StoreHandle``: reserves top-tier pages for the chunks not yet
@@ -42,49 +42,41 @@ outside it on pinned chunks):
   is dropped, or its chunk deleted if it landed after the clear; a scan of other processes'
   files running meanwhile adopts nothing.  A caller that copied bytes out of a load started
   before the reset compares ``epoch`` to tell (:mod:`kvtier.integrations.vllm.worker.loader`).
-- ``check_integrity()``: each tier's accounting, policies track exactly the resident chunks, and
-  no pins remain (call it once all requests are done).
+- ``check_integrity()``: every invariant of the index (:meth:`kvtier.core.upkeep.IndexUpkeep.check`).
 
-Sizes: ``chunk_bytes`` is the payload of one chunk; capacities come from
-:class:`~kvtier.core.config.KVTierConfig` divided by ``tp_size`` (sizes are totals across ranks).
+Sizes: ``chunk_bytes`` is one chunk's payload; capacities are the configuration's / ``tp_size``.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
 
 import numpy as np
 from prometheus_client import CollectorRegistry
 
-from kvtier.core.changes import ChangeFeedMixin
+from kvtier.core.changes import IndexDelta
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
-from kvtier.core.handles import EngineLoad, EngineSave, LoadHandle, PendingLookup, StoreHandle
+from kvtier.core.handles import EngineLoad, EngineSave, LoadHandle, StoreHandle
+from kvtier.core.index import Index
 from kvtier.core.keys import ChunkKey, Namespace
-from kvtier.core.lower import LowerTier, WriteJob
+from kvtier.core.lowerindex import LowerIndex
 from kvtier.core.metrics import StoreMetrics
-from kvtier.core.policies import make_policy
-from kvtier.core.policies.admission import make_admission
-from kvtier.core.promotion import Promoter, Promotion
-from kvtier.core.quota import TenantLedger
-from kvtier.core.shared import SharedLookups
-from kvtier.core.stats import StoreCounters, StoreStats, TierStats
+from kvtier.core.mover import Mover
+from kvtier.core.stats import StoreCounters, StoreStats
 from kvtier.core.tenant import TenantId
-from kvtier.core.tiers.base import AlreadyHeld, ClearResult, NoRoom, Paged, StagingTier, Tier
+from kvtier.core.tiers.base import ClearResult, StagingTier, Tier
 from kvtier.core.tiers.factory import TierContext, make_tier
-from kvtier.core.top import TopTier
 
 log = logging.getLogger(__name__)
 READ_AHEAD_WAIT_S = 60.0
 """How long :meth:`TieredStore.get` waits for chunks read ahead before calling the load failed."""
 
 
-class TieredStore(ChangeFeedMixin):
+class TieredStore:
     """The tiered chunk store; see the module docstring for the contract.
 
     Args:
@@ -95,6 +87,9 @@ class TieredStore(ChangeFeedMixin):
         registry: prometheus registry to register metrics in (a fresh one by default).
         wrap: ``wrap(tier) -> tier`` applied to each lower tier as it is built (e.g. a
             :class:`~kvtier.core.tiers.wrappers.FaultyTier` in tests and drills); ``None``: none.
+
+    ``index`` (:class:`~kvtier.core.index.Index`) knows where every chunk is, ``mover``
+    (:class:`~kvtier.core.mover.Mover`) moves the bytes; ``cpu`` is the top (staging) tier.
 
     Raises:
         ValueError: ``chunk_bytes`` not positive.
@@ -114,8 +109,6 @@ class TieredStore(ChangeFeedMixin):
         self.metrics = StoreMetrics(self.stats, registry)
         self.metrics.set_config({**config.public_dict(), "chunk_bytes": chunk_bytes, "tp_size": tp_size,
                                  "namespace": namespace.digest().hex()})
-        self._lock = threading.RLock()
-        self._init_feed()
         ctx = TierContext(config, namespace.digest(), chunk_bytes, tp_size, self.metrics.registry)
         tiers: list[Tier] = []
         try:
@@ -131,117 +124,72 @@ class TieredStore(ChangeFeedMixin):
             raise ConfigError(f"the first tier must be a staging tier such as 'cpu', got {config.tiers[0]!r}; "
                               "list 'cpu' first in tiers")
         self.cpu: StagingTier = tiers[0]
-        self.cpu_policy = make_policy(config.policy)
-        self.top = TopTier(self.cpu, self.cpu_policy, self.counters, config.spill_watermark, chunk_bytes)
-        self.top.on_change = self._note_locked
-        self.lower: list[LowerTier] = []
-        self._local: list[LowerTier] = []
-        self.lower = [LowerTier(t, config.policy, config.write_mode == "write-back", config.io_threads,
-                                config.save_queue_depth, self._lock, self.counters,
-                                self.cpu.view, self._on_written, self._note_locked, self._resync_locked)
-                      for t in tiers[1:]]
-        for lt in self.lower:  # admission per lower tier (kvtier.core.policies.admission)
-            lt.admission = make_admission(config.admission.get(lt.name, "all"))
-        self.top.back = [lt for lt in self.lower if lt.write_back]
-        # victims move down, so the default orders the cpu tier for the reach of the whole stack
-        self.cpu_policy.set_capacity_below(sum(lt.tier.usage().capacity_bytes for lt in self.top.back) // chunk_bytes)
-        self._local = [lt for lt in self.lower if not lt.shared]
-        if config.tenant_quotas is not None:  # each local tier's share per tenant (kvtier.core.quota)
-            self.top.quota = TenantLedger(config.tenant_quotas, self._pages(self.cpu))
-            for lt in self._local:
-                lt.quota = TenantLedger(config.tenant_quotas,
-                                        lt.tier.usage().capacity_bytes // lt.tier.stored_bytes(chunk_bytes))
-        self._shared = [lt for lt in self.lower if lt.shared]
-        self._through = [lt for lt in self.lower if not lt.write_back]
-        self.shared = SharedLookups(self._shared[0], config.shared_deadline_s, config.shared_queue_depth,
-                                    self.counters) if self._shared else None
-        self.promoter = Promoter(self._lock, self.cpu, self.top, self.counters, chunk_bytes, config.io_threads,
-                                 self._unpin_handle)
+        lower = [LowerIndex(t, config.policy, config.write_mode == "write-back", self.counters) for t in tiers[1:]]
+        self.index = Index(self.cpu, lower, config, self.counters, chunk_bytes)
+        self.mover = Mover(self.index, config.io_threads, config.save_queue_depth, self.counters)
         self._closed = False
-        self._rescan_stop = threading.Event()
-        self._rescanner: threading.Thread | None = None
-        if config.disk_rescan_s and self._local:  # None or 0: never (the vLLM connector sets it for consumers)
-            self._rescanner = threading.Thread(target=self._rescan_loop, args=(config.disk_rescan_s,),
-                                               name="kvtier-disk-rescan", daemon=True)
-            self._rescanner.start()
-
-    def _on_written(self, job: WriteJob, tier_name: str, ok: bool) -> None:
-        self.top.written(job, ok)  # the top tier is built before the lower tiers that call this
-
-    # ---- what the change feed asks (kvtier.core.changes; the lock held) -------------------
-    def _tier_locked(self, key: ChunkKey) -> str | None:
-        if self.top.holds(key):
-            return self.top.name
-        return next((lt.name for lt in self._local if lt.tier.indexed(key)), None)
-
-    def _dirty_locked(self, key: ChunkKey) -> bool:
-        return bool(self._local) and self.top.holds(key) and not any(lt.tier.indexed(key) for lt in self._local)
-
-    def _held_keys_locked(self) -> list[ChunkKey]:
-        doomed = self.top.doomed
-        return [*(k for k in self.cpu.keys() if k not in doomed), *self.top.staged,  # noqa: SIM118
-                *(k for lt in self._local for k in lt.tier.keys())]  # noqa: SIM118
+        if config.disk_rescan_s and self.index.local:  # None or 0: never (the vLLM connector sets it for consumers)
+            self.mover.start_rescans(config.disk_rescan_s)
 
     @property
     def epoch(self) -> int:
         """Resets so far (:meth:`clear`); a load started under another epoch serves pre-reset bytes."""
-        return self.top.epoch
+        return self.index.epoch
 
     def clear(self, tiers: Collection[str]) -> dict[str, ClearResult]:
         """Reset: drop every chunk of the store's tiers named in ``tiers`` (names it lacks are
         ignored) and bump :attr:`epoch`; see the module docstring for what is in flight.  The next
-        :meth:`drain_changes` is a full snapshot.  Runs the tiers' removals under the store's lock
+        :meth:`drain_changes` is a full snapshot.  Runs the tiers' removals under the index's lock
         (a rare operator action: loads and saves wait for it).
 
         Returns:
             per tier cleared, what it removed (``ok`` False, with a reason, where something could
             not be removed); counted in each tier's ``reset_chunks``.
         """
-        out: dict[str, ClearResult] = {}
-        with self._lock:
-            self.top.epoch += 1  # even when the top tier is kept: no promotion or save of before publishes
-            if self.cpu.name in tiers:
-                out[self.cpu.name] = ClearResult(self.top.clear())
-            for lt in self.lower:
-                if lt.name in tiers:
-                    out[lt.name] = lt.clear_locked()
-            self._resync_locked()
+        out = self.index.clear(tiers)
         for name, result in out.items():
             self.counters.reset_removed(name, len(result.keys))
         return out
 
     def tier(self, name: str) -> Tier | None:
         """The tier called ``name``, or ``None`` if the store has none."""
-        if name == self.cpu.name:
-            return self.cpu
-        return next((lt.tier for lt in self.lower if lt.name == name), None)
+        lt = self.index.by_name.get(name)
+        return self.cpu if name == self.cpu.name else lt.tier if lt is not None else None
+
+    # ---- the change feed (kvtier.core.changes, kept by the index) -------------------------
+    def drain_changes(self, max_items: int = 4096) -> IndexDelta:
+        """Changes since the last drain, at most ``max_items`` (:meth:`kvtier.core.changes.ChangeFeed.drain_changes`)."""
+        return self.index.drain_changes(max_items)
+
+    def pending_changes(self) -> int:
+        """Changed keys not drained yet (a pending full snapshot counts as 1)."""
+        return self.index.pending_changes()
+
+    def dirty_keys(self) -> list[ChunkKey]:
+        """Chunks held in DRAM but on no local lower tier (a crash would lose them)."""
+        return self.index.dirty_keys()
+
+    def dirty_bytes(self) -> int:
+        """``len(dirty_keys()) × chunk_bytes``."""
+        return self.index.dirty_bytes()
+
+    @property
+    def change_feed_limit(self) -> int:
+        """Changed keys kept between drains; past it the next drain is a full snapshot."""
+        return self.index.change_feed_limit
+
+    @change_feed_limit.setter
+    def change_feed_limit(self, limit: int) -> None:
+        self.index.change_feed_limit = limit
 
     # ---- lookup --------------------------------------------------------------------------
     def lookup(self, chain: Sequence[ChunkKey]) -> int:
         """Leading chunks of ``chain`` available in local tiers (see module docstring)."""
         start = time.perf_counter()
-        found = Counter[str]()
-        with self._lock:
-            n = 0
-            for key in chain:
-                if self.top.holds(key):
-                    found[self.top.name] += 1
-                else:
-                    lt = next((lt for lt in self._local if lt.tier.contains(key)), None)
-                    if lt is None:
-                        break
-                    found[lt.name] += 1
-                n += 1
+        n, found = self.index.lookup(chain)
         self.counters.looked_up(len(chain), found)
         self.metrics.lookup_seconds.observe(time.perf_counter() - start)
         return n
-
-    def lookup_async(self, chain: Sequence[ChunkKey]) -> PendingLookup:
-        """Local lookup now, continued in the shared tier in the background (see module docstring)."""
-        n = self.lookup(chain)
-        if self.shared is None or n >= len(chain):
-            return PendingLookup(n, len(chain))
-        return self.shared.lookup(chain, n)
 
     # ---- load ----------------------------------------------------------------------------
     def prepare_load(self, chain: Sequence[ChunkKey], max_chunks: int | None = None,
@@ -257,52 +205,20 @@ class TieredStore(ChangeFeedMixin):
         file, socket or network I/O at all, and every buffer is ready when this returns (the
         connector's synchronous loads, run on the engine's own thread).  Top-tier pages are handed
         out as they are, pinned, without re-hashing: they never left this process's memory (the
-        lower tiers' reads are verified, :mod:`kvtier.core.promotion`)."""
+        lower tiers' reads are verified, :mod:`kvtier.core.mover`)."""
         limit = len(chain) if max_chunks is None else min(max_chunks, len(chain))
-        handle = LoadHandle([], [], [])
-        promote: list[Promotion] = []  # chunks to read from lower tiers (kvtier.core.promotion)
-        with self._lock:
-            for i in range(limit):
-                key = chain[i]
-                if self.top.resident(key):
-                    self.top.pin(key)
-                    handle.pinned.append(key)
-                    buf = self.cpu.view(key)
-                    source = self.top.name
-                elif key in self.top.staged:  # a private copy, immutable: no pin needed
-                    buf = self.top.staged[key].data
-                    source = self.top.name
-                elif top_only:
-                    break
-                else:
-                    lt = next((lt for lt in self._local if lt.tier.contains(key)), None)
-                    if lt is None:
-                        break
-                    lt.pin_locked(key)
-                    buf = self.promoter.buffer_locked(key, promote, i, lt)
-                    source = lt.name
-                handle.keys.append(key)
-                handle.buffers.append(buf)
-                handle.tiers.append(source)
-        start = handle.num_chunks
-        if start < limit and self._shared and not top_only:
-            self._plan_shared_reads(chain, start, limit, max_chunks is None, handle, promote)
-        if promote:
-            self.promoter.run(chain, handle, promote, read_ahead)
-        return handle
-
-    def _plan_shared_reads(self, chain: Sequence[ChunkKey], start: int, limit: int, unbounded: bool,
-                           handle: LoadHandle, promote: list[Promotion]) -> None:
-        """Queue reads of ``chain[start:limit]`` from the first shared tier (checked first if ``unbounded``)."""
-        lt = self._shared[0]
-        want = list(chain[start:limit])
-        if unbounded and self.shared is not None:  # nobody asked yet: one presence batch, so misses cost no bytes
-            want = want[:self.shared.leading_present(want)]
-        with self._lock:
-            for offset, key in enumerate(want):
-                handle.keys.append(key)
-                handle.buffers.append(self.promoter.buffer_locked(key, promote, start + offset, lt))
-                handle.tiers.append(lt.name)
+        plan = self.index.plan_load(chain, limit, top_only)
+        start = plan.handle.num_chunks
+        if start < limit and self.index.shared and not top_only:
+            shared = self.index.shared[0].name
+            want = list(chain[start:limit])
+            if max_chunks is None:  # nobody asked yet: one presence batch, so misses cost no bytes
+                want = want[:self.mover.leading_present(shared, want)]
+            self.index.plan_shared(plan, start, want)
+        self.mover.submit(plan.writes)  # spills of the cpu pages the reads take
+        if plan.reads:
+            self.mover.run(chain, plan, read_ahead)
+        return plan.handle
 
     def complete_load(self, handle: LoadHandle, success: bool, first_chunk: int = 0,
                       engine: EngineLoad | None = None) -> None:
@@ -317,10 +233,10 @@ class TieredStore(ChangeFeedMixin):
                 bytes and seconds); counted here, once.
         """
         delivered = handle.ready_chunks()  # a caller that did not wait for read-ahead got no more
-        if not self._release(handle, refresh=success):
+        if not self.index.release(handle, refresh=success):
             return
         if engine is not None:
-            self.counters.engine_load(engine, self.top.name)
+            self.counters.engine_load(engine, self.cpu.name)
         if not success:
             self.counters.load_failed()
             return
@@ -332,85 +248,31 @@ class TieredStore(ChangeFeedMixin):
         Neither a hit nor a failed load is counted; ``engine`` (what the engine was promised
         and did not get) is.  Idempotent.
         """
-        if self._release(handle, refresh=False) and engine is not None:
-            self.counters.engine_load(engine, self.top.name)
+        if self.index.release(handle, refresh=False) and engine is not None:
+            self.counters.engine_load(engine, self.cpu.name)
 
     def load_skipped(self, engine: EngineLoad) -> None:
         """Count a load that never reached the store (its request was aborted before it began)."""
-        self.counters.engine_load(engine, self.top.name)
-
-    def _release(self, handle: LoadHandle, refresh: bool) -> bool:
-        """Unpin ``handle`` once; on ``refresh`` mark its chunks used.  False if already released."""
-        with self._lock:
-            if handle.done:
-                return False
-            handle.done = True
-            if handle.reading_ahead:  # unpinned by the read-ahead when its reads end
-                handle.release_after_read = refresh
-                return True
-        self._unpin_handle(handle, refresh)
-        return True
-
-    def _unpin_handle(self, handle: LoadHandle, refresh: bool) -> None:
-        with self._lock:
-            for key in handle.pinned:
-                self.top.unpin(key)
-            handle.pinned = []
-            if refresh and handle.keys:
-                self.top.used([k for k in handle.keys if self.top.resident(k)])
-                for lt in self._local:
-                    used = [k for k, t in zip(handle.keys, handle.tiers) if t == lt.name]
-                    if used and lt.policy is not None:
-                        lt.policy.touch(used)
+        self.counters.engine_load(engine, self.cpu.name)
 
     # ---- store ---------------------------------------------------------------------------
     def prepare_store(self, chain: Sequence[ChunkKey], start: int = 0, tenant: TenantId | None = None) -> StoreHandle:
         """Reserve top-tier pages for ``chain[start:]`` chunks not stored yet (see module docstring);
         ``tenant``: who they are saved for, written with them where a tier keeps a tenant record
         (:mod:`kvtier.core.tenant`; ``None``: unknown)."""
-        handle = StoreHandle([], [], [], [], tenant=tenant)
-        owner = tenant.salt if tenant is not None else None  # the quota's tenant key
-        with self._lock:
-            handle.epoch = self.top.epoch
-            for i in range(start, len(chain)):
-                key = chain[i]
-                if self.top.holds(key) or any(lt.tier.indexed(key) for lt in self._local):
-                    continue
-                got = self.cpu.reserve(key) if self.top.free_page(owner) else NoRoom.NO_ROOM
-                if got is AlreadyHeld.ALREADY_HELD:  # being promoted from a lower tier: stored when that ends
-                    continue
-                if got is NoRoom.NO_ROOM:
-                    dropped = len(chain) - i
-                    self.counters.dropped(dropped)
-                    break
-                handle.keys.append(key)
-                handle.indices.append(i)
-                handle.parents.append(chain[i - 1] if i > 0 else None)
-                handle.buffers.append(got.buffer)
-        return handle
+        plan = self.index.plan_store(chain, start, tenant)
+        self.mover.submit(plan.writes)
+        return plan.handle
 
     def complete_store(self, handle: StoreHandle, success: bool, engine: EngineSave | None = None) -> None:
         """Publish (``success``) or release the reserved pages; count ``engine`` (what the copy out
         of the engine moved) when ``success``.  Idempotent."""
         if success and engine is not None and not handle.done:
-            self.counters.engine_save(engine, self.top.name)
-        with self._lock:
-            if handle.done:
-                return
-            handle.done = True
-            success = success and handle.epoch == self.top.epoch  # bytes copied before a reset: not stored
-            for key, parent in zip(handle.keys, handle.parents):
-                if not success:
-                    self.cpu.abort(key)
-                    continue
-                self.top.publish(key, parent, handle.tenant)
-                for lt in self._through:  # a shared server may have lost what this process wrote
-                    if lt.shared or not lt.tier.indexed(key):  # (restart, its own eviction, TTL): write
-                        self.top.enqueue(lt, WriteJob(key, parent, None, evict_after=False,  # again
-                                                      tenant=handle.tenant))
-            if success:
-                self.counters.saved(len(handle.keys))
-                self.top.spill_ahead()
+            self.counters.engine_save(engine, self.cpu.name)
+        published = self.index.complete_store(handle, success, self.mover.free_slots())
+        if published is not None:
+            self.counters.saved(len(handle.keys))
+            self.mover.submit(published.writes)
 
     # ---- TTL pins ----------------------------------------------------------------------------
     def ttl_pin(self, keys: Sequence[ChunkKey], ttl_s: float) -> tuple[int, int]:
@@ -426,25 +288,9 @@ class TieredStore(ChangeFeedMixin):
         """
         if ttl_s <= 0:
             return 0, 0
-        deadline = time.monotonic() + ttl_s
-        pinned = refused = 0
-        with self._lock:
-            budget = self._ttl_pin_budget()
-            for key in keys:
-                if not self.top.resident(key):
-                    continue
-                if self.top.ttl_pin(key, deadline, budget):
-                    pinned += 1
-                else:
-                    refused += 1
+        pinned, refused = self.index.ttl_pin(keys, time.monotonic() + ttl_s)
         self.counters.ttl_pinned(pinned, refused)
         return pinned, refused
-
-    def _ttl_pin_budget(self) -> int:
-        return int(self.config.pin_max_share * self._pages(self.cpu))
-
-    def _pages(self, cpu: StagingTier) -> int:
-        return cpu.num_pages if isinstance(cpu, Paged) else cpu.usage().capacity_bytes // self.chunk_bytes
 
     # ---- convenience ---------------------------------------------------------------------
     def put(self, chain: Sequence[ChunkKey], datas: Sequence[bytes | memoryview | np.ndarray],
@@ -481,35 +327,25 @@ class TieredStore(ChangeFeedMixin):
         """Adopt chunk files other processes wrote into the local lower tiers since start, and
         forget those they removed (:meth:`kvtier.core.tiers.disk.DiskTier.rescan`); both reach the
         change feed, so a scheduler's mirror learns of them.  Runs every ``disk_rescan_s``
-        seconds on a background thread when that is set.  Returns the keys adopted or forgotten."""
-        return sum(lt.rescan() for lt in self._local)
-
-    def _rescan_loop(self, interval_s: float) -> None:
-        while not self._rescan_stop.wait(interval_s):
-            try:
-                self.rescan()
-            except Exception:  # the thread must outlive one bad round (e.g. the directory vanished)
-                log.exception("kvtier: rescanning the disk tier failed")
+        seconds on a background thread when that is set.  The directory is read without the
+        index's lock; the index takes in what was found.  Returns the keys adopted or forgotten."""
+        return self.mover.rescan()
 
     # ---- lifecycle and checks ------------------------------------------------------------
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until queued writes of every tier are done; False if ``timeout_s`` passed first."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        done = [lt.flush(deadline) for lt in self.lower]  # every tier, not just up to the first late one
-        return all(done)
+        return self.mover.flush(None if timeout_s is None else time.monotonic() + timeout_s)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Finish queued writes (up to ``timeout_s``), stop the threads, close the tiers.  Idempotent."""
         if self._closed:
             return
         self._closed = True
-        self._rescan_stop.set()
-        if self._rescanner is not None:
-            self._rescanner.join(timeout=timeout_s)
+        self.mover.stop_rescans(timeout_s)
         self.flush(timeout_s)
-        self.promoter.close()
-        for lt in self.lower:
-            lt.close()
+        self.mover.close()
+        for lt in self.index.lower:
+            lt.tier.close()
         self.cpu.close()
 
     def flush_dirty(self, timeout_s: float) -> tuple[int, int]:
@@ -522,53 +358,22 @@ class TieredStore(ChangeFeedMixin):
             ``(written, missed)``: chunks that reached a local lower tier, and chunks still dirty
             at the deadline (counted in ``flush_missed_chunks``).  ``(0, 0)`` without one.
         """
-        if not self._local:
+        if not self.index.local:
             return 0, 0
-        deadline = time.monotonic() + max(timeout_s, 0.0)
         before = len(self.dirty_keys())
-        for key in self.dirty_keys():
-            while time.monotonic() < deadline:
-                with self._lock:
-                    missing = [lt for lt in self._local if not lt.tier.indexed(key)]
-                    if not self.top.resident(key) or key in self.top.writing or not missing:
-                        break  # evicted (then staged and queued), already on its way, or written
-                    if not any(lt.queue.full() for lt in missing):
-                        for lt in missing:
-                            self.top.enqueue(lt, WriteJob(key, self.top.parent.get(key), None, evict_after=False,
-                                                                  tenant=self.top.tenant.get(key)))
-                        break
-                time.sleep(0.002)
-        while any(lt.queue.unfinished_tasks for lt in self._local) and time.monotonic() < deadline:
-            time.sleep(0.005)
+        self.mover.write_dirty(self.dirty_keys(), time.monotonic() + max(timeout_s, 0.0))
         missed = len(self.dirty_keys())
         if missed:
             self.counters.flush_missed(missed)
         return max(before - missed, 0), missed
 
-    def _pinned_locked(self) -> dict[str, int]:
-        return {self.cpu.name: len(self.top.pins), **{lt.name: len(lt.pins) for lt in self.lower}}
-
-    def _ttl_pinned_locked(self) -> dict[str, int]:
-        self.top.expire_ttl_pins()
-        return {self.cpu.name: len(self.top.ttl_pins)}
-
     def stats(self) -> StoreStats:
         """The store's counters and each tier's usage, as one snapshot (:mod:`kvtier.core.stats`)."""
-        with self._lock:
-            pinned = self._pinned_locked()
-            ttl_pinned = self._ttl_pinned_locked()
-            all_tiers = {t.name: t for t in (self.cpu, *(lt.tier for lt in self.lower))}
-            ledgers = {self.cpu.name: self.top.quota, **{lt.name: lt.quota for lt in self._local}}
-            tiers = {name: TierStats(u.used_bytes, u.capacity_bytes, u.num_chunks, corrupt_chunks=t.corrupt,
-                                     pinned_chunks=pinned.get(name, 0), wire=t.wire_stats(),
-                                     write_errors=t.write_errors, ttl_pinned_chunks=ttl_pinned.get(name, 0),
-                                     **_tenant_stats(ledgers.get(name), u.num_chunks, self.chunk_bytes))
-                     for name, t in all_tiers.items() for u in (t.usage(),)}
-            return self.counters.snapshot(self.chunk_bytes, self.chunk_tokens, tiers, self.dirty_bytes(),
-                                          sum(lt.queue.unfinished_tasks for lt in self.lower))
+        return self.counters.snapshot(self.chunk_bytes, self.chunk_tokens, self.index.tier_stats(),
+                                      self.dirty_bytes(), self.mover.busy())
 
     def check_integrity(self, expect_idle: bool = True) -> None:
-        """Assert the store's invariants (see module docstring).
+        """Assert the store's invariants (:meth:`kvtier.core.upkeep.IndexUpkeep.check`).
 
         Args:
             expect_idle: also require that no chunk is pinned and no write is queued.
@@ -576,21 +381,6 @@ class TieredStore(ChangeFeedMixin):
         Raises:
             AssertionError: naming the broken invariant.
         """
-        with self._lock:
-            self.top.check()
-            for lt in self.lower:
-                lt.check_locked()
-            if expect_idle:
-                lower_pins = {lt.name: len(lt.pins) for lt in self.lower if lt.pins}
-                assert not self.top.pins and not lower_pins, \
-                    f"pins left behind: {len(self.top.pins)} {self.cpu.name}, {lower_pins}"
-                assert not self.top.writing and not self.top.staged and \
-                    not any(lt.queue.unfinished_tasks for lt in self.lower), "writes still in flight"
-
-
-def _tenant_stats(ledger: TenantLedger | None, num_chunks: int, chunk_bytes: int) -> dict[str, Any]:
-    """A tier's per-tenant bytes and quota evictions for its :class:`TierStats` (none without quotas)."""
-    if ledger is None:
-        return {}
-    return {"tenant_used_bytes": ledger.usage_by_label(chunk_bytes, num_chunks - len(ledger.owner)),
-            "quota_evictions": ledger.quota_evictions}
+        self.index.check(expect_idle)
+        if expect_idle:
+            assert not self.mover.busy(), "writes still in flight"

@@ -56,8 +56,8 @@ def shared_tier_configured(config: KVTierConfig) -> bool:
 class RemoteLookups:
     """Background presence checks in the shared tier for the scheduler (see the module docstring).
 
-    Asks the first shared tier ``config`` lists (the store's :class:`~kvtier.core.shared.SharedLookups`
-    continues a lookup in that one too); :attr:`tier_name` is its name.
+    Asks the first shared tier ``config`` lists (the workers' stores read from that one too);
+    :attr:`tier_name` is its name.
 
     Args:
         config: kvtier configuration (the shared tier's settings, deadlines, ``shared_queue_depth``,

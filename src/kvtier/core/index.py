@@ -1,0 +1,392 @@
+"""The store's index: where every chunk is, who holds it, and what must move (no threads, no I/O waits).
+
+One :class:`Index` per :class:`~kvtier.core.store.TieredStore` holds all placement state under
+one lock: the top (cpu) tier's pages and their policy, pins, TTL pins, staged copies, parents,
+tenant records, uses and tenant ledger; each lower tier's :class:`~kvtier.core.lowerindex.LowerIndex`;
+the reset epoch (one counter for the whole store); chunks a reset doomed; the change feed
+(:mod:`kvtier.core.changes`).  Its verbs return typed plans (:mod:`kvtier.core.handles`):
+
+- :meth:`plan_load` / :meth:`plan_shared`: a :class:`~kvtier.core.handles.LoadPlan` (each chunk's
+  source tier and buffer, pinned; the :class:`~kvtier.core.handles.Read` s to run);
+  :meth:`complete_reads` applies what the reads found (publish, cut the prefix);
+- :meth:`plan_store` / :meth:`complete_store`: reserved pages, then publication;
+- every verb that frees a cpu page or publishes a chunk also returns the
+  :class:`~kvtier.core.handles.WriteJob` s it decided (a victim's spill to a write-back tier, a
+  write-through, a spill ahead); :meth:`begin_write` / :meth:`end_write` / :meth:`written` apply
+  what the write did.
+
+The :class:`~kvtier.core.mover.Mover` runs the plans (threads, queues, tier reads and writes)
+and reports back by calling these verbs; the index never calls the mover.  Every planned
+:class:`WriteJob` ends in exactly one :meth:`written` (the mover calls it when a job cannot be
+queued; :meth:`end_write` when it ran).  What the index still does to tiers: the cpu tier's page
+map (reserve, commit, abort, delete: memory only), and a lower tier's ``delete`` of an eviction
+victim and ``clear`` on a reset (under the lock, so that usage and policy never disagree).
+
+Eviction from the top tier is decided in one place, :meth:`Index.may_free_page` (may this
+chunk's page be freed now), and done in one place, :meth:`Index.evict_top`.  This module is a
+load's whole path through the index; saves, the outcomes of writes, TTL pins, resets and checks
+are its second half, :mod:`kvtier.core.upkeep`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvtier.core.config import KVTierConfig
+from kvtier.core.handles import LoadHandle, LoadPlan, Read, StagedCopy, WriteJob
+from kvtier.core.keys import ChunkKey
+from kvtier.core.lowerindex import LowerIndex
+from kvtier.core.policies import make_policy
+from kvtier.core.policies.admission import make_admission
+from kvtier.core.quota import TenantLedger
+from kvtier.core.stats import StoreCounters
+from kvtier.core.tenant import TenantRecords, Writer
+from kvtier.core.tiers.base import (
+    GetResult,
+    NoRoom,
+    Paged,
+    Reservation,
+    StagingTier,
+)
+from kvtier.core.upkeep import IndexUpkeep
+
+
+class Index(IndexUpkeep):
+    """All placement state of one store (see the module docstring).
+
+    Args:
+        cpu: the top (staging) tier.
+        lower: the tiers below it, in order.
+        config: policies, admission, quotas, ``spill_watermark``, ``pin_max_share``.
+        counters: the store's event counters.
+        chunk_bytes: bytes of one chunk.
+    """
+
+    def __init__(self, cpu: StagingTier, lower: Sequence[LowerIndex], config: KVTierConfig,
+                 counters: StoreCounters, chunk_bytes: int) -> None:
+        self.lock = threading.RLock()
+        self.cpu = cpu
+        self.name = cpu.name
+        self.chunk_bytes = chunk_bytes
+        self.counters = counters
+        self.spill_watermark = config.spill_watermark
+        self.policy = make_policy(config.policy)
+        self.lower = list(lower)
+        self.by_name = {lt.name: lt for lt in self.lower}
+        for lt in self.lower:  # admission per lower tier (kvtier.core.policies.admission)
+            lt.admission = make_admission(config.admission.get(lt.name, "all"))
+        self.local = [lt for lt in self.lower if not lt.shared]
+        self.shared = [lt for lt in self.lower if lt.shared]
+        self.back = [lt for lt in self.lower if lt.write_back]
+        self.through = [lt for lt in self.lower if not lt.write_back]
+        # victims move down, so the default orders the cpu tier for the reach of the whole stack
+        self.policy.set_capacity_below(sum(lt.tier.usage().capacity_bytes for lt in self.back) // chunk_bytes)
+        pages = cpu.num_pages if isinstance(cpu, Paged) else cpu.usage().capacity_bytes // chunk_bytes
+        self.pages = pages
+        self.ttl_budget = int(config.pin_max_share * pages)
+        self.quota: TenantLedger | None = None
+        if config.tenant_quotas is not None:  # each local tier's share per tenant (kvtier.core.quota)
+            self.quota = TenantLedger(config.tenant_quotas, pages)
+            for lt in self.local:
+                lt.quota = TenantLedger(config.tenant_quotas,
+                                        lt.tier.usage().capacity_bytes // lt.tier.stored_bytes(chunk_bytes))
+        self.pins: Counter[ChunkKey] = Counter()
+        self.writing: Counter[ChunkKey] = Counter()  # write jobs reading a page (subset of pins)
+        self.staged: dict[ChunkKey, StagedCopy] = {}  # evicted chunks still queued for a write-back tier
+        self.parent: dict[ChunkKey, ChunkKey | None] = {}
+        self.tenant: dict[ChunkKey, Writer] = {}  # who each resident chunk was saved for, when known
+        self.uses: Counter[ChunkKey] = Counter()  # times each resident chunk was served (admission)
+        self.epoch = 0  # resets so far; promotions and saves planned in an older one never publish
+        self.doomed: set[ChunkKey] = set()  # dropped by a reset while pinned: freed at the last unpin
+        self.ttl_pins: dict[ChunkKey, float] = {}  # requests' TTL pins: chunk -> time.monotonic() deadline
+        self._init_feed()
+
+    # ---- what is where -------------------------------------------------------------------
+    def holds(self, key: ChunkKey) -> bool:
+        """In the top tier: resident in a page or staged (a doomed chunk is neither)."""
+        return self.resident(key) or key in self.staged
+
+    def lookup(self, chain: Sequence[ChunkKey]) -> tuple[int, Counter[str]]:
+        """Leading chunks of ``chain`` in the top or a local lower tier, and how many per tier."""
+        found = Counter[str]()
+        n = 0
+        with self.lock:
+            for key in chain:
+                if self.holds(key):
+                    found[self.name] += 1
+                else:
+                    lt = next((lt for lt in self.local if lt.tier.contains(key)), None)
+                    if lt is None:
+                        break
+                    found[lt.name] += 1
+                n += 1
+        return n, found
+
+    def _tier_of(self, key: ChunkKey) -> str | None:
+        if self.holds(key):
+            return self.name
+        return next((lt.name for lt in self.local if lt.tier.indexed(key)), None)
+
+    def _dirty(self, key: ChunkKey) -> bool:
+        return bool(self.local) and self.holds(key) and not any(lt.tier.indexed(key) for lt in self.local)
+
+    def _held_keys(self) -> list[ChunkKey]:
+        return [*(k for k in self.cpu.keys() if k not in self.doomed), *self.staged,  # noqa: SIM118
+                *(k for lt in self.local for k in lt.tier.keys())]  # noqa: SIM118
+
+    def _note(self, key: ChunkKey) -> None:
+        """Record that ``key``'s tiers may have changed (the lock held)."""
+        if self._dirty(key):
+            self._dirty_keys.add(key)
+        else:
+            self._dirty_keys.discard(key)
+        if self._full_next:
+            return
+        self._changed[key] = None
+        if len(self._changed) > self.change_feed_limit:
+            self._changed.clear()
+            self._full_next = True
+
+    def resident(self, key: ChunkKey) -> bool:
+        """In a cpu page and not doomed by a reset."""
+        return self.cpu.contains(key) and key not in self.doomed
+
+    # ---- load ----------------------------------------------------------------------------
+    def plan_load(self, chain: Sequence[ChunkKey], limit: int, top_only: bool) -> LoadPlan:
+        """Pin the longest prefix of ``chain[:limit]`` held in the top or a local lower tier
+        (``top_only``: the top tier alone); chunks below the top tier get a :class:`Read` into a
+        reserved cpu page (or a private buffer when no page may be freed)."""
+        plan = LoadPlan(LoadHandle([], [], []))
+        handle = plan.handle
+        with self.lock:
+            for i in range(limit):
+                key = chain[i]
+                if self.resident(key):
+                    self.pins[key] += 1
+                    handle.pinned.append(key)
+                    buf = self.cpu.view(key)
+                    source = self.name
+                elif key in self.staged:  # a private copy, immutable: no pin needed
+                    buf = self.staged[key].data
+                    source = self.name
+                elif top_only:
+                    break
+                else:
+                    lt = next((lt for lt in self.local if lt.tier.contains(key)), None)
+                    if lt is None:
+                        break
+                    lt.pins[key] += 1  # (LowerIndex.pin, inlined on the hit path)
+                    buf = self._read_into(plan, key, i, lt)
+                    source = lt.name
+                handle.keys.append(key)
+                handle.buffers.append(buf)
+                handle.tiers.append(source)
+        return plan
+
+    def plan_shared(self, plan: LoadPlan, start: int, keys: Sequence[ChunkKey]) -> None:
+        """Extend ``plan`` (whose prefix ends at ``start``) with reads of ``keys`` from the first shared tier."""
+        lt = self.shared[0]
+        with self.lock:
+            for offset, key in enumerate(keys):
+                plan.handle.keys.append(key)
+                plan.handle.buffers.append(self._read_into(plan, key, start + offset, lt))
+                plan.handle.tiers.append(lt.name)
+
+    def _read_into(self, plan: LoadPlan, key: ChunkKey, pos: int, lt: LowerIndex) -> np.ndarray:
+        """Plan the read of ``key`` (chain position ``pos``, held by ``lt``) and return its buffer:
+        a reserved cpu page if one is free, else a private buffer."""
+        got = self.cpu.reserve(key) if self.free_page(_owner(lt, key), plan.writes) else NoRoom.NO_ROOM
+        reserved = isinstance(got, Reservation)
+        buf = got.buffer if isinstance(got, Reservation) else np.empty(self.chunk_bytes, dtype=np.uint8)
+        plan.reads.append(Read(pos, key, buf, reserved, lt.name, lt.shared, self.epoch))
+        return buf
+
+    def complete_reads(self, chain: Sequence[ChunkKey], handle: LoadHandle, batch: Sequence[Read],
+                       results: Sequence[GetResult], records: TenantRecords) -> None:
+        """Apply what reads of ``batch`` found: publish the chunks that arrived (pinned for
+        ``handle``), forget corrupt or vanished ones, and cut the prefix at the first chunk that
+        did not arrive (or was planned before a reset)."""
+        with self.lock:
+            failed = [r.pos for r, res in zip(batch, results) if res is not GetResult.HIT or r.epoch != self.epoch]
+            cut = min(failed) if failed else None
+            for r, res in zip(batch, results):
+                lt = self.by_name[r.tier]
+                if not r.shared:  # (LowerIndex.unpin, inlined on the hit path)
+                    lt.pins[r.key] -= 1
+                    if lt.pins[r.key] <= 0:
+                        del lt.pins[r.key]
+                if res is GetResult.CORRUPT or (res is GetResult.MISS and not r.shared
+                                                and not lt.tier.indexed(r.key)):
+                    lt.forget(r.key)  # corrupt (counted by the tier) or removed by another process
+                    self._note(r.key)
+                if cut is not None and r.pos >= cut:
+                    if r.reserved:
+                        self.cpu.abort(r.key)
+                    continue
+                if r.reserved:
+                    self.publish(r.key, chain[r.pos - 1] if r.pos > 0 else None, records.get(r.key),
+                                 owner=_owner(lt, r.key))
+                    self.pins[r.key] += 1
+                    handle.pinned.append(r.key)
+            if cut is not None:  # everything from the first unusable chunk on is dropped
+                for key in handle.keys[cut:]:
+                    if key in handle.pinned:
+                        handle.pinned.remove(key)
+                        self.unpin(key)
+                del handle.keys[cut:], handle.buffers[cut:], handle.tiers[cut:]
+
+    def start_read_ahead(self, handle: LoadHandle, ahead_from: int) -> bool:
+        """Mark ``handle`` as reading chunks ``ahead_from`` on in the background; False (nothing
+        to read) when its prefix already ended before them."""
+        with self.lock:
+            if handle.num_chunks <= ahead_from:
+                return False
+            handle.ahead_from = ahead_from
+            handle.reading_ahead = True
+            return True
+
+    def advance(self, handle: LoadHandle, ready: int) -> None:
+        """Chunks before ``ready`` of ``handle`` are in place (read ahead)."""
+        with self.lock:
+            handle.ahead_from = min(ready, handle.num_chunks)
+
+    def end_read_ahead(self, handle: LoadHandle) -> None:
+        """The background reads of ``handle`` ended; unpin it now if it was released meanwhile."""
+        with self.lock:
+            handle.reading_ahead = False
+            refresh = handle.release_after_read
+        if refresh is not None:
+            self.unpin_load(handle, refresh)
+
+    def release(self, handle: LoadHandle, refresh: bool) -> bool:
+        """Unpin ``handle`` once (after its background reads, if they still run); on ``refresh``
+        mark its chunks used.  False if it was released already."""
+        with self.lock:
+            if handle.done:
+                return False
+            handle.done = True
+            if handle.reading_ahead:  # unpinned by the read-ahead when its reads end
+                handle.release_after_read = refresh
+                return True
+        self.unpin_load(handle, refresh)
+        return True
+
+    def unpin_load(self, handle: LoadHandle, refresh: bool) -> None:
+        with self.lock:
+            for key in handle.pinned:
+                self.unpin(key)
+            handle.pinned = []
+            if refresh and handle.keys:
+                used = [k for k in handle.keys if self.resident(k)]
+                self.policy.touch(used)
+                for key in used:
+                    self.uses[key] += 1
+                for lt in self.local:
+                    below = [k for k, t in zip(handle.keys, handle.tiers) if t == lt.name]
+                    if below and lt.policy is not None:
+                        lt.policy.touch(below)
+
+    def unpin(self, key: ChunkKey) -> None:
+        self.pins[key] -= 1
+        if self.pins[key] <= 0:
+            del self.pins[key]
+            if key in self.doomed:
+                self.doomed.discard(key)
+                self._drop(key)
+
+    def publish(self, key: ChunkKey, parent: ChunkKey | None, tenant: Writer | None = None,
+                owner: bytes | None = None) -> None:
+        """Commit a reserved page and track it (saved for ``tenant`` when known; ``owner``: the
+        quota's tenant key when ``tenant`` gives none, e.g. a promotion's lower-tier ledger)."""
+        self.cpu.commit(key)
+        self.parent[key] = parent
+        if tenant is not None:
+            self.tenant[key] = tenant
+        if self.quota is not None:
+            quota_key = tenant.quota_key if tenant is not None else None
+            self.quota.add(key, quota_key if quota_key is not None else owner)
+        self.policy.insert(key, parent)
+        self._note(key)
+
+    def _job(self, lt: LowerIndex, key: ChunkKey, data: np.ndarray | None, evict_after: bool,
+             tenant: Writer | None) -> WriteJob:
+        """A write of ``key`` into ``lt``; one from a page (``data`` None) pins the page until :meth:`written`."""
+        if data is None:
+            self.pins[key] += 1
+            self.writing[key] += 1
+        return WriteJob(lt.name, key, self.parent.get(key), data, evict_after, self.epoch, tenant)
+
+    # ---- eviction from the top tier: decided in may_free_page, done in evict_top ------------
+    def may_free_page(self, key: ChunkKey, ahead: bool) -> bool:
+        """Whether the page of resident ``key`` may be freed now: not pinned, no live TTL pin; ahead
+        of need (a spill, or eviction after its write) with quotas only while its tenant stays at
+        or above its guarantee."""
+        if key in self.pins or self.ttl_pinned(key):
+            return False
+        return not ahead or self.quota is None or self.quota.above_guarantee(key)
+
+    def ttl_pinned(self, key: ChunkKey) -> bool:
+        """``key`` has a TTL pin whose deadline has not passed (an expired one is forgotten here)."""
+        deadline = self.ttl_pins.get(key)
+        if deadline is None:
+            return False
+        if deadline <= time.monotonic():
+            del self.ttl_pins[key]
+            return False
+        return True
+
+    def evict_top(self, key: ChunkKey) -> None:
+        """Drop a resident chunk from its page (an eviction, counted)."""
+        with self.lock:
+            self._drop(key)
+            self.counters.evicted(self.name)
+
+    # ---- room in the top tier (what may go: may_free_page) -----------------------------------
+    def free_page(self, tenant: bytes | None, writes: list[WriteJob]) -> bool:
+        """Make sure one cpu page is free, evicting if needed (a write-back tier that lacks the
+        victim gets a staged copy, its write in ``writes``); False if nothing may go (with quotas,
+        for ``tenant``, the quota's tenant key of whoever needs the page)."""
+        if self.cpu.can_reserve():
+            return True
+
+        def evictable(k: ChunkKey) -> bool:
+            return self.may_free_page(k, ahead=False)
+
+        victim = self.quota.victim(self.policy, evictable, tenant) if self.quota is not None \
+            else self.policy.victim(evictable)
+        if victim is None:
+            return False
+        missing = self._admitting(victim)
+        if missing:  # write-back: stage a copy so the page is free now; the writes happen on the mover
+            copy = self.staged.get(victim) or self.staged.setdefault(victim, StagedCopy(self.cpu.view(victim).copy()))
+            for lt in missing:
+                writes.append(self._job(lt, victim, copy.data, evict_after=False, tenant=self.tenant.get(victim)))
+                copy.pending += 1
+        self.evict_top(victim)
+        return True
+
+    def _admitting(self, victim: ChunkKey) -> list[LowerIndex]:
+        """Write-back tiers that lack ``victim`` and whose admission takes it."""
+        uses = self.uses.get(victim, 0)
+        return [lt for lt in self.back if not lt.tier.indexed(victim) and lt.admission.judge(victim, uses)]
+
+    def _drop(self, key: ChunkKey) -> None:
+        self.cpu.delete(key)
+        self.policy.remove(key)
+        self.parent.pop(key, None)
+        self.tenant.pop(key, None)
+        self.uses.pop(key, None)
+        self.ttl_pins.pop(key, None)
+        if self.quota is not None:
+            self.quota.remove(key)
+        self._note(key)
+
+
+def _owner(lt: LowerIndex, key: ChunkKey) -> bytes | None:
+    """The quota's tenant key of ``key`` in ``lt`` (:meth:`LowerIndex.owner`, here on the hit path)."""
+    return lt.quota.owner.get(key) if lt.quota is not None else None

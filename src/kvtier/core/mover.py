@@ -1,0 +1,256 @@
+"""The store's mover: runs the index's plans, with threads, bounded queues and tier I/O.
+
+The index (:mod:`kvtier.core.index`) decides; the :class:`Mover` moves bytes and reports what
+happened by calling the index's verbs (the index never calls the mover).  It never holds the
+index's lock during tier I/O: each verb it calls takes the lock for its own bookkeeping only.
+
+- **Writes**: one bounded queue (``save_queue_depth`` jobs) and ``io_threads`` writer threads
+  per lower tier.  :meth:`Mover.submit` queues the index's :class:`~kvtier.core.handles.WriteJob` s
+  without waiting: a job that does not fit is dropped, counted in ``dropped_saves``, and handed
+  back to the index (:meth:`~kvtier.core.upkeep.IndexUpkeep.written`).  A writer asks the index for
+  room and the bytes (:meth:`~kvtier.core.upkeep.IndexUpkeep.begin_write`), writes, and reports
+  (:meth:`~kvtier.core.upkeep.IndexUpkeep.end_write`).
+- **Reads** (promotions): a load's :class:`~kvtier.core.handles.Read` s, one batch per tier in
+  tier order, then :meth:`~kvtier.core.index.Index.complete_reads`.  With read-ahead the first
+  ``io_threads`` are read before ``prepare_load`` returns and the rest on a background pool,
+  ``io_threads`` at a time (a shared tier's chunks in one pipelined batch), advancing
+  ``LoadHandle.ahead_from`` so the caller copies the ready head while the tail is read::
+
+      chain     c0   c1   c2   c3   c4   c5
+      found in  cpu  disk disk disk redis redis
+      reads          1    2    3    4     5      (pos = position in the chain = in the handle)
+
+  A chunk that is missing or fails verification cuts the prefix there (a chunk is only useful if
+  every chunk before it was delivered).  A chunk read from a lower tier keeps its writer's tenant
+  record: the tier puts the record of each value it verified into ``records``
+  (:data:`kvtier.core.tenant.TenantRecords`), and the published page carries it (issue 22).
+- **Presence** in a shared tier: :meth:`Mover.leading_present`, one pipelined batch.
+- **Rescans** of local tiers other processes write into (``disk_rescan_s``): :meth:`Mover.rescan`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from kvtier.core import tenant
+from kvtier.core.handles import LoadHandle, LoadPlan, Read, WriteJob
+from kvtier.core.index import Index
+from kvtier.core.keys import ChunkKey
+from kvtier.core.stats import StoreCounters
+from kvtier.core.tiers.base import GetResult, PutResult, Rescannable, Tier
+
+log = logging.getLogger("kvtier.core.store")
+
+
+class Mover:
+    """Runs the index's plans (see the module docstring).
+
+    Args:
+        index: the store's index.
+        io_threads: writer threads per lower tier; reads before ``prepare_load`` returns with
+            read-ahead, and per background batch.
+        queue_depth: write jobs queued per lower tier at most.
+        counters: the store's event counters (bytes and seconds moved, dropped saves).
+    """
+
+    def __init__(self, index: Index, io_threads: int, queue_depth: int, counters: StoreCounters) -> None:
+        self.index = index
+        self.io_threads = io_threads
+        self.counters = counters
+        self.chunk_bytes = index.chunk_bytes
+        self.top_name = index.name
+        self.tiers: dict[str, Tier] = {lt.name: lt.tier for lt in index.lower}
+        self.queues: dict[str, queue.Queue[WriteJob | None]] = {
+            name: queue.Queue(maxsize=queue_depth) for name in self.tiers}
+        self._writers = [threading.Thread(target=self._write_loop, args=(name,), daemon=True,
+                                          name=f"kvtier-{name}-write-{i}")
+                         for name in self.tiers for i in range(io_threads)]
+        for t in self._writers:
+            t.start()
+        self._ahead = ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-read-ahead")
+        self._rescan_stop = threading.Event()
+        self._rescanner: threading.Thread | None = None
+
+    # ---- writes --------------------------------------------------------------------------
+    def submit(self, jobs: Iterable[WriteJob]) -> None:
+        """Queue ``jobs``; one that does not fit is dropped (counted) and handed back to the index."""
+        for job in jobs:
+            try:
+                self.queues[job.tier].put_nowait(job)
+            except queue.Full:
+                self.counters.dropped()
+                self.index.written(job, False)
+
+    def free_slots(self) -> dict[str, int]:
+        """Jobs each tier's queue takes now before it is full."""
+        return {name: q.maxsize - q.qsize() for name, q in self.queues.items()}
+
+    def full(self) -> set[str]:
+        """Tiers whose queue is full."""
+        return {name for name, q in self.queues.items() if q.full()}
+
+    def busy(self, names: Iterable[str] | None = None) -> int:
+        """Write jobs queued or running (for the tiers ``names``; ``None``: all)."""
+        return sum(self.queues[n].unfinished_tasks for n in (self.queues if names is None else names))
+
+    def write_dirty(self, keys: Iterable[ChunkKey], deadline: float) -> None:
+        """Write each of ``keys`` (dirty chunks) to the local tiers that lack it, waiting for room
+        in their queues (unlike a save), then for the writes, until ``deadline`` (monotonic)."""
+        for key in keys:
+            while time.monotonic() < deadline:
+                done, writes = self.index.plan_flush(key, self.full())
+                self.submit(writes)
+                if done:
+                    break
+                time.sleep(0.002)
+        local = [lt.name for lt in self.index.local]
+        while self.busy(local) and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    def _write_loop(self, name: str) -> None:
+        q = self.queues[name]
+        while True:
+            job = q.get()
+            try:
+                if job is None:
+                    return
+                self._write(job)
+            except Exception:  # a worker must survive any single failure
+                log.exception("kvtier: %s write of a chunk failed", name)
+            finally:
+                q.task_done()
+
+    def _write(self, job: WriteJob) -> None:
+        begun = self.index.begin_write(job)
+        if begun is None:
+            return
+        data, room = begun
+        result = PutResult.NO_ROOM
+        t0 = time.perf_counter()
+        if room:
+            result = self.tiers[job.tier].put(job.key, memoryview(data.data), job.tenant)  # the envelope keeps the tenant record
+        seconds = time.perf_counter() - t0
+        if not result.stored:
+            log.debug("kvtier: %s write of %s dropped (%s)", job.tier, job.key.hex(), result.value)
+        if self.index.end_write(job, result, room) and result is PutResult.STORED:
+            self.counters.moved(f"{self.top_name}_to_{job.tier}", data.size, seconds)
+
+    # ---- reads ---------------------------------------------------------------------------
+    def leading_present(self, tier: str, keys: Sequence[ChunkKey]) -> int:
+        """How many leading ``keys`` the (shared) tier holds: one pipelined batch; blocks up to
+        the tier's deadline; a fault is 0."""
+        present = self.tiers[tier].contains_many(keys)
+        return next((i for i, hit in enumerate(present) if not hit), len(present))
+
+    def run(self, chain: Sequence[ChunkKey], plan: LoadPlan, read_ahead: bool) -> None:
+        """Run ``plan.reads`` now, or with ``read_ahead`` only the first ``io_threads`` of them and
+        the rest in the background."""
+        reads = plan.reads
+        ahead = reads[self.io_threads:] if read_ahead else []
+        self.read(chain, plan.handle, reads[:len(reads) - len(ahead)])
+        if not ahead:
+            return
+        if not self.index.start_read_ahead(plan.handle, ahead[0].pos):
+            self.index.give_back(ahead)  # the prefix already ended before them
+            return
+        try:
+            plan.handle.pending = self._ahead.submit(self._read_ahead, chain, plan.handle, ahead)
+        except RuntimeError:  # closed: read here
+            self._read_ahead(chain, plan.handle, ahead)
+
+    def read(self, chain: Sequence[ChunkKey], handle: LoadHandle, batch: Sequence[Read]) -> None:
+        """Read ``batch`` (one read per tier, in tier order) and report to the index."""
+        results: list[GetResult] = []
+        records: tenant.TenantRecords = {}  # verified values and chunk files name their writer
+        for name in dict.fromkeys(r.tier for r in batch):
+            jobs = [r for r in batch if r.tier == name]
+            t0 = time.perf_counter()
+            got = self.tiers[name].get_many([r.key for r in jobs], [memoryview(r.buffer.data) for r in jobs],
+                                            records)
+            seconds = time.perf_counter() - t0
+            results.extend(got)
+            hits = sum(1 for r in got if r is GetResult.HIT)
+            self.counters.moved(f"{name}_to_{self.top_name}", hits * self.chunk_bytes, seconds)
+        self.index.complete_reads(chain, handle, batch, results, records)
+
+    def _read_ahead(self, chain: Sequence[ChunkKey], handle: LoadHandle, ahead: list[Read]) -> None:
+        """Read ``ahead`` in batches of ``io_threads`` chunks, advancing ``handle.ahead_from`` after
+        each; a shared tier's chunks stay in one batch (one pipelined round trip)."""
+        try:
+            i = 0
+            while i < len(ahead):
+                if ahead[i].shared:
+                    end = next((j for j in range(i, len(ahead)) if not ahead[j].shared), len(ahead))
+                else:
+                    end = min(i + self.io_threads, len(ahead))
+                batch, i = ahead[i:end], end
+                if handle.num_chunks > batch[0].pos:
+                    self.read(chain, handle, batch)
+                else:  # the prefix ended in an earlier batch (a chunk failed): give this one's pins and pages back
+                    self.index.give_back(batch)
+                self.index.advance(handle, batch[-1].pos + 1)
+        finally:
+            self.index.end_read_ahead(handle)
+
+    # ---- other processes' chunk files ----------------------------------------------------
+    def rescan(self) -> int:
+        """Read each rescannable local tier's directory (without the index's lock) and hand what
+        changed to the index (:meth:`~kvtier.core.upkeep.IndexUpkeep.adopt`); the keys adopted or forgotten."""
+        n = 0
+        for lt in self.index.local:
+            if isinstance(lt.tier, Rescannable) and lt.policy is not None:
+                n += self.index.adopt(lt.name, lt.tier.scan())
+        return n
+
+    def start_rescans(self, interval_s: float) -> None:
+        """:meth:`rescan` every ``interval_s`` seconds on a background thread until :meth:`stop_rescans`."""
+        self._rescanner = threading.Thread(target=self._rescan_loop, args=(interval_s,),
+                                           name="kvtier-disk-rescan", daemon=True)
+        self._rescanner.start()
+
+    def stop_rescans(self, timeout_s: float) -> None:
+        self._rescan_stop.set()
+        if self._rescanner is not None:
+            self._rescanner.join(timeout=timeout_s)
+
+    def _rescan_loop(self, interval_s: float) -> None:
+        while not self._rescan_stop.wait(interval_s):
+            try:
+                self.rescan()
+            except Exception:  # the thread must outlive one bad round (e.g. the directory vanished)
+                log.exception("kvtier: rescanning the disk tier failed")
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def flush(self, deadline: float | None) -> bool:
+        """Wait until queued writes of every tier are done; False if ``deadline`` (monotonic) passed first."""
+        done = [self._flush(q, deadline) for q in self.queues.values()]  # every tier, not just up to a late one
+        return all(done)
+
+    @staticmethod
+    def _flush(q: queue.Queue[WriteJob | None], deadline: float | None) -> bool:
+        if deadline is None:
+            q.join()
+            return True
+        while q.unfinished_tasks:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def close(self) -> None:
+        """Wait for background reads, then stop the writer threads (after :meth:`flush`)."""
+        self._ahead.shutdown(wait=True)
+        for name, q in self.queues.items():
+            for _ in range(self.io_threads):
+                try:
+                    q.put(None, timeout=1.0)
+                except queue.Full:
+                    log.warning("kvtier: the %s write queue stayed full at close", name)
+                    break
+        for t in self._writers:
+            t.join(timeout=5.0)

@@ -1,0 +1,365 @@
+"""The index's second half: saves, the outcomes of writes, TTL pins, resets, checks.
+
+:class:`IndexUpkeep` is the part of :class:`~kvtier.core.index.Index` off a load's path: saves
+(:meth:`IndexUpkeep.plan_store`, :meth:`IndexUpkeep.complete_store`, spills ahead), what the
+mover's writers report (:meth:`IndexUpkeep.begin_write`, :meth:`IndexUpkeep.end_write`,
+:meth:`IndexUpkeep.written`), rescans, TTL pins, resets and :meth:`IndexUpkeep.check`.  Same
+lock, same state (declared here, set up by :class:`~kvtier.core.index.Index`, whose methods it
+calls: where a chunk is, pins, publication, eviction), no threads, no callbacks.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvtier.core.changes import ChangeFeed
+from kvtier.core.handles import Read, StagedCopy, StoreHandle, StorePlan, WriteJob
+from kvtier.core.keys import ChunkKey
+from kvtier.core.lowerindex import LowerIndex
+from kvtier.core.policies import EvictionPolicy
+from kvtier.core.quota import TenantLedger
+from kvtier.core.stats import StoreCounters, TierStats
+from kvtier.core.tenant import TenantId, Writer
+from kvtier.core.tiers.base import (
+    AlreadyHeld,
+    ClearResult,
+    NoRoom,
+    Paged,
+    PutResult,
+    Rescannable,
+    StagingTier,
+)
+
+if TYPE_CHECKING:
+    from kvtier.core.tiers.disk.scan import RescanResult
+
+
+class IndexUpkeep(ChangeFeed):
+    """Pins, eviction, writes' outcomes, TTL pins, resets and checks (see the module docstring)."""
+
+    lock: threading.RLock
+    cpu: StagingTier
+    name: str
+    counters: StoreCounters
+    policy: EvictionPolicy
+    quota: TenantLedger | None
+    lower: list[LowerIndex]
+    local: list[LowerIndex]
+    by_name: dict[str, LowerIndex]
+    pins: Counter[ChunkKey]  # loads and write jobs holding a page
+    writing: Counter[ChunkKey]  # write jobs reading a page (subset of pins)
+    staged: dict[ChunkKey, StagedCopy]  # evicted chunks still queued for a write-back tier
+    parent: dict[ChunkKey, ChunkKey | None]
+    tenant: dict[ChunkKey, Writer]  # who each resident chunk was saved for, when known
+    uses: Counter[ChunkKey]  # times each resident chunk was served (admission)
+    epoch: int  # resets so far; loads, saves and writes planned in an older one never publish
+    doomed: set[ChunkKey]  # dropped by a reset while pinned: freed at the last unpin
+    ttl_pins: dict[ChunkKey, float]  # requests' TTL pins: chunk -> time.monotonic() deadline
+    ttl_budget: int  # TTL pins held at most
+    back: list[LowerIndex]  # write-back tiers
+    through: list[LowerIndex]  # write-through tiers (every shared tier)
+    spill_watermark: float
+
+    if TYPE_CHECKING:  # defined by Index (kvtier.core.index), the load's half
+        def holds(self, key: ChunkKey) -> bool: ...
+        def resident(self, key: ChunkKey) -> bool: ...
+        def unpin(self, key: ChunkKey) -> None: ...
+        def publish(self, key: ChunkKey, parent: ChunkKey | None, tenant: Writer | None = None,
+                    owner: bytes | None = None) -> None: ...
+        def _job(self, lt: LowerIndex, key: ChunkKey, data: np.ndarray | None, evict_after: bool,
+                 tenant: Writer | None) -> WriteJob: ...
+        def may_free_page(self, key: ChunkKey, ahead: bool) -> bool: ...
+        def evict_top(self, key: ChunkKey) -> None: ...
+        def free_page(self, tenant: bytes | None, writes: list[WriteJob]) -> bool: ...
+        def _admitting(self, victim: ChunkKey) -> list[LowerIndex]: ...
+        def _drop(self, key: ChunkKey) -> None: ...
+        def _note(self, key: ChunkKey) -> None: ...
+
+    # ---- store ---------------------------------------------------------------------------
+    def plan_store(self, chain: Sequence[ChunkKey], start: int, tenant: TenantId | None) -> StorePlan:
+        """Reserve top-tier pages for ``chain[start:]`` chunks no local tier holds yet (the pages'
+        victims spilled to a write-back tier are the plan's ``writes``); the chain ends at the
+        first chunk that gets no page."""
+        handle = StoreHandle([], [], [], [], tenant=tenant)
+        writes: list[WriteJob] = []
+        owner = tenant.salt if tenant is not None else None  # the quota's tenant key
+        with self.lock:
+            handle.epoch = self.epoch
+            for i in range(start, len(chain)):
+                key = chain[i]
+                if self.holds(key) or any(lt.tier.indexed(key) for lt in self.local):
+                    continue
+                got = self.cpu.reserve(key) if self.free_page(owner, writes) else NoRoom.NO_ROOM
+                if got is AlreadyHeld.ALREADY_HELD:  # being promoted from a lower tier: stored when that ends
+                    continue
+                if got is NoRoom.NO_ROOM:
+                    self.counters.dropped(len(chain) - i)
+                    break
+                handle.keys.append(key)
+                handle.indices.append(i)
+                handle.parents.append(chain[i - 1] if i > 0 else None)
+                handle.buffers.append(got.buffer)
+        return StorePlan(handle, writes)
+
+    def complete_store(self, handle: StoreHandle, success: bool, free_slots: dict[str, int]) -> StorePlan | None:
+        """Publish (``success`` and no reset since) or give back ``handle``'s pages.  Returns the
+        published ``handle`` with its ``writes`` (write-through copies, spills ahead;
+        ``free_slots``: each tier's free queue slots), ``None`` when nothing was published
+        (failed, reset since, or released already)."""
+        writes: list[WriteJob] = []
+        with self.lock:
+            if handle.done:
+                return None
+            handle.done = True
+            success = success and handle.epoch == self.epoch  # bytes copied before a reset: not stored
+            for key, parent in zip(handle.keys, handle.parents):
+                if not success:
+                    self.cpu.abort(key)
+                    continue
+                self.publish(key, parent, handle.tenant)
+                for lt in self.through:  # a shared server may have lost what this process wrote
+                    if lt.shared or not lt.tier.indexed(key):  # (restart, its own eviction, TTL): write again
+                        writes.append(self._job(lt, key, None, evict_after=False, tenant=handle.tenant))
+            if not success:
+                return None
+            self.spill_ahead(free_slots, writes)
+            return StorePlan(handle, writes)
+
+    def spill_ahead(self, free_slots: dict[str, int], writes: list[WriteJob]) -> None:
+        """Plan write-backs of likely victims so free pages stay above ``spill_watermark``."""
+        if not self.back or not isinstance(self.cpu, Paged) or not self.cpu.num_pages:
+            return
+        want = int(self.spill_watermark * self.cpu.num_pages)
+        free = self.cpu.usage().free_bytes // self.chunk_bytes
+        writing = self.writing
+        while free + len(writing) < want and all(free_slots.get(lt.name, 0) > 0 for lt in self.back):
+            victim = self.policy.victim(lambda k: self.may_free_page(k, ahead=True) and k not in writing)
+            if victim is None:
+                return
+            missing = self._admitting(victim)
+            if not missing:
+                self.evict_top(victim)
+                free += 1
+                continue
+            for lt in missing:
+                free_slots[lt.name] -= 1
+                writes.append(self._job(lt, victim, None, evict_after=True, tenant=self.tenant.get(victim)))
+
+    def give_back(self, reads: Sequence[Read]) -> None:
+        """Reads that will not run: unpin their lower-tier chunks, release their reserved pages."""
+        with self.lock:
+            for r in reads:
+                if not r.shared:
+                    self.by_name[r.tier].unpin(r.key)
+                if r.reserved:
+                    self.cpu.abort(r.key)
+
+    def evict_below(self, tier: str, key: ChunkKey) -> None:
+        """Evict ``key`` from the lower tier ``tier`` now (what its policy would do; drills and tests)."""
+        with self.lock:
+            self.by_name[tier].evict(key)
+            self._note(key)
+
+    # ---- writes into lower tiers (run by the mover) ---------------------------------------
+    def begin_write(self, job: WriteJob) -> tuple[np.ndarray, bool] | None:
+        """A writer took ``job``: its bytes and whether room was made (victims evicted, the chunk
+        pinned in its tier).  ``None``: planned before a reset of its tier, released here."""
+        with self.lock:
+            lt = self.by_name[job.tier]
+            if job.epoch < lt.cleared_at:  # what it would write is gone
+                self.written(job, False)
+                return None
+            data = self.cpu.view(job.key) if job.data is None else job.data
+            room, evicted = lt.make_room(lt.tier.stored_bytes(data.size),
+                                         job.tenant.quota_key if job.tenant is not None else None)
+            for key in evicted:
+                self._note(key)
+            if room:
+                lt.pin(job.key)
+            return data, room
+
+    def end_write(self, job: WriteJob, result: PutResult, room: bool) -> bool:
+        """Apply what the write of ``job`` did (after :meth:`begin_write` returned ``room``);
+        returns whether the chunk is now tracked in its tier."""
+        with self.lock:
+            lt = self.by_name[job.tier]
+            if room:
+                lt.unpin(job.key)
+            if job.epoch < lt.cleared_at:  # reset while the write ran: it must not resurrect the chunk
+                if result is PutResult.STORED:
+                    lt.tier.delete(job.key)
+                self._note(job.key)
+                self.written(job, False)
+                return False
+            if lt.lost_contents():  # a recreated directory: the feed starts over
+                self._resync()
+            ok = result.stored
+            if ok:
+                lt.stored(job.key, job.parent, job.tenant.quota_key if job.tenant is not None else None)
+            else:
+                self.counters.dropped()
+            self._note(job.key)
+            self.written(job, ok)
+            return ok
+
+    def written(self, job: WriteJob, ok: bool) -> None:
+        """``job`` is over (run, dropped, or never queued): release what it held in the top tier."""
+        with self.lock:
+            key = job.key
+            if not job.from_top:
+                copy = self.staged.get(key)
+                if copy is not None:
+                    copy.pending -= 1
+                    if copy.pending <= 0:
+                        del self.staged[key]
+                        self._note(key)
+                return
+            self.writing[key] -= 1
+            if self.writing[key] <= 0:
+                del self.writing[key]
+            self.unpin(key)
+            if job.evict_after and ok and self.resident(key) and self.may_free_page(key, ahead=True):
+                self.evict_top(key)
+
+    def plan_flush(self, key: ChunkKey, full: Collection[str]) -> tuple[bool, list[WriteJob]]:
+        """Writes of dirty ``key`` to the local tiers that lack it; ``(False, [])`` while one of
+        their queues is ``full`` (ask again), ``(True, [])`` when nothing is needed any more."""
+        with self.lock:
+            missing = [lt for lt in self.local if not lt.tier.indexed(key)]
+            if not self.resident(key) or key in self.writing or not missing:
+                return True, []  # evicted (then staged and queued), already on its way, or written
+            if any(lt.name in full for lt in missing):
+                return False, []
+            return True, [self._job(lt, key, None, evict_after=False, tenant=self.tenant.get(key))
+                          for lt in missing]
+
+    def adopt(self, name: str, found: RescanResult) -> int:
+        """Take in a rescan of the local tier ``name`` (read by the caller without the lock)."""
+        lt = self.by_name[name]
+        with self.lock:
+            tier = lt.tier
+            assert isinstance(tier, Rescannable), f"{name} cannot rescan"
+            found = tier.adopt(found)
+            changed, _evicted = lt.adopt(found)
+            for key in changed:
+                self._note(key)
+        return len(found.adopted) + len(found.gone)
+
+    # ---- TTL pins and resets -------------------------------------------------------------
+    def ttl_pin(self, keys: Sequence[ChunkKey], deadline: float) -> tuple[int, int]:
+        """Keep resident ``keys`` until ``deadline`` (``time.monotonic()``); at most
+        ``ttl_budget`` chunks pinned at once.  Returns ``(pinned, refused)``."""
+        pinned = refused = 0
+        with self.lock:
+            for key in keys:
+                if not self.resident(key):
+                    continue
+                if key in self.ttl_pins:
+                    self.ttl_pins[key] = max(self.ttl_pins[key], deadline)
+                elif len(self.ttl_pins) < self.ttl_budget or self._expired_room():
+                    self.ttl_pins[key] = deadline
+                else:
+                    refused += 1
+                    continue
+                pinned += 1
+        return pinned, refused
+
+    def _expired_room(self) -> bool:
+        self.expire_ttl_pins()
+        return len(self.ttl_pins) < self.ttl_budget
+
+    def expire_ttl_pins(self) -> None:
+        """Forget TTL pins whose deadline passed."""
+        now = time.monotonic()
+        for key in [k for k, d in self.ttl_pins.items() if d <= now]:
+            del self.ttl_pins[key]
+
+    def clear(self, names: Collection[str]) -> dict[str, ClearResult]:
+        """A reset of the tiers in ``names``: bump :attr:`epoch` (no load or save planned before
+        publishes, no write planned before lands in a cleared tier); the top tier drops every
+        resident and staged chunk except pinned ones, which are doomed (freed at the last unpin)."""
+        out: dict[str, ClearResult] = {}
+        with self.lock:
+            self.epoch += 1
+            if self.name in names:
+                removed = [k for k in self.cpu.keys() if k not in self.doomed]  # noqa: SIM118 - a list
+                self.ttl_pins.clear()
+                for key in removed:
+                    if key in self.pins:
+                        self.doomed.add(key)
+                    else:
+                        self._drop(key)
+                for key in list(self.staged):  # queued writes keep their copies
+                    del self.staged[key]
+                    if key not in removed:
+                        removed.append(key)
+                out[self.name] = ClearResult(removed)
+            for lt in self.lower:
+                if lt.name in names:
+                    out[lt.name] = lt.clear(self.epoch)
+            self._resync()
+        return out
+
+    # ---- checks and numbers --------------------------------------------------------------
+    def check(self, expect_idle: bool) -> None:
+        """Assert every invariant: the cpu tier's page accounting; its policy tracks exactly the
+        resident chunks (both ways); TTL pins, pins, staged copies and writes name held chunks;
+        each lower tier's usage ≤ capacity and policy == contents; the tenant ledgers; and with
+        ``expect_idle`` that nothing is pinned and no write is planned.
+
+        Raises:
+            AssertionError: naming the broken invariant.
+        """
+        with self.lock:
+            self.cpu.check()
+            usage = self.cpu.usage()
+            assert usage.used_bytes + usage.free_bytes == usage.capacity_bytes
+            assert usage.used_bytes <= usage.capacity_bytes, f"{self.name} holds more than its capacity"
+            resident = set(self.cpu.keys())
+            tracked = set(self.policy.keys())
+            assert resident == tracked, \
+                f"{self.name} policy tracks {len(tracked)} chunks but {len(resident)} are resident"
+            assert set(self.ttl_pins) <= resident, f"{self.name} TTL-pins chunks that are not resident"
+            assert set(self.pins) <= resident, f"{self.name} pins chunks that are not resident"
+            assert set(self.writing) <= set(self.pins), "a write reads a page it does not pin"
+            assert all(self.pins[k] >= n for k, n in self.writing.items()), "more writes than pins of a page"
+            assert self.doomed <= set(self.pins), "a doomed chunk is not pinned (it should have been freed)"
+            assert set(self.parent) <= resident and set(self.uses) <= resident, "bookkeeping of evicted chunks"
+            assert all(c.pending > 0 for c in self.staged.values()), "a staged copy no write waits for"
+            if self.quota is not None:
+                self.quota.check(resident)
+            for lt in self.lower:
+                lt.check()
+            if expect_idle:
+                lower_pins = {lt.name: len(lt.pins) for lt in self.lower if lt.pins}
+                assert not self.pins and not lower_pins, \
+                    f"pins left behind: {len(self.pins)} {self.name}, {lower_pins}"
+                assert not self.writing and not self.staged, "writes still in flight"
+
+    def tier_stats(self) -> dict[str, TierStats]:
+        """Each tier's usage, pins, TTL pins, errors and tenant bytes now (for :class:`~kvtier.core.stats.StoreStats`)."""
+        with self.lock:
+            self.expire_ttl_pins()
+            pinned = {self.name: len(self.pins), **{lt.name: len(lt.pins) for lt in self.lower}}
+            ttl_pinned = {self.name: len(self.ttl_pins)}
+            ledgers = {self.name: self.quota, **{lt.name: lt.quota for lt in self.local}}
+            tiers = {self.name: self.cpu, **{lt.name: lt.tier for lt in self.lower}}
+            return {name: TierStats(u.used_bytes, u.capacity_bytes, u.num_chunks, corrupt_chunks=t.corrupt,
+                                    pinned_chunks=pinned.get(name, 0), wire=t.wire_stats(),
+                                    write_errors=t.write_errors, ttl_pinned_chunks=ttl_pinned.get(name, 0),
+                                    **_tenant_stats(ledgers.get(name), u.num_chunks, self.chunk_bytes))
+                    for name, t in tiers.items() for u in (t.usage(),)}
+
+
+def _tenant_stats(ledger: TenantLedger | None, num_chunks: int, chunk_bytes: int) -> dict[str, Any]:
+    """A tier's per-tenant bytes and quota evictions for its :class:`TierStats` (none without quotas)."""
+    if ledger is None:
+        return {}
+    return {"tenant_used_bytes": ledger.usage_by_label(chunk_bytes, num_chunks - len(ledger.owner)),
+            "quota_evictions": ledger.quota_evictions}
