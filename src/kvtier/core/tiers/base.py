@@ -156,7 +156,7 @@ class ClearResult(NamedTuple):
 
     Attributes:
         keys: the removed chunks the tier can name (a chunk being written when the clear ran may
-            land afterwards: the store deletes it then, :mod:`kvtier.core.lower`).
+            land afterwards: the store deletes it then, :mod:`kvtier.core.mover`).
         ok: ``False`` when something could not be removed (an I/O error, an unreachable server).
         reason: why not, one phrase for a log line (empty when ``ok``).
     """

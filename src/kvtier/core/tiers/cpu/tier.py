@@ -197,7 +197,7 @@ class CpuTier(StagingTier):
 
     def get_into(self, key: ChunkKey, dst: memoryview, records: TenantRecords | None = None) -> GetResult:
         """Copy a resident chunk into ``dst`` (the cpu tier keeps no tenant record: the store's top
-        tier does, :mod:`kvtier.core.top`; ``records`` gets nothing)."""
+        tier does, :mod:`kvtier.core.index`; ``records`` gets nothing)."""
         with self._lock:
             page = self._key_to_page.get(key)
             if page is None:

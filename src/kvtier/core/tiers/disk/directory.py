@@ -186,7 +186,7 @@ class DirectorySync:
         (:func:`~kvtier.core.tiers.disk.reset.remove_chunk_files`), then the reset marker; the keys
         returned are the index's and the files'.  A scan
         running meanwhile adopts nothing (the generation changes).  A write in flight may land
-        after: the store removes it (:mod:`kvtier.core.lower`)."""
+        after: the store removes it (:mod:`kvtier.core.mover`)."""
         with self._lock:
             known = list(self._key_to_size)
             self._key_to_size.clear()

@@ -16,7 +16,7 @@ next store that opens the directory and finds the marker (it removes every chunk
 building its index).
 
 Temporary files of writers in flight are left alone: they become chunk files only by a rename
-the writing store checks against its reset epoch (:mod:`kvtier.core.lower`).
+the writing store checks against its reset epoch (:mod:`kvtier.core.index`).
 """
 
 from __future__ import annotations
