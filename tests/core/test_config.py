@@ -55,7 +55,7 @@ def test_yaml(tmp_path):
     cfg = KVTierConfig.from_yaml(path)
     assert cfg.disk_gib == 0.01 and cfg.write_mode == "write-through"
     assert not (tmp_path / "d").exists()  # validating looks at no filesystem
-    assert disk.check(cfg) == [] and (tmp_path / "d").is_dir()  # the tier's check creates it, as the tier would
+    assert disk.check(cfg) == [] and not (tmp_path / "d").exists()  # nor does the tier's check (the tier creates it)
 
 
 @pytest.mark.parametrize("values,needle", [
@@ -218,7 +218,7 @@ def test_an_explicit_bad_value_is_named_before_a_bad_environment_variable(monkey
 def test_home_is_expanded_and_failed_checks_create_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     cfg = KVTierConfig.from_dict({"disk_path": "~/kv", "disk_gib": 0.001})
-    assert cfg.disk_path == str(tmp_path / "kv") and disk.check(cfg) == [] and (tmp_path / "kv").is_dir()
+    assert cfg.disk_path == str(tmp_path / "kv") and disk.check(cfg) == [] and not (tmp_path / "kv").exists()
     assert "exceeds" in disk_refusal({"disk_path": str(tmp_path / "toolarge"), "disk_gib": 10_000_000})
     assert not (tmp_path / "toolarge").exists()
 
