@@ -38,6 +38,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kvtier.core import tenant
+from kvtier.core.context import ChunkMissed, ChunksRead, LoadCut, MissReason
 from kvtier.core.handles import LoadHandle
 from kvtier.core.keys import ChunkKey
 from kvtier.core.lower import LowerTier
@@ -110,7 +111,11 @@ class Promoter:
 
     def promote(self, chain: Sequence[ChunkKey], handle: LoadHandle, batch: list[Promotion]) -> None:
         """Read ``batch`` (one read per tier, in tier order), publish what arrived, cut the prefix
-        at the first chunk that did not."""
+        at the first chunk that did not.  Reports to the load's context (``handle.ctx``): a
+        :class:`~kvtier.core.context.ChunksRead` per tier read, a ``ChunkMissed`` per chunk that
+        did not arrive and a ``LoadCut`` where the prefix now ends (the tiers' per-chunk results,
+        translated here: a tier reports hit, miss or corrupt, :class:`GetResult`)."""
+        sink = handle.ctx.sink
         results: list[GetResult] = []
         records: tenant.TenantRecords = {}  # verified values and chunk files name their writer
         for lt in dict.fromkeys(p.tier for p in batch):
@@ -120,11 +125,13 @@ class Promoter:
             seconds = time.perf_counter() - t0
             results.extend(got)
             hits = sum(1 for r in got if r is GetResult.HIT)
-            self.counters.moved(f"{lt.name}_to_{self.cpu.name}", hits * self.chunk_bytes, seconds)
+            sink.emit(ChunksRead(lt.name, hits, hits * self.chunk_bytes, seconds))
         with self._lock:
             # a reset since the load was planned: what was read is pre-reset, never published or served
-            failed = [p.pos for p, res in zip(batch, results) if res is not GetResult.HIT or p.epoch != self.top.epoch]
-            cut = min(failed) if failed else None
+            missed = [ChunkMissed(p.pos, p.tier.name, _reason(res, p.epoch != self.top.epoch))
+                      for p, res in zip(batch, results) if res is not GetResult.HIT or p.epoch != self.top.epoch]
+            cut = min(m.index for m in missed) if missed else None
+            planned = handle.num_chunks
             for p, res in zip(batch, results):
                 if not p.tier.shared:
                     p.tier.unpin_locked(p.key)
@@ -147,6 +154,11 @@ class Promoter:
                         handle.pinned.remove(key)
                         self.top.unpin(key)
                 del handle.keys[cut:], handle.buffers[cut:], handle.tiers[cut:]
+        for m in missed:
+            sink.emit(m)
+        if cut is not None and cut < planned:  # not cut before (by an earlier batch of this load)
+            first = min(missed, key=lambda m: m.index)
+            sink.emit(LoadCut(cut, first.tier, first.reason, planned - cut))
 
     def _read_ahead(self, chain: Sequence[ChunkKey], handle: LoadHandle, ahead: list[Promotion]) -> None:
         """Promote ``ahead`` in the background; if the prefix already ended before it, give back its pins and pages."""
@@ -197,3 +209,10 @@ class Promoter:
     def close(self) -> None:
         """Wait for background reads to end and stop their threads."""
         self._ahead.shutdown(wait=True)
+
+
+def _reason(result: GetResult, stale: bool) -> MissReason:
+    """Why a chunk read with ``result`` is not served (``stale``: a reset came since its plan)."""
+    if stale:
+        return "reset"
+    return "corrupt" if result is GetResult.CORRUPT else "missing"

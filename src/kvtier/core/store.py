@@ -56,6 +56,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -63,6 +64,17 @@ from prometheus_client import CollectorRegistry
 
 from kvtier.core.changes import ChangeFeedMixin
 from kvtier.core.config import KVTierConfig
+from kvtier.core.context import (
+    NO_SINK,
+    ChunksServed,
+    LoadCut,
+    LoadFailed,
+    LookedUp,
+    OpContext,
+    Saved,
+    SaveDropped,
+    TtlPinned,
+)
 from kvtier.core.errors import ConfigError
 from kvtier.core.handles import EngineLoad, EngineSave, LoadHandle, PendingLookup, StoreHandle
 from kvtier.core.keys import ChunkKey, Namespace
@@ -73,6 +85,7 @@ from kvtier.core.policies.admission import make_admission
 from kvtier.core.promotion import Promoter, Promotion
 from kvtier.core.quota import TenantLedger
 from kvtier.core.shared import SharedLookups
+from kvtier.core.sinks import CountersSink, Tee
 from kvtier.core.stats import StoreCounters, StoreStats, TierStats
 from kvtier.core.tenant import TenantId
 from kvtier.core.tiers.base import AlreadyHeld, ClearResult, NoRoom, Paged, StagingTier, Tier
@@ -131,6 +144,8 @@ class TieredStore(ChangeFeedMixin):
             raise ConfigError(f"the first tier must be a staging tier such as 'cpu', got {config.tiers[0]!r}; "
                               "list 'cpu' first in tiers")
         self.cpu: StagingTier = tiers[0]
+        self.sink = CountersSink(self.counters, self.cpu.name)  # every operation's events reach the counters
+        self._own = OpContext(sink=self.sink)  # operations outside a request
         self.cpu_policy = make_policy(config.policy)
         self.top = TopTier(self.cpu, self.cpu_policy, self.counters, config.spill_watermark, chunk_bytes)
         self.top.on_change = self._note_locked
@@ -210,6 +225,14 @@ class TieredStore(ChangeFeedMixin):
             self.counters.reset_removed(name, len(result.keys))
         return out
 
+    def _bind(self, ctx: OpContext | None) -> OpContext:
+        """``ctx`` with its sink fanned out to the store's counters too (:mod:`kvtier.core.context`)."""
+        if ctx is None:
+            return self._own
+        if ctx.sink is self.sink or (isinstance(ctx.sink, Tee) and ctx.sink.sinks[0] is self.sink):
+            return ctx  # bound already (a handle's context passed back)
+        return replace(ctx, sink=self.sink if ctx.sink is NO_SINK else Tee(self.sink, ctx.sink))
+
     def tier(self, name: str) -> Tier | None:
         """The tier called ``name``, or ``None`` if the store has none."""
         if name == self.cpu.name:
@@ -217,8 +240,9 @@ class TieredStore(ChangeFeedMixin):
         return next((lt.tier for lt in self.lower if lt.name == name), None)
 
     # ---- lookup --------------------------------------------------------------------------
-    def lookup(self, chain: Sequence[ChunkKey]) -> int:
-        """Leading chunks of ``chain`` available in local tiers (see module docstring)."""
+    def lookup(self, chain: Sequence[ChunkKey], ctx: OpContext | None = None) -> int:
+        """Leading chunks of ``chain`` available in local tiers (see module docstring); ``ctx``:
+        the request's context (:mod:`kvtier.core.context`; ``None``: none)."""
         start = time.perf_counter()
         found = Counter[str]()
         with self._lock:
@@ -232,20 +256,20 @@ class TieredStore(ChangeFeedMixin):
                         break
                     found[lt.name] += 1
                 n += 1
-        self.counters.looked_up(len(chain), found)
+        self._bind(ctx).sink.emit(LookedUp(len(chain), found))
         self.metrics.lookup_seconds.observe(time.perf_counter() - start)
         return n
 
-    def lookup_async(self, chain: Sequence[ChunkKey]) -> PendingLookup:
+    def lookup_async(self, chain: Sequence[ChunkKey], ctx: OpContext | None = None) -> PendingLookup:
         """Local lookup now, continued in the shared tier in the background (see module docstring)."""
-        n = self.lookup(chain)
+        n = self.lookup(chain, ctx)
         if self.shared is None or n >= len(chain):
             return PendingLookup(n, len(chain))
         return self.shared.lookup(chain, n)
 
     # ---- load ----------------------------------------------------------------------------
     def prepare_load(self, chain: Sequence[ChunkKey], max_chunks: int | None = None,
-                     read_ahead: bool = False, top_only: bool = False) -> LoadHandle:
+                     read_ahead: bool = False, top_only: bool = False, ctx: OpContext | None = None) -> LoadHandle:
         """Pin and return the longest available prefix of ``chain`` (at most ``max_chunks``).
 
         With ``read_ahead``, only the first ``io_threads`` chunks found below the cpu tier are read
@@ -257,9 +281,13 @@ class TieredStore(ChangeFeedMixin):
         file, socket or network I/O at all, and every buffer is ready when this returns (the
         connector's synchronous loads, run on the engine's own thread).  Top-tier pages are handed
         out as they are, pinned, without re-hashing: they never left this process's memory (the
-        lower tiers' reads are verified, :mod:`kvtier.core.promotion`)."""
+        lower tiers' reads are verified, :mod:`kvtier.core.promotion`).
+
+        ``ctx``: the request's context (:mod:`kvtier.core.context`; ``None``: none), kept in the
+        handle: the reads' events (:class:`~kvtier.core.context.ChunksRead`, ``ChunkMissed``,
+        ``LoadCut``) and those of :meth:`complete_load` go to its sink and to the store's counters."""
         limit = len(chain) if max_chunks is None else min(max_chunks, len(chain))
-        handle = LoadHandle([], [], [])
+        handle = LoadHandle([], [], [], ctx=self._bind(ctx))
         promote: list[Promotion] = []  # chunks to read from lower tiers (kvtier.core.promotion)
         with self._lock:
             for i in range(limit):
@@ -287,6 +315,9 @@ class TieredStore(ChangeFeedMixin):
         start = handle.num_chunks
         if start < limit and self._shared and not top_only:
             self._plan_shared_reads(chain, start, limit, max_chunks is None, handle, promote)
+        if handle.num_chunks < limit:  # no tier this load may read holds the next chunk
+            handle.ctx.sink.emit(LoadCut(handle.num_chunks, self.top.name if top_only else "", "absent",
+                                         limit - handle.num_chunks))
         if promote:
             self.promoter.run(chain, handle, promote, read_ahead)
         return handle
@@ -319,12 +350,10 @@ class TieredStore(ChangeFeedMixin):
         delivered = handle.ready_chunks()  # a caller that did not wait for read-ahead got no more
         if not self._release(handle, refresh=success):
             return
+        sink = handle.ctx.sink
         if engine is not None:
-            self.counters.engine_load(engine, self.top.name)
-        if not success:
-            self.counters.load_failed()
-            return
-        self.counters.loaded(Counter(handle.tiers[first_chunk:delivered]))
+            sink.emit(engine)
+        sink.emit(ChunksServed(Counter(handle.tiers[first_chunk:delivered])) if success else LoadFailed())
 
     def cancel_load(self, handle: LoadHandle, engine: EngineLoad | None = None) -> None:
         """Unpin a load that will not happen (request aborted, or nothing left to load).
@@ -333,11 +362,11 @@ class TieredStore(ChangeFeedMixin):
         and did not get) is.  Idempotent.
         """
         if self._release(handle, refresh=False) and engine is not None:
-            self.counters.engine_load(engine, self.top.name)
+            handle.ctx.sink.emit(engine)
 
-    def load_skipped(self, engine: EngineLoad) -> None:
+    def load_skipped(self, engine: EngineLoad, ctx: OpContext | None = None) -> None:
         """Count a load that never reached the store (its request was aborted before it began)."""
-        self.counters.engine_load(engine, self.top.name)
+        self._bind(ctx).sink.emit(engine)
 
     def _release(self, handle: LoadHandle, refresh: bool) -> bool:
         """Unpin ``handle`` once; on ``refresh`` mark its chunks used.  False if already released."""
@@ -364,11 +393,21 @@ class TieredStore(ChangeFeedMixin):
                         lt.policy.touch(used)
 
     # ---- store ---------------------------------------------------------------------------
-    def prepare_store(self, chain: Sequence[ChunkKey], start: int = 0, tenant: TenantId | None = None) -> StoreHandle:
-        """Reserve top-tier pages for ``chain[start:]`` chunks not stored yet (see module docstring);
-        ``tenant``: who they are saved for, written with them where a tier keeps a tenant record
-        (:mod:`kvtier.core.tenant`; ``None``: unknown)."""
-        handle = StoreHandle([], [], [], [], tenant=tenant)
+    def prepare_store(self, chain: Sequence[ChunkKey], start: int = 0, tenant: TenantId | None = None,
+                      ctx: OpContext | None = None) -> StoreHandle:
+        """Reserve top-tier pages for ``chain[start:]`` chunks not stored yet (see module docstring).
+
+        ``ctx``: the request's context (:mod:`kvtier.core.context`), kept in the handle; its
+        ``tenant`` is who the chunks are saved for, written with them where a tier keeps a tenant
+        record (:mod:`kvtier.core.tenant`; ``None``: unknown).  ``tenant``: shorthand for a context
+        with only that tenant (tools and tests).
+
+        Raises:
+            ValueError: both ``tenant`` and ``ctx`` given.
+        """
+        ctx = self._bind(_with_tenant(ctx, tenant))
+        tenant = ctx.tenant
+        handle = StoreHandle([], [], [], [], tenant=tenant, ctx=ctx)
         owner = tenant.salt if tenant is not None else None  # the quota's tenant key
         with self._lock:
             handle.epoch = self.top.epoch
@@ -380,8 +419,7 @@ class TieredStore(ChangeFeedMixin):
                 if got is AlreadyHeld.ALREADY_HELD:  # being promoted from a lower tier: stored when that ends
                     continue
                 if got is NoRoom.NO_ROOM:
-                    dropped = len(chain) - i
-                    self.counters.dropped(dropped)
+                    ctx.sink.emit(SaveDropped(len(chain) - i, "no_room"))
                     break
                 handle.keys.append(key)
                 handle.indices.append(i)
@@ -393,7 +431,7 @@ class TieredStore(ChangeFeedMixin):
         """Publish (``success``) or release the reserved pages; count ``engine`` (what the copy out
         of the engine moved) when ``success``.  Idempotent."""
         if success and engine is not None and not handle.done:
-            self.counters.engine_save(engine, self.top.name)
+            handle.ctx.sink.emit(engine)
         with self._lock:
             if handle.done:
                 return
@@ -409,11 +447,11 @@ class TieredStore(ChangeFeedMixin):
                         self.top.enqueue(lt, WriteJob(key, parent, None, evict_after=False,  # again
                                                       tenant=handle.tenant))
             if success:
-                self.counters.saved(len(handle.keys))
+                handle.ctx.sink.emit(Saved(len(handle.keys)))
                 self.top.spill_ahead()
 
     # ---- TTL pins ----------------------------------------------------------------------------
-    def ttl_pin(self, keys: Sequence[ChunkKey], ttl_s: float) -> tuple[int, int]:
+    def ttl_pin(self, keys: Sequence[ChunkKey], ttl_s: float, ctx: OpContext | None = None) -> tuple[int, int]:
         """Keep ``keys`` in the top tier for ``ttl_s`` seconds (a request's pinned prefix, issue 22 item 4).
 
         Only chunks resident in the top tier are pinned (a chunk not held there is skipped); a pin
@@ -437,7 +475,7 @@ class TieredStore(ChangeFeedMixin):
                     pinned += 1
                 else:
                     refused += 1
-        self.counters.ttl_pinned(pinned, refused)
+        self._bind(ctx).sink.emit(TtlPinned(pinned, refused))
         return pinned, refused
 
     def _ttl_pin_budget(self) -> int:
@@ -448,23 +486,25 @@ class TieredStore(ChangeFeedMixin):
 
     # ---- convenience ---------------------------------------------------------------------
     def put(self, chain: Sequence[ChunkKey], datas: Sequence[bytes | memoryview | np.ndarray],
-            tenant: TenantId | None = None) -> int:
-        """Store ``datas[i]`` (``chunk_bytes`` each) under ``chain[i]`` for ``tenant``; returns chunks newly stored."""
-        handle = self.prepare_store(chain, tenant=tenant)
+            tenant: TenantId | None = None, ctx: OpContext | None = None) -> int:
+        """Store ``datas[i]`` (``chunk_bytes`` each) under ``chain[i]`` for ``ctx`` (or ``tenant``, as
+        :meth:`prepare_store`); returns chunks newly stored."""
+        handle = self.prepare_store(chain, tenant=tenant, ctx=ctx)
         ok = False
+        copied: EngineSave | None = None
         try:
             t0 = time.perf_counter()
             for idx, buf in zip(handle.indices, handle.buffers):
                 np.copyto(buf, np.frombuffer(datas[idx], dtype=np.uint8))
-            self.counters.moved("engine_to_cpu", handle.num_chunks * self.chunk_bytes, time.perf_counter() - t0)
+            copied = EngineSave(0, handle.num_chunks * self.chunk_bytes, time.perf_counter() - t0)
             ok = True
         finally:
-            self.complete_store(handle, ok)
+            self.complete_store(handle, ok, copied)
         return handle.num_chunks
 
-    def get(self, chain: Sequence[ChunkKey]) -> list[bytes]:
+    def get(self, chain: Sequence[ChunkKey], ctx: OpContext | None = None) -> list[bytes]:
         """Bytes of the longest available prefix of ``chain`` (copies)."""
-        handle = self.prepare_load(chain, read_ahead=True)
+        handle = self.prepare_load(chain, read_ahead=True, ctx=ctx)
         try:
             out = [buf.tobytes() for buf in handle.buffers[:handle.ready_chunks()]]
             if not handle.wait(READ_AHEAD_WAIT_S):
@@ -586,6 +626,15 @@ class TieredStore(ChangeFeedMixin):
                     f"pins left behind: {len(self.top.pins)} {self.cpu.name}, {lower_pins}"
                 assert not self.top.writing and not self.top.staged and \
                     not any(lt.queue.unfinished_tasks for lt in self.lower), "writes still in flight"
+
+
+def _with_tenant(ctx: OpContext | None, tenant: TenantId | None) -> OpContext | None:
+    """``ctx``, or a context of ``tenant`` alone (``prepare_store``'s shorthand)."""
+    if tenant is None:
+        return ctx
+    if ctx is not None:
+        raise ValueError("pass the tenant in the context (ctx.tenant) or as tenant=, not both")
+    return OpContext(tenant=tenant)
 
 
 def _tenant_stats(ledger: TenantLedger | None, num_chunks: int, chunk_bytes: int) -> dict[str, Any]:
