@@ -10,6 +10,7 @@ import threading
 
 import pytest
 
+from kvtier.core.config import GiB, KVTierConfig
 from kvtier.core.context import (
     ChunkMissed,
     ChunksRead,
@@ -21,12 +22,15 @@ from kvtier.core.context import (
     OpContext,
     Saved,
     SaveDropped,
+    WriteDropped,
 )
 from kvtier.core.sinks import Miss, RequestRecord, Tee
+from kvtier.core.store import TieredStore
 from kvtier.core.tenant import TenantId
 from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES
+from kvtier.core.tiers.wrappers import Fault, FaultyTier
 
-from .helpers import CHUNK_BYTES, CHUNK_TOKENS, chain_of, make_store, payload
+from .helpers import CHUNK_BYTES, CHUNK_TOKENS, NS, chain_of, make_store, payload
 
 
 class Events:
@@ -173,3 +177,43 @@ def test_the_counters_count_the_same_with_or_without_a_requests_sink(tmp_path):
     plain, teed = snapshots
     assert plain == teed
     assert plain.tier("disk").load_hit_chunks == 3 and plain.failed_loads == 1 and plain.ttl_pin_chunks == 2
+
+
+def faulty_disk_store(tmp_path, rules, **overrides):
+    """A store whose disk tier injects ``rules`` (:class:`FaultyTier`)."""
+    values = {"chunk_tokens": CHUNK_TOKENS, "cpu_gib": 16 * CHUNK_BYTES / GiB, "disk_path": str(tmp_path / "disk"),
+              "disk_gib": 32 * (CHUNK_BYTES + HEADER_BYTES) / GiB, **overrides}
+    return TieredStore(KVTierConfig.from_dict(values), NS, CHUNK_BYTES, wrap=lambda tier: FaultyTier(tier, rules))
+
+
+def test_a_disk_read_that_fails_is_a_missing_chunk(tmp_path):
+    store = faulty_disk_store(tmp_path, [], write_mode="write-through")
+    chain = chain_of(13, 4)
+    assert store.put(chain, [payload(k) for k in chain]) == 4
+    store.flush()
+    store.clear(["cpu"])  # the chunks are now only on disk
+    store.tier("disk").rules.append(Fault("get", "error", keys=frozenset([chain[1]])))
+    record = RequestRecord(CHUNK_TOKENS)
+    handle = store.prepare_load(chain, ctx=OpContext("req-7", None, record))
+    assert handle.num_chunks == 1
+    store.complete_load(handle, True)
+    assert record.miss == Miss(1, "disk", "missing") and record.served_chunks == {"disk": 1}
+    store.check_integrity()
+    store.close()
+
+
+def test_writes_a_full_queue_refused_reach_the_saving_request(tmp_path):
+    """Write-through with one queue slot and a slow disk: most of a save's writes are dropped; the
+    request hears of each, per tier, and the counters count each once."""
+    store = faulty_disk_store(tmp_path, [Fault("put", "delay", delay_s=0.5)], write_mode="write-through",
+                              save_queue_depth=1, io_threads=1)
+    record, events = RequestRecord(CHUNK_TOKENS), Events()
+    chain = chain_of(17, 6)
+    before = store.stats().dropped_saves
+    assert store.put(chain, [payload(k) for k in chain], ctx=OpContext("req-8", None, Tee(record, events))) == 6
+    dropped = store.stats().dropped_saves - before
+    assert dropped >= 4  # one write running, one queued, at most
+    assert events.of(WriteDropped) == [WriteDropped("disk", dropped, "queue_full")]
+    assert record.unwritten_chunks == {"disk": dropped} and record.saved_chunks == 6
+    store.flush()
+    store.close()

@@ -12,7 +12,7 @@ facts are known: a batch of chunks read from a tier and verified (:class:`Chunks
 that was not served and why (:class:`ChunkMissed`, then :class:`LoadCut` where the prefix ends),
 what a load delivered (:class:`ChunksServed`) or that it failed (:class:`LoadFailed`), what the
 engine got (:class:`EngineLoad`) or copied out (:class:`EngineSave`), chunks saved
-(:class:`Saved`) or dropped (:class:`SaveDropped`), TTL pins (:class:`TtlPinned`) and lookups
+(:class:`Saved`) or dropped (:class:`SaveDropped`, :class:`WriteDropped`), TTL pins (:class:`TtlPinned`) and lookups
 (:class:`LookedUp`).  The store always sends them to its own metrics sink (the counters that
 ``/metrics`` and the connector's step stats show: :class:`kvtier.core.sinks.CountersSink`) and
 to the context's sink as well (:class:`kvtier.core.sinks.Tee`); a per-request record
@@ -43,10 +43,10 @@ MissReason = Literal["absent", "missing", "corrupt", "reset"]
 - ``reset``: a reset (:meth:`kvtier.core.store.TieredStore.clear`) came between its plan and its read.
 """
 
-DropReason = Literal["no_room"]
-"""Why a save was dropped at ``prepare_store``: ``no_room``, no top-tier page could be freed
-(every page pinned, or the tenant's quota).  A full write queue below the top tier is counted by
-the store's counters only (its writes run after the request's save returned)."""
+DropReason = Literal["no_room", "queue_full"]
+"""Why a save, or its write to a tier below the top one, was dropped: ``no_room``, no top-tier
+page could be freed (every page pinned, or the tenant's quota); ``queue_full``, the tier's write
+queue was full (``save_queue_depth``)."""
 
 
 @dataclass(frozen=True)
@@ -157,6 +157,17 @@ class SaveDropped:
 
 
 @dataclass(frozen=True)
+class WriteDropped:
+    """A save's ``chunks`` published in the top tier were not queued for writing to ``tier``, for
+    ``reason`` (they stay in the top tier; the tier's queue counts them in ``dropped_saves`` for
+    every writer, so the store's counters do not count this event again)."""
+
+    tier: str
+    chunks: int
+    reason: DropReason
+
+
+@dataclass(frozen=True)
 class TtlPinned:
     """A TTL pin kept ``pinned`` chunks in the top tier and refused ``refused`` past ``pin_max_share``."""
 
@@ -165,7 +176,7 @@ class TtlPinned:
 
 
 Event = (LookedUp | ChunksRead | ChunkMissed | LoadCut | ChunksServed | LoadFailed | EngineLoad | EngineSave
-         | Saved | SaveDropped | TtlPinned)
+         | Saved | SaveDropped | WriteDropped | TtlPinned)
 """Every event a store operation reports."""
 
 

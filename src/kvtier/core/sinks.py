@@ -33,6 +33,7 @@ from kvtier.core.context import (
     SaveDropped,
     Sink,
     TtlPinned,
+    WriteDropped,
 )
 from kvtier.core.stats import StoreCounters
 
@@ -71,7 +72,7 @@ class CountersSink:
                 c.looked_up(event.chunks, event.found)
             case TtlPinned():
                 c.ttl_pinned(event.pinned, event.refused)
-            case _:  # ChunkMissed, LoadCut: per-chunk facts; corrupt chunks are counted by their tier
+            case _:  # ChunkMissed, LoadCut, WriteDropped: counted by their tier (corrupt, its write queue)
                 pass
 
 
@@ -112,6 +113,7 @@ class RequestRecord:
         failed_loads: loads completed as failed.
         miss: the first chunk not served (lowest index over every load), ``None`` if none was cut.
         saved_chunks / dropped_chunks: chunks its saves published / dropped.
+        unwritten_chunks: chunks its saves published that were not queued for a tier below, by tier.
         saved_tokens: tokens of the chunks its saves copied out of the engine.
         ttl_pinned / ttl_refused: chunks its TTL pins kept / were refused.
     """
@@ -130,6 +132,7 @@ class RequestRecord:
         self.miss: Miss | None = None
         self.saved_chunks = 0
         self.dropped_chunks = 0
+        self.unwritten_chunks: Counter[str] = Counter()
         self.saved_tokens = 0
         self.ttl_pinned = 0
         self.ttl_refused = 0
@@ -163,6 +166,8 @@ class RequestRecord:
                     self.saved_chunks += event.chunks
                 case SaveDropped():
                     self.dropped_chunks += event.chunks
+                case WriteDropped():
+                    self.unwritten_chunks[event.tier] += event.chunks
                 case TtlPinned():
                     self.ttl_pinned += event.pinned
                     self.ttl_refused += event.refused

@@ -74,6 +74,7 @@ from kvtier.core.context import (
     Saved,
     SaveDropped,
     TtlPinned,
+    WriteDropped,
 )
 from kvtier.core.errors import ConfigError
 from kvtier.core.handles import EngineLoad, EngineSave, LoadHandle, PendingLookup, StoreHandle
@@ -437,17 +438,22 @@ class TieredStore(ChangeFeedMixin):
                 return
             handle.done = True
             success = success and handle.epoch == self.top.epoch  # bytes copied before a reset: not stored
+            unqueued = Counter[str]()  # writes to a tier below whose queue was full (counted there)
             for key, parent in zip(handle.keys, handle.parents):
                 if not success:
                     self.cpu.abort(key)
                     continue
                 self.top.publish(key, parent, handle.tenant)
-                for lt in self._through:  # a shared server may have lost what this process wrote
-                    if lt.shared or not lt.tier.indexed(key):  # (restart, its own eviction, TTL): write
-                        self.top.enqueue(lt, WriteJob(key, parent, None, evict_after=False,  # again
-                                                      tenant=handle.tenant))
+                # each write-through tier lacking it, and a shared one always: its server may have
+                # lost what this process wrote (restart, its own eviction, TTL)
+                for lt in self._through:
+                    if (lt.shared or not lt.tier.indexed(key)) and not self.top.enqueue(
+                            lt, WriteJob(key, parent, None, evict_after=False, tenant=handle.tenant)):
+                        unqueued[lt.name] += 1
             if success:
                 handle.ctx.sink.emit(Saved(len(handle.keys)))
+                for name, n in unqueued.items():
+                    handle.ctx.sink.emit(WriteDropped(name, n, "queue_full"))
                 self.top.spill_ahead()
 
     # ---- TTL pins ----------------------------------------------------------------------------
