@@ -42,7 +42,6 @@ from kvtier.core.context import ChunkMissed, ChunksRead, LoadCut, MissReason
 from kvtier.core.handles import LoadHandle
 from kvtier.core.keys import ChunkKey
 from kvtier.core.lower import LowerTier
-from kvtier.core.stats import StoreCounters
 from kvtier.core.tiers.base import GetResult, NoRoom, Reservation, StagingTier
 from kvtier.core.top import TopTier
 
@@ -73,19 +72,17 @@ class Promoter:
     Args:
         lock: the store's lock.
         cpu / top: the cpu tier (pages) and its bookkeeping (pins, publishing).
-        counters: the store's counters (bytes and seconds moved ``<tier>_to_cpu``).
         chunk_bytes: bytes of one chunk.
         io_threads: chunks read before ``prepare_load`` returns with read-ahead, and per background batch.
         unpin_handle: the store's ``(handle, refresh)`` release, called when a handle released
             while its reads ran is finally free.
     """
 
-    def __init__(self, lock: threading.RLock, cpu: StagingTier, top: TopTier, counters: StoreCounters,
-                 chunk_bytes: int, io_threads: int, unpin_handle: Callable[[LoadHandle, bool], None]) -> None:
+    def __init__(self, lock: threading.RLock, cpu: StagingTier, top: TopTier, chunk_bytes: int, io_threads: int,
+                 unpin_handle: Callable[[LoadHandle, bool], None]) -> None:
         self._lock = lock
         self.cpu = cpu
         self.top = top
-        self.counters = counters
         self.chunk_bytes = chunk_bytes
         self.io_threads = io_threads
         self._unpin_handle = unpin_handle

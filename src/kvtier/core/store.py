@@ -29,6 +29,9 @@ outside it on pinned chunks):
   stored; reserved pages are invisible to lookups and cannot be evicted.
   ``complete_store(handle, success)`` publishes them or gives them back.
 - Both ``complete_*`` must be called on every path (``try/finally``); calling twice is a no-op.
+- Context: every verb takes ``ctx`` (:class:`~kvtier.core.context.OpContext`: request id, tenant,
+  sink), and a handle carries its own to ``complete_*`` and to reads ahead; what happened is
+  reported as events to the store's counters and to ``ctx.sink`` (:mod:`kvtier.core.context`).
 - Eviction: when the top tier needs a page, the policy's victim (never a pinned chunk) leaves.
   A write-back tier (disk in ``write-back`` mode) that lacks the victim gets a staged copy queued
   (spill); write-through tiers (disk in ``write-through`` mode, every shared tier) get every
@@ -171,8 +174,7 @@ class TieredStore(ChangeFeedMixin):
         self._through = [lt for lt in self.lower if not lt.write_back]
         self.shared = SharedLookups(self._shared[0], config.shared_deadline_s, config.shared_queue_depth,
                                     self.counters) if self._shared else None
-        self.promoter = Promoter(self._lock, self.cpu, self.top, self.counters, chunk_bytes, config.io_threads,
-                                 self._unpin_handle)
+        self.promoter = Promoter(self._lock, self.cpu, self.top, chunk_bytes, config.io_threads, self._unpin_handle)
         self._closed = False
         self._rescan_stop = threading.Event()
         self._rescanner: threading.Thread | None = None
