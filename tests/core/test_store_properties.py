@@ -83,7 +83,7 @@ class IndexMachine(RuleBasedStateMachine):
     def save(self, prompt, n):
         chain = chain_of(prompt, n)
         writes: list[WriteJob] = []
-        handle = self.index.plan_store(chain, 0, None, writes)
+        handle = self.index.plan_store(chain, 0, self.store.sink.bind(None), writes)
         expected, spills = [], []
         for key in chain:
             if key in self.cpu or key in self.on_disk or key in spills:  # a spilled victim is staged: held
