@@ -218,15 +218,3 @@ class OpContext:
 NO_CONTEXT = OpContext()
 """The context of an operation outside any request (tools, tests, the store's own work)."""
 
-
-def with_tenant(ctx: OpContext | None, tenant: TenantId | None) -> OpContext | None:
-    """``ctx``, or a context of ``tenant`` alone (``TieredStore.prepare_store``'s shorthand).
-
-    Raises:
-        ValueError: both ``ctx`` and ``tenant`` given.
-    """
-    if tenant is None:
-        return ctx
-    if ctx is not None:
-        raise ValueError("pass the tenant in the context (ctx.tenant) or as tenant=, not both")
-    return OpContext(tenant=tenant)

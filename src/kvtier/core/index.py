@@ -216,8 +216,10 @@ class Index(IndexUpkeep):
             cut = min(failed) if failed else None
             for r, res in zip(batch, results):
                 lt = self.by_name[r.tier]
-                if not r.shared:
-                    lt.unpin(r.key)
+                if not r.shared:  # (LowerIndex.unpin, inlined on the hit path)
+                    lt.pins[r.key] -= 1
+                    if lt.pins[r.key] <= 0:
+                        del lt.pins[r.key]
                 if res is GetResult.CORRUPT or (res is GetResult.MISS and not r.shared
                                                 and not lt.tier.indexed(r.key)):
                     lt.forget(r.key)  # corrupt (counted by the tier) or removed by another process
@@ -238,15 +240,6 @@ class Index(IndexUpkeep):
                         self.unpin(key)
                 del handle.keys[cut:], handle.buffers[cut:], handle.tiers[cut:]
             return self.epoch
-
-    def give_back(self, reads: Sequence[Read]) -> None:
-        """Reads that will not run: unpin their lower-tier chunks, release their reserved pages."""
-        with self.lock:
-            for r in reads:
-                if not r.shared:
-                    self.by_name[r.tier].unpin(r.key)
-                if r.reserved:
-                    self.cpu.abort(r.key)
 
     def start_read_ahead(self, handle: LoadHandle, ahead_from: int) -> bool:
         """Mark ``handle`` as reading chunks ``ahead_from`` on in the background; False (nothing

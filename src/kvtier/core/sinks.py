@@ -38,6 +38,7 @@ from kvtier.core.context import (
     WriteDropped,
 )
 from kvtier.core.stats import StoreCounters
+from kvtier.core.tenant import TenantId
 
 
 class CountersSink:
@@ -54,10 +55,19 @@ class CountersSink:
         self.top = top
         self.own = OpContext(sink=self)  # operations outside a request
 
-    def bind(self, ctx: OpContext | None) -> OpContext:
+    def bind(self, ctx: OpContext | None, tenant: TenantId | None = None) -> OpContext:
         """``ctx`` with its sink fanned out to these counters too (first, then the request's own);
         ``None``: a context of the store's own (:attr:`own`).  A context bound already (a handle's,
-        passed back) is returned as it is, so no event is counted twice."""
+        passed back) is returned as it is, so no event is counted twice.  ``tenant``: shorthand
+        for a context of that tenant alone (``TieredStore.prepare_store``'s).
+
+        Raises:
+            ValueError: both ``ctx`` and ``tenant`` given.
+        """
+        if tenant is not None:
+            if ctx is not None:
+                raise ValueError("pass the tenant in the context (ctx.tenant) or as tenant=, not both")
+            ctx = OpContext(tenant=tenant)
         if ctx is None:
             return self.own
         if ctx.sink is self or (isinstance(ctx.sink, Tee) and ctx.sink.sinks[0] is self):

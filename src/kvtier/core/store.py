@@ -274,7 +274,7 @@ class TieredStore:
         (:mod:`kvtier.core.tenant`; ``None``: unknown).  ``tenant``: shorthand for a context of that
         tenant alone (tools and tests); both given: ``ValueError``."""
         writes: list[WriteJob] = []
-        handle = self.index.plan_store(chain, start, self.sink.bind(context.with_tenant(ctx, tenant)), writes)
+        handle = self.index.plan_store(chain, start, self.sink.bind(ctx, tenant), writes)
         self.mover.submit(writes)
         return handle
 

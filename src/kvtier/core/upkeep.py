@@ -20,7 +20,7 @@ import numpy as np
 
 from kvtier.core.changes import ChangeFeed
 from kvtier.core.context import OpContext, SaveDropped
-from kvtier.core.handles import StagedCopy, StoreHandle, WriteJob
+from kvtier.core.handles import Read, StagedCopy, StoreHandle, WriteJob
 from kvtier.core.keys import ChunkKey
 from kvtier.core.lowerindex import LowerIndex
 from kvtier.core.policies import EvictionPolicy
@@ -150,6 +150,15 @@ class IndexUpkeep(ChangeFeed):
             for lt in missing:
                 free_slots[lt.name] -= 1
                 writes.append(self._job(lt, victim, None, evict_after=True, tenant=self.tenant.get(victim)))
+
+    def give_back(self, reads: Sequence[Read]) -> None:
+        """Reads that will not run: unpin their lower-tier chunks, release their reserved pages."""
+        with self.lock:
+            for r in reads:
+                if not r.shared:
+                    self.by_name[r.tier].unpin(r.key)
+                if r.reserved:
+                    self.cpu.abort(r.key)
 
     def evict_below(self, tier: str, key: ChunkKey) -> None:
         """Evict ``key`` from the lower tier ``tier`` now (what its policy would do; drills and tests)."""
