@@ -64,7 +64,7 @@ from kvtier.core.changes import IndexDelta
 from kvtier.core.config import KVTierConfig
 from kvtier.core.context import OpContext
 from kvtier.core.errors import ConfigError
-from kvtier.core.handles import EngineLoad, EngineSave, LoadHandle, StoreHandle, WriteJob
+from kvtier.core.handles import EngineLoad, EngineSave, LoadHandle, StoreHandle
 from kvtier.core.index import Index
 from kvtier.core.keys import ChunkKey, Namespace
 from kvtier.core.lowerindex import LowerIndex
@@ -273,20 +273,19 @@ class TieredStore:
         is who the chunks are saved for, written with them where a tier keeps a tenant record
         (:mod:`kvtier.core.tenant`; ``None``: unknown).  ``tenant``: shorthand for a context of that
         tenant alone (tools and tests); both given: ``ValueError``."""
-        writes: list[WriteJob] = []
-        handle = self.index.plan_store(chain, start, self.sink.bind(ctx, tenant), writes)
-        self.mover.submit(writes)
-        return handle
+        plan = self.index.plan_store(chain, start, self.sink.bind(ctx, tenant))
+        self.mover.submit(plan.writes)
+        return plan.handle
 
     def complete_store(self, handle: StoreHandle, success: bool, engine: EngineSave | None = None) -> None:
         """Publish (``success``) or release the reserved pages; count ``engine`` (what the copy out
         of the engine moved) when ``success``.  Idempotent."""
         if success and engine is not None and not handle.done:
             handle.ctx.sink.emit(engine)
-        writes: list[WriteJob] = []
-        if published := self.index.complete_store(handle, success, self.mover.free_slots(), writes):
+        published = self.index.complete_store(handle, success, self.mover.free_slots())
+        if published is not None:
             handle.ctx.sink.emit(context.Saved(len(handle.keys)))
-        self.mover.submit(writes, handle.ctx.sink if published else None)  # hears of refused write-throughs
+            self.mover.submit(published.writes, handle.ctx.sink)  # the sink hears of refused write-throughs
 
     # ---- TTL pins ----------------------------------------------------------------------------
     def ttl_pin(self, keys: Sequence[ChunkKey], ttl_s: float, ctx: OpContext | None = None) -> tuple[int, int]:

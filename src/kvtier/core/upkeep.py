@@ -20,7 +20,7 @@ import numpy as np
 
 from kvtier.core.changes import ChangeFeed
 from kvtier.core.context import OpContext, SaveDropped
-from kvtier.core.handles import Read, StagedCopy, StoreHandle, WriteJob
+from kvtier.core.handles import Read, StagedCopy, StoreHandle, StorePlan, WriteJob
 from kvtier.core.keys import ChunkKey
 from kvtier.core.lowerindex import LowerIndex
 from kvtier.core.policies import EvictionPolicy
@@ -83,13 +83,14 @@ class IndexUpkeep(ChangeFeed):
         def _note(self, key: ChunkKey) -> None: ...
 
     # ---- store ---------------------------------------------------------------------------
-    def plan_store(self, chain: Sequence[ChunkKey], start: int, ctx: OpContext,
-                   writes: list[WriteJob]) -> StoreHandle:
-        """Reserve top-tier pages for ``chain[start:]`` chunks no local tier holds yet (eviction
-        spills go to ``writes``) for ``ctx`` (its tenant, kept in the handle with ``ctx``); the
-        chain ends at the first chunk that gets no page (:class:`~kvtier.core.context.SaveDropped`)."""
+    def plan_store(self, chain: Sequence[ChunkKey], start: int, ctx: OpContext) -> StorePlan:
+        """Reserve top-tier pages for ``chain[start:]`` chunks no local tier holds yet (the pages'
+        victims spilled to a write-back tier are the plan's ``writes``) for ``ctx`` (its tenant,
+        kept in the handle with ``ctx``); the chain ends at the first chunk that gets no page
+        (:class:`~kvtier.core.context.SaveDropped`)."""
         tenant = ctx.tenant
         handle = StoreHandle([], [], [], [], tenant=tenant, ctx=ctx)
+        writes: list[WriteJob] = []
         owner = tenant.salt if tenant is not None else None  # the quota's tenant key
         with self.lock:
             handle.epoch = self.epoch
@@ -107,16 +108,17 @@ class IndexUpkeep(ChangeFeed):
                 handle.indices.append(i)
                 handle.parents.append(chain[i - 1] if i > 0 else None)
                 handle.buffers.append(got.buffer)
-        return handle
+        return StorePlan(handle, writes)
 
-    def complete_store(self, handle: StoreHandle, success: bool, free_slots: dict[str, int],
-                       writes: list[WriteJob]) -> bool:
-        """Publish (``success`` and no reset since) or give back ``handle``'s pages; write-through
-        copies and spills ahead go to ``writes`` (``free_slots``: each tier's free queue slots).
-        Returns whether the chunks were published; False also when released already."""
+    def complete_store(self, handle: StoreHandle, success: bool, free_slots: dict[str, int]) -> StorePlan | None:
+        """Publish (``success`` and no reset since) or give back ``handle``'s pages.  Returns the
+        published ``handle`` with its ``writes`` (write-through copies, spills ahead;
+        ``free_slots``: each tier's free queue slots), ``None`` when nothing was published
+        (failed, reset since, or released already)."""
+        writes: list[WriteJob] = []
         with self.lock:
             if handle.done:
-                return False
+                return None
             handle.done = True
             success = success and handle.epoch == self.epoch  # bytes copied before a reset: not stored
             for key, parent in zip(handle.keys, handle.parents):
@@ -127,9 +129,10 @@ class IndexUpkeep(ChangeFeed):
                 for lt in self.through:  # a shared server may have lost what this process wrote
                     if lt.shared or not lt.tier.indexed(key):  # (restart, its own eviction, TTL): write again
                         writes.append(self._job(lt, key, None, evict_after=False, tenant=handle.tenant))
-            if success:
-                self.spill_ahead(free_slots, writes)
-            return success
+            if not success:
+                return None
+            self.spill_ahead(free_slots, writes)
+            return StorePlan(handle, writes)
 
     def spill_ahead(self, free_slots: dict[str, int], writes: list[WriteJob]) -> None:
         """Plan write-backs of likely victims so free pages stay above ``spill_watermark``."""
