@@ -82,7 +82,7 @@ class IndexMachine(RuleBasedStateMachine):
     @rule(prompt=st.integers(0, 6), n=st.integers(1, 5))
     def save(self, prompt, n):
         chain = chain_of(prompt, n)
-        plan = self.index.plan_store(chain, 0, None)
+        plan = self.index.plan_store(chain, 0, self.store.sink.bind(None))
         handle = plan.handle
         expected, spills = [], []
         for key in chain:

@@ -11,15 +11,18 @@ the mover (:mod:`kvtier.core.mover`) carries out.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
 
+from kvtier.core.context import NO_CONTEXT, EngineLoad, EngineSave, OpContext
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tenant import TenantId, Writer
+
+# the engine events live in kvtier.core.context (re-exported here)
+__all__ = ["EngineLoad", "EngineSave", "LoadHandle", "LoadPlan", "Read", "StagedCopy", "StoreHandle", "WriteJob"]
 
 
 @dataclass
@@ -31,6 +34,8 @@ class LoadHandle:
         buffers: uint8 arrays ``[chunk_bytes]`` holding each chunk's verified bytes; zero-copy
             views into the cpu tier where possible.  Valid until :meth:`TieredStore.complete_load`.
         tiers: the name of the tier each chunk was found in (``"cpu"``, ``"disk"``, ``"redis"``).
+        ctx: the load's context (:mod:`kvtier.core.context`), its sink bound to the store's counters:
+            events of the reads, on any thread, and of ``complete_load`` go there.
     """
 
     keys: list[ChunkKey]
@@ -43,6 +48,7 @@ class LoadHandle:
     ahead_from: int = 0
     reading_ahead: bool = field(default=False, repr=False)  # guarded by the store's lock
     release_after_read: bool | None = field(default=None, repr=False)  # released while reading: refresh?
+    ctx: OpContext = field(default=NO_CONTEXT, repr=False)
 
     @property
     def num_chunks(self) -> int:
@@ -67,46 +73,6 @@ class LoadHandle:
         return True
 
 
-@dataclass(frozen=True)
-class EngineLoad:
-    """What one load did on the engine's side, as its caller (the engine integration) saw it; the
-    store counts it (:meth:`TieredStore.complete_load`, :meth:`TieredStore.load_skipped`).
-
-    Attributes:
-        tokens: tokens copied into the engine, by the tier the load's plan named for their chunk.
-        unfilled_tokens: tokens the engine was promised and did not get, by planned tier.
-        resumed: a request re-admitted after a preemption (its tokens count as reloaded; vLLM
-            counts them apart from its hits).
-        failed_blocks: engine blocks reported back to the engine as not filled.
-        rerouted_chunks: chunks read from another tier than the one planned.
-        engine_bytes: bytes copied into the engine (all layers of this rank).
-        seconds: time the load took, from prepare to the last copy.
-    """
-
-    tokens: Mapping[str, int] = field(default_factory=dict)
-    unfilled_tokens: Mapping[str, int] = field(default_factory=dict)
-    resumed: bool = False
-    failed_blocks: int = 0
-    rerouted_chunks: int = 0
-    engine_bytes: int = 0
-    seconds: float = 0.0
-
-
-@dataclass(frozen=True)
-class EngineSave:
-    """What one save copied out of the engine (counted by :meth:`TieredStore.complete_store`).
-
-    Attributes:
-        tokens: tokens the newly stored chunks cover.
-        engine_bytes: bytes copied out of the engine (all layers of this rank).
-        seconds: time the copy took.
-    """
-
-    tokens: int = 0
-    engine_bytes: int = 0
-    seconds: float = 0.0
-
-
 @dataclass
 class StoreHandle:
     """Pages reserved for one save, from :meth:`TieredStore.prepare_store`.
@@ -118,7 +84,8 @@ class StoreHandle:
         buffers: writable uint8 arrays ``[chunk_bytes]``; fill them, then call ``complete_store``.
         epoch: the store's reset epoch when the pages were reserved (a reset since: nothing is published).
         tenant: who the chunks are saved for (:mod:`kvtier.core.tenant`), written with them into
-            the tiers that keep a tenant record; ``None``: unknown.
+            the tiers that keep a tenant record; ``None``: unknown (the context's tenant).
+        ctx: the save's context (:mod:`kvtier.core.context`), its sink bound to the store's counters.
     """
 
     keys: list[ChunkKey]
@@ -128,6 +95,7 @@ class StoreHandle:
     done: bool = False
     epoch: int = 0
     tenant: TenantId | None = None
+    ctx: OpContext = field(default=NO_CONTEXT, repr=False)
 
     @property
     def num_chunks(self) -> int:

@@ -207,10 +207,10 @@ class Index(IndexUpkeep):
         return buf
 
     def complete_reads(self, chain: Sequence[ChunkKey], handle: LoadHandle, batch: Sequence[Read],
-                       results: Sequence[GetResult], records: TenantRecords) -> None:
+                       results: Sequence[GetResult], records: TenantRecords) -> int:
         """Apply what reads of ``batch`` found: publish the chunks that arrived (pinned for
-        ``handle``), forget corrupt or vanished ones, and cut the prefix at the first chunk that
-        did not arrive (or was planned before a reset)."""
+        ``handle``), forget corrupt or vanished ones, cut the prefix at the first chunk that did
+        not arrive (or was planned before a reset); returns the epoch it judged that by."""
         with self.lock:
             failed = [r.pos for r, res in zip(batch, results) if res is not GetResult.HIT or r.epoch != self.epoch]
             cut = min(failed) if failed else None
@@ -239,6 +239,7 @@ class Index(IndexUpkeep):
                         handle.pinned.remove(key)
                         self.unpin(key)
                 del handle.keys[cut:], handle.buffers[cut:], handle.tiers[cut:]
+            return self.epoch
 
     def start_read_ahead(self, handle: LoadHandle, ahead_from: int) -> bool:
         """Mark ``handle`` as reading chunks ``ahead_from`` on in the background; False (nothing

@@ -14,7 +14,8 @@ index's lock during tier I/O: each verb it calls takes the lock for its own book
   tier order, then :meth:`~kvtier.core.index.Index.complete_reads`.  With read-ahead the first
   ``io_threads`` are read before ``prepare_load`` returns and the rest on a background pool,
   ``io_threads`` at a time (a shared tier's chunks in one pipelined batch), advancing
-  ``LoadHandle.ahead_from`` so the caller copies the ready head while the tail is read::
+  ``LoadHandle.ahead_from`` so the caller copies the ready head while the tail is read (each
+  batch's events go to the load's context, ``LoadHandle.ctx``, on whichever thread read it)::
 
       chain     c0   c1   c2   c3   c4   c5
       found in  cpu  disk disk disk redis redis
@@ -34,10 +35,12 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from kvtier.core import tenant
+from kvtier.core.context import ChunkMissed, ChunksRead, LoadCut, MissReason, Sink, WriteDropped
 from kvtier.core.handles import LoadHandle, LoadPlan, Read, WriteJob
 from kvtier.core.index import Index
 from kvtier.core.keys import ChunkKey
@@ -55,7 +58,8 @@ class Mover:
         io_threads: writer threads per lower tier; reads before ``prepare_load`` returns with
             read-ahead, and per background batch.
         queue_depth: write jobs queued per lower tier at most.
-        counters: the store's event counters (bytes and seconds moved, dropped saves).
+        counters: the store's event counters (bytes and seconds written, dropped saves; reads
+            report to their load's context, :mod:`kvtier.core.context`).
     """
 
     def __init__(self, index: Index, io_threads: int, queue_depth: int, counters: StoreCounters) -> None:
@@ -77,14 +81,21 @@ class Mover:
         self._rescanner: threading.Thread | None = None
 
     # ---- writes --------------------------------------------------------------------------
-    def submit(self, jobs: Iterable[WriteJob]) -> None:
-        """Queue ``jobs``; one that does not fit is dropped (counted) and handed back to the index."""
+    def submit(self, jobs: Iterable[WriteJob], sink: Sink | None = None) -> None:
+        """Queue ``jobs``; one that does not fit is dropped (counted) and handed back to the index.
+        ``sink``: a save's context's, told of its write-through copies so refused, per tier
+        (:class:`~kvtier.core.context.WriteDropped`; the counters count them here, once)."""
+        refused = Counter[str]()
         for job in jobs:
             try:
                 self.queues[job.tier].put_nowait(job)
             except queue.Full:
                 self.counters.dropped()
                 self.index.written(job, False)
+                refused[job.tier] += 1
+        for name in (lt.name for lt in self.index.through if refused[lt.name]):
+            if sink is not None:
+                sink.emit(WriteDropped(name, refused[name], "queue_full"))
 
     def free_slots(self) -> dict[str, int]:
         """Jobs each tier's queue takes now before it is full."""
@@ -164,7 +175,11 @@ class Mover:
             self._read_ahead(chain, plan.handle, ahead)
 
     def read(self, chain: Sequence[ChunkKey], handle: LoadHandle, batch: Sequence[Read]) -> None:
-        """Read ``batch`` (one read per tier, in tier order) and report to the index."""
+        """Read ``batch`` (one read per tier, in tier order) and report to the index.  The load's
+        context (``handle.ctx``) hears a :class:`~kvtier.core.context.ChunksRead` per tier read, a
+        ``ChunkMissed`` per chunk that did not arrive and a ``LoadCut`` where the prefix now ends
+        (the tiers' per-chunk results, translated here: a tier reports hit, miss or corrupt)."""
+        sink = handle.ctx.sink
         results: list[GetResult] = []
         records: tenant.TenantRecords = {}  # verified values and chunk files name their writer
         for name in dict.fromkeys(r.tier for r in batch):
@@ -175,8 +190,16 @@ class Mover:
             seconds = time.perf_counter() - t0
             results.extend(got)
             hits = sum(1 for r in got if r is GetResult.HIT)
-            self.counters.moved(f"{name}_to_{self.top_name}", hits * self.chunk_bytes, seconds)
-        self.index.complete_reads(chain, handle, batch, results, records)
+            sink.emit(ChunksRead(name, hits, hits * self.chunk_bytes, seconds))
+        planned = handle.num_chunks  # only complete_reads changes it, and one batch of a load runs at a time
+        epoch = self.index.complete_reads(chain, handle, batch, results, records)
+        missed = [ChunkMissed(r.pos, r.tier, _reason(res, r.epoch != epoch))
+                  for r, res in zip(batch, results) if res is not GetResult.HIT or r.epoch != epoch]
+        for m in missed:
+            sink.emit(m)
+        first = min(missed, key=lambda m: m.index, default=None)
+        if first is not None and first.index < planned:  # not cut before (by an earlier batch of this load)
+            sink.emit(LoadCut(first.index, first.tier, first.reason, planned - first.index))
 
     def _read_ahead(self, chain: Sequence[ChunkKey], handle: LoadHandle, ahead: list[Read]) -> None:
         """Read ``ahead`` in batches of ``io_threads`` chunks, advancing ``handle.ahead_from`` after
@@ -254,3 +277,10 @@ class Mover:
                     break
         for t in self._writers:
             t.join(timeout=5.0)
+
+
+def _reason(result: GetResult, stale: bool) -> MissReason:
+    """Why a chunk read with ``result`` is not served (``stale``: a reset came since its plan)."""
+    if stale:
+        return "reset"
+    return "corrupt" if result is GetResult.CORRUPT else "missing"

@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kvtier.core.handles import EngineLoad, EngineSave
+from kvtier.core.context import EngineLoad, EngineSave
 from kvtier.core.tiers.registry import available_tiers, lower_tiers, top_tier
 
 

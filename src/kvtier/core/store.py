@@ -29,6 +29,8 @@ outside it on pinned chunks):
   stored; reserved pages are invisible to lookups and cannot be evicted.
   ``complete_store(handle, success)`` publishes them or gives them back.
 - Both ``complete_*`` must be called on every path (``try/finally``); calling twice is a no-op.
+- Context: every verb takes ``ctx`` (:class:`~kvtier.core.context.OpContext`), a handle carries
+  it on; events go to the store's counters and to ``ctx.sink`` (:mod:`kvtier.core.context`).
 - Eviction: when the top tier needs a page, the policy's victim (never a pinned chunk) leaves.
   A write-back tier (disk in ``write-back`` mode) that lacks the victim gets a staged copy queued
   (spill); write-through tiers (disk in ``write-through`` mode, every shared tier) get every
@@ -57,8 +59,10 @@ from collections.abc import Callable, Collection, Sequence
 import numpy as np
 from prometheus_client import CollectorRegistry
 
+from kvtier.core import context
 from kvtier.core.changes import IndexDelta
 from kvtier.core.config import KVTierConfig
+from kvtier.core.context import OpContext
 from kvtier.core.errors import ConfigError
 from kvtier.core.handles import EngineLoad, EngineSave, LoadHandle, StoreHandle
 from kvtier.core.index import Index
@@ -66,6 +70,7 @@ from kvtier.core.keys import ChunkKey, Namespace
 from kvtier.core.lowerindex import LowerIndex
 from kvtier.core.metrics import StoreMetrics
 from kvtier.core.mover import Mover
+from kvtier.core.sinks import CountersSink
 from kvtier.core.stats import StoreCounters, StoreStats
 from kvtier.core.tenant import TenantId
 from kvtier.core.tiers.base import ClearResult, StagingTier, Tier
@@ -124,6 +129,7 @@ class TieredStore:
             raise ConfigError(f"the first tier must be a staging tier such as 'cpu', got {config.tiers[0]!r}; "
                               "list 'cpu' first in tiers")
         self.cpu: StagingTier = tiers[0]
+        self.sink = CountersSink(self.counters, self.cpu.name)  # every operation's events reach the counters
         lower = [LowerIndex(t, config.policy, config.write_mode == "write-back", self.counters) for t in tiers[1:]]
         self.index = Index(self.cpu, lower, config, self.counters, chunk_bytes)
         self.mover = Mover(self.index, config.io_threads, config.save_queue_depth, self.counters)
@@ -183,17 +189,17 @@ class TieredStore:
         self.index.change_feed_limit = limit
 
     # ---- lookup --------------------------------------------------------------------------
-    def lookup(self, chain: Sequence[ChunkKey]) -> int:
-        """Leading chunks of ``chain`` available in local tiers (see module docstring)."""
+    def lookup(self, chain: Sequence[ChunkKey], ctx: OpContext | None = None) -> int:
+        """Leading chunks of ``chain`` available in local tiers (see module docstring) for ``ctx``."""
         start = time.perf_counter()
         n, found = self.index.lookup(chain)
-        self.counters.looked_up(len(chain), found)
+        self.sink.bind(ctx).sink.emit(context.LookedUp(len(chain), found))
         self.metrics.lookup_seconds.observe(time.perf_counter() - start)
         return n
 
     # ---- load ----------------------------------------------------------------------------
     def prepare_load(self, chain: Sequence[ChunkKey], max_chunks: int | None = None,
-                     read_ahead: bool = False, top_only: bool = False) -> LoadHandle:
+                     read_ahead: bool = False, top_only: bool = False, ctx: OpContext | None = None) -> LoadHandle:
         """Pin and return the longest available prefix of ``chain`` (at most ``max_chunks``).
 
         With ``read_ahead``, only the first ``io_threads`` chunks found below the cpu tier are read
@@ -205,9 +211,13 @@ class TieredStore:
         file, socket or network I/O at all, and every buffer is ready when this returns (the
         connector's synchronous loads, run on the engine's own thread).  Top-tier pages are handed
         out as they are, pinned, without re-hashing: they never left this process's memory (the
-        lower tiers' reads are verified, :mod:`kvtier.core.mover`)."""
+        lower tiers' reads are verified, :mod:`kvtier.core.mover`).
+
+        ``ctx``: the request's context (:mod:`kvtier.core.context`; ``None``: none), kept in the handle:
+        the reads' events (``ChunksRead``, ``ChunkMissed``, ``LoadCut``) and :meth:`complete_load`'s go to it."""
         limit = len(chain) if max_chunks is None else min(max_chunks, len(chain))
         plan = self.index.plan_load(chain, limit, top_only)
+        plan.handle.ctx = self.sink.bind(ctx)
         start = plan.handle.num_chunks
         if start < limit and self.index.shared and not top_only:
             shared = self.index.shared[0].name
@@ -215,6 +225,8 @@ class TieredStore:
             if max_chunks is None:  # nobody asked yet: one presence batch, so misses cost no bytes
                 want = want[:self.mover.leading_present(shared, want)]
             self.index.plan_shared(plan, start, want)
+        if (n := plan.handle.num_chunks) < limit:  # no tier this load may read holds the next chunk
+            plan.handle.ctx.sink.emit(context.LoadCut(n, self.cpu.name if top_only else "", "absent", limit - n))
         self.mover.submit(plan.writes)  # spills of the cpu pages the reads take
         if plan.reads:
             self.mover.run(chain, plan, read_ahead)
@@ -235,12 +247,10 @@ class TieredStore:
         delivered = handle.ready_chunks()  # a caller that did not wait for read-ahead got no more
         if not self.index.release(handle, refresh=success):
             return
+        sink = handle.ctx.sink
         if engine is not None:
-            self.counters.engine_load(engine, self.cpu.name)
-        if not success:
-            self.counters.load_failed()
-            return
-        self.counters.loaded(Counter(handle.tiers[first_chunk:delivered]))
+            sink.emit(engine)
+        sink.emit(context.ChunksServed(Counter(handle.tiers[first_chunk:delivered])) if success else context.LoadFailed())
 
     def cancel_load(self, handle: LoadHandle, engine: EngineLoad | None = None) -> None:
         """Unpin a load that will not happen (request aborted, or nothing left to load).
@@ -249,18 +259,21 @@ class TieredStore:
         and did not get) is.  Idempotent.
         """
         if self.index.release(handle, refresh=False) and engine is not None:
-            self.counters.engine_load(engine, self.cpu.name)
+            handle.ctx.sink.emit(engine)
 
-    def load_skipped(self, engine: EngineLoad) -> None:
+    def load_skipped(self, engine: EngineLoad, ctx: OpContext | None = None) -> None:
         """Count a load that never reached the store (its request was aborted before it began)."""
-        self.counters.engine_load(engine, self.cpu.name)
+        self.sink.bind(ctx).sink.emit(engine)
 
     # ---- store ---------------------------------------------------------------------------
-    def prepare_store(self, chain: Sequence[ChunkKey], start: int = 0, tenant: TenantId | None = None) -> StoreHandle:
-        """Reserve top-tier pages for ``chain[start:]`` chunks not stored yet (see module docstring);
-        ``tenant``: who they are saved for, written with them where a tier keeps a tenant record
-        (:mod:`kvtier.core.tenant`; ``None``: unknown)."""
-        plan = self.index.plan_store(chain, start, tenant)
+    def prepare_store(self, chain: Sequence[ChunkKey], start: int = 0, tenant: TenantId | None = None,
+                      ctx: OpContext | None = None) -> StoreHandle:
+        """Reserve top-tier pages for ``chain[start:]`` chunks not stored yet (see module docstring).
+        ``ctx``: the request's context (:mod:`kvtier.core.context`), kept in the handle; its ``tenant``
+        is who the chunks are saved for, written with them where a tier keeps a tenant record
+        (:mod:`kvtier.core.tenant`; ``None``: unknown).  ``tenant``: shorthand for a context of that
+        tenant alone (tools and tests); both given: ``ValueError``."""
+        plan = self.index.plan_store(chain, start, self.sink.bind(ctx, tenant))
         self.mover.submit(plan.writes)
         return plan.handle
 
@@ -268,14 +281,14 @@ class TieredStore:
         """Publish (``success``) or release the reserved pages; count ``engine`` (what the copy out
         of the engine moved) when ``success``.  Idempotent."""
         if success and engine is not None and not handle.done:
-            self.counters.engine_save(engine, self.cpu.name)
+            handle.ctx.sink.emit(engine)
         published = self.index.complete_store(handle, success, self.mover.free_slots())
         if published is not None:
-            self.counters.saved(len(handle.keys))
-            self.mover.submit(published.writes)
+            handle.ctx.sink.emit(context.Saved(len(handle.keys)))
+            self.mover.submit(published.writes, handle.ctx.sink)  # the sink hears of refused write-throughs
 
     # ---- TTL pins ----------------------------------------------------------------------------
-    def ttl_pin(self, keys: Sequence[ChunkKey], ttl_s: float) -> tuple[int, int]:
+    def ttl_pin(self, keys: Sequence[ChunkKey], ttl_s: float, ctx: OpContext | None = None) -> tuple[int, int]:
         """Keep ``keys`` in the top tier for ``ttl_s`` seconds (a request's pinned prefix, issue 22 item 4).
 
         Only chunks resident in the top tier are pinned (a chunk not held there is skipped); a pin
@@ -289,28 +302,28 @@ class TieredStore:
         if ttl_s <= 0:
             return 0, 0
         pinned, refused = self.index.ttl_pin(keys, time.monotonic() + ttl_s)
-        self.counters.ttl_pinned(pinned, refused)
+        self.sink.bind(ctx).sink.emit(context.TtlPinned(pinned, refused))
         return pinned, refused
 
     # ---- convenience ---------------------------------------------------------------------
     def put(self, chain: Sequence[ChunkKey], datas: Sequence[bytes | memoryview | np.ndarray],
-            tenant: TenantId | None = None) -> int:
-        """Store ``datas[i]`` (``chunk_bytes`` each) under ``chain[i]`` for ``tenant``; returns chunks newly stored."""
-        handle = self.prepare_store(chain, tenant=tenant)
+            tenant: TenantId | None = None, ctx: OpContext | None = None) -> int:
+        """Store ``datas[i]`` (``chunk_bytes`` each) under ``chain[i]`` for ``ctx`` (or ``tenant``, as
+        :meth:`prepare_store`); returns chunks newly stored."""
+        handle = self.prepare_store(chain, tenant=tenant, ctx=ctx)
         ok = False
+        t0 = time.perf_counter()
         try:
-            t0 = time.perf_counter()
             for idx, buf in zip(handle.indices, handle.buffers):
                 np.copyto(buf, np.frombuffer(datas[idx], dtype=np.uint8))
-            self.counters.moved("engine_to_cpu", handle.num_chunks * self.chunk_bytes, time.perf_counter() - t0)
             ok = True
-        finally:
-            self.complete_store(handle, ok)
+        finally:  # the copy is counted (engine_to_cpu) only when it succeeded
+            self.complete_store(handle, ok, EngineSave(0, handle.num_chunks * self.chunk_bytes, time.perf_counter() - t0))
         return handle.num_chunks
 
-    def get(self, chain: Sequence[ChunkKey]) -> list[bytes]:
+    def get(self, chain: Sequence[ChunkKey], ctx: OpContext | None = None) -> list[bytes]:
         """Bytes of the longest available prefix of ``chain`` (copies)."""
-        handle = self.prepare_load(chain, read_ahead=True)
+        handle = self.prepare_load(chain, read_ahead=True, ctx=ctx)
         try:
             out = [buf.tobytes() for buf in handle.buffers[:handle.ready_chunks()]]
             if not handle.wait(READ_AHEAD_WAIT_S):

@@ -19,13 +19,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvtier.core.changes import ChangeFeed
+from kvtier.core.context import OpContext, SaveDropped
 from kvtier.core.handles import Read, StagedCopy, StoreHandle, StorePlan, WriteJob
 from kvtier.core.keys import ChunkKey
 from kvtier.core.lowerindex import LowerIndex
 from kvtier.core.policies import EvictionPolicy
 from kvtier.core.quota import TenantLedger
 from kvtier.core.stats import StoreCounters, TierStats
-from kvtier.core.tenant import TenantId, Writer
+from kvtier.core.tenant import Writer
 from kvtier.core.tiers.base import (
     AlreadyHeld,
     ClearResult,
@@ -82,11 +83,13 @@ class IndexUpkeep(ChangeFeed):
         def _note(self, key: ChunkKey) -> None: ...
 
     # ---- store ---------------------------------------------------------------------------
-    def plan_store(self, chain: Sequence[ChunkKey], start: int, tenant: TenantId | None) -> StorePlan:
+    def plan_store(self, chain: Sequence[ChunkKey], start: int, ctx: OpContext) -> StorePlan:
         """Reserve top-tier pages for ``chain[start:]`` chunks no local tier holds yet (the pages'
-        victims spilled to a write-back tier are the plan's ``writes``); the chain ends at the
-        first chunk that gets no page."""
-        handle = StoreHandle([], [], [], [], tenant=tenant)
+        victims spilled to a write-back tier are the plan's ``writes``) for ``ctx`` (its tenant,
+        kept in the handle with ``ctx``); the chain ends at the first chunk that gets no page
+        (:class:`~kvtier.core.context.SaveDropped`)."""
+        tenant = ctx.tenant
+        handle = StoreHandle([], [], [], [], tenant=tenant, ctx=ctx)
         writes: list[WriteJob] = []
         owner = tenant.salt if tenant is not None else None  # the quota's tenant key
         with self.lock:
@@ -99,7 +102,7 @@ class IndexUpkeep(ChangeFeed):
                 if got is AlreadyHeld.ALREADY_HELD:  # being promoted from a lower tier: stored when that ends
                     continue
                 if got is NoRoom.NO_ROOM:
-                    self.counters.dropped(len(chain) - i)
+                    ctx.sink.emit(SaveDropped(len(chain) - i, "no_room"))
                     break
                 handle.keys.append(key)
                 handle.indices.append(i)

@@ -89,6 +89,8 @@ class LoadJob:
             counters are labelled with.
         resumed: the request is re-admitted after a preemption (vLLM counts its hits apart).
         sync: copy in this step, before the forward, from the cpu tier only (see above).
+        tenant: the request's tenant (:class:`~kvtier.core.tenant.TenantId`), for the load's
+            context on the worker (:class:`~kvtier.core.context.OpContext`); ``None``: unknown.
     """
 
     req_id: str
@@ -98,6 +100,7 @@ class LoadJob:
     tiers: tuple[str, ...]
     resumed: bool = False
     sync: bool = False
+    tenant: TenantId | None = None
 
     @property
     def block_ids(self) -> frozenset[int]:

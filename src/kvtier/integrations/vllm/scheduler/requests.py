@@ -88,3 +88,10 @@ class RequestState:
     saved_chunks: int = 0
     pin_s: float = 0.0
     refreshed: bool = False
+
+    @property
+    def tenant(self) -> TenantId | None:
+        """Its tenant (``cache_salt`` and LoRA adapter as digests), shipped with its load and save
+        jobs so each worker builds the request's :class:`~kvtier.core.context.OpContext`; ``None``
+        until its chain is first needed."""
+        return self.chain.tenant if self.chain is not None else None

@@ -183,7 +183,7 @@ class SchedulerSide:
                 self.events.record(request, page.key, page.group, page.chunk)
         resumed = getattr(request, "num_preemptions", 0) > 0
         sync = self.sync.taken(req_id)
-        self._loads.append(LoadJob(req_id, pages, local, hit, tuple(tiers), resumed, sync=sync))
+        self._loads.append(LoadJob(req_id, pages, local, hit, tuple(tiers), resumed, sync=sync, tenant=state.tenant))
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
         """Split ``num_external_tokens`` by the tier each planned chunk is in (the same split the
@@ -244,9 +244,8 @@ class SchedulerSide:
                 self.events.record(request, page.key, page.group, page.chunk)
         if not pages:
             return None
-        tenant = state.chain.tenant if state.chain is not None else None
         return SaveJob(req_id, pages, self.pages.parent_of(keys, pages[0]), pin_s=state.pin_s,
-                       pin_chunks=request.num_prompt_tokens // self.chunk_tokens, tenant=tenant)
+                       pin_chunks=request.num_prompt_tokens // self.chunk_tokens, tenant=state.tenant)
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Fold the ranks' index changes (vLLM's worker → scheduler metadata) into the mirror."""

@@ -4,17 +4,19 @@ One :class:`LoadJob` per request admitted with a kvtier hit, one path for every 
 model's pages are its chunks).  ``submit`` returns at once; a loader thread (``threads`` of
 them) then:
 
-1. prepare: ``store.prepare_load(page keys, read_ahead=True)`` pins the pages still held and
-   reads/verifies the first ``io_threads`` of those only on disk or in the shared tier before it
-   returns; the rest are read into cpu pages in the background (promotion); the mirror that
+1. prepare: ``store.prepare_load(page keys, read_ahead=True, ctx=OpContext(req_id, tenant))``
+   (the request's context, :mod:`kvtier.core.context`, which the handle carries on) pins the
+   pages still held and reads/verifies the first ``io_threads`` of those only on disk or in the
+   shared tier before it returns; the rest are read into cpu pages in the background (promotion); the mirror that
    planned the load may be stale, so this can end with fewer pages than planned, never other
    bytes;
 2. copy: each page into its engine blocks as soon as it is ready (``handle.ready_chunks()``),
    so the head is copied while the tail is still being read, waiting at most ``load_wait_s`` in
    all for the tail (a page that failed verification ends the prefix there);
 3. complete: ``store.complete_load(handle, ok, engine=EngineLoad(...))`` in ``finally`` unpins
-   and counts, in the store, what the engine got: tokens by the tier the plan named for their
-   chunk (what vLLM was told), tokens promised and not filled, blocks not filled, bytes;
+   and reports what the engine got, as events to the request's context and so to the store's
+   counters: tokens by the tier the plan named for their chunk (what vLLM was told), tokens
+   promised and not filled, blocks not filled, bytes;
 4. report: with one KV cache group (``partial``), the blocks it could not fill become load
    errors (vLLM keeps the valid prefix); with several, a load short of any page is a failed
    request (vLLM recomputes it whole).  Then the request is finished receiving, in that order,
@@ -52,7 +54,8 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from kvtier.core.handles import EngineLoad, LoadHandle
+from kvtier.core.context import EngineLoad, OpContext
+from kvtier.core.handles import LoadHandle
 from kvtier.core.keys import ChunkKey
 from kvtier.core.store import TieredStore
 from kvtier.core.tiers.registry import slowest
@@ -155,7 +158,7 @@ class AsyncLoader:
                 return
             # max_chunks: the plan already asked the shared tier, so its reads need no second presence batch
             handle = self.store.prepare_load([ChunkKey(p.key) for p in job.pages], max_chunks=len(job.pages),
-                                             read_ahead=True)
+                                             read_ahead=True, ctx=_context(job))
             delivered = self._copy_as_ready(job, handle)
             ok = True
         except Exception:
@@ -190,7 +193,7 @@ class AsyncLoader:
         epoch = self.store.epoch
         try:
             handle = self.store.prepare_load([ChunkKey(p.key) for p in job.pages], max_chunks=len(job.pages),
-                                             top_only=True)
+                                             top_only=True, ctx=_context(job))
             held = handle.num_chunks
             if held:
                 self.copiers.load(list(zip(job.pages[:held], handle.buffers[:held])))
@@ -256,7 +259,7 @@ class AsyncLoader:
                             engine_bytes=self.copiers.moved_bytes(job.pages[:delivered]) if ok else 0,
                             seconds=seconds)
         if handle is None:
-            self.store.load_skipped(engine)
+            self.store.load_skipped(engine, _context(job))
         elif ok and end > job.first_token:
             self.store.complete_load(handle, True, engine=engine)
         elif ok:
@@ -288,3 +291,8 @@ class AsyncLoader:
                 if not pending:
                     break
             time.sleep(0.01)
+
+
+def _context(job: LoadJob) -> OpContext:
+    """The load's context: its request's id and tenant (the handle carries it to ``complete_load``)."""
+    return OpContext(job.req_id, job.tenant)

@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 
-from kvtier.core.handles import EngineSave
+from kvtier.core.context import EngineSave, OpContext
 from kvtier.core.keys import ChunkKey
 from kvtier.core.store import TieredStore
 from kvtier.integrations.vllm.protocol import SaveJob
@@ -52,7 +52,8 @@ def _save_one(store: TieredStore, copiers: GroupCopiers, job: SaveJob, token_gro
     chain += [ChunkKey(p.key) for p in job.pages]
     first = len(chain) - len(job.pages)  # the parent only names the first page's parent
     t0 = time.perf_counter()
-    handle = store.prepare_store(chain, start=first, tenant=job.tenant)
+    ctx = OpContext(job.req_id, job.tenant)  # the request's context: its id and tenant, explicitly
+    handle = store.prepare_store(chain, start=first, ctx=ctx)
     if handle.num_chunks:
         stored = [job.pages[i - first] for i in handle.indices]
         ok = False
@@ -65,4 +66,4 @@ def _save_one(store: TieredStore, copiers: GroupCopiers, job: SaveJob, token_gro
             store.complete_store(handle, ok, EngineSave(tokens, copiers.moved_bytes(stored),
                                                         time.perf_counter() - t0))
     if job.pin_s > 0:
-        store.ttl_pin([ChunkKey(p.key) for p in job.pages if p.chunk < job.pin_chunks], job.pin_s)
+        store.ttl_pin([ChunkKey(p.key) for p in job.pages if p.chunk < job.pin_chunks], job.pin_s, ctx)

@@ -1,0 +1,220 @@
+"""The context of one store operation, passed explicitly (issue 33 item 4): who asked, for whom,
+and where the facts of the operation go.
+
+An :class:`OpContext` travels as an argument from the engine integration (one per request: vLLM's
+request id and the request's tenant) into the store's verbs (``lookup``, ``prepare_load`` /
+``complete_load``, ``prepare_store`` / ``complete_store``, ``ttl_pin``) and from there to the
+code that reads and promotes chunks, on whatever thread does it (a read-ahead thread included).
+Nothing about a request travels in thread state.
+
+What happened is reported as typed **events** to the context's :class:`Sink`, at the places the
+facts are known: a batch of chunks read from a tier and verified (:class:`ChunksRead`), a chunk
+that was not served and why (:class:`ChunkMissed`, then :class:`LoadCut` where the prefix ends),
+what a load delivered (:class:`ChunksServed`) or that it failed (:class:`LoadFailed`), what the
+engine got (:class:`EngineLoad`) or copied out (:class:`EngineSave`), chunks saved
+(:class:`Saved`) or dropped (:class:`SaveDropped`, :class:`WriteDropped`), TTL pins (:class:`TtlPinned`) and lookups
+(:class:`LookedUp`).  The store always sends them to its own metrics sink (the counters that
+``/metrics`` and the connector's step stats show: :class:`kvtier.core.sinks.CountersSink`) and
+to the context's sink as well (:class:`kvtier.core.sinks.Tee`); a per-request record
+(:class:`kvtier.core.sinks.RequestRecord`) is one such sink.
+
+Units: ``*_bytes`` bytes, ``*seconds`` seconds, ``chunks`` chunk counts, ``index`` a chunk's
+position in the chain the operation was given.  Tier names are the registry's
+(:mod:`kvtier.core.tiers.registry`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from kvtier.core.tenant import TenantId
+
+MissReason = Literal["absent", "missing", "corrupt", "reset"]
+"""Why a chunk of a load was not served:
+
+- ``absent``: no tier the load may read held it when the load was prepared (evicted or removed
+  since the lookup that planned it, or never stored; a synchronous load reads the top tier only);
+- ``missing``: its tier had it in its index but returned no value when read (another process
+  removed the file, or a shared tier did not answer: the tiers report a deadline, an open breaker
+  and an absent value alike, as a miss: :class:`kvtier.core.tiers.guarded.GuardedTier`);
+- ``corrupt``: the value failed verification (counted by the tier, deleted, never served);
+- ``reset``: a reset (:meth:`kvtier.core.store.TieredStore.clear`) came between its plan and its read.
+"""
+
+DropReason = Literal["no_room", "queue_full"]
+"""Why a save, or its write to a tier below the top one, was dropped: ``no_room``, no top-tier
+page could be freed (every page pinned, or the tenant's quota); ``queue_full``, the tier's write
+queue was full (``save_queue_depth``)."""
+
+
+@dataclass(frozen=True)
+class LookedUp:
+    """A lookup asked about ``chunks`` chunks and found ``found[tier]`` leading chunks in each tier."""
+
+    chunks: int
+    found: Mapping[str, int]
+
+
+@dataclass(frozen=True)
+class ChunksRead:
+    """One batch read from a lower ``tier`` into top-tier pages: ``chunks`` arrived verified,
+    ``bytes`` of payload, the batch took ``seconds`` (reads that missed included)."""
+
+    tier: str
+    chunks: int
+    bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ChunkMissed:
+    """Chunk ``index`` of a load, planned from ``tier``, was not served, for ``reason``."""
+
+    index: int
+    tier: str
+    reason: MissReason
+
+
+@dataclass(frozen=True)
+class LoadCut:
+    """A load's prefix ends at chunk ``index`` (planned from ``tier``), for ``reason``: the first
+    chunk not served; every later chunk of the load is dropped (a chunk is useful only after all
+    its predecessors).  ``dropped_chunks``: chunks the load had planned from ``index`` on."""
+
+    index: int
+    tier: str
+    reason: MissReason
+    dropped_chunks: int = 0
+
+
+@dataclass(frozen=True)
+class ChunksServed:
+    """A successful load delivered ``by_tier[tier]`` chunks from each tier (the tier the bytes were
+    read from; chunks the engine's own prefix cache held are not counted)."""
+
+    by_tier: Mapping[str, int]
+
+
+@dataclass(frozen=True)
+class LoadFailed:
+    """A load was completed as failed (its bytes did not reach the engine): nothing is a hit."""
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What one load did on the engine's side, as its caller (the engine integration) saw it.
+
+    Attributes:
+        tokens: tokens copied into the engine, by the tier the load's plan named for their chunk.
+        unfilled_tokens: tokens the engine was promised and did not get, by planned tier.
+        resumed: a request re-admitted after a preemption (its tokens count as reloaded; vLLM
+            counts them apart from its hits).
+        failed_blocks: engine blocks reported back to the engine as not filled.
+        rerouted_chunks: chunks read from another tier than the one planned.
+        engine_bytes: bytes copied into the engine (all layers of this rank).
+        seconds: time the load took, from prepare to the last copy.
+    """
+
+    tokens: Mapping[str, int] = field(default_factory=dict)
+    unfilled_tokens: Mapping[str, int] = field(default_factory=dict)
+    resumed: bool = False
+    failed_blocks: int = 0
+    rerouted_chunks: int = 0
+    engine_bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class EngineSave:
+    """What one save copied out of the engine.
+
+    Attributes:
+        tokens: tokens the newly stored chunks cover.
+        engine_bytes: bytes copied out of the engine (all layers of this rank).
+        seconds: time the copy took.
+    """
+
+    tokens: int = 0
+    engine_bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Saved:
+    """A save published ``chunks`` new chunks in the top tier."""
+
+    chunks: int
+
+
+@dataclass(frozen=True)
+class SaveDropped:
+    """A save dropped ``chunks`` chunks (from the first one that found no room to the chain's end), for ``reason``."""
+
+    chunks: int
+    reason: DropReason
+
+
+@dataclass(frozen=True)
+class WriteDropped:
+    """A save's ``chunks`` published in the top tier were not queued for writing to ``tier``, for
+    ``reason`` (they stay in the top tier; the tier's queue counts them in ``dropped_saves`` for
+    every writer, so the store's counters do not count this event again)."""
+
+    tier: str
+    chunks: int
+    reason: DropReason
+
+
+@dataclass(frozen=True)
+class TtlPinned:
+    """A TTL pin kept ``pinned`` chunks in the top tier and refused ``refused`` past ``pin_max_share``."""
+
+    pinned: int
+    refused: int
+
+
+Event = (LookedUp | ChunksRead | ChunkMissed | LoadCut | ChunksServed | LoadFailed | EngineLoad | EngineSave
+         | Saved | SaveDropped | WriteDropped | TtlPinned)
+"""Every event a store operation reports."""
+
+
+class Sink(Protocol):
+    """Where an operation's events go.  ``emit`` is called on whatever thread learned the fact
+    (the caller's, a read-ahead thread), possibly on several at once: implementations are
+    thread-safe, never block, and never raise."""
+
+    def emit(self, event: Event) -> None:
+        """Take one event."""
+
+
+class NullSink:
+    """A sink that keeps nothing."""
+
+    def emit(self, event: Event) -> None:
+        return None
+
+
+NO_SINK = NullSink()
+
+
+@dataclass(frozen=True)
+class OpContext:
+    """Who an operation is for and where its events go; passed explicitly, never in thread state.
+
+    Attributes:
+        request_id: the engine's request id (vLLM's ``Request.request_id``); ``None`` outside a request.
+        tenant: who chunks are saved for (:class:`~kvtier.core.tenant.TenantId`, written with them
+            where a tier keeps a tenant record); ``None``: unknown.
+        sink: the request's own sink (the store sends every event to its metrics sink besides).
+    """
+
+    request_id: str | None = None
+    tenant: TenantId | None = None
+    sink: Sink = NO_SINK
+
+
+NO_CONTEXT = OpContext()
+"""The context of an operation outside any request (tools, tests, the store's own work)."""
+
