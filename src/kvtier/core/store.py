@@ -42,6 +42,10 @@ outside it on pinned chunks):
   is dropped, or its chunk deleted if it landed after the clear; a scan of other processes'
   files running meanwhile adopts nothing.  A caller that copied bytes out of a load started
   before the reset compares ``epoch`` to tell (:mod:`kvtier.integrations.vllm.worker.loader`).
+- ``gate_evictions(closed)``: while closed, nothing leaves the top tier (it takes free pages only;
+  a finished spill's eviction waits for the gate to open); ``pin_resident(chain)`` pins what
+  the top tier holds now for a load prepared later.  Together they make a mirror's plan and the
+  pin one step (:mod:`kvtier.core.gate`).
 - ``check_integrity()``: each tier's accounting, policies track exactly the resident chunks, and
   no pins remain (call it once all requests are done).
 
@@ -242,6 +246,28 @@ class TieredStore(ChangeFeedMixin):
         if self.shared is None or n >= len(chain):
             return PendingLookup(n, len(chain))
         return self.shared.lookup(chain, n)
+
+    # ---- plan and pin (kvtier.core.gate) --------------------------------------------------
+    def gate_evictions(self, closed: bool) -> bool:
+        """Close the eviction gate (before a drain whose changes a mirror plans from), or open it
+        (once the loads planned from that drain are pinned), running what it deferred.  Returns
+        whether it was closed."""
+        with self._lock:
+            was = self.top.gate.closed
+            self.top.gate.set_closed(closed)
+            return was
+
+    def pin_resident(self, chain: Sequence[ChunkKey]) -> LoadHandle:
+        """Pin every chunk of ``chain`` resident in the top tier (wherever it is in the chain; no
+        I/O, nothing counted), so that a load prepared later, on another thread, still finds them.
+        Release with :meth:`cancel_load`."""
+        handle = LoadHandle([], [], [])
+        with self._lock:
+            for key in chain:
+                if self.top.resident(key):
+                    self.top.pin(key)
+                    handle.pinned.append(key)
+        return handle
 
     # ---- load ----------------------------------------------------------------------------
     def prepare_load(self, chain: Sequence[ChunkKey], max_chunks: int | None = None,
@@ -584,7 +610,8 @@ class TieredStore(ChangeFeedMixin):
                 lower_pins = {lt.name: len(lt.pins) for lt in self.lower if lt.pins}
                 assert not self.top.pins and not lower_pins, \
                     f"pins left behind: {len(self.top.pins)} {self.cpu.name}, {lower_pins}"
-                assert not self.top.writing and not self.top.staged and \
+                staged = [k for k, c in self.top.staged.items() if c.pending > 0]  # done ones may wait for the gate
+                assert not self.top.writing and not staged and \
                     not any(lt.queue.unfinished_tasks for lt in self.lower), "writes still in flight"
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvtier.core.gate import EvictionGate
 from kvtier.core.keys import ChunkKey
 from kvtier.core.lower import LowerTier, WriteJob
 from kvtier.core.policies import EvictionPolicy
@@ -72,6 +73,7 @@ class TopTier:
         self.ttl_pins: dict[ChunkKey, float] = {}  # requests' TTL pins: chunk -> time.monotonic() deadline
         self.quota: TenantLedger | None = None  # tenant quotas (the store sets it when configured)
         self._counters = counters
+        self.gate = EvictionGate()  # closed: nothing leaves (kvtier.core.gate)
         self.on_change: Callable[[ChunkKey], None] = lambda key: None  # the store's change feed
 
     def holds(self, key: ChunkKey) -> bool:
@@ -186,8 +188,13 @@ class TopTier:
         if copy is not None:
             copy.pending -= 1
             if copy.pending <= 0:
-                del self.staged[key]
-                self.on_change(key)
+                self.gate.later(key, self._unstage)
+
+    def _unstage(self, key: ChunkKey) -> None:
+        copy = self.staged.get(key)
+        if copy is not None and copy.pending <= 0:
+            del self.staged[key]
+            self.on_change(key)
 
     def evict(self, key: ChunkKey) -> None:
         """Drop a resident chunk from its page (an eviction, counted)."""
@@ -212,6 +219,8 @@ class TopTier:
         ``None``: unknown)."""
         if self.tier.can_reserve():
             return True
+        if self.gate.closed:
+            return False
         if self.quota is not None:
             victim = self.quota.victim(self.policy, self.evictable, tenant)
         else:
@@ -233,7 +242,7 @@ class TopTier:
     def spill_ahead(self) -> None:
         """Queue write-backs of likely victims so free pages stay above ``spill_watermark``."""
         num_pages = self.tier.num_pages if isinstance(self.tier, Paged) else 0
-        if not self.back or not num_pages:
+        if not self.back or not num_pages or self.gate.closed:
             return
         want = int(self.spill_watermark * num_pages)
         free = self.tier.usage().free_bytes // self.chunk_bytes
@@ -287,8 +296,12 @@ class TopTier:
             self.release_staged(job.key)
             return
         self._done_writing(job.key)
-        if job.evict_after and ok and self.resident(job.key) and self.spillable(job.key):
-            self.evict(job.key)
+        if job.evict_after and ok:
+            self.gate.later(job.key, self._evict_spilled)
+
+    def _evict_spilled(self, key: ChunkKey) -> None:  # deferred by a closed gate: check it is still written
+        if self.resident(key) and self.spillable(key) and not self._admitting(key):
+            self.evict(key)
 
     def check(self) -> None:
         """Assert page accounting and that the policy tracks exactly the resident chunks."""
