@@ -37,28 +37,25 @@ from kvtier.core.keys import ChunkKey
 
 
 class EvictionGate:
-    """Whether the top tier may let chunks go now, and what waits for it to open."""
+    """Whether the top tier may let chunks go now (``closed``), and what waits for it to open.
+
+    ``closed`` and ``deferred`` are plain attributes: the store flips the gate twice per engine
+    step by attribute alone and calls :meth:`run_deferred` only when something waits, so the gate
+    costs the hit path no call (``tests/integrations/test_hit_story.py`` counts them)."""
 
     def __init__(self) -> None:
         self.closed = False
-        self._later: dict[ChunkKey, Callable[[ChunkKey], None]] = {}
+        self.deferred: dict[ChunkKey, Callable[[ChunkKey], None]] = {}  # chunk -> its leaving, in order
 
     def later(self, key: ChunkKey, action: Callable[[ChunkKey], None]) -> None:
         """Run ``action(key)`` now if open, else when the gate next opens (the last action per chunk)."""
         if self.closed:
-            self._later[key] = action
+            self.deferred[key] = action
         else:
             action(key)
 
-    def set_closed(self, closed: bool) -> None:
-        """Close, or open and run what was deferred (in the order it was deferred)."""
-        self.closed = closed
-        if not closed and self._later:
-            later, self._later = self._later, {}
-            for key, action in later.items():
-                action(key)
-
-    @property
-    def deferred(self) -> int:
-        """Chunks whose leaving waits for the gate to open."""
-        return len(self._later)
+    def run_deferred(self) -> None:
+        """The gate is open: run what waited for it, in the order it was deferred."""
+        later, self.deferred = self.deferred, {}
+        for key, action in later.items():
+            action(key)

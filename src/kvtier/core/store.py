@@ -253,8 +253,10 @@ class TieredStore(ChangeFeedMixin):
         (once the loads planned from that drain are pinned), running what it deferred.  Returns
         whether it was closed."""
         with self._lock:
-            was = self.top.gate.closed
-            self.top.gate.set_closed(closed)
+            gate = self.top.gate
+            was, gate.closed = gate.closed, closed
+            if not closed and gate.deferred:
+                gate.run_deferred()
             return was
 
     def pin_resident(self, chain: Sequence[ChunkKey]) -> LoadHandle:
