@@ -42,6 +42,8 @@ outside it on pinned chunks):
   is dropped, or its chunk deleted if it landed after the clear; a scan of other processes'
   files running meanwhile adopts nothing.  A caller that copied bytes out of a load started
   before the reset compares ``epoch`` to tell (:mod:`kvtier.integrations.vllm.worker.loader`).
+- ``gate_evictions(closed)``: while closed no top-tier page is freed; ``pin_resident(chain)`` pins
+  what the top tier holds for a load prepared later: a mirror's plan and its pin as one step (:mod:`kvtier.core.gate`).
 - ``check_integrity()``: every invariant of the index (:meth:`kvtier.core.upkeep.IndexUpkeep.check`).
 
 Sizes: ``chunk_bytes`` is one chunk's payload; capacities are the configuration's / ``tp_size``.
@@ -190,6 +192,17 @@ class TieredStore:
         self.counters.looked_up(len(chain), found)
         self.metrics.lookup_seconds.observe(time.perf_counter() - start)
         return n
+
+    # ---- plan and pin (kvtier.core.gate) --------------------------------------------------
+    def gate_evictions(self, closed: bool) -> bool:
+        """Close the eviction gate (before a drain a mirror plans from) or open it (once the loads
+        planned from that drain are pinned); returns whether it was closed."""
+        return self.index.gate_evictions(closed)
+
+    def pin_resident(self, chain: Sequence[ChunkKey]) -> LoadHandle:
+        """Pin the chunks of ``chain`` the top tier holds now (no I/O, nothing counted) for a load
+        prepared later on another thread; release with :meth:`cancel_load`."""
+        return self.index.pin_resident(chain)
 
     # ---- load ----------------------------------------------------------------------------
     def prepare_load(self, chain: Sequence[ChunkKey], max_chunks: int | None = None,

@@ -3,7 +3,8 @@
 :class:`IndexUpkeep` is the part of :class:`~kvtier.core.index.Index` off a load's path: saves
 (:meth:`IndexUpkeep.plan_store`, :meth:`IndexUpkeep.complete_store`, spills ahead), what the
 mover's writers report (:meth:`IndexUpkeep.begin_write`, :meth:`IndexUpkeep.end_write`,
-:meth:`IndexUpkeep.written`), rescans, TTL pins, resets and :meth:`IndexUpkeep.check`.  Same
+:meth:`IndexUpkeep.written`), the eviction gate's verbs (:mod:`kvtier.core.gate`), rescans, TTL
+pins, resets and :meth:`IndexUpkeep.check`.  Same
 lock, same state (declared here, set up by :class:`~kvtier.core.index.Index`, whose methods it
 calls: where a chunk is, pins, publication, eviction), no threads, no callbacks.
 """
@@ -19,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvtier.core.changes import ChangeFeed
-from kvtier.core.handles import Read, StagedCopy, StoreHandle, WriteJob
+from kvtier.core.gate import EvictionGate
+from kvtier.core.handles import LoadHandle, Read, StagedCopy, StoreHandle, WriteJob
 from kvtier.core.keys import ChunkKey
 from kvtier.core.lowerindex import LowerIndex
 from kvtier.core.policies import EvictionPolicy
@@ -65,6 +67,7 @@ class IndexUpkeep(ChangeFeed):
     back: list[LowerIndex]  # write-back tiers
     through: list[LowerIndex]  # write-through tiers (every shared tier)
     spill_watermark: float
+    gate: EvictionGate  # closed: no page may be freed; what waits for it (kvtier.core.gate)
 
     if TYPE_CHECKING:  # defined by Index (kvtier.core.index), the load's half
         def holds(self, key: ChunkKey) -> bool: ...
@@ -130,8 +133,8 @@ class IndexUpkeep(ChangeFeed):
 
     def spill_ahead(self, free_slots: dict[str, int], writes: list[WriteJob]) -> None:
         """Plan write-backs of likely victims so free pages stay above ``spill_watermark``."""
-        if not self.back or not isinstance(self.cpu, Paged) or not self.cpu.num_pages:
-            return
+        if self.gate.closed or not self.back or not isinstance(self.cpu, Paged) or not self.cpu.num_pages:
+            return  # (closed: may_free_page says no to every chunk)
         want = int(self.spill_watermark * self.cpu.num_pages)
         free = self.cpu.usage().free_bytes // self.chunk_bytes
         writing = self.writing
@@ -214,15 +217,48 @@ class IndexUpkeep(ChangeFeed):
                 if copy is not None:
                     copy.pending -= 1
                     if copy.pending <= 0:
-                        del self.staged[key]
-                        self._note(key)
+                        self.let_go(key)
                 return
             self.writing[key] -= 1
             if self.writing[key] <= 0:
                 del self.writing[key]
             self.unpin(key)
-            if job.evict_after and ok and self.resident(key) and self.may_free_page(key, ahead=True):
-                self.evict_top(key)
+            if job.evict_after and ok:
+                self.let_go(key)
+
+    def let_go(self, key: ChunkKey) -> None:
+        """``key``'s writes are over: drop its staged copy (none pending), or evict its page if it
+        may be freed and every write-back tier holds it; while the eviction gate is closed, this
+        waits for it to open (:mod:`kvtier.core.gate`)."""
+        if self.gate.closed:
+            self.gate.deferred[key] = None
+            return
+        copy = self.staged.get(key)
+        if copy is not None:
+            if copy.pending <= 0:
+                del self.staged[key]
+                self._note(key)
+        elif self.resident(key) and self.may_free_page(key, ahead=True) and not self._admitting(key):
+            self.evict_top(key)
+
+    # ---- plan and pin (kvtier.core.gate) ----------------------------------------------------
+    def gate_evictions(self, closed: bool) -> bool:
+        """Close the eviction gate, or open it and let go what waited for it; returns whether it was closed."""
+        with self.lock:
+            gate = self.gate
+            was, gate.closed = gate.closed, closed
+            if not closed and gate.deferred:
+                for key in gate.take():
+                    self.let_go(key)
+            return was
+
+    def pin_resident(self, chain: Sequence[ChunkKey]) -> LoadHandle:
+        """Pin the chunks of ``chain`` resident in the top tier now (no I/O); released by :meth:`release`."""
+        handle = LoadHandle([], [], [])
+        with self.lock:
+            handle.pinned = [key for key in chain if self.resident(key)]
+            self.pins.update(handle.pinned)  # (Counter.update adds: one pin each)
+        return handle
 
     def plan_flush(self, key: ChunkKey, full: Collection[str]) -> tuple[bool, list[WriteJob]]:
         """Writes of dirty ``key`` to the local tiers that lack it; ``(False, [])`` while one of
@@ -328,7 +364,7 @@ class IndexUpkeep(ChangeFeed):
             assert all(self.pins[k] >= n for k, n in self.writing.items()), "more writes than pins of a page"
             assert self.doomed <= set(self.pins), "a doomed chunk is not pinned (it should have been freed)"
             assert set(self.parent) <= resident and set(self.uses) <= resident, "bookkeeping of evicted chunks"
-            assert all(c.pending > 0 for c in self.staged.values()), "a staged copy no write waits for"
+            assert all(c.pending > 0 or k in self.gate.deferred for k, c in self.staged.items()), "a stray staged copy"
             if self.quota is not None:
                 self.quota.check(resident)
             for lt in self.lower:
@@ -337,7 +373,8 @@ class IndexUpkeep(ChangeFeed):
                 lower_pins = {lt.name: len(lt.pins) for lt in self.lower if lt.pins}
                 assert not self.pins and not lower_pins, \
                     f"pins left behind: {len(self.pins)} {self.name}, {lower_pins}"
-                assert not self.writing and not self.staged, "writes still in flight"
+                written = all(c.pending <= 0 for c in self.staged.values())  # done ones may wait for the gate
+                assert not self.writing and written, "writes still in flight"
 
     def tier_stats(self) -> dict[str, TierStats]:
         """Each tier's usage, pins, TTL pins, errors and tenant bytes now (for :class:`~kvtier.core.stats.StoreStats`)."""
