@@ -256,7 +256,7 @@ class IndexUpkeep(ChangeFeed):
         """Pin the chunks of ``chain`` resident in the top tier now (no I/O); released by :meth:`release`."""
         handle = LoadHandle([], [], [])
         with self.lock:
-            handle.pinned = [key for key in chain if self.resident(key)]
+            handle.pinned = [k for k in chain if self.cpu.contains(k) and k not in self.doomed]  # (resident)
             self.pins.update(handle.pinned)  # (Counter.update adds: one pin each)
         return handle
 
