@@ -82,8 +82,8 @@ class IndexMachine(RuleBasedStateMachine):
     @rule(prompt=st.integers(0, 6), n=st.integers(1, 5))
     def save(self, prompt, n):
         chain = chain_of(prompt, n)
-        writes: list[WriteJob] = []
-        handle = self.index.plan_store(chain, 0, None, writes)
+        plan = self.index.plan_store(chain, 0, None)
+        handle = plan.handle
         expected, spills = [], []
         for key in chain:
             if key in self.cpu or key in self.on_disk or key in spills:  # a spilled victim is staged: held
@@ -94,11 +94,12 @@ class IndexMachine(RuleBasedStateMachine):
         assert handle.keys == expected
         for key, buf in zip(handle.keys, handle.buffers):
             buf[:] = memoryview(payload(key))
-        assert self.index.complete_store(handle, True, self.mover.free_slots(), writes)
+        published = self.index.complete_store(handle, True, self.mover.free_slots())
+        assert published is not None and published.handle is handle
         for key in expected:
             self.cpu[key] = None
             self.written[key] = payload(key)
-        self._run(writes)
+        self._run(plan.writes + published.writes)
         self._write_down(spills)
 
     @rule(prompt=st.integers(0, 6), n=st.integers(1, 5))

@@ -5,7 +5,7 @@ the mover (:mod:`kvtier.core.mover`) carries out.
   ``prepare_*`` and ``complete_*`` (the chunks, their buffers, where each came from).
 - :class:`Read`: one chunk of a load to read from a lower tier into a buffer (a promotion).
 - :class:`WriteJob`: one chunk to write from the top tier (a page or a staged copy) into a lower tier.
-- :class:`LoadPlan`: a load's handle and the reads it still needs.
+- :class:`LoadPlan` / :class:`StorePlan`: a load's or save's handle and what the mover must do for it.
 - :class:`StagedCopy`: a private copy of an evicted chunk, servable until its writes are done.
 """
 
@@ -165,6 +165,16 @@ class LoadPlan:
 
     handle: LoadHandle
     reads: list[Read] = field(default_factory=list)
+    writes: list[WriteJob] = field(default_factory=list)
+
+
+@dataclass
+class StorePlan:
+    """A save as the index planned (or published) it: the caller's handle and the writes it
+    caused (a page's victim spilled to a write-back tier; on publication, write-through copies
+    and spills ahead), which the mover queues."""
+
+    handle: StoreHandle
     writes: list[WriteJob] = field(default_factory=list)
 
 

@@ -62,7 +62,7 @@ from prometheus_client import CollectorRegistry
 from kvtier.core.changes import IndexDelta
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
-from kvtier.core.handles import EngineLoad, EngineSave, LoadHandle, StoreHandle, WriteJob
+from kvtier.core.handles import EngineLoad, EngineSave, LoadHandle, StoreHandle
 from kvtier.core.index import Index
 from kvtier.core.keys import ChunkKey, Namespace
 from kvtier.core.lowerindex import LowerIndex
@@ -273,20 +273,19 @@ class TieredStore:
         """Reserve top-tier pages for ``chain[start:]`` chunks not stored yet (see module docstring);
         ``tenant``: who they are saved for, written with them where a tier keeps a tenant record
         (:mod:`kvtier.core.tenant`; ``None``: unknown)."""
-        writes: list[WriteJob] = []
-        handle = self.index.plan_store(chain, start, tenant, writes)
-        self.mover.submit(writes)
-        return handle
+        plan = self.index.plan_store(chain, start, tenant)
+        self.mover.submit(plan.writes)
+        return plan.handle
 
     def complete_store(self, handle: StoreHandle, success: bool, engine: EngineSave | None = None) -> None:
         """Publish (``success``) or release the reserved pages; count ``engine`` (what the copy out
         of the engine moved) when ``success``.  Idempotent."""
         if success and engine is not None and not handle.done:
             self.counters.engine_save(engine, self.cpu.name)
-        writes: list[WriteJob] = []
-        if self.index.complete_store(handle, success, self.mover.free_slots(), writes):
+        published = self.index.complete_store(handle, success, self.mover.free_slots())
+        if published is not None:
             self.counters.saved(len(handle.keys))
-        self.mover.submit(writes)
+            self.mover.submit(published.writes)
 
     # ---- TTL pins ----------------------------------------------------------------------------
     def ttl_pin(self, keys: Sequence[ChunkKey], ttl_s: float) -> tuple[int, int]:

@@ -21,7 +21,7 @@ import numpy as np
 
 from kvtier.core.changes import ChangeFeed
 from kvtier.core.gate import EvictionGate
-from kvtier.core.handles import LoadHandle, Read, StagedCopy, StoreHandle, WriteJob
+from kvtier.core.handles import LoadHandle, Read, StagedCopy, StoreHandle, StorePlan, WriteJob
 from kvtier.core.keys import ChunkKey
 from kvtier.core.lowerindex import LowerIndex
 from kvtier.core.policies import EvictionPolicy
@@ -85,11 +85,12 @@ class IndexUpkeep(ChangeFeed):
         def _note(self, key: ChunkKey) -> None: ...
 
     # ---- store ---------------------------------------------------------------------------
-    def plan_store(self, chain: Sequence[ChunkKey], start: int, tenant: TenantId | None,
-                   writes: list[WriteJob]) -> StoreHandle:
-        """Reserve top-tier pages for ``chain[start:]`` chunks no local tier holds yet (eviction
-        spills go to ``writes``); the chain ends at the first chunk that gets no page."""
+    def plan_store(self, chain: Sequence[ChunkKey], start: int, tenant: TenantId | None) -> StorePlan:
+        """Reserve top-tier pages for ``chain[start:]`` chunks no local tier holds yet (the pages'
+        victims spilled to a write-back tier are the plan's ``writes``); the chain ends at the
+        first chunk that gets no page."""
         handle = StoreHandle([], [], [], [], tenant=tenant)
+        writes: list[WriteJob] = []
         owner = tenant.salt if tenant is not None else None  # the quota's tenant key
         with self.lock:
             handle.epoch = self.epoch
@@ -107,16 +108,17 @@ class IndexUpkeep(ChangeFeed):
                 handle.indices.append(i)
                 handle.parents.append(chain[i - 1] if i > 0 else None)
                 handle.buffers.append(got.buffer)
-        return handle
+        return StorePlan(handle, writes)
 
-    def complete_store(self, handle: StoreHandle, success: bool, free_slots: dict[str, int],
-                       writes: list[WriteJob]) -> bool:
-        """Publish (``success`` and no reset since) or give back ``handle``'s pages; write-through
-        copies and spills ahead go to ``writes`` (``free_slots``: each tier's free queue slots).
-        Returns whether the chunks were published; False also when released already."""
+    def complete_store(self, handle: StoreHandle, success: bool, free_slots: dict[str, int]) -> StorePlan | None:
+        """Publish (``success`` and no reset since) or give back ``handle``'s pages.  Returns the
+        published ``handle`` with its ``writes`` (write-through copies, spills ahead;
+        ``free_slots``: each tier's free queue slots), ``None`` when nothing was published
+        (failed, reset since, or released already)."""
+        writes: list[WriteJob] = []
         with self.lock:
             if handle.done:
-                return False
+                return None
             handle.done = True
             success = success and handle.epoch == self.epoch  # bytes copied before a reset: not stored
             for key, parent in zip(handle.keys, handle.parents):
@@ -127,9 +129,10 @@ class IndexUpkeep(ChangeFeed):
                 for lt in self.through:  # a shared server may have lost what this process wrote
                     if lt.shared or not lt.tier.indexed(key):  # (restart, its own eviction, TTL): write again
                         writes.append(self._job(lt, key, None, evict_after=False, tenant=handle.tenant))
-            if success:
-                self.spill_ahead(free_slots, writes)
-            return success
+            if not success:
+                return None
+            self.spill_ahead(free_slots, writes)
+            return StorePlan(handle, writes)
 
     def spill_ahead(self, free_slots: dict[str, int], writes: list[WriteJob]) -> None:
         """Plan write-backs of likely victims so free pages stay above ``spill_watermark``."""
@@ -234,21 +237,19 @@ class IndexUpkeep(ChangeFeed):
             self.gate.deferred[key] = None
             return
         copy = self.staged.get(key)
-        if copy is not None:
-            if copy.pending <= 0:
-                del self.staged[key]
-                self._note(key)
-        elif self.resident(key) and self.may_free_page(key, ahead=True) and not self._admitting(key):
+        if copy is not None and copy.pending <= 0:
+            del self.staged[key]
+            self._note(key)
+        elif copy is None and self.resident(key) and self.may_free_page(key, ahead=True) and not self._admitting(key):
             self.evict_top(key)
 
     # ---- plan and pin (kvtier.core.gate) ----------------------------------------------------
     def gate_evictions(self, closed: bool) -> bool:
         """Close the eviction gate, or open it and let go what waited for it; returns whether it was closed."""
         with self.lock:
-            gate = self.gate
-            was, gate.closed = gate.closed, closed
-            if not closed and gate.deferred:
-                for key in gate.take():
+            was, self.gate.closed = self.gate.closed, closed
+            if not closed and self.gate.deferred:  # (no call into gate.py on the hit path)
+                for key in self.gate.take():
                     self.let_go(key)
             return was
 
