@@ -34,9 +34,11 @@ Usage::
         [--abort-share 0.2] [--pool 16] [--cpu-chunks 24] [--seed 0]
 
 Prints a table, writes WORKDIR/attribution.json (every number, the configuration, the load
-average before and after); exit status 0 when every tier agrees and the pins read 0 in time, 1
-when not (or when the run did not exercise both a cpu and a disk hit), 2 on bad arguments or a
-server that does not start.
+average before and after); exit status 0 when every tier agrees, no block of a planned hit went
+unfilled (``kvtier_load_failed_blocks_total`` 0: no tier fails here, so a planned page must be
+there when its load pins it, issue 33) and the pins read 0 in time, 1 when not (or when the run
+did not exercise both a cpu and a disk hit), 2 on bad arguments or a server that does not start.
+A request aborted before its load began leaves its tokens unfilled without a failed block.
 """
 
 from __future__ import annotations
@@ -224,7 +226,8 @@ def compare(before: dict[str, dict[str, float]], after: dict[str, dict[str, floa
             "rerouted_chunks": delta("kvtier_rerouted_chunks_total"),
             "reloaded_tokens": delta("kvtier_reloaded_tokens_total"),
             "load_failed_blocks": delta("kvtier_load_failed_blocks_total"),
-            "saved_tokens": delta("kvtier_saved_tokens_total")}
+            "saved_tokens": delta("kvtier_saved_tokens_total"),
+            "dropped_saves": delta("kvtier_dropped_saves_total")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -309,12 +312,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"total: kvtier {result['kvtier_loaded_plus_unfilled_total']}, vLLM external hits "
           f"{result['vllm_external_hits']}; rerouted chunks {result['rerouted_chunks']}, reloaded tokens "
           f"{result['reloaded_tokens']}, vLLM device hits {result['vllm_device_hits']}")
+    print(f"planned hits not filled: {result['load_failed_blocks']} blocks recomputed; saved tokens "
+          f"{result['saved_tokens']}, dropped saves {result['dropped_saves']}")
     print(f"pins at idle: {idle['pins_at_idle']}, read 0 after {idle['pins_zero_after_s']} s "
           f"(deadline {args.pin_deadline_s:g} s); load average {load_before} -> {load_after}")
     print(f"wrote {work / 'attribution.json'}")
     failed = []
     if mismatches:
         failed.append(f"kvtier and vLLM disagree for {', '.join(mismatches)}")
+    if result["load_failed_blocks"]:  # no tier faults here: a planned page was gone when pinned
+        failed.append(f"{result['load_failed_blocks']} blocks of planned hits were not filled (a page left "
+                      "between the plan and the pin; docs/architecture.md, 'Plan and pin')")
     if not pins_ok:
         failed.append(f"the pin gauges did not read 0 within {args.pin_deadline_s:g} s of idle")
     if not exercised:

@@ -529,6 +529,8 @@ def test_hit_sources_equal_loaded_tokens_per_tier_under_aborts_and_promotions(en
           f"{delta(m1, m0, 'kvtier_rerouted_chunks_total')}")
     assert by_source == promised, (kvtier, promised)
     assert sum(promised.values()) == delta(m1, m0, EXT_HITS)
+    # no tier fails here: a planned page is there when its load pins it (the eviction gate, issue 33)
+    assert delta(m1, m0, "kvtier_load_failed_blocks_total") == 0
     engine.store.flush()
     engine.store.check_integrity()
 

@@ -23,7 +23,8 @@ map (reserve, commit, abort, delete: memory only), and a lower tier's ``delete``
 victim and ``clear`` on a reset (under the lock, so that usage and policy never disagree).
 
 Eviction from the top tier is decided in one place, :meth:`Index.may_free_page` (may this
-chunk's page be freed now), and done in one place, :meth:`Index.evict_top`.  This module is a
+chunk's page be freed now; never while the eviction gate is closed, :mod:`kvtier.core.gate`), and
+done in one place, :meth:`Index.evict_top`.  This module is a
 load's whole path through the index; saves, the outcomes of writes, TTL pins, resets and checks
 are its second half, :mod:`kvtier.core.upkeep`.
 """
@@ -38,6 +39,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvtier.core.config import KVTierConfig
+from kvtier.core.gate import EvictionGate
 from kvtier.core.handles import LoadHandle, LoadPlan, Read, StagedCopy, WriteJob
 from kvtier.core.keys import ChunkKey
 from kvtier.core.lowerindex import LowerIndex
@@ -104,6 +106,7 @@ class Index(IndexUpkeep):
         self.epoch = 0  # resets so far; promotions and saves planned in an older one never publish
         self.doomed: set[ChunkKey] = set()  # dropped by a reset while pinned: freed at the last unpin
         self.ttl_pins: dict[ChunkKey, float] = {}  # requests' TTL pins: chunk -> time.monotonic() deadline
+        self.gate = EvictionGate()  # closed: no page may be freed (kvtier.core.gate)
         self._init_feed()
 
     # ---- what is where -------------------------------------------------------------------
@@ -324,10 +327,10 @@ class Index(IndexUpkeep):
 
     # ---- eviction from the top tier: decided in may_free_page, done in evict_top ------------
     def may_free_page(self, key: ChunkKey, ahead: bool) -> bool:
-        """Whether the page of resident ``key`` may be freed now: not pinned, no live TTL pin; ahead
-        of need (a spill, or eviction after its write) with quotas only while its tenant stays at
-        or above its guarantee."""
-        if key in self.pins or self.ttl_pinned(key):
+        """Whether the page of resident ``key`` may be freed now: not while the eviction gate is
+        closed (:mod:`kvtier.core.gate`), not pinned, no live TTL pin; ahead of need (a spill, or
+        eviction after its write) with quotas only while its tenant stays at or above its guarantee."""
+        if self.gate.closed or key in self.pins or self.ttl_pinned(key):
             return False
         return not ahead or self.quota is None or self.quota.above_guarantee(key)
 
@@ -354,6 +357,8 @@ class Index(IndexUpkeep):
         for ``tenant``, the quota's tenant key of whoever needs the page)."""
         if self.cpu.can_reserve():
             return True
+        if self.gate.closed:  # may_free_page says no to every chunk: no victim to look for
+            return False
 
         def evictable(k: ChunkKey) -> bool:
             return self.may_free_page(k, ahead=False)

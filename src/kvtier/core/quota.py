@@ -36,6 +36,7 @@ import difflib
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -298,3 +299,12 @@ class TenantLedger:
         stray = [k for k in self.owner if k not in held]
         assert not stray, f"tenant ledger tracks {len(stray)} chunks the tier does not hold"
         assert Counter(self.owner.values()) == self.chunks, "tenant ledger counts disagree with its owners"
+
+
+def tenant_stats(ledger: TenantLedger | None, num_chunks: int, chunk_bytes: int) -> dict[str, Any]:
+    """A tier's per-tenant bytes and quota evictions for its :class:`~kvtier.core.stats.TierStats`
+    (empty without quotas)."""
+    if ledger is None:
+        return {}
+    return {"tenant_used_bytes": ledger.usage_by_label(chunk_bytes, num_chunks - len(ledger.owner)),
+            "quota_evictions": ledger.quota_evictions}

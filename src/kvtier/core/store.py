@@ -44,6 +44,8 @@ outside it on pinned chunks):
   is dropped, or its chunk deleted if it landed after the clear; a scan of other processes'
   files running meanwhile adopts nothing.  A caller that copied bytes out of a load started
   before the reset compares ``epoch`` to tell (:mod:`kvtier.integrations.vllm.worker.loader`).
+- ``gate_evictions(closed)``: while closed no top-tier page is freed; ``pin_resident(chain)`` pins
+  what the top tier holds for a load prepared later: a mirror's plan and its pin as one step (:mod:`kvtier.core.gate`).
 - ``check_integrity()``: every invariant of the index (:meth:`kvtier.core.upkeep.IndexUpkeep.check`).
 
 Sizes: ``chunk_bytes`` is one chunk's payload; capacities are the configuration's / ``tp_size``.
@@ -56,7 +58,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 
-import numpy as np
 from prometheus_client import CollectorRegistry
 
 from kvtier.core import context
@@ -72,16 +73,15 @@ from kvtier.core.metrics import StoreMetrics
 from kvtier.core.mover import Mover
 from kvtier.core.sinks import CountersSink
 from kvtier.core.stats import StoreCounters, StoreStats
+from kvtier.core.storeio import StoreConvenience
 from kvtier.core.tenant import TenantId
 from kvtier.core.tiers.base import ClearResult, StagingTier, Tier
 from kvtier.core.tiers.factory import TierContext, make_tier
 
 log = logging.getLogger(__name__)
-READ_AHEAD_WAIT_S = 60.0
-"""How long :meth:`TieredStore.get` waits for chunks read ahead before calling the load failed."""
 
 
-class TieredStore:
+class TieredStore(StoreConvenience):
     """The tiered chunk store; see the module docstring for the contract.
 
     Args:
@@ -197,6 +197,17 @@ class TieredStore:
         self.metrics.lookup_seconds.observe(time.perf_counter() - start)
         return n
 
+    # ---- plan and pin (kvtier.core.gate) --------------------------------------------------
+    def gate_evictions(self, closed: bool) -> bool:
+        """Close the eviction gate (before a drain a mirror plans from) or open it (once the loads
+        planned from that drain are pinned); returns whether it was closed."""
+        return self.index.gate_evictions(closed)
+
+    def pin_resident(self, chain: Sequence[ChunkKey]) -> LoadHandle:
+        """Pin the chunks of ``chain`` the top tier holds now (no I/O, nothing counted) for a load
+        prepared later on another thread; release with :meth:`cancel_load`."""
+        return self.index.pin_resident(chain)
+
     # ---- load ----------------------------------------------------------------------------
     def prepare_load(self, chain: Sequence[ChunkKey], max_chunks: int | None = None,
                      read_ahead: bool = False, top_only: bool = False, ctx: OpContext | None = None) -> LoadHandle:
@@ -304,36 +315,6 @@ class TieredStore:
         pinned, refused = self.index.ttl_pin(keys, time.monotonic() + ttl_s)
         self.sink.bind(ctx).sink.emit(context.TtlPinned(pinned, refused))
         return pinned, refused
-
-    # ---- convenience ---------------------------------------------------------------------
-    def put(self, chain: Sequence[ChunkKey], datas: Sequence[bytes | memoryview | np.ndarray],
-            tenant: TenantId | None = None, ctx: OpContext | None = None) -> int:
-        """Store ``datas[i]`` (``chunk_bytes`` each) under ``chain[i]`` for ``ctx`` (or ``tenant``, as
-        :meth:`prepare_store`); returns chunks newly stored."""
-        handle = self.prepare_store(chain, tenant=tenant, ctx=ctx)
-        ok = False
-        t0 = time.perf_counter()
-        try:
-            for idx, buf in zip(handle.indices, handle.buffers):
-                np.copyto(buf, np.frombuffer(datas[idx], dtype=np.uint8))
-            ok = True
-        finally:  # the copy is counted (engine_to_cpu) only when it succeeded
-            self.complete_store(handle, ok, EngineSave(0, handle.num_chunks * self.chunk_bytes, time.perf_counter() - t0))
-        return handle.num_chunks
-
-    def get(self, chain: Sequence[ChunkKey], ctx: OpContext | None = None) -> list[bytes]:
-        """Bytes of the longest available prefix of ``chain`` (copies)."""
-        handle = self.prepare_load(chain, read_ahead=True, ctx=ctx)
-        try:
-            out = [buf.tobytes() for buf in handle.buffers[:handle.ready_chunks()]]
-            if not handle.wait(READ_AHEAD_WAIT_S):
-                raise TimeoutError(f"chunks read ahead from disk did not arrive within {READ_AHEAD_WAIT_S} s")
-            out += [buf.tobytes() for buf in handle.buffers[len(out):]]
-        except BaseException:
-            self.complete_load(handle, False)
-            raise
-        self.complete_load(handle, True)
-        return out
 
     # ---- other processes' chunk files -----------------------------------------------------
     def rescan(self) -> int:

@@ -3,7 +3,8 @@
 :class:`IndexUpkeep` is the part of :class:`~kvtier.core.index.Index` off a load's path: saves
 (:meth:`IndexUpkeep.plan_store`, :meth:`IndexUpkeep.complete_store`, spills ahead), what the
 mover's writers report (:meth:`IndexUpkeep.begin_write`, :meth:`IndexUpkeep.end_write`,
-:meth:`IndexUpkeep.written`), rescans, TTL pins, resets and :meth:`IndexUpkeep.check`.  Same
+:meth:`IndexUpkeep.written`), the eviction gate's verbs (:mod:`kvtier.core.gate`), rescans, TTL
+pins, resets and :meth:`IndexUpkeep.check`.  Same
 lock, same state (declared here, set up by :class:`~kvtier.core.index.Index`, whose methods it
 calls: where a chunk is, pins, publication, eviction), no threads, no callbacks.
 """
@@ -14,17 +15,18 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvtier.core.changes import ChangeFeed
 from kvtier.core.context import OpContext, SaveDropped
-from kvtier.core.handles import Read, StagedCopy, StoreHandle, StorePlan, WriteJob
+from kvtier.core.gate import EvictionGate
+from kvtier.core.handles import LoadHandle, Read, StagedCopy, StoreHandle, StorePlan, WriteJob
 from kvtier.core.keys import ChunkKey
 from kvtier.core.lowerindex import LowerIndex
 from kvtier.core.policies import EvictionPolicy
-from kvtier.core.quota import TenantLedger
+from kvtier.core.quota import TenantLedger, tenant_stats
 from kvtier.core.stats import StoreCounters, TierStats
 from kvtier.core.tenant import Writer
 from kvtier.core.tiers.base import (
@@ -66,6 +68,7 @@ class IndexUpkeep(ChangeFeed):
     back: list[LowerIndex]  # write-back tiers
     through: list[LowerIndex]  # write-through tiers (every shared tier)
     spill_watermark: float
+    gate: EvictionGate  # closed: no page may be freed; what waits for it (kvtier.core.gate)
 
     if TYPE_CHECKING:  # defined by Index (kvtier.core.index), the load's half
         def holds(self, key: ChunkKey) -> bool: ...
@@ -136,8 +139,8 @@ class IndexUpkeep(ChangeFeed):
 
     def spill_ahead(self, free_slots: dict[str, int], writes: list[WriteJob]) -> None:
         """Plan write-backs of likely victims so free pages stay above ``spill_watermark``."""
-        if not self.back or not isinstance(self.cpu, Paged) or not self.cpu.num_pages:
-            return
+        if self.gate.closed or not self.back or not isinstance(self.cpu, Paged) or not self.cpu.num_pages:
+            return  # (closed: may_free_page says no to every chunk)
         want = int(self.spill_watermark * self.cpu.num_pages)
         free = self.cpu.usage().free_bytes // self.chunk_bytes
         writing = self.writing
@@ -220,15 +223,46 @@ class IndexUpkeep(ChangeFeed):
                 if copy is not None:
                     copy.pending -= 1
                     if copy.pending <= 0:
-                        del self.staged[key]
-                        self._note(key)
+                        self.let_go(key)
                 return
             self.writing[key] -= 1
             if self.writing[key] <= 0:
                 del self.writing[key]
             self.unpin(key)
-            if job.evict_after and ok and self.resident(key) and self.may_free_page(key, ahead=True):
-                self.evict_top(key)
+            if job.evict_after and ok:
+                self.let_go(key)
+
+    def let_go(self, key: ChunkKey) -> None:
+        """``key``'s writes are over: drop its staged copy (none pending), or evict its page if it
+        may be freed and every write-back tier holds it; while the eviction gate is closed, this
+        waits for it to open (:mod:`kvtier.core.gate`)."""
+        if self.gate.closed:
+            self.gate.deferred[key] = None
+            return
+        copy = self.staged.get(key)
+        if copy is not None and copy.pending <= 0:
+            del self.staged[key]
+            self._note(key)
+        elif copy is None and self.resident(key) and self.may_free_page(key, ahead=True) and not self._admitting(key):
+            self.evict_top(key)
+
+    # ---- plan and pin (kvtier.core.gate) ----------------------------------------------------
+    def gate_evictions(self, closed: bool) -> bool:
+        """Close the eviction gate, or open it and let go what waited for it; returns whether it was closed."""
+        with self.lock:
+            was, self.gate.closed = self.gate.closed, closed
+            if not closed and self.gate.deferred:  # (no call into gate.py on the hit path)
+                for key in self.gate.take():
+                    self.let_go(key)
+            return was
+
+    def pin_resident(self, chain: Sequence[ChunkKey]) -> LoadHandle:
+        """Pin the chunks of ``chain`` resident in the top tier now (no I/O); released by :meth:`release`."""
+        handle = LoadHandle([], [], [])
+        with self.lock:
+            handle.pinned = [k for k in chain if self.cpu.contains(k) and k not in self.doomed]  # (resident)
+            self.pins.update(handle.pinned)  # (Counter.update adds: one pin each)
+        return handle
 
     def plan_flush(self, key: ChunkKey, full: Collection[str]) -> tuple[bool, list[WriteJob]]:
         """Writes of dirty ``key`` to the local tiers that lack it; ``(False, [])`` while one of
@@ -334,7 +368,7 @@ class IndexUpkeep(ChangeFeed):
             assert all(self.pins[k] >= n for k, n in self.writing.items()), "more writes than pins of a page"
             assert self.doomed <= set(self.pins), "a doomed chunk is not pinned (it should have been freed)"
             assert set(self.parent) <= resident and set(self.uses) <= resident, "bookkeeping of evicted chunks"
-            assert all(c.pending > 0 for c in self.staged.values()), "a staged copy no write waits for"
+            assert all(c.pending > 0 or k in self.gate.deferred for k, c in self.staged.items()), "a stray staged copy"
             if self.quota is not None:
                 self.quota.check(resident)
             for lt in self.lower:
@@ -343,7 +377,8 @@ class IndexUpkeep(ChangeFeed):
                 lower_pins = {lt.name: len(lt.pins) for lt in self.lower if lt.pins}
                 assert not self.pins and not lower_pins, \
                     f"pins left behind: {len(self.pins)} {self.name}, {lower_pins}"
-                assert not self.writing and not self.staged, "writes still in flight"
+                written = all(c.pending <= 0 for c in self.staged.values())  # done ones may wait for the gate
+                assert not self.writing and written, "writes still in flight"
 
     def tier_stats(self) -> dict[str, TierStats]:
         """Each tier's usage, pins, TTL pins, errors and tenant bytes now (for :class:`~kvtier.core.stats.StoreStats`)."""
@@ -356,13 +391,6 @@ class IndexUpkeep(ChangeFeed):
             return {name: TierStats(u.used_bytes, u.capacity_bytes, u.num_chunks, corrupt_chunks=t.corrupt,
                                     pinned_chunks=pinned.get(name, 0), wire=t.wire_stats(),
                                     write_errors=t.write_errors, ttl_pinned_chunks=ttl_pinned.get(name, 0),
-                                    **_tenant_stats(ledgers.get(name), u.num_chunks, self.chunk_bytes))
+                                    **tenant_stats(ledgers.get(name), u.num_chunks, self.chunk_bytes))
                     for name, t in tiers.items() for u in (t.usage(),)}
 
-
-def _tenant_stats(ledger: TenantLedger | None, num_chunks: int, chunk_bytes: int) -> dict[str, Any]:
-    """A tier's per-tenant bytes and quota evictions for its :class:`TierStats` (none without quotas)."""
-    if ledger is None:
-        return {}
-    return {"tenant_used_bytes": ledger.usage_by_label(chunk_bytes, num_chunks - len(ledger.owner)),
-            "quota_evictions": ledger.quota_evictions}

@@ -20,6 +20,10 @@ threads, or synchronously before the forward), :mod:`.saves` (saves after the fo
   the store's threads through its bounded queue (full: dropped and counted).  The copy is done
   when the call returns, so no save outlives the blocks it reads and vLLM may free them at once.
 - ``worker_meta``: this rank's index changes for the scheduler's mirror (vLLM carries them).
+- the eviction gate (:mod:`kvtier.core.gate`): ``worker_meta`` closes it before draining the
+  changes; ``start_load`` opens it once the step's loads are pinned (an asynchronous job's cpu
+  pages pinned on the engine's thread in ``AsyncLoader.submit``), so no page the scheduler
+  planned from that drain leaves before its load pins it (vLLM's synchronous scheduling).
 - a reset order (``KVTierMetadata.reset``): applied in ``start_load`` before the step's loads:
   the store is cleared (:meth:`~kvtier.core.store.TieredStore.clear`), loads started before it
   end failed (:class:`~kvtier.integrations.vllm.worker.loader.AsyncLoader` compares the store's epoch),

@@ -99,10 +99,19 @@ class AsyncLoader:
         self._filled: dict[str, tuple[int, tuple[int, ...] | None]] = {}
 
     def submit(self, job: LoadJob) -> None:
-        """Start ``job`` in the background (never blocks)."""
-        with self._lock:
-            self._aborted.discard(job.req_id)
-            self._inflight[job.req_id] = self._pool.submit(self._run, job)
+        """Start ``job`` in the background (never blocks).  Its pages the cpu tier holds are pinned
+        here, on the caller's (engine) thread, so that they are still there when a loader thread
+        prepares the load (released once the job is over, or cancelled)."""
+        held = self.store.pin_resident([ChunkKey(p.key) for p in job.pages])
+        try:
+            with self._lock:
+                self._aborted.discard(job.req_id)
+                future = self._pool.submit(self._run, job)
+                self._inflight[job.req_id] = future
+        except BaseException:  # shut down: nothing will run
+            self.store.cancel_load(held)
+            raise
+        future.add_done_callback(lambda _: self.store.cancel_load(held))
 
     def abort(self, req_ids: set[str]) -> None:
         """Requests vLLM finished (aborted): their loads not started yet are skipped."""

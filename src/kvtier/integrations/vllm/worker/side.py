@@ -80,11 +80,14 @@ class WorkerSide:
 
     # ---- loads -------------------------------------------------------------------------------
     def start_load(self, meta: KVTierMetadata) -> None:
-        """This step's reset order, then its loads: asynchronous ones handed to the loader threads,
-        synchronous ones (``LoadJob.sync``) copied here, before the forward; their unfilled blocks
-        are this step's load errors and their requests' saves this step stop at the first chunk
-        not filled (KV computed over a block that was not loaded is wrong)."""
-        assert self.loader is not None
+        """This step's reset order, then its loads: asynchronous ones handed to the loader threads
+        (their cpu-tier pages pinned here first), synchronous ones (``LoadJob.sync``) copied here,
+        before the forward; their unfilled blocks are this step's load errors and their requests'
+        saves this step stop at the first chunk not filled (KV computed over a block that was not
+        loaded is wrong).  Then the eviction gate opens: it was closed at the last
+        :meth:`worker_meta`, whose index changes the scheduler planned these loads from, so no
+        page they were planned from left in between (:mod:`kvtier.core.gate`)."""
+        assert self.loader is not None and self.store is not None
         self._sync_cut = {}
         self._no_forward = meta.no_forward
         if meta.reset is not None:
@@ -97,6 +100,7 @@ class WorkerSide:
                     self._sync_cut[job.req_id] = first_unfilled
             else:
                 self.loader.submit(job)
+        self.store.gate_evictions(False)  # this step's plans are pinned: pages may leave until the drain
 
     def finished_loads(self, finished_req_ids: set[str]) -> set[str]:
         """Requests whose load ended (either way) since the last call; ``finished_req_ids``
@@ -143,15 +147,28 @@ class WorkerSide:
 
     # ---- saves -------------------------------------------------------------------------------
     def save(self, meta: KVTierMetadata) -> None:
-        """This step's save jobs, after the forward pass (:func:`~.saves.save_jobs`)."""
+        """This step's save jobs, after the forward pass (:func:`~.saves.save_jobs`).  Saves may evict,
+        so the eviction gate is open here: it already is when vLLM saves between ``start_load`` and
+        ``worker_meta`` (0.32); a runner that saves after ``worker_meta`` (0.33's Model Runner V2 with a
+        speculator, ``finalize_step``) opens it for the saves and closes it again: they are not
+        dropped for want of a page, and a page they evict may have been planned (the race of
+        :mod:`kvtier.core.gate`, left to that runner's saves)."""
         assert self.store is not None and self.groups is not None
-        save_jobs(self.store, self.groups, meta.saves, self._sync_cut, self._token_group, self.chunk_tokens)
+        late = self.store.gate_evictions(False)
+        try:
+            save_jobs(self.store, self.groups, meta.saves, self._sync_cut, self._token_group, self.chunk_tokens)
+        finally:
+            if late:
+                self.store.gate_evictions(True)
 
     # ---- worker -> scheduler -----------------------------------------------------------------
     def worker_meta(self) -> KVTierWorkerMeta | None:
-        """This rank's index changes since the last step (the first one is a full snapshot)."""
+        """This rank's index changes since the last step (the first one is a full snapshot).  The
+        eviction gate closes first: what the scheduler plans from these changes stays put until
+        the next :meth:`start_load` has pinned it."""
         if self.store is None:
             return None
+        self.store.gate_evictions(True)  # nothing leaves until the loads planned from this drain are pinned
         delta = self.store.drain_changes(MAX_INDEX_CHANGES)
         if not delta.changes and not delta.full and self._busy == self._busy_reported:
             return None
