@@ -391,6 +391,6 @@ class IndexUpkeep(ChangeFeed):
             return {name: TierStats(u.used_bytes, u.capacity_bytes, u.num_chunks, corrupt_chunks=t.corrupt,
                                     pinned_chunks=pinned.get(name, 0), wire=t.wire_stats(),
                                     write_errors=t.write_errors, ttl_pinned_chunks=ttl_pinned.get(name, 0),
-                                    **tenant_stats(ledgers.get(name), u.num_chunks, self.chunk_bytes))
+                                    **(tenant_stats(q, u.num_chunks, self.chunk_bytes) if (q := ledgers.get(name)) is not None else {}))
                     for name, t in tiers.items() for u in (t.usage(),)}
 
