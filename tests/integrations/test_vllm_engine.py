@@ -230,7 +230,13 @@ def test_wrong_kv_changes_tokens_or_logprobs(engine: Engine) -> None:
     cold_q = engine.generate(q, salt="control-cold")  # computed and saved under another salt
     donor = engine.generate(other)
     store = engine.store
-    assert store.put(engine.chain(cold_q["prompt_ids"]), store.get(engine.chain(donor["prompt_ids"]))) == 6
+    # between steps the eviction gate is closed (the scheduler planned from the last drain): a write
+    # from outside a step opens it as the worker's own late saves do (WorkerSide.save), then closes it
+    was_closed = store.gate_evictions(False)
+    try:
+        assert store.put(engine.chain(cold_q["prompt_ids"]), store.get(engine.chain(donor["prompt_ids"]))) == 6
+    finally:
+        store.gate_evictions(was_closed)
     engine.generate("one step", max_tokens=1)  # the scheduler's mirror learns of changes with the next step
     engine.llm.reset_prefix_cache()
     m0 = metrics_snapshot()
