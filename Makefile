@@ -42,10 +42,17 @@ redis-bin:
 #  3. the other engine tests one at a time: the live-server tests judge latency (TTFT tails, a
 #     doctor's interval) or hold deadlines of seconds that a second engine beside them would distort.
 # test-fast leaves out every engine test: minutes instead of the full run, for development.
+# Each phase's temporary files go to a folder of its own in the checkout (--basetemp), never
+# removed by the run: by default every pytest session removes all but the last three sessions'
+# folders under /tmp/pytest-of-USER as it ends, and on the CI machine kind (ext4 mounted with
+# `discard`) removing a directory costs about 2.6 ms, so a phase could spend minutes removing
+# what earlier runs on the machine left (one unit phase leaves about 77,000 directories: each
+# disk tier makes 256).  A later `make test` starts by emptying these folders.
+PYTEST_TMP := .kvtier/pytest-tmp
 test: $(STAMP) redis-bin
-	$(PY) -m pytest -q -n 2 -m "not engine" --durations=15 tests
-	$(PY) -m pytest -q -n 2 -m "engine and shares_cpu" --durations=15 tests
-	$(PY) -m pytest -q -m "engine and not shares_cpu" --durations=30 tests
+	$(PY) -m pytest -q -n 2 -m "not engine" --durations=15 --basetemp=$(PYTEST_TMP)/unit tests
+	$(PY) -m pytest -q -n 2 -m "engine and shares_cpu" --durations=15 --basetemp=$(PYTEST_TMP)/shared tests
+	$(PY) -m pytest -q -m "engine and not shares_cpu" --durations=30 --basetemp=$(PYTEST_TMP)/alone tests
 
 test-fast: $(STAMP) redis-bin
 	$(PY) -m pytest -q -n 2 -m "not engine" --durations=30 tests
