@@ -49,6 +49,10 @@ redis-bin:
 # what earlier runs on the machine left (one unit phase leaves about 77,000 directories: each
 # disk tier makes 256).  A later `make test` starts by emptying these folders.
 PYTEST_TMP := .kvtier/pytest-tmp
+# Python caches bytecode during the run even where the machine sets PYTHONDONTWRITEBYTECODE (this
+# machine kind does): otherwise every engine, CLI and pytest process compiles kvtier's modules
+# again, and pytest rewrites every test module's asserts again in each of its five processes.
+unexport PYTHONDONTWRITEBYTECODE
 test: $(STAMP) redis-bin
 	$(PY) -m pytest -q -n 2 -m "not engine" --durations=15 --basetemp=$(PYTEST_TMP)/unit tests
 	$(PY) -m pytest -q -n 2 -m "engine and shares_cpu" --durations=15 --basetemp=$(PYTEST_TMP)/shared tests
