@@ -55,6 +55,7 @@ PYTEST_TMP := .kvtier/pytest-tmp
 # importing kvtier.cli.main and kvtier.core.store, 0.67 s CPU without cached bytecode, 0.58 s with).
 unexport PYTHONDONTWRITEBYTECODE
 test: $(STAMP) redis-bin
+	mkdir -p $(PYTEST_TMP)
 	$(PY) -m pytest -q -n 2 -m "not engine" --durations=15 --basetemp=$(PYTEST_TMP)/unit tests
 	$(PY) -m pytest -q -n 2 -m "engine and shares_cpu" --durations=15 --basetemp=$(PYTEST_TMP)/shared tests
 	$(PY) -m pytest -q -m "engine and not shares_cpu" --durations=30 --basetemp=$(PYTEST_TMP)/alone tests
