@@ -42,10 +42,23 @@ redis-bin:
 #  3. the other engine tests one at a time: the live-server tests judge latency (TTFT tails, a
 #     doctor's interval) or hold deadlines of seconds that a second engine beside them would distort.
 # test-fast leaves out every engine test: minutes instead of the full run, for development.
+# Each phase's temporary files go to a folder of its own in the checkout (--basetemp), never
+# removed by the run: by default every pytest session removes all but the last three sessions'
+# folders under /tmp/pytest-of-USER as it ends, and on the CI machine kind (ext4 mounted with
+# `discard`) removing a directory costs about 2.6 ms, so a phase could spend minutes removing
+# what earlier runs on the machine left (one unit phase leaves about 77,000 directories: each
+# disk tier makes 256).  A later `make test` starts by emptying these folders.
+PYTEST_TMP := .kvtier/pytest-tmp
+# Python caches bytecode during the run even where the machine sets PYTHONDONTWRITEBYTECODE (this
+# machine kind does): otherwise every process that imports kvtier (each engine's API server, engine
+# core and worker; the CLI runs) compiles its modules again, about 0.1 CPU-s each (measured:
+# importing kvtier.cli.main and kvtier.core.store, 0.67 s CPU without cached bytecode, 0.58 s with).
+unexport PYTHONDONTWRITEBYTECODE
 test: $(STAMP) redis-bin
-	$(PY) -m pytest -q -n 2 -m "not engine" --durations=15 tests
-	$(PY) -m pytest -q -n 2 -m "engine and shares_cpu" --durations=15 tests
-	$(PY) -m pytest -q -m "engine and not shares_cpu" --durations=30 tests
+	mkdir -p $(PYTEST_TMP)
+	$(PY) -m pytest -q -n 2 -m "not engine" --durations=15 --basetemp=$(PYTEST_TMP)/unit tests
+	$(PY) -m pytest -q -n 2 -m "engine and shares_cpu" --durations=15 --basetemp=$(PYTEST_TMP)/shared tests
+	$(PY) -m pytest -q -m "engine and not shares_cpu" --durations=30 --basetemp=$(PYTEST_TMP)/alone tests
 
 test-fast: $(STAMP) redis-bin
 	$(PY) -m pytest -q -n 2 -m "not engine" --durations=30 tests

@@ -77,6 +77,33 @@ def test_bench_store_redis_rows_against_a_real_server(tmp_path, redis_server):
     assert "raw redis-py pipelined SET/GET" in result.output
 
 
+def test_bench_store_reaches_a_redis_server_with_a_password_over_tls(tmp_path, redis_factory):
+    """--redis-password-file, --redis-password-env and --redis-tls-ca-file come from the redis tier's
+    settings model (no edit in cli/): with them the bench measures a TLS server that requires a
+    password; without the password it is the one-sentence failure."""
+    import redis
+
+    from ..redis_servers import TlsFiles
+
+    tls = TlsFiles.make(tmp_path / "tls")
+    server = redis_factory(tls=tls, extra=("--requirepass", "pw-bench-4471"))
+    (tmp_path / "pw").write_text("pw-bench-4471\n")
+    base = ["bench-store", "--sizes", "0.25", "--total-mib", "1", "--repeats", "1", "--redis-url", server.url,
+            "--redis-only", "--redis-tls-ca-file", str(tls.ca)]
+    out = tmp_path / "bs.json"
+    result = CliRunner().invoke(app, [*base, "--redis-password-file", str(tmp_path / "pw"), "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert {(r["tier"], r["op"]) for r in json.loads(out.read_text())["results"]} == {("redis", "put"), ("redis", "get")}
+    by_env = CliRunner().invoke(app, [*base, "--redis-password-env", "BENCH_PW"], env={"BENCH_PW": "pw-bench-4471"})
+    assert by_env.exit_code == 0, by_env.output
+    client = redis.Redis(host="127.0.0.1", port=server.port, password="pw-bench-4471", ssl=True,
+                         ssl_ca_certs=str(tls.ca))
+    assert not client.keys(b"kvtier-bench-*")  # the bench cleaned up after itself, through the password
+    refused = CliRunner().invoke(app, base)
+    assert refused.exit_code == 2 and "Traceback" not in refused.output
+    assert refused.output.startswith(f"error: the redis benchmark on {server.url} failed"), refused.output
+
+
 def test_bench_store_redis_nothing_listening_is_one_sentence():
     """A --redis-url where no server listens ended in redis-py's ConnectionError traceback (tester3)."""
     from ..redis_servers import free_port

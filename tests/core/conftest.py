@@ -79,7 +79,7 @@ def disk_io(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[st
         pytest.skip("no directory on a filesystem that enforces O_DIRECT (tmp, /var/tmp, .kvtier)")
     yield "direct", root
     if root != tmp_path:
-        shutil.rmtree(root, ignore_errors=True)
+        _discard(root, tmp_path)
 
 
 @pytest.fixture
@@ -90,4 +90,14 @@ def direct_dir(tmp_path: Path) -> Iterator[Path]:
         pytest.skip("no directory on a filesystem that enforces O_DIRECT (tmp, /var/tmp, .kvtier)")
     yield root
     if root != tmp_path:
+        _discard(root, tmp_path)
+
+
+def _discard(root: Path, tmp_path: Path) -> None:
+    """Move ``root`` into the test's ``tmp_path`` (left in place like every ``tmp_path``), or remove it
+    where it lies on another filesystem: removing a disk tier's 256 shard directories costs about
+    0.7 s on the CI machine kind (ext4 mounted with ``discard``), a rename nothing."""
+    try:
+        root.rename(tmp_path / root.name)
+    except OSError:
         shutil.rmtree(root, ignore_errors=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import statistics
 import uuid
+from collections.abc import Mapping
 
 import numpy as np
 from prometheus_client import CollectorRegistry
@@ -35,8 +36,10 @@ from kvtier.core.tiers.redis.settings import redis_settings
 
 
 def bench_redis(url: str, chunk_mib: float, total_mib: float, repeats: int, cluster: bool = False,
-                shared_secret: str | None = None) -> list[StoreBenchResult]:
-    """redis-tier put/get vs raw pipelined SET/GET, ``total_mib`` MiB per round.
+                shared_secret: str | None = None, auth: Mapping[str, object] | None = None) -> list[StoreBenchResult]:
+    """redis-tier put/get vs raw pipelined SET/GET, ``total_mib`` MiB per round; ``auth``: more of the
+    tier's keys for reaching the server (``redis_password_env``, ``redis_password_file``,
+    ``redis_tls_ca_file``), used by the tier and the raw client alike.
 
     Raises:
         ConfigError: bad URL or unreachable Cluster seed.
@@ -52,7 +55,7 @@ def bench_redis(url: str, chunk_mib: float, total_mib: float, repeats: int, clus
                                    "shared_deadline_s": 60.0, "shared_transfer_deadline_s": 600.0, "redis_timeout_s": 60.0, "redis_ttl_s": 3600}
     if shared_secret:
         settings["shared_secret"] = shared_secret
-    config = KVTierConfig.from_dict(settings)
+    config = KVTierConfig.from_dict({**settings, **(auth or {})})
     tier = redis_factory.from_config(TierContext(config, os.urandom(16), chunk_bytes, 1, CollectorRegistry()))
     assert tier is not None
     raw = make_client(redis_settings(config))

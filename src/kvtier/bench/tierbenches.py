@@ -62,7 +62,8 @@ def _redis(settings: dict[str, Any], _extras: Any, chunk_mibs: list[float], tota
     rows: list[StoreBenchResult] = []
     try:
         for mib in chunk_mibs:
-            rows += bench_redis(url, mib, total_mib, repeats, cluster=bool(settings.get("redis_cluster")))
+            rows += bench_redis(url, mib, total_mib, repeats, cluster=bool(settings.get("redis_cluster")),
+                                auth={k: v for k, v in settings.items() if k not in ("redis_url", "redis_cluster")})
     except RuntimeError as exc:
         raise UserError(f"the redis benchmark on {redact_url(url)} failed: {exc}; check --redis-url, that the "
                         "server is up and its maxmemory") from None

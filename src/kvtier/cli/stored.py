@@ -13,6 +13,7 @@ from typing import Any
 import typer
 
 from kvtier.cli.errors import fail, flag_names
+from kvtier.cli.tierflags import refuse_stray
 from kvtier.core.errors import UserError
 from kvtier.core.toolflags import ToolFlag, tool_flags
 
@@ -55,16 +56,8 @@ def _config(disk_path: str | None, targets: dict[str, Any]) -> tuple[Any, set[st
 
 def _refuse_stray_flags(flags: list[ToolFlag], given: dict[str, Any]) -> None:
     """A tier's flags without its target were ignored (only the other targets purged, as if this
-    tier's had been too): refuse them, naming the target to add."""
-    for tier in dict.fromkeys(f.tier for f in flags):
-        target = next((f for f in flags if f.tier == tier and f.target), None)
-        if target is None or given.get(target.key) is not None:
-            continue
-        stray = [f.flag for f in flags if f.tier == tier and f is not target and given.get(f.key) is not None]
-        if stray:
-            one = len(stray) == 1
-            fail(f"{', '.join(stray)} {'needs' if one else 'need'} {target.flag} {target.metavar or 'VALUE'} "
-                 f"({target.target}); add it, or drop {'it' if one else 'them'} to purge only the other targets.")
+    tier's had been too): refuse them, naming the target to add (:func:`kvtier.cli.tierflags.refuse_stray`)."""
+    refuse_stray(flags, given, "({target})", "to purge only the other targets.")
 
 
 def _purge(disk_path: str | None, namespace: list[str], older_than: str | None, salt: str | None, lora: str | None,

@@ -292,11 +292,6 @@ class StoreCounters:
             self.lookup_chunks += num_chunks
             self.lookup_hit_chunks.update(found)
 
-    def found(self, tier: str, num_chunks: int) -> None:
-        """A lookup continued in ``tier`` (a shared tier) found ``num_chunks`` more chunks."""
-        with self._lock:
-            self.lookup_hit_chunks[tier] += num_chunks
-
     def loaded(self, by_tier: Mapping[str, int]) -> None:
         """A successful load delivered ``by_tier[tier]`` chunks from each tier."""
         with self._lock:
@@ -322,10 +317,6 @@ class StoreCounters:
     def flush_missed(self, num_chunks: int) -> None:
         with self._lock:
             self.flush_missed_chunks += num_chunks
-
-    def shared_skipped(self) -> None:
-        with self._lock:
-            self.shared_lookups_skipped += 1
 
     def engine_load(self, load: EngineLoad, top: str) -> None:
         """One load's engine-side outcome (:class:`~kvtier.core.handles.EngineLoad`); ``top``: the

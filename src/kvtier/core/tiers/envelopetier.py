@@ -25,7 +25,7 @@ from kvtier.core.errors import ChunkFormatError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tenant import TenantRecords, Writer, note_verified
 from kvtier.core.tiers.base import GetResult, PutResult, Tier
-from kvtier.core.tiers.valueread import check_range, open_bytes, open_value, payload_range
+from kvtier.core.tiers.valueread import check_range, open_bytes, open_value, payload_range, whole_sliced
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +122,7 @@ class EnvelopeTier(Tier):
             self._unusable(key, str(exc))
             return None
         if where is None:  # a chain that changes the payload: the whole value, verified, sliced
-            whole = self.get(key)
-            return None if whole is None else whole[offset:offset + length]
+            return whole_sliced(self.get, key, offset, length)
         start, end = where
         if start == end:
             return b""

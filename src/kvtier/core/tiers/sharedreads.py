@@ -34,7 +34,7 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.stats import WireCounters
 from kvtier.core.tenant import TenantRecords, note_verified
 from kvtier.core.tiers.sharedvalue import ValueCodec
-from kvtier.core.tiers.valueread import check_range, open_bytes, open_value, payload_range
+from kvtier.core.tiers.valueread import check_range, open_bytes, open_value, payload_range, whole_sliced
 
 log = logging.getLogger(__name__)
 
@@ -160,8 +160,7 @@ class SharedReads:
             self._unusable(key, str(exc))
             return None
         if where is None:  # a chain that changes the payload: the whole value, verified, sliced
-            whole = self.get(key)
-            return None if whole is None else whole[offset:offset + length]
+            return whole_sliced(self.get, key, offset, length)
         start, end = where
         if start == end:
             return b""

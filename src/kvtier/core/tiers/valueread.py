@@ -17,7 +17,8 @@ by every tier below the cpu tier (the blob verbs of :class:`~kvtier.core.tiers.b
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple, TypeVar
 
 from kvtier.core import codecs
 from kvtier.core.envelope import Envelope, EnvelopeError, EnvelopeHeader, decode_header
@@ -128,3 +129,14 @@ def payload_range(env: Envelope, header: EnvelopeHeader, key: bytes, offset: int
         return None
     start = header.header_bytes + min(offset, header.stored_bytes)
     return start, header.header_bytes + min(offset + length, header.stored_bytes)
+
+
+Key = TypeVar("Key", bound=bytes)
+
+
+def whole_sliced(get: Callable[[Key], bytes | None], key: Key, offset: int, length: int) -> bytes | None:
+    """The ranged read of a value whose codec chain changes the payload (:func:`payload_range` said
+    ``None``): the whole value through ``get`` (the tier's verified whole read; ``None``: absent or
+    unusable), sliced to ``payload[offset:offset + length]``."""
+    whole = get(key)
+    return None if whole is None else whole[offset:offset + length]

@@ -46,12 +46,18 @@ class RedisSettings(BaseSettings):
                                     "bench-store": {"help": "--redis-url names a seed node of a Redis Cluster."}}})
     redis_password_env: str | None = Field(None, description="Environment variable holding the Redis password.",
                                            json_schema_extra={"names_env_var": "a Redis password", "tools": {
-                                               "purge": {"help": "Environment variable holding the Redis password."}}})
+                                               "purge": {"help": "Environment variable holding the Redis password."},
+                                               "bench-store": {"help": "Environment variable holding the Redis "
+                                                                       "password.", "metavar": "NAME"}}})
     redis_password_file: str | None = Field(None, description="File holding the Redis password.",
                                             json_schema_extra={"tools": {"purge": {
-                                                "help": "File holding the Redis password."}}})
+                                                "help": "File holding the Redis password."},
+                                                "bench-store": {"help": "File holding the Redis password.",
+                                                                "metavar": "PATH"}}})
     redis_tls_ca_file: str | None = Field(None, description="CA bundle for rediss:// (default: the system's).",
-                                          json_schema_extra={"tools": {"purge": {"help": "CA bundle for rediss://."}}})
+                                          json_schema_extra={"tools": {"purge": {"help": "CA bundle for rediss://."},
+                                                                       "bench-store": {"help": "CA bundle for rediss://.",
+                                                                                       "metavar": "PATH"}}})
     redis_key_prefix: str = Field("kvtier:", max_length=128, description="Prefix of every key kvtier writes.",
                                   json_schema_extra={"tools": {"purge": {
                                       "help": "The engines' redis_key_prefix (default kvtier:)."}}})
