@@ -29,6 +29,7 @@ import blake3
 import numpy as np
 
 from kvtier.core import envelope, legacyformats, tenant
+from kvtier.core.encryption import KeyRing
 from kvtier.core.errors import ChunkFormatError, ConfigError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers import buffers
@@ -97,11 +98,13 @@ class ValueCodec:
     Args:
         namespace: 16-byte namespace digest.
         secret: the shared secret (bytes), or ``None`` for a plain checksum.
-        chain: the codec chain written (:mod:`kvtier.core.codecs`; identity today).
+        chain: the codec chain written (:mod:`kvtier.core.codecs`; identity by default).
+        keyring: the master keys of encryption at rest (:mod:`kvtier.core.encryption`), or ``None``.
     """
 
-    def __init__(self, namespace: bytes, secret: bytes | None, chain: Sequence[str | int] = ("identity",)) -> None:
-        self.envelope = envelope.Envelope(namespace, secret, chain)
+    def __init__(self, namespace: bytes, secret: bytes | None, chain: Sequence[str | int] = ("identity",),
+                 keyring: KeyRing | None = None) -> None:
+        self.envelope = envelope.Envelope(namespace, secret, chain, keyring=keyring)
         self.namespace = namespace
         self.kind = self.envelope.kind
 

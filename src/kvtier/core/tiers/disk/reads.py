@@ -32,6 +32,7 @@ from kvtier.core.tenant import TenantRecords, note_verified
 from kvtier.core.tiers.base import GetResult
 from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES, ChunkFormatError, PayloadHasher
 from kvtier.core.tiers.disk.chunkio import ChunkIO
+from kvtier.core.tiers.disk.recoded import Recoded, read_recoded
 from kvtier.core.tiers.valueread import check_range, check_room, payload_range
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -118,6 +119,9 @@ class DiskReads:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise ChunkFormatError("not a regular file")
+            if not self.envelope.chain.passthrough or (exact and dst is not None and
+                                                       st.st_size - HEADER_BYTES != dst.nbytes):
+                return self._read_recoded(key, path, st.st_size, dst, records, exact)
             if not exact:  # a short file fails its header check below
                 dst = check_room(max(st.st_size - HEADER_BYTES, 0), dst)
 
@@ -134,9 +138,7 @@ class DiskReads:
                     raise ChunkFormatError(f"payload is {payload_bytes} bytes on disk, header says {header.stored_bytes}")
                 if header.stored_bytes != header.original_bytes or (
                         header.codecs != self.envelope.chain.ids and not codecs.chain_of(header.codecs).passthrough):
-                    # the payload moves straight into the caller's buffer, undecoded
-                    raise ChunkFormatError(f"codec chain {list(header.codecs)} changes the payload; "
-                                           "the disk tier reads only chains that keep it as it is")
+                    raise Recoded("its codec chain changes the payload")  # read whole, then decoded
                 record = header.record
                 if header.format == envelope.FORMAT_CHUNK_FILE:
                     return header.digest, PayloadHasher()
@@ -144,12 +146,22 @@ class DiskReads:
 
             assert dst is not None
             out = memoryview(np.frombuffer(dst, dtype=np.uint8).data)
-            if not io.read_chunk(fd, out, st.st_size, check):
-                raise ChunkFormatError("payload checksum mismatch")
+            try:
+                if not io.read_chunk(fd, out, st.st_size, check):
+                    raise ChunkFormatError("payload checksum mismatch")
+            except Recoded:  # written under another chain than this tier's (a config change)
+                return self._read_recoded(key, path, st.st_size, dst, records, exact)
         finally:
             os.close(fd)
         note_verified(records, self.namespace, key, record)
         return out[:st.st_size - HEADER_BYTES]
+
+    def _read_recoded(self, key: ChunkKey, path: str, file_bytes: int, dst: memoryview | None,
+                      records: TenantRecords | None, exact: bool) -> memoryview:
+        """A file whose codec chain changes the payload, read whole and decoded (:mod:`.recoded`)."""
+        out, record = read_recoded(self.envelope, key, path, file_bytes, dst, exact)
+        note_verified(records, self.namespace, key, record)
+        return out
 
     def get_range(self, key: ChunkKey, offset: int, length: int) -> bytes | None:
         """``payload[offset:offset + length]`` (clipped at its end), the header checked and the
