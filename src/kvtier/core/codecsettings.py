@@ -12,15 +12,12 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, TypedDict
+from typing import Protocol, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvtier.core import codecs, encryption
 from kvtier.core.errors import ConfigError
-
-if TYPE_CHECKING:
-    from kvtier.core.config import KVTierConfig
 
 
 class EncryptionSettings(BaseModel):
@@ -118,7 +115,21 @@ class CodecArgs(TypedDict):
     keyring: encryption.KeyRing | None
 
 
-def envelope_args(config: KVTierConfig, tier: str) -> CodecArgs:
+NO_CODECS: CodecArgs = {"chain": ("identity",), "keyring": None}
+"""The identity chain without keys (a tier built without a configuration)."""
+
+
+class Configured(Protocol):
+    """What :func:`envelope_args` reads of a configuration (:class:`kvtier.core.config.KVTierConfig`)."""
+
+    @property
+    def codecs(self) -> Mapping[str, tuple[str, ...]]: ...
+
+    @property
+    def encryption(self) -> EncryptionSettings | None: ...
+
+
+def envelope_args(config: Configured, tier: str) -> CodecArgs:
     """``chain`` and ``keyring`` of tier ``tier``'s envelope under ``config`` (identity by default).
 
     Raises:

@@ -45,7 +45,7 @@ class CodecStats:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._n = dict.fromkeys(CodecNumbers.__dataclass_fields__, 0)
+        self._n: dict[str, float] = dict.fromkeys(CodecNumbers.__dataclass_fields__, 0)
 
     def _add(self, **values: float) -> None:
         with self._lock:

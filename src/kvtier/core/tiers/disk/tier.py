@@ -42,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvtier.core import envelope
-from kvtier.core.codecsettings import CodecArgs
+from kvtier.core.codecsettings import NO_CODECS, CodecArgs
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tenant import TenantRecords, Writer
@@ -92,7 +92,7 @@ class DiskTier(DirectorySync, DiskReads, Tier):
             raise ValueError(f"disk I/O mode must be one of {', '.join(IO_MODES)}, got {io!r}")
         super().__init__()
         self.namespace = namespace
-        self.envelope = envelope.Envelope(namespace, header_bytes=HEADER_BYTES, **(codec_args or {}))  # XXH3-128
+        self.envelope = envelope.Envelope(namespace, header_bytes=HEADER_BYTES, **(codec_args or NO_CODECS))  # XXH3-128
         self.dir = Path(root) / namespace.hex()
         self._root = str(self.dir)
         self.dir.mkdir(parents=True, exist_ok=True)

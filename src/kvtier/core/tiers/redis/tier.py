@@ -48,7 +48,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier.core.codecsettings import CodecArgs
+from kvtier.core.codecsettings import NO_CODECS, CodecArgs
 from kvtier.core.keys import ChunkKey
 from kvtier.core.stats import WireCounters, WireStats
 from kvtier.core.tenant import TenantRecords, Writer
@@ -92,7 +92,7 @@ class RedisTier(SharedReads, Tier):
                  header_wait_s: float, where: str = "redis", codec_args: CodecArgs | None = None) -> None:
         super().__init__()
         self.client = client
-        self.codec = ValueCodec(namespace, secret, **(codec_args or {}))
+        self.codec = ValueCodec(namespace, secret, **(codec_args or NO_CODECS))
         self.prefix = f"{key_prefix}{namespace.hex()}:{keyspace(secret)}".encode()
         self.ttl_s = ttl_s
         self.header_wait_s = header_wait_s

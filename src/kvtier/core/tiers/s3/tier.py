@@ -54,7 +54,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from kvtier.core.codecsettings import CodecArgs
+from kvtier.core.codecsettings import NO_CODECS, CodecArgs
 from kvtier.core.keys import ChunkKey
 from kvtier.core.stats import WireCounters, WireStats
 from kvtier.core.tenant import TenantRecords, Writer
@@ -107,7 +107,7 @@ class S3Tier(SharedReads, Tier):
         self.refusal_errors: tuple[type[BaseException], ...] = (PermissionDeniedError,)
         self._exists_errors = (AlreadyExistsError, PreconditionError)
         self.store = store
-        self.codec = ValueCodec(namespace, secret, **(codec_args or {}))
+        self.codec = ValueCodec(namespace, secret, **(codec_args or NO_CODECS))
         space = keyspace(secret).rstrip(":")
         self.prefix = f"{key_prefix}{namespace.hex()}{'-' + space if space else ''}/"
         self.concurrency, self.conditional_put, self.where = concurrency, conditional_put, where
