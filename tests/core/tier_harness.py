@@ -64,11 +64,13 @@ def cpu_harness(_request: pytest.FixtureRequest, _tmp: Path) -> TierHarness:
     return TierHarness("cpu", lambda ns: CpuTier(capacity_bytes=CAPACITY_CHUNKS * CHUNK, page_bytes=CHUNK))
 
 
-def encrypted_settings(tmp: Path, tier: str) -> dict[str, Any]:
-    """The config keys that encrypt ``tier`` at rest under a master key written to a file in ``tmp``."""
+def encrypted_settings(tmp: Path, tier: str, compressed: bool = False) -> dict[str, Any]:
+    """The config keys that encrypt ``tier`` at rest (``compressed``: compress first) under a
+    master key written to a file in ``tmp``."""
     key_file = tmp / "master-key"
     key_file.write_text("conformance-master-key-0123456789abcdef\n", encoding="utf-8")
-    return {"codecs": {tier: ["aes-256-gcm"]}, "encryption": {"master_key_file": str(key_file)}}
+    chain = ["blosc2-zstd-shuffle2", "aes-256-gcm"] if compressed else ["aes-256-gcm"]
+    return {"codecs": {tier: chain}, "encryption": {"master_key_file": str(key_file)}}
 
 
 def disk_harness(request: pytest.FixtureRequest, tmp: Path, mode: str = "buffered", encrypted: bool = False) -> TierHarness:
@@ -176,6 +178,12 @@ def redis_aes_harness(request: pytest.FixtureRequest, tmp: Path) -> TierHarness:
                           **encrypted_settings(tmp, "redis"))
 
 
+def redis_zstd_aes_harness(request: pytest.FixtureRequest, tmp: Path) -> TierHarness:
+    server = request.getfixturevalue("redis_server")
+    return _redis_harness("redis", server.url, server.client(), lambda _rk: server, recoded=True,
+                          **encrypted_settings(tmp, "redis", compressed=True))
+
+
 def redis_cluster_harness(request: pytest.FixtureRequest, _tmp: Path) -> TierHarness:
     from redis.cluster import RedisCluster
 
@@ -264,6 +272,10 @@ def s3_aes_harness(request: pytest.FixtureRequest, tmp: Path) -> TierHarness:
     return _s3_harness(request, tmp, **encrypted_settings(tmp, "s3"))
 
 
+def s3_zstd_aes_harness(request: pytest.FixtureRequest, tmp: Path) -> TierHarness:
+    return _s3_harness(request, tmp, **encrypted_settings(tmp, "s3", compressed=True))
+
+
 def s3_conditional_harness(request: pytest.FixtureRequest, tmp: Path) -> TierHarness:
     return _s3_harness(request, tmp, conditional_front=True)
 
@@ -302,11 +314,13 @@ HARNESSES: dict[str, Callable[[pytest.FixtureRequest, Path], TierHarness]] = {
     "disk-aes": lambda request, tmp: disk_harness(request, tmp, encrypted=True),
     "redis": redis_harness,
     "redis-aes": redis_aes_harness,
+    "redis-zstd-aes": redis_zstd_aes_harness,
     "redis-mac": redis_mac_harness,
     "redis-cluster": redis_cluster_harness,
     "s3": s3_harness,
     "s3-mac": s3_mac_harness,
     "s3-aes": s3_aes_harness,
+    "s3-zstd-aes": s3_zstd_aes_harness,
     "s3-412": s3_conditional_harness,
 }
 """Harness variant name -> builder (a tier may have several variants, e.g. redis standalone and Cluster)."""

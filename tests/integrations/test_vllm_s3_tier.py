@@ -147,8 +147,13 @@ def test_a_restart_served_from_an_encrypted_tier_is_exact(tiny_model: Path, tmp_
         (_cold,), (cached,) = made["results"]
         (loaded,) = served["results"][0]
         assert (loaded["tokens"], loaded["logprobs"]) == (cached["tokens"], cached["logprobs"])
-        assert served["metrics"][f"kvtier_loaded_tokens_total{{{tier}}}"] == LOADABLE
-        assert served["metrics"]["vllm:external_prefix_cache_hits_total"] == LOADABLE
+        # its whole chunks (A's two runs may have completed one more chunk with generated tokens), all loaded
+        assert loaded["cached"] >= LOADABLE
+        assert served["metrics"][f"kvtier_loaded_tokens_total{{{tier}}}"] == loaded["cached"]
+        assert served["metrics"]["vllm:external_prefix_cache_hits_total"] == loaded["cached"]
+        assert served["metrics"].get("kvtier_decrypt_failures_total", 0) == 0
+        sealed = made["metrics"]["kvtier_codec_bytes_after_total"] - made["metrics"]["kvtier_codec_bytes_before_total"]
+        assert sealed > 0 and sealed % 32 == 0  # each value 32 bytes longer: key id, nonce, tag (A's writes)
         stored = ([bytes(obstore.get(server.client(bucket), m["path"]).bytes())
                    for page in obstore.list(server.client(bucket)) for m in page] if server is not None
                   else [f.read_bytes() for f in (tmp_path / "disk").rglob("*.kvc")])

@@ -58,7 +58,7 @@ from typing import NamedTuple
 
 import xxhash
 
-from kvtier.core import codecs, encryption, legacyformats, tenant
+from kvtier.core import codecs, compression, encryption, legacyformats, tenant  # noqa: F401 - registers the codecs
 from kvtier.core.codecstats import CodecStats
 from kvtier.core.envelopedigest import MAC_CONTEXT, Hasher, Mac, mac_key
 from kvtier.core.errors import ChunkFormatError

@@ -122,6 +122,7 @@ class DiskReads:
             if not self.envelope.chain.passthrough or (exact and dst is not None and
                                                        st.st_size - HEADER_BYTES != dst.nbytes):
                 return self._read_recoded(key, path, st.st_size, dst, records, exact)
+            given = dst  # a file of another chain is decoded into the caller's buffer as given
             if not exact:  # a short file fails its header check below
                 dst = check_room(max(st.st_size - HEADER_BYTES, 0), dst)
 
@@ -150,7 +151,7 @@ class DiskReads:
                 if not io.read_chunk(fd, out, st.st_size, check):
                     raise ChunkFormatError("payload checksum mismatch")
             except Recoded:  # written under another chain than this tier's (a config change)
-                return self._read_recoded(key, path, st.st_size, dst, records, exact)
+                return self._read_recoded(key, path, st.st_size, given, records, exact)
         finally:
             os.close(fd)
         note_verified(records, self.namespace, key, record)
