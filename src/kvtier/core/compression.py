@@ -60,7 +60,7 @@ class Blosc2Zstd:
             if original_bytes > 0:
                 out = np.empty(original_bytes, dtype=np.uint8)
                 blosc2.decompress2(data, dst=out, nthreads=1)
-                return memoryview(out).cast("B")
+                return out.data.cast("B")
             return memoryview(blosc2.decompress2(data, nthreads=1))
         except (RuntimeError, ValueError, TypeError) as exc:
             raise codecs.CodecError(f"blosc2 frame does not decode ({exc})") from None

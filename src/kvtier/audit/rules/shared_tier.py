@@ -172,7 +172,8 @@ def kvtier_shared_tier_tenants_unprotected(c: ServeConfig) -> str | None:
                 if name.upper().startswith("KVTIER_")} | extra
     if not settings.get("tenant_quotas") or settings.get("shared_secret") or settings.get("shared_secret_file"):
         return None
-    chains = settings.get("codecs") if isinstance(settings.get("codecs"), dict) else {}
+    given = settings.get("codecs")
+    chains: dict[str, Any] = given if isinstance(given, dict) else {}
     bare = [tier for tier, key in (("redis", "redis_url"), ("s3", "s3_bucket"))
             if settings.get(key) and "aes-256-gcm" not in (chains.get(tier) or ())]
     if not bare:
