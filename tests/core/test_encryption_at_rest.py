@@ -159,8 +159,15 @@ def test_reads_back_exactly_and_a_store_with_another_key_serves_nothing(target, 
         assert numbers is not None and numbers.decrypt_failures == len(every)
         assert wrong.metrics.registry.get_sample_value(
             "kvtier_codec_failures_total", {"tier": target.name, "kind": "decrypt"}) == len(every)
+        assert wrong.stats().tier(target.name).corrupt_chunks == 0  # not damaged: another engine's key
     finally:
         wrong.close()
+    assert len(target.raw_values()) == len(every)  # left in place for the engines that hold the key
+    again = target.store(key_file(tmp_path, KEY_A))
+    try:
+        assert read_each(again, target, every) == [payload(k) for k in every]
+    finally:
+        again.close()
 
 
 def test_a_store_without_keys_serves_nothing_of_encrypted_values(target, tmp_path):
@@ -173,6 +180,7 @@ def test_a_store_without_keys_serves_nothing_of_encrypted_values(target, tmp_pat
         assert numbers is not None and numbers.decrypt_failures == len(every)
     finally:
         plain.close()
+    assert len(target.raw_values()) == len(every)
 
 
 def test_purge_by_salt_needs_no_key_and_purge_by_key_id_removes_what_the_old_key_sealed(target, tmp_path):

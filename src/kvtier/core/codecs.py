@@ -36,6 +36,12 @@ class DecryptError(CodecError):
     tenant's key, a header swapped from another value, or a flipped bit (a counted miss)."""
 
 
+class ForeignKeyError(DecryptError):
+    """An encrypted payload sealed under a master key this kvtier does not hold (or with no key
+    ring configured): another engine's, or one rotated out.  A miss, and the value is left in
+    place (it is not damaged: an engine with the key reads it)."""
+
+
 @dataclass(frozen=True)
 class CodecContext:
     """What a sealing codec binds a payload to.

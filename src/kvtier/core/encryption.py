@@ -119,7 +119,7 @@ def _aead(master: MasterKey, namespace: bytes, record: bytes) -> AESGCM:
 
 def _ring(ctx: codecs.CodecContext) -> KeyRing:
     if not isinstance(ctx.keyring, KeyRing):
-        raise codecs.DecryptError("value is encrypted (aes-256-gcm) and no master key is configured "
+        raise codecs.ForeignKeyError("value is encrypted (aes-256-gcm) and no master key is configured "
                                   "(encryption: master_key_file or master_key_env)")
     return ctx.keyring
 
@@ -173,7 +173,7 @@ class AesGcm:
         key_id = bytes(data[:KEY_ID_BYTES])
         master = ring.find(key_id)
         if master is None:
-            raise codecs.DecryptError(f"value is encrypted under master key {key_id.hex()}, which this "
+            raise codecs.ForeignKeyError(f"value is encrypted under master key {key_id.hex()}, which this "
                                       f"kvtier does not hold (held: {', '.join(ring.hex_ids)})")
         plain = data.nbytes - OVERHEAD_BYTES
         dst = out if out is not None and out.nbytes == plain else memoryview(bytearray(plain))

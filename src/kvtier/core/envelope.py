@@ -63,8 +63,8 @@ from kvtier.core.codecstats import CodecStats
 from kvtier.core.envelopedigest import MAC_CONTEXT, Hasher, Mac, mac_key
 from kvtier.core.errors import ChunkFormatError
 
-__all__ = ["MAC_CONTEXT", "Envelope", "EnvelopeError", "EnvelopeHeader", "Hasher", "Sealed", "decode_header",
-           "mac_key"]
+__all__ = ["MAC_CONTEXT", "Envelope", "EnvelopeError", "EnvelopeHeader", "ForeignValue", "Hasher", "Sealed",
+           "decode_header", "mac_key"]
 MAGIC = b"KVTE"
 VERSION = 1
 FIXED_BYTES = 128
@@ -93,6 +93,10 @@ assert DIGEST_OFFSET + DIGEST_BYTES == FIXED_BYTES
 
 class EnvelopeError(ChunkFormatError):
     """Bytes that are not a usable value for this namespace, key, secret and buffer (a miss)."""
+
+
+class ForeignValue(EnvelopeError):
+    """A value encrypted under a master key this reader does not hold: a miss, left in place."""
 
 
 class EnvelopeHeader(NamedTuple):
@@ -327,7 +331,7 @@ class Envelope:
             chain.decode_into(stored, out, ctx)
         except codecs.CodecError as exc:
             self.stats.failed(isinstance(exc, codecs.DecryptError))
-            raise EnvelopeError(str(exc)) from None
+            raise (ForeignValue if isinstance(exc, codecs.ForeignKeyError) else EnvelopeError)(str(exc)) from None
         self.stats.decoded(stored.nbytes, out.nbytes, time.perf_counter() - t0)
 
     def stored_bytes(self, payload_bytes: int) -> int:

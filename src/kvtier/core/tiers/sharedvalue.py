@@ -57,6 +57,10 @@ class SharedValueError(Exception):
     """The bytes are not a valid value for this namespace, key and secret (a miss)."""
 
 
+class ForeignSharedValue(SharedValueError):
+    """A value sealed under a master key this reader lacks: a miss, left on the server."""
+
+
 class Decoded(NamedTuple):
     """Where the verified payload lies inside a value: ``value[offset:offset + length]``."""
 
@@ -144,6 +148,8 @@ class ValueCodec:
         """
         try:
             return self.envelope.open_into(key, value, dst)
+        except envelope.ForeignValue as exc:
+            raise ForeignSharedValue(str(exc)) from None
         except ChunkFormatError as exc:
             raise SharedValueError(str(exc)) from None
 
@@ -207,6 +213,10 @@ def verify_into(codec: ValueCodec, keys: Sequence[ChunkKey], values: Sequence[by
         out = memoryview(dst).cast("B")
         try:
             record = codec.open_into(key, view, out)
+        except ForeignSharedValue as exc:  # another engine's master key: kept on the server for it
+            log.debug("%s: chunk %s: %s; treated as a miss, kept", where, key.hex(), exc)
+            results.append(GetResult.MISS)
+            continue
         except SharedValueError as exc:
             log.warning("%s: value of chunk %s is unusable (%s); deleted, treated as a miss", where, key.hex(), exc)
             forget(key)

@@ -91,6 +91,8 @@ class DiskReads:
                 if not self._fall_back(exc):
                     raise
                 return self._read_verified(key, path, dst, records, exact)
+        except envelope.ForeignValue:  # another engine's master key: a miss, the file kept for it
+            return GetResult.MISS
         except FileNotFoundError:
             with self._lock:
                 if key not in self._writing:  # removed by another process (a write in flight is not)
