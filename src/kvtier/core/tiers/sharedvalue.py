@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import blake3
 import numpy as np
 
-from kvtier.core import envelope, legacyformats, tenant
+from kvtier.core import encryption, envelope, legacyformats, tenant
 from kvtier.core.encryption import KeyRing
 from kvtier.core.errors import ChunkFormatError, ConfigError
 from kvtier.core.keys import ChunkKey
@@ -118,6 +118,13 @@ class ValueCodec:
         them as two pieces of one ``SET`` argument (:mod:`kvtier.core.tiers.redis.stream`): the
         value on the server is the same bytes as :meth:`encode`'s, without the copy."""
         return self.envelope.seal(key, payload, writer)
+
+    def value_bytes(self, payload_bytes: int) -> int:
+        """Bytes of the value of a ``payload_bytes`` payload when the chain fixes them (identity,
+        ``aes-256-gcm`` alone: 32 more), else of an identity value (a compressing chain's are known
+        only once encoded): the size of the reused buffer :meth:`encode` is given."""
+        extra = encryption.OVERHEAD_BYTES if self.envelope.chain.ids == (encryption.CODEC_ID,) else 0
+        return HEADER_BYTES + payload_bytes + extra
 
     def header(self, key: bytes, payload: memoryview | bytes, writer: tenant.Writer | None = None) -> bytes:
         """The :data:`HEADER_BYTES` in front of ``payload`` (a passthrough chain's body is the payload)."""

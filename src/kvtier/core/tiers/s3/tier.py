@@ -317,7 +317,7 @@ class S3Tier(SharedReads, Tier):
             for i, (key, data, writer) in enumerate(zip(keys, datas, who, strict=True)):
                 if abandoned.is_set():
                     return
-                values.append(self.codec.encode(key, data, pool.take(HEADER_BYTES + sizes[i]), writer=writer))
+                values.append(self.codec.encode(key, data, pool.take(self.codec.value_bytes(sizes[i])), writer=writer))
                 wake(encoded[i:i + 1])
 
         def send() -> list[PutResult]:
