@@ -34,7 +34,7 @@ def parse_chains(text: str) -> list[tuple[str, ...]]:
     Raises:
         UserError: an empty chain or a chain the configuration refuses (one sentence).
     """
-    from kvtier.core.codecsettings import check_codecs
+    from kvtier.core.codecs import CodecError, chain_of, names
 
     chains = [tuple(c.strip() for c in part.split(",") if c.strip()) for part in text.split(";")]
     if not chains or not all(chains):
@@ -42,9 +42,9 @@ def parse_chains(text: str) -> list[tuple[str, ...]]:
                         "e.g. 'aes-256-gcm;blosc2-zstd-shuffle2,aes-256-gcm'")
     for chain in chains:
         try:
-            check_codecs({"disk": chain}, ["disk"])
-        except ValueError as exc:
-            raise UserError(f"--codecs: {str(exc).replace(chr(39) + 'disk' + chr(39), 'a tier')}") from None
+            chain_of(chain)
+        except CodecError as exc:
+            raise UserError(f"--codecs: {exc}; choose from {', '.join(names())}") from None
     return chains
 
 

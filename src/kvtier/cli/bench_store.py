@@ -92,6 +92,7 @@ def _codec_rows(text: str, chunk_mibs: list[float], total_mib: float, repeats: i
     import tempfile
 
     from kvtier.bench.codecbench import bench_chains, parse_chains
+    from kvtier.core.tiers.registry import specs
 
     rows: list[Any] = []
     notes: list[str] = []
@@ -100,7 +101,8 @@ def _codec_rows(text: str, chunk_mibs: list[float], total_mib: float, repeats: i
         base = Path(tempfile.mkdtemp(prefix="kvtier-codecs-", dir=directory))
         try:
             disk = {"disk_path": str(base), "disk_gib": 4 * total_mib / 1024, "disk_io": "buffered"}
-            for tier, values in ([] if only else [("disk", disk)]) + [(t, settings) for t in measured]:
+            local = [s.name for s in specs() if not s.shared and not s.top][:1]  # the disk tier, in --dir
+            for tier, values in ([] if only else [(n, disk) for n in local]) + [(t, settings) for t in measured]:
                 for mib in chunk_mibs:
                     got, more = bench_chains(tier, values, chains, mib, total_mib, repeats)
                     rows += got

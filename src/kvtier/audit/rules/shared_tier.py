@@ -174,8 +174,10 @@ def kvtier_shared_tier_tenants_unprotected(c: ServeConfig) -> str | None:
         return None
     given = settings.get("codecs")
     chains: dict[str, Any] = given if isinstance(given, dict) else {}
-    bare = [tier for tier, key in (("redis", "redis_url"), ("s3", "s3_bucket"))
-            if settings.get(key) and "aes-256-gcm" not in (chains.get(tier) or ())]
+    from kvtier.core.tiers.registry import specs
+
+    bare = [s.name for s in specs() if s.shared and any(settings.get(k) for k in s.keys)
+            and "aes-256-gcm" not in (chains.get(s.name) or ())]
     if not bare:
         return None
     return (f"tenant_quotas says tenants share this cache, and the {' and '.join(bare)} tier stores their KV with "
