@@ -151,8 +151,9 @@ def test_a_restart_served_from_an_encrypted_tier_is_exact(tiny_model: Path, tmp_
         assert loaded["cached"] >= LOADABLE
         assert served["metrics"][f"kvtier_loaded_tokens_total{{{tier}}}"] == loaded["cached"]
         assert served["metrics"]["vllm:external_prefix_cache_hits_total"] == loaded["cached"]
-        assert served["metrics"].get("kvtier_decrypt_failures_total", 0) == 0
-        sealed = made["metrics"]["kvtier_codec_bytes_after_total"] - made["metrics"]["kvtier_codec_bytes_before_total"]
+        assert served["metrics"].get(f"kvtier_decrypt_failures_total{{{tier}}}", 0) == 0
+        sealed = made["metrics"][f"kvtier_codec_bytes_after_total{{{tier}}}"] - \
+            made["metrics"][f"kvtier_codec_bytes_before_total{{{tier}}}"]
         assert sealed > 0 and sealed % 32 == 0  # each value 32 bytes longer: key id, nonce, tag (A's writes)
         stored = ([bytes(obstore.get(server.client(bucket), m["path"]).bytes())
                    for page in obstore.list(server.client(bucket)) for m in page] if server is not None
