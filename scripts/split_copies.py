@@ -116,7 +116,10 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--codecs", default="", help="a codec chain for both tiers, comma-separated (issue 36), "
+                        "e.g. aes-256-gcm; encrypting chains get a master key made for the run")
     args = parser.parse_args()
+    chain = [c.strip() for c in args.codecs.split(",") if c.strip()]
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="split-copies-"))
     workdir.mkdir(parents=True, exist_ok=True)
     chunk_bytes = int(args.chunk_mib * (1 << 20))
@@ -127,13 +130,18 @@ def main() -> None:
         creds = workdir / "s3-credentials"
         creds.write_text(f"[default]\naws_access_key_id = {s3_server.access_key}\n"
                          f"aws_secret_access_key = {s3_server.secret_key}\n", encoding="utf-8")
-        deadlines = {"shared_deadline_s": 10.0, "shared_transfer_deadline_s": 60.0}
+        deadlines: dict[str, Any] = {"shared_deadline_s": 10.0, "shared_transfer_deadline_s": 60.0}
+        if chain:
+            (workdir / "master-key").write_text(os.urandom(32).hex(), encoding="utf-8")
+            deadlines.update(codecs={"redis": chain, "s3": chain},
+                             encryption={"master_key_file": str(workdir / "master-key")})
         configs = {
             "redis": KVTierConfig.from_dict({"redis_url": redis_server.url, **deadlines}),
             "s3": KVTierConfig.from_dict({"s3_endpoint_url": s3_server.url, "s3_bucket": s3_server.make_bucket(),
                                           "s3_allow_http": True, "s3_credentials_file": str(creds), **deadlines}),
         }
-        print(f"{args.chunks} chunks of {args.chunk_mib:g} MiB per call, median of {args.repeats}")
+        print(f"{args.chunks} chunks of {args.chunk_mib:g} MiB per call, median of {args.repeats}, codecs "
+              f"{','.join(chain) or 'identity'}")
         print("| tier | path | op | alloc/payload | s | s / memcpy |")
         print("|---|---|---|---|---|---|")
         for name, config in configs.items():

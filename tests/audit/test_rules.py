@@ -186,6 +186,10 @@ CASES: dict[str, tuple[tuple[str, str | None], tuple[str, str | None]]] = {
     "kvtier-shared-tier-unprotected": ((kvtier_line(redis_url="redis://10.0.0.5:6379/0"), V),
                                        (kvtier_line(redis_url="rediss://10.0.0.5:6380/0",
                                                     shared_secret_file="/etc/kvtier/secret"), V)),
+    "kvtier-shared-tier-tenants-unprotected": (
+        (kvtier_line(redis_url="rediss://10.0.0.5:6380/0", tenant_quotas={"default_share": 0.2}), V),
+        (kvtier_line(redis_url="rediss://10.0.0.5:6380/0", tenant_quotas={"default_share": 0.2},
+                     codecs={"redis": ["aes-256-gcm"]}, encryption={"master_key_file": "/etc/kvtier/key"}), V)),
     "kvtier-redis-password-in-url": ((kvtier_line(redis_url="redis://:s3cr3t-pw@127.0.0.1:6379/0"), V),
                                      (kvtier_line(redis_url="redis://127.0.0.1:6379/0",
                                                   redis_password_env="REDIS_PW"), V)),

@@ -214,3 +214,22 @@ def test_bench_store_json_on_a_full_device_is_one_sentence():
     assert ("error: cannot write --json /dev/full (No space left on device); free space or pass a path in a "
             "writable directory (the table above has the results)") in result.output
     assert "Traceback" not in result.output
+
+
+def test_bench_store_codec_chains_against_identity_on_disk_and_redis(tmp_path, redis_server):
+    """``--codecs``: each chain's rows beside identity's on the same tier (disk in --dir, and the
+    redis tier given), and a note of the bytes stored per payload byte (compression below 1)."""
+    out = tmp_path / "codecs.json"
+    chains = "aes-256-gcm;blosc2-zstd-shuffle2,aes-256-gcm"
+    result = CliRunner().invoke(app, ["bench-store", "--sizes", "0.25", "--total-mib", "2", "--repeats", "2",
+                                      "--disk-io", "buffered", "--dir", str(tmp_path), "--json", str(out),
+                                      "--redis-url", redis_server.url, "--codecs", chains])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    coded = {(r["tier"], r["io"], r["op"]) for r in report["results"] if "aes-256-gcm" in r["io"]}
+    assert coded == {(t, c, o) for t in ("disk", "redis") for c in ("aes-256-gcm", "blosc2-zstd-shuffle2+aes-256-gcm")
+                     for o in ("put", "get")}
+    stored = {n.split(" at ")[0]: float(n.split(": ")[1].split()[0]) for n in report["notes"] if "bytes stored" in n}
+    assert stored["disk aes-256-gcm"] > 1 and stored["disk blosc2-zstd-shuffle2+aes-256-gcm"] < 0.9
+    bad = CliRunner().invoke(app, ["bench-store", "--sizes", "0.25", "--total-mib", "1", "--codecs", "aes-256-gcm,lz5"])
+    assert bad.exit_code == 2 and "lz5" in bad.output and "Traceback" not in bad.output

@@ -114,3 +114,26 @@ def test_read_into_through_guarded_tier_copies_no_more_than_get_many(name, reque
     finally:
         private.close()
         tier.close()
+
+
+@pytest.mark.parametrize("name", ["redis-aes", "s3-aes"])
+def test_an_encrypting_chain_adds_at_most_its_own_output_buffer(name, request, tmp_path):
+    """Issue 36: with ``aes-256-gcm`` a write adds at most the cipher's output (one buffer per
+    payload) to the identity path's copies, and a read decrypts straight into the caller's buffer."""
+    tier = HARNESSES[name](request, tmp_path).make(NS)
+    assert isinstance(tier, GuardedTier) and isinstance(tier.inner, SplitTier)
+    datas = [np.random.default_rng(i).integers(0, 256, CHUNK_BYTES, dtype=np.uint8) for i in range(CHUNKS)]
+    dsts = [np.zeros(CHUNK_BYTES, dtype=np.uint8) for _ in range(CHUNKS)]
+    try:
+        keys = [ChunkKey(os.urandom(16)) for _ in range(CHUNKS)]
+        tier.inner.encode_buffers = BufferPool(0)
+        put = peak_copies(lambda: tier.put_many(keys, [memoryview(d) for d in datas]), PutResult.STORED)
+        tier.get_many(keys, [memoryview(d) for d in dsts])
+        for d in dsts:
+            d[:] = 0
+        get = peak_copies(lambda: tier.get_many(keys, [memoryview(d) for d in dsts]), GetResult.HIT)
+        assert all(np.array_equal(a, b) for a, b in zip(datas, dsts, strict=True))
+        assert put < ENCODE_COPIES[name.split("-")[0]] + 1 + 0.05, put
+        assert get < 0.5, get
+    finally:
+        tier.close()

@@ -44,6 +44,11 @@ def test_exported_series_keep_their_names_and_labels_and_read_the_snapshot(tmp_p
     want.add(("kvtier_ttl_pinned_chunks", (("tier", "cpu"),)))  # requests' TTL pins: the top tier only
     want |= {(n, (("direction", d),)) for n in ("kvtier_transfer_bytes_total", "kvtier_transfer_seconds_total")
              for d in directions()}
+    # a lower tier's codec chain (kvtier.core.codecstats): the disk tier, identity here
+    want |= {("kvtier_codec_bytes_total", (("stage", st), ("tier", "disk"))) for st in ("before", "after", "stored",
+                                                                                      "decoded")}
+    want |= {("kvtier_codec_seconds_total", (("direction", d), ("tier", "disk"))) for d in ("encode", "decode")}
+    want |= {("kvtier_codec_failures_total", (("kind", k), ("tier", "disk"))) for k in ("decrypt", "decode")}
     assert set(series) == want
     s = store.stats()
     assert s.lookup_chunks == 6 and s.dropped_saves == 2  # 4 cpu pages: two of six saves had no room

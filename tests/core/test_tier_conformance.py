@@ -312,11 +312,14 @@ def test_a_ranged_read_checks_the_header_but_not_the_payloads_bytes(harness, tie
     tier.put(key(13), value)
     tier.put(key(14), value)
     harness.tamper(unwrap(tier), key(13), "flip")
-    assert tier.get_range(key(13), 16, 3) == value[16:17] + bytes([value[17] ^ 0x01]) + value[18:19]
-    assert tier.corrupt == 0
+    if harness.recoded:  # an encrypted payload has no plain range: the ranged read is a verified whole read
+        assert tier.get_range(key(13), 16, 3) is None and tier.corrupt == 1
+    else:
+        assert tier.get_range(key(13), 16, 3) == value[16:17] + bytes([value[17] ^ 0x01]) + value[18:19]
+        assert tier.corrupt == 0
     harness.tamper(unwrap(tier), key(14), "foreign")
     assert tier.get_range(key(14), 0, 8) is None
-    assert tier.corrupt == 1 and not tier.contains(key(14))
+    assert tier.corrupt == 1 + harness.recoded and not tier.contains(key(14))
 
 
 def test_the_toy_tier_has_no_blob_verb_code_of_its_own():

@@ -17,7 +17,9 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
+from kvtier.core.codecsettings import envelope_args
 from kvtier.core.config import KVTierConfig
+from kvtier.core.encryption import OVERHEAD_BYTES
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers import CpuTier, DiskTier, PutResult, Tier, TierContext
 from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES
@@ -54,18 +56,35 @@ class TierHarness:
     stall: Callable[[Tier, ChunkKey], contextlib.AbstractContextManager[Any]] | None = None
     capacity_chunks: int | None = CAPACITY_CHUNKS
     deadline_s: float = 2.0
+    recoded: bool = False
+    """Its codec chain changes the stored bytes (encryption): a ranged read is a verified whole read."""
 
 
 def cpu_harness(_request: pytest.FixtureRequest, _tmp: Path) -> TierHarness:
     return TierHarness("cpu", lambda ns: CpuTier(capacity_bytes=CAPACITY_CHUNKS * CHUNK, page_bytes=CHUNK))
 
 
-def disk_harness(request: pytest.FixtureRequest, tmp: Path, mode: str = "buffered") -> TierHarness:
+def encrypted_settings(tmp: Path, tier: str, compressed: bool = False) -> dict[str, Any]:
+    """The config keys that encrypt ``tier`` at rest (``compressed``: compress first) under a
+    master key written to a file in ``tmp``."""
+    key_file = tmp / "master-key"
+    key_file.write_text("conformance-master-key-0123456789abcdef\n", encoding="utf-8")
+    chain = ["blosc2-zstd-shuffle2", "aes-256-gcm"] if compressed else ["aes-256-gcm"]
+    return {"codecs": {tier: chain}, "encryption": {"master_key_file": str(key_file)}}
+
+
+def disk_harness(request: pytest.FixtureRequest, tmp: Path, mode: str = "buffered", encrypted: bool = False) -> TierHarness:
     if mode == "direct":
         tmp = request.getfixturevalue("direct_dir")  # a filesystem that honours O_DIRECT
+    codec_args = None
+    if encrypted:
+        config = KVTierConfig.from_dict({"disk_path": str(tmp), "disk_gib": 1, **encrypted_settings(tmp, "disk")})
+        codec_args = envelope_args(config, "disk")
 
     def make(ns: bytes) -> Tier:
-        disk = DiskTier(tmp, ns, capacity_bytes=CAPACITY_CHUNKS * (CHUNK + HEADER_BYTES), io=mode)  # type: ignore[arg-type]
+        overhead = OVERHEAD_BYTES if encrypted else 0
+        disk = DiskTier(tmp, ns, capacity_bytes=CAPACITY_CHUNKS * (CHUNK + HEADER_BYTES + overhead), io=mode,  # type: ignore[arg-type]
+                        codec_args=codec_args)
         assert disk.io_mode == mode
         return disk
 
@@ -95,7 +114,7 @@ def disk_harness(request: pytest.FixtureRequest, tmp: Path, mode: str = "buffere
         finally:
             path.unlink(missing_ok=True)
 
-    return TierHarness("disk", make, tamper, stall)
+    return TierHarness("disk", make, tamper, stall, recoded=encrypted)
 
 
 
@@ -110,7 +129,8 @@ def make_redis_tier(url: str, ns: bytes, prefix: str, **settings: Any) -> redis_
     return tier
 
 
-def _redis_harness(name: str, url: str, raw: Any, node_of: Callable[[bytes], Any], **settings: Any) -> TierHarness:
+def _redis_harness(name: str, url: str, raw: Any, node_of: Callable[[bytes], Any], recoded: bool = False,
+                   **settings: Any) -> TierHarness:
     prefix = f"conf-{uuid.uuid4().hex[:8]}:"
 
     def make(ns: bytes) -> Tier:
@@ -138,7 +158,7 @@ def _redis_harness(name: str, url: str, raw: Any, node_of: Callable[[bytes], Any
         finally:
             node.resume()
 
-    return TierHarness("redis", make, tamper, stall, capacity_chunks=None, deadline_s=4.0)
+    return TierHarness("redis", make, tamper, stall, capacity_chunks=None, deadline_s=4.0, recoded=recoded)
 
 
 def redis_harness(request: pytest.FixtureRequest, _tmp: Path) -> TierHarness:
@@ -150,6 +170,18 @@ def redis_mac_harness(request: pytest.FixtureRequest, _tmp: Path) -> TierHarness
     server = request.getfixturevalue("redis_server")
     return _redis_harness("redis", server.url, server.client(), lambda _rk: server,
                           shared_secret="conformance-secret-0123456789")
+
+
+def redis_aes_harness(request: pytest.FixtureRequest, tmp: Path) -> TierHarness:
+    server = request.getfixturevalue("redis_server")
+    return _redis_harness("redis", server.url, server.client(), lambda _rk: server, recoded=True,
+                          **encrypted_settings(tmp, "redis"))
+
+
+def redis_zstd_aes_harness(request: pytest.FixtureRequest, tmp: Path) -> TierHarness:
+    server = request.getfixturevalue("redis_server")
+    return _redis_harness("redis", server.url, server.client(), lambda _rk: server, recoded=True,
+                          **encrypted_settings(tmp, "redis", compressed=True))
 
 
 def redis_cluster_harness(request: pytest.FixtureRequest, _tmp: Path) -> TierHarness:
@@ -224,7 +256,8 @@ def _s3_harness(request: pytest.FixtureRequest, tmp: Path, conditional_front: bo
         finally:
             server.resume()
 
-    return TierHarness("s3", make, tamper, stall, capacity_chunks=None, deadline_s=4.0)
+    return TierHarness("s3", make, tamper, stall, capacity_chunks=None, deadline_s=4.0,
+                       recoded="codecs" in settings)
 
 
 def s3_harness(request: pytest.FixtureRequest, tmp: Path) -> TierHarness:
@@ -233,6 +266,14 @@ def s3_harness(request: pytest.FixtureRequest, tmp: Path) -> TierHarness:
 
 def s3_mac_harness(request: pytest.FixtureRequest, tmp: Path) -> TierHarness:
     return _s3_harness(request, tmp, shared_secret="conformance-secret-0123456789")
+
+
+def s3_aes_harness(request: pytest.FixtureRequest, tmp: Path) -> TierHarness:
+    return _s3_harness(request, tmp, **encrypted_settings(tmp, "s3"))
+
+
+def s3_zstd_aes_harness(request: pytest.FixtureRequest, tmp: Path) -> TierHarness:
+    return _s3_harness(request, tmp, **encrypted_settings(tmp, "s3", compressed=True))
 
 
 def s3_conditional_harness(request: pytest.FixtureRequest, tmp: Path) -> TierHarness:
@@ -270,11 +311,16 @@ HARNESSES: dict[str, Callable[[pytest.FixtureRequest, Path], TierHarness]] = {
     "dict": dict_harness,
     "disk-buffered": disk_harness,
     "disk-direct": lambda request, tmp: disk_harness(request, tmp, "direct"),
+    "disk-aes": lambda request, tmp: disk_harness(request, tmp, encrypted=True),
     "redis": redis_harness,
+    "redis-aes": redis_aes_harness,
+    "redis-zstd-aes": redis_zstd_aes_harness,
     "redis-mac": redis_mac_harness,
     "redis-cluster": redis_cluster_harness,
     "s3": s3_harness,
     "s3-mac": s3_mac_harness,
+    "s3-aes": s3_aes_harness,
+    "s3-zstd-aes": s3_zstd_aes_harness,
     "s3-412": s3_conditional_harness,
 }
 """Harness variant name -> builder (a tier may have several variants, e.g. redis standalone and Cluster)."""

@@ -112,3 +112,53 @@ def _wait_for(path: Path, proc, timeout_s: float) -> None:
     while not path.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
     assert path.exists(), f"engine B did not reach {path.name} (exit code {proc.poll()})"
+
+
+@pytest.mark.parametrize("tier", ["disk", "s3"])
+def test_a_restart_served_from_an_encrypted_tier_is_exact(tiny_model: Path, tmp_path: Path, tier: str) -> None:
+    """Issue 36: the same restart over a tier encrypted at rest (``codecs: {tier: [aes-256-gcm]}``,
+    the master key in a file): engine A computes a prompt and serves its repeat from vLLM's own
+    prefix cache (the reference); engine B, restarted on the same disk directory or bucket, loads
+    the prompt from the encrypted values with A's tokens and logprobs exactly.  (That no stored
+    value holds a run of plain KV is tests/core/test_encryption_at_rest.py's search.)"""
+    from kvtier.core.envelope import decode_header
+    from kvtier.launch.testmodel import random_prompt
+
+    key_file = tmp_path / "master-key"
+    key_file.write_text("engine-test-master-key-0123456789abcdef\n", encoding="utf-8")
+    p = {"op": "generate", "prompts": [random_prompt(760, PROMPT_WORDS)]}
+    server = S3Server(tmp_path / "s3").start() if tier == "s3" else None
+    try:
+        if server is not None:
+            bucket = server.make_bucket()
+            storage = {"tiers": ["cpu", "s3"], "s3_bucket": bucket, "s3_endpoint_url": server.url, "s3_allow_http": True,
+                       "s3_credentials_file": str(s3_credentials_file(tmp_path, server)),
+                       "shared_deadline_s": 5.0, "shared_transfer_deadline_s": 10.0}
+        else:
+            storage = {"disk_path": str(tmp_path / "disk"), "disk_gib": 0.05, "write_mode": "write-through"}
+        kvtier = {"chunk_tokens": 64, "cpu_gib": 0.01, **storage, "codecs": {tier: ["aes-256-gcm"]},
+                  "encryption": {"master_key_file": str(key_file)}}
+        engine = {"block_size": 64}
+        made = result_of(run_engine({"model": str(tiny_model), "steps": [p, p], "kvtier": kvtier, "engine": engine},
+                                    tmp_path, "a", env=EQUAL_THREADS), tmp_path, "a")
+        assert made["metrics"]["kvtier_saved_tokens_total"] >= LOADABLE
+        served = result_of(run_engine({"model": str(tiny_model), "steps": [p], "kvtier": kvtier, "engine": engine},
+                                      tmp_path, "b", env=EQUAL_THREADS), tmp_path, "b")
+        (_cold,), (cached,) = made["results"]
+        (loaded,) = served["results"][0]
+        assert (loaded["tokens"], loaded["logprobs"]) == (cached["tokens"], cached["logprobs"])
+        # its whole chunks (A's two runs may have completed one more chunk with generated tokens), all loaded
+        assert loaded["cached"] >= LOADABLE
+        assert served["metrics"][f"kvtier_loaded_tokens_total{{{tier}}}"] == loaded["cached"]
+        assert served["metrics"]["vllm:external_prefix_cache_hits_total"] == loaded["cached"]
+        assert served["metrics"].get(f"kvtier_decrypt_failures_total{{{tier}}}", 0) == 0
+        sealed = made["metrics"][f"kvtier_codec_bytes_after_total{{{tier}}}"] - \
+            made["metrics"][f"kvtier_codec_bytes_before_total{{{tier}}}"]
+        assert sealed > 0 and sealed % 32 == 0  # each value 32 bytes longer: key id, nonce, tag (A's writes)
+        stored = ([bytes(obstore.get(server.client(bucket), m["path"]).bytes())
+                   for page in obstore.list(server.client(bucket)) for m in page] if server is not None
+                  else [f.read_bytes() for f in (tmp_path / "disk").rglob("*.kvc")])
+        assert stored and {decode_header(v).codecs for v in stored} == {(16,)}  # every value sealed: aes-256-gcm
+    finally:
+        if server is not None:
+            server.stop()

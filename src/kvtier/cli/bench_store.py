@@ -61,6 +61,10 @@ FIXED = {
                                                       "threads, as measured), serial and/or split (forced).")),
     "directory": (Path | None, typer.Option(None, "--dir", help="Where the disk tier writes (default: a temp dir).")),
     "json_path": (Path | None, typer.Option(None, "--json", help="Also write results as JSON here.")),
+    "codecs": (str | None, typer.Option(None, "--codecs", help=(
+        "Codec chains to measure against identity on the same tier: ';' between chains, ',' between the codecs "
+        "of one, e.g. 'aes-256-gcm;blosc2-zstd-shuffle2,aes-256-gcm' (the disk tier in --dir, buffered, one "
+        "thread, and each shared tier given)."))),
 }
 """The options of every run (cpu and disk tiers, output)."""
 
@@ -80,8 +84,39 @@ def bench_store_command(settings_flags: list[ToolFlag]) -> Callable[..., None]:
     return build(body, {**FIXED, **{f.key: option(f, negatable=True) for f in flags}})
 
 
+def _codec_rows(text: str, chunk_mibs: list[float], total_mib: float, repeats: int, directory: Path | None,
+                only: list[str], measured: list[str], settings: dict[str, Any]) -> tuple[list[Any], list[str]]:
+    """``--codecs``: each chain against identity on the disk tier (unless ``--<tier>-only``) and on
+    each shared tier measured (:mod:`kvtier.bench.codecbench`)."""
+    import shutil
+    import tempfile
+
+    from kvtier.bench.codecbench import bench_chains, parse_chains
+    from kvtier.core.tiers.registry import specs
+
+    rows: list[Any] = []
+    notes: list[str] = []
+    try:
+        chains = parse_chains(text)
+        base = Path(tempfile.mkdtemp(prefix="kvtier-codecs-", dir=directory))
+        try:
+            disk = {"disk_path": str(base), "disk_gib": 4 * total_mib / 1024, "disk_io": "buffered"}
+            local = [s.name for s in specs() if not s.shared and not s.top][:1]  # the disk tier, in --dir
+            for tier, values in ([] if only else [(n, disk) for n in local]) + [(t, settings) for t in measured]:
+                for mib in chunk_mibs:
+                    got, more = bench_chains(tier, values, chains, mib, total_mib, repeats)
+                    rows += got
+                    notes += more
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+    except UserError as exc:
+        fail(str(exc).rstrip(".") + ".")
+    return rows, notes
+
+
 def bench_store(sizes: str, total_mib: float, repeats: int, threads: str, disk_io: str, buffered_reads: str,
-                directory: Path | None, json_path: Path | None, flags: list[ToolFlag], tiers: dict[str, Any]) -> None:
+                directory: Path | None, json_path: Path | None, flags: list[ToolFlag], tiers: dict[str, Any],
+                codecs: str | None = None) -> None:
     """Run ``kvtier bench-store`` (see :func:`bench_store_command`).
 
     Args:
@@ -169,6 +204,11 @@ def bench_store(sizes: str, total_mib: float, repeats: int, threads: str, disk_i
             got, more = tier_bench(tier).run(settings, parsed[tier], chunk_mibs, total_mib, repeats)
         except UserError as exc:
             fail(flag_names(str(exc), keys).rstrip(".") + ".")
+        rows += got
+        notes += more
+    if codecs is not None:
+        got, more = _codec_rows(codecs, chunk_mibs, total_mib, repeats, directory, only, measured,
+                                {f.key: tiers[f.key] for f in settings_flags if given(f, tiers.get(f.key))})
         rows += got
         notes += more
     table = Table(title="kvtier bench-store (tier vs same-run reference)")

@@ -13,7 +13,7 @@ from kvtier.core.errors import ConfigError, UserError
 
 HELP = """Check a --kv-transfer-config for KVTierConnector in under a second, without starting vLLM.
 
-Runs the connector's own validator (the same checks it applies at engine start-up, after the model has loaded) and vLLM's transfer-config rules: unknown keys (with the closest known key), bad values, the disk tier path (exists or can be created, writable, enough free space, not a kernel filesystem such as /proc), cpu_gib against the memory this host has, the client package of each configured shared tier (redis, obstore), the Redis password and shared_secret_file when redis_url is set, then each configured shared tier itself (Redis: connect and PING; S3: a LIST of at most one key; within 2 s, never a write: one line saying reachable, unreachable or auth failed, a warning unless reachable, an error with --strict; --offline skips it), chunk_tokens against --block-size (without it, a warning when it is not a multiple of vLLM's default block sizes, 16 and 128 on CPU; auto, the default, always fits), kv_connector_module_path, kv_role, kv_load_failure_policy, and the installed vLLM against the releases kvtier supports (printed last; docs/vllm.md). Exit code 0 when it would start, 1 when it has errors (with --strict, also when a configured tier cannot be reached), 2 when the input cannot be read (no such file, or not a JSON object).
+Runs the connector's own validator (the same checks it applies at engine start-up, after the model has loaded) and vLLM's transfer-config rules: unknown keys (with the closest known key), bad values, the disk tier path (exists or can be created, writable, enough free space, not a kernel filesystem such as /proc), cpu_gib against the memory this host has, the client package of each configured shared tier (redis, obstore), the Redis password and shared_secret_file when redis_url is set, the codec chains and the encryption master key files or variables (read as start-up reads them; only key ids are printed), then each configured shared tier itself (Redis: connect and PING; S3: a LIST of at most one key; within 2 s, never a write: one line saying reachable, unreachable or auth failed, a warning unless reachable, an error with --strict; --offline skips it), chunk_tokens against --block-size (without it, a warning when it is not a multiple of vLLM's default block sizes, 16 and 128 on CPU; auto, the default, always fits), kv_connector_module_path, kv_role, kv_load_failure_policy, and the installed vLLM against the releases kvtier supports (printed last; docs/vllm.md). Exit code 0 when it would start, 1 when it has errors (with --strict, also when a configured tier cannot be reached), 2 when the input cannot be read (no such file, or not a JSON object).
 
 CONFIG is the JSON itself, a file holding it, or - for stdin. To check a whole serve command line, use `kvtier audit` (it runs the same checks).
 
@@ -133,6 +133,8 @@ def check_command(
         if missing is not None:
             print(f"info: {missing} does not exist yet: kvtier check created nothing; the engine creates it at "
                   "start-up (its nearest existing parent was checked for room and write access).")
+        if (keys := _key_ids(transfer)) is not None:
+            print(f"info: {keys}")
         print(f"info: {statement()}")
         warned = len(problems)
         print(f"ok: vLLM would start with this KVTierConnector config{f' ({warned} warning(s))' if warned else ''}.")
@@ -150,6 +152,23 @@ def _missing_state_dir(transfer: object) -> str | None:
     except (UserError, ValueError):
         return None
     return None if found is None or found.exists() else str(found)
+
+
+def _key_ids(transfer: object) -> str | None:
+    """What the configured master keys are, by id only (docs/security.md), or ``None`` without encryption."""
+    from kvtier.core.codecsettings import load_keyring
+    from kvtier.core.config import KVTierConfig
+
+    extra = transfer.get("kv_connector_extra_config") if isinstance(transfer, dict) else None
+    try:
+        ring = load_keyring(KVTierConfig.from_dict(extra if isinstance(extra, dict) else {}).encryption)
+    except (UserError, ValueError):
+        return None
+    if ring is None:
+        return None
+    older = [i for i in ring.hex_ids if i != ring.current.hex_id]
+    return (f"encryption: master key {ring.current.hex_id} seals new values"
+            + (f"; {', '.join(older)} still open older ones (kvtier purge --key-id removes them)" if older else ""))
 
 
 def register(app: typer.Typer) -> None:

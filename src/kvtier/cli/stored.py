@@ -19,7 +19,7 @@ from kvtier.core.toolflags import ToolFlag, tool_flags
 
 HELP = """Remove stored KV chunks from a disk tier's directory (--disk-path), a Redis/Valkey server or Cluster (--redis-url) and/or an S3 bucket (--s3-bucket, with --s3-endpoint-url for MinIO, Ceph RGW or R2; credentials from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or --s3-credentials-file), selected by namespace, cache_salt, LoRA adapter or age. Safe under a live engine: a purged chunk is never served (the engine reads it as a miss and recomputes); a live engine may still report it as a hit for a bounded time (docs/purge.md).
 
-Selectors (a chunk must match every one given): --namespace HEX (repeatable; the 32-hex-digit directory names under disk_path; a dry run lists them), --older-than DURATION (written more than that long ago: a file's modification time on disk; an object's Last-Modified on S3; redis_ttl_s minus the key's remaining PTTL on Redis, so give --redis-ttl-s if the engines do not use the default), --salt SALT (the requests' cache_salt), --lora NAME (the LoRA adapter's name). --salt and --lora match only chunks saved with a tenant record (kvtier from this version on; disk files, Redis values and S3 objects alike): older chunks are left alone and counted as "unknown tenant", and a chunk whose record fails its check is left alone and named as a problem. Without any selector, purge refuses unless --all is given.
+Selectors (a chunk must match every one given): --namespace HEX (repeatable; the 32-hex-digit directory names under disk_path; a dry run lists them), --older-than DURATION (written more than that long ago: a file's modification time on disk; an object's Last-Modified on S3; redis_ttl_s minus the key's remaining PTTL on Redis, so give --redis-ttl-s if the engines do not use the default), --salt SALT (the requests' cache_salt), --lora NAME (the LoRA adapter's name), --key-id HEX (values encrypted under that master key: after a rotation, what only the old key opens; read without any key). --salt and --lora match only chunks saved with a tenant record (kvtier from this version on; disk files, Redis values and S3 objects alike): older chunks are left alone and counted as "unknown tenant", and a chunk whose record fails its check is left alone and named as a problem. Without any selector, purge refuses unless --all is given.
 
 --dry-run prints what would go (chunks and bytes per tier and namespace) and removes nothing; without it the same numbers are what was removed. --json prints them as JSON. Exit code 0 when done, 1 when some chunk could not be read or removed or a server did not answer, 2 on bad input.
 
@@ -61,8 +61,16 @@ def _refuse_stray_flags(flags: list[ToolFlag], given: dict[str, Any]) -> None:
 
 
 def _purge(disk_path: str | None, namespace: list[str], older_than: str | None, salt: str | None, lora: str | None,
-           purge_all: bool, dry_run: bool, as_json: bool, flags: list[ToolFlag], given: dict[str, Any]) -> None:
-    from kvtier.core.purge import PurgeFailed, PurgeSelector, parse_duration, parse_namespace, purge
+           key_id: str | None, purge_all: bool, dry_run: bool, as_json: bool, flags: list[ToolFlag],
+           given: dict[str, Any]) -> None:
+    from kvtier.core.purge import (
+        PurgeFailed,
+        PurgeSelector,
+        parse_duration,
+        parse_key_id,
+        parse_namespace,
+        purge,
+    )
 
     _refuse_stray_flags(flags, given)
     targets = [f for f in flags if f.target]
@@ -84,11 +92,12 @@ def _purge(disk_path: str | None, namespace: list[str], older_than: str | None, 
         selector = PurgeSelector(
             namespaces=frozenset(parse_namespace(n) for n in namespace),
             older_than_s=None if older_than is None else parse_duration(older_than),
-            cache_salt=salt, lora_name=lora)
+            cache_salt=salt, lora_name=lora, key_id=None if key_id is None else parse_key_id(key_id))
     except UserError as exc:
         fail(str(exc).rstrip(".") + ".")
     if not selector.selects_anything and not purge_all:
-        fail("no selector given, which would remove every chunk; add --namespace, --older-than, --salt or --lora, "
+        fail("no selector given, which would remove every chunk; add --namespace, --older-than, --salt, --lora or "
+             "--key-id, "
              "or pass --all to remove everything.")
     config, keys = _config(disk_path, given)
     try:
@@ -184,6 +193,9 @@ def purge_command(flags: list[ToolFlag]) -> Callable[..., None]:
                                           help="Only chunks saved for requests with this cache_salt.")),
         "lora": (str | None, typer.Option(None, "--lora", metavar="NAME",
                                           help="Only chunks saved for this LoRA adapter (its name).")),
+        "key_id": (str | None, typer.Option(None, "--key-id", metavar="HEX", help=(
+            "Only values encrypted under this master key id (8 hex digits; kvtier check prints the ids): "
+            "what only an old key opens, after a rotation."))),
         "purge_all": (bool, typer.Option(False, "--all", help="Allow a purge with no selector (every chunk).")),
         "dry_run": (bool, typer.Option(False, "--dry-run", help="Show what would be removed; remove nothing.")),
         "as_json": (bool, typer.Option(False, "--json", help="Print JSON instead of a table.")),

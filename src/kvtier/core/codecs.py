@@ -2,10 +2,16 @@
 payload, named by a one-byte id in the envelope's codec chain.
 
 A chain is an ordered tuple of codecs: a writer applies them first to last (``encode``), a reader
-undoes them last to first (``decode``).  Only :data:`IDENTITY` (id 1) is registered today;
-compression and encryption come later as codecs registered here, not as changes to any tier.  Ids
-are part of the stored format: an id once written is never reused for another transform.  Id 0 is
+undoes them last to first (``decode``).  Registered: :data:`IDENTITY` (id 1) here, AES-256-GCM
+(id 16, :mod:`kvtier.core.encryption`) and compression (:mod:`kvtier.core.compression`).  Ids are
+part of the stored format: an id once written is never reused for another transform.  Id 0 is
 never a codec (it marks an unused slot of the envelope's codec field).
+
+A *sealing* codec (``sealing = True``: encryption) needs the value's context
+(:class:`CodecContext`: its namespace, tenant record, the operator's key ring and the envelope
+header it is bound to) and so is called through ``seal``/``unseal`` instead of
+``encode``/``decode``; it must be the last codec of a chain (compress, then encrypt), so the
+stored length, which its header names, is known when it runs.
 
 A codec that returns its input unchanged (``passthrough``) lets the tiers keep their zero-copy
 paths: the payload goes to the wire or the file straight from the caller's memory, and a read
@@ -14,7 +20,7 @@ lands straight in the caller's buffer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -23,6 +29,35 @@ import numpy as np
 
 class CodecError(ValueError):
     """A codec chain names an unknown codec, or a payload fails to decode (a miss, never a crash)."""
+
+
+class DecryptError(CodecError):
+    """An encrypted payload that does not open: a master key this kvtier does not hold, another
+    tenant's key, a header swapped from another value, or a flipped bit (a counted miss)."""
+
+
+class ForeignKeyError(DecryptError):
+    """An encrypted payload sealed under a master key this kvtier does not hold (or with no key
+    ring configured): another engine's, or one rotated out.  A miss, and the value is left in
+    place (it is not damaged: an engine with the key reads it)."""
+
+
+@dataclass(frozen=True)
+class CodecContext:
+    """What a sealing codec binds a payload to.
+
+    Attributes:
+        namespace: the value's 16-byte namespace digest.
+        record: its :data:`~kvtier.core.tenant.RECORD_BYTES` tenant record (all zero: unknown).
+        keyring: the operator's keys (:class:`kvtier.core.encryption.KeyRing`), ``None`` without.
+        fields: the envelope's header bytes before its digest for a stored payload of this many
+            bytes (the associated data): on write computed, on read the stored ones.
+    """
+
+    namespace: bytes
+    record: bytes
+    keyring: object | None
+    fields: Callable[[int], bytes]
 
 
 @runtime_checkable
@@ -50,6 +85,10 @@ class Codec(Protocol):
     def decode(self, data: memoryview, original_bytes: int) -> memoryview:
         """The decoded form of ``data``, ``original_bytes`` long (``-1``: not recorded, an inner
         codec of a chain keeps its own).  Raises :class:`CodecError`."""
+
+
+def _sealing(codec: Codec) -> bool:
+    return bool(getattr(codec, "sealing", False))
 
 
 @dataclass(frozen=True)
@@ -108,22 +147,44 @@ class Chain:
         """Every codec leaves the payload as it is: stored bytes == original bytes."""
         return all(c.passthrough for c in self.codecs)
 
-    def encode(self, payload: memoryview) -> memoryview:
-        """``payload`` through every codec, first to last (``payload`` itself for a passthrough chain)."""
-        for codec in self.codecs:
-            payload = codec.encode(payload)
-        return payload
+    @property
+    def sealed(self) -> bool:
+        """The chain ends with a sealing codec (encryption)."""
+        return bool(self.codecs) and _sealing(self.codecs[-1])
 
-    def decode_into(self, stored: memoryview, dst: memoryview) -> None:
-        """Undo the chain on ``stored`` (last codec first) and put the original bytes in ``dst``,
-        which is exactly the original length.  No copy when ``stored`` already is ``dst``'s memory.
+    def encode(self, payload: memoryview, ctx: CodecContext | None = None) -> memoryview:
+        """``payload`` through every codec, first to last (``payload`` itself for a passthrough
+        chain); a sealing codec gets ``ctx``.
 
         Raises:
-            CodecError: a codec fails, or the result is not ``dst``'s length.
+            CodecError: a codec fails (a sealing one without a key ring, among others)."""
+        for codec in self.codecs:
+            if _sealing(codec):
+                if ctx is None:
+                    raise CodecError(f"codec {codec.name!r} needs the value's context")
+                payload = codec.seal(payload, ctx)  # type: ignore[attr-defined]
+            else:
+                payload = codec.encode(payload)
+        return payload
+
+    def decode_into(self, stored: memoryview, dst: memoryview, ctx: CodecContext | None = None) -> None:
+        """Undo the chain on ``stored`` (last codec first) and put the original bytes in ``dst``,
+        which is exactly the original length.  No copy when ``stored`` already is ``dst``'s memory
+        (or a sealing codec opened it straight into ``dst``).
+
+        Raises:
+            CodecError: a codec fails (:class:`DecryptError`: a sealing one), or the result is not
+                ``dst``'s length.
         """
         data = stored
         for i in range(len(self.codecs) - 1, -1, -1):
-            data = self.codecs[i].decode(data, dst.nbytes if i == 0 else _unknown(data))
+            codec = self.codecs[i]
+            if _sealing(codec):
+                if ctx is None:
+                    raise DecryptError(f"codec {codec.name!r} needs the value's context")
+                data = codec.unseal(data, ctx, dst if i == 0 else None)  # type: ignore[attr-defined]
+            else:
+                data = codec.decode(data, dst.nbytes if i == 0 else _unknown(data))
         if data.nbytes != dst.nbytes:
             raise CodecError(f"decoded payload is {data.nbytes} bytes, expected {dst.nbytes}")
         if data.obj is dst.obj and _address(data) == _address(dst):
@@ -153,7 +214,15 @@ def chain_of(names_or_ids: Sequence[str | int]) -> Chain:
             known = ", ".join(f"{c.name} ({c.id})" for c in _BY_ID.values())
             raise CodecError(f"codec {item!r} is not one this kvtier knows (known: {known})")
         codecs.append(codec)
+    for codec in codecs[:-1]:
+        if _sealing(codec):
+            raise CodecError(f"codec {codec.name!r} must come last in a chain (compress, then encrypt)")
     return Chain(tuple(codecs))
+
+
+def names() -> list[str]:
+    """The registered codecs' names, by id."""
+    return [_BY_ID[i].name for i in sorted(_BY_ID)]
 
 
 def known(codec_id: int) -> bool:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 from typing import Any, Literal
-from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import (
     BaseModel,
@@ -30,7 +29,9 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
+from kvtier.core.codecsettings import EncryptionSettings, check_codecs, needs_keys
 from kvtier.core.configload import JSON_EXAMPLES, check_env, did_you_mean, env_list, one_sentence, read_yaml
+from kvtier.core.configload import redact_url as redact_url  # noqa: PLC0414 - re-exported: its home was here
 from kvtier.core.errors import ConfigError
 from kvtier.core.policies.admission import available_admissions
 from kvtier.core.policies.registry import available_policies
@@ -138,6 +139,12 @@ class KVTierConfig(BaseSettings):
     shared_secret: str | None = Field(None, repr=False, min_length=16, description=(
         "Secret shared by every engine of one cache: values carry a keyed BLAKE3 MAC (docs/shared-tier.md)."))
     shared_secret_file: str | None = Field(None, description="File holding shared_secret (e.g. a Kubernetes Secret).")
+    codecs: dict[str, tuple[str, ...]] = Field(default_factory=dict, description=(
+        "Codec chain per lower tier, applied in order on write, e.g. {disk: [aes-256-gcm]}; a tier not named "
+        "stores payloads as they are (identity); the header records the chain, so any chain is read (docs/security.md)."))
+    encryption: EncryptionSettings | None = Field(None, description=(
+        "Master keys of the aes-256-gcm codec: {master_key_file: path} or {master_key_env: VAR}, plus "
+        "previous_key_files / previous_key_envs that still decrypt (rotation); never the key itself."))
     _tier_models: dict[str, BaseModel] = PrivateAttr(default_factory=dict)  # settings_of's, built once
 
     @model_validator(mode="before")
@@ -221,6 +228,11 @@ class KVTierConfig(BaseSettings):
                                  f"{', '.join(available_admissions())}")
         return value
 
+    @field_validator("codecs")
+    @classmethod
+    def _known_codecs(cls, value: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+        return check_codecs(value, lower_tiers())
+
     @field_validator("tiers")
     @classmethod
     def _known_tiers(cls, value: tuple[str, ...]) -> tuple[str, ...]:
@@ -273,6 +285,7 @@ class KVTierConfig(BaseSettings):
                 raise ValueError(f"admission {name!r} for tier {tier!r} needs write_mode write-back and a local tier "
                                  "(a chunk is judged when it leaves the cpu tier); set write_mode: write-back "
                                  "or admission all")
+        needs_keys(self.codecs, self.encryption)
         self._tier_models.update(build_tier_settings(self.tier_settings))
         return self
 
@@ -383,15 +396,3 @@ class KVTierConfig(BaseSettings):
     def disk_bytes_per_rank(self, tp_size: int = 1) -> int:
         """Disk tier bytes held by one tensor-parallel rank: ``disk_gib`` × GiB / ``tp_size``."""
         return int(self.disk_gib * GiB) // tp_size if self.disk_path else 0
-
-
-def redact_url(url: str) -> str:
-    """``url`` with its password (and user) replaced by ``***``, for logs and metrics."""
-    parts = urlsplit(url)
-    if parts.password is None and parts.username is None:
-        return url
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = f"***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))

@@ -12,6 +12,7 @@ import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 from pydantic import ValidationError
@@ -113,3 +114,15 @@ def one_sentence(exc: ValidationError, fields: Mapping[str, FieldInfo],
     model_field = fields.get(str(err["loc"][0]))
     secret = model_field is not None and model_field.repr is False  # never echo a password or a secret
     return field_sentence(field, msg, err.get("input"), env_var, secret), env_var
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (and user) replaced by ``***``, for logs and metrics."""
+    parts = urlsplit(url)
+    if parts.password is None and parts.username is None:
+        return url
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = f"***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))

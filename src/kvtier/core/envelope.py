@@ -51,16 +51,20 @@ from __future__ import annotations
 
 import hmac
 import struct
+import time
 from collections.abc import Sequence
 from functools import lru_cache
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
-import blake3
 import xxhash
 
-from kvtier.core import codecs, legacyformats, tenant
+from kvtier.core import codecs, compression, encryption, legacyformats, tenant  # noqa: F401 - registers the codecs
+from kvtier.core.codecstats import CodecStats
+from kvtier.core.envelopedigest import MAC_CONTEXT, Hasher, Mac, mac_key
 from kvtier.core.errors import ChunkFormatError
 
+__all__ = ["MAC_CONTEXT", "Envelope", "EnvelopeError", "EnvelopeHeader", "ForeignValue", "Hasher", "Sealed",
+           "decode_header", "mac_key"]
 MAGIC = b"KVTE"
 VERSION = 1
 FIXED_BYTES = 128
@@ -74,7 +78,6 @@ KIND_CHECKSUM = 0
 KIND_MAC = 1
 LAYOUT_PAGES = 0
 """Layout id of the payload kvtier writes today: the namespace's page layout."""
-MAC_CONTEXT = "kvtier shared tier v1 MAC"
 _FIELDS = struct.Struct("<4sBBH16s16sQQHB5s")  # 64 bytes
 RECORD_OFFSET = _FIELDS.size
 """Offset of the tenant record."""
@@ -90,6 +93,10 @@ assert DIGEST_OFFSET + DIGEST_BYTES == FIXED_BYTES
 
 class EnvelopeError(ChunkFormatError):
     """Bytes that are not a usable value for this namespace, key, secret and buffer (a miss)."""
+
+
+class ForeignValue(EnvelopeError):
+    """A value encrypted under a master key this reader does not hold: a miss, left in place."""
 
 
 class EnvelopeHeader(NamedTuple):
@@ -194,34 +201,6 @@ def _chain(ids: tuple[int, ...]) -> codecs.Chain:
     return codecs.chain_of(ids)
 
 
-class Hasher(Protocol):
-    """A streaming digest: ``update`` with slices in order, then ``digest``."""
-
-    def update(self, data: bytes | memoryview) -> object: ...
-
-    def digest(self) -> bytes: ...
-
-
-@lru_cache(maxsize=16)
-def mac_key(secret: bytes) -> bytes:
-    """The 32-byte BLAKE3 key of the MAC derived from ``shared_secret`` (derive-key context
-    :data:`MAC_CONTEXT`, the one the shared value format used), so the secret keys nothing else."""
-    return blake3.blake3(secret, derive_key_context=MAC_CONTEXT).digest()
-
-
-class _Mac:
-    __slots__ = ("_h",)
-
-    def __init__(self, key: bytes, first: bytes | memoryview) -> None:
-        self._h = blake3.blake3(first, key=key)
-
-    def update(self, data: bytes | memoryview) -> object:
-        return self._h.update(data)
-
-    def digest(self) -> bytes:
-        return self._h.digest(DIGEST_BYTES)
-
-
 class Sealed(NamedTuple):
     """A value ready to store: ``header`` bytes then ``body`` (the payload after the codec chain:
     the caller's own memory for a passthrough chain)."""
@@ -240,6 +219,12 @@ class Envelope:
         header_bytes: the payload's offset (:data:`FIXED_BYTES`; the disk tier
             :data:`DISK_HEADER_BYTES`).
         layout: layout id written (:data:`LAYOUT_PAGES`).
+        keyring: the operator's master keys (:class:`~kvtier.core.encryption.KeyRing`) for a
+            chain with ``aes-256-gcm`` and for reading encrypted values; ``None``: none.
+
+    Attributes:
+        stats: the chain's numbers (:class:`~kvtier.core.codecstats.CodecStats`; chains that
+            change the payload only).
 
     Raises:
         ValueError: a namespace not of 16 bytes, too many codecs, or ``header_bytes`` below
@@ -248,7 +233,8 @@ class Envelope:
     """
 
     def __init__(self, namespace: bytes, secret: bytes | None = None, chain: Sequence[str | int] = ("identity",),
-                 header_bytes: int = FIXED_BYTES, layout: int = LAYOUT_PAGES) -> None:
+                 header_bytes: int = FIXED_BYTES, layout: int = LAYOUT_PAGES,
+                 keyring: encryption.KeyRing | None = None) -> None:
         if len(namespace) != 16:
             raise ValueError(f"namespace digest must be 16 bytes, got {len(namespace)}")
         if not FIXED_BYTES <= header_bytes <= 0xFFFF:
@@ -265,6 +251,10 @@ class Envelope:
         self._ids = len(ids), bytes(ids) + bytes(MAX_CODECS - len(ids))
         self._known = ids  # the chain this envelope writes: known without a look-up
         self._pad = bytes(header_bytes - FIXED_BYTES)
+        if self.chain.sealed and keyring is None:
+            raise codecs.CodecError("codec aes-256-gcm needs a master key; set encryption: {master_key_file: ...}")
+        self.keyring = keyring
+        self.stats = CodecStats()
 
     def record(self, writer: tenant.Writer | None) -> bytes:
         """The tenant record of ``writer`` in this namespace (all zero for ``None``: unknown)."""
@@ -281,7 +271,7 @@ class Envelope:
         stored payload in order (the disk tier hashes slices while they move)."""
         if self.mac_key is None:
             return xxhash.xxh3_128(fields)
-        return _Mac(self.mac_key, fields)
+        return Mac(self.mac_key, fields)
 
     def finish(self, fields: bytes, digest: bytes) -> bytes:
         """The whole :attr:`header_bytes` header: ``fields``, ``digest`` and the zero padding."""
@@ -299,10 +289,50 @@ class Envelope:
         return self.finish(fields, h.digest())
 
     def seal(self, key: bytes, payload: memoryview | bytes, writer: tenant.Writer | None = None) -> Sealed:
-        """Header and body of ``payload`` through the codec chain (no copy for a passthrough chain)."""
+        """Header and body of ``payload`` through the codec chain (no copy for a passthrough chain;
+        otherwise the codecs' own output buffers).
+
+        Raises:
+            CodecError: a codec fails."""
         view = memoryview(payload).cast("B")
-        body = self.chain.encode(view)
-        return Sealed(self.header(key, body, view.nbytes, writer), body)
+        if self.chain.passthrough:
+            return Sealed(self.header(key, view, view.nbytes, writer), view)
+        record = self.record(writer)
+        t0 = time.perf_counter()
+        ctx = codecs.CodecContext(self.namespace, record, self.keyring,
+                                  lambda stored: self.fields(key, stored, view.nbytes, record))
+        body = memoryview(self.chain.encode(view, ctx)).cast("B")
+        fields = self.fields(key, body.nbytes, view.nbytes, record)
+        h = self.hasher(fields)
+        h.update(body)
+        head = self.finish(fields, h.digest())
+        self.stats.encoded(view.nbytes, body.nbytes, time.perf_counter() - t0)
+        return Sealed(head, body)
+
+    def decode_payload(self, header: EnvelopeHeader, value: memoryview, out: memoryview) -> None:
+        """Undo ``header``'s codec chain on the verified ``value`` (header and stored payload) into
+        ``out`` (exactly the original length), counting it in :attr:`stats`.
+
+        Raises:
+            EnvelopeError: a codec fails (a decryption failure counted as one).
+        """
+        chain = _chain(header.codecs)
+        stored = value[header.header_bytes:]
+        if chain.passthrough:
+            try:
+                chain.decode_into(stored, out)
+            except codecs.CodecError as exc:
+                raise EnvelopeError(str(exc)) from None
+            return
+        t0 = time.perf_counter()
+        ctx = codecs.CodecContext(self.namespace, header.record or _UNKNOWN, self.keyring,
+                                  lambda _stored: bytes(value[:DIGEST_OFFSET]))
+        try:
+            chain.decode_into(stored, out, ctx)
+        except codecs.CodecError as exc:
+            self.stats.failed(isinstance(exc, codecs.DecryptError))
+            raise (ForeignValue if isinstance(exc, codecs.ForeignKeyError) else EnvelopeError)(str(exc)) from None
+        self.stats.decoded(stored.nbytes, out.nbytes, time.perf_counter() - t0)
 
     def stored_bytes(self, payload_bytes: int) -> int:
         """Bytes a value of ``payload_bytes`` takes (header included) with a passthrough chain."""
@@ -362,8 +392,5 @@ class Envelope:
             raise EnvelopeError(f"payload is {view.nbytes - header.header_bytes} bytes, "
                                 f"header says {header.stored_bytes}")
         self.verify(header, view)
-        try:
-            _chain(header.codecs).decode_into(view[header.header_bytes:], out)
-        except codecs.CodecError as exc:
-            raise EnvelopeError(str(exc)) from None
+        self.decode_payload(header, view, out)
         return header.record

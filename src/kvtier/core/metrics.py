@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvtier.core.codecstats import codec_families
 from kvtier.core.stats import StoreStats
 from kvtier.core.tiers.registry import available_tiers
 from kvtier.core.tiers.tiermetrics import wire_families
@@ -43,6 +44,7 @@ class StoreMetrics(Collector):
         kvtier_tenant_usage_bytes{tier, tenant}, kvtier_quota_evictions{tier}: with ``tenant_quotas``, bytes
             per tenant (a 12-hex-digit digest of its cache_salt, at most ``top_tenants`` of them, then
             ``other`` and ``unknown``) and evictions whose victim the quotas chose (:mod:`kvtier.core.quota`).
+        kvtier_codec_*{tier}: a lower tier's codec chain (:mod:`kvtier.core.codecstats`).
         kvtier_tier_*{tier}: a remote tier's wire numbers (:func:`~kvtier.core.tiers.tiermetrics.wire_families`).
 
     Args:
@@ -135,3 +137,4 @@ class StoreMetrics(Collector):
             dirty.add_metric([], s.dirty_bytes)
         yield dirty
         yield from wire_families({n: t.wire for n, t in tiers.items() if t.wire is not None} if s is not None else None)
+        yield from codec_families({n: t.codec for n, t in tiers.items() if t.codec is not None} if s is not None else None)

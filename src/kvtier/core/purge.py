@@ -73,6 +73,14 @@ def parse_namespace(text: str) -> bytes:
     return bytes.fromhex(value)
 
 
+def parse_key_id(text: str) -> bytes:
+    """A master key id written as 8 hex digits (``kvtier check`` prints it); raises UserError otherwise."""
+    value = text.strip().lower()
+    if not re.fullmatch(r"[0-9a-f]{8}", value):
+        raise UserError(f"--key-id {text!r} is not 8 hex digits; copy a master key id from kvtier check")
+    return bytes.fromhex(value)
+
+
 @dataclass(frozen=True)
 class PurgeSelector:
     """Which chunks a purge removes: those matching every given field.
@@ -82,6 +90,8 @@ class PurgeSelector:
         older_than_s: only chunks written more than this many seconds before ``now``; ``None``: any age.
         cache_salt: only chunks whose tenant record names this ``cache_salt``; ``None``: any.
         lora_name: only chunks whose tenant record names this LoRA adapter; ``None``: any.
+        key_id: only values encrypted under the master key of this id (:mod:`kvtier.core.keyids`;
+            read without any key); ``None``: any.
         now: the reference time (seconds since the epoch) for ``older_than_s``.
     """
 
@@ -89,6 +99,7 @@ class PurgeSelector:
     older_than_s: float | None = None
     cache_salt: str | None = None
     lora_name: str | None = None
+    key_id: bytes | None = None
     now: float = field(default_factory=time.time)
 
     @property
@@ -99,7 +110,7 @@ class PurgeSelector:
     @property
     def selects_anything(self) -> bool:
         """Whether any field narrows the purge (otherwise it removes every chunk: ``--all``)."""
-        return bool(self.namespaces) or self.older_than_s is not None or self.needs_tenant
+        return bool(self.namespaces) or self.older_than_s is not None or self.needs_tenant or self.key_id is not None
 
     def wants_namespace(self, namespace: bytes) -> bool:
         """Whether chunks of ``namespace`` may match."""
@@ -245,7 +256,7 @@ def _purge_batch(store: BlobStore, batch: list[BlobRef], selector: PurgeSelector
     """Judge (and unless ``dry_run`` remove) one listed batch (see :func:`purge_tier`).  Headers are
     read in the same ``stat`` as sizes when no age is asked (one round trip on a server), else only
     for the values old enough."""
-    need_header = selector.needs_tenant or store.verifies_values
+    need_header = selector.needs_tenant or store.verifies_values or selector.key_id is not None
     chosen: list[tuple[BlobRef, int]] = []
     if need_header and selector.older_than_s is None:
         for ref, found in zip(batch, store.stat(batch, header=True), strict=True):
@@ -291,6 +302,8 @@ def _tenant_admits(selector: PurgeSelector, result: NamespacePurge, ref: BlobRef
     if found.problem is not None:
         result.problem(found.problem)
         return False
+    if selector.key_id is not None and (found.header is None or found.header.key_id != selector.key_id):
+        return False  # not encrypted, or under another master key
     record = found.header.tenant if found.header is not None else None
     return selector.tenant_admits(result, ref.namespace, record, ref.name)
 

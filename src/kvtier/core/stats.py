@@ -24,6 +24,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from kvtier.core.codecstats import CodecNumbers
 from kvtier.core.context import EngineLoad, EngineSave
 from kvtier.core.tiers.registry import available_tiers, lower_tiers, top_tier
 
@@ -156,6 +157,7 @@ class TierStats:
             empty without quotas.
         quota_evictions: evictions in which the tenant quotas chose another chunk than the eviction
             policy alone would have (:mod:`kvtier.core.quota`).
+        codec: the tier's codec chain numbers (:mod:`kvtier.core.codecstats`); ``None``: no envelope.
     """
 
     used_bytes: int = 0
@@ -172,6 +174,7 @@ class TierStats:
     ttl_pinned_chunks: int = 0
     tenant_used_bytes: Mapping[str, int] = field(default_factory=dict)
     quota_evictions: int = 0
+    codec: CodecNumbers | None = None
 
 
 @dataclass(frozen=True)
@@ -367,7 +370,7 @@ class StoreCounters:
             merged = {name: TierStats(t.used_bytes, t.capacity_bytes, t.num_chunks, self.lookup_hit_chunks[name],
                                       self.load_hit_chunks[name], self.evictions[name], t.corrupt_chunks,
                                       t.pinned_chunks, t.wire, t.write_errors, self.reset_chunks[name],
-                                      t.ttl_pinned_chunks, t.tenant_used_bytes, t.quota_evictions)
+                                      t.ttl_pinned_chunks, t.tenant_used_bytes, t.quota_evictions, t.codec)
                       for name, t in tiers.items()}
             return StoreStats(chunk_bytes, chunk_tokens, merged, self.lookup_chunks, self.failed_loads,
                               self.dropped_saves, self.saved_chunks, self.flush_missed_chunks,

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvtier.core.changes import ChangeFeed
+from kvtier.core.codecstats import codec_numbers
 from kvtier.core.context import OpContext, SaveDropped
 from kvtier.core.gate import EvictionGate
 from kvtier.core.handles import LoadHandle, Read, StagedCopy, StoreHandle, StorePlan, WriteJob
@@ -390,7 +391,7 @@ class IndexUpkeep(ChangeFeed):
             tiers = {self.name: self.cpu, **{lt.name: lt.tier for lt in self.lower}}
             return {name: TierStats(u.used_bytes, u.capacity_bytes, u.num_chunks, corrupt_chunks=t.corrupt,
                                     pinned_chunks=pinned.get(name, 0), wire=t.wire_stats(),
-                                    write_errors=t.write_errors, ttl_pinned_chunks=ttl_pinned.get(name, 0),
+                                    write_errors=t.write_errors, ttl_pinned_chunks=ttl_pinned.get(name, 0), codec=codec_numbers(t),
                                     **(tenant_stats(q, u.num_chunks, self.chunk_bytes) if (q := ledgers.get(name)) is not None else {}))
                     for name, t in tiers.items() for u in (t.usage(),)}
 

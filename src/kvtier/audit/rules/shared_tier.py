@@ -155,3 +155,31 @@ def kvtier_credentials_in_serve_line(c: ServeConfig) -> str | None:
         return None
     return ("Credentials are written out in " + ", ".join(leaks) + " (values not shown here); anyone who can "
             "read the line or the manifest can use them.")
+
+
+@rule("kvtier-shared-tier-tenants-unprotected", "warning",
+      "kvtier shared tier that tenants share, without a MAC key or encryption",
+      "Set shared_secret_file (values then carry a keyed BLAKE3 MAC: no tenant or client can plant KV the engines "
+      "accept) and encrypt the tier at rest: codecs {redis: [aes-256-gcm]} (or s3) with encryption "
+      "{master_key_file: ...} (each tenant's values sealed under its own data key).",
+      "kvtier docs/security.md", locate="KVTierConnector")
+def kvtier_shared_tier_tenants_unprotected(c: ServeConfig) -> str | None:
+    """Tenants share the tiers when the configuration gives them quotas (``tenant_quotas``)."""
+    extra = _extra(c)
+    if extra is None:
+        return None
+    settings = {name[len("KVTIER_"):].lower(): value for name, value in c.env.items()
+                if name.upper().startswith("KVTIER_")} | extra
+    if not settings.get("tenant_quotas") or settings.get("shared_secret") or settings.get("shared_secret_file"):
+        return None
+    given = settings.get("codecs")
+    chains: dict[str, Any] = given if isinstance(given, dict) else {}
+    from kvtier.core.tiers.registry import specs
+
+    bare = [s.name for s in specs() if s.shared and any(settings.get(k) for k in s.keys)
+            and "aes-256-gcm" not in (chains.get(s.name) or ())]
+    if not bare:
+        return None
+    return (f"tenant_quotas says tenants share this cache, and the {' and '.join(bare)} tier stores their KV with "
+            "neither a shared_secret (MAC) nor aes-256-gcm: whoever can reach the server reads every tenant's KV "
+            "and can plant KV the engines accept.")

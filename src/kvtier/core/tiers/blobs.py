@@ -67,11 +67,14 @@ class ValueHeader:
         key: the chunk key it was written for, ``None`` if the format does not say.
         tenant: the raw tenant record (:mod:`kvtier.core.tenant`), ``None`` if the format has no
             room for one.
+        key_id: the master key id an encrypted value was sealed under (:mod:`kvtier.core.keyids`),
+            ``None`` if it is not encrypted.
     """
 
     namespace: bytes
     key: bytes | None
     tenant: bytes | None
+    key_id: bytes | None = None
 
 
 @dataclass(frozen=True)

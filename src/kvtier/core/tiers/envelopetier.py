@@ -19,8 +19,10 @@ import logging
 import threading
 from abc import abstractmethod
 from collections.abc import Sequence
+from typing import TypeVar
 
 from kvtier.core import envelope
+from kvtier.core.encryption import KeyRing
 from kvtier.core.errors import ChunkFormatError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tenant import TenantRecords, Writer, note_verified
@@ -28,6 +30,7 @@ from kvtier.core.tiers.base import GetResult, PutResult, Tier
 from kvtier.core.tiers.valueread import check_range, open_bytes, open_value, payload_range, whole_sliced
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class EnvelopeTier(Tier):
@@ -36,16 +39,19 @@ class EnvelopeTier(Tier):
     Args:
         namespace: 16-byte namespace digest written into and checked against every header.
         secret: a shared secret (keyed BLAKE3 MAC) or ``None`` (XXH3-128).
-        chain: the codec chain written (:mod:`kvtier.core.codecs`).
+        chain: the codec chain written (:mod:`kvtier.core.codecs`); a plug-in passes its configured
+            one and the key ring: ``**kvtier.core.codecsettings.envelope_args(config, name)``.
+        keyring: the master keys of encryption at rest (:mod:`kvtier.core.encryption`), or ``None``.
 
     Raises:
         ValueError / CodecError: as :class:`~kvtier.core.envelope.Envelope`.
     """
 
-    def __init__(self, namespace: bytes, secret: bytes | None = None, chain: Sequence[str | int] = ("identity",)) -> None:
+    def __init__(self, namespace: bytes, secret: bytes | None = None, chain: Sequence[str | int] = ("identity",),
+                 keyring: KeyRing | None = None) -> None:
         super().__init__()
         self.namespace = namespace
-        self.envelope = envelope.Envelope(namespace, secret, chain)
+        self.envelope = envelope.Envelope(namespace, secret, chain, keyring=keyring)
         self._counts = threading.Lock()
 
     # ---- what a subclass implements --------------------------------------------------------
@@ -72,12 +78,20 @@ class EnvelopeTier(Tier):
             self.corrupt += 1
         self.delete(key)
 
+    def _foreign(self, key: ChunkKey, exc: Exception, answer: T) -> T:
+        """A value sealed under a master key this tier's ring lacks: a miss (counted in the codec
+        numbers), left in place for the engines that hold the key."""
+        log.debug("kvtier %s tier: chunk %s: %s; treated as a miss, kept", self.name, key.hex(), exc)
+        return answer
+
     def get_into(self, key: ChunkKey, dst: memoryview, records: TenantRecords | None = None) -> GetResult:
         value = self.load(key)
         if value is None:
             return GetResult.MISS
         try:
             record = self.envelope.open_into(key, value, dst)
+        except envelope.ForeignValue as exc:
+            return self._foreign(key, exc, GetResult.MISS)
         except ChunkFormatError as exc:
             self._unusable(key, str(exc))
             return GetResult.CORRUPT
@@ -90,6 +104,8 @@ class EnvelopeTier(Tier):
             return None
         try:
             opened = open_value(self.envelope, key, value, dst)
+        except envelope.ForeignValue as exc:
+            return self._foreign(key, exc, None)
         except ChunkFormatError as exc:
             self._unusable(key, str(exc))
             return None
@@ -102,6 +118,8 @@ class EnvelopeTier(Tier):
             return None
         try:
             payload, record = open_bytes(self.envelope, key, value)
+        except envelope.ForeignValue as exc:
+            return self._foreign(key, exc, None)
         except ChunkFormatError as exc:
             self._unusable(key, str(exc))
             return None

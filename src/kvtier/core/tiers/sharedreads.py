@@ -106,6 +106,8 @@ class SharedReads:
                     payload, record = open_bytes(self.codec.envelope, key, memoryview(values[0]))
                 else:
                     payload, record = open_value(self.codec.envelope, key, memoryview(values[0]), dst)
+            except envelope.ForeignValue:  # another engine's master key: a miss, kept for it
+                return None, False
             except ChunkFormatError as exc:
                 self._failed(key, str(exc))
                 return None, True

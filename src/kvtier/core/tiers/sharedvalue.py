@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import blake3
 import numpy as np
 
-from kvtier.core import envelope, legacyformats, tenant
+from kvtier.core import encryption, envelope, legacyformats, tenant
+from kvtier.core.encryption import KeyRing
 from kvtier.core.errors import ChunkFormatError, ConfigError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers import buffers
@@ -54,6 +55,10 @@ KIND_MAC = envelope.KIND_MAC
 
 class SharedValueError(Exception):
     """The bytes are not a valid value for this namespace, key and secret (a miss)."""
+
+
+class ForeignSharedValue(SharedValueError):
+    """A value sealed under a master key this reader lacks: a miss, left on the server."""
 
 
 class Decoded(NamedTuple):
@@ -97,11 +102,13 @@ class ValueCodec:
     Args:
         namespace: 16-byte namespace digest.
         secret: the shared secret (bytes), or ``None`` for a plain checksum.
-        chain: the codec chain written (:mod:`kvtier.core.codecs`; identity today).
+        chain: the codec chain written (:mod:`kvtier.core.codecs`; identity by default).
+        keyring: the master keys of encryption at rest (:mod:`kvtier.core.encryption`), or ``None``.
     """
 
-    def __init__(self, namespace: bytes, secret: bytes | None, chain: Sequence[str | int] = ("identity",)) -> None:
-        self.envelope = envelope.Envelope(namespace, secret, chain)
+    def __init__(self, namespace: bytes, secret: bytes | None, chain: Sequence[str | int] = ("identity",),
+                 keyring: KeyRing | None = None) -> None:
+        self.envelope = envelope.Envelope(namespace, secret, chain, keyring=keyring)
         self.namespace = namespace
         self.kind = self.envelope.kind
 
@@ -111,6 +118,13 @@ class ValueCodec:
         them as two pieces of one ``SET`` argument (:mod:`kvtier.core.tiers.redis.stream`): the
         value on the server is the same bytes as :meth:`encode`'s, without the copy."""
         return self.envelope.seal(key, payload, writer)
+
+    def value_bytes(self, payload_bytes: int) -> int:
+        """Bytes of the value of a ``payload_bytes`` payload when the chain fixes them (identity,
+        ``aes-256-gcm`` alone: 32 more), else of an identity value (a compressing chain's are known
+        only once encoded): the size of the reused buffer :meth:`encode` is given."""
+        extra = encryption.OVERHEAD_BYTES if self.envelope.chain.ids == (encryption.CODEC_ID,) else 0
+        return HEADER_BYTES + payload_bytes + extra
 
     def header(self, key: bytes, payload: memoryview | bytes, writer: tenant.Writer | None = None) -> bytes:
         """The :data:`HEADER_BYTES` in front of ``payload`` (a passthrough chain's body is the payload)."""
@@ -141,6 +155,8 @@ class ValueCodec:
         """
         try:
             return self.envelope.open_into(key, value, dst)
+        except envelope.ForeignValue as exc:
+            raise ForeignSharedValue(str(exc)) from None
         except ChunkFormatError as exc:
             raise SharedValueError(str(exc)) from None
 
@@ -204,6 +220,10 @@ def verify_into(codec: ValueCodec, keys: Sequence[ChunkKey], values: Sequence[by
         out = memoryview(dst).cast("B")
         try:
             record = codec.open_into(key, view, out)
+        except ForeignSharedValue as exc:  # another engine's master key: kept on the server for it
+            log.debug("%s: chunk %s: %s; treated as a miss, kept", where, key.hex(), exc)
+            results.append(GetResult.MISS)
+            continue
         except SharedValueError as exc:
             log.warning("%s: value of chunk %s is unusable (%s); deleted, treated as a miss", where, key.hex(), exc)
             forget(key)

@@ -77,10 +77,7 @@ def open_value(env: Envelope, key: bytes, value: bytes | memoryview,
     if header.stored_bytes != view.nbytes - header.header_bytes:
         raise EnvelopeError(f"payload is {view.nbytes - header.header_bytes} bytes, header says {header.stored_bytes}")
     env.verify(header, view)
-    try:
-        codecs.chain_of(header.codecs).decode_into(view[header.header_bytes:], out)
-    except codecs.CodecError as exc:
-        raise EnvelopeError(str(exc)) from None
+    env.decode_payload(header, view, out)
     return Opened(out, header.record)
 
 

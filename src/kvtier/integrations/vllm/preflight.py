@@ -73,6 +73,7 @@ KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 _DISK_KEYS = ("disk_path", "disk_gib")
+_CODEC_KEYS = ("codecs", "encryption")  # a chain that encrypts needs the keys: checked together
 
 
 def parse_transfer_config(text: str) -> dict[str, Any]:
@@ -244,7 +245,8 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
                 problems.append(Problem("error", where, f"{where} is a credential (not shown here); {CREDENTIALS_FIX}"))
     known = {k: v for k, v in extra.items() if k in fields}  # the configuration looks at no filesystem
     # each value alone (the disk pair together), so that every bad value is named, not just the first
-    groups = [[k] for k in known if k not in _DISK_KEYS] + [[k for k in known if k in _DISK_KEYS]]
+    groups = [[k] for k in known if k not in _DISK_KEYS + _CODEC_KEYS] + [[k for k in known if k in _DISK_KEYS],
+                                                                          [k for k in known if k in _CODEC_KEYS]]
     good: dict[str, Any] = {}
     refused: set[str] = set()  # keys whose own value failed: no derived problem about their absence below
     for group in filter(None, groups):

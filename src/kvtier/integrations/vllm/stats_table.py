@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvtier.core.codecstats import CodecNumbers
 from kvtier.core.stats import StoreStats, WireStats
 from kvtier.core.tiers import registry
 
@@ -74,7 +75,20 @@ _PLAIN_COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 LABELS: dict[str, str] = {"kvtier_loaded_tokens": "tier", "kvtier_unfilled_tokens": "tier",
                           "kvtier_transfer_seconds": "direction", "kvtier_transfer_bytes": "direction",
                           "kvtier_evictions": "tier", "kvtier_reset_chunks": "tier",
-                          "kvtier_quota_evictions": "tier"}
+                          "kvtier_quota_evictions": "tier", "kvtier_codec_bytes_before": "tier",
+                          "kvtier_codec_bytes_after": "tier", "kvtier_codec_seconds": "tier",
+                          "kvtier_decrypt_failures": "tier"}
+_CODEC = {  # a lower tier's codec chain (kvtier.core.codecstats): payload key -> (metric, help, reader)
+    "codec_bytes_before": ("kvtier_codec_bytes_before", "Payload bytes into a lower tier's codec chain on write, by tier.",
+                           lambda n: n.encoded_bytes),
+    "codec_bytes_after": ("kvtier_codec_bytes_after", "Bytes a lower tier's codec chain stored on write, by tier.",
+                          lambda n: n.stored_bytes),
+    "codec_seconds": ("kvtier_codec_seconds", "Seconds in a lower tier's codec chain (encode and decode), by tier.",
+                      lambda n: n.encode_seconds + n.decode_seconds),
+    "decrypt_failures": ("kvtier_decrypt_failures", ("Encrypted values that did not open (another master key, "
+                         "another tenant's header, damaged): each a miss, recomputed; by tier."),
+                         lambda n: n.decrypt_failures),
+}
 _PLAIN_GAUGES: dict[str, tuple[str, str, str | None]] = {
     "chunk_tokens": ("kvtier_chunk_tokens", ("Tokens per kvtier chunk this engine runs with (chunk_tokens; auto "
                      "resolved from the KV cache groups' block sizes); reported by rank 0."), None),
@@ -117,6 +131,8 @@ def counters() -> dict[str, tuple[str, str, tuple[str, ...]]]:
         if not spec.shared:
             out[f"evictions_{t}"] = ("kvtier_evictions", _EVICTED, (t,))
             out[f"quota_evictions_{t}"] = ("kvtier_quota_evictions", _QUOTA_EVICTED, (t,))
+        if not spec.top:
+            out.update({f"{key}_{t}": (metric, doc, (t,)) for key, (metric, doc, _read) in _CODEC.items()})
         if not spec.shared and not spec.top:
             out[f"{t}_write_errors"] = (f"kvtier_{t}_write_errors", (f"Chunk writes to the {t} tier that failed "
                                         "in its storage (full or read-only, I/O error); those chunks were not "
@@ -171,6 +187,9 @@ def store_counter_readers() -> dict[str, Callable[[StoreStats], float]]:
         if not spec.shared:
             out[f"evictions_{t}"] = lambda s, t=t: s.tier(t).evictions  # type: ignore[misc]
             out[f"quota_evictions_{t}"] = lambda s, t=t: s.tier(t).quota_evictions  # type: ignore[misc]
+        if not spec.top:
+            for key, (_metric, _doc, read) in _CODEC.items():
+                out[f"{key}_{t}"] = lambda s, t=t, read=read: read(s.tier(t).codec or CodecNumbers())  # type: ignore[misc]
         if not spec.shared and not spec.top:
             out[f"{t}_write_errors"] = lambda s, t=t: s.tier(t).write_errors  # type: ignore[misc]
         if spec.shared:

@@ -28,7 +28,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvtier.core.encryption import KEY_ID_BYTES
 from kvtier.core.errors import ChunkFormatError, UserError
+from kvtier.core.keyids import key_id_of
 from kvtier.core.keys import KEY_BYTES
 from kvtier.core.tiers.blobs import LIST_BATCH, BlobRef, BlobStat, ValueHeader
 from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES, decode_header
@@ -133,7 +135,8 @@ class DiskBlobs:
         except OSError as exc:
             return BlobStat(st.st_size, st.st_mtime, problem=f"cannot read {ref.name} ({exc.strerror})")
         try:
-            head = decode_header(os.pread(fd, HEADER_BYTES, 0))
+            raw = os.pread(fd, HEADER_BYTES + KEY_ID_BYTES, 0)  # and an encrypted payload's key id
+            head = decode_header(raw)
         except ChunkFormatError as exc:
             return BlobStat(st.st_size, st.st_mtime, problem=f"{ref.name}: {exc}")
         except OSError as exc:
@@ -142,7 +145,7 @@ class DiskBlobs:
             os.close(fd)
         if head.namespace != ref.namespace:
             return BlobStat(st.st_size, st.st_mtime, problem=f"{ref.name}: chunk belongs to another namespace")
-        return BlobStat(st.st_size, st.st_mtime, ValueHeader(head.namespace, None, bytes(head.tenant)))
+        return BlobStat(st.st_size, st.st_mtime, ValueHeader(head.namespace, None, bytes(head.tenant), key_id_of(raw)))
 
     def delete(self, refs: Sequence[BlobRef]) -> builtins.list[bool | str]:
         out: list[bool | str] = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvtier.core.codecsettings import envelope_args, load_keyring
 from kvtier.core.errors import ConfigError
 from kvtier.core.tiers.disk.check import disk_path_problem
 from kvtier.core.tiers.disk.tier import DiskTier
@@ -35,7 +36,13 @@ def check(config: KVTierConfig) -> list[tuple[str, str]]:
         return []
     assert config.disk_path is not None
     problem = disk_path_problem(Path(config.disk_path), config.disk_gib)
-    return [] if problem is None else [(problem[0], f"kvtier config: {problem[1]}")]
+    if problem is not None:
+        return [(problem[0], f"kvtier config: {problem[1]}")]
+    try:
+        load_keyring(config.encryption)  # the master key files and variables, read as start-up reads them
+    except ConfigError as exc:
+        return [("encryption", str(exc))]
+    return []
 
 
 def from_config(ctx: TierContext) -> DiskTier | None:
@@ -52,4 +59,4 @@ def from_config(ctx: TierContext) -> DiskTier | None:
     for _key, message in check(config):
         raise ConfigError(message)
     return DiskTier(config.disk_path, ctx.namespace, capacity, fsync=config.disk_fsync, io=config.disk_io,
-                    io_threads=config.io_threads)
+                    io_threads=config.io_threads, codec_args=envelope_args(config, "disk"))

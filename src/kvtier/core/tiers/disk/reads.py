@@ -32,6 +32,7 @@ from kvtier.core.tenant import TenantRecords, note_verified
 from kvtier.core.tiers.base import GetResult
 from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES, ChunkFormatError, PayloadHasher
 from kvtier.core.tiers.disk.chunkio import ChunkIO
+from kvtier.core.tiers.disk.recoded import Recoded, read_recoded
 from kvtier.core.tiers.valueread import check_range, check_room, payload_range
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -90,6 +91,8 @@ class DiskReads:
                 if not self._fall_back(exc):
                     raise
                 return self._read_verified(key, path, dst, records, exact)
+        except envelope.ForeignValue:  # another engine's master key: a miss, the file kept for it
+            return GetResult.MISS
         except FileNotFoundError:
             with self._lock:
                 if key not in self._writing:  # removed by another process (a write in flight is not)
@@ -118,6 +121,10 @@ class DiskReads:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise ChunkFormatError("not a regular file")
+            if not self.envelope.chain.passthrough or (exact and dst is not None and
+                                                       st.st_size - HEADER_BYTES != dst.nbytes):
+                return self._read_recoded(key, path, st.st_size, dst, records, exact)
+            given = dst  # a file of another chain is decoded into the caller's buffer as given
             if not exact:  # a short file fails its header check below
                 dst = check_room(max(st.st_size - HEADER_BYTES, 0), dst)
 
@@ -134,9 +141,7 @@ class DiskReads:
                     raise ChunkFormatError(f"payload is {payload_bytes} bytes on disk, header says {header.stored_bytes}")
                 if header.stored_bytes != header.original_bytes or (
                         header.codecs != self.envelope.chain.ids and not codecs.chain_of(header.codecs).passthrough):
-                    # the payload moves straight into the caller's buffer, undecoded
-                    raise ChunkFormatError(f"codec chain {list(header.codecs)} changes the payload; "
-                                           "the disk tier reads only chains that keep it as it is")
+                    raise Recoded("its codec chain changes the payload")  # read whole, then decoded
                 record = header.record
                 if header.format == envelope.FORMAT_CHUNK_FILE:
                     return header.digest, PayloadHasher()
@@ -144,12 +149,22 @@ class DiskReads:
 
             assert dst is not None
             out = memoryview(np.frombuffer(dst, dtype=np.uint8).data)
-            if not io.read_chunk(fd, out, st.st_size, check):
-                raise ChunkFormatError("payload checksum mismatch")
+            try:
+                if not io.read_chunk(fd, out, st.st_size, check):
+                    raise ChunkFormatError("payload checksum mismatch")
+            except Recoded:  # written under another chain than this tier's (a config change)
+                return self._read_recoded(key, path, st.st_size, given, records, exact)
         finally:
             os.close(fd)
         note_verified(records, self.namespace, key, record)
         return out[:st.st_size - HEADER_BYTES]
+
+    def _read_recoded(self, key: ChunkKey, path: str, file_bytes: int, dst: memoryview | None,
+                      records: TenantRecords | None, exact: bool) -> memoryview:
+        """A file whose codec chain changes the payload, read whole and decoded (:mod:`.recoded`)."""
+        out, record = read_recoded(self.envelope, key, path, file_bytes, dst, exact)
+        note_verified(records, self.namespace, key, record)
+        return out
 
     def get_range(self, key: ChunkKey, offset: int, length: int) -> bytes | None:
         """``payload[offset:offset + length]`` (clipped at its end), the header checked and the

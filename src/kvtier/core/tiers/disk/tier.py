@@ -42,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvtier.core import envelope
+from kvtier.core.codecsettings import NO_CODECS, CodecArgs
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tenant import TenantRecords, Writer
@@ -74,6 +75,8 @@ class DiskTier(DirectorySync, DiskReads, Tier):
         io_threads: chunks read or written at once by ``get_many``/``put_many``, and helper
             threads that read ahead and hash (:class:`~kvtier.core.tiers.disk.chunkio.ChunkIO`).
         slice_bytes: bytes per read slice (a multiple of 4096).
+        codec_args: the envelope's ``chain`` and ``keyring`` (:func:`kvtier.core.codecsettings.envelope_args`;
+            identity by default: payloads move between the file and the caller's memory, no copy).
 
     Raises:
         OSError: the directory cannot be created.
@@ -84,12 +87,12 @@ class DiskTier(DirectorySync, DiskReads, Tier):
 
     def __init__(self, root: str | os.PathLike[str], namespace: bytes, capacity_bytes: int,
                  fsync: bool = False, io: IOMode = "buffered", io_threads: int = 1,
-                 slice_bytes: int = DEFAULT_SLICE_BYTES) -> None:
+                 slice_bytes: int = DEFAULT_SLICE_BYTES, codec_args: CodecArgs | None = None) -> None:
         if io not in IO_MODES:
             raise ValueError(f"disk I/O mode must be one of {', '.join(IO_MODES)}, got {io!r}")
         super().__init__()
         self.namespace = namespace
-        self.envelope = envelope.Envelope(namespace, header_bytes=HEADER_BYTES)  # XXH3-128, identity chain
+        self.envelope = envelope.Envelope(namespace, header_bytes=HEADER_BYTES, **(codec_args or NO_CODECS))  # XXH3-128
         self.dir = Path(root) / namespace.hex()
         self._root = str(self.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -197,7 +200,12 @@ class DiskTier(DirectorySync, DiskReads, Tier):
     def put(self, key: ChunkKey, data: memoryview | bytes, tenant: Writer | None = None) -> PutResult:
         """Write ``data`` as an envelope whose header holds ``tenant``'s record (``None``: unknown)."""
         payload = memoryview(data).cast("B")
-        size = self.file_bytes(payload.nbytes)
+        sealed = None
+        if not self.envelope.chain.passthrough:  # encoded first: the file's size is the encoded one
+            if key in self._key_to_size:
+                return PutResult.PRESENT
+            sealed = self.envelope.seal(key, payload, tenant)
+        size = self.file_bytes(payload.nbytes if sealed is None else sealed.body.nbytes)
         with self._lock:
             if key in self._key_to_size:
                 return PutResult.PRESENT
@@ -210,11 +218,11 @@ class DiskTier(DirectorySync, DiskReads, Tier):
         tmp = path.with_name(tmp_name(path.name, self._writer.writer_id, threading.get_ident()))
         try:
             try:
-                self._write_file(key, tmp, payload, tenant)
+                self._write_file(key, tmp, payload, tenant, sealed)
             except OSError as exc:
                 if not self._fall_back(exc):
                     raise
-                self._write_file(key, tmp, payload, tenant)
+                self._write_file(key, tmp, payload, tenant, sealed)
             os.replace(tmp, path)
         except OSError as exc:
             if os.path.lexists(tmp):  # not when the open failed (a read-only filesystem answers EROFS, not ENOENT)
@@ -239,9 +247,19 @@ class DiskTier(DirectorySync, DiskReads, Tier):
             self._writing.discard(key)
         return PutResult.STORED
 
-    def _write_file(self, key: ChunkKey, tmp: Path, payload: memoryview, writer: Writer | None) -> None:
+    def _write_file(self, key: ChunkKey, tmp: Path, payload: memoryview, writer: Writer | None,
+                    sealed: envelope.Sealed | None = None) -> None:
         io = self._io
         env = self.envelope
+        if sealed is not None:  # header and encoded body made by the envelope
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | io.open_flags, 0o644)
+            try:
+                io.write_chunk(fd, sealed.body, lambda _digest: sealed.header, lambda _body: b"")
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            return
         fields = env.fields(key, payload.nbytes, payload.nbytes, env.record(writer))
 
         def digest_of(body: memoryview) -> bytes:

@@ -34,11 +34,12 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.core.config import redact_url
 from kvtier.core.errors import ConfigError, UserError
+from kvtier.core.keyids import HEAD_READ_BYTES, key_id_of
 from kvtier.core.tiers.blobs import LIST_BATCH, BlobRef, BlobStat, StorageFailed, ValueHeader
 from kvtier.core.tiers.redis.clear import glob_escape
 from kvtier.core.tiers.redis.failure import AUTH_FIX, classify
 from kvtier.core.tiers.redis.settings import RedisSettings, redis_settings
-from kvtier.core.tiers.sharedvalue import HEADER_BYTES, configured_keyspace, peek
+from kvtier.core.tiers.sharedvalue import configured_keyspace, peek
 
 if TYPE_CHECKING:
     from kvtier.core.config import KVTierConfig
@@ -190,7 +191,8 @@ class RedisBlobs:
                 rkey = ref.name.encode("utf-8", "surrogateescape")
                 pipe.strlen(rkey)
                 if header:
-                    pipe.getrange(rkey, 0, HEADER_BYTES - 1)  # the header, with the tenant record: never the payload
+                    # the header, with the tenant record, and an encrypted payload's key id: never the payload
+                    pipe.getrange(rkey, 0, HEAD_READ_BYTES - 1)
                 else:
                     pipe.pttl(rkey)
             answers = pipe.execute()
@@ -225,7 +227,7 @@ class RedisBlobs:
         if found is None or found.namespace != ref.namespace or found.key != ref.key:
             return BlobStat(size, None, problem=f"{ref.name} is not a kvtier value of this name (its header differs); "
                             "kept")
-        return BlobStat(size, None, ValueHeader(found.namespace, found.key, found.record))
+        return BlobStat(size, None, ValueHeader(found.namespace, found.key, found.record, key_id_of(head)))
 
     def delete(self, refs: Sequence[BlobRef]) -> builtins.list[bool | str]:
         if not refs:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvtier.core.codecsettings import envelope_args, load_keyring
 from kvtier.core.config import redact_url
 from kvtier.core.errors import ConfigError
 from kvtier.core.tiers.breaker import CircuitBreaker
@@ -30,7 +31,8 @@ def check(config: KVTierConfig) -> list[tuple[str, str]]:
     password_key = "redis_password_env" if settings.redis_password_env else "redis_password_file"
     for name, read in ((password_key, lambda: redis_password(settings)), ("shared_secret_file",
                                                                           lambda: shared_secret(config)),
-                       ("redis_tls_ca_file", lambda: tls_ca_file(settings))):
+                       ("redis_tls_ca_file", lambda: tls_ca_file(settings)),
+                       ("encryption", lambda: load_keyring(config.encryption))):
         try:
             read()
         except ConfigError as exc:
@@ -59,7 +61,7 @@ def from_config(ctx: TierContext) -> GuardedTier | None:
     client = LazyClusterClient(settings) if settings.redis_cluster else make_client(settings)
     where = redact_url(settings.redis_url)
     inner = RedisTier(client, ctx.namespace, shared_secret(config), settings.redis_key_prefix, settings.redis_ttl_s,
-                      config.shared_transfer_deadline_s, where)
+                      config.shared_transfer_deadline_s, where, envelope_args(config, "redis"))
     return GuardedTier(inner, config.shared_deadline_s, config.shared_transfer_deadline_s, config.io_threads,
                        config.shared_queue_depth,
                        CircuitBreaker(settings.redis_breaker_failures, settings.redis_breaker_probe_s),

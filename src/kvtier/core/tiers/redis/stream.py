@@ -65,10 +65,10 @@ def set_many(client: Any, rkeys: Sequence[bytes], headers: Sequence[bytes],
     ex = b"".join((CRLF, _bulk(b"EX"), _bulk(str(ttl_s).encode()), _bulk(b"NX")))
     try:
         small = bytearray()  # framing and small payloads, sent together before the next large payload
-        for i, (rk, payload) in enumerate(zip(rkeys, payloads, strict=True)):
+        for i, rk in enumerate(rkeys):
             if not ready.acquire(timeout=wait_s) or abandoned():
                 raise WriteAbandoned(f"header {i} of {len(rkeys)} not ready")
-            header = headers[i]
+            header, payload = headers[i], payloads[i]  # a payload a codec changes is ready with its header
             small += b"*6\r\n$3\r\nSET\r\n%b$%d\r\n%b" % (_bulk(rk), len(header) + payload.nbytes, header)
             if payload.nbytes < SMALL_BYTES:
                 small += payload

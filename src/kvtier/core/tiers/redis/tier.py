@@ -48,6 +48,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+from kvtier.core.codecsettings import NO_CODECS, CodecArgs
 from kvtier.core.keys import ChunkKey
 from kvtier.core.stats import WireCounters, WireStats
 from kvtier.core.tenant import TenantRecords, Writer
@@ -81,16 +82,17 @@ class RedisTier(SharedReads, Tier):
         header_wait_s: longest a streamed write waits for the caller's thread to produce the next
             digest (or encoded batch), seconds; the wrapper's abandon ends the wait sooner.
         where: the redacted URL, for log lines.
+        codec_args: the envelope's ``chain`` and ``keyring`` (:func:`kvtier.core.codecsettings.envelope_args`).
     """
 
     name = "redis"
     shared = True
 
     def __init__(self, client: Any, namespace: bytes, secret: bytes | None, key_prefix: str, ttl_s: int,
-                 header_wait_s: float, where: str = "redis") -> None:
+                 header_wait_s: float, where: str = "redis", codec_args: CodecArgs | None = None) -> None:
         super().__init__()
         self.client = client
-        self.codec = ValueCodec(namespace, secret)
+        self.codec = ValueCodec(namespace, secret, **(codec_args or NO_CODECS))
         self.prefix = f"{key_prefix}{namespace.hex()}:{keyspace(secret)}".encode()
         self.ttl_s = ttl_s
         self.header_wait_s = header_wait_s
@@ -232,13 +234,16 @@ class RedisTier(SharedReads, Tier):
         headers: list[bytes] = []
         ready = threading.Semaphore(0)
         abandoned = threading.Event()
-        if not self.codec.envelope.chain.passthrough:  # bodies differ from the payloads: encode them first
-            payloads = [self.codec.seal(k, p).body for k, p in zip(keys, payloads, strict=True)]
+        recoded = not self.codec.envelope.chain.passthrough  # bodies differ from the payloads: sealed in produce
         lengths = [memoryview(d).nbytes for d in datas]
 
         def produce(_deadline: float) -> None:
-            for key, payload, length, writer in zip(keys, payloads, lengths, who, strict=True):
-                headers.append(self.codec.envelope.header(key, payload, length, writer))
+            for i, (key, payload, length, writer) in enumerate(zip(keys, list(payloads), lengths, who, strict=True)):
+                if recoded:
+                    headers.append((sealed := self.codec.seal(key, payload, writer)).header)
+                    payloads[i] = sealed.body
+                else:
+                    headers.append(self.codec.envelope.header(key, payload, length, writer))
                 ready.release()
 
         def send() -> list[PutResult]:

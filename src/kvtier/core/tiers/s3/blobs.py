@@ -36,6 +36,7 @@ import re
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvtier.core.keyids import HEAD_READ_BYTES, key_id_of
 from kvtier.core.tiers.blobs import LIST_BATCH, BlobRef, BlobStat, StorageFailed, ValueHeader
 from kvtier.core.tiers.s3.client import describe_failure, make_store, where
 from kvtier.core.tiers.s3.settings import S3Settings, s3_settings
@@ -170,7 +171,7 @@ class S3Blobs:
                 out.append(BlobStat(size, mtime, problem=f"{ref.name} is not a kvtier value of this name (its header "
                                     "differs); kept"))
             else:
-                out.append(BlobStat(size, mtime, ValueHeader(value.namespace, value.key, value.record)))
+                out.append(BlobStat(size, mtime, ValueHeader(value.namespace, value.key, value.record, key_id_of(head))))
         return out
 
     def delete(self, refs: Sequence[BlobRef]) -> builtins.list[bool | str]:
@@ -224,7 +225,7 @@ async def _read_header(store: Any, path: str, size: int, gate: asyncio.Semaphore
     """The object's first :data:`HEADER_BYTES` bytes (fewer when it is shorter); ``None`` when it is gone."""
     import obstore
 
-    length = min(HEADER_BYTES, size)
+    length = min(HEAD_READ_BYTES, size)  # the header and an encrypted payload's key id
     if length == 0:
         return b""
     async with gate:
@@ -243,4 +244,4 @@ async def _read_header(store: Any, path: str, size: int, gate: asyncio.Semaphore
                         break
         except FileNotFoundError:
             return None
-    return head[:HEADER_BYTES]
+    return head[:HEAD_READ_BYTES]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvtier.core.codecsettings import envelope_args, load_keyring
 from kvtier.core.errors import ConfigError
 from kvtier.core.hosts import is_loopback_host
 from kvtier.core.tiers.breaker import CircuitBreaker
@@ -33,7 +34,8 @@ def check(config: KVTierConfig) -> list[tuple[str, str]]:
     if (refusal := http_refusal(settings)) is not None:
         problems.append(("s3_allow_http", refusal))
     for name, read in (("s3_credentials_file", lambda: read_credentials(settings)),
-                       ("shared_secret_file", lambda: shared_secret(config))):
+                       ("shared_secret_file", lambda: shared_secret(config)),
+                       ("encryption", lambda: load_keyring(config.encryption))):
         try:
             read()
         except ConfigError as exc:
@@ -75,7 +77,8 @@ def _tier(config: KVTierConfig, settings: S3Settings, namespace: bytes, sweep: b
     capacity = None if settings.s3_capacity_gib is None or not sweep else int(settings.s3_capacity_gib * GiB)
     return S3Tier(store, namespace, shared_secret(config), settings.s3_key_prefix, settings.s3_concurrency,
                   capacity, settings.s3_ttl_s if sweep else None, settings.s3_sweep_interval_s,
-                  settings.s3_conditional_put, where(settings), config.shared_transfer_deadline_s)
+                  settings.s3_conditional_put, where(settings), config.shared_transfer_deadline_s,
+                  envelope_args(config, "s3"))
 
 
 def from_config(ctx: TierContext) -> GuardedTier | None:

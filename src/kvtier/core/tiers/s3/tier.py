@@ -54,6 +54,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
+from kvtier.core.codecsettings import NO_CODECS, CodecArgs
 from kvtier.core.keys import ChunkKey
 from kvtier.core.stats import WireCounters, WireStats
 from kvtier.core.tenant import TenantRecords, Writer
@@ -90,6 +91,7 @@ class S3Tier(SharedReads, Tier):
         where: endpoint/bucket/prefix, for log lines.
         produce_wait_s: longest a write waits for the caller's thread to encode its objects,
             seconds (:meth:`stream_put`); the wrapper's abandon ends the wait sooner.
+        codec_args: the envelope's ``chain`` and ``keyring`` (:func:`kvtier.core.codecsettings.envelope_args`).
     """
 
     name = "s3"
@@ -97,24 +99,21 @@ class S3Tier(SharedReads, Tier):
 
     def __init__(self, store: Any, namespace: bytes, secret: bytes | None, key_prefix: str, concurrency: int,
                  capacity_bytes: int | None = None, ttl_s: int | None = None, sweep_interval_s: float = 300.0,
-                 conditional_put: bool = True, where: str = "s3", produce_wait_s: float = 5.0) -> None:
+                 conditional_put: bool = True, where: str = "s3", produce_wait_s: float = 5.0,
+                 codec_args: CodecArgs | None = None) -> None:
         super().__init__()
         from obstore.exceptions import AlreadyExistsError, PermissionDeniedError, PreconditionError
 
         self.refusal_errors: tuple[type[BaseException], ...] = (PermissionDeniedError,)
         self._exists_errors = (AlreadyExistsError, PreconditionError)
         self.store = store
-        self.codec = ValueCodec(namespace, secret)
+        self.codec = ValueCodec(namespace, secret, **(codec_args or NO_CODECS))
         space = keyspace(secret).rstrip(":")
         self.prefix = f"{key_prefix}{namespace.hex()}{'-' + space if space else ''}/"
-        self.concurrency = concurrency
-        self.conditional_put = conditional_put
-        self.where = where
+        self.concurrency, self.conditional_put, self.where = concurrency, conditional_put, where
         self.produce_wait_s = produce_wait_s
         self.encode_buffers = BufferPool(ENCODE_BUFFER_BYTES)
-        self.wire = WireCounters()
-        self._lock = threading.Lock()
-        self._last_error = 0.0
+        self.wire, self._lock, self._last_error = WireCounters(), threading.Lock(), 0.0
         self.objects = S3Objects(store, self.prefix, concurrency)
         """The namespace's objects and the event loop their requests run on."""
         self.conditional = ConditionalPut(self.objects, conditional_put, self._exists_errors, where, self._log_fault)
@@ -318,7 +317,7 @@ class S3Tier(SharedReads, Tier):
             for i, (key, data, writer) in enumerate(zip(keys, datas, who, strict=True)):
                 if abandoned.is_set():
                     return
-                values.append(self.codec.encode(key, data, pool.take(HEADER_BYTES + sizes[i]), writer=writer))
+                values.append(self.codec.encode(key, data, pool.take(self.codec.value_bytes(sizes[i])), writer=writer))
                 wake(encoded[i:i + 1])
 
         def send() -> list[PutResult]:
