@@ -74,15 +74,24 @@ class NodeClient:
             NodeUnavailable: no answer within ``timeout_s``, or a refusal.
         """
         with self._lock:
-            try:
-                sock, pool = self._connected()
-                request = build if isinstance(build, msgspec.Struct) else build(self.take_releases())
-                sock.sendall(p.frame(request))
-                reply = self._recv(sock)
-            except (OSError, ValueError, msgspec.DecodeError) as exc:
-                self._close()
-                raise NodeUnavailable(f"the node pool's owner at {self.socket_path} did not answer "
-                                      f"({exc.__class__.__name__}: {exc})") from None
+            for attempt in (0, 1):
+                fresh = self._sock is None
+                try:
+                    sock, pool = self._connected()
+                    request = build if isinstance(build, msgspec.Struct) else build(self.take_releases())
+                    sock.sendall(p.frame(request))
+                    reply = self._recv(sock)
+                    break
+                except ConnectionError as exc:
+                    self._close()
+                    if fresh or attempt or isinstance(exc, NodeUnavailable):
+                        raise NodeUnavailable(f"the node pool's owner at {self.socket_path} did not answer "
+                                              f"({exc.__class__.__name__}: {exc})") from None
+                    # a connection to an owner that has gone (restarted): connect again at once, once
+                except (OSError, ValueError, msgspec.DecodeError) as exc:
+                    self._close()
+                    raise NodeUnavailable(f"the node pool's owner at {self.socket_path} did not answer "
+                                          f"({exc.__class__.__name__}: {exc})") from None
             if isinstance(reply, p.Refused):
                 self._close()
                 raise NodeUnavailable(f"the node pool's owner at {self.socket_path} refused: {reply.reason}")
