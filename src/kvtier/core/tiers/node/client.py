@@ -45,6 +45,7 @@ class NodeClient:
         self.pool: Pool | None = None
         self.epoch = 0
         self.attached = 0  # connections made (1 = first; more = re-attached)
+        self.usage = (0, 0)  # (bytes, values) this connection is counted for, as of the owner's last reply
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         self._releases: list[int] = []
@@ -95,6 +96,10 @@ class NodeClient:
             if isinstance(reply, p.Refused):
                 self._close()
                 raise NodeUnavailable(f"the node pool's owner at {self.socket_path} refused: {reply.reason}")
+            if isinstance(reply, (p.Found, p.Pinned, p.Allocated, p.Done, p.KeyList)):
+                self.usage = reply.usage
+            elif isinstance(reply, p.UsageReply):
+                self.usage = (reply.used_bytes, reply.num_values)
             return reply, pool, self._conn_serial
 
     def flush(self) -> None:
@@ -141,6 +146,7 @@ class NodeClient:
         self.attached += 1
         self._conn_serial += 1
         self._releases = []  # leases of the old connection ended with it
+        self.usage = (0, 0)  # a new connection is counted afresh
         return sock, self.pool
 
     def _close(self) -> None:

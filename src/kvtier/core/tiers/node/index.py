@@ -56,7 +56,6 @@ class Client:
     name: str
     since: float
     leases: set[int] = field(default_factory=set)
-    wrote: bool = False
 
 
 class PoolIndex:
@@ -75,6 +74,8 @@ class PoolIndex:
         self.next_gen = int(gens.max()) + 1 if self.num_pages else 1
         self._next_lease = 1
         self.evictions = 0
+        self.written: dict[int, list[int]] = {}  # live connection -> [bytes, values] of the values it wrote
+        self.total = [0, 0]  # [bytes, values] of every committed value
 
     # ---- connections ----------------------------------------------------------------------
     def attach(self, conn: int, name: str, now: float) -> None:
@@ -85,6 +86,7 @@ class PoolIndex:
         client = self.clients.pop(conn, None)
         for lease_id in list(client.leases if client else ()):
             self._end(lease_id)
+        self.written.pop(conn, None)  # its values are now counted by the oldest live writer
 
     def expire(self, now: float) -> int:
         """End the leases older than ``lease_s``; how many."""
@@ -148,10 +150,10 @@ class PoolIndex:
             value = lease.value
             del self.leases[lease_id]
             self.clients[conn].leases.discard(lease_id)
-            self.clients[conn].wrote = True
             del self.pending[value.name]
             value.committed = True
             self.values[value.name] = value
+            self._count(value, 1)
             self.heads[value.page] = value.nbytes + 1
             out.append(True)
         return out
@@ -174,11 +176,14 @@ class PoolIndex:
         return [k for (n, k) in self.values if n == ns]
 
     def usage_of(self, conn: int) -> tuple[int, int]:
-        """(bytes, values) ``conn`` is counted for (:class:`~kvtier.core.tiers.node.protocol.UsageReply`)."""
-        live = {c for c, client in self.clients.items() if client.wrote}
-        heir = min(live, key=lambda c: (self.clients[c].since, c)) if live else None
-        counted = [v for v in self.values.values() if v.writer == conn or (conn == heir and v.writer not in live)]
-        return sum(v.npages * self.page_bytes for v in counted), len(counted)
+        """(bytes, values) ``conn`` is counted for (:class:`~kvtier.core.tiers.node.protocol.UsageReply`):
+        the values it wrote, and for the oldest live writer also those whose writer is gone."""
+        own = self.written.get(conn, [0, 0])
+        heir = min(self.written, key=lambda c: (self.clients[c].since, c)) if self.written else None
+        if conn != heir:
+            return own[0], own[1]
+        return (self.total[0] - sum(w[0] for c, w in self.written.items() if c != conn),
+                self.total[1] - sum(w[1] for c, w in self.written.items() if c != conn))
 
     def used_bytes(self) -> int:
         return int(self.used.sum()) * self.page_bytes
@@ -199,6 +204,7 @@ class PoolIndex:
                 continue
             self.used[page:page + npages] = True
             self.values[name] = Value(name, page, npages, nbytes, gen, 0, committed=True)
+            self._count(self.values[name], 1)
         return len(self.values)
 
     def problem(self) -> str:
@@ -218,6 +224,8 @@ class PoolIndex:
                 pins[id(lease.value)] = pins.get(id(lease.value), 0) + 1
         if any(v.pins != pins.get(id(v), 0) for v in self.values.values()):
             return "a value's pin count differs from its read leases"
+        if self.total != [sum(v.npages for v in self.values.values()) * self.page_bytes, len(self.values)]:
+            return "the usage count differs from the values"
         if sum(len(c.leases) for c in self.clients.values()) != len(self.leases):
             return "a lease is not owned by exactly one connection"
         return ""
@@ -244,7 +252,17 @@ class PoolIndex:
         if value.gone and value.pins == 0:
             self._free(value)
 
+    def _count(self, value: Value, sign: int) -> None:
+        nbytes = sign * value.npages * self.page_bytes
+        self.total[0] += nbytes
+        self.total[1] += sign
+        if value.writer in self.clients:
+            mine = self.written.setdefault(value.writer, [0, 0])
+            mine[0] += nbytes
+            mine[1] += sign
+
     def _unpublish(self, value: Value) -> None:
+        self._count(value, -1)
         self.heads[value.page] = 0
         if value.pins:
             value.gone = True

@@ -83,14 +83,20 @@ class Welcome(msgspec.Struct, tag="welcome", array_like=True):
     lease_s: float
 
 
+# Each reply to a data request carries ``usage``: the (bytes, values) its connection is counted
+# for (UsageReply), so an engine knows its usage without asking (Tier.usage does no I/O).
+
+
 class Found(msgspec.Struct, tag="found", array_like=True):
     present: list[bool]
+    usage: tuple[int, int] = (0, 0)
 
 
 class Pinned(msgspec.Struct, tag="pinned", array_like=True):
     """Per key ``(lease, first page, value bytes, generation)``, or ``None`` when absent."""
 
     leases: list[tuple[int, int, int, int] | None]
+    usage: tuple[int, int] = (0, 0)
 
 
 PRESENT = 1
@@ -101,14 +107,17 @@ class Allocated(msgspec.Struct, tag="allocated", array_like=True):
     """Per key ``(lease, first page, generation)``, or :data:`PRESENT` / :data:`NO_ROOM`."""
 
     grants: list[tuple[int, int, int] | int]
+    usage: tuple[int, int] = (0, 0)
 
 
 class Done(msgspec.Struct, tag="done", array_like=True):
     ok: list[bool]
+    usage: tuple[int, int] = (0, 0)
 
 
 class KeyList(msgspec.Struct, tag="keylist", array_like=True):
     keys: list[bytes]
+    usage: tuple[int, int] = (0, 0)
 
 
 class UsageReply(msgspec.Struct, tag="usagereply", array_like=True):

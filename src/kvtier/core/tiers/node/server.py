@@ -164,7 +164,10 @@ class Owner:
             while True:
                 await writer.drain()
                 body = await reader.readexactly(p.frame_length(await reader.readexactly(4)))
-                writer.write(p.frame(self.handle(conn, p.REQUESTS.decode(body))))
+                reply = self.handle(conn, p.REQUESTS.decode(body))
+                if isinstance(reply, (p.Found, p.Pinned, p.Allocated, p.Done, p.KeyList)):
+                    reply.usage = self.index.usage_of(conn)
+                writer.write(p.frame(reply))
         except (asyncio.IncompleteReadError, ConnectionError, ValueError) as exc:
             log.debug("kvtier node: connection %d ended: %s", conn, exc)  # (msgspec's DecodeError is a ValueError)
         finally:

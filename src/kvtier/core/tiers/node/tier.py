@@ -249,11 +249,17 @@ class NodeTier(EnvelopeTier):
         return self.contains(key)
 
     def usage(self) -> TierUsage:
-        """The pool bytes this engine is counted for (:class:`~kvtier.core.tiers.node.protocol.UsageReply`:
-        summed over the host's engines, the pool's usage, once); pages, header included."""
-        reply, _, _ = self.client.call(p.Usage())
-        assert isinstance(reply, p.UsageReply)
-        return TierUsage(reply.used_bytes, 0, reply.used_bytes, reply.num_values)
+        """The pool bytes this engine is counted for (pages, headers included) as of the owner's
+        last reply, without I/O (the store asks under its lock): the values it wrote, and for the
+        oldest live writer those of writers gone, so the sum over the host's engines is the pool's
+        usage, once (:class:`~kvtier.core.tiers.node.protocol.UsageReply`)."""
+        used, values = self.client.usage
+        return TierUsage(used, 0, used, values)
+
+    def refresh_usage(self) -> TierUsage:
+        """:meth:`usage` asked of the owner now (one message)."""
+        self.client.call(p.Usage())
+        return self.usage()
 
     def pool_stats(self) -> p.StatsReply:
         """The whole pool's numbers (owner's view)."""
