@@ -6,7 +6,7 @@ import importlib
 from kvtier.audit.rules.base import RULES, Rule, rule
 
 MODULES = ("gates", "releases", "pitfalls", "hybrid", "lmcache", "bugs", "tuning", "kvtier_connector", "shared_tier",
-           "deploy", "node", "tiers")
+           "deploy", "node_pool", "tiers")
 for _name in MODULES:
     importlib.import_module(f"kvtier.audit.rules.{_name}")
 
