@@ -239,3 +239,30 @@ def test_the_socket_carries_no_payload():
     assert protocol.frame_length(protocol.MAX_FRAME_BYTES.to_bytes(4, "little")) == protocol.MAX_FRAME_BYTES
     with pytest.raises(ValueError):
         protocol.frame_length((protocol.MAX_FRAME_BYTES + 1).to_bytes(4, "little"))
+
+
+def test_the_mapped_pool_is_registered_memory_where_cuda_is_and_says_why_not_elsewhere(node_server):
+    """RegistersMemory on the node tier: its record says so, the engine's (wrapped) tier has it, and
+    pinning registers the mapped pool itself (on a CUDA machine); on the CPU backend one sentence
+    says why not and the tier serves straight from the mapped pages as before."""
+    from kvtier.core import pinned
+    from kvtier.core.tiers.base import RegistersMemory, capabilities
+    from kvtier.core.tiers.registry import spec
+    from tests.core.test_tier_memory import cuda_usable
+
+    tier = engine_tier(node_server)
+    try:
+        assert isinstance(tier, RegistersMemory) and "registers_memory" in capabilities(tier)
+        assert "registers_memory" in spec("node").capabilities
+        inner = unwrap(tier)
+        pinned_now = inner.pin_host_memory()
+        pool = inner.client.pool
+        assert pool is not None
+        if cuda_usable():
+            assert pinned_now and pinned.is_pinned(pool.data)
+            assert (pool.data.ctypes.data, pool.data.nbytes) in tier.registered_memory()
+        else:
+            assert not pinned_now and tier.registered_memory() == [] and not pinned.is_pinned(pool.data)
+        assert tier.put(key(1), data(1)) is PutResult.STORED and read(tier, key(1)) == (GetResult.HIT, data(1))
+    finally:
+        tier.close()

@@ -46,6 +46,7 @@ class NodeClient:
         self.epoch = 0
         self.attached = 0  # connections made (1 = first; more = re-attached)
         self.usage = (0, 0)  # (bytes, values) this connection is counted for, as of the owner's last reply
+        self.on_map: Callable[[Pool | None, Pool], None] | None = None  # told of each pool mapped (pinning)
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         self._releases: list[int] = []
@@ -137,7 +138,9 @@ class NodeClient:
                 if pool.pool_id != welcome.pool_id:
                     raise NodeUnavailable(f"the pool file {welcome.pool_path} is not the one its owner serves "
                                           "(recreated meanwhile)")
-                self.pool = pool  # the old mapping, if any, goes with its last view
+                old, self.pool = self.pool, pool  # the old mapping, if any, goes with its last view
+                if self.on_map is not None:
+                    self.on_map(old, pool)
         except BaseException:
             sock.close()
             raise

@@ -38,6 +38,7 @@ from kvtier.core.tiers.envelopetier import EnvelopeTier
 from kvtier.core.tiers.guarded import PutStream, WriteAbandoned, split_get
 from kvtier.core.tiers.node import protocol as p
 from kvtier.core.tiers.node.client import NodeClient
+from kvtier.core.tiers.node.memory import PoolMemory
 from kvtier.core.tiers.node.pool import Pool
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ Pins = tuple[list[tuple[int, int, int, int] | None], Pool, int]
 ``None``, the mapped pool, the connection serial."""
 
 
-class NodeTier(EnvelopeTier):
+class NodeTier(PoolMemory, EnvelopeTier):
     """See the module docstring.
 
     Args:
@@ -59,12 +60,32 @@ class NodeTier(EnvelopeTier):
     shared = True
 
     def __init__(self, client: NodeClient, namespace: bytes, secret: bytes | None, header_wait_s: float) -> None:
-        super().__init__(namespace, secret)
+        EnvelopeTier.__init__(self, namespace, secret)
+        PoolMemory.__init__(self)
         self.client = client
+        client.on_map = self._mapped
         self.where = client.socket_path
         self.header_wait_s = header_wait_s
         self.wire = WireCounters()
         self._lock = threading.Lock()
+
+    def pin_host_memory(self) -> bool:
+        """Register the mapped pool as pinned host memory (and every pool mapped later); whether it
+        is.  Maps it first (one message to the owner); the owner away: ``False``."""
+        try:
+            _, pool, _ = self.client.call(p.Stats())
+        except ConnectionError as exc:
+            log.warning("kvtier: the node pool is not pinned (%s)", exc)
+            self.pin_pool = True
+            return False
+        return self.pin_pool_memory(pool) is None
+
+    def _mapped(self, old: Pool | None, new: Pool) -> None:
+        """The client mapped ``new`` (replacing ``old``): move the pin to it."""
+        if old is not None:
+            self.unregister_memory(old.data)
+        if self.pin_pool:
+            self.pin_pool_memory(new)
 
     def _keys(self, keys: Sequence[ChunkKey]) -> list[bytes]:
         return [bytes(k) for k in keys]
