@@ -266,3 +266,24 @@ def test_the_mapped_pool_is_registered_memory_where_cuda_is_and_says_why_not_els
         assert tier.put(key(1), data(1)) is PutResult.STORED and read(tier, key(1)) == (GetResult.HIT, data(1))
     finally:
         tier.close()
+
+
+def test_kvtier_size_puts_the_node_pool_in_a_recipe_that_kvtier_check_accepts(tmp_path):
+    """The tier's settings mark node_socket and node_gib for ``kvtier size`` (no edit in kvtier.cli):
+    the recipe's connector config carries them and passes the connector's own validator; node_gib
+    without the socket is one sentence."""
+    import json
+    import re
+
+    runner = CliRunner()
+    sock = str(tmp_path / "node.sock")  # checked as start-up would: its directory exists, the owner may come later
+    sized = runner.invoke(app, ["size", "--model", "Qwen/Qwen3-8B", "--gpu", "H100", "--offload-gib", "2",
+                                "--node-socket", sock, "--node-gib", "128"])
+    assert sized.exit_code == 0, sized.output
+    (ktc,) = re.findall(r"--kv-transfer-config '(\{\"kv_connector\":\"KVTierConnector\".*?\})'", sized.output)
+    extra = json.loads(ktc)["kv_connector_extra_config"]
+    assert extra["node_socket"] == sock and extra["node_gib"] == 128
+    checked = runner.invoke(app, ["check", ktc, "--offline"])
+    assert checked.exit_code == 0, checked.output
+    stray = runner.invoke(app, ["size", "--model", "Qwen/Qwen3-8B", "--gpu", "H100", "--node-gib", "128"])
+    assert stray.exit_code == 2 and "--node-socket" in stray.output and "Traceback" not in stray.output

@@ -27,10 +27,16 @@ class NodeSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVTIER_", extra="forbid", frozen=True)
 
     node_socket: str | None = Field(None, min_length=1, description=(
-        "UNIX socket of this host's node pool owner (kvtier node serve --socket); unset = no node tier."))
+        "UNIX socket of this host's node pool owner (kvtier node serve --socket); unset = no node tier."),
+        json_schema_extra={"tools": {"size": {
+            "help": "Add this host's shared DRAM pool (the node tier: its owner's socket, kvtier node serve --socket) "
+                    "to the kvtier recipe (docs/node.md).", "metavar": "PATH", "target": "the pool owner's socket",
+            "example": "/run/kvtier/node.sock"}}})
     node_gib: float = Field(0.0, ge=0, le=1 << 20, allow_inf_nan=False, description=(
         "Size of the host's node pool in GiB (the owner's --node-gib), for kvtier size, check and audit; "
-        "0 = not said."))
+        "0 = not said."), json_schema_extra={"tools": {"size": {
+            "help": "The host's node pool in GiB (its owner's --node-gib), for the recipe and kvtier audit.",
+            "metavar": "GIB"}}})
     node_timeout_s: float = Field(1.0, gt=0, le=60, allow_inf_nan=False,
                                   description="Bound of one connect, send or receive to the owner, seconds.")
     node_breaker_failures: int = Field(3, gt=0, description="Failed calls in a row that open the circuit breaker.")
