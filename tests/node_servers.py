@@ -90,4 +90,5 @@ class NodeServer:
     def stop(self) -> None:
         stop_process(self.proc)
         self.pool.unlink(missing_ok=True)
+        self.pool.with_name(self.pool.name + ".lock").unlink(missing_ok=True)
         Path(self.socket).unlink(missing_ok=True)

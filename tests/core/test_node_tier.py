@@ -217,10 +217,22 @@ def test_namespaces_are_isolated_in_the_pool(node_server):
 
 
 def test_a_second_owner_of_one_pool_and_bad_flags_are_one_sentence(node_server, tmp_path):
+    """A second owner of a live pool is refused before it touches it (even with another size, which
+    would recreate the file), and so is a second owner on a live socket; bad flags: one sentence."""
+    tier = engine_tier(node_server)
     runner = CliRunner()
-    taken = runner.invoke(app, ["node", "serve", "--pool", str(node_server.pool), "--node-gib", "0.0625",
-                                "--socket", str(tmp_path / "b.sock"), "--page-kib", "4"])
-    assert taken.exit_code == 2 and "another kvtier node owner serves the pool" in taken.output
+    try:
+        assert tier.put(key(1), data(1)) is PutResult.STORED
+        before = node_server.pool.read_bytes()[:32]
+        taken = runner.invoke(app, ["node", "serve", "--pool", str(node_server.pool), "--node-gib", "0.125",
+                                    "--socket", str(tmp_path / "b.sock"), "--page-kib", "4"])
+        assert taken.exit_code == 2 and "another kvtier node owner serves the pool" in taken.output
+        busy = runner.invoke(app, ["node", "serve", "--pool", str(tmp_path / "other"), "--node-gib", "0.0625",
+                                   "--socket", node_server.socket])
+        assert busy.exit_code == 2 and "another kvtier node owner listens on" in busy.output
+        assert node_server.pool.read_bytes()[:32] == before and read(tier, key(1)) == (GetResult.HIT, data(1))
+    finally:
+        tier.close()
     for args, words in ((["--node-gib", "0"], "--node-gib 0 is out of range"),
                         (["--node-gib", "1", "--page-kib", "3"], "--page-kib 3 must be a power of two"),
                         (["--node-gib", "1", "--lease-s", "0"], "--lease-s 0 must be above 0")):

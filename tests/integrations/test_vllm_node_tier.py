@@ -38,7 +38,7 @@ def test_two_engines_share_one_node_pool_exactly_and_survive_its_owner_and_an_en
     from kvtier.launch.serve import Server
     from kvtier.launch.testmodel import random_prompt
 
-    p, q, r, s = (random_prompt(seed, PROMPT_WORDS) for seed in (3801, 3802, 3803, 3804))
+    p, q, r, s, warm_up = (random_prompt(seed, PROMPT_WORDS) for seed in (3801, 3802, 3803, 3804, 3805))
     owner = NodeServer(tmp_path, node_gib=0.25, page_kib=64, lease_s=5.0).start()
     kvtier = {"chunk_tokens": CHUNK, "cpu_gib": 0.01, "tiers": ["cpu", "node"], "node_socket": owner.socket,
               "shared_deadline_s": 5.0, "shared_transfer_deadline_s": 5.0, "node_timeout_s": 2.0,
@@ -93,10 +93,16 @@ def test_two_engines_share_one_node_pool_exactly_and_survive_its_owner_and_an_en
         # restarted on the same pool: warm, and serving again once the engines' breakers probe it
         owner.start()
         assert owner.stats().num_values >= warm >= whole
-        time.sleep(3.0)
+        # the engines' breakers, open since the kill, let one probe through per node_breaker_probe_s: a
+        # warm-up prompt's saves close them (what they save is not counted here)
+        time.sleep(2.0)
+        on(a, {"op": "complete", "prompt": warm_up})
+        time.sleep(2.0)
+        before = owner.stats().num_values
         made = on(a, {"op": "complete", "prompt": r}, {"op": "complete", "prompt": s})
-        want = warm + sum(m["prompt_tokens"] // CHUNK for m in made)
-        assert wait_until(lambda: owner.stats().num_values >= want, timeout_s=60), (owner.stats(), want)
+        want = before + sum(m["prompt_tokens"] // CHUNK for m in made)
+        assert wait_until(lambda: owner.stats().num_values >= want, timeout_s=60), \
+            (owner.stats(), want, a.log_tail(30), owner.log.read_text()[-3000:])
         r_before, _got_r, r_after = on(b, {"op": "metrics"}, {"op": "complete", "prompt": r}, {"op": "metrics"})
         assert r_after.get(LOADED, 0) - r_before.get(LOADED, 0) == (made[0]["prompt_tokens"] - 1) // CHUNK * CHUNK
 

@@ -11,8 +11,8 @@ and after ``lease_s``.
 Owner restart: the pool file is reused when its layout matches (same size and page bytes): the
 epoch is bumped, generations continue above the pool's highest, and the committed values the
 heads mark are indexed again (:meth:`~kvtier.core.tiers.node.index.PoolIndex.recover`), so engines
-find it warm.  Two owners of one pool are refused (an exclusive ``flock`` on the pool file, which
-the kernel drops when the owner dies).
+find it warm.  Two owners of one pool are refused before either touches it (an exclusive ``flock``
+on ``<pool>.lock``, which the kernel drops when the owner dies).
 """
 
 from __future__ import annotations
@@ -57,11 +57,35 @@ class ServeOptions(NamedTuple):
     max_clients: int = 256
 
 
-def take_pool(opts: ServeOptions) -> tuple[Pool, int]:
-    """The pool file mapped and locked for this owner, and the lock's fd.
+def lock_pool(pool: Path) -> int:
+    """An exclusive ``flock`` on ``<pool>.lock`` (taken before the pool is touched, so a second owner
+    started by mistake never recreates a live owner's pool); the lock's fd.  The kernel drops it
+    when the owner dies.
 
     Raises:
         UserError: another owner holds it, or it cannot be created (one sentence).
+    """
+    path = pool.with_name(pool.name + ".lock")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise UserError(f"cannot create the pool's lock file {path} ({exc.strerror}); check --pool's directory "
+                        "permissions") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise UserError(f"another kvtier node owner serves the pool {pool}; stop it first or give another "
+                        "--pool") from None
+    return fd
+
+
+def take_pool(opts: ServeOptions) -> Pool:
+    """The pool file mapped for this owner (whose lock :func:`lock_pool` holds): the existing one
+    when its layout matches, else created anew; its epoch bumped.
+
+    Raises:
+        UserError: it cannot be created (one sentence).
     """
     total = int(opts.node_gib * (1 << 30))
     page_bytes = opts.page_kib << 10
@@ -80,15 +104,8 @@ def take_pool(opts: ServeOptions) -> tuple[Pool, int]:
             pool = create_pool(opts.pool, total, page_bytes)
         except (PoolError, ValueError) as exc:
             raise UserError(f"{exc}; check --pool, --node-gib and that the mount has that much room") from None
-    lock = os.open(opts.pool, os.O_RDONLY)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(lock)
-        raise UserError(f"another kvtier node owner serves the pool {opts.pool}; stop it first or give "
-                        "another --pool") from None
     pool.set_epoch(pool.epoch + 1)
-    return pool, lock
+    return pool
 
 
 class Owner:
@@ -203,9 +220,10 @@ def claim_socket(path: Path) -> None:
 
 
 async def _serve(opts: ServeOptions, ready: asyncio.Event | None = None) -> None:
-    pool, lock = take_pool(opts)
-    owner = Owner(pool, opts)
+    lock = lock_pool(opts.pool)
     claim_socket(opts.socket)
+    pool = take_pool(opts)
+    owner = Owner(pool, opts)
     server = await asyncio.start_unix_server(owner.connection, path=str(opts.socket))
     os.chmod(opts.socket, 0o660)
     stop = asyncio.Event()

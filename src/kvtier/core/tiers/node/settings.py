@@ -31,7 +31,10 @@ class NodeSettings(BaseSettings):
         json_schema_extra={"tools": {"size": {
             "help": "Add this host's shared DRAM pool (the node tier: its owner's socket, kvtier node serve --socket) "
                     "to the kvtier recipe (docs/node.md).", "metavar": "PATH", "target": "the pool owner's socket",
-            "example": "/run/kvtier/node.sock"}}})
+            "example": "/run/kvtier/node.sock"},
+            "bench-store": {"help": "Also measure the node tier on this host's pool (its owner's socket); the "
+                                    "chunks written are deleted afterwards.", "metavar": "PATH",
+                            "target": "the pool owner's socket", "example": "/run/kvtier/node.sock"}}})
     node_gib: float = Field(0.0, ge=0, le=1 << 20, allow_inf_nan=False, description=(
         "Size of the host's node pool in GiB (the owner's --node-gib), for kvtier size, check and audit; "
         "0 = not said."), json_schema_extra={"tools": {"size": {
