@@ -164,3 +164,14 @@ def node_server(tmp_path: Path) -> Iterator[NodeServer]:
         yield server.start()
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def node_owner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeServer]:
+    """One node pool owner for a whole session (the conformance suite: each tier it makes clears its
+    namespace first); the tests that kill or restart an owner take :func:`node_server`."""
+    server = NodeServer(tmp_path_factory.mktemp("node"))
+    try:
+        yield server.start()
+    finally:
+        server.stop()

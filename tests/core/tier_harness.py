@@ -266,13 +266,15 @@ def dict_harness(_request: pytest.FixtureRequest, _tmp: Path) -> TierHarness:
 
 
 def node_harness(request: pytest.FixtureRequest, _tmp: Path) -> TierHarness:
-    """The node tier on a real owner (``kvtier node serve``), built as the store builds it (the
-    plug-in: GuardedTier over NodeTier); tampering writes into the shared pages of the pool."""
+    """The node tier on a real owner (``kvtier node serve``, one for the session: the pool is emptied
+    of both namespaces when a test's harness is made, so each test starts from an empty pool), built as the
+    store builds it (the plug-in: GuardedTier over NodeTier); tampering writes into the shared pages
+    of the pool, stalling SIGSTOPs the owner."""
     from kvtier.core.tiers.node import protocol
     from kvtier.core.tiers.node.tier import NodeTier
     from kvtier.core.tiers.wrappers import unwrap
 
-    server = request.getfixturevalue("node_server")
+    server = request.getfixturevalue("node_owner")
     config = KVTierConfig.from_dict({"node_socket": server.socket, "shared_deadline_s": 2.0,
                                      "shared_transfer_deadline_s": 2.0})
 
@@ -280,6 +282,14 @@ def node_harness(request: pytest.FixtureRequest, _tmp: Path) -> TierHarness:
         tier = builtin.NODE.build(TierContext(config, ns, CHUNK, 1, CollectorRegistry()))
         assert tier is not None
         return tier
+
+    for ns in (NS, OTHER_NS):  # what earlier tests left (their writers gone: counted by the next writer)
+        cleaner = make(ns)
+        try:
+            assert cleaner.clear().ok
+        finally:
+            cleaner.close()
+    assert server.stats().num_values == 0
 
     def tamper(tier: Tier, key: ChunkKey, how: str) -> None:
         inner = unwrap(tier)
