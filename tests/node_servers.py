@@ -30,15 +30,18 @@ class NodeServer:
         node_gib: the pool's size.
         page_kib: one page.
         lease_s: the owner's lease expiry.
+        max_clients: connections the owner serves at once.
     """
 
-    def __init__(self, log_dir: Path, node_gib: float = 0.0625, page_kib: int = 4, lease_s: float = 30.0) -> None:
+    def __init__(self, log_dir: Path, node_gib: float = 0.0625, page_kib: int = 4, lease_s: float = 30.0,
+                 max_clients: int = 256) -> None:
         tag = uuid.uuid4().hex[:10]
         self.pool = Path(f"/dev/shm/kvtier-test-{tag}")
         self.socket = f"/tmp/kvtier-node-{tag}.sock"
         self.log = log_dir / f"node-{tag}.log"
         self.args = ["--pool", str(self.pool), "--node-gib", str(node_gib), "--socket", self.socket,
-                     "--page-kib", str(page_kib), "--lease-s", str(lease_s), "--verbose"]
+                     "--page-kib", str(page_kib), "--lease-s", str(lease_s), "--max-clients", str(max_clients),
+                     "--verbose"]
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property

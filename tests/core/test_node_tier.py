@@ -299,3 +299,32 @@ def test_kvtier_size_puts_the_node_pool_in_a_recipe_that_kvtier_check_accepts(tm
     assert checked.exit_code == 0, checked.output
     stray = runner.invoke(app, ["size", "--model", "Qwen/Qwen3-8B", "--gpu", "H100", "--node-gib", "128"])
     assert stray.exit_code == 2 and "--node-socket" in stray.output and "Traceback" not in stray.output
+
+
+def test_the_owner_serves_a_bounded_number_of_connections(tmp_path):
+    """--max-clients bounds the owner's connections (each has at most one request in flight, so it
+    bounds its queue): one more is refused in one sentence, and served once a slot is free."""
+    from kvtier.core.tiers.node.client import NodeUnavailable
+
+    server = NodeServer(tmp_path, max_clients=1).start()
+    first = NodeTier(NodeClient(server.socket, 5.0, "first"), NS, None, 5.0)
+    second = NodeTier(NodeClient(server.socket, 5.0, "second"), NS, None, 5.0)
+    try:
+        assert first.put(key(1), data(1)) is PutResult.STORED
+        with pytest.raises(NodeUnavailable, match="serves 1 connections already; raise --max-clients"):
+            second.contains(key(1))
+        first.close()
+        assert until(lambda: _answers(second), 10.0)
+        assert second.contains(key(1))
+    finally:
+        first.close()
+        second.close()
+        server.stop()
+
+
+def _answers(tier: NodeTier) -> bool:
+    try:
+        tier.contains(key(0))
+    except ConnectionError:
+        return False
+    return True
