@@ -94,9 +94,11 @@ def test_two_engines_share_one_node_pool_exactly_and_survive_its_owner_and_an_en
         owner.start()
         assert owner.stats().num_values >= warm >= whole
         # the engines' breakers, open since the kill, let one probe through per node_breaker_probe_s: a
-        # warm-up prompt's saves close them (what they save is not counted here)
+        # warm-up prompt's saves (on A) and loads (on B) close them (what they move is not counted here)
         time.sleep(2.0)
         on(a, {"op": "complete", "prompt": warm_up})
+        time.sleep(2.0)
+        on(b, {"op": "complete", "prompt": warm_up})
         time.sleep(2.0)
         before = owner.stats().num_values
         made = on(a, {"op": "complete", "prompt": r}, {"op": "complete", "prompt": s})
