@@ -328,3 +328,38 @@ def _answers(tier: NodeTier) -> bool:
     except ConnectionError:
         return False
     return True
+
+
+def test_purge_and_the_probe_reach_the_pool_through_its_blob_store(node_server):
+    """The plug-in's blob store (list, stat, delete over the owner's messages): ``kvtier purge
+    --node-socket`` removes one namespace's values and never another's, and ``kvtier check`` probes
+    the owner (reachable; unreachable once it is killed) with no code of their own."""
+    import json
+
+    other_ns = bytes(range(1, 17))
+    mine, theirs = engine_tier(node_server), engine_tier(node_server, ns=other_ns)
+    runner = CliRunner()
+    try:
+        assert mine.put_many([key(i) for i in range(3)], [data(i) for i in range(3)]) == [PutResult.STORED] * 3
+        assert theirs.put(key(1), data(1)) is PutResult.STORED
+        dry = runner.invoke(app, ["purge", "--node-socket", node_server.socket, "--all", "--dry-run", "--json"])
+        assert dry.exit_code == 0, dry.output
+        assert node_server.stats().num_values == 4
+        gone = runner.invoke(app, ["purge", "--node-socket", node_server.socket, "--namespace", NS.hex(), "--json"])
+        assert gone.exit_code == 0, gone.output
+        assert json.loads(gone.output)["total"]["chunks"] == 3
+        assert json.loads(dry.output)["total"]["chunks"] == 4
+        assert [read(mine, key(i))[0] for i in range(3)] == [GetResult.MISS] * 3
+        assert read(theirs, key(1)) == (GetResult.HIT, data(1)) and node_server.stats().num_values == 1
+        ktc = json.dumps({"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+                          "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                          "kv_connector_extra_config": {"cpu_gib": 1, "tiers": ["cpu", "node"],
+                                                        "node_socket": node_server.socket}})
+        up = runner.invoke(app, ["check", ktc])
+        assert up.exit_code == 0 and "is reachable" in up.output, up.output
+        node_server.kill()
+        down = runner.invoke(app, ["check", ktc])
+        assert "is unreachable" in down.output and "Traceback" not in down.output, down.output
+    finally:
+        mine.close()
+        theirs.close()

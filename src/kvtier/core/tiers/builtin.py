@@ -137,6 +137,11 @@ class NodePlugin(PluginDefaults):
 
         return check(config)
 
+    def blobs(self, config: KVTierConfig, deadline_s: float | None = None) -> BlobStore | None:
+        from kvtier.core.tiers.node.blobs import open_blobs
+
+        return open_blobs(config, deadline_s)
+
 
 CPU = CpuPlugin()
 DISK = DiskPlugin()

@@ -18,6 +18,7 @@ threads: the owner's one event loop calls it.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ class Value:
     gen: int
     writer: int
     pins: int = 0
+    written_s: float = 0.0  # wall clock at commit (0: unknown, a value taken back after a restart)
     committed: bool = False
     gone: bool = False  # deleted or evicted while pinned: pages freed at the last unpin
 
@@ -152,6 +154,7 @@ class PoolIndex:
             self.clients[conn].leases.discard(lease_id)
             del self.pending[value.name]
             value.committed = True
+            value.written_s = time.time()
             self.values[value.name] = value
             self._count(value, 1)
             self.heads[value.page] = value.nbytes + 1
@@ -171,6 +174,14 @@ class PoolIndex:
         keys = [k for (n, k) in self.values if n == ns]
         self.delete(ns, keys)
         return keys
+
+    def listing(self, namespaces: list[bytes], start: int, limit: int) -> tuple[list[tuple[bytes, bytes, int, float]],
+                                                                                   bool]:
+        """``limit`` values of ``namespaces`` (all: empty) from position ``start``, and whether more follow."""
+        wanted = set(namespaces)
+        found = [v for v in self.values.values() if not wanted or v.name[0] in wanted]
+        page = found[start:start + limit]
+        return [(v.name[0], v.name[1], v.nbytes, v.written_s) for v in page], start + limit < len(found)
 
     def keys(self, ns: bytes) -> list[bytes]:
         return [k for (n, k) in self.values if n == ns]

@@ -69,11 +69,20 @@ class Usage(msgspec.Struct, tag="usage", array_like=True):
     pass
 
 
+class Listing(msgspec.Struct, tag="listing", array_like=True):
+    """Values of ``namespaces`` (every namespace: empty), ``limit`` from position ``start`` (the
+    tools' blob store, :mod:`~kvtier.core.tiers.node.blobs`)."""
+
+    namespaces: list[bytes]
+    start: int
+    limit: int
+
+
 class Stats(msgspec.Struct, tag="stats", array_like=True):
     pass
 
 
-Request = Hello | Lookup | Pin | Release | Alloc | Commit | Delete | Clear | Keys | Usage | Stats
+Request = Hello | Lookup | Pin | Release | Alloc | Commit | Delete | Clear | Keys | Usage | Stats | Listing
 
 
 class Welcome(msgspec.Struct, tag="welcome", array_like=True):
@@ -120,6 +129,14 @@ class KeyList(msgspec.Struct, tag="keylist", array_like=True):
     usage: tuple[int, int] = (0, 0)
 
 
+class Listed(msgspec.Struct, tag="listed", array_like=True):
+    """Per value ``(namespace, key, value bytes, written at: seconds since the epoch, 0 unknown)``;
+    ``more``: whether values follow."""
+
+    values: list[tuple[bytes, bytes, int, float]]
+    more: bool
+
+
 class UsageReply(msgspec.Struct, tag="usagereply", array_like=True):
     """What this client is counted for: the bytes and values it wrote that the pool still holds
     (plus, for the oldest live writer, the values whose writer is gone), so the sum over every
@@ -143,7 +160,7 @@ class Refused(msgspec.Struct, tag="refused", array_like=True):
     reason: str
 
 
-Reply = Welcome | Found | Pinned | Allocated | Done | KeyList | UsageReply | StatsReply | Refused
+Reply = Welcome | Found | Pinned | Allocated | Done | KeyList | UsageReply | StatsReply | Refused | Listed
 
 ENCODER = msgspec.msgpack.Encoder()
 REQUESTS = msgspec.msgpack.Decoder(Request)

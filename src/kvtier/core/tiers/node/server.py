@@ -155,6 +155,8 @@ class Owner:
             return p.KeyList(ix.clear(req.namespace))
         if isinstance(req, p.Keys):
             return p.KeyList(ix.keys(req.namespace))
+        if isinstance(req, p.Listing):
+            return p.Listed(*ix.listing(req.namespaces, req.start, min(req.limit, 10_000)))
         if isinstance(req, p.Usage):
             return p.UsageReply(*ix.usage_of(conn))
         if isinstance(req, p.Stats):

@@ -32,6 +32,9 @@ class NodeSettings(BaseSettings):
             "help": "Add this host's shared DRAM pool (the node tier: its owner's socket, kvtier node serve --socket) "
                     "to the kvtier recipe (docs/node.md).", "metavar": "PATH", "target": "the pool owner's socket",
             "example": "/run/kvtier/node.sock"},
+            "purge": {"help": "This host's node pool (its owner's socket, the engines' node_socket).",
+                      "metavar": "PATH", "target": "the node pool the engines use",
+                      "empty": "give the socket the engines use (their node_socket)"},
             "bench-store": {"help": "Also measure the node tier on this host's pool (its owner's socket); the "
                                     "chunks written are deleted afterwards.", "metavar": "PATH",
                             "target": "the pool owner's socket", "example": "/run/kvtier/node.sock"}}})
