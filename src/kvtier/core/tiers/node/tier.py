@@ -43,6 +43,9 @@ from kvtier.core.tiers.node.memory import PoolMemory
 from kvtier.core.tiers.node.pool import Pool
 
 log = logging.getLogger(__name__)
+COPY_BLOCK_BYTES = 256 << 10
+"""A read copies and hashes this much at a time, so the hash reads the copy from the core's cache
+(a whole chunk copied first would be hashed from farther away)."""
 Pins = tuple[list[tuple[int, int, int, int] | None], Pool, int]
 """What ``fetch_many`` hands ``finish_get``: per key (lease, page, value bytes, generation) or
 ``None``, the mapped pool, the connection serial."""
@@ -167,9 +170,12 @@ class NodeTier(PoolMemory, EnvelopeTier):
         if header.stored_bytes != value.nbytes - header.header_bytes:
             raise envelope.EnvelopeError(f"payload is {value.nbytes - header.header_bytes} bytes, "
                                          f"header says {header.stored_bytes}")
-        out[:] = value[header.header_bytes:]
+        src = value[header.header_bytes:]
         h = self.envelope.hasher(head[:envelope.DIGEST_OFFSET])
-        h.update(out)
+        for at in range(0, out.nbytes, COPY_BLOCK_BYTES):  # each block hashed while it is in cache
+            block = out[at:at + COPY_BLOCK_BYTES]
+            block[:] = src[at:at + COPY_BLOCK_BYTES]
+            h.update(block)
         if not hmac.compare_digest(h.digest(), header.digest):
             raise envelope.EnvelopeError("digest mismatch (corrupt, or written without the shared secret)")
         return header.record
