@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.node_servers import NodeServer
 from tests.redis_servers import RedisClusterServers, RedisServer
 from tests.s3_servers import S3Server
 
@@ -171,3 +172,24 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
 def pytest_make_collect_report(collector: pytest.Collector):  # type: ignore[no-untyped-def]
     outcome = yield
     _fail_unexpected_skip(outcome.get_result())
+
+
+@pytest.fixture
+def node_server(tmp_path: Path) -> Iterator[NodeServer]:
+    """A node pool owner (``kvtier node serve``) for one test, stopped and its pool removed afterwards."""
+    server = NodeServer(tmp_path)
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def node_owner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeServer]:
+    """One node pool owner for a whole session (the conformance suite: each tier it makes clears its
+    namespace first); the tests that kill or restart an owner take :func:`node_server`."""
+    server = NodeServer(tmp_path_factory.mktemp("node"))
+    try:
+        yield server.start()
+    finally:
+        server.stop()

@@ -136,7 +136,7 @@ def test_the_import_circle_check_finds_a_circle(tmp_path):
 
 
 TIER_MODULES = ("src/kvtier/core/tiers/cpu/", "src/kvtier/core/tiers/disk/", "src/kvtier/core/tiers/redis/",
-                "src/kvtier/core/tiers/s3/", "src/kvtier/core/tiers/registry.py")
+                "src/kvtier/core/tiers/s3/", "src/kvtier/core/tiers/node/", "src/kvtier/core/tiers/registry.py")
 """A tier's own package (every module under it) and the registry: the only places that may name a tier."""
 
 TIER_NAME_ALLOWED = {
@@ -149,6 +149,7 @@ TIER_NAME_ALLOWED = {
     "src/kvtier/bench/shared_s3.py": ({"s3"}, "rclone's subcommand `rclone serve s3`, not a tier"),
     "src/kvtier/simulate/recommend.py": ({"cpu", "disk"}, "the simulator's hardware model"),
     "src/kvtier/simulate/report.py": ({"cpu", "disk"}, "the simulator's hardware model (report keys)"),
+    "src/kvtier/cli/node.py": ({"node"}, "the `kvtier node` command's name (the node tier's owner)"),
     "src/kvtier/size/recipe.py": ({"redis"}, "the size recipe's redis-server section (user-facing output)"),
 }
 """Files that may hold a built-in tier's name as a string, with what it means there."""

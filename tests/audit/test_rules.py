@@ -26,12 +26,14 @@ def ktc(connector: str, **extra: object) -> str:
 def pod(image: str = "registry.example.com/kvtier-vllm:v0.32.0-kvtier0.1.0", install: bool = False,
         timeout: int | None = 30, grace: int | None = 90, mount: str = "/nvme", redis_url: str | None = None,
         worker_s: str | None = "35", read_only: bool = False, volume: dict[str, object] | None = None,
-        memory: str | None = None) -> str:
+        memory: str | None = None, node_gib: float | None = None, node_volume: dict[str, object] | None = None) -> str:
     """A Deployment running vLLM + kvtier with a disk tier at /nvme/kvtier in namespace ``inference``;
     each argument changes one fact (the defaults are a correct pod)."""
     extra: dict[str, object] = {"cpu_gib": 16, "disk_path": "/nvme/kvtier", "disk_gib": 500}
     if redis_url:
         extra.update(redis_url=redis_url, tiers=["cpu", "disk", "redis"])
+    if node_gib is not None:  # the node pool beside its owner's socket, in /kvtier-node
+        extra.update(node_socket="/kvtier-node/node.sock", node_gib=node_gib, tiers=["cpu", "disk", "node"])
     cfg = {"kv_connector": "KVTierConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
            "kv_connector_module_path": "kvtier.integrations.vllm", "kv_connector_extra_config": extra}
     serve = ["vllm", "serve", "Qwen/Qwen3-8B", *(["--shutdown-timeout", str(timeout)] if timeout else []),
@@ -44,6 +46,9 @@ def pod(image: str = "registry.example.com/kvtier-vllm:v0.32.0-kvtier0.1.0", ins
                                                                   "readOnly": read_only}],
                                                 **({"resources": {"limits": {"memory": memory}}} if memory else {})}],
                                "volumes": [{"name": "nvme", **(volume or {"emptyDir": {"sizeLimit": "550Gi"}})}]}
+    if node_volume is not None:
+        spec["containers"][0]["volumeMounts"].append({"name": "node", "mountPath": "/kvtier-node"})  # type: ignore[index]
+        spec["volumes"].append({"name": "node", **node_volume})  # type: ignore[attr-defined]
     if grace is not None:
         spec["terminationGracePeriodSeconds"] = grace
     return yaml.safe_dump({"apiVersion": "apps/v1", "kind": "Deployment",
@@ -212,6 +217,12 @@ CASES: dict[str, tuple[tuple[str, str | None], tuple[str, str | None]]] = {
                                 (pod(), None)),
     "kvtier-disk-volume-unfit": ((pod(read_only=True), V), (pod(), V)),
     "kvtier-cpu-tier-over-memory-limit": ((pod(memory="20Gi"), V), (pod(memory="24Gi"), V)),
+    # the shared pool below one engine's own cpu tier (cpu_gib 16)
+    "kvtier-node-pool-below-working-set": ((pod(node_gib=8), V), (pod(node_gib=16), V)),
+    # the pool's memory volume (beside node_socket) below node_gib; the host's /dev/shm (a hostPath) says no size
+    "kvtier-node-shm-below-pool": (
+        (pod(node_gib=64, node_volume={"emptyDir": {"medium": "Memory", "sizeLimit": "32Gi"}}), V),
+        (pod(node_gib=64, node_volume={"emptyDir": {"medium": "Memory", "sizeLimit": "64Gi"}}), V)),
     "kvtier-shared-tier-cleartext-beyond-namespace": (
         (pod(redis_url="redis://redis.other-team.svc.cluster.local:6379/0"), V),
         (pod(redis_url="redis://redis.inference.svc.cluster.local:6379/0"), V)),

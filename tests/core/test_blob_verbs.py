@@ -163,7 +163,7 @@ def test_kvtier_purge_takes_the_toy_tiers_flags_from_its_settings_model(area):
         nothing = runner.invoke(app, ["purge", "--all"])
         assert nothing.exit_code == 2 and nothing.output == (
             "error: give a target to purge: --disk-path DIR (the disk tier's directory), --dict-storage NAME, "
-            "--redis-url URL and/or --s3-bucket BUCKET.\n")
+            "--node-socket PATH, --redis-url URL and/or --s3-bucket BUCKET.\n")
         empty = runner.invoke(app, ["purge", "--dict-storage", " ", "--all"])
         assert empty.exit_code == 2 and "--dict-storage is empty; give the area the engines use" in empty.output
     finally:

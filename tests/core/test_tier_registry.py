@@ -32,7 +32,7 @@ def plugin():
 def test_a_module_named_in_tier_modules_registers_its_tier(plugin):
     assert SPEC.name not in registry.available_tiers()
     config = KVTierConfig.from_dict({"tier_modules": [PLUGIN], "tiers": ["cpu", "dict"], "dict_capacity_mib": 1})
-    assert registry.available_tiers() == ["cpu", "disk", "dict", "redis", "s3"]  # by the record's order
+    assert registry.available_tiers() == ["cpu", "disk", "dict", "node", "redis", "s3"]  # by the record's order
     assert factory.configured("dict", config) and config.settings_of("dict").dict_capacity_mib == 1
     assert registry.hit_source("dict") == "external_unspecified"
     assert registry.slowest(["dict", "cpu", "disk"]) == "dict"
@@ -84,7 +84,7 @@ def test_an_unimportable_tier_module_is_one_sentence():
 
 
 def test_an_unregistered_tier_name_says_how_to_register_one():
-    with pytest.raises(ConfigError, match="unknown tier 'dict'; choose from cpu, disk, redis, s3"):
+    with pytest.raises(ConfigError, match="unknown tier 'dict'; choose from cpu, disk, node, redis, s3"):
         KVTierConfig.from_dict({"tiers": ["cpu", "dict"]})
     with pytest.raises(ConfigError, match="unknown kvtier config key 'dict_capacity_mib'"):
         KVTierConfig.from_dict({"dict_capacity_mib": 1})  # without the module that registers the tier

@@ -21,7 +21,7 @@ from kvtier.core.codecsettings import envelope_args
 from kvtier.core.config import KVTierConfig
 from kvtier.core.encryption import OVERHEAD_BYTES
 from kvtier.core.keys import ChunkKey
-from kvtier.core.tiers import CpuTier, DiskTier, PutResult, Tier, TierContext
+from kvtier.core.tiers import CpuTier, DiskTier, PutResult, Tier, TierContext, builtin
 from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES
 from kvtier.core.tiers.redis import factory as redis_factory
 from kvtier.core.tiers.redis import tier as redis_tier
@@ -306,12 +306,65 @@ def dict_harness(_request: pytest.FixtureRequest, _tmp: Path) -> TierHarness:
     return TierHarness("dict", make, tamper)
 
 
+def node_harness(request: pytest.FixtureRequest, _tmp: Path) -> TierHarness:
+    """The node tier on a real owner (``kvtier node serve``, one for the session: the pool is emptied
+    of both namespaces when a test's harness is made, so each test starts from an empty pool), built as the
+    store builds it (the plug-in: GuardedTier over NodeTier); tampering writes into the shared pages
+    of the pool, stalling SIGSTOPs the owner."""
+    from kvtier.core.tiers.node import protocol
+    from kvtier.core.tiers.node.tier import NodeTier
+    from kvtier.core.tiers.wrappers import unwrap
+
+    server = request.getfixturevalue("node_owner")
+    config = KVTierConfig.from_dict({"node_socket": server.socket, "shared_deadline_s": 2.0,
+                                     "shared_transfer_deadline_s": 2.0})
+
+    def make(ns: bytes) -> Tier:
+        tier = builtin.NODE.build(TierContext(config, ns, CHUNK, 1, CollectorRegistry()))
+        assert tier is not None
+        return tier
+
+    for ns in (NS, OTHER_NS):  # what earlier tests left (their writers gone: counted by the next writer)
+        cleaner = make(ns)
+        try:
+            assert cleaner.clear().ok
+        finally:
+            cleaner.close()
+    assert server.stats().num_values == 0
+
+    def tamper(tier: Tier, key: ChunkKey, how: str) -> None:
+        inner = unwrap(tier)
+        assert isinstance(inner, NodeTier)
+        reply, pool, serial = inner.client.call(protocol.Pin(inner.namespace, [bytes(key)], []))
+        assert isinstance(reply, protocol.Pinned) and reply.leases[0] is not None
+        lease, page, nbytes, _gen = reply.leases[0]
+        value = pool.value(page, nbytes)
+        if how == "flip":
+            value[VALUE_HEADER_BYTES + 17] ^= 0x01
+        elif how == "truncate":  # a value's length is the owner's: its tail is lost (zeroed) instead
+            value[VALUE_HEADER_BYTES + CHUNK // 2:] = bytes(nbytes - VALUE_HEADER_BYTES - CHUNK // 2)
+        elif how == "foreign":
+            value[:] = ValueCodec(OTHER_NS, None).encode(key, bytes(value[VALUE_HEADER_BYTES:]))
+        inner.client.release_later(serial, [lease])
+
+    @contextlib.contextmanager
+    def stall(tier: Tier, key: ChunkKey) -> Iterator[None]:
+        server.pause()
+        try:
+            yield
+        finally:
+            server.resume()
+
+    return TierHarness("node", make, tamper, stall, capacity_chunks=None, deadline_s=4.0)
+
+
 HARNESSES: dict[str, Callable[[pytest.FixtureRequest, Path], TierHarness]] = {
     "cpu": cpu_harness,
     "dict": dict_harness,
     "disk-buffered": disk_harness,
     "disk-direct": lambda request, tmp: disk_harness(request, tmp, "direct"),
     "disk-aes": lambda request, tmp: disk_harness(request, tmp, encrypted=True),
+    "node": node_harness,
     "redis": redis_harness,
     "redis-aes": redis_aes_harness,
     "redis-zstd-aes": redis_zstd_aes_harness,

@@ -149,6 +149,7 @@ COMMAND_MODULES = (
     "kvtier.cli.check",
     "kvtier.cli.doctor",
     "kvtier.cli.stored",
+    "kvtier.cli.node",
 )
 
 def _import_tier_modules() -> None:

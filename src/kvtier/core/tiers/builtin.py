@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvtier.core.tiers.node.settings import NodeSettings
 from kvtier.core.tiers.plugin import PluginDefaults
 from kvtier.core.tiers.redis.settings import RedisSettings
 from kvtier.core.tiers.s3.settings import S3Settings
@@ -115,7 +116,35 @@ class S3Plugin(PluginDefaults):
         return open_blobs(config, deadline_s)
 
 
+class NodePlugin(PluginDefaults):
+    """The node tier: this host's shared DRAM pool, owned by ``kvtier node serve``
+    (:mod:`kvtier.core.tiers.node`)."""
+
+    settings: type[Any] | None = NodeSettings
+
+    def build(self, ctx: TierContext) -> Tier | None:
+        from kvtier.core.tiers.node.factory import from_config
+
+        return from_config(ctx)
+
+    def configured(self, config: KVTierConfig) -> bool:
+        from kvtier.core.tiers.node.settings import node_settings
+
+        return bool(node_settings(config).node_socket)
+
+    def check(self, config: KVTierConfig) -> list[tuple[str, str]]:
+        from kvtier.core.tiers.node.factory import check
+
+        return check(config)
+
+    def blobs(self, config: KVTierConfig, deadline_s: float | None = None) -> BlobStore | None:
+        from kvtier.core.tiers.node.blobs import open_blobs
+
+        return open_blobs(config, deadline_s)
+
+
 CPU = CpuPlugin()
 DISK = DiskPlugin()
 REDIS = RedisPlugin()
 S3 = S3Plugin()
+NODE = NodePlugin()

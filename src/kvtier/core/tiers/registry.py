@@ -115,6 +115,8 @@ BUILTIN = (
     TierSpec("disk", 10, False, "disk", "kvtier.core.tiers.builtin:DISK",
              capabilities=frozenset({"rescannable", "generational", "exact_usage"}), keys=("disk_path", "disk_gib"),
              medium="STORAGE"),
+    TierSpec("node", 15, True, "host", "kvtier.core.tiers.builtin:NODE", keys=("node_socket",),
+             capabilities=frozenset({"registers_memory"})),
     TierSpec("redis", 20, True, "external_unspecified", "kvtier.core.tiers.builtin:REDIS", keys=("redis_url",),
              model=REDIS_MODEL, packages=("redis",)),
     TierSpec("s3", 30, True, "external_unspecified", "kvtier.core.tiers.builtin:S3",

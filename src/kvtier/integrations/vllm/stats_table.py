@@ -154,13 +154,16 @@ def counters() -> dict[str, tuple[str, str, tuple[str, ...]]]:
 
 def gauges() -> dict[str, tuple[str, str, str | None]]:
     """Payload gauge name -> (prometheus name, help, ``tier`` label value or None), for the
-    registered tiers: usage, capacity and pins of each local tier, the breaker of each shared one."""
+    registered tiers: usage, capacity and pins of each local tier, the breaker and usage (what the engine
+    wrote) of each shared one."""
     out: dict[str, tuple[str, str, str | None]] = {}
     for spec in registry.specs():
         t = spec.name
         if spec.shared:
             out[f"{t}_breaker_state"] = (f"kvtier_{t}_breaker_state", (f"Shared-tier ({t}) circuit breaker, summed "
                                          "over ranks: 0 closed everywhere; 1 half-open, 2 open per rank."), None)
+            # a shared tier's usage is what this engine wrote (Tier.usage): summed over engines, each value once
+            out[f"usage_bytes_{t}"] = ("kvtier_usage_bytes", "Bytes held by kvtier, by tier (all ranks).", t)
             continue
         out[f"usage_bytes_{t}"] = ("kvtier_usage_bytes", "Bytes held by kvtier, by tier (all ranks).", t)
         out[f"capacity_bytes_{t}"] = ("kvtier_capacity_bytes", "kvtier capacity in bytes, by tier (all ranks).", t)
@@ -241,6 +244,7 @@ def store_gauges(s: StoreStats) -> dict[str, float]:
         if spec.shared:
             if stats.wire is not None:
                 out[f"{t}_breaker_state"] = stats.wire.breaker_state
+            out[f"usage_bytes_{t}"] = stats.used_bytes
             continue
         out.update({f"{TENANT_PREFIX}{t}|{label}": used for label, used in stats.tenant_used_bytes.items()})
         out.update({f"usage_bytes_{t}": stats.used_bytes, f"capacity_bytes_{t}": stats.capacity_bytes,

@@ -1,0 +1,71 @@
+"""The node tier (one shared DRAM pool per host, docs/node.md): a pool too small to be worth
+sharing, and a ``/dev/shm`` in the manifest too small for the pool.
+
+Both read the engine's kvtier settings (``node_socket`` asks for the tier, ``node_gib`` says the
+pool's size as its owner was started with ``kvtier node serve --node-gib``); without ``node_gib``
+they say nothing.
+"""
+
+from __future__ import annotations
+
+import posixpath
+
+from kvtier.audit.model import ServeConfig
+from kvtier.audit.rules.base import rule
+from kvtier.audit.rules.deploy import _kvtier_extra, _left_out, _number, _under
+
+_DOCS = "kvtier docs/node.md"
+
+
+def _node_gib(c: ServeConfig) -> float | None:
+    """``node_gib`` when the node tier is on (a socket, a size, its tier in ``tiers`` if given)."""
+    extra = _kvtier_extra(c)
+    if extra is None or not extra.get("node_socket") or _left_out(extra, "node_socket"):
+        return None
+    gib = _number(extra.get("node_gib"), 0.0)
+    return gib if gib > 0 else None
+
+
+@rule("kvtier-node-pool-below-working-set", "warning", "node pool smaller than one engine's own cpu tier",
+      "Size the node pool (kvtier node serve --node-gib, and node_gib here) at least as large as one engine's "
+      "cpu_gib, and more for several engines: kvtier size prints it.",
+      f"{_DOCS} § Sizing", locate="node_gib")
+def kvtier_node_pool_below_working_set(c: ServeConfig) -> str | None:
+    node_gib = _node_gib(c)
+    extra = _kvtier_extra(c)
+    if node_gib is None or extra is None:
+        return None
+    cpu_gib = _number(extra.get("cpu_gib"), 4.0)  # KVTierConfig's default
+    if node_gib >= cpu_gib:
+        return None
+    return (f"node_gib {node_gib:g} GiB is less than this engine's own cpu tier (cpu_gib {cpu_gib:g} GiB), its hot "
+            "working set: the pool shared by every engine on the host cannot hold even one engine's hot chunks, so "
+            "a neighbour's prefix is evicted before another engine asks for it.")
+
+
+@rule("kvtier-node-shm-below-pool", "error", "the shared-memory volume of the node pool smaller than node_gib",
+      "Give the volume holding the pool (beside node_socket: an emptyDir with medium Memory, /dev/shm, or a "
+      "hugetlbfs mount) a sizeLimit of at least node_gib, or mount the host's /dev/shm directory as the deploy files "
+      "do (deploy/kubernetes/node-tier/).",
+      f"Kubernetes volumes (kubernetes.io/docs/concepts/storage/volumes/#emptydir); {_DOCS} § Memory",
+      locate="node_gib")
+def kvtier_node_shm_below_pool(c: ServeConfig) -> str | None:
+    """The pool lives beside its owner's socket (``kvtier node serve --pool DIR/pool --socket
+    DIR/node.sock``, docs/node.md): the memory-backed volume holding ``node_socket`` must hold
+    ``node_gib``."""
+    node_gib = _node_gib(c)
+    extra = _kvtier_extra(c)
+    if node_gib is None or extra is None or c.pod is None:
+        return None
+    where = posixpath.dirname(posixpath.normpath(str(extra["node_socket"])))
+    holding = [m for m in c.pod.mounts if _under(where, m.path)]
+    if not holding:
+        return None
+    mount = max(holding, key=lambda m: len(posixpath.normpath(m.path)))
+    in_ram = (mount.medium or "").lower() == "memory" or posixpath.normpath(mount.path) == "/dev/shm"
+    if not in_ram or mount.size_gib is None or mount.size_gib >= node_gib - 1e-9:
+        return None
+    return (f"the memory volume at {mount.path}, which holds the node pool beside node_socket, holds "
+            f"{mount.size_gib:,.4g} GiB ({mount.size_source}), less than node_gib {node_gib:g} GiB: the pool's memory "
+            "cannot be reserved there (its owner refuses to start, or the emptyDir past its sizeLimit gets the pod "
+            "evicted).")

@@ -1,0 +1,64 @@
+"""``kvtier node serve``: run this host's node pool owner (:mod:`kvtier.core.tiers.node.server`)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import typer
+
+from kvtier.cli.errors import fail
+from kvtier.core.errors import UserError
+
+HELP = """Run this host's node pool: one DRAM pool in shared memory that every kvtier engine on the host uses as its node tier (engines name its --socket as node_socket; docs/node.md).
+
+The owner keeps the pool's index, eviction (least recently used first) and the engines' leases; payload bytes move directly between the engines and the mapped pool, never through the socket. Restarting the owner keeps the pool warm (same --pool, --node-gib and --page-kib). Stops on SIGTERM or SIGINT.
+
+Example:
+
+  kvtier node serve --pool /dev/shm/kvtier-node --node-gib 64 --socket /run/kvtier/node.sock
+"""
+
+node_app = typer.Typer(help="The host's shared DRAM pool (the node tier): run its owner.", no_args_is_help=True)
+
+
+def serve_command(
+    pool: Path = typer.Option(..., "--pool", help="The pool file, under /dev/shm or a hugetlbfs mount.",
+                              metavar="PATH"),
+    node_gib: float = typer.Option(..., "--node-gib", help="The pool's size in GiB (memory reserved at start).",
+                                   metavar="N"),
+    socket: Path = typer.Option(..., "--socket", help="The UNIX socket the engines connect to (their node_socket).",
+                                metavar="PATH"),
+    page_kib: int = typer.Option(256, "--page-kib", help="One page in KiB; a chunk takes whole pages.",
+                                 metavar="N"),
+    lease_s: float = typer.Option(30.0, "--lease-s", help="Longest an engine's lease lives if it stalls, seconds.",
+                                  metavar="S"),
+    max_clients: int = typer.Option(256, "--max-clients", help="Engine connections served at once.", metavar="N"),
+    verbose: bool = typer.Option(False, "--verbose", help="Log each connection and lease expiry."),
+) -> None:
+    from kvtier.core.tiers.node.server import ServeOptions, serve
+
+    if not 0 < node_gib <= 1 << 20:
+        fail(f"--node-gib {node_gib:g} is out of range; give the pool's size in GiB, e.g. --node-gib 64")
+    if not 4 <= page_kib <= 1 << 20 or page_kib & (page_kib - 1):
+        fail(f"--page-kib {page_kib} must be a power of two from 4 to 1048576, e.g. --page-kib 256")
+    if not 0 < lease_s <= 3600:
+        fail(f"--lease-s {lease_s:g} must be above 0 and at most 3600 seconds, e.g. --lease-s 30")
+    if max_clients < 1:
+        fail(f"--max-clients {max_clients} must be at least 1")
+    if not pool.parent.is_dir():
+        fail(f"--pool {pool}: directory {pool.parent} does not exist; give a file under /dev/shm or a hugetlbfs "
+             "mount")
+    if pool.is_dir():
+        fail(f"--pool {pool} is a directory; give a file name in it, e.g. {pool / 'kvtier-node'}")
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(message)s")
+    try:
+        serve(ServeOptions(pool, node_gib, socket, page_kib, lease_s, max_clients))
+    except UserError as exc:
+        fail(str(exc).rstrip(".") + ".")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``kvtier node`` to the CLI."""
+    node_app.command("serve", help=HELP)(serve_command)
+    app.add_typer(node_app, name="node")

@@ -1,0 +1,170 @@
+"""An engine's connection to the node pool's owner, and its mapping of the pool.
+
+Blocking, one request in flight (a lock), each send and receive bounded by ``timeout_s``.  Any
+fault (no owner, a timeout, a closed connection, a refusal) closes the connection and raises
+:class:`NodeUnavailable`; the next call connects again (re-attach), and maps the pool again if
+the owner recreated it (another pool id).  Releases of read leases are queued here and ride on
+the next ``pin`` or ``alloc`` (or a ``release`` once :data:`RELEASE_BATCH` are queued): a read's
+verify-and-copy half touches no socket.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+
+from kvtier.core.tiers.node import protocol as p
+from kvtier.core.tiers.node.pool import Pool, PoolError, open_pool
+
+RELEASE_BATCH = 256
+"""Queued releases that are sent on their own rather than with the next request."""
+
+
+class NodeUnavailable(ConnectionError):
+    """The node pool's owner did not answer (dead, stalled, refusing); one sentence."""
+
+
+class NodeClient:
+    """See the module docstring.
+
+    Args:
+        socket_path: the owner's UNIX socket (``node_socket``).
+        timeout_s: bound of each connect, send and receive, seconds.
+        client: a name for the owner's logs (host, pid, role).
+    """
+
+    def __init__(self, socket_path: str, timeout_s: float, client: str) -> None:
+        self.socket_path = socket_path
+        self.timeout_s = timeout_s
+        self.client = client
+        self.pool: Pool | None = None
+        self.epoch = 0
+        self.attached = 0  # connections made (1 = first; more = re-attached)
+        self.usage = (0, 0)  # (bytes, values) this connection is counted for, as of the owner's last reply
+        self.on_map: Callable[[Pool | None, Pool], None] | None = None  # told of each pool mapped (pinning)
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._releases: list[int] = []
+        self._conn_serial = 0  # bumps per connection: a lease of an older one is never released on a newer
+
+    @property
+    def serial(self) -> int:
+        """The current connection's serial (leases are valid only on the connection that took them)."""
+        return self._conn_serial
+
+    def release_later(self, serial: int, leases: list[int]) -> None:
+        """Queue ``leases`` (taken on connection ``serial``) for release with the next request."""
+        with self._lock:
+            if serial == self._conn_serial and self._sock is not None:
+                self._releases.extend(leases)
+
+    def take_releases(self) -> list[int]:
+        """The queued releases (the caller sends them in its request; the lock is held)."""
+        out, self._releases = self._releases, []
+        return out
+
+    def call(self, build: p.Request | Callable[[list[int]], p.Request]) -> tuple[p.Reply, Pool, int]:
+        """Send the request ``build`` returns (a message, or a function of the queued releases
+        returning one) and return ``(reply, pool, connection serial)``.
+
+        Raises:
+            NodeUnavailable: no answer within ``timeout_s``, or a refusal.
+        """
+        with self._lock:
+            for attempt in (0, 1):
+                fresh = self._sock is None
+                try:
+                    sock, pool = self._connected()
+                    request = build if isinstance(build, msgspec.Struct) else build(self.take_releases())
+                    sock.sendall(p.frame(request))
+                    reply = self._recv(sock)
+                    break
+                except ConnectionError as exc:
+                    self._close()
+                    if fresh or attempt or isinstance(exc, NodeUnavailable):
+                        raise NodeUnavailable(f"the node pool's owner at {self.socket_path} did not answer "
+                                              f"({exc.__class__.__name__}: {exc})") from None
+                    # a connection to an owner that has gone (restarted): connect again at once, once
+                except (OSError, ValueError, msgspec.DecodeError) as exc:
+                    self._close()
+                    raise NodeUnavailable(f"the node pool's owner at {self.socket_path} did not answer "
+                                          f"({exc.__class__.__name__}: {exc})") from None
+            if isinstance(reply, p.Refused):
+                self._close()
+                raise NodeUnavailable(f"the node pool's owner at {self.socket_path} refused: {reply.reason}")
+            if isinstance(reply, (p.Found, p.Pinned, p.Allocated, p.Done, p.KeyList)):
+                self.usage = reply.usage
+            elif isinstance(reply, p.UsageReply):
+                self.usage = (reply.used_bytes, reply.num_values)
+            return reply, pool, self._conn_serial
+
+    def flush(self) -> None:
+        """Send the queued releases now (a best effort: a fault leaves them to the lease expiry)."""
+        with self._lock:
+            if not self._releases or self._sock is None:
+                return
+        try:
+            self.call(lambda rel: p.Release(rel))
+        except NodeUnavailable:
+            pass
+
+    def _recv(self, sock: socket.socket) -> p.Reply:
+        n = p.frame_length(p.recv_exactly(sock, 4))
+        return p.REPLIES.decode(p.recv_exactly(sock, n))
+
+    def _connected(self) -> tuple[socket.socket, Pool]:
+        if self._sock is not None and self.pool is not None:
+            return self._sock, self.pool
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout_s)
+        try:
+            sock.connect(self.socket_path)
+            sock.sendall(p.frame(p.Hello(p.VERSION, self.client)))
+            welcome = self._recv(sock)
+            if isinstance(welcome, p.Refused):
+                raise NodeUnavailable(f"the node pool's owner at {self.socket_path} refused: {welcome.reason}")
+            if not isinstance(welcome, p.Welcome):
+                raise NodeUnavailable(f"expected a welcome, got {type(welcome).__name__}")
+            if self.pool is None or self.pool.pool_id != welcome.pool_id:
+                try:
+                    pool = open_pool(Path(welcome.pool_path))
+                except PoolError as exc:
+                    raise NodeUnavailable(str(exc)) from None
+                if pool.pool_id != welcome.pool_id:
+                    raise NodeUnavailable(f"the pool file {welcome.pool_path} is not the one its owner serves "
+                                          "(recreated meanwhile)")
+                old, self.pool = self.pool, pool  # the old mapping, if any, goes with its last view
+                if self.on_map is not None:
+                    self.on_map(old, pool)
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+        self.epoch = welcome.epoch
+        self.attached += 1
+        self._conn_serial += 1
+        self._releases = []  # leases of the old connection ended with it
+        self.usage = (0, 0)  # a new connection is counted afresh
+        return sock, self.pool
+
+    def _close(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            finally:
+                self._sock = None
+                self._releases = []
+
+    def close(self) -> None:
+        with self._lock:
+            self._close()
+
+
+def client_name(role: str) -> str:
+    """``host:pid:role``, how an engine names itself to the owner (its logs)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{role}"

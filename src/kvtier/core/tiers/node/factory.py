@@ -1,0 +1,57 @@
+"""The node tier from a configuration: its preflight check and factory (the hooks of its plug-in
+object, :data:`kvtier.core.tiers.builtin.NODE`)."""
+
+from __future__ import annotations
+
+import os
+import stat
+from typing import TYPE_CHECKING
+
+from kvtier.core.tiers.breaker import CircuitBreaker
+from kvtier.core.tiers.guarded import GuardedTier
+from kvtier.core.tiers.node.client import NodeClient, client_name
+from kvtier.core.tiers.node.settings import node_settings
+from kvtier.core.tiers.node.tier import NodeTier
+from kvtier.core.tiers.sharedvalue import shared_secret
+
+if TYPE_CHECKING:
+    from kvtier.core.config import KVTierConfig
+    from kvtier.core.tiers.factory import TierContext
+
+
+def check(config: KVTierConfig) -> list[tuple[str, str]]:
+    """The owner's socket, read as start-up would: ``(config key, sentence)`` when it is not a
+    socket.  A missing one is not refused (engines start before their owner and re-attach)."""
+    settings = node_settings(config)
+    path = settings.node_socket
+    if not path:
+        return []
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        if not os.path.isdir(os.path.dirname(path)):
+            return [("node_socket", (f"the directory of node_socket {path} does not exist; mount the node pool's "
+                                     "volume there or fix the path"))]
+        return []
+    except OSError as exc:
+        return [("node_socket", f"node_socket {path} cannot be read ({exc.strerror}); fix its permissions")]
+    if not stat.S_ISSOCK(mode):
+        return [("node_socket", (f"node_socket {path} is not a socket; give the path kvtier node serve --socket "
+                                 "listens on"))]
+    return []
+
+
+def from_config(ctx: TierContext) -> GuardedTier | None:
+    """The node tier behind :class:`~kvtier.core.tiers.guarded.GuardedTier`, or ``None`` without
+    ``node_socket``.  The owner need not be up: until it answers, every call is a miss."""
+    config = ctx.config
+    settings = node_settings(config)
+    if not settings.node_socket:
+        return None
+    client = NodeClient(settings.node_socket, settings.node_timeout_s, client_name(f"ns={ctx.namespace.hex()[:8]}"))
+    inner = NodeTier(client, ctx.namespace, shared_secret(config), config.shared_transfer_deadline_s)
+    return GuardedTier(inner, config.shared_deadline_s, config.shared_transfer_deadline_s, config.io_threads,
+                       config.shared_queue_depth,
+                       CircuitBreaker(settings.node_breaker_failures, settings.node_breaker_probe_s),
+                       registry=ctx.registry, where=settings.node_socket,
+                       clear_deadline_s=config.shared_transfer_deadline_s)

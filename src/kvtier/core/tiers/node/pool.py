@@ -1,0 +1,173 @@
+"""The node pool's memory: one file in shared memory (``/dev/shm`` or a hugetlbfs mount), mapped
+by the owner and by every engine that uses it.
+
+Layout (little-endian)::
+
+    offset 0              the header, 4096 bytes: magic b"KVTNODE1", pool id (16 random bytes,
+                          new each time the file is created), page bytes, pages, epoch (bumped by
+                          every owner start), data offset
+    4096                  generations: one uint64 per page, the allocation that last granted it
+    4096 + 8 * pages      heads: one uint64 per page, value bytes + 1 where a committed value
+                          starts, else 0 (what a restarted owner rebuilds its index from)
+    data offset           the pages (the data offset is a multiple of 2 MiB, a huge page)
+
+Only the owner writes the header, the generations and the heads; engines write the pages they
+were granted and read the pages they pinned.  A value (an envelope, :mod:`kvtier.core.envelope`)
+occupies consecutive pages from its first.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+MAGIC = b"KVTNODE1"
+HEADER_BYTES = 4096
+ALIGN_BYTES = 2 << 20
+"""The data offset's alignment: a 2 MiB huge page (x86-64's default hugetlbfs page size)."""
+_HEADER = struct.Struct("<8s16sQQQQ")
+
+
+class PoolError(OSError):
+    """The pool file is missing, of another format or of another size than the owner says."""
+
+
+def pages_for(total_bytes: int, page_bytes: int) -> tuple[int, int]:
+    """``(pages, data offset)`` of a pool file of ``total_bytes`` with pages of ``page_bytes``.
+
+    Raises:
+        ValueError: not room for one page.
+    """
+    pages = (total_bytes - HEADER_BYTES) // (page_bytes + 16)
+    while pages > 0:
+        offset = -(-(HEADER_BYTES + 16 * pages) // ALIGN_BYTES) * ALIGN_BYTES
+        if offset + pages * page_bytes <= total_bytes:
+            return pages, offset
+        pages -= max(1, (offset + pages * page_bytes - total_bytes) // page_bytes)
+    raise ValueError(f"a pool of {total_bytes} bytes has no room for one page of {page_bytes} bytes")
+
+
+@dataclass
+class Pool:
+    """A mapped pool file.
+
+    Attributes:
+        path: the file.
+        pool_id: its 16-byte id (new when the file was created).
+        page_bytes / num_pages / data_offset: the layout above.
+        gens / heads: uint64 views of the generations and heads (shared memory).
+        data: a uint8 view of the pages.
+        epoch: the header's epoch when mapped (the owner bumps it on start).
+    """
+
+    path: Path
+    pool_id: bytes
+    page_bytes: int
+    num_pages: int
+    data_offset: int
+    gens: np.ndarray
+    heads: np.ndarray
+    data: np.ndarray
+    epoch: int
+    _map: mmap.mmap
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_pages * self.page_bytes
+
+    def value(self, page: int, nbytes: int) -> memoryview:
+        """The ``nbytes`` bytes from the start of ``page`` (a view of shared memory)."""
+        start = page * self.page_bytes
+        return memoryview(self.data[start:start + nbytes])  # type: ignore[arg-type]
+
+    def pages_of(self, nbytes: int) -> int:
+        """Pages a value of ``nbytes`` occupies (at least one)."""
+        return max(1, -(-nbytes // self.page_bytes))
+
+    def same_generation(self, page: int, nbytes: int, gen: int) -> bool:
+        """Whether every page of the value at ``page`` still carries generation ``gen``."""
+        return bool((self.gens[page:page + self.pages_of(nbytes)] == gen).all())
+
+    def set_epoch(self, epoch: int) -> None:
+        """Write ``epoch`` into the header (the owner, on start)."""
+        self.epoch = epoch
+        self._map[:_HEADER.size] = _HEADER.pack(MAGIC, self.pool_id, self.page_bytes, self.num_pages, epoch,
+                                                self.data_offset)
+
+    def close(self) -> None:
+        """Unmap (views taken from it must be gone; a view still alive keeps the map open)."""
+        del self.gens, self.heads, self.data
+        try:
+            self._map.close()
+        except BufferError:  # a caller still holds a view: the map goes with it
+            pass
+
+
+def _map(path: Path, size: int) -> mmap.mmap:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+
+
+def _views(path: Path, m: mmap.mmap) -> Pool:
+    magic, pool_id, page_bytes, num_pages, epoch, data_offset = _HEADER.unpack(m[:_HEADER.size])
+    if magic != MAGIC:
+        raise PoolError(f"{path} is not a kvtier node pool (its first bytes are not {MAGIC!r})")
+    if data_offset + num_pages * page_bytes > len(m):
+        raise PoolError(f"{path} is shorter than its header says")
+    gens = np.frombuffer(m, dtype="<u8", count=num_pages, offset=HEADER_BYTES)
+    heads = np.frombuffer(m, dtype="<u8", count=num_pages, offset=HEADER_BYTES + 8 * num_pages)
+    data = np.frombuffer(m, dtype=np.uint8, count=num_pages * page_bytes, offset=data_offset)
+    return Pool(path, pool_id, page_bytes, num_pages, data_offset, gens, heads, data, epoch, m)
+
+
+def open_pool(path: Path) -> Pool:
+    """Map an existing pool file (an engine; the owner on restart).
+
+    Raises:
+        PoolError: it is missing, unreadable or not a pool.
+    """
+    try:
+        size = path.stat().st_size
+        if size < HEADER_BYTES:
+            raise PoolError(f"{path} is not a kvtier node pool (only {size} bytes)")
+        return _views(path, _map(path, size))
+    except PoolError:
+        raise
+    except (OSError, ValueError) as exc:
+        raise PoolError(f"cannot map the node pool {path}: {exc}") from None
+
+
+def create_pool(path: Path, total_bytes: int, page_bytes: int) -> Pool:
+    """Create (or recreate, emptied) the pool file of ``total_bytes`` at ``path`` and map it.
+
+    Raises:
+        PoolError: the file cannot be created or sized (no room in ``/dev/shm``, a hugetlbfs
+            without enough huge pages).
+        ValueError: not room for one page.
+    """
+    pages, offset = pages_for(total_bytes, page_bytes)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.new")
+    try:
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, total_bytes)
+            # reserve the memory now: a page of a sparse tmpfs file that finds no room when first
+            # written is a SIGBUS in the engine writing it, not an error anyone can answer
+            os.posix_fallocate(fd, 0, total_bytes)
+        finally:
+            os.close(fd)
+        m = _map(tmp, total_bytes)
+        m[:_HEADER.size] = _HEADER.pack(MAGIC, os.urandom(16), page_bytes, pages, 0, offset)
+        os.replace(tmp, path)  # engines map the file only once it is whole
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise PoolError(f"cannot create the node pool {path} of {total_bytes} bytes: {exc}") from None
+    return _views(path, m)

@@ -1,0 +1,255 @@
+"""The node pool's owner: ``kvtier node serve`` (:mod:`kvtier.cli.node`) runs :func:`serve`.
+
+One process per host.  It creates (or, on a restart, takes over) the pool file, keeps the
+placement state (:class:`~kvtier.core.tiers.node.index.PoolIndex`) and answers the engines'
+messages (:mod:`~kvtier.core.tiers.node.protocol`) on a UNIX socket, one asyncio event loop, no
+payload bytes.  Bounded: at most ``max_clients`` connections (one more is refused with one
+sentence), one request in flight per connection, frames of at most
+:data:`~kvtier.core.tiers.node.protocol.MAX_FRAME_BYTES`; leases end when their connection closes
+and after ``lease_s``.
+
+Owner restart: the pool file is reused when its layout matches (same size and page bytes): the
+epoch is bumped, generations continue above the pool's highest, and the committed values the
+heads mark are indexed again (:meth:`~kvtier.core.tiers.node.index.PoolIndex.recover`), so engines
+find it warm.  Two owners of one pool are refused before either touches it (an exclusive ``flock``
+on ``<pool>.lock``, which the kernel drops when the owner dies).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+from kvtier.core import envelope
+from kvtier.core.errors import UserError
+from kvtier.core.tiers.node import protocol as p
+from kvtier.core.tiers.node.index import Name, PoolIndex
+from kvtier.core.tiers.node.pool import Pool, PoolError, create_pool, open_pool
+
+log = logging.getLogger(__name__)
+
+
+class ServeOptions(NamedTuple):
+    """What ``kvtier node serve`` was given.
+
+    Attributes:
+        pool: the pool file (under /dev/shm or a hugetlbfs mount).
+        node_gib: its size, GiB (2^30 bytes).
+        socket: the UNIX socket engines connect to (their ``node_socket``).
+        page_kib: bytes of one page, KiB (a value takes whole pages).
+        lease_s: longest a lease lives without its connection closing, seconds.
+        max_clients: connections served at once.
+    """
+
+    pool: Path
+    node_gib: float
+    socket: Path
+    page_kib: int = 256
+    lease_s: float = 30.0
+    max_clients: int = 256
+
+
+def lock_pool(pool: Path) -> int:
+    """An exclusive ``flock`` on ``<pool>.lock`` (taken before the pool is touched, so a second owner
+    started by mistake never recreates a live owner's pool); the lock's fd.  The kernel drops it
+    when the owner dies.
+
+    Raises:
+        UserError: another owner holds it, or it cannot be created (one sentence).
+    """
+    path = pool.with_name(pool.name + ".lock")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise UserError(f"cannot create the pool's lock file {path} ({exc.strerror}); check --pool's directory "
+                        "permissions") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise UserError(f"another kvtier node owner serves the pool {pool}; stop it first or give another "
+                        "--pool") from None
+    return fd
+
+
+def take_pool(opts: ServeOptions) -> Pool:
+    """The pool file mapped for this owner (whose lock :func:`lock_pool` holds): the existing one
+    when its layout matches, else created anew; its epoch bumped.
+
+    Raises:
+        UserError: it cannot be created (one sentence).
+    """
+    total = int(opts.node_gib * (1 << 30))
+    page_bytes = opts.page_kib << 10
+    pool: Pool | None = None
+    if opts.pool.exists():
+        try:
+            pool = open_pool(opts.pool)
+        except PoolError as exc:
+            log.warning("kvtier node: %s; creating the pool anew", exc)
+        if pool is not None and (pool.page_bytes != page_bytes or opts.pool.stat().st_size != total):
+            log.warning("kvtier node: the pool %s has another size or page size; creating it anew", opts.pool)
+            pool.close()
+            pool = None
+    if pool is None:
+        try:
+            pool = create_pool(opts.pool, total, page_bytes)
+        except (PoolError, ValueError) as exc:
+            raise UserError(f"{exc}; check --pool, --node-gib and that the mount has that much room") from None
+    pool.set_epoch(pool.epoch + 1)
+    return pool
+
+
+class Owner:
+    """The owner's state and its message handler (one event loop)."""
+
+    def __init__(self, pool: Pool, opts: ServeOptions) -> None:
+        self.pool = pool
+        self.opts = opts
+        self.index = PoolIndex(pool.gens, pool.heads, pool.page_bytes, opts.lease_s)
+        recovered = self.index.recover(self._name_at)
+        log.info("kvtier node: pool %s, %d pages of %d KiB, epoch %d, %d values taken back", pool.path,
+                 pool.num_pages, opts.page_kib, pool.epoch, recovered)
+        self._next_conn = 1
+
+    def _name_at(self, page: int, nbytes: int) -> Name | None:
+        if nbytes < envelope.FIXED_BYTES:
+            return None
+        try:
+            head = envelope.decode_header(self.pool.value(page, envelope.FIXED_BYTES))
+        except Exception:  # noqa: BLE001 - an unreadable header is a value not taken back
+            return None
+        if head.header_bytes + head.stored_bytes != nbytes:
+            return None
+        return bytes(head.namespace), bytes(head.key)
+
+    def handle(self, conn: int, req: p.Request) -> p.Reply:
+        """One request's reply (the index is only ever touched from the event loop)."""
+        now = time.monotonic()
+        ix = self.index
+        if isinstance(req, p.Pin):
+            ix.release(conn, req.release)
+            return p.Pinned(ix.pin(conn, req.namespace, req.keys, now))
+        if isinstance(req, p.Alloc):
+            ix.release(conn, req.release)
+            return p.Allocated(ix.alloc(conn, req.namespace, req.keys, req.value_bytes, now))
+        if isinstance(req, p.Commit):
+            ix.release(conn, req.abort)
+            return p.Done(ix.commit(conn, req.leases))
+        if isinstance(req, p.Lookup):
+            return p.Found(ix.lookup(req.namespace, req.keys))
+        if isinstance(req, p.Release):
+            ix.release(conn, req.leases)
+            return p.Done([])
+        if isinstance(req, p.Delete):
+            return p.Done(ix.delete(req.namespace, req.keys))
+        if isinstance(req, p.Clear):
+            return p.KeyList(ix.clear(req.namespace))
+        if isinstance(req, p.Keys):
+            return p.KeyList(ix.keys(req.namespace))
+        if isinstance(req, p.Listing):
+            return p.Listed(*ix.listing(req.namespaces, req.start, min(req.limit, 10_000)))
+        if isinstance(req, p.Usage):
+            return p.UsageReply(*ix.usage_of(conn))
+        if isinstance(req, p.Stats):
+            return p.StatsReply(ix.used_bytes(), self.pool.capacity_bytes, len(ix.values), len(ix.leases),
+                                len(ix.clients), self.pool.epoch, ix.problem())
+        return p.Refused("a second hello on one connection")
+
+    async def connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = self._next_conn
+        self._next_conn += 1
+        try:
+            hello = p.REQUESTS.decode(await reader.readexactly(p.frame_length(await reader.readexactly(4))))
+            if not isinstance(hello, p.Hello) or hello.version != p.VERSION:
+                writer.write(p.frame(p.Refused(f"this node pool's owner speaks protocol version {p.VERSION}; run "
+                                               "the same kvtier version on the engines and the owner")))
+                return
+            if len(self.index.clients) >= self.opts.max_clients:
+                writer.write(p.frame(p.Refused(f"the node pool's owner serves {self.opts.max_clients} connections "
+                                               "already; raise --max-clients")))
+                return
+            self.index.attach(conn, hello.client, time.monotonic())
+            writer.write(p.frame(p.Welcome(str(self.pool.path), self.pool.pool_id, self.pool.epoch,
+                                           self.opts.lease_s)))
+            while True:
+                await writer.drain()
+                body = await reader.readexactly(p.frame_length(await reader.readexactly(4)))
+                reply = self.handle(conn, p.REQUESTS.decode(body))
+                if isinstance(reply, (p.Found, p.Pinned, p.Allocated, p.Done, p.KeyList)):
+                    reply.usage = self.index.usage_of(conn)
+                writer.write(p.frame(reply))
+        except (asyncio.IncompleteReadError, ConnectionError, ValueError) as exc:
+            log.debug("kvtier node: connection %d ended: %s", conn, exc)  # (msgspec's DecodeError is a ValueError)
+        finally:
+            self.index.drop(conn)
+            writer.close()
+
+    async def expiry(self) -> None:
+        while True:
+            await asyncio.sleep(max(self.opts.lease_s / 4, 0.05))
+            if n := self.index.expire(time.monotonic()):
+                log.info("kvtier node: %d leases expired (an engine stalled)", n)
+
+
+def claim_socket(path: Path) -> None:
+    """Remove a stale socket file at ``path``.
+
+    Raises:
+        UserError: a live owner answers on it, or the directory does not exist.
+    """
+    if not path.parent.is_dir():
+        raise UserError(f"--socket {path}: directory {path.parent} does not exist; create it or give another path")
+    if path.exists() or path.is_socket():
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            path.unlink(missing_ok=True)  # nobody listens: left by an owner that died
+        else:
+            raise UserError(f"another kvtier node owner listens on {path}; stop it first or give another --socket")
+        finally:
+            probe.close()
+
+
+async def _serve(opts: ServeOptions, ready: asyncio.Event | None = None) -> None:
+    lock = lock_pool(opts.pool)
+    claim_socket(opts.socket)
+    pool = take_pool(opts)
+    owner = Owner(pool, opts)
+    server = await asyncio.start_unix_server(owner.connection, path=str(opts.socket))
+    os.chmod(opts.socket, 0o660)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    expiry = asyncio.create_task(owner.expiry())
+    log.info("kvtier node: serving %s on %s", opts.pool, opts.socket)
+    print(f"kvtier node: serving the pool {opts.pool} ({pool.capacity_bytes / (1 << 30):.2f} GiB, "
+          f"{pool.num_pages} pages) on {opts.socket}", flush=True)
+    try:
+        async with server:
+            await stop.wait()
+    finally:
+        expiry.cancel()
+        with contextlib.suppress(OSError):
+            opts.socket.unlink()
+        os.close(lock)
+
+
+def serve(opts: ServeOptions) -> None:
+    """Run the owner until SIGTERM/SIGINT.
+
+    Raises:
+        UserError: the pool cannot be created or is owned already, or the socket is taken.
+    """
+    asyncio.run(_serve(opts))

@@ -1,0 +1,333 @@
+"""The node tier on an engine: chunks in the host's shared DRAM pool (:mod:`kvtier.core.tiers.node`).
+
+A shared tier (other engines write it, its owner evicts), used behind
+:class:`~kvtier.core.tiers.guarded.GuardedTier` (:mod:`~kvtier.core.tiers.node.factory`), whose
+data path it keeps (:class:`~kvtier.core.tiers.guarded.SplitTier`):
+
+- **read**: ``fetch_many`` (the wrapper's threads, under the deadline) pins the values, one
+  message for the batch; ``finish_get`` (the caller's thread, no socket) verifies each envelope
+  straight from the shared pages while decoding its payload into the caller's buffer (the one
+  copy a read needs), then checks the pages still carry the pin's generation (if not, the page
+  was reused: a miss, never a served byte) and queues the release.
+- **write**: ``produce`` (the caller's thread) takes the envelope headers (digests);
+  ``send`` (the wrapper's threads) is granted pages (one message), copies header and payload into
+  them and publishes them (one message).  A write abandoned at the deadline is not published
+  (its pages go back); a payload changed after its digest was taken fails verification on read.
+
+The blob verbs (``get``, ``read_into``, ``get_range``) are :class:`~kvtier.core.tiers.envelopetier.EnvelopeTier`'s
+over :meth:`NodeTier.load` (pin, copy out, generation check, release).  Raises
+:class:`~kvtier.core.tiers.node.client.NodeUnavailable` on a fault (the wrapper turns it into
+misses and its breaker).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kvtier.core import codecs, envelope
+from kvtier.core.errors import ChunkFormatError
+from kvtier.core.keys import ChunkKey
+from kvtier.core.stats import WireCounters, WireStats
+from kvtier.core.tenant import TenantRecords, Writer, note_verified
+from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, TierUsage, writers
+from kvtier.core.tiers.envelopetier import EnvelopeTier
+from kvtier.core.tiers.guarded import PutStream, WriteAbandoned, split_get
+from kvtier.core.tiers.node import protocol as p
+from kvtier.core.tiers.node.client import NodeClient
+from kvtier.core.tiers.node.memory import PoolMemory
+from kvtier.core.tiers.node.pool import Pool
+
+log = logging.getLogger(__name__)
+COPY_BLOCK_BYTES = 256 << 10
+"""A read copies and hashes this much at a time, so the hash reads the copy from the core's cache
+(a whole chunk copied first would be hashed from farther away)."""
+Pins = tuple[list[tuple[int, int, int, int] | None], Pool, int]
+"""What ``fetch_many`` hands ``finish_get``: per key (lease, page, value bytes, generation) or
+``None``, the mapped pool, the connection serial."""
+
+
+class NodeTier(PoolMemory, EnvelopeTier):
+    """See the module docstring.
+
+    Args:
+        client: the connection to the owner (:class:`~kvtier.core.tiers.node.client.NodeClient`).
+        namespace / secret: as :class:`~kvtier.core.tiers.envelopetier.EnvelopeTier`.
+        header_wait_s: longest ``send`` waits for ``produce``'s headers, seconds.
+    """
+
+    name = "node"
+    shared = True
+
+    def __init__(self, client: NodeClient, namespace: bytes, secret: bytes | None, header_wait_s: float) -> None:
+        EnvelopeTier.__init__(self, namespace, secret)
+        PoolMemory.__init__(self)
+        self.client = client
+        client.on_map = self._mapped
+        self.where = client.socket_path
+        self.header_wait_s = header_wait_s
+        self.wire = WireCounters()
+        self._lock = threading.Lock()
+
+    def pin_host_memory(self) -> bool:
+        """Register the mapped pool as pinned host memory (and every pool mapped later); whether it
+        is.  Maps it first (one message to the owner); the owner away: ``False``."""
+        try:
+            _, pool, _ = self.client.call(p.Stats())
+        except ConnectionError as exc:
+            log.warning("kvtier: the node pool is not pinned (%s)", exc)
+            self.pin_pool = True
+            return False
+        return self.pin_pool_memory(pool) is None
+
+    def _mapped(self, old: Pool | None, new: Pool) -> None:
+        """The client mapped ``new`` (replacing ``old``): move the pin to it."""
+        if old is not None:
+            self.unregister_memory(old.data)
+        if self.pin_pool:
+            self.pin_pool_memory(new)
+
+    def _keys(self, keys: Sequence[ChunkKey]) -> list[bytes]:
+        return [bytes(k) for k in keys]
+
+    # ---- reads -------------------------------------------------------------------------------
+    def contains(self, key: ChunkKey) -> bool:
+        return self.contains_many([key])[0]
+
+    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        if not keys:
+            return []
+        reply, _, _ = self.client.call(p.Lookup(self.namespace, self._keys(keys)))
+        assert isinstance(reply, p.Found)
+        return reply.present
+
+    def fetch_many(self, keys: Sequence[ChunkKey]) -> Pins:
+        """(:class:`~kvtier.core.tiers.guarded.SplitTier`) Pin ``keys``: one message."""
+        reply, pool, serial = self.client.call(lambda rel: p.Pin(self.namespace, self._keys(keys), rel))
+        assert isinstance(reply, p.Pinned)
+        return reply.leases, pool, serial
+
+    def finish_get(self, keys: Sequence[ChunkKey], fetched: Pins, dsts: Sequence[memoryview],
+                   records: TenantRecords | None = None) -> list[GetResult]:
+        """(:class:`~kvtier.core.tiers.guarded.SplitTier`) Verify and copy each pinned value (see
+        the module docstring); the releases are queued, no socket is touched."""
+        pins, pool, serial = fetched
+        t0 = time.perf_counter()
+        out: list[GetResult] = []
+        done: list[int] = []
+        moved = corrupt = 0
+        for key, pin, dst in zip(keys, pins, dsts, strict=True):
+            if pin is None:
+                out.append(GetResult.MISS)
+                continue
+            lease, page, nbytes, gen = pin
+            done.append(lease)
+            try:
+                record = self._copy_verified(key, pool.value(page, nbytes), dst)
+            except ChunkFormatError as exc:
+                if not pool.same_generation(page, nbytes, gen):
+                    out.append(GetResult.MISS)  # reused under an expired pin: not this value's fault
+                    continue
+                log.warning("kvtier node tier: value of chunk %s is unusable (%s); deleted, treated as a miss",
+                            key.hex(), exc)
+                corrupt += 1
+                out.append(GetResult.CORRUPT)
+                continue
+            if not pool.same_generation(page, nbytes, gen):
+                out.append(GetResult.MISS)  # the page was granted again while we copied: never served
+                continue
+            note_verified(records, self.namespace, key, record)
+            moved += nbytes
+            out.append(GetResult.HIT)
+        self.client.release_later(serial, done)
+        if corrupt:
+            with self._counts:
+                self.corrupt += corrupt
+            self.wire.corrupt(corrupt)
+        self.wire.moved("read", moved, time.perf_counter() - t0)
+        return out
+
+    def _copy_verified(self, key: ChunkKey, value: memoryview, dst: memoryview) -> bytes | None:
+        """Copy ``value``'s payload into ``dst`` and verify the digest over the header and the
+        bytes *in* ``dst`` (what is served, hot in cache after the copy: one pass over the shared
+        pages, not two); the tenant record.  A value in another format or with a codec chain that
+        changes the bytes: :meth:`~kvtier.core.envelope.Envelope.open_into`.
+
+        Raises:
+            ChunkFormatError: as ``open_into`` (``dst`` may then hold unverified bytes).
+        """
+        head = bytes(value[:envelope.FIXED_BYTES])
+        header = envelope.decode_header(head)
+        out = memoryview(dst).cast("B")
+        if header.format != envelope.FORMAT or header.stored_bytes != header.original_bytes \
+                or not codecs.chain_of(header.codecs).passthrough:
+            return self.envelope.open_into(key, value, dst)
+        self.envelope.check(header, key, out.nbytes)
+        if header.stored_bytes != value.nbytes - header.header_bytes:
+            raise envelope.EnvelopeError(f"payload is {value.nbytes - header.header_bytes} bytes, "
+                                         f"header says {header.stored_bytes}")
+        src = value[header.header_bytes:]
+        h = self.envelope.hasher(head[:envelope.DIGEST_OFFSET])
+        for at in range(0, out.nbytes, COPY_BLOCK_BYTES):  # each block hashed while it is in cache
+            block = out[at:at + COPY_BLOCK_BYTES]
+            block[:] = src[at:at + COPY_BLOCK_BYTES]
+            h.update(block)
+        if not hmac.compare_digest(h.digest(), header.digest):
+            raise envelope.EnvelopeError("digest mismatch (corrupt, or written without the shared secret)")
+        return header.record
+
+    def get_into(self, key: ChunkKey, dst: memoryview, records: TenantRecords | None = None) -> GetResult:
+        return self.get_many([key], [dst], records)[0]
+
+    def get_many(self, keys: Sequence[ChunkKey], dsts: Sequence[memoryview],
+                 records: TenantRecords | None = None) -> list[GetResult]:
+        return split_get(self, keys, dsts, lambda: self.fetch_many(keys), self.delete_many, records)
+
+    def load(self, key: ChunkKey) -> bytes | None:
+        """The whole stored value of ``key`` copied out of the pool (the blob verbs' read)."""
+        (pin,), pool, serial = self.fetch_many([key])
+        if pin is None:
+            return None
+        lease, page, nbytes, gen = pin
+        try:
+            value = bytes(pool.value(page, nbytes))
+        finally:
+            self.client.release_later(serial, [lease])
+        return value if pool.same_generation(page, nbytes, gen) else None
+
+    # ---- writes ------------------------------------------------------------------------------
+    def store(self, key: ChunkKey, value: bytes) -> PutResult:
+        """One whole envelope (:class:`~kvtier.core.tiers.envelopetier.EnvelopeTier`'s path)."""
+        return self._write([key], [[value]], [len(value)], threading.Event())[0]
+
+    def put(self, key: ChunkKey, data: memoryview | bytes, tenant: Writer | None = None) -> PutResult:
+        return self.put_many([key], [data], [tenant])[0]
+
+    def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes],
+                 tenants: Sequence[Writer | None] | None = None) -> list[PutResult]:
+        """:meth:`stream_put` on this thread alone: produced, then sent."""
+        stream = self.stream_put(keys, datas, tenants)
+        try:
+            stream.produce(time.perf_counter() + self.header_wait_s)
+            return stream.send()
+        finally:
+            stream.abandon()
+
+    def stream_put(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes],
+                   tenants: Sequence[Writer | None] | None = None) -> PutStream:
+        """(:class:`~kvtier.core.tiers.guarded.SplitTier`) See the module docstring."""
+        who = writers(tenants, len(keys))
+        payloads = [memoryview(d).cast("B") for d in datas]
+        bodies = payloads if self.envelope.chain.passthrough else [self.envelope.chain.encode(v) for v in payloads]
+        headers: list[bytes] = []
+        ready = threading.Event()
+        abandoned = threading.Event()
+
+        def produce(_deadline: float) -> None:
+            for key, body, payload, writer in zip(keys, bodies, payloads, who, strict=True):
+                headers.append(self.envelope.header(key, body, payload.nbytes, writer))
+            ready.set()
+
+        def send() -> list[PutResult]:
+            if not ready.wait(self.header_wait_s) or abandoned.is_set():
+                raise WriteAbandoned("the caller gave up before the headers were taken")
+            return self._write(keys, [[h, b] for h, b in zip(headers, bodies, strict=True)],
+                               [envelope.FIXED_BYTES + b.nbytes for b in bodies], abandoned)
+        return PutStream(send, produce, abandoned.set)
+
+    def _write(self, keys: Sequence[ChunkKey], pieces: list[list[Any]], sizes: list[int],
+               abandoned: threading.Event) -> list[PutResult]:
+        t0 = time.perf_counter()
+        reply, pool, _ = self.client.call(lambda rel: p.Alloc(self.namespace, self._keys(keys), sizes, rel))
+        assert isinstance(reply, p.Allocated)
+        out: list[PutResult] = []
+        written: list[int] = []
+        given_up: list[int] = []
+        for grant, parts in zip(reply.grants, pieces, strict=True):
+            if isinstance(grant, int):
+                out.append(PutResult.PRESENT if grant == p.PRESENT else PutResult.NO_ROOM)
+                continue
+            lease, page, _gen = grant
+            if abandoned.is_set():
+                given_up.append(lease)
+                out.append(PutResult.FAILED)
+                continue
+            at = page * pool.page_bytes
+            for part in parts:
+                n = memoryview(part).nbytes
+                pool.data[at:at + n] = memoryview(part).cast("B")  # type: ignore[call-overload]
+                at += n
+            written.append(lease)
+            out.append(PutResult.STORED)
+        if abandoned.is_set():  # given up at the deadline: publish nothing
+            given_up += written
+            written = []
+            out = [PutResult.FAILED if r is PutResult.STORED else r for r in out]
+        reply, _, _ = self.client.call(p.Commit(written, given_up))
+        assert isinstance(reply, p.Done)
+        ok = iter(reply.ok)
+        out = [(PutResult.STORED if next(ok) else PutResult.FAILED) if r is PutResult.STORED else r for r in out]
+        self.wire.moved("write", sum(s for s, r in zip(sizes, out, strict=True) if r is PutResult.STORED),
+                        time.perf_counter() - t0)
+        return out
+
+    # ---- the rest of the contract ---------------------------------------------------------------
+    def delete(self, key: ChunkKey) -> bool:
+        return self.delete_many([key])[0]
+
+    def delete_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        if not keys:
+            return []
+        reply, _, _ = self.client.call(p.Delete(self.namespace, self._keys(keys)))
+        assert isinstance(reply, p.Done)
+        return reply.ok
+
+    def clear(self) -> ClearResult:
+        """Every value of this namespace in the pool, never another namespace's."""
+        reply, _, _ = self.client.call(p.Clear(self.namespace))
+        assert isinstance(reply, p.KeyList)
+        return ClearResult([ChunkKey(k) for k in reply.keys])
+
+    def keys(self) -> list[ChunkKey]:
+        """This namespace's values in the pool, least recently used first."""
+        reply, _, _ = self.client.call(p.Keys(self.namespace))
+        assert isinstance(reply, p.KeyList)
+        return [ChunkKey(k) for k in reply.keys]
+
+    def indexed(self, key: ChunkKey) -> bool:
+        """Whether the pool holds ``key`` (asks the owner: the tier keeps no index of its own)."""
+        return self.contains(key)
+
+    def usage(self) -> TierUsage:
+        """The pool bytes this engine is counted for (pages, headers included) as of the owner's
+        last reply, without I/O (the store asks under its lock): the values it wrote, and for the
+        oldest live writer those of writers gone, so the sum over the host's engines is the pool's
+        usage, once (:class:`~kvtier.core.tiers.node.protocol.UsageReply`)."""
+        used, values = self.client.usage
+        return TierUsage(used, 0, used, values)
+
+    def refresh_usage(self) -> TierUsage:
+        """:meth:`usage` asked of the owner now (one message)."""
+        self.client.call(p.Usage())
+        return self.usage()
+
+    def pool_stats(self) -> p.StatsReply:
+        """The whole pool's numbers (owner's view)."""
+        reply, _, _ = self.client.call(p.Stats())
+        assert isinstance(reply, p.StatsReply)
+        return reply
+
+    def check(self) -> None:
+        problem = self.pool_stats().problem
+        assert not problem, f"node pool index: {problem}"
+
+    def wire_stats(self) -> WireStats:
+        return self.wire.snapshot(0, 0)
+
+    def close(self) -> None:
+        self.client.flush()
+        self.client.close()

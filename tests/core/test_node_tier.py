@@ -1,0 +1,365 @@
+"""The node tier's failure behaviour with real processes (issue 38 item 2): the pool's owner
+(``kvtier node serve``) killed, stopped and restarted; engines (this process, or a subprocess
+SIGKILLed mid-load) holding leases; pages reused under a reader's pin.  The data-path contract
+itself is the conformance suite's (tests/core/test_tier_conformance.py, the ``node`` harness)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+from typer.testing import CliRunner
+
+from kvtier.cli.main import app
+from kvtier.core.config import KVTierConfig
+from kvtier.core.keys import ChunkKey
+from kvtier.core.tiers import GetResult, PutResult, TierContext, builtin
+from kvtier.core.tiers.node import protocol
+from kvtier.core.tiers.node.client import NodeClient
+from kvtier.core.tiers.node.tier import NodeTier
+from kvtier.core.tiers.wrappers import unwrap
+from tests.node_servers import SRC, NodeServer
+
+CHUNK = 8192
+NS = bytes(range(16))
+DEADLINE_S = 1.0
+
+
+def key(i: int) -> ChunkKey:
+    return ChunkKey(i.to_bytes(16, "little"))
+
+
+def data(i: int) -> bytes:
+    return np.random.default_rng(i).integers(0, 256, CHUNK, dtype=np.uint8).tobytes()
+
+
+def engine_tier(server: NodeServer, ns: bytes = NS, probe_s: float = 0.2):
+    """The node tier as an engine builds it (the plug-in: GuardedTier over NodeTier)."""
+    config = KVTierConfig.from_dict({"node_socket": server.socket, "shared_deadline_s": DEADLINE_S,
+                                     "shared_transfer_deadline_s": DEADLINE_S, "node_timeout_s": DEADLINE_S,
+                                     "node_breaker_failures": 2, "node_breaker_probe_s": probe_s})
+    tier = builtin.NODE.build(TierContext(config, ns, CHUNK, 1, CollectorRegistry()))
+    assert tier is not None
+    return tier
+
+
+def read(tier, k) -> tuple[GetResult, bytes]:
+    out = bytearray(CHUNK)
+    return tier.get_into(k, memoryview(out)), bytes(out)
+
+
+def until(predicate, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_dead_owner_is_a_run_of_misses_within_the_deadline_and_the_pool_comes_back_warm(node_server):
+    """SIGKILL of the owner: every read and write is a miss (FAILED) within the deadline, the
+    breaker opens; the owner restarted on the same pool takes its values back (the heads), and the
+    engine re-attaches on its own and is served the bytes it wrote before."""
+    tier = engine_tier(node_server)
+    try:
+        assert tier.put_many([key(i) for i in range(4)], [data(i) for i in range(4)]) == [PutResult.STORED] * 4
+        node_server.kill()
+        for i in range(4):
+            t0 = time.monotonic()
+            assert read(tier, key(i))[0] is GetResult.MISS
+            assert tier.put(key(10 + i), data(i)) is PutResult.FAILED
+            assert time.monotonic() - t0 < 2 * DEADLINE_S + 0.5
+        assert tier.wire_stats().breaker_opened >= 1
+        node_server.start()
+        assert until(lambda: read(tier, key(0)) == (GetResult.HIT, data(0)))
+        assert [read(tier, key(i)) for i in range(4)] == [(GetResult.HIT, data(i)) for i in range(4)]
+        assert unwrap(tier).client.attached >= 2  # a new connection to the new owner
+        assert node_server.stats().epoch == 2
+        tier.check()
+    finally:
+        tier.close()
+
+
+def test_a_stalled_owner_is_a_miss_within_the_deadline_and_serves_again_when_it_resumes(node_server):
+    tier = engine_tier(node_server)
+    try:
+        assert tier.put(key(1), data(1)) is PutResult.STORED
+        node_server.pause()
+        try:
+            t0 = time.monotonic()
+            assert read(tier, key(1))[0] is GetResult.MISS
+            assert tier.contains_many([key(1)]) == [False]
+            assert time.monotonic() - t0 < 2 * DEADLINE_S + 0.5
+        finally:
+            node_server.resume()
+        assert until(lambda: read(tier, key(1)) == (GetResult.HIT, data(1)))
+    finally:
+        tier.close()
+
+
+def _reuse_the_page(server: NodeServer, victim: ChunkKey, new_key: ChunkKey, new_value: bytes) -> None:
+    """Delete ``victim`` and write ``new_value`` until it lands on the freed page (another engine)."""
+    other = NodeTier(NodeClient(server.socket, 5.0, "other"), NS, None, 5.0)
+    try:
+        assert other.delete(victim)
+        assert other.put(new_key, new_value) is PutResult.STORED
+    finally:
+        other.close()
+
+
+def test_a_page_reused_under_a_readers_pin_is_a_miss_never_the_new_bytes(tmp_path):
+    """A reader's pin outlived (its lease expired, or the owner restarted and lost it), the page
+    granted to another value: the reader's copy is a miss, never the other value's bytes (the
+    generation stamped on the pages differs from the pin's)."""
+    server = NodeServer(tmp_path, lease_s=0.5, page_kib=16).start()
+    try:
+        reader = NodeTier(NodeClient(server.socket, 5.0, "reader"), NS, None, 5.0)
+        assert reader.put(key(1), data(1)) is PutResult.STORED
+        fetched = reader.fetch_many([key(1)])  # pinned: the wire half of a read
+        page = fetched[0][0][1]
+        assert until(lambda: server.stats().leases == 0, 10.0)  # the pin expired (a stalled reader)
+        _reuse_the_page(server, key(1), key(2), data(2))
+        again = reader.fetch_many([key(2)])
+        assert again[0][0][1] == page  # the new value sits on the very page the old pin named
+        out = bytearray(CHUNK)
+        assert reader.finish_get([key(1)], fetched, [memoryview(out)]) == [GetResult.MISS]
+        assert reader.corrupt == 0
+        # the same after an owner restart: the restarted owner knows nothing of the old pins
+        fetched = reader.fetch_many([key(2)])
+        server.kill()
+        server.start()
+        _reuse_the_page(server, key(2), key(3), data(3))
+        assert reader.finish_get([key(2)], fetched, [memoryview(out)]) == [GetResult.MISS]
+        assert read(reader, key(3)) == (GetResult.HIT, data(3))
+        reader.close()
+    finally:
+        server.stop()
+
+
+ENGINE = """
+import sys, time
+from kvtier.core.keys import ChunkKey
+from kvtier.core.tiers.node.client import NodeClient
+from kvtier.core.tiers.node.tier import NodeTier
+tier = NodeTier(NodeClient(sys.argv[1], 5.0, "doomed"), bytes(range(16)), None, 5.0)
+keys = [ChunkKey(i.to_bytes(16, "little")) for i in range(8)]
+tier.put_many(keys, [bytes(8192)] * 8)
+print("ready", flush=True)
+while True:  # loads that never release: pins held, and writes granted but never published
+    tier.fetch_many(keys)
+    tier.client.call(lambda rel: __import__("kvtier.core.tiers.node.protocol", fromlist=["x"]).Alloc(
+        bytes(range(16)), [ChunkKey(bytes(16))], [8192], []))
+"""
+
+
+def test_an_engine_killed_during_loads_leaves_no_lease(node_server):
+    """SIGKILL of an engine holding pins and an unpublished write: the owner ends every lease of
+    its connection, the values it pinned can be evicted again, and the pages it was granted are free."""
+    proc = subprocess.Popen([sys.executable, "-c", ENGINE, node_server.socket], stdout=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": SRC})
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+        assert until(lambda: node_server.stats().leases > 8, 20.0)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert until(lambda: node_server.stats().leases == 0, 10.0)
+    stats = node_server.stats()
+    assert stats.problem == "" and stats.num_values == 8
+    assert stats.used_bytes == 8 * 3 * 4096  # 8 values of 3 pages: no granted page left behind
+
+
+def test_an_engine_restart_finds_the_pool_warm_and_usage_is_counted_once(node_server):
+    """Two engines on one pool: each is counted for what it wrote, so the sum is the pool's usage
+    (once); an engine that restarts reads what its earlier life and its neighbour wrote, and the
+    values of an engine gone are counted by the oldest live writer."""
+    first, second = engine_tier(node_server), engine_tier(node_server)
+    try:
+        assert first.put_many([key(i) for i in range(3)], [data(i) for i in range(3)]) == [PutResult.STORED] * 3
+        assert second.put_many([key(i) for i in range(2, 5)], [data(i) for i in range(2, 5)]) == \
+            [PutResult.PRESENT, PutResult.STORED, PutResult.STORED]
+        pool = node_server.stats()
+        assert pool.num_values == 5
+        assert first.usage().used_bytes + second.usage().used_bytes == pool.used_bytes
+        assert first.usage().num_chunks == 3 and second.usage().num_chunks == 2
+        first.close()
+        restarted = engine_tier(node_server)
+        try:
+            assert [read(restarted, key(i)) for i in range(5)] == [(GetResult.HIT, data(i)) for i in range(5)]
+            assert second.usage().used_bytes < pool.used_bytes  # as of its last reply: no I/O in usage()
+            assert second.refresh_usage().used_bytes == pool.used_bytes  # the oldest live writer inherits the rest
+            assert restarted.usage().used_bytes == 0  # it wrote nothing (its reads' replies say so)
+        finally:
+            restarted.close()
+    finally:
+        second.close()
+
+
+def test_namespaces_are_isolated_in_the_pool(node_server):
+    mine, theirs = engine_tier(node_server), engine_tier(node_server, ns=bytes(range(1, 17)))
+    try:
+        assert mine.put(key(1), data(1)) is PutResult.STORED
+        assert read(theirs, key(1))[0] is GetResult.MISS and theirs.keys() == []
+        assert theirs.put(key(1), data(2)) is PutResult.STORED
+        assert read(mine, key(1)) == (GetResult.HIT, data(1)) and read(theirs, key(1)) == (GetResult.HIT, data(2))
+    finally:
+        mine.close()
+        theirs.close()
+
+
+def test_a_second_owner_of_one_pool_and_bad_flags_are_one_sentence(node_server, tmp_path):
+    """A second owner of a live pool is refused before it touches it (even with another size, which
+    would recreate the file), and so is a second owner on a live socket; bad flags: one sentence."""
+    tier = engine_tier(node_server)
+    runner = CliRunner()
+    try:
+        assert tier.put(key(1), data(1)) is PutResult.STORED
+        before = node_server.pool.read_bytes()[:32]
+        taken = runner.invoke(app, ["node", "serve", "--pool", str(node_server.pool), "--node-gib", "0.125",
+                                    "--socket", str(tmp_path / "b.sock"), "--page-kib", "4"])
+        assert taken.exit_code == 2 and "another kvtier node owner serves the pool" in taken.output
+        busy = runner.invoke(app, ["node", "serve", "--pool", str(tmp_path / "other"), "--node-gib", "0.0625",
+                                   "--socket", node_server.socket])
+        assert busy.exit_code == 2 and "another kvtier node owner listens on" in busy.output
+        assert node_server.pool.read_bytes()[:32] == before and read(tier, key(1)) == (GetResult.HIT, data(1))
+    finally:
+        tier.close()
+    for args, words in ((["--node-gib", "0"], "--node-gib 0 is out of range"),
+                        (["--node-gib", "1", "--page-kib", "3"], "--page-kib 3 must be a power of two"),
+                        (["--node-gib", "1", "--lease-s", "0"], "--lease-s 0 must be above 0")):
+        bad = runner.invoke(app, ["node", "serve", "--pool", str(tmp_path / "p"), "--socket",
+                                  str(tmp_path / "s.sock"), *args])
+        assert bad.exit_code == 2 and words in bad.output and "Traceback" not in bad.output
+        assert len(bad.output.strip().splitlines()) == 1
+
+
+def test_the_socket_carries_no_payload():
+    """Every message is keys, numbers and lease ids: a batch of 64 chunk pins is under 2 KiB
+    whatever the chunks' size (the payload moves through the mapped pool)."""
+    pin = protocol.frame(protocol.Pin(NS, [bytes(key(i)) for i in range(64)], []))
+    grants = protocol.frame(protocol.Pinned([(i, i * 64, 4 << 20, i) for i in range(64)]))
+    assert len(pin) < 1300 and len(grants) < 2048
+    assert protocol.frame_length(protocol.MAX_FRAME_BYTES.to_bytes(4, "little")) == protocol.MAX_FRAME_BYTES
+    with pytest.raises(ValueError):
+        protocol.frame_length((protocol.MAX_FRAME_BYTES + 1).to_bytes(4, "little"))
+
+
+def test_the_mapped_pool_is_registered_memory_where_cuda_is_and_says_why_not_elsewhere(node_server):
+    """RegistersMemory on the node tier: its record says so, the engine's (wrapped) tier has it, and
+    pinning registers the mapped pool itself (on a CUDA machine); on the CPU backend one sentence
+    says why not and the tier serves straight from the mapped pages as before."""
+    from kvtier.core import pinned
+    from kvtier.core.tiers.base import RegistersMemory, capabilities
+    from kvtier.core.tiers.registry import spec
+    from tests.core.test_tier_memory import cuda_usable
+
+    tier = engine_tier(node_server)
+    try:
+        assert isinstance(tier, RegistersMemory) and "registers_memory" in capabilities(tier)
+        assert "registers_memory" in spec("node").capabilities
+        inner = unwrap(tier)
+        pinned_now = inner.pin_host_memory()
+        pool = inner.client.pool
+        assert pool is not None
+        if cuda_usable():
+            assert pinned_now and pinned.is_pinned(pool.data)
+            assert (pool.data.ctypes.data, pool.data.nbytes) in tier.registered_memory()
+        else:
+            assert not pinned_now and tier.registered_memory() == [] and not pinned.is_pinned(pool.data)
+        assert tier.put(key(1), data(1)) is PutResult.STORED and read(tier, key(1)) == (GetResult.HIT, data(1))
+    finally:
+        tier.close()
+
+
+def test_kvtier_size_puts_the_node_pool_in_a_recipe_that_kvtier_check_accepts(tmp_path):
+    """The tier's settings mark node_socket and node_gib for ``kvtier size`` (no edit in kvtier.cli):
+    the recipe's connector config carries them and passes the connector's own validator; node_gib
+    without the socket is one sentence."""
+    import json
+    import re
+
+    runner = CliRunner()
+    sock = str(tmp_path / "node.sock")  # checked as start-up would: its directory exists, the owner may come later
+    sized = runner.invoke(app, ["size", "--model", "Qwen/Qwen3-8B", "--gpu", "H100", "--offload-gib", "2",
+                                "--node-socket", sock, "--node-gib", "128"])
+    assert sized.exit_code == 0, sized.output
+    (ktc,) = re.findall(r"--kv-transfer-config '(\{\"kv_connector\":\"KVTierConnector\".*?\})'", sized.output)
+    extra = json.loads(ktc)["kv_connector_extra_config"]
+    assert extra["node_socket"] == sock and extra["node_gib"] == 128
+    checked = runner.invoke(app, ["check", ktc, "--offline"])
+    assert checked.exit_code == 0, checked.output
+    stray = runner.invoke(app, ["size", "--model", "Qwen/Qwen3-8B", "--gpu", "H100", "--node-gib", "128"])
+    assert stray.exit_code == 2 and "--node-socket" in stray.output and "Traceback" not in stray.output
+
+
+def test_the_owner_serves_a_bounded_number_of_connections(tmp_path):
+    """--max-clients bounds the owner's connections (each has at most one request in flight, so it
+    bounds its queue): one more is refused in one sentence, and served once a slot is free."""
+    from kvtier.core.tiers.node.client import NodeUnavailable
+
+    server = NodeServer(tmp_path, max_clients=1).start()
+    first = NodeTier(NodeClient(server.socket, 5.0, "first"), NS, None, 5.0)
+    second = NodeTier(NodeClient(server.socket, 5.0, "second"), NS, None, 5.0)
+    try:
+        assert first.put(key(1), data(1)) is PutResult.STORED
+        with pytest.raises(NodeUnavailable, match="serves 1 connections already; raise --max-clients"):
+            second.contains(key(1))
+        first.close()
+        assert until(lambda: _answers(second), 10.0)
+        assert second.contains(key(1))
+    finally:
+        first.close()
+        second.close()
+        server.stop()
+
+
+def _answers(tier: NodeTier) -> bool:
+    try:
+        tier.contains(key(0))
+    except ConnectionError:
+        return False
+    return True
+
+
+def test_purge_and_the_probe_reach_the_pool_through_its_blob_store(node_server):
+    """The plug-in's blob store (list, stat, delete over the owner's messages): ``kvtier purge
+    --node-socket`` removes one namespace's values and never another's, and ``kvtier check`` probes
+    the owner (reachable; unreachable once it is killed) with no code of their own."""
+    import json
+
+    other_ns = bytes(range(1, 17))
+    mine, theirs = engine_tier(node_server), engine_tier(node_server, ns=other_ns)
+    runner = CliRunner()
+    try:
+        assert mine.put_many([key(i) for i in range(3)], [data(i) for i in range(3)]) == [PutResult.STORED] * 3
+        assert theirs.put(key(1), data(1)) is PutResult.STORED
+        dry = runner.invoke(app, ["purge", "--node-socket", node_server.socket, "--all", "--dry-run", "--json"])
+        assert dry.exit_code == 0, dry.output
+        assert node_server.stats().num_values == 4
+        gone = runner.invoke(app, ["purge", "--node-socket", node_server.socket, "--namespace", NS.hex(), "--json"])
+        assert gone.exit_code == 0, gone.output
+        assert json.loads(gone.output)["total"]["chunks"] == 3
+        assert json.loads(dry.output)["total"]["chunks"] == 4
+        assert [read(mine, key(i))[0] for i in range(3)] == [GetResult.MISS] * 3
+        assert read(theirs, key(1)) == (GetResult.HIT, data(1)) and node_server.stats().num_values == 1
+        ktc = json.dumps({"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+                          "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                          "kv_connector_extra_config": {"cpu_gib": 1, "tiers": ["cpu", "node"],
+                                                        "node_socket": node_server.socket}})
+        up = runner.invoke(app, ["check", ktc])
+        assert up.exit_code == 0 and "is reachable" in up.output, up.output
+        node_server.kill()
+        down = runner.invoke(app, ["check", ktc])
+        assert "is unreachable" in down.output and "Traceback" not in down.output, down.output
+    finally:
+        mine.close()
+        theirs.close()
