@@ -96,8 +96,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
-from kvtier.core.tiers import registry
 from kvtier.core.ghosts import DISTANCE_BUCKETS_BYTES
+from kvtier.core.tiers import registry
 from kvtier.integrations.vllm.stats_table import (
     GHOST_DISTANCE,
     GHOST_PREFIX,
