@@ -16,8 +16,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from vllm.v1.core.sched.scheduler import Scheduler
-
 from kvtier.core.receipt import Receipt, decode
 from kvtier.integrations.vllm.protocol import KVTierWorkerMeta, RankReport, RequestFacts
 from tests.integrations.test_vllm_scheduler import (
