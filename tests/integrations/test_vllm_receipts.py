@@ -50,12 +50,15 @@ def _post(base_url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
 class Walk:
     """The server, and every receipt it returned (checked against the response's usage as it comes)."""
 
-    def __init__(self, base_url: str, model: str) -> None:
+    def __init__(self, base_url: str, model: str, log: Path) -> None:
         self.base_url, self.model = base_url, model
         self.receipts: list[dict[str, Any]] = []
+        self.log = log  # every answer's receipt and usage, one JSON line each (docs/receipts.md shows one)
 
     def _check(self, answer: dict[str, Any]) -> dict[str, Any]:
         usage = answer["usage"]
+        with self.log.open("a") as f:
+            f.write(json.dumps({"usage": usage, "kv_transfer_params": answer.get("kv_transfer_params")}) + "\n")
         receipt = answer["kv_transfer_params"]["kvtier"]
         decode(receipt)  # the receipt's shape, strictly
         tokens = receipt["tokens"]
@@ -118,7 +121,7 @@ def test_receipts_walk_one_prompt_through_every_state_and_sum_to_the_metrics(tin
     spec = live_spec(tiny_model, kvtier)
     spec = dataclasses.replace(spec, extra_args=(*spec.extra_args, "--enable-prompt-tokens-details"))
     with Server(spec, tmp_path / "server.log").start(900) as server:
-        walk = Walk(server.base_url, server.served_model)
+        walk = Walk(server.base_url, server.served_model, tmp_path / "receipts.jsonl")
         before = walk.metrics()
         prompt = walk.tokens(1)
         fillers = iter(walk.tokens(100 + i) for i in range(40))
