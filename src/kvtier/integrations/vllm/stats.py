@@ -188,6 +188,7 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             "unknown), by tier (all ranks); with tenant_quotas."), labelnames=labelnames + ["tier", "tenant"],
             multiprocess_mode="mostrecent")
         self._tenant_children: dict[int, set[tuple[str, str]]] = {}
+        self._created: set[int] = set()  # engines whose counter children exist
         self._ghost_distance: Any = self._histogram_cls(
             name=GHOST_DISTANCE, documentation=("Bytes a kvtier tier evicted between evicting a chunk and that chunk "
                                                 "being wanted again (ghost hits), by tier (all ranks)."),
@@ -199,11 +200,14 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         base = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]
         counters = transfer_stats_data.get("counters", {})
-        for key, (prom_name, _help, label) in self._counter_table.items():
-            child = self._counters[prom_name].labels(*base, *label)
-            value = counters.get(key, 0)
-            if value:
-                child.inc(value)
+        if engine_idx not in self._created:  # every child once, up front: a scrape shows zeros
+            self._created.add(engine_idx)
+            for prom_name, _help, label in self._counter_table.values():
+                self._counters[prom_name].labels(*base, *label)
+        for key, value in counters.items():
+            entry = self._counter_table.get(key)
+            if entry is not None and value:
+                self._counters[entry[0]].labels(*base, *entry[2]).inc(value)
         gauges = transfer_stats_data.get("gauges", {})
         for key, value in gauges.items():
             if key in self._gauge_table:
