@@ -48,7 +48,7 @@ def test_a_short_load_says_where_it_stopped_why_and_what_each_tier_cost(tmp_path
 def test_a_load_that_stops_waiting_for_its_tail_is_cut_by_the_budget(tmp_path: Path) -> None:
     from kvtier.core.tiers.wrappers import SlowTier
 
-    store, plan, _, chain, where = _setup(tmp_path)
+    store, plan, _, chain, _ = _setup(tmp_path)
     for key in chain[:3]:  # every chunk on disk only
         if store.index.resident(key):
             store.index.evict_top(key)
