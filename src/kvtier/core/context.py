@@ -110,7 +110,7 @@ class NotHeld:
 class ServedBelow:
     """Chunk ``index`` of a load was read from the lower tier ``tier`` because the top tier did not
     hold it, for ``reason`` (the top tier's ghost: ``evicted``, ``reset``, …; ``new``: it never
-    did, or forgot).  Only the first such chunk of each read batch is reported."""
+    did, or forgot).  Only the first such chunk of a successful load is reported (by ``complete_load``)."""
 
     index: int
     tier: str

@@ -65,19 +65,19 @@ class GhostList:
         self.limit = max(int(limit), 1)
         self.stored_bytes = stored_bytes
         self.evicted_bytes = 0
-        self._keys: OrderedDict[ChunkKey, Ghost] = OrderedDict()
+        self.keys: OrderedDict[ChunkKey, Ghost] = OrderedDict()
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return len(self.keys)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._keys
+        return key in self.keys
 
     def add(self, key: ChunkKey, reason: MissReason, seq: int, tier: str | None = None) -> None:
         """Remember that the tier lost ``key`` for ``reason`` (an eviction also counts its bytes)."""
         if reason in EVICTION_REASONS:
             self.evicted_bytes += self.stored_bytes
-        keys = self._keys
+        keys = self.keys
         keys.pop(key, None)
         keys[key] = Ghost(reason, self.name if tier is None else tier, self.evicted_bytes, seq)
         if len(keys) > self.limit:
@@ -86,17 +86,17 @@ class GhostList:
     def mark(self, key: ChunkKey, reason: MissReason, tier: str) -> None:
         """Change the reason of ``key``'s ghost if it is listed as ``evicted`` (a write-back
         victim's write was dropped: it went nowhere)."""
-        ghost = self._keys.get(key)
+        ghost = self.keys.get(key)
         if ghost is not None and ghost.reason == "evicted":
-            self._keys[key] = ghost._replace(reason=reason, tier=tier)
+            self.keys[key] = ghost._replace(reason=reason, tier=tier)
 
     def get(self, key: ChunkKey) -> Ghost | None:
-        return self._keys.get(key)
+        return self.keys.get(key)
 
     def take(self, key: ChunkKey) -> tuple[Ghost, int | None] | None:
         """Forget ``key`` (it is wanted again); its ghost and distance in bytes (``None`` for a
         loss that was not an eviction), or ``None`` when it is not listed."""
-        ghost = self._keys.pop(key, None)
+        ghost = self.keys.pop(key, None)
         if ghost is None:
             return None
         return ghost, (self.evicted_bytes - ghost.at if ghost.reason in EVICTION_REASONS else None)

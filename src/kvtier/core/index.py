@@ -114,6 +114,7 @@ class Index(IndexUpkeep):
                 chunk_bytes)) for lt in self.local)], observe)
         for lt in self.local:
             lt.ghosts = self.ghosts
+        self.top_ghosts = self.ghosts.lists[self.name].keys  # (read on the promotion path)
         self._init_feed()
 
     # ---- what is where -------------------------------------------------------------------
@@ -185,6 +186,11 @@ class Index(IndexUpkeep):
     def _read_into(self, plan: LoadPlan, key: ChunkKey, pos: int, lt: LowerIndex) -> np.ndarray:
         """Plan the read of ``key`` (chain position ``pos``, held by ``lt``) and return its buffer:
         a reserved cpu page if one is free, else a private buffer."""
+        # wanted again while the top tier's ghost list remembers it: a ghost hit, measured before
+        # this promotion's own evictions (kvtier.core.ghosts); the load's first such chunk says why
+        ghost = self.ghosts.take(self.name, key) if key in self.top_ghosts else None
+        if plan.handle.below is None:
+            plan.handle.below = (pos, lt.name, ghost.reason if ghost is not None else "new")
         got = self.cpu.reserve(key) if self.free_page(_owner(lt, key), plan.writes) else NoRoom.NO_ROOM
         reserved = isinstance(got, Reservation)
         buf = got.buffer if isinstance(got, Reservation) else np.empty(self.chunk_bytes, dtype=np.uint8)
@@ -192,13 +198,11 @@ class Index(IndexUpkeep):
         return buf
 
     def complete_reads(self, chain: Sequence[ChunkKey], handle: LoadHandle, batch: Sequence[Read],
-                       results: Sequence[GetResult], records: TenantRecords,
-                       ) -> tuple[int, tuple[int, str, Ghost | None] | None]:
+                       results: Sequence[GetResult], records: TenantRecords) -> int:
         """Apply what reads of ``batch`` found: publish the chunks that arrived (pinned for
-        ``handle``), forget corrupt or vanished ones, cut the prefix at the first chunk that did
-        not arrive (or was planned before a reset).  Returns the epoch it judged that by, and the
-        first chunk served from below the top tier: ``(pos, tier, the top tier's ghost of it)``."""
-        below: tuple[int, str, Ghost | None] | None = None
+        ``handle``), forget corrupt or vanished ones (remembering why: :mod:`kvtier.core.ghosts`),
+        cut the prefix at the first chunk that did not arrive (or was planned before a reset);
+        returns the epoch it judged that by."""
         with self.lock:
             failed = [r.pos for r, res in zip(batch, results) if res is not GetResult.HIT or r.epoch != self.epoch]
             cut = min(failed) if failed else None
@@ -217,9 +221,6 @@ class Index(IndexUpkeep):
                     if r.reserved:
                         self.cpu.abort(r.key)
                     continue
-                ghost = self.ghosts.take(self.name, r.key) if r.reserved else self.ghosts.latest(r.key, (self.name,))
-                if below is None or r.pos < below[0]:
-                    below = (r.pos, r.tier, ghost)
                 if r.reserved:
                     self.publish(r.key, chain[r.pos - 1] if r.pos > 0 else None, records.get(r.key),
                                  owner=_owner(lt, r.key))
@@ -231,7 +232,7 @@ class Index(IndexUpkeep):
                         handle.pinned.remove(key)
                         self.unpin(key)
                 del handle.keys[cut:], handle.buffers[cut:], handle.tiers[cut:]
-            return self.epoch, below
+            return self.epoch
 
     def start_read_ahead(self, handle: LoadHandle, ahead_from: int) -> bool:
         """Mark ``handle`` as reading chunks ``ahead_from`` on in the background; False (nothing

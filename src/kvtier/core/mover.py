@@ -40,7 +40,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from kvtier.core import tenant
-from kvtier.core.context import ChunkMissed, ChunksRead, LoadCut, MissReason, ServedBelow, Sink, WriteDropped
+from kvtier.core.context import ChunkMissed, ChunksRead, LoadCut, MissReason, Sink, WriteDropped
 from kvtier.core.handles import LoadHandle, LoadPlan, Read, WriteJob
 from kvtier.core.index import Index
 from kvtier.core.keys import ChunkKey
@@ -179,8 +179,7 @@ class Mover:
         """Read ``batch`` (one read per tier, in tier order) and report to the index.  The load's
         context (``handle.ctx``) hears a :class:`~kvtier.core.context.ChunksRead` per tier read, a
         ``ChunkMissed`` per chunk that did not arrive and a ``LoadCut`` where the prefix now ends
-        (the tiers' per-chunk results and a wrapper's reasons, translated by :func:`_reason`), and
-        a ``ServedBelow`` for the first chunk read (why the top tier lacked it)."""
+        (the tiers' per-chunk results and a wrapper's reasons, translated by :func:`_reason`)."""
         sink = handle.ctx.sink
         results: list[GetResult] = []
         records: tenant.TenantRecords = {}  # verified values and chunk files name their writer
@@ -199,10 +198,7 @@ class Mover:
         planned = handle.num_chunks  # only complete_reads changes it, and one batch of a load runs at a time
         gone = {r.key for r, res in zip(batch, results)  # local files removed from outside (purge, another engine)
                 if res is GetResult.MISS and not r.shared and r.key not in why and not self.tiers[r.tier].indexed(r.key)}
-        epoch, below = self.index.complete_reads(chain, handle, batch, results, records)
-        if below is not None:
-            pos, source, ghost = below
-            sink.emit(ServedBelow(pos, source, ghost.reason if ghost is not None else "new"))
+        epoch = self.index.complete_reads(chain, handle, batch, results, records)
         missed = [ChunkMissed(r.pos, r.tier, _reason(r, res, r.epoch != epoch, why, gone))
                   for r, res in zip(batch, results) if res is not GetResult.HIT or r.epoch != epoch]
         for m in missed:

@@ -266,6 +266,8 @@ class TieredStore(StoreConvenience):
         if engine is not None:
             sink.emit(engine)
         sink.emit(context.ChunksServed(Counter(handle.tiers[first_chunk:delivered])) if success else context.LoadFailed())
+        if success and (below := handle.below) is not None and first_chunk <= below[0] < delivered:
+            sink.emit(context.ServedBelow(*below))  # why the top tier did not hold it
 
     def cancel_load(self, handle: LoadHandle, engine: EngineLoad | None = None) -> None:
         """Unpin a load that will not happen (request aborted, or nothing left to load).
