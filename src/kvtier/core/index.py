@@ -40,7 +40,7 @@ import numpy as np
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.gate import EvictionGate
-from kvtier.core.ghosts import Ghost, GhostList, Ghosts, top_loss
+from kvtier.core.ghosts import GhostList, Ghosts, top_loss
 from kvtier.core.handles import LoadHandle, LoadPlan, Read, StagedCopy, WriteJob
 from kvtier.core.keys import ChunkKey
 from kvtier.core.lowerindex import LowerIndex
