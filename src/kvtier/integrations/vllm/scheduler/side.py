@@ -368,8 +368,15 @@ class SchedulerSide:
         return KVTierStats(data={"counters": counters, "gauges": gauges})
 
     def shutdown(self) -> None:
-        """Stop the shared-tier lookups and write the KV-event journal (idempotent)."""
+        """Emit the last receipts and close the receipt sinks, stop the shared-tier lookups and write
+        the KV-event journal (idempotent)."""
         skip_exit_collection()  # the engine core exits without a slow final GC: process_exit
+        self.receipts.finish()  # requests finished since the last step: their receipts reach the sinks
+        for sink in self.receipt_sinks:
+            try:
+                sink.close()
+            except Exception:  # one sink's failure must not keep the others open
+                log.exception("kvtier: closing a receipt sink failed")
         if self.remote is not None:
             self.remote.close()
         if self.events is not None and self.events.journal_loaded:
