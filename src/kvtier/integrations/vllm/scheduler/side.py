@@ -377,6 +377,7 @@ class SchedulerSide:
                 sink.close()
             except Exception:  # one sink's failure must not keep the others open
                 log.exception("kvtier: closing a receipt sink failed")
+        self.receipt_sinks = []
         if self.remote is not None:
             self.remote.close()
         if self.events is not None and self.events.journal_loaded:
