@@ -117,3 +117,23 @@ def test_a_full_hit_is_engine_plus_tiers_as_vllm_recorded_them(tiny_model: Path)
     assert receipt["tokens"] == {"engine": 0, "cpu": 3 * CHUNK, "computed": len(PROMPT) - 3 * CHUNK}
     assert sum(n for k, n in receipt["tokens"].items() if k != "computed") == cached == 3 * CHUNK
     assert receipt["miss"] == {"token": 3 * CHUNK, "reason": "partial_chunk", "tier": ""}  # the 15-token tail
+
+
+def test_tensor_parallel_ranks_combine_as_the_request_saw_them() -> None:
+    """Two ranks load and save the same chunks, each its own KV heads: a token one rank did not
+    get is missing for all, the request waited for the slower rank, a chunk is saved once every
+    rank stored it, and the earliest miss is the request's."""
+    from kvtier.integrations.vllm.scheduler.receipts import ReceiptFacts, build_receipt
+
+    facts = ReceiptFacts(engine=0, planned={"cpu": 2 * CHUNK, "disk": CHUNK}, waited_steps=2)
+    facts.observe(0, RequestFacts(load_s={"cpu": 0.002, "disk": 0.010}, saved={"cpu": 1}))
+    facts.observe(1, RequestFacts(unfilled={"disk": CHUNK}, load_s={"cpu": 0.003, "disk": 0.004},
+                                  miss=(2 * CHUNK, "corrupt", "disk"), saved={"cpu": 1}, dropped={"save_dropped": 1}))
+    facts.observe(1, RequestFacts(saved={"cpu": 1}))  # a later step of rank 1 adds up
+    receipt = build_receipt("t", 4 * CHUNK, facts, CHUNK, tp_size=2)
+    assert receipt.tokens == {"engine": 0, "cpu": 2 * CHUNK, "computed": 2 * CHUNK}
+    assert receipt.load_ms == {"cpu": 3.0, "disk": 10.0}
+    assert receipt.miss is not None and (receipt.miss.token, receipt.miss.reason, receipt.miss.tier) == (
+        2 * CHUNK, "corrupt", "disk")
+    assert receipt.saved.chunks == {"cpu": 1} and receipt.saved.dropped == {"save_dropped": 1}
+    assert receipt.waited_steps == 2 and receipt.cached_tokens() == 2 * CHUNK
