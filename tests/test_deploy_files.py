@@ -307,7 +307,7 @@ def _metric_labels() -> set[str]:
     ``labelnames``) and the histograms' ``le``."""
     from kvtier.integrations.vllm.stats import LABELS
 
-    return set(LABELS.values()) | {"tier", "model_name", "engine", "le"}
+    return {n for v in LABELS.values() for n in ((v,) if isinstance(v, str) else v)} | {"tier", "model_name", "engine", "le"}
 
 
 def test_alerts_and_dashboard_key_on_the_labels_the_podmonitor_produces():

@@ -110,13 +110,13 @@ def test_a_corrupt_chunk_cuts_the_load_with_its_index_tier_and_reason(tmp_path):
     store.close()
 
 
-def test_chunks_no_tier_holds_end_the_load_as_absent(tmp_path):
+def test_chunks_no_tier_holds_end_the_load_as_new(tmp_path):
     store = make_store(tmp_path, cpu_chunks=8)
     chain = chain_of(3, 6)
     assert store.put(chain[:4], [payload(k) for k in chain[:4]]) == 4
     record = RequestRecord(CHUNK_TOKENS)
     assert len(store.get(chain, ctx=OpContext("req-3", None, record))) == 4
-    assert record.miss == Miss(4, "", "absent") and record.served_chunks == {"cpu": 4}
+    assert record.miss == Miss(4, "", "new") and record.served_chunks == {"cpu": 4}  # never stored
     store.check_integrity()
     store.close()
 
@@ -186,7 +186,7 @@ def faulty_disk_store(tmp_path, rules, **overrides):
     return TieredStore(KVTierConfig.from_dict(values), NS, CHUNK_BYTES, wrap=lambda tier: FaultyTier(tier, rules))
 
 
-def test_a_disk_read_that_fails_is_a_missing_chunk(tmp_path):
+def test_a_disk_read_that_fails_is_a_load_failed_chunk(tmp_path):
     store = faulty_disk_store(tmp_path, [], write_mode="write-through")
     chain = chain_of(13, 4)
     assert store.put(chain, [payload(k) for k in chain]) == 4
@@ -197,7 +197,8 @@ def test_a_disk_read_that_fails_is_a_missing_chunk(tmp_path):
     handle = store.prepare_load(chain, ctx=OpContext("req-7", None, record))
     assert handle.num_chunks == 1
     store.complete_load(handle, True)
-    assert record.miss == Miss(1, "disk", "missing") and record.served_chunks == {"disk": 1}
+    assert record.miss == Miss(1, "disk", "load_failed") and record.served_chunks == {"disk": 1}
+    assert record.below == Miss(0, "disk", "reset")  # read from disk: the cpu tier had been reset
     store.check_integrity()
     store.close()
 

@@ -12,8 +12,9 @@ facts are known: a batch of chunks read from a tier and verified (:class:`Chunks
 that was not served and why (:class:`ChunkMissed`, then :class:`LoadCut` where the prefix ends),
 what a load delivered (:class:`ChunksServed`) or that it failed (:class:`LoadFailed`), what the
 engine got (:class:`EngineLoad`) or copied out (:class:`EngineSave`), chunks saved
-(:class:`Saved`) or dropped (:class:`SaveDropped`, :class:`WriteDropped`), TTL pins (:class:`TtlPinned`) and lookups
-(:class:`LookedUp`).  The store always sends them to its own metrics sink (the counters that
+(:class:`Saved`) or dropped (:class:`SaveDropped`, :class:`WriteDropped`), TTL pins (:class:`TtlPinned`), lookups
+(:class:`LookedUp`), why a save found a chunk in no tier (:class:`NotHeld`) and why a load read a
+chunk from below the top tier (:class:`ServedBelow`).  The store always sends them to its own metrics sink (the counters that
 ``/metrics`` and the connector's step stats show: :class:`kvtier.core.sinks.CountersSink`) and
 to the context's sink as well (:class:`kvtier.core.sinks.Tee`); a per-request record
 (:class:`kvtier.core.sinks.RequestRecord`) is one such sink.
@@ -29,18 +30,24 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from kvtier.core import receipt
 from kvtier.core.tenant import TenantId
 
-MissReason = Literal["absent", "missing", "corrupt", "reset"]
-"""Why a chunk of a load was not served:
+MissReason = receipt.MissReason
+"""Why a chunk was not served (the receipt's reasons, :data:`kvtier.core.receipt.MissReason`).  What
+the store itself reports:
 
-- ``absent``: no tier the load may read held it when the load was prepared (evicted or removed
-  since the lookup that planned it, or never stored; a synchronous load reads the top tier only);
-- ``missing``: its tier had it in its index but returned no value when read (another process
-  removed the file, or a shared tier did not answer: the tiers report a deadline, an open breaker
-  and an absent value alike, as a miss: :class:`kvtier.core.tiers.guarded.GuardedTier`);
+- a load's chunk not held any more when the load was prepared (the scheduler planned it from a
+  mirror a step old, or a synchronous load reads the top tier only): the latest loss its tiers'
+  ghost lists remember (:mod:`kvtier.core.ghosts`: ``evicted``, ``purged``, ``reset``,
+  ``corrupt``, ``not_admitted``, ``save_dropped``, ``quota``), else ``new``;
+- a chunk whose read returned nothing: ``deadline`` or ``breaker_open`` (a shared tier's wrapper
+  said so, :class:`kvtier.core.tiers.guarded.GuardedTier`), ``evicted`` (a shared tier no longer
+  held it), ``purged`` (a local tier's file was removed from outside this engine: ``kvtier purge``,
+  or another engine on the directory), ``load_failed`` (any other failed read);
 - ``corrupt``: the value failed verification (counted by the tier, deleted, never served);
-- ``reset``: a reset (:meth:`kvtier.core.store.TieredStore.clear`) came between its plan and its read.
+- ``reset``: a reset (:meth:`kvtier.core.store.TieredStore.clear`) came between its plan and its read;
+- ``new``: a chunk a save found in no tier and no ghost list (:class:`NotHeld`).
 """
 
 DropReason = Literal["no_room", "queue_full"]
@@ -87,6 +94,27 @@ class LoadCut:
     tier: str
     reason: MissReason
     dropped_chunks: int = 0
+
+
+@dataclass(frozen=True)
+class NotHeld:
+    """A save found chunk ``index`` (the position it was asked to explain) in no tier: ``reason``
+    (about ``tier``) is why, from the ghost lists (``new``: none remembers it; :mod:`kvtier.core.ghosts`)."""
+
+    index: int
+    tier: str
+    reason: MissReason
+
+
+@dataclass(frozen=True)
+class ServedBelow:
+    """Chunk ``index`` of a load was read from the lower tier ``tier`` because the top tier did not
+    hold it, for ``reason`` (the top tier's ghost: ``evicted``, ``reset``, …; ``new``: it never
+    did, or forgot).  Only the first such chunk of a successful load is reported (by ``complete_load``)."""
+
+    index: int
+    tier: str
+    reason: MissReason
 
 
 @dataclass(frozen=True)
@@ -176,7 +204,7 @@ class TtlPinned:
 
 
 Event = (LookedUp | ChunksRead | ChunkMissed | LoadCut | ChunksServed | LoadFailed | EngineLoad | EngineSave
-         | Saved | SaveDropped | WriteDropped | TtlPinned)
+         | Saved | SaveDropped | WriteDropped | TtlPinned | NotHeld | ServedBelow)
 """Every event a store operation reports."""
 
 

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvtier.core.context import NO_CONTEXT, EngineLoad, EngineSave, OpContext
+from kvtier.core.context import NO_CONTEXT, EngineLoad, EngineSave, MissReason, OpContext
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tenant import TenantId, Writer
 
@@ -49,6 +49,8 @@ class LoadHandle:
     reading_ahead: bool = field(default=False, repr=False)  # guarded by the store's lock
     release_after_read: bool | None = field(default=None, repr=False)  # released while reading: refresh?
     ctx: OpContext = field(default=NO_CONTEXT, repr=False)
+    below: tuple[int, str, MissReason] | None = field(default=None, repr=False)
+    """The first chunk planned from below the top tier: ``(pos, its tier, why the top tier lacked it)``."""
 
     @property
     def num_chunks(self) -> int:

@@ -34,12 +34,13 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.gate import EvictionGate
+from kvtier.core.ghosts import GhostList, Ghosts, top_loss
 from kvtier.core.handles import LoadHandle, LoadPlan, Read, StagedCopy, WriteJob
 from kvtier.core.keys import ChunkKey
 from kvtier.core.lowerindex import LowerIndex
@@ -70,7 +71,7 @@ class Index(IndexUpkeep):
     """
 
     def __init__(self, cpu: StagingTier, lower: Sequence[LowerIndex], config: KVTierConfig,
-                 counters: StoreCounters, chunk_bytes: int) -> None:
+                 counters: StoreCounters, chunk_bytes: int, observe: Callable[[str, float], None] | None = None) -> None:
         self.lock = threading.RLock()
         self.cpu = cpu
         self.name = cpu.name
@@ -107,6 +108,13 @@ class Index(IndexUpkeep):
         self.doomed: set[ChunkKey] = set()  # dropped by a reset while pinned: freed at the last unpin
         self.ttl_pins: dict[ChunkKey, float] = {}  # requests' TTL pins: chunk -> time.monotonic() deadline
         self.gate = EvictionGate()  # closed: no page may be freed (kvtier.core.gate)
+        # what each local tier recently lost, and why (kvtier.core.ghosts): limits of 1x its capacity in chunks
+        self.ghosts = Ghosts([GhostList(self.name, pages, chunk_bytes), *(GhostList(
+            lt.name, lt.tier.usage().capacity_bytes // lt.tier.stored_bytes(chunk_bytes), lt.tier.stored_bytes(
+                chunk_bytes)) for lt in self.local)], observe)
+        for lt in self.local:
+            lt.ghosts = self.ghosts
+        self.top_ghosts = self.ghosts.lists[self.name].keys  # (read on the promotion path)
         self._init_feed()
 
     # ---- what is where -------------------------------------------------------------------
@@ -114,33 +122,8 @@ class Index(IndexUpkeep):
         """In the top tier: resident in a page or staged (a doomed chunk is neither)."""
         return self.resident(key) or key in self.staged
 
-    def lookup(self, chain: Sequence[ChunkKey]) -> tuple[int, Counter[str]]:
-        """Leading chunks of ``chain`` in the top or a local lower tier, and how many per tier."""
-        found = Counter[str]()
-        n = 0
-        with self.lock:
-            for key in chain:
-                if self.holds(key):
-                    found[self.name] += 1
-                else:
-                    lt = next((lt for lt in self.local if lt.tier.contains(key)), None)
-                    if lt is None:
-                        break
-                    found[lt.name] += 1
-                n += 1
-        return n, found
-
-    def _tier_of(self, key: ChunkKey) -> str | None:
-        if self.holds(key):
-            return self.name
-        return next((lt.name for lt in self.local if lt.tier.indexed(key)), None)
-
     def _dirty(self, key: ChunkKey) -> bool:
         return bool(self.local) and self.holds(key) and not any(lt.tier.indexed(key) for lt in self.local)
-
-    def _held_keys(self) -> list[ChunkKey]:
-        return [*(k for k in self.cpu.keys() if k not in self.doomed), *self.staged,  # noqa: SIM118
-                *(k for lt in self.local for k in lt.tier.keys())]  # noqa: SIM118
 
     def _note(self, key: ChunkKey) -> None:
         """Record that ``key``'s tiers may have changed (the lock held)."""
@@ -203,6 +186,11 @@ class Index(IndexUpkeep):
     def _read_into(self, plan: LoadPlan, key: ChunkKey, pos: int, lt: LowerIndex) -> np.ndarray:
         """Plan the read of ``key`` (chain position ``pos``, held by ``lt``) and return its buffer:
         a reserved cpu page if one is free, else a private buffer."""
+        # wanted again while the top tier's ghost list remembers it: a ghost hit, measured before
+        # this promotion's own evictions (kvtier.core.ghosts); the load's first such chunk says why
+        ghost = self.ghosts.take(self.name, key) if key in self.top_ghosts else None
+        if plan.handle.below is None:
+            plan.handle.below = (pos, lt.name, ghost.reason if ghost is not None else "new")
         got = self.cpu.reserve(key) if self.free_page(_owner(lt, key), plan.writes) else NoRoom.NO_ROOM
         reserved = isinstance(got, Reservation)
         buf = got.buffer if isinstance(got, Reservation) else np.empty(self.chunk_bytes, dtype=np.uint8)
@@ -212,8 +200,9 @@ class Index(IndexUpkeep):
     def complete_reads(self, chain: Sequence[ChunkKey], handle: LoadHandle, batch: Sequence[Read],
                        results: Sequence[GetResult], records: TenantRecords) -> int:
         """Apply what reads of ``batch`` found: publish the chunks that arrived (pinned for
-        ``handle``), forget corrupt or vanished ones, cut the prefix at the first chunk that did
-        not arrive (or was planned before a reset); returns the epoch it judged that by."""
+        ``handle``), forget corrupt or vanished ones (remembering why: :mod:`kvtier.core.ghosts`),
+        cut the prefix at the first chunk that did not arrive (or was planned before a reset);
+        returns the epoch it judged that by."""
         with self.lock:
             failed = [r.pos for r, res in zip(batch, results) if res is not GetResult.HIT or r.epoch != self.epoch]
             cut = min(failed) if failed else None
@@ -226,6 +215,7 @@ class Index(IndexUpkeep):
                 if res is GetResult.CORRUPT or (res is GetResult.MISS and not r.shared
                                                 and not lt.tier.indexed(r.key)):
                     lt.forget(r.key)  # corrupt (counted by the tier) or removed by another process
+                    self.ghosts.add(lt.name, r.key, "corrupt" if res is GetResult.CORRUPT else "purged")
                     self._note(r.key)
                 if cut is not None and r.pos >= cut:
                     if r.reserved:
@@ -344,9 +334,11 @@ class Index(IndexUpkeep):
             return False
         return True
 
-    def evict_top(self, key: ChunkKey) -> None:
-        """Drop a resident chunk from its page (an eviction, counted)."""
+    def evict_top(self, key: ChunkKey, quota: bool = False) -> None:
+        """Drop a resident chunk from its page (an eviction, counted, remembered in the top tier's
+        ghost list: :func:`~kvtier.core.ghosts.top_loss`; ``quota``: the tenant quotas chose it)."""
         with self.lock:
+            self.ghosts.add(self.name, key, *top_loss(self.back, key, self.uses.get(key, 0), quota))
             self._drop(key)
             self.counters.evicted(self.name)
 
@@ -363,6 +355,7 @@ class Index(IndexUpkeep):
         def evictable(k: ChunkKey) -> bool:
             return self.may_free_page(k, ahead=False)
 
+        chose = self.quota.quota_evictions if self.quota is not None else 0
         victim = self.quota.victim(self.policy, evictable, tenant) if self.quota is not None \
             else self.policy.victim(evictable)
         if victim is None:
@@ -373,7 +366,7 @@ class Index(IndexUpkeep):
             for lt in missing:
                 writes.append(self._job(lt, victim, copy.data, evict_after=False, tenant=self.tenant.get(victim)))
                 copy.pending += 1
-        self.evict_top(victim)
+        self.evict_top(victim, self.quota is not None and self.quota.quota_evictions != chose)
         return True
 
     def _admitting(self, victim: ChunkKey) -> list[LowerIndex]:

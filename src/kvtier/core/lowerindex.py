@@ -18,6 +18,7 @@ import logging
 from collections import Counter
 from typing import TYPE_CHECKING
 
+from kvtier.core.ghosts import Ghosts
 from kvtier.core.keys import ChunkKey
 from kvtier.core.policies import EvictionPolicy, make_policy
 from kvtier.core.policies.admission import AdmissionPolicy, AdmitAll
@@ -51,6 +52,7 @@ class LowerIndex:
         self.quota: TenantLedger | None = None  # a local tier's tenant ledger, when quotas are configured
         self.pins: Counter[ChunkKey] = Counter()
         self.cleared_at = 0  # the index's epoch at this tier's last reset (a write planned before: dropped)
+        self.ghosts: Ghosts | None = None  # the store's ghost lists (kvtier.core.ghosts), set by the index
         self._counters = counters
         self._generation = tier.generation if isinstance(tier, Generational) else 0
         if self.policy is not None:
@@ -88,12 +90,14 @@ class LowerIndex:
             if self.quota is not None:
                 self.quota.add(key, owner)
 
-    def evict(self, key: ChunkKey) -> None:
-        """Drop ``key`` from the tier (an eviction, counted)."""
+    def evict(self, key: ChunkKey, quota: bool = False) -> None:
+        """Drop ``key`` from the tier (an eviction, counted; ``quota``: the tenant quotas chose it)."""
         assert self.policy is not None
         self.tier.delete(key)
         self.forget(key)
         self._counters.evicted(self.name)
+        if self.ghosts is not None:
+            self.ghosts.add(self.name, key, "quota" if quota else "evicted")
 
     def make_room(self, size: int, tenant: bytes | None) -> tuple[bool, list[ChunkKey]]:
         """Evict until ``size`` more bytes fit; with quotas, victims chosen for ``tenant`` (the
@@ -109,10 +113,11 @@ class LowerIndex:
             return key not in pins
 
         while usage().used_bytes + size > usage().capacity_bytes:
+            chose = quota.quota_evictions if quota is not None else 0
             victim = quota.victim(policy, unpinned, tenant) if quota is not None else policy.victim(unpinned)
             if victim is None:
                 return False, evicted
-            self.evict(victim)
+            self.evict(victim, quota is not None and quota.quota_evictions != chose)
             evicted.append(victim)
         return True, evicted
 
@@ -153,8 +158,10 @@ class LowerIndex:
             if key not in self.policy:
                 self.policy.insert(key, None)
             changed.append(key)
-        for key in found.gone:
+        for key in found.gone:  # removed from outside this engine: kvtier purge, or another engine's eviction
             self.forget(key)
+            if self.ghosts is not None:
+                self.ghosts.add(self.name, key, "purged")
             changed.append(key)
         evicted = self.trim("after adopting other engines' chunk files") if found.adopted else []
         return changed + evicted, evicted
@@ -178,6 +185,8 @@ class LowerIndex:
         forget it.  Pins stay with their owners (a read in flight, dropped by the epoch)."""
         self.cleared_at = epoch
         result = self.tier.clear()
+        if self.ghosts is not None:
+            self.ghosts.add_many(self.name, result.keys, "reset")
         if self.policy is not None:
             for key in list(self.policy.keys()):
                 self.policy.remove(key)

@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvtier.core.codecstats import codec_families
+from kvtier.core.ghosts import DISTANCE_BUCKETS_BYTES
 from kvtier.core.stats import StoreStats
 from kvtier.core.tiers.registry import available_tiers
 from kvtier.core.tiers.tiermetrics import wire_families
@@ -46,6 +47,9 @@ class StoreMetrics(Collector):
             ``other`` and ``unknown``) and evictions whose victim the quotas chose (:mod:`kvtier.core.quota`).
         kvtier_codec_*{tier}: a lower tier's codec chain (:mod:`kvtier.core.codecstats`).
         kvtier_tier_*{tier}: a remote tier's wire numbers (:func:`~kvtier.core.tiers.tiermetrics.wire_families`).
+        kvtier_ghost_hit_distance_bytes{tier}: histogram, per ghost hit (a chunk the tier evicted,
+            wanted again while its ghost list remembers it), the bytes the tier evicted in between
+            (:mod:`kvtier.core.ghosts`): capacity + a high quantile of it holds the working set.
 
     Args:
         snapshot: returns the store's current :class:`StoreStats`.
@@ -59,7 +63,15 @@ class StoreMetrics(Collector):
         self.lookup_seconds = Histogram("kvtier_lookup_seconds", "Latency of store lookups.", registry=r,
                                         buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0))
         self.config = Info("kvtier_config", "Effective kvtier configuration.", registry=r)
+        self.ghost_distance = Histogram(
+            "kvtier_ghost_hit_distance_bytes", ("Bytes a tier evicted between evicting a chunk and that chunk being "
+                                                "wanted again (ghost hits), by tier."),
+            ["tier"], registry=r, buckets=DISTANCE_BUCKETS_BYTES)
         r.register(self)
+
+    def ghost_hit(self, tier: str, distance_bytes: float) -> None:
+        """Observe one ghost hit's distance (:mod:`kvtier.core.ghosts`)."""
+        self.ghost_distance.labels(tier).observe(distance_bytes)
 
     def set_config(self, values: Mapping[str, Any]) -> None:
         """Publish the effective configuration as the ``kvtier_config_info`` labels."""

@@ -46,6 +46,7 @@ from kvtier.core.index import Index
 from kvtier.core.keys import ChunkKey
 from kvtier.core.stats import StoreCounters
 from kvtier.core.tiers.base import GetResult, PutResult, Rescannable, Tier
+from kvtier.core.tiers.wrappers import MissWhy, TierWrapper
 
 log = logging.getLogger("kvtier.core.store")
 
@@ -178,22 +179,27 @@ class Mover:
         """Read ``batch`` (one read per tier, in tier order) and report to the index.  The load's
         context (``handle.ctx``) hears a :class:`~kvtier.core.context.ChunksRead` per tier read, a
         ``ChunkMissed`` per chunk that did not arrive and a ``LoadCut`` where the prefix now ends
-        (the tiers' per-chunk results, translated here: a tier reports hit, miss or corrupt)."""
+        (the tiers' per-chunk results and a wrapper's reasons, translated by :func:`_reason`)."""
         sink = handle.ctx.sink
         results: list[GetResult] = []
         records: tenant.TenantRecords = {}  # verified values and chunk files name their writer
+        why: MissWhy = {}  # a wrapper's reason for each miss it caused (deadline, breaker open, ...)
         for name in dict.fromkeys(r.tier for r in batch):
             jobs = [r for r in batch if r.tier == name]
             t0 = time.perf_counter()
-            got = self.tiers[name].get_many([r.key for r in jobs], [memoryview(r.buffer.data) for r in jobs],
-                                            records)
+            tier, keys, dsts = self.tiers[name], [r.key for r in jobs], [memoryview(r.buffer.data) for r in jobs]
+            # (wrappers.get_explained, inlined: a bare tier is not asked for reasons)
+            got = tier.get_many(keys, dsts, records, why=why) if isinstance(tier, TierWrapper) else \
+                tier.get_many(keys, dsts, records)
             seconds = time.perf_counter() - t0
             results.extend(got)
             hits = sum(1 for r in got if r is GetResult.HIT)
             sink.emit(ChunksRead(name, hits, hits * self.chunk_bytes, seconds))
         planned = handle.num_chunks  # only complete_reads changes it, and one batch of a load runs at a time
+        gone = {r.key for r, res in zip(batch, results)  # local files removed from outside (purge, another engine)
+                if res is GetResult.MISS and not r.shared and r.key not in why and not self.tiers[r.tier].indexed(r.key)}
         epoch = self.index.complete_reads(chain, handle, batch, results, records)
-        missed = [ChunkMissed(r.pos, r.tier, _reason(res, r.epoch != epoch))
+        missed = [ChunkMissed(r.pos, r.tier, _reason(r, res, r.epoch != epoch, why, gone))
                   for r, res in zip(batch, results) if res is not GetResult.HIT or r.epoch != epoch]
         for m in missed:
             sink.emit(m)
@@ -279,8 +285,16 @@ class Mover:
             t.join(timeout=5.0)
 
 
-def _reason(result: GetResult, stale: bool) -> MissReason:
-    """Why a chunk read with ``result`` is not served (``stale``: a reset came since its plan)."""
+def _reason(read: Read, result: GetResult, stale: bool, why: MissWhy, gone: set[ChunkKey]) -> MissReason:
+    """Why ``read``, which returned ``result``, is not served (``stale``: a reset came since its
+    plan; ``why``: a wrapper's reasons; ``gone``: local keys whose file vanished before the read)."""
     if stale:
         return "reset"
-    return "corrupt" if result is GetResult.CORRUPT else "missing"
+    if result is GetResult.CORRUPT:
+        return "corrupt"
+    reason = why.get(read.key)
+    if reason in ("deadline", "breaker_open", "load_failed"):
+        return reason  # type: ignore[return-value]
+    if read.shared:
+        return "evicted"  # present at the lookup, gone at the read: the shared tier let it go (or its TTL)
+    return "purged" if read.key in gone else "load_failed"

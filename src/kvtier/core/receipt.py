@@ -45,8 +45,8 @@ class ReceiptMiss(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The first prompt token not served from a cache, and why.
 
     Attributes:
-        token: index of that token in the prompt (0-based; a multiple of the chunk's tokens,
-            except for ``partial_chunk`` where it is where the tail starts).
+        token: index of that token in the prompt (0-based): where the served prefix (vLLM's own
+            prefix cache's and kvtier's) ends, a multiple of the engine's block size.
         reason: one of :data:`MissReason`.
         tier: the tier the reason is about (``"evicted"`` from which tier, ``"corrupt"`` in which
             tier, …); ``""`` where no tier is meant (``new``, ``partial_chunk``).
@@ -103,6 +103,10 @@ class Receipt(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             (then ``computed`` is 0, or only the engine's last recomputed token).
         saved: what the request stored.
         pin: the TTL pin asked for, ``None`` when none was.
+        top_miss: the first token a lower tier served (a hit, but not from the top tier) and why
+            the top tier did not hold it (``tier`` is the top tier's name; ``reason`` ``evicted``,
+            ``reset``, …, or ``new``: it never held it or forgot); ``None`` when no lower tier served.
+            (Added after version 1's first draft; optional, so older readers' receipts still decode.)
     """
 
     request_id: str
@@ -114,6 +118,7 @@ class Receipt(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     saved: ReceiptSaved = ReceiptSaved()
     pin: ReceiptPin | None = None
     version: int = RECEIPT_VERSION
+    top_miss: ReceiptMiss | None = None
 
     def cached_tokens(self) -> int:
         """Tokens not computed (the engine's and every tier's): vLLM's ``cached_tokens``."""

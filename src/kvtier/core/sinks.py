@@ -30,9 +30,11 @@ from kvtier.core.context import (
     LoadFailed,
     LookedUp,
     MissReason,
+    NotHeld,
     OpContext,
     Saved,
     SaveDropped,
+    ServedBelow,
     Sink,
     TtlPinned,
     WriteDropped,
@@ -95,7 +97,8 @@ class CountersSink:
                 c.looked_up(event.chunks, event.found)
             case TtlPinned():
                 c.ttl_pinned(event.pinned, event.refused)
-            case _:  # ChunkMissed, LoadCut, WriteDropped: counted by their tier (corrupt, its write queue)
+            case _:  # ChunkMissed, LoadCut, WriteDropped: counted by their tier (corrupt, its write queue);
+                # NotHeld, ServedBelow: the ghost lists count their hits (kvtier.core.ghosts)
                 pass
 
 
@@ -135,6 +138,10 @@ class RequestRecord:
         load_seconds: time the engine's loads took, from prepare to the last copy.
         failed_loads: loads completed as failed.
         miss: the first chunk not served (lowest index over every load), ``None`` if none was cut.
+        below: the first chunk a load read from below the top tier, and why the top tier lacked it
+            (:class:`~kvtier.core.context.ServedBelow`), ``None`` if none.
+        explained: why a save found the chunk it was asked to explain in no tier
+            (:class:`~kvtier.core.context.NotHeld`), ``None`` if it was not asked or the chunk was held.
         saved_chunks / dropped_chunks: chunks its saves published / dropped.
         unwritten_chunks: chunks its saves published that were not queued for a tier below, by tier.
         saved_tokens: tokens of the chunks its saves copied out of the engine.
@@ -153,6 +160,8 @@ class RequestRecord:
         self.load_seconds = 0.0
         self.failed_loads = 0
         self.miss: Miss | None = None
+        self.below: Miss | None = None
+        self.explained: Miss | None = None
         self.saved_chunks = 0
         self.dropped_chunks = 0
         self.unwritten_chunks: Counter[str] = Counter()
@@ -194,5 +203,10 @@ class RequestRecord:
                 case TtlPinned():
                     self.ttl_pinned += event.pinned
                     self.ttl_refused += event.refused
+                case ServedBelow():
+                    if self.below is None or event.index < self.below.index:
+                        self.below = Miss(event.index, event.tier, event.reason)
+                case NotHeld():
+                    self.explained = Miss(event.index, event.tier, event.reason)
                 case _:  # LookedUp: the scheduler's plan, not what the request got
                     pass

@@ -46,7 +46,7 @@ outside it on pinned chunks):
   before the reset compares ``epoch`` to tell (:mod:`kvtier.integrations.vllm.worker.loader`).
 - ``gate_evictions(closed)``: while closed no top-tier page is freed; ``pin_resident(chain)`` pins
   what the top tier holds for a load prepared later: a mirror's plan and its pin as one step (:mod:`kvtier.core.gate`).
-- ``check_integrity()``: every invariant of the index (:meth:`kvtier.core.upkeep.IndexUpkeep.check`).
+- ``check_integrity()``: every invariant of the index (:func:`kvtier.core.indexcheck.check_index`).
 
 Sizes: ``chunk_bytes`` is one chunk's payload; capacities are the configuration's / ``tp_size``.
 """
@@ -67,6 +67,7 @@ from kvtier.core.context import OpContext
 from kvtier.core.errors import ConfigError
 from kvtier.core.handles import EngineLoad, EngineSave, LoadHandle, StoreHandle
 from kvtier.core.index import Index
+from kvtier.core.indexcheck import check_index
 from kvtier.core.keys import ChunkKey, Namespace
 from kvtier.core.lowerindex import LowerIndex
 from kvtier.core.metrics import StoreMetrics
@@ -131,7 +132,7 @@ class TieredStore(StoreConvenience):
         self.cpu: StagingTier = tiers[0]
         self.sink = CountersSink(self.counters, self.cpu.name)  # every operation's events reach the counters
         lower = [LowerIndex(t, config.policy, config.write_mode == "write-back", self.counters) for t in tiers[1:]]
-        self.index = Index(self.cpu, lower, config, self.counters, chunk_bytes)
+        self.index = Index(self.cpu, lower, config, self.counters, chunk_bytes, self.metrics.ghost_hit)
         self.mover = Mover(self.index, config.io_threads, config.save_queue_depth, self.counters)
         self._closed = False
         if config.disk_rescan_s and self.index.local:  # None or 0: never (the vLLM connector sets it for consumers)
@@ -236,8 +237,11 @@ class TieredStore(StoreConvenience):
             if max_chunks is None:  # nobody asked yet: one presence batch, so misses cost no bytes
                 want = want[:self.mover.leading_present(shared, want)]
             self.index.plan_shared(plan, start, want)
-        if (n := plan.handle.num_chunks) < limit:  # no tier this load may read holds the next chunk
-            plan.handle.ctx.sink.emit(context.LoadCut(n, self.cpu.name if top_only else "", "absent", limit - n))
+        if (n := plan.handle.num_chunks) < limit:  # no tier this load may read holds the next chunk: why not
+            with self.index.lock:
+                ghost = self.index.ghosts.latest(chain[n], (self.cpu.name,) if top_only else None)
+            plan.handle.ctx.sink.emit(context.LoadCut(n, ghost.tier if ghost is not None else self.cpu.name if top_only
+                                                      else "", ghost.reason if ghost is not None else "new", limit - n))
         self.mover.submit(plan.writes)  # spills of the cpu pages the reads take
         if plan.reads:
             self.mover.run(chain, plan, read_ahead)
@@ -262,6 +266,8 @@ class TieredStore(StoreConvenience):
         if engine is not None:
             sink.emit(engine)
         sink.emit(context.ChunksServed(Counter(handle.tiers[first_chunk:delivered])) if success else context.LoadFailed())
+        if success and (below := handle.below) is not None and first_chunk <= below[0] < delivered:
+            sink.emit(context.ServedBelow(*below))  # why the top tier did not hold it
 
     def cancel_load(self, handle: LoadHandle, engine: EngineLoad | None = None) -> None:
         """Unpin a load that will not happen (request aborted, or nothing left to load).
@@ -278,13 +284,15 @@ class TieredStore(StoreConvenience):
 
     # ---- store ---------------------------------------------------------------------------
     def prepare_store(self, chain: Sequence[ChunkKey], start: int = 0, tenant: TenantId | None = None,
-                      ctx: OpContext | None = None) -> StoreHandle:
+                      ctx: OpContext | None = None, explain: int = -1) -> StoreHandle:
         """Reserve top-tier pages for ``chain[start:]`` chunks not stored yet (see module docstring).
         ``ctx``: the request's context (:mod:`kvtier.core.context`), kept in the handle; its ``tenant``
         is who the chunks are saved for, written with them where a tier keeps a tenant record
         (:mod:`kvtier.core.tenant`; ``None``: unknown).  ``tenant``: shorthand for a context of that
-        tenant alone (tools and tests); both given: ``ValueError``."""
-        plan = self.index.plan_store(chain, start, self.sink.bind(ctx, tenant))
+        tenant alone (tools and tests); both given: ``ValueError``.  ``explain``: a chain position
+        whose absence the request's receipt explains: if no tier holds it, ``ctx`` hears why
+        (:class:`~kvtier.core.context.NotHeld`, from the ghost lists: :mod:`kvtier.core.ghosts`)."""
+        plan = self.index.plan_store(chain, start, self.sink.bind(ctx, tenant), explain)
         self.mover.submit(plan.writes)
         return plan.handle
 
@@ -361,13 +369,19 @@ class TieredStore(StoreConvenience):
             self.counters.flush_missed(missed)
         return max(before - missed, 0), missed
 
+    def take_ghost_distances(self) -> list[tuple[str, int]]:
+        """Ghost hits' ``(tier, distance bytes)`` since the last call (:mod:`kvtier.core.ghosts`; at
+        most :data:`~kvtier.core.ghosts.PENDING_DISTANCES` of them), for the engine's metrics."""
+        with self.index.lock:
+            return self.index.ghosts.take_distances()
+
     def stats(self) -> StoreStats:
         """The store's counters and each tier's usage, as one snapshot (:mod:`kvtier.core.stats`)."""
         return self.counters.snapshot(self.chunk_bytes, self.chunk_tokens, self.index.tier_stats(),
                                       self.dirty_bytes(), self.mover.busy())
 
     def check_integrity(self, expect_idle: bool = True) -> None:
-        """Assert the store's invariants (:meth:`kvtier.core.upkeep.IndexUpkeep.check`).
+        """Assert the store's invariants (:func:`kvtier.core.indexcheck.check_index`).
 
         Args:
             expect_idle: also require that no chunk is pinned and no write is queued.
@@ -375,6 +389,6 @@ class TieredStore(StoreConvenience):
         Raises:
             AssertionError: naming the broken invariant.
         """
-        self.index.check(expect_idle)
+        check_index(self.index, expect_idle)
         if expect_idle:
             assert not self.mover.busy(), "writes still in flight"

@@ -1,10 +1,11 @@
 """The index's second half: saves, the outcomes of writes, TTL pins, resets, checks.
 
 :class:`IndexUpkeep` is the part of :class:`~kvtier.core.index.Index` off a load's path: saves
-(:meth:`IndexUpkeep.plan_store`, :meth:`IndexUpkeep.complete_store`, spills ahead), what the
+(:meth:`IndexUpkeep.plan_store`, :meth:`IndexUpkeep.complete_store`, spills ahead), a load's
+read-ahead bookkeeping, what the
 mover's writers report (:meth:`IndexUpkeep.begin_write`, :meth:`IndexUpkeep.end_write`,
 :meth:`IndexUpkeep.written`), the eviction gate's verbs (:mod:`kvtier.core.gate`), rescans, TTL
-pins, resets and :meth:`IndexUpkeep.check`.  Same
+pins and resets (its invariants: :mod:`kvtier.core.indexcheck`).  Same
 lock, same state (declared here, set up by :class:`~kvtier.core.index.Index`, whose methods it
 calls: where a chunk is, pins, publication, eviction), no threads, no callbacks.
 """
@@ -21,8 +22,9 @@ import numpy as np
 
 from kvtier.core.changes import ChangeFeed
 from kvtier.core.codecstats import codec_numbers
-from kvtier.core.context import OpContext, SaveDropped
+from kvtier.core.context import NotHeld, OpContext, SaveDropped
 from kvtier.core.gate import EvictionGate
+from kvtier.core.ghosts import Ghosts
 from kvtier.core.handles import LoadHandle, Read, StagedCopy, StoreHandle, StorePlan, WriteJob
 from kvtier.core.keys import ChunkKey
 from kvtier.core.lowerindex import LowerIndex
@@ -70,6 +72,7 @@ class IndexUpkeep(ChangeFeed):
     through: list[LowerIndex]  # write-through tiers (every shared tier)
     spill_watermark: float
     gate: EvictionGate  # closed: no page may be freed; what waits for it (kvtier.core.gate)
+    ghosts: Ghosts  # what each local tier recently lost, and why (kvtier.core.ghosts)
 
     if TYPE_CHECKING:  # defined by Index (kvtier.core.index), the load's half
         def holds(self, key: ChunkKey) -> bool: ...
@@ -86,12 +89,41 @@ class IndexUpkeep(ChangeFeed):
         def _drop(self, key: ChunkKey) -> None: ...
         def _note(self, key: ChunkKey) -> None: ...
 
+    # ---- what is where (lookups of tools and tests, the change feed's snapshot) ----------------
+    def lookup(self, chain: Sequence[ChunkKey]) -> tuple[int, Counter[str]]:
+        """Leading chunks of ``chain`` in the top or a local lower tier, and how many per tier."""
+        found = Counter[str]()
+        n = 0
+        with self.lock:
+            for key in chain:
+                if self.holds(key):
+                    found[self.name] += 1
+                else:
+                    lt = next((lt for lt in self.local if lt.tier.contains(key)), None)
+                    if lt is None:
+                        break
+                    found[lt.name] += 1
+                n += 1
+        return n, found
+
+    def _tier_of(self, key: ChunkKey) -> str | None:
+        if self.holds(key):
+            return self.name
+        return next((lt.name for lt in self.local if lt.tier.indexed(key)), None)
+
+    def _held_keys(self) -> list[ChunkKey]:
+        return [*(k for k in self.cpu.keys() if k not in self.doomed), *self.staged,  # noqa: SIM118
+                *(k for lt in self.local for k in lt.tier.keys())]  # noqa: SIM118
+
     # ---- store ---------------------------------------------------------------------------
-    def plan_store(self, chain: Sequence[ChunkKey], start: int, ctx: OpContext) -> StorePlan:
+    def plan_store(self, chain: Sequence[ChunkKey], start: int, ctx: OpContext, explain: int = -1) -> StorePlan:
         """Reserve top-tier pages for ``chain[start:]`` chunks no local tier holds yet (the pages'
         victims spilled to a write-back tier are the plan's ``writes``) for ``ctx`` (its tenant,
         kept in the handle with ``ctx``); the chain ends at the first chunk that gets no page
-        (:class:`~kvtier.core.context.SaveDropped`)."""
+        (:class:`~kvtier.core.context.SaveDropped`, and the top tier's ghost list remembers why).
+        A chunk saved again leaves the ghost lists (a ghost hit, :mod:`kvtier.core.ghosts`); the
+        one at position ``explain``, if it is not held, is explained to ``ctx``
+        (:class:`~kvtier.core.context.NotHeld`: the latest loss the ghost lists remember, or ``new``)."""
         tenant = ctx.tenant
         handle = StoreHandle([], [], [], [], tenant=tenant, ctx=ctx)
         writes: list[WriteJob] = []
@@ -102,11 +134,15 @@ class IndexUpkeep(ChangeFeed):
                 key = chain[i]
                 if self.holds(key) or any(lt.tier.indexed(key) for lt in self.local):
                     continue
+                ghost = self.ghosts.take_all(key)
+                if i == explain:
+                    ctx.sink.emit(NotHeld(i, "", "new") if ghost is None else NotHeld(i, ghost.tier, ghost.reason))
                 got = self.cpu.reserve(key) if self.free_page(owner, writes) else NoRoom.NO_ROOM
                 if got is AlreadyHeld.ALREADY_HELD:  # being promoted from a lower tier: stored when that ends
                     continue
                 if got is NoRoom.NO_ROOM:
                     ctx.sink.emit(SaveDropped(len(chain) - i, "no_room"))
+                    self.ghosts.add_many(self.name, chain[i:], "quota" if self.quota is not None else "save_dropped")
                     break
                 handle.keys.append(key)
                 handle.indices.append(i)
@@ -220,6 +256,8 @@ class IndexUpkeep(ChangeFeed):
         with self.lock:
             key = job.key
             if not job.from_top:
+                if not ok:  # a write-back victim's copy that never reached its tier: lost with it
+                    self.ghosts.lists[self.name].mark(key, "save_dropped", job.tier)
                 copy = self.staged.get(key)
                 if copy is not None:
                     copy.pending -= 1
@@ -337,6 +375,7 @@ class IndexUpkeep(ChangeFeed):
                     del self.staged[key]
                     if key not in removed:
                         removed.append(key)
+                self.ghosts.add_many(self.name, removed, "reset")
                 out[self.name] = ClearResult(removed)
             for lt in self.lower:
                 if lt.name in names:
@@ -345,42 +384,6 @@ class IndexUpkeep(ChangeFeed):
         return out
 
     # ---- checks and numbers --------------------------------------------------------------
-    def check(self, expect_idle: bool) -> None:
-        """Assert every invariant: the cpu tier's page accounting; its policy tracks exactly the
-        resident chunks (both ways); TTL pins, pins, staged copies and writes name held chunks;
-        each lower tier's usage ≤ capacity and policy == contents; the tenant ledgers; and with
-        ``expect_idle`` that nothing is pinned and no write is planned.
-
-        Raises:
-            AssertionError: naming the broken invariant.
-        """
-        with self.lock:
-            self.cpu.check()
-            usage = self.cpu.usage()
-            assert usage.used_bytes + usage.free_bytes == usage.capacity_bytes
-            assert usage.used_bytes <= usage.capacity_bytes, f"{self.name} holds more than its capacity"
-            resident = set(self.cpu.keys())
-            tracked = set(self.policy.keys())
-            assert resident == tracked, \
-                f"{self.name} policy tracks {len(tracked)} chunks but {len(resident)} are resident"
-            assert set(self.ttl_pins) <= resident, f"{self.name} TTL-pins chunks that are not resident"
-            assert set(self.pins) <= resident, f"{self.name} pins chunks that are not resident"
-            assert set(self.writing) <= set(self.pins), "a write reads a page it does not pin"
-            assert all(self.pins[k] >= n for k, n in self.writing.items()), "more writes than pins of a page"
-            assert self.doomed <= set(self.pins), "a doomed chunk is not pinned (it should have been freed)"
-            assert set(self.parent) <= resident and set(self.uses) <= resident, "bookkeeping of evicted chunks"
-            assert all(c.pending > 0 or k in self.gate.deferred for k, c in self.staged.items()), "a stray staged copy"
-            if self.quota is not None:
-                self.quota.check(resident)
-            for lt in self.lower:
-                lt.check()
-            if expect_idle:
-                lower_pins = {lt.name: len(lt.pins) for lt in self.lower if lt.pins}
-                assert not self.pins and not lower_pins, \
-                    f"pins left behind: {len(self.pins)} {self.name}, {lower_pins}"
-                written = all(c.pending <= 0 for c in self.staged.values())  # done ones may wait for the gate
-                assert not self.writing and written, "writes still in flight"
-
     def tier_stats(self) -> dict[str, TierStats]:
         """Each tier's usage, pins, TTL pins, errors and tenant bytes now (for :class:`~kvtier.core.stats.StoreStats`)."""
         with self.lock:

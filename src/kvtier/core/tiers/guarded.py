@@ -72,7 +72,7 @@ from kvtier.core.tiers.breaker import CircuitBreaker
 from kvtier.core.tiers.sharedreads import SharedReads
 from kvtier.core.tiers.tiermetrics import TierMetrics
 from kvtier.core.tiers.valueread import check_range, check_room
-from kvtier.core.tiers.wrappers import TierWrapper
+from kvtier.core.tiers.wrappers import MissWhy, TierWrapper
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -185,16 +185,23 @@ class GuardedTier(TierWrapper):
             return self.clear_deadline_s
         return self.transfer_deadline_s if op in ("get", "put") else self.deadline_s
 
-    def _call(self, op: str, fn: Callable[[], T], during: Callable[[float], None] | None = None) -> T | None:
+    def _call(self, op: str, fn: Callable[[], T], during: Callable[[float], None] | None = None,
+              fault: list[str] | None = None) -> T | None:
         """``fn()`` on the wrapper's threads under ``op``'s deadline; ``None`` on any fault (counted).
         ``during(deadline)``, if given, runs on the caller's thread once ``fn`` is submitted; the
-        deadline (a ``time.perf_counter()`` value) counts from the submission."""
+        deadline (a ``time.perf_counter()`` value) counts from the submission.  ``fault``, if
+        given, gets the fault's kind appended (``breaker_open``, ``deadline``, ``load_failed``:
+        :data:`~kvtier.core.receipt.MissReason` values)."""
         if self._closed or not self._slots.acquire(blocking=False):
             self.wire.skipped(op)
+            if fault is not None:
+                fault.append("load_failed")  # closed, or queue_depth calls already waiting
             return None
         if not self.breaker.allow():
             self._slots.release()
             self.wire.skipped(op)
+            if fault is not None:
+                fault.append("breaker_open")
             return None
         deadline_s = self._deadline(op)
         t0 = time.perf_counter()
@@ -207,13 +214,19 @@ class GuardedTier(TierWrapper):
             if future.cancel():  # never started: its slot is ours to give back
                 self._slots.release()
             self._fault(op, f"deadline of {deadline_s:.3f} s passed")
+            if fault is not None:
+                fault.append("deadline")
             return None
         except self._refusals as exc:
             self.breaker.success()  # the server is up and answered: reads go on while writes are refused
             self._fault(op, f"{type(exc).__name__}: {exc}", refused=True)
+            if fault is not None:
+                fault.append("load_failed")
             return None
         except Exception as exc:  # noqa: BLE001 - every server or network fault is a miss
             self._fault(op, f"{type(exc).__name__}: {exc}")
+            if fault is not None:
+                fault.append("load_failed")
             return None
         self.breaker.success()
         self.metrics.observe(op, time.perf_counter() - t0)
@@ -246,16 +259,26 @@ class GuardedTier(TierWrapper):
         return found
 
     def get_many(self, keys: Sequence[ChunkKey], dsts: Sequence[memoryview],
-                 records: TenantRecords | None = None) -> list[GetResult]:
+                 records: TenantRecords | None = None, why: MissWhy | None = None) -> list[GetResult]:
+        """The inner tier's read under the deadline and the breaker; a call that faulted is every
+        key a ``MISS``, and ``why`` (if given) gets each key's reason: ``breaker_open``,
+        ``deadline`` or ``load_failed`` (:func:`~kvtier.core.tiers.wrappers.get_explained`)."""
         if not keys:
             return []
+        fault: list[str] | None = [] if why is not None else None
         if (split := self._split) is not None:  # the wire half under the deadline, then verify on this thread
-            return split_get(split, keys, dsts, lambda: self._call("get", lambda: split.fetch_many(keys)),
-                             self.delete_many, records)
+            results = split_get(split, keys, dsts, lambda: self._call("get", lambda: split.fetch_many(keys),
+                                                                      fault=fault), self.delete_many, records)
+            if fault and why is not None:
+                why.update(dict.fromkeys(keys, fault[0]))
+            return results
         own = [bytearray(memoryview(d).nbytes) for d in dsts]  # a late call fills these, never the caller's
         own_records: TenantRecords = {}  # likewise: a late call's records never reach the caller's
-        got = self._call("get", lambda: self.inner.get_many(keys, [memoryview(b) for b in own], own_records))
+        got = self._call("get", lambda: self.inner.get_many(keys, [memoryview(b) for b in own], own_records),
+                         fault=fault)
         if got is None:
+            if fault and why is not None:
+                why.update(dict.fromkeys(keys, fault[0]))
             return [GetResult.MISS] * len(keys)
         for key, result, buf, dst in zip(keys, got, own, dsts, strict=True):
             if result is GetResult.HIT:

@@ -35,6 +35,21 @@ Op = Literal["contains", "get", "put", "delete"]
 FaultKind = Literal["error", "raise", "corrupt", "truncate", "delay"]
 
 
+
+MissWhy = dict[ChunkKey, str]
+"""A read's per-key reasons for its ``MISS`` results, filled by wrappers that know one
+(:class:`~kvtier.core.tiers.guarded.GuardedTier`: ``deadline``, ``breaker_open``, ``load_failed``;
+:class:`FaultyTier`: ``load_failed``); a key not in it missed for the tier's own reason (absent)."""
+
+
+def get_explained(tier: Tier, keys: Sequence[ChunkKey], dsts: Sequence[memoryview], records: TenantRecords | None,
+                  why: MissWhy | None) -> list[GetResult]:
+    """``tier.get_many(keys, dsts, records)``, asking a wrapper (:class:`TierWrapper`) to put in
+    ``why`` the reason of each ``MISS`` it caused (a bare tier is asked without it)."""
+    if why is not None and isinstance(tier, TierWrapper):
+        return tier.get_many(keys, dsts, records, why=why)
+    return tier.get_many(keys, dsts, records)
+
 class TierWrapper(Tier):
     """A tier that forwards every call to ``inner`` (see the module docstring).
 
@@ -87,8 +102,9 @@ class TierWrapper(Tier):
         return self.get_many([key], [dst], records)[0]
 
     def get_many(self, keys: Sequence[ChunkKey], dsts: Sequence[memoryview],
-                 records: TenantRecords | None = None) -> list[GetResult]:
-        return self.inner.get_many(keys, dsts, records)
+                 records: TenantRecords | None = None, why: MissWhy | None = None) -> list[GetResult]:
+        """The inner tier's; ``why`` (a wrapper's own output, :func:`get_explained`) reaches an inner wrapper."""
+        return get_explained(self.inner, keys, dsts, records, why)
 
     def get(self, key: ChunkKey, records: TenantRecords | None = None) -> bytes | None:
         return self.inner.get(key, records)
@@ -221,7 +237,7 @@ class FaultyTier(TierWrapper):
         return out
 
     def get_many(self, keys: Sequence[ChunkKey], dsts: Sequence[memoryview],
-                 records: TenantRecords | None = None) -> list[GetResult]:
+                 records: TenantRecords | None = None, why: MissWhy | None = None) -> list[GetResult]:
         out = []
         for key, dst in zip(keys, dsts, strict=True):
             rule = self._fault("get", key)
@@ -229,6 +245,8 @@ class FaultyTier(TierWrapper):
             if rule is not None and kind == "delay":
                 time.sleep(rule.delay_s)
             if kind in ("error", "truncate"):
+                if why is not None:
+                    why[key] = "load_failed"
                 out.append(GetResult.MISS)
             elif kind == "corrupt":
                 self.inner.delete(key)  # a tier forgets a value that failed verification

@@ -261,9 +261,12 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler_side.build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        if self.scheduler_side is not None:
-            self.scheduler_side.request_finished(request)
-        return False, None  # saves finish within their step: blocks can be freed at once
+        """Saves finish within their step: blocks can be freed at once.  Returns the request's
+        receipt as ``kv_transfer_params["kvtier"]`` (issue 35, docs/receipts.md; completed in place
+        later in the same ``update_from_output``: :mod:`kvtier.integrations.vllm.scheduler.receipts`)."""
+        if self.scheduler_side is None:
+            return False, None
+        return False, {"kvtier": self.scheduler_side.request_finished(request)}
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...],
                                     ) -> tuple[bool, dict[str, Any] | None]:

@@ -122,6 +122,9 @@ class SaveJob:
         pin_chunks: the pages of chunks ``0 .. pin_chunks - 1`` (the prompt's full chunks) are pinned.
         tenant: the request's ``cache_salt`` and LoRA adapter as digests (:class:`~kvtier.core.tenant.TenantId`),
             stored with the chunks for ``kvtier purge --salt/--lora``; ``None``: unknown.
+        explain_chunk: the chunk whose absence the request's receipt explains (its first chunk no
+            cache served): a worker that finds it in no tier reports why
+            (:attr:`RequestFacts.explained`); -1: none.
     """
 
     req_id: str
@@ -130,6 +133,54 @@ class SaveJob:
     pin_s: float = 0.0
     pin_chunks: int = 0
     tenant: TenantId | None = None
+    explain_chunk: int = -1
+
+
+@dataclass
+class RequestFacts:
+    """What one rank learned of one request's cache use in one step, for its receipt (issue 35;
+    :mod:`kvtier.integrations.vllm.scheduler.receipts` builds the receipt from these and the plan).
+
+    Attributes:
+        unfilled: tokens its load was planned and did not get, by planned tier.
+        load_s: seconds its loads took, by tier (each tier's reads, and the rest of the load's wall
+            time split by the tokens each tier delivered).
+        miss: ``(token, reason, tier)`` of the first token a load came up short at, else ``None``.
+        below: ``(token, reason, tier)``: the first token served from below the top tier, and why
+            the top tier lacked it (the top tier's name as ``tier``).
+        explained: ``(token, reason, tier)``: why the chunk its save job asked about
+            (``SaveJob.explain_chunk``) was in no tier.
+        saved: chunks its saves newly stored, by tier (the top tier's; hybrid models: pages).
+        dropped: chunks its saves dropped, by :data:`~kvtier.core.receipt.MissReason`.
+        pinned / pin_refused: chunks its TTL pins kept / were refused.
+    """
+
+    unfilled: dict[str, int] = field(default_factory=dict)
+    load_s: dict[str, float] = field(default_factory=dict)
+    miss: tuple[int, str, str] | None = None
+    below: tuple[int, str, str] | None = None
+    explained: tuple[int, str, str] | None = None
+    saved: dict[str, int] = field(default_factory=dict)
+    dropped: dict[str, int] = field(default_factory=dict)
+    pinned: int = 0
+    pin_refused: int = 0
+
+    def merge(self, other: RequestFacts) -> None:
+        """Add ``other`` (a later report of the same rank): sums, and the earliest miss."""
+        for mine, theirs in ((self.unfilled, other.unfilled), (self.saved, other.saved), (self.dropped, other.dropped)):
+            for k, v in theirs.items():
+                mine[k] = mine.get(k, 0) + v
+        for k, s in other.load_s.items():
+            self.load_s[k] = self.load_s.get(k, 0.0) + s
+        self.miss = _first(self.miss, other.miss)
+        self.below = _first(self.below, other.below)
+        self.explained = self.explained or other.explained
+        self.pinned += other.pinned
+        self.pin_refused += other.pin_refused
+
+
+def _first(a: tuple[int, str, str] | None, b: tuple[int, str, str] | None) -> tuple[int, str, str] | None:
+    return b if a is None or (b is not None and b[0] < a[0]) else a
 
 
 @dataclass(frozen=True)
@@ -175,6 +226,8 @@ class RankReport:
             an idle engine stepping until it is false: :mod:`kvtier.integrations.vllm.scheduler.settle`).
         epoch: the last :class:`ResetOrder` epoch this rank applied (0: none); the mirror drops
             reports of an older epoch than its own.
+        facts: what this rank learned of requests' cache use since its last report, by request id
+            (:class:`RequestFacts`, for their receipts).
     """
 
     key_root: bytes
@@ -183,6 +236,7 @@ class RankReport:
     namespace: bytes = b""
     busy: bool = False
     epoch: int = 0
+    facts: dict[str, RequestFacts] = field(default_factory=dict)
 
 
 @dataclass

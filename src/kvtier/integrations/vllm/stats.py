@@ -45,6 +45,14 @@ tiers: cpu, disk, redis):
   chose); the scheduler's ``kvtier_tenant_quota_default_share``, ``kvtier_tenant_quota_salts``
   and ``kvtier_tenant_quota_no_salt_share`` (0, 0 and 0 without quotas) and ``kvtier_kv_events_enabled`` (1 with ``--kv-events-config``), sent
   once, for ``kvtier doctor``.
+- Receipts (issue 35; the scheduler side, from each finished request's receipt,
+  :mod:`kvtier.integrations.vllm.scheduler.receipts`): ``kvtier_served_tokens_total{tier}``,
+  prompt tokens served by source, ``tier`` = ``engine`` (vLLM's own prefix cache) or a kvtier
+  tier; ``kvtier_missed_tokens_total{reason,tier}``, prompt tokens computed, by the receipt's miss
+  reason and the tier it names (``none``: no tier).  Over a run, served + missed = the finished
+  requests' prompt tokens, and each equals the sum over their receipts exactly.
+- ``kvtier_ghost_hit_distance_bytes{tier}`` (histogram, workers' side): per ghost hit, the bytes the
+  tier evicted between evicting the chunk and its being wanted again (:mod:`kvtier.core.ghosts`).
 - ``kvtier_chunk_tokens``: tokens per chunk the engine runs with (``chunk_tokens``, ``auto``
   resolved from the KV cache groups' block sizes; rank 0 reports it, so the sum is the value).
 - ``kvtier_flush_missed_chunks_total``: dirty chunks a graceful stop could not write in time.
@@ -88,8 +96,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
+from kvtier.core.ghosts import DISTANCE_BUCKETS_BYTES
 from kvtier.core.tiers import registry
 from kvtier.integrations.vllm.stats_table import (
+    GHOST_DISTANCE,
+    GHOST_PREFIX,
     LABELS,
     TENANT_GAUGE,
     TENANT_PREFIX,
@@ -102,7 +113,16 @@ from kvtier.integrations.vllm.stats_table import (
 )
 
 __all__ = ["LABELS", "TENANT_GAUGE", "TENANT_PREFIX", "KVTierPromMetrics", "KVTierStats", "counters", "gauges",
-           "rank0_only", "store_counter_readers", "store_counters", "store_gauges"]
+           "ghost_observations", "rank0_only", "store_counter_readers", "store_counters", "store_gauges"]
+
+
+def ghost_observations(distances: list[tuple[str, int]]) -> dict[str, list[float]]:
+    """A store's ghost-hit distances (:meth:`~kvtier.core.store.TieredStore.take_ghost_distances`)
+    as the payload's ``observations`` (``ghost_hit_distance_bytes|<tier>`` -> list of bytes)."""
+    out: dict[str, list[float]] = {}
+    for tier, distance in distances:
+        out.setdefault(GHOST_PREFIX + tier, []).append(float(distance))
+    return out
 
 
 @dataclass
@@ -127,13 +147,17 @@ class KVTierStats(KVConnectorStats):
             mine = self.data[part]
             for name, value in other.data.get(part, {}).items():
                 mine[name] = mine.get(name, 0) + value
+        if observed := other.data.get("observations"):  # histograms' observations: every rank's
+            mine_obs = self.data.setdefault("observations", {})
+            for name, values in observed.items():
+                mine_obs[name] = [*mine_obs.get(name, []), *values]
         return self
 
     def reduce(self) -> dict[str, int | float]:
         return {name: round(v, 4) if isinstance(v, float) else v for name, v in self.data["counters"].items() if v}
 
     def is_empty(self) -> bool:
-        return not any(self.data["counters"].values()) and not self.data["gauges"]
+        return not any(self.data["counters"].values()) and not self.data["gauges"] and not self.data.get("observations")
 
 
 class KVTierPromMetrics(KVConnectorPromMetrics):
@@ -149,7 +173,8 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
         self._counters: dict[str, Any] = {}
         for prom_name, help_text, _ in self._counter_table.values():
             if prom_name not in self._counters:
-                extra = [LABELS[prom_name]] if prom_name in LABELS else []
+                names = LABELS.get(prom_name, ())
+                extra = [names] if isinstance(names, str) else list(names)
                 self._counters[prom_name] = self._counter_cls(name=prom_name, documentation=help_text,
                                                               labelnames=labelnames + extra)
         self._gauges: dict[str, Any] = {}
@@ -163,6 +188,11 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             "unknown), by tier (all ranks); with tenant_quotas."), labelnames=labelnames + ["tier", "tenant"],
             multiprocess_mode="mostrecent")
         self._tenant_children: dict[int, set[tuple[str, str]]] = {}
+        self._created: set[int] = set()  # engines whose counter children exist
+        self._ghost_distance: Any = self._histogram_cls(
+            name=GHOST_DISTANCE, documentation=("Bytes a kvtier tier evicted between evicting a chunk and that chunk "
+                                                "being wanted again (ghost hits), by tier (all ranks)."),
+            labelnames=labelnames + ["tier"], buckets=list(DISTANCE_BUCKETS_BYTES))
         # Create every labelled child up front so a scrape shows zeros, not absence.
         for engine_idx in per_engine_labelvalues:
             self.observe({"counters": {}, "gauges": {}}, engine_idx)
@@ -170,11 +200,14 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         base = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]
         counters = transfer_stats_data.get("counters", {})
-        for key, (prom_name, _help, label) in self._counter_table.items():
-            child = self._counters[prom_name].labels(*base, *label)
-            value = counters.get(key, 0)
-            if value:
-                child.inc(value)
+        if engine_idx not in self._created:  # every child once, up front: a scrape shows zeros
+            self._created.add(engine_idx)
+            for prom_name, _help, label in self._counter_table.values():
+                self._counters[prom_name].labels(*base, *label)
+        for key, value in counters.items():
+            entry = self._counter_table.get(key)
+            if entry is not None and value:
+                self._counters[entry[0]].labels(*base, *entry[2]).inc(value)
         gauges = transfer_stats_data.get("gauges", {})
         for key, value in gauges.items():
             if key in self._gauge_table:
@@ -182,6 +215,11 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
                 self._gauges[prom_name].labels(*base, *([tier] if tier else [])).set(value)
         if "dirty_bytes" in gauges:  # the workers' report (every step): its tenants replace the last ones
             self._observe_tenants(gauges, base, engine_idx)
+        for name, values in transfer_stats_data.get("observations", {}).items():
+            if name.startswith(GHOST_PREFIX):
+                child = self._ghost_distance.labels(*base, name.removeprefix(GHOST_PREFIX))
+                for value in values:
+                    child.observe(value)
 
     def _observe_tenants(self, gauges: dict[str, Any], base: list[str], engine_idx: int) -> None:
         now: dict[tuple[str, str], float] = {}

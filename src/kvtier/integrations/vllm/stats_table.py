@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvtier.core.codecstats import CodecNumbers
+from kvtier.core.receipt import MISS_REASONS
 from kvtier.core.stats import StoreStats, WireStats
 from kvtier.core.tiers import registry
 
@@ -72,12 +73,23 @@ _PLAIN_COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "shared_lookup_hit_chunks": ("kvtier_shared_lookup_hit_chunks", ("Chunks found in the shared tier (every rank's "
                                  "value present) by answered lookups."), ()),
 }
-LABELS: dict[str, str] = {"kvtier_loaded_tokens": "tier", "kvtier_unfilled_tokens": "tier",
-                          "kvtier_transfer_seconds": "direction", "kvtier_transfer_bytes": "direction",
-                          "kvtier_evictions": "tier", "kvtier_reset_chunks": "tier",
-                          "kvtier_quota_evictions": "tier", "kvtier_codec_bytes_before": "tier",
-                          "kvtier_codec_bytes_after": "tier", "kvtier_codec_seconds": "tier",
-                          "kvtier_decrypt_failures": "tier"}
+LABELS: dict[str, str | tuple[str, ...]] = {
+    "kvtier_loaded_tokens": "tier", "kvtier_unfilled_tokens": "tier", "kvtier_transfer_seconds": "direction",
+    "kvtier_transfer_bytes": "direction", "kvtier_evictions": "tier", "kvtier_reset_chunks": "tier",
+    "kvtier_quota_evictions": "tier", "kvtier_served_tokens": "tier",
+    "kvtier_codec_bytes_before": "tier", "kvtier_codec_bytes_after": "tier", "kvtier_codec_seconds": "tier",
+    "kvtier_decrypt_failures": "tier", "kvtier_missed_tokens": ("reason", "tier")}
+ENGINE = "engine"
+"""The ``tier`` label of tokens vLLM's own prefix cache served (``kvtier_served_tokens``), as the receipt names them."""
+NO_TIER = "none"
+"""The ``tier`` label of ``kvtier_missed_tokens`` for a reason about no tier (``new``, ``partial_chunk``)."""
+_SERVED = ("Prompt tokens served from a cache, by source: engine (vLLM's own prefix cache) or the kvtier tier; "
+           "sums equal the receipts' (over all sources: vLLM's cached tokens).")
+_MISSED = ("Prompt tokens computed, by the reason their request's first chunk was not served (the receipt's miss; "
+           "partial_chunk also when the whole prompt was served but its last token) and the tier it names.")
+GHOST_DISTANCE = "kvtier_ghost_hit_distance_bytes"
+GHOST_PREFIX = "ghost_hit_distance_bytes|"
+"""Payload observations ``ghost_hit_distance_bytes|<tier>``: a list of distances, bytes (a histogram)."""
 _CODEC = {  # a lower tier's codec chain (kvtier.core.codecstats): payload key -> (metric, help, reader)
     "codec_bytes_before": ("kvtier_codec_bytes_before", "Payload bytes into a lower tier's codec chain on write, by tier.",
                            lambda n: n.encoded_bytes),
@@ -149,7 +161,21 @@ def counters() -> dict[str, tuple[str, str, tuple[str, ...]]]:
             out[f"{t}_read_seconds"] = (f"kvtier_{t}_read_seconds", (f"Seconds the workers' read batches from the "
                                         f"shared tier ({t}) took: over kvtier_{t}_reads, the mean read latency."), ())
             out[f"{t}_read_bytes"] = (f"kvtier_{t}_read_bytes", f"Payload bytes read from the shared tier ({t}).", ())
+    for t in (ENGINE, *(spec.name for spec in registry.specs())):  # the receipts' sums (scheduler side)
+        out[f"served_tokens_{t}"] = ("kvtier_served_tokens", _SERVED, (t,))
+    for reason in MISS_REASONS:
+        for t in (NO_TIER, *(spec.name for spec in registry.specs())):
+            out[f"missed_tokens_{reason}|{t}"] = ("kvtier_missed_tokens", _MISSED, (reason, t))
     return {**out, **_PLAIN_COUNTERS}
+
+
+def receipt_counters(tokens: dict[str, int], reason: str, tier: str) -> dict[str, float]:
+    """The payload counters of one receipt: its served tokens by source, its computed tokens under
+    its miss's ``reason`` and ``tier`` (``""``: :data:`NO_TIER`)."""
+    out: dict[str, float] = {f"served_tokens_{t}": n for t, n in tokens.items() if t != "computed" and n}
+    if tokens.get("computed"):
+        out[f"missed_tokens_{reason}|{tier or NO_TIER}"] = tokens["computed"]
+    return out
 
 
 def gauges() -> dict[str, tuple[str, str, str | None]]:

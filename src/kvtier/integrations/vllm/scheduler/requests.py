@@ -5,11 +5,12 @@ TTL it asks for (:func:`pin_seconds`)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.core.keys import chunk_keys, request_root
 from kvtier.core.tenant import TenantId
+from kvtier.integrations.vllm.scheduler.receipts import ReceiptFacts
 
 PIN_PARAM = "kvtier_pin_s"
 """The ``kv_transfer_params`` key a request names its prompt's pin TTL with, seconds (issue 22 item 4)."""
@@ -76,6 +77,7 @@ class RequestState:
         saved_chunks: chunks ``0 .. saved_chunks - 1`` were put in save jobs.
         pin_s: its prompt's pin TTL, seconds (asked with ``kvtier_pin_s`` and valid; 0: none).
         refreshed: it asked again once already after an idle gap (see ``SchedulerSide``).
+        receipt: what its receipt is built from (:mod:`~kvtier.integrations.vllm.scheduler.receipts`).
     """
 
     request: Any
@@ -88,6 +90,7 @@ class RequestState:
     saved_chunks: int = 0
     pin_s: float = 0.0
     refreshed: bool = False
+    receipt: ReceiptFacts = field(default_factory=ReceiptFacts)
 
     @property
     def tenant(self) -> TenantId | None:

@@ -9,6 +9,7 @@ from typing import Any
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
+from kvtier.core.receipt import ReceiptSink
 from kvtier.core.tiers.factory import state_dir
 from kvtier.core.tiers.registry import top_tier
 from kvtier.integrations.vllm.cache_groups import GroupKind
@@ -23,8 +24,9 @@ from kvtier.integrations.vllm.protocol import (
 from kvtier.integrations.vllm.scheduler.events import EventGroup, KVEventTracker, events_enabled
 from kvtier.integrations.vllm.scheduler.mirror import IndexMirror
 from kvtier.integrations.vllm.scheduler.pages import PagePlanner, engine_plan, handoffs_of
+from kvtier.integrations.vllm.scheduler.receipts import ReceiptDesk, ReceiptFacts
 from kvtier.integrations.vllm.scheduler.remote import RemoteLookups, shared_tier_configured
-from kvtier.integrations.vllm.scheduler.requests import RequestChain, RequestState, pin_seconds
+from kvtier.integrations.vllm.scheduler.requests import PIN_PARAM, RequestChain, RequestState, pin_seconds
 from kvtier.integrations.vllm.scheduler.reset import Resets
 from kvtier.integrations.vllm.scheduler.settle import Settle
 from kvtier.integrations.vllm.scheduler.sync import SyncBudget, bytes_per_token, check_sync_load
@@ -89,6 +91,18 @@ class SchedulerSide:
         self.settle = Settle(more=self.events.pending if self.events is not None else None)
         self.resets = Resets(config)
         self._settings_sent = False  # kv_events_enabled and the quota gauges go out with the first stats
+        self.receipts = ReceiptDesk(self.chunk_tokens, self.mirror.tp_size, [])
+
+    @property
+    def receipt_sinks(self) -> list[ReceiptSink]:
+        """Where every finished request's receipt (issue 35) goes besides its response: the receipt
+        log, a tracer (:class:`~kvtier.core.receipt.ReceiptSink`); empty unless the engine's wiring
+        adds some (append, or assign a list)."""
+        return self.receipts.sinks
+
+    @receipt_sinks.setter
+    def receipt_sinks(self, sinks: list[ReceiptSink]) -> None:
+        self.receipts.sinks = sinks
 
     def bind_kv_cache_manager(self, manager: Any) -> None:
         self._kv_cache_manager = manager
@@ -112,16 +126,20 @@ class SchedulerSide:
     def on_new_request(self, request: Any) -> None:
         state = self.requests[request.request_id] = RequestState(request)
         if self.save_enabled:
-            ttl_s, problem = pin_seconds(getattr(request, "kv_transfer_params", None), self.config.pin_max_s)
+            params = getattr(request, "kv_transfer_params", None)
+            ttl_s, problem = pin_seconds(params, self.config.pin_max_s)
             if problem:
                 log.warning("kvtier: request %s: %s", request.request_id, problem)
             if ttl_s > 0 and self.config.pin_max_share > 0:
                 state.pin_s = ttl_s
+            if isinstance(params, dict) and PIN_PARAM in params:  # the receipt says what became of it
+                state.receipt.pin = (state.pin_s, problem)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
         state = self._state(request)
         state.planned_tiers = None
+        state.receipt.asked = num_computed_tokens  # vLLM's own hit, for the receipt if it is admitted now
         self.sync.give_back(req_id)  # asked again in this step (not scheduled after the first answer)
         # vLLM must compute at least the last prompt token itself (to sample from its logits).
         max_chunks = (request.num_tokens - 1) // self.chunk_tokens
@@ -168,6 +186,8 @@ class SchedulerSide:
             self.remote.forget(req_id)
         state = self.requests.get(req_id)
         tiers = state.planned_tiers if state is not None else None
+        if state is not None:
+            state.receipt.admitted(request, tiers, num_external_tokens, self.chunk_tokens, state.load_failed)
         if num_external_tokens <= 0 or tiers is None or state is None or state.chain is None:
             if state is not None:
                 state.planned_tiers = None
@@ -245,7 +265,8 @@ class SchedulerSide:
         if not pages:
             return None
         return SaveJob(req_id, pages, self.pages.parent_of(keys, pages[0]), pin_s=state.pin_s,
-                       pin_chunks=request.num_prompt_tokens // self.chunk_tokens, tenant=state.tenant)
+                       pin_chunks=request.num_prompt_tokens // self.chunk_tokens, tenant=state.tenant,
+                       explain_chunk=state.receipt.explain_in(start, end))
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Fold the ranks' index changes (vLLM's worker → scheduler metadata) into the mirror."""
@@ -255,6 +276,11 @@ class SchedulerSide:
         if isinstance(meta, KVTierWorkerMeta):
             for rank in sorted(meta.ranks):
                 self.mirror.apply(rank, meta.ranks[rank])
+                for req_id, facts in meta.ranks[rank].facts.items():  # for the receipts
+                    if (known := self.requests.get(req_id)) is not None:
+                        known.receipt.observe(rank, facts)
+                    else:
+                        self.receipts.observe(req_id, rank, facts)
             if self.events is not None:
                 self._observe_events(meta)
         invalid = getattr(connector_output, "invalid_block_ids", None) or set()
@@ -264,6 +290,7 @@ class SchedulerSide:
             if state.sync_outputs_left:
                 check_sync_load(req_id, state, invalid)
             if state.loading_blocks is not None:
+                state.receipt.waited_steps += 1
                 if req_id in failed or not state.loading_blocks.isdisjoint(invalid):
                     if not state.load_failed:
                         log.info("kvtier: request %s: its load failed; it recomputes from there and is not "
@@ -289,14 +316,18 @@ class SchedulerSide:
         return self.events.take_events() if self.events is not None else []
 
     # ---- end of a request --------------------------------------------------------------------
-    def request_finished(self, request: Any) -> None:
+    def request_finished(self, request: Any) -> dict[str, Any]:
         """Forget ``request``.  A load in flight still ends in ``finished_recving``; vLLM keeps the
-        request's blocks until then (it delays freeing blocks of WAITING_FOR_REMOTE_KVS requests)."""
+        request's blocks until then (it delays freeing blocks of WAITING_FOR_REMOTE_KVS requests).
+        Returns its receipt's dict, empty until this step's worker facts are in: filled in place by
+        :meth:`stats`, in the same ``update_from_output``
+        (:mod:`~kvtier.integrations.vllm.scheduler.receipts`)."""
         req_id = request.request_id
-        self.requests.pop(req_id, None)
+        state = self.requests.pop(req_id, None)
         self.sync.give_back(req_id)
         if self.remote is not None:
             self.remote.forget(req_id)
+        return self.receipts.finished(request, state.receipt if state is not None else ReceiptFacts())
 
     # ---- reset ---------------------------------------------------------------------------------
     def reset_cache(self) -> bool:
@@ -312,6 +343,7 @@ class SchedulerSide:
         ``kvtier_reset_failures_total``) and, with a shared tier, its lookups and those in flight
         (``kvtier_shared_lookups_*``); ``None`` when nothing changed."""
         counters: dict[str, float] = dict(self.resets.take_counts())
+        counters |= self.receipts.finish()  # this step's finished requests' receipts, complete now
         if self.events is not None:
             counters |= self.events.take_counters()
         gauges: dict[str, float] = {}
@@ -336,8 +368,16 @@ class SchedulerSide:
         return KVTierStats(data={"counters": counters, "gauges": gauges})
 
     def shutdown(self) -> None:
-        """Stop the shared-tier lookups and write the KV-event journal (idempotent)."""
+        """Emit the last receipts and close the receipt sinks, stop the shared-tier lookups and write
+        the KV-event journal (idempotent)."""
         skip_exit_collection()  # the engine core exits without a slow final GC: process_exit
+        self.receipts.finish()  # requests finished since the last step: their receipts reach the sinks
+        for sink in self.receipt_sinks:
+            try:
+                sink.close()
+            except Exception:  # one sink's failure must not keep the others open
+                log.exception("kvtier: closing a receipt sink failed")
+        self.receipt_sinks = []
         if self.remote is not None:
             self.remote.close()
         if self.events is not None and self.events.journal_loaded:

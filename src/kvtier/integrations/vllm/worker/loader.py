@@ -57,10 +57,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from kvtier.core.context import EngineLoad, OpContext
 from kvtier.core.handles import LoadHandle
 from kvtier.core.keys import ChunkKey
+from kvtier.core.sinks import RequestRecord
 from kvtier.core.store import TieredStore
 from kvtier.core.tiers.registry import slowest
 from kvtier.integrations.vllm.protocol import LoadJob, tokens_by_tier
 from kvtier.integrations.vllm.worker.copy import GroupCopiers
+from kvtier.integrations.vllm.worker.facts import FactsBook, load_facts
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +99,7 @@ class AsyncLoader:
         self._inflight: dict[str, Future[None]] = {}
         # ended loads not yet taken: req_id -> (store epoch at their start, blocks filled; None: failed whole)
         self._filled: dict[str, tuple[int, tuple[int, ...] | None]] = {}
+        self.facts = FactsBook()  # what loads (and the worker's saves) learned, for the requests' receipts
 
     def submit(self, job: LoadJob) -> None:
         """Start ``job`` in the background (never blocks).  Its pages the cpu tier holds are pinned
@@ -158,6 +161,8 @@ class AsyncLoader:
         handle = None
         delivered = 0  # leading pages copied into the engine
         ok = skipped = False
+        record = RequestRecord(self.chunk_tokens)  # the load's events, for the request's receipt
+        budget_cut: int | None = None
         t0 = time.perf_counter()
         epoch = self.store.epoch  # before anything is read: a reset from here on fails the load
         try:
@@ -167,13 +172,15 @@ class AsyncLoader:
                 return
             # max_chunks: the plan already asked the shared tier, so its reads need no second presence batch
             handle = self.store.prepare_load([ChunkKey(p.key) for p in job.pages], max_chunks=len(job.pages),
-                                             read_ahead=True, ctx=_context(job))
-            delivered = self._copy_as_ready(job, handle)
+                                             read_ahead=True, ctx=_context(job, record))
+            delivered, timed_out = self._copy_as_ready(job, handle)
+            budget_cut = delivered if timed_out else None
             ok = True
         except Exception:
             log.exception("kvtier: loading request %s's pages failed; recomputing them", job.req_id)
         finally:
-            self._finish(job, handle, delivered, ok, skipped, time.perf_counter() - t0, epoch)
+            self._finish(job, handle, delivered, ok, skipped, time.perf_counter() - t0, epoch, record=record,
+                         budget_cut=budget_cut)
 
     def load_now(self, job: LoadJob) -> tuple[set[int], int | None]:
         """Run a synchronous ``job`` on the calling (engine) thread: pin the leading pages the cpu
@@ -200,9 +207,10 @@ class AsyncLoader:
         ok = False
         t0 = time.perf_counter()
         epoch = self.store.epoch
+        record = RequestRecord(self.chunk_tokens)
         try:
             handle = self.store.prepare_load([ChunkKey(p.key) for p in job.pages], max_chunks=len(job.pages),
-                                             top_only=True, ctx=_context(job))
+                                             top_only=True, ctx=_context(job, record))
             held = handle.num_chunks
             if held:
                 self.copiers.load(list(zip(job.pages[:held], handle.buffers[:held])))
@@ -212,13 +220,16 @@ class AsyncLoader:
                          "recomputing the rest", job.req_id, delivered, len(job.pages))
         except Exception:
             log.exception("kvtier: loading request %s's pages synchronously failed; recomputing them", job.req_id)
-        errors = self._finish(job, handle, delivered, ok, False, time.perf_counter() - t0, epoch, sync=True)
+        errors = self._finish(job, handle, delivered, ok, False, time.perf_counter() - t0, epoch, sync=True,
+                              record=record)
         first_unfilled = None if not errors else job.pages[delivered].chunk
         return errors, first_unfilled
 
-    def _copy_as_ready(self, job: LoadJob, handle: LoadHandle) -> int:
-        """Copy the handle's pages into the engine as they become ready; returns pages copied."""
+    def _copy_as_ready(self, job: LoadJob, handle: LoadHandle) -> tuple[int, bool]:
+        """Copy the handle's pages into the engine as they become ready; returns pages copied and
+        whether it stopped waiting for the rest (``load_wait_s`` passed)."""
         delivered = 0
+        timed_out = False
         deadline = time.monotonic() + self.wait_s
         while True:
             complete = handle.wait(0)  # True once the read-ahead ended: num_chunks is final
@@ -232,12 +243,13 @@ class AsyncLoader:
             if left <= 0:
                 log.warning("kvtier: request %s: pages %d.. were not read within load_wait_s=%s; "
                             "recomputing them", job.req_id, delivered, self.wait_s)
+                timed_out = True
                 break
             handle.wait(min(left, READ_AHEAD_POLL_S))
         if delivered < len(job.pages):
             log.info("kvtier: request %s: %d of %d planned pages loaded; recomputing the rest",
                      job.req_id, delivered, len(job.pages))
-        return delivered
+        return delivered, timed_out
 
     def _filled_end(self, job: LoadJob, delivered: int) -> int:
         """The token the engine's KV is valid up to after ``delivered`` leading pages."""
@@ -248,7 +260,8 @@ class AsyncLoader:
         return min(job.hit_tokens, (job.pages[delivered - 1].chunk + 1) * self.chunk_tokens)
 
     def _finish(self, job: LoadJob, handle: LoadHandle | None, delivered: int, ok: bool, skipped: bool,
-                seconds: float, epoch: int, sync: bool = False) -> set[int]:
+                seconds: float, epoch: int, sync: bool = False, record: RequestRecord | None = None,
+                budget_cut: int | None = None) -> set[int]:
         """Count the outcome in the store (once), then report errors and the finish to vLLM
         (``sync``: return the blocks not filled instead; a synchronous load has no finish to report)."""
         end = self._filled_end(job, delivered if ok else 0) if not skipped else job.first_token
@@ -275,6 +288,9 @@ class AsyncLoader:
             self.store.cancel_load(handle, engine=engine)
         else:
             self.store.complete_load(handle, False, engine=engine)
+        if record is not None and not skipped:  # for the request's receipt (worker/facts.py)
+            self.facts.add(job.req_id, load_facts(job, record, engine, self.store.cpu.name, self.chunk_tokens,
+                                                  budget_cut))
         if sync:
             return set(errors)
         with self._lock:
@@ -302,6 +318,7 @@ class AsyncLoader:
             time.sleep(0.01)
 
 
-def _context(job: LoadJob) -> OpContext:
-    """The load's context: its request's id and tenant (the handle carries it to ``complete_load``)."""
-    return OpContext(job.req_id, job.tenant)
+def _context(job: LoadJob, record: RequestRecord | None = None) -> OpContext:
+    """The load's context: its request's id and tenant, and ``record`` as its sink (the handle
+    carries it to ``complete_load``)."""
+    return OpContext(job.req_id, job.tenant) if record is None else OpContext(job.req_id, job.tenant, record)

@@ -15,7 +15,7 @@ from kvtier.core.store import TieredStore
 from kvtier.integrations.vllm.cache_groups import GroupKind, groups_from_kv_cache_config
 from kvtier.integrations.vllm.process_exit import skip_exit_collection
 from kvtier.integrations.vllm.protocol import KVTierMetadata, KVTierWorkerMeta, RankReport, ResetOrder
-from kvtier.integrations.vllm.stats import KVTierStats, store_counters, store_gauges
+from kvtier.integrations.vllm.stats import KVTierStats, ghost_observations, store_counters, store_gauges
 from kvtier.integrations.vllm.worker.copy import GroupCopiers
 from kvtier.integrations.vllm.worker.layout import KVLayout
 from kvtier.integrations.vllm.worker.loader import AsyncLoader
@@ -156,7 +156,8 @@ class WorkerSide:
         assert self.store is not None and self.groups is not None
         late = self.store.gate_evictions(False)
         try:
-            save_jobs(self.store, self.groups, meta.saves, self._sync_cut, self._token_group, self.chunk_tokens)
+            save_jobs(self.store, self.groups, meta.saves, self._sync_cut, self._token_group, self.chunk_tokens,
+                      self.loader.facts if self.loader is not None else None)
         finally:
             if late:
                 self.store.gate_evictions(True)
@@ -170,11 +171,12 @@ class WorkerSide:
             return None
         self.store.gate_evictions(True)  # nothing leaves until the loads planned from this drain are pinned
         delta = self.store.drain_changes(MAX_INDEX_CHANGES)
-        if not delta.changes and not delta.full and self._busy == self._busy_reported:
+        facts = self.loader.facts.take() if self.loader is not None else {}  # for the requests' receipts
+        if not delta.changes and not delta.full and self._busy == self._busy_reported and not facts:
             return None
         self._busy_reported = self._busy
         report = RankReport(self.key_root, [(bytes(key), tier) for key, tier in delta.changes], delta.full,
-                            self.namespace, busy=self._busy, epoch=self.reset_epoch)
+                            self.namespace, busy=self._busy, epoch=self.reset_epoch, facts=facts)
         return KVTierWorkerMeta({self.tp_rank: report})
 
     # ---- metrics and lifecycle ---------------------------------------------------------------
@@ -192,7 +194,10 @@ class WorkerSide:
         self._busy = snapshot.queued_writes > 0 or any(t.pinned_chunks for t in snapshot.tiers.values())
         if self.tp_rank == 0:  # vLLM sums the ranks' gauges: one rank reports the engine's chunk size
             gauges["chunk_tokens"] = self.chunk_tokens
-        return KVTierStats(data={"counters": counters, "gauges": gauges})
+        data: dict[str, Any] = {"counters": counters, "gauges": gauges}
+        if distances := self.store.take_ghost_distances():  # kvtier_ghost_hit_distance_bytes{tier}
+            data["observations"] = ghost_observations(distances)
+        return KVTierStats(data=data)
 
     def shutdown(self) -> None:
         """Stop loading, flush dirty chunks to disk within ``shutdown_flush_s``, stop the store.  Idempotent."""

@@ -1,0 +1,219 @@
+"""Each finished request's cache receipt (issue 35; the shape: :mod:`kvtier.core.receipt`), built
+on the scheduler side from facts it already has: what vLLM's own prefix cache served and what
+kvtier promised at the request's admission (``get_num_new_matched_tokens`` /
+``update_state_after_alloc``), the steps it waited for a load, and what the workers learned
+(:class:`~kvtier.integrations.vllm.protocol.RequestFacts` in each step's worker metadata: loads
+that came up short and why, seconds per tier, why a chunk was in no tier, saves, pins).
+
+**When.**  vLLM calls ``request_finished`` in ``Scheduler.update_from_output`` *before* it hands
+the connector that step's worker output (``_update_from_kv_xfer_finished``, after the loop over
+requests; vllm/v1/core/sched/scheduler.py), so the facts of a request's last step (its last
+saves, a synchronous load in that step) are not in yet.  ``request_finished`` therefore returns
+``kv_transfer_params = {"kvtier": {}}`` and keeps the dict; :meth:`ReceiptDesk.finish` fills it in
+place from the scheduler's ``get_kv_connector_stats``, which vLLM calls in the same
+``update_from_output`` right after ``update_connector_output``, before the step's outputs leave
+the engine core (they are serialized after ``update_from_output`` returns).  The same receipt is
+then emitted to every :class:`~kvtier.core.receipt.ReceiptSink` and counted
+(``kvtier_served_tokens_total``, ``kvtier_missed_tokens_total``), so the three agree exactly.
+
+**Tokens.**  ``engine`` is vLLM's local prefix-cache hit and the tiers the hit kvtier promised,
+split by the tier planned for each chunk, both as vLLM recorded them for
+``usage.prompt_tokens_details.cached_tokens`` (``Request.prefill_stats``, set at the request's
+first admission that was not a re-admission after preemption): engine + tiers equals vLLM's
+cached tokens.  Exception: tokens a load was promised and did not deliver (a chunk gone or
+corrupt, ``load_wait_s``) are moved from their tier to ``computed``, since they were recomputed;
+vLLM still counts them cached (it records the promise), and the receipt's ``miss`` says why.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.core.receipt import Receipt, ReceiptMiss, ReceiptPin, ReceiptSaved, ReceiptSink
+from kvtier.integrations.vllm.protocol import RequestFacts, tokens_by_tier
+from kvtier.integrations.vllm.stats_table import receipt_counters
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class ReceiptFacts:
+    """What the scheduler keeps of one request for its receipt.
+
+    Attributes:
+        asked: the local hit ``get_num_new_matched_tokens`` was last asked with (consumed by the
+            allocation that follows it; ``None``: not asked since).
+        engine: vLLM's own prefix-cache tokens at the request's admission (``None``: never admitted).
+        planned: kvtier tokens promised at that admission, by planned tier.
+        explain_chunk / explain_sent: the first chunk no cache was to serve (-1: none), and whether
+            a save job asked the workers why.
+        load_failed: its admission found a failed load (kvtier offered nothing again).
+        waited_steps: engine steps it waited for an asynchronous load.
+        pin: ``(ttl_s, problem)`` of the TTL pin it asked for, ``None``: none asked.
+        ranks: what each tensor-parallel rank reported, merged over steps.
+    """
+
+    asked: int | None = None
+    engine: int | None = None
+    planned: dict[str, int] = field(default_factory=dict)
+    explain_chunk: int = -1
+    explain_sent: bool = False
+    load_failed: bool = False
+    waited_steps: int = 0
+    pin: tuple[float, str | None] | None = None
+    ranks: dict[int, RequestFacts] = field(default_factory=dict)
+
+    def admitted(self, request: Any, tiers: Sequence[str] | None, external: int, chunk_tokens: int,
+                 load_failed: bool) -> None:
+        """vLLM allocated ``request`` after asking for its hit (``update_state_after_alloc``):
+        record what it counts as cached (its ``prefill_stats`` when it has them), unless this is a
+        re-admission after preemption (vLLM keeps the first admission's numbers too)."""
+        asked, self.asked = self.asked, None
+        if asked is None or getattr(request, "num_preemptions", 0) > 0:
+            return
+        stats = getattr(request, "prefill_stats", None)
+        self.engine = int(stats.num_local_cached_tokens) if stats is not None else asked
+        hit = len(tiers) * chunk_tokens if tiers else 0
+        self.planned = tokens_by_tier(tiers, hit - external, hit, chunk_tokens) if external > 0 and tiers else {}
+        self.load_failed = load_failed
+        served = self.engine + external
+        loadable = (request.num_prompt_tokens - 1) // chunk_tokens * chunk_tokens
+        self.explain_chunk = served // chunk_tokens if served < loadable else -1
+        self.explain_sent = False
+
+    def explain_in(self, start: int, end: int) -> int:
+        """The chunk a save job of chunks ``[start, end)`` asks the workers about (-1: none)."""
+        if self.explain_sent or not start <= self.explain_chunk < end:
+            return -1
+        self.explain_sent = True
+        return self.explain_chunk
+
+    def observe(self, rank: int, facts: RequestFacts) -> None:
+        mine = self.ranks.get(rank)
+        if mine is None:
+            self.ranks[rank] = facts
+        else:
+            mine.merge(facts)
+
+
+def build_receipt(request_id: str, prompt_tokens: int, r: ReceiptFacts, chunk_tokens: int, tp_size: int) -> Receipt:
+    """The receipt of a finished request (see the module docstring for what each number is).
+
+    Tensor-parallel ranks load and save the same chunks (each its own KV heads): tokens a rank did
+    not get are missing for all, so unfilled tokens are the most any rank reports; seconds the most
+    (the request waited for the slowest); chunks saved the fewest; the earliest miss wins."""
+    ranks = [r.ranks.get(i) or RequestFacts() for i in range(max(tp_size, 1))]
+    engine = r.engine or 0
+    tiers: dict[str, int] = {}
+    for tier, n in r.planned.items():
+        got = n - max(f.unfilled.get(tier, 0) for f in ranks)
+        if got > 0:
+            tiers[tier] = got
+    served = engine + sum(tiers.values())
+    tokens = {"engine": engine, **tiers, "computed": max(prompt_tokens - served, 0)}
+    load_ms = {t: round(1000 * max(f.load_s.get(t, 0.0) for f in ranks), 3)
+               for t in dict.fromkeys(t for f in ranks for t in f.load_s)}
+    saved = {t: min(f.saved.get(t, 0) for f in ranks) for t in dict.fromkeys(t for f in ranks for t in f.saved)}
+    dropped = {k: max(f.dropped.get(k, 0) for f in ranks) for k in dict.fromkeys(k for f in ranks for k in f.dropped)}
+    return Receipt(request_id=request_id, prompt_tokens=prompt_tokens, tokens=tokens, load_ms=load_ms,
+                   waited_steps=r.waited_steps, miss=_miss(prompt_tokens, served, r, ranks, chunk_tokens),
+                   saved=ReceiptSaved({t: n for t, n in saved.items() if n}, dropped), pin=_pin(r, ranks),
+                   top_miss=_earliest(f.below for f in ranks))
+
+
+def _earliest(found: Iterable[tuple[int, str, str] | None]) -> ReceiptMiss | None:
+    first = min((f for f in found if f is not None), key=lambda f: f[0], default=None)
+    return ReceiptMiss(first[0], first[1], first[2]) if first is not None else None  # type: ignore[arg-type]
+
+
+def _miss(prompt_tokens: int, served: int, r: ReceiptFacts, ranks: list[RequestFacts],
+          chunk_tokens: int) -> ReceiptMiss | None:
+    """The first token not served and why (``None``: at most the prompt's last token was computed)."""
+    if served >= prompt_tokens - 1:
+        return None
+    if served >= (prompt_tokens - 1) // chunk_tokens * chunk_tokens:
+        return ReceiptMiss(served, "partial_chunk")
+    short = _earliest(f.miss for f in ranks)
+    if short is not None:  # a load came up short: what its read said
+        return ReceiptMiss(served, short.reason, short.tier)
+    if r.load_failed:
+        return ReceiptMiss(served, "load_failed")
+    why = _earliest(f.explained for f in ranks)
+    if why is not None:
+        return ReceiptMiss(served, why.reason, why.tier)
+    return ReceiptMiss(served, "new")
+
+
+def _pin(r: ReceiptFacts, ranks: list[RequestFacts]) -> ReceiptPin | None:
+    if r.pin is None:
+        return None
+    ttl_s, problem = r.pin
+    if ttl_s <= 0:
+        return ReceiptPin(False, 0.0, problem or "pins are off (pin_max_share is 0)")
+    if any(f.pin_refused for f in ranks):
+        return ReceiptPin(False, 0.0, "pin_max_share of the cpu tier was pinned already")
+    if not all(f.pinned for f in ranks):
+        return ReceiptPin(False, 0.0, "the prompt's chunks were not in the cpu tier when it was saved")
+    return ReceiptPin(True, ttl_s, problem or "")
+
+
+@dataclass(eq=False)
+class _Pending:
+    request_id: str
+    prompt_tokens: int
+    facts: ReceiptFacts
+    params: dict[str, Any]
+
+
+class ReceiptDesk:
+    """Receipts of requests vLLM finished, completed once their last step's facts are in (see the
+    module docstring).
+
+    Args:
+        chunk_tokens: tokens per chunk.
+        tp_size: tensor-parallel ranks.
+        sinks: where every receipt goes besides the response (the scheduler side's
+            ``receipt_sinks``; empty: nowhere).
+    """
+
+    def __init__(self, chunk_tokens: int, tp_size: int, sinks: list[ReceiptSink]) -> None:
+        self.chunk_tokens = chunk_tokens
+        self.tp_size = tp_size
+        self.sinks = sinks
+        self._pending: dict[str, _Pending] = {}
+
+    def finished(self, request: Any, facts: ReceiptFacts) -> dict[str, Any]:
+        """``request`` finished: the dict its ``kv_transfer_params["kvtier"]`` will be (filled by :meth:`finish`)."""
+        params: dict[str, Any] = {}
+        self._pending[request.request_id] = _Pending(request.request_id, int(request.num_prompt_tokens), facts, params)
+        return params
+
+    def observe(self, req_id: str, rank: int, facts: RequestFacts) -> bool:
+        """Fold a rank's late facts into a finished request's receipt; False: not one of them."""
+        pending = self._pending.get(req_id)
+        if pending is None:
+            return False
+        pending.facts.observe(rank, facts)
+        return True
+
+    def finish(self) -> dict[str, float]:
+        """Complete every pending receipt: fill its response dict, emit it to the sinks; returns the
+        payload counters of them all (:func:`~kvtier.integrations.vllm.stats_table.receipt_counters`)."""
+        counters: dict[str, float] = {}
+        pending, self._pending = self._pending, {}
+        for p in pending.values():
+            receipt = build_receipt(p.request_id, p.prompt_tokens, p.facts, self.chunk_tokens, self.tp_size)
+            p.params.update(receipt.to_builtins())
+            miss = receipt.miss
+            for name, n in receipt_counters(receipt.tokens, miss.reason if miss is not None else "partial_chunk",
+                                            miss.tier if miss is not None else "").items():
+                counters[name] = counters.get(name, 0) + n
+            for sink in self.sinks:
+                try:
+                    sink.emit(receipt)
+                except Exception:  # a sink must never stop the engine
+                    log.exception("kvtier: a receipt sink failed on request %s's receipt", p.request_id)
+        return counters
