@@ -28,13 +28,14 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
+from pydantic_settings import SettingsConfigDict, SettingsError
 
 from kvtier.core.configload import JSON_EXAMPLES, check_env, did_you_mean, env_list, one_sentence, read_yaml
 from kvtier.core.errors import ConfigError
 from kvtier.core.policies.admission import available_admissions
 from kvtier.core.policies.registry import available_policies
 from kvtier.core.quota import QuotaSettings
+from kvtier.core.receiptsettings import ReceiptSettings
 from kvtier.core.tiers.registry import (
     RESET_SCOPES,
     available_tiers,
@@ -58,11 +59,12 @@ _NUMBER_TYPES: tuple[Any, ...] = (int, float, int | None, float | None)
 """Annotations of the sizes, counts and durations that :meth:`KVTierConfig._no_bool_numbers` guards."""
 
 
-class KVTierConfig(BaseSettings):
+class KVTierConfig(ReceiptSettings):
     """kvtier settings.  See docs/vllm.md for the operator's table of keys.
 
     Each registered tier's own keys (:meth:`settings_of`; e.g. the redis tier's) are accepted flat
-    as well as under ``tier_settings`` (:mod:`kvtier.core.tiersettings`)."""
+    as well as under ``tier_settings`` (:mod:`kvtier.core.tiersettings`); the receipts' keys are
+    declared in the base class (:mod:`kvtier.core.receiptsettings`)."""
 
     model_config = SettingsConfigDict(env_prefix="KVTIER_", extra="forbid", frozen=True)
 

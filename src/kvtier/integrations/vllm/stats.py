@@ -45,6 +45,9 @@ tiers: cpu, disk, redis):
   chose); the scheduler's ``kvtier_tenant_quota_default_share``, ``kvtier_tenant_quota_salts``
   and ``kvtier_tenant_quota_no_salt_share`` (0, 0 and 0 without quotas) and ``kvtier_kv_events_enabled`` (1 with ``--kv-events-config``), sent
   once, for ``kvtier doctor``.
+- ``kvtier_receipts_dropped_total{sink}``: receipts the scheduler's receipt log (``log``) or trace
+  spans (``otlp``) dropped: queue full, emitted after close, a failed write
+  (:func:`kvtier.core.receiptsinks.receipt_counters`).
 - ``kvtier_chunk_tokens``: tokens per chunk the engine runs with (``chunk_tokens``, ``auto``
   resolved from the KV cache groups' block sizes; rank 0 reports it, so the sum is the value).
 - ``kvtier_flush_missed_chunks_total``: dirty chunks a graceful stop could not write in time.
