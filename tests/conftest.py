@@ -120,6 +120,8 @@ EXPECTED_SKIPS = (
     r"has no backend that can stall",
     r"a shared tier's capacity is the server's",
     r"refused at start-up",  # test_vllm_groups: a retention that is not a multiple of the chunk
+    # test_doctor_causes_live: until the receipts' metrics are merged (issue 35); drop it then
+    r"the connector does not export kvtier_missed_tokens_total",
 )
 """Reasons a test may skip on the CI machine kind (2 cores, no GPU, root); anything else is a failure."""
 
