@@ -184,3 +184,11 @@ def test_receipt_settings_from_the_environment(monkeypatch, tmp_path: Path):
     monkeypatch.setenv("KVTIER_RECEIPT_LOG_SAMPLE", "0.25")
     config = KVTierConfig.from_dict({})
     assert config.receipt_log_path == os.path.expanduser("~/receipts.jsonl") and config.receipt_log_sample == 0.25
+
+
+def test_the_preflight_names_a_missing_log_directory(tmp_path: Path):
+    from kvtier.core.receiptsinks import receipt_sink_problems
+
+    assert receipt_sink_problems(KVTierConfig.from_dict({"receipt_log_path": str(tmp_path / "r.jsonl")})) == []
+    ((key, message),) = receipt_sink_problems(KVTierConfig.from_dict({"receipt_log_path": str(tmp_path / "no" / "r")}))
+    assert key == "receipt_log_path" and "directory that does not exist" in message

@@ -139,3 +139,12 @@ def test_an_unknown_otlp_protocol_is_one_sentence(monkeypatch):
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "carrier-pigeon")
     with pytest.raises(ConfigError, match="OTEL_EXPORTER_OTLP_TRACES_PROTOCOL is 'carrier-pigeon'"):
         build_receipt_sinks(KVTierConfig.from_dict({"otlp_endpoint": "http://localhost:4317"}))
+
+
+def test_the_preflight_names_a_missing_sdk(monkeypatch):
+    from kvtier.core.receiptsinks import receipt_sink_problems
+
+    config = KVTierConfig.from_dict({"otlp_endpoint": "http://localhost:4317"})
+    assert receipt_sink_problems(config) == []  # installed here
+    monkeypatch.setitem(sys.modules, "opentelemetry.sdk.trace", None)
+    assert receipt_sink_problems(config) == [("otlp_endpoint", MISSING_SDK)]

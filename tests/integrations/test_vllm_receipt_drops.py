@@ -36,3 +36,17 @@ def test_dropped_receipts_reach_the_metric_by_sink(tmp_path: Path):
     sink.close()
     assert registry.get_sample_value("kvtier_receipts_dropped_total", {**labels, "sink": "log"}) == 3
     assert registry.get_sample_value("kvtier_receipts_dropped_total", {**labels, "sink": "otlp"}) == 0
+
+
+def test_the_preflight_refuses_a_receipt_log_in_a_missing_directory(tmp_path: Path):
+    """`kvtier check` and the vLLM plugin's pre-flight (check_transfer_config) say it before the model loads."""
+    from kvtier.integrations.vllm.preflight import check_transfer_config
+
+    cfg = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+           "kv_connector_extra_config": {"cpu_gib": 0.5, "receipt_log_path": str(tmp_path / "gone" / "r.jsonl")}}
+    (problem,) = [p for p in check_transfer_config(cfg) if p.severity == "error"]
+    assert problem.key == "kv_connector_extra_config.receipt_log_path"
+    assert "directory that does not exist" in problem.message
+    cfg["kv_connector_extra_config"]["receipt_log_path"] = str(tmp_path / "r.jsonl")  # type: ignore[index]
+    assert [p for p in check_transfer_config(cfg) if p.severity == "error"] == []

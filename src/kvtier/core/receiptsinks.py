@@ -9,6 +9,7 @@ vLLM, :class:`ReceiptSinkMetrics` exports the same counter into a Prometheus reg
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +53,38 @@ def build_receipt_sinks(config: KVTierConfig) -> list[ReceiptSink]:
             close_receipt_sinks(sinks)
             raise
     return sinks
+
+
+def receipt_sink_problems(config: KVTierConfig) -> list[tuple[str, str]]:
+    """What :func:`build_receipt_sinks` would refuse, checked without starting a sink (the
+    preflight's, before the model loads): ``(key, message)`` per problem, one sentence each.  The
+    receipt log's directory must exist and be writable; with ``otlp_endpoint``, the OpenTelemetry SDK
+    and its OTLP exporter must be importable."""
+    import importlib.util
+
+    out: list[tuple[str, str]] = []
+    if config.receipt_log_path:
+        directory = os.path.dirname(os.path.abspath(config.receipt_log_path))
+        if not os.path.isdir(directory):
+            missing = (f"receipt_log_path {config.receipt_log_path!r} is in a directory that does not exist; "
+                       "create it or fix receipt_log_path")
+            out.append(("receipt_log_path", missing))
+        elif not os.access(directory, os.W_OK):
+            unwritable = (f"receipt_log_path {config.receipt_log_path!r} is in a directory this user cannot "
+                          "write; make it writable or fix receipt_log_path")
+            out.append(("receipt_log_path", unwritable))
+    if config.otlp_endpoint:
+        from kvtier.core.receipttrace import MISSING_SDK
+
+        for module in ("opentelemetry.sdk.trace", "opentelemetry.exporter.otlp"):
+            try:
+                found = importlib.util.find_spec(module) is not None
+            except (ImportError, ValueError):  # a parent package missing, or set to None
+                found = False
+            if not found:
+                out.append(("otlp_endpoint", MISSING_SDK))
+                break
+    return out
 
 
 def close_receipt_sinks(sinks: Sequence[ReceiptSink]) -> None:
