@@ -35,7 +35,7 @@ from kvtier.core.errors import ConfigError
 from kvtier.core.policies.admission import available_admissions
 from kvtier.core.policies.registry import available_policies
 from kvtier.core.quota import QuotaSettings
-from kvtier.core.receiptsettings import ReceiptSettings
+from kvtier.core.receiptsettings import ReceiptSettings, receipt_keys_last
 from kvtier.core.tiers.registry import (
     RESET_SCOPES,
     available_tiers,
@@ -324,7 +324,7 @@ class KVTierConfig(ReceiptSettings):
             tier_keys = settings_keys()
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        return [*cls.model_fields, *(k for k in tier_keys if k not in cls.model_fields)]
+        return [*receipt_keys_last(cls.model_fields), *(k for k in tier_keys if k not in cls.model_fields)]
 
     # ---- loaders -------------------------------------------------------------------------
     @classmethod

@@ -11,6 +11,7 @@ OpenTelemetry SDK is installed is checked when the sinks are built
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator
@@ -18,6 +19,13 @@ from pydantic_settings import BaseSettings
 
 MAX_RECEIPT_LOG_FILE_MIB = 1 << 20
 """Largest ``receipt_log_file_mib`` (1 TiB): a bound that catches a size given in bytes by mistake."""
+
+
+def receipt_keys_last(keys: Iterable[str]) -> list[str]:
+    """``keys`` with :class:`ReceiptSettings`' own after the rest, each group in its order (pydantic
+    lists a base class's fields first; the key lists users read start with the main keys)."""
+    keys = list(keys)
+    return sorted(keys, key=lambda k: k in ReceiptSettings.model_fields)
 
 
 class ReceiptSettings(BaseSettings):
