@@ -47,7 +47,7 @@ def test_doctor_names_evictions_and_the_size_on_a_too_small_cpu_tier(tmp_path: P
         server.wait_ready()
         server.complete("warm up", max_tokens=2)
         (tmp_path / "before.txt").write_text(httpx.get(server.base_url + "/metrics", timeout=10).text)
-        prefixes = [" ".join(f"w{p}x{i}" for i in range(260)) for p in range(6)]
+        prefixes = [" ".join(f"w{p}x{i}" for i in range(140)) for p in range(6)]  # ~880 tokens: 3 chunks + a tail
         for round_ in range(3):
             for p, prefix in enumerate(prefixes):
                 server.complete(f"{prefix} question {round_}-{p}", max_tokens=2)
