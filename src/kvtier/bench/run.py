@@ -11,9 +11,11 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from kvtier.bench.client import ClientOptions, run_workload
 from kvtier.bench.meters import MeterDeltas, MetricsError, deltas, scrape
+from kvtier.bench.receipts import LogCursor, ReceiptTally, RunReceipts, metric_tally
 from kvtier.bench.results import RunResult
 from kvtier.bench.verdict import ArmFigures, Verdict, judge
 from kvtier.bench.workload import Workload
@@ -29,6 +31,8 @@ class RunOutcome:
     meters: MeterDeltas | None
     error: str | None
     out_dir: Path | None
+    receipts: RunReceipts | None = None
+    """With ``--receipt-log``: the run's receipts beside the metrics' sums (:mod:`kvtier.bench.receipts`)."""
 
     def figures(self) -> ArmFigures | None:
         """Hit rate and TTFT percentiles, if the run had successful requests and meters."""
@@ -41,22 +45,34 @@ class RunOutcome:
 
 
 def run_once(workload: Workload, url: str, model: str, max_concurrency: int | None, stall_timeout_s: float,
-             out_dir: Path | None, progress: bool = True) -> RunOutcome:
-    """Scrape, send the workload, scrape again; write the files if ``out_dir`` is given."""
+             out_dir: Path | None, progress: bool = True, receipt_log: Path | None = None) -> RunOutcome:
+    """Scrape, send the workload, scrape again; write the files if ``out_dir`` is given.  With
+    ``receipt_log`` (the server's ``receipt_log_path``), read back the receipts it logged during the run.
+
+    Raises:
+        msgspec.ValidationError, msgspec.DecodeError: ``receipt_log`` holds a line that is not a receipt.
+    """
     save = (lambda name: out_dir / name) if out_dir is not None else (lambda name: None)
     try:
         before = scrape(url, save_to=save("metrics-before.txt"))
     except MetricsError as exc:
         return RunOutcome(workload, None, None, str(exc), out_dir)
+    cursor = LogCursor(receipt_log) if receipt_log is not None else None
     options = ClientOptions(base_url=url, model=model, max_concurrency=max_concurrency,
                             stall_timeout_s=stall_timeout_s, progress=progress)
     run = run_workload(workload, options)
+    receipts = None
     try:
-        meters: MeterDeltas | None = deltas(before, scrape(url, save_to=save("metrics-after.txt")))
+        after = scrape(url, save_to=save("metrics-after.txt"))
+        meters: MeterDeltas | None = deltas(before, after)
         error = None
+        if cursor is not None:
+            summary = run.summary()
+            sent = summary.num_ok + summary.num_failed
+            receipts = RunReceipts(ReceiptTally.of(cursor.read_new(sent)), metric_tally(before, after), sent)
     except MetricsError as exc:
         meters, error = None, str(exc)
-    outcome = RunOutcome(workload, run, meters, error, out_dir)
+    outcome = RunOutcome(workload, run, meters, error, out_dir, receipts)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "requests.json").write_text(json.dumps(run.to_dict(), indent=1) + "\n")
@@ -64,6 +80,7 @@ def run_once(workload: Workload, url: str, model: str, max_concurrency: int | No
         (out_dir / "summary.json").write_text(json.dumps({
             "workload": {"name": workload.name, "params": workload.params, "notes": list(workload.notes)},
             "summary": run.summary().to_dict(), "meters": asdict(meters) if meters else None,
+            "receipts": receipts.to_dict() if receipts else None,
             "figures": asdict(figures) if figures else None}, indent=2) + "\n")
     return outcome
 
@@ -133,9 +150,31 @@ def print_run(outcome: RunOutcome, verdict: Verdict | None) -> None:
                       f"{m.external_hits:.0f}/{m.external_queries:.0f} tokens)")
         if m.kvtier_bytes:
             console.print("kvtier bytes: " + ", ".join(f"{d} {v / 2**20:.1f} MiB" for d, v in sorted(m.kvtier_bytes.items())))
+    if outcome.receipts is not None:
+        print_receipts(console, outcome.receipts)
     for note in outcome.workload.notes:
         console.print(f"note: {note}")
     if verdict is not None:
         console.print(f"[bold]verdict: {verdict.kind.value}[/bold]: {verdict.reason}")
     if outcome.out_dir is not None:
         console.print(f"results: {outcome.out_dir}")
+
+
+def print_receipts(console: Any, r: RunReceipts) -> None:
+    """The receipts' tokens per tier and miss table beside the metrics', then the notes."""
+    from rich.table import Table
+
+    table = Table(title=f"receipts ({r.receipts.requests} of {r.sent} requests) vs metrics, tokens")
+    for col in ("row", "receipts", "metrics"):
+        table.add_column(col, justify="right" if col != "row" else "left")
+    theirs_tokens = r.metrics.tokens if r.metrics is not None else {}
+    theirs_missed = r.metrics.missed if r.metrics is not None else {}
+    for row in sorted(set(r.receipts.tokens) | set(theirs_tokens)):
+        table.add_row(f"served: {row}", f"{r.receipts.tokens.get(row, 0):,.0f}",
+                      f"{theirs_tokens[row]:,.0f}" if row in theirs_tokens else "-")
+    for row in sorted(set(r.receipts.missed) | set(theirs_missed), key=lambda k: -r.receipts.missed.get(k, 0)):
+        table.add_row(f"missed: {row}", f"{r.receipts.missed.get(row, 0):,.0f}",
+                      f"{theirs_missed[row]:,.0f}" if row in theirs_missed else "-")
+    console.print(table)
+    for note in r.notes():
+        console.print(f"receipts: {note}", highlight=False)

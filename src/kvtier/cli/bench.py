@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import typer
 
 from kvtier.cli.bench_compare import COMPARE_HELP, compare_command
@@ -104,6 +105,9 @@ def run_command(
     shuffle: bool = SHUFFLE, num_sessions: int = SESSIONS, num_rounds: int = ROUNDS, system_len: int = SYSTEM,
     question_len: int = QUESTION, answer_len: int = ANSWER, think_time: float = THINK,
     session_interval: float = INTERVAL, stall_timeout: float = STALL,
+    receipt_log: Path | None = typer.Option(None, "--receipt-log", help=(
+        "The server's receipt log (its receipt_log_path, readable here): report the run's tokens per tier and "
+        "miss reasons from the requests' receipts beside the metrics', and where they disagree.")),
 ) -> None:
     from kvtier.bench.run import judge_run, load_baseline, print_run, run_once
 
@@ -122,6 +126,8 @@ def run_command(
             reference = load_baseline(baseline)
         except ValueError as exc:
             fail(str(exc))
+    if receipt_log is not None and not receipt_log.parent.is_dir():
+        fail(f"--receipt-log {receipt_log}: its directory does not exist; give the server's receipt_log_path")
     if out is not None:
         make_output_dir(out, "--out")
     served, max_len = _served_model(url)
@@ -131,7 +137,12 @@ def run_command(
         print(f"closed loop: at most {max_concurrency} requests in flight (--max-concurrency to change, "
               "--request-rate for an open loop)", flush=True)
     built, _ = make_workload(knobs, vocab_size, model, max_len, closed_loop)
-    outcome = run_once(built, url, model, max_concurrency, stall_timeout, out, progress=not no_progress)
+    try:
+        outcome = run_once(built, url, model, max_concurrency, stall_timeout, out, progress=not no_progress,
+                           receipt_log=receipt_log)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        fail(f"--receipt-log {receipt_log} holds a line that is not a kvtier receipt ({exc}); give the server's "
+             "receipt_log_path")
     if outcome.error is not None:
         fail(outcome.error)
     print_run(outcome, judge_run(outcome, reference))

@@ -11,7 +11,7 @@ import typer
 from kvtier.cli.errors import fail
 from kvtier.core.errors import UserError
 
-HELP = """Check a running vLLM server: prefix-cache hit rate, external (offload) hit rate, TTFT p50/p99, the offload size vLLM actually allocated, and each of kvtier's shared tiers (redis, s3: hit rate, read latency, circuit breaker, skipped writes), then give a verdict.
+HELP = """Check a running vLLM server: prefix-cache hit rate, external (offload) hit rate, TTFT p50/p99, the offload size vLLM actually allocated, and each of kvtier's shared tiers (redis, s3: hit rate, read latency, circuit breaker, skipped writes), and, on a kvtier with request receipts, why the rest missed (the miss reasons ranked, each with what to do, the size that holds a tier's working set when its evictions lead, the prefill seconds each tier saved), then give a verdict.
 
 Scrapes URL/metrics twice (a URL with a path is scraped as given), --interval seconds apart (run it while traffic flows), and compares the offload size with --expect-offload-gib (GiB, total across TP ranks): vLLM's --kv-offloading-size from vllm:cache_config_info, or for kvtier the sum of its tiers (cpu + disk, from kvtier_capacity_bytes), each tier also reported alone with what it holds and the prompt tokens it served. Exit code 1 when the verdict is "problem".
 
@@ -113,6 +113,7 @@ def doctor_command(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
 ) -> None:
     from kvtier.doctor import allocation, diagnose, measure, parse_metrics
+    from kvtier.doctor.causes import causes_json
     from kvtier.doctor.meters import recorded_after
     from kvtier.size.plan import MAX_GIB
     from kvtier.tools.scrape import fetch_metrics, metrics_url
@@ -198,6 +199,7 @@ def doctor_command(
                 "tenant_quota_no_salt_share": meters.controls.quota_no_salt_share,
                 "quota_evictions": meters.controls.quota_evictions, "tenant_usage_bytes": meters.controls.tenants,
                 "problems": list(meters.controls.problems)},
+            "causes": causes_json(meters.causes, tp),
             "expected_offload_gib": expect_offload_gib, "tp": tp,
             "checks": [{"level": c.level, "message": c.message} for c in diagnosis.checks],
             "verdict": diagnosis.verdict,

@@ -27,7 +27,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
+from pydantic_settings import SettingsConfigDict, SettingsError
 
 from kvtier.core.codecsettings import EncryptionSettings, check_codecs, needs_keys
 from kvtier.core.configload import JSON_EXAMPLES, check_env, did_you_mean, env_list, one_sentence, read_yaml
@@ -36,6 +36,7 @@ from kvtier.core.errors import ConfigError
 from kvtier.core.policies.admission import available_admissions
 from kvtier.core.policies.registry import available_policies
 from kvtier.core.quota import QuotaSettings
+from kvtier.core.receiptsettings import ReceiptSettings, receipt_keys_last
 from kvtier.core.tiers.registry import (
     RESET_SCOPES,
     available_tiers,
@@ -59,11 +60,12 @@ _NUMBER_TYPES: tuple[Any, ...] = (int, float, int | None, float | None)
 """Annotations of the sizes, counts and durations that :meth:`KVTierConfig._no_bool_numbers` guards."""
 
 
-class KVTierConfig(BaseSettings):
+class KVTierConfig(ReceiptSettings):
     """kvtier settings.  See docs/vllm.md for the operator's table of keys.
 
     Each registered tier's own keys (:meth:`settings_of`; e.g. the redis tier's) are accepted flat
-    as well as under ``tier_settings`` (:mod:`kvtier.core.tiersettings`)."""
+    as well as under ``tier_settings`` (:mod:`kvtier.core.tiersettings`); the receipts' keys are
+    declared in the base class (:mod:`kvtier.core.receiptsettings`)."""
 
     model_config = SettingsConfigDict(env_prefix="KVTIER_", extra="forbid", frozen=True)
 
@@ -335,7 +337,7 @@ class KVTierConfig(BaseSettings):
             tier_keys = settings_keys()
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        return [*cls.model_fields, *(k for k in tier_keys if k not in cls.model_fields)]
+        return [*receipt_keys_last(cls.model_fields), *(k for k in tier_keys if k not in cls.model_fields)]
 
     # ---- loaders -------------------------------------------------------------------------
     @classmethod

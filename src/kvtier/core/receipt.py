@@ -14,6 +14,7 @@ Every field is plain JSON (``msgspec.to_builtins``); :func:`decode` reads one ba
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal, Protocol
 
 import msgspec
@@ -148,6 +149,8 @@ class ReceiptSink(Protocol):
     exporter.  ``emit`` is called once per finished request on the scheduler's thread; it must
     not block (a bounded queue, dropping and counting when full)."""
 
-    def emit(self, receipt: Receipt) -> None: ...
+    def emit(self, receipt: Receipt, trace_headers: Mapping[str, str] | None = None) -> None:
+        """Take ``receipt``; ``trace_headers``: the request's W3C trace context (vLLM's
+        ``Request.trace_headers``), for a sink that joins vLLM's trace."""
 
     def close(self) -> None: ...

@@ -20,34 +20,11 @@ import math
 from dataclasses import dataclass, field
 
 from kvtier.core.tiers.registry import tier_rank
+from kvtier.doctor.causes import Causes, causes_between
+from kvtier.doctor.quantile import histogram_quantile
 from kvtier.doctor.snapshot import Snapshot
 
 GIB = 1 << 30
-
-
-def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:
-    """Quantile ``q`` of a cumulative histogram ``le → count`` (Prometheus semantics), None if empty.
-
-    A rank in the +Inf bucket returns the highest finite bound, like Prometheus.
-    """
-    bounds = sorted(buckets)
-    if not bounds or bounds[-1] != math.inf:
-        return None
-    total = buckets[math.inf]
-    if total <= 0:
-        return None
-    rank = q * total
-    lower_bound, lower_count = 0.0, 0.0
-    for bound in bounds:
-        count = buckets[bound]
-        if count >= rank:
-            if bound == math.inf:
-                return lower_bound
-            if count == lower_count:
-                return bound
-            return lower_bound + (bound - lower_bound) * (rank - lower_count) / (count - lower_count)
-        lower_bound, lower_count = bound, count
-    return lower_bound  # pragma: no cover - the +Inf bucket always holds the total
 
 
 @dataclass(frozen=True)
@@ -253,6 +230,9 @@ class Meters:
     """kvtier's requests' TTL pins, None when the server reports none."""
     controls: Controls | None = None
     """kvtier's KV events and tenant quotas, None when the server does not say."""
+    causes: Causes | None = None
+    """kvtier's miss reasons, sizes and prefill saved from the receipts' metrics
+    (:mod:`kvtier.doctor.causes`); None when kvtier is not the connector."""
 
     @property
     def hit_rate(self) -> float | None:
@@ -306,6 +286,7 @@ def measure(before: Snapshot, after: Snapshot, interval_s: float | None) -> Mete
         shared_tiers=shared_tiers(before, after),
         pins=pins_of(before, after),
         controls=controls_of(before, after),
+        causes=causes_between(before.causes, after.causes, after.kvtier_capacity) if after.kvtier_capacity else None,
     )
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.core.errors import UserError
+from kvtier.doctor.causes import CauseSeries, cause_series
 from kvtier.tools.scrape import metric_families
 
 COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:external_prefix_cache_queries",
@@ -77,6 +78,9 @@ class Snapshot:
     so the doctor can call them impossible (empty on an older kvtier, or before its first step)."""
     tenants: dict[str, float] = field(default_factory=dict)
     """:data:`TENANTS`: bytes per tenant label, summed over tiers and ranks (empty without quotas)."""
+    causes: CauseSeries = field(default_factory=CauseSeries)
+    """The requests' receipt series (miss reasons, tokens served, ghost-hit distances) and vLLM's
+    prefill time (:mod:`kvtier.doctor.causes`); ``present`` False on an older kvtier."""
     process_start_s: float | None = None
     """``process_start_time_seconds`` of the scraped process (prometheus_client's process collector),
     Unix seconds; ``None`` when the page has none."""
@@ -146,6 +150,7 @@ def parse_metrics(text: str, where: str) -> Snapshot:
                 tier = sample.labels.get("tier", "?")
                 into[tier] = into.get(tier, 0.0) + sample.value
     _tier_series(snap, families)
+    snap.causes = cause_series(families)
     if "vllm:prefix_cache_queries" not in snap.counters:
         raise UserError(f"{where} has no vllm:prefix_cache_queries samples; point --url at a vLLM server.")
     for prefix in ("vllm:", "vllm:external_"):

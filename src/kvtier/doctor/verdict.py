@@ -19,6 +19,9 @@ how-to's "one-line checklist" (helping = hit rate ↑, TTFT p50 ↓, p99 tail bo
   skipped, or lookups past ``shared_deadline_s`` between the scrapes → warning; else ok with
   its hit rate and read latency (docs/shared-tier.md, docs/s3.md);
 - offload configured but no external hits (root cause 5: cold cache, or tier too small) → warning;
+- with kvtier's receipt metrics: the miss reasons ranked, each with its action, the size that holds
+  a tier's working set when its evictions lead, the prefill saved per tier
+  (:func:`kvtier.doctor.causes.cause_checks`; an older kvtier: one line saying they are absent);
 - TTFT p99 more than :data:`TAIL_RATIO` × p50 (how-to meter 3: thrash tail) → warning (kvtier's
   heuristic threshold, not from the documents).
 
@@ -31,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kvtier.doctor.causes import cause_checks
 from kvtier.doctor.meters import Allocation, Controls, Meters, SharedTier
 
 Level = Literal["ok", "warning", "problem"]
@@ -181,6 +185,8 @@ def diagnose(meters: Meters, alloc: Allocation, cache_config: dict[str, str], ex
         else:
             add(Check("ok", f"Offload tier served {meters.external_hits:,.0f} tokens "
                       f"({meters.external_hit_rate or 0:.1%} of tokens asked of it)."))
+    if meters.causes is not None:  # why the rest missed, from the requests' receipts (issue 35)
+        d.checks.extend(Check(level, message) for level, message in cause_checks(meters.causes, tp))
     p50, p99 = meters.ttft_p50_s, meters.ttft_p99_s
     if p50 and p99 and p99 > TAIL_RATIO * p50:
         add(Check("warning", f"TTFT p99 {p99:.3f} s is over {TAIL_RATIO:g}× p50 {p50:.3f} s: a fat miss tail "

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from kvtier.core.config import GiB, KVTierConfig
 from kvtier.core.errors import ConfigError
+from kvtier.core.receiptsinks import receipt_sink_problems
 from kvtier.core.tiers import factory, registry
 from kvtier.core.tiers.disk.check import mount_of
 from kvtier.integrations.vllm.engine_config import AUTO_MIN_CHUNK_TOKENS
@@ -41,8 +42,10 @@ def tier_problems(key: str, config: KVTierConfig) -> list[Problem]:
     """Each configured tier's own preflight (:func:`kvtier.core.tiers.factory.check`), read as its
     start-up reads it: e.g. the disk tier's directory (kept when it passes, as the tier would create
     it), the redis tier's password and shared secret."""
-    return [Problem("error", f"{key}.{name}", message)
-            for tier in config.tiers for name, message in factory.check(tier, config)]
+    found = [Problem("error", f"{key}.{name}", message)
+             for tier in config.tiers for name, message in factory.check(tier, config)]
+    # the receipt log's directory and the OTLP exporter's SDK (kvtier.core.receiptsinks)
+    return found + [Problem("error", f"{key}.{name}", message) for name, message in receipt_sink_problems(config)]
 
 
 def config_advice_problems(key: str, config: KVTierConfig) -> list[Problem]:

@@ -53,6 +53,9 @@ tiers: cpu, disk, redis):
   requests' prompt tokens, and each equals the sum over their receipts exactly.
 - ``kvtier_ghost_hit_distance_bytes{tier}`` (histogram, workers' side): per ghost hit, the bytes the
   tier evicted between evicting the chunk and its being wanted again (:mod:`kvtier.core.ghosts`).
+- ``kvtier_receipts_dropped_total{sink}``: receipts the scheduler's receipt log (``log``) or trace
+  spans (``otlp``) dropped: queue full, emitted after close, a failed write
+  (:func:`kvtier.core.receiptsinks.receipt_counters`).
 - ``kvtier_chunk_tokens``: tokens per chunk the engine runs with (``chunk_tokens``, ``auto``
   resolved from the KV cache groups' block sizes; rank 0 reports it, so the sum is the value).
 - ``kvtier_flush_missed_chunks_total``: dirty chunks a graceful stop could not write in time.

@@ -20,6 +20,8 @@ _UNFILLED = ("Tokens vLLM admitted as kvtier hits that no load filled (aborted b
 _EVICTED = "Chunks evicted from a kvtier tier."
 _RESET = "Chunks removed from a kvtier tier by resets (all ranks)."
 _QUOTA_EVICTED = "Evictions whose victim the tenant quotas chose instead of the eviction policy's own (all ranks)."
+_RECEIPTS_DROPPED = ("Receipts a sink dropped, by sink (log: the receipt log, otlp: the trace spans): its queue full, "
+                     "emitted after close, or a failed write.")
 TENANT_GAUGE = "kvtier_tenant_usage_bytes"
 TENANT_PREFIX = "tenant_usage_bytes|"
 """Payload gauges ``tenant_usage_bytes|<tier>|<tenant label>``: labels change with the traffic
@@ -72,13 +74,17 @@ _PLAIN_COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "shared_lookup_chunks": ("kvtier_shared_lookup_chunks", "Chunks asked of the shared tier by answered lookups.", ()),
     "shared_lookup_hit_chunks": ("kvtier_shared_lookup_hit_chunks", ("Chunks found in the shared tier (every rank's "
                                  "value present) by answered lookups."), ()),
+    # the scheduler's receipt sinks (kvtier.core.receiptsinks.receipt_counters)
+    "receipts_dropped_log": ("kvtier_receipts_dropped", _RECEIPTS_DROPPED, ("log",)),
+    "receipts_dropped_otlp": ("kvtier_receipts_dropped", _RECEIPTS_DROPPED, ("otlp",)),
 }
 LABELS: dict[str, str | tuple[str, ...]] = {
     "kvtier_loaded_tokens": "tier", "kvtier_unfilled_tokens": "tier", "kvtier_transfer_seconds": "direction",
     "kvtier_transfer_bytes": "direction", "kvtier_evictions": "tier", "kvtier_reset_chunks": "tier",
     "kvtier_quota_evictions": "tier", "kvtier_served_tokens": "tier",
     "kvtier_codec_bytes_before": "tier", "kvtier_codec_bytes_after": "tier", "kvtier_codec_seconds": "tier",
-    "kvtier_decrypt_failures": "tier", "kvtier_missed_tokens": ("reason", "tier")}
+    "kvtier_decrypt_failures": "tier", "kvtier_missed_tokens": ("reason", "tier"),
+    "kvtier_receipts_dropped": "sink"}
 ENGINE = "engine"
 """The ``tier`` label of tokens vLLM's own prefix cache served (``kvtier_served_tokens``), as the receipt names them."""
 NO_TIER = "none"

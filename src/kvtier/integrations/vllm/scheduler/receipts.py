@@ -28,11 +28,12 @@ vLLM still counts them cached (it records the promise), and the receipt's ``miss
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.core.receipt import Receipt, ReceiptMiss, ReceiptPin, ReceiptSaved, ReceiptSink
+from kvtier.core.receiptsinks import receipt_counters as receipt_sink_counters
 from kvtier.integrations.vllm.protocol import RequestFacts, tokens_by_tier
 from kvtier.integrations.vllm.stats_table import receipt_counters
 
@@ -166,6 +167,7 @@ class _Pending:
     prompt_tokens: int
     facts: ReceiptFacts
     params: dict[str, Any]
+    trace_headers: Mapping[str, str] | None
 
 
 class ReceiptDesk:
@@ -184,11 +186,13 @@ class ReceiptDesk:
         self.tp_size = tp_size
         self.sinks = sinks
         self._pending: dict[str, _Pending] = {}
+        self._dropped_seen: dict[str, float] = {}
 
     def finished(self, request: Any, facts: ReceiptFacts) -> dict[str, Any]:
         """``request`` finished: the dict its ``kv_transfer_params["kvtier"]`` will be (filled by :meth:`finish`)."""
         params: dict[str, Any] = {}
-        self._pending[request.request_id] = _Pending(request.request_id, int(request.num_prompt_tokens), facts, params)
+        self._pending[request.request_id] = _Pending(request.request_id, int(request.num_prompt_tokens), facts, params,
+                                                     getattr(request, "trace_headers", None))
         return params
 
     def observe(self, req_id: str, rank: int, facts: RequestFacts) -> bool:
@@ -213,7 +217,11 @@ class ReceiptDesk:
                 counters[name] = counters.get(name, 0) + n
             for sink in self.sinks:
                 try:
-                    sink.emit(receipt)
+                    sink.emit(receipt, trace_headers=p.trace_headers)
                 except Exception:  # a sink must never stop the engine
                     log.exception("kvtier: a receipt sink failed on request %s's receipt", p.request_id)
+        for name, total in receipt_sink_counters(self.sinks).items():  # the sinks' drops: totals -> changes
+            if total != self._dropped_seen.get(name, 0.0):
+                counters[name] = total - self._dropped_seen.get(name, 0.0)
+                self._dropped_seen[name] = total
         return counters

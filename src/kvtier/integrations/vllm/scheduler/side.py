@@ -10,6 +10,7 @@ from typing import Any
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.receipt import ReceiptSink
+from kvtier.core.receiptsinks import build_receipt_sinks
 from kvtier.core.tiers.factory import state_dir
 from kvtier.core.tiers.registry import top_tier
 from kvtier.integrations.vllm.cache_groups import GroupKind
@@ -91,13 +92,12 @@ class SchedulerSide:
         self.settle = Settle(more=self.events.pending if self.events is not None else None)
         self.resets = Resets(config)
         self._settings_sent = False  # kv_events_enabled and the quota gauges go out with the first stats
-        self.receipts = ReceiptDesk(self.chunk_tokens, self.mirror.tp_size, [])
+        self.receipts = ReceiptDesk(self.chunk_tokens, self.mirror.tp_size, build_receipt_sinks(config))
 
     @property
     def receipt_sinks(self) -> list[ReceiptSink]:
-        """Where every finished request's receipt (issue 35) goes besides its response: the receipt
-        log, a tracer (:class:`~kvtier.core.receipt.ReceiptSink`); empty unless the engine's wiring
-        adds some (append, or assign a list)."""
+        """Where every finished request's receipt (issue 35) goes besides its response: the receipt log,
+        a tracer (:func:`~kvtier.core.receiptsinks.build_receipt_sinks` of the config; append or assign)."""
         return self.receipts.sinks
 
     @receipt_sinks.setter
