@@ -84,6 +84,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def _hit_sources() -> tuple[int, dict[str, CacheHitSource]]:
+    """(registry generation, each registered tier's vLLM hit source), derived once per registration."""
+    return registry.generation, {s.name: CacheHitSource(s.hit_source) for s in registry.specs()}
+
+
 def _use_vllm_logging() -> None:
     """Route kvtier's log records through vLLM's handlers, so they carry vLLM's prefix and INFO
     lines (layout, namespace) are shown; without this only WARNING reaches stderr, unformatted."""
@@ -119,7 +124,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         save = transfer.kv_role in ("kv_both", "kv_producer")
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
-        self._sources: tuple[int, dict[str, CacheHitSource]] = (-1, {})  # (registry generation, tier -> hit source)
+        self._sources = _hit_sources()  # (registry generation, tier -> vLLM hit source)
         try:
             require_supported(vllm.__version__)  # a vLLM outside SUPPORTED_VLLM, in one sentence (compat.py)
             asked = KVTierConfig.from_dict(dict(transfer.kv_connector_extra_config or {}))
@@ -241,11 +246,11 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         split = self.scheduler_side.hit_sources(request, num_external_tokens)
         out: dict[CacheHitSource, int] = {}
         if self._sources[0] != registry.generation:  # each tier's source is its registry record's
-            self._sources = (registry.generation, {})
+            self._sources = _hit_sources()
         sources = self._sources[1]
         for tier, n in split.items():
             if n:
-                source = sources.get(tier) or sources.setdefault(tier, CacheHitSource(hit_source(tier)))
+                source = sources.get(tier) or CacheHitSource(hit_source(tier))  # an unknown tier: vLLM's fallback
                 out[source] = out.get(source, 0) + n
         return out
 

@@ -184,8 +184,8 @@ def store_counter_readers() -> dict[str, Callable[[StoreStats], float]]:
         if not spec.shared and not spec.top:
             out[f"{t}_write_errors"] = lambda s, t=t: _tier(s, t).write_errors  # type: ignore[misc]
         if spec.shared:
-            out[f"{t}_errors"] = lambda s, t=t: _wire(s, t).total_errors  # type: ignore[misc]
-            out[f"{t}_skipped_calls"] = lambda s, t=t: _wire(s, t).total_skipped_calls  # type: ignore[misc]
+            out[f"{t}_errors"] = lambda s, t=t: sum(_wire(s, t).errors.values())  # type: ignore[misc]
+            out[f"{t}_skipped_calls"] = lambda s, t=t: sum(_wire(s, t).skipped_calls.values())  # type: ignore[misc]
             out[f"{t}_skipped_writes"] = lambda s, t=t: _wire(s, t).skipped_writes  # type: ignore[misc]
             out[f"{t}_reads"] = lambda s, t=t: _wire(s, t).calls.get("read", 0)  # type: ignore[misc]
             out[f"{t}_read_seconds"] = lambda s, t=t: _wire(s, t).seconds.get("read", 0.0)  # type: ignore[misc]

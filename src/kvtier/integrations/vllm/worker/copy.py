@@ -198,7 +198,7 @@ class BlockCopier:
         """
         runs = self._runs
         assert runs is not None
-        bpc, block_bytes, layers = self.blocks_per_chunk, self.layout.block_bytes, self.layout.num_layers
+        bpc, block_bytes, layers = self.blocks_per_chunk, self.layout.block_bytes, len(self.layers)
         page_bytes = layers * bpc * block_bytes
         addresses: list[int] = []
         slots: list[int] = []
