@@ -84,41 +84,14 @@ class Node:
 
 
 class Shadow:
-    """One ordering replayed over the sampled keys only; counts its hits."""
+    """One ordering replayed over the sampled keys only; counts its hits (the replay of one access
+    is :meth:`Shadows.access`'s loop, all shadows at once)."""
 
     def __init__(self, mode: int) -> None:
         self.mode = mode
         self.nodes: dict[Any, Node] = {}
         self.heap: list[tuple[float, int, int, Any]] = []
         self.hits = 0.0
-
-    def access(self, key: Any, time: int, uses: int, gap: int, long_uses: int, depth: int, lucky: bool,
-               capacity: int, scale: int, seq: Any) -> bool:
-        """Replay one sampled access; True if it hit."""
-        nodes = self.nodes
-        node = nodes.get(key)
-        if node is not None:
-            self.hits += 1
-            node.time, node.uses, node.gap, node.long_uses, node.mru = time, uses, gap, long_uses, True
-            hit = True
-        else:
-            node = nodes[key] = Node(time, uses, gap, long_uses, depth, None, lucky)
-            hit = False
-        mode = self.mode
-        node.rank = rank = time if mode == 0 else ordering_rank(mode, time, uses, gap, node.mru, scale, long_uses)
-        node.seq = s = next(seq)
-        heap = self.heap
-        heapq.heappush(heap, (rank, -node.depth, s, key))
-        if len(nodes) > capacity:  # shrink's loop, inlined: this runs on most misses
-            pop = heapq.heappop
-            while len(nodes) > capacity and heap:
-                _, _, s, key = pop(heap)
-                node = nodes.get(key)
-                if node is not None and node.seq == s:
-                    del nodes[key]
-        if len(heap) > 4 * len(nodes) + 64:
-            self.shrink(capacity)
-        return hit
 
     def shrink(self, capacity: int) -> None:
         nodes, heap = self.nodes, self.heap
@@ -158,7 +131,32 @@ class Shadows:
         """Replay one sampled access in every shadow; returns the ordering the tier should use
         from now on (``mode``, the current one, unless another leads beyond noise)."""
         shadows = self.shadows
-        hits = [shadow.access(key, time, uses, gap, long_uses, depth, lucky, capacity, scale, seq) for shadow in shadows]
+        hits = []
+        push, pop = heapq.heappush, heapq.heappop
+        for shadow in shadows:  # Shadow.access, inlined: five per sampled access on the hit path
+            nodes = shadow.nodes
+            node = nodes.get(key)
+            if node is not None:
+                shadow.hits += 1
+                node.time, node.uses, node.gap, node.long_uses, node.mru = time, uses, gap, long_uses, True
+                hits.append(True)
+            else:
+                node = nodes[key] = Node(time, uses, gap, long_uses, depth, None, lucky)
+                hits.append(False)
+            mode_ = shadow.mode
+            node.rank = rank = time if mode_ == 0 else ordering_rank(mode_, time, uses, gap, node.mru, scale,
+                                                                     long_uses)
+            node.seq = s = next(seq)
+            heap = shadow.heap
+            push(heap, (rank, -node.depth, s, key))
+            if len(nodes) > capacity:
+                while len(nodes) > capacity and heap:
+                    _, _, s, gone = pop(heap)
+                    old = nodes.get(gone)
+                    if old is not None and old.seq == s:
+                        del nodes[gone]
+            if len(heap) > 4 * len(nodes) + 64:
+                shadow.shrink(capacity)
         wins = self.wins
         if any(hits) and not all(hits):
             for a, hit in enumerate(hits):
