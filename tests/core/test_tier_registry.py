@@ -30,13 +30,24 @@ def plugin():
 
 
 def test_a_module_named_in_tier_modules_registers_its_tier(plugin):
+    import dataclasses
+
+    from kvtier.core.stats import StoreCounters
+    from kvtier.integrations.vllm.stats_table import store_counters
+
     assert SPEC.name not in registry.available_tiers()
+    # what the hot paths derive from the records once (directions, the per-step stats table) is
+    # derived again after a registration (registry.generation)
+    assert "cpu_to_dict" not in directions()
+    tokens = dataclasses.replace(StoreCounters().snapshot(CHUNK_BYTES, CHUNK_TOKENS, {}, 0, 0), loaded_tokens={"dict": 5})
+    assert "loaded_tokens_dict" not in store_counters(tokens, None)
     config = KVTierConfig.from_dict({"tier_modules": [PLUGIN], "tiers": ["cpu", "dict"], "dict_capacity_mib": 1})
     assert registry.available_tiers() == ["cpu", "disk", "dict", "node", "redis", "s3"]  # by the record's order
     assert factory.configured("dict", config) and config.settings_of("dict").dict_capacity_mib == 1
     assert registry.hit_source("dict") == "external_unspecified"
     assert registry.slowest(["dict", "cpu", "disk"]) == "dict"
     assert {"cpu_to_dict", "dict_to_cpu"} <= set(directions())
+    assert store_counters(tokens, None)["loaded_tokens_dict"] == 5
 
 
 def test_the_store_builds_evicts_into_and_loads_from_a_plugin_tier(plugin, tmp_path):

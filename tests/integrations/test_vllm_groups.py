@@ -287,3 +287,42 @@ def test_the_page_planner_plans_pages_over_the_real_mirror():
     assert sorted((pg.group, pg.chunk) for pg in saves) == sorted(
         [(0, c) for c in range(6)] + [(1, c) for c in range(6)] + [(2, 5)])
 
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_a_dense_lookup_in_one_mirror_call_matches_the_plan_arithmetic(tp_size: int):
+    """A dense model's lookup asks the mirror for the whole chain at once (IndexMirror.leading, the
+    hit path's one call); its answer is what the per-page plan arithmetic (HybridPlan.hit_tokens
+    over IndexMirror.tier, shared pages in the shared tier, the slowest tier per chunk) gives, on
+    random holdings, engine hits and shared sets."""
+    import random
+
+    from kvtier.core.keys import chunk_keys
+    from kvtier.core.tiers.registry import slowest
+    from kvtier.integrations.vllm.protocol import RankReport
+    from kvtier.integrations.vllm.scheduler.mirror import IndexMirror
+    from kvtier.integrations.vllm.scheduler.pages import PagePlanner
+
+    p = plan(full())
+    root = bytes(16)
+    chain = [bytes(k) for k in chunk_keys(root, list(range(8 * C + 5)), C)]  # 8 chunks
+    rng = random.Random(tp_size)
+    differs = 0
+    for _ in range(300):
+        mirror = IndexMirror(tp_size=tp_size)
+        for rank in range(tp_size):
+            held = [(k, rng.choice(["cpu", "disk"])) for k in chain if rng.random() < 0.8]
+            mirror.apply(rank, RankReport(root, held, full=True))
+        shared = frozenset(k for k in chain if rng.random() < 0.3)
+        computed = rng.randrange(0, 5) * C
+        num_tokens = rng.randrange(C, len(chain) * C + 6)
+
+        def tier(c: int, mirror: IndexMirror = mirror, shared: frozenset[bytes] = shared) -> str | None:
+            return mirror.tier(chain[c]) or ("redis" if chain[c] in shared else None) if c < len(chain) else None
+
+        want_hit = p.hit_tokens(lambda g, c: tier(c) is not None, computed, num_tokens)
+        want = (want_hit, [slowest([t]) if (t := tier(c)) else "" for c in range(want_hit // C)])
+        got = PagePlanner(p, mirror).lookup(chain, computed, num_tokens, shared, "redis")
+        assert got == want, (computed, num_tokens)
+        differs += got[0] > 0
+    assert differs > 30  # the draws reach hits, not only empty answers

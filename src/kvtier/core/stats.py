@@ -26,17 +26,26 @@ from dataclasses import dataclass, field
 
 from kvtier.core.codecstats import CodecNumbers
 from kvtier.core.context import EngineLoad, EngineSave
-from kvtier.core.tiers.registry import available_tiers, lower_tiers, top_tier
+from kvtier.core.tiers import registry
+
+_derived: tuple[int, tuple[str, ...], frozenset[str], tuple[str, ...]] = (-1, (), frozenset(), ())
+"""(registry generation, directions, as a set, tier names): rederived only when a tier was registered."""
+
+
+def _registered() -> tuple[int, tuple[str, ...], frozenset[str], tuple[str, ...]]:
+    global _derived
+    if _derived[0] != (generation := registry.generation):
+        top = registry.top_tier()
+        out = (f"engine_to_{top}", f"{top}_to_engine", *(f"{a}_to_{b}" for t in registry.lower_tiers()
+                                                          for a, b in ((top, t), (t, top))))
+        _derived = (generation, out, frozenset(out), tuple(registry.available_tiers()))
+    return _derived
 
 
 def directions() -> tuple[str, ...]:
     """Transfer directions, from the registered tiers: ``engine_to_<top>``, ``<top>_to_engine``,
     then ``<top>_to_<tier>`` and ``<tier>_to_<top>`` for each lower tier (e.g. ``cpu_to_disk``)."""
-    top = top_tier()
-    out = [f"engine_to_{top}", f"{top}_to_engine"]
-    for tier in lower_tiers():
-        out += [f"{top}_to_{tier}", f"{tier}_to_{top}"]
-    return tuple(out)
+    return _registered()[1]
 
 OPS = ("lookup", "get", "put", "delete")
 WIRE_DIRECTIONS = ("read", "write")
@@ -352,8 +361,8 @@ class StoreCounters:
         Raises:
             ValueError: ``direction`` is not one of :func:`directions` (a tier nobody registered).
         """
-        known = directions()
-        if direction not in known:
+        _, known, known_set, _ = _registered()
+        if direction not in known_set:
             raise ValueError(f"unknown transfer direction {direction!r}; use one of {', '.join(known)}")
         with self._lock:
             self.transfer_bytes[direction] += num_bytes
@@ -365,7 +374,8 @@ class StoreCounters:
 
         ``tiers`` carries each tier's usage, corrupt and pinned chunks; the hit and eviction counts
         are filled in here."""
-        names = tuple(dict.fromkeys((*directions(), *self.transfer_bytes)))
+        _, known, _, registered = _registered()
+        names = tuple(dict.fromkeys((*known, *self.transfer_bytes)))
         with self._lock:
             merged = {name: TierStats(t.used_bytes, t.capacity_bytes, t.num_chunks, self.lookup_hit_chunks[name],
                                       self.load_hit_chunks[name], self.evictions[name], t.corrupt_chunks,
@@ -376,8 +386,7 @@ class StoreCounters:
                               self.dropped_saves, self.saved_chunks, self.flush_missed_chunks,
                               self.shared_lookups_skipped, {d: self.transfer_bytes[d] for d in names},
                               {d: self.transfer_seconds.get(d, 0.0) for d in names}, dirty_bytes, queued_writes,
-                              {t: self.loaded_tokens[t] for t in dict.fromkeys((*available_tiers(), *self.loaded_tokens))},
+                              {t: self.loaded_tokens[t] for t in dict.fromkeys((*registered, *self.loaded_tokens))},
                               self.reloaded_tokens, self.saved_tokens, self.load_failed_blocks,
-                              {t: self.unfilled_tokens[t] for t in dict.fromkeys((*available_tiers(),
-                                                                                  *self.unfilled_tokens))},
+                              {t: self.unfilled_tokens[t] for t in dict.fromkeys((*registered, *self.unfilled_tokens))},
                               self.rerouted_chunks, self.ttl_pin_chunks, self.ttl_pin_refused_chunks)

@@ -40,12 +40,13 @@ from typing import Any
 from kvtier.core.policies.base import Evictable, EvictionPolicy, always_evictable, heap_victim
 from kvtier.core.policies.orderings import (
     BIP_LUCKY,
+    HASH_MASK,
+    HASH_MIX,
     MODES,
     SAMPLE_BITS,
     Node,
-    Shadow,
+    Shadows,
     ordering_rank,
-    sample_hash,
 )
 
 FREQUENCY_HISTORY = 128.0
@@ -68,6 +69,8 @@ hit counts that treating them as independent Poisson counts gives: a real lead o
 clears it within a short trace.  Three sigma, not two, because the test is repeated at every
 sampled access; on independent uniform draws (every ordering equal) it switched in 1 stream of
 20, once, over 60 tier-sizes of traffic each (tests/core/test_policies_adaptive.py)."""
+
+_SHIFT = 64 - SAMPLE_BITS  # sample_hash(key) == ((hash(key) * HASH_MIX) & HASH_MASK) >> _SHIFT
 
 GUARD_SHARE = 0.0008
 """The guard's allowance grows by this share of the tier's accesses (0.08 %: 0.08 point)..."""
@@ -96,11 +99,9 @@ class AdaptivePolicy(EvictionPolicy):
         self._stale = False
         self._run: tuple[Any, int] = (None, 0)
         self._runs = 0  # request runs inserted (a run: chunks inserted in prompt order)
-        self._shadows = [Shadow(m) for m in range(len(MODES))]
-        self._wins = [[0.0] * len(MODES) for _ in MODES]  # [a][b]: sampled accesses a hit and b missed
+        self._shadows = Shadows(DECAY, MARGIN, SIGNIFICANCE)
         self._threshold = 1 << SAMPLE_BITS  # sample every key while the tier is small
         self._sampled_n = 1  # tracked chunks when the sampling rate was last set
-        self._sampled = 0  # sampled accesses since the last decay
         self.switches = 0
         self._guarded = guard
         self._below = 0  # chunks the tiers below hold: they take this tier's victims
@@ -121,7 +122,7 @@ class AdaptivePolicy(EvictionPolicy):
     @property
     def shadow_keys(self) -> int:
         """Sampled keys the largest shadow holds now (about SHADOW_KEYS at most)."""
-        return max(len(shadow.nodes) for shadow in self._shadows)
+        return max(len(shadow.nodes) for shadow in self._shadows.shadows)
 
     def set_capacity_below(self, chunks: int) -> None:
         """The tiers below this one hold ``chunks`` chunks and take its victims (write-back).
@@ -163,7 +164,7 @@ class AdaptivePolicy(EvictionPolicy):
             self._guard(key, False, ghost_time, depth)
         if len(nodes) > 2 * self._sampled_n:  # a tier that fills without evicting
             self._resample(len(nodes))
-        if sample_hash(key) < self._threshold:
+        if ((hash(key) * HASH_MIX) & HASH_MASK) >> _SHIFT < self._threshold:  # sample_hash, inlined (hot path)
             self._shadow(key, time, uses, gap, long_uses, depth, lucky)
 
     def touch(self, keys: Sequence[Any]) -> None:
@@ -179,7 +180,7 @@ class AdaptivePolicy(EvictionPolicy):
                 self._queue(key, node)
                 if self._guarded:
                     self._guard(key, True, clock, node.depth)
-                if sample_hash(key) < threshold:
+                if ((hash(key) * HASH_MIX) & HASH_MASK) >> _SHIFT < threshold:  # sample_hash, inlined (hot path)
                     self._shadow(key, clock, node.uses, node.gap, node.long_uses, node.depth, False)
 
     def remove(self, key: Any) -> None:
@@ -289,7 +290,9 @@ class AdaptivePolicy(EvictionPolicy):
             self._stale = True
 
     def _queue(self, key: Any, node: Node) -> None:
-        node.rank = rank = ordering_rank(self._active, node.time, node.uses, node.gap, node.mru, self._scale, node.long_uses)
+        active = self._active  # lru (the usual ordering) ranks by time alone: no call on the hot path
+        node.rank = rank = node.time if active == 0 else \
+            ordering_rank(active, node.time, node.uses, node.gap, node.mru, self._scale, node.long_uses)
         if key not in self._children:
             node.seq = s = next(self._seq)
             heapq.heappush(self._heap, (rank, -node.depth, s, key))
@@ -317,47 +320,18 @@ class AdaptivePolicy(EvictionPolicy):
         threshold = min(1 << SAMPLE_BITS, (SHADOW_KEYS << SAMPLE_BITS) // (n + self._below))
         if threshold != self._threshold:
             self._threshold = threshold
-            for shadow in self._shadows:
-                shadow.resample(threshold, self._shadow_capacity(), self._scale + self._below)
+            self._shadows.resample(threshold, self._shadow_capacity(), self._scale + self._below)
 
     def _shadow_capacity(self) -> int:
         return max(1, ((len(self._nodes) + self._below) * self._threshold) >> SAMPLE_BITS)
 
     def _shadow(self, key: Any, time: int, uses: int, gap: int, long_uses: int, depth: int, lucky: bool) -> None:
-        capacity = self._shadow_capacity()
-        scale, seq = self._scale + self._below, self._seq
-        shadows = self._shadows
-        hits = [shadow.access(key, time, uses, gap, long_uses, depth, lucky, capacity, scale, seq) for shadow in shadows]
-        wins = self._wins
-        if any(hits) and not all(hits):
-            for a, hit in enumerate(hits):
-                if hit:
-                    row = wins[a]
-                    for b, other in enumerate(hits):
-                        if not other:
-                            row[b] += 1
-        self._sampled += 1
-        if self._sampled >= DECAY * capacity:
-            self._sampled = 0
-            for shadow in shadows:
-                shadow.hits /= 2
-            for row in wins:
-                for b in range(len(row)):
-                    row[b] /= 2
-        mode = self._mode
-        best, top = 0, shadows[0].hits
-        for m in range(1, len(shadows)):
-            if shadows[m].hits > top:
-                best, top = m, shadows[m].hits
-        if best == mode:
-            return
-        current = shadows[mode].hits
-        lead = top - current
-        discordant = wins[best][mode] + wins[mode][best]
-        if lead > MARGIN * current and lead * lead > SIGNIFICANCE * discordant:
-            self._mode = best
+        mode = self._shadows.access(self._mode, key, time, uses, gap, long_uses, depth, lucky,
+                                    self._shadow_capacity(), self._scale + self._below, self._seq)
+        if mode != self._mode:
+            self._mode = mode
             self.switches += 1
-            self._set_active(best)
+            self._set_active(mode)
 
     def _count(self, key: Any, clock: int) -> tuple[int, int, int]:
         """(prior uses, insertions since the previous use, prior uses in the long history) of

@@ -24,8 +24,10 @@ chunk (tail first); ``n`` is the tier's size in chunks:
   prompts among scan-once documents).
 
 A :class:`Shadow` replays one ordering over the sampled keys only (:func:`sample_hash` below the
-sampling threshold; keys and a few integers, no KV) and counts its hits; :class:`Node` is a
-chunk's record, in the real tier and in the shadows alike.
+sampling threshold; keys and a few integers, no KV) and counts its hits; :class:`Shadows` replays
+one sampled access through all of them and picks the ordering that leads (one call per sampled
+access from the policy: the hit path's chain stays in this module); :class:`Node` is a chunk's
+record, in the real tier and in the shadows alike.
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ within this many tier-sizes of insertions."""
 FREQUENCY_BONUS = 16.0
 """``frequency``: each prior use ranks a chunk this many tier-sizes later (up to MAX_USES)."""
 
-_MIX = 0x9E3779B97F4A7C15
-_MASK = (1 << 64) - 1
+HASH_MIX = 0x9E3779B97F4A7C15
+HASH_MASK = (1 << 64) - 1
 SAMPLE_BITS = 24
 """A key's sample hash (:func:`sample_hash`) is this many bits: sampled when below the threshold."""
 
@@ -82,41 +84,14 @@ class Node:
 
 
 class Shadow:
-    """One ordering replayed over the sampled keys only; counts its hits."""
+    """One ordering replayed over the sampled keys only; counts its hits (the replay of one access
+    is :meth:`Shadows.access`'s loop, all shadows at once)."""
 
     def __init__(self, mode: int) -> None:
         self.mode = mode
         self.nodes: dict[Any, Node] = {}
         self.heap: list[tuple[float, int, int, Any]] = []
         self.hits = 0.0
-
-    def access(self, key: Any, time: int, uses: int, gap: int, long_uses: int, depth: int, lucky: bool,
-               capacity: int, scale: int, seq: Any) -> bool:
-        """Replay one sampled access; True if it hit."""
-        nodes = self.nodes
-        node = nodes.get(key)
-        if node is not None:
-            self.hits += 1
-            node.time, node.uses, node.gap, node.long_uses, node.mru = time, uses, gap, long_uses, True
-            hit = True
-        else:
-            node = nodes[key] = Node(time, uses, gap, long_uses, depth, None, lucky)
-            hit = False
-        mode = self.mode
-        node.rank = rank = time if mode == 0 else ordering_rank(mode, time, uses, gap, node.mru, scale, long_uses)
-        node.seq = s = next(seq)
-        heap = self.heap
-        heapq.heappush(heap, (rank, -node.depth, s, key))
-        if len(nodes) > capacity:  # shrink's loop, inlined: this runs on most misses
-            pop = heapq.heappop
-            while len(nodes) > capacity and heap:
-                _, _, s, key = pop(heap)
-                node = nodes.get(key)
-                if node is not None and node.seq == s:
-                    del nodes[key]
-        if len(heap) > 4 * len(nodes) + 64:
-            self.shrink(capacity)
-        return hit
 
     def shrink(self, capacity: int) -> None:
         nodes, heap = self.nodes, self.heap
@@ -140,5 +115,82 @@ class Shadow:
         self.shrink(capacity)
 
 
+class Shadows:
+    """One :class:`Shadow` per ordering (``MODES``), their pairwise wins and the selection rule
+    (the constants are :mod:`kvtier.core.policies.adaptive`'s, passed in: ``decay``, ``margin``,
+    ``significance``; see there)."""
+
+    def __init__(self, decay: float, margin: float, significance: float) -> None:
+        self.shadows = [Shadow(m) for m in range(len(MODES))]
+        self.wins = [[0.0] * len(MODES) for _ in MODES]  # [a][b]: sampled accesses a hit and b missed
+        self.sampled = 0  # sampled accesses since the last decay
+        self.decay, self.margin, self.significance = decay, margin, significance
+
+    def access(self, mode: int, key: Any, time: int, uses: int, gap: int, long_uses: int, depth: int, lucky: bool,
+               capacity: int, scale: int, seq: Any) -> int:
+        """Replay one sampled access in every shadow; returns the ordering the tier should use
+        from now on (``mode``, the current one, unless another leads beyond noise)."""
+        shadows = self.shadows
+        hits = []
+        push, pop = heapq.heappush, heapq.heappop
+        for shadow in shadows:  # Shadow.access, inlined: five per sampled access on the hit path
+            nodes = shadow.nodes
+            node = nodes.get(key)
+            if node is not None:
+                shadow.hits += 1
+                node.time, node.uses, node.gap, node.long_uses, node.mru = time, uses, gap, long_uses, True
+                hits.append(True)
+            else:
+                node = nodes[key] = Node(time, uses, gap, long_uses, depth, None, lucky)
+                hits.append(False)
+            mode_ = shadow.mode
+            node.rank = rank = time if mode_ == 0 else ordering_rank(mode_, time, uses, gap, node.mru, scale,
+                                                                     long_uses)
+            node.seq = s = next(seq)
+            heap = shadow.heap
+            push(heap, (rank, -node.depth, s, key))
+            if len(nodes) > capacity:
+                while len(nodes) > capacity and heap:
+                    _, _, s, gone = pop(heap)
+                    old = nodes.get(gone)
+                    if old is not None and old.seq == s:
+                        del nodes[gone]
+            if len(heap) > 4 * len(nodes) + 64:
+                shadow.shrink(capacity)
+        wins = self.wins
+        if any(hits) and not all(hits):
+            for a, hit in enumerate(hits):
+                if hit:
+                    row = wins[a]
+                    for b, other in enumerate(hits):
+                        if not other:
+                            row[b] += 1
+        self.sampled += 1
+        if self.sampled >= self.decay * capacity:
+            self.sampled = 0
+            for shadow in shadows:
+                shadow.hits /= 2
+            for row in wins:
+                for b in range(len(row)):
+                    row[b] /= 2
+        best, top = 0, shadows[0].hits
+        for m in range(1, len(shadows)):
+            if shadows[m].hits > top:
+                best, top = m, shadows[m].hits
+        if best == mode:
+            return mode
+        current = shadows[mode].hits
+        lead = top - current
+        discordant = wins[best][mode] + wins[mode][best]
+        if lead > self.margin * current and lead * lead > self.significance * discordant:
+            return best
+        return mode
+
+    def resample(self, threshold: int, capacity: int, scale: int) -> None:
+        """:meth:`Shadow.resample` of every shadow."""
+        for shadow in self.shadows:
+            shadow.resample(threshold, capacity, scale)
+
+
 def sample_hash(key: Any) -> int:
-    return ((hash(key) * _MIX) & _MASK) >> (64 - SAMPLE_BITS)
+    return ((hash(key) * HASH_MIX) & HASH_MASK) >> (64 - SAMPLE_BITS)

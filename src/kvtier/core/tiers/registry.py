@@ -129,6 +129,10 @@ CAPABILITIES = frozenset({"staging", "paged", "rescannable", "generational", "ex
 _lock = threading.Lock()
 _specs: dict[str, TierSpec] = {s.name: s for s in BUILTIN}
 _plugins: dict[str, object] = {}
+generation = 0
+"""Bumped by every :func:`register` / :func:`unregister` that changes the records: a caller that
+keeps something derived from them (metric label tables, transfer directions) on a hot path reads
+this attribute (no call) and derives again when it changed."""
 
 
 def register(spec: TierSpec) -> None:
@@ -156,6 +160,7 @@ def register(spec: TierSpec) -> None:
         if spec.top:
             raise ValueError(f"tier {spec.name!r}: only the built-in top tier may be the top tier")
         _specs[spec.name] = spec
+        _bump()
 
 
 def unregister(name: str) -> None:
@@ -167,7 +172,13 @@ def unregister(name: str) -> None:
     if any(s.name == name for s in BUILTIN):
         raise ValueError(f"tier {name!r} is built in and cannot be unregistered")
     with _lock:
-        _specs.pop(name, None)
+        if _specs.pop(name, None) is not None:
+            _bump()
+
+
+def _bump() -> None:
+    global generation
+    generation += 1
 
 
 def specs() -> list[TierSpec]:

@@ -54,6 +54,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
+from kvtier.core.tiers import registry
 from kvtier.core.tiers.registry import hit_source
 from kvtier.integrations.vllm.compat import require_supported
 from kvtier.integrations.vllm.engine_config import engine_config
@@ -81,6 +82,11 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+
+
+def _hit_sources() -> tuple[int, dict[str, CacheHitSource]]:
+    """(registry generation, each registered tier's vLLM hit source), derived once per registration."""
+    return registry.generation, {s.name: CacheHitSource(s.hit_source) for s in registry.specs()}
 
 
 def _use_vllm_logging() -> None:
@@ -118,6 +124,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         save = transfer.kv_role in ("kv_both", "kv_producer")
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
+        self._sources = _hit_sources()  # (registry generation, tier -> vLLM hit source)
         try:
             require_supported(vllm.__version__)  # a vLLM outside SUPPORTED_VLLM, in one sentence (compat.py)
             asked = KVTierConfig.from_dict(dict(transfer.kv_connector_extra_config or {}))
@@ -238,9 +245,12 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             return {}
         split = self.scheduler_side.hit_sources(request, num_external_tokens)
         out: dict[CacheHitSource, int] = {}
-        for tier, n in split.items():  # each tier's source is its registry record's (kvtier.core.tiers.registry)
+        if self._sources[0] != registry.generation:  # each tier's source is its registry record's
+            self._sources = _hit_sources()
+        sources = self._sources[1]
+        for tier, n in split.items():
             if n:
-                source = CacheHitSource(hit_source(tier))
+                source = sources.get(tier) or CacheHitSource(hit_source(tier))  # an unknown tier: vLLM's fallback
                 out[source] = out.get(source, 0) + n
         return out
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from kvtier.core.codecstats import CodecNumbers
 from kvtier.core.receipt import MISS_REASONS
-from kvtier.core.stats import StoreStats, WireStats
+from kvtier.core.stats import StoreStats, TierStats, WireStats
 from kvtier.core.tiers import registry
 
 _LOADED = "Tokens loaded from kvtier into the engine, by the tier the load's plan named (vLLM's hit source)."
@@ -125,9 +125,19 @@ _PLAIN_GAUGES: dict[str, tuple[str, str, str | None]] = {
 }
 
 
+_NO_TIER = TierStats()
+_NO_WIRE = WireStats()
+
+
+def _tier(s: StoreStats, tier: str) -> TierStats:
+    """``s.tier(tier)`` (all zeros when the store has no such tier), read here: the per-step readers
+    below stay in this module."""
+    return s.tiers.get(tier) or _NO_TIER
+
+
 def _wire(s: StoreStats, tier: str) -> WireStats:
     """Shared tier ``tier``'s wire numbers (zeros when the store has none)."""
-    return s.tier(tier).wire or WireStats()
+    return _tier(s, tier).wire or _NO_WIRE
 
 
 def _counter_readers(name: str) -> dict[str, Callable[[StoreStats], float]]:
@@ -218,18 +228,18 @@ def store_counter_readers() -> dict[str, Callable[[StoreStats], float]]:
     for spec in registry.specs():
         t = spec.name
         out.update(_counter_readers(t))
-        out[f"reset_chunks_{t}"] = lambda s, t=t: s.tier(t).reset_chunks  # type: ignore[misc]
+        out[f"reset_chunks_{t}"] = lambda s, t=t: _tier(s, t).reset_chunks  # type: ignore[misc]
         if not spec.shared:
-            out[f"evictions_{t}"] = lambda s, t=t: s.tier(t).evictions  # type: ignore[misc]
-            out[f"quota_evictions_{t}"] = lambda s, t=t: s.tier(t).quota_evictions  # type: ignore[misc]
+            out[f"evictions_{t}"] = lambda s, t=t: _tier(s, t).evictions  # type: ignore[misc]
+            out[f"quota_evictions_{t}"] = lambda s, t=t: _tier(s, t).quota_evictions  # type: ignore[misc]
         if not spec.top:
             for key, (_metric, _doc, read) in _CODEC.items():
-                out[f"{key}_{t}"] = lambda s, t=t, read=read: read(s.tier(t).codec or CodecNumbers())  # type: ignore[misc]
+                out[f"{key}_{t}"] = lambda s, t=t, read=read: read(_tier(s, t).codec or CodecNumbers())  # type: ignore[misc]
         if not spec.shared and not spec.top:
-            out[f"{t}_write_errors"] = lambda s, t=t: s.tier(t).write_errors  # type: ignore[misc]
+            out[f"{t}_write_errors"] = lambda s, t=t: _tier(s, t).write_errors  # type: ignore[misc]
         if spec.shared:
-            out[f"{t}_errors"] = lambda s, t=t: _wire(s, t).total_errors  # type: ignore[misc]
-            out[f"{t}_skipped_calls"] = lambda s, t=t: _wire(s, t).total_skipped_calls  # type: ignore[misc]
+            out[f"{t}_errors"] = lambda s, t=t: sum(_wire(s, t).errors.values())  # type: ignore[misc]
+            out[f"{t}_skipped_calls"] = lambda s, t=t: sum(_wire(s, t).skipped_calls.values())  # type: ignore[misc]
             out[f"{t}_skipped_writes"] = lambda s, t=t: _wire(s, t).skipped_writes  # type: ignore[misc]
             out[f"{t}_reads"] = lambda s, t=t: _wire(s, t).calls.get("read", 0)  # type: ignore[misc]
             out[f"{t}_read_seconds"] = lambda s, t=t: _wire(s, t).seconds.get("read", 0.0)  # type: ignore[misc]
@@ -242,7 +252,7 @@ def store_counter_readers() -> dict[str, Callable[[StoreStats], float]]:
             "ttl_pin_chunks": lambda s: s.ttl_pin_chunks,
             "ttl_pin_refused_chunks": lambda s: s.ttl_pin_refused_chunks,
             "dropped_saves": lambda s: s.dropped_saves,
-            "corrupt_chunks": lambda s: s.corrupt_chunks,
+            "corrupt_chunks": lambda s: sum(t.corrupt_chunks for t in s.tiers.values()),  # s.corrupt_chunks
             "flush_missed_chunks": lambda s: s.flush_missed_chunks,
             "load_bytes": lambda s: s.transfer_bytes[f"{top}_to_engine"],
             "load_seconds": lambda s: s.transfer_seconds[f"{top}_to_engine"],
@@ -259,20 +269,34 @@ def rank0_only() -> tuple[str, ...]:
             "saved_tokens", "load_failed_blocks", "rerouted_chunks")
 
 
+_per_step: tuple[int, dict[str, Callable[[StoreStats], float]], frozenset[str], list[registry.TierSpec]] = \
+    (-1, {}, frozenset(), [])
+"""(registry generation, :func:`store_counter_readers`, :func:`rank0_only`, the records) as last
+derived: the worker's per-step stats ask the registry nothing while no tier was registered since."""
+
+
+def _registered() -> tuple[int, dict[str, Callable[[StoreStats], float]], frozenset[str], list[registry.TierSpec]]:
+    global _per_step
+    if _per_step[0] != (generation := registry.generation):
+        _per_step = (generation, store_counter_readers(), frozenset(rank0_only()), registry.specs())
+    return _per_step
+
+
 def store_counters(now: StoreStats, before: StoreStats | None, tp_rank: int = 0) -> dict[str, float]:
     """The :func:`store_counter_readers` that changed from ``before`` (``None``: the store's start)
     to ``now``, without the :func:`rank0_only` ones on other ranks than ``tp_rank`` 0."""
-    skip = rank0_only() if tp_rank else ()
+    _, readers, rank0, _ = _registered()
+    skip = rank0 if tp_rank else frozenset()
     deltas = {name: read(now) - (read(before) if before is not None else 0)
-              for name, read in store_counter_readers().items() if name not in skip}
+              for name, read in readers.items() if name not in skip}
     return {name: delta for name, delta in deltas.items() if delta}
 
 
 def store_gauges(s: StoreStats) -> dict[str, float]:
     """The :func:`gauges` of one rank, read from its store's snapshot."""
     out: dict[str, float] = {"dirty_bytes": s.dirty_bytes}
-    for spec in registry.specs():
-        t, stats = spec.name, s.tier(spec.name)
+    for spec in _registered()[3]:
+        t, stats = spec.name, _tier(s, spec.name)
         if spec.shared:
             if stats.wire is not None:
                 out[f"{t}_breaker_state"] = stats.wire.breaker_state

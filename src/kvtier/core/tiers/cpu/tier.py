@@ -86,6 +86,8 @@ class CpuTier(StagingTier):
             self.pool.reshape(0, page_bytes)
         self._free: list[int] = list(range(self.num_pages - 1, -1, -1))
         self._key_to_page: dict[ChunkKey, int] = {}
+        # contains() is the dict's own membership test, a C call: the index asks it per chunk on the hit path
+        self.contains = self._key_to_page.__contains__  # type: ignore[method-assign,assignment]
         self._key_to_len: dict[ChunkKey, int] = {}
         self._reserved: dict[ChunkKey, int] = {}
         self._regions: dict[int, tuple[int, weakref.finalize]] = {}  # address -> (bytes, its unregistration)

@@ -23,6 +23,8 @@ from the workers each step; read by ``get_num_new_matched_tokens`` without any I
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 
 from kvtier.core.tiers.registry import tier_rank
 from kvtier.integrations.vllm.protocol import RankReport
@@ -94,6 +96,19 @@ class IndexMirror:
         for index in self._ranks:
             index.clear()
         return held
+
+    def leading(self, keys: Sequence[bytes], first: int, shared: AbstractSet[bytes] = frozenset(),
+                shared_tier: str = "") -> tuple[int, list[str]]:
+        """A dense model's lookup (:meth:`~kvtier.integrations.vllm.scheduler.pages.PagePlanner.lookup`)
+        in one call: ``end``, the end of the run of ``keys`` held from ``first`` on (every rank's
+        local tiers, or ``shared`` in the shared tier ``shared_tier``), and the :meth:`tier` of each
+        of ``keys[:end]`` (``""`` where none holds it, before ``first``); ``(0, [])`` when the run is empty."""
+        tier = self._ranks[0].get if self.tp_size == 1 and self.ready else self.tier
+        held = [tier(key) or (shared_tier if key in shared else None) for key in keys]
+        end = first
+        while end < len(keys) and held[end] is not None:
+            end += 1
+        return (end, [t or "" for t in held[:end]]) if end > first else (0, [])
 
     def tier(self, key: bytes) -> str | None:
         """Tier of ``key`` if every rank holds it (the slowest of theirs), else ``None``."""

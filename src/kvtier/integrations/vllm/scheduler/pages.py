@@ -26,13 +26,13 @@ each stored page is keyed by the prefix's chunk key *and* the group index
 (:func:`group_key`), so pages of different groups never alias.
 
 ``--prefix-cache-retention-interval`` (vLLM 0.32 ``CacheConfig``, default ``0``) decides which
-boundaries of sliding-window and state groups vLLM keeps: ``0`` only the prompt's last replay
-boundary (``num_prompt_tokens - 1`` rounded down), ``R > 0`` also every multiple of ``R``,
-``None`` (``--prefix-cache-retention-interval None``) every block.  kvtier follows the same
-rule for its sliding-window chunks, so with the default a later request can resume a
-sliding-window or state group only at the end of an earlier prompt; a multi-turn conversation
-still hits (each turn extends the previous prompt), a request sharing only half a prompt does
-not.  Full-attention groups are stored densely whatever the setting.
+boundaries of sliding-window and state groups vLLM keeps: ``0`` only the prompt's last replay boundary
+(``num_prompt_tokens - 1`` rounded down), ``R > 0`` also every multiple of ``R``, ``None``
+(``--prefix-cache-retention-interval None``) every block.  kvtier follows the same rule for its
+sliding-window chunks, so with the default a later request can resume a sliding-window or state group
+only at the end of an earlier prompt; a multi-turn conversation still hits (each turn extends the
+previous prompt), a request sharing only half a prompt does not.  Full-attention groups are stored
+densely whatever the setting.
 
 Two layers, both from memory only:
 
@@ -43,12 +43,11 @@ Two layers, both from memory only:
   ranks' indexes, giving the :class:`~kvtier.integrations.vllm.protocol.PageMove` s of load and
   save jobs::
 
-    lookup(chain, local, n)      hit = largest chunk boundary every group can resume at
-                                 (HybridPlan.hit_tokens over the mirror)
-    load_pages(...)              per group, the pages that resume it at the hit, into the block
-                                 ids vLLM allocated for that group
-    save_pages(...)              full / sliding pages of the chunks this step completes (sliding:
-                                 only reachable ones), state pages from this step's hand-offs
+    lookup(chain, local, n)   hit = largest chunk boundary every group can resume at (HybridPlan.hit_tokens
+                              over the mirror; a dense model: its leading chunks the mirror holds)
+    load_pages(...)           per group, the pages resuming it at the hit, into the blocks vLLM allocated
+    save_pages(...)           full / sliding pages of the chunks this step completes (sliding: only
+                              reachable ones), state pages from this step's hand-offs
 """
 
 from __future__ import annotations
@@ -339,6 +338,11 @@ class PagePlanner:
         ``shared``: page keys the shared tier ``shared_tier`` holds for every rank, from
         :meth:`~kvtier.integrations.vllm.scheduler.remote.RemoteLookups.poll_pages` over :meth:`unheld_pages`.
         """
+        if self.dense:  # one full-attention group: its pages are the chain's chunks, asked in one call
+            keys = [bytes(key) for key in chain[:min(len(chain), max(0, num_tokens - 1) // self.C)]]
+            end, tiers = self.mirror.leading(keys, num_computed_tokens // self.C, shared, shared_tier)
+            return end * self.C, tiers
+
         def tier(group: int, chunk: int) -> str | None:
             if chunk >= len(chain):
                 return None

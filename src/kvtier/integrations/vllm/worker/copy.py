@@ -6,10 +6,16 @@ from) which slots of one page: ``Span(page, first_slot, block_ids)``.
 
 Two strategies, picked from the cache tensors' device:
 
-- CPU caches (vLLM's CPU backend): each block slice is copied straight into / out of the page
-  with ``numpy.copyto`` on byte views of the cache tensors (strided source or destination is
-  fine), one copy per byte.  numpy copies are single-threaded and release the GIL, so a load
-  running on a connector thread never starts an OpenMP team next to the engine's pinned ones.
+- CPU caches (vLLM's CPU backend): each block slice is copied straight into / out of the page.
+  A load computes every copy's source and destination address at once (numpy, over all spans
+  and layers: :class:`HostRuns`) and moves each contiguous run with one ``ctypes.memmove``, as
+  vLLM's native CPU offload moves its ``(source, destination, size)`` descriptors
+  (vllm/v1/kv_offload/cpu/gpu_worker.py; on the CPU build, kvtier's benchmark shim
+  :func:`kvtier.bench.native_cpu.host_swap_blocks_batch`): no per-block array views.  A save,
+  and a load over a layout whose block slices are not a few contiguous runs, use
+  ``numpy.copyto`` on byte views of the cache tensors (strided source or destination is fine).
+  Both are single-threaded and release the GIL, so a load running on a connector thread never
+  starts an OpenMP team next to the engine's pinned ones.
 - CUDA caches: batched (:mod:`kvtier.integrations.vllm.worker.batched`).
 
 Thread safety: ``save`` runs on the engine's thread, ``load`` on the connector's loader threads;
@@ -18,6 +24,8 @@ they touch different engine blocks (a loading request's blocks belong to no runn
 
 from __future__ import annotations
 
+import ctypes
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,7 +37,57 @@ from kvtier.integrations.vllm.protocol import PageMove
 from kvtier.integrations.vllm.worker.batched import MAX_BATCH_BYTES, Batched, Span, host_tensor
 from kvtier.integrations.vllm.worker.layout import KVLayout
 
-__all__ = ["BlockCopier", "GroupCopiers", "Span"]
+__all__ = ["BlockCopier", "GroupCopiers", "HostRuns", "Span"]
+
+MAX_HOST_RUNS = 8
+"""A layout whose block slice of one layer is more than this many contiguous runs is copied with
+``numpy.copyto`` instead of one ``memmove`` per run (a run that small costs more in calls than in bytes)."""
+
+_memmove = ctypes.memmove
+
+
+class HostRuns:
+    """Where each block of each layer of a host KV cache lies, as contiguous byte runs.
+
+    Args:
+        host: byte views (``uint8``) of the layers' tensors, all of one shape and strides.
+        block_dim: the dimension indexed by engine block id.
+        num_blocks: engine blocks per layer.
+
+    Raises:
+        ValueError: the layers differ in shape or strides, or a block is more than
+            :data:`MAX_HOST_RUNS` runs (the caller copies with ``numpy.copyto`` then).
+
+    Attributes:
+        layer_addresses: int64 ``[num_layers]``, each layer's first byte.
+        block_stride: bytes from one block to the next within a layer.
+        cache_offsets / page_offsets: int64 ``[runs]``, each run's offset from its block's first
+            byte in the cache, and from its slot's first byte in a page (a slot holds the block's
+            bytes in C order).
+        run_bytes: bytes of one run.
+    """
+
+    def __init__(self, host: Sequence[np.ndarray], block_dim: int, num_blocks: int) -> None:
+        first = host[0]
+        if any(a.shape != first.shape or a.strides != first.strides for a in host):
+            raise ValueError("the layers' byte views differ in shape or strides")
+        self.num_blocks = num_blocks
+        self.layer_addresses = np.array([a.ctypes.data for a in host], dtype=np.int64)
+        self.block_stride = first.strides[block_dim]
+        shape = [n for d, n in enumerate(first.shape) if d != block_dim]
+        strides = [st for d, st in enumerate(first.strides) if d != block_dim]
+        inner = len(shape)  # the trailing dims [inner:] are one C-contiguous run
+        run = 1
+        while inner > 0 and strides[inner - 1] == run:
+            inner -= 1
+            run *= shape[inner]
+        self.run_bytes = run
+        outer = shape[:inner]
+        if math.prod(outer) > MAX_HOST_RUNS:
+            raise ValueError(f"a block is {math.prod(outer)} runs of {run} bytes")
+        index = np.indices(outer).reshape(len(outer), -1) if outer else np.zeros((0, 1), dtype=np.int64)
+        self.cache_offsets = (np.array(strides[:inner], dtype=np.int64)[:, None] * index).sum(axis=0).astype(np.int64)
+        self.page_offsets = np.arange(math.prod(outer), dtype=np.int64) * run
 
 
 class BlockCopier:
@@ -62,6 +120,14 @@ class BlockCopier:
                 self._host = None
         self._block_byte_shape = (*layout.block_shape[:-1], layout.block_shape[-1] * self.layers[0].element_size()) \
             if layout.block_shape else (self.layers[0].element_size(),)
+        self._runs: HostRuns | None = None  # the memmove load path (module docstring)
+        if self._host is not None:
+            try:
+                runs = HostRuns(self._host, layout.block_dim, layout.num_blocks)
+            except ValueError:
+                runs = None
+            if runs is not None and len(runs.page_offsets) * runs.run_bytes == layout.block_bytes:
+                self._runs = runs
 
     def _page_slots(self, page: np.ndarray) -> np.ndarray:
         """``page`` as ``[num_layers, blocks_per_chunk, *block byte shape]`` (a view)."""
@@ -104,6 +170,9 @@ class BlockCopier:
         if self.batched is not None:
             self.batched.load(spans)
             return
+        if self._runs is not None:
+            self.load_runs([(span.page, span.first_slot, span.block_ids) for span in spans])
+            return
         if self._host is None:
             dim = self.layout.block_dim
             for span in spans:
@@ -117,6 +186,46 @@ class BlockCopier:
             for layer in range(self.layout.num_layers):
                 for j, block in enumerate(span.block_ids):
                     np.copyto(self._host_block(layer, block), slots[layer, span.first_slot + j])
+
+
+    def load_runs(self, spans: Sequence[tuple[np.ndarray, int, Sequence[int]]]) -> None:
+        """:meth:`load` on the memmove path: ``(page, first slot, block ids)`` per span; every
+        address is computed and checked (block ids in range, slots within the page, pages
+        contiguous and long enough) before the first byte moves.
+
+        Raises:
+            ValueError: a span out of range (nothing copied).
+        """
+        runs = self._runs
+        assert runs is not None
+        bpc, block_bytes, layers = self.blocks_per_chunk, self.layout.block_bytes, len(self.layers)
+        page_bytes = layers * bpc * block_bytes
+        addresses: list[int] = []
+        slots: list[int] = []
+        blocks: list[int] = []
+        for page, first_slot, block_ids in spans:
+            n = len(block_ids)
+            if not n:
+                continue
+            if not page.flags.c_contiguous or page.nbytes < page_bytes or first_slot < 0 or first_slot + n > bpc:
+                raise ValueError(f"span of {n} blocks at slot {first_slot} does not fit a contiguous page of "
+                                 f"{page_bytes} bytes ({page.nbytes} given, {bpc} slots)")
+            addresses += [page.ctypes.data] * n
+            slots += range(first_slot, first_slot + n)
+            blocks += block_ids
+        if not blocks:
+            return
+        block_arr = np.array(blocks, dtype=np.int64)
+        if int(block_arr.min()) < 0 or int(block_arr.max()) >= runs.num_blocks:
+            raise ValueError(f"block ids must lie in [0, {runs.num_blocks}), got {blocks}")
+        # [block][layer][run]: each page is read front to back (its slots are [layer][slot])
+        layer = np.arange(layers, dtype=np.int64)
+        src = (np.array(addresses, dtype=np.int64)[:, None] + (layer[None, :] * bpc + np.array(slots, dtype=np.int64)[:, None])
+               * block_bytes)[:, :, None] + runs.page_offsets
+        dst = (runs.layer_addresses[None, :] + block_arr[:, None] * runs.block_stride)[:, :, None] + runs.cache_offsets
+        n = runs.run_bytes
+        for d, s in zip(dst.ravel().tolist(), src.ravel().tolist()):
+            _memmove(d, s, n)
 
 
 class GroupCopiers:
@@ -161,6 +270,12 @@ class GroupCopiers:
 
     def load(self, moves: Sequence[tuple[PageMove, np.ndarray]]) -> None:
         """Copy each buffer into its page's engine blocks."""
+        if len(self.copiers) == 1:  # one group (a dense model): no regrouping, no span objects
+            (group, copier), = self.copiers.items()
+            if copier._runs is not None:
+                size = self.group_page_bytes[group]
+                copier.load_runs([(buffer[:size], page.first_slot, page.block_ids) for page, buffer in moves])
+                return
         for group, spans in self._spans(moves).items():
             self.copiers[group].load(spans)
 

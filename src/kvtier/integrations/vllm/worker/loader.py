@@ -273,7 +273,7 @@ class AsyncLoader:
             by_chunk: dict[int, list[str]] = {}
             for page, tier in zip(job.pages[:delivered], handle.tiers):
                 by_chunk.setdefault(page.chunk, []).append(tier)
-            rerouted = sum(1 for c, t in by_chunk.items() if slowest(t) != job.tiers[c])
+            rerouted = sum(1 for c, t in by_chunk.items() if (t[0] if len(t) == 1 else slowest(t)) != job.tiers[c])
         engine = EngineLoad(tokens=tokens_by_tier(job.tiers, job.first_token, end, self.chunk_tokens),
                             unfilled_tokens=tokens_by_tier(job.tiers, end, job.hit_tokens, self.chunk_tokens),
                             resumed=job.resumed, failed_blocks=sum(len(p.block_ids) for p in unfilled_pages),
