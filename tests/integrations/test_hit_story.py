@@ -56,8 +56,11 @@ SCRIPT = ROOT / "scripts" / "hit_story.py"
 # ghost), integrations/vllm/worker/facts.py (each load's facts for its receipt), and on the
 # scheduler's side integrations/vllm/scheduler/receipts.py (what vLLM counts at admission) and
 # core/receipt.py (the receipts of the requests that finish within the window).
-MAX_FILES = 37
-MEASURED_MOVES = 374
+# All merged (receipts + hitpath + codecs + node, e13a034): 43 files, 436 moves (one run, 1,813 kvtier
+# calls): the receipts' four files, and core/codecstats.py (the read counts its codec's bytes and
+# seconds) and core/receiptsinks.py (the scheduler ships its receipt sinks' drops) joined the hit.
+MAX_FILES = 43
+MEASURED_MOVES = 436
 POLL_SLACK_MOVES = 19 * 3
 
 
