@@ -26,7 +26,11 @@ token ids; ``--abort-share`` of them (chosen at random, exactly that share) are 
 closing the connection, half after their first streamed chunk, half after a random delay of up to
 ``--abort-max-delay-s`` (while waiting, loading or decoding).  After the last request: the pin
 gauges are polled until they read 0 (``--pin-deadline-s`` after the server went idle at most),
-then the counters until two scrapes a second apart agree, and the numbers are compared.
+then the counters until two scrapes a second apart agree, and the numbers are compared.  The
+server also writes every request's cache receipt to a receipt log (``receipt_log_path``, issue 35):
+the receipts' tokens per tier and per miss reason must equal the deltas of
+``kvtier_served_tokens_total{tier}`` and ``kvtier_missed_tokens_total{reason,tier}`` exactly, with
+one receipt per request sent (:mod:`kvtier.bench.receipts`).
 
 Usage::
 
@@ -57,6 +61,8 @@ from typing import Any
 
 import httpx
 
+from kvtier.bench.meters import parse_metrics
+from kvtier.bench.receipts import LogCursor, ReceiptTally, disagreements, metric_tally
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import MetricsError, ServerStartError
 from kvtier.core.tiers.factory import configured
@@ -256,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     disk = work / "disk"
     kvtier = {"chunk_tokens": CHUNK_TOKENS, "cpu_gib": args.cpu_chunks * CHUNK_BYTES / (1 << 30),
               "disk_path": str(disk), "disk_gib": max(0.05, 4 * args.pool * 8 * CHUNK_BYTES / (1 << 30)),
-              "write_mode": args.write_mode}
+              "write_mode": args.write_mode, "receipt_log_path": str(work / "receipts.jsonl")}
     spec = ServerSpec(model=str(model), max_model_len=1024, cache_tokens=args.engine_tokens, block_size=BLOCK_TOKENS,
                       load_format=None, kv_transfer_config=transfer_config(kvtier), memory_fraction=0.1,
                       enforce_eager=True)
@@ -274,14 +280,24 @@ def main(argv: list[str] | None = None) -> int:
     with server:
         print(f"server up in {server.startup_s:.1f} s ({server.base_url}); log {server.log_path}")
         before = scrape(server.base_url)
+        before_text = fetch_metrics(server.base_url, timeout_s=10.0)
+        cursor = LogCursor(work / "receipts.jsonl")
         t0 = time.perf_counter()
         outcome = asyncio.run(drive(server.base_url, server.served_model, plans, args.concurrency))
         drive_s = time.perf_counter() - t0
         try:
             idle = wait_idle(server.base_url, tiers, args.pin_deadline_s, settle_deadline_s=60.0)
+            after_text = fetch_metrics(server.base_url, timeout_s=10.0)
         except (TimeoutError, MetricsError) as exc:
             print(f"attribution_check: {exc}", file=sys.stderr)
             return 1
+        receipts = cursor.read_new(expect=args.requests)
+    mine = ReceiptTally.of(receipts)
+    theirs = metric_tally(parse_metrics(before_text), parse_metrics(after_text))
+    receipt_notes = ["the server exported no kvtier_missed_tokens_total"] if theirs is None \
+        else disagreements(mine, theirs)
+    if len(receipts) != args.requests:
+        receipt_notes.append(f"{len(receipts)} receipts logged for {args.requests} requests")
     load_after = os.getloadavg()
     result = compare(before, idle["metrics"], tiers)
     mismatches = [s for s, v in result["per_source"].items() if v["kvtier_loaded_plus_unfilled"] != v["vllm_cached"]]
@@ -296,7 +312,10 @@ def main(argv: list[str] | None = None) -> int:
               "drive_s": round(drive_s, 1), "server_startup_s": round(server.startup_s, 1),
               "loadavg_before": load_before, "loadavg_after": load_after,
               "pins_at_idle": idle["pins_at_idle"], "pins_zero_after_s": idle["pins_zero_after_s"],
-              **result, "mismatches": mismatches, "pins_ok": pins_ok, "exercised_every_tier": exercised}
+              **result, "receipts": {"logged": len(receipts), "receipts": mine.to_dict(),
+                                     "metrics": theirs.to_dict() if theirs is not None else None,
+                                     "disagreements": receipt_notes},
+              "mismatches": mismatches, "pins_ok": pins_ok, "exercised_every_tier": exercised}
     (work / "attribution.json").write_text(json.dumps(report, indent=2))
 
     print(f"{args.requests} requests in {drive_s:.1f} s: {outcome.completed} completed, "
@@ -316,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{result['saved_tokens']}, dropped saves {result['dropped_saves']}")
     print(f"pins at idle: {idle['pins_at_idle']}, read 0 after {idle['pins_zero_after_s']} s "
           f"(deadline {args.pin_deadline_s:g} s); load average {load_before} -> {load_after}")
+    print(f"receipts: {len(receipts)} logged; tokens {mine.tokens}; missed {mine.missed}")
     print(f"wrote {work / 'attribution.json'}")
     failed = []
     if mismatches:
@@ -327,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         failed.append(f"the pin gauges did not read 0 within {args.pin_deadline_s:g} s of idle")
     if not exercised:
         failed.append("the run did not load from every tier; make --cpu-chunks smaller or --pool larger")
+    failed.extend(f"receipts and metrics disagree: {note}" for note in receipt_notes)
     if outcome.errors:
         failed.append(f"{len(outcome.errors)} requests failed (first: {outcome.errors[0]})")
     for line in failed:
