@@ -74,14 +74,14 @@ def test_receipts_and_metrics_side_by_side():
     assert tally.requests == 40
     assert tally.tiers() == {"cpu": 30 * 256, "disk": 20 * 128}
     assert tally.missed == {"new": 10 * 600, "evicted/cpu": 10 * 344, "partial_chunk": 20 * 88}
-    before = parse_metrics(metrics_text({"cpu": 1000, "disk": 0}, {("new", ""): 50}))
+    before = parse_metrics(metrics_text({"cpu": 1000, "disk": 0}, {("new", "none"): 50}))
     agree = parse_metrics(metrics_text({"cpu": 1000 + 30 * 256, "disk": 20 * 128},
-                                       {("new", ""): 50 + 6000, ("evicted", "cpu"): 3440, ("partial_chunk", ""): 1760}))
+                                       {("new", "none"): 50 + 6000, ("evicted", "cpu"): 3440, ("partial_chunk", "none"): 1760}))
     metrics = metric_tally(before, agree)
     assert metrics is not None and disagreements(tally, metrics) == []
     assert RunReceipts(tally, metrics, sent=40).notes() == []
     off = parse_metrics(metrics_text({"cpu": 1000 + 30 * 256 - 256, "disk": 20 * 128},
-                                     {("new", ""): 50 + 6000, ("evicted", "cpu"): 3440 + 256, ("partial_chunk", ""): 1760}))
+                                     {("new", "none"): 50 + 6000, ("evicted", "cpu"): 3440 + 256, ("partial_chunk", "none"): 1760}))
     notes = RunReceipts(tally, metric_tally(before, off), sent=40).notes()
     assert notes == ["disagree: tokens served by cpu: receipts 7,680, metrics 7,424",
                      "disagree: tokens missed for evicted/cpu: receipts 3,440, metrics 3,696"]

@@ -2,6 +2,10 @@
 receipt per streamed request (``receipt_log_path``), the bench reads back the ones its run added,
 and their tokens per tier and miss reasons equal the metric deltas: no disagreement.
 
+Six prefixes of 600 tokens (five full 128-token blocks each with its suffix: 30 blocks) in round robin
+through an engine cache of 20 blocks: vLLM's own cache has let a prefix go by the time it comes again
+(three prefixes would all stay in it), so the repeats are served by the cpu tier.
+
 Needs the receipts wired into the connector (``kvtier_missed_tokens_total``, the scheduler emitting
 to :func:`kvtier.core.receiptsinks.build_receipt_sinks`): skipped before."""
 
@@ -32,7 +36,7 @@ def test_bench_run_reads_the_runs_receipts_and_they_agree_with_the_metrics(tmp_p
         server.complete("warm up", max_tokens=2)  # a receipt before the run: not the run's
         proc = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "bench", "run", "--url", server.base_url,
                                "--workload", "prefix-repetition", "--prefix-len", "600", "--suffix-len", "100",
-                               "--num-prefixes", "3", "--num-requests", "12", "--output-len", "2",
+                               "--num-prefixes", "6", "--num-requests", "12", "--output-len", "2",
                                "--max-concurrency", "2", "--vocab-size", "2048", "--no-progress",
                                "--receipt-log", str(log), "--out", str(tmp_path / "run")],
                               capture_output=True, text=True, timeout=600, check=False)

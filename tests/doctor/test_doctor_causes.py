@@ -63,8 +63,8 @@ def delta_buckets(earlier: list[float], later: list[float]) -> dict[float, float
 RNG = random.Random(35)
 EARLY = [RNG.uniform(0.05, 0.2) * GIB for _ in range(40)]
 LATE = EARLY + [RNG.uniform(0.1, 0.9) * GIB for _ in range(300)]
-THRASH_BEFORE = {("evicted", "cpu"): 1000, ("new", ""): 2000}
-THRASH_AFTER = {("evicted", "cpu"): 13_000, ("new", ""): 5000, ("partial_chunk", ""): 700, ("save_dropped", "disk"): 300}
+THRASH_BEFORE = {("evicted", "cpu"): 1000, ("new", "none"): 2000}
+THRASH_AFTER = {("evicted", "cpu"): 13_000, ("new", "none"): 5000, ("partial_chunk", "none"): 700, ("save_dropped", "disk"): 300}
 
 
 def texts(missed_before=THRASH_BEFORE, missed_after=THRASH_AFTER, served_before=None, served_after=None,
@@ -95,6 +95,8 @@ def test_evictions_lead_and_the_doctor_names_the_size_that_holds_the_working_set
     first = next(ch for ch in diagnosis.checks if ch.message.startswith("Miss reason #1"))
     assert first.level == "warning" and "evicted (cpu), 12,000 tokens (75% of 16,000 missed)" in first.message
     assert "size the cpu tier up" in first.message
+    second = next(m for m in messages(diagnosis) if m.startswith("Miss reason #2"))
+    assert second.startswith("Miss reason #2: new, 3,000 tokens")  # the label "none" names no tier
     p90 = histogram_quantile(SIZE_QUANTILE, delta_buckets(EARLY, LATE))
     size = c.sizes["cpu"]
     assert size.ghost_hits == 300 and size.distance_bytes == pytest.approx(p90)
@@ -129,9 +131,9 @@ def test_evictions_without_ghost_hits_ask_for_a_longer_interval():
 @pytest.mark.parametrize("reason, tier, level, words", [
     ("save_dropped", "disk", "warning", "raise save_queue_depth"),
     ("deadline", "redis", "warning", "shared_deadline_s"),
-    ("partial_chunk", "", "warning", "lower chunk_tokens"),
+    ("partial_chunk", "none", "warning", "lower chunk_tokens"),
     ("quota", "cpu", "warning", "tenant_quotas"),
-    ("new", "", "ok", "nothing a bigger cache would fix"),
+    ("new", "none", "ok", "nothing a bigger cache would fix"),
     ("purged", "", "ok", "kvtier purge removed them"),
 ])
 def test_the_leading_reason_is_mapped_to_its_action(reason, tier, level, words):
@@ -143,7 +145,7 @@ def test_the_leading_reason_is_mapped_to_its_action(reason, tier, level, words):
 
 
 def test_a_corrupt_chunk_is_a_warning_at_any_share():
-    after = {("new", ""): 99_000.0, ("corrupt", "disk"): 128.0}
+    after = {("new", "none"): 99_000.0, ("corrupt", "disk"): 128.0}
     _, diagnosis = run(*texts(missed_before={}, missed_after=after))
     corrupt = next(c for c in diagnosis.checks if "corrupt (disk)" in c.message)
     assert corrupt.level == "warning" and "check the disk or the bucket" in corrupt.message

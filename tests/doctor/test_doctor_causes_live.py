@@ -1,7 +1,8 @@
 """kvtier doctor on a real api_server whose cpu tier is too small for its traffic (issue 35, "Done
 when"): it names the evictions as the cause and a size that would hold the working set.
 
-The tiny test model (fp32, 2 layers, 2 KV heads of 64: 512 KiB per 256-token chunk), a cpu tier of
+The tiny test model (2 layers, 2 KV heads of 64; its fp32 checkpoint runs in bfloat16 on vLLM's CPU
+backend, as the connector's layout line in the serve log says: 256 KiB per 256-token chunk), a cpu tier of
 12 chunks under the ``lru`` policy, an engine cache of 20 blocks of 128 tokens; six prompts of three
 chunks each (18 chunks: 1.5 × the tier, so the tier's ghost list, as long as the tier, still
 remembers what it evicted) requested in turn, three rounds: each request finds its chunks evicted.
@@ -19,10 +20,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.engine
 
-CHUNK_BYTES = 2 * 2 * 2 * 64 * 4 * 256  # layers × (K, V) × KV heads × head size × fp32 × chunk tokens
+CHUNK_BYTES = 2 * 2 * 2 * 64 * 2 * 256  # layers × (K, V) × KV heads × head size × bf16 × chunk tokens
 TIER_CHUNKS = 12
 
 
@@ -49,6 +51,9 @@ def test_doctor_names_evictions_and_the_size_on_a_too_small_cpu_tier(tmp_path: P
                            str(tmp_path / "after.txt"), "--json"], capture_output=True, text=True, timeout=120,
                           check=False)
     assert proc.returncode in (0, 1), proc.stderr
+    evicted = sum(s.value for f in text_string_to_metric_families((tmp_path / "after.txt").read_text())
+                  for s in f.samples if s.name == "kvtier_evictions_total" and s.labels.get("tier") == "cpu")
+    assert evicted > 0, "the cpu tier evicted nothing: it holds more than the 12 chunks this test means"
     causes = json.loads(proc.stdout)["causes"]
     assert causes["reported"], "the server exported no kvtier_missed_tokens_total"
     lead = causes["misses"][0]

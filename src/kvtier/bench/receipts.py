@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 
 from kvtier.bench.meters import MetricsSnapshot
-from kvtier.core.receipt import Receipt
+from kvtier.core.receipt import NO_TIER, Receipt, miss_tier_label
 
 SERVED = "kvtier_served_tokens"
 MISSED = "kvtier_missed_tokens"
@@ -33,8 +33,10 @@ WAIT_S = 5.0
 
 
 def miss_key(reason: str, tier: str) -> str:
-    """A miss-table row: ``reason`` or ``reason/tier``."""
-    return f"{reason}/{tier}" if tier else reason
+    """A miss-table row: ``reason`` for a reason about no tier (a receipt's ``""``, the metric's
+    label :data:`~kvtier.core.receipt.NO_TIER`), else ``reason/tier``: receipts and metrics alike."""
+    label = miss_tier_label(tier)
+    return reason if label == NO_TIER else f"{reason}/{label}"
 
 
 @dataclass(frozen=True)

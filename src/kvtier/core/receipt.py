@@ -41,6 +41,16 @@ MissReason = Literal[
 
 MISS_REASONS: tuple[str, ...] = MissReason.__args__  # type: ignore[attr-defined]
 
+NO_TIER = "none"
+"""The ``tier`` label of ``kvtier_missed_tokens_total`` for a reason about no tier (``new``,
+``partial_chunk``): a receipt's ``miss.tier`` ``""``."""
+
+
+def miss_tier_label(tier: str) -> str:
+    """The ``tier`` label a miss's tier is counted under: ``tier``, or :data:`NO_TIER` for ``""``
+    (and for :data:`NO_TIER` itself), so that receipts and metrics key a miss alike."""
+    return tier or NO_TIER
+
 
 class ReceiptMiss(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The first prompt token not served from a cache, and why.

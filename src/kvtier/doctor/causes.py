@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from kvtier.core.errors import ConfigError
+from kvtier.core.receipt import NO_TIER, miss_tier_label
 from kvtier.core.tiers.registry import spec
 from kvtier.doctor.quantile import beyond_finite_buckets, histogram_quantile
 
@@ -113,7 +114,8 @@ def cause_series(families: Iterable[Any]) -> CauseSeries:
                 continue
             labels = s.labels
             if family.name == MISSED and s.name.endswith("_total"):
-                key = (labels.get("reason", "?"), labels.get("tier", ""))
+                tier_label = miss_tier_label(labels.get("tier", ""))  # a reason about no tier: ""
+                key = (labels.get("reason", "?"), "" if tier_label == NO_TIER else tier_label)
                 out.missed[key] = out.missed.get(key, 0.0) + s.value
             elif family.name == SERVED and s.name.endswith("_total"):
                 skey = (labels.get("tier", "?"), labels.get("tenant", ""))

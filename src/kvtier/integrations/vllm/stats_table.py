@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvtier.core.codecstats import CodecNumbers
-from kvtier.core.receipt import MISS_REASONS
+from kvtier.core.receipt import MISS_REASONS, NO_TIER, miss_tier_label
 from kvtier.core.stats import StoreStats, TierStats, WireStats
 from kvtier.core.tiers import registry
 
@@ -87,8 +87,6 @@ LABELS: dict[str, str | tuple[str, ...]] = {
     "kvtier_receipts_dropped": "sink"}
 ENGINE = "engine"
 """The ``tier`` label of tokens vLLM's own prefix cache served (``kvtier_served_tokens``), as the receipt names them."""
-NO_TIER = "none"
-"""The ``tier`` label of ``kvtier_missed_tokens`` for a reason about no tier (``new``, ``partial_chunk``)."""
 _SERVED = ("Prompt tokens served from a cache, by source: engine (vLLM's own prefix cache) or the kvtier tier; "
            "sums equal the receipts' (over all sources: vLLM's cached tokens).")
 _MISSED = ("Prompt tokens computed, by the reason their request's first chunk was not served (the receipt's miss; "
@@ -187,10 +185,10 @@ def counters() -> dict[str, tuple[str, str, tuple[str, ...]]]:
 
 def receipt_counters(tokens: dict[str, int], reason: str, tier: str) -> dict[str, float]:
     """The payload counters of one receipt: its served tokens by source, its computed tokens under
-    its miss's ``reason`` and ``tier`` (``""``: :data:`NO_TIER`)."""
+    its miss's ``reason`` and ``tier`` (``""``: :data:`~kvtier.core.receipt.NO_TIER`)."""
     out: dict[str, float] = {f"served_tokens_{t}": n for t, n in tokens.items() if t != "computed" and n}
     if tokens.get("computed"):
-        out[f"missed_tokens_{reason}|{tier or NO_TIER}"] = tokens["computed"]
+        out[f"missed_tokens_{reason}|{miss_tier_label(tier)}"] = tokens["computed"]
     return out
 
 
