@@ -95,6 +95,8 @@ class KVTierConfig(BaseSettings):
         "on each rank for a load in flight to end, so that the engine does not spin empty steps while the "
         "loader threads work; a load that ends during the wait is reported in that step. Also the most a "
         "request arriving meanwhile waits to be scheduled. Steps that compute tokens never wait. 0: no wait."))
+    async_saves: bool = Field(True, description="Saves copy off the engine's thread; blocks held till done (docs/vllm.md).")
+    layerwise_loads: bool = Field(False, description="Synchronous loads layer by layer (docs/vllm.md, GPU); off: whole.")
     disk_io: Literal["auto", "buffered", "direct"] = Field(
         "auto", description="Disk tier I/O: direct = O_DIRECT (bypasses the page cache), buffered, or auto = direct "
         "where supported unless a start-up probe finds it clearly slower.")

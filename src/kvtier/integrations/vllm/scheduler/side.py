@@ -20,6 +20,7 @@ from kvtier.integrations.vllm.protocol import (
     SaveJob,
     tokens_by_tier,
 )
+from kvtier.integrations.vllm.scheduler.deferred import DeferredSaves
 from kvtier.integrations.vllm.scheduler.events import EventGroup, KVEventTracker, events_enabled
 from kvtier.integrations.vllm.scheduler.mirror import IndexMirror
 from kvtier.integrations.vllm.scheduler.pages import PagePlanner, engine_plan, handoffs_of
@@ -65,6 +66,10 @@ class SchedulerSide:
         self.load_enabled, self.save_enabled = load, save
         self.mirror = IndexMirror(int(vllm_config.parallel_config.tensor_parallel_size))
         self.pages = PagePlanner(plan, self.mirror)  # a dense model is a one-group plan
+        # deferred saves (async_saves) for full-attention pages only: a window's or a state's blocks
+        # change or leave while the request runs, so their copy ends within its step
+        self._deferrable = {g.index for g in plan.groups if g.kind is GroupKind.FULL} if config.async_saves else set()
+        self.deferred = DeferredSaves(int(vllm_config.parallel_config.tensor_parallel_size))
         # synchronous loads: one full-attention group only (vLLM takes a sync load's failures as
         # block ids, which it refuses with several groups: Scheduler._handle_invalid_blocks)
         one_group = len(kv_cache_config.kv_cache_groups) == 1 and plan.groups[0].kind is GroupKind.FULL
@@ -195,8 +200,12 @@ class SchedulerSide:
 
     # ---- per step ----------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
-        meta = KVTierMetadata(loads=self._loads, reset=self.resets.take_order(),
-                              no_forward=scheduler_output.total_num_scheduled_tokens == 0)
+        preempted = frozenset(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        meta = KVTierMetadata(loads=self._loads, reset=self.resets.take_order(), preempted=preempted,
+                              no_forward=scheduler_output.total_num_scheduled_tokens == 0,
+                              held=self.deferred.take_held())
+        for req_id in preempted:  # the workers wait for their saves in handle_preemptions, before the forward
+            self.deferred.forget(req_id)
         self._loads = []
         # a request whose load is in flight is still in self.requests (vLLM finishes it after the load)
         self.settle.step(idle=not scheduler_output.num_scheduled_tokens and not self.requests)
@@ -244,8 +253,10 @@ class SchedulerSide:
                 self.events.record(request, page.key, page.group, page.chunk)
         if not pages:
             return None
+        deferred = bool(self._deferrable) and all(p.group in self._deferrable for p in pages)
         return SaveJob(req_id, pages, self.pages.parent_of(keys, pages[0]), pin_s=state.pin_s,
-                       pin_chunks=request.num_prompt_tokens // self.chunk_tokens, tenant=state.tenant)
+                       pin_chunks=request.num_prompt_tokens // self.chunk_tokens, tenant=state.tenant,
+                       seq=self.deferred.ship(req_id) if deferred else -1)
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Fold the ranks' index changes (vLLM's worker → scheduler metadata) into the mirror."""
@@ -255,6 +266,7 @@ class SchedulerSide:
         if isinstance(meta, KVTierWorkerMeta):
             for rank in sorted(meta.ranks):
                 self.mirror.apply(rank, meta.ranks[rank])
+                self.deferred.ended(rank, meta.ranks[rank].saves_ended)
             if self.events is not None:
                 self._observe_events(meta)
         invalid = getattr(connector_output, "invalid_block_ids", None) or set()
@@ -289,14 +301,21 @@ class SchedulerSide:
         return self.events.take_events() if self.events is not None else []
 
     # ---- end of a request --------------------------------------------------------------------
-    def request_finished(self, request: Any) -> None:
+    def request_finished(self, request: Any) -> bool:
         """Forget ``request``.  A load in flight still ends in ``finished_recving``; vLLM keeps the
-        request's blocks until then (it delays freeing blocks of WAITING_FOR_REMOTE_KVS requests)."""
+        request's blocks until then (it delays freeing blocks of WAITING_FOR_REMOTE_KVS requests).
+
+        Returns:
+            True when a deferred save of the request may still read its blocks (not reported ended
+            by every rank: :mod:`~kvtier.integrations.vllm.scheduler.deferred`): vLLM keeps them
+            until every rank names the request in ``finished_sending`` (vllm/v1/core/sched/scheduler.py
+            ``_free_request``, ``_update_from_kv_xfer_finished``)."""
         req_id = request.request_id
-        self.requests.pop(req_id, None)
+        state = self.requests.pop(req_id, None)
         self.sync.give_back(req_id)
         if self.remote is not None:
             self.remote.forget(req_id)
+        return state is not None and self.deferred.finish(req_id)
 
     # ---- reset ---------------------------------------------------------------------------------
     def reset_cache(self) -> bool:
