@@ -59,6 +59,7 @@ class LayerLoads:
         self.layers = [BlockCopier(dataclasses.replace(whole.layout, layer_names=(name,)), {name: kv},
                                    whole.blocks_per_chunk, batched=whole.batched is not None)
                        for name, kv in zip(whole.layout.layer_names, whole.layers)]
+        self.device = whole.device
         self._events: dict[str, Any] = {}  # this step's layer -> event its copies end with (CUDA)
         self._issued: list[_Issued] = []
 
@@ -78,7 +79,7 @@ class LayerLoads:
         """The engine's current stream waits (on the device) for ``name``'s copies of this step."""
         event = self._events.pop(name, None)
         if event is not None:
-            torch.cuda.current_stream(event.device if hasattr(event, "device") else None).wait_event(event)
+            torch.cuda.current_stream(self.device).wait_event(event)
 
     def poll(self) -> None:
         """End the loads whose last copy completed (never blocks); layer events not waited for are dropped."""

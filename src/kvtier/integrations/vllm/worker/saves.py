@@ -39,6 +39,8 @@ import time
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
+import torch
+
 from kvtier.core.context import EngineSave, OpContext
 from kvtier.core.handles import StoreHandle
 from kvtier.core.keys import ChunkKey
@@ -190,6 +192,9 @@ class SaveQueue:
 
     # ---- the saver thread --------------------------------------------------------------------
     def _loop(self) -> None:
+        device = next(iter(self.copiers.copiers.values())).device
+        if device.type == "cuda":  # the current device is per thread: this rank's, not device 0
+            torch.cuda.set_device(device)
         while True:
             item = self._queue.get()
             if item is None:
