@@ -13,6 +13,7 @@ each of ``receipt_sinks``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ class Collected:
     def __init__(self) -> None:
         self.receipts: list[Receipt] = []
 
-    def emit(self, receipt: Receipt) -> None:
+    def emit(self, receipt: Receipt, trace_headers: Mapping[str, str] | None = None) -> None:
         self.receipts.append(receipt)
 
     def close(self) -> None:
