@@ -55,6 +55,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gpu_runner
 
 from kvtier.core.tiers.base import Reservation
 from kvtier.core.tiers.cpu.tier import CpuTier
@@ -70,6 +73,11 @@ MAX_PAGE_KIB = 1 << 20
 """Largest --pages-kib (1 GiB): one block of one layer; vLLM's defaults are 16 KiB to 2 MiB."""
 MAX_MIB = 1 << 16
 """Largest --mib (64 GiB per direction): the caches hold about twice that on the device."""
+MODES = ("copy", "runner", "all")
+BUDGET_S = 300.0
+"""The whole GPU run must end within this (issue 37: a GPU is lent for minutes, start-up included)."""
+ESTIMATE_GB_S = 10.0
+"""Bytes per second assumed by the printed estimate (a low bound for PCIe; the host is slower)."""
 
 
 @dataclass(frozen=True)
@@ -240,6 +248,49 @@ def check(layout: str, page_target: int, device: torch.device, args: argparse.Na
     return result
 
 
+def run_runner(layout: str, page_target: int, device: torch.device, args: argparse.Namespace,
+               rng: np.random.Generator) -> tuple[gpu_runner.RunnerResult, float, float]:
+    """The runner mode (:mod:`gpu_runner`) over ``layout`` with pages of about ``page_target`` bytes."""
+    per_token = token_bytes(layout, args.kv_heads, args.head_size)
+    block_tokens = max(1, round(page_target / per_token))
+    bpc = max(1, args.chunk_tokens // block_tokens)
+    chunk_bytes = args.layers * bpc * block_tokens * per_token
+    chunks = max(1, (args.runner_mib << 20) // chunk_bytes)
+    num_blocks = 2 * chunks * bpc + 1
+    shape = layer_shape(layout, num_blocks, block_tokens, args.kv_heads, args.head_size)
+    caches = {f"layers.{i}.attn": torch.zeros(shape, dtype=torch.bfloat16, device=device) for i in range(args.layers)}
+    out = gpu_runner.measure(layout, caches, num_blocks, block_tokens, bpc * block_tokens, chunks, args.repeats,
+                             device, rng)
+    del caches
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def _runner_table(rows: list[tuple[gpu_runner.RunnerResult, float, float]], peak: float) -> list[str]:
+    lines = [f"{'layout':<13}{'page KiB':>9}{'blocked us':>11}{'save GiB/s':>11}{'ratio':>7}{'load GiB/s':>11}"
+             f"{'ratio':>7}" + (f"{'load/peak':>10}" if peak else "") + f"{'TTFT ms':>9}{'layerwise':>10}{'cut':>6}"
+             "  held equal"]
+    for r, d2h, h2d in rows:
+        plain_d2h, plain_h2d = r.bytes_per_direction / d2h / GiB, r.bytes_per_direction / h2d / GiB
+        lines.append(f"{r.layout:<13}{r.page_bytes / KiB:>9.1f}{r.blocked_us:>11.1f}{r.save_gib_s:>11.2f}"
+                     f"{r.save_gib_s / plain_d2h:>7.2f}{r.load_gib_s:>11.2f}{r.load_gib_s / plain_h2d:>7.2f}"
+                     + (f"{r.load_gib_s / peak:>10.2f}" if peak else "")
+                     + f"{r.ttft_whole_ms:>9.2f}{r.ttft_layerwise_ms:>10.2f}{r.ttft_cut:>6.0%}  {r.held_steps:>4} {r.equal}")
+    return lines
+
+
+def estimate_s(args: argparse.Namespace, pages: list[int], layouts: list[str]) -> float:
+    """A rough upper estimate of the run's seconds: bytes moved at :data:`ESTIMATE_GB_S` plus 2 s per check."""
+    checks = len(pages) * len(layouts)
+    moved = 0.0
+    if args.mode in ("copy", "all"):
+        moved += checks * (args.repeats + 1) * 4 * (args.mib << 20)  # save, load, plain both ways
+    if args.mode in ("runner", "all"):
+        moved += checks * (4 * args.repeats + 2) * 2 * (args.runner_mib << 20)
+    return moved / (ESTIMATE_GB_S * 1e9) + 2.0 * checks * (2 if args.mode == "all" else 1)
+
+
 def check_and_free(layout: str, page_target: int, device: torch.device, args: argparse.Namespace,
                    rng: np.random.Generator) -> Result:
     """:func:`check`, then give its device memory back (its tensors died with its frame)."""
@@ -273,7 +324,8 @@ def _check_args(args: argparse.Namespace) -> tuple[str | None, torch.device | No
     if device.type == "cuda" and not torch.cuda.is_available():
         return "no CUDA device visible to torch; run with --device cpu for a smoke test", None, []
     for flag, value in (("--layers", args.layers), ("--kv-heads", args.kv_heads), ("--head-size", args.head_size),
-                        ("--chunk-tokens", args.chunk_tokens), ("--mib", args.mib), ("--repeats", args.repeats)):
+                        ("--chunk-tokens", args.chunk_tokens), ("--mib", args.mib), ("--repeats", args.repeats),
+                        ("--runner-mib", args.runner_mib)):
         if value <= 0:
             return f"{flag} must be positive, got {value}.", None, []
     if args.mib > MAX_MIB:
@@ -335,6 +387,11 @@ def main(argv: list[str] | None = None) -> int:
                              "blocks-first (FlashInfer NHD) and mla (default: all three)")
     parser.add_argument("--path", choices=("auto", "batched", "host"), default="auto",
                         help="copy path: auto (batched on CUDA, per block on the host), or force one")
+    parser.add_argument("--mode", choices=MODES, default="copy",
+                        help="copy: the copy path alone; runner: kvtier's worker side driven as vLLM's GPU model "
+                             "runner drives a connector (deferred saves, loads, layer-wise loads); all: both")
+    parser.add_argument("--runner-mib", type=int, default=64,
+                        help="MiB per direction per runner measurement (one request's chunks; default 64)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     try:
         args = parser.parse_args(argv)
@@ -347,42 +404,62 @@ def main(argv: list[str] | None = None) -> int:
     assert device is not None
     layouts = args.layouts.split(",")
     rng = np.random.default_rng(0)
+    guess = estimate_s(args, pages, layouts)
+    print(f"estimated run time at most about {guess:.0f} s ({len(pages) * len(layouts)} checks, mode {args.mode})")
+    if guess > BUDGET_S and device.type == "cuda":
+        print(f"the estimate is over the {BUDGET_S:.0f} s budget of a lent GPU; lower --mib, --runner-mib or "
+              "--repeats, or give fewer --pages-kib.", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
-    results = [check_and_free(name, page, device, args, rng) for page in pages for name in layouts]
+    results = [check_and_free(name, page, device, args, rng) for page in pages for name in layouts] \
+        if args.mode in ("copy", "all") else []
+    runs = [run_runner(name, page, device, args, rng) for page in pages for name in layouts] \
+        if args.mode in ("runner", "all") else []
     peak, peak_source = pcie_peak(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "host"
+    measured: list[Result] | list[gpu_runner.RunnerResult] = results or [r for r, _, _ in runs]
     rounded = sorted({(r.layout, asked, r.page_bytes) for asked, r in zip(
-        [p for p in pages for _ in layouts], results, strict=True) if r.page_bytes != asked})
+        [p for p in pages for _ in layouts], measured, strict=True) if r.page_bytes != asked})
     if rounded:
         print("page sizes rounded to whole tokens per block: " + ", ".join(
             f"{layout} {asked / KiB:g} -> {got / KiB:.1f} KiB" for layout, asked, got in rounded))
     print(f"device: {name}; torch {torch.__version__}; {args.layers} layers, bf16, {args.chunk_tokens}-token chunks; "
-          f"{args.mib} MiB per direction, GiB/s best of {args.repeats}; plain = one contiguous copy_ of the same "
+          f"{args.mib if results else args.runner_mib} MiB per direction, GiB/s best of {args.repeats}; plain = one contiguous copy_ of the same "
           f"bytes ({'pinned host' if device.type == 'cuda' else 'unpinned host'})")
     if peak:
         print(f"PCIe peak per direction: {peak:.1f} GiB/s ({peak_source})")
     if device.type != "cuda":
         print("host run: every GiB/s below is a host memcpy figure (no GPU, no PCIe link), a smoke test only")
-    for line in _table(results, peak):
-        print(line)
+    if results:
+        for line in _table(results, peak):
+            print(line)
+    if runs:
+        print("runner: kvtier's worker side driven as vLLM's GPU model runner (blocked = engine thread in "
+              "wait_for_save per save call; ratio = kvtier / plain copy_; TTFT = start_load_kv to the last "
+              "layer's op, whole vs layer-wise loads; held = steps until finished_sending)")
+        for line in _runner_table(runs, peak):
+            print(line)
     big = [r for r in results if r.page_bytes >= 256 * KiB]
     if big and device.type == "cuda":
         worst = min(min(r.save_gib_s / r.plain_d2h_gib_s, r.load_gib_s / r.plain_h2d_gib_s) for r in big)
         print(f"worst ratio to the plain copy_ at pages >= 256 KiB: {worst:.2f} (issue 23 asks >= 0.9)")
-    print(f"{len(results)} checks in {time.perf_counter() - t0:.1f} s; bytes equal after the round trip: "
-          f"{all(r.equal for r in results)}")
+    equal = all(r.equal for r in results) and all(r.equal for r, _, _ in runs)
+    print(f"{len(results) + len(runs)} checks in {time.perf_counter() - t0:.1f} s; bytes equal after the round "
+          f"trip: {equal}")
     if args.json is not None:
         try:
             args.json.write_text(json.dumps({"device": name, "torch": torch.__version__, "pcie_peak_gib_s": peak,
                                              "gib_s_are": "device copies" if device.type == "cuda" else "host memcpy",
                                              "pcie_peak_source": peak_source, "args": {k: str(v) for k, v in
                                                                                        vars(args).items()},
-                                             "results": [asdict(r) for r in results]}, indent=1) + "\n")
+                                             "results": [asdict(r) for r in results],
+                                             "runner": [{**asdict(r), "plain_d2h_s": d2h, "plain_h2d_s": h2d}
+                                                        for r, d2h, h2d in runs]}, indent=1) + "\n")
         except OSError as exc:  # checked up front; only a path that changed during the run gets here
             print(f"--json {str(args.json)!r} cannot be written ({exc.strerror}); the results above stand.",
                   file=sys.stderr)
             return 2
-    return 0 if all(r.equal for r in results) else 1
+    return 0 if equal else 1
 
 
 if __name__ == "__main__":

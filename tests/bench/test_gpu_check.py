@@ -119,3 +119,40 @@ def test_gpu_check_help_explains_every_shape_flag(capsys, monkeypatch):
     for flag, words in (("--layers", "attention layers"), ("--kv-heads", "KV heads"), ("--head-size", "head size"),
                         ("--layouts", "kv-split")):
         assert flag in text and words in text, flag
+
+
+def test_runner_mode_drives_the_worker_side_byte_exact_in_every_layout_and_page_size(tmp_path, capsys):
+    """Issue 37 item 4, on the host: kvtier's worker side driven as vLLM's GPU model runner drives a
+    connector (deferred saves held until finished_sending, synchronous loads whole and layer by
+    layer) round-trips every layout at every page size of the sweep's ends byte for byte."""
+    out = tmp_path / "runner.json"
+    rc = _load().main(["--device", "cpu", "--mode", "runner", "--layers", "3", "--pages-kib", "16,64,2048",
+                       "--chunk-tokens", "16", "--mib", "8", "--runner-mib", "8", "--repeats", "1",
+                       "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["results"] == []  # runner mode only
+    rows = report["runner"]
+    assert [r["layout"] for r in rows] == ["kv-split", "blocks-first", "mla"] * 3
+    for r in rows:
+        assert r["equal"] is True, r
+        # a save the saver thread copied: its request held for at least the step that names it
+        assert r["held_steps"] >= 1 and r["blocked_us"] > 0 and r["save_gib_s"] > 0 and r["load_gib_s"] > 0
+        assert r["ttft_whole_ms"] > 0 and r["ttft_layerwise_ms"] > 0
+        assert r["bytes_per_direction"] % (3 * r["page_bytes"]) == 0  # whole blocks of every layer
+    assert {round(r["page_bytes"] / 1024) for r in rows} >= {16, 64, 2048}
+    text = capsys.readouterr().out
+    assert "estimated run time at most about" in text and "bytes equal after the round trip: True" in text
+
+
+def test_runner_mode_needs_no_vllm(tmp_path):
+    """The GPU machine has no vLLM: the runner mode imports and runs with every vLLM import failing."""
+    import subprocess
+
+    code = (f"import sys; sys.modules['vllm'] = None; sys.argv[0] = {str(SCRIPT)!r}; "
+            f"import runpy; runpy.run_path({str(SCRIPT)!r}, run_name='__main__')")
+    done = subprocess.run([sys.executable, "-c", code, "--device", "cpu", "--mode", "runner", "--layers", "2",
+                           "--pages-kib", "16", "--chunk-tokens", "16", "--runner-mib", "1", "--repeats", "1",
+                           "--layouts", "kv-split"], check=False, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "bytes equal after the round trip: True" in done.stdout

@@ -450,6 +450,58 @@ def test_a_tier_from_outside_kvtier_serves_a_load(engine: Engine) -> None:
     store.check_integrity()
 
 
+def test_a_deferred_save_returns_before_its_copy_and_holds_the_blocks_until_finished_sending(
+        engine: Engine) -> None:
+    """async_saves (the default): the engine's thread leaves wait_for_save with the copy not even
+    started (the saver thread is held, a real thread stopped on a real event), the finished
+    request's blocks stay allocated in vLLM's scheduler through further steps, and only once the
+    copy ran does get_finished name it in finished_sending, vLLM free its blocks and the chunks
+    become a hit whose KV reproduces the request's own tokens."""
+    from vllm.v1.request import RequestStatus
+
+    from kvtier.core.keys import ChunkKey
+
+    core = engine.llm.llm_engine.engine_core.engine_core
+    scheduler, saver = core.scheduler, engine.worker.saver
+    text = prompt(131)
+    ids = engine.token_ids(text)
+    keys = [ChunkKey(k) for k in engine.chain(ids)]
+    hit = min(LOADABLE, (len(ids) - 1) // CHUNK_TOKENS * CHUNK_TOKENS)  # at least one token is computed
+    assert len(keys) * CHUNK_TOKENS == LOADABLE and hit >= 4 * CHUNK_TOKENS
+    before = set(scheduler.requests)
+    completed = saver.completed
+    with saver.hold():
+        first = engine.generate(text, max_tokens=1)  # finished in its prefill step
+        held = set(scheduler.requests) - before
+        assert len(held) == 1, "the finished request stays in the scheduler: its blocks are held"
+        req_id = next(iter(held))
+        request = scheduler.requests[req_id]
+        assert RequestStatus.is_finished(request.status)
+        blocks = scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+        assert len(blocks) >= LOADABLE // 32
+        assert saver.pending(req_id) and saver.completed == completed  # queued, not copied
+        assert engine.store.lookup(keys) == 0  # nothing published before the copy
+        for _ in range(3):  # steps go on (vLLM steps while blocks are held): still held, still not saved
+            core.step()
+            assert req_id in scheduler.requests and saver.pending(req_id)
+        assert scheduler.kv_cache_manager.get_block_ids(req_id)[0] == blocks
+    for _ in range(500):  # released: the copy runs, a later step's get_finished names the request
+        if req_id not in scheduler.requests:
+            break
+        core.step()
+        time.sleep(0.01)
+    assert req_id not in scheduler.requests, "finished_sending freed the request's blocks"
+    assert not saver.pending(req_id) and saver.completed > completed
+    assert engine.store.lookup(keys) == len(keys)
+    engine.generate("one step", max_tokens=1)  # the scheduler's mirror learns of the chunks
+    engine.llm.reset_prefix_cache()
+    m0 = metrics_snapshot()
+    again = engine.generate(text, max_tokens=1)
+    assert engine.loaded(m0, metrics_snapshot()) == hit
+    assert again["tokens"] == first["tokens"]
+    assert max_logprob_diff(again["logprobs"], first["logprobs"]) < TOLERANCE
+
+
 def test_aborted_and_preempted_requests_leave_no_pins(engine: Engine) -> None:
     from vllm import SamplingParams
 

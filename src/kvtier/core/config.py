@@ -98,6 +98,8 @@ class KVTierConfig(ReceiptSettings):
         "on each rank for a load in flight to end, so that the engine does not spin empty steps while the "
         "loader threads work; a load that ends during the wait is reported in that step. Also the most a "
         "request arriving meanwhile waits to be scheduled. Steps that compute tokens never wait. 0: no wait."))
+    async_saves: bool = Field(True, description="Saves copy off the engine's thread; blocks held till done (docs/vllm.md).")
+    layerwise_loads: bool = Field(False, description="Synchronous loads layer by layer (docs/vllm.md, GPU); off: whole.")
     disk_io: Literal["auto", "buffered", "direct"] = Field(
         "auto", description="Disk tier I/O: direct = O_DIRECT (bypasses the page cache), buffered, or auto = direct "
         "where supported unless a start-up probe finds it clearly slower.")
@@ -384,9 +386,7 @@ class KVTierConfig(ReceiptSettings):
         Raises:
             ConfigError: if ``chunk_tokens`` is not a positive multiple of ``block_size``.
         """
-        if self.chunk_tokens == "auto":
-            return
-        if self.chunk_tokens % block_size:
+        if self.chunk_tokens != "auto" and self.chunk_tokens % block_size:
             raise ConfigError(f"chunk_tokens={self.chunk_tokens} is not a multiple of the engine block size "
                               f"{block_size}; set chunk_tokens to a multiple of {block_size} "
                               f"(e.g. {max(block_size, self.chunk_tokens // block_size * block_size)})")

@@ -26,8 +26,13 @@ the releases and how each was checked: :mod:`kvtier.integrations.vllm.compat`):
   whole in the cpu tier within ``sync_load_max_bytes`` per step: ``(n, False)``, copied in
   ``start_load_kv`` before the forward of the step that schedules the request (vLLM calls it
   before the forward when ``SchedulerOutput.has_sync_kv_loads``,
-  vllm/v1/worker/kv_connector_model_runner_mixin.py).  Saves are synchronous
-  (``request_finished`` returns ``False``: the copy out of the engine ends within its step).
+  vllm/v1/worker/kv_connector_model_runner_mixin.py).  Saves of full-attention pages are
+  deferred (``async_saves``, the default): ``wait_for_save`` reserves the pages, records an event
+  after the forward and returns; the copy runs on the worker's saver thread, ``request_finished``
+  returns ``True`` for a request with such a save and its blocks are freed once every rank names
+  it in ``finished_sending`` (``get_finished``); ``handle_preemptions`` waits for a preempted
+  request's saves before the forward (:mod:`kvtier.integrations.vllm.worker.saves`).  Other saves
+  end within their step.
 - External hits are reported by source (``host`` for the cpu tier, ``disk``, and
   ``external_unspecified`` for the shared redis tier).
 
@@ -174,11 +179,20 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker_side.start_load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # synchronous loads are whole when start_load_kv returns; asynchronous ones park the request
+        """``layerwise_loads``: this layer's copies only (:mod:`kvtier.integrations.vllm.worker.layerwise`);
+        otherwise synchronous loads are whole when start_load_kv returns; asynchronous ones park the request."""
+        if self.worker_side is not None:
+            self.worker_side.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
         return  # saves copy whole chunks of all layers at once, in wait_for_save
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before this step's forward: wait for deferred saves of the requests vLLM preempted (their
+        blocks are free again; vllm/v1/worker/gpu_model_runner.py calls this before the forward)."""
+        if self.worker_side is not None and isinstance(kv_connector_metadata, KVTierMetadata):
+            self.worker_side.handle_preemptions(kv_connector_metadata)
 
     def wait_for_save(self) -> None:
         assert self.worker_side is not None
@@ -189,7 +203,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.worker_side is None:
             return None, None
-        return None, (self.worker_side.finished_loads(finished_req_ids) or None)
+        sending = self.worker_side.finished_saves()
+        return (sending or None), (self.worker_side.finished_loads(finished_req_ids) or None)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Finished loads, and (hybrid models) loads that failed whole: with several KV cache
@@ -271,17 +286,20 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler_side.build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Saves finish within their step: blocks can be freed at once.  Returns the request's
-        receipt as ``kv_transfer_params["kvtier"]`` (issue 35, docs/receipts.md; completed in place
-        later in the same ``update_from_output``: :mod:`kvtier.integrations.vllm.scheduler.receipts`)."""
+        """``True`` (vLLM holds the blocks until ``finished_sending``) when a deferred save of the
+        request may still read them (:meth:`SchedulerSide.request_finished
+        <kvtier.integrations.vllm.scheduler.side.SchedulerSide.request_finished>`).  Returns the
+        request's receipt as ``kv_transfer_params["kvtier"]`` (issue 35, docs/receipts.md; completed
+        in place later in the same ``update_from_output``: :mod:`kvtier.integrations.vllm.scheduler.receipts`)."""
         if self.scheduler_side is None:
             return False, None
-        return False, {"kvtier": self.scheduler_side.request_finished(request)}
+        held, receipt = self.scheduler_side.request_finished(request)
+        return held, {"kvtier": receipt}
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...],
                                     ) -> tuple[bool, dict[str, Any] | None]:
         """``SupportsHMA``: vLLM calls this instead of :meth:`request_finished` (every group's
-        blocks; saves finish within their step, so they can be freed at once)."""
+        blocks; held as :meth:`request_finished` says)."""
         return self.request_finished(request, block_ids[0] if block_ids else [])
 
     def reset_cache(self) -> bool:

@@ -25,7 +25,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorMetadata,
+        KVConnectorWorkerMetadata,
+    )
+except ImportError:  # scripts/gpu_check.py --mode runner, on a GPU machine without vLLM: plain dataclasses
+    KVConnectorMetadata = KVConnectorWorkerMetadata = object  # type: ignore[misc,assignment]
 
 from kvtier.core.tenant import TenantId
 
@@ -125,6 +131,10 @@ class SaveJob:
         explain_chunk: the chunk whose absence the request's receipt explains (its first chunk no
             cache served): a worker that finds it in no tier reports why
             (:attr:`RequestFacts.explained`); -1: none.
+        seq: a deferred save's number (``async_saves``; full-attention pages only; -1: not
+            deferred): the copy runs after ``wait_for_save`` returns, on the worker's saver thread;
+            each rank reports the number once the save ended (``RankReport.saves_ended``), and a
+            request finished before every rank did is held (``KVTierMetadata.held``).
     """
 
     req_id: str
@@ -134,6 +144,12 @@ class SaveJob:
     pin_chunks: int = 0
     tenant: TenantId | None = None
     explain_chunk: int = -1
+    seq: int = -1
+
+    @property
+    def deferred(self) -> bool:
+        """The copy runs on the worker's saver thread, after ``wait_for_save`` returned."""
+        return self.seq >= 0
 
 
 @dataclass
@@ -203,12 +219,19 @@ class KVTierMetadata(KVConnectorMetadata):
 
     ``no_forward``: the step schedules no tokens (``SchedulerOutput.total_num_scheduled_tokens ==
     0``; vLLM's worker runs ``kv_connector_no_forward``): a rank with a load in flight may wait for
-    it to end, up to ``idle_step_wait_s``, before it answers ``get_finished``.  False: never waits."""
+    it to end, up to ``idle_step_wait_s``, before it answers ``get_finished``.  False: never waits.
+
+    ``preempted``: requests vLLM preempted this step (``SchedulerOutput.preempted_req_ids``): their
+    blocks are free again, so ``handle_preemptions`` waits for their deferred saves before the forward.
+    ``held``: requests finished with a deferred save still running on some rank (``request_finished``
+    returned True): each rank names them in ``finished_sending`` once its own saves of them ended."""
 
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
     reset: ResetOrder | None = None
     no_forward: bool = False
+    preempted: frozenset[str] = frozenset()
+    held: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -228,6 +251,8 @@ class RankReport:
             reports of an older epoch than its own.
         facts: what this rank learned of requests' cache use since its last report, by request id
             (:class:`RequestFacts`, for their receipts).
+        saves_ended: the numbers (``SaveJob.seq``) of the deferred saves that ended on this rank
+            since its last report, published or not.
     """
 
     key_root: bytes
@@ -237,6 +262,7 @@ class RankReport:
     busy: bool = False
     epoch: int = 0
     facts: dict[str, RequestFacts] = field(default_factory=dict)
+    saves_ended: tuple[int, ...] = ()
 
 
 @dataclass

@@ -31,8 +31,9 @@ Every model takes one path: a dense model is a one-group plan
                                              whose computed tokens complete new full chunks
                                              this step, a SaveJob with those chunks' pages
     update_connector_output(out)             fold each rank's index changes into the mirror
-    request_finished(req)                    forget the request (blocks freed at once: the
-                                             copy out of the engine finished in its own step)
+    request_finished(req)                    forget the request; True (vLLM holds its blocks
+                                             until the ranks name it in finished_sending) when
+                                             a deferred save (async_saves) may still read them
     (pins)                                   a request whose kv_transfer_params carry
                                              ``kvtier_pin_s`` gets its prompt's chunks pinned in
                                              the cpu tier by the workers as they save them

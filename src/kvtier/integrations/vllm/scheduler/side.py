@@ -11,7 +11,6 @@ from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.receipt import ReceiptSink
 from kvtier.core.receiptsinks import build_receipt_sinks
-from kvtier.core.tiers.factory import state_dir
 from kvtier.core.tiers.registry import top_tier
 from kvtier.integrations.vllm.cache_groups import GroupKind
 from kvtier.integrations.vllm.process_exit import skip_exit_collection
@@ -22,7 +21,9 @@ from kvtier.integrations.vllm.protocol import (
     SaveJob,
     tokens_by_tier,
 )
-from kvtier.integrations.vllm.scheduler.events import EventGroup, KVEventTracker, events_enabled
+from kvtier.integrations.vllm.scheduler.deferred import DeferredSaves
+from kvtier.integrations.vllm.scheduler.eventfeed import event_tracker, observe_reports
+from kvtier.integrations.vllm.scheduler.events import events_enabled
 from kvtier.integrations.vllm.scheduler.mirror import IndexMirror
 from kvtier.integrations.vllm.scheduler.pages import PagePlanner, engine_plan, handoffs_of
 from kvtier.integrations.vllm.scheduler.receipts import ReceiptDesk, ReceiptFacts
@@ -68,6 +69,10 @@ class SchedulerSide:
         self.load_enabled, self.save_enabled = load, save
         self.mirror = IndexMirror(int(vllm_config.parallel_config.tensor_parallel_size))
         self.pages = PagePlanner(plan, self.mirror)  # a dense model is a one-group plan
+        # deferred saves (async_saves) for full-attention pages only: a window's or a state's blocks
+        # change or leave while the request runs, so their copy ends within its step
+        self._deferrable = {g.index for g in plan.groups if g.kind is GroupKind.FULL} if config.async_saves else set()
+        self.deferred = DeferredSaves(int(vllm_config.parallel_config.tensor_parallel_size))
         # synchronous loads: one full-attention group only (vLLM takes a sync load's failures as
         # block ids, which it refuses with several groups: Scheduler._handle_invalid_blocks)
         one_group = len(kv_cache_config.kv_cache_groups) == 1 and plan.groups[0].kind is GroupKind.FULL
@@ -86,7 +91,7 @@ class SchedulerSide:
         self._remote_seen: dict[str, int] = {}
         self._remote_pending_sent: int | None = None
         # vLLM KV events (--kv-events-config): None when vLLM publishes none
-        self.events = _event_tracker(vllm_config, kv_cache_config, plan, config, self.mirror) if events_enabled(vllm_config) \
+        self.events = event_tracker(vllm_config, kv_cache_config, plan, config, self.mirror) if events_enabled(vllm_config) \
             else None
         # keeps an idle engine stepping until the workers' gauges are true (and the events are out)
         self.settle = Settle(more=self.events.pending if self.events is not None else None)
@@ -215,8 +220,12 @@ class SchedulerSide:
 
     # ---- per step ----------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
-        meta = KVTierMetadata(loads=self._loads, reset=self.resets.take_order(),
-                              no_forward=scheduler_output.total_num_scheduled_tokens == 0)
+        preempted = frozenset(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        meta = KVTierMetadata(loads=self._loads, reset=self.resets.take_order(), preempted=preempted,
+                              no_forward=scheduler_output.total_num_scheduled_tokens == 0,
+                              held=self.deferred.take_held())
+        for req_id in preempted:  # the workers wait for their saves in handle_preemptions, before the forward
+            self.deferred.forget(req_id)
         self._loads = []
         # a request whose load is in flight is still in self.requests (vLLM finishes it after the load)
         self.settle.step(idle=not scheduler_output.num_scheduled_tokens and not self.requests)
@@ -264,9 +273,12 @@ class SchedulerSide:
                 self.events.record(request, page.key, page.group, page.chunk)
         if not pages:
             return None
+        # a TTL pin is applied after the copy: pinned requests save in the step, so their receipt knows it
+        deferred = bool(self._deferrable) and not state.pin_s and all(p.group in self._deferrable for p in pages)
         return SaveJob(req_id, pages, self.pages.parent_of(keys, pages[0]), pin_s=state.pin_s,
                        pin_chunks=request.num_prompt_tokens // self.chunk_tokens, tenant=state.tenant,
-                       explain_chunk=state.receipt.explain_in(start, end))
+                       explain_chunk=state.receipt.explain_in(start, end),
+                       seq=self.deferred.ship(req_id) if deferred else -1)
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Fold the ranks' index changes (vLLM's worker → scheduler metadata) into the mirror."""
@@ -281,8 +293,9 @@ class SchedulerSide:
                         known.receipt.observe(rank, facts)
                     else:
                         self.receipts.observe(req_id, rank, facts)
+                self.deferred.ended(rank, meta.ranks[rank].saves_ended)
             if self.events is not None:
-                self._observe_events(meta)
+                observe_reports(self.events, self.mirror, meta)
         invalid = getattr(connector_output, "invalid_block_ids", None) or set()
         failed = getattr(connector_output, "failed_recving", None) or set()
         finished = getattr(connector_output, "finished_recving", None) or set()
@@ -299,35 +312,32 @@ class SchedulerSide:
                 if req_id in finished or req_id in failed:
                     state.loading_blocks = None
 
-    def _observe_events(self, meta: KVTierWorkerMeta) -> None:
-        assert self.events is not None
-        if not self.events.journal_loaded and self.mirror.ready and self.mirror.key_root:
-            self.events.load_journal(self.mirror.key_root)
-        reports = meta.ranks.values()
-        if any(r.full for r in reports):
-            self.events.observe((), full=True)
-        else:
-            for report in reports:
-                self.events.observe(key for key, _ in report.changes)
-
     def take_events(self) -> list[Any]:
         """vLLM's ``take_events``: the KV events since the last step (:mod:`kvtier.integrations.vllm.scheduler.events`);
         empty when vLLM publishes none."""
         return self.events.take_events() if self.events is not None else []
 
     # ---- end of a request --------------------------------------------------------------------
-    def request_finished(self, request: Any) -> dict[str, Any]:
+    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any]]:
         """Forget ``request``.  A load in flight still ends in ``finished_recving``; vLLM keeps the
         request's blocks until then (it delays freeing blocks of WAITING_FOR_REMOTE_KVS requests).
-        Returns its receipt's dict, empty until this step's worker facts are in: filled in place by
-        :meth:`stats`, in the same ``update_from_output``
-        (:mod:`~kvtier.integrations.vllm.scheduler.receipts`)."""
+
+        Returns:
+            held: True when a deferred save of the request may still read its blocks (not reported
+                ended by every rank: :mod:`~kvtier.integrations.vllm.scheduler.deferred`): vLLM keeps
+                them until every rank names the request in ``finished_sending``
+                (vllm/v1/core/sched/scheduler.py ``_free_request``, ``_update_from_kv_xfer_finished``).
+            receipt: its receipt's dict, empty until this step's worker facts are in: filled in place
+                by :meth:`stats`, in the same ``update_from_output``
+                (:mod:`~kvtier.integrations.vllm.scheduler.receipts`; a deferred save's facts are
+                taken when it is queued, in this step: :func:`~kvtier.integrations.vllm.worker.saves.save_jobs`)."""
         req_id = request.request_id
         state = self.requests.pop(req_id, None)
         self.sync.give_back(req_id)
         if self.remote is not None:
             self.remote.forget(req_id)
-        return self.receipts.finished(request, state.receipt if state is not None else ReceiptFacts())
+        held = state is not None and self.deferred.finish(req_id)
+        return held, self.receipts.finished(request, state.receipt if state is not None else ReceiptFacts())
 
     # ---- reset ---------------------------------------------------------------------------------
     def reset_cache(self) -> bool:
@@ -383,18 +393,3 @@ class SchedulerSide:
         if self.events is not None and self.events.journal_loaded:
             self.events.save_journal()
 
-
-def _event_tracker(vllm_config: Any, kv_cache_config: Any, plan: Any, config: KVTierConfig,
-                   mirror: IndexMirror) -> KVEventTracker:
-    """The KV event tracker of this engine: its full-attention groups are announced, with vLLM's
-    ``kv_cache_spec_kind`` of each (vllm/v1/kv_cache_interface.py ``get_kv_cache_spec_kind``)."""
-    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
-
-    groups = []
-    for g in plan.groups:
-        spec = kv_cache_config.kv_cache_groups[g.index].kv_cache_spec
-        groups.append(EventGroup(g.index, g.block_size, g.kind is GroupKind.FULL, get_kv_cache_spec_kind(spec).value))
-    hash_block_size = int(getattr(kv_cache_config, "hash_block_size", 0) or vllm_config.cache_config.block_size)
-    assert isinstance(config.chunk_tokens, int)
-    return KVEventTracker(mirror.tier, groups, hash_block_size, config.chunk_tokens,
-                          journal_dir=state_dir(config))

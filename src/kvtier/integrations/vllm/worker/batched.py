@@ -293,7 +293,10 @@ class Batched:
         return self._grow(self._staging, (purpose, 0), need, dtype=torch.uint8, pin_memory=True) if need else None
 
     # ---- engine -> pages ---------------------------------------------------------------------
-    def save(self, spans: Sequence[Span]) -> None:
+    def save(self, spans: Sequence[Span], after: torch.cuda.Event | None = None) -> None:
+        """Copy the spans' blocks into their pages; ``after``: an event the engine recorded after the
+        forward that wrote them (a deferred save, called from the saver thread); None: the calling
+        thread's current stream is the one that wrote them."""
         dim = self.layout.block_dim
         with self.locks["save"]:
             plans, block_ids, buffers = self._prepare("save", spans)
@@ -301,7 +304,9 @@ class Batched:
                 return
             bounce = self._bounce("save", spans, plans)
             kernels, copies = self._streams_of("save")
-            if kernels is not None:
+            if kernels is not None and after is not None:
+                kernels.wait_event(after)  # the forward wrote these blocks (recorded on the engine's thread)
+            elif kernels is not None:
                 kernels.wait_stream(torch.cuda.current_stream(self.device))  # the forward wrote these blocks
             with _on(kernels):
                 indices = self._indices("save", plans, block_ids)
@@ -338,12 +343,14 @@ class Batched:
             _wait(copies)  # the pages hold the bytes before the store publishes them (after every gather)
 
     # ---- pages -> engine ---------------------------------------------------------------------
-    def load(self, spans: Sequence[Span]) -> None:
+    def load(self, spans: Sequence[Span], wait: bool = True) -> torch.cuda.Event | None:
+        """Copy the spans' page slots into their blocks; ``wait``: return once they are there (None),
+        else return the event the copies end with (CUDA; a layer-wise load's consumer waits for it)."""
         dim = self.layout.block_dim
         with self.locks["load"]:
             plans, block_ids, buffers = self._prepare("load", spans)
             if not plans:
-                return
+                return None
             bounce = self._bounce("load", spans, plans)
             kernels, copies = self._streams_of("load")
             if kernels is not None and self.compute is not None:
@@ -382,4 +389,7 @@ class Batched:
                         src = typed.index_select(0, rows[layer])
                         kv.index_copy_(dim, idx, src.movedim(0, dim) if dim else src)
                     released[k % 2] = _record(kernels)
+            if not wait:  # the caller orders its readers after the event (layer-wise loads)
+                return _record(kernels)
             _wait(kernels)  # the blocks hold the bytes before the load is reported finished
+            return None

@@ -145,10 +145,11 @@ class BlockCopier:
         return page_view[layer, slot].view(self.layout.dtype).view(self.layout.block_shape)
 
     # ---- engine -> pages (save) --------------------------------------------------------------
-    def save(self, spans: Sequence[Span]) -> None:
-        """Copy each span's blocks of every layer into its page; returns when the bytes are there."""
+    def save(self, spans: Sequence[Span], after: Any = None) -> None:
+        """Copy each span's blocks of every layer into its page; returns when the bytes are there.
+        ``after``: the CUDA event the forward that wrote the blocks was followed by (:meth:`GroupCopiers.mark`)."""
         if self.batched is not None:
-            self.batched.save(spans)
+            self.batched.save(spans, after)
             return
         if self._host is None:
             dim = self.layout.block_dim
@@ -165,14 +166,14 @@ class BlockCopier:
                     np.copyto(slots[layer, span.first_slot + j], self._host_block(layer, block))
 
     # ---- pages -> engine (load) --------------------------------------------------------------
-    def load(self, spans: Sequence[Span]) -> None:
-        """Copy each span's page slots into its blocks of every layer; returns when they are there."""
+    def load(self, spans: Sequence[Span], wait: bool = True) -> Any:
+        """Copy each span's page slots into its blocks of every layer; returns when they are there
+        (``wait=False`` on CUDA: returns the event the copies end with instead; None otherwise)."""
         if self.batched is not None:
-            self.batched.load(spans)
-            return
+            return self.batched.load(spans, wait)
         if self._runs is not None:
             self.load_runs([(span.page, span.first_slot, span.block_ids) for span in spans])
-            return
+            return None
         if self._host is None:
             dim = self.layout.block_dim
             for span in spans:
@@ -180,12 +181,13 @@ class BlockCopier:
                 for layer, kv in enumerate(self.layers):
                     for j, block in enumerate(span.block_ids):
                         kv.select(dim, block).copy_(self._slot(view, layer, span.first_slot + j))
-            return
+            return None
         for span in spans:
             slots = self._page_slots(span.page)
             for layer in range(self.layout.num_layers):
                 for j, block in enumerate(span.block_ids):
                     np.copyto(self._host_block(layer, block), slots[layer, span.first_slot + j])
+        return None
 
 
     def load_runs(self, spans: Sequence[tuple[np.ndarray, int, Sequence[int]]]) -> None:
@@ -263,10 +265,23 @@ class GroupCopiers:
             out.setdefault(page.group, []).append(Span(front, page.first_slot, page.block_ids))
         return out
 
-    def save(self, moves: Sequence[tuple[PageMove, np.ndarray]]) -> None:
-        """Copy each page's engine blocks into its buffer."""
+    def save(self, moves: Sequence[tuple[PageMove, np.ndarray]], after: Any = None) -> None:
+        """Copy each page's engine blocks into its buffer (``after``: :meth:`mark`'s event; ``None``:
+        ordered after the calling thread's current stream)."""
         for group, spans in self._spans(moves).items():
-            self.copiers[group].save(spans)
+            self.copiers[group].save(spans, after)
+
+    def mark(self) -> Any:
+        """On CUDA, an event recorded now on the calling (engine) thread's current stream, after the
+        forward it queued: a copy made later from another thread waits for it on the device, never
+        on a host (a few microseconds to record); on the host ``None`` (the forward is done when
+        ``wait_for_save`` is called)."""
+        device = next(iter(self.copiers.values())).device
+        if device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        return event
 
     def load(self, moves: Sequence[tuple[PageMove, np.ndarray]]) -> None:
         """Copy each buffer into its page's engine blocks."""

@@ -63,6 +63,7 @@ from kvtier.core.tiers.registry import slowest
 from kvtier.integrations.vllm.protocol import LoadJob, tokens_by_tier
 from kvtier.integrations.vllm.worker.copy import GroupCopiers
 from kvtier.integrations.vllm.worker.facts import FactsBook, load_facts
+from kvtier.integrations.vllm.worker.layerwise import LayerLoads
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +225,33 @@ class AsyncLoader:
                               record=record)
         first_unfilled = None if not errors else job.pages[delivered].chunk
         return errors, first_unfilled
+
+    def load_layers(self, job: LoadJob, layers: LayerLoads) -> tuple[set[int], int | None]:
+        """:meth:`load_now`, layer by layer (``layerwise_loads``, :mod:`~.layerwise`): the pages are
+        pinned and the unfilled blocks known here; the copies are issued per layer and the load is
+        counted and unpinned once its last layer's copy ended (``LayerLoads.poll``).  Same returns."""
+        if not self.partial:
+            raise ValueError("a synchronous load needs block-level load errors (one full-attention KV cache group)")
+        t0, epoch = time.perf_counter(), self.store.epoch
+        handle = None
+        record = RequestRecord(self.chunk_tokens)
+        try:
+            handle = self.store.prepare_load([ChunkKey(p.key) for p in job.pages], max_chunks=len(job.pages),
+                                             top_only=True, ctx=_context(job, record))
+            held = handle.num_chunks
+            ended = lambda: self._finish(job, handle, held, True, False, time.perf_counter() - t0,
+                                         epoch, sync=True, record=record)
+            if held:
+                layers.issue(list(zip(job.pages[:held], handle.buffers[:held])), ended)
+            else:
+                ended()
+        except Exception:
+            log.exception("kvtier: loading request %s's pages layer by layer failed; recomputing them", job.req_id)
+            errors = self._finish(job, handle, 0, False, False, time.perf_counter() - t0, epoch, sync=True,
+                                  record=record)
+            return errors, job.pages[0].chunk if errors else None
+        errors = {b for p in job.pages[held:] for b in p.block_ids}
+        return errors, (job.pages[held].chunk if held < len(job.pages) else None)
 
     def _copy_as_ready(self, job: LoadJob, handle: LoadHandle) -> tuple[int, bool]:
         """Copy the handle's pages into the engine as they become ready; returns pages copied and

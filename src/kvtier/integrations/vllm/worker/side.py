@@ -5,26 +5,31 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.stats import StoreStats
 from kvtier.core.store import TieredStore
-from kvtier.integrations.vllm.cache_groups import GroupKind, groups_from_kv_cache_config
+from kvtier.integrations.vllm.cache_groups import GroupKind, GroupSpec, groups_from_kv_cache_config
 from kvtier.integrations.vllm.process_exit import skip_exit_collection
 from kvtier.integrations.vllm.protocol import KVTierMetadata, KVTierWorkerMeta, RankReport, ResetOrder
-from kvtier.integrations.vllm.stats import KVTierStats, ghost_observations, store_counters, store_gauges
+from kvtier.integrations.vllm.stats_table import store_counters, store_gauges
 from kvtier.integrations.vllm.worker.copy import GroupCopiers
+from kvtier.integrations.vllm.worker.layerwise import LayerLoads
 from kvtier.integrations.vllm.worker.layout import KVLayout
 from kvtier.integrations.vllm.worker.loader import AsyncLoader
-from kvtier.integrations.vllm.worker.registration import key_root, register, tp_rank
-from kvtier.integrations.vllm.worker.saves import save_jobs
+from kvtier.integrations.vllm.worker.registration import Registered, key_root, register, tp_rank
+from kvtier.integrations.vllm.worker.saves import SaveQueue, save_jobs
+
+if TYPE_CHECKING:  # imports vLLM; the worker side itself runs without it (scripts/gpu_check.py --mode runner)
+    from kvtier.integrations.vllm.stats import KVTierStats
 
 log = logging.getLogger(__name__)
 
 MAX_INDEX_CHANGES = 4096  # index changes per rank per step sent to the scheduler (a snapshot goes whole)
+BLOCKS_BACK_WAIT_S = 10.0  # longest a preemption or a reset waits for deferred saves of blocks given back
 
 
 class WorkerSide:
@@ -41,14 +46,28 @@ class WorkerSide:
     """
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, config: KVTierConfig) -> None:
+        self._init(config, vllm_config.parallel_config.tensor_parallel_size, tp_rank(),
+                   groups_from_kv_cache_config(kv_cache_config))
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
+
+    @classmethod
+    def over(cls, config: KVTierConfig, groups: tuple[GroupSpec, ...], parts: Registered) -> WorkerSide:
+        """A rank-0 worker side over parts built without vLLM's configs (``scripts/gpu_check.py --mode
+        runner`` drives it as vLLM's GPU model runner would, where vLLM is not installed)."""
+        side = cls.__new__(cls)
+        side._init(config, 1, 0, groups)
+        side.vllm_config = side.kv_cache_config = None
+        side._attach(parts)
+        return side
+
+    def _init(self, config: KVTierConfig, tp_size: int, rank: int, groups: tuple[GroupSpec, ...]) -> None:
         if not isinstance(config.chunk_tokens, int):
             raise TypeError("WorkerSide needs the engine's config (chunk_tokens resolved): engine_config()")
         self.config = config
         self.chunk_tokens: int = config.chunk_tokens
-        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
-        self.tp_rank = tp_rank()
+        self.tp_size = tp_size
+        self.tp_rank = rank
         self.store: TieredStore | None = None
         self.loader: AsyncLoader | None = None
         self.layout: KVLayout | None = None
@@ -64,17 +83,25 @@ class WorkerSide:
         self._no_forward = False  # this step computes no tokens: finished_loads may wait (idle_step_wait_s)
         self._closed = False
         self.reset_epoch = 0  # the last reset order applied (RankReport.epoch)
-        self.kv_groups = groups_from_kv_cache_config(kv_cache_config)
+        self.kv_groups = groups
+        self.layer_loads: LayerLoads | None = None  # layerwise_loads on a dense model
         # saved tokens are counted on one group's pages: the first full-attention group (none: not counted)
         self._token_group = next((g.index for g in self.kv_groups if g.kind is GroupKind.FULL), -1)
         self.groups: GroupCopiers | None = None
+        self.saver: SaveQueue | None = None  # deferred saves (SaveJob.deferred): the saver thread
+        self._held: set[str] = set()  # held by the scheduler (KVTierMetadata.held): finished_sending once saved
 
     # ---- setup -------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Build this rank's store and loader over vLLM's caches (:func:`~.registration.register`)."""
-        done = register(self.vllm_config, self.kv_cache_config, self.config, self.kv_groups, kv_caches,
-                        self.tp_size, self.tp_rank)
+        self._attach(register(self.vllm_config, self.kv_cache_config, self.config, self.kv_groups, kv_caches,
+                              self.tp_size, self.tp_rank))
+
+    def _attach(self, done: Registered) -> None:
         self.layout, self.groups, self.store, self.loader = done.layout, done.copiers, done.store, done.loader
+        self.saver = SaveQueue(self.store, self.groups, self._token_group, self.chunk_tokens)
+        if self.config.layerwise_loads and len(self.kv_groups) == 1 and self.kv_groups[0].kind is GroupKind.FULL:
+            self.layer_loads = LayerLoads(self.groups, self.kv_groups[0].index)  # on the engine's thread
         self.key_root = key_root(done.namespace)
         self.namespace = done.namespace.digest()  # reported to the scheduler, which asks the shared tier under it
 
@@ -90,17 +117,45 @@ class WorkerSide:
         assert self.loader is not None and self.store is not None
         self._sync_cut = {}
         self._no_forward = meta.no_forward
+        self._held |= meta.held
         if meta.reset is not None:
+            if self.saver is not None:  # nothing saved before the order is published after it
+                self.saver.wait_for(None, BLOCKS_BACK_WAIT_S)
             self.apply_reset(meta.reset)
+        if self.layer_loads is not None:
+            self.layer_loads.poll()
         for job in meta.loads:
             if job.sync:
-                errors, first_unfilled = self.loader.load_now(job)
+                errors, first_unfilled = self.loader.load_now(job) if self.layer_loads is None \
+                    else self.loader.load_layers(job, self.layer_loads)
                 self._errors |= errors
                 if first_unfilled is not None:
                     self._sync_cut[job.req_id] = first_unfilled
             else:
                 self.loader.submit(job)
         self.store.gate_evictions(False)  # this step's plans are pinned: pages may leave until the drain
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """``layerwise_loads``: the engine's current stream waits for this step's copies of that layer
+        only (:mod:`~.layerwise`); otherwise nothing (loads are whole when ``start_load`` returns)."""
+        if self.layer_loads is not None:
+            self.layer_loads.wait_layer(layer_name)
+
+    def handle_preemptions(self, meta: KVTierMetadata) -> None:
+        """vLLM freed the blocks of ``meta.preempted`` before this step's forward: wait (at most
+        :data:`BLOCKS_BACK_WAIT_S`; then voided) for their deferred saves, which read those blocks."""
+        if self.saver is not None and any(self.saver.pending(r) for r in meta.preempted):
+            self.saver.wait_for(meta.preempted, BLOCKS_BACK_WAIT_S)
+
+    def finished_saves(self) -> set[str]:
+        """vLLM's ``finished_sending``: requests the scheduler held (``KVTierMetadata.held``: finished
+        with a deferred save running) whose saves have all ended on this rank."""
+        if self.saver is None:
+            done, self._held = self._held, set()
+            return done
+        done = {r for r in self._held if not self.saver.pending(r)}
+        self._held -= done
+        return done
 
     def finished_loads(self, finished_req_ids: set[str]) -> set[str]:
         """Requests whose load ended (either way) since the last call; ``finished_req_ids``
@@ -117,7 +172,10 @@ class WorkerSide:
             self.loader.abort(finished_req_ids)
         no_forward, self._no_forward = self._no_forward, False  # one wait per step at most
         if no_forward and self.config.idle_step_wait_s > 0:
-            self.loader.wait_ended(self.config.idle_step_wait_s)
+            if self.loader.num_inflight or not self._held or self.saver is None:
+                self.loader.wait_ended(self.config.idle_step_wait_s)
+            else:  # only held blocks wait: for their saves, so that the step does not spin
+                self.saver.wait_any(self._held, self.config.idle_step_wait_s)
         finished, errors, failed = self.loader.take()
         self._errors |= errors
         self._failed |= failed
@@ -157,7 +215,7 @@ class WorkerSide:
         late = self.store.gate_evictions(False)
         try:
             save_jobs(self.store, self.groups, meta.saves, self._sync_cut, self._token_group, self.chunk_tokens,
-                      self.loader.facts if self.loader is not None else None)
+                      self.saver, self.loader.facts if self.loader is not None else None)
         finally:
             if late:
                 self.store.gate_evictions(True)
@@ -172,11 +230,12 @@ class WorkerSide:
         self.store.gate_evictions(True)  # nothing leaves until the loads planned from this drain are pinned
         delta = self.store.drain_changes(MAX_INDEX_CHANGES)
         facts = self.loader.facts.take() if self.loader is not None else {}  # for the requests' receipts
-        if not delta.changes and not delta.full and self._busy == self._busy_reported and not facts:
+        ended = self.saver.take_ended() if self.saver is not None else ()
+        if not delta.changes and not delta.full and self._busy == self._busy_reported and not facts and not ended:
             return None
         self._busy_reported = self._busy
         report = RankReport(self.key_root, [(bytes(key), tier) for key, tier in delta.changes], delta.full,
-                            self.namespace, busy=self._busy, epoch=self.reset_epoch, facts=facts)
+                            self.namespace, busy=self._busy, epoch=self.reset_epoch, facts=facts, saves_ended=ended)
         return KVTierWorkerMeta({self.tp_rank: report})
 
     # ---- metrics and lifecycle ---------------------------------------------------------------
@@ -185,13 +244,19 @@ class WorkerSide:
 
         Sent every step, even unchanged: vLLM sums one step's reports over the tensor-parallel
         ranks, so a rank that skipped an unchanged report would drop out of the summed gauges."""
+        from kvtier.integrations.vllm.stats import (
+            KVTierStats,  # vLLM's stats base class: only inside an engine
+            ghost_observations,
+        )
+
         if self.store is None:
             return None
         snapshot = self.store.stats()
         counters = store_counters(snapshot, self._store_seen, self.tp_rank)
         self._store_seen = snapshot
         gauges = dict(store_gauges(snapshot))
-        self._busy = snapshot.queued_writes > 0 or any(t.pinned_chunks for t in snapshot.tiers.values())
+        self._busy = snapshot.queued_writes > 0 or any(t.pinned_chunks for t in snapshot.tiers.values()) \
+            or bool(self.saver is not None and self.saver.in_flight)
         if self.tp_rank == 0:  # vLLM sums the ranks' gauges: one rank reports the engine's chunk size
             gauges["chunk_tokens"] = self.chunk_tokens
         data: dict[str, Any] = {"counters": counters, "gauges": gauges}
@@ -206,6 +271,10 @@ class WorkerSide:
         self._closed = True
         if self.loader is not None:
             self.loader.shutdown()
+        if self.layer_loads is not None:
+            self.layer_loads.drain(self.config.load_wait_s)
+        if self.saver is not None:  # deferred saves publish before the flush writes dirty chunks
+            self.saver.close(self.config.shutdown_flush_s / 2)
         t0 = time.monotonic()
         written, missed = self.store.flush_dirty(self.config.shutdown_flush_s)
         if missed:
