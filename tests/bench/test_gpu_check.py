@@ -127,7 +127,7 @@ def test_runner_mode_drives_the_worker_side_byte_exact_in_every_layout_and_page_
     layer) round-trips every layout at every page size of the sweep's ends byte for byte."""
     out = tmp_path / "runner.json"
     rc = _load().main(["--device", "cpu", "--mode", "runner", "--layers", "3", "--pages-kib", "16,64,2048",
-                       "--chunk-tokens", "16", "--mib", "8", "--runner-mib", "8", "--repeats", "1",
+                       "--chunk-tokens", "16", "--mib", "8", "--runner-mib", "2", "--repeats", "1",
                        "--json", str(out)])
     assert rc == 0
     report = json.loads(out.read_text())

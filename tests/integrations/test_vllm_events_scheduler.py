@@ -46,7 +46,10 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def scheduler(model: Path, disk: Path, port: int, replay_port: int | None = None) -> Scheduler:
-    extra = {"cpu_gib": 1, "disk_path": str(disk), "disk_gib": 1}
+    # async_saves off: this scheduler has no worker, so no rank would report a deferred save's end
+    # and vLLM would hold the finished requests' blocks (reset_prefix_cache refuses); deferred saves
+    # are tested with real workers in test_vllm_engine.py and test_vllm_saves.py
+    extra = {"cpu_gib": 1, "disk_path": str(disk), "disk_gib": 1, "async_saves": False}
     vllm_config = VllmConfig(
         model_config=ModelConfig(model=str(model), max_model_len=2048, dtype="bfloat16"),
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
