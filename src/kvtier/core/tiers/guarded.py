@@ -251,11 +251,9 @@ class GuardedTier(TierWrapper):
 
     # ---- Tier contract -----------------------------------------------------------------------
     def contains_many(self, keys: Sequence[ChunkKey], fault: list[str] | None = None) -> list[bool]:
-        """Presence of ``keys``; a faulted call is every key absent, and ``fault`` (if given) gets
-        why (``breaker_open``, ``deadline``, ``load_failed``)."""
         if not keys:
             return []
-        got = self._call("lookup", lambda: self.inner.contains_many(keys), fault=fault)
+        got = self._call("lookup", lambda: self.inner.contains_many(keys), fault=fault)  # faulted: all absent
         found = [False] * len(keys) if got is None else got
         self.wire.looked_up(len(keys), sum(found))
         return found
