@@ -58,6 +58,11 @@ def test_compare_baseline_kvtier_and_a_broken_arm(tmp_path: Path, capsys: pytest
     assert all(r.ok and r.output_tokens == 3 for r in kv.run.results)  # type: ignore[union-attr]
     # vLLM's native CPU tier serves the same 8 whole 128-token blocks of each returning prefix
     assert native.meters is not None and native.meters.external_hits == 3 * 1024
+    # the kvtier server logged its receipts beside its log (issue 35 item 4): they agree with its metrics
+    assert base.receipts is None and native.receipts is None and kv.receipts is not None
+    assert kv.receipts.receipts.requests == 6 and sum(kv.receipts.receipts.tiers().values()) == 3 * 1024
+    assert kv.receipts.metrics is not None and kv.receipts.notes() == []
+    assert (tmp_path / "out" / "kvtier.receipts.jsonl").is_file()
     # the verdict is the rule (kvtier.bench.verdict.judge) applied to the figures this run measured,
     # whichever way the timings fell on this machine (speed itself belongs in docs/benchmarks.md)
     kv_figures = figures_of(result.arm_result("kvtier").spreads())  # type: ignore[union-attr]

@@ -13,6 +13,7 @@ each of ``receipt_sinks``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -138,3 +139,47 @@ def test_tensor_parallel_ranks_combine_as_the_request_saw_them() -> None:
         2 * CHUNK, "corrupt", "disk")
     assert receipt.saved.chunks == {"cpu": 1} and receipt.saved.dropped == {"save_dropped": 1}
     assert receipt.waited_steps == 2 and receipt.cached_tokens() == 2 * CHUNK
+
+
+def _until_finished(scheduler: Any, request: Any, timeout_s: float = 20.0) -> dict[str, Any]:
+    """Step ``scheduler`` (the workers reporting nothing new) until ``request`` finishes: its receipt.
+    Steps in which the shared-tier lookup has not answered schedule nothing (vLLM asks again)."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        step = scheduler.schedule()
+        outputs = scheduler.update_from_output(step, _step_output(step, [request]))
+        try:
+            return _finished(outputs, request.request_id)[0]
+        except AssertionError:
+            time.sleep(0.02)
+    raise AssertionError(f"{request.request_id} did not finish in {timeout_s} s")
+
+
+def test_a_shared_lookup_that_timed_out_or_met_an_open_breaker_is_the_miss_not_new(
+        tiny_model: Path, redis_server: Any, key_prefix: str) -> None:
+    """The scheduler's shared-tier (redis) lookup for a request ran into a stopped server (SIGSTOP:
+    connections accepted, nothing answered): the receipt's miss is ``deadline`` in the redis tier,
+    not ``new``; with the breaker opened by that failure, the next request's lookup is skipped by
+    the breaker, and its miss is ``breaker_open``.  Once the server answers again (probe), a
+    request nothing holds reads ``new``."""
+    scheduler = _scheduler(tiny_model, redis_url=redis_server.url, redis_key_prefix=key_prefix,
+                           shared_deadline_s=0.3, redis_timeout_s=0.3, redis_breaker_failures=1,
+                           redis_breaker_probe_s=1.0)
+    first = _request("a", max_tokens=1)
+    scheduler.add_request(first)
+    step = scheduler.schedule()  # no report yet: it waits
+    scheduler.update_from_output(step, _step_output(step, [], kv_connector_worker_meta=_report([], full=True)))
+    redis_server.pause()
+    try:
+        receipt = _until_finished(scheduler, first)
+        assert receipt["tokens"] == {"engine": 0, "computed": len(PROMPT)}
+        assert receipt["miss"] == {"token": 0, "reason": "deadline", "tier": "redis"}
+        second = _request("b", prompt=[p + 1000 for p in PROMPT], max_tokens=1)
+        scheduler.add_request(second)
+        assert _until_finished(scheduler, second)["miss"] == {"token": 0, "reason": "breaker_open", "tier": "redis"}
+    finally:
+        redis_server.resume()
+    time.sleep(1.2)  # past redis_breaker_probe_s: the next lookup probes the server, which answers
+    third = _request("c", prompt=[p + 2000 for p in PROMPT], max_tokens=1)
+    scheduler.add_request(third)
+    assert _until_finished(scheduler, third)["miss"] == {"token": 0, "reason": "new", "tier": ""}

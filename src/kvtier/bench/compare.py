@@ -30,7 +30,9 @@ from typing import Any
 
 from kvtier.bench.arms import BASELINE, ArmSpec
 from kvtier.bench.client import ClientOptions, run_workload
+from kvtier.bench.comparereceipts import replica_receipts, with_receipt_logs
 from kvtier.bench.meters import MeterDeltas, MetricsError
+from kvtier.bench.receipts import LogCursor, RunReceipts
 from kvtier.bench.replicas import (
     REPLICA_FIGURE_KEYS,
     ReplicaSet,
@@ -81,6 +83,7 @@ class ArmOutcome:
         replica_meters: per server of the arm, its counter deltas (``meters`` is their sum; empty
             when they could not be read).
         replica_logs: every server's log, in replica order.
+        receipts: a kvtier arm's receipts beside its metrics (:mod:`kvtier.bench.comparereceipts`).
     """
 
     arm: ArmSpec
@@ -94,6 +97,7 @@ class ArmOutcome:
     load_avg_1m: float | None = None
     replica_meters: tuple[MeterDeltas, ...] = ()
     replica_logs: tuple[Path, ...] = ()
+    receipts: RunReceipts | None = None
 
     @property
     def ok(self) -> bool:
@@ -277,7 +281,8 @@ def run_arm(arm: ArmSpec, workload: Workload, engine: ServerSpec, log_path: Path
     :mod:`kvtier.bench.replicas`); never raises for a failing server (see the module docstring)."""
     spec = dataclasses.replace(engine, kv_transfer_config=arm.kv_transfer_config)
     logs = replica_log_paths(log_path, replicas)
-    servers = ReplicaSet(replica_specs(spec, replicas), logs)
+    specs, receipt_logs = with_receipt_logs(replica_specs(spec, replicas), logs)
+    servers = ReplicaSet(specs, logs)
     log_path = logs[0]
 
     def failed(reason: str, request_ids: tuple[str, ...] = (), run: RunResult | None = None,
@@ -307,17 +312,19 @@ def run_arm(arm: ArmSpec, workload: Workload, engine: ServerSpec, log_path: Path
             before = servers.scrape(".metrics-before.txt")
         except MetricsError as exc:
             return failed(str(exc))
-        load = os.getloadavg()[0]
+        load, cursors = os.getloadavg()[0], [LogCursor(p) if p is not None else None for p in receipt_logs]
         run = run_workload(workload, options, servers.exit_reason)
         log_path.with_suffix(".requests.json").write_text(json.dumps(run.to_dict(), indent=1) + "\n")
         if (why := run_failure(run)) is not None:
             return failed(why, run.failed_at, run, load)
         try:
-            per_replica = replica_deltas(before, servers.scrape(".metrics-after.txt"))
+            per_replica = replica_deltas(before, after := servers.scrape(".metrics-after.txt"))
         except MetricsError as exc:
             return failed(str(exc), (), run, load)
+        receipts = replica_receipts(cursors, before, after, run.summary().num_ok + run.summary().num_failed)
         return ArmOutcome(arm, log_path, servers.startup_s, run, sum_deltas(per_replica), None, repeat=repeat,
-                          load_avg_1m=load, replica_meters=tuple(per_replica), replica_logs=tuple(logs))
+                          load_avg_1m=load, replica_meters=tuple(per_replica), replica_logs=tuple(logs),
+                          receipts=receipts)
     finally:
         servers.stop()
 

@@ -16,6 +16,7 @@ from typing import Any
 from kvtier.bench.arms import BASELINE
 from kvtier.bench.compare import ArmOutcome, ArmResult, CompareResult
 from kvtier.bench.plot import plot_ttft_cdf
+from kvtier.bench.receiptreport import print_receipts, receipt_markdown, receipts_json
 
 GiB = float(1 << 30)
 
@@ -40,6 +41,8 @@ def compare_json(result: CompareResult) -> dict[str, Any]:
               for a in result.arms if (f := a.failure) is not None}
     if failed:
         out["failed"] = failed
+    if receipts := receipts_json(result):  # kvtier arms: the receipts beside the metrics, per run
+        out["receipts"] = receipts
     return out
 
 
@@ -184,6 +187,7 @@ def print_table(result: CompareResult) -> None:
     if loads:
         console.print(f"load average (1 min) at the start of each run: {min(loads):.2f}-{max(loads):.2f}",
                       highlight=False)
+    print_receipts(console, result)
 
 
 def _reuse_ttfts(o: ArmOutcome, shared: dict[str, float], repeated: bool = True) -> list[float]:
@@ -300,6 +304,8 @@ def markdown(result: CompareResult, plot_name: str | None, command: str | None) 
                 lines.append(f"  - requests: {s.num_ok} ok, {s.num_failed} failed, {s.num_not_sent} not sent")
             if o.failure is None and o.run is not None and (why := o.run.failure_text()) is not None:
                 lines.append(f"  - partial failure{f' (run {o.repeat})' if result.repeats > 1 else ''}: {why}")
+    if receipts := receipt_markdown(result):
+        lines += [""] + receipts
     if plot_name:
         lines += ["", f"![TTFT CDF]({plot_name})"]
     return "\n".join(lines) + "\n"

@@ -250,10 +250,10 @@ class GuardedTier(TierWrapper):
                         "chunks not written" if op == "put" else "treated as a miss", self.breaker.state.name.lower())
 
     # ---- Tier contract -----------------------------------------------------------------------
-    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+    def contains_many(self, keys: Sequence[ChunkKey], fault: list[str] | None = None) -> list[bool]:
         if not keys:
             return []
-        got = self._call("lookup", lambda: self.inner.contains_many(keys))
+        got = self._call("lookup", lambda: self.inner.contains_many(keys), fault=fault)  # faulted: all absent
         found = [False] * len(keys) if got is None else got
         self.wire.looked_up(len(keys), sum(found))
         return found

@@ -30,9 +30,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
-from kvtier.core.receipt import Receipt, ReceiptMiss, ReceiptPin, ReceiptSaved, ReceiptSink
+from kvtier.core.receipt import MissReason, Receipt, ReceiptMiss, ReceiptPin, ReceiptSaved, ReceiptSink
 from kvtier.core.receiptsinks import receipt_counters as receipt_sink_counters
 from kvtier.integrations.vllm.protocol import RequestFacts, tokens_by_tier
 from kvtier.integrations.vllm.stats_table import receipt_counters
@@ -55,6 +55,10 @@ class ReceiptFacts:
         waited_steps: engine steps it waited for an asynchronous load.
         pin: ``(ttl_s, problem)`` of the TTL pin it asked for, ``None``: none asked.
         ranks: what each tensor-parallel rank reported, merged over steps.
+        shared_asked / shared_miss: ``(reason, tier)`` when the scheduler's shared-tier lookup at
+            the last ask / at the admission did not answer (``deadline``: timed out or the
+            lookups were queued ``shared_queue_depth`` deep; ``breaker_open``: the tier's breaker
+            was open or the tier not ready), so the chunks it may have held were not offered.
     """
 
     asked: int | None = None
@@ -66,6 +70,12 @@ class ReceiptFacts:
     waited_steps: int = 0
     pin: tuple[float, str | None] | None = None
     ranks: dict[int, RequestFacts] = field(default_factory=dict)
+    shared_asked: tuple[str, str] | None = None
+    shared_miss: tuple[str, str] | None = None
+
+    def ask(self, num_computed_tokens: int) -> None:
+        """vLLM asks for the hit beyond its own ``num_computed_tokens`` (``get_num_new_matched_tokens``)."""
+        self.asked, self.shared_asked = num_computed_tokens, None
 
     def admitted(self, request: Any, tiers: Sequence[str] | None, external: int, chunk_tokens: int,
                  load_failed: bool) -> None:
@@ -73,6 +83,7 @@ class ReceiptFacts:
         record what it counts as cached (its ``prefill_stats`` when it has them), unless this is a
         re-admission after preemption (vLLM keeps the first admission's numbers too)."""
         asked, self.asked = self.asked, None
+        shared, self.shared_asked = self.shared_asked, None
         if asked is None or getattr(request, "num_preemptions", 0) > 0:
             return
         stats = getattr(request, "prefill_stats", None)
@@ -80,6 +91,7 @@ class ReceiptFacts:
         hit = len(tiers) * chunk_tokens if tiers else 0
         self.planned = tokens_by_tier(tiers, hit - external, hit, chunk_tokens) if external > 0 and tiers else {}
         self.load_failed = load_failed
+        self.shared_miss = shared
         served = self.engine + external
         loadable = (request.num_prompt_tokens - 1) // chunk_tokens * chunk_tokens
         self.explain_chunk = served // chunk_tokens if served < loadable else -1
@@ -142,6 +154,8 @@ def _miss(prompt_tokens: int, served: int, r: ReceiptFacts, ranks: list[RequestF
         return ReceiptMiss(served, short.reason, short.tier)
     if r.load_failed:
         return ReceiptMiss(served, "load_failed")
+    if r.shared_miss is not None:  # the shared tier, which may have held it, was not heard from
+        return ReceiptMiss(served, cast(MissReason, r.shared_miss[0]), r.shared_miss[1])
     why = _earliest(f.explained for f in ranks)
     if why is not None:
         return ReceiptMiss(served, why.reason, why.tier)

@@ -27,6 +27,10 @@ step and asks again in the next one), so the engine's step never waits on the ne
   At every scrape ``sent == answered + superseded + pending``: a lookup whose request's span
   changed (its local hit grew) is replaced by a new one and counted superseded, as is one
   dropped with its request before its answer was read.
+- For the request's receipt (issue 35), :meth:`RemoteLookups.outcome` says why a lookup did not
+  answer: ``deadline`` (past ``shared_deadline_s``, the tier's own deadline, or not sent because
+  ``shared_queue_depth`` lookups were in flight) or ``breaker_open`` (the tier's breaker was open,
+  or the tier not ready); the receipt's miss then names it instead of ``new``.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers.factory import TierContext, make_tier, shared_configured
+from kvtier.core.tiers.guarded import GuardedTier
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -82,8 +87,10 @@ class RemoteLookups:
         self._in_flight = 0
         # req_id -> (page keys asked, the lookup or its answer, deadline); answered ones stay until the
         # request is planned or gone
-        self._pending: dict[str, tuple[tuple[bytes, ...], Future[tuple[frozenset[bytes], float]] | frozenset[bytes], float]] = {}
+        self._pending: dict[str, tuple[tuple[bytes, ...], Future[tuple[frozenset[bytes], str, float]] | frozenset[bytes], float]] = {}
         self._unanswered: set[str] = set()  # requests whose sent lookup's answer was not read yet
+        self._outcomes: dict[str, str] = {}  # req_id -> why its lookup did not answer (receipt miss reason)
+        self._skip_reason = ""  # why the last _start sent nothing
         self.asked = self.answered = self.timed_out = self.skipped = self.superseded = 0
         self.answered_chunks = self.found_chunks = 0  # over answered lookups: the shared tier's hit rate
 
@@ -120,20 +127,23 @@ class RemoteLookups:
             return entry[1].intersection(asked)  # answered; pages since saved locally are no longer asked
         if entry is None or entry[0] != asked:
             self._supersede(req_id)
+            self._outcomes.pop(req_id, None)
             # the answer carries when it came (a late one is a time-out however late the poll that reads it)
-            future = self._start(lambda tiers: (_held_by_every_rank(tiers, asked), time.monotonic())) \
+            future = self._start(lambda tiers: (*_held_by_every_rank(tiers, asked), time.monotonic())) \
                 if asked else None
             if future is not None:
                 self._unanswered.add(req_id)
+            elif asked:
+                self._outcomes[req_id] = self._skip_reason
             entry = self._pending[req_id] = (asked, frozenset() if future is None else future,
                                                    time.monotonic() + self.deadline_s)
         _, answer, deadline = entry
         if isinstance(answer, frozenset):
             return answer
-        timed_out = False
+        timed_out, fault = False, ""
         if answer.done():
             try:
-                found, answered_at = answer.result()
+                found, fault, answered_at = answer.result()
             except Exception:  # noqa: BLE001 - a fault in the shared tier is a miss
                 found, answered_at = frozenset[bytes](), 0.0
             if answered_at >= deadline:  # came after shared_deadline_s: a time-out, whenever it is read
@@ -142,9 +152,18 @@ class RemoteLookups:
             found, timed_out = frozenset(), True
         else:
             return None
+        if timed_out or fault in ("deadline", "breaker_open"):
+            self._outcomes[req_id] = "deadline" if timed_out else fault
         self._answered(req_id, len(asked), len(found), timed_out)
         self._pending[req_id] = (asked, found, deadline)
         return found
+
+    def outcome(self, req_id: str) -> tuple[str, str] | None:
+        """Why ``req_id``'s lookup did not answer, as a receipt's ``(reason, tier)``:
+        ``("deadline", tier)`` or ``("breaker_open", tier)`` (see the module docstring); ``None``:
+        it answered (or was never sent)."""
+        reason = self._outcomes.get(req_id)
+        return (reason, self.tier_name) if reason else None
 
     def _answered(self, req_id: str, asked: int, found: int, timed_out: bool) -> None:
         """Count an answered lookup (``asked`` pages, ``found`` of them in the shared tier)."""
@@ -168,6 +187,7 @@ class RemoteLookups:
         counts as superseded."""
         self._supersede(req_id)
         self._pending.pop(req_id, None)
+        self._outcomes.pop(req_id, None)
 
     def forget_all(self) -> None:
         """Drop every request's lookup (a reset: answers given before it may count removed chunks)."""
@@ -180,6 +200,7 @@ class RemoteLookups:
         with self._lock:
             if not self._tiers or self._in_flight >= self.queue_depth:
                 self.skipped += 1
+                self._skip_reason = "deadline" if self._tiers else "breaker_open"  # backed up / not ready
                 return None
             self._in_flight += 1
             tiers = list(self._tiers)
@@ -197,6 +218,7 @@ class RemoteLookups:
         except RuntimeError:  # closed
             with self._lock:
                 self._in_flight -= 1
+            self._skip_reason = "breaker_open"
             return None
 
     @property
@@ -229,13 +251,17 @@ class RemoteLookups:
         self.close_tiers()
 
 
-def _held_by_every_rank(tiers: Sequence[Any], keys: Sequence[bytes]) -> frozenset[bytes]:
+def _held_by_every_rank(tiers: Sequence[Any], keys: Sequence[bytes]) -> tuple[frozenset[bytes], str]:
     """Those of ``keys`` (in any order) every rank's tier holds: one pipelined EXISTS batch per
-    rank, over what every earlier rank holds."""
+    rank, over what every earlier rank holds; and the first fault a rank's tier reported
+    (``deadline``, ``breaker_open``, ``load_failed``; ``""``: none)."""
     left = list(keys)
+    fault: list[str] = []
     for tier in tiers:
-        present = tier.contains_many([ChunkKey(k) for k in left])
+        chunk_keys = [ChunkKey(k) for k in left]
+        present = tier.contains_many(chunk_keys, fault=fault) if isinstance(tier, GuardedTier) \
+            else tier.contains_many(chunk_keys)
         left = [k for k, hit in zip(left, present) if hit]
         if not left:
             break
-    return frozenset(left)
+    return frozenset(left), fault[0] if fault else ""

@@ -144,7 +144,7 @@ class SchedulerSide:
         req_id = request.request_id
         state = self._state(request)
         state.planned_tiers = None
-        state.receipt.asked = num_computed_tokens  # vLLM's own hit, for the receipt if it is admitted now
+        state.receipt.ask(num_computed_tokens)  # vLLM's own hit, for the receipt if it is admitted now
         self.sync.give_back(req_id)  # asked again in this step (not scheduled after the first answer)
         # vLLM must compute at least the last prompt token itself (to sample from its logits).
         max_chunks = (request.num_tokens - 1) // self.chunk_tokens
@@ -169,12 +169,15 @@ class SchedulerSide:
         if chain is None:
             return 0, False
         hit, tiers = self.pages.lookup(chain, num_computed_tokens, request.num_tokens)
-        if self.remote is not None and hit < max_chunks * self.chunk_tokens and self.remote.bind(
+        if self.remote is not None and hit < max_chunks * self.chunk_tokens and not self.remote.bind(
                 self.mirror.namespaces):
+            state.receipt.shared_asked = ("breaker_open", self.remote.tier_name)  # not ready: not asked
+        elif self.remote is not None and hit < max_chunks * self.chunk_tokens:
             found = self.remote.poll_pages(req_id, self.pages.unheld_pages(chain, num_computed_tokens,
                                                                              request.num_tokens))
             if found is None:
                 return None, False  # the shared tier has not answered yet: ask again next step
+            state.receipt.shared_asked = self.remote.outcome(req_id)
             if found:
                 hit, tiers = self.pages.lookup(chain, num_computed_tokens, request.num_tokens, found,
                                                 self.remote.tier_name)
