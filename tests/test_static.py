@@ -150,6 +150,7 @@ TIER_NAME_ALLOWED = {
     "src/kvtier/simulate/recommend.py": ({"cpu", "disk"}, "the simulator's hardware model"),
     "src/kvtier/simulate/report.py": ({"cpu", "disk"}, "the simulator's hardware model (report keys)"),
     "src/kvtier/cli/node.py": ({"node"}, "the `kvtier node` command's name (the node tier's owner)"),
+    "src/kvtier/size/compression.py": ({"disk"}, "the disk tier --compression-ratio disk=R names (user-facing input)"),
     "src/kvtier/size/recipe.py": ({"redis"}, "the size recipe's redis-server section (user-facing output)"),
 }
 """Files that may hold a built-in tier's name as a string, with what it means there."""

@@ -159,6 +159,34 @@ def test_a_restart_served_from_an_encrypted_tier_is_exact(tiny_model: Path, tmp_
                    for page in obstore.list(server.client(bucket)) for m in page] if server is not None
                   else [f.read_bytes() for f in (tmp_path / "disk").rglob("*.kvc")])
         assert stored and {decode_header(v).codecs for v in stored} == {(16,)}  # every value sealed: aes-256-gcm
+        if server is None:
+            _restart_with_another_master_key(tiny_model, tmp_path, p, kvtier, engine, tier, _cold, loaded["cached"])
     finally:
         if server is not None:
             server.stop()
+
+
+def _restart_with_another_master_key(tiny_model: Path, tmp_path: Path, p: dict, kvtier: dict, engine: dict,
+                                     tier: str, cold: dict, offered_tokens: int) -> None:
+    """Issue 36's done-when: engine C, restarted on the same values with another master key, serves
+    0 tokens from them, counts every value it read as a decrypt failure, and
+    recomputes (A's cold tokens and logprobs exactly).  Run on the disk tier only: decryption happens in the envelope,
+    the one code path every tier below the cpu tier reads through (tests/core/test_encryption_at_rest.py
+    shows the wrong key refused on every store), so one more engine start shows the engine's side."""
+    wrong_key = tmp_path / "wrong-master-key"
+    wrong_key.write_text("another-master-key-fedcba9876543210\n", encoding="utf-8")
+    refused = result_of(run_engine({"model": str(tiny_model), "steps": [p],
+                                    "kvtier": {**kvtier, "encryption": {"master_key_file": str(wrong_key)}},
+                                    "engine": engine}, tmp_path, "c", env=EQUAL_THREADS), tmp_path, "c")
+    (recomputed,) = refused["results"][0]
+    end = refused["metrics"]
+    assert (recomputed["tokens"], recomputed["logprobs"]) == (cold["tokens"], cold["logprobs"]), end
+    assert end.get(f"kvtier_loaded_tokens_total{{{tier}}}", 0) == 0, end
+    # the headers still read without the key, so the lookup offers the chunks B loaded and vLLM counts
+    # them as external hits when it schedules them; the values the load read all failed to decrypt
+    # (each counted; a load need not read the chunks after a failed one: 2 of 7 in one run), and every
+    # offered block is reported failed and recomputed
+    chunks = offered_tokens // 64
+    failures = end.get(f"kvtier_decrypt_failures_total{{{tier}}}", 0)
+    seen = (end["vllm:external_prefix_cache_hits_total"], end["kvtier_load_failed_blocks_total"])
+    assert seen == (offered_tokens, chunks) and 1 <= failures <= chunks, (seen, failures)

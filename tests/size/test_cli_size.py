@@ -246,3 +246,28 @@ def test_gpu_a100_says_which_part_it_assumes():
     assert not [n for n in exact["notes"] if "read as" in n]
     small = json.loads(run("--model", "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "A100-40GB", "--json").stdout)
     assert small["hbm_kv_tokens"] < doc["hbm_kv_tokens"]
+
+
+def test_a_compressing_disk_tier_stores_the_planned_chunks_in_one_rth_of_the_bytes():
+    """Issue 36 item 5: with --compression-ratio disk=R the disk tier's chunks (the same plan as
+    without) take 1/R of the GiB, in the table, the JSON and the recipe, and the note names R's
+    source (a codec: docs/benchmarks.md's measured ratio)."""
+    base = ("--model", "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "H100", "--context", "32768", "--sessions", "400",
+            "--host-ram-gib", "256", "--nvme-gib", "4000", "--json")
+    plain = json.loads(run(*base).stdout)
+    assert plain["disk_gib"] > 100
+    for value, ratio, source in (("disk=2", 2.0, "as given"), ("disk=blosc2-zstd-shuffle2", 1.451, "docs/benchmarks.md")):
+        result = run(*base, "--compression-ratio", value)
+        assert result.exit_code == 0, result.output
+        data = json.loads(result.stdout)
+        assert data["cpu_gib"] == plain["cpu_gib"]
+        assert data["disk_gib"] == pytest.approx(plain["disk_gib"] / ratio, abs=0.01)
+        assert data["recommended_offload_gib"] == pytest.approx(plain["cpu_gib"] + data["disk_gib"], abs=0.02)
+        assert data["recipe"]["disk_gib"] < plain["recipe"]["disk_gib"]
+        assert any(f"{ratio:g}× the chunks" in n and source in n for n in data["notes"]), data["notes"]
+
+
+@pytest.mark.parametrize("value", ["disk=0.99", "disk=inf", "s3=2", "2"])
+def test_a_bad_compression_ratio_is_one_sentence(value):
+    result = run("--model", "Qwen/Qwen3-8B", "--compression-ratio", value)
+    assert result.exit_code == 2 and "--compression-ratio" in result.output and "Traceback" not in result.output

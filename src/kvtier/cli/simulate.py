@@ -94,6 +94,9 @@ def register(app: typer.Typer) -> None:
         policy: str = typer.Option("lru,lru-tail,default,belady", "--policy",
                                    help="Eviction policies, comma-separated, from: "
                                    + ", ".join(available_policies() + ["belady"]) + "."),
+        compression_ratio: list[str] | None = typer.Option(None, "--compression-ratio", help="TIER=R: the disk or "
+                                                           "shared tier compresses, holding R× the chunks (R >= 1, or "
+                                                           "a codec: its ratio measured in docs/benchmarks.md)."),
         json_path: Path | None = typer.Option(None, "--json", help="Write results as JSON here."),
         plot_path: Path | None = typer.Option(None, "--plot", help="Write a PNG hit-ratio plot here."),
         recommend_mode: bool = typer.Option(False, "--recommend", help="Print a size per tier (cpu: knee of "
@@ -188,6 +191,15 @@ def register(app: typer.Typer) -> None:
             chunk_gib = per_token * requests.block_tokens / 2**30
             gibs = tuple(max(1, round(requests.num_unique_chunks * p / 100)) * chunk_gib if p > 0 else 0.0
                          for p in gibs)
+        from kvtier.size.compression import DISK, parse_ratios
+
+        try:
+            ratios = parse_ratios(compression_ratio, (DISK, name))
+        except UserError as exc:
+            fail(str(exc).rstrip("."))
+        # a compressing tier's GiB hold R× the chunks: modelled as R× the GiB of uncompressed chunks
+        disk_gib *= ratios[DISK].ratio if DISK in ratios else 1.0
+        shared_gib *= ratios[name].ratio if name in ratios else 1.0
         spec = SweepSpec(per_token * requests.block_tokens, engine_gib, gibs, disk_gib, policies, shared_gib,
                          (disk_admission, shared_admission))
         result = run_sweep(requests, spec, workers)
@@ -202,6 +214,9 @@ def register(app: typer.Typer) -> None:
             defaults = (shared_gb_per_s, shared_latency_ms) == (shared_model.gb_per_s, shared_model.latency_ms)
             console.print(f"shared tier modeled as {name}: {shared_gb_per_s:g} GB/s, {shared_latency_ms:g} ms per "
                           f"request served ({shared_model.source if defaults else 'as given'})",
+                          markup=False, highlight=False)
+        for tier, ratio in ratios.items():
+            console.print(f"{ratio.describe(tier)}; its GiB below are uncompressed chunk bytes",
                           markup=False, highlight=False)
         print_report(console, result, rates)
         if shared_gib > 0 and shared_admission != "all":  # a what-if: the connector's config refuses it

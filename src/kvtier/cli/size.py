@@ -6,6 +6,7 @@ import inspect
 import json
 import typing
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import typer
@@ -17,6 +18,8 @@ from kvtier.core.toolflags import ToolFlag, tool_flags
 
 if TYPE_CHECKING:
     from kvtier.simulate.hierarchy import StackCurve
+    from kvtier.size.compression import CompressionRatio
+    from kvtier.size.plan import SizeReport
 
 HELP = """Size the KV cache of a model and the offload tier it needs.
 
@@ -165,6 +168,9 @@ def _size(
     offload_gib: float | None = typer.Option(None, "--offload-gib", help="Print recipes for this tier size (GiB, total) instead of the recommendation."),
     disk_path: str = typer.Option("/mnt/nvme/kvtier", "--disk-path", help="Disk tier directory used in recipes."),
     chunk_tokens: int = typer.Option(128, "--chunk-tokens", help="kvtier chunk size in tokens."),
+    compression_ratio: list[str] | None = typer.Option(None, "--compression-ratio", help="disk=R: the disk tier "
+                                                       "compresses, R payload bytes per stored byte (R >= 1, or a "
+                                                       "codec: its ratio measured in docs/benchmarks.md)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
     list_presets: bool = typer.Option(False, "--list-presets", help="List the built-in model presets and exit."),
 ) -> None:
@@ -172,6 +178,7 @@ def _size(
     from kvtier.core.dtypes import DTYPE_BYTES, short_name
     from kvtier.simulate.cost import Throughputs
     from kvtier.size import Deployment, build_recipe, plan, resolve_model
+    from kvtier.size.compression import DISK, parse_ratios
     from kvtier.size.hardware import GPUS, find_gpu
     from kvtier.size.plan import check_finite, split_tier
     from kvtier.size.recipe import chunk_notes, tier_recipes
@@ -214,7 +221,12 @@ def _size(
             rates = Throughputs(prefill_tokens_per_s=prefill_tokens_per_s, disk_gb_per_s=disk_gb_per_s)
         except ValueError as exc:
             raise UserError(f"{exc}.") from None
+        ratios = parse_ratios(compression_ratio, (DISK,))
+        if DISK in ratios and nvme_gib is not None:  # the NVMe holds R× the payload bytes
+            dep = replace(dep, nvme_gib=nvme_gib * ratios[DISK].ratio)
         report = plan(resolved.geometry, dep, curve, rates)
+        if DISK in ratios:
+            _compress_disk(report, ratios[DISK])
         given_gpu = (gpu or "").strip()
         if found_gpu is not None and found_gpu.name.upper() != given_gpu.upper():
             # an alias (A100: two memory sizes): say which part the budget assumes
@@ -276,6 +288,21 @@ def _size(
         print(json.dumps(payload, indent=2))
     else:
         _print_text(report, recipe, note)
+
+
+def _compress_disk(report: SizeReport, ratio: CompressionRatio) -> None:
+    """A compressing disk tier stores the planned disk payload in 1/R of its bytes: the disk tier
+    (and the total) shrink by that, and a note says so with R's source."""
+    from kvtier.size.compression import DISK
+
+    note = ratio.describe(DISK)
+    if report.disk_gib:
+        stored = round(report.disk_gib / ratio.ratio, 2)
+        note += f": the {report.disk_gib:,.2f} GiB of chunks take {stored:,.2f} GiB on disk"
+        if report.recommended_offload_gib is not None:
+            report.recommended_offload_gib = round(report.recommended_offload_gib - report.disk_gib + stored, 2)
+        report.disk_gib = stored
+    report.notes.append(note + " (--nvme-gib holds R× its GiB of chunks).")
 
 
 def _curve(trace: str, fmt: str, tokens_per_block: int | None) -> StackCurve:
