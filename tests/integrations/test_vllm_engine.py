@@ -428,6 +428,7 @@ def test_a_tier_from_outside_kvtier_serves_a_load(engine: Engine) -> None:
     engine.llm.reset_prefix_cache()
     from_cpu = engine.generate(p)
     store = engine.store
+    assert engine.worker.saver.wait_for(None, timeout_s=30)  # deferred saves (async_saves) copied
     store.flush()  # write-through: every chunk is on disk and in the dict tier too
     chain = engine.chain(cold["prompt_ids"])
     toy = next(lt for lt in store.index.lower if lt.name == "dict")
