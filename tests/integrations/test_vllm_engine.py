@@ -82,6 +82,12 @@ class Engine:
         """The scheduler-side connector state (kvtier.integrations.vllm.scheduler.side.SchedulerSide)."""
         return self.llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_side
 
+    def flush(self) -> None:
+        """Wait for the deferred saves (``async_saves``: ``generate`` returns before the saver has
+        copied a finished request's blocks), then for every tier's writes."""
+        assert self.worker.saver.wait_for(None, timeout_s=30), "deferred saves not copied in 30 s"
+        self.store.flush()
+
     def loaded(self, before: dict[str, float], after: dict[str, float]) -> float:
         return delta(after, before, LOADED_CPU) + delta(after, before, LOADED_DISK)
 
@@ -89,7 +95,7 @@ class Engine:
         """Run three other prompts (18 chunks > the 16-chunk cpu tier) and drop vLLM's own cache."""
         for s in range(3):
             self.generate(prompt(seed + s))
-        self.store.flush()
+        self.flush()
         self.llm.reset_prefix_cache()
 
 
@@ -149,6 +155,7 @@ def engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
     worker = get_kv_transfer_group().worker_side
     assert worker.store.chunk_bytes == CHUNK_BYTES
     yield Engine(llm, worker, disk)
+    assert worker.saver.wait_for(None, timeout_s=30)
     worker.store.flush()
     worker.store.check_integrity()
     llm.llm_engine.engine_core.shutdown()
@@ -335,7 +342,7 @@ def test_stale_mirror_is_a_recompute_never_wrong_kv(engine: Engine, monkeypatch:
     assert engine.loaded(m0, m1) == 0
     assert again["tokens"] == cold["tokens"]
     assert max_logprob_diff(again["logprobs"], cold["logprobs"]) < TOLERANCE
-    store.flush()
+    engine.flush()
     store.check_integrity()
     engine.llm.reset_prefix_cache()
     with load_path(engine, path) as answers:
@@ -355,7 +362,7 @@ def test_prefix_partly_on_disk_copies_the_head_while_the_tail_is_read_ahead(engi
     engine.llm.reset_prefix_cache()
     from_cpu = engine.generate(p)
     store = engine.store
-    store.flush()  # write-through: every chunk is on disk too
+    engine.flush()  # write-through: every chunk is on disk too
     chain = engine.chain(cold["prompt_ids"])
     with store.index.lock:  # the cpu tier forgets chunks 1-5 (as its eviction would); the disk keeps them
         for key in chain[1:]:
@@ -428,8 +435,7 @@ def test_a_tier_from_outside_kvtier_serves_a_load(engine: Engine) -> None:
     engine.llm.reset_prefix_cache()
     from_cpu = engine.generate(p)
     store = engine.store
-    assert engine.worker.saver.wait_for(None, timeout_s=30)  # deferred saves (async_saves) copied
-    store.flush()  # write-through: every chunk is on disk and in the dict tier too
+    engine.flush()  # write-through: every chunk is on disk and in the dict tier too
     chain = engine.chain(cold["prompt_ids"])
     toy = next(lt for lt in store.index.lower if lt.name == "dict")
     assert all(toy.tier.contains(k) for k in chain)
@@ -533,7 +539,7 @@ def test_aborted_and_preempted_requests_leave_no_pins(engine: Engine) -> None:
     assert set(finished) >= {"long-0", "long-3", "long-4"}
     for i in (0, 3, 4):
         assert finished[f"long-{i}"][:8] == expected[i]["tokens"]
-    engine.store.flush()
+    engine.flush()
     engine.store.check_integrity()  # no pinned chunk, no staging buffer, accounting consistent
     assert engine.worker.loader.num_inflight == 0
     assert engine.generate(prompts[0])["tokens"] == expected[0]["tokens"]  # the engine still serves
@@ -552,7 +558,7 @@ def test_hit_sources_equal_loaded_tokens_per_tier_under_aborts_and_promotions(en
     pool = [prompt(200 + i) for i in range(8)]  # 8 × 6 chunks against a 16-chunk cpu tier
     for p in pool:
         engine.generate(p, max_tokens=1)  # saved into kvtier
-    engine.store.flush()
+    engine.flush()
     engine.llm.reset_prefix_cache()
     tiers = ("cpu", "disk", "dict")
     sources = {hit_source(t) for t in tiers}
@@ -590,7 +596,7 @@ def test_hit_sources_equal_loaded_tokens_per_tier_under_aborts_and_promotions(en
     assert sum(promised.values()) == delta(m1, m0, EXT_HITS)
     # no tier fails here: a planned page is there when its load pins it (the eviction gate, issue 33)
     assert delta(m1, m0, "kvtier_load_failed_blocks_total") == 0
-    engine.store.flush()
+    engine.flush()
     engine.store.check_integrity()
 
 
@@ -647,7 +653,7 @@ def test_a_salt_with_a_quota_keeps_its_cpu_hits_through_another_tenants_flood(en
     c_prompts = [prompt(1601 + i, words=70) for i in range(2)]
     first_b = [engine.generate(p, salt=QUOTA_SALT) for p in b_prompts]
     first_c = [engine.generate(p, salt="no-quota-c") for p in c_prompts]
-    engine.store.flush()
+    engine.flush()
     want_b, want_c = sum(map(loadable, first_b)), sum(map(loadable, first_c))
     assert want_b > 0 and sum(len(o["prompt_ids"]) // CHUNK_TOKENS for o in first_b) <= 8  # within B's share
     before_b, _, _ = replay(b_prompts, QUOTA_SALT)
@@ -664,5 +670,5 @@ def test_a_salt_with_a_quota_keeps_its_cpu_hits_through_another_tenants_flood(en
     assert [o["tokens"] for o in again_c] == [o["tokens"] for o in first_c]
     stats = engine.store.stats().tier("cpu")
     assert stats.quota_evictions > 0 and len(stats.tenant_used_bytes) <= 8 + 2
-    engine.store.flush()
+    engine.flush()
     engine.store.check_integrity()

@@ -167,8 +167,12 @@ class DirectorySync:
         """The tier's directory vanished (deleted by hand): forget the index and make it again."""
         log.warning("kvtier disk tier: directory %s vanished; recreating it and forgetting %d indexed chunks",
                     self.dir, len(self._key_to_size))
+        # writes in flight keep their reservations: one that lands after the directory is made
+        # again is a file the index must count; one that fails forgets its key itself
+        writing = {k: self._key_to_size[k] for k in self._writing if k in self._key_to_size}
         self._key_to_size.clear()
-        self._used = 0
+        self._key_to_size.update(writing)
+        self._used = sum(writing.values())
         self._foreign = 0
         self._watch.forget()
         self._tmp_shards.clear()
