@@ -44,7 +44,7 @@ def test_the_factory_wraps_the_redis_tier_and_the_wrapper_times_its_calls(redis_
 def test_reads_reuse_the_tiers_buffers_and_a_late_read_never_lands_in_the_callers(redis_factory, key_prefix):
     server = redis_factory()
     size = 256 << 10
-    tier = make_redis_tier(server.url, os.urandom(16), key_prefix, io_threads=1, shared_transfer_deadline_s=0.3,
+    tier = make_redis_tier(server.url, os.urandom(16), key_prefix, io_threads=1, shared_transfer_deadline_s=1.0,
                            redis_timeout_s=3.0)
     inner = unwrap(tier)
     assert isinstance(inner, redis_tier.RedisTier)

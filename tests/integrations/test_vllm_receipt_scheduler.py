@@ -164,7 +164,7 @@ def test_a_shared_lookup_that_timed_out_or_met_an_open_breaker_is_the_miss_not_n
     request nothing holds reads ``new``."""
     scheduler = _scheduler(tiny_model, redis_url=redis_server.url, redis_key_prefix=key_prefix,
                            shared_deadline_s=0.3, redis_timeout_s=0.3, redis_breaker_failures=1,
-                           redis_breaker_probe_s=1.0)
+                           redis_breaker_probe_s=3.0)
     first = _request("a", max_tokens=1)
     scheduler.add_request(first)
     step = scheduler.schedule()  # no report yet: it waits
@@ -179,7 +179,7 @@ def test_a_shared_lookup_that_timed_out_or_met_an_open_breaker_is_the_miss_not_n
         assert _until_finished(scheduler, second)["miss"] == {"token": 0, "reason": "breaker_open", "tier": "redis"}
     finally:
         redis_server.resume()
-    time.sleep(1.2)  # past redis_breaker_probe_s: the next lookup probes the server, which answers
+    time.sleep(3.2)  # past redis_breaker_probe_s: the next lookup probes the server, which answers
     third = _request("c", prompt=[p + 2000 for p in PROMPT], max_tokens=1)
     scheduler.add_request(third)
     assert _until_finished(scheduler, third)["miss"] == {"token": 0, "reason": "new", "tier": ""}
