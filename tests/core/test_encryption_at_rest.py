@@ -302,3 +302,88 @@ def test_a_disk_tier_reads_values_of_every_chain_after_config_changes(tmp_path):
             assert reader.get(key) == bf16
         assert reader.corrupt == 0
         reader.close()
+
+
+# ---- values sealed under a key this process does not hold: never adopted, never offered ----------
+RING_B = encryption.KeyRing(encryption.MasterKey.of(KEY_B.encode()))
+
+
+def _disk(root: Path, ring: encryption.KeyRing | None) -> Any:
+    from kvtier.core.tiers.disk.tier import DiskTier
+
+    return DiskTier(root, NSD, 1 << 30, codec_args={"chain": ("aes-256-gcm",) if ring is not None else ("identity",),
+                                                    "keyring": ring})
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in root.rglob("*.kvc")}
+
+
+def test_a_disk_tier_with_another_key_adopts_none_of_the_values_counts_each_once_and_leaves_them(tmp_path):
+    """Issue 36's done-when on the disk tier itself: a tier opened on A's files with key B indexes
+    none of them (so a lookup offers none: ``contains`` and ``keys``), counts each file once as a
+    decrypt failure at start-up (again on none of the later rescans, reads or writes of those keys),
+    never replaces one (a write of such a key is refused: another engine's value), and leaves every
+    file as it was; files A writes while B runs are found by B's rescan and treated the same way;
+    the tier with key A afterwards opens them all."""
+    keys = [ChunkKey(bytes([i]) * 16) for i in range(5)]
+    writer = _disk(tmp_path, RING)
+    for key in keys[:3]:
+        assert writer.put(key, payload(key), TENANTS["A"]).name == "STORED"
+    before = _files(tmp_path)
+    assert len(before) == 3
+    wrong = _disk(tmp_path, RING_B)
+    try:
+        assert not any(wrong.contains(k) for k in keys) and wrong.keys() == [] and wrong.usage()[::3] == (0, 0)
+        assert codec_numbers(wrong).decrypt_failures == 3  # each file once, at start-up
+        for key in keys[3:]:  # written by A while B runs: B's rescan finds them and adopts none
+            assert writer.put(key, payload(key), TENANTS["A"]).name == "STORED"
+        found = wrong.rescan()
+        assert found.adopted == [] and found.corrupt == 0 and {k for k, _id in found.sealed_away} == set(keys[3:])
+        assert {kid for _k, kid in found.sealed_away} == {RING.current.key_id}
+        assert wrong.rescan().sealed_away == []  # remembered: not read again
+        for key in keys:  # every way in: a miss, nothing counted twice, nothing written over
+            assert wrong.get_into(key, memoryview(bytearray(CHUNK_BYTES))).name == "MISS"
+            assert wrong.get(key) is None and wrong.get_range(key, 0, 16) is None
+            assert wrong.put(key, payload(key)[::-1], TENANTS["A"]).name == "FAILED"
+        assert not any(wrong.contains(k) for k in keys) and wrong.keys() == []
+        numbers = codec_numbers(wrong)
+        assert numbers.decrypt_failures == len(keys) and wrong.corrupt == 0
+        wrong.check()
+    finally:
+        wrong.close()
+    assert len(_files(tmp_path)) == len(keys)  # every file still there
+    assert {n: v for n, v in _files(tmp_path).items() if n in before} == before  # not one byte changed
+    writer.close()
+    again = _disk(tmp_path, RING)  # the key that sealed them: every value opens
+    try:
+        assert sorted(again.keys()) == sorted(keys) and codec_numbers(again).decrypt_failures == 0
+        out = memoryview(bytearray(CHUNK_BYTES))
+        for key in keys:
+            assert again.get_into(key, out).name == "HIT" and out.tobytes() == payload(key)
+    finally:
+        again.close()
+
+
+def test_a_disk_tier_without_keys_stops_offering_an_encrypted_file_after_its_first_read(tmp_path):
+    """Without a key ring the start-up stays a listing (no header is read), so the files are
+    indexed; the first read of each is a miss counted as a decrypt failure, and from then on the
+    key is neither contained nor counted again, and the file stays."""
+    keys = [ChunkKey(bytes([i]) * 16) for i in range(3)]
+    writer = _disk(tmp_path, RING)
+    for key in keys:
+        assert writer.put(key, payload(key), TENANTS["A"]).name == "STORED"
+    writer.close()
+    before = _files(tmp_path)
+    plain = _disk(tmp_path, None)
+    try:
+        assert all(plain.contains(k) for k in keys)
+        out = memoryview(bytearray(CHUNK_BYTES))
+        for _round in range(2):
+            assert [plain.get_into(k, out).name for k in keys] == ["MISS"] * len(keys)
+        assert not any(plain.contains(k) for k in keys) and plain.keys() == []
+        assert codec_numbers(plain).decrypt_failures == len(keys) and plain.corrupt == 0
+        assert plain.rescan().adopted == []
+    finally:
+        plain.close()
+    assert _files(tmp_path) == before
