@@ -170,6 +170,32 @@ def test_reads_back_exactly_and_a_store_with_another_key_serves_nothing(target, 
         again.close()
 
 
+def test_a_store_with_another_key_offers_none_of_the_values_and_counts_each_once(target, tmp_path):
+    """A lookup never offers a value sealed under a key the store's ring lacks (the disk tier does
+    not index it; the redis and s3 lookups read each value's header and key id), however often it
+    is asked; each value is counted once as a decrypt failure, none as corrupt, and left in place;
+    the store with the key that sealed them offers and opens them all."""
+    chains = fill(target, key_file(tmp_path, KEY_A))
+    every = [k for chain in chains.values() for k in chain]
+    wrong = target.store(key_file(tmp_path, KEY_B, "other-key"))
+    try:
+        for _round in range(3):
+            assert [shared_prefix(wrong, chain) for chain in chains.values()] == [0] * len(chains)
+        numbers = codec_numbers(wrong.tier(target.name))
+        assert numbers is not None and numbers.decrypt_failures == len(every)
+        assert wrong.stats().tier(target.name).corrupt_chunks == 0
+    finally:
+        wrong.close()
+    assert len(target.raw_values()) == len(every)
+    right = target.store(key_file(tmp_path, KEY_A))
+    try:
+        assert [shared_prefix(right, chain) for chain in chains.values()] == [len(c) for c in chains.values()]
+        assert read_each(right, target, every) == [payload(k) for k in every]
+        assert codec_numbers(right.tier(target.name)).decrypt_failures == 0
+    finally:
+        right.close()
+
+
 def test_a_store_without_keys_serves_nothing_of_encrypted_values(target, tmp_path):
     chains = fill(target, key_file(tmp_path, KEY_A))
     every = [k for chain in chains.values() for k in chain]
@@ -387,3 +413,24 @@ def test_a_disk_tier_without_keys_stops_offering_an_encrypted_file_after_its_fir
     finally:
         plain.close()
     assert _files(tmp_path) == before
+
+
+def test_the_shared_lookups_memory_of_unopenable_values_is_bounded():
+    """:class:`~kvtier.core.tiers.sealedaway.SealedAway` answers from the header it is given (no
+    memory needed for the answer) and remembers the last ``max_keys`` keys only to count each
+    value once: a key it forgot is counted again when met again."""
+    from kvtier.core.codecstats import CodecStats
+    from kvtier.core.tiers.sealedaway import LOOKUP_HEAD_BYTES, SealedAway
+
+    keys = [ChunkKey(bytes([i]) * 16) for i in range(3)]
+    heads = [sealed(TENANTS["A"], payload(k), k)[:LOOKUP_HEAD_BYTES] for k in keys]
+    stats = CodecStats()
+    lookups = SealedAway(RING_B, stats, max_keys=2)
+    assert lookups.openable(keys, heads) == [False] * 3 and stats.snapshot().decrypt_failures == 3
+    assert lookups.openable(keys[1:], heads[1:]) == [False] * 2 and stats.snapshot().decrypt_failures == 3
+    assert len(lookups) == 2
+    assert lookups.openable(keys[:1], heads[:1]) == [False] and stats.snapshot().decrypt_failures == 4  # forgotten
+    held = SealedAway(RING, CodecStats())  # the ring that sealed them: present; absent stays absent
+    assert held.openable(keys + keys[:1], [*heads, b""]) == [True, True, True, False]
+    plain = SealedAway(None, CodecStats())
+    assert not plain.reads_heads and plain.openable(keys[:1], heads[:1]) == [False]
