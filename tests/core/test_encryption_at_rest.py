@@ -381,6 +381,18 @@ def test_a_disk_tier_with_another_key_adopts_none_of_the_values_counts_each_once
     assert len(_files(tmp_path)) == len(keys)  # every file still there
     assert {n: v for n, v in _files(tmp_path).items() if n in before} == before  # not one byte changed
     writer.close()
+    gone = keys[0]  # once its file is removed (kvtier purge --key-id), the key is written as any other
+    wrong = _disk(tmp_path, RING_B)
+    try:
+        wrong.path(gone).unlink()
+        assert wrong.put(gone, payload(gone), TENANTS["A"]).name == "STORED" and wrong.contains(gone)
+        assert wrong.get(gone) == payload(gone) and codec_numbers(wrong).decrypt_failures == len(keys)
+        wrong.delete(gone)
+    finally:
+        wrong.close()
+    restore = _disk(tmp_path, RING)  # A writes it again
+    assert restore.put(gone, payload(gone), TENANTS["A"]).name == "STORED"
+    restore.close()
     again = _disk(tmp_path, RING)  # the key that sealed them: every value opens
     try:
         assert sorted(again.keys()) == sorted(keys) and codec_numbers(again).decrypt_failures == 0

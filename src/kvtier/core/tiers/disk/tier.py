@@ -214,9 +214,13 @@ class DiskTier(DirectorySync, DiskReads, Tier):
     def put(self, key: ChunkKey, data: memoryview | bytes, tenant: Writer | None = None) -> PutResult:
         """Write ``data`` as an envelope whose header holds ``tenant``'s record (``None``: unknown).
         ``FAILED`` without writing when ``key``'s file is sealed under a master key this process
-        does not hold: another engine's value is never replaced (see the module docstring)."""
+        does not hold: another engine's value is never replaced (see the module docstring); once
+        that file is gone (``kvtier purge --key-id``), the key is written as any other."""
         if key in self._sealed_away:
-            return PutResult.FAILED
+            if os.path.lexists(self._file(key)):
+                return PutResult.FAILED
+            with self._lock:
+                self._sealed_away.discard(key)
         payload = memoryview(data).cast("B")
         sealed = None
         if not self.envelope.chain.passthrough:  # encoded first: the file's size is the encoded one
