@@ -170,6 +170,32 @@ def test_reads_back_exactly_and_a_store_with_another_key_serves_nothing(target, 
         again.close()
 
 
+def test_a_store_with_another_key_offers_none_of_the_values_and_counts_each_once(target, tmp_path):
+    """A lookup never offers a value sealed under a key the store's ring lacks (the disk tier does
+    not index it; the redis and s3 lookups read each value's header and key id), however often it
+    is asked; each value is counted once as a decrypt failure, none as corrupt, and left in place;
+    the store with the key that sealed them offers and opens them all."""
+    chains = fill(target, key_file(tmp_path, KEY_A))
+    every = [k for chain in chains.values() for k in chain]
+    wrong = target.store(key_file(tmp_path, KEY_B, "other-key"))
+    try:
+        for _round in range(3):
+            assert [shared_prefix(wrong, chain) for chain in chains.values()] == [0] * len(chains)
+        numbers = codec_numbers(wrong.tier(target.name))
+        assert numbers is not None and numbers.decrypt_failures == len(every)
+        assert wrong.stats().tier(target.name).corrupt_chunks == 0
+    finally:
+        wrong.close()
+    assert len(target.raw_values()) == len(every)
+    right = target.store(key_file(tmp_path, KEY_A))
+    try:
+        assert [shared_prefix(right, chain) for chain in chains.values()] == [len(c) for c in chains.values()]
+        assert read_each(right, target, every) == [payload(k) for k in every]
+        assert codec_numbers(right.tier(target.name)).decrypt_failures == 0
+    finally:
+        right.close()
+
+
 def test_a_store_without_keys_serves_nothing_of_encrypted_values(target, tmp_path):
     chains = fill(target, key_file(tmp_path, KEY_A))
     every = [k for chain in chains.values() for k in chain]
@@ -302,3 +328,121 @@ def test_a_disk_tier_reads_values_of_every_chain_after_config_changes(tmp_path):
             assert reader.get(key) == bf16
         assert reader.corrupt == 0
         reader.close()
+
+
+# ---- values sealed under a key this process does not hold: never adopted, never offered ----------
+RING_B = encryption.KeyRing(encryption.MasterKey.of(KEY_B.encode()))
+
+
+def _disk(root: Path, ring: encryption.KeyRing | None) -> Any:
+    from kvtier.core.tiers.disk.tier import DiskTier
+
+    return DiskTier(root, NSD, 1 << 30, codec_args={"chain": ("aes-256-gcm",) if ring is not None else ("identity",),
+                                                    "keyring": ring})
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in root.rglob("*.kvc")}
+
+
+def test_a_disk_tier_with_another_key_adopts_none_of_the_values_counts_each_once_and_leaves_them(tmp_path):
+    """Issue 36's done-when on the disk tier itself: a tier opened on A's files with key B indexes
+    none of them (so a lookup offers none: ``contains`` and ``keys``), counts each file once as a
+    decrypt failure at start-up (again on none of the later rescans, reads or writes of those keys),
+    never replaces one (a write of such a key is refused: another engine's value), and leaves every
+    file as it was; files A writes while B runs are found by B's rescan and treated the same way;
+    the tier with key A afterwards opens them all."""
+    keys = [ChunkKey(bytes([i]) * 16) for i in range(5)]
+    writer = _disk(tmp_path, RING)
+    for key in keys[:3]:
+        assert writer.put(key, payload(key), TENANTS["A"]).name == "STORED"
+    before = _files(tmp_path)
+    assert len(before) == 3
+    wrong = _disk(tmp_path, RING_B)
+    try:
+        assert not any(wrong.contains(k) for k in keys) and wrong.keys() == [] and wrong.usage()[::3] == (0, 0)
+        assert codec_numbers(wrong).decrypt_failures == 3  # each file once, at start-up
+        for key in keys[3:]:  # written by A while B runs: B's rescan finds them and adopts none
+            assert writer.put(key, payload(key), TENANTS["A"]).name == "STORED"
+        found = wrong.rescan()
+        assert found.adopted == [] and found.corrupt == 0 and {k for k, _id in found.sealed_away} == set(keys[3:])
+        assert {kid for _k, kid in found.sealed_away} == {RING.current.key_id}
+        assert wrong.rescan().sealed_away == []  # remembered: not read again
+        for key in keys:  # every way in: a miss, nothing counted twice, nothing written over
+            assert wrong.get_into(key, memoryview(bytearray(CHUNK_BYTES))).name == "MISS"
+            assert wrong.get(key) is None and wrong.get_range(key, 0, 16) is None
+            assert wrong.put(key, payload(key)[::-1], TENANTS["A"]).name == "FAILED"
+        assert not any(wrong.contains(k) for k in keys) and wrong.keys() == []
+        numbers = codec_numbers(wrong)
+        assert numbers.decrypt_failures == len(keys) and wrong.corrupt == 0
+        wrong.check()
+    finally:
+        wrong.close()
+    assert len(_files(tmp_path)) == len(keys)  # every file still there
+    assert {n: v for n, v in _files(tmp_path).items() if n in before} == before  # not one byte changed
+    writer.close()
+    gone = keys[0]  # once its file is removed (kvtier purge --key-id), the key is written as any other
+    wrong = _disk(tmp_path, RING_B)
+    try:
+        wrong.path(gone).unlink()
+        assert wrong.put(gone, payload(gone), TENANTS["A"]).name == "STORED" and wrong.contains(gone)
+        assert wrong.get(gone) == payload(gone) and codec_numbers(wrong).decrypt_failures == len(keys)
+        wrong.delete(gone)
+    finally:
+        wrong.close()
+    restore = _disk(tmp_path, RING)  # A writes it again
+    assert restore.put(gone, payload(gone), TENANTS["A"]).name == "STORED"
+    restore.close()
+    again = _disk(tmp_path, RING)  # the key that sealed them: every value opens
+    try:
+        assert sorted(again.keys()) == sorted(keys) and codec_numbers(again).decrypt_failures == 0
+        out = memoryview(bytearray(CHUNK_BYTES))
+        for key in keys:
+            assert again.get_into(key, out).name == "HIT" and out.tobytes() == payload(key)
+    finally:
+        again.close()
+
+
+def test_a_disk_tier_without_keys_stops_offering_an_encrypted_file_after_its_first_read(tmp_path):
+    """Without a key ring the start-up stays a listing (no header is read), so the files are
+    indexed; the first read of each is a miss counted as a decrypt failure, and from then on the
+    key is neither contained nor counted again, and the file stays."""
+    keys = [ChunkKey(bytes([i]) * 16) for i in range(3)]
+    writer = _disk(tmp_path, RING)
+    for key in keys:
+        assert writer.put(key, payload(key), TENANTS["A"]).name == "STORED"
+    writer.close()
+    before = _files(tmp_path)
+    plain = _disk(tmp_path, None)
+    try:
+        assert all(plain.contains(k) for k in keys)
+        out = memoryview(bytearray(CHUNK_BYTES))
+        for _round in range(2):
+            assert [plain.get_into(k, out).name for k in keys] == ["MISS"] * len(keys)
+        assert not any(plain.contains(k) for k in keys) and plain.keys() == []
+        assert codec_numbers(plain).decrypt_failures == len(keys) and plain.corrupt == 0
+        assert plain.rescan().adopted == []
+    finally:
+        plain.close()
+    assert _files(tmp_path) == before
+
+
+def test_the_shared_lookups_memory_of_unopenable_values_is_bounded():
+    """:class:`~kvtier.core.tiers.sealedaway.SealedAway` answers from the header it is given (no
+    memory needed for the answer) and remembers the last ``max_keys`` keys only to count each
+    value once: a key it forgot is counted again when met again."""
+    from kvtier.core.codecstats import CodecStats
+    from kvtier.core.tiers.sealedaway import LOOKUP_HEAD_BYTES, SealedAway
+
+    keys = [ChunkKey(bytes([i]) * 16) for i in range(3)]
+    heads = [sealed(TENANTS["A"], payload(k), k)[:LOOKUP_HEAD_BYTES] for k in keys]
+    stats = CodecStats()
+    lookups = SealedAway(RING_B, stats, max_keys=2)
+    assert lookups.openable(keys, heads) == [False] * 3 and stats.snapshot().decrypt_failures == 3
+    assert lookups.openable(keys[1:], heads[1:]) == [False] * 2 and stats.snapshot().decrypt_failures == 3
+    assert len(lookups) == 2
+    assert lookups.openable(keys[:1], heads[:1]) == [False] and stats.snapshot().decrypt_failures == 4  # forgotten
+    held = SealedAway(RING, CodecStats())  # the ring that sealed them: present; absent stays absent
+    assert held.openable(keys + keys[:1], [*heads, b""]) == [True, True, True, False]
+    plain = SealedAway(None, CodecStats())
+    assert not plain.reads_heads and plain.openable(keys[:1], heads[:1]) == [False]

@@ -70,12 +70,55 @@ def test_a_prefix_another_engine_saved_is_found_without_blocking(redis_server, k
         # what the scheduler-side connector exports (kvtier_shared_lookups_*): 6 of 9 pages found
         assert lookups.counters() == {"shared_lookups": 2, "shared_lookups_answered": 2, "shared_lookups_timed_out": 0,
                                       "shared_lookups_superseded": 0, "shared_lookups_skipped": 0,
-                                      "shared_lookup_chunks": 6 + 3, "shared_lookup_hit_chunks": 6}
+                                      "shared_lookup_chunks": 6 + 3, "shared_lookup_hit_chunks": 6,
+                                      "shared_lookup_sealed_away_chunks": 0}
         assert lookups.pending == 0
     finally:
         lookups.close()
         proxy.close()
         store.close()
+
+
+def test_values_sealed_under_another_master_key_are_never_found_and_counted_once(redis_server, key_prefix, tmp_path):
+    """Issue 36: the scheduler's lookups with a key ring read each value's header and key id, so a
+    prefix another engine saved under a master key this one does not hold is never offered (however
+    often it is asked), each value counted once in ``shared_lookup_sealed_away_chunks`` and left in
+    Redis; with the key that sealed it, the same lookup finds it."""
+    import redis
+
+    keys = {}
+    for name, text in (("a", "first-master-key-0123456789abcdef0123456789"),
+                       ("b", "second-master-key-0123456789abcdef0123456789")):
+        keys[name] = tmp_path / f"key-{name}"
+        keys[name].write_text(text, encoding="utf-8")
+
+    def sealed(name: str) -> dict:
+        return {"codecs": {"redis": ["aes-256-gcm"]}, "encryption": {"master_key_file": str(keys[name])}}
+    chain = chain_of(13, 4)
+    namespace = NS.digest()
+    store = TieredStore(_config(redis_server.url, key_prefix, **sealed("a")), NS, CHUNK_BYTES)
+    assert store.put(chain, [payload(k) for k in chain]) == len(chain)
+    assert store.flush(10)
+    store.close()
+    wrong = RemoteLookups(_config(redis_server.url, key_prefix, **sealed("b")))
+    right = RemoteLookups(_config(redis_server.url, key_prefix, **sealed("a")))
+    try:
+        assert wrong.bind([namespace]) and right.bind([namespace])
+        for req in ("r1", "r2", "r3"):  # asked again and again: never offered, counted once
+            assert _answer(wrong, req, chain)[0] == frozenset()
+        c = wrong.counters()
+        assert (c["shared_lookup_chunks"], c["shared_lookup_hit_chunks"]) == (3 * len(chain), 0)
+        assert c["shared_lookup_sealed_away_chunks"] == len(chain)
+        assert _answer(right, "r1", chain)[0] == set(chain)
+        assert right.counters()["shared_lookup_sealed_away_chunks"] == 0
+    finally:
+        wrong.close()
+        right.close()
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        assert len(list(client.scan_iter(match=f"{key_prefix}*"))) == len(chain)  # left in place
+    finally:
+        client.close()
 
 
 def test_replaced_and_dropped_lookups_count_as_superseded(redis_server, key_prefix):
@@ -106,7 +149,7 @@ def test_replaced_and_dropped_lookups_count_as_superseded(redis_server, key_pref
         assert lookups.counters() == {"shared_lookups": 3, "shared_lookups_answered": 1,
                                       "shared_lookups_timed_out": 0, "shared_lookups_superseded": 2,
                                       "shared_lookups_skipped": 0, "shared_lookup_chunks": 4,
-                                      "shared_lookup_hit_chunks": 4}
+                                      "shared_lookup_hit_chunks": 4, "shared_lookup_sealed_away_chunks": 0}
         assert lookups.pending == 0 and adds_up()
     finally:
         lookups.close()

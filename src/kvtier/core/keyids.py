@@ -24,3 +24,14 @@ def key_id_of(raw: bytes | memoryview) -> bytes | None:
     if not head.codecs or head.codecs[-1] != encryption.CODEC_ID or len(raw) < end:
         return None
     return bytes(memoryview(raw)[head.header_bytes:end])
+
+
+def unopenable(raw: bytes | memoryview, keyring: encryption.KeyRing | None) -> bytes | None:
+    """The master key id of the encrypted value whose first bytes are ``raw`` (as
+    :func:`key_id_of`) when ``keyring`` does not hold that key (``None``: no ring, so no key is
+    held); ``None`` when the value is not encrypted or the ring holds its key.  Such a value can
+    never open in this process: a tier neither indexes nor offers it, and leaves it in place."""
+    key_id = key_id_of(raw)
+    if key_id is None or (keyring is not None and keyring.find(key_id) is not None):
+        return None
+    return key_id

@@ -74,6 +74,10 @@ _PLAIN_COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "shared_lookup_chunks": ("kvtier_shared_lookup_chunks", "Chunks asked of the shared tier by answered lookups.", ()),
     "shared_lookup_hit_chunks": ("kvtier_shared_lookup_hit_chunks", ("Chunks found in the shared tier (every rank's "
                                  "value present) by answered lookups."), ()),
+    "shared_lookup_sealed_away_chunks": ("kvtier_shared_lookup_sealed_away_chunks", (
+        "Shared-tier values the scheduler's lookups answered absent because they are sealed under a master key "
+        "this kvtier does not hold (another engine's, or rotated out): never offered, left on the server; each "
+        "counted once (the last 16384 remembered per rank's tier)."), ()),
     # the scheduler's receipt sinks (kvtier.core.receiptsinks.receipt_counters)
     "receipts_dropped_log": ("kvtier_receipts_dropped", _RECEIPTS_DROPPED, ("log",)),
     "receipts_dropped_otlp": ("kvtier_receipts_dropped", _RECEIPTS_DROPPED, ("otlp",)),
@@ -101,8 +105,12 @@ _CODEC = {  # a lower tier's codec chain (kvtier.core.codecstats): payload key -
                           lambda n: n.stored_bytes),
     "codec_seconds": ("kvtier_codec_seconds", "Seconds in a lower tier's codec chain (encode and decode), by tier.",
                       lambda n: n.encode_seconds + n.decode_seconds),
-    "decrypt_failures": ("kvtier_decrypt_failures", ("Encrypted values that did not open (another master key, "
-                         "another tenant's header, damaged): each a miss, recomputed; by tier."),
+    "decrypt_failures": ("kvtier_decrypt_failures", (
+        "Encrypted values this engine's workers cannot open, by tier: each disk file sealed under a master key "
+        "this kvtier does not hold, counted once when found (start-up scan with a key ring, rescan, or its first "
+        "read) and never offered; each read of a value whose tag fails (another tenant's header, damaged: also "
+        "corrupt) or that meets another key's value (a shared tier without a key ring); a miss, recomputed. Shared "
+        "values the scheduler's lookups skip: kvtier_shared_lookup_sealed_away_chunks."),
                          lambda n: n.decrypt_failures),
 }
 _PLAIN_GAUGES: dict[str, tuple[str, str, str | None]] = {

@@ -8,6 +8,13 @@ removed (``clear``, a reset), the directory gone (deleted by hand: made again).
 with no lock held, then :meth:`~DirectorySync.adopt` changes the index (the store runs it under its
 own lock).  The pieces it uses (listing, header checks, writer locks) are
 :mod:`kvtier.core.tiers.disk.scan`'s.
+
+A file sealed under a master key this process's key ring does not hold (another engine's key, a
+key rotated out, or any encrypted file when no ring is configured; issue 36) is never indexed,
+so never offered by a lookup nor evicted: its key is remembered in the tier's ``_sealed_away``
+set (bounded by the files in the directory; forgotten when a listing no longer finds the file,
+or on ``clear``), counted once in the tier's codec numbers as a decrypt failure, and the file is
+left in place for the engines that hold the key (``kvtier purge --key-id`` removes it).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import os
 import threading
 from pathlib import Path
 
+from kvtier.core import envelope
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers.base import ClearResult
 from kvtier.core.tiers.disk.chunkfile import ChunkFormatError
@@ -51,6 +59,8 @@ class DirectorySync:
     _used: int
     _foreign: int
     _bad: set[ChunkKey]
+    _sealed_away: set[ChunkKey]
+    envelope: envelope.Envelope
     _writing: set[ChunkKey]
     _removed: set[ChunkKey] | None
     _tmp_shards: set[int]
@@ -98,6 +108,10 @@ class DirectorySync:
             for key in self._key_to_size:  # one pass over the index (a key's shard is its first byte)
                 if key[0] in by_shard:
                     by_shard[key[0]].add(key)
+            sealed: dict[int, set[ChunkKey]] = {shard: set() for shard in by_shard}
+            for key in self._sealed_away:
+                if key[0] in sealed:
+                    sealed[key[0]].add(key)
         liveness: dict[str, bool | None] = {}
         found: list[tuple[ChunkKey, int, float] | None] = []  # None: a file whose header failed
         for shard, path, mtime in changed:
@@ -111,10 +125,11 @@ class DirectorySync:
             (self._tmp_shards.add if live_tmp else self._tmp_shards.discard)(shard)
             indexed = by_shard[shard]
             result.missing += [k for k in indexed - on_disk if not os.path.lexists(self._file(k))]
-            new = [k for k in on_disk - indexed if k not in self._bad]
+            result.sealed_gone += [k for k in sealed[shard] - on_disk if not os.path.lexists(self._file(k))]
+            new = [k for k in on_disk - indexed - sealed[shard] if k not in self._bad]
             complete = len(new) <= budget
             for key in new[:budget]:
-                self._check_new(key, found)
+                self._check_new(key, found, result)
             budget -= min(len(new), budget)
             if mtime is None:
                 continue
@@ -130,12 +145,18 @@ class DirectorySync:
     def adopt(self, result: RescanResult) -> RescanResult:
         """Index the files :meth:`scan` found and forget the keys whose files it missed, unless
         this process changed them since (wrote, removed or is writing them, or the directory was
-        recreated); fills ``result.adopted`` and ``result.gone``.  Thread-safe; no I/O."""
+        recreated); fills ``result.adopted`` and ``result.gone``.  Files sealed under a key this
+        process does not hold are remembered instead (each counted once as a decrypt failure).
+        Thread-safe; no I/O."""
         with self._lock:
             removed, self._removed = self._removed or set(), None
             if result.generation != self.generation:
-                result.found, result.missing = [], []
+                result.found, result.missing, result.sealed_away = [], [], []
                 return result
+            self._sealed_away.difference_update(result.sealed_gone)
+            newly = [(key, kid) for key, kid in result.sealed_away
+                     if key not in self._key_to_size and key not in self._sealed_away and key not in removed]
+            self._sealed_away.update(key for key, _kid in newly)
             for key, size in result.found:
                 if key in self._key_to_size or key in self._bad or key in removed:
                     continue
@@ -147,21 +168,43 @@ class DirectorySync:
                 if key in self._key_to_size and key not in self._writing and key not in removed:
                     self._forget(key)
                     result.gone.append(key)
+        self.sealed_away_found([kid for _key, kid in newly], "found by a rescan")
         return result
 
-    def _check_new(self, key: ChunkKey, found: list[tuple[ChunkKey, int, float] | None]) -> None:
-        """Append ``(key, bytes, mtime)`` of ``key``'s file to ``found`` if its header checks out;
-        quarantine it (and append ``None``) if not."""
+    def sealed_away_found(self, key_ids: list[bytes], when: str) -> None:
+        """Count and log files (one master key id each) sealed under keys this process does not hold."""
+        for _ in key_ids:
+            self.envelope.stats.failed(True)
+        if key_ids:
+            ids = ", ".join(sorted({k.hex() for k in key_ids}))
+            log.warning("kvtier disk tier: %d chunk files in %s (%s) are sealed under master key %s, which this "
+                        "kvtier does not hold: not served, counted as decrypt failures and left in place for "
+                        "the engines that hold it (kvtier purge --key-id %s removes them)",
+                        len(key_ids), self.dir, when, ids, ids.split(", ")[0])
+
+    def unopenable(self, key_id: bytes | None) -> bool:
+        """Whether a value sealed under master key ``key_id`` (``None``: not encrypted) cannot open here."""
+        ring = self.envelope.keyring
+        return key_id is not None and (ring is None or ring.find(key_id) is None)
+
+    def _check_new(self, key: ChunkKey, found: list[tuple[ChunkKey, int, float] | None],
+                   result: RescanResult) -> None:
+        """Append ``(key, bytes, mtime)`` of ``key``'s file to ``found`` if its header checks out
+        (to ``result.sealed_away`` instead when it is sealed under a key this process does not
+        hold); quarantine it (and append ``None``) if not."""
         path = self._file(key)
         try:
-            size, mtime = header_bytes(path, self.namespace, key)
+            head = header_bytes(path, self.namespace, key)
         except FileNotFoundError:
             return
         except (ChunkFormatError, OSError) as exc:
             self._quarantine(key, Path(path), str(exc))
             found.append(None)
             return
-        found.append((key, size, mtime))
+        if head.key_id is not None and self.unopenable(head.key_id):
+            result.sealed_away.append((key, head.key_id))
+            return
+        found.append((key, head.size, head.mtime))
 
     def _recreate_locked(self) -> None:
         """The tier's directory vanished (deleted by hand): forget the index and make it again."""
@@ -174,6 +217,7 @@ class DirectorySync:
         self._key_to_size.update(writing)
         self._used = sum(writing.values())
         self._foreign = 0
+        self._sealed_away.clear()
         self._watch.forget()
         self._tmp_shards.clear()
         self.generation += 1
@@ -197,6 +241,7 @@ class DirectorySync:
             self._used = 0
             self._foreign = 0
             self._bad.clear()
+            self._sealed_away.clear()
             self._watch.forget()
             self.generation += 1
         result = remove_chunk_files(self.dir, len(self.namespace))

@@ -46,6 +46,7 @@ class DiskReads:
     _io: ChunkIO
     _lock: threading.Lock
     _bad: set[ChunkKey]
+    _sealed_away: set[ChunkKey]
     _writing: set[ChunkKey]
 
     def _file(self, key: ChunkKey) -> str:
@@ -82,7 +83,7 @@ class DiskReads:
               exact: bool) -> GetResult | memoryview:
         """:meth:`_read_verified` with the fall-back to buffered I/O; ``MISS``/``CORRUPT`` or the payload."""
         path = self._file(key)
-        if key in self._bad:  # counted once already, when it was found unusable
+        if key in self._bad or key in self._sealed_away:  # counted once already, when it was found unusable
             return GetResult.MISS
         try:
             try:
@@ -91,7 +92,10 @@ class DiskReads:
                 if not self._fall_back(exc):
                     raise
                 return self._read_verified(key, path, dst, records, exact)
-        except envelope.ForeignValue:  # another engine's master key: a miss, the file kept for it
+        except envelope.ForeignValue:  # another engine's master key (counted by the envelope): a miss,
+            with self._lock:           # the file kept for it, no longer indexed nor offered
+                self._forget(key)
+                self._sealed_away.add(key)
             return GetResult.MISS
         except FileNotFoundError:
             with self._lock:
@@ -175,7 +179,7 @@ class DiskReads:
             ValueError: a negative ``offset`` or ``length``.
         """
         check_range(offset, length)
-        if key in self._bad:
+        if key in self._bad or key in self._sealed_away:
             return None
         path = self._file(key)
         try:

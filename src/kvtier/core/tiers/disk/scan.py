@@ -23,8 +23,11 @@ The disk tier's index is rebuilt from its directory at start; a process sharing 
   between containers sharing a directory; a lock is neither).  A temporary file whose writer has
   no lock file (written by an older kvtier) is removed once older than ``stale_tmp_s``.
 - :func:`header_bytes` reads and checks one file's header block (namespace, key, length
-  against the file's size) before a file is adopted; its payload checksum is checked when it is
-  read, as for every chunk, so a damaged payload is still a counted miss then.
+  against the file's size) before a file is adopted, and the master key id of an encrypted one
+  (:mod:`kvtier.core.keyids`: a file sealed under a key this process does not hold is not adopted,
+  and left in place); its payload checksum is checked when it is read, as for every chunk, so a
+  damaged payload is still a counted miss then.  :func:`sealed_key_id` reads that key id alone
+  (the start-up scan of a tier with a key ring).
 """
 
 from __future__ import annotations
@@ -37,7 +40,10 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
+from kvtier.core import keyids
+from kvtier.core.encryption import KEY_ID_BYTES
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES, ChunkFormatError, decode_header
 
@@ -64,6 +70,10 @@ class RescanResult:
             found, oldest first, that :meth:`~kvtier.core.tiers.disk.tier.DiskTier.adopt` has still to index.
         missing: indexed keys whose files the scan did not find (forgotten by ``adopt``).
         generation: the tier's generation when the scan started (``adopt`` drops a stale scan).
+        sealed_away: ``(key, master key id)`` of header-checked files sealed under a key this
+            process's ring does not hold: ``adopt`` remembers them (not indexed, left in place) and
+            counts each once as a decrypt failure.
+        sealed_gone: remembered such keys whose files the scan did not find (forgotten by ``adopt``).
     """
 
     adopted: list[ChunkKey] = field(default_factory=list)
@@ -75,6 +85,8 @@ class RescanResult:
     found: list[tuple[ChunkKey, int]] = field(default_factory=list)
     missing: list[ChunkKey] = field(default_factory=list)
     generation: int = 0
+    sealed_away: list[tuple[ChunkKey, bytes]] = field(default_factory=list)
+    sealed_gone: list[ChunkKey] = field(default_factory=list)
 
 
 class ShardWatch:
@@ -270,9 +282,33 @@ def chunk_names(path: str, shard: int, key_bytes: int) -> tuple[set[ChunkKey], l
     return keys, tmps
 
 
-def header_bytes(path: str, namespace: bytes, key: ChunkKey) -> tuple[int, float]:
-    """Size in bytes and modification time (s) of the chunk file at ``path`` once its header
-    block checks out.
+class FileHead(NamedTuple):
+    """What :func:`header_bytes` found of one chunk file.
+
+    Attributes:
+        size: the file's bytes.
+        mtime: its modification time, s.
+        key_id: the master key id of an encrypted file (:func:`kvtier.core.keyids.key_id_of`),
+            ``None`` for a file that is not encrypted.
+    """
+
+    size: int
+    mtime: float
+    key_id: bytes | None
+
+
+HEAD_READ_BYTES = HEADER_BYTES + KEY_ID_BYTES
+"""Bytes read of a chunk file to check it before adopting it: the header block and the key id."""
+
+
+def _head(fd: int) -> bytes:
+    """The header block and an encrypted payload's key id (:data:`HEAD_READ_BYTES`; fewer at a short file's end)."""
+    return os.pread(fd, HEAD_READ_BYTES, 0)
+
+
+def header_bytes(path: str, namespace: bytes, key: ChunkKey) -> FileHead:
+    """Size in bytes, modification time (s) and master key id (encrypted files) of the chunk file
+    at ``path`` once its header block checks out.
 
     Raises:
         ChunkFormatError: not a regular file, or a header that is short, of another format,
@@ -285,11 +321,28 @@ def header_bytes(path: str, namespace: bytes, key: ChunkKey) -> tuple[int, float
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ChunkFormatError("not a regular file")
-        header = decode_header(os.pread(fd, HEADER_BYTES, 0))
+        raw = _head(fd)
+        header = decode_header(raw)
     finally:
         os.close(fd)
     if header.namespace != namespace or header.key != key:
         raise ChunkFormatError("chunk belongs to another namespace or key")
     if header.length != st.st_size - HEADER_BYTES:
         raise ChunkFormatError(f"payload is {st.st_size - HEADER_BYTES} bytes on disk, header says {header.length}")
-    return int(st.st_size), st.st_mtime
+    return FileHead(int(st.st_size), st.st_mtime, keyids.key_id_of(raw))
+
+
+def sealed_key_id(path: str) -> bytes | None:
+    """The master key id of the encrypted chunk file at ``path`` (its header block and the first
+    bytes of its payload, nothing verified), ``None`` when it is not an encrypted envelope or
+    cannot be read (a damaged file is then found, counted and removed by its first read)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    try:
+        return keyids.key_id_of(_head(fd))
+    except OSError:
+        return None
+    finally:
+        os.close(fd)

@@ -15,7 +15,12 @@
   directory at start, so a restarted engine still hits.  Temporary files a crashed writer left
   are removed at once (every writer holds a lock the kernel drops when it dies,
   :class:`~kvtier.core.tiers.disk.scan.WriterLock`), so a restart right after a SIGKILL
-  mid-write counts nothing twice and leaves nothing uncounted.
+  mid-write counts nothing twice and leaves nothing uncounted.  With a key ring (``encryption``
+  configured) the start-up scan also reads each file's header block and key id: a file sealed
+  under a master key the ring does not hold is not indexed (never offered, never evicted, not
+  counted in ``capacity_bytes``), counted once as a decrypt failure and left in place
+  (:mod:`kvtier.core.tiers.disk.directory`); without a ring the start-up stays a listing, and such
+  a file is found by its first read, counted, and then treated the same way.
 - **Shared directory**: several processes may point at the same directory (two engines, or a
   prefill and a decode instance).  ``contains`` answers from this process's index only (no
   filesystem access, no side effect); a file another process deleted is a miss when read.
@@ -53,7 +58,7 @@ from kvtier.core.tiers.disk.directory import STALE_TMP_S, DirectorySync
 from kvtier.core.tiers.disk.iomode import IO_MODES, IOMode, resolve_io
 from kvtier.core.tiers.disk.reads import DiskReads
 from kvtier.core.tiers.disk.reset import remove_chunk_files, reset_marked, unmark_reset
-from kvtier.core.tiers.disk.scan import SUFFIX, ShardWatch, WriterLock, indexed_files, tmp_name
+from kvtier.core.tiers.disk.scan import SUFFIX, ShardWatch, WriterLock, indexed_files, sealed_key_id, tmp_name
 
 log = logging.getLogger(__name__)
 WRITE_WARNING_INTERVAL_S = 10.0
@@ -111,6 +116,7 @@ class DiskTier(DirectorySync, DiskReads, Tier):
         self._used = 0
         self._foreign = 0  # files indexed that this process did not write (start-up scan, rescans)
         self._bad: set[ChunkKey] = set()  # unusable entries that could not be removed
+        self._sealed_away: set[ChunkKey] = set()  # files sealed under a master key the ring lacks: left in place
         self._writing: set[ChunkKey] = set()  # indexed before their file is renamed into place
         self._removed: set[ChunkKey] | None = None  # keys removed while a scan runs (adopt skips them)
         self._tmp_shards: set[int] = set()  # shards holding a live writer's temporary file, listed every round
@@ -142,10 +148,18 @@ class DiskTier(DirectorySync, DiskReads, Tier):
 
     def _rebuild_index(self) -> None:
         files, removed = indexed_files(self.dir, len(self.namespace), STALE_TMP_S)
+        sealed_away: list[bytes] = []  # key ids of files no key of the ring opens
+        check = self.envelope.keyring is not None  # no ring: such files are found by their first read
         for key, size in files:  # oldest first
+            key_id = sealed_key_id(self._file(key)) if check else None
+            if key_id is not None and self.unopenable(key_id):
+                self._sealed_away.add(key)
+                sealed_away.append(key_id)
+                continue
             self._key_to_size[key] = size
             self._used += size
-        self._foreign = len(files)
+        self._foreign = len(files) - len(sealed_away)
+        self.sealed_away_found(sealed_away, "at start-up")
         if removed:
             log.info("kvtier disk tier: removed %d temporary files crashed writers left in %s", removed, self.dir)
 
@@ -198,7 +212,15 @@ class DiskTier(DirectorySync, DiskReads, Tier):
             self._forget(key)
 
     def put(self, key: ChunkKey, data: memoryview | bytes, tenant: Writer | None = None) -> PutResult:
-        """Write ``data`` as an envelope whose header holds ``tenant``'s record (``None``: unknown)."""
+        """Write ``data`` as an envelope whose header holds ``tenant``'s record (``None``: unknown).
+        ``FAILED`` without writing when ``key``'s file is sealed under a master key this process
+        does not hold: another engine's value is never replaced (see the module docstring); once
+        that file is gone (``kvtier purge --key-id``), the key is written as any other."""
+        if key in self._sealed_away:
+            if os.path.lexists(self._file(key)):
+                return PutResult.FAILED
+            with self._lock:
+                self._sealed_away.discard(key)
         payload = memoryview(data).cast("B")
         sealed = None
         if not self.envelope.chain.passthrough:  # encoded first: the file's size is the encoded one
@@ -209,6 +231,8 @@ class DiskTier(DirectorySync, DiskReads, Tier):
         with self._lock:
             if key in self._key_to_size:
                 return PutResult.PRESENT
+            if key in self._sealed_away:  # found by a rescan meanwhile
+                return PutResult.FAILED
             if self._used + size > self.capacity_bytes:
                 return PutResult.NO_ROOM
             self._key_to_size[key] = size  # reserve room while writing
@@ -313,6 +337,7 @@ class DiskTier(DirectorySync, DiskReads, Tier):
         with self._lock:
             known = key in self._key_to_size
             self._forget(key)
+            self._sealed_away.discard(key)
         return _unlink(self.path(key)) or known
 
     def keys(self) -> list[ChunkKey]:

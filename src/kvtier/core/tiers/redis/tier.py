@@ -57,6 +57,7 @@ from kvtier.core.tiers.buffers import BufferPool
 from kvtier.core.tiers.guarded import PutStream, WriteAbandoned, split_get
 from kvtier.core.tiers.redis import stream as redisstream
 from kvtier.core.tiers.redis.clear import clear_namespace
+from kvtier.core.tiers.sealedaway import LOOKUP_HEAD_BYTES, SealedAway
 from kvtier.core.tiers.sharedreads import SharedReads
 from kvtier.core.tiers.sharedvalue import HEADER_BYTES, ValueCodec, keyspace, verify_into
 
@@ -93,6 +94,7 @@ class RedisTier(SharedReads, Tier):
         super().__init__()
         self.client = client
         self.codec = ValueCodec(namespace, secret, **(codec_args or NO_CODECS))
+        self.sealed_away = SealedAway(self.codec.envelope.keyring, self.codec.envelope.stats)
         self.prefix = f"{key_prefix}{namespace.hex()}:{keyspace(secret)}".encode()
         self.ttl_s = ttl_s
         self.header_wait_s = header_wait_s
@@ -117,13 +119,14 @@ class RedisTier(SharedReads, Tier):
         return self.contains_many([key])[0]
 
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        """One pipeline of ``EXISTS``."""
+        """One pipeline of ``EXISTS``; with a key ring, of ``GETRANGE`` of each value's head (:mod:`.sealedaway`)."""
         if not keys:
             return []
-        pipe = self.client.pipeline(transaction=False)
+        pipe, heads = self.client.pipeline(transaction=False), self.sealed_away.reads_heads
         for key in keys:
-            pipe.exists(self.rkey(key))
-        return [bool(n) for n in pipe.execute()]
+            pipe.getrange(self.rkey(key), 0, LOOKUP_HEAD_BYTES - 1) if heads else pipe.exists(self.rkey(key))
+        got = pipe.execute()
+        return self.sealed_away.openable(keys, [bytes(v) for v in got]) if heads else [bool(n) for n in got]
 
     def get_into(self, key: ChunkKey, dst: memoryview, records: TenantRecords | None = None) -> GetResult:
         return self.get_many([key], [dst], records)[0]

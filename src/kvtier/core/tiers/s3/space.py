@@ -19,6 +19,7 @@ Thread-safe (one lock over the index and the count).
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import OrderedDict
@@ -28,6 +29,7 @@ from typing import Any
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers.base import TierUsage
 from kvtier.core.tiers.s3.objects import DELETE_BATCH, S3Objects
+from kvtier.core.tiers.sealedaway import LOOKUP_HEAD_BYTES, SealedAway
 
 WRITTEN_KEYS_MAX = 1 << 16
 """Keys remembered without a capacity cap (``indexed``/``keys``), most recent kept."""
@@ -85,6 +87,24 @@ class S3Space:
         if meta is None or self.expired(meta["last_modified"].timestamp()):
             return None
         return meta
+
+    def lookup(self, keys: Sequence[ChunkKey], paths: Sequence[str], sealed: SealedAway) -> list[bool]:
+        """Which of ``keys`` (objects ``paths``) are live: a ``HEAD`` each (in parallel); with a key
+        ring, then a ranged ``GET`` of each live value's head, a value sealed under a key the ring
+        lacks answering absent (:mod:`kvtier.core.tiers.sealedaway`).  Raises on a fault."""
+        if not sealed.reads_heads:
+            metas = self.objects.run(lambda: self.objects.each(self.head, paths))
+            return [m is not None for m in metas]
+
+        async def one(path: str) -> bytes | None:
+            async with self.objects.requests():
+                meta = await self.head(path)
+            size = 0 if meta is None else int(meta["size"])
+            return await self.objects.read_range(path, 0, min(LOOKUP_HEAD_BYTES, size)) if size else None
+
+        async def heads() -> list[bytes | None]:  # each request takes the gate itself
+            return list(await asyncio.gather(*(one(p) for p in paths)))
+        return sealed.openable(keys, self.objects.run(heads))
 
     async def delete_expired(self, paths: list[str]) -> None:
         """Delete objects a read found past the TTL (bulk deletes one after another, on the loop).

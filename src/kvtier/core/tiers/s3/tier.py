@@ -12,7 +12,7 @@
   ``shared_secret`` (:func:`~kvtier.core.tiers.sharedvalue.keyspace`) keeps engines under
   different secrets apart, as in the redis tier; a LIST of one namespace's "directory" never
   lists another's.
-- **Batches in parallel**: ``contains_many`` is one ``HEAD`` per chunk, ``get_many`` one ``GET``
+- **Batches in parallel**: ``contains_many`` is one ``HEAD`` per chunk (:meth:`.space.S3Space.lookup`), ``get_many`` one ``GET``
   per chunk and ``put_many`` one ``PUT`` per chunk, at most ``s3_concurrency`` requests in flight
   (one asyncio loop on the tier's own thread drives them all).
 - **Writes never replace an object** (chunk bytes never change under their key).  With
@@ -65,6 +65,7 @@ from kvtier.core.tiers.s3.client import brief
 from kvtier.core.tiers.s3.conditional import ConditionalPut
 from kvtier.core.tiers.s3.objects import S3Objects
 from kvtier.core.tiers.s3.space import S3Space
+from kvtier.core.tiers.sealedaway import SealedAway
 from kvtier.core.tiers.sharedreads import SharedReads
 from kvtier.core.tiers.sharedvalue import HEADER_BYTES, ValueCodec, keyspace, verify_into
 
@@ -108,6 +109,7 @@ class S3Tier(SharedReads, Tier):
         self._exists_errors = (AlreadyExistsError, PreconditionError)
         self.store = store
         self.codec = ValueCodec(namespace, secret, **(codec_args or NO_CODECS))
+        self.sealed_away = SealedAway(self.codec.envelope.keyring, self.codec.envelope.stats)
         space = keyspace(secret).rstrip(":")
         self.prefix = f"{key_prefix}{namespace.hex()}{'-' + space if space else ''}/"
         self.concurrency, self.conditional_put, self.where = concurrency, conditional_put, where
@@ -152,8 +154,7 @@ class S3Tier(SharedReads, Tier):
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
         if not keys:
             return []
-        metas = self.objects.run(lambda: self.objects.each(self.space.head, [self.object_key(k) for k in keys]))
-        return [m is not None for m in metas]
+        return self.space.lookup(keys, [self.object_key(k) for k in keys], self.sealed_away)
 
     def get_into(self, key: ChunkKey, dst: memoryview, records: TenantRecords | None = None) -> GetResult:
         return self.get_many([key], [dst], records)[0]

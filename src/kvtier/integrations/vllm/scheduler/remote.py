@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from kvtier.core.codecstats import codec_numbers
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
@@ -93,6 +94,7 @@ class RemoteLookups:
         self._skip_reason = ""  # why the last _start sent nothing
         self.asked = self.answered = self.timed_out = self.skipped = self.superseded = 0
         self.answered_chunks = self.found_chunks = 0  # over answered lookups: the shared tier's hit rate
+        self._sealed_away_closed = 0  # values sealed under a key the ring lacks, met by tiers closed since
 
     def bind(self, namespaces: Sequence[bytes]) -> bool:
         """Use the shared tier under the ranks' ``namespaces``; False while a rank's is unknown."""
@@ -234,14 +236,19 @@ class RemoteLookups:
         (replaced or dropped before their answer was read; sent = answered + superseded +
         :attr:`pending`), ``shared_lookups_skipped`` (not sent: queue full or the tier not ready),
         ``shared_lookup_chunks`` / ``shared_lookup_hit_chunks`` (asked / found, over answered
-        lookups)."""
+        lookups), ``shared_lookup_sealed_away_chunks`` (values the lookups answered absent because
+        they are sealed under a master key this kvtier's ring lacks, each once:
+        :mod:`kvtier.core.tiers.sealedaway`)."""
+        sealed_away = self._sealed_away_closed + sum(_sealed_away(t) for t in self._tiers)
         return {"shared_lookups": self.asked, "shared_lookups_answered": self.answered,
                 "shared_lookups_timed_out": self.timed_out, "shared_lookups_superseded": self.superseded,
                 "shared_lookups_skipped": self.skipped,
-                "shared_lookup_chunks": self.answered_chunks, "shared_lookup_hit_chunks": self.found_chunks}
+                "shared_lookup_chunks": self.answered_chunks, "shared_lookup_hit_chunks": self.found_chunks,
+                "shared_lookup_sealed_away_chunks": sealed_away}
 
     def close_tiers(self) -> None:
         for tier in self._tiers:
+            self._sealed_away_closed += _sealed_away(tier)
             tier.close()
         self._tiers = []
 
@@ -249,6 +256,13 @@ class RemoteLookups:
         """Stop asking; idempotent."""
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.close_tiers()
+
+
+def _sealed_away(tier: Any) -> int:
+    """Values a scheduler's tier found sealed under a key its ring lacks (its lookups are all it
+    does, so every decrypt failure it counted is one of them)."""
+    numbers = codec_numbers(tier)
+    return numbers.decrypt_failures if numbers is not None else 0
 
 
 def _held_by_every_rank(tiers: Sequence[Any], keys: Sequence[bytes]) -> tuple[frozenset[bytes], str]:
