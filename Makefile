@@ -41,7 +41,9 @@ redis-bin:
 #  1. tests that start no vLLM engine, on two workers (pytest-xdist, one per core);
 #  2. engine tests marked `shares_cpu` (exact outputs and counts only: a start-up beside another
 #     costs time, never a result), on two workers, each worker's engines computing on a core of
-#     their own (tests/conftest.py; measured: 19 tests, about 1,070 test-seconds, in 587 s);
+#     their own (tests/conftest.py; measured: 19 tests, about 1,070 test-seconds, in 587 s; since
+#     joined by the receipts walk, the live doctor and bench-receipts tests and the encrypted disk
+#     restart, about 190 test-seconds when run alone);
 #  3. the other engine tests one at a time: the live-server tests judge latency (TTFT tails, a
 #     doctor's interval) or hold deadlines of seconds that a second engine beside them would distort.
 # test-fast leaves out every engine test: minutes instead of the full run, for development.

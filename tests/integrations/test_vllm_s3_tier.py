@@ -130,6 +130,7 @@ def _wait_for(path: Path, proc, timeout_s: float) -> None:
 
 
 @pytest.mark.parametrize("tier", ["disk"])  # the encrypted S3 restart: the stall test above (one engine pair less)
+@pytest.mark.shares_cpu  # exact outputs and counts only, no deadline: it may run beside another engine test
 def test_a_restart_served_from_an_encrypted_tier_is_exact(tiny_model: Path, tmp_path: Path, tier: str) -> None:
     """Issue 36: the same restart over a tier encrypted at rest (``codecs: {tier: [aes-256-gcm]}``,
     the master key in a file): engine A computes a prompt and serves its repeat from vLLM's own
