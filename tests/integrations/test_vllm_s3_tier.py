@@ -129,7 +129,7 @@ def _wait_for(path: Path, proc, timeout_s: float) -> None:
     assert path.exists(), f"engine B did not reach {path.name} (exit code {proc.poll()})"
 
 
-@pytest.mark.parametrize("tier", ["disk"])  # the encrypted S3 restart: the stall test above (one engine pair less)
+@pytest.mark.parametrize("tier", ["disk", "s3"])  # s3: the wrong-key engine C reads no object (its lookups read key ids)
 @pytest.mark.shares_cpu  # exact outputs and counts only, no deadline: it may run beside another engine test
 def test_a_restart_served_from_an_encrypted_tier_is_exact(tiny_model: Path, tmp_path: Path, tier: str) -> None:
     """Issue 36: the same restart over a tier encrypted at rest (``codecs: {tier: [aes-256-gcm]}``,
