@@ -98,7 +98,9 @@ class LocalNode:
 
     def argv(self) -> list[str]:
         """The owner's command line (this interpreter's kvtier)."""
-        return [sys.executable, "-m", "kvtier.cli.main", "node", "serve", "--pool", str(self.pool.pool_path),
+        from kvtier.core.tiers.node.settings import TIER  # ``kvtier node`` is named after its tier
+
+        return [sys.executable, "-m", "kvtier.cli.main", TIER, "serve", "--pool", str(self.pool.pool_path),
                 "--node-gib", f"{self.pool.node_gib:g}", "--socket", self.pool.socket,
                 "--page-kib", str(self.pool.page_kib)]
 
