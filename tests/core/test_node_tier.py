@@ -400,3 +400,31 @@ def test_a_batch_verifies_every_value_it_serves_on_the_helper_thread_or_inline(n
     finally:
         tier.close()
     assert inner.verifier._helper is None  # closed with the tier
+
+
+def test_the_way_a_batch_is_verified_is_measured_and_never_overlapped_without_a_spare_core(node_server):
+    """Left to measure (``overlap`` None), the verifier never overlaps a batch on 2 CPUs (the helper
+    thread is never made), and on 8 it tries both ways and keeps timing them; every batch is served
+    exactly either way."""
+    from kvtier.core.tiers.disk.readchoice import ReadChooser
+
+    tier = engine_tier(node_server)
+    inner = unwrap(tier)
+    assert isinstance(inner, NodeTier) and inner.verifier.overlap is None
+    keys = [key(i) for i in range(40)]  # 320 KiB: a batch large enough to be worth splitting (SPLIT_MIN_BYTES)
+    try:
+        assert tier.put_many(keys, [data(i) for i in range(40)]) == [PutResult.STORED] * 40
+        for cpus in (2, 8):
+            inner.verifier.chooser = ReadChooser(cpus=cpus)
+            for _ in range(8):
+                outs = [bytearray(CHUNK) for _ in keys]
+                assert tier.get_many(keys, [memoryview(o) for o in outs]) == [GetResult.HIT] * 40
+                assert [bytes(o) for o in outs] == [data(i) for i in range(40)]
+            chooser = inner.verifier.chooser
+            assert chooser.running == 0 and chooser.splits + chooser.serials == 8
+            if cpus == 2:
+                assert chooser.splits == 0 and inner.verifier._helper is None
+            else:
+                assert chooser.splits >= 3 and chooser.serials >= 3 and inner.verifier._helper is not None
+    finally:
+        tier.close()

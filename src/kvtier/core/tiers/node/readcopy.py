@@ -1,35 +1,34 @@
 """The node tier's read: a value's payload copied out of the shared pages into the caller's buffer,
 and its digest verified over the copy (what is served), never over the shared pages (one pass over
-the pool; bytes changed in the pool after the check could not be served).
+the pool; bytes changed in the pool after the check are never served).
 
-Two costs decide a load's speed against the cpu tier's (a copy alone), measured on EPYC-2
-(docs/benchmarks.md, "The node tier"):
+What a load costs against the cpu tier's (a copy alone), measured on EPYC-2 with
+``scripts/node_load_cost.py`` (docs/benchmarks.md, "The node tier"): the pin round trip and the
+bookkeeping cost nothing visible (without the digest the load is 1.03-1.07x the cpu tier's); the
+digest (XXH3-128, the fastest kind the envelope has, or the keyed BLAKE3 MAC of
+``shared_secret``) is the whole gap, about 0.3x when it runs after the copy on the same core.
+Two ways, per batch:
 
-- **The copy's block**: glibc copies a block of up to ``rep_movsb_stop_threshold`` bytes with
-  ``rep movsb``, and on AMD that threshold is the L2 size (512 KiB on EPYC-2; glibc 2.36
-  sysdeps/x86/dl-cacheinfo.h, ``ld.so --list-diagnostics``); there ``rep movsb`` moved 2 GiB/s
-  against 7 GiB/s for larger blocks.  The payload is copied :data:`COPY_BLOCK_BYTES` at a time
-  (at or above that threshold on current x86 parts, still within L2/L3 so the digest reads it
-  from cache), with ``numpy.copyto``, which releases the GIL (a slice assignment of a memoryview
-  holds it, stalling the engine's other threads for the whole copy).
-- **The digest** (XXH3-128, the fastest kind the envelope has; or the keyed BLAKE3 MAC with
-  ``shared_secret``): about a third of the copy's time when run after it on the same core.  In a
-  batch of several values on a host with a core to spare (:data:`OVERLAP_MIN_CPUS`), the digest
-  of value ``i`` runs on a helper thread (both hashes and ``numpy.copyto`` release the GIL) while
-  value ``i + 1`` is copied, so only the last value's digest stays on the load's path.  Without
-  a spare core the helper only waits for one: on EPYC-2 (2 CPUs, load 8.4) a 256 MiB batch of
-  2 MiB values took 1.92× the cpu tier's get overlapped against 1.41× inline (median of 11
-  interleaved rounds), so there every value is copied and hashed block by block on the caller's
-  thread, as a single value always is.
+- **inline** (every single value, and every batch where the other way is not measured faster):
+  the payload is copied :data:`COPY_BLOCK_BYTES` at a time and each block hashed right after, while
+  it is in cache; 1.26-1.28x the cpu tier's get on 2 CPUs.
+- **overlapped** (batches of two or more values): each value is copied whole with
+  ``numpy.copyto`` (which releases the GIL) and its digest runs on a helper thread (XXH3 and
+  BLAKE3 release it too) while the next value is copied, so only the last value's digest stays on
+  the load's path when a core is free.  Where none is, the helper waits for one: 1.51-1.56x on
+  2 CPUs at load 2.4-4.
 
-Either way a value whose digest does not match, or that was not verified within
-:data:`VERIFY_WAIT_S`, is refused (``EnvelopeError``): a miss, never served.
+Which way a batch takes is measured, not assumed: :class:`~kvtier.core.tiers.disk.readchoice.ReadChooser`
+(the disk tier's serial-or-split chooser: the medians of recent loads per size class, exploring
+the other way now and then) decides, and it never tries the overlapped way while twice the loads
+in flight reach the usable CPUs (so never on 2 CPUs).  Either way a value whose digest does not
+match, or that was not verified within :data:`VERIFY_WAIT_S`, is refused (``EnvelopeError``): a
+miss, never served.
 """
 
 from __future__ import annotations
 
 import hmac
-import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -38,22 +37,12 @@ import numpy as np
 
 from kvtier.core import codecs, envelope
 from kvtier.core.keys import ChunkKey
+from kvtier.core.tiers.disk.readchoice import ReadChooser
 
-COPY_BLOCK_BYTES = 1 << 20
-"""Bytes copied and hashed at a time on the caller's thread (see the module docstring)."""
-OVERLAP_MIN_CPUS = 4
-"""Usable CPUs from which a batch's digests run on the helper thread (the engine's scheduler and
-worker threads keep the others busy; as the disk tier's split reads, never on 2 CPUs)."""
+COPY_BLOCK_BYTES = 256 << 10
+"""Bytes copied and hashed at a time inline (256 KiB to 4 MiB measured alike; 32-128 KiB slower)."""
 VERIFY_WAIT_S = 30.0
 """Longest the caller waits for a value's digest from the helper thread (a miss after that)."""
-
-
-def usable_cpus() -> int:
-    """CPUs this process may run on (its affinity mask where the OS has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 class Pending:
@@ -62,7 +51,7 @@ class Pending:
     :meth:`result` returns the value's tenant record (``None``: the format has none) or raises
     ``ChunkFormatError``."""
 
-    __slots__ = ("_error", "_future", "_record")
+    __slots__ = ("_future", "_record")
 
     def __init__(self, record: bytes | None = None, future: Future[bytes | None] | None = None) -> None:
         self._record = record
@@ -95,19 +84,33 @@ def _verify(env: envelope.Envelope, header: envelope.EnvelopeHeader, head: bytes
 class Verifier:
     """Copies values out of the pool and verifies them (see the module docstring); one per tier.
 
-    Args:
-        env: the tier's envelope (namespace, digest kind, codec chain).
-        overlap: verify on the helper thread while the next value is copied (batches of two or
-            more values); ``False``: every value on the caller's thread; ``None``: where this
-            process may use at least :data:`OVERLAP_MIN_CPUS` CPUs.
+    Attributes:
+        overlap: ``None`` (default): each batch's way as :attr:`chooser` measures best; ``True`` /
+            ``False``: always overlapped / always inline (tests, ``scripts/node_load_cost.py``).
+        chooser: the measurements of both ways (this tier's own).
     """
 
-    def __init__(self, env: envelope.Envelope, overlap: bool | None = None) -> None:
+    def __init__(self, env: envelope.Envelope) -> None:
         self.env = env
-        self.overlap = usable_cpus() >= OVERLAP_MIN_CPUS if overlap is None else overlap
+        self.overlap: bool | None = None
+        self.chooser = ReadChooser()
         self._helper: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._closed = False
+
+    def begin(self, batch_bytes: int, values: int) -> tuple[tuple[int, int] | None, bool]:
+        """Start a batch of ``values`` values, ``batch_bytes`` in all: (its class for :meth:`end`,
+        whether to overlap).  A single value is always inline (nothing to overlap with)."""
+        if values < 2:
+            return None, False
+        if self.overlap is not None:
+            return None, self.overlap
+        return self.chooser.begin(batch_bytes)
+
+    def end(self, cls: tuple[int, int] | None, overlapped: bool, batch_bytes: int, seconds: float) -> None:
+        """Record a batch :meth:`begin` started (its copies and digests took ``seconds``)."""
+        if cls is not None:
+            self.chooser.end(cls, overlapped, batch_bytes, seconds)
 
     def _executor(self) -> ThreadPoolExecutor | None:
         with self._lock:
@@ -117,11 +120,11 @@ class Verifier:
                 self._helper = ThreadPoolExecutor(1, thread_name_prefix="kvtier-node-verify")
             return self._helper
 
-    def copy(self, key: ChunkKey, value: memoryview, dst: memoryview, batched: bool) -> Pending:
-        """Copy ``value``'s payload into ``dst`` and check its digest (now, or on the helper thread
-        when ``batched`` and :attr:`overlap`: :meth:`Pending.result` then waits for it).  A value
-        in another format or with a codec chain that changes the bytes:
-        :meth:`~kvtier.core.envelope.Envelope.open_into` on this thread.
+    def copy(self, key: ChunkKey, value: memoryview, dst: memoryview, overlapped: bool) -> Pending:
+        """Copy ``value``'s payload into ``dst`` and check its digest: now, or on the helper thread
+        when ``overlapped`` (:meth:`Pending.result` then waits for it).  A value in another format
+        or with a codec chain that changes the bytes: :meth:`~kvtier.core.envelope.Envelope.open_into`
+        on this thread.
 
         Raises:
             ChunkFormatError: the header does not belong here (namespace, key, length, kind), or,
@@ -137,19 +140,19 @@ class Verifier:
         if header.stored_bytes != value.nbytes - header.header_bytes:
             raise envelope.EnvelopeError(f"payload is {value.nbytes - header.header_bytes} bytes, "
                                          f"header says {header.stored_bytes}")
-        src = np.frombuffer(value, dtype=np.uint8, offset=header.header_bytes)
-        target = np.frombuffer(out, dtype=np.uint8)
-        helper = self._executor() if batched and self.overlap else None
+        src = value[header.header_bytes:]
+        helper = self._executor() if overlapped else None
         if helper is not None:
-            np.copyto(target, src)
+            np.copyto(np.frombuffer(out, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
             try:
                 return Pending(future=helper.submit(_verify, self.env, header, head, out))
             except RuntimeError:  # closed meanwhile: verified here
                 return Pending(_verify(self.env, header, head, out))
         h = self.env.hasher(head[:envelope.DIGEST_OFFSET])
         for at in range(0, out.nbytes, COPY_BLOCK_BYTES):  # each block hashed while it is in cache
-            np.copyto(target[at:at + COPY_BLOCK_BYTES], src[at:at + COPY_BLOCK_BYTES])
-            h.update(out[at:at + COPY_BLOCK_BYTES])
+            block = out[at:at + COPY_BLOCK_BYTES]
+            block[:] = src[at:at + COPY_BLOCK_BYTES]
+            h.update(block)
         _digest_matches(h, header.digest)
         return Pending(header.record)
 

@@ -8,7 +8,7 @@ data path it keeps (:class:`~kvtier.core.tiers.guarded.SplitTier`):
   message for the batch; ``finish_get`` (the caller's thread, no socket) copies each payload from
   the shared pages into the caller's buffer (the one copy a read needs) and verifies the digest
   over the copy (:mod:`~kvtier.core.tiers.node.readcopy`: in a batch, on a helper thread while the
-  next value is copied), then checks the pages still carry the pin's generation (if not, the
+  next value is copied where that is measured faster), then checks the pages still carry the pin's generation (if not, the
   page was reused: a miss, never a served byte) and queues the release.
 - **write**: ``produce`` (the caller's thread) takes the envelope headers (digests);
   ``send`` (the wrapper's threads) is granted pages (one message), copies header and payload into
@@ -120,36 +120,41 @@ class NodeTier(PoolMemory, EnvelopeTier):
         out: list[GetResult] = [GetResult.MISS] * len(keys)
         done: list[int] = []
         copied: list[tuple[int, int, int, int, Pending | ChunkFormatError]] = []
-        batched = sum(pin is not None for pin in pins) > 1
-        for i, (key, pin, dst) in enumerate(zip(keys, pins, dsts, strict=True)):
-            if pin is None:
-                continue
-            lease, page, nbytes, gen = pin
-            done.append(lease)
-            try:
-                pending: Pending | ChunkFormatError = self.verifier.copy(key, pool.value(page, nbytes), dst, batched)
-            except ChunkFormatError as exc:
-                pending = exc
-            copied.append((i, page, nbytes, gen, pending))
+        cls, overlapped = self.verifier.begin(sum(pin[2] for pin in pins if pin is not None),
+                                              sum(pin is not None for pin in pins))
         moved = corrupt = 0
-        for i, page, nbytes, gen, pending in copied:
-            try:
-                if isinstance(pending, ChunkFormatError):
-                    raise pending
-                record = pending.result()
-            except ChunkFormatError as exc:
+        try:
+            for i, (key, pin, dst) in enumerate(zip(keys, pins, dsts, strict=True)):
+                if pin is None:
+                    continue
+                lease, page, nbytes, gen = pin
+                done.append(lease)
+                try:
+                    pending: Pending | ChunkFormatError = self.verifier.copy(key, pool.value(page, nbytes), dst,
+                                                                             overlapped)
+                except ChunkFormatError as exc:
+                    pending = exc
+                copied.append((i, page, nbytes, gen, pending))
+            for i, page, nbytes, gen, pending in copied:
+                try:
+                    if isinstance(pending, ChunkFormatError):
+                        raise pending
+                    record = pending.result()
+                except ChunkFormatError as exc:
+                    if not pool.same_generation(page, nbytes, gen):
+                        continue  # reused under an expired pin: not this value's fault (a miss)
+                    log.warning("kvtier node tier: value of chunk %s is unusable (%s); deleted, treated as a miss",
+                                keys[i].hex(), exc)
+                    corrupt += 1
+                    out[i] = GetResult.CORRUPT
+                    continue
                 if not pool.same_generation(page, nbytes, gen):
-                    continue  # reused under an expired pin: not this value's fault (a miss)
-                log.warning("kvtier node tier: value of chunk %s is unusable (%s); deleted, treated as a miss",
-                            keys[i].hex(), exc)
-                corrupt += 1
-                out[i] = GetResult.CORRUPT
-                continue
-            if not pool.same_generation(page, nbytes, gen):
-                continue  # the page was granted again while we copied: never served (a miss)
-            note_verified(records, self.namespace, keys[i], record)
-            moved += nbytes
-            out[i] = GetResult.HIT
+                    continue  # the page was granted again while we copied: never served (a miss)
+                note_verified(records, self.namespace, keys[i], record)
+                moved += nbytes
+                out[i] = GetResult.HIT
+        finally:
+            self.verifier.end(cls, overlapped, sum(c[2] for c in copied), time.perf_counter() - t0)
         self.client.release_later(serial, done)
         if corrupt:
             with self._counts:
