@@ -1,5 +1,6 @@
 """``bench compare --replicas 2`` on real vLLM servers (tiny model, dummy weights) and a real
-redis-server: two kvtier replicas with local tiers only against two sharing one Redis.
+redis-server: two kvtier replicas with local tiers only against two sharing one Redis; and two
+sharing the node pool (``kvtier-node``) whose owner the comparison starts.
 
 Workload: 3 prefixes of 1,024 tokens + 64-token suffixes, A B C A B C, one request in flight, so
 with round robin over two replicas every prefix comes back on the replica that did NOT compute
@@ -56,3 +57,47 @@ def test_two_replicas_reuse_each_others_prefixes_only_through_redis(tmp_path: Pa
     assert [r["external_hit_tokens"] for r in figures["kvtier"]] == [0, 0]
     # the run's keys were deleted afterwards; nothing outside its prefix was touched
     assert not list(redis_server.client().scan_iter(match=f"{key_prefix}*".encode()))
+
+
+def test_two_replicas_reuse_each_others_prefixes_through_the_node_pool_the_bench_starts(tmp_path: Path) -> None:
+    """The ``kvtier-node`` arm: the comparison starts one ``kvtier node serve`` for the run, both
+    replicas use its pool, and it is stopped (its pool deleted) afterwards, its log beside theirs."""
+    from kvtier.bench.arms import make_arm
+    from kvtier.bench.compare import run_compare, warmup_workload
+    from kvtier.bench.prefix_repetition import prefix_repetition_workload
+    from kvtier.bench.report import compare_json
+    from kvtier.bench.shared_node import NodePool
+    from kvtier.bench.workload import vocab_token_space
+    from kvtier.launch.serve import ServerSpec
+    from kvtier.launch.testmodel import write_model
+
+    model = write_model(tmp_path / "tiny", "tiny", weights="none")
+    tokens = vocab_token_space(seed=0, vocab_size=2048)
+    workload = prefix_repetition_workload(tokens, num_requests=6, prefix_len=1024, suffix_len=64, num_prefixes=3,
+                                          output_len=2)
+    spec = ServerSpec(model=str(model), max_model_len=2048, cache_tokens=2048, enforce_eager=True)
+    kvtier = {"cpu_gib": 0.05, "shared_deadline_s": 60.0, "shared_transfer_deadline_s": 60.0, "node_timeout_s": 60.0}
+    pool = NodePool.make(0.0625)
+    try:
+        arm = make_arm("kvtier-node", tmp_path, kvtier, node_config=pool.extra_config())
+        result = run_compare([arm], workload, spec, tmp_path / "out", warmup=warmup_workload(tokens),
+                             max_concurrency=1, stall_timeout_s=180.0, start_timeout_s=600.0, progress=False,
+                             replicas=2, node_pool=pool)
+    finally:
+        pool.remove()
+    (shared,) = result.outcomes
+    assert shared.ok, shared.failure
+    assert [r.replica for r in shared.run.results] == [0, 1, 0, 1, 0, 1]  # type: ignore[union-attr]
+    assert [m.prefix_queries for m in shared.replica_meters] == [3 * 1088, 3 * 1088]
+    # one pool: replica 0 loads B (computed by replica 1), replica 1 loads A and C (computed by 0)
+    assert [m.external_hits for m in shared.replica_meters] == [1024, 2 * 1024]
+    assert shared.meters is not None and shared.meters.external_hits == 3 * 1024
+    figures = compare_json(result)["per_replica"]
+    assert [r["external_hit_tokens"] for r in figures["kvtier-node"]] == [1024, 2048]
+    # the receipts say the node tier served them, and agree with the metrics
+    assert shared.receipts is not None and shared.receipts.receipts.tiers() == {"node": 3 * 1024}
+    assert shared.receipts.notes() == []
+    # the owner's log is beside the servers'; it was stopped and its pool is gone
+    log = tmp_path / "out" / "kvtier-node.node.log"
+    assert log.is_file() and all(p.parent == log.parent for p in shared.replica_logs)
+    assert not pool.dir.exists()

@@ -7,6 +7,10 @@
 - ``kvtier-s3``: every replica the same bucket and run prefix on the private ``rclone serve s3``
   the bench starts (a real server here), credentials only in a 0600 file; ``kvtier check`` on a
   replica's config reaches the bucket with them, and a run's objects are removed afterwards;
+- ``kvtier-node``: every replica the same ``node_socket``; each run gets a fresh ``kvtier node serve``
+  owner (a real one here) on a new pool in /dev/shm, its log beside the servers', stopped and the
+  pool deleted after the run, also when the run raises; an owner that cannot start fails that run
+  of the arm only;
 - bad combinations end in one ``error:`` line and exit 2.
 """
 
@@ -24,11 +28,16 @@ from pathlib import Path
 import pytest
 
 from kvtier.bench.arms import make_arm
-from kvtier.bench.compare import fresh_storage
 from kvtier.bench.replicas import ReplicaSet, replica_log_paths, replica_specs
+from kvtier.bench.runscope import fresh_storage, run_scope
+from kvtier.bench.shared_node import LocalNode, NodePool
 from kvtier.bench.shared_redis import with_run_prefix as with_key_prefix
 from kvtier.bench.shared_s3 import LocalS3, delete_prefix
 from kvtier.bench.shared_s3 import with_run_prefix as with_object_prefix
+from kvtier.core.keys import ChunkKey
+from kvtier.core.tiers import GetResult, PutResult
+from kvtier.core.tiers.node.client import NodeClient
+from kvtier.core.tiers.node.tier import NodeTier
 from kvtier.launch.serve import ServerSpec
 
 SPEC = ServerSpec(model="m", max_model_len=1024, cache_tokens=2048, enforce_eager=True)
@@ -138,6 +147,86 @@ def test_kvtier_s3_replicas_share_one_bucket_and_run_prefix_on_the_private_serve
         pass
 
 
+def _pool_stats(socket_path: str):
+    from kvtier.core.tiers.node import protocol as p
+
+    client = NodeClient(socket_path, 5.0, "test")
+    try:
+        reply, _, _ = client.call(p.Stats())
+        assert isinstance(reply, p.StatsReply)
+        return reply
+    finally:
+        client.close()
+
+
+def test_kvtier_node_replicas_share_one_fresh_owner_per_run(tmp_path: Path) -> None:
+    pool = NodePool.make(0.01, page_kib=16)
+    try:
+        assert pool.dir.parent == Path("/dev/shm") and stat.S_IMODE(pool.dir.stat().st_mode) == 0o700
+        # the config's own node_socket is replaced by the bench's pool; other keys stay
+        arm = make_arm("kvtier-node", tmp_path, {"cpu_gib": 0.5, "node_socket": "/run/elsewhere.sock",
+                                                 "node_timeout_s": 5.0}, node_config=pool.extra_config())
+        assert "/run/elsewhere.sock" not in arm.description and pool.socket in arm.description
+        with pytest.raises(ValueError, match="kvtier-node arm needs the pool"):
+            make_arm("kvtier-node", tmp_path, {"cpu_gib": 0.5})
+        spec = dataclasses.replace(SPEC, kv_transfer_config=arm.kv_transfer_config)
+        lines = [serve_line_config(s) for s in replica_specs(spec, 2)]
+        assert lines[0] == lines[1]
+        extra = lines[0]["kv_connector_extra_config"]
+        assert extra["node_socket"] == pool.socket and extra["node_gib"] == 0.01 and extra["node_timeout_s"] == 5.0
+        for k in range(2):
+            log = tmp_path / f"kvtier-node-run{k}.node.log"
+            with run_scope(arm, k, "tag", node_pool=pool, node_log=log) as run_arm:
+                assert run_arm == arm
+                assert pool.pool_path.stat().st_size == int(0.01 * (1 << 30))  # the pool's size is the arm's node_gib
+                # a real owner answers on the replicas' socket, with a fresh pool (no run starts warm) ...
+                assert (_pool_stats(pool.socket).epoch, _pool_stats(pool.socket).num_values) == (1, 0)
+                # ... that one replica writes and the other reads, as the run's servers do
+                writer = NodeTier(NodeClient(pool.socket, 5.0, "r0"), bytes(16), None, 5.0)
+                reader = NodeTier(NodeClient(pool.socket, 5.0, "r1"), bytes(16), None, 5.0)
+                try:
+                    assert writer.put(ChunkKey(bytes(16)), b"kv" * 4096) is PutResult.STORED
+                    out = bytearray(8192)
+                    assert reader.get_into(ChunkKey(bytes(16)), memoryview(out)) is GetResult.HIT
+                    assert bytes(out) == b"kv" * 4096 and _pool_stats(pool.socket).num_values == 1
+                finally:
+                    writer.close()
+                    reader.close()
+            assert log.is_file() and "node" in log.read_text().lower()  # the owner's log, beside the servers'
+            assert not pool.pool_path.exists() and not Path(pool.socket).exists()  # stopped, pool deleted
+        # an arm that does not name the pool gets no owner
+        with run_scope(make_arm("kvtier", tmp_path), 0, "tag", node_pool=pool, node_log=tmp_path / "x.log"):
+            assert not Path(pool.socket).exists()
+        assert not (tmp_path / "x.log").exists()
+        # the owner goes when the run raises, too
+        with pytest.raises(RuntimeError, match="engine died"), \
+                run_scope(arm, 2, "tag", node_pool=pool, node_log=tmp_path / "r2.log"):
+            raise RuntimeError("engine died")
+        assert not pool.pool_path.exists() and not Path(pool.socket).exists()
+    finally:
+        pool.remove()
+    assert not pool.dir.exists()
+
+
+def test_a_node_owner_that_cannot_start_fails_in_one_line_naming_its_log(tmp_path: Path) -> None:
+    from kvtier.core.errors import ServerStartError
+
+    pool = NodePool.make(1 << 19)  # 512 TiB: more than any /dev/shm, refused by the owner at start
+    try:
+        with pytest.raises(ServerStartError, match=r"kvtier node serve exited with code 2 at start-up; see .*node.log"):
+            LocalNode(pool, tmp_path / "node.log").start()
+        # a run of the arm raises it before any vLLM server starts (bench compare records that run as
+        # failed, naming the log, and goes on with the others); nothing is left in the pool's directory
+        arm = make_arm("kvtier-node", tmp_path, {"cpu_gib": 0.5}, node_config=pool.extra_config())
+        log = tmp_path / "out" / "kvtier-node-run1.node.log"
+        with pytest.raises(ServerStartError, match="does not fit|cannot create the node pool"), \
+                run_scope(arm, 1, "tag", node_pool=pool, node_log=log):
+            pytest.fail("the run went on without its owner")
+        assert log.is_file() and list(pool.dir.iterdir()) == []
+    finally:
+        pool.remove()
+
+
 def _ram_gib() -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30))
 
@@ -150,6 +239,16 @@ def _ram_gib() -> int:
      "the kvtier-redis arm adds the redis tier, but --kvtier-config sets tiers to ['cpu']"),
     (["--arms", "native", "--replicas", "2"], f"cpu_gib: {_ram_gib()}\n",
      f"--replicas 2 x (--memory-fraction 0.25 of RAM + a {_ram_gib()} GiB cpu tier) would hold"),
+    (["--arms", "kvtier-node"], "tiers: [cpu, disk]\n",
+     "the kvtier-node arm adds the node tier, but --kvtier-config sets tiers to ['cpu', 'disk']"),
+    (["--arms", "native", "--node-gib", "1"], "cpu_gib: 0.5\n",
+     "--node-gib sizes the kvtier-node arm's pool only; add kvtier-node to --arms"),
+    (["--arms", "kvtier-node", "--node-gib", "500000"], "cpu_gib: 0.5\n",
+     "the kvtier-node arm's pool of 500000 GiB does not fit in /dev/shm"),
+    # a quarter of RAM fits in /dev/shm (half of RAM by default) but not beside two servers' 40 % each
+    (["--arms", "kvtier-node", "--replicas", "2", "--memory-fraction", "0.4"],
+     f"cpu_gib: 0.5\nnode_gib: {max(1, _ram_gib() // 4)}\n",
+     f"+ a 0.5 GiB cpu tier) + a {max(1, _ram_gib() // 4)} GiB node pool would hold"),
 ])
 def test_bad_replica_arm_combinations_are_one_sentence_and_exit_2(tmp_path: Path, args: list[str], config: str,
                                                                    message: str) -> None:

@@ -363,3 +363,68 @@ def test_purge_and_the_probe_reach_the_pool_through_its_blob_store(node_server):
     finally:
         mine.close()
         theirs.close()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_batch_verifies_every_value_it_serves_on_the_helper_thread_or_inline(node_server, overlap):
+    """A batch of 6 values with one payload byte changed in the pool: that value is a counted miss
+    (deleted), the other 5 are served exactly; with ``overlap`` the digests ran on the helper thread
+    (:mod:`kvtier.core.tiers.node.readcopy`), without it on the caller's; the same for a batch whose
+    only value is the changed one (verified inline)."""
+    tier = engine_tier(node_server)
+    inner = unwrap(tier)
+    assert isinstance(inner, NodeTier)
+    inner.verifier.overlap = overlap
+    try:
+        keys = [key(i) for i in range(6)]
+        assert tier.put_many(keys, [data(i) for i in range(6)]) == [PutResult.STORED] * 6
+        reply, pool, serial = inner.client.call(protocol.Pin(NS, [bytes(keys[3])], []))
+        lease, page, nbytes, _gen = reply.leases[0]
+        pool.value(page, nbytes)[nbytes - 5] ^= 0x40  # a payload byte near the end (the last block)
+        inner.client.release_later(serial, [lease])
+        outs = [bytearray(CHUNK) for _ in keys]
+        got = tier.get_many(keys, [memoryview(o) for o in outs])
+        assert got == [GetResult.HIT] * 3 + [GetResult.CORRUPT] + [GetResult.HIT] * 2
+        assert [bytes(o) for i, o in enumerate(outs) if i != 3] == [data(i) for i in range(6) if i != 3]
+        helper = inner.verifier._helper
+        assert (helper is not None) is overlap
+        assert until(lambda: node_server.stats().num_values == 5)  # the corrupt value was deleted
+        # one value alone is verified on the caller's thread: a changed byte is caught there too
+        assert tier.put(key(9), data(9)) is PutResult.STORED
+        reply, pool, serial = inner.client.call(protocol.Pin(NS, [bytes(key(9))], []))
+        lease, page, nbytes, _gen = reply.leases[0]
+        pool.value(page, nbytes)[nbytes - CHUNK] ^= 0x01  # the first payload byte
+        inner.client.release_later(serial, [lease])
+        assert read(tier, key(9))[0] is GetResult.CORRUPT
+        assert tier.get_many(keys[:2], [memoryview(bytearray(CHUNK)) for _ in range(2)]) == [GetResult.HIT] * 2
+    finally:
+        tier.close()
+    assert inner.verifier._helper is None  # closed with the tier
+
+
+def test_the_way_a_batch_is_verified_is_measured_and_never_overlapped_without_a_spare_core(node_server):
+    """Left to measure (``overlap`` None), the verifier never overlaps a batch on 2 CPUs (the helper
+    thread is never made), and on 8 it tries both ways and keeps timing them; every batch is served
+    exactly either way."""
+    from kvtier.core.tiers.disk.readchoice import ReadChooser
+
+    tier = engine_tier(node_server)
+    inner = unwrap(tier)
+    assert isinstance(inner, NodeTier) and inner.verifier.overlap is None
+    keys = [key(i) for i in range(40)]  # 320 KiB: a batch large enough to be worth splitting (SPLIT_MIN_BYTES)
+    try:
+        assert tier.put_many(keys, [data(i) for i in range(40)]) == [PutResult.STORED] * 40
+        for cpus in (2, 8):
+            inner.verifier.chooser = ReadChooser(cpus=cpus)
+            for _ in range(8):
+                outs = [bytearray(CHUNK) for _ in keys]
+                assert tier.get_many(keys, [memoryview(o) for o in outs]) == [GetResult.HIT] * 40
+                assert [bytes(o) for o in outs] == [data(i) for i in range(40)]
+            chooser = inner.verifier.chooser
+            assert chooser.running == 0 and chooser.splits + chooser.serials == 8
+            if cpus == 2:
+                assert chooser.splits == 0 and inner.verifier._helper is None
+            else:
+                assert chooser.splits >= 3 and chooser.serials >= 3 and inner.verifier._helper is not None
+    finally:
+        tier.close()

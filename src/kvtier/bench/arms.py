@@ -8,6 +8,9 @@
 * ``kvtier-s3``: the ``kvtier`` arm plus kvtier's shared ``s3`` tier on a private ``rclone serve
   s3`` the comparison starts (:mod:`kvtier.bench.shared_s3`); with ``--replicas N`` its N servers
   share one bucket and key prefix.
+* ``kvtier-node``: the ``kvtier`` arm plus kvtier's ``node`` tier on a pool owner (``kvtier node
+  serve``) the comparison starts for every run (:mod:`kvtier.bench.shared_node`); with
+  ``--replicas N`` its N servers share the one pool, as the engines of one host would.
 * ``native``: vLLM's own ``OffloadingConnector`` with its CPU tier (``CPUOffloadingSpec``,
   vllm/v1/kv_offload/cpu/spec.py), sized like kvtier's cpu tier.  On a CPU-only vLLM it is loaded
   through :mod:`kvtier.bench.native_cpu`, a benchmark-only module that swaps the CUDA copy
@@ -30,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ARM_NAMES = ("baseline", "kvtier", "kvtier-redis", "kvtier-s3", "native", "example")
-SHARED_TIER_KEYS = {"kvtier-redis": "redis_url", "kvtier-s3": "s3_bucket"}
+ARM_NAMES = ("baseline", "kvtier", "kvtier-redis", "kvtier-s3", "kvtier-node", "native", "example")
+SHARED_TIER_KEYS = {"kvtier-redis": "redis_url", "kvtier-s3": "s3_bucket", "kvtier-node": "node_socket"}
 """The arms that add a shared tier, and the configuration key that asks for it (the tier's name is
 read from its registry record, :func:`shared_tier_of`)."""
 BASELINE = "baseline"
@@ -115,16 +118,27 @@ def shared_tier_conflict(arm_name: str, kvtier_config: dict[str, Any] | None) ->
 
 
 def make_arm(name: str, work_dir: Path, kvtier_config: dict[str, Any] | None = None,
-             redis_url: str | None = None, s3_config: dict[str, Any] | None = None) -> ArmSpec:
+             redis_url: str | None = None, s3_config: dict[str, Any] | None = None,
+             node_config: dict[str, Any] | None = None) -> ArmSpec:
     """The arm called ``name``; files an arm writes (ExampleConnector's storage) go under ``work_dir``;
     ``redis_url`` is the shared server of the ``kvtier-redis`` arm, ``s3_config`` the s3 tier's
     keys of the ``kvtier-s3`` arm (:meth:`kvtier.bench.shared_s3.S3Target.extra_config`: endpoint,
-    bucket, credentials file; they replace any from ``kvtier_config``).
+    bucket, credentials file; they replace any from ``kvtier_config``), ``node_config`` the node
+    tier's keys of the ``kvtier-node`` arm (:meth:`kvtier.bench.shared_node.NodePool.extra_config`).
 
     Raises:
-        ValueError: ``name`` is not one of :data:`ARM_NAMES`, ``kvtier-redis`` without ``redis_url``
-            or ``kvtier-s3`` without ``s3_config``.
+        ValueError: ``name`` is not one of :data:`ARM_NAMES`, ``kvtier-redis`` without ``redis_url``,
+            ``kvtier-s3`` without ``s3_config`` or ``kvtier-node`` without ``node_config``.
     """
+    if name == "kvtier-node":
+        if not node_config or not node_config.get("node_socket"):
+            raise ValueError("the kvtier-node arm needs the pool bench compare starts for it "
+                             "(kvtier.bench.shared_node.NodePool)")
+        base = make_arm("kvtier", work_dir, {**(kvtier_config or {}), **node_config})
+        what = _describe({k: v for k, v in (kvtier_config or {}).items() if k not in node_config})
+        return ArmSpec(name, base.kv_transfer_config,
+                       f"KVTierConnector ({what + ', ' if what else ''}shared node tier: a "
+                       f"{node_config.get('node_gib', 0):g} GiB pool at {node_config['node_socket']})")
     if name == "kvtier-s3":
         if not s3_config or not s3_config.get("s3_bucket"):
             raise ValueError("the kvtier-s3 arm needs the S3 server bench compare starts for it "

@@ -17,11 +17,9 @@ the ``baseline`` arm when it ran, on the medians over runs, with the noise check
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
-import shutil
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +41,7 @@ from kvtier.bench.replicas import (
     sum_deltas,
 )
 from kvtier.bench.results import RunResult, RunSummary
+from kvtier.bench.shared_node import NodePool
 from kvtier.bench.shared_s3 import S3Target
 from kvtier.bench.spread import Spread, figures_of, judge_spread, spreads
 from kvtier.bench.verdict import ArmFigures, Thresholds, Verdict, baseline_verdict
@@ -247,21 +246,6 @@ def warmup_workload(tokens: TokenSpace) -> Workload:
     return Workload(name="warmup", params={}, requests=(request,))
 
 
-def fresh_storage(arm: ArmSpec, repeat: int) -> tuple[ArmSpec, Path | None]:
-    """The arm with its storage directory (if any) moved to ``<path>/run-<repeat>``, emptied, and
-    that directory (``None`` when the arm writes no files)."""
-    base = arm.disk_path
-    if base is None or arm.kv_transfer_config is None:
-        return arm, None
-    run_dir = Path(base) / f"run-{repeat}"
-    shutil.rmtree(run_dir, ignore_errors=True)
-    extra = dict(arm.kv_transfer_config["kv_connector_extra_config"])
-    key = "disk_path" if "disk_path" in extra else "shared_storage_path"
-    extra[key] = str(run_dir)
-    config = {**arm.kv_transfer_config, "kv_connector_extra_config": extra}
-    return dataclasses.replace(arm, kv_transfer_config=config), run_dir
-
-
 def run_failure(run: RunResult) -> str | None:
     """Why a run of an arm counts as failed, or ``None``: the run was aborted (engine died or
     hung), or no request succeeded (e.g. every one answered HTTP 400), so there is no figure to
@@ -333,13 +317,16 @@ def run_compare(arms: list[ArmSpec], workload: Workload, engine: ServerSpec, out
                 warmup: Workload | None, max_concurrency: int | None = None, stall_timeout_s: float = 300.0,
                 start_timeout_s: float = 900.0, thresholds: Thresholds | None = None, progress: bool = True,
                 repeats: int = 1, on_arm: Callable[[ArmSpec, int], None] | None = None,
-                replicas: int = 1, s3_target: S3Target | None = None) -> CompareResult:
+                replicas: int = 1, s3_target: S3Target | None = None,
+                node_pool: NodePool | None = None) -> CompareResult:
     """Run every arm ``repeats`` times, interleaved, each run on ``replicas`` servers (requests
     round robin, :mod:`kvtier.bench.replicas`), and judge each against ``baseline`` (see the
     module docstring).  An arm with a shared ``redis_url`` gets a key prefix of its own per run,
     deleted afterwards (:func:`kvtier.bench.shared_redis.with_run_prefix`); so does an arm with an
     ``s3_bucket`` (:func:`kvtier.bench.shared_s3.with_run_prefix`), whose objects are removed from
-    ``s3_target`` (the private server of the ``kvtier-s3`` arm) after the run.
+    ``s3_target`` (the private server of the ``kvtier-s3`` arm) after the run; an arm whose servers
+    name ``node_pool``'s socket (``kvtier-node``) gets a fresh owner of that pool per run, its log
+    ``<arm>[-run<k>].node.log`` (:mod:`kvtier.bench.runscope`).
 
     ``on_arm(arm, repeat)`` is called before each run starts (the CLI prints a line there).  Server
     logs are written to ``out_dir/<arm>.log`` (``<arm>-run<k>.log`` with several runs), the raw
@@ -347,8 +334,8 @@ def run_compare(arms: list[ArmSpec], workload: Workload, engine: ServerSpec, out
     client's per-request results (``.requests.json``); with several replicas, ``-r<i>`` before the
     suffix names each server's log and ``/metrics`` texts.
     """
-    from kvtier.bench import shared_s3
-    from kvtier.bench.shared_redis import delete_prefix, run_tag, with_run_prefix
+    from kvtier.bench.runscope import run_scope
+    from kvtier.bench.shared_redis import run_tag
 
     thresholds = thresholds or Thresholds()
     outcomes: list[ArmOutcome] = []
@@ -357,23 +344,16 @@ def run_compare(arms: list[ArmSpec], workload: Workload, engine: ServerSpec, out
         for arm in arms:
             if on_arm is not None:
                 on_arm(arm, k)
-            run_spec, run_dir = fresh_storage(arm, k)
-            run_spec, key_prefix, redis_url = with_run_prefix(run_spec, tag, k)
-            run_spec, object_prefix = shared_s3.with_run_prefix(run_spec, tag, k)
             stem = arm.name if repeats == 1 else f"{arm.name}-run{k}"
+            node_log = out_dir / f"{stem}.node.log"
             try:
-                outcome = run_arm(run_spec, workload, engine, out_dir / f"{stem}.log", warmup=warmup,
-                                  max_concurrency=max_concurrency, stall_timeout_s=stall_timeout_s,
-                                  start_timeout_s=start_timeout_s, progress=progress, repeat=k, replicas=replicas)
-            finally:
-                if run_dir is not None:
-                    shutil.rmtree(run_dir, ignore_errors=True)
-                if key_prefix is not None and redis_url is not None:
-                    with contextlib.suppress(Exception):  # best effort: the keys expire at redis_ttl_s anyway
-                        delete_prefix(redis_url, key_prefix)
-                if object_prefix is not None and s3_target is not None:
-                    with contextlib.suppress(Exception):  # best effort: the server and its files go at the end
-                        shared_s3.delete_prefix(s3_target, object_prefix)
+                with run_scope(arm, k, tag, s3_target=s3_target, node_pool=node_pool, node_log=node_log) as run_spec:
+                    outcome = run_arm(run_spec, workload, engine, out_dir / f"{stem}.log", warmup=warmup,
+                                      max_concurrency=max_concurrency, stall_timeout_s=stall_timeout_s,
+                                      start_timeout_s=start_timeout_s, progress=progress, repeat=k,
+                                      replicas=replicas)
+            except ServerStartError as exc:  # the run's node pool owner: the arm's run fails, the others go on
+                outcome = ArmOutcome(arm, node_log, 0.0, None, None, ArmFailure(str(exc), (), node_log), repeat=k)
             outcomes.append(dataclasses.replace(outcome, arm=arm))
     return CompareResult(workload=workload, engine=engine, outcomes=tuple(outcomes),
                          arms=judge_arms(arms, outcomes, thresholds), repeats=repeats, replicas=replicas)

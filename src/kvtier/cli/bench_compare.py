@@ -1,6 +1,6 @@
 """``kvtier bench compare``: one vLLM server per arm and run, the same workload sent to each, the
 arms side by side; with the checks of its arms, replicas and memory, and the shared Redis and S3
-servers it starts for the kvtier-redis and kvtier-s3 arms."""
+servers it starts for the kvtier-redis, kvtier-s3 and kvtier-node arms."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ from kvtier.cli.errors import check_output_path, fail, make_output_dir
 
 COMPARE_HELP = """Start one vLLM server per arm and run, and send each the same workload.
 
-Arms: baseline (no connector), kvtier (KVTierConnector, default config or --kvtier-config), kvtier-redis (the kvtier arm plus the shared redis tier on the server --redis names or, with --redis auto, starts on 127.0.0.1; every run under a key prefix of its own, deleted afterwards), kvtier-s3 (the kvtier arm plus the shared s3 tier on a private rclone serve s3 the command starts on 127.0.0.1 under --out, one bucket for all replicas, every run under a key prefix of its own, removed afterwards; needs rclone and obstore: make install), native (vLLM's OffloadingConnector with a CPU tier the size of kvtier's, one per server; on a CPU-only vLLM through kvtier.bench.native_cpu, a benchmark-only shim that swaps the CUDA copy kernel for host copies), example (vLLM's ExampleConnector), and any connector given as --arm NAME='KV_TRANSFER_CONFIG_JSON'. Same model, engine cache size (--engine-cache-tokens), core pinning and workload for every arm. With --repeats N the arms run interleaved (A B C A B C ...) and every figure is the median of N runs with its range; "helping" needs TTFT p50 ranges that do not overlap. Prints one table (hit rates, TTFT p50/p99, throughput, ratios to baseline, verdict) and writes report.md, ttft_cdf.png, per-run server logs and /metrics texts to --out; --json writes the figures as JSON. An arm whose engine dies or hangs is reported with the request where it happened and its log; the other arms still run. With --replicas N every arm runs N servers side by side and request k goes to server k mod N (a round-robin load balancer without affinity); the table's figures are per arm (hit-rate counters summed over its servers, TTFTs over every request) and a second table gives each replica's. Each replica has its own cpu tier (kvtier's or native's) and its own disk_path directory (<disk_path>/run-<k>/r<i>); the replicas of kvtier-redis and kvtier-s3 share the Redis server or the bucket. Every kvtier server logs its request receipts to its own <arm>[-run<k>][-r<i>].receipts.jsonl in --out; per kvtier arm and run, the receipts' tokens per tier and miss reasons are shown beside the metric deltas, with any disagreement named.
+Arms: baseline (no connector), kvtier (KVTierConnector, default config or --kvtier-config), kvtier-redis (the kvtier arm plus the shared redis tier on the server --redis names or, with --redis auto, starts on 127.0.0.1; every run under a key prefix of its own, deleted afterwards), kvtier-s3 (the kvtier arm plus the shared s3 tier on a private rclone serve s3 the command starts on 127.0.0.1 under --out, one bucket for all replicas, every run under a key prefix of its own, removed afterwards; needs rclone and obstore: make install), kvtier-node (the kvtier arm plus the node tier: one kvtier node serve owner per run, its pool of --node-gib GiB in /dev/shm shared by all replicas, stopped and its pool deleted after the run, its log <arm>[-run<k>].node.log in --out), native (vLLM's OffloadingConnector with a CPU tier the size of kvtier's, one per server; on a CPU-only vLLM through kvtier.bench.native_cpu, a benchmark-only shim that swaps the CUDA copy kernel for host copies), example (vLLM's ExampleConnector), and any connector given as --arm NAME='KV_TRANSFER_CONFIG_JSON'. Same model, engine cache size (--engine-cache-tokens), core pinning and workload for every arm. With --repeats N the arms run interleaved (A B C A B C ...) and every figure is the median of N runs with its range; "helping" needs TTFT p50 ranges that do not overlap. Prints one table (hit rates, TTFT p50/p99, throughput, ratios to baseline, verdict) and writes report.md, ttft_cdf.png, per-run server logs and /metrics texts to --out; --json writes the figures as JSON. An arm whose engine dies or hangs is reported with the request where it happened and its log; the other arms still run. With --replicas N every arm runs N servers side by side and request k goes to server k mod N (a round-robin load balancer without affinity); the table's figures are per arm (hit-rate counters summed over its servers, TTFTs over every request) and a second table gives each replica's. Each replica has its own cpu tier (kvtier's or native's) and its own disk_path directory (<disk_path>/run-<k>/r<i>); the replicas of kvtier-redis, kvtier-s3 and kvtier-node share the Redis server, the bucket or the node pool. Every kvtier server logs its request receipts to its own <arm>[-run<k>][-r<i>].receipts.jsonl in --out; per kvtier arm and run, the receipts' tokens per tier and miss reasons are shown beside the metric deltas, with any disagreement named.
 
 Examples:
 
@@ -59,6 +59,8 @@ Examples:
   kvtier bench compare --model models/mid --arms baseline,kvtier,kvtier-redis --replicas 2 --redis auto --kvtier-config cpu.yaml --max-model-len 2048 --engine-cache-tokens 4096 --enforce-eager --workload trace --start 0 --limit 300 --returning-only --tokens-per-block 32 --max-output-tokens 2 --max-concurrency 2 --repeats 2
 
   kvtier bench compare --model models/mid --arms native,kvtier-redis,kvtier-s3 --replicas 2 --redis auto --kvtier-config cpu.yaml --max-model-len 2048 --engine-cache-tokens 4096 --enforce-eager --workload trace --start 0 --limit 300 --returning-only --tokens-per-block 32 --max-output-tokens 2 --max-concurrency 2 --repeats 2
+
+  kvtier bench compare --model models/small8 --arms native,kvtier-redis,kvtier-node --replicas 2 --redis auto --node-gib 1 --kvtier-config cpu.yaml --max-model-len 2048 --engine-cache-tokens 4096 --enforce-eager --workload trace --start 0 --limit 300 --returning-only --tokens-per-block 32 --max-output-tokens 2 --max-concurrency 2 --repeats 2
 
   kvtier bench compare --model models/tiny --arms baseline,kvtier --arm lmcache='{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_both"}' --workload trace --start 0 --limit 300 --max-concurrency 2 --json out.json
 """
@@ -94,7 +96,8 @@ the rest is for kvtier's own tiers, the client and the OS."""
 def compare_command(
     model: str = typer.Option(..., "--model", "-m", help="Model directory (or name) every arm serves."),
     arms: str = typer.Option("baseline,native,kvtier", "--arms",
-                             help="Comma-separated arms out of baseline, kvtier, kvtier-redis, kvtier-s3, native, example; run in "
+                             help="Comma-separated arms out of baseline, kvtier, kvtier-redis, kvtier-s3, kvtier-node, native, example; "
+                                  "run in "
                                   "this order."),
     arm: list[str] = typer.Option([], "--arm", help="Another arm, NAME='KV_TRANSFER_CONFIG_JSON' (repeatable)."),
     repeats: int = typer.Option(1, "--repeats", min=1, max=20, help="Runs per arm, interleaved (A B C A B C ...)."),
@@ -104,6 +107,9 @@ def compare_command(
     redis: str | None = typer.Option(None, "--redis",
                                      help="The kvtier-redis arm's shared Redis: 'auto' (a private redis-server on "
                                           "127.0.0.1, stopped at the end) or redis://HOST:PORT/DB of a running one."),
+    node_gib: float | None = typer.Option(None, "--node-gib", min=0.001, max=1 << 20,
+                                          help="The kvtier-node arm's pool in /dev/shm, GiB (default: node_gib of "
+                                               "--kvtier-config, else 1)."),
     max_model_len: int = typer.Option(4096, "--max-model-len", min=64, help="Context length of every arm, tokens."),
     engine_cache_tokens: int = typer.Option(8192, "--engine-cache-tokens", min=1,
                                             help="Engine KV cache of every arm, tokens (at least --max-model-len)."),
@@ -155,6 +161,8 @@ def compare_command(
     if ("kvtier-redis" in names) != (redis is not None):
         fail("the kvtier-redis arm needs --redis auto (or --redis redis://HOST:PORT/DB)" if redis is None else
              "--redis is used by the kvtier-redis arm only; add kvtier-redis to --arms")
+    if node_gib is not None and "kvtier-node" not in names:
+        fail("--node-gib sizes the kvtier-node arm's pool only; add kvtier-node to --arms")
     try:
         custom = [parse_custom_arm(text) for text in arm]
     except ValueError as exc:
@@ -182,7 +190,8 @@ def compare_command(
     for name in names:
         if (why := shared_tier_conflict(name, extra)) is not None:
             fail(why)
-    _check_tier_memory(names, extra, replicas, memory_fraction)
+    pool_gib = _node_pool_gib(names, node_gib, extra)
+    _check_tier_memory(names, extra, replicas, memory_fraction, pool_gib)
     knobs = workload_knobs(
         kind=workload, seed=seed, trace_path=trace, start=start, limit=limit, tokens_per_block=tokens_per_block,
         time_scale=time_scale, max_prompt_tokens=max_prompt_tokens, max_output_tokens=max_output_tokens,
@@ -200,13 +209,15 @@ def compare_command(
                       block_size=block_size, load_format=None if load_format == "auto" else load_format,
                       memory_fraction=memory_fraction, max_num_batched_tokens=max_num_batched_tokens,
                       enforce_eager=enforce_eager)
-    with _shared_redis(redis, out) as redis_url, _shared_s3("kvtier-s3" in names, out) as s3_target:
+    with (_shared_redis(redis, out) as redis_url, _shared_s3("kvtier-s3" in names, out) as s3_target,
+          _node_pool(pool_gib) as node_pool):
         s3_config = s3_target.extra_config() if s3_target is not None else None
-        arm_specs = [make_arm(n, out, extra, redis_url, s3_config) for n in names] + custom
+        node_config = node_pool.extra_config() if node_pool is not None else None
+        arm_specs = [make_arm(n, out, extra, redis_url, s3_config, node_config) for n in names] + custom
         servers = f"{replicas} vLLM servers" if replicas > 1 else "vLLM"
         result = run_compare(arm_specs, built, spec, out, warmup=warmup_workload(vocab_token_space(seed, vocab)),
                              max_concurrency=max_concurrency, stall_timeout_s=stall_timeout, progress=not no_progress,
-                             repeats=repeats, replicas=replicas, s3_target=s3_target, on_arm=lambda a, k: print(
+                             repeats=repeats, replicas=replicas, s3_target=s3_target, node_pool=node_pool, on_arm=lambda a, k: print(
                                  f"arm {a.name} (run {k + 1}/{repeats}): starting {servers} ({a.description})",
                                  flush=True))
     print_table(result)
@@ -268,14 +279,57 @@ def _shared_s3(wanted: bool, out: Path) -> Iterator[Any]:
         yield server.target
 
 
-TIER_ARMS = ("kvtier", "kvtier-redis", "kvtier-s3", "native")
+def _node_pool_gib(names: list[str], node_gib: float | None, extra: dict[str, Any] | None) -> float | None:
+    """The kvtier-node arm's pool size (``None`` without the arm): ``--node-gib``, else the
+    config's ``node_gib``, else :data:`~kvtier.bench.shared_node.DEFAULT_NODE_GIB`; fails (exit 2)
+    when ``/dev/shm`` has not that much free (the owner reserves all of it at start)."""
+    from kvtier.bench.shared_node import DEFAULT_NODE_GIB, POOL_ROOT
+
+    if "kvtier-node" not in names:
+        return None
+    gib = node_gib or float((extra or {}).get("node_gib") or 0) or DEFAULT_NODE_GIB
+    try:
+        stats = os.statvfs(POOL_ROOT)
+    except OSError:
+        fail(f"the kvtier-node arm puts its pool in {POOL_ROOT}, which this host lacks; run it on Linux")
+    free_gib = stats.f_bavail * stats.f_frsize / (1 << 30)
+    if gib > free_gib:
+        fail(f"the kvtier-node arm's pool of {gib:g} GiB does not fit in {POOL_ROOT} ({free_gib:.1f} GiB free); "
+             "lower --node-gib (or node_gib in --kvtier-config) or free shared memory")
+    return gib
+
+
+@contextlib.contextmanager
+def _node_pool(gib: float | None) -> Iterator[Any]:
+    """The kvtier-node arm's pool (:class:`kvtier.bench.shared_node.NodePool`): ``None`` unless
+    ``gib``; else a private directory under /dev/shm, removed on exit (each run starts its owner)."""
+    from kvtier.bench.shared_node import NodePool
+    from kvtier.core.errors import ServerStartError
+
+    if gib is None:
+        yield None
+        return
+    try:
+        pool = NodePool.make(gib)
+    except ServerStartError as exc:
+        fail(str(exc))
+    print(f"kvtier-node: a {gib:g} GiB pool per run in {pool.dir} (socket {pool.socket})", flush=True)
+    try:
+        yield pool
+    finally:
+        pool.remove()
+
+
+TIER_ARMS = ("kvtier", "kvtier-redis", "kvtier-s3", "kvtier-node", "native")
 """Arms whose every server holds a cpu tier of ``cpu_gib`` (kvtier's, or vLLM's native one sized like it)."""
 
 
-def _check_tier_memory(names: list[str], extra: dict[str, Any] | None, replicas: int, memory_fraction: float) -> None:
+def _check_tier_memory(names: list[str], extra: dict[str, Any] | None, replicas: int, memory_fraction: float,
+                       pool_gib: float | None = None) -> None:
     """Fail (exit 2) when one arm's servers together would hold more than MAX_RAM_SHARE of this
     host's RAM: per server ``--memory-fraction`` of RAM plus its cpu tier (vLLM's native tier
-    zero-fills all of it at start, vllm/v1/kv_offload/cpu/gpu_worker.py; kvtier's fills as it is used)."""
+    zero-fills all of it at start, vllm/v1/kv_offload/cpu/gpu_worker.py; kvtier's fills as it is used),
+    plus, for the kvtier-node arm, its pool once (``pool_gib``, reserved at the owner's start)."""
     from kvtier.core.config import KVTierConfig
 
     if not any(n in TIER_ARMS for n in names):
@@ -285,9 +339,10 @@ def _check_tier_memory(names: list[str], extra: dict[str, Any] | None, replicas:
     except (ValueError, OSError):  # not every platform tells
         return
     cpu_gib = float((extra or {}).get("cpu_gib", KVTierConfig().cpu_gib))
-    need = replicas * (memory_fraction * ram_gib + cpu_gib)
+    need = replicas * (memory_fraction * ram_gib + cpu_gib) + (pool_gib or 0.0)
     if need > MAX_RAM_SHARE * ram_gib:
-        fail(f"--replicas {replicas} x (--memory-fraction {memory_fraction:g} of RAM + a {cpu_gib:g} GiB cpu tier) "
-             f"would hold {need:.1f} GiB of this host's {ram_gib:.1f} GiB RAM at once (at most {MAX_RAM_SHARE:.0%}); "
+        pool = f" + a {pool_gib:g} GiB node pool" if pool_gib else ""
+        fail(f"--replicas {replicas} x (--memory-fraction {memory_fraction:g} of RAM + a {cpu_gib:g} GiB cpu tier)"
+             f"{pool} would hold {need:.1f} GiB of this host's {ram_gib:.1f} GiB RAM at once (at most {MAX_RAM_SHARE:.0%}); "
              "lower cpu_gib in --kvtier-config, --memory-fraction or --replicas")
 

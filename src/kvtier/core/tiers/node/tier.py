@@ -5,10 +5,11 @@ A shared tier (other engines write it, its owner evicts), used behind
 data path it keeps (:class:`~kvtier.core.tiers.guarded.SplitTier`):
 
 - **read**: ``fetch_many`` (the wrapper's threads, under the deadline) pins the values, one
-  message for the batch; ``finish_get`` (the caller's thread, no socket) verifies each envelope
-  straight from the shared pages while decoding its payload into the caller's buffer (the one
-  copy a read needs), then checks the pages still carry the pin's generation (if not, the page
-  was reused: a miss, never a served byte) and queues the release.
+  message for the batch; ``finish_get`` (the caller's thread, no socket) copies each payload from
+  the shared pages into the caller's buffer (the one copy a read needs) and verifies the digest
+  over the copy (:mod:`~kvtier.core.tiers.node.readcopy`: in a batch, on a helper thread while the
+  next value is copied where that is measured faster), then checks the pages still carry the pin's generation (if not, the
+  page was reused: a miss, never a served byte) and queues the release.
 - **write**: ``produce`` (the caller's thread) takes the envelope headers (digests);
   ``send`` (the wrapper's threads) is granted pages (one message), copies header and payload into
   them and publishes them (one message).  A write abandoned at the deadline is not published
@@ -22,14 +23,13 @@ misses and its breaker).
 
 from __future__ import annotations
 
-import hmac
 import logging
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier.core import codecs, envelope
+from kvtier.core import envelope
 from kvtier.core.errors import ChunkFormatError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.stats import WireCounters, WireStats
@@ -41,11 +41,9 @@ from kvtier.core.tiers.node import protocol as p
 from kvtier.core.tiers.node.client import NodeClient
 from kvtier.core.tiers.node.memory import PoolMemory
 from kvtier.core.tiers.node.pool import Pool
+from kvtier.core.tiers.node.readcopy import Pending, Verifier
 
 log = logging.getLogger(__name__)
-COPY_BLOCK_BYTES = 256 << 10
-"""A read copies and hashes this much at a time, so the hash reads the copy from the core's cache
-(a whole chunk copied first would be hashed from farther away)."""
 Pins = tuple[list[tuple[int, int, int, int] | None], Pool, int]
 """What ``fetch_many`` hands ``finish_get``: per key (lease, page, value bytes, generation) or
 ``None``, the mapped pool, the connection serial."""
@@ -71,6 +69,7 @@ class NodeTier(PoolMemory, EnvelopeTier):
         self.where = client.socket_path
         self.header_wait_s = header_wait_s
         self.wire = WireCounters()
+        self.verifier = Verifier(self.envelope)
         self._lock = threading.Lock()
 
     def pin_host_memory(self) -> bool:
@@ -113,36 +112,49 @@ class NodeTier(PoolMemory, EnvelopeTier):
 
     def finish_get(self, keys: Sequence[ChunkKey], fetched: Pins, dsts: Sequence[memoryview],
                    records: TenantRecords | None = None) -> list[GetResult]:
-        """(:class:`~kvtier.core.tiers.guarded.SplitTier`) Verify and copy each pinned value (see
-        the module docstring); the releases are queued, no socket is touched."""
+        """(:class:`~kvtier.core.tiers.guarded.SplitTier`) Copy and verify each pinned value
+        (:mod:`~kvtier.core.tiers.node.readcopy`), then check its pages still carry the pin's
+        generation; the releases are queued, no socket is touched."""
         pins, pool, serial = fetched
         t0 = time.perf_counter()
-        out: list[GetResult] = []
+        out: list[GetResult] = [GetResult.MISS] * len(keys)
         done: list[int] = []
+        copied: list[tuple[int, int, int, int, Pending | ChunkFormatError]] = []
+        cls, overlapped = self.verifier.begin(sum(pin[2] for pin in pins if pin is not None),
+                                              sum(pin is not None for pin in pins))
         moved = corrupt = 0
-        for key, pin, dst in zip(keys, pins, dsts, strict=True):
-            if pin is None:
-                out.append(GetResult.MISS)
-                continue
-            lease, page, nbytes, gen = pin
-            done.append(lease)
-            try:
-                record = self._copy_verified(key, pool.value(page, nbytes), dst)
-            except ChunkFormatError as exc:
-                if not pool.same_generation(page, nbytes, gen):
-                    out.append(GetResult.MISS)  # reused under an expired pin: not this value's fault
+        try:
+            for i, (key, pin, dst) in enumerate(zip(keys, pins, dsts, strict=True)):
+                if pin is None:
                     continue
-                log.warning("kvtier node tier: value of chunk %s is unusable (%s); deleted, treated as a miss",
-                            key.hex(), exc)
-                corrupt += 1
-                out.append(GetResult.CORRUPT)
-                continue
-            if not pool.same_generation(page, nbytes, gen):
-                out.append(GetResult.MISS)  # the page was granted again while we copied: never served
-                continue
-            note_verified(records, self.namespace, key, record)
-            moved += nbytes
-            out.append(GetResult.HIT)
+                lease, page, nbytes, gen = pin
+                done.append(lease)
+                try:
+                    pending: Pending | ChunkFormatError = self.verifier.copy(key, pool.value(page, nbytes), dst,
+                                                                             overlapped)
+                except ChunkFormatError as exc:
+                    pending = exc
+                copied.append((i, page, nbytes, gen, pending))
+            for i, page, nbytes, gen, pending in copied:
+                try:
+                    if isinstance(pending, ChunkFormatError):
+                        raise pending
+                    record = pending.result()
+                except ChunkFormatError as exc:
+                    if not pool.same_generation(page, nbytes, gen):
+                        continue  # reused under an expired pin: not this value's fault (a miss)
+                    log.warning("kvtier node tier: value of chunk %s is unusable (%s); deleted, treated as a miss",
+                                keys[i].hex(), exc)
+                    corrupt += 1
+                    out[i] = GetResult.CORRUPT
+                    continue
+                if not pool.same_generation(page, nbytes, gen):
+                    continue  # the page was granted again while we copied: never served (a miss)
+                note_verified(records, self.namespace, keys[i], record)
+                moved += nbytes
+                out[i] = GetResult.HIT
+        finally:
+            self.verifier.end(cls, overlapped, sum(c[2] for c in copied), time.perf_counter() - t0)
         self.client.release_later(serial, done)
         if corrupt:
             with self._counts:
@@ -150,35 +162,6 @@ class NodeTier(PoolMemory, EnvelopeTier):
             self.wire.corrupt(corrupt)
         self.wire.moved("read", moved, time.perf_counter() - t0)
         return out
-
-    def _copy_verified(self, key: ChunkKey, value: memoryview, dst: memoryview) -> bytes | None:
-        """Copy ``value``'s payload into ``dst`` and verify the digest over the header and the
-        bytes *in* ``dst`` (what is served, hot in cache after the copy: one pass over the shared
-        pages, not two); the tenant record.  A value in another format or with a codec chain that
-        changes the bytes: :meth:`~kvtier.core.envelope.Envelope.open_into`.
-
-        Raises:
-            ChunkFormatError: as ``open_into`` (``dst`` may then hold unverified bytes).
-        """
-        head = bytes(value[:envelope.FIXED_BYTES])
-        header = envelope.decode_header(head)
-        out = memoryview(dst).cast("B")
-        if header.format != envelope.FORMAT or header.stored_bytes != header.original_bytes \
-                or not codecs.chain_of(header.codecs).passthrough:
-            return self.envelope.open_into(key, value, dst)
-        self.envelope.check(header, key, out.nbytes)
-        if header.stored_bytes != value.nbytes - header.header_bytes:
-            raise envelope.EnvelopeError(f"payload is {value.nbytes - header.header_bytes} bytes, "
-                                         f"header says {header.stored_bytes}")
-        src = value[header.header_bytes:]
-        h = self.envelope.hasher(head[:envelope.DIGEST_OFFSET])
-        for at in range(0, out.nbytes, COPY_BLOCK_BYTES):  # each block hashed while it is in cache
-            block = out[at:at + COPY_BLOCK_BYTES]
-            block[:] = src[at:at + COPY_BLOCK_BYTES]
-            h.update(block)
-        if not hmac.compare_digest(h.digest(), header.digest):
-            raise envelope.EnvelopeError("digest mismatch (corrupt, or written without the shared secret)")
-        return header.record
 
     def get_into(self, key: ChunkKey, dst: memoryview, records: TenantRecords | None = None) -> GetResult:
         return self.get_many([key], [dst], records)[0]
@@ -331,3 +314,4 @@ class NodeTier(PoolMemory, EnvelopeTier):
     def close(self) -> None:
         self.client.flush()
         self.client.close()
+        self.verifier.close()

@@ -1,0 +1,161 @@
+"""What a node-tier load costs against a cpu-tier load of the same bytes, and where it goes (issue 38).
+
+Starts its own ``kvtier node serve`` (a pool in /dev/shm, as ``bench compare``'s ``kvtier-node``
+arm does: :class:`kvtier.bench.shared_node.LocalNode`), writes ``--total-mib`` MiB of
+``--chunk-mib`` MiB chunks into it and into a cpu tier, then times per round, in alternating order:
+
+- ``cpu get``: the cpu tier's load as ``kvtier bench-store`` times it (``prepare_load``, a copy of
+  every chunk into the caller's buffers, ``complete_load``);
+- ``node get``: the node tier's ``get_many`` as the store builds it (``GuardedTier``: one ``pin``
+  message for the batch, each payload copied from the mapped pages into the caller's buffer and
+  verified over the copy, inline or overlapped as measured, the generation check):
+  :mod:`kvtier.core.tiers.node.readcopy`;
+- ``node get, read loop before``: the same with the read loop the tier had before readcopy
+  (the inline way, copied verbatim), for a before/after figure;
+- ``node get, overlapped``: with the batch's digests on the helper thread (forced on, whatever
+  the CPU count);
+- ``no digest (attribution)``: the copy without the digest, to attribute the gap. Never a
+  tier's path: every read the tier serves is verified.
+
+Prints per variant the median time and, per round, its ratio to ``cpu get`` (median, quartiles,
+range). Usage::
+
+    python scripts/node_load_cost.py [--chunk-mib 2] [--total-mib 256] [--rounds 21]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from prometheus_client import CollectorRegistry
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from kvtier.bench.shared_node import LocalNode, NodePool
+from kvtier.bench.storebench import _chunks
+from kvtier.core import codecs, envelope
+from kvtier.core.config import GiB, KVTierConfig
+from kvtier.core.keys import ChunkKey, Namespace, chunk_keys, request_root
+from kvtier.core.store import TieredStore
+from kvtier.core.tiers.factory import TierContext, make_tier
+from kvtier.core.tiers.node.readcopy import Pending
+from kvtier.core.tiers.node.tier import NodeTier
+from kvtier.core.tiers.wrappers import unwrap
+
+MiB = 1 << 20
+Copy = Callable[[ChunkKey, memoryview, memoryview, bool], Pending]
+
+
+def loop_before(tier: NodeTier) -> Copy:
+    """The tier's read loop before :mod:`readcopy` (256 KiB memoryview slices, hashed as copied)."""
+    def copy(key: ChunkKey, value: memoryview, dst: memoryview, _batched: bool) -> Pending:
+        head = bytes(value[:envelope.FIXED_BYTES])
+        header = envelope.decode_header(head)
+        out = memoryview(dst).cast("B")
+        if header.format != envelope.FORMAT or not codecs.chain_of(header.codecs).passthrough:
+            return Pending(tier.envelope.open_into(key, value, dst))
+        tier.envelope.check(header, key, out.nbytes)
+        src, h, block = value[header.header_bytes:], tier.envelope.hasher(head[:envelope.DIGEST_OFFSET]), 256 << 10
+        for at in range(0, out.nbytes, block):
+            part = out[at:at + block]
+            part[:] = src[at:at + block]
+            h.update(part)
+        if not hmac.compare_digest(h.digest(), header.digest):
+            raise envelope.EnvelopeError("digest mismatch")
+        return Pending(header.record)
+    return copy
+
+
+def unverified(key: ChunkKey, value: memoryview, dst: memoryview, _batched: bool) -> Pending:
+    """The copy alone (attribution only)."""
+    header = envelope.decode_header(bytes(value[:envelope.FIXED_BYTES]))
+    np.copyto(np.frombuffer(memoryview(dst).cast("B"), np.uint8),
+              np.frombuffer(value, np.uint8, offset=header.header_bytes))
+    return Pending(header.record)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--chunk-mib", type=float, default=2.0)
+    parser.add_argument("--total-mib", type=float, default=256.0)
+    parser.add_argument("--rounds", type=int, default=21)
+    parser.add_argument("--page-kib", type=int, default=1024)
+    args = parser.parse_args()
+    chunk = int(args.chunk_mib * MiB)
+    num = max(2, int(args.total_mib * MiB) // chunk)
+    pool = NodePool.make(2 * (num + 1) * chunk / GiB + 0.01, page_kib=args.page_kib)
+    owner = LocalNode(pool, Path(tempfile.gettempdir()) / f"node-load-cost-{os.getpid()}.log").start()
+    try:
+        guarded = make_tier("node", TierContext(KVTierConfig.from_dict({"node_socket": pool.socket}), os.urandom(16),
+                                                chunk, 1, CollectorRegistry()))
+        assert guarded is not None
+        inner = unwrap(guarded)
+        assert isinstance(inner, NodeTier)
+        run(args, chunk, num, guarded, inner)
+        guarded.close()
+    finally:
+        owner.stop()
+        pool.remove()
+
+
+def run(args: argparse.Namespace, chunk: int, num: int, guarded: object, inner: NodeTier) -> None:
+    datas = _chunks(num, chunk, seed=4)
+    dsts = [np.empty(chunk, dtype=np.uint8) for _ in range(num)]
+    for d, s in zip(dsts, datas, strict=True):
+        np.copyto(d, s)  # fault the destination pages in before any timing
+    keys = [ChunkKey(os.urandom(16)) for _ in range(num)]
+    assert all(r.name == "STORED" for r in guarded.put_many(keys, [d.data for d in datas]))  # type: ignore[attr-defined]
+    ns = Namespace("bench", "uint8", 1, 1, chunk, "flat", chunk_tokens=16)
+    store = TieredStore(KVTierConfig.from_dict({"chunk_tokens": 16, "cpu_gib": (num + 1) * chunk / GiB}), ns, chunk)
+    chain = chunk_keys(request_root(ns, cache_salt="x"), np.arange(num * 16), 16)
+    store.put(chain, datas)
+    current, overlap = inner.verifier.copy, inner.verifier.overlap
+
+    def cpu_get() -> None:
+        handle = store.prepare_load(chain)
+        try:
+            for d, b in zip(dsts, handle.buffers, strict=True):
+                np.copyto(d, b)
+        finally:
+            store.complete_load(handle, True)
+
+    def node(copy: Copy, overlapped: bool) -> Callable[[], None]:
+        def get() -> None:
+            inner.verifier.copy, inner.verifier.overlap = copy, overlapped  # type: ignore[method-assign]
+            out = guarded.get_many(keys, [d.data for d in dsts])  # type: ignore[attr-defined]
+            assert all(o.name == "HIT" for o in out) and np.array_equal(dsts[-1], datas[-1])
+        return get
+
+    variants = [("cpu get", cpu_get), ("node get", node(current, overlap)),
+                ("node get, read loop before", node(loop_before(inner), False)),
+                ("node get, overlapped", node(current, True)), ("no digest (attribution)", node(unverified, False))]
+    times: dict[str, list[float]] = {name: [] for name, _ in variants}
+    loads = [os.getloadavg()[0]]
+    for r in range(args.rounds):
+        for name, fn in variants if r % 2 == 0 else variants[::-1]:
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+        loads.append(os.getloadavg()[0])
+    store.close()
+    print(f"{num} chunks of {args.chunk_mib:g} MiB, {args.rounds} rounds, {os.cpu_count()} CPUs, node get's "
+          f"way: {'measured' if overlap is None else overlap}, load {min(loads):.1f}-{max(loads):.1f}")
+    for name, _ in variants:
+        per = sorted(t / c for t, c in zip(times[name], times["cpu get"], strict=True))
+        med = statistics.median(times[name])
+        q1, q3 = per[len(per) // 4], per[(3 * len(per)) // 4]
+        print(f"{name:27s} median {med * 1e3:7.1f} ms ({num * chunk / GiB / med:5.2f} GiB/s)  / cpu get per round: "
+              f"median {statistics.median(per):.2f}, quartiles {q1:.2f}-{q3:.2f}, range {per[0]:.2f}-{per[-1]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

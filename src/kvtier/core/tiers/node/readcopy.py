@@ -1,0 +1,165 @@
+"""The node tier's read: a value's payload copied out of the shared pages into the caller's buffer,
+and its digest verified over the copy (what is served), never over the shared pages (one pass over
+the pool; bytes changed in the pool after the check are never served).
+
+What a load costs against the cpu tier's (a copy alone), measured on EPYC-2 with
+``scripts/node_load_cost.py`` (docs/benchmarks.md, "The node tier"): the pin round trip and the
+bookkeeping cost nothing visible (without the digest the load is 1.03-1.07x the cpu tier's); the
+digest (XXH3-128, the fastest kind the envelope has, or the keyed BLAKE3 MAC of
+``shared_secret``) is the whole gap, about 0.3x when it runs after the copy on the same core.
+Two ways, per batch:
+
+- **inline** (every single value, and every batch where the other way is not measured faster):
+  the payload is copied :data:`COPY_BLOCK_BYTES` at a time and each block hashed right after, while
+  it is in cache; 1.26-1.28x the cpu tier's get on 2 CPUs.
+- **overlapped** (batches of two or more values): each value is copied whole with
+  ``numpy.copyto`` (which releases the GIL) and its digest runs on a helper thread (XXH3 and
+  BLAKE3 release it too) while the next value is copied, so only the last value's digest stays on
+  the load's path when a core is free.  Where none is, the helper waits for one: 1.51-1.56x on
+  2 CPUs at load 2.4-4.
+
+Which way a batch takes is measured, not assumed: :class:`~kvtier.core.tiers.disk.readchoice.ReadChooser`
+(the disk tier's serial-or-split chooser: the medians of recent loads per size class, exploring
+the other way now and then) decides, and it never tries the overlapped way while twice the loads
+in flight reach the usable CPUs (so never on 2 CPUs).  Either way a value whose digest does not
+match, or that was not verified within :data:`VERIFY_WAIT_S`, is refused (``EnvelopeError``): a
+miss, never served.
+"""
+
+from __future__ import annotations
+
+import hmac
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import numpy as np
+
+from kvtier.core import codecs, envelope
+from kvtier.core.keys import ChunkKey
+from kvtier.core.tiers.disk.readchoice import ReadChooser
+
+COPY_BLOCK_BYTES = 256 << 10
+"""Bytes copied and hashed at a time inline (256 KiB to 4 MiB measured alike; 32-128 KiB slower)."""
+VERIFY_WAIT_S = 30.0
+"""Longest the caller waits for a value's digest from the helper thread (a miss after that)."""
+
+
+class Pending:
+    """A value copied into the caller's buffer whose digest is checked, or being checked.
+
+    :meth:`result` returns the value's tenant record (``None``: the format has none) or raises
+    ``ChunkFormatError``."""
+
+    __slots__ = ("_future", "_record")
+
+    def __init__(self, record: bytes | None = None, future: Future[bytes | None] | None = None) -> None:
+        self._record = record
+        self._future = future
+
+    def result(self) -> bytes | None:
+        """Raises:
+            EnvelopeError: digest mismatch, or not verified within :data:`VERIFY_WAIT_S`."""
+        if self._future is None:
+            return self._record
+        try:
+            return self._future.result(timeout=VERIFY_WAIT_S)
+        except FutureTimeout:
+            raise envelope.EnvelopeError(f"not verified within {VERIFY_WAIT_S:g} s") from None
+
+
+def _digest_matches(hasher: envelope.Hasher, expected: bytes) -> None:
+    if not hmac.compare_digest(hasher.digest(), expected):
+        raise envelope.EnvelopeError("digest mismatch (corrupt, or written without the shared secret)")
+
+
+def _verify(env: envelope.Envelope, header: envelope.EnvelopeHeader, head: bytes, out: memoryview) -> bytes | None:
+    """The digest of the header fields and ``out`` (the copy) checked against the header's."""
+    h = env.hasher(head[:envelope.DIGEST_OFFSET])
+    h.update(out)
+    _digest_matches(h, header.digest)
+    return header.record
+
+
+class Verifier:
+    """Copies values out of the pool and verifies them (see the module docstring); one per tier.
+
+    Attributes:
+        overlap: ``None`` (default): each batch's way as :attr:`chooser` measures best; ``True`` /
+            ``False``: always overlapped / always inline (tests, ``scripts/node_load_cost.py``).
+        chooser: the measurements of both ways (this tier's own).
+    """
+
+    def __init__(self, env: envelope.Envelope) -> None:
+        self.env = env
+        self.overlap: bool | None = None
+        self.chooser = ReadChooser()
+        self._helper: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def begin(self, batch_bytes: int, values: int) -> tuple[tuple[int, int] | None, bool]:
+        """Start a batch of ``values`` values, ``batch_bytes`` in all: (its class for :meth:`end`,
+        whether to overlap).  A single value is always inline (nothing to overlap with)."""
+        if values < 2:
+            return None, False
+        if self.overlap is not None:
+            return None, self.overlap
+        return self.chooser.begin(batch_bytes)
+
+    def end(self, cls: tuple[int, int] | None, overlapped: bool, batch_bytes: int, seconds: float) -> None:
+        """Record a batch :meth:`begin` started (its copies and digests took ``seconds``)."""
+        if cls is not None:
+            self.chooser.end(cls, overlapped, batch_bytes, seconds)
+
+    def _executor(self) -> ThreadPoolExecutor | None:
+        with self._lock:
+            if self._closed:
+                return None
+            if self._helper is None:
+                self._helper = ThreadPoolExecutor(1, thread_name_prefix="kvtier-node-verify")
+            return self._helper
+
+    def copy(self, key: ChunkKey, value: memoryview, dst: memoryview, overlapped: bool) -> Pending:
+        """Copy ``value``'s payload into ``dst`` and check its digest: now, or on the helper thread
+        when ``overlapped`` (:meth:`Pending.result` then waits for it).  A value in another format
+        or with a codec chain that changes the bytes: :meth:`~kvtier.core.envelope.Envelope.open_into`
+        on this thread.
+
+        Raises:
+            ChunkFormatError: the header does not belong here (namespace, key, length, kind), or,
+                checked now, the digest mismatches (``dst`` may then hold unverified bytes).
+        """
+        head = bytes(value[:envelope.FIXED_BYTES])
+        header = envelope.decode_header(head)
+        out = memoryview(dst).cast("B")
+        if header.format != envelope.FORMAT or header.stored_bytes != header.original_bytes \
+                or not codecs.chain_of(header.codecs).passthrough:
+            return Pending(self.env.open_into(key, value, dst))
+        self.env.check(header, key, out.nbytes)
+        if header.stored_bytes != value.nbytes - header.header_bytes:
+            raise envelope.EnvelopeError(f"payload is {value.nbytes - header.header_bytes} bytes, "
+                                         f"header says {header.stored_bytes}")
+        src = value[header.header_bytes:]
+        helper = self._executor() if overlapped else None
+        if helper is not None:
+            np.copyto(np.frombuffer(out, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+            try:
+                return Pending(future=helper.submit(_verify, self.env, header, head, out))
+            except RuntimeError:  # closed meanwhile: verified here
+                return Pending(_verify(self.env, header, head, out))
+        h = self.env.hasher(head[:envelope.DIGEST_OFFSET])
+        for at in range(0, out.nbytes, COPY_BLOCK_BYTES):  # each block hashed while it is in cache
+            block = out[at:at + COPY_BLOCK_BYTES]
+            block[:] = src[at:at + COPY_BLOCK_BYTES]
+            h.update(block)
+        _digest_matches(h, header.digest)
+        return Pending(header.record)
+
+    def close(self) -> None:
+        """Stop the helper thread (digests in flight finish; later batches verify inline)."""
+        with self._lock:
+            self._closed = True
+            helper, self._helper = self._helper, None
+        if helper is not None:
+            helper.shutdown(wait=True)
