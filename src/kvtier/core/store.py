@@ -262,7 +262,8 @@ class TieredStore(StoreConvenience):
         delivered = handle.ready_chunks()  # a caller that did not wait for read-ahead got no more
         if not self.index.release(handle, refresh=success):
             return
-        self.mover.give_landed(handle)
+        if handle.landed:  # (only then: the hit path with a page stays off the landing pool, scripts/hit_story.py)
+            self.mover.give_landed(handle)
         sink = handle.ctx.sink
         if engine is not None:
             sink.emit(engine)
@@ -278,7 +279,8 @@ class TieredStore(StoreConvenience):
         """
         if not self.index.release(handle, refresh=False):
             return
-        self.mover.give_landed(handle)
+        if handle.landed:  # (only then: the hit path with a page stays off the landing pool, scripts/hit_story.py)
+            self.mover.give_landed(handle)
         if engine is not None:
             handle.ctx.sink.emit(engine)
 
