@@ -11,7 +11,9 @@ order rotated each round:
 - ``private``: no page can be freed (the tier full, the eviction gate closed): each chunk is read
   into a fresh ``np.empty`` (the path before landing buffers: a landing pool of 0 buffers);
 - ``landing``: the same pressure, each chunk read into a reused landing buffer
-  (:mod:`kvtier.core.landing`, the default pool).
+  (:mod:`kvtier.core.landing`, the default pool);
+- ``copy only`` (after the arms): the copy into the blocks alone, from buffers already holding the
+  chunks: what of a load is the one host copy after the read.
 
 The chunk files sit in the page cache (written just before), so a read is a kernel copy plus the
 digest: what the buffer costs shows, not the device.  Prints the median and spread per arm, the
@@ -124,11 +126,16 @@ def main(argv: list[str] | None = None) -> int:
                     assert got.tobytes() == datas[c].tobytes(), f"{arm}: chunk {c} differs"
                 if r:
                     times[arm].append(seconds)
+        copy_s = []  # the copy into the blocks alone, from buffers already holding the chunks
+        for _ in range(args.rounds):
+            t0 = time.perf_counter()
+            copiers.load(list(zip(pages, datas)))
+            copy_s.append(time.perf_counter() - t0)
+        times["copy only"] = copy_s
         print(f"after:  {_uptime()}")
         base = statistics.median(times["private"])
         print(f"{'arm':<9}{'median ms':>10}{'min ms':>8}{'max ms':>8}{'GiB/s':>7}{'vs private':>11}")
-        for arm in ARMS:
-            t = times[arm]
+        for arm, t in times.items():
             med = statistics.median(t)
             print(f"{arm:<9}{1e3 * med:>10.1f}{1e3 * min(t):>8.1f}{1e3 * max(t):>8.1f}"
                   f"{n * page / med / (1 << 30):>7.2f}{med / base:>11.2f}")
