@@ -106,3 +106,20 @@ def test_pool_bounds_and_foreign_buffers() -> None:
     assert LandingPool.sized(1 << 30).num_buffers == 2 and LandingPool.sized(1024).num_buffers == 1024
     with pytest.raises(ValueError, match="chunk_bytes > 0"):
         LandingPool(0, 1)
+
+
+def test_pinning_goes_through_the_cpu_tier_and_says_why_not_without_cuda() -> None:
+    """On a host without a CUDA device the pool is not pinned: one sentence why, nothing registered;
+    with one, it is registered through the cpu tier (RegistersMemory) and unregistered with it."""
+    import torch
+
+    store = make_store(None, cpu_chunks=2)
+    pool = store.mover.landing
+    why = pool.pin(store.cpu)
+    if torch.cuda.is_available():
+        assert why is None and pool.pinned
+        assert (int(pool.region.ctypes.data), pool.region.nbytes) in store.cpu.registered_memory()
+    else:
+        assert why is not None and ("CUDA" in why or "torch" in why) and not pool.pinned
+        assert store.cpu.registered_memory() == []
+    store.close()
