@@ -270,13 +270,15 @@ def run_runner(layout: str, page_target: int, device: torch.device, args: argpar
 def _runner_table(rows: list[tuple[gpu_runner.RunnerResult, float, float]], peak: float) -> list[str]:
     lines = [f"{'layout':<13}{'page KiB':>9}{'blocked us':>11}{'save GiB/s':>11}{'ratio':>7}{'load GiB/s':>11}"
              f"{'ratio':>7}" + (f"{'load/peak':>10}" if peak else "") + f"{'TTFT ms':>9}{'layerwise':>10}{'cut':>6}"
-             "  held equal"]
+             f"{'endpoint':>9}{'ratio':>7}{'disk+copy':>10}{'bounced':>8}  held equal"]
     for r, d2h, h2d in rows:
         plain_d2h, plain_h2d = r.bytes_per_direction / d2h / GiB, r.bytes_per_direction / h2d / GiB
         lines.append(f"{r.layout:<13}{r.page_bytes / KiB:>9.1f}{r.blocked_us:>11.1f}{r.save_gib_s:>11.2f}"
                      f"{r.save_gib_s / plain_d2h:>7.2f}{r.load_gib_s:>11.2f}{r.load_gib_s / plain_h2d:>7.2f}"
                      + (f"{r.load_gib_s / peak:>10.2f}" if peak else "")
-                     + f"{r.ttft_whole_ms:>9.2f}{r.ttft_layerwise_ms:>10.2f}{r.ttft_cut:>6.0%}  {r.held_steps:>4} {r.equal}")
+                     + f"{r.ttft_whole_ms:>9.2f}{r.ttft_layerwise_ms:>10.2f}{r.ttft_cut:>6.0%}"
+                     f"{r.endpoint_gib_s:>9.2f}{r.endpoint_gib_s / plain_h2d:>7.2f}{r.endpoint_load_gib_s:>10.2f}"
+                     f"{r.endpoint_bounced_runs:>8}  {r.held_steps:>4} {r.equal}")
     return lines
 
 
@@ -287,7 +289,7 @@ def estimate_s(args: argparse.Namespace, pages: list[int], layouts: list[str]) -
     if args.mode in ("copy", "all"):
         moved += checks * (args.repeats + 1) * 4 * (args.mib << 20)  # save, load, plain both ways
     if args.mode in ("runner", "all"):
-        moved += checks * (4 * args.repeats + 2) * 2 * (args.runner_mib << 20)
+        moved += checks * (6 * args.repeats + 4) * 2 * (args.runner_mib << 20)  # + the device endpoint's loads
     return moved / (ESTIMATE_GB_S * 1e9) + 2.0 * checks * (2 if args.mode == "all" else 1)
 
 
@@ -436,7 +438,9 @@ def main(argv: list[str] | None = None) -> int:
     if runs:
         print("runner: kvtier's worker side driven as vLLM's GPU model runner (blocked = engine thread in "
               "wait_for_save per save call; ratio = kvtier / plain copy_; TTFT = start_load_kv to the last "
-              "layer's op, whole vs layer-wise loads; held = steps until finished_sending)")
+              "layer's op, whole vs layer-wise loads; endpoint = copy into the blocks from the pinned landing "
+              "buffers a disk read without a cpu page lands in, disk+copy = that whole load through the loader, "
+              "bounced = runs staged through a bounce buffer; held = steps until finished_sending)")
         for line in _runner_table(runs, peak):
             print(line)
     big = [r for r in results if r.page_bytes >= 256 * KiB]

@@ -21,7 +21,11 @@ Per layout and page size it measures:
 - **TTFT-like**: from ``start_load_kv`` to the last layer's op done, whole loads vs
   ``layerwise_loads``, with the op sized so that its time over all layers equals the load's
   (a partial hit whose load and tail compute are of the same size: issue 37's bar is -30 %);
-- **equal**: every loaded block equals its saved block byte for byte, in every layer (both loads).
+- **endpoint**: the device endpoint (:mod:`gpu_endpoint`): chunks read from a disk tier without a
+  cpu page land in pinned landing buffers and are copied from there into the blocks: that copy's
+  GiB/s beside the plain pinned ``copy_``, a whole disk load's GiB/s, the runs the CUDA path had
+  to bounce (0 when every copy went straight from the landing buffer);
+- **equal**: every loaded block equals its saved block byte for byte, in every layer (every load).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import gpu_endpoint
 import numpy as np
 import torch
 
@@ -62,6 +67,10 @@ class RunnerResult:
     ttft_whole_ms: float
     ttft_layerwise_ms: float
     held_steps: int
+    endpoint_gib_s: float
+    endpoint_load_gib_s: float
+    endpoint_pinned: bool
+    endpoint_bounced_runs: int
     equal: bool
 
     @property
@@ -276,8 +285,10 @@ def _measure(name: str, runner: Runner, caches: dict[str, torch.Tensor], chunks:
             best = min(best, runner.load(side, f"ttft-{lw}-{r}", loads, op))
             ok = ok and equal()
         ttft[lw] = best
+    ep = gpu_endpoint.measure_endpoint(runner, loads, zero, equal, repeats, lambda: _sync(device))
     d2h, h2d = _plain(nbytes, device, repeats)
     result = RunnerResult(name, layout.block_bytes, chunks, nbytes, 1e6 * sum(blocked) / len(blocked),
                           nbytes / min(copies) / GiB, nbytes / load_s / GiB, 1e3 * ttft[False], 1e3 * ttft[True],
-                          max(held), ok)
+                          max(held), nbytes / ep.copy_s / GiB, nbytes / ep.load_s / GiB, ep.pinned, ep.bounced_runs,
+                          ok and ep.equal)
     return result, d2h, h2d

@@ -124,7 +124,8 @@ def test_gpu_check_help_explains_every_shape_flag(capsys, monkeypatch):
 def test_runner_mode_drives_the_worker_side_byte_exact_in_every_layout_and_page_size(tmp_path, capsys):
     """Issue 37 item 4, on the host: kvtier's worker side driven as vLLM's GPU model runner drives a
     connector (deferred saves held until finished_sending, synchronous loads whole and layer by
-    layer) round-trips every layout at every page size of the sweep's ends byte for byte."""
+    layer, disk loads through the device endpoint) round-trips every layout at every page size of
+    the sweep's ends byte for byte."""
     out = tmp_path / "runner.json"
     rc = _load().main(["--device", "cpu", "--mode", "runner", "--layers", "3", "--pages-kib", "16,64,2048",
                        "--chunk-tokens", "16", "--mib", "8", "--runner-mib", "2", "--repeats", "1",
@@ -139,6 +140,10 @@ def test_runner_mode_drives_the_worker_side_byte_exact_in_every_layout_and_page_
         # a save the saver thread copied: its request held for at least the step that names it
         assert r["held_steps"] >= 1 and r["blocked_us"] > 0 and r["save_gib_s"] > 0 and r["load_gib_s"] > 0
         assert r["ttft_whole_ms"] > 0 and r["ttft_layerwise_ms"] > 0
+        # device endpoint (issue 37 item 2): disk chunks without a cpu page, loaded from their landing
+        # buffers (equal also holds every load read from disk and none promoted); no bounce on the host
+        assert r["endpoint_gib_s"] > 0 and r["endpoint_load_gib_s"] > 0
+        assert r["endpoint_bounced_runs"] == 0 and r["endpoint_pinned"] is False
         assert r["bytes_per_direction"] % (3 * r["page_bytes"]) == 0  # whole blocks of every layer
     assert {round(r["page_bytes"] / 1024) for r in rows} >= {16, 64, 2048}
     text = capsys.readouterr().out

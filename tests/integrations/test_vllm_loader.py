@@ -13,6 +13,7 @@ import torch
 
 from kvtier.core.config import GiB, KVTierConfig
 from kvtier.core.keys import ChunkKey, Namespace, chunk_keys, request_root
+from kvtier.core.landing import LandingPool
 from kvtier.core.store import TieredStore
 from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES
 from kvtier.integrations.vllm.cache_groups import GroupKind, GroupSpec
@@ -180,5 +181,26 @@ def test_a_synchronous_load_copies_what_the_cpu_tier_holds_and_never_reads_below
     assert after.load_failed_blocks - before.load_failed_blocks == 4 + 16
     assert loader.take() == (set(), set(), set())  # no finished_recving for a synchronous load
     loader.shutdown()
+    store.check_integrity()
+    store.close()
+
+
+def test_a_chunk_read_without_a_cpu_page_fills_the_blocks_from_its_landing_buffer(tmp_path: Path) -> None:
+    """Device endpoint (issue 37 item 2), host side: with no cpu page to promote into (the tier full,
+    the eviction gate closed), chunk 0 is read from disk into a landing buffer
+    (:mod:`kvtier.core.landing`) and the engine's blocks are filled straight from it, exactly; it
+    is not promoted, and the buffer is back in the pool once the load ended."""
+    store, plan, src, chain, where = _setup(tmp_path)
+    store.mover.landing = pool = LandingPool(store.chunk_bytes, 1)
+    store.gate_evictions(True)  # both cpu pages stay: no page for chunk 0's read
+    dst, finished, errors, failed = _load(store, plan, chain, (where[0], where[1], where[2], "cpu"), partial=True)
+    store.gate_evictions(False)
+    assert finished == {"r"} and not failed and errors == set(range(24, 28))  # chunk 3: never stored
+    for layer, t in src.items():  # chunk 0 from disk (13..15 <- 2..4), chunks 1 and 2 (16..23 <- 5..12)
+        for s, d in zip(range(2, 13), range(13, 24)):
+            assert torch.equal(dst[layer][d], t[s]), (layer, s, d)
+    assert not store.cpu.contains(ChunkKey(chain[0])) and pool.free() == 1
+    on_disk = store.tier("disk").get(ChunkKey(chain[0]))
+    assert on_disk is not None and pool.region[:store.chunk_bytes].tobytes() == on_disk  # it landed there
     store.check_integrity()
     store.close()

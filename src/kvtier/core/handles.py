@@ -51,6 +51,8 @@ class LoadHandle:
     ctx: OpContext = field(default=NO_CONTEXT, repr=False)
     below: tuple[int, str, MissReason] | None = field(default=None, repr=False)
     """The first chunk planned from below the top tier: ``(pos, its tier, why the top tier lacked it)``."""
+    landed: list[np.ndarray] = field(default_factory=list, repr=False)
+    """Landing buffers (:mod:`kvtier.core.landing`) some of ``buffers`` are: reads that got no cpu page."""
 
     @property
     def num_chunks(self) -> int:

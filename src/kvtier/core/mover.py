@@ -25,6 +25,10 @@ index's lock during tier I/O: each verb it calls takes the lock for its own book
   every chunk before it was delivered).  A chunk read from a lower tier keeps its writer's tenant
   record: the tier puts the record of each value it verified into ``records``
   (:data:`kvtier.core.tenant.TenantRecords`), and the published page carries it (issue 22).
+- **Landing buffers**: a read the index planned into a private buffer (no cpu page could be freed,
+  so the chunk is not promoted) lands in one of the :class:`~kvtier.core.landing.LandingPool`'s
+  reused, page-aligned buffers instead (pinned on a GPU host), swapped in before the first read;
+  they go back once the load is released and its reads have ended (:meth:`Mover.give_landed`).
 - **Presence** in a shared tier: :meth:`Mover.leading_present`, one pipelined batch.
 - **Rescans** of local tiers other processes write into (``disk_rescan_s``): :meth:`Mover.rescan`.
 """
@@ -44,6 +48,7 @@ from kvtier.core.context import ChunkMissed, ChunksRead, LoadCut, MissReason, Si
 from kvtier.core.handles import LoadHandle, LoadPlan, Read, WriteJob
 from kvtier.core.index import Index
 from kvtier.core.keys import ChunkKey
+from kvtier.core.landing import LandingPool
 from kvtier.core.stats import StoreCounters
 from kvtier.core.tiers.base import GetResult, PutResult, Rescannable, Tier
 from kvtier.core.tiers.wrappers import MissWhy, TierWrapper
@@ -61,9 +66,11 @@ class Mover:
         queue_depth: write jobs queued per lower tier at most.
         counters: the store's event counters (bytes and seconds written, dropped saves; reads
             report to their load's context, :mod:`kvtier.core.context`).
+        landing: where reads without a cpu page land (default: :meth:`LandingPool.sized`).
     """
 
-    def __init__(self, index: Index, io_threads: int, queue_depth: int, counters: StoreCounters) -> None:
+    def __init__(self, index: Index, io_threads: int, queue_depth: int, counters: StoreCounters,
+                 landing: LandingPool | None = None) -> None:
         self.index = index
         self.io_threads = io_threads
         self.counters = counters
@@ -78,6 +85,7 @@ class Mover:
         for t in self._writers:
             t.start()
         self._ahead = ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-read-ahead")
+        self.landing = landing if landing is not None else LandingPool.sized(self.chunk_bytes)
         self._rescan_stop = threading.Event()
         self._rescanner: threading.Thread | None = None
 
@@ -162,6 +170,7 @@ class Mover:
     def run(self, chain: Sequence[ChunkKey], plan: LoadPlan, read_ahead: bool) -> None:
         """Run ``plan.reads`` now, or with ``read_ahead`` only the first ``io_threads`` of them and
         the rest in the background."""
+        self._land(plan)
         reads = plan.reads
         ahead = reads[self.io_threads:] if read_ahead else []
         self.read(chain, plan.handle, reads[:len(reads) - len(ahead)])
@@ -174,6 +183,25 @@ class Mover:
             plan.handle.pending = self._ahead.submit(self._read_ahead, chain, plan.handle, ahead)
         except RuntimeError:  # closed: read here
             self._read_ahead(chain, plan.handle, ahead)
+
+    def _land(self, plan: LoadPlan) -> None:
+        """``plan.reads`` with each private buffer (a read that got no cpu page) replaced by a landing
+        buffer while the pool has one, in the reads and in the handle (before any read runs)."""
+        reads = plan.reads
+        for i, r in enumerate(reads):
+            if r.reserved:
+                continue
+            buffer = self.landing.take()
+            if buffer is None:
+                break  # every landing buffer is out: the rest keep their private buffers
+            reads[i] = r._replace(buffer=buffer)
+            plan.handle.buffers[r.pos] = buffer
+            plan.handle.landed.append(buffer)
+
+    def give_landed(self, handle: LoadHandle) -> None:
+        """Put ``handle``'s landing buffers back once its reads have ended (the caller released it)."""
+        landed, handle.landed = handle.landed, []
+        self.landing.give_after(landed, handle.pending)
 
     def read(self, chain: Sequence[ChunkKey], handle: LoadHandle, batch: Sequence[Read]) -> None:
         """Read ``batch`` (one read per tier, in tier order) and report to the index.  The load's

@@ -262,6 +262,8 @@ class TieredStore(StoreConvenience):
         delivered = handle.ready_chunks()  # a caller that did not wait for read-ahead got no more
         if not self.index.release(handle, refresh=success):
             return
+        if handle.landed:  # (only then: the hit path with a page stays off the landing pool, scripts/hit_story.py)
+            self.mover.give_landed(handle)
         sink = handle.ctx.sink
         if engine is not None:
             sink.emit(engine)
@@ -275,7 +277,11 @@ class TieredStore(StoreConvenience):
         Neither a hit nor a failed load is counted; ``engine`` (what the engine was promised
         and did not get) is.  Idempotent.
         """
-        if self.index.release(handle, refresh=False) and engine is not None:
+        if not self.index.release(handle, refresh=False):
+            return
+        if handle.landed:  # (only then: the hit path with a page stays off the landing pool, scripts/hit_story.py)
+            self.mover.give_landed(handle)
+        if engine is not None:
             handle.ctx.sink.emit(engine)
 
     def load_skipped(self, engine: EngineLoad, ctx: OpContext | None = None) -> None:

@@ -8,10 +8,10 @@ gathers the blocks of every layer into the buffer on the device (one ``index_sel
 ``index_copy_`` per layer and batch, whatever the page size) and copies each span's run straight
 into its tier page; a load copies each page's run into the buffer and scatters it into the
 blocks.  Host copies go straight to the page when it lies in pinned memory (the cpu tier's pool,
-registered by :meth:`~kvtier.core.tiers.cpu.tier.CpuTier.pin_host_memory`); a page outside it (a
-private buffer, or a pool whose registration failed) is bounced through a pinned staging buffer,
-logged once per copier.  So a copy's cost does not collapse with small engine pages (vLLM#57555:
-per-block DMAs at 16 KiB), and no host memcpy sits on the pinned path.
+registered by :meth:`~kvtier.core.tiers.cpu.tier.CpuTier.pin_host_memory`, and the landing buffers of
+:mod:`kvtier.core.landing`); other pages (a private buffer once those are out, a pool whose registration
+failed) bounce through a pinned buffer, logged once per copier.  So a copy's cost does not collapse
+with small engine pages (vLLM#57555: per-block DMAs at 16 KiB), and no host memcpy sits on the pinned path.
 
 Ordering (CUDA streams; every wait is on the device, the host waits only for kvtier's own copies):
 

@@ -25,6 +25,7 @@ import torch
 from kvtier.core.config import KVTierConfig
 from kvtier.core.keys import Namespace
 from kvtier.core.store import TieredStore
+from kvtier.core.tiers.base import RegistersMemory
 from kvtier.integrations.vllm.cache_groups import GroupSpec, is_dense
 from kvtier.integrations.vllm.worker.copy import GroupCopiers
 from kvtier.integrations.vllm.worker.identity import effective_config_digest, model_fingerprint
@@ -191,15 +192,21 @@ def register(vllm_config: Any, kv_cache_config: Any, config: KVTierConfig, group
 
 
 def _pin_top_tier(store: TieredStore, layout: KVLayout, rank: int) -> None:
-    """KV cache on a GPU: register the top tier's pages as pinned host memory, so the copy path
-    DMAs straight between engine blocks and tier pages (a failure is logged by the tier, and the
-    copies stage through a pinned buffer)."""
+    """KV cache on a GPU: register the top tier's pages and the store's landing buffers (where a
+    lower-tier read lands when no cpu page is free: :mod:`kvtier.core.landing`) as pinned host
+    memory, so the copy path DMAs straight between engine blocks and the buffer a chunk is in (a
+    failure is logged, and the copies stage through a pinned buffer)."""
     if layout.device.startswith("cuda"):
         t0 = time.monotonic()
         pinned = store.cpu.pin_host_memory()
         log.info("kvtier: rank %d top tier pages %s (%.1f s)", rank,
                  "pinned: GPU copies go straight to them" if pinned else "pageable: GPU copies are staged",
                  time.monotonic() - t0)
+        landing = store.mover.landing  # where lower-tier reads land without a cpu page (kvtier.core.landing)
+        why = landing.pin(store.cpu) if isinstance(store.cpu, RegistersMemory) else "the top tier registers no memory"
+        if why is not None:
+            log.warning("kvtier: rank %d landing buffers (%d MiB) are not pinned (%s); loads of chunks read "
+                        "without a cpu page are staged", rank, landing.region.nbytes >> 20, why)
 
 
 def _warn_small_cpu_tier(store: TieredStore, config: KVTierConfig, max_model_len: int, tp_size: int,
