@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from kvtier.core.codecstats import codec_stats
 from kvtier.core.config import KVTierConfig
 from kvtier.core.gate import EvictionGate
 from kvtier.core.ghosts import GhostList, Ghosts, top_loss
@@ -115,6 +116,7 @@ class Index(IndexUpkeep):
         for lt in self.local:
             lt.ghosts = self.ghosts
         self.top_ghosts = self.ghosts.lists[self.name].keys  # (read on the promotion path)
+        self.codec_stats = {self.name: codec_stats(cpu), **{lt.name: codec_stats(lt.tier) for lt in self.lower}}
         self._init_feed()
 
     # ---- what is where -------------------------------------------------------------------
