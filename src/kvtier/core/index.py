@@ -287,6 +287,12 @@ class Index(IndexUpkeep):
                     if below and lt.policy is not None:
                         lt.policy.touch(below)
 
+    def settle_policies(self) -> None:
+        """The policies' work deferred off the request's path (the adaptive policy's shadow replay), done now."""
+        for policy in (self.policy, *(lt.policy for lt in self.local)):
+            if policy is not None and policy.pending:
+                policy.settle()
+
     def unpin(self, key: ChunkKey) -> None:
         self.pins[key] -= 1
         if self.pins[key] <= 0:

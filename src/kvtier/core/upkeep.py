@@ -28,7 +28,6 @@ from kvtier.core.handles import LoadHandle, Read, StagedCopy, StoreHandle, Store
 from kvtier.core.keys import ChunkKey
 from kvtier.core.lowerindex import LowerIndex
 from kvtier.core.policies import EvictionPolicy
-from kvtier.core.policies.base import settle
 from kvtier.core.quota import TenantLedger, tenant_stats
 from kvtier.core.stats import StoreCounters, TierStats
 from kvtier.core.tenant import Writer
@@ -89,6 +88,7 @@ class IndexUpkeep(ChangeFeed):
         def _admitting(self, victim: ChunkKey) -> list[LowerIndex]: ...
         def _drop(self, key: ChunkKey) -> None: ...
         def _note(self, key: ChunkKey) -> None: ...
+        def settle_policies(self) -> None: ...
 
     # ---- what is where (lookups of tools and tests, the change feed's snapshot) ----------------
     def lookup(self, chain: Sequence[ChunkKey]) -> tuple[int, Counter[str]]:
@@ -106,11 +106,6 @@ class IndexUpkeep(ChangeFeed):
                     found[lt.name] += 1
                 n += 1
         return n, found
-
-    def _tier_of(self, key: ChunkKey) -> str | None:
-        if self.holds(key):
-            return self.name
-        return next((lt.name for lt in self.local if lt.tier.indexed(key)), None)
 
     def _held_keys(self) -> list[ChunkKey]:
         return [*(k for k in self.cpu.keys() if k not in self.doomed), *self.staged,  # noqa: SIM118
@@ -290,7 +285,7 @@ class IndexUpkeep(ChangeFeed):
         with self.lock:
             was, self.gate.closed = self.gate.closed, closed
             if closed:  # once per engine step, off the request's path: the policies' deferred work
-                settle(self.policy, *(lt.policy for lt in self.local))
+                self.settle_policies()
             if not closed and self.gate.deferred:  # (no call into gate.py on the hit path)
                 for key in self.gate.take():
                     self.let_go(key)

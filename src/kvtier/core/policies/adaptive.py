@@ -26,13 +26,11 @@ keys rarely include a parent), which is why they only choose the ordering.
 
 Costs: O(log n) per operation in the real tier, plus, per sampled access, O(log SHADOW_KEYS) in
 each of the five shadows; victim rebuilds the heap when the mode switches or the tier doubles.
-The shadows' replay is off the request's path: a sampled access is recorded (a tuple in a buffer
-of at most ``PENDING_MAX``) and the owner replays the buffer in bulk, in the same order, with
-:meth:`AdaptivePolicy.settle` (the store: at each engine step's upkeep,
-:meth:`kvtier.core.upkeep.IndexUpkeep.gate_evictions`).  Decisions are those of a replay at every
-access: whatever depends on the shadows settles first (``victim`` when the pending accesses could
-switch the mode, :meth:`~kvtier.core.policies.orderings.Shadows.may_switch`; a new sampling rate; ``mode``, ``switches``,
-``shadow_keys``), and until a switch the real tier's ranks do not depend on them.
+The shadows' replay is off the request's path: a sampled access is recorded (at most
+``PENDING_MAX``) and replayed in bulk, in order, by :meth:`AdaptivePolicy.settle` (the store: once
+per engine step, ``IndexUpkeep.gate_evictions``).  Decisions are a replay at every access's: what
+depends on the shadows settles first (``victim`` if the pending accesses could switch the mode,
+``Shadows.may_switch``; a new sampling rate; ``mode``, ``switches``, ``shadow_keys``).
 Owners should offer every full chunk of each request: ``touch`` the resident ones and ``insert``
 the missing ones in prompt order, as the simulator does.
 """
@@ -44,7 +42,7 @@ from collections.abc import Iterable, Sequence
 from itertools import count
 from typing import Any
 
-from kvtier.core.policies.base import Evictable, EvictionPolicy, always_evictable, heap_victim
+from kvtier.core.policies.base import Evictable, EvictionPolicy, always_evictable
 from kvtier.core.policies.orderings import (
     BIP_LUCKY,
     HASH_MASK,
@@ -145,10 +143,8 @@ class AdaptivePolicy(EvictionPolicy):
         return max(len(shadow.nodes) for shadow in self._shadows.shadows)
 
     def settle(self) -> None:
-        """Replay the recorded sampled accesses in every shadow, in their order, in one call
-        (:meth:`~kvtier.core.policies.orderings.Shadows.replay`), and switch the tier's ordering
-        where the selector would have.  Cheap when nothing is pending; the store calls it once per
-        engine step, off the request's path."""
+        """Replay the recorded sampled accesses in every shadow, in order, in one call (``Shadows.replay``),
+        switching the tier's ordering where the selector would have (the store: once per engine step)."""
         if not self.pending:
             return
         pending, self.pending = self.pending, []
@@ -249,15 +245,23 @@ class AdaptivePolicy(EvictionPolicy):
                 if key not in children and key != self._run[0] and evictable(key):
                     return key
 
-        def stale(entry: tuple[Any, ...]) -> bool:  # re-queued, evicted, or gained children
-            node = nodes.get(entry[3])
-            return node is None or node.seq != entry[2] or entry[3] in children
-
         # The chunk inserted last is the parent of the next one of its prompt: evicting it
         # before that one arrives would leave a chunk that can never be served (its prefix is
         # gone), so it goes only when nothing else may.
-        last = self._run[0]
-        best = heap_victim(self._heap, stale, lambda k: k != last and evictable(k))
+        last, heap, pinned, best = self._run[0], self._heap, [], None
+        while heap:  # base.heap_victim, inlined (the hit path's evictions: no call per entry)
+            entry = heap[0]
+            key = entry[3]
+            node = nodes.get(key)
+            if node is None or node.seq != entry[2] or key in children:  # re-queued, evicted, or gained children
+                heapq.heappop(heap)
+            elif key != last and evictable(key):
+                best = key
+                break
+            else:  # pinned by a transfer in flight (or the last chunk inserted): kept
+                pinned.append(heapq.heappop(heap))
+        for entry in pinned:
+            heapq.heappush(heap, entry)
         if best is None and last in nodes and last not in children and evictable(last):
             best = last
         if best is None and nodes:
@@ -352,15 +356,13 @@ class AdaptivePolicy(EvictionPolicy):
         if threshold != self._threshold:
             self.settle()  # the pending accesses were sampled at the old rate
             self._threshold = threshold
-            self._shadows.resample(threshold, self._shadow_capacity(), self._scale + self._below)
-
-    def _shadow_capacity(self) -> int:
-        return max(1, ((len(self._nodes) + self._below) * self._threshold) >> SAMPLE_BITS)
+            capacity = max(1, ((len(self._nodes) + self._below) * threshold) >> SAMPLE_BITS)  # the shadows' size
+            self._shadows.resample(threshold, capacity, self._scale + self._below)
 
     def _shadow(self, key: Any, time: int, uses: int, gap: int, long_uses: int, depth: int, lucky: bool) -> None:
         """Record one sampled access for :meth:`settle` (with the shadows' size and scale now)."""
         below = self._below
-        capacity = max(1, ((len(self._nodes) + below) * self._threshold) >> SAMPLE_BITS)  # _shadow_capacity
+        capacity = max(1, ((len(self._nodes) + below) * self._threshold) >> SAMPLE_BITS)  # the shadows' size
         pending = self.pending
         pending.append((key, time, uses, gap, long_uses, depth, lucky, capacity, self._scale + below))
         if len(pending) >= self._pending_max:

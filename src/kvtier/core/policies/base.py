@@ -65,13 +65,6 @@ def heap_victim(heap: list[tuple[Any, ...]], stale: Callable[[tuple[Any, ...]], 
     return best
 
 
-def settle(*policies: EvictionPolicy | None) -> None:
-    """:meth:`EvictionPolicy.settle` of each policy given that has work ``pending`` (``None``: none)."""
-    for policy in policies:
-        if policy is not None and policy.pending:
-            policy.settle()
-
-
 class EvictionPolicy(ABC):
     """Base class of eviction policies; see the module docstring for the contract."""
 

@@ -227,8 +227,8 @@ class SchedulerSide:
     # ---- per step ----------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
         preempted = frozenset(getattr(scheduler_output, "preempted_req_ids", None) or ())
-        meta = KVTierMetadata(loads=self._loads, reset=self.resets.take_order(), preempted=preempted,
-                              no_forward=scheduler_output.total_num_scheduled_tokens == 0,
+        meta = KVTierMetadata(loads=self._loads, reset=self.resets.take_order() if self.resets.order else None,
+                              preempted=preempted, no_forward=scheduler_output.total_num_scheduled_tokens == 0,
                               held=self.deferred.take_held())
         for req_id in preempted:  # the workers wait for their saves in handle_preemptions, before the forward
             self.deferred.forget(req_id)
@@ -357,7 +357,7 @@ class SchedulerSide:
         """The scheduler's counters' change since the last call: resets (``kvtier_resets_total``,
         ``kvtier_reset_failures_total``) and, with a shared tier, its lookups and those in flight
         (``kvtier_shared_lookups_*``); ``None`` when nothing changed."""
-        counters: dict[str, float] = dict(self.resets.take_counts())
+        counters: dict[str, float] = dict(self.resets.take_counts()) if self.resets.counts else {}
         counters |= self.receipts.finish()  # this step's finished requests' receipts, complete now
         if self.events is not None:
             counters |= self.events.take_counters()
