@@ -288,11 +288,12 @@ _last: tuple[StoreStats | None, dict[str, float]] = (None, {})
 def store_values(s: StoreStats) -> dict[str, float]:
     """Every :func:`store_counter_readers` value of ``s``, read in one pass (what the worker's
     per-step report diffs; equal to calling each reader)."""
-    specs, top = _registered()[3], registry.top_tier()
+    specs, top = _registered()[3], ""
     out: dict[str, float] = {}
     loaded, unfilled, tiers = s.loaded_tokens, s.unfilled_tokens, s.tiers
     for spec in specs:
         t = spec.name
+        top = top or (t if spec.top else "")  # registry.top_tier() (the first top tier), without a call
         stats = tiers.get(t) or _NO_TIER
         out[f"loaded_tokens_{t}"] = loaded.get(t, 0)
         out[f"unfilled_tokens_{t}"] = unfilled.get(t, 0)
