@@ -3,7 +3,8 @@
 Scenario (issue 23 item 1): a ``--prompt-tokens`` prompt (default 4,000) on the 24-layer ``mid``
 geometry (dummy weights, bf16: 12 KiB of KV per token) is computed once, then resent
 ``--warmup + --repeats`` times, each after ``reset_prefix_cache()`` (vLLM's own cache forgets;
-the connector's CPU tier keeps it): every resend is a full hit of the connector (all whole
+the connector's CPU tier keeps it; the reset is retried, stepping a 3-token request, while a
+deferred save still holds blocks): every resend is a full hit of the connector (all whole
 128-token blocks/chunks; vLLM computes the rest, at least the last token).
 
 How it is timed: each arm is one vLLM engine run in a child process with
@@ -147,6 +148,7 @@ def child(args: argparse.Namespace) -> None:
         tl.wrap(side.groups, "load", "copy")  # the loader calls the same object's load
     ids = random_prompt_ids(model / "tokenizer.json", args.prompt_tokens, seed=args.seed)
     params = SamplingParams(max_tokens=1, temperature=0.0, output_kind=RequestOutputKind.DELTA)
+    quiet = SamplingParams(max_tokens=1, temperature=0.0)
 
     def request(rid: str) -> tuple[float, float, list[int]]:
         t_add = time.perf_counter()
@@ -165,9 +167,24 @@ def child(args: argparse.Namespace) -> None:
     t_cold0, t_cold1, cold_token = request("cold")
     count = 0
 
+    def forget() -> None:
+        """vLLM's own cache forgets the prompt (the connector's CPU tier keeps it).  vLLM refuses
+        ``reset_prefix_cache`` while a finished request's blocks wait for its save (kvtier's deferred
+        saves, issue 37), and the connector reports the save's end only in an engine step: step a
+        3-token request (below one block: nothing cached, looked up or saved) until it succeeds, then
+        once more so that the scheduler's view of the tier has the saved chunks too."""
+        deadline = time.monotonic() + 120
+        for again in (True, False):
+            while not llm.reset_prefix_cache():
+                if time.monotonic() > deadline:
+                    raise RuntimeError("vLLM still refused reset_prefix_cache after 120 s")
+                llm.generate([{"prompt_token_ids": [5, 6, 7]}], quiet, use_tqdm=False)
+            if again:
+                llm.generate([{"prompt_token_ids": [5, 6, 7]}], quiet, use_tqdm=False)
+
     def hit() -> dict[str, Any]:
         nonlocal count
-        llm.reset_prefix_cache()  # vLLM's own cache only: the connector's CPU tier keeps the prompt
+        forget()
         rid = f"hit{count}"
         count += 1
         t_add, t_first, token = request(rid)

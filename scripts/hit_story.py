@@ -41,7 +41,9 @@ generator or coroutine resumed also arrives as ``'call'``; C functions are not c
 - ``kvtier_to_kvtier_calls``: calls whose caller frame (``frame.f_back``) is in a kvtier file
   too, the same file or another;
 - ``moves``: the file-to-file moves, those of the above whose caller's file differs from the
-  callee's (``moves_by_pair`` has them per ``caller -> callee``);
+  callee's (``moves_by_pair`` has them per ``caller -> callee``, ``moves_by_function`` per
+  ``file:function -> file:function``);
+- ``calls_by_function``: calls per ``file:function`` (where a file's calls come from);
 - ``entry_calls``: calls into kvtier from a frame outside it (vLLM, threading, the standard
   library) or with no caller frame;
 - ``threads``: kvtier calls per thread, for every thread that made at least one.
@@ -88,6 +90,8 @@ class ThreadCounts:
         self.name = name
         self.files: Counter[str] = Counter()
         self.moves: Counter[tuple[str, str]] = Counter()
+        self.functions: Counter[str] = Counter()  # "file:function" → calls
+        self.function_moves: Counter[str] = Counter()  # "file:function -> file:function" → moves
         self.inner = 0  # kvtier → kvtier calls
         self.entries = 0  # calls into kvtier from outside it
 
@@ -132,6 +136,8 @@ class KvtierCallProfiler:
         if counts is None:
             counts = self.counts[ident] = ThreadCounts(threading.current_thread().name)
         counts.files[callee] += 1
+        code = frame.f_code
+        counts.functions[f"{callee}:{code.co_name}"] += 1
         caller_frame = frame.f_back
         caller = self._file(caller_frame.f_code.co_filename) if caller_frame is not None else None
         if caller is None:
@@ -140,6 +146,7 @@ class KvtierCallProfiler:
         counts.inner += 1
         if caller != callee:
             counts.moves[(caller, callee)] += 1
+            counts.function_moves[f"{caller}:{caller_frame.f_code.co_name} -> {callee}:{code.co_name}"] += 1
 
     def install(self) -> None:
         """Before any thread the engine starts (3.11: threads started later carry the profile function)."""
@@ -171,15 +178,21 @@ class KvtierCallProfiler:
     def report(self) -> dict[str, Any]:
         files: Counter[str] = Counter()
         moves: Counter[tuple[str, str]] = Counter()
+        functions: Counter[str] = Counter()
+        function_moves: Counter[str] = Counter()
         for c in self.counts.values():
             files.update(c.files)
             moves.update(c.moves)
+            functions.update(c.functions)
+            function_moves.update(c.function_moves)
         threads = {f"{c.name} ({ident})": sum(c.files.values()) for ident, c in self.counts.items()}
         return {"files": dict(sorted(files.items())), "num_files": len(files),
                 "kvtier_calls": sum(files.values()),
                 "kvtier_to_kvtier_calls": sum(c.inner for c in self.counts.values()),
                 "moves": sum(moves.values()),
                 "moves_by_pair": {f"{a} -> {b}": n for (a, b), n in sorted(moves.items())},
+                "calls_by_function": dict(functions.most_common()),
+                "moves_by_function": dict(function_moves.most_common()),
                 "entry_calls": sum(c.entries for c in self.counts.values()),
                 "threads": threads, "num_threads": len(threads), "threads_not_profiled": self.not_profiled,
                 "window_s": self.window_s,

@@ -122,3 +122,59 @@ def test_selector_follows_a_real_lead():
     assert hits > 3 * lru_hits
     guarded = drive(AdaptivePolicy(), keys, 500)
     assert lru_hits < guarded < hits  # the guard spends only what the ordering has earned
+
+
+def drive_chains(policy, chains, capacity, settle_every):
+    """Requests of several chunks (a chain, parents first) through a cache of ``capacity`` chunks,
+    as the store drives it: ``touch`` the resident prefix in prompt order, ``insert`` the rest,
+    evict to capacity; ``settle`` every ``settle_every`` requests (an engine step's upkeep; 0: never).
+    Returns every victim in order, the mode after each request, and how many victims were chosen
+    while sampled accesses were still pending and stayed pending (the replay waited)."""
+    victims, modes, waited = [], [], 0
+    for i, chain in enumerate(chains):
+        resident = [k for k in chain if k in policy]
+        if resident:
+            policy.touch(resident)
+        for parent, key in zip([None, *chain], chain):
+            if key not in policy:
+                policy.insert(key, parent)
+            while len(policy) > capacity:
+                pending = len(policy.pending)
+                victim = policy.victim()
+                waited += bool(pending) and len(policy.pending) == pending
+                victims.append(victim)
+                policy.remove(victim)
+        if settle_every and i % settle_every == 0:
+            policy.settle()
+        modes.append(policy._mode)  # (not .mode: reading it settles)
+    return victims, modes, waited
+
+
+@pytest.mark.parametrize("guard", [True, False])
+@pytest.mark.parametrize("settle_every", [7, 0])
+def test_deferred_shadow_replay_decides_as_a_replay_at_every_access(guard, settle_every):
+    # The shadows' replay waits for the step's upkeep (AdaptivePolicy.settle) instead of running at
+    # each touch on the request's path; every victim and every switch must be what a replay at
+    # every access (pending_max=1) gives, whether the owner settles every 7 requests or never (the
+    # buffer's bound alone).  Hot prefixes among scan-once ones, then a cycle over part of them, so
+    # the selector switches while victims are chosen with accesses pending.
+    rng = random.Random(3)
+    fresh = iter(range(10_000, 10**9))
+    hot = [[rng.randrange(1 << 40) for _ in range(rng.randrange(1, 6))] for _ in range(300)]
+    chains = []
+    for i in range(12_000):
+        if i > 6_000 and rng.random() < 0.5:  # second phase: a cycle over a working set
+            chains.append(hot[i % 300][:2])
+        elif rng.random() < 0.05:
+            chains.append(hot[rng.randrange(300)])
+        else:
+            chains.append([next(fresh) for _ in range(rng.randrange(1, 6))])
+    eager = AdaptivePolicy(guard=guard, pending_max=1)
+    deferred = AdaptivePolicy(guard=guard)
+    expected = drive_chains(eager, chains, 400, 0)
+    got = drive_chains(deferred, chains, 400, settle_every)
+    assert got[0] == expected[0]  # every victim, in order
+    assert got[1] == expected[1]  # the mode after every request (settled or not)
+    assert deferred.switches == eager.switches >= 1 and deferred.mode == eager.mode
+    assert deferred.hits == eager.hits and deferred.lru_hits == eager.lru_hits
+    assert expected[2] == 0 and got[2] > 1000  # the replay waited, often, and changed nothing

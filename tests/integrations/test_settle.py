@@ -1,9 +1,9 @@
-"""The idle-engine settle rule (integrations/vllm/scheduler/settle.py) narrated step by step, on a fake clock."""
+"""The idle-engine settle rule (integrations/vllm/scheduler/steps.py, Settle) narrated step by step, on a fake clock."""
 
 from __future__ import annotations
 
 from kvtier.integrations.vllm.protocol import KVTierWorkerMeta, RankReport
-from kvtier.integrations.vllm.scheduler.settle import Settle
+from kvtier.integrations.vllm.scheduler.steps import Settle
 
 
 class Clock:

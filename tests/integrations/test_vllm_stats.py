@@ -46,3 +46,37 @@ def test_failed_disk_writes_reach_the_step_counters(tmp_path):
     store.flush()
     assert store_counters(store.stats(), before)["disk_write_errors"] == 2
     store.close()
+
+
+def test_one_pass_reading_equals_every_reader_on_every_registered_tier():
+    """The per-step report reads a snapshot in one pass (stats_table.store_values, no call per
+    counter); it must give what each reader of store_counter_readers gives, for every registered
+    tier kind (cpu, disk, the shared ones: wire numbers, codec numbers), every value distinct."""
+    from itertools import count
+
+    from kvtier.core.codecstats import CodecNumbers
+    from kvtier.core.stats import StoreStats, TierStats, WireStats
+    from kvtier.core.tiers import registry
+    from kvtier.integrations.vllm.stats_table import store_counter_readers, store_values
+
+    n = count(1)
+    names = [spec.name for spec in registry.specs()]
+    wire = {t: WireStats(errors={"get": next(n), "put": next(n)}, skipped_calls={"get": next(n)},
+                         skipped_writes=next(n), calls={"read": next(n)}, seconds={"read": next(n) / 8},
+                         bytes={"read": next(n)}) for t in names}
+    codec = {t: CodecNumbers(encoded_bytes=next(n), stored_bytes=next(n), encode_seconds=next(n) / 4,
+                             decode_seconds=next(n) / 2, decrypt_failures=next(n)) for t in names}
+    tiers = {t: TierStats(evictions=next(n), corrupt_chunks=next(n), write_errors=next(n), reset_chunks=next(n),
+                          quota_evictions=next(n), wire=wire[t], codec=codec[t]) for t in names}
+    top = registry.top_tier()
+    directions = [f"{top}_to_engine", f"engine_to_{top}"]
+    snapshot = StoreStats(chunk_bytes=64, chunk_tokens=16, tiers=tiers, dropped_saves=next(n),
+                          flush_missed_chunks=next(n), transfer_bytes={d: next(n) for d in directions},
+                          transfer_seconds={d: next(n) / 16 for d in directions},
+                          loaded_tokens={t: next(n) for t in names}, unfilled_tokens={t: next(n) for t in names},
+                          reloaded_tokens=next(n), saved_tokens=next(n), load_failed_blocks=next(n),
+                          rerouted_chunks=next(n), ttl_pin_chunks=next(n), ttl_pin_refused_chunks=next(n))
+    expected = {name: read(snapshot) for name, read in store_counter_readers().items()}
+    assert len(names) >= 3 and all(expected.values())
+    assert store_values(snapshot) == expected
+    assert store_counters(snapshot, None) == expected

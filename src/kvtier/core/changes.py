@@ -35,6 +35,10 @@ from kvtier.core.keys import ChunkKey
 if TYPE_CHECKING:
     import threading
 
+    from kvtier.core.handles import StagedCopy
+    from kvtier.core.lowerindex import LowerIndex
+    from kvtier.core.tiers.base import StagingTier
+
 CHANGE_FEED_LIMIT = 1 << 16
 
 
@@ -61,10 +65,20 @@ class ChangeFeed:
     _dirty_keys: set[ChunkKey]
     _full_next: bool
     change_feed_limit: int
+    name: str  # the top tier's
+    cpu: StagingTier
+    doomed: set[ChunkKey]
+    staged: dict[ChunkKey, StagedCopy]
+    local: list[LowerIndex]
+
+    def _tier_of(self, key: ChunkKey) -> str | None:
+        """Best local tier holding ``key`` now, or None (the lock held; here, where the drain asks it
+        per changed key: ``Index.holds`` inlined, the cpu tier's ``contains`` is a C call)."""
+        if (self.cpu.contains(key) and key not in self.doomed) or key in self.staged:
+            return self.name
+        return next((lt.name for lt in self.local if lt.tier.indexed(key)), None)
 
     # answered by the index (its lock held)
-    def _tier_of(self, key: ChunkKey) -> str | None:  # best local tier holding the key, or None
-        raise NotImplementedError
 
     def _dirty(self, key: ChunkKey) -> bool:  # in DRAM and on no local lower tier
         raise NotImplementedError

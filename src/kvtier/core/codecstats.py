@@ -3,8 +3,8 @@ spent in them, and values that failed to decode or decrypt (each a counted miss,
 
 Every tier below the cpu tier holds one :class:`CodecStats` in its envelope
 (:class:`kvtier.core.envelope.Envelope`); only chains that change the payload count (identity
-costs nothing and moves nothing).  :func:`codec_numbers` finds a (possibly wrapped) tier's
-numbers, :func:`codec_families` turns them into the ``kvtier_codec_*`` Prometheus families.
+costs nothing and moves nothing).  :func:`codec_stats` finds a (possibly wrapped) tier's
+counters, :func:`codec_numbers` their numbers, :func:`codec_families` turns them into the ``kvtier_codec_*`` Prometheus families.
 """
 
 from __future__ import annotations
@@ -46,11 +46,15 @@ class CodecStats:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._n: dict[str, float] = dict.fromkeys(CodecNumbers.__dataclass_fields__, 0)
+        self.numbers = CodecNumbers()
+        """The numbers now: a frozen snapshot replaced at each change, read without a call or the
+        lock (the store's per-step stats read it; a passthrough chain never changes it)."""
 
     def _add(self, **values: float) -> None:
         with self._lock:
             for name, value in values.items():
                 self._n[name] += value
+            self.numbers = CodecNumbers(**self._n)  # type: ignore[arg-type]
 
     def encoded(self, before: int, after: int, seconds: float) -> None:
         self._add(encoded_bytes=before, stored_bytes=after, encode_seconds=seconds)
@@ -62,18 +66,24 @@ class CodecStats:
         self._add(**({"decrypt_failures": 1} if decrypt else {"decode_failures": 1}))
 
     def snapshot(self) -> CodecNumbers:
-        with self._lock:
-            return CodecNumbers(**self._n)  # type: ignore[arg-type]
+        return self.numbers
 
 
-def codec_numbers(tier: object) -> CodecNumbers | None:
-    """The codec numbers of ``tier`` (unwrapped through ``inner``), ``None`` if it has no envelope."""
+def codec_stats(tier: object) -> CodecStats | None:
+    """The codec counters of ``tier`` (unwrapped through ``inner``), ``None`` if it has no envelope.
+    A tier's envelope is made with the tier: callers may keep the result."""
     seen = 0
     while hasattr(tier, "inner") and seen < 8:
         tier, seen = tier.inner, seen + 1
     env = getattr(tier, "envelope", None) or getattr(getattr(tier, "codec", None), "envelope", None)
     stats = getattr(env, "stats", None)
-    return stats.snapshot() if isinstance(stats, CodecStats) else None
+    return stats if isinstance(stats, CodecStats) else None
+
+
+def codec_numbers(tier: object) -> CodecNumbers | None:
+    """The codec numbers of ``tier`` now (:func:`codec_stats`), ``None`` if it has no envelope."""
+    stats = codec_stats(tier)
+    return stats.numbers if stats is not None else None
 
 
 def codec_families(numbers: Mapping[str, CodecNumbers] | None) -> Iterator[Metric]:

@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from kvtier.core.codecstats import codec_stats
 from kvtier.core.config import KVTierConfig
 from kvtier.core.gate import EvictionGate
 from kvtier.core.ghosts import GhostList, Ghosts, top_loss
@@ -115,6 +116,7 @@ class Index(IndexUpkeep):
         for lt in self.local:
             lt.ghosts = self.ghosts
         self.top_ghosts = self.ghosts.lists[self.name].keys  # (read on the promotion path)
+        self.codec_stats = {self.name: codec_stats(cpu), **{lt.name: codec_stats(lt.tier) for lt in self.lower}}
         self._init_feed()
 
     # ---- what is where -------------------------------------------------------------------
@@ -284,6 +286,12 @@ class Index(IndexUpkeep):
                     below = [k for k, t in zip(handle.keys, handle.tiers) if t == lt.name]
                     if below and lt.policy is not None:
                         lt.policy.touch(below)
+
+    def settle_policies(self) -> None:
+        """The policies' work deferred off the request's path (the adaptive policy's shadow replay), done now."""
+        for policy in (self.policy, *(lt.policy for lt in self.local)):
+            if policy is not None and policy.pending:
+                policy.settle()
 
     def unpin(self, key: ChunkKey) -> None:
         self.pins[key] -= 1

@@ -1,13 +1,12 @@
 """The index's second half: saves, the outcomes of writes, TTL pins, resets, checks.
 
 :class:`IndexUpkeep` is the part of :class:`~kvtier.core.index.Index` off a load's path: saves
-(:meth:`IndexUpkeep.plan_store`, :meth:`IndexUpkeep.complete_store`, spills ahead), a load's
-read-ahead bookkeeping, what the
-mover's writers report (:meth:`IndexUpkeep.begin_write`, :meth:`IndexUpkeep.end_write`,
-:meth:`IndexUpkeep.written`), the eviction gate's verbs (:mod:`kvtier.core.gate`), rescans, TTL
-pins and resets (its invariants: :mod:`kvtier.core.indexcheck`).  Same
-lock, same state (declared here, set up by :class:`~kvtier.core.index.Index`, whose methods it
-calls: where a chunk is, pins, publication, eviction), no threads, no callbacks.
+(``plan_store``, ``complete_store``, spills ahead), a load's read-ahead bookkeeping, what the mover's writers
+report (``begin_write``, ``end_write``, ``written``), the eviction gate's verbs (:mod:`kvtier.core.gate`;
+closing it once per engine step also settles the policies' deferred work), rescans, TTL pins and resets
+(its invariants: :mod:`kvtier.core.indexcheck`).  Same lock, same state (declared here, set up by
+:class:`~kvtier.core.index.Index`, whose methods it calls: where a chunk is, pins, publication,
+eviction), no threads, no callbacks.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvtier.core.changes import ChangeFeed
-from kvtier.core.codecstats import codec_numbers
+from kvtier.core.codecstats import CodecStats
 from kvtier.core.context import NotHeld, OpContext, SaveDropped
 from kvtier.core.gate import EvictionGate
 from kvtier.core.ghosts import Ghosts
@@ -73,6 +72,7 @@ class IndexUpkeep(ChangeFeed):
     spill_watermark: float
     gate: EvictionGate  # closed: no page may be freed; what waits for it (kvtier.core.gate)
     ghosts: Ghosts  # what each local tier recently lost, and why (kvtier.core.ghosts)
+    codec_stats: dict[str, CodecStats | None]  # each tier's codec counters, found once (kvtier.core.codecstats)
 
     if TYPE_CHECKING:  # defined by Index (kvtier.core.index), the load's half
         def holds(self, key: ChunkKey) -> bool: ...
@@ -88,6 +88,7 @@ class IndexUpkeep(ChangeFeed):
         def _admitting(self, victim: ChunkKey) -> list[LowerIndex]: ...
         def _drop(self, key: ChunkKey) -> None: ...
         def _note(self, key: ChunkKey) -> None: ...
+        def settle_policies(self) -> None: ...
 
     # ---- what is where (lookups of tools and tests, the change feed's snapshot) ----------------
     def lookup(self, chain: Sequence[ChunkKey]) -> tuple[int, Counter[str]]:
@@ -106,24 +107,18 @@ class IndexUpkeep(ChangeFeed):
                 n += 1
         return n, found
 
-    def _tier_of(self, key: ChunkKey) -> str | None:
-        if self.holds(key):
-            return self.name
-        return next((lt.name for lt in self.local if lt.tier.indexed(key)), None)
-
     def _held_keys(self) -> list[ChunkKey]:
         return [*(k for k in self.cpu.keys() if k not in self.doomed), *self.staged,  # noqa: SIM118
                 *(k for lt in self.local for k in lt.tier.keys())]  # noqa: SIM118
 
     # ---- store ---------------------------------------------------------------------------
     def plan_store(self, chain: Sequence[ChunkKey], start: int, ctx: OpContext, explain: int = -1) -> StorePlan:
-        """Reserve top-tier pages for ``chain[start:]`` chunks no local tier holds yet (the pages'
-        victims spilled to a write-back tier are the plan's ``writes``) for ``ctx`` (its tenant,
-        kept in the handle with ``ctx``); the chain ends at the first chunk that gets no page
-        (:class:`~kvtier.core.context.SaveDropped`, and the top tier's ghost list remembers why).
-        A chunk saved again leaves the ghost lists (a ghost hit, :mod:`kvtier.core.ghosts`); the
-        one at position ``explain``, if it is not held, is explained to ``ctx``
-        (:class:`~kvtier.core.context.NotHeld`: the latest loss the ghost lists remember, or ``new``)."""
+        """Reserve top-tier pages for ``chain[start:]`` chunks no local tier holds yet (the pages' victims
+        spilled to a write-back tier are the plan's ``writes``) for ``ctx`` (its tenant, kept in the
+        handle); the chain ends at the first chunk that gets no page (``SaveDropped``; the top tier's
+        ghost list remembers why).  A chunk saved again leaves the ghost lists (:mod:`kvtier.core.ghosts`);
+        the one at ``explain``, if not held, is explained to ``ctx`` (``NotHeld``: the latest loss
+        remembered, or ``new``; both :mod:`kvtier.core.context`)."""
         tenant = ctx.tenant
         handle = StoreHandle([], [], [], [], tenant=tenant, ctx=ctx)
         writes: list[WriteJob] = []
@@ -228,8 +223,7 @@ class IndexUpkeep(ChangeFeed):
             return data, room
 
     def end_write(self, job: WriteJob, result: PutResult, room: bool) -> bool:
-        """Apply what the write of ``job`` did (after :meth:`begin_write` returned ``room``);
-        returns whether the chunk is now tracked in its tier."""
+        """Apply what ``job``'s write did (``room``: :meth:`begin_write`'s); whether its tier now tracks the chunk."""
         with self.lock:
             lt = self.by_name[job.tier]
             if room:
@@ -290,6 +284,8 @@ class IndexUpkeep(ChangeFeed):
         """Close the eviction gate, or open it and let go what waited for it; returns whether it was closed."""
         with self.lock:
             was, self.gate.closed = self.gate.closed, closed
+            if closed:  # once per engine step, off the request's path: the policies' deferred work
+                self.settle_policies()
             if not closed and self.gate.deferred:  # (no call into gate.py on the hit path)
                 for key in self.gate.take():
                     self.let_go(key)
@@ -312,8 +308,7 @@ class IndexUpkeep(ChangeFeed):
                 return True, []  # evicted (then staged and queued), already on its way, or written
             if any(lt.name in full for lt in missing):
                 return False, []
-            return True, [self._job(lt, key, None, evict_after=False, tenant=self.tenant.get(key))
-                          for lt in missing]
+            return True, [self._job(lt, key, None, evict_after=False, tenant=self.tenant.get(key)) for lt in missing]
 
     def adopt(self, name: str, found: RescanResult) -> int:
         """Take in a rescan of the local tier ``name`` (read by the caller without the lock)."""
@@ -389,12 +384,12 @@ class IndexUpkeep(ChangeFeed):
         with self.lock:
             self.expire_ttl_pins()
             pinned = {self.name: len(self.pins), **{lt.name: len(lt.pins) for lt in self.lower}}
-            ttl_pinned = {self.name: len(self.ttl_pins)}
             ledgers = {self.name: self.quota, **{lt.name: lt.quota for lt in self.local}}
-            tiers = {self.name: self.cpu, **{lt.name: lt.tier for lt in self.lower}}
+            tiers, codecs = {self.name: self.cpu, **{lt.name: lt.tier for lt in self.lower}}, self.codec_stats
             return {name: TierStats(u.used_bytes, u.capacity_bytes, u.num_chunks, corrupt_chunks=t.corrupt,
-                                    pinned_chunks=pinned.get(name, 0), wire=t.wire_stats(),
-                                    write_errors=t.write_errors, ttl_pinned_chunks=ttl_pinned.get(name, 0), codec=codec_numbers(t),
+                                    pinned_chunks=pinned.get(name, 0), wire=t.wire_stats() if t.shared else None,  # local: None
+                                    write_errors=t.write_errors, ttl_pinned_chunks=len(self.ttl_pins) if name == self.name else 0,
+                                    codec=c.numbers if (c := codecs.get(name)) is not None else None,
                                     **(tenant_stats(q, u.num_chunks, self.chunk_bytes) if (q := ledgers.get(name)) is not None else {}))
                     for name, t in tiers.items() for u in (t.usage(),)}
 

@@ -26,6 +26,11 @@ keys rarely include a parent), which is why they only choose the ordering.
 
 Costs: O(log n) per operation in the real tier, plus, per sampled access, O(log SHADOW_KEYS) in
 each of the five shadows; victim rebuilds the heap when the mode switches or the tier doubles.
+The shadows' replay is off the request's path: a sampled access is recorded (at most
+``PENDING_MAX``) and replayed in bulk, in order, by :meth:`AdaptivePolicy.settle` (the store: once
+per engine step, ``IndexUpkeep.gate_evictions``).  Decisions are a replay at every access's: what
+depends on the shadows settles first (``victim`` if the pending accesses could switch the mode,
+``Shadows.may_switch``; a new sampling rate; ``mode``, ``switches``, ``shadow_keys``).
 Owners should offer every full chunk of each request: ``touch`` the resident ones and ``insert``
 the missing ones in prompt order, as the simulator does.
 """
@@ -37,7 +42,7 @@ from collections.abc import Iterable, Sequence
 from itertools import count
 from typing import Any
 
-from kvtier.core.policies.base import Evictable, EvictionPolicy, always_evictable, heap_victim
+from kvtier.core.policies.base import Evictable, EvictionPolicy, always_evictable
 from kvtier.core.policies.orderings import (
     BIP_LUCKY,
     HASH_MASK,
@@ -55,6 +60,8 @@ HISTORY = 32.0
 """Use counts are remembered for this many tier-sizes of keys, at least half as many (keys only)."""
 SHADOW_KEYS = 2048
 """Sampled keys per shadow, at most."""
+PENDING_MAX = 1024
+"""Sampled accesses recorded for the shadows' replay at most: the next one replays them first."""
 DECAY = 8.0
 """Shadow hit counts halve every this many shadow-sizes of sampled accesses."""
 MARGIN = 0.05
@@ -84,7 +91,7 @@ class AdaptivePolicy(EvictionPolicy):
 
     name = "adaptive"
 
-    def __init__(self, guard: bool = True) -> None:
+    def __init__(self, guard: bool = True, pending_max: int = PENDING_MAX) -> None:
         self._clock = 0  # insertions so far: the unit of age
         self._nodes: dict[Any, Node] = {}
         self._children: dict[Any, int] = {}
@@ -100,9 +107,12 @@ class AdaptivePolicy(EvictionPolicy):
         self._run: tuple[Any, int] = (None, 0)
         self._runs = 0  # request runs inserted (a run: chunks inserted in prompt order)
         self._shadows = Shadows(DECAY, MARGIN, SIGNIFICANCE)
+        # sampled accesses not replayed yet: (key, time, uses, gap, long_uses, depth, lucky, capacity, scale)
+        self.pending: list[tuple[Any, int, int, int, int, int, bool, int, int]] = []
+        self._pending_max = max(1, pending_max)
         self._threshold = 1 << SAMPLE_BITS  # sample every key while the tier is small
         self._sampled_n = 1  # tracked chunks when the sampling rate was last set
-        self.switches = 0
+        self._switches = 0
         self._guarded = guard
         self._below = 0  # chunks the tiers below hold: they take this tier's victims
         self._active = 0  # the ordering the tier uses: the selector's, or LRU while the guard holds
@@ -117,12 +127,32 @@ class AdaptivePolicy(EvictionPolicy):
     @property
     def mode(self) -> str:
         """The ordering the selector chose (the guard overrides its victims when the budget is spent)."""
+        self.settle()
         return MODES[self._mode]
+
+    @property
+    def switches(self) -> int:
+        """Times the selector changed the ordering so far."""
+        self.settle()
+        return self._switches
 
     @property
     def shadow_keys(self) -> int:
         """Sampled keys the largest shadow holds now (about SHADOW_KEYS at most)."""
+        self.settle()
         return max(len(shadow.nodes) for shadow in self._shadows.shadows)
+
+    def settle(self) -> None:
+        """Replay the recorded sampled accesses in every shadow, in order, in one call (``Shadows.replay``),
+        switching the tier's ordering where the selector would have (the store: once per engine step)."""
+        if not self.pending:
+            return
+        pending, self.pending = self.pending, []
+        mode, switches = self._shadows.replay(self._mode, pending, self._seq)
+        if switches:  # as a switch at the access itself: the next victim re-ranks every chunk
+            self._mode = self._active = mode
+            self._switches += switches
+            self._stale = True
 
     def set_capacity_below(self, chunks: int) -> None:
         """The tiers below this one hold ``chunks`` chunks and take its victims (write-back).
@@ -204,6 +234,8 @@ class AdaptivePolicy(EvictionPolicy):
 
     # -- queries -----------------------------------------------------------------------------
     def victim(self, evictable: Evictable = always_evictable) -> Any | None:
+        if self.pending and self._shadows.may_switch(self._mode, self.pending):
+            self.settle()
         if self._stale or len(self._nodes) > 2 * self._scale:
             self._rebuild()
         nodes, children = self._nodes, self._children
@@ -213,15 +245,23 @@ class AdaptivePolicy(EvictionPolicy):
                 if key not in children and key != self._run[0] and evictable(key):
                     return key
 
-        def stale(entry: tuple[Any, ...]) -> bool:  # re-queued, evicted, or gained children
-            node = nodes.get(entry[3])
-            return node is None or node.seq != entry[2] or entry[3] in children
-
         # The chunk inserted last is the parent of the next one of its prompt: evicting it
         # before that one arrives would leave a chunk that can never be served (its prefix is
         # gone), so it goes only when nothing else may.
-        last = self._run[0]
-        best = heap_victim(self._heap, stale, lambda k: k != last and evictable(k))
+        last, heap, pinned, best = self._run[0], self._heap, [], None
+        while heap:  # base.heap_victim, inlined (the hit path's evictions: no call per entry)
+            entry = heap[0]
+            key = entry[3]
+            node = nodes.get(key)
+            if node is None or node.seq != entry[2] or key in children:  # re-queued, evicted, or gained children
+                heapq.heappop(heap)
+            elif key != last and evictable(key):
+                best = key
+                break
+            else:  # pinned by a transfer in flight (or the last chunk inserted): kept
+                pinned.append(heapq.heappop(heap))
+        for entry in pinned:
+            heapq.heappush(heap, entry)
         if best is None and last in nodes and last not in children and evictable(last):
             best = last
         if best is None and nodes:
@@ -284,11 +324,6 @@ class AdaptivePolicy(EvictionPolicy):
             self._ghost_heap = [e for e in heap if (g := ghost.get(e[3])) is not None and g[2] == e[2]]
             heapq.heapify(self._ghost_heap)
 
-    def _set_active(self, mode: int) -> None:
-        if mode != self._active:
-            self._active = mode
-            self._stale = True
-
     def _queue(self, key: Any, node: Node) -> None:
         active = self._active  # lru (the usual ordering) ranks by time alone: no call on the hot path
         node.rank = rank = node.time if active == 0 else \
@@ -319,19 +354,19 @@ class AdaptivePolicy(EvictionPolicy):
         self._sampled_n = n
         threshold = min(1 << SAMPLE_BITS, (SHADOW_KEYS << SAMPLE_BITS) // (n + self._below))
         if threshold != self._threshold:
+            self.settle()  # the pending accesses were sampled at the old rate
             self._threshold = threshold
-            self._shadows.resample(threshold, self._shadow_capacity(), self._scale + self._below)
-
-    def _shadow_capacity(self) -> int:
-        return max(1, ((len(self._nodes) + self._below) * self._threshold) >> SAMPLE_BITS)
+            capacity = max(1, ((len(self._nodes) + self._below) * threshold) >> SAMPLE_BITS)  # the shadows' size
+            self._shadows.resample(threshold, capacity, self._scale + self._below)
 
     def _shadow(self, key: Any, time: int, uses: int, gap: int, long_uses: int, depth: int, lucky: bool) -> None:
-        mode = self._shadows.access(self._mode, key, time, uses, gap, long_uses, depth, lucky,
-                                    self._shadow_capacity(), self._scale + self._below, self._seq)
-        if mode != self._mode:
-            self._mode = mode
-            self.switches += 1
-            self._set_active(mode)
+        """Record one sampled access for :meth:`settle` (with the shadows' size and scale now)."""
+        below = self._below
+        capacity = max(1, ((len(self._nodes) + below) * self._threshold) >> SAMPLE_BITS)  # the shadows' size
+        pending = self.pending
+        pending.append((key, time, uses, gap, long_uses, depth, lucky, capacity, self._scale + below))
+        if len(pending) >= self._pending_max:
+            self.settle()
 
     def _count(self, key: Any, clock: int) -> tuple[int, int, int]:
         """(prior uses, insertions since the previous use, prior uses in the long history) of

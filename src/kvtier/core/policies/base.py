@@ -20,6 +20,9 @@ Operations (all mutate only the policy's own bookkeeping):
   ``evictable(key)`` is false (pinned by an in-flight transfer) are skipped.  ``None`` means no
   resident key may be evicted now.  The owner evicts, then calls ``remove``.
 
+- ``settle()``: do work a policy deferred off the request's path (the adaptive policy's shadow
+  replay), when ``pending`` is non-empty; the store calls it once per engine step.
+
 Policies are not thread-safe; the owner serialises calls (the store holds its lock).
 """
 
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 import heapq
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence, Sized
 from typing import Any, ClassVar
 
 from kvtier.core.keys import ChunkKey
@@ -66,6 +69,13 @@ class EvictionPolicy(ABC):
     """Base class of eviction policies; see the module docstring for the contract."""
 
     name: ClassVar[str] = "abstract"
+    pending: Sized = ()
+    """Work recorded on the request's path and not done yet (the adaptive policy's sampled
+    accesses for its shadows); the owner calls :meth:`settle` when it is non-empty."""
+
+    def settle(self) -> None:
+        """Do the work deferred off the request's path (none by default); decisions do not depend
+        on when it is called."""
 
     @abstractmethod
     def insert(self, key: ChunkKey, parent: ChunkKey | None) -> None:

@@ -25,8 +25,8 @@ chunk (tail first); ``n`` is the tier's size in chunks:
 
 A :class:`Shadow` replays one ordering over the sampled keys only (:func:`sample_hash` below the
 sampling threshold; keys and a few integers, no KV) and counts its hits; :class:`Shadows` replays
-one sampled access through all of them and picks the ordering that leads (one call per sampled
-access from the policy: the hit path's chain stays in this module); :class:`Node` is a chunk's
+one sampled access through all of them and picks the ordering that leads (the policy hands
+over its recorded accesses in one call, :meth:`Shadows.replay`: the chain stays in this module); :class:`Node` is a chunk's
 record, in the real tier and in the shadows alike.
 """
 
@@ -185,6 +185,46 @@ class Shadows:
         if lead > self.margin * current and lead * lead > self.significance * discordant:
             return best
         return mode
+
+    def replay(self, mode: int, accesses: list[tuple[Any, int, int, int, int, int, bool, int, int]],
+               seq: Any) -> tuple[int, int]:
+        """:meth:`access` for each of ``accesses`` in order (``(key, time, uses, gap, long_uses, depth,
+        lucky, capacity, scale)`` as recorded); returns the ordering the tier should use from now on
+        and how many times it changed on the way."""
+        switches = 0
+        access = self.access
+        for key, time, uses, gap, long_uses, depth, lucky, capacity, scale in accesses:
+            chosen = access(mode, key, time, uses, gap, long_uses, depth, lucky, capacity, scale, seq)
+            if chosen != mode:
+                mode = chosen
+                switches += 1
+        return mode, switches
+
+    def may_switch(self, mode: int, pending: list[tuple[Any, int, int, int, int, int, bool, int, int]]) -> bool:
+        """Whether :meth:`replay` of ``pending`` could change the ordering from ``mode`` (if not,
+        the tier's victim is the same before and after the replay, which can wait).
+
+        Without a decay, ``k`` accesses change each shadow's hits by at most ``k``, and the lead
+        of shadow ``b`` over the current one (``L``) by ``a - c``, where ``a`` / ``c`` accesses hit
+        in only one of the two, which adds ``a + c`` to their discordant count ``D``.  A switch
+        to ``b`` needs ``L > margin × current`` (so ``L0 + k > margin × current0``) and
+        ``L² > significance × D`` with ``L > 0``; ``(L0 + a)² − significance × (D0 + a)`` is convex
+        in ``a``, so over ``0 ≤ a ≤ k`` it is largest at ``a = 0`` or ``a = k`` (``|L| ≤ D``
+        always).  A decay within the pending accesses: assume it could."""
+        k = len(pending)
+        if self.sampled + k >= self.decay * min(entry[7] for entry in pending):
+            return True
+        current, wins, s = self.shadows[mode].hits, self.wins, self.significance
+        for b, shadow in enumerate(self.shadows):
+            if b == mode:
+                continue
+            lead = shadow.hits - current
+            if lead + k <= self.margin * current:
+                continue
+            d = wins[b][mode] + wins[mode][b]
+            if (lead + k) ** 2 > s * (d + k) or (lead > 0 and lead * lead > s * d):
+                return True
+        return False
 
     def resample(self, threshold: int, capacity: int, scale: int) -> None:
         """:meth:`Shadow.resample` of every shadow."""

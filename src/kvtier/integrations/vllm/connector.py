@@ -278,7 +278,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def has_pending_push_work(self) -> bool:
         """Keep an idle engine stepping until the workers' gauges are true (pins released, the
-        first report in), at most ``SETTLE_S`` seconds: :mod:`kvtier.integrations.vllm.scheduler.settle`."""
+        first report in), at most ``SETTLE_S`` seconds: :mod:`kvtier.integrations.vllm.scheduler.steps`."""
         return self.scheduler_side is not None and self.scheduler_side.settle.pending()
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:

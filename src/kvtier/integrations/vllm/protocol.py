@@ -246,7 +246,7 @@ class RankReport:
             shared tier's keys are ``<prefix><namespace hex>:<chunk key hex>``, so the scheduler
             needs it to ask the shared tier about this rank's chunks.
         busy: chunks of this rank are pinned by loads or disk writes in flight (the scheduler keeps
-            an idle engine stepping until it is false: :mod:`kvtier.integrations.vllm.scheduler.settle`).
+            an idle engine stepping until it is false: :mod:`kvtier.integrations.vllm.scheduler.steps`).
         epoch: the last :class:`ResetOrder` epoch this rank applied (0: none); the mirror drops
             reports of an older epoch than its own.
         facts: what this rank learned of requests' cache use since its last report, by request id

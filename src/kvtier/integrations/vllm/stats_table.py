@@ -133,6 +133,7 @@ _PLAIN_GAUGES: dict[str, tuple[str, str, str | None]] = {
 
 _NO_TIER = TierStats()
 _NO_WIRE = WireStats()
+_NO_CODEC = CodecNumbers()
 
 
 def _tier(s: StoreStats, tier: str) -> TierStats:
@@ -288,14 +289,65 @@ def _registered() -> tuple[int, dict[str, Callable[[StoreStats], float]], frozen
     return _per_step
 
 
+_last: tuple[StoreStats | None, dict[str, float]] = (None, {})
+"""The last snapshot :func:`store_counters` read, and its values: the next step's ``before``."""
+
+
+def store_values(s: StoreStats) -> dict[str, float]:
+    """Every :func:`store_counter_readers` value of ``s``, read in one pass (what the worker's
+    per-step report diffs; equal to calling each reader)."""
+    specs, top = _registered()[3], ""
+    out: dict[str, float] = {}
+    loaded, unfilled, tiers = s.loaded_tokens, s.unfilled_tokens, s.tiers
+    for spec in specs:
+        t = spec.name
+        top = top or (t if spec.top else "")  # registry.top_tier() (the first top tier), without a call
+        stats = tiers.get(t) or _NO_TIER
+        out[f"loaded_tokens_{t}"] = loaded.get(t, 0)
+        out[f"unfilled_tokens_{t}"] = unfilled.get(t, 0)
+        out[f"reset_chunks_{t}"] = stats.reset_chunks
+        if not spec.shared:
+            out[f"evictions_{t}"] = stats.evictions
+            out[f"quota_evictions_{t}"] = stats.quota_evictions
+        if not spec.top:
+            codec = stats.codec or _NO_CODEC
+            out[f"codec_bytes_before_{t}"] = codec.encoded_bytes
+            out[f"codec_bytes_after_{t}"] = codec.stored_bytes
+            out[f"codec_seconds_{t}"] = codec.encode_seconds + codec.decode_seconds
+            out[f"decrypt_failures_{t}"] = codec.decrypt_failures
+            if not spec.shared:
+                out[f"{t}_write_errors"] = stats.write_errors
+        if spec.shared:
+            wire = stats.wire or _NO_WIRE
+            out[f"{t}_errors"] = sum(wire.errors.values())
+            out[f"{t}_skipped_calls"] = sum(wire.skipped_calls.values())
+            out[f"{t}_skipped_writes"] = wire.skipped_writes
+            out[f"{t}_reads"] = wire.calls.get("read", 0)
+            out[f"{t}_read_seconds"] = wire.seconds.get("read", 0.0)
+            out[f"{t}_read_bytes"] = wire.bytes.get("read", 0)
+    out.update(reloaded_tokens=s.reloaded_tokens, saved_tokens=s.saved_tokens, load_failed_blocks=s.load_failed_blocks,
+               rerouted_chunks=s.rerouted_chunks, ttl_pin_chunks=s.ttl_pin_chunks,
+               ttl_pin_refused_chunks=s.ttl_pin_refused_chunks, dropped_saves=s.dropped_saves,
+               corrupt_chunks=sum(t.corrupt_chunks for t in tiers.values()),
+               flush_missed_chunks=s.flush_missed_chunks,
+               load_bytes=s.transfer_bytes[f"{top}_to_engine"], load_seconds=s.transfer_seconds[f"{top}_to_engine"],
+               save_bytes=s.transfer_bytes[f"engine_to_{top}"], save_seconds=s.transfer_seconds[f"engine_to_{top}"])
+    return out
+
+
 def store_counters(now: StoreStats, before: StoreStats | None, tp_rank: int = 0) -> dict[str, float]:
     """The :func:`store_counter_readers` that changed from ``before`` (``None``: the store's start)
-    to ``now``, without the :func:`rank0_only` ones on other ranks than ``tp_rank`` 0."""
-    _, readers, rank0, _ = _registered()
-    skip = rank0 if tp_rank else frozenset()
-    deltas = {name: read(now) - (read(before) if before is not None else 0)
-              for name, read in readers.items() if name not in skip}
-    return {name: delta for name, delta in deltas.items() if delta}
+    to ``now``, without the :func:`rank0_only` ones on other ranks than ``tp_rank`` 0.  Reads each
+    snapshot once (:func:`store_values`; ``before``'s values are kept from the call that read it
+    as ``now``), no call per counter: this runs at every engine step."""
+    global _last
+    rank0 = _registered()[2] if tp_rank else frozenset()
+    last, last_values = _last
+    old = {} if before is None else last_values if before is last else store_values(before)
+    new = store_values(now)
+    _last = (now, new)
+    return {name: delta for name, value in new.items()
+            if name not in rank0 and (delta := value - old.get(name, 0))}
 
 
 def store_gauges(s: StoreStats) -> dict[str, float]:

@@ -277,7 +277,7 @@ class HybridPlan:
         k = C // bs
         end = hit // C
         start = num_computed_tokens // C
-        window = group.window_chunks(C)
+        window = None if group.kind is GroupKind.FULL else group.window_chunks(C)  # (FULL: no call on the hit path)
         if window is not None:
             start = max(start, end - window)
         first_block = num_computed_tokens // bs

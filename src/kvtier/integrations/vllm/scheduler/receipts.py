@@ -234,7 +234,7 @@ class ReceiptDesk:
                     sink.emit(receipt, trace_headers=p.trace_headers)
                 except Exception:  # a sink must never stop the engine
                     log.exception("kvtier: a receipt sink failed on request %s's receipt", p.request_id)
-        for name, total in receipt_sink_counters(self.sinks).items():  # the sinks' drops: totals -> changes
+        for name, total in (receipt_sink_counters(self.sinks) if self.sinks else {}).items():  # drops: totals -> changes
             if total != self._dropped_seen.get(name, 0.0):
                 counters[name] = total - self._dropped_seen.get(name, 0.0)
                 self._dropped_seen[name] = total

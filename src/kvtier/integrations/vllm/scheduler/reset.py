@@ -87,8 +87,8 @@ class Resets:
     def __init__(self, config: KVTierConfig) -> None:
         self.config = config
         self.epoch = 0  # resets acknowledged so far
-        self._order: ResetOrder | None = None  # shipped with the next step's metadata
-        self._counts: dict[str, int] = {}  # reset counters not yet sent to /metrics
+        self.order: ResetOrder | None = None  # shipped with the next step's metadata (take_order)
+        self.counts: dict[str, int] = {}  # reset counters not yet sent to /metrics (take_counts)
 
     def run(self, mirror: IndexMirror, events: KVEventTracker | None, remote: RemoteLookups | None) -> bool:
         """vLLM's external prefix-cache reset (``/reset_prefix_cache?reset_external=true``): clear the
@@ -116,7 +116,7 @@ class Resets:
             events.reset()  # every announced chunk: BlockRemoved at the next step
         if remote is not None:
             remote.forget_all()  # answers asked before the reset may count chunks it removes
-        self._order = ResetOrder(self.epoch, tiers)
+        self.order = ResetOrder(self.epoch, tiers)
         outcome = reset_outside(self.config, tiers, mirror.namespaces)
         removed = {t: list(dict.fromkeys((*planned.get(t, ()), *outcome.removed.get(t, ()))))
                    for t in dict.fromkeys((*planned, *outcome.removed))}
@@ -137,13 +137,13 @@ class Resets:
 
     def take_order(self) -> ResetOrder | None:
         """The order for the next step's metadata (once)."""
-        order, self._order = self._order, None
+        order, self.order = self.order, None
         return order
 
     def take_counts(self) -> dict[str, int]:
         """``resets`` and ``reset_failures`` since the last call."""
-        counts, self._counts = self._counts, {}
+        counts, self.counts = self.counts, {}
         return counts
 
     def _count(self, name: str) -> None:
-        self._counts[name] = self._counts.get(name, 0) + 1
+        self.counts[name] = self.counts.get(name, 0) + 1

@@ -21,17 +21,21 @@ from kvtier.integrations.vllm.protocol import (
     SaveJob,
     tokens_by_tier,
 )
-from kvtier.integrations.vllm.scheduler.deferred import DeferredSaves
 from kvtier.integrations.vllm.scheduler.eventfeed import event_tracker, observe_reports
 from kvtier.integrations.vllm.scheduler.events import events_enabled
 from kvtier.integrations.vllm.scheduler.mirror import IndexMirror
 from kvtier.integrations.vllm.scheduler.pages import PagePlanner, engine_plan, handoffs_of
 from kvtier.integrations.vllm.scheduler.receipts import ReceiptDesk, ReceiptFacts
 from kvtier.integrations.vllm.scheduler.remote import RemoteLookups, shared_tier_configured
-from kvtier.integrations.vllm.scheduler.requests import PIN_PARAM, RequestChain, RequestState, pin_seconds
+from kvtier.integrations.vllm.scheduler.requests import (
+    PIN_PARAM,
+    DeferredSaves,
+    RequestChain,
+    RequestState,
+    pin_seconds,
+)
 from kvtier.integrations.vllm.scheduler.reset import Resets
-from kvtier.integrations.vllm.scheduler.settle import Settle
-from kvtier.integrations.vllm.scheduler.sync import SyncBudget, bytes_per_token, check_sync_load
+from kvtier.integrations.vllm.scheduler.steps import Settle, SyncBudget, bytes_per_token, check_sync_load
 from kvtier.integrations.vllm.stats import KVTierStats
 
 log = logging.getLogger(__name__)
@@ -91,8 +95,7 @@ class SchedulerSide:
         self._remote_seen: dict[str, int] = {}
         self._remote_pending_sent: int | None = None
         # vLLM KV events (--kv-events-config): None when vLLM publishes none
-        self.events = event_tracker(vllm_config, kv_cache_config, plan, config, self.mirror) if events_enabled(vllm_config) \
-            else None
+        self.events = event_tracker(vllm_config, kv_cache_config, plan, config, self.mirror) if events_enabled(vllm_config) else None
         # keeps an idle engine stepping until the workers' gauges are true (and the events are out)
         self.settle = Settle(more=self.events.pending if self.events is not None else None)
         self.resets = Resets(config)
@@ -224,8 +227,8 @@ class SchedulerSide:
     # ---- per step ----------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
         preempted = frozenset(getattr(scheduler_output, "preempted_req_ids", None) or ())
-        meta = KVTierMetadata(loads=self._loads, reset=self.resets.take_order(), preempted=preempted,
-                              no_forward=scheduler_output.total_num_scheduled_tokens == 0,
+        meta = KVTierMetadata(loads=self._loads, reset=self.resets.take_order() if self.resets.order else None,
+                              preempted=preempted, no_forward=scheduler_output.total_num_scheduled_tokens == 0,
                               held=self.deferred.take_held())
         for req_id in preempted:  # the workers wait for their saves in handle_preemptions, before the forward
             self.deferred.forget(req_id)
@@ -326,14 +329,13 @@ class SchedulerSide:
         request's blocks until then (it delays freeing blocks of WAITING_FOR_REMOTE_KVS requests).
 
         Returns:
-            held: True when a deferred save of the request may still read its blocks (not reported
-                ended by every rank: :mod:`~kvtier.integrations.vllm.scheduler.deferred`): vLLM keeps
-                them until every rank names the request in ``finished_sending``
-                (vllm/v1/core/sched/scheduler.py ``_free_request``, ``_update_from_kv_xfer_finished``).
-            receipt: its receipt's dict, empty until this step's worker facts are in: filled in place
-                by :meth:`stats`, in the same ``update_from_output``
-                (:mod:`~kvtier.integrations.vllm.scheduler.receipts`; a deferred save's facts are
-                taken when it is queued, in this step: :func:`~kvtier.integrations.vllm.worker.saves.save_jobs`)."""
+            held: True when a deferred save of the request may still read its blocks (not reported ended
+                by every rank: :class:`~kvtier.integrations.vllm.scheduler.requests.DeferredSaves`): vLLM keeps
+                them until every rank names it in ``finished_sending`` (vllm/v1/core/sched/scheduler.py
+                ``_free_request``, ``_update_from_kv_xfer_finished``).
+            receipt: its receipt's dict, empty until this step's worker facts are in: filled in place by
+                :meth:`stats` in the same ``update_from_output`` (:mod:`~kvtier.integrations.vllm.scheduler.receipts`;
+                a deferred save's facts are taken when it is queued, in this step: ``worker.saves.save_jobs``)."""
         req_id = request.request_id
         state = self.requests.pop(req_id, None)
         self.sync.give_back(req_id)
@@ -355,7 +357,7 @@ class SchedulerSide:
         """The scheduler's counters' change since the last call: resets (``kvtier_resets_total``,
         ``kvtier_reset_failures_total``) and, with a shared tier, its lookups and those in flight
         (``kvtier_shared_lookups_*``); ``None`` when nothing changed."""
-        counters: dict[str, float] = dict(self.resets.take_counts())
+        counters: dict[str, float] = dict(self.resets.take_counts()) if self.resets.counts else {}
         counters |= self.receipts.finish()  # this step's finished requests' receipts, complete now
         if self.events is not None:
             counters |= self.events.take_counters()
