@@ -56,6 +56,14 @@ def test_a_full_save_queue_is_waited_on_counted_and_the_job_dropped_and_a_given_
         chain = [ChunkKey(j.pages[0].key) for j in jobs]
         assert [store.lookup(chain[i:i + 1]) for i in range(3)] == [0, 1, 0]  # voided, published, dropped
         assert saver.voided == 1 and saver.completed == 3
+        counts = saver.counts()  # what the worker reports each step (kvtier_deferred_save*_total)
+        assert (counts["deferred_save_waits"], counts["deferred_saves_dropped"], counts["deferred_saves_voided"]) \
+            == (1, 1, 1) and counts["deferred_save_wait_seconds"] >= 0.05
+        from kvtier.integrations.vllm.stats_table import counters
+        assert {name: counters()[name][0] for name in counts} == {
+            "deferred_save_waits": "kvtier_deferred_save_waits", "deferred_save_wait_seconds":
+            "kvtier_deferred_save_wait_seconds", "deferred_saves_dropped": "kvtier_deferred_saves_dropped",
+            "deferred_saves_voided": "kvtier_deferred_saves_voided"}
         assert sorted(saver.take_ended()) == [0, 1, 2]  # every number reported ended, whatever its end
         assert store.get(chain[1:2])[0] == bytes(torch.cat([caches[n][2:4].reshape(-1) for n in caches])
                                                   .numpy().view("uint8"))  # r1's blocks 2, 3, layer by layer

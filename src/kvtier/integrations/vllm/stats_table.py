@@ -41,6 +41,16 @@ _PLAIN_COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "save_bytes": ("kvtier_transfer_bytes", "Bytes copied between engine and kvtier.", ("save",)),
     "dropped_saves": ("kvtier_dropped_saves", ("Chunk saves given up by any tier: no room in the top tier, a write "
                       "queue full, or a write that failed (see *_skipped_writes, *_write_errors)."), ()),
+    # deferred saves (async_saves; integrations/vllm/worker/saves.py SaveQueue)
+    "deferred_save_waits": ("kvtier_deferred_save_waits", ("Deferred saves that found the save queue full: the "
+                            "engine's thread waited for room (at most 2 s each; all ranks)."), ()),
+    "deferred_save_wait_seconds": ("kvtier_deferred_save_wait_seconds", ("Seconds the engine's thread waited for "
+                                   "room in a full save queue (all ranks)."), ()),
+    "deferred_saves_dropped": ("kvtier_deferred_saves_dropped", ("Deferred saves dropped: the save queue stayed "
+                               "full past the wait; their chunks were not saved (all ranks)."), ()),
+    "deferred_saves_voided": ("kvtier_deferred_saves_voided", ("Deferred saves released unpublished: still copying "
+                              "when their blocks were given back, so their pages may hold another request's KV "
+                              "(all ranks)."), ()),
     "corrupt_chunks": ("kvtier_corrupt_chunks", "Chunks that failed verification and were recomputed.", ()),
     "flush_missed_chunks": ("kvtier_flush_missed_chunks", "Dirty chunks a graceful stop could not write to disk in time.",
                             ()),

@@ -126,6 +126,14 @@ class SaveQueue:
             self._end(item, published=False)
         return queued
 
+    def counts(self) -> dict[str, float]:
+        """Totals since start, by payload counter name (:mod:`kvtier.integrations.vllm.stats_table`):
+        ``deferred_save_waits`` (submits that found the queue full), ``deferred_save_wait_seconds``
+        (the engine thread's time in those waits, s), ``deferred_saves_dropped``, ``deferred_saves_voided``."""
+        with self._lock:
+            return {"deferred_save_waits": self.backpressure_waits, "deferred_save_wait_seconds": self.backpressure_s,
+                    "deferred_saves_dropped": self.dropped, "deferred_saves_voided": self.voided}
+
     def note_ended(self, seq: int) -> None:
         """A deferred job that never reached the queue (nothing to copy, cut, failed) ended."""
         with self._lock:

@@ -74,6 +74,7 @@ class WorkerSide:
         self.key_root = b""
         self.namespace = b""
         self._store_seen: StoreStats | None = None
+        self._saver_seen: dict[str, float] = {}  # the saver's totals at the last stats() call
         self._busy = False  # chunks pinned at the last stats() (loads or disk writes in flight)
         self._busy_reported: bool | None = None  # busy as last told to the scheduler
         self._errors: set[int] = set()
@@ -254,6 +255,10 @@ class WorkerSide:
         snapshot = self.store.stats()
         counters = store_counters(snapshot, self._store_seen, self.tp_rank)
         self._store_seen = snapshot
+        if self.saver is not None:  # the deferred saves' waits, drops and voids since the last step
+            totals = self.saver.counts()
+            counters |= {k: v - self._saver_seen.get(k, 0) for k, v in totals.items() if v != self._saver_seen.get(k, 0)}
+            self._saver_seen = totals
         gauges = dict(store_gauges(snapshot))
         self._busy = snapshot.queued_writes > 0 or any(t.pinned_chunks for t in snapshot.tiers.values()) \
             or bool(self.saver is not None and self.saver.in_flight)
