@@ -75,3 +75,19 @@ def test_sigterm_to_a_forked_child_kills_it_without_kvtier_message() -> None:
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["child", str(int(signal.SIGTERM)), "pool", "6", "done"]
     assert "stopped by" not in result.stderr
+
+
+def test_a_child_forked_under_the_handler_has_the_default_action_from_its_first_instruction() -> None:
+    # a Python-level handler acts only when the interpreter next checks for signals: a pool worker
+    # SIGTERMed just before it blocked in sem_wait on the pool's queue lock slept forever, and the
+    # pool's join with it (1 in ~50 runs of the FORK_SCRIPT pool above hung in CI before the fix)
+    from kvtier.cli.termination import exit_on_termination
+
+    with exit_on_termination():
+        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None)  # kvtier's, in this process
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+                     and signal.getsignal(signal.SIGHUP) == signal.SIG_DFL else 1)
+        _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, "the forked child kept kvtier's SIGTERM handler"

@@ -16,15 +16,40 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+_replaced: dict[int, Any] = {}
+"""The handlers :func:`_install` replaced, while its own are installed (empty otherwise)."""
+
+
+def _restore_in_child() -> None:
+    """In a child forked while kvtier's handlers are installed, put the replaced handlers back at
+    once (``os.register_at_fork``).  A Python-level handler only runs when the interpreter checks
+    for signals: a ``multiprocessing`` pool worker that ``Pool.terminate()`` SIGTERMs just before it
+    blocks in ``sem_wait`` on the queue's lock then sleeps forever with the signal noted and never
+    acted on, and the pool's ``join`` with it (seen: 1 in ~50 runs of ``with Pool(2)`` under kvtier's
+    handler, the worker in ``synchronize.py __enter__``).  With the default action the kernel ends
+    the worker, as without kvtier."""
+    for signum, handler in _replaced.items():
+        try:
+            signal.signal(signum, handler)
+        except (ValueError, OSError):  # not the main thread of the child: the handler's pid check stays
+            pass
+    _replaced.clear()
+
+
+os.register_at_fork(after_in_child=_restore_in_child)
+
 
 @contextmanager
 def exit_on_termination() -> Iterator[None]:
     """Within the block, SIGTERM and SIGHUP raise ``SystemExit(128 + signal)`` in the main thread
-    (see :func:`_install`); the previous handlers come back afterwards."""
+    (see :func:`_install`); the previous handlers come back afterwards (and in any child forked
+    meanwhile, at once: :func:`_restore_in_child`)."""
     previous = _install()
+    _replaced.update(previous)
     try:
         yield
     finally:
+        _replaced.clear()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
 
