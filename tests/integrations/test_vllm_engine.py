@@ -137,10 +137,12 @@ def engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
     saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     disk = tmp_path_factory.mktemp("kvtier-disk")
-    # a third tier from outside kvtier (tests/dict_tier.py), registered by the module tier_modules names
+    # a third tier from outside kvtier (tests/dict_tier.py), registered by the module tier_modules names;
+    # larger than the disk tier (512 chunks vs ~409): with 64 it evicted, by its policy, chunks of the
+    # prefix the dict-tier test had just written through (CI phase 3, after the module's earlier prompts)
     kvtier = {"chunk_tokens": CHUNK_TOKENS, "cpu_gib": 16 * CHUNK_BYTES / (1 << 30), "disk_path": str(disk),
               "disk_gib": 0.05, "write_mode": "write-through", "tier_modules": ["tests.dict_tier_plugin"],
-              "tiers": ["cpu", "disk", "dict"], "dict_capacity_mib": 64 * CHUNK_BYTES / 2**20,
+              "tiers": ["cpu", "disk", "dict"], "dict_capacity_mib": 512 * CHUNK_BYTES / 2**20,
               "pin_max_share": 0.9,  # two pinned prompts (13 chunks; 14 may be pinned) in the 16-chunk cpu tier
               # only salt quota-b has a share (8 of the 16 cpu chunks): every other request is best
               # effort, evicted in the policy's order as without quotas (the quota test runs last)
