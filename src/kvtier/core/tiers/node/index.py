@@ -14,6 +14,9 @@ threads: the owner's one event loop calls it.
   (``gens``) before the pages are handed out; a reader compares after its copy (see the package
   docstring).  ``heads`` marks where committed values start, so a restarted owner rebuilds this
   index from the pool (:meth:`PoolIndex.recover`).
+- **Presence**: each committed value's fingerprint is in the pool's presence table
+  (:mod:`~kvtier.core.tiers.node.presence`) from its commit until it is deleted or evicted, so
+  engines answer lookups without a message.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvtier.core.tiers.node import protocol
+from kvtier.core.tiers.node.presence import PresenceTable, fingerprint
 
 Name = tuple[bytes, bytes]
 """(namespace, chunk key)."""
@@ -43,6 +47,7 @@ class Value:
     written_s: float = 0.0  # wall clock at commit (0: unknown, a value taken back after a restart)
     committed: bool = False
     gone: bool = False  # deleted or evicted while pinned: pages freed at the last unpin
+    slot: int = -1  # its presence table slot while committed
 
 
 @dataclass(eq=False)
@@ -61,10 +66,12 @@ class Client:
 
 
 class PoolIndex:
-    """See the module docstring.  ``gens`` / ``heads``: the pool's arrays (:class:`~kvtier.core.tiers.node.pool.Pool`)."""
+    """See the module docstring.  ``gens`` / ``heads``: the pool's arrays, ``table``: its presence
+    table (:class:`~kvtier.core.tiers.node.pool.Pool`)."""
 
-    def __init__(self, gens: np.ndarray, heads: np.ndarray, page_bytes: int, lease_s: float) -> None:
-        self.gens, self.heads = gens, heads
+    def __init__(self, gens: np.ndarray, heads: np.ndarray, table: PresenceTable, page_bytes: int,
+                 lease_s: float) -> None:
+        self.gens, self.heads, self.table = gens, heads, table
         self.page_bytes = page_bytes
         self.num_pages = len(gens)
         self.lease_s = lease_s
@@ -158,7 +165,10 @@ class PoolIndex:
             self.values[value.name] = value
             self._count(value, 1)
             self.heads[value.page] = value.nbytes + 1
+            value.slot = self.table.insert(fingerprint(*value.name))
             out.append(True)
+        if self.table.full():
+            self._rebuild_table()
         return out
 
     def delete(self, ns: bytes, keys: list[bytes]) -> list[bool]:
@@ -216,6 +226,7 @@ class PoolIndex:
             self.used[page:page + npages] = True
             self.values[name] = Value(name, page, npages, nbytes, gen, 0, committed=True)
             self._count(self.values[name], 1)
+        self._rebuild_table()
         return len(self.values)
 
     def problem(self) -> str:
@@ -239,7 +250,7 @@ class PoolIndex:
             return "the usage count differs from the values"
         if sum(len(c.leases) for c in self.clients.values()) != len(self.leases):
             return "a lease is not owned by exactly one connection"
-        return ""
+        return self.table.problem({v.slot: fingerprint(*v.name) for v in self.values.values()})
 
     # ---- internals -------------------------------------------------------------------------------
     def _lease(self, conn: int, value: Value, write: bool, now: float) -> int:
@@ -272,7 +283,13 @@ class PoolIndex:
             mine[0] += nbytes
             mine[1] += sign
 
+    def _rebuild_table(self) -> None:
+        for value, slot in zip(self.values.values(), self.table.rebuild(fingerprint(*n) for n in self.values),
+                               strict=True):
+            value.slot = slot
+
     def _unpublish(self, value: Value) -> None:
+        self.table.remove(value.slot)
         self._count(value, -1)
         self.heads[value.page] = 0
         if value.pins:

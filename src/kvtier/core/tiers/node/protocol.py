@@ -14,7 +14,8 @@ import struct
 
 import msgspec
 
-VERSION = 1
+VERSION = 2
+"""2: the pool carries the presence table (:mod:`~kvtier.core.tiers.node.presence`)."""
 MAX_FRAME_BYTES = 4 << 20
 """Largest message either side accepts (a batch of 100,000 keys is about 2 MiB)."""
 _LEN = struct.Struct("<I")
