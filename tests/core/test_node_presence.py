@@ -102,3 +102,23 @@ def test_a_table_without_a_fresh_heartbeat_or_in_a_rebuild_is_not_read(pool):
     assert presence.lookup(pool.slots, pool.meta, NAMESPACES[0], [key]) == [True]
     index.table.beat(0)  # the owner stopped
     assert presence.lookup(pool.slots, pool.meta, NAMESPACES[0], [key]) is None
+
+
+def test_a_full_pool_takes_the_evicted_values_pages_and_a_freed_page_is_reused_first(pool):
+    """Where the owner's allocation (searched near the last one or an evicted value, not over the
+    whole pool each time) puts a value: in a full pool of values of one size, on the least recently
+    used value's pages (one eviction); in a pool with room, on the lowest page freed since."""
+    index = _index(pool)
+    size = 2 * PAGE
+    keys = [i.to_bytes(16, "little") for i in range(index.num_pages // 2)]
+    assert all(_write(index, NAMESPACES[0], keys, size))
+    assert index.free_pages < 2
+    lru = index.values[(NAMESPACES[0], keys[0])].page
+    index.lookup(NAMESPACES[0], keys)  # a lookup does not touch the LRU order
+    assert _write(index, NAMESPACES[0], [b"new" * 5 + b"!"], size) == [True]
+    assert index.values[(NAMESPACES[0], b"new" * 5 + b"!")].page == lru and index.evictions == 1
+    freed = index.values[(NAMESPACES[0], keys[10])].page
+    index.delete(NAMESPACES[0], keys[10:12])
+    assert _write(index, NAMESPACES[0], [b"again" * 3 + b"!"], size) == [True]
+    assert index.values[(NAMESPACES[0], b"again" * 3 + b"!")].page == freed and index.evictions == 1
+    assert index.problem() == ""

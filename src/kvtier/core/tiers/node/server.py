@@ -169,7 +169,7 @@ class Owner:
             return p.UsageReply(*ix.usage_of(conn))
         if isinstance(req, p.Stats):
             return p.StatsReply(ix.used_bytes(), self.pool.capacity_bytes, len(ix.values), len(ix.leases),
-                                len(ix.clients), self.pool.epoch, ix.problem())
+                                len(ix.clients), self.pool.epoch, ix.problem() if req.check else "")
         return p.Refused("a second hello on one connection")
 
     async def connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

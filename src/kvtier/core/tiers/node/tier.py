@@ -311,14 +311,14 @@ class NodeTier(PoolMemory, EnvelopeTier):
         self.client.call(p.Usage())
         return self.usage()
 
-    def pool_stats(self) -> p.StatsReply:
-        """The whole pool's numbers (owner's view)."""
-        reply, _, _ = self.client.call(p.Stats())
+    def pool_stats(self, check: bool = False) -> p.StatsReply:
+        """The whole pool's numbers (owner's view); with ``check``, its index checked too."""
+        reply, _, _ = self.client.call(p.Stats(check))
         assert isinstance(reply, p.StatsReply)
         return reply
 
     def check(self) -> None:
-        problem = self.pool_stats().problem
+        problem = self.pool_stats(check=True).problem
         assert not problem, f"node pool index: {problem}"
 
     def wire_stats(self) -> WireStats:
