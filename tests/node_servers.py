@@ -81,10 +81,10 @@ class NodeServer:
         os.kill(self.pid, signal.SIGCONT)
 
     def stats(self) -> p.StatsReply:
-        """The owner's numbers, asked on a connection of its own."""
+        """The owner's numbers and its index checked (``problem``), asked on a connection of its own."""
         client = NodeClient(self.socket, 10.0, "test")
         try:
-            reply, _, _ = client.call(p.Stats())
+            reply, _, _ = client.call(p.Stats(check=True))
         finally:
             client.close()
         assert isinstance(reply, p.StatsReply)

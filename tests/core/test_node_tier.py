@@ -88,19 +88,82 @@ def test_a_dead_owner_is_a_run_of_misses_within_the_deadline_and_the_pool_comes_
 
 
 def test_a_stalled_owner_is_a_miss_within_the_deadline_and_serves_again_when_it_resumes(node_server):
+    """SIGSTOP of the owner: lookups are still answered, from the pool's presence table, with no
+    message (a socket lookup could only time out: absent), until its heartbeat is stale; then they
+    are misses, as reads are at once; it serves again when it resumes."""
     tier = engine_tier(node_server)
     try:
         assert tier.put(key(1), data(1)) is PutResult.STORED
         node_server.pause()
         try:
+            assert tier.contains_many([key(1), key(2)]) == [True, False]  # answered while the owner is stopped
             t0 = time.monotonic()
             assert read(tier, key(1))[0] is GetResult.MISS
+            assert time.monotonic() - t0 < DEADLINE_S + 0.5
+            assert until(lambda: tier.contains_now([key(1)]) is None)  # the heartbeat went stale
+            t0 = time.monotonic()
             assert tier.contains_many([key(1)]) == [False]
-            assert time.monotonic() - t0 < 2 * DEADLINE_S + 0.5
+            assert time.monotonic() - t0 < DEADLINE_S + 0.5
         finally:
             node_server.resume()
         assert until(lambda: read(tier, key(1)) == (GetResult.HIT, data(1)))
+        assert until(lambda: tier.contains_now([key(1), key(2)]) == [True, False])
     finally:
+        tier.close()
+
+
+def test_a_lookup_is_answered_from_the_pool_while_the_owner_is_busy_with_a_large_put_batch(node_server):
+    """The scheduler's side of a lookup never waits for the owner: while another engine's batch of
+    writes holds the owner (stopped here between its alloc and its commit, the longest an owner can
+    be kept from a lookup), lookups answer from the presence table, the committed values present
+    and the batch's uncommitted ones absent; committed, they are present."""
+    tier, writer = engine_tier(node_server), engine_tier(node_server)
+    try:
+        assert tier.put_many([key(i) for i in range(4)], [data(i) for i in range(4)]) == [PutResult.STORED] * 4
+        inner = unwrap(writer)
+        grants, _, _ = inner.client.call(protocol.Alloc(NS, [bytes(key(i)) for i in range(4, 64)],
+                                                           [CHUNK] * 60, []))
+        node_server.pause()
+        try:
+            assert tier.contains_many([key(i) for i in range(8)]) == [True] * 4 + [False] * 4
+        finally:
+            node_server.resume()
+        assert isinstance(grants, protocol.Allocated)
+        leases = [g[0] for g in grants.grants if isinstance(g, tuple)]
+        assert len(leases) == 60
+        done, _, _ = inner.client.call(protocol.Commit(leases, []))
+        assert isinstance(done, protocol.Done) and all(done.ok)
+        assert tier.contains_many([key(i) for i in range(64)]) == [True] * 64
+        tier.check()
+    finally:
+        tier.close()
+        writer.close()
+
+
+def test_the_schedulers_lookup_is_answered_at_its_first_poll_while_the_owner_is_stopped(node_server):
+    """The scheduler's lookups (RemoteLookups) take the node tier's answer on the scheduler's own
+    thread: with the owner stopped, the first poll already has the answer (no lookup thread, no
+    message), and none is counted as timed out."""
+    from kvtier.integrations.vllm.scheduler.remote import RemoteLookups
+
+    tier = engine_tier(node_server)
+    lookups = RemoteLookups(KVTierConfig.from_dict({"node_socket": node_server.socket, "tiers": ["cpu", "node"],
+                                                    "shared_deadline_s": DEADLINE_S}))
+    try:
+        assert tier.put(key(1), data(1)) is PutResult.STORED
+        assert lookups.bind([NS])
+        assert until(lambda: lookups.poll_pages("first", [bytes(key(3))]) is not None)  # the pool mapped
+        node_server.pause()
+        try:
+            assert lookups.poll_pages("r", [bytes(key(1)), bytes(key(2))]) == frozenset({bytes(key(1))})
+        finally:
+            node_server.resume()
+        counts = lookups.counters()
+        assert (counts["shared_lookups"], counts["shared_lookups_answered"], counts["shared_lookups_timed_out"]) \
+            == (2, 2, 0)
+        assert lookups.outcome("r") is None
+    finally:
+        lookups.close()
         tier.close()
 
 
@@ -406,7 +469,7 @@ def test_the_way_a_batch_is_verified_is_measured_and_never_overlapped_without_a_
     """Left to measure (``overlap`` None), the verifier never overlaps a batch on 2 CPUs (the helper
     thread is never made), and on 8 it tries both ways and keeps timing them; every batch is served
     exactly either way."""
-    from kvtier.core.tiers.disk.readchoice import ReadChooser
+    from kvtier.core.readchoice import ReadChooser
 
     tier = engine_tier(node_server)
     inner = unwrap(tier)

@@ -15,7 +15,7 @@ Modules:
   header padded to a 4096-byte block);
 - :mod:`~kvtier.core.tiers.disk.chunkio`: verified chunk-file I/O, buffered or ``O_DIRECT``;
 - :mod:`~kvtier.core.tiers.disk.iomode`: whether ``O_DIRECT`` works here, the ``disk_io: auto`` rule;
-- :mod:`~kvtier.core.tiers.disk.readchoice`: serial or split buffered reads, whichever measures faster;
+- :mod:`kvtier.core.readchoice` (shared with the node tier): serial or split buffered reads, whichever measures faster;
 - :mod:`~kvtier.core.tiers.disk.scan`: listing shards, header checks and writer locks for the rescan;
 - :mod:`~kvtier.core.tiers.disk.reset`: removing one namespace's files, and the reset marker;
 - :mod:`~kvtier.core.tiers.disk.check`: filesystem checks of ``disk_path``;

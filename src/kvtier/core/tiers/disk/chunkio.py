@@ -12,7 +12,7 @@ XXH3-128, computed over every payload byte:
   (CPU work, 9-17 GiB/s) and the hash adds about a third to them on one core; they are read
   either *serially* (each slice hashed right after it is read, while it is in the CPU cache) or
   *split* (a helper reads the payload's tail while the calling thread reads and hashes the head,
-  then hashes the tail), whichever :class:`~kvtier.core.tiers.disk.readchoice.ReadChooser` measures
+  then hashes the tail), whichever :class:`~kvtier.core.readchoice.ReadChooser` measures
   to be faster now: split wins only with a free core, and costs a hand-off when there is none
   (so it is never tried on 1-2 CPUs).
 - **Writes**: a payload of at least :data:`OVERLAP_MIN_BYTES` (buffered) or
@@ -49,8 +49,8 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kvtier.core.envelope import Hasher
+from kvtier.core.readchoice import CHOOSER
 from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES, ChunkFormatError, payload_digest
-from kvtier.core.tiers.disk.readchoice import CHOOSER
 
 T = TypeVar("T")
 CheckHeader = Callable[[memoryview, int], tuple[bytes, Hasher]]
@@ -113,7 +113,7 @@ class ChunkIO:
         helper_threads: threads of the helper pool that reads ahead and hashes writes.
         pipeline: read slice ``i + 1`` on a helper while slice ``i`` is hashed (default: in direct
             mode only, where the device, not the CPU, moves the bytes; buffered reads are serial
-            or split, as :class:`~kvtier.core.tiers.disk.readchoice.ReadChooser` measures best).
+            or split, as :class:`~kvtier.core.readchoice.ReadChooser` measures best).
 
     Raises:
         ValueError: ``slice_bytes`` is not a positive multiple of 4096.
@@ -238,7 +238,7 @@ class ChunkIO:
         return hasher.digest() == expected
 
     def _read_buffered(self, fd: int, out: memoryview, length: int, check_header: CheckHeader) -> bool:
-        """A buffered read, serial or split (:mod:`kvtier.core.tiers.disk.readchoice`); see :meth:`read_chunk`."""
+        """A buffered read, serial or split (:mod:`kvtier.core.readchoice`); see :meth:`read_chunk`."""
         chooser = self.chooser
         cls, split = chooser.begin(length)
         split = split and not self._closed

@@ -23,6 +23,10 @@ Design (docs/node.md has the operator's side):
   owner restarted and reused the page) the read is a miss, never a served byte.  A restarted owner
   continues from the pool's highest generation and takes the committed values back into its index
   (the pool stays warm across owner and engine restarts).
+- **Presence** without a message: the owner keeps a table of the committed values' fingerprints in
+  the pool and a heartbeat (:mod:`~kvtier.core.tiers.node.presence`); an engine's scheduler answers
+  lookups by reading it on its own thread while the heartbeat is fresh (over the socket, a lookup
+  waited for five wake-ups, each late by up to hundreds of milliseconds on a busy host).
 - **Isolation**: values are indexed by (namespace, chunk key) and carry the envelope's namespace,
   key, tenant record and digest (a keyed MAC under ``shared_secret``), checked on every read.
 

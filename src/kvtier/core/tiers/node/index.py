@@ -14,6 +14,9 @@ threads: the owner's one event loop calls it.
   (``gens``) before the pages are handed out; a reader compares after its copy (see the package
   docstring).  ``heads`` marks where committed values start, so a restarted owner rebuilds this
   index from the pool (:meth:`PoolIndex.recover`).
+- **Presence**: each committed value's fingerprint is in the pool's presence table
+  (:mod:`~kvtier.core.tiers.node.presence`) from its commit until it is deleted or evicted, so
+  engines answer lookups without a message.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvtier.core.tiers.node import protocol
+from kvtier.core.tiers.node.presence import PresenceTable, fingerprint
 
 Name = tuple[bytes, bytes]
 """(namespace, chunk key)."""
@@ -43,6 +47,7 @@ class Value:
     written_s: float = 0.0  # wall clock at commit (0: unknown, a value taken back after a restart)
     committed: bool = False
     gone: bool = False  # deleted or evicted while pinned: pages freed at the last unpin
+    slot: int = -1  # its presence table slot while committed
 
 
 @dataclass(eq=False)
@@ -61,14 +66,18 @@ class Client:
 
 
 class PoolIndex:
-    """See the module docstring.  ``gens`` / ``heads``: the pool's arrays (:class:`~kvtier.core.tiers.node.pool.Pool`)."""
+    """See the module docstring.  ``gens`` / ``heads``: the pool's arrays, ``table``: its presence
+    table (:class:`~kvtier.core.tiers.node.pool.Pool`)."""
 
-    def __init__(self, gens: np.ndarray, heads: np.ndarray, page_bytes: int, lease_s: float) -> None:
-        self.gens, self.heads = gens, heads
+    def __init__(self, gens: np.ndarray, heads: np.ndarray, table: PresenceTable, page_bytes: int,
+                 lease_s: float) -> None:
+        self.gens, self.heads, self.table = gens, heads, table
         self.page_bytes = page_bytes
         self.num_pages = len(gens)
         self.lease_s = lease_s
         self.used = np.zeros(self.num_pages, dtype=bool)
+        self.free_pages = self.num_pages
+        self._cursor = 0  # where the next allocation is first searched: the last's end, or a freed value's page
         self.values: OrderedDict[Name, Value] = OrderedDict()  # committed values, least recently used first
         self.pending: dict[Name, Value] = {}  # granted, not yet committed
         self.leases: dict[int, Lease] = {}
@@ -137,6 +146,8 @@ class PoolIndex:
             self.gens[page:page + npages] = gen  # before the pages are handed out (package docstring)
             self.heads[page:page + npages] = 0
             self.used[page:page + npages] = True
+            self.free_pages -= npages
+            self._cursor = page + npages
             value = Value(name, page, npages, nbytes, gen, conn)
             self.pending[name] = value
             out.append((self._lease(conn, value, True, now), page, gen))
@@ -158,7 +169,10 @@ class PoolIndex:
             self.values[value.name] = value
             self._count(value, 1)
             self.heads[value.page] = value.nbytes + 1
+            value.slot = self.table.insert(fingerprint(*value.name))
             out.append(True)
+        if self.table.full():
+            self._rebuild_table()
         return out
 
     def delete(self, ns: bytes, keys: list[bytes]) -> list[bool]:
@@ -214,8 +228,10 @@ class PoolIndex:
                 self.heads[page] = 0
                 continue
             self.used[page:page + npages] = True
+            self.free_pages -= npages
             self.values[name] = Value(name, page, npages, nbytes, gen, 0, committed=True)
             self._count(self.values[name], 1)
+        self._rebuild_table()
         return len(self.values)
 
     def problem(self) -> str:
@@ -227,7 +243,7 @@ class PoolIndex:
             held[v.page:v.page + v.npages] += 1
         if (held > 1).any():
             return "a page is held by two values"
-        if not np.array_equal(held > 0, self.used):
+        if not np.array_equal(held > 0, self.used) or self.free_pages != self.num_pages - int(self.used.sum()):
             return "the used-page map differs from the values and leases"
         pins: dict[int, int] = {}
         for lease in self.leases.values():
@@ -239,7 +255,7 @@ class PoolIndex:
             return "the usage count differs from the values"
         if sum(len(c.leases) for c in self.clients.values()) != len(self.leases):
             return "a lease is not owned by exactly one connection"
-        return ""
+        return self.table.problem({v.slot: fingerprint(*v.name) for v in self.values.values()})
 
     # ---- internals -------------------------------------------------------------------------------
     def _lease(self, conn: int, value: Value, write: bool, now: float) -> int:
@@ -272,7 +288,13 @@ class PoolIndex:
             mine[0] += nbytes
             mine[1] += sign
 
+    def _rebuild_table(self) -> None:
+        for value, slot in zip(self.values.values(), self.table.rebuild(fingerprint(*n) for n in self.values),
+                               strict=True):
+            value.slot = slot
+
     def _unpublish(self, value: Value) -> None:
+        self.table.remove(value.slot)
         self._count(value, -1)
         self.heads[value.page] = 0
         if value.pins:
@@ -282,28 +304,42 @@ class PoolIndex:
 
     def _free(self, value: Value) -> None:
         self.used[value.page:value.page + value.npages] = False
+        self.free_pages += value.npages
+        self._cursor = min(self._cursor, value.page)  # freed pages are searched first
 
     def _room(self, npages: int) -> int:
         """First page of a free run of ``npages``, evicting unpinned values (least recently used
-        first) until one appears; ``-1`` if none can."""
+        first) until one appears; ``-1`` if none can.  The whole pool is searched only when enough
+        pages are free in all (a full pool: never); after an eviction, first around the evicted
+        value (values of one size: always there), so a full pool's allocation costs O(``npages``),
+        not O(pages): 5 ms per value on a 262,144-page pool before; a pool with room is searched
+        first from the lowest page freed since, else from where the last allocation ended."""
         if npages > self.num_pages:
             return -1
-        while True:
-            page = self._free_run(npages)
-            if page >= 0:
+        if self.free_pages >= npages:  # from where the last allocation ended first (a filling pool: there)
+            near = self._free_run(npages, self._cursor, min(self.num_pages, self._cursor + 64 * npages))
+            if (page := near if near >= 0 else self._free_run(npages, 0, self.num_pages)) >= 0:
                 return page
+        while True:
             victim = next((v for v in self.values.values() if v.pins == 0), None)
             if victim is None:
                 return -1
             del self.values[victim.name]
             self.evictions += 1
             self._unpublish(victim)
+            page = self._free_run(npages, max(0, victim.page - npages + 1),
+                                  min(self.num_pages, victim.page + victim.npages + npages - 1))
+            if page < 0 and self.free_pages >= npages:
+                page = self._free_run(npages, 0, self.num_pages)
+            if page >= 0:
+                return page
 
-    def _free_run(self, npages: int) -> int:
-        free = ~self.used
+    def _free_run(self, npages: int, lo: int, hi: int) -> int:
+        """First page of a run of ``npages`` free pages within pages ``lo`` to ``hi`` (excluded); -1: none."""
+        free = ~self.used[lo:hi]
         if npages == 1:
-            hit = int(free.argmax())
-            return hit if free[hit] else -1
+            hit = int(free.argmax()) if len(free) else 0
+            return lo + hit if len(free) and free[hit] else -1
         total = np.concatenate(([0], np.cumsum(free, dtype=np.int64)))
         found = np.flatnonzero(total[npages:] - total[:-npages] == npages)
-        return int(found[0]) if len(found) else -1
+        return lo + int(found[0]) if len(found) else -1

@@ -3,16 +3,18 @@ by the owner and by every engine that uses it.
 
 Layout (little-endian)::
 
-    offset 0              the header, 4096 bytes: magic b"KVTNODE1", pool id (16 random bytes,
+    offset 0              the header, 4096 bytes: magic b"KVTNODE2", pool id (16 random bytes,
                           new each time the file is created), page bytes, pages, epoch (bumped by
-                          every owner start), data offset
+                          every owner start), data offset, table slots; at 2048 the presence
+                          table's heartbeat and sequence (two uint64)
     4096                  generations: one uint64 per page, the allocation that last granted it
     4096 + 8 * pages      heads: one uint64 per page, value bytes + 1 where a committed value
                           starts, else 0 (what a restarted owner rebuilds its index from)
+    4096 + 16 * pages     the presence table: one uint64 per slot (:mod:`~kvtier.core.tiers.node.presence`)
     data offset           the pages (the data offset is a multiple of 2 MiB, a huge page)
 
-Only the owner writes the header, the generations and the heads; engines write the pages they
-were granted and read the pages they pinned.  A value (an envelope, :mod:`kvtier.core.envelope`)
+Only the owner writes the header, the generations, the heads and the presence table; engines
+write the pages they were granted, read the pages they pinned, and read the presence table.  A value (an envelope, :mod:`kvtier.core.envelope`)
 occupies consecutive pages from its first.
 """
 
@@ -26,11 +28,15 @@ from pathlib import Path
 
 import numpy as np
 
-MAGIC = b"KVTNODE1"
+from kvtier.core.tiers.node.presence import META_WORDS, table_slots
+
+MAGIC = b"KVTNODE2"
 HEADER_BYTES = 4096
+META_OFFSET = 2048
+"""Where the presence table's heartbeat and sequence are in the header."""
 ALIGN_BYTES = 2 << 20
 """The data offset's alignment: a 2 MiB huge page (x86-64's default hugetlbfs page size)."""
-_HEADER = struct.Struct("<8s16sQQQQ")
+_HEADER = struct.Struct("<8s16sQQQQQ")
 
 
 class PoolError(OSError):
@@ -45,7 +51,7 @@ def pages_for(total_bytes: int, page_bytes: int) -> tuple[int, int]:
     """
     pages = (total_bytes - HEADER_BYTES) // (page_bytes + 16)
     while pages > 0:
-        offset = -(-(HEADER_BYTES + 16 * pages) // ALIGN_BYTES) * ALIGN_BYTES
+        offset = -(-(HEADER_BYTES + 16 * pages + 8 * table_slots(pages)) // ALIGN_BYTES) * ALIGN_BYTES
         if offset + pages * page_bytes <= total_bytes:
             return pages, offset
         pages -= max(1, (offset + pages * page_bytes - total_bytes) // page_bytes)
@@ -61,6 +67,7 @@ class Pool:
         pool_id: its 16-byte id (new when the file was created).
         page_bytes / num_pages / data_offset: the layout above.
         gens / heads: uint64 views of the generations and heads (shared memory).
+        slots / meta: uint64 views of the presence table and its heartbeat and sequence.
         data: a uint8 view of the pages.
         epoch: the header's epoch when mapped (the owner bumps it on start).
     """
@@ -72,6 +79,8 @@ class Pool:
     data_offset: int
     gens: np.ndarray
     heads: np.ndarray
+    slots: np.ndarray
+    meta: np.ndarray
     data: np.ndarray
     epoch: int
     _map: mmap.mmap
@@ -97,11 +106,11 @@ class Pool:
         """Write ``epoch`` into the header (the owner, on start)."""
         self.epoch = epoch
         self._map[:_HEADER.size] = _HEADER.pack(MAGIC, self.pool_id, self.page_bytes, self.num_pages, epoch,
-                                                self.data_offset)
+                                                self.data_offset, len(self.slots))
 
     def close(self) -> None:
         """Unmap (views taken from it must be gone; a view still alive keeps the map open)."""
-        del self.gens, self.heads, self.data
+        del self.gens, self.heads, self.slots, self.meta, self.data
         try:
             self._map.close()
         except BufferError:  # a caller still holds a view: the map goes with it
@@ -117,15 +126,19 @@ def _map(path: Path, size: int) -> mmap.mmap:
 
 
 def _views(path: Path, m: mmap.mmap) -> Pool:
-    magic, pool_id, page_bytes, num_pages, epoch, data_offset = _HEADER.unpack(m[:_HEADER.size])
+    magic, pool_id, page_bytes, num_pages, epoch, data_offset, num_slots = _HEADER.unpack(m[:_HEADER.size])
     if magic != MAGIC:
-        raise PoolError(f"{path} is not a kvtier node pool (its first bytes are not {MAGIC!r})")
-    if data_offset + num_pages * page_bytes > len(m):
+        raise PoolError(f"{path} is not a kvtier node pool of this kvtier version (its first bytes are not "
+                        f"{MAGIC!r})")
+    if data_offset + num_pages * page_bytes > len(m) or num_slots != table_slots(num_pages) \
+            or HEADER_BYTES + 16 * num_pages + 8 * num_slots > data_offset:
         raise PoolError(f"{path} is shorter than its header says")
     gens = np.frombuffer(m, dtype="<u8", count=num_pages, offset=HEADER_BYTES)
     heads = np.frombuffer(m, dtype="<u8", count=num_pages, offset=HEADER_BYTES + 8 * num_pages)
+    slots = np.frombuffer(m, dtype="<u8", count=num_slots, offset=HEADER_BYTES + 16 * num_pages)
+    meta = np.frombuffer(m, dtype="<u8", count=META_WORDS, offset=META_OFFSET)
     data = np.frombuffer(m, dtype=np.uint8, count=num_pages * page_bytes, offset=data_offset)
-    return Pool(path, pool_id, page_bytes, num_pages, data_offset, gens, heads, data, epoch, m)
+    return Pool(path, pool_id, page_bytes, num_pages, data_offset, gens, heads, slots, meta, data, epoch, m)
 
 
 def open_pool(path: Path) -> Pool:
@@ -165,7 +178,7 @@ def create_pool(path: Path, total_bytes: int, page_bytes: int) -> Pool:
         finally:
             os.close(fd)
         m = _map(tmp, total_bytes)
-        m[:_HEADER.size] = _HEADER.pack(MAGIC, os.urandom(16), page_bytes, pages, 0, offset)
+        m[:_HEADER.size] = _HEADER.pack(MAGIC, os.urandom(16), page_bytes, pages, 0, offset, table_slots(pages))
         os.replace(tmp, path)  # engines map the file only once it is whole
     except OSError as exc:
         tmp.unlink(missing_ok=True)

@@ -18,8 +18,8 @@ Two ways, per batch:
   the load's path when a core is free.  Where none is, the helper waits for one: 1.51-1.56x on
   2 CPUs at load 2.4-4.
 
-Which way a batch takes is measured, not assumed: :class:`~kvtier.core.tiers.disk.readchoice.ReadChooser`
-(the disk tier's serial-or-split chooser: the medians of recent loads per size class, exploring
+Which way a batch takes is measured, not assumed: :class:`~kvtier.core.readchoice.ReadChooser`
+(the serial-or-split chooser the disk tier's buffered reads use too: the medians of recent loads per size class, exploring
 the other way now and then) decides, and it never tries the overlapped way while twice the loads
 in flight reach the usable CPUs (so never on 2 CPUs).  Either way a value whose digest does not
 match, or that was not verified within :data:`VERIFY_WAIT_S`, is refused (``EnvelopeError``): a
@@ -37,7 +37,7 @@ import numpy as np
 
 from kvtier.core import codecs, envelope
 from kvtier.core.keys import ChunkKey
-from kvtier.core.tiers.disk.readchoice import ReadChooser
+from kvtier.core.readchoice import ReadChooser
 
 COPY_BLOCK_BYTES = 256 << 10
 """Bytes copied and hashed at a time inline (256 KiB to 4 MiB measured alike; 32-128 KiB slower)."""

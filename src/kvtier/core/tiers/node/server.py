@@ -8,6 +8,11 @@ sentence), one request in flight per connection, frames of at most
 :data:`~kvtier.core.tiers.node.protocol.MAX_FRAME_BYTES`; leases end when their connection closes
 and after ``lease_s``.
 
+Presence: the owner keeps the pool's presence table (:mod:`~kvtier.core.tiers.node.presence`) and
+writes its heartbeat every :data:`~kvtier.core.tiers.node.presence.HEARTBEAT_S` from the same event
+loop (0 when it stops, and into a pool it replaces), so engines answer lookups from the pool
+while this loop runs and ask over the socket otherwise.
+
 Owner restart: the pool file is reused when its layout matches (same size and page bytes): the
 epoch is bumped, generations continue above the pool's highest, and the committed values the
 heads mark are indexed again (:meth:`~kvtier.core.tiers.node.index.PoolIndex.recover`), so engines
@@ -33,6 +38,7 @@ from kvtier.core.errors import UserError
 from kvtier.core.tiers.node import protocol as p
 from kvtier.core.tiers.node.index import Name, PoolIndex
 from kvtier.core.tiers.node.pool import Pool, PoolError, create_pool, open_pool
+from kvtier.core.tiers.node.presence import HEARTBEAT_S, PresenceTable
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +103,7 @@ def take_pool(opts: ServeOptions) -> Pool:
             log.warning("kvtier node: %s; creating the pool anew", exc)
         if pool is not None and (pool.page_bytes != page_bytes or opts.pool.stat().st_size != total):
             log.warning("kvtier node: the pool %s has another size or page size; creating it anew", opts.pool)
+            PresenceTable(pool.slots, pool.meta).beat(0)  # engines still mapping it stop reading its table
             pool.close()
             pool = None
     if pool is None:
@@ -114,7 +121,8 @@ class Owner:
     def __init__(self, pool: Pool, opts: ServeOptions) -> None:
         self.pool = pool
         self.opts = opts
-        self.index = PoolIndex(pool.gens, pool.heads, pool.page_bytes, opts.lease_s)
+        self.index = PoolIndex(pool.gens, pool.heads, PresenceTable(pool.slots, pool.meta), pool.page_bytes,
+                               opts.lease_s)
         recovered = self.index.recover(self._name_at)
         log.info("kvtier node: pool %s, %d pages of %d KiB, epoch %d, %d values taken back", pool.path,
                  pool.num_pages, opts.page_kib, pool.epoch, recovered)
@@ -161,7 +169,7 @@ class Owner:
             return p.UsageReply(*ix.usage_of(conn))
         if isinstance(req, p.Stats):
             return p.StatsReply(ix.used_bytes(), self.pool.capacity_bytes, len(ix.values), len(ix.leases),
-                                len(ix.clients), self.pool.epoch, ix.problem())
+                                len(ix.clients), self.pool.epoch, ix.problem() if req.check else "")
         return p.Refused("a second hello on one connection")
 
     async def connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -194,10 +202,16 @@ class Owner:
             writer.close()
 
     async def expiry(self) -> None:
+        """End stalled engines' leases every quarter ``lease_s``, and beat every ``HEARTBEAT_S``."""
+        every_s = max(self.opts.lease_s / 4, 0.05)
+        next_s = time.monotonic() + every_s
         while True:
-            await asyncio.sleep(max(self.opts.lease_s / 4, 0.05))
-            if n := self.index.expire(time.monotonic()):
-                log.info("kvtier node: %d leases expired (an engine stalled)", n)
+            self.index.table.beat()
+            await asyncio.sleep(HEARTBEAT_S)
+            if time.monotonic() >= next_s:
+                next_s = time.monotonic() + every_s
+                if n := self.index.expire(time.monotonic()):
+                    log.info("kvtier node: %d leases expired (an engine stalled)", n)
 
 
 def claim_socket(path: Path) -> None:
@@ -241,6 +255,7 @@ async def _serve(opts: ServeOptions, ready: asyncio.Event | None = None) -> None
             await stop.wait()
     finally:
         expiry.cancel()
+        owner.index.table.beat(0)  # engines ask over the socket (and find nobody) from now on
         with contextlib.suppress(OSError):
             opts.socket.unlink()
         os.close(lock)

@@ -4,6 +4,8 @@ A shared tier (other engines write it, its owner evicts), used behind
 :class:`~kvtier.core.tiers.guarded.GuardedTier` (:mod:`~kvtier.core.tiers.node.factory`), whose
 data path it keeps (:class:`~kvtier.core.tiers.guarded.SplitTier`):
 
+- **lookup**: read from the pool's presence table on the caller's thread while its owner beats
+  (:mod:`~kvtier.core.tiers.node.presence`: no message); else one ``lookup`` message.
 - **read**: ``fetch_many`` (the wrapper's threads, under the deadline) pins the values, one
   message for the batch; ``finish_get`` (the caller's thread, no socket) copies each payload from
   the shared pages into the caller's buffer (the one copy a read needs) and verifies the digest
@@ -41,6 +43,7 @@ from kvtier.core.tiers.node import protocol as p
 from kvtier.core.tiers.node.client import NodeClient
 from kvtier.core.tiers.node.memory import PoolMemory
 from kvtier.core.tiers.node.pool import Pool
+from kvtier.core.tiers.node.presence import lookup
 from kvtier.core.tiers.node.readcopy import Pending, Verifier
 
 log = logging.getLogger(__name__)
@@ -97,9 +100,19 @@ class NodeTier(PoolMemory, EnvelopeTier):
     def contains(self, key: ChunkKey) -> bool:
         return self.contains_many([key])[0]
 
+    def present_in_pool(self, keys: Sequence[ChunkKey]) -> list[bool] | None:
+        """Which of ``keys`` the pool's presence table holds, read on this thread without a
+        message; ``None`` when it cannot answer now (the pool not mapped yet, its owner not
+        beating, a rebuild under way): ask the owner (:meth:`contains_many`)."""
+        pool = self.client.pool
+        return None if pool is None else lookup(pool.slots, pool.meta, self.namespace, keys)
+
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
         if not keys:
             return []
+        found = self.present_in_pool(keys)
+        if found is not None:
+            return found
         reply, _, _ = self.client.call(p.Lookup(self.namespace, self._keys(keys)))
         assert isinstance(reply, p.Found)
         return reply.present
@@ -298,14 +311,14 @@ class NodeTier(PoolMemory, EnvelopeTier):
         self.client.call(p.Usage())
         return self.usage()
 
-    def pool_stats(self) -> p.StatsReply:
-        """The whole pool's numbers (owner's view)."""
-        reply, _, _ = self.client.call(p.Stats())
+    def pool_stats(self, check: bool = False) -> p.StatsReply:
+        """The whole pool's numbers (owner's view); with ``check``, its index checked too."""
+        reply, _, _ = self.client.call(p.Stats(check))
         assert isinstance(reply, p.StatsReply)
         return reply
 
     def check(self) -> None:
-        problem = self.pool_stats().problem
+        problem = self.pool_stats(check=True).problem
         assert not problem, f"node pool index: {problem}"
 
     def wire_stats(self) -> WireStats:

@@ -15,6 +15,9 @@ step and asks again in the next one), so the engine's step never waits on the ne
 - A page counts only if every rank's value is there (each rank stores its own KV heads under its
   own namespace, reported by the workers in ``RankReport.namespace``): the answer is the pages
   every rank holds.
+- A tier that can answer on the caller's thread without I/O (``contains_now``: the node tier reads
+  its pool's presence table, :mod:`kvtier.core.tiers.node.presence`) is asked there first: the
+  answer is in at the first poll, and no thread has to be woken for it.
 - Bounded: at most ``shared_queue_depth`` lookups in flight; more are answered "0 more" at once
   (counted in :attr:`RemoteLookups.skipped`).  Each rank's tier has its own deadline, timeouts and
   circuit breaker (:class:`~kvtier.core.tiers.guarded.GuardedTier`): a dead server is a fast miss.
@@ -130,6 +133,12 @@ class RemoteLookups:
         if entry is None or entry[0] != asked:
             self._supersede(req_id)
             self._outcomes.pop(req_id, None)
+            now = self._held_now(asked) if asked else None
+            if now is not None:  # answered on this thread: sent and answered at once
+                self.asked += 1
+                self._answered(req_id, len(asked), len(now), False)
+                self._pending[req_id] = (asked, now, time.monotonic() + self.deadline_s)
+                return now
             # the answer carries when it came (a late one is a time-out however late the poll that reads it)
             future = self._start(lambda tiers: (*_held_by_every_rank(tiers, asked), time.monotonic())) \
                 if asked else None
@@ -159,6 +168,20 @@ class RemoteLookups:
         self._answered(req_id, len(asked), len(found), timed_out)
         self._pending[req_id] = (asked, found, deadline)
         return found
+
+    def _held_now(self, keys: Sequence[bytes]) -> frozenset[bytes] | None:
+        """Those of ``keys`` every rank's tier holds, when every rank's tier answers on this thread
+        (``contains_now``); ``None`` when one cannot (then the lookup threads ask)."""
+        left = list(keys)
+        for tier in self._tiers:
+            now = getattr(tier, "contains_now", None)
+            present = now([ChunkKey(k) for k in left]) if now is not None else None
+            if present is None:
+                return None
+            left = [k for k, hit in zip(left, present, strict=True) if hit]
+            if not left:
+                break
+        return frozenset(left) if self._tiers else None
 
     def outcome(self, req_id: str) -> tuple[str, str] | None:
         """Why ``req_id``'s lookup did not answer, as a receipt's ``(reason, tier)``:

@@ -1,4 +1,6 @@
-"""Serial or split buffered reads of the disk tier: whichever is measured faster now."""
+"""Serial or split reads, whichever is measured faster now: the disk tier's buffered reads
+(:mod:`kvtier.core.tiers.disk.chunkio`) and the node tier's verified copies
+(:mod:`kvtier.core.tiers.node.readcopy`) both ask :class:`ReadChooser`."""
 
 from __future__ import annotations
 
