@@ -98,3 +98,20 @@ def test_receipt_log_in_a_missing_directory_is_one_sentence():
                           timeout=120, check=False, env={**os.environ, "COLUMNS": "200"})
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "--receipt-log /nonexistent-dir/receipts.jsonl: its directory does not exist" in proc.stderr
+
+
+def test_a_receipt_whose_last_token_alone_was_computed_counts_where_the_metric_counts_it():
+    """A null ``miss`` (only the prompt's last token computed) counts that token under
+    ``partial_chunk``, as ``kvtier_missed_tokens_total`` does; the bench once left it out and
+    disagreed with the metrics by one token per such request (fleet day, issue 38)."""
+    from kvtier.integrations.vllm.stats_table import receipt_counters
+
+    whole = Receipt(request_id="cmpl-w-0-0000abcd", prompt_tokens=1025,
+                    tokens={"engine": 0, "cpu": 1024, "computed": 1}, miss=None)
+    every = Receipt(request_id="cmpl-e-0-0000abcd", prompt_tokens=1024,
+                    tokens={"engine": 1024, "computed": 0}, miss=None)
+    tally = ReceiptTally.of([whole, every, receipt(0)])
+    assert tally.missed == {"partial_chunk": 1, "new": 600}
+    assert receipt_counters(whole.tokens, *whole.computed_miss()) == {
+        "served_tokens_cpu": 1024, "missed_tokens_partial_chunk|none": 1}
+    assert receipt_counters(every.tokens, *every.computed_miss()) == {"served_tokens_engine": 1024}

@@ -57,9 +57,9 @@ class ReceiptTally:
             n += 1
             for row, count in r.tokens.items():
                 tokens[row] = tokens.get(row, 0.0) + count
-            if r.miss is not None:
-                key = miss_key(r.miss.reason, r.miss.tier)
-                missed[key] = missed.get(key, 0.0) + r.tokens.get("computed", 0)
+            if r.tokens.get("computed"):  # the metric's rule (Receipt.computed_miss): a null miss is partial_chunk
+                key = miss_key(*r.computed_miss())
+                missed[key] = missed.get(key, 0.0) + r.tokens["computed"]
         return cls(tokens, missed, n)
 
     def tiers(self) -> dict[str, float]:

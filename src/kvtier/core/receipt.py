@@ -135,6 +135,13 @@ class Receipt(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """Tokens not computed (the engine's and every tier's): vLLM's ``cached_tokens``."""
         return sum(n for name, n in self.tokens.items() if name != "computed")
 
+    def computed_miss(self) -> tuple[str, str]:
+        """The ``(reason, tier)`` its computed tokens count under in ``kvtier_missed_tokens_total``:
+        its ``miss``'s, or ``("partial_chunk", "")`` when ``miss`` is ``None`` (only the prompt's last
+        token was computed, which vLLM always computes).  The metric and every reader of receipts
+        (bench, doctor) use this one rule, so their sums agree (docs/receipts.md, "Metrics")."""
+        return (self.miss.reason, self.miss.tier) if self.miss is not None else ("partial_chunk", "")
+
     def to_builtins(self) -> dict[str, object]:
         """The receipt as plain JSON types (what ``kv_transfer_params["kvtier"]`` holds)."""
         out = msgspec.to_builtins(self)

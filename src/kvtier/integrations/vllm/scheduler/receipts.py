@@ -225,9 +225,7 @@ class ReceiptDesk:
         for p in pending.values():
             receipt = build_receipt(p.request_id, p.prompt_tokens, p.facts, self.chunk_tokens, self.tp_size)
             p.params.update(receipt.to_builtins())
-            miss = receipt.miss
-            for name, n in receipt_counters(receipt.tokens, miss.reason if miss is not None else "partial_chunk",
-                                            miss.tier if miss is not None else "").items():
+            for name, n in receipt_counters(receipt.tokens, *receipt.computed_miss()).items():
                 counters[name] = counters.get(name, 0) + n
             for sink in self.sinks:
                 try:
