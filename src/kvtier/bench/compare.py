@@ -184,8 +184,8 @@ def run_arm(arm: ArmSpec, workload: Workload, engine: ServerSpec, log_path: Path
 
     def failed(reason: str, request_ids: tuple[str, ...] = (), run: RunResult | None = None,
                load: float | None = None) -> ArmOutcome:
-        where = next((p for p, s in zip(logs, servers.servers, strict=True) if s.exit_reason() not in
-                      (None, "was never started")), log_path)
+        where = next((s.log_path for s in servers.servers if s.exit_reason() not in (None, "was never started")),
+                     log_path)
         return ArmOutcome(arm, where, servers.startup_s, run, None, ArmFailure(reason, request_ids, where),
                           repeat=repeat, load_avg_1m=load, replica_logs=tuple(logs))
 
