@@ -62,7 +62,7 @@ Examples:
 
   kvtier bench compare --model models/small8 --arms native,kvtier-redis,kvtier-node --replicas 2 --redis auto --node-gib 1 --kvtier-config cpu.yaml --max-model-len 2048 --engine-cache-tokens 4096 --enforce-eager --workload trace --start 0 --limit 300 --returning-only --tokens-per-block 32 --max-output-tokens 2 --max-concurrency 2 --repeats 2
 
-  kvtier bench compare --model models/small8 --arms native,kvtier-redis,kvtier-node --replicas 2 --restart-replica-at 0.5 --redis auto --node-gib 1 --kvtier-config cpu.yaml --max-model-len 2048 --engine-cache-tokens 4096 --enforce-eager --workload trace --start 0 --limit 300 --returning-only --tokens-per-block 32 --max-output-tokens 2 --max-concurrency 2 --repeats 3
+  kvtier bench compare --model models/small8 --arms native,kvtier-redis,kvtier-node --replicas 2 --restart-replica-at 0.2 --redis auto --node-gib 1 --kvtier-config cpu.yaml --max-model-len 2048 --engine-cache-tokens 4096 --enforce-eager --workload trace --start 0 --limit 600 --returning-only --tokens-per-block 32 --max-output-tokens 2 --max-concurrency 2 --repeats 3
 
   kvtier bench compare --model models/tiny --arms baseline,kvtier --arm lmcache='{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_both"}' --workload trace --start 0 --limit 300 --max-concurrency 2 --json out.json
 """
