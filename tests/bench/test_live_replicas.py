@@ -61,12 +61,12 @@ def test_two_replicas_reuse_each_others_prefixes_only_through_redis(tmp_path: Pa
     assert not list(redis_server.client().scan_iter(match=f"{key_prefix}*".encode()))
 
 
-RESTARTED_BY_S = 120.0
+RESTARTED_BY_S = 90.0
 """When the last two requests of the node test are sent (seconds after the run's start): replica 0,
 restarted after the first three (~1 s into the run), answers again before.  A restart is a server
-start: a small8 replica restarted beside a busy one took 74 s on this 2-core host at load ~5
-(docs/benchmarks.md, the fleet day); a tiny one beside an idle one passed with 60 s here, but
-without margin for a loaded CI host."""
+start: here it was back 34 s into the run (2.6x margin for a loaded CI host; a small8 replica
+restarted beside a busy one took 62-99 s, docs/benchmarks.md run R).  This wait is what the
+restart adds to the test (~90 s; the test took 164 s with 120 here)."""
 
 
 def test_two_replicas_reuse_each_others_prefixes_through_the_node_pool_the_bench_starts(tmp_path: Path) -> None:
