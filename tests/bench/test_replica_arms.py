@@ -245,6 +245,13 @@ def _ram_gib() -> int:
      "--node-gib sizes the kvtier-node arm's pool only; add kvtier-node to --arms"),
     (["--arms", "kvtier-node", "--node-gib", "500000"], "cpu_gib: 0.5\n",
      "the kvtier-node arm's pool of 500000 GiB does not fit in /dev/shm"),
+    # a planned restart needs another replica to take the requests, and a point inside the workload
+    (["--arms", "native", "--restart-replica-at", "0.5"], "cpu_gib: 0.5\n",
+     "--restart-replica-at needs --replicas 2 or more (it is 1): while one replica restarts, the others take"),
+    (["--arms", "native", "--replicas", "2", "--restart-replica-at", "1.5"], "cpu_gib: 0.5\n",
+     "--restart-replica-at 1.5 must be a share of the workload's requests strictly between 0 and 1"),
+    (["--arms", "native", "--replicas", "2", "--restart-replica-at", "0"], "cpu_gib: 0.5\n",
+     "--restart-replica-at 0 must be a share of the workload's requests strictly between 0 and 1"),
     # a quarter of RAM fits in /dev/shm (half of RAM by default) but not beside two servers' 40 % each
     (["--arms", "kvtier-node", "--replicas", "2", "--memory-fraction", "0.4"],
      f"cpu_gib: 0.5\nnode_gib: {max(1, _ram_gib() // 4)}\n",

@@ -17,7 +17,8 @@ from kvtier.bench.workload import TokenSpace
 from kvtier.launch.serve import ServerSpec
 
 DATA = Path(__file__).parent / "data"
-KEYS = {"ttft_p50_s", "ttft_p99_s", "prefix_hit_rate", "external_hit_rate", "output_tok_per_s", "num_requests"}
+KEYS = {"ttft_p50_s", "ttft_p99_s", "prefix_hit_rate", "external_hit_rate", "output_tok_per_s", "request_per_s",
+        "num_requests"}
 
 
 def recorded_meters(arm):

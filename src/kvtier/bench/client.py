@@ -9,7 +9,9 @@ the gap between chunks divided by the tokens the later chunk added.
 Several servers (``replica_urls``): request number ``k`` of the workload (0-based, workload order)
 goes to server ``k mod N``, as a round-robin load balancer without session affinity spreads
 requests over replicas; the assignment depends on the workload alone, so every arm and run sends
-each request to the same replica index.  Each result records its replica.
+each request to the same replica index.  Each result records its replica.  With a planned restart
+(``restart``, :mod:`kvtier.bench.restart`) the restarted replica's turns go to the live replicas
+while it is down.
 
 Scheduling: requests of one session go one after another (``think_time_s`` after the previous
 finished); every chain waits for its request's ``arrival_s``; at most ``max_concurrency`` requests
@@ -31,7 +33,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from kvtier.bench.results import NOT_SENT, RequestResult, RunResult
+from kvtier.bench.restart import RestartHook, Router, restart_replica
+from kvtier.bench.results import NOT_SENT, RequestResult, RestartEvent, RunResult
 from kvtier.bench.workload import BenchRequest, Workload
 
 
@@ -213,6 +216,7 @@ class _RunState:
     failed_at: tuple[str, ...] = ()
     num_ok: int = 0
     num_failed: int = 0
+    restart: RestartEvent | None = None
 
     def abort(self, reason: str) -> None:
         """Stop the run for ``reason``; the requests in flight are where it happened."""
@@ -222,9 +226,11 @@ class _RunState:
 
 
 async def run_workload_async(workload: Workload, options: ClientOptions,
-                             should_stop: Callable[[], str | None] | None = None) -> RunResult:
-    """Send the whole workload; see the module docstring for the rules.  Never raises for a
-    failing server: failures are in the returned results."""
+                             should_stop: Callable[[], str | None] | None = None,
+                             restart: RestartHook | None = None) -> RunResult:
+    """Send the whole workload; see the module docstring for the rules, and
+    :mod:`kvtier.bench.restart` for ``restart`` (waited for before this returns).  Never raises
+    for a failing server: failures are in the returned results."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     state = _RunState(t_run=time.perf_counter())
@@ -244,13 +250,28 @@ async def run_workload_async(workload: Workload, options: ClientOptions,
         return None
 
     urls = options.urls
-    replica_of = {r.request_id: k % len(urls) for k, r in enumerate(workload.requests)}
+    router = Router(len(urls), [r.request_id for r in workload.requests], restart.plan if restart else None)
+    restarting: list[asyncio.Task[None]] = []
+
+    async def restart_in_background(clients: list[httpx.AsyncClient], stack: contextlib.AsyncExitStack) -> None:
+        assert restart is not None
+
+        async def reconnect(replica: int) -> None:  # a fresh connection pool for the new server
+            clients[replica] = await stack.enter_async_context(
+                httpx.AsyncClient(base_url=urls[replica], timeout=timeout, limits=limits))
+
+        event = await restart_replica(router, restart, state.t_run, reconnect)
+        state.restart = event
+        if event.error is not None:
+            state.abort(f"replica {event.replica} did not come back after its planned restart: {event.error}")
 
     async def one(clients: list[httpx.AsyncClient], request: BenchRequest) -> RequestResult:
         # the request stays "in flight" (and holds its concurrency slot) until its failure is
         # judged, so the report names it and no new request is sent to a server that just died
         state.in_flight.add(request.request_id)
-        replica = replica_of[request.request_id]
+        if router.restart_due():
+            restarting.append(asyncio.create_task(restart_in_background(clients, stack)))
+        replica = router.pick(request.request_id)
         try:
             result = await _send(clients[replica], request, options, state.t_run, replica)
             if result.error is not None:
@@ -259,6 +280,7 @@ async def run_workload_async(workload: Workload, options: ClientOptions,
                     state.abort(reason)
             return result
         finally:
+            router.done(replica)
             state.in_flight.discard(request.request_id)
 
     async def chain(clients: list[httpx.AsyncClient], requests: list[BenchRequest]) -> None:
@@ -306,6 +328,8 @@ async def run_workload_async(workload: Workload, options: ClientOptions,
             watcher = asyncio.create_task(watch(tasks))
             await asyncio.gather(*tasks, return_exceptions=True)
             await watcher
+            for task in restarting:  # bounded by the restart's own drain, stop and start deadlines
+                await task
     duration = time.perf_counter() - state.t_run
     ordered = []
     for request in workload.requests:
@@ -315,11 +339,13 @@ async def run_workload_async(workload: Workload, options: ClientOptions,
         # cancelled in flight: it failed where the run stopped; never started: not sent
         error = str(state.aborted) if request.request_id in state.failed_at else f"{NOT_SENT}: {state.aborted}"
         ordered.append(RequestResult(request.request_id, request.prompt_len, 0, 0.0, None, None, (), error,
-                                     replica_of[request.request_id]))
-    return RunResult(results=tuple(ordered), duration_s=duration, aborted=state.aborted, failed_at=state.failed_at)
+                                     router.home[request.request_id]))
+    return RunResult(results=tuple(ordered), duration_s=duration, aborted=state.aborted, failed_at=state.failed_at,
+                     restart=state.restart)
 
 
 def run_workload(workload: Workload, options: ClientOptions,
-                 should_stop: Callable[[], str | None] | None = None) -> RunResult:
+                 should_stop: Callable[[], str | None] | None = None,
+                 restart: RestartHook | None = None) -> RunResult:
     """Blocking form of :func:`run_workload_async`."""
-    return asyncio.run(run_workload_async(workload, options, should_stop))
+    return asyncio.run(run_workload_async(workload, options, should_stop, restart))

@@ -29,122 +29,30 @@ from typing import Any
 from kvtier.bench.arms import BASELINE, ArmSpec
 from kvtier.bench.client import ClientOptions, run_workload
 from kvtier.bench.comparereceipts import replica_receipts, with_receipt_logs
-from kvtier.bench.meters import MeterDeltas, MetricsError
-from kvtier.bench.receipts import LogCursor, RunReceipts
+from kvtier.bench.meters import MetricsError, deltas
+from kvtier.bench.outcome import ArmFailure, ArmOutcome
+from kvtier.bench.receipts import LogCursor
 from kvtier.bench.replicas import (
     REPLICA_FIGURE_KEYS,
     ReplicaSet,
     replica_deltas,
-    replica_figures,
     replica_log_paths,
     replica_specs,
     sum_deltas,
 )
-from kvtier.bench.results import RunResult, RunSummary
+from kvtier.bench.restart import RestartHook, RestartPlan
+from kvtier.bench.results import RunResult
 from kvtier.bench.shared_node import NodePool
 from kvtier.bench.shared_s3 import S3Target
 from kvtier.bench.spread import Spread, figures_of, judge_spread, spreads
-from kvtier.bench.verdict import ArmFigures, Thresholds, Verdict, baseline_verdict
+from kvtier.bench.verdict import Thresholds, Verdict, baseline_verdict
 from kvtier.bench.workload import BenchRequest, TokenSpace, Workload
 from kvtier.launch.serve import ServerSpec, ServerStartError
 
+__all__ = ["ArmFailure", "ArmOutcome", "ArmResult", "CompareResult", "judge_arms", "run_arm", "run_compare",
+           "run_failure", "warmup_workload"]
+
 DOMAIN_WARMUP = 99
-
-
-@dataclass(frozen=True)
-class ArmFailure:
-    """Why an arm has no (complete) result.
-
-    Attributes:
-        reason: what happened (server exited with code N, hung, failed to start).
-        request_ids: the requests in flight when it happened (empty if it never served).
-        log_path: the server's log.
-    """
-
-    reason: str
-    request_ids: tuple[str, ...]
-    log_path: Path
-
-
-@dataclass(frozen=True)
-class ArmOutcome:
-    """What one arm produced.
-
-    Attributes:
-        arm: the arm; log_path: its server log; startup_s: seconds until the server was healthy.
-        run: the client's results (``None`` if the server never came up).
-        meters: the server's counter deltas (``None`` if they could not be scraped).
-        failure: set when the server failed to start, died or hung.
-        verdict: the verdict of this run alone (tests and single runs; the comparison's verdict
-            is per arm, :attr:`ArmResult.verdict`).
-        repeat: which run of the arm this was (0-based).
-        load_avg_1m: the machine's 1-minute load average when the run's workload started.
-        replica_meters: per server of the arm, its counter deltas (``meters`` is their sum; empty
-            when they could not be read).
-        replica_logs: every server's log, in replica order.
-        receipts: a kvtier arm's receipts beside its metrics (:mod:`kvtier.bench.comparereceipts`).
-    """
-
-    arm: ArmSpec
-    log_path: Path
-    startup_s: float
-    run: RunResult | None
-    meters: MeterDeltas | None
-    failure: ArmFailure | None
-    verdict: Verdict | None = None
-    repeat: int = 0
-    load_avg_1m: float | None = None
-    replica_meters: tuple[MeterDeltas, ...] = ()
-    replica_logs: tuple[Path, ...] = ()
-    receipts: RunReceipts | None = None
-
-    @property
-    def ok(self) -> bool:
-        """The arm ran its whole workload and its meters were read."""
-        return self.failure is None and self.run is not None and self.meters is not None
-
-    def summary(self) -> RunSummary | None:
-        """The run's summary, if there was a run."""
-        return self.run.summary() if self.run is not None else None
-
-    def figures(self) -> ArmFigures | None:
-        """The verdict's inputs, if the arm completed and had successful requests."""
-        summary = self.summary()
-        if not self.ok or summary is None or summary.ttft_s is None or self.meters is None:
-            return None
-        return ArmFigures(prefix_hit_rate=self.meters.prefix_hit_rate or 0.0, ttft_p50_s=summary.ttft_s.p50,
-                          ttft_p99_s=summary.ttft_s.p99)
-
-    def json_figures(self) -> dict[str, Any]:
-        """The arm's entry of ``--json``: exactly the issue's keys (hit rates are 0.0 when the
-        server was never asked, e.g. ``external_hit_rate`` of an arm without a connector)."""
-        summary = self.summary()
-        ttft = summary.ttft_s if summary is not None else None
-        meters = self.meters
-        return {
-            "ttft_p50_s": ttft.p50 if ttft else float("nan"),
-            "ttft_p99_s": ttft.p99 if ttft else float("nan"),
-            "prefix_hit_rate": (meters.prefix_hit_rate or 0.0) if meters else 0.0,
-            "external_hit_rate": (meters.external_hit_rate or 0.0) if meters else 0.0,
-            "output_tok_per_s": summary.output_tok_per_s if summary else 0.0,
-            "num_requests": summary.num_ok if summary else 0,
-        }
-
-    def run_figures(self) -> dict[str, float | None]:
-        """Every figure :mod:`kvtier.bench.spread` aggregates, for this run (``None`` = not measured)."""
-        summary, meters = self.summary(), self.meters
-        ttft = summary.ttft_s if summary is not None else None
-        return {"prefix_hit_rate": meters.prefix_hit_rate if meters else None,
-                "engine_hit_rate": meters.engine_hit_rate if meters else None,
-                "external_hit_rate": (meters.external_hit_rate or 0.0) if meters else None,
-                "ttft_p50_s": ttft.p50 if ttft else None, "ttft_p99_s": ttft.p99 if ttft else None,
-                "output_tok_per_s": summary.output_tok_per_s if summary else None}
-
-    def replica_figures(self) -> list[dict[str, float | None]]:
-        """Per server of the arm: :func:`kvtier.bench.replicas.replica_figures` (empty without meters)."""
-        if self.run is None or not self.replica_meters:
-            return []
-        return replica_figures(self.run, self.replica_meters)
 
 
 @dataclass(frozen=True)
@@ -202,6 +110,7 @@ class ArmResult:
                 "prefix_hit_rate": s["prefix_hit_rate"].median if "prefix_hit_rate" in s else 0.0,
                 "external_hit_rate": s["external_hit_rate"].median if "external_hit_rate" in s else 0.0,
                 "output_tok_per_s": s["output_tok_per_s"].median if "output_tok_per_s" in s else 0.0,
+                "request_per_s": s["request_per_s"].median if "request_per_s" in s else 0.0,
                 "num_requests": int(statistics.median(num)) if num else 0}
 
 
@@ -213,7 +122,8 @@ class CompareResult:
         workload, engine: what every run used; outcomes: every run in run order;
         arms: per arm, in the order given (filled by :func:`run_compare`; derived from
         ``outcomes`` without verdicts when left empty); repeats: runs per arm; replicas: servers
-        per arm and run (requests round robin over them).
+        per arm and run (requests round robin over them); restart: the replica restarted in
+        every run, and when (:mod:`kvtier.bench.restart`), if one was.
     """
 
     workload: Workload
@@ -222,6 +132,7 @@ class CompareResult:
     arms: tuple[ArmResult, ...] = ()
     repeats: int = 1
     replicas: int = 1
+    restart: RestartPlan | None = None
 
     def __post_init__(self) -> None:
         if not self.arms:
@@ -260,9 +171,11 @@ def run_failure(run: RunResult) -> str | None:
 
 def run_arm(arm: ArmSpec, workload: Workload, engine: ServerSpec, log_path: Path, *,
             warmup: Workload | None, max_concurrency: int | None, stall_timeout_s: float,
-            start_timeout_s: float = 900.0, progress: bool = True, repeat: int = 0, replicas: int = 1) -> ArmOutcome:
+            start_timeout_s: float = 900.0, progress: bool = True, repeat: int = 0, replicas: int = 1,
+            restart: RestartPlan | None = None) -> ArmOutcome:
     """Run one arm start to finish on ``replicas`` servers (requests round robin, see
-    :mod:`kvtier.bench.replicas`); never raises for a failing server (see the module docstring)."""
+    :mod:`kvtier.bench.replicas`), restarting one mid-run when ``restart`` says so (see
+    :mod:`kvtier.bench.restart`); never raises for a failing server (see the module docstring)."""
     spec = dataclasses.replace(engine, kv_transfer_config=arm.kv_transfer_config)
     logs = replica_log_paths(log_path, replicas)
     specs, receipt_logs = with_receipt_logs(replica_specs(spec, replicas), logs)
@@ -271,8 +184,8 @@ def run_arm(arm: ArmSpec, workload: Workload, engine: ServerSpec, log_path: Path
 
     def failed(reason: str, request_ids: tuple[str, ...] = (), run: RunResult | None = None,
                load: float | None = None) -> ArmOutcome:
-        where = next((p for p, s in zip(logs, servers.servers, strict=True) if s.exit_reason() not in
-                      (None, "was never started")), log_path)
+        where = next((s.log_path for s in servers.servers if s.exit_reason() not in (None, "was never started")),
+                     log_path)
         return ArmOutcome(arm, where, servers.startup_s, run, None, ArmFailure(reason, request_ids, where),
                           repeat=repeat, load_avg_1m=load, replica_logs=tuple(logs))
 
@@ -297,18 +210,23 @@ def run_arm(arm: ArmSpec, workload: Workload, engine: ServerSpec, log_path: Path
         except MetricsError as exc:
             return failed(str(exc))
         load, cursors = os.getloadavg()[0], [LogCursor(p) if p is not None else None for p in receipt_logs]
-        run = run_workload(workload, options, servers.exit_reason)
+        hook = None if restart is None else RestartHook(restart, lambda i: servers.restart(i, start_timeout_s),
+                                                        drain_timeout_s=stall_timeout_s)
+        run = run_workload(workload, options, servers.exit_reason, hook)
         log_path.with_suffix(".requests.json").write_text(json.dumps(run.to_dict(), indent=1) + "\n")
         if (why := run_failure(run)) is not None:
             return failed(why, run.failed_at, run, load)
         try:
-            per_replica = replica_deltas(before, after := servers.scrape(".metrics-after.txt"))
+            after = servers.scrape(".metrics-after.txt")
         except MetricsError as exc:
             return failed(str(exc), (), run, load)
-        receipts = replica_receipts(cursors, before, after, run.summary().num_ok + run.summary().num_failed)
+        per_replica = replica_deltas(before, after, servers.restarts)
+        again = [deltas(started, after[i]) for i, (_, started) in servers.restarts.items()]
+        receipts = replica_receipts(cursors, before, after, run.summary().num_ok + run.summary().num_failed,
+                                    servers.restarts)
         return ArmOutcome(arm, log_path, servers.startup_s, run, sum_deltas(per_replica), None, repeat=repeat,
-                          load_avg_1m=load, replica_meters=tuple(per_replica), replica_logs=tuple(logs),
-                          receipts=receipts)
+                          load_avg_1m=load, replica_meters=tuple(per_replica), replica_logs=tuple(servers.log_paths),
+                          receipts=receipts, restart_meters=again[0] if again else None)
     finally:
         servers.stop()
 
@@ -318,7 +236,7 @@ def run_compare(arms: list[ArmSpec], workload: Workload, engine: ServerSpec, out
                 start_timeout_s: float = 900.0, thresholds: Thresholds | None = None, progress: bool = True,
                 repeats: int = 1, on_arm: Callable[[ArmSpec, int], None] | None = None,
                 replicas: int = 1, s3_target: S3Target | None = None,
-                node_pool: NodePool | None = None) -> CompareResult:
+                node_pool: NodePool | None = None, restart: RestartPlan | None = None) -> CompareResult:
     """Run every arm ``repeats`` times, interleaved, each run on ``replicas`` servers (requests
     round robin, :mod:`kvtier.bench.replicas`), and judge each against ``baseline`` (see the
     module docstring).  An arm with a shared ``redis_url`` gets a key prefix of its own per run,
@@ -326,7 +244,8 @@ def run_compare(arms: list[ArmSpec], workload: Workload, engine: ServerSpec, out
     ``s3_bucket`` (:func:`kvtier.bench.shared_s3.with_run_prefix`), whose objects are removed from
     ``s3_target`` (the private server of the ``kvtier-s3`` arm) after the run; an arm whose servers
     name ``node_pool``'s socket (``kvtier-node``) gets a fresh owner of that pool per run, its log
-    ``<arm>[-run<k>].node.log`` (:mod:`kvtier.bench.runscope`).
+    ``<arm>[-run<k>].node.log`` (:mod:`kvtier.bench.runscope`).  With ``restart``, every run of
+    every arm restarts the same replica at the same point of the workload (:mod:`kvtier.bench.restart`).
 
     ``on_arm(arm, repeat)`` is called before each run starts (the CLI prints a line there).  Server
     logs are written to ``out_dir/<arm>.log`` (``<arm>-run<k>.log`` with several runs), the raw
@@ -351,12 +270,13 @@ def run_compare(arms: list[ArmSpec], workload: Workload, engine: ServerSpec, out
                     outcome = run_arm(run_spec, workload, engine, out_dir / f"{stem}.log", warmup=warmup,
                                       max_concurrency=max_concurrency, stall_timeout_s=stall_timeout_s,
                                       start_timeout_s=start_timeout_s, progress=progress, repeat=k,
-                                      replicas=replicas)
+                                      replicas=replicas, restart=restart)
             except ServerStartError as exc:  # the run's node pool owner: the arm's run fails, the others go on
                 outcome = ArmOutcome(arm, node_log, 0.0, None, None, ArmFailure(str(exc), (), node_log), repeat=k)
             outcomes.append(dataclasses.replace(outcome, arm=arm))
     return CompareResult(workload=workload, engine=engine, outcomes=tuple(outcomes),
-                         arms=judge_arms(arms, outcomes, thresholds), repeats=repeats, replicas=replicas)
+                         arms=judge_arms(arms, outcomes, thresholds), repeats=repeats, replicas=replicas,
+                         restart=restart)
 
 
 def judge_arms(arms: list[ArmSpec], outcomes: list[ArmOutcome], thresholds: Thresholds) -> tuple[ArmResult, ...]:

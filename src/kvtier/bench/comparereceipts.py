@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from kvtier.bench.meters import MetricsSnapshot
@@ -79,10 +79,18 @@ def read_all(cursors: Sequence[LogCursor], expect: int, wait_s: float = WAIT_S) 
         time.sleep(0.05)
 
 
+def _spans_tally(spans: Sequence[tuple[MetricsSnapshot, MetricsSnapshot]]) -> ReceiptTally | None:
+    tallies = [metric_tally(b, a) for b, a in spans]
+    return None if any(t is None for t in tallies) else sum_tallies([t for t in tallies if t is not None])
+
+
 def replica_receipts(cursors: Sequence[LogCursor | None], before: Sequence[MetricsSnapshot],
-                     after: Sequence[MetricsSnapshot], sent: int) -> RunReceipts | None:
+                     after: Sequence[MetricsSnapshot], sent: int,
+                     restarts: Mapping[int, tuple[MetricsSnapshot, MetricsSnapshot]] | None = None) -> RunReceipts | None:
     """A run's receipts over the servers that log them (``cursors``, one per server, ``None`` for
-    one without a log) beside the same servers' metric deltas; ``None`` when none logs them.
+    one without a log) beside the same servers' metric deltas; ``None`` when none logs them.  A
+    server restarted during the run (``restarts[i]``: its scrapes before the stop and after the
+    start) appends to the same log; its metric deltas are summed over the two lives.
 
     Raises:
         msgspec.ValidationError, msgspec.DecodeError: a log holds a line that is not a receipt.
@@ -91,6 +99,8 @@ def replica_receipts(cursors: Sequence[LogCursor | None], before: Sequence[Metri
     if not mine:
         return None
     logs = read_all([c for c in cursors if c is not None], sent)
-    metrics = [metric_tally(before[i], after[i]) for i in mine]
+    restarts = restarts or {}
+    metrics = [_spans_tally([(before[i], restarts[i][0]), (restarts[i][1], after[i])] if i in restarts
+                            else [(before[i], after[i])]) for i in mine]
     summed = None if any(m is None for m in metrics) else sum_tallies([m for m in metrics if m is not None])
     return RunReceipts(sum_tallies([ReceiptTally.of(r) for r in logs]), summed, sent)

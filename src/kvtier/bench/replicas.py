@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -131,6 +131,9 @@ class ReplicaSet:
             raise ValueError(f"{len(per_server)} server specs for {len(log_paths)} log paths")
         self.servers = [Server(s, path) for s, path in zip(per_server, log_paths, strict=True)]
         self.startup_s = 0.0
+        self.log_paths = list(log_paths)
+        self.restarts: dict[int, tuple[MetricsSnapshot, MetricsSnapshot]] = {}
+        self._restarting: set[int] = set()
 
     @property
     def urls(self) -> tuple[str, ...]:
@@ -156,9 +159,40 @@ class ReplicaSet:
                 raise ServerStartError(str(exc) if len(self.servers) == 1 else f"replica {i}: {exc}") from None
         self.startup_s = max(s.startup_s for s in self.servers)
 
+    def restart(self, i: int, timeout_s: float = 900.0) -> None:
+        """Restart server ``i`` as an operator does (:mod:`kvtier.bench.restart`): scrape its
+        ``/metrics``, stop it (SIGTERM, graceful: :meth:`Server.stop`), start the same spec on the
+        same port, its log ``<stem>-restarted<suffix>`` beside the first, and scrape again once it
+        answers; :attr:`restarts` ``[i]`` keeps the two scrapes (its counters start again from zero).
+        While it restarts, :meth:`exit_reason` does not count its exit.
+
+        Raises:
+            ServerStartError: it did not answer within ``timeout_s`` seconds (or exited).
+            MetricsError: a scrape failed.
+        """
+        old = self.servers[i]
+        self._restarting.add(i)
+        try:
+            stopped = scrape(old.base_url, save_to=old.log_path.with_suffix(".metrics-restart-before.txt"))
+            old.stop()
+            new = Server(old.spec, old.log_path.with_name(f"{old.log_path.stem}-restarted{old.log_path.suffix}"),
+                         port=old.port)
+            self.servers[i] = new
+            self.log_paths.append(new.log_path)
+            try:
+                new.start(timeout_s)
+            except ServerStartError as exc:
+                raise ServerStartError(f"replica {i}: {exc}") from None
+            started = scrape(new.base_url, save_to=new.log_path.with_suffix(".metrics-restart-after.txt"))
+            self.restarts[i] = (stopped, started)
+        finally:
+            self._restarting.discard(i)
+
     def exit_reason(self) -> str | None:
-        """``None`` while every server runs, else which one ended and how."""
+        """``None`` while every server runs (or is being restarted), else which one ended and how."""
         for i, server in enumerate(self.servers):
+            if i in self._restarting:
+                continue
             reason = server.exit_reason()
             if reason is not None:
                 return reason if len(self.servers) == 1 else f"replica {i} {reason}"
@@ -178,9 +212,19 @@ class ReplicaSet:
             list(pool.map(lambda s: s.stop(), self.servers))
 
 
-def replica_deltas(before: Sequence[MetricsSnapshot], after: Sequence[MetricsSnapshot]) -> list[MeterDeltas]:
-    """Per replica, the counters' increase between the two scrapes."""
-    return [deltas(b, a) for b, a in zip(before, after, strict=True)]
+def replica_deltas(before: Sequence[MetricsSnapshot], after: Sequence[MetricsSnapshot],
+                   restarts: Mapping[int, tuple[MetricsSnapshot, MetricsSnapshot]] | None = None) -> list[MeterDeltas]:
+    """Per replica, the counters' increase between the two scrapes; for a replica restarted in
+    between (``restarts[i]``: its scrapes before the stop and after the start,
+    :meth:`ReplicaSet.restart`), the sum of the increases before and after the restart."""
+    out = []
+    for i, (b, a) in enumerate(zip(before, after, strict=True)):
+        if restarts and i in restarts:
+            stopped, started = restarts[i]
+            out.append(sum_deltas([deltas(b, stopped), deltas(started, a)]))
+        else:
+            out.append(deltas(b, a))
+    return out
 
 
 def sum_deltas(parts: Sequence[MeterDeltas]) -> MeterDeltas:

@@ -23,11 +23,13 @@ GiB = float(1 << 30)
 
 def compare_json(result: CompareResult) -> dict[str, Any]:
     """``{"arms": {NAME: {ttft_p50_s, ttft_p99_s, prefix_hit_rate, external_hit_rate,
-    output_tok_per_s, num_requests}}, "repeats": N, "runs": {NAME: [per-run figures]}}`` for
+    output_tok_per_s, request_per_s, num_requests}}, "repeats": N, "runs": {NAME: [per-run figures]}}`` for
     arms whose runs all completed (figures: medians over runs); arms with a failed run are listed
     under ``"failed"`` with the reason, the requests in flight and the log path.  With several
     replicas: ``"replicas": N``, ``"per_replica": {NAME: [per replica {hit rates, external_hit_tokens,
-    ttft_p50_s, ttft_p99_s, num_requests}]}`` (medians over runs) and each run's ``"replicas"`` list."""
+    ttft_p50_s, ttft_p99_s, num_requests}]}`` (medians over runs) and each run's ``"replicas"`` list.
+    With a planned restart: ``"restart": {"replica", "at_request", "fraction", "arms": {NAME:
+    {restart_* figures, medians}}}`` and the ``restart_*`` figures in each run."""
     arms = {a.arm.name: a.json_figures() for a in result.arms if a.ok}
     runs = {a.arm.name: [{**o.run_figures(), "load_avg_1m": o.load_avg_1m,
                           **({"replicas": o.replica_figures()} if result.replicas > 1 else {})} for o in a.runs if o.ok]
@@ -39,6 +41,11 @@ def compare_json(result: CompareResult) -> dict[str, Any]:
                               for a in result.arms if a.ok}
     failed = {a.arm.name: {"reason": f.reason, "requests": list(f.request_ids), "log": str(f.log_path)}
               for a in result.arms if (f := a.failure) is not None}
+    if result.restart is not None:
+        plan = result.restart
+        out["restart"] = {"replica": plan.replica, "at_request": plan.at_request, "fraction": plan.fraction,
+                          "arms": {a.arm.name: {k: v.median for k, v in a.spreads().items() if k.startswith("restart_")}
+                                   for a in result.arms if a.ok}}
     if failed:
         out["failed"] = failed
     if receipts := receipts_json(result):  # kvtier arms: the receipts beside the metrics, per run
@@ -75,7 +82,7 @@ class Row:
 
 
 COLUMNS = ("arm", "hit rate", "engine hit", "external hit", "TTFT p50", "p50 range", "hit range", "TTFT p99",
-           "output tok/s", "verdict")
+           "req/s", "output tok/s", "verdict")
 
 
 def _with_ratio(text: str, x: float | None, ref: float | None, is_ref: bool) -> str:
@@ -106,7 +113,7 @@ def rows(result: CompareResult) -> list[Row]:
         def med(key: str, arm: ArmResult = a) -> float | None:
             return _median(arm, key)
 
-        p50, p99, tput = med("ttft_p50_s"), med("ttft_p99_s"), med("output_tok_per_s")
+        p50, p99, tput, rps = med("ttft_p50_s"), med("ttft_p99_s"), med("output_tok_per_s"), med("request_per_s")
         p50_spread, hit_spread = s.get("ttft_p50_s"), s.get("prefix_hit_rate")
         out.append(Row((
             a.arm.name, _fmt_rate(med("prefix_hit_rate")), _fmt_rate(med("engine_hit_rate")),
@@ -115,6 +122,7 @@ def rows(result: CompareResult) -> list[Row]:
             "-" if p50_spread is None else p50_spread.range_text(_fmt_s),
             "-" if hit_spread is None else hit_spread.range_text(_fmt_rate),
             _with_ratio(_fmt_s(p99), p99, _median(base, "ttft_p99_s"), is_ref),
+            _with_ratio("-" if rps is None else f"{rps:.2f}", rps, _median(base, "request_per_s"), is_ref),
             _with_ratio("-" if tput is None else f"{tput:.1f}", tput, _median(base, "output_tok_per_s"), is_ref),
             a.verdict.kind.value if a.verdict else "-")))
     return out
@@ -143,6 +151,44 @@ def replica_rows(result: CompareResult) -> list[Row]:
     return out
 
 
+RESTART_COLUMNS = ("arm", "down", "rerouted", "requests after", "hit rate after", "hit range", "TTFT p50 after",
+                   "p50 range", "TTFT p99 after")
+
+
+def restart_title(result: CompareResult) -> str:
+    """What the restart table is about (empty without a planned restart)."""
+    plan = result.restart
+    if plan is None:
+        return ""
+    return (f"replica {plan.replica} restarted once {plan.at_request} of {len(result.workload.requests)} requests "
+            f"were sent (--restart-replica-at {plan.fraction:g}): its requests after the restart")
+
+
+def restart_rows(result: CompareResult) -> list[Row]:
+    """Per arm (medians over its runs, ranges lowest-highest run): seconds the restarted replica took
+    no requests, requests sent to the others meanwhile, and its successful requests, hit rate and
+    TTFT p50/p99 once back (:func:`kvtier.bench.restart.restart_figures`).  Empty without a restart."""
+    if result.restart is None:
+        return []
+    out = []
+    for a in result.arms:
+        s = a.spreads()
+
+        def med(key: str, s: dict[str, Any] = s) -> float | None:
+            return s[key].median if key in s else None
+
+        def rng(key: str, fmt: Any, s: dict[str, Any] = s) -> str:
+            return s[key].range_text(fmt) if key in s else "-"
+
+        down, rerouted, n = med("restart_down_s"), med("restart_rerouted"), med("restart_requests")
+        out.append(Row((a.arm.name, "-" if down is None else f"{down:.1f} s",
+                        "-" if rerouted is None else f"{rerouted:.0f}", "-" if n is None else f"{n:.0f}",
+                        _fmt_rate(med("restart_hit_rate")), rng("restart_hit_rate", _fmt_rate),
+                        _fmt_s(med("restart_ttft_p50_s")), rng("restart_ttft_p50_s", _fmt_s),
+                        _fmt_s(med("restart_ttft_p99_s")))))
+    return out
+
+
 def print_table(result: CompareResult) -> None:
     """Print the comparison table, each arm's verdict reason and each failure to the terminal."""
     from rich import box
@@ -167,6 +213,13 @@ def print_table(result: CompareResult) -> None:
         for col in REPLICA_COLUMNS:
             table.add_column(col, justify="left" if col == "arm" else "right", no_wrap=True)
         for row in per_replica:
+            table.add_row(*row.cells)
+        console.print(table)
+    if restarted := restart_rows(result):
+        table = Table(title=restart_title(result), box=box.SIMPLE_HEAVY)
+        for col in RESTART_COLUMNS:
+            table.add_column(col, justify="left" if col == "arm" else "right", no_wrap=True)
+        for row in restarted:
             table.add_row(*row.cells)
         console.print(table)
     for a in result.arms:
@@ -279,6 +332,12 @@ def markdown(result: CompareResult, plot_name: str | None, command: str | None) 
         lines += ["Per replica (medians over runs):", "", "| " + " | ".join(REPLICA_COLUMNS) + " |",
                   "|" + "---|" * len(REPLICA_COLUMNS)]
         lines += ["| " + " | ".join(r.cells) + " |" for r in per_replica] + [""]
+    if restarted := restart_rows(result):
+        head = (f"Restart: {restart_title(result)} (medians over runs; down: seconds it took no requests, "
+                "rerouted: requests sent to the other replicas meanwhile; hit rate from its counters since it "
+                "answered again):")
+        lines += [head, "", "| " + " | ".join(RESTART_COLUMNS) + " |", "|" + "---|" * len(RESTART_COLUMNS)]
+        lines += ["| " + " | ".join(r.cells) + " |" for r in restarted] + [""]
     reuse = reuse_lines(result)
     if reuse:
         head = "Repeated vs first-time prompts (all runs pooled; first-time = nothing shared with an earlier request):"

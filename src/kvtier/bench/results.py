@@ -97,6 +97,33 @@ class RunSummary:
 
 
 @dataclass(frozen=True)
+class RestartEvent:
+    """A replica's planned restart during a run (:mod:`kvtier.bench.restart`); times are seconds
+    after the start of the run.
+
+    Attributes:
+        replica: the restarted server; at_request: requests sent when it was taken down.
+        began_s: it was taken down (no new request sent to it from here); stopped_s: its requests
+            in flight had finished and it got SIGTERM; back_s: it answered again (``None``: it did not).
+        rerouted: ids of the requests sent to another replica instead while it was down.
+        error: why it did not come back, or ``None``.
+    """
+
+    replica: int
+    at_request: int
+    began_s: float
+    stopped_s: float
+    back_s: float | None
+    rerouted: tuple[str, ...] = ()
+    error: str | None = None
+
+    @property
+    def down_s(self) -> float | None:
+        """Seconds the replica took no requests (``None`` when it did not come back)."""
+        return None if self.back_s is None else self.back_s - self.began_s
+
+
+@dataclass(frozen=True)
 class RunResult:
     """A finished (or aborted) run.
 
@@ -105,12 +132,14 @@ class RunResult:
         duration_s: first send to last completion, seconds.
         aborted: why the run stopped before sending everything (engine died, hung), or ``None``.
         failed_at: ids of the requests in flight when the first failure happened.
+        restart: the planned restart of a replica during the run, if there was one.
     """
 
     results: tuple[RequestResult, ...]
     duration_s: float
     aborted: str | None = None
     failed_at: tuple[str, ...] = field(default_factory=tuple)
+    restart: RestartEvent | None = None
 
     def summary(self) -> RunSummary:
         """Percentiles and throughput of the successful requests."""
@@ -149,10 +178,19 @@ class RunResult:
         serve side by side, so per-replica throughputs add up to the arm's)."""
         return replace(self, results=tuple(r for r in self.results if r.replica == replica))
 
+    def after_restart(self) -> tuple[RequestResult, ...]:
+        """The requests sent to the restarted replica once it was back (empty without a restart)."""
+        event = self.restart
+        if event is None or event.back_s is None:
+            return ()
+        back = event.back_s
+        return tuple(r for r in self.results if r.replica == event.replica and r.start_s >= back)
+
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (per-request results plus the summary)."""
+        """JSON-ready dict (per-request results plus the summary, and the restart if there was one)."""
         return {"duration_s": self.duration_s, "aborted": self.aborted, "failed_at": list(self.failed_at),
-                "summary": self.summary().to_dict(), "requests": [asdict(r) for r in self.results]}
+                "summary": self.summary().to_dict(), "requests": [asdict(r) for r in self.results],
+                **({"restart": asdict(self.restart)} if self.restart is not None else {})}
 
 
 NOT_SENT = "not sent"

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from kvtier.bench.verdict import ArmFigures, Thresholds, Verdict, VerdictKind, judge
 
 FIGURE_KEYS = ("prefix_hit_rate", "engine_hit_rate", "external_hit_rate", "ttft_p50_s", "ttft_p99_s",
-               "output_tok_per_s")
+               "output_tok_per_s", "request_per_s", "restart_hit_rate", "restart_ttft_p50_s", "restart_ttft_p99_s",
+               "restart_requests", "restart_down_s", "restart_rerouted")
+"""Every per-run figure aggregated (the ``restart_*`` ones: :func:`kvtier.bench.restart.restart_figures`)."""
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ from kvtier.cli.errors import check_output_path, fail, make_output_dir
 
 COMPARE_HELP = """Start one vLLM server per arm and run, and send each the same workload.
 
-Arms: baseline (no connector), kvtier (KVTierConnector, default config or --kvtier-config), kvtier-redis (the kvtier arm plus the shared redis tier on the server --redis names or, with --redis auto, starts on 127.0.0.1; every run under a key prefix of its own, deleted afterwards), kvtier-s3 (the kvtier arm plus the shared s3 tier on a private rclone serve s3 the command starts on 127.0.0.1 under --out, one bucket for all replicas, every run under a key prefix of its own, removed afterwards; needs rclone and obstore: make install), kvtier-node (the kvtier arm plus the node tier: one kvtier node serve owner per run, its pool of --node-gib GiB in /dev/shm shared by all replicas, stopped and its pool deleted after the run, its log <arm>[-run<k>].node.log in --out), native (vLLM's OffloadingConnector with a CPU tier the size of kvtier's, one per server; on a CPU-only vLLM through kvtier.bench.native_cpu, a benchmark-only shim that swaps the CUDA copy kernel for host copies), example (vLLM's ExampleConnector), and any connector given as --arm NAME='KV_TRANSFER_CONFIG_JSON'. Same model, engine cache size (--engine-cache-tokens), core pinning and workload for every arm. With --repeats N the arms run interleaved (A B C A B C ...) and every figure is the median of N runs with its range; "helping" needs TTFT p50 ranges that do not overlap. Prints one table (hit rates, TTFT p50/p99, throughput, ratios to baseline, verdict) and writes report.md, ttft_cdf.png, per-run server logs and /metrics texts to --out; --json writes the figures as JSON. An arm whose engine dies or hangs is reported with the request where it happened and its log; the other arms still run. With --replicas N every arm runs N servers side by side and request k goes to server k mod N (a round-robin load balancer without affinity); the table's figures are per arm (hit-rate counters summed over its servers, TTFTs over every request) and a second table gives each replica's. Each replica has its own cpu tier (kvtier's or native's) and its own disk_path directory (<disk_path>/run-<k>/r<i>); the replicas of kvtier-redis, kvtier-s3 and kvtier-node share the Redis server, the bucket or the node pool. Every kvtier server logs its request receipts to its own <arm>[-run<k>][-r<i>].receipts.jsonl in --out; per kvtier arm and run, the receipts' tokens per tier and miss reasons are shown beside the metric deltas, with any disagreement named.
+Arms: baseline (no connector), kvtier (KVTierConnector, default config or --kvtier-config), kvtier-redis (the kvtier arm plus the shared redis tier on the server --redis names or, with --redis auto, starts on 127.0.0.1; every run under a key prefix of its own, deleted afterwards), kvtier-s3 (the kvtier arm plus the shared s3 tier on a private rclone serve s3 the command starts on 127.0.0.1 under --out, one bucket for all replicas, every run under a key prefix of its own, removed afterwards; needs rclone and obstore: make install), kvtier-node (the kvtier arm plus the node tier: one kvtier node serve owner per run, its pool of --node-gib GiB in /dev/shm shared by all replicas, stopped and its pool deleted after the run, its log <arm>[-run<k>].node.log in --out), native (vLLM's OffloadingConnector with a CPU tier the size of kvtier's, one per server; on a CPU-only vLLM through kvtier.bench.native_cpu, a benchmark-only shim that swaps the CUDA copy kernel for host copies), example (vLLM's ExampleConnector), and any connector given as --arm NAME='KV_TRANSFER_CONFIG_JSON'. Same model, engine cache size (--engine-cache-tokens), core pinning and workload for every arm. With --repeats N the arms run interleaved (A B C A B C ...) and every figure is the median of N runs with its range; "helping" needs TTFT p50 ranges that do not overlap. Prints one table (hit rates, TTFT p50/p99, throughput, ratios to baseline, verdict) and writes report.md, ttft_cdf.png, per-run server logs and /metrics texts to --out; --json writes the figures as JSON. An arm whose engine dies or hangs is reported with the request where it happened and its log; the other arms still run. With --replicas N every arm runs N servers side by side and request k goes to server k mod N (a round-robin load balancer without affinity); the table's figures are per arm (hit-rate counters summed over its servers, TTFTs over every request) and a second table gives each replica's. Each replica has its own cpu tier (kvtier's or native's) and its own disk_path directory (<disk_path>/run-<k>/r<i>); the replicas of kvtier-redis, kvtier-s3 and kvtier-node share the Redis server, the bucket or the node pool. With --restart-replica-at F every run of every arm restarts replica 0 once a share F of the requests was sent, as an operator restarts it: no new request goes to it (its turns go round robin to the live replicas), its requests in flight finish, it gets SIGTERM (graceful stop) and the same server starts again on the same port, taking requests once it answers; a third table gives, per arm, how long it took no requests and the hit rate and TTFT of its requests after the restart (a cpu tier is lost on restart; kvtier's disk, redis and node tiers are not). Every kvtier server logs its request receipts to its own <arm>[-run<k>][-r<i>].receipts.jsonl in --out; per kvtier arm and run, the receipts' tokens per tier and miss reasons are shown beside the metric deltas, with any disagreement named.
 
 Examples:
 
@@ -61,6 +61,8 @@ Examples:
   kvtier bench compare --model models/mid --arms native,kvtier-redis,kvtier-s3 --replicas 2 --redis auto --kvtier-config cpu.yaml --max-model-len 2048 --engine-cache-tokens 4096 --enforce-eager --workload trace --start 0 --limit 300 --returning-only --tokens-per-block 32 --max-output-tokens 2 --max-concurrency 2 --repeats 2
 
   kvtier bench compare --model models/small8 --arms native,kvtier-redis,kvtier-node --replicas 2 --redis auto --node-gib 1 --kvtier-config cpu.yaml --max-model-len 2048 --engine-cache-tokens 4096 --enforce-eager --workload trace --start 0 --limit 300 --returning-only --tokens-per-block 32 --max-output-tokens 2 --max-concurrency 2 --repeats 2
+
+  kvtier bench compare --model models/small8 --arms native,kvtier-redis,kvtier-node --replicas 2 --restart-replica-at 0.2 --redis auto --node-gib 1 --kvtier-config cpu.yaml --max-model-len 2048 --engine-cache-tokens 4096 --enforce-eager --workload trace --start 0 --limit 600 --returning-only --tokens-per-block 32 --max-output-tokens 2 --max-concurrency 2 --repeats 3
 
   kvtier bench compare --model models/tiny --arms baseline,kvtier --arm lmcache='{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_both"}' --workload trace --start 0 --limit 300 --max-concurrency 2 --json out.json
 """
@@ -104,6 +106,11 @@ def compare_command(
     replicas: int = typer.Option(1, "--replicas",
                                  help="vLLM servers per arm and run, all with the arm's config; request k goes to "
                                       "server k mod N (round robin, no affinity). Figures per arm and per replica."),
+    restart_replica_at: float | None = typer.Option(
+        None, "--restart-replica-at",
+        help="Restart replica 0 once this share of the workload's requests was sent (between 0 and 1), in every "
+             "arm and run: SIGTERM after its requests in flight finished, the same server started again; its "
+             "turns go to the live replicas meanwhile. Needs --replicas 2 or more."),
     redis: str | None = typer.Option(None, "--redis",
                                      help="The kvtier-redis arm's shared Redis: 'auto' (a private redis-server on "
                                           "127.0.0.1, stopped at the end) or redis://HOST:PORT/DB of a running one."),
@@ -141,6 +148,7 @@ def compare_command(
     from kvtier.bench.arms import ARM_NAMES, make_arm, parse_custom_arm, shared_tier_conflict
     from kvtier.bench.compare import run_compare, warmup_workload
     from kvtier.bench.report import print_table, write_reports
+    from kvtier.bench.restart import RestartPlan, check_restart
     from kvtier.bench.workload import vocab_token_space
     from kvtier.launch.serve import ServerSpec
 
@@ -158,6 +166,11 @@ def compare_command(
         fail(f"--replicas {replicas} x --memory-fraction {memory_fraction:g} would reserve "
              f"{replicas * memory_fraction:.0%} of this host's RAM at once; keep the product at most "
              f"{MAX_RAM_SHARE:g} (lower --memory-fraction or --replicas)")
+    if restart_replica_at is not None:
+        try:
+            check_restart(restart_replica_at, replicas)
+        except ValueError as exc:
+            fail(str(exc))
     if ("kvtier-redis" in names) != (redis is not None):
         fail("the kvtier-redis arm needs --redis auto (or --redis redis://HOST:PORT/DB)" if redis is None else
              "--redis is used by the kvtier-redis arm only; add kvtier-redis to --arms")
@@ -205,6 +218,12 @@ def compare_command(
     make_output_dir(out, "--out")
     _check_local_model(model)
     built, vocab = make_workload(knobs, vocab_size, model, max_model_len, max_concurrency is not None)
+    plan = None
+    if restart_replica_at is not None:
+        try:
+            plan = RestartPlan.at_fraction(restart_replica_at, len(built.requests))
+        except ValueError as exc:
+            fail(str(exc))
     spec = ServerSpec(model=model, max_model_len=max_model_len, cache_tokens=engine_cache_tokens,
                       block_size=block_size, load_format=None if load_format == "auto" else load_format,
                       memory_fraction=memory_fraction, max_num_batched_tokens=max_num_batched_tokens,
@@ -217,7 +236,8 @@ def compare_command(
         servers = f"{replicas} vLLM servers" if replicas > 1 else "vLLM"
         result = run_compare(arm_specs, built, spec, out, warmup=warmup_workload(vocab_token_space(seed, vocab)),
                              max_concurrency=max_concurrency, stall_timeout_s=stall_timeout, progress=not no_progress,
-                             repeats=repeats, replicas=replicas, s3_target=s3_target, node_pool=node_pool, on_arm=lambda a, k: print(
+                             repeats=repeats, replicas=replicas, s3_target=s3_target, node_pool=node_pool,
+                             restart=plan, on_arm=lambda a, k: print(
                                  f"arm {a.name} (run {k + 1}/{repeats}): starting {servers} ({a.description})",
                                  flush=True))
     print_table(result)
