@@ -105,12 +105,8 @@ class SchedulerSide:
     @property
     def receipt_sinks(self) -> list[ReceiptSink]:
         """Where every finished request's receipt (issue 35) goes besides its response: the receipt log,
-        a tracer (:func:`~kvtier.core.receiptsinks.build_receipt_sinks` of the config; append or assign)."""
+        a tracer (:func:`~kvtier.core.receiptsinks.build_receipt_sinks` of the config; append to it)."""
         return self.receipts.sinks
-
-    @receipt_sinks.setter
-    def receipt_sinks(self, sinks: list[ReceiptSink]) -> None:
-        self.receipts.sinks = sinks
 
     def bind_kv_cache_manager(self, manager: Any) -> None:
         self._kv_cache_manager = manager
@@ -300,6 +296,8 @@ class SchedulerSide:
                     else:
                         self.receipts.observe(req_id, rank, facts)
                 self.deferred.ended(rank, meta.ranks[rank].saves_ended)
+            if self.remote is not None:  # the shared tier set up (bind) once every rank named its namespace,
+                self.remote.bind(self.mirror.namespaces)  # not at the first lookup: that one is answered now
             if self.events is not None:
                 observe_reports(self.events, self.mirror, meta)
         invalid = getattr(connector_output, "invalid_block_ids", None) or set()
@@ -392,7 +390,7 @@ class SchedulerSide:
                 sink.close()
             except Exception:  # one sink's failure must not keep the others open
                 log.exception("kvtier: closing a receipt sink failed")
-        self.receipt_sinks = []
+        self.receipts.sinks = []
         if self.remote is not None:
             self.remote.close()
         if self.events is not None and self.events.journal_loaded:
