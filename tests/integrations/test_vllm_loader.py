@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from kvtier.core.config import GiB, KVTierConfig
@@ -17,7 +18,7 @@ from kvtier.core.landing import LandingPool
 from kvtier.core.store import TieredStore
 from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES
 from kvtier.integrations.vllm.cache_groups import GroupKind, GroupSpec
-from kvtier.integrations.vllm.protocol import LoadJob
+from kvtier.integrations.vllm.protocol import LoadJob, tokens_by_tier
 from kvtier.integrations.vllm.scheduler.mirror import IndexMirror
 from kvtier.integrations.vllm.scheduler.pages import HybridPlan, PagePlanner
 from kvtier.integrations.vllm.worker.copy import GroupCopiers
@@ -79,6 +80,19 @@ def _load(store: TieredStore, plan: HybridPlan, chain: list[bytes], tiers: tuple
         time.sleep(0.005)
     loader.shutdown()
     return dst, finished, errors, failed
+
+
+def test_tokens_split_by_the_planned_tier_of_each_chunk() -> None:
+    """The one split the scheduler's hit sources and the worker's loaded tokens share: a run of
+    chunks in one tier counts at once, the partial chunks at either end count their tokens only,
+    tiers in the order they first appear; a span past the planned chunks is an error."""
+    tiers = ("", "cpu", "cpu", "disk", "cpu")
+    assert tokens_by_tier(tiers, 100, 450, 128) == {"": 28, "cpu": 256, "disk": 66}
+    assert list(tokens_by_tier(tiers, 0, 640, 128).items()) == [("", 128), ("cpu", 384), ("disk", 128)]
+    assert tokens_by_tier(tiers, 130, 140, 128) == {"cpu": 10}
+    assert tokens_by_tier(tiers, 300, 300, 128) == {} and tokens_by_tier((), 0, 0, 128) == {}
+    with pytest.raises(IndexError):
+        tokens_by_tier(tiers, 600, 641, 128)
 
 
 def test_one_group_keeps_the_valid_prefix_and_counts_by_the_planned_tier(tmp_path: Path) -> None:

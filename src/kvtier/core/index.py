@@ -24,9 +24,8 @@ victim and ``clear`` on a reset (under the lock, so that usage and policy never 
 
 Eviction from the top tier is decided in one place, :meth:`Index.may_free_page` (may this
 chunk's page be freed now; never while the eviction gate is closed, :mod:`kvtier.core.gate`), and
-done in one place, :meth:`Index.evict_top`.  This module is a
-load's whole path through the index; saves, the outcomes of writes, TTL pins, resets and checks
-are its second half, :mod:`kvtier.core.upkeep`.
+done in one place, :meth:`Index.evict_top`.  This module is a load's whole path through the index;
+saves, the outcomes of writes, TTL pins, resets and checks are its second half, :mod:`kvtier.core.upkeep`.
 """
 
 from __future__ import annotations
@@ -34,7 +33,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 
 import numpy as np
 
@@ -149,19 +149,19 @@ class Index(IndexUpkeep):
         """Pin the longest prefix of ``chain[:limit]`` held in the top or a local lower tier
         (``top_only``: the top tier alone); chunks below the top tier get a :class:`Read` into a
         reserved cpu page (or a private buffer when no page may be freed)."""
-        plan = LoadPlan(LoadHandle([], [], []))
-        handle = plan.handle
-        with self.lock:
+        plan = LoadPlan(handle := LoadHandle([], [], []))
+        with self.lock:  # (resident(), inlined: the hit path asks it per chunk)
+            contains, view, doomed, pins, name = self.cpu.contains, self.cpu.view, self.doomed, self.pins, self.name
             for i in range(limit):
                 key = chain[i]
-                if self.resident(key):
-                    self.pins[key] += 1
+                if contains(key) and key not in doomed:
+                    pins[key] = pins.get(key, 0) + 1
                     handle.pinned.append(key)
-                    buf = self.cpu.view(key)
-                    source = self.name
+                    buf = view(key)
+                    source = name
                 elif key in self.staged:  # a private copy, immutable: no pin needed
                     buf = self.staged[key].data
-                    source = self.name
+                    source = name
                 elif top_only:
                     break
                 else:
@@ -232,7 +232,7 @@ class Index(IndexUpkeep):
                 for key in handle.keys[cut:]:
                     if key in handle.pinned:
                         handle.pinned.remove(key)
-                        self.unpin(key)
+                        self.unpin((key,))
                 del handle.keys[cut:], handle.buffers[cut:], handle.tiers[cut:]
             return self.epoch
 
@@ -274,14 +274,13 @@ class Index(IndexUpkeep):
 
     def unpin_load(self, handle: LoadHandle, refresh: bool) -> None:
         with self.lock:
-            for key in handle.pinned:
-                self.unpin(key)
+            self.unpin(handle.pinned)
             handle.pinned = []
             if refresh and handle.keys:
-                used = [k for k in handle.keys if self.resident(k)]
+                contains, doomed = self.cpu.contains, self.doomed
+                used = [k for k in handle.keys if contains(k) and k not in doomed]
                 self.policy.touch(used)
-                for key in used:
-                    self.uses[key] += 1
+                self.uses.update(used)  # (Counter: +1 each)
                 for lt in self.local:
                     below = [k for k, t in zip(handle.keys, handle.tiers) if t == lt.name]
                     if below and lt.policy is not None:
@@ -293,13 +292,18 @@ class Index(IndexUpkeep):
             if policy is not None and policy.pending:
                 policy.settle()
 
-    def unpin(self, key: ChunkKey) -> None:
-        self.pins[key] -= 1
-        if self.pins[key] <= 0:
-            del self.pins[key]
-            if key in self.doomed:
-                self.doomed.discard(key)
-                self._drop(key)
+    def unpin(self, keys: Iterable[ChunkKey]) -> None:
+        """Unpin each of ``keys`` once (a load's chunks in one call: the hit path)."""
+        pins, doomed = self.pins, self.doomed
+        for key in keys:
+            left = pins.get(key, 0) - 1
+            if left > 0:
+                pins[key] = left
+            else:
+                pins.pop(key, None)
+                if key in doomed:
+                    doomed.discard(key)
+                    self._drop(key)
 
     def publish(self, key: ChunkKey, parent: ChunkKey | None, tenant: Writer | None = None,
                 owner: bytes | None = None) -> None:
@@ -359,10 +363,7 @@ class Index(IndexUpkeep):
             return True
         if self.gate.closed:  # may_free_page says no to every chunk: no victim to look for
             return False
-
-        def evictable(k: ChunkKey) -> bool:
-            return self.may_free_page(k, ahead=False)
-
+        evictable = partial(self.may_free_page, ahead=False)
         chose = self.quota.quota_evictions if self.quota is not None else 0
         victim = self.quota.victim(self.policy, evictable, tenant) if self.quota is not None \
             else self.policy.victim(evictable)

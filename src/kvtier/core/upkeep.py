@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -77,7 +77,7 @@ class IndexUpkeep(ChangeFeed):
     if TYPE_CHECKING:  # defined by Index (kvtier.core.index), the load's half
         def holds(self, key: ChunkKey) -> bool: ...
         def resident(self, key: ChunkKey) -> bool: ...
-        def unpin(self, key: ChunkKey) -> None: ...
+        def unpin(self, keys: Iterable[ChunkKey]) -> None: ...
         def publish(self, key: ChunkKey, parent: ChunkKey | None, tenant: Writer | None = None,
                     owner: bytes | None = None) -> None: ...
         def _job(self, lt: LowerIndex, key: ChunkKey, data: np.ndarray | None, evict_after: bool,
@@ -261,7 +261,7 @@ class IndexUpkeep(ChangeFeed):
             self.writing[key] -= 1
             if self.writing[key] <= 0:
                 del self.writing[key]
-            self.unpin(key)
+            self.unpin((key,))
             if job.evict_after and ok:
                 self.let_go(key)
 

@@ -43,12 +43,15 @@ from itertools import count
 from typing import Any
 
 from kvtier.core.policies.base import Evictable, EvictionPolicy, always_evictable
-from kvtier.core.policies.orderings import (
+from kvtier.core.policies.orderings import (  # DECAY, MARGIN, SIGNIFICANCE: the selector's rule, with the shadows
     BIP_LUCKY,
+    DECAY,
     HASH_MASK,
     HASH_MIX,
+    MARGIN,
     MODES,
     SAMPLE_BITS,
+    SIGNIFICANCE,
     Node,
     Shadows,
     ordering_rank,
@@ -62,21 +65,6 @@ SHADOW_KEYS = 2048
 """Sampled keys per shadow, at most."""
 PENDING_MAX = 1024
 """Sampled accesses recorded for the shadows' replay at most: the next one replays them first."""
-DECAY = 8.0
-"""Shadow hit counts halve every this many shadow-sizes of sampled accesses."""
-MARGIN = 0.05
-SIGNIFICANCE = 9.0
-"""A shadow must lead the current mode's shadow by MARGIN of its hits, and by more than
-``sqrt(SIGNIFICANCE × discordant)`` (three standard deviations of a paired sign test), to switch
-the tier to its ordering.  ``discordant``: sampled accesses on which exactly one of the two
-shadows hit (decayed like the hits).  Every shadow replays the same sampled keys, so their hit
-counts are strongly correlated; under "no difference" the lead is a sum of ±1 over the
-discordant accesses, variance = their count (McNemar, Psychometrika 1947), not the sum of both
-hit counts that treating them as independent Poisson counts gives: a real lead of a few percent
-clears it within a short trace.  Three sigma, not two, because the test is repeated at every
-sampled access; on independent uniform draws (every ordering equal) it switched in 1 stream of
-20, once, over 60 tier-sizes of traffic each (tests/core/test_policies_adaptive.py)."""
-
 _SHIFT = 64 - SAMPLE_BITS  # sample_hash(key) == ((hash(key) * HASH_MIX) & HASH_MASK) >> _SHIFT
 
 GUARD_SHARE = 0.0008
@@ -184,34 +172,84 @@ class AdaptivePolicy(EvictionPolicy):
         node = nodes[key] = Node(time, uses, gap, long_uses, depth, parent, lucky)
         if parent is not None:
             self._children[parent] = self._children.get(parent, 0) + 1
-        self._queue(key, node)
-        if self._guarded:
+        active = self._active  # lru (the usual ordering) ranks by time alone: no call on the hot path
+        node.rank = rank = time if active == 0 else ordering_rank(active, time, uses, gap, lucky, self._scale, long_uses)
+        if key not in self._children:
+            node.seq = s = next(self._seq)
+            heapq.heappush(self._heap, (rank, -depth, s, key))
+        if self._guarded:  # the full LRU shadow (keys only, as many as the tier holds): see _over_budget
             ghost_time = time
             if up is not None:
                 above = self._ghost.get(parent)
                 if above is not None and above[0] < time:
                     ghost_time = above[0]  # a chunk is never more recent than its prefix
-            self._guard(key, False, ghost_time, depth)
+            ghost_hit = key in self._ghost
+            self._ghost[key] = (ghost_time, -depth, s := next(self._seq))
+            heapq.heappush(self._ghost_heap, (ghost_time, -depth, s, key))
+            self._outside.pop(key, None)
+            self._trim_ghost()
+            self._accesses += 1
+            self.lru_hits += ghost_hit
+            self._deficit = max(-len(nodes), self._deficit + ghost_hit)  # banked gains pay for one tier-size of losses
         if len(nodes) > 2 * self._sampled_n:  # a tier that fills without evicting
             self._resample(len(nodes))
-        if ((hash(key) * HASH_MIX) & HASH_MASK) >> _SHIFT < self._threshold:  # sample_hash, inlined (hot path)
-            self._shadow(key, time, uses, gap, long_uses, depth, lucky)
+        if ((hash(key) * HASH_MIX) & HASH_MASK) >> _SHIFT < self._threshold:  # sample_hash: record for settle()
+            capacity = max(1, ((len(nodes) + self._below) * self._threshold) >> SAMPLE_BITS)  # the shadows' size
+            self.pending.append((key, time, uses, gap, long_uses, depth, lucky, capacity, self._scale + self._below))
+            if len(self.pending) >= self._pending_max:
+                self.settle()
 
     def touch(self, keys: Sequence[Any]) -> None:
-        nodes = self._nodes
-        clock = self._clock
-        threshold = self._threshold
+        # The hit path: insert's steps for each resident key (count the use, re-queue, the LRU shadow, record a
+        # sampled access) in one loop and in insert's order; a settle() (pending full) may switch the ordering.
+        nodes, children, heap, seq, push = self._nodes, self._children, self._heap, self._seq, heapq.heappush
+        clock, threshold, guarded, scale = self._clock, self._threshold, self._guarded, self._scale + self._below
+        n = max(len(nodes), 1)
+        long_limit, uses_limit, floor = FREQUENCY_HISTORY / 2 * n, HISTORY / 2 * n, -len(nodes)
+        long_d, old_long, uses_d, old_uses = self._long_uses, self._old_long_uses, self._uses, self._old_uses
+        ghost, outside, hits, lru_hits, deficit = self._ghost, self._outside, 0, 0, self._deficit
+        capacity = max(1, ((len(nodes) + self._below) * threshold) >> SAMPLE_BITS)  # the shadows' size
+        active = self._active
         for key in keys:
             node = nodes.get(key)
-            if node is not None:
-                node.uses, node.gap, node.long_uses = self._count(key, clock)
-                node.time = clock
-                node.mru = True
-                self._queue(key, node)
-                if self._guarded:
-                    self._guard(key, True, clock, node.depth)
-                if ((hash(key) * HASH_MIX) & HASH_MASK) >> _SHIFT < threshold:  # sample_hash, inlined (hot path)
-                    self._shadow(key, clock, node.uses, node.gap, node.long_uses, node.depth, False)
+            if node is None:
+                continue
+            long_uses = long_d[key] if key in long_d else old_long.get(key, 0)
+            long_d[key] = long_uses + 1
+            if len(long_d) > long_limit:
+                self._old_long_uses, self._long_uses = old_long, long_d = long_d, {}
+            uses, last = uses_d[key] if key in uses_d else old_uses.get(key, (0, -(1 << 62)))
+            uses_d[key] = (uses + 1, clock)
+            if len(uses_d) > uses_limit:
+                self._old_uses, self._uses = old_uses, uses_d = uses_d, {}
+            gap = clock - last
+            node.uses, node.gap, node.long_uses, node.time, node.mru = uses, gap, long_uses, clock, True
+            depth = node.depth
+            node.rank = rank = clock if active == 0 else \
+                ordering_rank(active, clock, uses, gap, True, self._scale, long_uses)
+            if key not in children:
+                node.seq = s = next(seq)
+                push(heap, (rank, -depth, s, key))
+            if guarded:
+                ghost_hit = key in ghost
+                ghost[key] = (clock, -depth, s := next(seq))
+                push(self._ghost_heap, (clock, -depth, s, key))
+                outside.pop(key, None)
+                if len(ghost) > len(nodes) or len(self._ghost_heap) > 2 * len(ghost) + 64:
+                    self._trim_ghost()
+                hits += 1
+                lru_hits += ghost_hit
+                deficit = max(floor, deficit + ghost_hit - 1)
+            if ((hash(key) * HASH_MIX) & HASH_MASK) >> _SHIFT < threshold:  # sample_hash, inlined
+                self.pending.append((key, clock, uses, gap, long_uses, depth, False, capacity, scale))
+                if len(self.pending) >= self._pending_max:
+                    self.settle()
+                    active = self._active
+        if guarded:
+            self._accesses += hits
+            self.hits += hits
+            self.lru_hits += lru_hits
+            self._deficit = deficit
 
     def remove(self, key: Any) -> None:
         node = self._nodes.pop(key, None)
@@ -279,22 +317,6 @@ class AdaptivePolicy(EvictionPolicy):
         return self._nodes.keys()
 
     # -- internals ---------------------------------------------------------------------------
-    def _guard(self, key: Any, hit: bool, time: int, depth: int) -> None:
-        """Replay one access through the full LRU shadow (keys only, as many as the tier holds)
-        and count both hit totals (see :meth:`_over_budget`)."""
-        ghost = self._ghost
-        ghost_hit = key in ghost
-        s = next(self._seq)
-        ghost[key] = (time, -depth, s)
-        heapq.heappush(self._ghost_heap, (time, -depth, s, key))
-        self._outside.pop(key, None)
-        self._trim_ghost()
-        self._accesses += 1
-        self.hits += hit
-        self.lru_hits += ghost_hit
-        floor = -len(self._nodes)  # banked gains pay for at most one tier-size of later losses
-        self._deficit = max(floor, self._deficit + ghost_hit - hit)
-
     def _over_budget(self) -> bool:
         """Whether evicting a chunk the LRU shadow still holds could break the bound.
 
@@ -324,14 +346,6 @@ class AdaptivePolicy(EvictionPolicy):
             self._ghost_heap = [e for e in heap if (g := ghost.get(e[3])) is not None and g[2] == e[2]]
             heapq.heapify(self._ghost_heap)
 
-    def _queue(self, key: Any, node: Node) -> None:
-        active = self._active  # lru (the usual ordering) ranks by time alone: no call on the hot path
-        node.rank = rank = node.time if active == 0 else \
-            ordering_rank(active, node.time, node.uses, node.gap, node.mru, self._scale, node.long_uses)
-        if key not in self._children:
-            node.seq = s = next(self._seq)
-            heapq.heappush(self._heap, (rank, -node.depth, s, key))
-
     def _rebuild(self) -> None:
         self._stale = False
         n = max(len(self._nodes), 1)
@@ -359,30 +373,16 @@ class AdaptivePolicy(EvictionPolicy):
             capacity = max(1, ((len(self._nodes) + self._below) * threshold) >> SAMPLE_BITS)  # the shadows' size
             self._shadows.resample(threshold, capacity, self._scale + self._below)
 
-    def _shadow(self, key: Any, time: int, uses: int, gap: int, long_uses: int, depth: int, lucky: bool) -> None:
-        """Record one sampled access for :meth:`settle` (with the shadows' size and scale now)."""
-        below = self._below
-        capacity = max(1, ((len(self._nodes) + below) * self._threshold) >> SAMPLE_BITS)  # the shadows' size
-        pending = self.pending
-        pending.append((key, time, uses, gap, long_uses, depth, lucky, capacity, self._scale + below))
-        if len(pending) >= self._pending_max:
-            self.settle()
-
     def _count(self, key: Any, clock: int) -> tuple[int, int, int]:
         """(prior uses, insertions since the previous use, prior uses in the long history) of
         ``key``, then count this use.  Remembered for HISTORY/2 to HISTORY tier-sizes of keys,
         and FREQUENCY_HISTORY/2 to FREQUENCY_HISTORY (two generations each)."""
         n = max(len(self._nodes), 1)
-        long_uses = self._long_uses.get(key)
-        if long_uses is None:
-            long_uses = self._old_long_uses.get(key, 0)
+        long_uses = self._long_uses[key] if key in self._long_uses else self._old_long_uses.get(key, 0)
         self._long_uses[key] = long_uses + 1
         if len(self._long_uses) > FREQUENCY_HISTORY / 2 * n:
             self._old_long_uses, self._long_uses = self._long_uses, {}
-        seen = self._uses.get(key)
-        if seen is None:
-            seen = self._old_uses.get(key, (0, -(1 << 62)))
-        uses, last = seen
+        uses, last = self._uses[key] if key in self._uses else self._old_uses.get(key, (0, -(1 << 62)))
         self._uses[key] = (uses + 1, clock)
         if len(self._uses) > HISTORY / 2 * n:
             self._old_uses, self._uses = self._uses, {}

@@ -52,6 +52,21 @@ HASH_MASK = (1 << 64) - 1
 SAMPLE_BITS = 24
 """A key's sample hash (:func:`sample_hash`) is this many bits: sampled when below the threshold."""
 
+DECAY = 8.0
+"""Shadow hit counts halve every this many shadow-sizes of sampled accesses."""
+MARGIN = 0.05
+SIGNIFICANCE = 9.0
+"""A shadow must lead the current mode's shadow by MARGIN of its hits, and by more than
+``sqrt(SIGNIFICANCE × discordant)`` (three standard deviations of a paired sign test), to switch
+the tier to its ordering.  ``discordant``: sampled accesses on which exactly one of the two
+shadows hit (decayed like the hits).  Every shadow replays the same sampled keys, so their hit
+counts are strongly correlated; under "no difference" the lead is a sum of ±1 over the
+discordant accesses, variance = their count (McNemar, Psychometrika 1947), not the sum of both
+hit counts that treating them as independent Poisson counts gives: a real lead of a few percent
+clears it within a short trace.  Three sigma, not two, because the test is repeated at every
+sampled access; on independent uniform draws (every ordering equal) it switched in 1 stream of
+20, once, over 60 tier-sizes of traffic each (tests/core/test_policies_adaptive.py)."""
+
 
 def ordering_rank(mode: int, time: int, uses: int, gap: int, mru: bool, scale: int, long_uses: int) -> float:
     if mode == 0:
@@ -117,8 +132,8 @@ class Shadow:
 
 class Shadows:
     """One :class:`Shadow` per ordering (``MODES``), their pairwise wins and the selection rule
-    (the constants are :mod:`kvtier.core.policies.adaptive`'s, passed in: ``decay``, ``margin``,
-    ``significance``; see there)."""
+    (``decay``, ``margin``, ``significance``: the adaptive policy passes :data:`DECAY`, :data:`MARGIN`,
+    :data:`SIGNIFICANCE`)."""
 
     def __init__(self, decay: float, margin: float, significance: float) -> None:
         self.shadows = [Shadow(m) for m in range(len(MODES))]

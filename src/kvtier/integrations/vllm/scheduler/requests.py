@@ -72,7 +72,7 @@ class RequestChain:
         if num_chunks > have:
             parent = self.keys[-1] if self.keys else self.root
             more = token_ids[have * self.chunk_tokens:num_chunks * self.chunk_tokens]
-            self.keys.extend(chunk_keys(parent, list(more), self.chunk_tokens))
+            self.keys.extend(chunk_keys(parent, more, self.chunk_tokens))
         return self.keys[:num_chunks]
 
 

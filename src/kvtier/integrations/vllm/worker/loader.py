@@ -53,6 +53,8 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from operator import ne
+from typing import cast
 
 from kvtier.core.context import EngineLoad, OpContext
 from kvtier.core.handles import LoadHandle
@@ -106,7 +108,7 @@ class AsyncLoader:
         """Start ``job`` in the background (never blocks).  Its pages the cpu tier holds are pinned
         here, on the caller's (engine) thread, so that they are still there when a loader thread
         prepares the load (released once the job is over, or cancelled)."""
-        held = self.store.pin_resident([ChunkKey(p.key) for p in job.pages])
+        held = self.store.pin_resident(_keys(job))
         try:
             with self._lock:
                 self._aborted.discard(job.req_id)
@@ -172,7 +174,7 @@ class AsyncLoader:
             if skipped:
                 return
             # max_chunks: the plan already asked the shared tier, so its reads need no second presence batch
-            handle = self.store.prepare_load([ChunkKey(p.key) for p in job.pages], max_chunks=len(job.pages),
+            handle = self.store.prepare_load(_keys(job), max_chunks=len(job.pages),
                                              read_ahead=True, ctx=_context(job, record))
             delivered, timed_out = self._copy_as_ready(job, handle)
             budget_cut = delivered if timed_out else None
@@ -210,7 +212,7 @@ class AsyncLoader:
         epoch = self.store.epoch
         record = RequestRecord(self.chunk_tokens)
         try:
-            handle = self.store.prepare_load([ChunkKey(p.key) for p in job.pages], max_chunks=len(job.pages),
+            handle = self.store.prepare_load(_keys(job), max_chunks=len(job.pages),
                                              top_only=True, ctx=_context(job, record))
             held = handle.num_chunks
             if held:
@@ -236,7 +238,7 @@ class AsyncLoader:
         handle = None
         record = RequestRecord(self.chunk_tokens)
         try:
-            handle = self.store.prepare_load([ChunkKey(p.key) for p in job.pages], max_chunks=len(job.pages),
+            handle = self.store.prepare_load(_keys(job), max_chunks=len(job.pages),
                                              top_only=True, ctx=_context(job, record))
             held = handle.num_chunks
             ended = lambda: self._finish(job, handle, held, True, False, time.perf_counter() - t0,
@@ -298,10 +300,14 @@ class AsyncLoader:
         errors = () if (skipped or failed_whole) else [b for p in unfilled_pages for b in p.block_ids]
         rerouted = 0
         if handle is not None:
-            by_chunk: dict[int, list[str]] = {}
-            for page, tier in zip(job.pages[:delivered], handle.tiers):
-                by_chunk.setdefault(page.chunk, []).append(tier)
-            rerouted = sum(1 for c, t in by_chunk.items() if (t[0] if len(t) == 1 else slowest(t)) != job.tiers[c])
+            chunks = [p.chunk for p in job.pages[:delivered]]
+            if len(set(chunks)) == len(chunks):  # a page per chunk (a dense model): its tier against the plan's
+                rerouted = sum(map(ne, handle.tiers, [job.tiers[c] for c in chunks]))
+            else:
+                by_chunk: dict[int, list[str]] = {}
+                for chunk, tier in zip(chunks, handle.tiers):
+                    by_chunk.setdefault(chunk, []).append(tier)
+                rerouted = sum(1 for c, t in by_chunk.items() if (t[0] if len(t) == 1 else slowest(t)) != job.tiers[c])
         engine = EngineLoad(tokens=tokens_by_tier(job.tiers, job.first_token, end, self.chunk_tokens),
                             unfilled_tokens=tokens_by_tier(job.tiers, end, job.hit_tokens, self.chunk_tokens),
                             resumed=job.resumed, failed_blocks=sum(len(p.block_ids) for p in unfilled_pages),
@@ -344,6 +350,11 @@ class AsyncLoader:
                 if not pending:
                     break
             time.sleep(0.01)
+
+
+def _keys(job: LoadJob) -> list[ChunkKey]:
+    """The job's page keys (``ChunkKey`` is ``bytes`` by type only: no call per page)."""
+    return cast("list[ChunkKey]", [p.key for p in job.pages])
 
 
 def _context(job: LoadJob, record: RequestRecord | None = None) -> OpContext:

@@ -1,0 +1,245 @@
+"""kvtier's own time on a full cpu-tier hit, without an engine: the loop to iterate on (issue 33).
+
+``scripts/full_hit.py`` measures the hit in a real engine (minutes per run, noisy on a shared
+machine: the tail's forward is most of the TTFT). This times the same kvtier calls in seconds:
+
+- **scheduler**: vLLM's real ``Scheduler`` with ``KVTierConnector`` (the set-up of
+  ``tests/integrations/test_vllm_scheduler.py``: no model runner; the workers' index report is
+  fed in as a worker would send it), the ``mid`` geometry's KV cache spec (24 layers, 2 KV heads of
+  64, bf16, 128-token blocks: vLLM's CPU default). Per full hit (vLLM's own prefix cache reset
+  first): ``get_num_new_matched_tokens`` (the lookup, part of full_hit.py's own time),
+  ``update_state_after_alloc`` and ``build_connector_meta`` (on the TTFT's path too);
+- **worker**: the worker side over a cpu-tier store and host tensors shaped as the ``mid``
+  geometry's caches (``WorkerSide.over``, as scripts/gpu_runner.py builds it), one synchronous
+  ``LoadJob`` per hit as the scheduler ships it: ``start_load`` minus the copy into the engine's
+  blocks (``GroupCopiers.load``) is the rest of full_hit.py's own time (prepare + load beyond the
+  copy; full_hit.py times ``prepare_load`` inside ``start_load_kv`` and adds it once more).
+
+Prints medians (and the minimum: the least disturbed hit on a shared machine) per hit and per
+chunk. ``--profile`` adds cProfile's top functions of the worker's ``start_load``.
+
+Usage::
+
+    python scripts/hit_cost.py [--prompt-tokens 4000] [--repeats 300] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import random
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BLOCK = CHUNK = 128
+LAYERS, KV_HEADS, HEAD = 24, 2, 64  # the mid geometry (kvtier.launch.testmodel_geometry)
+
+
+def _line(name: str, times: list[float], chunks: int) -> str:
+    med = statistics.median(times)
+    return (f"{name:34s} median {med * 1e6:8.1f} us (min {min(times) * 1e6:7.1f}) "
+            f"= {med * 1e6 / chunks:5.1f} us/chunk")
+
+
+def scheduler_side(prompt_tokens: int, repeats: int, model_dir: Path) -> tuple[int, dict[str, list[float]]]:
+    """Per-hit seconds of the scheduler-side connector's calls on a full hit."""
+    from vllm import SamplingParams
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from kvtier.integrations.vllm.protocol import KVTierWorkerMeta, RankReport
+    from kvtier.integrations.vllm.scheduler.requests import RequestChain
+    from kvtier.launch.testmodel import write_model
+
+    num_blocks = prompt_tokens // BLOCK + 64
+    model = write_model(model_dir / "mid", "mid", weights="none")
+    config = VllmConfig(
+        model_config=ModelConfig(model=str(model), dtype="bfloat16", seed=0, max_model_len=8192),
+        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8192, max_model_len=8192,
+                                         enable_chunked_prefill=True, is_encoder_decoder=False),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm.connector",
+            kv_role="kv_both", kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"cpu_gib": 0.25, "async_saves": False}),
+        device_config=DeviceConfig("cpu"))
+    config.cache_config.num_gpu_blocks = num_blocks
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.bfloat16)
+    kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)], spec)])
+    init_none_hash(sha256)
+    scheduler = Scheduler(vllm_config=config, kv_cache_config=kv_cache_config, log_stats=True,
+                          structured_output_manager=StructuredOutputManager(config), block_size=BLOCK)
+    rng = random.Random(3)
+    prompt = [rng.randrange(1, 8000) for _ in range(prompt_tokens)]
+
+    def request(req_id: str) -> Any:
+        params = SamplingParams(max_tokens=1)
+        params.update_from_generation_config({}, 0)
+        return Request(request_id=req_id, prompt_token_ids=list(prompt), sampling_params=params,
+                       pooling_params=None, mm_features=None, block_hasher=get_request_block_hasher(BLOCK, sha256))
+
+    def output(step: Any, running: list[Any], **connector: Any) -> Any:
+        ids = [r.request_id for r in running if r.request_id in step.num_scheduled_tokens]
+        return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                 sampled_token_ids=[[7] for _ in ids],
+                                 kv_connector_output=KVConnectorOutput(**connector) if connector else None)
+
+    root = bytes(range(16))
+    first = request("keys")
+    keys = RequestChain(first, root, CHUNK).upto(first.all_token_ids, (prompt_tokens - 1) // CHUNK)
+    step = scheduler.schedule()  # the workers' first report: every chunk in the cpu tier
+    scheduler.update_from_output(step, output(step, [], kv_connector_worker_meta=KVTierWorkerMeta(
+        {0: RankReport(root, [(k, "cpu") for k in keys], True, namespace=b"n" * 16)})))
+    times: dict[str, list[float]] = defaultdict(list)
+    timing: dict[str, float] = {}
+    connector = scheduler.connector
+
+    def timed(name: str) -> None:
+        real = getattr(connector, name)
+
+        def call(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return real(*a, **k)
+            finally:
+                timing[name] = time.perf_counter() - t0
+        setattr(connector, name, call)
+
+    names = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta")
+    for name in names:
+        timed(name)
+    for i in range(repeats):
+        if not scheduler.reset_prefix_cache():
+            raise RuntimeError("vLLM refused reset_prefix_cache")
+        req = request(f"hit{i}")
+        timing.clear()
+        scheduler.add_request(req)
+        step = scheduler.schedule()
+        loads = step.kv_connector_metadata.loads
+        if not (loads and loads[0].sync and loads[0].hit_tokens == len(keys) * CHUNK):
+            raise RuntimeError(f"not a synchronous full hit: {loads}")
+        for name in names:
+            times[name].append(timing[name])
+        scheduler.update_from_output(step, output(step, [req]))
+        step = scheduler.schedule()
+        scheduler.update_from_output(step, output(step, []))
+    return len(keys), times
+
+
+def worker_side(chunks: int, repeats: int, profile: bool) -> dict[str, list[float]]:
+    """Per-hit seconds of a synchronous full hit's ``start_load``, and of its copy."""
+    from kvtier.core.config import KVTierConfig
+    from kvtier.core.keys import Namespace, chunk_keys
+    from kvtier.core.store import TieredStore
+    from kvtier.integrations.vllm.cache_groups import GroupKind, GroupSpec
+    from kvtier.integrations.vllm.protocol import KVTierMetadata, LoadJob, PageMove, SaveJob
+    from kvtier.integrations.vllm.worker.copy import GroupCopiers
+    from kvtier.integrations.vllm.worker.layout import detect_layout
+    from kvtier.integrations.vllm.worker.loader import AsyncLoader
+    from kvtier.integrations.vllm.worker.registration import Registered
+    from kvtier.integrations.vllm.worker.side import WorkerSide
+
+    num_blocks = chunks + 8
+    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros((2, num_blocks, BLOCK, KV_HEADS, HEAD),
+                                                              dtype=torch.bfloat16) for i in range(LAYERS)}
+    layout = detect_layout(caches, num_blocks, "hit_cost")
+    group = GroupSpec(index=0, kind=GroupKind.FULL, block_size=BLOCK, layer_names=tuple(caches), window_tokens=0,
+                      page_bytes=layout.block_bytes)
+    copiers = GroupCopiers((group,), CHUNK, {0: layout}, caches)
+    config = KVTierConfig(chunk_tokens=CHUNK, tiers=("cpu",), cpu_gib=0.25, async_saves=False)
+    namespace = Namespace("hit_cost", str(layout.dtype), layout.num_layers, 1, layout.block_bytes, layout.describe(),
+                          chunk_tokens=CHUNK)
+    store = TieredStore(config, namespace, copiers.page_bytes)
+    side = WorkerSide.over(config, (group,), Registered(layout, copiers, store,
+                                                        AsyncLoader(store, copiers, CHUNK, 2, partial=True), namespace))
+    keys = chunk_keys(b"\0" * 16, list(range(chunks * CHUNK)), CHUNK)
+    pages = tuple(PageMove(bytes(k), 0, c, 0, (c,)) for c, k in enumerate(keys))
+
+    def rest_of_step(meta: Any) -> None:  # as vLLM's model runner calls the connector after start_load_kv
+        side.save(meta)
+        side.finished_saves()
+        side.finished_loads(set())
+        side.worker_meta()
+        side.stats()
+
+    meta = KVTierMetadata(saves=[SaveJob("save", pages)])
+    side.start_load(meta)
+    rest_of_step(meta)
+    rest_of_step(KVTierMetadata())
+    if store.lookup(keys) != chunks:
+        raise RuntimeError("the save did not store every chunk")
+    copy_s: list[float] = []
+    real_load: Callable[..., None] = copiers.load
+
+    def timed_load(*a: Any, **k: Any) -> None:
+        t0 = time.perf_counter()
+        real_load(*a, **k)
+        copy_s.append(time.perf_counter() - t0)
+
+    copiers.load = timed_load  # type: ignore[method-assign]
+    times: dict[str, list[float]] = defaultdict(list)
+    profiler = cProfile.Profile() if profile else None
+    for i in range(repeats):
+        meta = KVTierMetadata(loads=[LoadJob(f"hit{i}", pages, 0, chunks * CHUNK, ("cpu",) * chunks, sync=True)])
+        copy_s.clear()
+        if profiler is not None:
+            profiler.enable()
+        t0 = time.perf_counter()
+        side.start_load(meta)
+        t1 = time.perf_counter()
+        if profiler is not None:
+            profiler.disable()
+        times["start_load - copy"].append(t1 - t0 - copy_s[0])
+        times["copy"].append(copy_s[0])
+        rest_of_step(meta)
+    store.check_integrity(expect_idle=True)
+    side.shutdown()
+    if profiler is not None:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    return times
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--prompt-tokens", type=int, default=4000)
+    parser.add_argument("--repeats", type=int, default=300)
+    parser.add_argument("--profile", action="store_true", help="cProfile the worker's start_load")
+    args = parser.parse_args()
+    if not 2 * CHUNK <= args.prompt_tokens <= 8000 or args.repeats < 1:
+        print("hit_cost.py: --prompt-tokens from 256 to 8000, --repeats at least 1")
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        chunks, sched = scheduler_side(args.prompt_tokens, args.repeats, Path(tmp))
+    worker = worker_side(chunks, args.repeats, args.profile)
+    print(f"{args.prompt_tokens}-token prompt, {chunks} chunks, {args.repeats} full hits")
+    for name, times in (*sched.items(), *worker.items()):
+        print(_line(name, times, chunks))
+    own = [a + b for a, b in zip(sched["get_num_new_matched_tokens"], worker["start_load - copy"])]
+    print(_line("own (lookup + start_load - copy)", own, chunks))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
