@@ -332,9 +332,15 @@ def test_a_gateway_answering_501_to_if_none_match_gets_head_then_plain_put(s3_se
         assert unwrap(tier).conditional_honoured is False
         probes = len(gateway.methods(conditional=True))
         assert probes >= 1 and gateway.refused == probes  # only the probe carried the header
-        assert sorted(gateway.methods(conditional=False)) == ["HEAD", "HEAD", "POST", "PUT", "PUT"]
+        # a HEAD then a plain PUT per chunk; the client sends a PUT again on a dropped connection
+        # (s3_max_retries: seen once in CI under load), so the PUTs are counted by object
+        plain = [(m, t) for m, t, c in list(gateway.requests) if not c]
+        puts = [t for m, t in plain if m == "PUT"]
+        assert sorted(m for m, _ in plain if m != "PUT") == ["HEAD", "HEAD", "POST"]
+        assert len(set(puts)) == 2 and set(puts) <= {t for m, t in plain if m == "HEAD"}
         assert tier.put_many([key(1), key(2)], [data(3), data(4)]) == [PutResult.PRESENT] * 2
         assert len(gateway.methods(conditional=True)) == probes  # asked once
+        assert gateway.methods(conditional=False).count("PUT") == len(puts)  # a present chunk: not written
         assert tier.get_into(key(1), memoryview(out := bytearray(CHUNK))) is GetResult.HIT and bytes(out) == data(1)
         assert objects(s3_server, bucket) == sorted(unwrap(tier).object_key(k) for k in (key(1), key(2)))
     finally:
@@ -348,9 +354,10 @@ def test_without_conditional_put_each_write_heads_first_and_sends_no_if_none_mat
     tier = make_s3_tier(front, bucket, NS, creds, s3_conditional_put=False)
     try:
         assert tier.put_many([key(1), key(2)], [data(1), data(2)]) == [PutResult.STORED] * 2
-        assert sorted(front.methods()) == ["HEAD", "HEAD", "PUT", "PUT"]
+        puts = [t for m, t, _ in list(front.requests) if m == "PUT"]  # by object: a retried PUT repeats one
+        assert front.methods().count("HEAD") == 2 and len(set(puts)) == 2
         assert tier.put_many([key(1), key(2)], [data(3), data(4)]) == [PutResult.PRESENT] * 2
-        assert sorted(front.methods()) == ["HEAD"] * 4 + ["PUT", "PUT"]
+        assert front.methods().count("HEAD") == 4 and front.methods().count("PUT") == len(puts)  # not written
         assert front.methods(conditional=True) == [] and unwrap(tier).conditional_honoured is False
         assert tier.get_into(key(1), memoryview(out := bytearray(CHUNK))) is GetResult.HIT and bytes(out) == data(1)
         assert tier.usage().num_chunks == 2
