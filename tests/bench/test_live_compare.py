@@ -19,7 +19,8 @@ import pytest
 # functional checks only, no deadline under two minutes: it may run beside another engine test
 pytestmark = [pytest.mark.engine, pytest.mark.shares_cpu]
 
-KEYS = {"ttft_p50_s", "ttft_p99_s", "prefix_hit_rate", "external_hit_rate", "output_tok_per_s", "num_requests"}
+KEYS = {"ttft_p50_s", "ttft_p99_s", "prefix_hit_rate", "external_hit_rate", "output_tok_per_s", "request_per_s",
+        "num_requests"}
 
 
 def test_compare_baseline_kvtier_and_a_broken_arm(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
