@@ -108,6 +108,17 @@ def test_a_bad_record_is_refused():
         registry.register(registry.TierSpec("disk", 5, False, "disk", "m:f"))
     with pytest.raises(ValueError, match="lower-case"):
         registry.register(registry.TierSpec("My-Tier", 5, False, "disk", "m:f"))
+    with pytest.raises(ValueError, match="unknown capabilities"):
+        registry.register(registry.TierSpec("x", 5, False, "disk", "m:f", capabilities=frozenset({"teleports"})))
+
+
+def test_a_record_may_declare_every_capability_protocol_and_the_builtins_declare_only_those():
+    """The registry's names are the base module's protocols (a plug-in tier that registers memory
+    or answers lookups without I/O must be accepted, not only the built-ins written in place)."""
+    from kvtier.core.tiers.base import CAPABILITY_PROTOCOLS
+
+    assert registry.CAPABILITIES == frozenset(CAPABILITY_PROTOCOLS)
+    assert all(s.capabilities <= registry.CAPABILITIES for s in registry.BUILTIN)
 
 
 NOT_A_PLUGIN = object()

@@ -379,9 +379,19 @@ class RegistersMemory(Protocol):
         """``(address, bytes)`` of each region this tier registered, in registration order."""
 
 
+@runtime_checkable
+class AnswersNow(Protocol):
+    """A shared tier that can say which chunks it holds on the caller's thread, without I/O or a
+    wait (capability ``answers_now``): the node tier reads its pool's presence table.  The
+    scheduler's lookups take this first and ask on their own threads only when it returns ``None``."""
+
+    def contains_now(self, keys: Sequence[ChunkKey]) -> list[bool] | None:
+        """One flag per key, in order; ``None`` when only a round trip can answer."""
+
+
 CAPABILITY_PROTOCOLS: dict[str, type] = {"rescannable": Rescannable, "generational": Generational,
                                          "exact_usage": ExactUsage, "paged": Paged, "staging": StagingTier,
-                                         "registers_memory": RegistersMemory}
+                                         "registers_memory": RegistersMemory, "answers_now": AnswersNow}
 """Capability name (:attr:`~kvtier.core.tiers.registry.TierSpec.capabilities`) -> protocol or base class."""
 
 

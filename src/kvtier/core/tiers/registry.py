@@ -71,7 +71,7 @@ class TierSpec:
             the protocol (:func:`plugin`), typed from there on.
         capabilities: names of the optional protocols of :mod:`kvtier.core.tiers.base` the tier
             implements (``rescannable``, ``generational``, ``exact_usage``, ``paged``,
-            ``staging``, ``registers_memory``); the conformance suite checks the tier implements
+            ``staging``, ``registers_memory``, ``answers_now``); the conformance suite checks the tier implements
             exactly these.
         top: the tier every chunk passes through (exactly one registered tier).
         keys: the configuration keys that ask for the tier (the preflight warns when they are set
@@ -116,7 +116,7 @@ BUILTIN = (
              capabilities=frozenset({"rescannable", "generational", "exact_usage"}), keys=("disk_path", "disk_gib"),
              medium="STORAGE"),
     TierSpec("node", 15, True, "host", "kvtier.core.tiers.builtin:NODE", keys=("node_socket",),
-             capabilities=frozenset({"registers_memory"})),
+             capabilities=frozenset({"registers_memory", "answers_now"})),
     TierSpec("redis", 20, True, "external_unspecified", "kvtier.core.tiers.builtin:REDIS", keys=("redis_url",),
              model=REDIS_MODEL, packages=("redis",)),
     TierSpec("s3", 30, True, "external_unspecified", "kvtier.core.tiers.builtin:S3",
@@ -124,7 +124,10 @@ BUILTIN = (
 )
 """The tiers shipped with kvtier: one line each."""
 
-CAPABILITIES = frozenset({"staging", "paged", "rescannable", "generational", "exact_usage"})
+CAPABILITIES = frozenset({"staging", "paged", "rescannable", "generational", "exact_usage", "registers_memory",
+                          "answers_now"})
+"""Every capability a record may declare: the names of :data:`kvtier.core.tiers.base.CAPABILITY_PROTOCOLS`
+(spelled out, as ``base`` imports this module through ``core/stats.py``; a test holds them equal)."""
 
 _lock = threading.Lock()
 _specs: dict[str, TierSpec] = {s.name: s for s in BUILTIN}

@@ -60,7 +60,7 @@ class NodeGuardedTier(GuardedTier):
         if self._closed or self.breaker.state is not BreakerState.CLOSED:
             return None  # the owner failed calls lately: no promise of a load it may not serve
         t0 = time.perf_counter()
-        found = self.inner.present_in_pool(keys)
+        found = self.inner.contains_now(keys)
         if found is not None:
             self.metrics.observe("lookup", time.perf_counter() - t0)
             self.wire.looked_up(len(keys), sum(found))

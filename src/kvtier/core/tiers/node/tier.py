@@ -100,7 +100,7 @@ class NodeTier(PoolMemory, EnvelopeTier):
     def contains(self, key: ChunkKey) -> bool:
         return self.contains_many([key])[0]
 
-    def present_in_pool(self, keys: Sequence[ChunkKey]) -> list[bool] | None:
+    def contains_now(self, keys: Sequence[ChunkKey]) -> list[bool] | None:
         """Which of ``keys`` the pool's presence table holds, read on this thread without a
         message; ``None`` when it cannot answer now (the pool not mapped yet, its owner not
         beating, a rebuild under way): ask the owner (:meth:`contains_many`)."""
@@ -110,7 +110,7 @@ class NodeTier(PoolMemory, EnvelopeTier):
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
         if not keys:
             return []
-        found = self.present_in_pool(keys)
+        found = self.contains_now(keys)
         if found is not None:
             return found
         reply, _, _ = self.client.call(p.Lookup(self.namespace, self._keys(keys)))

@@ -49,6 +49,7 @@ from kvtier.core.codecstats import codec_numbers
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
+from kvtier.core.tiers.base import AnswersNow
 from kvtier.core.tiers.factory import TierContext, make_tier, shared_configured
 from kvtier.core.tiers.guarded import GuardedTier
 
@@ -171,11 +172,11 @@ class RemoteLookups:
 
     def _held_now(self, keys: Sequence[bytes]) -> frozenset[bytes] | None:
         """Those of ``keys`` every rank's tier holds, when every rank's tier answers on this thread
-        (``contains_now``); ``None`` when one cannot (then the lookup threads ask)."""
+        (:class:`~kvtier.core.tiers.base.AnswersNow`); ``None`` when one cannot (then the lookup
+        threads ask)."""
         left = list(keys)
         for tier in self._tiers:
-            now = getattr(tier, "contains_now", None)
-            present = now([ChunkKey(k) for k in left]) if now is not None else None
+            present = tier.contains_now([ChunkKey(k) for k in left]) if isinstance(tier, AnswersNow) else None
             if present is None:
                 return None
             left = [k for k, hit in zip(left, present, strict=True) if hit]
