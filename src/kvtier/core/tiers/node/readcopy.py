@@ -68,9 +68,30 @@ class Pending:
             raise envelope.EnvelopeError(f"not verified within {VERIFY_WAIT_S:g} s") from None
 
 
+MISMATCH = "digest mismatch (corrupt, or written without the shared secret)"
+
+
 def _digest_matches(hasher: envelope.Hasher, expected: bytes) -> None:
     if not hmac.compare_digest(hasher.digest(), expected):
-        raise envelope.EnvelopeError("digest mismatch (corrupt, or written without the shared secret)")
+        raise envelope.EnvelopeError(MISMATCH)
+
+
+def copy_hashed(hasher: envelope.Hasher, src: memoryview, out: memoryview,
+                block_bytes: int = COPY_BLOCK_BYTES) -> bytes:
+    """Copy ``src`` into ``out`` (both flat byte views of one length) ``block_bytes`` at a time,
+    feeding each block of ``out`` (the copy, never ``src``) to ``hasher`` right after it is copied,
+    while it is in the CPU cache; return ``hasher.digest()``: the digest of one pass over ``out``
+    (any ``block_bytes``, any length, 0 included).
+
+    Raises:
+        ValueError: ``out`` and ``src`` differ in length, or ``block_bytes`` < 1."""
+    if out.nbytes != src.nbytes or block_bytes < 1:
+        raise ValueError(f"cannot copy {src.nbytes} bytes into {out.nbytes} in blocks of {block_bytes}")
+    for at in range(0, out.nbytes, block_bytes):
+        block = out[at:at + block_bytes]
+        block[:] = src[at:at + block_bytes]
+        hasher.update(block)
+    return hasher.digest()
 
 
 def _verify(env: envelope.Envelope, header: envelope.EnvelopeHeader, head: bytes, out: memoryview) -> bytes | None:
@@ -88,12 +109,15 @@ class Verifier:
         overlap: ``None`` (default): each batch's way as :attr:`chooser` measures best; ``True`` /
             ``False``: always overlapped / always inline (tests, ``scripts/node_load_cost.py``).
         chooser: the measurements of both ways (this tier's own).
+        block_bytes: bytes copied and hashed at a time inline (:func:`copy_hashed`; default
+            :data:`COPY_BLOCK_BYTES`; ``scripts/node_load_cost.py`` sweeps it).
     """
 
     def __init__(self, env: envelope.Envelope) -> None:
         self.env = env
         self.overlap: bool | None = None
         self.chooser = ReadChooser()
+        self.block_bytes = COPY_BLOCK_BYTES
         self._helper: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -148,12 +172,9 @@ class Verifier:
                 return Pending(future=helper.submit(_verify, self.env, header, head, out))
             except RuntimeError:  # closed meanwhile: verified here
                 return Pending(_verify(self.env, header, head, out))
-        h = self.env.hasher(head[:envelope.DIGEST_OFFSET])
-        for at in range(0, out.nbytes, COPY_BLOCK_BYTES):  # each block hashed while it is in cache
-            block = out[at:at + COPY_BLOCK_BYTES]
-            block[:] = src[at:at + COPY_BLOCK_BYTES]
-            h.update(block)
-        _digest_matches(h, header.digest)
+        digest = copy_hashed(self.env.hasher(head[:envelope.DIGEST_OFFSET]), src, out, self.block_bytes)
+        if not hmac.compare_digest(digest, header.digest):
+            raise envelope.EnvelopeError(MISMATCH)
         return Pending(header.record)
 
     def close(self) -> None:
