@@ -19,6 +19,11 @@ arm does: :class:`kvtier.bench.shared_node.LocalNode`), writes ``--total-mib`` M
   the CPU count);
 - ``no digest (attribution)``: the copy without the digest, to attribute the gap. Never a
   tier's path: every read the tier serves is verified.
+- ``digest alone (attribution)``: the digest of the same number of bytes over one hot
+  :data:`~kvtier.core.tiers.node.readcopy.COPY_BLOCK_BYTES` buffer, no copy: the digest's own
+  compute, so ``no digest`` + ``digest alone`` is what one core can do at best.
+
+``--shared-secret`` writes and reads with a shared secret: the digest is the keyed BLAKE3 MAC.
 
 Prints per variant the median time and, per round, its ratio to ``cpu get`` (median, quartiles,
 range). Usage::
@@ -94,6 +99,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--page-kib", type=int, default=1024)
     parser.add_argument("--block-kib", default="64,1024", help="inline block sizes to sweep, KiB, comma-separated")
+    parser.add_argument("--shared-secret", action="store_true", help="the keyed BLAKE3 MAC instead of XXH3-128")
     parser.add_argument("--dst-offset", type=int, default=0, help="bytes past a page boundary the destinations start")
     args = parser.parse_args()
     chunk = int(args.chunk_mib * MiB)
@@ -101,7 +107,9 @@ def main() -> None:
     pool = NodePool.make(2 * (num + 1) * chunk / GiB + 0.01, page_kib=args.page_kib)
     owner = LocalNode(pool, Path(tempfile.gettempdir()) / f"node-load-cost-{os.getpid()}.log").start()
     try:
-        guarded = make_tier("node", TierContext(KVTierConfig.from_dict({"node_socket": pool.socket}), os.urandom(16),
+        guarded = make_tier("node", TierContext(KVTierConfig.from_dict(
+            {"node_socket": pool.socket} | ({"shared_secret": os.urandom(16).hex()} if args.shared_secret else {})),
+            os.urandom(16),
                                                 chunk, 1, CollectorRegistry()))
         assert guarded is not None
         inner = unwrap(guarded)
@@ -144,12 +152,21 @@ def run(args: argparse.Namespace, chunk: int, num: int, guarded: object, inner: 
             assert all(o.name == "HIT" for o in out) and np.array_equal(dsts[-1], datas[-1])
         return get
 
+    hot = np.zeros(block, np.uint8)
+
+    def digest_alone() -> None:
+        for _ in keys:
+            h = inner.envelope.hasher(bytes(envelope.DIGEST_OFFSET))
+            for _at in range(0, chunk, block):
+                h.update(hot)
+            h.digest()
+
     sweep = [int(float(b) * 1024) for b in args.block_kib.split(",") if b.strip()]
     variants = [("cpu get", cpu_get), ("node get", node(current, overlap))]
     variants += [(f"node get, {b >> 10:g} KiB blocks" if b >= 1024 else f"node get, {b} B blocks",
                   node(current, False, b)) for b in sweep if b != block]
     variants += [("node get, digest after the copy", node(after_copy(inner), False)),
-                 ("node get, overlapped", node(current, True)), ("no digest (attribution)", node(unverified, False))]
+                 ("node get, overlapped", node(current, True)), ("no digest (attribution)", node(unverified, False)), ("digest alone (attribution)", digest_alone)]
     times: dict[str, list[float]] = {name: [] for name, _ in variants}
     loads = [os.getloadavg()[0]]
     for r in range(args.rounds):
@@ -161,7 +178,7 @@ def run(args: argparse.Namespace, chunk: int, num: int, guarded: object, inner: 
     store.close()
     print(f"{num} chunks of {args.chunk_mib:g} MiB, {args.rounds} rounds, {os.cpu_count()} CPUs, node get's "
           f"way: {'measured' if overlap is None else overlap}, {block >> 10} KiB blocks, destinations at page "
-          f"+{args.dst_offset} B, load {min(loads):.1f}-{max(loads):.1f}")
+          f"+{args.dst_offset} B, digest {'BLAKE3 MAC' if args.shared_secret else 'XXH3-128'}, load {min(loads):.1f}-{max(loads):.1f}")
     for name, _ in variants:
         per = sorted(t / c for t, c in zip(times[name], times["cpu get"], strict=True))
         med = statistics.median(times[name])

@@ -4,19 +4,21 @@ the pool; bytes changed in the pool after the check are never served).
 
 What a load costs against the cpu tier's (a copy alone), measured on EPYC-2 with
 ``scripts/node_load_cost.py`` (docs/benchmarks.md, "The node tier"): the pin round trip and the
-bookkeeping cost nothing visible (without the digest the load is 1.03-1.07x the cpu tier's); the
-digest (XXH3-128, the fastest kind the envelope has, or the keyed BLAKE3 MAC of
-``shared_secret``) is the whole gap, about 0.3x when it runs after the copy on the same core.
+bookkeeping cost little (without the digest the load is 1.05-1.08x the cpu tier's); the digest
+(XXH3-128, the fastest kind the envelope has, or the keyed BLAKE3 MAC of ``shared_secret``) is
+the gap.  XXH3 is compute-bound on one core (~0.17x of a copy over a hot buffer, wherever the
+bytes sit), so fusing it with the copy (:func:`copy_hashed`) saves the re-read from L3 (the
+digest after a whole copy: 1.38-1.48x) but cannot hide the compute: 1.32-1.39x at load 5-6.
 Two ways, per batch:
 
 - **inline** (every single value, and every batch where the other way is not measured faster):
   the payload is copied :data:`COPY_BLOCK_BYTES` at a time and each block hashed right after, while
-  it is in cache; 1.26-1.28x the cpu tier's get on 2 CPUs.
+  it is in cache (:func:`copy_hashed`).
 - **overlapped** (batches of two or more values): each value is copied whole with
   ``numpy.copyto`` (which releases the GIL) and its digest runs on a helper thread (XXH3 and
   BLAKE3 release it too) while the next value is copied, so only the last value's digest stays on
-  the load's path when a core is free.  Where none is, the helper waits for one: 1.51-1.56x on
-  2 CPUs at load 2.4-4.
+  the load's path when a core is free.  Where none is, the helper waits for one: 1.67-1.72x on
+  2 CPUs at load 5-6.
 
 Which way a batch takes is measured, not assumed: :class:`~kvtier.core.readchoice.ReadChooser`
 (the serial-or-split chooser the disk tier's buffered reads use too: the medians of recent loads per size class, exploring
@@ -40,7 +42,8 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.readchoice import ReadChooser
 
 COPY_BLOCK_BYTES = 256 << 10
-"""Bytes copied and hashed at a time inline (256 KiB to 4 MiB measured alike; 32-128 KiB slower)."""
+"""Bytes copied and hashed at a time inline (64 KiB to 1 MiB measured alike, 2026-12-05; the
+digest after a whole 4 MiB copy 0.1x slower)."""
 VERIFY_WAIT_S = 30.0
 """Longest the caller waits for a value's digest from the helper thread (a miss after that)."""
 
