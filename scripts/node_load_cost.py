@@ -19,6 +19,7 @@ arm does: :class:`kvtier.bench.shared_node.LocalNode`), writes ``--total-mib`` M
   the CPU count);
 - ``no digest (attribution)``: the copy without the digest, to attribute the gap. Never a
   tier's path: every read the tier serves is verified.
+- ``no digest, in blocks (attribution)``: the copy without the digest, in the tier's blocks.
 - ``digest alone (attribution)``: the digest of the same number of bytes over one hot
   :data:`~kvtier.core.tiers.node.readcopy.COPY_BLOCK_BYTES` buffer, no copy: the digest's own
   compute, so ``no digest`` + ``digest alone`` is what one core can do at best.
@@ -60,7 +61,7 @@ from kvtier.core.config import GiB, KVTierConfig
 from kvtier.core.keys import ChunkKey, Namespace, chunk_keys, request_root
 from kvtier.core.store import TieredStore
 from kvtier.core.tiers.factory import TierContext, make_tier
-from kvtier.core.tiers.node.readcopy import Pending
+from kvtier.core.tiers.node.readcopy import COPY_BLOCK_BYTES, Pending
 from kvtier.core.tiers.node.tier import NodeTier
 from kvtier.core.tiers.wrappers import unwrap
 
@@ -89,6 +90,15 @@ def unverified(key: ChunkKey, value: memoryview, dst: memoryview, _batched: bool
     header = envelope.decode_header(bytes(value[:envelope.FIXED_BYTES]))
     np.copyto(np.frombuffer(memoryview(dst).cast("B"), np.uint8),
               np.frombuffer(value, np.uint8, offset=header.header_bytes))
+    return Pending(header.record)
+
+
+def unverified_blocks(key: ChunkKey, value: memoryview, dst: memoryview, _batched: bool) -> Pending:
+    """The copy alone in :data:`~kvtier.core.tiers.node.readcopy.COPY_BLOCK_BYTES` blocks (attribution only)."""
+    header = envelope.decode_header(bytes(value[:envelope.FIXED_BYTES]))
+    out, src = memoryview(dst).cast("B"), value[header.header_bytes:]
+    for at in range(0, out.nbytes, COPY_BLOCK_BYTES):
+        out[at:at + COPY_BLOCK_BYTES] = src[at:at + COPY_BLOCK_BYTES]
     return Pending(header.record)
 
 
@@ -166,7 +176,8 @@ def run(args: argparse.Namespace, chunk: int, num: int, guarded: object, inner: 
     variants += [(f"node get, {b >> 10:g} KiB blocks" if b >= 1024 else f"node get, {b} B blocks",
                   node(current, False, b)) for b in sweep if b != block]
     variants += [("node get, digest after the copy", node(after_copy(inner), False)),
-                 ("node get, overlapped", node(current, True)), ("no digest (attribution)", node(unverified, False)), ("digest alone (attribution)", digest_alone)]
+                 ("node get, overlapped", node(current, True)), ("no digest (attribution)", node(unverified, False)),
+                 ("no digest, in blocks (attribution)", node(unverified_blocks, False)), ("digest alone (attribution)", digest_alone)]
     times: dict[str, list[float]] = {name: [] for name, _ in variants}
     loads = [os.getloadavg()[0]]
     for r in range(args.rounds):
