@@ -10,23 +10,37 @@ arm does: :class:`kvtier.bench.shared_node.LocalNode`), writes ``--total-mib`` M
   message for the batch, each payload copied from the mapped pages into the caller's buffer and
   verified over the copy, inline or overlapped as measured, the generation check):
   :mod:`kvtier.core.tiers.node.readcopy`;
-- ``node get, read loop before``: the same with the read loop the tier had before readcopy
-  (the inline way, copied verbatim), for a before/after figure;
+- ``node get, B KiB blocks``: the same with the inline loop copying and hashing ``B`` KiB at a
+  time (``--block-kib``, a sweep; the tier's own is
+  :data:`~kvtier.core.tiers.node.readcopy.COPY_BLOCK_BYTES`);
+- ``node get, digest after the copy``: each value copied whole, then hashed whole (the unfused
+  way, for what the fusion buys);
 - ``node get, overlapped``: with the batch's digests on the helper thread (forced on, whatever
   the CPU count);
 - ``no digest (attribution)``: the copy without the digest, to attribute the gap. Never a
   tier's path: every read the tier serves is verified.
+- ``no digest, in blocks (attribution)``: the copy without the digest, in the tier's blocks.
+- ``digest alone (attribution)``: the digest of the same number of bytes over one hot
+  :data:`~kvtier.core.tiers.node.readcopy.COPY_BLOCK_BYTES` buffer, no copy: the digest's own
+  compute, so ``no digest`` + ``digest alone`` is what one core can do at best.
+
+``--shared-secret`` writes and reads with a shared secret: the digest is the keyed BLAKE3 MAC.
 
 Prints per variant the median time and, per round, its ratio to ``cpu get`` (median, quartiles,
 range). Usage::
 
-    python scripts/node_load_cost.py [--chunk-mib 2] [--total-mib 256] [--rounds 21]
+    python scripts/node_load_cost.py [--chunk-mib 2] [--total-mib 256] [--rounds 21] [--block-kib 64,1024]
+        [--dst-offset 16]
+
+The destinations are page-aligned (as the cpu tier's pages an engine's node-tier loads land in)
+plus ``--dst-offset`` bytes (16: where numpy puts a fresh array's data).
 """
 
 from __future__ import annotations
 
 import argparse
 import hmac
+import mmap
 import os
 import statistics
 import sys
@@ -42,12 +56,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from kvtier.bench.shared_node import LocalNode, NodePool
 from kvtier.bench.storebench import _chunks
-from kvtier.core import codecs, envelope
+from kvtier.core import envelope
 from kvtier.core.config import GiB, KVTierConfig
 from kvtier.core.keys import ChunkKey, Namespace, chunk_keys, request_root
 from kvtier.core.store import TieredStore
 from kvtier.core.tiers.factory import TierContext, make_tier
-from kvtier.core.tiers.node.readcopy import Pending
+from kvtier.core.tiers.node.readcopy import COPY_BLOCK_BYTES, Pending
 from kvtier.core.tiers.node.tier import NodeTier
 from kvtier.core.tiers.wrappers import unwrap
 
@@ -55,20 +69,16 @@ MiB = 1 << 20
 Copy = Callable[[ChunkKey, memoryview, memoryview, bool], Pending]
 
 
-def loop_before(tier: NodeTier) -> Copy:
-    """The tier's read loop before :mod:`readcopy` (256 KiB memoryview slices, hashed as copied)."""
+def after_copy(tier: NodeTier) -> Copy:
+    """Each value copied whole (``numpy.copyto``), then hashed whole: the unfused way."""
     def copy(key: ChunkKey, value: memoryview, dst: memoryview, _batched: bool) -> Pending:
         head = bytes(value[:envelope.FIXED_BYTES])
         header = envelope.decode_header(head)
         out = memoryview(dst).cast("B")
-        if header.format != envelope.FORMAT or not codecs.chain_of(header.codecs).passthrough:
-            return Pending(tier.envelope.open_into(key, value, dst))
         tier.envelope.check(header, key, out.nbytes)
-        src, h, block = value[header.header_bytes:], tier.envelope.hasher(head[:envelope.DIGEST_OFFSET]), 256 << 10
-        for at in range(0, out.nbytes, block):
-            part = out[at:at + block]
-            part[:] = src[at:at + block]
-            h.update(part)
+        np.copyto(np.frombuffer(out, np.uint8), np.frombuffer(value, np.uint8, offset=header.header_bytes))
+        h = tier.envelope.hasher(head[:envelope.DIGEST_OFFSET])
+        h.update(out)
         if not hmac.compare_digest(h.digest(), header.digest):
             raise envelope.EnvelopeError("digest mismatch")
         return Pending(header.record)
@@ -83,19 +93,33 @@ def unverified(key: ChunkKey, value: memoryview, dst: memoryview, _batched: bool
     return Pending(header.record)
 
 
+def unverified_blocks(key: ChunkKey, value: memoryview, dst: memoryview, _batched: bool) -> Pending:
+    """The copy alone in :data:`~kvtier.core.tiers.node.readcopy.COPY_BLOCK_BYTES` blocks (attribution only)."""
+    header = envelope.decode_header(bytes(value[:envelope.FIXED_BYTES]))
+    out, src = memoryview(dst).cast("B"), value[header.header_bytes:]
+    for at in range(0, out.nbytes, COPY_BLOCK_BYTES):
+        out[at:at + COPY_BLOCK_BYTES] = src[at:at + COPY_BLOCK_BYTES]
+    return Pending(header.record)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chunk-mib", type=float, default=2.0)
     parser.add_argument("--total-mib", type=float, default=256.0)
     parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--page-kib", type=int, default=1024)
+    parser.add_argument("--block-kib", default="64,1024", help="inline block sizes to sweep, KiB, comma-separated")
+    parser.add_argument("--shared-secret", action="store_true", help="the keyed BLAKE3 MAC instead of XXH3-128")
+    parser.add_argument("--dst-offset", type=int, default=0, help="bytes past a page boundary the destinations start")
     args = parser.parse_args()
     chunk = int(args.chunk_mib * MiB)
     num = max(2, int(args.total_mib * MiB) // chunk)
     pool = NodePool.make(2 * (num + 1) * chunk / GiB + 0.01, page_kib=args.page_kib)
     owner = LocalNode(pool, Path(tempfile.gettempdir()) / f"node-load-cost-{os.getpid()}.log").start()
     try:
-        guarded = make_tier("node", TierContext(KVTierConfig.from_dict({"node_socket": pool.socket}), os.urandom(16),
+        guarded = make_tier("node", TierContext(KVTierConfig.from_dict(
+            {"node_socket": pool.socket} | ({"shared_secret": os.urandom(16).hex()} if args.shared_secret else {})),
+            os.urandom(16),
                                                 chunk, 1, CollectorRegistry()))
         assert guarded is not None
         inner = unwrap(guarded)
@@ -109,7 +133,9 @@ def main() -> None:
 
 def run(args: argparse.Namespace, chunk: int, num: int, guarded: object, inner: NodeTier) -> None:
     datas = _chunks(num, chunk, seed=4)
-    dsts = [np.empty(chunk, dtype=np.uint8) for _ in range(num)]
+    stride = -(-(chunk + args.dst_offset) // 4096) * 4096
+    backing = np.frombuffer(mmap.mmap(-1, num * stride), np.uint8)  # page-aligned
+    dsts = [backing[i * stride + args.dst_offset:i * stride + args.dst_offset + chunk] for i in range(num)]
     for d, s in zip(dsts, datas, strict=True):
         np.copyto(d, s)  # fault the destination pages in before any timing
     keys = [ChunkKey(os.urandom(16)) for _ in range(num)]
@@ -118,7 +144,7 @@ def run(args: argparse.Namespace, chunk: int, num: int, guarded: object, inner: 
     store = TieredStore(KVTierConfig.from_dict({"chunk_tokens": 16, "cpu_gib": (num + 1) * chunk / GiB}), ns, chunk)
     chain = chunk_keys(request_root(ns, cache_salt="x"), np.arange(num * 16), 16)
     store.put(chain, datas)
-    current, overlap = inner.verifier.copy, inner.verifier.overlap
+    current, overlap, block = inner.verifier.copy, inner.verifier.overlap, inner.verifier.block_bytes
 
     def cpu_get() -> None:
         handle = store.prepare_load(chain)
@@ -128,16 +154,30 @@ def run(args: argparse.Namespace, chunk: int, num: int, guarded: object, inner: 
         finally:
             store.complete_load(handle, True)
 
-    def node(copy: Copy, overlapped: bool) -> Callable[[], None]:
+    def node(copy: Copy, overlapped: bool | None, block_bytes: int = block) -> Callable[[], None]:
         def get() -> None:
             inner.verifier.copy, inner.verifier.overlap = copy, overlapped  # type: ignore[method-assign]
+            inner.verifier.block_bytes = block_bytes
             out = guarded.get_many(keys, [d.data for d in dsts])  # type: ignore[attr-defined]
             assert all(o.name == "HIT" for o in out) and np.array_equal(dsts[-1], datas[-1])
         return get
 
-    variants = [("cpu get", cpu_get), ("node get", node(current, overlap)),
-                ("node get, read loop before", node(loop_before(inner), False)),
-                ("node get, overlapped", node(current, True)), ("no digest (attribution)", node(unverified, False))]
+    hot = np.zeros(block, np.uint8)
+
+    def digest_alone() -> None:
+        for _ in keys:
+            h = inner.envelope.hasher(bytes(envelope.DIGEST_OFFSET))
+            for _at in range(0, chunk, block):
+                h.update(hot)
+            h.digest()
+
+    sweep = [int(float(b) * 1024) for b in args.block_kib.split(",") if b.strip()]
+    variants = [("cpu get", cpu_get), ("node get", node(current, overlap))]
+    variants += [(f"node get, {b >> 10:g} KiB blocks" if b >= 1024 else f"node get, {b} B blocks",
+                  node(current, False, b)) for b in sweep if b != block]
+    variants += [("node get, digest after the copy", node(after_copy(inner), False)),
+                 ("node get, overlapped", node(current, True)), ("no digest (attribution)", node(unverified, False)),
+                 ("no digest, in blocks (attribution)", node(unverified_blocks, False)), ("digest alone (attribution)", digest_alone)]
     times: dict[str, list[float]] = {name: [] for name, _ in variants}
     loads = [os.getloadavg()[0]]
     for r in range(args.rounds):
@@ -148,12 +188,13 @@ def run(args: argparse.Namespace, chunk: int, num: int, guarded: object, inner: 
         loads.append(os.getloadavg()[0])
     store.close()
     print(f"{num} chunks of {args.chunk_mib:g} MiB, {args.rounds} rounds, {os.cpu_count()} CPUs, node get's "
-          f"way: {'measured' if overlap is None else overlap}, load {min(loads):.1f}-{max(loads):.1f}")
+          f"way: {'measured' if overlap is None else overlap}, {block >> 10} KiB blocks, destinations at page "
+          f"+{args.dst_offset} B, digest {'BLAKE3 MAC' if args.shared_secret else 'XXH3-128'}, load {min(loads):.1f}-{max(loads):.1f}")
     for name, _ in variants:
         per = sorted(t / c for t, c in zip(times[name], times["cpu get"], strict=True))
         med = statistics.median(times[name])
         q1, q3 = per[len(per) // 4], per[(3 * len(per)) // 4]
-        print(f"{name:27s} median {med * 1e3:7.1f} ms ({num * chunk / GiB / med:5.2f} GiB/s)  / cpu get per round: "
+        print(f"{name:33s} median {med * 1e3:7.1f} ms ({num * chunk / GiB / med:5.2f} GiB/s)  / cpu get per round: "
               f"median {statistics.median(per):.2f}, quartiles {q1:.2f}-{q3:.2f}, range {per[0]:.2f}-{per[-1]:.2f}")
 
 

@@ -4,19 +4,21 @@ the pool; bytes changed in the pool after the check are never served).
 
 What a load costs against the cpu tier's (a copy alone), measured on EPYC-2 with
 ``scripts/node_load_cost.py`` (docs/benchmarks.md, "The node tier"): the pin round trip and the
-bookkeeping cost nothing visible (without the digest the load is 1.03-1.07x the cpu tier's); the
-digest (XXH3-128, the fastest kind the envelope has, or the keyed BLAKE3 MAC of
-``shared_secret``) is the whole gap, about 0.3x when it runs after the copy on the same core.
+bookkeeping cost little (without the digest the load is 1.05-1.08x the cpu tier's); the digest
+(XXH3-128, the fastest kind the envelope has, or the keyed BLAKE3 MAC of ``shared_secret``) is
+the gap.  XXH3 is compute-bound on one core (~0.17x of a copy over a hot buffer, wherever the
+bytes sit), so fusing it with the copy (:func:`copy_hashed`) saves the re-read from L3 (the
+digest after a whole copy: 1.38-1.48x) but cannot hide the compute: 1.32-1.39x at load 5-6.
 Two ways, per batch:
 
 - **inline** (every single value, and every batch where the other way is not measured faster):
   the payload is copied :data:`COPY_BLOCK_BYTES` at a time and each block hashed right after, while
-  it is in cache; 1.26-1.28x the cpu tier's get on 2 CPUs.
+  it is in cache (:func:`copy_hashed`).
 - **overlapped** (batches of two or more values): each value is copied whole with
   ``numpy.copyto`` (which releases the GIL) and its digest runs on a helper thread (XXH3 and
   BLAKE3 release it too) while the next value is copied, so only the last value's digest stays on
-  the load's path when a core is free.  Where none is, the helper waits for one: 1.51-1.56x on
-  2 CPUs at load 2.4-4.
+  the load's path when a core is free.  Where none is, the helper waits for one: 1.67-1.72x on
+  2 CPUs at load 5-6.
 
 Which way a batch takes is measured, not assumed: :class:`~kvtier.core.readchoice.ReadChooser`
 (the serial-or-split chooser the disk tier's buffered reads use too: the medians of recent loads per size class, exploring
@@ -40,7 +42,8 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.readchoice import ReadChooser
 
 COPY_BLOCK_BYTES = 256 << 10
-"""Bytes copied and hashed at a time inline (256 KiB to 4 MiB measured alike; 32-128 KiB slower)."""
+"""Bytes copied and hashed at a time inline (64 KiB to 1 MiB measured alike, 2026-12-05; the
+digest after a whole 4 MiB copy 0.1x slower)."""
 VERIFY_WAIT_S = 30.0
 """Longest the caller waits for a value's digest from the helper thread (a miss after that)."""
 
@@ -68,9 +71,30 @@ class Pending:
             raise envelope.EnvelopeError(f"not verified within {VERIFY_WAIT_S:g} s") from None
 
 
+MISMATCH = "digest mismatch (corrupt, or written without the shared secret)"
+
+
 def _digest_matches(hasher: envelope.Hasher, expected: bytes) -> None:
     if not hmac.compare_digest(hasher.digest(), expected):
-        raise envelope.EnvelopeError("digest mismatch (corrupt, or written without the shared secret)")
+        raise envelope.EnvelopeError(MISMATCH)
+
+
+def copy_hashed(hasher: envelope.Hasher, src: memoryview, out: memoryview,
+                block_bytes: int = COPY_BLOCK_BYTES) -> bytes:
+    """Copy ``src`` into ``out`` (both flat byte views of one length) ``block_bytes`` at a time,
+    feeding each block of ``out`` (the copy, never ``src``) to ``hasher`` right after it is copied,
+    while it is in the CPU cache; return ``hasher.digest()``: the digest of one pass over ``out``
+    (any ``block_bytes``, any length, 0 included).
+
+    Raises:
+        ValueError: ``out`` and ``src`` differ in length, or ``block_bytes`` < 1."""
+    if out.nbytes != src.nbytes or block_bytes < 1:
+        raise ValueError(f"cannot copy {src.nbytes} bytes into {out.nbytes} in blocks of {block_bytes}")
+    for at in range(0, out.nbytes, block_bytes):
+        block = out[at:at + block_bytes]
+        block[:] = src[at:at + block_bytes]
+        hasher.update(block)
+    return hasher.digest()
 
 
 def _verify(env: envelope.Envelope, header: envelope.EnvelopeHeader, head: bytes, out: memoryview) -> bytes | None:
@@ -88,12 +112,15 @@ class Verifier:
         overlap: ``None`` (default): each batch's way as :attr:`chooser` measures best; ``True`` /
             ``False``: always overlapped / always inline (tests, ``scripts/node_load_cost.py``).
         chooser: the measurements of both ways (this tier's own).
+        block_bytes: bytes copied and hashed at a time inline (:func:`copy_hashed`; default
+            :data:`COPY_BLOCK_BYTES`; ``scripts/node_load_cost.py`` sweeps it).
     """
 
     def __init__(self, env: envelope.Envelope) -> None:
         self.env = env
         self.overlap: bool | None = None
         self.chooser = ReadChooser()
+        self.block_bytes = COPY_BLOCK_BYTES
         self._helper: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -148,12 +175,9 @@ class Verifier:
                 return Pending(future=helper.submit(_verify, self.env, header, head, out))
             except RuntimeError:  # closed meanwhile: verified here
                 return Pending(_verify(self.env, header, head, out))
-        h = self.env.hasher(head[:envelope.DIGEST_OFFSET])
-        for at in range(0, out.nbytes, COPY_BLOCK_BYTES):  # each block hashed while it is in cache
-            block = out[at:at + COPY_BLOCK_BYTES]
-            block[:] = src[at:at + COPY_BLOCK_BYTES]
-            h.update(block)
-        _digest_matches(h, header.digest)
+        digest = copy_hashed(self.env.hasher(head[:envelope.DIGEST_OFFSET]), src, out, self.block_bytes)
+        if not hmac.compare_digest(digest, header.digest):
+            raise envelope.EnvelopeError(MISMATCH)
         return Pending(header.record)
 
     def close(self) -> None:
