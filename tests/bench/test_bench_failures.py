@@ -2,6 +2,7 @@
 F-bench-1, F-bench-2): every wait ends (a server that trickles its model list, its /metrics or its
 completions), and a run where no request succeeded exits 2 with the first failure's reason."""
 
+import os
 import subprocess
 import sys
 
@@ -16,6 +17,7 @@ from kvtier.bench.report import compare_json, markdown, print_table
 from kvtier.bench.verdict import Thresholds
 from kvtier.bench.workload import TokenSpace
 from kvtier.launch.serve import ServerSpec
+from tests.engine_layout import WORKER_IN_ENGINE_CORE
 
 TOKENS = TokenSpace(seed=0, low=10, high=500)
 WORKLOAD = ["--workload", "prefix-repetition", "--num-requests", "4", "--prefix-len", "8", "--suffix-len", "4",
@@ -192,7 +194,8 @@ def test_compare_where_every_arm_is_rejected_exits_2_with_the_reason(tmp_path):
                           "--enforce-eager", "--workload", "prefix-repetition", "--num-requests", "2",
                           "--prefix-len", "32", "--suffix-len", "8", "--output-len", "2", "--max-concurrency", "1",
                           "--vocab-size", "99999999", "--no-progress", "--out", str(tmp_path / "out")],
-                         capture_output=True, text=True, timeout=900, check=False)
+                         capture_output=True, text=True, timeout=900, check=False,
+                         env={**os.environ, **WORKER_IN_ENGINE_CORE})  # one start-up import less (tests/engine_layout.py)
     line = error_line(out)
     assert "every arm failed (the first, baseline: " in line
     assert "server error 400: Token id " in line and "is out of vocabulary" in line

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.engine_layout import WORKER_IN_ENGINE_CORE
+
 # functional checks only, no deadline under two minutes: it may run beside another engine test
 pytestmark = [pytest.mark.engine, pytest.mark.shares_cpu]
 
@@ -38,7 +40,8 @@ def test_compare_baseline_kvtier_and_a_broken_arm(tmp_path: Path, capsys: pytest
     tokens = vocab_token_space(seed=0, vocab_size=2048)
     workload = prefix_repetition_workload(tokens, num_requests=6, prefix_len=1024, suffix_len=64, num_prefixes=3,
                                           output_len=3)
-    spec = ServerSpec(model=str(model), max_model_len=2048, cache_tokens=2048, enforce_eager=True)
+    spec = ServerSpec(model=str(model), max_model_len=2048, cache_tokens=2048, enforce_eager=True,
+                      env=WORKER_IN_ENGINE_CORE)  # one start-up import less per arm (tests/engine_layout.py)
     kvtier = make_arm("kvtier", tmp_path)
     broken = ArmSpec("kvtier-bad-config", {**kvtier.kv_transfer_config, "kv_connector_extra_config":  # type: ignore[dict-item]
                                            {"chunk_tokens": 100}}, "kvtier with chunk_tokens=100")

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.engine_layout import WORKER_IN_ENGINE_CORE
+
 # exact counts only (receipts vs metric deltas), no deadline under two minutes (the bench's stall
 # timeout is 300 s): it may run beside another engine test (make test's second phase)
 pytestmark = [pytest.mark.engine, pytest.mark.shares_cpu]
@@ -32,7 +34,8 @@ def test_bench_run_reads_the_runs_receipts_and_they_agree_with_the_metrics(tmp_p
     log = tmp_path / "receipts.jsonl"
     server = start_server(model, {"chunk_tokens": 256, "cpu_gib": 0.5, "receipt_log_path": str(log)},
                           tmp_path / "serve.log", engine_id=f"receipts-{uuid.uuid4().hex[:8]}",
-                          extra_args=["--num-gpu-blocks-override", "20", "--block-size", "128"])
+                          extra_args=["--num-gpu-blocks-override", "20", "--block-size", "128"],
+                          env=WORKER_IN_ENGINE_CORE)  # one start-up import less (tests/engine_layout.py)
     try:
         server.wait_ready()
         server.complete("warm up", max_tokens=2)  # a receipt before the run: not the run's

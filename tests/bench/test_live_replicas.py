@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.engine_layout import WORKER_IN_ENGINE_CORE
+
 # exact counts only, every deadline a minute: it may run beside another engine test
 pytestmark = [pytest.mark.engine, pytest.mark.shares_cpu]
 
@@ -35,7 +37,8 @@ def test_two_replicas_reuse_each_others_prefixes_only_through_redis(tmp_path: Pa
     tokens = vocab_token_space(seed=0, vocab_size=2048)
     workload = prefix_repetition_workload(tokens, num_requests=6, prefix_len=1024, suffix_len=64, num_prefixes=3,
                                           output_len=2)
-    spec = ServerSpec(model=str(model), max_model_len=2048, cache_tokens=2048, enforce_eager=True)
+    spec = ServerSpec(model=str(model), max_model_len=2048, cache_tokens=2048, enforce_eager=True,
+                      env=WORKER_IN_ENGINE_CORE)  # one start-up import less per server (tests/engine_layout.py)
     # generous deadlines: a loaded 2-core machine (another engine test beside it) must not turn a lookup into a miss
     kvtier = {"cpu_gib": 0.05, "redis_key_prefix": key_prefix, "shared_deadline_s": 60.0, "redis_timeout_s": 60.0}
     arms = [make_arm("kvtier", tmp_path, kvtier), make_arm("kvtier-redis", tmp_path, kvtier, redis_server.url)]
@@ -98,7 +101,8 @@ def test_two_replicas_reuse_each_others_prefixes_through_the_node_pool_the_bench
         dataclasses.replace(r, arrival_s=RESTARTED_BY_S) for r in workload.requests[4:]))
     plan = RestartPlan.at_fraction(0.5, len(workload.requests))
     assert plan.replica == 0 and plan.at_request == 3
-    spec = ServerSpec(model=str(model), max_model_len=2048, cache_tokens=2048, enforce_eager=True)
+    spec = ServerSpec(model=str(model), max_model_len=2048, cache_tokens=2048, enforce_eager=True,
+                      env=WORKER_IN_ENGINE_CORE)  # one start-up import less per server (tests/engine_layout.py)
     kvtier = {"cpu_gib": 0.05, "shared_deadline_s": 60.0, "shared_transfer_deadline_s": 60.0, "node_timeout_s": 60.0}
     pool = NodePool.make(0.0625)
     try:

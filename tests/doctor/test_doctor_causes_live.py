@@ -22,6 +22,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.engine_layout import WORKER_IN_ENGINE_CORE
+
 # exact counts only (evictions, the doctor's reading of two metric files), no deadline under two minutes:
 # it may run beside another engine test (make test's second phase)
 pytestmark = [pytest.mark.engine, pytest.mark.shares_cpu]
@@ -37,7 +39,8 @@ def test_doctor_names_evictions_and_the_size_on_a_too_small_cpu_tier(tmp_path: P
     model = write_model(tmp_path / "tiny", "tiny", weights="random", seed=0)
     kvtier = {"chunk_tokens": 256, "cpu_gib": TIER_CHUNKS * CHUNK_BYTES / 2**30, "policy": "lru"}
     server = start_server(model, kvtier, tmp_path / "serve.log", engine_id=f"causes-{uuid.uuid4().hex[:8]}",
-                          extra_args=["--num-gpu-blocks-override", "20", "--block-size", "128"])
+                          extra_args=["--num-gpu-blocks-override", "20", "--block-size", "128"],
+                          env=WORKER_IN_ENGINE_CORE)  # one start-up import less (tests/engine_layout.py)
     try:
         server.wait_ready()
         server.complete("warm up", max_tokens=2)
