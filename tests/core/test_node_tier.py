@@ -293,6 +293,9 @@ def test_a_second_owner_of_one_pool_and_bad_flags_are_one_sentence(node_server, 
         busy = runner.invoke(app, ["node", "serve", "--pool", str(tmp_path / "other"), "--node-gib", "0.0625",
                                    "--socket", node_server.socket])
         assert busy.exit_code == 2 and "another kvtier node owner listens on" in busy.output
+        # a refusal leaves nothing it created: no pool, no lock file beside it (fresh-user tester: other.lock)
+        assert not (tmp_path / "other").exists() and not (tmp_path / "other.lock").exists()
+        assert not (tmp_path / "b.sock").exists()
         assert node_server.pool.read_bytes()[:32] == before and read(tier, key(1)) == (GetResult.HIT, data(1))
     finally:
         tier.close()
