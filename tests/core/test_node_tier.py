@@ -308,6 +308,44 @@ def test_a_second_owner_of_one_pool_and_bad_flags_are_one_sentence(node_server, 
         assert len(bad.output.strip().splitlines()) == 1
 
 
+def test_a_relative_socket_is_refused_as_engines_refuse_it_and_a_disk_backed_pool_is_warned_about(tmp_path):
+    """``--socket relative.sock`` is refused in the engines' words (their node_socket must be absolute);
+    a pool file on a disk filesystem (not tmpfs/hugetlbfs, docs/node.md) is warned about, not refused."""
+    import tempfile
+    from pathlib import Path
+
+    from kvtier.core.tiers.disk.check import mount_of
+
+    runner = CliRunner()
+    relative = runner.invoke(app, ["node", "serve", "--pool", str(tmp_path / "p"), "--node-gib", "0.0625",
+                                   "--socket", "relative.sock"])
+    assert relative.exit_code == 2 and "Traceback" not in relative.output, relative.output
+    assert relative.output.strip() == ("error: --socket must be an absolute path (engines refuse a relative "
+                                       "node_socket), got 'relative.sock'; e.g. --socket /dev/shm/kvtier-node/node.sock")
+    assert not os.path.exists("relative.sock") and os.listdir(tmp_path) == []
+    with pytest.raises(Exception, match="must be an absolute path"):
+        KVTierConfig.from_dict({"node_socket": "relative.sock"})
+    disk = Path(tempfile.mkdtemp(dir=os.path.dirname(os.path.abspath(__file__))))
+    try:
+        fstype = mount_of(disk)
+        if fstype is None or fstype[0] in ("tmpfs", "hugetlbfs"):
+            pytest.skip(f"the test directory {disk} is on {fstype}, not a disk filesystem")
+        # the socket's directory is missing: the warning comes first, then the refusal, which leaves nothing
+        warned = runner.invoke(app, ["node", "serve", "--pool", str(disk / "pool"), "--node-gib", "0.0625",
+                                     "--socket", str(disk / "no" / "s.sock"), "--page-kib", "4"])
+        assert warned.exit_code == 2, warned.output
+        assert (f"warning: --pool {disk / 'pool'} is on the {fstype[0]} filesystem mounted at {fstype[1]}, not in "
+                "memory") in warned.output and "directory" in warned.output.splitlines()[-1]
+        assert os.listdir(disk) == []
+        in_memory = runner.invoke(app, ["node", "serve", "--pool", f"/dev/shm/{disk.name}", "--node-gib", "0.0625",
+                                        "--socket", str(disk / "no" / "s.sock"), "--page-kib", "4"])
+        assert in_memory.exit_code == 2 and "warning" not in in_memory.output, in_memory.output
+    finally:
+        for leftover in disk.iterdir():
+            leftover.unlink()
+        disk.rmdir()
+
+
 def test_the_socket_carries_no_payload():
     """Every message is keys, numbers and lease ids: a batch of 64 chunk pins is under 2 KiB
     whatever the chunks' size (the payload moves through the mapped pool)."""
