@@ -127,6 +127,20 @@ def test_a_file_whose_header_cannot_be_checked_is_kept_and_named_exit_1(disk_dir
     assert victim.exists()  # a purge by tenant never removes what it cannot attribute
 
 
+@pytest.mark.parametrize("selectors", [["--salt", "a"], ["--namespace", "0" * 32, "--older-than", "1h"]])
+def test_all_with_a_selector_is_refused_and_nothing_removed(disk_dir, selectors):
+    """--all with --salt (or --namespace, --older-than) ran as one of them without comment (fresh-user tester)."""
+    before = sorted(disk_dir.glob("*/*/*.kvc"))
+    for dry in ([], ["--dry-run"]):
+        result = invoke("--disk-path", str(disk_dir), "--all", *selectors, *dry)
+        assert result.exit_code == 2, result.output
+        named = ", ".join(s for s in selectors if s.startswith("--"))
+        assert result.output.strip() == (f"error: --all removes every chunk, which contradicts {named}; drop --all to "
+                                         "remove only the chunks the selectors name, or drop the selectors to "
+                                         "remove everything.")
+    assert sorted(disk_dir.glob("*/*/*.kvc")) == before and before
+
+
 @pytest.mark.parametrize("options, message", [
     (["--redis-cluster", "--redis-key-prefix", "kv:"], "--redis-cluster, --redis-key-prefix need --redis-url URL"),
     (["--redis-ttl-s", "3600"], "--redis-ttl-s needs --redis-url URL"),
