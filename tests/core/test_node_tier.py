@@ -346,6 +346,31 @@ def test_a_relative_socket_is_refused_as_engines_refuse_it_and_a_disk_backed_poo
         disk.rmdir()
 
 
+def test_check_warns_when_node_gib_differs_from_the_live_pools_size(node_server):
+    """docs/node.md: node_gib is for kvtier size, check and audit; check compares it with the live
+    pool's STATS reply (fresh-user tester: node_gib 64 against a 1 GiB pool said ok, no warning)."""
+    import json
+
+    def check(node_gib: float, *flags: str):
+        extra = {"cpu_gib": 1, "node_socket": node_server.socket, "node_gib": node_gib}
+        transfer = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+                    "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+        return CliRunner().invoke(app, ["check", *flags, json.dumps(transfer)])
+
+    capacity_gib = node_server.stats().capacity_bytes / 2**30
+    wrong = check(64)
+    assert wrong.exit_code == 0, wrong.output
+    (line,) = [w for w in wrong.output.splitlines() if "node_gib" in w]
+    assert line == (f"warning: kv_connector_extra_config.node_gib: node_gib=64 but the pool at {node_server.socket} "
+                    f"holds {capacity_gib:.3g} GiB (its owner's --node-gib); set node_gib to the owner's --node-gib, "
+                    "which kvtier size, check and audit go by")
+    assert "1 warning(s)" in wrong.output
+    right = check(0.0625)  # the fixture's --node-gib
+    assert right.exit_code == 0 and "warning" not in right.output, right.output
+    offline = check(64, "--offline")  # no probe, no comparison
+    assert offline.exit_code == 0 and "warning" not in offline.output, offline.output
+
+
 def test_the_socket_carries_no_payload():
     """Every message is keys, numbers and lease ids: a batch of 64 chunk pins is under 2 KiB
     whatever the chunks' size (the payload moves through the mapped pool)."""

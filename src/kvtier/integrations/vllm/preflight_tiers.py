@@ -169,6 +169,53 @@ def disk_size_missing_problems(key: str, config: KVTierConfig) -> list[Problem]:
                     "remove disk_path")]
 
 
+NODE_SIZE_TOLERANCE = 0.05
+"""Share by which a live pool's capacity may differ from ``node_gib`` unremarked: the owner keeps its
+index and page table in the pool file, so a 1 GiB pool (256 KiB pages) holds 0.998 GiB of pages."""
+
+
+def node_pool_size_problems(entries: list[tuple[str, dict[str, Any]]], deadline_s: float) -> list[Problem]:
+    """A warning per KVTierConnector whose ``node_gib`` differs from the size of the live pool behind
+    its ``node_socket`` (the owner's ``STATS`` reply, ``capacity_bytes``) by more than
+    :data:`NODE_SIZE_TOLERANCE`: ``node_gib`` is what ``kvtier size``, ``check`` and ``audit`` believe
+    (docs/node.md), the owner's ``--node-gib`` what the engines get.  No warning without
+    ``node_gib``, or when the owner does not answer within ``deadline_s`` (the probe says so).
+
+    Args:
+        entries: ``(key prefix, connector dict)`` of each KVTierConnector (``preflight.kvtier_entries``).
+    """
+    from kvtier.core.tiers.node import protocol
+    from kvtier.core.tiers.node.blobs import open_blobs
+    from kvtier.core.tiers.node.client import NodeUnavailable
+
+    out: list[Problem] = []
+    for prefix, entry in entries:
+        extra = entry.get("kv_connector_extra_config")
+        try:
+            config = KVTierConfig.from_dict(extra if isinstance(extra, dict) else {})
+        except ConfigError:
+            continue
+        node = node_settings(config)
+        store = open_blobs(config, deadline_s) if node.node_gib > 0 and "node" in config.tiers else None
+        if store is None:
+            continue
+        try:
+            reply = store.client.call(protocol.Stats())[0]
+        except (NodeUnavailable, OSError):  # an owner that does not answer is the probe's to report
+            continue
+        finally:
+            store.close()
+        if not isinstance(reply, protocol.StatsReply):
+            continue
+        said = node.node_gib * GiB
+        if abs(reply.capacity_bytes - said) > NODE_SIZE_TOLERANCE * max(said, reply.capacity_bytes):
+            out.append(Problem("warning", f"{prefix}kv_connector_extra_config.node_gib",
+                               f"node_gib={node.node_gib:g} but the pool at {node.node_socket} holds "
+                               f"{reply.capacity_bytes / GiB:.3g} GiB (its owner's --node-gib); set node_gib to the "
+                               "owner's --node-gib, which kvtier size, check and audit go by"))
+    return out
+
+
 def on_tmpfs(path: Path) -> bool:
     while not path.exists():
         path = path.parent
