@@ -17,6 +17,7 @@ from kvtier.core.errors import ConfigError
 from kvtier.core.receiptsinks import receipt_sink_problems
 from kvtier.core.tiers import factory, registry
 from kvtier.core.tiers.disk.check import mount_of
+from kvtier.core.tiers.node.settings import TIER as NODE_TIER
 from kvtier.core.tiers.node.settings import node_settings
 from kvtier.integrations.vllm.engine_config import AUTO_MIN_CHUNK_TOKENS
 
@@ -161,7 +162,7 @@ def disk_size_missing_problems(key: str, config: KVTierConfig) -> list[Problem]:
     writing nothing and saying nothing (the reverse, ``disk_gib`` without ``disk_path``, is refused by
     :class:`~kvtier.core.config.KVTierConfig`); an error naming both keys, as the disk tier's size
     is the operator's to give (a default could fill the volume)."""
-    if not config.disk_path or config.disk_gib > 0 or "disk" not in config.tiers:
+    if not config.disk_path or config.disk_gib > 0 or registry.asked_by("disk_path") not in config.tiers:
         return []
     return [Problem("error", f"{key}.disk_gib",
                     "disk_path is set but disk_gib is not (or is 0), so the engine would run with no disk tier; set "
@@ -196,7 +197,7 @@ def node_pool_size_problems(entries: list[tuple[str, dict[str, Any]]], deadline_
         except ConfigError:
             continue
         node = node_settings(config)
-        store = open_blobs(config, deadline_s) if node.node_gib > 0 and "node" in config.tiers else None
+        store = open_blobs(config, deadline_s) if node.node_gib > 0 and NODE_TIER in config.tiers else None
         if store is None:
             continue
         try:
