@@ -369,6 +369,14 @@ def test_check_warns_when_node_gib_differs_from_the_live_pools_size(node_server)
     assert right.exit_code == 0 and "warning" not in right.output, right.output
     offline = check(64, "--offline")  # no probe, no comparison
     assert offline.exit_code == 0 and "warning" not in offline.output, offline.output
+    # the vllm serve plugin's probe says it too, once per process (vLLM builds the config more than once)
+    from kvtier.integrations.vllm.plugin import warn_unreachable_shared_tier
+
+    transfer = {"kv_connector": "KVTierConnector", "kv_connector_extra_config": {
+        "cpu_gib": 1, "node_socket": node_server.socket, "node_gib": 32}}
+    (warned,) = warn_unreachable_shared_tier(transfer)
+    assert warned.startswith("WARNING kvtier: node_gib=32 but the pool at ") and "holds" in warned
+    assert warn_unreachable_shared_tier(transfer) == []
 
 
 def test_the_socket_carries_no_payload():
