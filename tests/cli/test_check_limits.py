@@ -37,6 +37,34 @@ def test_a_cpu_tier_of_a_few_chunks_passes() -> None:
     assert code == 0 and "warning" not in out, out
 
 
+@pytest.mark.parametrize(("extra", "key"), [
+    ({"disk_path": "DIR", "disk_gib": 1e-7}, "disk_gib"),
+    ({"node_socket": "DIR/node.sock", "node_gib": 1e-7}, "node_gib"),
+])
+def test_a_disk_tier_or_node_pool_smaller_than_any_chunk_is_an_error_as_the_cpu_tier(tmp_path, extra, key) -> None:
+    # the cpu tier's one-chunk floor holds for the other sizes (fresh-user tester: disk_gib 1e-7 passed)
+    code, out = _check({"cpu_gib": 1, **{k: v.replace("DIR", str(tmp_path)) if isinstance(v, str) else v
+                                        for k, v in extra.items()}})
+    assert code == 1, out
+    assert f"error: kv_connector_extra_config.{key}: {key}=1e-07 (107 bytes) cannot hold one 128-token chunk" in out
+    ok_code, ok_out = _check({"cpu_gib": 1, key: 1, **{k: v.replace("DIR", str(tmp_path)) for k, v in extra.items()
+                                                       if isinstance(v, str)}})
+    assert ok_code == 0 and "cannot hold" not in ok_out, ok_out
+
+
+def test_a_disk_path_without_disk_gib_is_an_error_naming_both_keys(tmp_path) -> None:
+    # fresh-user tester: the engine ran with no disk tier, writing nothing and saying nothing
+    code, out = _check({"cpu_gib": 1, "disk_path": str(tmp_path / "d")})
+    assert code == 1, out
+    assert ("error: kv_connector_extra_config.disk_gib: disk_path is set but disk_gib is not (or is 0), so the engine "
+            "would run with no disk tier; set disk_gib to the disk tier's size in GiB") in out
+    code, out = _check({"cpu_gib": 1, "disk_path": str(tmp_path / "d"), "disk_gib": 0})
+    assert code == 1 and "disk_path is set but disk_gib is not (or is 0)" in out, out
+    # the tier left out on purpose is only the existing warning
+    code, out = _check({"cpu_gib": 1, "disk_path": str(tmp_path / "d"), "tiers": ["cpu"]})
+    assert code == 0 and "disk_gib is not" not in out, out
+
+
 @pytest.mark.parametrize("tokens", [1e12, MAX_CHUNK_TOKENS + 16])
 def test_a_chunk_longer_than_any_context_is_refused(tokens: float) -> None:
     code, out = _check({"chunk_tokens": tokens})

@@ -127,6 +127,20 @@ def test_a_file_whose_header_cannot_be_checked_is_kept_and_named_exit_1(disk_dir
     assert victim.exists()  # a purge by tenant never removes what it cannot attribute
 
 
+@pytest.mark.parametrize("selectors", [["--salt", "a"], ["--namespace", "0" * 32, "--older-than", "1h"]])
+def test_all_with_a_selector_is_refused_and_nothing_removed(disk_dir, selectors):
+    """--all with --salt (or --namespace, --older-than) ran as one of them without comment (fresh-user tester)."""
+    before = sorted(disk_dir.glob("*/*/*.kvc"))
+    for dry in ([], ["--dry-run"]):
+        result = invoke("--disk-path", str(disk_dir), "--all", *selectors, *dry)
+        assert result.exit_code == 2, result.output
+        named = ", ".join(s for s in selectors if s.startswith("--"))
+        assert result.output.strip() == (f"error: --all removes every chunk, which contradicts {named}; drop --all to "
+                                         "remove only the chunks the selectors name, or drop the selectors to "
+                                         "remove everything.")
+    assert sorted(disk_dir.glob("*/*/*.kvc")) == before and before
+
+
 @pytest.mark.parametrize("options, message", [
     (["--redis-cluster", "--redis-key-prefix", "kv:"], "--redis-cluster, --redis-key-prefix need --redis-url URL"),
     (["--redis-ttl-s", "3600"], "--redis-ttl-s needs --redis-url URL"),
@@ -183,3 +197,25 @@ def test_a_directory_that_is_not_a_disk_tiers_is_refused_and_left_alone(tmp_path
     (fresh / ".kvtier-kv-events-00.msgpack").write_bytes(b"")
     result = invoke("--disk-path", str(fresh), "--all")
     assert result.exit_code == 0 and "Removed 0 chunks" in result.output
+
+
+def test_a_redis_that_wants_a_password_is_authentication_failed_as_check_says(redis_factory, tmp_path, monkeypatch):
+    """A server with requirepass: purge said "did not answer the purge (AuthenticationError: ...)" where
+    check says "auth failed"; now one sentence saying authentication failed and how to give the password,
+    and the right password purges."""
+    password = "pw-purge-Zq81-secret"
+    server = redis_factory(extra=("--requirepass", password))
+    none_given = invoke("--redis-url", server.url, "--all", "--dry-run")
+    assert none_given.exit_code == 2, none_given.output
+    assert none_given.output.strip() == (
+        f"error: authentication failed at the Redis server at {server.url} (the server requires a password and none "
+        "is configured); give the password the engines use with --redis-password-env VAR or --redis-password-file "
+        "FILE.")
+    wrong = tmp_path / "wrong"
+    wrong.write_text("not-the-password\n")
+    refused = invoke("--redis-url", server.url, "--redis-password-file", str(wrong), "--all", "--dry-run")
+    assert refused.exit_code == 2 and "authentication failed at the Redis server" in refused.output, refused.output
+    assert "the server refused the password" in refused.output and password not in refused.output
+    monkeypatch.setenv("KVTIER_TEST_REDIS_PW", password)
+    given = invoke("--redis-url", server.url, "--redis-password-env", "KVTIER_TEST_REDIS_PW", "--all", "--dry-run")
+    assert given.exit_code == 0, given.output

@@ -39,3 +39,21 @@ def test_the_console_entry_prints_one_line() -> None:
                             text=True, timeout=120, check=False)
     assert result.returncode == 2
     assert result.stderr.startswith("error: No such option: --nope") and result.stderr.count("\n") == 1, result.stderr
+
+
+def test_the_test_model_writer_refuses_an_unwritable_out_in_one_sentence(tmp_path) -> None:
+    """``python -m kvtier.launch.testmodel --out`` a file, or where nothing can be written, printed an
+    OSError / FileExistsError traceback (fresh-user tester): one ``error:`` sentence, exit 2."""
+    a_file = tmp_path / "weights.bin"
+    a_file.write_bytes(b"x")
+    cases = [(a_file, (f"error: --out {a_file} is a file, not a directory; give a directory to write the model into "
+                      "(it is created if missing).")),
+             (a_file / "m", (f"error: cannot write the model to --out {a_file / 'm'} (Not a directory); give a "
+                            "directory this user can write.")),
+             ("/proc/self/kvtier-none/m", "error: cannot write the model to --out /proc/self/kvtier-none/m (")]
+    for out, line in cases:
+        result = subprocess.run([sys.executable, "-m", "kvtier.launch.testmodel", "--geometry", "tiny", "--out",
+                                 str(out)], capture_output=True, text=True, timeout=120, check=False)
+        assert result.returncode == 2 and result.stdout == "", result
+        assert result.stderr.startswith(line) and result.stderr.count("\n") == 1, result.stderr
+    assert a_file.read_bytes() == b"x" and sorted(p.name for p in tmp_path.iterdir()) == ["weights.bin"]

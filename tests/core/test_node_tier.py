@@ -293,6 +293,9 @@ def test_a_second_owner_of_one_pool_and_bad_flags_are_one_sentence(node_server, 
         busy = runner.invoke(app, ["node", "serve", "--pool", str(tmp_path / "other"), "--node-gib", "0.0625",
                                    "--socket", node_server.socket])
         assert busy.exit_code == 2 and "another kvtier node owner listens on" in busy.output
+        # a refusal leaves nothing it created: no pool, no lock file beside it (fresh-user tester: other.lock)
+        assert not (tmp_path / "other").exists() and not (tmp_path / "other.lock").exists()
+        assert not (tmp_path / "b.sock").exists()
         assert node_server.pool.read_bytes()[:32] == before and read(tier, key(1)) == (GetResult.HIT, data(1))
     finally:
         tier.close()
@@ -303,6 +306,77 @@ def test_a_second_owner_of_one_pool_and_bad_flags_are_one_sentence(node_server, 
                                   str(tmp_path / "s.sock"), *args])
         assert bad.exit_code == 2 and words in bad.output and "Traceback" not in bad.output
         assert len(bad.output.strip().splitlines()) == 1
+
+
+def test_a_relative_socket_is_refused_as_engines_refuse_it_and_a_disk_backed_pool_is_warned_about(tmp_path):
+    """``--socket relative.sock`` is refused in the engines' words (their node_socket must be absolute);
+    a pool file on a disk filesystem (not tmpfs/hugetlbfs, docs/node.md) is warned about, not refused."""
+    import tempfile
+    from pathlib import Path
+
+    from kvtier.core.tiers.disk.check import mount_of
+
+    runner = CliRunner()
+    relative = runner.invoke(app, ["node", "serve", "--pool", str(tmp_path / "p"), "--node-gib", "0.0625",
+                                   "--socket", "relative.sock"])
+    assert relative.exit_code == 2 and "Traceback" not in relative.output, relative.output
+    assert relative.output.strip() == ("error: --socket must be an absolute path (engines refuse a relative "
+                                       "node_socket), got 'relative.sock'; e.g. --socket /dev/shm/kvtier-node/node.sock")
+    assert not os.path.exists("relative.sock") and os.listdir(tmp_path) == []
+    with pytest.raises(Exception, match="must be an absolute path"):
+        KVTierConfig.from_dict({"node_socket": "relative.sock"})
+    disk = Path(tempfile.mkdtemp(dir=os.path.dirname(os.path.abspath(__file__))))
+    try:
+        fstype = mount_of(disk)
+        if fstype is None or fstype[0] in ("tmpfs", "hugetlbfs"):
+            pytest.skip(f"the test directory {disk} is on {fstype}, not a disk filesystem")
+        # the socket's directory is missing: the warning comes first, then the refusal, which leaves nothing
+        warned = runner.invoke(app, ["node", "serve", "--pool", str(disk / "pool"), "--node-gib", "0.0625",
+                                     "--socket", str(disk / "no" / "s.sock"), "--page-kib", "4"])
+        assert warned.exit_code == 2, warned.output
+        assert (f"warning: --pool {disk / 'pool'} is on the {fstype[0]} filesystem mounted at {fstype[1]}, not in "
+                "memory") in warned.output and "directory" in warned.output.splitlines()[-1]
+        assert os.listdir(disk) == []
+        in_memory = runner.invoke(app, ["node", "serve", "--pool", f"/dev/shm/{disk.name}", "--node-gib", "0.0625",
+                                        "--socket", str(disk / "no" / "s.sock"), "--page-kib", "4"])
+        assert in_memory.exit_code == 2 and "warning" not in in_memory.output, in_memory.output
+    finally:
+        for leftover in disk.iterdir():
+            leftover.unlink()
+        disk.rmdir()
+
+
+def test_check_warns_when_node_gib_differs_from_the_live_pools_size(node_server):
+    """docs/node.md: node_gib is for kvtier size, check and audit; check compares it with the live
+    pool's STATS reply (fresh-user tester: node_gib 64 against a 1 GiB pool said ok, no warning)."""
+    import json
+
+    def check(node_gib: float, *flags: str):
+        extra = {"cpu_gib": 1, "node_socket": node_server.socket, "node_gib": node_gib}
+        transfer = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+                    "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+        return CliRunner().invoke(app, ["check", *flags, json.dumps(transfer)])
+
+    capacity_gib = node_server.stats().capacity_bytes / 2**30
+    wrong = check(64)
+    assert wrong.exit_code == 0, wrong.output
+    (line,) = [w for w in wrong.output.splitlines() if "node_gib" in w]
+    assert line == (f"warning: kv_connector_extra_config.node_gib: node_gib=64 but the pool at {node_server.socket} "
+                    f"holds {capacity_gib:.3g} GiB (its owner's --node-gib); set node_gib to the owner's --node-gib, "
+                    "which kvtier size, check and audit go by")
+    assert "1 warning(s)" in wrong.output
+    right = check(0.0625)  # the fixture's --node-gib
+    assert right.exit_code == 0 and "warning" not in right.output, right.output
+    offline = check(64, "--offline")  # no probe, no comparison
+    assert offline.exit_code == 0 and "warning" not in offline.output, offline.output
+    # the vllm serve plugin's probe says it too, once per process (vLLM builds the config more than once)
+    from kvtier.integrations.vllm.plugin import warn_unreachable_shared_tier
+
+    transfer = {"kv_connector": "KVTierConnector", "kv_connector_extra_config": {
+        "cpu_gib": 1, "node_socket": node_server.socket, "node_gib": 32}}
+    (warned,) = warn_unreachable_shared_tier(transfer)
+    assert warned.startswith("WARNING kvtier: node_gib=32 but the pool at ") and "holds" in warned
+    assert warn_unreachable_shared_tier(transfer) == []
 
 
 def test_the_socket_carries_no_payload():

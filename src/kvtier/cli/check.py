@@ -69,14 +69,17 @@ def check_command(
     strict: bool = typer.Option(False, "--strict", help="Exit 1 when a configured tier cannot be reached "
                                 "(unreachable or auth failed), for CI; without it that is a warning."),
 ) -> None:
+    from kvtier.core.tiers.probe import PROBE_DEADLINE_S
     from kvtier.integrations.vllm.compat import SUPPORTED_RANGE, installed_vllm, statement, unsupported_reason
     from kvtier.integrations.vllm.preflight import (
         Problem,
         check_transfer_config,
+        kvtier_entries,
         parse_transfer_config,
         probe_shared_tiers,
         uses_kvtier,
     )
+    from kvtier.integrations.vllm.preflight_tiers import node_pool_size_problems
 
     if strict and offline:
         fail("--strict needs the shared-tier probes that --offline skips; give one of them.")
@@ -102,6 +105,7 @@ def check_command(
     if installed is not None and (reason := unsupported_reason(installed)) is not None:
         problems.append(Problem("error", "", reason))
     probes = [] if offline else probe_shared_tiers(transfer)
+    problems += [] if offline else node_pool_size_problems(kvtier_entries(transfer), PROBE_DEADLINE_S)
     unreached = [p.problem for p in probes if p.problem is not None]
     # --strict: a tier that cannot be reached fails the check (exit 1), as an error of its own key
     problems += [Problem("error", p.key, p.message) for p in unreached] if strict else unreached

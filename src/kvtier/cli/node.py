@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 import typer
@@ -51,11 +52,32 @@ def serve_command(
              "mount")
     if pool.is_dir():
         fail(f"--pool {pool} is a directory; give a file name in it, e.g. {pool / 'kvtier-node'}")
+    if not socket.is_absolute():
+        # the engines' own rule (kvtier.core.tiers.node.settings): they would refuse this node_socket
+        fail(f"--socket must be an absolute path (engines refuse a relative node_socket), got {str(socket)!r}; "
+             "e.g. --socket /dev/shm/kvtier-node/node.sock")
+    _warn_unless_memory_backed(pool)
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(message)s")
     try:
         serve(ServeOptions(pool, node_gib, socket, page_kib, lease_s, max_clients))
     except UserError as exc:
         fail(str(exc).rstrip(".") + ".")
+
+
+MEMORY_FILESYSTEMS = ("tmpfs", "hugetlbfs")
+"""Filesystems a pool file belongs on (docs/node.md, ``--pool``): memory, mapped by every engine."""
+
+
+def _warn_unless_memory_backed(pool: Path) -> None:
+    """A warning on stderr when ``pool``'s directory is not on tmpfs or hugetlbfs (a disk-backed pool
+    file is written back to the disk under the page cache): allowed, as docs/node.md only advises."""
+    from kvtier.core.tiers.disk.check import mount_of
+
+    mount = mount_of(pool.parent)
+    if mount is not None and mount[0] not in MEMORY_FILESYSTEMS:
+        print(f"warning: --pool {pool} is on the {mount[0]} filesystem mounted at {mount[1]}, not in memory; the "
+              "kernel writes the pool back to that disk, so put it under /dev/shm or a hugetlbfs mount "
+              "(docs/node.md)", file=sys.stderr)
 
 
 def register(app: typer.Typer) -> None:

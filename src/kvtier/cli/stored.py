@@ -95,6 +95,11 @@ def _purge(disk_path: str | None, namespace: list[str], older_than: str | None, 
             cache_salt=salt, lora_name=lora, key_id=None if key_id is None else parse_key_id(key_id))
     except UserError as exc:
         fail(str(exc).rstrip(".") + ".")
+    if purge_all and selector.selects_anything:
+        chosen = [flag for flag, value in (("--namespace", namespace), ("--older-than", older_than), ("--salt", salt),
+                                           ("--lora", lora), ("--key-id", key_id)) if value]
+        fail(f"--all removes every chunk, which contradicts {', '.join(chosen)}; drop --all to remove only the "
+             "chunks the selectors name, or drop the selectors to remove everything.")
     if not selector.selects_anything and not purge_all:
         fail("no selector given, which would remove every chunk; add --namespace, --older-than, --salt, --lora or "
              "--key-id, "

@@ -58,14 +58,22 @@ def build_receipt_sinks(config: KVTierConfig) -> list[ReceiptSink]:
 def receipt_sink_problems(config: KVTierConfig) -> list[tuple[str, str]]:
     """What :func:`build_receipt_sinks` would refuse, checked without starting a sink (the
     preflight's, before the model loads): ``(key, message)`` per problem, one sentence each.  The
-    receipt log's directory must exist and be writable; with ``otlp_endpoint``, the OpenTelemetry SDK
+    receipt log's path must not be a directory, its directory must exist and be writable,
+    and a file already there must be writable; with ``otlp_endpoint``, the OpenTelemetry SDK
     and its OTLP exporter must be importable."""
     import importlib.util
 
     out: list[tuple[str, str]] = []
     if config.receipt_log_path:
-        directory = os.path.dirname(os.path.abspath(config.receipt_log_path))
-        if not os.path.isdir(directory):
+        path = config.receipt_log_path
+        directory = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path):
+            out.append(("receipt_log_path", (f"receipt_log_path {path!r} is a directory, not a file; name a file "
+                                             f"in it, e.g. {os.path.join(path, 'receipts.jsonl')!r}")))
+        elif os.path.exists(path) and not os.access(path, os.W_OK):
+            out.append(("receipt_log_path", (f"receipt_log_path {path!r} exists and this user cannot write it; "
+                                             "make it writable or fix receipt_log_path")))
+        elif not os.path.isdir(directory):
             missing = (f"receipt_log_path {config.receipt_log_path!r} is in a directory that does not exist; "
                        "create it or fix receipt_log_path")
             out.append(("receipt_log_path", missing))

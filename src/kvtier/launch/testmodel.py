@@ -92,9 +92,25 @@ def main(argv: list[str] | None = None) -> int:
                         help="random: seeded safetensors; none: use vLLM's --load-format dummy")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    path = write_model(args.out, args.geometry, args.weights, args.seed)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        return _refuse(f"--out {out} is a file, not a directory; give a directory to write the model into (it is "
+                       "created if missing)")
+    try:
+        path = write_model(out, args.geometry, args.weights, args.seed)
+    except OSError as exc:
+        where = f" at {exc.filename}" if exc.filename and str(exc.filename) != str(out) else ""
+        return _refuse(f"cannot write the model to --out {out} ({exc.strerror or exc}{where}); give a directory this "
+                       "user can write")
     print(path)
     return 0
+
+
+def _refuse(message: str) -> int:
+    """One ``error:`` sentence on stderr, exit status 2 (as the kvtier CLI's ``cli.errors.fail``,
+    which a launch module does not import)."""
+    print(f"error: {message}.", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -37,11 +37,19 @@ import sys
 from typing import Any
 
 from kvtier.core.errors import ConfigError
+from kvtier.core.tiers.probe import PROBE_DEADLINE_S
 from kvtier.integrations.vllm.engine_config import cpu_block_divisor
-from kvtier.integrations.vllm.preflight import check_transfer_config, probe_shared_tiers, uses_kvtier
+from kvtier.integrations.vllm.preflight import (
+    check_transfer_config,
+    kvtier_entries,
+    probe_shared_tiers,
+    uses_kvtier,
+)
+from kvtier.integrations.vllm.preflight_tiers import node_pool_size_problems
 from kvtier.integrations.vllm.shutdown_log import install as install_shutdown_race_fix
 
 _MARK = "_kvtier_preflight_installed"
+NODE_ADDRESS_KEY = "node_socket"  # a probe of the node pool (kvtier.core.tiers.node.blobs.NodeBlobs.address_key)
 
 
 def register() -> None:
@@ -128,6 +136,12 @@ def warn_unreachable_shared_tier(transfer: dict[str, Any]) -> list[str]:
         if probe.problem is not None:
             lines.append(f"WARNING kvtier: {probe.problem.message}")
             print(lines[-1], file=sys.stderr, flush=True)
+        elif probe.result.address_key == NODE_ADDRESS_KEY:  # a live pool: node_gib against its real size
+            for problem in node_pool_size_problems(kvtier_entries(transfer), PROBE_DEADLINE_S):
+                if problem.message not in _probed:
+                    _probed.add(problem.message)
+                    lines.append(f"WARNING kvtier: {problem.message}")
+                    print(lines[-1], file=sys.stderr, flush=True)
     return lines
 
 

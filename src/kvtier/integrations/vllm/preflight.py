@@ -53,6 +53,7 @@ from kvtier.integrations.vllm.preflight_tiers import (
     Problem,
     config_advice_problems,
     cpu_tier_floor_problems,
+    disk_size_missing_problems,
     looks_like_credential,
     on_tmpfs,
     tier_problems,
@@ -96,7 +97,7 @@ def parse_transfer_config(text: str) -> dict[str, Any]:
 
 def uses_kvtier(transfer: dict[str, Any]) -> bool:
     """Whether ``transfer`` names KVTierConnector, directly or as a MultiConnector child."""
-    return bool(_kvtier_entries(transfer))
+    return bool(kvtier_entries(transfer))
 
 
 def check_transfer_config(transfer: dict[str, Any] | str, block_size: int | None = None,
@@ -146,7 +147,7 @@ def check_transfer_config(transfer: dict[str, Any] | str, block_size: int | None
                         f"{did_you_mean(key, KV_TRANSFER_FIELDS)}; vLLM refuses it (known keys: "
                         f"{', '.join(KV_TRANSFER_FIELDS)})")
                 for key in unknown]
-    entries = _kvtier_entries(transfer)
+    entries = kvtier_entries(transfer)
     if not entries:
         return problems
     role = transfer.get("kv_role")
@@ -197,7 +198,7 @@ def _kvtier_environ(environ: Mapping[str, str]) -> Iterator[None]:
         os.environ.update(saved)
 
 
-def _kvtier_entries(transfer: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+def kvtier_entries(transfer: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """``(key prefix, connector dict)`` of every KVTierConnector named in ``transfer``."""
     if transfer.get("kv_connector") == CONNECTOR:
         return [("", transfer)]
@@ -289,7 +290,7 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
         problems.extend(unused_tier_problems(key, extra, config))  # advice about a list never given
         problems.extend(unconfigured_tier_problems(key, extra, config))
     problems.extend(config_advice_problems(key, config))
-    problems.extend(cpu_tier_floor_problems(key, config))
+    problems.extend(cpu_tier_floor_problems(key, config) + disk_size_missing_problems(key, config))
     if config.tenant_quotas is not None and config.tenant_quotas.turns_nothing_on():
         problems.append(Problem("warning", f"{key}.tenant_quotas",
                                 "tenant_quotas gives no tenant a share (no default_share, no_salt_share or salts), "
@@ -345,7 +346,7 @@ def probe_shared_tiers(transfer: dict[str, Any], deadline_s: float = PROBE_DEADL
         its key names the tier's first configuration key (e.g. ``...kv_connector_extra_config.redis_url``).
     """
     probes: list[SharedTierProbe] = []
-    for prefix, entry in _kvtier_entries(transfer):
+    for prefix, entry in kvtier_entries(transfer):
         extra = entry.get("kv_connector_extra_config")
         if not isinstance(extra, dict):
             continue
@@ -373,7 +374,7 @@ def advice_problems(transfer: dict[str, Any], environ: Mapping[str, str] | None 
         with _kvtier_environ(environ):
             return advice_problems(transfer)
     out: list[Problem] = []
-    for prefix, entry in _kvtier_entries(transfer):
+    for prefix, entry in kvtier_entries(transfer):
         extra = entry.get("kv_connector_extra_config")
         if not isinstance(extra, dict):
             continue

@@ -17,6 +17,8 @@ from kvtier.core.errors import ConfigError
 from kvtier.core.receiptsinks import receipt_sink_problems
 from kvtier.core.tiers import factory, registry
 from kvtier.core.tiers.disk.check import mount_of
+from kvtier.core.tiers.node.settings import TIER as NODE_TIER
+from kvtier.core.tiers.node.settings import node_settings
 from kvtier.integrations.vllm.engine_config import AUTO_MIN_CHUNK_TOKENS
 
 Severity = Literal["error", "warning"]
@@ -121,23 +123,98 @@ def cpu_tier_floor_problems(key: str, config: KVTierConfig) -> list[Problem]:
     model, which ``check`` does not know.  An error below one chunk of the smallest layout any
     model can have (:data:`MIN_KV_BYTES_PER_TOKEN`: certainly refused), a warning below one chunk
     of a small real model (:data:`SMALL_MODEL_KV_BYTES_PER_TOKEN`).  ``auto`` chunks are counted
-    at their least, 128 tokens."""
+    at their least, 128 tokens.  The same floor holds for ``disk_gib`` (with ``disk_path``) and
+    ``node_gib`` (with ``node_socket``): a tier smaller than one chunk holds nothing."""
+    found = _floor_problems(key, config, "cpu_gib", config.cpu_gib, 4, (
+        "so the connector would refuse it at start-up", ("; the connector refuses a cpu tier smaller than one chunk "
+        "of the served model at start-up")))
+    if config.disk_path and config.disk_gib > 0:
+        found += _floor_problems(key, config, "disk_gib", config.disk_gib, 100, (
+            "so the disk tier could hold nothing", ", so the disk tier holds no chunk of a real model"))
+    node = node_settings(config)
+    if node.node_socket and node.node_gib > 0:
+        found += _floor_problems(key, config, "node_gib", node.node_gib, 64, (
+            "so the node pool could hold nothing", ", so the node pool holds no chunk of a real model"))
+    return found
+
+
+def _floor_problems(key: str, config: KVTierConfig, name: str, gib: float, example: int,
+                    consequences: tuple[str, str]) -> list[Problem]:
     tokens = AUTO_MIN_CHUNK_TOKENS if config.chunk_tokens == "auto" else config.chunk_tokens
-    cpu_bytes = config.cpu_gib * GiB
+    size_bytes = gib * GiB
     floors: tuple[tuple[Literal["error", "warning"], int, str], ...] = (
             ("error", MIN_KV_BYTES_PER_TOKEN, ("of the smallest model vLLM can run (one layer, one 32-wide KV head, "
-             f"fp8: {MIN_KV_BYTES_PER_TOKEN} bytes a token), so the connector would refuse it at start-up")),
+             f"fp8: {MIN_KV_BYTES_PER_TOKEN} bytes a token), {consequences[0]}")),
             ("warning", SMALL_MODEL_KV_BYTES_PER_TOKEN, (f"of a model as small as Qwen2.5-0.5B "
-             f"({SMALL_MODEL_KV_BYTES_PER_TOKEN} bytes a token in bf16); the connector refuses a cpu tier smaller "
-             "than one chunk of the served model at start-up")))
+             f"({SMALL_MODEL_KV_BYTES_PER_TOKEN} bytes a token in bf16){consequences[1]}")))
     for severity, per_token, which in floors:
         chunk_bytes = tokens * per_token
-        if cpu_bytes < chunk_bytes:
-            return [Problem(severity, f"{key}.cpu_gib",
-                            f"cpu_gib={config.cpu_gib:g} ({int(cpu_bytes)} bytes) cannot hold one {tokens}-token "
-                            f"chunk ({chunk_bytes} bytes) {which}; set cpu_gib to room for hundreds of chunks, "
-                            "e.g. 4")]
+        if size_bytes < chunk_bytes:
+            return [Problem(severity, f"{key}.{name}",
+                            f"{name}={gib:g} ({int(size_bytes)} bytes) cannot hold one {tokens}-token "
+                            f"chunk ({chunk_bytes} bytes) {which}; set {name} to room for hundreds of chunks, "
+                            f"e.g. {example}")]
     return []
+
+
+def disk_size_missing_problems(key: str, config: KVTierConfig) -> list[Problem]:
+    """``disk_path`` given without a ``disk_gib`` above 0: the engine would run with no disk tier,
+    writing nothing and saying nothing (the reverse, ``disk_gib`` without ``disk_path``, is refused by
+    :class:`~kvtier.core.config.KVTierConfig`); an error naming both keys, as the disk tier's size
+    is the operator's to give (a default could fill the volume)."""
+    if not config.disk_path or config.disk_gib > 0 or registry.asked_by("disk_path") not in config.tiers:
+        return []
+    return [Problem("error", f"{key}.disk_gib",
+                    "disk_path is set but disk_gib is not (or is 0), so the engine would run with no disk tier; set "
+                    "disk_gib to the disk tier's size in GiB (total across tensor-parallel ranks, e.g. 100) or "
+                    "remove disk_path")]
+
+
+NODE_SIZE_TOLERANCE = 0.05
+"""Share by which a live pool's capacity may differ from ``node_gib`` unremarked: the owner keeps its
+index and page table in the pool file, so a 1 GiB pool (256 KiB pages) holds 0.998 GiB of pages."""
+
+
+def node_pool_size_problems(entries: list[tuple[str, dict[str, Any]]], deadline_s: float) -> list[Problem]:
+    """A warning per KVTierConnector whose ``node_gib`` differs from the size of the live pool behind
+    its ``node_socket`` (the owner's ``STATS`` reply, ``capacity_bytes``) by more than
+    :data:`NODE_SIZE_TOLERANCE`: ``node_gib`` is what ``kvtier size``, ``check`` and ``audit`` believe
+    (docs/node.md), the owner's ``--node-gib`` what the engines get.  No warning without
+    ``node_gib``, or when the owner does not answer within ``deadline_s`` (the probe says so).
+
+    Args:
+        entries: ``(key prefix, connector dict)`` of each KVTierConnector (``preflight.kvtier_entries``).
+    """
+    from kvtier.core.tiers.node import protocol
+    from kvtier.core.tiers.node.blobs import open_blobs
+    from kvtier.core.tiers.node.client import NodeUnavailable
+
+    out: list[Problem] = []
+    for prefix, entry in entries:
+        extra = entry.get("kv_connector_extra_config")
+        try:
+            config = KVTierConfig.from_dict(extra if isinstance(extra, dict) else {})
+        except ConfigError:
+            continue
+        node = node_settings(config)
+        store = open_blobs(config, deadline_s) if node.node_gib > 0 and NODE_TIER in config.tiers else None
+        if store is None:
+            continue
+        try:
+            reply = store.client.call(protocol.Stats())[0]
+        except (NodeUnavailable, OSError):  # an owner that does not answer is the probe's to report
+            continue
+        finally:
+            store.close()
+        if not isinstance(reply, protocol.StatsReply):
+            continue
+        said = node.node_gib * GiB
+        if abs(reply.capacity_bytes - said) > NODE_SIZE_TOLERANCE * max(said, reply.capacity_bytes):
+            out.append(Problem("warning", f"{prefix}kv_connector_extra_config.node_gib",
+                               f"node_gib={node.node_gib:g} but the pool at {node.node_socket} holds "
+                               f"{reply.capacity_bytes / GiB:.3g} GiB (its owner's --node-gib); set node_gib to the "
+                               "owner's --node-gib, which kvtier size, check and audit go by"))
+    return out
 
 
 def on_tmpfs(path: Path) -> bool:

@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers.breaker import BreakerState, CircuitBreaker
 from kvtier.core.tiers.guarded import GuardedTier
@@ -23,12 +24,22 @@ if TYPE_CHECKING:
 
 
 def check(config: KVTierConfig) -> list[tuple[str, str]]:
-    """The owner's socket, read as start-up would: ``(config key, sentence)`` when it is not a
-    socket.  A missing one is not refused (engines start before their owner and re-attach)."""
+    """The owner's socket and the shared secret, read as start-up would: ``(config key, sentence)``
+    when the socket is not one, or the secret file cannot be read (:func:`shared_secret`, as
+    :func:`from_config` reads it).  A missing socket is not refused (engines start before their owner
+    and re-attach)."""
     settings = node_settings(config)
     path = settings.node_socket
     if not path:
         return []
+    try:
+        shared_secret(config)
+    except ConfigError as exc:
+        return [("shared_secret_file", str(exc)), *_socket_problems(path)]
+    return _socket_problems(path)
+
+
+def _socket_problems(path: str) -> list[tuple[str, str]]:
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:

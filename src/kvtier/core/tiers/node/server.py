@@ -63,17 +63,28 @@ class ServeOptions(NamedTuple):
     max_clients: int = 256
 
 
-def lock_pool(pool: Path) -> int:
+def lock_path(pool: Path) -> Path:
+    """The lock file of ``pool``: ``<pool>.lock`` beside it."""
+    return pool.with_name(pool.name + ".lock")
+
+
+def lock_pool(pool: Path) -> tuple[int, bool]:
     """An exclusive ``flock`` on ``<pool>.lock`` (taken before the pool is touched, so a second owner
-    started by mistake never recreates a live owner's pool); the lock's fd.  The kernel drops it
-    when the owner dies.
+    started by mistake never recreates a live owner's pool); the lock's fd, and whether this call
+    created the file (a start refused later removes it: a refusal leaves nothing it created).  The
+    kernel drops the lock when the owner dies.
 
     Raises:
         UserError: another owner holds it, or it cannot be created (one sentence).
     """
-    path = pool.with_name(pool.name + ".lock")
+    path = lock_path(pool)
+    created = False
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            created = True
+        except FileExistsError:
+            fd = os.open(path, os.O_RDWR)
     except OSError as exc:
         raise UserError(f"cannot create the pool's lock file {path} ({exc.strerror}); check --pool's directory "
                         "permissions") from None
@@ -81,9 +92,11 @@ def lock_pool(pool: Path) -> int:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
+        if created:  # not reached in practice: a file this call created has no other holder
+            path.unlink(missing_ok=True)
         raise UserError(f"another kvtier node owner serves the pool {pool}; stop it first or give another "
                         "--pool") from None
-    return fd
+    return fd, created
 
 
 def take_pool(opts: ServeOptions) -> Pool:
@@ -236,9 +249,15 @@ def claim_socket(path: Path) -> None:
 
 
 async def _serve(opts: ServeOptions, ready: asyncio.Event | None = None) -> None:
-    lock = lock_pool(opts.pool)
-    claim_socket(opts.socket)
-    pool = take_pool(opts)
+    lock, created = lock_pool(opts.pool)
+    try:
+        claim_socket(opts.socket)
+        pool = take_pool(opts)
+    except BaseException:
+        if created:  # a refused start leaves nothing it created (the pool's lock file; take_pool's own)
+            lock_path(opts.pool).unlink(missing_ok=True)
+        os.close(lock)
+        raise
     owner = Owner(pool, opts)
     server = await asyncio.start_unix_server(owner.connection, path=str(opts.socket))
     os.chmod(opts.socket, 0o660)

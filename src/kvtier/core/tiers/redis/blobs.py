@@ -123,6 +123,7 @@ class RedisBlobs:
             raise
         except (redis.RedisError, redis.exceptions.RedisClusterException, OSError) as exc:  # a Cluster seed
             # that does not answer, or a node that is not in Cluster mode
+            self._refuse_auth(exc)
             raise StorageFailed(self._unreached((str(exc).strip().splitlines() or [exc.__class__.__name__])[0])) \
                 from None
         if not self._checked:
@@ -134,6 +135,22 @@ class RedisBlobs:
                                 "every primary is purged")
             self._checked = True
         return client
+
+    def _refuse_auth(self, exc: BaseException) -> None:
+        """A refused or missing password, said as ``kvtier check`` says it
+        (:func:`kvtier.core.tiers.redis.failure.classify`: "auth failed"), with the flags that give it.
+
+        Raises:
+            UserError: when ``exc`` is the server refusing the credentials (the caller's to fix, not a
+                failure of the server); else returns.
+        """
+        from kvtier.core.tiers.redis.failure import classify
+
+        state, detail = classify(exc, self.settings)
+        if state == "auth failed":
+            raise UserError(f"authentication failed at the Redis server at {self.where} ({detail}); give the "
+                            "password the engines use with --redis-password-env VAR or --redis-password-file FILE") \
+                from None
 
     def _unreached(self, detail: str) -> str:
         return (f"the Redis server at {self.where} could not be reached for the purge ({detail}); check "
@@ -148,6 +165,7 @@ class RedisBlobs:
         try:
             yield
         except (redis.RedisError, redis.exceptions.RedisClusterException, OSError) as exc:
+            self._refuse_auth(exc)
             raise StorageFailed(f"the Redis server at {self.where} did not answer the purge "
                                 f"({exc.__class__.__name__}: {exc}); check --redis-url, the password and that the "
                                 "server is up") from None
