@@ -62,7 +62,7 @@ def _list_presets() -> None:
     Console().print(table)
 
 
-def _print_text(report, recipe, weights_note: str) -> None:  # type: ignore[no-untyped-def]
+def _print_text(report, recipe, weights_note: str, chosen: bool = False) -> None:  # type: ignore[no-untyped-def]
     from rich.console import Console
     from rich.table import Table
 
@@ -115,8 +115,8 @@ def _print_text(report, recipe, weights_note: str) -> None:  # type: ignore[no-u
         value = ("offload not needed" if not report.offload_needed else f"{report.recommended_offload_gib:,.2f} GiB")
         if report.offload_no_room:
             value = f"needed, no room: {report.offload_no_room}"
-        rows.append(("recommended offload tiers (total)", value))
-        if report.offload_needed:
+        rows.append(("offload tiers (total, --offload-gib)" if chosen else "recommended offload tiers (total)", value))
+        if report.offload_needed and report.offload_no_room is None:
             staging = " (staging only)" if report.cpu_staging else ""
             rows.append(("  cpu tier / disk tier", f"{report.cpu_gib or 0:,.2f}{staging} / {report.disk_gib or 0:,.2f} GiB"))
     if report.predicted_hits:
@@ -252,11 +252,12 @@ def _size(
     asked = None
     if offload_gib is not None and offload_gib > 0:
         split = split_tier(offload_gib, host_ram_gib, dep.reserve_gib, tp)
+        _chosen_tier(report, offload_gib, split.cpu_gib, split.disk_gib)
         report.notes.extend(split.notes)
         asked = offload_gib
         recipe = build_recipe(served, tp, split.cpu_gib, split.disk_gib, disk_path, chunk_tokens, redis_url, store,
                               others)
-    elif report.offload_needed:
+    elif report.offload_needed and report.offload_no_room is None:
         asked = (report.cpu_gib or 0.0) + (report.disk_gib or 0.0)
         recipe = build_recipe(served, tp, report.cpu_gib or 0.0, report.disk_gib or 0.0, disk_path, chunk_tokens,
                               redis_url, store, others)
@@ -287,7 +288,21 @@ def _size(
         payload["recipe"] = recipe.to_json() if recipe else None
         print(json.dumps(payload, indent=2))
     else:
-        _print_text(report, recipe, note)
+        _print_text(report, recipe, note, chosen=offload_gib is not None and offload_gib > 0)
+
+
+def _chosen_tier(report: SizeReport, offload_gib: float, cpu_gib: float, disk_gib: float) -> None:
+    """``--offload-gib`` is the operator's choice: the report's tiers (table, JSON) become it, as the
+    recipes do, and a note keeps the size the workload alone would need."""
+    workload = report.recommended_offload_gib
+    if workload is not None:
+        needs = ("no offload tier" if not report.offload_needed else
+                 "a tier, but the host leaves no room for one" if report.offload_no_room else f"{workload:,.2f} GiB")
+        report.notes.append(f"The tiers are the {offload_gib:,.2f} GiB --offload-gib chose; the workload alone "
+                            f"would need {needs}.")
+    report.recommended_offload_gib = round(offload_gib, 2)
+    report.cpu_gib, report.disk_gib, report.cpu_staging = cpu_gib, disk_gib, False
+    report.offload_no_room = None
 
 
 def _compress_disk(report: SizeReport, ratio: CompressionRatio) -> None:

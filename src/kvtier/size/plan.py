@@ -152,6 +152,8 @@ class SizeReport:
 
     @property
     def offload_needed(self) -> bool | None:
+        if self.offload_no_room is not None:  # needed, though the host leaves no tier worth its DRAM
+            return True
         if self.recommended_offload_gib is None:
             return None
         return self.recommended_offload_gib > 0
