@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from kvtier.cli.errors import fail, flag_names
+from kvtier.cli.size_audit import audit_notes
 from kvtier.cli.tierflags import build, given, option, refuse_stray, targets
 from kvtier.core.errors import UserError
 from kvtier.core.toolflags import ToolFlag, tool_flags
@@ -256,11 +257,12 @@ def _size(
         report.notes.extend(split.notes)
         asked = offload_gib
         recipe = build_recipe(served, tp, split.cpu_gib, split.disk_gib, disk_path, chunk_tokens, redis_url, store,
-                              others)
+                              others, gpu_memory_utilization, hybrid=len(report.groups) > 1)
     elif report.offload_needed and report.offload_no_room is None:
         asked = (report.cpu_gib or 0.0) + (report.disk_gib or 0.0)
         recipe = build_recipe(served, tp, report.cpu_gib or 0.0, report.disk_gib or 0.0, disk_path, chunk_tokens,
-                              redis_url, store, others)
+                              redis_url, store, others, gpu_memory_utilization, report.cpu_staging,
+                              len(report.groups) > 1)
     if recipe is not None:
         if served != model:
             report.notes.append(f"The configs serve {served}, the directory of --model {model}: vllm serve takes a "
@@ -271,6 +273,7 @@ def _size(
             report.notes.append(f"The configs give {recipe.cpu_gib:,} GiB (cpu tier) + {recipe.disk_gib:,} GiB (disk "
                                 f"tier) = {total:,} GiB: the {asked:,.2f} GiB above rounded up to whole GiB{per_rank}.")
         report.notes.extend(chunk_notes(chunk_tokens))
+        report.notes.extend(audit_notes(recipe, found_gpu.name if found_gpu is not None else None))
     elif offload_gib is not None:  # --offload-gib 0: the size chosen is no tier
         report.notes.append("--offload-gib 0 asks for no offload tier, so there is no config to print.")
     elif report.recommended_offload_gib is None:
