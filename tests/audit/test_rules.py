@@ -109,6 +109,9 @@ CASES: dict[str, tuple[tuple[str, str | None], tuple[str, str | None]]] = {
                                         ("vllm serve m --no-enable-prefix-caching", V)),
     "kv-transfer-config-invalid": (("vllm serve m --kv-transfer-config '{bad'", V),
                                    (f"vllm serve m {ktc('NixlConnector')}", V)),
+    "shell-variable-unresolved": (('vllm serve m --kv-transfer-config "$CONFIG"', V),
+                                  (("CONFIG='{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_both\"}'\n"
+                                   'vllm serve m --kv-transfer-config "$CONFIG"'), V)),
     "kv-transfer-config-dotted": ((kvtier_line() + " --kv-transfer-config.kv_connector_extra_config.cpu_gib=2", V),
                                   (kvtier_line(cpu_gib=2), V)),
     "kv-role-missing": (("""vllm serve m --kv-transfer-config '{"kv_connector":"NixlConnector"}'""", V),

@@ -105,6 +105,7 @@ class ServeConfig:
             shell line): install steps such as ``pip install kvtier`` are looked for in it.
         pod: the pod around the container, when read from a Kubernetes manifest; None otherwise.
         gpu: the GPU the server runs on (a ``kvtier size --gpu`` name, from ``kvtier audit --gpu``), if known.
+        unresolved: shell variables (``$NAME``) in the vLLM arguments whose value the input does not give.
     """
 
     origin: str
@@ -117,6 +118,7 @@ class ServeConfig:
     launch: str = ""
     pod: PodFacts | None = None
     gpu: str | None = None
+    unresolved: list[str] = field(default_factory=list)
 
     # --- flags -----------------------------------------------------------------------------
     def has(self, flag: str) -> bool:

@@ -5,7 +5,11 @@ as in a shell).  ``export K=V`` lines, ``K=V`` prefixes and ``docker run -e K=V`
 environment; ``vllm serve`` (or ``python -m vllm.entrypoints.openai.api_server``, or the arguments
 after a ``vllm-openai`` image in ``docker run``) starts the vLLM arguments.  Dotted flags
 (``--kv-transfer-config.kv_role=kv_both``, ``--kv-transfer-config.kv_role kv_both``) are kept as
-flags of that name; :mod:`kvtier.audit.dotted` merges them as vLLM does.
+flags of that name; :mod:`kvtier.audit.dotted` merges them as vLLM does.  ``$NAME`` / ``${NAME}`` in
+the vLLM arguments are expanded from simple assignments earlier in the snippet (``NAME='…'``,
+``NAME="…"``, ``export NAME=…``: the quick start's ``CONFIG='{…}'`` then ``--kv-transfer-config
+"$CONFIG"``); a variable the snippet does not assign is kept as written and named in
+:attr:`ServeConfig.unresolved` (rule ``shell-variable-unresolved``).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from kvtier.core.errors import UserError
 
 _ASSIGN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 _STOP = {"&&", "||", ";", "|", "&"}
+_VARIABLE = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
 
 BOOL_FLAGS = frozenset({
     "--enable-prefix-caching", "--no-enable-prefix-caching", "--enforce-eager", "--no-enforce-eager",
@@ -117,8 +122,24 @@ def parse_command(text: str, origin: str) -> ServeConfig:
         i += 1
     if start is None:
         raise UserError(f"{origin} holds no `vllm serve` command, vLLM image or KEY=VALUE lines to audit.")
-    parse_vllm_args(words[start:], config)
+    parse_vllm_args(_expand(words[start:], config), config)
     return config
+
+
+def _expand(words: list[str], config: ServeConfig) -> list[str]:
+    """``words`` with each ``$NAME`` / ``${NAME}`` replaced by the value the snippet assigned to NAME
+    (``config.env``, read before the serve words); the names it does not assign are added to
+    ``config.unresolved`` and left as written."""
+
+    def value(match: re.Match[str]) -> str:
+        name = match.group(1) or match.group(2)
+        if name in config.env:
+            return config.env[name]
+        if name not in config.unresolved:
+            config.unresolved.append(name)
+        return match.group(0)
+
+    return [_VARIABLE.sub(value, word) for word in words]
 
 
 def parse_env_file(text: str, origin: str) -> ServeConfig:
