@@ -202,3 +202,16 @@ def test_a_variable_the_script_does_not_assign_is_a_note_not_an_error():
     export = "export CONFIG=not-json\nvllm serve m --kv-transfer-config ${CONFIG}\n"  # assigned: judged as the value
     result = CliRunner().invoke(app, ["audit", "-", "--vllm-version", "0.32.0", "--format", "json"], input=export)
     assert result.exit_code == 1 and "'not-json' does not parse" in result.stdout
+
+
+def test_a_dockerfile_built_on_the_vllm_image_holds_no_serve_line_to_audit():
+    from typer.testing import CliRunner
+
+    from kvtier.cli.main import app
+
+    dockerfile = Path(__file__).resolve().parents[2] / "deploy" / "Dockerfile"
+    result = CliRunner().invoke(app, ["audit", str(dockerfile)])
+    assert result.exit_code == 2, result.output
+    assert "No findings" not in result.output
+    assert "holds no vLLM serve line to audit (FROM vllm/vllm-openai:" in " ".join(result.output.split())
+    assert "Traceback" not in result.output

@@ -96,6 +96,7 @@ def parse_command(text: str, origin: str) -> ServeConfig:
     words = _split(text, origin)
     config = ServeConfig(origin=origin, text=text, launch=text)
     start: int | None = None
+    built_on: str | None = None
     i = 0
     while i < len(words):
         word = words[i]
@@ -113,6 +114,8 @@ def parse_command(text: str, origin: str) -> ServeConfig:
         elif word == "serve" and i > 0 and words[i - 1].rsplit("/", 1)[-1] == "vllm" or word == "vllm.entrypoints.openai.api_server":
             start = i + 1
             break
+        elif "vllm-openai" in word and not word.startswith("-") and i > 0 and words[i - 1].upper() == "FROM":
+            built_on = word  # a Dockerfile's base image: it builds an image, it runs no server
         elif "vllm-openai" in word and not word.startswith("-"):
             config.image = word
             start = i + 1
@@ -120,6 +123,9 @@ def parse_command(text: str, origin: str) -> ServeConfig:
                 start += 1
             break
         i += 1
+    if start is None and built_on is not None:
+        raise UserError(f"{origin} holds no vLLM serve line to audit (FROM {built_on} builds an image, it starts no "
+                        "server); audit the command, compose file or manifest that runs the image.")
     if start is None:
         raise UserError(f"{origin} holds no `vllm serve` command, vLLM image or KEY=VALUE lines to audit.")
     parse_vllm_args(_expand(words[start:], config), config)
