@@ -56,6 +56,8 @@ class MountFacts:
             the PersistentVolumeClaim (a ``volumeClaimTemplates`` entry, an ephemeral volume's template or
             a PersistentVolumeClaim in the same file); None when unknown or unbounded.
         size_source: where ``size_gib`` came from, for messages (e.g. ``emptyDir sizeLimit 8Gi``).
+        name: the mount's ``name``; bound: whether a ``volumes`` entry or a ``volumeClaimTemplates``
+            entry of the pod has that name (Kubernetes refuses a mount of no volume).
     """
 
     path: str
@@ -63,6 +65,8 @@ class MountFacts:
     medium: str | None = None
     size_gib: float | None = None
     size_source: str = ""
+    name: str = ""
+    bound: bool = True
 
 
 @dataclass(frozen=True)
