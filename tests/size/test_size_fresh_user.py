@@ -138,3 +138,19 @@ def test_json_and_text_agree_offload_is_needed_when_the_host_has_no_room():
     assert data["offload_needed"] is True
     assert data["offload_no_room"].startswith("host RAM 64 GiB ≤ reserve 128 GiB")
     assert data["recipe"] is None  # no tier to configure: no 0 GiB recipe
+
+
+def test_the_readmes_size_line_prints_what_its_comment_promises():
+    import shlex
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    lines = [ln for ln in readme.splitlines() if ln.startswith("kvtier size ") and "#" in ln]
+    assert lines
+    for line in lines:
+        command, comment = line.split("#", 1)
+        text = " ".join(run(*shlex.split(command)[1:]).output.split())
+        if "HBM budget" in comment:
+            assert "HBM KV budget" in text, line
+        if "tier size" in comment:
+            assert re.search(r"recommended offload tiers \(total\) │ [\d,.]+ GiB", text), (line, text)
