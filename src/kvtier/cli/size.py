@@ -301,8 +301,11 @@ def _chosen_tier(report: SizeReport, offload_gib: float, cpu_gib: float, disk_gi
     if workload is not None:
         needs = ("no offload tier" if not report.offload_needed else
                  "a tier, but the host leaves no room for one" if report.offload_no_room else f"{workload:,.2f} GiB")
-        report.notes.append(f"The tiers are the {offload_gib:,.2f} GiB --offload-gib chose; the workload alone "
-                            f"would need {needs}.")
+        at = report.recommendation_notes_at
+        report.notes.insert(len(report.notes) if at is None else at,
+                            f"The tiers are the {offload_gib:,.2f} GiB --offload-gib chose; the workload alone "
+                            f"would need {needs}" + (", recommended as the next notes say." if at is not None and
+                                                     at < len(report.notes) else "."))
     report.recommended_offload_gib = round(offload_gib, 2)
     report.cpu_gib, report.disk_gib, report.cpu_staging = cpu_gib, disk_gib, False
     report.offload_no_room = None

@@ -155,6 +155,8 @@ class SizeReport:
     predicted_hits: dict[str, float] | None = None
     offload_no_room: str | None = None
     """Why no tier is recommended although the warm set exceeds the engine's KV cache (None: not that case)."""
+    recommendation_notes_at: int | None = None
+    """Index in ``notes`` of the first note about the recommended tiers (None: none recommended); not in JSON."""
 
     @property
     def offload_needed(self) -> bool | None:
@@ -333,6 +335,7 @@ def _recommend(report: SizeReport, budget: int, dep: Deployment, warm_bytes: int
     slower = disk_slower_than_prefill(report.kv_bytes_per_token, rates or Throughputs())
     tiers = plan_tiers(warm_bytes / GIB, budget / GIB, dram, nvme, curve, chunk_bytes, slower)
     report.recommended_offload_gib = round(tiers.offload_gib, 2)
+    report.recommendation_notes_at = len(report.notes)
     report.notes.extend(tiers.notes)
     if tiers.hits is not None:
         report.predicted_hits = asdict(tiers.hits)
