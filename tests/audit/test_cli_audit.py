@@ -157,3 +157,61 @@ def test_every_rule_count_in_the_docs_is_the_registrys():
             if int(n) != len(RULES):
                 stale.append(f"{path.relative_to(ROOT)}: {n} rules")
     assert stale == [], f"the registry has {len(RULES)} rules: {stale}"
+
+
+def _quickstart_serve_script() -> str:
+    """Steps 2 and 3 of docs/quickstart.md as written: CONFIG='{…}' then --kv-transfer-config "$CONFIG"."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "quickstart.md").read_text()
+    start = text.index("CONFIG='{")
+    end = text.index("SERVER=$!", start)
+    return text[start:end]
+
+
+def test_the_quick_starts_serve_script_audits_with_its_config_variable_expanded(tmp_path):
+    from typer.testing import CliRunner
+
+    from kvtier.cli.main import app
+
+    script = tmp_path / "serve.sh"
+    script.write_text(_quickstart_serve_script())
+    result = CliRunner().invoke(app, ["audit", str(script), "--vllm-version", "0.32.0", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    rules = {f["rule"] for f in json.loads(result.stdout)["findings"]}
+    assert "kv-transfer-config-invalid" not in rules and "shell-variable-unresolved" not in rules, rules
+    # the JSON was read: a kvtier rule that needs the connector's config sees it
+    from kvtier.audit.loader import load_configs
+
+    (config,) = load_configs(script.read_text(), "serve.sh")
+    assert config.kv_transfer_config["kv_connector_extra_config"]["disk_gib"] == 2
+
+
+def test_a_variable_the_script_does_not_assign_is_a_note_not_an_error():
+    from typer.testing import CliRunner
+
+    from kvtier.cli.main import app
+
+    line = 'vllm serve m --kv-transfer-config "$CONFIG"\n'
+    result = CliRunner().invoke(app, ["audit", "-", "--vllm-version", "0.32.0", "--format", "json"], input=line)
+    assert result.exit_code == 0, result.output
+    found = {f["rule"]: f for f in json.loads(result.stdout)["findings"]}
+    assert "kv-transfer-config-invalid" not in found
+    assert found["shell-variable-unresolved"]["severity"] == "info"
+    assert "cannot see the value of $CONFIG" in found["shell-variable-unresolved"]["message"]
+    export = "export CONFIG=not-json\nvllm serve m --kv-transfer-config ${CONFIG}\n"  # assigned: judged as the value
+    result = CliRunner().invoke(app, ["audit", "-", "--vllm-version", "0.32.0", "--format", "json"], input=export)
+    assert result.exit_code == 1 and "'not-json' does not parse" in result.stdout
+
+
+def test_a_dockerfile_built_on_the_vllm_image_holds_no_serve_line_to_audit():
+    from typer.testing import CliRunner
+
+    from kvtier.cli.main import app
+
+    dockerfile = Path(__file__).resolve().parents[2] / "deploy" / "Dockerfile"
+    result = CliRunner().invoke(app, ["audit", str(dockerfile)])
+    assert result.exit_code == 2, result.output
+    assert "No findings" not in result.output
+    assert "holds no vLLM serve line to audit (FROM vllm/vllm-openai:" in " ".join(result.output.split())
+    assert "Traceback" not in result.output

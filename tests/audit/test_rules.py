@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from pathlib import Path
 
 import pytest
 import yaml
@@ -78,6 +79,8 @@ GEMMA = "vllm serve google/gemma-3-27b-it"
 KV_PINNED = f"vllm serve m -tp 2 --kv-cache-memory-bytes {100 << 30}"
 LLAMA70 = "vllm serve meta-llama/Llama-3.1-70B --tensor-parallel-size 8"
 V = "0.32.0"
+_LOCAL_TIERS = (Path(__file__).resolve().parents[2] / "deploy" / "kubernetes" / "local-tiers" / "vllm.yaml").read_text()
+"""The local-tiers StatefulSet as shipped (its disk volume from volumeClaimTemplates)."""
 
 # rule id: ((firing text, version), (quiet text, version)); version None means unknown.
 CASES: dict[str, tuple[tuple[str, str | None], tuple[str, str | None]]] = {
@@ -109,6 +112,9 @@ CASES: dict[str, tuple[tuple[str, str | None], tuple[str, str | None]]] = {
                                         ("vllm serve m --no-enable-prefix-caching", V)),
     "kv-transfer-config-invalid": (("vllm serve m --kv-transfer-config '{bad'", V),
                                    (f"vllm serve m {ktc('NixlConnector')}", V)),
+    "shell-variable-unresolved": (('vllm serve m --kv-transfer-config "$CONFIG"', V),
+                                  (("CONFIG='{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_both\"}'\n"
+                                   'vllm serve m --kv-transfer-config "$CONFIG"'), V)),
     "kv-transfer-config-dotted": ((kvtier_line() + " --kv-transfer-config.kv_connector_extra_config.cpu_gib=2", V),
                                   (kvtier_line(cpu_gib=2), V)),
     "kv-role-missing": (("""vllm serve m --kv-transfer-config '{"kv_connector":"NixlConnector"}'""", V),
@@ -212,6 +218,8 @@ CASES: dict[str, tuple[tuple[str, str | None], tuple[str, str | None]]] = {
     "kvtier-no-shutdown-timeout": ((pod(timeout=None), V), (pod(), V)),
     "kvtier-grace-period-too-short": ((pod(grace=45), V), (pod(grace=60), V)),
     "kvtier-disk-path-not-on-volume": ((pod(mount="/var/cache/kvtier"), V), (pod(), V)),
+    "volume-mount-without-volume": ((_LOCAL_TIERS.replace("volumeClaimTemplates:", "volumeClaimTemplate:"), V),
+                                    (_LOCAL_TIERS, V)),
     "kvtier-worker-shutdown-timeout-short": ((pod(worker_s="5"), V), (pod(), V)),
     "kvtier-unsupported-vllm": ((pod(image="registry.example.com/kvtier-vllm:v0.35.0-kvtier0.1.0"), None),
                                 (pod(), None)),

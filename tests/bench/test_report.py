@@ -106,3 +106,16 @@ def test_cdf_title_and_legend_agree_with_the_table(tmp_path):
     table_p50 = result.arms[0].spreads()["ttft_p50_s"].median
     assert table_p50 == pytest.approx(0.04)
     assert labels["kvtier"] == "kvtier (TTFT p50 40 ms, median of 2 runs; n=24)"
+
+
+def test_the_table_is_never_cut_when_stdout_is_not_a_terminal(result, capsys, monkeypatch):
+    """Piped (not a tty, no COLUMNS): rich's 80 columns cut cells ('baseli…', '120 ms (0.59…'); every
+    cell is printed whole."""
+    for name in ("COLUMNS", "LINES", "TERM"):
+        monkeypatch.delenv(name, raising=False)
+    print_table(result)
+    table = capsys.readouterr().out
+    assert "…" not in table
+    for row in rows(result):
+        for cell in row.cells:
+            assert cell in table, cell

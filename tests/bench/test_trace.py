@@ -162,3 +162,19 @@ def test_returning_only_keeps_conversations_that_come_back(window):
         w = trace_workload(records, TOKENS, tokens_per_block=64)
         return sum(q.shared_prefix_tokens for q in w.requests) / w.num_prompt_tokens
     assert shared_share(kept) > 2 * shared_share(window)
+
+
+def test_an_empty_trace_file_says_the_file_holds_no_requests(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(WorkloadError, match="holds no requests") as raised:
+        load_trace(empty)
+    assert "lower --start" not in str(raised.value) and "trace file" in str(raised.value)
+    from typer.testing import CliRunner
+
+    from kvtier.cli.main import app
+
+    result = CliRunner().invoke(app, ["bench", "run", "--url", "http://127.0.0.1:9", "--workload", "trace",
+                                      "--trace", str(empty)])
+    assert result.exit_code == 2, result.output
+    assert "holds no requests" in result.output and "lower --start" not in result.output

@@ -37,3 +37,20 @@ def test_version_prints_the_installed_package_version():
                           check=False, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == f"kvtier {version('kvtier')}"
+
+
+def test_every_kvtier_demo_command_in_the_docs_uses_only_options_demo_has():
+    """docs/benchmarks.md gave `kvtier demo --geometry mid`; demo has no --geometry (its options: --help)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    demo = typer.main.get_command(app).commands["demo"]  # type: ignore[attr-defined]
+    known = {opt for param in demo.params for opt in (*param.opts, *param.secondary_opts)}
+    found = 0
+    for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for command in re.findall(r"kvtier demo((?: +--?[\w-]+(?:[ =][^\s`|)-][^\s`|)]*)?)*)", doc.read_text()):
+            found += 1
+            flags = re.findall(r"(--?[\w-]+)", command)
+            assert set(flags) <= known, (doc.name, command, sorted(known))
+    assert found > 0

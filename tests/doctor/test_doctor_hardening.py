@@ -188,3 +188,20 @@ def test_the_sample_output_in_docs_doctor_md_is_the_commands():
                                **({"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {})})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == shown
+
+
+def test_file_mode_advice_fits_file_mode(tmp_path):
+    """--interval is refused with --from-files, so an inconclusive reading of two files says to record them
+    further apart; a file that is not Prometheus text is not asked whether it is a URL."""
+    same = doctor("--from-files", str(DATA / "before.txt"), str(DATA / "before.txt"), "--json")
+    assert same.returncode == 0, same.stderr
+    messages = " ".join(c["message"] for c in json.loads(same.stdout)["checks"])
+    assert "No prompt tokens between the scrapes" in messages
+    assert "--interval" in messages and "use a longer --interval" not in messages
+    assert "record the two snapshots further apart" in messages
+    bad = tmp_path / "bad.txt"
+    bad.write_text("this is { not prometheus\n")
+    proc = doctor("--from-files", str(bad), str(DATA / "after.txt"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "is not Prometheus text" in proc.stderr and "/metrics URL" not in proc.stderr
+    assert "curl -s http://HOST:PORT/metrics > FILE" in proc.stderr

@@ -83,3 +83,48 @@ def test_a_disk_tier_recipe_gives_the_workers_time_to_flush_and_audits_clean():
     assert {(f.rule, f.severity) for f in findings} <= {("cpu-tier-vs-engine-cache-unknown", "info")}, findings
     no_disk = size("--model", "Qwen/Qwen3-8B", "--offload-gib", "10")["recipe"]
     assert no_disk["kvtier"].startswith("vllm serve ")
+
+
+_VERSIONS = ("0.32.0", "0.33.0", "0.34.0")  # kvtier's supported releases (compat.CHECKED_RELEASES)
+_GRID = [
+    # model, TP, GPU, workload, host RAM / NVMe
+    ("meta-llama/Llama-3.1-8B", "1", "H100", ("--context", "32768", "--sessions", "100"), ()),
+    ("meta-llama/Llama-3.1-8B", "1", "H100", ("--context", "32768", "--sessions", "100"),
+     ("--host-ram-gib", "64", "--nvme-gib", "2000", "--disk-gb-per-s", "14")),
+    ("meta-llama/Llama-3.1-8B", "1", "H100", ("--context", "8192", "--sessions", "50"), ("--host-ram-gib", "512")),
+    ("meta-llama/Llama-3.1-70B", "8", "H200", ("--context", "32768", "--trace", "bundled"),
+     ("--host-ram-gib", "2048", "--nvme-gib", "13970", "--disk-gb-per-s", "14")),
+    ("meta-llama/Llama-3.1-70B-Instruct", "4", "H100", ("--context", "32768", "--sessions", "200"),
+     ("--host-ram-gib", "256", "--nvme-gib", "4000", "--disk-gb-per-s", "14")),
+    ("Qwen/Qwen3-32B", "2", "H100", ("--context", "32768", "--sessions", "200"), ("--host-ram-gib", "1024")),
+    ("deepseek-ai/DeepSeek-V2-Lite-Chat", "1", "H200", ("--context", "65536", "--sessions", "300"),
+     ("--host-ram-gib", "128", "--nvme-gib", "8000", "--disk-gb-per-s", "28")),
+    ("google/gemma-3-27b-it", "2", "B200", ("--context", "32768", "--sessions", "500"), ("--host-ram-gib", "768")),
+]
+
+
+@pytest.mark.parametrize("model,tp,gpu,workload,host", _GRID)
+def test_every_recipe_size_prints_audits_clean_on_every_supported_vllm(model, tp, gpu, workload, host):
+    """docs/size.md says size's lines are clean under ``kvtier audit --gpu``: every serve line of every
+    recipe (kvtier, vLLM native, LMCache), on every supported release, has no warning or error."""
+    report = size("--model", model, "--tp", tp, "--gpu", gpu, *workload, *host)
+    recipe = report["recipe"]
+    assert recipe is not None, report["notes"]
+    lines = [recipe[k] for k in ("kvtier", "vllm_native", "lmcache") if "vllm serve" in recipe[k]]
+    assert lines and "vllm serve" in recipe["kvtier"]
+    for version in _VERSIONS:
+        for text in lines:
+            audited = runner.invoke(app, ["audit", "-", "--gpu", gpu, "--vllm-version", version, "--format", "json"],
+                                    input=text)
+            assert audited.exit_code == 0, audited.output
+            findings = [f for f in json.loads(audited.stdout)["findings"] if f["severity"] in ("warning", "error")]
+            assert findings == [], (version, text, findings)
+    assert not [n for n in report["notes"] if n.startswith("kvtier audit")], report["notes"]
+
+
+def test_a_recipe_the_audit_would_flag_says_so_in_the_notes():
+    """A tier the operator chose below the engine's KV cache: size prints the audit's warning as a note."""
+    notes = size("--model", "meta-llama/Llama-3.1-8B", "--gpu", "H100", "--offload-gib", "10")["notes"]
+    flagged = [n for n in notes if n.startswith("kvtier audit --vllm-version 0.32.0/0.33.0/0.34.0 warns")]
+    assert any("cpu-tier-not-above-engine-cache" in n and "kvtier config" in n for n in flagged), notes
+    assert any("vLLM native config" in n for n in flagged), notes

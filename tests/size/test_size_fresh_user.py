@@ -115,3 +115,42 @@ def test_the_recommended_tiers_and_the_configs_agree_on_their_rounding(tmp_path)
             "each of 2 ranks.") in doc["notes"]
     whole = json.loads(run("size", "--model", str(cfg), "--offload-gib", "64", "--tp", "2", "--json").stdout)
     assert whole["recipe"]["cpu_gib"] == 64 and not [n for n in whole["notes"] if n.startswith("The configs give")]
+
+
+def test_offload_gib_is_the_tier_the_table_json_and_recipes_all_give():
+    args = ("size", "--model", "meta-llama/Llama-3.1-8B", "--gpu", "H100", "--offload-gib", "100",
+            "--context", "8192", "--sessions", "50")
+    text = " ".join(run(*args).output.split())
+    assert re.search(r"offload tiers \(total, --offload-gib\) │ 100\.00 GiB", text), text
+    assert "the workload alone would need 57.50 GiB" in text
+    data = json.loads(run(*args, "--json").stdout)
+    assert data["recommended_offload_gib"] == 100 and data["cpu_gib"] == 100 and data["disk_gib"] == 0
+    assert data["recipe"]["cpu_gib"] == 100 and "--kv-offloading-size 100" in data["recipe"]["vllm_native"]
+    assert any("would need 57.50 GiB" in note for note in data["notes"])
+
+
+def test_json_and_text_agree_offload_is_needed_when_the_host_has_no_room():
+    args = ("size", "--model", "meta-llama/Llama-3.1-8B", "--gpu", "H100", "--context", "32768", "--sessions", "100",
+            "--host-ram-gib", "64", "--host-reserve-gib", "128")
+    text = " ".join(run(*args).output.split())
+    assert "needed, no room: host RAM 64 GiB ≤ reserve 128 GiB" in text
+    data = json.loads(run(*args, "--json").stdout)
+    assert data["offload_needed"] is True
+    assert data["offload_no_room"].startswith("host RAM 64 GiB ≤ reserve 128 GiB")
+    assert data["recipe"] is None  # no tier to configure: no 0 GiB recipe
+
+
+def test_the_readmes_size_line_prints_what_its_comment_promises():
+    import shlex
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    lines = [ln for ln in readme.splitlines() if ln.startswith("kvtier size ") and "#" in ln]
+    assert lines
+    for line in lines:
+        command, comment = line.split("#", 1)
+        text = " ".join(run(*shlex.split(command)[1:]).output.split())
+        if "HBM budget" in comment:
+            assert "HBM KV budget" in text, line
+        if "tier size" in comment:
+            assert re.search(r"recommended offload tiers \(total\) │ [\d,.]+ GiB", text), (line, text)

@@ -205,3 +205,13 @@ def test_chunk_tokens_out_of_the_connectors_range_is_refused(tokens):
     assert result.exit_code == 2, result.output
     assert f"--chunk-tokens must be from 1 to 16,777,216 (longer than any model's context), got {int(tokens):,}." \
         in result.output
+
+
+def test_gpu_memory_beyond_any_gpu_is_refused_as_a_unit_mistake():
+    result = run("--model", "meta-llama/Llama-3.1-8B", "--gpu-memory-gib", "81559", "--context", "8192",
+                 "--sessions", "50")
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert "--gpu-memory-gib 81,559 is beyond any GPU" in text and "--gpu-memory-gib 79.65" in text, text
+    assert "Traceback" not in result.output and "HBM KV budget" not in text
+    assert run("--model", "meta-llama/Llama-3.1-8B", "--gpu-memory-gib", "2048").exit_code == 0  # the bound itself

@@ -82,5 +82,7 @@ def mounts(container: dict[str, Any], pod_spec: dict[str, Any], templates: list[
             storage = _claim_storage(claim_templates[name])
             if storage is not None:
                 size, source = quantity_gib(storage), f"volumeClaimTemplates {name} request {storage}"
-        found.append(MountFacts(str(mount["mountPath"]), mount.get("readOnly") is True, medium, size, source))
+        bound = name in volumes or name in claim_templates
+        found.append(MountFacts(str(mount["mountPath"]), mount.get("readOnly") is True, medium, size, source, name,
+                                bound))
     return tuple(found)

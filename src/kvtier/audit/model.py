@@ -56,6 +56,8 @@ class MountFacts:
             the PersistentVolumeClaim (a ``volumeClaimTemplates`` entry, an ephemeral volume's template or
             a PersistentVolumeClaim in the same file); None when unknown or unbounded.
         size_source: where ``size_gib`` came from, for messages (e.g. ``emptyDir sizeLimit 8Gi``).
+        name: the mount's ``name``; bound: whether a ``volumes`` entry or a ``volumeClaimTemplates``
+            entry of the pod has that name (Kubernetes refuses a mount of no volume).
     """
 
     path: str
@@ -63,6 +65,8 @@ class MountFacts:
     medium: str | None = None
     size_gib: float | None = None
     size_source: str = ""
+    name: str = ""
+    bound: bool = True
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,7 @@ class ServeConfig:
             shell line): install steps such as ``pip install kvtier`` are looked for in it.
         pod: the pod around the container, when read from a Kubernetes manifest; None otherwise.
         gpu: the GPU the server runs on (a ``kvtier size --gpu`` name, from ``kvtier audit --gpu``), if known.
+        unresolved: shell variables (``$NAME``) in the vLLM arguments whose value the input does not give.
     """
 
     origin: str
@@ -117,6 +122,7 @@ class ServeConfig:
     launch: str = ""
     pod: PodFacts | None = None
     gpu: str | None = None
+    unresolved: list[str] = field(default_factory=list)
 
     # --- flags -----------------------------------------------------------------------------
     def has(self, flag: str) -> bool:

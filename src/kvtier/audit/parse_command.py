@@ -5,7 +5,11 @@ as in a shell).  ``export K=V`` lines, ``K=V`` prefixes and ``docker run -e K=V`
 environment; ``vllm serve`` (or ``python -m vllm.entrypoints.openai.api_server``, or the arguments
 after a ``vllm-openai`` image in ``docker run``) starts the vLLM arguments.  Dotted flags
 (``--kv-transfer-config.kv_role=kv_both``, ``--kv-transfer-config.kv_role kv_both``) are kept as
-flags of that name; :mod:`kvtier.audit.dotted` merges them as vLLM does.
+flags of that name; :mod:`kvtier.audit.dotted` merges them as vLLM does.  ``$NAME`` / ``${NAME}`` in
+the vLLM arguments are expanded from simple assignments earlier in the snippet (``NAME='…'``,
+``NAME="…"``, ``export NAME=…``: the quick start's ``CONFIG='{…}'`` then ``--kv-transfer-config
+"$CONFIG"``); a variable the snippet does not assign is kept as written and named in
+:attr:`ServeConfig.unresolved` (rule ``shell-variable-unresolved``).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from kvtier.core.errors import UserError
 
 _ASSIGN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 _STOP = {"&&", "||", ";", "|", "&"}
+_VARIABLE = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
 
 BOOL_FLAGS = frozenset({
     "--enable-prefix-caching", "--no-enable-prefix-caching", "--enforce-eager", "--no-enforce-eager",
@@ -91,6 +96,7 @@ def parse_command(text: str, origin: str) -> ServeConfig:
     words = _split(text, origin)
     config = ServeConfig(origin=origin, text=text, launch=text)
     start: int | None = None
+    built_on: str | None = None
     i = 0
     while i < len(words):
         word = words[i]
@@ -108,6 +114,8 @@ def parse_command(text: str, origin: str) -> ServeConfig:
         elif word == "serve" and i > 0 and words[i - 1].rsplit("/", 1)[-1] == "vllm" or word == "vllm.entrypoints.openai.api_server":
             start = i + 1
             break
+        elif "vllm-openai" in word and not word.startswith("-") and i > 0 and words[i - 1].upper() == "FROM":
+            built_on = word  # a Dockerfile's base image: it builds an image, it runs no server
         elif "vllm-openai" in word and not word.startswith("-"):
             config.image = word
             start = i + 1
@@ -115,10 +123,29 @@ def parse_command(text: str, origin: str) -> ServeConfig:
                 start += 1
             break
         i += 1
+    if start is None and built_on is not None:
+        raise UserError(f"{origin} holds no vLLM serve line to audit (FROM {built_on} builds an image, it starts no "
+                        "server); audit the command, compose file or manifest that runs the image.")
     if start is None:
         raise UserError(f"{origin} holds no `vllm serve` command, vLLM image or KEY=VALUE lines to audit.")
-    parse_vllm_args(words[start:], config)
+    parse_vllm_args(_expand(words[start:], config), config)
     return config
+
+
+def _expand(words: list[str], config: ServeConfig) -> list[str]:
+    """``words`` with each ``$NAME`` / ``${NAME}`` replaced by the value the snippet assigned to NAME
+    (``config.env``, read before the serve words); the names it does not assign are added to
+    ``config.unresolved`` and left as written."""
+
+    def value(match: re.Match[str]) -> str:
+        name = match.group(1) or match.group(2)
+        if name in config.env:
+            return config.env[name]
+        if name not in config.unresolved:
+            config.unresolved.append(name)
+        return match.group(0)
+
+    return [_VARIABLE.sub(value, word) for word in words]
 
 
 def parse_env_file(text: str, origin: str) -> ServeConfig:

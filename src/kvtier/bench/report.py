@@ -189,6 +189,11 @@ def restart_rows(result: CompareResult) -> list[Row]:
     return out
 
 
+NOT_A_TERMINAL_WIDTH = 1000
+"""Columns ``bench compare`` prints its tables in when stdout is not a terminal (a pipe, a file): wider than
+any of them, so no cell is cut; each table is as wide as its cells, not this."""
+
+
 def print_table(result: CompareResult) -> None:
     """Print the comparison table, each arm's verdict reason and each failure to the terminal."""
     from rich import box
@@ -197,7 +202,9 @@ def print_table(result: CompareResult) -> None:
     from rich.table import Table
 
     console = Console()
-    console = Console(width=max(console.width, 160))  # the table needs ~155 columns; narrower would cut cells
+    # the table needs ~170 columns; narrower would cut cells ('baseli…'). A terminal gets at least 160; a pipe
+    # or file (rich's 80 columns when not a terminal) gets room for any table, so nothing is ever cut there
+    console = Console(width=max(console.width, 160) if console.is_terminal else NOT_A_TERMINAL_WIDTH)
     runs = f", {result.repeats} runs per arm interleaved, medians" if result.repeats > 1 else ""
     table = Table(title=f"kvtier bench compare: {result.workload.name}, {len(result.workload.requests)} requests"
                   f"{runs} (ratio to baseline in parentheses)", box=box.SIMPLE_HEAVY)

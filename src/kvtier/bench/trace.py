@@ -59,6 +59,9 @@ def load_trace(path: Path, start: int = 0, limit: int | None = None) -> list[Tra
         records = list(iter_records(path, None, start, limit))
     except TraceError as exc:
         raise WorkloadError(str(exc)) from None
+    if not records and start == 0:  # the whole file: nothing to lower
+        raise WorkloadError(f"the trace file {str(path)!r} holds no requests; give a trace with at least one "
+                            "Mooncake record.")
     if not records:
         raise WorkloadError(f"the trace window start={start} limit={limit} of {str(path)!r} holds no requests; "
                             "lower --start")

@@ -135,7 +135,7 @@ def doctor_command(
                                 f"(the live scrapes); --from-files reads recorded texts, so drop "
                                 f"{'them' if len(given) > 1 else 'it'}.")
             texts = [_read_file(path) for path in from_files]
-            before, after = (parse_metrics(t, p) for t, p in zip(texts, from_files, strict=True))
+            before, after = (parse_metrics(t, p, from_file=True) for t, p in zip(texts, from_files, strict=True))
             if recorded_after(before, after):
                 first, second = from_files
                 raise UserError(f"the files are in the wrong order: {first} was recorded after {second} (the same "

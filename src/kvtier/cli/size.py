@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from kvtier.cli.errors import fail, flag_names
+from kvtier.cli.size_audit import audit_notes
 from kvtier.cli.tierflags import build, given, option, refuse_stray, targets
 from kvtier.core.errors import UserError
 from kvtier.core.toolflags import ToolFlag, tool_flags
@@ -62,7 +63,7 @@ def _list_presets() -> None:
     Console().print(table)
 
 
-def _print_text(report, recipe, weights_note: str) -> None:  # type: ignore[no-untyped-def]
+def _print_text(report, recipe, weights_note: str, chosen: bool = False) -> None:  # type: ignore[no-untyped-def]
     from rich.console import Console
     from rich.table import Table
 
@@ -115,8 +116,8 @@ def _print_text(report, recipe, weights_note: str) -> None:  # type: ignore[no-u
         value = ("offload not needed" if not report.offload_needed else f"{report.recommended_offload_gib:,.2f} GiB")
         if report.offload_no_room:
             value = f"needed, no room: {report.offload_no_room}"
-        rows.append(("recommended offload tiers (total)", value))
-        if report.offload_needed:
+        rows.append(("offload tiers (total, --offload-gib)" if chosen else "recommended offload tiers (total)", value))
+        if report.offload_needed and report.offload_no_room is None:
             staging = " (staging only)" if report.cpu_staging else ""
             rows.append(("  cpu tier / disk tier", f"{report.cpu_gib or 0:,.2f}{staging} / {report.disk_gib or 0:,.2f} GiB"))
     if report.predicted_hits:
@@ -252,14 +253,16 @@ def _size(
     asked = None
     if offload_gib is not None and offload_gib > 0:
         split = split_tier(offload_gib, host_ram_gib, dep.reserve_gib, tp)
+        _chosen_tier(report, offload_gib, split.cpu_gib, split.disk_gib)
         report.notes.extend(split.notes)
         asked = offload_gib
         recipe = build_recipe(served, tp, split.cpu_gib, split.disk_gib, disk_path, chunk_tokens, redis_url, store,
-                              others)
-    elif report.offload_needed:
+                              others, gpu_memory_utilization, hybrid=len(report.groups) > 1)
+    elif report.offload_needed and report.offload_no_room is None:
         asked = (report.cpu_gib or 0.0) + (report.disk_gib or 0.0)
         recipe = build_recipe(served, tp, report.cpu_gib or 0.0, report.disk_gib or 0.0, disk_path, chunk_tokens,
-                              redis_url, store, others)
+                              redis_url, store, others, gpu_memory_utilization, report.cpu_staging,
+                              len(report.groups) > 1)
     if recipe is not None:
         if served != model:
             report.notes.append(f"The configs serve {served}, the directory of --model {model}: vllm serve takes a "
@@ -270,6 +273,7 @@ def _size(
             report.notes.append(f"The configs give {recipe.cpu_gib:,} GiB (cpu tier) + {recipe.disk_gib:,} GiB (disk "
                                 f"tier) = {total:,} GiB: the {asked:,.2f} GiB above rounded up to whole GiB{per_rank}.")
         report.notes.extend(chunk_notes(chunk_tokens))
+        report.notes.extend(audit_notes(recipe, found_gpu.name if found_gpu is not None else None))
     elif offload_gib is not None:  # --offload-gib 0: the size chosen is no tier
         report.notes.append("--offload-gib 0 asks for no offload tier, so there is no config to print.")
     elif report.recommended_offload_gib is None:
@@ -287,7 +291,24 @@ def _size(
         payload["recipe"] = recipe.to_json() if recipe else None
         print(json.dumps(payload, indent=2))
     else:
-        _print_text(report, recipe, note)
+        _print_text(report, recipe, note, chosen=offload_gib is not None and offload_gib > 0)
+
+
+def _chosen_tier(report: SizeReport, offload_gib: float, cpu_gib: float, disk_gib: float) -> None:
+    """``--offload-gib`` is the operator's choice: the report's tiers (table, JSON) become it, as the
+    recipes do, and a note keeps the size the workload alone would need."""
+    workload = report.recommended_offload_gib
+    if workload is not None:
+        needs = ("no offload tier" if not report.offload_needed else
+                 "a tier, but the host leaves no room for one" if report.offload_no_room else f"{workload:,.2f} GiB")
+        at = report.recommendation_notes_at
+        report.notes.insert(len(report.notes) if at is None else at,
+                            f"The tiers are the {offload_gib:,.2f} GiB --offload-gib chose; the workload alone "
+                            f"would need {needs}" + (", recommended as the next notes say." if at is not None and
+                                                     at < len(report.notes) else "."))
+    report.recommended_offload_gib = round(offload_gib, 2)
+    report.cpu_gib, report.disk_gib, report.cpu_staging = cpu_gib, disk_gib, False
+    report.offload_no_room = None
 
 
 def _compress_disk(report: SizeReport, ratio: CompressionRatio) -> None:

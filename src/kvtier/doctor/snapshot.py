@@ -93,8 +93,8 @@ class Snapshot:
         return self.counters.get(name, 0.0)
 
 
-def parse_metrics(text: str, where: str) -> Snapshot:
-    """Parse Prometheus exposition ``text`` from ``where``.
+def parse_metrics(text: str, where: str, from_file: bool = False) -> Snapshot:
+    """Parse Prometheus exposition ``text`` from ``where`` (a URL, or with ``from_file`` a recorded file).
 
     Raises:
         UserError: the text is not Prometheus format; has no vLLM prefix-cache samples (a family
@@ -102,7 +102,7 @@ def parse_metrics(text: str, where: str) -> Snapshot:
             negative; or hits exceed queries (both impossible in a real vLLM scrape).
     """
     snap = Snapshot()
-    families = metric_families(text, where)
+    families = metric_families(text, where, from_file)
     for family in families:
         if family.name in COUNTERS or family.name == TTFT:
             for sample in family.samples:

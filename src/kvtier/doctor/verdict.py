@@ -131,14 +131,16 @@ def _cannot_judge(meters: Meters) -> str | None:
     if meters.went_backwards:
         return (f"Counters went backwards ({', '.join(meters.went_backwards)}): the files are in the wrong order "
                 "(give BEFORE then AFTER) or the server restarted between the scrapes; measure again.")
+    longer = ("use a longer --interval" if meters.interval_s is not None else
+              "record the two snapshots further apart (--from-files has no --interval)")
     if meters.queries <= 0:
-        return "No prompt tokens between the scrapes: run under load or use a longer --interval."
+        return f"No prompt tokens between the scrapes: run under load or {longer}."
     if meters.hits > meters.queries or meters.external_hits > meters.external_queries:
         return "More hits than queries between the scrapes, which vLLM cannot report: the scrapes do not match."
     if meters.queries < MIN_SAMPLE_TOKENS or 0 < meters.ttft_requests < MIN_SAMPLE_REQUESTS:
         return (f"Too small a sample to judge ({meters.queries:,.0f} prompt tokens, {meters.ttft_requests:,.0f} "
                 f"requests; at least {MIN_SAMPLE_TOKENS:,} tokens and {MIN_SAMPLE_REQUESTS} requests needed): "
-                "run under load or use a longer --interval.")
+                f"run under load or {longer}.")
     return None
 
 

@@ -14,6 +14,10 @@ from dataclasses import dataclass
 DEFAULT_OVERHEAD_GIB = 4.0
 """Per-GPU activation + CUDA graph + allocator overhead assumed outside the KV cache (GiB)."""
 
+MAX_GPU_MEMORY_GIB = 2048.0
+"""Largest memory of one GPU accepted (GiB): ~7× the largest part sold (288 GB HBM3E on B300 / MI355X,
+their datasheets), so a figure above it is a unit mistake (MiB or bytes given as GiB)."""
+
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 """vLLM's default ``--gpu-memory-utilization`` (``CacheConfig.gpu_memory_utilization``)."""
 

@@ -34,6 +34,7 @@ from kvtier.simulate.hierarchy import (
     warm_set_from_trace,
 )
 from kvtier.size.geometry import KVGeometry
+from kvtier.size.hardware import MAX_GPU_MEMORY_GIB
 from kvtier.size.recipe import round_total
 
 GIB = 1 << 30
@@ -101,6 +102,11 @@ class Deployment:
                               ("--host-ram-gib", self.host_ram_gib), ("--overhead-gib", self.overhead_gib),
                               ("--host-reserve-gib", self.host_reserve_gib), ("--nvme-gib", self.nvme_gib)):
             check_finite(label, number)
+        if self.gpu_memory_gib is not None and self.gpu_memory_gib > MAX_GPU_MEMORY_GIB:
+            mib = self.gpu_memory_gib / 1024
+            raise UserError(f"--gpu-memory-gib {self.gpu_memory_gib:,.6g} is beyond any GPU (at most "
+                            f"{MAX_GPU_MEMORY_GIB:,.0f} GiB per GPU): if it is MiB (as nvidia-smi prints), that is "
+                            f"--gpu-memory-gib {mib:,.4g}; give one GPU's memory in GiB.")
         if not 0 < self.gpu_memory_utilization <= 1:  # nan and inf fail too (a GiB bound said 1e300 was the fault)
             raise UserError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         for label, value in (("--gpu-memory-gib", self.gpu_memory_gib), ("--weights-gib", self.weights_gib),
@@ -149,9 +155,13 @@ class SizeReport:
     predicted_hits: dict[str, float] | None = None
     offload_no_room: str | None = None
     """Why no tier is recommended although the warm set exceeds the engine's KV cache (None: not that case)."""
+    recommendation_notes_at: int | None = None
+    """Index in ``notes`` of the first note about the recommended tiers (None: none recommended); not in JSON."""
 
     @property
     def offload_needed(self) -> bool | None:
+        if self.offload_no_room is not None:  # needed, though the host leaves no tier worth its DRAM
+            return True
         if self.recommended_offload_gib is None:
             return None
         return self.recommended_offload_gib > 0
@@ -325,6 +335,7 @@ def _recommend(report: SizeReport, budget: int, dep: Deployment, warm_bytes: int
     slower = disk_slower_than_prefill(report.kv_bytes_per_token, rates or Throughputs())
     tiers = plan_tiers(warm_bytes / GIB, budget / GIB, dram, nvme, curve, chunk_bytes, slower)
     report.recommended_offload_gib = round(tiers.offload_gib, 2)
+    report.recommendation_notes_at = len(report.notes)
     report.notes.extend(tiers.notes)
     if tiers.hits is not None:
         report.predicted_hits = asdict(tiers.hits)

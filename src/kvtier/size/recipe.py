@@ -124,13 +124,24 @@ def round_total(gib: float, tp: int) -> int:
 def build_recipe(model: str, tp: int, cpu_gib: float, disk_gib: float = 0.0,
                  disk_path: str = "/mnt/nvme/kvtier", chunk_tokens: int = 128,
                  redis_url: str | None = None, s3: ObjectStore | None = None,
-                 others: dict[str, dict[str, Any]] | None = None) -> Recipe:
+                 others: dict[str, dict[str, Any]] | None = None, gpu_memory_utilization: float | None = None,
+                 staging: bool = False, hybrid: bool = False) -> Recipe:
     """Three configurations for a tier of ``cpu_gib`` DRAM plus ``disk_gib`` disk (GiB, totals),
     the kvtier one with a shared tier on ``redis_url``, the object-store tier ``s3`` and the keys of
     any other registered tier (``others``: tier -> its keys, given with ``kvtier size``'s flags for
-    it, :func:`tier_recipes`) when given (see the module docstring)."""
+    it, :func:`tier_recipes`) when given (see the module docstring).
+
+    ``gpu_memory_utilization``: the fraction the HBM KV budget was computed with, written on every
+    line (vLLM 0.34 defaults to 1.0 with its extensible KV cache, leaving kvtier's device buffers no
+    room: audit rule ``kvtier-extensible-kv-cache-headroom``).  ``staging``: the cpu share is only a
+    staging tier in front of the disk tier, no larger than the engine's KV cache
+    (:func:`kvtier.simulate.hierarchy.plan_tiers`); vLLM's native offload has no disk tier, so it
+    gets no serve line then, only a comment (audit rule ``cpu-tier-not-above-engine-cache``).  ``hybrid``:
+    the model mixes attention kinds, which LMCacheConnectorV1 cannot serve (LMCache/LMCache#3106, audit
+    rule ``lmcache-inprocess-on-hybrid``): the LMCache recipe is a comment saying so."""
     cpu, disk = round_total(cpu_gib, tp), round_total(disk_gib, tp)
-    base = f"vllm serve {shlex.quote(model)}" + (f" --tensor-parallel-size {tp}" if tp > 1 else "")
+    base = (f"vllm serve {shlex.quote(model)}" + (f" --tensor-parallel-size {tp}" if tp > 1 else "")
+            + (f" --gpu-memory-utilization {gpu_memory_utilization:g}" if gpu_memory_utilization is not None else ""))
     extra: dict[str, object] = {"chunk_tokens": chunk_tokens, "cpu_gib": cpu}
     if disk:
         extra.update(disk_path=disk_path, disk_gib=disk)
@@ -155,7 +166,11 @@ def build_recipe(model: str, tp: int, cpu_gib: float, disk_gib: float = 0.0,
     kvtier = (f"{worker}{base} --shutdown-timeout {SHUTDOWN_TIMEOUT_S} \\\n  --kv-transfer-config "
               f"{shlex.quote(json.dumps(transfer, separators=(',', ':')))}")
     native = f"{base} \\\n  --kv-offloading-backend native --kv-offloading-size {cpu}"
-    if disk:
+    if disk and staging:
+        native = (f"# vLLM native offload has no disk tier, and the {cpu} GiB DRAM share is only a staging tier no "
+                  "larger than the engine's KV cache (it would hold nothing the engine does not): serve this tier "
+                  "with kvtier or LMCache")
+    elif disk:
         native += f"\n# native offload holds only the {cpu} GiB DRAM share; the {disk} GiB disk share needs kvtier or LMCache"
     lines = ["LMCACHE_LOCAL_CPU=True", f"LMCACHE_MAX_LOCAL_CPU_SIZE={cpu // tp}", f"LMCACHE_CHUNK_SIZE={chunk_tokens}"]
     if disk:
@@ -165,6 +180,9 @@ def build_recipe(model: str, tp: int, cpu_gib: float, disk_gib: float = 0.0,
     per_rank = f"# LMCACHE_MAX_LOCAL_CPU_SIZE is per rank: {cpu // tp} GiB × TP {tp} = {cpu} GiB total"
     lmcache = "\n".join([per_rank, *(f"export {line}" for line in lines),
                          f"{base} \\\n  --kv-transfer-config {shlex.quote(lmc_transfer)}"])
+    if hybrid:
+        lmcache = ("# LMCacheConnectorV1 fails on a model that mixes attention kinds (no SupportsHMA, LMCache/LMCache#3106): "
+                   "serve this tier with kvtier or vLLM native offload")
     return Recipe(cpu, disk, tp, kvtier, native, lmcache, redis_gib, redis, store_text, chunk_ms)
 
 

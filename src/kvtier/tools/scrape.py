@@ -56,8 +56,9 @@ def fetch_metrics(url: str, timeout_s: float = 10.0) -> str:
     return page.text
 
 
-def metric_families(text: str, where: str) -> list[Metric]:
-    """Parse Prometheus text exposition from ``where`` (a URL or file name, for messages).
+def metric_families(text: str, where: str, from_file: bool = False) -> list[Metric]:
+    """Parse Prometheus text exposition from ``where`` (a URL or, with ``from_file``, a file name; for
+    messages: a file's hint says how to record one, a URL's asks whether it is /metrics).
 
     Raises:
         MetricsError: the text is not Prometheus exposition format.
@@ -65,5 +66,6 @@ def metric_families(text: str, where: str) -> list[Metric]:
     try:
         return list(text_string_to_metric_families(text))
     except (ValueError, TypeError, IndexError) as exc:
-        raise MetricsError(f"{where} is not Prometheus text ({exc.__class__.__name__}); "
-                           "is it a /metrics URL?") from None
+        hint = ("record it from the server with curl -s http://HOST:PORT/metrics > FILE" if from_file
+                else "is it a /metrics URL?")
+        raise MetricsError(f"{where} is not Prometheus text ({exc.__class__.__name__}); {hint}") from None

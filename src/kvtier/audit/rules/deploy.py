@@ -232,6 +232,23 @@ def kvtier_disk_path_not_on_volume(c: ServeConfig) -> str | None:
             "evicts the pod when it fills) and lost at every restart.")
 
 
+@rule("volume-mount-without-volume", "error", "a volumeMount whose name matches no volume of the pod",
+      "Give the pod a volume (spec.volumes) or, in a StatefulSet, a volumeClaimTemplates entry (spelled so) "
+      "named as the mount, or fix the mount's name.",
+      "Kubernetes API validation of volumeMounts (k8s.io/kubernetes pkg/apis/core/validation: a mount's name "
+      "must name a volume of the pod, else 'Not found'); Kubernetes StatefulSet spec.volumeClaimTemplates",
+      locate="volumeMounts")
+def volume_mount_without_volume(c: ServeConfig) -> str | None:
+    if c.pod is None:
+        return None
+    unbound = [m for m in c.pod.mounts if not m.bound]
+    if not unbound:
+        return None
+    names = ", ".join(f"{m.name!r} at {m.path}" for m in unbound)
+    return (f"the volumeMount {names} names no volume and no volumeClaimTemplates entry of the pod, so Kubernetes "
+            "refuses the pod (a misspelled volumeClaimTemplates leaves the disk tier's mount pointing at nothing).")
+
+
 VOLUME_HEADROOM = 1.10
 """A disk tier's volume holds ``disk_gib`` + 10 % (file system, chunk-file headers; docs/deploy.md)."""
 
