@@ -5,8 +5,9 @@ Before, every full hit shipped a save job naming every chunk it had just loaded;
 found each one held and stored nothing (``Index.plan_store`` passes a held chunk by), at ~8 µs per
 chunk on both sides.  These prove the save jobs no longer carry the loaded chunks (synchronous and
 asynchronous loads), that a prompt extending a loaded prefix still saves its new chunks, that a
-load which failed a block has the chunks from there saved once recomputed, and that a TTL-pinned
-request still ships its save job (the job is what pins its prompt's chunks).
+load which failed a block has the chunks from there saved once recomputed, that chunks loaded from a
+shared tier are still offered for saving (the load may not have promoted them into a cpu page), and
+that a TTL-pinned request still ships its save job (the job is what pins its prompt's chunks).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tests.integrations.test_vllm_scheduler import (
     _keys,
     _meta,
     _parked,
+    _report,
     _reported,
     _request,
     _scheduler,
@@ -98,3 +100,22 @@ def test_a_pinned_full_hit_still_ships_its_save_job_which_pins_the_prompt(tiny_m
     assert load.sync and load.hit_tokens == 3 * CHUNK
     (save,) = _meta(step).saves
     assert save.pin_s == 30.0 and [p.chunk for p in save.pages] == [0, 1, 2] and save.pin_chunks == 3
+
+
+def test_chunks_loaded_from_a_shared_tier_are_still_offered_for_saving(tiny_model: Path) -> None:
+    """Chunks 0-1 in the cpu tier, chunk 2 in the shared redis tier (as the workers' report names
+    it): the save after the load skips chunks 0-1 only; a redis chunk the load could not promote
+    into a cpu page is stored locally by that save, as before."""
+    scheduler = _scheduler(tiny_model)
+    request = _request("r")
+    scheduler.add_request(request)
+    first = scheduler.schedule()
+    scheduler.update_from_output(first, _step_output(first, [], kv_connector_worker_meta=_report(
+        [(k, "redis" if c == 2 else "cpu") for c, k in enumerate(_keys(request, 3))], full=True)))
+    parked = scheduler.schedule()
+    (load,) = _meta(parked).loads
+    assert load.tiers == ("cpu", "cpu", "redis") and not load.sync
+    scheduler.update_from_output(parked, _step_output(parked, [], finished_recving={"r"}))
+    resumed = scheduler.schedule()
+    assert resumed.num_scheduled_tokens == {"r": len(PROMPT) - 3 * CHUNK}
+    assert _saved(resumed) == [("r", 2)]

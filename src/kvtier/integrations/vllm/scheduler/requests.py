@@ -23,12 +23,13 @@ go at once (its hold is then the workers' to end).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.core.keys import chunk_keys, request_root
 from kvtier.core.tenant import TenantId
+from kvtier.core.tiers.registry import local_tiers
 from kvtier.integrations.vllm.scheduler.receipts import ReceiptFacts
 
 PIN_PARAM = "kvtier_pin_s"
@@ -122,14 +123,17 @@ class RequestState:
         until its chain is first needed."""
         return self.chain.tenant if self.chain is not None else None
 
-    def loaded(self, first_chunk: int, end_chunk: int, sync: bool) -> None:
-        """A load job of chunks ``[first_chunk, end_chunk)`` (``first_chunk``: where vLLM's own hit
-        ends, rounded down) was shipped: those chunks are in the tiers (the load pins and reads them
-        there; its ``complete_load`` touches them in the policy), so no save job carries them again.
-        A save of a chunk a tier holds stores nothing and touches nothing (``Index.plan_store``
-        passes it by), so skipping it changes no placement, policy or receipt; vLLM's native offload
-        skips its hit chunks the same way (vllm/distributed/kv_transfer/kv_connector/v1/offloading/
-        scheduler.py, ``next_stored_chunk_idx`` set to the hit's chunks on a load).
+    def loaded(self, first_chunk: int, tiers: Sequence[str], sync: bool) -> None:
+        """A load job of chunks ``first_chunk`` (where vLLM's own hit ends, rounded down) to
+        ``len(tiers)`` (``tiers``: the planned tier of each chunk of the hit) was shipped: those in a
+        local tier (the cpu tier, disk: not shared) are held there (the load pins and reads them; its
+        ``complete_load`` touches them in the policy), so no save job carries them again.  A save of
+        a chunk a local tier holds stores nothing and touches nothing (``Index.plan_store`` passes it
+        by), so skipping it changes no placement, policy or receipt; vLLM's native offload skips its
+        hit chunks the same way (vllm/distributed/kv_transfer/kv_connector/v1/offloading/
+        scheduler.py, ``next_stored_chunk_idx`` set to the hit's chunks on a load).  From the first
+        chunk planned in a shared tier on, saves go as before (a shared-tier chunk the load could not
+        promote into a cpu page is stored by the save, as it was).
 
         Only when the chunks before ``first_chunk`` already went out in save jobs (vLLM's own hit is
         none, or a resumed request's), so that ``saved_chunks`` stays one watermark over a prefix;
@@ -141,6 +145,8 @@ class RequestState:
         touched it, as it would have without this request."""
         if self.pin_s or self.saved_chunks < first_chunk:
             return
+        local = local_tiers()
+        end_chunk = next((c for c in range(first_chunk, len(tiers)) if tiers[c] not in local), len(tiers))
         if sync:
             self.saved_chunks = max(self.saved_chunks, end_chunk)
         else:

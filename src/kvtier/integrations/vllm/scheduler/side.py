@@ -209,7 +209,7 @@ class SchedulerSide:
         resumed = getattr(request, "num_preemptions", 0) > 0
         sync = self.sync.taken(req_id)
         if self.pages.dense:  # its loaded chunks are held: no save job carries them again
-            state.loaded(local // self.chunk_tokens, len(tiers), sync)
+            state.loaded(local // self.chunk_tokens, tiers, sync)
         self._loads.append(LoadJob(req_id, pages, local, hit, tuple(tiers), resumed, sync=sync, tenant=state.tenant))
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
