@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.core.keys import chunk_keys, request_root
 from kvtier.core.tenant import TenantId
-from kvtier.core.tiers.registry import local_tiers
 from kvtier.integrations.vllm.scheduler.receipts import ReceiptFacts
 
 PIN_PARAM = "kvtier_pin_s"
@@ -123,10 +123,10 @@ class RequestState:
         until its chain is first needed."""
         return self.chain.tenant if self.chain is not None else None
 
-    def loaded(self, first_chunk: int, tiers: Sequence[str], sync: bool) -> None:
+    def loaded(self, first_chunk: int, tiers: Sequence[str], sync: bool, local: AbstractSet[str]) -> None:
         """A load job of chunks ``first_chunk`` (where vLLM's own hit ends, rounded down) to
         ``len(tiers)`` (``tiers``: the planned tier of each chunk of the hit) was shipped: those in a
-        local tier (the cpu tier, disk: not shared) are held there (the load pins and reads them; its
+        tier of ``local`` (the cpu tier, disk: not shared) are held there (the load pins and reads them; its
         ``complete_load`` touches them in the policy), so no save job carries them again.  A save of
         a chunk a local tier holds stores nothing and touches nothing (``Index.plan_store`` passes it
         by), so skipping it changes no placement, policy or receipt; vLLM's native offload skips its
@@ -145,7 +145,6 @@ class RequestState:
         touched it, as it would have without this request."""
         if self.pin_s or self.saved_chunks < first_chunk:
             return
-        local = local_tiers()
         end_chunk = next((c for c in range(first_chunk, len(tiers)) if tiers[c] not in local), len(tiers))
         if sync:
             self.saved_chunks = max(self.saved_chunks, end_chunk)

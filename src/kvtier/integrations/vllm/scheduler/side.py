@@ -11,7 +11,7 @@ from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.receipt import ReceiptSink
 from kvtier.core.receiptsinks import build_receipt_sinks
-from kvtier.core.tiers.registry import top_tier
+from kvtier.core.tiers.registry import local_tiers, top_tier
 from kvtier.integrations.vllm.cache_groups import GroupKind
 from kvtier.integrations.vllm.process_exit import skip_exit_collection
 from kvtier.integrations.vllm.protocol import (
@@ -82,6 +82,7 @@ class SchedulerSide:
         self.sync = SyncBudget(int(config.sync_load_max_bytes) if one_group and load else 0,
                                bytes_per_token(kv_cache_config), top_tier(), self.chunk_tokens)
         self.requests: dict[str, RequestState] = {}  # every request between admission and request_finished
+        self._local_tiers = frozenset(local_tiers())  # (the registry is read here, never on the hit path)
         self._loads: list[LoadJob] = []
         self._kv_cache_manager: Any = None
         self._waiting_since: float | None = None
@@ -209,7 +210,7 @@ class SchedulerSide:
         resumed = getattr(request, "num_preemptions", 0) > 0
         sync = self.sync.taken(req_id)
         if self.pages.dense:  # its loaded chunks are held: no save job carries them again
-            state.loaded(local // self.chunk_tokens, tiers, sync)
+            state.loaded(local // self.chunk_tokens, tiers, sync, self._local_tiers)
         self._loads.append(LoadJob(req_id, pages, local, hit, tuple(tiers), resumed, sync=sync, tenant=state.tenant))
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
