@@ -21,6 +21,13 @@ script wraps, on the live objects, without changing them:
   ``prepare_load`` (pins; reads and verifies only what is below the cpu tier), the native shim's
   ``host_swap_blocks_batch`` (:mod:`kvtier.bench.native_cpu`).
 
+kvtier's own time (issue 33's "the hit path costs what its copy costs") is the lookup plus the
+load beyond its copy (``load shipped → done`` − ``copy``), per hit and per chunk, in a second
+table, with the scheduler's ``update_state_after_alloc`` + ``build_connector_meta`` and the tail
+step's save beside it.  ``prepare_load`` runs inside the load's span (in ``start_load_kv`` for a
+synchronous load, on a loader thread for an asynchronous one), so it is not added again (the
+tables in docs/benchmarks.md before 2026-12-05 13:00 UTC added it: 0.07–0.14 ms per hit too much).
+
 Per full hit it reports: TTFT (``add_request`` → the step that returns the first token), the
 engine steps from admission to the tail's forward, the lookup, the load (shipped → reported
 finished, or the synchronous copy), the copy itself, the tail's forward, and the rest (TTFT
@@ -63,6 +70,7 @@ from kvtier.launch.testmodel import random_prompt_ids
 
 ARMS = ("kvtier", "kvtier-async", "kvtier-async-spin", "native")
 CPU_GIB = 0.25
+CHUNK_TOKENS = 128  # kvtier's default chunk_tokens with vLLM's CPU block size: per-chunk figures
 
 
 def transfer_config(arm: str) -> dict[str, Any]:
@@ -136,6 +144,8 @@ def child(args: argparse.Namespace) -> None:
             lambda out, a: ({k: v for k, v in out.num_scheduled_tokens.items()},
                             {rid: r.status.name for rid, r in core.scheduler.requests.items()}))
     tl.wrap(core.scheduler.connector, "get_num_new_matched_tokens", "lookup", lambda out, a: out)
+    tl.wrap(core.scheduler.connector, "update_state_after_alloc", "alloc")
+    tl.wrap(core.scheduler.connector, "build_connector_meta", "meta")
     worker = get_kv_transfer_group()
     tl.wrap(worker, "start_load_kv", "start_load_kv")
     tl.wrap(worker, "get_finished", "get_finished", lambda out, a: set(out[1] or ()))
@@ -232,6 +242,7 @@ def breakdown(tl: Timeline, rid: str, t_add: float, t_first: float,
         prepare = sum(c[2] - c[1] for c in tl.between(t_add, t_first, "prepare_load"))
     copy_s = sum(t1 - t0 for t0, t1 in copies)
     ttft = t_first - t_add
+    alloc_meta_s = sum(c[2] - c[1] for name in ("alloc", "meta") for c in tl.between(t_add, t_first, name))
     load_start = starts[0][1] if starts else None
     load_end = done[0][2] if done else (starts[0][2] if starts else None)
     # an asynchronous load: the steps that scheduled nothing from its shipping to its report, and
@@ -239,18 +250,25 @@ def breakdown(tl: Timeline, rid: str, t_add: float, t_first: float,
     empty_steps = [s for s in steps if load_start is not None and done and load_start <= s[1] <= load_end
                    and not s[3][0]]
     load_cpu_s = done[0][5] - starts[0][4] if done and starts else 0.0
+    lookups_s = sum(c[2] - c[1] for c in lookups)
+    load_s = (load_end - load_start) if load_start is not None and load_end is not None else 0.0
     return {
         "ttft_s": ttft,
         "hit_tokens": lookups[-1][3][0] if lookups else 0,
         "async": bool(lookups[-1][3][1]) if lookups else None,
         "steps_to_tail": tail - admitted,  # engine steps between admission and the tail's forward
         "queue_s": steps[admitted][1] - t_add,
-        "lookup_s": sum(c[2] - c[1] for c in lookups),
-        "load_s": (load_end - load_start) if load_start is not None and load_end is not None else 0.0,
+        "lookup_s": lookups_s,
+        "load_s": load_s,
         "empty_steps_during_load": len(empty_steps),
         "load_cpu_s": load_cpu_s,
         "prepare_s": prepare,
         "copy_s": copy_s,
+        # kvtier's own time as issue 33 counts it: lookup + load beyond the copy.  prepare_load runs
+        # inside the load's span (in start_load_kv for a synchronous load, on a loader thread
+        # between shipping and the report for an asynchronous one): it is not added again
+        "own_s": lookups_s + load_s - copy_s,
+        "alloc_meta_s": alloc_meta_s,  # update_state_after_alloc + build_connector_meta (scheduler)
         "tail_forward_s": tail_forward_s,
         "tail_save_s": tail_save_s,
         "tail_start_load_s": tail_start_load_s,
@@ -290,6 +308,15 @@ def summary(runs_by_arm: dict[str, list[dict[str, Any]]]) -> str:
                      f"| {ms(m['prepare_s'])} | {ms(m['copy_s'])} | {ms(m['tail_model_s'])} | {ms(m['other_s'])} "
                      f"| {sorted({r['hit_tokens'] for r in runs})} | {all(r['same_token_as_cold'] for r in runs)} "
                      f"| {empty[0]}–{empty[-1]} | {ms(m['load_cpu_s'])} ({span(runs, 'load_cpu_s')}) |")
+    lines += ["", ("| arm | own time: lookup + load − copy, median (range), ms | per chunk, µs "
+                   "| update_state_after_alloc + build_connector_meta, ms | save in the tail step, ms |"),
+              "|---|---|---|---|---|"]
+    for arm, runs in runs_by_arm.items():
+        own = statistics.median(r["own_s"] for r in runs)
+        chunks = max(statistics.median(r["hit_tokens"] for r in runs) // CHUNK_TOKENS, 1)
+        lines.append(f"| {arm} | **{ms(own)}** ({span(runs, 'own_s')}) | {own * 1e6 / chunks:.0f} "
+                     f"| {ms(statistics.median(r['alloc_meta_s'] for r in runs))} "
+                     f"| {ms(statistics.median(r['tail_save_s'] for r in runs))} |")
     if "native" in med:
         lines.append("")
         lines.extend(f"{arm} / native: median TTFT **{v[0] / med['native'][0]:.2f}×**, median TTFT − tail forward "

@@ -12,15 +12,23 @@ machine: the tail's forward is most of the TTFT). This times the same kvtier cal
 - **worker**: the worker side over a cpu-tier store and host tensors shaped as the ``mid``
   geometry's caches (``WorkerSide.over``, as scripts/gpu_runner.py builds it), one synchronous
   ``LoadJob`` per hit as the scheduler ships it: ``start_load`` minus the copy into the engine's
-  blocks (``GroupCopiers.load``) is the rest of full_hit.py's own time (prepare + load beyond the
-  copy; full_hit.py times ``prepare_load`` inside ``start_load_kv`` and adds it once more).
+  blocks (``GroupCopiers.load``) is the rest of full_hit.py's own time (the load beyond the copy;
+  ``prepare_load`` runs inside it).
+
+**Cold caches, as in the engine**: before each timed hit (each side) the script copies
+``--flush-mib`` MiB (default 128) through the CPU caches, as the engine's forward pass does
+between two hits (the ``mid`` model's weights and activations): kvtier's hit path then finds its
+index, policy and mirror out of the caches, as it does in the engine.  With ``--flush-mib 0`` the
+hits run back to back on warm caches, which put the own time at 4,000 tokens ~0.3 ms below what
+``scripts/full_hit.py`` measured in the engine (2026-12-05: 565-720 µs warm, 850-860 µs with
+128 MiB flushed, 880-1,010 µs in the engine at load ~3).
 
 Prints medians (and the minimum: the least disturbed hit on a shared machine) per hit and per
 chunk. ``--profile`` adds cProfile's top functions of the worker's ``start_load``.
 
 Usage::
 
-    python scripts/hit_cost.py [--prompt-tokens 4000] [--repeats 300] [--profile]
+    python scripts/hit_cost.py [--prompt-tokens 4000] [--repeats 300] [--flush-mib 128] [--profile]
 """
 
 from __future__ import annotations
@@ -43,13 +51,26 @@ BLOCK = CHUNK = 128
 LAYERS, KV_HEADS, HEAD = 24, 2, 64  # the mid geometry (kvtier.launch.testmodel_geometry)
 
 
+class CacheFlush:
+    """Evicts the CPU caches' contents: one copy of ``mib`` MiB between two buffers (0: nothing)."""
+
+    def __init__(self, mib: int) -> None:
+        self.src = torch.ones(mib << 18, dtype=torch.float32) if mib > 0 else None
+        self.dst = torch.zeros_like(self.src) if self.src is not None else None
+
+    def __call__(self) -> None:
+        if self.src is not None and self.dst is not None:
+            self.dst.copy_(self.src)
+
+
 def _line(name: str, times: list[float], chunks: int) -> str:
     med = statistics.median(times)
     return (f"{name:34s} median {med * 1e6:8.1f} us (min {min(times) * 1e6:7.1f}) "
             f"= {med * 1e6 / chunks:5.1f} us/chunk")
 
 
-def scheduler_side(prompt_tokens: int, repeats: int, model_dir: Path) -> tuple[int, dict[str, list[float]]]:
+def scheduler_side(prompt_tokens: int, repeats: int, model_dir: Path,
+                   flush: CacheFlush) -> tuple[int, dict[str, list[float]]]:
     """Per-hit seconds of the scheduler-side connector's calls on a full hit."""
     from vllm import SamplingParams
     from vllm.config import (
@@ -134,6 +155,7 @@ def scheduler_side(prompt_tokens: int, repeats: int, model_dir: Path) -> tuple[i
         if not scheduler.reset_prefix_cache():
             raise RuntimeError("vLLM refused reset_prefix_cache")
         req = request(f"hit{i}")
+        flush()
         timing.clear()
         scheduler.add_request(req)
         step = scheduler.schedule()
@@ -148,7 +170,7 @@ def scheduler_side(prompt_tokens: int, repeats: int, model_dir: Path) -> tuple[i
     return len(keys), times
 
 
-def worker_side(chunks: int, repeats: int, profile: bool) -> dict[str, list[float]]:
+def worker_side(chunks: int, repeats: int, profile: bool, flush: CacheFlush) -> dict[str, list[float]]:
     """Per-hit seconds of a synchronous full hit's ``start_load``, and of its copy."""
     from kvtier.core.config import KVTierConfig
     from kvtier.core.keys import Namespace, chunk_keys
@@ -204,6 +226,7 @@ def worker_side(chunks: int, repeats: int, profile: bool) -> dict[str, list[floa
     for i in range(repeats):
         meta = KVTierMetadata(loads=[LoadJob(f"hit{i}", pages, 0, chunks * CHUNK, ("cpu",) * chunks, sync=True)])
         copy_s.clear()
+        flush()
         if profiler is not None:
             profiler.enable()
         t0 = time.perf_counter()
@@ -225,15 +248,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--prompt-tokens", type=int, default=4000)
     parser.add_argument("--repeats", type=int, default=300)
+    parser.add_argument("--flush-mib", type=int, default=128,
+                        help="MiB copied through the CPU caches before each timed hit, as the engine's forward does "
+                             "(0: warm caches)")
     parser.add_argument("--profile", action="store_true", help="cProfile the worker's start_load")
     args = parser.parse_args()
-    if not 2 * CHUNK <= args.prompt_tokens <= 8000 or args.repeats < 1:
-        print("hit_cost.py: --prompt-tokens from 256 to 8000, --repeats at least 1")
+    if not 2 * CHUNK <= args.prompt_tokens <= 8000 or args.repeats < 1 or args.flush_mib < 0:
+        print("hit_cost.py: --prompt-tokens from 256 to 8000, --repeats at least 1, --flush-mib 0 or more")
         return 2
+    flush = CacheFlush(args.flush_mib)
     with tempfile.TemporaryDirectory() as tmp:
-        chunks, sched = scheduler_side(args.prompt_tokens, args.repeats, Path(tmp))
-    worker = worker_side(chunks, args.repeats, args.profile)
-    print(f"{args.prompt_tokens}-token prompt, {chunks} chunks, {args.repeats} full hits")
+        chunks, sched = scheduler_side(args.prompt_tokens, args.repeats, Path(tmp), flush)
+    worker = worker_side(chunks, args.repeats, args.profile, flush)
+    print(f"{args.prompt_tokens}-token prompt, {chunks} chunks, {args.repeats} full hits, "
+          f"{args.flush_mib} MiB through the caches before each")
     for name, times in (*sched.items(), *worker.items()):
         print(_line(name, times, chunks))
     own = [a + b for a, b in zip(sched["get_num_new_matched_tokens"], worker["start_load - copy"])]

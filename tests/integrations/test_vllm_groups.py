@@ -326,3 +326,36 @@ def test_a_dense_lookup_in_one_mirror_call_matches_the_plan_arithmetic(tp_size: 
         assert got == want, (computed, num_tokens)
         differs += got[0] > 0
     assert differs > 30  # the draws reach hits, not only empty answers
+
+
+@pytest.mark.parametrize("bs", [C, C // 2, C // 8])
+def test_a_dense_load_plan_matches_the_per_group_arithmetic(bs: int):
+    """A dense model's load pages are built in one pass (``PagePlanner.load_pages``, the hit path:
+    no ``ChunkBlocks`` per chunk); they are exactly the page moves ``HybridPlan.pages_to_load``
+    gives, for random block tables (nulls included: those take the per-group path), engine hits
+    inside or at a chunk, and hits; a table too short raises as before."""
+    import random
+
+    from kvtier.core.keys import chunk_keys
+    from kvtier.integrations.vllm.protocol import PageMove
+    from kvtier.integrations.vllm.scheduler.mirror import IndexMirror
+    from kvtier.integrations.vllm.scheduler.pages import PagePlanner
+
+    p = plan(full(bs))
+    jobs = PagePlanner(p, IndexMirror(tp_size=1))
+    chain = [bytes(k) for k in chunk_keys(bytes(16), list(range(9 * C)), C)]
+    rng = random.Random(bs)
+    planned = 0
+    for _ in range(300):
+        hit = rng.randrange(1, 9) * C
+        computed = rng.randrange(0, hit // bs) * bs  # block aligned, inside a chunk or at one
+        table = rng.sample(range(1, 500), hit // bs + rng.randrange(0, 3))
+        if rng.random() < 0.2:
+            table[rng.randrange(0, computed // bs + 1)] = 0  # a null block (at or before the load's first)
+        want = tuple(PageMove(chain[cb.chunk], 0, cb.chunk, cb.first_slot, cb.block_ids)
+                     for cb in p.pages_to_load(p.groups[0], computed, hit, table))
+        assert jobs.load_pages(chain, (table,), computed, hit) == want, (computed, hit, table)
+        planned += len(want)
+    assert planned > 300
+    with pytest.raises(ValueError, match="needs"):
+        jobs.load_pages(chain, (list(range(1, 3)),), 0, 4 * C)

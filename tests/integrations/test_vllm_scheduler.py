@@ -388,15 +388,14 @@ def test_the_budget_is_per_step_and_shared_by_the_requests_it_schedules(tiny_mod
 def test_a_synchronous_load_that_failed_a_block_is_recomputed_and_its_chunks_saved_again(tiny_model: Path) -> None:
     """The worker reports the block of chunk 1 it could not fill as a load error of the same step:
     vLLM keeps chunk 0 and recomputes the rest in the running request; the scheduler then saves
-    chunks 1 and 2 again (the worker dropped that step's saves from chunk 1 on: wrong KV)."""
+    chunks 1 and 2 (the load's step saved none: its chunks were loaded from the tiers)."""
     scheduler = _scheduler(tiny_model, sync_load_max_bytes=PROMPT_BYTES)
     request = _request("f")
     _reported(scheduler, [request])
     step = scheduler.schedule()
     (load,) = _meta(step).loads
     assert load.sync
-    saved_first = [p.chunk for job in _meta(step).saves for p in job.pages]
-    assert saved_first == [0, 1, 2]  # the step's save job (the worker keeps only chunk 0 of it)
+    assert _meta(step).saves == []  # chunks 0-2 are being loaded from the tiers: not saved again
     bad = load.pages[1].block_ids[0]
     scheduler.update_from_output(step, _step_output(step, [request], invalid_block_ids={bad}))
     assert list(request.output_token_ids) == []  # vLLM discards the token sampled over the unfilled block

@@ -368,12 +368,16 @@ class PagePlanner:
     def load_pages(self, chain: Sequence[bytes], block_ids: Sequence[Sequence[int]], num_computed_tokens: int,
                    hit: int) -> tuple[PageMove, ...]:
         """Pages resuming every group at ``hit`` (``block_ids``: ``KVCacheBlocks.get_block_ids()``)."""
-        pages = []
-        for group in self.plan.groups:
-            for cb in self.plan.pages_to_load(group, num_computed_tokens, hit, block_ids[group.index]):
-                pages.append(PageMove(self._key(chain, group.index, cb.chunk), group.index, cb.chunk,
-                                      cb.first_slot, cb.block_ids))
-        return tuple(pages)
+        if self.dense:  # one group: HybridPlan.pages_to_load's pages without a ChunkBlocks each (the hit path)
+            ids, bs = block_ids[0], self.plan.groups[0].block_size
+            k, lo, end = self.C // bs, num_computed_tokens // bs, hit // self.C
+            if len(ids) >= hit // bs and NULL_BLOCK not in ids[lo:end * k]:
+                return tuple(PageMove(bytes(chain[c]), 0, c, max(c * k, lo) - c * k,
+                                      tuple(ids[max(c * k, lo):(c + 1) * k])) for c in range(lo // k, end))
+        loads = [cb for g in self.plan.groups
+                 for cb in self.plan.pages_to_load(g, num_computed_tokens, hit, block_ids[g.index])]
+        return tuple(PageMove(self._key(chain, cb.group, cb.chunk), cb.group, cb.chunk, cb.first_slot, cb.block_ids)
+                     for cb in loads)
 
     def save_pages(self, chain: Sequence[bytes], start_chunk: int, end_chunk: int,
                    block_ids: Sequence[Sequence[int]], handoffs: Sequence[tuple[int, int, int]],
@@ -381,16 +385,12 @@ class PagePlanner:
         """Pages of chunks ``[start_chunk, end_chunk)`` worth storing, and the state snapshots
         vLLM handed over this step (``(group, block id, boundary tokens)``) at boundaries
         ``≤ end_chunk × chunk_tokens``."""
-        pages = []
-        for group in self.plan.groups:
-            if group.kind is GroupKind.STATE:
-                continue
-            for cb in self.plan.pages_to_store(group, start_chunk, end_chunk, block_ids[group.index],
-                                               num_prompt_tokens):
-                pages.append(PageMove(self._key(chain, group.index, cb.chunk), group.index, cb.chunk, 0, cb.block_ids))
-        for cb in self.plan.state_pages(handoffs, end_chunk * self.C):
-            pages.append(PageMove(self._key(chain, cb.group, cb.chunk), cb.group, cb.chunk, 0, cb.block_ids))
-        return tuple(pages)
+        plan = self.plan
+        stored = [cb for g in plan.groups if g.kind is not GroupKind.STATE
+                  for cb in plan.pages_to_store(g, start_chunk, end_chunk, block_ids[g.index], num_prompt_tokens)]
+        stored += plan.state_pages(handoffs, end_chunk * self.C)
+        return tuple(PageMove(self._key(chain, cb.group, cb.chunk), cb.group, cb.chunk, 0, cb.block_ids)
+                     for cb in stored)
 
 
 def handoffs_of(scheduler_output: Any, req_id: str) -> list[tuple[int, int, int]]:

@@ -23,7 +23,8 @@ go at once (its hold is then the workers' to end).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,7 +94,10 @@ class RequestState:
         load_failed: its load failed once (blocks reported invalid, or the whole load failed): vLLM
             asks again at once, and the same answer would fail the same way (e.g. a worker whose
             shared tier skips reads while the scheduler's lookups succeed), so it recomputes.
-        saved_chunks: chunks ``0 .. saved_chunks - 1`` were put in save jobs.
+        saved_chunks: chunks ``0 .. saved_chunks - 1`` were put in save jobs, or are held by the
+            tiers because its load filled them (:meth:`loaded`).
+        loaded_chunks: an asynchronous load in flight fills chunks up to here; they join
+            ``saved_chunks`` when it reports finished without a failed block (0: none).
         pin_s: its prompt's pin TTL, seconds (asked with ``kvtier_pin_s`` and valid; 0: none).
         refreshed: it asked again once already after an idle gap (see ``SchedulerSide``).
         receipt: what its receipt is built from (:mod:`~kvtier.integrations.vllm.scheduler.receipts`).
@@ -107,6 +111,7 @@ class RequestState:
     sync_outputs_left: int = 0
     load_failed: bool = False
     saved_chunks: int = 0
+    loaded_chunks: int = 0
     pin_s: float = 0.0
     refreshed: bool = False
     receipt: ReceiptFacts = field(default_factory=ReceiptFacts)
@@ -117,6 +122,41 @@ class RequestState:
         jobs so each worker builds the request's :class:`~kvtier.core.context.OpContext`; ``None``
         until its chain is first needed."""
         return self.chain.tenant if self.chain is not None else None
+
+    def loaded(self, first_chunk: int, tiers: Sequence[str], sync: bool, local: AbstractSet[str]) -> None:
+        """A load job of chunks ``first_chunk`` (where vLLM's own hit ends, rounded down) to
+        ``len(tiers)`` (``tiers``: the planned tier of each chunk of the hit) was shipped: those in a
+        tier of ``local`` (the cpu tier, disk: not shared) are held there (the load pins and reads them; its
+        ``complete_load`` touches them in the policy), so no save job carries them again.  A save of
+        a chunk a local tier holds stores nothing and touches nothing (``Index.plan_store`` passes it
+        by), so skipping it changes no placement, policy or receipt; vLLM's native offload skips its
+        hit chunks the same way (vllm/distributed/kv_transfer/kv_connector/v1/offloading/
+        scheduler.py, ``next_stored_chunk_idx`` set to the hit's chunks on a load).  From the first
+        chunk planned in a shared tier on, saves go as before (a shared-tier chunk the load could not
+        promote into a cpu page is stored by the save, as it was).
+
+        Only when the chunks before ``first_chunk`` already went out in save jobs (vLLM's own hit is
+        none, or a resumed request's), so that ``saved_chunks`` stays one watermark over a prefix;
+        never for a TTL-pinned request (its save job pins the prompt's chunks, held or not).  A
+        synchronous load counts at once (its step's save job follows its copy; a block it could not
+        fill moves the watermark back: ``steps.check_sync_load``); an asynchronous one once it
+        reports finished with no failed block (:meth:`load_ended`).  A chunk evicted between the
+        load and a later save is not saved again: its tier chose it as a victim after the load
+        touched it, as it would have without this request."""
+        if self.pin_s or self.saved_chunks < first_chunk:
+            return
+        end_chunk = next((c for c in range(first_chunk, len(tiers)) if tiers[c] not in local), len(tiers))
+        if sync:
+            self.saved_chunks = max(self.saved_chunks, end_chunk)
+        else:
+            self.loaded_chunks = end_chunk
+
+    def load_ended(self, ok: bool) -> None:
+        """Its asynchronous load reported finished (``ok``: no block failed; else vLLM recomputes
+        from the first failed block and those chunks are saved once computed)."""
+        if ok:
+            self.saved_chunks = max(self.saved_chunks, self.loaded_chunks)
+        self.loaded_chunks = 0
 
 
 class DeferredSaves:

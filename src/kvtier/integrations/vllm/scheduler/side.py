@@ -11,7 +11,7 @@ from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.receipt import ReceiptSink
 from kvtier.core.receiptsinks import build_receipt_sinks
-from kvtier.core.tiers.registry import top_tier
+from kvtier.core.tiers.registry import local_tiers, top_tier
 from kvtier.integrations.vllm.cache_groups import GroupKind
 from kvtier.integrations.vllm.process_exit import skip_exit_collection
 from kvtier.integrations.vllm.protocol import (
@@ -73,8 +73,7 @@ class SchedulerSide:
         self.load_enabled, self.save_enabled = load, save
         self.mirror = IndexMirror(int(vllm_config.parallel_config.tensor_parallel_size))
         self.pages = PagePlanner(plan, self.mirror)  # a dense model is a one-group plan
-        # deferred saves (async_saves) for full-attention pages only: a window's or a state's blocks
-        # change or leave while the request runs, so their copy ends within its step
+        # deferred saves (async_saves): full-attention pages only (a window's or state's blocks change)
         self._deferrable = {g.index for g in plan.groups if g.kind is GroupKind.FULL} if config.async_saves else set()
         self.deferred = DeferredSaves(int(vllm_config.parallel_config.tensor_parallel_size))
         # synchronous loads: one full-attention group only (vLLM takes a sync load's failures as
@@ -83,6 +82,7 @@ class SchedulerSide:
         self.sync = SyncBudget(int(config.sync_load_max_bytes) if one_group and load else 0,
                                bytes_per_token(kv_cache_config), top_tier(), self.chunk_tokens)
         self.requests: dict[str, RequestState] = {}  # every request between admission and request_finished
+        self._local_tiers = frozenset(local_tiers())  # (the registry is read here, never on the hit path)
         self._loads: list[LoadJob] = []
         self._kv_cache_manager: Any = None
         self._waiting_since: float | None = None
@@ -94,7 +94,6 @@ class SchedulerSide:
         self.remote = RemoteLookups(config) if load and shared_tier_configured(config) else None
         self._remote_seen: dict[str, int] = {}
         self._remote_pending_sent: int | None = None
-        # vLLM KV events (--kv-events-config): None when vLLM publishes none
         self.events = event_tracker(vllm_config, kv_cache_config, plan, config, self.mirror) if events_enabled(vllm_config) else None
         # keeps an idle engine stepping until the workers' gauges are true (and the events are out)
         self.settle = Settle(more=self.events.pending if self.events is not None else None)
@@ -210,6 +209,8 @@ class SchedulerSide:
                 self.events.record(request, page.key, page.group, page.chunk)
         resumed = getattr(request, "num_preemptions", 0) > 0
         sync = self.sync.taken(req_id)
+        if self.pages.dense:  # its loaded chunks are held: no save job carries them again
+            state.loaded(local // self.chunk_tokens, tiers, sync, self._local_tiers)
         self._loads.append(LoadJob(req_id, pages, local, hit, tuple(tiers), resumed, sync=sync, tenant=state.tenant))
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
@@ -308,13 +309,14 @@ class SchedulerSide:
                 check_sync_load(req_id, state, invalid)
             if state.loading_blocks is not None:
                 state.receipt.waited_steps += 1
-                if req_id in failed or not state.loading_blocks.isdisjoint(invalid):
-                    if not state.load_failed:
-                        log.info("kvtier: request %s: its load failed; it recomputes from there and is not "
-                                 "loaded again", req_id)
-                    state.load_failed = True
+                bad = req_id in failed or not state.loading_blocks.isdisjoint(invalid)
+                if bad and not state.load_failed:
+                    log.info("kvtier: request %s: its load failed; it recomputes from there and is not "
+                             "loaded again", req_id)
+                state.load_failed = state.load_failed or bad
                 if req_id in finished or req_id in failed:
                     state.loading_blocks = None
+                    state.load_ended(ok=not bad)
 
     def take_events(self) -> list[Any]:
         """vLLM's ``take_events``: the KV events since the last step (:mod:`kvtier.integrations.vllm.scheduler.events`);
