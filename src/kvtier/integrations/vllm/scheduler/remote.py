@@ -140,15 +140,16 @@ class RemoteLookups:
                 self._answered(req_id, len(asked), len(now), False)
                 self._pending[req_id] = (asked, now, time.monotonic() + self.deadline_s)
                 return now
-            # the answer carries when it came (a late one is a time-out however late the poll that reads it)
+            # the answer carries when it came (a late one is a time-out however late the poll that reads it);
+            # the deadline is set before the lookup starts, so it never falls after the tier's own
+            deadline = time.monotonic() + self.deadline_s
             future = self._start(lambda tiers: (*_held_by_every_rank(tiers, asked), time.monotonic())) \
                 if asked else None
             if future is not None:
                 self._unanswered.add(req_id)
             elif asked:
                 self._outcomes[req_id] = self._skip_reason
-            entry = self._pending[req_id] = (asked, frozenset() if future is None else future,
-                                                   time.monotonic() + self.deadline_s)
+            entry = self._pending[req_id] = (asked, frozenset() if future is None else future, deadline)
         _, answer, deadline = entry
         if isinstance(answer, frozenset):
             return answer
