@@ -61,17 +61,17 @@ from kvtier.core.config import GiB, KVTierConfig
 from kvtier.core.keys import ChunkKey, Namespace, chunk_keys, request_root
 from kvtier.core.store import TieredStore
 from kvtier.core.tiers.factory import TierContext, make_tier
-from kvtier.core.tiers.node.readcopy import COPY_BLOCK_BYTES, Pending
+from kvtier.core.tiers.node.readcopy import COPY_BLOCK_BYTES, Copied
 from kvtier.core.tiers.node.tier import NodeTier
 from kvtier.core.tiers.wrappers import unwrap
 
 MiB = 1 << 20
-Copy = Callable[[ChunkKey, memoryview, memoryview, bool], Pending]
+Copy = Callable[[ChunkKey, memoryview, memoryview, bool], Copied]
 
 
 def after_copy(tier: NodeTier) -> Copy:
     """Each value copied whole (``numpy.copyto``), then hashed whole: the unfused way."""
-    def copy(key: ChunkKey, value: memoryview, dst: memoryview, _batched: bool) -> Pending:
+    def copy(key: ChunkKey, value: memoryview, dst: memoryview, _batched: bool) -> Copied:
         head = bytes(value[:envelope.FIXED_BYTES])
         header = envelope.decode_header(head)
         out = memoryview(dst).cast("B")
@@ -81,25 +81,25 @@ def after_copy(tier: NodeTier) -> Copy:
         h.update(out)
         if not hmac.compare_digest(h.digest(), header.digest):
             raise envelope.EnvelopeError("digest mismatch")
-        return Pending(header.record)
+        return header.record
     return copy
 
 
-def unverified(key: ChunkKey, value: memoryview, dst: memoryview, _batched: bool) -> Pending:
+def unverified(key: ChunkKey, value: memoryview, dst: memoryview, _batched: bool) -> Copied:
     """The copy alone (attribution only)."""
     header = envelope.decode_header(bytes(value[:envelope.FIXED_BYTES]))
     np.copyto(np.frombuffer(memoryview(dst).cast("B"), np.uint8),
               np.frombuffer(value, np.uint8, offset=header.header_bytes))
-    return Pending(header.record)
+    return header.record
 
 
-def unverified_blocks(key: ChunkKey, value: memoryview, dst: memoryview, _batched: bool) -> Pending:
+def unverified_blocks(key: ChunkKey, value: memoryview, dst: memoryview, _batched: bool) -> Copied:
     """The copy alone in :data:`~kvtier.core.tiers.node.readcopy.COPY_BLOCK_BYTES` blocks (attribution only)."""
     header = envelope.decode_header(bytes(value[:envelope.FIXED_BYTES]))
     out, src = memoryview(dst).cast("B"), value[header.header_bytes:]
     for at in range(0, out.nbytes, COPY_BLOCK_BYTES):
         out[at:at + COPY_BLOCK_BYTES] = src[at:at + COPY_BLOCK_BYTES]
-    return Pending(header.record)
+    return header.record
 
 
 def main() -> None:
@@ -145,6 +145,7 @@ def run(args: argparse.Namespace, chunk: int, num: int, guarded: object, inner: 
     chain = chunk_keys(request_root(ns, cache_salt="x"), np.arange(num * 16), 16)
     store.put(chain, datas)
     current, overlap, block = inner.verifier.copy, inner.verifier.overlap, inner.verifier.block_bytes
+    views = [d.data for d in dsts]
 
     def cpu_get() -> None:
         handle = store.prepare_load(chain)
@@ -158,7 +159,8 @@ def run(args: argparse.Namespace, chunk: int, num: int, guarded: object, inner: 
         def get() -> None:
             inner.verifier.copy, inner.verifier.overlap = copy, overlapped  # type: ignore[method-assign]
             inner.verifier.block_bytes = block_bytes
-            out = guarded.get_many(keys, [d.data for d in dsts])  # type: ignore[attr-defined]
+            records: dict[bytes, object] = {}  # as the store's mover asks: the tenant records and the misses' reasons
+            out = guarded.get_many(keys, views, records, why={})  # type: ignore[attr-defined]
             assert all(o.name == "HIT" for o in out) and np.array_equal(dsts[-1], datas[-1])
         return get
 
