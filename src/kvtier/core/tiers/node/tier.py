@@ -10,8 +10,10 @@ data path it keeps (:class:`~kvtier.core.tiers.guarded.SplitTier`):
   message for the batch; ``finish_get`` (the caller's thread, no socket) copies each payload from
   the shared pages into the caller's buffer (the one copy a read needs) and verifies the digest
   over the copy (:mod:`~kvtier.core.tiers.node.readcopy`: in a batch, on a helper thread while the
-  next value is copied where that is measured faster), then checks the pages still carry the pin's generation (if not, the
-  page was reused: a miss, never a served byte) and queues the release.
+  next value is copied where that is measured faster), then checks, once for the batch after
+  every copy (:meth:`~kvtier.core.tiers.node.pool.Pool.same_generations`), that each value's
+  pages still carry its pin's generation (if not, the page was reused: a miss, never a served
+  byte) and queues the batch's releases.
 - **write**: ``produce`` (the caller's thread) takes the envelope headers (digests);
   ``send`` (the wrapper's threads) is granted pages (one message), copies header and payload into
   them and publishes them (one message).  A write abandoned at the deadline is not published
