@@ -6,9 +6,10 @@ arm does: :class:`kvtier.bench.shared_node.LocalNode`), writes ``--total-mib`` M
 
 - ``cpu get``: the cpu tier's load as ``kvtier bench-store`` times it (``prepare_load``, a copy of
   every chunk into the caller's buffers, ``complete_load``);
-- ``node get``: the node tier's ``get_many`` as the store builds it (``GuardedTier``: one ``pin``
-  message for the batch, each payload copied from the mapped pages into the caller's buffer and
-  verified over the copy, inline or overlapped as measured, the generation check):
+- ``node get``: the node tier's ``get_many`` as the store builds it and its mover calls it
+  (``GuardedTier``, the tenant records and the misses' reasons collected: one ``pin`` message for
+  the batch, each payload copied from the mapped pages into the caller's buffer and verified over
+  the copy, inline or overlapped as measured, the generation check once for the batch):
   :mod:`kvtier.core.tiers.node.readcopy`;
 - ``node get, B KiB blocks``: the same with the inline loop copying and hashing ``B`` KiB at a
   time (``--block-kib``, a sweep; the tier's own is

@@ -4,12 +4,13 @@ the pool; bytes changed in the pool after the check are never served).
 
 What a load costs against the cpu tier's (a copy alone), measured on EPYC-2 with
 ``scripts/node_load_cost.py`` (docs/benchmarks.md, "The node tier"): the pin round trip and the
-bookkeeping cost little (without the digest the load is 1.05-1.08x the cpu tier's); the digest
-(XXH3-128, the fastest kind the envelope has, or the keyed BLAKE3 MAC of ``shared_secret``) is
-the gap.  XXH3 is compute-bound on one core (~0.17x of a copy over a hot buffer, wherever the
-bytes sit), so fusing it with the copy (:func:`copy_hashed`) saves the re-read from L3 (the
-digest after a whole copy: 1.38-1.48x) but cannot hide the compute: 1.32-1.39x at load 5-6.
-Two ways, per batch:
+batch's bookkeeping cost little (without the digest the load is 0.94-1.13x the cpu tier's; a
+header this envelope wrote is compared whole, not decoded, and the generation check is one array
+pass per batch); the digest (XXH3-128, the fastest kind the envelope has, or the keyed BLAKE3 MAC
+of ``shared_secret``) is the gap.  XXH3 is compute-bound on one core (0.15-0.17x of a copy over a
+hot buffer, wherever the bytes sit), so fusing it with the copy (:func:`copy_hashed`) saves the
+re-read of the copy but cannot hide the compute: 1.17-1.19x at load 3.5-4.5, 1.24-1.27x at load
+5-8.  Two ways, per batch:
 
 - **inline** (every single value, and every batch where the other way is not measured faster):
   the payload is copied :data:`COPY_BLOCK_BYTES` at a time and each block hashed right after, while
@@ -17,8 +18,8 @@ Two ways, per batch:
 - **overlapped** (batches of two or more values): each value is copied whole with
   ``numpy.copyto`` (which releases the GIL) and its digest runs on a helper thread (XXH3 and
   BLAKE3 release it too) while the next value is copied, so only the last value's digest stays on
-  the load's path when a core is free.  Where none is, the helper waits for one: 1.67-1.72x on
-  2 CPUs at load 5-6.
+  the load's path when a core is free.  Where none is, the helper waits for one: 1.44-1.58x on
+  2 CPUs at load 5-8.
 
 Which way a batch takes is measured, not assumed: :class:`~kvtier.core.readchoice.ReadChooser`
 (the serial-or-split chooser the disk tier's buffered reads use too: the medians of recent loads per size class, exploring
