@@ -39,7 +39,12 @@ Arms: ``kvtier`` (default ``sync_load_max_bytes``: cpu-tier hits copied before t
 the step that schedules them), ``kvtier-async`` (``sync_load_max_bytes: 0``: the asynchronous
 path), ``kvtier-async-spin`` (the same with ``idle_step_wait_s: 0``: the engine steps empty as fast
 as it can while the load runs, as before that field), ``native`` (vLLM's ``OffloadingConnector``
-via kvtier's benchmark-only CPU shim).  Every
+via kvtier's benchmark-only CPU shim), ``kvtier-node`` (the ``kvtier`` arm plus the ``node`` tier on
+a ``kvtier node serve`` owner this script starts, with ``reset_scope: cpu``: before each hit the
+connector's cpu tier is cleared as well, ``reset_prefix_cache(reset_connector=True)``, so the hit
+is loaded from the node pool, asynchronously as shared-tier hits are; its load against the
+``kvtier-async`` arm's (and the ``kvtier`` arm's), paired per repeat, is issue 38's "a load from the
+node tier against one from the engine's own cpu tier").  Every
 arm's engine stays up in its own child process (started one after another, each computing the
 prompt cold and running ``--warmup`` untimed hits); then the timed hits run interleaved, one
 request at a time, arm order rotated each repeat, so a load change on the shared machine hits
@@ -68,12 +73,12 @@ from typing import Any
 
 from kvtier.launch.testmodel import random_prompt_ids
 
-ARMS = ("kvtier", "kvtier-async", "kvtier-async-spin", "native")
+ARMS = ("kvtier", "kvtier-async", "kvtier-async-spin", "kvtier-node", "native")
 CPU_GIB = 0.25
 CHUNK_TOKENS = 128  # kvtier's default chunk_tokens with vLLM's CPU block size: per-chunk figures
 
 
-def transfer_config(arm: str) -> dict[str, Any]:
+def transfer_config(arm: str, node_socket: str | None = None) -> dict[str, Any]:
     if arm == "native":
         from kvtier.bench.arms import native_arm
 
@@ -85,6 +90,8 @@ def transfer_config(arm: str) -> dict[str, Any]:
         extra["sync_load_max_bytes"] = 0
     if arm == "kvtier-async-spin":
         extra["idle_step_wait_s"] = 0
+    if arm == "kvtier-node":  # the host's pool; an external reset clears the cpu tier alone (forget)
+        extra |= {"node_socket": node_socket, "reset_scope": "cpu"}
     return {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
@@ -136,7 +143,7 @@ def child(args: argparse.Namespace) -> None:
     model = write_model(args.workdir / "mid", "mid", weights="none")
     llm = LLM(model=str(model), load_format="dummy", max_model_len=args.prompt_tokens + 96, enforce_eager=True,
               gpu_memory_utilization=0.1, kv_cache_memory_bytes=(args.prompt_tokens + 256) * 12288 * 2,
-              enable_prefix_caching=True, seed=0, kv_transfer_config=transfer_config(args.arm))
+              enable_prefix_caching=True, seed=0, kv_transfer_config=transfer_config(args.arm, args.node_socket))
     core = llm.llm_engine.engine_core.engine_core
     engine = llm.llm_engine
     tl = Timeline()
@@ -191,6 +198,10 @@ def child(args: argparse.Namespace) -> None:
                 llm.generate([{"prompt_token_ids": [5, 6, 7]}], quiet, use_tqdm=False)
             if again:
                 llm.generate([{"prompt_token_ids": [5, 6, 7]}], quiet, use_tqdm=False)
+        if args.arm == "kvtier-node":  # the engine's own cpu tier forgets too (reset_scope cpu): a node-tier hit
+            if not llm.reset_prefix_cache(reset_connector=True):
+                raise RuntimeError("the connector did not clear its cpu tier")
+            llm.generate([{"prompt_token_ids": [5, 6, 7]}], quiet, use_tqdm=False)  # the workers get the order
 
     def hit() -> dict[str, Any]:
         nonlocal count
@@ -317,6 +328,15 @@ def summary(runs_by_arm: dict[str, list[dict[str, Any]]]) -> str:
         lines.append(f"| {arm} | **{ms(own)}** ({span(runs, 'own_s')}) | {own * 1e6 / chunks:.0f} "
                      f"| {ms(statistics.median(r['alloc_meta_s'] for r in runs))} "
                      f"| {ms(statistics.median(r['tail_save_s'] for r in runs))} |")
+    for ref in ("kvtier-async", "kvtier"):  # the node tier's hits load asynchronously, as kvtier-async's do
+        if "kvtier-node" not in runs_by_arm or ref not in runs_by_arm:
+            continue
+        pairs = [(n, c) for n in runs_by_arm["kvtier-node"] for c in runs_by_arm[ref] if n["repeat"] == c["repeat"]]
+        for k, what in (("load_s", "load shipped→done"), ("ttft_s", "TTFT")):
+            per = sorted(n[k] / c[k] for n, c in pairs if c[k] > 0)
+            if per:
+                lines += ["", (f"kvtier-node / {ref}, {what} per repeat: median **{statistics.median(per):.2f}×**, "
+                              f"range {per[0]:.2f}–{per[-1]:.2f} ({len(per)} repeats)")]
     if "native" in med:
         lines.append("")
         lines.extend(f"{arm} / native: median TTFT **{v[0] / med['native'][0]:.2f}×**, median TTFT − tail forward "
@@ -369,6 +389,7 @@ def main() -> int:
     parser.add_argument("--arms", default="kvtier,native,kvtier-async")
     parser.add_argument("--seed", type=int, default=3)
     parser.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)
+    parser.add_argument("--node-socket", help=argparse.SUPPRESS)  # the kvtier-node arm's owner (started here)
     args = parser.parse_args()
     arms = args.arms.split(",")
     if any(a not in ARMS for a in arms) or args.repeats < 1 or args.warmup < 0 or \
@@ -384,6 +405,12 @@ def main() -> int:
         return 0
     load_before = os.getloadavg()
     children = []
+    owner = None
+    if "kvtier-node" in arms:  # one pool owner for the run (kvtier node serve), as on a GPU node
+        from kvtier.bench.shared_node import LocalNode, NodePool
+
+        owner = LocalNode(NodePool.make(1.0), args.workdir / "node.log").start()
+        sys.argv += ["--node-socket", owner.pool.socket]
     try:
         for arm in arms:  # one at a time: the cold prefills do not share the cores
             children.append(Arm(args, arm))
@@ -395,6 +422,9 @@ def main() -> int:
     finally:
         for c in children:
             c.close()
+        if owner is not None:
+            owner.stop()
+            owner.pool.remove()
     out = {"prompt_tokens": args.prompt_tokens, "load_average_before": load_before,
            "load_average_at_first_hit": load_start, "load_average_after": os.getloadavg(), "runs": runs}
     (args.workdir / "full_hit.json").write_text(json.dumps(out, indent=1))

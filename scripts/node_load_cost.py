@@ -6,10 +6,17 @@ arm does: :class:`kvtier.bench.shared_node.LocalNode`), writes ``--total-mib`` M
 
 - ``cpu get``: the cpu tier's load as ``kvtier bench-store`` times it (``prepare_load``, a copy of
   every chunk into the caller's buffers, ``complete_load``);
-- ``node get``: the node tier's ``get_many`` as the store builds it (``GuardedTier``: one ``pin``
-  message for the batch, each payload copied from the mapped pages into the caller's buffer and
-  verified over the copy, inline or overlapped as measured, the generation check):
+- ``node get``: the node tier's ``get_many`` as the store builds it and its mover calls it
+  (``GuardedTier``, the tenant records and the misses' reasons collected: one ``pin`` message for
+  the batch, each payload copied from the mapped pages into the caller's buffer and verified over
+  the copy, inline or overlapped as measured, the generation check once for the batch):
   :mod:`kvtier.core.tiers.node.readcopy`;
+- ``store load from the node tier``: what an engine's load of a node-tier hit runs, through a
+  :class:`~kvtier.core.store.TieredStore` with the cpu and node tiers whose cpu tier is emptied
+  (``clear(["cpu"])``, untimed) before each round: ``prepare_load`` (the pin, each chunk read from
+  the pool into a cpu page and verified), the same copy of every chunk into the caller's buffers
+  as ``cpu get``, ``complete_load``; against ``cpu get`` it is the engine's node-tier load against
+  its cpu-tier load (the copy into the KV cache included in both);
 - ``node get, B KiB blocks``: the same with the inline loop copying and hashing ``B`` KiB at a
   time (``--block-kib``, a sweep; the tier's own is
   :data:`~kvtier.core.tiers.node.readcopy.COPY_BLOCK_BYTES`);
@@ -61,17 +68,17 @@ from kvtier.core.config import GiB, KVTierConfig
 from kvtier.core.keys import ChunkKey, Namespace, chunk_keys, request_root
 from kvtier.core.store import TieredStore
 from kvtier.core.tiers.factory import TierContext, make_tier
-from kvtier.core.tiers.node.readcopy import COPY_BLOCK_BYTES, Pending
+from kvtier.core.tiers.node.readcopy import COPY_BLOCK_BYTES, Copied
 from kvtier.core.tiers.node.tier import NodeTier
 from kvtier.core.tiers.wrappers import unwrap
 
 MiB = 1 << 20
-Copy = Callable[[ChunkKey, memoryview, memoryview, bool], Pending]
+Copy = Callable[[ChunkKey, memoryview, memoryview, bool], Copied]
 
 
 def after_copy(tier: NodeTier) -> Copy:
     """Each value copied whole (``numpy.copyto``), then hashed whole: the unfused way."""
-    def copy(key: ChunkKey, value: memoryview, dst: memoryview, _batched: bool) -> Pending:
+    def copy(key: ChunkKey, value: memoryview, dst: memoryview, _batched: bool) -> Copied:
         head = bytes(value[:envelope.FIXED_BYTES])
         header = envelope.decode_header(head)
         out = memoryview(dst).cast("B")
@@ -81,25 +88,25 @@ def after_copy(tier: NodeTier) -> Copy:
         h.update(out)
         if not hmac.compare_digest(h.digest(), header.digest):
             raise envelope.EnvelopeError("digest mismatch")
-        return Pending(header.record)
+        return header.record
     return copy
 
 
-def unverified(key: ChunkKey, value: memoryview, dst: memoryview, _batched: bool) -> Pending:
+def unverified(key: ChunkKey, value: memoryview, dst: memoryview, _batched: bool) -> Copied:
     """The copy alone (attribution only)."""
     header = envelope.decode_header(bytes(value[:envelope.FIXED_BYTES]))
     np.copyto(np.frombuffer(memoryview(dst).cast("B"), np.uint8),
               np.frombuffer(value, np.uint8, offset=header.header_bytes))
-    return Pending(header.record)
+    return header.record
 
 
-def unverified_blocks(key: ChunkKey, value: memoryview, dst: memoryview, _batched: bool) -> Pending:
+def unverified_blocks(key: ChunkKey, value: memoryview, dst: memoryview, _batched: bool) -> Copied:
     """The copy alone in :data:`~kvtier.core.tiers.node.readcopy.COPY_BLOCK_BYTES` blocks (attribution only)."""
     header = envelope.decode_header(bytes(value[:envelope.FIXED_BYTES]))
     out, src = memoryview(dst).cast("B"), value[header.header_bytes:]
     for at in range(0, out.nbytes, COPY_BLOCK_BYTES):
         out[at:at + COPY_BLOCK_BYTES] = src[at:at + COPY_BLOCK_BYTES]
-    return Pending(header.record)
+    return header.record
 
 
 def main() -> None:
@@ -114,7 +121,9 @@ def main() -> None:
     args = parser.parse_args()
     chunk = int(args.chunk_mib * MiB)
     num = max(2, int(args.total_mib * MiB) // chunk)
-    pool = NodePool.make(2 * (num + 1) * chunk / GiB + 0.01, page_kib=args.page_kib)
+    page = args.page_kib << 10  # room for two copies of every chunk (this tier's and the store's), whole pages
+    pool = NodePool.make(2 * (num + 1) * -(-(chunk + envelope.FIXED_BYTES) // page) * page / GiB + 0.01,
+                         page_kib=args.page_kib)
     owner = LocalNode(pool, Path(tempfile.gettempdir()) / f"node-load-cost-{os.getpid()}.log").start()
     try:
         guarded = make_tier("node", TierContext(KVTierConfig.from_dict(
@@ -144,21 +153,36 @@ def run(args: argparse.Namespace, chunk: int, num: int, guarded: object, inner: 
     store = TieredStore(KVTierConfig.from_dict({"chunk_tokens": 16, "cpu_gib": (num + 1) * chunk / GiB}), ns, chunk)
     chain = chunk_keys(request_root(ns, cache_salt="x"), np.arange(num * 16), 16)
     store.put(chain, datas)
+    # an engine's store with the node tier too: its cpu tier emptied before each of its rounds (untimed),
+    # so its load reads every chunk from the pool into cpu pages and the caller copies them out
+    via = TieredStore(KVTierConfig.from_dict({"chunk_tokens": 16, "cpu_gib": (num + 1) * chunk / GiB,
+                                              "node_socket": inner.client.socket_path}),
+                      ns, chunk)
+    for end in range(16, num + 16, 16):  # a bounded write queue: 16 chunks at a time reach the pool
+        via.put(chain[:end], datas[:end])
+        assert via.flush(60.0), "the store's writes to the node pool did not finish within 60 s"
+    assert via.stats().tiers["node"].num_chunks == num, "the store did not write every chunk to the node pool"
     current, overlap, block = inner.verifier.copy, inner.verifier.overlap, inner.verifier.block_bytes
+    views = [d.data for d in dsts]
 
-    def cpu_get() -> None:
-        handle = store.prepare_load(chain)
+    def cpu_get(through: TieredStore = store) -> None:
+        handle = through.prepare_load(chain)
         try:
+            assert handle.num_chunks == num and handle.wait(60.0)
             for d, b in zip(dsts, handle.buffers, strict=True):
                 np.copyto(d, b)
         finally:
-            store.complete_load(handle, True)
+            through.complete_load(handle, True)
+
+    def empty_cpu_tier() -> None:
+        assert via.clear(["cpu"])["cpu"].ok
 
     def node(copy: Copy, overlapped: bool | None, block_bytes: int = block) -> Callable[[], None]:
         def get() -> None:
             inner.verifier.copy, inner.verifier.overlap = copy, overlapped  # type: ignore[method-assign]
             inner.verifier.block_bytes = block_bytes
-            out = guarded.get_many(keys, [d.data for d in dsts])  # type: ignore[attr-defined]
+            records: dict[bytes, object] = {}  # as the store's mover asks: the tenant records and the misses' reasons
+            out = guarded.get_many(keys, views, records, why={})  # type: ignore[attr-defined]
             assert all(o.name == "HIT" for o in out) and np.array_equal(dsts[-1], datas[-1])
         return get
 
@@ -178,15 +202,19 @@ def run(args: argparse.Namespace, chunk: int, num: int, guarded: object, inner: 
     variants += [("node get, digest after the copy", node(after_copy(inner), False)),
                  ("node get, overlapped", node(current, True)), ("no digest (attribution)", node(unverified, False)),
                  ("no digest, in blocks (attribution)", node(unverified_blocks, False)), ("digest alone (attribution)", digest_alone)]
+    variants += [("store load from the node tier", lambda: cpu_get(via))]  # last: the heaviest, away from node get
     times: dict[str, list[float]] = {name: [] for name, _ in variants}
     loads = [os.getloadavg()[0]]
     for r in range(args.rounds):
         for name, fn in variants if r % 2 == 0 else variants[::-1]:
+            if name == "store load from the node tier":
+                empty_cpu_tier()
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
         loads.append(os.getloadavg()[0])
     store.close()
+    via.close()
     print(f"{num} chunks of {args.chunk_mib:g} MiB, {args.rounds} rounds, {os.cpu_count()} CPUs, node get's "
           f"way: {'measured' if overlap is None else overlap}, {block >> 10} KiB blocks, destinations at page "
           f"+{args.dst_offset} B, digest {'BLAKE3 MAC' if args.shared_secret else 'XXH3-128'}, load {min(loads):.1f}-{max(loads):.1f}")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,6 +102,22 @@ class Pool:
     def same_generation(self, page: int, nbytes: int, gen: int) -> bool:
         """Whether every page of the value at ``page`` still carries generation ``gen``."""
         return bool((self.gens[page:page + self.pages_of(nbytes)] == gen).all())
+
+    def same_generations(self, values: Sequence[tuple[int, int, int, int]]) -> list[bool]:
+        """Per pinned value ``(lease, first page, value bytes, generation)`` (a ``pin`` reply's),
+        whether every page of it still carries the pin's generation: :meth:`same_generation` of
+        a whole batch in a few array operations.  A value reaching past the last page: ``False``."""
+        if len(values) < 2:
+            return [self.same_generation(v[1], v[2], v[3]) and v[1] + self.pages_of(v[2]) <= self.num_pages
+                    for v in values]
+        pins = np.array(values, dtype=np.int64).reshape(len(values), 4)
+        first, counts = pins[:, 1], np.maximum(1, (pins[:, 2] + self.page_bytes - 1) // self.page_bytes)
+        inside = first + counts <= self.num_pages
+        counts = np.where(inside, counts, 1)  # past the end: one page looked at, the answer False anyway
+        starts = np.cumsum(counts) - counts
+        pages = np.repeat(np.where(inside, first, 0) - starts, counts) + np.arange(int(counts.sum()))
+        same = self.gens[pages] == np.repeat(pins[:, 3].astype(np.uint64), counts)
+        return (np.logical_and.reduceat(same, starts) & inside).tolist()
 
     def set_epoch(self, epoch: int) -> None:
         """Write ``epoch`` into the header (the owner, on start)."""

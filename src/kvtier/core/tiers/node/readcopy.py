@@ -4,12 +4,13 @@ the pool; bytes changed in the pool after the check are never served).
 
 What a load costs against the cpu tier's (a copy alone), measured on EPYC-2 with
 ``scripts/node_load_cost.py`` (docs/benchmarks.md, "The node tier"): the pin round trip and the
-bookkeeping cost little (without the digest the load is 1.05-1.08x the cpu tier's); the digest
-(XXH3-128, the fastest kind the envelope has, or the keyed BLAKE3 MAC of ``shared_secret``) is
-the gap.  XXH3 is compute-bound on one core (~0.17x of a copy over a hot buffer, wherever the
-bytes sit), so fusing it with the copy (:func:`copy_hashed`) saves the re-read from L3 (the
-digest after a whole copy: 1.38-1.48x) but cannot hide the compute: 1.32-1.39x at load 5-6.
-Two ways, per batch:
+batch's bookkeeping cost little (without the digest the load is 0.94-1.13x the cpu tier's; a
+header this envelope wrote is compared whole, not decoded, and the generation check is one array
+pass per batch); the digest (XXH3-128, the fastest kind the envelope has, or the keyed BLAKE3 MAC
+of ``shared_secret``) is the gap.  XXH3 is compute-bound on one core (0.15-0.17x of a copy over a
+hot buffer, wherever the bytes sit), so fusing it with the copy (:func:`copy_hashed`) saves the
+re-read of the copy but cannot hide the compute: 1.17-1.19x at load 3.5-4.5, 1.24-1.27x at load
+5-8.  Two ways, per batch:
 
 - **inline** (every single value, and every batch where the other way is not measured faster):
   the payload is copied :data:`COPY_BLOCK_BYTES` at a time and each block hashed right after, while
@@ -17,8 +18,8 @@ Two ways, per batch:
 - **overlapped** (batches of two or more values): each value is copied whole with
   ``numpy.copyto`` (which releases the GIL) and its digest runs on a helper thread (XXH3 and
   BLAKE3 release it too) while the next value is copied, so only the last value's digest stays on
-  the load's path when a core is free.  Where none is, the helper waits for one: 1.67-1.72x on
-  2 CPUs at load 5-6.
+  the load's path when a core is free.  Where none is, the helper waits for one: 1.44-1.58x on
+  2 CPUs at load 5-8.
 
 Which way a batch takes is measured, not assumed: :class:`~kvtier.core.readchoice.ReadChooser`
 (the serial-or-split chooser the disk tier's buffered reads use too: the medians of recent loads per size class, exploring
@@ -44,31 +45,45 @@ from kvtier.core.readchoice import ReadChooser
 COPY_BLOCK_BYTES = 256 << 10
 """Bytes copied and hashed at a time inline (64 KiB to 1 MiB measured alike, 2026-12-05; the
 digest after a whole 4 MiB copy 0.1x slower)."""
+_KEY_AT = 24
+"""Offset of the chunk key in an envelope header (:mod:`kvtier.core.envelope`'s layout)."""
 VERIFY_WAIT_S = 30.0
 """Longest the caller waits for a value's digest from the helper thread (a miss after that)."""
 
 
 class Pending:
-    """A value copied into the caller's buffer whose digest is checked, or being checked.
+    """A value copied into the caller's buffer whose digest is being checked on the helper thread
+    (the overlapped way; an inline copy returns the value's record at once).
 
     :meth:`result` returns the value's tenant record (``None``: the format has none) or raises
     ``ChunkFormatError``."""
 
-    __slots__ = ("_future", "_record")
+    __slots__ = ("_future",)
 
-    def __init__(self, record: bytes | None = None, future: Future[bytes | None] | None = None) -> None:
-        self._record = record
+    def __init__(self, future: Future[bytes | None]) -> None:
         self._future = future
 
     def result(self) -> bytes | None:
         """Raises:
             EnvelopeError: digest mismatch, or not verified within :data:`VERIFY_WAIT_S`."""
-        if self._future is None:
-            return self._record
         try:
             return self._future.result(timeout=VERIFY_WAIT_S)
         except FutureTimeout:
             raise envelope.EnvelopeError(f"not verified within {VERIFY_WAIT_S:g} s") from None
+
+
+Copied = bytes | None | Pending
+"""What :meth:`Verifier.copy` returns: the verified value's tenant record (``None``: its format has
+none), or, overlapped, a :class:`Pending` whose :meth:`~Pending.result` gives it."""
+
+
+def settle(copied: Copied) -> bytes | None:
+    """The tenant record of a value :meth:`Verifier.copy` returned (waiting for its digest if it
+    was overlapped).
+
+    Raises:
+        ChunkFormatError: its digest did not match, or was not checked in time."""
+    return copied.result() if isinstance(copied, Pending) else copied
 
 
 MISMATCH = "digest mismatch (corrupt, or written without the shared secret)"
@@ -97,12 +112,13 @@ def copy_hashed(hasher: envelope.Hasher, src: memoryview, out: memoryview,
     return hasher.digest()
 
 
-def _verify(env: envelope.Envelope, header: envelope.EnvelopeHeader, head: bytes, out: memoryview) -> bytes | None:
-    """The digest of the header fields and ``out`` (the copy) checked against the header's."""
+def _verify(env: envelope.Envelope, head: bytes, out: memoryview) -> bytes:
+    """The digest of ``head``'s fields and ``out`` (the copy) checked against ``head``'s; the tenant
+    record ``head`` carries (``head``: an envelope's :data:`~kvtier.core.envelope.FIXED_BYTES`)."""
     h = env.hasher(head[:envelope.DIGEST_OFFSET])
     h.update(out)
-    _digest_matches(h, header.digest)
-    return header.record
+    _digest_matches(h, head[envelope.DIGEST_OFFSET:envelope.FIXED_BYTES])
+    return head[envelope.RECORD_OFFSET:envelope.DIGEST_OFFSET]
 
 
 class Verifier:
@@ -124,6 +140,24 @@ class Verifier:
         self._helper: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._closed = False
+        # the header fields before the record of a value this envelope writes, per payload length
+        # (key bytes zero): a header equal to them but for the key passes every check of the
+        # general path (format, version, kind, header and payload lengths, layout, codecs), so
+        # it needs no decoding; only a passthrough chain's values are copied as they lie
+        self._own: dict[int, tuple[bytes, bytes]] = {}
+        self._own_ok = env.chain.passthrough and env.header_bytes == envelope.FIXED_BYTES
+
+    def _own_fields(self, nbytes: int) -> tuple[bytes, bytes]:
+        """The fields of an own header of a ``nbytes`` payload before the key, and from the key's end
+        to the record (:data:`~kvtier.core.envelope.RECORD_OFFSET`)."""
+        own = self._own.get(nbytes)
+        if own is None:
+            fields = self.env.fields(bytes(16), nbytes, nbytes, b"")
+            own = fields[:_KEY_AT], fields[_KEY_AT + 16:]
+            if len(self._own) >= 64:  # a few chunk sizes in practice; bounded whatever comes
+                self._own.clear()
+            self._own[nbytes] = own
+        return own
 
     def begin(self, batch_bytes: int, values: int) -> tuple[tuple[int, int] | None, bool]:
         """Start a batch of ``values`` values, ``batch_bytes`` in all: (its class for :meth:`end`,
@@ -147,38 +181,50 @@ class Verifier:
                 self._helper = ThreadPoolExecutor(1, thread_name_prefix="kvtier-node-verify")
             return self._helper
 
-    def copy(self, key: ChunkKey, value: memoryview, dst: memoryview, overlapped: bool) -> Pending:
-        """Copy ``value``'s payload into ``dst`` and check its digest: now, or on the helper thread
-        when ``overlapped`` (:meth:`Pending.result` then waits for it).  A value in another format
-        or with a codec chain that changes the bytes: :meth:`~kvtier.core.envelope.Envelope.open_into`
-        on this thread.
+    def copy(self, key: ChunkKey, value: memoryview, dst: memoryview, overlapped: bool) -> Copied:
+        """Copy ``value``'s payload into ``dst`` and check its digest: now (the value's tenant record
+        is returned), or on the helper thread when ``overlapped`` (a :class:`Pending`: its
+        :meth:`~Pending.result` waits for it; :func:`settle` either).  A header this envelope
+        writes for ``dst``'s length and ``key`` is compared whole (no decoding); any other header
+        is decoded and checked field by field.  A value in another format or with a codec chain
+        that changes the bytes: :meth:`~kvtier.core.envelope.Envelope.open_into` on this thread.
 
         Raises:
             ChunkFormatError: the header does not belong here (namespace, key, length, kind), or,
                 checked now, the digest mismatches (``dst`` may then hold unverified bytes).
         """
-        head = bytes(value[:envelope.FIXED_BYTES])
-        header = envelope.decode_header(head)
+        head = value[:envelope.FIXED_BYTES].tobytes()
         out = memoryview(dst).cast("B")
-        if header.format != envelope.FORMAT or header.stored_bytes != header.original_bytes \
-                or not codecs.chain_of(header.codecs).passthrough:
-            return Pending(self.env.open_into(key, value, dst))
-        self.env.check(header, key, out.nbytes)
-        if header.stored_bytes != value.nbytes - header.header_bytes:
-            raise envelope.EnvelopeError(f"payload is {value.nbytes - header.header_bytes} bytes, "
-                                         f"header says {header.stored_bytes}")
-        src = value[header.header_bytes:]
+        nbytes = out.nbytes
+        if self._own_ok and value.nbytes == envelope.FIXED_BYTES + nbytes:
+            before, after = self._own_fields(nbytes)
+            own = head[:_KEY_AT] == before and head[_KEY_AT:_KEY_AT + 16] == key \
+                and head[_KEY_AT + 16:envelope.RECORD_OFFSET] == after
+        else:
+            own = False
+        if not own:
+            header = envelope.decode_header(head)
+            if header.format != envelope.FORMAT or header.stored_bytes != header.original_bytes \
+                    or not codecs.chain_of(header.codecs).passthrough:
+                return self.env.open_into(key, value, dst)
+            self.env.check(header, key, nbytes)
+            if header.stored_bytes != value.nbytes - header.header_bytes:
+                raise envelope.EnvelopeError(f"payload is {value.nbytes - header.header_bytes} bytes, "
+                                             f"header says {header.stored_bytes}")
+            value = value[header.header_bytes:]
+        else:
+            value = value[envelope.FIXED_BYTES:]
         helper = self._executor() if overlapped else None
         if helper is not None:
-            np.copyto(np.frombuffer(out, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+            np.copyto(np.frombuffer(out, dtype=np.uint8), np.frombuffer(value, dtype=np.uint8))
             try:
-                return Pending(future=helper.submit(_verify, self.env, header, head, out))
+                return Pending(helper.submit(_verify, self.env, head, out))
             except RuntimeError:  # closed meanwhile: verified here
-                return Pending(_verify(self.env, header, head, out))
-        digest = copy_hashed(self.env.hasher(head[:envelope.DIGEST_OFFSET]), src, out, self.block_bytes)
-        if not hmac.compare_digest(digest, header.digest):
+                return _verify(self.env, head, out)
+        digest = copy_hashed(self.env.hasher(head[:envelope.DIGEST_OFFSET]), value, out, self.block_bytes)
+        if not hmac.compare_digest(digest, head[envelope.DIGEST_OFFSET:envelope.FIXED_BYTES]):
             raise envelope.EnvelopeError(MISMATCH)
-        return Pending(header.record)
+        return head[envelope.RECORD_OFFSET:envelope.DIGEST_OFFSET]
 
     def close(self) -> None:
         """Stop the helper thread (digests in flight finish; later batches verify inline)."""

@@ -10,8 +10,10 @@ data path it keeps (:class:`~kvtier.core.tiers.guarded.SplitTier`):
   message for the batch; ``finish_get`` (the caller's thread, no socket) copies each payload from
   the shared pages into the caller's buffer (the one copy a read needs) and verifies the digest
   over the copy (:mod:`~kvtier.core.tiers.node.readcopy`: in a batch, on a helper thread while the
-  next value is copied where that is measured faster), then checks the pages still carry the pin's generation (if not, the
-  page was reused: a miss, never a served byte) and queues the release.
+  next value is copied where that is measured faster), then checks, once for the batch after
+  every copy (:meth:`~kvtier.core.tiers.node.pool.Pool.same_generations`), that each value's
+  pages still carry its pin's generation (if not, the page was reused: a miss, never a served
+  byte) and queues the batch's releases.
 - **write**: ``produce`` (the caller's thread) takes the envelope headers (digests);
   ``send`` (the wrapper's threads) is granted pages (one message), copies header and payload into
   them and publishes them (one message).  A write abandoned at the deadline is not published
@@ -44,7 +46,7 @@ from kvtier.core.tiers.node.client import NodeClient
 from kvtier.core.tiers.node.memory import PoolMemory
 from kvtier.core.tiers.node.pool import Pool
 from kvtier.core.tiers.node.presence import lookup
-from kvtier.core.tiers.node.readcopy import Pending, Verifier
+from kvtier.core.tiers.node.readcopy import Copied, Pending, Verifier
 
 log = logging.getLogger(__name__)
 Pins = tuple[list[tuple[int, int, int, int] | None], Pool, int]
@@ -126,49 +128,52 @@ class NodeTier(PoolMemory, EnvelopeTier):
     def finish_get(self, keys: Sequence[ChunkKey], fetched: Pins, dsts: Sequence[memoryview],
                    records: TenantRecords | None = None) -> list[GetResult]:
         """(:class:`~kvtier.core.tiers.guarded.SplitTier`) Copy and verify each pinned value
-        (:mod:`~kvtier.core.tiers.node.readcopy`), then check its pages still carry the pin's
-        generation; the releases are queued, no socket is touched."""
+        (:mod:`~kvtier.core.tiers.node.readcopy`), then check that its pages still carry the pin's
+        generation (once for the batch, after every copy); the releases are queued, no socket is
+        touched."""
         pins, pool, serial = fetched
         t0 = time.perf_counter()
         out: list[GetResult] = [GetResult.MISS] * len(keys)
-        done: list[int] = []
-        copied: list[tuple[int, int, int, int, Pending | ChunkFormatError]] = []
-        cls, overlapped = self.verifier.begin(sum(pin[2] for pin in pins if pin is not None),
-                                              sum(pin is not None for pin in pins))
+        held = [i for i, pin in enumerate(pins) if pin is not None]
+        if not held:
+            return out
+        taken = [pin for pin in pins if pin is not None]
+        batch_bytes = sum(pin[2] for pin in taken)
+        verifier = self.verifier
+        cls, overlapped = verifier.begin(batch_bytes, len(held))
+        data, page_bytes, copy = memoryview(pool.data), pool.page_bytes, verifier.copy  # type: ignore[arg-type]
+        copied: list[Copied | ChunkFormatError] = []
         moved = corrupt = 0
         try:
-            for i, (key, pin, dst) in enumerate(zip(keys, pins, dsts, strict=True)):
-                if pin is None:
-                    continue
-                lease, page, nbytes, gen = pin
-                done.append(lease)
+            for i, (_lease, page, nbytes, _gen) in zip(held, taken, strict=True):
+                at = page * page_bytes
                 try:
-                    pending: Pending | ChunkFormatError = self.verifier.copy(key, pool.value(page, nbytes), dst,
-                                                                             overlapped)
+                    copied.append(copy(keys[i], data[at:at + nbytes], dsts[i], overlapped))
                 except ChunkFormatError as exc:
-                    pending = exc
-                copied.append((i, page, nbytes, gen, pending))
-            for i, page, nbytes, gen, pending in copied:
-                try:
-                    if isinstance(pending, ChunkFormatError):
-                        raise pending
-                    record = pending.result()
-                except ChunkFormatError as exc:
-                    if not pool.same_generation(page, nbytes, gen):
-                        continue  # reused under an expired pin: not this value's fault (a miss)
+                    copied.append(exc)
+            fresh = pool.same_generations(taken)
+            for i, pin, got, same in zip(held, taken, copied, fresh, strict=True):
+                if isinstance(got, Pending):
+                    try:
+                        got = got.result()
+                    except ChunkFormatError as exc:
+                        got = exc
+                if not same:
+                    continue  # the page was granted again (an expired pin) while we copied: a miss, never served
+                if isinstance(got, ChunkFormatError):
                     log.warning("kvtier node tier: value of chunk %s is unusable (%s); deleted, treated as a miss",
-                                keys[i].hex(), exc)
+                                keys[i].hex(), got)
                     corrupt += 1
                     out[i] = GetResult.CORRUPT
                     continue
-                if not pool.same_generation(page, nbytes, gen):
-                    continue  # the page was granted again while we copied: never served (a miss)
-                note_verified(records, self.namespace, keys[i], record)
-                moved += nbytes
+                if records is not None:
+                    note_verified(records, self.namespace, keys[i], got)
+                moved += pin[2]
                 out[i] = GetResult.HIT
         finally:
-            self.verifier.end(cls, overlapped, sum(c[2] for c in copied), time.perf_counter() - t0)
-        self.client.release_later(serial, done)
+            del data
+            verifier.end(cls, overlapped, batch_bytes, time.perf_counter() - t0)
+            self.client.release_later(serial, [pin[0] for pin in taken])
         if corrupt:
             with self._counts:
                 self.corrupt += corrupt
