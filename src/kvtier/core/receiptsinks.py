@@ -60,8 +60,8 @@ def receipt_sink_problems(config: KVTierConfig) -> list[tuple[str, str]]:
     preflight's, before the model loads): ``(key, message)`` per problem, one sentence each.  The
     receipt log's path must not be a directory, its directory must exist and be writable,
     and a file already there must be writable; then the file is opened for appending for real
-    (:func:`~kvtier.core.receiptlog.append_problem`: nothing is left behind); with ``otlp_endpoint``, the OpenTelemetry SDK
-    and its OTLP exporter must be importable."""
+    (:func:`~kvtier.core.receiptlog.append_problem`: nothing is left behind); with ``otlp_endpoint``,
+    the OpenTelemetry SDK and its OTLP exporter must be importable."""
     import importlib.util
 
     out: list[tuple[str, str]] = []
