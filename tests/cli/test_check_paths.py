@@ -45,3 +45,26 @@ def test_a_shared_secret_file_that_is_a_directory_is_refused_with_the_node_tier(
     assert result.exit_code == 1, result.output
     assert (f"error: kv_connector_extra_config.shared_secret_file: cannot read shared_secret_file {str(tmp_path)!r}: "
             "Is a directory; fix the path or its permissions") in result.output
+
+
+@pytest.mark.parametrize("path", ["/proc/x", "/sys/r.jsonl"])
+def test_a_receipt_log_path_that_cannot_be_opened_for_appending_is_refused_in_the_engines_words(path):
+    """Fresh-user tester: ``/proc/x`` and ``/sys/r.jsonl`` passed check ("ok: vLLM would start"; as root
+    ``os.access`` says yes everywhere) while the engine refuses them: check now opens as the engine does."""
+    with pytest.raises(ConfigError) as engine:  # what the engine's receipt log does at start-up
+        ReceiptLog(path, 1.0, 1 << 20, 2, 16).close()
+    result = _check({"cpu_gib": 1, "receipt_log_path": path})
+    assert result.exit_code == 1, result.output
+    assert f"error: kv_connector_extra_config.receipt_log_path: {engine.value}" in result.output.splitlines()
+    assert "ok: vLLM would start" not in result.output and "Traceback" not in result.output
+
+
+def test_a_receipt_log_path_check_accepts_is_neither_created_nor_changed(tmp_path):
+    """The open check leaves nothing behind: a missing file is not created, an existing one not written."""
+    missing = tmp_path / "r.jsonl"
+    assert _check({"cpu_gib": 1, "receipt_log_path": str(missing)}).exit_code == 0
+    assert list(tmp_path.iterdir()) == []
+    missing.write_text('{"old": 1}\n')
+    before = missing.stat()
+    assert _check({"cpu_gib": 1, "receipt_log_path": str(missing)}).exit_code == 0
+    assert missing.read_text() == '{"old": 1}\n' and missing.stat().st_mtime_ns == before.st_mtime_ns

@@ -17,7 +17,7 @@ from kvtier.bench.client import ClientOptions, run_workload
 from kvtier.bench.meters import MeterDeltas, MetricsError, deltas, scrape
 from kvtier.bench.receipts import LogCursor, ReceiptTally, RunReceipts, metric_tally
 from kvtier.bench.results import RunResult
-from kvtier.bench.verdict import ArmFigures, Verdict, judge
+from kvtier.bench.verdict import ArmFigures, Verdict, judge, no_tokens_verdict
 from kvtier.bench.workload import Workload
 
 
@@ -39,9 +39,9 @@ class RunOutcome:
         if self.run is None or self.meters is None:
             return None
         ttft = self.run.summary().ttft_s
-        if ttft is None:
+        if ttft is None or self.meters.prefix_hit_rate is None:  # no prompt token counted: no hit rate
             return None
-        return ArmFigures(self.meters.prefix_hit_rate or 0.0, ttft.p50, ttft.p99)
+        return ArmFigures(self.meters.prefix_hit_rate, ttft.p50, ttft.p99)
 
 
 def run_once(workload: Workload, url: str, model: str, max_concurrency: int | None, stall_timeout_s: float,
@@ -85,23 +85,35 @@ def run_once(workload: Workload, url: str, model: str, max_concurrency: int | No
     return outcome
 
 
-def load_baseline(path: Path) -> ArmFigures:
-    """The figures of an earlier run's ``summary.json``.
+def load_baseline(path: Path, workload: str) -> ArmFigures:
+    """The figures of an earlier run's ``summary.json``, a run of the same ``workload`` kind
+    (``trace``, ``prefix-repetition``, ``multi-round``): TTFTs of different workloads (other prompt
+    lengths, reuse patterns) say nothing about the cache, so another kind is refused.
 
     Raises:
-        ValueError: the file is missing or has no figures (one sentence naming the fix).
+        ValueError: the file is missing, has no figures, or is of another workload (one sentence naming the fix).
     """
     try:
-        figures = json.loads(path.read_text())["figures"]
-        return ArmFigures(float(figures["prefix_hit_rate"]), float(figures["ttft_p50_s"]),
-                          float(figures["ttft_p99_s"]))
+        summary = json.loads(path.read_text())
+        figures = summary["figures"]
+        reference = ArmFigures(float(figures["prefix_hit_rate"]), float(figures["ttft_p50_s"]),
+                               float(figures["ttft_p99_s"]))
+        theirs = summary["workload"]["name"]
     except (OSError, ValueError, KeyError, TypeError):
         raise ValueError(f"--baseline {path} is not the summary.json of a `kvtier bench run --out` with "
-                         "successful requests; point it at one") from None
+                         "successful requests and a hit rate; point it at one") from None
+    if theirs != workload:
+        raise ValueError(f"--baseline {path} is a run of the {theirs} workload, this is {workload}: TTFTs of "
+                         f"different workloads cannot be compared; give a baseline run with --workload {workload}")
+    return reference
 
 
 def judge_run(outcome: RunOutcome, baseline: ArmFigures | None) -> Verdict | None:
-    """The verdict of the run (``None`` without figures)."""
+    """The verdict of the run (``None`` without figures; ``inconclusive`` when the server counted no
+    prompt tokens, :func:`~kvtier.bench.verdict.no_tokens_verdict`)."""
+    if outcome.meters is not None and outcome.meters.prefix_hit_rate is None and outcome.run is not None \
+            and outcome.run.summary().num_ok > 0:
+        return no_tokens_verdict()
     figures = outcome.figures()
     return judge(figures, baseline) if figures is not None else None
 

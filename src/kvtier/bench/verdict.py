@@ -14,7 +14,9 @@ real model; the reason points to a model whose prefill costs more (the test mode
 ``--geometry mid``).
 
 Without a baseline only meter 1 can be read, so an arm that reuses is ``unjudged``.  The baseline
-arm itself is the ``reference``.
+arm itself is the ``reference``.  When the server's prefix-cache counters did not move over the
+run (0 prompt tokens counted), meter 1 cannot be read at all: ``inconclusive`` (as ``kvtier doctor``
+says of the same scrapes), never ``no reuse``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ class VerdictKind(str, enum.Enum):
     NO_REUSE = "no reuse"
     REFERENCE = "reference"
     UNJUDGED = "unjudged"
+    INCONCLUSIVE = "inconclusive"
+
+
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,14 @@ class Thresholds:
     p99_blowup: float = 1.5
     p99_slack_s: float = 0.010
     small_prefill_s: float = 0.100
+
+
+def no_tokens_verdict() -> Verdict:
+    """The verdict of a run whose server counted no prompt tokens between its two scrapes (the hit
+    rate is 0/0: unreadable, not zero)."""
+    return Verdict(VerdictKind.INCONCLUSIVE, "the server's vllm:prefix_cache_queries did not move between the "
+                   "scrapes (0 prompt tokens counted), so the hit rate cannot be read; check that --url is the "
+                   "server the requests went to and that it exports vLLM's prefix-cache counters")
 
 
 def _pct(x: float) -> str:

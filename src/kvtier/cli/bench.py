@@ -123,7 +123,7 @@ def run_command(
     reference = None
     if baseline is not None:
         try:
-            reference = load_baseline(baseline)
+            reference = load_baseline(baseline, workload)
         except ValueError as exc:
             fail(str(exc))
     if receipt_log is not None and not receipt_log.parent.is_dir():

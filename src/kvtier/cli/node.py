@@ -13,11 +13,13 @@ from kvtier.core.errors import UserError
 
 HELP = """Run this host's node pool: one DRAM pool in shared memory that every kvtier engine on the host uses as its node tier (engines name its --socket as node_socket; docs/node.md).
 
-The owner keeps the pool's index, eviction (least recently used first) and the engines' leases; payload bytes move directly between the engines and the mapped pool, never through the socket. Restarting the owner keeps the pool warm (same --pool, --node-gib and --page-kib). Stops on SIGTERM or SIGINT.
+The owner keeps the pool's index, eviction (least recently used first) and the engines' leases; payload bytes move directly between the engines and the mapped pool, never through the socket. Restarting the owner keeps the pool warm (same --pool, --node-gib and --page-kib). An existing --pool that is not a kvtier pool, or --socket that is not a socket, is refused, never overwritten. Stops on SIGTERM or SIGINT.
 
 Example:
 
-  kvtier node serve --pool /dev/shm/kvtier-node --node-gib 64 --socket /run/kvtier/node.sock
+  mkdir -p /dev/shm/kvtier-node
+
+  kvtier node serve --pool /dev/shm/kvtier-node/pool --node-gib 64 --socket /dev/shm/kvtier-node/node.sock
 """
 
 node_app = typer.Typer(help="The host's shared DRAM pool (the node tier): run its owner.", no_args_is_help=True)

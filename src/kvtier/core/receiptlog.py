@@ -78,8 +78,7 @@ class ReceiptLog(QueuedSink):
             self.handler: logging.handlers.RotatingFileHandler = _LineFile(
                 self.path, mode="a", maxBytes=file_bytes, backupCount=files - 1, encoding="utf-8")
         except OSError as exc:
-            raise ConfigError(f"cannot open receipt_log_path {self.path!r} for appending ({exc.strerror}); create "
-                              "its directory, make it writable, or unset receipt_log_path") from None
+            raise ConfigError(cannot_append(self.path, exc)) from None
         self._encoder = msgspec.json.Encoder()
         super().__init__("log", queue_depth, close_timeout_s)
 
@@ -95,6 +94,38 @@ class ReceiptLog(QueuedSink):
 
     def __repr__(self) -> str:
         return f"ReceiptLog({self.path!r}, sample={self.sample:g})"
+
+
+def cannot_append(path: str, exc: OSError) -> str:
+    """The one sentence of a receipt log ``path`` that cannot be opened for appending (the engine's
+    :class:`ReceiptLog` and :func:`append_problem`, so ``kvtier check`` says what start-up would)."""
+    return (f"cannot open receipt_log_path {path!r} for appending ({exc.strerror or exc}); create its directory, "
+            "make it writable, or unset receipt_log_path")
+
+
+def append_problem(path: str) -> str | None:
+    """Why the receipt log ``path`` cannot be opened for appending as :class:`ReceiptLog` opens it
+    (:func:`cannot_append`'s sentence), else ``None``; tried for real (``os.access`` answers yes to
+    root everywhere, even in ``/proc`` or a read-only ``/sys``), leaving nothing behind: an existing
+    file is opened for appending and closed (not written); a missing one is created exclusively and
+    removed at once.  ``O_NONBLOCK``: a FIFO without a reader is an error here, not a hang."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_NOCTTY | os.O_NONBLOCK
+    try:
+        try:
+            fd = os.open(path, flags)
+            created = False
+        except FileNotFoundError:
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644)
+            created = True
+    except OSError as exc:
+        return cannot_append(path, exc)
+    os.close(fd)
+    if created:
+        try:
+            os.unlink(path)
+        except OSError as exc:  # created but cannot be removed: the engine could append; say what is left
+            return f"receipt_log_path {path!r} was created by this check and cannot be removed ({exc.strerror})"
+    return None
 
 
 def read_receipt_log(path: str | os.PathLike[str], rotated: bool = True) -> list[Receipt]:

@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvtier.core.receipt import ReceiptSink
-from kvtier.core.receiptlog import MiB, ReceiptLog
+from kvtier.core.receiptlog import MiB, ReceiptLog, append_problem
 from kvtier.core.receiptqueue import QueuedSink
 
 if TYPE_CHECKING:
@@ -59,8 +59,9 @@ def receipt_sink_problems(config: KVTierConfig) -> list[tuple[str, str]]:
     """What :func:`build_receipt_sinks` would refuse, checked without starting a sink (the
     preflight's, before the model loads): ``(key, message)`` per problem, one sentence each.  The
     receipt log's path must not be a directory, its directory must exist and be writable,
-    and a file already there must be writable; with ``otlp_endpoint``, the OpenTelemetry SDK
-    and its OTLP exporter must be importable."""
+    and a file already there must be writable; then the file is opened for appending for real
+    (:func:`~kvtier.core.receiptlog.append_problem`: nothing is left behind); with ``otlp_endpoint``,
+    the OpenTelemetry SDK and its OTLP exporter must be importable."""
     import importlib.util
 
     out: list[tuple[str, str]] = []
@@ -81,6 +82,8 @@ def receipt_sink_problems(config: KVTierConfig) -> list[tuple[str, str]]:
             unwritable = (f"receipt_log_path {config.receipt_log_path!r} is in a directory this user cannot "
                           "write; make it writable or fix receipt_log_path")
             out.append(("receipt_log_path", unwritable))
+        elif (problem := append_problem(path)) is not None:  # the open itself, as ReceiptLog does it
+            out.append(("receipt_log_path", problem))
     if config.otlp_endpoint:
         from kvtier.core.receipttrace import MISSING_SDK
 

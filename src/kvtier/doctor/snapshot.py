@@ -152,7 +152,10 @@ def parse_metrics(text: str, where: str, from_file: bool = False) -> Snapshot:
     _tier_series(snap, families)
     snap.causes = cause_series(families)
     if "vllm:prefix_cache_queries" not in snap.counters:
-        raise UserError(f"{where} has no vllm:prefix_cache_queries samples; point --url at a vLLM server.")
+        fix = ("record it from a vLLM server with curl -s http://HOST:PORT/metrics > FILE" if from_file
+               else "point --url at a vLLM server")
+        raise UserError(f"{where} has no vllm:prefix_cache_queries samples (vLLM's counter "
+                        f"vllm:prefix_cache_queries_total), so it is not a vLLM /metrics page; {fix}.")
     for prefix in ("vllm:", "vllm:external_"):
         hits, queries = snap.counter(f"{prefix}prefix_cache_hits"), snap.counter(f"{prefix}prefix_cache_queries")
         if hits > queries:

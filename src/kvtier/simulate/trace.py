@@ -28,6 +28,7 @@ Both may be gzip-compressed (``.gz``).  Errors raise :class:`TraceError` naming 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,6 +199,9 @@ def _read_mooncake(path: Path, block_tokens: int) -> Trace:
     return Trace(path.name, block_tokens, [t - start for t in times], num_tokens, chunk_keys)
 
 
+_HEX = re.compile(r"(?:[0-9a-fA-F]{2})+")
+
+
 class _KVTierParser(_Parser):
     def __init__(self, block_tokens: int | None) -> None:
         self.block_tokens = block_tokens
@@ -219,6 +223,11 @@ class _KVTierParser(_Parser):
         keys = obj.get("chunk_keys")
         if not isinstance(keys, list) or not all(isinstance(k, str) and k for k in keys):
             raise TraceError(f"{where}: field 'chunk_keys' must be a list of hex strings")
+        bad = next((k for k in keys if not _HEX.fullmatch(k)), None)
+        if bad is not None:  # key.hex() of format_kvtier_record: whole bytes, hex digits only
+            raise TraceError(f"{where}: chunk key {bad[:40]!r} is not hex (an even number of digits 0-9a-f, as "
+                             "bytes.hex() writes a chunk key); write each key with format_kvtier_record")
+        keys = [k.lower() for k in keys]  # one key, one id: "AB" and "ab" are the same bytes
         if len(keys) != tokens // chunk:
             raise TraceError(f"{where}: {len(keys)} chunk_keys for {tokens} tokens in chunks of {chunk}, "
                              f"expected {tokens // chunk} (one per full chunk)")

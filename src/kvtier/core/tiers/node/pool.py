@@ -32,6 +32,9 @@ import numpy as np
 from kvtier.core.tiers.node.presence import META_WORDS, table_slots
 
 MAGIC = b"KVTNODE2"
+MAGIC_FAMILY = b"KVTNODE"
+"""The first bytes of every node pool layout kvtier wrote (``KVTNODE1``, ``KVTNODE2``): a file that
+starts otherwise is not a kvtier pool, and the owner never overwrites it (:func:`foreign_file`)."""
 HEADER_BYTES = 4096
 META_OFFSET = 2048
 """Where the presence table's heartbeat and sequence are in the header."""
@@ -158,6 +161,28 @@ def _views(path: Path, m: mmap.mmap) -> Pool:
     return Pool(path, pool_id, page_bytes, num_pages, data_offset, gens, heads, slots, meta, data, epoch, m)
 
 
+def foreign_file(path: Path) -> str | None:
+    """Why the existing ``path`` is not kvtier's to replace (one clause), or ``None`` when it is a
+    node pool file of any kvtier layout (its first bytes :data:`MAGIC_FAMILY`; a pool file appears
+    only whole, :func:`create_pool` renames it into place) or does not exist.
+
+    Raises:
+        PoolError: it exists but cannot be read.
+    """
+    try:
+        if not path.exists() and not path.is_symlink():
+            return None
+        if not path.is_file():
+            return "is not a regular file" if path.exists() else "is a dangling symbolic link"
+        with open(path, "rb") as f:
+            first = f.read(len(MAGIC_FAMILY))
+    except OSError as exc:
+        raise PoolError(f"cannot read the node pool {path}: {exc.strerror or exc}") from None
+    if first != MAGIC_FAMILY:
+        return "is not a kvtier node pool (it does not start with a kvtier pool header)"
+    return None
+
+
 def open_pool(path: Path) -> Pool:
     """Map an existing pool file (an engine; the owner on restart).
 
@@ -167,7 +192,7 @@ def open_pool(path: Path) -> Pool:
     try:
         size = path.stat().st_size
         if size < HEADER_BYTES:
-            raise PoolError(f"{path} is not a kvtier node pool (only {size} bytes)")
+            raise PoolError(f"{path} is not a whole kvtier node pool (only {size} bytes)")
         return _views(path, _map(path, size))
     except PoolError:
         raise

@@ -37,7 +37,7 @@ from kvtier.core import envelope
 from kvtier.core.errors import UserError
 from kvtier.core.tiers.node import protocol as p
 from kvtier.core.tiers.node.index import Name, PoolIndex
-from kvtier.core.tiers.node.pool import Pool, PoolError, create_pool, open_pool
+from kvtier.core.tiers.node.pool import Pool, PoolError, create_pool, foreign_file, open_pool
 from kvtier.core.tiers.node.presence import HEARTBEAT_S, PresenceTable
 
 log = logging.getLogger(__name__)
@@ -99,9 +99,24 @@ def lock_pool(pool: Path) -> tuple[int, bool]:
     return fd, created
 
 
+def refuse_foreign_pool(path: Path) -> None:
+    """Refuse a ``--pool`` path that holds something other than a kvtier node pool (never overwritten).
+
+    Raises:
+        UserError: it is not a regular file, or does not start with a kvtier pool header (one sentence).
+    """
+    try:
+        why = foreign_file(path)
+    except PoolError as exc:
+        raise UserError(f"{exc}; check --pool") from None
+    if why is not None:
+        raise UserError(f"--pool {path} exists and {why}; kvtier never overwrites it: remove it yourself or "
+                        "give another --pool path")
+
+
 def take_pool(opts: ServeOptions) -> Pool:
     """The pool file mapped for this owner (whose lock :func:`lock_pool` holds): the existing one
-    when its layout matches, else created anew; its epoch bumped.
+    when its layout matches, else (a kvtier pool of another layout or size) created anew; its epoch bumped.
 
     Raises:
         UserError: it cannot be created (one sentence).
@@ -112,8 +127,8 @@ def take_pool(opts: ServeOptions) -> Pool:
     if opts.pool.exists():
         try:
             pool = open_pool(opts.pool)
-        except PoolError as exc:
-            log.warning("kvtier node: %s; creating the pool anew", exc)
+        except PoolError as exc:  # a kvtier pool (refuse_foreign_pool) of an older layout, or cut short
+            log.warning("kvtier node: %s; creating the pool anew (its values are lost)", exc)
         if pool is not None and (pool.page_bytes != page_bytes or opts.pool.stat().st_size != total):
             log.warning("kvtier node: the pool %s has another size or page size; creating it anew", opts.pool)
             PresenceTable(pool.slots, pool.meta).beat(0)  # engines still mapping it stop reading its table
@@ -228,14 +243,19 @@ class Owner:
 
 
 def claim_socket(path: Path) -> None:
-    """Remove a stale socket file at ``path``.
+    """Remove a stale socket file at ``path`` (one nobody listens on: its owner died).
 
     Raises:
-        UserError: a live owner answers on it, or the directory does not exist.
+        UserError: a live owner answers on it, the path is something else than a socket (a file,
+            a directory, a symbolic link: never removed), or the directory does not exist.
     """
     if not path.parent.is_dir():
         raise UserError(f"--socket {path}: directory {path.parent} does not exist; create it or give another path")
-    if path.exists() or path.is_socket():
+    if path.is_symlink() or (path.exists() and not path.is_socket()):
+        # only a socket file is ever removed (a stale one, below): never a file, directory or link
+        what = "a symbolic link" if path.is_symlink() else "a directory" if path.is_dir() else "not a socket"
+        raise UserError(f"--socket {path} exists and is {what}; remove it yourself or give another --socket path")
+    if path.exists():
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         probe.settimeout(1.0)
         try:
@@ -251,6 +271,7 @@ def claim_socket(path: Path) -> None:
 async def _serve(opts: ServeOptions, ready: asyncio.Event | None = None) -> None:
     lock, created = lock_pool(opts.pool)
     try:
+        refuse_foreign_pool(opts.pool)
         claim_socket(opts.socket)
         pool = take_pool(opts)
     except BaseException:
