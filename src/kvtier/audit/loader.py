@@ -7,7 +7,7 @@ import re
 from packaging.version import Version
 
 from kvtier.audit.model import ServeConfig
-from kvtier.audit.parse_command import looks_like_env_file, parse_command, parse_env_file
+from kvtier.audit.parse_command import looks_like_env_file, parse_commands, parse_env_file
 from kvtier.audit.parse_k8s import parse_manifests
 from kvtier.audit.versions import version_from_image
 from kvtier.core.errors import UserError
@@ -30,7 +30,7 @@ def load_configs(text: str, origin: str, version: Version | None = None) -> list
     if _MANIFEST.search(text):
         configs = parse_manifests(text, origin)
     elif _COMMAND.search(text):
-        configs = [parse_command(text, origin)]
+        configs = parse_commands(text, origin)
     elif looks_like_env_file(text):
         configs = [parse_env_file(text, origin)]
     else:
