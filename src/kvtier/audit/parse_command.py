@@ -87,6 +87,8 @@ def _split(text: str, origin: str) -> list[str]:
         raise UserError(f"{origin} is not a valid shell command line ({exc}); check its quotes.") from None
 
 
+_FD_REDIRECT = re.compile(r"(?<=\s)\d+(?=[<>])")
+"""The file descriptor of a redirection (the ``2`` of ``2>&1``): a word of its own once lexed."""
 _CONTROL = {"&&", "||", ";", "|", "&", ";;", "(", ")", "|&", "\n"}
 
 
@@ -122,7 +124,8 @@ def _logical_lines(text: str, origin: str) -> list[tuple[int, int, str]]:
 def _segments(line: str, origin: str) -> list[list[str]]:
     """The simple commands of one command line, as words: split at ``&&``, ``||``, ``;``, ``|``,
     ``&`` and parentheses, with redirections (``> log``, ``2>&1``) dropped."""
-    lexer = shlex.shlex(line.replace("\\\n", " "), posix=True, punctuation_chars=True)
+    line = _FD_REDIRECT.sub(" ", line.replace("\\\n", " "))
+    lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
     lexer.whitespace_split = True
     try:
         tokens = list(lexer)
@@ -136,8 +139,6 @@ def _segments(line: str, origin: str) -> list[list[str]]:
         elif token in _CONTROL:
             segments.append([])
         elif token and set(token) <= set("<>&|") and ("<" in token or ">" in token):
-            if segments[-1] and segments[-1][-1].isdigit():
-                segments[-1].pop()  # the file descriptor of `2>&1`
             skip = True
         else:
             segments[-1].append(token)
@@ -233,8 +234,8 @@ def _expand(words: list[str], config: ServeConfig) -> list[str]:
         name = match.group(1) or match.group(2)
         if name in config.env:
             return config.env[name]
-        if name not in config.unresolved:
-            config.unresolved.append(name)
+        if match.group(0) not in config.unresolved:
+            config.unresolved.append(match.group(0))
         return match.group(0)
 
     return [_VARIABLE.sub(value, word) for word in words]
