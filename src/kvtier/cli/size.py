@@ -168,7 +168,9 @@ def _size(
                                                "engine, tokens/s (as kvtier simulate, docs/simulate.md)."),
     offload_gib: float | None = typer.Option(None, "--offload-gib", help="Print recipes for this tier size (GiB, total) instead of the recommendation."),
     disk_path: str = typer.Option("/mnt/nvme/kvtier", "--disk-path", help="Disk tier directory used in recipes."),
-    chunk_tokens: int = typer.Option(128, "--chunk-tokens", help="kvtier chunk size in tokens."),
+    chunk_tokens: int | None = typer.Option(None, "--chunk-tokens", help="kvtier chunk size in tokens (default: "
+                                            "128, or auto for a model with Mamba/linear-attention state, whose "
+                                            "block size vLLM picks at startup)."),
     compression_ratio: list[str] | None = typer.Option(None, "--compression-ratio", help="disk=R: the disk tier "
                                                        "compresses, R payload bytes per stored byte (R >= 1, or a "
                                                        "codec: its ratio measured in docs/benchmarks.md)."),
@@ -182,7 +184,7 @@ def _size(
     from kvtier.size.compression import DISK, parse_ratios
     from kvtier.size.hardware import GPUS, find_gpu
     from kvtier.size.plan import check_finite, split_tier
-    from kvtier.size.recipe import chunk_notes, tier_recipes
+    from kvtier.size.recipe import DEFAULT_CHUNK_TOKENS, chunk_notes, recipe_chunk_tokens, tier_recipes
 
     if list_presets:
         _list_presets()
@@ -236,13 +238,15 @@ def _size(
                                 f"the exact part (--gpu {parts}) or --gpu-memory-gib if yours differs.")
         if weights_gib is None:
             report.notes.extend(resolved.warnings)
-        if not 1 <= chunk_tokens <= MAX_CHUNK_TOKENS:  # the connector's bound: the recipe must pass kvtier check
+        if chunk_tokens is not None and not 1 <= chunk_tokens <= MAX_CHUNK_TOKENS:  # the connector's bound
             raise UserError(f"--chunk-tokens must be from 1 to {MAX_CHUNK_TOKENS:,} (longer than any model's context), "
                             f"got {chunk_tokens:,}.")
+        chunk, chunk_note = recipe_chunk_tokens(chunk_tokens, resolved.geometry.num_state_layers > 0)
         if offload_gib is not None and offload_gib < 0:
             raise UserError(f"--offload-gib must not be negative, got {offload_gib}.")
         tier_values = _tier_values(flags, tiers)
-        redis_url, store, others, tier_notes = tier_recipes(tier_values, chunk_tokens * report.kv_bytes_per_token)
+        redis_url, store, others, tier_notes = tier_recipes(tier_values, (chunk_tokens or DEFAULT_CHUNK_TOKENS) *
+                                                                  report.kv_bytes_per_token)
         report.notes.extend(tier_notes)
         if not disk_path.startswith("/"):
             raise UserError(f"--disk-path must be an absolute directory on the serving host, got {disk_path!r}.")
@@ -256,11 +260,11 @@ def _size(
         _chosen_tier(report, offload_gib, split.cpu_gib, split.disk_gib)
         report.notes.extend(split.notes)
         asked = offload_gib
-        recipe = build_recipe(served, tp, split.cpu_gib, split.disk_gib, disk_path, chunk_tokens, redis_url, store,
+        recipe = build_recipe(served, tp, split.cpu_gib, split.disk_gib, disk_path, chunk, redis_url, store,
                               others, gpu_memory_utilization, hybrid=len(report.groups) > 1)
     elif report.offload_needed and report.offload_no_room is None:
         asked = (report.cpu_gib or 0.0) + (report.disk_gib or 0.0)
-        recipe = build_recipe(served, tp, report.cpu_gib or 0.0, report.disk_gib or 0.0, disk_path, chunk_tokens,
+        recipe = build_recipe(served, tp, report.cpu_gib or 0.0, report.disk_gib or 0.0, disk_path, chunk,
                               redis_url, store, others, gpu_memory_utilization, report.cpu_staging,
                               len(report.groups) > 1)
     if recipe is not None:
@@ -272,7 +276,8 @@ def _size(
             per_rank = f" on each of {tp} ranks" if tp > 1 else ""
             report.notes.append(f"The configs give {recipe.cpu_gib:,} GiB (cpu tier) + {recipe.disk_gib:,} GiB (disk "
                                 f"tier) = {total:,} GiB: the {asked:,.2f} GiB above rounded up to whole GiB{per_rank}.")
-        report.notes.extend(chunk_notes(chunk_tokens))
+        report.notes.extend(chunk_notes(chunk) if isinstance(chunk, int) else [])
+        report.notes.extend([chunk_note] if chunk_note else [])
         report.notes.extend(audit_notes(recipe, found_gpu.name if found_gpu is not None else None))
     elif offload_gib is not None:  # --offload-gib 0: the size chosen is no tier
         report.notes.append("--offload-gib 0 asks for no offload tier, so there is no config to print.")

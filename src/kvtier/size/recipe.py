@@ -67,6 +67,31 @@ def chunk_notes(chunk_tokens: int) -> list[str]:
             f"{' or '.join(misfits)}; chunks will not line up with vLLM blocks unless --block-size divides it.")]
 
 
+DEFAULT_CHUNK_TOKENS = 128
+"""``chunk_tokens`` of a recipe for a model without Mamba/linear-attention state (the connector's
+``auto`` resolves to this on every attention-only model: the least multiple of 16 or 128 that is
+at least 128, kvtier.integrations.vllm.engine_config.AUTO_MIN_CHUNK_TOKENS)."""
+
+
+def recipe_chunk_tokens(given: int | None, state: bool) -> tuple[int | str, str | None]:
+    """``chunk_tokens`` for the kvtier recipe and a note (None when there is nothing to say).
+
+    A model with ``state`` layers (Mamba, gated DeltaNet: a KV cache group of kind ``state``) has
+    a state block size vLLM picks at startup from the state's bytes, the GPU and the dtype (384 or 640
+    tokens on Qwen3-Next, docs/vllm.md); the connector refuses a chunk_tokens that is not a multiple
+    of it (:func:`kvtier.integrations.vllm.engine_config.resolve_chunk_tokens`), so the recipe says
+    ``auto`` (the least multiple of every group's block size that is at least 128) unless the
+    operator gave one, and then a note says the engine may refuse it.
+    """
+    if not state:
+        return (given if given is not None else DEFAULT_CHUNK_TOKENS), None
+    if given is None:
+        return "auto", None
+    return given, (f"--chunk-tokens {given}: this model keeps Mamba/linear-attention state, whose block size vLLM "
+                   "picks at startup (384 or 640 tokens on Qwen3-Next); the engine refuses a chunk_tokens that is not "
+                   "a multiple of it: leave --chunk-tokens out for chunk_tokens auto.")
+
+
 @dataclass(frozen=True)
 class Recipe:
     """One offload tier in three dialects.  ``cpu_gib``/``disk_gib`` are totals across TP."""
@@ -122,7 +147,7 @@ def round_total(gib: float, tp: int) -> int:
 
 
 def build_recipe(model: str, tp: int, cpu_gib: float, disk_gib: float = 0.0,
-                 disk_path: str = "/mnt/nvme/kvtier", chunk_tokens: int = 128,
+                 disk_path: str = "/mnt/nvme/kvtier", chunk_tokens: int | str = DEFAULT_CHUNK_TOKENS,
                  redis_url: str | None = None, s3: ObjectStore | None = None,
                  others: dict[str, dict[str, Any]] | None = None, gpu_memory_utilization: float | None = None,
                  staging: bool = False, hybrid: bool = False) -> Recipe:
@@ -172,7 +197,7 @@ def build_recipe(model: str, tp: int, cpu_gib: float, disk_gib: float = 0.0,
                   "with kvtier or LMCache")
     elif disk:
         native += f"\n# native offload holds only the {cpu} GiB DRAM share; the {disk} GiB disk share needs kvtier or LMCache"
-    lines = ["LMCACHE_LOCAL_CPU=True", f"LMCACHE_MAX_LOCAL_CPU_SIZE={cpu // tp}", f"LMCACHE_CHUNK_SIZE={chunk_tokens}"]
+    lines = ["LMCACHE_LOCAL_CPU=True", f"LMCACHE_MAX_LOCAL_CPU_SIZE={cpu // tp}", f"LMCACHE_CHUNK_SIZE={chunk_tokens if isinstance(chunk_tokens, int) else 256}"]
     if disk:
         lines += ["LMCACHE_LOCAL_DISK=" + shlex.quote(f"file://{disk_path.rstrip('/')}/"), f"LMCACHE_MAX_LOCAL_DISK_SIZE={disk // tp}",
                   "LMCACHE_ENABLE_ASYNC_LOADING=False"]

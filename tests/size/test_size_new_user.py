@@ -1,0 +1,35 @@
+"""``kvtier size`` defects a new user met following only the docs, through the real CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.size.test_size_hardening import _json, run
+from tests.audit.test_cli_audit import kvtier as audit
+
+
+def _extra(recipe_line: str) -> dict:
+    quoted = recipe_line.split("--kv-transfer-config ", 1)[1].strip().strip("'")
+    return json.loads(quoted)["kv_connector_extra_config"]
+
+
+def test_state_models_get_chunk_tokens_auto_and_the_recipe_audits_clean(tmp_path: Path):
+    data = _json("--model", "Qwen/Qwen3-Next-80B-A3B-Instruct", "--tp", "4", "--gpu", "H100", "--offload-gib", "700")
+    assert _extra(data["recipe"]["kvtier"])["chunk_tokens"] == "auto"
+    proc = audit("-", "--vllm-version", "0.32.0", "--format", "json", stdin=data["recipe"]["kvtier"])
+    assert "kvtier-chunk-tokens-below-state-block" not in proc.stdout
+    tiny = tmp_path / "tiny-next"
+    subprocess.run([sys.executable, "-m", "kvtier.launch.testmodel", "--geometry", "tiny-next", "--out", str(tiny),
+                    "--weights", "none"], check=True, capture_output=True)
+    assert _extra(_json("--model", str(tiny), "--offload-gib", "4")["recipe"]["kvtier"])["chunk_tokens"] == "auto"
+    given = _json("--model", str(tiny), "--offload-gib", "4", "--chunk-tokens", "128")
+    assert _extra(given["recipe"]["kvtier"])["chunk_tokens"] == 128
+    assert any("--chunk-tokens 128: this model keeps Mamba" in n for n in given["notes"])
+    refused = audit("-", "--vllm-version", "0.32.0", "--format", "json", stdin=given["recipe"]["kvtier"])
+    assert "kvtier-chunk-tokens-below-state-block" in refused.stdout and refused.returncode == 1
+    # an attention-only model keeps 128
+    assert _extra(_json("--model", "meta-llama/Llama-3.1-8B", "--offload-gib", "4")["recipe"]["kvtier"])[
+        "chunk_tokens"] == 128
