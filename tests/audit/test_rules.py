@@ -245,10 +245,8 @@ CASES: dict[str, tuple[tuple[str, str | None], tuple[str, str | None]]] = {
                             ("LMCACHE_CHUNK_SIZE=256 vllm serve m --kv-offloading-size 8 --kv-offloading-backend lmcache", V)),
     # Qwen3-Next's state page over its attention bytes per token: a state block of at least 536 tokens at TP 1
     "kvtier-chunk-tokens-below-state-block": (
-        ("vllm serve Qwen/Qwen3-Next-80B-A3B-Instruct --kv-transfer-config '{\"kv_connector\":\"KVTierConnector\","
-         "\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":{\"chunk_tokens\":128}}'", V),
-        ("vllm serve Qwen/Qwen3-Next-80B-A3B-Instruct --kv-transfer-config '{\"kv_connector\":\"KVTierConnector\","
-         "\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":{\"chunk_tokens\":\"auto\"}}'", V)),
+        (f"vllm serve Qwen/Qwen3-Next-80B-A3B-Instruct {ktc('KVTierConnector', chunk_tokens=128)}", V),
+        (f"vllm serve Qwen/Qwen3-Next-80B-A3B-Instruct {ktc('KVTierConnector', chunk_tokens='auto')}", V)),
     # Llama-3.1-70B at TP 8: 410 GiB of engine KV on H100, 847 on H200, 1,219 on MI300X
     "cpu-tier-vs-engine-cache-unknown": ((f"{LLAMA70} --kv-offloading-size 408", V),
                                          (f"{LLAMA70} --kv-offloading-size 1904", V)),

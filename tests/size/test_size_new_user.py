@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.size.test_size_hardening import _json, run
 from tests.audit.test_cli_audit import kvtier as audit
+from tests.size.test_size_hardening import _json
 
 
 def _extra(recipe_line: str) -> dict:
