@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from tests.audit.test_cli_audit import kvtier as audit
-from tests.size.test_size_hardening import _json
+from tests.size.test_size_hardening import _json, run
 
 
 def _extra(recipe_line: str) -> dict:
@@ -33,3 +33,17 @@ def test_state_models_get_chunk_tokens_auto_and_the_recipe_audits_clean(tmp_path
     # an attention-only model keeps 128
     assert _extra(_json("--model", "meta-llama/Llama-3.1-8B", "--offload-gib", "4")["recipe"]["kvtier"])[
         "chunk_tokens"] == 128
+
+
+def test_no_recipe_for_an_engine_that_would_not_start():
+    for args in (("--model", "google/gemma-2-9b-it", "--gpu", "L4", "--context", "8192", "--sessions", "100",
+                  "--host-ram-gib", "256"),
+                 ("--model", "meta-llama/Llama-3.1-8B", "--gpu", "L4", "--context", "1000000", "--sessions", "1"),
+                 ("--model", "google/gemma-2-9b-it", "--gpu", "L4", "--offload-gib", "100")):
+        for fmt in ((), ("--json",)):
+            result = run(*args, *fmt)
+            assert result.exit_code == 2, result.output
+            assert "vLLM would not start" in result.output and "--tp" in result.output
+            assert "vllm serve" not in result.output and "Traceback" not in result.output
+    assert _json("--model", "meta-llama/Llama-3.1-8B", "--gpu", "H100", "--context", "8192", "--sessions", "100")[
+        "recipe"] is not None

@@ -169,8 +169,7 @@ def _size(
     offload_gib: float | None = typer.Option(None, "--offload-gib", help="Print recipes for this tier size (GiB, total) instead of the recommendation."),
     disk_path: str = typer.Option("/mnt/nvme/kvtier", "--disk-path", help="Disk tier directory used in recipes."),
     chunk_tokens: int | None = typer.Option(None, "--chunk-tokens", help="kvtier chunk size in tokens (default: "
-                                            "128, or auto for a model with Mamba/linear-attention state, whose "
-                                            "block size vLLM picks at startup)."),
+                                            "128; auto for a model with Mamba/linear-attention state)."),
     compression_ratio: list[str] | None = typer.Option(None, "--compression-ratio", help="disk=R: the disk tier "
                                                        "compresses, R payload bytes per stored byte (R >= 1, or a "
                                                        "codec: its ratio measured in docs/benchmarks.md)."),
@@ -183,7 +182,7 @@ def _size(
     from kvtier.size import Deployment, build_recipe, plan, resolve_model
     from kvtier.size.compression import DISK, parse_ratios
     from kvtier.size.hardware import GPUS, find_gpu
-    from kvtier.size.plan import check_finite, split_tier
+    from kvtier.size.plan import check_engine_starts, check_finite, split_tier
     from kvtier.size.recipe import DEFAULT_CHUNK_TOKENS, chunk_notes, recipe_chunk_tokens, tier_recipes
 
     if list_presets:
@@ -228,6 +227,7 @@ def _size(
         if DISK in ratios and nvme_gib is not None:  # the NVMe holds R× the payload bytes
             dep = replace(dep, nvme_gib=nvme_gib * ratios[DISK].ratio)
         report = plan(resolved.geometry, dep, curve, rates)
+        check_engine_starts(report, tp, context)
         if DISK in ratios:
             _compress_disk(report, ratios[DISK])
         given_gpu = (gpu or "").strip()
