@@ -170,9 +170,9 @@ def _size(
     disk_path: str = typer.Option("/mnt/nvme/kvtier", "--disk-path", help="Disk tier directory used in recipes."),
     chunk_tokens: int | None = typer.Option(None, "--chunk-tokens", help="kvtier chunk size in tokens (default: "
                                             "128; auto for a model with Mamba/linear-attention state)."),
-    compression_ratio: list[str] | None = typer.Option(None, "--compression-ratio", help="disk=R: the disk tier "
-                                                       "compresses, R payload bytes per stored byte (R >= 1, or a "
-                                                       "codec: its ratio measured in docs/benchmarks.md)."),
+    compression_ratio: list[str] | None = typer.Option(None, "--compression-ratio", help="disk=CODEC[:R]: kvtier's "
+                                                       "disk tier compresses with CODEC, R payload bytes per stored "
+                                                       "byte (default: the ratio measured in docs/benchmarks.md)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
     list_presets: bool = typer.Option(False, "--list-presets", help="List the built-in model presets and exit."),
 ) -> None:
@@ -223,12 +223,14 @@ def _size(
             rates = Throughputs(prefill_tokens_per_s=prefill_tokens_per_s, disk_gb_per_s=disk_gb_per_s)
         except ValueError as exc:
             raise UserError(f"{exc}.") from None
-        ratios = parse_ratios(compression_ratio, (DISK,))
+        ratios = parse_ratios(compression_ratio, (DISK,), codec_required=True)
         if DISK in ratios and nvme_gib is not None:  # the NVMe holds R× the payload bytes
             dep = replace(dep, nvme_gib=nvme_gib * ratios[DISK].ratio)
         report = plan(resolved.geometry, dep, curve, rates)
         check_engine_starts(report, tp, context)
+        payload_disk_gib, codec = report.disk_gib or 0.0, None
         if DISK in ratios:
+            codec = (ratios[DISK].codec or "", ratios[DISK].ratio)
             _compress_disk(report, ratios[DISK])
         given_gpu = (gpu or "").strip()
         if found_gpu is not None and found_gpu.name.upper() != given_gpu.upper():
@@ -244,29 +246,25 @@ def _size(
         chunk, chunk_note = recipe_chunk_tokens(chunk_tokens, resolved.geometry.num_state_layers > 0)
         if offload_gib is not None and offload_gib < 0:
             raise UserError(f"--offload-gib must not be negative, got {offload_gib}.")
-        tier_values = _tier_values(flags, tiers)
-        redis_url, store, others, tier_notes = tier_recipes(tier_values, (chunk_tokens or DEFAULT_CHUNK_TOKENS) *
-                                                                  report.kv_bytes_per_token)
+        redis_url, store, others, tier_notes = tier_recipes(_tier_values(flags, tiers), (
+            chunk_tokens or DEFAULT_CHUNK_TOKENS) * report.kv_bytes_per_token)
         report.notes.extend(tier_notes)
         if not disk_path.startswith("/"):
             raise UserError(f"--disk-path must be an absolute directory on the serving host, got {disk_path!r}.")
     except UserError as exc:
         fail(str(exc))
-    recipe = None
-    served = _served_model(model)
-    asked = None
+    recipe, served, asked = None, _served_model(model), None
     if offload_gib is not None and offload_gib > 0:
         split = split_tier(offload_gib, host_ram_gib, dep.reserve_gib, tp)
         _chosen_tier(report, offload_gib, split.cpu_gib, split.disk_gib)
         report.notes.extend(split.notes)
         asked = offload_gib
         recipe = build_recipe(served, tp, split.cpu_gib, split.disk_gib, disk_path, chunk, redis_url, store,
-                              others, gpu_memory_utilization, hybrid=len(report.groups) > 1)
+                              others, gpu_memory_utilization, hybrid=len(report.groups) > 1, disk_codec=codec)
     elif report.offload_needed and report.offload_no_room is None:
         asked = (report.cpu_gib or 0.0) + (report.disk_gib or 0.0)
-        recipe = build_recipe(served, tp, report.cpu_gib or 0.0, report.disk_gib or 0.0, disk_path, chunk,
-                              redis_url, store, others, gpu_memory_utilization, report.cpu_staging,
-                              len(report.groups) > 1)
+        recipe = build_recipe(served, tp, report.cpu_gib or 0.0, payload_disk_gib, disk_path, chunk, redis_url, store,
+                              others, gpu_memory_utilization, report.cpu_staging, len(report.groups) > 1, codec)
     if recipe is not None:
         if served != model:
             report.notes.append(f"The configs serve {served}, the directory of --model {model}: vllm serve takes a "
@@ -328,7 +326,8 @@ def _compress_disk(report: SizeReport, ratio: CompressionRatio) -> None:
         if report.recommended_offload_gib is not None:
             report.recommended_offload_gib = round(report.recommended_offload_gib - report.disk_gib + stored, 2)
         report.disk_gib = stored
-    report.notes.append(note + " (--nvme-gib holds R× its GiB of chunks).")
+    report.notes.append(note + f" (--nvme-gib holds R× its GiB of chunks): kvtier's recipe enables codecs "
+                        f"{{disk: [{ratio.codec}]}}; LMCache's disk keeps the uncompressed GiB (no kvtier codec).")
 
 
 def _curve(trace: str, fmt: str, tokens_per_block: int | None) -> StackCurve:
