@@ -47,3 +47,21 @@ def test_no_recipe_for_an_engine_that_would_not_start():
             assert "vllm serve" not in result.output and "Traceback" not in result.output
     assert _json("--model", "meta-llama/Llama-3.1-8B", "--gpu", "H100", "--context", "8192", "--sessions", "100")[
         "recipe"] is not None
+
+
+def test_a_storage_dtype_is_read_as_vllm_reads_it_with_a_note(tmp_path: Path):
+    """vLLM's dtype=auto falls back to bf16 for a dtype it does not run in (vllm/config/model.py
+    _resolve_auto_dtype); size did the same silently, and the docs promised a refusal."""
+    base = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096}
+    for key, name in (("torch_dtype", "int8"), ("torch_dtype", "uint8"), ("torch_dtype", "float8_e4m3fn"),
+                      ("torch_dtype", "torch.int8"), ("dtype", "int8")):
+        config = tmp_path / "config.json"
+        config.write_text(json.dumps({**base, key: name}))
+        data = _json("--model", str(config))
+        assert data["kv_dtype"] == "auto (bf16)" and data["kv_bytes_per_token_tp1"] == 131072
+        assert any(f"{key} {name!r}" in n and "falls back to bf16" in n for n in data["notes"]), data["notes"]
+    config.write_text(json.dumps({**base, "torch_dtype": "bfloat16"}))
+    assert not any("falls back" in n for n in _json("--model", str(config))["notes"])
+    config.write_text(json.dumps({**base, "torch_dtype": "banana"}))
+    result = run("--model", str(config))
+    assert result.exit_code == 2 and "'banana'" in result.output and "Traceback" not in result.output

@@ -238,8 +238,8 @@ def _size(
             parts = " or ".join(g.name for g in GPUS if g.name.upper().startswith(given_gpu.upper()))
             report.notes.append(f"--gpu {given_gpu} read as {found_gpu.name} ({found_gpu.memory_gib:g} GiB); give "
                                 f"the exact part (--gpu {parts}) or --gpu-memory-gib if yours differs.")
-        if weights_gib is None:
-            report.notes.extend(resolved.warnings)
+        report.notes.extend([resolved.dtype_note] if resolved.dtype_note and kv_dtype == "auto" else [])
+        report.notes.extend(resolved.warnings if weights_gib is None else ())
         if chunk_tokens is not None and not 1 <= chunk_tokens <= MAX_CHUNK_TOKENS:  # the connector's bound
             raise UserError(f"--chunk-tokens must be from 1 to {MAX_CHUNK_TOKENS:,} (longer than any model's context), "
                             f"got {chunk_tokens:,}.")
