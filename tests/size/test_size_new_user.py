@@ -65,3 +65,11 @@ def test_a_storage_dtype_is_read_as_vllm_reads_it_with_a_note(tmp_path: Path):
     config.write_text(json.dumps({**base, "torch_dtype": "banana"}))
     result = run("--model", str(config))
     assert result.exit_code == 2 and "'banana'" in result.output and "Traceback" not in result.output
+
+
+def test_trace_flags_without_a_trace_are_refused():
+    for extra in (("--tokens-per-block", "128"), ("--trace-format", "kvtier-jsonl")):
+        result = run("--model", "meta-llama/Llama-3.1-8B", "--gpu", "H100", "--context", "8192", "--sessions", "10",
+                     *extra)
+        assert result.exit_code == 2 and "describe --trace; give --trace FILE or drop them" in result.output
+        assert len(result.output.strip().splitlines()) == 1

@@ -207,6 +207,8 @@ def _size(
             if found_gpu is None:
                 raise UserError(f"--gpu {gpu!r} is not known; pass --gpu-memory-gib with its memory in GiB.")
             memory = found_gpu.memory_gib
+        if trace is None and (tokens_per_block is not None or trace_format != "mooncake"):
+            raise UserError("--tokens-per-block and --trace-format describe --trace; give --trace FILE or drop them.")
         if trace is not None and sessions is not None:
             raise UserError("give --trace (the warm set measured on a trace) or --sessions (sessions × --context), "
                             "not both.")
@@ -232,9 +234,8 @@ def _size(
         if DISK in ratios:
             codec = (ratios[DISK].codec or "", ratios[DISK].ratio)
             _compress_disk(report, ratios[DISK])
-        given_gpu = (gpu or "").strip()
+        given_gpu = (gpu or "").strip()  # an alias (A100: two memory sizes): say which part the budget assumes
         if found_gpu is not None and found_gpu.name.upper() != given_gpu.upper():
-            # an alias (A100: two memory sizes): say which part the budget assumes
             parts = " or ".join(g.name for g in GPUS if g.name.upper().startswith(given_gpu.upper()))
             report.notes.append(f"--gpu {given_gpu} read as {found_gpu.name} ({found_gpu.memory_gib:g} GiB); give "
                                 f"the exact part (--gpu {parts}) or --gpu-memory-gib if yours differs.")
