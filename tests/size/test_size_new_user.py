@@ -73,3 +73,16 @@ def test_trace_flags_without_a_trace_are_refused():
                      *extra)
         assert result.exit_code == 2 and "describe --trace; give --trace FILE or drop them" in result.output
         assert len(result.output.strip().splitlines()) == 1
+
+
+def test_notes_state_the_tables_figures_not_whole_gib(tmp_path: Path):
+    trace = tmp_path / "chat.jsonl"
+    subprocess.run([sys.executable, "-m", "kvtier.cli.main", "trace", "synth", "--regime", "chat", "--out", str(trace),
+                    "--requests", "300"], check=True, capture_output=True)
+    data = _json("--model", "meta-llama/Llama-3.1-8B", "--gpu-memory-gib", "22", "--weights-gib", "15", "--trace",
+                 str(trace), "--host-ram-gib", "33", "--nvme-gib", "100", "--disk-gb-per-s", "100")
+    warm = data["warm_set_bytes"] / 2**30
+    assert 1 < warm < 2 and data["disk_gib"] == round(warm, 2)  # the figure the old notes printed as "1 GiB"
+    text = f"{warm:,.2f}".rstrip("0").rstrip(".")
+    assert any(n.startswith(f"Disk tier {text} GiB") for n in data["notes"]), data["notes"]
+    assert any(f"(the warm set is {text} GiB)" in n for n in data["notes"]), data["notes"]

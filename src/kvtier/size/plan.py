@@ -27,6 +27,7 @@ from kvtier.simulate.hierarchy import (
     SESSION_HEADROOM,
     StackCurve,
     disk_slower_than_prefill,
+    gib_text,
     host_reserve_gib,
     plan_tiers,
     usable_dram_gib,
@@ -351,8 +352,8 @@ def _recommend(report: SizeReport, budget: int, dep: Deployment, warm_bytes: int
         return
     report.cpu_gib, report.disk_gib, report.cpu_staging = tiers.cpu_gib, tiers.disk_gib, tiers.staging
     if dram is not None:
-        report.notes.append(f"Usable host RAM: {dram:,.0f} GiB = {dep.host_ram_gib:,.0f} − {dep.reserve_gib:,.0f} "
-                            "reserved (" + ("as given" if dep.host_reserve_gib is not None else
+        report.notes.append(f"Usable host RAM: {gib_text(dram)} GiB = {gib_text(dep.host_ram_gib or 0)} − "
+                            f"{gib_text(dep.reserve_gib)} reserved (" + ("as given" if dep.host_reserve_gib is not None else
                                             f"16 GiB for the node + 16 GiB for each of {dep.tp} vLLM workers") + ").")
         if tiers.cpu_gib > dram:
             report.notes.append(f"The {tiers.cpu_gib:g} GiB staging cpu tier exceeds usable host RAM ({dram:g} GiB): "
