@@ -42,6 +42,8 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.size.compression import DISK
+
 KVTIER_CONNECTOR = {
     "kv_connector": "KVTierConnector",
     "kv_connector_module_path": "kvtier.integrations.vllm",
@@ -176,7 +178,7 @@ def build_recipe(model: str, tp: int, cpu_gib: float, disk_gib: float = 0.0,
     if disk:
         extra.update(disk_path=disk_path, disk_gib=disk)
         if disk_codec is not None:
-            extra["codecs"] = {"disk": [disk_codec[0]]}
+            extra["codecs"] = {DISK: [disk_codec[0]]}
     for values in (others or {}).values():
         extra.update(values)
     redis_gib, redis = None, None
