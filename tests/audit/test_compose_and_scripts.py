@@ -104,3 +104,11 @@ def test_values_vllm_and_lmcache_refuse_are_errors_whatever_their_form(tmp_path:
         assert proc.returncode == 1 and "lmcache-env-invalid" in _rules(proc), env
     ok = kvtier("-", "--format", "json", stdin="vllm serve m --gpu-memory-utilization 0.95 --shutdown-timeout 30\n")
     assert not {"gpu-memory-utilization-invalid", "shutdown-timeout-invalid"} & _rules(ok)
+
+
+def test_a_variable_holding_a_commands_output_is_unresolved_not_a_parse_error():
+    for assign in ("CONFIG=$(cat /etc/kvtier.json)", 'CONFIG="$(cat /etc/kvtier.json)"', "CONFIG=`cat f`"):
+        proc = kvtier("-", "--vllm-version", "0.32.0", "--format", "json",
+                      stdin=f'{assign}\nvllm serve m --kv-transfer-config "$CONFIG"\n')
+        rules = _rules(proc)
+        assert "shell-variable-unresolved" in rules and "kv-transfer-config-invalid" not in rules, (assign, rules)

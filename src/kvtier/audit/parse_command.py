@@ -87,6 +87,8 @@ def _split(text: str, origin: str) -> list[str]:
         raise UserError(f"{origin} is not a valid shell command line ({exc}); check its quotes.") from None
 
 
+_SUBSTITUTION = re.compile(r"\$\(|`")
+"""A command substitution in an assigned value: its output is not in the input."""
 _FD_REDIRECT = re.compile(r"(?<=\s)\d+(?=[<>])")
 """The file descriptor of a redirection (the ``2`` of ``2>&1``): a word of its own once lexed."""
 _CONTROL = {"&&", "||", ";", "|", "&", ";;", "(", ")", "|&", "\n"}
@@ -133,8 +135,17 @@ def _segments(line: str, origin: str) -> list[list[str]]:
         raise UserError(f"{origin} is not a valid shell command line ({exc}); check its quotes.") from None
     segments: list[list[str]] = [[]]
     skip = False
+    depth, inner = 0, []  # an unquoted $( ... ): one word, as the shell substitutes it
     for token in tokens:
-        if skip:
+        if depth:
+            depth += token.count("(") - token.count(")") if token in ("(", ")") else 0
+            if depth:
+                inner.append(token)
+            else:
+                segments[-1][-1] += "(" + " ".join(inner) + ")"
+        elif token == "(" and segments[-1] and segments[-1][-1].endswith("$"):
+            depth, inner = 1, []
+        elif skip:
             skip = False
         elif token in _CONTROL:
             segments.append([])
@@ -232,8 +243,8 @@ def _expand(words: list[str], config: ServeConfig) -> list[str]:
 
     def value(match: re.Match[str]) -> str:
         name = match.group(1) or match.group(2)
-        if name in config.env:
-            return config.env[name]
+        if name in config.env and not _SUBSTITUTION.search(config.env[name]):
+            return config.env[name]  # a command's output ($(cat f), `cat f`) is not in the input
         if match.group(0) not in config.unresolved:
             config.unresolved.append(match.group(0))
         return match.group(0)
