@@ -112,3 +112,10 @@ def test_a_variable_holding_a_commands_output_is_unresolved_not_a_parse_error():
                       stdin=f'{assign}\nvllm serve m --kv-transfer-config "$CONFIG"\n')
         rules = _rules(proc)
         assert "shell-variable-unresolved" in rules and "kv-transfer-config-invalid" not in rules, (assign, rules)
+
+
+def test_compose_interpolation_is_named_unresolved_not_a_parse_error():
+    proc = kvtier("-", "--format", "json", stdin='services:\n  vllm:\n    image: vllm/vllm-openai:v0.32.0\n'
+                                                 '    command: ["m", "--kv-transfer-config", "${KVCFG}"]\n')
+    rules = _rules(proc)
+    assert "shell-variable-unresolved" in rules and "kv-transfer-config-invalid" not in rules

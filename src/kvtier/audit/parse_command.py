@@ -22,7 +22,7 @@ from kvtier.core.errors import UserError
 
 _ASSIGN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 _STOP = {"&&", "||", ";", "|", "&"}
-_VARIABLE = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
+VARIABLE = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
 
 BOOL_FLAGS = frozenset({
     "--enable-prefix-caching", "--no-enable-prefix-caching", "--enforce-eager", "--no-enforce-eager",
@@ -249,7 +249,7 @@ def _expand(words: list[str], config: ServeConfig) -> list[str]:
             config.unresolved.append(match.group(0))
         return match.group(0)
 
-    return [_VARIABLE.sub(value, word) for word in words]
+    return [VARIABLE.sub(value, word) for word in words]
 
 
 def parse_env_file(text: str, origin: str) -> ServeConfig:

@@ -8,7 +8,8 @@ docs.docker.com/reference/compose-file/services/ ``command``, ``entrypoint``).  
 so without an ``entrypoint`` the ``command`` words are the server's arguments; an entrypoint of
 ``sh -c`` runs its script.  ``environment`` is read in both forms (a ``KEY=VALUE`` list or a
 mapping); a name with no value there takes the host's value, which cannot be known offline, and
-is skipped, as is ``env_file``.
+is skipped, as is ``env_file``; ``${VAR}`` in the server's arguments (Compose fills it from the
+host's environment or ``.env``) is named as unresolved (rule ``shell-variable-unresolved``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvtier.audit.model import ServeConfig
+from kvtier.audit.parse_command import VARIABLE as _VARIABLE
 from kvtier.audit.parse_k8s import container_config, is_vllm
 from kvtier.core.errors import UserError
 
@@ -57,7 +59,12 @@ def parse_compose(doc: dict[str, Any], text: str, origin: str) -> list[ServeConf
         container = {"image": service.get("image"), "command": service.get("entrypoint"),
                      "args": service.get("command"), "env": _environment(service.get("environment"), where)}
         if is_vllm(container, where):
-            configs.append(container_config(container, where, text, references=False))
+            config = container_config(container, where, text, references=False)
+            for _flag, value in config.flags:  # Compose fills ${VAR} from the host's env or .env: not in the file
+                for match in _VARIABLE.finditer((value or "").replace("$$", "")):
+                    if match.group(0) not in config.unresolved:
+                        config.unresolved.append(match.group(0))
+            configs.append(config)
     if not configs:
         raise UserError(f"{origin} is a Compose file with no service running vLLM (an image, entrypoint or command "
                         "naming vllm); audit the file that starts the server.")
