@@ -237,6 +237,16 @@ CASES: dict[str, tuple[tuple[str, str | None], tuple[str, str | None]]] = {
     # 100 GiB of engine KV per GPU × TP 2 = 200 GiB: a 128 GiB cpu tier holds nothing the engine does not
     "cpu-tier-not-above-engine-cache": ((f"{KV_PINNED} --kv-offloading-size 128", V),
                                         (f"{KV_PINNED} --kv-offloading-size 256", V)),
+    # vLLM refuses these at startup (CacheConfig gt=0 le=1; VllmConfig int ge=0); LMCache reads numbers
+    "gpu-memory-utilization-invalid": (("vllm serve m --gpu-memory-utilization 1.5", V),
+                                       ("vllm serve m --gpu-memory-utilization 1", V)),
+    "shutdown-timeout-invalid": (("vllm serve m --shutdown-timeout -5", V), ("vllm serve m --shutdown-timeout 0", V)),
+    "lmcache-env-invalid": (("LMCACHE_CHUNK_SIZE=-5 vllm serve m --kv-offloading-size 8 --kv-offloading-backend lmcache", V),
+                            ("LMCACHE_CHUNK_SIZE=256 vllm serve m --kv-offloading-size 8 --kv-offloading-backend lmcache", V)),
+    # Qwen3-Next's state page over its attention bytes per token: a state block of at least 536 tokens at TP 1
+    "kvtier-chunk-tokens-below-state-block": (
+        (f"vllm serve Qwen/Qwen3-Next-80B-A3B-Instruct {ktc('KVTierConnector', chunk_tokens=128)}", V),
+        (f"vllm serve Qwen/Qwen3-Next-80B-A3B-Instruct {ktc('KVTierConnector', chunk_tokens='auto')}", V)),
     # Llama-3.1-70B at TP 8: 410 GiB of engine KV on H100, 847 on H200, 1,219 on MI300X
     "cpu-tier-vs-engine-cache-unknown": ((f"{LLAMA70} --kv-offloading-size 408", V),
                                          (f"{LLAMA70} --kv-offloading-size 1904", V)),

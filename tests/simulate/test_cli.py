@@ -104,6 +104,11 @@ def test_model_config_and_disk_tier(tmp_path, trace_file):
     (["--cpu-gb-per-s", "1e300"], "--cpu-gb-per-s must be positive and at most 100,000"),
     (["--disk-gb-per-s", "nan"], "--disk-gb-per-s must be positive and at most 100,000"),
     (["--shared-latency-ms", "1e300"], "--shared-latency-ms must be finite, >= 0 and at most 3,600,000"),
+    # a flag that does nothing here was silently ignored (a new user): --tp/--kv-dtype only derive --model's
+    # bytes per token; a ratio for a tier the run does not have printed "disk tier compressed"
+    (["--tp", "2"], "--tp and --kv-dtype apply with --model"),
+    (["--kv-dtype", "fp8"], "--tp and --kv-dtype apply with --model"),
+    (["--compression-ratio", "disk=2"], "compresses the disk tier, which this run does not have; give --disk-gib"),
 ])
 def test_bad_input_is_one_line(tmp_path, trace_file, args, fragment):
     base = {"--trace": str(trace_file), "--kv-bytes-per-token": str(KV_PER_TOKEN), "--engine-gib": "1",

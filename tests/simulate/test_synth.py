@@ -103,3 +103,13 @@ def test_synth_and_stats_count_the_same_distinct_blocks(tmp_path):
     stats_count = int(re.search(r"\(([\d,]+) distinct\)", stats.output)[1].replace(",", ""))
     every_id = len({b for r in iter_records(path, block_tokens=512) for b in r.hash_ids})
     assert synth_count == stats_count == read_trace(path).num_unique_chunks < every_id
+
+
+def test_stats_of_a_trace_with_no_full_chunk_says_there_is_nothing_to_classify(tmp_path):
+    """It printed a histogram of 0 % rows and "regime: scan" (a new user's report)."""
+    path = tmp_path / "short.jsonl"
+    path.write_text('{"timestamp":0,"input_length":10,"output_length":1,"hash_ids":[1]}\n'
+                    '{"timestamp":1,"input_length":10,"output_length":1,"hash_ids":[1]}\n')
+    result = CliRunner().invoke(app, ["trace", "stats", "--trace", str(path)])
+    assert result.exit_code == 0 and "0 full chunks" in result.output
+    assert "no reuse to classify" in result.output and "regime:" not in result.output and "%" not in result.output

@@ -256,7 +256,8 @@ def test_a_compressing_disk_tier_stores_the_planned_chunks_in_one_rth_of_the_byt
             "--host-ram-gib", "256", "--nvme-gib", "4000", "--json")
     plain = json.loads(run(*base).stdout)
     assert plain["disk_gib"] > 100
-    for value, ratio, source in (("disk=2", 2.0, "as given"), ("disk=blosc2-zstd-shuffle2", 1.451, "docs/benchmarks.md")):
+    for value, ratio, source in (("disk=blosc2-zstd-shuffle2:2", 2.0, "as given"),
+                                 ("disk=blosc2-zstd-shuffle2", 1.451, "docs/benchmarks.md")):
         result = run(*base, "--compression-ratio", value)
         assert result.exit_code == 0, result.output
         data = json.loads(result.stdout)
@@ -265,9 +266,17 @@ def test_a_compressing_disk_tier_stores_the_planned_chunks_in_one_rth_of_the_byt
         assert data["recommended_offload_gib"] == pytest.approx(plain["cpu_gib"] + data["disk_gib"], abs=0.02)
         assert data["recipe"]["disk_gib"] < plain["recipe"]["disk_gib"]
         assert any(f"{ratio:g}× the chunks" in n and source in n for n in data["notes"]), data["notes"]
+        # only kvtier runs the codec: its recipe enables it; LMCache's disk keeps the uncompressed GiB
+        extra = json.loads(data["recipe"]["kvtier"].split("--kv-transfer-config ", 1)[1].strip("'"))
+        assert extra["kv_connector_extra_config"]["codecs"] == {"disk": ["blosc2-zstd-shuffle2"]}
+        assert extra["kv_connector_extra_config"]["disk_gib"] == data["recipe"]["disk_gib"]
+        assert f"LMCACHE_MAX_LOCAL_DISK_SIZE={plain['recipe']['disk_gib']}" in data["recipe"]["lmcache"]
+    assert "codecs" not in plain["recipe"]["kvtier"]
 
 
-@pytest.mark.parametrize("value", ["disk=0.99", "disk=inf", "s3=2", "2"])
+@pytest.mark.parametrize("value", ["disk=0.99", "disk=inf", "s3=2", "2", "disk=2", "disk=blosc2-zstd-shuffle2:0.5",
+                                   "disk=zstd"])
 def test_a_bad_compression_ratio_is_one_sentence(value):
+    """A bare disk=R names no codec: no recipe could carry it, so size refuses it (it halved LMCache's disk too)."""
     result = run("--model", "Qwen/Qwen3-8B", "--compression-ratio", value)
     assert result.exit_code == 2 and "--compression-ratio" in result.output and "Traceback" not in result.output

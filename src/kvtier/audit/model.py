@@ -109,7 +109,8 @@ class ServeConfig:
             shell line): install steps such as ``pip install kvtier`` are looked for in it.
         pod: the pod around the container, when read from a Kubernetes manifest; None otherwise.
         gpu: the GPU the server runs on (a ``kvtier size --gpu`` name, from ``kvtier audit --gpu``), if known.
-        unresolved: shell variables (``$NAME``) in the vLLM arguments whose value the input does not give.
+        unresolved: variable references in the vLLM arguments whose value the input does not give, as
+            written (``$NAME``, ``${NAME}``, a Kubernetes ``$(NAME)``).
     """
 
     origin: str

@@ -22,7 +22,7 @@ from kvtier.core.errors import UserError
 
 _ASSIGN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 _STOP = {"&&", "||", ";", "|", "&"}
-_VARIABLE = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
+VARIABLE = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
 
 BOOL_FLAGS = frozenset({
     "--enable-prefix-caching", "--no-enable-prefix-caching", "--enforce-eager", "--no-enforce-eager",
@@ -87,16 +87,121 @@ def _split(text: str, origin: str) -> list[str]:
         raise UserError(f"{origin} is not a valid shell command line ({exc}); check its quotes.") from None
 
 
+_SUBSTITUTION = re.compile(r"\$\(|`")
+"""A command substitution in an assigned value: its output is not in the input."""
+_FD_REDIRECT = re.compile(r"(?<=\s)\d+(?=[<>])")
+"""The file descriptor of a redirection (the ``2`` of ``2>&1``): a word of its own once lexed."""
+_CONTROL = {"&&", "||", ";", "|", "&", ";;", "(", ")", "|&", "\n"}
+
+
+def _logical_lines(text: str, origin: str) -> list[tuple[int, int, str]]:
+    """``(first line, last line, text)`` of each shell command line of ``text`` (1-based): a
+    backslash-newline joins two lines (the shell removes it) and a quote left open runs on.
+
+    Raises:
+        UserError: a quote is never closed.
+    """
+    out: list[tuple[int, int, str]] = []
+    buffer: list[str] = []
+    first = 1
+    lines = text.splitlines()
+    for number, line in enumerate(lines, start=1):
+        if not buffer:
+            first = number
+        buffer.append(line)
+        joined = "\n".join(buffer)
+        if (len(line) - len(line.rstrip("\\"))) % 2 == 1 and number < len(lines):
+            continue  # an odd run of trailing backslashes: the line goes on
+        try:
+            shlex.split(joined.replace("\\\n", " "), comments=True)
+        except ValueError:
+            if number < len(lines):
+                continue
+            _split(joined, origin)  # raises the one-sentence error
+        out.append((first, number, joined))
+        buffer = []
+    return out
+
+
+def _segments(line: str, origin: str) -> list[list[str]]:
+    """The simple commands of one command line, as words: split at ``&&``, ``||``, ``;``, ``|``,
+    ``&`` and parentheses, with redirections (``> log``, ``2>&1``) dropped."""
+    line = _FD_REDIRECT.sub(" ", line.replace("\\\n", " "))
+    lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    try:
+        tokens = list(lexer)
+    except ValueError as exc:
+        raise UserError(f"{origin} is not a valid shell command line ({exc}); check its quotes.") from None
+    segments: list[list[str]] = [[]]
+    skip = False
+    depth, inner = 0, []  # an unquoted $( ... ): one word, as the shell substitutes it
+    for token in tokens:
+        if depth:
+            depth += token.count("(") - token.count(")") if token in ("(", ")") else 0
+            if depth:
+                inner.append(token)
+            else:
+                segments[-1][-1] += "(" + " ".join(inner) + ")"
+        elif token == "(" and segments[-1] and segments[-1][-1].endswith("$"):
+            depth, inner = 1, []
+        elif skip:
+            skip = False
+        elif token in _CONTROL:
+            segments.append([])
+        elif token and set(token) <= set("<>&|") and ("<" in token or ">" in token):
+            skip = True
+        else:
+            segments[-1].append(token)
+    return [s for s in segments if s]
+
+
 def parse_command(text: str, origin: str) -> ServeConfig:
-    """Parse a shell snippet holding one vLLM start command.
+    """The first vLLM server a shell snippet starts (:func:`parse_commands`)."""
+    return parse_commands(text, origin)[0]
+
+
+def parse_commands(text: str, origin: str) -> list[ServeConfig]:
+    """One config per vLLM server a shell snippet starts (``vllm serve``, ``python -m
+    vllm.entrypoints.openai.api_server``, ``docker run … vllm/vllm-openai``), in order.  Assignments
+    and ``export`` lines apply to the commands after them; ``K=V`` prefixes and ``docker run -e`` to
+    their own command.  With more than one server each origin names its line (``serve.sh line 3``)
+    and its ``text`` keeps only that server's lines of the others', so findings point at it.
 
     Raises:
         UserError: unbalanced quotes, or no ``vllm serve`` / vLLM image in the text.
     """
-    words = _split(text, origin)
-    config = ServeConfig(origin=origin, text=text, launch=text)
+    shared: dict[str, str] = {}
+    found: list[tuple[int, int, ServeConfig]] = []
+    built_on: str | None = None
+    for first, last, line in _logical_lines(text, origin):
+        for words in _segments(line, origin):
+            config, base = _parse_segment(words, shared, origin, text)
+            built_on = built_on or base
+            if config is not None:
+                found.append((first, last, config))
+    if not found and built_on is not None:
+        raise UserError(f"{origin} holds no vLLM serve line to audit (FROM {built_on} builds an image, it starts no "
+                        "server); audit the command, compose file or manifest that runs the image.")
+    if not found:
+        raise UserError(f"{origin} holds no `vllm serve` command, vLLM image or KEY=VALUE lines to audit.")
+    if len(found) > 1:
+        lines = text.splitlines()
+        for first, last, config in found:
+            config.origin = f"{origin} line {first}"
+            others = {n for f, la, c in found if c is not config for n in range(f, la + 1)}
+            config.text = "\n".join("" if n in others else ln for n, ln in enumerate(lines, start=1))
+    return [config for _, _, config in found]
+
+
+def _parse_segment(words: list[str], shared: dict[str, str], origin: str,
+                   text: str) -> tuple[ServeConfig | None, str | None]:
+    """The server one simple command starts (None when it starts none) and the vLLM image a
+    Dockerfile's ``FROM`` names; assignments of a command that starts no server go to ``shared``."""
+    config = ServeConfig(origin=origin, text=text, launch=text, env=dict(shared))
     start: int | None = None
     built_on: str | None = None
+    own: dict[str, str] = {}
     i = 0
     while i < len(words):
         word = words[i]
@@ -105,12 +210,12 @@ def parse_command(text: str, origin: str) -> ServeConfig:
             continue
         if word in ("-e", "--env") and i + 1 < len(words) and _ASSIGN.match(words[i + 1]):
             key, value = words[i + 1].split("=", 1)
-            config.env[key] = value
+            own[key] = value
             i += 2
             continue
         if _ASSIGN.match(word) and start is None:
             key, value = word.split("=", 1)
-            config.env[key] = value
+            own[key] = value
         elif word == "serve" and i > 0 and words[i - 1].rsplit("/", 1)[-1] == "vllm" or word == "vllm.entrypoints.openai.api_server":
             start = i + 1
             break
@@ -123,13 +228,12 @@ def parse_command(text: str, origin: str) -> ServeConfig:
                 start += 1
             break
         i += 1
-    if start is None and built_on is not None:
-        raise UserError(f"{origin} holds no vLLM serve line to audit (FROM {built_on} builds an image, it starts no "
-                        "server); audit the command, compose file or manifest that runs the image.")
     if start is None:
-        raise UserError(f"{origin} holds no `vllm serve` command, vLLM image or KEY=VALUE lines to audit.")
+        shared.update(own)
+        return None, built_on
+    config.env.update(own)
     parse_vllm_args(_expand(words[start:], config), config)
-    return config
+    return config, built_on
 
 
 def _expand(words: list[str], config: ServeConfig) -> list[str]:
@@ -139,13 +243,13 @@ def _expand(words: list[str], config: ServeConfig) -> list[str]:
 
     def value(match: re.Match[str]) -> str:
         name = match.group(1) or match.group(2)
-        if name in config.env:
-            return config.env[name]
-        if name not in config.unresolved:
-            config.unresolved.append(name)
+        if name in config.env and not _SUBSTITUTION.search(config.env[name]):
+            return config.env[name]  # a command's output ($(cat f), `cat f`) is not in the input
+        if match.group(0) not in config.unresolved:
+            config.unresolved.append(match.group(0))
         return match.group(0)
 
-    return [_VARIABLE.sub(value, word) for word in words]
+    return [VARIABLE.sub(value, word) for word in words]
 
 
 def parse_env_file(text: str, origin: str) -> ServeConfig:

@@ -12,6 +12,7 @@ Services of the same file) is kept as :class:`~kvtier.audit.model.PodFacts` for 
 
 from __future__ import annotations
 
+import re
 import shlex
 from typing import Any
 
@@ -78,14 +79,49 @@ def _words(container: dict[str, Any], key: str, where: str) -> list[str]:
     return [str(w) for w in value]
 
 
-def _is_vllm(container: dict[str, Any], where: str) -> bool:
-    words = [str(container.get("image", ""))] + _words(container, "command", where)
+def is_vllm(container: dict[str, Any], where: str) -> bool:
+    words = [str(container.get("image") or "")] + _words(container, "command", where)
     words += _words(container, "args", where)[:3]
     return any("vllm" in w.lower() for w in words)
 
 
-def _container_config(container: dict[str, Any], origin: str, text: str) -> ServeConfig:
+_REFERENCE = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
+
+
+def _expand_references(words: list[str], env: dict[str, str], unresolved: list[str]) -> list[str]:
+    """``words`` with each ``$(NAME)`` replaced by the container's env value, as Kubernetes does for
+    ``command`` and ``args`` (``$$`` escapes a ``$``; a reference to no variable stays as written:
+    Kubernetes API reference, Container v1 ``args``); the unresolved ones are added to ``unresolved``."""
+
+    def value(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        if match.group(1) in env:
+            return env[match.group(1)]
+        if match.group(0) not in unresolved:
+            unresolved.append(match.group(0))
+        return match.group(0)
+
+    return [_REFERENCE.sub(value, word) for word in words]
+
+
+def _env(container: dict[str, Any], origin: str) -> dict[str, str]:
+    """The container's ``env`` entries with a literal ``value``."""
+    env = container.get("env") or []
+    if not isinstance(env, list):
+        raise UserError(f"{origin} env must be a list of name/value entries.")
+    return {str(e["name"]): "" if e["value"] is None else str(e["value"]) for e in env
+            if isinstance(e, dict) and "name" in e and "value" in e}
+
+
+def container_config(container: dict[str, Any], origin: str, text: str, references: bool = True) -> ServeConfig:
+    """The server a container runs: ``command`` + ``args`` with ``$(VAR)`` expanded from its env
+    (``references``; a Compose service's words are taken as written)."""
+    env = _env(container, origin)
+    unresolved: list[str] = []
     words = _words(container, "command", origin) + _words(container, "args", origin)
+    if references:
+        words = _expand_references(words, env, unresolved)
     launch = " ".join(words)
     image = container.get("image")
     if len(words) >= 2 and words[0].rsplit("/", 1)[-1] in ("sh", "bash") and "-c" in words:
@@ -101,12 +137,8 @@ def _container_config(container: dict[str, Any], origin: str, text: str) -> Serv
     config.text = text
     config.launch = launch
     config.image = str(image) if image else config.image
-    env = container.get("env") or []
-    if not isinstance(env, list):
-        raise UserError(f"{origin} env must be a list of name/value entries.")
-    for entry in env:
-        if isinstance(entry, dict) and "name" in entry and "value" in entry:
-            config.env[str(entry["name"])] = "" if entry["value"] is None else str(entry["value"])
+    config.env.update(env)
+    config.unresolved[:0] = unresolved
     return config
 
 
@@ -166,8 +198,8 @@ def parse_manifests(text: str, origin: str) -> list[ServeConfig]:
                 raise UserError(f"{origin}: {workload} spec.containers must be a list.")
             for container in containers:
                 name = container.get("name", "?") if isinstance(container, dict) else "?"
-                if isinstance(container, dict) and _is_vllm(container, f"{origin}:{workload}/{name}"):
-                    config = _container_config(container, f"{origin}:{workload}/{name}", text)
+                if isinstance(container, dict) and is_vllm(container, f"{origin}:{workload}/{name}"):
+                    config = container_config(container, f"{origin}:{workload}/{name}", text)
                     config.pod = PodFacts(_grace_period(spec, f"{origin}: {workload}"), _mount_paths(container),
                                           _namespace(doc), services, mounts(container, spec, templates, claims),
                                           _memory_limit(container))

@@ -14,7 +14,7 @@ from kvtier.core.errors import UserError
 
 HELP = """Audit a vLLM KV-cache configuration against version gates, pitfalls and known bugs.
 
-Reads a `vllm serve ...` command line (or `docker run` line), an env file (KEY=VALUE lines), a Kubernetes manifest (Deployment/StatefulSet/Pod YAML, multi-document) or a kustomize directory (rendered with `kustomize build` or `kubectl kustomize` when either is on PATH; else its resources read with namespace, images and strategic-merge patches applied; audited together) from FILE or stdin (`-`). The vLLM version comes from --vllm-version or the image tag. Each finding names its rule, severity, the fix and its source. Exit code 1 when any error is found, 2 on unreadable input.
+Reads a `vllm serve ...` command line or script (every server it starts; or a `docker run` line), an env file (KEY=VALUE lines), a Docker Compose file (each vLLM service), a Kubernetes manifest (Deployment/StatefulSet/Pod YAML, multi-document) or a kustomize directory (rendered with `kustomize build` or `kubectl kustomize` when either is on PATH; else its resources read with namespace, images and strategic-merge patches applied; audited together) from FILE or stdin (`-`). The vLLM version comes from --vllm-version or the image tag. Each finding names its rule, severity, the fix and its source. Exit code 1 when any error is found, 2 on unreadable input.
 
 Examples:
 

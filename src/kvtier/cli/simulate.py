@@ -136,6 +136,9 @@ def register(app: typer.Typer) -> None:
             fail("pass exactly one of --model CONFIG_JSON or --kv-bytes-per-token N to give the KV size per token")
         if kv_bytes_per_token is not None and kv_bytes_per_token <= 0:
             fail(f"--kv-bytes-per-token must be a positive integer, got {kv_bytes_per_token}")
+        if kv_bytes_per_token is not None and (tp != 1 or kv_dtype != "auto"):
+            fail("--tp and --kv-dtype apply with --model (they derive its KV bytes per token); with "
+                 "--kv-bytes-per-token give the bytes of all ranks at your TP and dtype, and drop them")
         if tokens_per_block is not None and tokens_per_block <= 0:
             fail(f"--tokens-per-block must be a positive integer, got {tokens_per_block}")
         if not all(0 <= g < float("inf") for g in (engine_gib, disk_gib, shared_gib)):
@@ -197,6 +200,10 @@ def register(app: typer.Typer) -> None:
             ratios = parse_ratios(compression_ratio, (DISK, name))
         except UserError as exc:
             fail(str(exc).rstrip("."))
+        for tier, gib, flag in ((DISK, disk_gib, "--disk-gib"), (name, shared_gib, "--shared-gib")):
+            if tier in ratios and gib <= 0:
+                fail(f"--compression-ratio {tier}=... compresses the {tier} tier, which this run does not have; "
+                     f"give {flag} GIB or drop it")
         # a compressing tier's GiB hold R× the chunks: modelled as R× the GiB of uncompressed chunks
         disk_gib *= ratios[DISK].ratio if DISK in ratios else 1.0
         shared_gib *= ratios[name].ratio if name in ratios else 1.0

@@ -168,10 +168,11 @@ def _size(
                                                "engine, tokens/s (as kvtier simulate, docs/simulate.md)."),
     offload_gib: float | None = typer.Option(None, "--offload-gib", help="Print recipes for this tier size (GiB, total) instead of the recommendation."),
     disk_path: str = typer.Option("/mnt/nvme/kvtier", "--disk-path", help="Disk tier directory used in recipes."),
-    chunk_tokens: int = typer.Option(128, "--chunk-tokens", help="kvtier chunk size in tokens."),
-    compression_ratio: list[str] | None = typer.Option(None, "--compression-ratio", help="disk=R: the disk tier "
-                                                       "compresses, R payload bytes per stored byte (R >= 1, or a "
-                                                       "codec: its ratio measured in docs/benchmarks.md)."),
+    chunk_tokens: int | None = typer.Option(None, "--chunk-tokens", help="kvtier chunk size in tokens (default: "
+                                            "128; auto for a model with Mamba/linear-attention state)."),
+    compression_ratio: list[str] | None = typer.Option(None, "--compression-ratio", help="disk=CODEC[:R]: kvtier's "
+                                                       "disk tier compresses with CODEC, R payload bytes per stored "
+                                                       "byte (default: the ratio measured in docs/benchmarks.md)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
     list_presets: bool = typer.Option(False, "--list-presets", help="List the built-in model presets and exit."),
 ) -> None:
@@ -181,8 +182,8 @@ def _size(
     from kvtier.size import Deployment, build_recipe, plan, resolve_model
     from kvtier.size.compression import DISK, parse_ratios
     from kvtier.size.hardware import GPUS, find_gpu
-    from kvtier.size.plan import check_finite, split_tier
-    from kvtier.size.recipe import chunk_notes, tier_recipes
+    from kvtier.size.plan import check_engine_starts, check_finite, split_tier
+    from kvtier.size.recipe import DEFAULT_CHUNK_TOKENS, chunk_notes, recipe_chunk_tokens, tier_recipes
 
     if list_presets:
         _list_presets()
@@ -206,6 +207,8 @@ def _size(
             if found_gpu is None:
                 raise UserError(f"--gpu {gpu!r} is not known; pass --gpu-memory-gib with its memory in GiB.")
             memory = found_gpu.memory_gib
+        if trace is None and (tokens_per_block is not None or trace_format != "mooncake"):
+            raise UserError("--tokens-per-block and --trace-format describe --trace; give --trace FILE or drop them.")
         if trace is not None and sessions is not None:
             raise UserError("give --trace (the warm set measured on a trace) or --sessions (sessions × --context), "
                             "not both.")
@@ -222,47 +225,47 @@ def _size(
             rates = Throughputs(prefill_tokens_per_s=prefill_tokens_per_s, disk_gb_per_s=disk_gb_per_s)
         except ValueError as exc:
             raise UserError(f"{exc}.") from None
-        ratios = parse_ratios(compression_ratio, (DISK,))
+        ratios = parse_ratios(compression_ratio, (DISK,), codec_required=True)
         if DISK in ratios and nvme_gib is not None:  # the NVMe holds R× the payload bytes
             dep = replace(dep, nvme_gib=nvme_gib * ratios[DISK].ratio)
         report = plan(resolved.geometry, dep, curve, rates)
+        check_engine_starts(report, tp, context)
+        payload_disk_gib, codec = report.disk_gib or 0.0, None
         if DISK in ratios:
+            codec = (ratios[DISK].codec or "", ratios[DISK].ratio)
             _compress_disk(report, ratios[DISK])
-        given_gpu = (gpu or "").strip()
+        given_gpu = (gpu or "").strip()  # an alias (A100: two memory sizes): say which part the budget assumes
         if found_gpu is not None and found_gpu.name.upper() != given_gpu.upper():
-            # an alias (A100: two memory sizes): say which part the budget assumes
             parts = " or ".join(g.name for g in GPUS if g.name.upper().startswith(given_gpu.upper()))
             report.notes.append(f"--gpu {given_gpu} read as {found_gpu.name} ({found_gpu.memory_gib:g} GiB); give "
                                 f"the exact part (--gpu {parts}) or --gpu-memory-gib if yours differs.")
-        if weights_gib is None:
-            report.notes.extend(resolved.warnings)
-        if not 1 <= chunk_tokens <= MAX_CHUNK_TOKENS:  # the connector's bound: the recipe must pass kvtier check
+        report.notes.extend([resolved.dtype_note] if resolved.dtype_note and kv_dtype == "auto" else [])
+        report.notes.extend(resolved.warnings if weights_gib is None else ())
+        if chunk_tokens is not None and not 1 <= chunk_tokens <= MAX_CHUNK_TOKENS:  # the connector's bound
             raise UserError(f"--chunk-tokens must be from 1 to {MAX_CHUNK_TOKENS:,} (longer than any model's context), "
                             f"got {chunk_tokens:,}.")
+        chunk, chunk_note = recipe_chunk_tokens(chunk_tokens, resolved.geometry.num_state_layers > 0)
         if offload_gib is not None and offload_gib < 0:
             raise UserError(f"--offload-gib must not be negative, got {offload_gib}.")
-        tier_values = _tier_values(flags, tiers)
-        redis_url, store, others, tier_notes = tier_recipes(tier_values, chunk_tokens * report.kv_bytes_per_token)
+        redis_url, store, others, tier_notes = tier_recipes(_tier_values(flags, tiers), (
+            chunk_tokens or DEFAULT_CHUNK_TOKENS) * report.kv_bytes_per_token)
         report.notes.extend(tier_notes)
         if not disk_path.startswith("/"):
             raise UserError(f"--disk-path must be an absolute directory on the serving host, got {disk_path!r}.")
     except UserError as exc:
         fail(str(exc))
-    recipe = None
-    served = _served_model(model)
-    asked = None
+    recipe, served, asked = None, _served_model(model), None
     if offload_gib is not None and offload_gib > 0:
         split = split_tier(offload_gib, host_ram_gib, dep.reserve_gib, tp)
         _chosen_tier(report, offload_gib, split.cpu_gib, split.disk_gib)
         report.notes.extend(split.notes)
         asked = offload_gib
-        recipe = build_recipe(served, tp, split.cpu_gib, split.disk_gib, disk_path, chunk_tokens, redis_url, store,
-                              others, gpu_memory_utilization, hybrid=len(report.groups) > 1)
+        recipe = build_recipe(served, tp, split.cpu_gib, split.disk_gib, disk_path, chunk, redis_url, store,
+                              others, gpu_memory_utilization, hybrid=len(report.groups) > 1, disk_codec=codec)
     elif report.offload_needed and report.offload_no_room is None:
         asked = (report.cpu_gib or 0.0) + (report.disk_gib or 0.0)
-        recipe = build_recipe(served, tp, report.cpu_gib or 0.0, report.disk_gib or 0.0, disk_path, chunk_tokens,
-                              redis_url, store, others, gpu_memory_utilization, report.cpu_staging,
-                              len(report.groups) > 1)
+        recipe = build_recipe(served, tp, report.cpu_gib or 0.0, payload_disk_gib, disk_path, chunk, redis_url, store,
+                              others, gpu_memory_utilization, report.cpu_staging, len(report.groups) > 1, codec)
     if recipe is not None:
         if served != model:
             report.notes.append(f"The configs serve {served}, the directory of --model {model}: vllm serve takes a "
@@ -272,7 +275,8 @@ def _size(
             per_rank = f" on each of {tp} ranks" if tp > 1 else ""
             report.notes.append(f"The configs give {recipe.cpu_gib:,} GiB (cpu tier) + {recipe.disk_gib:,} GiB (disk "
                                 f"tier) = {total:,} GiB: the {asked:,.2f} GiB above rounded up to whole GiB{per_rank}.")
-        report.notes.extend(chunk_notes(chunk_tokens))
+        report.notes.extend(chunk_notes(chunk) if isinstance(chunk, int) else [])
+        report.notes.extend([chunk_note] if chunk_note else [])
         report.notes.extend(audit_notes(recipe, found_gpu.name if found_gpu is not None else None))
     elif offload_gib is not None:  # --offload-gib 0: the size chosen is no tier
         report.notes.append("--offload-gib 0 asks for no offload tier, so there is no config to print.")
@@ -323,7 +327,8 @@ def _compress_disk(report: SizeReport, ratio: CompressionRatio) -> None:
         if report.recommended_offload_gib is not None:
             report.recommended_offload_gib = round(report.recommended_offload_gib - report.disk_gib + stored, 2)
         report.disk_gib = stored
-    report.notes.append(note + " (--nvme-gib holds R× its GiB of chunks).")
+    report.notes.append(note + f" (--nvme-gib holds R× its GiB of chunks): kvtier's recipe enables codecs "
+                        f"{{disk: [{ratio.codec}]}}; LMCache's disk keeps the uncompressed GiB (no kvtier codec).")
 
 
 def _curve(trace: str, fmt: str, tokens_per_block: int | None) -> StackCurve:

@@ -85,6 +85,11 @@ def register(app: typer.Typer) -> None:
         typer.echo(f"{requests.name}: {requests.num_requests:,} requests over {requests.duration_s:,.0f} s, "
                    f"{requests.num_chunks:,} full chunks ({requests.num_unique_chunks:,} distinct) of "
                    f"{requests.block_tokens} tokens")
+        if requests.num_chunks == 0:  # no histogram of 0 % rows, no "regime: scan" of nothing
+            typer.echo(f"No full chunks: every prompt is shorter than one block of {requests.block_tokens} tokens, so "
+                       "there is no reuse to classify; give --tokens-per-block the block size the trace was made "
+                       "with (or a smaller one).")
+            return
         for line in histogram_lines(reuse_histogram(requests)):
             typer.echo(line)
 

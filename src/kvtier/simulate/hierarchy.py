@@ -191,6 +191,12 @@ def warm_set_from_trace(curve: StackCurve, chunk_bytes: int, share: float = SHAR
     return curve.chunks_for(share * curve.ceiling) * chunk_bytes / GIB
 
 
+def gib_text(gib: float) -> str:
+    """``gib`` as the size table prints it, two decimals, without trailing zeros (1.44, 1, 847.39):
+    the notes and the table state the same figure."""
+    return f"{gib:,.2f}".rstrip("0").rstrip(".")
+
+
 def plan_tiers(warm_set_gib: float, engine_gib: float, dram_gib: float | None, nvme_gib: float | None,
                curve: StackCurve | None = None, chunk_bytes: int | None = None,
                disk_slower: str | None = None) -> TierPlan:
@@ -209,15 +215,15 @@ def plan_tiers(warm_set_gib: float, engine_gib: float, dram_gib: float | None, n
     """
     notes: list[str] = []
     if warm_set_gib <= engine_gib:
-        notes.append(f"Offload not needed: the warm set ({warm_set_gib:,.0f} GiB) fits in the engine's KV cache "
-                     f"({engine_gib:,.0f} GiB).")
+        notes.append(f"Offload not needed: the warm set ({gib_text(warm_set_gib)} GiB) fits in the engine's KV cache "
+                     f"({gib_text(engine_gib)} GiB).")
         return TierPlan(engine_gib, warm_set_gib, 0.0, 0.0, hits=_predict(curve, chunk_bytes, engine_gib, 0, 0),
                         notes=tuple(notes))
     cpu = warm_set_gib if dram_gib is None else min(warm_set_gib, dram_gib)
     staging = False
     if cpu <= engine_gib:
-        notes.append(f"No cpu tier worth its DRAM: the {cpu:,.0f} GiB host RAM leaves after reserves is not larger "
-                     f"than the engine's KV cache ({engine_gib:,.0f} GiB), and kvtier's tiers are inclusive (every "
+        notes.append(f"No cpu tier worth its DRAM: the {gib_text(cpu)} GiB host RAM leaves after reserves is not larger "
+                     f"than the engine's KV cache ({gib_text(engine_gib)} GiB), and kvtier's tiers are inclusive (every "
                      "chunk the engine computes is stored), so such a cpu tier holds nothing the engine does not.")
         cpu = 0.0
     above = max(engine_gib, cpu)
@@ -229,17 +235,17 @@ def plan_tiers(warm_set_gib: float, engine_gib: float, dram_gib: float | None, n
                          "differ.")
         elif nvme_gib is None:
             what = "the cpu tier" if cpu else "the engine's KV cache"
-            notes.append(f"The warm set ({warm_set_gib:,.0f} GiB) is larger than {what} ({above:,.0f} GiB): give "
+            notes.append(f"The warm set ({gib_text(warm_set_gib)} GiB) is larger than {what} ({gib_text(above)} GiB): give "
                          "--nvme-gib to size a disk tier for the rest.")
         else:
             disk = min(warm_set_gib, nvme_gib)
             if disk <= above:
-                notes.append(f"No disk tier: the {nvme_gib:,.0f} GiB of NVMe usable is not larger than the tiers "
-                             f"above it ({above:,.0f} GiB), which it would only repeat (write-through holds every "
+                notes.append(f"No disk tier: the {gib_text(nvme_gib)} GiB of NVMe usable is not larger than the tiers "
+                             f"above it ({gib_text(above)} GiB), which it would only repeat (write-through holds every "
                              "chunk of the cpu tier).")
                 disk = 0.0
             else:
-                notes.append(f"Disk tier {disk:,.0f} GiB: " + (f"all the NVMe usable ({nvme_gib:,.0f} GiB), less than "
+                notes.append(f"Disk tier {gib_text(disk)} GiB: " + (f"all the NVMe usable ({gib_text(nvme_gib)} GiB), less than "
                              "the warm set" if disk < warm_set_gib else "the whole warm set") + ", as a write-through "
                              "disk tier also holds every chunk of the cpu tier.")
     if disk and not cpu:
@@ -247,8 +253,8 @@ def plan_tiers(warm_set_gib: float, engine_gib: float, dram_gib: float | None, n
         notes.append(f"A {MIN_STAGING_GIB:g} GiB cpu tier stages chunks in front of the disk tier (kvtier passes "
                      "every chunk through its cpu tier); it serves nothing itself.")
     elif cpu and dram_gib is not None and cpu < warm_set_gib:
-        notes.append(f"cpu tier {cpu:,.0f} GiB: all the DRAM left after reserves (the warm set is "
-                     f"{warm_set_gib:,.0f} GiB).")
+        notes.append(f"cpu tier {gib_text(cpu)} GiB: all the DRAM left after reserves (the warm set is "
+                     f"{gib_text(warm_set_gib)} GiB).")
     serving_cpu = 0.0 if staging else cpu
     return TierPlan(engine_gib, warm_set_gib, round(cpu, 2), round(disk, 2), staging,
                     _predict(curve, chunk_bytes, engine_gib, serving_cpu, disk), tuple(notes))

@@ -30,18 +30,23 @@ class CompressionRatio:
 
     ratio: float
     source: str
+    codec: str | None = None
 
     def describe(self, tier: str) -> str:
         return (f"{tier} tier compressed: {self.ratio:g}× the chunks in its bytes (stored bytes per payload "
                 f"byte 1/{self.ratio:g}; R from {self.source})")
 
 
-def parse_ratios(values: list[str] | None, tiers: tuple[str, ...]) -> dict[str, CompressionRatio]:
-    """``TIER=R`` or ``TIER=CODEC`` items -> tier -> :class:`CompressionRatio`.
+def parse_ratios(values: list[str] | None, tiers: tuple[str, ...],
+                 codec_required: bool = False) -> dict[str, CompressionRatio]:
+    """``TIER=R``, ``TIER=CODEC`` or ``TIER=CODEC:R`` items -> tier -> :class:`CompressionRatio`.
+
+    ``codec_required`` (``kvtier size``, whose kvtier recipe must enable the codec that compresses):
+    a bare ``TIER=R`` is refused, since no recipe could carry it.
 
     Raises:
-        UserError: an item not ``TIER=R``, a tier not in ``tiers``, a tier twice, R not a finite
-            number >= 1 nor a compressing codec of :data:`MEASURED`.
+        UserError: an item not of those forms, a tier not in ``tiers``, a tier twice, R not a finite
+            number >= 1, a codec not in :data:`MEASURED`, or no codec where one is required.
     """
     out: dict[str, CompressionRatio] = {}
     for item in values or []:
@@ -51,10 +56,18 @@ def parse_ratios(values: list[str] | None, tiers: tuple[str, ...]) -> dict[str, 
                             "a ratio >= 1 or a compressing codec (e.g. disk=1.45 or disk=blosc2-zstd-shuffle2).")
         if tier in out:
             raise UserError(f"--compression-ratio gives the {tier} tier twice; give each tier once.")
-        if value in MEASURED:
-            ratio, source = MEASURED[value]
-            out[tier] = CompressionRatio(ratio, source)
+        codec, colon, own = value.partition(":")
+        if codec in MEASURED:
+            measured, source = MEASURED[codec]
+            given = _number(own) if colon else measured
+            if not (math.isfinite(given) and given >= 1):
+                raise UserError(f"--compression-ratio {item!r}: R after the codec must be a number >= 1 (payload "
+                                "bytes per stored byte), e.g. disk=blosc2-zstd-shuffle2:1.6.")
+            out[tier] = CompressionRatio(given, "--compression-ratio, as given" if colon else source, codec)
             continue
+        if codec_required:
+            raise UserError(f"--compression-ratio {item!r} names no codec, and only a recipe that enables one "
+                            f"compresses: give {tier}=CODEC or {tier}=CODEC:R with CODEC one of {', '.join(MEASURED)}.")
         try:
             ratio = float(value)
         except ValueError:
@@ -64,3 +77,10 @@ def parse_ratios(values: list[str] | None, tiers: tuple[str, ...]) -> dict[str, 
                             f"or one of the compressing codecs {', '.join(MEASURED)}.")
         out[tier] = CompressionRatio(ratio, "--compression-ratio, as given")
     return out
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return math.nan

@@ -105,14 +105,43 @@ def _dtype_bytes(cfg: dict[str, Any], key: str, where: str) -> int | None:
     return known
 
 
-def _model_dtype_bytes(cfg: dict[str, Any], where: str) -> int:
-    """Bytes per element of the model's dtype (``torch_dtype``, newer configs ``dtype``; bf16 when
-    neither is set)."""
+def _model_dtype_name(cfg: dict[str, Any]) -> tuple[str, str] | None:
+    """``(key, name)`` of the model's dtype as the config writes it (``torch_dtype``, newer configs
+    ``dtype``), None when neither is set."""
     for key in ("torch_dtype", "dtype"):
-        size = _dtype_bytes(cfg, key, where)
-        if size is not None:
-            return size
-    return 2
+        if cfg.get(key) not in (None, ""):
+            return key, str(cfg[key])
+    return None
+
+
+def _model_dtype_bytes(cfg: dict[str, Any], where: str) -> int:
+    """Bytes per element of the dtype vLLM runs the model in (bf16 when the config sets none).
+
+    A dtype vLLM does not run a model in (``int8``, ``uint8``, ``float8_e4m3fn``: a quantized
+    checkpoint's storage dtype) is read as bf16, as vLLM's ``dtype="auto"`` does: it falls back to the
+    platform's preferred dtype, bf16 on GPUs that have it (vllm/config/model.py ``_resolve_auto_dtype``,
+    "Your device ... doesn't support ... Falling back to"); :func:`dtype_note` says so.
+
+    Raises:
+        UserError: a dtype name no one knows (:func:`_dtype_bytes`).
+    """
+    given = _model_dtype_name(cfg)
+    if given is None:
+        return 2
+    size = _dtype_bytes(cfg, given[0], where)
+    name = given[1].strip().lower().removeprefix("torch.")
+    return size if size is not None and name in MODEL_DTYPES else 2
+
+
+def dtype_note(cfg: dict[str, Any]) -> str | None:
+    """A note when the config's model dtype is one vLLM does not run in and reads as bf16, else None."""
+    cfg = _text_config(cfg)
+    given = _model_dtype_name(cfg)
+    if given is None or given[1].strip().lower().removeprefix("torch.") in MODEL_DTYPES:
+        return None
+    return (f"The config's {given[0]} {given[1]!r} is a storage dtype vLLM does not run a model in: with --dtype auto "
+            "vLLM falls back to bf16 (vllm/config/model.py _resolve_auto_dtype), so the KV cache and any state are "
+            "sized at bf16; give --kv-dtype if you serve it with another.")
 
 
 def _layer_kinds(cfg: dict[str, Any], num_layers: int, where: str) -> list[str]:

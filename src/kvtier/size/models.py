@@ -15,7 +15,7 @@ from pathlib import Path
 
 from kvtier.core.errors import ServerAnswerError, UserError
 from kvtier.size.geometry import KVGeometry
-from kvtier.size.hf_config import geometry_from_config, load_config_file
+from kvtier.size.hf_config import dtype_note, geometry_from_config, load_config_file
 from kvtier.size.presets import GIB, find_preset
 from kvtier.tools.httpget import get_within
 
@@ -24,13 +24,15 @@ from kvtier.tools.httpget import get_within
 class ResolvedModel:
     """A model's geometry and, when known, its weights size (GiB) and how that was found.
 
-    ``warnings`` lists what was skipped while reading local files (e.g. a dangling ``*.safetensors`` link).
+    ``warnings`` lists what was skipped while reading local files (e.g. a dangling ``*.safetensors`` link);
+    ``dtype_note`` says the config's dtype is read as bf16, as vLLM does (:func:`~kvtier.size.hf_config.dtype_note`).
     """
 
     geometry: KVGeometry
     weights_gib: float | None
     weights_note: str
     warnings: tuple[str, ...] = ()
+    dtype_note: str | None = None
 
 
 def _local_weights(directory: Path) -> tuple[float | None, str, tuple[str, ...]]:
@@ -94,7 +96,8 @@ def resolve_model(name: str, hub_timeout_s: float = 10.0, hub: bool = True) -> R
         directory = path if path.is_dir() else path.parent
         config_file = path / "config.json" if path.is_dir() else path
         weights, note, warnings = _local_weights(directory)
-        return ResolvedModel(geometry_from_config(cfg, str(path), source=str(config_file)), weights, note, warnings)
+        return ResolvedModel(geometry_from_config(cfg, str(path), source=str(config_file)), weights, note, warnings,
+                             dtype_note(cfg))
     preset = find_preset(name)
     if preset is not None:  # named as asked: an alias (the base model of an -Instruct preset) shares its geometry
         return ResolvedModel(preset.geometry(name.strip()), preset.weights_gib, preset.weights_note)
@@ -103,7 +106,8 @@ def resolve_model(name: str, hub_timeout_s: float = 10.0, hub: bool = True) -> R
                         "(see --list-presets) or a hub id like org/name.")
     if name.count("/") == 1 and not name.startswith((".", "/")) and hub:
         cfg = _fetch_hub_config(name, hub_timeout_s)
-        return ResolvedModel(geometry_from_config(cfg, name, source=f"hub: {name}/config.json"), None, "")
+        return ResolvedModel(geometry_from_config(cfg, name, source=f"hub: {name}/config.json"), None, "", (),
+                             dtype_note(cfg))
     raise UserError(
         f"{name!r} is not an existing path, a built-in preset (see --list-presets) or a hub id like org/name."
     )

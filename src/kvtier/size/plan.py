@@ -27,6 +27,7 @@ from kvtier.simulate.hierarchy import (
     SESSION_HEADROOM,
     StackCurve,
     disk_slower_than_prefill,
+    gib_text,
     host_reserve_gib,
     plan_tiers,
     usable_dram_gib,
@@ -351,9 +352,32 @@ def _recommend(report: SizeReport, budget: int, dep: Deployment, warm_bytes: int
         return
     report.cpu_gib, report.disk_gib, report.cpu_staging = tiers.cpu_gib, tiers.disk_gib, tiers.staging
     if dram is not None:
-        report.notes.append(f"Usable host RAM: {dram:,.0f} GiB = {dep.host_ram_gib:,.0f} − {dep.reserve_gib:,.0f} "
-                            "reserved (" + ("as given" if dep.host_reserve_gib is not None else
+        report.notes.append(f"Usable host RAM: {gib_text(dram)} GiB = {gib_text(dep.host_ram_gib or 0)} − "
+                            f"{gib_text(dep.reserve_gib)} reserved (" + ("as given" if dep.host_reserve_gib is not None else
                                             f"16 GiB for the node + 16 GiB for each of {dep.tp} vLLM workers") + ").")
         if tiers.cpu_gib > dram:
             report.notes.append(f"The {tiers.cpu_gib:g} GiB staging cpu tier exceeds usable host RAM ({dram:g} GiB): "
                                 "lower --host-reserve-gib or add host RAM.")
+
+
+def check_engine_starts(report: SizeReport, tp: int, context: int | None) -> None:
+    """Refuse a deployment whose engine would not start: the weights leave no HBM for KV, or less
+    than one sequence of ``--context`` tokens (vLLM stops at startup: "No available memory for the
+    cache blocks" / "To serve at least one request with the model's max seq len ... KV cache is
+    needed", vllm/v1/core/kv_cache_utils.py check_enough_kv_cache_memory).
+
+    Raises:
+        UserError: naming the budget and what would make room.
+    """
+    budget = report.hbm_kv_budget_bytes
+    if budget is None:
+        return
+    one = report.bytes_per_session if context is not None else None
+    if budget > 0 and (one is None or budget >= one):
+        return
+    what = ("the weights leave no HBM for the KV cache" if budget <= 0 else
+            f"the HBM left for the KV cache ({budget / GIB:.2f} GiB) is less than one {context:,}-token sequence "
+            f"needs ({(one or 0) / GIB:.2f} GiB)")
+    raise UserError(f"vLLM would not start: {what} at TP {tp}; give a larger --tp, a GPU with more memory, a "
+                    "higher --gpu-memory-utilization or a shorter --context (no offload recipe is printed for an "
+                    "engine that cannot start).")

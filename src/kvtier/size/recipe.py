@@ -42,6 +42,8 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.size.compression import DISK
+
 KVTIER_CONNECTOR = {
     "kv_connector": "KVTierConnector",
     "kv_connector_module_path": "kvtier.integrations.vllm",
@@ -65,6 +67,31 @@ def chunk_notes(chunk_tokens: int) -> list[str]:
         return []
     return [(f"--chunk-tokens {chunk_tokens} is not a multiple of the default block size "
             f"{' or '.join(misfits)}; chunks will not line up with vLLM blocks unless --block-size divides it.")]
+
+
+DEFAULT_CHUNK_TOKENS = 128
+"""``chunk_tokens`` of a recipe for a model without Mamba/linear-attention state (the connector's
+``auto`` resolves to this on every attention-only model: the least multiple of 16 or 128 that is
+at least 128, kvtier.integrations.vllm.engine_config.AUTO_MIN_CHUNK_TOKENS)."""
+
+
+def recipe_chunk_tokens(given: int | None, state: bool) -> tuple[int | str, str | None]:
+    """``chunk_tokens`` for the kvtier recipe and a note (None when there is nothing to say).
+
+    A model with ``state`` layers (Mamba, gated DeltaNet: a KV cache group of kind ``state``) has
+    a state block size vLLM picks at startup from the state's bytes, the GPU and the dtype (384 or 640
+    tokens on Qwen3-Next, docs/vllm.md); the connector refuses a chunk_tokens that is not a multiple
+    of it (:func:`kvtier.integrations.vllm.engine_config.resolve_chunk_tokens`), so the recipe says
+    ``auto`` (the least multiple of every group's block size that is at least 128) unless the
+    operator gave one, and then a note says the engine may refuse it.
+    """
+    if not state:
+        return (given if given is not None else DEFAULT_CHUNK_TOKENS), None
+    if given is None:
+        return "auto", None
+    return given, (f"--chunk-tokens {given}: this model keeps Mamba/linear-attention state, whose block size vLLM "
+                   "picks at startup (384 or 640 tokens on Qwen3-Next); the engine refuses a chunk_tokens that is not "
+                   "a multiple of it: leave --chunk-tokens out for chunk_tokens auto.")
 
 
 @dataclass(frozen=True)
@@ -122,10 +149,10 @@ def round_total(gib: float, tp: int) -> int:
 
 
 def build_recipe(model: str, tp: int, cpu_gib: float, disk_gib: float = 0.0,
-                 disk_path: str = "/mnt/nvme/kvtier", chunk_tokens: int = 128,
+                 disk_path: str = "/mnt/nvme/kvtier", chunk_tokens: int | str = DEFAULT_CHUNK_TOKENS,
                  redis_url: str | None = None, s3: ObjectStore | None = None,
                  others: dict[str, dict[str, Any]] | None = None, gpu_memory_utilization: float | None = None,
-                 staging: bool = False, hybrid: bool = False) -> Recipe:
+                 staging: bool = False, hybrid: bool = False, disk_codec: tuple[str, float] | None = None) -> Recipe:
     """Three configurations for a tier of ``cpu_gib`` DRAM plus ``disk_gib`` disk (GiB, totals),
     the kvtier one with a shared tier on ``redis_url``, the object-store tier ``s3`` and the keys of
     any other registered tier (``others``: tier -> its keys, given with ``kvtier size``'s flags for
@@ -138,13 +165,20 @@ def build_recipe(model: str, tp: int, cpu_gib: float, disk_gib: float = 0.0,
     (:func:`kvtier.simulate.hierarchy.plan_tiers`); vLLM's native offload has no disk tier, so it
     gets no serve line then, only a comment (audit rule ``cpu-tier-not-above-engine-cache``).  ``hybrid``:
     the model mixes attention kinds, which LMCacheConnectorV1 cannot serve (LMCache/LMCache#3106, audit
-    rule ``lmcache-inprocess-on-hybrid``): the LMCache recipe is a comment saying so."""
+    rule ``lmcache-inprocess-on-hybrid``): the LMCache recipe is a comment saying so.  ``disk_codec``
+    ``(codec, R)``: kvtier's disk tier compresses with that codec (``codecs: {disk: [codec]}``), so its
+    ``disk_gib`` is ``disk_gib`` / R; LMCache's disk keeps ``disk_gib`` (it runs no kvtier codec)."""
     cpu, disk = round_total(cpu_gib, tp), round_total(disk_gib, tp)
+    payload = disk  # what LMCache's disk holds: it runs no kvtier codec
+    if disk and disk_codec is not None:  # kvtier's disk stores the payload in 1/R (codecs: {disk: [CODEC]})
+        disk = round_total(disk_gib / disk_codec[1], tp)
     base = (f"vllm serve {shlex.quote(model)}" + (f" --tensor-parallel-size {tp}" if tp > 1 else "")
             + (f" --gpu-memory-utilization {gpu_memory_utilization:g}" if gpu_memory_utilization is not None else ""))
     extra: dict[str, object] = {"chunk_tokens": chunk_tokens, "cpu_gib": cpu}
     if disk:
         extra.update(disk_path=disk_path, disk_gib=disk)
+        if disk_codec is not None:
+            extra["codecs"] = {DISK: [disk_codec[0]]}
     for values in (others or {}).values():
         extra.update(values)
     redis_gib, redis = None, None
@@ -172,9 +206,9 @@ def build_recipe(model: str, tp: int, cpu_gib: float, disk_gib: float = 0.0,
                   "with kvtier or LMCache")
     elif disk:
         native += f"\n# native offload holds only the {cpu} GiB DRAM share; the {disk} GiB disk share needs kvtier or LMCache"
-    lines = ["LMCACHE_LOCAL_CPU=True", f"LMCACHE_MAX_LOCAL_CPU_SIZE={cpu // tp}", f"LMCACHE_CHUNK_SIZE={chunk_tokens}"]
+    lines = ["LMCACHE_LOCAL_CPU=True", f"LMCACHE_MAX_LOCAL_CPU_SIZE={cpu // tp}", f"LMCACHE_CHUNK_SIZE={chunk_tokens if isinstance(chunk_tokens, int) else 256}"]
     if disk:
-        lines += ["LMCACHE_LOCAL_DISK=" + shlex.quote(f"file://{disk_path.rstrip('/')}/"), f"LMCACHE_MAX_LOCAL_DISK_SIZE={disk // tp}",
+        lines += ["LMCACHE_LOCAL_DISK=" + shlex.quote(f"file://{disk_path.rstrip('/')}/"), f"LMCACHE_MAX_LOCAL_DISK_SIZE={payload // tp}",
                   "LMCACHE_ENABLE_ASYNC_LOADING=False"]
     lmc_transfer = json.dumps({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}, separators=(",", ":"))
     per_rank = f"# LMCACHE_MAX_LOCAL_CPU_SIZE is per rank: {cpu // tp} GiB × TP {tp} = {cpu} GiB total"

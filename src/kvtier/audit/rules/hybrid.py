@@ -93,3 +93,42 @@ def hybrid_retention(c: ServeConfig) -> str | None:
         return (f"{c.model} keeps only the latest replayable prompt boundary (interval 0); agentic multi-turn "
                 "prefix hits can drop.")
     return None
+
+
+def _state_block_floor(c: ServeConfig) -> int | None:
+    """The least state block size vLLM can give the model, tokens: its state page (one layer's state
+    on one rank) over one attention layer's bytes per token at bf16, since vLLM raises the attention
+    block size until an attention page holds a state page and gives the state group that block size
+    (vllm/platforms/interface.py update_block_size_for_backend, vllm/v1/kv_cache_interface.py
+    MambaSpec); None when the model is unknown offline or keeps no state."""
+    from kvtier.core.errors import UserError
+    from kvtier.size.models import resolve_model
+
+    try:
+        resolved = resolve_model(c.model, hub=False) if c.model else None
+    except UserError:
+        return None
+    geometry = resolved.geometry if resolved is not None else None
+    if geometry is None or not geometry.num_state_layers or geometry.state is None \
+            or not geometry.num_attention_layers:
+        return None
+    per_token = geometry.layer_token_bytes_per_rank(c.tp, 2)
+    return -(-geometry.state.bytes_per_rank(c.tp) // per_token) if per_token else None
+
+
+@rule("kvtier-chunk-tokens-below-state-block", "error", "kvtier chunk_tokens shorter than a state model's block",
+      'Set "chunk_tokens":"auto" (the connector\'s default: the least multiple of every KV cache group\'s block '
+      "size that is at least 128), or leave the key out.",
+      "kvtier src/kvtier/integrations/vllm/engine_config.py resolve_chunk_tokens (a multiple of every group's "
+      "block size); vLLM vllm/platforms/interface.py update_block_size_for_backend (a state group's block holds "
+      "one state page)", locate="chunk_tokens")
+def kvtier_chunk_tokens_below_state_block(c: ServeConfig) -> str | None:
+    chunk = c.connector_extra.get("chunk_tokens") if c.uses("KVTierConnector") else None
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
+        return None  # auto, absent, or a bad value kvtier-config-invalid reports
+    floor = _state_block_floor(c)
+    if floor is None or chunk >= floor:
+        return None
+    return (f"chunk_tokens {chunk} is shorter than the state block of {c.model} (at least {floor} tokens at TP "
+            f"{c.tp}: one Mamba/linear-attention state page), so it cannot be a multiple of it and the connector "
+            "refuses to start.")

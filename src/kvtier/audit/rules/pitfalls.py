@@ -139,21 +139,24 @@ def prefix_caching_off(c: ServeConfig) -> str | None:
 def transfer_config_invalid(c: ServeConfig) -> str | None:
     if c.has("--kv-transfer-config") and c.kv_transfer_json is None:
         raw = c.value("--kv-transfer-config") or ""
-        if any(f"${name}" in raw or f"${{{name}}}" in raw for name in c.unresolved):
+        if any(reference in raw for reference in c.unresolved):
             return None  # its value is not in the input: rule shell-variable-unresolved says so
         return f"--kv-transfer-config {raw!r} does not parse as a JSON object."
     return None
 
 
-@rule("shell-variable-unresolved", "info", "a shell variable in the serve line whose value the input does not give",
+@rule("shell-variable-unresolved", "info", "a shell variable (or a Kubernetes $(VAR) reference) in the serve line "
+      "whose value the input does not give",
       "Audit the expanded line (e.g. `echo vllm serve ... \"$CONFIG\" | kvtier audit -`), or assign the variable "
-      "earlier in the same script (NAME='...').",
-      "kvtier src/kvtier/audit/parse_command.py (simple NAME=... assignments of the same script are expanded)",
+      "earlier in the same script (NAME='...'); for $(VAR) in a container's args, define VAR with a literal value "
+      "in the container's env.",
+      "kvtier src/kvtier/audit/parse_command.py (simple NAME=... assignments of the same script are expanded); "
+      "$(VAR) in command/args: Kubernetes API reference, Container v1 args (expanded from the container's env)",
       locate="$")
 def shell_variable_unresolved(c: ServeConfig) -> str | None:
     if not c.unresolved:
         return None
-    names = ", ".join(f"${name}" for name in c.unresolved)
+    names = ", ".join(c.unresolved)
     return f"cannot see the value of {names}; audit the expanded line to check what it holds."
 
 
