@@ -65,17 +65,6 @@ class LoadHandle:
             return self.num_chunks
         return self.ahead_from
 
-    def served(self, start: int, end: int) -> dict[str, int]:
-        """Chunks ``start`` to ``end`` (exclusive) by the tier they came from (``Counter`` of
-        ``tiers[start:end]`` as a dict, without its Python frames: the hit path counts it per load)."""
-        tiers = self.tiers[start:end]
-        if tiers and tiers.count(tiers[0]) == len(tiers):  # one tier (a cpu-tier hit)
-            return {tiers[0]: len(tiers)}
-        out: dict[str, int] = {}
-        for tier in tiers:
-            out[tier] = out.get(tier, 0) + 1
-        return out
-
     def wait(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for chunks still being read ahead; True once every chunk is in
         place and ``num_chunks`` is final (a chunk that failed verification ends the prefix)."""

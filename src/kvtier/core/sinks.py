@@ -38,7 +38,7 @@ from kvtier.core.context import (
     TtlPinned,
     WriteDropped,
 )
-from kvtier.core.stats import StoreCounters, add_counts
+from kvtier.core.stats import StoreCounters
 from kvtier.core.tenant import TenantId
 
 
@@ -184,12 +184,15 @@ class RequestRecord:
                     if self.miss is None or event.index < self.miss.index:
                         self.miss = Miss(event.index, event.tier, event.reason)
                 case ChunksServed():
-                    add_counts(self.served_chunks, event.by_tier)
+                    for tier, n in event.by_tier.items():  # (as Counter.update, without its frames: the hit path)
+                        self.served_chunks[tier] = self.served_chunks.get(tier, 0) + n
                 case LoadFailed():
                     self.failed_loads += 1
                 case EngineLoad():
-                    add_counts(self.loaded_tokens, event.tokens)
-                    add_counts(self.unfilled_tokens, event.unfilled_tokens)
+                    for tier, n in event.tokens.items():
+                        self.loaded_tokens[tier] = self.loaded_tokens.get(tier, 0) + n
+                    for tier, n in event.unfilled_tokens.items():
+                        self.unfilled_tokens[tier] = self.unfilled_tokens.get(tier, 0) + n
                     self.load_seconds += event.seconds
                 case EngineSave():
                     self.saved_tokens += event.tokens

@@ -254,11 +254,9 @@ class TieredStore(StoreConvenience):
         Args:
             handle: from :meth:`prepare_load`.
             success: whether the chunks reached their destination.
-            first_chunk: chunks before this index were pinned but not delivered (the engine's own
-                prefix cache already held them); they are not counted as hits.
-            engine: what the load did in the engine (tokens by planned tier, blocks not filled,
-                bytes and seconds); counted here, once.
-        """
+            first_chunk: chunks before it were pinned, not delivered (the engine's prefix cache held them): no hits.
+            engine: what the load did in the engine (tokens by planned tier, blocks not filled, bytes and seconds);
+                counted here, once."""
         delivered = handle.ready_chunks()  # a caller that did not wait for read-ahead got no more
         if not self.index.release(handle, refresh=success):
             return
@@ -267,7 +265,9 @@ class TieredStore(StoreConvenience):
         sink = handle.ctx.sink
         if engine is not None:
             sink.emit(engine)
-        sink.emit(context.ChunksServed(handle.served(first_chunk, delivered)) if success else context.LoadFailed())
+        served = handle.tiers[first_chunk:delivered]  # chunks per tier, counted in C (no Counter frames: the hit path)
+        sink.emit(context.ChunksServed({t: served.count(t) for t in dict.fromkeys(served)}) if success
+                  else context.LoadFailed())
         if success and (below := handle.below) is not None and first_chunk <= below[0] < delivered:
             sink.emit(context.ServedBelow(*below))  # why the top tier did not hold it
 
