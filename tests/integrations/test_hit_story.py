@@ -73,11 +73,11 @@ SCRIPT = ROOT / "scripts" / "hit_story.py"
 # the snapshot in one pass (stats_table: 620 calls -> 34).
 # At 0db4b7d (the per-step stats find the top tier without core/tiers/registry.py): 36 files, 376 moves
 # (one run, 1,186 calls).
-# Lowered on branch hitcost3 (6867fa0): 35 files, 351 moves (one run, 947 kvtier calls, at load 2.7-4.1).
-# Left the hit: core/keys.py (the scheduler's key memo gives the hit request its chunk keys, found by
-# vLLM's block hashes, and its root and tenant come from a cache: no requests -> keys / tenant call).
-# The moves also count what merged since 0db4b7d (hitcost2: no save job for the chunks a hit loaded);
-# main's own figure was not measured again (the engine lock was busy): 376 -> 351 is both together.
+# Lowered on branch hitcost3 (6867fa0): 35 files, 351 moves (two runs, 947 kvtier calls, load 2.6-4.1),
+# from 36 files and 355 moves at main 0f97927 (measured in the same lock hold).  Left the hit:
+# core/keys.py (the scheduler's key memo gives the hit request its chunk keys, found by vLLM's block
+# hashes, and its root and tenant come from a cache: requests -> keys 2 -> 0, requests -> tenant
+# 1 -> 0); prepare_load calls the mover only with spills to queue (store -> mover 4 -> 3).
 MAX_FILES = 35
 MEASURED_MOVES = 351
 POLL_SLACK_MOVES = 19 * 3
