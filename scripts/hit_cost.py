@@ -109,6 +109,7 @@ def scheduler_side(prompt_tokens: int, repeats: int, model_dir: Path,
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.bfloat16)
     kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)], spec)])
+    kv_cache_config.hash_block_size = BLOCK  # as the engine core sets it (vllm/v1/engine/core.py)
     init_none_hash(sha256)
     scheduler = Scheduler(vllm_config=config, kv_cache_config=kv_cache_config, log_stats=True,
                           structured_output_manager=StructuredOutputManager(config), block_size=BLOCK)

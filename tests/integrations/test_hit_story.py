@@ -73,8 +73,13 @@ SCRIPT = ROOT / "scripts" / "hit_story.py"
 # the snapshot in one pass (stats_table: 620 calls -> 34).
 # At 0db4b7d (the per-step stats find the top tier without core/tiers/registry.py): 36 files, 376 moves
 # (one run, 1,186 calls).
-MAX_FILES = 36
-MEASURED_MOVES = 376
+# Lowered on branch hitcost3 (6867fa0): 35 files, 351 moves (two runs, 947 kvtier calls, load 2.6-4.1),
+# from 36 files and 355 moves at main 0f97927 (measured in the same lock hold).  Left the hit:
+# core/keys.py (the scheduler's key memo gives the hit request its chunk keys, found by vLLM's block
+# hashes, and its root and tenant come from a cache: requests -> keys 2 -> 0, requests -> tenant
+# 1 -> 0); prepare_load calls the mover only with spills to queue (store -> mover 4 -> 3).
+MAX_FILES = 35
+MEASURED_MOVES = 351
 POLL_SLACK_MOVES = 19 * 3
 
 

@@ -280,7 +280,7 @@ class Index(IndexUpkeep):
                 contains, doomed = self.cpu.contains, self.doomed
                 used = [k for k in handle.keys if contains(k) and k not in doomed]
                 self.policy.touch(used)
-                self.uses.update(used)  # (Counter: +1 each)
+                dict.update(self.uses, {k: self.uses.get(k, 0) + 1 for k in used})  # +1 each (no Counter.update frames)
                 for lt in self.local:
                     below = [k for k, t in zip(handle.keys, handle.tiers) if t == lt.name]
                     if below and lt.policy is not None:

@@ -15,8 +15,7 @@ record, and a fan-out to several.
 from __future__ import annotations
 
 import threading
-from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from kvtier.core.context import (
     NO_SINK,
@@ -74,7 +73,7 @@ class CountersSink:
             return self.own
         if ctx.sink is self or (isinstance(ctx.sink, Tee) and ctx.sink.sinks[0] is self):
             return ctx
-        return replace(ctx, sink=self if ctx.sink is NO_SINK else Tee(self, ctx.sink))
+        return OpContext(ctx.request_id, ctx.tenant, self if ctx.sink is NO_SINK else Tee(self, ctx.sink))
 
     def emit(self, event: Event) -> None:
         c = self.counters
@@ -151,12 +150,12 @@ class RequestRecord:
     def __init__(self, chunk_tokens: int) -> None:
         self.chunk_tokens = chunk_tokens
         self._lock = threading.Lock()
-        self.served_chunks: Counter[str] = Counter()
-        self.read_chunks: Counter[str] = Counter()
-        self.read_bytes: Counter[str] = Counter()
+        self.served_chunks: dict[str, int] = {}
+        self.read_chunks: dict[str, int] = {}
+        self.read_bytes: dict[str, int] = {}
         self.read_seconds: dict[str, float] = {}
-        self.loaded_tokens: Counter[str] = Counter()
-        self.unfilled_tokens: Counter[str] = Counter()
+        self.loaded_tokens: dict[str, int] = {}
+        self.unfilled_tokens: dict[str, int] = {}
         self.load_seconds = 0.0
         self.failed_loads = 0
         self.miss: Miss | None = None
@@ -164,7 +163,7 @@ class RequestRecord:
         self.explained: Miss | None = None
         self.saved_chunks = 0
         self.dropped_chunks = 0
-        self.unwritten_chunks: Counter[str] = Counter()
+        self.unwritten_chunks: dict[str, int] = {}
         self.saved_tokens = 0
         self.ttl_pinned = 0
         self.ttl_refused = 0
@@ -178,19 +177,22 @@ class RequestRecord:
         with self._lock:
             match event:
                 case ChunksRead():
-                    self.read_chunks[event.tier] += event.chunks
-                    self.read_bytes[event.tier] += event.bytes
+                    self.read_chunks[event.tier] = self.read_chunks.get(event.tier, 0) + event.chunks
+                    self.read_bytes[event.tier] = self.read_bytes.get(event.tier, 0) + event.bytes
                     self.read_seconds[event.tier] = self.read_seconds.get(event.tier, 0.0) + event.seconds
                 case ChunkMissed() | LoadCut():
                     if self.miss is None or event.index < self.miss.index:
                         self.miss = Miss(event.index, event.tier, event.reason)
                 case ChunksServed():
-                    self.served_chunks.update(event.by_tier)
+                    for tier, n in event.by_tier.items():  # (as Counter.update, without its frames: the hit path)
+                        self.served_chunks[tier] = self.served_chunks.get(tier, 0) + n
                 case LoadFailed():
                     self.failed_loads += 1
                 case EngineLoad():
-                    self.loaded_tokens.update(event.tokens)
-                    self.unfilled_tokens.update(event.unfilled_tokens)
+                    for tier, n in event.tokens.items():
+                        self.loaded_tokens[tier] = self.loaded_tokens.get(tier, 0) + n
+                    for tier, n in event.unfilled_tokens.items():
+                        self.unfilled_tokens[tier] = self.unfilled_tokens.get(tier, 0) + n
                     self.load_seconds += event.seconds
                 case EngineSave():
                     self.saved_tokens += event.tokens
@@ -199,7 +201,7 @@ class RequestRecord:
                 case SaveDropped():
                     self.dropped_chunks += event.chunks
                 case WriteDropped():
-                    self.unwritten_chunks[event.tier] += event.chunks
+                    self.unwritten_chunks[event.tier] = self.unwritten_chunks.get(event.tier, 0) + event.chunks
                 case TtlPinned():
                     self.ttl_pinned += event.pinned
                     self.ttl_refused += event.refused

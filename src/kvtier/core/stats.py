@@ -262,6 +262,14 @@ class StoreStats:
         return sum(t.pinned_chunks for t in self.tiers.values())
 
 
+def add_counts(counts: dict[str, int], by: Mapping[str, int]) -> None:
+    """``counts[k] += by[k]`` for every key of ``by`` (a key counted 0 included), as ``Counter.update``
+    of a mapping does, without its ABC check and Python frames: the hit path's counts."""
+    get = counts.get
+    for key, n in by.items():
+        counts[key] = get(key, 0) + n
+
+
 class StoreCounters:
     """The store's event counters (thread-safe; every method adds to a running total).
 
@@ -307,7 +315,7 @@ class StoreCounters:
     def loaded(self, by_tier: Mapping[str, int]) -> None:
         """A successful load delivered ``by_tier[tier]`` chunks from each tier."""
         with self._lock:
-            self.load_hit_chunks.update(by_tier)
+            add_counts(self.load_hit_chunks, by_tier)
 
     def load_failed(self) -> None:
         with self._lock:
@@ -337,8 +345,8 @@ class StoreCounters:
             if load.resumed:
                 self.reloaded_tokens += sum(load.tokens.values())
             else:
-                self.loaded_tokens.update(load.tokens)
-                self.unfilled_tokens.update(load.unfilled_tokens)
+                add_counts(self.loaded_tokens, load.tokens)
+                add_counts(self.unfilled_tokens, load.unfilled_tokens)
             self.load_failed_blocks += load.failed_blocks
             self.rerouted_chunks += load.rerouted_chunks
         if load.engine_bytes:

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 
 from prometheus_client import CollectorRegistry
@@ -242,7 +241,8 @@ class TieredStore(StoreConvenience):
                 ghost = self.index.ghosts.latest(chain[n], (self.cpu.name,) if top_only else None)
             plan.handle.ctx.sink.emit(context.LoadCut(n, ghost.tier if ghost is not None else self.cpu.name if top_only
                                                       else "", ghost.reason if ghost is not None else "new", limit - n))
-        self.mover.submit(plan.writes)  # spills of the cpu pages the reads take
+        if plan.writes:  # spills of the cpu pages the reads take
+            self.mover.submit(plan.writes)
         if plan.reads:
             self.mover.run(chain, plan, read_ahead)
         return plan.handle
@@ -254,11 +254,9 @@ class TieredStore(StoreConvenience):
         Args:
             handle: from :meth:`prepare_load`.
             success: whether the chunks reached their destination.
-            first_chunk: chunks before this index were pinned but not delivered (the engine's own
-                prefix cache already held them); they are not counted as hits.
-            engine: what the load did in the engine (tokens by planned tier, blocks not filled,
-                bytes and seconds); counted here, once.
-        """
+            first_chunk: chunks before it were pinned, not delivered (the engine's prefix cache held them): no hits.
+            engine: what the load did in the engine (tokens by planned tier, blocks not filled, bytes and seconds);
+                counted here, once."""
         delivered = handle.ready_chunks()  # a caller that did not wait for read-ahead got no more
         if not self.index.release(handle, refresh=success):
             return
@@ -267,16 +265,17 @@ class TieredStore(StoreConvenience):
         sink = handle.ctx.sink
         if engine is not None:
             sink.emit(engine)
-        sink.emit(context.ChunksServed(Counter(handle.tiers[first_chunk:delivered])) if success else context.LoadFailed())
+        served = handle.tiers[first_chunk:delivered]  # chunks per tier, counted in C (no Counter frames: the hit path)
+        sink.emit(context.ChunksServed({t: served.count(t) for t in dict.fromkeys(served)}) if success
+                  else context.LoadFailed())
         if success and (below := handle.below) is not None and first_chunk <= below[0] < delivered:
             sink.emit(context.ServedBelow(*below))  # why the top tier did not hold it
 
     def cancel_load(self, handle: LoadHandle, engine: EngineLoad | None = None) -> None:
         """Unpin a load that will not happen (request aborted, or nothing left to load).
 
-        Neither a hit nor a failed load is counted; ``engine`` (what the engine was promised
-        and did not get) is.  Idempotent.
-        """
+        Neither a hit nor a failed load is counted; ``engine`` (what the engine was promised and did not get) is.
+        Idempotent."""
         if not self.index.release(handle, refresh=False):
             return
         if handle.landed:  # (only then: the hit path with a page stays off the landing pool, scripts/hit_story.py)
@@ -398,3 +397,4 @@ class TieredStore(StoreConvenience):
         check_index(self.index, expect_idle)
         if expect_idle:
             assert not self.mover.busy(), "writes still in flight"
+

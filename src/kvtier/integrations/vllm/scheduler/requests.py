@@ -26,6 +26,8 @@ import math
 from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from functools import lru_cache
+from itertools import islice
 from typing import Any
 
 from kvtier.core.keys import chunk_keys, request_root
@@ -55,25 +57,115 @@ def pin_seconds(params: Any, max_s: float) -> tuple[float, str | None]:
     return float(value), None
 
 
-class RequestChain:
-    """Chunk keys of one request, extended as its tokens grow (hashing each chunk once)."""
+KEY_MEMO_CHUNKS = 1 << 16
+"""Chunk keys a :class:`KeyMemo` keeps (about 200 bytes each: ~13 MiB; past it the older half goes)."""
 
-    def __init__(self, request: Any, key_root: bytes, chunk_tokens: int) -> None:
+MEMO_HASH_ALGOS = frozenset({"sha256", "sha256_cbor"})
+"""vLLM's ``prefix_caching_hash_algo`` values whose block hashes a :class:`KeyMemo` trusts: the
+collision-resistant ones (vllm/config/cache.py warns that ``xxhash`` is not; with it, every key is hashed)."""
+
+
+class KeyMemo:
+    """Chunk keys already computed, found again by vLLM's block hash of the prefix each one ends.
+
+    vLLM hashes every request's full blocks once, when the request is created
+    (``Request.block_hashes``, vllm/v1/core/kv_cache_utils.py ``get_request_block_hasher``: each
+    hash chains the whole prefix's token ids and the block's extra keys); its native offload keys
+    its chunks by those hashes (vllm/v1/kv_offload).  kvtier's keys are its own (BLAKE3 over the
+    token ids, :func:`~kvtier.core.keys.chunk_keys`, pinned by tests/core/test_format_vectors.py),
+    so a new request with a prefix seen before would hash every chunk again (~2-4 µs a chunk on the
+    lookup's path); the memo gives back the key computed for the same prefix instead: the entry of
+    vLLM's hash at the chunk's last block, taken only when its root (namespace, ``cache_salt``,
+    LoRA adapter, multimodal inputs: :func:`~kvtier.core.keys.request_root`) is the request's.
+    Equal SHA-256 block hashes mean equal token prefixes, so the key is the one BLAKE3 would give:
+    keys never change, only how often they are computed.
+
+    Args:
+        hash_block_size: tokens per vLLM block hash (``KVCacheConfig.hash_block_size``); ``None``
+            or not dividing ``chunk_tokens``: the memo is off (:attr:`step` 0).
+        chunk_tokens: tokens per chunk.
+        hash_algo: vLLM's ``prefix_caching_hash_algo``; off unless one of :data:`MEMO_HASH_ALGOS`.
+        limit: keys kept at most (:data:`KEY_MEMO_CHUNKS`).
+    """
+
+    def __init__(self, hash_block_size: int | None, chunk_tokens: int, hash_algo: str | None,
+                 limit: int = KEY_MEMO_CHUNKS) -> None:
+        usable = (hash_algo in MEMO_HASH_ALGOS and isinstance(hash_block_size, int) and hash_block_size > 0
+                  and chunk_tokens % hash_block_size == 0)
+        self.step = chunk_tokens // hash_block_size if usable and hash_block_size else 0
+        self.limit = limit
+        self._keys: dict[Any, tuple[bytes, bytes]] = {}  # vLLM block hash -> (root, chunk key)
+
+    @classmethod
+    def of_engine(cls, vllm_config: Any, kv_cache_config: Any, chunk_tokens: int) -> KeyMemo:
+        """The memo of an engine: vLLM's ``KVCacheConfig.hash_block_size`` (set by the engine core
+        before the scheduler is built) and ``CacheConfig.prefix_caching_hash_algo``."""
+        return cls(getattr(kv_cache_config, "hash_block_size", None), chunk_tokens,
+                   getattr(vllm_config.cache_config, "prefix_caching_hash_algo", None))
+
+    def known(self, root: bytes, block_hashes: Sequence[Any], start: int, end: int) -> list[bytes]:
+        """Keys of chunks ``start ..`` up to ``end`` (exclusive) the memo holds for ``root``, up to the first it lacks."""
+        step, get = self.step, self._keys.get
+        out: list[bytes] = []
+        for c in range(start, min(end, len(block_hashes) // step if step else 0)):
+            entry = get(block_hashes[(c + 1) * step - 1])
+            if entry is None or entry[0] != root:
+                break
+            out.append(entry[1])
+        return out
+
+    def add(self, root: bytes, block_hashes: Sequence[Any], start: int, keys: Sequence[bytes]) -> None:
+        """Remember ``keys`` (of chunks ``start ..``) under ``root``, for the chunks vLLM has hashed."""
+        if not self.step:
+            return
+        step, memo = self.step, self._keys
+        for c, key in enumerate(keys, start):
+            if (c + 1) * step > len(block_hashes):
+                break
+            memo[block_hashes[(c + 1) * step - 1]] = (root, key)
+        if len(memo) > self.limit:  # the newer half stays (a dict keeps insertion order)
+            self._keys = dict(islice(memo.items(), len(memo) - self.limit // 2, None))
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+@lru_cache(maxsize=1024)
+def _root_and_tenant(key_root: bytes, salt: str | None, lora_name: str | None, lora_id: str | None,
+                     mm: tuple[str, ...]) -> tuple[bytes, TenantId]:
+    """A request's key root and tenant (each one BLAKE3 call or more), computed once per distinct request identity."""
+    return request_root(key_root, salt, lora_id, mm), TenantId.of(salt, lora_name)
+
+
+class RequestChain:
+    """Chunk keys of one request, extended as its tokens grow (hashing each chunk once, and none
+    that ``memo`` already knows)."""
+
+    def __init__(self, request: Any, key_root: bytes, chunk_tokens: int, memo: KeyMemo | None = None) -> None:
         lora = getattr(request, "lora_request", None)
         lora_id = f"{lora.lora_name}@{lora.lora_path}" if lora is not None else None
-        mm = [str(f.identifier) for f in (getattr(request, "mm_features", None) or ())]
-        self.root = request_root(key_root, getattr(request, "cache_salt", None), lora_id, mm)
-        self.tenant = TenantId.of(getattr(request, "cache_salt", None), lora.lora_name if lora is not None else None)
+        mm = tuple(str(f.identifier) for f in (getattr(request, "mm_features", None) or ()))
+        self.root, self.tenant = _root_and_tenant(key_root, getattr(request, "cache_salt", None),
+                                                  lora.lora_name if lora is not None else None, lora_id, mm)
         self.chunk_tokens = chunk_tokens
         self.keys: list[bytes] = []
+        self.memo = memo if memo is not None and memo.step else None
+        # vLLM's list, extended in place as the request's tokens grow
+        self.block_hashes: Sequence[Any] = getattr(request, "block_hashes", ()) if self.memo is not None else ()
 
     def upto(self, token_ids: Any, num_chunks: int) -> list[bytes]:
         """Keys of chunks ``0 .. num_chunks - 1`` (``token_ids`` must hold them)."""
         have = len(self.keys)
+        if num_chunks > have and self.memo is not None:
+            self.keys.extend(self.memo.known(self.root, self.block_hashes, have, num_chunks))
+            have = len(self.keys)
         if num_chunks > have:
             parent = self.keys[-1] if self.keys else self.root
-            more = token_ids[have * self.chunk_tokens:num_chunks * self.chunk_tokens]
-            self.keys.extend(chunk_keys(parent, more, self.chunk_tokens))
+            more = chunk_keys(parent, token_ids[have * self.chunk_tokens:num_chunks * self.chunk_tokens],
+                              self.chunk_tokens)
+            if self.memo is not None:
+                self.memo.add(self.root, self.block_hashes, have, more)
+            self.keys.extend(more)
         return self.keys[:num_chunks]
 
 

@@ -30,6 +30,7 @@ from kvtier.integrations.vllm.scheduler.remote import RemoteLookups, shared_tier
 from kvtier.integrations.vllm.scheduler.requests import (
     PIN_PARAM,
     DeferredSaves,
+    KeyMemo,
     RequestChain,
     RequestState,
     pin_seconds,
@@ -82,6 +83,7 @@ class SchedulerSide:
         self.sync = SyncBudget(int(config.sync_load_max_bytes) if one_group and load else 0,
                                bytes_per_token(kv_cache_config), top_tier(), self.chunk_tokens)
         self.requests: dict[str, RequestState] = {}  # every request between admission and request_finished
+        self.key_memo = KeyMemo.of_engine(vllm_config, kv_cache_config, self.chunk_tokens)  # chunk keys found again
         self._local_tiers = frozenset(local_tiers())  # (the registry is read here, never on the hit path)
         self._loads: list[LoadJob] = []
         self._kv_cache_manager: Any = None
@@ -116,14 +118,12 @@ class SchedulerSide:
         if getattr(request, "prompt_embeds", None) is not None or self.mirror.key_root is None:
             return None  # prompt embeddings have no token ids to key on
         if state.chain is None:
-            state.chain = RequestChain(request, self.mirror.key_root, self.chunk_tokens)
+            state.chain = RequestChain(request, self.mirror.key_root, self.chunk_tokens, self.key_memo)
         return state.chain.upto(request.all_token_ids, num_chunks)
 
     def _state(self, request: Any) -> RequestState:
         state = self.requests.get(request.request_id)
-        if state is None:
-            state = self.requests[request.request_id] = RequestState(request)
-        return state
+        return state if state is not None else self.requests.setdefault(request.request_id, RequestState(request))
 
     # ---- admission ---------------------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
