@@ -9,8 +9,9 @@ tests/integrations/vllm_helpers.py's live_spec, a kvtier cpu tier; the two layou
 and 42.7 s to the first answer with the default layout, 23.2 and 25.2 s with the worker in the
 engine core, the same greedy completions.
 
-:data:`WORKER_IN_ENGINE_CORE` is for tests whose subject is an operator tool (what ``kvtier bench``
-and ``kvtier doctor`` read and report), every server of one test alike.  The connector's own tests
+:data:`WORKER_IN_ENGINE_CORE` is for tests whose subject is an operator tool (what ``kvtier bench``,
+``kvtier doctor`` and ``kvtier trace record`` read and report) or the receipts a server returns
+(tests/integrations/test_vllm_receipts.py), every server of one test alike.  The connector's own tests
 (tests/integrations: the two connector halves meeting only through vLLM's per-step messages,
 SIGTERM/SIGKILL of workers and engines, shutdown flushes, tensor-parallel ranks) keep vLLM's default
 layout."""
