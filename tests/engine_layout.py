@@ -23,20 +23,24 @@ engine whose halves are in separate processes:
   consumer, tensor-parallel ranks), test_vllm_serve.py (SIGTERM's write-back flush, the restart
   from the disk tier), test_vllm_shutdown.py, test_vllm_demo.py (``kvtier demo``'s SIGTERM restart);
 - loads with the halves apart, per tier family: cpu and disk (test_vllm_serve.py, test_vllm_processes.py,
-  test_vllm_demo.py), node (test_vllm_node_tier.py's engine B, also SIGKILLed during a load), redis
-  (test_vllm_two_hosts.py's consumer B, test_vllm_redis_tier.py's engine B), s3
-  (test_vllm_s3_tier.py's restarted engine B), hybrid models' KV cache groups
+  test_vllm_demo.py), node (test_vllm_node_tier.py, also SIGKILLed during a load), redis
+  (test_vllm_two_hosts.py, test_vllm_redis_tier.py's engine B), s3 (test_vllm_two_hosts.py,
+  test_vllm_s3_tier.py's restarted engine B), hybrid models' KV cache groups
   (test_vllm_hybrid_kvtier.py's third test, every geometry).
 
+Servers compared bit for bit within one test share one layout: an api_server with its worker in the
+engine core does not compute a default-layout server's float32 logprobs exactly (measured: with
+test_vllm_node_tier.py's engine A moved to the engine core, B's answer over A's KV differed from
+A's own in the last bits).  engine_runner.py's ``uni`` and ``mp`` engines did agree bit for bit
+(test_vllm_s3_tier.py's and test_vllm_redis_tier.py's engines A against their engine B).
+
 Everything else runs its worker in the engine core (:data:`WORKER_IN_ENGINE_CORE`) or in the
-runner (:data:`WORKER_IN_RUNNER`), every engine compared within a test computing on equally many
-threads: the operator tools (bench, doctor, ``trace record``: their subject is what the tool reads
-and reports), the receipts walk, the redis fault workload, the engines that only compute, save and
-serve as the exact reference (node A, two hosts' producer A, s3 A, redis A; test_vllm_serve.py's
-reference server, which has no connector), the engines that load
-through a slow link or a short deadline (redis C and D), two hosts' S3 consumer, the encrypted
-restarts and the first two hybrid-model tests.  (test_vllm_engine.py's engine runs in the test's
-own process, so that its tests can reach the worker's store.)
+runner (:data:`WORKER_IN_RUNNER`): the operator tools (bench, doctor, ``trace record``: their
+subject is what the tool reads and reports), the receipts walk, the redis fault workload, the
+engines that only compute, save and serve as the exact reference (s3 A, redis A), the engines that
+load through a slow link or a short deadline (redis C and D), the encrypted restarts and the first
+two hybrid-model tests.  (test_vllm_engine.py's engine runs in the test's own process, so that its
+tests can reach the worker's store.)
 """
 
 from __future__ import annotations
