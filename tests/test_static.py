@@ -264,3 +264,34 @@ def test_files_of_the_checked_packages_stay_under_the_line_limit():
             for path in sorted((ROOT / package).rglob("*.py"))
             if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES]
     assert not long, f"files over {MAX_LINES} lines:\n" + "\n".join(long)
+
+
+def _files_with_engine_tests() -> set[str]:
+    """Test files where ``pytest.mark.engine`` appears (module mark, decorator or ``pytest.param`` marks)."""
+    import ast
+
+    return {str(path.relative_to(ROOT)) for path in sorted((ROOT / "tests").rglob("test_*.py"))
+            if any(isinstance(n, ast.Attribute) and n.attr == "engine" and ast.unparse(n).endswith("mark.engine")
+                   for n in ast.walk(ast.parse(path.read_text(encoding="utf-8"))))}
+
+
+def _makefile_engine_tests() -> list[str]:
+    """The Makefile's ``ENGINE_TESTS`` list (the files ``make test``'s engine phases collect)."""
+    import re
+
+    text = (ROOT / "Makefile").read_text(encoding="utf-8").replace("\\\n", " ")
+    found = re.search(r"^ENGINE_TESTS :=(.*)$", text, re.MULTILINE)
+    assert found, "the Makefile has no ENGINE_TESTS list"
+    return found.group(1).split()
+
+
+def test_the_engine_phases_collect_every_file_that_holds_an_engine_test():
+    """``make test``'s second and third phases collect only the Makefile's ``ENGINE_TESTS``: an
+    engine test in a file left out there would never run in CI, and a listed file without one only
+    costs collection time."""
+    listed = _makefile_engine_tests()
+    marked = _files_with_engine_tests()
+    assert len(marked) > 10, f"the scan found too few engine test files: {sorted(marked)}"
+    assert not marked - set(listed), f"add these to the Makefile's ENGINE_TESTS: {sorted(marked - set(listed))}"
+    assert not set(listed) - marked, f"no engine test in these ENGINE_TESTS files: {sorted(set(listed) - marked)}"
+    assert len(listed) == len(set(listed)), "a file is listed twice in ENGINE_TESTS"

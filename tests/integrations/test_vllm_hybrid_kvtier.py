@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.engine_layout import WORKER_IN_RUNNER
 from tests.integrations.vllm_helpers import result_of, run_engine
 
 pytestmark = [pytest.mark.engine, pytest.mark.shares_cpu]
@@ -35,11 +36,14 @@ PAGE_BYTES = 2 * 2 * (2 * 32 * 64 * 2 * 4)  # group layers Ã— blocks per chunk Ã
 
 
 def spec_for(model: Path, geometry: str, disk: Path, chunk: int, steps: list[dict], **extra: object) -> dict:
+    """An engine of the first two tests: its worker in the runner's process (one start-up import
+    less; the third test's engines keep their connector halves in separate processes:
+    tests/engine_layout.py)."""
     from kvtier.launch.testmodel import engine_kwargs
 
     return {"model": str(model),
             "kvtier": {"chunk_tokens": chunk, "cpu_gib": 0.25, "disk_path": str(disk), "disk_gib": 0.5},
-            "engine": {"num_gpu_blocks_override": 128, **engine_kwargs(geometry)},
+            "engine": {"num_gpu_blocks_override": 128, **engine_kwargs(geometry), **WORKER_IN_RUNNER},
             "steps": steps, **extra}
 
 

@@ -32,6 +32,7 @@ import httpx
 import pytest
 
 from kvtier.core.receipt import decode
+from tests.engine_layout import WORKER_IN_ENGINE_CORE
 from tests.integrations.vllm_helpers import live_spec
 
 # exact counts only (receipts, usage, metric sums), no deadline under a minute: it may run beside
@@ -120,7 +121,7 @@ def test_receipts_walk_one_prompt_through_every_state_and_sum_to_the_metrics(tin
     kvtier = {"cpu_gib": 6 * CHUNK_BYTES / 2**30, "disk_path": str(disk),
               "disk_gib": 12 * (CHUNK_BYTES + HEADER_BYTES) / 2**30, "write_mode": "write-through",
               "disk_rescan_s": 0.5, "policy": "lru"}  # LRU in both tiers: the walk's evictions are predictable
-    spec = live_spec(tiny_model, kvtier)
+    spec = live_spec(tiny_model, kvtier, env=WORKER_IN_ENGINE_CORE)  # one start-up import less (tests/engine_layout.py)
     template = tmp_path / "chat.jinja"  # the tiny test model has no chat template of its own
     template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")
     spec = dataclasses.replace(spec, extra_args=(*spec.extra_args, "--enable-prompt-tokens-details",

@@ -35,6 +35,7 @@ from typing import Any, Self
 
 import pytest
 
+from tests.engine_layout import WORKER_IN_ENGINE_CORE
 from tests.redis_servers import DelayProxy, wait_until
 
 from .openai_client import complete, metrics
@@ -121,7 +122,8 @@ def test_faults_while_a_workload_runs(tiny_model: Path, tmp_path: Path, redis_fa
     kvtier = {"chunk_tokens": 128, "cpu_gib": 0.002, "redis_url": proxy.url, "redis_key_prefix": key_prefix,
               **FAULT_SETTINGS}
     # engine cache 1,024 tokens (two prompts), cpu tier 2 MiB (8 chunks of 256 KiB, under three prompts)
-    spec = live_spec(tiny_model, kvtier, "kv_both", cache_tokens=1024)
+    spec = live_spec(tiny_model, kvtier, "kv_both", cache_tokens=1024,
+                     env=WORKER_IN_ENGINE_CORE)  # one start-up import less (tests/engine_layout.py)
     try:
         with Server(spec, tmp_path / "engine.log").start(600) as engine:
             url = engine.base_url

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.core.tiers.sharedvalue import HEADER_BYTES, ValueCodec
+from tests.engine_layout import WORKER_IN_RUNNER
 from tests.integrations.vllm_helpers import PROMPT_WORDS, result_of, run_engine
 from tests.redis_servers import wait_until
 
@@ -48,8 +49,10 @@ def test_a_prefix_saved_by_one_engine_is_served_from_redis_to_others_slow_loads_
               "shared_deadline_s": 5.0, "redis_timeout_s": 5.0}
     gen = [{"op": "generate", "prompts": [p]} for p in (first, second, third)]
     # Engine A, a kv_producer (saves only), computes every prompt: the recompute reference.
-    made = result_of(run_engine({"model": str(tiny_model), "role": "kv_producer", "steps": gen, "kvtier": kvtier},
-                                tmp_path, "a", env=EQUAL_THREADS), tmp_path, "a")
+    # A, C and D run their worker in the runner's process; B, the plain load from Redis, keeps its
+    # connector halves in separate processes (tests/engine_layout.py)
+    made = result_of(run_engine({"model": str(tiny_model), "role": "kv_producer", "steps": gen, "kvtier": kvtier,
+                                 "engine": WORKER_IN_RUNNER}, tmp_path, "a", env=EQUAL_THREADS), tmp_path, "a")
     assert made["metrics"]["vllm:external_prefix_cache_hits_total"] == 0
     assert made["metrics"]["kvtier_saved_tokens_total"] == 3 * LOADABLE
     client = server.client()
@@ -73,14 +76,16 @@ def test_a_prefix_saved_by_one_engine_is_served_from_redis_to_others_slow_loads_
         slow = {**kvtier, "redis_url": proxy.url, "redis_timeout_s": 30.0, "shared_transfer_deadline_s": 30.0,
                 "load_wait_s": 1.0, "io_threads": 2}
         served_slow = result_of(run_engine({"model": str(tiny_model), "role": "kv_consumer", "steps": gen[2:],
-                                            "kvtier": slow}, tmp_path, "c", env=EQUAL_THREADS), tmp_path, "c")
+                                            "kvtier": slow, "engine": WORKER_IN_RUNNER}, tmp_path, "c",
+                                           env=EQUAL_THREADS), tmp_path, "c")
         # The same slow link with a transfer deadline shorter than one read: every load fails at
         # once, while the scheduler's lookups (small replies) keep finding the chunks (engine D).
         # The request must be recomputed after one failed load, not loaded again every step.
         doomed = {**kvtier, "redis_url": proxy.url, "shared_transfer_deadline_s": 0.3, "redis_timeout_s": 0.5,
                   "redis_breaker_failures": 1}
         failed = result_of(run_engine({"model": str(tiny_model), "role": "kv_consumer", "steps": gen[2:],
-                                       "kvtier": doomed}, tmp_path, "d", env=EQUAL_THREADS), tmp_path, "d")
+                                       "kvtier": doomed, "engine": WORKER_IN_RUNNER}, tmp_path, "d",
+                                      env=EQUAL_THREADS), tmp_path, "d")
     finally:
         proxy.close()
     log = (tmp_path / "c.log").read_text(errors="replace")

@@ -28,6 +28,7 @@ import obstore
 import pytest
 
 from tests.core.tier_harness import s3_credentials_file
+from tests.engine_layout import WORKER_IN_RUNNER
 from tests.integrations.vllm_helpers import PROMPT_WORDS, result_of, run_engine
 from tests.s3_servers import S3Server
 
@@ -66,8 +67,11 @@ def _run(tiny_model: Path, tmp_path: Path, s3_server: S3Server, prompts: list[st
     # 64-token engine blocks, as the chunks: vLLM's own prefix cache (the exact reference) then ends
     # where kvtier's hit does (with 32-token blocks it could hold one block more, and compute another tail)
     engine = {"block_size": 64}
-    made = result_of(run_engine({"model": str(tiny_model), "steps": [p, p, q, r, r], "kvtier": kvtier, "engine": engine},
-                                tmp_path, "a", env=EQUAL_THREADS), tmp_path, "a")
+    # A computes, saves and is the reference, its worker in its process; B, which loads, keeps its
+    # connector halves in separate processes (tests/engine_layout.py)
+    made = result_of(run_engine({"model": str(tiny_model), "steps": [p, p, q, r, r], "kvtier": kvtier,
+                                 "engine": {**engine, **WORKER_IN_RUNNER}}, tmp_path, "a", env=EQUAL_THREADS),
+                     tmp_path, "a")
     saved = made["metrics"]["kvtier_saved_tokens_total"]
     assert saved >= 3 * LOADABLE  # the prompts' chunks (and any the generated tokens completed)
     assert made["metrics"]["vllm:external_prefix_cache_hits_total"] == 0  # the repeats were vLLM's own hits
@@ -154,7 +158,7 @@ def test_a_restart_served_from_an_encrypted_tier_is_exact(tiny_model: Path, tmp_
             storage = {"disk_path": str(tmp_path / "disk"), "disk_gib": 0.05, "write_mode": "write-through"}
         kvtier = {"chunk_tokens": 64, "cpu_gib": 0.01, **storage, "codecs": {tier: ["aes-256-gcm"]},
                   "encryption": {"master_key_file": str(key_file)}}
-        engine = {"block_size": 64}
+        engine = {"block_size": 64, **WORKER_IN_RUNNER}  # one start-up import less per engine (tests/engine_layout.py)
         made = result_of(run_engine({"model": str(tiny_model), "steps": [p, p], "kvtier": kvtier, "engine": engine},
                                     tmp_path, "a", env=EQUAL_THREADS), tmp_path, "a")
         assert made["metrics"]["kvtier_saved_tokens_total"] >= LOADABLE

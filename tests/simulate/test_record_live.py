@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 from kvtier.cli.main import app
 from kvtier.simulate.record import TraceRecorder, block_digests
 from kvtier.tools.mooncake import iter_records
+from tests.engine_layout import WORKER_IN_ENGINE_CORE
 
 BLOCK = 32
 SECRET = "zebracorn"
@@ -46,7 +47,8 @@ def server(tmp_path_factory, redis_server):
                       kv_transfer_config=transfer_config(kvtier, "kv_both", f"tools-{uuid.uuid4().hex[:8]}"),
                       memory_fraction=0.1, enforce_eager=True,
                       extra_args=("--chat-template", str(template), "--num-gpu-blocks-override", "20",
-                                  "--block-size", "128"))
+                                  "--block-size", "128"),
+                      env=WORKER_IN_ENGINE_CORE)  # one start-up import less (tests/engine_layout.py)
     log = tmp_path_factory.mktemp("logs") / "server.log"
     with Server(spec, log).start(timeout_s=900) as running:
         running.key_prefix = key_prefix  # type: ignore[attr-defined]
