@@ -4,7 +4,7 @@ the arms ``--arm`` and ``native`` build."""
 import pytest
 
 from kvtier.bench.arms import make_arm, parse_custom_arm
-from kvtier.bench.spread import Spread, judge_spread, spreads
+from kvtier.bench.spread import Spread, figures_of, judge_spread, spreads, unread_hit_rate
 from kvtier.bench.verdict import VerdictKind
 
 
@@ -30,6 +30,23 @@ def test_faster_only_beyond_noise():
     assert noisy.kind is VerdictKind.UNJUDGED and "within noise" in noisy.reason and "overlap" in noisy.reason
     single = judge_spread(runs(0.6, [0.4]), runs(0.0, [1.0]))
     assert single.kind is VerdictKind.HELPING and "noise is not measured" in single.reason
+
+
+def test_an_arm_whose_hit_rate_no_run_could_read_is_inconclusive_not_no_reuse():
+    """A server whose prefix-cache counters did not move (0/0 prompt tokens: the run's hit rate is
+    ``None``) answered its requests: its verdict is ``inconclusive``, never "no reuse" at 0 %, and
+    it is no baseline to judge others by."""
+    unread = runs(None, [0.40, 0.42, 0.45])
+    assert unread_hit_rate(unread) and figures_of(unread) is None
+    verdict = judge_spread(unread, runs(0.0, [1.00, 1.10, 0.95]))
+    assert verdict.kind is VerdictKind.INCONCLUSIVE and "did not move" in verdict.reason
+    # as the baseline of another arm it gives no figures: the arm is judged without one
+    judged = judge_spread(runs(0.6, [0.40, 0.45, 0.42]), unread)
+    assert judged.kind is VerdictKind.UNJUDGED and "without a baseline" in judged.reason
+    # one run that did read it (0 % is a reading) is enough for a figure
+    mixed = spreads([{"prefix_hit_rate": None, "ttft_p50_s": 0.4, "ttft_p99_s": 0.5},
+                     {"prefix_hit_rate": 0.0, "ttft_p50_s": 0.4, "ttft_p99_s": 0.5}])
+    assert not unread_hit_rate(mixed) and figures_of(mixed).prefix_hit_rate == 0.0
 
 
 def test_a_tail_blowup_stands_even_when_medians_overlap():

@@ -44,8 +44,8 @@ from kvtier.bench.restart import RestartHook, RestartPlan
 from kvtier.bench.results import RunResult
 from kvtier.bench.shared_node import NodePool
 from kvtier.bench.shared_s3 import S3Target
-from kvtier.bench.spread import Spread, figures_of, judge_spread, spreads
-from kvtier.bench.verdict import Thresholds, Verdict, baseline_verdict
+from kvtier.bench.spread import Spread, figures_of, judge_spread, spreads, unread_hit_rate
+from kvtier.bench.verdict import Thresholds, Verdict, baseline_verdict, no_tokens_verdict
 from kvtier.bench.workload import BenchRequest, TokenSpace, Workload
 from kvtier.launch.serve import ServerSpec, ServerStartError
 
@@ -292,7 +292,8 @@ def judge_arms(arms: list[ArmSpec], outcomes: list[ArmOutcome], thresholds: Thre
         s = spreads([o.run_figures() for o in runs if o.ok])
         if arm.name == BASELINE:
             figures = figures_of(s)
-            verdict = None if figures is None else baseline_verdict(figures, others, thresholds)
+            verdict = (no_tokens_verdict() if unread_hit_rate(s)
+                       else None if figures is None else baseline_verdict(figures, others, thresholds))
         else:
             verdict = judge_spread(s, base_spreads or None, thresholds)
         results.append(ArmResult(arm, runs, verdict))

@@ -15,7 +15,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvtier.bench.verdict import ArmFigures, Thresholds, Verdict, VerdictKind, judge
+from kvtier.bench.verdict import ArmFigures, Thresholds, Verdict, VerdictKind, judge, no_tokens_verdict
 
 FIGURE_KEYS = ("prefix_hit_rate", "engine_hit_rate", "external_hit_rate", "ttft_p50_s", "ttft_p99_s",
                "output_tok_per_s", "request_per_s", "restart_hit_rate", "restart_ttft_p50_s", "restart_ttft_p99_s",
@@ -59,11 +59,17 @@ def spreads(per_run: Sequence[dict[str, float | None]]) -> dict[str, Spread]:
 
 
 def figures_of(s: dict[str, Spread]) -> ArmFigures | None:
-    """The verdict's inputs (medians), if the arm has TTFT figures."""
-    if "ttft_p50_s" not in s or "ttft_p99_s" not in s:
+    """The verdict's inputs (medians), if the arm has TTFT figures and a hit rate (a hit rate no run
+    could read, 0/0 prompt tokens, is no figure: not 0 %)."""
+    if "ttft_p50_s" not in s or "ttft_p99_s" not in s or "prefix_hit_rate" not in s:
         return None
-    hit = s.get("prefix_hit_rate")
-    return ArmFigures(hit.median if hit else 0.0, s["ttft_p50_s"].median, s["ttft_p99_s"].median)
+    return ArmFigures(s["prefix_hit_rate"].median, s["ttft_p50_s"].median, s["ttft_p99_s"].median)
+
+
+def unread_hit_rate(s: dict[str, Spread]) -> bool:
+    """Whether the arm's requests were answered (TTFT figures) but no run could read its hit rate
+    (the server's prefix-cache counters did not move: ``inconclusive``, not "no reuse")."""
+    return "ttft_p50_s" in s and "prefix_hit_rate" not in s
 
 
 def _ms(x: float) -> str:
@@ -76,6 +82,8 @@ def judge_spread(arm: dict[str, Spread], baseline: dict[str, Spread] | None,
     "helping" or "hurting" TTFT verdict stands only if the two TTFT p50 ranges do not overlap (for a p99 tail
     blow-up: the two p99 ranges), else it becomes ``unjudged`` ("within noise"); the reason names
     the number of runs and the ranges compared."""
+    if unread_hit_rate(arm):
+        return no_tokens_verdict()
     figures = figures_of(arm)
     if figures is None:
         return None
