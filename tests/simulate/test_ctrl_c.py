@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from kvtier.simulate.sweep import fork_pool
+from kvtier.simulate.sweep import replay_map
 from kvtier.simulate.synth import generate, make_params
 from kvtier.tools.mooncake import write_records
 
@@ -58,8 +58,31 @@ def test_the_replay_pool_workers_leave_sigint_to_the_parent():
     Ctrl-C and terminates them), whatever the parent's own handler."""
     before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as an interactive run has it
     try:
-        with fork_pool(2) as pool:
-            assert pool.map(_sigint_disposition, range(4), chunksize=1) == [signal.SIG_IGN] * 4
+        assert replay_map(_sigint_disposition, range(4), 2) == [signal.SIG_IGN] * 4
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the parent's own is untouched
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def _die_on_two(job: int) -> int:
+    if job == 2:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the out-of-memory killer ends a process
+    return job * 10
+
+
+def test_a_replay_process_that_dies_ends_the_wait_with_one_sentence():
+    """multiprocessing.Pool.map waited forever for the job a killed worker held (a local run of the
+    sweep hung there); the replays' pool ends the wait and says how to rerun."""
+    import pytest
+
+    from kvtier.core.errors import UserError
+
+    assert replay_map(_die_on_two, [0, 1, 3], 2) == [0, 10, 30]
+    started = time.monotonic()
+    with pytest.raises(UserError, match="replay process .* died .* fewer --workers"):
+        replay_map(_die_on_two, range(6), 2)
+    assert time.monotonic() - started < 30
+    deadline = time.monotonic() + 10
+    while _children(os.getpid()) and time.monotonic() < deadline:  # no replay process left behind
+        time.sleep(0.05)
+    assert _children(os.getpid()) == []

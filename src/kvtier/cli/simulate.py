@@ -209,7 +209,10 @@ def register(app: typer.Typer) -> None:
         shared_gib *= ratios[name].ratio if name in ratios else 1.0
         spec = SweepSpec(per_token * requests.block_tokens, engine_gib, gibs, disk_gib, policies, shared_gib,
                          (disk_admission, shared_admission))
-        result = run_sweep(requests, spec, workers)
+        try:
+            result = run_sweep(requests, spec, workers)
+        except UserError as exc:
+            fail(str(exc).rstrip("."))
         elapsed = time.perf_counter() - started
 
         console = Console()
@@ -235,9 +238,12 @@ def register(app: typer.Typer) -> None:
             if name is None:
                 fail("--recommend needs an online policy in --policy (belady knows the future)")
             planned = host_ram_gib is not None or nvme_gib is not None
-            ceiling, sizes = advise(requests, spec, result.curve(name), name, rates, workers=workers,
-                                    say=lambda line: console.print(line, markup=False, highlight=False),
-                                    disk_elsewhere="sized below, as kvtier size sizes it" if planned else None)
+            try:
+                ceiling, sizes = advise(requests, spec, result.curve(name), name, rates, workers=workers,
+                                        say=lambda line: console.print(line, markup=False, highlight=False),
+                                        disk_elsewhere="sized below, as kvtier size sizes it" if planned else None)
+            except UserError as exc:
+                fail(str(exc).rstrip("."))
             import textwrap
 
             console.print(textwrap.fill(f"sizes for {policy_label(name)}, read from the table's rows (ceiling "

@@ -182,10 +182,9 @@ _EXTRA: dict[str, Any] = {}
 def _run_extra(jobs: list[tuple[int, int]], workers: int) -> list[float]:
     workers = min(workers or os.cpu_count() or 1, len(jobs))
     if workers > 1 and "fork" in multiprocessing.get_all_start_methods():
-        from kvtier.simulate.sweep import fork_pool
+        from kvtier.simulate.sweep import replay_map
 
-        with fork_pool(workers) as pool:
-            return pool.map(_replay_hits, jobs, chunksize=1)
+        return replay_map(_replay_hits, jobs, workers)
     return [_replay_hits(job) for job in jobs]
 
 

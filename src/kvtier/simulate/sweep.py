@@ -13,13 +13,15 @@ Policy names are those of :func:`kvtier.core.policies.make_policy` (``default`` 
 from __future__ import annotations
 
 import multiprocessing
-import multiprocessing.pool
 import os
 import signal
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.core.errors import UserError
 from kvtier.core.policies import EvictionPolicy, available_policies, make_policy
 from kvtier.core.policies.registry import DEFAULT_POLICY
 from kvtier.simulate.belady import BeladyPolicy, TraceOracle
@@ -162,10 +164,45 @@ def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def fork_pool(workers: int) -> multiprocessing.pool.Pool:
-    """A pool of ``workers`` forked processes (they share the parent's module globals, as the
-    replays need) that leave Ctrl-C to the parent."""
-    return multiprocessing.get_context("fork").Pool(workers, initializer=_ignore_sigint)
+def replay_map(fn: Callable[[Any], Any], jobs: Iterable[Any], workers: int) -> list[Any]:
+    """``[fn(job) for job in jobs]`` on ``workers`` forked processes, results in ``jobs`` order.
+
+    The processes share the parent's module globals, as the replays need (they are forked before
+    the executor starts its own thread), and leave Ctrl-C to the parent: on any exception in the
+    parent (KeyboardInterrupt included) they are terminated at once rather than finishing their
+    replays.  A process that dies (the kernel's out-of-memory killer, a signal) ends the wait:
+    ``multiprocessing.Pool.map`` would wait forever for the job it held.
+
+    Raises:
+        UserError: a replay process died; the sentence says how to rerun in less memory.
+    """
+    context = multiprocessing.get_context("fork")
+    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_ignore_sigint)
+    try:
+        results = list(pool.map(fn, jobs))
+    except BrokenProcessPool as exc:
+        _terminate(pool)
+        raise UserError(f"a replay process of the {workers} started died before it finished (killed by a "
+                        "signal, often the out-of-memory killer: each holds a copy of the trace's state); "
+                        "rerun with fewer --workers (1 replays in this process) or a shorter trace") from exc
+    except BaseException:
+        _terminate(pool)
+        raise
+    pool.shutdown(wait=True)
+    return results
+
+
+def _terminate(pool: ProcessPoolExecutor) -> None:
+    """Stop ``pool``'s processes now (Python 3.14's ``terminate_workers``; before it, the executor's
+    own process table) and drop the jobs not started."""
+    stop = getattr(pool, "terminate_workers", None)
+    if stop is not None:
+        stop()
+        return
+    processes: dict[int, Any] = getattr(pool, "_processes", None) or {}
+    for process in list(processes.values()):
+        process.terminate()
+    pool.shutdown(wait=False, cancel_futures=True)
 
 
 def run_sweep(trace: Trace, spec: SweepSpec, workers: int = 0) -> SweepResult:
@@ -197,8 +234,7 @@ def run_sweep(trace: Trace, spec: SweepSpec, workers: int = 0) -> SweepResult:
     order = sorted(range(len(jobs)), key=lambda i: (_COST_RANK.get(jobs[i][0], 3), -jobs[i][1]))
     workers = pool_size(workers, len(jobs))
     if workers > 1 and "fork" in multiprocessing.get_all_start_methods():
-        with fork_pool(workers) as pool:
-            done = pool.map(_run, [jobs[i] for i in order], chunksize=1)
+        done = replay_map(_run, [jobs[i] for i in order], workers)
     else:
         done = [_run(jobs[i]) for i in order]
     counts: list[ReplayCounts | None] = [None] * len(jobs)
