@@ -119,3 +119,19 @@ def test_compose_interpolation_is_named_unresolved_not_a_parse_error():
                                                  '    command: ["m", "--kv-transfer-config", "${KVCFG}"]\n')
     rules = _rules(proc)
     assert "shell-variable-unresolved" in rules and "kv-transfer-config-invalid" not in rules
+
+
+def test_every_server_of_a_containers_sh_c_script_is_audited_at_its_own_line(tmp_path: Path):
+    """A container whose ``sh -c`` script starts two servers: only the first was audited."""
+    manifest = tmp_path / "two.yaml"
+    manifest.write_text(
+        "apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: two}\nspec:\n  template:\n    spec:\n"
+        "      containers:\n      - name: vllm\n        image: vllm/vllm-openai:v0.32.0\n"
+        "        command: [\"sh\", \"-c\"]\n        args:\n        - |\n"
+        "          vllm serve a --port 8000 --gpu-memory-utilization 0.9 &\n"
+        "          vllm serve b --port 8001 --gpu-memory-utilization 1.7\n")
+    proc = kvtier(str(manifest))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    errors = [line.split() for line in proc.stdout.splitlines() if line.startswith("error ")]
+    assert errors == [["error", "gpu-memory-utilization-invalid",
+                       f"{manifest}:Deployment/two/vllm", "(server", "2", "of", "2):14"]], proc.stdout

@@ -18,7 +18,7 @@ from typing import Any
 
 from kvtier.audit.model import ServeConfig
 from kvtier.audit.parse_command import VARIABLE as _VARIABLE
-from kvtier.audit.parse_k8s import container_config, is_vllm
+from kvtier.audit.parse_k8s import container_configs, is_vllm
 from kvtier.core.errors import UserError
 
 
@@ -59,12 +59,12 @@ def parse_compose(doc: dict[str, Any], text: str, origin: str) -> list[ServeConf
         container = {"image": service.get("image"), "command": service.get("entrypoint"),
                      "args": service.get("command"), "env": _environment(service.get("environment"), where)}
         if is_vllm(container, where):
-            config = container_config(container, where, text, references=False)
-            for _flag, value in config.flags:  # Compose fills ${VAR} from the host's env or .env: not in the file
-                for match in _VARIABLE.finditer((value or "").replace("$$", "")):
-                    if match.group(0) not in config.unresolved:
-                        config.unresolved.append(match.group(0))
-            configs.append(config)
+            for config in container_configs(container, where, text, references=False):
+                for _flag, value in config.flags:  # Compose fills ${VAR} from the host's env or .env: not in the file
+                    for match in _VARIABLE.finditer((value or "").replace("$$", "")):
+                        if match.group(0) not in config.unresolved:
+                            config.unresolved.append(match.group(0))
+                configs.append(config)
     if not configs:
         raise UserError(f"{origin} is a Compose file with no service running vLLM (an image, entrypoint or command "
                         "naming vllm); audit the file that starts the server.")

@@ -18,7 +18,7 @@ from typing import Any
 
 from kvtier.audit.k8s_volumes import claim_requests, mounts
 from kvtier.audit.model import PodFacts, ServeConfig
-from kvtier.audit.parse_command import parse_command, parse_vllm_args
+from kvtier.audit.parse_command import parse_commands, parse_vllm_args
 from kvtier.audit.safe_yaml import load_all
 from kvtier.core.errors import UserError
 
@@ -114,9 +114,12 @@ def _env(container: dict[str, Any], origin: str) -> dict[str, str]:
             if isinstance(e, dict) and "name" in e and "value" in e}
 
 
-def container_config(container: dict[str, Any], origin: str, text: str, references: bool = True) -> ServeConfig:
-    """The server a container runs: ``command`` + ``args`` with ``$(VAR)`` expanded from its env
-    (``references``; a Compose service's words are taken as written)."""
+def container_configs(container: dict[str, Any], origin: str, text: str,
+                      references: bool = True) -> list[ServeConfig]:
+    """The servers a container runs: ``command`` + ``args`` with ``$(VAR)`` expanded from its env
+    (``references``; a Compose service's words are taken as written).  One, unless it runs a
+    ``sh -c`` script that starts several (each then named by its line of the script, as
+    :func:`~kvtier.audit.parse_command.parse_commands` names them)."""
     env = _env(container, origin)
     unresolved: list[str] = []
     words = _words(container, "command", origin) + _words(container, "args", origin)
@@ -126,7 +129,7 @@ def container_config(container: dict[str, Any], origin: str, text: str, referenc
     image = container.get("image")
     if len(words) >= 2 and words[0].rsplit("/", 1)[-1] in ("sh", "bash") and "-c" in words:
         script = " ".join(words[words.index("-c") + 1:])
-        config = parse_command(script, origin)
+        configs = parse_commands(script, origin)
     else:
         config = ServeConfig(origin=origin)
         if "serve" in words:
@@ -134,12 +137,25 @@ def container_config(container: dict[str, Any], origin: str, text: str, referenc
         elif "vllm.entrypoints.openai.api_server" in words:
             words = words[words.index("vllm.entrypoints.openai.api_server") + 1:]
         parse_vllm_args(words, config)
-    config.text = text
-    config.launch = launch
-    config.image = str(image) if image else config.image
-    config.env.update(env)
-    config.unresolved[:0] = unresolved
-    return config
+        configs = [config]
+    for number, config in enumerate(configs, start=1):
+        config.text = text if len(configs) == 1 else _only_this_server(text, script, config.text)
+        if len(configs) > 1:  # the script's line numbers are not the file's: name the server by its place
+            config.origin = f"{origin} (server {number} of {len(configs)})"
+        config.launch = launch
+        config.image = str(image) if image else config.image
+        config.env.update(env)
+        config.unresolved[:0] = unresolved
+    return configs
+
+
+def _only_this_server(text: str, script: str, kept: str) -> str:
+    """``text`` (the manifest) with the lines of the script's other servers blanked, so that a
+    finding of one server never points at another's flag: ``kept`` is the script with those lines
+    blanked (:func:`~kvtier.audit.parse_command.parse_commands`)."""
+    others = {line.strip() for line, mine in zip(script.splitlines(), kept.splitlines())
+              if line.strip() and not mine.strip()}
+    return "\n".join("" if line.strip() in others else line for line in text.splitlines())
 
 
 def _mount_paths(container: dict[str, Any]) -> tuple[str, ...]:
@@ -199,11 +215,12 @@ def parse_manifests(text: str, origin: str) -> list[ServeConfig]:
             for container in containers:
                 name = container.get("name", "?") if isinstance(container, dict) else "?"
                 if isinstance(container, dict) and is_vllm(container, f"{origin}:{workload}/{name}"):
-                    config = container_config(container, f"{origin}:{workload}/{name}", text)
-                    config.pod = PodFacts(_grace_period(spec, f"{origin}: {workload}"), _mount_paths(container),
-                                          _namespace(doc), services, mounts(container, spec, templates, claims),
-                                          _memory_limit(container))
-                    configs.append(config)
+                    pod = PodFacts(_grace_period(spec, f"{origin}: {workload}"), _mount_paths(container),
+                                   _namespace(doc), services, mounts(container, spec, templates, claims),
+                                   _memory_limit(container))
+                    for config in container_configs(container, f"{origin}:{workload}/{name}", text):
+                        config.pod = pod
+                        configs.append(config)
     if not configs:
         raise UserError(f"{origin} has no container running vLLM (Pod, Deployment, StatefulSet, ...).")
     return configs
