@@ -274,6 +274,19 @@ def test_a_compressing_disk_tier_stores_the_planned_chunks_in_one_rth_of_the_byt
     assert "codecs" not in plain["recipe"]["kvtier"]
 
 
+def test_lmcaches_uncompressed_disk_never_exceeds_the_nvme():
+    """With the NVMe the bound, the compressing kvtier disk holds R× its bytes of chunks; LMCache
+    (no kvtier codec) was given those R× GiB uncompressed (1,819 GiB on a 1,000 GiB NVMe)."""
+    args = ("--model", "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "H100", "--sessions", "2000", "--context", "32000",
+            "--host-ram-gib", "512", "--nvme-gib", "1000", "--compression-ratio", "disk=blosc2-zstd-shuffle2:2")
+    data = json.loads(run(*args, "--json").stdout)
+    lmcache_gib = int(data["recipe"]["lmcache"].split("LMCACHE_MAX_LOCAL_DISK_SIZE=", 1)[1].split()[0])
+    assert data["disk_gib"] == pytest.approx(1000 / 1.1, abs=0.01)  # kvtier's stored bytes: the usable NVMe
+    assert lmcache_gib == 909
+    text = run(*args).output  # the note's codec list is printed as written, not eaten as rich markup
+    assert "codecs {disk: [blosc2-zstd-shuffle2]}" in " ".join(text.split())
+
+
 @pytest.mark.parametrize("value", ["disk=0.99", "disk=inf", "s3=2", "2", "disk=2", "disk=blosc2-zstd-shuffle2:0.5",
                                    "disk=zstd"])
 def test_a_bad_compression_ratio_is_one_sentence(value):

@@ -128,7 +128,7 @@ def _print_text(report, recipe, weights_note: str, chosen: bool = False) -> None
         table.add_row(*row)
     console.print(table)
     for note in report.notes:
-        console.print(f"- {note}", highlight=False)
+        console.print(f"- {note}", highlight=False, markup=False)  # notes hold [...] (codec lists, paths)
     if recipe is not None:
         for title, text in (("kvtier connector", recipe.kvtier), ("vLLM native", recipe.vllm_native),
                             ("LMCache", recipe.lmcache), ("shared tier: Redis server", recipe.redis),
@@ -179,6 +179,7 @@ def _size(
     from kvtier.core.config import MAX_CHUNK_TOKENS
     from kvtier.core.dtypes import DTYPE_BYTES, short_name
     from kvtier.simulate.cost import Throughputs
+    from kvtier.simulate.hierarchy import usable_nvme_gib
     from kvtier.size import Deployment, build_recipe, plan, resolve_model
     from kvtier.size.compression import DISK, parse_ratios
     from kvtier.size.hardware import GPUS, find_gpu
@@ -255,17 +256,20 @@ def _size(
     except UserError as exc:
         fail(str(exc))
     recipe, served, asked = None, _served_model(model), None
+    nvme_usable = usable_nvme_gib(nvme_gib) if nvme_gib is not None else None  # LMCache's uncompressed disk
     if offload_gib is not None and offload_gib > 0:
         split = split_tier(offload_gib, host_ram_gib, dep.reserve_gib, tp)
         _chosen_tier(report, offload_gib, split.cpu_gib, split.disk_gib)
         report.notes.extend(split.notes)
         asked = offload_gib
         recipe = build_recipe(served, tp, split.cpu_gib, split.disk_gib, disk_path, chunk, redis_url, store,
-                              others, gpu_memory_utilization, hybrid=len(report.groups) > 1, disk_codec=codec)
+                              others, gpu_memory_utilization, hybrid=len(report.groups) > 1, disk_codec=codec,
+                              nvme_usable_gib=nvme_usable)
     elif report.offload_needed and report.offload_no_room is None:
         asked = (report.cpu_gib or 0.0) + (report.disk_gib or 0.0)
         recipe = build_recipe(served, tp, report.cpu_gib or 0.0, payload_disk_gib, disk_path, chunk, redis_url, store,
-                              others, gpu_memory_utilization, report.cpu_staging, len(report.groups) > 1, codec)
+                              others, gpu_memory_utilization, report.cpu_staging, len(report.groups) > 1, codec,
+                              nvme_usable)
     if recipe is not None:
         if served != model:
             report.notes.append(f"The configs serve {served}, the directory of --model {model}: vllm serve takes a "
@@ -328,7 +332,7 @@ def _compress_disk(report: SizeReport, ratio: CompressionRatio) -> None:
             report.recommended_offload_gib = round(report.recommended_offload_gib - report.disk_gib + stored, 2)
         report.disk_gib = stored
     report.notes.append(note + f" (--nvme-gib holds R× its GiB of chunks): kvtier's recipe enables codecs "
-                        f"{{disk: [{ratio.codec}]}}; LMCache's disk keeps the uncompressed GiB (no kvtier codec).")
+                        f"{{disk: [{ratio.codec}]}}; LMCache's disk holds uncompressed chunks (no kvtier codec), at most what the NVMe holds.")
 
 
 def _curve(trace: str, fmt: str, tokens_per_block: int | None) -> StackCurve:

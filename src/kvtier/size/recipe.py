@@ -152,7 +152,8 @@ def build_recipe(model: str, tp: int, cpu_gib: float, disk_gib: float = 0.0,
                  disk_path: str = "/mnt/nvme/kvtier", chunk_tokens: int | str = DEFAULT_CHUNK_TOKENS,
                  redis_url: str | None = None, s3: ObjectStore | None = None,
                  others: dict[str, dict[str, Any]] | None = None, gpu_memory_utilization: float | None = None,
-                 staging: bool = False, hybrid: bool = False, disk_codec: tuple[str, float] | None = None) -> Recipe:
+                 staging: bool = False, hybrid: bool = False, disk_codec: tuple[str, float] | None = None,
+                 nvme_usable_gib: float | None = None) -> Recipe:
     """Three configurations for a tier of ``cpu_gib`` DRAM plus ``disk_gib`` disk (GiB, totals),
     the kvtier one with a shared tier on ``redis_url``, the object-store tier ``s3`` and the keys of
     any other registered tier (``others``: tier -> its keys, given with ``kvtier size``'s flags for
@@ -167,9 +168,13 @@ def build_recipe(model: str, tp: int, cpu_gib: float, disk_gib: float = 0.0,
     the model mixes attention kinds, which LMCacheConnectorV1 cannot serve (LMCache/LMCache#3106, audit
     rule ``lmcache-inprocess-on-hybrid``): the LMCache recipe is a comment saying so.  ``disk_codec``
     ``(codec, R)``: kvtier's disk tier compresses with that codec (``codecs: {disk: [codec]}``), so its
-    ``disk_gib`` is ``disk_gib`` / R; LMCache's disk keeps ``disk_gib`` (it runs no kvtier codec)."""
+    ``disk_gib`` is ``disk_gib`` / R; LMCache's disk (it runs no kvtier codec) holds ``disk_gib`` of
+    uncompressed chunks, at most ``nvme_usable_gib`` (the NVMe the disk tier may take; None: no cap)
+    rounded down to whole GiB per rank: R× the NVMe in uncompressed bytes would not fit on it."""
     cpu, disk = round_total(cpu_gib, tp), round_total(disk_gib, tp)
     payload = disk  # what LMCache's disk holds: it runs no kvtier codec
+    if nvme_usable_gib is not None:
+        payload = min(payload, math.floor(nvme_usable_gib / tp) * tp)
     if disk and disk_codec is not None:  # kvtier's disk stores the payload in 1/R (codecs: {disk: [CODEC]})
         disk = round_total(disk_gib / disk_codec[1], tp)
     base = (f"vllm serve {shlex.quote(model)}" + (f" --tensor-parallel-size {tp}" if tp > 1 else "")
@@ -207,7 +212,7 @@ def build_recipe(model: str, tp: int, cpu_gib: float, disk_gib: float = 0.0,
     elif disk:
         native += f"\n# native offload holds only the {cpu} GiB DRAM share; the {disk} GiB disk share needs kvtier or LMCache"
     lines = ["LMCACHE_LOCAL_CPU=True", f"LMCACHE_MAX_LOCAL_CPU_SIZE={cpu // tp}", f"LMCACHE_CHUNK_SIZE={chunk_tokens if isinstance(chunk_tokens, int) else 256}"]
-    if disk:
+    if disk and payload:
         lines += ["LMCACHE_LOCAL_DISK=" + shlex.quote(f"file://{disk_path.rstrip('/')}/"), f"LMCACHE_MAX_LOCAL_DISK_SIZE={payload // tp}",
                   "LMCACHE_ENABLE_ASYNC_LOADING=False"]
     lmc_transfer = json.dumps({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}, separators=(",", ":"))
