@@ -379,3 +379,15 @@ def test_a_bad_compression_ratio_is_one_sentence(trace_file, value, fragment):
                  "--cpu-gib", "0.125", "--disk-gib", "0.5", "--compression-ratio", value)
     assert result.exit_code == 2 and fragment in result.output, result.output
     assert "Traceback" not in result.output
+
+
+def test_a_trace_and_outputs_named_with_brackets_print_as_named(tmp_path, trace_file):
+    """rich read '[prod]' in a file name as markup and printed the name without it."""
+    named = tmp_path / "chat[prod].jsonl"
+    named.write_text(trace_file.read_text())
+    out = tmp_path / "r[prod].json"
+    result = run("--trace", str(named), "--kv-bytes-per-token", "2048", "--engine-gib", "0.001", "--cpu-gib", "0.01", "--workers", "1",
+                 "--json", str(out))
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "chat[prod]" in text and f"JSON: {out}" in text, result.output

@@ -231,7 +231,7 @@ def print_table(result: CompareResult) -> None:
         console.print(table)
     for a in result.arms:
         if a.verdict is not None:
-            console.print(f"[bold]{a.arm.name}[/bold]: {a.verdict.kind.value}: {a.verdict.reason}", highlight=False)
+            console.print(f"[bold]{a.arm.name}[/bold]: {a.verdict.kind.value}: {escape(a.verdict.reason)}", highlight=False)
         if (f := a.failure) is not None:
             where = f" during {', '.join(f.request_ids)}" if f.request_ids else ""
             console.print(f"[bold red]{a.arm.name}[/bold red]: {escape(f.reason)}{where}; log: {f.log_path}",

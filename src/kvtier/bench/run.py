@@ -165,9 +165,9 @@ def print_run(outcome: RunOutcome, verdict: Verdict | None) -> None:
     if outcome.receipts is not None:
         print_receipts(console, outcome.receipts)
     for note in outcome.workload.notes:
-        console.print(f"note: {note}")
+        console.print(f"note: {note}", markup=False)
     if verdict is not None:
-        console.print(f"[bold]verdict: {verdict.kind.value}[/bold]: {verdict.reason}")
+        console.print(f"[bold]verdict: {verdict.kind.value}[/bold]: {escape(verdict.reason)}")
     if outcome.out_dir is not None:
         console.print(f"results: {outcome.out_dir}")
 

@@ -27,6 +27,7 @@ Examples:
 
 def _print_text(url: str, meters, alloc, diagnosis, expect_gib: float | None) -> None:  # type: ignore[no-untyped-def]
     from rich.console import Console
+    from rich.markup import escape
 
     from kvtier.doctor.verdict import shared_summary
 
@@ -38,7 +39,7 @@ def _print_text(url: str, meters, alloc, diagnosis, expect_gib: float | None) ->
 
     console = Console(highlight=False)
     interval = "interval unknown: recorded files" if meters.interval_s is None else f"interval {meters.interval_s:.2f} s"
-    console.print(f"[bold]kvtier doctor[/bold] {url} ({interval})")
+    console.print(f"[bold]kvtier doctor[/bold] {escape(str(url))} ({interval})")
     console.print(f"  reuse (GPU + offload)   {pct(meters.reuse_rate)}")
     console.print(f"  prefix-cache hit rate   {pct(meters.hit_rate)}  ({meters.hits:,.0f} / {meters.queries:,.0f} "
                   f"tokens; lifetime {pct(meters.lifetime_hit_rate)})")
@@ -57,7 +58,7 @@ def _print_text(url: str, meters, alloc, diagnosis, expect_gib: float | None) ->
         console.print(f"  {'shared tier (' + shared.tier + ')':<23} {shared_summary(shared)}; breaker {shared.breaker}")
     style = {"ok": "green", "warning": "yellow", "problem": "bold red"}
     for check in diagnosis.checks:
-        console.print(f"  [{style[check.level]}]{check.level:<8}[/] {check.message}")
+        console.print(f"  [{style[check.level]}]{check.level:<8}[/] {escape(check.message)}")
     verdict_style = {"healthy": "green", "warning": "yellow", "problem": "bold red", "inconclusive": "cyan"}
     console.print(f"verdict: [{verdict_style[diagnosis.verdict]}]{diagnosis.verdict}[/]")
 

@@ -124,6 +124,7 @@ def register(app: typer.Typer) -> None:
         """Replay a trace through the engine's prefix cache, a cpu tier and a disk tier, and report
         hit ratios per capacity and eviction policy next to Belady's offline optimum."""
         from rich.console import Console
+        from rich.markup import escape
 
         from kvtier.simulate.cost import Throughputs
         from kvtier.simulate.recommend import advise
@@ -216,7 +217,7 @@ def register(app: typer.Typer) -> None:
         elapsed = time.perf_counter() - started
 
         console = Console()
-        console.print(f"{requests.name}: {requests.num_requests:,} requests, {requests.num_chunks:,} chunks "
+        console.print(f"{escape(requests.name)}: {requests.num_requests:,} requests, {requests.num_chunks:,} chunks "
                       f"({requests.num_unique_chunks:,} distinct)")
         console.print(f"{requests.block_tokens} tokens × {per_token:,} B = {spec.chunk_bytes / 2**20:,.1f} MiB "
                       f"per chunk; replayed in {elapsed:.1f} s")
@@ -262,13 +263,13 @@ def register(app: typer.Typer) -> None:
             if json_path is not None:
                 writing = f"--json {json_path}"
                 write_json(json_path, result, elapsed, rates)
-                console.print(f"JSON: {json_path}")
+                console.print(f"JSON: {json_path}", markup=False)
             if plot_path is not None:
                 from kvtier.simulate.plot import write_plot
 
                 writing = f"--plot {plot_path}"
                 write_plot(plot_path, result, f"{requests.name}, engine tier {engine_gib:g} GiB, "
                                               f"{spec.chunk_bytes / 2**20:,.0f} MiB chunks")
-                console.print(f"plot: {plot_path}")
+                console.print(f"plot: {plot_path}", markup=False)
         except OSError as exc:
             fail(f"cannot write {writing} ({exc.strerror}); free space or pass a path in a writable directory")

@@ -140,6 +140,7 @@ PROBLEM_LINES = 5
 
 def _print_table(results: list[Any], dry_run: bool, tenant: bool) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console(highlight=False)
@@ -169,7 +170,7 @@ def _print_table(results: list[Any], dry_run: bool, tenant: bool) -> None:
                       "use --namespace or --older-than to remove them.")
     problems = [(r, p) for r in results for p in r.problems][:PROBLEM_LINES]
     for r, p in problems:
-        console.print(f"[yellow]problem[/yellow] {r.tier}{' ' + r.namespace.hex() if r.namespace else ''}: {p}",
+        console.print(f"[yellow]problem[/yellow] {r.tier}{' ' + r.namespace.hex() if r.namespace else ''}: {escape(p)}",
                       soft_wrap=True)
     count = sum(max(r.problem_count, len(r.problems)) for r in results)
     if count > len(problems):  # a read-only disk tier has one per chunk: hundreds
