@@ -116,6 +116,37 @@ def test_a_restarted_replica_is_drained_stopped_started_and_its_turns_go_to_the_
     assert compare_json(result)["arms"]["kvtier"]["request_per_s"] == pytest.approx(run.summary().request_per_s)
 
 
+def test_a_held_plan_sends_the_restarted_replicas_turns_to_it_once_it_answers_again() -> None:
+    # A B C A B C over two replicas, one request at a time; replica 0 restarts once 3 were sent.  With
+    # hold, its next turn (request 4) waits for it instead of going to replica 1, and nothing is rerouted
+    w = prefix_repetition_workload(TOKENS, num_requests=6, prefix_len=40, suffix_len=5, num_prefixes=3, output_len=2)
+    procs = [_start(port0 := _free_port(), 0.005), _start(port1 := _free_port(), 0.005)]
+    urls = (f"http://127.0.0.1:{port0}", f"http://127.0.0.1:{port1}")
+
+    def restart(i: int) -> None:
+        procs[i].terminate()
+        procs[i].wait(timeout=30)
+        time.sleep(1.0)  # down a while: request 4 is due meanwhile
+        procs[i] = _start(port0, 0.005)
+
+    plan = RestartPlan.at_fraction(0.5, len(w.requests), hold=True)
+    assert (plan.replica, plan.at_request, plan.hold) == (0, 3, True)
+    try:
+        run = run_workload(w, ClientOptions(urls[0], "m", max_concurrency=1, progress=False, replica_urls=urls),
+                           restart=RestartHook(plan, restart, drain_timeout_s=30.0))
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert run.aborted is None and run.summary().num_failed == 0, run.failure_text()
+    event = run.restart
+    assert event is not None and event.error is None and event.back_s is not None and event.rerouted == ()
+    assert [r.replica for r in run.results] == [0, 1, 0, 1, 0, 1]
+    assert [r.request_id for r in run.after_restart()] == ["prefix-4"]
+    held = next(r for r in run.results if r.request_id == "prefix-4")
+    assert held.start_s >= event.back_s > event.stopped_s + 1.0
+
+
 def _free_port() -> int:
     from kvtier.launch.serve import free_port
 

@@ -271,6 +271,8 @@ async def run_workload_async(workload: Workload, options: ClientOptions,
         state.in_flight.add(request.request_id)
         if router.restart_due():
             restarting.append(asyncio.create_task(restart_in_background(clients, stack)))
+        while router.held(request.request_id) and state.aborted is None:  # bounded by the restart's deadlines
+            await asyncio.sleep(0.05)
         replica = router.pick(request.request_id)
         try:
             result = await _send(clients[replica], request, options, state.t_run, replica)

@@ -26,6 +26,12 @@ arm and run.  The client (:mod:`kvtier.bench.client`, through :class:`Router`):
 
 A replica that does not come back ends the run as a failure of the arm (its start-up error named);
 the planned restart itself fails no request.
+
+A plan with ``hold`` (a balancer with session affinity, which keeps a client's requests for its
+replica) changes step 1: a request whose turn is the restarted replica's waits until that replica
+answers again and is then sent there, instead of going to a live replica; every other request goes
+on as before.  The wait is bounded by the restart's own drain and start deadlines (a replica that
+does not come back aborts the run, and the held request is then sent to a live replica).
 """
 
 from __future__ import annotations
@@ -64,14 +70,17 @@ def check_restart(fraction: float, replicas: int) -> None:
 
 @dataclass(frozen=True)
 class RestartPlan:
-    """Restart ``replica`` once ``at_request`` of the workload's requests have been sent."""
+    """Restart ``replica`` once ``at_request`` of the workload's requests have been sent; with
+    ``hold``, its turns wait for it to answer again (see the module docstring)."""
 
     replica: int
     at_request: int
     fraction: float
+    hold: bool = False
 
     @classmethod
-    def at_fraction(cls, fraction: float, num_requests: int, replica: int = RESTARTED_REPLICA) -> RestartPlan:
+    def at_fraction(cls, fraction: float, num_requests: int, replica: int = RESTARTED_REPLICA,
+                    hold: bool = False) -> RestartPlan:
         """The plan for ``ceil(fraction x num_requests)`` requests, kept within 1..num_requests-1 so
         that at least one request is sent before and one after.
 
@@ -82,7 +91,7 @@ class RestartPlan:
         if num_requests < 2:
             raise ValueError(f"--restart-replica-at needs a workload of 2 requests or more (it has {num_requests}): "
                              "one before the restart and one after")
-        return cls(replica, min(num_requests - 1, max(1, math.ceil(fraction * num_requests))), fraction)
+        return cls(replica, min(num_requests - 1, max(1, math.ceil(fraction * num_requests))), fraction, hold)
 
 
 @dataclass(frozen=True)
@@ -119,6 +128,10 @@ class Router:
         self.began = True
         self.down.add(self.plan.replica)
         return True
+
+    def held(self, request_id: str) -> bool:
+        """True while this request waits for its replica: the plan holds and that replica is down."""
+        return self.plan is not None and self.plan.hold and self.home[request_id] in self.down
 
     def pick(self, request_id: str) -> int:
         """The replica this request is sent to now (counted as sent and in flight there)."""
