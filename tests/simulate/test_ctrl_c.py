@@ -6,7 +6,6 @@ import subprocess
 import sys
 import time
 
-from kvtier.simulate.sweep import replay_map
 from kvtier.simulate.synth import generate, make_params
 from kvtier.tools.mooncake import write_records
 
@@ -49,40 +48,57 @@ def test_ctrl_c_in_a_parallel_sweep_prints_nothing_from_the_workers(tmp_path):
     assert "ForkPoolWorker" not in err and "Traceback" not in err, err
 
 
-def _sigint_disposition(_: int) -> object:
-    return signal.getsignal(signal.SIGINT)
+_IN_A_FRESH_PROCESS = """
+import os, signal, sys, time
+from kvtier.core.errors import UserError
+from kvtier.simulate.sweep import can_fork, replay_map
 
+def disposition(_):
+    return signal.getsignal(signal.SIGINT) is signal.SIG_IGN
 
-def test_the_replay_pool_workers_leave_sigint_to_the_parent():
-    """The pool the sweep and --recommend replay in: every worker ignores SIGINT (the parent takes
-    Ctrl-C and terminates them), whatever the parent's own handler."""
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as an interactive run has it
-    try:
-        assert replay_map(_sigint_disposition, range(4), 2) == [signal.SIG_IGN] * 4
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the parent's own is untouched
-    finally:
-        signal.signal(signal.SIGINT, before)
-
-
-def _die_on_two(job: int) -> int:
+def die_on_two(job):
     if job == 2:
         os.kill(os.getpid(), signal.SIGKILL)  # as the out-of-memory killer ends a process
     return job * 10
 
+assert can_fork()  # one thread: the replays fork
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as an interactive run has it
+assert replay_map(disposition, range(4), 2) == [True] * 4  # every replay process ignores SIGINT
+assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the parent's own is untouched
+assert replay_map(die_on_two, [0, 1, 3], 2) == [0, 10, 30]
+started = time.monotonic()
+try:
+    replay_map(die_on_two, range(6), 2)
+except UserError as exc:
+    print("refused:", exc, round(time.monotonic() - started))
+"""
 
-def test_a_replay_process_that_dies_ends_the_wait_with_one_sentence():
-    """multiprocessing.Pool.map waited forever for the job a killed worker held (a local run of the
-    sweep hung there); the replays' pool ends the wait and says how to rerun."""
-    import pytest
 
-    from kvtier.core.errors import UserError
+def test_the_replay_processes_leave_sigint_to_the_parent_and_a_dead_one_ends_the_wait():
+    """The pool the sweep and --recommend replay in, in a process of one thread as `kvtier simulate`
+    is: every replay process ignores SIGINT (the parent takes Ctrl-C and terminates them), and a
+    replay process that dies ends the wait with one sentence (multiprocessing.Pool.map waited
+    forever for the job a killed worker held)."""
+    proc = subprocess.run([sys.executable, "-c", _IN_A_FRESH_PROCESS], check=False, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    refused, _, seconds = proc.stdout.strip().rpartition(" ")
+    assert refused.startswith("refused: a replay process of the 2 started died") and "fewer --workers" in refused
+    assert int(seconds) < 30
 
-    assert replay_map(_die_on_two, [0, 1, 3], 2) == [0, 10, 30]
-    started = time.monotonic()
-    with pytest.raises(UserError, match="replay process .* died .* fewer --workers"):
-        replay_map(_die_on_two, range(6), 2)
-    assert time.monotonic() - started < 30
-    deadline = time.monotonic() + 10
-    while _children(os.getpid()) and time.monotonic() < deadline:  # no replay process left behind
-        time.sleep(0.05)
-    assert _children(os.getpid()) == []
+
+def test_a_threaded_caller_replays_in_its_own_process():
+    """A child forked while another thread holds a lock can block forever (a replay forked from a
+    pytest-xdist worker hung): with another thread running, the replays run one by one here."""
+    import threading
+
+    from kvtier.simulate.sweep import can_fork, replay_map
+
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait, daemon=True)
+    other.start()
+    try:
+        assert not can_fork()
+        assert replay_map(lambda _: os.getpid(), range(3), 2) == [os.getpid()] * 3
+    finally:
+        stop.set()
+        other.join()

@@ -16,7 +16,6 @@ Two readings of a curve ``hit(capacity)`` measured at a few capacities:
 from __future__ import annotations
 
 import math
-import multiprocessing
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -181,7 +180,7 @@ _EXTRA: dict[str, Any] = {}
 
 def _run_extra(jobs: list[tuple[int, int]], workers: int) -> list[float]:
     workers = min(workers or os.cpu_count() or 1, len(jobs))
-    if workers > 1 and "fork" in multiprocessing.get_all_start_methods():
+    if workers > 1:
         from kvtier.simulate.sweep import replay_map
 
         return replay_map(_replay_hits, jobs, workers)

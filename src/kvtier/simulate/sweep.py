@@ -15,6 +15,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -165,7 +166,8 @@ def _ignore_sigint() -> None:
 
 
 def replay_map(fn: Callable[[Any], Any], jobs: Iterable[Any], workers: int) -> list[Any]:
-    """``[fn(job) for job in jobs]`` on ``workers`` forked processes, results in ``jobs`` order.
+    """``[fn(job) for job in jobs]`` on ``workers`` forked processes, results in ``jobs`` order;
+    in this process, one job after another, when it runs other threads (:func:`can_fork`).
 
     The processes share the parent's module globals, as the replays need (they are forked before
     the executor starts its own thread), and leave Ctrl-C to the parent: on any exception in the
@@ -176,6 +178,8 @@ def replay_map(fn: Callable[[Any], Any], jobs: Iterable[Any], workers: int) -> l
     Raises:
         UserError: a replay process died; the sentence says how to rerun in less memory.
     """
+    if not can_fork():
+        return [fn(job) for job in jobs]
     context = multiprocessing.get_context("fork")
     pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_ignore_sigint)
     try:
@@ -190,6 +194,16 @@ def replay_map(fn: Callable[[Any], Any], jobs: Iterable[Any], workers: int) -> l
         raise
     pool.shutdown(wait=True)
     return results
+
+
+def can_fork() -> bool:
+    """Whether the replays may fork: the platform has ``fork`` and this process runs no thread but
+    its main one.  A child forked while another thread holds a lock (an I/O buffer's, an allocator's)
+    inherits it held and can block forever on its first use: Python 3.12 warns of it ("This process
+    is multi-threaded, use of fork() may lead to deadlocks in the child"), and a replay forked from a
+    pytest-xdist worker (whose execnet I/O thread runs) hung so.  ``kvtier simulate`` runs single-
+    threaded; a program that calls the sweep from a threaded process gets its replays one by one."""
+    return "fork" in multiprocessing.get_all_start_methods() and threading.active_count() == 1
 
 
 def _terminate(pool: ProcessPoolExecutor) -> None:
@@ -233,7 +247,7 @@ def run_sweep(trace: Trace, spec: SweepSpec, workers: int = 0) -> SweepResult:
     # Slowest policies first, so the last job to finish is a short one.
     order = sorted(range(len(jobs)), key=lambda i: (_COST_RANK.get(jobs[i][0], 3), -jobs[i][1]))
     workers = pool_size(workers, len(jobs))
-    if workers > 1 and "fork" in multiprocessing.get_all_start_methods():
+    if workers > 1:
         done = replay_map(_run, [jobs[i] for i in order], workers)
     else:
         done = [_run(jobs[i]) for i in order]
