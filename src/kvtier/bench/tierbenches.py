@@ -56,8 +56,7 @@ def _no_extras(values: dict[str, Any]) -> None:
 
 def _redis(settings: dict[str, Any], _extras: Any, chunk_mibs: list[float], total_mib: float, repeats: int) -> Rows:
     from kvtier.bench.redisbench import bench_redis
-    from kvtier.core.config import KVTierConfig
-    from kvtier.core.config import redact_url
+    from kvtier.core.config import KVTierConfig, redact_url
 
     url = str(settings["redis_url"])
     refuse_unreachable(REDIS, KVTierConfig.from_dict(settings), lambda: None)
