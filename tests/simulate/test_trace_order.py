@@ -1,5 +1,5 @@
 """Trace arrival order: one rule for every tool that replays a trace (simulate, size --trace,
-trace stats, bench run --workload trace).
+trace stats, bench run and bench compare --workload trace).
 
 A trace whose timestamps went backwards (e.g. several log files concatenated) was replayed in file
 order by all four, silently, with negative gaps; every reader now refuses it in one sentence naming
@@ -28,6 +28,9 @@ TOOLS = {
     "size": ["size", "--model", "meta-llama/Llama-3.1-8B", "--gpu", "H100", "--context", "8192", "--trace"],
     "trace stats": ["trace", "stats", "--trace"],
     "bench run": ["bench", "run", "--url", "http://127.0.0.1:9", "--workload", "trace", "--trace"],
+    # refused before any server starts (the fresh user's compare on such a trace started vLLM first)
+    "bench compare": ["bench", "compare", "--model", "/nonexistent-model", "--arms", "baseline", "--workload", "trace",
+                      "--trace"],
 }
 
 
