@@ -574,10 +574,10 @@ def test_a_config_on_a_filesystem_full_of_its_own_chunk_files_is_accepted(small_
 
 @pytest.mark.parametrize(("size", "said"), [
     (2560, "value is 2,560 bytes, shorter than its 4,096-byte header"),
-    (HEADER_BYTES + CHUNK // 2, "value is 8,192 bytes: its 4,096-byte header says 8,192 payload bytes follow, but "
-                                "4,096 do"),
-    (HEADER_BYTES + CHUNK + 4, "value is 12,292 bytes: its 4,096-byte header says 8,192 payload bytes follow, but "
-                               "8,196 do")])
+    (HEADER_BYTES + CHUNK // 2, ("value is 8,192 bytes: its 4,096-byte header says 8,192 payload bytes follow, but "
+                                "4,096 do")),
+    (HEADER_BYTES + CHUNK + 4, ("value is 12,292 bytes: its 4,096-byte header says 8,192 payload bytes follow, but "
+                               "8,196 do"))])
 def test_a_chunk_file_of_the_wrong_length_is_logged_in_true_numbers(disk, size, said, caplog):
     """A chunk file cut to 2,560 bytes was logged "payload is -1536 bytes, header says 8192"."""
     path = disk.path(key(1))
