@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvtier.core.errors import ConfigError, UserError
+from kvtier.core.tiers.node.settings import TIER as NODE
 from kvtier.core.tiers.redis.settings import TIER as REDIS
 from kvtier.core.tiers.s3.settings import TIER as S3
 from kvtier.core.toolflags import ToolFlag
@@ -144,7 +145,7 @@ def tier_bench(tier: str) -> TierBench:
                          "to compare with)", _no_extras, run)
 
 
-START_HINTS = {"node": "start its owner, kvtier node serve --socket {url}"}
+START_HINTS = {NODE: "start its owner, kvtier node serve --socket {url}"}
 """How to bring up a tier kvtier itself serves, by tier (any other: start its server)."""
 
 
