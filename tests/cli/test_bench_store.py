@@ -1,6 +1,7 @@
 """``kvtier bench-store`` runs the real tiers and writes the documented JSON (no timing asserted)."""
 
 import json
+import re
 
 from typer.testing import CliRunner
 
@@ -101,7 +102,8 @@ def test_bench_store_reaches_a_redis_server_with_a_password_over_tls(tmp_path, r
     assert not client.keys(b"kvtier-bench-*")  # the bench cleaned up after itself, through the password
     refused = CliRunner().invoke(app, base)
     assert refused.exit_code == 2 and "Traceback" not in refused.output
-    assert refused.output.startswith(f"error: the redis benchmark on {server.url} failed"), refused.output
+    assert refused.output.startswith(f"error: the redis tier at {server.url} refused the credentials (the server "
+                                     "requires a password and none is configured); nothing was measured"), refused.output
 
 
 def test_bench_store_redis_nothing_listening_is_one_sentence():
@@ -112,10 +114,34 @@ def test_bench_store_redis_nothing_listening_is_one_sentence():
     result = CliRunner().invoke(app, ["bench-store", "--sizes", "0.25", "--total-mib", "1", "--repeats", "1",
                                       "--redis-url", url, "--redis-only"])
     assert result.exit_code == 2, result.output
-    assert result.output.startswith(f"error: the redis benchmark on {url} failed: the server did not answer "
-                                    "(ConnectionError"), result.output
-    assert "check --redis-url, that the server is up" in result.output
-    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+    assert result.output == (f"error: nothing answers for the redis tier at {url} (unreachable: connection refused: "
+                             "nothing listens on that port); nothing was measured: start its server, or fix "
+                             "--redis-url.\n"), result.output
+
+
+def test_bench_store_node_with_no_owner_says_so_not_short_of_room(tmp_path):
+    """--node-socket where no owner listens was "the node tier did not store every chunk of a round
+    (2 of 1 MiB); give it room for --total-mib" (a server that is down read as a full one)."""
+    socket = tmp_path / "nothere.sock"
+    result = CliRunner().invoke(app, ["bench-store", "--sizes", "1", "--total-mib", "1", "--node-socket", str(socket),
+                                      "--node-only"])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith(f"error: nothing answers for the node tier at {socket} (unreachable: "), \
+        result.output
+    assert result.output.endswith(f"nothing was measured: start its owner, kvtier node serve --socket {socket}, or "
+                                  "fix --node-socket.\n"), result.output
+
+
+def test_bench_store_node_short_of_room_counts_the_chunks_truly(node_server):
+    """A real owner of a 64 MiB pool asked for 96 MiB rounds of 32 MiB chunks: the sentence counts
+    what was stored of the round's three chunks (it said "(2 of 1 MiB)" for two 1 MiB chunks)."""
+    result = CliRunner().invoke(app, ["bench-store", "--sizes", "32", "--total-mib", "96", "--repeats", "1",
+                                      "--node-socket", node_server.socket, "--node-only"])
+    assert result.exit_code == 2, result.output
+    said = re.fullmatch(r"error: the node tier stored (\d) of the 3 chunks of 32 MiB of a round \(96 MiB; a round "
+                        r"holds at least two chunks\); give it room for 96 MiB or lower --total-mib\.\n",
+                        result.output)
+    assert said is not None and int(said.group(1)) < 3, result.output
 
 
 def test_bench_store_redis_only_needs_a_url():
@@ -201,7 +227,11 @@ def test_bench_store_s3_on_a_dead_endpoint_says_unreachable(s3_factory, monkeypa
         monkeypatch.setenv(name, value)
     result = CliRunner().invoke(app, ["bench-store", "--s3-only", "--s3-bucket", "kvcache", "--s3-endpoint-url", url,
                                       "--s3-allow-http", "--sizes", "1", "--total-mib", "4", "--s3-in-flight", "1"])
-    assert result.exit_code == 2 and "failed: unreachable" in result.output, result.output
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith(f"error: nothing answers for the s3 tier at {url}/kvcache/kvtier/ (unreachable: "), \
+        result.output
+    assert result.output.endswith("connection refused)); nothing was measured: start its server, or fix "
+                                  "--s3-endpoint-url or --s3-bucket.\n"), result.output
     assert "Traceback" not in result.output and result.output.count("\n") == 1
 
 

@@ -68,3 +68,18 @@ def test_a_receipt_log_path_check_accepts_is_neither_created_nor_changed(tmp_pat
     before = missing.stat()
     assert _check({"cpu_gib": 1, "receipt_log_path": str(missing)}).exit_code == 0
     assert missing.read_text() == '{"old": 1}\n' and missing.stat().st_mtime_ns == before.st_mtime_ns
+
+
+def test_a_node_socket_too_long_for_unix_is_an_error_of_check_and_of_the_engine(tmp_path):
+    """A node_socket over 107 bytes was only a warning ("unreachable (OSError: AF_UNIX path too long)")
+    and check said ok; no owner can ever listen there, so both check and the engine's config refuse it."""
+    socket = str(tmp_path / ("x" * 120 + ".sock"))
+    num_bytes = len(socket.encode())
+    with pytest.raises(ConfigError, match=f"node_socket path is {num_bytes} bytes; a UNIX socket path holds at most"):
+        KVTierConfig.from_dict({"node_socket": socket})
+    result = _check({"cpu_gib": 1, "node_socket": socket})
+    assert result.exit_code == 1, result.output
+    assert (f"error: kv_connector_extra_config.node_socket: kvtier config field 'node_socket': node_socket path is "
+            f"{num_bytes} bytes; a UNIX socket path holds at most 107: give a shorter path") in result.output
+    assert "Traceback" not in result.output and "ok: vLLM would start" not in result.output
+    assert KVTierConfig.from_dict({"node_socket": str(tmp_path / "n.sock")})  # a short one is kept

@@ -158,3 +158,45 @@ def test_a_missing_tls_ca_file_is_named_by_check_not_read_as_a_network_error(tmp
                       f"{str(missing)!r} (No such file or directory); point it at the PEM file of the CA that "
                       "signed the Redis server's certificate")], run.stdout
     assert "unreachable" not in run.stdout
+
+
+@pytest.mark.parametrize("scheme", ["redis", "rediss"])
+def test_a_server_that_accepts_but_never_answers_is_said_as_such_not_as_a_connect_timeout(scheme):
+    """A real listening socket that accepts and never replies was "unreachable (connect timed out)":
+    the connect worked, the PING (or TLS handshake) got no answer; said so within the deadline."""
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    accepted: list[socket.socket] = []
+    done = threading.Event()
+
+    def accept_forever() -> None:
+        listener.settimeout(0.2)
+        while not done.is_set():
+            try:
+                accepted.append(listener.accept()[0])  # held open, never written to
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept_forever, daemon=True)
+    thread.start()
+    url = f"{scheme}://127.0.0.1:{listener.getsockname()[1]}/0"
+    try:
+        run = check(json.dumps(transfer({"redis_url": url})))
+    finally:
+        done.set()
+        thread.join(5)
+        for conn in accepted:
+            conn.close()
+        listener.close()
+    assert run.returncode == 0, run.stdout + run.stderr
+    what = "the TLS handshake or PING" if scheme == "rediss" else "PING"
+    tail = " (a rediss:// URL to a port that speaks plain text looks the same)" if scheme == "rediss" else ""
+    assert lines_about(run.stdout) == [(
+        f"warning: kv_connector_extra_config.redis_url: shared tier {url} is unreachable (it accepted the connection "
+        f"but did not answer {what} within 1 s: something listens on that port that is not a Redis server, or the "
+        f"server is stalled{tail}); vLLM would start, but every shared-tier lookup would be a miss until it answers: "
+        "start it, fix redis_url, or open the network path")], run.stdout

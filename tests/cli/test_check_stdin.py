@@ -58,4 +58,18 @@ def test_check_of_a_serve_line_points_to_audit(tmp_path, source, text) -> None:
 def test_a_missing_file_named_like_vllm_is_still_a_missing_file(tmp_path) -> None:
     result = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "check", str(tmp_path / "vllm.json")],
                             capture_output=True, text=True, timeout=120, check=False)
-    assert result.returncode == 2 and "cannot read" in result.stderr, result.stderr
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == (f"error: {str(tmp_path / 'vllm.json')!r} is neither JSON nor an existing file; give the "
+                             "JSON, a file holding it, or -.\n"), result.stderr
+
+
+@pytest.mark.parametrize("text", ["<the --kv-transfer-config JSON>", "paste the --kv-transfer-config value here",
+                                  "--kv-transfer-config"])
+def test_a_placeholder_naming_the_flag_is_not_a_serve_line(text) -> None:
+    """The README's placeholder, given as is, was "the argument is a vLLM serve command line" (the
+    flag's name anywhere counted as a serve line); a serve line gives the flag a value."""
+    result = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "check", "--", text],
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == (f"error: {text!r} is neither JSON nor an existing file; give the JSON, a file holding "
+                             "it, or -.\n"), result.stderr

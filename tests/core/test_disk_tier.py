@@ -570,3 +570,19 @@ def test_a_config_on_a_filesystem_full_of_its_own_chunk_files_is_accepted(small_
     ((_key, refused),) = disk.check(KVTierConfig.from_dict({"disk_path": str(small_filesystem / "other"),
                                                             "disk_gib": 0.007}))
     assert "exceeds the 0.0 GiB free" in refused
+
+
+@pytest.mark.parametrize(("size", "said"), [
+    (2560, "value is 2,560 bytes, shorter than its 4,096-byte header"),
+    (HEADER_BYTES + CHUNK // 2, ("value is 8,192 bytes: its 4,096-byte header says 8,192 payload bytes follow, but "
+                                "4,096 do")),
+    (HEADER_BYTES + CHUNK + 4, ("value is 12,292 bytes: its 4,096-byte header says 8,192 payload bytes follow, but "
+                               "8,196 do"))])
+def test_a_chunk_file_of_the_wrong_length_is_logged_in_true_numbers(disk, size, said, caplog):
+    """A chunk file cut to 2,560 bytes was logged "payload is -1536 bytes, header says 8192"."""
+    path = disk.path(key(1))
+    with open(path, "r+b") as handle:
+        handle.truncate(size)
+    assert read(disk, 1) is None and disk.corrupt == 1
+    assert said in caplog.text, caplog.text
+    assert "-1" not in caplog.text.replace(str(path), "")

@@ -100,7 +100,7 @@ def test_a_value_is_refused_under_another_key_namespace_secret_or_length():
         envelope.Envelope(NS, SECRET).open_into(KEY, value, out)
     with pytest.raises(envelope.EnvelopeError, match="not the expected 19"):
         envelope.Envelope(NS).open_into(KEY, value, memoryview(bytearray(19)))
-    with pytest.raises(envelope.EnvelopeError, match="header says 20"):
+    with pytest.raises(envelope.EnvelopeError, match="its 128-byte header says 20 payload bytes follow, but 19 do"):
         envelope.Envelope(NS).open_into(KEY, value[:-1], out)
 
 

@@ -120,3 +120,23 @@ def test_the_help_example_is_the_docs_example():
     docs = DOCS.read_text()
     assert example.strip() in docs.splitlines()
     assert "mkdir -p /dev/shm/kvtier-node" in proc.stdout and "mkdir -p /dev/shm/kvtier-node" in docs.splitlines()
+
+
+def test_a_socket_path_too_long_for_unix_is_refused_before_the_pool_is_created(shm_pool, tmp_path):
+    """A --socket path over 107 bytes was a traceback (``AF_UNIX path too long``, exit 1) after the
+    pool file and its lock had been created, both left behind; now one sentence, nothing created."""
+    socket = tmp_path / ("x" * 120 + ".sock")
+    line = one_error_line(serve(shm_pool, socket))
+    num_bytes = len(os.fsencode(str(socket)))
+    assert line == (f"error: --socket path is {num_bytes} bytes; a UNIX socket path holds at most 107: give a "
+                    "shorter path")
+    assert not shm_pool.exists() and not shm_pool.with_name(shm_pool.name + ".lock").exists()
+
+
+def test_a_socket_the_kernel_cannot_bind_is_refused_and_the_pool_never_created(shm_pool):
+    """``--socket /proc/n.sock`` (an existing directory where no socket can be made) was a
+    FileNotFoundError traceback after the pool was created; the socket is now bound before the pool."""
+    line = one_error_line(serve(shm_pool, Path("/proc/kvtier-test.sock")))
+    assert line.startswith("error: cannot create the socket --socket /proc/kvtier-test.sock (")
+    assert line.endswith("give a path in a writable directory, e.g. /dev/shm/kvtier-node/node.sock.")
+    assert not shm_pool.exists() and not shm_pool.with_name(shm_pool.name + ".lock").exists()

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvtier.core.errors import ConfigError, UserError
+from kvtier.core.tiers.node.settings import TIER as NODE
 from kvtier.core.tiers.redis.settings import TIER as REDIS
 from kvtier.core.tiers.s3.settings import TIER as S3
 from kvtier.core.toolflags import ToolFlag
@@ -56,9 +57,10 @@ def _no_extras(values: dict[str, Any]) -> None:
 
 def _redis(settings: dict[str, Any], _extras: Any, chunk_mibs: list[float], total_mib: float, repeats: int) -> Rows:
     from kvtier.bench.redisbench import bench_redis
-    from kvtier.core.config import redact_url
+    from kvtier.core.config import KVTierConfig, redact_url
 
     url = str(settings["redis_url"])
+    refuse_unreachable(REDIS, KVTierConfig.from_dict(settings), lambda: None)
     rows: list[StoreBenchResult] = []
     try:
         for mib in chunk_mibs:
@@ -93,8 +95,10 @@ def _s3_extras(values: dict[str, Any]) -> tuple[list[int], bool]:
 def _s3(settings: dict[str, Any], extras: tuple[list[int], bool], chunk_mibs: list[float], total_mib: float,
         repeats: int) -> Rows:
     from kvtier.bench.s3bench import bench_s3
+    from kvtier.core.config import KVTierConfig
 
     in_flights, assume_conditional_put = extras
+    refuse_unreachable(S3, KVTierConfig.from_dict(settings), lambda: None)
     rows: list[StoreBenchResult] = []
     path = ""
     bucket = settings["s3_bucket"]
@@ -141,6 +145,31 @@ def tier_bench(tier: str) -> TierBench:
                          "to compare with)", _no_extras, run)
 
 
+START_HINTS = {NODE: "start its owner, kvtier node serve --socket {url}"}
+"""How to bring up a tier kvtier itself serves, by tier (any other: start its server)."""
+
+
+def refuse_unreachable(tier: str, config: Any, close: Callable[[], None]) -> None:
+    """Probe ``tier``'s storage (:func:`~kvtier.core.purge.probe_tier`, one harmless request within
+    2 s) before any chunk is timed, so a server that is down is said as such, not as a tier short of room.
+
+    Raises:
+        UserError: it does not answer or refuses the credentials (one sentence); ``close`` called first.
+    """
+    from kvtier.core.purge import probe_tier
+
+    probed = probe_tier(tier, config)
+    if probed is None or probed.state == "reachable":
+        return
+    close()
+    if probed.state == "auth failed":
+        raise UserError(f"the {tier} tier at {probed.url} refused the credentials ({probed.detail}); nothing was "
+                        f"measured: {probed.auth_fix}")
+    hint = START_HINTS.get(tier, "start its server").format(url=probed.url)
+    raise UserError(f"nothing answers for the {tier} tier at {probed.url} ({probed.state}: {probed.detail}); "
+                    f"nothing was measured: {hint}, or fix {probed.address_key}")
+
+
 def bench_tier(tier: str, settings: dict[str, Any], chunk_mib: float, total_mib: float,
                repeats: int) -> list[StoreBenchResult]:
     """Tier ``tier`` built by its plug-in from ``settings`` (its configuration keys): ``put_many`` /
@@ -169,6 +198,7 @@ def bench_tier(tier: str, settings: dict[str, Any], chunk_mib: float, total_mib:
     if tier_obj is None:
         raise UserError(f"the {tier} tier's plug-in built no tier from {', '.join(settings)}; give the settings the "
                         "engines use")
+    refuse_unreachable(tier, config, tier_obj.close)
     from kvtier.core.keys import ChunkKey
     from kvtier.core.tiers.base import GetResult, PutResult
 
@@ -184,9 +214,12 @@ def bench_tier(tier: str, settings: dict[str, Any], chunk_mib: float, total_mib:
             keys = [ChunkKey(os.urandom(16)) for _ in range(num)]
 
             def tier_put(keys: list[ChunkKey] = keys) -> None:
-                if tier_obj.put_many(keys, [d.data for d in datas]) != [PutResult.STORED] * num:
-                    raise UserError(f"the {tier} tier did not store every chunk of a round ({num} of "
-                                    f"{chunk_mib:g} MiB); give it room for --total-mib")
+                results = tier_obj.put_many(keys, [d.data for d in datas])
+                if results != [PutResult.STORED] * num:
+                    stored = sum(result.stored for result in results)
+                    raise UserError(f"the {tier} tier stored {stored} of the {num} chunks of {chunk_mib:g} MiB of a "
+                                    f"round ({num * chunk_mib:g} MiB; a round holds at least two chunks); give it "
+                                    f"room for {num * chunk_mib:g} MiB or lower --total-mib")
 
             def tier_get(keys: list[ChunkKey] = keys) -> None:
                 if tier_obj.get_many(keys, [d.data for d in dsts]) != [GetResult.HIT] * num:

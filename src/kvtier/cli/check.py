@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import re
 import sys
@@ -35,7 +36,12 @@ def _serve_line(text: str) -> bool:
     """Whether ``text`` looks like a serve command line (its ``#`` comment and shebang lines aside)
     rather than the ``--kv-transfer-config`` JSON."""
     lines = [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
-    return "--kv-transfer-config" in text or any(_SERVE_LINE.match(line) for line in lines)
+    return _FLAG_WITH_VALUE.search(text) is not None or any(_SERVE_LINE.match(line) for line in lines)
+
+
+_FLAG_WITH_VALUE = re.compile(r"(?:^|\s)--kv-transfer-config(?:=|\s+)[\"'{$]")
+"""The flag given a value (quoted JSON, ``{``, or a shell variable) as on a serve line; the flag's
+name in prose (a placeholder such as ``<the --kv-transfer-config JSON>``) is not a serve line."""
 
 
 def _not_a_serve_line(text: str, source: str) -> None:
@@ -58,6 +64,8 @@ def _read(config: str) -> str:
             return handle.read(1 << 20)
     except (OSError, UnicodeDecodeError) as exc:
         _not_a_serve_line(config, "the argument")
+        if isinstance(exc, FileNotFoundError) or getattr(exc, "errno", None) == errno.ENAMETOOLONG:
+            fail(f"{config!r} is neither JSON nor an existing file; give the JSON, a file holding it, or -.")
         fail(f"cannot read {config!r} ({exc.__class__.__name__}); give the JSON itself, a file holding it, or -.")
 
 

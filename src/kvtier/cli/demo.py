@@ -69,13 +69,13 @@ def register(app: typer.Typer) -> None:
 
         Example: kvtier demo --workdir .kvtier
         """
+        import importlib.util
+
         from kvtier.core.errors import ServerAnswerError, ServerStartError
 
-        try:
-            import vllm  # noqa: F401
-        except ImportError:
+        _check_workdir(workdir)  # the cheap checks first: importing vLLM takes many seconds
+        if importlib.util.find_spec("vllm") is None:  # found, not imported: the servers import it
             fail("vLLM is not installed in this environment; run `make install` first")
-        _check_workdir(workdir)
 
         from kvtier.bench.demo import print_demo_compare, run_demo_compare, run_restart_demo
 

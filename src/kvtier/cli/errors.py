@@ -31,7 +31,8 @@ def check_output_path(path: Path | None, option: str) -> None:
     if path.is_dir():
         fail(f"{option} {path} is a directory; give a file name in it")
     if not parent.is_dir():
-        fail(f"{option} {path}: directory {parent} does not exist; create it or pass a path in an existing directory")
+        what = "is a file, not a directory" if parent.exists() else "does not exist"
+        fail(f"{option} {path}: directory {parent} {what}; create it or pass a path in an existing directory")
     refuse_kernel_filesystem(path, option)
     if not os.access(path if path.exists() else parent, os.W_OK):
         fail(f"{option} {path} is not writable; pass a path in a writable directory")

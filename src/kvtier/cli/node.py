@@ -58,6 +58,10 @@ def serve_command(
         # the engines' own rule (kvtier.core.tiers.node.settings): they would refuse this node_socket
         fail(f"--socket must be an absolute path (engines refuse a relative node_socket), got {str(socket)!r}; "
              "e.g. --socket /dev/shm/kvtier-node/node.sock")
+    from kvtier.core.tiers.node.settings import socket_path_problem
+
+    if problem := socket_path_problem(str(socket), "--socket"):
+        fail(problem)
     _warn_unless_memory_backed(pool)
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(message)s")
     try:

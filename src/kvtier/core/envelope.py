@@ -61,7 +61,7 @@ import xxhash
 from kvtier.core import codecs, compression, encryption, legacyformats, tenant  # noqa: F401 - registers the codecs
 from kvtier.core.codecstats import CodecStats
 from kvtier.core.envelopedigest import MAC_CONTEXT, Hasher, Mac, mac_key
-from kvtier.core.errors import ChunkFormatError
+from kvtier.core.errors import ChunkFormatError, length_problem
 
 __all__ = ["MAC_CONTEXT", "Envelope", "EnvelopeError", "EnvelopeHeader", "ForeignValue", "Hasher", "Sealed",
            "decode_header", "mac_key"]
@@ -388,9 +388,8 @@ class Envelope:
         header = decode_header(view)
         out = memoryview(dst).cast("B")
         self.check(header, key, out.nbytes)
-        if header.stored_bytes != view.nbytes - header.header_bytes:
-            raise EnvelopeError(f"payload is {view.nbytes - header.header_bytes} bytes, "
-                                f"header says {header.stored_bytes}")
+        if problem := length_problem(view.nbytes, header.header_bytes, header.stored_bytes):
+            raise EnvelopeError(problem)
         self.verify(header, view)
         self.decode_payload(header, view, out)
         return header.record

@@ -61,6 +61,18 @@ class ChunkFormatError(KVTierError):
     """
 
 
+def length_problem(value_bytes: int, header_bytes: int, stored_bytes: int, what: str = "value") -> str | None:
+    """Why a ``value_bytes``-byte value (a file: ``what``) disagrees with its header's
+    ``header_bytes`` and ``stored_bytes`` (payload), in true numbers, for the :class:`ChunkFormatError`
+    that refuses it; None when they agree."""
+    if value_bytes < header_bytes:
+        return f"{what} is {value_bytes:,} bytes, shorter than its {header_bytes:,}-byte header"
+    if value_bytes - header_bytes != stored_bytes:
+        return (f"{what} is {value_bytes:,} bytes: its {header_bytes:,}-byte header says {stored_bytes:,} payload "
+                f"bytes follow, but {value_bytes - header_bytes:,} do")
+    return None
+
+
 class ServerStartError(KVTierError, RuntimeError):
     """A vLLM server started by kvtier (:mod:`kvtier.launch.serve`) exited or did not
     answer in time; the message names its log file."""

@@ -35,7 +35,13 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.core.errors import TraceError
-from kvtier.tools.mooncake import MOONCAKE_BLOCK_TOKENS, iter_records, jsonl_objects, resolve_trace_path
+from kvtier.tools.mooncake import (
+    MOONCAKE_BLOCK_TOKENS,
+    check_arrival_order,
+    iter_records,
+    jsonl_objects,
+    resolve_trace_path,
+)
 
 FORMATS = ("mooncake", "kvtier-jsonl")
 
@@ -152,8 +158,12 @@ def _read(path: str | Path, parser: _Parser) -> Trace:
     num_tokens: list[int] = []
     chunk_keys: list[list[int]] = []
     key_to_id: dict[int | str, int] = {}
-    for _, where, obj in jsonl_objects(path):
+    previous_line = 0
+    for lineno, where, obj in jsonl_objects(path):
         time_s, tokens, keys = parser.parse(obj, where)
+        if times:  # the Mooncake reader's rule (iter_records): replayed in file order, so refused unsorted
+            check_arrival_order(time_s, times[-1], lineno, previous_line, path.name, "time_s", "the trace")
+        previous_line = lineno
         # Dense ids: the replay loop then hashes small ints whatever the key format was.
         chunk_keys.append([key_to_id.setdefault(key, len(key_to_id)) for key in keys])
         times.append(time_s)

@@ -161,10 +161,31 @@ def iter_records(path: str | Path, block_tokens: int | None = None, start: int =
     blank lines skipped.
 
     Raises:
-        TraceError: missing/unreadable file, bad JSON, bad record (naming the line).
+        TraceError: missing/unreadable file, bad JSON, bad record, a timestamp before the previous
+            record's (naming the line: every tool replays in file order, so an unsorted trace is refused
+            rather than reordered behind the operator's back).
     """
     records = (parse_record(raw, lineno, where, block_tokens) for lineno, where, raw in jsonl_objects(path, start))
-    yield from islice(records, limit)
+    previous: TraceRecord | None = None
+    for record in islice(records, limit):
+        if previous is not None:
+            check_arrival_order(record.timestamp_ms, previous.timestamp_ms, record.index, previous.index,
+                                Path(path).name, "timestamp", "the trace")
+        previous = record
+        yield record
+
+
+def check_arrival_order(stamp: float, previous: float, index: int, previous_index: int, name: str, field: str,
+                        what: str) -> None:
+    """Refuse an arrival ``stamp`` (of 0-based line ``index``) earlier than the previous record's.
+
+    Raises:
+        TraceError: one sentence naming both lines and how to sort the file.
+    """
+    if stamp < previous:
+        raise TraceError(f"{name} line {index + 1}: {field} {stamp:g} is before line {previous_index + 1}'s "
+                         f"{previous:g}; sort {what} by {field} (e.g. jq -cs 'sort_by(.{field})[]' {name} > "
+                         "sorted.jsonl)")
 
 
 def format_record(timestamp_ms: float, input_length: int, output_length: int, hash_ids: Iterable[int]) -> str:

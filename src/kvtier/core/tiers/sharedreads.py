@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvtier.core import envelope
-from kvtier.core.errors import ChunkFormatError
+from kvtier.core.errors import ChunkFormatError, length_problem
 from kvtier.core.keys import ChunkKey
 from kvtier.core.stats import WireCounters
 from kvtier.core.tenant import TenantRecords, note_verified
@@ -154,9 +154,8 @@ class SharedReads:
         size, head, data = got
         try:
             header = envelope.decode_header(head)
-            if header.stored_bytes != size - header.header_bytes:
-                raise ChunkFormatError(f"payload is {size - header.header_bytes} bytes, header says "
-                                       f"{header.stored_bytes}")
+            if problem := length_problem(size, header.header_bytes, header.stored_bytes):
+                raise ChunkFormatError(problem)
             where = payload_range(self.codec.envelope, header, key, offset, length)
         except ChunkFormatError as exc:
             self._unusable(key, str(exc))

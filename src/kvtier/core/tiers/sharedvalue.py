@@ -30,7 +30,7 @@ import numpy as np
 
 from kvtier.core import encryption, envelope, legacyformats, tenant
 from kvtier.core.encryption import KeyRing
-from kvtier.core.errors import ChunkFormatError, ConfigError
+from kvtier.core.errors import ChunkFormatError, ConfigError, length_problem
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers import buffers
 from kvtier.core.tiers.base import GetResult
@@ -174,9 +174,8 @@ class ValueCodec:
             if head.stored_bytes > max_length:
                 raise SharedValueError(f"payload of {head.stored_bytes} bytes exceeds the {max_length}-byte buffer")
             self.envelope.check(head, key, head.original_bytes)
-            if head.stored_bytes != view.nbytes - head.header_bytes:
-                raise SharedValueError(f"payload is {view.nbytes - head.header_bytes} bytes, "
-                                       f"header says {head.stored_bytes}")
+            if problem := length_problem(view.nbytes, head.header_bytes, head.stored_bytes):
+                raise SharedValueError(problem)
             self.envelope.verify(head, view)
         except ChunkFormatError as exc:
             raise SharedValueError(str(exc)) from None

@@ -22,6 +22,7 @@ from typing import NamedTuple, TypeVar
 
 from kvtier.core import codecs
 from kvtier.core.envelope import Envelope, EnvelopeError, EnvelopeHeader, decode_header
+from kvtier.core.errors import length_problem
 
 
 class BufferTooSmall(ValueError):
@@ -74,8 +75,8 @@ def open_value(env: Envelope, key: bytes, value: bytes | memoryview,
     header = decode_header(view)
     env.check(header, key, None)
     out = check_room(header.original_bytes, dst)
-    if header.stored_bytes != view.nbytes - header.header_bytes:
-        raise EnvelopeError(f"payload is {view.nbytes - header.header_bytes} bytes, header says {header.stored_bytes}")
+    if problem := length_problem(view.nbytes, header.header_bytes, header.stored_bytes):
+        raise EnvelopeError(problem)
     env.verify(header, view)
     env.decode_payload(header, view, out)
     return Opened(out, header.record)
@@ -95,8 +96,8 @@ def open_bytes(env: Envelope, key: bytes, value: bytes | memoryview) -> tuple[by
     if header.stored_bytes != header.original_bytes or not codecs.chain_of(header.codecs).passthrough:
         opened = open_value(env, key, view)
         return opened.payload.tobytes(), opened.record
-    if header.stored_bytes != view.nbytes - header.header_bytes:
-        raise EnvelopeError(f"payload is {view.nbytes - header.header_bytes} bytes, header says {header.stored_bytes}")
+    if problem := length_problem(view.nbytes, header.header_bytes, header.stored_bytes):
+        raise EnvelopeError(problem)
     env.verify(header, view)
     return view[header.header_bytes:].tobytes(), header.record
 

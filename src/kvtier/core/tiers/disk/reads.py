@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from kvtier.core import codecs, envelope
+from kvtier.core.errors import length_problem
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tenant import TenantRecords, note_verified
 from kvtier.core.tiers.base import GetResult
@@ -141,8 +142,9 @@ class DiskReads:
                 # another namespace or key, a layout or codec this kvtier does not read, or another
                 # chunk size (config, geometry): never a partial fill
                 self.envelope.check(header, key, out.nbytes if exact else None)
-                if header.stored_bytes != payload_bytes:
-                    raise ChunkFormatError(f"payload is {payload_bytes} bytes on disk, header says {header.stored_bytes}")
+                if problem := length_problem(payload_bytes + header.header_bytes, header.header_bytes,
+                                                      header.stored_bytes, "the chunk file"):
+                    raise ChunkFormatError(problem)
                 if header.stored_bytes != header.original_bytes or (
                         header.codecs != self.envelope.chain.ids and not codecs.chain_of(header.codecs).passthrough):
                     raise Recoded("its codec chain changes the payload")  # read whole, then decoded
@@ -191,9 +193,10 @@ class DiskReads:
             if not stat.S_ISREG(st.st_mode):
                 raise ChunkFormatError("not a regular file")
             header = envelope.decode_header(os.pread(fd, HEADER_BYTES, 0))
-            if header.header_bytes != HEADER_BYTES or header.stored_bytes != st.st_size - HEADER_BYTES:
-                raise ChunkFormatError(f"payload is {st.st_size - HEADER_BYTES} bytes on disk, "
-                                       f"header says {header.stored_bytes}")
+            if header.header_bytes != HEADER_BYTES:
+                raise ChunkFormatError(f"not a chunk file ({header.format}, {header.header_bytes}-byte header)")
+            if problem := length_problem(st.st_size, HEADER_BYTES, header.stored_bytes, "the chunk file"):
+                raise ChunkFormatError(problem)
             where = payload_range(self.envelope, header, key, offset, length)
             if where is None:  # a chain that changes the payload: the whole value, verified, sliced
                 whole = self.get(key)

@@ -44,6 +44,7 @@ from typing import NamedTuple
 
 from kvtier.core import keyids
 from kvtier.core.encryption import KEY_ID_BYTES
+from kvtier.core.errors import length_problem
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES, ChunkFormatError, decode_header
 
@@ -327,8 +328,8 @@ def header_bytes(path: str, namespace: bytes, key: ChunkKey) -> FileHead:
         os.close(fd)
     if header.namespace != namespace or header.key != key:
         raise ChunkFormatError("chunk belongs to another namespace or key")
-    if header.length != st.st_size - HEADER_BYTES:
-        raise ChunkFormatError(f"payload is {st.st_size - HEADER_BYTES} bytes on disk, header says {header.length}")
+    if problem := length_problem(int(st.st_size), HEADER_BYTES, header.length, "the chunk file"):
+        raise ChunkFormatError(problem)
     return FileHead(int(st.st_size), st.st_mtime, keyids.key_id_of(raw))
 
 

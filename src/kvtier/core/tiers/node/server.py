@@ -39,6 +39,7 @@ from kvtier.core.tiers.node import protocol as p
 from kvtier.core.tiers.node.index import Name, PoolIndex
 from kvtier.core.tiers.node.pool import Pool, PoolError, create_pool, foreign_file, open_pool
 from kvtier.core.tiers.node.presence import HEARTBEAT_S, PresenceTable
+from kvtier.core.tiers.node.settings import socket_path_problem
 
 log = logging.getLogger(__name__)
 
@@ -268,19 +269,43 @@ def claim_socket(path: Path) -> None:
             probe.close()
 
 
+def bind_socket(path: Path) -> socket.socket:
+    """A UNIX socket bound to ``path`` (claimed by :func:`claim_socket`), bound before the pool is
+    taken so that a path that cannot be a socket is refused before anything is created.
+
+    Raises:
+        UserError: the path is too long, or the kernel refuses to bind it (one sentence).
+    """
+    if problem := socket_path_problem(str(path), "--socket"):
+        raise UserError(problem)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(str(path))
+    except OSError as exc:
+        sock.close()
+        raise UserError(f"cannot create the socket --socket {path} ({exc.strerror or exc}); give a path in a "
+                        "writable directory, e.g. /dev/shm/kvtier-node/node.sock") from None
+    return sock
+
+
 async def _serve(opts: ServeOptions, ready: asyncio.Event | None = None) -> None:
     lock, created = lock_pool(opts.pool)
+    sock: socket.socket | None = None
     try:
         refuse_foreign_pool(opts.pool)
         claim_socket(opts.socket)
+        sock = bind_socket(opts.socket)
         pool = take_pool(opts)
     except BaseException:
-        if created:  # a refused start leaves nothing it created (the pool's lock file; take_pool's own)
+        if sock is not None:  # a refused start leaves nothing it created: the socket file,
+            sock.close()
+            opts.socket.unlink(missing_ok=True)
+        if created:  # the pool's lock file (take_pool removes its own)
             lock_path(opts.pool).unlink(missing_ok=True)
         os.close(lock)
         raise
     owner = Owner(pool, opts)
-    server = await asyncio.start_unix_server(owner.connection, path=str(opts.socket))
+    server = await asyncio.start_unix_server(owner.connection, sock=sock)
     os.chmod(opts.socket, 0o660)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

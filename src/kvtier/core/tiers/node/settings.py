@@ -9,6 +9,7 @@ operator's table.  The pool itself (its file and size) is the owner's, ``kvtier 
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, cast
 
 from pydantic import Field, field_validator
@@ -19,6 +20,18 @@ if TYPE_CHECKING:
 
 TIER = "node"
 """The tier these settings belong to (its name in the registry)."""
+
+SOCKET_PATH_MAX_BYTES = 107
+"""Longest UNIX socket path Linux binds or connects to (``sun_path`` is 108 bytes with its NUL)."""
+
+
+def socket_path_problem(path: str, name: str) -> str | None:
+    """Why ``path`` can never be a UNIX socket (one sentence naming ``name``, the key or flag), or None."""
+    num_bytes = len(os.fsencode(path))
+    if num_bytes > SOCKET_PATH_MAX_BYTES:
+        return (f"{name} path is {num_bytes} bytes; a UNIX socket path holds at most {SOCKET_PATH_MAX_BYTES}: "
+                "give a shorter path")
+    return None
 
 
 class NodeSettings(BaseSettings):
@@ -54,6 +67,8 @@ class NodeSettings(BaseSettings):
     def _absolute(cls, value: str | None) -> str | None:
         if value is not None and not value.startswith("/"):
             raise ValueError(f"node_socket must be an absolute path (the owner's --socket), got {value!r}")
+        if value is not None and (problem := socket_path_problem(value, "node_socket")):
+            raise ValueError(problem)
         return value
 
 

@@ -266,7 +266,7 @@ class RedisBlobs:
         return "PING"
 
     def failure(self, exc: BaseException, left_s: float) -> tuple[ProbeState, str]:
-        return classify(exc, self.settings)
+        return classify(exc, self.settings, left_s)
 
     def close(self) -> None:
         if self._raw is not None:

@@ -29,9 +29,10 @@ AUTH_FIX = "fix redis_password_env or redis_password_file (or the server's requi
 """What the probe tells the operator to change when the server refuses the credentials."""
 
 
-def classify(exc: BaseException, config: RedisSettings) -> tuple[ProbeState, str]:
+def classify(exc: BaseException, config: RedisSettings, left_s: float = 0.0) -> tuple[ProbeState, str]:
     """What a failed ``PING`` (or the client's connect before it) means: ``("auth failed" |
-    "unreachable", a few words)``."""
+    "unreachable", a few words)``; ``left_s``: seconds left to tell a timeout of the connect from one
+    of the answer (a TCP connect of its own: redis-py's timeout says neither)."""
     import redis
 
     if isinstance(exc, redis.AuthenticationError):
@@ -44,9 +45,31 @@ def classify(exc: BaseException, config: RedisSettings) -> tuple[ProbeState, str
     if isinstance(exc, ConfigError):  # the Cluster seed node did not answer
         return "unreachable", str(exc).split(" (", 1)[-1].split("); ")[0]
     reason = _reason(exc)
-    if reason == "connect timed out" and (config.redis_url or "").startswith("rediss://"):
+    tls = (config.redis_url or "").startswith("rediss://")
+    if reason == "connect timed out" and left_s > 0 and _accepts(config, min(left_s, config.redis_connect_timeout_s)):
+        what = "the TLS handshake or PING" if tls else "PING"
+        reason = (f"it accepted the connection but did not answer {what} within {config.redis_timeout_s:g} s: "
+                  "something listens on that port that is not a Redis server, or the server is stalled")
+    if tls and reason.startswith(("connect timed out", "it accepted")):
         reason += " (a rediss:// URL to a port that speaks plain text looks the same)"
     return "unreachable", reason
+
+
+def _accepts(config: RedisSettings, timeout_s: float) -> bool:
+    """Whether a TCP (or UNIX socket) connect to ``redis_url``'s address succeeds within ``timeout_s``."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(config.redis_url or "")
+    try:
+        if parts.scheme == "unix":
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as unix:
+                unix.settimeout(timeout_s)
+                unix.connect(parts.path)
+        else:
+            socket.create_connection((parts.hostname or "localhost", parts.port or 6379), timeout=timeout_s).close()
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def _auth_detail(config: RedisSettings, exc: BaseException) -> str:
