@@ -85,8 +85,12 @@ SCRIPT = ROOT / "scripts" / "hit_story.py"
 # plan arithmetic, HybridPlan, stays in pages.py and a dense hit does not ask it), core/upkeep.py (the
 # per-step verbs: eviction gate, pin_resident, TTL expiry, tier_stats, joined the change feed in
 # core/changes.py: store -> upkeep 9 -> 0, store -> changes 4 -> 13).
-MAX_FILES = 32
-MEASURED_MOVES = 342
+# Then (85495e8): 31 files, 328 moves (one run, 969 calls, load 6.6).  core/tiers/disk/chunkio.py left
+# the hit: a read's I/O (read_chunk, the buffered serial/split read) is reads.py's, the shared aligned
+# buffers readchoice.py's (reads -> chunkio 6, chunkio -> reads 6, chunkio -> readchoice 12 became
+# reads -> readchoice 14); chunkio.py keeps the tier's I/O settings and the writes.
+MAX_FILES = 31
+MEASURED_MOVES = 328
 POLL_SLACK_MOVES = 19 * 3
 
 
