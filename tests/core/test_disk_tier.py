@@ -13,10 +13,11 @@ import xxhash
 
 from kvtier.core import envelope, readchoice, tenant
 from kvtier.core.keys import ChunkKey
+from kvtier.core.readchoice import aligned_buffer
 from kvtier.core.tiers import DiskTier, GetResult, PutResult
 from kvtier.core.tiers.disk import chunkfile, iomode
 from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES
-from kvtier.core.tiers.disk.chunkio import O_DIRECT, aligned_buffer
+from kvtier.core.tiers.disk.chunkio import O_DIRECT
 from kvtier.core.tiers.disk.tier import STALE_TMP_S
 
 CHUNK = 8192

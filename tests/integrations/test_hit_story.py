@@ -78,8 +78,19 @@ SCRIPT = ROOT / "scripts" / "hit_story.py"
 # core/keys.py (the scheduler's key memo gives the hit request its chunk keys, found by vLLM's block
 # hashes, and its root and tenant come from a cache: requests -> keys 2 -> 0, requests -> tenant
 # 1 -> 0); prepare_load calls the mover only with spills to queue (store -> mover 4 -> 3).
-MAX_FILES = 35
-MEASURED_MOVES = 351
+# Lowered on branch hitfiles (421f423): 32 files, 342 moves (one run, 975 kvtier calls, load 5-6), from
+# 35 and 351 at main d72f224 (measured at the start of the branch).  Left the hit: core/codecs.py (a
+# chain's ids and passthrough are attributes derived once: reads -> codecs 12 -> 0),
+# integrations/vllm/scheduler/pages.py (PagePlanner moved to mirror.py, with the mirror it reads; the
+# plan arithmetic, HybridPlan, stays in pages.py and a dense hit does not ask it), core/upkeep.py (the
+# per-step verbs: eviction gate, pin_resident, TTL expiry, tier_stats, joined the change feed in
+# core/changes.py: store -> upkeep 9 -> 0, store -> changes 4 -> 13).
+# Then (85495e8): 31 files, 328 moves (one run, 969 calls, load 6.6).  core/tiers/disk/chunkio.py left
+# the hit: a read's I/O (read_chunk, the buffered serial/split read) is reads.py's, the shared aligned
+# buffers readchoice.py's (reads -> chunkio 6, chunkio -> reads 6, chunkio -> readchoice 12 became
+# reads -> readchoice 14); chunkio.py keeps the tier's I/O settings and the writes.
+MAX_FILES = 31
+MEASURED_MOVES = 328
 POLL_SLACK_MOVES = 19 * 3
 
 

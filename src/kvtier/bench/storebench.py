@@ -32,10 +32,10 @@ import numpy as np
 
 from kvtier.core.config import GiB, KVTierConfig
 from kvtier.core.keys import ChunkKey, Namespace, chunk_keys, request_root
-from kvtier.core.readchoice import CHOOSER
+from kvtier.core.readchoice import ALIGN, CHOOSER, aligned_buffer
 from kvtier.core.store import TieredStore
 from kvtier.core.tiers.base import GetResult, PutResult
-from kvtier.core.tiers.disk.chunkio import ALIGN, O_DIRECT, aligned_buffer
+from kvtier.core.tiers.disk.chunkio import O_DIRECT
 from kvtier.core.tiers.disk.iomode import direct_supported
 from kvtier.core.tiers.disk.tier import DiskTier
 

@@ -22,21 +22,37 @@ hit as a hint and the store's ``prepare_load`` as the truth (a shorter load, nev
 
 The feed also tracks *dirty* chunks: held in DRAM (cpu tier or a staging copy) but on no local
 lower tier (disk), i.e. what a crash would lose.  ``dirty_bytes()`` is exported as a gauge.
+
+:class:`ChangeFeed` is the part of :class:`~kvtier.core.index.Index` a worker asks once per engine
+step, around the drain: the feed, the eviction gate that keeps the mirror's plan loadable
+(``gate_evictions``, :mod:`kvtier.core.gate`; ``pin_resident`` pins a planned hit's resident chunks
+before the gate opens) and the tiers' numbers (``tier_stats``).  Kept here, with the load's path in
+:mod:`kvtier.core.index`, so that a step with a hit never runs :mod:`kvtier.core.upkeep` (the
+saves, writes' outcomes, resets).
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import TYPE_CHECKING
 
+from kvtier.core.handles import LoadHandle
 from kvtier.core.keys import ChunkKey
+from kvtier.core.quota import tenant_stats
+from kvtier.core.stats import TierStats
 
 if TYPE_CHECKING:
     import threading
+    from collections import Counter
 
+    from kvtier.core.codecstats import CodecStats
+    from kvtier.core.gate import EvictionGate
     from kvtier.core.handles import StagedCopy
     from kvtier.core.lowerindex import LowerIndex
+    from kvtier.core.quota import TenantLedger
     from kvtier.core.tiers.base import StagingTier
 
 CHANGE_FEED_LIMIT = 1 << 16
@@ -57,7 +73,8 @@ class IndexDelta:
 
 
 class ChangeFeed:
-    """Change-feed half of :class:`~kvtier.core.index.Index` (see module docstring)."""
+    """The per-step part of :class:`~kvtier.core.index.Index`: the change feed, the eviction gate,
+    the tiers' numbers (see the module docstring)."""
 
     chunk_bytes: int
     lock: threading.RLock
@@ -70,6 +87,16 @@ class ChangeFeed:
     doomed: set[ChunkKey]
     staged: dict[ChunkKey, StagedCopy]
     local: list[LowerIndex]
+    lower: list[LowerIndex]
+    pins: Counter[ChunkKey]
+    ttl_pins: dict[ChunkKey, float]
+    quota: TenantLedger | None
+    gate: EvictionGate
+    codec_stats: dict[str, CodecStats | None]
+
+    if TYPE_CHECKING:  # the index's (kvtier.core.index, kvtier.core.upkeep)
+        def settle_policies(self) -> None: ...
+        def let_go(self, key: ChunkKey) -> None: ...
 
     def _tier_of(self, key: ChunkKey) -> str | None:
         """Best local tier holding ``key`` now, or None (the lock held; here, where the drain asks it
@@ -135,3 +162,44 @@ class ChangeFeed:
     def dirty_bytes(self) -> int:
         """Payload bytes a crash would lose: ``len(dirty_keys()) × chunk_bytes``."""
         return len(self._dirty_keys) * self.chunk_bytes
+
+    # ---- plan and pin (kvtier.core.gate) ----------------------------------------------------
+    def gate_evictions(self, closed: bool) -> bool:
+        """Close the eviction gate, or open it and let go what waited for it; returns whether it was closed."""
+        with self.lock:
+            was, self.gate.closed = self.gate.closed, closed
+            if closed:  # once per engine step, off the request's path: the policies' deferred work
+                self.settle_policies()
+            if not closed and self.gate.deferred:  # (no call into gate.py on the hit path)
+                for key in self.gate.take():
+                    self.let_go(key)
+            return was
+
+    def pin_resident(self, chain: Sequence[ChunkKey]) -> LoadHandle:
+        """Pin the chunks of ``chain`` resident in the top tier now (no I/O); released by :meth:`release`."""
+        handle = LoadHandle([], [], [])
+        with self.lock:
+            handle.pinned = [k for k in chain if self.cpu.contains(k) and k not in self.doomed]  # (resident)
+            self.pins.update(handle.pinned)  # (Counter.update adds: one pin each)
+        return handle
+
+    def expire_ttl_pins(self) -> None:
+        """Forget TTL pins whose deadline passed."""
+        now = time.monotonic()
+        for key in [k for k, d in self.ttl_pins.items() if d <= now]:
+            del self.ttl_pins[key]
+
+    # ---- numbers  --------------------------------------------------------------
+    def tier_stats(self) -> dict[str, TierStats]:
+        """Each tier's usage, pins, TTL pins, errors and tenant bytes now (for :class:`~kvtier.core.stats.StoreStats`)."""
+        with self.lock:
+            self.expire_ttl_pins()
+            pinned = {self.name: len(self.pins), **{lt.name: len(lt.pins) for lt in self.lower}}
+            ledgers = {self.name: self.quota, **{lt.name: lt.quota for lt in self.local}}
+            tiers, codecs = {self.name: self.cpu, **{lt.name: lt.tier for lt in self.lower}}, self.codec_stats
+            return {name: TierStats(u.used_bytes, u.capacity_bytes, u.num_chunks, corrupt_chunks=t.corrupt,
+                                    pinned_chunks=pinned.get(name, 0), wire=t.wire_stats() if t.shared else None,  # local: None
+                                    write_errors=t.write_errors, ttl_pinned_chunks=len(self.ttl_pins) if name == self.name else 0,
+                                    codec=c.numbers if (c := codecs.get(name)) is not None else None,
+                                    **(tenant_stats(q, u.num_chunks, self.chunk_bytes) if (q := ledgers.get(name)) is not None else {}))
+                    for name, t in tiers.items() for u in (t.usage(),)}

@@ -21,7 +21,7 @@ lands straight in the caller's buffer.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -133,19 +133,21 @@ register(IDENTITY)
 
 @dataclass(frozen=True)
 class Chain:
-    """An ordered chain of codecs (applied first to last on write)."""
+    """An ordered chain of codecs (applied first to last on write).
+
+    Attributes:
+        ids: the chain's codec ids, in the order applied on write.
+        passthrough: every codec leaves the payload as it is: stored bytes == original bytes.
+    """
 
     codecs: tuple[Codec, ...]
+    # derived once: every disk read asks both (a plain attribute: no call into this module per read)
+    ids: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    passthrough: bool = field(init=False, repr=False, compare=False)
 
-    @property
-    def ids(self) -> tuple[int, ...]:
-        """The chain's codec ids, in the order applied on write."""
-        return tuple(c.id for c in self.codecs)
-
-    @property
-    def passthrough(self) -> bool:
-        """Every codec leaves the payload as it is: stored bytes == original bytes."""
-        return all(c.passthrough for c in self.codecs)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ids", tuple(c.id for c in self.codecs))
+        object.__setattr__(self, "passthrough", all(c.passthrough for c in self.codecs))
 
     @property
     def sealed(self) -> bool:

@@ -24,8 +24,8 @@ victim and ``clear`` on a reset (under the lock, so that usage and policy never 
 
 Eviction from the top tier is decided in one place, :meth:`Index.may_free_page` (may this
 chunk's page be freed now; never while the eviction gate is closed, :mod:`kvtier.core.gate`), and
-done in one place, :meth:`Index.evict_top`.  This module is a load's whole path through the index;
-saves, the outcomes of writes, TTL pins, resets and checks are its second half, :mod:`kvtier.core.upkeep`.
+done in one place, :meth:`Index.evict_top`.  This module is a load's whole path through the index; the
+per-step feed, gate and numbers are :mod:`kvtier.core.changes`'; saves, writes, resets :mod:`kvtier.core.upkeep`'.
 """
 
 from __future__ import annotations

@@ -1,16 +1,65 @@
 """Serial or split reads, whichever is measured faster now: the disk tier's buffered reads
-(:mod:`kvtier.core.tiers.disk.chunkio`) and the node tier's verified copies
-(:mod:`kvtier.core.tiers.node.readcopy`) both ask :class:`ReadChooser`."""
+(:mod:`kvtier.core.tiers.disk.reads`) and the node tier's verified copies
+(:mod:`kvtier.core.tiers.node.readcopy`) both ask :class:`ReadChooser`.  Also the aligned
+buffers and I/O vectors the disk tier's reads and writes share (:class:`IOBuffers`,
+:func:`skip_iov`): here, below both, so that a read runs no writer's module."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 from collections import deque
 
+import numpy as np
+
 ALIGN = 4096
+"""Alignment of O_DIRECT buffers, lengths and offsets, bytes."""
 SPLIT_MIN_BYTES = 256 << 10
 """Buffered payloads at least this large may be read split over two threads (:class:`ReadChooser`)."""
+
+
+def aligned_buffer(nbytes: int) -> memoryview:
+    """A writable, page-aligned, zero-filled buffer of ``nbytes`` (anonymous ``mmap``)."""
+    return memoryview(mmap.mmap(-1, max(nbytes, ALIGN)))[:nbytes]
+
+
+def address(buf: memoryview) -> int:
+    """Memory address of ``buf``'s first byte."""
+    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data) if buf.nbytes else 0
+
+
+def round_up(n: int) -> int:
+    """``n`` rounded up to a multiple of :data:`ALIGN`."""
+    return -(-n // ALIGN) * ALIGN
+
+
+def skip_iov(iov: list[memoryview], n: int) -> list[memoryview]:
+    """What is left of the I/O vector ``iov`` after its first ``n`` bytes (a short read or write)."""
+    out = []
+    for buf in iov:
+        if n >= buf.nbytes:
+            n -= buf.nbytes
+            continue
+        out.append(buf[n:])
+        n = 0
+    return out
+
+
+class IOBuffers(threading.local):
+    """Per-thread aligned buffers of one reader or writer: a header block of ``header_bytes``, a
+    tail block and the bounce slices.  Only scratch memory for the I/O of the call running on the
+    thread: no request or tenant state (those travel as arguments, issue 33)."""
+
+    def __init__(self, header_bytes: int) -> None:
+        self.header = aligned_buffer(header_bytes)
+        self.tail = aligned_buffer(ALIGN)
+        self.bounce: list[memoryview] = []
+
+    def bounces(self, slice_bytes: int, count: int) -> list[memoryview]:
+        if len(self.bounce) < count or self.bounce[0].nbytes < slice_bytes:
+            self.bounce = [aligned_buffer(slice_bytes) for _ in range(count)]
+        return self.bounce[:count]
 
 
 def usable_cpus() -> int:

@@ -2,9 +2,10 @@
 
 :class:`IndexUpkeep` is the part of :class:`~kvtier.core.index.Index` off a load's path: saves
 (``plan_store``, ``complete_store``, spills ahead), a load's read-ahead bookkeeping, what the mover's writers
-report (``begin_write``, ``end_write``, ``written``), the eviction gate's verbs (:mod:`kvtier.core.gate`;
-closing it once per engine step also settles the policies' deferred work), rescans, TTL pins and resets
-(its invariants: :mod:`kvtier.core.indexcheck`).  Same lock, same state (declared here, set up by
+report (``begin_write``, ``end_write``, ``written``, and ``let_go``, what the eviction gate deferred),
+rescans, TTL pins and resets (its invariants: :mod:`kvtier.core.indexcheck`).  What a worker asks once
+per engine step (the change feed, the eviction gate's verbs, the tiers' numbers) is
+:mod:`kvtier.core.changes`'.  Same lock, same state (declared here, set up by
 :class:`~kvtier.core.index.Index`, whose methods it calls: where a chunk is, pins, publication,
 eviction), no threads, no callbacks.
 """
@@ -12,7 +13,6 @@ eviction), no threads, no callbacks.
 from __future__ import annotations
 
 import threading
-import time
 from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
 from typing import TYPE_CHECKING
@@ -24,12 +24,12 @@ from kvtier.core.codecstats import CodecStats
 from kvtier.core.context import NotHeld, OpContext, SaveDropped
 from kvtier.core.gate import EvictionGate
 from kvtier.core.ghosts import Ghosts
-from kvtier.core.handles import LoadHandle, Read, StagedCopy, StoreHandle, StorePlan, WriteJob
+from kvtier.core.handles import Read, StagedCopy, StoreHandle, StorePlan, WriteJob
 from kvtier.core.keys import ChunkKey
 from kvtier.core.lowerindex import LowerIndex
 from kvtier.core.policies import EvictionPolicy
-from kvtier.core.quota import TenantLedger, tenant_stats
-from kvtier.core.stats import StoreCounters, TierStats
+from kvtier.core.quota import TenantLedger
+from kvtier.core.stats import StoreCounters
 from kvtier.core.tenant import Writer
 from kvtier.core.tiers.base import (
     AlreadyHeld,
@@ -88,7 +88,6 @@ class IndexUpkeep(ChangeFeed):
         def _admitting(self, victim: ChunkKey) -> list[LowerIndex]: ...
         def _drop(self, key: ChunkKey) -> None: ...
         def _note(self, key: ChunkKey) -> None: ...
-        def settle_policies(self) -> None: ...
 
     # ---- what is where (lookups of tools and tests, the change feed's snapshot) ----------------
     def lookup(self, chain: Sequence[ChunkKey]) -> tuple[int, Counter[str]]:
@@ -279,26 +278,6 @@ class IndexUpkeep(ChangeFeed):
         elif copy is None and self.resident(key) and self.may_free_page(key, ahead=True) and not self._admitting(key):
             self.evict_top(key)
 
-    # ---- plan and pin (kvtier.core.gate) ----------------------------------------------------
-    def gate_evictions(self, closed: bool) -> bool:
-        """Close the eviction gate, or open it and let go what waited for it; returns whether it was closed."""
-        with self.lock:
-            was, self.gate.closed = self.gate.closed, closed
-            if closed:  # once per engine step, off the request's path: the policies' deferred work
-                self.settle_policies()
-            if not closed and self.gate.deferred:  # (no call into gate.py on the hit path)
-                for key in self.gate.take():
-                    self.let_go(key)
-            return was
-
-    def pin_resident(self, chain: Sequence[ChunkKey]) -> LoadHandle:
-        """Pin the chunks of ``chain`` resident in the top tier now (no I/O); released by :meth:`release`."""
-        handle = LoadHandle([], [], [])
-        with self.lock:
-            handle.pinned = [k for k in chain if self.cpu.contains(k) and k not in self.doomed]  # (resident)
-            self.pins.update(handle.pinned)  # (Counter.update adds: one pin each)
-        return handle
-
     def plan_flush(self, key: ChunkKey, full: Collection[str]) -> tuple[bool, list[WriteJob]]:
         """Writes of dirty ``key`` to the local tiers that lack it; ``(False, [])`` while one of
         their queues is ``full`` (ask again), ``(True, [])`` when nothing is needed any more."""
@@ -345,12 +324,6 @@ class IndexUpkeep(ChangeFeed):
         self.expire_ttl_pins()
         return len(self.ttl_pins) < self.ttl_budget
 
-    def expire_ttl_pins(self) -> None:
-        """Forget TTL pins whose deadline passed."""
-        now = time.monotonic()
-        for key in [k for k, d in self.ttl_pins.items() if d <= now]:
-            del self.ttl_pins[key]
-
     def clear(self, names: Collection[str]) -> dict[str, ClearResult]:
         """A reset of the tiers in ``names``: bump :attr:`epoch` (no load or save planned before
         publishes, no write planned before lands in a cleared tier); the top tier drops every
@@ -377,19 +350,3 @@ class IndexUpkeep(ChangeFeed):
                     out[lt.name] = lt.clear(self.epoch)
             self._resync()
         return out
-
-    # ---- checks and numbers --------------------------------------------------------------
-    def tier_stats(self) -> dict[str, TierStats]:
-        """Each tier's usage, pins, TTL pins, errors and tenant bytes now (for :class:`~kvtier.core.stats.StoreStats`)."""
-        with self.lock:
-            self.expire_ttl_pins()
-            pinned = {self.name: len(self.pins), **{lt.name: len(lt.pins) for lt in self.lower}}
-            ledgers = {self.name: self.quota, **{lt.name: lt.quota for lt in self.local}}
-            tiers, codecs = {self.name: self.cpu, **{lt.name: lt.tier for lt in self.lower}}, self.codec_stats
-            return {name: TierStats(u.used_bytes, u.capacity_bytes, u.num_chunks, corrupt_chunks=t.corrupt,
-                                    pinned_chunks=pinned.get(name, 0), wire=t.wire_stats() if t.shared else None,  # local: None
-                                    write_errors=t.write_errors, ttl_pinned_chunks=len(self.ttl_pins) if name == self.name else 0,
-                                    codec=c.numbers if (c := codecs.get(name)) is not None else None,
-                                    **(tenant_stats(q, u.num_chunks, self.chunk_bytes) if (q := ledgers.get(name)) is not None else {}))
-                    for name, t in tiers.items() for u in (t.usage(),)}
-

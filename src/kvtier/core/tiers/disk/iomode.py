@@ -11,7 +11,8 @@ from typing import Literal
 
 import numpy as np
 
-from kvtier.core.tiers.disk.chunkio import ALIGN, O_DIRECT, _pwrite_all, aligned_buffer
+from kvtier.core.readchoice import ALIGN, aligned_buffer
+from kvtier.core.tiers.disk.chunkio import O_DIRECT, _pwrite_all
 
 log = logging.getLogger(__name__)
 IOMode = Literal["auto", "buffered", "direct"]

@@ -9,7 +9,7 @@ the scheduler's thread), :mod:`.events` (vLLM KV events), :mod:`.reset` (externa
 scheduler's thread.
 
 Every model takes one path: a dense model is a one-group plan
-(:class:`~.pages.PagePlanner` over :class:`~.pages.HybridPlan`), its pages are its chunks.  Per request::
+(:class:`~.mirror.PagePlanner` over :class:`~.pages.HybridPlan`), its pages are its chunks.  Per request::
 
     get_num_new_matched_tokens(req, local)   hash the prompt's full chunks (cached per request),
         look the pages up in the mirror of every rank's index -> hit = the largest chunk

@@ -36,12 +36,13 @@ densely whatever the setting.
 
 Two layers, both from memory only:
 
-- :class:`HybridPlan`: engine-independent arithmetic over plain :class:`GroupSpec` values and
+- :class:`HybridPlan` (here): engine-independent arithmetic over plain :class:`GroupSpec` values and
   block tables (which boundary every group can resume at, which chunks are worth storing, which
   slots a load fills);
-- :class:`PagePlanner`: the same over a request's chunk keys and the scheduler's mirror of the
-  ranks' indexes, giving the :class:`~kvtier.integrations.vllm.protocol.PageMove` s of load and
-  save jobs::
+- :class:`~kvtier.integrations.vllm.scheduler.mirror.PagePlanner` (with the mirror it reads, so that
+  a dense hit runs this module not at all): the same over a request's chunk keys and the scheduler's
+  mirror of the ranks' indexes, giving the :class:`~kvtier.integrations.vllm.protocol.PageMove` s of
+  load and save jobs::
 
     lookup(chain, local, n)   hit = largest chunk boundary every group can resume at (HybridPlan.hit_tokens
                               over the mirror; a dense model: its leading chunks the mirror holds)
@@ -53,7 +54,6 @@ Two layers, both from memory only:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,7 +61,6 @@ import blake3
 
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import KEY_BYTES, ChunkKey
-from kvtier.core.tiers.registry import slowest
 from kvtier.integrations.vllm.cache_groups import (
     NULL_BLOCK,
     GroupKind,
@@ -70,8 +69,6 @@ from kvtier.integrations.vllm.cache_groups import (
     is_dense,
 )
 from kvtier.integrations.vllm.engine_config import resolve_chunk_tokens
-from kvtier.integrations.vllm.protocol import PageMove
-from kvtier.integrations.vllm.scheduler.mirror import IndexMirror
 
 
 def group_key(chunk_key: ChunkKey, group: int) -> ChunkKey:
@@ -302,95 +299,6 @@ def engine_plan(vllm_config: Any, kv_cache_config: Any, chunk_tokens: int) -> Hy
     if retention is None and not hasattr(kv_cache_config, "prefix_cache_retention_interval"):
         retention = getattr(vllm_config.cache_config, "prefix_cache_retention_interval", 0)
     return HybridPlan(groups_from_kv_cache_config(kv_cache_config), chunk_tokens, retention)
-
-
-class PagePlanner:
-    """The pages of one engine's load and save jobs, keyed, from the mirror (see the module docstring).
-
-    Args:
-        plan: the engine's per-group plan.
-        mirror: the scheduler's mirror of the ranks' indexes.
-    """
-
-    def __init__(self, plan: HybridPlan, mirror: IndexMirror) -> None:
-        self.plan = plan
-        self.mirror = mirror
-        self.C = plan.chunk_tokens
-        self.dense = not plan.is_hybrid
-
-    def _key(self, chain: Sequence[bytes], group: int, chunk: int) -> bytes:
-        if self.dense:  # one full-attention group: the chunk key itself (the namespace tells it apart)
-            return bytes(chain[chunk])
-        return bytes(group_key(ChunkKey(chain[chunk]), group))
-
-    def parent_of(self, chain: Sequence[bytes], page: PageMove) -> bytes:
-        """Key of the page before ``page`` in its group's chain (``b""`` for chunk 0 and for the
-        pages of groups that are not full attention)."""
-        full = any(g.index == page.group and g.kind is GroupKind.FULL for g in self.plan.groups)
-        return self._key(chain, page.group, page.chunk - 1) if full and page.chunk > 0 else b""
-
-    def lookup(self, chain: Sequence[bytes], num_computed_tokens: int, num_tokens: int,
-               shared: AbstractSet[bytes] = frozenset(), shared_tier: str = "") -> tuple[int, list[str]]:
-        """The hit (tokens, 0 if none beyond ``num_computed_tokens``) and, per chunk before it,
-        the slowest tier any of its pages is held in (for vLLM's hit-source metrics; ``""`` for
-        a chunk kvtier does not hold before the engine's own hit).
-
-        ``shared``: page keys the shared tier ``shared_tier`` holds for every rank, from
-        :meth:`~kvtier.integrations.vllm.scheduler.remote.RemoteLookups.poll_pages` over :meth:`unheld_pages`.
-        """
-        if self.dense:  # one full-attention group: its pages are the chain's chunks, asked in one call
-            keys = [bytes(key) for key in chain[:min(len(chain), max(0, num_tokens - 1) // self.C)]]
-            end, tiers = self.mirror.leading(keys, num_computed_tokens // self.C, shared, shared_tier)
-            return end * self.C, tiers
-
-        def tier(group: int, chunk: int) -> str | None:
-            if chunk >= len(chain):
-                return None
-            key = self._key(chain, group, chunk)
-            return self.mirror.tier(key) or (shared_tier if key in shared else None)
-
-        hit = self.plan.hit_tokens(lambda g, c: tier(g, c) is not None, num_computed_tokens, num_tokens)
-        tiers = []
-        for c in range(hit // self.C):
-            held = [tier(g.index, c) for g in self.plan.groups]
-            tiers.append(slowest([t for t in held if t]) if any(held) else "")
-        return hit, tiers
-
-    def unheld_pages(self, chain: Sequence[bytes], num_computed_tokens: int, num_tokens: int) -> list[bytes]:
-        """Keys of the pages a hit beyond ``num_computed_tokens`` could use that no rank's local
-        tiers hold (every group, every chunk up to the last one vLLM lets a connector load):
-        what the scheduler asks the shared tier about."""
-        first = num_computed_tokens // self.C
-        limit = min(len(chain), max(0, num_tokens - 1) // self.C)
-        return [key for c in range(first, limit) for g in self.plan.groups
-                if self.mirror.tier(key := self._key(chain, g.index, c)) is None]
-
-    def load_pages(self, chain: Sequence[bytes], block_ids: Sequence[Sequence[int]], num_computed_tokens: int,
-                   hit: int) -> tuple[PageMove, ...]:
-        """Pages resuming every group at ``hit`` (``block_ids``: ``KVCacheBlocks.get_block_ids()``)."""
-        if self.dense:  # one group: HybridPlan.pages_to_load's pages without a ChunkBlocks each (the hit path)
-            ids, bs = block_ids[0], self.plan.groups[0].block_size
-            k, lo, end = self.C // bs, num_computed_tokens // bs, hit // self.C
-            if len(ids) >= hit // bs and NULL_BLOCK not in ids[lo:end * k]:
-                return tuple(PageMove(bytes(chain[c]), 0, c, max(c * k, lo) - c * k,
-                                      tuple(ids[max(c * k, lo):(c + 1) * k])) for c in range(lo // k, end))
-        loads = [cb for g in self.plan.groups
-                 for cb in self.plan.pages_to_load(g, num_computed_tokens, hit, block_ids[g.index])]
-        return tuple(PageMove(self._key(chain, cb.group, cb.chunk), cb.group, cb.chunk, cb.first_slot, cb.block_ids)
-                     for cb in loads)
-
-    def save_pages(self, chain: Sequence[bytes], start_chunk: int, end_chunk: int,
-                   block_ids: Sequence[Sequence[int]], handoffs: Sequence[tuple[int, int, int]],
-                   num_prompt_tokens: int) -> tuple[PageMove, ...]:
-        """Pages of chunks ``[start_chunk, end_chunk)`` worth storing, and the state snapshots
-        vLLM handed over this step (``(group, block id, boundary tokens)``) at boundaries
-        ``≤ end_chunk × chunk_tokens``."""
-        plan = self.plan
-        stored = [cb for g in plan.groups if g.kind is not GroupKind.STATE
-                  for cb in plan.pages_to_store(g, start_chunk, end_chunk, block_ids[g.index], num_prompt_tokens)]
-        stored += plan.state_pages(handoffs, end_chunk * self.C)
-        return tuple(PageMove(self._key(chain, cb.group, cb.chunk), cb.group, cb.chunk, 0, cb.block_ids)
-                     for cb in stored)
 
 
 def handoffs_of(scheduler_output: Any, req_id: str) -> list[tuple[int, int, int]]:

@@ -23,8 +23,8 @@ from kvtier.integrations.vllm.protocol import (
 )
 from kvtier.integrations.vllm.scheduler.eventfeed import event_tracker, observe_reports
 from kvtier.integrations.vllm.scheduler.events import events_enabled
-from kvtier.integrations.vllm.scheduler.mirror import IndexMirror
-from kvtier.integrations.vllm.scheduler.pages import PagePlanner, engine_plan, handoffs_of
+from kvtier.integrations.vllm.scheduler.mirror import IndexMirror, PagePlanner
+from kvtier.integrations.vllm.scheduler.pages import engine_plan, handoffs_of
 from kvtier.integrations.vllm.scheduler.receipts import ReceiptDesk, ReceiptFacts
 from kvtier.integrations.vllm.scheduler.remote import RemoteLookups, shared_tier_configured
 from kvtier.integrations.vllm.scheduler.requests import (
