@@ -31,6 +31,7 @@ miss, never served.
 
 from __future__ import annotations
 
+import ctypes
 import hmac
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -70,6 +71,71 @@ class Pending:
             return self._future.result(timeout=VERIFY_WAIT_S)
         except FutureTimeout:
             raise envelope.EnvelopeError(f"not verified within {VERIFY_WAIT_S:g} s") from None
+
+
+class Scatter:
+    """A destination that is not one buffer: runs of bytes at fixed addresses (an engine's KV blocks,
+    :mod:`kvtier.integrations.vllm.worker.direct`), each taking a slice of the payload.  A node-tier
+    read into a scatter copies each run straight from the pool's pages to its address (the one copy
+    a load needs, no cpu page between) and checks the digest over the whole payload in order
+    (:func:`scatter_hashed`).  The caller owns the addresses and keeps them valid for the read.
+
+    Attributes:
+        nbytes: the payload's length (the value's, checked against its header as a buffer's is).
+        offsets / addresses / sizes: per run, ascending and not overlapping in the payload: where
+            it starts in the payload, the address it goes to, its bytes.  Payload bytes no run
+            covers are hashed, not copied.
+    """
+
+    __slots__ = ("addresses", "nbytes", "offsets", "sizes")
+
+    def __init__(self, nbytes: int, offsets: list[int], addresses: list[int], sizes: list[int]) -> None:
+        if not len(offsets) == len(addresses) == len(sizes):
+            raise ValueError("offsets, addresses and sizes differ in length")
+        end = 0
+        for at, n in zip(offsets, sizes):
+            if at < end or n < 0:
+                raise ValueError(f"run at {at} ({n} bytes) overlaps the one before or runs backwards")
+            end = at + n
+        if end > nbytes:
+            raise ValueError(f"runs end at {end}, past the payload's {nbytes} bytes")
+        self.nbytes = nbytes
+        self.offsets, self.addresses, self.sizes = offsets, addresses, sizes
+
+
+def scatter_hashed(hasher: envelope.Hasher | None, src: memoryview, dst: Scatter,
+                   block_bytes: int = COPY_BLOCK_BYTES) -> bytes:
+    """Copy each of ``dst``'s runs out of ``src`` (the payload, ``dst.nbytes`` long) and return the
+    digest of all of ``src`` in order: ``block_bytes`` of ``src`` hashed, then the runs within them
+    copied while they are in the CPU cache (hashed at the source, under the caller's pin: the
+    generation check after the copy is what says no page was reused meanwhile).  ``hasher`` ``None``:
+    the copies alone (bytes already verified), ``b""`` returned.
+
+    Raises:
+        ValueError: ``src`` is not ``dst.nbytes`` long, or ``block_bytes`` < 1."""
+    if src.nbytes != dst.nbytes or block_bytes < 1:
+        raise ValueError(f"cannot scatter {src.nbytes} bytes as {dst.nbytes} in blocks of {block_bytes}")
+    flat = np.frombuffer(src, dtype=np.uint8)
+    base = flat.ctypes.data if flat.size else 0
+    move = _memmove
+    if hasher is None:
+        for at, address, n in zip(dst.offsets, dst.addresses, dst.sizes):
+            move(address, base + at, n)
+        return b""
+    hashed, total, update = 0, dst.nbytes, hasher.update
+    for at, address, n in zip(dst.offsets, dst.addresses, dst.sizes):
+        end = at + n
+        if end > hashed:
+            upto = min(max(end, hashed + block_bytes), total)
+            update(src[hashed:upto])
+            hashed = upto
+        move(address, base + at, n)
+    if hashed < total:
+        update(src[hashed:])
+    return hasher.digest()
+
+
+_memmove = ctypes.memmove
 
 
 Copied = bytes | None | Pending
@@ -181,21 +247,23 @@ class Verifier:
                 self._helper = ThreadPoolExecutor(1, thread_name_prefix="kvtier-node-verify")
             return self._helper
 
-    def copy(self, key: ChunkKey, value: memoryview, dst: memoryview, overlapped: bool) -> Copied:
+    def copy(self, key: ChunkKey, value: memoryview, dst: memoryview | Scatter, overlapped: bool) -> Copied:
         """Copy ``value``'s payload into ``dst`` and check its digest: now (the value's tenant record
         is returned), or on the helper thread when ``overlapped`` (a :class:`Pending`: its
         :meth:`~Pending.result` waits for it; :func:`settle` either).  A header this envelope
         writes for ``dst``'s length and ``key`` is compared whole (no decoding); any other header
         is decoded and checked field by field.  A value in another format or with a codec chain
         that changes the bytes: :meth:`~kvtier.core.envelope.Envelope.open_into` on this thread.
+        A :class:`Scatter` ``dst`` is always checked now (:func:`scatter_hashed`).
 
         Raises:
             ChunkFormatError: the header does not belong here (namespace, key, length, kind), or,
                 checked now, the digest mismatches (``dst`` may then hold unverified bytes).
         """
         head = value[:envelope.FIXED_BYTES].tobytes()
-        out = memoryview(dst).cast("B")
-        nbytes = out.nbytes
+        scatter = dst if isinstance(dst, Scatter) else None
+        out = memoryview(b"") if scatter is not None else memoryview(dst).cast("B")  # type: ignore[arg-type]
+        nbytes = scatter.nbytes if scatter is not None else out.nbytes
         if self._own_ok and value.nbytes == envelope.FIXED_BYTES + nbytes:
             before, after = self._own_fields(nbytes)
             own = head[:_KEY_AT] == before and head[_KEY_AT:_KEY_AT + 16] == key \
@@ -206,7 +274,12 @@ class Verifier:
             header = envelope.decode_header(head)
             if header.format != envelope.FORMAT or header.stored_bytes != header.original_bytes \
                     or not codecs.chain_of(header.codecs).passthrough:
-                return self.env.open_into(key, value, dst)
+                if scatter is None:
+                    return self.env.open_into(key, value, out)
+                opened = bytearray(nbytes)  # decoded and verified here, then scattered
+                record = self.env.open_into(key, value, memoryview(opened))
+                scatter_hashed(None, memoryview(opened), scatter)
+                return record
             self.env.check(header, key, nbytes)
             if header.stored_bytes != value.nbytes - header.header_bytes:
                 raise envelope.EnvelopeError(f"payload is {value.nbytes - header.header_bytes} bytes, "
@@ -214,6 +287,11 @@ class Verifier:
             value = value[header.header_bytes:]
         else:
             value = value[envelope.FIXED_BYTES:]
+        if scatter is not None:
+            digest = scatter_hashed(self.env.hasher(head[:envelope.DIGEST_OFFSET]), value, scatter, self.block_bytes)
+            if not hmac.compare_digest(digest, head[envelope.DIGEST_OFFSET:envelope.FIXED_BYTES]):
+                raise envelope.EnvelopeError(MISMATCH)
+            return head[envelope.RECORD_OFFSET:envelope.DIGEST_OFFSET]
         helper = self._executor() if overlapped else None
         if helper is not None:
             np.copyto(np.frombuffer(out, dtype=np.uint8), np.frombuffer(value, dtype=np.uint8))
