@@ -196,8 +196,7 @@ def run(args: argparse.Namespace, chunk: int, num: int, guarded: object, inner: 
 
     run_bytes = args.run_kib << 10
     scatters = [Scatter(chunk, list(range(0, chunk, run_bytes)),
-                        [d.ctypes.data + at for at in range(0, chunk, run_bytes)],
-                        [min(run_bytes, chunk - at) for at in range(0, chunk, run_bytes)]) for d in dsts]
+                        [memoryview(d)[at:at + run_bytes] for at in range(0, chunk, run_bytes)]) for d in dsts]
 
     def direct() -> None:
         handle = via.prepare_load(chain, into=scatters.__getitem__)

@@ -31,8 +31,8 @@ RUN = 300
 
 def scatter_over(dst: np.ndarray, nbytes: int, runs: list[tuple[int, int, int]]) -> Scatter:
     """A :class:`Scatter` whose runs ``(payload offset, offset in dst, bytes)`` go into ``dst``."""
-    base = dst.ctypes.data
-    return Scatter(nbytes, [r[0] for r in runs], [base + r[1] for r in runs], [r[2] for r in runs])
+    view = memoryview(dst)
+    return Scatter(nbytes, [r[0] for r in runs], [view[r[1]:r[1] + r[2]] for r in runs])
 
 
 def shuffled_runs(nbytes: int, seed: int) -> list[tuple[int, int, int]]:
@@ -88,14 +88,17 @@ def test_the_verifier_refuses_a_changed_byte_copied_or_not_and_serves_the_rest()
     verifier.close()
 
 
-def test_runs_that_overlap_run_backwards_or_pass_the_payload_are_refused():
-    for offsets, sizes, nbytes in (([0, 10], [20, 5], 100), ([0], [-1], 100), ([90], [20], 100)):
+def test_runs_that_overlap_or_pass_the_payload_and_targets_that_are_not_writable_bytes_are_refused():
+    buf = memoryview(bytearray(200))
+    for offsets, targets in (([0, 10], [buf[:20], buf[20:25]]), ([90], [buf[:20]]), ([0], [memoryview(b"x" * 5)]),
+                             ([0], [memoryview(np.zeros(4, np.float32))]), ([0], [buf.cast("B", (10, 20))])):
         with pytest.raises(ValueError):
-            Scatter(nbytes, offsets, [0] * len(offsets), sizes)
+            Scatter(100, offsets, targets)
+    assert Scatter(100, [0, 20], [buf[:20], buf[20:100]]).nbytes == 100  # the same runs, adjacent and within
     with pytest.raises(ValueError, match="differ in length"):
-        Scatter(10, [0], [], [1])
+        Scatter(10, [0], [])
     with pytest.raises(ValueError, match="cannot scatter"):
-        scatter_hashed(None, memoryview(b"abc"), Scatter(2, [], [], []))
+        scatter_hashed(None, memoryview(b"abc"), Scatter(2, [], []))
 
 
 CHUNK_TOKENS = 16
@@ -152,8 +155,12 @@ def test_a_store_reads_node_chunks_into_the_callers_blocks_without_promoting_the
         b.close()
 
 
-def test_a_scatter_writes_nowhere_but_its_addresses():
-    """The bytes around a run's destination stay as they were (ctypes' memmove, exact lengths)."""
+@pytest.mark.parametrize("block_bytes", [1, 2, 64])
+def test_a_scatter_writes_nowhere_but_its_targets(block_bytes):
+    """The bytes around a run's target stay as they were, whether the run is copied whole or in pieces."""
     dst = np.full(64, 7, dtype=np.uint8)
-    scatter_hashed(None, memoryview(bytes(range(10))), Scatter(10, [2], [dst.ctypes.data + 30], [5]))
+    env = envelope.Envelope(NS)
+    digest = scatter_hashed(env.hasher(b""), memoryview(bytes(range(10))), Scatter(10, [2], [memoryview(dst)[30:35]]),
+                            block_bytes)
     assert list(dst[28:37]) == [7, 7, 2, 3, 4, 5, 6, 7, 7] and int(np.count_nonzero(dst == 7)) == 59
+    assert digest == one_shot(None, b"", bytes(range(10)))

@@ -31,7 +31,6 @@ miss, never served.
 
 from __future__ import annotations
 
-import ctypes
 import hmac
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -74,68 +73,70 @@ class Pending:
 
 
 class Scatter:
-    """A destination that is not one buffer: runs of bytes at fixed addresses (an engine's KV blocks,
-    :mod:`kvtier.integrations.vllm.worker.direct`), each taking a slice of the payload.  A node-tier
-    read into a scatter copies each run straight from the pool's pages to its address (the one copy
-    a load needs, no cpu page between) and checks the digest over the whole payload in order
-    (:func:`scatter_hashed`).  The caller owns the addresses and keeps them valid for the read.
+    """A destination that is not one buffer: runs of bytes in the caller's memory (an engine's KV
+    blocks, :mod:`kvtier.integrations.vllm.worker.direct`), each taking a slice of the payload.  A
+    node-tier read into a scatter copies each run straight from the pool's pages into its target
+    (the one copy a load needs, no cpu page between) and checks the digest over the payload in
+    order, each run hashed from its target right after it is copied (:func:`scatter_hashed`): what
+    is verified is what is served, as for a buffer.  The caller keeps the targets valid for the read.
 
     Attributes:
         nbytes: the payload's length (the value's, checked against its header as a buffer's is).
-        offsets / addresses / sizes: per run, ascending and not overlapping in the payload: where
-            it starts in the payload, the address it goes to, its bytes.  Payload bytes no run
-            covers are hashed, not copied.
+        offsets / targets: per run, ascending and not overlapping in the payload: where it starts in
+            the payload, and the flat writable byte view it is copied into (its length is the run's).
+            Payload bytes no run takes are hashed where they lie, not copied.
     """
 
-    __slots__ = ("addresses", "nbytes", "offsets", "sizes")
+    __slots__ = ("nbytes", "offsets", "targets")
 
-    def __init__(self, nbytes: int, offsets: list[int], addresses: list[int], sizes: list[int]) -> None:
-        if not len(offsets) == len(addresses) == len(sizes):
-            raise ValueError("offsets, addresses and sizes differ in length")
+    def __init__(self, nbytes: int, offsets: list[int], targets: list[memoryview]) -> None:
+        if len(offsets) != len(targets):
+            raise ValueError("offsets and targets differ in length")
         end = 0
-        for at, n in zip(offsets, sizes):
-            if at < end or n < 0:
-                raise ValueError(f"run at {at} ({n} bytes) overlaps the one before or runs backwards")
-            end = at + n
+        for at, target in zip(offsets, targets):
+            if at < end or target.readonly or target.format != "B" or target.ndim != 1:
+                raise ValueError(f"run at {at} overlaps the one before, or its target is not flat writable bytes")
+            end = at + target.nbytes
         if end > nbytes:
             raise ValueError(f"runs end at {end}, past the payload's {nbytes} bytes")
         self.nbytes = nbytes
-        self.offsets, self.addresses, self.sizes = offsets, addresses, sizes
+        self.offsets, self.targets = offsets, targets
 
 
 def scatter_hashed(hasher: envelope.Hasher | None, src: memoryview, dst: Scatter,
                    block_bytes: int = COPY_BLOCK_BYTES) -> bytes:
-    """Copy each of ``dst``'s runs out of ``src`` (the payload, ``dst.nbytes`` long) and return the
-    digest of all of ``src`` in order: ``block_bytes`` of ``src`` hashed, then the runs within them
-    copied while they are in the CPU cache (hashed at the source, under the caller's pin: the
-    generation check after the copy is what says no page was reused meanwhile).  ``hasher`` ``None``:
-    the copies alone (bytes already verified), ``b""`` returned.
+    """Copy each of ``dst``'s runs out of ``src`` (the payload, ``dst.nbytes`` long) into its target,
+    ``block_bytes`` at most at a time, feeding each copied piece (the target, never ``src``) to
+    ``hasher`` right after it is copied, and the payload bytes no run takes from ``src``, in payload
+    order; return the digest: that of one pass over the payload as served.  ``hasher`` ``None``: the
+    copies alone (bytes already verified), ``b""`` returned.
 
     Raises:
         ValueError: ``src`` is not ``dst.nbytes`` long, or ``block_bytes`` < 1."""
     if src.nbytes != dst.nbytes or block_bytes < 1:
         raise ValueError(f"cannot scatter {src.nbytes} bytes as {dst.nbytes} in blocks of {block_bytes}")
-    flat = np.frombuffer(src, dtype=np.uint8)
-    base = flat.ctypes.data if flat.size else 0
-    move = _memmove
     if hasher is None:
-        for at, address, n in zip(dst.offsets, dst.addresses, dst.sizes):
-            move(address, base + at, n)
+        for at, target in zip(dst.offsets, dst.targets):
+            target[:] = src[at:at + target.nbytes]
         return b""
-    hashed, total, update = 0, dst.nbytes, hasher.update
-    for at, address, n in zip(dst.offsets, dst.addresses, dst.sizes):
-        end = at + n
-        if end > hashed:
-            upto = min(max(end, hashed + block_bytes), total)
-            update(src[hashed:upto])
-            hashed = upto
-        move(address, base + at, n)
-    if hashed < total:
+    update, hashed = hasher.update, 0
+    for at, target in zip(dst.offsets, dst.targets):
+        if at > hashed:
+            update(src[hashed:at])
+        n = target.nbytes
+        if n <= block_bytes:
+            target[:] = src[at:at + n]
+            update(target)
+        else:
+            for piece_at in range(0, n, block_bytes):
+                piece_end = min(piece_at + block_bytes, n)
+                piece = target[piece_at:piece_end]
+                piece[:] = src[at + piece_at:at + piece_end]
+                update(piece)
+        hashed = at + n
+    if hashed < dst.nbytes:
         update(src[hashed:])
     return hasher.digest()
-
-
-_memmove = ctypes.memmove
 
 
 Copied = bytes | None | Pending

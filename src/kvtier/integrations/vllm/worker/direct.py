@@ -31,6 +31,8 @@ the redis and s3 tiers) a shared hit is read into a page as before.
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 
 from kvtier.core.handles import Into
@@ -67,6 +69,10 @@ class DirectTargets:
         self.blocks_per_chunk = blocks_per_chunk
         self.block_bytes = block_bytes
         self.page_bytes = page_bytes
+        # each layer's blocks as one flat writable byte view, from its first byte to its last block's last run
+        span = (runs.num_blocks - 1) * runs.block_stride + int(runs.cache_offsets.max()) + runs.run_bytes
+        self._layers = [memoryview((ctypes.c_char * span).from_address(int(a))).cast("B")
+                        for a in runs.layer_addresses]
 
     @classmethod
     def of(cls, store: TieredStore, copiers: GroupCopiers) -> DirectTargets | None:
@@ -80,7 +86,9 @@ class DirectTargets:
         return cls(runs, copier.blocks_per_chunk, copier.layout.block_bytes, store.chunk_bytes)
 
     def scatter(self, first_slot: int, block_ids: tuple[int, ...]) -> Scatter:
-        """The runs of one page whose slots ``first_slot..`` go to ``block_ids``, in payload order.
+        """The runs of one page whose slots ``first_slot..`` go to ``block_ids``, in payload order, a
+        run that follows the one before in the payload and in the same layer merged into it (blocks
+        with consecutive ids: one copy each instead of one per block).
 
         Raises:
             ValueError: a block id outside the cache, or slots past the page."""
@@ -90,26 +98,26 @@ class DirectTargets:
         blocks = np.asarray(block_ids, dtype=np.int64)
         if n and (int(blocks.min()) < 0 or int(blocks.max()) >= runs.num_blocks):
             raise ValueError(f"block ids must lie in [0, {runs.num_blocks}), got {block_ids}")
-        layers = len(runs.layer_addresses)
+        if not n:
+            return Scatter(self.page_bytes, [], [])
+        layers, per = len(self._layers), len(runs.page_offsets)
         slots = np.arange(first_slot, first_slot + n, dtype=np.int64)
         # [layer][slot][run]: the payload's own order, so offsets ascend
-        src = ((np.arange(layers, dtype=np.int64)[:, None] * self.blocks_per_chunk + slots[None, :])
-               * self.block_bytes)[:, :, None] + runs.page_offsets
-        dst = (runs.layer_addresses[:, None] + blocks[None, :] * runs.block_stride)[:, :, None] + runs.cache_offsets
-        return _coalesced(self.page_bytes, src.ravel(), dst.ravel(), runs.run_bytes)
+        src = (((np.arange(layers, dtype=np.int64)[:, None] * self.blocks_per_chunk + slots[None, :])
+                * self.block_bytes)[:, :, None] + runs.page_offsets).ravel()
+        dst = np.broadcast_to((blocks * runs.block_stride)[None, :, None] + runs.cache_offsets,
+                              (layers, n, per)).ravel()
+        layer = np.repeat(np.arange(layers), n * per)
+        step = runs.run_bytes
+        starts = np.flatnonzero(np.concatenate(([True], (np.diff(src) != step) | (np.diff(dst) != step)
+                                                | (np.diff(layer) != 0))))
+        sizes = np.diff(np.append(starts, len(src))) * step
+        views = self._layers
+        return Scatter(self.page_bytes, src[starts].tolist(),
+                       [views[lay][at:at + size] for lay, at, size in
+                        zip(layer[starts].tolist(), dst[starts].tolist(), sizes.tolist())])
 
     def into(self, job: LoadJob) -> Into:
         """``prepare_load``'s ``into`` for ``job``: every chunk the shared tier reads goes to its blocks."""
         pages = job.pages
         return lambda pos: self.scatter(pages[pos].first_slot, pages[pos].block_ids) if pos < len(pages) else None
-
-
-def _coalesced(nbytes: int, src: np.ndarray, dst: np.ndarray, run_bytes: int) -> Scatter:
-    """A :class:`Scatter` of runs of ``run_bytes`` from payload offsets ``src`` (ascending) to
-    addresses ``dst``, a run that follows the one before in the payload and in memory merged into
-    it (blocks with consecutive ids: one ``memmove`` each instead of one per block and layer)."""
-    if not len(src):
-        return Scatter(nbytes, [], [], [])
-    starts = np.flatnonzero(np.concatenate(([True], (np.diff(src) != run_bytes) | (np.diff(dst) != run_bytes))))
-    sizes = np.diff(np.append(starts, len(src))) * run_bytes
-    return Scatter(nbytes, src[starts].tolist(), dst[starts].tolist(), sizes.tolist())
