@@ -21,6 +21,10 @@ re-read of the copy but cannot hide the compute: 1.17-1.19x at load 3.5-4.5, 1.2
   the load's path when a core is free.  Where none is, the helper waits for one: 1.44-1.58x on
   2 CPUs at load 5-8.
 
+A third destination is not a buffer: a :class:`Scatter` (runs in the caller's memory, an engine's
+KV blocks), always inline: each run copied and then hashed from where it landed, payload order
+(:func:`scatter_hashed`), so an engine's node-tier hit is one copy from the pool into its blocks.
+
 Which way a batch takes is measured, not assumed: :class:`~kvtier.core.readchoice.ReadChooser`
 (the serial-or-split chooser the disk tier's buffered reads use too: the medians of recent loads per size class, exploring
 the other way now and then) decides, and it never tries the overlapped way while twice the loads

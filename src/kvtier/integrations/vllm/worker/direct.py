@@ -5,9 +5,9 @@ of the pool and verified) and then copied from that page into the blocks, as a c
 copies where a cpu hit pays one.  With it, the loader hands ``prepare_load`` an ``into``
 (:data:`~kvtier.core.handles.Into`) that gives each node-tier chunk a
 :class:`~kvtier.core.tiers.node.readcopy.Scatter` over its blocks: the tier copies each block's
-runs out of the pool, layer by layer, hashing the payload in order as it goes
-(:func:`~kvtier.core.tiers.node.readcopy.scatter_hashed`), then checks once for the batch that no
-page was reused under its pin.  A chunk whose digest or generation check fails ends the load's
+runs out of the pool, layer by layer, hashing each run from the block right after its copy, in
+payload order (:func:`~kvtier.core.tiers.node.readcopy.scatter_hashed`: what is verified is what
+is served), then checks once for the batch that no page was reused under its pin.  A chunk whose digest or generation check fails ends the load's
 prefix there: its blocks (whatever they hold) and every later one are reported to vLLM as load
 errors and recomputed, as any failed load's are (:mod:`~kvtier.integrations.vllm.worker.loader`).
 
@@ -25,8 +25,7 @@ the redis and s3 tiers) a shared hit is read into a page as before.
 
     payload (the page, as saved)     [layer 0: slot 0 | slot 1 | ...][layer 1: slot 0 | ...] ...
     slot s of layer l                 runs r = 0..R-1 of run_bytes each (HostRuns.page_offsets)
-    goes to                           layer_addresses[l] + block_ids[s - first_slot] * block_stride
-                                      + cache_offsets[r]
+    goes to (a view of layer l)       block_ids[s - first_slot] * block_stride + cache_offsets[r]
 """
 
 from __future__ import annotations
