@@ -108,7 +108,8 @@ DIRECT_NS = Namespace("direct-test", "uint8", 1, 1, 1, "flat", chunk_tokens=CHUN
 def test_a_store_reads_node_chunks_into_the_callers_blocks_without_promoting_them(node_server):
     """Engine A's store saves 4 chunks to the pool; engine B's store loads them with ``into`` giving
     chunks 0-2 a scatter over a "KV cache" (each chunk's runs spread over it) and chunk 3 none: 0-2
-    land in the cache and not in B's cpu tier, 3 in a cpu page.  Then a byte of chunk 1 is flipped
+    land in the cache and not in B's cpu tier, 3 in a cpu page; with read-ahead, reads into the
+    caller's runs are all done before ``prepare_load`` returns.  Then a byte of chunk 1 is flipped
     in the pool: B's next load ends after chunk 0 (chunk 1 counted corrupt), chunk 0 in place."""
     chunk = 24 * RUN
     config = KVTierConfig.from_dict({"chunk_tokens": CHUNK_TOKENS, "cpu_gib": 16 * chunk / GiB, "tiers": ["cpu", "node"],
@@ -137,6 +138,14 @@ def test_a_store_reads_node_chunks_into_the_callers_blocks_without_promoting_the
             assert all(np.array_equal(cache[to:to + n], datas[pos][at:at + n]) for at, to, n in runs[pos]), pos
         assert [b.index.cpu.contains(k) for k in chain] == [False, False, False, True]  # only chunk 3 promoted
         assert b.stats().tiers["node"].load_hit_chunks == 4
+
+        # with read-ahead (as the engine's loader asks), reads into the caller's runs are one batch
+        # now: no background reads (io_threads is 2, three chunks), every chunk in place on return
+        cache[:] = 0
+        handle = b.prepare_load(chain[:3], read_ahead=True, into=into)
+        assert handle.pending is None and handle.ready_chunks() == handle.num_chunks == 3
+        b.complete_load(handle, True)
+        assert all(np.array_equal(cache[to:to + n], datas[2][at:at + n]) for at, to, n in runs[2])
 
         inner = unwrap(b.index.shared[0].tier)
         assert isinstance(inner, NodeTier)

@@ -170,10 +170,11 @@ class Mover:
 
     def run(self, chain: Sequence[ChunkKey], plan: LoadPlan, read_ahead: bool) -> None:
         """Run ``plan.reads`` now, or with ``read_ahead`` only the first ``io_threads`` of them and
-        the rest in the background."""
+        the rest in the background; all now if every one reads into the caller's destination
+        (``Read.into``: the read is the copy, nothing to overlap it with; one batch, no thread hop)."""
         self._land(plan)
         reads = plan.reads
-        ahead = reads[self.io_threads:] if read_ahead else []
+        ahead = reads[self.io_threads:] if read_ahead and any(r.into is None for r in reads) else []
         self.read(chain, plan.handle, reads[:len(reads) - len(ahead)])
         if not ahead:
             return
