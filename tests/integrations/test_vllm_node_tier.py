@@ -4,11 +4,7 @@ threads) and a real pool owner (``kvtier node serve``).
 
 - a prompt engine A computed is served to engine B from the pool on B's first request, with the
   tokens and logprobs of A's own prefix cache on that prefix, exactly, and counted by kvtier and
-  vLLM as a hit; read straight from the pool's pages into B's KV blocks (one copy: nothing of it
-  lands in B's cpu tier, :mod:`kvtier.integrations.vllm.worker.direct`);
-- a value of another prompt with one byte flipped in the pool file is a counted corrupt miss on B:
-  its load stops before that chunk, vLLM recomputes the rest, and B's output is still A's prefix
-  cache's, exactly;
+  vLLM as a hit;
 - the pool's bytes are counted once: the engines' ``kvtier_usage_bytes{node}`` sum to the owner's;
 - the owner SIGKILLed while B serves costs no failed request (they recompute), and once it is
   restarted on the same pool it is warm and serves again (a prompt A computes afterwards loads on B);
@@ -24,11 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
-from kvtier.core import envelope
-from kvtier.core.tiers.node.pool import open_pool
 from tests.integrations.openai_client import run
 from tests.integrations.vllm_helpers import PROMPT_WORDS, live_spec
 from tests.node_servers import NodeServer
@@ -38,7 +31,6 @@ pytestmark = [pytest.mark.engine, pytest.mark.shares_cpu]
 
 CHUNK = 128
 LOADED = "kvtier_loaded_tokens_total{node}"
-CORRUPT = "kvtier_corrupt_chunks_total{node}"
 
 
 def test_two_engines_share_one_node_pool_exactly_and_survive_its_owner_and_an_engine_dying(
@@ -46,7 +38,7 @@ def test_two_engines_share_one_node_pool_exactly_and_survive_its_owner_and_an_en
     from kvtier.launch.serve import Server
     from kvtier.launch.testmodel import random_prompt
 
-    p, q, r, s, warm_up, c = (random_prompt(seed, PROMPT_WORDS) for seed in (3801, 3802, 3803, 3804, 3805, 3806))
+    p, q, r, s, warm_up = (random_prompt(seed, PROMPT_WORDS) for seed in (3801, 3802, 3803, 3804, 3805))
     owner = NodeServer(tmp_path, node_gib=0.25, page_kib=64, lease_s=5.0).start()
     kvtier = {"chunk_tokens": CHUNK, "cpu_gib": 0.01, "tiers": ["cpu", "node"], "node_socket": owner.socket,
               "shared_deadline_s": 5.0, "shared_transfer_deadline_s": 5.0, "node_timeout_s": 2.0,
@@ -74,19 +66,6 @@ def test_two_engines_share_one_node_pool_exactly_and_survive_its_owner_and_an_en
         hits = "vllm:prefix_cache_hits_total"
         assert a_after.get(hits, 0) - a_before.get(hits, 0) == loaded  # A's reference: its own prefix cache
         assert (got_p["tokens"], got_p["logprobs"]) == (own_p["tokens"], own_p["logprobs"])
-        assert b_after.get("kvtier_usage_bytes{cpu}", 0) == 0  # read into the blocks, not promoted
-
-        # a byte flipped in the pool file in one of C's values: a counted miss on B, recomputed, exact
-        heads_before = _heads(owner)
-        (made_c,) = on(a, {"op": "complete", "prompt": c})
-        whole_c = made_c["prompt_tokens"] // CHUNK
-        assert wait_until(lambda: len(_heads(owner) - heads_before) >= whole_c, timeout_s=60), owner.stats()
-        _flip_a_payload_byte(owner, max(_heads(owner) - heads_before))
-        c_before, got_c, c_after = on(b, {"op": "metrics"}, {"op": "complete", "prompt": c}, {"op": "metrics"})
-        (own_c,) = on(a, {"op": "complete", "prompt": c})
-        assert (got_c["tokens"], got_c["logprobs"]) == (own_c["tokens"], own_c["logprobs"])
-        assert c_after.get(CORRUPT, 0) - c_before.get(CORRUPT, 0) == 1
-        assert c_after.get(LOADED, 0) - c_before.get(LOADED, 0) < (made_c["prompt_tokens"] - 1) // CHUNK * CHUNK
 
         # counted once: what each engine reports for the pool sums to the owner's count
         def summed() -> tuple[float, int]:
@@ -151,22 +130,3 @@ def _quietly(server: Any, prompt: str) -> None:
         run(server.base_url, [{"op": "complete", "prompt": prompt}])
     except Exception:  # noqa: BLE001, S110 - the server was killed on purpose
         pass
-
-
-def _heads(owner: NodeServer) -> set[int]:
-    """The pool's pages where a committed value starts (read from the pool file)."""
-    pool = open_pool(owner.pool)
-    try:
-        return set(np.flatnonzero(pool.heads).tolist())
-    finally:
-        pool.close()
-
-
-def _flip_a_payload_byte(owner: NodeServer, page: int) -> None:
-    """Flip one byte in the middle of the payload of the value starting at ``page``, in the pool file."""
-    pool = open_pool(owner.pool)
-    try:
-        nbytes = int(pool.heads[page]) - 1
-        pool.data[page * pool.page_bytes + envelope.FIXED_BYTES + (nbytes - envelope.FIXED_BYTES) // 2] ^= 0x01
-    finally:
-        pool.close()
