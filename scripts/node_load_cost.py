@@ -17,6 +17,13 @@ arm does: :class:`kvtier.bench.shared_node.LocalNode`), writes ``--total-mib`` M
   the pool into a cpu page and verified), the same copy of every chunk into the caller's buffers
   as ``cpu get``, ``complete_load``; against ``cpu get`` it is the engine's node-tier load against
   its cpu-tier load (the copy into the KV cache included in both);
+- ``store load into the destinations``: what an engine's load of a node-tier hit runs now
+  (:mod:`kvtier.integrations.vllm.worker.direct`): ``prepare_load(into=...)`` hands each chunk a
+  :class:`~kvtier.core.tiers.node.readcopy.Scatter` of ``--run-kib`` runs over its destination
+  (as a KV block's runs lie in an engine's cache), so the tier copies it there straight from the
+  pool, hashing the payload in order as it goes: one copy, no cpu page, no promotion;
+  ``complete_load``.  Against ``cpu get`` it is issue 38's "a load from the node tier against a
+  load of the same bytes from the engine's own cpu tier";
 - ``node get, B KiB blocks``: the same with the inline loop copying and hashing ``B`` KiB at a
   time (``--block-kib``, a sweep; the tier's own is
   :data:`~kvtier.core.tiers.node.readcopy.COPY_BLOCK_BYTES`);
@@ -68,7 +75,7 @@ from kvtier.core.config import GiB, KVTierConfig
 from kvtier.core.keys import ChunkKey, Namespace, chunk_keys, request_root
 from kvtier.core.store import TieredStore
 from kvtier.core.tiers.factory import TierContext, make_tier
-from kvtier.core.tiers.node.readcopy import COPY_BLOCK_BYTES, Copied
+from kvtier.core.tiers.node.readcopy import COPY_BLOCK_BYTES, Copied, Scatter
 from kvtier.core.tiers.node.tier import NodeTier
 from kvtier.core.tiers.wrappers import unwrap
 
@@ -117,6 +124,7 @@ def main() -> None:
     parser.add_argument("--page-kib", type=int, default=1024)
     parser.add_argument("--block-kib", default="64,1024", help="inline block sizes to sweep, KiB, comma-separated")
     parser.add_argument("--shared-secret", action="store_true", help="the keyed BLAKE3 MAC instead of XXH3-128")
+    parser.add_argument("--run-kib", type=int, default=64, help="runs of a destination scatter (direct loads)")
     parser.add_argument("--dst-offset", type=int, default=0, help="bytes past a page boundary the destinations start")
     args = parser.parse_args()
     chunk = int(args.chunk_mib * MiB)
@@ -186,6 +194,23 @@ def run(args: argparse.Namespace, chunk: int, num: int, guarded: object, inner: 
             assert all(o.name == "HIT" for o in out) and np.array_equal(dsts[-1], datas[-1])
         return get
 
+    run_bytes = args.run_kib << 10
+    scatters = [Scatter(chunk, list(range(0, chunk, run_bytes)),
+                        [memoryview(d)[at:at + run_bytes] for at in range(0, chunk, run_bytes)]) for d in dsts]
+
+    def direct() -> None:
+        handle = via.prepare_load(chain, into=scatters.__getitem__)
+        try:
+            assert handle.num_chunks == num and handle.wait(60.0)
+        finally:
+            via.complete_load(handle, True)
+
+    for d in dsts:
+        d[:] = 0
+    empty_cpu_tier()
+    direct()  # once, untimed: every chunk lands where its scatter says
+    assert all(np.array_equal(d, x) for d, x in zip(dsts, datas, strict=True))
+
     hot = np.zeros(block, np.uint8)
 
     def digest_alone() -> None:
@@ -196,7 +221,7 @@ def run(args: argparse.Namespace, chunk: int, num: int, guarded: object, inner: 
             h.digest()
 
     sweep = [int(float(b) * 1024) for b in args.block_kib.split(",") if b.strip()]
-    variants = [("cpu get", cpu_get), ("node get", node(current, overlap))]
+    variants = [("cpu get", cpu_get), ("store load into the destinations", direct), ("node get", node(current, overlap))]
     variants += [(f"node get, {b >> 10:g} KiB blocks" if b >= 1024 else f"node get, {b} B blocks",
                   node(current, False, b)) for b in sweep if b != block]
     variants += [("node get, digest after the copy", node(after_copy(inner), False)),
@@ -207,7 +232,7 @@ def run(args: argparse.Namespace, chunk: int, num: int, guarded: object, inner: 
     loads = [os.getloadavg()[0]]
     for r in range(args.rounds):
         for name, fn in variants if r % 2 == 0 else variants[::-1]:
-            if name == "store load from the node tier":
+            if name in ("store load from the node tier", "store load into the destinations"):
                 empty_cpu_tier()
             t0 = time.perf_counter()
             fn()

@@ -11,6 +11,7 @@ the mover (:mod:`kvtier.core.mover`) carries out.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -22,7 +23,18 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.tenant import TenantId, Writer
 
 # the engine events live in kvtier.core.context (re-exported here)
-__all__ = ["EngineLoad", "EngineSave", "LoadHandle", "LoadPlan", "Read", "StagedCopy", "StoreHandle", "WriteJob"]
+__all__ = ["NO_BUFFER", "EngineLoad", "EngineSave", "Into", "LoadHandle", "LoadPlan", "Read", "StagedCopy",
+           "StoreHandle", "WriteJob"]
+
+Into = Callable[[int], object | None]
+"""``prepare_load``'s ``into``: a chunk's position in the chain → where the shared tier reads it instead
+of a cpu page (a destination that tier's ``get_many`` takes: the node tier's
+:class:`~kvtier.core.tiers.node.readcopy.Scatter` over an engine's blocks), or ``None`` (a page).  Such a
+chunk is not promoted: its ``LoadHandle.buffers`` entry is :data:`NO_BUFFER`, and its bytes are in
+place once it is ready (a chunk that fails verification ends the prefix there, whatever its destination
+then holds)."""
+NO_BUFFER = np.empty(0, dtype=np.uint8)
+"""The buffer of a chunk read into ``into``'s destination: none."""
 
 
 @dataclass
@@ -118,6 +130,7 @@ class Read(NamedTuple):
         tier: the name of the lower tier holding the chunk (pinned there if local).
         shared: that tier is shared (not pinned; read in one pipelined batch).
         epoch: the store's reset epoch when it was planned (a reset since: the chunk is dropped).
+        into: where the shared tier reads it instead (:data:`Into`; ``buffer`` is then :data:`NO_BUFFER`).
     """
 
     pos: int
@@ -127,17 +140,20 @@ class Read(NamedTuple):
     tier: str
     shared: bool
     epoch: int = 0
+    into: object = None
 
 
 @dataclass
 class LoadPlan:
     """A load as the index planned it: the caller's handle (every chunk, its buffer and source
     tier), the :class:`Read` s the mover must run before those buffers hold the chunks, and the
-    writes the pages it took caused (victims spilled to a write-back tier)."""
+    writes the pages it took caused (victims spilled to a write-back tier); ``into``: the load's
+    :data:`Into` (shared reads only)."""
 
     handle: LoadHandle
     reads: list[Read] = field(default_factory=list)
     writes: list[WriteJob] = field(default_factory=list)
+    into: Into | None = None
 
 
 @dataclass

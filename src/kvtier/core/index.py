@@ -42,7 +42,7 @@ from kvtier.core.codecstats import codec_stats
 from kvtier.core.config import KVTierConfig
 from kvtier.core.gate import EvictionGate
 from kvtier.core.ghosts import GhostList, Ghosts, top_loss
-from kvtier.core.handles import LoadHandle, LoadPlan, Read, StagedCopy, WriteJob
+from kvtier.core.handles import NO_BUFFER, LoadHandle, LoadPlan, Read, StagedCopy, WriteJob
 from kvtier.core.keys import ChunkKey
 from kvtier.core.lowerindex import LowerIndex
 from kvtier.core.policies import make_policy
@@ -50,13 +50,7 @@ from kvtier.core.policies.admission import make_admission
 from kvtier.core.quota import TenantLedger
 from kvtier.core.stats import StoreCounters
 from kvtier.core.tenant import TenantRecords, Writer
-from kvtier.core.tiers.base import (
-    GetResult,
-    NoRoom,
-    Paged,
-    Reservation,
-    StagingTier,
-)
+from kvtier.core.tiers.base import GetResult, NoRoom, Paged, Reservation, StagingTier
 from kvtier.core.upkeep import IndexUpkeep
 
 
@@ -186,13 +180,17 @@ class Index(IndexUpkeep):
                 plan.handle.tiers.append(lt.name)
 
     def _read_into(self, plan: LoadPlan, key: ChunkKey, pos: int, lt: LowerIndex) -> np.ndarray:
-        """Plan the read of ``key`` (chain position ``pos``, held by ``lt``) and return its buffer:
-        a reserved cpu page if one is free, else a private buffer."""
+        """Plan the read of ``key`` (chain position ``pos``, held by ``lt``) and return its buffer: none
+        if ``plan.into`` gives a shared read a destination, else a reserved cpu page if one is free,
+        else a private buffer."""
         # wanted again while the top tier's ghost list remembers it: a ghost hit, measured before
         # this promotion's own evictions (kvtier.core.ghosts); the load's first such chunk says why
         ghost = self.ghosts.take(self.name, key) if key in self.top_ghosts else None
         if plan.handle.below is None:
             plan.handle.below = (pos, lt.name, ghost.reason if ghost is not None else "new")
+        if lt.shared and plan.into is not None and (target := plan.into(pos)) is not None:
+            plan.reads.append(Read(pos, key, NO_BUFFER, False, lt.name, True, self.epoch, target))
+            return NO_BUFFER
         got = self.cpu.reserve(key) if self.free_page(_owner(lt, key), plan.writes) else NoRoom.NO_ROOM
         reserved = isinstance(got, Reservation)
         buf = got.buffer if isinstance(got, Reservation) else np.empty(self.chunk_bytes, dtype=np.uint8)

@@ -42,6 +42,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from kvtier.core import tenant
 from kvtier.core.context import ChunkMissed, ChunksRead, LoadCut, MissReason, Sink, WriteDropped
@@ -169,10 +170,11 @@ class Mover:
 
     def run(self, chain: Sequence[ChunkKey], plan: LoadPlan, read_ahead: bool) -> None:
         """Run ``plan.reads`` now, or with ``read_ahead`` only the first ``io_threads`` of them and
-        the rest in the background."""
+        the rest in the background; all now if every one reads into the caller's destination
+        (``Read.into``: the read is the copy, nothing to overlap it with; one batch, no thread hop)."""
         self._land(plan)
         reads = plan.reads
-        ahead = reads[self.io_threads:] if read_ahead else []
+        ahead = reads[self.io_threads:] if read_ahead and any(r.into is None for r in reads) else []
         self.read(chain, plan.handle, reads[:len(reads) - len(ahead)])
         if not ahead:
             return
@@ -189,7 +191,7 @@ class Mover:
         buffer while the pool has one, in the reads and in the handle (before any read runs)."""
         reads = plan.reads
         for i, r in enumerate(reads):
-            if r.reserved:
+            if r.reserved or r.into is not None:
                 continue
             buffer = self.landing.take()
             if buffer is None:
@@ -215,7 +217,8 @@ class Mover:
         for name in dict.fromkeys(r.tier for r in batch):
             jobs = [r for r in batch if r.tier == name]
             t0 = time.perf_counter()
-            tier, keys, dsts = self.tiers[name], [r.key for r in jobs], [memoryview(r.buffer.data) for r in jobs]
+            tier, keys = self.tiers[name], [r.key for r in jobs]
+            dsts: list[Any] = [memoryview(r.buffer.data) if r.into is None else r.into for r in jobs]
             # (wrappers.get_explained, inlined: a bare tier is not asked for reasons)
             got = tier.get_many(keys, dsts, records, why=why) if isinstance(tier, TierWrapper) else \
                 tier.get_many(keys, dsts, records)

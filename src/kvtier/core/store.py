@@ -16,8 +16,7 @@ outside it on pinned chunks):
 - ``lookup(chain) -> int``: how many **leading** chunks of ``chain`` are available in the top tier
   or a local lower tier.  A chunk is only useful if every chunk before it is available, so the
   count stops at the first miss.  Never asks a shared tier, so it never waits on the network.
-  No pins; results may be stale by the time a load starts (a load may return fewer chunks,
-  never wrong ones).
+  No pins; results may be stale by the time a load starts (a load may return fewer chunks, never wrong ones).
 - ``prepare_load(chain, max_chunks) -> LoadHandle``: pins the longest available prefix.  Chunks
   found below the top tier are read, verified, and promoted into top-tier pages (hot chunks move
   up; :mod:`kvtier.core.mover`); chunks beyond the local prefix are read from a shared tier,
@@ -64,7 +63,7 @@ from kvtier.core.changes import IndexDelta
 from kvtier.core.config import KVTierConfig
 from kvtier.core.context import OpContext
 from kvtier.core.errors import ConfigError
-from kvtier.core.handles import EngineLoad, EngineSave, LoadHandle, StoreHandle
+from kvtier.core.handles import EngineLoad, EngineSave, Into, LoadHandle, StoreHandle
 from kvtier.core.index import Index
 from kvtier.core.indexcheck import check_index
 from kvtier.core.keys import ChunkKey, Namespace
@@ -209,8 +208,8 @@ class TieredStore(StoreConvenience):
         return self.index.pin_resident(chain)
 
     # ---- load ----------------------------------------------------------------------------
-    def prepare_load(self, chain: Sequence[ChunkKey], max_chunks: int | None = None,
-                     read_ahead: bool = False, top_only: bool = False, ctx: OpContext | None = None) -> LoadHandle:
+    def prepare_load(self, chain: Sequence[ChunkKey], max_chunks: int | None = None, read_ahead: bool = False,
+                     top_only: bool = False, ctx: OpContext | None = None, into: Into | None = None) -> LoadHandle:
         """Pin and return the longest available prefix of ``chain`` (at most ``max_chunks``).
 
         With ``read_ahead``, only the first ``io_threads`` chunks found below the cpu tier are read
@@ -225,10 +224,11 @@ class TieredStore(StoreConvenience):
         lower tiers' reads are verified, :mod:`kvtier.core.mover`).
 
         ``ctx``: the request's context (:mod:`kvtier.core.context`; ``None``: none), kept in the handle:
-        the reads' events (``ChunksRead``, ``ChunkMissed``, ``LoadCut``) and :meth:`complete_load`'s go to it."""
+        the reads' events (``ChunksRead``, ``ChunkMissed``, ``LoadCut``) and :meth:`complete_load`'s go to it.
+        ``into``: where the shared tier reads a chunk instead of a cpu page (:data:`~kvtier.core.handles.Into`)."""
         limit = len(chain) if max_chunks is None else min(max_chunks, len(chain))
         plan = self.index.plan_load(chain, limit, top_only)
-        plan.handle.ctx = self.sink.bind(ctx)
+        plan.handle.ctx, plan.into = self.sink.bind(ctx), into
         start = plan.handle.num_chunks
         if start < limit and self.index.shared and not top_only:
             shared = self.index.shared[0].name

@@ -21,6 +21,10 @@ re-read of the copy but cannot hide the compute: 1.17-1.19x at load 3.5-4.5, 1.2
   the load's path when a core is free.  Where none is, the helper waits for one: 1.44-1.58x on
   2 CPUs at load 5-8.
 
+A third destination is not a buffer: a :class:`Scatter` (runs in the caller's memory, an engine's
+KV blocks), always inline: each run copied and then hashed from where it landed, payload order
+(:func:`scatter_hashed`), so an engine's node-tier hit is one copy from the pool into its blocks.
+
 Which way a batch takes is measured, not assumed: :class:`~kvtier.core.readchoice.ReadChooser`
 (the serial-or-split chooser the disk tier's buffered reads use too: the medians of recent loads per size class, exploring
 the other way now and then) decides, and it never tries the overlapped way while twice the loads
@@ -70,6 +74,73 @@ class Pending:
             return self._future.result(timeout=VERIFY_WAIT_S)
         except FutureTimeout:
             raise envelope.EnvelopeError(f"not verified within {VERIFY_WAIT_S:g} s") from None
+
+
+class Scatter:
+    """A destination that is not one buffer: runs of bytes in the caller's memory (an engine's KV
+    blocks, :mod:`kvtier.integrations.vllm.worker.direct`), each taking a slice of the payload.  A
+    node-tier read into a scatter copies each run straight from the pool's pages into its target
+    (the one copy a load needs, no cpu page between) and checks the digest over the payload in
+    order, each run hashed from its target right after it is copied (:func:`scatter_hashed`): what
+    is verified is what is served, as for a buffer.  The caller keeps the targets valid for the read.
+
+    Attributes:
+        nbytes: the payload's length (the value's, checked against its header as a buffer's is).
+        offsets / targets: per run, ascending and not overlapping in the payload: where it starts in
+            the payload, and the flat writable byte view it is copied into (its length is the run's).
+            Payload bytes no run takes are hashed where they lie, not copied.
+    """
+
+    __slots__ = ("nbytes", "offsets", "targets")
+
+    def __init__(self, nbytes: int, offsets: list[int], targets: list[memoryview]) -> None:
+        if len(offsets) != len(targets):
+            raise ValueError("offsets and targets differ in length")
+        end = 0
+        for at, target in zip(offsets, targets):
+            if at < end or target.readonly or target.format != "B" or target.ndim != 1:
+                raise ValueError(f"run at {at} overlaps the one before, or its target is not flat writable bytes")
+            end = at + target.nbytes
+        if end > nbytes:
+            raise ValueError(f"runs end at {end}, past the payload's {nbytes} bytes")
+        self.nbytes = nbytes
+        self.offsets, self.targets = offsets, targets
+
+
+def scatter_hashed(hasher: envelope.Hasher | None, src: memoryview, dst: Scatter,
+                   block_bytes: int = COPY_BLOCK_BYTES) -> bytes:
+    """Copy each of ``dst``'s runs out of ``src`` (the payload, ``dst.nbytes`` long) into its target,
+    ``block_bytes`` at most at a time, feeding each copied piece (the target, never ``src``) to
+    ``hasher`` right after it is copied, and the payload bytes no run takes from ``src``, in payload
+    order; return the digest: that of one pass over the payload as served.  ``hasher`` ``None``: the
+    copies alone (bytes already verified), ``b""`` returned.
+
+    Raises:
+        ValueError: ``src`` is not ``dst.nbytes`` long, or ``block_bytes`` < 1."""
+    if src.nbytes != dst.nbytes or block_bytes < 1:
+        raise ValueError(f"cannot scatter {src.nbytes} bytes as {dst.nbytes} in blocks of {block_bytes}")
+    if hasher is None:
+        for at, target in zip(dst.offsets, dst.targets):
+            target[:] = src[at:at + target.nbytes]
+        return b""
+    update, hashed = hasher.update, 0
+    for at, target in zip(dst.offsets, dst.targets):
+        if at > hashed:
+            update(src[hashed:at])
+        n = target.nbytes
+        if n <= block_bytes:
+            target[:] = src[at:at + n]
+            update(target)
+        else:
+            for piece_at in range(0, n, block_bytes):
+                piece_end = min(piece_at + block_bytes, n)
+                piece = target[piece_at:piece_end]
+                piece[:] = src[at + piece_at:at + piece_end]
+                update(piece)
+        hashed = at + n
+    if hashed < dst.nbytes:
+        update(src[hashed:])
+    return hasher.digest()
 
 
 Copied = bytes | None | Pending
@@ -181,21 +252,23 @@ class Verifier:
                 self._helper = ThreadPoolExecutor(1, thread_name_prefix="kvtier-node-verify")
             return self._helper
 
-    def copy(self, key: ChunkKey, value: memoryview, dst: memoryview, overlapped: bool) -> Copied:
+    def copy(self, key: ChunkKey, value: memoryview, dst: memoryview | Scatter, overlapped: bool) -> Copied:
         """Copy ``value``'s payload into ``dst`` and check its digest: now (the value's tenant record
         is returned), or on the helper thread when ``overlapped`` (a :class:`Pending`: its
         :meth:`~Pending.result` waits for it; :func:`settle` either).  A header this envelope
         writes for ``dst``'s length and ``key`` is compared whole (no decoding); any other header
         is decoded and checked field by field.  A value in another format or with a codec chain
         that changes the bytes: :meth:`~kvtier.core.envelope.Envelope.open_into` on this thread.
+        A :class:`Scatter` ``dst`` is always checked now (:func:`scatter_hashed`).
 
         Raises:
             ChunkFormatError: the header does not belong here (namespace, key, length, kind), or,
                 checked now, the digest mismatches (``dst`` may then hold unverified bytes).
         """
         head = value[:envelope.FIXED_BYTES].tobytes()
-        out = memoryview(dst).cast("B")
-        nbytes = out.nbytes
+        scatter = dst if isinstance(dst, Scatter) else None
+        out = memoryview(b"") if scatter is not None else memoryview(dst).cast("B")  # type: ignore[arg-type]
+        nbytes = scatter.nbytes if scatter is not None else out.nbytes
         if self._own_ok and value.nbytes == envelope.FIXED_BYTES + nbytes:
             before, after = self._own_fields(nbytes)
             own = head[:_KEY_AT] == before and head[_KEY_AT:_KEY_AT + 16] == key \
@@ -206,7 +279,12 @@ class Verifier:
             header = envelope.decode_header(head)
             if header.format != envelope.FORMAT or header.stored_bytes != header.original_bytes \
                     or not codecs.chain_of(header.codecs).passthrough:
-                return self.env.open_into(key, value, dst)
+                if scatter is None:
+                    return self.env.open_into(key, value, out)
+                opened = bytearray(nbytes)  # decoded and verified here, then scattered
+                record = self.env.open_into(key, value, memoryview(opened))
+                scatter_hashed(None, memoryview(opened), scatter)
+                return record
             self.env.check(header, key, nbytes)
             if header.stored_bytes != value.nbytes - header.header_bytes:
                 raise envelope.EnvelopeError(f"payload is {value.nbytes - header.header_bytes} bytes, "
@@ -214,6 +292,11 @@ class Verifier:
             value = value[header.header_bytes:]
         else:
             value = value[envelope.FIXED_BYTES:]
+        if scatter is not None:
+            digest = scatter_hashed(self.env.hasher(head[:envelope.DIGEST_OFFSET]), value, scatter, self.block_bytes)
+            if not hmac.compare_digest(digest, head[envelope.DIGEST_OFFSET:envelope.FIXED_BYTES]):
+                raise envelope.EnvelopeError(MISMATCH)
+            return head[envelope.RECORD_OFFSET:envelope.DIGEST_OFFSET]
         helper = self._executor() if overlapped else None
         if helper is not None:
             np.copyto(np.frombuffer(out, dtype=np.uint8), np.frombuffer(value, dtype=np.uint8))

@@ -57,13 +57,14 @@ from operator import ne
 from typing import cast
 
 from kvtier.core.context import EngineLoad, OpContext
-from kvtier.core.handles import LoadHandle
+from kvtier.core.handles import NO_BUFFER, LoadHandle
 from kvtier.core.keys import ChunkKey
 from kvtier.core.sinks import RequestRecord
 from kvtier.core.store import TieredStore
 from kvtier.core.tiers.registry import slowest
 from kvtier.integrations.vllm.protocol import LoadJob, tokens_by_tier
 from kvtier.integrations.vllm.worker.copy import GroupCopiers
+from kvtier.integrations.vllm.worker.direct import DirectTargets
 from kvtier.integrations.vllm.worker.facts import FactsBook, load_facts
 from kvtier.integrations.vllm.worker.layerwise import LayerLoads
 
@@ -83,12 +84,14 @@ class AsyncLoader:
         partial: a short load keeps its valid prefix and reports the rest as block-level
             errors (one full-attention KV cache group); otherwise it fails whole.
         wait_s: longest a job waits for the pages read ahead from a lower tier, seconds.
+        direct: node-tier chunks read straight into the blocks (:mod:`~.direct`); ``None``: into pages.
     """
 
     def __init__(self, store: TieredStore, copiers: GroupCopiers, chunk_tokens: int, threads: int,
-                 partial: bool, wait_s: float = 10.0) -> None:
+                 partial: bool, wait_s: float = 10.0, direct: DirectTargets | None = None) -> None:
         self.store = store
         self.copiers = copiers
+        self.direct = direct
         self.chunk_tokens = chunk_tokens
         self.partial = partial
         self.wait_s = wait_s  # longest wait for pages read ahead (config load_wait_s)
@@ -174,8 +177,9 @@ class AsyncLoader:
             if skipped:
                 return
             # max_chunks: the plan already asked the shared tier, so its reads need no second presence batch
-            handle = self.store.prepare_load(_keys(job), max_chunks=len(job.pages),
-                                             read_ahead=True, ctx=_context(job, record))
+            handle = self.store.prepare_load(_keys(job), max_chunks=len(job.pages), read_ahead=True,
+                                             ctx=_context(job, record),
+                                             into=self.direct.into(job) if self.direct is not None else None)
             delivered, timed_out = self._copy_as_ready(job, handle)
             budget_cut = delivered if timed_out else None
             ok = True
@@ -264,8 +268,11 @@ class AsyncLoader:
         while True:
             complete = handle.wait(0)  # True once the read-ahead ended: num_chunks is final
             ready = handle.num_chunks if complete else handle.ready_chunks()
-            if ready > delivered:
-                self.copiers.load(list(zip(job.pages[delivered:ready], handle.buffers[delivered:ready])))
+            if ready > delivered:  # (a chunk read into its blocks, NO_BUFFER, is there already)
+                moves = [m for m in zip(job.pages[delivered:ready], handle.buffers[delivered:ready])
+                         if m[1] is not NO_BUFFER]
+                if moves:
+                    self.copiers.load(moves)
                 delivered = ready
             if complete:
                 break

@@ -28,6 +28,7 @@ from kvtier.core.store import TieredStore
 from kvtier.core.tiers.base import RegistersMemory
 from kvtier.integrations.vllm.cache_groups import GroupSpec, is_dense
 from kvtier.integrations.vllm.worker.copy import GroupCopiers
+from kvtier.integrations.vllm.worker.direct import DirectTargets
 from kvtier.integrations.vllm.worker.identity import effective_config_digest, model_fingerprint
 from kvtier.integrations.vllm.worker.layout import KVLayout, detect_group_layouts, detect_layout
 from kvtier.integrations.vllm.worker.loader import AsyncLoader
@@ -176,7 +177,8 @@ def register(vllm_config: Any, kv_cache_config: Any, config: KVTierConfig, group
     # block-level load errors where vLLM takes them (one full-attention KV cache group), a load that
     # succeeds or fails whole otherwise
     one_group = len(kv_cache_config.kv_cache_groups) == 1 and dense
-    loader = AsyncLoader(store, copiers, chunk_tokens, config.io_threads, partial=one_group, wait_s=config.load_wait_s)
+    loader = AsyncLoader(store, copiers, chunk_tokens, config.io_threads, partial=one_group, wait_s=config.load_wait_s,
+                         direct=DirectTargets.of(store, copiers) if one_group else None)
     if dense:
         log.info("kvtier: rank %d layout %s, chunk %d tokens = %d bytes, namespace %s, identity %s, AMX %s",
                  rank, first.describe(), chunk_tokens, store.chunk_bytes, namespace.digest().hex(), fingerprint,
