@@ -24,8 +24,11 @@ def test_ctrl_c_in_a_parallel_sweep_prints_nothing_from_the_workers(tmp_path):
     `Process ForkPoolWorker-N:` on stderr under the command's exit (tester4)."""
     trace = tmp_path / "chat.jsonl"
     write_records(trace, generate("chat", make_params("chat", {}), 20_000, 0))
+    # 160 replays (80 capacities x 2 policies): about 10 s on 2 cores, so the sweep still runs when
+    # Ctrl-C comes; with 8 (about 1 s) it could end first, and the command then exited 0 (a CI run)
+    capacities = ",".join(f"{0.25 * i:g}" for i in range(1, 81))
     args = ["simulate", "--trace", str(trace), "--kv-bytes-per-token", "2048", "--engine-gib", "0.01",
-            "--cpu-gib", "0.5,1,2,4", "--policy", "lru,belady", "--workers", "2"]
+            "--cpu-gib", capacities, "--policy", "lru,belady", "--workers", "2"]
     # kvtier as a terminal's foreground command gets it: Ctrl-C raises KeyboardInterrupt. A test run in
     # the background (nohup, `cmd &`) passes SIGINT on ignored, and Python would then never raise it.
     as_foreground = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "

@@ -182,8 +182,12 @@ def replay_map(fn: Callable[[Any], Any], jobs: Iterable[Any], workers: int) -> l
         return [fn(job) for job in jobs]
     context = multiprocessing.get_context("fork")
     pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_ignore_sigint)
+    # submit + result, not Executor.map: map cancels its futures as an exception leaves it, and
+    # Python 3.11's executor thread then fails setting the broken pool's error on a cancelled future
+    # (InvalidStateError, printed as a traceback under the command's own exit)
+    futures = [pool.submit(fn, job) for job in jobs]
     try:
-        results = list(pool.map(fn, jobs))
+        results = [future.result() for future in futures]
     except BrokenProcessPool as exc:
         _terminate(pool)
         raise UserError(f"a replay process of the {workers} started died before it finished (killed by a "
@@ -208,7 +212,7 @@ def can_fork() -> bool:
 
 def _terminate(pool: ProcessPoolExecutor) -> None:
     """Stop ``pool``'s processes now (Python 3.14's ``terminate_workers``; before it, the executor's
-    own process table) and drop the jobs not started."""
+    own process table); the jobs not done fail as a broken pool's do, and nobody waits for them."""
     stop = getattr(pool, "terminate_workers", None)
     if stop is not None:
         stop()
@@ -216,7 +220,7 @@ def _terminate(pool: ProcessPoolExecutor) -> None:
     processes: dict[int, Any] = getattr(pool, "_processes", None) or {}
     for process in list(processes.values()):
         process.terminate()
-    pool.shutdown(wait=False, cancel_futures=True)
+    pool.shutdown(wait=False)  # the executor's thread sees them gone and fails the jobs left
 
 
 def run_sweep(trace: Trace, spec: SweepSpec, workers: int = 0) -> SweepResult:
