@@ -173,9 +173,9 @@ class DiskReads:
                 # another namespace or key, a layout or codec this kvtier does not read, or another
                 # chunk size (config, geometry): never a partial fill
                 self.envelope.check(header, key, out.nbytes if exact else None)
-                if problem := length_problem(payload_bytes + header.header_bytes, header.header_bytes,
-                                                      header.stored_bytes, "the chunk file"):
-                    raise ChunkFormatError(problem)
+                if payload_bytes != header.stored_bytes:  # the sentence only for a bad one: a hit runs this
+                    raise ChunkFormatError(length_problem(payload_bytes + header.header_bytes, header.header_bytes,
+                                                          header.stored_bytes, "the chunk file") or "")
                 if header.stored_bytes != header.original_bytes or (
                         header.codecs != self.envelope.chain.ids and not codecs.chain_of(header.codecs).passthrough):
                     raise Recoded("its codec chain changes the payload")  # read whole, then decoded
@@ -226,8 +226,9 @@ class DiskReads:
             header = envelope.decode_header(os.pread(fd, HEADER_BYTES, 0))
             if header.header_bytes != HEADER_BYTES:
                 raise ChunkFormatError(f"not a chunk file ({header.format}, {header.header_bytes}-byte header)")
-            if problem := length_problem(st.st_size, HEADER_BYTES, header.stored_bytes, "the chunk file"):
-                raise ChunkFormatError(problem)
+            if st.st_size != HEADER_BYTES + header.stored_bytes:
+                raise ChunkFormatError(length_problem(st.st_size, HEADER_BYTES, header.stored_bytes, "the chunk file")
+                                       or "")
             where = payload_range(self.envelope, header, key, offset, length)
             if where is None:  # a chain that changes the payload: the whole value, verified, sliced
                 whole = self.get(key)
