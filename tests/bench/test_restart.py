@@ -44,6 +44,18 @@ def _start(port: int, gap_s: float) -> subprocess.Popen[bytes]:
     raise AssertionError(f"sse_server on port {port} did not answer")
 
 
+def _run(w, urls: tuple[str, str], hook: RestartHook, max_concurrency: int):
+    """The workload over the two replicas, replica 0 restarted by ``hook``."""
+    return run_workload(w, ClientOptions(urls[0], "m", max_concurrency=max_concurrency, progress=False,
+                                         replica_urls=urls), restart=hook)
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
 def test_a_restarted_replica_is_drained_stopped_started_and_its_turns_go_to_the_live_one(tmp_path: Path) -> None:
     # A B A B A B A B over two replicas: A is replica 0's, B replica 1's; replica 0 streams slowly (1 s a
     # request), so with 3 in flight its requests 0 and 2 are still streaming when request 4 is due
@@ -66,13 +78,10 @@ def test_a_restarted_replica_is_drained_stopped_started_and_its_turns_go_to_the_
     assert (plan.replica, plan.at_request) == (0, 4)
     try:
         before = [scrape(u) for u in urls]
-        run = run_workload(w, ClientOptions(urls[0], "m", max_concurrency=3, progress=False, replica_urls=urls),
-                           restart=RestartHook(plan, restart, drain_timeout_s=30.0))
+        run = _run(w, urls, RestartHook(plan, restart, drain_timeout_s=30.0), max_concurrency=3)
         after = [scrape(u) for u in urls]
     finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
+        _stop(procs)
 
     # the planned restart failed no request: request 2, in flight on replica 0 when the restart began,
     # finished before it got SIGTERM
@@ -132,12 +141,9 @@ def test_a_held_plan_sends_the_restarted_replicas_turns_to_it_once_it_answers_ag
     plan = RestartPlan.at_fraction(0.5, len(w.requests), hold=True)
     assert (plan.replica, plan.at_request, plan.hold) == (0, 3, True)
     try:
-        run = run_workload(w, ClientOptions(urls[0], "m", max_concurrency=1, progress=False, replica_urls=urls),
-                           restart=RestartHook(plan, restart, drain_timeout_s=30.0))
+        run = _run(w, urls, RestartHook(plan, restart, drain_timeout_s=30.0), max_concurrency=1)
     finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
+        _stop(procs)
     assert run.aborted is None and run.summary().num_failed == 0, run.failure_text()
     event = run.restart
     assert event is not None and event.error is None and event.back_s is not None and event.rerouted == ()
