@@ -21,6 +21,12 @@ script wraps, on the live objects, without changing them:
   ``prepare_load`` (pins; reads and verifies only what is below the cpu tier), the native shim's
   ``host_swap_blocks_batch`` (:mod:`kvtier.bench.native_cpu`).
 
+A third table splits the loads (:func:`detail`, perf_counter only: the process CPU clock sums every
+thread's time and costs more than the spans): the loader thread's start after shipping and the report
+after its end, and the spans inside a load (the loader's job, the index's plan with a node tier's
+scatters, the guard's call and the pin, each chunk's copy-and-digest, the generation check); with
+``FULL_HIT_PROFILE=PATH`` each loader thread's job also runs under cProfile (``PATH.<pid>``).
+
 kvtier's own time (issue 33's "the hit path costs what its copy costs") is the lookup plus the
 load beyond its copy (``load shipped → done`` − ``copy``), per hit and per chunk, in a second
 table, with the scheduler's ``update_state_after_alloc`` + ``build_connector_meta`` and the tail
