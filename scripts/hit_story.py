@@ -284,8 +284,15 @@ def profiled_hit(args: argparse.Namespace, llm: Any, tokenizer: Path, profiler: 
     for seed in range(2, 2 + other_prompts(args)):
         run(random_prompt_ids(tokenizer, args.prompt_tokens, seed=seed))
     settle("kvtier_pinned_chunks")  # no disk write in flight
-    if not llm.reset_prefix_cache():
-        raise SystemExit("hit_story.py: vLLM refused reset_prefix_cache (a request still running)")
+    # vLLM frees a finished request's blocks only once the worker reports its save done (a step
+    # later): until then reset_prefix_cache() refuses ("some blocks are not freed yet").
+    deadline = time.monotonic() + METRICS_WAIT_S
+    while not llm.reset_prefix_cache():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"hit_story.py: vLLM still refused reset_prefix_cache after {METRICS_WAIT_S:.0f} s "
+                             "(blocks of a finished request not freed)")
+        run([5, 6, 7])
+        time.sleep(0.1)
     before = metrics()
     params = SamplingParams(max_tokens=1, temperature=0.0, output_kind=RequestOutputKind.DELTA)
 
