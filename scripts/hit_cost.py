@@ -24,11 +24,13 @@ hits run back to back on warm caches, which put the own time at 4,000 tokens ~0.
 128 MiB flushed, 880-1,010 µs in the engine at load ~3).
 
 Prints medians (and the minimum: the least disturbed hit on a shared machine) per hit and per
-chunk. ``--profile`` adds cProfile's top functions of the worker's ``start_load``.
+chunk. ``--profile`` adds cProfile's top functions of the worker's ``start_load``; ``--parts`` adds
+each part of the hit (:data:`PARTS`: the calls the lookup and ``start_load`` make), timed inclusive
+with ``perf_counter`` around the live methods, median per hit (each wrapper adds ~0.2 us warm).
 
 Usage::
 
-    python scripts/hit_cost.py [--prompt-tokens 4000] [--repeats 300] [--flush-mib 128] [--profile]
+    python scripts/hit_cost.py [--prompt-tokens 4000] [--repeats 300] [--flush-mib 128] [--profile] [--parts]
 """
 
 from __future__ import annotations
@@ -63,14 +65,67 @@ class CacheFlush:
             self.dst.copy_(self.src)
 
 
+PARTS = (  # (module, attribute path, label): the hit's parts, nested as they call each other
+    ("kvtier.integrations.vllm.scheduler.side", "SchedulerSide.get_num_new_matched_tokens", "lookup"),
+    ("kvtier.integrations.vllm.scheduler.side", "SchedulerSide._chain", "  chunk keys (_chain)"),
+    ("kvtier.integrations.vllm.scheduler.mirror", "PagePlanner.lookup", "  plan from the mirror"),
+    ("kvtier.integrations.vllm.scheduler.steps", "SyncBudget.offer", "  synchronous budget offer"),
+    ("kvtier.integrations.vllm.worker.side", "WorkerSide.start_load", "start_load"),
+    ("kvtier.integrations.vllm.worker.loader", "RequestRecord", "  RequestRecord()"),
+    ("kvtier.integrations.vllm.worker.loader", "_context", "  _context"),
+    ("kvtier.core.store", "TieredStore.prepare_load", "  prepare_load"),
+    ("kvtier.core.index", "Index.plan_load", "    Index.plan_load"),
+    ("kvtier.integrations.vllm.worker.copy", "GroupCopiers.load", "  copy"),
+    ("kvtier.integrations.vllm.worker.loader", "AsyncLoader._finish", "  _finish"),
+    ("kvtier.integrations.vllm.worker.loader", "tokens_by_tier", "    tokens_by_tier"),
+    ("kvtier.integrations.vllm.worker.loader", "EngineLoad", "    EngineLoad()"),
+    ("kvtier.core.store", "TieredStore.complete_load", "    complete_load"),
+    ("kvtier.core.index", "Index.release", "      Index.release"),
+    ("kvtier.core.policies.adaptive", "AdaptivePolicy.touch", "        policy touch"),
+    ("kvtier.core.sinks", "Tee.emit", "      events (Tee.emit)"),
+    ("kvtier.integrations.vllm.worker.loader", "load_facts", "    load_facts"),
+    ("kvtier.core.store", "TieredStore.gate_evictions", "  gate_evictions"),
+)
+
+
+def time_parts(parts: dict[str, list[float]]) -> Callable[[bool], None]:
+    """Wrap every :data:`PARTS` call on its class or module; returns ``end_hit(keep)``, which files
+    the sums since its last call under ``parts`` (``keep``) or drops them."""
+    import importlib
+
+    sums: dict[str, float] = {}
+    for module, path, label in PARTS:
+        owner: Any = importlib.import_module(module)
+        *outer, attr = path.split(".")
+        for name in outer:
+            owner = getattr(owner, name)
+        real = getattr(owner, attr)
+
+        def timed(*a: Any, _real: Any = real, _label: str = label, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return _real(*a, **k)
+            finally:
+                sums[_label] = sums.get(_label, 0.0) + time.perf_counter() - t0
+
+        setattr(owner, attr, timed)
+
+    def end_hit(keep: bool) -> None:
+        if keep:
+            for label, s in sums.items():
+                parts[label].append(s)
+        sums.clear()
+    return end_hit
+
+
 def _line(name: str, times: list[float], chunks: int) -> str:
     med = statistics.median(times)
     return (f"{name:34s} median {med * 1e6:8.1f} us (min {min(times) * 1e6:7.1f}) "
             f"= {med * 1e6 / chunks:5.1f} us/chunk")
 
 
-def scheduler_side(prompt_tokens: int, repeats: int, model_dir: Path,
-                   flush: CacheFlush) -> tuple[int, dict[str, list[float]]]:
+def scheduler_side(prompt_tokens: int, repeats: int, model_dir: Path, flush: CacheFlush,
+                   end_hit: Callable[[bool], None] = lambda keep: None) -> tuple[int, dict[str, list[float]]]:
     """Per-hit seconds of the scheduler-side connector's calls on a full hit."""
     from vllm import SamplingParams
     from vllm.config import (
@@ -158,8 +213,10 @@ def scheduler_side(prompt_tokens: int, repeats: int, model_dir: Path,
         req = request(f"hit{i}")
         flush()
         timing.clear()
+        end_hit(False)
         scheduler.add_request(req)
         step = scheduler.schedule()
+        end_hit(True)
         loads = step.kv_connector_metadata.loads
         if not (loads and loads[0].sync and loads[0].hit_tokens == len(keys) * CHUNK):
             raise RuntimeError(f"not a synchronous full hit: {loads}")
@@ -171,7 +228,8 @@ def scheduler_side(prompt_tokens: int, repeats: int, model_dir: Path,
     return len(keys), times
 
 
-def worker_side(chunks: int, repeats: int, profile: bool, flush: CacheFlush) -> dict[str, list[float]]:
+def worker_side(chunks: int, repeats: int, profile: bool, flush: CacheFlush,
+                end_hit: Callable[[bool], None] = lambda keep: None) -> dict[str, list[float]]:
     """Per-hit seconds of a synchronous full hit's ``start_load``, and of its copy."""
     from kvtier.core.config import KVTierConfig
     from kvtier.core.keys import Namespace, chunk_keys
@@ -228,11 +286,13 @@ def worker_side(chunks: int, repeats: int, profile: bool, flush: CacheFlush) -> 
         meta = KVTierMetadata(loads=[LoadJob(f"hit{i}", pages, 0, chunks * CHUNK, ("cpu",) * chunks, sync=True)])
         copy_s.clear()
         flush()
+        end_hit(False)
         if profiler is not None:
             profiler.enable()
         t0 = time.perf_counter()
         side.start_load(meta)
         t1 = time.perf_counter()
+        end_hit(True)
         if profiler is not None:
             profiler.disable()
         times["start_load - copy"].append(t1 - t0 - copy_s[0])
@@ -253,20 +313,28 @@ def main() -> int:
                         help="MiB copied through the CPU caches before each timed hit, as the engine's forward does "
                              "(0: warm caches)")
     parser.add_argument("--profile", action="store_true", help="cProfile the worker's start_load")
+    parser.add_argument("--parts", action="store_true", help="time each part of the hit (PARTS), median per hit")
     args = parser.parse_args()
     if not 2 * CHUNK <= args.prompt_tokens <= 8000 or args.repeats < 1 or args.flush_mib < 0:
         print("hit_cost.py: --prompt-tokens from 256 to 8000, --repeats at least 1, --flush-mib 0 or more")
         return 2
     flush = CacheFlush(args.flush_mib)
+    parts: dict[str, list[float]] = defaultdict(list)
+    end_hit = time_parts(parts) if args.parts else (lambda keep: None)
     with tempfile.TemporaryDirectory() as tmp:
-        chunks, sched = scheduler_side(args.prompt_tokens, args.repeats, Path(tmp), flush)
-    worker = worker_side(chunks, args.repeats, args.profile, flush)
+        chunks, sched = scheduler_side(args.prompt_tokens, args.repeats, Path(tmp), flush, end_hit)
+    worker = worker_side(chunks, args.repeats, args.profile, flush, end_hit)
     print(f"{args.prompt_tokens}-token prompt, {chunks} chunks, {args.repeats} full hits, "
           f"{args.flush_mib} MiB through the caches before each")
     for name, times in (*sched.items(), *worker.items()):
         print(_line(name, times, chunks))
     own = [a + b for a, b in zip(sched["get_num_new_matched_tokens"], worker["start_load - copy"])]
     print(_line("own (lookup + start_load - copy)", own, chunks))
+    if parts:
+        print("\nparts, inclusive (wrapped), median per hit:")
+        for _module, _path, label in PARTS:
+            if parts.get(label):
+                print(f"  {label:32s} {statistics.median(parts[label]) * 1e6:8.1f} us")
     return 0
 
 

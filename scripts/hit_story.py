@@ -8,7 +8,9 @@ seeded random weights, float32, 128-token blocks), kvtier with 128-token chunks,
 (``save_queue_depth`` 8: a prompt's chunks all queue; ``disk_io: buffered``: the same reads on every
 filesystem, where ``auto`` picks by a timing probe), ``idle_step_wait_s: 1.0`` (the engine's
 empty step waits for the load to end instead of returning after 5 ms, so the hit takes 2 engine
-steps whatever the load on the machine, and the counts do not grow with empty steps).
+steps whatever the load on the machine, and the counts do not grow with empty steps), and
+``disk_rescan_s: 0`` (no other engine writes the directory: without it the background rescan, every
+2 s, ran inside the window now and then on a loaded host: 35 files, 399 moves).
 
 A ``--prompt-tokens`` prompt (default 808: 6 whole chunks, 768 tokens, loadable) is computed
 cold; once kvtier's dirty bytes are 0 (its chunks are on disk), other prompts of the same
@@ -237,7 +239,8 @@ def measure(args: argparse.Namespace, workdir: Path, profiler: KvtierCallProfile
     disk = Path(tempfile.mkdtemp(prefix="kvtier-disk-", dir=workdir))
     kvtier = {"chunk_tokens": CHUNK_TOKENS, "cpu_gib": args.cpu_chunks * chunk_bytes / (1 << 30),
               "disk_path": str(disk), "disk_gib": 0.05, "write_mode": "write-through",
-              "save_queue_depth": SAVE_QUEUE_DEPTH, "disk_io": "buffered", "idle_step_wait_s": 1.0}
+              "save_queue_depth": SAVE_QUEUE_DEPTH, "disk_io": "buffered", "idle_step_wait_s": 1.0,
+              "disk_rescan_s": 0}  # one engine owns the directory: no rescan thread (every 2 s) lands in the window
     llm = LLM(model=str(model), dtype="float32", max_model_len=args.prompt_tokens + 64, enforce_eager=True,
               gpu_memory_utilization=0.05, kv_cache_memory_bytes=64 << 20, block_size=BLOCK_TOKENS,
               num_gpu_blocks_override=32, enable_prefix_caching=True, disable_log_stats=False, seed=0,
@@ -284,8 +287,15 @@ def profiled_hit(args: argparse.Namespace, llm: Any, tokenizer: Path, profiler: 
     for seed in range(2, 2 + other_prompts(args)):
         run(random_prompt_ids(tokenizer, args.prompt_tokens, seed=seed))
     settle("kvtier_pinned_chunks")  # no disk write in flight
-    if not llm.reset_prefix_cache():
-        raise SystemExit("hit_story.py: vLLM refused reset_prefix_cache (a request still running)")
+    # vLLM frees a finished request's blocks only once the worker reports its save done (a step
+    # later): until then reset_prefix_cache() refuses ("some blocks are not freed yet").
+    deadline = time.monotonic() + METRICS_WAIT_S
+    while not llm.reset_prefix_cache():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"hit_story.py: vLLM still refused reset_prefix_cache after {METRICS_WAIT_S:.0f} s "
+                             "(blocks of a finished request not freed)")
+        run([5, 6, 7])
+        time.sleep(0.1)
     before = metrics()
     params = SamplingParams(max_tokens=1, temperature=0.0, output_kind=RequestOutputKind.DELTA)
 

@@ -119,8 +119,13 @@ def main(spec_path: str, out_path: str) -> int:
                 llm.generate(["flush"], quiet, use_tqdm=False)
         elif op == "metrics":
             snapshots.append(_metrics())
-        elif op == "reset_prefix_cache":
-            llm.reset_prefix_cache()
+        elif op == "reset_prefix_cache":  # refused while a finished request's blocks wait for their save
+            deadline = time.monotonic() + 60
+            while not llm.reset_prefix_cache():
+                if time.monotonic() > deadline:
+                    raise TimeoutError("vLLM still refused reset_prefix_cache after 60 s")
+                time.sleep(0.1)
+                llm.generate(["flush"], quiet, use_tqdm=False)
         elif op == "touch":
             Path(step["path"]).write_text("done")
         elif op == "wait":

@@ -63,6 +63,38 @@ def test_blocks_round_trip_through_pages(name: str) -> None:
             assert not dst[name_].select(block_dim, d).any()
 
 
+def test_a_load_from_read_only_pages_is_the_same_and_a_bad_span_moves_nothing() -> None:
+    """The memmove path takes a page's address from its buffer (a writable page) or numpy's ctypes
+    view (a read-only one, e.g. a staged copy): both load the same bytes; a block id out of range
+    or a page too short raises before the first byte moves."""
+    shape, block_dim = LAYOUTS["flash [2, blocks, block, heads, head]"]
+    gen = torch.Generator().manual_seed(1)
+    src = {f"layer.{i}": torch.randn(*shape, generator=gen, dtype=torch.float32) for i in range(3)}
+    layout = detect_layout(src, NUM_BLOCKS, "TEST")
+    page = np.zeros(layout.chunk_bytes(2), dtype=np.uint8)
+    BlockCopier(layout, src, 2).save([Span(page, 0, [3, 8])])
+    frozen = page.copy()
+    frozen.flags.writeable = False
+    loaded = []
+    for source in (page, frozen):
+        dst = {k: torch.zeros_like(v) for k, v in src.items()}
+        copier = BlockCopier(layout, dst, 2)
+        assert copier._runs is not None  # the memmove path
+        copier.load([Span(source, 0, [1, 6])])
+        loaded.append(dst)
+        for name, t in src.items():
+            assert torch.equal(dst[name].select(block_dim, 1), t.select(block_dim, 3))
+            assert torch.equal(dst[name].select(block_dim, 6), t.select(block_dim, 8))
+    assert all(torch.equal(loaded[0][k], loaded[1][k]) for k in src)
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    copier = BlockCopier(layout, dst, 2)
+    with pytest.raises(ValueError, match="block ids must lie in"):
+        copier.load([Span(page, 0, [1]), Span(page, 1, [NUM_BLOCKS])])
+    with pytest.raises(ValueError, match="does not fit a contiguous page"):
+        copier.load([Span(page, 0, [1]), Span(page[:-1], 0, [2])])
+    assert not any(t.any() for t in dst.values())  # neither moved a byte
+
+
 def test_layout_errors_are_one_sentence() -> None:
     with pytest.raises(ConfigError, match="no dimension"):
         detect_layout({"a": torch.zeros(3, 4)}, 12, "TEST")

@@ -266,8 +266,8 @@ class TieredStore(StoreConvenience):
         if engine is not None:
             sink.emit(engine)
         served = handle.tiers[first_chunk:delivered]  # chunks per tier, counted in C (no Counter frames: the hit path)
-        sink.emit(context.ChunksServed({t: served.count(t) for t in dict.fromkeys(served)}) if success
-                  else context.LoadFailed())
+        sink.emit(context.ChunksServed(dict(zip(tiers := dict.fromkeys(served), map(served.count, tiers))))
+                  if success else context.LoadFailed())
         if success and (below := handle.below) is not None and first_chunk <= below[0] < delivered:
             sink.emit(context.ServedBelow(*below))  # why the top tier did not hold it
 

@@ -144,7 +144,8 @@ class RequestChain:
     def __init__(self, request: Any, key_root: bytes, chunk_tokens: int, memo: KeyMemo | None = None) -> None:
         lora = getattr(request, "lora_request", None)
         lora_id = f"{lora.lora_name}@{lora.lora_path}" if lora is not None else None
-        mm = tuple(str(f.identifier) for f in (getattr(request, "mm_features", None) or ()))
+        features = getattr(request, "mm_features", None)  # (the generator only for a multimodal request: the hit path)
+        mm = tuple(str(f.identifier) for f in features) if features else ()
         self.root, self.tenant = _root_and_tenant(key_root, getattr(request, "cache_salt", None),
                                                   lora.lora_name if lora is not None else None, lora_id, mm)
         self.chunk_tokens = chunk_tokens

@@ -87,7 +87,8 @@ class SyncBudget:
         need = (hit - num_computed_tokens) * self.bytes_per_token
         if need > self.left_bytes:
             return False
-        if not all(t == self.top_tier for t in tiers[num_computed_tokens // self.chunk_tokens:]):
+        first = num_computed_tokens // self.chunk_tokens  # every chunk from there in the cpu tier (counted in C)
+        if tiers[first:].count(self.top_tier) != len(tiers[first:]):
             return False
         self.left_bytes -= need
         self._promised[req_id] = need

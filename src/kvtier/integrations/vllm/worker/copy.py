@@ -7,8 +7,8 @@ from) which slots of one page: ``Span(page, first_slot, block_ids)``.
 Two strategies, picked from the cache tensors' device:
 
 - CPU caches (vLLM's CPU backend): each block slice is copied straight into / out of the page.
-  A load computes every copy's source and destination address at once (numpy, over all spans
-  and layers: :class:`HostRuns`) and moves each contiguous run with one ``ctypes.memmove``, as
+  A load computes every copy's source and destination address from each layer's, block's and
+  run's offsets (:class:`HostRuns`) and moves each contiguous run with one ``ctypes.memmove``, as
   vLLM's native CPU offload moves its ``(source, destination, size)`` descriptors
   (vllm/v1/kv_offload/cpu/gpu_worker.py; on the CPU build, kvtier's benchmark shim
   :func:`kvtier.bench.native_cpu.host_swap_blocks_batch`): no per-block array views.  A save,
@@ -65,6 +65,8 @@ class HostRuns:
             byte in the cache, and from its slot's first byte in a page (a slot holds the block's
             bytes in C order).
         run_bytes: bytes of one run.
+        layer_list / offset_pairs: ``layer_addresses`` and ``(cache offset, page offset)`` per run,
+            as Python ints (the memmove loop's).
     """
 
     def __init__(self, host: Sequence[np.ndarray], block_dim: int, num_blocks: int) -> None:
@@ -88,6 +90,9 @@ class HostRuns:
         index = np.indices(outer).reshape(len(outer), -1) if outer else np.zeros((0, 1), dtype=np.int64)
         self.cache_offsets = (np.array(strides[:inner], dtype=np.int64)[:, None] * index).sum(axis=0).astype(np.int64)
         self.page_offsets = np.arange(math.prod(outer), dtype=np.int64) * run
+        # the same as Python ints, for the memmove loop (BlockCopier.load_runs)
+        self.layer_list: list[int] = self.layer_addresses.tolist()
+        self.offset_pairs: list[tuple[int, int]] = list(zip(self.cache_offsets.tolist(), self.page_offsets.tolist()))
 
 
 class BlockCopier:
@@ -193,7 +198,9 @@ class BlockCopier:
     def load_runs(self, spans: Sequence[tuple[np.ndarray, int, Sequence[int]]]) -> None:
         """:meth:`load` on the memmove path: ``(page, first slot, block ids)`` per span; every
         address is computed and checked (block ids in range, slots within the page, pages
-        contiguous and long enough) before the first byte moves.
+        contiguous and long enough) before the first byte moves.  The addresses are Python ints,
+        computed in the loop that moves the runs: one ``memmove`` per run costs more than its
+        address, and numpy's set-up of a few small arrays is most of a short hit's copy on cold caches.
 
         Raises:
             ValueError: a span out of range (nothing copied).
@@ -202,8 +209,7 @@ class BlockCopier:
         assert runs is not None
         bpc, block_bytes, layers = self.blocks_per_chunk, self.layout.block_bytes, len(self.layers)
         page_bytes = layers * bpc * block_bytes
-        addresses: list[int] = []
-        slots: list[int] = []
+        todo: list[tuple[int, int, Sequence[int]]] = []  # (the page's address, first slot, block ids)
         blocks: list[int] = []
         for page, first_slot, block_ids in spans:
             n = len(block_ids)
@@ -212,22 +218,35 @@ class BlockCopier:
             if not page.flags.c_contiguous or page.nbytes < page_bytes or first_slot < 0 or first_slot + n > bpc:
                 raise ValueError(f"span of {n} blocks at slot {first_slot} does not fit a contiguous page of "
                                  f"{page_bytes} bytes ({page.nbytes} given, {bpc} slots)")
-            addresses += [page.ctypes.data] * n
-            slots += range(first_slot, first_slot + n)
+            todo.append((_address(page), first_slot, block_ids))
             blocks += block_ids
         if not blocks:
             return
-        block_arr = np.array(blocks, dtype=np.int64)
-        if int(block_arr.min()) < 0 or int(block_arr.max()) >= runs.num_blocks:
+        if min(blocks) < 0 or max(blocks) >= runs.num_blocks:
             raise ValueError(f"block ids must lie in [0, {runs.num_blocks}), got {blocks}")
         # [block][layer][run]: each page is read front to back (its slots are [layer][slot])
-        layer = np.arange(layers, dtype=np.int64)
-        src = (np.array(addresses, dtype=np.int64)[:, None] + (layer[None, :] * bpc + np.array(slots, dtype=np.int64)[:, None])
-               * block_bytes)[:, :, None] + runs.page_offsets
-        dst = (runs.layer_addresses[None, :] + block_arr[:, None] * runs.block_stride)[:, :, None] + runs.cache_offsets
-        n = runs.run_bytes
-        for d, s in zip(dst.ravel().tolist(), src.ravel().tolist()):
-            _memmove(d, s, n)
+        layer_addresses, stride, offsets, n = runs.layer_list, runs.block_stride, runs.offset_pairs, runs.run_bytes
+        slot_bytes = bpc * block_bytes
+        for address, first_slot, block_ids in todo:
+            for j, block in enumerate(block_ids):
+                src = address + (first_slot + j) * block_bytes
+                dst = block * stride
+                for layer_address in layer_addresses:
+                    for cache_offset, page_offset in offsets:
+                        _memmove(layer_address + dst + cache_offset, src + page_offset, n)
+                    src += slot_bytes
+
+
+def _address(page: np.ndarray) -> int:
+    """The first byte of a writable C-contiguous ``page``: ctypes' view of its buffer, a third of
+    ``ndarray.ctypes.data``'s time warm (no Python frames); a read-only one through ``ndarray.ctypes``."""
+    try:  # (an ndarray is a buffer; numpy's stubs do not say so)
+        return ctypes.addressof(_BYTE.from_buffer(page))  # type: ignore[arg-type]
+    except (TypeError, ValueError):  # read-only (or empty: the caller checked its length)
+        return int(page.ctypes.data)
+
+
+_BYTE = ctypes.c_ubyte
 
 
 class GroupCopiers:
@@ -287,9 +306,8 @@ class GroupCopiers:
         """Copy each buffer into its page's engine blocks."""
         if len(self.copiers) == 1:  # one group (a dense model): no regrouping, no span objects
             (group, copier), = self.copiers.items()
-            if copier._runs is not None:
-                size = self.group_page_bytes[group]
-                copier.load_runs([(buffer[:size], page.first_slot, page.block_ids) for page, buffer in moves])
+            if copier._runs is not None:  # (one group: its page is the whole buffer, no front slice to take)
+                copier.load_runs([(buffer, page.first_slot, page.block_ids) for page, buffer in moves])
                 return
         for group, spans in self._spans(moves).items():
             self.copiers[group].load(spans)

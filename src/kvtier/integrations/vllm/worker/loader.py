@@ -304,20 +304,23 @@ class AsyncLoader:
         end = self._filled_end(job, delivered if ok else 0) if not skipped else job.first_token
         failed_whole = not skipped and end < job.hit_tokens and not self.partial
         unfilled_pages = job.pages if failed_whole else job.pages[delivered:] if not skipped else ()
-        errors = () if (skipped or failed_whole) else [b for p in unfilled_pages for b in p.block_ids]
+        # (each comprehension below runs only when it has something to go through: a frame per hit, cold)
+        errors = () if (skipped or failed_whole or not unfilled_pages) else \
+            [b for p in unfilled_pages for b in p.block_ids]
         rerouted = 0
         if handle is not None:
             chunks = [p.chunk for p in job.pages[:delivered]]
             if len(set(chunks)) == len(chunks):  # a page per chunk (a dense model): its tier against the plan's
-                rerouted = sum(map(ne, handle.tiers, [job.tiers[c] for c in chunks]))
+                rerouted = sum(map(ne, handle.tiers, map(job.tiers.__getitem__, chunks)))
             else:
                 by_chunk: dict[int, list[str]] = {}
                 for chunk, tier in zip(chunks, handle.tiers):
                     by_chunk.setdefault(chunk, []).append(tier)
                 rerouted = sum(1 for c, t in by_chunk.items() if (t[0] if len(t) == 1 else slowest(t)) != job.tiers[c])
         engine = EngineLoad(tokens=tokens_by_tier(job.tiers, job.first_token, end, self.chunk_tokens),
-                            unfilled_tokens=tokens_by_tier(job.tiers, end, job.hit_tokens, self.chunk_tokens),
-                            resumed=job.resumed, failed_blocks=sum(len(p.block_ids) for p in unfilled_pages),
+                            unfilled_tokens=tokens_by_tier(job.tiers, end, job.hit_tokens, self.chunk_tokens)
+                            if end < job.hit_tokens else {}, resumed=job.resumed,
+                            failed_blocks=sum(len(p.block_ids) for p in unfilled_pages) if unfilled_pages else 0,
                             rerouted_chunks=rerouted,
                             engine_bytes=self.copiers.moved_bytes(job.pages[:delivered]) if ok else 0,
                             seconds=seconds)
