@@ -21,6 +21,12 @@ script wraps, on the live objects, without changing them:
   ``prepare_load`` (pins; reads and verifies only what is below the cpu tier), the native shim's
   ``host_swap_blocks_batch`` (:mod:`kvtier.bench.native_cpu`).
 
+A third table splits the loads (:func:`detail`, perf_counter only: the process CPU clock sums every
+thread's time and costs more than the spans): the loader thread's start after shipping and the report
+after its end, and the spans inside a load (the loader's job, the index's plan with a node tier's
+scatters, the guard's call and the pin, each chunk's copy-and-digest, the generation check); with
+``FULL_HIT_PROFILE=PATH`` each loader thread's job also runs under cProfile (``PATH.<pid>``).
+
 kvtier's own time (issue 33's "the hit path costs what its copy costs") is the lookup plus the
 load beyond its copy (``load shipped → done`` − ``copy``), per hit and per chunk, in a second
 table, with the scheduler's ``update_state_after_alloc`` + ``build_connector_meta`` and the tail
@@ -114,6 +120,19 @@ class Timeline:
 
         setattr(obj, attr, timed)
 
+    def wrap_light(self, obj: Any, attr: str, name: str) -> None:
+        """:meth:`wrap` without the process CPU clock (a system call that sums every thread's time,
+        far costlier than the calls it would time here): for the spans called per chunk."""
+        real = getattr(obj, attr)
+
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            out = real(*a, **k)
+            self.calls.append((name, t0, time.perf_counter(), None, 0.0, 0.0))
+            return out
+
+        setattr(obj, attr, timed)
+
     def between(self, t0: float, t1: float, name: str) -> list[tuple[str, float, float, Any]]:
         return [c for c in self.calls if c[0] == name and t0 <= c[1] <= t1]
 
@@ -163,6 +182,7 @@ def child(args: argparse.Namespace) -> None:
         side = worker.worker_side
         tl.wrap(side.store, "prepare_load", "prepare_load")
         tl.wrap(side.groups, "load", "copy")  # the loader calls the same object's load
+        detail(tl, side)
     ids = random_prompt_ids(model / "tokenizer.json", args.prompt_tokens, seed=args.seed)
     params = SamplingParams(max_tokens=1, temperature=0.0, output_kind=RequestOutputKind.DELTA)
     quiet = SamplingParams(max_tokens=1, temperature=0.0)
@@ -224,6 +244,60 @@ def child(args: argparse.Namespace) -> None:
     llm.llm_engine.engine_core.shutdown()
 
 
+DETAIL = ("run", "finish", "plan_load", "plan_shared", "mover_run", "mover_read", "complete_reads", "guard_get", "guard_call", "fetch_many", "finish_get",
+          "verify_copy", "scatter_hashed", "scatter", "same_generations")
+"""The finer spans of a load (:func:`detail`), summed per full hit into ``detail_s``."""
+
+
+def detail(tl: Timeline, side: Any) -> None:
+    """Wrap the pieces of a load inside ``prepare_load`` and around it (issue 38's "where does a
+    node-tier load's time go"): the loader thread's job (``run``) and its report (``finish``), and
+    for a node tier its plan, the guard's thread hop, the pin, the read (copy + digest per chunk,
+    the scatter's construction) and the generation check."""
+    from kvtier.core.tiers.guarded import GuardedTier
+    from kvtier.core.tiers.node import pool as node_pool
+    from kvtier.core.tiers.node import readcopy
+
+    loader = side.loader
+    if loader is not None and os.environ.get("FULL_HIT_PROFILE"):  # each load's thread under cProfile, summed
+        import cProfile
+
+        profile, real_run, out = cProfile.Profile(), loader._run, os.environ["FULL_HIT_PROFILE"]
+
+        def profiled(job: Any) -> None:
+            profile.enable()
+            try:
+                real_run(job)
+            finally:
+                profile.disable()
+                profile.dump_stats(f"{out}.{os.getpid()}")
+
+        loader._run = profiled
+    if loader is not None:
+        tl.wrap_light(loader, "_run", "run")
+        tl.wrap_light(loader, "_finish", "finish")
+        if loader.direct is not None:
+            tl.wrap_light(loader.direct, "scatter", "scatter")
+    store = side.store
+    tl.wrap_light(store.index, "plan_load", "plan_load")
+    tl.wrap_light(store.index, "plan_shared", "plan_shared")
+    tl.wrap_light(store.index, "complete_reads", "complete_reads")
+    tl.wrap_light(store.mover, "run", "mover_run")
+    tl.wrap_light(store.mover, "read", "mover_read")
+    if not store.index.shared:
+        return
+    tier = store.index.shared[0].tier
+    if isinstance(tier, GuardedTier):
+        tl.wrap_light(tier, "get_many", "guard_get")
+        tl.wrap_light(tier, "_call", "guard_call")
+        tier = tier.inner
+    tl.wrap_light(tier, "fetch_many", "fetch_many")
+    tl.wrap_light(tier, "finish_get", "finish_get")
+    tl.wrap_light(tier.verifier, "copy", "verify_copy")
+    tl.wrap_light(readcopy, "scatter_hashed", "scatter_hashed")
+    tl.wrap_light(node_pool.Pool, "same_generations", "same_generations")
+
+
 def breakdown(tl: Timeline, rid: str, t_add: float, t_first: float,
               swaps: list[tuple[float, float, int]] | None) -> dict[str, Any]:
     def of(ids: Any) -> Any:  # vLLM appends a suffix to the request id internally
@@ -263,7 +337,14 @@ def breakdown(tl: Timeline, rid: str, t_add: float, t_first: float,
     load_cpu_s = done[0][5] - starts[0][4] if done and starts else 0.0
     lookups_s = sum(c[2] - c[1] for c in lookups)
     load_s = (load_end - load_start) if load_start is not None and load_end is not None else 0.0
+    spans = {name: tl.between(t_add, t_first, name) for name in DETAIL}
+    runs = spans["run"]
     return {
+        "detail_s": {name: sum(c[2] - c[1] for c in calls) for name, calls in spans.items() if calls},
+        "detail_n": {name: len(calls) for name, calls in spans.items() if calls},
+        # the loader thread: from shipping to its start, and from its end to the report (get_finished)
+        "thread_start_s": runs[0][1] - load_start if runs and load_start is not None else None,
+        "report_after_s": load_end - runs[0][2] if runs and load_end is not None and done else None,
         "ttft_s": ttft,
         "hit_tokens": lookups[-1][3][0] if lookups else 0,
         "async": bool(lookups[-1][3][1]) if lookups else None,
@@ -328,6 +409,17 @@ def summary(runs_by_arm: dict[str, list[dict[str, Any]]]) -> str:
         lines.append(f"| {arm} | **{ms(own)}** ({span(runs, 'own_s')}) | {own * 1e6 / chunks:.0f} "
                      f"| {ms(statistics.median(r['alloc_meta_s'] for r in runs))} "
                      f"| {ms(statistics.median(r['tail_save_s'] for r in runs))} |")
+    lines += ["", ("| arm | loader thread start after shipping, ms | report after the loader's end, ms | "
+                   "spans inside the load, median ms (calls per hit) |"), "|---|---|---|---|"]
+    for arm, runs in runs_by_arm.items():
+        names = sorted({n for r in runs for n in r.get("detail_s", {})}, key=DETAIL.index)
+
+        def med_ms(k: str, runs: list[dict[str, Any]] = runs) -> str:
+            vals = [r[k] for r in runs if r.get(k) is not None]
+            return ms(statistics.median(vals)) if vals else "–"
+        spans = ", ".join(f"{n} {statistics.median(r['detail_s'].get(n, 0.0) for r in runs) * 1e3:.2f} "
+                          f"({statistics.median(r['detail_n'].get(n, 0) for r in runs):g})" for n in names)
+        lines.append(f"| {arm} | {med_ms('thread_start_s')} | {med_ms('report_after_s')} | {spans or '–'} |")
     for ref in ("kvtier-async", "kvtier"):  # the node tier's hits load asynchronously, as kvtier-async's do
         if "kvtier-node" not in runs_by_arm or ref not in runs_by_arm:
             continue

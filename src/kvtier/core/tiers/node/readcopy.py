@@ -106,6 +106,15 @@ class Scatter:
         self.nbytes = nbytes
         self.offsets, self.targets = offsets, targets
 
+    @classmethod
+    def built(cls, nbytes: int, offsets: list[int], targets: list[memoryview]) -> Scatter:
+        """A scatter whose runs its caller computed to be what the constructor checks (ascending, not
+        overlapping, within ``nbytes``, flat writable bytes: :class:`~kvtier.integrations.vllm.worker.direct.DirectTargets`
+        from the cache's layout), without the check per run (a load's ~1,500 runs: ~0.5 ms)."""
+        scatter = cls.__new__(cls)
+        scatter.nbytes, scatter.offsets, scatter.targets = nbytes, offsets, targets
+        return scatter
+
 
 def scatter_hashed(hasher: envelope.Hasher | None, src: memoryview, dst: Scatter,
                    block_bytes: int = COPY_BLOCK_BYTES) -> bytes:
