@@ -43,6 +43,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import numpy as np
 
 from kvtier.core import codecs, envelope
+from kvtier.core.errors import length_problem
 from kvtier.core.keys import ChunkKey
 from kvtier.core.readchoice import ReadChooser
 
@@ -295,9 +296,8 @@ class Verifier:
                 scatter_hashed(None, memoryview(opened), scatter)
                 return record
             self.env.check(header, key, nbytes)
-            if header.stored_bytes != value.nbytes - header.header_bytes:
-                raise envelope.EnvelopeError(f"payload is {value.nbytes - header.header_bytes} bytes, "
-                                             f"header says {header.stored_bytes}")
+            if problem := length_problem(value.nbytes, header.header_bytes, header.stored_bytes):
+                raise envelope.EnvelopeError(problem)
             value = value[header.header_bytes:]
         else:
             value = value[envelope.FIXED_BYTES:]
