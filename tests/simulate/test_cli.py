@@ -170,7 +170,7 @@ def test_three_tiers_admission_and_latency(tmp_path, trace_file):
     # the shared tier serves what fell out of cpu and disk; every hit is counted in exactly one tier
     assert row["tier_hit_ratio"]["disk"] > 0 and row["tier_hit_ratio"]["shared"] > 0
     assert sum(row["tier_hit_ratio"].values()) == pytest.approx(row["token_hit_ratio"])
-    strict = run(*args, "--disk-admission", "reused", "--shared-admission", "reused", "--json", str(out))
+    strict = run(*args, "--disk-admission", "reused", "--shared-admission", "reused", "--json", str(out), "--force")
     assert strict.exit_code == 0, strict.output
     assert "--shared-admission reused models a policy kvtier does not run" in strict.output  # check refuses it
     reused = json.loads(out.read_text())["rows"][0]
@@ -184,7 +184,7 @@ def test_three_tiers_admission_and_latency(tmp_path, trace_file):
                         admission=(a, a)) for a in ("all", "reused")}
     assert counts["reused"].rejected > 0 and counts["all"].rejected == 0  # one-off chunks never reach disk
     assert counts["reused"].disk_stores < counts["all"].disk_stores
-    slow = run(*args, "--disk-latency-ms", "100000", "--json", str(out))
+    slow = run(*args, "--disk-latency-ms", "100000", "--json", str(out), "--force")
     assert json.loads(out.read_text())["rows"][0]["saved_s"] < row["saved_s"] and slow.exit_code == 0
     bad = run(*args, "--disk-admission", "sometimes")
     assert bad.exit_code == 2 and "--disk-admission must be one of all, reused" in bad.output

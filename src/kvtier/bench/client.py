@@ -19,7 +19,10 @@ are in flight.  ``should_stop`` is polled twice a second: when it returns a reas
 process died), in-flight requests are cancelled and recorded as failed, unsent ones as not sent.
 A request that receives no new completion token for ``stall_timeout_s`` (bytes without a token,
 e.g. a server or proxy that trickles, do not count) fails as a stall; with
-``abort_on_stall`` the run stops there (the engine is taken as hung).
+``abort_on_stall`` the run stops there (the engine is taken as hung).  A stream that goes on past
+:func:`max_stream_tokens` completion tokens fails at once (a server that ignores ``max_tokens``
+reset the stall deadline with every token and held the run forever), so one request waits at most
+``stall_timeout_s`` x (that bound + 1).
 """
 
 from __future__ import annotations
@@ -76,6 +79,13 @@ def _payload(request: BenchRequest, model: str) -> dict[str, object]:
     return {"model": model, "prompt": list(request.prompt_token_ids), "max_tokens": request.max_tokens,
             "min_tokens": request.max_tokens, "ignore_eos": True, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+
+
+def max_stream_tokens(max_tokens: int) -> int:
+    """Completion tokens a stream may carry before the request fails as over-long: twice
+    ``max_tokens`` plus 16, room for a server that counts a closing chunk without usage as a token,
+    and a bound on the wait for one that never stops."""
+    return 2 * max_tokens + 16
 
 
 MAX_REASON_CHARS = 200
@@ -155,6 +165,9 @@ async def _send(client: httpx.AsyncClient, request: BenchRequest, options: Clien
                         count = int(usage["completion_tokens"])
                     else:  # a server without continuous usage: one token per choice chunk
                         count = tokens + (1 if choices else 0)
+                    if count > (bound := max_stream_tokens(request.max_tokens)):
+                        return failed(f"the stream went past {bound} completion tokens for max_tokens "
+                                      f"{request.max_tokens} without ending; the server ignores max_tokens")
                     new = count - tokens
                     if new <= 0:
                         continue

@@ -41,7 +41,9 @@ from kvtier.cli.bench_workload import (
     make_workload,
     workload_knobs,
 )
-from kvtier.cli.errors import fail, make_output_dir
+from kvtier.cli.errors import check_input_files, fail
+from kvtier.cli.outputs import FORCE_HELP, make_report_dir
+from kvtier.cli.termination import note_on_stop
 
 RUN_HELP = """Replay a workload against a running server and read its meters.
 
@@ -59,7 +61,10 @@ Examples:
 DEFAULT_RUN_CONCURRENCY = 4
 """`bench run`'s requests in flight when neither --max-concurrency nor an arrival schedule is given."""
 
-RUN_OUT = typer.Option(None, "--out", help="Directory for requests.json, summary.json and the /metrics texts.")
+RUN_OUT = typer.Option(None, "--out", help="Directory for requests.json, summary.json and the /metrics texts "
+                       "(one that already holds them is refused without --force).")
+RUN_FILES = ("metrics-before.txt", "requests.json", "summary.json", "metrics-after.txt")
+"""The files `bench run --out DIR` writes in DIR, in the order it writes them (:func:`kvtier.bench.run.run_once`)."""
 BASELINE_FILE = typer.Option(None, "--baseline", help="summary.json of an earlier run to judge TTFT against.")
 
 
@@ -90,10 +95,26 @@ def _served_model(url: str) -> tuple[str, int | None]:
              "OpenAI-compatible server")
 
 
+def _left_in(out: Path | None) -> str:
+    """What a stopped `bench run` left in ``--out``, said after the stop message."""
+    if out is None:
+        return "nothing was written (no --out)"
+    held = [name for name in RUN_FILES if (out / name).is_file()]
+    if len(held) == len(RUN_FILES):
+        return f"--out {out} holds the run's files ({', '.join(held)})"
+    missing = [name for name in RUN_FILES if name not in held]
+    missing_text = ", ".join(missing[:-1]) + (" and " if len(missing) > 1 else "") + missing[-1]
+    if not held:
+        return f"--out {out} holds none of the run's files; run it again"
+    return (f"--out {out} holds only {', '.join(held)} (the run was cut short before {missing_text} were written); "
+            "run it again with --force to replace it")
+
+
 def run_command(
     url: str = typer.Option("http://127.0.0.1:8000", "--url", help="Server root URL."),
     model: str | None = typer.Option(None, "--model", help="Model name to request (default: the server's first model)."),
     out: Path | None = RUN_OUT,
+    force: bool = typer.Option(False, "--force", help=FORCE_HELP),
     baseline: Path | None = BASELINE_FILE,
     no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar."),
     workload: str = WORKLOAD, seed: int = SEED, vocab_size: int | None = VOCAB, max_concurrency: int | None = MAX_CONC,
@@ -120,6 +141,7 @@ def run_command(
         answer_len=answer_len, think_time_s=think_time, session_interval_s=session_interval)
     closed_loop = max_concurrency is not None or (workload == "prefix-repetition" and request_rate is None)
     check_workload(knobs, closed_loop, vocab_size)  # a bad option is its own error, not "cannot reach" (clifix2)
+    check_input_files([("--baseline", baseline), ("--receipt-log", receipt_log)])
     reference = None
     if baseline is not None:
         try:
@@ -129,7 +151,10 @@ def run_command(
     if receipt_log is not None and not receipt_log.parent.is_dir():
         fail(f"--receipt-log {receipt_log}: its directory does not exist; give the server's receipt_log_path")
     if out is not None:
-        make_output_dir(out, "--out")
+        make_report_dir(out, "--out", force, RUN_FILES,
+                        [("--baseline", baseline), ("--receipt-log", receipt_log), ("--trace", trace)])
+        for name in RUN_FILES:  # --force: an earlier run's files go now, never mixed with this run's
+            (out / name).unlink(missing_ok=True)
     served, max_len = _served_model(url)
     model = model or served
     if max_concurrency is None and workload == "prefix-repetition" and request_rate is None:
@@ -138,8 +163,9 @@ def run_command(
               "--request-rate for an open loop)", flush=True)
     built, _ = make_workload(knobs, vocab_size, model, max_len, closed_loop)
     try:
-        outcome = run_once(built, url, model, max_concurrency, stall_timeout, out, progress=not no_progress,
-                           receipt_log=receipt_log)
+        with note_on_stop(lambda: _left_in(out)):
+            outcome = run_once(built, url, model, max_concurrency, stall_timeout, out, progress=not no_progress,
+                               receipt_log=receipt_log)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         fail(f"--receipt-log {receipt_log} holds a line that is not a kvtier receipt ({exc}); give the server's "
              "receipt_log_path")

@@ -46,7 +46,8 @@ from kvtier.cli.bench_workload import (
     make_workload,
     workload_knobs,
 )
-from kvtier.cli.errors import check_output_path, fail, make_output_dir
+from kvtier.cli.errors import check_input_files, fail
+from kvtier.cli.outputs import FORCE_HELP, check_new_files, make_report_dir
 
 COMPARE_HELP = """Start one vLLM server per arm and run, and send each the same workload.
 
@@ -68,8 +69,11 @@ Examples:
 """
 
 KVTIER_CONFIG = typer.Option(None, "--kvtier-config", help="YAML of kvtier settings for the kvtier arm.")
-COMPARE_OUT = typer.Option(None, "--out", help="Report directory (default .kvtier/bench/compare-<time>).")
-JSON_PATH = typer.Option(None, "--json", help="Write the figures as JSON here.")
+COMPARE_OUT = typer.Option(None, "--out", help="Report directory (default .kvtier/bench/compare-<time>); one that "
+                           "already holds files is refused without --force.")
+JSON_PATH = typer.Option(None, "--json", help="Write the figures as JSON here (an existing file is refused without "
+                         "--force).")
+FORCE = typer.Option(False, "--force", help=FORCE_HELP)
 
 
 def _check_local_model(model: str) -> None:
@@ -131,6 +135,7 @@ def compare_command(
                                           help="vLLM --gpu-memory-utilization (CPU backend: share of RAM it may reserve)."),
     out: Path | None = COMPARE_OUT,
     json_path: Path | None = JSON_PATH,
+    force: bool = FORCE,
     no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar."),
     workload: str = WORKLOAD, seed: int = SEED, vocab_size: int | None = VOCAB, max_concurrency: int | None = MAX_CONC,
     trace: Path | None = TRACE, start: int = START, limit: int = LIMIT, tokens_per_block: int = TPB,
@@ -192,6 +197,7 @@ def compare_command(
         fail("the kvtier-s3 arm's servers need obstore, the s3 tier's client; run `make install` or "
              "pip install 'kvtier[s3]'")
     extra: dict[str, Any] | None = None
+    check_input_files([("--kvtier-config", kvtier_config)])
     if kvtier_config is not None:
         from kvtier.core.config import KVTierConfig
         from kvtier.core.errors import ConfigError
@@ -214,8 +220,9 @@ def compare_command(
         answer_len=answer_len, think_time_s=think_time, session_interval_s=session_interval)
     check_workload(knobs, max_concurrency is not None, vocab_size)  # a bad workload option leaves no empty --out
     out = out or Path(".kvtier/bench") / time.strftime("compare-%Y%m%d-%H%M%S")
-    check_output_path(json_path, "--json")  # before any server starts: a bad path fails in one line, not after minutes
-    make_output_dir(out, "--out")
+    inputs = [("--trace", trace), ("--kvtier-config", kvtier_config)]
+    check_new_files([("--json", json_path)], force, inputs)  # before any server starts: one line, not after minutes
+    make_report_dir(out, "--out", force, None, inputs)
     _check_local_model(model)
     built, vocab = make_workload(knobs, vocab_size, model, max_model_len, max_concurrency is not None)
     plan = None

@@ -12,6 +12,7 @@ from typing import Any
 import typer
 
 from kvtier.cli.errors import fail, flag_names, refuse_kernel_filesystem
+from kvtier.cli.outputs import FORCE_HELP, check_new_files
 from kvtier.cli.tierflags import build, given, option, refuse_stray, targets
 from kvtier.core.errors import UserError
 from kvtier.core.toolflags import ToolFlag, tool_flags
@@ -60,7 +61,9 @@ FIXED = {
     "buffered_reads": (str, typer.Option("auto", help="Buffered reads to measure: auto (serial or split over two "
                                                       "threads, as measured), serial and/or split (forced).")),
     "directory": (Path | None, typer.Option(None, "--dir", help="Where the disk tier writes (default: a temp dir).")),
-    "json_path": (Path | None, typer.Option(None, "--json", help="Also write results as JSON here.")),
+    "json_path": (Path | None, typer.Option(None, "--json", help="Also write results as JSON here (an existing "
+                                                                "file is refused without --force).")),
+    "force": (bool, typer.Option(False, "--force", help=FORCE_HELP)),
     "codecs": (str | None, typer.Option(None, "--codecs", help=(
         "Codec chains to measure against identity on the same tier: ';' between chains, ',' between the codecs "
         "of one, e.g. 'aes-256-gcm;blosc2-zstd-shuffle2,aes-256-gcm' (the disk tier in --dir, buffered, one "
@@ -116,7 +119,7 @@ def _codec_rows(text: str, chunk_mibs: list[float], total_mib: float, repeats: i
 
 def bench_store(sizes: str, total_mib: float, repeats: int, threads: str, disk_io: str, buffered_reads: str,
                 directory: Path | None, json_path: Path | None, flags: list[ToolFlag], tiers: dict[str, Any],
-                codecs: str | None = None) -> None:
+                codecs: str | None = None, force: bool = False) -> None:
     """Run ``kvtier bench-store`` (see :func:`bench_store_command`).
 
     Args:
@@ -164,6 +167,7 @@ def bench_store(sizes: str, total_mib: float, repeats: int, threads: str, disk_i
         fail(f"--dir {str(directory)!r} is not a writable directory; create it or omit --dir")
     if json_path is not None and (json_path.is_dir() or not json_path.parent.is_dir()):
         fail(f"--json {str(json_path)!r} must be a file path in an existing directory")
+    check_new_files([("--json", json_path)], force)
     from kvtier.bench.tierbenches import tier_bench
 
     wanted = targets(flags)

@@ -11,6 +11,7 @@ import typer
 
 from kvtier.cli.errors import fail
 from kvtier.core.errors import ConfigError, UserError
+from kvtier.tools.inputfile import not_a_regular_file
 
 HELP = """Check a --kv-transfer-config for KVTierConnector in under a second, without starting vLLM.
 
@@ -55,6 +56,8 @@ def _read(config: str) -> str:
     """The JSON text: ``config`` itself when it looks like JSON, else the file it names (``-``: stdin)."""
     if config.lstrip().startswith(("{", "[")):  # inline JSON; not an object is named by the parser
         return config
+    if config != "-" and (kind := not_a_regular_file(config)) is not None:  # stat before open: a FIFO would hang
+        fail(f"{config!r} {kind}; give the JSON itself, a file holding it, or - for standard input.")
     try:
         if config == "-":
             if sys.stdin is None or sys.stdin.closed:  # `kvtier check - <&-`

@@ -85,8 +85,11 @@ comparison with --expect-offload-gib (OverflowError)."""
 
 def _read_file(path: str) -> str:
     """A recorded /metrics text, at most MAX_BODY_BYTES.  Raises UserError when unreadable or binary."""
+    from kvtier.tools.inputfile import not_a_regular_file
     from kvtier.tools.scrape import MAX_BODY_BYTES
 
+    if (kind := not_a_regular_file(path)) is not None:  # stat before open: a FIFO would hang
+        raise UserError(f"{path} {kind}; give a recorded /metrics page (a file).")
     try:
         with open(path, "rb") as handle:
             data = handle.read(MAX_BODY_BYTES + 1)

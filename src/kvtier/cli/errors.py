@@ -38,6 +38,17 @@ def check_output_path(path: Path | None, option: str) -> None:
         fail(f"{option} {path} is not writable; pass a path in a writable directory")
 
 
+def check_input_files(inputs: Iterable[tuple[str, Path | None]]) -> None:
+    """Refuse (exit 2, one sentence) an input option naming a FIFO, socket, device or directory,
+    found with stat before anything opens it: reading a FIFO with no writer waits forever
+    (:mod:`kvtier.tools.inputfile`).  A missing path is left to the reader, which names it."""
+    from kvtier.tools.inputfile import not_a_regular_file
+
+    for option, path in inputs:
+        if path is not None and (kind := not_a_regular_file(path)) is not None:
+            fail(f"{option} {path} {kind}; give a regular file")
+
+
 def refuse_kernel_filesystem(path: Path, option: str) -> None:
     """Refuse (exit 2, one sentence) an output path on a kernel pseudo filesystem such as /proc or
     /sys, whose directories root may write to but which holds no files: the write would fail only

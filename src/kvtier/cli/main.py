@@ -21,7 +21,7 @@ except ImportError:  # older typer runs on the click package
     from click.exceptions import ClickException, UsageError  # type: ignore[assignment]
 from typer.core import TyperGroup
 
-from kvtier.cli.termination import exit_on_termination
+from kvtier.cli.termination import exit_on_termination, say_interrupted, say_notes
 
 
 class _Group(TyperGroup):
@@ -31,6 +31,18 @@ class _Group(TyperGroup):
     flags such as ``--json`` and ``--help`` that take no value; an empty metavar hides it.  Applied
     here once, for every command, rather than in each flag's declaration.
     """
+
+    def invoke(self, ctx: Any) -> Any:
+        """Run the command; a stop by Ctrl-C or SIGTERM/SIGHUP says so on stderr (with what the command
+        left behind, :mod:`kvtier.cli.termination`) before Typer turns Ctrl-C into a silent exit 130."""
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            say_interrupted()
+            raise
+        except SystemExit:
+            say_notes()
+            raise
 
     def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
              complete_var: str | None = None, standalone_mode: bool = True, windows_expand_args: bool = True,

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import typer
 
-from kvtier.cli.errors import check_output_path, fail
+from kvtier.cli.errors import fail
+from kvtier.cli.outputs import FORCE_HELP, REFUSED, check_new_files
 from kvtier.core.errors import UserError
 from kvtier.core.policies import available_policies
 
@@ -97,8 +98,9 @@ def register(app: typer.Typer) -> None:
         compression_ratio: list[str] | None = typer.Option(None, "--compression-ratio", help="TIER=R: the disk or "
                                                            "shared tier compresses, holding R× the chunks (R >= 1, or "
                                                            "a codec: its ratio measured in docs/benchmarks.md)."),
-        json_path: Path | None = typer.Option(None, "--json", help="Write results as JSON here."),
-        plot_path: Path | None = typer.Option(None, "--plot", help="Write a PNG hit-ratio plot here."),
+        json_path: Path | None = typer.Option(None, "--json", help=f"Write results as JSON here ({REFUSED})."),
+        plot_path: Path | None = typer.Option(None, "--plot", help=f"Write a PNG hit-ratio plot here ({REFUSED})."),
+        force: bool = typer.Option(False, "--force", help=FORCE_HELP),
         recommend_mode: bool = typer.Option(False, "--recommend", help="Print a size per tier (cpu: knee of "
                                             "the default's curve, never 0; a disk or shared tier given: as given; "
                                             "no lower tier given: the smallest disk tier reaching 95% of the "
@@ -159,8 +161,9 @@ def register(app: typer.Typer) -> None:
         # `is not None`, not truthiness: an empty --cpu-gib '' is --cpu-gib's mistake, not --cpu-pct's
         gibs = parse_gib_list(cpu_gib if cpu_gib is not None else cpu_pct or "",
                               "--cpu-gib" if cpu_gib is not None else "--cpu-pct")
-        check_output_path(json_path, "--json")
-        check_output_path(plot_path, "--plot")
+        model_file = Path(model) if model is not None and Path(model).is_file() else None
+        check_new_files([("--json", json_path), ("--plot", plot_path)], force,
+                        [("--trace", trace), ("--model", model_file)])
         policies = tuple(p.strip() for p in policy.split(",") if p.strip())
         if not policies:
             fail("--policy lists no policy; give e.g. lru,default,belady")

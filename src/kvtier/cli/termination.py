@@ -3,6 +3,11 @@
 ``bench compare`` and ``demo`` start vLLM servers and a redis-server in sessions of their own;
 Python's default action for SIGTERM (exit at once, no ``finally``) left them running when a CI
 timeout or ``kill`` stopped kvtier.
+
+Every stop says so in one line on stderr: ``kvtier: stopped by SIGTERM; ...`` from the handler,
+``kvtier: stopped by SIGINT (Ctrl-C); exiting with 130`` once Ctrl-C's KeyboardInterrupt left the
+command (:func:`say_interrupted`; Ctrl-C had ended it silently with 130).  A command that leaves
+files behind says what is left after that line (:func:`note_on_stop`: ``bench run --out DIR``).
 """
 
 from __future__ import annotations
@@ -12,12 +17,47 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 _replaced: dict[int, Any] = {}
 """The handlers :func:`_install` replaced, while its own are installed (empty otherwise)."""
+
+_stopped_by: list[int] = []
+"""The signal whose handler is ending the command (SIGTERM or SIGHUP), once it fired."""
+
+_notes: list[str] = []
+"""Lines :func:`note_on_stop` kept for :func:`say_notes`, as the stopped command unwound."""
+
+
+@contextmanager
+def note_on_stop(describe: Callable[[], str]) -> Iterator[None]:
+    """If the block ends because the command was stopped (Ctrl-C, SIGTERM, SIGHUP), keep
+    ``describe()``'s line (what the command left behind, read as it unwinds) for the stop message."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        _notes.append(describe())
+        raise
+    except SystemExit:
+        if _stopped_by:
+            _notes.append(describe())
+        raise
+
+
+def say_notes() -> None:
+    """Print (``kvtier: <line>`` on stderr) and forget the lines :func:`note_on_stop` kept."""
+    for line in _notes:
+        sys.stderr.write(f"kvtier: {line}\n")
+    sys.stderr.flush()
+    _notes.clear()
+
+
+def say_interrupted() -> None:
+    """The one line of a command that Ctrl-C (SIGINT) ended, then its notes."""
+    sys.stderr.write(f"kvtier: stopped by SIGINT (Ctrl-C); exiting with {128 + signal.SIGINT}\n")
+    say_notes()
 
 
 def _restore_in_child() -> None:
@@ -100,6 +140,7 @@ def _install() -> dict[int, Any]:
             return
         for other in (signal.SIGTERM, signal.SIGHUP):
             signal.signal(other, signal.SIG_IGN)
+        _stopped_by.append(signum)
         sys.stderr.write(f"kvtier: stopped by {signal.Signals(signum).name}; stopping what it started, then exiting "
                          f"with {128 + signum}\n")
         sys.stderr.flush()

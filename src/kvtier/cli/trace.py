@@ -7,7 +7,8 @@ from pathlib import Path
 
 import typer
 
-from kvtier.cli.errors import check_output_path, fail
+from kvtier.cli.errors import fail
+from kvtier.cli.outputs import check_new_files
 
 SYNTH_HELP = """Generate a seeded synthetic trace (Mooncake JSONL) of one traffic regime.
 
@@ -51,8 +52,7 @@ def register(app: typer.Typer) -> None:
         from kvtier.simulate.trace import distinct_full_blocks
         from kvtier.tools.mooncake import TraceRecord, write_records
 
-        if out.exists() and not force:  # the guard and wording of `trace record`
-            fail(f"--out {out} already exists; pass another file name, or --force to replace it")
+        check_new_files([("--out", out)], force)
         try:
             params = make_params(regime, _parse_sets(sets))
             records = generate(regime, params, requests, seed, block_tokens)
@@ -131,10 +131,7 @@ def register_record(trace_app: typer.Typer) -> None:
         if block_tokens > MAX_CHUNK_TOKENS:  # the bound trace synth and the connector's chunk_tokens apply
             fail(f"--block-tokens {block_tokens:,} is more than {MAX_CHUNK_TOKENS:,}, longer than any model's context, "
                  "so no prompt would fill a block; use Mooncake's 512 or kvtier's chunk_tokens")
-        check_output_path(out, "--out")
-        if out.exists() and not force:
-            fail(f"--out {out} already exists; pass another file name, or --force to replace it once a request "
-                 "is recorded")
+        check_new_files([("--out", out)], force, when=" once a request is recorded")
         try:  # 10 s (or --timeout-s if shorter) in all (kvtier.tools.httpget): a trickle cannot hold the start
             page = get_within(url.rstrip("/") + "/v1/models", min(10.0, timeout_s), "its model list",
                               max_body_bytes=1 << 20)

@@ -185,8 +185,8 @@ def replay_map(fn: Callable[[Any], Any], jobs: Iterable[Any], workers: int) -> l
     # submit + result, not Executor.map: map cancels its futures as an exception leaves it, and
     # Python 3.11's executor thread then fails setting the broken pool's error on a cancelled future
     # (InvalidStateError, printed as a traceback under the command's own exit)
-    futures = [pool.submit(fn, job) for job in jobs]
-    try:
+    try:  # submit inside: the first submit forks the processes, and Ctrl-C there must terminate them too
+        futures = [pool.submit(fn, job) for job in jobs]
         results = [future.result() for future in futures]
     except BrokenProcessPool as exc:
         _terminate(pool)

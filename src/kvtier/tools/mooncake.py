@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import IO
 
 from kvtier.core.errors import TraceError
+from kvtier.tools.inputfile import not_a_regular_file
 
 MOONCAKE_BLOCK_TOKENS = 512
 """Tokens per ``hash_ids`` block in the Mooncake FAST'25 traces (their README: "block size 512")."""
@@ -131,6 +132,8 @@ def jsonl_objects(path: str | Path, start: int = 0) -> Iterator[tuple[int, str, 
         TraceError: missing/unreadable file, a line that is not JSON or not a JSON object (naming the line).
     """
     path = Path(path)
+    if (kind := not_a_regular_file(path)) is not None and not path.is_dir():  # stat before open: a FIFO would hang
+        raise TraceError(f"trace file {path} {kind}; pass a .jsonl(.gz) file")
     try:
         with _open(path, "r") as handle:
             for lineno, line in enumerate(handle):
