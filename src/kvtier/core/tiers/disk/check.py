@@ -23,6 +23,23 @@ PSEUDO_FILESYSTEMS = frozenset({
 """Kernel interfaces that look like directories but hold no files (proc(5), sysfs(5))."""
 
 
+KERNEL_TREES = ("/proc", "/sys", "/dev")
+"""Where every Linux host mounts kernel interfaces (proc, sysfs, devtmpfs): judged from the path
+alone, for a config that will run on another host (``kvtier audit``).  ``/dev/shm`` is tmpfs: not one."""
+
+
+def static_disk_path_problem(path: str) -> str | None:
+    """The sentence when ``path`` lies under a :data:`KERNEL_TREES` directory (not ``/dev/shm``), else
+    None: what :func:`disk_path_problem` finds on the serving host, from the path alone."""
+    norm = os.path.normpath(path)
+    tree = next((t for t in KERNEL_TREES if norm == t or norm.startswith(t + "/")), None)
+    if tree is None or norm == "/dev/shm" or norm.startswith("/dev/shm/"):
+        return None
+    return (f"disk_path {path!r} is under {tree}, where every Linux host mounts a kernel interface that cannot hold "
+            "chunk files; point it at a directory on a local disk (e.g. NVMe) (a static check of the path: the "
+            "serving host's filesystems were not inspected)")
+
+
 def disk_path_problem(path: Path, disk_gib: float) -> tuple[str, str] | None:
     """``(key, sentence)`` of what makes ``path`` unfit to hold ``disk_gib`` GiB of chunk files
     (a file or under one, a kernel pseudo filesystem, not writable, too little free space), or None.
