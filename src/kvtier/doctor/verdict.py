@@ -133,7 +133,11 @@ def _shared_checks(shared: SharedTier) -> list[Check]:
 def _cannot_judge(meters: Meters) -> str | None:
     """Why the traffic between the scrapes cannot be judged, or None when it can."""
     if meters.went_backwards:
-        return (f"Counters went backwards ({', '.join(meters.went_backwards)}): the files are in the wrong order "
+        lower = ", ".join(meters.went_backwards)
+        if meters.interval_s is not None:  # two scrapes of --url, in order: only a restart lowers a counter
+            return (f"Counters went backwards ({lower}): the server restarted (or its counters were reset) between "
+                    "the two scrapes; measure again once it has run a while.")
+        return (f"Counters went backwards ({lower}): the files are in the wrong order "
                 "(give BEFORE then AFTER) or the server restarted between the scrapes; measure again.")
     longer = ("use a longer --interval" if meters.interval_s is not None else
               "record the two snapshots further apart (--from-files has no --interval)")
