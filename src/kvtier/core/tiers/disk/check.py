@@ -40,6 +40,11 @@ def static_disk_path_problem(path: str) -> str | None:
             "serving host's filesystems were not inspected)")
 
 
+def size_words(num_bytes: float) -> str:
+    """``num_bytes`` in GiB, or in MiB under 1 GiB (an 8 MiB tmpfs is not "0.0 GiB")."""
+    return f"{num_bytes / GiB:.1f} GiB" if num_bytes >= GiB else f"{num_bytes / (1 << 20):.1f} MiB"
+
+
 def disk_path_problem(path: Path, disk_gib: float) -> tuple[str, str] | None:
     """``(key, sentence)`` of what makes ``path`` unfit to hold ``disk_gib`` GiB of chunk files
     (a file or under one, a kernel pseudo filesystem, not writable, too little free space), or None.
@@ -68,12 +73,12 @@ def disk_path_problem(path: Path, disk_gib: float) -> tuple[str, str] | None:
     used = dir_bytes(path) if path.exists() else 0
     if disk_gib * GiB > free + used:
         if path.exists():
-            return "disk_gib", (f"disk_gib={disk_gib} exceeds the {(free + used) / GiB:.1f} GiB free on "
+            return "disk_gib", (f"disk_gib={disk_gib} exceeds the {size_words(free + used)} free on "
                                 f"{str(path)!r}; lower disk_gib or free space")
         # a path that does not exist is named as such: the free space is its nearest existing parent's,
         # typically the root disk because the volume meant for the tier is not mounted
         return "disk_path", (f"disk_path {str(path)!r} does not exist, and disk_gib={disk_gib} exceeds the "
-                             f"{free / GiB:.1f} GiB free on {str(existing)!r}, its nearest existing parent, where it "
+                             f"{size_words(free)} free on {str(existing)!r}, its nearest existing parent, where it "
                              "would be created; mount the disk meant for the tier there (e.g. the NVMe volume), or "
                              "lower disk_gib")
     if not path.exists():  # a check creates nothing: the tier creates it at start-up (DiskTier)
