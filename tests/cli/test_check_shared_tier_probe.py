@@ -78,11 +78,16 @@ def test_a_password_the_server_refuses_or_none_given_is_auth_failed(redis_factor
     assert lines_about(none_given.stdout) == [(
         f"warning: kv_connector_extra_config.redis_url: shared tier {server.url}: auth failed (the server requires "
         "a password and none is configured); vLLM would start, but every shared-tier lookup would be a miss: fix "
-        "redis_password_env or redis_password_file (or the server's requirepass/ACL)")], none_given.stdout
+        "redis_password_env, redis_password_file or the password in redis_url (or the server's requirepass/ACL)")], \
+        none_given.stdout
     (tmp_path / "pw").write_text("not-the-password\n")
     wrong = probe_shared_tiers(transfer({"redis_url": server.url, "redis_password_file": str(tmp_path / "pw")}))
     assert [p.result.state for p in wrong] == ["auth failed"]
     assert wrong[0].result.detail.startswith("the server refused the password: "), wrong[0].result
+    in_url = check(json.dumps(transfer({"redis_url": server.url.replace("//", "//:not-the-password@")})))
+    (line,) = lines_about(in_url.stdout)  # a wrong password in the URL is refused, not "none is configured"
+    assert "auth failed (the server refused the password in redis_url: invalid username-password pair" in line, line
+    assert "not-the-password" not in in_url.stdout and "none is configured" not in line
     (tmp_path / "pw").write_text(PASSWORD + "\n")
     right = probe_shared_tiers(transfer({"redis_url": server.url, "redis_password_file": str(tmp_path / "pw")}))
     assert [(p.result.state, p.problem) for p in right] == [("reachable", None)]

@@ -570,7 +570,17 @@ def test_a_config_on_a_filesystem_full_of_its_own_chunk_files_is_accepted(small_
     assert not [p for p in ours.iterdir() if p.name.startswith(".kvtier-write-probe")]
     ((_key, refused),) = disk.check(KVTierConfig.from_dict({"disk_path": str(small_filesystem / "other"),
                                                             "disk_gib": 0.007}))
-    assert "exceeds the 0.0 GiB free" in refused
+    assert "exceeds the 0.0 MiB free" in refused
+
+
+def test_free_space_under_one_gib_is_said_in_mib(small_filesystem):
+    """An 8 MiB tmpfs was reported as 'exceeds the 0.0 GiB free'."""
+    from kvtier.core.config import KVTierConfig
+    from kvtier.core.tiers.disk import factory as disk
+
+    free = os.statvfs(small_filesystem).f_bavail * os.statvfs(small_filesystem).f_frsize
+    ((_key, refused),) = disk.check(KVTierConfig.from_dict({"disk_path": str(small_filesystem / "kv"), "disk_gib": 1}))
+    assert f"exceeds the {free / 2**20:.1f} MiB free on {str(small_filesystem)!r}" in refused and free > 2**20, refused
 
 
 @pytest.mark.parametrize(("size", "said"), [

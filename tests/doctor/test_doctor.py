@@ -206,3 +206,13 @@ def test_ttft_says_it_is_the_servers_histogram():
     assert "TTFT p50 / p99 (server)" in text.stdout
     assert "server-side: vLLM's vllm:time_to_first_token_seconds" in " ".join(text.stdout.split())
     assert json.loads(as_json.stdout)["ttft_measured"].startswith("server-side")
+
+
+def test_counters_lower_in_the_second_url_scrape_say_the_server_restarted(metrics_server):
+    """Two scrapes of --url are in order by construction: lower counters mean a restart, never files
+    given in the wrong order (there are no files)."""
+    _Recorded.bodies = [AFTER, BEFORE]  # the second scrape sees the counters of a server that started again
+    proc = doctor("--url", metrics_server, "--interval", "0.2", "--json")
+    (message,) = [c["message"] for c in json.loads(proc.stdout)["checks"] if "went backwards" in c["message"]]
+    assert "the server restarted (or its counters were reset) between the two scrapes" in message
+    assert "files" not in message and "BEFORE" not in message

@@ -111,6 +111,8 @@ class ServeConfig:
         gpu: the GPU the server runs on (a ``kvtier size --gpu`` name, from ``kvtier audit --gpu``), if known.
         unresolved: variable references in the vLLM arguments whose value the input does not give, as
             written (``$NAME``, ``${NAME}``, a Kubernetes ``$(NAME)``).
+        unexported: shell variables a script assigned without ``export`` (``NAME=value`` alone on a
+            line, outside ``set -a``): the shell does not pass them to the server, so they are not in ``env``.
     """
 
     origin: str
@@ -124,6 +126,7 @@ class ServeConfig:
     pod: PodFacts | None = None
     gpu: str | None = None
     unresolved: list[str] = field(default_factory=list)
+    unexported: dict[str, str] = field(default_factory=dict)
 
     # --- flags -----------------------------------------------------------------------------
     def has(self, flag: str) -> bool:

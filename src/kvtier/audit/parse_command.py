@@ -1,8 +1,10 @@
 """Read a ``vllm serve …`` command line (a shell snippet, a ``docker run``) or an env file.
 
 Shell words are split with :mod:`shlex` (quotes, backslash continuations and ``#`` comments work
-as in a shell).  ``export K=V`` lines, ``K=V`` prefixes and ``docker run -e K=V`` set the
-environment; ``vllm serve`` (or ``python -m vllm.entrypoints.openai.api_server``, or the arguments
+as in a shell).  ``export K=V`` lines (or ``K=V`` then ``export K``, ``declare -x K=V``), ``K=V``
+assignments inside a ``set -a`` region, ``K=V`` prefixes of the serve command (``env K=V`` too) and
+``docker run -e K=V`` set the server's environment; a plain ``K=V`` line does not (the shell keeps an
+unexported variable to itself: it goes to :attr:`ServeConfig.unexported`, and expands ``$K`` only); ``vllm serve`` (or ``python -m vllm.entrypoints.openai.api_server``, or the arguments
 after a ``vllm-openai`` image in ``docker run``) starts the vLLM arguments.  Dotted flags
 (``--kv-transfer-config.kv_role=kv_both``, ``--kv-transfer-config.kv_role kv_both``) are kept as
 flags of that name; :mod:`kvtier.audit.dotted` merges them as vLLM does.  ``$NAME`` / ``${NAME}`` in
@@ -171,12 +173,14 @@ def parse_commands(text: str, origin: str) -> list[ServeConfig]:
     Raises:
         UserError: unbalanced quotes, or no ``vllm serve`` / vLLM image in the text.
     """
-    shared: dict[str, str] = {}
+    shell = _Shell()
     found: list[tuple[int, int, ServeConfig]] = []
     built_on: str | None = None
     for first, last, line in _logical_lines(text, origin):
         for words in _segments(line, origin):
-            config, base = _parse_segment(words, shared, origin, text)
+            if shell.assigns(words):
+                continue
+            config, base = _parse_segment(words, shell, origin, text)
             built_on = built_on or base
             if config is not None:
                 found.append((first, last, config))
@@ -194,11 +198,54 @@ def parse_commands(text: str, origin: str) -> list[ServeConfig]:
     return [config for _, _, config in found]
 
 
-def _parse_segment(words: list[str], shared: dict[str, str], origin: str,
+class _Shell:
+    """The variables a script has set so far: ``exported`` (the server's environment) and
+    ``plain`` (assigned without ``export``: expanded in the script, never passed on)."""
+
+    def __init__(self) -> None:
+        self.exported: dict[str, str] = {}
+        self.plain: dict[str, str] = {}
+        self.allexport = False  # inside set -a / set -o allexport
+
+    def assigns(self, words: list[str]) -> bool:
+        """Apply ``words`` when they are an assignment command (``set -a``/``+a``, ``export``,
+        ``declare -x``, or ``K=V`` words alone); whether they were one."""
+        if words[0] == "set":
+            for i, word in enumerate(words[1:], start=1):  # set -a, set -ea, set -o allexport (+ turns it off)
+                if re.fullmatch(r"[-+][A-Za-z]*a[A-Za-z]*", word) and "o" not in word or \
+                        (word in ("-o", "+o") and words[i + 1:i + 2] == ["allexport"]):
+                    self.allexport = word.startswith("-")
+            return True
+        exporting = words[0] == "export" or (words[0] in ("declare", "typeset") and "-x" in words[1:])
+        if words[0] in ("export", "declare", "typeset", "readonly", "local"):
+            for word in words[1:]:
+                if _ASSIGN.match(word):
+                    name, value = word.split("=", 1)
+                    self.set(name, value, exporting)
+                elif exporting and word in self.plain:  # `export NAME` of a variable set before
+                    self.set(word, self.plain[word], True)
+            return True
+        if not all(_ASSIGN.match(word) for word in words):
+            return False
+        for word in words:
+            name, value = word.split("=", 1)
+            self.set(name, value, self.allexport)
+        return True
+
+    def set(self, name: str, value: str, exported: bool) -> None:
+        exported = exported or name in self.exported  # a variable once exported stays exported
+        self.plain.pop(name, None)
+        self.exported.pop(name, None)
+        (self.exported if exported else self.plain)[name] = value
+
+
+def _parse_segment(words: list[str], shell: _Shell, origin: str,
                    text: str) -> tuple[ServeConfig | None, str | None]:
     """The server one simple command starts (None when it starts none) and the vLLM image a
-    Dockerfile's ``FROM`` names; assignments of a command that starts no server go to ``shared``."""
-    config = ServeConfig(origin=origin, text=text, launch=text, env=dict(shared))
+    Dockerfile's ``FROM`` names; the ``K=V`` prefixes of a command that starts no server apply to
+    that command only."""
+    config = ServeConfig(origin=origin, text=text, launch=text, env=dict(shell.exported),
+                         unexported=dict(shell.plain))
     start: int | None = None
     built_on: str | None = None
     own: dict[str, str] = {}
@@ -229,22 +276,23 @@ def _parse_segment(words: list[str], shared: dict[str, str], origin: str,
             break
         i += 1
     if start is None:
-        shared.update(own)
         return None, built_on
     config.env.update(own)
-    parse_vllm_args(_expand(words[start:], config), config)
+    for name in own:
+        config.unexported.pop(name, None)
+    parse_vllm_args(_expand(words[start:], config, {**shell.plain, **config.env}), config)
     return config, built_on
 
 
-def _expand(words: list[str], config: ServeConfig) -> list[str]:
+def _expand(words: list[str], config: ServeConfig, variables: dict[str, str]) -> list[str]:
     """``words`` with each ``$NAME`` / ``${NAME}`` replaced by the value the snippet assigned to NAME
-    (``config.env``, read before the serve words); the names it does not assign are added to
-    ``config.unresolved`` and left as written."""
+    (``variables``, exported or not, read before the serve words); the names it does not assign are
+    added to ``config.unresolved`` and left as written."""
 
     def value(match: re.Match[str]) -> str:
         name = match.group(1) or match.group(2)
-        if name in config.env and not _SUBSTITUTION.search(config.env[name]):
-            return config.env[name]  # a command's output ($(cat f), `cat f`) is not in the input
+        if name in variables and not _SUBSTITUTION.search(variables[name]):
+            return variables[name]  # a command's output ($(cat f), `cat f`) is not in the input
         if match.group(0) not in config.unresolved:
             config.unresolved.append(match.group(0))
         return match.group(0)

@@ -205,8 +205,7 @@ class KVTierConfig(ReceiptSettings):
     @field_validator("cpu_gib")
     @classmethod
     def _cpu_tier_present(cls, value: float) -> float:
-        # one rule, one sentence: 0 and a negative size are refused alike (no ge=0 on the field,
-        # whose generic "greater than or equal to 0" would give -1 another sentence than 0)
+        # one sentence for 0 and a negative size (ge=0's generic sentence would differ for -1)
         if value <= 0:
             raise ValueError("must be above 0: every chunk passes through the cpu tier, also on its way to disk or "
                              "Redis; give it room for hundreds of chunks, e.g. 4")
@@ -284,6 +283,8 @@ class KVTierConfig(ReceiptSettings):
     def _disk_consistent(self) -> KVTierConfig:
         if self.disk_gib > 0 and not self.disk_path:
             raise ValueError("disk_gib is set but disk_path is not; set disk_path to a local directory or disk_gib to 0")
+        if self.shared_secret and self.shared_secret_file:  # the secret given inline wins: the file is never read
+            raise ValueError("give one of shared_secret or shared_secret_file, not both (the file would never be read)")
         for tier, name in self.admission.items():  # judged when a chunk leaves the cpu tier (write-back)
             if name != "all" and (spec(tier).shared or self.write_mode != "write-back"):
                 raise ValueError(f"admission {name!r} for tier {tier!r} needs write_mode write-back and a local tier "
@@ -378,7 +379,6 @@ class KVTierConfig(ReceiptSettings):
         """
         return cls.from_dict(read_yaml(path))
 
-    # ---- derived values ------------------------------------------------------------------
     def validate_block_size(self, block_size: int) -> None:
         """Check ``chunk_tokens`` against the engine's block size (tokens); ``auto`` always fits
         (the engine resolves it to a multiple of every block size).

@@ -381,7 +381,8 @@ def probe_tier(name: str, config: KVTierConfig, deadline_s: float = PROBE_DEADLI
 
     def result(state: ProbeState, detail: str, elapsed_s: float) -> ProbeResult:
         return ProbeResult(state, store.where, detail, elapsed_s, auth_fix=store.auth_fix,
-                           address_key=store.address_key)
+                           address_key=store.address_key, kind=getattr(store, "kind", "shared tier"),
+                           reach_fix=getattr(store, "reach_fix", "open the network path"))
 
     def attempt(start: float) -> ProbeResult:
         try:

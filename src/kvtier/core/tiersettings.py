@@ -61,7 +61,8 @@ def route_flat_keys(values: dict[str, Any], core_fields: set[str]) -> dict[str, 
 def field_sentence(field: str, msg: str, value: Any, env_var: str | None, secret: bool) -> str:
     """One key's error: ``kvtier config field 'key' (from environment variable X): msg (got v); fix the value of 'key'``."""
     source = f" (from environment variable {env_var})" if env_var else ""
-    shown = f" (got {value!r})" if value is not None and not isinstance(value, dict) and not secret else ""
+    shown = f" (got {value!r})" if value is not None and not isinstance(value, dict) and not secret \
+        and f"got {value!r}" not in msg else ""  # a validator's own sentence may name it already
     return f"kvtier config field {field!r}{source}: {msg}{shown}; fix the value of {field!r}"
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from kvtier.core.tiers.registry import tier_rank
 from kvtier.doctor.causes import Causes, causes_between
+from kvtier.doctor.faults import LocalFaults, faults_between
 from kvtier.doctor.quantile import histogram_quantile
 from kvtier.doctor.snapshot import Snapshot
 
@@ -233,6 +234,8 @@ class Meters:
     causes: Causes | None = None
     """kvtier's miss reasons, sizes and prefill saved from the receipts' metrics
     (:mod:`kvtier.doctor.causes`); None when kvtier is not the connector."""
+    faults: LocalFaults | None = None
+    """kvtier's failed writes, dropped saves and corrupt chunks (:mod:`kvtier.doctor.faults`)."""
 
     @property
     def hit_rate(self) -> float | None:
@@ -287,6 +290,7 @@ def measure(before: Snapshot, after: Snapshot, interval_s: float | None) -> Mete
         pins=pins_of(before, after),
         controls=controls_of(before, after),
         causes=causes_between(before.causes, after.causes, after.kvtier_capacity) if after.kvtier_capacity else None,
+        faults=faults_between(before.faults, after.faults),
     )
 
 

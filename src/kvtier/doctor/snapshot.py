@@ -20,6 +20,7 @@ from typing import Any
 
 from kvtier.core.errors import UserError
 from kvtier.doctor.causes import CauseSeries, cause_series
+from kvtier.doctor.faults import FaultSeries, fault_series
 from kvtier.tools.scrape import metric_families
 
 COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:external_prefix_cache_queries",
@@ -81,6 +82,8 @@ class Snapshot:
     causes: CauseSeries = field(default_factory=CauseSeries)
     """The requests' receipt series (miss reasons, tokens served, ghost-hit distances) and vLLM's
     prefill time (:mod:`kvtier.doctor.causes`); ``present`` False on an older kvtier."""
+    faults: FaultSeries = field(default_factory=FaultSeries)
+    """The local tiers' failed writes, dropped saves and corrupt chunks (:mod:`kvtier.doctor.faults`)."""
     process_start_s: float | None = None
     """``process_start_time_seconds`` of the scraped process (prometheus_client's process collector),
     Unix seconds; ``None`` when the page has none."""
@@ -151,6 +154,7 @@ def parse_metrics(text: str, where: str, from_file: bool = False) -> Snapshot:
                 into[tier] = into.get(tier, 0.0) + sample.value
     _tier_series(snap, families)
     snap.causes = cause_series(families)
+    snap.faults = fault_series(families)
     if "vllm:prefix_cache_queries" not in snap.counters:
         fix = ("record it from a vLLM server with curl -s http://HOST:PORT/metrics > FILE" if from_file
                else "point --url at a vLLM server")

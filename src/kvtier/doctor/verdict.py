@@ -18,6 +18,9 @@ how-to's "one-line checklist" (helping = hit rate ↑, TTFT p50 ↓, p99 tail bo
   lookup misses and every write is skipped until the server answers); half-open, writes
   skipped, or lookups past ``shared_deadline_s`` between the scrapes → warning; else ok with
   its hit rate and read latency (docs/shared-tier.md, docs/s3.md);
+- the local tiers' chunk writes failed (a full or unwritable disk) → problem; saves dropped with no
+  failed write → warning; corrupt chunks → warning, all between the scrapes and judged even
+  without traffic (:mod:`kvtier.doctor.faults`);
 - offload configured but no external hits (root cause 5: cold cache, or tier too small) → warning;
 - with kvtier's receipt metrics: the miss reasons ranked, each with its action, the size that holds
   a tier's working set when its evictions lead, the prefill saved per tier
@@ -35,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from kvtier.doctor.causes import cause_checks
+from kvtier.doctor.faults import fault_checks
 from kvtier.doctor.meters import Allocation, Controls, Meters, SharedTier
 
 Level = Literal["ok", "warning", "problem"]
@@ -129,7 +133,11 @@ def _shared_checks(shared: SharedTier) -> list[Check]:
 def _cannot_judge(meters: Meters) -> str | None:
     """Why the traffic between the scrapes cannot be judged, or None when it can."""
     if meters.went_backwards:
-        return (f"Counters went backwards ({', '.join(meters.went_backwards)}): the files are in the wrong order "
+        lower = ", ".join(meters.went_backwards)
+        if meters.interval_s is not None:  # two scrapes of --url, in order: only a restart lowers a counter
+            return (f"Counters went backwards ({lower}): the server restarted (or its counters were reset) between "
+                    "the two scrapes; measure again once it has run a while.")
+        return (f"Counters went backwards ({lower}): the files are in the wrong order "
                 "(give BEFORE then AFTER) or the server restarted between the scrapes; measure again.")
     longer = ("use a longer --interval" if meters.interval_s is not None else
               "record the two snapshots further apart (--from-files has no --interval)")
@@ -154,6 +162,8 @@ def diagnose(meters: Meters, alloc: Allocation, cache_config: dict[str, str], ex
     size = _size_check(alloc, expect_gib, tp)
     if size:
         add(size)
+    if meters.faults is not None:  # failed writes, dropped saves, corrupt chunks: judged without traffic too
+        d.checks.extend(Check(level, message) for level, message in fault_checks(meters.faults))
     for shared in meters.shared_tiers or ((meters.shared,) if meters.shared is not None else ()):
         d.checks.extend(_shared_checks(shared))
     if meters.pins is not None and (meters.pins.chunks or meters.pins.refused):

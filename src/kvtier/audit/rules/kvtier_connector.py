@@ -30,6 +30,25 @@ def kvtier_config_invalid(c: ServeConfig) -> str | None:
     return "; ".join(errors) + "." if errors else None
 
 
+@rule("kvtier-config-warning", "warning", "KVTierConnector config that kvtier check warns about",
+      "Fix each named key as the message says (`kvtier check '<the JSON>'` prints the same warnings; it also checks "
+      "the serving host's disk_path, memory and shared tiers, which this static audit does not).",
+      'kvtier docs/vllm.md § Configuration keys; validator kvtier/integrations/vllm/preflight.py', locate="KVTierConnector")
+def kvtier_config_warning(c: ServeConfig) -> str | None:
+    from kvtier.audit.rules.releases import kvtier_chunk_tokens_block_size
+    from kvtier.integrations.vllm.preflight import advice_problems
+
+    transfer = c.kv_transfer_config
+    if not transfer or not c.uses("KVTierConnector"):
+        return None
+    # reported by rules of their own: the load failure policy, the tiers' advice, v0.34's block size
+    own = {p.message for p in advice_problems(transfer, environ=c.env)}
+    block_rule = kvtier_chunk_tokens_block_size(c) is not None
+    warnings = [p.message for p in _problems(c) if p.severity == "warning" and p.message not in own
+                and p.key != "kv_load_failure_policy" and not (block_rule and p.key.endswith("chunk_tokens"))]
+    return "; ".join(warnings) + "." if warnings else None
+
+
 @rule("kvtier-load-failure-policy", "warning", "KVTierConnector without kv_load_failure_policy recompute",
       'Add "kv_load_failure_policy":"recompute" to --kv-transfer-config.',
       'vLLM vllm/config/kv_transfer.py kv_load_failure_policy (default "fail"); kvtier '

@@ -160,6 +160,23 @@ def shell_variable_unresolved(c: ServeConfig) -> str | None:
     return f"cannot see the value of {names}; audit the expanded line to check what it holds."
 
 
+_ENV_PREFIXES = ("VLLM_", "KVTIER_", "CUDA_", "HF_", "NCCL_", "PYTORCH_", "TORCH_", "OMP_", "LMCACHE_", "AWS_")
+"""Names the server's process reads from its environment (vLLM, kvtier, CUDA, Hugging Face, ...)."""
+
+
+@rule("shell-variable-not-exported", "warning", "a variable the server reads is set in the script but not exported",
+      "Write `export NAME=value` (or `set -a` before the assignments, or NAME=value on the vllm serve line itself).",
+      "POSIX Shell Command Language § 2.9.1 Simple Commands (only exported variables reach a command's "
+      "environment); kvtier src/kvtier/audit/parse_command.py", locate="=")
+def shell_variable_not_exported(c: ServeConfig) -> str | None:
+    names = [n for n in c.unexported if n.startswith(_ENV_PREFIXES) and n not in c.env]
+    if not names:
+        return None
+    verb = "is" if len(names) == 1 else "are"
+    return (f"{', '.join(f'{n}={c.unexported[n]}' for n in names)} {verb} assigned without export, so the shell does "
+            "not pass it to vllm and the server runs without it.")
+
+
 @rule("kv-transfer-config-dotted", "error", "dotted --kv-transfer-config.KEY flags leave the server without "
       "its KV connector",
       "Put every key in the one --kv-transfer-config JSON (or give them all as dotted flags, kv_connector, "

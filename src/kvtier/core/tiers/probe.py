@@ -50,20 +50,25 @@ class ProbeResult:
     elapsed_s: float
     auth_fix: str = "fix the tier's credentials"
     address_key: str = "the tier's address"
+    kind: str = "shared tier"
+    """What the tier is, in words (``node pool`` for the host's node tier)."""
+    reach_fix: str = "open the network path"
+    """The last fix offered when it is unreachable."""
 
     @property
     def message(self) -> str:
         """One sentence for the operator naming the state, the address and what to do."""
+        kind, lookup = self.kind, f"every {self.kind.replace(' ', '-')} lookup"
         if self.state == "reachable":
-            return f"shared tier {self.url} is reachable ({self.detail})"
+            return f"{kind} {self.url} is reachable ({self.detail})"
         if self.state == "auth failed":
-            return (f"shared tier {self.url}: auth failed ({self.detail}); vLLM would start, but every shared-tier "
-                    f"lookup would be a miss: {self.auth_fix}")
+            return (f"{kind} {self.url}: auth failed ({self.detail}); vLLM would start, but {lookup} "
+                    f"would be a miss: {self.auth_fix}")
         if self.state == "no bucket":
-            return (f"shared tier {self.url}: the endpoint answers, but the bucket does not exist ({self.detail}); "
-                    "vLLM would start, but every shared-tier lookup would be a miss: create the bucket or fix its name")
-        return (f"shared tier {self.url} is unreachable ({self.detail}); vLLM would start, but every shared-tier "
-                f"lookup would be a miss until it answers: start it, fix {self.address_key}, or open the network path")
+            return (f"{kind} {self.url}: the endpoint answers, but the bucket does not exist ({self.detail}); "
+                    f"vLLM would start, but {lookup} would be a miss: create the bucket or fix its name")
+        return (f"{kind} {self.url} is unreachable ({self.detail}); vLLM would start, but {lookup} "
+                f"would be a miss until it answers: start it, fix {self.address_key}, or {self.reach_fix}")
 
 
 def within_deadline(attempt: Callable[[float], ProbeResult], deadline_s: float, name: str,

@@ -52,10 +52,9 @@ from kvtier.integrations.vllm.preflight_tiers import (
     CREDENTIALS_FIX,
     Problem,
     config_advice_problems,
-    cpu_tier_floor_problems,
-    disk_size_missing_problems,
     looks_like_credential,
     on_tmpfs,
+    static_tier_problems,
     tier_problems,
     unconfigured_tier_problems,
     unused_tier_problems,
@@ -290,7 +289,7 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
         problems.extend(unused_tier_problems(key, extra, config))  # advice about a list never given
         problems.extend(unconfigured_tier_problems(key, extra, config))
     problems.extend(config_advice_problems(key, config))
-    problems.extend(cpu_tier_floor_problems(key, config) + disk_size_missing_problems(key, config))
+    problems.extend(static_tier_problems(key, config, host_checks))
     if config.tenant_quotas is not None and config.tenant_quotas.turns_nothing_on():
         problems.append(Problem("warning", f"{key}.tenant_quotas",
                                 "tenant_quotas gives no tenant a share (no default_share, no_salt_share or salts), "

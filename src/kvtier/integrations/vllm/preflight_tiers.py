@@ -16,7 +16,7 @@ from kvtier.core.config import GiB, KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.receiptsinks import receipt_sink_problems
 from kvtier.core.tiers import factory, registry
-from kvtier.core.tiers.disk.check import mount_of
+from kvtier.core.tiers.disk.check import mount_of, static_disk_path_problem
 from kvtier.core.tiers.node.settings import TIER as NODE_TIER
 from kvtier.core.tiers.node.settings import node_settings
 from kvtier.integrations.vllm.engine_config import AUTO_MIN_CHUNK_TOKENS
@@ -155,6 +155,16 @@ def _floor_problems(key: str, config: KVTierConfig, name: str, gib: float, examp
                             f"chunk ({chunk_bytes} bytes) {which}; set {name} to room for hundreds of chunks, "
                             f"e.g. {example}")]
     return []
+
+
+def static_tier_problems(key: str, config: KVTierConfig, host_checks: bool) -> list[Problem]:
+    """The tiers' checks that need no host (:func:`cpu_tier_floor_problems`,
+    :func:`disk_size_missing_problems`); without ``host_checks`` also a ``disk_path`` under a kernel
+    tree (:func:`~kvtier.core.tiers.disk.check.static_disk_path_problem`; with them the host's
+    filesystem check names it)."""
+    found = cpu_tier_floor_problems(key, config) + disk_size_missing_problems(key, config)
+    kernel = None if host_checks or not config.disk_path else static_disk_path_problem(config.disk_path)
+    return found + ([Problem("error", f"{key}.disk_path", kernel)] if kernel else [])
 
 
 def disk_size_missing_problems(key: str, config: KVTierConfig) -> list[Problem]:

@@ -23,6 +23,28 @@ PSEUDO_FILESYSTEMS = frozenset({
 """Kernel interfaces that look like directories but hold no files (proc(5), sysfs(5))."""
 
 
+KERNEL_TREES = ("/proc", "/sys", "/dev")
+"""Where every Linux host mounts kernel interfaces (proc, sysfs, devtmpfs): judged from the path
+alone, for a config that will run on another host (``kvtier audit``).  ``/dev/shm`` is tmpfs: not one."""
+
+
+def static_disk_path_problem(path: str) -> str | None:
+    """The sentence when ``path`` lies under a :data:`KERNEL_TREES` directory (not ``/dev/shm``), else
+    None: what :func:`disk_path_problem` finds on the serving host, from the path alone."""
+    norm = os.path.normpath(path)
+    tree = next((t for t in KERNEL_TREES if norm == t or norm.startswith(t + "/")), None)
+    if tree is None or norm == "/dev/shm" or norm.startswith("/dev/shm/"):
+        return None
+    return (f"disk_path {path!r} is under {tree}, where every Linux host mounts a kernel interface that cannot hold "
+            "chunk files; point it at a directory on a local disk (e.g. NVMe) (a static check of the path: the "
+            "serving host's filesystems were not inspected)")
+
+
+def size_words(num_bytes: float) -> str:
+    """``num_bytes`` in GiB, or in MiB under 1 GiB (an 8 MiB tmpfs is not "0.0 GiB")."""
+    return f"{num_bytes / GiB:.1f} GiB" if num_bytes >= GiB else f"{num_bytes / (1 << 20):.1f} MiB"
+
+
 def disk_path_problem(path: Path, disk_gib: float) -> tuple[str, str] | None:
     """``(key, sentence)`` of what makes ``path`` unfit to hold ``disk_gib`` GiB of chunk files
     (a file or under one, a kernel pseudo filesystem, not writable, too little free space), or None.
@@ -51,12 +73,12 @@ def disk_path_problem(path: Path, disk_gib: float) -> tuple[str, str] | None:
     used = dir_bytes(path) if path.exists() else 0
     if disk_gib * GiB > free + used:
         if path.exists():
-            return "disk_gib", (f"disk_gib={disk_gib} exceeds the {(free + used) / GiB:.1f} GiB free on "
+            return "disk_gib", (f"disk_gib={disk_gib} exceeds the {size_words(free + used)} free on "
                                 f"{str(path)!r}; lower disk_gib or free space")
         # a path that does not exist is named as such: the free space is its nearest existing parent's,
         # typically the root disk because the volume meant for the tier is not mounted
         return "disk_path", (f"disk_path {str(path)!r} does not exist, and disk_gib={disk_gib} exceeds the "
-                             f"{free / GiB:.1f} GiB free on {str(existing)!r}, its nearest existing parent, where it "
+                             f"{size_words(free)} free on {str(existing)!r}, its nearest existing parent, where it "
                              "would be created; mount the disk meant for the tier there (e.g. the NVMe volume), or "
                              "lower disk_gib")
     if not path.exists():  # a check creates nothing: the tier creates it at start-up (DiskTier)

@@ -111,6 +111,7 @@ class DiskTier(DirectorySync, DiskReads, Tier):
         self._closed = False
         self._write_errors_logged = 0  # write_errors when the last warning line was logged
         self._write_warned_at = -WRITE_WARNING_INTERVAL_S  # time.monotonic() of that line
+        self.last_write_error = ""  # why the last chunk write failed ("No space left on device"), "" before any
         self._lock = threading.Lock()
         self._key_to_size: dict[ChunkKey, int] = {}
         self._used = 0
@@ -258,6 +259,7 @@ class DiskTier(DirectorySync, DiskReads, Tier):
                     self._recreate_locked()
                     return PutResult.FAILED
                 self.write_errors += 1
+                self.last_write_error = exc.strerror or str(exc)
                 now = time.monotonic()
                 if now - self._write_warned_at < WRITE_WARNING_INTERVAL_S:
                     return PutResult.FAILED

@@ -41,6 +41,8 @@ class NodeBlobs:
     verifies_values = False
     auth_fix = "the node pool takes no credentials: check node_socket's permissions"
     address_key = "node_socket"
+    kind = "node pool"  # a host's pool behind a UNIX socket, not a network server
+    reach_fix = "run its owner (kvtier node serve --socket at that path) on this host"
     space = ""
 
     def __init__(self, client: NodeClient) -> None:

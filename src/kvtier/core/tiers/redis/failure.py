@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from kvtier.core.tiers.probe import ProbeState
     from kvtier.core.tiers.redis.settings import RedisSettings
 
-AUTH_FIX = "fix redis_password_env or redis_password_file (or the server's requirepass/ACL)"
+AUTH_FIX = "fix redis_password_env, redis_password_file or the password in redis_url (or the server's requirepass/ACL)"
 """What the probe tells the operator to change when the server refuses the credentials."""
 
 
@@ -73,10 +73,21 @@ def _accepts(config: RedisSettings, timeout_s: float) -> bool:
 
 
 def _auth_detail(config: RedisSettings, exc: BaseException) -> str:
-    """Why authentication failed: no password configured for a server that wants one, or a refused one."""
-    if not (config.redis_password_env or config.redis_password_file):
+    """Why authentication failed: a password refused (``WRONGPASS``, "invalid password"), or none
+    configured for a server that wants one (``NOAUTH``); a password counts as configured from
+    ``redis_password_env``, ``redis_password_file`` or the URL itself (``redis://:PASSWORD@host``)."""
+    from urllib.parse import urlsplit
+
+    text = _first_line(exc)
+    in_url = bool(urlsplit(config.redis_url or "").password)
+    configured = in_url or bool(config.redis_password_env or config.redis_password_file)
+    refused = text.upper().startswith("WRONGPASS") or "invalid password" in text.lower() \
+        or "invalid username-password" in text.lower()
+    if not configured and not refused:
         return "the server requires a password and none is configured"
-    return f"the server refused the password: {_first_line(exc)}"
+    if in_url and not (config.redis_password_env or config.redis_password_file):
+        return f"the server refused the password in redis_url: {text}"
+    return f"the server refused the password: {text}"
 
 
 def _reason(exc: BaseException) -> str:

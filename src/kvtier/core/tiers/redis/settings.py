@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvtier.core.config import redact_url
@@ -93,6 +93,18 @@ class RedisSettings(BaseSettings):
         if database and not database.isdigit():  # redis-py reads the path as the database number
             raise ValueError(f"redis_url's database {database!r} must be a number, e.g. redis://10.0.0.5:6379/0")
         return value
+
+    @model_validator(mode="after")
+    def _one_password(self) -> RedisSettings:
+        # redis-py takes a URL's password over the one passed beside it; the client reads the env before the file
+        if self.redis_url and urlsplit(self.redis_url).password and (self.redis_password_file or self.redis_password_env):
+            given = "redis_password_file" if self.redis_password_file else "redis_password_env"
+            raise ValueError(f"give one of a password in redis_url or {given}, not both (one would never be "
+                             f"used); remove the password from redis_url")
+        if self.redis_password_file and self.redis_password_env:
+            raise ValueError("give one of redis_password_env or redis_password_file, not both (the file would never "
+                             "be read)")
+        return self
 
     def public_dict(self) -> dict[str, Any]:
         """The settings with the URL's password (and user) hidden, safe to log or export."""

@@ -175,20 +175,37 @@ def unreachable(text: str) -> bool:
     return any(mark in lowered for mark in UNREACHABLE_MARKS)
 
 
-def endpoint_answers(settings: S3Settings, timeout_s: float) -> bool:
-    """Whether a TCP connection to the endpoint (``s3_endpoint_url``, else the region's AWS
-    endpoint on 443) opens within ``timeout_s`` seconds: told apart from missing credentials."""
+def endpoint_answers(settings: S3Settings, timeout_s: float) -> str | None:
+    """Why the endpoint (``s3_endpoint_url``, else the region's AWS endpoint on 443) cannot be
+    reached, or None when it answers an HTTP ``HEAD /`` (any status, a certificate it fails to
+    verify included) within ``timeout_s`` seconds: told apart from missing credentials."""
+    import http.client
     import socket
+    import ssl
     from urllib.parse import urlsplit
 
     url = settings.s3_endpoint_url or f"https://s3.{settings.s3_region}.amazonaws.com"
     parts = urlsplit(url)
-    port = parts.port or (443 if parts.scheme == "https" else 80)
+    https = parts.scheme == "https"
+    port = parts.port or (443 if https else 80)
+    timeout_s = max(timeout_s, 0.05)
     try:
-        with socket.create_connection((parts.hostname or "", port), timeout=max(timeout_s, 0.05)):
-            return True
+        socket.create_connection((parts.hostname or "", port), timeout=timeout_s).close()
     except OSError:
-        return False
+        return "nothing accepts connections at the endpoint"
+    conn = (http.client.HTTPSConnection(parts.hostname or "", port, timeout=timeout_s) if https
+            else http.client.HTTPConnection(parts.hostname or "", port, timeout=timeout_s))
+    try:
+        conn.request("HEAD", "/")
+        conn.getresponse()
+    except ssl.SSLCertVerificationError:
+        return None  # it answered the TLS handshake
+    except (OSError, http.client.HTTPException):
+        return (f"the endpoint accepted the connection but did not answer an HTTP request within {timeout_s:g} s "
+                "(a stalled server, or not an S3 endpoint)")
+    finally:
+        conn.close()
+    return None
 
 
 def describe_failure(exc: BaseException, settings: S3Settings, timeout_s: float) -> tuple[str, str]:
@@ -201,8 +218,8 @@ def describe_failure(exc: BaseException, settings: S3Settings, timeout_s: float)
     if isinstance(exc, (PermissionDeniedError, UnauthenticatedError)):
         return "auth failed", "the server refused the credentials (403)"
     if any(host in text for host in METADATA_HOSTS):
-        if not endpoint_answers(settings, timeout_s):
-            return "unreachable", "nothing accepts connections at the endpoint; no credentials are set either"
+        if (why := endpoint_answers(settings, timeout_s)) is not None:
+            return "unreachable", f"{why}; no credentials are set either"
         return "auth failed", ("no credentials: none in the environment or s3_credentials_file, and no instance or "
                                "container credentials answered")
     if unreachable(text):

@@ -22,6 +22,7 @@ from kvtier.integrations.vllm.worker.layout import KVLayout
 from kvtier.integrations.vllm.worker.loader import AsyncLoader
 from kvtier.integrations.vllm.worker.registration import Registered, key_root, register, tp_rank
 from kvtier.integrations.vllm.worker.saves import SaveQueue, save_jobs
+from kvtier.integrations.vllm.worker.shutdownflush import flush_line, flush_on_stop
 
 if TYPE_CHECKING:  # imports vLLM; the worker side itself runs without it (scripts/gpu_check.py --mode runner)
     from kvtier.integrations.vllm.stats import KVTierStats
@@ -280,17 +281,11 @@ class WorkerSide:
             self.layer_loads.drain(self.config.load_wait_s)
         if self.saver is not None:  # deferred saves publish before the flush writes dirty chunks
             self.saver.close(self.config.shutdown_flush_s / 2)
-        t0 = time.monotonic()
-        written, missed = self.store.flush_dirty(self.config.shutdown_flush_s)
-        if missed:
-            log.warning("kvtier: rank %d shutdown flush wrote %d dirty chunks to disk in %.1f s; %d (%.1f MiB) "
-                        "missed shutdown_flush_s=%s and are lost", self.tp_rank, written, time.monotonic() - t0,
-                        missed, missed * self.store.chunk_bytes / (1 << 20), self.config.shutdown_flush_s)
-        else:  # logged with nothing dirty too, so that an operator can tell the graceful path ran
-            log.info("kvtier: rank %d shutdown flush wrote %d dirty chunks to disk in %.1f s",
-                     self.tp_rank, written, time.monotonic() - t0)
+        flushed = flush_on_stop(self.store, self.config.shutdown_flush_s)
+        # logged with nothing dirty too, so that an operator can tell the graceful path ran
+        log.log(*flush_line(flushed, self.tp_rank, self.store.chunk_bytes, self.config.shutdown_flush_s))
         t1 = time.monotonic()
-        self.store.close(timeout_s=max(self.config.shutdown_flush_s - (t1 - t0), 1.0))
+        self.store.close(timeout_s=max(self.config.shutdown_flush_s - flushed.seconds, 1.0))
         if time.monotonic() - t1 > 1.0:  # vLLM sends SIGTERM after VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5)
             log.warning("kvtier: rank %d store close (queued writes, tier threads) took %.1f s",
                         self.tp_rank, time.monotonic() - t1)
