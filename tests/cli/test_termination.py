@@ -26,7 +26,8 @@ proc = None
 try:
     proc = subprocess.Popen(["sleep", sys.argv[1]], preexec_fn=lambda: time.sleep(1.0),
                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    print("started", flush=True)
+    sys.stdout.write("started\\n")  # one write: print() writes the newline apart, and a SIGTERM that a
+    sys.stdout.flush()              # loaded host delays past Popen could land between the two
     time.sleep(30)
 finally:
     if proc is not None:
