@@ -195,34 +195,36 @@ class Causes:
         return self.misses[0] if self.misses else None
 
 
-def _delta(now: float, then: float) -> float:
-    return now - then if now >= then else now  # a restart: the counter starts again
+def counter_delta(now: float, then: float) -> float:
+    """How much a counter rose from ``then`` to ``now``; ``now`` itself when it went down (the
+    engine restarted and the counter started again)."""
+    return now - then if now >= then else now
 
 
 def causes_between(before: CauseSeries, after: CauseSeries, capacity_bytes: dict[str, float]) -> Causes:
     """The deltas of ``after`` over ``before``; ``capacity_bytes``: ``after``'s tiers' capacities."""
     if not after.present:
         return Causes(present=False)
-    missed = {k: _delta(v, before.missed.get(k, 0.0)) for k, v in after.missed.items()}
+    missed = {k: counter_delta(v, before.missed.get(k, 0.0)) for k, v in after.missed.items()}
     total = sum(missed.values())
     ranked = sorted(((k, v) for k, v in missed.items() if v > 0), key=lambda kv: (-kv[1], kv[0]))
     misses = tuple(Miss(reason, tier, tokens, tokens / total) for (reason, tier), tokens in ranked)
     sizes: dict[str, TierSize] = {}
     for tier, buckets in after.ghost.items():
         then = before.ghost.get(tier, {})
-        delta = {le: _delta(n, then.get(le, 0.0)) for le, n in buckets.items()}
+        delta = {le: counter_delta(n, then.get(le, 0.0)) for le, n in buckets.items()}
         if any(n < 0 for n in delta.values()) or tier not in capacity_bytes:
             continue
         hits = delta.get(math.inf, 0.0)
         sizes[tier] = TierSize(tier, capacity_bytes[tier], hits, histogram_quantile(SIZE_QUANTILE, delta),
                                beyond_finite_buckets(SIZE_QUANTILE, delta))
-    seconds = _delta(after.prefill_seconds, before.prefill_seconds)
-    computed = _delta(after.computed_tokens, before.computed_tokens)
+    seconds = counter_delta(after.prefill_seconds, before.prefill_seconds)
+    computed = counter_delta(after.computed_tokens, before.computed_tokens)
     rate = computed / seconds if seconds > 0 and computed > 0 else None
     per_tenant = any(tenant for _tier, tenant in after.served)
     savings = []
     for (tier, tenant), value in sorted(after.served.items()):
-        tokens = _delta(value, before.served.get((tier, tenant), 0.0))
+        tokens = counter_delta(value, before.served.get((tier, tenant), 0.0))
         saved = tokens / rate if rate else None
         capacity = capacity_bytes.get(tier, 0.0)
         per_gib = saved / (capacity / GIB) if saved is not None and capacity > 0 and not per_tenant else None

@@ -22,6 +22,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from kvtier.doctor.causes import counter_delta
+
 WRITE_ERRORS = re.compile(r"kvtier_([a-z0-9_]+)_write_errors")
 """vLLM's per-tier write-error counter, ``kvtier_<tier>_write_errors`` (``_total``)."""
 STORE_WRITE_ERRORS = "kvtier_write_errors"
@@ -74,18 +76,15 @@ class LocalFaults:
     corrupt_chunks: float
 
 
-def _delta(now: float, then: float) -> float:
-    return now - then if now >= then else now  # a restart: the counter starts again
-
-
 def faults_between(before: FaultSeries, after: FaultSeries) -> LocalFaults | None:
     """The deltas of ``after`` over ``before``; None when ``after`` has no fault counter."""
     if not after.present:
         return None
-    errors = {tier: _delta(n, before.write_errors.get(tier, 0.0)) for tier, n in sorted(after.write_errors.items())}
+    errors = {tier: counter_delta(n, before.write_errors.get(tier, 0.0))
+              for tier, n in sorted(after.write_errors.items())}
     return LocalFaults({tier: n for tier, n in errors.items() if n > 0},
-                       _delta(after.dropped_saves, before.dropped_saves),
-                       _delta(after.corrupt_chunks, before.corrupt_chunks))
+                       counter_delta(after.dropped_saves, before.dropped_saves),
+                       counter_delta(after.corrupt_chunks, before.corrupt_chunks))
 
 
 def fault_checks(f: LocalFaults) -> list[tuple[FaultLevel, str]]:

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, field
 
 from kvtier.core.tiers.registry import tier_rank
-from kvtier.doctor.causes import Causes, causes_between
+from kvtier.doctor.causes import Causes, causes_between, counter_delta
 from kvtier.doctor.faults import LocalFaults, faults_between
 from kvtier.doctor.quantile import histogram_quantile
 from kvtier.doctor.snapshot import Snapshot
@@ -84,21 +84,18 @@ def shared_tiers(before: Snapshot, after: Snapshot) -> tuple[SharedTier, ...]:
     """Every shared tier ``after`` shows (its ``kvtier_<tier>_breaker_state`` gauge), in the
     registry's order (an unregistered tier first); the scheduler's lookups go to the first.  A
     counter lower in ``after`` (a restart) counts from zero."""
-    def delta(now: float, then: float) -> float:
-        return now - then if now >= then else now
-
     def shared(name: str) -> float:
-        return delta(after.shared.get(name, 0.0), before.shared.get(name, 0.0))
+        return counter_delta(after.shared.get(name, 0.0), before.shared.get(name, 0.0))
 
     out = []
     for i, tier in enumerate(sorted(after.tiers_wire, key=lambda t: (tier_rank(t), t))):
         now, then = after.tiers_wire[tier], before.tiers_wire.get(tier, {})
 
         def wire(name: str, now: dict[str, float] = now, then: dict[str, float] = then) -> float:
-            return delta(now.get(name, 0.0), then.get(name, 0.0))
+            return counter_delta(now.get(name, 0.0), then.get(name, 0.0))
 
         first = i == 0
-        loaded = delta(after.kvtier_loaded.get(tier, 0.0), before.kvtier_loaded.get(tier, 0.0))
+        loaded = counter_delta(after.kvtier_loaded.get(tier, 0.0), before.kvtier_loaded.get(tier, 0.0))
         out.append(SharedTier(shared("kvtier_shared_lookup_chunks") if first else 0.0,
                               shared("kvtier_shared_lookup_hit_chunks") if first else 0.0,
                               shared("kvtier_shared_lookups_timed_out") if first else 0.0,
