@@ -252,9 +252,9 @@ def test_every_test_that_starts_a_vllm_engine_carries_the_engine_marker():
 MAX_LINES = 400
 """The longest a source file may be (issue 33: no file in src/kvtier over 400 lines)."""
 
-SIZE_CHECKED = ("src/kvtier/integrations/vllm", "src/kvtier/core")
-"""Packages held to :data:`MAX_LINES` so far (issue 33 item 7: the vLLM integration split by side;
-items 1-2: the core's store as index + mover, its 596-line store.py gone)."""
+SIZE_CHECKED = ("src/kvtier",)
+"""The whole package is held to :data:`MAX_LINES` (issue 33: "no file in src/kvtier over 400 lines";
+until 2026-12-06 only ``core`` and ``integrations/vllm`` were, and ``cli/size.py`` had grown to 404)."""
 
 
 def test_files_of_the_checked_packages_stay_under_the_line_limit():
