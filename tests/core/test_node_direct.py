@@ -12,6 +12,9 @@ hit copied once, from the pool's pages into its KV blocks; :class:`Scatter`,
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -173,3 +176,65 @@ def test_a_scatter_writes_nowhere_but_its_targets(block_bytes):
                             block_bytes)
     assert list(dst[28:37]) == [7, 7, 2, 3, 4, 5, 6, 7, 7] and int(np.count_nonzero(dst == 7)) == 59
     assert digest == one_shot(None, b"", bytes(range(10)))
+
+
+def test_deferred_scatters_are_built_on_the_loading_thread_while_the_pin_is_in_flight(node_server):
+    """A load whose ``into`` hands out scatters without their runs (:meth:`Scatter.later`, as the
+    engine's :class:`~kvtier.integrations.vllm.worker.direct.DirectTargets` does): each scatter's runs
+    are computed once, on the thread that called ``prepare_load``, before the pin's reply is back
+    (the node tier's fetch held 0.2 s here), and the chunks land in them.  A scatter whose runs
+    cannot be built fails the load on the caller's thread (a ``ValueError``), not the tier: the
+    next load is served."""
+    chunk = 24 * RUN
+    config = KVTierConfig.from_dict({"chunk_tokens": CHUNK_TOKENS, "cpu_gib": 16 * chunk / GiB, "tiers": ["cpu", "node"],
+                                     "node_socket": node_server.socket, "shared_deadline_s": 5.0,
+                                     "shared_transfer_deadline_s": 5.0, "node_timeout_s": 5.0})
+    a, b = TieredStore(config, DIRECT_NS, chunk), TieredStore(config, DIRECT_NS, chunk)
+    try:
+        chain = chunk_keys(request_root(DIRECT_NS, cache_salt="later"), np.arange(3 * CHUNK_TOKENS), CHUNK_TOKENS)
+        datas = [np.frombuffer(payload(chunk, 40 + i), dtype=np.uint8) for i in range(3)]
+        a.put(chain, datas)
+        assert a.flush(60.0)
+        inner = unwrap(b.index.shared[0].tier)
+        assert isinstance(inner, NodeTier)
+        events: list[tuple[str, int]] = []
+        real_fetch = inner.fetch_many
+
+        def slow_fetch(keys):  # the real pin, its reply held back 0.2 s
+            pins = real_fetch(keys)
+            time.sleep(0.2)
+            events.append(("pin back", threading.get_ident()))
+            return pins
+        inner.fetch_many = slow_fetch  # type: ignore[method-assign]
+        cache = np.zeros(3 * chunk, dtype=np.uint8)
+        runs = {pos: [(at, to + pos * chunk, n) for at, to, n in shuffled_runs(chunk, pos)] for pos in range(3)}
+
+        def into(pos: int) -> Scatter:
+            def fill() -> tuple[list[int], list[memoryview]]:
+                events.append(("fill", threading.get_ident()))
+                built = scatter_over(cache, chunk, runs[pos])
+                return built.offsets, built.targets
+            return Scatter.later(chunk, fill)
+
+        handle = b.prepare_load(chain, read_ahead=True, into=into)
+        assert handle.ready_chunks() == handle.num_chunks == 3
+        b.complete_load(handle, True)
+        me = threading.get_ident()
+        assert events[:3] == [("fill", me)] * 3 and events[3][0] == "pin back" and events[3][1] != me
+        assert len(events) == 4  # each scatter's runs built once
+        for pos in range(3):
+            assert all(np.array_equal(cache[to:to + n], datas[pos][at:at + n]) for at, to, n in runs[pos]), pos
+
+        def refused() -> tuple[list[int], list[memoryview]]:
+            raise ValueError("block ids outside the cache")
+        with pytest.raises(ValueError, match="outside the cache"):
+            b.prepare_load(chain[:1], read_ahead=True, into=lambda pos: Scatter.later(chunk, refused))
+        assert b.index.shared[0].tier.breaker.state.name.lower() == "closed"
+        cache[:] = 0
+        handle = b.prepare_load(chain[:1], read_ahead=True, into=into)
+        assert handle.num_chunks == 1
+        b.complete_load(handle, True)
+        assert all(np.array_equal(cache[to:to + n], datas[0][at:at + n]) for at, to, n in runs[0])
+    finally:
+        a.close()
+        b.close()

@@ -36,7 +36,7 @@ and a half on the caller's thread:
   buffer.  ``finish_get`` (caller's thread, only after the fetch returned in time) verifies each
   value and copies its payload into the caller's buffer: the one copy a read needs.  It touches
   no network; the wrapper then deletes every ``CORRUPT`` key through its own guarded
-  ``delete_many``.
+  ``delete_many``.  A tier's ``while_fetching(dsts)``, if any, runs on the caller's thread meanwhile.
 - **Writes**: ``stream_put`` returns a :class:`PutStream`: ``send`` on the wrapper's threads while
   ``produce`` (digests, or whole encoded values) runs on the caller's thread, then ``abandon``
   once the caller stops waiting, so a write given up at the deadline stops before its next
@@ -117,9 +117,8 @@ class SplitTier(Protocol):
                    records: TenantRecords | None = None) -> list[GetResult]:
         """Verify what :meth:`fetch_many` returned in time and copy each payload into ``dsts[i]``
         (``MISS``: absent; ``CORRUPT``: failed verification, counted and forgotten), each verified
-        value's tenant record into ``records``.  Runs on the
-        caller's thread and touches no network: the wrapper deletes every ``CORRUPT`` key
-        afterwards (a guarded ``delete_many``)."""
+        value's tenant record into ``records``.  Runs on the caller's thread and touches no
+        network: the wrapper deletes every ``CORRUPT`` key afterwards (a guarded ``delete_many``)."""
 
     def stream_put(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes],
                    tenants: Sequence[Writer | None] | None = None) -> PutStream:
@@ -267,8 +266,9 @@ class GuardedTier(TierWrapper):
             return []
         fault: list[str] | None = [] if why is not None else None
         if (split := self._split) is not None:  # the wire half under the deadline, then verify on this thread
-            results = split_get(split, keys, dsts, lambda: self._call("get", lambda: split.fetch_many(keys),
-                                                                      fault=fault), self.delete_many, records)
+            during = (lambda _d: prepare(dsts)) if (prepare := getattr(split, "while_fetching", None)) else None
+            results = split_get(split, keys, dsts, lambda: self._call("get", lambda: split.fetch_many(keys), during,
+                                fault=fault), self.delete_many, records)
             if fault and why is not None:
                 why.update(dict.fromkeys(keys, fault[0]))
             return results

@@ -41,6 +41,7 @@ META_OFFSET = 2048
 ALIGN_BYTES = 2 << 20
 """The data offset's alignment: a 2 MiB huge page (x86-64's default hugetlbfs page size)."""
 _HEADER = struct.Struct("<8s16sQQQQQ")
+_GEN = struct.Struct("<Q")
 
 
 class PoolError(OSError):
@@ -103,24 +104,25 @@ class Pool:
         return max(1, -(-nbytes // self.page_bytes))
 
     def same_generation(self, page: int, nbytes: int, gen: int) -> bool:
-        """Whether every page of the value at ``page`` still carries generation ``gen``."""
-        return bool((self.gens[page:page + self.pages_of(nbytes)] == gen).all())
+        """Whether every page of the value at ``page`` still carries generation ``gen`` (and it
+        ends within the pool)."""
+        n = self.pages_of(nbytes)
+        return 0 <= page and page + n <= self.num_pages and \
+            self.gens[page:page + n].tobytes() == _GEN.pack(gen) * n
 
     def same_generations(self, values: Sequence[tuple[int, int, int, int]]) -> list[bool]:
         """Per pinned value ``(lease, first page, value bytes, generation)`` (a ``pin`` reply's),
-        whether every page of it still carries the pin's generation: :meth:`same_generation` of
-        a whole batch in a few array operations.  A value reaching past the last page: ``False``."""
-        if len(values) < 2:
-            return [self.same_generation(v[1], v[2], v[3]) and v[1] + self.pages_of(v[2]) <= self.num_pages
-                    for v in values]
-        pins = np.array(values, dtype=np.int64).reshape(len(values), 4)
-        first, counts = pins[:, 1], np.maximum(1, (pins[:, 2] + self.page_bytes - 1) // self.page_bytes)
-        inside = first + counts <= self.num_pages
-        counts = np.where(inside, counts, 1)  # past the end: one page looked at, the answer False anyway
-        starts = np.cumsum(counts) - counts
-        pages = np.repeat(np.where(inside, first, 0) - starts, counts) + np.arange(int(counts.sum()))
-        same = self.gens[pages] == np.repeat(pins[:, 3].astype(np.uint64), counts)
-        return (np.logical_and.reduceat(same, starts) & inside).tolist()
+        whether every page of it still carries the pin's generation (:meth:`same_generation`; a
+        value reaching past the last page: ``False``).  Only the read values' own generation words
+        are looked at, compared as bytes: no array pass, no temporary arrays, and nothing that lets
+        another thread take the GIL in the middle of a load (a numpy pass over a 31-value batch
+        cost 0.02 ms alone and 0.3-1.2 ms in an engine, 2026-12-06)."""
+        gens, page_bytes, num_pages, pack = self.gens, self.page_bytes, self.num_pages, _GEN.pack
+        out = []
+        for _lease, page, nbytes, gen in values:
+            n = max(1, -(-nbytes // page_bytes))
+            out.append(0 <= page and page + n <= num_pages and gens[page:page + n].tobytes() == pack(gen) * n)
+        return out
 
     def set_epoch(self, epoch: int) -> None:
         """Write ``epoch`` into the header (the owner, on start)."""

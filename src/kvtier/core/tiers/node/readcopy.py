@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import hmac
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -92,7 +93,7 @@ class Scatter:
             Payload bytes no run takes are hashed where they lie, not copied.
     """
 
-    __slots__ = ("nbytes", "offsets", "targets")
+    __slots__ = ("_fill", "nbytes", "offsets", "targets")
 
     def __init__(self, nbytes: int, offsets: list[int], targets: list[memoryview]) -> None:
         if len(offsets) != len(targets):
@@ -106,6 +107,7 @@ class Scatter:
             raise ValueError(f"runs end at {end}, past the payload's {nbytes} bytes")
         self.nbytes = nbytes
         self.offsets, self.targets = offsets, targets
+        self._fill: Callable[[], tuple[list[int], list[memoryview]]] | None = None
 
     @classmethod
     def built(cls, nbytes: int, offsets: list[int], targets: list[memoryview]) -> Scatter:
@@ -113,8 +115,28 @@ class Scatter:
         overlapping, within ``nbytes``, flat writable bytes: :class:`~kvtier.integrations.vllm.worker.direct.DirectTargets`
         from the cache's layout), without the check per run (a load's ~1,500 runs: ~0.5 ms)."""
         scatter = cls.__new__(cls)
-        scatter.nbytes, scatter.offsets, scatter.targets = nbytes, offsets, targets
+        scatter.nbytes, scatter.offsets, scatter.targets, scatter._fill = nbytes, offsets, targets, None
         return scatter
+
+    @classmethod
+    def later(cls, nbytes: int, fill: Callable[[], tuple[list[int], list[memoryview]]]) -> Scatter:
+        """A scatter whose runs ``fill()`` computes (as :meth:`built`'s, unchecked) when first needed
+        (:meth:`ready`): a load plans its node-tier reads without their runs, and they are built on
+        the load's thread while its pin is in flight (:meth:`~kvtier.core.tiers.node.tier.NodeTier.while_fetching`),
+        or at the copy at the latest."""
+        scatter = cls.built(nbytes, [], [])
+        scatter._fill = fill
+        return scatter
+
+    def ready(self) -> Scatter:
+        """This scatter with its runs computed (once).
+
+        Raises:
+            ValueError: ``fill`` refused (its runs do not fit the cache); it is asked again next time."""
+        if self._fill is not None:
+            self.offsets, self.targets = self._fill()
+            self._fill = None
+        return self
 
 
 def scatter_hashed(hasher: envelope.Hasher | None, src: memoryview, dst: Scatter,
@@ -129,6 +151,7 @@ def scatter_hashed(hasher: envelope.Hasher | None, src: memoryview, dst: Scatter
         ValueError: ``src`` is not ``dst.nbytes`` long, or ``block_bytes`` < 1."""
     if src.nbytes != dst.nbytes or block_bytes < 1:
         raise ValueError(f"cannot scatter {src.nbytes} bytes as {dst.nbytes} in blocks of {block_bytes}")
+    dst.ready()
     if hasher is None:
         for at, target in zip(dst.offsets, dst.targets):
             target[:] = src[at:at + target.nbytes]

@@ -27,6 +27,7 @@ misses and its breaker).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -46,7 +47,7 @@ from kvtier.core.tiers.node.client import NodeClient
 from kvtier.core.tiers.node.memory import PoolMemory
 from kvtier.core.tiers.node.pool import Pool
 from kvtier.core.tiers.node.presence import lookup
-from kvtier.core.tiers.node.readcopy import Copied, Pending, Verifier
+from kvtier.core.tiers.node.readcopy import Copied, Pending, Scatter, Verifier
 
 log = logging.getLogger(__name__)
 Pins = tuple[list[tuple[int, int, int, int] | None], Pool, int]
@@ -124,6 +125,17 @@ class NodeTier(PoolMemory, EnvelopeTier):
         reply, pool, serial = self.client.call(lambda rel: p.Pin(self.namespace, self._keys(keys), rel))
         assert isinstance(reply, p.Pinned)
         return reply.leases, pool, serial
+
+    def while_fetching(self, dsts: Sequence[memoryview | Scatter]) -> None:
+        """(:class:`~kvtier.core.tiers.guarded.GuardedTier`, on the caller's thread while
+        ``fetch_many``'s pin is in flight) Compute the runs of the :class:`Scatter` destinations
+        that were planned without them (:meth:`Scatter.later`), so the round trip to the owner hides
+        them.  One that cannot be built is left to fail at its copy (a refusal here is not the
+        tier's fault)."""
+        for dst in dsts:
+            if isinstance(dst, Scatter):
+                with contextlib.suppress(ValueError):
+                    dst.ready()
 
     def finish_get(self, keys: Sequence[ChunkKey], fetched: Pins, dsts: Sequence[memoryview],
                    records: TenantRecords | None = None) -> list[GetResult]:

@@ -136,15 +136,20 @@ class DirectTargets:
 
     def into(self, job: LoadJob) -> Into:
         """``prepare_load``'s ``into`` for ``job``: every chunk the shared tier reads goes to its
-        blocks (every page's runs built at the first such chunk, :meth:`scatters`; a load the cpu
-        tier serves whole builds none)."""
+        blocks.  The plan gets each such chunk's scatter without its runs (:meth:`Scatter.later`);
+        every page's runs are built at once (:meth:`scatters`) when the first is needed: while the
+        node tier's pin is in flight (:meth:`~kvtier.core.tiers.node.tier.NodeTier.while_fetching`),
+        off the index's lock; a load the cpu tier serves whole builds none."""
         pages = job.pages
         built: list[Scatter] = []
+
+        def runs(pos: int) -> tuple[list[int], list[memoryview]]:
+            if not built:
+                built.extend(self.scatters([(p.first_slot, p.block_ids) for p in pages]))
+            return built[pos].offsets, built[pos].targets
 
         def into(pos: int) -> Scatter | None:
             if pos >= len(pages):
                 return None
-            if not built:
-                built.extend(self.scatters([(p.first_slot, p.block_ids) for p in pages]))
-            return built[pos]
+            return Scatter.later(self.page_bytes, lambda: runs(pos))
         return into
