@@ -106,14 +106,16 @@ def test_sliding_window_model_served_from_cpu_disk_and_another_engine_through_th
     restarted = spec_for(model, "tiny-swa", tmp_path / "disk", 64, [generate(prompt)])
     restarted["engine"]["block_size"] = 64
     second = run_engine(restarted, tmp_path, "second", env=ENV)
+    # B starts beside A2 (both after A: A2's disk and B's Redis hold what A saved); neither writes what
+    # the other reads, and each runs its own steps to the end
+    b = {"model": str(model), "kvtier": {"chunk_tokens": 64, "cpu_gib": 0.25, **shared}, "steps": [generate(prompt)],
+         "engine": spec["engine"]}
+    b_proc = run_engine(b, tmp_path, "b", env=ENV)
     out2 = result_of(second, tmp_path, "second")
     assert out2["metrics"]["kvtier_loaded_tokens_total{disk}"] == boundary
     assert (out2["results"][0][0]["tokens"], out2["results"][0][0]["logprobs"]) == (own["tokens"], own["logprobs"])
 
-
-    b = {"model": str(model), "kvtier": {"chunk_tokens": 64, "cpu_gib": 0.25, **shared}, "steps": [generate(prompt)],
-         "engine": spec["engine"]}
-    served = result_of(run_engine(b, tmp_path, "b", env=ENV), tmp_path, "b")
+    served = result_of(b_proc, tmp_path, "b")
     m = served["metrics"]
     assert m["kvtier_loaded_tokens_total{redis}"] == boundary == m["vllm:external_prefix_cache_hits_total"]
     assert m["kvtier_shared_lookup_hit_chunks_total"] == boundary // 64 + 1  # pages: every full chunk + 1 window

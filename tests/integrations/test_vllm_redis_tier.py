@@ -14,12 +14,16 @@ a ``kv_producer``, computes every prompt once and is the recompute reference of 
 - before that, engines C and D read a third prompt through a slow proxy: C's ``load_wait_s``
   cuts a slow load and only its tail is recomputed; D's transfer deadline fails every load and
   the request is recomputed after one failed load.
+
+C, D and B start beside A (an engine's start-up is most of its time here), and each takes its first
+step only once the engine before it is done: the engines step one after the other, A, C, D, B.
 """
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,6 +38,30 @@ LOADABLE = 6 * 64
 # vLLM reserves one more core when a connector is set: pin it, so that every engine compared runs
 # its forward passes on the same number of threads.
 EQUAL_THREADS = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+
+
+GATED_S = 900
+"""Seconds an engine started beside the one before it may run in all (its gate, then its steps)."""
+
+
+def after(gate: Path) -> dict[str, object]:
+    """A first step that waits until the test writes ``gate`` (the engine before this one is done)."""
+    return {"op": "wait", "path": str(gate), "timeout_s": GATED_S}
+
+
+def _check_producer(made: dict[str, Any], server: Any, key_prefix: str) -> None:
+    """Engine A (the producer) hit nothing and saved every whole chunk of the three prompts, each in
+    Redis as one verifiable kvtier value (write-through)."""
+    assert made["metrics"]["vllm:external_prefix_cache_hits_total"] == 0
+    assert made["metrics"]["kvtier_saved_tokens_total"] == 3 * LOADABLE
+    client = server.client()
+    assert wait_until(lambda: len(list(client.scan_iter(match=f"{key_prefix}*".encode()))) == 3 * 6, 30)
+    for rk in client.scan_iter(match=f"{key_prefix}*".encode()):  # one value per saved chunk (TP 1)
+        value = client.get(rk)
+        namespace, key = value[8:24], bytes.fromhex(rk.decode().rsplit(":", 1)[1])
+        assert rk.decode().startswith(f"{key_prefix}{namespace.hex()}:")
+        decoded = ValueCodec(namespace, None).decode(key, value, len(value))  # raises unless it verifies
+        assert decoded.length == len(value) - HEADER_BYTES > 0
 
 
 def test_a_prefix_saved_by_one_engine_is_served_from_redis_to_others_slow_loads_and_a_dead_redis_recompute(
@@ -51,19 +79,14 @@ def test_a_prefix_saved_by_one_engine_is_served_from_redis_to_others_slow_loads_
     # Engine A, a kv_producer (saves only), computes every prompt: the recompute reference.
     # A, C and D run their worker in the runner's process; B, the plain load from Redis, keeps its
     # connector halves in separate processes (tests/engine_layout.py)
-    made = result_of(run_engine({"model": str(tiny_model), "role": "kv_producer", "steps": gen, "kvtier": kvtier,
-                                 "engine": WORKER_IN_RUNNER}, tmp_path, "a", env=EQUAL_THREADS), tmp_path, "a")
-    assert made["metrics"]["vllm:external_prefix_cache_hits_total"] == 0
-    assert made["metrics"]["kvtier_saved_tokens_total"] == 3 * LOADABLE
-    client = server.client()
-    assert wait_until(lambda: len(list(client.scan_iter(match=f"{key_prefix}*".encode()))) == 3 * 6, 30)
-    for rk in client.scan_iter(match=f"{key_prefix}*".encode()):  # one value per saved chunk (TP 1)
-        value = client.get(rk)
-        namespace, key = value[8:24], bytes.fromhex(rk.decode().rsplit(":", 1)[1])
-        assert rk.decode().startswith(f"{key_prefix}{namespace.hex()}:")
-        decoded = ValueCodec(namespace, None).decode(key, value, len(value))  # raises unless it verifies
-        assert decoded.length == len(value) - HEADER_BYTES > 0
-
+    made_proc = run_engine({"model": str(tiny_model), "role": "kv_producer", "steps": gen, "kvtier": kvtier,
+                            "engine": WORKER_IN_RUNNER}, tmp_path, "a", env=EQUAL_THREADS)
+    # C, D and B start now, beside A: their start-ups (most of an engine's time here) overlap A's run,
+    # but each engine's first step waits for the file the test writes once the engine before it is
+    # done, so the engines still step one after the other: A, C, D, B (the order below)
+    a_done, c_done, d_done = (tmp_path / n for n in ("a-done", "c-done", "d-done"))
+    proxy = DelayProxy(server.port, reply_bytes_s=64 << 10)
+    engines = [made_proc]
     # ``load_wait_s`` bounds an engine load whose chunks arrive slowly: engine C reads Redis through
     # a proxy passing replies at 64 KiB/s (1 s per 64 KiB float32 chunk; lookups, small replies,
     # pass at once), with ``load_wait_s`` 1 s and the transfer and socket deadlines far above the
@@ -71,21 +94,42 @@ def test_a_prefix_saved_by_one_engine_is_served_from_redis_to_others_slow_loads_
     # before it returns (the first ``io_threads``), gives up on the rest after 1 s, and vLLM
     # recomputes exactly those blocks: same tokens as A's recompute, logprobs within float32
     # tolerance (the recomputed tail is summed in another order than A's single prefill).
-    proxy = DelayProxy(server.port, reply_bytes_s=64 << 10)
     try:
         slow = {**kvtier, "redis_url": proxy.url, "redis_timeout_s": 30.0, "shared_transfer_deadline_s": 30.0,
                 "load_wait_s": 1.0, "io_threads": 2}
-        served_slow = result_of(run_engine({"model": str(tiny_model), "role": "kv_consumer", "steps": gen[2:],
-                                            "kvtier": slow, "engine": WORKER_IN_RUNNER}, tmp_path, "c",
-                                           env=EQUAL_THREADS), tmp_path, "c")
+        slow_proc = run_engine({"model": str(tiny_model), "role": "kv_consumer", "steps": [after(a_done), *gen[2:]],
+                                "kvtier": slow, "engine": WORKER_IN_RUNNER}, tmp_path, "c", timeout_s=GATED_S,
+                               env=EQUAL_THREADS)
+        engines.append(slow_proc)
         # The same slow link with a transfer deadline shorter than one read: every load fails at
         # once, while the scheduler's lookups (small replies) keep finding the chunks (engine D).
         # The request must be recomputed after one failed load, not loaded again every step.
         doomed = {**kvtier, "redis_url": proxy.url, "shared_transfer_deadline_s": 0.3, "redis_timeout_s": 0.5,
                   "redis_breaker_failures": 1}
-        failed = result_of(run_engine({"model": str(tiny_model), "role": "kv_consumer", "steps": gen[2:],
-                                       "kvtier": doomed, "engine": WORKER_IN_RUNNER}, tmp_path, "d",
-                                      env=EQUAL_THREADS), tmp_path, "d")
+        failed_proc = run_engine({"model": str(tiny_model), "role": "kv_consumer", "steps": [after(c_done), *gen[2:]],
+                                  "kvtier": doomed, "engine": WORKER_IN_RUNNER}, tmp_path, "d", timeout_s=GATED_S,
+                                 env=EQUAL_THREADS)
+        engines.append(failed_proc)
+        # Engine B (another process, its own empty cpu tier): the first prompt comes from Redis; then
+        # Redis is killed and the second prompt, also in Redis until then, is recomputed.
+        ready, killed = tmp_path / "b-ready", tmp_path / "redis-killed"
+        steps = [after(d_done), gen[0], {"op": "metrics"}, {"op": "touch", "path": str(ready)},
+                 {"op": "wait", "path": str(killed), "timeout_s": 300}, gen[1],
+                 {"op": "reset_prefix_cache"}, gen[0]]
+        proc = run_engine({"model": str(tiny_model), "steps": steps, "kvtier": kvtier}, tmp_path, "b",
+                          timeout_s=GATED_S, env=EQUAL_THREADS)
+        engines.append(proc)
+        made = result_of(made_proc, tmp_path, "a")
+        _check_producer(made, server, key_prefix)
+        a_done.write_text("done")
+        served_slow = result_of(slow_proc, tmp_path, "c")
+        c_done.write_text("done")
+        failed = result_of(failed_proc, tmp_path, "d")
+        d_done.write_text("done")
+    except BaseException:  # a failed check above: no engine is left waiting at its gate
+        for engine in engines:
+            engine.kill()
+        raise
     finally:
         proxy.close()
     log = (tmp_path / "c.log").read_text(errors="replace")
@@ -103,13 +147,7 @@ def test_a_prefix_saved_by_one_engine_is_served_from_redis_to_others_slow_loads_
     assert c["kvtier_load_failed_blocks_total"] == LOADABLE // 32, "one failed load, then recompute"
     assert (tmp_path / "d.log").read_text(errors="replace").count("Recovered from KV load failure") == 1
 
-    # Engine B (another process, its own empty cpu tier): the first prompt comes from Redis; then
-    # Redis is killed and the second prompt, also in Redis until then, is recomputed.
-    ready, killed = tmp_path / "b-ready", tmp_path / "redis-killed"
-    steps = [gen[0], {"op": "metrics"}, {"op": "touch", "path": str(ready)},
-             {"op": "wait", "path": str(killed), "timeout_s": 300}, gen[1],
-             {"op": "reset_prefix_cache"}, gen[0]]
-    proc = run_engine({"model": str(tiny_model), "steps": steps, "kvtier": kvtier}, tmp_path, "b", env=EQUAL_THREADS)
+    # Engine B: Redis goes once B's first prompt is served
     deadline = time.monotonic() + 420
     while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -1,8 +1,9 @@
 """An engine configured with cpu + s3 tiers (no disk): a real vLLM process, a real ``rclone serve s3``.
 
 Engine A serves a prompt twice: the first time computes it (and saves every chunk to S3), the
-second is served by vLLM's own prefix cache: the reference.  Engine B, started afterwards (a
-restart: its own empty cpu tier, nothing but the bucket in common), serves the same prompt first:
+second is served by vLLM's own prefix cache: the reference.  Engine B, another process (a
+restart: its own empty cpu tier, nothing but the bucket in common; it starts beside A, so that
+their start-ups overlap, and takes its first step once A has stopped), serves the same prompt first:
 loaded from S3, with the tokens and logprobs of A's prefix-cache hit exactly (equal compute
 threads, same KV bytes), counted as a hit by kvtier and by vLLM.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import obstore
 import pytest
@@ -53,8 +55,6 @@ def test_a_restarted_engine_serves_from_s3_exactly_recomputes_while_s3_stalls_an
 
 
 def _run(tiny_model: Path, tmp_path: Path, s3_server: S3Server, prompts: list[str]) -> None:
-    from kvtier.core.envelope import decode_header
-
     bucket = s3_server.make_bucket()
     key_file = tmp_path / "master-key"
     key_file.write_text("engine-test-master-key-0123456789abcdef\n", encoding="utf-8")
@@ -69,25 +69,24 @@ def _run(tiny_model: Path, tmp_path: Path, s3_server: S3Server, prompts: list[st
     engine = {"block_size": 64}
     # A computes, saves and is the reference, its worker in its process; B, which loads, keeps its
     # connector halves in separate processes (tests/engine_layout.py)
-    made = result_of(run_engine({"model": str(tiny_model), "steps": [p, p, q, r, r], "kvtier": kvtier,
-                                 "engine": {**engine, **WORKER_IN_RUNNER}}, tmp_path, "a", env=EQUAL_THREADS),
-                     tmp_path, "a")
-    saved = made["metrics"]["kvtier_saved_tokens_total"]
-    assert saved >= 3 * LOADABLE  # the prompts' chunks (and any the generated tokens completed)
-    assert made["metrics"]["vllm:external_prefix_cache_hits_total"] == 0  # the repeats were vLLM's own hits
-    listed = [m for page in obstore.list(s3_server.client(bucket)) for m in page]
-    assert len(listed) == saved // 64  # one object per saved chunk (TP 1)
-    sealed = made["metrics"]["kvtier_codec_bytes_after_total{s3}"] - made["metrics"]["kvtier_codec_bytes_before_total{s3}"]
-    assert sealed > 0 and sealed % 32 == 0  # each value 32 bytes longer: key id, nonce, tag (A's writes)
-    stored = [bytes(obstore.get(s3_server.client(bucket), m["path"]).bytes()) for m in listed]
-    assert {decode_header(v).codecs for v in stored} == {(16,)}  # every value sealed: aes-256-gcm
-
-    ready, stalled, recomputed, resumed = (tmp_path / n for n in ("b-ready", "stalled", "recomputed", "resumed"))
-    steps = [p, {"op": "metrics"}, {"op": "touch", "path": str(ready)},
-             {"op": "wait", "path": str(stalled), "timeout_s": 300}, q, {"op": "metrics"},
-             {"op": "touch", "path": str(recomputed)}, {"op": "wait", "path": str(resumed), "timeout_s": 300}, r]
+    made_proc = run_engine({"model": str(tiny_model), "steps": [p, p, q, r, r], "kvtier": kvtier,
+                            "engine": {**engine, **WORKER_IN_RUNNER}}, tmp_path, "a", env=EQUAL_THREADS)
+    # B starts beside A (its start-up overlaps A's run) and takes its first step once A is done
+    a_done, ready, stalled, recomputed, resumed = (tmp_path / n for n in ("a-done", "b-ready", "stalled",
+                                                                         "recomputed", "resumed"))
+    steps = [{"op": "wait", "path": str(a_done), "timeout_s": 600}, p, {"op": "metrics"},
+             {"op": "touch", "path": str(ready)}, {"op": "wait", "path": str(stalled), "timeout_s": 300}, q,
+             {"op": "metrics"}, {"op": "touch", "path": str(recomputed)},
+             {"op": "wait", "path": str(resumed), "timeout_s": 300}, r]
     proc = run_engine({"model": str(tiny_model), "steps": steps, "kvtier": kvtier, "engine": engine}, tmp_path, "b",
-                      env=EQUAL_THREADS)
+                      timeout_s=900, env=EQUAL_THREADS)
+    try:
+        made = result_of(made_proc, tmp_path, "a")
+        _check_producer(made, s3_server, bucket)
+    except BaseException:  # no engine left waiting at its gate
+        proc.kill()
+        raise
+    a_done.write_text("done")
     try:
         _wait_for(ready, proc, 420)
         s3_server.pause()
@@ -124,6 +123,21 @@ def _run(tiny_model: Path, tmp_path: Path, s3_server: S3Server, prompts: list[st
     assert end["vllm:external_prefix_cache_hits_total"] == LOADABLE + r_loaded["cached"]
     assert end["kvtier_load_failed_blocks_total"] == 0
     assert end.get("kvtier_decrypt_failures_total{s3}", 0) == 0  # every value B loaded decrypted
+
+
+def _check_producer(made: dict[str, Any], s3_server: S3Server, bucket: str) -> None:
+    """Engine A saved every chunk once in S3 (its repeats were vLLM's own hits), each value sealed."""
+    from kvtier.core.envelope import decode_header
+
+    saved = made["metrics"]["kvtier_saved_tokens_total"]
+    assert saved >= 3 * LOADABLE  # the prompts' chunks (and any the generated tokens completed)
+    assert made["metrics"]["vllm:external_prefix_cache_hits_total"] == 0  # the repeats were vLLM's own hits
+    listed = [m for page in obstore.list(s3_server.client(bucket)) for m in page]
+    assert len(listed) == saved // 64  # one object per saved chunk (TP 1)
+    sealed = made["metrics"]["kvtier_codec_bytes_after_total{s3}"] - made["metrics"]["kvtier_codec_bytes_before_total{s3}"]
+    assert sealed > 0 and sealed % 32 == 0  # each value 32 bytes longer: key id, nonce, tag (A's writes)
+    stored = [bytes(obstore.get(s3_server.client(bucket), m["path"]).bytes()) for m in listed]
+    assert {decode_header(v).codecs for v in stored} == {(16,)}  # every value sealed: aes-256-gcm
 
 
 def _wait_for(path: Path, proc, timeout_s: float) -> None:

@@ -150,8 +150,25 @@ def _reset_and_repeat(base_url: str, model: str, ids: list[int], disk_path: Path
     return repeat, after
 
 
+def _reference(server: Any, text: str) -> tuple[list[int], dict[str, Any], float]:
+    """The exact reference, from a server without any connector: ``text`` computed cold, as the first
+    server computed the chunks it flushed to disk: vLLM's cache then holds the same bytes (its whole
+    128-token blocks: the loaded prefix), and the next request computes the same tail over them (a
+    prefix computed alone differs in the last bits on an AMD EPYC host: another GEMM blocking for
+    another row count).  Returns the prompt's token ids, that next answer and the prefix tokens
+    vLLM's cache served it; the server is stopped."""
+    with server.wait_ready(600):
+        ids = _token_ids(server.base_url, server.served_model, text)
+        _complete(server.base_url, server.served_model, ids, max_tokens=1)
+        before = served_metrics(server.base_url)
+        reference = _complete(server.base_url, server.served_model, ids)
+        cached = served_metrics(server.base_url).get("vllm:prefix_cache_hits_total", 0) - before.get(
+            "vllm:prefix_cache_hits_total", 0)
+    return ids, reference, cached
+
+
 def test_sigterm_flushes_write_back_and_the_restart_reproduces_the_engines_own_prefix_cache_bit_for_bit(
-        tiny_model: Path, tmp_path: Path) -> None:
+        tiny_model: Path, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     """The operator's case: a write-back server stopped with SIGTERM flushes its dirty chunks; the
     server started again with nothing tuned (kvtier's default settings, ``disk_io: auto``, plus the
     same disk tier) serves its first request from disk, and that answer is compared, with no
@@ -169,6 +186,11 @@ def test_sigterm_flushes_write_back_and_the_restart_reproduces_the_engines_own_p
                              shutdown_timeout_s=30, extra_args=("--dtype", "bfloat16"))
     text = random_prompt(401, 420)
     salted_text = random_prompt(402, 420)
+    # the reference server starts beside the first one (two start-ups at once); it is used, and
+    # stopped, once the first server is up, before that server serves anything
+    without = dataclasses.replace(with_kvtier, kv_transfer_config=None)
+    reference_server = Server(without, tmp_path / "reference.log").launch()
+    request.addfinalizer(reference_server.stop)
     runs, metrics, logs = [], [], []
     announced: dict[str, set[tuple[int | bytes, str]]] = {}  # what the KV event stream implied, by step
     for name, kvtier in (("first", write_back), ("restarted", disk)):
@@ -181,6 +203,8 @@ def test_sigterm_flushes_write_back_and_the_restart_reproduces_the_engines_own_p
         # took (the boot's first batches) it asks of vLLM's replay endpoint
         events = EventSubscriber(port, replay_port)
         with Server(spec, tmp_path / f"{name}.log").start(600) as server:
+            if name == "first":
+                reference_ids, reference, cached = _reference(reference_server, text)
             # an idle engine steps until kvtier's first report is in: capacities show before any request
             booted = _settled(server.base_url, lambda m: m.get("kvtier_capacity_bytes{cpu}", 0) > 0
                               and m.get("kvtier_capacity_bytes{disk}", 0) > 0)
@@ -239,17 +263,7 @@ def test_sigterm_flushes_write_back_and_the_restart_reproduces_the_engines_own_p
     assert runs[0]["tokens"] == runs[1]["tokens"]  # the cold run agrees on the tokens ...
     assert max(abs(a - b) for a, b in zip(runs[0]["logprobs"], runs[1]["logprobs"])) < TOLERANCE  # ... within bf16
 
-    without = dataclasses.replace(with_kvtier, kv_transfer_config=None)
-    with Server(without, tmp_path / "reference.log").start(600) as server:
-        # the whole prompt computed cold, as the first server computed the chunks it flushed to disk:
-        # vLLM's cache then holds the same bytes (its whole 128-token blocks: the loaded prefix), and
-        # the next request computes the same tail over them (a prefix computed alone differs in the last
-        # bits on an AMD EPYC host: another GEMM blocking for another row count)
-        _complete(server.base_url, server.served_model, ids, max_tokens=1)
-        before = served_metrics(server.base_url)
-        reference = _complete(server.base_url, server.served_model, ids)
-        cached = served_metrics(server.base_url).get("vllm:prefix_cache_hits_total", 0) - before.get(
-            "vllm:prefix_cache_hits_total", 0)
+    assert reference_ids == ids  # the same prompt, tokenized by the same model
     assert cached == loaded, "the reference must compute the same tail over its own cached prefix"
     assert runs[1]["tokens"] == reference["tokens"]
     assert runs[1]["logprobs"] == reference["logprobs"]  # bit for bit, no tolerance
