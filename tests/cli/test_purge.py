@@ -69,6 +69,7 @@ def test_all_removes_everything_and_no_selector_is_refused(disk_dir):
     ((), "give a target"),
     (("--disk-path", "/nonexistent/kvtier", "--salt", "B"), "is not a directory"),
     (("--disk-path", "{tmp}", "--older-than", "a week"), "is not a duration"),
+    (("--disk-path", "{tmp}", "--older-than", "7"), "give a number with s, m, h, d or w, e.g. 12h or 7d"),
     (("--disk-path", "{tmp}", "--namespace", "abc"), "32 hex digits"),
     (("--disk-path", "{tmp}", "--salt", ""), "--salt is empty"),
     (("--redis-url", "http://x:6379", "--all"), "error: --redis-url must start with redis://"),  # the flag typed, not the key

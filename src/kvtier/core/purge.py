@@ -40,21 +40,22 @@ class PurgeFailed(KVTierError):
     sentence naming it."""
 
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)?\s*$")
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$")
 _UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 
 
 def parse_duration(text: str) -> float:
-    """Seconds in ``text``: a number with an optional unit ``s``, ``m``, ``h``, ``d`` or ``w``
-    (``90``, ``30m``, ``12h``, ``7d``).
+    """Seconds in ``text``: a number with a unit ``s``, ``m``, ``h``, ``d`` or ``w``
+    (``90s``, ``30m``, ``12h``, ``7d``). The unit is required: a bare ``7`` meant seven days
+    to the user who typed it and purged nearly everything as seven seconds.
 
     Raises:
-        UserError: anything else, or a negative or zero duration.
+        UserError: anything else (a bare number included), or a negative or zero duration.
     """
     match = _DURATION.match(text.lower())
     if match is None:
         raise UserError(f"--older-than {text!r} is not a duration; give a number with s, m, h, d or w, e.g. 12h or 7d")
-    seconds = float(match.group(1)) * _UNIT_S[match.group(2) or "s"]
+    seconds = float(match.group(1)) * _UNIT_S[match.group(2)]
     if seconds <= 0:
         raise UserError(f"--older-than {text!r} must be more than zero; e.g. 12h or 7d")
     return seconds
