@@ -65,7 +65,7 @@ def register(app: typer.Typer) -> None:
             fail(f"cannot write {out} ({exc.strerror}); pass a path in a writable directory")
         blocks = distinct_full_blocks(records, block_tokens)  # counted as `trace stats` counts them
         typer.echo(f"{out}: {written:,} {regime} requests, {blocks:,} distinct full blocks of {block_tokens} tokens, "
-                   f"{records[-1].timestamp_ms / 1000:,.0f} s (seed {seed})")
+                   f"{records[-1].timestamp_ms / 1000:,.0f} s (seed {seed}){read_with(block_tokens)}")
 
     @trace_app.command("stats")
     def stats(
@@ -92,6 +92,15 @@ def register(app: typer.Typer) -> None:
             return
         for line in histogram_lines(reuse_histogram(requests)):
             typer.echo(line)
+
+
+def read_with(block_tokens: int) -> str:
+    """What a trace of ``block_tokens`` per hash id needs to be read: a Mooncake line has no field
+    for its block size, so ``trace stats``, ``simulate`` and ``size`` assume Mooncake's 512."""
+    if block_tokens == 512:
+        return ""
+    return (f"; read it with --tokens-per-block {block_tokens} (trace stats, simulate, size), which otherwise "
+            "assume Mooncake's 512")
 
 
 def register_record(trace_app: typer.Typer) -> None:
@@ -156,7 +165,7 @@ def register_record(trace_app: typer.Typer) -> None:
             recorder.close()
         unrecorded = f"{recorder.failed} passed through unrecorded: the server could not tokenize them"
         if recorder.kept:
-            typer.echo(f"{out}: {recorder.recorded} requests recorded ({unrecorded})")
+            typer.echo(f"{out}: {recorder.recorded} requests recorded ({unrecorded}){read_with(block_tokens)}")
         else:
             typer.echo(f"no request recorded ({unrecorded}); {out} was not written"
                        + (" and still holds its previous trace" if out.exists() else ""))
