@@ -122,6 +122,7 @@ def register_record(trace_app: typer.Typer) -> None:
     ) -> None:
         """Record a live server's traffic as a Mooncake trace (block ids, lengths and times only,
         never prompt text) through a pass-through proxy; then run `kvtier simulate` on it."""
+        import signal
         import time
 
         from kvtier.core.errors import ServerAnswerError
@@ -153,19 +154,24 @@ def register_record(trace_app: typer.Typer) -> None:
         except OSError as exc:
             fail(f"cannot listen on {listen} or write next to {out} ({exc.strerror}); pick a free port and a writable "
                  "directory")
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+            # started with `&` from a script, which passes SIGINT on ignored: Ctrl-C or `kill -INT` is how a
+            # recording without --duration-s is meant to end, so take it back (SIGTERM ends it the same way)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         typer.echo(f"recording {url} through http://{host or '127.0.0.1'}:{recorder.port} into {out} "
-                   f"({'Ctrl-C' if not duration_s else f'{duration_s:g} s'} to stop)")
+                   f"({'Ctrl-C' if not duration_s else f'{duration_s:g} s'} to stop; each line goes to "
+                   f"{recorder.part_path} as it is recorded, renamed to {out.name} at the stop)")
         try:
             deadline = time.monotonic() + duration_s if duration_s else None
             while deadline is None or time.monotonic() < deadline:
                 time.sleep(0.2)
         except KeyboardInterrupt:
             pass
-        finally:
+        finally:  # also on SIGTERM or SIGHUP (kvtier.cli.termination): what was recorded is written and said
             recorder.close()
-        unrecorded = f"{recorder.failed} passed through unrecorded: the server could not tokenize them"
-        if recorder.kept:
-            typer.echo(f"{out}: {recorder.recorded} requests recorded ({unrecorded}){read_with(block_tokens)}")
-        else:
-            typer.echo(f"no request recorded ({unrecorded}); {out} was not written"
-                       + (" and still holds its previous trace" if out.exists() else ""))
+            unrecorded = f"{recorder.failed} passed through unrecorded: the server could not tokenize them"
+            if recorder.kept:
+                typer.echo(f"{out}: {recorder.recorded} requests recorded ({unrecorded}){read_with(block_tokens)}")
+            else:
+                typer.echo(f"no request recorded ({unrecorded}); {out} was not written"
+                           + (" and still holds its previous trace" if out.exists() else ""))
