@@ -10,12 +10,14 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from kvtier.core.config import KVTierConfig
+from kvtier.launch.serve import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "docs" / "vllm.md", ROOT / "docs" / "shared-tier.md"]
@@ -171,3 +173,25 @@ def test_every_kvtier_serve_line_passes_the_audit_of_its_shutdown(path: Path):
         audited += 1
         assert [f.message for f in findings if f.rule == "kvtier-worker-shutdown-timeout-short"] == [], command
     assert audited >= 1, f"no serve line of {path.name} could be audited"
+
+
+def test_the_quickstart_wait_for_the_server_ends_when_the_server_exits(tmp_path: Path):
+    """docs/quickstart.md step 3 waited with `until curl ...; do sleep 2; done`: a server that exited at
+    start left it looping forever (new user 5). The wait, run as written against a server that dies at
+    once, ends within seconds and shows the end of the server's log."""
+    lines = (ROOT / "docs" / "quickstart.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("DEADLINE="))
+    end = next(i for i in range(start, len(lines)) if lines[i] == "done")
+    wait = "\n".join(lines[start:end + 1]).replace("127.0.0.1:8000", f"127.0.0.1:{free_port()}")
+    for doc in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:  # no other doc waits unbounded
+        text = doc.read_text().splitlines()
+        assert [i for i, line in enumerate(text) if "until curl" in line
+                and not any("kill -0" in after for after in text[i:i + 4])] == [], doc.name
+    (tmp_path / ".kvtier").mkdir()
+    script = ("sh -c 'echo the model would not load >> .kvtier/serve.log; exit 1' &\nSERVER=$!\nsleep 1\n"
+              + wait + "\n")
+    began = time.monotonic()
+    done = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert time.monotonic() - began < 30
+    assert done.stdout.splitlines() == ["vLLM exited; the end of .kvtier/serve.log:", "the model would not load"]

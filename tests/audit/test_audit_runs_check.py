@@ -54,3 +54,14 @@ def test_a_disk_path_under_proc_is_an_error_and_says_the_check_was_static(tmp_pa
     script.write_text(f"vllm serve m --kv-transfer-config '{transfer(cpu_gib=4, disk_path='/proc/x', disk_gib=1)}'\n")
     proc = kvtier("audit", str(script))
     assert proc.returncode == 1 and "kvtier-config-invalid" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_a_cpu_gib_in_bytes_is_an_error_in_audit_as_in_check():
+    """audit let "cpu_gib": 34359738368 (32 GiB written in bytes, read as 32 EiB) pass while check refused it
+    only against the host's memory (new user 5); the config itself now refuses any *_gib over 1 PiB."""
+    config = transfer(cpu_gib=34359738368)
+    message = findings(config)["kvtier-config-invalid"]
+    assert "cpu_gib': looks like bytes; it is in GiB (32 means 32 GiB)" in message, message
+    checked = kvtier("check", "--offline", config)
+    assert checked.returncode != 0 and "looks like bytes; it is in GiB" in checked.stdout + checked.stderr
+    assert "kvtier-config-invalid" not in findings(transfer(cpu_gib=32))

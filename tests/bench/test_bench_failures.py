@@ -265,3 +265,23 @@ def test_server_complete_ends_within_its_timeout(server, tmp_path, request):
     else:
         ttft, text = launcher.complete([1, 2, 3], max_tokens=3, timeout_s=30)
         assert text == " t1 t2 t3" and 0 < ttft < 30
+
+
+@pytest.mark.parametrize("command", ["run", "compare"])
+def test_the_old_tokens_per_block_spelling_names_the_new_flag(command, tmp_path):
+    """bench's --tokens-per-block was a scale (token ids sent per 512-token trace block) where simulate, size
+    and trace stats read the same flag as the trace's own block size (new user 5): bench's is
+    --sent-tokens-per-block now, and the old spelling is refused with a sentence naming it."""
+    target = ["--url", "http://127.0.0.1:9"] if command == "run" else ["--model", "Qwen/Qwen3-0.6B",
+                                                                       "--out", str(tmp_path / "out")]
+    line = error_line(subprocess.run([sys.executable, "-m", "kvtier.cli.main", "bench", command, *target,
+                                      "--tokens-per-block", "32"], capture_output=True, text=True, timeout=60,
+                                     check=False))
+    assert line == ("error: bench's --tokens-per-block is now --sent-tokens-per-block (token ids sent per 512-token "
+                    "trace block; --tokens-per-block elsewhere is a trace's own block size): pass "
+                    "--sent-tokens-per-block 32")
+    assert not (tmp_path / "out").exists()
+    line = error_line(subprocess.run([sys.executable, "-m", "kvtier.cli.main", "bench", command, *target,
+                                      "--sent-tokens-per-block", "32", "--seed", "-1"], capture_output=True,
+                                     text=True, timeout=60, check=False))
+    assert line == "error: --seed -1 is negative; give a seed >= 0"  # the new flag is taken

@@ -73,3 +73,23 @@ def test_a_chunk_longer_than_any_context_is_refused(tokens: float) -> None:
     with pytest.raises(ConfigError, match="longer than any model's context"):  # the connector's own validator
         KVTierConfig.from_dict({"chunk_tokens": tokens})
     assert KVTierConfig.from_dict({"chunk_tokens": MAX_CHUNK_TOKENS}).chunk_tokens == MAX_CHUNK_TOKENS
+
+
+def test_a_chunk_tokens_the_default_block_sizes_do_not_divide_qualifies_the_verdict() -> None:
+    """chunk_tokens 100 without --block-size: the warning said the connector refuses it unless the server's
+    --block-size divides it, and the last line said "ok: vLLM would start" all the same (new user 5)."""
+    code, out = _check({"cpu_gib": 2, "chunk_tokens": 100})
+    assert code == 0, out  # check cannot know the server's block size: a warning, not an error
+    assert "ok: vLLM would start" not in out
+    assert out.splitlines()[-1] == ("conditional: vLLM would start with this KVTierConnector config only if the "
+                                    "server's --block-size divides chunk_tokens=100 (1 warning(s)); pass --block-size "
+                                    "to check against the server's.")
+    transfer = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+                "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {"cpu_gib": 2, "chunk_tokens": 100}}
+    known = CliRunner().invoke(app, ["check", "--offline", "--block-size", "16", json.dumps(transfer)])
+    assert known.exit_code == 1 and "would start" not in known.output  # the server's own block size: an error
+    fits = CliRunner().invoke(app, ["check", "--offline", "--block-size", "4", json.dumps(transfer)])
+    assert fits.exit_code == 0 and fits.output.splitlines()[-1] == "ok: vLLM would start with this KVTierConnector config."
+    as_json = json.loads(CliRunner().invoke(app, ["check", "--offline", "--json", json.dumps(transfer)]).output)
+    assert [p.get("only_if") for p in as_json["problems"]] == ["the server's --block-size divides chunk_tokens=100"]

@@ -69,6 +69,7 @@ def test_all_removes_everything_and_no_selector_is_refused(disk_dir):
     ((), "give a target"),
     (("--disk-path", "/nonexistent/kvtier", "--salt", "B"), "is not a directory"),
     (("--disk-path", "{tmp}", "--older-than", "a week"), "is not a duration"),
+    (("--disk-path", "{tmp}", "--older-than", "7"), "give a number with s, m, h, d or w, e.g. 12h or 7d"),
     (("--disk-path", "{tmp}", "--namespace", "abc"), "32 hex digits"),
     (("--disk-path", "{tmp}", "--salt", ""), "--salt is empty"),
     (("--redis-url", "http://x:6379", "--all"), "error: --redis-url must start with redis://"),  # the flag typed, not the key
@@ -219,3 +220,32 @@ def test_a_redis_that_wants_a_password_is_authentication_failed_as_check_says(re
     monkeypatch.setenv("KVTIER_TEST_REDIS_PW", password)
     given = invoke("--redis-url", server.url, "--redis-password-env", "KVTIER_TEST_REDIS_PW", "--all", "--dry-run")
     assert given.exit_code == 0, given.output
+
+
+def test_a_wrong_redis_database_or_prefix_is_said_and_an_unreached_tier_has_no_summary(redis_factory):
+    """`--redis-url .../5` or `--redis-key-prefix other:` printed "Would remove 0 chunks" and exit 0 with no
+    word that nothing kvtier was there; an unreachable Redis printed "Would remove 0 chunks, 0 bytes" before
+    its problem line (new user 5)."""
+    from ..core.test_purge import put, redis_store
+
+    server = redis_factory()
+    store = redis_store(server.url, "kvtier:")
+    put(store, chain_of(1, 2), None)
+    store.close()
+    base = server.url.rsplit("/", 1)[0]
+    found = invoke("--redis-url", f"{base}/0", "--all", "--dry-run")
+    assert found.exit_code == 0 and "Would remove 2 chunks" in found.output and "note:" not in found.output
+    for args, searched in ((("--redis-url", f"{base}/5"), (f"database 5 of the Redis server at {base}/5 (keys "
+                                                           "starting 'kvtier:')")),
+                           (("--redis-url", f"{base}/0", "--redis-key-prefix", "other:"),
+                            f"database 0 of the Redis server at {base}/0 (keys starting 'other:')")):
+        empty = invoke(*args, "--all", "--dry-run")
+        assert empty.exit_code == 0, empty.output
+        assert (f"note: redis: {searched} holds no kvtier value at all; check that the engines' redis tier uses "
+                "this address and prefix.") in " ".join(empty.output.split()), empty.output
+        as_json = json.loads(CliRunner().invoke(app, ["purge", *args, "--all", "--dry-run", "--json"]).stdout)
+        assert as_json["namespaces"] == [] and as_json["notes"][0].startswith(f"redis: {searched}")
+    unreached = invoke("--redis-url", "redis://127.0.0.1:1/0", "--all", "--dry-run")
+    assert unreached.exit_code == 1, unreached.output
+    assert "Would remove" not in unreached.output and "not reached" in unreached.output
+    assert "Connection refused" in unreached.output and "check --redis-url" in unreached.output

@@ -61,6 +61,10 @@ def test_yaml(tmp_path):
 @pytest.mark.parametrize("values,needle", [
     ({"cpu_gib": -1}, "cpu_gib"),
     ({"cpu_gib": 0}, "must be above 0: every chunk passes through the cpu tier"),
+    # a size in bytes typed into a GiB key (new user 5): 32 GiB as bytes read as 32 EiB
+    ({"cpu_gib": 34359738368}, ("'cpu_gib': looks like bytes; it is in GiB (32 means 32 GiB), at most 1048576 (1 PiB) "
+                               "(got 34359738368)")),
+    ({"disk_path": "/tmp/kv", "disk_gib": 1048577}, "'disk_gib': looks like bytes; it is in GiB"),
     ({"chunk_tokens": 0}, "chunk_tokens"),
     ({"chunk_tokens": "big"}, "must be auto or a positive whole number of tokens"),
     ({"chunk_tokens": 1.5}, "must be auto or a positive whole number of tokens"),
@@ -99,13 +103,13 @@ def test_a_disk_path_that_does_not_exist_is_named_as_such(tmp_path):
     """Issue 24: 'exceeds the 70.6 GiB free on /nvme/kvtier' for a path that did not exist: the free
     space was the root disk's.  The sentence says the path does not exist and whose free space it is."""
     missing = tmp_path / "nvme" / "kvtier"
-    message = disk_refusal({"disk_path": str(missing), "disk_gib": 1e9})
+    message = disk_refusal({"disk_path": str(missing), "disk_gib": 1e6})
     assert f"disk_path '{missing}' does not exist" in message, message
     assert f"free on '{tmp_path}', its nearest existing parent" in message, message
     assert not missing.exists()  # refused before anything was created
     missing.mkdir(parents=True)
     assert re.search(f"exceeds the .* GiB free on '{missing}'; lower disk_gib",
-                     disk_refusal({"disk_path": str(missing), "disk_gib": 1e9}))
+                     disk_refusal({"disk_path": str(missing), "disk_gib": 1e6}))
 
 
 def test_a_disk_path_under_a_file_is_named_as_such(tmp_path):
@@ -116,7 +120,7 @@ def test_a_disk_path_under_a_file_is_named_as_such(tmp_path):
 
 
 def test_disk_larger_than_free_space(tmp_path):
-    assert "exceeds" in disk_refusal({"disk_path": str(tmp_path), "disk_gib": 10_000_000})
+    assert "exceeds" in disk_refusal({"disk_path": str(tmp_path), "disk_gib": 1_000_000})
 
 
 def test_the_disk_tier_refuses_to_start_with_the_checks_sentence(tmp_path):
@@ -219,7 +223,7 @@ def test_home_is_expanded_and_failed_checks_create_nothing(tmp_path, monkeypatch
     monkeypatch.setenv("HOME", str(tmp_path))
     cfg = KVTierConfig.from_dict({"disk_path": "~/kv", "disk_gib": 0.001})
     assert cfg.disk_path == str(tmp_path / "kv") and disk.check(cfg) == [] and not (tmp_path / "kv").exists()
-    assert "exceeds" in disk_refusal({"disk_path": str(tmp_path / "toolarge"), "disk_gib": 10_000_000})
+    assert "exceeds" in disk_refusal({"disk_path": str(tmp_path / "toolarge"), "disk_gib": 1_000_000})
     assert not (tmp_path / "toolarge").exists()
 
 

@@ -146,10 +146,14 @@ def test_namespace_and_age_selectors(tmp_path, populated):
 
 
 def test_bad_selectors_are_one_sentence():
-    for text in ("7 days", "-1h", "0", "h"):
+    for text in ("7 days", "-1h", "0", "h", "0s"):
         with pytest.raises(UserError, match="--older-than"):
             parse_duration(text)
-    assert parse_duration("90") == 90 and parse_duration("12h") == 43200 and parse_duration("1.5m") == 90
+    # A bare number is refused: "--older-than 7" read as seconds purged nearly everything (new user 5).
+    for text in ("7", "90", "1.5"):
+        with pytest.raises(UserError, match=r"give a number with s, m, h, d or w, e\.g\. 12h or 7d"):
+            parse_duration(text)
+    assert parse_duration("90s") == 90 and parse_duration("12h") == 43200 and parse_duration("1.5m") == 90
     with pytest.raises(UserError, match="32 hex digits"):
         parse_namespace("xyz")
     with pytest.raises(UserError, match="not a directory"):

@@ -203,3 +203,18 @@ def test_cli_json_and_text(tmp_path):
     assert "Miss reason #1: evicted (cpu)" in text and "Size: the cpu tier is 0.5 GiB" in text
     plain = doctor("--from-files", str(DATA / "before.txt"), str(DATA / "after.txt"), "--json")
     assert json.loads(plain.stdout)["causes"]["reported"] is False
+
+
+def test_prefill_saved_lists_only_the_tiers_the_server_has():
+    """The prefill-saved line listed every registered tier ("node 0.00 s ... redis 0.00 s ... s3 0.00 s") on a
+    server with a cpu tier only (new user 5): the served series exist for every tier, so a tier with no
+    capacity and no breaker sample that served nothing is left out; one that served tokens is kept."""
+    served_before = {"cpu": 500.0, "disk": 0.0, "node": 0.0, "redis": 0.0, "s3": 0.0}
+    served_after = {"cpu": 21_504.0, "disk": 0.0, "node": 0.0, "redis": 0.0, "s3": 0.0}
+    meters, diagnosis = run(*texts(served_before=served_before, served_after=served_after))
+    assert [s.tier for s in meters.causes.savings] == ["cpu"]
+    line = next(m for m in messages(diagnosis) if m.startswith("Prefill saved"))
+    assert not any(f"{tier} " in line for tier in ("disk", "node", "redis", "s3")), line
+    served_after["redis"] = 300.0  # a tier that served tokens is never hidden
+    meters, _ = run(*texts(served_before=served_before, served_after=served_after))
+    assert [s.tier for s in meters.causes.savings] == ["cpu", "redis"]

@@ -391,3 +391,22 @@ def test_a_trace_and_outputs_named_with_brackets_print_as_named(tmp_path, trace_
     assert result.exit_code == 0, result.output
     text = "".join(result.output.split())  # rich wraps a long path anywhere
     assert "chat[prod].jsonl" in text and f"JSON:{out}" in text, result.output
+
+
+def test_a_swept_cpu_0_is_the_engine_alone_said_so_and_refused_under_a_lower_tier(trace_file):
+    """simulate --cpu-gib 0 was accepted silently while check refuses cpu_gib 0 (new user 5). Simulate
+    keeps 0 as the engine-alone baseline row and says so; under a disk or shared tier, which kvtier cannot
+    run without a cpu tier, it is refused with check's reason."""
+    base = ("--trace", str(trace_file), "--kv-bytes-per-token", str(KV_PER_TOKEN), "--engine-gib", "0.25",
+            "--policy", "lru", "--workers", "1")
+    alone = run(*base, "--cpu-gib", "0,0.25")
+    assert alone.exit_code == 0, alone.output
+    assert ("note: --cpu-gib 0 is the engine alone (no kvtier), a baseline row; kvtier itself refuses cpu_gib 0 "
+            "(every chunk passes through the cpu tier)") in alone.output
+    for extra in (("--cpu-gib", "0,0.25", "--disk-gib", "0.5"), ("--cpu-pct", "0,10", "--shared-gib", "1")):
+        refused = run(*base, *extra)
+        assert refused.exit_code == 2, refused.output
+        assert (f"{extra[0]} 0 with --disk-gib or --shared-gib models a lower tier without a cpu tier, which kvtier "
+                "refuses (cpu_gib must be above 0: every chunk passes through the cpu tier") in " ".join(
+                    refused.output.split())
+    assert "note:" not in run(*base, "--cpu-gib", "0.25").output

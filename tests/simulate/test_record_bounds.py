@@ -5,6 +5,7 @@ request past --timeout-s, and a bad --listen port is one sentence (break test F-
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import threading
@@ -171,3 +172,65 @@ def test_a_gz_out_is_written_gzipped(server: str, tmp_path: Path) -> None:
         recorder.close()
     assert out.read_bytes()[:2] == b"\x1f\x8b"  # gzip magic: readable by simulate, which goes by the name
     assert [(r.input_length, r.output_length) for r in iter_records(out, block_tokens=4)] == [(10, 3)]
+
+
+def _recording(server: str, out: Path, port: int) -> subprocess.Popen[bytes]:
+    """`trace record` started as a script's `cmd &` starts it: SIGINT inherited ignored."""
+    command = [sys.executable, "-m", "kvtier.cli.main", "trace", "record", "--url", server, "--out", str(out),
+               "--listen", f"127.0.0.1:{port}", "--block-tokens", "4"]
+    return subprocess.Popen(["sh", "-c", 'trap "" INT; exec "$@"', "sh", *command], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+
+
+def _one_request(port: int) -> None:
+    by = time.monotonic() + 60  # the CLI's start: seconds on a loaded 2-core machine
+    while True:
+        try:
+            answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
+                                json={"model": "m", "prompt": list(range(1, 11)), "max_tokens": 3})
+            assert answer.status_code == 200
+            return
+        except httpx.ConnectError:
+            assert time.monotonic() < by, "the recording proxy did not listen within 60 s"
+            time.sleep(0.05)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_background_recording_stops_on_sigint_or_sigterm_and_keeps_its_lines(server: str, tmp_path: Path,
+                                                                                signum: int) -> None:
+    """Started in the background from a script (SIGINT ignored), `trace record` ignored `kill -INT` and
+    could only be killed (new user 5): it takes SIGINT back, and on SIGINT or SIGTERM writes what it
+    recorded and says so."""
+    out, port = tmp_path / "bg.jsonl", free_port()
+    proc = _recording(server, out, port)
+    try:
+        _one_request(port)
+        proc.send_signal(signum)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    # Ctrl-C is the recording's ordinary end (exit 0); SIGTERM ends it as it ends every kvtier command
+    assert proc.returncode == (0 if signum == signal.SIGINT else 128 + signum), stderr
+    assert f"{out}: 1 requests recorded".encode() in stdout, stdout
+    assert [(r.input_length, r.output_length) for r in iter_records(out, block_tokens=4)] == [(10, 3)]
+    assert _leftovers(tmp_path) == []
+
+
+def test_a_killed_recording_leaves_its_lines_in_the_part_file_it_named(server: str, tmp_path: Path) -> None:
+    """SIGKILL cannot be caught: each line is flushed to the .part file the start line names as it is
+    recorded, so a kill loses at most a line being written."""
+    out, port = tmp_path / "killed.jsonl", free_port()
+    proc = _recording(server, out, port)
+    try:
+        _one_request(port)
+        time.sleep(0.5)  # the line is written once the answer was sent (a /tokenize call after it)
+        proc.kill()
+        stdout, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    (part,) = _leftovers(tmp_path)
+    assert f"each line goes to {tmp_path / part} as it is recorded".encode() in stdout, stdout
+    assert not out.exists()
+    assert [(r.input_length, r.output_length) for r in iter_records(tmp_path / part, block_tokens=4)] == [(10, 3)]

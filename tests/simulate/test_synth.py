@@ -113,3 +113,20 @@ def test_stats_of_a_trace_with_no_full_chunk_says_there_is_nothing_to_classify(t
     result = CliRunner().invoke(app, ["trace", "stats", "--trace", str(path)])
     assert result.exit_code == 0 and "0 full chunks" in result.output
     assert "no reuse to classify" in result.output and "regime:" not in result.output and "%" not in result.output
+
+
+def test_a_synth_of_another_block_size_says_the_flag_its_readers_need(tmp_path):
+    """synth --block-tokens 16 wrote a file that trace stats and simulate refused without
+    --tokens-per-block 16, and nothing said so (new user 5): a Mooncake line has no field for it, so
+    the success line names the flag, and the file read with it is accepted."""
+    path = tmp_path / "syn.jsonl"
+    result = CliRunner().invoke(app, ["trace", "synth", "--regime", "chat", "--block-tokens", "16", "--requests", "50",
+                                      "--out", str(path)])
+    assert result.exit_code == 0 and result.output.rstrip().endswith(
+        "; read it with --tokens-per-block 16 (trace stats, simulate, size), which otherwise assume Mooncake's 512")
+    assert CliRunner().invoke(app, ["trace", "stats", "--trace", str(path)]).exit_code == 2
+    read = CliRunner().invoke(app, ["trace", "stats", "--trace", str(path), "--tokens-per-block", "16"])
+    assert read.exit_code == 0 and "of 16 tokens" in read.output
+    default = CliRunner().invoke(app, ["trace", "synth", "--regime", "chat", "--requests", "50",
+                                       "--out", str(tmp_path / "512.jsonl")])
+    assert default.exit_code == 0 and "--tokens-per-block" not in default.output  # 512 is what readers assume

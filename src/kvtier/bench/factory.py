@@ -105,7 +105,7 @@ def _check_seed(seed: int) -> None:
 
 
 _OWN_KNOBS = {
-    "trace": {"trace_path": "--trace", "start": "--start", "limit": "--limit", "tokens_per_block": "--tokens-per-block",
+    "trace": {"trace_path": "--trace", "start": "--start", "limit": "--limit", "tokens_per_block": "--sent-tokens-per-block",
               "time_scale": "--time-scale", "max_prompt_tokens": "--max-prompt-tokens",
               "max_output_tokens": "--max-output-tokens", "returning_only": "--returning-only"},
     "prefix-repetition": {"num_requests": "--num-requests", "prefix_len": "--prefix-len", "suffix_len": "--suffix-len",

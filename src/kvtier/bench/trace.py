@@ -106,7 +106,7 @@ def check_trace_knobs(*, tokens_per_block: int, time_scale: float, max_prompt_to
         WorkloadError: a knob is out of range.
     """
     if tokens_per_block <= 0:
-        raise WorkloadError(f"--tokens-per-block {tokens_per_block} must be a positive number of tokens")
+        raise WorkloadError(f"--sent-tokens-per-block {tokens_per_block} must be a positive number of tokens")
     if not 0 <= time_scale <= MAX_TIME_SCALE:  # nan fails too
         raise WorkloadError(f"--time-scale {time_scale} must be from 0 to {MAX_TIME_SCALE:,.0f} (0 sends as fast as "
                             "concurrency allows; nan sent everything at once, inf waited forever)")

@@ -18,6 +18,7 @@ from kvtier.cli.bench_workload import (
     MAX_PROMPT,
     NUM_PREFIXES,
     NUM_REQ,
+    OLD_TPB,
     OUTPUT_LEN,
     PREFIX_LEN,
     QUESTION,
@@ -51,7 +52,7 @@ Sends token-id prompts to /v1/completions (streaming), records TTFT, inter-token
 
 Examples:
 
-  kvtier bench run --url http://127.0.0.1:8000 --workload trace --limit 200 --tokens-per-block 64 --max-concurrency 2
+  kvtier bench run --url http://127.0.0.1:8000 --workload trace --limit 200 --sent-tokens-per-block 64 --max-concurrency 2
 
   kvtier bench run --url http://127.0.0.1:8000 --workload prefix-repetition --prefix-len 2000 --num-prefixes 8 --num-requests 64 --out runs/pr
 
@@ -119,6 +120,7 @@ def run_command(
     no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar."),
     workload: str = WORKLOAD, seed: int = SEED, vocab_size: int | None = VOCAB, max_concurrency: int | None = MAX_CONC,
     trace: Path | None = TRACE, start: int = START, limit: int = LIMIT, tokens_per_block: int = TPB,
+    old_tokens_per_block: str | None = OLD_TPB,
     time_scale: float | None = TIME_SCALE, max_prompt_tokens: int | None = MAX_PROMPT, max_output_tokens: int = MAX_OUT,
     returning_only: bool = RETURNING,
     num_requests: int = NUM_REQ, prefix_len: int = PREFIX_LEN, suffix_len: int = SUFFIX_LEN,
@@ -133,7 +135,7 @@ def run_command(
     from kvtier.bench.run import judge_run, load_baseline, print_run, run_once
 
     knobs = workload_knobs(
-        kind=workload, seed=seed, trace_path=trace, start=start, limit=limit, tokens_per_block=tokens_per_block,
+        old_tokens_per_block, kind=workload, seed=seed, trace_path=trace, start=start, limit=limit, tokens_per_block=tokens_per_block,
         time_scale=time_scale, max_prompt_tokens=max_prompt_tokens, max_output_tokens=max_output_tokens,
         returning_only=returning_only, num_requests=num_requests, prefix_len=prefix_len, suffix_len=suffix_len,
         num_prefixes=num_prefixes, output_len=output_len, request_rate=request_rate, shuffle=shuffle,

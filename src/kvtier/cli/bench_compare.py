@@ -23,6 +23,7 @@ from kvtier.cli.bench_workload import (
     MAX_PROMPT,
     NUM_PREFIXES,
     NUM_REQ,
+    OLD_TPB,
     OUTPUT_LEN,
     PREFIX_LEN,
     QUESTION,
@@ -57,13 +58,13 @@ Examples:
 
   kvtier bench compare --model models/mid --max-model-len 4096 --engine-cache-tokens 8192 --workload prefix-repetition --prefix-len 4000 --suffix-len 0 --num-prefixes 3 --num-requests 6 --output-len 1 --max-concurrency 1 --repeats 3
 
-  kvtier bench compare --model models/mid --arms baseline,kvtier,kvtier-redis --replicas 2 --redis auto --kvtier-config cpu.yaml --max-model-len 2048 --engine-cache-tokens 4096 --enforce-eager --workload trace --start 0 --limit 300 --returning-only --tokens-per-block 32 --max-output-tokens 2 --max-concurrency 2 --repeats 2
+  kvtier bench compare --model models/mid --arms baseline,kvtier,kvtier-redis --replicas 2 --redis auto --kvtier-config cpu.yaml --max-model-len 2048 --engine-cache-tokens 4096 --enforce-eager --workload trace --start 0 --limit 300 --returning-only --sent-tokens-per-block 32 --max-output-tokens 2 --max-concurrency 2 --repeats 2
 
-  kvtier bench compare --model models/mid --arms native,kvtier-redis,kvtier-s3 --replicas 2 --redis auto --kvtier-config cpu.yaml --max-model-len 2048 --engine-cache-tokens 4096 --enforce-eager --workload trace --start 0 --limit 300 --returning-only --tokens-per-block 32 --max-output-tokens 2 --max-concurrency 2 --repeats 2
+  kvtier bench compare --model models/mid --arms native,kvtier-redis,kvtier-s3 --replicas 2 --redis auto --kvtier-config cpu.yaml --max-model-len 2048 --engine-cache-tokens 4096 --enforce-eager --workload trace --start 0 --limit 300 --returning-only --sent-tokens-per-block 32 --max-output-tokens 2 --max-concurrency 2 --repeats 2
 
-  kvtier bench compare --model models/small8 --arms native,kvtier-redis,kvtier-node --replicas 2 --redis auto --node-gib 1 --kvtier-config cpu.yaml --max-model-len 2048 --engine-cache-tokens 4096 --enforce-eager --workload trace --start 0 --limit 300 --returning-only --tokens-per-block 32 --max-output-tokens 2 --max-concurrency 2 --repeats 2
+  kvtier bench compare --model models/small8 --arms native,kvtier-redis,kvtier-node --replicas 2 --redis auto --node-gib 1 --kvtier-config cpu.yaml --max-model-len 2048 --engine-cache-tokens 4096 --enforce-eager --workload trace --start 0 --limit 300 --returning-only --sent-tokens-per-block 32 --max-output-tokens 2 --max-concurrency 2 --repeats 2
 
-  kvtier bench compare --model models/small8 --arms native,kvtier-redis,kvtier-node --replicas 2 --restart-replica-at 0.2 --redis auto --node-gib 1 --kvtier-config cpu.yaml --max-model-len 2048 --engine-cache-tokens 4096 --enforce-eager --workload trace --start 0 --limit 600 --returning-only --tokens-per-block 32 --max-output-tokens 2 --max-concurrency 2 --repeats 3
+  kvtier bench compare --model models/small8 --arms native,kvtier-redis,kvtier-node --replicas 2 --restart-replica-at 0.2 --redis auto --node-gib 1 --kvtier-config cpu.yaml --max-model-len 2048 --engine-cache-tokens 4096 --enforce-eager --workload trace --start 0 --limit 600 --returning-only --sent-tokens-per-block 32 --max-output-tokens 2 --max-concurrency 2 --repeats 3
 
   kvtier bench compare --model models/tiny --arms baseline,kvtier --arm lmcache='{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_both"}' --workload trace --start 0 --limit 300 --max-concurrency 2 --json out.json
 """
@@ -139,6 +140,7 @@ def compare_command(
     no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar."),
     workload: str = WORKLOAD, seed: int = SEED, vocab_size: int | None = VOCAB, max_concurrency: int | None = MAX_CONC,
     trace: Path | None = TRACE, start: int = START, limit: int = LIMIT, tokens_per_block: int = TPB,
+    old_tokens_per_block: str | None = OLD_TPB,
     time_scale: float | None = TIME_SCALE, max_prompt_tokens: int | None = MAX_PROMPT, max_output_tokens: int = MAX_OUT,
     returning_only: bool = RETURNING,
     num_requests: int = NUM_REQ, prefix_len: int = PREFIX_LEN, suffix_len: int = SUFFIX_LEN,
@@ -212,7 +214,7 @@ def compare_command(
     pool_gib = _node_pool_gib(names, node_gib, extra)
     _check_tier_memory(names, extra, replicas, memory_fraction, pool_gib)
     knobs = workload_knobs(
-        kind=workload, seed=seed, trace_path=trace, start=start, limit=limit, tokens_per_block=tokens_per_block,
+        old_tokens_per_block, kind=workload, seed=seed, trace_path=trace, start=start, limit=limit, tokens_per_block=tokens_per_block,
         time_scale=time_scale, max_prompt_tokens=max_prompt_tokens, max_output_tokens=max_output_tokens,
         returning_only=returning_only, num_requests=num_requests, prefix_len=prefix_len, suffix_len=suffix_len,
         num_prefixes=num_prefixes, output_len=output_len, request_rate=request_rate, shuffle=shuffle,

@@ -20,7 +20,9 @@ MAX_CONC = typer.Option(None, "--max-concurrency", min=1,
 TRACE = typer.Option(None, "--trace", help="Mooncake-format .jsonl(.gz) trace (default: the bundled conversation trace).")
 START = typer.Option(0, "--start", min=0, help="trace: first request (0-based line).")
 LIMIT = typer.Option(200, "--limit", min=1, help="trace: number of requests.")
-TPB = typer.Option(64, "--tokens-per-block", min=1, help="trace: tokens per 512-token trace block (512 = real lengths).")
+TPB = typer.Option(64, "--sent-tokens-per-block", min=1, help=(
+    "trace: token ids sent per 512-token trace block (hash id): 512 = the trace's real lengths, 64 = an eighth."))
+OLD_TPB = typer.Option(None, "--tokens-per-block", hidden=True, help="Renamed --sent-tokens-per-block; refused.")
 TIME_SCALE = typer.Option(None, "--time-scale", min=0.0,
                           help="trace: multiply inter-arrival times (0.1 = 10x faster; 0 = all at once). Default 1, or 0 with --max-concurrency.")
 MAX_PROMPT = typer.Option(None, "--max-prompt-tokens", min=1, help="trace: cut longer prompts (the shared prefix survives).")
@@ -46,10 +48,18 @@ STALL = typer.Option(300.0, "--stall-timeout", min=1.0,
                           "included (compare: the engine counts as hung).")
 
 
-def workload_knobs(**values: Any) -> Any:
-    """:class:`kvtier.bench.factory.WorkloadKnobs` of the option values (imported here, on use)."""
+def workload_knobs(old_tokens_per_block: str | None = None, **values: Any) -> Any:
+    """:class:`kvtier.bench.factory.WorkloadKnobs` of the option values (imported here, on use).
+
+    ``old_tokens_per_block``: the value of bench's former ``--tokens-per-block``, refused (exit 2).
+    Everywhere else (simulate, size, trace stats) that flag is the trace's own block size, tokens per
+    hash id as the trace was made; bench's was a scale factor, so one spelling meant two things."""
     from kvtier.bench.factory import WorkloadKnobs
 
+    if old_tokens_per_block is not None:
+        fail(f"bench's --tokens-per-block is now --sent-tokens-per-block (token ids sent per 512-token trace "
+             f"block; --tokens-per-block elsewhere is a trace's own block size): pass --sent-tokens-per-block "
+             f"{old_tokens_per_block}")
     return WorkloadKnobs(**values)
 
 

@@ -127,8 +127,8 @@ def check_command(
     if as_json:
         print(json.dumps({"ok": not errors and (names_kvtier or bool(problems)),
                           "supported_vllm": SUPPORTED_RANGE, "installed_vllm": installed,
-                          "problems": [{"severity": p.severity, "key": p.key, "message": p.message}
-                                       for p in problems],
+                          "problems": [{"severity": p.severity, "key": p.key, "message": p.message,
+                                        **({"only_if": p.only_if} if p.only_if else {})} for p in problems],
                           "shared_tier": [{"key": p.key, "state": p.result.state, "url": p.result.url,
                                            "detail": p.result.detail} for p in probes]}, indent=2))
     else:
@@ -151,8 +151,12 @@ def check_command(
         if (keys := _key_ids(transfer)) is not None:
             print(f"info: {keys}")
         print(f"info: {statement()}")
-        warned = len(problems)
-        print(f"ok: vLLM would start with this KVTierConnector config{f' ({warned} warning(s))' if warned else ''}.")
+        warned = f" ({len(problems)} warning(s))" if problems else ""
+        # a warning that is a refusal on some servers qualifies the verdict: not "would start" outright
+        only_if = "; ".join(p.only_if for p in problems if p.only_if)
+        print(f"ok: vLLM would start with this KVTierConnector config{warned}." if not only_if else
+              f"conditional: vLLM would start with this KVTierConnector config only if {only_if}{warned}; pass "
+              "--block-size to check against the server's.")
 
 
 def _missing_state_dir(transfer: object) -> str | None:

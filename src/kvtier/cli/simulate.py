@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -161,6 +162,14 @@ def register(app: typer.Typer) -> None:
         # `is not None`, not truthiness: an empty --cpu-gib '' is --cpu-gib's mistake, not --cpu-pct's
         gibs = parse_gib_list(cpu_gib if cpu_gib is not None else cpu_pct or "",
                               "--cpu-gib" if cpu_gib is not None else "--cpu-pct")
+        option = "--cpu-gib" if cpu_gib is not None else "--cpu-pct"
+        if 0 in gibs and (disk_gib > 0 or shared_gib > 0):  # a tier below a cpu tier that is not there
+            fail(f"{option} 0 with --disk-gib or --shared-gib models a lower tier without a cpu tier, which kvtier "
+                 "refuses (cpu_gib must be above 0: every chunk passes through the cpu tier, also on its way to disk "
+                 f"or Redis); drop the 0 from {option}")
+        if 0 in gibs:  # kept: the engine alone is the baseline the other capacities are read against
+            print(f"note: {option} 0 is the engine alone (no kvtier), a baseline row; kvtier itself refuses cpu_gib 0 "
+                  "(every chunk passes through the cpu tier)", file=sys.stderr)
         model_file = Path(model) if model is not None and Path(model).is_file() else None
         check_new_files([("--json", json_path), ("--plot", plot_path)], force,
                         [("--trace", trace), ("--model", model_file)])

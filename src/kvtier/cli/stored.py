@@ -113,6 +113,8 @@ def _purge(disk_path: str | None, namespace: list[str], older_than: str | None, 
     except PurgeFailed as exc:
         fail(str(exc).rstrip(".") + ".", 1)
     problems = [p for r in results for p in r.problems]
+    notes = [f"note: {r.tier}: {r.note}." for r in results if r.note]  # a shared store with no kvtier value at all
+    results = [r for r in results if not r.note]
     unanswered = any(not r.namespace for r in results)  # a target that failed: its namespaces are unknown
     missing = sorted(n.hex() for n in selector.namespaces if not any(r.namespace == n for r in results))
     if missing and not unanswered:  # a mistyped digest removed nothing and said only "0 chunks"
@@ -121,6 +123,7 @@ def _purge(disk_path: str | None, namespace: list[str], older_than: str | None, 
     if as_json:
         print(json.dumps({
             "dry_run": dry_run,
+            "notes": [n.removeprefix("note: ") for n in notes],
             "namespaces": [{"tier": r.tier, "namespace": r.namespace.hex(), "chunks": r.chunks, "bytes": r.bytes,
                             "unknown_tenant": r.unknown_tenant, "damaged_tenant": r.damaged_tenant,
                             "problems": r.problems} for r in results],
@@ -130,6 +133,8 @@ def _purge(disk_path: str | None, namespace: list[str], older_than: str | None, 
         }, indent=2))
     else:
         _print_table(results, dry_run, selector.needs_tenant)
+    for note in notes:
+        print(note, file=sys.stderr)
     if problems:
         raise typer.Exit(1)
 
@@ -152,13 +157,17 @@ def _print_table(results: list[Any], dry_run: bool, tenant: bool) -> None:
     table.add_column("bytes", justify="right")
     if tenant:
         table.add_column("unknown tenant (kept)", justify="right")
+    reached = [r for r in results if r.namespace]  # one with no namespace did not answer: nothing to count
     for r in results:
-        row = [r.tier, r.namespace.hex() or "-", f"{r.chunks:,}", f"{r.bytes:,}"]
-        table.add_row(*row, *([f"{r.unknown_tenant:,}"] if tenant else []))
+        row = [r.tier, r.namespace.hex(), f"{r.chunks:,}", f"{r.bytes:,}"] if r.namespace else \
+            [r.tier, "-", "not reached", "-"]
+        table.add_row(*row, *([f"{r.unknown_tenant:,}" if r.namespace else "-"] if tenant else []))
     console.print(table)
-    chunks, size = sum(r.chunks for r in results), sum(r.bytes for r in results)
-    console.print(f"{'Would remove' if dry_run else 'Removed'} {chunks:,} chunks, {size:,} bytes "
-                  f"({size / 2**30:.3f} GiB) in {sum(1 for r in results if r.namespace)} namespaces.")
+    if reached or not results:  # no summary of "0 chunks" for a tier that was not reached
+        chunks, size = sum(r.chunks for r in reached), sum(r.bytes for r in reached)
+        console.print(f"{'Would remove' if dry_run else 'Removed'} {chunks:,} chunks, {size:,} bytes "
+                      f"({size / 2**30:.3f} GiB) in {len(reached)} namespaces"
+                      f"{' of the tiers reached' if len(reached) < len(results) else ''}.")
     unknown = sum(r.unknown_tenant for r in results)
     if unknown:
         console.print(f"Kept {unknown:,} chunks whose tenant is unknown (saved before tenant records, or by a store "

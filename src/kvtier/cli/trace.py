@@ -65,7 +65,7 @@ def register(app: typer.Typer) -> None:
             fail(f"cannot write {out} ({exc.strerror}); pass a path in a writable directory")
         blocks = distinct_full_blocks(records, block_tokens)  # counted as `trace stats` counts them
         typer.echo(f"{out}: {written:,} {regime} requests, {blocks:,} distinct full blocks of {block_tokens} tokens, "
-                   f"{records[-1].timestamp_ms / 1000:,.0f} s (seed {seed})")
+                   f"{records[-1].timestamp_ms / 1000:,.0f} s (seed {seed}){read_with(block_tokens)}")
 
     @trace_app.command("stats")
     def stats(
@@ -94,6 +94,15 @@ def register(app: typer.Typer) -> None:
             typer.echo(line)
 
 
+def read_with(block_tokens: int) -> str:
+    """What a trace of ``block_tokens`` per hash id needs to be read: a Mooncake line has no field
+    for its block size, so ``trace stats``, ``simulate`` and ``size`` assume Mooncake's 512."""
+    if block_tokens == 512:
+        return ""
+    return (f"; read it with --tokens-per-block {block_tokens} (trace stats, simulate, size), which otherwise "
+            "assume Mooncake's 512")
+
+
 def register_record(trace_app: typer.Typer) -> None:
     @trace_app.command("record")
     def record(
@@ -113,6 +122,7 @@ def register_record(trace_app: typer.Typer) -> None:
     ) -> None:
         """Record a live server's traffic as a Mooncake trace (block ids, lengths and times only,
         never prompt text) through a pass-through proxy; then run `kvtier simulate` on it."""
+        import signal
         import time
 
         from kvtier.core.errors import ServerAnswerError
@@ -144,19 +154,24 @@ def register_record(trace_app: typer.Typer) -> None:
         except OSError as exc:
             fail(f"cannot listen on {listen} or write next to {out} ({exc.strerror}); pick a free port and a writable "
                  "directory")
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+            # started with `&` from a script, which passes SIGINT on ignored: Ctrl-C or `kill -INT` is how a
+            # recording without --duration-s is meant to end, so take it back (SIGTERM ends it the same way)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         typer.echo(f"recording {url} through http://{host or '127.0.0.1'}:{recorder.port} into {out} "
-                   f"({'Ctrl-C' if not duration_s else f'{duration_s:g} s'} to stop)")
+                   f"({'Ctrl-C' if not duration_s else f'{duration_s:g} s'} to stop; each line goes to "
+                   f"{recorder.part_path} as it is recorded, renamed to {out.name} at the stop)")
         try:
             deadline = time.monotonic() + duration_s if duration_s else None
             while deadline is None or time.monotonic() < deadline:
                 time.sleep(0.2)
         except KeyboardInterrupt:
             pass
-        finally:
+        finally:  # also on SIGTERM or SIGHUP (kvtier.cli.termination): what was recorded is written and said
             recorder.close()
-        unrecorded = f"{recorder.failed} passed through unrecorded: the server could not tokenize them"
-        if recorder.kept:
-            typer.echo(f"{out}: {recorder.recorded} requests recorded ({unrecorded})")
-        else:
-            typer.echo(f"no request recorded ({unrecorded}); {out} was not written"
-                       + (" and still holds its previous trace" if out.exists() else ""))
+            unrecorded = f"{recorder.failed} passed through unrecorded: the server could not tokenize them"
+            if recorder.kept:
+                typer.echo(f"{out}: {recorder.recorded} requests recorded ({unrecorded}){read_with(block_tokens)}")
+            else:
+                typer.echo(f"no request recorded ({unrecorded}); {out} was not written"
+                           + (" and still holds its previous trace" if out.exists() else ""))

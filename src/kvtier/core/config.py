@@ -29,6 +29,7 @@ from pydantic import (
 )
 from pydantic_settings import SettingsConfigDict, SettingsError
 
+from kvtier.core import configload
 from kvtier.core.codecsettings import EncryptionSettings, check_codecs, needs_keys
 from kvtier.core.configload import JSON_EXAMPLES, check_env, did_you_mean, env_list, one_sentence, read_yaml
 from kvtier.core.configload import redact_url as redact_url  # noqa: PLC0414 - re-exported: its home was here
@@ -202,14 +203,13 @@ class KVTierConfig(ReceiptSettings):
             raise ValueError(f"must be one of {', '.join(RESET_SCOPES)}")
         return value
 
-    @field_validator("cpu_gib")
+    @field_validator("cpu_gib", "disk_gib")
     @classmethod
-    def _cpu_tier_present(cls, value: float) -> float:
-        # one sentence for 0 and a negative size (ge=0's generic sentence would differ for -1)
-        if value <= 0:
+    def _tier_sizes(cls, value: float, info: ValidationInfo) -> float:
+        if info.field_name == "cpu_gib" and value <= 0:  # one sentence for 0 and -1 (ge=0's would differ)
             raise ValueError("must be above 0: every chunk passes through the cpu tier, also on its way to disk or "
                              "Redis; give it room for hundreds of chunks, e.g. 4")
-        return value
+        return configload.check_gib(value)
 
     @field_validator("policy")
     @classmethod

@@ -87,6 +87,23 @@ def env_list(var: str) -> list[str] | None:
     return value if isinstance(value, list) else None
 
 
+MAX_GIB = float(1 << 20)
+"""Largest size a ``*_gib`` key takes, GiB: 1 PiB, beyond any one host's memory or disks (and the
+bound of ``s3_capacity_gib``), so a larger value is a size in bytes typed into a GiB key: 32 GiB
+as bytes is 34359738368, which read as GiB is 32 EiB."""
+
+
+def check_gib(value: float) -> float:
+    """``value`` of a ``*_gib`` key, refused when it cannot be GiB (over :data:`MAX_GIB`).
+
+    Raises:
+        ValueError: one sentence (the caller's validator names the key and the value).
+    """
+    if value > MAX_GIB:
+        raise ValueError("looks like bytes; it is in GiB (32 means 32 GiB), at most 1048576 (1 PiB)")
+    return value
+
+
 def one_sentence(exc: ValidationError, fields: Mapping[str, FieldInfo],
                  explicit: set[str] | None = None) -> tuple[str, str | None]:
     """The first error of ``exc`` (validating a model of ``fields``, the values given ``explicit``)

@@ -11,9 +11,8 @@
   hold it (vLLM's scheduler acknowledging a reset).
 - :func:`probe_tier`: whether a tier's storage answers (``kvtier check``, the serve-line pre-flight).
 
-A live engine sharing the store treats a purged chunk as a miss when it reads it (a chunk file
-removed under it, a key gone from the server); how soon it stops *reporting* the chunk as a hit is
-in docs/purge.md.
+A live engine reads a purged chunk as a miss (a file removed under it, a key gone from the server);
+how soon it stops *reporting* the chunk as a hit is in docs/purge.md.
 """
 
 from __future__ import annotations
@@ -40,21 +39,21 @@ class PurgeFailed(KVTierError):
     sentence naming it."""
 
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)?\s*$")
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$")
 _UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 
 
 def parse_duration(text: str) -> float:
-    """Seconds in ``text``: a number with an optional unit ``s``, ``m``, ``h``, ``d`` or ``w``
-    (``90``, ``30m``, ``12h``, ``7d``).
+    """Seconds in ``text``: a number with a unit ``s``, ``m``, ``h``, ``d`` or ``w`` (``90s``, ``12h``,
+    ``7d``), required: a bare ``7`` meant a week to its user and purged nearly everything as seconds.
 
     Raises:
-        UserError: anything else, or a negative or zero duration.
+        UserError: anything else (a bare number included), or a negative or zero duration.
     """
     match = _DURATION.match(text.lower())
     if match is None:
         raise UserError(f"--older-than {text!r} is not a duration; give a number with s, m, h, d or w, e.g. 12h or 7d")
-    seconds = float(match.group(1)) * _UNIT_S[match.group(2) or "s"]
+    seconds = float(match.group(1)) * _UNIT_S[match.group(2)]
     if seconds <= 0:
         raise UserError(f"--older-than {text!r} must be more than zero; e.g. 12h or 7d")
     return seconds
@@ -90,8 +89,7 @@ class PurgeSelector:
         older_than_s: only chunks written more than this many seconds before ``now``; ``None``: any age.
         cache_salt: only chunks whose tenant record names this ``cache_salt``; ``None``: any.
         lora_name: only chunks whose tenant record names this LoRA adapter; ``None``: any.
-        key_id: only values encrypted under the master key of this id (:mod:`kvtier.core.keyids`;
-            read without any key); ``None``: any.
+        key_id: only values encrypted under this master key id (:mod:`kvtier.core.keyids`); ``None``: any.
         now: the reference time (seconds since the epoch) for ``older_than_s``.
     """
 
@@ -103,8 +101,7 @@ class PurgeSelector:
     now: float = field(default_factory=time.time)
 
     @property
-    def needs_tenant(self) -> bool:
-        """Whether matching reads a chunk's tenant record."""
+    def needs_tenant(self) -> bool:  # whether matching reads a chunk's tenant record
         return self.cache_salt is not None or self.lora_name is not None
 
     @property
@@ -112,8 +109,7 @@ class PurgeSelector:
         """Whether any field narrows the purge (otherwise it removes every chunk: ``--all``)."""
         return bool(self.namespaces) or self.older_than_s is not None or self.needs_tenant or self.key_id is not None
 
-    def wants_namespace(self, namespace: bytes) -> bool:
-        """Whether chunks of ``namespace`` may match."""
+    def wants_namespace(self, namespace: bytes) -> bool:  # whether chunks of ``namespace`` may match
         return not self.namespaces or namespace in self.namespaces
 
     def old_enough(self, written_s: float) -> bool:
@@ -166,6 +162,7 @@ class NamespacePurge:
     damaged_tenant: int = 0
     problems: list[str] = field(default_factory=list)
     problem_count: int = 0
+    note: str = ""  # with no namespace: a shared tier's storage holds no kvtier value at all (what was searched)
 
     def problem(self, text: str) -> None:
         """Count a problem; keep the first 5."""
@@ -226,6 +223,7 @@ def purge_tier(name: str, config: KVTierConfig, selector: PurgeSelector, dry_run
     """
     from kvtier.core.tiers.blobs import StorageFailed
     from kvtier.core.tiers.factory import plugin
+    from kvtier.core.tiers.registry import spec
 
     try:
         store = plugin(name).blobs(config)
@@ -243,6 +241,9 @@ def purge_tier(name: str, config: KVTierConfig, selector: PurgeSelector, dry_run
             store.close()
     except StorageFailed as exc:
         raise PurgeFailed(str(exc)) from None
+    if not results and spec(name).shared:  # a wrong database or key prefix read as "0 chunks" (new user 5)
+        return [NamespacePurge(name, b"", note=f"{getattr(store, 'searched', store.where)} holds no kvtier value at "
+                               f"all; check that the engines' {name} tier uses this address and prefix")]
     return [results[ns] for ns in sorted(results)]
 
 

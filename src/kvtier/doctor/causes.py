@@ -201,8 +201,13 @@ def counter_delta(now: float, then: float) -> float:
     return now - then if now >= then else now
 
 
-def causes_between(before: CauseSeries, after: CauseSeries, capacity_bytes: dict[str, float]) -> Causes:
-    """The deltas of ``after`` over ``before``; ``capacity_bytes``: ``after``'s tiers' capacities."""
+def causes_between(before: CauseSeries, after: CauseSeries, capacity_bytes: dict[str, float],
+                   shared_tiers: frozenset[str] = frozenset()) -> Causes:
+    """The deltas of ``after`` over ``before``; ``capacity_bytes``: ``after``'s tiers' capacities;
+    ``shared_tiers``: the shared tiers the server has (their breaker gauges have a sample).
+
+    The served series exist for every registered tier, so a tier the server does not have (no
+    capacity, no breaker sample) that served nothing is left out of :attr:`Causes.savings`."""
     if not after.present:
         return Causes(present=False)
     missed = {k: counter_delta(v, before.missed.get(k, 0.0)) for k, v in after.missed.items()}
@@ -223,8 +228,11 @@ def causes_between(before: CauseSeries, after: CauseSeries, capacity_bytes: dict
     rate = computed / seconds if seconds > 0 and computed > 0 else None
     per_tenant = any(tenant for _tier, tenant in after.served)
     savings = []
+    configured = {tier for tier, capacity in capacity_bytes.items() if capacity > 0} | shared_tiers
     for (tier, tenant), value in sorted(after.served.items()):
         tokens = counter_delta(value, before.served.get((tier, tenant), 0.0))
+        if tokens == 0 and tier not in configured:  # "redis 0.00 s" on a server without Redis
+            continue
         saved = tokens / rate if rate else None
         capacity = capacity_bytes.get(tier, 0.0)
         per_gib = saved / (capacity / GIB) if saved is not None and capacity > 0 and not per_tenant else None

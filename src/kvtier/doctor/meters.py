@@ -286,7 +286,8 @@ def measure(before: Snapshot, after: Snapshot, interval_s: float | None) -> Mete
         shared_tiers=shared_tiers(before, after),
         pins=pins_of(before, after),
         controls=controls_of(before, after),
-        causes=causes_between(before.causes, after.causes, after.kvtier_capacity) if after.kvtier_capacity else None,
+        causes=causes_between(before.causes, after.causes, after.kvtier_capacity, frozenset(after.tiers_wire))
+        if after.kvtier_capacity else None,
         faults=faults_between(before.faults, after.faults),
     )
 

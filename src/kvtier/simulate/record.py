@@ -22,7 +22,8 @@ call (the proxied request with its whole answer, and ``/tokenize``) ends within 
 all (:func:`kvtier.tools.httpget.stream_within`: a server that trickles bytes cannot hold it), and
 :meth:`TraceRecorder.close` ends the requests still in flight at once.
 
-The trace is written into a temporary file next to ``out`` and renamed over ``out`` by
+The trace is written, a flushed line per request, into a temporary file next to ``out``
+(``out``'s name, a random part, ``.part``: what a SIGKILL leaves) and renamed over ``out`` by
 :meth:`TraceRecorder.close` only when at least one request was recorded: a recording that fails
 to start, or records nothing, leaves ``out`` as it was.  ``output_length`` is the server's ``usage.completion_tokens`` (for a
 stream, from its last usage chunk if the client asked for one; else the streamed choice chunks).
@@ -121,11 +122,13 @@ class TraceRecorder:
         self._server = ThreadingHTTPServer((host, port), Handler)  # first: a taken port leaves no file behind
         self._server.daemon_threads = True
         try:
-            fd, temp = tempfile.mkstemp(prefix=f".{self.out.name}.", suffix=".part", dir=self.out.parent)
+            # in plain sight beside ``out``: after a SIGKILL it holds every line but one being written
+            fd, temp = tempfile.mkstemp(prefix=f"{self.out.name}.", suffix=".part", dir=self.out.parent)
         except OSError:
             self._server.server_close()
             raise
         self._temp = Path(temp)
+        self.part_path = self._temp  # where each line is appended (flushed) as it is recorded
         umask = os.umask(0o022)  # read it back: the trace gets a new file's usual mode, not mkstemp's 0600
         os.umask(umask)
         os.fchmod(fd, 0o666 & ~umask)

@@ -394,6 +394,7 @@ def _default_block_problem(key: str, chunk_tokens: int) -> list[Problem]:
                     f"chunk_tokens={chunk_tokens} is not a multiple of vLLM's default block size "
                     f"{' or '.join(misses)}, so the connector refuses it on a server without a --block-size that "
                     f"divides it; set chunk_tokens to auto (the default) or a multiple of "
-                    f"{max(DEFAULT_BLOCK_SIZES.values())}, or pass --block-size to check against the server's")]
+                    f"{max(DEFAULT_BLOCK_SIZES.values())}, or pass --block-size to check against the server's",
+                    only_if=f"the server's --block-size divides chunk_tokens={chunk_tokens}")]
 
 

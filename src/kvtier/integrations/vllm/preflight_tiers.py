@@ -33,11 +33,14 @@ class Problem:
             as an operator wants).
         key: the JSON key it is about, dotted (``kv_connector_extra_config.cpu_gib``).
         message: one sentence naming what is wrong and the fix.
+        only_if: for a warning that is a refusal on some servers, what the server must have for
+            vLLM to start (``kvtier check``'s verdict names it); ``None`` otherwise.
     """
 
     severity: Severity
     key: str
     message: str
+    only_if: str | None = None
 
 
 def tier_problems(key: str, config: KVTierConfig) -> list[Problem]:

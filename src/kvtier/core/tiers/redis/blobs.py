@@ -31,6 +31,7 @@ import re
 import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from kvtier.core.config import redact_url
 from kvtier.core.errors import ConfigError, UserError
@@ -90,6 +91,12 @@ class RedisBlobs:
         self.prefix = settings.redis_key_prefix.encode()
         self._raw: Any = None
         self._checked = False
+
+    @property
+    def searched(self) -> str:
+        """What a purge searches, for its note when nothing is there: database, server, key prefix."""
+        database = urlsplit(self.settings.redis_url or "").path.strip("/") or "0"
+        return f"database {database} of the Redis server at {self.where} (keys starting {self.prefix.decode()!r})"
 
     @property
     def space(self) -> str:
