@@ -1,31 +1,30 @@
 """The store's index: where every chunk is, who holds it, and what must move (no threads, no I/O waits).
 
-One :class:`Index` per :class:`~kvtier.core.store.TieredStore` holds all placement state under
-one lock: the top (cpu) tier's pages and their policy, pins, TTL pins, staged copies, parents,
-tenant records, uses and tenant ledger; each lower tier's :class:`~kvtier.core.lowerindex.LowerIndex`;
-the reset epoch (one counter for the whole store); chunks a reset doomed; the change feed
-(:mod:`kvtier.core.changes`).  Its verbs return typed plans (:mod:`kvtier.core.handles`):
+One :class:`Index` per :class:`~kvtier.core.store.TieredStore` holds all placement state under one lock: the
+top (cpu) tier's pages and their policy, pins, TTL pins, staged copies, parents, tenant records, uses and
+tenant ledger; each lower tier's :class:`~kvtier.core.lowerindex.LowerIndex`; the reset epoch (one counter for
+the whole store); chunks a reset doomed; the change feed (:mod:`kvtier.core.changes`). Its verbs return typed
+plans (:mod:`kvtier.core.handles`):
 
-- :meth:`plan_load` / :meth:`plan_shared`: a :class:`~kvtier.core.handles.LoadPlan` (each chunk's
-  source tier and buffer, pinned; the :class:`~kvtier.core.handles.Read` s to run);
-  :meth:`complete_reads` applies what the reads found (publish, cut the prefix);
+- :meth:`plan_load` / :meth:`plan_shared`: a :class:`~kvtier.core.handles.LoadPlan` (each chunk's source
+  tier and buffer, pinned; the :class:`~kvtier.core.handles.Read` s to run); :meth:`complete_reads` applies
+  what the reads found (publish, cut the prefix);
 - :meth:`plan_store` / :meth:`complete_store`: reserved pages, then publication;
 - every verb that frees a cpu page or publishes a chunk also returns the
-  :class:`~kvtier.core.handles.WriteJob` s it decided (a victim's spill to a write-back tier, a
-  write-through, a spill ahead); :meth:`begin_write` / :meth:`end_write` / :meth:`written` apply
-  what the write did.
+  :class:`~kvtier.core.handles.WriteJob` s it decided (a victim's spill to a write-back tier, a write-through,
+  a spill ahead); :meth:`begin_write` / :meth:`end_write` / :meth:`written` apply what the write did.
 
-The :class:`~kvtier.core.mover.Mover` runs the plans (threads, queues, tier reads and writes)
-and reports back by calling these verbs; the index never calls the mover.  Every planned
-:class:`WriteJob` ends in exactly one :meth:`written` (the mover calls it when a job cannot be
-queued; :meth:`end_write` when it ran).  What the index still does to tiers: the cpu tier's page
-map (reserve, commit, abort, delete: memory only), and a lower tier's ``delete`` of an eviction
-victim and ``clear`` on a reset (under the lock, so that usage and policy never disagree).
+The :class:`~kvtier.core.mover.Mover` runs the plans (threads, queues, tier reads and writes) and reports back
+by calling these verbs; the index never calls the mover. Every planned :class:`WriteJob` ends in exactly one
+:meth:`written` (the mover calls it when a job cannot be queued; :meth:`end_write` when it ran). What the
+index still does to tiers: the cpu tier's page map (reserve, commit, abort, delete: memory only), and a lower
+tier's ``delete`` of an eviction victim and ``clear`` on a reset (under the lock, so that usage and policy
+never disagree).
 
-Eviction from the top tier is decided in one place, :meth:`Index.may_free_page` (may this
-chunk's page be freed now; never while the eviction gate is closed, :mod:`kvtier.core.gate`), and
-done in one place, :meth:`Index.evict_top`.  This module is a load's whole path through the index; the
-per-step feed, gate and numbers are :mod:`kvtier.core.changes`'; saves, writes, resets :mod:`kvtier.core.upkeep`'.
+Eviction from the top tier is decided in one place, :meth:`Index.may_free_page` (may this chunk's page be
+freed now; never while the eviction gate is closed, :mod:`kvtier.core.gate`), and done in one place,
+:meth:`Index.evict_top`. This module is a load's whole path through the index; the per-step feed, gate and
+numbers are :mod:`kvtier.core.changes`'; saves, writes, resets :mod:`kvtier.core.upkeep`'.
 """
 
 from __future__ import annotations
@@ -144,6 +143,8 @@ class Index(IndexUpkeep):
         (``top_only``: the top tier alone); chunks below the top tier get a :class:`Read` into a
         reserved cpu page (or a private buffer when no page may be freed)."""
         plan = LoadPlan(handle := LoadHandle([], [], []))
+        below: list[list[bool]] | None = None  # each local tier's contains_many(chain[start:limit])
+        start = 0
         with self.lock:  # (resident(), inlined: the hit path asks it per chunk)
             contains, view, doomed, pins, name = self.cpu.contains, self.cpu.view, self.doomed, self.pins, self.name
             for i in range(limit):
@@ -158,8 +159,10 @@ class Index(IndexUpkeep):
                     source = name
                 elif top_only:
                     break
-                else:
-                    lt = next((lt for lt in self.local if lt.tier.contains(key)), None)
+                else:  # each local tier is asked once, for the rest of the chain (contains is pure)
+                    if below is None:
+                        start, below = i, [lt.tier.contains_many(chain[i:limit]) for lt in self.local]
+                    lt = next((lt for lt, held in zip(self.local, below) if held[i - start]), None)
                     if lt is None:
                         break
                     lt.pins[key] += 1  # (LowerIndex.pin, inlined on the hit path)
@@ -206,6 +209,9 @@ class Index(IndexUpkeep):
         with self.lock:
             failed = [r.pos for r, res in zip(batch, results) if res is not GetResult.HIT or r.epoch != self.epoch]
             cut = min(failed) if failed else None
+            # the pages published below, committed in one call first (nothing in the loop asks another key's page)
+            self.cpu.commit_many([r.key for r in batch if r.reserved and (cut is None or r.pos < cut)])
+            inserted: list[tuple[ChunkKey, ChunkKey | None]] = []  # the policy's inserts, in one call after the loop
             for r, res in zip(batch, results):
                 lt = self.by_name[r.tier]
                 if not r.shared:  # (LowerIndex.unpin, inlined on the hit path)
@@ -223,9 +229,10 @@ class Index(IndexUpkeep):
                     continue
                 if r.reserved:
                     self.publish(r.key, chain[r.pos - 1] if r.pos > 0 else None, records.get(r.key),
-                                 owner=_owner(lt, r.key))
+                                 owner=_owner(lt, r.key), inserted=inserted)
                     self.pins[r.key] += 1
                     handle.pinned.append(r.key)
+            self.policy.insert_many(inserted)
             if cut is not None:  # everything from the first unusable chunk on is dropped
                 for key in handle.keys[cut:]:
                     if key in handle.pinned:
@@ -235,8 +242,7 @@ class Index(IndexUpkeep):
             return self.epoch
 
     def start_read_ahead(self, handle: LoadHandle, ahead_from: int) -> bool:
-        """Mark ``handle`` as reading chunks ``ahead_from`` on in the background; False (nothing
-        to read) when its prefix already ended before them."""
+        """Mark ``handle`` as reading chunks ``ahead_from`` on in the background; False if its prefix ends before."""
         with self.lock:
             if handle.num_chunks <= ahead_from:
                 return False
@@ -258,8 +264,7 @@ class Index(IndexUpkeep):
             self.unpin_load(handle, refresh)
 
     def release(self, handle: LoadHandle, refresh: bool) -> bool:
-        """Unpin ``handle`` once (after its background reads, if they still run); on ``refresh``
-        mark its chunks used.  False if it was released already."""
+        """Unpin ``handle`` once (after its reads ahead, if they run); on ``refresh`` mark its chunks used; False if done."""
         with self.lock:
             if handle.done:
                 return False
@@ -304,26 +309,23 @@ class Index(IndexUpkeep):
                     self._drop(key)
 
     def publish(self, key: ChunkKey, parent: ChunkKey | None, tenant: Writer | None = None,
-                owner: bytes | None = None) -> None:
-        """Commit a reserved page and track it (saved for ``tenant`` when known; ``owner``: the
-        quota's tenant key when ``tenant`` gives none, e.g. a promotion's lower-tier ledger)."""
-        self.cpu.commit(key)
+                owner: bytes | None = None, inserted: list[tuple[ChunkKey, ChunkKey | None]] | None = None) -> None:
+        """Commit a reserved page and track it (saved for ``tenant`` when known; ``owner``: the quota's tenant
+        key when ``tenant`` gives none, e.g. a promotion's lower-tier ledger; ``inserted``: the caller committed
+        the page and inserts ``(key, parent)`` into the policy itself, a load's chunks in one call each)."""
+        if inserted is None:
+            self.cpu.commit(key)
         self.parent[key] = parent
         if tenant is not None:
             self.tenant[key] = tenant
         if self.quota is not None:
             quota_key = tenant.quota_key if tenant is not None else None
             self.quota.add(key, quota_key if quota_key is not None else owner)
-        self.policy.insert(key, parent)
+        if inserted is None:
+            self.policy.insert(key, parent)
+        else:
+            inserted.append((key, parent))
         self._note(key)
-
-    def _job(self, lt: LowerIndex, key: ChunkKey, data: np.ndarray | None, evict_after: bool,
-             tenant: Writer | None) -> WriteJob:
-        """A write of ``key`` into ``lt``; one from a page (``data`` None) pins the page until :meth:`written`."""
-        if data is None:
-            self.pins[key] += 1
-            self.writing[key] += 1
-        return WriteJob(lt.name, key, self.parent.get(key), data, evict_after, self.epoch, tenant)
 
     # ---- eviction from the top tier: decided in may_free_page, done in evict_top ------------
     def may_free_page(self, key: ChunkKey, ahead: bool) -> bool:
