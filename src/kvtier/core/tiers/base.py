@@ -67,8 +67,7 @@ tier's registry record (:attr:`~kvtier.core.tiers.registry.TierSpec.capabilities
 suite): :class:`Rescannable` (takes in other processes' chunks in an explicit rescan), :class:`Generational`
 (may lose its whole contents, and says so by a new generation), :class:`ExactUsage` (its byte count may exceed
 its capacity until trimmed), :class:`Paged` (a fixed number of equal pages), :class:`RegistersMemory`
-(registers host buffer regions it reads into and writes from, for the GPU copy path: the cpu tier registers
-its page pool).
+(registers the host memory it reads into and writes from for GPU copies: the cpu tier's page pool).
 """
 
 from __future__ import annotations
@@ -297,18 +296,20 @@ class StagingTier(Tier):
 
     @abstractmethod
     def reserve(self, key: ChunkKey) -> ReserveResult:
-        """A :class:`Reservation` (a writable uint8 buffer for ``key``, invisible to ``contains``
-        until :meth:`commit`); ``NoRoom.NO_ROOM`` if there is no free space;
-        ``AlreadyHeld.ALREADY_HELD`` if ``key`` is already present or reserved."""
+        """A :class:`Reservation` (a writable uint8 buffer for ``key``, invisible to ``contains`` until :meth:`commit`);
+        ``AlreadyHeld.ALREADY_HELD`` if ``key`` is present or reserved; else ``NoRoom.NO_ROOM`` if no space is free."""
 
     @abstractmethod
     def commit(self, key: ChunkKey) -> None:
         """Publish a reserved chunk.  Raises ``KeyError`` if ``key`` was not reserved."""
 
+    @abstractmethod
     def commit_many(self, keys: Sequence[ChunkKey]) -> None:
-        """:meth:`commit` of each of ``keys`` (a load's promoted chunks in one call)."""
-        for key in keys:
-            self.commit(key)
+        """:meth:`commit` of each of ``keys``, in one call (a load's promoted chunks)."""
+
+    @abstractmethod
+    def reserve_many(self, keys: Sequence[ChunkKey]) -> list[ReserveResult]:
+        """:meth:`reserve` of each of ``keys``, in order, in one call (a load's promotions)."""
 
     @abstractmethod
     def abort(self, key: ChunkKey) -> None:
@@ -319,8 +320,7 @@ class StagingTier(Tier):
         """Zero-copy uint8 view of a resident chunk.  Raises ``KeyError`` if absent."""
 
     def pin_host_memory(self) -> bool:
-        """Make the tier's pages pinned host memory, so a GPU copies straight into and out of them
-        (:mod:`kvtier.core.pinned`); returns whether they are.  Default: not supported (False)."""
+        """Make the pages pinned host memory for direct GPU copies (:mod:`kvtier.core.pinned`); whether they are (default False)."""
         return False
 
 

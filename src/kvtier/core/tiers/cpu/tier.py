@@ -181,6 +181,15 @@ class CpuTier(StagingTier):
         with self._lock:
             self._key_to_page[key] = self._reserved.pop(key)
 
+    def reserve_many(self, keys: Sequence[ChunkKey]) -> list[ReserveResult]:
+        """:meth:`reserve` of each of ``keys`` (a whole page each), in order, under one hold of the lock."""
+        with self._lock:
+            return [self.reserve(key) for key in keys]
+
+    def delete_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        with self._lock:
+            return [self.delete(key) for key in keys]
+
     def commit_many(self, keys: Sequence[ChunkKey]) -> None:
         """:meth:`commit` of each of ``keys``, under one hold of the lock (a load's promoted chunks)."""
         with self._lock:
