@@ -74,8 +74,8 @@ class IndexDelta:
 
 
 class ChangeFeed:
-    """The per-step part of :class:`~kvtier.core.index.Index`: the change feed, the eviction gate,
-    the tiers' numbers (see the module docstring)."""
+    """The per-step part of :class:`~kvtier.core.index.Index`: the change feed, the eviction gate and
+    what may leave the top tier (``may_free_page``), the tiers' numbers (see the module docstring)."""
 
     chunk_bytes: int
     lock: threading.RLock
@@ -184,6 +184,7 @@ class ChangeFeed:
             self.pins.update(handle.pinned)  # (Counter.update adds: one pin each)
         return handle
 
+    # ---- what may leave the top tier: decided here, with the gate (done in index.py and upkeep.py) ----
     def may_free_page(self, key: ChunkKey, ahead: bool) -> bool:
         """Whether the page of resident ``key`` may be freed now: not while the eviction gate is
         closed (:mod:`kvtier.core.gate`), not pinned, no live TTL pin; ahead of need (a spill, or
