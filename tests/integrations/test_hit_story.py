@@ -89,8 +89,16 @@ SCRIPT = ROOT / "scripts" / "hit_story.py"
 # the hit: a read's I/O (read_chunk, the buffered serial/split read) is reads.py's, the shared aligned
 # buffers readchoice.py's (reads -> chunkio 6, chunkio -> reads 6, chunkio -> readchoice 12 became
 # reads -> readchoice 14); chunkio.py keeps the tier's I/O settings and the writes.
+# Lowered on branch moves33 (d584560): 31 files, 248 moves (2 runs, 906 kvtier calls, load 4.6-5.4), from
+# 327 at main 57a714e (measured at the start of the branch, load 1).  A load's per-chunk calls between files
+# became one call per load or per run of chunks read from below: the promotion reserves, frees and commits
+# its cpu pages, takes its policy victims and inserts, and takes and adds its ghosts in one call each
+# (index -> cpu tier 24 -> 6, index -> adaptive 22 -> 6, index -> ghosts 12 -> 1, index -> stats 6 -> 1),
+# the disk tier's indexed() is its dict's C membership test and contains_many() answers a load's chain at
+# once (index -> disk tier 12 -> 1, changes -> disk tier 8 -> 2), the envelope checks a read's header in one
+# call (reads -> envelope 18 -> 6), and the step's policy settle runs in changes.py (changes -> index 2 -> 0).
 MAX_FILES = 31
-MEASURED_MOVES = 328
+MEASURED_MOVES = 248
 POLL_SLACK_MOVES = 19 * 3
 
 

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from kvtier.core.gate import EvictionGate
     from kvtier.core.handles import StagedCopy
     from kvtier.core.lowerindex import LowerIndex
+    from kvtier.core.policies.base import EvictionPolicy
     from kvtier.core.quota import TenantLedger
     from kvtier.core.tiers.base import StagingTier
 
@@ -73,8 +74,8 @@ class IndexDelta:
 
 
 class ChangeFeed:
-    """The per-step part of :class:`~kvtier.core.index.Index`: the change feed, the eviction gate,
-    the tiers' numbers (see the module docstring)."""
+    """The per-step part of :class:`~kvtier.core.index.Index`: the change feed, the eviction gate and
+    what may leave the top tier (``may_free_page``), the tiers' numbers (see the module docstring)."""
 
     chunk_bytes: int
     lock: threading.RLock
@@ -92,10 +93,10 @@ class ChangeFeed:
     ttl_pins: dict[ChunkKey, float]
     quota: TenantLedger | None
     gate: EvictionGate
+    policy: EvictionPolicy
     codec_stats: dict[str, CodecStats | None]
 
     if TYPE_CHECKING:  # the index's (kvtier.core.index, kvtier.core.upkeep)
-        def settle_policies(self) -> None: ...
         def let_go(self, key: ChunkKey) -> None: ...
 
     def _tier_of(self, key: ChunkKey) -> str | None:
@@ -182,6 +183,31 @@ class ChangeFeed:
             handle.pinned = [k for k in chain if self.cpu.contains(k) and k not in self.doomed]  # (resident)
             self.pins.update(handle.pinned)  # (Counter.update adds: one pin each)
         return handle
+
+    # ---- what may leave the top tier: decided here, with the gate (done in index.py and upkeep.py) ----
+    def may_free_page(self, key: ChunkKey, ahead: bool) -> bool:
+        """Whether the page of resident ``key`` may be freed now: not while the eviction gate is
+        closed (:mod:`kvtier.core.gate`), not pinned, no live TTL pin; ahead of need (a spill, or
+        eviction after its write) with quotas only while its tenant stays at or above its guarantee."""
+        if self.gate.closed or key in self.pins or self.ttl_pinned(key):
+            return False
+        return not ahead or self.quota is None or self.quota.above_guarantee(key)
+
+    def ttl_pinned(self, key: ChunkKey) -> bool:
+        """``key`` has a TTL pin whose deadline has not passed (an expired one is forgotten here)."""
+        deadline = self.ttl_pins.get(key)
+        if deadline is None:
+            return False
+        if deadline <= time.monotonic():
+            del self.ttl_pins[key]
+            return False
+        return True
+
+    def settle_policies(self) -> None:
+        """The policies' work deferred off the request's path (the adaptive policy's shadow replay), done now."""
+        for policy in (self.policy, *(lt.policy for lt in self.local)):
+            if policy is not None and policy.pending:
+                policy.settle()
 
     def expire_ttl_pins(self) -> None:
         """Forget TTL pins whose deadline passed."""

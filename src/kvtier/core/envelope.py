@@ -202,8 +202,7 @@ def _chain(ids: tuple[int, ...]) -> codecs.Chain:
 
 
 class Sealed(NamedTuple):
-    """A value ready to store: ``header`` bytes then ``body`` (the payload after the codec chain:
-    the caller's own memory for a passthrough chain)."""
+    """A value to store: ``header`` then ``body`` (after the codec chain: for a passthrough chain the caller's memory)."""
 
     header: bytes
     body: memoryview
@@ -223,8 +222,7 @@ class Envelope:
             chain with ``aes-256-gcm`` and for reading encrypted values; ``None``: none.
 
     Attributes:
-        stats: the chain's numbers (:class:`~kvtier.core.codecstats.CodecStats`; chains that
-            change the payload only).
+        stats: the chain's numbers (:class:`~kvtier.core.codecstats.CodecStats`; payload-changing chains only).
 
     Raises:
         ValueError: a namespace not of 16 bytes, too many codecs, or ``header_bytes`` below
@@ -339,13 +337,9 @@ class Envelope:
         return self.header_bytes + payload_bytes
 
     def check(self, header: EnvelopeHeader, key: bytes, original_bytes: int | None) -> None:
-        """Refuse a header that does not belong here: another namespace, key or digest kind, an
-        unknown layout or codec, or another original length than ``original_bytes`` (``None``: any
-        length, a variable-length read: :mod:`kvtier.core.tiers.valueread`).
-
-        Raises:
-            EnvelopeError: naming which.
-        """
+        """Refuse a header that does not belong here: another namespace, key or digest kind, an unknown layout or
+        codec, or another original length than ``original_bytes`` (``None``: any length, a variable-length read:
+        :mod:`kvtier.core.tiers.valueread`).  Raises EnvelopeError naming which."""
         if header.namespace != self.namespace or header.key != key:
             raise EnvelopeError("value belongs to another namespace or key")
         if header.kind != self.kind:
@@ -356,6 +350,16 @@ class Envelope:
             raise EnvelopeError(f"codec chain {list(header.codecs)} names a codec this kvtier does not know")
         if original_bytes is not None and header.original_bytes != original_bytes:
             raise EnvelopeError(f"payload of {header.original_bytes} bytes is not the expected {original_bytes}")
+
+    def open_header(self, raw: memoryview, key: bytes, original_bytes: int | None,
+                    header_bytes: int) -> tuple[EnvelopeHeader, Hasher | None]:
+        """A streamed read's header in one call: decoded, refused unless an envelope or chunk file of ``header_bytes``,
+        :meth:`check` ed; and an envelope's hasher fed its fields (``None``: a chunk file's covers the payload alone)."""
+        header = decode_header(raw)
+        if header.header_bytes != header_bytes or header.format not in (FORMAT, FORMAT_CHUNK_FILE):
+            raise ChunkFormatError(f"not a chunk file ({header.format}, {header.header_bytes}-byte header)")
+        self.check(header, key, original_bytes)
+        return header, (self.hasher(raw[:DIGEST_OFFSET]) if header.format == FORMAT else None)
 
     def verify(self, header: EnvelopeHeader, value: memoryview) -> None:
         """Check ``value``'s digest (``value`` holds the header and the stored payload).

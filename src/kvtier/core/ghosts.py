@@ -146,6 +146,21 @@ class Ghosts:
         self._hit(name, distance)
         return ghost
 
+    def promote(self, name: str, wanted: Sequence[ChunkKey], lost: dict[int, tuple[ChunkKey, int]],
+                back: Iterable[Any]) -> Ghost | None:
+        """A run of chunks promoted into tier ``name``, in one call as one at a time: for each ``wanted[i]``,
+        :meth:`take` its ghost (a ghost hit), then add the loss of ``lost[i]``, the ``(victim, its uses)`` whose
+        page it takes (none: a free page), for :func:`top_loss`'s reason (``back``: the write-back tiers'
+        ``LowerIndex`` es).  Returns the first chunk's ghost (``None``: it is ``new``)."""
+        listed, first = self.lists[name].keys, None
+        for i, key in enumerate(wanted):
+            ghost = self.take(name, key) if key in listed else None
+            first = ghost if i == 0 else first
+            if i in lost:
+                victim, uses = lost[i]
+                self.add(name, victim, *top_loss(back, victim, uses, False))
+        return first
+
     def take_all(self, key: ChunkKey) -> Ghost | None:
         """``key`` is saved again: forget it in every list (each a ghost hit); the latest loss, or
         ``None`` when no list remembers it (it is ``new``)."""

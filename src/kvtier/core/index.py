@@ -1,37 +1,34 @@
 """The store's index: where every chunk is, who holds it, and what must move (no threads, no I/O waits).
 
-One :class:`Index` per :class:`~kvtier.core.store.TieredStore` holds all placement state under
-one lock: the top (cpu) tier's pages and their policy, pins, TTL pins, staged copies, parents,
-tenant records, uses and tenant ledger; each lower tier's :class:`~kvtier.core.lowerindex.LowerIndex`;
-the reset epoch (one counter for the whole store); chunks a reset doomed; the change feed
-(:mod:`kvtier.core.changes`).  Its verbs return typed plans (:mod:`kvtier.core.handles`):
+One :class:`Index` per :class:`~kvtier.core.store.TieredStore` holds all placement state under one lock: the
+top (cpu) tier's pages and their policy, pins, TTL pins, staged copies, parents, tenant records, uses and
+tenant ledger; each lower tier's :class:`~kvtier.core.lowerindex.LowerIndex`; the reset epoch (one counter for
+the whole store); chunks a reset doomed; the change feed (:mod:`kvtier.core.changes`). Its verbs return typed
+plans (:mod:`kvtier.core.handles`):
 
-- :meth:`plan_load` / :meth:`plan_shared`: a :class:`~kvtier.core.handles.LoadPlan` (each chunk's
-  source tier and buffer, pinned; the :class:`~kvtier.core.handles.Read` s to run);
-  :meth:`complete_reads` applies what the reads found (publish, cut the prefix);
+- :meth:`plan_load` / :meth:`plan_shared`: a :class:`~kvtier.core.handles.LoadPlan` (each chunk's source
+  tier and buffer, pinned; the :class:`~kvtier.core.handles.Read` s to run); :meth:`complete_reads` applies
+  what the reads found (publish, cut the prefix);
 - :meth:`plan_store` / :meth:`complete_store`: reserved pages, then publication;
 - every verb that frees a cpu page or publishes a chunk also returns the
-  :class:`~kvtier.core.handles.WriteJob` s it decided (a victim's spill to a write-back tier, a
-  write-through, a spill ahead); :meth:`begin_write` / :meth:`end_write` / :meth:`written` apply
-  what the write did.
+  :class:`~kvtier.core.handles.WriteJob` s it decided (a victim's spill to a write-back tier, a write-through,
+  a spill ahead); :meth:`begin_write` / :meth:`end_write` / :meth:`written` apply what the write did.
 
-The :class:`~kvtier.core.mover.Mover` runs the plans (threads, queues, tier reads and writes)
-and reports back by calling these verbs; the index never calls the mover.  Every planned
-:class:`WriteJob` ends in exactly one :meth:`written` (the mover calls it when a job cannot be
-queued; :meth:`end_write` when it ran).  What the index still does to tiers: the cpu tier's page
-map (reserve, commit, abort, delete: memory only), and a lower tier's ``delete`` of an eviction
-victim and ``clear`` on a reset (under the lock, so that usage and policy never disagree).
+The :class:`~kvtier.core.mover.Mover` runs the plans (threads, queues, tier reads and writes) and reports back
+by calling these verbs; the index never calls the mover. Every planned :class:`WriteJob` ends in exactly one
+:meth:`written` (the mover calls it when a job cannot be queued; :meth:`end_write` when it ran). What the
+index still does to tiers: the cpu tier's page map (reserve, commit, abort, delete: memory only), a lower
+tier's ``delete`` of an eviction victim and ``clear`` on a reset (under the lock: usage and policy agree).
 
-Eviction from the top tier is decided in one place, :meth:`Index.may_free_page` (may this
-chunk's page be freed now; never while the eviction gate is closed, :mod:`kvtier.core.gate`), and
-done in one place, :meth:`Index.evict_top`.  This module is a load's whole path through the index; the
-per-step feed, gate and numbers are :mod:`kvtier.core.changes`'; saves, writes, resets :mod:`kvtier.core.upkeep`'.
+Eviction from the top tier is decided in one place, ``may_free_page`` (:mod:`kvtier.core.changes`, with the
+eviction gate, :mod:`kvtier.core.gate`), and done by ``evict_top`` one chunk at a time (:mod:`kvtier.core.upkeep`)
+or :meth:`Index._evict_many` for a load's promotions.  This module is a load's whole path through the index;
+the per-step feed, gate and numbers are :mod:`kvtier.core.changes`'; saves, writes, resets :mod:`kvtier.core.upkeep`'.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
@@ -41,7 +38,7 @@ import numpy as np
 from kvtier.core.codecstats import codec_stats
 from kvtier.core.config import KVTierConfig
 from kvtier.core.gate import EvictionGate
-from kvtier.core.ghosts import GhostList, Ghosts, top_loss
+from kvtier.core.ghosts import GhostList, Ghosts
 from kvtier.core.handles import NO_BUFFER, LoadHandle, LoadPlan, Read, StagedCopy, WriteJob
 from kvtier.core.keys import ChunkKey
 from kvtier.core.lowerindex import LowerIndex
@@ -50,20 +47,14 @@ from kvtier.core.policies.admission import make_admission
 from kvtier.core.quota import TenantLedger
 from kvtier.core.stats import StoreCounters
 from kvtier.core.tenant import TenantRecords, Writer
-from kvtier.core.tiers.base import GetResult, NoRoom, Paged, Reservation, StagingTier
+from kvtier.core.tiers.base import GetResult, NoRoom, Paged, Reservation, ReserveResult, StagingTier
 from kvtier.core.upkeep import IndexUpkeep
 
 
 class Index(IndexUpkeep):
-    """All placement state of one store (see the module docstring).
-
-    Args:
-        cpu: the top (staging) tier.
-        lower: the tiers below it, in order.
-        config: policies, admission, quotas, ``spill_watermark``, ``pin_max_share``.
-        counters: the store's event counters.
-        chunk_bytes: bytes of one chunk.
-    """
+    """All placement state of one store (see the module docstring): over the top (staging) tier ``cpu`` and the
+    tiers ``lower`` below it, in order, per ``config`` (policies, admission, quotas, ``spill_watermark``,
+    ``pin_max_share``), counting in ``counters``, for chunks of ``chunk_bytes``."""
 
     def __init__(self, cpu: StagingTier, lower: Sequence[LowerIndex], config: KVTierConfig,
                  counters: StoreCounters, chunk_bytes: int, observe: Callable[[str, float], None] | None = None) -> None:
@@ -144,58 +135,102 @@ class Index(IndexUpkeep):
         (``top_only``: the top tier alone); chunks below the top tier get a :class:`Read` into a
         reserved cpu page (or a private buffer when no page may be freed)."""
         plan = LoadPlan(handle := LoadHandle([], [], []))
+        below: list[list[bool]] = []  # each local tier's contains_many(chain[start:limit]), asked once
+        start = i = 0
         with self.lock:  # (resident(), inlined: the hit path asks it per chunk)
             contains, view, doomed, pins, name = self.cpu.contains, self.cpu.view, self.doomed, self.pins, self.name
-            for i in range(limit):
+            while i < limit:
                 key = chain[i]
                 if contains(key) and key not in doomed:
                     pins[key] = pins.get(key, 0) + 1
                     handle.pinned.append(key)
-                    buf = view(key)
-                    source = name
+                    buf, source = view(key), name
                 elif key in self.staged:  # a private copy, immutable: no pin needed
-                    buf = self.staged[key].data
-                    source = name
+                    buf, source = self.staged[key].data, name
                 elif top_only:
                     break
-                else:
-                    lt = next((lt for lt in self.local if lt.tier.contains(key)), None)
-                    if lt is None:
+                else:  # the run of chunks held below from here on, promoted in one batch (_read_run)
+                    if not below:
+                        start, below = i, [lt.tier.contains_many(chain[i:limit]) for lt in self.local]
+                    run: list[tuple[int, ChunkKey, LowerIndex]] = []
+                    while i < limit and not (contains(key := chain[i]) and key not in doomed) and key not in self.staged \
+                            and (lt := next((lt for lt, held in zip(self.local, below) if held[i - start]), None)):
+                        lt.pins[key] += 1  # (LowerIndex.pin, inlined on the hit path)
+                        run.append((i, key, lt))
+                        i += 1
+                    if not run:
                         break
-                    lt.pins[key] += 1  # (LowerIndex.pin, inlined on the hit path)
-                    buf = self._read_into(plan, key, i, lt)
-                    source = lt.name
+                    handle.keys.extend(key for _, key, _ in run)
+                    handle.buffers.extend(self._read_run(plan, run))
+                    handle.tiers.extend(lt.name for _, _, lt in run)
+                    continue  # (the chunk that ended the run is looked at again: the run's evictions may have taken it)
                 handle.keys.append(key)
                 handle.buffers.append(buf)
                 handle.tiers.append(source)
+                i += 1
         return plan
 
     def plan_shared(self, plan: LoadPlan, start: int, keys: Sequence[ChunkKey]) -> None:
         """Extend ``plan`` (whose prefix ends at ``start``) with reads of ``keys`` from the first shared tier."""
         lt = self.shared[0]
         with self.lock:
-            for offset, key in enumerate(keys):
-                plan.handle.keys.append(key)
-                plan.handle.buffers.append(self._read_into(plan, key, start + offset, lt))
-                plan.handle.tiers.append(lt.name)
+            run = [(start + offset, key, lt) for offset, key in enumerate(keys)]
+            plan.handle.keys.extend(keys)
+            plan.handle.buffers.extend(self._read_run(plan, run))
+            plan.handle.tiers.extend(lt.name for _ in keys)
 
-    def _read_into(self, plan: LoadPlan, key: ChunkKey, pos: int, lt: LowerIndex) -> np.ndarray:
-        """Plan the read of ``key`` (chain position ``pos``, held by ``lt``) and return its buffer: none
-        if ``plan.into`` gives a shared read a destination, else a reserved cpu page if one is free,
-        else a private buffer."""
-        # wanted again while the top tier's ghost list remembers it: a ghost hit, measured before
-        # this promotion's own evictions (kvtier.core.ghosts); the load's first such chunk says why
-        ghost = self.ghosts.take(self.name, key) if key in self.top_ghosts else None
-        if plan.handle.below is None:
-            plan.handle.below = (pos, lt.name, ghost.reason if ghost is not None else "new")
-        if lt.shared and plan.into is not None and (target := plan.into(pos)) is not None:
-            plan.reads.append(Read(pos, key, NO_BUFFER, False, lt.name, True, self.epoch, target))
-            return NO_BUFFER
-        got = self.cpu.reserve(key) if self.free_page(_owner(lt, key), plan.writes) else NoRoom.NO_ROOM
-        reserved = isinstance(got, Reservation)
-        buf = got.buffer if isinstance(got, Reservation) else np.empty(self.chunk_bytes, dtype=np.uint8)
-        plan.reads.append(Read(pos, key, buf, reserved, lt.name, lt.shared, self.epoch))
-        return buf
+    def _read_run(self, plan: LoadPlan, run: Sequence[tuple[int, ChunkKey, LowerIndex]]) -> list[np.ndarray]:
+        """Plan the reads of ``run`` (chunks held below: chain position, key, tier) and return their buffers:
+        none where ``plan.into`` gives a shared read a destination, else a reserved cpu page while one is free
+        or may be freed, else a private buffer.  As one chunk at a time would, in one call each to the cpu
+        tier, the policy and the ghost lists; with tenant quotas (a victim depends on the chunk's tenant) one
+        chunk at a time (:meth:`free_page`)."""
+        into, name = plan.into, self.name
+        targets = [into(pos) if lt.shared and into is not None else None for pos, _, lt in run]
+        got: list[ReserveResult | None] = [None] * len(run)  # None: no page wanted (a shared read's destination)
+        if self.quota is not None:
+            ghosts = []  # a ghost hit is measured before the chunk's own eviction (kvtier.core.ghosts)
+            for k, ((_, key, lt), target) in enumerate(zip(run, targets)):
+                ghosts.append(self.ghosts.take(name, key) if key in self.top_ghosts else None)
+                if target is None:
+                    got[k] = self.cpu.reserve(key) if self.free_page(_owner(lt, key), plan.writes) else NoRoom.NO_ROOM
+            ghost = ghosts[0] if ghosts else None
+        else:
+            paged = [k for k, target in enumerate(targets) if target is None]
+            for k, first_got in zip(paged, self.cpu.reserve_many([run[k][1] for k in paged])):
+                got[k] = first_got
+            # once pages ran out (after the last reservation) each chunk frees one if none is free, held ones too
+            ran_out = any(got[k] is NoRoom.NO_ROOM for k in paged) or not self.cpu.can_reserve()
+            short = max((j + 1 for j, k in enumerate(paged) if isinstance(got[k], Reservation)), default=0) \
+                if ran_out else len(paged)
+            need, free = [], 0
+            for k in paged[short:]:
+                if free == 0:
+                    need.append(k)
+                    free += 1
+                free -= got[k] is NoRoom.NO_ROOM  # (else it is held already: no page taken)
+            victims = self.policy.evict(len(need), partial(self.may_free_page, ahead=False)) \
+                if need and not self.gate.closed else []
+            ghost = self.ghosts.promote(name, [key for _, key, _ in run], dict(zip(need, (
+                (v, self.uses.get(v, 0)) for v in victims))), self.back)
+            self._evict_many(victims, plan.writes)
+            end = need[len(victims)] if len(victims) < len(need) else len(run)  # no victim from there on
+            again = [k for k in paged[short:] if k < end and got[k] is NoRoom.NO_ROOM]
+            for k, again_got in zip(again, self.cpu.reserve_many([run[k][1] for k in again])):
+                got[k] = again_got
+        if plan.handle.below is None and run:
+            plan.handle.below = (run[0][0], run[0][2].name, ghost.reason if ghost is not None else "new")
+        bufs: list[np.ndarray] = []
+        for (pos, key, lt), target, result in zip(run, targets, got):
+            if target is not None:
+                plan.reads.append(Read(pos, key, NO_BUFFER, False, lt.name, True, self.epoch, target))
+                bufs.append(NO_BUFFER)
+                continue
+            reserved = isinstance(result, Reservation)
+            buf = result.buffer if isinstance(result, Reservation) else np.empty(self.chunk_bytes, dtype=np.uint8)
+            plan.reads.append(Read(pos, key, buf, reserved, lt.name, lt.shared, self.epoch))
+            bufs.append(buf)
+        return bufs
 
     def complete_reads(self, chain: Sequence[ChunkKey], handle: LoadHandle, batch: Sequence[Read],
                        results: Sequence[GetResult], records: TenantRecords) -> int:
@@ -206,6 +241,9 @@ class Index(IndexUpkeep):
         with self.lock:
             failed = [r.pos for r, res in zip(batch, results) if res is not GetResult.HIT or r.epoch != self.epoch]
             cut = min(failed) if failed else None
+            # the pages published below, committed in one call first (nothing in the loop asks another key's page)
+            self.cpu.commit_many([r.key for r in batch if r.reserved and (cut is None or r.pos < cut)])
+            inserted: list[tuple[ChunkKey, ChunkKey | None]] = []  # the policy's inserts, in one call after the loop
             for r, res in zip(batch, results):
                 lt = self.by_name[r.tier]
                 if not r.shared:  # (LowerIndex.unpin, inlined on the hit path)
@@ -223,9 +261,10 @@ class Index(IndexUpkeep):
                     continue
                 if r.reserved:
                     self.publish(r.key, chain[r.pos - 1] if r.pos > 0 else None, records.get(r.key),
-                                 owner=_owner(lt, r.key))
+                                 owner=_owner(lt, r.key), inserted=inserted)
                     self.pins[r.key] += 1
                     handle.pinned.append(r.key)
+            self.policy.insert_many(inserted)
             if cut is not None:  # everything from the first unusable chunk on is dropped
                 for key in handle.keys[cut:]:
                     if key in handle.pinned:
@@ -235,8 +274,7 @@ class Index(IndexUpkeep):
             return self.epoch
 
     def start_read_ahead(self, handle: LoadHandle, ahead_from: int) -> bool:
-        """Mark ``handle`` as reading chunks ``ahead_from`` on in the background; False (nothing
-        to read) when its prefix already ended before them."""
+        """Mark ``handle`` as reading chunks ``ahead_from`` on in the background; False if its prefix ends before."""
         with self.lock:
             if handle.num_chunks <= ahead_from:
                 return False
@@ -258,8 +296,7 @@ class Index(IndexUpkeep):
             self.unpin_load(handle, refresh)
 
     def release(self, handle: LoadHandle, refresh: bool) -> bool:
-        """Unpin ``handle`` once (after its background reads, if they still run); on ``refresh``
-        mark its chunks used.  False if it was released already."""
+        """Unpin ``handle`` once (after its reads ahead, if they run); on ``refresh`` mark its chunks used; False if done."""
         with self.lock:
             if handle.done:
                 return False
@@ -284,12 +321,6 @@ class Index(IndexUpkeep):
                     if below and lt.policy is not None:
                         lt.policy.touch(below)
 
-    def settle_policies(self) -> None:
-        """The policies' work deferred off the request's path (the adaptive policy's shadow replay), done now."""
-        for policy in (self.policy, *(lt.policy for lt in self.local)):
-            if policy is not None and policy.pending:
-                policy.settle()
-
     def unpin(self, keys: Iterable[ChunkKey]) -> None:
         """Unpin each of ``keys`` once (a load's chunks in one call: the hit path)."""
         pins, doomed = self.pins, self.doomed
@@ -304,77 +335,44 @@ class Index(IndexUpkeep):
                     self._drop(key)
 
     def publish(self, key: ChunkKey, parent: ChunkKey | None, tenant: Writer | None = None,
-                owner: bytes | None = None) -> None:
-        """Commit a reserved page and track it (saved for ``tenant`` when known; ``owner``: the
-        quota's tenant key when ``tenant`` gives none, e.g. a promotion's lower-tier ledger)."""
-        self.cpu.commit(key)
+                owner: bytes | None = None, inserted: list[tuple[ChunkKey, ChunkKey | None]] | None = None) -> None:
+        """Commit a reserved page and track it (saved for ``tenant`` when known; ``owner``: the quota's tenant
+        key when ``tenant`` gives none, e.g. a promotion's lower-tier ledger; ``inserted``: the caller committed
+        the page and inserts ``(key, parent)`` into the policy itself, a load's chunks in one call each)."""
+        if inserted is None:
+            self.cpu.commit(key)
         self.parent[key] = parent
         if tenant is not None:
             self.tenant[key] = tenant
         if self.quota is not None:
             quota_key = tenant.quota_key if tenant is not None else None
             self.quota.add(key, quota_key if quota_key is not None else owner)
-        self.policy.insert(key, parent)
+        if inserted is None:
+            self.policy.insert(key, parent)
+        else:
+            inserted.append((key, parent))
         self._note(key)
 
-    def _job(self, lt: LowerIndex, key: ChunkKey, data: np.ndarray | None, evict_after: bool,
-             tenant: Writer | None) -> WriteJob:
-        """A write of ``key`` into ``lt``; one from a page (``data`` None) pins the page until :meth:`written`."""
-        if data is None:
-            self.pins[key] += 1
-            self.writing[key] += 1
-        return WriteJob(lt.name, key, self.parent.get(key), data, evict_after, self.epoch, tenant)
-
-    # ---- eviction from the top tier: decided in may_free_page, done in evict_top ------------
-    def may_free_page(self, key: ChunkKey, ahead: bool) -> bool:
-        """Whether the page of resident ``key`` may be freed now: not while the eviction gate is
-        closed (:mod:`kvtier.core.gate`), not pinned, no live TTL pin; ahead of need (a spill, or
-        eviction after its write) with quotas only while its tenant stays at or above its guarantee."""
-        if self.gate.closed or key in self.pins or self.ttl_pinned(key):
-            return False
-        return not ahead or self.quota is None or self.quota.above_guarantee(key)
-
-    def ttl_pinned(self, key: ChunkKey) -> bool:
-        """``key`` has a TTL pin whose deadline has not passed (an expired one is forgotten here)."""
-        deadline = self.ttl_pins.get(key)
-        if deadline is None:
-            return False
-        if deadline <= time.monotonic():
-            del self.ttl_pins[key]
-            return False
-        return True
-
-    def evict_top(self, key: ChunkKey, quota: bool = False) -> None:
-        """Drop a resident chunk from its page (an eviction, counted, remembered in the top tier's
-        ghost list: :func:`~kvtier.core.ghosts.top_loss`; ``quota``: the tenant quotas chose it)."""
-        with self.lock:
-            self.ghosts.add(self.name, key, *top_loss(self.back, key, self.uses.get(key, 0), quota))
-            self._drop(key)
-            self.counters.evicted(self.name)
-
-    # ---- room in the top tier (what may go: may_free_page) -----------------------------------
-    def free_page(self, tenant: bytes | None, writes: list[WriteJob]) -> bool:
-        """Make sure one cpu page is free, evicting if needed (a write-back tier that lacks the
-        victim gets a staged copy, its write in ``writes``); False if nothing may go (with quotas,
-        for ``tenant``, the quota's tenant key of whoever needs the page)."""
-        if self.cpu.can_reserve():
-            return True
-        if self.gate.closed:  # may_free_page says no to every chunk: no victim to look for
-            return False
-        evictable = partial(self.may_free_page, ahead=False)
-        chose = self.quota.quota_evictions if self.quota is not None else 0
-        victim = self.quota.victim(self.policy, evictable, tenant) if self.quota is not None \
-            else self.policy.victim(evictable)
-        if victim is None:
-            return False
+    def _stage(self, victim: ChunkKey, writes: list[WriteJob]) -> None:
+        """Before ``victim`` leaves its page: write-back tiers that lack it and admit it get a write in ``writes``,
+        from a staged copy (so the page is free now; the writes happen on the mover)."""
         missing = self._admitting(victim)
-        if missing:  # write-back: stage a copy so the page is free now; the writes happen on the mover
+        if missing:
             copy = self.staged.get(victim) or self.staged.setdefault(victim, StagedCopy(self.cpu.view(victim).copy()))
             for lt in missing:
                 writes.append(self._job(lt, victim, copy.data, evict_after=False, tenant=self.tenant.get(victim)))
                 copy.pending += 1
-        self.evict_top(victim, self.quota is not None and self.quota.quota_evictions != chose)
-        return True
+
+    def _evict_many(self, victims: Sequence[ChunkKey], writes: list[WriteJob]) -> None:
+        """:meth:`free_page` and :meth:`evict_top` for victims the policy let go already (``EvictionPolicy.evict``),
+        their ghosts added (``Ghosts.promote``): one call each into the cpu tier and the counters."""
+        for victim in victims if self.back else ():
+            self._stage(victim, writes)
+        self.cpu.delete_many(victims[::-1])  # (freed last first: reserve_many takes them in victim order, as one by one)
+        for victim in victims:
+            self._forget(victim)
+        if victims:
+            self.counters.evicted(self.name, len(victims))
 
     def _admitting(self, victim: ChunkKey) -> list[LowerIndex]:
         """Write-back tiers that lack ``victim`` and whose admission takes it."""
@@ -384,6 +382,10 @@ class Index(IndexUpkeep):
     def _drop(self, key: ChunkKey) -> None:
         self.cpu.delete(key)
         self.policy.remove(key)
+        self._forget(key)
+
+    def _forget(self, key: ChunkKey) -> None:
+        """What the index keeps of a chunk that left its page (the page and the policy's entry are gone)."""
         self.parent.pop(key, None)
         self.tenant.pop(key, None)
         self.uses.pop(key, None)

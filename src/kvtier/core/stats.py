@@ -321,9 +321,9 @@ class StoreCounters:
         with self._lock:
             self.failed_loads += 1
 
-    def evicted(self, tier: str) -> None:
+    def evicted(self, tier: str, num_chunks: int = 1) -> None:
         with self._lock:
-            self.evictions[tier] += 1
+            self.evictions[tier] += num_chunks
 
     def dropped(self, num_chunks: int = 1) -> None:
         """``num_chunks`` chunk saves were dropped."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -23,7 +24,7 @@ from kvtier.core.changes import ChangeFeed
 from kvtier.core.codecstats import CodecStats
 from kvtier.core.context import NotHeld, OpContext, SaveDropped
 from kvtier.core.gate import EvictionGate
-from kvtier.core.ghosts import Ghosts
+from kvtier.core.ghosts import Ghosts, top_loss
 from kvtier.core.handles import Read, StagedCopy, StoreHandle, StorePlan, WriteJob
 from kvtier.core.keys import ChunkKey
 from kvtier.core.lowerindex import LowerIndex
@@ -80,14 +81,45 @@ class IndexUpkeep(ChangeFeed):
         def unpin(self, keys: Iterable[ChunkKey]) -> None: ...
         def publish(self, key: ChunkKey, parent: ChunkKey | None, tenant: Writer | None = None,
                     owner: bytes | None = None) -> None: ...
-        def _job(self, lt: LowerIndex, key: ChunkKey, data: np.ndarray | None, evict_after: bool,
-                 tenant: Writer | None) -> WriteJob: ...
-        def may_free_page(self, key: ChunkKey, ahead: bool) -> bool: ...
-        def evict_top(self, key: ChunkKey) -> None: ...
-        def free_page(self, tenant: bytes | None, writes: list[WriteJob]) -> bool: ...
+        def _stage(self, victim: ChunkKey, writes: list[WriteJob]) -> None: ...
         def _admitting(self, victim: ChunkKey) -> list[LowerIndex]: ...
         def _drop(self, key: ChunkKey) -> None: ...
         def _note(self, key: ChunkKey) -> None: ...
+
+    def _job(self, lt: LowerIndex, key: ChunkKey, data: np.ndarray | None, evict_after: bool,
+             tenant: Writer | None) -> WriteJob:
+        """A write of ``key`` into ``lt``; one from a page (``data`` None) pins the page until :meth:`written`."""
+        if data is None:
+            self.pins[key] += 1
+            self.writing[key] += 1
+        return WriteJob(lt.name, key, self.parent.get(key), data, evict_after, self.epoch, tenant)
+
+    def evict_top(self, key: ChunkKey, quota: bool = False) -> None:
+        """Drop a resident chunk from its page (an eviction, counted, remembered in the top tier's
+        ghost list: :func:`~kvtier.core.ghosts.top_loss`; ``quota``: the tenant quotas chose it)."""
+        with self.lock:
+            self.ghosts.add(self.name, key, *top_loss(self.back, key, self.uses.get(key, 0), quota))
+            self._drop(key)
+            self.counters.evicted(self.name)
+
+    # ---- room in the top tier: what may go is ChangeFeed.may_free_page's (kvtier.core.changes) ----
+    def free_page(self, tenant: bytes | None, writes: list[WriteJob]) -> bool:
+        """Make sure one cpu page is free, evicting if needed (a write-back tier that lacks the
+        victim gets a staged copy, its write in ``writes``); False if nothing may go (with quotas,
+        for ``tenant``, the quota's tenant key of whoever needs the page)."""
+        if self.cpu.can_reserve():
+            return True
+        if self.gate.closed:  # may_free_page says no to every chunk: no victim to look for
+            return False
+        evictable = partial(self.may_free_page, ahead=False)
+        chose = self.quota.quota_evictions if self.quota is not None else 0
+        victim = self.quota.victim(self.policy, evictable, tenant) if self.quota is not None \
+            else self.policy.victim(evictable)
+        if victim is None:
+            return False
+        self._stage(victim, writes)
+        self.evict_top(victim, self.quota is not None and self.quota.quota_evictions != chose)
+        return True
 
     # ---- what is where (lookups of tools and tests, the change feed's snapshot) ----------------
     def lookup(self, chain: Sequence[ChunkKey]) -> tuple[int, Counter[str]]:

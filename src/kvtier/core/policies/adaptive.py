@@ -1,38 +1,35 @@
-"""kvtier's default: one resident set, several ways to order it, and the tier follows whichever
-ordering its own miniature replays say would have hit most on the traffic seen lately.
+"""kvtier's default: one resident set, several ways to order it, and the tier follows whichever ordering its own
+miniature replays say would have hit most on the traffic seen lately.
 
-Why.  No single ordering wins everywhere (docs/simulate.md has the tables): LRU is hard to beat
-when reuses come back within a tier's lifetime; it thrashes when most chunks are used once
-(chat: new conversations that never return; batch scans), where quarantining unproven chunks
-wins; and both collapse to nothing when a working set cycles just above the tier's size, where
-only an ordering that lets new arrivals go first keeps a stable part of the set.  An operator
-cannot know which regime their traffic is in, and it changes over a day.
+Why. No single ordering wins everywhere (docs/simulate.md has the tables): LRU is hard to beat when reuses
+come back within a tier's lifetime; it thrashes when most chunks are used once (chat: new conversations that
+never return; batch scans), where quarantining unproven chunks wins; and both collapse to nothing when a
+working set cycles just above the tier's size, where only an ordering that lets new arrivals go first keeps a
+stable part of the set. An operator cannot know which regime their traffic is in, and it changes over a day.
 
-How.  *Set dueling* (Qureshi et al., "Adaptive insertion policies for high performance caching",
-ISCA 2007) with *spatially sampled* shadow caches (Waldspurger et al., "Efficient MRC
-construction with SHARDS", FAST 2015): a key is sampled when a hash of it falls below
-``rate`` (at most ``SHADOW_KEYS`` sampled keys per tier: ``rate = min(1, SHADOW_KEYS / n)``,
-``n`` = chunks tracked); for each ordering a shadow of ``rate × n`` slots replays the sampled
-keys only (keys and a few integers, no KV) and counts its hits; the hit counts decay by half
-every ``DECAY`` shadow-sizes of sampled accesses.  The real tier uses the ordering whose shadow
-leads beyond noise (``MARGIN``, ``SIGNIFICANCE``: a paired sign test on the accesses where the
-two shadows disagree; LRU until one leads).  The orderings (``MODES``: ``lru``, ``quarantine``,
-``quarantine-long``, ``bip``, ``frequency``) are ranks per chunk, lowest evicted first, ties to the
-deeper chunk (tail first); what each ranks by, and where it wins: :mod:`kvtier.core.policies.orderings`.
+How. *Set dueling* (Qureshi et al., "Adaptive insertion policies for high performance caching", ISCA 2007)
+with *spatially sampled* shadow caches (Waldspurger et al., "Efficient MRC construction with SHARDS", FAST
+2015): a key is sampled when a hash of it falls below ``rate`` (at most ``SHADOW_KEYS`` sampled keys per tier:
+``rate = min(1, SHADOW_KEYS / n)``, ``n`` = chunks tracked); for each ordering a shadow of ``rate × n`` slots
+replays the sampled keys only (keys and a few integers, no KV) and counts its hits; the hit counts decay by
+half every ``DECAY`` shadow-sizes of sampled accesses. The real tier uses the ordering whose shadow leads
+beyond noise (``MARGIN``, ``SIGNIFICANCE``: a paired sign test on the accesses where the two shadows disagree;
+LRU until one leads). The orderings (``MODES``: ``lru``, ``quarantine``, ``quarantine-long``, ``bip``,
+``frequency``) are ranks per chunk, lowest evicted first, ties to the deeper chunk (tail first); what each
+ranks by, and where it wins: :mod:`kvtier.core.policies.orderings`.
 
-The prefix constraint holds in every mode: a chunk with resident children is never the victim
-(leaves first, as radix-tree caches: SGLang, NeurIPS 2024).  Shadows ignore it (their sampled
-keys rarely include a parent), which is why they only choose the ordering.
+The prefix constraint holds in every mode: a chunk with resident children is never the victim (leaves first,
+as radix-tree caches: SGLang, NeurIPS 2024). Shadows ignore it (their sampled keys rarely include a parent),
+which is why they only choose the ordering.
 
-Costs: O(log n) per operation in the real tier, plus, per sampled access, O(log SHADOW_KEYS) in
-each of the five shadows; victim rebuilds the heap when the mode switches or the tier doubles.
-The shadows' replay is off the request's path: a sampled access is recorded (at most
-``PENDING_MAX``) and replayed in bulk, in order, by :meth:`AdaptivePolicy.settle` (the store: once
-per engine step, ``IndexUpkeep.gate_evictions``).  Decisions are a replay at every access's: what
-depends on the shadows settles first (``victim`` if the pending accesses could switch the mode,
-``Shadows.may_switch``; a new sampling rate; ``mode``, ``switches``, ``shadow_keys``).
-Owners should offer every full chunk of each request: ``touch`` the resident ones and ``insert``
-the missing ones in prompt order, as the simulator does.
+Costs: O(log n) per operation in the real tier, plus, per sampled access, O(log SHADOW_KEYS) in each of the
+five shadows; victim rebuilds the heap when the mode switches or the tier doubles. The shadows' replay is off
+the request's path: a sampled access is recorded (at most ``PENDING_MAX``) and replayed in bulk, in order, by
+:meth:`AdaptivePolicy.settle` (the store: once per engine step, ``IndexUpkeep.gate_evictions``). Decisions are
+a replay at every access's: what depends on the shadows settles first (``victim`` if the pending accesses
+could switch the mode, ``Shadows.may_switch``; a new sampling rate; ``mode``, ``switches``, ``shadow_keys``).
+Owners should offer every full chunk of each request: ``touch`` the resident ones and ``insert`` the missing
+ones in prompt order, as the simulator does.
 """
 
 from __future__ import annotations
@@ -70,9 +67,8 @@ _SHIFT = 64 - SAMPLE_BITS  # sample_hash(key) == ((hash(key) * HASH_MIX) & HASH_
 GUARD_SHARE = 0.0008
 """The guard's allowance grows by this share of the tier's accesses (0.08 %: 0.08 point)..."""
 GUARD_CREDIT = 16
-"""...from this many hits (room for the selector's first trial on a short trace).  The tier's
-hits never trail its full LRU shadow's by more than the allowance plus one (docs/simulate.md,
-"The guard")."""
+"""...from this many hits (room for the selector's first trial on a short trace).  The tier's hits never
+trail its full LRU shadow's by more than the allowance plus one (docs/simulate.md, "The guard")."""
 
 class AdaptivePolicy(EvictionPolicy):
     """See the module docstring.  ``mode`` is the ordering in use (one of ``MODES``)."""
@@ -89,9 +85,7 @@ class AdaptivePolicy(EvictionPolicy):
         self._old_uses: dict[Any, tuple[int, int]] = {}
         self._long_uses: dict[Any, int] = {}  # key -> uses, over FREQUENCY_HISTORY
         self._old_long_uses: dict[Any, int] = {}
-        self._mode = 0
-        self._scale = 1
-        self._stale = False
+        self._mode, self._scale, self._stale = 0, 1, False
         self._run: tuple[Any, int] = (None, 0)
         self._runs = 0  # request runs inserted (a run: chunks inserted in prompt order)
         self._shadows = Shadows(DECAY, MARGIN, SIGNIFICANCE)
@@ -100,8 +94,7 @@ class AdaptivePolicy(EvictionPolicy):
         self._pending_max = max(1, pending_max)
         self._threshold = 1 << SAMPLE_BITS  # sample every key while the tier is small
         self._sampled_n = 1  # tracked chunks when the sampling rate was last set
-        self._switches = 0
-        self._guarded = guard
+        self._switches, self._guarded = 0, guard
         self._below = 0  # chunks the tiers below hold: they take this tier's victims
         self._active = 0  # the ordering the tier uses: the selector's, or LRU while the guard holds
         self._ghost: dict[Any, tuple[int, int, int]] = {}  # full LRU shadow: key -> (time, -depth, seq)
@@ -307,6 +300,17 @@ class AdaptivePolicy(EvictionPolicy):
             best = next((k for k in order if evictable(k)), None)
         return best
 
+    def evict(self, num_chunks: int, evictable: Evictable = always_evictable) -> list[Any]:
+        victims: list[Any] = []  # (the base class's loop, here: a promotion's victims are one call into this file)
+        while len(victims) < num_chunks and (key := self.victim(evictable)) is not None:
+            self.remove(key)
+            victims.append(key)
+        return victims
+
+    def insert_many(self, pairs: Iterable[tuple[Any, Any | None]]) -> None:
+        for key, parent in pairs:  # (the base class's loop, here for the same reason)
+            self.insert(key, parent)
+
     def __len__(self) -> int:
         return len(self._nodes)
 
@@ -332,8 +336,7 @@ class AdaptivePolicy(EvictionPolicy):
         return self._deficit + len(self._outside) + 1 > allowance
 
     def _trim_ghost(self) -> None:
-        ghost, heap, n = self._ghost, self._ghost_heap, len(self._nodes)
-        pop = heapq.heappop
+        ghost, heap, n, pop = self._ghost, self._ghost_heap, len(self._nodes), heapq.heappop
         nodes, outside = self._nodes, self._outside
         while len(ghost) > n and heap:
             _, _, s, key = pop(heap)
@@ -363,8 +366,8 @@ class AdaptivePolicy(EvictionPolicy):
         self._heap = heap
 
     def _resample(self, n: int) -> None:
-        """Sampling rate for ``n`` tracked chunks: shadows hold at most about SHADOW_KEYS keys,
-        also while a tier fills without evicting (no victim asked yet)."""
+        """Sampling rate for ``n`` tracked chunks: shadows hold at most about SHADOW_KEYS keys, also while a
+        tier fills without evicting (no victim asked yet)."""
         self._sampled_n = n
         threshold = min(1 << SAMPLE_BITS, (SHADOW_KEYS << SAMPLE_BITS) // (n + self._below))
         if threshold != self._threshold:
@@ -393,6 +396,5 @@ class UnguardedAdaptivePolicy(AdaptivePolicy):
     """``adaptive`` without its LRU guard: the selector alone (for comparison in the simulator)."""
 
     name = "adaptive-unguarded"
-
     def __init__(self) -> None:
         super().__init__(guard=False)

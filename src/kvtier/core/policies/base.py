@@ -19,6 +19,8 @@ Operations (all mutate only the policy's own bookkeeping):
 - ``victim(evictable)``: the key to evict next, **without** removing it; keys for which
   ``evictable(key)`` is false (pinned by an in-flight transfer) are skipped.  ``None`` means no
   resident key may be evicted now.  The owner evicts, then calls ``remove``.
+- ``evict(num_chunks, evictable)`` and ``insert_many(pairs)``: the batch forms (victim then remove,
+  up to ``num_chunks`` times; insert in order), one call for a load's promotions and their victims.
 
 - ``settle()``: do work a policy deferred off the request's path (the adaptive policy's shadow
   replay), when ``pending`` is non-empty; the store calls it once per engine step.
@@ -92,6 +94,20 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def victim(self, evictable: Evictable = always_evictable) -> ChunkKey | None:
         """The next chunk to evict, or ``None`` if none is evictable.  Does not mutate."""
+
+    def evict(self, num_chunks: int, evictable: Evictable = always_evictable) -> list[ChunkKey]:
+        """Up to ``num_chunks`` victims in eviction order, each removed (:meth:`remove`) before the next
+        is chosen (:meth:`victim`); fewer when no more may go (mutates)."""
+        victims: list[ChunkKey] = []
+        while len(victims) < num_chunks and (key := self.victim(evictable)) is not None:
+            self.remove(key)
+            victims.append(key)
+        return victims
+
+    def insert_many(self, pairs: Iterable[tuple[ChunkKey, ChunkKey | None]]) -> None:
+        """:meth:`insert` of each ``(key, parent)``, in order (mutates)."""
+        for key, parent in pairs:
+            self.insert(key, parent)
 
     @abstractmethod
     def __len__(self) -> int:

@@ -1,79 +1,73 @@
 """The tier contract: what :class:`~kvtier.core.store.TieredStore` calls on every tier.
 
-A tier stores chunk bytes under :data:`~kvtier.core.keys.ChunkKey` keys.  The store composes an
-ordered list of tiers (``cpu`` first, then e.g. ``disk``, ``redis``; see
-:mod:`kvtier.core.tiers.registry`).  Two kinds:
+A tier stores chunk bytes under :data:`~kvtier.core.keys.ChunkKey` keys. The store composes an ordered list of
+tiers (``cpu`` first, then e.g. ``disk``, ``redis``; see :mod:`kvtier.core.tiers.registry`). Two kinds:
 
-- a **local** tier (``shared = False``: cpu, disk) has a fixed capacity and never evicts on its
-  own: the store decides what leaves (with an :class:`~kvtier.core.policies.EvictionPolicy`) and
-  what is pinned;
-- a **shared** tier (``shared = True``: redis) is written and read by other hosts too and evicts
-  on its own (TTL, the server's ``maxmemory``).  The store never evicts it and never asks it
-  synchronously during a lookup: its presence answers come from the asynchronous lookup path.
+- a **local** tier (``shared = False``: cpu, disk) has a fixed capacity and never evicts on its own: the store
+  decides what leaves (with an :class:`~kvtier.core.policies.EvictionPolicy`) and what is pinned;
+- a **shared** tier (``shared = True``: redis) is written and read by other hosts too and evicts on its own
+  (TTL, the server's ``maxmemory``). The store never evicts it and never asks it synchronously during a
+  lookup: its presence answers come from the asynchronous lookup path.
 
-Every tier is thread-safe (the conformance suite runs concurrent callers); the store still
-serialises its own metadata and runs data copies outside its lock, on chunks it has pinned.
+Every tier is thread-safe (the conformance suite runs concurrent callers); the store still serialises its own
+metadata and runs data copies outside its lock, on chunks it has pinned.
 
 Operations (none raises on a miss, a fault or bad bytes: those are results):
 
-- ``contains(key)`` / ``contains_many(keys)``: presence; no side effects.  ``indexed(key)``:
-  presence as far as this process knows without I/O (a local index; may say ``False`` for a key
-  another process wrote).
-- ``get_into(key, dst) -> GetResult``: copy the chunk's bytes into ``dst`` (a writable buffer of
-  exactly the chunk's expected length; a stored payload of another length is never a hit).  ``HIT`` means ``dst`` holds verified bytes; ``MISS`` means the
-  key is absent (or the tier could not be reached); ``CORRUPT`` means the stored value failed
-  verification; the tier then forgets it and counts it in ``corrupt``.  Unverified bytes are
-  never reported as a hit.  With ``records`` (a dict, :data:`~kvtier.core.tenant.TenantRecords`)
-  the tier puts there the tenant record each verified hit carried (a tier that keeps none adds
-  nothing): the record comes back with the payload, explicitly, never through thread state.
-- ``put(key, data, tenant=None) -> PutResult``: store ``data`` (any buffer) for ``tenant`` (who
-  the chunk is written for, :mod:`kvtier.core.tenant`; ``None``: unknown), which a tier that keeps
-  a tenant record (disk, redis, s3: the value envelope, :mod:`kvtier.core.envelope`) writes with it.  ``PRESENT`` if the key was
-  already stored (chunk bytes are immutable under their key, the original is kept), ``NO_ROOM``
-  if the tier is full, ``FAILED`` if the write failed (I/O error, unreachable server).
-- Blob verbs (variable length, every tier; :mod:`kvtier.core.tiers.valueread`):
-  ``get(key, records) -> bytes | None`` (the whole verified payload, any length, 0 included);
-  ``read_into(key, dst, records) -> int | None`` (into a buffer of *at least* the payload's
-  length: the length, or ``None``; a buffer too short raises
-  :class:`~kvtier.core.tiers.valueread.BufferTooSmall` naming the length, nothing written);
-  ``get_range(key, offset, length) -> bytes | None`` (``payload[offset:offset + length]``,
-  clipped at the end: ``b""`` past it; ``None``: absent).  ``get`` and ``read_into`` verify the
-  whole value: one that fails is ``None``, counted in ``corrupt`` and forgotten, never served.
-  ``get_range`` checks the value's header (namespace, key, format, a chain that keeps the bytes)
-  and reads only the range: **its bytes are not verified** (no per-range digest exists), so it is
-  never used to serve KV.  ``put`` takes any length.
+- ``contains(key)`` / ``contains_many(keys)``: presence; no side effects. ``indexed(key)``: presence as far as
+  this process knows without I/O (a local index; may say ``False`` for a key another process wrote).
+- ``get_into(key, dst) -> GetResult``: copy the chunk's bytes into ``dst`` (a writable buffer of exactly the
+  chunk's expected length; a stored payload of another length is never a hit). ``HIT`` means ``dst`` holds
+  verified bytes; ``MISS`` means the key is absent (or the tier could not be reached); ``CORRUPT`` means the
+  stored value failed verification; the tier then forgets it and counts it in ``corrupt``. Unverified bytes
+  are never reported as a hit. With ``records`` (a dict, :data:`~kvtier.core.tenant.TenantRecords`) the tier
+  puts there the tenant record each verified hit carried (a tier that keeps none adds nothing): the record
+  comes back with the payload, explicitly, never through thread state.
+- ``put(key, data, tenant=None) -> PutResult``: store ``data`` (any buffer) for ``tenant`` (who the chunk is
+  written for, :mod:`kvtier.core.tenant`; ``None``: unknown), which a tier that keeps a tenant record (disk,
+  redis, s3: the value envelope, :mod:`kvtier.core.envelope`) writes with it. ``PRESENT`` if the key was
+  already stored (chunk bytes are immutable under their key, the original is kept), ``NO_ROOM`` if the tier is
+  full, ``FAILED`` if the write failed (I/O error, unreachable server).
+- Blob verbs (variable length, every tier; :mod:`kvtier.core.tiers.valueread`): ``get(key, records) -> bytes |
+  None`` (the whole verified payload, any length, 0 included); ``read_into(key, dst, records) -> int | None``
+  (into a buffer of *at least* the payload's length: the length, or ``None``; a buffer too short raises
+  :class:`~kvtier.core.tiers.valueread.BufferTooSmall` naming the length, nothing written); ``get_range(key,
+  offset, length) -> bytes | None`` (``payload[offset:offset + length]``, clipped at the end: ``b""`` past it;
+  ``None``: absent). ``get`` and ``read_into`` verify the whole value: one that fails is ``None``, counted in
+  ``corrupt`` and forgotten, never served. ``get_range`` checks the value's header (namespace, key, format, a
+  chain that keeps the bytes) and reads only the range: **its bytes are not verified** (no per-range digest
+  exists), so it is never used to serve KV. ``put`` takes any length.
 - ``delete(key) -> bool``: forget the chunk; ``False`` if it was not there.
-- ``keys()``: keys this process knows to be stored, oldest first (a shared tier cannot list the
-  server's keys and returns those this process wrote and has not seen vanish).
-- ``usage() -> TierUsage``: bytes used/free/capacity and number of chunks (a shared tier counts
-  what this process wrote; its capacity is the server's business).
+- ``keys()``: keys this process knows to be stored, oldest first (a shared tier cannot list the server's keys
+  and returns those this process wrote and has not seen vanish).
+- ``usage() -> TierUsage``: bytes used/free/capacity and number of chunks (a shared tier counts what this
+  process wrote; its capacity is the server's business).
 - ``stored_bytes(payload_bytes)``: bytes one chunk takes in the tier (header included).
 - ``check()``: assert the tier's own accounting; raises ``AssertionError`` naming what broke.
-- ``wire_stats()``: a remote tier's wire numbers (:class:`~kvtier.core.stats.WireStats`), which
-  the store puts in its snapshot; ``None`` for a local tier.
+- ``wire_stats()``: a remote tier's wire numbers (:class:`~kvtier.core.stats.WireStats`), which the store puts
+  in its snapshot; ``None`` for a local tier.
 - ``close()``: release connections and threads; idempotent.
-- ``clear() -> ClearResult``: remove every chunk of the tier's namespace that the tier can reach
-  (a local tier: its index and its storage, other processes' files of the namespace included;
-  a shared tier: every key of its namespace on the server, never another namespace's); the
-  keys it can name are returned.  Never raises on a fault: ``ok`` is then ``False``.
-- ``get_many`` / ``put_many`` / ``delete_many``: batch forms with per-key results (a remote tier
-  answers a batch in one round trip per server).
+- ``clear() -> ClearResult``: remove every chunk of the tier's namespace that the tier can reach (a local
+  tier: its index and its storage, other processes' files of the namespace included; a shared tier: every key
+  of its namespace on the server, never another namespace's); the keys it can name are returned. Never raises
+  on a fault: ``ok`` is then ``False``.
+- ``get_many`` / ``put_many`` / ``delete_many``: batch forms with per-key results (a remote tier answers a
+  batch in one round trip per server).
 
 Results have no truth value (``bool(GetResult.MISS)`` raises ``TypeError``): a miss and a
 corrupt value are told apart by every caller.
 
-Tiers that stage writes in place (the cpu tier) implement :class:`StagingTier`:
-``reserve(key) -> Reservation | NoRoom | AlreadyHeld`` hands out space that ``contains`` does
-not report yet, ``commit(key)`` publishes it, ``abort(key)`` gives it back; ``view(key)`` is a
-zero-copy view of a resident chunk, valid while the store holds it pinned.
+Tiers that stage writes in place (the cpu tier) implement :class:`StagingTier`: ``reserve(key) -> Reservation
+| NoRoom | AlreadyHeld`` hands out space that ``contains`` does not report yet, ``commit(key)``
+(``commit_many(keys)``) publishes it, ``abort(key)`` gives it back; ``view(key)`` is a zero-copy view of a
+resident chunk, valid while the store holds it pinned.
 
-Optional capabilities are typed protocols, checked with ``isinstance`` (never ``getattr``) and
-declared in the tier's registry record (:attr:`~kvtier.core.tiers.registry.TierSpec.capabilities`,
-checked by the conformance suite): :class:`Rescannable` (takes in other processes' chunks in an
-explicit rescan), :class:`Generational` (may lose its whole contents, and says so by a new
-generation), :class:`ExactUsage` (its byte count may exceed its capacity until trimmed),
-:class:`Paged` (a fixed number of equal pages), :class:`RegistersMemory` (registers host buffer
-regions it reads into and writes from, for the GPU copy path: the cpu tier registers its page pool).
+Optional capabilities are typed protocols, checked with ``isinstance`` (never ``getattr``) and declared in the
+tier's registry record (:attr:`~kvtier.core.tiers.registry.TierSpec.capabilities`, checked by the conformance
+suite): :class:`Rescannable` (takes in other processes' chunks in an explicit rescan), :class:`Generational`
+(may lose its whole contents, and says so by a new generation), :class:`ExactUsage` (its byte count may exceed
+its capacity until trimmed), :class:`Paged` (a fixed number of equal pages), :class:`RegistersMemory`
+(registers the host memory it reads into and writes from for GPU copies: the cpu tier's page pool).
 """
 
 from __future__ import annotations
@@ -302,13 +296,20 @@ class StagingTier(Tier):
 
     @abstractmethod
     def reserve(self, key: ChunkKey) -> ReserveResult:
-        """A :class:`Reservation` (a writable uint8 buffer for ``key``, invisible to ``contains``
-        until :meth:`commit`); ``NoRoom.NO_ROOM`` if there is no free space;
-        ``AlreadyHeld.ALREADY_HELD`` if ``key`` is already present or reserved."""
+        """A :class:`Reservation` (a writable uint8 buffer for ``key``, invisible to ``contains`` until :meth:`commit`);
+        ``AlreadyHeld.ALREADY_HELD`` if ``key`` is present or reserved; else ``NoRoom.NO_ROOM`` if no space is free."""
 
     @abstractmethod
     def commit(self, key: ChunkKey) -> None:
         """Publish a reserved chunk.  Raises ``KeyError`` if ``key`` was not reserved."""
+
+    @abstractmethod
+    def commit_many(self, keys: Sequence[ChunkKey]) -> None:
+        """:meth:`commit` of each of ``keys``, in one call (a load's promoted chunks)."""
+
+    @abstractmethod
+    def reserve_many(self, keys: Sequence[ChunkKey]) -> list[ReserveResult]:
+        """:meth:`reserve` of each of ``keys``, in order, in one call (a load's promotions)."""
 
     @abstractmethod
     def abort(self, key: ChunkKey) -> None:
@@ -319,8 +320,7 @@ class StagingTier(Tier):
         """Zero-copy uint8 view of a resident chunk.  Raises ``KeyError`` if absent."""
 
     def pin_host_memory(self) -> bool:
-        """Make the tier's pages pinned host memory, so a GPU copies straight into and out of them
-        (:mod:`kvtier.core.pinned`); returns whether they are.  Default: not supported (False)."""
+        """Make the pages pinned host memory for direct GPU copies (:mod:`kvtier.core.pinned`); whether they are (default False)."""
         return False
 
 

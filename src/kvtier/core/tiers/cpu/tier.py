@@ -24,6 +24,7 @@ import logging
 import mmap
 import threading
 import weakref
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -179,6 +180,21 @@ class CpuTier(StagingTier):
         """Publish a reserved page.  Raises KeyError if ``key`` was not reserved."""
         with self._lock:
             self._key_to_page[key] = self._reserved.pop(key)
+
+    def reserve_many(self, keys: Sequence[ChunkKey]) -> list[ReserveResult]:
+        """:meth:`reserve` of each of ``keys`` (a whole page each), in order, under one hold of the lock."""
+        with self._lock:
+            return [self.reserve(key) for key in keys]
+
+    def delete_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        with self._lock:
+            return [self.delete(key) for key in keys]
+
+    def commit_many(self, keys: Sequence[ChunkKey]) -> None:
+        """:meth:`commit` of each of ``keys``, under one hold of the lock (a load's promoted chunks)."""
+        with self._lock:
+            for key in keys:
+                self._key_to_page[key] = self._reserved.pop(key)
 
     def abort(self, key: ChunkKey) -> None:
         """Return a reserved page to the free list; unknown keys are ignored."""

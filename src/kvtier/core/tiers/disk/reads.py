@@ -166,13 +166,9 @@ class DiskReads:
 
             def check(raw: memoryview, payload_bytes: int) -> tuple[bytes, envelope.Hasher]:
                 nonlocal record
-                header = envelope.decode_header(raw)
-                if header.header_bytes != HEADER_BYTES or header.format not in (envelope.FORMAT,
-                                                                                envelope.FORMAT_CHUNK_FILE):
-                    raise ChunkFormatError(f"not a chunk file ({header.format}, {header.header_bytes}-byte header)")
-                # another namespace or key, a layout or codec this kvtier does not read, or another
-                # chunk size (config, geometry): never a partial fill
-                self.envelope.check(header, key, out.nbytes if exact else None)
+                # not a chunk file, another namespace or key, a layout or codec this kvtier does not read,
+                # or another chunk size (config, geometry): never a partial fill (one call per read)
+                header, hasher = self.envelope.open_header(raw, key, out.nbytes if exact else None, HEADER_BYTES)
                 if payload_bytes != header.stored_bytes:  # the sentence only for a bad one: a hit runs this
                     raise ChunkFormatError(length_problem(payload_bytes + header.header_bytes, header.header_bytes,
                                                           header.stored_bytes, "the chunk file") or "")
@@ -180,9 +176,7 @@ class DiskReads:
                         header.codecs != self.envelope.chain.ids and not codecs.chain_of(header.codecs).passthrough):
                     raise Recoded("its codec chain changes the payload")  # read whole, then decoded
                 record = header.record
-                if header.format == envelope.FORMAT_CHUNK_FILE:
-                    return header.digest, PayloadHasher()
-                return header.digest, self.envelope.hasher(raw[:envelope.DIGEST_OFFSET])
+                return header.digest, PayloadHasher() if hasher is None else hasher
 
             assert dst is not None
             out = memoryview(np.frombuffer(dst, dtype=np.uint8).data)

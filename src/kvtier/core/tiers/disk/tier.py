@@ -114,6 +114,8 @@ class DiskTier(DirectorySync, DiskReads, Tier):
         self.last_write_error = ""  # why the last chunk write failed ("No space left on device"), "" before any
         self._lock = threading.Lock()
         self._key_to_size: dict[ChunkKey, int] = {}
+        # indexed() is the dict's own membership test, a C call: the index asks it per chunk on the hit path
+        self.indexed = self._key_to_size.__contains__  # type: ignore[method-assign,assignment]
         self._used = 0
         self._foreign = 0  # files indexed that this process did not write (start-up scan, rescans)
         self._bad: set[ChunkKey] = set()  # unusable entries that could not be removed
@@ -177,6 +179,11 @@ class DiskTier(DirectorySync, DiskReads, Tier):
         """Whether ``key`` is in this process's index and readable: no filesystem access, no side
         effect (a file another process wrote is known after the next :meth:`scan`/:meth:`adopt`)."""
         return key in self._key_to_size and key not in self._writing and key not in self._bad
+
+    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """:meth:`contains` of each of ``keys``, in one call (the index asks once per load)."""
+        sizes, writing, bad = self._key_to_size, self._writing, self._bad
+        return [k in sizes and k not in writing and k not in bad for k in keys]
 
     def indexed(self, key: ChunkKey) -> bool:
         """Whether ``key`` is in this process's index (being written included; no filesystem access)."""
