@@ -78,6 +78,7 @@ def _size(
 ) -> None:
     from kvtier.core.config import MAX_CHUNK_TOKENS
     from kvtier.core.dtypes import DTYPE_BYTES, short_name
+    from kvtier.core.tiers.node.settings import TIER as NODE
     from kvtier.simulate.cost import Throughputs
     from kvtier.simulate.hierarchy import usable_nvme_gib
     from kvtier.size import Deployment, build_recipe, plan, resolve_model
@@ -122,11 +123,13 @@ def _size(
         if kv_dtype.strip().lower() == "auto":  # vLLM's --dtype auto: the config's fp16 or bf16 (both 2 bytes)
             dtype = resolved.auto_dtype
         label = f"auto ({dtype})" if kv_dtype.strip().lower() == "auto" else dtype
+        tier_values = _tier_values(flags, tiers)
+        node_gib = tier_values.get(NODE, {}).get("node_gib") or None  # the pool comes out of the cpu tier's DRAM
         dep = Deployment(tp=tp, kv_dtype=label, dtype_bytes=DTYPE_BYTES[dtype],
                          gpu_memory_gib=memory, gpu_memory_utilization=gpu_memory_utilization,
                          weights_gib=weights, overhead_gib=overhead_gib, context_tokens=context,
                          sessions=sessions, host_ram_gib=host_ram_gib, host_reserve_gib=host_reserve_gib,
-                         nvme_gib=nvme_gib)
+                         nvme_gib=nvme_gib, node_gib=node_gib)
         try:
             rates = Throughputs(prefill_tokens_per_s=prefill_tokens_per_s, disk_gb_per_s=disk_gb_per_s)
         except ValueError as exc:
@@ -153,7 +156,7 @@ def _size(
         chunk, chunk_note = recipe_chunk_tokens(chunk_tokens, resolved.geometry.num_state_layers > 0)
         if offload_gib is not None and offload_gib < 0:
             raise UserError(f"--offload-gib must not be negative, got {offload_gib}.")
-        redis_url, store, others, tier_notes = tier_recipes(_tier_values(flags, tiers), (
+        redis_url, store, others, tier_notes = tier_recipes(tier_values, (
             chunk_tokens or DEFAULT_CHUNK_TOKENS) * report.kv_bytes_per_token)
         report.notes.extend(tier_notes)
         if not disk_path.startswith("/"):
@@ -163,7 +166,7 @@ def _size(
     recipe, served, asked = None, _served_model(model), None
     nvme_usable = usable_nvme_gib(nvme_gib) if nvme_gib is not None else None  # LMCache's uncompressed disk
     if offload_gib is not None and offload_gib > 0:
-        split = split_tier(offload_gib, host_ram_gib, dep.reserve_gib, tp)
+        split = split_tier(offload_gib, host_ram_gib, dep.reserve_gib, tp, node_gib)
         _chosen_tier(report, offload_gib, split.cpu_gib, split.disk_gib)
         report.notes.extend(split.notes)
         asked = offload_gib
