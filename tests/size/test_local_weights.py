@@ -43,6 +43,16 @@ def test_a_file_too_small_or_without_a_json_header_is_not_a_shard(tmp_path):
         assert result.exit_code == 2 and "--weights-gib" in result.output and "model.safetensors" in result.output
 
 
+def test_a_shard_cut_short_is_not_the_weights(tmp_path):
+    """An interrupted download keeps a whole header and part of the data."""
+    model = _model(tmp_path)
+    size = write_safetensors(model / "model.safetensors", 1 << 20)
+    with (model / "model.safetensors").open("r+b") as f:
+        f.truncate(size - 1000)
+    result = run("--model", str(model), "--gpu", "H100")
+    assert result.exit_code == 2 and "cut short" in result.output and "--weights-gib" in result.output
+
+
 def test_shards_missing_from_the_index_or_their_numbering_are_refused(tmp_path):
     model = _model(tmp_path)
     write_safetensors(model / "model-00001-of-00002.safetensors", 1024)

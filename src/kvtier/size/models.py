@@ -49,8 +49,9 @@ MAX_HEADER_BYTES = 100_000_000
 
 
 def _shard_problem(path: Path) -> str | None:
-    """Why ``path`` is not a safetensors file, or None: a safetensors file starts with its header's
-    length (8 bytes, little-endian) and that many bytes of a JSON object (the safetensors format)."""
+    """Why ``path`` is not a whole safetensors file, or None: a safetensors file starts with its header's
+    length (8 bytes, little-endian), then that many bytes of a JSON object whose tensors'
+    ``data_offsets`` end within the file (the safetensors format); a download cut short ends before."""
     try:
         if not path.is_file():
             return "not a readable file"
@@ -68,7 +69,14 @@ def _shard_problem(path: Path) -> str | None:
         return "not a readable file"
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return "a safetensors header that is not JSON"
-    return None if isinstance(header, dict) else "a safetensors header that is not a JSON object"
+    if not isinstance(header, dict):
+        return "a safetensors header that is not a JSON object"
+    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)
+            and isinstance(t.get("data_offsets"), list) and len(t["data_offsets"]) == 2
+            and isinstance(t["data_offsets"][1], int)]
+    if 8 + length + max(ends, default=0) > size:  # safetensors refuses it too (MetadataIncompleteBuffer)
+        return f"cut short: {size:,} of the {8 + length + max(ends):,} bytes its header describes"
+    return None
 
 
 def _index(directory: Path) -> tuple[int | None, set[str]]:
