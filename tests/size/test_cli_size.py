@@ -10,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtier.cli.main import app
+from tests.size.checkpoints import write_safetensors
 
 runner = CliRunner()
 
@@ -57,10 +58,10 @@ def test_text_output_prints_three_recipes():
 def test_local_weights_come_from_safetensors_files(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4,
                                                       "hidden_size": 256}))
-    (tmp_path / "model.safetensors").write_bytes(b"\0" * (1 << 20))
+    size = write_safetensors(tmp_path / "model.safetensors", 1 << 20)
     data = json.loads(run("--model", str(tmp_path), "--gpu-memory-gib", "8", "--json").stdout)
     assert data["hbm_kv_tokens"] is not None
-    assert data["weights_note"].startswith("sum of")
+    assert data["weights_note"].startswith("sum of") and data["weights_gib"] == size / (1 << 30)
 
 
 @pytest.mark.parametrize(

@@ -43,10 +43,12 @@ def test_lfm2_short_conv_state_matches_vllm_state_shape():
     assert (g.num_full_layers, g.num_state_layers, g.state.kind) == (2, 2, "short_conv")
     for tp in (1, 2):
         shapes = MambaStateShapeCalculator.short_conv_state_shape(tp, cfg["conv_dim"], cfg["conv_L_cache"])
-        spec = MambaSpec(block_size=32, shapes=shapes, dtypes=(torch.float32,))
+        # the config's float32 runs in bf16 under --dtype auto (vllm/config/model.py "Downcast for float32
+        # models"), the state too (mamba_cache_dtype auto: the model's dtype)
+        spec = MambaSpec(block_size=32, shapes=shapes, dtypes=(torch.bfloat16,))
         assert g.state_bytes_per_sequence(tp) == 2 * spec.page_size_bytes * tp  # 2 layers, all ranks
     state = {x.kind: x for x in g.groups(1, 4)}["state"]
-    assert state.bytes_per_token == 0 and state.bytes_per_sequence(10) == state.bytes_per_sequence(10_000) == 4096
+    assert state.bytes_per_token == 0 and state.bytes_per_sequence(10) == state.bytes_per_sequence(10_000) == 2048
 
 
 def test_sliding_window_test_model_matches_vllm_page_sizes():
@@ -72,7 +74,7 @@ def test_cli_reports_groups_for_hybrids_only(tmp_path: Path):
     groups = json.loads(result.stdout)["groups"]
     assert [(x["kind"], x["num_layers"]) for x in groups] == [("full", 2), ("state", 2)]
     assert groups[0]["bytes_per_token"] == 2 * 2 * 2 * 64 * 2  # bf16 KV: K and V × heads × head × layers
-    assert groups[1]["state_bytes_per_sequence"] == 2 * 2 * 256 * 4  # float32 conv state of width 256
+    assert groups[1]["state_bytes_per_sequence"] == 2 * 2 * 256 * 2  # conv state of width 256, float32 run in bf16
     text = runner.invoke(app, ["size", "--model", str(tmp_path)], env={"COLUMNS": "200"})
     assert "state (2 layers)" in text.stdout and "per sequence, whatever its length" in text.stdout
     (tmp_path / "config.json").write_text(json.dumps(config_json("tiny")))

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from kvtier.cli.main import app
 from kvtier.size.plan import MIN_CPU_GIB
+from tests.size.checkpoints import write_safetensors
 
 runner = CliRunner()
 LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
@@ -64,18 +65,22 @@ def test_impossible_head_counts_are_refused(tmp_path, cfg, words):
     assert result.exit_code == 2 and words in result.output and "Traceback" not in result.output
 
 
-def test_broken_safetensors_entries_are_ignored_with_a_note(tmp_path):
+def test_broken_safetensors_entries_are_refused_unless_weights_are_given(tmp_path):
+    """A dangling link, a directory or an empty file named *.safetensors is a partial download: summing
+    the rest sized the weights far too small (the HBM budget far too big), so the budget is refused
+    until --weights-gib gives the weights (nu5; before: ignored with a note)."""
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4,
                                                       "hidden_size": 256}))
     os.symlink(tmp_path / "missing-blob", tmp_path / "model-00001-of-00003.safetensors")
     (tmp_path / "model-00002-of-00003.safetensors").mkdir()
     (tmp_path / "model-00003-of-00003.safetensors").write_bytes(b"")
-    (tmp_path / "real.safetensors").write_bytes(b"\0" * (1 << 20))
-    data = _json("--model", str(tmp_path), "--gpu-memory-gib", "8")
-    assert data["weights_note"] == "sum of 1 *.safetensors next to config.json"
-    note = next(n for n in data["notes"] if n.startswith("Weights size ignores"))
+    write_safetensors(tmp_path / "real.safetensors", 1 << 20)
+    refused = run("--model", str(tmp_path), "--gpu-memory-gib", "8")
+    assert refused.exit_code == 2 and "pass --weights-gib" in refused.output and "Traceback" not in refused.output
     for name in ("model-00001-of-00003", "model-00002-of-00003", "model-00003-of-00003"):
-        assert name in note
+        assert name in refused.output
+    data = _json("--model", str(tmp_path), "--gpu-memory-gib", "8", "--weights-gib", "1")
+    assert data["weights_note"] == "given" and data["weights_gib"] == 1
 
 
 @pytest.mark.parametrize("flag, value", [("--offload-gib", "inf"), ("--offload-gib", "nan"),

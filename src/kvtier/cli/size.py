@@ -78,6 +78,7 @@ def _size(
 ) -> None:
     from kvtier.core.config import MAX_CHUNK_TOKENS
     from kvtier.core.dtypes import DTYPE_BYTES, short_name
+    from kvtier.core.tiers.node.settings import TIER as NODE
     from kvtier.simulate.cost import Throughputs
     from kvtier.simulate.hierarchy import usable_nvme_gib
     from kvtier.size import Deployment, build_recipe, plan, resolve_model
@@ -114,14 +115,21 @@ def _size(
             raise UserError("give --trace (the warm set measured on a trace) or --sessions (sessions × --context), "
                             "not both.")
         resolved = resolve_model(model)
+        if resolved.weights_problem is not None and weights_gib is None and memory is not None:
+            raise UserError(resolved.weights_problem)  # the HBM budget needs the weights
         curve = _curve(trace, trace_format, tokens_per_block) if trace is not None else None
         weights = weights_gib if weights_gib is not None else resolved.weights_gib
         note = "given" if weights_gib is not None else resolved.weights_note
-        dep = Deployment(tp=tp, kv_dtype=dtype if kv_dtype != "auto" else "auto (bf16)", dtype_bytes=DTYPE_BYTES[dtype],
+        if kv_dtype.strip().lower() == "auto":  # vLLM's --dtype auto: the config's fp16 or bf16 (both 2 bytes)
+            dtype = resolved.auto_dtype
+        label = f"auto ({dtype})" if kv_dtype.strip().lower() == "auto" else dtype
+        tier_values = _tier_values(flags, tiers)
+        node_gib = tier_values.get(NODE, {}).get("node_gib") or None  # the pool comes out of the cpu tier's DRAM
+        dep = Deployment(tp=tp, kv_dtype=label, dtype_bytes=DTYPE_BYTES[dtype],
                          gpu_memory_gib=memory, gpu_memory_utilization=gpu_memory_utilization,
                          weights_gib=weights, overhead_gib=overhead_gib, context_tokens=context,
                          sessions=sessions, host_ram_gib=host_ram_gib, host_reserve_gib=host_reserve_gib,
-                         nvme_gib=nvme_gib)
+                         nvme_gib=nvme_gib, node_gib=node_gib)
         try:
             rates = Throughputs(prefill_tokens_per_s=prefill_tokens_per_s, disk_gb_per_s=disk_gb_per_s)
         except ValueError as exc:
@@ -141,14 +149,14 @@ def _size(
             report.notes.append(f"--gpu {given_gpu} read as {found_gpu.name} ({found_gpu.memory_gib:g} GiB); give "
                                 f"the exact part (--gpu {parts}) or --gpu-memory-gib if yours differs.")
         report.notes.extend([resolved.dtype_note] if resolved.dtype_note and kv_dtype == "auto" else [])
-        report.notes.extend(resolved.warnings if weights_gib is None else ())
+        report.notes.extend([resolved.weights_problem] if resolved.weights_problem and weights_gib is None else [])
         if chunk_tokens is not None and not 1 <= chunk_tokens <= MAX_CHUNK_TOKENS:  # the connector's bound
             raise UserError(f"--chunk-tokens must be from 1 to {MAX_CHUNK_TOKENS:,} (longer than any model's context), "
                             f"got {chunk_tokens:,}.")
         chunk, chunk_note = recipe_chunk_tokens(chunk_tokens, resolved.geometry.num_state_layers > 0)
         if offload_gib is not None and offload_gib < 0:
             raise UserError(f"--offload-gib must not be negative, got {offload_gib}.")
-        redis_url, store, others, tier_notes = tier_recipes(_tier_values(flags, tiers), (
+        redis_url, store, others, tier_notes = tier_recipes(tier_values, (
             chunk_tokens or DEFAULT_CHUNK_TOKENS) * report.kv_bytes_per_token)
         report.notes.extend(tier_notes)
         if not disk_path.startswith("/"):
@@ -158,7 +166,7 @@ def _size(
     recipe, served, asked = None, _served_model(model), None
     nvme_usable = usable_nvme_gib(nvme_gib) if nvme_gib is not None else None  # LMCache's uncompressed disk
     if offload_gib is not None and offload_gib > 0:
-        split = split_tier(offload_gib, host_ram_gib, dep.reserve_gib, tp)
+        split = split_tier(offload_gib, host_ram_gib, dep.reserve_gib, tp, node_gib)
         _chosen_tier(report, offload_gib, split.cpu_gib, split.disk_gib)
         report.notes.extend(split.notes)
         asked = offload_gib
@@ -196,10 +204,11 @@ def _size(
     if as_json:
         payload = report.to_json()
         payload["weights_note"] = note
+        payload["weights_gib"] = weights
         payload["recipe"] = recipe.to_json() if recipe else None
         print(json.dumps(payload, indent=2))
     else:
-        print_report(report, recipe, note, chosen=offload_gib is not None and offload_gib > 0)
+        print_report(report, recipe, note, weights, chosen=offload_gib is not None and offload_gib > 0)
 
 
 def _chosen_tier(report: SizeReport, offload_gib: float, cpu_gib: float, disk_gib: float) -> None:

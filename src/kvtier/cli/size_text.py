@@ -36,7 +36,8 @@ def print_presets() -> None:
     Console().print(table)
 
 
-def print_report(report: SizeReport, recipe: Recipe | None, weights_note: str, chosen: bool = False) -> None:
+def print_report(report: SizeReport, recipe: Recipe | None, weights_note: str, weights_gib: float | None = None,
+                 chosen: bool = False) -> None:
     """Print ``report`` as one table, its notes, and ``recipe``'s configs (kvtier, vLLM native, LMCache,
     the shared tiers' servers) where it has them; ``chosen``: the tiers are the operator's --offload-gib."""
     from rich.console import Console
@@ -74,8 +75,8 @@ def print_report(report: SizeReport, recipe: Recipe | None, weights_note: str, c
     if report.hbm_kv_budget_bytes is not None:
         rows.append(("HBM KV budget (all ranks)", _fmt_bytes(report.hbm_kv_budget_bytes)))
         rows.append(("HBM KV tokens", f"{report.hbm_kv_tokens:,}" if report.hbm_kv_tokens is not None else "-"))
-        if weights_note:
-            rows.append(("weights", weights_note))
+        if weights_gib is not None:  # the figure the budget subtracts, then where it came from
+            rows.append(("weights", f"{weights_gib:,.2f} GiB" + (f" ({weights_note})" if weights_note else "")))
     if report.hbm_sessions is not None:
         rows.append(("sessions that fit in HBM", f"{report.hbm_sessions:,}"))
     if report.warm_set_bytes is not None:

@@ -77,6 +77,35 @@ def usable_dram_gib(host_ram_gib: float, reserve_gib: float) -> float:
     return max(0.0, host_ram_gib - reserve_gib)
 
 
+def cpu_room_gib(host_ram_gib: float | None, reserve_gib: float, node_gib: float | None) -> float | None:
+    """DRAM one engine's cpu tier may take, GiB; None: not capped (no host RAM, no node pool given).
+
+    The node pool (docs/node.md: the DRAM tier shared by the host's engines) is host RAM too, so it
+    comes out of host RAM less reserves; and the cpu tier stays no larger than the pool, which must
+    hold at least one engine's hot set (kvtier audit ``kvtier-node-pool-below-working-set``)::
+
+        cpu ≤ min(host RAM − reserves − node_gib, node_gib)
+    """
+    room = None if host_ram_gib is None else usable_dram_gib(host_ram_gib, reserve_gib + (node_gib or 0.0))
+    return room if not node_gib else node_gib if room is None else min(room, node_gib)
+
+
+def room_text(host_ram_gib: float | None, reserve_gib: float, node_gib: float | None, reserve_why: str = "") -> str:
+    """How :func:`cpu_room_gib` came out, for a note: ``464 GiB = 512 − 48 reserved`` (then ``reserve_why``;
+    with a pool: ``− 128 node pool``, and ``, at most the 128 GiB node pool ...``)."""
+    room = cpu_room_gib(host_ram_gib, reserve_gib, node_gib)
+    text = f"{gib_text(room or 0.0)} GiB"
+    if host_ram_gib is not None:
+        text += f" = {gib_text(host_ram_gib)} − {gib_text(reserve_gib)} reserved{reserve_why}"
+        text += f" − {gib_text(node_gib)} node pool" if node_gib else ""
+    if node_gib and room == node_gib:
+        text += f"{',' if host_ram_gib is not None else ':'} at most the {gib_text(node_gib)} GiB node pool, which must hold one engine's cpu tier"
+        half = usable_dram_gib(host_ram_gib, reserve_gib) / 2 if host_ram_gib is not None else 0.0
+        if half > node_gib:  # DRAM left idle: a larger pool lets both grow
+            text += f" (a {gib_text(half)} GiB pool, kvtier node serve --node-gib {gib_text(half)}, would use it all)"
+    return text
+
+
 def usable_nvme_gib(nvme_gib: float) -> float:
     """NVMe the disk tier may take, GiB: the capacity over :data:`NVME_HEADROOM`."""
     return max(0.0, nvme_gib / NVME_HEADROOM)
@@ -199,7 +228,7 @@ def gib_text(gib: float) -> str:
 
 def plan_tiers(warm_set_gib: float, engine_gib: float, dram_gib: float | None, nvme_gib: float | None,
                curve: StackCurve | None = None, chunk_bytes: int | None = None,
-               disk_slower: str | None = None) -> TierPlan:
+               disk_slower: str | None = None, dram_what: str = "the DRAM left after reserves") -> TierPlan:
     """The tiers to buy (the rule of the module docstring).
 
     Args:
@@ -209,6 +238,7 @@ def plan_tiers(warm_set_gib: float, engine_gib: float, dram_gib: float | None, n
         nvme_gib: usable NVMe for the disk tier (after headroom), GiB; None: no NVMe given (no disk tier).
         curve, chunk_bytes: the trace's curve and bytes per chunk, for the predicted hit ratios.
         disk_slower: :func:`disk_slower_than_prefill`'s reason, when loading from disk does not pay: no disk tier.
+        dram_what: what ``dram_gib`` is, for the notes (with a node pool: :func:`room_text`).
 
     Returns:
         the plan; ``cpu_gib == disk_gib == 0`` when the engine holds the warm set or no tier would serve.
@@ -222,7 +252,7 @@ def plan_tiers(warm_set_gib: float, engine_gib: float, dram_gib: float | None, n
     cpu = warm_set_gib if dram_gib is None else min(warm_set_gib, dram_gib)
     staging = False
     if cpu <= engine_gib:
-        notes.append(f"No cpu tier worth its DRAM: the {gib_text(cpu)} GiB host RAM leaves after reserves is not larger "
+        notes.append(f"No cpu tier worth its DRAM: {dram_what} ({gib_text(cpu)} GiB) is not larger "
                      f"than the engine's KV cache ({gib_text(engine_gib)} GiB), and kvtier's tiers are inclusive (every "
                      "chunk the engine computes is stored), so such a cpu tier holds nothing the engine does not.")
         cpu = 0.0
@@ -253,7 +283,7 @@ def plan_tiers(warm_set_gib: float, engine_gib: float, dram_gib: float | None, n
         notes.append(f"A {MIN_STAGING_GIB:g} GiB cpu tier stages chunks in front of the disk tier (kvtier passes "
                      "every chunk through its cpu tier); it serves nothing itself.")
     elif cpu and dram_gib is not None and cpu < warm_set_gib:
-        notes.append(f"cpu tier {gib_text(cpu)} GiB: all the DRAM left after reserves (the warm set is "
+        notes.append(f"cpu tier {gib_text(cpu)} GiB: all {dram_what} (the warm set is "
                      f"{gib_text(warm_set_gib)} GiB).")
     serving_cpu = 0.0 if staging else cpu
     return TierPlan(engine_gib, warm_set_gib, round(cpu, 2), round(disk, 2), staging,

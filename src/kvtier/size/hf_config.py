@@ -2,9 +2,12 @@
 
 Understood layouts (field names as published in the models' ``config.json``):
 
-- plain decoders: ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads`` (absent
-  means MHA: equal to the attention heads), ``head_dim`` (absent means ``hidden_size //
-  num_attention_heads``); multimodal wrappers nest these under ``text_config``;
+- plain decoders: ``num_hidden_layers``, ``num_attention_heads``, ``hidden_size`` or the names that
+  Hugging Face's ``attribute_map`` of each config class maps to them (:data:`_LAYER_KEYS`,
+  :data:`_HEAD_KEYS`, :data:`_HIDDEN_KEYS`: GPT-2, GPT-J, GPTBigCode, Bloom, MPT, DBRX, ChatGLM);
+  KV heads as vLLM counts them (:func:`kv_heads`); ``head_dim`` (absent or null means
+  ``hidden_size // num_attention_heads``, vLLM's ``get_head_size``); multimodal wrappers nest these
+  under ``text_config``;
 - MLA (DeepSeek-V2/V3, Kimi-K2): ``kv_lora_rank`` and ``qk_rope_head_dim``;
 - sliding windows: ``layer_types`` entries ``"sliding_attention"`` (gpt-oss, newer transformers),
   ``sliding_window_pattern`` N (Gemma 3: every N-th layer is global), ``model_type`` gemma2
@@ -73,7 +76,8 @@ MAX_FIELD = 1 << 53
 
 
 def _int(cfg: dict[str, Any], key: str, where: str, default: int | None = None, maximum: int = MAX_FIELD) -> int:
-    value = cfg.get(key, default)
+    value = cfg.get(key)
+    value = default if value is None else value  # null reads as absent, as Hugging Face's configs do
     if value is None:
         raise UserError(f"{where} lacks the field {key!r}; use a complete config.json or a --model preset.")
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -82,6 +86,64 @@ def _int(cfg: dict[str, Any], key: str, where: str, default: int | None = None, 
         raise UserError(f"{where} field {key!r} is {value:,}, more than the {maximum:,} kvtier size reads; pass a "
                         "real model's config.json.")
     return value
+
+
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
+_HEAD_KEYS = ("num_attention_heads", "n_head", "n_heads")
+_HIDDEN_KEYS = ("hidden_size", "n_embd", "n_embed", "d_model")
+"""Names a config.json may give the layers, attention heads and hidden size under, the standard one first:
+what Hugging Face's ``attribute_map`` of each config class maps ``num_hidden_layers`` /
+``num_attention_heads`` / ``hidden_size`` to (GPT-2, GPT-J and GPTBigCode ``n_layer``, ``n_head``,
+``n_embd``; Bloom and Falcon's RW configs ``n_layer``, ``n_head``, ``n_embed``; MPT and DBRX ``n_layers``,
+``n_heads``, ``d_model``; ChatGLM ``num_layers``, vllm/transformers_utils/configs/chatglm.py), which vLLM's
+getters (``get_num_layers``, ``get_head_size``) then read under the standard names."""
+
+
+def _key(cfg: dict[str, Any], keys: tuple[str, ...]) -> str:
+    """The first of ``keys`` that ``cfg`` sets (not null), else the standard name (``keys[0]``) for the error."""
+    return next((k for k in keys if cfg.get(k) is not None), keys[0])
+
+
+_FALCON_TYPES = ("falcon", "RefinedWeb", "RefinedWebModel")
+_KV_HEAD_KEYS = ("n_head_kv", "num_kv_heads", "num_key_value_heads", "multi_query_group_num", "num_attention_groups")
+
+
+def kv_heads(cfg: dict[str, Any], heads: int, where: str) -> int:
+    """The model's KV heads (all ranks) as vLLM counts them: ``ModelConfig.get_total_num_kv_heads``
+    (vllm/config/model.py, its rule in vllm/transformers_utils/model_arch_config_convertor.py):
+
+    - Falcon (``falcon``, ``RefinedWeb*``): 1 when ``multi_query`` (default true) unless
+      ``new_decoder_architecture`` (vLLM's RW config also sets it for ``hidden_size`` 8192, Falcon-40B);
+    - DBRX / MPT: ``attn_config.kv_n_heads`` (DBRX's default 1, MPT's the attention heads);
+    - GPTBigCode: 1 when ``multi_query`` (default true), as Hugging Face's config sets ``num_key_value_heads``;
+    - ChatGLM: ``multi_query_group_num`` when ``multi_query_attention``, as its attention layer
+      (vllm/model_executor/models/chatglm.py) allocates them;
+    - else the first set of ``n_head_kv``, ``num_kv_heads``, ``num_key_value_heads``,
+      ``multi_query_group_num``, ``num_attention_groups`` (null is unset), falling back to the attention
+      heads (MHA).  A RW config's ``n_head_kv`` defaults to 1 (vllm/transformers_utils/configs/falcon.py).
+
+    Raises:
+        UserError: a count that is not a positive integer.
+    """
+    model_type = cfg.get("model_type")
+    if model_type in _FALCON_TYPES:
+        new_arch = bool(cfg.get("new_decoder_architecture")) or (model_type != "falcon" and cfg.get("hidden_size") == 8192)
+        if not new_arch and cfg.get("multi_query", True):
+            return 1
+    if model_type == "gpt_bigcode":
+        return 1 if cfg.get("multi_query", True) else heads
+    if model_type == "chatglm" and not cfg.get("multi_query_attention"):
+        return heads
+    attn = cfg.get("attn_config")
+    if model_type in ("dbrx", "mpt") and isinstance(attn, dict):
+        key, count = "attn_config.kv_n_heads", _int(attn, "kv_n_heads", f"{where} attn_config",
+                                                   default=1 if model_type == "dbrx" else heads)
+    else:
+        key = _key(cfg, _KV_HEAD_KEYS)
+        count = _int(cfg, key, where, default=1 if model_type in _FALCON_TYPES[1:] else heads)
+    if count == 0:
+        raise UserError(f"{where} has {key} 0; it must be at least 1 (omit it for MHA).")
+    return count
 
 
 MODEL_DTYPES = ("bfloat16", "float16", "half", "float32", "float")
@@ -114,8 +176,23 @@ def _model_dtype_name(cfg: dict[str, Any]) -> tuple[str, str] | None:
     return None
 
 
+_NO_FP16 = ("gemma2", "gemma3", "gemma3_text", "glm4")
+"""Model types vLLM refuses to run in float16 (vllm/config/model.py ``_FLOAT16_NOT_SUPPORTED_MODELS``)."""
+
+
+def auto_dtype(cfg: dict[str, Any]) -> str:
+    """``"bf16"`` or ``"fp16"``: what vLLM's ``--dtype auto`` runs the model (and its KV cache) in on a GPU
+    with bf16 (vllm/config/model.py ``_resolve_auto_dtype``): the config's float16 or bfloat16; float32,
+    none or a storage dtype (int8, fp8) becomes the platform's preferred bf16; float16 on a model type
+    that refuses it (:data:`_NO_FP16`) becomes bf16 too.  Both are 2 bytes (a GPU without bf16 runs fp16)."""
+    cfg = _text_config(cfg)
+    given = _model_dtype_name(cfg)
+    name = given[1].strip().lower().removeprefix("torch.") if given is not None else ""
+    return "fp16" if name in ("float16", "half") and cfg.get("model_type") not in _NO_FP16 else "bf16"
+
+
 def _model_dtype_bytes(cfg: dict[str, Any], where: str) -> int:
-    """Bytes per element of the dtype vLLM runs the model in (bf16 when the config sets none).
+    """Bytes per element of the dtype vLLM runs the model in (:func:`auto_dtype`: 2, float32 too).
 
     A dtype vLLM does not run a model in (``int8``, ``uint8``, ``float8_e4m3fn``: a quantized
     checkpoint's storage dtype) is read as bf16, as vLLM's ``dtype="auto"`` does: it falls back to the
@@ -126,11 +203,9 @@ def _model_dtype_bytes(cfg: dict[str, Any], where: str) -> int:
         UserError: a dtype name no one knows (:func:`_dtype_bytes`).
     """
     given = _model_dtype_name(cfg)
-    if given is None:
-        return 2
-    size = _dtype_bytes(cfg, given[0], where)
-    name = given[1].strip().lower().removeprefix("torch.")
-    return size if size is not None and name in MODEL_DTYPES else 2
+    if given is not None:
+        _dtype_bytes(cfg, given[0], where)  # refuses a name no one knows
+    return DTYPE_BYTES[auto_dtype(cfg)]
 
 
 def dtype_note(cfg: dict[str, Any]) -> str | None:
@@ -233,7 +308,7 @@ def attention_layers(cfg: dict[str, Any], name: str) -> int:
     where = f"config of {name}"
     cfg = _text_config(cfg)
     _model_dtype_bytes(cfg, where)  # an unknown dtype is refused for every model, not only hybrid ones
-    num_layers = _int(cfg, "num_hidden_layers", where, maximum=MAX_LAYERS)
+    num_layers = _int(cfg, _key(cfg, _LAYER_KEYS), where, maximum=MAX_LAYERS)
     return sum(kind in ("full", "swa") for kind in _layer_kinds(cfg, num_layers, where))
 
 
@@ -246,16 +321,14 @@ def geometry_from_config(cfg: dict[str, Any], name: str, source: str = "") -> KV
     where = f"config of {name}"
     cfg = _text_config(cfg)
     _model_dtype_bytes(cfg, where)  # an unknown dtype is refused for every model, not only hybrid ones
-    num_layers = _int(cfg, "num_hidden_layers", where, maximum=MAX_LAYERS)
-    heads = _int(cfg, "num_attention_heads", where)
+    num_layers = _int(cfg, _key(cfg, _LAYER_KEYS), where, maximum=MAX_LAYERS)
+    heads = _int(cfg, _key(cfg, _HEAD_KEYS), where)
     if heads == 0:
         raise UserError(f"{where} has num_attention_heads 0; it must be at least 1.")
-    kv_heads = _int(cfg, "num_key_value_heads", where, default=heads)
-    if kv_heads == 0:
-        raise UserError(f"{where} has num_key_value_heads 0; it must be at least 1 (omit it for MHA).")
+    num_kv = kv_heads(cfg, heads, where)
     head_dim = cfg.get("head_dim")
     if head_dim is None:
-        hidden = _int(cfg, "hidden_size", where)
+        hidden = _int(cfg, _key(cfg, _HIDDEN_KEYS), where)
         if hidden == 0:  # 0 % heads passed the test below and sized 0 bytes per token
             raise UserError(f"{where} has hidden_size 0; it must be at least 1 (or give the model's 'head_dim').")
         if hidden % heads:
@@ -267,8 +340,8 @@ def geometry_from_config(cfg: dict[str, Any], name: str, source: str = "") -> KV
     mla = None
     if cfg.get("kv_lora_rank"):
         mla = MLASpec(_int(cfg, "kv_lora_rank", where), _int(cfg, "qk_rope_head_dim", where))
-    elif heads % kv_heads:  # vLLM's Attention layer asserts it (vllm/model_executor/layers/attention/attention.py)
-        raise UserError(f"{where} has num_attention_heads {heads} not divisible by num_key_value_heads {kv_heads}; "
+    elif heads % num_kv:  # vLLM's Attention layer asserts it (vllm/model_executor/layers/attention/attention.py)
+        raise UserError(f"{where} has num_attention_heads {heads} not divisible by num_key_value_heads {num_kv}; "
                         "vLLM refuses such a model (each KV head serves a whole group of query heads): check both.")
     kinds = _layer_kinds(cfg, num_layers, where)
     num_state = kinds.count("state")
@@ -283,7 +356,7 @@ def geometry_from_config(cfg: dict[str, Any], name: str, source: str = "") -> KV
         num_swa_layers=kinds.count("swa"),
         sliding_window=window,
         num_attention_heads=heads,
-        num_kv_heads=kv_heads,
+        num_kv_heads=num_kv,
         head_dim=head_dim,
         mla=mla,
         num_state_layers=num_state,
@@ -292,4 +365,4 @@ def geometry_from_config(cfg: dict[str, Any], name: str, source: str = "") -> KV
     )
 
 
-__all__ = ["DTYPE_BYTES", "geometry_from_config", "load_config_file"]
+__all__ = ["DTYPE_BYTES", "auto_dtype", "geometry_from_config", "kv_heads", "load_config_file"]

@@ -2,20 +2,22 @@
 
 Order: an existing path wins; then a preset (``kvtier size --list-presets``); then, for an
 ``org/name`` id, the hub's ``config.json`` over HTTPS (``HF_ENDPOINT`` honoured), which only works
-where the hub is reachable.  Weights size: the sum of ``*.safetensors`` files next to a local
-config, the preset's checkpoint size, or unknown (None).
+where the hub is reachable.  Weights size: a local checkpoint's ``model.safetensors.index.json``
+``metadata.total_size``, else the sum of the ``*.safetensors`` files next to its config (refused when
+they are Git LFS pointers, partial or missing shards), the preset's checkpoint size, or unknown (None).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.core.errors import ServerAnswerError, UserError
 from kvtier.size.geometry import KVGeometry
-from kvtier.size.hf_config import dtype_note, geometry_from_config, load_config_file
+from kvtier.size.hf_config import auto_dtype, dtype_note, geometry_from_config, load_config_file
 from kvtier.size.presets import GIB, find_preset
 from kvtier.tools.httpget import get_within
 
@@ -24,37 +26,114 @@ from kvtier.tools.httpget import get_within
 class ResolvedModel:
     """A model's geometry and, when known, its weights size (GiB) and how that was found.
 
-    ``warnings`` lists what was skipped while reading local files (e.g. a dangling ``*.safetensors`` link);
-    ``dtype_note`` says the config's dtype is read as bf16, as vLLM does (:func:`~kvtier.size.hf_config.dtype_note`).
+    ``weights_problem`` says why the
+    ``*.safetensors`` next to a local config cannot be the weights (Git LFS pointers, shards missing or
+    not safetensors files: :func:`_local_weights`), with ``weights_gib`` None then; ``dtype_note`` says
+    the config's dtype is read as bf16, as vLLM does (:func:`~kvtier.size.hf_config.dtype_note`);
+    ``auto_dtype`` is what vLLM's ``--dtype auto`` runs it in (:func:`~kvtier.size.hf_config.auto_dtype`).
     """
 
     geometry: KVGeometry
     weights_gib: float | None
     weights_note: str
-    warnings: tuple[str, ...] = ()
     dtype_note: str | None = None
+    auto_dtype: str = "bf16"
+    weights_problem: str | None = None
 
 
-def _local_weights(directory: Path) -> tuple[float | None, str, tuple[str, ...]]:
-    """Sum (GiB) of the non-empty regular ``*.safetensors`` files in ``directory`` (None when none
-    counts), how it was found, and a warning naming the ones skipped (dangling links, directories,
-    empty files)."""
-    sizes: list[int] = []
-    skipped: list[str] = []
-    for f in sorted(directory.glob("*.safetensors")):
-        try:
-            size = f.stat().st_size if f.is_file() else None
-        except OSError:
-            size = None
-        if size is None:
-            skipped.append(f"{f.name} (not a readable file)")
-        elif size == 0:
-            skipped.append(f"{f.name} (empty)")
-        else:
-            sizes.append(size)
-    note = f"sum of {len(sizes)} *.safetensors next to config.json" if sizes else ""
-    warnings = (f"Weights size ignores {', '.join(skipped)}; pass --weights-gib if that is wrong.",) if skipped else ()
-    return (sum(sizes) / GIB if sizes else None), note, warnings
+LFS_POINTER = b"version https://git-lfs.github.com/spec/"
+"""How a Git LFS pointer file starts (git-lfs docs/spec.md): a clone without ``git lfs pull`` has these
+~130-byte files where the weights should be."""
+MAX_HEADER_BYTES = 100_000_000
+"""Largest safetensors header (the format's own bound, safetensors ``N_MAX_HEADER``)."""
+
+
+def _shard_problem(path: Path) -> str | None:
+    """Why ``path`` is not a whole safetensors file, or None: a safetensors file starts with its header's
+    length (8 bytes, little-endian), then that many bytes of a JSON object whose tensors'
+    ``data_offsets`` end within the file (the safetensors format); a download cut short ends before."""
+    try:
+        if not path.is_file():
+            return "not a readable file"
+        with path.open("rb") as f:
+            head = f.read(len(LFS_POINTER))
+            if head.startswith(LFS_POINTER):
+                return "Git LFS pointers: git lfs pull fetches the files"
+            size = path.stat().st_size
+            length = int.from_bytes(head[:8], "little") if len(head) >= 8 else 0
+            if size < 8 or not 2 <= length <= min(size - 8, MAX_HEADER_BYTES):
+                return f"{size:,} bytes without a safetensors header"
+            f.seek(8)
+            header = json.loads(f.read(length))
+    except OSError:
+        return "not a readable file"
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return "a safetensors header that is not JSON"
+    if not isinstance(header, dict):
+        return "a safetensors header that is not a JSON object"
+    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)
+            and isinstance(t.get("data_offsets"), list) and len(t["data_offsets"]) == 2
+            and isinstance(t["data_offsets"][1], int)]
+    if 8 + length + max(ends, default=0) > size:  # safetensors refuses it too (MetadataIncompleteBuffer)
+        return f"cut short: {size:,} of the {8 + length + max(ends):,} bytes its header describes"
+    return None
+
+
+def _index(directory: Path) -> tuple[int | None, set[str]]:
+    """``metadata.total_size`` (bytes; None when absent) and the shard names of ``weight_map`` in
+    ``model.safetensors.index.json`` (Hugging Face's sharded checkpoints); ``(None, set())`` without one."""
+    try:
+        data = json.loads((directory / "model.safetensors.index.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return None, set()
+    if not isinstance(data, dict):
+        return None, set()
+    meta, weight_map = data.get("metadata"), data.get("weight_map")
+    total = meta.get("total_size") if isinstance(meta, dict) else None
+    total = total if isinstance(total, int) and not isinstance(total, bool) and total > 0 else None
+    return total, {str(v) for v in weight_map.values()} if isinstance(weight_map, dict) else set()
+
+
+def _numbered_shards(files: list[Path]) -> set[str]:
+    """Every shard the names of ``files`` imply: ``model-00001-of-00030.safetensors`` implies 30."""
+    implied: set[str] = set()
+    for f in files:
+        if (m := re.fullmatch(r"(.*)-(\d+)-of-(\d+)\.safetensors", f.name)) and int(m[3]) <= 100_000:
+            implied.update(f"{m[1]}-{i:0{len(m[2])}d}-of-{m[3]}.safetensors" for i in range(1, int(m[3]) + 1))
+    return implied
+
+
+def _names(names: list[str]) -> str:
+    """Up to three of ``names``, and how many more."""
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _local_weights(directory: Path) -> tuple[float | None, str, str | None]:
+    """Weights (GiB) of the checkpoint in ``directory``, how they were found, and why the files there
+    cannot be the weights (None when they can, or when there are none).
+
+    ``metadata.total_size`` of ``model.safetensors.index.json`` is the weights' size when present;
+    else the sum of the ``*.safetensors`` files, each checked to be one (not a Git LFS pointer, a
+    dangling link, an empty or partial file) and, with an index, every shard it names present.
+    """
+    total, shards = _index(directory)
+    if total is not None:
+        return total / GIB, "metadata.total_size of model.safetensors.index.json", None
+    files = sorted(directory.glob("*.safetensors"))
+    why_to_names: dict[str, list[str]] = {}
+    for f in files:
+        if (why := _shard_problem(f)) is not None:
+            why_to_names.setdefault(why, []).append(f.name)
+    missing = sorted((shards | _numbered_shards(files)) - {f.name for f in files})
+    if missing:
+        why_to_names["absent: the index or the shards' names (-of-N) list them"] = missing
+    if why_to_names:
+        bad = "; ".join(f"{_names(names)} ({why})" for why, names in why_to_names.items())
+        return None, "", (f"the *.safetensors next to {directory / 'config.json'} are not the weights: {bad}; pass "
+                          "--weights-gib with the model's weights in GiB.")
+    if not files:
+        return None, "", None
+    return sum(f.stat().st_size for f in files) / GIB, f"sum of {len(files)} *.safetensors next to config.json", None
 
 
 def _fetch_hub_config(repo_id: str, timeout_s: float) -> dict[str, object]:
@@ -95,9 +174,9 @@ def resolve_model(name: str, hub_timeout_s: float = 10.0, hub: bool = True) -> R
         cfg = load_config_file(path)
         directory = path if path.is_dir() else path.parent
         config_file = path / "config.json" if path.is_dir() else path
-        weights, note, warnings = _local_weights(directory)
-        return ResolvedModel(geometry_from_config(cfg, str(path), source=str(config_file)), weights, note, warnings,
-                             dtype_note(cfg))
+        weights, note, problem = _local_weights(directory)
+        return ResolvedModel(geometry_from_config(cfg, str(path), source=str(config_file)), weights, note,
+                             dtype_note(cfg), auto_dtype(cfg), problem)
     preset = find_preset(name)
     if preset is not None:  # named as asked: an alias (the base model of an -Instruct preset) shares its geometry
         return ResolvedModel(preset.geometry(name.strip()), preset.weights_gib, preset.weights_note)
@@ -106,8 +185,8 @@ def resolve_model(name: str, hub_timeout_s: float = 10.0, hub: bool = True) -> R
                         "(see --list-presets) or a hub id like org/name.")
     if name.count("/") == 1 and not name.startswith((".", "/")) and hub:
         cfg = _fetch_hub_config(name, hub_timeout_s)
-        return ResolvedModel(geometry_from_config(cfg, name, source=f"hub: {name}/config.json"), None, "", (),
-                             dtype_note(cfg))
+        return ResolvedModel(geometry_from_config(cfg, name, source=f"hub: {name}/config.json"), None, "",
+                             dtype_note(cfg), auto_dtype(cfg))
     raise UserError(
         f"{name!r} is not an existing path, a built-in preset (see --list-presets) or a hub id like org/name."
     )

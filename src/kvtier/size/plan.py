@@ -26,11 +26,11 @@ from kvtier.simulate.hierarchy import (
     MIN_STAGING_GIB,
     SESSION_HEADROOM,
     StackCurve,
+    cpu_room_gib,
     disk_slower_than_prefill,
-    gib_text,
     host_reserve_gib,
     plan_tiers,
-    usable_dram_gib,
+    room_text,
     usable_nvme_gib,
     warm_set_from_trace,
 )
@@ -77,6 +77,8 @@ class Deployment:
         host_reserve_gib: host RAM kept back for the node and vLLM's workers (GiB); None: the rule
             :func:`kvtier.simulate.hierarchy.host_reserve_gib` (16 GiB + 16 GiB per GPU).
         nvme_gib: NVMe capacity for the disk tier (GiB) or None (no disk tier sized).
+        node_gib: the host's node pool (GiB, ``--node-gib``) or None: it comes out of the DRAM the cpu tier
+            may take, which stays no larger than it (:func:`kvtier.simulate.hierarchy.cpu_room_gib`).
     """
 
     tp: int = 1
@@ -91,6 +93,7 @@ class Deployment:
     host_ram_gib: float | None = None
     host_reserve_gib: float | None = None
     nvme_gib: float | None = None
+    node_gib: float | None = None
 
     @property
     def reserve_gib(self) -> float:
@@ -291,29 +294,32 @@ class TierSplit:
     notes: tuple[str, ...] = ()
 
 
-def split_tier(total_gib: float, host_ram_gib: float | None, host_reserve_gib: float, tp: int = 1) -> TierSplit:
-    """Put ``total_gib`` in host RAM, spilling to disk what exceeds ``host_ram_gib − host_reserve_gib``.
+def split_tier(total_gib: float, host_ram_gib: float | None, host_reserve_gib: float, tp: int = 1,
+               node_gib: float | None = None) -> TierSplit:
+    """Put ``total_gib`` in host RAM, spilling to disk what exceeds the DRAM the cpu tier may take:
+    ``host_ram_gib − host_reserve_gib``, less a node pool of ``node_gib`` and no larger than it
+    (:func:`kvtier.simulate.hierarchy.cpu_room_gib`).
 
-    Without ``host_ram_gib`` everything stays in DRAM.  A disk share always comes with at least
+    Without ``host_ram_gib`` or ``node_gib`` everything stays in DRAM.  A disk share always comes with at least
     :data:`MIN_CPU_GIB` of DRAM (kvtier stages chunks through its cpu tier), even when that eats
     into the reserve; a note says so.  The notes name the sizes the recipes print, which round each
     share up to whole GiB per rank (``tp`` ranks, :func:`kvtier.size.recipe.round_total`).
     """
 
-    if host_ram_gib is None:
+    room = cpu_room_gib(host_ram_gib, host_reserve_gib, node_gib)
+    if room is None:
         return TierSplit(total_gib, 0.0)
-    usable = max(0.0, host_ram_gib - host_reserve_gib)
+    usable, usable_text = room, room_text(host_ram_gib, host_reserve_gib, node_gib)
     if total_gib <= usable:
-        return TierSplit(total_gib, 0.0, (f"The tier fits in usable host RAM ({usable:g} GiB).",))
+        return TierSplit(total_gib, 0.0, (f"The tier fits in usable host RAM ({usable_text}).",))
     cpu = round(max(usable, min(MIN_CPU_GIB, total_gib)), 2)
     disk = round(max(0.0, total_gib - cpu), 2)
     disk_recipe, cpu_recipe = round_total(disk, tp), round_total(cpu, tp)
     rounded = (f" ({disk:g} GiB rounded up to whole GiB on each of {tp} ranks)" if tp > 1 and disk_recipe != disk
                else "")
     notes = [
-        (f"The tier ({total_gib:g} GiB) exceeds usable host RAM ({usable:g} GiB = {host_ram_gib:g} − "
-        f"{host_reserve_gib:g} reserved): put {disk_recipe:g} GiB on a disk tier{rounded} or keep fewer sessions "
-        "warm.")
+        (f"The tier ({total_gib:g} GiB) exceeds usable host RAM ({usable_text}): put {disk_recipe:g} GiB on a disk "
+         f"tier{rounded} or keep fewer sessions warm.")
     ]
     if cpu_recipe > usable:
         notes.append(
@@ -331,10 +337,11 @@ def _recommend(report: SizeReport, budget: int, dep: Deployment, warm_bytes: int
         raise UserError(f"the warm set needs a {warm_bytes / GIB:,.0f} GiB offload tier, more than the "
                         f"{MAX_GIB:,.0f} GiB kvtier size sizes (the bound of --offload-gib); lower --sessions or "
                         "--context.")
-    dram = usable_dram_gib(dep.host_ram_gib, dep.reserve_gib) if dep.host_ram_gib is not None else None
+    dram = cpu_room_gib(dep.host_ram_gib, dep.reserve_gib, dep.node_gib)
     nvme = usable_nvme_gib(dep.nvme_gib) if dep.nvme_gib is not None else None
     slower = disk_slower_than_prefill(report.kv_bytes_per_token, rates or Throughputs())
-    tiers = plan_tiers(warm_bytes / GIB, budget / GIB, dram, nvme, curve, chunk_bytes, slower)
+    what = "the DRAM beside the node pool it may take" if dep.node_gib else "the DRAM left after reserves"
+    tiers = plan_tiers(warm_bytes / GIB, budget / GIB, dram, nvme, curve, chunk_bytes, slower, what)
     report.recommended_offload_gib = round(tiers.offload_gib, 2)
     report.recommendation_notes_at = len(report.notes)
     report.notes.extend(tiers.notes)
@@ -343,18 +350,18 @@ def _recommend(report: SizeReport, budget: int, dep: Deployment, warm_bytes: int
     if tiers.offload_gib == 0:
         if warm_bytes > budget and dram is not None:  # needed, but the host leaves no tier worth its DRAM
             room = (f"host RAM {dep.host_ram_gib:,.4g} GiB ≤ reserve {dep.reserve_gib:,.4g} GiB"
-                    if dep.host_ram_gib <= dep.reserve_gib else  # type: ignore[operator]
-                    f"host RAM less reserves ({dram:,.4g} GiB) is not larger than the engine's KV cache "
-                    f"({budget / GIB:,.4g} GiB)")
+                    if dep.host_ram_gib is not None and dep.host_ram_gib <= dep.reserve_gib else
+                    f"the DRAM the cpu tier may take ({room_text(dep.host_ram_gib, dep.reserve_gib, dep.node_gib)}) "
+                    f"is not larger than the engine's KV cache ({budget / GIB:,.4g} GiB)")
             fix = "give --nvme-gib for a disk tier, add host RAM or lower --host-reserve-gib" \
                 if dep.nvme_gib is None else "add host RAM or lower --host-reserve-gib (the notes say why no disk tier)"
             report.offload_no_room = f"{room}; {fix}"
         return
     report.cpu_gib, report.disk_gib, report.cpu_staging = tiers.cpu_gib, tiers.disk_gib, tiers.staging
     if dram is not None:
-        report.notes.append(f"Usable host RAM: {gib_text(dram)} GiB = {gib_text(dep.host_ram_gib or 0)} − "
-                            f"{gib_text(dep.reserve_gib)} reserved (" + ("as given" if dep.host_reserve_gib is not None else
-                                            f"16 GiB for the node + 16 GiB for each of {dep.tp} vLLM workers") + ").")
+        reserve = ("" if dep.host_ram_gib is None else " (as given)" if dep.host_reserve_gib is not None else
+                   f" (16 GiB for the OS and node agents + 16 GiB for each of {dep.tp} vLLM workers)")
+        report.notes.append(f"DRAM for the cpu tier: {room_text(dep.host_ram_gib, dep.reserve_gib, dep.node_gib, reserve)}.")
         if tiers.cpu_gib > dram:
             report.notes.append(f"The {tiers.cpu_gib:g} GiB staging cpu tier exceeds usable host RAM ({dram:g} GiB): "
                                 "lower --host-reserve-gib or add host RAM.")

@@ -4,7 +4,9 @@ Each preset holds the KV-relevant fields of the model's published ``config.json`
 ``source``) and runs through the same parser as a local config, so a preset and the real file
 give the same answer.  ``weights_gib`` is the checkpoint size used for the HBM budget: parameter
 count from the model card × bytes per parameter of the published checkpoint dtype, unless the
-model card states the checkpoint size itself (gpt-oss).
+model card states the checkpoint size itself (gpt-oss).  An alias is the base (or instruct) model
+of the same family whose published config.json has the same KV geometry; a checkpoint of another
+dtype (``-FP8``) has its own preset, since its weights differ.
 """
 
 from __future__ import annotations
@@ -62,13 +64,15 @@ PRESETS: tuple[Preset, ...] = (
     Preset("meta-llama/Llama-3.1-70B-Instruct", _dense(80, 64, 8, 8192, head_dim=128),
            *_params(70.6, 2, "bf16"), aliases=("meta-llama/Llama-3.3-70B-Instruct", "meta-llama/Llama-3.1-70B")),
     Preset("meta-llama/Llama-3.1-405B-Instruct", _dense(126, 128, 8, 16384, head_dim=128),
-           *_params(405.0, 2, "bf16")),
+           *_params(405.0, 2, "bf16"), aliases=("meta-llama/Llama-3.1-405B",)),
     Preset("meta-llama/Llama-3.2-3B-Instruct", _dense(28, 24, 8, 3072, head_dim=128),
-           *_params(3.21, 2, "bf16")),
-    Preset("Qwen/Qwen2.5-7B-Instruct", _dense(28, 28, 4, 3584), *_params(7.62, 2, "bf16")),
-    Preset("Qwen/Qwen2.5-72B-Instruct", _dense(80, 64, 8, 8192), *_params(72.7, 2, "bf16")),
+           *_params(3.21, 2, "bf16"), aliases=("meta-llama/Llama-3.2-3B",)),
+    Preset("Qwen/Qwen2.5-7B-Instruct", _dense(28, 28, 4, 3584), *_params(7.62, 2, "bf16"), aliases=("Qwen/Qwen2.5-7B",)),
+    Preset("Qwen/Qwen2.5-72B-Instruct", _dense(80, 64, 8, 8192), *_params(72.7, 2, "bf16"),
+           aliases=("Qwen/Qwen2.5-72B",)),
     Preset("Qwen/Qwen3-4B", _dense(36, 32, 8, 2560, head_dim=128), *_params(4.02, 2, "bf16")),
     Preset("Qwen/Qwen3-8B", _dense(36, 32, 8, 4096, head_dim=128), *_params(8.19, 2, "bf16")),
+    Preset("Qwen/Qwen3-8B-FP8", _dense(36, 32, 8, 4096, head_dim=128), *_params(8.19, 1, "fp8")),
     Preset("Qwen/Qwen3-32B", _dense(64, 64, 8, 5120, head_dim=128), *_params(32.8, 2, "bf16")),
     Preset("Qwen/Qwen3-30B-A3B", _dense(48, 32, 4, 2048, head_dim=128), *_params(30.5, 2, "bf16")),
     Preset("Qwen/Qwen3-235B-A22B", _dense(94, 64, 4, 4096, head_dim=128), *_params(235.0, 2, "bf16")),
@@ -78,8 +82,9 @@ PRESETS: tuple[Preset, ...] = (
                   linear_value_head_dim=128),
            *_params(80.0, 2, "bf16")),
     Preset("mistralai/Mistral-7B-Instruct-v0.3", _dense(32, 32, 8, 4096, head_dim=128),
-           *_params(7.25, 2, "bf16")),
-    Preset("mistralai/Mixtral-8x7B-Instruct-v0.1", _dense(32, 32, 8, 4096), *_params(46.7, 2, "bf16")),
+           *_params(7.25, 2, "bf16"), aliases=("mistralai/Mistral-7B-v0.3",)),
+    Preset("mistralai/Mixtral-8x7B-Instruct-v0.1", _dense(32, 32, 8, 4096), *_params(46.7, 2, "bf16"),
+           aliases=("mistralai/Mixtral-8x7B-v0.1",)),
     Preset("deepseek-ai/DeepSeek-V3",
            _dense(61, 128, 128, 7168, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
                   v_head_dim=128),

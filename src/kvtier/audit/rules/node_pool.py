@@ -27,8 +27,9 @@ def _node_gib(c: ServeConfig) -> float | None:
 
 
 @rule("kvtier-node-pool-below-working-set", "warning", "node pool smaller than one engine's own cpu tier",
-      "Size the node pool (kvtier node serve --node-gib, and node_gib here) at least as large as one engine's "
-      "cpu_gib, and more for several engines: kvtier size prints it.",
+      "Lower cpu_gib to node_gib, or start the node pool larger (kvtier node serve --node-gib, and node_gib here): "
+      "both come out of the host's RAM, so cpu_gib ≤ node_gib ≤ host RAM − reserves − cpu_gib; kvtier size "
+      "--node-socket PATH --node-gib N --host-ram-gib H prints a cpu_gib that keeps both (docs/node.md § Sizing).",
       f"{_DOCS} § Sizing", locate="node_gib")
 def kvtier_node_pool_below_working_set(c: ServeConfig) -> str | None:
     node_gib = _node_gib(c)
