@@ -108,6 +108,15 @@ CHUNK_TOKENS = 16
 DIRECT_NS = Namespace("direct-test", "uint8", 1, 1, 1, "flat", chunk_tokens=CHUNK_TOKENS)
 
 
+def two_engines(socket: str, chunk: int) -> tuple[TieredStore, TieredStore]:
+    """Two engines' stores (a cpu tier of 16 ``chunk``-byte chunks over the node pool at ``socket``,
+    5 s deadlines): A saves, B loads."""
+    config = KVTierConfig.from_dict({"chunk_tokens": CHUNK_TOKENS, "cpu_gib": 16 * chunk / GiB, "tiers": ["cpu", "node"],
+                                     "node_socket": socket, "shared_deadline_s": 5.0,
+                                     "shared_transfer_deadline_s": 5.0, "node_timeout_s": 5.0})
+    return TieredStore(config, DIRECT_NS, chunk), TieredStore(config, DIRECT_NS, chunk)
+
+
 def test_a_store_reads_node_chunks_into_the_callers_blocks_without_promoting_them(node_server):
     """Engine A's store saves 4 chunks to the pool; engine B's store loads them with ``into`` giving
     chunks 0-2 a scatter over a "KV cache" (each chunk's runs spread over it) and chunk 3 none: 0-2
@@ -115,10 +124,7 @@ def test_a_store_reads_node_chunks_into_the_callers_blocks_without_promoting_the
     caller's runs are all done before ``prepare_load`` returns.  Then a byte of chunk 1 is flipped
     in the pool: B's next load ends after chunk 0 (chunk 1 counted corrupt), chunk 0 in place."""
     chunk = 24 * RUN
-    config = KVTierConfig.from_dict({"chunk_tokens": CHUNK_TOKENS, "cpu_gib": 16 * chunk / GiB, "tiers": ["cpu", "node"],
-                                     "node_socket": node_server.socket, "shared_deadline_s": 5.0,
-                                     "shared_transfer_deadline_s": 5.0, "node_timeout_s": 5.0})
-    a, b = TieredStore(config, DIRECT_NS, chunk), TieredStore(config, DIRECT_NS, chunk)
+    a, b = two_engines(node_server.socket, chunk)
     try:
         chain = chunk_keys(request_root(DIRECT_NS, cache_salt="d"), np.arange(4 * CHUNK_TOKENS), CHUNK_TOKENS)
         datas = [np.frombuffer(payload(chunk, 90 + i), dtype=np.uint8) for i in range(4)]
@@ -186,10 +192,7 @@ def test_deferred_scatters_are_built_on_the_loading_thread_while_the_pin_is_in_f
     cannot be built fails the load on the caller's thread (a ``ValueError``), not the tier: the
     next load is served."""
     chunk = 24 * RUN
-    config = KVTierConfig.from_dict({"chunk_tokens": CHUNK_TOKENS, "cpu_gib": 16 * chunk / GiB, "tiers": ["cpu", "node"],
-                                     "node_socket": node_server.socket, "shared_deadline_s": 5.0,
-                                     "shared_transfer_deadline_s": 5.0, "node_timeout_s": 5.0})
-    a, b = TieredStore(config, DIRECT_NS, chunk), TieredStore(config, DIRECT_NS, chunk)
+    a, b = two_engines(node_server.socket, chunk)
     try:
         chain = chunk_keys(request_root(DIRECT_NS, cache_salt="later"), np.arange(3 * CHUNK_TOKENS), CHUNK_TOKENS)
         datas = [np.frombuffer(payload(chunk, 40 + i), dtype=np.uint8) for i in range(3)]
