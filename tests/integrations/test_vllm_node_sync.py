@@ -16,8 +16,8 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.store import TieredStore
 from kvtier.integrations.vllm.protocol import LoadJob
 from kvtier.integrations.vllm.scheduler.mirror import IndexMirror, PagePlanner
+from kvtier.integrations.vllm.scheduler.pages import HybridPlan
 from kvtier.integrations.vllm.scheduler.steps import SyncBudget, sync_tiers
-from kvtier.integrations.vllm.worker.copy import GroupCopiers
 from kvtier.integrations.vllm.worker.direct import DirectTargets
 from kvtier.integrations.vllm.worker.loader import AsyncLoader
 from tests.integrations.test_vllm_loader import BLOCK, CHUNK, NS
@@ -39,9 +39,9 @@ def _sync_engine(server: NodeServer) -> tuple[TieredStore, AsyncLoader, dict[str
     return store, loader, caches
 
 
-def _job(chain: list[bytes], plan: object) -> LoadJob:
+def _job(chain: list[bytes], plan: HybridPlan) -> LoadJob:
     """Tokens 16..192 (chunks 0-2, planned in the node tier) into B's blocks 13..23 (block 12: its own)."""
-    pages = PagePlanner(plan, IndexMirror(1)).load_pages(chain, [[12, *range(13, 24)]], BLOCK, 3 * CHUNK)  # type: ignore[arg-type]
+    pages = PagePlanner(plan, IndexMirror(1)).load_pages(chain, [[12, *range(13, 24)]], BLOCK, 3 * CHUNK)
     return LoadJob("r", pages, BLOCK, 3 * CHUNK, ("node",) * 3, sync=True)
 
 
