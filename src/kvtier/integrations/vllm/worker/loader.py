@@ -23,10 +23,11 @@ them) then:
    so both reach vLLM no later than the same step.
 
 Synchronous loads (:meth:`AsyncLoader.load_now`, ``LoadJob.sync``): a hit held whole in the cpu
-tier and within ``sync_load_max_bytes`` is copied on the engine's thread in ``start_load_kv``,
-before the forward of the step that scheduled the request: the same prepare / copy / complete
-over the cpu tier's pinned pages only, no thread hand-off, no ``finished_recving``; the blocks
-it could not fill are vLLM load errors in that same step.
+tier (or the node pool) and within ``sync_load_max_bytes`` is copied on the engine's thread in
+``start_load_kv``, before the forward of the step that scheduled the request: the same prepare /
+copy / complete over the cpu tier's pinned pages and the pool's values (pinned and verified, the
+pin within ``shared_deadline_s``), no thread hand-off, no ``finished_recving``; the blocks it could
+not fill are vLLM load errors in that same step.
 
 A reset (the store's :attr:`~kvtier.core.store.TieredStore.epoch` changed) fails every load that
 started before it and is reported after it: its blocks are reported as load errors (with several
@@ -195,7 +196,9 @@ class AsyncLoader:
     def load_now(self, job: LoadJob) -> tuple[set[int], int | None]:
         """Run a synchronous ``job`` on the calling (engine) thread: pin the leading pages the cpu
         tier holds (``prepare_load(top_only=True)``: no I/O, no re-hashing of pages that never left
-        memory), copy them straight from the tier's pages into the engine's blocks, count, unpin.
+        memory) and, for a job planned in the node pool too, the pool's values after them (one pin
+        within :attr:`sync_within_s`, read and verified into the blocks), copy the cpu pages straight
+        into the engine's blocks, count, unpin.
 
         Never raises: a failure is logged and its pages are reported as unfilled.
 
