@@ -48,9 +48,10 @@ as it can while the load runs, as before that field), ``native`` (vLLM's ``Offlo
 via kvtier's benchmark-only CPU shim), ``kvtier-node`` (the ``kvtier`` arm plus the ``node`` tier on
 a ``kvtier node serve`` owner this script starts, with ``reset_scope: cpu``: before each hit the
 connector's cpu tier is cleared as well, ``reset_prefix_cache(reset_connector=True)``, so the hit
-is loaded from the node pool, asynchronously as shared-tier hits are; its load against the
-``kvtier-async`` arm's (and the ``kvtier`` arm's), paired per repeat, is issue 38's "a load from the
-node tier against one from the engine's own cpu tier").  Every
+is loaded from the node pool, synchronously as a cpu-tier hit is; its load against the ``kvtier``
+arm's, paired per repeat, is issue 38's "a load from the node tier against one from the engine's own
+cpu tier"), ``kvtier-node-async`` (the same with ``sync_shared_loads: false``: node-tier hits load
+asynchronously; against ``kvtier-async``).  Every
 arm's engine stays up in its own child process (started one after another, each computing the
 prompt cold and running ``--warmup`` untimed hits); then the timed hits run interleaved, one
 request at a time, arm order rotated each repeat, so a load change on the shared machine hits
@@ -79,7 +80,7 @@ from typing import Any
 
 from kvtier.launch.testmodel import random_prompt_ids
 
-ARMS = ("kvtier", "kvtier-async", "kvtier-async-spin", "kvtier-node", "native")
+ARMS = ("kvtier", "kvtier-async", "kvtier-async-spin", "kvtier-node", "kvtier-node-async", "native")
 CPU_GIB = 0.25
 CHUNK_TOKENS = 128  # kvtier's default chunk_tokens with vLLM's CPU block size: per-chunk figures
 
@@ -96,8 +97,10 @@ def transfer_config(arm: str, node_socket: str | None = None) -> dict[str, Any]:
         extra["sync_load_max_bytes"] = 0
     if arm == "kvtier-async-spin":
         extra["idle_step_wait_s"] = 0
-    if arm == "kvtier-node":  # the host's pool; an external reset clears the cpu tier alone (forget)
+    if arm.startswith("kvtier-node"):  # the host's pool; an external reset clears the cpu tier alone (forget)
         extra |= {"node_socket": node_socket, "reset_scope": "cpu"}
+    if arm == "kvtier-node-async":
+        extra["sync_shared_loads"] = False
     return {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
@@ -218,7 +221,7 @@ def child(args: argparse.Namespace) -> None:
                 llm.generate([{"prompt_token_ids": [5, 6, 7]}], quiet, use_tqdm=False)
             if again:
                 llm.generate([{"prompt_token_ids": [5, 6, 7]}], quiet, use_tqdm=False)
-        if args.arm == "kvtier-node":  # the engine's own cpu tier forgets too (reset_scope cpu): a node-tier hit
+        if args.arm.startswith("kvtier-node"):  # the engine's own cpu tier forgets too (reset_scope cpu): a node-tier hit
             if not llm.reset_prefix_cache(reset_connector=True):
                 raise RuntimeError("the connector did not clear its cpu tier")
             llm.generate([{"prompt_token_ids": [5, 6, 7]}], quiet, use_tqdm=False)  # the workers get the order
@@ -420,14 +423,17 @@ def summary(runs_by_arm: dict[str, list[dict[str, Any]]]) -> str:
         spans = ", ".join(f"{n} {statistics.median(r['detail_s'].get(n, 0.0) for r in runs) * 1e3:.2f} "
                           f"({statistics.median(r['detail_n'].get(n, 0) for r in runs):g})" for n in names)
         lines.append(f"| {arm} | {med_ms('thread_start_s')} | {med_ms('report_after_s')} | {spans or '–'} |")
-    for ref in ("kvtier-async", "kvtier"):  # the node tier's hits load asynchronously, as kvtier-async's do
-        if "kvtier-node" not in runs_by_arm or ref not in runs_by_arm:
+    # a node-tier hit loads synchronously (kvtier-node) as a cpu-tier hit does (kvtier), or asynchronously
+    # (kvtier-node-async, sync_shared_loads: false) as kvtier-async's do
+    for node, ref in (("kvtier-node", "kvtier"), ("kvtier-node", "kvtier-async"), ("kvtier-node-async", "kvtier-async"),
+                      ("kvtier-node-async", "kvtier")):
+        if node not in runs_by_arm or ref not in runs_by_arm:
             continue
-        pairs = [(n, c) for n in runs_by_arm["kvtier-node"] for c in runs_by_arm[ref] if n["repeat"] == c["repeat"]]
+        pairs = [(n, c) for n in runs_by_arm[node] for c in runs_by_arm[ref] if n["repeat"] == c["repeat"]]
         for k, what in (("load_s", "load shipped→done"), ("ttft_s", "TTFT")):
             per = sorted(n[k] / c[k] for n, c in pairs if c[k] > 0)
             if per:
-                lines += ["", (f"kvtier-node / {ref}, {what} per repeat: median **{statistics.median(per):.2f}×**, "
+                lines += ["", (f"{node} / {ref}, {what} per repeat: median **{statistics.median(per):.2f}×**, "
                               f"range {per[0]:.2f}–{per[-1]:.2f} ({len(per)} repeats)")]
     if "native" in med:
         lines.append("")
@@ -498,7 +504,7 @@ def main() -> int:
     load_before = os.getloadavg()
     children = []
     owner = None
-    if "kvtier-node" in arms:  # one pool owner for the run (kvtier node serve), as on a GPU node
+    if any(a.startswith("kvtier-node") for a in arms):  # one pool owner for the run (kvtier node serve), as on a GPU node
         from kvtier.bench.shared_node import LocalNode, NodePool
 
         owner = LocalNode(NodePool.make(1.0), args.workdir / "node.log").start()

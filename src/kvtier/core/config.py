@@ -90,10 +90,10 @@ class KVTierConfig(ReceiptSettings):
         "Longest an engine load waits for chunks still being read from a lower tier (disk, shared); "
         "past it, the blocks from the first missing chunk on are recomputed by the engine."))
     sync_load_max_bytes: int = Field(128 << 20, ge=0, le=1 << 40, description=(
-        "Bytes per rank per engine step a request may load synchronously when every chunk of its hit is in "
-        "the cpu tier: the copy runs in the step that schedules the request, before its forward, instead of "
-        "parking it for at least one more step (WAITING_FOR_REMOTE_KVS); larger hits, disk and shared-tier "
-        "hits, and hybrid models load asynchronously. 0: every load is asynchronous."))
+        "Bytes per rank per engine step a request may load synchronously (copied before the forward of the step "
+        "that schedules it, not parked in WAITING_FOR_REMOTE_KVS) when its hit is all in the cpu tier or the node "
+        "pool (sync_shared_loads); disk, redis and s3 hits and hybrid models load asynchronously. 0: none."))
+    sync_shared_loads: bool = Field(True, description="Node-pool hits load synchronously too (pinned on the engine's thread within shared_deadline_s).")
     idle_step_wait_s: float = Field(0.005, ge=0, le=1.0, allow_inf_nan=False, description=(
         "Longest an engine step that computes no tokens (every request parked for an asynchronous load) waits "
         "on each rank for a load in flight to end, so that the engine does not spin empty steps while the "

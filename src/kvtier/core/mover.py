@@ -52,6 +52,7 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.landing import LandingPool
 from kvtier.core.stats import StoreCounters
 from kvtier.core.tiers.base import GetResult, PutResult, Rescannable, Tier
+from kvtier.core.tiers.guarded import GuardedTier
 from kvtier.core.tiers.wrappers import MissWhy, TierWrapper
 
 log = logging.getLogger("kvtier.core.store")
@@ -168,14 +169,15 @@ class Mover:
         present = self.tiers[tier].contains_many(keys)
         return next((i for i, hit in enumerate(present) if not hit), len(present))
 
-    def run(self, chain: Sequence[ChunkKey], plan: LoadPlan, read_ahead: bool) -> None:
+    def run(self, chain: Sequence[ChunkKey], plan: LoadPlan, read_ahead: bool, within_s: float | None = None) -> None:
         """Run ``plan.reads`` now, or with ``read_ahead`` only the first ``io_threads`` of them and
         the rest in the background; all now if every one reads into the caller's destination
-        (``Read.into``: the read is the copy, nothing to overlap it with; one batch, no thread hop)."""
+        (``Read.into``: the read is the copy, nothing to overlap it with; one batch, no thread hop).
+        ``within_s``: the shared tier's reads under this deadline (:meth:`read`)."""
         self._land(plan)
         reads = plan.reads
         ahead = reads[self.io_threads:] if read_ahead and any(r.into is None for r in reads) else []
-        self.read(chain, plan.handle, reads[:len(reads) - len(ahead)])
+        self.read(chain, plan.handle, reads[:len(reads) - len(ahead)], within_s)
         if not ahead:
             return
         if not self.index.start_read_ahead(plan.handle, ahead[0].pos):
@@ -205,8 +207,10 @@ class Mover:
         landed, handle.landed = handle.landed, []
         self.landing.give_after(landed, handle.pending)
 
-    def read(self, chain: Sequence[ChunkKey], handle: LoadHandle, batch: Sequence[Read]) -> None:
-        """Read ``batch`` (one read per tier, in tier order) and report to the index.  The load's
+    def read(self, chain: Sequence[ChunkKey], handle: LoadHandle, batch: Sequence[Read],
+             within_s: float | None = None) -> None:
+        """Read ``batch`` (one read per tier, in tier order) and report to the index; a guarded tier's
+        reads under ``within_s`` when given (a synchronous load, on the engine's thread).  The load's
         context (``handle.ctx``) hears a :class:`~kvtier.core.context.ChunksRead` per tier read, a
         ``ChunkMissed`` per chunk that did not arrive and a ``LoadCut`` where the prefix now ends
         (the tiers' per-chunk results and a wrapper's reasons, translated by :func:`_reason`)."""
@@ -220,8 +224,11 @@ class Mover:
             tier, keys = self.tiers[name], [r.key for r in jobs]
             dsts: list[Any] = [memoryview(r.buffer.data) if r.into is None else r.into for r in jobs]
             # (wrappers.get_explained, inlined: a bare tier is not asked for reasons)
-            got = tier.get_many(keys, dsts, records, why=why) if isinstance(tier, TierWrapper) else \
-                tier.get_many(keys, dsts, records)
+            if within_s is not None and isinstance(tier, GuardedTier):
+                got = tier.get_many(keys, dsts, records, why=why, within_s=within_s)
+            else:
+                got = tier.get_many(keys, dsts, records, why=why) if isinstance(tier, TierWrapper) else \
+                    tier.get_many(keys, dsts, records)
             seconds = time.perf_counter() - t0
             results.extend(got)
             hits = sum(1 for r in got if r is GetResult.HIT)

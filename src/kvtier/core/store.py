@@ -209,7 +209,8 @@ class TieredStore(StoreConvenience):
 
     # ---- load ----------------------------------------------------------------------------
     def prepare_load(self, chain: Sequence[ChunkKey], max_chunks: int | None = None, read_ahead: bool = False,
-                     top_only: bool = False, ctx: OpContext | None = None, into: Into | None = None) -> LoadHandle:
+                     top_only: bool = False, ctx: OpContext | None = None, into: Into | None = None,
+                     shared_within_s: float | None = None) -> LoadHandle:
         """Pin and return the longest available prefix of ``chain`` (at most ``max_chunks``).
 
         With ``read_ahead``, only the first ``io_threads`` chunks found below the cpu tier are read
@@ -219,9 +220,9 @@ class TieredStore(StoreConvenience):
 
         With ``top_only``, the prefix ends at the first chunk the top (cpu) tier does not hold: no
         file, socket or network I/O at all, and every buffer is ready when this returns (the
-        connector's synchronous loads, run on the engine's own thread).  Top-tier pages are handed
-        out as they are, pinned, without re-hashing: they never left this process's memory (the
-        lower tiers' reads are verified, :mod:`kvtier.core.mover`).
+        connector's synchronous loads, run on the engine's own thread); with ``shared_within_s`` too, it
+        goes on in the shared tier (no local lower tier), read and verified before this returns under that
+        deadline (a synchronous node-tier hit).  Top-tier pages are handed out pinned, not re-hashed.
 
         ``ctx``: the request's context (:mod:`kvtier.core.context`; ``None``: none), kept in the handle:
         the reads' events (``ChunksRead``, ``ChunkMissed``, ``LoadCut``) and :meth:`complete_load`'s go to it.
@@ -230,11 +231,10 @@ class TieredStore(StoreConvenience):
         plan = self.index.plan_load(chain, limit, top_only)
         plan.handle.ctx, plan.into = self.sink.bind(ctx), into
         start = plan.handle.num_chunks
-        if start < limit and self.index.shared and not top_only:
-            shared = self.index.shared[0].name
+        if start < limit and self.index.shared and (not top_only or shared_within_s is not None):
             want = list(chain[start:limit])
             if max_chunks is None:  # nobody asked yet: one presence batch, so misses cost no bytes
-                want = want[:self.mover.leading_present(shared, want)]
+                want = want[:self.mover.leading_present(self.index.shared[0].name, want)]
             self.index.plan_shared(plan, start, want)
         if (n := plan.handle.num_chunks) < limit:  # no tier this load may read holds the next chunk: why not
             with self.index.lock:
@@ -244,7 +244,7 @@ class TieredStore(StoreConvenience):
         if plan.writes:  # spills of the cpu pages the reads take
             self.mover.submit(plan.writes)
         if plan.reads:
-            self.mover.run(chain, plan, read_ahead)
+            self.mover.run(chain, plan, read_ahead, shared_within_s)
         return plan.handle
 
     def complete_load(self, handle: LoadHandle, success: bool, first_chunk: int = 0,

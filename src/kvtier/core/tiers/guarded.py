@@ -104,10 +104,9 @@ class PutStream:
 
 @runtime_checkable
 class SplitTier(Protocol):
-    """A remote tier whose reads and writes split into a wire half (the wrapper's threads) and a
-    half on the caller's thread, so :class:`GuardedTier` needs no private copies (see the module
-    docstring).  The redis and s3 tiers implement it; each method raises on a fault, as the tier's
-    ``get_many``/``put_many`` do, which are expected to be these halves run on one thread."""
+    """A remote tier whose reads and writes split into a wire half (the wrapper's threads) and a half on
+    the caller's thread, so :class:`GuardedTier` needs no private copies (see the module docstring).  The
+    redis, s3 and node tiers implement it; each method raises on a fault, as their ``get_many``/``put_many`` do."""
 
     def fetch_many(self, keys: Sequence[ChunkKey]) -> Any:
         """Fetch the values of ``keys`` into buffers the tier owns (never a caller's); an opaque
@@ -185,12 +184,11 @@ class GuardedTier(TierWrapper):
         return self.transfer_deadline_s if op in ("get", "put") else self.deadline_s
 
     def _call(self, op: str, fn: Callable[[], T], during: Callable[[float], None] | None = None,
-              fault: list[str] | None = None) -> T | None:
-        """``fn()`` on the wrapper's threads under ``op``'s deadline; ``None`` on any fault (counted).
-        ``during(deadline)``, if given, runs on the caller's thread once ``fn`` is submitted; the
-        deadline (a ``time.perf_counter()`` value) counts from the submission.  ``fault``, if
-        given, gets the fault's kind appended (``breaker_open``, ``deadline``, ``load_failed``:
-        :data:`~kvtier.core.receipt.MissReason` values)."""
+              fault: list[str] | None = None, within_s: float | None = None) -> T | None:
+        """``fn()`` on the wrapper's threads under ``op``'s deadline (or a tighter ``within_s``); ``None``
+        on any fault (counted).  ``during(deadline)``, if given, runs on the caller's thread once ``fn``
+        is submitted; the deadline (a ``time.perf_counter()`` value) counts from the submission.
+        ``fault``, if given, gets the fault's kind appended (:data:`~kvtier.core.receipt.MissReason`)."""
         if self._closed or not self._slots.acquire(blocking=False):
             self.wire.skipped(op)
             if fault is not None:
@@ -202,7 +200,7 @@ class GuardedTier(TierWrapper):
             if fault is not None:
                 fault.append("breaker_open")
             return None
-        deadline_s = self._deadline(op)
+        deadline_s = min(self._deadline(op), within_s or float("inf"))
         t0 = time.perf_counter()
         future: Future[T] = self._pool.submit(self._run, fn)
         try:
@@ -258,24 +256,26 @@ class GuardedTier(TierWrapper):
         return found
 
     def get_many(self, keys: Sequence[ChunkKey], dsts: Sequence[memoryview],
-                 records: TenantRecords | None = None, why: MissWhy | None = None) -> list[GetResult]:
+                 records: TenantRecords | None = None, why: MissWhy | None = None,
+                 within_s: float | None = None) -> list[GetResult]:
         """The inner tier's read under the deadline and the breaker; a call that faulted is every
         key a ``MISS``, and ``why`` (if given) gets each key's reason: ``breaker_open``,
-        ``deadline`` or ``load_failed`` (:func:`~kvtier.core.tiers.wrappers.get_explained`)."""
+        ``deadline`` or ``load_failed`` (:func:`~kvtier.core.tiers.wrappers.get_explained`).
+        ``within_s``: a tighter deadline (a synchronous load's read on the engine's thread)."""
         if not keys:
             return []
         fault: list[str] | None = [] if why is not None else None
         if (split := self._split) is not None:  # the wire half under the deadline, then verify on this thread
             during = (lambda _d: prepare(dsts)) if (prepare := getattr(split, "while_fetching", None)) else None
             results = split_get(split, keys, dsts, lambda: self._call("get", lambda: split.fetch_many(keys), during,
-                                fault=fault), self.delete_many, records)
+                                fault=fault, within_s=within_s), self.delete_many, records)
             if fault and why is not None:
                 why.update(dict.fromkeys(keys, fault[0]))
             return results
         own = [bytearray(memoryview(d).nbytes) for d in dsts]  # a late call fills these, never the caller's
         own_records: TenantRecords = {}  # likewise: a late call's records never reach the caller's
         got = self._call("get", lambda: self.inner.get_many(keys, [memoryview(b) for b in own], own_records),
-                         fault=fault)
+                         fault=fault, within_s=within_s)
         if got is None:
             if fault and why is not None:
                 why.update(dict.fromkeys(keys, fault[0]))

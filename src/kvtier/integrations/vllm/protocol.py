@@ -99,7 +99,7 @@ class LoadJob:
             vLLM was told (``get_external_cache_hit_sources``) and what the loaded-token
             counters are labelled with.
         resumed: the request is re-admitted after a preemption (vLLM counts its hits apart).
-        sync: copy in this step, before the forward, from the cpu tier only (see above).
+        sync: copy in this step, before the forward, from the cpu tier and the node pool only (see above).
         tenant: the request's tenant (:class:`~kvtier.core.tenant.TenantId`), for the load's
             context on the worker (:class:`~kvtier.core.context.OpContext`); ``None``: unknown.
     """

@@ -16,7 +16,7 @@ Every model takes one path: a dense model is a one-group plan
         boundary every group can resume at (capped so ≥ 1 prompt token is computed), and the
         tier of each chunk (the slowest of its pages'); returns (hit - local, True): vLLM
         allocates the blocks and parks the request in WAITING_FOR_REMOTE_KVS.  A hit whose
-        chunks to load are all in the cpu tier and fit what is left of this step's
+        chunks to load are all in the cpu tier (or the node pool: ``steps.sync_tiers``) and fit what is left of this step's
         ``sync_load_max_bytes`` (one full-attention group only) returns (hit - local, False)
         instead: vLLM schedules the request's tail in this very step and the workers copy the
         chunks in start_load_kv before its forward (a synchronous load).  No file, socket

@@ -11,7 +11,7 @@ from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.receipt import ReceiptSink
 from kvtier.core.receiptsinks import build_receipt_sinks
-from kvtier.core.tiers.registry import local_tiers, top_tier
+from kvtier.core.tiers.registry import local_tiers
 from kvtier.integrations.vllm.cache_groups import GroupKind
 from kvtier.integrations.vllm.process_exit import skip_exit_collection
 from kvtier.integrations.vllm.protocol import (
@@ -36,7 +36,7 @@ from kvtier.integrations.vllm.scheduler.requests import (
     pin_seconds,
 )
 from kvtier.integrations.vllm.scheduler.reset import Resets
-from kvtier.integrations.vllm.scheduler.steps import Settle, SyncBudget, bytes_per_token, check_sync_load
+from kvtier.integrations.vllm.scheduler.steps import Settle, SyncBudget, check_sync_load
 from kvtier.integrations.vllm.stats import KVTierStats
 
 log = logging.getLogger(__name__)
@@ -80,8 +80,7 @@ class SchedulerSide:
         # synchronous loads: one full-attention group only (vLLM takes a sync load's failures as
         # block ids, which it refuses with several groups: Scheduler._handle_invalid_blocks)
         one_group = len(kv_cache_config.kv_cache_groups) == 1 and plan.groups[0].kind is GroupKind.FULL
-        self.sync = SyncBudget(int(config.sync_load_max_bytes) if one_group and load else 0,
-                               bytes_per_token(kv_cache_config), top_tier(), self.chunk_tokens)
+        self.sync = SyncBudget.of(config, kv_cache_config, on=one_group and load)
         self.requests: dict[str, RequestState] = {}  # every request between admission and request_finished
         self.key_memo = KeyMemo.of_engine(vllm_config, kv_cache_config, self.chunk_tokens)  # chunk keys found again
         self._local_tiers = frozenset(local_tiers())  # (the registry is read here, never on the hit path)

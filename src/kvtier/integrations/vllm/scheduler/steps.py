@@ -1,8 +1,9 @@
 """The scheduler's per-step pieces besides the plans: the synchronous loads' budget
 (:class:`SyncBudget`) and keeping an idle engine stepping (:class:`Settle`).
 
-**Synchronous loads**: a hit held whole in the cpu tier, copied before the forward of the very
-step that schedules the request, within ``sync_load_max_bytes`` per step.
+**Synchronous loads**: a hit held whole in the cpu tier (and the node pool: :func:`sync_tiers`),
+copied before the forward of the very step that schedules the request, within
+``sync_load_max_bytes`` per step.
 
 ``get_num_new_matched_tokens`` answers ``(n, False)`` for such a hit (vLLM then calls
 ``start_load_kv`` before that step's forward, ``SchedulerOutput.has_sync_kv_loads``,
@@ -45,6 +46,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvtier.core.config import KVTierConfig
+from kvtier.core.tiers.factory import shared_configured
+from kvtier.core.tiers.registry import spec, top_tier
 from kvtier.integrations.vllm.protocol import KVTierWorkerMeta
 from kvtier.integrations.vllm.scheduler.requests import RequestState
 
@@ -61,34 +65,51 @@ def bytes_per_token(kv_cache_config: Any) -> int:
     return max(total, 1)
 
 
+def sync_tiers(config: KVTierConfig) -> frozenset[str]:
+    """The tiers a synchronous load reads: the top (cpu) tier, and with ``sync_shared_loads`` the first
+    shared tier when it answers from this host's memory (``answers_now``: the node pool, whose pin is
+    one local round trip, bounded on the engine's thread by ``shared_deadline_s``)."""
+    shared = shared_configured(config)
+    if config.sync_shared_loads and shared and "answers_now" in spec(shared[0]).capabilities:
+        return frozenset({top_tier(), shared[0]})
+    return frozenset({top_tier()})
+
+
 class SyncBudget:
     """This step's bytes for synchronous loads, promised to the requests answered ``(n, False)``.
 
     Args:
         step_bytes: ``sync_load_max_bytes`` (0: synchronous loads off).
         bytes_per_token: :func:`bytes_per_token` of the engine.
-        top_tier: the cpu tier's name (a chunk elsewhere loads asynchronously).
+        tiers: the tiers a synchronous load reads (:func:`sync_tiers`; a chunk elsewhere loads asynchronously).
         chunk_tokens: tokens per chunk.
     """
 
-    def __init__(self, step_bytes: int, bytes_per_token: int, top_tier: str, chunk_tokens: int) -> None:
+    def __init__(self, step_bytes: int, bytes_per_token: int, tiers: frozenset[str], chunk_tokens: int) -> None:
         self.step_bytes = step_bytes
         self.bytes_per_token = bytes_per_token
-        self.top_tier = top_tier
+        self.tiers = tiers
         self.chunk_tokens = chunk_tokens
         self.left_bytes = step_bytes  # this step's budget not yet promised
         self._promised: dict[str, int] = {}  # requests answered (n, False) this step -> bytes promised
 
+    @classmethod
+    def of(cls, config: KVTierConfig, kv_cache_config: Any, on: bool) -> SyncBudget:
+        """The engine's budget: ``sync_load_max_bytes`` when ``on`` (one full-attention KV cache group,
+        loads enabled), over :func:`sync_tiers`; ``config.chunk_tokens`` resolved."""
+        return cls(int(config.sync_load_max_bytes) if on else 0, bytes_per_token(kv_cache_config),
+                   sync_tiers(config), int(config.chunk_tokens))
+
     def offer(self, req_id: str, tiers: list[str], num_computed_tokens: int, hit: int) -> bool:
         """Promise the load of tokens ``[num_computed_tokens, hit)`` to ``req_id`` in this step when
-        every chunk to load is in the cpu tier (by the mirror) and its copy fits what is left."""
+        every chunk to load is in :attr:`tiers` (by the plan) and its copy fits what is left."""
         if not self.step_bytes:
             return False
         need = (hit - num_computed_tokens) * self.bytes_per_token
         if need > self.left_bytes:
             return False
-        first = num_computed_tokens // self.chunk_tokens  # every chunk from there in the cpu tier (counted in C)
-        if tiers[first:].count(self.top_tier) != len(tiers[first:]):
+        first = num_computed_tokens // self.chunk_tokens  # every chunk from there in a tier read synchronously
+        if not self.tiers.issuperset(tiers[first:]):
             return False
         self.left_bytes -= need
         self._promised[req_id] = need

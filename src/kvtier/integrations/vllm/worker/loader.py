@@ -23,10 +23,11 @@ them) then:
    so both reach vLLM no later than the same step.
 
 Synchronous loads (:meth:`AsyncLoader.load_now`, ``LoadJob.sync``): a hit held whole in the cpu
-tier and within ``sync_load_max_bytes`` is copied on the engine's thread in ``start_load_kv``,
-before the forward of the step that scheduled the request: the same prepare / copy / complete
-over the cpu tier's pinned pages only, no thread hand-off, no ``finished_recving``; the blocks
-it could not fill are vLLM load errors in that same step.
+tier (or the node pool) and within ``sync_load_max_bytes`` is copied on the engine's thread in
+``start_load_kv``, before the forward of the step that scheduled the request: the same prepare /
+copy / complete over the cpu tier's pinned pages and the pool's values (pinned and verified, the
+pin within ``shared_deadline_s``), no thread hand-off, no ``finished_recving``; the blocks it could
+not fill are vLLM load errors in that same step.
 
 A reset (the store's :attr:`~kvtier.core.store.TieredStore.epoch` changed) fails every load that
 started before it and is reported after it: its blocks are reported as load errors (with several
@@ -85,11 +86,14 @@ class AsyncLoader:
             errors (one full-attention KV cache group); otherwise it fails whole.
         wait_s: longest a job waits for the pages read ahead from a lower tier, seconds.
         direct: node-tier chunks read straight into the blocks (:mod:`~.direct`); ``None``: into pages.
+        sync_within_s: deadline of a synchronous load's shared-tier read (``shared_deadline_s``).
     """
 
     def __init__(self, store: TieredStore, copiers: GroupCopiers, chunk_tokens: int, threads: int,
-                 partial: bool, wait_s: float = 10.0, direct: DirectTargets | None = None) -> None:
+                 partial: bool, wait_s: float = 10.0, direct: DirectTargets | None = None,
+                 sync_within_s: float = 0.25) -> None:
         self.store = store
+        self.sync_within_s = sync_within_s
         self.copiers = copiers
         self.direct = direct
         self.chunk_tokens = chunk_tokens
@@ -192,7 +196,9 @@ class AsyncLoader:
     def load_now(self, job: LoadJob) -> tuple[set[int], int | None]:
         """Run a synchronous ``job`` on the calling (engine) thread: pin the leading pages the cpu
         tier holds (``prepare_load(top_only=True)``: no I/O, no re-hashing of pages that never left
-        memory), copy them straight from the tier's pages into the engine's blocks, count, unpin.
+        memory) and, for a job planned in the node pool too, the pool's values after them (one pin
+        within :attr:`sync_within_s`, read and verified into the blocks), copy the cpu pages straight
+        into the engine's blocks, count, unpin.
 
         Never raises: a failure is logged and its pages are reported as unfilled.
 
@@ -215,15 +221,21 @@ class AsyncLoader:
         t0 = time.perf_counter()
         epoch = self.store.epoch
         record = RequestRecord(self.chunk_tokens)
+        # a hit planned beyond the cpu tier (the node pool: SyncBudget's tiers) pins and reads it here, within
+        # sync_within_s (a stalled owner costs this step that much, then its breaker makes it a miss at once)
+        shared = any(job.tiers[p.chunk] != self.store.cpu.name for p in job.pages)
         try:
-            handle = self.store.prepare_load(_keys(job), max_chunks=len(job.pages),
-                                             top_only=True, ctx=_context(job, record))
+            handle = self.store.prepare_load(_keys(job), max_chunks=len(job.pages), top_only=True,
+                                             ctx=_context(job, record),
+                                             into=self.direct.into(job) if shared and self.direct is not None else None,
+                                             shared_within_s=self.sync_within_s if shared else None)
             held = handle.num_chunks
-            if held:
-                self.copiers.load(list(zip(job.pages[:held], handle.buffers[:held])))
+            moves = [m for m in zip(job.pages[:held], handle.buffers[:held]) if m[1] is not NO_BUFFER]
+            if moves:  # (a chunk read into its blocks, NO_BUFFER, is there already)
+                self.copiers.load(moves)
             delivered, ok = held, True  # a copy that raised part-way filled nothing vLLM may use
             if delivered < len(job.pages):
-                log.info("kvtier: request %s: %d of %d planned pages were in the cpu tier for its synchronous load; "
+                log.info("kvtier: request %s: %d of %d planned pages were found for its synchronous load; "
                          "recomputing the rest", job.req_id, delivered, len(job.pages))
         except Exception:
             log.exception("kvtier: loading request %s's pages synchronously failed; recomputing them", job.req_id)

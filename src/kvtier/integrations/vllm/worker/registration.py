@@ -178,7 +178,8 @@ def register(vllm_config: Any, kv_cache_config: Any, config: KVTierConfig, group
     # succeeds or fails whole otherwise
     one_group = len(kv_cache_config.kv_cache_groups) == 1 and dense
     loader = AsyncLoader(store, copiers, chunk_tokens, config.io_threads, partial=one_group, wait_s=config.load_wait_s,
-                         direct=DirectTargets.of(store, copiers) if one_group else None)
+                         direct=DirectTargets.of(store, copiers) if one_group else None,
+                         sync_within_s=config.shared_deadline_s)
     if dense:
         log.info("kvtier: rank %d layout %s, chunk %d tokens = %d bytes, namespace %s, identity %s, AMX %s",
                  rank, first.describe(), chunk_tokens, store.chunk_bytes, namespace.digest().hex(), fingerprint,

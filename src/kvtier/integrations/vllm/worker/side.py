@@ -128,7 +128,8 @@ class WorkerSide:
             self.layer_loads.poll()
         for job in meta.loads:
             if job.sync:
-                errors, first_unfilled = self.loader.load_now(job) if self.layer_loads is None \
+                cpu_only = all(job.tiers[p.chunk] == self.store.cpu.name for p in job.pages)  # (a node hit: whole)
+                errors, first_unfilled = self.loader.load_now(job) if self.layer_loads is None or not cpu_only \
                     else self.loader.load_layers(job, self.layer_loads)
                 self._errors |= errors
                 if first_unfilled is not None:
