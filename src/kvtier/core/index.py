@@ -45,7 +45,7 @@ from kvtier.core.lowerindex import LowerIndex
 from kvtier.core.policies import make_policy
 from kvtier.core.policies.admission import make_admission
 from kvtier.core.quota import TenantLedger
-from kvtier.core.stats import StoreCounters
+from kvtier.core.sinks import StoreCounters
 from kvtier.core.tenant import TenantRecords, Writer
 from kvtier.core.tiers.base import GetResult, NoRoom, Paged, Reservation, ReserveResult, StagingTier
 from kvtier.core.upkeep import IndexUpkeep

@@ -30,7 +30,7 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.lowerindex import LowerIndex
 from kvtier.core.policies import EvictionPolicy
 from kvtier.core.quota import TenantLedger
-from kvtier.core.stats import StoreCounters
+from kvtier.core.sinks import StoreCounters
 from kvtier.core.tenant import Writer
 from kvtier.core.tiers.base import (
     AlreadyHeld,
