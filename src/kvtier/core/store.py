@@ -163,7 +163,7 @@ class TieredStore(StoreConvenience):
 
     # ---- the change feed (kvtier.core.changes, kept by the index) -------------------------
     def drain_changes(self, max_items: int = 4096) -> IndexDelta:
-        """Changes since the last drain, at most ``max_items`` (:meth:`kvtier.core.changes.ChangeFeed.drain_changes`)."""
+        """Changes since the last drain, at most ``max_items`` (:meth:`kvtier.core.index.Index.drain_changes`)."""
         return self.index.drain_changes(max_items)
 
     def pending_changes(self) -> int:
