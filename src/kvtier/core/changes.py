@@ -23,38 +23,34 @@ hit as a hint and the store's ``prepare_load`` as the truth (a shorter load, nev
 The feed also tracks *dirty* chunks: held in DRAM (cpu tier or a staging copy) but on no local
 lower tier (disk), i.e. what a crash would lose.  ``dirty_bytes()`` is exported as a gauge.
 
-:class:`ChangeFeed` is the part of :class:`~kvtier.core.index.Index` a worker asks once per engine
-step, around the drain: the feed, the eviction gate that keeps the mirror's plan loadable
-(``gate_evictions``, :mod:`kvtier.core.gate`; ``pin_resident`` pins a planned hit's resident chunks
-before the gate opens) and the tiers' numbers (``tier_stats``).  Kept here, with the load's path in
-:mod:`kvtier.core.index`, so that a step with a hit never runs :mod:`kvtier.core.upkeep` (the
-saves, writes' outcomes, resets).
+:class:`IndexState` is the state of :class:`~kvtier.core.index.Index` (its base), set up once here, with
+the feed's rare verbs (a resync after a reset or a recreated directory, the pending count, the dirty
+keys).  What a worker asks once per engine step (the drain, the eviction gate, ``pin_resident``, the
+tiers' numbers) is the index's own, with a load's path (:mod:`kvtier.core.index`); saves, writes'
+outcomes and resets are :mod:`kvtier.core.upkeep`'s.  Neither this module nor upkeep runs on a hit.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import islice
 from typing import TYPE_CHECKING
 
-from kvtier.core.handles import LoadHandle
+from kvtier.core.codecstats import codec_stats
+from kvtier.core.config import KVTierConfig
+from kvtier.core.gate import EvictionGate
+from kvtier.core.ghosts import GhostList, Ghosts
+from kvtier.core.handles import StagedCopy
 from kvtier.core.keys import ChunkKey
-from kvtier.core.quota import tenant_stats
-from kvtier.core.stats import TierStats
-
-if TYPE_CHECKING:
-    import threading
-    from collections import Counter
-
-    from kvtier.core.codecstats import CodecStats
-    from kvtier.core.gate import EvictionGate
-    from kvtier.core.handles import StagedCopy
-    from kvtier.core.lowerindex import LowerIndex
-    from kvtier.core.policies.base import EvictionPolicy
-    from kvtier.core.quota import TenantLedger
-    from kvtier.core.tiers.base import StagingTier
+from kvtier.core.lowerindex import LowerIndex
+from kvtier.core.policies import make_policy
+from kvtier.core.policies.admission import make_admission
+from kvtier.core.quota import TenantLedger
+from kvtier.core.sinks import StoreCounters
+from kvtier.core.tenant import Writer
+from kvtier.core.tiers.base import Paged, StagingTier
 
 CHANGE_FEED_LIMIT = 1 << 16
 
@@ -73,54 +69,66 @@ class IndexDelta:
     full: bool = False
 
 
-class ChangeFeed:
-    """The per-step part of :class:`~kvtier.core.index.Index`: the change feed, the eviction gate and
-    what may leave the top tier (``may_free_page``), the tiers' numbers (see the module docstring)."""
+class IndexState:
+    """What :class:`~kvtier.core.index.Index` holds (see the module docstring), set up over the top (staging)
+    tier ``cpu`` and the tiers ``lower`` below it, in order, per ``config`` (policies, admission, quotas,
+    ``spill_watermark``, ``pin_max_share``), counting in ``counters``, for chunks of ``chunk_bytes``;
+    ``observe(tier, distance_bytes)``: each ghost hit's distance (:mod:`kvtier.core.ghosts`)."""
 
-    chunk_bytes: int
-    lock: threading.RLock
-    _changed: dict[ChunkKey, None]
-    _dirty_keys: set[ChunkKey]
-    _full_next: bool
-    change_feed_limit: int
-    name: str  # the top tier's
-    cpu: StagingTier
-    doomed: set[ChunkKey]
-    staged: dict[ChunkKey, StagedCopy]
-    local: list[LowerIndex]
-    lower: list[LowerIndex]
-    pins: Counter[ChunkKey]
-    ttl_pins: dict[ChunkKey, float]
-    quota: TenantLedger | None
-    gate: EvictionGate
-    policy: EvictionPolicy
-    codec_stats: dict[str, CodecStats | None]
+    def __init__(self, cpu: StagingTier, lower: Sequence[LowerIndex], config: KVTierConfig,
+                 counters: StoreCounters, chunk_bytes: int, observe: Callable[[str, float], None] | None = None) -> None:
+        self.lock = threading.RLock()
+        self.cpu = cpu
+        self.name = cpu.name
+        self.chunk_bytes = chunk_bytes
+        self.counters = counters
+        self.spill_watermark = config.spill_watermark
+        self.policy = make_policy(config.policy)
+        self.lower = list(lower)
+        self.by_name = {lt.name: lt for lt in self.lower}
+        for lt in self.lower:  # admission per lower tier (kvtier.core.policies.admission)
+            lt.admission = make_admission(config.admission.get(lt.name, "all"))
+        self.local = [lt for lt in self.lower if not lt.shared]
+        self.shared = [lt for lt in self.lower if lt.shared]
+        self.back = [lt for lt in self.lower if lt.write_back]
+        self.through = [lt for lt in self.lower if not lt.write_back]
+        # victims move down, so the default orders the cpu tier for the reach of the whole stack
+        self.policy.set_capacity_below(sum(lt.tier.usage().capacity_bytes for lt in self.back) // chunk_bytes)
+        pages = cpu.num_pages if isinstance(cpu, Paged) else cpu.usage().capacity_bytes // chunk_bytes
+        self.pages = pages
+        self.ttl_budget = int(config.pin_max_share * pages)
+        self.quota: TenantLedger | None = None
+        if config.tenant_quotas is not None:  # each local tier's share per tenant (kvtier.core.quota)
+            self.quota = TenantLedger(config.tenant_quotas, pages)
+            for lt in self.local:
+                lt.quota = TenantLedger(config.tenant_quotas,
+                                        lt.tier.usage().capacity_bytes // lt.tier.stored_bytes(chunk_bytes))
+        self.pins: Counter[ChunkKey] = Counter()
+        self.writing: Counter[ChunkKey] = Counter()  # write jobs reading a page (subset of pins)
+        self.staged: dict[ChunkKey, StagedCopy] = {}  # evicted chunks still queued for a write-back tier
+        self.parent: dict[ChunkKey, ChunkKey | None] = {}
+        self.tenant: dict[ChunkKey, Writer] = {}  # who each resident chunk was saved for, when known
+        self.uses: Counter[ChunkKey] = Counter()  # times each resident chunk was served (admission)
+        self.epoch = 0  # resets so far; promotions and saves planned in an older one never publish
+        self.doomed: set[ChunkKey] = set()  # dropped by a reset while pinned: freed at the last unpin
+        self.ttl_pins: dict[ChunkKey, float] = {}  # requests' TTL pins: chunk -> time.monotonic() deadline
+        self.gate = EvictionGate()  # closed: no page may be freed (kvtier.core.gate)
+        # what each local tier recently lost, and why (kvtier.core.ghosts): limits of 1x its capacity in chunks
+        self.ghosts = Ghosts([GhostList(self.name, pages, chunk_bytes), *(GhostList(
+            lt.name, lt.tier.usage().capacity_bytes // lt.tier.stored_bytes(chunk_bytes), lt.tier.stored_bytes(
+                chunk_bytes)) for lt in self.local)], observe)
+        for lt in self.local:
+            lt.ghosts = self.ghosts
+        self.top_ghosts = self.ghosts.lists[self.name].keys  # (read on the promotion path)
+        self.codec_stats = {self.name: codec_stats(cpu), **{lt.name: codec_stats(lt.tier) for lt in self.lower}}
+        self._changed: dict[ChunkKey, None] = {}  # the change feed: keys changed since the last drain
+        self._dirty_keys: set[ChunkKey] = set()
+        self._full_next = True  # the first drain reports everything, disk index included
+        self.change_feed_limit = CHANGE_FEED_LIMIT
 
     if TYPE_CHECKING:  # the index's (kvtier.core.index, kvtier.core.upkeep)
-        def let_go(self, key: ChunkKey) -> None: ...
-
-    def _tier_of(self, key: ChunkKey) -> str | None:
-        """Best local tier holding ``key`` now, or None (the lock held; here, where the drain asks it
-        per changed key: ``Index.holds`` inlined, the cpu tier's ``contains`` is a C call)."""
-        if (self.cpu.contains(key) and key not in self.doomed) or key in self.staged:
-            return self.name
-        return next((lt.name for lt in self.local if lt.tier.indexed(key)), None)
-
-    # answered by the index (its lock held)
-
-    def _dirty(self, key: ChunkKey) -> bool:  # in DRAM and on no local lower tier
-        raise NotImplementedError
-
-    def _held_keys(self) -> list[ChunkKey]:  # every key held by a local tier
-        raise NotImplementedError
-
-    # ``_note(key)``, which records a change, is the index's own (kvtier.core.index): on a load's path
-
-    def _init_feed(self, limit: int = CHANGE_FEED_LIMIT) -> None:
-        self._changed = {}
-        self._dirty_keys = set()
-        self._full_next = True  # the first drain reports everything, disk index included
-        self.change_feed_limit = limit
+        def _dirty(self, key: ChunkKey) -> bool: ...
+        def _held_keys(self) -> list[ChunkKey]: ...
 
     def _resync(self) -> None:
         """Make the next drain a full snapshot (e.g. the disk directory was recreated, or a reset),
@@ -131,25 +139,6 @@ class ChangeFeed:
         self._full_next = True
         self._dirty_keys = {k for k in self._held_keys() if self._dirty(k)}
 
-    def drain_changes(self, max_items: int = 4096) -> IndexDelta:
-        """Changes since the last drain, at most ``max_items`` (a full snapshot is sent whole).
-
-        Raises:
-            ValueError: ``max_items`` not positive.
-        """
-        if max_items <= 0:
-            raise ValueError(f"max_items must be positive, got {max_items}")
-        with self.lock:
-            if self._full_next:
-                self._full_next = False
-                self._changed.clear()
-                keys = dict.fromkeys(self._held_keys())
-                return IndexDelta([(k, self._tier_of(k)) for k in keys], full=True)
-            taken = list(islice(self._changed, max_items))
-            for key in taken:
-                del self._changed[key]
-            return IndexDelta([(k, self._tier_of(k)) for k in taken])
-
     def pending_changes(self) -> int:
         """Changed keys not drained yet (a pending full snapshot counts as 1)."""
         with self.lock:
@@ -159,73 +148,3 @@ class ChangeFeed:
         """Chunks held in DRAM but on no local lower tier (empty without one)."""
         with self.lock:
             return list(self._dirty_keys)
-
-    def dirty_bytes(self) -> int:
-        """Payload bytes a crash would lose: ``len(dirty_keys()) × chunk_bytes``."""
-        return len(self._dirty_keys) * self.chunk_bytes
-
-    # ---- plan and pin (kvtier.core.gate) ----------------------------------------------------
-    def gate_evictions(self, closed: bool) -> bool:
-        """Close the eviction gate, or open it and let go what waited for it; returns whether it was closed."""
-        with self.lock:
-            was, self.gate.closed = self.gate.closed, closed
-            if closed:  # once per engine step, off the request's path: the policies' deferred work
-                self.settle_policies()
-            if not closed and self.gate.deferred:  # (no call into gate.py on the hit path)
-                for key in self.gate.take():
-                    self.let_go(key)
-            return was
-
-    def pin_resident(self, chain: Sequence[ChunkKey]) -> LoadHandle:
-        """Pin the chunks of ``chain`` resident in the top tier now (no I/O); released by :meth:`release`."""
-        handle = LoadHandle([], [], [])
-        with self.lock:
-            handle.pinned = [k for k in chain if self.cpu.contains(k) and k not in self.doomed]  # (resident)
-            self.pins.update(handle.pinned)  # (Counter.update adds: one pin each)
-        return handle
-
-    # ---- what may leave the top tier: decided here, with the gate (done in index.py and upkeep.py) ----
-    def may_free_page(self, key: ChunkKey, ahead: bool) -> bool:
-        """Whether the page of resident ``key`` may be freed now: not while the eviction gate is
-        closed (:mod:`kvtier.core.gate`), not pinned, no live TTL pin; ahead of need (a spill, or
-        eviction after its write) with quotas only while its tenant stays at or above its guarantee."""
-        if self.gate.closed or key in self.pins or self.ttl_pinned(key):
-            return False
-        return not ahead or self.quota is None or self.quota.above_guarantee(key)
-
-    def ttl_pinned(self, key: ChunkKey) -> bool:
-        """``key`` has a TTL pin whose deadline has not passed (an expired one is forgotten here)."""
-        deadline = self.ttl_pins.get(key)
-        if deadline is None:
-            return False
-        if deadline <= time.monotonic():
-            del self.ttl_pins[key]
-            return False
-        return True
-
-    def settle_policies(self) -> None:
-        """The policies' work deferred off the request's path (the adaptive policy's shadow replay), done now."""
-        for policy in (self.policy, *(lt.policy for lt in self.local)):
-            if policy is not None and policy.pending:
-                policy.settle()
-
-    def expire_ttl_pins(self) -> None:
-        """Forget TTL pins whose deadline passed."""
-        now = time.monotonic()
-        for key in [k for k, d in self.ttl_pins.items() if d <= now]:
-            del self.ttl_pins[key]
-
-    # ---- numbers  --------------------------------------------------------------
-    def tier_stats(self) -> dict[str, TierStats]:
-        """Each tier's usage, pins, TTL pins, errors and tenant bytes now (for :class:`~kvtier.core.stats.StoreStats`)."""
-        with self.lock:
-            self.expire_ttl_pins()
-            pinned = {self.name: len(self.pins), **{lt.name: len(lt.pins) for lt in self.lower}}
-            ledgers = {self.name: self.quota, **{lt.name: lt.quota for lt in self.local}}
-            tiers, codecs = {self.name: self.cpu, **{lt.name: lt.tier for lt in self.lower}}, self.codec_stats
-            return {name: TierStats(u.used_bytes, u.capacity_bytes, u.num_chunks, corrupt_chunks=t.corrupt,
-                                    pinned_chunks=pinned.get(name, 0), wire=t.wire_stats() if t.shared else None,  # local: None
-                                    write_errors=t.write_errors, ttl_pinned_chunks=len(self.ttl_pins) if name == self.name else 0,
-                                    codec=c.numbers if (c := codecs.get(name)) is not None else None,
-                                    **(tenant_stats(q, u.num_chunks, self.chunk_bytes) if (q := ledgers.get(name)) is not None else {}))
-                    for name, t in tiers.items() for u in (t.usage(),)}

@@ -11,7 +11,7 @@ and pin"): a write-back tier's writer thread finishing a spill ahead (a write wi
 8 ms after the drain; a staged copy dropped when its last write ends is a third.
 
 The gate closes that window.  The index (:class:`~kvtier.core.index.Index`) holds one and decides
-with it in one place, :meth:`ChangeFeed.may_free_page <kvtier.core.changes.ChangeFeed.may_free_page>` (may
+with it in one place, :meth:`Index.may_free_page <kvtier.core.index.Index.may_free_page>` (may
 this chunk's page be freed now).  While **closed** (from the drain until the next step's planned
 loads are pinned, :meth:`TieredStore.gate_evictions <kvtier.core.store.TieredStore.gate_evictions>`)
 it answers no for every chunk, so:

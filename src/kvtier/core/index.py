@@ -1,108 +1,47 @@
 """The store's index: where every chunk is, who holds it, and what must move (no threads, no I/O waits).
 
-One :class:`Index` per :class:`~kvtier.core.store.TieredStore` holds all placement state under one lock: the
-top (cpu) tier's pages and their policy, pins, TTL pins, staged copies, parents, tenant records, uses and
-tenant ledger; each lower tier's :class:`~kvtier.core.lowerindex.LowerIndex`; the reset epoch (one counter for
-the whole store); chunks a reset doomed; the change feed (:mod:`kvtier.core.changes`). Its verbs return typed
-plans (:mod:`kvtier.core.handles`):
+One :class:`Index` per :class:`~kvtier.core.store.TieredStore` holds all placement state under one lock
+(:class:`~kvtier.core.changes.IndexState`: pages, policies, pins, staged copies, each lower tier's
+:class:`~kvtier.core.lowerindex.LowerIndex`, the reset epoch, ghost lists, the change feed).  This module is
+what a hit runs: a load's whole path through that state, and what a worker asks once per engine step.
 
-- :meth:`plan_load` / :meth:`plan_shared`: a :class:`~kvtier.core.handles.LoadPlan` (each chunk's source
-  tier and buffer, pinned; the :class:`~kvtier.core.handles.Read` s to run); :meth:`complete_reads` applies
-  what the reads found (publish, cut the prefix);
-- :meth:`plan_store` / :meth:`complete_store`: reserved pages, then publication;
-- every verb that frees a cpu page or publishes a chunk also returns the
-  :class:`~kvtier.core.handles.WriteJob` s it decided (a victim's spill to a write-back tier, a write-through,
-  a spill ahead); :meth:`begin_write` / :meth:`end_write` / :meth:`written` apply what the write did.
+- :meth:`plan_load` / :meth:`plan_shared`: a :class:`~kvtier.core.handles.LoadPlan` (each chunk's source tier
+  and buffer, pinned; the :class:`~kvtier.core.handles.Read` s to run); :meth:`complete_reads` applies what
+  the reads found (publish, cut the prefix); :meth:`release` unpins;
+- once per step: :meth:`drain_changes` (:mod:`kvtier.core.changes`), :meth:`gate_evictions` and
+  :meth:`pin_resident` (:mod:`kvtier.core.gate`), :meth:`tier_stats`;
+- saves, writes' outcomes, resets and rescans: :mod:`kvtier.core.upkeep`.
 
-The :class:`~kvtier.core.mover.Mover` runs the plans (threads, queues, tier reads and writes) and reports back
-by calling these verbs; the index never calls the mover. Every planned :class:`WriteJob` ends in exactly one
-:meth:`written` (the mover calls it when a job cannot be queued; :meth:`end_write` when it ran). What the
-index still does to tiers: the cpu tier's page map (reserve, commit, abort, delete: memory only), a lower
-tier's ``delete`` of an eviction victim and ``clear`` on a reset (under the lock: usage and policy agree).
-
-Eviction from the top tier is decided in one place, ``may_free_page`` (:mod:`kvtier.core.changes`, with the
-eviction gate, :mod:`kvtier.core.gate`), and done by ``evict_top`` one chunk at a time (:mod:`kvtier.core.upkeep`)
-or :meth:`Index._evict_many` for a load's promotions.  This module is a load's whole path through the index;
-the per-step feed, gate and numbers are :mod:`kvtier.core.changes`'; saves, writes, resets :mod:`kvtier.core.upkeep`'.
+The :class:`~kvtier.core.mover.Mover` runs the plans and reports back by calling these verbs (the index
+never calls the mover); the index itself touches only the cpu tier's page map, a lower tier's ``delete``
+of an eviction victim and ``clear`` on a reset.  What may leave the top tier is decided in one place,
+:meth:`Index.may_free_page` (with the eviction gate); ``evict_top`` (:mod:`kvtier.core.upkeep`) and
+:meth:`Index._evict_many` (a load's promotions) evict.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+import time
+from collections.abc import Iterable, Sequence
 from functools import partial
+from itertools import islice
 
 import numpy as np
 
-from kvtier.core.codecstats import codec_stats
-from kvtier.core.config import KVTierConfig
-from kvtier.core.gate import EvictionGate
-from kvtier.core.ghosts import GhostList, Ghosts
-from kvtier.core.handles import NO_BUFFER, LoadHandle, LoadPlan, Read, StagedCopy, WriteJob
+from kvtier.core.changes import IndexDelta
+from kvtier.core.handles import NO_BUFFER, LoadHandle, LoadPlan, Read, WriteJob
 from kvtier.core.keys import ChunkKey
 from kvtier.core.lowerindex import LowerIndex
-from kvtier.core.policies import make_policy
-from kvtier.core.policies.admission import make_admission
-from kvtier.core.quota import TenantLedger
-from kvtier.core.stats import StoreCounters
+from kvtier.core.quota import tenant_stats
+from kvtier.core.stats import TierStats
 from kvtier.core.tenant import TenantRecords, Writer
-from kvtier.core.tiers.base import GetResult, NoRoom, Paged, Reservation, ReserveResult, StagingTier
+from kvtier.core.tiers.base import GetResult, NoRoom, Reservation, ReserveResult
 from kvtier.core.upkeep import IndexUpkeep
 
 
 class Index(IndexUpkeep):
-    """All placement state of one store (see the module docstring): over the top (staging) tier ``cpu`` and the
-    tiers ``lower`` below it, in order, per ``config`` (policies, admission, quotas, ``spill_watermark``,
-    ``pin_max_share``), counting in ``counters``, for chunks of ``chunk_bytes``."""
-
-    def __init__(self, cpu: StagingTier, lower: Sequence[LowerIndex], config: KVTierConfig,
-                 counters: StoreCounters, chunk_bytes: int, observe: Callable[[str, float], None] | None = None) -> None:
-        self.lock = threading.RLock()
-        self.cpu = cpu
-        self.name = cpu.name
-        self.chunk_bytes = chunk_bytes
-        self.counters = counters
-        self.spill_watermark = config.spill_watermark
-        self.policy = make_policy(config.policy)
-        self.lower = list(lower)
-        self.by_name = {lt.name: lt for lt in self.lower}
-        for lt in self.lower:  # admission per lower tier (kvtier.core.policies.admission)
-            lt.admission = make_admission(config.admission.get(lt.name, "all"))
-        self.local = [lt for lt in self.lower if not lt.shared]
-        self.shared = [lt for lt in self.lower if lt.shared]
-        self.back = [lt for lt in self.lower if lt.write_back]
-        self.through = [lt for lt in self.lower if not lt.write_back]
-        # victims move down, so the default orders the cpu tier for the reach of the whole stack
-        self.policy.set_capacity_below(sum(lt.tier.usage().capacity_bytes for lt in self.back) // chunk_bytes)
-        pages = cpu.num_pages if isinstance(cpu, Paged) else cpu.usage().capacity_bytes // chunk_bytes
-        self.pages = pages
-        self.ttl_budget = int(config.pin_max_share * pages)
-        self.quota: TenantLedger | None = None
-        if config.tenant_quotas is not None:  # each local tier's share per tenant (kvtier.core.quota)
-            self.quota = TenantLedger(config.tenant_quotas, pages)
-            for lt in self.local:
-                lt.quota = TenantLedger(config.tenant_quotas,
-                                        lt.tier.usage().capacity_bytes // lt.tier.stored_bytes(chunk_bytes))
-        self.pins: Counter[ChunkKey] = Counter()
-        self.writing: Counter[ChunkKey] = Counter()  # write jobs reading a page (subset of pins)
-        self.staged: dict[ChunkKey, StagedCopy] = {}  # evicted chunks still queued for a write-back tier
-        self.parent: dict[ChunkKey, ChunkKey | None] = {}
-        self.tenant: dict[ChunkKey, Writer] = {}  # who each resident chunk was saved for, when known
-        self.uses: Counter[ChunkKey] = Counter()  # times each resident chunk was served (admission)
-        self.epoch = 0  # resets so far; promotions and saves planned in an older one never publish
-        self.doomed: set[ChunkKey] = set()  # dropped by a reset while pinned: freed at the last unpin
-        self.ttl_pins: dict[ChunkKey, float] = {}  # requests' TTL pins: chunk -> time.monotonic() deadline
-        self.gate = EvictionGate()  # closed: no page may be freed (kvtier.core.gate)
-        # what each local tier recently lost, and why (kvtier.core.ghosts): limits of 1x its capacity in chunks
-        self.ghosts = Ghosts([GhostList(self.name, pages, chunk_bytes), *(GhostList(
-            lt.name, lt.tier.usage().capacity_bytes // lt.tier.stored_bytes(chunk_bytes), lt.tier.stored_bytes(
-                chunk_bytes)) for lt in self.local)], observe)
-        for lt in self.local:
-            lt.ghosts = self.ghosts
-        self.top_ghosts = self.ghosts.lists[self.name].keys  # (read on the promotion path)
-        self.codec_stats = {self.name: codec_stats(cpu), **{lt.name: codec_stats(lt.tier) for lt in self.lower}}
-        self._init_feed()
+    """All placement state of one store (see the module docstring; built as :class:`~kvtier.core.changes.IndexState`
+    says: ``Index(cpu, lower, config, counters, chunk_bytes, observe)``)."""
 
     # ---- what is where -------------------------------------------------------------------
     def holds(self, key: ChunkKey) -> bool:
@@ -128,6 +67,96 @@ class Index(IndexUpkeep):
     def resident(self, key: ChunkKey) -> bool:
         """In a cpu page and not doomed by a reset."""
         return self.cpu.contains(key) and key not in self.doomed
+
+    def _tier_of(self, key: ChunkKey) -> str | None:
+        """Best local tier holding ``key`` now, or None (the lock held; ``holds`` inlined: the drain asks it per key)."""
+        if (self.cpu.contains(key) and key not in self.doomed) or key in self.staged:
+            return self.name
+        return next((lt.name for lt in self.local if lt.tier.indexed(key)), None)
+
+    # ---- once per engine step (the worker's, around the drain): the feed, the gate, the numbers ----
+    def drain_changes(self, max_items: int = 4096) -> IndexDelta:
+        """Changes since the last drain, at most ``max_items`` (a full snapshot is sent whole); ``ValueError``
+        if ``max_items`` is not positive."""
+        if max_items <= 0:
+            raise ValueError(f"max_items must be positive, got {max_items}")
+        with self.lock:
+            if self._full_next:
+                self._full_next = False
+                self._changed.clear()
+                keys = dict.fromkeys(self._held_keys())
+                return IndexDelta([(k, self._tier_of(k)) for k in keys], full=True)
+            taken = list(islice(self._changed, max_items))
+            for key in taken:
+                del self._changed[key]
+            return IndexDelta([(k, self._tier_of(k)) for k in taken])
+
+    def dirty_bytes(self) -> int:
+        """Payload bytes a crash would lose: ``len(dirty_keys()) × chunk_bytes``."""
+        return len(self._dirty_keys) * self.chunk_bytes
+
+    def gate_evictions(self, closed: bool) -> bool:
+        """Close the eviction gate, or open it and let go what waited for it; returns whether it was closed."""
+        with self.lock:
+            was, self.gate.closed = self.gate.closed, closed
+            if closed:  # once per engine step, off the request's path: the policies' deferred work
+                self.settle_policies()
+            if not closed and self.gate.deferred:  # (no call into gate.py on the hit path)
+                for key in self.gate.take():
+                    self.let_go(key)
+            return was
+
+    def pin_resident(self, chain: Sequence[ChunkKey]) -> LoadHandle:
+        """Pin the chunks of ``chain`` resident in the top tier now (no I/O); released by :meth:`release`."""
+        handle = LoadHandle([], [], [])
+        with self.lock:
+            handle.pinned = [k for k in chain if self.cpu.contains(k) and k not in self.doomed]  # (resident)
+            self.pins.update(handle.pinned)  # (Counter.update adds: one pin each)
+        return handle
+
+    def may_free_page(self, key: ChunkKey, ahead: bool) -> bool:
+        """Whether the page of resident ``key`` may be freed now: not while the eviction gate is
+        closed (:mod:`kvtier.core.gate`), not pinned, no live TTL pin; ahead of need (a spill, or
+        eviction after its write) with quotas only while its tenant stays at or above its guarantee."""
+        if self.gate.closed or key in self.pins or self.ttl_pinned(key):
+            return False
+        return not ahead or self.quota is None or self.quota.above_guarantee(key)
+
+    def ttl_pinned(self, key: ChunkKey) -> bool:
+        """``key`` has a TTL pin whose deadline has not passed (an expired one is forgotten here)."""
+        deadline = self.ttl_pins.get(key)
+        if deadline is None:
+            return False
+        if deadline <= time.monotonic():
+            del self.ttl_pins[key]
+            return False
+        return True
+
+    def settle_policies(self) -> None:
+        """The policies' work deferred off the request's path (the adaptive policy's shadow replay), done now."""
+        for policy in (self.policy, *(lt.policy for lt in self.local)):
+            if policy is not None and policy.pending:
+                policy.settle()
+
+    def expire_ttl_pins(self) -> None:
+        """Forget TTL pins whose deadline passed."""
+        now = time.monotonic()
+        for key in [k for k, d in self.ttl_pins.items() if d <= now]:
+            del self.ttl_pins[key]
+
+    def tier_stats(self) -> dict[str, TierStats]:
+        """Each tier's usage, pins, TTL pins, errors and tenant bytes now (for :class:`~kvtier.core.stats.StoreStats`)."""
+        with self.lock:
+            self.expire_ttl_pins()
+            pinned = {self.name: len(self.pins), **{lt.name: len(lt.pins) for lt in self.lower}}
+            ledgers = {self.name: self.quota, **{lt.name: lt.quota for lt in self.local}}
+            tiers, codecs = {self.name: self.cpu, **{lt.name: lt.tier for lt in self.lower}}, self.codec_stats
+            return {name: TierStats(u.used_bytes, u.capacity_bytes, u.num_chunks, corrupt_chunks=t.corrupt,
+                                    pinned_chunks=pinned.get(name, 0), wire=t.wire_stats() if t.shared else None,  # local: None
+                                    write_errors=t.write_errors, ttl_pinned_chunks=len(self.ttl_pins) if name == self.name else 0,
+                                    codec=c.numbers if (c := codecs.get(name)) is not None else None,
+                                    **(tenant_stats(q, u.num_chunks, self.chunk_bytes) if (q := ledgers.get(name)) is not None else {}))
+                    for name, t in tiers.items() for u in (t.usage(),)}
 
     # ---- load ----------------------------------------------------------------------------
     def plan_load(self, chain: Sequence[ChunkKey], limit: int, top_only: bool) -> LoadPlan:
@@ -188,13 +217,8 @@ class Index(IndexUpkeep):
         into, name = plan.into, self.name
         targets = [into(pos) if lt.shared and into is not None else None for pos, _, lt in run]
         got: list[ReserveResult | None] = [None] * len(run)  # None: no page wanted (a shared read's destination)
-        if self.quota is not None:
-            ghosts = []  # a ghost hit is measured before the chunk's own eviction (kvtier.core.ghosts)
-            for k, ((_, key, lt), target) in enumerate(zip(run, targets)):
-                ghosts.append(self.ghosts.take(name, key) if key in self.top_ghosts else None)
-                if target is None:
-                    got[k] = self.cpu.reserve(key) if self.free_page(_owner(lt, key), plan.writes) else NoRoom.NO_ROOM
-            ghost = ghosts[0] if ghosts else None
+        if self.quota is not None:  # (kvtier.core.upkeep: the quotas' own path)
+            ghost = self.reserve_each(run, targets, got, plan.writes)
         else:
             paged = [k for k, target in enumerate(targets) if target is None]
             for k, first_got in zip(paged, self.cpu.reserve_many([run[k][1] for k in paged])):
@@ -261,7 +285,8 @@ class Index(IndexUpkeep):
                     continue
                 if r.reserved:
                     self.publish(r.key, chain[r.pos - 1] if r.pos > 0 else None, records.get(r.key),
-                                 owner=_owner(lt, r.key), inserted=inserted)
+                                 owner=lt.quota.owner.get(r.key) if lt.quota is not None else None,  # (LowerIndex.owner)
+                                 inserted=inserted)
                     self.pins[r.key] += 1
                     handle.pinned.append(r.key)
             self.policy.insert_many(inserted)
@@ -353,16 +378,6 @@ class Index(IndexUpkeep):
             inserted.append((key, parent))
         self._note(key)
 
-    def _stage(self, victim: ChunkKey, writes: list[WriteJob]) -> None:
-        """Before ``victim`` leaves its page: write-back tiers that lack it and admit it get a write in ``writes``,
-        from a staged copy (so the page is free now; the writes happen on the mover)."""
-        missing = self._admitting(victim)
-        if missing:
-            copy = self.staged.get(victim) or self.staged.setdefault(victim, StagedCopy(self.cpu.view(victim).copy()))
-            for lt in missing:
-                writes.append(self._job(lt, victim, copy.data, evict_after=False, tenant=self.tenant.get(victim)))
-                copy.pending += 1
-
     def _evict_many(self, victims: Sequence[ChunkKey], writes: list[WriteJob]) -> None:
         """:meth:`free_page` and :meth:`evict_top` for victims the policy let go already (``EvictionPolicy.evict``),
         their ghosts added (``Ghosts.promote``): one call each into the cpu tier and the counters."""
@@ -374,16 +389,6 @@ class Index(IndexUpkeep):
         if victims:
             self.counters.evicted(self.name, len(victims))
 
-    def _admitting(self, victim: ChunkKey) -> list[LowerIndex]:
-        """Write-back tiers that lack ``victim`` and whose admission takes it."""
-        uses = self.uses.get(victim, 0)
-        return [lt for lt in self.back if not lt.tier.indexed(victim) and lt.admission.judge(victim, uses)]
-
-    def _drop(self, key: ChunkKey) -> None:
-        self.cpu.delete(key)
-        self.policy.remove(key)
-        self._forget(key)
-
     def _forget(self, key: ChunkKey) -> None:
         """What the index keeps of a chunk that left its page (the page and the policy's entry are gone)."""
         self.parent.pop(key, None)
@@ -393,8 +398,3 @@ class Index(IndexUpkeep):
         if self.quota is not None:
             self.quota.remove(key)
         self._note(key)
-
-
-def _owner(lt: LowerIndex, key: ChunkKey) -> bytes | None:
-    """The quota's tenant key of ``key`` in ``lt`` (:meth:`LowerIndex.owner`, here on the hit path)."""
-    return lt.quota.owner.get(key) if lt.quota is not None else None

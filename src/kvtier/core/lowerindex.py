@@ -23,7 +23,7 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.policies import EvictionPolicy, make_policy
 from kvtier.core.policies.admission import AdmissionPolicy, AdmitAll
 from kvtier.core.quota import TenantLedger
-from kvtier.core.stats import StoreCounters
+from kvtier.core.sinks import StoreCounters
 from kvtier.core.tiers.base import ClearResult, ExactUsage, Generational, Tier
 
 if TYPE_CHECKING:

@@ -50,7 +50,7 @@ from kvtier.core.handles import LoadHandle, LoadPlan, Read, WriteJob
 from kvtier.core.index import Index
 from kvtier.core.keys import ChunkKey
 from kvtier.core.landing import LandingPool
-from kvtier.core.stats import StoreCounters
+from kvtier.core.sinks import StoreCounters
 from kvtier.core.tiers.base import GetResult, PutResult, Rescannable, Tier
 from kvtier.core.tiers.guarded import GuardedTier
 from kvtier.core.tiers.wrappers import MissWhy, TierWrapper

@@ -1,8 +1,11 @@
-"""Sinks for the events of :mod:`kvtier.core.context`: the store's counters, one request's
-record, and a fan-out to several.
+"""Where the events of :mod:`kvtier.core.context` are counted: the store's counters, one request's
+record, and a fan-out to several (all on a load's path: a hit's events and the step's snapshot run here).
 
+- :class:`StoreCounters`: the store's event counters, the only place they are counted; the store's
+  snapshot (:meth:`StoreCounters.snapshot`) reads them into a :class:`~kvtier.core.stats.StoreStats`;
+  transfer directions are :func:`directions`.
 - :class:`CountersSink`: the store's metrics sink; each event becomes the
-  :class:`~kvtier.core.stats.StoreCounters` call that counts it, so ``/metrics``
+  :class:`StoreCounters` call that counts it, so ``/metrics``
   (:mod:`kvtier.core.metrics`) and the connector's step stats (:mod:`kvtier.integrations.vllm.stats`)
   read the same numbers as before events existed.
 - :class:`RequestRecord`: what one request's operations did: chunks and tokens per tier, read
@@ -15,6 +18,8 @@ record, and a fan-out to several.
 from __future__ import annotations
 
 import threading
+from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvtier.core.context import (
@@ -38,8 +43,166 @@ from kvtier.core.context import (
     TtlPinned,
     WriteDropped,
 )
-from kvtier.core.stats import StoreCounters
+from kvtier.core.stats import StoreStats, TierStats
 from kvtier.core.tenant import TenantId
+from kvtier.core.tiers import registry
+
+_derived: tuple[int, tuple[str, ...], frozenset[str], tuple[str, ...]] = (-1, (), frozenset(), ())
+"""(registry generation, directions, as a set, tier names): rederived only when a tier was registered."""
+
+
+def _registered() -> tuple[int, tuple[str, ...], frozenset[str], tuple[str, ...]]:
+    global _derived
+    if _derived[0] != (generation := registry.generation):
+        top = registry.top_tier()
+        out = (f"engine_to_{top}", f"{top}_to_engine", *(f"{a}_to_{b}" for t in registry.lower_tiers()
+                                                          for a, b in ((top, t), (t, top))))
+        _derived = (generation, out, frozenset(out), tuple(registry.available_tiers()))
+    return _derived
+
+
+def directions() -> tuple[str, ...]:
+    """Transfer directions, from the registered tiers: ``engine_to_<top>``, ``<top>_to_engine``,
+    then ``<top>_to_<tier>`` and ``<tier>_to_<top>`` for each lower tier (e.g. ``cpu_to_disk``)."""
+    return _registered()[1]
+
+
+def add_counts(counts: dict[str, int], by: Mapping[str, int]) -> None:
+    """``counts[k] += by[k]`` for every key of ``by`` (a key counted 0 included), as ``Counter.update``
+    of a mapping does, without its ABC check and Python frames: the hit path's counts."""
+    get = counts.get
+    for key, n in by.items():
+        counts[key] = get(key, 0) + n
+
+
+class StoreCounters:
+    """The store's event counters (thread-safe; every method adds to a running total).
+
+    The store and its tiers call these methods; :meth:`kvtier.core.store.TieredStore.stats` reads
+    them into a :class:`StoreStats`.  No other place counts these events.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.lookup_chunks = 0
+        self.lookup_hit_chunks: Counter[str] = Counter()
+        self.load_hit_chunks: Counter[str] = Counter()
+        self.evictions: Counter[str] = Counter()
+        self.failed_loads = 0
+        self.dropped_saves = 0
+        self.saved_chunks = 0
+        self.flush_missed_chunks = 0
+        self.shared_lookups_skipped = 0
+        self.transfer_bytes: Counter[str] = Counter()
+        self.transfer_seconds: dict[str, float] = {}
+        self.loaded_tokens: Counter[str] = Counter()
+        self.reloaded_tokens = 0
+        self.saved_tokens = 0
+        self.load_failed_blocks = 0
+        self.reset_chunks: Counter[str] = Counter()
+        self.unfilled_tokens: Counter[str] = Counter()
+        self.rerouted_chunks = 0
+        self.ttl_pin_chunks = 0
+        self.ttl_pin_refused_chunks = 0
+
+    def ttl_pinned(self, pinned: int, refused: int) -> None:
+        """Requests' TTL pins: ``pinned`` chunks pinned (or renewed), ``refused`` past the budget."""
+        with self._lock:
+            self.ttl_pin_chunks += pinned
+            self.ttl_pin_refused_chunks += refused
+
+    def looked_up(self, num_chunks: int, found: Mapping[str, int]) -> None:
+        """A lookup of ``num_chunks`` chunks found ``found[tier]`` chunks in each tier."""
+        with self._lock:
+            self.lookup_chunks += num_chunks
+            self.lookup_hit_chunks.update(found)
+
+    def loaded(self, by_tier: Mapping[str, int]) -> None:
+        """A successful load delivered ``by_tier[tier]`` chunks from each tier."""
+        with self._lock:
+            add_counts(self.load_hit_chunks, by_tier)
+
+    def load_failed(self) -> None:
+        with self._lock:
+            self.failed_loads += 1
+
+    def evicted(self, tier: str, num_chunks: int = 1) -> None:
+        with self._lock:
+            self.evictions[tier] += num_chunks
+
+    def dropped(self, num_chunks: int = 1) -> None:
+        """``num_chunks`` chunk saves were dropped."""
+        with self._lock:
+            self.dropped_saves += num_chunks
+
+    def saved(self, num_chunks: int) -> None:
+        with self._lock:
+            self.saved_chunks += num_chunks
+
+    def flush_missed(self, num_chunks: int) -> None:
+        with self._lock:
+            self.flush_missed_chunks += num_chunks
+
+    def engine_load(self, load: EngineLoad, top: str) -> None:
+        """One load's engine-side outcome (:class:`~kvtier.core.handles.EngineLoad`); ``top``: the
+        top tier's name (the transfer direction is ``<top>_to_engine``)."""
+        with self._lock:
+            if load.resumed:
+                self.reloaded_tokens += sum(load.tokens.values())
+            else:
+                add_counts(self.loaded_tokens, load.tokens)
+                add_counts(self.unfilled_tokens, load.unfilled_tokens)
+            self.load_failed_blocks += load.failed_blocks
+            self.rerouted_chunks += load.rerouted_chunks
+        if load.engine_bytes:
+            self.moved(f"{top}_to_engine", load.engine_bytes, load.seconds)
+
+    def engine_save(self, save: EngineSave, top: str) -> None:
+        """One save's engine-side outcome (:class:`~kvtier.core.handles.EngineSave`)."""
+        with self._lock:
+            self.saved_tokens += save.tokens
+        self.moved(f"engine_to_{top}", save.engine_bytes, save.seconds)
+
+    def reset_removed(self, tier: str, num_chunks: int) -> None:
+        """A reset removed ``num_chunks`` chunks from ``tier``."""
+        with self._lock:
+            self.reset_chunks[tier] += num_chunks
+
+    def moved(self, direction: str, num_bytes: int, seconds: float) -> None:
+        """One transfer of ``num_bytes`` bytes taking ``seconds`` seconds in ``direction``.
+
+        Raises:
+            ValueError: ``direction`` is not one of :func:`directions` (a tier nobody registered).
+        """
+        _, known, known_set, _ = _registered()
+        if direction not in known_set:
+            raise ValueError(f"unknown transfer direction {direction!r}; use one of {', '.join(known)}")
+        with self._lock:
+            self.transfer_bytes[direction] += num_bytes
+            self.transfer_seconds[direction] = self.transfer_seconds.get(direction, 0.0) + max(seconds, 0.0)
+
+    def snapshot(self, chunk_bytes: int, chunk_tokens: int, tiers: Mapping[str, TierStats],
+                 dirty_bytes: int, queued_writes: int) -> StoreStats:
+        """The counters with the given usage, as one :class:`StoreStats`.
+
+        ``tiers`` carries each tier's usage, corrupt and pinned chunks; the hit and eviction counts
+        are filled in here."""
+        _, known, _, registered = _registered()
+        names = tuple(dict.fromkeys((*known, *self.transfer_bytes)))
+        with self._lock:
+            merged = {name: TierStats(t.used_bytes, t.capacity_bytes, t.num_chunks, self.lookup_hit_chunks[name],
+                                      self.load_hit_chunks[name], self.evictions[name], t.corrupt_chunks,
+                                      t.pinned_chunks, t.wire, t.write_errors, self.reset_chunks[name],
+                                      t.ttl_pinned_chunks, t.tenant_used_bytes, t.quota_evictions, t.codec)
+                      for name, t in tiers.items()}
+            return StoreStats(chunk_bytes, chunk_tokens, merged, self.lookup_chunks, self.failed_loads,
+                              self.dropped_saves, self.saved_chunks, self.flush_missed_chunks,
+                              self.shared_lookups_skipped, {d: self.transfer_bytes[d] for d in names},
+                              {d: self.transfer_seconds.get(d, 0.0) for d in names}, dirty_bytes, queued_writes,
+                              {t: self.loaded_tokens[t] for t in dict.fromkeys((*registered, *self.loaded_tokens))},
+                              self.reloaded_tokens, self.saved_tokens, self.load_failed_blocks,
+                              {t: self.unfilled_tokens[t] for t in dict.fromkeys((*registered, *self.unfilled_tokens))},
+                              self.rerouted_chunks, self.ttl_pin_chunks, self.ttl_pin_refused_chunks)
 
 
 class CountersSink:
@@ -48,7 +211,7 @@ class CountersSink:
     Args:
         counters: the store's counters (the only place these events are counted).
         top: the top tier's name (transfer directions ``<tier>_to_<top>``, ``<top>_to_engine``,
-            ``engine_to_<top>``: :func:`kvtier.core.stats.directions`).
+            ``engine_to_<top>``: :func:`directions`).
     """
 
     def __init__(self, counters: StoreCounters, top: str) -> None:

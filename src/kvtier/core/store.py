@@ -70,8 +70,8 @@ from kvtier.core.keys import ChunkKey, Namespace
 from kvtier.core.lowerindex import LowerIndex
 from kvtier.core.metrics import StoreMetrics
 from kvtier.core.mover import Mover
-from kvtier.core.sinks import CountersSink
-from kvtier.core.stats import StoreCounters, StoreStats
+from kvtier.core.sinks import CountersSink, StoreCounters
+from kvtier.core.stats import StoreStats
 from kvtier.core.storeio import StoreConvenience
 from kvtier.core.tenant import TenantId
 from kvtier.core.tiers.base import ClearResult, StagingTier, Tier
@@ -163,7 +163,7 @@ class TieredStore(StoreConvenience):
 
     # ---- the change feed (kvtier.core.changes, kept by the index) -------------------------
     def drain_changes(self, max_items: int = 4096) -> IndexDelta:
-        """Changes since the last drain, at most ``max_items`` (:meth:`kvtier.core.changes.ChangeFeed.drain_changes`)."""
+        """Changes since the last drain, at most ``max_items`` (:meth:`kvtier.core.index.Index.drain_changes`)."""
         return self.index.drain_changes(max_items)
 
     def pending_changes(self) -> int:
@@ -381,7 +381,7 @@ class TieredStore(StoreConvenience):
             return self.index.ghosts.take_distances()
 
     def stats(self) -> StoreStats:
-        """The store's counters and each tier's usage, as one snapshot (:mod:`kvtier.core.stats`)."""
+        """The store's counters and each tier's usage, as one snapshot (:meth:`kvtier.core.sinks.StoreCounters.snapshot`)."""
         return self.counters.snapshot(self.chunk_bytes, self.chunk_tokens, self.index.tier_stats(),
                                       self.dirty_bytes(), self.mover.busy())
 

@@ -1,18 +1,17 @@
-"""The index's second half: saves, the outcomes of writes, TTL pins, resets, checks.
+"""The index's cold half: saves, the outcomes of writes, TTL pins, resets, rescans.
 
 :class:`IndexUpkeep` is the part of :class:`~kvtier.core.index.Index` off a load's path: saves
-(``plan_store``, ``complete_store``, spills ahead), a load's read-ahead bookkeeping, what the mover's writers
-report (``begin_write``, ``end_write``, ``written``, and ``let_go``, what the eviction gate deferred),
-rescans, TTL pins and resets (its invariants: :mod:`kvtier.core.indexcheck`).  What a worker asks once
-per engine step (the change feed, the eviction gate's verbs, the tiers' numbers) is
-:mod:`kvtier.core.changes`'.  Same lock, same state (declared here, set up by
-:class:`~kvtier.core.index.Index`, whose methods it calls: where a chunk is, pins, publication,
-eviction), no threads, no callbacks.
+(``plan_store``, ``complete_store``, spills ahead, a write-back victim's staged copy), what the mover's
+writers report (``begin_write``, ``end_write``, ``written``, and ``let_go``, what the eviction gate
+deferred), rescans, TTL pins and resets (its invariants: :mod:`kvtier.core.indexcheck`).  A load's path
+and what a worker asks once per engine step (the change feed's drain, the eviction gate's verbs, the
+tiers' numbers) are :mod:`kvtier.core.index`'s.  Same lock, same state (:class:`~kvtier.core.changes.IndexState`,
+set up there), calling the index's methods (where a chunk is, pins, publication, what may be evicted);
+no threads, no callbacks.
 """
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
 from functools import partial
@@ -20,17 +19,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvtier.core.changes import ChangeFeed
-from kvtier.core.codecstats import CodecStats
+from kvtier.core.changes import IndexState
 from kvtier.core.context import NotHeld, OpContext, SaveDropped
-from kvtier.core.gate import EvictionGate
-from kvtier.core.ghosts import Ghosts, top_loss
+from kvtier.core.ghosts import Ghost, top_loss
 from kvtier.core.handles import Read, StagedCopy, StoreHandle, StorePlan, WriteJob
 from kvtier.core.keys import ChunkKey
 from kvtier.core.lowerindex import LowerIndex
-from kvtier.core.policies import EvictionPolicy
-from kvtier.core.quota import TenantLedger
-from kvtier.core.stats import StoreCounters
 from kvtier.core.tenant import Writer
 from kvtier.core.tiers.base import (
     AlreadyHeld,
@@ -39,52 +33,26 @@ from kvtier.core.tiers.base import (
     Paged,
     PutResult,
     Rescannable,
-    StagingTier,
+    ReserveResult,
 )
 
 if TYPE_CHECKING:
     from kvtier.core.tiers.disk.scan import RescanResult
 
 
-class IndexUpkeep(ChangeFeed):
-    """Pins, eviction, writes' outcomes, TTL pins, resets and checks (see the module docstring)."""
+class IndexUpkeep(IndexState):
+    """Saves, writes' outcomes, TTL pins, resets and rescans (see the module docstring)."""
 
-    lock: threading.RLock
-    cpu: StagingTier
-    name: str
-    counters: StoreCounters
-    policy: EvictionPolicy
-    quota: TenantLedger | None
-    lower: list[LowerIndex]
-    local: list[LowerIndex]
-    by_name: dict[str, LowerIndex]
-    pins: Counter[ChunkKey]  # loads and write jobs holding a page
-    writing: Counter[ChunkKey]  # write jobs reading a page (subset of pins)
-    staged: dict[ChunkKey, StagedCopy]  # evicted chunks still queued for a write-back tier
-    parent: dict[ChunkKey, ChunkKey | None]
-    tenant: dict[ChunkKey, Writer]  # who each resident chunk was saved for, when known
-    uses: Counter[ChunkKey]  # times each resident chunk was served (admission)
-    epoch: int  # resets so far; loads, saves and writes planned in an older one never publish
-    doomed: set[ChunkKey]  # dropped by a reset while pinned: freed at the last unpin
-    ttl_pins: dict[ChunkKey, float]  # requests' TTL pins: chunk -> time.monotonic() deadline
-    ttl_budget: int  # TTL pins held at most
-    back: list[LowerIndex]  # write-back tiers
-    through: list[LowerIndex]  # write-through tiers (every shared tier)
-    spill_watermark: float
-    gate: EvictionGate  # closed: no page may be freed; what waits for it (kvtier.core.gate)
-    ghosts: Ghosts  # what each local tier recently lost, and why (kvtier.core.ghosts)
-    codec_stats: dict[str, CodecStats | None]  # each tier's codec counters, found once (kvtier.core.codecstats)
-
-    if TYPE_CHECKING:  # defined by Index (kvtier.core.index), the load's half
+    if TYPE_CHECKING:  # defined by Index (kvtier.core.index): a load's path and the step's verbs
         def holds(self, key: ChunkKey) -> bool: ...
         def resident(self, key: ChunkKey) -> bool: ...
         def unpin(self, keys: Iterable[ChunkKey]) -> None: ...
         def publish(self, key: ChunkKey, parent: ChunkKey | None, tenant: Writer | None = None,
                     owner: bytes | None = None) -> None: ...
-        def _stage(self, victim: ChunkKey, writes: list[WriteJob]) -> None: ...
-        def _admitting(self, victim: ChunkKey) -> list[LowerIndex]: ...
-        def _drop(self, key: ChunkKey) -> None: ...
         def _note(self, key: ChunkKey) -> None: ...
+        def _forget(self, key: ChunkKey) -> None: ...
+        def may_free_page(self, key: ChunkKey, ahead: bool) -> bool: ...
+        def expire_ttl_pins(self) -> None: ...
 
     def _job(self, lt: LowerIndex, key: ChunkKey, data: np.ndarray | None, evict_after: bool,
              tenant: Writer | None) -> WriteJob:
@@ -94,6 +62,26 @@ class IndexUpkeep(ChangeFeed):
             self.writing[key] += 1
         return WriteJob(lt.name, key, self.parent.get(key), data, evict_after, self.epoch, tenant)
 
+    def _stage(self, victim: ChunkKey, writes: list[WriteJob]) -> None:
+        """Before ``victim`` leaves its page: write-back tiers that lack it and admit it get a write in ``writes``,
+        from a staged copy (so the page is free now; the writes happen on the mover)."""
+        missing = self._admitting(victim)
+        if missing:
+            copy = self.staged.get(victim) or self.staged.setdefault(victim, StagedCopy(self.cpu.view(victim).copy()))
+            for lt in missing:
+                writes.append(self._job(lt, victim, copy.data, evict_after=False, tenant=self.tenant.get(victim)))
+                copy.pending += 1
+
+    def _admitting(self, victim: ChunkKey) -> list[LowerIndex]:
+        """Write-back tiers that lack ``victim`` and whose admission takes it."""
+        uses = self.uses.get(victim, 0)
+        return [lt for lt in self.back if not lt.tier.indexed(victim) and lt.admission.judge(victim, uses)]
+
+    def _drop(self, key: ChunkKey) -> None:
+        self.cpu.delete(key)
+        self.policy.remove(key)
+        self._forget(key)
+
     def evict_top(self, key: ChunkKey, quota: bool = False) -> None:
         """Drop a resident chunk from its page (an eviction, counted, remembered in the top tier's
         ghost list: :func:`~kvtier.core.ghosts.top_loss`; ``quota``: the tenant quotas chose it)."""
@@ -102,7 +90,7 @@ class IndexUpkeep(ChangeFeed):
             self._drop(key)
             self.counters.evicted(self.name)
 
-    # ---- room in the top tier: what may go is ChangeFeed.may_free_page's (kvtier.core.changes) ----
+    # ---- room in the top tier: what may go is Index.may_free_page's (kvtier.core.index) ----
     def free_page(self, tenant: bytes | None, writes: list[WriteJob]) -> bool:
         """Make sure one cpu page is free, evicting if needed (a write-back tier that lacks the
         victim gets a staged copy, its write in ``writes``); False if nothing may go (with quotas,
@@ -120,6 +108,18 @@ class IndexUpkeep(ChangeFeed):
         self._stage(victim, writes)
         self.evict_top(victim, self.quota is not None and self.quota.quota_evictions != chose)
         return True
+
+    def reserve_each(self, run: Sequence[tuple[int, ChunkKey, LowerIndex]], targets: Sequence[object | None],
+                     got: list[ReserveResult | None], writes: list[WriteJob]) -> Ghost | None:
+        """``Index._read_run``'s pages with tenant quotas (a victim depends on the chunk's tenant): one chunk at
+        a time (:meth:`free_page`) into ``got``, each ghost taken before the chunk's own eviction
+        (:mod:`kvtier.core.ghosts`); returns the first chunk's ghost."""
+        ghosts = []
+        for k, ((_, key, lt), target) in enumerate(zip(run, targets)):
+            ghosts.append(self.ghosts.take(self.name, key) if key in self.top_ghosts else None)
+            if target is None:
+                got[k] = self.cpu.reserve(key) if self.free_page(lt.owner(key), writes) else NoRoom.NO_ROOM
+        return ghosts[0] if ghosts else None
 
     # ---- what is where (lookups of tools and tests, the change feed's snapshot) ----------------
     def lookup(self, chain: Sequence[ChunkKey]) -> tuple[int, Counter[str]]:

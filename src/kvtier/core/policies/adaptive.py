@@ -25,7 +25,7 @@ which is why they only choose the ordering.
 Costs: O(log n) per operation in the real tier, plus, per sampled access, O(log SHADOW_KEYS) in each of the
 five shadows; victim rebuilds the heap when the mode switches or the tier doubles. The shadows' replay is off
 the request's path: a sampled access is recorded (at most ``PENDING_MAX``) and replayed in bulk, in order, by
-:meth:`AdaptivePolicy.settle` (the store: once per engine step, ``IndexUpkeep.gate_evictions``). Decisions are
+:meth:`AdaptivePolicy.settle` (the store: once per engine step, ``Index.gate_evictions``). Decisions are
 a replay at every access's: what depends on the shadows settles first (``victim`` if the pending accesses
 could switch the mode, ``Shadows.may_switch``; a new sampling rate; ``mode``, ``switches``, ``shadow_keys``).
 Owners should offer every full chunk of each request: ``touch`` the resident ones and ``insert`` the missing
