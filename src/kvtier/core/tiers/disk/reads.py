@@ -26,9 +26,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvtier.core import envelope
+from kvtier.core.envelope import note_verified
 from kvtier.core.errors import length_problem
 from kvtier.core.keys import ChunkKey
-from kvtier.core.tenant import TenantRecords, note_verified
+from kvtier.core.tenant import TenantRecords
 from kvtier.core.tiers.base import GetResult
 from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES, ChunkFormatError
 from kvtier.core.tiers.disk.recoded import read_recoded

@@ -49,10 +49,11 @@ from pathlib import Path
 import numpy as np
 
 from kvtier.core import codecs, envelope
+from kvtier.core.envelope import note_verified
 from kvtier.core.errors import length_problem
 from kvtier.core.keys import ChunkKey
 from kvtier.core.readchoice import ALIGN, address, round_up, skip_iov
-from kvtier.core.tenant import TenantRecords, note_verified
+from kvtier.core.tenant import TenantRecords
 from kvtier.core.tiers.base import GetResult, TierUsage
 from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES, ChunkFormatError, PayloadHasher
 from kvtier.core.tiers.disk.chunkio import ChunkIO
@@ -148,7 +149,7 @@ class DiskTier(DirectorySync, DiskReads, DiskFiles):
         a new buffer for ``None``) and return it; raises ChunkFormatError unless every check passes.
         The file is an envelope (:mod:`kvtier.core.envelope`) or a legacy version-2 chunk file
         (:mod:`kvtier.core.legacyformats`).  Then its tenant record goes into ``records``
-        (:func:`kvtier.core.tenant.note_verified`: only one that passes its own check).
+        (:func:`kvtier.core.envelope.note_verified`: only one that passes its own check).
 
         Raises:
             BufferTooSmall: not ``exact`` and ``dst`` is shorter than the file's payload.
