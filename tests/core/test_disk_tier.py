@@ -18,7 +18,7 @@ from kvtier.core.tiers import DiskTier, GetResult, PutResult
 from kvtier.core.tiers.disk import chunkfile, iomode
 from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES
 from kvtier.core.tiers.disk.chunkio import O_DIRECT
-from kvtier.core.tiers.disk.tier import STALE_TMP_S
+from kvtier.core.tiers.disk.directory import STALE_TMP_S
 
 CHUNK = 8192
 NS = b"n" * 16
@@ -170,7 +170,7 @@ def test_failed_writes_are_counted_and_logged_once_per_interval(disk, caplog, mo
     123 lines in a second), and the next line says how many failed in between."""
     import shutil
 
-    from kvtier.core.tiers.disk import tier as disk_module
+    from kvtier.core.tiers.disk import files as disk_module
 
     monkeypatch.setattr(disk_module, "WRITE_WARNING_INTERVAL_S", 1.0)
     shard = disk.path(key(100)).parent  # keys 0..255 share shard 00

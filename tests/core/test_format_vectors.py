@@ -97,17 +97,17 @@ def test_a_changed_pinned_header_is_refused(offset):
 def test_a_changed_tenant_record_is_unknown_not_a_refused_header():
     """Bytes 72..199 hold the tenant record (kvtier.core.tenant), which has its own checksum: a flipped
     bit there makes the record unknown (never matched by kvtier purge --salt) and leaves the chunk readable."""
-    from kvtier.core import tenant
+    from kvtier.core import envelope, tenant
 
     ns = bytes(range(16))
     rec = tenant.record(ns, tenant.TenantId.of("B", None))
     header = chunkfile.encode_header(ns, bytes(range(16, 32)), len(PAYLOAD), chunkfile.payload_digest(PAYLOAD), rec)
-    decoded = tenant.decode(chunkfile.decode_header(header).tenant)
+    decoded = envelope.decode_record(chunkfile.decode_header(header).tenant)
     assert decoded is not None and tenant.matches(decoded, ns, "B", None)
     assert not tenant.matches(decoded, ns, "A", None)
     raw = bytearray(header)
     raw[chunkfile.TENANT_OFFSET + 10] ^= 0x01
-    assert tenant.decode(chunkfile.decode_header(bytes(raw)).tenant) is None
+    assert envelope.decode_record(chunkfile.decode_header(bytes(raw)).tenant) is None
 
 
 # ---- shared values (the redis and s3 tiers: kvtier.core.tiers.sharedvalue) ----------------------
@@ -131,7 +131,7 @@ def test_legacy_shared_values_of_both_versions_are_still_read():
     """Values the release before the envelope wrote (versions 1 and 2, never written any more)
     are read and verified: their payload comes back bit for bit, a version-2 value's tenant record
     with it, and a purge still names them by their header alone."""
-    from kvtier.core import tenant
+    from kvtier.core import envelope, tenant
     from kvtier.core.tiers.sharedvalue import (
         HEADER_BYTES,
         V1_HEADER_BYTES,
@@ -153,12 +153,12 @@ def test_legacy_shared_values_of_both_versions_are_still_read():
         assert peek(value[:HEADER_BYTES]).key == SHARED_KEY  # a purge's ranged read of the new header size
     assert peek(bytes.fromhex(SHARED_HEADER_VECTORS[1]) + PAYLOAD).record is None  # no record: unknown tenant
     v2 = bytes.fromhex(SHARED_HEADER_VECTORS[2]) + PAYLOAD
-    record = tenant.read(peek(v2).record)
+    record = envelope.read_record(peek(v2).record)
     assert record is not None and tenant.matches(record, SHARED_NS, "B", "sql")
     mac = bytes.fromhex(SHARED_MAC_UNKNOWN_TENANT) + PAYLOAD
     out = bytearray(len(PAYLOAD))
     assert ValueCodec(SHARED_NS, b"0123456789abcdef-secret").open_into(SHARED_KEY, mac, memoryview(out)) == \
-        bytes(tenant.RECORD_BYTES)
+        bytes(envelope.RECORD_BYTES)
     assert bytes(out) == PAYLOAD
     with pytest.raises(SharedValueError, match="shared_secret"):
         codec.open_into(SHARED_KEY, mac, memoryview(out))
@@ -166,8 +166,8 @@ def test_legacy_shared_values_of_both_versions_are_still_read():
     changed[60] ^= 0x01  # inside the record: the value's digest covers it, so a read refuses the value
     with pytest.raises(SharedValueError, match="digest mismatch"):
         codec.decode(SHARED_KEY, bytes(changed), len(PAYLOAD))
-    with pytest.raises(tenant.DamagedRecord):  # and the purge, which reads the header alone, never trusts it
-        tenant.read(peek(bytes(changed)).record)
+    with pytest.raises(envelope.DamagedRecord):  # and the purge, which reads the header alone, never trusts it
+        envelope.read_record(peek(bytes(changed)).record)
 
 
 def test_the_blob_verbs_read_the_formats_of_the_release_before(tmp_path, redis_server):

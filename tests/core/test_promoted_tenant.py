@@ -106,7 +106,7 @@ def disk_purge(disk: Path, selector: PurgeSelector) -> tuple[int, int, int]:
 def disk_record(store: TieredStore, key: ChunkKey) -> bytes:
     """The tenant record in the header of ``key``'s chunk file (read from the file itself)."""
     header = Path(store.tier("disk").path(key)).read_bytes()[:DISK_HEADER_BYTES]
-    return header[TENANT_OFFSET:TENANT_OFFSET + tenant.RECORD_BYTES]
+    return header[TENANT_OFFSET:TENANT_OFFSET + envelope.RECORD_BYTES]
 
 
 def test_promoted_chunks_written_down_by_eviction_keep_the_writers_tenant(shared, tmp_path):

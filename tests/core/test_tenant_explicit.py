@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtier.core import tenant
+from kvtier.core import envelope, tenant
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers import DiskTier, GetResult, PutResult
 from kvtier.core.tiers.breaker import CircuitBreaker
@@ -48,7 +48,7 @@ def test_a_tenant_written_on_one_thread_is_read_back_on_another_through_every_wr
         for i in (0, 1):
             writer_tenant = who[i]
             assert writer_tenant is not None
-            assert records[key(i)] == tenant.RecordedTenant(NS, tenant.record(NS, writer_tenant))
+            assert records[key(i)] == envelope.RecordedTenant(NS, tenant.record(NS, writer_tenant))
         # a record carried on (a promoted chunk written down again) keeps its bytes
         assert disk.put(key(3), data(3), records[key(1)]) is PutResult.STORED
         again: tenant.TenantRecords = {}

@@ -48,7 +48,7 @@ class CodecContext:
 
     Attributes:
         namespace: the value's 16-byte namespace digest.
-        record: its :data:`~kvtier.core.tenant.RECORD_BYTES` tenant record (all zero: unknown).
+        record: its :data:`~kvtier.core.envelope.RECORD_BYTES` tenant record (all zero: unknown).
         keyring: the operator's keys (:class:`kvtier.core.encryption.KeyRing`), ``None`` without.
         fields: the envelope's header bytes before its digest for a stored payload of this many
             bytes (the associated data): on write computed, on read the stored ones.

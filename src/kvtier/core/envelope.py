@@ -1,5 +1,6 @@
 """The value envelope: one stored format for every tier below the cpu tier (disk, redis, s3 and
-any later one), issue 33 item 3.
+any later one), issue 33 item 3; here, what reading a value runs: its header decoded and checked,
+its digest verified, and the tenant record it carries checked (writing a value: :mod:`kvtier.core.sealing`).
 
 Layout (little-endian), envelope version 1: a fixed 128-byte header, zero padding up to
 ``header bytes``, then the stored payload::
@@ -16,29 +17,35 @@ Layout (little-endian), envelope version 1: a fixed 128-byte header, zero paddin
     56      2     layout id (0: the namespace's page layout, the only one today)
     58      1     codec count n (0..5)
     59      5     codec ids in the order applied on write (:mod:`kvtier.core.codecs`; zero past n)
-    64      48    tenant record (:mod:`kvtier.core.tenant`; all zero: unknown tenant)
+    64      48    tenant record (below; all zero: unknown tenant)
     112     16    digest of bytes 0..111 followed by the stored payload
     128     ...   zero up to ``header bytes`` (not covered by the digest; must be zero)
 
-   0       8        24       40      48      56  58 59   64            112       128
-   +-------+--------+--------+-------+-------+---+--+----+-------------+---------+- - - -+---------
-   |magic  |ns      |key     |stored |orig.  |lay|n |ids | tenant      | digest  | zero  | payload
-   |ver,kd,|digest  |        |length |length |out|  |    | record (48) | (16)    | pad   | (stored
-   |hdr len|        |        |       |       |   |  |    |             |         |       |  length)
-   +-------+--------+--------+-------+-------+---+--+----+-------------+---------+- - - -+---------
-
 The digest covers the header fields, the tenant record and the payload: a value moved under
-another key or namespace, or whose record was changed, fails verification (a miss).  The record
-also has its own XXH3-64, so a purge, which reads the header alone (:func:`decode_header`), tells
-a damaged record from a good one.  With a ``shared_secret`` the digest is a BLAKE3 MAC keyed by
-:func:`mac_key` (a writer without the secret cannot plant a value a reader accepts); without one
-it is XXH3-128, which catches corruption, not forgery.
+another key or namespace, or whose record was changed, fails verification (a miss).  With a
+``shared_secret`` the digest is a BLAKE3 MAC keyed by :func:`mac_key` (a writer without the
+secret cannot plant a value a reader accepts); without one it is XXH3-128, which catches
+corruption, not forgery.
 
-Zero copy: :meth:`Envelope.header` gives the header bytes alone, so a writer sends them and the
-payload as two pieces (the redis tier's ``SET`` from the caller's memory) or writes them into a
-reused buffer (the s3 tier, :meth:`Envelope.encode`); :meth:`Envelope.open_into` verifies a value
-in memory and decodes it into the caller's buffer; the disk tier streams its digest with
-:meth:`Envelope.hasher` while the bytes move.
+The tenant record (:mod:`kvtier.core.tenant`: who a chunk was saved for, keyed digests of its
+``cache_salt`` and LoRA adapter) has its own XXH3-64, so a purge, which reads the header alone
+(:func:`decode_header`), tells a damaged record from a good one::
+
+    offset  size  field
+    0       4     magic b"KVTN"
+    4       1     record version (1)
+    5       1     flags: bit 0 a salt was given, bit 1 a LoRA adapter was given
+    6       2     zero
+    8       16    keyed digest of the cache_salt (zero without one)
+    24      16    keyed digest of the LoRA adapter's name (zero without one)
+    40      8     XXH3-64 of bytes 0..39
+
+A record that is absent (all zero) is **unknown**; one that fails its check (:func:`read_record`
+raises :class:`DamagedRecord`) is never trusted.  A verified read keeps those that pass (:func:`note_verified`).
+
+Zero copy: :meth:`Envelope.open_into` verifies a value in memory and decodes it into the caller's
+buffer; the disk tier checks a file's header with :meth:`Envelope.open_header` and streams its
+digest with :meth:`Envelope.hasher` while the bytes move.
 
 Compatibility rule: a reader reads this envelope and the formats the release before it wrote
 (:mod:`kvtier.core.legacyformats`: the chunk file version 2 and the shared value versions 1 and
@@ -52,43 +59,47 @@ from __future__ import annotations
 import hmac
 import struct
 import time
-from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
 
 import xxhash
 
-from kvtier.core import codecs, compression, encryption, legacyformats, tenant  # noqa: F401 - registers the codecs
-from kvtier.core.codecstats import CodecStats
+from kvtier.core import codecs, legacyformats
 from kvtier.core.envelopedigest import MAC_CONTEXT, Hasher, Mac, mac_key
 from kvtier.core.errors import ChunkFormatError, length_problem
+from kvtier.core.sealing import (
+    DIGEST_BYTES,
+    DIGEST_OFFSET,
+    DISK_HEADER_BYTES,
+    FIELDS,
+    FIXED_BYTES,
+    KIND_CHECKSUM,
+    KIND_MAC,
+    LAYOUT_PAGES,
+    MAGIC,
+    MAX_CODECS,
+    RECORD_BYTES,
+    RECORD_OFFSET,
+    UNKNOWN_RECORD,
+    VERSION,
+    EnvelopeWriter,
+    Sealed,
+)
 
-__all__ = ["MAC_CONTEXT", "Envelope", "EnvelopeError", "EnvelopeHeader", "ForeignValue", "Hasher", "Sealed",
-           "decode_header", "mac_key"]
-MAGIC = b"KVTE"
-VERSION = 1
-FIXED_BYTES = 128
-"""Bytes of the header's fields, record and digest (the shared tiers' whole header)."""
-DISK_HEADER_BYTES = 4096
-"""The disk tier's header block: the fixed header padded so the payload starts on a 4096-byte
-boundary, the largest logical block size of common devices, which ``O_DIRECT`` needs."""
-DIGEST_BYTES = 16
-MAX_CODECS = 5
-KIND_CHECKSUM = 0
-KIND_MAC = 1
-LAYOUT_PAGES = 0
-"""Layout id of the payload kvtier writes today: the namespace's page layout."""
-_FIELDS = struct.Struct("<4sBBH16s16sQQHB5s")  # 64 bytes
-RECORD_OFFSET = _FIELDS.size
-"""Offset of the tenant record."""
-DIGEST_OFFSET = RECORD_OFFSET + tenant.RECORD_BYTES
-"""Offset of the digest (= bytes it covers before the payload)."""
-_UNKNOWN = bytes(tenant.RECORD_BYTES)
+__all__ = ["DIGEST_BYTES", "DIGEST_OFFSET", "DISK_HEADER_BYTES", "FIXED_BYTES", "KIND_CHECKSUM", "KIND_MAC",
+           "LAYOUT_PAGES", "MAC_CONTEXT", "RECORD_BYTES", "RECORD_OFFSET", "DamagedRecord", "Envelope",
+           "EnvelopeError", "EnvelopeHeader", "ForeignValue", "Hasher", "Record", "RecordedTenant", "Sealed",
+           "decode_header", "decode_record", "mac_key", "note_verified", "read_record"]
 FORMAT = "envelope v1"
 FORMAT_CHUNK_FILE = "chunk file v2"
 FORMAT_VALUE_V1 = "shared value v1"
 FORMAT_VALUE_V2 = "shared value v2"
-assert DIGEST_OFFSET + DIGEST_BYTES == FIXED_BYTES
+RECORD_MAGIC = b"KVTN"
+RECORD_VERSION = 1
+HAS_SALT = 1
+HAS_LORA = 2
+RECORD_FIELDS = struct.Struct("<4sBBH16s16s")  # the tenant record's 40 bytes, then their XXH3-64
 
 
 class EnvelopeError(ChunkFormatError):
@@ -112,7 +123,7 @@ class EnvelopeHeader(NamedTuple):
             every legacy format and for a passthrough codec chain).
         layout: layout id (:data:`LAYOUT_PAGES` for legacy values).
         codecs: codec ids in write order (``(1,)``, identity, for legacy values).
-        record: the raw :data:`~kvtier.core.tenant.RECORD_BYTES` tenant record (all zero:
+        record: the raw :data:`RECORD_BYTES` tenant record (all zero:
             unknown), or ``None`` for a shared value of version 1, which has none.
         digest: the stored 16-byte digest (legacy chunk file: XXH3-128 of the payload alone).
     """
@@ -135,9 +146,9 @@ class EnvelopeHeader(NamedTuple):
         if self.format != FORMAT:
             return b""
         ids = bytes(self.codecs) + bytes(MAX_CODECS - len(self.codecs))
-        return _FIELDS.pack(MAGIC, VERSION, self.kind, self.header_bytes, self.namespace, self.key,
+        return FIELDS.pack(MAGIC, VERSION, self.kind, self.header_bytes, self.namespace, self.key,
                             self.stored_bytes, self.original_bytes, self.layout, len(self.codecs), ids) + \
-            (self.record or _UNKNOWN)
+            (self.record or UNKNOWN_RECORD)
 
 
 def decode_header(raw: bytes | memoryview) -> EnvelopeHeader:
@@ -162,7 +173,7 @@ def decode_header(raw: bytes | memoryview) -> EnvelopeHeader:
         old = legacyformats.decode_chunk_header(view)
         return EnvelopeHeader(FORMAT_CHUNK_FILE, legacyformats.CHUNK_HEADER_BYTES, KIND_CHECKSUM, old.namespace,
                               old.key, old.length, old.length, LAYOUT_PAGES, (codecs.IDENTITY.id,),
-                              old.tenant[:tenant.RECORD_BYTES], old.payload_digest)
+                              old.tenant[:RECORD_BYTES], old.payload_digest)
     if magic == legacyformats.VALUE_MAGIC:
         val = legacyformats.decode_value_header(view)
         covered = val.header_bytes - DIGEST_BYTES
@@ -182,7 +193,7 @@ def _zeros(nbytes: int) -> bytes:
 def _decode_envelope(view: memoryview) -> EnvelopeHeader:
     """:func:`decode_header` of an envelope (``view``: at least :data:`FIXED_BYTES` bytes)."""
     (_magic, version, kind, header_bytes, namespace, key, stored, original, layout, count,
-     ids) = _FIELDS.unpack_from(view)
+     ids) = FIELDS.unpack_from(view)
     if version != VERSION:
         raise EnvelopeError(f"unsupported chunk format: envelope version {version} (this kvtier reads {VERSION})")
     if kind not in (KIND_CHECKSUM, KIND_MAC) or header_bytes < FIXED_BYTES or count > MAX_CODECS \
@@ -201,68 +212,97 @@ def _chain(ids: tuple[int, ...]) -> codecs.Chain:
     return codecs.chain_of(ids)
 
 
-class Sealed(NamedTuple):
-    """A value to store: ``header`` then ``body`` (after the codec chain: for a passthrough chain the caller's memory)."""
-
-    header: bytes
-    body: memoryview
-
-
-class Envelope:
-    """Writes and verifies envelopes of one namespace.
-
-    Args:
-        namespace: 16-byte namespace digest.
-        secret: the shared secret (a keyed BLAKE3 MAC), or ``None`` (XXH3-128).
-        chain: codec names or ids in write order (:func:`kvtier.core.codecs.chain_of`).
-        header_bytes: the payload's offset (:data:`FIXED_BYTES`; the disk tier
-            :data:`DISK_HEADER_BYTES`).
-        layout: layout id written (:data:`LAYOUT_PAGES`).
-        keyring: the operator's master keys (:class:`~kvtier.core.encryption.KeyRing`) for a
-            chain with ``aes-256-gcm`` and for reading encrypted values; ``None``: none.
+@dataclass(frozen=True)
+class RecordedTenant:
+    """A chunk's tenant known only by the record a verified shared value or chunk file carried (a
+    chunk read from the redis, s3 or disk tier and promoted into the cpu tier, issue 22): the keyed digests cannot be
+    turned back into a :class:`~kvtier.core.tenant.TenantId`, so the record itself travels on, and a tier that writes
+    the chunk down (the disk tier's header) writes the same :data:`RECORD_BYTES` bytes.
 
     Attributes:
-        stats: the chain's numbers (:class:`~kvtier.core.codecstats.CodecStats`; payload-changing chains only).
-
-    Raises:
-        ValueError: a namespace not of 16 bytes, too many codecs, or ``header_bytes`` below
-            :data:`FIXED_BYTES` or above 65535.
-        CodecError: an unknown codec.
+        namespace: 16-byte namespace digest the record is keyed by (:func:`kvtier.core.tenant.record`).
+        raw: the :data:`RECORD_BYTES` record as read, its own check passed (:func:`read_record`).
     """
 
-    def __init__(self, namespace: bytes, secret: bytes | None = None, chain: Sequence[str | int] = ("identity",),
-                 header_bytes: int = FIXED_BYTES, layout: int = LAYOUT_PAGES,
-                 keyring: encryption.KeyRing | None = None) -> None:
-        if len(namespace) != 16:
-            raise ValueError(f"namespace digest must be 16 bytes, got {len(namespace)}")
-        if not FIXED_BYTES <= header_bytes <= 0xFFFF:
-            raise ValueError(f"header_bytes must be {FIXED_BYTES}..65535, got {header_bytes}")
-        self.namespace = namespace
-        self.chain = codecs.chain_of(chain)
-        if len(self.chain.codecs) > MAX_CODECS:
-            raise ValueError(f"a codec chain holds at most {MAX_CODECS} codecs, got {len(self.chain.codecs)}")
-        self.kind = KIND_CHECKSUM if secret is None else KIND_MAC
-        self.mac_key = None if secret is None else mac_key(secret)
-        self.header_bytes = header_bytes
-        self.layout = layout
-        ids = self.chain.ids
-        self._ids = len(ids), bytes(ids) + bytes(MAX_CODECS - len(ids))
-        self._known = ids  # the chain this envelope writes: known without a look-up
-        self._pad = bytes(header_bytes - FIXED_BYTES)
-        if self.chain.sealed and keyring is None:
-            raise codecs.CodecError("codec aes-256-gcm needs a master key; set encryption: {master_key_file: ...}")
-        self.keyring = keyring
-        self.stats = CodecStats()
+    namespace: bytes
+    raw: bytes
 
-    def record(self, writer: tenant.Writer | None) -> bytes:
-        """The tenant record of ``writer`` in this namespace (all zero for ``None``: unknown)."""
-        return _UNKNOWN if writer is None else tenant.record(self.namespace, writer)
+    @property
+    def quota_key(self) -> bytes | None:
+        """The tenant quotas' key (:mod:`kvtier.core.quota`): ``b""`` for a chunk saved without a
+        ``cache_salt`` (all such requests are one tenant); ``None`` (unknown) for a salted one, whose
+        salt digest the keyed record does not give back."""
+        rec = decode_record(self.raw)
+        return None if rec is None or rec.flags & HAS_SALT else b""
 
-    def fields(self, key: bytes, stored_bytes: int, original_bytes: int, record: bytes = _UNKNOWN) -> bytes:
-        """The :data:`DIGEST_OFFSET` header bytes before the digest (which covers them)."""
-        count, ids = self._ids
-        return _FIELDS.pack(MAGIC, VERSION, self.kind, self.header_bytes, self.namespace, key, stored_bytes,
-                            original_bytes, self.layout, count, ids) + record
+    def record_in(self, namespace: bytes) -> bytes:
+        """The record to write for a value of ``namespace``: its own bytes when it was keyed by
+        ``namespace``, else an all-zero (unknown) record: keyed digests cannot be keyed anew."""
+        return self.raw if self.namespace == namespace else UNKNOWN_RECORD
+
+
+class Record(NamedTuple):
+    """A decoded record: the flags and the two keyed digests."""
+
+    flags: int
+    salt: bytes
+    lora: bytes
+
+
+class DamagedRecord(ValueError):
+    """A record that is not all zero (so a writer put one there) but fails its check: another
+    magic or version, or its checksum fails.  Never trusted: ``kvtier purge`` leaves the chunk
+    alone and names it as a problem."""
+
+
+def read_record(raw: bytes | memoryview) -> Record | None:
+    """The record in ``raw`` (at least :data:`RECORD_BYTES` bytes); ``None`` when absent (all zero:
+    the writer did not know its tenant, or wrote before records existed).
+
+    Raises:
+        DamagedRecord: not all zero, and a short record, another magic or version, or a checksum mismatch.
+    """
+    raw = bytes(raw[:RECORD_BYTES])
+    if raw == UNKNOWN_RECORD:
+        return None
+    if len(raw) < RECORD_BYTES or raw[:4] != RECORD_MAGIC:
+        raise DamagedRecord("its tenant record is not one this kvtier writes")
+    if xxhash.xxh3_64_digest(raw[:RECORD_FIELDS.size]) != raw[RECORD_FIELDS.size:RECORD_BYTES]:
+        raise DamagedRecord("its tenant record fails its checksum")
+    _magic, version, flags, _zero, salt, lora = RECORD_FIELDS.unpack(raw[:RECORD_FIELDS.size])
+    if version != RECORD_VERSION:
+        raise DamagedRecord(f"its tenant record is of version {version}, which this kvtier does not read")
+    return Record(flags, salt, lora)
+
+
+def decode_record(raw: bytes | memoryview) -> Record | None:
+    """The record in ``raw`` (at least :data:`RECORD_BYTES` bytes); ``None`` when unknown (absent,
+    another version, or a checksum mismatch: :func:`read_record` tells those apart)."""
+    try:
+        return read_record(raw)
+    except DamagedRecord:
+        return None
+
+
+def note_verified(records: dict[bytes, RecordedTenant] | None, namespace: bytes, key: bytes,
+                  raw: bytes | memoryview | None) -> None:
+    """A value of chunk ``key`` in ``namespace`` whose digest covers the tenant record ``raw``
+    (:data:`RECORD_BYTES` bytes; ``None``: its format has none) was verified: keep the record in
+    ``records`` (:data:`kvtier.core.tenant.TenantRecords`; ``None``: the caller does not collect
+    them).  An absent record (unknown) or one that fails its own check (:class:`DamagedRecord`) is
+    not kept: the chunk's tenant stays unknown.  Call it only after verification passed; readers
+    of one dict note distinct keys."""
+    if records is None or raw is None:
+        return
+    raw = bytes(raw[:RECORD_BYTES])
+    if decode_record(raw) is not None:
+        records[bytes(key)] = RecordedTenant(bytes(namespace), raw)
+
+
+# ---- reading a value ------------------------------------------------------------------------
+class Envelope(EnvelopeWriter):
+    """Writes (:class:`~kvtier.core.sealing.EnvelopeWriter`, whose arguments these are) and
+    verifies envelopes of one namespace."""
 
     def hasher(self, fields: bytes | memoryview) -> Hasher:
         """A streaming digest of the kind this envelope writes, already fed ``fields``: feed it the
@@ -270,42 +310,6 @@ class Envelope:
         if self.mac_key is None:
             return xxhash.xxh3_128(fields)
         return Mac(self.mac_key, fields)
-
-    def finish(self, fields: bytes, digest: bytes) -> bytes:
-        """The whole :attr:`header_bytes` header: ``fields``, ``digest`` and the zero padding."""
-        return fields + digest + self._pad
-
-    def header(self, key: bytes, body: memoryview | bytes, original_bytes: int | None = None,
-               writer: tenant.Writer | None = None) -> bytes:
-        """The header of a value whose stored payload is ``body`` (its original length
-        ``original_bytes``, default ``len(body)``), with ``writer``'s tenant record."""
-        view = memoryview(body).cast("B")
-        fields = self.fields(key, view.nbytes, view.nbytes if original_bytes is None else original_bytes,
-                             self.record(writer))
-        h = self.hasher(fields)
-        h.update(view)
-        return self.finish(fields, h.digest())
-
-    def seal(self, key: bytes, payload: memoryview | bytes, writer: tenant.Writer | None = None) -> Sealed:
-        """Header and body of ``payload`` through the codec chain (no copy for a passthrough chain;
-        otherwise the codecs' own output buffers).
-
-        Raises:
-            CodecError: a codec fails."""
-        view = memoryview(payload).cast("B")
-        if self.chain.passthrough:
-            return Sealed(self.header(key, view, view.nbytes, writer), view)
-        record = self.record(writer)
-        t0 = time.perf_counter()
-        ctx = codecs.CodecContext(self.namespace, record, self.keyring,
-                                  lambda stored: self.fields(key, stored, view.nbytes, record))
-        body = memoryview(self.chain.encode(view, ctx)).cast("B")
-        fields = self.fields(key, body.nbytes, view.nbytes, record)
-        h = self.hasher(fields)
-        h.update(body)
-        head = self.finish(fields, h.digest())
-        self.stats.encoded(view.nbytes, body.nbytes, time.perf_counter() - t0)
-        return Sealed(head, body)
 
     def decode_payload(self, header: EnvelopeHeader, value: memoryview, out: memoryview) -> None:
         """Undo ``header``'s codec chain on the verified ``value`` (header and stored payload) into
@@ -323,7 +327,7 @@ class Envelope:
                 raise EnvelopeError(str(exc)) from None
             return
         t0 = time.perf_counter()
-        ctx = codecs.CodecContext(self.namespace, header.record or _UNKNOWN, self.keyring,
+        ctx = codecs.CodecContext(self.namespace, header.record or UNKNOWN_RECORD, self.keyring,
                                   lambda _stored: bytes(value[:DIGEST_OFFSET]))
         try:
             chain.decode_into(stored, out, ctx)
@@ -331,10 +335,6 @@ class Envelope:
             self.stats.failed(isinstance(exc, codecs.DecryptError))
             raise (ForeignValue if isinstance(exc, codecs.ForeignKeyError) else EnvelopeError)(str(exc)) from None
         self.stats.decoded(stored.nbytes, out.nbytes, time.perf_counter() - t0)
-
-    def stored_bytes(self, payload_bytes: int) -> int:
-        """Bytes a value of ``payload_bytes`` takes (header included) with a passthrough chain."""
-        return self.header_bytes + payload_bytes
 
     def check(self, header: EnvelopeHeader, key: bytes, original_bytes: int | None) -> None:
         """Refuse a header that does not belong here: another namespace, key or digest kind, an unknown layout or

@@ -49,8 +49,8 @@ from typing import NamedTuple
 import blake3
 import xxhash
 
-from kvtier.core import tenant
 from kvtier.core.errors import ChunkFormatError
+from kvtier.core.sealing import RECORD_BYTES
 
 CHUNK_MAGIC = b"KVTC"
 CHUNK_VERSION = 2
@@ -67,7 +67,7 @@ VALUE_V1, VALUE_V2 = 1, 2
 VALUE_DIGEST_BYTES = 16
 _VALUE_FIELDS = struct.Struct("<4sHBB16s16sQ")  # 48 bytes
 VALUE_RECORD_OFFSET = _VALUE_FIELDS.size
-VALUE_V2_HEADER_BYTES = _VALUE_FIELDS.size + tenant.RECORD_BYTES + VALUE_DIGEST_BYTES
+VALUE_V2_HEADER_BYTES = _VALUE_FIELDS.size + RECORD_BYTES + VALUE_DIGEST_BYTES
 VALUE_V1_HEADER_BYTES = _VALUE_FIELDS.size + VALUE_DIGEST_BYTES
 
 
@@ -143,7 +143,7 @@ def decode_value_header(raw: bytes | memoryview) -> ValueHeader:
         return ValueHeader(version, kind, namespace, key, length, VALUE_V1_HEADER_BYTES, None)
     if len(raw) < VALUE_V2_HEADER_BYTES:
         raise ChunkFormatError(f"value truncated ({len(raw)} bytes, header alone is {VALUE_V2_HEADER_BYTES})")
-    record = bytes(raw[VALUE_RECORD_OFFSET:VALUE_RECORD_OFFSET + tenant.RECORD_BYTES])
+    record = bytes(raw[VALUE_RECORD_OFFSET:VALUE_RECORD_OFFSET + RECORD_BYTES])
     return ValueHeader(version, kind, namespace, key, length, VALUE_V2_HEADER_BYTES, record)
 
 

@@ -23,7 +23,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvtier.core import tenant
+from kvtier.core import envelope, tenant
 from kvtier.core.errors import KVTierError, UserError
 from kvtier.core.tiers.probe import PROBE_DEADLINE_S, within_deadline
 
@@ -121,14 +121,14 @@ class PurgeSelector:
         """Whether a chunk of ``namespace`` with tenant record ``raw_record`` (``None``: a value
         format with no room for one) goes, counting in ``result`` why one stays: an absent record
         is an unknown tenant (:attr:`NamespacePurge.unknown_tenant`); a record that fails its check
-        (:class:`~kvtier.core.tenant.DamagedRecord`) is never trusted: kept, counted in
+        (:class:`~kvtier.core.envelope.DamagedRecord`) is never trusted: kept, counted in
         :attr:`NamespacePurge.damaged_tenant` and named as a problem (``where``: the chunk's
         file, key or object).  ``True`` when the selector names no tenant."""
         if not self.needs_tenant:
             return True
         try:
-            rec = None if raw_record is None else tenant.read(raw_record)
-        except tenant.DamagedRecord as exc:
+            rec = None if raw_record is None else envelope.read_record(raw_record)
+        except envelope.DamagedRecord as exc:
             result.damaged_tenant += 1
             result.problem(f"{where}: {exc}; kept")
             return False

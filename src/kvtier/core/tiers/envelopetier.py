@@ -25,7 +25,7 @@ from kvtier.core import envelope
 from kvtier.core.encryption import KeyRing
 from kvtier.core.errors import ChunkFormatError
 from kvtier.core.keys import ChunkKey
-from kvtier.core.tenant import TenantRecords, Writer, note_verified
+from kvtier.core.tenant import TenantRecords, Writer
 from kvtier.core.tiers.base import GetResult, PutResult, Tier
 from kvtier.core.tiers.valueread import check_range, open_bytes, open_value, payload_range, whole_sliced
 
@@ -95,7 +95,7 @@ class EnvelopeTier(Tier):
         except ChunkFormatError as exc:
             self._unusable(key, str(exc))
             return GetResult.CORRUPT
-        note_verified(records, self.namespace, key, record)
+        envelope.note_verified(records, self.namespace, key, record)
         return GetResult.HIT
 
     def read_into(self, key: ChunkKey, dst: memoryview, records: TenantRecords | None = None) -> int | None:
@@ -109,7 +109,7 @@ class EnvelopeTier(Tier):
         except ChunkFormatError as exc:
             self._unusable(key, str(exc))
             return None
-        note_verified(records, self.namespace, key, opened.record)
+        envelope.note_verified(records, self.namespace, key, opened.record)
         return opened.payload.nbytes
 
     def get(self, key: ChunkKey, records: TenantRecords | None = None) -> bytes | None:
@@ -123,7 +123,7 @@ class EnvelopeTier(Tier):
         except ChunkFormatError as exc:
             self._unusable(key, str(exc))
             return None
-        note_verified(records, self.namespace, key, record)
+        envelope.note_verified(records, self.namespace, key, record)
         return payload
 
     def get_range(self, key: ChunkKey, offset: int, length: int) -> bytes | None:

@@ -29,10 +29,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvtier.core import envelope
+from kvtier.core.envelope import note_verified
 from kvtier.core.errors import ChunkFormatError, length_problem
 from kvtier.core.keys import ChunkKey
 from kvtier.core.stats import WireCounters
-from kvtier.core.tenant import TenantRecords, note_verified
+from kvtier.core.tenant import TenantRecords
 from kvtier.core.tiers.sharedvalue import ValueCodec
 from kvtier.core.tiers.valueread import check_range, open_bytes, open_value, payload_range, whole_sliced
 

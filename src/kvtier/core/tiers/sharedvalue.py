@@ -207,7 +207,7 @@ def verify_into(codec: ValueCodec, keys: Sequence[ChunkKey], values: Sequence[by
     :meth:`ValueCodec.open_into` is ``CORRUPT`` and logged, one line each naming ``where`` (e.g.
     ``"kvtier redis tier (host:port)"``) and the chunk; the tier counts it and the caller deletes
     it.  No network.  The tenant record of each verified value goes into ``records``
-    (:func:`kvtier.core.tenant.note_verified`; ``None``: not collected)."""
+    (:func:`kvtier.core.envelope.note_verified`; ``None``: not collected)."""
     results: list[GetResult] = []
     num_bytes = corrupt = 0
     for key, value, dst in zip(keys, values, dsts, strict=True):
@@ -229,7 +229,7 @@ def verify_into(codec: ValueCodec, keys: Sequence[ChunkKey], values: Sequence[by
             corrupt += 1
             results.append(GetResult.CORRUPT)
             continue
-        tenant.note_verified(records, codec.namespace, key, record)  # the verified digest covers the record
+        envelope.note_verified(records, codec.namespace, key, record)  # the verified digest covers the record
         num_bytes += out.nbytes
         results.append(GetResult.HIT)
     return Verified(results, num_bytes, corrupt)
@@ -262,7 +262,7 @@ class Header(NamedTuple):
     Attributes:
         namespace / key: 16-byte namespace digest and chunk key.
         length: payload bytes (as stored).
-        record: the raw :data:`~kvtier.core.tenant.RECORD_BYTES` tenant record (all zero when the
+        record: the raw :data:`~kvtier.core.envelope.RECORD_BYTES` tenant record (all zero when the
             writer did not know its tenant), or ``None`` for a version-1 value, which has none.
     """
 

@@ -3,10 +3,11 @@ shared by the processes of one host and kept across restarts.
 
 Modules:
 
-- :mod:`~kvtier.core.tiers.disk.tier`: :class:`~kvtier.core.tiers.disk.tier.DiskTier` (index,
-  capacity and crash-safe writes);
-- :mod:`~kvtier.core.tiers.disk.reads`: its reads: verified whole reads of the expected length or
-  of any length, and ranged reads at the payload's offset (the header checked, the bytes not);
+- :mod:`~kvtier.core.tiers.disk.tier`: :class:`~kvtier.core.tiers.disk.tier.DiskTier` on a request's
+  path: the index's membership test, the verified whole-file reads of the expected length and their I/O;
+- :mod:`~kvtier.core.tiers.disk.files`: its set-up, index, crash-safe writes, deletes and accounting;
+- :mod:`~kvtier.core.tiers.disk.reads`: its reads off a hit's path: of any length, recoded, and ranged
+  reads at the payload's offset (the header checked, the bytes not);
 - :mod:`~kvtier.core.tiers.disk.factory`: the tier from a configuration, its preflight check and
   state directory;
 - :mod:`~kvtier.core.tiers.disk.directory`: the index kept in step with the directory (the rescan of

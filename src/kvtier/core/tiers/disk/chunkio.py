@@ -3,7 +3,7 @@
 :class:`ChunkIO` holds how one disk tier moves payloads between files (payload at offset
 :data:`~kvtier.core.tiers.disk.chunkfile.HEADER_BYTES`) and memory buffers: direct or buffered,
 the slice size, the helper threads; it writes them here, and the reads
-(:func:`kvtier.core.tiers.disk.reads.read_chunk`, on a hit's path) run from its settings there:
+(:func:`kvtier.core.tiers.disk.tier.read_chunk`, on a hit's path) run from its settings there:
 
 - **Writes**: a payload of at least :data:`OVERLAP_MIN_BYTES` (buffered) or
   :data:`DIRECT_OVERLAP_MIN_BYTES` (direct) is hashed on a helper thread while the calling thread

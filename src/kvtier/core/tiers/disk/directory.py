@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from kvtier.core import envelope
@@ -67,14 +68,9 @@ class DirectorySync:
     _watch: ShardWatch
     _writer: WriterLock
 
-    def _file(self, key: ChunkKey) -> str:
-        raise NotImplementedError
-
-    def _forget(self, key: ChunkKey) -> None:
-        raise NotImplementedError
-
-    def _quarantine(self, key: ChunkKey, path: Path, reason: str) -> None:
-        raise NotImplementedError
+    _file: Callable[[ChunkKey], str]  # declared, not defined: DiskTier's (kvtier.core.tiers.disk.tier, .files)
+    _forget: Callable[[ChunkKey], None]
+    _quarantine: Callable[[ChunkKey, Path, str], None]
 
     def rescan(self, max_new: int = RESCAN_MAX_NEW) -> RescanResult:
         """:meth:`scan` then :meth:`adopt` (for a tier used without a store)."""

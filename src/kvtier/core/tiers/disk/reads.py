@@ -1,101 +1,55 @@
-"""The disk tier's reads: whole chunk files verified while they move, of the length the caller
-expects (``get_into``, the store's fixed-length path) or of any length (``get``, ``read_into``),
-and ranged reads of a payload (``get_range``).
+"""The disk tier's reads off a hit's path: whole chunk files of any length (``get``,
+``read_into``: the blob verbs), files whose codec chain changes the payload (read whole, then
+decoded), and ranged reads of a payload (``get_range``).
 
 :class:`DiskReads` is that part of :class:`~kvtier.core.tiers.disk.tier.DiskTier`, over the state
-the tier holds (declared here; the tier sets it).
+the tier holds (declared here; the tier sets it).  The fixed-length read a hit runs
+(``get_into``) and the verified read under all of these (``_read``, :func:`~kvtier.core.tiers.disk.tier.read_chunk`)
+are in :mod:`kvtier.core.tiers.disk.tier`.
 
-- A whole read (:meth:`DiskReads.get_into`, :meth:`DiskReads.read_into`, :meth:`DiskReads.get`)
-  checks the header (an envelope, or a legacy version-2 chunk file), the file's size against it,
-  and the digest over header fields and payload, computed while the bytes move
-  (:mod:`kvtier.core.tiers.disk.chunkio`).  A file that fails is counted in ``corrupt``, logged
-  and removed: ``CORRUPT`` from ``get_into``, ``None`` from the others.
+- A whole read (:meth:`DiskReads.read_into`, :meth:`DiskReads.get`) checks the header (an
+  envelope, or a legacy version-2 chunk file), the file's size against it, and the digest over
+  header fields and payload, computed while the bytes move.  A file that fails is counted in
+  ``corrupt``, logged and removed: ``None``.
 - A ranged read (:meth:`DiskReads.get_range`) reads the header block and then only the range,
   with ``pread`` at the payload's offset (4096) plus ``offset``, buffered (a range is rarely
   block-aligned).  The header is checked as in a whole read (and a file that fails is removed),
   but **the range's bytes are not verified**: the digest covers the whole payload and envelope
   version 1 has no per-range digest (:mod:`kvtier.core.tiers.valueread`).
-
-How a whole read moves the bytes (:func:`read_chunk`, over the tier's
-:class:`~kvtier.core.tiers.disk.chunkio.ChunkIO` settings; its writes are there):
-
-- **Reads** go in slices of ``slice_bytes``; the header block comes with the first slice in one
-  call.  In direct mode (``pipeline``) helper threads keep :data:`READ_DEPTH` slices in flight
-  while the calling thread hashes the completed ones in order (``os.preadv`` releases the GIL and
-  so does xxhash's ``update``, measured: another thread runs Python code meanwhile), so the device
-  stays busy and the hash hides behind it.  Buffered reads are kernel copies from the page cache
-  (CPU work, 9-17 GiB/s) and the hash adds about a third to them on one core; they are read
-  either *serially* (each slice hashed right after it is read, while it is in the CPU cache) or
-  *split* (a helper reads the payload's tail while the calling thread reads and hashes the head,
-  then hashes the tail), whichever :class:`~kvtier.core.readchoice.ReadChooser` measures
-  to be faster now: split wins only with a free core, and costs a hand-off when there is none
-  (so it is never tried on 1-2 CPUs).
-
-Errors: a short read (the file is shorter than its header says) raises
-:class:`~kvtier.core.tiers.disk.chunkfile.ChunkFormatError`; other failures raise ``OSError``.
 """
 
 from __future__ import annotations
 
 import os
 import stat
-import threading
-import time
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, wait
 from pathlib import Path
 
-import numpy as np
-
-from kvtier.core import codecs, envelope
+from kvtier.core import envelope
+from kvtier.core.envelope import note_verified
 from kvtier.core.errors import length_problem
 from kvtier.core.keys import ChunkKey
-from kvtier.core.readchoice import ALIGN, address, round_up, skip_iov
-from kvtier.core.tenant import TenantRecords, note_verified
+from kvtier.core.tenant import TenantRecords
 from kvtier.core.tiers.base import GetResult
-from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES, ChunkFormatError, PayloadHasher
-from kvtier.core.tiers.disk.chunkio import ChunkIO
-from kvtier.core.tiers.disk.recoded import Recoded, read_recoded
-from kvtier.core.tiers.valueread import check_range, check_room, payload_range
+from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES, ChunkFormatError
+from kvtier.core.tiers.disk.recoded import read_recoded
+from kvtier.core.tiers.valueread import check_range, payload_range
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-CheckHeader = Callable[[memoryview, int], tuple[bytes, envelope.Hasher]]
-"""``check_header(header block, payload bytes) -> (expected digest, hasher)``: checks a file's
-header against what the reader expects (raising ChunkFormatError) and returns the digest the
-payload must give and a streaming hasher already fed what the digest covers before the payload
-(the envelope's header fields; nothing for a legacy file)."""
-SPLIT_HEAD_SHARE = 0.45
-"""Share of a split read's payload read (and hashed) by the calling thread: with the hash at about a
-third of the read's cost, reading 0.45 and hashing it takes about as long as reading the other 0.55."""
 
 
 class DiskReads:
-    """The reading part of a :class:`~kvtier.core.tiers.disk.tier.DiskTier` (see the module docstring)."""
+    """The variable-length and ranged reads of a :class:`~kvtier.core.tiers.disk.tier.DiskTier` (see
+    the module docstring)."""
 
     namespace: bytes
     envelope: envelope.Envelope
-    _io: ChunkIO
-    _lock: threading.Lock
     _bad: set[ChunkKey]
     _sealed_away: set[ChunkKey]
-    _writing: set[ChunkKey]
-
-    def _file(self, key: ChunkKey) -> str:
-        raise NotImplementedError
-
-    def _forget(self, key: ChunkKey) -> None:
-        raise NotImplementedError
-
-    def _quarantine(self, key: ChunkKey, path: Path, reason: str) -> None:
-        raise NotImplementedError
-
-    def _fall_back(self, exc: OSError) -> bool:
-        raise NotImplementedError
-
-    def get_into(self, key: ChunkKey, dst: memoryview, records: TenantRecords | None = None) -> GetResult:
-        got = self._read(key, dst, records, True)
-        return got if isinstance(got, GetResult) else GetResult.HIT
+    # declared, not defined: the tier's (kvtier.core.tiers.disk.tier and .files)
+    _file: Callable[[ChunkKey], str]
+    _quarantine: Callable[[ChunkKey, Path, str], None]
+    _read: Callable[[ChunkKey, memoryview | None, TenantRecords | None, bool], GetResult | memoryview]
 
     def read_into(self, key: ChunkKey, dst: memoryview, records: TenantRecords | None = None) -> int | None:
         """The verified payload of any length into ``dst[:length]``; its length, or ``None``.
@@ -110,85 +64,6 @@ class DiskReads:
         """The verified payload of any length, or ``None``."""
         got = self._read(key, None, records, False)
         return None if isinstance(got, GetResult) else bytes(got)
-
-    def _read(self, key: ChunkKey, dst: memoryview | None, records: TenantRecords | None,
-              exact: bool) -> GetResult | memoryview:
-        """:meth:`_read_verified` with the fall-back to buffered I/O; ``MISS``/``CORRUPT`` or the payload."""
-        path = self._file(key)
-        if key in self._bad or key in self._sealed_away:  # counted once already, when it was found unusable
-            return GetResult.MISS
-        try:
-            try:
-                return self._read_verified(key, path, dst, records, exact)
-            except OSError as exc:
-                if not self._fall_back(exc):
-                    raise
-                return self._read_verified(key, path, dst, records, exact)
-        except envelope.ForeignValue:  # another engine's master key (counted by the envelope): a miss,
-            with self._lock:           # the file kept for it, no longer indexed nor offered
-                self._forget(key)
-                self._sealed_away.add(key)
-            return GetResult.MISS
-        except FileNotFoundError:
-            with self._lock:
-                if key not in self._writing:  # removed by another process (a write in flight is not)
-                    self._forget(key)
-            return GetResult.MISS
-        except (ChunkFormatError, OSError) as exc:
-            self._quarantine(key, Path(path), str(exc))
-            return GetResult.CORRUPT
-
-    def _read_verified(self, key: ChunkKey, path: str, dst: memoryview | None, records: TenantRecords | None,
-                       exact: bool) -> memoryview:
-        """Read ``key``'s payload into ``dst`` (``exact``: exactly its length; else at least it, or
-        a new buffer for ``None``) and return it; raises ChunkFormatError unless every check passes.
-        The file is an envelope (:mod:`kvtier.core.envelope`) or a legacy version-2 chunk file
-        (:mod:`kvtier.core.legacyformats`).  Then its tenant record goes into ``records``
-        (:func:`kvtier.core.tenant.note_verified`: only one that passes its own check).
-
-        Raises:
-            BufferTooSmall: not ``exact`` and ``dst`` is shorter than the file's payload.
-        """
-        io = self._io
-        record: bytes | None = None
-        # O_NONBLOCK: a FIFO or device planted at a chunk's path must not hang the caller
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW | io.open_flags)
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise ChunkFormatError("not a regular file")
-            if not self.envelope.chain.passthrough or (exact and dst is not None and
-                                                       st.st_size - HEADER_BYTES != dst.nbytes):
-                return self._read_recoded(key, path, st.st_size, dst, records, exact)
-            given = dst  # a file of another chain is decoded into the caller's buffer as given
-            if not exact:  # a short file fails its header check below
-                dst = check_room(max(st.st_size - HEADER_BYTES, 0), dst)
-
-            def check(raw: memoryview, payload_bytes: int) -> tuple[bytes, envelope.Hasher]:
-                nonlocal record
-                # not a chunk file, another namespace or key, a layout or codec this kvtier does not read,
-                # or another chunk size (config, geometry): never a partial fill (one call per read)
-                header, hasher = self.envelope.open_header(raw, key, out.nbytes if exact else None, HEADER_BYTES)
-                if payload_bytes != header.stored_bytes:  # the sentence only for a bad one: a hit runs this
-                    raise ChunkFormatError(length_problem(payload_bytes + header.header_bytes, header.header_bytes,
-                                                          header.stored_bytes, "the chunk file") or "")
-                if header.stored_bytes != header.original_bytes or (
-                        header.codecs != self.envelope.chain.ids and not codecs.chain_of(header.codecs).passthrough):
-                    raise Recoded("its codec chain changes the payload")  # read whole, then decoded
-                record = header.record
-                return header.digest, PayloadHasher() if hasher is None else hasher
-
-            assert dst is not None
-            out = memoryview(np.frombuffer(dst, dtype=np.uint8).data)
-            try:
-                if not read_chunk(io, fd, out, st.st_size, check):
-                    raise ChunkFormatError("payload checksum mismatch")
-            except Recoded:  # written under another chain than this tier's (a config change)
-                return self._read_recoded(key, path, st.st_size, given, records, exact)
-        finally:
-            os.close(fd)
-        note_verified(records, self.namespace, key, record)
-        return out[:st.st_size - HEADER_BYTES]
 
     def _read_recoded(self, key: ChunkKey, path: str, file_bytes: int, dst: memoryview | None,
                       records: TenantRecords | None, exact: bool) -> memoryview:
@@ -238,128 +113,3 @@ class DiskReads:
         finally:
             os.close(fd)
 
-
-def read_chunk(io: ChunkIO, fd: int, out: memoryview, file_bytes: int, check_header: CheckHeader) -> bool:
-    """Read a chunk file of ``file_bytes`` bytes into ``out``; True if its digest matches.
-
-    The header block and the first payload slice come in one read; ``check_header(header,
-    payload_bytes)`` (:data:`CheckHeader`) returns the expected digest and the hasher to feed
-    the payload, or raises ChunkFormatError (namespace, key, length).  The payload, ``file_bytes - HEADER_BYTES`` bytes, lands in ``out`` (which may
-    hold unverified bytes when this returns False or raises).
-
-    Raises:
-        ChunkFormatError: from ``check_header``, a payload larger than ``out``, or a file
-            shorter than ``file_bytes`` by the time it is read.
-        OSError: the read failed.
-    """
-    length = file_bytes - HEADER_BYTES
-    header = io.buffers.header
-    if length < 0:
-        n_read = os.preadv(fd, [header], 0)
-        check_header(header[:n_read], length)
-        raise ChunkFormatError(f"header truncated ({n_read} of {HEADER_BYTES} bytes)")
-    if length > out.nbytes:
-        raise ChunkFormatError(f"payload of {length} bytes exceeds the {out.nbytes}-byte buffer")
-    out = out[:length]
-    bounced = io.direct and address(out) % ALIGN != 0
-    bounce = io.buffers.bounces(io.slice_bytes, io.read_depth + 1) if bounced else []
-    tail = io.buffers.tail
-    offsets = range(0, length, io.slice_bytes) if length else range(1)
-
-    def read(i: int) -> memoryview:
-        """Read slice ``i`` (slice 0 with the header); return where its bytes are."""
-        off = offsets[i]
-        n = min(io.slice_bytes, length - off)
-        iov = [header] if i == 0 else []
-        if not io.direct:
-            iov.append(out[off:off + n])
-            _pread_exact(fd, iov, HEADER_BYTES * (i != 0) + off, n + HEADER_BYTES * (i == 0))
-            return out[off:off + n]
-        if bounced:
-            iov.append(bounce[i % len(bounce)][:round_up(n)])
-        else:
-            whole = n // ALIGN * ALIGN
-            if whole:
-                iov.append(out[off:off + whole])
-            if n > whole:
-                iov.append(tail)
-        _pread_exact(fd, [b for b in iov if b.nbytes], HEADER_BYTES * (i != 0) + off,
-                     n + HEADER_BYTES * (i == 0))
-        if bounced:
-            return bounce[i % len(bounce)][:n]
-        if n % ALIGN:
-            out[off + n // ALIGN * ALIGN:off + n] = tail[:n % ALIGN]
-        return out[off:off + n]
-
-    if not io.direct and not io.pipeline:
-        return _read_buffered(io, fd, out, length, check_header)
-    if not io.pipeline or len(offsets) == 1:
-        got = read(0)
-        expected, hasher = check_header(header, length)
-        for i, off in enumerate(offsets):  # each slice hashed right after it is read
-            if i:
-                got = read(i)
-            hasher.update(got)
-            if bounced:
-                out[off:off + got.nbytes] = got
-        return hasher.digest() == expected
-    # up to read_depth slices in flight on the helpers while this thread hashes them in order
-    inflight = deque(io.submit(read, i) for i in range(min(io.read_depth, len(offsets))))
-    following = len(inflight)
-    try:
-        for i, off in enumerate(offsets):
-            got = inflight.popleft().result()
-            if i == 0:
-                expected, hasher = check_header(header, length)
-            if following < len(offsets):
-                inflight.append(io.submit(read, following))
-                following += 1
-            hasher.update(got)
-            if bounced:
-                out[off:off + got.nbytes] = got
-    finally:
-        wait(inflight)  # never leave a read into the caller's buffers running
-    return hasher.digest() == expected
-
-def _read_buffered(io: ChunkIO, fd: int, out: memoryview, length: int, check_header: CheckHeader) -> bool:
-    """A buffered read, serial or split (:mod:`kvtier.core.readchoice`); see :meth:`read_chunk`."""
-    chooser = io.chooser
-    cls, split = chooser.begin(length)
-    split = split and not io.closed
-    t0 = time.perf_counter()
-    cut = max(ALIGN, int(length * SPLIT_HEAD_SHARE) // ALIGN * ALIGN) if split else length
-    tail: Future[None] | None = None
-    try:
-        if split:  # the tail on a helper, while this thread reads and hashes the head
-            tail = io.submit(_pread_exact, fd, [out[cut:]], HEADER_BYTES + cut, length - cut)
-        header = io.buffers.header
-        for off in range(0, cut, io.slice_bytes) if cut else range(1):
-            n = min(io.slice_bytes, cut - off)
-            if off == 0:
-                _pread_exact(fd, [header, out[:n]], 0, HEADER_BYTES + n)
-                expected, hasher = check_header(header, length)
-            else:
-                _pread_exact(fd, [out[off:off + n]], HEADER_BYTES + off, n)
-            hasher.update(out[off:off + n])  # right after its read, while in the CPU cache
-        if tail is not None:
-            tail.result()
-            hasher.update(out[cut:])
-    finally:
-        if tail is not None:
-            wait([tail])  # never leave a read into the caller's buffer running
-        chooser.end(cls, split, length, time.perf_counter() - t0)
-    return hasher.digest() == expected
-
-
-def _pread_exact(fd: int, iov: list[memoryview], offset: int, want: int) -> None:
-    """Read until ``want`` bytes arrived (into ``iov`` in order) or the file ends (ChunkFormatError)."""
-    got = os.preadv(fd, iov, offset)
-    if got >= want:
-        return
-    total = got
-    while total < want:  # short reads are legal before end of file; continue from where it stopped
-        rest = skip_iov(iov, total)
-        more = os.preadv(fd, rest, offset + total) if rest else 0
-        if more <= 0:
-            raise ChunkFormatError(f"payload truncated ({total} of {want} bytes of a slice)")
-        total += more

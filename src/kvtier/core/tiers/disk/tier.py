@@ -1,312 +1,100 @@
-"""Disk tier: one file per chunk under ``root/<namespace hex>/<key hex[:2]>/<key hex>.kvc``.
+"""Disk tier: one verified chunk file per chunk under ``root/<namespace hex>/<key hex[:2]>/<key hex>.kvc``;
+this module is its part on a request's path (a disk hit runs it, and the envelope's header check).
 
-- **Crash-safe writes**: a chunk is written to a temporary file in the same directory and
-  renamed into place (``os.replace`` is atomic on POSIX), so a reader never sees a half-written
-  chunk under its final name; with ``fsync=True`` it is also durable across power loss.
+:class:`DiskTier` is put together from its parts: here what a hit runs (``contains_many``: the
+index asks once per load; ``get_many``/``get_into``: the mover's reads; ``usage``: the per-step
+stats); :class:`~kvtier.core.tiers.disk.files.DiskFiles` its set-up, index, crash-safe writes,
+deletes and accounting; :class:`~kvtier.core.tiers.disk.directory.DirectorySync` the rescan of a
+directory other processes share, ``clear`` and a vanished directory;
+:class:`~kvtier.core.tiers.disk.reads.DiskReads` the reads of any length and the ranged reads.
+
 - **Verified reads**: every file is a value envelope (:mod:`kvtier.core.envelope`, header padded
   to 4096 bytes: :mod:`kvtier.core.tiers.disk.chunkfile`) whose XXH3-128 covers its header and
-  payload; files of the release before (chunk file version 2) are still read.  A torn, truncated,
-  foreign-namespace, older-format or corrupt file is a miss: it is counted in ``corrupt``,
-  logged, and removed.  The checksum is computed while the bytes move, not after
-  (:mod:`kvtier.core.tiers.disk.chunkio`).
+  payload; files of the release before (chunk file version 2) are still read.  A whole read
+  checks the header, the file's size against it, and the digest over header fields and payload,
+  computed while the bytes move.  A torn, truncated, foreign-namespace, older-format or corrupt
+  file is a miss: it is counted in ``corrupt``, logged, and removed (``CORRUPT`` from ``get_into``).
 - **Buffered or O_DIRECT** I/O (``io``), and ``io_threads`` chunks at once in ``get_many`` /
-  ``put_many``.
-- **Restart recovery**: the index (key → file size) is rebuilt by scanning the namespace
-  directory at start, so a restarted engine still hits.  Temporary files a crashed writer left
-  are removed at once (every writer holds a lock the kernel drops when it dies,
-  :class:`~kvtier.core.tiers.disk.scan.WriterLock`), so a restart right after a SIGKILL
-  mid-write counts nothing twice and leaves nothing uncounted.  With a key ring (``encryption``
-  configured) the start-up scan also reads each file's header block and key id: a file sealed
-  under a master key the ring does not hold is not indexed (never offered, never evicted, not
-  counted in ``capacity_bytes``), counted once as a decrypt failure and left in place
-  (:mod:`kvtier.core.tiers.disk.directory`); without a ring the start-up stays a listing, and such
-  a file is found by its first read, counted, and then treated the same way.
-- **Shared directory**: several processes may point at the same directory (two engines, or a
-  prefill and a decode instance).  ``contains`` answers from this process's index only (no
-  filesystem access, no side effect); a file another process deleted is a miss when read.
-  Files other processes wrote since start are taken in only by an explicit rescan: :meth:`scan`
-  (header checked, no lock held) then :meth:`adopt` (the index changes; the store runs it under
-  its own lock so that adopted chunks enter its eviction policy in the same step), looking only
-  into shard directories that changed (:mod:`kvtier.core.tiers.disk.scan`); the store runs both
-  every ``disk_rescan_s`` seconds.  Capacity is accounted over the files this process knows, so
-  engines that rescan one directory bound it together by the smallest ``disk_gib`` among them.
+  ``put_many``.  How a read moves the bytes (:func:`read_chunk`, over the tier's
+  :class:`~kvtier.core.tiers.disk.chunkio.ChunkIO` settings; its writes are there): in slices of
+  ``slice_bytes``, the header block with the first slice in one call.  In direct mode
+  (``pipeline``) helper threads keep ``read_depth`` slices in flight while the calling thread
+  hashes the completed ones in order (``os.preadv`` and xxhash's ``update`` release the GIL), so
+  the device stays busy and the hash hides behind it.  Buffered reads are kernel copies from the
+  page cache (CPU work, 9-17 GiB/s) and the hash adds about a third to them on one core; they are
+  read either *serially* (each slice hashed right after it is read, while it is in the CPU cache)
+  or *split* (a helper reads the payload's tail while the calling thread reads and hashes the
+  head, then hashes the tail), whichever :class:`~kvtier.core.readchoice.ReadChooser` measures to
+  be faster now: split wins only with a free core (so it is never tried on 1-2 CPUs).
+- **Shared directory**: several processes may point at the same directory.  ``contains`` answers
+  from this process's index only (no filesystem access, no side effect); a file another process
+  deleted is a miss when read; files other processes wrote are taken in by the rescan.
 
 Thread-safety: ``get_into`` and ``put`` do their I/O without a lock and may run concurrently on
-different keys; the index is guarded by a lock.
+different keys; the index is guarded by a lock.  Errors inside a read: a short read (the file is
+shorter than its header says) raises :class:`~kvtier.core.tiers.disk.chunkfile.ChunkFormatError`;
+other failures raise ``OSError``; both become ``CORRUPT``.
 """
 
 from __future__ import annotations
 
-import errno
-import logging
 import os
-import threading
+import stat
 import time
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
-from kvtier.core import envelope
-from kvtier.core.codecsettings import NO_CODECS, CodecArgs
-from kvtier.core.errors import ConfigError
+import numpy as np
+
+from kvtier.core import codecs, envelope
+from kvtier.core.envelope import note_verified
+from kvtier.core.errors import length_problem
 from kvtier.core.keys import ChunkKey
-from kvtier.core.tenant import TenantRecords, Writer
-from kvtier.core.tiers.base import GetResult, PutResult, Tier, TierUsage, writers
-from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES
-from kvtier.core.tiers.disk.chunkio import DEFAULT_SLICE_BYTES, ChunkIO, helper_threads
-from kvtier.core.tiers.disk.directory import STALE_TMP_S, DirectorySync
-from kvtier.core.tiers.disk.iomode import IO_MODES, IOMode, resolve_io
+from kvtier.core.readchoice import ALIGN, address, round_up, skip_iov
+from kvtier.core.tenant import TenantRecords
+from kvtier.core.tiers.base import GetResult, TierUsage
+from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES, ChunkFormatError, PayloadHasher
+from kvtier.core.tiers.disk.chunkio import ChunkIO
+from kvtier.core.tiers.disk.directory import DirectorySync
+from kvtier.core.tiers.disk.files import DiskFiles
 from kvtier.core.tiers.disk.reads import DiskReads
-from kvtier.core.tiers.disk.reset import remove_chunk_files, reset_marked, unmark_reset
-from kvtier.core.tiers.disk.scan import SUFFIX, ShardWatch, WriterLock, indexed_files, sealed_key_id, tmp_name
+from kvtier.core.tiers.disk.recoded import Recoded
+from kvtier.core.tiers.disk.scan import SUFFIX
+from kvtier.core.tiers.valueread import check_room
 
-log = logging.getLogger(__name__)
-WRITE_WARNING_INTERVAL_S = 10.0
-"""At most one warning line per this many seconds about failed chunk writes (a full disk fails
-every write: one line per chunk was thousands per second); the redis tier's rule (``_fault``)."""
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+CheckHeader = Callable[[memoryview, int], tuple[bytes, envelope.Hasher]]
+"""``check_header(header block, payload bytes) -> (expected digest, hasher)``: checks a file's
+header against what the reader expects (raising ChunkFormatError) and returns the digest the
+payload must give and a streaming hasher already fed what the digest covers before the payload
+(the envelope's header fields; nothing for a legacy file)."""
+SPLIT_HEAD_SHARE = 0.45
+"""Share of a split read's payload read (and hashed) by the calling thread: with the hash at about a
+third of the read's cost, reading 0.45 and hashing it takes about as long as reading the other 0.55."""
 
 
-class DiskTier(DirectorySync, DiskReads, Tier):
-    """Chunk files in a directory, within ``capacity_bytes`` (headers included).
-
-    Args:
-        root: directory of the tier (created if missing).
-        namespace: 16-byte namespace digest; files of other namespaces are never returned.
-        capacity_bytes: bytes of chunk files this process may hold.
-        fsync: fsync each file before renaming it into place.
-        io: ``"buffered"`` (through the page cache), ``"direct"`` (``O_DIRECT``; buffered where
-            the filesystem refuses it) or ``"auto"`` (chosen by measurement,
-            :func:`~kvtier.core.tiers.disk.iomode.measure_direct`).  The mode in use is ``io_mode``.
-        io_threads: chunks read or written at once by ``get_many``/``put_many``, and helper
-            threads that read ahead and hash (:class:`~kvtier.core.tiers.disk.chunkio.ChunkIO`).
-        slice_bytes: bytes per read slice (a multiple of 4096).
-        codec_args: the envelope's ``chain`` and ``keyring`` (:func:`kvtier.core.codecsettings.envelope_args`;
-            identity by default: payloads move between the file and the caller's memory, no copy).
-
-    Raises:
-        OSError: the directory cannot be created.
-        ValueError: unknown ``io`` or a bad ``slice_bytes``.
-    """
+class DiskTier(DirectorySync, DiskReads, DiskFiles):
+    """Chunk files in a directory, within ``capacity_bytes`` (headers included); the arguments are
+    :class:`~kvtier.core.tiers.disk.files.DiskFiles`'."""
 
     name = "disk"
-
-    def __init__(self, root: str | os.PathLike[str], namespace: bytes, capacity_bytes: int,
-                 fsync: bool = False, io: IOMode = "buffered", io_threads: int = 1,
-                 slice_bytes: int = DEFAULT_SLICE_BYTES, codec_args: CodecArgs | None = None) -> None:
-        if io not in IO_MODES:
-            raise ValueError(f"disk I/O mode must be one of {', '.join(IO_MODES)}, got {io!r}")
-        super().__init__()
-        self.namespace = namespace
-        self.envelope = envelope.Envelope(namespace, header_bytes=HEADER_BYTES, **(codec_args or NO_CODECS))  # XXH3-128
-        self.dir = Path(root) / namespace.hex()
-        self._root = str(self.dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.capacity_bytes = max(capacity_bytes, 0)
-        self.fsync = fsync
-        self.io_threads = max(io_threads, 1)
-        self.io_mode, self.io_reason = resolve_io(io, self.dir)
-        log.info("kvtier disk tier: %s I/O in %s (%s)", self.io_mode, self.dir, self.io_reason)
-        self._io = ChunkIO(self.io_mode == "direct", slice_bytes, helper_threads(self.io_threads))
-        self._workers: ThreadPoolExecutor | None = None
-        self._closed = False
-        self._write_errors_logged = 0  # write_errors when the last warning line was logged
-        self._write_warned_at = -WRITE_WARNING_INTERVAL_S  # time.monotonic() of that line
-        self.last_write_error = ""  # why the last chunk write failed ("No space left on device"), "" before any
-        self._lock = threading.Lock()
-        self._key_to_size: dict[ChunkKey, int] = {}
-        # indexed() is the dict's own membership test, a C call: the index asks it per chunk on the hit path
-        self.indexed = self._key_to_size.__contains__  # type: ignore[method-assign,assignment]
-        self._used = 0
-        self._foreign = 0  # files indexed that this process did not write (start-up scan, rescans)
-        self._bad: set[ChunkKey] = set()  # unusable entries that could not be removed
-        self._sealed_away: set[ChunkKey] = set()  # files sealed under a master key the ring lacks: left in place
-        self._writing: set[ChunkKey] = set()  # indexed before their file is renamed into place
-        self._removed: set[ChunkKey] | None = None  # keys removed while a scan runs (adopt skips them)
-        self._tmp_shards: set[int] = set()  # shards holding a live writer's temporary file, listed every round
-        self._watch = ShardWatch(self._root)
-        self.generation = 0  # bumped when the directory vanished or was cleared, and the index was dropped
-        if reset_marked(self.dir):  # a reset was acknowledged and never applied (kvtier.core.tiers.disk.reset)
-            gone = remove_chunk_files(self.dir, len(namespace))
-            log.info("kvtier disk tier: removed %d chunk files of %s that an acknowledged reset dropped%s",
-                     len(gone.keys), self.dir, "" if gone.ok else f" ({gone.reason})")
-            unmark_reset(self.dir)
-        self._rebuild_index()
-        for i in range(256):  # fan-out directories made once, not on the write path
-            shard = self.dir / f"{i:02x}"
-            shard.mkdir(exist_ok=True)
-            if not os.access(shard, os.W_OK | os.X_OK):
-                raise ConfigError(f"disk tier directory {str(shard)!r} is not writable by this process; "
-                                  "fix its permissions or choose another disk_path")
-        self._writer = WriterLock(self.dir)
-
-    # ---- paths and index -----------------------------------------------------------------
-    def path(self, key: ChunkKey) -> Path:
-        """File path of ``key``."""
-        return Path(self._file(key))
 
     def _file(self, key: ChunkKey) -> str:
         """File path of ``key`` as a string (a ``Path`` costs 8 µs to build, a string 0.4 µs)."""
         h = key.hex()
         return f"{self._root}{os.sep}{h[:2]}{os.sep}{h}{SUFFIX}"
 
-    def _rebuild_index(self) -> None:
-        files, removed = indexed_files(self.dir, len(self.namespace), STALE_TMP_S)
-        sealed_away: list[bytes] = []  # key ids of files no key of the ring opens
-        check = self.envelope.keyring is not None  # no ring: such files are found by their first read
-        for key, size in files:  # oldest first
-            key_id = sealed_key_id(self._file(key)) if check else None
-            if key_id is not None and self.unopenable(key_id):
-                self._sealed_away.add(key)
-                sealed_away.append(key_id)
-                continue
-            self._key_to_size[key] = size
-            self._used += size
-        self._foreign = len(files) - len(sealed_away)
-        self.sealed_away_found(sealed_away, "at start-up")
-        if removed:
-            log.info("kvtier disk tier: removed %d temporary files crashed writers left in %s", removed, self.dir)
-
-    def _forget(self, key: ChunkKey) -> None:
-        """Drop ``key`` from the index; caller holds the lock."""
-        size = self._key_to_size.pop(key, None)
-        if size is not None:
-            self._used -= size
-        if self._removed is not None:
-            self._removed.add(key)
-
-    # ---- Tier contract -------------------------------------------------------------------
-    def contains(self, key: ChunkKey) -> bool:
-        """Whether ``key`` is in this process's index and readable: no filesystem access, no side
-        effect (a file another process wrote is known after the next :meth:`scan`/:meth:`adopt`)."""
-        return key in self._key_to_size and key not in self._writing and key not in self._bad
-
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
         """:meth:`contains` of each of ``keys``, in one call (the index asks once per load)."""
         sizes, writing, bad = self._key_to_size, self._writing, self._bad
         return [k in sizes and k not in writing and k not in bad for k in keys]
 
-    def indexed(self, key: ChunkKey) -> bool:
-        """Whether ``key`` is in this process's index (being written included; no filesystem access)."""
-        return key in self._key_to_size
-
-    def file_bytes(self, payload_bytes: int) -> int:
-        """Bytes on disk of a chunk of ``payload_bytes``."""
-        return payload_bytes + HEADER_BYTES
-
-    def stored_bytes(self, payload_bytes: int) -> int:
-        return self.file_bytes(payload_bytes)
-
-    def _fall_back(self, exc: OSError) -> bool:
-        """Switch to buffered I/O when O_DIRECT is refused at run time (EINVAL); True if switched."""
-        if exc.errno != errno.EINVAL or not self._io.direct:
-            return False
-        log.warning("kvtier disk tier: %s refused O_DIRECT (%s); using buffered I/O from now on",
-                    self.dir, exc.strerror)
+    def usage(self) -> TierUsage:
         with self._lock:
-            if self._io.direct:
-                old, self._io = self._io, ChunkIO(False, self._io.slice_bytes, helper_threads(self.io_threads))
-                self.io_mode, self.io_reason = "buffered", f"O_DIRECT refused at run time ({exc.strerror})"
-                old.close()
-        return True
-
-    def _quarantine(self, key: ChunkKey, path: Path, reason: str) -> None:
-        removed = _unlink(path)
-        if not removed and path.exists():
-            self._bad.add(key)  # remembered, so it is counted and logged once, not on every load
-        log.warning("kvtier disk tier: chunk %s is unusable (%s); treated as a miss%s", path, reason,
-                    " and removed" if removed else "")
-        with self._lock:
-            self.corrupt += 1
-            self._forget(key)
-
-    def put(self, key: ChunkKey, data: memoryview | bytes, tenant: Writer | None = None) -> PutResult:
-        """Write ``data`` as an envelope whose header holds ``tenant``'s record (``None``: unknown).
-        ``FAILED`` without writing when ``key``'s file is sealed under a master key this process
-        does not hold: another engine's value is never replaced (see the module docstring); once
-        that file is gone (``kvtier purge --key-id``), the key is written as any other."""
-        if key in self._sealed_away:
-            if os.path.lexists(self._file(key)):
-                return PutResult.FAILED
-            with self._lock:
-                self._sealed_away.discard(key)
-        payload = memoryview(data).cast("B")
-        sealed = None
-        if not self.envelope.chain.passthrough:  # encoded first: the file's size is the encoded one
-            if key in self._key_to_size:
-                return PutResult.PRESENT
-            sealed = self.envelope.seal(key, payload, tenant)
-        size = self.file_bytes(payload.nbytes if sealed is None else sealed.body.nbytes)
-        with self._lock:
-            if key in self._key_to_size:
-                return PutResult.PRESENT
-            if key in self._sealed_away:  # found by a rescan meanwhile
-                return PutResult.FAILED
-            if self._used + size > self.capacity_bytes:
-                return PutResult.NO_ROOM
-            self._key_to_size[key] = size  # reserve room while writing
-            self._used += size
-            self._writing.add(key)
-        path = self.path(key)
-        tmp = path.with_name(tmp_name(path.name, self._writer.writer_id, threading.get_ident()))
-        try:
-            try:
-                self._write_file(key, tmp, payload, tenant, sealed)
-            except OSError as exc:
-                if not self._fall_back(exc):
-                    raise
-                self._write_file(key, tmp, payload, tenant, sealed)
-            os.replace(tmp, path)
-        except OSError as exc:
-            if os.path.lexists(tmp):  # not when the open failed (a read-only filesystem answers EROFS, not ENOENT)
-                _unlink(tmp)
-            with self._lock:
-                self._writing.discard(key)
-                self._forget(key)
-                if not self.dir.is_dir():
-                    self._recreate_locked()
-                    return PutResult.FAILED
-                self.write_errors += 1
-                self.last_write_error = exc.strerror or str(exc)
-                now = time.monotonic()
-                if now - self._write_warned_at < WRITE_WARNING_INTERVAL_S:
-                    return PutResult.FAILED
-                unlogged = self.write_errors - self._write_errors_logged - 1
-                self._write_warned_at, self._write_errors_logged = now, self.write_errors
-            since = (f"; {unlogged} more chunk writes failed since the last such line" if unlogged else "")
-            log.warning("kvtier disk tier: writing %s failed (%s); chunk not stored (at most one such line per "
-                        "%.0f s%s)", path, exc.strerror, WRITE_WARNING_INTERVAL_S, since)
-            return PutResult.FAILED
-        with self._lock:
-            self._writing.discard(key)
-        return PutResult.STORED
-
-    def _write_file(self, key: ChunkKey, tmp: Path, payload: memoryview, writer: Writer | None,
-                    sealed: envelope.Sealed | None = None) -> None:
-        io = self._io
-        env = self.envelope
-        if sealed is not None:  # header and encoded body made by the envelope
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | io.open_flags, 0o644)
-            try:
-                io.write_chunk(fd, sealed.body, lambda _digest: sealed.header, lambda _body: b"")
-                if self.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            return
-        fields = env.fields(key, payload.nbytes, payload.nbytes, env.record(writer))
-
-        def digest_of(body: memoryview) -> bytes:
-            h = env.hasher(fields)
-            h.update(body)
-            return h.digest()
-
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | io.open_flags, 0o644)
-        try:
-            io.write_chunk(fd, payload, lambda digest: env.finish(fields, digest), digest_of)
-            if self.fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+            used = min(self._used, self.capacity_bytes)
+            return TierUsage(used, self.capacity_bytes - used, self.capacity_bytes, len(self._key_to_size))
 
     def get_many(self, keys: Sequence[ChunkKey], dsts: Sequence[memoryview],
                  records: TenantRecords | None = None) -> list[GetResult]:
@@ -316,14 +104,6 @@ class DiskTier(DirectorySync, DiskReads, Tier):
             return super().get_many(keys, dsts, records)
         return list(pool.map(self.get_into, keys, dsts, [records] * len(keys)))
 
-    def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes],
-                 tenants: Sequence[Writer | None] | None = None) -> list[PutResult]:
-        """Batch :meth:`put`, ``io_threads`` chunks at a time."""
-        pool = self._pool()
-        if pool is None or len(keys) < 2:
-            return super().put_many(keys, datas, tenants)
-        return list(pool.map(self.put, keys, datas, writers(tenants, len(keys))))
-
     def _pool(self) -> ThreadPoolExecutor | None:
         if self.io_threads < 2 or self._closed:
             return None
@@ -332,54 +112,211 @@ class DiskTier(DirectorySync, DiskReads, Tier):
                 self._workers = ThreadPoolExecutor(self.io_threads, thread_name_prefix="kvtier-disk-io")
             return self._workers
 
-    def close(self) -> None:
-        """Stop the tier's threads (later calls still work, on the calling thread).  Idempotent."""
-        with self._lock:
-            self._closed = True
-            workers, self._workers = self._workers, None
-        if workers is not None:
-            workers.shutdown(wait=True)
-        self._io.close()
-        self._writer.release()
+    def get_into(self, key: ChunkKey, dst: memoryview, records: TenantRecords | None = None) -> GetResult:
+        got = self._read(key, dst, records, True)
+        return got if isinstance(got, GetResult) else GetResult.HIT
 
-    def delete(self, key: ChunkKey) -> bool:
-        with self._lock:
-            known = key in self._key_to_size
-            self._forget(key)
-            self._sealed_away.discard(key)
-        return _unlink(self.path(key)) or known
+    def _read(self, key: ChunkKey, dst: memoryview | None, records: TenantRecords | None,
+              exact: bool) -> GetResult | memoryview:
+        """:meth:`_read_verified` with the fall-back to buffered I/O; ``MISS``/``CORRUPT`` or the payload."""
+        path = self._file(key)
+        if key in self._bad or key in self._sealed_away:  # counted once already, when it was found unusable
+            return GetResult.MISS
+        try:
+            try:
+                return self._read_verified(key, path, dst, records, exact)
+            except OSError as exc:
+                if not self._fall_back(exc):
+                    raise
+                return self._read_verified(key, path, dst, records, exact)
+        except envelope.ForeignValue:  # another engine's master key (counted by the envelope): a miss,
+            with self._lock:           # the file kept for it, no longer indexed nor offered
+                self._forget(key)
+                self._sealed_away.add(key)
+            return GetResult.MISS
+        except FileNotFoundError:
+            with self._lock:
+                if key not in self._writing:  # removed by another process (a write in flight is not)
+                    self._forget(key)
+            return GetResult.MISS
+        except (ChunkFormatError, OSError) as exc:
+            self._quarantine(key, Path(path), str(exc))
+            return GetResult.CORRUPT
 
-    def keys(self) -> list[ChunkKey]:
-        """Keys in this process's index."""
-        with self._lock:
-            return list(self._key_to_size)
+    def _read_verified(self, key: ChunkKey, path: str, dst: memoryview | None, records: TenantRecords | None,
+                       exact: bool) -> memoryview:
+        """Read ``key``'s payload into ``dst`` (``exact``: exactly its length; else at least it, or
+        a new buffer for ``None``) and return it; raises ChunkFormatError unless every check passes.
+        The file is an envelope (:mod:`kvtier.core.envelope`) or a legacy version-2 chunk file
+        (:mod:`kvtier.core.legacyformats`).  Then its tenant record goes into ``records``
+        (:func:`kvtier.core.envelope.note_verified`: only one that passes its own check).
 
-    def usage(self) -> TierUsage:
-        with self._lock:
-            used = min(self._used, self.capacity_bytes)
-            return TierUsage(used, self.capacity_bytes - used, self.capacity_bytes, len(self._key_to_size))
+        Raises:
+            BufferTooSmall: not ``exact`` and ``dst`` is shorter than the file's payload.
+        """
+        io = self._io
+        record: bytes | None = None
+        # O_NONBLOCK: a FIFO or device planted at a chunk's path must not hang the caller
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW | io.open_flags)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ChunkFormatError("not a regular file")
+            if not self.envelope.chain.passthrough or (exact and dst is not None and
+                                                       st.st_size - HEADER_BYTES != dst.nbytes):
+                return self._read_recoded(key, path, st.st_size, dst, records, exact)
+            given = dst  # a file of another chain is decoded into the caller's buffer as given
+            if not exact:  # a short file fails its header check below
+                dst = check_room(max(st.st_size - HEADER_BYTES, 0), dst)
 
-    def usage_exact(self) -> int:
-        """Bytes of the indexed chunk files (may exceed capacity after the start-up scan or an
-        :meth:`adopt` until the store trims it)."""
-        with self._lock:
-            return self._used
+            def check(raw: memoryview, payload_bytes: int) -> tuple[bytes, envelope.Hasher]:
+                nonlocal record
+                # not a chunk file, another namespace or key, a layout or codec this kvtier does not read,
+                # or another chunk size (config, geometry): never a partial fill (one call per read)
+                header, hasher = self.envelope.open_header(raw, key, out.nbytes if exact else None, HEADER_BYTES)
+                if payload_bytes != header.stored_bytes:  # the sentence only for a bad one: a hit runs this
+                    raise ChunkFormatError(length_problem(payload_bytes + header.header_bytes, header.header_bytes,
+                                                          header.stored_bytes, "the chunk file") or "")
+                if header.stored_bytes != header.original_bytes or (
+                        header.codecs != self.envelope.chain.ids and not codecs.chain_of(header.codecs).passthrough):
+                    raise Recoded("its codec chain changes the payload")  # read whole, then decoded
+                record = header.record
+                return header.digest, PayloadHasher() if hasher is None else hasher
 
-    def check(self) -> None:
-        """Assert index accounting: used bytes equal the indexed sizes, and stay within capacity
-        unless files this process did not write were indexed (the store trims those)."""
-        with self._lock:
-            assert self._used == sum(self._key_to_size.values()), "disk tier used bytes drifted from its index"
-            assert self._foreign or self._used <= self.capacity_bytes, \
-                f"disk tier over capacity: {self._used} > {self.capacity_bytes} bytes"
+            assert dst is not None
+            out = memoryview(np.frombuffer(dst, dtype=np.uint8).data)
+            try:
+                if not read_chunk(io, fd, out, st.st_size, check):
+                    raise ChunkFormatError("payload checksum mismatch")
+            except Recoded:  # written under another chain than this tier's (a config change)
+                return self._read_recoded(key, path, st.st_size, given, records, exact)
+        finally:
+            os.close(fd)
+        note_verified(records, self.namespace, key, record)
+        return out[:st.st_size - HEADER_BYTES]
 
 
-def _unlink(path: Path) -> bool:
+def read_chunk(io: ChunkIO, fd: int, out: memoryview, file_bytes: int, check_header: CheckHeader) -> bool:
+    """Read a chunk file of ``file_bytes`` bytes into ``out``; True if its digest matches.
+
+    The header block and the first payload slice come in one read; ``check_header(header,
+    payload_bytes)`` (:data:`CheckHeader`) returns the expected digest and the hasher to feed
+    the payload, or raises ChunkFormatError (namespace, key, length).  The payload, ``file_bytes - HEADER_BYTES`` bytes, lands in ``out`` (which may
+    hold unverified bytes when this returns False or raises).
+
+    Raises:
+        ChunkFormatError: from ``check_header``, a payload larger than ``out``, or a file
+            shorter than ``file_bytes`` by the time it is read.
+        OSError: the read failed.
+    """
+    length = file_bytes - HEADER_BYTES
+    header = io.buffers.header
+    if length < 0:
+        n_read = os.preadv(fd, [header], 0)
+        check_header(header[:n_read], length)
+        raise ChunkFormatError(f"header truncated ({n_read} of {HEADER_BYTES} bytes)")
+    if length > out.nbytes:
+        raise ChunkFormatError(f"payload of {length} bytes exceeds the {out.nbytes}-byte buffer")
+    out = out[:length]
+    bounced = io.direct and address(out) % ALIGN != 0
+    bounce = io.buffers.bounces(io.slice_bytes, io.read_depth + 1) if bounced else []
+    tail = io.buffers.tail
+    offsets = range(0, length, io.slice_bytes) if length else range(1)
+
+    def read(i: int) -> memoryview:
+        """Read slice ``i`` (slice 0 with the header); return where its bytes are."""
+        off = offsets[i]
+        n = min(io.slice_bytes, length - off)
+        iov = [header] if i == 0 else []
+        if not io.direct:
+            iov.append(out[off:off + n])
+            _pread_exact(fd, iov, HEADER_BYTES * (i != 0) + off, n + HEADER_BYTES * (i == 0))
+            return out[off:off + n]
+        if bounced:
+            iov.append(bounce[i % len(bounce)][:round_up(n)])
+        else:
+            whole = n // ALIGN * ALIGN
+            if whole:
+                iov.append(out[off:off + whole])
+            if n > whole:
+                iov.append(tail)
+        _pread_exact(fd, [b for b in iov if b.nbytes], HEADER_BYTES * (i != 0) + off,
+                     n + HEADER_BYTES * (i == 0))
+        if bounced:
+            return bounce[i % len(bounce)][:n]
+        if n % ALIGN:
+            out[off + n // ALIGN * ALIGN:off + n] = tail[:n % ALIGN]
+        return out[off:off + n]
+
+    if not io.direct and not io.pipeline:
+        return _read_buffered(io, fd, out, length, check_header)
+    if not io.pipeline or len(offsets) == 1:
+        got = read(0)
+        expected, hasher = check_header(header, length)
+        for i, off in enumerate(offsets):  # each slice hashed right after it is read
+            if i:
+                got = read(i)
+            hasher.update(got)
+            if bounced:
+                out[off:off + got.nbytes] = got
+        return hasher.digest() == expected
+    # up to read_depth slices in flight on the helpers while this thread hashes them in order
+    inflight = deque(io.submit(read, i) for i in range(min(io.read_depth, len(offsets))))
+    following = len(inflight)
     try:
-        path.unlink()
-        return True
-    except FileNotFoundError:
-        return False
-    except OSError as exc:
-        log.warning("kvtier disk tier: cannot remove %s (%s); it will be ignored", path, exc.strerror)
-        return False
+        for i, off in enumerate(offsets):
+            got = inflight.popleft().result()
+            if i == 0:
+                expected, hasher = check_header(header, length)
+            if following < len(offsets):
+                inflight.append(io.submit(read, following))
+                following += 1
+            hasher.update(got)
+            if bounced:
+                out[off:off + got.nbytes] = got
+    finally:
+        wait(inflight)  # never leave a read into the caller's buffers running
+    return hasher.digest() == expected
+
+def _read_buffered(io: ChunkIO, fd: int, out: memoryview, length: int, check_header: CheckHeader) -> bool:
+    """A buffered read, serial or split (:mod:`kvtier.core.readchoice`); see :meth:`read_chunk`."""
+    chooser = io.chooser
+    cls, split = chooser.begin(length)
+    split = split and not io.closed
+    t0 = time.perf_counter()
+    cut = max(ALIGN, int(length * SPLIT_HEAD_SHARE) // ALIGN * ALIGN) if split else length
+    tail: Future[None] | None = None
+    try:
+        if split:  # the tail on a helper, while this thread reads and hashes the head
+            tail = io.submit(_pread_exact, fd, [out[cut:]], HEADER_BYTES + cut, length - cut)
+        header = io.buffers.header
+        for off in range(0, cut, io.slice_bytes) if cut else range(1):
+            n = min(io.slice_bytes, cut - off)
+            if off == 0:
+                _pread_exact(fd, [header, out[:n]], 0, HEADER_BYTES + n)
+                expected, hasher = check_header(header, length)
+            else:
+                _pread_exact(fd, [out[off:off + n]], HEADER_BYTES + off, n)
+            hasher.update(out[off:off + n])  # right after its read, while in the CPU cache
+        if tail is not None:
+            tail.result()
+            hasher.update(out[cut:])
+    finally:
+        if tail is not None:
+            wait([tail])  # never leave a read into the caller's buffer running
+        chooser.end(cls, split, length, time.perf_counter() - t0)
+    return hasher.digest() == expected
+
+
+def _pread_exact(fd: int, iov: list[memoryview], offset: int, want: int) -> None:
+    """Read until ``want`` bytes arrived (into ``iov`` in order) or the file ends (ChunkFormatError)."""
+    got = os.preadv(fd, iov, offset)
+    if got >= want:
+        return
+    total = got
+    while total < want:  # short reads are legal before end of file; continue from where it stopped
+        rest = skip_iov(iov, total)
+        more = os.preadv(fd, rest, offset + total) if rest else 0
+        if more <= 0:
+            raise ChunkFormatError(f"payload truncated ({total} of {want} bytes of a slice)")
+        total += more

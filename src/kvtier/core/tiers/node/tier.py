@@ -35,10 +35,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvtier.core import envelope
+from kvtier.core.envelope import note_verified
 from kvtier.core.errors import ChunkFormatError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.stats import WireCounters, WireStats
-from kvtier.core.tenant import TenantRecords, Writer, note_verified
+from kvtier.core.tenant import TenantRecords, Writer
 from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, TierUsage, writers
 from kvtier.core.tiers.envelopetier import EnvelopeTier
 from kvtier.core.tiers.guarded import PutStream, WriteAbandoned, split_get
