@@ -113,11 +113,6 @@ class LoadJob:
     sync: bool = False
     tenant: TenantId | None = None
 
-    @property
-    def block_ids(self) -> frozenset[int]:
-        """Every engine block the job fills (block ids are unique within a group)."""
-        return frozenset(b for p in self.pages for b in p.block_ids)
-
 
 @dataclass(frozen=True)
 class SaveJob:

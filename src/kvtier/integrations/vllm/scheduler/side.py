@@ -23,20 +23,19 @@ from kvtier.integrations.vllm.protocol import (
 )
 from kvtier.integrations.vllm.scheduler.eventfeed import event_tracker, observe_reports
 from kvtier.integrations.vllm.scheduler.events import events_enabled
-from kvtier.integrations.vllm.scheduler.mirror import IndexMirror, PagePlanner
 from kvtier.integrations.vllm.scheduler.pages import engine_plan, handoffs_of
 from kvtier.integrations.vllm.scheduler.receipts import ReceiptDesk, ReceiptFacts
 from kvtier.integrations.vllm.scheduler.remote import RemoteLookups, shared_tier_configured
 from kvtier.integrations.vllm.scheduler.requests import (
     PIN_PARAM,
-    DeferredSaves,
     KeyMemo,
+    PagePlanner,
     RequestChain,
     RequestState,
     pin_seconds,
 )
 from kvtier.integrations.vllm.scheduler.reset import Resets
-from kvtier.integrations.vllm.scheduler.steps import Settle, SyncBudget, check_sync_load
+from kvtier.integrations.vllm.scheduler.steps import DeferredSaves, IndexMirror, Settle, SyncBudget
 from kvtier.integrations.vllm.stats import KVTierStats
 
 log = logging.getLogger(__name__)
@@ -240,7 +239,7 @@ class SchedulerSide:
             if load.sync:  # no finished_recving will come: its blocks are checked against this step's errors
                 state.sync_pages, state.sync_outputs_left = tuple((p.chunk, p.block_ids) for p in load.pages), 2
             else:
-                state.loading_blocks = load.block_ids
+                state.loading_blocks = frozenset(b for p in load.pages for b in p.block_ids)
         if self.save_enabled:
             for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
                 save = self._save_job(req_id, num_scheduled, scheduler_output)
@@ -305,7 +304,7 @@ class SchedulerSide:
         finished = getattr(connector_output, "finished_recving", None) or set()
         for req_id, state in self.requests.items():
             if state.sync_outputs_left:
-                check_sync_load(req_id, state, invalid)
+                state.check_sync_load(req_id, invalid)
             if state.loading_blocks is not None:
                 state.receipt.waited_steps += 1
                 bad = req_id in failed or not state.loading_blocks.isdisjoint(invalid)
@@ -329,7 +328,7 @@ class SchedulerSide:
 
         Returns:
             held: True when a deferred save of the request may still read its blocks (not reported ended
-                by every rank: :class:`~kvtier.integrations.vllm.scheduler.requests.DeferredSaves`): vLLM keeps
+                by every rank: :class:`~kvtier.integrations.vllm.scheduler.steps.DeferredSaves`): vLLM keeps
                 them until every rank names it in ``finished_sending`` (vllm/v1/core/sched/scheduler.py
                 ``_free_request``, ``_update_from_kv_xfer_finished``).
             receipt: its receipt's dict, empty until this step's worker facts are in: filled in place by
