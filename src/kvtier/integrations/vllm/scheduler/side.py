@@ -9,7 +9,7 @@ from typing import Any
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
-from kvtier.core.receipt import ReceiptSink
+from kvtier.core.receipt import ReceiptSink, tokens_by_tier
 from kvtier.core.receiptsinks import build_receipt_sinks
 from kvtier.core.tiers.registry import local_tiers
 from kvtier.integrations.vllm.cache_groups import GroupKind
@@ -19,7 +19,6 @@ from kvtier.integrations.vllm.protocol import (
     KVTierWorkerMeta,
     LoadJob,
     SaveJob,
-    tokens_by_tier,
 )
 from kvtier.integrations.vllm.scheduler.eventfeed import event_tracker, observe_reports
 from kvtier.integrations.vllm.scheduler.events import events_enabled
@@ -213,7 +212,7 @@ class SchedulerSide:
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
         """Split ``num_external_tokens`` by the tier each planned chunk is in (the same split the
-        workers label ``loaded_tokens`` with: :func:`~kvtier.integrations.vllm.protocol.tokens_by_tier`)."""
+        workers label ``loaded_tokens`` with: :func:`~kvtier.core.receipt.tokens_by_tier`)."""
         state = self.requests.get(request.request_id)
         tiers = (state.planned_tiers if state is not None else None) or []
         hit = len(tiers) * self.chunk_tokens
