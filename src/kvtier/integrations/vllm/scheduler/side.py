@@ -34,7 +34,14 @@ from kvtier.integrations.vllm.scheduler.requests import (
     pin_seconds,
 )
 from kvtier.integrations.vllm.scheduler.reset import Resets
-from kvtier.integrations.vllm.scheduler.steps import DeferredSaves, IndexMirror, Settle, SyncBudget
+from kvtier.integrations.vllm.scheduler.steps import (
+    DeferredSaves,
+    IndexMirror,
+    Settle,
+    SyncBudget,
+    begin_step,
+    fold_reports,
+)
 from kvtier.integrations.vllm.stats import KVTierStats
 
 log = logging.getLogger(__name__)
@@ -221,15 +228,13 @@ class SchedulerSide:
     # ---- per step ----------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
         preempted = frozenset(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        # a request whose load is in flight is still in self.requests (vLLM finishes it after the load)
+        held = begin_step(self.sync, self.settle, self.deferred, preempted,
+                          idle=not scheduler_output.num_scheduled_tokens and not self.requests)
         meta = KVTierMetadata(loads=self._loads, reset=self.resets.take_order() if self.resets.order else None,
                               preempted=preempted, no_forward=scheduler_output.total_num_scheduled_tokens == 0,
-                              held=self.deferred.take_held())
-        for req_id in preempted:  # the workers wait for their saves in handle_preemptions, before the forward
-            self.deferred.forget(req_id)
+                              held=held)
         self._loads = []
-        # a request whose load is in flight is still in self.requests (vLLM finishes it after the load)
-        self.settle.step(idle=not scheduler_output.num_scheduled_tokens and not self.requests)
-        self.sync.new_step()
         for load in meta.loads:
             state = self.requests.get(load.req_id)
             if state is None:
@@ -284,16 +289,14 @@ class SchedulerSide:
         """Fold the ranks' index changes (vLLM's worker → scheduler metadata) into the mirror."""
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         self._last_report_s = time.monotonic()
-        self.settle.observe(meta)
+        fold_reports(meta, self.mirror, self.settle, self.deferred)
         if isinstance(meta, KVTierWorkerMeta):
             for rank in sorted(meta.ranks):
-                self.mirror.apply(rank, meta.ranks[rank])
                 for req_id, facts in meta.ranks[rank].facts.items():  # for the receipts
                     if (known := self.requests.get(req_id)) is not None:
                         known.receipt.observe(rank, facts)
                     else:
                         self.receipts.observe(req_id, rank, facts)
-                self.deferred.ended(rank, meta.ranks[rank].saves_ended)
             if self.remote is not None:  # the shared tier set up (bind) once every rank named its namespace,
                 self.remote.bind(self.mirror.namespaces)  # not at the first lookup: that one is answered now
             if self.events is not None:

@@ -1,7 +1,8 @@
-"""What the scheduler side keeps across engine steps, one object per engine, folded each step: the
-mirror of every rank's index (:class:`IndexMirror`, from the ranks' reports), this step's budget
-of synchronous loads (:class:`SyncBudget`), the deferred saves still running (:class:`DeferredSaves`)
-and whether an idle engine should keep stepping (:class:`Settle`).  One request's own state is
+"""What the scheduler side keeps across engine steps, one object each per engine: the mirror of
+every rank's index (:class:`IndexMirror`, from the ranks' reports), this step's budget of
+synchronous loads (:class:`SyncBudget`), the deferred saves still running (:class:`DeferredSaves`)
+and whether an idle engine should keep stepping (:class:`Settle`); each step is begun
+(:func:`begin_step`) and its reports folded (:func:`fold_reports`) in one call.  One request's state is
 :mod:`~kvtier.integrations.vllm.scheduler.requests`'.
 
 **The mirror** is fed only by the :class:`~kvtier.integrations.vllm.protocol.RankReport` s that
@@ -370,3 +371,28 @@ class Settle:
             self._idle_since = self._clock()
         if self.wanted() and not self._gave_up:
             time.sleep(IDLE_STEP_S)
+
+
+def begin_step(sync: SyncBudget, settle: Settle, deferred: DeferredSaves, preempted: Iterable[str],
+               idle: bool) -> frozenset[str]:
+    """The engine-wide state at a step's start (``build_connector_meta``), in one call: the requests
+    held since the last step (returned, for this step's metadata), the ``preempted`` requests' deferred
+    saves forgotten (the workers wait for them in ``handle_preemptions``, before the forward),
+    :meth:`Settle.step` (``idle``: no token scheduled and no request known) and the synchronous
+    loads' budget whole again."""
+    held = deferred.take_held()
+    for req_id in preempted:
+        deferred.forget(req_id)
+    settle.step(idle)
+    sync.new_step()
+    return held
+
+
+def fold_reports(meta: object, mirror: IndexMirror, settle: Settle, deferred: DeferredSaves) -> None:
+    """One step's worker → scheduler metadata (any type; only kvtier's is read) into the engine-wide
+    state: settling, then each rank's index changes into the mirror and its ended deferred saves."""
+    settle.observe(meta)
+    if isinstance(meta, KVTierWorkerMeta):
+        for rank in sorted(meta.ranks):
+            mirror.apply(rank, meta.ranks[rank])
+            deferred.ended(rank, meta.ranks[rank].saves_ended)
