@@ -151,7 +151,7 @@ class SchedulerSide:
         # vLLM must compute at least the last prompt token itself (to sample from its logits).
         max_chunks = (request.num_tokens - 1) // self.chunk_tokens
         loadable = self.load_enabled and max_chunks * self.chunk_tokens > num_computed_tokens
-        if not self.mirror.ready and (loadable or (self.save_enabled and request.num_tokens >= self.chunk_tokens)):
+        if not (ready := self.mirror.ready) and (loadable or (self.save_enabled and request.num_tokens >= self.chunk_tokens)):
             # The workers' first report (their index and the key root chunk keys hang from) comes
             # with the next step.  A producer waits too: keys for its saves need the root, and a
             # sliding-window page is gone from the engine by the step after its prefill.
@@ -159,7 +159,7 @@ class SchedulerSide:
             self._waiting_since = self._waiting_since or now
             if not (self.mirror.broken or now - self._waiting_since > READY_WAIT_S):
                 return None, False
-        if not loadable or not self.mirror.ready:
+        if not loadable or not ready:
             return 0, False
         if state.load_failed:
             return 0, False  # its load failed once: recompute rather than load again
