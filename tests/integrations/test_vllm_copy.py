@@ -17,8 +17,9 @@ from kvtier.core.keys import Namespace, chunk_keys, request_root
 from kvtier.core.store import TieredStore
 from kvtier.integrations.vllm.cache_groups import GroupKind, GroupSpec
 from kvtier.integrations.vllm.protocol import KVTierWorkerMeta, RankReport
-from kvtier.integrations.vllm.scheduler.mirror import IndexMirror, PagePlanner
 from kvtier.integrations.vllm.scheduler.pages import HybridPlan
+from kvtier.integrations.vllm.scheduler.requests import PagePlanner
+from kvtier.integrations.vllm.scheduler.steps import IndexMirror
 from kvtier.integrations.vllm.worker.copy import BlockCopier, Span
 from kvtier.integrations.vllm.worker.layout import detect_layout
 from kvtier.integrations.vllm.worker.registration import key_root

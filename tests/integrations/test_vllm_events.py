@@ -20,7 +20,7 @@ from kvtier.core.keys import chunk_keys
 from kvtier.core.tiers.registry import event_medium
 from kvtier.integrations.vllm.protocol import RankReport
 from kvtier.integrations.vllm.scheduler.events import EventGroup, KVEventTracker
-from kvtier.integrations.vllm.scheduler.mirror import IndexMirror
+from kvtier.integrations.vllm.scheduler.steps import IndexMirror
 
 BLOCK = 16
 CHUNK = 32  # two engine blocks per chunk

@@ -15,9 +15,9 @@ from kvtier.core.config import GiB, KVTierConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.core.store import TieredStore
 from kvtier.integrations.vllm.protocol import LoadJob
-from kvtier.integrations.vllm.scheduler.mirror import IndexMirror, PagePlanner
 from kvtier.integrations.vllm.scheduler.pages import HybridPlan
-from kvtier.integrations.vllm.scheduler.steps import SyncBudget, sync_tiers
+from kvtier.integrations.vllm.scheduler.requests import PagePlanner
+from kvtier.integrations.vllm.scheduler.steps import IndexMirror, SyncBudget, sync_tiers
 from kvtier.integrations.vllm.worker.direct import DirectTargets
 from kvtier.integrations.vllm.worker.loader import AsyncLoader
 from tests.integrations.test_vllm_loader import BLOCK, CHUNK, NS

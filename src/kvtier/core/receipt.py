@@ -6,7 +6,8 @@ The receipt is what a kvtier engine returns as ``kv_transfer_params["kvtier"]`` 
 ``kv_transfer_params``, and into ``RequestOutput.kv_transfer_params`` offline), writes to the
 receipt log, and sets as attributes of a request's trace span.  This module is the shape only:
 building one (from the request context's events) is the integration's job, emitting one is a
-:class:`ReceiptSink`'s.
+:class:`ReceiptSink`'s; :func:`tokens_by_tier` is the one split of a hit's tokens by tier that the
+receipts, vLLM's hit sources and the loaded-token counters share.
 
 Every field is plain JSON (``msgspec.to_builtins``); :func:`decode` reads one back and raises
 :class:`msgspec.ValidationError` on anything else.
@@ -14,7 +15,8 @@ Every field is plain JSON (``msgspec.to_builtins``); :func:`decode` reads one ba
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from itertools import groupby
 from typing import Literal, Protocol
 
 import msgspec
@@ -50,6 +52,24 @@ def miss_tier_label(tier: str) -> str:
     """The ``tier`` label a miss's tier is counted under: ``tier``, or :data:`NO_TIER` for ``""``
     (and for :data:`NO_TIER` itself), so that receipts and metrics key a miss alike."""
     return tier or NO_TIER
+
+
+def tokens_by_tier(tiers: Sequence[str], start: int, end: int, chunk_tokens: int) -> dict[str, int]:
+    """Tokens ``[start, end)`` split by the tier of the chunk each lies in (``tiers[c]``: the tier
+    planned for chunk ``c``).  A receipt's tokens by tier, the scheduler's hit sources for vLLM and
+    the worker's loaded-token counters all come from this one function, so they split alike."""
+    out: dict[str, int] = {}
+    if end <= start:
+        return out
+    first, last = start // chunk_tokens, (end - 1) // chunk_tokens
+    if last >= len(tiers):
+        raise IndexError(f"chunk {last} has no planned tier ({len(tiers)} planned)")
+    c = first
+    for tier, run in groupby(tiers[first:last + 1]):  # runs of one tier: no Python work per chunk
+        lo = max(start, c * chunk_tokens)
+        c += len(list(run))
+        out[tier] = out.get(tier, 0) + min(end, c * chunk_tokens) - lo
+    return out
 
 
 class ReceiptMiss(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

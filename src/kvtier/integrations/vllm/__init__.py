@@ -17,7 +17,7 @@ Contract: who owns what (anchor: vLLM's ``vllm/v1/kv_offload/`` and ``Offloading
   cpu ↔ disk, on its own threads.
 - **The scheduler owns a mirror and the plan.**  The scheduler-side connector keeps an in-memory
   mirror of which chunk keys each rank holds and in which tier
-  (:class:`~kvtier.integrations.vllm.scheduler.mirror.IndexMirror`; one view for all ranks: a chunk counts
+  (:class:`~kvtier.integrations.vllm.scheduler.steps.IndexMirror`; one view for all ranks: a chunk counts
   only when every rank holds it).  It answers ``get_num_new_matched_tokens`` from the mirror with
   no I/O, and plans loads and saves into the connector metadata vLLM ships to the workers each step.
 - **One channel, vLLM's own.**  Scheduler → workers: ``KVTierMetadata`` (load and save jobs).

@@ -22,9 +22,7 @@ plan whose pages are its chunks).  Index arithmetic of a full-attention group
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import groupby
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -57,24 +55,6 @@ class PageMove:
     chunk: int
     first_slot: int
     block_ids: tuple[int, ...]
-
-
-def tokens_by_tier(tiers: Sequence[str], start: int, end: int, chunk_tokens: int) -> dict[str, int]:
-    """Tokens ``[start, end)`` split by the tier of the chunk each lies in (``tiers[c]``: the tier
-    planned for chunk ``c``).  The scheduler's hit sources for vLLM and the worker's loaded-token
-    counters both come from this one function, so they split alike."""
-    out: dict[str, int] = {}
-    if end <= start:
-        return out
-    first, last = start // chunk_tokens, (end - 1) // chunk_tokens
-    if last >= len(tiers):
-        raise IndexError(f"chunk {last} has no planned tier ({len(tiers)} planned)")
-    c = first
-    for tier, run in groupby(tiers[first:last + 1]):  # runs of one tier: no Python work per chunk
-        lo = max(start, c * chunk_tokens)
-        c += len(list(run))
-        out[tier] = out.get(tier, 0) + min(end, c * chunk_tokens) - lo
-    return out
 
 
 @dataclass(frozen=True)
@@ -112,11 +92,6 @@ class LoadJob:
     resumed: bool = False
     sync: bool = False
     tenant: TenantId | None = None
-
-    @property
-    def block_ids(self) -> frozenset[int]:
-        """Every engine block the job fills (block ids are unique within a group)."""
-        return frozenset(b for p in self.pages for b in p.block_ids)
 
 
 @dataclass(frozen=True)

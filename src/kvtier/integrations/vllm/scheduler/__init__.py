@@ -1,15 +1,17 @@
 """Scheduler side of the connector: decides what each step loads and saves, from memory only.
 
-Files: :mod:`.side` (``SchedulerSide``: what vLLM's scheduler calls), :mod:`.requests` (one
-``RequestState`` per request, its chunk keys, its pin), :mod:`.pages` (the plan arithmetic: hit,
-load and save pages per KV cache group), :mod:`.mirror` (the ranks' indexes, from their reports),
-:mod:`.sync` (the per-step budget of synchronous loads), :mod:`.remote` (shared-tier lookups off
-the scheduler's thread), :mod:`.events` (vLLM KV events), :mod:`.reset` (external resets),
-:mod:`.settle` (an idle engine's last steps).  Nothing here imports torch or does I/O on the
-scheduler's thread.
+Files, split by step phase: on every step and every hit, :mod:`.side` (``SchedulerSide``: what
+vLLM's scheduler calls), :mod:`.requests` (one request's path: its ``RequestState``, chunk keys,
+pin, and the pages of its hit, load and saves planned from the mirror: ``PagePlanner``),
+:mod:`.steps` (what the scheduler keeps across steps: the ranks' indexes mirrored from their
+reports, the per-step budget of synchronous loads, deferred saves, an idle engine's last steps)
+and :mod:`.receipts` (each finished request's receipt); elsewhere, :mod:`.pages` (the per-group
+plan arithmetic a hybrid model's pages take), :mod:`.remote` (shared-tier lookups off the
+scheduler's thread), :mod:`.events` (vLLM KV events), :mod:`.reset` (external resets).  Nothing
+here imports torch or does I/O on the scheduler's thread.
 
 Every model takes one path: a dense model is a one-group plan
-(:class:`~.mirror.PagePlanner` over :class:`~.pages.HybridPlan`), its pages are its chunks.  Per request::
+(:class:`~.requests.PagePlanner` over :class:`~.pages.HybridPlan`), its pages are its chunks.  Per request::
 
     get_num_new_matched_tokens(req, local)   hash the prompt's full chunks (cached per request),
         look the pages up in the mirror of every rank's index -> hit = the largest chunk

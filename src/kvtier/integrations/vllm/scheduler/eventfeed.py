@@ -10,7 +10,7 @@ from kvtier.core.tiers.factory import state_dir
 from kvtier.integrations.vllm.cache_groups import GroupKind
 from kvtier.integrations.vllm.protocol import KVTierWorkerMeta
 from kvtier.integrations.vllm.scheduler.events import EventGroup, KVEventTracker
-from kvtier.integrations.vllm.scheduler.mirror import IndexMirror
+from kvtier.integrations.vllm.scheduler.steps import IndexMirror
 
 
 def event_tracker(vllm_config: Any, kv_cache_config: Any, plan: Any, config: KVTierConfig,

@@ -32,9 +32,17 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from kvtier.core.receipt import MissReason, Receipt, ReceiptMiss, ReceiptPin, ReceiptSaved, ReceiptSink
+from kvtier.core.receipt import (
+    MissReason,
+    Receipt,
+    ReceiptMiss,
+    ReceiptPin,
+    ReceiptSaved,
+    ReceiptSink,
+    tokens_by_tier,
+)
 from kvtier.core.receiptsinks import receipt_counters as receipt_sink_counters
-from kvtier.integrations.vllm.protocol import RequestFacts, tokens_by_tier
+from kvtier.integrations.vllm.protocol import RequestFacts
 from kvtier.integrations.vllm.stats_table import receipt_counters
 
 log = logging.getLogger(__name__)

@@ -1,38 +1,34 @@
-"""One request as the scheduler side knows it: its state between admission and
-``request_finished`` (:class:`RequestState`), its chunk keys (:class:`RequestChain`), the pin
-TTL it asks for (:func:`pin_seconds`) and, after it finished, whether its deferred saves still
-hold its blocks (:class:`DeferredSaves`).
-
-**Deferred saves** as the scheduler sees them: which are still running on some rank, and which
-finished requests therefore keep their blocks (``async_saves``; :mod:`kvtier.integrations.vllm.worker.saves`).
-
-A deferred save job gets a number when it is shipped (:meth:`DeferredSaves.ship`); every rank
-reports the number once the save ended there (``RankReport.saves_ended``, folded by
-:meth:`DeferredSaves.ended`).  At ``request_finished`` a request with a number not yet reported by
-every rank is held (:meth:`DeferredSaves.finish` → True: vLLM keeps its blocks) and named in the
-next step's ``KVTierMetadata.held``, so that each rank reports it in ``finished_sending`` once its
-own saves of it ended; one whose saves all ended is freed at once.  A preempted request's numbers
-are forgotten (:meth:`DeferredSaves.forget`): the workers wait for its saves before the forward
-that may reuse its blocks.  vLLM's offloading connector tracks its store jobs the same way
-(vllm/distributed/kv_transfer/kv_connector/v1/offloading/worker.py, ``get_finished``).
-
-Bounds: one entry per deferred job not yet reported by every rank; a finished request's entries
-go at once (its hold is then the workers' to end).
+"""One request's path through the scheduler side, from admission to ``request_finished``: its
+state (:class:`RequestState`), its chunk keys (:class:`RequestChain`, found again in a
+:class:`KeyMemo`), the pin TTL it asks for (:func:`pin_seconds`), and the pages of its hit, its
+load and its saves planned from the mirror of the ranks' indexes (:class:`PagePlanner`, over the
+engine's :class:`~kvtier.integrations.vllm.scheduler.pages.HybridPlan`).  What the scheduler keeps
+across requests and steps (the mirror, the budgets) is
+:mod:`~kvtier.integrations.vllm.scheduler.steps`'; the request's receipt,
+:mod:`~kvtier.integrations.vllm.scheduler.receipts`'.
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import islice
 from typing import Any
 
-from kvtier.core.keys import chunk_keys, request_root
+from kvtier.core.keys import ChunkKey, chunk_keys, request_root
 from kvtier.core.tenant import TenantId
+from kvtier.core.tiers.registry import slowest
+from kvtier.integrations.vllm.cache_groups import NULL_BLOCK, GroupKind
+from kvtier.integrations.vllm.protocol import PageMove
+from kvtier.integrations.vllm.scheduler.pages import HybridPlan, group_key
 from kvtier.integrations.vllm.scheduler.receipts import ReceiptFacts
+from kvtier.integrations.vllm.scheduler.steps import IndexMirror
+
+log = logging.getLogger(__name__)
 
 PIN_PARAM = "kvtier_pin_s"
 """The ``kv_transfer_params`` key a request names its prompt's pin TTL with, seconds (issue 22 item 4)."""
@@ -232,7 +228,7 @@ class RequestState:
         none, or a resumed request's), so that ``saved_chunks`` stays one watermark over a prefix;
         never for a TTL-pinned request (its save job pins the prompt's chunks, held or not).  A
         synchronous load counts at once (its step's save job follows its copy; a block it could not
-        fill moves the watermark back: ``steps.check_sync_load``); an asynchronous one once it
+        fill moves the watermark back: :meth:`check_sync_load`); an asynchronous one once it
         reports finished with no failed block (:meth:`load_ended`).  A chunk evicted between the
         load and a later save is not saved again: its tier chose it as a victim after the load
         touched it, as it would have without this request."""
@@ -244,6 +240,20 @@ class RequestState:
         else:
             self.loaded_chunks = end_chunk
 
+    def check_sync_load(self, req_id: str, invalid: AbstractSet[int]) -> None:
+        """One step output after its synchronous load: the blocks it could not fill come back as
+        that output's ``invalid_block_ids``; vLLM recomputes the running request from the first one and
+        the worker did not save the chunks from there, so they are saved again once recomputed."""
+        bad = [chunk for chunk, blocks in self.sync_pages if invalid and not invalid.isdisjoint(blocks)]
+        if bad:
+            log.info("kvtier: request %s: its synchronous load came up short; vLLM recomputes from chunk %d",
+                     req_id, min(bad))
+            self.saved_chunks = min(self.saved_chunks, min(bad))
+            self.sync_outputs_left = 1
+        self.sync_outputs_left -= 1
+        if not self.sync_outputs_left:
+            self.sync_pages = ()
+
     def load_ended(self, ok: bool) -> None:
         """Its asynchronous load reported finished (``ok``: no block failed; else vLLM recomputes
         from the first failed block and those chunks are saved once computed)."""
@@ -252,61 +262,91 @@ class RequestState:
         self.loaded_chunks = 0
 
 
-class DeferredSaves:
-    """Deferred save jobs not yet reported ended by every rank (see the module docstring).
+class PagePlanner:
+    """The pages of one engine's load and save jobs, keyed, from the mirror (the plan arithmetic:
+    :mod:`kvtier.integrations.vllm.scheduler.pages`).
 
     Args:
-        tp_size: tensor-parallel ranks, each of which reports every job.
+        plan: the engine's per-group plan.
+        mirror: the scheduler's mirror of the ranks' indexes.
     """
 
-    def __init__(self, tp_size: int) -> None:
-        self.tp_size = tp_size
-        self._next = 0
-        self._open: dict[int, tuple[str, set[int]]] = {}  # seq -> (request, ranks yet to report it)
-        self._by_req: dict[str, set[int]] = {}
-        self._held: set[str] = set()  # finished and held, for the next step's metadata
+    def __init__(self, plan: HybridPlan, mirror: IndexMirror) -> None:
+        self.plan = plan
+        self.mirror = mirror
+        self.C = plan.chunk_tokens
+        self.dense = not plan.is_hybrid
 
-    def ship(self, req_id: str) -> int:
-        """A deferred save job of ``req_id`` is shipped: its number."""
-        seq, self._next = self._next, self._next + 1
-        self._open[seq] = (req_id, set(range(self.tp_size)))
-        self._by_req.setdefault(req_id, set()).add(seq)
-        return seq
+    def _key(self, chain: Sequence[bytes], group: int, chunk: int) -> bytes:
+        if self.dense:  # one full-attention group: the chunk key itself (the namespace tells it apart)
+            return bytes(chain[chunk])
+        return bytes(group_key(ChunkKey(chain[chunk]), group))
 
-    def ended(self, rank: int, seqs: Iterable[int]) -> None:
-        """``rank`` reports the jobs ``seqs`` ended (numbers not open any more are ignored)."""
-        for seq in seqs:
-            entry = self._open.get(seq)
-            if entry is None:
-                continue
-            req_id, ranks = entry
-            ranks.discard(rank)
-            if not ranks:
-                del self._open[seq]
-                left = self._by_req.get(req_id)
-                if left is not None:
-                    left.discard(seq)
-                    if not left:
-                        del self._by_req[req_id]
+    def parent_of(self, chain: Sequence[bytes], page: PageMove) -> bytes:
+        """Key of the page before ``page`` in its group's chain (``b""`` for chunk 0 and for the
+        pages of groups that are not full attention)."""
+        full = any(g.index == page.group and g.kind is GroupKind.FULL for g in self.plan.groups)
+        return self._key(chain, page.group, page.chunk - 1) if full and page.chunk > 0 else b""
 
-    def running(self, req_id: str) -> bool:
-        """A deferred save of ``req_id`` has not been reported ended by every rank."""
-        return bool(self._by_req.get(req_id))
+    def lookup(self, chain: Sequence[bytes], num_computed_tokens: int, num_tokens: int,
+               shared: AbstractSet[bytes] = frozenset(), shared_tier: str = "") -> tuple[int, list[str]]:
+        """The hit (tokens, 0 if none beyond ``num_computed_tokens``) and, per chunk before it,
+        the slowest tier any of its pages is held in (for vLLM's hit-source metrics; ``""`` for
+        a chunk kvtier does not hold before the engine's own hit).
 
-    def forget(self, req_id: str) -> None:
-        """Drop ``req_id``'s numbers (preempted: the workers wait for its saves in ``handle_preemptions``)."""
-        for seq in self._by_req.pop(req_id, ()):
-            self._open.pop(seq, None)
+        ``shared``: page keys the shared tier ``shared_tier`` holds for every rank, from
+        :meth:`~kvtier.integrations.vllm.scheduler.remote.RemoteLookups.poll_pages` over :meth:`unheld_pages`.
+        """
+        if self.dense:  # one full-attention group: its pages are the chain's chunks, asked in one call
+            keys = [bytes(key) for key in chain[:min(len(chain), max(0, num_tokens - 1) // self.C)]]
+            end, tiers = self.mirror.leading(keys, num_computed_tokens // self.C, shared, shared_tier)
+            return end * self.C, tiers
 
-    def finish(self, req_id: str) -> bool:
-        """``request_finished``: True (hold the blocks; named in the next ``held``) when a save runs."""
-        running = self.running(req_id)
-        self.forget(req_id)
-        if running:
-            self._held.add(req_id)
-        return running
+        def tier(group: int, chunk: int) -> str | None:
+            if chunk >= len(chain):
+                return None
+            key = self._key(chain, group, chunk)
+            return self.mirror.tier(key) or (shared_tier if key in shared else None)
 
-    def take_held(self) -> frozenset[str]:
-        """The requests held since the last call (for this step's metadata)."""
-        held, self._held = frozenset(self._held), set()
-        return held
+        hit = self.plan.hit_tokens(lambda g, c: tier(g, c) is not None, num_computed_tokens, num_tokens)
+        tiers = []
+        for c in range(hit // self.C):
+            held = [tier(g.index, c) for g in self.plan.groups]
+            tiers.append(slowest([t for t in held if t]) if any(held) else "")
+        return hit, tiers
+
+    def unheld_pages(self, chain: Sequence[bytes], num_computed_tokens: int, num_tokens: int) -> list[bytes]:
+        """Keys of the pages a hit beyond ``num_computed_tokens`` could use that no rank's local
+        tiers hold (every group, every chunk up to the last one vLLM lets a connector load):
+        what the scheduler asks the shared tier about."""
+        first = num_computed_tokens // self.C
+        limit = min(len(chain), max(0, num_tokens - 1) // self.C)
+        return [key for c in range(first, limit) for g in self.plan.groups
+                if self.mirror.tier(key := self._key(chain, g.index, c)) is None]
+
+    def load_pages(self, chain: Sequence[bytes], block_ids: Sequence[Sequence[int]], num_computed_tokens: int,
+                   hit: int) -> tuple[PageMove, ...]:
+        """Pages resuming every group at ``hit`` (``block_ids``: ``KVCacheBlocks.get_block_ids()``)."""
+        if self.dense:  # one group: HybridPlan.pages_to_load's pages without a ChunkBlocks each (the hit path)
+            ids, bs = block_ids[0], self.plan.groups[0].block_size
+            k, lo, end = self.C // bs, num_computed_tokens // bs, hit // self.C
+            if len(ids) >= hit // bs and NULL_BLOCK not in ids[lo:end * k]:
+                return tuple(PageMove(bytes(chain[c]), 0, c, max(c * k, lo) - c * k,
+                                      tuple(ids[max(c * k, lo):(c + 1) * k])) for c in range(lo // k, end))
+        loads = [cb for g in self.plan.groups
+                 for cb in self.plan.pages_to_load(g, num_computed_tokens, hit, block_ids[g.index])]
+        return tuple(PageMove(self._key(chain, cb.group, cb.chunk), cb.group, cb.chunk, cb.first_slot, cb.block_ids)
+                     for cb in loads)
+
+    def save_pages(self, chain: Sequence[bytes], start_chunk: int, end_chunk: int,
+                   block_ids: Sequence[Sequence[int]], handoffs: Sequence[tuple[int, int, int]],
+                   num_prompt_tokens: int) -> tuple[PageMove, ...]:
+        """Pages of chunks ``[start_chunk, end_chunk)`` worth storing, and the state snapshots
+        vLLM handed over this step (``(group, block id, boundary tokens)``) at boundaries
+        ``≤ end_chunk × chunk_tokens``."""
+        plan = self.plan
+        stored = [cb for g in plan.groups if g.kind is not GroupKind.STATE
+                  for cb in plan.pages_to_store(g, start_chunk, end_chunk, block_ids[g.index], num_prompt_tokens)]
+        stored += plan.state_pages(handoffs, end_chunk * self.C)
+        return tuple(PageMove(self._key(chain, cb.group, cb.chunk), cb.group, cb.chunk, 0, cb.block_ids)
+                     for cb in stored)

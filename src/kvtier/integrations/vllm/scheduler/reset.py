@@ -25,8 +25,8 @@ from kvtier.integrations.vllm.protocol import ResetOrder
 
 if TYPE_CHECKING:
     from kvtier.integrations.vllm.scheduler.events import KVEventTracker
-    from kvtier.integrations.vllm.scheduler.mirror import IndexMirror
     from kvtier.integrations.vllm.scheduler.remote import RemoteLookups
+    from kvtier.integrations.vllm.scheduler.steps import IndexMirror
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
-from kvtier.core.receipt import ReceiptSink
+from kvtier.core.receipt import ReceiptSink, tokens_by_tier
 from kvtier.core.receiptsinks import build_receipt_sinks
 from kvtier.core.tiers.registry import local_tiers
 from kvtier.integrations.vllm.cache_groups import GroupKind
@@ -19,24 +19,29 @@ from kvtier.integrations.vllm.protocol import (
     KVTierWorkerMeta,
     LoadJob,
     SaveJob,
-    tokens_by_tier,
 )
 from kvtier.integrations.vllm.scheduler.eventfeed import event_tracker, observe_reports
 from kvtier.integrations.vllm.scheduler.events import events_enabled
-from kvtier.integrations.vllm.scheduler.mirror import IndexMirror, PagePlanner
 from kvtier.integrations.vllm.scheduler.pages import engine_plan, handoffs_of
 from kvtier.integrations.vllm.scheduler.receipts import ReceiptDesk, ReceiptFacts
 from kvtier.integrations.vllm.scheduler.remote import RemoteLookups, shared_tier_configured
 from kvtier.integrations.vllm.scheduler.requests import (
     PIN_PARAM,
-    DeferredSaves,
     KeyMemo,
+    PagePlanner,
     RequestChain,
     RequestState,
     pin_seconds,
 )
 from kvtier.integrations.vllm.scheduler.reset import Resets
-from kvtier.integrations.vllm.scheduler.steps import Settle, SyncBudget, check_sync_load
+from kvtier.integrations.vllm.scheduler.steps import (
+    DeferredSaves,
+    IndexMirror,
+    Settle,
+    SyncBudget,
+    begin_step,
+    fold_reports,
+)
 from kvtier.integrations.vllm.stats import KVTierStats
 
 log = logging.getLogger(__name__)
@@ -146,7 +151,7 @@ class SchedulerSide:
         # vLLM must compute at least the last prompt token itself (to sample from its logits).
         max_chunks = (request.num_tokens - 1) // self.chunk_tokens
         loadable = self.load_enabled and max_chunks * self.chunk_tokens > num_computed_tokens
-        if not self.mirror.ready and (loadable or (self.save_enabled and request.num_tokens >= self.chunk_tokens)):
+        if not (ready := self.mirror.ready) and (loadable or (self.save_enabled and request.num_tokens >= self.chunk_tokens)):
             # The workers' first report (their index and the key root chunk keys hang from) comes
             # with the next step.  A producer waits too: keys for its saves need the root, and a
             # sliding-window page is gone from the engine by the step after its prefill.
@@ -154,7 +159,7 @@ class SchedulerSide:
             self._waiting_since = self._waiting_since or now
             if not (self.mirror.broken or now - self._waiting_since > READY_WAIT_S):
                 return None, False
-        if not loadable or not self.mirror.ready:
+        if not loadable or not ready:
             return 0, False
         if state.load_failed:
             return 0, False  # its load failed once: recompute rather than load again
@@ -214,7 +219,7 @@ class SchedulerSide:
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
         """Split ``num_external_tokens`` by the tier each planned chunk is in (the same split the
-        workers label ``loaded_tokens`` with: :func:`~kvtier.integrations.vllm.protocol.tokens_by_tier`)."""
+        workers label ``loaded_tokens`` with: :func:`~kvtier.core.receipt.tokens_by_tier`)."""
         state = self.requests.get(request.request_id)
         tiers = (state.planned_tiers if state is not None else None) or []
         hit = len(tiers) * self.chunk_tokens
@@ -223,15 +228,13 @@ class SchedulerSide:
     # ---- per step ----------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
         preempted = frozenset(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        # a request whose load is in flight is still in self.requests (vLLM finishes it after the load)
+        held = begin_step(self.sync, self.settle, self.deferred, preempted,
+                          idle=not scheduler_output.num_scheduled_tokens and not self.requests)
         meta = KVTierMetadata(loads=self._loads, reset=self.resets.take_order() if self.resets.order else None,
                               preempted=preempted, no_forward=scheduler_output.total_num_scheduled_tokens == 0,
-                              held=self.deferred.take_held())
-        for req_id in preempted:  # the workers wait for their saves in handle_preemptions, before the forward
-            self.deferred.forget(req_id)
+                              held=held)
         self._loads = []
-        # a request whose load is in flight is still in self.requests (vLLM finishes it after the load)
-        self.settle.step(idle=not scheduler_output.num_scheduled_tokens and not self.requests)
-        self.sync.new_step()
         for load in meta.loads:
             state = self.requests.get(load.req_id)
             if state is None:
@@ -240,7 +243,7 @@ class SchedulerSide:
             if load.sync:  # no finished_recving will come: its blocks are checked against this step's errors
                 state.sync_pages, state.sync_outputs_left = tuple((p.chunk, p.block_ids) for p in load.pages), 2
             else:
-                state.loading_blocks = load.block_ids
+                state.loading_blocks = frozenset(b for p in load.pages for b in p.block_ids)
         if self.save_enabled:
             for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
                 save = self._save_job(req_id, num_scheduled, scheduler_output)
@@ -286,16 +289,14 @@ class SchedulerSide:
         """Fold the ranks' index changes (vLLM's worker → scheduler metadata) into the mirror."""
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         self._last_report_s = time.monotonic()
-        self.settle.observe(meta)
+        fold_reports(meta, self.mirror, self.settle, self.deferred)
         if isinstance(meta, KVTierWorkerMeta):
             for rank in sorted(meta.ranks):
-                self.mirror.apply(rank, meta.ranks[rank])
                 for req_id, facts in meta.ranks[rank].facts.items():  # for the receipts
                     if (known := self.requests.get(req_id)) is not None:
                         known.receipt.observe(rank, facts)
                     else:
                         self.receipts.observe(req_id, rank, facts)
-                self.deferred.ended(rank, meta.ranks[rank].saves_ended)
             if self.remote is not None:  # the shared tier set up (bind) once every rank named its namespace,
                 self.remote.bind(self.mirror.namespaces)  # not at the first lookup: that one is answered now
             if self.events is not None:
@@ -305,7 +306,7 @@ class SchedulerSide:
         finished = getattr(connector_output, "finished_recving", None) or set()
         for req_id, state in self.requests.items():
             if state.sync_outputs_left:
-                check_sync_load(req_id, state, invalid)
+                state.check_sync_load(req_id, invalid)
             if state.loading_blocks is not None:
                 state.receipt.waited_steps += 1
                 bad = req_id in failed or not state.loading_blocks.isdisjoint(invalid)
@@ -329,7 +330,7 @@ class SchedulerSide:
 
         Returns:
             held: True when a deferred save of the request may still read its blocks (not reported ended
-                by every rank: :class:`~kvtier.integrations.vllm.scheduler.requests.DeferredSaves`): vLLM keeps
+                by every rank: :class:`~kvtier.integrations.vllm.scheduler.steps.DeferredSaves`): vLLM keeps
                 them until every rank names it in ``finished_sending`` (vllm/v1/core/sched/scheduler.py
                 ``_free_request``, ``_update_from_kv_xfer_finished``).
             receipt: its receipt's dict, empty until this step's worker facts are in: filled in place by

@@ -1,58 +1,170 @@
-"""The scheduler's per-step pieces besides the plans: the synchronous loads' budget
-(:class:`SyncBudget`) and keeping an idle engine stepping (:class:`Settle`).
+"""What the scheduler side keeps across engine steps, one object each per engine: the mirror of
+every rank's index (:class:`IndexMirror`, from the ranks' reports), this step's budget of
+synchronous loads (:class:`SyncBudget`), the deferred saves still running (:class:`DeferredSaves`)
+and whether an idle engine should keep stepping (:class:`Settle`); each step is begun
+(:func:`begin_step`) and its reports folded (:func:`fold_reports`) in one call.  One request's state is
+:mod:`~kvtier.integrations.vllm.scheduler.requests`'.
+
+**The mirror** is fed only by the :class:`~kvtier.integrations.vllm.protocol.RankReport` s that
+vLLM carries back from the workers each step; read by ``get_num_new_matched_tokens`` without I/O.
+
+- One view for all tensor-parallel ranks: a chunk is available only when **every** rank holds
+  it (each rank stores its own KV heads of it).  Its tier, for vLLM's hit-source metrics, is the
+  slowest tier any rank holds it in (the registry's order, :func:`~kvtier.core.tiers.registry.slowest`).
+- The mirror is ready once every rank has sent its first full snapshot (sent at the first step
+  after start-up, so a restarted engine knows its disk tier before its first request is admitted).
+- All ranks must chain keys from the same root; a rank reporting another root disables loads
+  (logged once) rather than risk loading under the wrong keys.
+- Each rank's store namespace digest (its report's ``namespace``) is kept for the shared tier,
+  whose keys carry it (:mod:`kvtier.integrations.vllm.scheduler.remote`).
+- A reset (:meth:`IndexMirror.reset`) empties every rank's view at once and raises the mirror's
+  epoch: reports of an older epoch (sent before the rank applied the reset order) are dropped, so
+  nothing held before the reset is planned as a hit again; a rank's first report of the new epoch
+  is a full snapshot of its cleared store.
+- The mirror may lag the stores by a step or more (evictions happen meanwhile): a mirror hit is a
+  promise the worker checks; a chunk gone since is reported as a load error and recomputed.
 
 **Synchronous loads**: a hit held whole in the cpu tier (and the node pool: :func:`sync_tiers`),
 copied before the forward of the very step that schedules the request, within
-``sync_load_max_bytes`` per step.
-
-``get_num_new_matched_tokens`` answers ``(n, False)`` for such a hit (vLLM then calls
-``start_load_kv`` before that step's forward, ``SchedulerOutput.has_sync_kv_loads``,
+``sync_load_max_bytes`` per step.  ``get_num_new_matched_tokens`` answers ``(n, False)`` for such a
+hit (vLLM then calls ``start_load_kv`` before that step's forward, ``SchedulerOutput.has_sync_kv_loads``,
 vllm/v1/worker/kv_connector_model_runner_mixin.py), with one full-attention KV cache group only:
 vLLM takes a synchronous load's failures as block ids, which it refuses with several groups
 (``Scheduler._handle_invalid_blocks``).  The worker reports the blocks it could not fill as
-``invalid_block_ids`` of that step's output (:func:`check_sync_load`); no ``finished_recving``
-follows.
+``invalid_block_ids`` of that step's output (``RequestState.check_sync_load``); no
+``finished_recving`` follows.
 
-**Settling**: keep an idle engine stepping until the workers' numbers are true: pins released,
-first report in.
+**Deferred saves** (``async_saves``; :mod:`kvtier.integrations.vllm.worker.saves`): a deferred save
+job gets a number when it is shipped (:meth:`DeferredSaves.ship`); every rank reports the number
+once the save ended there (``RankReport.saves_ended``, :meth:`DeferredSaves.ended`).  At
+``request_finished`` a request with a number not yet reported by every rank is held
+(:meth:`DeferredSaves.finish` → True: vLLM keeps its blocks) and named in the next step's
+``KVTierMetadata.held``, so that each rank reports it in ``finished_sending`` once its own saves of
+it ended; one whose saves all ended is freed at once.  A preempted request's numbers are forgotten
+(:meth:`DeferredSaves.forget`): the workers wait for its saves before the forward that may reuse
+its blocks.  vLLM's offloading connector tracks its store jobs the same way
+(vllm/distributed/kv_transfer/kv_connector/v1/offloading/worker.py, ``get_finished``).  Bounds: one
+entry per deferred job not yet reported by every rank; a finished request's entries go at once.
 
-vLLM moves a connector's numbers (``KVConnectorStats``, the worker → scheduler metadata) only on
-engine steps, and an engine with no request does not step.  Without help, the gauges of
-``/metrics`` freeze at the last busy step: ``kvtier_pinned_chunks`` kept showing the pins of disk
-writes still in flight when the last request ended (read 5 and 2 for over a minute after a run),
-and ``kvtier_capacity_bytes`` read 0 after boot until the first request.
-
-vLLM 0.32 keeps the engine loop stepping while the scheduler-side connector's
-``has_pending_push_work()`` is true (vllm/v1/core/sched/scheduler.py ``Scheduler.has_requests``;
-vLLM's Mooncake store connector uses it the same way, to release its pinned saves).  kvtier says
-so while
-
-- no worker has reported yet since start (one step delivers the first full snapshot of each
-  rank's index and its capacities), or
-- a worker's last report said it was busy (chunks pinned by loads or disk writes in flight), or
-- KV events wait to be published (vLLM publishes a connector's events only on steps:
-  :mod:`kvtier.integrations.vllm.scheduler.events`, rate-limited after a restart),
-
-and at most :data:`SETTLE_S` seconds from the step where the engine ran out of scheduled work,
-so a pin that never ends (a bug) cannot keep the engine spinning.  Steps taken only to settle
-sleep :data:`IDLE_STEP_S` in :meth:`Settle.step`, so settling costs about 100 empty steps a
-second for as long as the disk writes take.
+**Settling**: keep an idle engine stepping until the workers' numbers are true (pins released,
+first report in).  vLLM moves a connector's numbers (``KVConnectorStats``, the worker → scheduler
+metadata) only on engine steps, and an engine with no request does not step: without help the
+gauges of ``/metrics`` froze at the last busy step (``kvtier_pinned_chunks`` showed the pins of
+disk writes still in flight for over a minute after a run; ``kvtier_capacity_bytes`` read 0 after
+boot until the first request).  vLLM 0.32 keeps the engine loop stepping while the scheduler-side
+connector's ``has_pending_push_work()`` is true (vllm/v1/core/sched/scheduler.py
+``Scheduler.has_requests``; vLLM's Mooncake store connector uses it the same way).  kvtier says so
+while no worker has reported yet since start, a worker's last report said it was busy (chunks
+pinned by loads or disk writes in flight), or KV events wait to be published
+(:mod:`kvtier.integrations.vllm.scheduler.events`), and at most :data:`SETTLE_S` seconds from the
+step where the engine ran out of scheduled work, so a pin that never ends (a bug) cannot keep the
+engine spinning.  Steps taken only to settle sleep :data:`IDLE_STEP_S` in :meth:`Settle.step`
+(about 100 empty steps a second for as long as the disk writes take).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.tiers.factory import shared_configured
-from kvtier.core.tiers.registry import spec, top_tier
-from kvtier.integrations.vllm.protocol import KVTierWorkerMeta
-from kvtier.integrations.vllm.scheduler.requests import RequestState
+from kvtier.core.tiers.registry import spec, tier_rank, top_tier
+from kvtier.integrations.vllm.protocol import KVTierWorkerMeta, RankReport
 
 log = logging.getLogger(__name__)
+
+
+class IndexMirror:
+    """Key → tier per rank, for ``tp_size`` ranks.
+
+    Args:
+        tp_size: tensor-parallel ranks whose reports are expected (> 0).
+    """
+
+    def __init__(self, tp_size: int) -> None:
+        self.tp_size = tp_size
+        self._ranks: list[dict[bytes, str]] = [{} for _ in range(tp_size)]
+        self._snapshotted = [False] * tp_size
+        self.key_root: bytes | None = None
+        self.broken = False
+        self.namespaces: list[bytes] = [b""] * tp_size
+        self.epoch = 0  # resets so far (reset); older reports are dropped
+
+    @property
+    def ready(self) -> bool:
+        """Every rank sent its first snapshot and all agree on the key root."""
+        return all(self._snapshotted) and not self.broken
+
+    def apply(self, rank: int, report: RankReport) -> None:
+        """Fold one rank's report in (in step order)."""
+        if not 0 <= rank < self.tp_size:
+            log.warning("kvtier: report from tensor-parallel rank %d of %d ignored", rank, self.tp_size)
+            return
+        if report.epoch < self.epoch:
+            return  # the rank has not applied the reset yet: its news is of the store before it
+        if self.key_root is None:
+            self.key_root = report.key_root
+        elif report.key_root != self.key_root and not self.broken:
+            self.broken = True
+            log.error("kvtier: tensor-parallel rank %d chains chunk keys from another namespace than rank 0 "
+                      "(different model files or settings per rank?); kvtier loads are off for this engine", rank)
+        if report.namespace:
+            self.namespaces[rank] = report.namespace
+        index = self._ranks[rank]
+        if report.full:
+            index.clear()
+            self._snapshotted[rank] = True
+        for key, tier in report.changes:
+            if tier is None:
+                index.pop(key, None)
+            else:
+                index[key] = tier
+
+    def reset(self, epoch: int) -> dict[str, list[bytes]]:
+        """Forget every rank's view and drop reports older than ``epoch`` from now on.
+
+        Returns:
+            what the mirror held, by tier (a chunk held by every rank, in the slowest of its tiers):
+            what the scheduler had planned hits from until now.
+        """
+        held: dict[str, list[bytes]] = {}
+        if self.ready:
+            for key in self._ranks[0]:
+                tier = self.tier(key)
+                if tier is not None:
+                    held.setdefault(tier, []).append(key)
+        self.epoch = epoch
+        for index in self._ranks:
+            index.clear()
+        return held
+
+    def leading(self, keys: Sequence[bytes], first: int, shared: AbstractSet[bytes] = frozenset(),
+                shared_tier: str = "") -> tuple[int, list[str]]:
+        """A dense model's lookup (:meth:`PagePlanner.lookup`)
+        in one call: ``end``, the end of the run of ``keys`` held from ``first`` on (every rank's
+        local tiers, or ``shared`` in the shared tier ``shared_tier``), and the :meth:`tier` of each
+        of ``keys[:end]`` (``""`` where none holds it, before ``first``); ``(0, [])`` when the run is empty."""
+        tier = self._ranks[0].get if self.tp_size == 1 and self.ready else self.tier
+        held = [tier(key) or (shared_tier if key in shared else None) for key in keys]
+        end = first
+        while end < len(keys) and held[end] is not None:
+            end += 1
+        return (end, [t or "" for t in held[:end]]) if end > first else (0, [])
+
+    def tier(self, key: bytes) -> str | None:
+        """Tier of ``key`` if every rank holds it (the slowest of theirs), else ``None``."""
+        if not self.ready:
+            return None
+        if self.tp_size == 1:
+            return self._ranks[0].get(key)
+        tiers = [r.get(key) for r in self._ranks]
+        if None in tiers:
+            return None
+        return max(tiers, key=tier_rank)
 
 
 def bytes_per_token(kv_cache_config: Any) -> int:
@@ -133,19 +245,64 @@ class SyncBudget:
         self._promised.clear()
 
 
-def check_sync_load(req_id: str, state: RequestState, invalid: set[int]) -> None:
-    """One step output after ``state``'s synchronous load: the blocks it could not fill come back as
-    that output's ``invalid_block_ids``; vLLM recomputes the running request from the first one and
-    the worker did not save the chunks from there, so they are saved again once recomputed."""
-    bad = [chunk for chunk, blocks in state.sync_pages if invalid and not invalid.isdisjoint(blocks)]
-    if bad:
-        log.info("kvtier: request %s: its synchronous load came up short; vLLM recomputes from chunk %d",
-                 req_id, min(bad))
-        state.saved_chunks = min(state.saved_chunks, min(bad))
-        state.sync_outputs_left = 1
-    state.sync_outputs_left -= 1
-    if not state.sync_outputs_left:
-        state.sync_pages = ()
+class DeferredSaves:
+    """Deferred save jobs not yet reported ended by every rank (see the module docstring).
+
+    Args:
+        tp_size: tensor-parallel ranks, each of which reports every job.
+    """
+
+    def __init__(self, tp_size: int) -> None:
+        self.tp_size = tp_size
+        self._next = 0
+        self._open: dict[int, tuple[str, set[int]]] = {}  # seq -> (request, ranks yet to report it)
+        self._by_req: dict[str, set[int]] = {}
+        self._held: set[str] = set()  # finished and held, for the next step's metadata
+
+    def ship(self, req_id: str) -> int:
+        """A deferred save job of ``req_id`` is shipped: its number."""
+        seq, self._next = self._next, self._next + 1
+        self._open[seq] = (req_id, set(range(self.tp_size)))
+        self._by_req.setdefault(req_id, set()).add(seq)
+        return seq
+
+    def ended(self, rank: int, seqs: Iterable[int]) -> None:
+        """``rank`` reports the jobs ``seqs`` ended (numbers not open any more are ignored)."""
+        for seq in seqs:
+            entry = self._open.get(seq)
+            if entry is None:
+                continue
+            req_id, ranks = entry
+            ranks.discard(rank)
+            if not ranks:
+                del self._open[seq]
+                left = self._by_req.get(req_id)
+                if left is not None:
+                    left.discard(seq)
+                    if not left:
+                        del self._by_req[req_id]
+
+    def running(self, req_id: str) -> bool:
+        """A deferred save of ``req_id`` has not been reported ended by every rank."""
+        return bool(self._by_req.get(req_id))
+
+    def forget(self, req_id: str) -> None:
+        """Drop ``req_id``'s numbers (preempted: the workers wait for its saves in ``handle_preemptions``)."""
+        for seq in self._by_req.pop(req_id, ()):
+            self._open.pop(seq, None)
+
+    def finish(self, req_id: str) -> bool:
+        """``request_finished``: True (hold the blocks; named in the next ``held``) when a save runs."""
+        running = self.running(req_id)
+        self.forget(req_id)
+        if running:
+            self._held.add(req_id)
+        return running
+
+    def take_held(self) -> frozenset[str]:
+        """The requests held since the last call (for this step's metadata)."""
+        held, self._held = frozenset(self._held), set()
+        return held
 
 
 SETTLE_S = 10.0  # longest an idle engine keeps stepping for kvtier, seconds
@@ -214,3 +371,28 @@ class Settle:
             self._idle_since = self._clock()
         if self.wanted() and not self._gave_up:
             time.sleep(IDLE_STEP_S)
+
+
+def begin_step(sync: SyncBudget, settle: Settle, deferred: DeferredSaves, preempted: Iterable[str],
+               idle: bool) -> frozenset[str]:
+    """The engine-wide state at a step's start (``build_connector_meta``), in one call: the requests
+    held since the last step (returned, for this step's metadata), the ``preempted`` requests' deferred
+    saves forgotten (the workers wait for them in ``handle_preemptions``, before the forward),
+    :meth:`Settle.step` (``idle``: no token scheduled and no request known) and the synchronous
+    loads' budget whole again."""
+    held = deferred.take_held()
+    for req_id in preempted:
+        deferred.forget(req_id)
+    settle.step(idle)
+    sync.new_step()
+    return held
+
+
+def fold_reports(meta: object, mirror: IndexMirror, settle: Settle, deferred: DeferredSaves) -> None:
+    """One step's worker → scheduler metadata (any type; only kvtier's is read) into the engine-wide
+    state: settling, then each rank's index changes into the mirror and its ended deferred saves."""
+    settle.observe(meta)
+    if isinstance(meta, KVTierWorkerMeta):
+        for rank in sorted(meta.ranks):
+            mirror.apply(rank, meta.ranks[rank])
+            deferred.ended(rank, meta.ranks[rank].saves_ended)
