@@ -70,7 +70,6 @@ ENGINE_TESTS := \
 	tests/integrations/test_hit_story.py tests/integrations/test_vllm_demo.py \
 	tests/integrations/test_vllm_engine.py tests/integrations/test_vllm_hybrid_kvtier.py \
 	tests/integrations/test_vllm_hybrid_models.py tests/integrations/test_vllm_node_tier.py \
-	tests/integrations/test_vllm_node_sync_engine.py \
 	tests/integrations/test_vllm_preflight.py tests/integrations/test_vllm_processes.py \
 	tests/integrations/test_vllm_receipts.py tests/integrations/test_vllm_redis_faults.py \
 	tests/integrations/test_vllm_redis_tier.py tests/integrations/test_vllm_s3_tier.py \
