@@ -21,7 +21,7 @@ engine whose halves are in separate processes:
 
 - the process split, lifecycles and signals: test_vllm_processes.py (graceful stop, a running
   consumer, tensor-parallel ranks), test_vllm_serve.py (SIGTERM's write-back flush, the restart
-  from the disk tier), test_vllm_shutdown.py, test_vllm_demo.py (``kvtier demo``'s SIGTERM restart);
+  from the disk tier, the clean SIGTERM stop), test_vllm_demo.py (``kvtier demo``'s SIGTERM restart);
 - loads with the halves apart, per tier family: cpu and disk (test_vllm_serve.py, test_vllm_processes.py,
   test_vllm_demo.py), node (test_vllm_node_tier.py, also SIGKILLed during a load), redis
   (test_vllm_two_hosts.py, test_vllm_redis_tier.py's engine B), s3 (test_vllm_two_hosts.py,

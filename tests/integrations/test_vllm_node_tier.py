@@ -9,6 +9,16 @@ threads) and a real pool owner (``kvtier node serve``).
 - the owner SIGKILLed while B serves costs no failed request (they recompute), and once it is
   restarted on the same pool it is warm and serves again (a prompt A computes afterwards loads on B);
 - B SIGKILLed during a load leaves no lease in the pool.
+
+Engine A runs kvtier's default deadlines (``shared_deadline_s`` 0.25 s) and takes issue 38's
+synchronous node hit (a node load costs about what a cpu-tier load does; folded in here from a test
+of its own, so that the suite starts one engine less):
+
+- a prompt A computed, gone from its own prefix cache and cpu tier (an external reset,
+  ``reset_scope: cpu``), is served from the pool in the step that schedules it (no step parked:
+  ``waited_steps`` 0), with the tokens and logprobs of A's own prefix cache on that prefix;
+- with the owner SIGSTOPped (its presence table still promises the hit), the same request's load
+  gives up within the deadline, recomputes, and answers the same tokens.
 """
 
 from __future__ import annotations
@@ -20,9 +30,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
-from tests.integrations.openai_client import run
+from kvtier.core.receipt import decode
+from tests.integrations.openai_client import run, served_model
 from tests.integrations.vllm_helpers import PROMPT_WORDS, live_spec
 from tests.node_servers import NodeServer
 from tests.redis_servers import wait_until
@@ -31,6 +43,58 @@ pytestmark = [pytest.mark.engine, pytest.mark.shares_cpu]
 
 CHUNK = 128
 LOADED = "kvtier_loaded_tokens_total{node}"
+DEADLINE_S = 0.25  # shared_deadline_s's default (engine A's)
+
+
+def _complete(base_url: str, prompt: str) -> tuple[list[int], list[float], dict[str, Any], float]:
+    """One greedy completion: its token ids, their logprobs, its kvtier receipt, its wall seconds."""
+    body = {"model": served_model(base_url), "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "logprobs": 0,
+            "return_tokens_as_token_ids": True}
+    t0 = time.perf_counter()
+    r = httpx.post(base_url + "/v1/completions", json=body, timeout=300.0)
+    seconds = time.perf_counter() - t0
+    assert r.status_code == 200, r.text[:2000]
+    answer = r.json()
+    receipt = answer["kv_transfer_params"]["kvtier"]
+    decode(receipt)
+    lp = answer["choices"][0]["logprobs"]
+    return lp["tokens"], lp["token_logprobs"], receipt, seconds
+
+
+def _forget(base_url: str) -> None:
+    """vLLM's prefix cache and kvtier's cpu tier emptied (the pool keeps its values)."""
+    deadline = time.monotonic() + 60
+    while httpx.post(base_url + "/reset_prefix_cache", params={"reset_external": "true"}, timeout=60).status_code != 200:
+        assert time.monotonic() < deadline, "vLLM refused reset_prefix_cache for 60 s"
+        time.sleep(0.5)
+
+
+def _sync_hit_then_stalled_owner(url: str, owner: NodeServer, p: str) -> None:
+    """Issue 38 on one engine (``url``, kvtier's default deadlines, ``reset_scope: cpu``): a node hit
+    loads synchronously and exactly; with the owner SIGSTOPped the load gives up within the deadline."""
+    before = owner.stats().num_values
+    _, _, cold, _ = _complete(url, p)  # computed, saved to the pool
+    whole = cold["prompt_tokens"] // CHUNK
+    loadable = (cold["prompt_tokens"] - 1) // CHUNK * CHUNK
+    assert wait_until(lambda: owner.stats().num_values >= before + whole, timeout_s=60), owner.stats()
+    own_tokens, own_logprobs, own, _ = _complete(url, p)  # the reference: the engine's own prefix cache
+    assert own["tokens"].get("engine", 0) == loadable, own
+
+    _forget(url)
+    tokens, logprobs, got, _ = _complete(url, p)
+    assert got["tokens"].get("node", 0) == loadable and got["waited_steps"] == 0, got
+    assert (tokens, logprobs) == (own_tokens, own_logprobs)
+
+    # stalled: the presence table (beaten < 2 s ago) still promises the hit; the pin gives up
+    _forget(url)
+    owner.pause()
+    tokens, _, stalled, seconds = _complete(url, p)
+    owner.resume()
+    assert tokens == own_tokens
+    assert stalled["tokens"].get("node", 0) == 0 and stalled["tokens"]["computed"] >= loadable, stalled
+    assert stalled["waited_steps"] == 0, stalled  # never parked: the step paid the pin's deadline
+    assert stalled["load_ms"].get("node", 0.0) < (DEADLINE_S + 0.25) * 1e3, stalled
+    assert seconds < 30, seconds
 
 
 def test_two_engines_share_one_node_pool_exactly_and_survive_its_owner_and_an_engine_dying(
@@ -40,10 +104,13 @@ def test_two_engines_share_one_node_pool_exactly_and_survive_its_owner_and_an_en
 
     p, q, r, s, warm_up = (random_prompt(seed, PROMPT_WORDS) for seed in (3801, 3802, 3803, 3804, 3805))
     owner = NodeServer(tmp_path, node_gib=0.25, page_kib=64, lease_s=5.0).start()
+    # A: kvtier's default deadlines (issue 38's synchronous hit is judged against shared_deadline_s's default)
+    a_kvtier = {"chunk_tokens": CHUNK, "cpu_gib": 0.01, "tiers": ["cpu", "node"], "node_socket": owner.socket,
+                "reset_scope": "cpu", "node_breaker_probe_s": 1.0}
     kvtier = {"chunk_tokens": CHUNK, "cpu_gib": 0.01, "tiers": ["cpu", "node"], "node_socket": owner.socket,
               "shared_deadline_s": 5.0, "shared_transfer_deadline_s": 5.0, "node_timeout_s": 2.0,
               "node_breaker_probe_s": 1.0}
-    a = Server(live_spec(tiny_model, kvtier), tmp_path / "a.log")
+    a = Server(live_spec(tiny_model, a_kvtier), tmp_path / "a.log")
     b = Server(live_spec(tiny_model, kvtier), tmp_path / "b.log")
     failures: list[str] = []
     try:
@@ -66,6 +133,9 @@ def test_two_engines_share_one_node_pool_exactly_and_survive_its_owner_and_an_en
         hits = "vllm:prefix_cache_hits_total"
         assert a_after.get(hits, 0) - a_before.get(hits, 0) == loaded  # A's reference: its own prefix cache
         assert (got_p["tokens"], got_p["logprobs"]) == (own_p["tokens"], own_p["logprobs"])
+
+        # issue 38 on A: a node hit loads synchronously, exactly; a stalled owner costs at most the deadline
+        _sync_hit_then_stalled_owner(a.base_url, owner, random_prompt(3811, PROMPT_WORDS))
 
         # counted once: what each engine reports for the pool sums to the owner's count
         def summed() -> tuple[float, int]:
@@ -119,6 +189,8 @@ def test_two_engines_share_one_node_pool_exactly_and_survive_its_owner_and_an_en
         assert owner.stats().problem == ""
         assert a.exit_reason() is None
     finally:
+        if owner.proc is not None and owner.proc.poll() is None:
+            owner.resume()
         for server in (a, b):
             server.stop(grace_s=20)
         owner.stop()

@@ -114,15 +114,22 @@ def test_running_consumer_adopts_what_a_producer_writes_later(tiny_model: Path, 
                                     {"op": "generate", "prompts": prompts}], role="kv_consumer")
     spec["kvtier"]["disk_rescan_s"] = 0.2
     consumer = run_engine(spec, tmp_path, "consumer", timeout_s=900)
+    # the producer starts beside the consumer (two start-ups at once) but prefills only once the
+    # consumer is up: the consumer still starts on an empty disk tier and adopts the files by rescan
+    producer = run_engine(_spec(tiny_model, disk, [{"op": "wait", "path": str(ready), "timeout_s": 600},
+                                                   {"op": "generate", "prompts": prompts}], role="kv_producer"),
+                          tmp_path, "producer", timeout_s=900)
     try:
         deadline = time.monotonic() + 420
         while not ready.exists() and consumer.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
         assert ready.exists(), "the consumer did not start"
-        made = result_of(run_engine(_spec(tiny_model, disk, [{"op": "generate", "prompts": prompts}],
-                                          role="kv_producer"), tmp_path, "producer"), tmp_path, "producer")
+        made = result_of(producer, tmp_path, "producer")
     finally:
         done.write_text("done")
+        if producer.poll() is None:  # a failed check above: the producer is not left waiting at its gate
+            producer.kill()
+            producer.wait()
     used = result_of(consumer, tmp_path, "consumer")
     assert made["metrics"]["kvtier_saved_tokens_total"] == 2 * LOADABLE
     assert made["metrics"]["kvtier_loaded_tokens_total{cpu}"] + made["metrics"]["kvtier_loaded_tokens_total{disk}"] == 0

@@ -7,7 +7,7 @@ so that an engine deleted in-process frees its memory).  A worker process then r
 collection in ``GPUModelRunner._cleanup_profiling_kv_cache`` and, exiting through
 ``Py_FinalizeEx``, more of them, each walking the whole unfrozen heap: about 700,000 objects
 of torch, vLLM, sympy and the rest for the tiny test model, more for a real one.  Measured on
-the 2-core test machine (tests/integrations/test_vllm_shutdown.py): the worker was still
+the 2-core test machine (tests/integrations/test_vllm_serve.py's first stop): the worker was still
 collecting 5 s after kvtier's flush line, vLLM's executor then sent SIGTERM (which the worker
 ignores once it is shutting down) and SIGKILL 4 s later, and the engine core spent its own
 seconds the same way; when the stop passed the API server's ``--shutdown-timeout``, its process
