@@ -92,6 +92,7 @@ class GuardedTier(TierWrapper):
         self.clear_deadline_s = clear_deadline_s
         direct = not isinstance(inner, TierWrapper)  # SplitTier is never reached through another wrapper
         self._split = inner if direct and isinstance(inner, SplitTier) else None
+        self._bounded = self._split if isinstance(self._split, BoundsItself) else None  # (a protocol check: ~10 µs)
 
     # ---- the call path ---------------------------------------------------------------------
     def _deadline(self, op: str) -> float:
@@ -213,9 +214,9 @@ class GuardedTier(TierWrapper):
         fault: list[str] | None = [] if why is not None else None
         if (split := self._split) is not None:  # the wire half under the deadline, then verify on this thread
             prepare = getattr(split, "while_fetching", None)
-            if isinstance(split, BoundsItself):  # on this thread, no hop: its own waits end by the deadline
+            if (bounded := self._bounded) is not None:  # on this thread, no hop: its own waits end by the deadline
                 def fetch() -> Any:
-                    return self._call_here("get", lambda d: split.fetch_many_by(
+                    return self._call_here("get", lambda d: bounded.fetch_many_by(
                         keys, d, (lambda: prepare(dsts)) if prepare else None), fault, within_s)
             else:
                 def fetch() -> Any:
