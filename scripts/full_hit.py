@@ -293,8 +293,10 @@ def detail(tl: Timeline, side: Any) -> None:
     if isinstance(tier, GuardedTier):
         tl.wrap_light(tier, "get_many", "guard_get")
         tl.wrap_light(tier, "_call", "guard_call")
+        tl.wrap_light(tier, "_call_here", "guard_call")  # a tier that bounds itself: no thread hop
         tier = tier.inner
     tl.wrap_light(tier, "fetch_many", "fetch_many")
+    tl.wrap_light(tier, "fetch_many_by", "fetch_many")
     tl.wrap_light(tier, "finish_get", "finish_get")
     tl.wrap_light(tier.verifier, "copy", "verify_copy")
     tl.wrap_light(readcopy, "scatter_hashed", "scatter_hashed")

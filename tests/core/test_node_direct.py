@@ -13,7 +13,6 @@ hit copied once, from the pool's pages into its KV blocks; :class:`Scatter`,
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -184,12 +183,13 @@ def test_a_scatter_writes_nowhere_but_its_targets(block_bytes):
     assert digest == one_shot(None, b"", bytes(range(10)))
 
 
-def test_deferred_scatters_are_built_on_the_loading_thread_while_the_pin_is_in_flight(node_server):
+def test_deferred_scatters_are_built_on_the_loading_thread_while_the_pin_is_in_flight(node_server, monkeypatch):
     """A load whose ``into`` hands out scatters without their runs (:meth:`Scatter.later`, as the
-    engine's :class:`~kvtier.integrations.vllm.worker.direct.DirectTargets` does): each scatter's runs
-    are computed once, on the thread that called ``prepare_load``, before the pin's reply is back
-    (the node tier's fetch held 0.2 s here), and the chunks land in them.  A scatter whose runs
-    cannot be built fails the load on the caller's thread (a ``ValueError``), not the tier: the
+    engine's :class:`~kvtier.integrations.vllm.worker.direct.DirectTargets` does): the pin is sent,
+    then each scatter's runs are computed once, on the thread that called ``prepare_load``, then
+    the owner's answer is read on that thread too (the pin needs no other thread:
+    :class:`~kvtier.core.tiers.split.BoundsItself`), and the chunks land in them.  A scatter whose
+    runs cannot be built fails the load on the caller's thread (a ``ValueError``), not the tier: the
     next load is served."""
     chunk = 24 * RUN
     a, b = two_engines(node_server.socket, chunk)
@@ -201,14 +201,17 @@ def test_deferred_scatters_are_built_on_the_loading_thread_while_the_pin_is_in_f
         inner = unwrap(b.index.shared[0].tier)
         assert isinstance(inner, NodeTier)
         events: list[tuple[str, int]] = []
-        real_fetch = inner.fetch_many
+        real_frame, real_recv = protocol.frame, inner.client._recv
 
-        def slow_fetch(keys):  # the real pin, its reply held back 0.2 s
-            pins = real_fetch(keys)
-            time.sleep(0.2)
-            events.append(("pin back", threading.get_ident()))
-            return pins
-        inner.fetch_many = slow_fetch  # type: ignore[method-assign]
+        def frame(request):  # what the engine sends, as it is sent
+            events.append((f"sent {type(request).__name__}", threading.get_ident()))
+            return real_frame(request)
+
+        def recv(sock, deadline=None):
+            events.append(("answer read", threading.get_ident()))
+            return real_recv(sock, deadline)
+        monkeypatch.setattr(protocol, "frame", frame)
+        inner.client._recv = recv  # type: ignore[method-assign]
         cache = np.zeros(3 * chunk, dtype=np.uint8)
         runs = {pos: [(at, to + pos * chunk, n) for at, to, n in shuffled_runs(chunk, pos)] for pos in range(3)}
 
@@ -223,8 +226,9 @@ def test_deferred_scatters_are_built_on_the_loading_thread_while_the_pin_is_in_f
         assert handle.ready_chunks() == handle.num_chunks == 3
         b.complete_load(handle, True)
         me = threading.get_ident()
-        assert events[:3] == [("fill", me)] * 3 and events[3][0] == "pin back" and events[3][1] != me
-        assert len(events) == 4  # each scatter's runs built once
+        pin = events.index(("sent Pin", me))
+        assert events[pin:pin + 5] == [("sent Pin", me)] + [("fill", me)] * 3 + [("answer read", me)]
+        assert sum(e[0] == "fill" for e in events) == 3  # each scatter's runs built once
         for pos in range(3):
             assert all(np.array_equal(cache[to:to + n], datas[pos][at:at + n]) for at, to, n in runs[pos]), pos
 

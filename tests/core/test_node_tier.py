@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -108,6 +109,34 @@ def test_a_stalled_owner_is_a_miss_within_the_deadline_and_serves_again_when_it_
             node_server.resume()
         assert until(lambda: read(tier, key(1)) == (GetResult.HIT, data(1)))
         assert until(lambda: tier.contains_now([key(1), key(2)]) == [True, False])
+    finally:
+        tier.close()
+
+
+def test_a_read_waits_for_a_connection_a_stalled_write_holds_no_longer_than_its_deadline(node_server):
+    """A read pins on the caller's thread (no hop to the guard's: the tier bounds its own waits), so
+    every wait is its own to bound: with the owner SIGSTOPped while another thread's write holds the
+    connection (waiting up to ``node_timeout_s``), a read given 0.2 s gives up within them, a
+    ``deadline`` miss counted against the breaker; the owner resumed, it is served again."""
+    tier = engine_tier(node_server)
+    try:
+        assert tier.put(key(1), data(1)) is PutResult.STORED
+        node_server.pause()
+        try:
+            writer = threading.Thread(target=tier.put, args=(key(2), data(2)))
+            writer.start()
+            assert until(unwrap(tier).client._lock.locked, 5.0)  # the write waits on the stopped owner
+            why: dict[ChunkKey, str] = {}
+            t0 = time.perf_counter()
+            got = tier.get_many([key(1)], [memoryview(bytearray(CHUNK))], why=why, within_s=0.2)
+            took_s = time.perf_counter() - t0
+            assert got == [GetResult.MISS] and why == {key(1): "deadline"}
+            assert 0.19 <= took_s < 0.4, took_s
+            assert tier.wire_stats().errors["get"] == 1
+            writer.join()
+        finally:
+            node_server.resume()
+        assert until(lambda: read(tier, key(1)) == (GetResult.HIT, data(1)))
     finally:
         tier.close()
 

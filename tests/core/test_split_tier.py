@@ -19,7 +19,8 @@ import pytest
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers import GetResult, PutResult
 from kvtier.core.tiers.buffers import BufferPool
-from kvtier.core.tiers.guarded import GuardedTier, SplitTier
+from kvtier.core.tiers.guarded import GuardedTier
+from kvtier.core.tiers.split import SplitTier
 from kvtier.core.tiers.wrappers import TierWrapper
 
 from .tier_harness import HARNESSES, NS

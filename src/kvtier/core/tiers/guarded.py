@@ -25,30 +25,9 @@ lives here, once:
 The inner tier raises on a fault (it is called only through this wrapper); its results on a
 success are passed through unchanged.
 
-One optional protocol, :class:`SplitTier`, lets a remote tier keep its own data path behind the
-wrapper, with no copy of a payload beyond the one each direction needs (the redis and s3 tiers
-implement it; a new remote tier implements it too, or gets the private copies above).  Each
-direction splits into a wire half on the wrapper's threads (under the deadline and the breaker)
-and a half on the caller's thread:
-
-- **Reads**: ``fetch_many`` (wrapper's threads) receives the values into buffers the tier owns,
-  never a caller's: reused ones (redis) or new ones per call (s3); a late fetch lands in nobody's
-  buffer.  ``finish_get`` (caller's thread, only after the fetch returned in time) verifies each
-  value and copies its payload into the caller's buffer: the one copy a read needs.  It touches
-  no network; the wrapper then deletes every ``CORRUPT`` key through its own guarded
-  ``delete_many``.  A tier's ``while_fetching(dsts)``, if any, runs on the caller's thread meanwhile.
-- **Writes**: ``stream_put`` returns a :class:`PutStream`: ``send`` on the wrapper's threads while
-  ``produce`` (digests, or whole encoded values) runs on the caller's thread, then ``abandon``
-  once the caller stops waiting, so a write given up at the deadline stops before its next
-  chunk.  What ``send`` may read of the caller's buffers after ``put_many`` returned is the
-  tier's guarantee: either nothing (the s3 tier's ``produce`` encodes header + payload, the one
-  copy a write needs) or payloads whose digests ``produce`` already took, so a payload changed
-  after the deadline is stored as a value that fails verification (a miss), never served (the
-  redis tier sends payloads straight from the caller's memory).
-
-The protocol is used only on a tier given directly, never through another wrapper (a
-:class:`~kvtier.core.tiers.wrappers.TierWrapper` forwards attributes, and a method reached that
-way would bypass the wrapper in between).
+A remote tier that implements :class:`~kvtier.core.tiers.split.SplitTier` keeps its own data path
+behind the wrapper (:mod:`kvtier.core.tiers.split`); one that also bounds its own waits
+(:class:`~kvtier.core.tiers.split.BoundsItself`: the node tier) is read on the caller's thread.
 """
 
 from __future__ import annotations
@@ -59,8 +38,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry
 
@@ -70,75 +48,13 @@ from kvtier.core.tenant import TenantRecords, Writer
 from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier
 from kvtier.core.tiers.breaker import CircuitBreaker
 from kvtier.core.tiers.sharedreads import SharedReads
+from kvtier.core.tiers.split import BoundsItself, SplitTier, split_get
 from kvtier.core.tiers.tiermetrics import TierMetrics
 from kvtier.core.tiers.valueread import check_range, check_room
 from kvtier.core.tiers.wrappers import MissWhy, TierWrapper
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class WriteAbandoned(Exception):
-    """A :class:`PutStream`'s ``send`` stopped: the caller abandoned the write, or ``produce`` did
-    not deliver the next chunk in time (a fault of that call, nothing more)."""
-
-
-@dataclass
-class PutStream:
-    """One write of a :class:`SplitTier`.
-
-    Attributes:
-        send: puts every chunk (on the wrapper's threads); raises on a fault, and
-            :class:`WriteAbandoned` once ``abandon`` was called or ``produce`` fell behind.
-        produce: given the ``time.perf_counter()`` at which the call's deadline passes, prepares
-            what ``send`` consumes (on the caller's thread, while ``send`` runs); any wait in it
-            ends by that time.
-        abandon: the caller stopped waiting (returned, in time or not): a ``send`` still running
-            stops before its next chunk.  Always called, once.
-    """
-
-    send: Callable[[], list[PutResult]]
-    produce: Callable[[float], None]
-    abandon: Callable[[], None]
-
-
-@runtime_checkable
-class SplitTier(Protocol):
-    """A remote tier whose reads and writes split into a wire half (the wrapper's threads) and a half on
-    the caller's thread, so :class:`GuardedTier` needs no private copies (see the module docstring).  The
-    redis, s3 and node tiers implement it; each method raises on a fault, as their ``get_many``/``put_many`` do."""
-
-    def fetch_many(self, keys: Sequence[ChunkKey]) -> Any:
-        """Fetch the values of ``keys`` into buffers the tier owns (never a caller's); an opaque
-        result for :meth:`finish_get`.  Runs on the wrapper's threads."""
-
-    def finish_get(self, keys: Sequence[ChunkKey], fetched: Any, dsts: Sequence[memoryview],
-                   records: TenantRecords | None = None) -> list[GetResult]:
-        """Verify what :meth:`fetch_many` returned in time and copy each payload into ``dsts[i]``
-        (``MISS``: absent; ``CORRUPT``: failed verification, counted and forgotten), each verified
-        value's tenant record into ``records``.  Runs on the caller's thread and touches no
-        network: the wrapper deletes every ``CORRUPT`` key afterwards (a guarded ``delete_many``)."""
-
-    def stream_put(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes],
-                   tenants: Sequence[Writer | None] | None = None) -> PutStream:
-        """The stream that writes ``datas[i]`` under ``keys[i]`` for ``tenants[i]`` (``datas`` are the caller's
-        buffers, uncopied: see the module docstring for what ``send`` may read of them)."""
-
-
-def split_get(split: SplitTier, keys: Sequence[ChunkKey], dsts: Sequence[memoryview], fetch: Callable[[], Any],
-              delete: Callable[[list[ChunkKey]], object], records: TenantRecords | None = None) -> list[GetResult]:
-    """One :class:`SplitTier` read: ``fetch()`` (``split.fetch_many(keys)``, on this thread or
-    under a deadline; ``None``: every key a miss), ``split.finish_get`` on this thread, then
-    ``delete`` of every ``CORRUPT`` key.  A tier's own ``get_many`` and :class:`GuardedTier` both
-    read this way."""
-    fetched = fetch()
-    if fetched is None:
-        return [GetResult.MISS] * len(keys)
-    results = split.finish_get(keys, fetched, dsts, records)
-    corrupt = [k for k, r in zip(keys, results, strict=True) if r is GetResult.CORRUPT]
-    if corrupt:
-        delete(corrupt)
-    return results
 
 
 class GuardedTier(TierWrapper):
@@ -176,6 +92,7 @@ class GuardedTier(TierWrapper):
         self.clear_deadline_s = clear_deadline_s
         direct = not isinstance(inner, TierWrapper)  # SplitTier is never reached through another wrapper
         self._split = inner if direct and isinstance(inner, SplitTier) else None
+        self._bounded = self._split if isinstance(self._split, BoundsItself) else None  # (a protocol check: ~10 µs)
 
     # ---- the call path ---------------------------------------------------------------------
     def _deadline(self, op: str) -> float:
@@ -189,27 +106,57 @@ class GuardedTier(TierWrapper):
         on any fault (counted).  ``during(deadline)``, if given, runs on the caller's thread once ``fn``
         is submitted; the deadline (a ``time.perf_counter()`` value) counts from the submission.
         ``fault``, if given, gets the fault's kind appended (:data:`~kvtier.core.receipt.MissReason`)."""
-        if self._closed or not self._slots.acquire(blocking=False):
-            self.wire.skipped(op)
-            if fault is not None:
-                fault.append("load_failed")  # closed, or queue_depth calls already waiting
-            return None
-        if not self.breaker.allow():
-            self._slots.release()
-            self.wire.skipped(op)
-            if fault is not None:
-                fault.append("breaker_open")
+        if not self._admit(op, fault, slot=True):
             return None
         deadline_s = min(self._deadline(op), within_s or float("inf"))
         t0 = time.perf_counter()
         future: Future[T] = self._pool.submit(self._run, fn)
-        try:
-            if during is not None:
-                during(t0 + deadline_s)
-            result = future.result(timeout=max(deadline_s - (time.perf_counter() - t0), 0.0))
-        except FutureTimeout:
-            if future.cancel():  # never started: its slot is ours to give back
+
+        def wait() -> T:
+            try:
+                if during is not None:
+                    during(t0 + deadline_s)
+                return future.result(timeout=max(deadline_s - (time.perf_counter() - t0), 0.0))
+            except FutureTimeout:
+                if future.cancel():  # never started: its slot is ours to give back
+                    self._slots.release()
+                raise
+        return self._outcome(op, wait, t0, deadline_s, fault)
+
+    def _call_here(self, op: str, fn: Callable[[float], T], fault: list[str] | None = None,
+                   within_s: float | None = None) -> T | None:
+        """:meth:`_call` for a tier that bounds its own waits (:class:`BoundsItself`): ``fn(deadline)``
+        on the caller's thread, no hop to the wrapper's; the same deadline, breaker and counts (the
+        tier's ``TimeoutError`` is a ``deadline`` fault)."""
+        if not self._admit(op, fault, slot=False):
+            return None
+        deadline_s = min(self._deadline(op), within_s or float("inf"))
+        t0 = time.perf_counter()
+        return self._outcome(op, lambda: fn(t0 + deadline_s), t0, deadline_s, fault)
+
+    def _admit(self, op: str, fault: list[str] | None, slot: bool) -> bool:
+        """Whether a call may start (not closed, a free ``slot`` if asked, the breaker closed); a
+        skipped one counted."""
+        if self._closed or (slot and not self._slots.acquire(blocking=False)):
+            self.wire.skipped(op)
+            if fault is not None:
+                fault.append("load_failed")  # closed, or queue_depth calls already waiting
+            return False
+        if not self.breaker.allow():
+            if slot:
                 self._slots.release()
+            self.wire.skipped(op)
+            if fault is not None:
+                fault.append("breaker_open")
+            return False
+        return True
+
+    def _outcome(self, op: str, run: Callable[[], T], t0: float, deadline_s: float,
+                 fault: list[str] | None) -> T | None:
+        """``run()``'s result, or ``None`` on a fault (counted, the breaker told)."""
+        try:
+            result = run()
+        except TimeoutError:  # the future's wait (FutureTimeout is TimeoutError), or a tier's own bound
             self._fault(op, f"deadline of {deadline_s:.3f} s passed")
             if fault is not None:
                 fault.append("deadline")
@@ -266,9 +213,16 @@ class GuardedTier(TierWrapper):
             return []
         fault: list[str] | None = [] if why is not None else None
         if (split := self._split) is not None:  # the wire half under the deadline, then verify on this thread
-            during = (lambda _d: prepare(dsts)) if (prepare := getattr(split, "while_fetching", None)) else None
-            results = split_get(split, keys, dsts, lambda: self._call("get", lambda: split.fetch_many(keys), during,
-                                fault=fault, within_s=within_s), self.delete_many, records)
+            prepare = getattr(split, "while_fetching", None)
+            if (bounded := self._bounded) is not None:  # on this thread, no hop: its own waits end by the deadline
+                def fetch() -> Any:
+                    return self._call_here("get", lambda d: bounded.fetch_many_by(
+                        keys, d, (lambda: prepare(dsts)) if prepare else None), fault, within_s)
+            else:
+                def fetch() -> Any:
+                    return self._call("get", lambda: split.fetch_many(keys),
+                                      (lambda _d: prepare(dsts)) if prepare else None, fault, within_s)
+            results = split_get(split, keys, dsts, fetch, self.delete_many, records)
             if fault and why is not None:
                 why.update(dict.fromkeys(keys, fault[0]))
             return results

@@ -4,7 +4,7 @@ and ranged reads (``get_range``) of the value envelope, over each tier's own fet
 :class:`SharedReads` is that part of :class:`~kvtier.core.tiers.redis.tier.RedisTier` and
 :class:`~kvtier.core.tiers.s3.tier.S3Tier`.  A tier gives it:
 
-- ``fetch_many(keys)`` (the :class:`~kvtier.core.tiers.guarded.SplitTier` half it has already):
+- ``fetch_many(keys)`` (the :class:`~kvtier.core.tiers.split.SplitTier` half it has already):
   whole values, ``None`` where absent;
 - :meth:`SharedReads.fetch_head_and` and :meth:`SharedReads.fetch_range`: a value's size, its
   first :data:`~kvtier.core.envelope.FIXED_BYTES` bytes and one byte range, in as few round trips

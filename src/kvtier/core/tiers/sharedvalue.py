@@ -202,7 +202,7 @@ def verify_into(codec: ValueCodec, keys: Sequence[ChunkKey], values: Sequence[by
                 dsts: Sequence[memoryview], where: str, forget: Callable[[ChunkKey], None],
                 records: tenant.TenantRecords | None = None) -> Verified:
     """Verify ``values[i]`` (``None``: absent) for ``keys[i]`` and put its payload into ``dsts[i]``,
-    for a shared tier's read (the caller's half of a :class:`~kvtier.core.tiers.guarded.SplitTier`
+    for a shared tier's read (the caller's half of a :class:`~kvtier.core.tiers.split.SplitTier`
     read).  ``forget(key)`` is called for each key without a usable value.  A value that fails
     :meth:`ValueCodec.open_into` is ``CORRUPT`` and logged, one line each naming ``where`` (e.g.
     ``"kvtier redis tier (host:port)"``) and the chunk; the tier counts it and the caller deletes

@@ -1,9 +1,11 @@
 """An engine's connection to the node pool's owner, and its mapping of the pool.
 
-Blocking, one request in flight (a lock), each send and receive bounded by ``timeout_s``.  Any
-fault (no owner, a timeout, a closed connection, a refusal) closes the connection and raises
-:class:`NodeUnavailable`; the next call connects again (re-attach), and maps the pool again if
-the owner recreated it (another pool id).  Releases of read leases are queued here and ride on
+Blocking, one request in flight (a lock), each send and receive bounded by ``timeout_s``, and by
+what is left of a call's ``deadline`` when it has one (the wait for the lock too: a read on the
+caller's thread, :class:`~kvtier.core.tiers.split.BoundsItself`).  Any fault (no owner, a timeout,
+a closed connection, a refusal) closes the connection and raises :class:`NodeUnavailable`
+(:class:`NodeTimeout` for a wait that ran out); the next call connects again (re-attach), and maps
+the pool again if the owner recreated it (another pool id).  Releases of read leases are queued here and ride on
 the next ``pin`` or ``alloc`` (or a ``release`` once :data:`RELEASE_BATCH` are queued): a read's
 verify-and-copy half touches no socket.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,6 +30,10 @@ RELEASE_BATCH = 256
 
 class NodeUnavailable(ConnectionError):
     """The node pool's owner did not answer (dead, stalled, refusing); one sentence."""
+
+
+class NodeTimeout(NodeUnavailable, TimeoutError):
+    """A wait of a call ran out (the owner stalled, or the connection busy past the deadline)."""
 
 
 class NodeClient:
@@ -68,22 +75,42 @@ class NodeClient:
         out, self._releases = self._releases, []
         return out
 
-    def call(self, build: p.Request | Callable[[list[int]], p.Request]) -> tuple[p.Reply, Pool, int]:
+    def call(self, build: p.Request | Callable[[list[int]], p.Request], deadline: float | None = None,
+             during: Callable[[], None] | None = None) -> tuple[p.Reply, Pool, int]:
         """Send the request ``build`` returns (a message, or a function of the queued releases
-        returning one) and return ``(reply, pool, connection serial)``.
+        returning one) and return ``(reply, pool, connection serial)``.  With ``deadline`` (a
+        ``time.perf_counter()`` value) every wait (the lock, connecting, each send and receive)
+        ends by it too; ``during()``, if given, runs once the request is sent, before its answer
+        is read (its own time counts against the deadline; if it raises, the connection is closed
+        and the exception passes).
 
         Raises:
-            NodeUnavailable: no answer within ``timeout_s``, or a refusal.
+            NodeUnavailable: no answer within ``timeout_s`` (or by ``deadline``: :class:`NodeTimeout`), or a refusal.
         """
-        with self._lock:
+        if not self._lock.acquire(timeout=-1 if deadline is None else max(deadline - time.perf_counter(), 0.0)):
+            raise NodeTimeout(f"the connection to the node pool's owner at {self.socket_path} was busy "
+                              "past the deadline")
+        try:
             for attempt in (0, 1):
                 fresh = self._sock is None
                 try:
-                    sock, pool = self._connected()
+                    sock, pool = self._connected(deadline)
                     request = build if isinstance(build, msgspec.Struct) else build(self.take_releases())
+                    self._bound(sock, deadline)
                     sock.sendall(p.frame(request))
-                    reply = self._recv(sock)
+                    if during is not None:
+                        run, during = during, None
+                        try:
+                            run()
+                        except BaseException:
+                            self._close()  # an answer nobody reads must not be taken for the next call's
+                            raise
+                    reply = self._recv(sock, deadline)
                     break
+                except TimeoutError as exc:
+                    self._close()
+                    raise NodeTimeout(f"the node pool's owner at {self.socket_path} did not answer "
+                                      f"({exc.__class__.__name__}: {exc})") from None
                 except ConnectionError as exc:
                     self._close()
                     if fresh or attempt or isinstance(exc, NodeUnavailable):
@@ -102,6 +129,22 @@ class NodeClient:
             elif isinstance(reply, p.UsageReply):
                 self.usage = (reply.used_bytes, reply.num_values)
             return reply, pool, self._conn_serial
+        finally:
+            self._lock.release()
+
+    def _bound(self, sock: socket.socket, deadline: float | None) -> None:
+        """Each wait on ``sock`` from now ends within ``timeout_s`` and by ``deadline``.
+
+        Raises:
+            TimeoutError: the deadline has passed."""
+        if deadline is None:
+            if sock.gettimeout() != self.timeout_s:  # a call with a deadline left its own
+                sock.settimeout(self.timeout_s)
+            return
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            raise TimeoutError("the deadline passed")
+        sock.settimeout(min(self.timeout_s, left))
 
     def flush(self) -> None:
         """Send the queued releases now (a best effort: a fault leaves them to the lease expiry)."""
@@ -113,19 +156,22 @@ class NodeClient:
         except NodeUnavailable:
             pass
 
-    def _recv(self, sock: socket.socket) -> p.Reply:
+    def _recv(self, sock: socket.socket, deadline: float | None = None) -> p.Reply:
+        self._bound(sock, deadline)
         n = p.frame_length(p.recv_exactly(sock, 4))
+        self._bound(sock, deadline)
         return p.REPLIES.decode(p.recv_exactly(sock, n))
 
-    def _connected(self) -> tuple[socket.socket, Pool]:
+    def _connected(self, deadline: float | None = None) -> tuple[socket.socket, Pool]:
         if self._sock is not None and self.pool is not None:
             return self._sock, self.pool
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.timeout_s)
         try:
+            self._bound(sock, deadline)
             sock.connect(self.socket_path)
             sock.sendall(p.frame(p.Hello(p.VERSION, self.client)))
-            welcome = self._recv(sock)
+            welcome = self._recv(sock, deadline)
             if isinstance(welcome, p.Refused):
                 raise NodeUnavailable(f"the node pool's owner at {self.socket_path} refused: {welcome.reason}")
             if not isinstance(welcome, p.Welcome):

@@ -2,12 +2,13 @@
 
 A shared tier (other engines write it, its owner evicts), used behind
 :class:`~kvtier.core.tiers.guarded.GuardedTier` (:mod:`~kvtier.core.tiers.node.factory`), whose
-data path it keeps (:class:`~kvtier.core.tiers.guarded.SplitTier`):
+data path it keeps (:class:`~kvtier.core.tiers.split.SplitTier`):
 
 - **lookup**: read from the pool's presence table on the caller's thread while its owner beats
   (:mod:`~kvtier.core.tiers.node.presence`: no message); else one ``lookup`` message.
-- **read**: ``fetch_many`` (the wrapper's threads, under the deadline) pins the values, one
-  message for the batch; ``finish_get`` (the caller's thread, no socket) copies each payload from
+- **read**: ``fetch_many_by`` (the caller's thread: each wait on the socket bounded by what is
+  left of the deadline, :class:`~kvtier.core.tiers.split.BoundsItself`) pins the values, one
+  message for the batch, the scatters built while the owner answers; ``finish_get`` (the caller's thread, no socket) copies each payload from
   the shared pages into the caller's buffer (the one copy a read needs) and verifies the digest
   over the copy (:mod:`~kvtier.core.tiers.node.readcopy`: in a batch, on a helper thread while the
   next value is copied where that is measured faster), then checks, once for the batch after
@@ -31,7 +32,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvtier.core import envelope
@@ -42,13 +43,13 @@ from kvtier.core.stats import WireCounters, WireStats
 from kvtier.core.tenant import TenantRecords, Writer
 from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, TierUsage, writers
 from kvtier.core.tiers.envelopetier import EnvelopeTier
-from kvtier.core.tiers.guarded import PutStream, WriteAbandoned, split_get
 from kvtier.core.tiers.node import protocol as p
 from kvtier.core.tiers.node.client import NodeClient
 from kvtier.core.tiers.node.memory import PoolMemory
 from kvtier.core.tiers.node.pool import Pool
 from kvtier.core.tiers.node.presence import lookup
 from kvtier.core.tiers.node.readcopy import Copied, Pending, Scatter, Verifier
+from kvtier.core.tiers.split import PutStream, WriteAbandoned, split_get
 
 log = logging.getLogger(__name__)
 Pins = tuple[list[tuple[int, int, int, int] | None], Pool, int]
@@ -122,8 +123,16 @@ class NodeTier(PoolMemory, EnvelopeTier):
         return reply.present
 
     def fetch_many(self, keys: Sequence[ChunkKey]) -> Pins:
-        """(:class:`~kvtier.core.tiers.guarded.SplitTier`) Pin ``keys``: one message."""
+        """(:class:`~kvtier.core.tiers.split.SplitTier`) Pin ``keys``: one message."""
         reply, pool, serial = self.client.call(lambda rel: p.Pin(self.namespace, self._keys(keys), rel))
+        assert isinstance(reply, p.Pinned)
+        return reply.leases, pool, serial
+
+    def fetch_many_by(self, keys: Sequence[ChunkKey], deadline: float, during: Callable[[], None] | None) -> Pins:
+        """(:class:`~kvtier.core.tiers.split.BoundsItself`) :meth:`fetch_many` on the caller's thread,
+        every wait ending by ``deadline`` (``NodeTimeout``, a ``TimeoutError``, past it); ``during()``
+        runs while the owner answers (the scatters: :meth:`while_fetching`)."""
+        reply, pool, serial = self.client.call(lambda rel: p.Pin(self.namespace, self._keys(keys), rel), deadline, during)
         assert isinstance(reply, p.Pinned)
         return reply.leases, pool, serial
 
@@ -140,7 +149,7 @@ class NodeTier(PoolMemory, EnvelopeTier):
 
     def finish_get(self, keys: Sequence[ChunkKey], fetched: Pins, dsts: Sequence[memoryview],
                    records: TenantRecords | None = None) -> list[GetResult]:
-        """(:class:`~kvtier.core.tiers.guarded.SplitTier`) Copy and verify each pinned value
+        """(:class:`~kvtier.core.tiers.split.SplitTier`) Copy and verify each pinned value
         (:mod:`~kvtier.core.tiers.node.readcopy`), then check that its pages still carry the pin's
         generation (once for the batch, after every copy); the releases are queued, no socket is
         touched."""
@@ -233,7 +242,7 @@ class NodeTier(PoolMemory, EnvelopeTier):
 
     def stream_put(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes],
                    tenants: Sequence[Writer | None] | None = None) -> PutStream:
-        """(:class:`~kvtier.core.tiers.guarded.SplitTier`) See the module docstring."""
+        """(:class:`~kvtier.core.tiers.split.SplitTier`) See the module docstring."""
         who = writers(tenants, len(keys))
         payloads = [memoryview(d).cast("B") for d in datas]
         bodies = payloads if self.envelope.chain.passthrough else [self.envelope.chain.encode(v) for v in payloads]

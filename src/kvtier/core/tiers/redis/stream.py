@@ -31,7 +31,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvtier.core.tiers.guarded import WriteAbandoned
+from kvtier.core.tiers.split import WriteAbandoned
 
 CRLF = b"\r\n"
 SMALL_BYTES = 64 << 10

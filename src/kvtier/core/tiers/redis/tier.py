@@ -24,7 +24,7 @@
   replica, ``-NOPERM``) is one of :attr:`RedisTier.refusal_errors`: it fails only that call and
   leaves the breaker closed, so reads go on while writes are refused.
 - **Behind the wrapper, the data path is the tier's own** (it implements the wrapper's
-  :class:`~kvtier.core.tiers.guarded.SplitTier`):
+  :class:`~kvtier.core.tiers.split.SplitTier`):
   values are received into reused read buffers on the wrapper's thread and verified and copied
   into the caller's buffers on the caller's thread, only after the fetch returned in time (bytes
   arriving later are dropped, never copied into a buffer the caller has given back).  A write
@@ -54,12 +54,12 @@ from kvtier.core.stats import WireCounters, WireStats
 from kvtier.core.tenant import TenantRecords, Writer
 from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, TierUsage, writers
 from kvtier.core.tiers.buffers import BufferPool
-from kvtier.core.tiers.guarded import PutStream, WriteAbandoned, split_get
 from kvtier.core.tiers.redis import stream as redisstream
 from kvtier.core.tiers.redis.clear import clear_namespace
 from kvtier.core.tiers.sealedaway import LOOKUP_HEAD_BYTES, SealedAway
 from kvtier.core.tiers.sharedreads import SharedReads
 from kvtier.core.tiers.sharedvalue import HEADER_BYTES, ValueCodec, keyspace, verify_into
+from kvtier.core.tiers.split import PutStream, WriteAbandoned, split_get
 
 log = logging.getLogger(__name__)
 BATCH_BYTES = 32 << 20
@@ -138,7 +138,7 @@ class RedisTier(SharedReads, Tier):
         return split_get(self, keys, dsts, lambda: self.fetch_many(keys), self.delete_many, records)
 
     def fetch_many(self, keys: Sequence[ChunkKey]) -> tuple[list[Any], float]:
-        """(:class:`~kvtier.core.tiers.guarded.SplitTier`) The raw values of ``keys`` (``None`` where absent) and when the fetch started.  Standalone:
+        """(:class:`~kvtier.core.tiers.split.SplitTier`) The raw values of ``keys`` (``None`` where absent) and when the fetch started.  Standalone:
         received straight into the tier's read buffers (:func:`redisstream.get_many`); Cluster:
         redis-py's pipeline."""
         t0 = time.perf_counter()
@@ -212,7 +212,7 @@ class RedisTier(SharedReads, Tier):
     def stream_put(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes],
                    tenants: Sequence[Writer | None] | None = None) -> PutStream:
         """Pipelined ``SET key value EX ttl NX``, one value per chunk, as a
-        :class:`~kvtier.core.tiers.guarded.PutStream`.
+        :class:`~kvtier.core.tiers.split.PutStream`.
 
         Standalone: all commands back to back on one connection, each value sent as (header,
         payload) straight from ``datas`` (:mod:`~kvtier.core.tiers.redis.stream`), headers digested

@@ -24,7 +24,7 @@
   were sent, where a ``HEAD`` costs one round trip: the saving holds while most chunks written
   are new (a chunk is written again when another engine computed and saved it too).
 - **Behind the wrapper, the data path is the tier's own** (it implements the wrapper's
-  :class:`~kvtier.core.tiers.guarded.SplitTier`): a read's bodies are buffers obstore allocated
+  :class:`~kvtier.core.tiers.split.SplitTier`): a read's bodies are buffers obstore allocated
   for the call, verified and copied once into the caller's buffers on the caller's thread after
   the fetch returned in time; a write's objects (header + payload, the one copy a write needs)
   are encoded on the caller's thread while the probe or the ``HEAD`` requests are on the wire.
@@ -60,7 +60,6 @@ from kvtier.core.stats import WireCounters, WireStats
 from kvtier.core.tenant import TenantRecords, Writer
 from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, TierUsage, writers
 from kvtier.core.tiers.buffers import BufferPool
-from kvtier.core.tiers.guarded import PutStream, WriteAbandoned, split_get
 from kvtier.core.tiers.s3.client import brief
 from kvtier.core.tiers.s3.conditional import ConditionalPut
 from kvtier.core.tiers.s3.objects import S3Objects
@@ -68,6 +67,7 @@ from kvtier.core.tiers.s3.space import S3Space
 from kvtier.core.tiers.sealedaway import SealedAway
 from kvtier.core.tiers.sharedreads import SharedReads
 from kvtier.core.tiers.sharedvalue import HEADER_BYTES, ValueCodec, keyspace, verify_into
+from kvtier.core.tiers.split import PutStream, WriteAbandoned, split_get
 
 log = logging.getLogger(__name__)
 ENCODE_BUFFER_BYTES = 256 << 20
@@ -168,7 +168,7 @@ class S3Tier(SharedReads, Tier):
         return split_get(self, keys, dsts, lambda: self.fetch_many(keys), self.delete_many, records)
 
     def fetch_many(self, keys: Sequence[ChunkKey]) -> tuple[list[Any], float]:
-        """(:class:`~kvtier.core.tiers.guarded.SplitTier`) One parallel ``GET`` per key: each body
+        """(:class:`~kvtier.core.tiers.split.SplitTier`) One parallel ``GET`` per key: each body
         (a buffer obstore allocated for this call) or ``None`` where there is no live object, and
         when the fetch started.  An object past ``s3_ttl_s`` is not read but deleted here (a fault
         of that delete is logged; the sweep deletes it later)."""
@@ -197,7 +197,7 @@ class S3Tier(SharedReads, Tier):
 
     def finish_get(self, keys: Sequence[ChunkKey], fetched: tuple[list[Any], float],
                    dsts: Sequence[memoryview], records: TenantRecords | None = None) -> list[GetResult]:
-        """(:class:`~kvtier.core.tiers.guarded.SplitTier`) Verify each body of :meth:`fetch_many`
+        """(:class:`~kvtier.core.tiers.split.SplitTier`) Verify each body of :meth:`fetch_many`
         and copy its payload into ``dsts[i]``: ``HIT``; no live object: ``MISS``; short, foreign
         or failing its digest: ``CORRUPT`` (counted; the caller deletes it).  Each hit's tenant
         record goes into ``records``.  No network."""
@@ -254,7 +254,7 @@ class S3Tier(SharedReads, Tier):
     def stream_put(self, keys: Sequence[ChunkKey], datas: Sequence[memoryview | bytes],
                    tenants: Sequence[Writer | None] | None = None) -> PutStream:
         """One whole-object ``PUT`` per chunk (parallel), as a
-        :class:`~kvtier.core.tiers.guarded.PutStream`.  A chunk already stored is ``PRESENT`` and
+        :class:`~kvtier.core.tiers.split.PutStream`.  A chunk already stored is ``PRESENT`` and
         keeps its object (chunk bytes never change under their key): with ``s3_conditional_put``
         on a server that honours ``If-None-Match: *`` the server's ``412`` says so; otherwise a
         ``HEAD`` before each ``PUT`` does (module docstring, "Writes never replace an object").
