@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable, Sequence
-from itertools import count
+from itertools import chain, count
 from typing import Any
 
 from kvtier.core.policies.base import Evictable, EvictionPolicy, always_evictable
@@ -271,9 +271,10 @@ class AdaptivePolicy(EvictionPolicy):
             self._rebuild()
         nodes, children = self._nodes, self._children
 
-        if self._guarded and self._outside and self._over_budget():
-            for key in self._outside:  # oldest first: a chunk leaves the shadow after its children
-                if key not in children and key != self._run[0] and evictable(key):
+        if self._guarded and self._over_budget():  # the oldest outside the shadow (a chunk leaves it after its
+            # children); none outside: the tier holds what the shadow holds, so the shadow's least recent, as in LRU
+            for key in chain(self._outside, (self._shadow_oldest(),)):
+                if key in nodes and key not in children and key != self._run[0] and evictable(key):
                     return key
 
         # The chunk inserted last is the parent of the next one of its prompt: evicting it
@@ -335,6 +336,12 @@ class AdaptivePolicy(EvictionPolicy):
             allowance *= len(self._nodes) / (len(self._nodes) + self._below)
         return self._deficit + len(self._outside) + 1 > allowance
 
+    def _shadow_oldest(self) -> Any | None:
+        ghost, heap = self._ghost, self._ghost_heap  # the LRU shadow's least recent key, stale entries dropped
+        while heap and ((entry := ghost.get(heap[0][3])) is None or entry[2] != heap[0][2]):
+            heapq.heappop(heap)
+        return heap[0][3] if heap else None
+
     def _trim_ghost(self) -> None:
         ghost, heap, n, pop = self._ghost, self._ghost_heap, len(self._nodes), heapq.heappop
         nodes, outside = self._nodes, self._outside
@@ -390,11 +397,3 @@ class AdaptivePolicy(EvictionPolicy):
         if len(self._uses) > HISTORY / 2 * n:
             self._old_uses, self._uses = self._uses, {}
         return uses, clock - last, long_uses
-
-
-class UnguardedAdaptivePolicy(AdaptivePolicy):
-    """``adaptive`` without its LRU guard: the selector alone (for comparison in the simulator)."""
-
-    name = "adaptive-unguarded"
-    def __init__(self) -> None:
-        super().__init__(guard=False)

@@ -21,7 +21,7 @@ _REGISTRY: dict[str, str] = {
     "prefix-lru": "kvtier.core.policies.prefix_lru:PrefixAwareLRUPolicy",
     "prefix-freq": "kvtier.core.policies.prefix_freq:PrefixFrequencyPolicy",
     "adaptive": "kvtier.core.policies.adaptive:AdaptivePolicy",
-    "adaptive-unguarded": "kvtier.core.policies.adaptive:UnguardedAdaptivePolicy",
+    "adaptive-unguarded": "kvtier.core.policies.unguarded:UnguardedAdaptivePolicy",
     "s3fifo": "kvtier.core.policies.s3fifo:S3FIFOPolicy",
 }
 
