@@ -137,7 +137,8 @@ class AsyncLoader:
         with self._lock:
             finished, errors, failed = self._finished, self._errors, self._failed
             self._finished, self._errors, self._failed = set(), set(), set()
-            epoch, stale = self.store.epoch, 0
+            stale = 0
+            epoch = self.store.epoch if self._filled else 0  # (nothing filled: no reset to check)
             for req_id, (started, filled) in self._filled.items():
                 if started == epoch:
                     continue  # no reset since the load began

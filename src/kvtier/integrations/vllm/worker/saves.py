@@ -96,6 +96,10 @@ class SaveQueue:
         self.voided = 0  # jobs released unpublished: their blocks were given back first
         self.completed = 0  # jobs ended (published, released or failed)
         self._ended_seqs: list[int] = []  # SaveJob.seq of deferred jobs ended since take_ended
+        # bumped under the lock by every change a step's report reads (a job queued or ended, a count): a
+        # reader that sees the same number as at its last read knows counts(), in_flight and take_ended()
+        # would tell it nothing new, and asks nothing (the worker's per-step report, worker/side.py)
+        self.version = 0
         self._thread = threading.Thread(target=self._loop, name="kvtier-save", daemon=True)
         self._thread.start()
 
@@ -105,6 +109,7 @@ class SaveQueue:
         (released, reported ended).  Returns False when it was dropped."""
         with self._lock:
             self._jobs.setdefault(item.job.req_id, []).append(item)
+            self.version += 1
         try:
             self._queue.put_nowait(item)
             return True
@@ -119,6 +124,7 @@ class SaveQueue:
         with self._lock:
             self.backpressure_waits += 1
             self.backpressure_s += time.perf_counter() - t0
+            self.version += 1
         if not queued:
             log.warning("kvtier: the save queue stayed full for %.1f s; request %s's save is dropped",
                         self.wait_s, item.job.req_id)
@@ -138,6 +144,7 @@ class SaveQueue:
         """A deferred job that never reached the queue (nothing to copy, cut, failed) ended."""
         with self._lock:
             self._ended_seqs.append(seq)
+            self.version += 1
 
     def take_ended(self) -> tuple[int, ...]:
         """The numbers of the deferred jobs ended since the last call (``RankReport.saves_ended``)."""
@@ -249,6 +256,7 @@ class SaveQueue:
                     self._ended_seqs.append(item.job.seq)
                 if not jobs:
                     self._jobs.pop(item.job.req_id, None)
+                self.version += 1
                 self._ended.notify_all()
 
 
