@@ -23,6 +23,7 @@ from kvtier.integrations.vllm.worker.loader import AsyncLoader
 from kvtier.integrations.vllm.worker.registration import Registered, key_root, register, tp_rank
 from kvtier.integrations.vllm.worker.saves import SaveQueue, save_jobs
 from kvtier.integrations.vllm.worker.shutdownflush import flush_line, flush_on_stop
+from kvtier.integrations.vllm.worker.syncload import load_layers, load_now
 
 if TYPE_CHECKING:  # imports vLLM; the worker side itself runs without it (scripts/gpu_check.py --mode runner)
     from kvtier.integrations.vllm.stats import KVTierStats
@@ -133,8 +134,8 @@ class WorkerSide:
         for job in meta.loads:
             if job.sync:
                 cpu_only = all(job.tiers[p.chunk] == self.store.cpu.name for p in job.pages)  # (a node hit: whole)
-                errors, first_unfilled = self.loader.load_now(job) if self.layer_loads is None or not cpu_only \
-                    else self.loader.load_layers(job, self.layer_loads)
+                errors, first_unfilled = load_now(self.loader, job) if self.layer_loads is None or not cpu_only \
+                    else load_layers(self.loader, job, self.layer_loads)
                 self._errors |= errors
                 if first_unfilled is not None:
                     self._sync_cut[job.req_id] = first_unfilled
