@@ -190,7 +190,7 @@ class WorkerSide:
             self.loader.abort(finished_req_ids)
         no_forward, self._no_forward = self._no_forward, False  # one wait per step at most
         if no_forward and self.config.idle_step_wait_s > 0:
-            if self.loader.num_inflight or not self._held or self.saver is None:
+            if not self._held or self.saver is None or self.loader.num_inflight:  # (no held block: asks no count)
                 self.loader.wait_ended(self.config.idle_step_wait_s)
             else:  # only held blocks wait: for their saves, so that the step does not spin
                 self.saver.wait_any(self._held, self.config.idle_step_wait_s)
