@@ -97,8 +97,8 @@ SCRIPT = ROOT / "scripts" / "hit_story.py"
 # the disk tier's indexed() is its dict's C membership test and contains_many() answers a load's chain at
 # once (index -> disk tier 12 -> 1, changes -> disk tier 8 -> 2), the envelope checks a read's header in one
 # call (reads -> envelope 18 -> 6), and the step's policy settle runs in changes.py (changes -> index 2 -> 0).
-# Lowered on branch files_worker (issue 33's split by step phase, the worker's area; 7a85bf6): 29 files, 223
-# moves (one run, 945 kvtier calls, load 6.4), from 31 and 248 at main 783b5c0 (measured at the start of the
+# Lowered on branch files_worker (issue 33's split by step phase, the worker's area): 29 files, 223 moves at
+# 7a85bf6 (945 kvtier calls, load 6.4) and 222 at 38aaf2b (944 calls, load 9.3), from 31 and 248 at main 783b5c0 (measured at the start of the
 # branch, load 0.6).  Left the hit: integrations/vllm/worker/saves.py (the step asks the saver its counts,
 # in-flight jobs and ended jobs only when its version counter moved; a step with no save job and the gate
 # already open calls nothing: side -> saves 8 -> 0) and worker/facts.py (a load's facts are the loader's:
