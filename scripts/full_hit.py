@@ -278,7 +278,7 @@ def detail(tl: Timeline, side: Any) -> None:
         loader._run = profiled
     if loader is not None:
         tl.wrap_light(loader, "_run", "run")
-        tl.wrap_light(loader, "_finish", "finish")
+        tl.wrap_light(loader, "finish", "finish")
         if loader.direct is not None:
             tl.wrap_light(loader.direct, "scatter", "scatter")
     store = side.store

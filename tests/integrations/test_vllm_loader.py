@@ -26,6 +26,7 @@ from kvtier.integrations.vllm.scheduler.steps import IndexMirror
 from kvtier.integrations.vllm.worker.copy import GroupCopiers
 from kvtier.integrations.vllm.worker.layout import detect_layout
 from kvtier.integrations.vllm.worker.loader import AsyncLoader
+from kvtier.integrations.vllm.worker.syncload import load_now
 
 BLOCK, CHUNK, NUM_BLOCKS = 16, 64, 32  # 4 blocks per chunk
 NS = Namespace(model="loader-test", kv_dtype="float32", num_layers=2, num_kv_heads=2, head_size=32,
@@ -183,14 +184,14 @@ def test_a_synchronous_load_copies_what_the_cpu_tier_holds_and_never_reads_below
     # the engine's own hit covers chunks 0-1; chunk 2 is in the cpu tier, chunk 3 was never stored
     tail = LoadJob("t", jobs.load_pages(chain, [table], 2 * CHUNK, 4 * CHUNK), 2 * CHUNK, 4 * CHUNK,
                    ("", "", where[2], "cpu"), sync=True)
-    assert loader.load_now(tail) == (set(range(25, 29)), 3)
+    assert load_now(loader, tail) == (set(range(25, 29)), 3)
     for layer, t in src.items():  # chunk 2 = saved from blocks 9..12, now in blocks 21..24
         for s, d in zip(range(9, 13), range(21, 25)):
             assert torch.equal(dst[layer][d], t[s]), (layer, s, d)
     # chunk 0 is only on disk: nothing is read, every block is an error, recomputed from chunk 0
     whole = LoadJob("w", jobs.load_pages(chain, [table], 0, 4 * CHUNK), 0, 4 * CHUNK, ("disk", "cpu", "cpu", "cpu"),
                     sync=True)
-    assert loader.load_now(whole) == (set(table), 0)
+    assert load_now(loader, whole) == (set(table), 0)
     after = store.stats()
     assert after.loaded_tokens.get("cpu", 0) - before.loaded_tokens.get("cpu", 0) == CHUNK
     assert after.transfer_seconds.get("disk_to_cpu", 0.0) == before.transfer_seconds.get("disk_to_cpu", 0.0)

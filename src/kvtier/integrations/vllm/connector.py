@@ -181,7 +181,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_layer_load(self, layer_name: str) -> None:
         """``layerwise_loads``: this layer's copies only (:mod:`kvtier.integrations.vllm.worker.layerwise`);
         otherwise synchronous loads are whole when start_load_kv returns; asynchronous ones park the request."""
-        if self.worker_side is not None:
+        if self.worker_side is not None and self.worker_side.layer_loads is not None:
             self.worker_side.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
@@ -191,7 +191,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Before this step's forward: wait for deferred saves of the requests vLLM preempted (their
         blocks are free again; vllm/v1/worker/gpu_model_runner.py calls this before the forward)."""
-        if self.worker_side is not None and isinstance(kv_connector_metadata, KVTierMetadata):
+        if self.worker_side is not None and isinstance(kv_connector_metadata, KVTierMetadata) \
+                and kv_connector_metadata.preempted:  # (most steps preempt nothing: no call)
             self.worker_side.handle_preemptions(kv_connector_metadata)
 
     def wait_for_save(self) -> None:
@@ -203,16 +204,16 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.worker_side is None:
             return None, None
-        sending = self.worker_side.finished_saves()
-        return (sending or None), (self.worker_side.finished_loads(finished_req_ids) or None)
+        sending, recving = self.worker_side.finished(finished_req_ids)
+        return (sending or None), (recving or None)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        """Finished loads, and (hybrid models) loads that failed whole: with several KV cache
+        """Finished saves and loads, and (hybrid models) loads that failed whole: with several KV cache
         groups vLLM takes request-level failures only (``failed_recving``), never block ids."""
-        results = super().get_transfer_results(finished_req_ids)
-        if self.worker_side is not None:
-            results.failed_recving = self.worker_side.take_failed()
-        return results
+        if self.worker_side is None:
+            return super().get_transfer_results(finished_req_ids)
+        sending, recving, failed = self.worker_side.transfers(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.take_errors() if self.worker_side is not None else set()

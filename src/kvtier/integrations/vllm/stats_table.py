@@ -377,3 +377,8 @@ def store_gauges(s: StoreStats) -> dict[str, float]:
             out.update({f"ttl_pinned_chunks_{t}": stats.ttl_pinned_chunks,
                         f"ttl_pinned_bytes_{t}": stats.ttl_pinned_chunks * s.chunk_bytes})
     return out
+
+
+def store_report(now: StoreStats, before: StoreStats | None, tp_rank: int = 0) -> tuple[dict[str, float], dict[str, float]]:
+    """One step's :func:`store_counters` and :func:`store_gauges` of ``now``, in one call (the worker's report)."""
+    return store_counters(now, before, tp_rank), store_gauges(now)

@@ -22,12 +22,8 @@ them) then:
    request (vLLM recomputes it whole).  Then the request is finished receiving, in that order,
    so both reach vLLM no later than the same step.
 
-Synchronous loads (:meth:`AsyncLoader.load_now`, ``LoadJob.sync``): a hit held whole in the cpu
-tier (or the node pool) and within ``sync_load_max_bytes`` is copied on the engine's thread in
-``start_load_kv``, before the forward of the step that scheduled the request: the same prepare /
-copy / complete over the cpu tier's pinned pages and the pool's values (pinned and verified, the
-pin within ``shared_deadline_s``), no thread hand-off, no ``finished_recving``; the blocks it could
-not fill are vLLM load errors in that same step.
+Synchronous loads (``LoadJob.sync``, copied on the engine's thread before the forward) are
+:mod:`~.syncload`'s; they end through :meth:`AsyncLoader.finish` too.
 
 A reset (the store's :attr:`~kvtier.core.store.TieredStore.epoch` changed) fails every load that
 started before it and is reported after it: its blocks are reported as load errors (with several
@@ -41,6 +37,10 @@ nothing to compute and asks for finished loads each step (``get_finished``).  Th
 ends (never a sleep loop) until one has ended or ``idle_step_wait_s`` passed, so the engine's thread
 neither spins nor holds the GIL the loader threads need while they read, verify and copy.
 
+Facts: each load's events (its :class:`~kvtier.core.sinks.RequestRecord`) become the request's
+:class:`~kvtier.integrations.vllm.protocol.RequestFacts` when it ends (:func:`load_facts`), kept in
+:class:`FactsBook` until the step's worker metadata carries them to the scheduler's receipts (issue 35).
+
 Bounds: jobs in flight are bounded by the engine's KV cache (each holds its request's blocks
 until reported); a job waits for its read-ahead at most ``load_wait_s``; ``shutdown`` cancels
 jobs not started and waits for running ones.  A job whose request was aborted before it started
@@ -53,6 +53,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from operator import ne
 from typing import cast
@@ -64,11 +65,9 @@ from kvtier.core.receipt import tokens_by_tier
 from kvtier.core.sinks import RequestRecord
 from kvtier.core.store import TieredStore
 from kvtier.core.tiers.registry import slowest
-from kvtier.integrations.vllm.protocol import LoadJob
+from kvtier.integrations.vllm.protocol import LoadJob, PageMove, RequestFacts
 from kvtier.integrations.vllm.worker.copy import GroupCopiers
 from kvtier.integrations.vllm.worker.direct import DirectTargets
-from kvtier.integrations.vllm.worker.facts import FactsBook, load_facts
-from kvtier.integrations.vllm.worker.layerwise import LayerLoads
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +101,7 @@ class AsyncLoader:
         self.wait_s = wait_s  # longest wait for pages read ahead (config load_wait_s)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-load")
         self._lock = threading.Lock()
-        self._ended = threading.Condition(self._lock)  # notified when a load ends (_finish)
+        self._ended = threading.Condition(self._lock)  # notified when a load ends (finish)
         self._finished: set[str] = set()
         self._errors: set[int] = set()
         self._failed: set[str] = set()
@@ -116,7 +115,7 @@ class AsyncLoader:
         """Start ``job`` in the background (never blocks).  Its pages the cpu tier holds are pinned
         here, on the caller's (engine) thread, so that they are still there when a loader thread
         prepares the load (released once the job is over, or cancelled)."""
-        held = self.store.pin_resident(_keys(job))
+        held = self.store.pin_resident(job_keys(job))
         try:
             with self._lock:
                 self._aborted.discard(job.req_id)
@@ -138,7 +137,8 @@ class AsyncLoader:
         with self._lock:
             finished, errors, failed = self._finished, self._errors, self._failed
             self._finished, self._errors, self._failed = set(), set(), set()
-            epoch, stale = self.store.epoch, 0
+            stale = 0
+            epoch = self.store.epoch if self._filled else 0  # (nothing filled: no reset to check)
             for req_id, (started, filled) in self._filled.items():
                 if started == epoch:
                     continue  # no reset since the load began
@@ -182,8 +182,8 @@ class AsyncLoader:
             if skipped:
                 return
             # max_chunks: the plan already asked the shared tier, so its reads need no second presence batch
-            handle = self.store.prepare_load(_keys(job), max_chunks=len(job.pages), read_ahead=True,
-                                             ctx=_context(job, record),
+            handle = self.store.prepare_load(job_keys(job), max_chunks=len(job.pages), read_ahead=True,
+                                             ctx=job_context(job, record),
                                              into=self.direct.into(job) if self.direct is not None else None)
             delivered, timed_out = self._copy_as_ready(job, handle)
             budget_cut = delivered if timed_out else None
@@ -191,86 +191,8 @@ class AsyncLoader:
         except Exception:
             log.exception("kvtier: loading request %s's pages failed; recomputing them", job.req_id)
         finally:
-            self._finish(job, handle, delivered, ok, skipped, time.perf_counter() - t0, epoch, record=record,
-                         budget_cut=budget_cut)
-
-    def load_now(self, job: LoadJob) -> tuple[set[int], int | None]:
-        """Run a synchronous ``job`` on the calling (engine) thread: pin the leading pages the cpu
-        tier holds (``prepare_load(top_only=True)``: no I/O, no re-hashing of pages that never left
-        memory) and, for a job planned in the node pool too, the pool's values after them (one pin
-        within :attr:`sync_within_s`, read and verified into the blocks), copy the cpu pages straight
-        into the engine's blocks, count, unpin.
-
-        Never raises: a failure is logged and its pages are reported as unfilled.
-
-        Returns:
-            ``(blocks not filled, first chunk not filled)``: the blocks go to vLLM through
-            ``get_block_ids_with_load_errors`` in this same step (vLLM recomputes from the first
-            one, vllm/v1/core/sched/scheduler.py ``_handle_invalid_blocks``); the chunk is ``None``
-            when every page was copied (the worker keeps this step's saves of the request before
-            that chunk: the KV computed over unfilled blocks is wrong).
-
-        Raises:
-            ValueError: the loader reports block-level errors only with one KV cache group
-                (``partial``); the scheduler plans no synchronous load otherwise.
-        """
-        if not self.partial:
-            raise ValueError("a synchronous load needs block-level load errors (one full-attention KV cache group)")
-        handle = None
-        delivered = 0
-        ok = False
-        t0 = time.perf_counter()
-        epoch = self.store.epoch
-        record = RequestRecord(self.chunk_tokens)
-        # a hit planned beyond the cpu tier (the node pool: SyncBudget's tiers) pins and reads it here, within
-        # sync_within_s (a stalled owner costs this step that much, then its breaker makes it a miss at once)
-        shared = any(job.tiers[p.chunk] != self.store.cpu.name for p in job.pages)
-        try:
-            handle = self.store.prepare_load(_keys(job), max_chunks=len(job.pages), top_only=True,
-                                             ctx=_context(job, record),
-                                             into=self.direct.into(job) if shared and self.direct is not None else None,
-                                             shared_within_s=self.sync_within_s if shared else None)
-            held = handle.num_chunks
-            moves = [m for m in zip(job.pages[:held], handle.buffers[:held]) if m[1] is not NO_BUFFER]
-            if moves:  # (a chunk read into its blocks, NO_BUFFER, is there already)
-                self.copiers.load(moves)
-            delivered, ok = held, True  # a copy that raised part-way filled nothing vLLM may use
-            if delivered < len(job.pages):
-                log.info("kvtier: request %s: %d of %d planned pages were found for its synchronous load; "
-                         "recomputing the rest", job.req_id, delivered, len(job.pages))
-        except Exception:
-            log.exception("kvtier: loading request %s's pages synchronously failed; recomputing them", job.req_id)
-        errors = self._finish(job, handle, delivered, ok, False, time.perf_counter() - t0, epoch, sync=True,
-                              record=record)
-        first_unfilled = None if not errors else job.pages[delivered].chunk
-        return errors, first_unfilled
-
-    def load_layers(self, job: LoadJob, layers: LayerLoads) -> tuple[set[int], int | None]:
-        """:meth:`load_now`, layer by layer (``layerwise_loads``, :mod:`~.layerwise`): the pages are
-        pinned and the unfilled blocks known here; the copies are issued per layer and the load is
-        counted and unpinned once its last layer's copy ended (``LayerLoads.poll``).  Same returns."""
-        if not self.partial:
-            raise ValueError("a synchronous load needs block-level load errors (one full-attention KV cache group)")
-        t0, epoch = time.perf_counter(), self.store.epoch
-        handle = None
-        record = RequestRecord(self.chunk_tokens)
-        try:
-            handle = self.store.prepare_load(_keys(job), max_chunks=len(job.pages),
-                                             top_only=True, ctx=_context(job, record))
-            held = handle.num_chunks
-            ended = lambda: self._finish(job, handle, held, True, False, time.perf_counter() - t0,
-                                         epoch, sync=True, record=record)
-            if held:
-                layers.issue(list(zip(job.pages[:held], handle.buffers[:held])), ended)
-            else:
-                ended()
-        except Exception:
-            log.exception("kvtier: loading request %s's pages layer by layer failed; recomputing them", job.req_id)
-            errors = self._finish(job, handle, 0, False, False, time.perf_counter() - t0, epoch, sync=True,
-                                  record=record)
-            return errors, job.pages[0].chunk if errors else None
-        errors = {b for p in job.pages[held:] for b in p.block_ids}
-        return errors, (job.pages[held].chunk if held < len(job.pages) else None)
+            self.finish(job, handle, delivered, ok, skipped, time.perf_counter() - t0, epoch, record=record,
+                        budget_cut=budget_cut)
 
     def _copy_as_ready(self, job: LoadJob, handle: LoadHandle) -> tuple[int, bool]:
         """Copy the handle's pages into the engine as they become ready; returns pages copied and
@@ -309,7 +231,7 @@ class AsyncLoader:
             return job.first_token
         return min(job.hit_tokens, (job.pages[delivered - 1].chunk + 1) * self.chunk_tokens)
 
-    def _finish(self, job: LoadJob, handle: LoadHandle | None, delivered: int, ok: bool, skipped: bool,
+    def finish(self, job: LoadJob, handle: LoadHandle | None, delivered: int, ok: bool, skipped: bool,
                 seconds: float, epoch: int, sync: bool = False, record: RequestRecord | None = None,
                 budget_cut: int | None = None) -> set[int]:
         """Count the outcome in the store (once), then report errors and the finish to vLLM
@@ -338,14 +260,14 @@ class AsyncLoader:
                             engine_bytes=self.copiers.moved_bytes(job.pages[:delivered]) if ok else 0,
                             seconds=seconds)
         if handle is None:
-            self.store.load_skipped(engine, _context(job))
+            self.store.load_skipped(engine, job_context(job))
         elif ok and end > job.first_token:
             self.store.complete_load(handle, True, engine=engine)
         elif ok:
             self.store.cancel_load(handle, engine=engine)
         else:
             self.store.complete_load(handle, False, engine=engine)
-        if record is not None and not skipped:  # for the request's receipt (worker/facts.py)
+        if record is not None and not skipped:  # for the request's receipt (load_facts)
             self.facts.add(job.req_id, load_facts(job, record, engine, self.store.cpu.name, self.chunk_tokens,
                                                   budget_cut))
         if sync:
@@ -375,12 +297,71 @@ class AsyncLoader:
             time.sleep(0.01)
 
 
-def _keys(job: LoadJob) -> list[ChunkKey]:
+def job_keys(job: LoadJob) -> list[ChunkKey]:
     """The job's page keys (``ChunkKey`` is ``bytes`` by type only: no call per page)."""
     return cast("list[ChunkKey]", [p.key for p in job.pages])
 
 
-def _context(job: LoadJob, record: RequestRecord | None = None) -> OpContext:
+def job_context(job: LoadJob, record: RequestRecord | None = None) -> OpContext:
     """The load's context: its request's id and tenant, and ``record`` as its sink (the handle
     carries it to ``complete_load``)."""
     return OpContext(job.req_id, job.tenant) if record is None else OpContext(job.req_id, job.tenant, record)
+
+
+class FactsBook:
+    """Facts of this rank's requests since the last :meth:`take` (thread-safe: loads end on loader threads)."""
+
+    def __init__(self) -> None:  # (a save job's facts come here too: saves.py save_facts)
+        self._lock = threading.Lock()
+        self._facts: dict[str, RequestFacts] = {}
+
+    def add(self, req_id: str, facts: RequestFacts) -> None:
+        with self._lock:
+            mine = self._facts.get(req_id)
+            if mine is None:
+                self._facts[req_id] = facts
+            else:
+                mine.merge(facts)
+
+    def take(self) -> dict[str, RequestFacts]:
+        with self._lock:
+            out, self._facts = self._facts, {}
+        return out
+
+
+def _token(pages: Sequence[PageMove], index: int, chunk_tokens: int) -> int:
+    """The first token of page ``index``'s chunk (past the end: the last page's end)."""
+    if index < len(pages):
+        return pages[index].chunk * chunk_tokens
+    return (pages[-1].chunk + 1) * chunk_tokens if pages else 0
+
+
+def load_facts(job: LoadJob, record: RequestRecord, engine: EngineLoad, top: str, chunk_tokens: int,
+               budget_cut: int | None) -> RequestFacts:
+    """One load's facts: unfilled tokens by planned tier, seconds by tier, the first token it came
+    up short at and why, the first token read from below the top tier and why.
+
+    ``budget_cut``: the page at which the copy stopped waiting (``load_wait_s`` passed), else
+    ``None``; a cut there is ``budget`` unless a read failed earlier.  The load's wall time
+    (``engine.seconds``) is split: each lower tier gets its reads' seconds, the rest goes to the
+    tiers in proportion to the tokens each delivered."""
+    delivered = {t: n for t, n in engine.tokens.items() if n}
+    read_s = {t: s for t, s in record.read_seconds.items() if t in delivered or t in engine.unfilled_tokens}
+    rest = max(engine.seconds - sum(read_s.values()), 0.0)
+    total = sum(delivered.values())
+    load_s = dict(read_s)
+    for tier, n in delivered.items():
+        load_s[tier] = load_s.get(tier, 0.0) + (rest * n / total if total else 0.0)
+    miss = None
+    if any(engine.unfilled_tokens.values()):
+        m = record.miss
+        if m is not None and (budget_cut is None or m.index <= budget_cut):
+            miss = (_token(job.pages, m.index, chunk_tokens), m.reason, m.tier)
+        elif budget_cut is not None:
+            miss = (_token(job.pages, budget_cut, chunk_tokens), "budget", "")
+        else:
+            miss = (max(job.first_token, _token(job.pages, 0, chunk_tokens)), "load_failed", "")
+    below = record.below
+    return RequestFacts(unfilled={t: n for t, n in engine.unfilled_tokens.items() if n}, load_s=load_s, miss=miss,
+                        below=(_token(job.pages, below.index, chunk_tokens), below.reason, top)
+                        if below is not None else None)

@@ -48,7 +48,7 @@ from kvtier.core.sinks import RequestRecord
 from kvtier.core.store import TieredStore
 from kvtier.integrations.vllm.protocol import PageMove, RequestFacts, SaveJob
 from kvtier.integrations.vllm.worker.copy import GroupCopiers
-from kvtier.integrations.vllm.worker.facts import FactsBook, save_facts
+from kvtier.integrations.vllm.worker.loader import FactsBook
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,10 @@ class SaveQueue:
         self.voided = 0  # jobs released unpublished: their blocks were given back first
         self.completed = 0  # jobs ended (published, released or failed)
         self._ended_seqs: list[int] = []  # SaveJob.seq of deferred jobs ended since take_ended
+        # bumped under the lock by every change a step's report reads (a job queued or ended, a count): a
+        # reader that sees the same number as at its last read knows counts(), in_flight and take_ended()
+        # would tell it nothing new, and asks nothing (the worker's per-step report, worker/side.py)
+        self.version = 0
         self._thread = threading.Thread(target=self._loop, name="kvtier-save", daemon=True)
         self._thread.start()
 
@@ -105,6 +109,7 @@ class SaveQueue:
         (released, reported ended).  Returns False when it was dropped."""
         with self._lock:
             self._jobs.setdefault(item.job.req_id, []).append(item)
+            self.version += 1
         try:
             self._queue.put_nowait(item)
             return True
@@ -119,6 +124,7 @@ class SaveQueue:
         with self._lock:
             self.backpressure_waits += 1
             self.backpressure_s += time.perf_counter() - t0
+            self.version += 1
         if not queued:
             log.warning("kvtier: the save queue stayed full for %.1f s; request %s's save is dropped",
                         self.wait_s, item.job.req_id)
@@ -138,6 +144,7 @@ class SaveQueue:
         """A deferred job that never reached the queue (nothing to copy, cut, failed) ended."""
         with self._lock:
             self._ended_seqs.append(seq)
+            self.version += 1
 
     def take_ended(self) -> tuple[int, ...]:
         """The numbers of the deferred jobs ended since the last call (``RankReport.saves_ended``)."""
@@ -249,6 +256,7 @@ class SaveQueue:
                     self._ended_seqs.append(item.job.seq)
                 if not jobs:
                     self._jobs.pop(item.job.req_id, None)
+                self.version += 1
                 self._ended.notify_all()
 
 
@@ -265,7 +273,7 @@ def save_jobs(store: TieredStore, copiers: GroupCopiers, jobs: Sequence[SaveJob]
             and are not saved.
         token_group: the KV cache group whose pages count saved tokens (the first full-attention
             group; -1: none counted).
-        facts: where each job's facts go, for its request's receipt (:mod:`.facts`); ``None``: nowhere.
+        facts: where each job's facts go, for its request's receipt (:class:`~.loader.FactsBook`, :func:`save_facts`); ``None``: nowhere.
             A deferred job's facts are taken here, when it is queued, so that they reach the
             receipt its request's ``request_finished`` returns (completed in the same step): its
             chunks reserved count as saved (a deferred copy that later fails or is voided is not
@@ -344,3 +352,17 @@ def _pin(store: TieredStore, job: SaveJob, record: RequestRecord | None = None) 
     hears what was kept or refused)."""
     store.ttl_pin([ChunkKey(p.key) for p in job.pages if p.chunk < job.pin_chunks], job.pin_s,
                   OpContext(job.req_id, job.tenant) if record is None else OpContext(job.req_id, job.tenant, record))
+
+
+def save_facts(record: RequestRecord, top: str, chunk_tokens: int, explain_token: int) -> RequestFacts:
+    """One save job's facts: chunks stored in the top tier, chunks dropped and why, the TTL pin,
+    and why the chunk it was asked about was in no tier (at token ``explain_token``)."""
+    dropped: dict[str, int] = {}
+    if record.dropped_chunks:
+        dropped["save_dropped"] = record.dropped_chunks
+    for n in record.unwritten_chunks.values():
+        dropped["save_dropped"] = dropped.get("save_dropped", 0) + n
+    e = record.explained
+    return RequestFacts(saved={top: record.saved_tokens // chunk_tokens} if record.saved_tokens else {},
+                        dropped=dropped, pinned=record.ttl_pinned, pin_refused=record.ttl_refused,
+                        explained=(explain_token, e.reason, e.tier) if e is not None else None)

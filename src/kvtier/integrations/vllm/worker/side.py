@@ -15,7 +15,7 @@ from kvtier.core.store import TieredStore
 from kvtier.integrations.vllm.cache_groups import GroupKind, GroupSpec, groups_from_kv_cache_config
 from kvtier.integrations.vllm.process_exit import skip_exit_collection
 from kvtier.integrations.vllm.protocol import KVTierMetadata, KVTierWorkerMeta, RankReport, ResetOrder
-from kvtier.integrations.vllm.stats_table import store_counters, store_gauges
+from kvtier.integrations.vllm.stats_table import store_report
 from kvtier.integrations.vllm.worker.copy import GroupCopiers
 from kvtier.integrations.vllm.worker.layerwise import LayerLoads
 from kvtier.integrations.vllm.worker.layout import KVLayout
@@ -23,6 +23,7 @@ from kvtier.integrations.vllm.worker.loader import AsyncLoader
 from kvtier.integrations.vllm.worker.registration import Registered, key_root, register, tp_rank
 from kvtier.integrations.vllm.worker.saves import SaveQueue, save_jobs
 from kvtier.integrations.vllm.worker.shutdownflush import flush_line, flush_on_stop
+from kvtier.integrations.vllm.worker.syncload import load_layers, load_now
 
 if TYPE_CHECKING:  # imports vLLM; the worker side itself runs without it (scripts/gpu_check.py --mode runner)
     from kvtier.integrations.vllm.stats import KVTierStats
@@ -76,6 +77,10 @@ class WorkerSide:
         self.namespace = b""
         self._store_seen: StoreStats | None = None
         self._saver_seen: dict[str, float] = {}  # the saver's totals at the last stats() call
+        # SaveQueue.version at the last read of its counts (stats) and of its ended jobs (worker_meta); -1: never
+        self._saver_version = self._ended_version = -1
+        self._saver_busy = False  # deferred saves in flight at that read
+        self._gate_open = False  # this side opened the store's eviction gate (start_load) and has not closed it since
         self._busy = False  # chunks pinned at the last stats() (loads or disk writes in flight)
         self._busy_reported: bool | None = None  # busy as last told to the scheduler
         self._errors: set[int] = set()
@@ -129,14 +134,15 @@ class WorkerSide:
         for job in meta.loads:
             if job.sync:
                 cpu_only = all(job.tiers[p.chunk] == self.store.cpu.name for p in job.pages)  # (a node hit: whole)
-                errors, first_unfilled = self.loader.load_now(job) if self.layer_loads is None or not cpu_only \
-                    else self.loader.load_layers(job, self.layer_loads)
+                errors, first_unfilled = load_now(self.loader, job) if self.layer_loads is None or not cpu_only \
+                    else load_layers(self.loader, job, self.layer_loads)
                 self._errors |= errors
                 if first_unfilled is not None:
                     self._sync_cut[job.req_id] = first_unfilled
             else:
                 self.loader.submit(job)
         self.store.gate_evictions(False)  # this step's plans are pinned: pages may leave until the drain
+        self._gate_open = True  # (this side is the only one to move the gate of its store)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """``layerwise_loads``: the engine's current stream waits for this step's copies of that layer
@@ -149,6 +155,15 @@ class WorkerSide:
         :data:`BLOCKS_BACK_WAIT_S`; then voided) for their deferred saves, which read those blocks."""
         if self.saver is not None and any(self.saver.pending(r) for r in meta.preempted):
             self.saver.wait_for(meta.preempted, BLOCKS_BACK_WAIT_S)
+
+    def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """vLLM's ``get_finished``: (:meth:`finished_saves`, :meth:`finished_loads`), in one call."""
+        return self.finished_saves(), self.finished_loads(finished_req_ids)
+
+    def transfers(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """vLLM's ``get_transfer_results``: :meth:`finished`, then :meth:`take_failed`."""
+        sending, recving = self.finished(finished_req_ids)
+        return sending, recving, self.take_failed()
 
     def finished_saves(self) -> set[str]:
         """vLLM's ``finished_sending``: requests the scheduler held (``KVTierMetadata.held``: finished
@@ -175,7 +190,7 @@ class WorkerSide:
             self.loader.abort(finished_req_ids)
         no_forward, self._no_forward = self._no_forward, False  # one wait per step at most
         if no_forward and self.config.idle_step_wait_s > 0:
-            if self.loader.num_inflight or not self._held or self.saver is None:
+            if not self._held or self.saver is None or self.loader.num_inflight:  # (no held block: asks no count)
                 self.loader.wait_ended(self.config.idle_step_wait_s)
             else:  # only held blocks wait: for their saves, so that the step does not spin
                 self.saver.wait_any(self._held, self.config.idle_step_wait_s)
@@ -215,7 +230,9 @@ class WorkerSide:
         dropped for want of a page, and a page they evict may have been planned (the race of
         :mod:`kvtier.core.gate`, left to that runner's saves)."""
         assert self.store is not None and self.groups is not None
-        late = self.store.gate_evictions(False)
+        if not meta.saves and self._gate_open:  # (nothing to save, and the gate already open: nothing to do)
+            return
+        late = not self._gate_open and self.store.gate_evictions(False)
         try:
             save_jobs(self.store, self.groups, meta.saves, self._sync_cut, self._token_group, self.chunk_tokens,
                       self.saver, self.loader.facts if self.loader is not None else None)
@@ -231,9 +248,13 @@ class WorkerSide:
         if self.store is None:
             return None
         self.store.gate_evictions(True)  # nothing leaves until the loads planned from this drain are pinned
+        self._gate_open = False
         delta = self.store.drain_changes(MAX_INDEX_CHANGES)
         facts = self.loader.facts.take() if self.loader is not None else {}  # for the requests' receipts
-        ended = self.saver.take_ended() if self.saver is not None else ()
+        ended: tuple[int, ...] = ()
+        if self.saver is not None and self.saver.version != self._ended_version:  # (else none ended since)
+            self._ended_version = self.saver.version
+            ended = self.saver.take_ended()
         if not delta.changes and not delta.full and self._busy == self._busy_reported and not facts and not ended:
             return None
         self._busy_reported = self._busy
@@ -255,15 +276,16 @@ class WorkerSide:
         if self.store is None:
             return None
         snapshot = self.store.stats()
-        counters = store_counters(snapshot, self._store_seen, self.tp_rank)
+        counters, gauges = store_report(snapshot, self._store_seen, self.tp_rank)
         self._store_seen = snapshot
-        if self.saver is not None:  # the deferred saves' waits, drops and voids since the last step
+        if self.saver is not None and self.saver.version != self._saver_version:  # (unchanged: nothing to ask)
+            self._saver_version = self.saver.version  # the deferred saves' waits, drops and voids since the last step
             totals = self.saver.counts()
             counters |= {k: v - self._saver_seen.get(k, 0) for k, v in totals.items() if v != self._saver_seen.get(k, 0)}
             self._saver_seen = totals
-        gauges = dict(store_gauges(snapshot))
+            self._saver_busy = bool(self.saver.in_flight)
         self._busy = snapshot.queued_writes > 0 or any(t.pinned_chunks for t in snapshot.tiers.values()) \
-            or bool(self.saver is not None and self.saver.in_flight)
+            or self._saver_busy
         if self.tp_rank == 0:  # vLLM sums the ranks' gauges: one rank reports the engine's chunk size
             gauges["chunk_tokens"] = self.chunk_tokens
         data: dict[str, Any] = {"counters": counters, "gauges": gauges}

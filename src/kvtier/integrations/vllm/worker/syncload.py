@@ -1,0 +1,105 @@
+"""Synchronous loads on a worker rank: a hit copied on the engine's thread, before the forward.
+
+A hit held whole in the cpu tier (or the node pool) and within ``sync_load_max_bytes``
+(``LoadJob.sync``) is copied on the engine's thread in ``start_load_kv``, before the forward of
+the step that scheduled the request (:func:`load_now`; layer by layer with ``layerwise_loads``,
+:func:`load_layers`): the same prepare / copy / complete as an asynchronous load
+(:mod:`~.loader`) over the cpu tier's pinned pages and the pool's values (pinned and verified, the
+pin within ``shared_deadline_s``), no thread hand-off, no ``finished_recving``; the blocks it could
+not fill are vLLM load errors in that same step.  Each ends through
+:meth:`AsyncLoader.finish <kvtier.integrations.vllm.worker.loader.AsyncLoader.finish>` (counted
+in the store, the request's facts kept), as an asynchronous load does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from kvtier.core.handles import NO_BUFFER
+from kvtier.core.sinks import RequestRecord
+from kvtier.integrations.vllm.protocol import LoadJob
+from kvtier.integrations.vllm.worker.layerwise import LayerLoads
+from kvtier.integrations.vllm.worker.loader import AsyncLoader, job_context, job_keys
+
+log = logging.getLogger(__name__)
+
+
+def load_now(loader: AsyncLoader, job: LoadJob) -> tuple[set[int], int | None]:
+    """Run a synchronous ``job`` on the calling (engine) thread: pin the leading pages the cpu
+    tier holds (``prepare_load(top_only=True)``: no I/O, no re-hashing of pages that never left
+    memory) and, for a job planned in the node pool too, the pool's values after them (one pin
+    within :attr:`AsyncLoader.sync_within_s`, read and verified into the blocks), copy the cpu pages
+    straight into the engine's blocks, count, unpin (:meth:`AsyncLoader.finish`).
+
+    Never raises: a failure is logged and its pages are reported as unfilled.
+
+    Returns:
+        ``(blocks not filled, first chunk not filled)``: the blocks go to vLLM through
+        ``get_block_ids_with_load_errors`` in this same step (vLLM recomputes from the first
+        one, vllm/v1/core/sched/scheduler.py ``_handle_invalid_blocks``); the chunk is ``None``
+        when every page was copied (the worker keeps this step's saves of the request before
+        that chunk: the KV computed over unfilled blocks is wrong).
+
+    Raises:
+        ValueError: the loader reports block-level errors only with one KV cache group
+            (``partial``); the scheduler plans no synchronous load otherwise.
+    """
+    if not loader.partial:
+        raise ValueError("a synchronous load needs block-level load errors (one full-attention KV cache group)")
+    handle = None
+    delivered = 0
+    ok = False
+    t0 = time.perf_counter()
+    epoch = loader.store.epoch
+    record = RequestRecord(loader.chunk_tokens)
+    # a hit planned beyond the cpu tier (the node pool: SyncBudget's tiers) pins and reads it here, within
+    # sync_within_s (a stalled owner costs this step that much, then its breaker makes it a miss at once)
+    shared = any(job.tiers[p.chunk] != loader.store.cpu.name for p in job.pages)
+    try:
+        handle = loader.store.prepare_load(job_keys(job), max_chunks=len(job.pages), top_only=True,
+                                           ctx=job_context(job, record),
+                                           into=loader.direct.into(job) if shared and loader.direct is not None else None,
+                                           shared_within_s=loader.sync_within_s if shared else None)
+        held = handle.num_chunks
+        moves = [m for m in zip(job.pages[:held], handle.buffers[:held]) if m[1] is not NO_BUFFER]
+        if moves:  # (a chunk read into its blocks, NO_BUFFER, is there already)
+            loader.copiers.load(moves)
+        delivered, ok = held, True  # a copy that raised part-way filled nothing vLLM may use
+        if delivered < len(job.pages):
+            log.info("kvtier: request %s: %d of %d planned pages were found for its synchronous load; "
+                     "recomputing the rest", job.req_id, delivered, len(job.pages))
+    except Exception:
+        log.exception("kvtier: loading request %s's pages synchronously failed; recomputing them", job.req_id)
+    errors = loader.finish(job, handle, delivered, ok, False, time.perf_counter() - t0, epoch, sync=True,
+                           record=record)
+    first_unfilled = None if not errors else job.pages[delivered].chunk
+    return errors, first_unfilled
+
+
+def load_layers(loader: AsyncLoader, job: LoadJob, layers: LayerLoads) -> tuple[set[int], int | None]:
+    """:func:`load_now`, layer by layer (``layerwise_loads``, :mod:`~.layerwise`): the pages are
+    pinned and the unfilled blocks known here; the copies are issued per layer and the load is
+    counted and unpinned once its last layer's copy ended (``LayerLoads.poll``).  Same returns."""
+    if not loader.partial:
+        raise ValueError("a synchronous load needs block-level load errors (one full-attention KV cache group)")
+    t0, epoch = time.perf_counter(), loader.store.epoch
+    handle = None
+    record = RequestRecord(loader.chunk_tokens)
+    try:
+        handle = loader.store.prepare_load(job_keys(job), max_chunks=len(job.pages),
+                                           top_only=True, ctx=job_context(job, record))
+        held = handle.num_chunks
+        ended = lambda: loader.finish(job, handle, held, True, False, time.perf_counter() - t0,
+                                      epoch, sync=True, record=record)
+        if held:
+            layers.issue(list(zip(job.pages[:held], handle.buffers[:held])), ended)
+        else:
+            ended()
+    except Exception:
+        log.exception("kvtier: loading request %s's pages layer by layer failed; recomputing them", job.req_id)
+        errors = loader.finish(job, handle, 0, False, False, time.perf_counter() - t0, epoch, sync=True,
+                               record=record)
+        return errors, job.pages[0].chunk if errors else None
+    errors = {b for p in job.pages[held:] for b in p.block_ids}
+    return errors, (job.pages[held].chunk if held < len(job.pages) else None)
