@@ -127,8 +127,9 @@ SCRIPT = ROOT / "scripts" / "hit_story.py"
 # get_finished / get_transfer_results, none for wait_for_layer_load without layerwise loads or
 # handle_preemptions without a preempted request; side -> store 12 -> 10 (the side tracks the eviction
 # gate it alone moves), side -> stats_table 4 -> 2 (store_report).
-MAX_FILES = 29
-MEASURED_MOVES = 223
+# Main 9040276, the four files33 branches merged: 23 files, 204 moves (2 runs, 946 kvtier calls, load 2.2-2.7).
+MAX_FILES = 23
+MEASURED_MOVES = 204
 POLL_SLACK_MOVES = 19 * 3
 
 
