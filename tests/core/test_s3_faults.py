@@ -58,14 +58,28 @@ def hits_resume(url, bucket, creds, chain) -> bool:
         probe.close()
 
 
+def seed(url, bucket, creds, chain) -> bool:
+    """Write ``chain`` through a fresh host until a fresh host loads all of it (within 10 s).  Under load
+    ``rclone serve s3`` answers an occasional PUT with 500 InternalError (seen once in CI, 6 December 2026);
+    the tier counts it as a failed write and the chunk is not there.  That is the server's, not the fault
+    these tests inject, so the set-up writes again rather than fail."""
+    def attempt() -> bool:
+        writer = host(url, bucket, creds)
+        try:
+            put_chain(writer, chain)
+        finally:
+            writer.close()
+        return hits_resume(url, bucket, creds, chain)
+    return wait_until(attempt, timeout_s=10)
+
+
 def test_kill9_then_restart(s3_factory, tmp_path):
     server = s3_factory()
     bucket, creds = server.make_bucket(), s3_credentials_file(tmp_path, server)
     writer, reader = host(server.url, bucket, creds), host(server.url, bucket, creds)
     try:
         chain = chain_of(1, 4)
-        assert put_chain(writer, chain)
-        assert wait_until(lambda: hits_resume(server.url, bucket, creds, chain), timeout_s=10)
+        assert seed(server.url, bucket, creds, chain)
 
         server.kill9()
         for _ in range(4):  # refused connections: misses, fast; the breaker opens
@@ -92,8 +106,7 @@ def test_sigstop_then_sigcont(s3_factory, tmp_path):
     writer, reader = host(server.url, bucket, creds), host(server.url, bucket, creds)
     try:
         chain = chain_of(4, 4)
-        assert put_chain(writer, chain)
-        assert wait_until(lambda: hits_resume(server.url, bucket, creds, chain), timeout_s=10)
+        assert seed(server.url, bucket, creds, chain)
 
         server.pause()  # long enough for the breaker to open
         try:
