@@ -134,9 +134,6 @@ def test_two_engines_share_one_node_pool_exactly_and_survive_its_owner_and_an_en
         assert a_after.get(hits, 0) - a_before.get(hits, 0) == loaded  # A's reference: its own prefix cache
         assert (got_p["tokens"], got_p["logprobs"]) == (own_p["tokens"], own_p["logprobs"])
 
-        # issue 38 on A: a node hit loads synchronously, exactly; a stalled owner costs at most the deadline
-        _sync_hit_then_stalled_owner(a.base_url, owner, random_prompt(3811, PROMPT_WORDS))
-
         # counted once: what each engine reports for the pool sums to the owner's count
         def summed() -> tuple[float, int]:
             return (sum(on(e, {"op": "metrics"})[0].get("kvtier_usage_bytes{node}", 0) for e in (a, b)),
@@ -188,6 +185,12 @@ def test_two_engines_share_one_node_pool_exactly_and_survive_its_owner_and_an_en
         assert wait_until(lambda: owner.stats().leases == 0, timeout_s=15), owner.stats()
         assert owner.stats().problem == ""
         assert a.exit_reason() is None
+
+        # issue 38 on A, last: a node hit loads synchronously, exactly; a stalled owner costs at most the
+        # deadline.  Last because the stall's timed-out pin closes A's connection, so the owner counts A's values
+        # for the oldest live writer, whose gauge moves only with its next reply: an idle engine's usage is stale
+        # until it serves (CI run J: the counted-once check above read 0 against the pool's 1,966,080 bytes).
+        _sync_hit_then_stalled_owner(a.base_url, owner, random_prompt(3811, PROMPT_WORDS))
     finally:
         if owner.proc is not None and owner.proc.poll() is None:
             owner.resume()
