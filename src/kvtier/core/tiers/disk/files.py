@@ -297,7 +297,6 @@ class DiskFiles(Tier):
             return super().put_many(keys, datas, tenants)
         return list(pool.map(self.put, keys, datas, writers(tenants, len(keys))))
 
-
     def close(self) -> None:
         """Stop the tier's threads (later calls still work, on the calling thread).  Idempotent."""
         with self._lock:
