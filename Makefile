@@ -62,8 +62,9 @@ PYTEST_TMP := .kvtier/pytest-tmp
 # importing kvtier.cli.main and kvtier.core.store, 0.67 s CPU without cached bytecode, 0.58 s with).
 unexport PYTHONDONTWRITEBYTECODE
 # The files that hold `engine` tests: phases 2 and 3 collect only these (collecting all of tests/
-# imports every test module, about 9.5 CPU-s more per pytest process; measured with --collect-only
-# -m "engine and not shares_cpu": 24.3 CPU-s over tests/, 14.8 over these files).  tests/test_static.py
+# imports every test module, vLLM among them; measured with --collect-only -m "engine and not shares_cpu",
+# bytecode cached: about 10.5 CPU-s over tests/, 1.3 over these files, which import no vLLM until a test
+# runs: 10.2 while tests/integrations/kv_events_sub.py imported it at the top).  tests/test_static.py
 # fails when a file with an `engine` test is missing here (or one listed holds none).
 ENGINE_TESTS := \
 	tests/bench/test_bench_failures.py tests/bench/test_live_compare.py tests/bench/test_live_receipts.py \
