@@ -60,36 +60,9 @@ def test_graceful_stop_keeps_the_hot_set_and_other_identities_miss(tiny_model: P
     disk = tmp_path / "disk"
     prompts = _prompts()
     steps = [{"op": "generate", "prompts": prompts}]
-    # the three engines start before they step (their start-ups overlap the engine before them), and
-    # each of the two others takes its first step once the first engine has stopped, its flush on disk:
-    # the override engine starts beside the first, the third once both have loaded the weights (each
-    # touches its ready file after its start-up) and the test has replaced them
-    first_ready, override_ready, first_done = (tmp_path / n for n in ("first-ready", "override-ready", "first-done"))
-    gate = {"op": "wait", "path": str(first_done), "timeout_s": 600}
-    small = _spec(model, disk, [{"op": "touch", "path": str(first_ready)}, *steps], write_mode="write-back")
+    small = _spec(model, disk, steps, write_mode="write-back")
     small["kvtier"]["cpu_gib"] = 0.004
-    engines = [run_engine(small, tmp_path, "first")]
-    spec = dict(_spec(model, disk, [{"op": "touch", "path": str(override_ready)}, gate, *steps]),
-                engine={"hf_overrides": {"rms_norm_eps": 0.9}})
-    engines.append(run_engine(spec, tmp_path, "override", timeout_s=600))
-    try:
-        for ready, engine in zip((first_ready, override_ready), engines, strict=True):
-            _wait_for(ready, engine)
-        from kvtier.launch.testmodel import GEOMETRIES
-        from kvtier.launch.testmodel_weights import write_weights
-
-        before = (model / "model.safetensors").stat().st_size
-        write_weights(model, GEOMETRIES["tiny"], seed=1)  # replaced in place: same file, same size
-        assert (model / "model.safetensors").stat().st_size == before
-        engines.append(run_engine(_spec(model, disk, [gate, *steps]), tmp_path, "third", timeout_s=600))
-        first = result_of(engines[0], tmp_path, "first")
-        first_done.write_text("done")
-        other = result_of(engines[1], tmp_path, "override")
-        third = result_of(engines[2], tmp_path, "third")
-    finally:
-        for engine in engines:  # a failed check above: no engine is left waiting at its gate
-            if engine.poll() is None:
-                engine.kill()
+    first = result_of(run_engine(small, tmp_path, "first"), tmp_path, "first")
     m = first["metrics"]
     assert m["kvtier_saved_tokens_total"] == 2 * LOADABLE
     assert m["kvtier_dirty_bytes"] > 0, "write-back: the chunks were only in DRAM when the engine stopped"
@@ -101,24 +74,25 @@ def test_graceful_stop_keeps_the_hot_set_and_other_identities_miss(tiny_model: P
     # the stop flushed every chunk the first engine saved: the disk holds what a restart would load
     assert f"kvtier: rank 0 shutdown flush wrote {2 * LOADABLE // 64} dirty chunks" in log
 
+    spec = dict(_spec(model, disk, steps), engine={"hf_overrides": {"rms_norm_eps": 0.9}})
+    other = result_of(run_engine(spec, tmp_path, "override"), tmp_path, "override")
     m = other["metrics"]
     assert m["kvtier_loaded_tokens_total{disk}"] + m["kvtier_loaded_tokens_total{cpu}"] == 0
     assert m["vllm:external_prefix_cache_hits_total"] == 0
     assert m["kvtier_saved_tokens_total"] == 2 * LOADABLE  # its own chunks, in its own namespace
     assert other["results"][0][0]["logprobs"] != first["results"][0][0]["logprobs"]  # the override does change KV
 
+    from kvtier.launch.testmodel import GEOMETRIES
+    from kvtier.launch.testmodel_weights import write_weights
+
+    before = (model / "model.safetensors").stat().st_size
+    write_weights(model, GEOMETRIES["tiny"], seed=1)  # replaced in place: same file, same size
+    assert (model / "model.safetensors").stat().st_size == before
+    third = result_of(run_engine(_spec(model, disk, steps), tmp_path, "third"), tmp_path, "third")
     m = third["metrics"]
     assert m["kvtier_loaded_tokens_total{disk}"] + m["kvtier_loaded_tokens_total{cpu}"] == 0
     assert m["vllm:external_prefix_cache_hits_total"] == 0
     assert third["results"][0][0]["logprobs"] != first["results"][0][0]["logprobs"]  # the weights did change
-
-
-def _wait_for(path: Path, engine: Any, timeout_s: float = 420) -> None:
-    """Until ``path`` exists (``engine``'s step touched it), while ``engine`` runs."""
-    deadline = time.monotonic() + timeout_s
-    while not path.exists() and engine.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert path.exists(), f"no {path.name}: the engine's exit code {engine.poll()}"
 
 
 def test_running_consumer_adopts_what_a_producer_writes_later(tiny_model: Path, tmp_path: Path) -> None:
