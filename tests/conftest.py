@@ -162,10 +162,31 @@ Tests not listed keep their collection order after these; a test renamed without
 only loses its place (tests/test_static.py checks that each entry names a test)."""
 
 
+PHASE_1_SECONDS = {
+    "tests/simulate/test_mooncake_trace.py::test_default_never_below_lru_and_belady_on_top": 21.5,
+    "tests/core/test_policies_adaptive.py::test_selector_does_not_chase_noise": 17.2,
+    "tests/simulate/test_default_vs_lru.py::test_bundled_trace_window[engine+cpu+disk]": 16.7,
+    "tests/test_static.py::test_the_whole_package_types_check": 16.6,
+    "tests/simulate/test_default_vs_lru.py::test_bundled_trace_window[cpu+disk]": 15.5,
+    "tests/audit/test_compose_and_scripts.py::test_values_vllm_and_lmcache_refuse_are_errors_whatever_their_form": 12.1,
+    "tests/bench/test_bench_failures.py::test_a_trickling_metrics_page_ends_the_scrape[server0]": 11.3,
+    "tests/bench/test_bench_failures.py::test_a_trickling_model_list_ends_the_start_up_probe[server0]": 11.2,
+    "tests/size/test_cli_size.py::test_a_hub_that_trickles_config_json_is_a_clean_error_in_time": 11.0,
+    "tests/simulate/test_default_vs_lru.py::test_bundled_trace_window[single]": 8.4,
+}
+"""The longest tests of ``make test``'s first phase (no engine, three pytest-xdist workers), seconds
+on the CI machine kind (CI run K, 2026-12-06): they run first, longest first, for the reason
+:data:`PHASE_2_SECONDS` gives.  In collection order most came in the last 400 of the phase's 3,160
+tests (the type check 10th from the end), where one left a worker busy after the others ran out; a
+simulation of xdist's scheduler (these durations, the other tests 0.27 s on average) ended the phase
+10 s sooner with them first.  None of their modules has a fixture wider than a function, so taking
+one test out of its module's run sets nothing up twice."""
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Move the tests of :data:`PHASE_2_SECONDS` to the front, longest first (a stable sort: every other
-    test keeps its place, so the phases without these tests run in collection order)."""
-    items.sort(key=lambda item: -PHASE_2_SECONDS.get(item.nodeid, 0))
+    """Move the tests of :data:`PHASE_2_SECONDS` and :data:`PHASE_1_SECONDS` to the front, longest first (a
+    stable sort: every other test keeps its place, in collection order)."""
+    items.sort(key=lambda item: -PHASE_2_SECONDS.get(item.nodeid, PHASE_1_SECONDS.get(item.nodeid, 0)))
 
 
 EXPECTED_SKIPS = (
