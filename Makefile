@@ -46,6 +46,7 @@ redis-bin:
 #     their own (tests/conftest.py; measured: 19 tests, about 1,070 test-seconds, in 587 s; since
 #     joined by the receipts walk, the live doctor and bench-receipts tests and the encrypted disk
 #     restart: about 190 test-seconds one at a time, 262 on two workers, in 160 s);
+#     in phases 1 and 2 the longest tests start first (tests/conftest.py PHASE_1_SECONDS, PHASE_2_SECONDS);
 #  3. the other engine tests one at a time: the live-server tests judge latency (TTFT tails, a
 #     doctor's interval) or hold deadlines of seconds that a second engine beside them would distort.
 # test-fast leaves out every engine test: minutes instead of the full run, for development.
@@ -62,8 +63,9 @@ PYTEST_TMP := .kvtier/pytest-tmp
 # importing kvtier.cli.main and kvtier.core.store, 0.67 s CPU without cached bytecode, 0.58 s with).
 unexport PYTHONDONTWRITEBYTECODE
 # The files that hold `engine` tests: phases 2 and 3 collect only these (collecting all of tests/
-# imports every test module, about 9.5 CPU-s more per pytest process; measured with --collect-only
-# -m "engine and not shares_cpu": 24.3 CPU-s over tests/, 14.8 over these files).  tests/test_static.py
+# imports every test module, vLLM among them; measured with --collect-only -m "engine and not shares_cpu",
+# bytecode cached: about 10.5 CPU-s over tests/, 1.3 over these files, which import no vLLM until a test
+# runs: 10.2 while tests/integrations/kv_events_sub.py imported it at the top).  tests/test_static.py
 # fails when a file with an `engine` test is missing here (or one listed holds none).
 ENGINE_TESTS := \
 	tests/bench/test_bench_failures.py tests/bench/test_live_compare.py tests/bench/test_live_receipts.py \

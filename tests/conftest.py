@@ -113,22 +113,80 @@ def key_prefix() -> str:
     return f"test-{uuid.uuid4().hex[:12]}:"
 
 
-LONGEST_FIRST = (
-    "tests/bench/test_live_compare.py",  # about 150 s on the CI machine kind (stop 39's CI, phase 2)
-    "tests/bench/test_live_replicas.py",  # about 130 s
-    "tests/integrations/test_vllm_two_hosts.py",  # about 96 s
-    "tests/integrations/test_vllm_processes.py",  # about 91 s for its longest test
-)
-"""Test files whose tests run before every other in their phase: under ``make test``'s two
-pytest-xdist workers the longest engine tests start first, so the phase does not end with one
-worker still running a two-minute test while the other has nothing left (the longest-first rule
-of list scheduling); the order within each file, and of every other file, stays as collected."""
+PHASE_2_SECONDS = {
+    "tests/bench/test_live_compare.py::test_compare_baseline_kvtier_and_a_broken_arm": 112,
+    "tests/integrations/test_vllm_processes.py::test_graceful_stop_keeps_the_hot_set_and_other_identities_miss": 77,
+    "tests/bench/test_live_replicas.py::test_two_replicas_reuse_each_others_prefixes_only_through_redis": 66,
+    "tests/bench/test_live_replicas.py::test_two_replicas_reuse_each_others_prefixes_through_the_node_pool_the_bench_"
+    "starts": 62,
+    "tests/integrations/test_vllm_node_tier.py::test_two_engines_share_one_node_pool_exactly_and_survive_its_owner_"
+    "and_an_engine_dying": 59,
+    "tests/integrations/test_vllm_demo.py::test_restart_after_sigterm_is_served_from_disk": 58,
+    "tests/integrations/test_vllm_processes.py::test_running_consumer_adopts_what_a_producer_writes_later": 55,
+    "tests/integrations/test_vllm_two_hosts.py::test_producer_on_host_a_hands_kv_to_consumer_on_host_b": 53,
+    "tests/bench/test_native_cpu.py::test_native_cpu_tier_serves_exact_kv": 36,
+    "tests/bench/test_live_receipts.py::test_bench_run_reads_the_runs_receipts_and_they_agree_with_the_metrics": 36,
+    "tests/integrations/test_vllm_hybrid_kvtier.py::test_sliding_window_model_served_from_cpu_disk_and_another_"
+    "engine_through_the_shared_tier": 33,
+    "tests/integrations/test_vllm_s3_tier.py::test_a_restart_served_from_an_encrypted_tier_is_exact[disk]": 31,
+    "tests/integrations/test_vllm_receipts.py::test_receipts_walk_one_prompt_through_every_state_and_sum_to_the_"
+    "metrics": 30,
+    "tests/doctor/test_doctor_causes_live.py::test_doctor_names_evictions_and_the_size_on_a_too_small_cpu_tier": 29,
+    "tests/integrations/test_vllm_hybrid_kvtier.py::test_hybrid_models_start_with_the_default_config_and_serve_"
+    "exact_kv[tiny-swa]": 29,
+    "tests/integrations/test_vllm_hybrid_kvtier.py::test_hybrid_models_start_with_the_default_config_and_serve_"
+    "exact_kv[tiny-next]": 27,
+    "tests/integrations/test_vllm_hybrid_kvtier.py::test_hybrid_models_start_with_the_default_config_and_serve_"
+    "exact_kv[tiny-conv]": 28,
+    "tests/integrations/test_vllm_hybrid_kvtier.py::test_state_model_served_from_cpu_and_disk_and_a_failed_load_is_"
+    "recomputed": 27,
+    "tests/integrations/test_vllm_processes.py::test_tensor_parallel_ranks_each_hold_their_share": 27,
+    "tests/bench/test_bench_failures.py::test_compare_where_every_arm_is_rejected_exits_2_with_the_reason": 26,
+    "tests/integrations/test_vllm_s3_tier.py::test_a_restart_served_from_an_encrypted_tier_is_exact[s3]": 24,
+    "tests/integrations/test_vllm_hybrid_models.py::test_state_model": 22,
+    "tests/integrations/test_vllm_hybrid_models.py::test_sliding_window_model": 16,
+    "tests/integrations/test_hit_story.py::test_one_disk_hit_runs_at_most_todays_files_and_moves": 12,
+    "tests/integrations/test_vllm_preflight.py::test_vllm_server_with_chunk_tokens_no_cpu_block_size_divides_stops_"
+    "before_the_model_loads": 11,
+    "tests/integrations/test_vllm_preflight.py::test_vllm_server_with_a_bad_kvtier_config_stops_before_the_model_"
+    "loads": 10,
+}
+"""Seconds each test of ``make test``'s second phase (``engine and shares_cpu``) takes, about: on the CI
+machine kind, two pytest-xdist workers (CI run K, 2026-12-06); those it did not list, and those changed
+since, from runs one at a time scaled to it.  The phase's tests run longest first: pytest-xdist hands
+each worker a few tests ahead, so a long test left for the end keeps one worker busy while the other
+has nothing left (the longest-first rule of list scheduling; with run K's order, longest files first
+and the rest as collected, a simulation of xdist's scheduler ended the phase 9 s later on average,
+every duration drawn within -20 %/+25 % of these: 523 s against 514, half their sum being 499).
+Tests not listed keep their collection order after these; a test renamed without its entry here
+only loses its place (tests/test_static.py checks that each entry names a test)."""
+
+
+PHASE_1_SECONDS = {
+    "tests/simulate/test_mooncake_trace.py::test_default_never_below_lru_and_belady_on_top": 21.5,
+    "tests/core/test_policies_adaptive.py::test_selector_does_not_chase_noise": 17.2,
+    "tests/simulate/test_default_vs_lru.py::test_bundled_trace_window[engine+cpu+disk]": 16.7,
+    "tests/test_static.py::test_the_whole_package_types_check": 16.6,
+    "tests/simulate/test_default_vs_lru.py::test_bundled_trace_window[cpu+disk]": 15.5,
+    "tests/audit/test_compose_and_scripts.py::test_values_vllm_and_lmcache_refuse_are_errors_whatever_their_form": 12.1,
+    "tests/bench/test_bench_failures.py::test_a_trickling_metrics_page_ends_the_scrape[server0]": 11.3,
+    "tests/bench/test_bench_failures.py::test_a_trickling_model_list_ends_the_start_up_probe[server0]": 11.2,
+    "tests/size/test_cli_size.py::test_a_hub_that_trickles_config_json_is_a_clean_error_in_time": 11.0,
+    "tests/simulate/test_default_vs_lru.py::test_bundled_trace_window[single]": 8.4,
+}
+"""The longest tests of ``make test``'s first phase (no engine, three pytest-xdist workers), seconds
+on the CI machine kind (CI run K, 2026-12-06): they run first, longest first, for the reason
+:data:`PHASE_2_SECONDS` gives.  In collection order most came in the last 400 of the phase's 3,160
+tests (the type check 10th from the end), where one left a worker busy after the others ran out; a
+simulation of xdist's scheduler (these durations, the other tests 0.27 s on average) ended the phase
+10 s sooner with them first.  None of their modules has a fixture wider than a function, so taking
+one test out of its module's run sets nothing up twice."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Move the tests of :data:`LONGEST_FIRST` to the front, in that order (a stable sort)."""
-    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(LONGEST_FIRST)))
+    """Move the tests of :data:`PHASE_2_SECONDS` and :data:`PHASE_1_SECONDS` to the front, longest first (a
+    stable sort: every other test keeps its place, in collection order)."""
+    items.sort(key=lambda item: -PHASE_2_SECONDS.get(item.nodeid, PHASE_1_SECONDS.get(item.nodeid, 0)))
 
 
 EXPECTED_SKIPS = (

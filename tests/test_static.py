@@ -285,6 +285,19 @@ def _makefile_engine_tests() -> list[str]:
     return found.group(1).split()
 
 
+def test_every_ordering_entry_names_a_test():
+    """tests/conftest.py's ``PHASE_2_SECONDS`` and ``PHASE_1_SECONDS`` order ``make test``'s first two
+    phases: an entry whose test was renamed or moved would silently lose its place, so each must name a
+    test function in its file (one of the Makefile's ``ENGINE_TESTS`` files for the second phase)."""
+    from tests.conftest import PHASE_1_SECONDS, PHASE_2_SECONDS
+
+    listed = set(_makefile_engine_tests())
+    for nodeid in [*PHASE_2_SECONDS, *PHASE_1_SECONDS]:
+        path, name = nodeid.split("::")
+        assert nodeid in PHASE_1_SECONDS or path in listed, f"{nodeid}: not in an ENGINE_TESTS file"
+        assert f"def {name.split('[')[0]}(" in (ROOT / path).read_text(encoding="utf-8"), f"no test {nodeid}"
+
+
 def test_the_engine_phases_collect_every_file_that_holds_an_engine_test():
     """``make test``'s second and third phases collect only the Makefile's ``ENGINE_TESTS``: an
     engine test in a file left out there would never run in CI, and a listed file without one only

@@ -11,7 +11,6 @@ from collections.abc import Callable
 
 import msgspec
 import zmq
-from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 
 def free_port() -> int:
@@ -37,6 +36,11 @@ class EventSubscriber:
     announced by kvtier's own events."""
 
     def __init__(self, port: int, replay_port: int | None = None) -> None:
+        # imported here, not at the top: collecting test_vllm_serve.py (which imports this module)
+        # then imports no vLLM, about 6.5 CPU-s in each pytest process of `make test`'s engine phases
+        # (bytecode cached) that collects it, though only test_vllm_serve.py's one test subscribes
+        from vllm.distributed.kv_events import KVEventBatch
+
         self._ctx = zmq.Context.instance()
         self._replay_port = replay_port
         self._next_seq = 0  # the sequence number the next batch must carry (vLLM's start at 0)
@@ -83,6 +87,8 @@ class EventSubscriber:
             dealer.close(linger=0)
 
     def _apply(self, seq: int, payload: bytes) -> None:
+        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
         batch = self._decoder.decode(payload)
         self._next_seq = seq + 1
         with self._lock:

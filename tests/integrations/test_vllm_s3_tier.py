@@ -22,6 +22,7 @@ restart over an encrypted disk tier, and a restart with another master key, is
 
 from __future__ import annotations
 
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -162,6 +163,7 @@ def test_a_restart_served_from_an_encrypted_tier_is_exact(tiny_model: Path, tmp_
     key_file.write_text("engine-test-master-key-0123456789abcdef\n", encoding="utf-8")
     p = {"op": "generate", "prompts": [random_prompt(760, PROMPT_WORDS)]}
     server = S3Server(tmp_path / "s3").start() if tier == "s3" else None
+    started: list[subprocess.Popen[bytes]] = []  # engines B and C, once started
     try:
         if server is not None:
             bucket = server.make_bucket()
@@ -173,11 +175,28 @@ def test_a_restart_served_from_an_encrypted_tier_is_exact(tiny_model: Path, tmp_
         kvtier = {"chunk_tokens": 64, "cpu_gib": 0.01, **storage, "codecs": {tier: ["aes-256-gcm"]},
                   "encryption": {"master_key_file": str(key_file)}}
         engine = {"block_size": 64, **WORKER_IN_RUNNER}  # one start-up import less per engine (tests/engine_layout.py)
-        made = result_of(run_engine({"model": str(tiny_model), "steps": [p, p], "kvtier": kvtier, "engine": engine},
-                                    tmp_path, "a", env=EQUAL_THREADS), tmp_path, "a")
+        made_proc = run_engine({"model": str(tiny_model), "steps": [p, p], "kvtier": kvtier, "engine": engine},
+                               tmp_path, "a", env=EQUAL_THREADS)
+        # B and C start before they step (their start-ups overlap what runs before them), and each takes its
+        # first step only once the engine before it is done: the engines step one after the other, A, B, C.
+        # Over S3 both start beside A (nothing reads the bucket at start-up); over disk they start once A
+        # is done, C beside B: the disk tier indexes its directory at start-up, and that restart's scan
+        # of A's files is what B and C exercise
+        a_done, b_done = tmp_path / "a-done", tmp_path / "b-done"
+
+        def start_b_and_c() -> None:
+            started.append(run_engine({"model": str(tiny_model), "steps": [_after(a_done), p], "kvtier": kvtier,
+                                       "engine": engine}, tmp_path, "b", timeout_s=600, env=EQUAL_THREADS))
+            started.append(_start_with_another_master_key(tiny_model, tmp_path, p, kvtier, engine, b_done))
+
+        if tier == "s3":
+            start_b_and_c()
+        made = result_of(made_proc, tmp_path, "a")
         assert made["metrics"]["kvtier_saved_tokens_total"] >= LOADABLE
-        served = result_of(run_engine({"model": str(tiny_model), "steps": [p], "kvtier": kvtier, "engine": engine},
-                                      tmp_path, "b", env=EQUAL_THREADS), tmp_path, "b")
+        a_done.write_text("done")
+        if tier == "disk":
+            start_b_and_c()
+        served = result_of(started[0], tmp_path, "b")
         (_cold,), (cached,) = made["results"]
         (loaded,) = served["results"][0]
         assert (loaded["tokens"], loaded["logprobs"]) == (cached["tokens"], cached["logprobs"])
@@ -197,27 +216,43 @@ def test_a_restart_served_from_an_encrypted_tier_is_exact(tiny_model: Path, tmp_
             return {str(f): f.read_bytes() for f in (tmp_path / "disk").rglob("*.kvc")}
         stored = stored_values()
         assert stored and {decode_header(v).codecs for v in stored.values()} == {(16,)}  # every value sealed
-        _restart_with_another_master_key(tiny_model, tmp_path, p, kvtier, engine, tier, _cold, stored_values)
+        _check_another_master_key(started[1], tmp_path, tier, _cold, stored_values, b_done)
     finally:
+        for proc in started:  # a failed check: no engine is left waiting at its gate (done ones have exited)
+            if proc.poll() is None:
+                proc.kill()
         if server is not None:
             server.stop()
 
 
-def _restart_with_another_master_key(tiny_model: Path, tmp_path: Path, p: dict, kvtier: dict, engine: dict,
-                                     tier: str, cold: dict, stored_values) -> None:
+def _after(gate: Path) -> dict[str, object]:
+    """A first step that waits until the test writes ``gate`` (the engine before this one is done)."""
+    return {"op": "wait", "path": str(gate), "timeout_s": 600}
+
+
+def _start_with_another_master_key(tiny_model: Path, tmp_path: Path, p: dict, kvtier: dict, engine: dict,
+                                   gate: Path) -> subprocess.Popen[bytes]:
+    """Engine C (see :func:`_check_another_master_key`), its first step once the test writes ``gate``."""
+    wrong_key = tmp_path / "wrong-master-key"
+    wrong_key.write_text("another-master-key-fedcba9876543210\n", encoding="utf-8")
+    return run_engine({"model": str(tiny_model), "steps": [_after(gate), p],
+                       "kvtier": {**kvtier, "encryption": {"master_key_file": str(wrong_key)}},
+                       "engine": engine}, tmp_path, "c", timeout_s=600, env=EQUAL_THREADS)
+
+
+def _check_another_master_key(proc: subprocess.Popen[bytes], tmp_path: Path, tier: str, cold: dict, stored_values,
+                              gate: Path) -> None:
     """Issue 36's done-when: engine C, restarted on the same values with another master key, offers
     none of them (vLLM counts no external prefix-cache hit, no load is planned or fails), loads 0
     tokens, counts every value exactly once, leaves every value as it was, and recomputes (A's cold
     tokens and logprobs exactly).  The disk tier's start-up scan reads each file's key id and indexes
     none, counting each in ``kvtier_decrypt_failures_total{disk}``; nothing scans the bucket, so the
     scheduler's lookups read each value's header and key id and answer absent, counting each in
-    ``kvtier_shared_lookup_sealed_away_chunks_total`` (the workers read none: no decrypt failure)."""
+    ``kvtier_shared_lookup_sealed_away_chunks_total`` (the workers read none: no decrypt failure).
+    C steps once the test writes ``gate``."""
     sealed = stored_values()  # the prompt's chunks A wrote under the right key
-    wrong_key = tmp_path / "wrong-master-key"
-    wrong_key.write_text("another-master-key-fedcba9876543210\n", encoding="utf-8")
-    refused = result_of(run_engine({"model": str(tiny_model), "steps": [p],
-                                    "kvtier": {**kvtier, "encryption": {"master_key_file": str(wrong_key)}},
-                                    "engine": engine}, tmp_path, "c", env=EQUAL_THREADS), tmp_path, "c")
+    gate.write_text("done")
+    refused = result_of(proc, tmp_path, "c")
     (recomputed,) = refused["results"][0]
     end = refused["metrics"]
     assert (recomputed["tokens"], recomputed["logprobs"]) == (cold["tokens"], cold["logprobs"]), end

@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 
 from tests.core.tier_harness import s3_credentials_file
+from tests.engine_layout import WORKER_IN_ENGINE_CORE
 from tests.netns import REDIS_ADDRESS, cannot_create, in_netns, netns_hosts
 from tests.redis_servers import redis_binaries, wait_until
 from tests.s3_servers import ACCESS_KEY, SECRET_KEY, rclone_binary
@@ -93,7 +94,10 @@ def test_producer_on_host_a_hands_kv_to_consumer_on_host_b(tiny_model: Path, tmp
                                   s3_allow_http=True, s3_credentials_file=str(credentials),
                                   shared_transfer_deadline_s=60.0)
                 port = S3_PORT if name == "b-s3" else PORT
-                server = Server(live_spec(tiny_model, kvtier, role), tmp_path / f"{name}.log", port=port)
+                # each server's worker in its engine core: one start-up import less per server, the same
+                # layout for the three servers compared bit for bit (tests/engine_layout.py)
+                server = Server(live_spec(tiny_model, kvtier, role, env=WORKER_IN_ENGINE_CORE), tmp_path / f"{name}.log",
+                                port=port)
                 server.command = in_netns(ns[host], server.command)
                 servers.append(server.launch())
             for (name, host, port), server in zip((("a", "a", PORT), ("b", "b", PORT), ("b-s3", "b", S3_PORT)), servers,
