@@ -6,8 +6,8 @@ The receipt is what a kvtier engine returns as ``kv_transfer_params["kvtier"]`` 
 ``kv_transfer_params``, and into ``RequestOutput.kv_transfer_params`` offline), writes to the
 receipt log, and sets as attributes of a request's trace span.  This module is the shape only:
 building one (from the request context's events) is the integration's job, emitting one is a
-:class:`ReceiptSink`'s; :func:`tokens_by_tier` is the one split of a hit's tokens by tier that the
-receipts, vLLM's hit sources and the loaded-token counters share.
+:class:`ReceiptSink`'s (the split of a hit's tokens by tier that the receipts, vLLM's hit sources and
+the loaded-token counters share: :func:`kvtier.integrations.vllm.stats.tokens_by_tier`).
 
 Every field is plain JSON (``msgspec.to_builtins``); :func:`decode` reads one back and raises
 :class:`msgspec.ValidationError` on anything else.
@@ -88,6 +88,12 @@ class ReceiptMiss(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tier: str = ""
 
 
+WHOLLY_SERVED = ReceiptMiss(0, "partial_chunk")
+"""The miss a receipt's computed tokens count under when its ``miss`` is ``None`` (only the prompt's
+last token was computed, which vLLM always computes): :meth:`Receipt.computed_miss`'s rule as a value,
+which the scheduler's counters read without a call."""
+
+
 class ReceiptSaved(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What this request added to the cache.
 
@@ -160,7 +166,8 @@ class Receipt(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         its ``miss``'s, or ``("partial_chunk", "")`` when ``miss`` is ``None`` (only the prompt's last
         token was computed, which vLLM always computes).  The metric and every reader of receipts
         (bench, doctor) use this one rule, so their sums agree (docs/receipts.md, "Metrics")."""
-        return (self.miss.reason, self.miss.tier) if self.miss is not None else ("partial_chunk", "")
+        miss = self.miss if self.miss is not None else WHOLLY_SERVED
+        return miss.reason, miss.tier
 
     def to_builtins(self) -> dict[str, object]:
         """The receipt as plain JSON types (what ``kv_transfer_params["kvtier"]`` holds)."""
