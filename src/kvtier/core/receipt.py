@@ -15,8 +15,7 @@ Every field is plain JSON (``msgspec.to_builtins``); :func:`decode` reads one ba
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from itertools import groupby
+from collections.abc import Mapping
 from typing import Literal, Protocol
 
 import msgspec
@@ -52,24 +51,6 @@ def miss_tier_label(tier: str) -> str:
     """The ``tier`` label a miss's tier is counted under: ``tier``, or :data:`NO_TIER` for ``""``
     (and for :data:`NO_TIER` itself), so that receipts and metrics key a miss alike."""
     return tier or NO_TIER
-
-
-def tokens_by_tier(tiers: Sequence[str], start: int, end: int, chunk_tokens: int) -> dict[str, int]:
-    """Tokens ``[start, end)`` split by the tier of the chunk each lies in (``tiers[c]``: the tier
-    planned for chunk ``c``).  A receipt's tokens by tier, the scheduler's hit sources for vLLM and
-    the worker's loaded-token counters all come from this one function, so they split alike."""
-    out: dict[str, int] = {}
-    if end <= start:
-        return out
-    first, last = start // chunk_tokens, (end - 1) // chunk_tokens
-    if last >= len(tiers):
-        raise IndexError(f"chunk {last} has no planned tier ({len(tiers)} planned)")
-    c = first
-    for tier, run in groupby(tiers[first:last + 1]):  # runs of one tier: no Python work per chunk
-        lo = max(start, c * chunk_tokens)
-        c += len(list(run))
-        out[tier] = out.get(tier, 0) + min(end, c * chunk_tokens) - lo
-    return out
 
 
 class ReceiptMiss(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
