@@ -15,7 +15,6 @@ import torch
 from kvtier.core.config import GiB, KVTierConfig
 from kvtier.core.keys import ChunkKey, Namespace, chunk_keys, request_root
 from kvtier.core.landing import LandingPool
-from kvtier.core.receipt import tokens_by_tier
 from kvtier.core.store import TieredStore
 from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES
 from kvtier.integrations.vllm.cache_groups import GroupKind, GroupSpec
@@ -23,6 +22,7 @@ from kvtier.integrations.vllm.protocol import LoadJob
 from kvtier.integrations.vllm.scheduler.pages import HybridPlan
 from kvtier.integrations.vllm.scheduler.requests import PagePlanner
 from kvtier.integrations.vllm.scheduler.steps import IndexMirror
+from kvtier.integrations.vllm.stats_table import tokens_by_tier
 from kvtier.integrations.vllm.worker.copy import GroupCopiers
 from kvtier.integrations.vllm.worker.layout import detect_layout
 from kvtier.integrations.vllm.worker.loader import AsyncLoader

@@ -6,8 +6,8 @@ The receipt is what a kvtier engine returns as ``kv_transfer_params["kvtier"]`` 
 ``kv_transfer_params``, and into ``RequestOutput.kv_transfer_params`` offline), writes to the
 receipt log, and sets as attributes of a request's trace span.  This module is the shape only:
 building one (from the request context's events) is the integration's job, emitting one is a
-:class:`ReceiptSink`'s; :func:`tokens_by_tier` is the one split of a hit's tokens by tier that the
-receipts, vLLM's hit sources and the loaded-token counters share.
+:class:`ReceiptSink`'s (the split of a hit's tokens by tier that the receipts, vLLM's hit sources and
+the loaded-token counters share: :func:`kvtier.integrations.vllm.stats.tokens_by_tier`).
 
 Every field is plain JSON (``msgspec.to_builtins``); :func:`decode` reads one back and raises
 :class:`msgspec.ValidationError` on anything else.
@@ -15,8 +15,7 @@ Every field is plain JSON (``msgspec.to_builtins``); :func:`decode` reads one ba
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from itertools import groupby
+from collections.abc import Mapping
 from typing import Literal, Protocol
 
 import msgspec
@@ -54,24 +53,6 @@ def miss_tier_label(tier: str) -> str:
     return tier or NO_TIER
 
 
-def tokens_by_tier(tiers: Sequence[str], start: int, end: int, chunk_tokens: int) -> dict[str, int]:
-    """Tokens ``[start, end)`` split by the tier of the chunk each lies in (``tiers[c]``: the tier
-    planned for chunk ``c``).  A receipt's tokens by tier, the scheduler's hit sources for vLLM and
-    the worker's loaded-token counters all come from this one function, so they split alike."""
-    out: dict[str, int] = {}
-    if end <= start:
-        return out
-    first, last = start // chunk_tokens, (end - 1) // chunk_tokens
-    if last >= len(tiers):
-        raise IndexError(f"chunk {last} has no planned tier ({len(tiers)} planned)")
-    c = first
-    for tier, run in groupby(tiers[first:last + 1]):  # runs of one tier: no Python work per chunk
-        lo = max(start, c * chunk_tokens)
-        c += len(list(run))
-        out[tier] = out.get(tier, 0) + min(end, c * chunk_tokens) - lo
-    return out
-
-
 class ReceiptMiss(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The first prompt token not served from a cache, and why.
 
@@ -86,6 +67,12 @@ class ReceiptMiss(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     token: int
     reason: MissReason
     tier: str = ""
+
+
+WHOLLY_SERVED = ReceiptMiss(0, "partial_chunk")
+"""The miss a receipt's computed tokens count under when its ``miss`` is ``None`` (only the prompt's
+last token was computed, which vLLM always computes): :meth:`Receipt.computed_miss`'s rule as a value,
+which the scheduler's counters read without a call."""
 
 
 class ReceiptSaved(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -160,7 +147,8 @@ class Receipt(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         its ``miss``'s, or ``("partial_chunk", "")`` when ``miss`` is ``None`` (only the prompt's last
         token was computed, which vLLM always computes).  The metric and every reader of receipts
         (bench, doctor) use this one rule, so their sums agree (docs/receipts.md, "Metrics")."""
-        return (self.miss.reason, self.miss.tier) if self.miss is not None else ("partial_chunk", "")
+        miss = self.miss if self.miss is not None else WHOLLY_SERVED
+        return miss.reason, miss.tier
 
     def to_builtins(self) -> dict[str, object]:
         """The receipt as plain JSON types (what ``kv_transfer_params["kvtier"]`` holds)."""

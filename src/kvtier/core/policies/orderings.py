@@ -35,6 +35,8 @@ from __future__ import annotations
 import heapq
 from typing import Any
 
+import msgspec
+
 MODES = ("lru", "quarantine", "quarantine-long", "bip", "frequency")
 QUARANTINE = 5.0
 """``quarantine``: a never-used chunk ranks as if last used this many tier-sizes earlier."""
@@ -82,20 +84,19 @@ def ordering_rank(mode: int, time: int, uses: int, gap: int, mru: bool, scale: i
     return time - scale * QUARANTINE
 
 
-class Node:
-    __slots__ = ("depth", "gap", "long_uses", "mru", "parent", "rank", "seq", "time", "uses")
+class Node(msgspec.Struct, eq=False, gc=False):
+    """A chunk's record (a Struct: built in C, so a policy's insert runs no Python function here;
+    ``gc=False``: it holds ints and a key, never a cycle)."""
 
-    def __init__(self, time: int, uses: int, gap: int, long_uses: int, depth: int, parent: Any | None,
-                 mru: bool) -> None:
-        self.time = time  # clock of last use, shared by one request's chain
-        self.uses = uses  # prior uses (remembered ones)
-        self.gap = gap  # insertions between the previous use and the last one
-        self.long_uses = long_uses  # prior uses within the long history (``frequency``)
-        self.depth = depth
-        self.parent = parent
-        self.mru = mru  # bip: used while resident, or inserted by a lucky run
-        self.rank = 0.0
-        self.seq = -1  # seq of its live heap entry: older entries are stale
+    time: int  # clock of last use, shared by one request's chain
+    uses: int  # prior uses (remembered ones)
+    gap: int  # insertions between the previous use and the last one
+    long_uses: int  # prior uses within the long history (``frequency``)
+    depth: int
+    parent: Any  # its parent's key (None: chunk 0)
+    mru: bool  # bip: used while resident, or inserted by a lucky run
+    rank: float = 0.0
+    seq: int = -1  # seq of its live heap entry: older entries are stale
 
 
 class Shadow:

@@ -1,16 +1,20 @@
 """The stats payload's table: every counter and gauge the connector sends through vLLM, the
 ``kvtier_*`` metric it is exported as (name, help, labels), and how each is read from a store's
-snapshot (:mod:`kvtier.core.stats`).  The exported metrics and their meaning:
-:mod:`kvtier.integrations.vllm.stats`.  No vLLM import: ``kvtier doctor`` and the deploy files'
-alert rules read the same table.
+snapshot (:mod:`kvtier.core.stats`), derived once per tier registry generation; and what runs each
+step on that payload: the worker's report of its store's snapshot (:func:`store_report`) and the one
+split of a hit's tokens by tier (:func:`tokens_by_tier`) that receipts, vLLM's hit sources and the
+loaded-token counters share.  The exported metrics and their meaning:
+:mod:`kvtier.integrations.vllm.stats`.  No vLLM import: ``kvtier doctor``, the deploy files' alert
+rules and the worker (which runs without vLLM on the GPU runner, scripts/gpu_runner.py) read it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from itertools import groupby
 
 from kvtier.core.codecstats import CodecNumbers
-from kvtier.core.receipt import MISS_REASONS, NO_TIER, miss_tier_label
+from kvtier.core.receipt import MISS_REASONS, NO_TIER
 from kvtier.core.stats import StoreStats, TierStats, WireStats
 from kvtier.core.tiers import registry
 
@@ -202,15 +206,6 @@ def counters() -> dict[str, tuple[str, str, tuple[str, ...]]]:
     return {**out, **_PLAIN_COUNTERS}
 
 
-def receipt_counters(tokens: dict[str, int], reason: str, tier: str) -> dict[str, float]:
-    """The payload counters of one receipt: its served tokens by source, its computed tokens under
-    its miss's ``reason`` and ``tier`` (``""``: :data:`~kvtier.core.receipt.NO_TIER`)."""
-    out: dict[str, float] = {f"served_tokens_{t}": n for t, n in tokens.items() if t != "computed" and n}
-    if tokens.get("computed"):
-        out[f"missed_tokens_{reason}|{miss_tier_label(tier)}"] = tokens["computed"]
-    return out
-
-
 def gauges() -> dict[str, tuple[str, str, str | None]]:
     """Payload gauge name -> (prometheus name, help, ``tier`` label value or None), for the
     registered tiers: usage, capacity and pins of each local tier, the breaker and usage (what the engine
@@ -286,16 +281,34 @@ def rank0_only() -> tuple[str, ...]:
             "saved_tokens", "load_failed_blocks", "rerouted_chunks")
 
 
-_per_step: tuple[int, dict[str, Callable[[StoreStats], float]], frozenset[str], list[registry.TierSpec]] = \
-    (-1, {}, frozenset(), [])
-"""(registry generation, :func:`store_counter_readers`, :func:`rank0_only`, the records) as last
-derived: the worker's per-step stats ask the registry nothing while no tier was registered since."""
+# -- what runs each step (no table lookup): a hit's tokens by tier, the worker's report of its snapshot ---
+def tokens_by_tier(tiers: Sequence[str], start: int, end: int, chunk_tokens: int) -> dict[str, int]:
+    """Tokens ``[start, end)`` split by the tier of the chunk each lies in (``tiers[c]``: the tier
+    planned for chunk ``c``).  A receipt's tokens by tier, the scheduler's hit sources for vLLM and
+    the worker's loaded-token counters all come from this one function, so they split alike."""
+    out: dict[str, int] = {}
+    if end <= start:
+        return out
+    first, last = start // chunk_tokens, (end - 1) // chunk_tokens
+    if last >= len(tiers):
+        raise IndexError(f"chunk {last} has no planned tier ({len(tiers)} planned)")
+    c = first
+    for tier, run in groupby(tiers[first:last + 1]):  # runs of one tier: no Python work per chunk
+        lo = max(start, c * chunk_tokens)
+        c += len(list(run))
+        out[tier] = out.get(tier, 0) + min(end, c * chunk_tokens) - lo
+    return out
 
 
-def _registered() -> tuple[int, dict[str, Callable[[StoreStats], float]], frozenset[str], list[registry.TierSpec]]:
+_per_step: tuple[int, frozenset[str], list[registry.TierSpec]] = (-1, frozenset(), [])
+"""(registry generation, :func:`rank0_only`, the records) as last derived: the worker's per-step
+stats ask the registry nothing while no tier was registered since."""
+
+
+def _registered() -> tuple[int, frozenset[str], list[registry.TierSpec]]:
     global _per_step
     if _per_step[0] != (generation := registry.generation):
-        _per_step = (generation, store_counter_readers(), frozenset(rank0_only()), registry.specs())
+        _per_step = (generation, frozenset(rank0_only()), registry.specs())
     return _per_step
 
 
@@ -306,7 +319,7 @@ _last: tuple[StoreStats | None, dict[str, float]] = (None, {})
 def store_values(s: StoreStats) -> dict[str, float]:
     """Every :func:`store_counter_readers` value of ``s``, read in one pass (what the worker's
     per-step report diffs; equal to calling each reader)."""
-    specs, top = _registered()[3], ""
+    specs, top = _registered()[2], ""
     out: dict[str, float] = {}
     loaded, unfilled, tiers = s.loaded_tokens, s.unfilled_tokens, s.tiers
     for spec in specs:
@@ -351,7 +364,7 @@ def store_counters(now: StoreStats, before: StoreStats | None, tp_rank: int = 0)
     snapshot once (:func:`store_values`; ``before``'s values are kept from the call that read it
     as ``now``), no call per counter: this runs at every engine step."""
     global _last
-    rank0 = _registered()[2] if tp_rank else frozenset()
+    rank0 = _registered()[1] if tp_rank else frozenset()
     last, last_values = _last
     old = {} if before is None else last_values if before is last else store_values(before)
     new = store_values(now)
@@ -363,7 +376,7 @@ def store_counters(now: StoreStats, before: StoreStats | None, tp_rank: int = 0)
 def store_gauges(s: StoreStats) -> dict[str, float]:
     """The :func:`gauges` of one rank, read from its store's snapshot."""
     out: dict[str, float] = {"dirty_bytes": s.dirty_bytes}
-    for spec in _registered()[3]:
+    for spec in _registered()[2]:
         t, stats = spec.name, _tier(s, spec.name)
         if spec.shared:
             if stats.wire is not None:

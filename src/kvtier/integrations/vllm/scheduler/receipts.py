@@ -32,18 +32,21 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+import msgspec
+
 from kvtier.core.receipt import (
+    NO_TIER,
+    WHOLLY_SERVED,
     MissReason,
     Receipt,
     ReceiptMiss,
     ReceiptPin,
     ReceiptSaved,
     ReceiptSink,
-    tokens_by_tier,
 )
 from kvtier.core.receiptsinks import receipt_counters as receipt_sink_counters
 from kvtier.integrations.vllm.protocol import RequestFacts
-from kvtier.integrations.vllm.stats_table import receipt_counters
+from kvtier.integrations.vllm.stats_table import tokens_by_tier
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +148,16 @@ def build_receipt(request_id: str, prompt_tokens: int, r: ReceiptFacts, chunk_to
                    top_miss=_earliest(f.below for f in ranks))
 
 
+def receipt_counters(tokens: dict[str, int], reason: str, tier: str) -> dict[str, float]:
+    """The payload counters of one receipt: its served tokens by source, its computed tokens under
+    its miss's ``reason`` and ``tier`` (``""``: :data:`~kvtier.core.receipt.NO_TIER`, as
+    :func:`~kvtier.core.receipt.miss_tier_label` labels it)."""
+    out: dict[str, float] = {f"served_tokens_{t}": n for t, n in tokens.items() if t != "computed" and n}
+    if tokens.get("computed"):
+        out[f"missed_tokens_{reason}|{tier or NO_TIER}"] = tokens["computed"]
+    return out
+
+
 def _earliest(found: Iterable[tuple[int, str, str] | None]) -> ReceiptMiss | None:
     first = min((f for f in found if f is not None), key=lambda f: f[0], default=None)
     return ReceiptMiss(first[0], first[1], first[2]) if first is not None else None  # type: ignore[arg-type]
@@ -227,13 +240,14 @@ class ReceiptDesk:
 
     def finish(self) -> dict[str, float]:
         """Complete every pending receipt: fill its response dict, emit it to the sinks; returns the
-        payload counters of them all (:func:`~kvtier.integrations.vllm.stats_table.receipt_counters`)."""
+        payload counters of them all (:func:`receipt_counters`)."""
         counters: dict[str, float] = {}
         pending, self._pending = self._pending, {}
         for p in pending.values():
             receipt = build_receipt(p.request_id, p.prompt_tokens, p.facts, self.chunk_tokens, self.tp_size)
-            p.params.update(receipt.to_builtins())
-            for name, n in receipt_counters(receipt.tokens, *receipt.computed_miss()).items():
+            p.params.update(msgspec.to_builtins(receipt))  # Receipt.to_builtins
+            miss = receipt.miss if receipt.miss is not None else WHOLLY_SERVED  # Receipt.computed_miss's rule
+            for name, n in receipt_counters(receipt.tokens, miss.reason, miss.tier).items():
                 counters[name] = counters.get(name, 0) + n
             for sink in self.sinks:
                 try:

@@ -297,10 +297,15 @@ class PagePlanner:
         ``shared``: page keys the shared tier ``shared_tier`` holds for every rank, from
         :meth:`~kvtier.integrations.vllm.scheduler.remote.RemoteLookups.poll_pages` over :meth:`unheld_pages`.
         """
-        if self.dense:  # one full-attention group: its pages are the chain's chunks, asked in one call
+        if self.dense:  # one full-attention group: its pages are the chain's chunks, read in one pass
             keys = [bytes(key) for key in chain[:min(len(chain), max(0, num_tokens - 1) // self.C)]]
-            end, tiers = self.mirror.leading(keys, num_computed_tokens // self.C, shared, shared_tier)
-            return end * self.C, tiers
+            mirror = self.mirror  # one rank: its map's C lookup (IndexMirror.tier's answer), else tier()
+            held_in = mirror.ranks[0].get if mirror.tp_size == 1 and mirror.ready else mirror.tier
+            held = [held_in(key) or (shared_tier if key in shared else None) for key in keys]
+            first = end = num_computed_tokens // self.C  # the run held from where the engine's hit ends
+            while end < len(keys) and held[end] is not None:
+                end += 1
+            return (end * self.C, [t or "" for t in held[:end]]) if end > first else (0, [])
 
         def tier(group: int, chunk: int) -> str | None:
             if chunk >= len(chain):

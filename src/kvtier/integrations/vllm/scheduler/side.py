@@ -9,7 +9,7 @@ from typing import Any
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
-from kvtier.core.receipt import ReceiptSink, tokens_by_tier
+from kvtier.core.receipt import ReceiptSink
 from kvtier.core.receiptsinks import build_receipt_sinks
 from kvtier.core.tiers.registry import local_tiers
 from kvtier.integrations.vllm.cache_groups import GroupKind
@@ -43,6 +43,7 @@ from kvtier.integrations.vllm.scheduler.steps import (
     fold_reports,
 )
 from kvtier.integrations.vllm.stats import KVTierStats
+from kvtier.integrations.vllm.stats_table import tokens_by_tier
 
 log = logging.getLogger(__name__)
 
@@ -218,8 +219,7 @@ class SchedulerSide:
         self._loads.append(LoadJob(req_id, pages, local, hit, tuple(tiers), resumed, sync=sync, tenant=state.tenant))
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
-        """Split ``num_external_tokens`` by the tier each planned chunk is in (the same split the
-        workers label ``loaded_tokens`` with: :func:`~kvtier.core.receipt.tokens_by_tier`)."""
+        """``num_external_tokens`` by planned tier, split as the workers' loaded tokens (:func:`tokens_by_tier`)."""
         state = self.requests.get(request.request_id)
         tiers = (state.planned_tiers if state is not None else None) or []
         hit = len(tiers) * self.chunk_tokens

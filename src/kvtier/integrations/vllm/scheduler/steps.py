@@ -66,8 +66,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
-from collections.abc import Set as AbstractSet
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvtier.core.config import KVTierConfig
@@ -87,17 +86,16 @@ class IndexMirror:
 
     def __init__(self, tp_size: int) -> None:
         self.tp_size = tp_size
-        self._ranks: list[dict[bytes, str]] = [{} for _ in range(tp_size)]
+        self.ranks: list[dict[bytes, str]] = [{} for _ in range(tp_size)]  # key -> tier, per rank (read by the
+        # dense lookup, PagePlanner.lookup, in one pass; changed only by apply and reset)
         self._snapshotted = [False] * tp_size
         self.key_root: bytes | None = None
         self.broken = False
         self.namespaces: list[bytes] = [b""] * tp_size
         self.epoch = 0  # resets so far (reset); older reports are dropped
-
-    @property
-    def ready(self) -> bool:
-        """Every rank sent its first snapshot and all agree on the key root."""
-        return all(self._snapshotted) and not self.broken
+        self.ready = False
+        """Every rank sent its first snapshot and all agree on the key root (kept by :meth:`apply`,
+        which alone changes either: read at every ask, it is an attribute, not a property)."""
 
     def apply(self, rank: int, report: RankReport) -> None:
         """Fold one rank's report in (in step order)."""
@@ -109,15 +107,16 @@ class IndexMirror:
         if self.key_root is None:
             self.key_root = report.key_root
         elif report.key_root != self.key_root and not self.broken:
-            self.broken = True
+            self.broken, self.ready = True, False
             log.error("kvtier: tensor-parallel rank %d chains chunk keys from another namespace than rank 0 "
                       "(different model files or settings per rank?); kvtier loads are off for this engine", rank)
         if report.namespace:
             self.namespaces[rank] = report.namespace
-        index = self._ranks[rank]
+        index = self.ranks[rank]
         if report.full:
             index.clear()
             self._snapshotted[rank] = True
+            self.ready = all(self._snapshotted) and not self.broken
         for key, tier in report.changes:
             if tier is None:
                 index.pop(key, None)
@@ -133,35 +132,22 @@ class IndexMirror:
         """
         held: dict[str, list[bytes]] = {}
         if self.ready:
-            for key in self._ranks[0]:
+            for key in self.ranks[0]:
                 tier = self.tier(key)
                 if tier is not None:
                     held.setdefault(tier, []).append(key)
         self.epoch = epoch
-        for index in self._ranks:
+        for index in self.ranks:
             index.clear()
         return held
-
-    def leading(self, keys: Sequence[bytes], first: int, shared: AbstractSet[bytes] = frozenset(),
-                shared_tier: str = "") -> tuple[int, list[str]]:
-        """A dense model's lookup (:meth:`PagePlanner.lookup`)
-        in one call: ``end``, the end of the run of ``keys`` held from ``first`` on (every rank's
-        local tiers, or ``shared`` in the shared tier ``shared_tier``), and the :meth:`tier` of each
-        of ``keys[:end]`` (``""`` where none holds it, before ``first``); ``(0, [])`` when the run is empty."""
-        tier = self._ranks[0].get if self.tp_size == 1 and self.ready else self.tier
-        held = [tier(key) or (shared_tier if key in shared else None) for key in keys]
-        end = first
-        while end < len(keys) and held[end] is not None:
-            end += 1
-        return (end, [t or "" for t in held[:end]]) if end > first else (0, [])
 
     def tier(self, key: bytes) -> str | None:
         """Tier of ``key`` if every rank holds it (the slowest of theirs), else ``None``."""
         if not self.ready:
             return None
         if self.tp_size == 1:
-            return self._ranks[0].get(key)
-        tiers = [r.get(key) for r in self._ranks]
+            return self.ranks[0].get(key)
+        tiers = [r.get(key) for r in self.ranks]
         if None in tiers:
             return None
         return max(tiers, key=tier_rank)

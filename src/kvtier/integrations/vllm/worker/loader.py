@@ -61,11 +61,11 @@ from typing import cast
 from kvtier.core.context import EngineLoad, OpContext
 from kvtier.core.handles import NO_BUFFER, LoadHandle
 from kvtier.core.keys import ChunkKey
-from kvtier.core.receipt import tokens_by_tier
 from kvtier.core.sinks import RequestRecord
 from kvtier.core.store import TieredStore
 from kvtier.core.tiers.registry import slowest
 from kvtier.integrations.vllm.protocol import LoadJob, PageMove, RequestFacts
+from kvtier.integrations.vllm.stats_table import tokens_by_tier
 from kvtier.integrations.vllm.worker.copy import GroupCopiers
 from kvtier.integrations.vllm.worker.direct import DirectTargets
 
