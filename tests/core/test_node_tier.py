@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -294,6 +295,36 @@ def test_an_engine_restart_finds_the_pool_warm_and_usage_is_counted_once(node_se
             restarted.close()
     finally:
         second.close()
+
+
+def test_an_idle_engines_count_follows_the_owners_after_a_neighbours_connection_fault(node_server):
+    """Engine B wrote first (the oldest live writer), then A; A's connection is cut (a fault: the
+    owner drops it and counts A's values for B) and A serves again on a new connection (counted
+    afresh).  B sends nothing meanwhile (idle), yet what both report (``usage()``, what the store
+    reads each step, without waiting) sums to the pool's usage again within B's max age: B's read
+    asks the owner again in the background (the CI run J defect: B's count stayed stale until it
+    served)."""
+    b, a = engine_tier(node_server), engine_tier(node_server)
+    a_client, b_client = unwrap(a).client, unwrap(b).client
+    try:
+        assert b.put_many([key(0)], [data(0)]) == [PutResult.STORED]
+        assert a.put_many([key(i) for i in range(1, 4)], [data(i) for i in range(1, 4)]) == [PutResult.STORED] * 3
+        pool = node_server.stats()
+        assert (b.usage().num_chunks, a.usage().num_chunks) == (1, 3)
+        assert a.usage().used_bytes + b.usage().used_bytes == pool.used_bytes
+        for client in (a_client, b_client):
+            client.usage_max_age_s = 0.5
+        assert a_client._sock is not None
+        a_client._sock.shutdown(socket.SHUT_RDWR)  # the fault: the owner sees A's connection end
+        assert until(lambda: read(a, key(1)) == (GetResult.HIT, data(1)), timeout_s=10.0)  # A on a new connection
+        assert a_client.attached == 2 and b_client.attached == 1
+        assert until(lambda: a.usage().used_bytes + b.usage().used_bytes == node_server.stats().used_bytes,
+                     timeout_s=10.0), (a.usage(), b.usage(), node_server.stats())
+        assert (b.usage().num_chunks, a.usage().num_chunks) == (4, 0)  # B, the oldest live writer, has A's
+        assert b_client.attached == 1  # B asked on its connection, sent no load or save
+    finally:
+        a.close()
+        b.close()
 
 
 def test_namespaces_are_isolated_in_the_pool(node_server):

@@ -26,6 +26,12 @@ from kvtier.core.tiers.node.pool import Pool, PoolError, open_pool
 
 RELEASE_BATCH = 256
 """Queued releases that are sent on their own rather than with the next request."""
+USAGE_MAX_AGE_S = 5.0
+"""Oldest the owner's word on this engine's count (``usage``) may be when it is read before it is
+asked again, in the background (:meth:`NodeClient.usage_now`).  The owner counts the values of a
+writer gone (a connection closed by a fault) for the oldest live writer, which learns it only from
+a reply: without asking, an engine that sends nothing (idle, or serving hits from the presence
+table and its own tiers) reported a stale count, and the engines' sum differed from the pool's."""
 
 
 class NodeUnavailable(ConnectionError):
@@ -53,6 +59,10 @@ class NodeClient:
         self.epoch = 0
         self.attached = 0  # connections made (1 = first; more = re-attached)
         self.usage = (0, 0)  # (bytes, values) this connection is counted for, as of the owner's last reply
+        self.usage_at = time.monotonic()  # when that reply came
+        self.usage_max_age_s = USAGE_MAX_AGE_S
+        self._asking = threading.Lock()  # held while a background usage request is under way (one at a time)
+        self._closed = False  # closed by its tier: no background request connects it again
         self.on_map: Callable[[Pool | None, Pool], None] | None = None  # told of each pool mapped (pinning)
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
@@ -125,9 +135,9 @@ class NodeClient:
                 self._close()
                 raise NodeUnavailable(f"the node pool's owner at {self.socket_path} refused: {reply.reason}")
             if isinstance(reply, (p.Found, p.Pinned, p.Allocated, p.Done, p.KeyList)):
-                self.usage = reply.usage
+                self.usage, self.usage_at = reply.usage, time.monotonic()
             elif isinstance(reply, p.UsageReply):
-                self.usage = (reply.used_bytes, reply.num_values)
+                self.usage, self.usage_at = (reply.used_bytes, reply.num_values), time.monotonic()
             return reply, pool, self._conn_serial
         finally:
             self._lock.release()
@@ -145,6 +155,27 @@ class NodeClient:
         if left <= 0:
             raise TimeoutError("the deadline passed")
         sock.settimeout(min(self.timeout_s, left))
+
+    def usage_now(self) -> tuple[int, int]:
+        """``usage`` without waiting; when the owner's word is older than ``usage_max_age_s``, it is
+        asked again on a thread of its own (one ``usage`` message within ``timeout_s``, one at a
+        time; a fault is left to the next call), so a reader sees it from its next read on."""
+        if not self._closed and time.monotonic() - self.usage_at > self.usage_max_age_s \
+                and self._asking.acquire(blocking=False):
+            try:
+                threading.Thread(target=self._ask_usage, name="kvtier-node-usage", daemon=True).start()
+            except BaseException:
+                self._asking.release()
+                raise
+        return self.usage
+
+    def _ask_usage(self) -> None:
+        try:
+            self.call(p.Usage())
+        except NodeUnavailable:
+            self.usage_at = time.monotonic()  # not asked again before the next max age
+        finally:
+            self._asking.release()
 
     def flush(self) -> None:
         """Send the queued releases now (a best effort: a fault leaves them to the lease expiry)."""
@@ -195,7 +226,7 @@ class NodeClient:
         self.attached += 1
         self._conn_serial += 1
         self._releases = []  # leases of the old connection ended with it
-        self.usage = (0, 0)  # a new connection is counted afresh
+        self.usage, self.usage_at = (0, 0), time.monotonic()  # a new connection is counted afresh
         return sock, self.pool
 
     def _close(self) -> None:
@@ -208,6 +239,7 @@ class NodeClient:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             self._close()
 
 

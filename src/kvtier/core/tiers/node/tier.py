@@ -327,10 +327,12 @@ class NodeTier(PoolMemory, EnvelopeTier):
 
     def usage(self) -> TierUsage:
         """The pool bytes this engine is counted for (pages, headers included) as of the owner's
-        last reply, without I/O (the store asks under its lock): the values it wrote, and for the
+        last reply, without waiting (the store asks under its lock; a reply older than
+        :data:`~kvtier.core.tiers.node.client.USAGE_MAX_AGE_S` is asked again in the background:
+        :meth:`~kvtier.core.tiers.node.client.NodeClient.usage_now`): the values it wrote, and for the
         oldest live writer those of writers gone, so the sum over the host's engines is the pool's
         usage, once (:class:`~kvtier.core.tiers.node.protocol.UsageReply`)."""
-        used, values = self.client.usage
+        used, values = self.client.usage_now()
         return TierUsage(used, 0, used, values)
 
     def refresh_usage(self) -> TierUsage:
