@@ -96,6 +96,33 @@ def test_a_load_from_read_only_pages_is_the_same_and_a_bad_span_moves_nothing() 
     assert not any(t.any() for t in dst.values())  # neither moved a byte
 
 
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_a_load_on_the_engines_thread_moves_the_same_bytes_as_memmove(name: str) -> None:
+    """``hold_gil`` (a synchronous load, on the engine's thread) moves each run with a slice
+    assignment of flat memoryviews instead of ``ctypes.memmove``: from writable and read-only pages,
+    into partial spans, the caches end byte for byte the same; a bad span moves nothing either way."""
+    shape, _block_dim = LAYOUTS[name]
+    gen = torch.Generator().manual_seed(2)
+    src = {f"layer.{i}": torch.randn(*shape, generator=gen, dtype=torch.float32) for i in range(3)}
+    layout = detect_layout(src, NUM_BLOCKS, "TEST")
+    pages = [np.zeros(layout.chunk_bytes(4), dtype=np.uint8) for _ in range(2)]
+    BlockCopier(layout, src, 4).save([Span(pages[0], 0, [7, 1, 9, 3]), Span(pages[1], 1, [5, 11, 2])])
+    frozen = pages[1].copy()
+    frozen.flags.writeable = False
+    spans = [(pages[0], 0, [0, 2, 4, 6]), (frozen, 1, [8, 10, 11])]
+    loaded = []
+    for hold_gil in (False, True):
+        dst = {k: torch.zeros_like(v) for k, v in src.items()}
+        copier = BlockCopier(layout, dst, 4)
+        assert copier._runs is not None and copier._runs.layer_views is not None
+        copier.load_runs(spans, hold_gil=hold_gil)
+        loaded.append(dst)
+        with pytest.raises(ValueError, match="block ids must lie in"):
+            copier.load_runs([(pages[0], 0, [1]), (pages[0], 1, [NUM_BLOCKS])], hold_gil=hold_gil)
+    assert all(torch.equal(loaded[0][k], loaded[1][k]) for k in src)
+    assert all(loaded[1][k].any() for k in src)  # (bytes moved: the comparison is not of two empty caches)
+
+
 def test_layout_errors_are_one_sentence() -> None:
     with pytest.raises(ConfigError, match="no dimension"):
         detect_layout({"a": torch.zeros(3, 4)}, 12, "TEST")

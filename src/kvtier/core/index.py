@@ -329,16 +329,16 @@ class Index(IndexUpkeep):
             if handle.reading_ahead:  # unpinned by the read-ahead when its reads end
                 handle.release_after_read = refresh
                 return True
-        self.unpin_load(handle, refresh)
-        return True
+            self.unpin_load(handle, refresh)  # (under the same hold of the lock: the hit path)
+            return True
 
     def unpin_load(self, handle: LoadHandle, refresh: bool) -> None:
         with self.lock:
             self.unpin(handle.pinned)
             handle.pinned = []
             if refresh and handle.keys:
-                contains, doomed = self.cpu.contains, self.doomed
-                used = [k for k in handle.keys if contains(k) and k not in doomed]
+                used = list(filter(self.cpu.contains, handle.keys))  # (the cpu tier's contains is C: no frame)
+                used = [k for k in used if k not in self.doomed] if self.doomed else used
                 self.policy.touch(used)
                 dict.update(self.uses, {k: self.uses.get(k, 0) + 1 for k in used})  # +1 each (no Counter.update frames)
                 for lt in self.local:

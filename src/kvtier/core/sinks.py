@@ -240,15 +240,15 @@ class CountersSink:
 
     def emit(self, event: Event) -> None:
         c = self.counters
-        match event:
-            case ChunksRead():
-                c.moved(f"{event.tier}_to_{self.top}", event.bytes, event.seconds)
-            case ChunksServed():
-                c.loaded(event.by_tier)
-            case LoadFailed():
-                c.load_failed()
+        match event:  # (a hit's two events first: each case is an isinstance check)
             case EngineLoad():
                 c.engine_load(event, self.top)
+            case ChunksServed():
+                c.loaded(event.by_tier)
+            case ChunksRead():
+                c.moved(f"{event.tier}_to_{self.top}", event.bytes, event.seconds)
+            case LoadFailed():
+                c.load_failed()
             case EngineSave():
                 c.engine_save(event, self.top)
             case Saved():
@@ -338,7 +338,16 @@ class RequestRecord:
 
     def emit(self, event: Event) -> None:
         with self._lock:
-            match event:
+            match event:  # (a hit's two events first: each case is an isinstance check)
+                case EngineLoad():
+                    for tier, n in event.tokens.items():
+                        self.loaded_tokens[tier] = self.loaded_tokens.get(tier, 0) + n
+                    for tier, n in event.unfilled_tokens.items():
+                        self.unfilled_tokens[tier] = self.unfilled_tokens.get(tier, 0) + n
+                    self.load_seconds += event.seconds
+                case ChunksServed():
+                    for tier, n in event.by_tier.items():  # (as Counter.update, without its frames: the hit path)
+                        self.served_chunks[tier] = self.served_chunks.get(tier, 0) + n
                 case ChunksRead():
                     self.read_chunks[event.tier] = self.read_chunks.get(event.tier, 0) + event.chunks
                     self.read_bytes[event.tier] = self.read_bytes.get(event.tier, 0) + event.bytes
@@ -346,17 +355,8 @@ class RequestRecord:
                 case ChunkMissed() | LoadCut():
                     if self.miss is None or event.index < self.miss.index:
                         self.miss = Miss(event.index, event.tier, event.reason)
-                case ChunksServed():
-                    for tier, n in event.by_tier.items():  # (as Counter.update, without its frames: the hit path)
-                        self.served_chunks[tier] = self.served_chunks.get(tier, 0) + n
                 case LoadFailed():
                     self.failed_loads += 1
-                case EngineLoad():
-                    for tier, n in event.tokens.items():
-                        self.loaded_tokens[tier] = self.loaded_tokens.get(tier, 0) + n
-                    for tier, n in event.unfilled_tokens.items():
-                        self.unfilled_tokens[tier] = self.unfilled_tokens.get(tier, 0) + n
-                    self.load_seconds += event.seconds
                 case EngineSave():
                     self.saved_tokens += event.tokens
                 case Saved():

@@ -55,7 +55,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from operator import ne
+from operator import attrgetter, ne
 from typing import cast
 
 from kvtier.core.context import EngineLoad, OpContext
@@ -72,6 +72,7 @@ from kvtier.integrations.vllm.worker.direct import DirectTargets
 log = logging.getLogger(__name__)
 
 READ_AHEAD_POLL_S = 0.002  # how often a load looks for more chunks read ahead (on its own thread)
+CHUNK_OF = attrgetter("chunk")  # a PageMove's chunk (in C: no generator frame per page on the hit path)
 
 
 class AsyncLoader:
@@ -244,7 +245,7 @@ class AsyncLoader:
             [b for p in unfilled_pages for b in p.block_ids]
         rerouted = 0
         if handle is not None:
-            chunks = [p.chunk for p in job.pages[:delivered]]
+            chunks = list(map(CHUNK_OF, job.pages[:delivered]))
             if len(set(chunks)) == len(chunks):  # a page per chunk (a dense model): its tier against the plan's
                 rerouted = sum(map(ne, handle.tiers, map(job.tiers.__getitem__, chunks)))
             else:
@@ -345,8 +346,10 @@ def load_facts(job: LoadJob, record: RequestRecord, engine: EngineLoad, top: str
     ``None``; a cut there is ``budget`` unless a read failed earlier.  The load's wall time
     (``engine.seconds``) is split: each lower tier gets its reads' seconds, the rest goes to the
     tiers in proportion to the tokens each delivered."""
-    delivered = {t: n for t, n in engine.tokens.items() if n}
-    read_s = {t: s for t, s in record.read_seconds.items() if t in delivered or t in engine.unfilled_tokens}
+    # (each comprehension runs only when it has something to go through: a cold frame per hit otherwise)
+    delivered = dict(engine.tokens) if all(engine.tokens.values()) else {t: n for t, n in engine.tokens.items() if n}
+    read_s = {t: s for t, s in record.read_seconds.items() if t in delivered or t in engine.unfilled_tokens} \
+        if record.read_seconds else {}
     rest = max(engine.seconds - sum(read_s.values()), 0.0)
     total = sum(delivered.values())
     load_s = dict(read_s)
@@ -362,6 +365,7 @@ def load_facts(job: LoadJob, record: RequestRecord, engine: EngineLoad, top: str
         else:
             miss = (max(job.first_token, _token(job.pages, 0, chunk_tokens)), "load_failed", "")
     below = record.below
-    return RequestFacts(unfilled={t: n for t, n in engine.unfilled_tokens.items() if n}, load_s=load_s, miss=miss,
+    return RequestFacts(unfilled={t: n for t, n in engine.unfilled_tokens.items() if n} if engine.unfilled_tokens
+                        else {}, load_s=load_s, miss=miss,
                         below=(_token(job.pages, below.index, chunk_tokens), below.reason, top)
                         if below is not None else None)

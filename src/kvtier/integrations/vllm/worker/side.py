@@ -132,9 +132,9 @@ class WorkerSide:
         if self.layer_loads is not None:
             self.layer_loads.poll()
         for job in meta.loads:
-            if job.sync:
-                cpu_only = all(job.tiers[p.chunk] == self.store.cpu.name for p in job.pages)  # (a node hit: whole)
-                errors, first_unfilled = load_now(self.loader, job) if self.layer_loads is None or not cpu_only \
+            if job.sync:  # layer by layer: a hit held in the cpu tier alone (a node hit loads whole)
+                errors, first_unfilled = load_now(self.loader, job) if self.layer_loads is None \
+                    or not all(job.tiers[p.chunk] == self.store.cpu.name for p in job.pages) \
                     else load_layers(self.loader, job, self.layer_loads)
                 self._errors |= errors
                 if first_unfilled is not None:

@@ -20,7 +20,7 @@ from kvtier.core.handles import NO_BUFFER
 from kvtier.core.sinks import RequestRecord
 from kvtier.integrations.vllm.protocol import LoadJob
 from kvtier.integrations.vllm.worker.layerwise import LayerLoads
-from kvtier.integrations.vllm.worker.loader import AsyncLoader, job_context, job_keys
+from kvtier.integrations.vllm.worker.loader import CHUNK_OF, AsyncLoader, job_context, job_keys
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def load_now(loader: AsyncLoader, job: LoadJob) -> tuple[set[int], int | None]:
     record = RequestRecord(loader.chunk_tokens)
     # a hit planned beyond the cpu tier (the node pool: SyncBudget's tiers) pins and reads it here, within
     # sync_within_s (a stalled owner costs this step that much, then its breaker makes it a miss at once)
-    shared = any(job.tiers[p.chunk] != loader.store.cpu.name for p in job.pages)
+    shared = any(map(loader.store.cpu.name.__ne__, map(job.tiers.__getitem__, map(CHUNK_OF, job.pages))))
     try:
         handle = loader.store.prepare_load(job_keys(job), max_chunks=len(job.pages), top_only=True,
                                            ctx=job_context(job, record),
@@ -64,7 +64,7 @@ def load_now(loader: AsyncLoader, job: LoadJob) -> tuple[set[int], int | None]:
         held = handle.num_chunks
         moves = [m for m in zip(job.pages[:held], handle.buffers[:held]) if m[1] is not NO_BUFFER]
         if moves:  # (a chunk read into its blocks, NO_BUFFER, is there already)
-            loader.copiers.load(moves)
+            loader.copiers.load(moves, hold_gil=True)  # (the engine's thread: it holds the GIL anyway)
         delivered, ok = held, True  # a copy that raised part-way filled nothing vLLM may use
         if delivered < len(job.pages):
             log.info("kvtier: request %s: %d of %d planned pages were found for its synchronous load; "
