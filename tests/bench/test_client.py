@@ -31,7 +31,13 @@ def test_times_every_token(server):
         assert r.ok and r.output_tokens == 5 and r.prompt_tokens == 15
         assert len(r.itl_s) == 4  # one gap per token after the first
         assert 0.015 < r.ttft_s < r.e2e_s
-        assert all(0.01 < gap < 0.5 for gap in r.itl_s)
+        # The gaps are when the client read each token: a client starved on a loaded machine reads
+        # several at once (a gap near 0, then a long one), so no single gap is bounded by the server's
+        # 0.02 s pacing.  What holds under any load: every gap is a time within the stream, together
+        # they span first token to last, and the request lasted the server's 5 paced tokens.
+        assert all(gap >= 0 for gap in r.itl_s)
+        assert sum(r.itl_s) <= r.e2e_s - r.ttft_s
+        assert r.e2e_s > 5 * 0.02 - 0.005
     summary = run.summary()
     assert summary.num_ok == 4 and summary.ttft_s is not None
     assert summary.output_tok_per_s == pytest.approx(20 / run.duration_s)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.core.receipt import Receipt, decode
+from kvtier.core.tiers.breaker import BreakerState
 from kvtier.integrations.vllm.protocol import KVTierWorkerMeta, RankReport, RequestFacts
 from tests.integrations.test_vllm_scheduler import (
     CHUNK,
@@ -162,18 +163,30 @@ def test_a_shared_lookup_that_timed_out_or_met_an_open_breaker_is_the_miss_not_n
     not ``new``; with the breaker opened by that failure, the next request's lookup is skipped by
     the breaker, and its miss is ``breaker_open``.  Once the server answers again (probe), a
     request nothing holds reads ``new``."""
+    # 1 s deadlines, not tighter: the second request's lookup thread must run and bring the breaker's
+    # refusal within shared_deadline_s of being sent (else it is, rightly, a ``deadline``), which a
+    # 2-core machine under load 7 does not always do in 0.3 s; what is claimed is the reason, not a time
     scheduler = _scheduler(tiny_model, redis_url=redis_server.url, redis_key_prefix=key_prefix,
-                           shared_deadline_s=0.3, redis_timeout_s=0.3, redis_breaker_failures=1,
+                           shared_deadline_s=1.0, redis_timeout_s=1.0, redis_breaker_failures=1,
                            redis_breaker_probe_s=3.0)
     first = _request("a", max_tokens=1)
     scheduler.add_request(first)
     step = scheduler.schedule()  # no report yet: it waits
     scheduler.update_from_output(step, _step_output(step, [], kv_connector_worker_meta=_report([], full=True)))
+    remote = scheduler.connector.scheduler_side.remote  # type: ignore[union-attr]
     redis_server.pause()
     try:
         receipt = _until_finished(scheduler, first)
         assert receipt["tokens"] == {"engine": 0, "computed": len(PROMPT)}
         assert receipt["miss"] == {"token": 0, "reason": "deadline", "tier": "redis"}
+        # The scheduler stops waiting at shared_deadline_s counted from before the lookup was sent, so
+        # the first request can finish a moment before the lookup thread's own (same) deadline passes
+        # and tells the breaker: wait for that failure, which is what opens the breaker for the next
+        (tier,) = remote.tiers
+        opened_by = time.monotonic() + 10.0
+        while tier.breaker.state is not BreakerState.OPEN and time.monotonic() < opened_by:
+            time.sleep(0.01)
+        assert tier.breaker.state is BreakerState.OPEN
         second = _request("b", prompt=[p + 1000 for p in PROMPT], max_tokens=1)
         scheduler.add_request(second)
         assert _until_finished(scheduler, second)["miss"] == {"token": 0, "reason": "breaker_open", "tier": "redis"}

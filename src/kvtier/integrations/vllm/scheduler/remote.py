@@ -249,6 +249,11 @@ class RemoteLookups:
             return None
 
     @property
+    def tiers(self) -> tuple[Any, ...]:
+        """The shared tier, one per rank's namespace, that the lookups ask (empty until bound)."""
+        return tuple(self._tiers)
+
+    @property
     def pending(self) -> int:
         """Lookups sent whose answer the scheduler has not read yet (neither answered nor
         superseded), so that ``asked == answered + superseded + pending``.  Superseded lookups
