@@ -97,7 +97,7 @@ class AdaptivePolicy(EvictionPolicy):
         self._switches, self._guarded = 0, guard
         self._below = 0  # chunks the tiers below hold: they take this tier's victims
         self._active = 0  # the ordering the tier uses: the selector's, or LRU while the guard holds
-        self._ghost: dict[Any, tuple[int, int, int]] = {}  # full LRU shadow: key -> (time, -depth, seq)
+        self._ghost: dict[Any, tuple[int, int, int, Any]] = {}  # full LRU shadow: key -> its live heap entry
         self._ghost_heap: list[tuple[int, int, int, Any]] = []
         self._deficit = 0  # LRU shadow's hits minus the tier's, floored at -len(self)
         self._accesses = 0
@@ -177,8 +177,8 @@ class AdaptivePolicy(EvictionPolicy):
                 if above is not None and above[0] < time:
                     ghost_time = above[0]  # a chunk is never more recent than its prefix
             ghost_hit = key in self._ghost
-            self._ghost[key] = (ghost_time, -depth, s := next(self._seq))
-            heapq.heappush(self._ghost_heap, (ghost_time, -depth, s, key))
+            self._ghost[key] = entry = (ghost_time, -depth, next(self._seq), key)  # (time, -depth, seq, key)
+            heapq.heappush(self._ghost_heap, entry)
             self._outside.pop(key, None)
             self._trim_ghost()
             self._accesses += 1
@@ -226,8 +226,8 @@ class AdaptivePolicy(EvictionPolicy):
                 push(heap, (rank, -depth, s, key))
             if guarded:
                 ghost_hit = key in ghost
-                ghost[key] = (clock, -depth, s := next(seq))
-                push(ghost_heap, (clock, -depth, s, key))
+                ghost[key] = entry = (clock, -depth, next(seq), key)
+                push(ghost_heap, entry)
                 outside.pop(key, None)
                 if len(ghost) > -floor or len(ghost_heap) > 2 * len(ghost) + 64:
                     self._trim_ghost()
