@@ -7,6 +7,7 @@ import pytest
 
 from kvtier.core.policies import make_policy
 from kvtier.core.policies.adaptive import SHADOW_KEYS, AdaptivePolicy
+from kvtier.core.policies.orderings import MODES, Shadows, ordering_rank
 from kvtier.core.policies.registry import DEFAULT_POLICY
 from kvtier.simulate.replay import chunk_parents, replay
 from kvtier.simulate.synth import generate, make_params
@@ -178,3 +179,18 @@ def test_deferred_shadow_replay_decides_as_a_replay_at_every_access(guard, settl
     assert deferred.switches == eager.switches >= 1 and deferred.mode == eager.mode
     assert deferred.hits == eager.hits and deferred.lru_hits == eager.lru_hits
     assert expected[2] == 0 and got[2] > 1000  # the replay waited, often, and changed nothing
+
+
+def test_shadow_ranks_are_ordering_rank() -> None:
+    """Shadows.access ranks each access inline (once for all five orderings): the same rank, of the same
+    type, as ordering_rank gives in every mode, for new chunks (lucky or not) and hits alike."""
+    rng, shadows, seq = random.Random(5), Shadows(8.0, 0.05, 9.0), iter(range(1 << 30))
+    keys = [bytes([i]) for i in range(40)]
+    for time in range(3000):
+        key = rng.choice(keys)
+        uses, gap, long_uses, scale = rng.choice([0, 1, 9]), rng.randint(1, 400), rng.choice([0, 2, 12]), rng.randint(1, 30)
+        shadows.access(0, key, time, uses, gap, long_uses, 0, rng.random() < 0.1, 30, scale, seq)
+        for shadow in shadows.shadows:
+            if (node := shadow.nodes.get(key)) is not None:
+                want = ordering_rank(shadow.mode, time, uses, gap, node.mru, scale, long_uses)
+                assert (node.rank, type(node.rank)) == (want, type(want)), MODES[shadow.mode]

@@ -146,6 +146,8 @@ class StoreCounters:
     def engine_load(self, load: EngineLoad, top: str) -> None:
         """One load's engine-side outcome (:class:`~kvtier.core.handles.EngineLoad`); ``top``: the
         top tier's name (the transfer direction is ``<top>_to_engine``)."""
+        direction = f"{top}_to_engine"  # its transfer, counted as moved() does under the same hold of the lock
+        known = load.engine_bytes and direction in _registered()[2]
         with self._lock:
             if load.resumed:
                 self.reloaded_tokens += sum(load.tokens.values())
@@ -154,8 +156,11 @@ class StoreCounters:
                 add_counts(self.unfilled_tokens, load.unfilled_tokens)
             self.load_failed_blocks += load.failed_blocks
             self.rerouted_chunks += load.rerouted_chunks
-        if load.engine_bytes:
-            self.moved(f"{top}_to_engine", load.engine_bytes, load.seconds)
+            if known:
+                self.transfer_bytes[direction] += load.engine_bytes
+                self.transfer_seconds[direction] = self.transfer_seconds.get(direction, 0.0) + max(load.seconds, 0.0)
+        if load.engine_bytes and not known:
+            self.moved(direction, load.engine_bytes, load.seconds)  # raises: a tier nobody registered
 
     def engine_save(self, save: EngineSave, top: str) -> None:
         """One save's engine-side outcome (:class:`~kvtier.core.handles.EngineSave`)."""

@@ -97,7 +97,7 @@ class AdaptivePolicy(EvictionPolicy):
         self._switches, self._guarded = 0, guard
         self._below = 0  # chunks the tiers below hold: they take this tier's victims
         self._active = 0  # the ordering the tier uses: the selector's, or LRU while the guard holds
-        self._ghost: dict[Any, tuple[int, int, int]] = {}  # full LRU shadow: key -> (time, -depth, seq)
+        self._ghost: dict[Any, tuple[int, int, int, Any]] = {}  # full LRU shadow: key -> its live heap entry
         self._ghost_heap: list[tuple[int, int, int, Any]] = []
         self._deficit = 0  # LRU shadow's hits minus the tier's, floored at -len(self)
         self._accesses = 0
@@ -177,8 +177,8 @@ class AdaptivePolicy(EvictionPolicy):
                 if above is not None and above[0] < time:
                     ghost_time = above[0]  # a chunk is never more recent than its prefix
             ghost_hit = key in self._ghost
-            self._ghost[key] = (ghost_time, -depth, s := next(self._seq))
-            heapq.heappush(self._ghost_heap, (ghost_time, -depth, s, key))
+            self._ghost[key] = entry = (ghost_time, -depth, next(self._seq), key)  # (time, -depth, seq, key)
+            heapq.heappush(self._ghost_heap, entry)
             self._outside.pop(key, None)
             self._trim_ghost()
             self._accesses += 1
@@ -193,28 +193,29 @@ class AdaptivePolicy(EvictionPolicy):
                 self.settle()
 
     def touch(self, keys: Sequence[Any]) -> None:
-        # The hit path: insert's steps for each resident key (count the use, re-queue, the LRU shadow, record a
-        # sampled access) in one loop and in insert's order; a settle() (pending full) may switch the ordering.
+        # The hit path: insert's steps per resident key in one loop, in order; a settle() may switch the ordering.
         nodes, children, heap, seq, push = self._nodes, self._children, self._heap, self._seq, heapq.heappush
         clock, threshold, guarded, scale = self._clock, self._threshold, self._guarded, self._scale + self._below
         n = max(len(nodes), 1)
         long_limit, uses_limit, floor = FREQUENCY_HISTORY / 2 * n, HISTORY / 2 * n, -len(nodes)
         long_d, old_long, uses_d, old_uses = self._long_uses, self._old_long_uses, self._uses, self._old_uses
+        turn = len(long_d) + len(keys) > long_limit or len(uses_d) + len(keys) > uses_limit  # a generation may end
         ghost, outside, hits, lru_hits, deficit = self._ghost, self._outside, 0, 0, self._deficit
         capacity = max(1, ((len(nodes) + self._below) * threshold) >> SAMPLE_BITS)  # the shadows' size
-        active = self._active
+        active, pending, ghost_heap = self._active, self.pending, self._ghost_heap
         for key in keys:
             node = nodes.get(key)
             if node is None:
                 continue
-            long_uses = long_d[key] if key in long_d else old_long.get(key, 0)
+            long_uses = long_d.get(key) or old_long.get(key, 0)  # (counts held are >= 1, (uses, last) pairs truthy)
             long_d[key] = long_uses + 1
-            if len(long_d) > long_limit:
-                self._old_long_uses, self._long_uses = old_long, long_d = long_d, {}
-            uses, last = uses_d[key] if key in uses_d else old_uses.get(key, (0, -(1 << 62)))
+            uses, last = uses_d.get(key) or old_uses.get(key, (0, -(1 << 62)))
             uses_d[key] = (uses + 1, clock)
-            if len(uses_d) > uses_limit:
-                self._old_uses, self._uses = old_uses, uses_d = uses_d, {}
+            if turn:
+                if len(long_d) > long_limit:
+                    self._old_long_uses, self._long_uses = old_long, long_d = long_d, {}
+                if len(uses_d) > uses_limit:
+                    self._old_uses, self._uses = old_uses, uses_d = uses_d, {}
             gap = clock - last
             node.uses, node.gap, node.long_uses, node.time, node.mru = uses, gap, long_uses, clock, True
             depth = node.depth
@@ -225,24 +226,24 @@ class AdaptivePolicy(EvictionPolicy):
                 push(heap, (rank, -depth, s, key))
             if guarded:
                 ghost_hit = key in ghost
-                ghost[key] = (clock, -depth, s := next(seq))
-                push(self._ghost_heap, (clock, -depth, s, key))
+                ghost[key] = entry = (clock, -depth, next(seq), key)
+                push(ghost_heap, entry)
                 outside.pop(key, None)
-                if len(ghost) > len(nodes) or len(self._ghost_heap) > 2 * len(ghost) + 64:
+                if len(ghost) > -floor or len(ghost_heap) > 2 * len(ghost) + 64:
                     self._trim_ghost()
+                    ghost_heap = self._ghost_heap
                 hits += 1
                 lru_hits += ghost_hit
-                deficit = max(floor, deficit + ghost_hit - 1)
             if ((hash(key) * HASH_MIX) & HASH_MASK) >> _SHIFT < threshold:  # sample_hash, inlined
-                self.pending.append((key, clock, uses, gap, long_uses, depth, False, capacity, scale))
-                if len(self.pending) >= self._pending_max:
+                pending.append((key, clock, uses, gap, long_uses, depth, False, capacity, scale))
+                if len(pending) >= self._pending_max:
                     self.settle()
-                    active = self._active
-        if guarded:
+                    active, pending = self._active, self.pending
+        if guarded and hits:  # each access's max(floor, deficit + ghost_hit - 1), in one: its steps are <= 0
             self._accesses += hits
             self.hits += hits
             self.lru_hits += lru_hits
-            self._deficit = deficit
+            self._deficit = max(floor, deficit + lru_hits - hits)
 
     def remove(self, key: Any) -> None:
         node = self._nodes.pop(key, None)

@@ -149,6 +149,10 @@ class Shadows:
         shadows = self.shadows
         hits = []
         push, pop = heapq.heappush, heapq.heappop
+        cold = time - scale * QUARANTINE  # ordering_rank of each mode, inlined once per access (bip's: a used chunk)
+        warm = time + scale * min(uses, MAX_USES) if uses else cold
+        ranks = (time, warm if uses and gap <= MEMORY[0] * scale else cold, warm if uses and gap <= MEMORY[1] * scale
+                 else cold, time, time + scale * FREQUENCY_BONUS * min(long_uses, MAX_USES) if long_uses else cold)
         for shadow in shadows:  # Shadow.access, inlined: five per sampled access on the hit path
             nodes = shadow.nodes
             node = nodes.get(key)
@@ -159,9 +163,8 @@ class Shadows:
             else:
                 node = nodes[key] = Node(time, uses, gap, long_uses, depth, None, lucky)
                 hits.append(False)
-            mode_ = shadow.mode
-            node.rank = rank = time if mode_ == 0 else ordering_rank(mode_, time, uses, gap, node.mru, scale,
-                                                                     long_uses)
+            mode_ = shadow.mode  # (only bip's rank depends on mru: -1 - time for a chunk neither used nor lucky)
+            node.rank = rank = ranks[mode_] if mode_ != 3 or node.mru else -1.0 - time
             node.seq = s = next(seq)
             heap = shadow.heap
             push(heap, (rank, -node.depth, s, key))
