@@ -157,8 +157,7 @@ class StoreCounters:
             self.load_failed_blocks += load.failed_blocks
             self.rerouted_chunks += load.rerouted_chunks
             if known:
-                self.transfer_bytes[direction] += load.engine_bytes
-                self.transfer_seconds[direction] = self.transfer_seconds.get(direction, 0.0) + max(load.seconds, 0.0)
+                self._add_transfer(direction, load.engine_bytes, load.seconds)
         if load.engine_bytes and not known:
             self.moved(direction, load.engine_bytes, load.seconds)  # raises: a tier nobody registered
 
@@ -183,8 +182,12 @@ class StoreCounters:
         if direction not in known_set:
             raise ValueError(f"unknown transfer direction {direction!r}; use one of {', '.join(known)}")
         with self._lock:
-            self.transfer_bytes[direction] += num_bytes
-            self.transfer_seconds[direction] = self.transfer_seconds.get(direction, 0.0) + max(seconds, 0.0)
+            self._add_transfer(direction, num_bytes, seconds)
+
+    def _add_transfer(self, direction: str, num_bytes: int, seconds: float) -> None:
+        # under self._lock: moved()'s count, also made by engine_load() within its own hold of the lock
+        self.transfer_bytes[direction] += num_bytes
+        self.transfer_seconds[direction] = self.transfer_seconds.get(direction, 0.0) + max(seconds, 0.0)
 
     def snapshot(self, chunk_bytes: int, chunk_tokens: int, tiers: Mapping[str, TierStats],
                  dirty_bytes: int, queued_writes: int) -> StoreStats:

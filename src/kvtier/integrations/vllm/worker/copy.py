@@ -204,7 +204,6 @@ class BlockCopier:
                     np.copyto(self._host_block(layer, block), slots[layer, span.first_slot + j])
         return None
 
-
     def load_runs(self, spans: Sequence[tuple[np.ndarray, int, Sequence[int]]], hold_gil: bool = False) -> None:
         """:meth:`load` on the memmove path: ``(page, first slot, block ids)`` per span; every
         address is computed and checked (block ids in range, slots within the page, pages
@@ -236,7 +235,8 @@ class BlockCopier:
             return
         if min(blocks) < 0 or max(blocks) >= runs.num_blocks:
             raise ValueError(f"block ids must lie in [0, {runs.num_blocks}), got {blocks}")
-        # [block][layer][run]: each page is read front to back (its slots are [layer][slot])
+        # [block][layer][run]: a block's slot in each layer of its page, then the next block (layer by layer,
+        # each page front to back, measured slower: 5.2-5.4 ms against 4.7-4.8 for a 4,000-token hit, 2026-12-06)
         layer_addresses, stride, offsets, n = runs.layer_list, runs.block_stride, runs.offset_pairs, runs.run_bytes
         slot_bytes = bpc * block_bytes
         if views is not None:  # the same runs in the same order, each a slice assignment (no ctypes call)
