@@ -15,7 +15,8 @@ Codec ids (part of the stored format, never reused):
 One thread per call (the tiers run several chunks at once on their own threads).  The stored
 payload is blosc2's own frame (``blosc2.compress2``), which records its lengths; a frame that
 does not decode, or decodes to another length than the envelope's, is a
-:class:`~kvtier.core.codecs.CodecError` (a counted miss).  blosc2 is imported on first use.
+:class:`~kvtier.core.codecs.CodecError` (a counted miss).  blosc2 is imported on first use, or when a writer's chain is prepared
+(:meth:`~kvtier.core.codecs.Chain.prepare`, at a tier's start).
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ class Blosc2Zstd:
     name: str
     typesize: int
     passthrough: bool = False
+
+    def prepare(self) -> None:
+        """Import blosc2 now (:meth:`kvtier.core.codecs.Chain.prepare`: before any deadline)."""
+        _blosc2()
 
     def encode(self, data: memoryview) -> memoryview:
         blosc2 = _blosc2()

@@ -88,6 +88,7 @@ class EnvelopeWriter:
             raise ValueError(f"header_bytes must be {FIXED_BYTES}..65535, got {header_bytes}")
         self.namespace = namespace
         self.chain = codecs.chain_of(chain)
+        self.chain.prepare()  # at a tier's start, not inside its first put's deadline
         if len(self.chain.codecs) > MAX_CODECS:
             raise ValueError(f"a codec chain holds at most {MAX_CODECS} codecs, got {len(self.chain.codecs)}")
         self.kind = KIND_CHECKSUM if secret is None else KIND_MAC
