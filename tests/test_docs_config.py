@@ -88,6 +88,18 @@ def test_the_policy_row_names_every_policy_the_config_accepts():
     assert set(available_policies()) <= named, set(available_policies()) - named
 
 
+def test_prose_names_the_real_tiers_default():
+    """docs/vllm.md said ``tiers`` defaults to ``["cpu", "disk", "redis"]`` and docs/store.md ``cpu, disk,
+    redis``, while the configuration's default is every registered tier, node and s3 included
+    (fresh-user tester): each statement of the default names exactly the tiers of the default, in order."""
+    default = list(KVTierConfig.from_dict({}).tiers)
+    vllm = re.search(r"`tiers` \(a list, default `(\[[^`]*\])`\)", (ROOT / "docs" / "vllm.md").read_text())
+    assert vllm is not None and json.loads(vllm.group(1)) == default, vllm and vllm.group(1)
+    store = re.search(r"default: every registered tier in its record's order, `([^`]*)`",
+                      " ".join((ROOT / "docs" / "store.md").read_text().split()))
+    assert store is not None and [t.strip() for t in store.group(1).split(",")] == default, store and store.group(1)
+
+
 @pytest.mark.parametrize("path", [*DOCS, ROOT / "README.md", ROOT / "docs" / "quickstart.md", ROOT / "docs" / "store.md"], ids=lambda p: p.name)
 def test_prose_names_the_real_chunk_tokens_default(path: Path):
     default = KVTierConfig.from_dict({}).chunk_tokens
