@@ -100,6 +100,18 @@ def test_prose_names_the_real_tiers_default():
     assert store is not None and [t.strip() for t in store.group(1).split(",")] == default, store and store.group(1)
 
 
+def test_the_store_tier_table_is_one_table():
+    """A blank line inside docs/store.md's tier table cut its ``redis`` row off into a paragraph of pipes
+    (fresh-user tester): the table's rows follow each other."""
+    lines = (ROOT / "docs" / "store.md").read_text().splitlines()
+    head = lines.index("| tier | what | capacity | guarantees |")
+    end = head
+    while end + 1 < len(lines) and lines[end + 1].startswith("|"):
+        end += 1
+    rows = {re.match(r"\| `([a-z0-9]+)`", line).group(1) for line in lines[head + 2:end + 1]}
+    assert "redis" in rows, rows
+
+
 @pytest.mark.parametrize("path", [*DOCS, ROOT / "README.md", ROOT / "docs" / "quickstart.md", ROOT / "docs" / "store.md"], ids=lambda p: p.name)
 def test_prose_names_the_real_chunk_tokens_default(path: Path):
     default = KVTierConfig.from_dict({}).chunk_tokens
