@@ -112,6 +112,20 @@ def test_the_store_tier_table_is_one_table():
     assert "redis" in rows, rows
 
 
+def test_no_table_is_cut_by_a_blank_line():
+    """docs/audit.md's inputs table had a blank line before its kustomize row, which Markdown then shows
+    as a paragraph of pipes (fresh-user tester): a row after a blank line that follows a table row
+    starts a new table only with a header and its separator line."""
+    cut = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        lines = path.read_text().splitlines()
+        for i in range(1, len(lines) - 2):
+            if (lines[i] == "" and lines[i - 1].startswith("|") and lines[i + 1].startswith("|")
+                    and not re.fullmatch(r"\|[ :|-]+\|", lines[i + 2])):
+                cut.append(f"{path.name}:{i + 2}")
+    assert cut == []
+
+
 @pytest.mark.parametrize("path", [*DOCS, ROOT / "README.md", ROOT / "docs" / "quickstart.md", ROOT / "docs" / "store.md"], ids=lambda p: p.name)
 def test_prose_names_the_real_chunk_tokens_default(path: Path):
     default = KVTierConfig.from_dict({}).chunk_tokens
