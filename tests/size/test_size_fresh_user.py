@@ -154,3 +154,18 @@ def test_the_readmes_size_line_prints_what_its_comment_promises():
             assert "HBM KV budget" in text, line
         if "tier size" in comment:
             assert re.search(r"recommended offload tiers \(total\) │ [\d,.]+ GiB", text), (line, text)
+
+
+def test_an_unknown_gpu_is_refused_naming_the_known_ones_as_audit_does():
+    """``kvtier size --gpu H999`` said only "pass --gpu-memory-gib", while ``kvtier audit --gpu H999`` lists
+    the GPUs it knows (fresh-user tester): both name every known GPU, and size still offers the memory flag."""
+    from kvtier.size.hardware import GPUS
+
+    for args in (("size", "--model", "meta-llama/Llama-3.1-8B", "--gpu", "H999"),
+                 ("audit", "-", "--gpu", "H999")):
+        result = runner.invoke(app, list(args), input="vllm serve meta-llama/Llama-3.1-8B\n", env={"COLUMNS": "250"})
+        assert result.exit_code == 2, result.output
+        line = result.output.strip()
+        assert line.count("\n") == 0 and "Traceback" not in line, line
+        assert "--gpu 'H999' is not known" in line and all(g.name in line for g in GPUS), line
+    assert "--gpu-memory-gib" in run("size", "--model", "meta-llama/Llama-3.1-8B", "--gpu", "H999").output

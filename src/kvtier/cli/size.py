@@ -107,7 +107,8 @@ def _size(
         if gpu is not None:
             found_gpu = find_gpu(gpu)
             if found_gpu is None:
-                raise UserError(f"--gpu {gpu!r} is not known; pass --gpu-memory-gib with its memory in GiB.")
+                raise UserError(f"--gpu {gpu!r} is not known; use one of {', '.join(g.name for g in GPUS)}, "
+                                "or pass --gpu-memory-gib with its memory in GiB.")
             memory = found_gpu.memory_gib
         if trace is None and (tokens_per_block is not None or trace_format != "mooncake"):
             raise UserError("--tokens-per-block and --trace-format describe --trace; give --trace FILE or drop them.")
