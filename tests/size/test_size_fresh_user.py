@@ -169,3 +169,26 @@ def test_an_unknown_gpu_is_refused_naming_the_known_ones_as_audit_does():
         assert line.count("\n") == 0 and "Traceback" not in line, line
         assert "--gpu 'H999' is not known" in line and all(g.name in line for g in GPUS), line
     assert "--gpu-memory-gib" in run("size", "--model", "meta-llama/Llama-3.1-8B", "--gpu", "H999").output
+
+
+def test_the_examples_a_bad_compression_ratio_offers_are_accepted():
+    """``kvtier size --compression-ratio cpu=...`` answered "(e.g. disk=1.45 or disk=blosc2-zstd-shuffle2)", and
+    ``disk=1.45`` is then refused by size, which needs a codec (fresh-user tester): every example the
+    message offers runs, in size and in simulate."""
+    base = ("--model", "meta-llama/Llama-3.1-8B", "--gpu", "H100", "--context", "8192", "--sessions", "100",
+            "--nvme-gib", "1000")
+    for command, args in (("size", base),
+                          ("simulate", ("--trace", "bundled", "--kv-bytes-per-token", "131072", "--engine-gib", "40",
+                                        "--cpu-gib", "64", "--disk-gib", "128", "--policy", "lru"))):
+        wrong = run(command, *args, "--compression-ratio", "cpu=blosc2-zstd-shuffle2")
+        assert wrong.exit_code == 2, wrong.output
+        examples = re.search(r"\(e\.g\. (\S+) or (\S+?)\)", wrong.output)
+        assert examples is not None, wrong.output
+        for example in examples.groups():
+            if command == "simulate":  # a replay per example is slow; the parse is what is checked
+                from kvtier.size.compression import parse_ratios
+
+                assert parse_ratios([example], ("disk", "redis"))
+                continue
+            result = run(command, *args, "--compression-ratio", example)
+            assert result.exit_code == 0, (example, result.output)
