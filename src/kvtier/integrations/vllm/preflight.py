@@ -249,10 +249,13 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
                                                                           [k for k in known if k in _CODEC_KEYS]]
     good: dict[str, Any] = {}
     refused: set[str] = set()  # keys whose own value failed: no derived problem about their absence below
+    # a tier's own key needs the module that registers the tier; a tier_modules that fails on its own is
+    # named once, under its own key, not again under every key checked beside it
+    plugins = {"tier_modules": known["tier_modules"]} if "tier_modules" in known else {}
+    if plugins and not _fine_alone(plugins):
+        plugins = {}
     for group in filter(None, groups):
         try:
-            # a tier's own key needs the module that registers the tier
-            plugins = {"tier_modules": known["tier_modules"]} if "tier_modules" in known else {}
             KVTierConfig.from_dict({**plugins, **{k: known[k] for k in group}})
             good.update({k: known[k] for k in group})
         except ConfigError as exc:
