@@ -31,3 +31,22 @@ def test_the_other_keys_are_still_checked_beside_a_bad_tier_modules() -> None:
     errors = [line.split(":")[1].strip() for line in result.output.splitlines() if line.startswith("error:")]
     assert sorted(errors) == ["kv_connector_extra_config.cpu_gib", "kv_connector_extra_config.tier_modules"], \
         result.output
+
+
+def test_a_key_of_the_wrong_json_type_is_named_in_json_words_with_an_example() -> None:
+    """``{"codecs": "disk"}`` said "Input should be a valid dictionary", ``{"tiers": "disk"}`` "a valid tuple"
+    (JSON has none) and ``{"encryption": "disk"}`` "... or instance of EncryptionSettings" (a class of kvtier's
+    code) (fresh-user tester): the line says the JSON type the key takes and gives an example of it."""
+    cases = {"admission": dict, "codecs": dict, "tier_settings": dict, "encryption": dict, "tiers": list,
+             "tier_modules": list}
+    for key, kind in cases.items():
+        value = "kvtier.core.config" if key == "tier_modules" else "disk"  # importable: its type is what is wrong
+        result = CliRunner().invoke(app, ["check", "--offline", _transfer({"cpu_gib": 1, key: value})])
+        assert result.exit_code == 1, result.output
+        line = next(x for x in result.output.splitlines() if x.startswith(f"error: kv_connector_extra_config.{key}:"))
+        assert "Input should be" not in line and "instance of" not in line, line
+        word = "a JSON object" if kind is dict else "a JSON list"
+        assert f"must be {word} (e.g. " in line, line
+        example = line.split(f"must be {word} (e.g. ", 1)[1].split(")", 1)[0] if kind is dict else \
+            line.split(f"must be {word} (e.g. ", 1)[1].split("])", 1)[0] + "]"
+        assert isinstance(json.loads(example), kind), line
