@@ -170,6 +170,19 @@ def check_transfer_config(transfer: dict[str, Any] | str, block_size: int | None
     return sorted(problems, key=lambda p: p.severity != "error")
 
 
+def _shadowed_variables(key: str, extra: dict[str, Any], fields: list[str]) -> list[Problem]:
+    """A warning per ``KVTIER_<KEY>`` variable of this environment whose key the JSON gives too (flat or
+    under ``tier_settings``): the JSON overrides it, so it is never read, its value not even checked."""
+    nested = extra.get("tier_settings")
+    given = [*extra, *(k for v in (nested.values() if isinstance(nested, dict) else ()) if isinstance(v, dict)
+                       for k in v)]
+    env = {name.upper() for name in os.environ}
+    return [Problem("warning", f"{key}.{name}",
+                    f"environment variable KVTIER_{name.upper()} is set, but the JSON gives {name} too and "
+                    f"overrides it, so the variable is never read; remove one of them so that one place sets {name}")
+            for name in dict.fromkeys(given) if name in fields and f"KVTIER_{name.upper()}" in env]
+
+
 def _fine_alone(values: dict[str, Any]) -> bool:
     """Whether ``values`` pass with no ``KVTIER_*`` variable at all."""
     with _kvtier_environ({}):
@@ -243,6 +256,7 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
             if name not in fields and looks_like_credential(str(name)):
                 where = f"{key}.tier_settings.{tier}.{name}"
                 problems.append(Problem("error", where, f"{where} is a credential (not shown here); {CREDENTIALS_FIX}"))
+    problems.extend(_shadowed_variables(key, extra, fields))
     known = {k: v for k, v in extra.items() if k in fields}  # the configuration looks at no filesystem
     # each value alone (the disk pair together), so that every bad value is named, not just the first
     groups = [[k] for k in known if k not in _DISK_KEYS + _CODEC_KEYS] + [[k for k in known if k in _DISK_KEYS],
