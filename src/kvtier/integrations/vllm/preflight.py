@@ -34,9 +34,7 @@ deadline, never a write): ``kvtier check`` (unless ``--offline``) and the vLLM p
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +46,7 @@ from kvtier.core.sizing import available_memory
 from kvtier.core.tiers import registry
 from kvtier.core.tiers.probe import PROBE_DEADLINE_S, ProbeResult
 from kvtier.integrations.vllm.engine_config import DEFAULT_BLOCK_SIZES
+from kvtier.integrations.vllm.preflight_env import fine_alone, kvtier_environ, shadowed_variables
 from kvtier.integrations.vllm.preflight_tiers import (
     CREDENTIALS_FIX,
     Problem,
@@ -133,7 +132,7 @@ def check_transfer_config(transfer: dict[str, Any] | str, block_size: int | None
         except ConfigError as exc:
             return [Problem("error", "", str(exc))]
     if environ is not None:
-        with _kvtier_environ(environ):
+        with kvtier_environ(environ):
             return check_transfer_config(transfer, block_size, host_checks, block_divisor)
     unknown = [key for key in transfer if key not in KV_TRANSFER_FIELDS]
     if transfer and len(unknown) == len(transfer) and set(unknown) <= set(KVTierConfig.known_keys(transfer)):
@@ -168,46 +167,6 @@ def check_transfer_config(transfer: dict[str, Any] | str, block_size: int | None
     for prefix, entry in entries:
         problems.extend(_check_entry(prefix, entry, block_size, host_checks, block_divisor))
     return sorted(problems, key=lambda p: p.severity != "error")
-
-
-def _shadowed_variables(key: str, extra: dict[str, Any], fields: list[str]) -> list[Problem]:
-    """A warning per ``KVTIER_<KEY>`` variable of this environment whose key the JSON gives too (flat or
-    under ``tier_settings``): the JSON overrides it, so it is never read, its value not even checked."""
-    nested = extra.get("tier_settings")
-    given = [*extra, *(k for v in (nested.values() if isinstance(nested, dict) else ()) if isinstance(v, dict)
-                       for k in v)]
-    env = {name.upper() for name in os.environ}
-    return [Problem("warning", f"{key}.{name}",
-                    f"environment variable KVTIER_{name.upper()} is set, but the JSON gives {name} too and "
-                    f"overrides it, so the variable is never read; remove one of them so that one place sets {name}")
-            for name in dict.fromkeys(given) if name in fields and f"KVTIER_{name.upper()}" in env]
-
-
-def _fine_alone(values: dict[str, Any]) -> bool:
-    """Whether ``values`` pass with no ``KVTIER_*`` variable at all."""
-    with _kvtier_environ({}):
-        try:
-            KVTierConfig.from_dict(values)
-        except ConfigError:
-            return False
-    return True
-
-
-@contextmanager
-def _kvtier_environ(environ: Mapping[str, str]) -> Iterator[None]:
-    """This process's ``KVTIER_*`` variables replaced by those of ``environ`` for the duration
-    (:class:`KVTierConfig` reads ``os.environ``, as pydantic-settings does); restored after.
-    Not thread-safe: for the single-threaded ``kvtier audit``."""
-    saved = {k: v for k, v in os.environ.items() if k.upper().startswith("KVTIER_")}
-    try:
-        for name in saved:
-            del os.environ[name]
-        os.environ.update({k: v for k, v in environ.items() if k.upper().startswith("KVTIER_")})
-        yield
-    finally:
-        for name in [k for k in os.environ if k.upper().startswith("KVTIER_")]:
-            del os.environ[name]
-        os.environ.update(saved)
 
 
 def kvtier_entries(transfer: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -256,7 +215,7 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
             if name not in fields and looks_like_credential(str(name)):
                 where = f"{key}.tier_settings.{tier}.{name}"
                 problems.append(Problem("error", where, f"{where} is a credential (not shown here); {CREDENTIALS_FIX}"))
-    problems.extend(_shadowed_variables(key, extra, fields))
+    problems.extend(shadowed_variables(key, extra, fields))
     known = {k: v for k, v in extra.items() if k in fields}  # the configuration looks at no filesystem
     # each value alone (the disk pair together), so that every bad value is named, not just the first
     groups = [[k] for k in known if k not in _DISK_KEYS + _CODEC_KEYS] + [[k for k in known if k in _DISK_KEYS],
@@ -266,7 +225,7 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
     # a tier's own key needs the module that registers the tier; a tier_modules that fails on its own is
     # named once, under its own key, not again under every key checked beside it
     plugins = {"tier_modules": known["tier_modules"]} if "tier_modules" in known else {}
-    if plugins and not _fine_alone(plugins):
+    if plugins and not fine_alone(plugins):
         plugins = {}
     for group in filter(None, groups):
         try:
@@ -275,7 +234,7 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
         except ConfigError as exc:
             # not this group's fault (a KVTIER_* variable's value, or a check across it and the
             # environment's values): the check of all values below reports it, once
-            if exc.env_var is not None or _fine_alone({**plugins, **{k: known[k] for k in group}}):
+            if exc.env_var is not None or fine_alone({**plugins, **{k: known[k] for k in group}}):
                 good.update({k: known[k] for k in group})
                 continue
             problems.append(Problem("error", f"{key}.{group[0]}" if len(group) == 1 else key, str(exc)))
@@ -387,7 +346,7 @@ def advice_problems(transfer: dict[str, Any], environ: Mapping[str, str] | None 
     :func:`check_transfer_config`'s error), with ``environ``'s ``KVTIER_*`` variables applied as in
     :func:`check_transfer_config`; ``kvtier audit`` reports them as a rule of their own."""
     if environ is not None:
-        with _kvtier_environ(environ):
+        with kvtier_environ(environ):
             return advice_problems(transfer)
     out: list[Problem] = []
     for prefix, entry in kvtier_entries(transfer):
