@@ -51,6 +51,7 @@ from kvtier.integrations.vllm.preflight_tiers import (
     CREDENTIALS_FIX,
     Problem,
     config_advice_problems,
+    idle_codec_problems,
     looks_like_credential,
     on_tmpfs,
     static_tier_problems,
@@ -264,6 +265,7 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
     if "tiers" in good or "tiers" not in extra:  # a refused tiers leaves config.tiers at its default: no
         problems.extend(unused_tier_problems(key, extra, config))  # advice about a list never given
         problems.extend(unconfigured_tier_problems(key, extra, config))
+    problems.extend(idle_codec_problems(key, config))
     problems.extend(config_advice_problems(key, config))
     problems.extend(static_tier_problems(key, config, host_checks))
     if config.tenant_quotas is not None and config.tenant_quotas.turns_nothing_on():

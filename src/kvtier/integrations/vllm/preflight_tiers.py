@@ -110,6 +110,25 @@ def unused_tier_problems(key: str, extra: dict[str, Any], config: KVTierConfig) 
             for tier, given in settings.items() if given and "tiers" in extra and tier not in config.tiers]
 
 
+def idle_codec_problems(key: str, config: KVTierConfig) -> list[Problem]:
+    """A warning per tier ``codecs`` gives a chain for that this config does not run (its settings unset,
+    or ``tiers`` leaves it out): nothing is written there, so the chain (an encryption, say) does nothing."""
+    out = []
+    for tier in config.codecs:
+        try:
+            runs = tier in config.tiers and factory.configured(tier, config)
+        except ConfigError:
+            continue  # an unknown tier: reported by the config's own checks
+        if not runs:
+            keys = registry.spec(tier).keys[0] if registry.spec(tier).keys else "its settings"
+            out.append(Problem("warning", f"{key}.codecs",
+                               f"codecs gives a chain for tier {tier!r}, which this config does not run "
+                               f"({'tiers leaves it out' if tier not in config.tiers else f'no {keys}'}), so "
+                               f"nothing is written there and the chain does nothing; configure the {tier} tier "
+                               f"or remove codecs.{tier}"))
+    return out
+
+
 MIN_KV_BYTES_PER_TOKEN = 64
 """The least KV bytes one token can take in any model vLLM runs, bytes: one layer, K and V, one KV
 head of 32 (the smallest head size of vLLM's CPU and ROCm attention backends,
