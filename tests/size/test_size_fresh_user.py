@@ -192,3 +192,16 @@ def test_the_examples_a_bad_compression_ratio_offers_are_accepted():
                 continue
             result = run(command, *args, "--compression-ratio", example)
             assert result.exit_code == 0, (example, result.output)
+
+
+def test_an_engine_with_no_hbm_left_names_the_overhead_not_only_the_weights():
+    """The quick start's tiny model on a 4 GiB GPU: "the weights leave no HBM for the KV cache", though its
+    weights are a few MiB and the per-GPU overhead (--overhead-gib, 4 by default) took it all (fresh-user
+    tester): the line gives the arithmetic and names --overhead-gib among the fixes."""
+    result = run("size", "--model", "meta-llama/Llama-3.1-8B", "--weights-gib", "0.01", "--gpu-memory-gib", "4",
+                 "--context", "2048", "--sessions", "10")
+    assert result.exit_code == 2, result.output
+    line = " ".join(result.output.split())
+    assert "vLLM would not start" in line and "--overhead-gib 4" in line and "3.60 GiB" in line, line
+    assert run("size", "--model", "meta-llama/Llama-3.1-8B", "--weights-gib", "0.01", "--gpu-memory-gib", "4",
+               "--overhead-gib", "1", "--context", "2048", "--sessions", "10").exit_code == 0

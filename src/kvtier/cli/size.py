@@ -139,7 +139,7 @@ def _size(
         if DISK in ratios and nvme_gib is not None:  # the NVMe holds R× the payload bytes
             dep = replace(dep, nvme_gib=nvme_gib * ratios[DISK].ratio)
         report = plan(resolved.geometry, dep, curve, rates)
-        check_engine_starts(report, tp, context)
+        check_engine_starts(report, dep, context)
         payload_disk_gib, codec = report.disk_gib or 0.0, None
         if DISK in ratios:
             codec = (ratios[DISK].codec or "", ratios[DISK].ratio)
