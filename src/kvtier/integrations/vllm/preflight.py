@@ -53,6 +53,7 @@ from kvtier.integrations.vllm.preflight_tiers import (
     config_advice_problems,
     idle_codec_problems,
     looks_like_credential,
+    node_pool_problems,
     on_tmpfs,
     static_tier_problems,
     tier_problems,
@@ -266,6 +267,7 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
         problems.extend(unused_tier_problems(key, extra, config))  # advice about a list never given
         problems.extend(unconfigured_tier_problems(key, extra, config))
     problems.extend(idle_codec_problems(key, config))
+    problems.extend(node_pool_problems(key, config))
     problems.extend(config_advice_problems(key, config))
     problems.extend(static_tier_problems(key, config, host_checks))
     if config.tenant_quotas is not None and config.tenant_quotas.turns_nothing_on():

@@ -129,6 +129,26 @@ def idle_codec_problems(key: str, config: KVTierConfig) -> list[Problem]:
     return out
 
 
+def node_pool_below_cpu_tier(node_gib: float, cpu_gib: float) -> str | None:
+    """The sentence of a node pool smaller than one engine's own cpu tier (``kvtier check`` and ``kvtier
+    audit``'s ``kvtier-node-pool-below-working-set`` say the same), or None when it is not."""
+    if node_gib <= 0 or node_gib >= cpu_gib:
+        return None
+    return (f"node_gib {node_gib:g} GiB is less than this engine's own cpu tier (cpu_gib {cpu_gib:g} GiB), its hot "
+            "working set: the pool shared by every engine on the host cannot hold even one engine's hot chunks, so "
+            "a neighbour's prefix is evicted before another engine asks for it")
+
+
+def node_pool_problems(key: str, config: KVTierConfig) -> list[Problem]:
+    """:func:`node_pool_below_cpu_tier` of a config whose node tier runs, as a warning on ``node_gib``."""
+    node = node_settings(config)
+    if not node.node_socket or NODE_TIER not in config.tiers:
+        return []
+    said = node_pool_below_cpu_tier(node.node_gib, config.cpu_gib)
+    return [Problem("warning", f"{key}.node_gib", f"{said}; lower cpu_gib to node_gib or start the pool larger "
+                    "(kvtier node serve --node-gib, and node_gib here; docs/node.md § Sizing)")] if said else []
+
+
 MIN_KV_BYTES_PER_TOKEN = 64
 """The least KV bytes one token can take in any model vLLM runs, bytes: one layer, K and V, one KV
 head of 32 (the smallest head size of vLLM's CPU and ROCm attention backends,
