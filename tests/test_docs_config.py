@@ -88,6 +88,44 @@ def test_the_policy_row_names_every_policy_the_config_accepts():
     assert set(available_policies()) <= named, set(available_policies()) - named
 
 
+def test_prose_names_the_real_tiers_default():
+    """docs/vllm.md said ``tiers`` defaults to ``["cpu", "disk", "redis"]`` and docs/store.md ``cpu, disk,
+    redis``, while the configuration's default is every registered tier, node and s3 included
+    (fresh-user tester): each statement of the default names exactly the tiers of the default, in order."""
+    default = list(KVTierConfig.from_dict({}).tiers)
+    vllm = re.search(r"`tiers` \(a list, default `(\[[^`]*\])`\)", (ROOT / "docs" / "vllm.md").read_text())
+    assert vllm is not None and json.loads(vllm.group(1)) == default, vllm and vllm.group(1)
+    store = re.search(r"default: every registered tier in its record's order, `([^`]*)`",
+                      " ".join((ROOT / "docs" / "store.md").read_text().split()))
+    assert store is not None and [t.strip() for t in store.group(1).split(",")] == default, store and store.group(1)
+
+
+def test_the_store_tier_table_is_one_table():
+    """A blank line inside docs/store.md's tier table cut its ``redis`` row off into a paragraph of pipes
+    (fresh-user tester): the table's rows follow each other."""
+    lines = (ROOT / "docs" / "store.md").read_text().splitlines()
+    head = lines.index("| tier | what | capacity | guarantees |")
+    end = head
+    while end + 1 < len(lines) and lines[end + 1].startswith("|"):
+        end += 1
+    rows = {re.match(r"\| `([a-z0-9]+)`", line).group(1) for line in lines[head + 2:end + 1]}
+    assert "redis" in rows, rows
+
+
+def test_no_table_is_cut_by_a_blank_line():
+    """docs/audit.md's inputs table had a blank line before its kustomize row, which Markdown then shows
+    as a paragraph of pipes (fresh-user tester): a row after a blank line that follows a table row
+    starts a new table only with a header and its separator line."""
+    cut = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        lines = path.read_text().splitlines()
+        for i in range(1, len(lines) - 2):
+            if (lines[i] == "" and lines[i - 1].startswith("|") and lines[i + 1].startswith("|")
+                    and not re.fullmatch(r"\|[ :|-]+\|", lines[i + 2])):
+                cut.append(f"{path.name}:{i + 2}")
+    assert cut == []
+
+
 @pytest.mark.parametrize("path", [*DOCS, ROOT / "README.md", ROOT / "docs" / "quickstart.md", ROOT / "docs" / "store.md"], ids=lambda p: p.name)
 def test_prose_names_the_real_chunk_tokens_default(path: Path):
     default = KVTierConfig.from_dict({}).chunk_tokens

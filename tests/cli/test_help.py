@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -54,3 +55,23 @@ def test_every_kvtier_demo_command_in_the_docs_uses_only_options_demo_has():
             flags = re.findall(r"(--?[\w-]+)", command)
             assert set(flags) <= known, (doc.name, command, sorted(known))
     assert found > 0
+
+
+def test_check_offline_names_every_shared_tier_it_skips(tmp_path):
+    """``kvtier check --offline`` skips the node pool's probe too, but its help named only redis_url and
+    s3_bucket (fresh-user tester): the help names the key of every registered shared tier, each of which
+    a real ``--offline`` run leaves unprobed."""
+    from typer.testing import CliRunner
+
+    from kvtier.core.tiers.registry import specs
+
+    root = typer.main.get_command(app)
+    offline = next(p for p in root.commands["check"].params if "--offline" in getattr(p, "opts", ()))
+    shared = [s for s in specs() if s.shared]
+    assert {s.name for s in shared} >= {"node", "redis", "s3"}
+    assert [s.keys[0] for s in shared if s.keys[0] not in offline.help] == []
+    extra = {"cpu_gib": 0.25, "node_socket": str(tmp_path / "node.sock"), "redis_url": "redis://127.0.0.1:1/0"}
+    config = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+              "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+    result = CliRunner().invoke(app, ["check", "--offline", json.dumps(config)])
+    assert result.exit_code == 0 and "unreachable" not in result.output, result.output

@@ -101,6 +101,19 @@ def test_a_neighbouring_directory_is_refused_not_reported_as_purged(disk_dir):
     assert fresh.exit_code == 0 and json.loads(fresh.output)["total"]["chunks"] == 0, fresh.output
 
 
+def test_a_parent_of_two_disk_tiers_names_both(disk_dir):
+    """``kvtier purge --disk-path .kvtier`` (the demo's and the quick start's disk tiers side by side) named only
+    the first, as if it were the one (fresh-user tester): every sub-directory that is a disk tier's is named."""
+    import shutil
+
+    other = disk_dir.parent / "other-disk"
+    shutil.copytree(disk_dir, other)
+    result = invoke("--disk-path", str(disk_dir.parent), "--all", "--dry-run")
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert str(disk_dir) in result.output and str(other) in result.output, result.output
+    assert len(list(disk_dir.glob("*/*/*.kvc"))) == 9 == len(list(other.glob("*/*/*.kvc")))
+
+
 def test_a_namespace_found_nowhere_is_said(disk_dir):
     """A mistyped --namespace digest printed "Removed 0 chunks ... in 0 namespaces" and nothing else, as
     if the purge had been done (tester3)."""

@@ -412,7 +412,8 @@ def test_check_warns_when_node_gib_differs_from_the_live_pools_size(node_server)
     import json
 
     def check(node_gib: float, *flags: str):
-        extra = {"cpu_gib": 1, "node_socket": node_server.socket, "node_gib": node_gib}
+        # a cpu tier no larger than the fixture's pool: a larger one is a warning of its own (check and audit)
+        extra = {"cpu_gib": 0.0625, "node_socket": node_server.socket, "node_gib": node_gib}
         transfer = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
                     "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
         return CliRunner().invoke(app, ["check", *flags, json.dumps(transfer)])

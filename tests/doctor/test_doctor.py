@@ -216,3 +216,13 @@ def test_counters_lower_in_the_second_url_scrape_say_the_server_restarted(metric
     (message,) = [c["message"] for c in json.loads(proc.stdout)["checks"] if "went backwards" in c["message"]]
     assert "the server restarted (or its counters were reset) between the two scrapes" in message
     assert "files" not in message and "BEFORE" not in message
+
+
+def test_a_missing_recording_says_what_to_give(tmp_path):
+    """``--from-files /nope ...`` said only "cannot read /nope (FileNotFoundError)." (fresh-user tester): the
+    line names the file, why, and what to give instead."""
+    proc = doctor("--from-files", str(tmp_path / "before.txt"), str(DATA / "after.txt"))
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    line = proc.stderr.strip()
+    assert f"cannot read {tmp_path / 'before.txt'}" in line and "No such file or directory" in line, line
+    assert "curl -s http://HOST:PORT/metrics > FILE" in line, line

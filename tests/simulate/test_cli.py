@@ -410,3 +410,12 @@ def test_a_swept_cpu_0_is_the_engine_alone_said_so_and_refused_under_a_lower_tie
                 "refuses (cpu_gib must be above 0: every chunk passes through the cpu tier") in " ".join(
                     refused.output.split())
     assert "note:" not in run(*base, "--cpu-gib", "0.25").output
+
+
+def test_neither_model_nor_bytes_names_every_form_model_takes(trace_file):
+    """"pass exactly one of --model CONFIG_JSON or --kv-bytes-per-token N" (fresh-user tester): --model also
+    takes a model directory, a preset or a hub id (read as kvtier size reads it); the line says so."""
+    result = run("--trace", str(trace_file), "--engine-gib", "1", "--cpu-gib", "1")
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert "CONFIG_JSON" not in result.output and "preset" in result.output and "hub id" in result.output, \
+        result.output

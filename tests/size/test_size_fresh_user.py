@@ -154,3 +154,54 @@ def test_the_readmes_size_line_prints_what_its_comment_promises():
             assert "HBM KV budget" in text, line
         if "tier size" in comment:
             assert re.search(r"recommended offload tiers \(total\) │ [\d,.]+ GiB", text), (line, text)
+
+
+def test_an_unknown_gpu_is_refused_naming_the_known_ones_as_audit_does():
+    """``kvtier size --gpu H999`` said only "pass --gpu-memory-gib", while ``kvtier audit --gpu H999`` lists
+    the GPUs it knows (fresh-user tester): both name every known GPU, and size still offers the memory flag."""
+    from kvtier.size.hardware import GPUS
+
+    for args in (("size", "--model", "meta-llama/Llama-3.1-8B", "--gpu", "H999"),
+                 ("audit", "-", "--gpu", "H999")):
+        result = runner.invoke(app, list(args), input="vllm serve meta-llama/Llama-3.1-8B\n", env={"COLUMNS": "250"})
+        assert result.exit_code == 2, result.output
+        line = result.output.strip()
+        assert line.count("\n") == 0 and "Traceback" not in line, line
+        assert "--gpu 'H999' is not known" in line and all(g.name in line for g in GPUS), line
+    assert "--gpu-memory-gib" in run("size", "--model", "meta-llama/Llama-3.1-8B", "--gpu", "H999").output
+
+
+def test_the_examples_a_bad_compression_ratio_offers_are_accepted():
+    """``kvtier size --compression-ratio cpu=...`` answered "(e.g. disk=1.45 or disk=blosc2-zstd-shuffle2)", and
+    ``disk=1.45`` is then refused by size, which needs a codec (fresh-user tester): every example the
+    message offers runs, in size and in simulate."""
+    base = ("--model", "meta-llama/Llama-3.1-8B", "--gpu", "H100", "--context", "8192", "--sessions", "100",
+            "--nvme-gib", "1000")
+    for command, args in (("size", base),
+                          ("simulate", ("--trace", "bundled", "--kv-bytes-per-token", "131072", "--engine-gib", "40",
+                                        "--cpu-gib", "64", "--disk-gib", "128", "--policy", "lru"))):
+        wrong = run(command, *args, "--compression-ratio", "cpu=blosc2-zstd-shuffle2")
+        assert wrong.exit_code == 2, wrong.output
+        examples = re.search(r"\(e\.g\. (\S+) or (\S+?)\)", wrong.output)
+        assert examples is not None, wrong.output
+        for example in examples.groups():
+            if command == "simulate":  # a replay per example is slow; the parse is what is checked
+                from kvtier.size.compression import parse_ratios
+
+                assert parse_ratios([example], ("disk", "redis"))
+                continue
+            result = run(command, *args, "--compression-ratio", example)
+            assert result.exit_code == 0, (example, result.output)
+
+
+def test_an_engine_with_no_hbm_left_names_the_overhead_not_only_the_weights():
+    """The quick start's tiny model on a 4 GiB GPU: "the weights leave no HBM for the KV cache", though its
+    weights are a few MiB and the per-GPU overhead (--overhead-gib, 4 by default) took it all (fresh-user
+    tester): the line gives the arithmetic and names --overhead-gib among the fixes."""
+    result = run("size", "--model", "meta-llama/Llama-3.1-8B", "--weights-gib", "0.01", "--gpu-memory-gib", "4",
+                 "--context", "2048", "--sessions", "10")
+    assert result.exit_code == 2, result.output
+    line = " ".join(result.output.split())
+    assert "vLLM would not start" in line and "--overhead-gib 4" in line and "3.60 GiB" in line, line
+    assert run("size", "--model", "meta-llama/Llama-3.1-8B", "--weights-gib", "0.01", "--gpu-memory-gib", "4",
+               "--overhead-gib", "1", "--context", "2048", "--sessions", "10").exit_code == 0

@@ -108,10 +108,21 @@ class RestartDemoResult:
 def restart_spec(model: Path, kvtier: dict[str, object]) -> ServerSpec:
     """The restart demo's server (both runs): KVTierConnector; the model's own weights when its
     directory has safetensors, else dummy weights."""
+    from kvtier.size.recipe import WORKER_SHUTDOWN_TIMEOUT_S
+
     load_format = None if any(model.glob("*.safetensors")) else "dummy"
+    # vLLM waits VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5 by default) for a worker before it SIGTERMs it:
+    # the flush of the SIGTERM the demo shows may take shutdown_flush_s (30) + 5 (docs/vllm.md)
     return ServerSpec(model=str(model), max_model_len=DEMO_MAX_MODEL_LEN, cache_tokens=4 * DEMO_MAX_MODEL_LEN,
                       load_format=load_format, kv_transfer_config=transfer_config(kvtier), enforce_eager=True,
-                      shutdown_timeout_s=60)
+                      shutdown_timeout_s=60,
+                      env={"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": str(WORKER_SHUTDOWN_TIMEOUT_S)})
+
+
+def restart_command(spec: ServerSpec, port: int = 8000) -> list[str]:
+    """The restart server's command line as the demo prints it: the variables it adds to the server's
+    environment (``K=V`` words), then its arguments, so the printed line runs the same server."""
+    return [*(f"{k}={v}" for k, v in spec.environment().items()), *spec.argv(port)]
 
 
 def _restart_run(spec: ServerSpec, log: Path, prompts: list[list[int]], warmup: list[int],
@@ -153,7 +164,7 @@ def run_restart_demo(workdir: Path = Path(".kvtier"), timeout_s: float = 900.0,
     warmup = list(tokens.block(2, (0,), 32))
     first = _restart_run(spec, workdir / "logs" / "demo-first.log", prompts, warmup, timeout_s)
     second = _restart_run(spec, workdir / "logs" / "demo-second.log", prompts, warmup, timeout_s)
-    return RestartDemoResult(first, second, spec.argv(8000))
+    return RestartDemoResult(first, second, restart_command(spec))
 
 
 def restart_verdict(result: RestartDemoResult) -> str:

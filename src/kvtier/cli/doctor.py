@@ -94,7 +94,8 @@ def _read_file(path: str) -> str:
         with open(path, "rb") as handle:
             data = handle.read(MAX_BODY_BYTES + 1)
     except OSError as exc:
-        raise UserError(f"cannot read {path} ({exc.__class__.__name__}).") from None
+        raise UserError(f"cannot read {path} ({exc.strerror or exc.__class__.__name__}); give a recorded /metrics "
+                        "page, e.g. curl -s http://HOST:PORT/metrics > FILE, once before and once after.") from None
     if len(data) > MAX_BODY_BYTES:
         raise UserError(f"{path} is larger than {MAX_BODY_BYTES >> 20} MiB; that is not a /metrics recording.")
     try:

@@ -137,7 +137,8 @@ def register(app: typer.Typer) -> None:
 
         started = time.perf_counter()
         if (model is None) == (kv_bytes_per_token is None):
-            fail("pass exactly one of --model CONFIG_JSON or --kv-bytes-per-token N to give the KV size per token")
+            fail("pass exactly one of --model MODEL (a config.json, a model directory, a kvtier size preset or a hub id) "
+                 "or --kv-bytes-per-token N (all ranks) to give the KV size per token")
         if kv_bytes_per_token is not None and kv_bytes_per_token <= 0:
             fail(f"--kv-bytes-per-token must be a positive integer, got {kv_bytes_per_token}")
         if kv_bytes_per_token is not None and (tp != 1 or kv_dtype != "auto"):

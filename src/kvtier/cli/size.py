@@ -107,7 +107,8 @@ def _size(
         if gpu is not None:
             found_gpu = find_gpu(gpu)
             if found_gpu is None:
-                raise UserError(f"--gpu {gpu!r} is not known; pass --gpu-memory-gib with its memory in GiB.")
+                raise UserError(f"--gpu {gpu!r} is not known; use one of {', '.join(g.name for g in GPUS)}, "
+                                "or pass --gpu-memory-gib with its memory in GiB.")
             memory = found_gpu.memory_gib
         if trace is None and (tokens_per_block is not None or trace_format != "mooncake"):
             raise UserError("--tokens-per-block and --trace-format describe --trace; give --trace FILE or drop them.")
@@ -138,7 +139,7 @@ def _size(
         if DISK in ratios and nvme_gib is not None:  # the NVMe holds R× the payload bytes
             dep = replace(dep, nvme_gib=nvme_gib * ratios[DISK].ratio)
         report = plan(resolved.geometry, dep, curve, rates)
-        check_engine_starts(report, tp, context)
+        check_engine_starts(report, dep, context)
         payload_disk_gib, codec = report.disk_gib or 0.0, None
         if DISK in ratios:
             codec = (ratios[DISK].codec or "", ratios[DISK].ratio)

@@ -104,6 +104,21 @@ def check_gib(value: float) -> float:
     return value
 
 
+JSON_TYPES = {"dict_type": "a JSON object", "model_type": "a JSON object", "tuple_type": "a JSON list",
+              "list_type": "a JSON list"}
+"""pydantic's type errors of a top-level key, said as the JSON type the key takes."""
+
+JSON_EXAMPLES = {
+    "admission": '{"disk": "reused"}',
+    "codecs": '{"disk": ["blosc2-zstd-shuffle2"]}',
+    "tier_settings": '{"redis": {"redis_ttl_s": 3600}}',
+    "encryption": '{"master_key_file": "/etc/kvtier/master-key"}',
+    "tiers": '["cpu", "disk"]',
+    "tier_modules": '["mycompany.kvtier_tiers"]',
+}
+"""One value of each key that takes a JSON object or list, for the sentence that refuses another type."""
+
+
 def one_sentence(exc: ValidationError, fields: Mapping[str, FieldInfo],
                  explicit: set[str] | None = None) -> tuple[str, str | None]:
     """The first error of ``exc`` (validating a model of ``fields``, the values given ``explicit``)
@@ -130,6 +145,8 @@ def one_sentence(exc: ValidationError, fields: Mapping[str, FieldInfo],
         env_var = f"KVTIER_{top.upper()}"
     model_field = fields.get(str(err["loc"][0]))
     secret = model_field is not None and model_field.repr is False  # never echo a password or a secret
+    if len(err["loc"]) == 1 and err["type"] in JSON_TYPES:  # pydantic's words name Python types and classes
+        msg = f"must be {JSON_TYPES[err['type']]}" + (f" (e.g. {JSON_EXAMPLES[field]})" if field in JSON_EXAMPLES else "")
     return field_sentence(field, msg, err.get("input"), env_var, secret), env_var
 
 

@@ -52,6 +52,10 @@ def parse_ratios(values: list[str] | None, tiers: tuple[str, ...],
     for item in values or []:
         tier, sep, value = (part.strip() for part in item.partition("="))
         if not sep or tier not in tiers:
+            if codec_required:  # size refuses a bare R: offer only forms it takes
+                raise UserError(f"--compression-ratio {item!r} must be TIER=CODEC or TIER=CODEC:R with TIER one of "
+                                f"{', '.join(tiers)} and CODEC one of {', '.join(MEASURED)} (e.g. "
+                                f"{DISK}=blosc2-zstd-shuffle2 or {DISK}=blosc2-zstd-shuffle2:1.6).")
             raise UserError(f"--compression-ratio {item!r} must be TIER=R with TIER one of {', '.join(tiers)} and R "
                             "a ratio >= 1 or a compressing codec (e.g. disk=1.45 or disk=blosc2-zstd-shuffle2).")
         if tier in out:

@@ -367,7 +367,7 @@ def _recommend(report: SizeReport, budget: int, dep: Deployment, warm_bytes: int
                                 "lower --host-reserve-gib or add host RAM.")
 
 
-def check_engine_starts(report: SizeReport, tp: int, context: int | None) -> None:
+def check_engine_starts(report: SizeReport, dep: Deployment, context: int | None) -> None:
     """Refuse a deployment whose engine would not start: the weights leave no HBM for KV, or less
     than one sequence of ``--context`` tokens (vLLM stops at startup: "No available memory for the
     cache blocks" / "To serve at least one request with the model's max seq len ... KV cache is
@@ -382,9 +382,13 @@ def check_engine_starts(report: SizeReport, tp: int, context: int | None) -> Non
     one = report.bytes_per_session if context is not None else None
     if budget > 0 and (one is None or budget >= one):
         return
-    what = ("the weights leave no HBM for the KV cache" if budget <= 0 else
+    tp = dep.tp
+    usable = (dep.gpu_memory_gib or 0.0) * dep.gpu_memory_utilization
+    what = (f"{dep.gpu_memory_gib:g} GiB × {dep.gpu_memory_utilization:g} = {usable:.2f} GiB per GPU, less the "
+            f"weights' {(dep.weights_gib or 0.0) / tp:.2f} GiB and --overhead-gib {dep.overhead_gib:g}, leaves no HBM for the "
+            "KV cache" if budget <= 0 else
             f"the HBM left for the KV cache ({budget / GIB:.2f} GiB) is less than one {context:,}-token sequence "
             f"needs ({(one or 0) / GIB:.2f} GiB)")
     raise UserError(f"vLLM would not start: {what} at TP {tp}; give a larger --tp, a GPU with more memory, a "
-                    "higher --gpu-memory-utilization or a shorter --context (no offload recipe is printed for an "
-                    "engine that cannot start).")
+                    "higher --gpu-memory-utilization, a shorter --context or, if you measured less, a smaller "
+                    "--overhead-gib (no offload recipe is printed for an engine that cannot start).")

@@ -13,6 +13,7 @@ import posixpath
 from kvtier.audit.model import ServeConfig
 from kvtier.audit.rules.base import rule
 from kvtier.audit.rules.deploy import _kvtier_extra, _left_out, _number, _under
+from kvtier.integrations.vllm.preflight_tiers import node_pool_below_cpu_tier
 
 _DOCS = "kvtier docs/node.md"
 
@@ -36,12 +37,8 @@ def kvtier_node_pool_below_working_set(c: ServeConfig) -> str | None:
     extra = _kvtier_extra(c)
     if node_gib is None or extra is None:
         return None
-    cpu_gib = _number(extra.get("cpu_gib"), 4.0)  # KVTierConfig's default
-    if node_gib >= cpu_gib:
-        return None
-    return (f"node_gib {node_gib:g} GiB is less than this engine's own cpu tier (cpu_gib {cpu_gib:g} GiB), its hot "
-            "working set: the pool shared by every engine on the host cannot hold even one engine's hot chunks, so "
-            "a neighbour's prefix is evicted before another engine asks for it.")
+    said = node_pool_below_cpu_tier(node_gib, _number(extra.get("cpu_gib"), 4.0))  # 4: KVTierConfig's default
+    return f"{said}." if said else None
 
 
 @rule("kvtier-node-shm-below-pool", "error", "the shared-memory volume of the node pool smaller than node_gib",

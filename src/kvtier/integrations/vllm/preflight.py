@@ -34,9 +34,7 @@ deadline, never a write): ``kvtier check`` (unless ``--offline``) and the vLLM p
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,11 +46,14 @@ from kvtier.core.sizing import available_memory
 from kvtier.core.tiers import registry
 from kvtier.core.tiers.probe import PROBE_DEADLINE_S, ProbeResult
 from kvtier.integrations.vllm.engine_config import DEFAULT_BLOCK_SIZES
+from kvtier.integrations.vllm.preflight_env import fine_alone, kvtier_environ, shadowed_variables
 from kvtier.integrations.vllm.preflight_tiers import (
     CREDENTIALS_FIX,
     Problem,
     config_advice_problems,
+    idle_codec_problems,
     looks_like_credential,
+    node_pool_problems,
     on_tmpfs,
     static_tier_problems,
     tier_problems,
@@ -133,7 +134,7 @@ def check_transfer_config(transfer: dict[str, Any] | str, block_size: int | None
         except ConfigError as exc:
             return [Problem("error", "", str(exc))]
     if environ is not None:
-        with _kvtier_environ(environ):
+        with kvtier_environ(environ):
             return check_transfer_config(transfer, block_size, host_checks, block_divisor)
     unknown = [key for key in transfer if key not in KV_TRANSFER_FIELDS]
     if transfer and len(unknown) == len(transfer) and set(unknown) <= set(KVTierConfig.known_keys(transfer)):
@@ -168,33 +169,6 @@ def check_transfer_config(transfer: dict[str, Any] | str, block_size: int | None
     for prefix, entry in entries:
         problems.extend(_check_entry(prefix, entry, block_size, host_checks, block_divisor))
     return sorted(problems, key=lambda p: p.severity != "error")
-
-
-def _fine_alone(values: dict[str, Any]) -> bool:
-    """Whether ``values`` pass with no ``KVTIER_*`` variable at all."""
-    with _kvtier_environ({}):
-        try:
-            KVTierConfig.from_dict(values)
-        except ConfigError:
-            return False
-    return True
-
-
-@contextmanager
-def _kvtier_environ(environ: Mapping[str, str]) -> Iterator[None]:
-    """This process's ``KVTIER_*`` variables replaced by those of ``environ`` for the duration
-    (:class:`KVTierConfig` reads ``os.environ``, as pydantic-settings does); restored after.
-    Not thread-safe: for the single-threaded ``kvtier audit``."""
-    saved = {k: v for k, v in os.environ.items() if k.upper().startswith("KVTIER_")}
-    try:
-        for name in saved:
-            del os.environ[name]
-        os.environ.update({k: v for k, v in environ.items() if k.upper().startswith("KVTIER_")})
-        yield
-    finally:
-        for name in [k for k in os.environ if k.upper().startswith("KVTIER_")]:
-            del os.environ[name]
-        os.environ.update(saved)
 
 
 def kvtier_entries(transfer: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -243,22 +217,26 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
             if name not in fields and looks_like_credential(str(name)):
                 where = f"{key}.tier_settings.{tier}.{name}"
                 problems.append(Problem("error", where, f"{where} is a credential (not shown here); {CREDENTIALS_FIX}"))
+    problems.extend(shadowed_variables(key, extra, fields))
     known = {k: v for k, v in extra.items() if k in fields}  # the configuration looks at no filesystem
     # each value alone (the disk pair together), so that every bad value is named, not just the first
     groups = [[k] for k in known if k not in _DISK_KEYS + _CODEC_KEYS] + [[k for k in known if k in _DISK_KEYS],
                                                                           [k for k in known if k in _CODEC_KEYS]]
     good: dict[str, Any] = {}
     refused: set[str] = set()  # keys whose own value failed: no derived problem about their absence below
+    # a tier's own key needs the module that registers the tier; a tier_modules that fails on its own is
+    # named once, under its own key, not again under every key checked beside it
+    plugins = {"tier_modules": known["tier_modules"]} if "tier_modules" in known else {}
+    if plugins and not fine_alone(plugins):
+        plugins = {}
     for group in filter(None, groups):
         try:
-            # a tier's own key needs the module that registers the tier
-            plugins = {"tier_modules": known["tier_modules"]} if "tier_modules" in known else {}
             KVTierConfig.from_dict({**plugins, **{k: known[k] for k in group}})
             good.update({k: known[k] for k in group})
         except ConfigError as exc:
             # not this group's fault (a KVTIER_* variable's value, or a check across it and the
             # environment's values): the check of all values below reports it, once
-            if exc.env_var is not None or _fine_alone({**plugins, **{k: known[k] for k in group}}):
+            if exc.env_var is not None or fine_alone({**plugins, **{k: known[k] for k in group}}):
                 good.update({k: known[k] for k in group})
                 continue
             problems.append(Problem("error", f"{key}.{group[0]}" if len(group) == 1 else key, str(exc)))
@@ -288,6 +266,8 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
     if "tiers" in good or "tiers" not in extra:  # a refused tiers leaves config.tiers at its default: no
         problems.extend(unused_tier_problems(key, extra, config))  # advice about a list never given
         problems.extend(unconfigured_tier_problems(key, extra, config))
+    problems.extend(idle_codec_problems(key, config))
+    problems.extend(node_pool_problems(key, config))
     problems.extend(config_advice_problems(key, config))
     problems.extend(static_tier_problems(key, config, host_checks))
     if config.tenant_quotas is not None and config.tenant_quotas.turns_nothing_on():
@@ -370,7 +350,7 @@ def advice_problems(transfer: dict[str, Any], environ: Mapping[str, str] | None 
     :func:`check_transfer_config`'s error), with ``environ``'s ``KVTIER_*`` variables applied as in
     :func:`check_transfer_config`; ``kvtier audit`` reports them as a rule of their own."""
     if environ is not None:
-        with _kvtier_environ(environ):
+        with kvtier_environ(environ):
             return advice_problems(transfer)
     out: list[Problem] = []
     for prefix, entry in kvtier_entries(transfer):

@@ -110,6 +110,45 @@ def unused_tier_problems(key: str, extra: dict[str, Any], config: KVTierConfig) 
             for tier, given in settings.items() if given and "tiers" in extra and tier not in config.tiers]
 
 
+def idle_codec_problems(key: str, config: KVTierConfig) -> list[Problem]:
+    """A warning per tier ``codecs`` gives a chain for that this config does not run (its settings unset,
+    or ``tiers`` leaves it out): nothing is written there, so the chain (an encryption, say) does nothing."""
+    out = []
+    for tier in config.codecs:
+        try:
+            runs = tier in config.tiers and factory.configured(tier, config)
+        except ConfigError:
+            continue  # an unknown tier: reported by the config's own checks
+        if not runs:
+            keys = registry.spec(tier).keys[0] if registry.spec(tier).keys else "its settings"
+            out.append(Problem("warning", f"{key}.codecs",
+                               f"codecs gives a chain for tier {tier!r}, which this config does not run "
+                               f"({'tiers leaves it out' if tier not in config.tiers else f'no {keys}'}), so "
+                               f"nothing is written there and the chain does nothing; configure the {tier} tier "
+                               f"or remove codecs.{tier}"))
+    return out
+
+
+def node_pool_below_cpu_tier(node_gib: float, cpu_gib: float) -> str | None:
+    """The sentence of a node pool smaller than one engine's own cpu tier (``kvtier check`` and ``kvtier
+    audit``'s ``kvtier-node-pool-below-working-set`` say the same), or None when it is not."""
+    if node_gib <= 0 or node_gib >= cpu_gib:
+        return None
+    return (f"node_gib {node_gib:g} GiB is less than this engine's own cpu tier (cpu_gib {cpu_gib:g} GiB), its hot "
+            "working set: the pool shared by every engine on the host cannot hold even one engine's hot chunks, so "
+            "a neighbour's prefix is evicted before another engine asks for it")
+
+
+def node_pool_problems(key: str, config: KVTierConfig) -> list[Problem]:
+    """:func:`node_pool_below_cpu_tier` of a config whose node tier runs, as a warning on ``node_gib``."""
+    node = node_settings(config)
+    if not node.node_socket or NODE_TIER not in config.tiers:
+        return []
+    said = node_pool_below_cpu_tier(node.node_gib, config.cpu_gib)
+    return [Problem("warning", f"{key}.node_gib", f"{said}; lower cpu_gib to node_gib or start the pool larger "
+                    "(kvtier node serve --node-gib, and node_gib here; docs/node.md § Sizing)")] if said else []
+
+
 MIN_KV_BYTES_PER_TOKEN = 64
 """The least KV bytes one token can take in any model vLLM runs, bytes: one layer, K and V, one KV
 head of 32 (the smallest head size of vLLM's CPU and ROCm attention backends,

@@ -229,10 +229,14 @@ def _refuse_a_neighbouring_directory(root: Path) -> None:
                         if e.is_dir(follow_symlinks=False)]
     except OSError:
         return
-    for child in sorted(children):
-        if _namespace_dirs(child):
-            raise UserError(f"--disk-path {root} holds no namespace directory but {child} does; give the disk "
-                            f"tier's directory, --disk-path {child}")
+    tiers = [child for child in sorted(children) if _namespace_dirs(child)]
+    if len(tiers) == 1:
+        raise UserError(f"--disk-path {root} holds no namespace directory but {tiers[0]} does; give the disk "
+                        f"tier's directory, --disk-path {tiers[0]}")
+    if tiers:  # several disk tiers side by side: name them all, not the first as if it were the one
+        raise UserError(f"--disk-path {root} holds no namespace directory but {len(tiers)} of its sub-directories "
+                        f"do ({', '.join(map(str, tiers))}), each a disk tier's; give the one to purge, e.g. "
+                        f"--disk-path {tiers[0]}")
     try:
         with os.scandir(root) as entries:
             foreign = sorted(e.name for _, e in zip(range(_LOOK_AT_MOST), entries) if not _kvtier_own(e.name))
