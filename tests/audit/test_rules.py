@@ -547,6 +547,18 @@ def test_a_kvtier_cpu_tier_counts_its_disk_tier_and_a_shared_tier_makes_it_stagi
     assert "cpu-tier-not-above-engine-cache" not in _findings_on(line.replace("{}", json.dumps(small)), "H200")
 
 
+@pytest.mark.parametrize("node, fires", [({"node_gib": 1000}, False), ({"node_gib": 500}, True), ({}, False),
+                                         ({"node_gib": 1000, "tiers": ["cpu", "disk"]}, True)])
+def test_a_node_pool_counts_like_a_disk_tier(node, fires):
+    """A cpu tier in front of a node pool larger than the engine's KV cache (847 GiB: Llama-3.1-70B at TP 8 on
+    H200) is a staging tier (docs/node.md's example); a pool of unsaid size is a shared tier of unknown size; a
+    pool the tiers list leaves out counts nothing."""
+    extra = {"cpu_gib": 32, "node_socket": "/dev/shm/kvtier-node/node.sock", **node}
+    config = {"kv_connector": "KVTierConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    line = LLAMA70 + f" --kv-transfer-config '{json.dumps(config)}'"
+    assert ("cpu-tier-not-above-engine-cache" in _findings_on(line, "H200")) is fires
+
+
 def test_an_unknown_model_on_a_given_gpu_is_said_to_be_beyond_the_audit():
     found = _findings_on("vllm serve my-org/my-finetune --kv-offloading-size 64", "H200")
     assert "cannot tell" in found["cpu-tier-vs-engine-cache-unknown"]

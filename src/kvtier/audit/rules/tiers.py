@@ -12,8 +12,9 @@ The engine's KV cache is computed as ``kvtier size`` computes it: ``--kv-cache-m
 when the line gives it (vLLM then ignores the utilization; vllm/config/cache.py), else from the model
 (a ``kvtier size`` preset or a local config.json, never the network), TP × PP, the GPU
 (``kvtier audit --gpu``) and ``--gpu-memory-utilization``.  Without ``--gpu`` the second rule names
-the GPUs on which the tier would serve nothing.  A disk tier larger than the engine's cache, or a
-shared tier (whose size the line does not give), makes a small cpu tier a staging area: then no finding.
+the GPUs on which the tier would serve nothing.  A disk tier or a node pool (``node_gib``, docs/node.md)
+larger than the engine's cache, or a shared tier whose size the line does not give, makes a small cpu
+tier a staging area: then no finding.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 from kvtier.audit.model import ServeConfig
 from kvtier.audit.rules.base import rule
-from kvtier.audit.rules.deploy import _disk_tier, _kvtier_extra, _number
+from kvtier.audit.rules.deploy import _disk_tier, _kvtier_extra, _left_out, _number
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import UserError
 from kvtier.size.hardware import DEFAULT_GPU_MEMORY_UTILIZATION, GPUS, find_gpu
@@ -33,14 +34,16 @@ _SOURCE = ("kvtier docs/size.md § Inclusive tiers and § Worked example (kvtier
            "Llama-3.1-70B TP 8 on H200: a 414 GiB cpu tier serves 0.0 % under LRU); vLLM vllm/config/cache.py "
            "kv_offloading_size, kv_cache_memory_bytes")
 _FIX = ("Size the cpu tier with `kvtier size --model M --tp N --gpu G --trace T --host-ram-gib R --nvme-gib D`: "
-        "larger than the engine's KV cache, or only a small staging tier in front of a disk tier that is.")
+        "larger than the engine's KV cache, or only a small staging tier in front of a disk tier or a node pool "
+        "(node_gib) that is.")
 _SHARED_KEYS = ("redis_url", "s3_bucket")
 
 
 @dataclass(frozen=True)
 class _Tiers:
     """The offload tiers of a line, GiB totals across ranks: the cpu tier, its flag or key, the largest
-    tier below the engine (cpu or disk), and whether a shared tier follows."""
+    tier below the engine (cpu, disk or the host's node pool), and whether a shared tier of a size the
+    line does not give follows (redis, s3, or a node pool without ``node_gib``)."""
 
     cpu_gib: float
     what: str
@@ -54,7 +57,10 @@ def _tiers(c: ServeConfig) -> _Tiers | None:
         default = float(KVTierConfig.model_fields["cpu_gib"].default)
         cpu = _number(extra.get("cpu_gib"), default)
         disk = _number(extra.get("disk_gib"), 0.0) if _disk_tier(extra) else 0.0
-        return _Tiers(cpu, f"kvtier's cpu_gib {cpu:g}", max(cpu, disk), any(extra.get(k) for k in _SHARED_KEYS))
+        node_on = bool(extra.get("node_socket")) and not _left_out(extra, "node_socket")
+        node = _number(extra.get("node_gib"), 0.0) if node_on else 0.0
+        shared = any(extra.get(k) for k in _SHARED_KEYS) or (node_on and not node > 0)
+        return _Tiers(cpu, f"kvtier's cpu_gib {cpu:g}", max(cpu, disk, node), shared)
     size = c.number("--kv-offloading-size")
     if size is None or not size > 0 or size == float("inf"):
         return None  # absent, or refused by rule kv-offloading-size-invalid
