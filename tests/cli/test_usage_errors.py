@@ -18,6 +18,8 @@ from kvtier.cli.main import app
     (["check", "--block-size", "abc", "{}"], "error: Invalid value for '--block-size': "),
     (["size", "--tp"], "error: Option '--tp' requires an argument"),
     (["nosuch"], "error: No such command 'nosuch'; see 'kvtier --help'"),
+    # click's own question ends a sentence: the hint follows as the next one, not after "?;"
+    (["nope"], "error: No such command 'nope'. Did you mean 'node'? (See 'kvtier --help'.)"),
     (["trace", "synth", "--regime", "chat"], "error: Missing option '--out'; see 'kvtier trace synth --help'"),
 ])
 def test_a_usage_error_is_one_line(args: list[str], line: str) -> None:

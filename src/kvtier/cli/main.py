@@ -85,7 +85,9 @@ def _click_error(exc: ClickException) -> None:
     message = " ".join(exc.format_message().split()).rstrip(".")
     ctx = getattr(exc, "ctx", None)
     if isinstance(exc, UsageError) and ctx is not None and ctx.command.get_help_option(ctx) is not None:
-        message += f"; see '{ctx.command_path} {ctx.help_option_names[0]}'"
+        # a question ("Did you mean 'node'?") ends its own sentence: the hint is the next one
+        hint = f"see '{ctx.command_path} {ctx.help_option_names[0]}'"
+        message += f" ({hint[0].upper()}{hint[1:]}.)" if message.endswith("?") else f"; {hint}"
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(exc.exit_code)
 
