@@ -100,7 +100,8 @@ class EnvelopeWriter:
         self._known = ids  # the chain this envelope writes: known without a look-up
         self._pad = bytes(header_bytes - FIXED_BYTES)
         if self.chain.sealed and keyring is None:
-            raise codecs.CodecError("codec aes-256-gcm needs a master key; set encryption: {master_key_file: ...}")
+            raise codecs.CodecError('codec aes-256-gcm needs a master key: set "encryption": {"master_key_file": PATH} '
+                                    "in kvtier's settings (docs/security.md)")
         self.keyring = keyring
         self.stats = CodecStats()
 
