@@ -78,9 +78,14 @@ class Engine:
         return chunk_keys(request_root(self.worker.key_root, salt), prompt_ids[:LOADABLE], CHUNK_TOKENS)
 
     @property
+    def scheduler_connector(self) -> Any:
+        """The scheduler's KVTierConnector (what vLLM's scheduler calls)."""
+        return self.llm.llm_engine.engine_core.engine_core.scheduler.connector
+
+    @property
     def scheduler_side(self) -> Any:
         """The scheduler-side connector state (kvtier.integrations.vllm.scheduler.side.SchedulerSide)."""
-        return self.llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_side
+        return self.scheduler_connector.scheduler_side
 
     def flush(self) -> None:
         """Wait for the deferred saves (``async_saves``: ``generate`` returns before the saver has
@@ -104,8 +109,9 @@ def load_path(engine: Engine, path: str) -> Iterator[list[tuple[int | None, bool
     """Run the block with cpu-tier hits loaded ``"sync"`` (the engine's default budget) or
     ``"async"`` (budget 0); yields the scheduler's answers to ``get_num_new_matched_tokens`` that
     offered a hit, ``(tokens, asynchronous)``, so a test can tell which path its request took."""
-    side = engine.scheduler_side
-    budget, real = side.sync.step_bytes, side.get_num_new_matched_tokens
+    side, connector = engine.scheduler_side, engine.scheduler_connector
+    # vLLM calls the side's bound method the connector holds (KVTierConnector._bind_scheduler_verbs): recorded there
+    budget, real = side.sync.step_bytes, connector.get_num_new_matched_tokens
     answers: list[tuple[int | None, bool]] = []
 
     def recorded(request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -115,12 +121,12 @@ def load_path(engine: Engine, path: str) -> Iterator[list[tuple[int | None, bool
         return answer
 
     side.sync.step_bytes = budget if path == "sync" else 0
-    side.get_num_new_matched_tokens = recorded
+    connector.get_num_new_matched_tokens = recorded
     try:
         yield answers
     finally:
         side.sync.step_bytes = budget
-        del side.get_num_new_matched_tokens
+        connector.get_num_new_matched_tokens = real
 
 
 def prompt(seed: int, words: int = PROMPT_WORDS) -> str:

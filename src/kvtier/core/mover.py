@@ -233,7 +233,7 @@ class Mover:
             results.extend(got)
             hits = sum(1 for r in got if r is GetResult.HIT)
             sink.emit(ChunksRead(name, hits, hits * self.chunk_bytes, seconds))
-        planned = handle.num_chunks  # only complete_reads changes it, and one batch of a load runs at a time
+        planned = len(handle.keys)  # num_chunks: only complete_reads changes it, and one batch of a load runs at a time
         gone = {r.key for r, res in zip(batch, results)  # local files removed from outside (purge, another engine)
                 if res is GetResult.MISS and not r.shared and r.key not in why and not self.tiers[r.tier].indexed(r.key)}
         epoch = self.index.complete_reads(chain, handle, batch, results, records)
@@ -256,7 +256,7 @@ class Mover:
                 else:
                     end = min(i + self.io_threads, len(ahead))
                 batch, i = ahead[i:end], end
-                if handle.num_chunks > batch[0].pos:
+                if len(handle.keys) > batch[0].pos:  # the prefix (num_chunks) still reaches this batch
                     self.read(chain, handle, batch)
                 else:  # the prefix ended in an earlier batch (a chunk failed): give this one's pins and pages back
                     self.index.give_back(batch)

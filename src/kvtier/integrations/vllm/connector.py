@@ -140,8 +140,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             if role == KVConnectorRole.SCHEDULER:
                 self.scheduler_side = SchedulerSide(vllm_config, kv_cache_config, self.kvtier_config,
                                                     load=load, save=save)
+                self._bind_scheduler_verbs(self.scheduler_side)
             else:
                 self.worker_side = WorkerSide(vllm_config, kv_cache_config, self.kvtier_config)
+                self._bind_worker_verbs(self.worker_side)
         except ConfigError as exc:
             # one line an operator can find in the engine's log, above vLLM's own traceback
             log.error("kvtier configuration error: %s", exc)
@@ -155,6 +157,24 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if transfer.kv_load_failure_policy != "recompute":
             log.warning("kvtier: kv_load_failure_policy is %r; set it to \"recompute\" so that a failed "
                         "kvtier load is recomputed instead of failing the request", transfer.kv_load_failure_policy)
+
+    # vLLM's per-step verbs that only forward, unchanged, to the role's side are that side's own
+    # bound methods on this instance: vLLM calls the side directly, with no forwarding call per
+    # step (issue 33).  The methods of the same names below stay the contract (vLLM's abstract
+    # methods, their docstrings) and the answer of a connector of the other role.
+    def _bind_scheduler_verbs(self, side: SchedulerSide) -> None:
+        self.on_new_request = side.on_new_request  # type: ignore[method-assign]
+        self.get_num_new_matched_tokens = side.get_num_new_matched_tokens  # type: ignore[method-assign]
+        self.update_state_after_alloc = side.update_state_after_alloc  # type: ignore[method-assign]
+        self.build_connector_meta = side.build_connector_meta  # type: ignore[method-assign]
+        self.update_connector_output = side.update_connector_output  # type: ignore[method-assign]
+        self.take_events = side.take_events  # type: ignore[method-assign]
+        self.get_kv_connector_stats = side.stats  # type: ignore[method-assign]
+
+    def _bind_worker_verbs(self, side: WorkerSide) -> None:
+        self.get_block_ids_with_load_errors = side.take_errors  # type: ignore[method-assign]
+        self.build_connector_worker_meta = side.worker_meta  # type: ignore[method-assign]
+        self.get_kv_connector_stats = side.stats  # type: ignore[method-assign]
 
     @property
     def requires_kv_delivery(self) -> bool:
