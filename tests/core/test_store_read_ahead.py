@@ -85,7 +85,9 @@ def test_read_ahead_in_batches_stops_at_a_corrupt_chunk_and_gives_the_rest_back(
     store, chain = on_disk_only(tmp_path, 7, io_threads=1)
     flip(store, chain[4])
     handle = store.prepare_load(chain, read_ahead=True)
-    assert handle.ahead_from == 1
+    # prepare_load reads chunk 0 itself; the read-ahead thread may have read more by now (under load it
+    # runs before this line), never past the corrupt chunk 4
+    assert 1 <= handle.ahead_from <= 4
     seen = [handle.ready_chunks()]
     while not handle.wait(0.0005):
         seen.append(handle.ready_chunks())
