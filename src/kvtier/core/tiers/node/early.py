@@ -40,8 +40,9 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers.node.pool import Pool
 from kvtier.core.tiers.node.readcopy import Scatter, Verifier, settle
 
-LOCATIONS_MAX = 1 << 16
-"""Most values whose place an engine remembers (the oldest noted is forgotten first)."""
+LOCATIONS_MAX = 1 << 15
+"""Most values whose place an engine remembers, the oldest noted forgotten first (~240 bytes each:
+~8 MB at most; a 4,000-token prompt of 128-token chunks is 31)."""
 
 Where = tuple[int, int, int]
 """A value's first page, its bytes (header included) and its pages' generation."""
