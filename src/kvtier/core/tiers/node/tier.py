@@ -230,6 +230,7 @@ class NodeTier(PoolMemory, EnvelopeTier):
             with self._counts:
                 self.corrupt += corrupt
                 self.early_reads += served_early
+        if corrupt:
             self.wire.corrupt(corrupt)
         self.wire.moved("read", moved, time.perf_counter() - t0)
         return out
