@@ -104,7 +104,8 @@ class DirectTargets:
         blocks, in payload order, a run that follows the one before in the payload and in the same
         layer merged into it (blocks with consecutive ids: one copy each instead of one per block).
         Every page's runs in one numpy pass (a per-page pass cost ~60 µs a page, a 4,000-token hit
-        ~2 ms, in the load's path).
+        ~2 ms, in the load's path); pages of one block each from a per-block template instead
+        (:meth:`_one_block_scatters`: half the pass's time).
 
         Raises:
             ValueError: a block id outside the cache, or slots past a page (no scatter built)."""
