@@ -24,7 +24,8 @@ script wraps, on the live objects, without changing them:
 A third table splits the loads (:func:`detail`, perf_counter only: the process CPU clock sums every
 thread's time and costs more than the spans): the loader thread's start after shipping and the report
 after its end, and the spans inside a load (the loader's job, the index's plan with a node tier's
-scatters, the guard's call and the pin, each chunk's copy-and-digest, the generation check); with
+scatters, the guard's call and the pin, the scatters' runs and the early copies made while the pin
+is in flight, each chunk's copy-and-digest, the generation check); with
 ``FULL_HIT_PROFILE=PATH`` each loader thread's job also runs under cProfile (``PATH.<pid>``).
 
 kvtier's own time (issue 33's "the hit path costs what its copy costs") is the lookup plus the
@@ -248,18 +249,20 @@ def child(args: argparse.Namespace) -> None:
 
 
 DETAIL = ("run", "finish", "plan_load", "plan_shared", "mover_run", "mover_read", "complete_reads", "guard_get", "guard_call", "fetch_many", "finish_get",
-          "verify_copy", "scatter_hashed", "scatter", "same_generations")
+          "while_fetching", "copy_early", "verify_copy", "scatter_hashed", "scatter", "same_generations")
 """The finer spans of a load (:func:`detail`), summed per full hit into ``detail_s``."""
 
 
 def detail(tl: Timeline, side: Any) -> None:
     """Wrap the pieces of a load inside ``prepare_load`` and around it (issue 38's "where does a
     node-tier load's time go"): the loader thread's job (``run``) and its report (``finish``), and
-    for a node tier its plan, the guard's thread hop, the pin, the read (copy + digest per chunk,
-    the scatter's construction) and the generation check."""
+    for a node tier its plan, the guard's thread hop, the pin with what runs while it is in flight
+    (the scatters' runs, the early copies), the read (copy + digest per chunk, the scatter's
+    construction) and the generation check."""
     from kvtier.core.tiers.guarded import GuardedTier
     from kvtier.core.tiers.node import pool as node_pool
     from kvtier.core.tiers.node import readcopy
+    from kvtier.core.tiers.node import tier as node_tier
 
     loader = side.loader
     if loader is not None and os.environ.get("FULL_HIT_PROFILE"):  # each load's thread under cProfile, summed
@@ -298,6 +301,9 @@ def detail(tl: Timeline, side: Any) -> None:
     tl.wrap_light(tier, "fetch_many", "fetch_many")
     tl.wrap_light(tier, "fetch_many_by", "fetch_many")
     tl.wrap_light(tier, "finish_get", "finish_get")
+    tl.wrap_light(tier, "while_fetching", "while_fetching")  # the scatters' runs, built while the pin is in flight
+    if hasattr(node_tier, "copy_early"):  # the values copied before the pin's answer is read (since node40)
+        tl.wrap_light(node_tier, "copy_early", "copy_early")
     tl.wrap_light(tier.verifier, "copy", "verify_copy")
     tl.wrap_light(readcopy, "scatter_hashed", "scatter_hashed")
     tl.wrap_light(node_pool.Pool, "same_generations", "same_generations")

@@ -203,7 +203,7 @@ def test_a_batch_with_a_corrupt_and_a_reused_value_serves_the_rest_and_releases_
         assert tier.put_many(keys, datas) == [PutResult.STORED] * 6
         corrupt_before = tier.wire_stats().corrupt_values
         fetched = inner.fetch_many(keys)  # the wire half of the read, then the pool changed under it
-        pins, pool, _serial = fetched
+        pins, pool, _serial, _early = fetched
         assert all(pin is not None for pin in pins)
         _lease, page, nbytes, gen = pins[1]
         pool.value(page, nbytes)[envelope.FIXED_BYTES + 100] ^= 0x01

@@ -66,3 +66,27 @@ def test_slots_past_a_page_or_blocks_outside_the_cache_are_refused(pages: list[t
     targets, _ = _targets()
     with pytest.raises(ValueError):
         targets.scatters(pages)
+
+
+@pytest.mark.parametrize("shape", [SPLIT, WHOLE])
+def test_pages_of_one_block_each_get_the_runs_the_general_pass_gives(shape: tuple[int, ...]) -> None:
+    """One slot per page (vLLM's CPU blocks of 128 tokens, 128-token chunks): the runs come from a
+    per-block template, no numpy pass; they are the general pass's, run for run, and a block id
+    outside the cache is refused there too."""
+    host = [np.zeros(shape, np.uint8) for _ in range(LAYERS)]
+    runs = HostRuns(host, shape.index(NUM_BLOCKS), NUM_BLOCKS)
+    one = DirectTargets(runs, 1, BLOCK_BYTES, LAYERS * BLOCK_BYTES)
+    general = DirectTargets(runs, 1, BLOCK_BYTES, LAYERS * BLOCK_BYTES)
+    general._one_block = None  # the numpy pass
+    pages = [(0, (b,)) for b in (7, 0, NUM_BLOCKS - 1, 8)]
+    fast, slow = one.scatters(pages), general.scatters(pages)
+    for (_, (block,)), a, b in zip(pages, fast, slow):
+        assert a.nbytes == b.nbytes == LAYERS * BLOCK_BYTES
+        assert a.offsets == b.offsets
+        assert _singles(runs, a) == _singles(runs, b)
+        assert [v.nbytes for v in a.targets] == [v.nbytes for v in b.targets]
+        assert all(not v.readonly for v in a.targets)
+    with pytest.raises(ValueError):
+        one.scatters([(0, (NUM_BLOCKS,))])
+    with pytest.raises(ValueError):
+        one.scatters([(0, (-1,))])

@@ -217,7 +217,7 @@ class GuardedTier(TierWrapper):
             if (bounded := self._bounded) is not None:  # on this thread, no hop: its own waits end by the deadline
                 def fetch() -> Any:
                     return self._call_here("get", lambda d: bounded.fetch_many_by(
-                        keys, d, (lambda: prepare(dsts)) if prepare else None), fault, within_s)
+                        keys, d, (lambda: prepare(dsts)) if prepare else None, dsts), fault, within_s)
             else:
                 def fetch() -> Any:
                     return self._call("get", lambda: split.fetch_many(keys),

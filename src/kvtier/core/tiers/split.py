@@ -92,10 +92,13 @@ class BoundsItself(Protocol):
     wrapper's threads, the same deadline, breaker and counts (the node tier: a round trip to a
     process on this host, where the hop cost more than the round trip)."""
 
-    def fetch_many_by(self, keys: Sequence[ChunkKey], deadline: float, during: Callable[[], None] | None) -> Any:
+    def fetch_many_by(self, keys: Sequence[ChunkKey], deadline: float, during: Callable[[], None] | None,
+                      dsts: Sequence[Any] | None = None) -> Any:
         """``fetch_many(keys)`` that returns or raises (``TimeoutError`` past it) by ``deadline``
         (a ``time.perf_counter()`` value); ``during()``, if given, runs once the request is sent,
-        while the answer is awaited."""
+        while the answer is awaited.  ``dsts``: where ``finish_get`` will copy each key's value; the
+        tier may write them meanwhile (the node tier's early copies, which ``finish_get`` then
+        serves or redoes: the caller reads ``dsts`` only after ``finish_get``)."""
 
 
 def split_get(split: SplitTier, keys: Sequence[ChunkKey], dsts: Sequence[memoryview], fetch: Callable[[], Any],

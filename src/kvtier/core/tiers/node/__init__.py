@@ -13,7 +13,9 @@ Design (docs/node.md has the operator's side):
   (:mod:`~kvtier.core.tiers.node.pool`): a write is granted pages (``alloc``), copies the value
   envelope (:mod:`kvtier.core.envelope`) into them and publishes it (``commit``); a read pins the
   value (``pin``), verifies its digest straight from the pages while copying the payload into the
-  caller's buffer, and releases the pin (piggybacked on the next message).
+  caller's buffer, and releases the pin (piggybacked on the next message).  A value this engine
+  wrote or pinned before is copied while its pin is in flight, and served only where the pin's
+  answer names the same pages and generation (:mod:`~kvtier.core.tiers.node.early`).
 - **Leases** are owned by the connection that took them: an engine that dies (SIGKILL) closes its
   socket, and the owner drops every lease of it at once; a stalled engine's leases expire after
   ``--lease-s``.  No page leaks.

@@ -272,6 +272,14 @@ class Verifier:
             return None, self.overlap
         return self.chooser.begin(batch_bytes)
 
+    def inline_only(self) -> bool:
+        """Whether a batch started now is verified inline whatever its size: ``overlap`` ``False``, or
+        measured without a spare core (:meth:`begin` would not overlap it: never on 2 CPUs).  Only
+        then are values copied early (:mod:`~kvtier.core.tiers.node.early`, always inline)."""
+        chooser = self.chooser
+        return self.overlap is False or (self.overlap is None and chooser.force != "split"
+                                         and 2 * (chooser.running + 1) >= chooser.cpus)
+
     def end(self, cls: tuple[int, int] | None, overlapped: bool, batch_bytes: int, seconds: float) -> None:
         """Record a batch :meth:`begin` started (its copies and digests took ``seconds``)."""
         if cls is not None:

@@ -8,7 +8,9 @@ data path it keeps (:class:`~kvtier.core.tiers.split.SplitTier`):
   (:mod:`~kvtier.core.tiers.node.presence`: no message); else one ``lookup`` message.
 - **read**: ``fetch_many_by`` (the caller's thread: each wait on the socket bounded by what is
   left of the deadline, :class:`~kvtier.core.tiers.split.BoundsItself`) pins the values, one
-  message for the batch, the scatters built while the owner answers; ``finish_get`` (the caller's thread, no socket) copies each payload from
+  message for the batch, the scatters built and the values whose place this engine knows copied
+  and verified while the owner answers (:mod:`~kvtier.core.tiers.node.early`: served only where
+  the answer names the same place and generation); ``finish_get`` (the caller's thread, no socket) copies each other payload from
   the shared pages into the caller's buffer (the one copy a read needs) and verifies the digest
   over the copy (:mod:`~kvtier.core.tiers.node.readcopy`: in a batch, on a helper thread while the
   next value is copied where that is measured faster), then checks, once for the batch after
@@ -45,6 +47,7 @@ from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, TierUsage,
 from kvtier.core.tiers.envelopetier import EnvelopeTier
 from kvtier.core.tiers.node import protocol as p
 from kvtier.core.tiers.node.client import NodeClient
+from kvtier.core.tiers.node.early import Early, Locations, copy_early
 from kvtier.core.tiers.node.memory import PoolMemory
 from kvtier.core.tiers.node.pool import Pool
 from kvtier.core.tiers.node.presence import lookup
@@ -52,9 +55,10 @@ from kvtier.core.tiers.node.readcopy import Copied, Pending, Scatter, Verifier
 from kvtier.core.tiers.split import PutStream, WriteAbandoned, split_get
 
 log = logging.getLogger(__name__)
-Pins = tuple[list[tuple[int, int, int, int] | None], Pool, int]
+Pins = tuple[list[tuple[int, int, int, int] | None], Pool, int, dict[int, Early]]
 """What ``fetch_many`` hands ``finish_get``: per key (lease, page, value bytes, generation) or
-``None``, the mapped pool, the connection serial."""
+``None``, the mapped pool, the connection serial, and the keys copied early (by index,
+:mod:`~kvtier.core.tiers.node.early`)."""
 
 
 class NodeTier(PoolMemory, EnvelopeTier):
@@ -78,6 +82,8 @@ class NodeTier(PoolMemory, EnvelopeTier):
         self.header_wait_s = header_wait_s
         self.wire = WireCounters()
         self.verifier = Verifier(self.envelope)
+        self.locations = Locations()
+        self.early_reads = 0  # values served from a copy made while their pin was in flight
         self._lock = threading.Lock()
 
     def pin_host_memory(self) -> bool:
@@ -93,6 +99,7 @@ class NodeTier(PoolMemory, EnvelopeTier):
 
     def _mapped(self, old: Pool | None, new: Pool) -> None:
         """The client mapped ``new`` (replacing ``old``): move the pin to it."""
+        self.locations.clear()
         if old is not None:
             self.unregister_memory(old.data)
         if self.pin_pool:
@@ -126,15 +133,31 @@ class NodeTier(PoolMemory, EnvelopeTier):
         """(:class:`~kvtier.core.tiers.split.SplitTier`) Pin ``keys``: one message."""
         reply, pool, serial = self.client.call(lambda rel: p.Pin(self.namespace, self._keys(keys), rel))
         assert isinstance(reply, p.Pinned)
-        return reply.leases, pool, serial
+        return self._pinned(keys, reply.leases, pool), pool, serial, {}
 
-    def fetch_many_by(self, keys: Sequence[ChunkKey], deadline: float, during: Callable[[], None] | None) -> Pins:
+    def fetch_many_by(self, keys: Sequence[ChunkKey], deadline: float, during: Callable[[], None] | None,
+                      dsts: Sequence[memoryview | Scatter] | None = None) -> Pins:
         """(:class:`~kvtier.core.tiers.split.BoundsItself`) :meth:`fetch_many` on the caller's thread,
         every wait ending by ``deadline`` (``NodeTimeout``, a ``TimeoutError``, past it); ``during()``
-        runs while the owner answers (the scatters: :meth:`while_fetching`)."""
-        reply, pool, serial = self.client.call(lambda rel: p.Pin(self.namespace, self._keys(keys), rel), deadline, during)
+        runs while the owner answers (the scatters: :meth:`while_fetching`), then, given ``dsts``,
+        the early copies into them (:func:`~kvtier.core.tiers.node.early.copy_early`, within half
+        of what is left of the deadline)."""
+        early: dict[int, Early] = {}
+
+        def meanwhile() -> None:
+            if during is not None:
+                during()
+            if dsts is not None and (pool := self.client.pool) is not None and self.verifier.inline_only():
+                now = time.perf_counter()
+                early.update(copy_early(self.verifier, self.locations, pool, keys, dsts, now + (deadline - now) / 2))
+        reply, pool, serial = self.client.call(lambda rel: p.Pin(self.namespace, self._keys(keys), rel), deadline, meanwhile)
         assert isinstance(reply, p.Pinned)
-        return reply.leases, pool, serial
+        return self._pinned(keys, reply.leases, pool), pool, serial, early
+
+    def _pinned(self, keys: Sequence[ChunkKey], leases: list[Any], pool: Pool) -> list[Any]:
+        """``leases``, each value's place noted for the next read's early copy."""
+        self.locations.note(pool, [(bytes(k), None if pin is None else pin[1:]) for k, pin in zip(keys, leases)])
+        return leases
 
     def while_fetching(self, dsts: Sequence[memoryview | Scatter]) -> None:
         """(:class:`~kvtier.core.tiers.guarded.GuardedTier`, on the caller's thread while
@@ -153,7 +176,7 @@ class NodeTier(PoolMemory, EnvelopeTier):
         (:mod:`~kvtier.core.tiers.node.readcopy`), then check that its pages still carry the pin's
         generation (once for the batch, after every copy); the releases are queued, no socket is
         touched."""
-        pins, pool, serial = fetched
+        pins, pool, serial, early = fetched
         t0 = time.perf_counter()
         out: list[GetResult] = [GetResult.MISS] * len(keys)
         held = [i for i, pin in enumerate(pins) if pin is not None]
@@ -165,9 +188,14 @@ class NodeTier(PoolMemory, EnvelopeTier):
         cls, overlapped = verifier.begin(batch_bytes, len(held))
         data, page_bytes, copy = memoryview(pool.data), pool.page_bytes, verifier.copy  # type: ignore[arg-type]
         copied: list[Copied | ChunkFormatError] = []
-        moved = corrupt = 0
+        moved = corrupt = served_early = 0
         try:
-            for i, (_lease, page, nbytes, _gen) in zip(held, taken, strict=True):
+            for i, (_lease, page, nbytes, gen) in zip(held, taken, strict=True):
+                first = early.get(i)
+                if first is not None and first.pool is pool and first.where == (page, nbytes, gen):
+                    copied.append(first.got)  # copied while the pin was in flight, from these very pages
+                    served_early += 1
+                    continue
                 at = page * page_bytes
                 try:
                     copied.append(copy(keys[i], data[at:at + nbytes], dsts[i], overlapped))
@@ -181,11 +209,13 @@ class NodeTier(PoolMemory, EnvelopeTier):
                     except ChunkFormatError as exc:
                         got = exc
                 if not same:
+                    self.locations.forget([bytes(keys[i])])
                     continue  # the page was granted again (an expired pin) while we copied: a miss, never served
                 if isinstance(got, ChunkFormatError):
                     log.warning("kvtier node tier: value of chunk %s is unusable (%s); deleted, treated as a miss",
                                 keys[i].hex(), got)
                     corrupt += 1
+                    self.locations.forget([bytes(keys[i])])
                     out[i] = GetResult.CORRUPT
                     continue
                 if records is not None:
@@ -196,9 +226,11 @@ class NodeTier(PoolMemory, EnvelopeTier):
             del data
             verifier.end(cls, overlapped, batch_bytes, time.perf_counter() - t0)
             self.client.release_later(serial, [pin[0] for pin in taken])
-        if corrupt:
+        if corrupt or served_early:
             with self._counts:
                 self.corrupt += corrupt
+                self.early_reads += served_early
+        if corrupt:
             self.wire.corrupt(corrupt)
         self.wire.moved("read", moved, time.perf_counter() - t0)
         return out
@@ -212,7 +244,7 @@ class NodeTier(PoolMemory, EnvelopeTier):
 
     def load(self, key: ChunkKey) -> bytes | None:
         """The whole stored value of ``key`` copied out of the pool (the blob verbs' read)."""
-        (pin,), pool, serial = self.fetch_many([key])
+        (pin,), pool, serial, _ = self.fetch_many([key])
         if pin is None:
             return None
         lease, page, nbytes, gen = pin
@@ -270,7 +302,8 @@ class NodeTier(PoolMemory, EnvelopeTier):
         out: list[PutResult] = []
         written: list[int] = []
         given_up: list[int] = []
-        for grant, parts in zip(reply.grants, pieces, strict=True):
+        grants = reply.grants
+        for grant, parts in zip(grants, pieces, strict=True):
             if isinstance(grant, int):
                 out.append(PutResult.PRESENT if grant == p.PRESENT else PutResult.NO_ROOM)
                 continue
@@ -294,6 +327,8 @@ class NodeTier(PoolMemory, EnvelopeTier):
         assert isinstance(reply, p.Done)
         ok = iter(reply.ok)
         out = [(PutResult.STORED if next(ok) else PutResult.FAILED) if r is PutResult.STORED else r for r in out]
+        self.locations.note(pool, [(bytes(k), (g[1], n, g[2])) for k, g, n, r in zip(keys, grants, sizes, out, strict=True)
+                                   if r is PutResult.STORED and not isinstance(g, int)])  # committed: readable early
         self.wire.moved("write", sum(s for s, r in zip(sizes, out, strict=True) if r is PutResult.STORED),
                         time.perf_counter() - t0)
         return out
@@ -305,12 +340,14 @@ class NodeTier(PoolMemory, EnvelopeTier):
     def delete_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
         if not keys:
             return []
+        self.locations.forget(self._keys(keys))
         reply, _, _ = self.client.call(p.Delete(self.namespace, self._keys(keys)))
         assert isinstance(reply, p.Done)
         return reply.ok
 
     def clear(self) -> ClearResult:
         """Every value of this namespace in the pool, never another namespace's."""
+        self.locations.clear()
         reply, _, _ = self.client.call(p.Clear(self.namespace))
         assert isinstance(reply, p.KeyList)
         return ClearResult([ChunkKey(k) for k in reply.keys])
