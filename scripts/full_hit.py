@@ -26,7 +26,9 @@ thread's time and costs more than the spans): the loader thread's start after sh
 after its end, and the spans inside a load (the loader's job, the index's plan with a node tier's
 scatters, the guard's call and the pin, the scatters' runs and the early copies made while the pin
 is in flight, each chunk's copy-and-digest, the generation check); with
-``FULL_HIT_PROFILE=PATH`` each loader thread's job also runs under cProfile (``PATH.<pid>``).
+``FULL_HIT_PROFILE=PATH`` each loader thread's job also runs under cProfile (``PATH.<pid>``), and so do
+the engine thread's ``start_load_kv`` (a synchronous load: ``PATH.start_load_kv.<pid>``) and the lookup
+(``PATH.lookup.<pid>``), each summed over every call, warm-up included.
 
 kvtier's own time (issue 33's "the hit path costs what its copy costs") is the lookup plus the
 load beyond its copy (``load shipped → done`` − ``copy``), per hit and per chunk, in a second
@@ -182,6 +184,9 @@ def child(args: argparse.Namespace) -> None:
     tl.wrap(worker, "wait_for_save", "save")
     tl.wrap(core.model_executor, "execute_model", "forward")
     tl.wrap(core.model_executor, "sample_tokens", "sample")
+    if args.arm != "native" and os.environ.get("FULL_HIT_PROFILE"):  # the hit path on the engine's thread too
+        profile_calls(core.scheduler.connector, "get_num_new_matched_tokens", os.environ["FULL_HIT_PROFILE"] + ".lookup")
+        profile_calls(worker, "start_load_kv", os.environ["FULL_HIT_PROFILE"] + ".start_load_kv")
     if args.arm != "native":
         side = worker.worker_side
         tl.wrap(side.store, "prepare_load", "prepare_load")
@@ -246,6 +251,23 @@ def child(args: argparse.Namespace) -> None:
             break
         print("FULLHIT " + json.dumps(hit()), flush=True)
     llm.llm_engine.engine_core.shutdown()
+
+
+def profile_calls(obj: Any, attr: str, out: str) -> None:
+    """Run every call of ``obj.attr`` under one cProfile, summed over the calls (``out.<pid>``)."""
+    import cProfile
+
+    profile, real = cProfile.Profile(), getattr(obj, attr)
+
+    def profiled(*a: Any, **k: Any) -> Any:
+        profile.enable()
+        try:
+            return real(*a, **k)
+        finally:
+            profile.disable()
+            profile.dump_stats(f"{out}.{os.getpid()}")
+
+    setattr(obj, attr, profiled)
 
 
 DETAIL = ("run", "finish", "plan_load", "plan_shared", "mover_run", "mover_read", "complete_reads", "guard_get", "guard_call", "fetch_many", "finish_get",

@@ -123,6 +123,29 @@ def test_a_load_on_the_engines_thread_moves_the_same_bytes_as_memmove(name: str)
     assert all(loaded[1][k].any() for k in src)  # (bytes moved: the comparison is not of two empty caches)
 
 
+@pytest.mark.parametrize("hold_gil", [False, True])
+def test_adjacent_blocks_load_as_one_run_and_land_where_each_belongs(hold_gil: bool) -> None:
+    """vLLM's CPU layout (a block is one run, block ``b + 1`` follows ``b``): consecutive block ids
+    of a span move as one run per layer (``_load_adjacent``); runs broken by a gap, a descending id
+    or a span's end land byte for byte where each block belongs, and no other block is written."""
+    shape, block_dim = LAYOUTS["cpu [blocks, heads, block, 2*head]"]
+    gen = torch.Generator().manual_seed(3)
+    src = {f"layer.{i}": torch.randn(*shape, generator=gen, dtype=torch.float32) for i in range(3)}
+    layout = detect_layout(src, NUM_BLOCKS, "TEST")
+    pages = [np.zeros(layout.chunk_bytes(4), dtype=np.uint8) for _ in range(2)]
+    BlockCopier(layout, src, 4).save([Span(pages[0], 0, [7, 1, 9, 3]), Span(pages[1], 1, [5, 11, 2])])
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    copier = BlockCopier(layout, dst, 4)
+    assert copier._runs is not None and copier._runs.run_bytes == copier._runs.block_stride == layout.block_bytes
+    copier.load_runs([(pages[0], 0, [3, 4, 5, 8]), (pages[1], 1, [11, 10, 0])], hold_gil=hold_gil)
+    moved = [(7, 3), (1, 4), (9, 5), (3, 8), (5, 11), (11, 10), (2, 0)]
+    for name, t in src.items():
+        for s, d in moved:
+            assert torch.equal(dst[name].select(block_dim, d), t.select(block_dim, s)), (name, s, d)
+        for d in set(range(NUM_BLOCKS)) - {d for _, d in moved}:
+            assert not dst[name].select(block_dim, d).any(), (name, d)
+
+
 def test_layout_errors_are_one_sentence() -> None:
     with pytest.raises(ConfigError, match="no dimension"):
         detect_layout({"a": torch.zeros(3, 4)}, 12, "TEST")

@@ -153,7 +153,8 @@ class StoreCounters:
                 self.reloaded_tokens += sum(load.tokens.values())
             else:
                 add_counts(self.loaded_tokens, load.tokens)
-                add_counts(self.unfilled_tokens, load.unfilled_tokens)
+                if load.unfilled_tokens:  # (a whole load promised nothing it did not fill: no call)
+                    add_counts(self.unfilled_tokens, load.unfilled_tokens)
             self.load_failed_blocks += load.failed_blocks
             self.rerouted_chunks += load.rerouted_chunks
             if known:

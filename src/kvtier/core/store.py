@@ -230,13 +230,13 @@ class TieredStore(StoreConvenience):
         limit = len(chain) if max_chunks is None else min(max_chunks, len(chain))
         plan = self.index.plan_load(chain, limit, top_only)
         plan.handle.ctx, plan.into = self.sink.bind(ctx), into
-        start = plan.handle.num_chunks
+        start = len(plan.handle.keys)  # (num_chunks, without the property's call: the hit path)
         if start < limit and self.index.shared and (not top_only or shared_within_s is not None):
             want = list(chain[start:limit])
             if max_chunks is None:  # nobody asked yet: one presence batch, so misses cost no bytes
                 want = want[:self.mover.leading_present(self.index.shared[0].name, want)]
             self.index.plan_shared(plan, start, want)
-        if (n := plan.handle.num_chunks) < limit:  # no tier this load may read holds the next chunk: why not
+        if (n := len(plan.handle.keys)) < limit:  # no tier this load may read holds the next chunk: why not
             with self.index.lock:
                 ghost = self.index.ghosts.latest(chain[n], (self.cpu.name,) if top_only else None)
             plan.handle.ctx.sink.emit(context.LoadCut(n, ghost.tier if ghost is not None else self.cpu.name if top_only
@@ -257,7 +257,7 @@ class TieredStore(StoreConvenience):
             first_chunk: chunks before it were pinned, not delivered (the engine's prefix cache held them): no hits.
             engine: what the load did in the engine (tokens by planned tier, blocks not filled, bytes and seconds);
                 counted here, once."""
-        delivered = handle.ready_chunks()  # a caller that did not wait for read-ahead got no more
+        delivered = len(handle.keys) if handle.pending is None else handle.ready_chunks()  # (no read-ahead: all)
         if not self.index.release(handle, refresh=success):
             return
         if handle.landed:  # (only then: the hit path with a page stays off the landing pool, scripts/hit_story.py)

@@ -11,7 +11,9 @@ Two strategies, picked from the cache tensors' device:
   run's offsets (:class:`HostRuns`) and moves each contiguous run with one ``ctypes.memmove``, as
   vLLM's native CPU offload moves its ``(source, destination, size)`` descriptors
   (vllm/v1/kv_offload/cpu/gpu_worker.py; on the CPU build, kvtier's benchmark shim
-  :func:`kvtier.bench.native_cpu.host_swap_blocks_batch`): no per-block array views.  A save,
+  :func:`kvtier.bench.native_cpu.host_swap_blocks_batch`): no per-block array views.  Where a block
+  of a layer is one run and block ``b + 1`` follows block ``b`` (vLLM's CPU backend), consecutive
+  block ids of a span are one run per layer, as consecutive slots of a page are.  A save,
   and a load over a layout whose block slices are not a few contiguous runs, use
   ``numpy.copyto`` on byte views of the cache tensors (strided source or destination is fine).
   Both are single-threaded and release the GIL, so a load running on a connector thread never
@@ -239,6 +241,9 @@ class BlockCopier:
         # each page front to back, measured slower: 5.2-5.4 ms against 4.7-4.8 for a 4,000-token hit, 2026-12-06)
         layer_addresses, stride, offsets, n = runs.layer_list, runs.block_stride, runs.offset_pairs, runs.run_bytes
         slot_bytes = bpc * block_bytes
+        if n == block_bytes == stride:  # a block is one run and the next block follows it (vLLM's CPU backend)
+            self._load_adjacent(todo, views, slot_bytes)
+            return
         if views is not None:  # the same runs in the same order, each a slice assignment (no ctypes call)
             for page_view, first_slot, block_ids in todo:
                 for j, block in enumerate(block_ids):
@@ -257,6 +262,30 @@ class BlockCopier:
                     for cache_offset, page_offset in offsets:
                         _memmove(layer_address + dst + cache_offset, src + page_offset, n)
                     src += slot_bytes
+
+    def _load_adjacent(self, todo: list[tuple[Any, int, Sequence[int]]], views: list[memoryview] | None,
+                       slot_bytes: int) -> None:
+        """:meth:`load_runs` where a block of a layer is one run and block ``b + 1`` follows block ``b``:
+        as slots ``s, s + 1`` of a page's layer do, so ``k`` consecutive block ids of a span are one run
+        of ``k`` blocks per layer (a fresh request's blocks mostly are: about a block per chunk's
+        worth of calls instead of one per block).  Runs of blocks in span order, each layer by layer."""
+        block_bytes, layer_addresses = self.layout.block_bytes, self._runs.layer_list  # type: ignore[union-attr]
+        for page, first_slot, block_ids in todo:
+            j, count = 0, len(block_ids)
+            while j < count:
+                first, k = block_ids[j], 1
+                while j + k < count and block_ids[j + k] == first + k:
+                    k += 1
+                src, dst, size = (first_slot + j) * block_bytes, first * block_bytes, k * block_bytes
+                if views is not None:  # the engine's thread: slice assignments of flat memoryviews (no ctypes call)
+                    for view in views:
+                        view[dst:dst + size] = page[src:src + size]
+                        src += slot_bytes
+                else:
+                    for layer_address in layer_addresses:
+                        _memmove(layer_address + dst, page + src, size)
+                        src += slot_bytes
+                j += k
 
 
 def _address(page: np.ndarray) -> int:

@@ -73,6 +73,7 @@ log = logging.getLogger(__name__)
 
 READ_AHEAD_POLL_S = 0.002  # how often a load looks for more chunks read ahead (on its own thread)
 CHUNK_OF = attrgetter("chunk")  # a PageMove's chunk (in C: no generator frame per page on the hit path)
+KEY_OF = attrgetter("key")  # a PageMove's key (in C: no comprehension's frame)
 
 
 class AsyncLoader:
@@ -237,15 +238,16 @@ class AsyncLoader:
                 budget_cut: int | None = None) -> set[int]:
         """Count the outcome in the store (once), then report errors and the finish to vLLM
         (``sync``: return the blocks not filled instead; a synchronous load has no finish to report)."""
-        end = self._filled_end(job, delivered if ok else 0) if not skipped else job.first_token
-        failed_whole = not skipped and end < job.hit_tokens and not self.partial
-        unfilled_pages = job.pages if failed_whole else job.pages[delivered:] if not skipped else ()
+        pages, whole = job.pages, ok and not skipped and delivered == len(job.pages)  # whole: every page copied
+        end = job.hit_tokens if whole else self._filled_end(job, delivered if ok else 0) if not skipped \
+            else job.first_token
+        failed_whole = not whole and not skipped and end < job.hit_tokens and not self.partial
+        unfilled_pages = () if whole or skipped else pages if failed_whole else pages[delivered:]
         # (each comprehension below runs only when it has something to go through: a frame per hit, cold)
-        errors = () if (skipped or failed_whole or not unfilled_pages) else \
-            [b for p in unfilled_pages for b in p.block_ids]
+        errors = () if (failed_whole or not unfilled_pages) else [b for p in unfilled_pages for b in p.block_ids]
         rerouted = 0
         if handle is not None:
-            chunks = list(map(CHUNK_OF, job.pages[:delivered]))
+            chunks = list(map(CHUNK_OF, pages if whole else pages[:delivered]))
             if len(set(chunks)) == len(chunks):  # a page per chunk (a dense model): its tier against the plan's
                 rerouted = sum(map(ne, handle.tiers, map(job.tiers.__getitem__, chunks)))
             else:
@@ -258,7 +260,7 @@ class AsyncLoader:
                             if end < job.hit_tokens else {}, resumed=job.resumed,
                             failed_blocks=sum(len(p.block_ids) for p in unfilled_pages) if unfilled_pages else 0,
                             rerouted_chunks=rerouted,
-                            engine_bytes=self.copiers.moved_bytes(job.pages[:delivered]) if ok else 0,
+                            engine_bytes=self.copiers.moved_bytes(pages if whole else pages[:delivered]) if ok else 0,
                             seconds=seconds)
         if handle is None:
             self.store.load_skipped(engine, job_context(job))
@@ -300,7 +302,7 @@ class AsyncLoader:
 
 def job_keys(job: LoadJob) -> list[ChunkKey]:
     """The job's page keys (``ChunkKey`` is ``bytes`` by type only: no call per page)."""
-    return cast("list[ChunkKey]", [p.key for p in job.pages])
+    return cast("list[ChunkKey]", list(map(KEY_OF, job.pages)))
 
 
 def job_context(job: LoadJob, record: RequestRecord | None = None) -> OpContext:

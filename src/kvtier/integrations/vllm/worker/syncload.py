@@ -62,7 +62,8 @@ def load_now(loader: AsyncLoader, job: LoadJob) -> tuple[set[int], int | None]:
                                            into=loader.direct.into(job) if shared and loader.direct is not None else None,
                                            shared_within_s=loader.sync_within_s if shared else None)
         held = handle.num_chunks
-        moves = [m for m in zip(job.pages[:held], handle.buffers[:held]) if m[1] is not NO_BUFFER]
+        moves = [m for m in zip(job.pages[:held], handle.buffers[:held]) if m[1] is not NO_BUFFER] if shared \
+            else list(zip(job.pages[:held], handle.buffers[:held]))  # (cpu pages only: no comprehension's frame)
         if moves:  # (a chunk read into its blocks, NO_BUFFER, is there already)
             loader.copiers.load(moves, hold_gil=True)  # (the engine's thread: it holds the GIL anyway)
         delivered, ok = held, True  # a copy that raised part-way filled nothing vLLM may use
