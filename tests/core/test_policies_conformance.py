@@ -91,3 +91,47 @@ def test_batch_verbs_do_what_one_at_a_time_does(name, ops):
             assert len(one_by_one) == num or single.victim(evictable) is None
         assert set(batched.keys()) == set(single.keys())
         assert batched.victim() == single.victim()
+
+
+HEAP_POLICIES = ("adaptive", "prefix-lru", "prefix-freq")
+
+
+@pytest.mark.parametrize("name", HEAP_POLICIES)
+@settings(max_examples=80, deadline=None)
+@given(ops=OPS)
+def test_compacting_the_heap_changes_no_victim(name, ops):
+    """A heap compacted at every touch picks the same victims, pins included, as one never
+    compacted (bound beyond reach): the compaction only drops entries the victim search would drop."""
+    policies = [make_policy(name), make_policy(name)]
+    policies[0].heap_slack = -(1 << 60)  # compact at every touch
+    policies[1].heap_slack = 1 << 60  # never
+    for op in ops:
+        answers = []
+        for policy in policies:
+            if op[0] == "insert":
+                policy.insert(op[1], op[2])
+            elif op[0] == "touch":
+                policy.touch(op[1])
+            elif op[0] == "remove":
+                policy.remove(op[1])
+            else:
+                victim = policy.victim(lambda key, pinned=op[1]: key not in pinned)
+                if op[0] == "evict" and victim is not None:
+                    policy.remove(victim)
+                answers.append(victim)
+        assert len(set(answers)) <= 1, (op, answers)
+
+
+@pytest.mark.parametrize("name", HEAP_POLICIES)
+def test_a_tier_that_never_evicts_keeps_its_heap_bounded(name):
+    """One prompt of 7 chunks hit 20,000 times without an eviction: the heap held an entry per hit
+    (20,007) before it was compacted; now at most 2 × 7 + heap_slack = 78."""
+    policy = make_policy(name)
+    for i in range(7):
+        policy.insert(i, i - 1 if i else None)
+    for _ in range(20_000):
+        policy.touch(list(range(7)))
+    heaps = [v for v in vars(policy).values() if isinstance(v, list) and v and isinstance(v[0], tuple)
+             and len(v[0]) in (3, 4) and v is not getattr(policy, "pending", None)]
+    assert heaps and all(len(h) <= 2 * 7 + policy.heap_slack for h in heaps), [len(h) for h in heaps]
+    assert policy.victim() == 6

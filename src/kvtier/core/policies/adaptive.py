@@ -58,8 +58,7 @@ FREQUENCY_HISTORY = 128.0
 """``frequency`` counts uses over this many tier-sizes of keys, at least half as many (keys only)."""
 HISTORY = 32.0
 """Use counts are remembered for this many tier-sizes of keys, at least half as many (keys only)."""
-SHADOW_KEYS = 2048
-"""Sampled keys per shadow, at most."""
+SHADOW_KEYS = 2048  # sampled keys per shadow, at most
 PENDING_MAX = 1024
 """Sampled accesses recorded for the shadows' replay at most: the next one replays them first."""
 _SHIFT = 64 - SAMPLE_BITS  # sample_hash(key) == ((hash(key) * HASH_MIX) & HASH_MASK) >> _SHIFT
@@ -136,11 +135,11 @@ class AdaptivePolicy(EvictionPolicy):
             self._stale = True
 
     def set_capacity_below(self, chunks: int) -> None:
-        """The tiers below this one hold ``chunks`` chunks and take its victims (write-back).
-        The shadows then replay the stack's reach (this tier's size plus ``chunks``), so the
-        selector picks an ordering for what the stack keeps, not for this tier alone: a victim
-        is not lost, it moves down, and an ordering that pays in a lone tier (quarantine of
-        unproven chunks) can cost the stack more first reuses than it saves."""
+        """The tiers below this one hold ``chunks`` chunks and take its victims (write-back).  The shadows
+        then replay the stack's reach (this tier's size plus ``chunks``), so the selector picks an ordering
+        for what the stack keeps, not for this tier alone: a victim is not lost, it moves down, and an
+        ordering that pays in a lone tier (quarantine of unproven chunks) can cost the stack more first
+        reuses than it saves."""
         self._below = max(0, int(chunks))
         self._resample(max(len(self._nodes), 1))
 
@@ -239,6 +238,9 @@ class AdaptivePolicy(EvictionPolicy):
                 if len(pending) >= self._pending_max:
                     self.settle()
                     active, pending = self._active, self.pending
+        if len(heap) > 2 * len(nodes) + self.heap_slack:  # a touched leaf is queued again: stale ones dropped
+            self._heap = self.compact_heap(
+                heap, lambda e: (nd := nodes.get(e[3])) is None or nd.seq != e[2] or e[3] in children)
         if guarded and hits:  # each access's max(floor, deficit + ghost_hit - 1), in one: its steps are <= 0
             self._accesses += hits
             self.hits += hits
@@ -278,9 +280,8 @@ class AdaptivePolicy(EvictionPolicy):
                 if key in nodes and key not in children and key != self._run[0] and evictable(key):
                     return key
 
-        # The chunk inserted last is the parent of the next one of its prompt: evicting it
-        # before that one arrives would leave a chunk that can never be served (its prefix is
-        # gone), so it goes only when nothing else may.
+        # The chunk inserted last is the parent of the next one of its prompt: evicting it before that one
+        # arrives would leave a chunk that can never be served (its prefix is gone): it goes last.
         last, heap, pinned, best = self._run[0], self._heap, [], None
         while heap:  # base.heap_victim, inlined (the hit path's evictions: no call per entry)
             entry = heap[0]
@@ -326,12 +327,11 @@ class AdaptivePolicy(EvictionPolicy):
     def _over_budget(self) -> bool:
         """Whether evicting a chunk the LRU shadow still holds could break the bound.
 
-        ``deficit`` (the shadow's hits minus the tier's) plus ``len(outside)`` (resident chunks
-        the shadow has dropped) only grows, by one, when the tier evicts a chunk the shadow holds;
-        every access the shadow hits and the tier misses is paid by one chunk outside the shadow
-        (docs/simulate.md, "The guard").  So while it would pass the allowance the victim comes
-        from outside the shadow, and the deficit never exceeds ``GUARD_SHARE × accesses +
-        GUARD_CREDIT + 1``."""
+        ``deficit`` (the shadow's hits minus the tier's) plus ``len(outside)`` (resident chunks the shadow
+        has dropped) only grows, by one, when the tier evicts a chunk the shadow holds; every access the
+        shadow hits and the tier misses is paid by one chunk outside the shadow (docs/simulate.md, "The
+        guard").  So while it would pass the allowance the victim comes from outside the shadow, and the
+        deficit never exceeds ``GUARD_SHARE × accesses + GUARD_CREDIT + 1``."""
         allowance = GUARD_SHARE * self._accesses + GUARD_CREDIT
         if self._below:  # above write-back tiers: what this tier keeps apart from LRU shapes theirs too
             allowance *= len(self._nodes) / (len(self._nodes) + self._below)

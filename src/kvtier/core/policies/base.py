@@ -71,9 +71,30 @@ class EvictionPolicy(ABC):
     """Base class of eviction policies; see the module docstring for the contract."""
 
     name: ClassVar[str] = "abstract"
+    heap_slack: int = 64
+    """A heap-ordered policy compacts its heap (:meth:`compact_heap`) past ``2 × chunks + heap_slack``
+    entries (an attribute, not a call: the check runs on every touch)."""
     pending: Sized = ()
     """Work recorded on the request's path and not done yet (the adaptive policy's sampled
     accesses for its shadows); the owner calls :meth:`settle` when it is non-empty."""
+
+    @staticmethod
+    def compact_heap(heap: list[Any], stale: Callable[[Any], bool]) -> list[Any]:
+        """``heap`` with one entry per key (an entry's last item): its least live one (``stale`` as
+        :func:`heap_victim` judges them), heapified.  The same victims in the same order: a key's other
+        live entries (prefix-freq re-queues a key at an unchanged rank) only follow its first, which
+        leaves the heap only when the key is evicted, re-ranked or gets a child, and they go stale with
+        it.  Each touch of a leaf queues it again and only :func:`heap_victim` drops the old entry, when
+        it reaches the top: in a tier that seldom evicts the heap would grow by an entry per hit without
+        bound, so the heap-ordered policies call this once it holds more than twice their chunks plus
+        :attr:`heap_slack` entries."""
+        first: dict[Any, Any] = {}
+        for entry in heap:
+            if not stale(entry) and ((seen := first.get(entry[-1])) is None or entry < seen):
+                first[entry[-1]] = entry
+        live = list(first.values())
+        heapq.heapify(live)
+        return live
 
     def settle(self) -> None:
         """Do the work deferred off the request's path (none by default); decisions do not depend

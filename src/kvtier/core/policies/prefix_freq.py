@@ -145,6 +145,8 @@ class PrefixFrequencyPolicy(EvictionPolicy):
                 node.last = node.time = clock
                 node.cls = min(uses + 1, MAX_USES)
                 self._rank_and_queue(key, node)
+        if len(self._heap) > 2 * n + self.heap_slack:
+            self._heap = self.compact_heap(self._heap, self._stale_entry)
 
     def remove(self, key: Any) -> None:
         node = self._nodes.pop(key, None)
@@ -169,14 +171,8 @@ class PrefixFrequencyPolicy(EvictionPolicy):
     def victim(self, evictable: Evictable = always_evictable) -> Any | None:
         if self._stale or len(self._nodes) > 2 * self._scale:
             self._rebuild()
-        nodes, children = self._nodes, self._children
-
-        def stale(entry: tuple[Any, ...]) -> bool:  # re-ranked, evicted, or gained children
-            node = nodes.get(entry[3])
-            return node is None or node.rank != entry[0] or entry[3] in children
-
-        best = heap_victim(self._heap, stale, evictable)
-        if best is None and nodes:
+        best = heap_victim(self._heap, self._stale_entry, evictable)
+        if best is None and self._nodes:
             # Every leaf pinned, or no leaf at all (only if an owner passed inconsistent parents).
             best = self._scan(evictable)
         return best
@@ -191,6 +187,11 @@ class PrefixFrequencyPolicy(EvictionPolicy):
         return self._nodes.keys()
 
     # -- internals ---------------------------------------------------------------------------
+    def _stale_entry(self, entry: tuple[Any, ...]) -> bool:
+        """A heap entry of a chunk re-ranked, evicted, or with children now."""
+        node = self._nodes.get(entry[3])
+        return node is None or node.rank != entry[0] or entry[3] in self._children
+
     def _rank_and_queue(self, key: Any, node: _Node) -> None:
         node.rank = rank = node.time + self._scale * self._offsets[node.cls]
         if key not in self._children:

@@ -57,6 +57,8 @@ class PrefixAwareLRUPolicy(EvictionPolicy):
                 stamps[key] = stamp
                 if not children.get(key):
                     heapq.heappush(self._leaves, (stamp, next(self._seq), key))
+        if len(self._leaves) > 2 * len(stamps) + self.heap_slack:
+            self._leaves = self.compact_heap(self._leaves, self._stale)
 
     def remove(self, key: Any) -> None:
         if self._stamp.pop(key, None) is None:
@@ -73,13 +75,16 @@ class PrefixAwareLRUPolicy(EvictionPolicy):
 
     def victim(self, evictable: Evictable = always_evictable) -> Any | None:
         stamps, children = self._stamp, self._children
-        # stale: removed, used since, or no longer a leaf
-        best = heap_victim(self._leaves, lambda e: stamps.get(e[2]) != e[0] or bool(children.get(e[2])), evictable)
+        best = heap_victim(self._leaves, self._stale, evictable)
         if best is None and stamps:
             # Every leaf pinned: the least recent evictable key, leaves first.
             order = sorted(stamps, key=lambda k: (bool(children.get(k)), stamps[k]))
             best = next((k for k in order if evictable(k)), None)
         return best
+
+    def _stale(self, entry: tuple[Any, ...]) -> bool:
+        """A heap entry of a key removed, used since, or no longer a leaf."""
+        return self._stamp.get(entry[2]) != entry[0] or bool(self._children.get(entry[2]))
 
     def __len__(self) -> int:
         return len(self._stamp)
