@@ -191,7 +191,10 @@ def test_environment_problems_are_reported_once_and_the_password_variable_is_acc
     problems = check_transfer_config(transfer(extra={"chunk_tokens": 128, "write_mode": "write-back"}))
     assert [(p.severity, p.key) for p in problems] == [("error", "kv_connector_extra_config")], problems
     assert "KVTIER_CPU_GIB" in problems[0].message
-    assert check_transfer_config(transfer(extra={"chunk_tokens": 128, "cpu_gib": 0.5})) == []  # explicit wins
+    # explicit wins: no error, only the warning that the variable is never read (check and audit say so)
+    problems = check_transfer_config(transfer(extra={"chunk_tokens": 128, "cpu_gib": 0.5}))
+    assert [(p.severity, p.key) for p in problems] == [("warning", "kv_connector_extra_config.cpu_gib")], problems
+    assert "KVTIER_CPU_GIB" in problems[0].message and "never read" in problems[0].message
 
 
 def test_shared_tier_password_and_secret_are_read_as_the_tier_reads_them(tmp_path, monkeypatch):
