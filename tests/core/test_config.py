@@ -160,6 +160,10 @@ def test_yaml_errors(tmp_path):
         KVTierConfig.from_yaml(bad)
     with pytest.raises(ConfigError, match="cannot read"):
         KVTierConfig.from_yaml(tmp_path / "missing.yaml")
+    bad.write_text("chunk_tokens: 128\ntiers: [cpu, disk\ncpu_gib: 1\n")  # an unclosed list
+    with pytest.raises(ConfigError) as info:
+        KVTierConfig.from_yaml(bad)
+    assert "not valid YAML: expected ',' or ']', but got ':' at line 3, column 8; fix it there" in str(info.value)
 
 
 @pytest.mark.parametrize("values,needle", [

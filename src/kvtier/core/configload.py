@@ -35,12 +35,21 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     except OSError as exc:
         raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {yaml_problem(exc)}; fix it there") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys to values")
     return data
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """What the parser found and where (``expected ',' or ']', but got ':' at line 3, column 8``), one line."""
+    problem = getattr(exc, "problem", None)
+    mark = getattr(exc, "problem_mark", None)
+    if problem is None:
+        return str(exc).splitlines()[0]
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else str(problem)
 
 
 def did_you_mean(name: str, known: Iterable[str]) -> str:
