@@ -307,11 +307,6 @@ class Index(IndexUpkeep):
             handle.reading_ahead = True
             return True
 
-    def advance(self, handle: LoadHandle, ready: int) -> None:
-        """Chunks before ``ready`` of ``handle`` are in place (read ahead)."""
-        with self.lock:
-            handle.ahead_from = min(ready, len(handle.keys))  # (num_chunks)
-
     def end_read_ahead(self, handle: LoadHandle) -> None:
         """The background reads of ``handle`` ended; unpin it now if it was released meanwhile."""
         with self.lock:
