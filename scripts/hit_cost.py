@@ -84,7 +84,7 @@ PARTS = (  # (module, attribute path, label): the hit's parts, nested as they ca
     ("kvtier.core.policies.adaptive", "AdaptivePolicy.touch", "        policy touch"),
     ("kvtier.core.sinks", "Tee.emit", "      events (Tee.emit)"),
     ("kvtier.integrations.vllm.worker.loader", "load_facts", "    load_facts"),
-    ("kvtier.core.store", "TieredStore.gate_evictions", "  gate_evictions"),
+    ("kvtier.core.index", "Index.gate_evictions", "  gate_evictions"),
 )
 
 

@@ -145,9 +145,19 @@ SCRIPT = ROOT / "scripts" / "hit_story.py"
 # its build_kv_connector_stats classmethod each step.
 # Main 0ec151b, files35 and hit36 merged: 22 files, 167 moves (818 kvtier calls, load 1.3): hit36's fewer calls
 # per load's bookkeeping (loader.finish, store.prepare_load/complete_load, sinks.engine_load) on top of files35.
-MAX_FILES = 22
-MEASURED_MOVES = 167
-POLL_SLACK_MOVES = 19 * 3
+# Lowered on branch files37: 21 files, 147 moves (2 runs, 795 kvtier calls, load 2.9-3.0), from 22 and 167 at
+# main 6c52b24 (measured at its start, load 2.1).  core/handles.py left the hit: the loader watches the load's
+# read-ahead future itself and the index and store read len(handle.keys) (-> handles 9 -> 0); the store's
+# change-feed and gate verbs (drain_changes, gate_evictions, pin_resident, dirty_bytes, ...) are the index's
+# bound methods, with no forwarding call (store -> index 14 -> 7); take_ghost_distances asks the ghost lists
+# nothing on a step without ghost hits (store -> ghosts 2 -> 0); the read-ahead thread advances its handle's
+# ahead_from itself (mover -> index 7 -> 5).  A read-ahead poll no longer moves (it waits on
+# the future in concurrent.futures), so the slack is what still varies: the loader's copies of ready chunks
+# (loader -> copy, one per batch it finds, at most one per chunk: 4 more than the 2 seen) and the disk-io
+# threads whose first read builds their aligned buffers (-> readchoice, 1-2), with a margin.
+MAX_FILES = 21
+MEASURED_MOVES = 147
+SLACK_MOVES = 12
 
 
 def load_script():
@@ -234,5 +244,5 @@ def test_one_disk_hit_runs_at_most_todays_files_and_moves(tmp_path: Path) -> Non
     assert story["num_threads"] >= 2 and story["threads_not_profiled"] == [], story["threads"]
 
     assert story["num_files"] <= MAX_FILES, f"{story['num_files']} kvtier files ran (at most {MAX_FILES}): {files}"
-    bound = MEASURED_MOVES + POLL_SLACK_MOVES
+    bound = MEASURED_MOVES + SLACK_MOVES
     assert story["moves"] <= bound, f"{story['moves']} file-to-file moves (at most {bound}): {story['moves_by_pair']}"

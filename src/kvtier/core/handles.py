@@ -58,6 +58,8 @@ class LoadHandle:
     pending: Future[None] | None = field(default=None, repr=False)
     """Reads still running for chunks ``ahead_from`` on (``prepare_load(read_ahead=True)``)."""
     ahead_from: int = 0
+    """Leading chunks in place while reads run ahead: set as they start (``Index.start_read_ahead``), then
+    advanced by the one thread reading them (:mod:`kvtier.core.mover`); read without a lock."""
     reading_ahead: bool = field(default=False, repr=False)  # guarded by the store's lock
     release_after_read: bool | None = field(default=None, repr=False)  # released while reading: refresh?
     ctx: OpContext = field(default=NO_CONTEXT, repr=False)

@@ -301,16 +301,11 @@ class Index(IndexUpkeep):
     def start_read_ahead(self, handle: LoadHandle, ahead_from: int) -> bool:
         """Mark ``handle`` as reading chunks ``ahead_from`` on in the background; False if its prefix ends before."""
         with self.lock:
-            if handle.num_chunks <= ahead_from:
+            if len(handle.keys) <= ahead_from:  # (num_chunks)
                 return False
             handle.ahead_from = ahead_from
             handle.reading_ahead = True
             return True
-
-    def advance(self, handle: LoadHandle, ready: int) -> None:
-        """Chunks before ``ready`` of ``handle`` are in place (read ahead)."""
-        with self.lock:
-            handle.ahead_from = min(ready, handle.num_chunks)
 
     def end_read_ahead(self, handle: LoadHandle) -> None:
         """The background reads of ``handle`` ended; unpin it now if it was released meanwhile."""

@@ -260,7 +260,8 @@ class Mover:
                     self.read(chain, handle, batch)
                 else:  # the prefix ended in an earlier batch (a chunk failed): give this one's pins and pages back
                     self.index.give_back(batch)
-                self.index.advance(handle, batch[-1].pos + 1)
+                # chunks before the batch's end are in place (only complete_reads, on this thread, cuts handle.keys)
+                handle.ahead_from = min(batch[-1].pos + 1, len(handle.keys))
         finally:
             self.index.end_read_ahead(handle)
 

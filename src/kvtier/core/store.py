@@ -45,6 +45,11 @@ outside it on pinned chunks):
   before the reset compares ``epoch`` to tell (:mod:`kvtier.integrations.vllm.worker.loader`).
 - ``gate_evictions(closed)``: while closed no top-tier page is freed; ``pin_resident(chain)`` pins
   what the top tier holds for a load prepared later: a mirror's plan and its pin as one step (:mod:`kvtier.core.gate`).
+- The change feed (:mod:`kvtier.core.changes`): ``drain_changes(max_items=4096) -> IndexDelta`` (changes since
+  the last drain; the first, and the first after a reset, is a full snapshot), ``pending_changes()``,
+  ``dirty_keys()`` (chunks held in DRAM but on no local lower tier: a crash would lose them) and
+  ``dirty_bytes()``.  These six are the index's own methods (:class:`~kvtier.core.index.Index`), bound at
+  construction: the store adds nothing to them.
 - ``check_integrity()``: every invariant of the index (:func:`kvtier.core.indexcheck.check_index`).
 
 Sizes: ``chunk_bytes`` is one chunk's payload; capacities are the configuration's / ``tp_size``.
@@ -59,7 +64,6 @@ from collections.abc import Callable, Collection, Sequence
 from prometheus_client import CollectorRegistry
 
 from kvtier.core import context
-from kvtier.core.changes import IndexDelta
 from kvtier.core.config import KVTierConfig
 from kvtier.core.context import OpContext
 from kvtier.core.errors import ConfigError
@@ -132,6 +136,14 @@ class TieredStore(StoreConvenience):
         lower = [LowerIndex(t, config.policy, config.write_mode == "write-back", self.counters) for t in tiers[1:]]
         self.index = Index(self.cpu, lower, config, self.counters, chunk_bytes, self.metrics.ghost_hit)
         self.mover = Mover(self.index, config.io_threads, config.save_queue_depth, self.counters)
+        # the index's verbs of the module docstring's change feed and eviction gate, as they are (a worker
+        # calls three of them every engine step: no forwarding call in between)
+        self.drain_changes = self.index.drain_changes
+        self.pending_changes = self.index.pending_changes
+        self.dirty_keys = self.index.dirty_keys
+        self.dirty_bytes = self.index.dirty_bytes
+        self.gate_evictions = self.index.gate_evictions
+        self.pin_resident = self.index.pin_resident
         self._closed = False
         if config.disk_rescan_s and self.index.local:  # None or 0: never (the vLLM connector sets it for consumers)
             self.mover.start_rescans(config.disk_rescan_s)
@@ -161,23 +173,7 @@ class TieredStore(StoreConvenience):
         lt = self.index.by_name.get(name)
         return self.cpu if name == self.cpu.name else lt.tier if lt is not None else None
 
-    # ---- the change feed (kvtier.core.changes, kept by the index) -------------------------
-    def drain_changes(self, max_items: int = 4096) -> IndexDelta:
-        """Changes since the last drain, at most ``max_items`` (:meth:`kvtier.core.index.Index.drain_changes`)."""
-        return self.index.drain_changes(max_items)
-
-    def pending_changes(self) -> int:
-        """Changed keys not drained yet (a pending full snapshot counts as 1)."""
-        return self.index.pending_changes()
-
-    def dirty_keys(self) -> list[ChunkKey]:
-        """Chunks held in DRAM but on no local lower tier (a crash would lose them)."""
-        return self.index.dirty_keys()
-
-    def dirty_bytes(self) -> int:
-        """``len(dirty_keys()) × chunk_bytes``."""
-        return self.index.dirty_bytes()
-
+    # ---- the change feed (kvtier.core.changes, kept by the index; its verbs are the index's: __init__) ----
     @property
     def change_feed_limit(self) -> int:
         """Changed keys kept between drains; past it the next drain is a full snapshot."""
@@ -195,17 +191,6 @@ class TieredStore(StoreConvenience):
         self.sink.bind(ctx).sink.emit(context.LookedUp(len(chain), found))
         self.metrics.lookup_seconds.observe(time.perf_counter() - start)
         return n
-
-    # ---- plan and pin (kvtier.core.gate) --------------------------------------------------
-    def gate_evictions(self, closed: bool) -> bool:
-        """Close the eviction gate (before a drain a mirror plans from) or open it (once the loads
-        planned from that drain are pinned); returns whether it was closed."""
-        return self.index.gate_evictions(closed)
-
-    def pin_resident(self, chain: Sequence[ChunkKey]) -> LoadHandle:
-        """Pin the chunks of ``chain`` the top tier holds now (no I/O, nothing counted) for a load
-        prepared later on another thread; release with :meth:`cancel_load`."""
-        return self.index.pin_resident(chain)
 
     # ---- load ----------------------------------------------------------------------------
     def prepare_load(self, chain: Sequence[ChunkKey], max_chunks: int | None = None, read_ahead: bool = False,
@@ -257,7 +242,8 @@ class TieredStore(StoreConvenience):
             first_chunk: chunks before it were pinned, not delivered (the engine's prefix cache held them): no hits.
             engine: what the load did in the engine (tokens by planned tier, blocks not filled, bytes and seconds);
                 counted here, once."""
-        delivered = len(handle.keys) if handle.pending is None else handle.ready_chunks()  # (no read-ahead: all)
+        # (handle.ready_chunks(), read here: every chunk unless reads ahead still run)
+        delivered = len(handle.keys) if (ahead := handle.pending) is None or ahead.done() else handle.ahead_from
         if not self.index.release(handle, refresh=success):
             return
         if handle.landed:  # (only then: the hit path with a page stays off the landing pool, scripts/hit_story.py)
@@ -377,13 +363,15 @@ class TieredStore(StoreConvenience):
     def take_ghost_distances(self) -> list[tuple[str, int]]:
         """Ghost hits' ``(tier, distance bytes)`` since the last call (:mod:`kvtier.core.ghosts`; at
         most :data:`~kvtier.core.ghosts.PENDING_DISTANCES` of them), for the engine's metrics."""
+        if not self.index.ghosts.distances:  # (a worker asks every step; most steps have none: no lock, no call)
+            return []
         with self.index.lock:
             return self.index.ghosts.take_distances()
 
     def stats(self) -> StoreStats:
         """The store's counters and each tier's usage, as one snapshot (:meth:`kvtier.core.sinks.StoreCounters.snapshot`)."""
         return self.counters.snapshot(self.chunk_bytes, self.chunk_tokens, self.index.tier_stats(),
-                                      self.dirty_bytes(), self.mover.busy())
+                                      self.index.dirty_bytes(), self.mover.busy())
 
     def check_integrity(self, expect_idle: bool = True) -> None:
         """Assert the store's invariants (:func:`kvtier.core.indexcheck.check_index`).

@@ -10,7 +10,7 @@ them) then:
    shared tier before it returns; the rest are read into cpu pages in the background (promotion); the mirror that
    planned the load may be stale, so this can end with fewer pages than planned, never other
    bytes;
-2. copy: each page into its engine blocks as soon as it is ready (``handle.ready_chunks()``),
+2. copy: each page into its engine blocks as soon as it is ready (``handle.ahead_from`` grows),
    so the head is copied while the tail is still being read, waiting at most ``load_wait_s`` in
    all for the tail (a page that failed verification ends the prefix there);
 3. complete: ``store.complete_load(handle, ok, engine=EngineLoad(...))`` in ``finally`` unpins
@@ -54,7 +54,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from operator import attrgetter, ne
 from typing import cast
 
@@ -198,20 +198,25 @@ class AsyncLoader:
 
     def _copy_as_ready(self, job: LoadJob, handle: LoadHandle) -> tuple[int, bool]:
         """Copy the handle's pages into the engine as they become ready; returns pages copied and
-        whether it stopped waiting for the rest (``load_wait_s`` passed)."""
+        whether it stopped waiting for the rest (``load_wait_s`` passed).  The handle's reads ahead
+        are its ``pending`` future, watched here directly (``handle.wait`` and ``handle.ready_chunks``
+        without a call per poll: the hit path)."""
         delivered = 0
         timed_out = False
+        ahead = handle.pending  # the reads still running; None: every chunk is in place
         deadline = time.monotonic() + self.wait_s
         while True:
-            complete = handle.wait(0)  # True once the read-ahead ended: num_chunks is final
-            ready = handle.num_chunks if complete else handle.ready_chunks()
+            if ahead is not None and ahead.done():
+                ahead.result()  # a read ahead that raised fails the load
+                ahead = None  # (num_chunks is final now)
+            ready = len(handle.keys) if ahead is None else handle.ahead_from
             if ready > delivered:  # (a chunk read into its blocks, NO_BUFFER, is there already)
                 moves = [m for m in zip(job.pages[delivered:ready], handle.buffers[delivered:ready])
                          if m[1] is not NO_BUFFER]
                 if moves:
                     self.copiers.load(moves)
                 delivered = ready
-            if complete:
+            if ahead is None:
                 break
             left = deadline - time.monotonic()
             if left <= 0:
@@ -219,7 +224,7 @@ class AsyncLoader:
                             "recomputing them", job.req_id, delivered, self.wait_s)
                 timed_out = True
                 break
-            handle.wait(min(left, READ_AHEAD_POLL_S))
+            wait((ahead,), min(left, READ_AHEAD_POLL_S))
         if delivered < len(job.pages):
             log.info("kvtier: request %s: %d of %d planned pages loaded; recomputing the rest",
                      job.req_id, delivered, len(job.pages))
