@@ -171,9 +171,9 @@ def main() -> None:
                 send(json.dumps({"choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}],
                                  "usage": {"prompt_tokens": prompt, "completion_tokens": i,
                                            "total_tokens": prompt + i}}))
-            send("[DONE]")
-            with LOCK:
+            with LOCK:  # before [DONE]: a client that has read it may send its next request at once
                 IN_FLIGHT[0] -= 1
+            send("[DONE]")
             self.wfile.write(b"0\r\n\r\n")
             self.wfile.flush()
 
