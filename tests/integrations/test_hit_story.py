@@ -154,10 +154,12 @@ SCRIPT = ROOT / "scripts" / "hit_story.py"
 # ahead_from itself (mover -> index 7 -> 5).  A read-ahead poll no longer moves (it waits on
 # the future in concurrent.futures), so the slack is what still varies: the loader's copies of ready chunks
 # (loader -> copy, one per batch it finds, at most one per chunk: 4 more than the 2 seen) and the disk-io
-# threads whose first read builds their aligned buffers (-> readchoice, 1-2), with a margin.
+# threads whose first read builds their aligned buffers (-> readchoice, 1-2), with a margin; and, on a loaded CI
+# host, an engine step or two more while the disk reads run (each step's get_finished crosses connector -> worker
+# side -> loader): 30 in all.
 MAX_FILES = 21
 MEASURED_MOVES = 147
-SLACK_MOVES = 12
+SLACK_MOVES = 30
 
 
 def load_script():
