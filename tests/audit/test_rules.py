@@ -93,6 +93,10 @@ CASES: dict[str, tuple[tuple[str, str | None], tuple[str, str | None]]] = {
                                             (kvtier_line() + " --gpu-memory-utilization 0.9", "0.34.0")),
     "kvtier-chunk-tokens-block-size-64": ((kvtier_line(chunk_tokens=96).replace(" --block-size 16", ""), "0.34.0"),
                                           (kvtier_line(chunk_tokens=96).replace(" --block-size 16", ""), "0.33.0")),
+    # user41: a chunk no prompt this server takes can fill serves no hit (chunk_tokens 96 measured on the
+    # tiny model: prompts of 96 tokens loaded nothing, of 97 loaded one chunk)
+    "kvtier-chunk-tokens-not-below-max-model-len": ((kvtier_line(chunk_tokens=2048) + " --max-model-len 2048", V),
+                                                    (kvtier_line(chunk_tokens=2048) + " --max-model-len 2049", V)),
     "kvtier-inflight-kv-loads-cap-only": ((kvtier_line() + " --max-num-inflight-kv-loads 4", "0.34.0"),
                                           ("vllm serve m --max-num-inflight-kv-loads 4", "0.34.0")),
     "cpu-offload-gb-is-weights": (("vllm serve m --cpu-offload-gb 40", V),
