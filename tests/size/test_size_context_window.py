@@ -51,3 +51,12 @@ def test_the_window_is_read_as_vllm_reads_it(tmp_path: Path):
         assert refused.exit_code == 2 and f"{window:,} tokens" in refused.output, (extra, refused.output)
     config.write_text(json.dumps(base))  # no length key: vLLM assumes 2,048 and warns; size does not guess
     assert run("--model", str(config), "--context", "100000", "--sessions", "1", "--offload-gib", "1").exit_code == 0
+
+
+def test_vllms_override_lets_a_longer_context_through(tmp_path: Path, monkeypatch):
+    """vLLM serves past the window with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (vllm/envs.py): then size plans it."""
+    model = _tiny(tmp_path)
+    refused = run("--model", str(model), "--context", "8192", "--sessions", "1", "--offload-gib", "1")
+    assert refused.exit_code == 2 and "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1" in " ".join(refused.output.split())
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    assert run("--model", str(model), "--context", "8192", "--sessions", "1", "--offload-gib", "1").exit_code == 0

@@ -96,17 +96,17 @@ def _check_local_model(model: str, max_model_len: int) -> None:
     if not (path / "config.json").is_file():
         fail(f"--model {model} holds no config.json, so it is not a model directory; give the directory vLLM loads "
              "(python -m kvtier.launch.testmodel writes one, docs/quickstart.md)")
-    from kvtier.size.context import max_context
+    from kvtier.size.context import ALLOW_LONG, long_allowed, max_context
 
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
         return  # vLLM names what is wrong with it
     window = max_context(config) if isinstance(config, dict) else None
-    if window is not None and max_model_len > window[0]:
+    if window is not None and max_model_len > window[0] and not long_allowed():  # the arms inherit it
         fail(f"--max-model-len {max_model_len} is longer than {model}'s context window, {window[0]} tokens "
              f"({window[1]} in its config.json): every arm's vLLM server would refuse it at start-up; give "
-             f"--max-model-len {window[0]} or less")
+             f"--max-model-len {window[0]} or less (or set {ALLOW_LONG}=1, if you mean to)")
 
 
 MAX_RAM_SHARE = 0.9

@@ -9,6 +9,8 @@ longer than that cannot exist, so ``kvtier size --context`` is checked against i
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from typing import Any
 
 from kvtier.core.errors import UserError
@@ -48,15 +50,24 @@ def max_context(cfg: dict[str, Any]) -> tuple[int, str] | None:
     return int(tokens * factor), (key if factor == 1.0 else f"{key} × rope factor {factor:g}")
 
 
+ALLOW_LONG = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
+"""vLLM's override: set to 1 (or true), it serves a ``--max-model-len`` past the config's window."""
+
+
+def long_allowed(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether :data:`ALLOW_LONG` lets vLLM past the window (vllm/envs.py reads ``1`` or ``true``)."""
+    return (os.environ if environ is None else environ).get(ALLOW_LONG, "").strip().lower() in ("1", "true")
+
+
 def check_context(context: int | None, window: tuple[int, str] | None, model: str) -> None:
-    """Refuse ``--context`` longer than the model's context window.
+    """Refuse ``--context`` longer than the model's context window (unless :data:`ALLOW_LONG` is set).
 
     Raises:
         UserError: one sentence naming the window, where it comes from and the fix.
     """
-    if context is None or window is None or context <= window[0]:
+    if context is None or window is None or context <= window[0] or long_allowed():
         return
     tokens, key = window
     raise UserError(f"--context {context:,} is longer than {model}'s context window, {tokens:,} tokens ({key} in its "
                     f"config.json): no session can be that long and vLLM refuses a --max-model-len above it; give "
-                    f"--context {tokens} or less.")
+                    f"--context {tokens} or less (or serve it with {ALLOW_LONG}=1, if you mean to).")
