@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,14 @@ def kvtier_line(policy: str | None = "recompute", **extra: object) -> str:
     return "vllm serve m --block-size 16 --kv-transfer-config '" + json.dumps(cfg) + "'"
 
 
+WINDOW_MODEL = Path(tempfile.mkdtemp(prefix="kvtier-audit-window-")) / "m"
+"""A local model of 4,096 positions (the tiny test model's config fields): rule max-model-len-beyond-model-window
+reads a local config.json only."""
+WINDOW_MODEL.mkdir()
+(WINDOW_MODEL / "config.json").write_text(json.dumps({
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "hidden_size": 256, "max_position_embeddings": 4096, "torch_dtype": "float32"}))
+
 GEMMA = "vllm serve google/gemma-3-27b-it"
 KV_PINNED = f"vllm serve m -tp 2 --kv-cache-memory-bytes {100 << 30}"
 LLAMA70 = "vllm serve meta-llama/Llama-3.1-70B --tensor-parallel-size 8"
@@ -93,6 +102,13 @@ CASES: dict[str, tuple[tuple[str, str | None], tuple[str, str | None]]] = {
                                             (kvtier_line() + " --gpu-memory-utilization 0.9", "0.34.0")),
     "kvtier-chunk-tokens-block-size-64": ((kvtier_line(chunk_tokens=96).replace(" --block-size 16", ""), "0.34.0"),
                                           (kvtier_line(chunk_tokens=96).replace(" --block-size 16", ""), "0.33.0")),
+    # user41: vLLM refuses a --max-model-len past the config's window (the test model at 8192 died at start-up)
+    "max-model-len-beyond-model-window": ((f"vllm serve {WINDOW_MODEL} --max-model-len 4097", V),
+                                          (f"vllm serve {WINDOW_MODEL} --max-model-len 4096", V)),
+    # user41: a chunk no prompt this server takes can fill serves no hit (chunk_tokens 96 measured on the
+    # tiny model: prompts of 96 tokens loaded nothing, of 97 loaded one chunk)
+    "kvtier-chunk-tokens-not-below-max-model-len": ((kvtier_line(chunk_tokens=2048) + " --max-model-len 2048", V),
+                                                    (kvtier_line(chunk_tokens=2048) + " --max-model-len 2049", V)),
     "kvtier-inflight-kv-loads-cap-only": ((kvtier_line() + " --max-num-inflight-kv-loads 4", "0.34.0"),
                                           ("vllm serve m --max-num-inflight-kv-loads 4", "0.34.0")),
     "cpu-offload-gb-is-weights": (("vllm serve m --cpu-offload-gb 40", V),

@@ -5,6 +5,7 @@ servers it starts for the kvtier-redis, kvtier-s3 and kvtier-node arms."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shlex
 import sys
@@ -77,11 +78,13 @@ JSON_PATH = typer.Option(None, "--json", help="Write the figures as JSON here (a
 FORCE = typer.Option(False, "--force", help=FORCE_HELP)
 
 
-def _check_local_model(model: str) -> None:
+def _check_local_model(model: str, max_model_len: int) -> None:
     """Refuse (exit 2, one sentence) a ``--model`` written as a local path that names no model
     directory: vLLM reads a path that exists as the model's directory and anything else as a hub id,
     so a mistyped ``/models/llama`` reached vLLM (after "cannot tell the vocabulary size", or with
-    --vocab-size, a server that fails once started).  A hub id (``Qwen/Qwen3-8B``) is left to vLLM."""
+    --vocab-size, a server that fails once started).  A hub id (``Qwen/Qwen3-8B``) is left to vLLM.
+    So is a ``--max-model-len`` longer than a local model's context window, which every arm's server
+    refused after its start-up (:func:`kvtier.size.context.max_context`)."""
     path = Path(model).expanduser()
     if not (model.startswith(("/", "./", "../", "~")) or model in (".", "..") or path.exists()):
         return
@@ -93,6 +96,17 @@ def _check_local_model(model: str) -> None:
     if not (path / "config.json").is_file():
         fail(f"--model {model} holds no config.json, so it is not a model directory; give the directory vLLM loads "
              "(python -m kvtier.launch.testmodel writes one, docs/quickstart.md)")
+    from kvtier.size.context import ALLOW_LONG, long_allowed, max_context
+
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # vLLM names what is wrong with it
+    window = max_context(config) if isinstance(config, dict) else None
+    if window is not None and max_model_len > window[0] and not long_allowed():  # the arms inherit it
+        fail(f"--max-model-len {max_model_len} is longer than {model}'s context window, {window[0]} tokens "
+             f"({window[1]} in its config.json): every arm's vLLM server would refuse it at start-up; give "
+             f"--max-model-len {window[0]} or less (or set {ALLOW_LONG}=1, if you mean to)")
 
 
 MAX_RAM_SHARE = 0.9
@@ -225,7 +239,7 @@ def compare_command(
     inputs = [("--trace", trace), ("--kvtier-config", kvtier_config)]
     check_new_files([("--json", json_path)], force, inputs)  # before any server starts: one line, not after minutes
     make_report_dir(out, "--out", force, None, inputs)
-    _check_local_model(model)
+    _check_local_model(model, max_model_len)
     built, vocab = make_workload(knobs, vocab_size, model, max_model_len, max_concurrency is not None)
     plan = None
     if restart_replica_at is not None:

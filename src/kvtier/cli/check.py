@@ -6,12 +6,16 @@ import errno
 import json
 import re
 import sys
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from kvtier.cli.errors import fail
 from kvtier.core.errors import ConfigError, UserError
 from kvtier.tools.inputfile import not_a_regular_file
+
+if TYPE_CHECKING:
+    from kvtier.integrations.vllm.preflight import Problem
 
 HELP = """Check a --kv-transfer-config for KVTierConnector in under a second, without starting vLLM.
 
@@ -111,7 +115,7 @@ def check_command(
         transfer = parse_transfer_config(text)
     except ConfigError as exc:  # not JSON, or not an object: the input cannot be read (exit 2, as documented)
         fail(str(exc))
-    problems = check_transfer_config(transfer, block_size)
+    problems = check_transfer_config(transfer, block_size) + _duplicate_keys(text, transfer)
     installed = installed_vllm()  # the connector refuses a vLLM outside SUPPORTED_VLLM at start-up
     if installed is not None and (reason := unsupported_reason(installed)) is not None:
         problems.append(Problem("error", "", reason))
@@ -157,6 +161,32 @@ def check_command(
         print(f"ok: vLLM would start with this KVTierConnector config{warned}." if not only_if else
               f"conditional: vLLM would start with this KVTierConnector config only if {only_if}{warned}; pass "
               "--block-size to check against the server's.")
+
+
+def _duplicate_keys(text: str, transfer: dict[str, Any]) -> list[Problem]:
+    """A warning for each key given twice in one JSON object of ``text``: vLLM's ``json.loads`` keeps
+    the last value and drops the other without a word (``{"cpu_gib": 1, "cpu_gib": 64}`` serves 64)."""
+    from kvtier.integrations.vllm.preflight import Problem
+
+    twice: list[tuple[str, object, object]] = []
+
+    def pairs_hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in seen:
+                twice.append((key, seen[key], value))
+            seen[key] = value
+        return seen
+
+    json.loads(text, object_pairs_hook=pairs_hook)  # parsed already: cannot fail here
+    extra = transfer.get("kv_connector_extra_config")
+    problems = []
+    for key, first, last in twice:
+        dotted = f"kv_connector_extra_config.{key}" if isinstance(extra, dict) and key in extra else key
+        problems.append(Problem("warning", dotted, (
+            f"{key!r} is given twice ({json.dumps(first)}, then {json.dumps(last)}); vLLM keeps the last, "
+            f"{json.dumps(last)}, and ignores the other without a word; remove the one you did not mean")))
+    return problems
 
 
 def _missing_state_dir(transfer: object) -> str | None:

@@ -83,6 +83,7 @@ def _size(
     from kvtier.simulate.hierarchy import usable_nvme_gib
     from kvtier.size import Deployment, build_recipe, plan, resolve_model
     from kvtier.size.compression import DISK, parse_ratios
+    from kvtier.size.context import check_context
     from kvtier.size.hardware import GPUS, find_gpu
     from kvtier.size.plan import check_engine_starts, check_finite, split_tier
     from kvtier.size.recipe import DEFAULT_CHUNK_TOKENS, chunk_notes, recipe_chunk_tokens, tier_recipes
@@ -116,6 +117,7 @@ def _size(
             raise UserError("give --trace (the warm set measured on a trace) or --sessions (sessions × --context), "
                             "not both.")
         resolved = resolve_model(model)
+        check_context(context, resolved.max_context, model)
         if resolved.weights_problem is not None and weights_gib is None and memory is not None:
             raise UserError(resolved.weights_problem)  # the HBM budget needs the weights
         curve = _curve(trace, trace_format, tokens_per_block) if trace is not None else None

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.core.errors import ServerAnswerError, UserError
+from kvtier.size.context import max_context
 from kvtier.size.geometry import KVGeometry
 from kvtier.size.hf_config import auto_dtype, dtype_note, geometry_from_config, load_config_file
 from kvtier.size.presets import GIB, find_preset
@@ -39,6 +40,9 @@ class ResolvedModel:
     dtype_note: str | None = None
     auto_dtype: str = "bf16"
     weights_problem: str | None = None
+    max_context: tuple[int, str] | None = None
+    """The context window from config.json, as vLLM derives it (:func:`~kvtier.size.context.max_context`);
+    None for a preset or a config without a length key."""
 
 
 LFS_POINTER = b"version https://git-lfs.github.com/spec/"
@@ -176,7 +180,7 @@ def resolve_model(name: str, hub_timeout_s: float = 10.0, hub: bool = True) -> R
         config_file = path / "config.json" if path.is_dir() else path
         weights, note, problem = _local_weights(directory)
         return ResolvedModel(geometry_from_config(cfg, str(path), source=str(config_file)), weights, note,
-                             dtype_note(cfg), auto_dtype(cfg), problem)
+                             dtype_note(cfg), auto_dtype(cfg), problem, max_context(cfg))
     preset = find_preset(name)
     if preset is not None:  # named as asked: an alias (the base model of an -Instruct preset) shares its geometry
         return ResolvedModel(preset.geometry(name.strip()), preset.weights_gib, preset.weights_note)
@@ -186,7 +190,7 @@ def resolve_model(name: str, hub_timeout_s: float = 10.0, hub: bool = True) -> R
     if name.count("/") == 1 and not name.startswith((".", "/")) and hub:
         cfg = _fetch_hub_config(name, hub_timeout_s)
         return ResolvedModel(geometry_from_config(cfg, name, source=f"hub: {name}/config.json"), None, "",
-                             dtype_note(cfg), auto_dtype(cfg))
+                             dtype_note(cfg), auto_dtype(cfg), max_context=max_context(cfg))
     raise UserError(
         f"{name!r} is not an existing path, a built-in preset (see --list-presets) or a hub id like org/name."
     )

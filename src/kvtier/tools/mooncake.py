@@ -78,8 +78,18 @@ def bundled_trace_path() -> Path:
     return path
 
 
+GZIP_MAGIC = b"\x1f\x8b"
+"""How a gzip stream starts (RFC 1952): a read goes by these bytes, not by the name, so a compressed
+trace saved as ``.jsonl`` reads (it was refused as 'not JSONL text or gzip')."""
+
+
+def _is_gzip(path: Path) -> bool:
+    with path.open("rb") as handle:
+        return handle.read(2) == GZIP_MAGIC
+
+
 def _open(path: Path, mode: str) -> IO[str]:
-    if path.suffix == ".gz":
+    if path.suffix == ".gz" or (mode == "r" and _is_gzip(path)):
         return gzip.open(path, mode + "t", encoding="utf-8")  # type: ignore[return-value]
     return path.open(mode, encoding="utf-8")
 

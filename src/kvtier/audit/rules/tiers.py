@@ -1,4 +1,5 @@
-"""Offload tiers that serve nothing: a cpu tier not larger than the engine's own KV cache.
+"""Offload tiers that serve nothing: a cpu tier not larger than the engine's own KV cache, and chunks no
+prompt this server takes can fill (``chunk_tokens`` not below ``--max-model-len``).
 
 kvtier, vLLM's native offload and LMCache store every chunk the engine computes, so their cpu tier is
 inclusive of the engine's KV cache: one no larger than it holds only what the engine already holds
@@ -145,3 +146,33 @@ def cpu_tier_vs_engine_cache_unknown(c: ServeConfig) -> str | None:
     if not nothing:
         return None
     return f"the GPU is not known (pass --gpu): on {', '.join(nothing)} " + _says(tiers, "the engine's KV cache") + "."
+
+
+AUTO_CHUNK_TOKENS_MIN = 128
+"""The least ``chunk_tokens: auto`` resolves to (docs/vllm.md: at least 128, a multiple of every block size)."""
+
+
+@rule("kvtier-chunk-tokens-not-below-max-model-len", "warning",
+      "kvtier chunk_tokens not below --max-model-len: no request can load a chunk",
+      "Lower chunk_tokens below --max-model-len (auto, the default, is 128 on attention-only models), or raise "
+      "--max-model-len.",
+      "kvtier docs/vllm.md § Configuration keys (chunk_tokens: only whole chunks are stored and loaded, and a load "
+      "leaves at least the prompt's last token to compute); vLLM vllm/config/model.py max_model_len",
+      locate="--max-model-len")
+def kvtier_chunk_tokens_not_below_max_model_len(c: ServeConfig) -> str | None:
+    from kvtier.audit.rules.releases import _kvtier_setting
+
+    length = c.number("--max-model-len")
+    if not c.uses("KVTierConnector") or length is None or length <= 0:
+        return None
+    raw = _kvtier_setting(c, "chunk_tokens")
+    auto = raw is None or str(raw).strip().lower() == "auto"
+    try:
+        tokens = AUTO_CHUNK_TOKENS_MIN if auto else int(str(raw).strip())
+    except ValueError:
+        return None  # not a number: kvtier's own config rule reports it
+    if tokens <= 0 or tokens < length:
+        return None
+    said = f"chunk_tokens auto (at least {tokens})" if auto else f"chunk_tokens {tokens}"
+    return (f"{said} is not below --max-model-len {length:g}: a hit needs a prompt longer than one chunk (the last "
+            "prompt token is always computed), which this server never takes, so kvtier serves no hit.")

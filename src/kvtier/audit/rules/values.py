@@ -75,3 +75,27 @@ def lmcache_env_invalid(c: ServeConfig) -> str | None:
         return None
     return f"{', '.join(bad)} {'is' if len(bad) == 1 else 'are'} not a number in range; LMCache fails to start or " \
            "misreads it."
+
+
+@rule("max-model-len-beyond-model-window", "error", "--max-model-len longer than the model's context window",
+      "Give --max-model-len at most the window the message names (or drop it: vLLM then takes the window), or set "
+      "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 if you mean to serve past it.",
+      "vLLM vllm/config/model.py _get_and_verify_max_len (the smallest length key of config.json, times a linear "
+      "or dynamic RoPE factor; refused above it unless VLLM_ALLOW_LONG_MAX_MODEL_LEN); read from a local "
+      "config.json only (kvtier src/kvtier/size/context.py)", locate="--max-model-len")
+def max_model_len_beyond_model_window(c: ServeConfig) -> str | None:
+    from kvtier.core.errors import UserError
+    from kvtier.size.context import long_allowed
+    from kvtier.size.models import resolve_model
+
+    length = c.number("--max-model-len")
+    if length is None or not c.model or long_allowed(c.env):
+        return None
+    try:
+        window = resolve_model(c.model, hub=False).max_context
+    except UserError:
+        return None  # not a local model (a hub id, a path on another host): the audit cannot tell
+    if window is None or length <= window[0]:
+        return None
+    return (f"--max-model-len {length:g} is longer than {c.model}'s context window, {window[0]} tokens ({window[1]} in "
+            "its config.json): vLLM refuses to start.")

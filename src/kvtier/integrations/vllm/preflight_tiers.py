@@ -100,6 +100,28 @@ def unconfigured_tier_problems(key: str, extra: dict[str, Any], config: KVTierCo
     return out
 
 
+def tier_order_problems(key: str, extra: dict[str, Any], config: KVTierConfig) -> list[Problem]:
+    """A warning when ``tiers`` lists a shared tier above a local one: the store keeps the local tiers'
+    order and asks the shared ones only for what the local tiers lack (core/changes.py splits them), so
+    the order written is not the one served."""
+    if "tiers" not in extra:
+        return []
+    try:
+        listed = [t for t in config.tiers if factory.configured(t, config)]
+        shared = {t for t in listed if registry.spec(t).shared}
+    except ConfigError:
+        return []  # an unknown tier or a module that does not import: reported by the config's own checks
+    above = next((t for i, t in enumerate(listed) if t in shared and any(u not in shared for u in listed[i:])), None)
+    if above is None:
+        return []
+    below = next(u for u in listed[listed.index(above):] if u not in shared)
+    used = [t for t in listed if t not in shared] + [t for t in listed if t in shared]
+    return [Problem("warning", f"{key}.tiers",
+                    f"tiers lists the shared tier {above!r} above the local tier {below!r}, but kvtier always "
+                    f"serves from local tiers first and asks a shared tier only for what they lack, so the order "
+                    f"used is {used}; list the local tiers first")]
+
+
 def unused_tier_problems(key: str, extra: dict[str, Any], config: KVTierConfig) -> list[Problem]:
     """A warning per tier whose settings are given but which ``tiers`` leaves out (it is not used)."""
     settings = {s.name: [k for k in s.keys if extra.get(k) not in (None, "")] for s in registry.specs()}

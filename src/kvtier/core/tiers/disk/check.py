@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -40,6 +41,25 @@ def static_disk_path_problem(path: str) -> str | None:
             "serving host's filesystems were not inspected)")
 
 
+NAMESPACE_DIR = re.compile(r"[0-9a-f]{32}")
+"""The name of a namespace directory the disk tier makes under ``disk_path`` (a digest: 32 hex digits)."""
+SHARD_DIR = re.compile(r"[0-9a-f]{2}")
+"""The name of a shard directory inside a namespace directory (``00`` .. ``ff``)."""
+
+
+def namespace_directory(path: Path) -> bool:
+    """Whether ``path`` (an existing directory) is one namespace directory of a disk tier: its name 32
+    hex digits and a shard directory inside (among its first 300 entries: 256 shards and dot files)."""
+    if not NAMESPACE_DIR.fullmatch(path.name):
+        return False
+    try:
+        with os.scandir(path) as entries:
+            return any(SHARD_DIR.fullmatch(e.name) and e.is_dir(follow_symlinks=False)
+                       for _, e in zip(range(300), entries))
+    except OSError:
+        return False
+
+
 def size_words(num_bytes: float) -> str:
     """``num_bytes`` in GiB, or in MiB under 1 GiB (an 8 MiB tmpfs is not "0.0 GiB")."""
     return f"{num_bytes / GiB:.1f} GiB" if num_bytes >= GiB else f"{num_bytes / (1 << 20):.1f} MiB"
@@ -47,7 +67,8 @@ def size_words(num_bytes: float) -> str:
 
 def disk_path_problem(path: Path, disk_gib: float) -> tuple[str, str] | None:
     """``(key, sentence)`` of what makes ``path`` unfit to hold ``disk_gib`` GiB of chunk files
-    (a file or under one, a kernel pseudo filesystem, not writable, too little free space), or None.
+    (a file or under one, one namespace directory of a disk tier, a kernel pseudo filesystem, not writable,
+    too little free space), or None.
     Creates nothing: a directory that does not exist is judged by its nearest existing parent (the
     tier creates it at start-up); one that exists gets a write probe, removed at once.
 
@@ -55,6 +76,10 @@ def disk_path_problem(path: Path, disk_gib: float) -> tuple[str, str] | None:
     """
     if path.exists() and not path.is_dir():
         return "disk_path", f"disk_path {str(path)!r} is a file, not a directory; point it at a directory"
+    if path.is_dir() and namespace_directory(path):  # copied from `ls`: the tier would nest its own inside
+        return "disk_path", (f"disk_path {str(path)!r} is one namespace directory of a disk tier, not a disk_path: "
+                             "the tier would make its own namespace directory inside it and never see or evict the "
+                             f"chunk files there; point disk_path at {str(path.parent)!r}")
     existing = path
     while not existing.exists():
         existing = existing.parent
