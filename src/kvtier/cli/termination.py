@@ -60,23 +60,53 @@ def say_interrupted() -> None:
     say_notes()
 
 
+_HANDLED = (signal.SIGTERM, signal.SIGHUP)
+_held_for_fork: dict[int, bool] = {}
+"""Forking threads (ident) that hold SIGTERM/SIGHUP blocked across a fork (:func:`_hold_before_fork`)."""
+
+
+def _hold_before_fork() -> None:
+    """In the forking thread, while kvtier's handlers are installed: hold SIGTERM and SIGHUP blocked
+    across the fork.  A SIGTERM that reached the child before :func:`_restore_in_child` ran was noted
+    for kvtier's Python handler and then dropped, as Python drops a noted signal whose handler is by
+    then the default: the child (a fork pool's worker, SIGTERMed by ``terminate()`` as it started)
+    lived on, and the pool's join with it never returned.  Held, the kernel keeps it pending until
+    the child has the default action, which then ends it."""
+    if _replaced:
+        signal.pthread_sigmask(signal.SIG_BLOCK, _HANDLED)
+        _held_for_fork[threading.get_ident()] = True
+
+
+def _release_in_parent() -> None:
+    """The parent's side of :func:`_hold_before_fork`: the signals unblocked (one that came meanwhile
+    is acted on now)."""
+    if _held_for_fork.pop(threading.get_ident(), False):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _HANDLED)
+
+
 def _restore_in_child() -> None:
     """In a child forked while kvtier's handlers are installed, put the replaced handlers back at
-    once (``os.register_at_fork``).  A Python-level handler only runs when the interpreter checks
-    for signals: a ``multiprocessing`` pool worker that ``Pool.terminate()`` SIGTERMs just before it
-    blocks in ``sem_wait`` on the queue's lock then sleeps forever with the signal noted and never
-    acted on, and the pool's ``join`` with it (seen: 1 in ~50 runs of ``with Pool(2)`` under kvtier's
-    handler, the worker in ``synchronize.py __enter__``).  With the default action the kernel ends
-    the worker, as without kvtier."""
+    once (``os.register_at_fork``), then unblock the signals :func:`_hold_before_fork` held.  A
+    Python-level handler only runs when the interpreter checks for signals: a ``multiprocessing``
+    pool worker that ``Pool.terminate()`` SIGTERMs just before it blocks in ``sem_wait`` on the
+    queue's lock then sleeps forever with the signal noted and never acted on, and the pool's
+    ``join`` with it (seen: 1 in ~50 runs of ``with Pool(2)`` under kvtier's handler, the worker in
+    ``synchronize.py __enter__``).  With the default action the kernel ends the worker, as without
+    kvtier."""
     for signum, handler in _replaced.items():
         try:
             signal.signal(signum, handler)
         except (ValueError, OSError):  # not the main thread of the child: the handler's pid check stays
             pass
     _replaced.clear()
+    held = _held_for_fork.pop(threading.get_ident(), False)
+    _held_for_fork.clear()  # the child runs only the forking thread
+    if held:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _HANDLED)
 
 
-os.register_at_fork(after_in_child=_restore_in_child)
+os.register_at_fork(before=_hold_before_fork, after_in_parent=_release_in_parent,
+                    after_in_child=_restore_in_child)
 
 
 @contextmanager

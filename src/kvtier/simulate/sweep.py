@@ -13,9 +13,11 @@ Policy names are those of :func:`kvtier.core.policies.make_policy` (``default`` 
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -210,17 +212,38 @@ def can_fork() -> bool:
     return "fork" in multiprocessing.get_all_start_methods() and threading.active_count() == 1
 
 
+TERMINATE_GRACE_S = 5.0
+"""How long :func:`_terminate` waits for SIGTERMed replay processes before it SIGKILLs those left."""
+
+
 def _terminate(pool: ProcessPoolExecutor) -> None:
     """Stop ``pool``'s processes now (Python 3.14's ``terminate_workers``; before it, the executor's
-    own process table); the jobs not done fail as a broken pool's do, and nobody waits for them."""
+    own process table); the jobs not done fail as a broken pool's do, and nobody waits for them.
+
+    Bounded: a process still alive ``TERMINATE_GRACE_S`` after its SIGTERM is SIGKILLed (one forked
+    just as the SIGTERM came can lose it, and the executor's thread then joined it forever: Ctrl-C to
+    ``simulate`` printed its line and never exited), and the executor's thread is joined before this
+    returns, so that Python 3.11's exit hook does not wake it through a pipe it is closing (``OSError:
+    [Errno 9] Bad file descriptor`` under the command's own exit)."""
+    processes: list[Any] = list((getattr(pool, "_processes", None) or {}).values())
     stop = getattr(pool, "terminate_workers", None)
     if stop is not None:
         stop()
-        return
-    processes: dict[int, Any] = getattr(pool, "_processes", None) or {}
-    for process in list(processes.values()):
-        process.terminate()
-    pool.shutdown(wait=False)  # the executor's thread sees them gone and fails the jobs left
+    else:
+        for process in processes:
+            process.terminate()
+        pool.shutdown(wait=False)  # the executor's thread sees them gone and fails the jobs left
+    pending = [process.sentinel for process in processes]
+    deadline = time.monotonic() + TERMINATE_GRACE_S
+    while pending and (left_s := deadline - time.monotonic()) > 0:
+        ready = multiprocessing.connection.wait(pending, timeout=left_s)
+        pending = [sentinel for sentinel in pending if sentinel not in ready]
+    for process in processes:
+        if process.sentinel in pending:
+            process.kill()
+    manager = getattr(pool, "_executor_manager_thread", None)
+    if manager is not None:
+        manager.join(timeout=TERMINATE_GRACE_S)
 
 
 def run_sweep(trace: Trace, spec: SweepSpec, workers: int = 0) -> SweepResult:
