@@ -101,10 +101,9 @@ class KeyMemo:
 
     def known(self, root: bytes, block_hashes: Sequence[Any], start: int, end: int) -> list[bytes]:
         """Keys of chunks ``start ..`` up to ``end`` (exclusive) the memo holds for ``root``, up to the first it lacks."""
-        step, get = self.step, self._keys.get
-        out: list[bytes] = []
-        for c in range(start, min(end, len(block_hashes) // step if step else 0)):
-            entry = get(block_hashes[(c + 1) * step - 1])
+        step, out = self.step, []
+        stop = min(end, len(block_hashes) // step if step else 0)  # each chunk's last block's hash, looked up in C
+        for entry in map(self._keys.get, block_hashes[(start + 1) * step - 1:stop * step:step]) if stop > start else ():
             if entry is None or entry[0] != root:
                 break
             out.append(entry[1])
