@@ -22,9 +22,9 @@ of an eviction victim and ``clear`` on a reset.  What may leave the top tier is 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from functools import partial
-from itertools import islice
+from itertools import islice, repeat, takewhile
 
 import numpy as np
 
@@ -101,9 +101,8 @@ class Index(IndexUpkeep):
             was, self.gate.closed = self.gate.closed, closed
             if closed:  # once per engine step, off the request's path: the policies' deferred work
                 self.settle_policies()
-            if not closed and self.gate.deferred:  # (no call into gate.py on the hit path)
-                for key in self.gate.take():
-                    self.let_go(key)
+            for key in self.gate.take() if not closed and self.gate.deferred else ():  # (no call into gate.py
+                self.let_go(key)  # on the hit path)
             return was
 
     def pin_resident(self, chain: Sequence[ChunkKey]) -> LoadHandle:
@@ -125,12 +124,10 @@ class Index(IndexUpkeep):
     def ttl_pinned(self, key: ChunkKey) -> bool:
         """``key`` has a TTL pin whose deadline has not passed (an expired one is forgotten here)."""
         deadline = self.ttl_pins.get(key)
-        if deadline is None:
-            return False
-        if deadline <= time.monotonic():
-            del self.ttl_pins[key]
-            return False
-        return True
+        if deadline is None or deadline > time.monotonic():
+            return deadline is not None
+        del self.ttl_pins[key]
+        return False
 
     def settle_policies(self) -> None:
         """The policies' work deferred off the request's path (the adaptive policy's shadow replay), done now."""
@@ -160,9 +157,9 @@ class Index(IndexUpkeep):
 
     # ---- load ----------------------------------------------------------------------------
     def plan_load(self, chain: Sequence[ChunkKey], limit: int, top_only: bool) -> LoadPlan:
-        """Pin the longest prefix of ``chain[:limit]`` held in the top or a local lower tier
-        (``top_only``: the top tier alone); chunks below the top tier get a :class:`Read` into a
-        reserved cpu page (or a private buffer when no page may be freed)."""
+        """Pin the longest prefix of ``chain[:limit]`` held in the top or a local lower tier (``top_only``: the
+        top tier alone); chunks below the top tier get a :class:`Read` into a reserved cpu page (or a private
+        buffer when no page may be freed)."""
         plan = LoadPlan(handle := LoadHandle([], [], []))
         below: list[list[bool]] = []  # each local tier's contains_many(chain[start:limit]), asked once
         start = i = 0
@@ -170,16 +167,23 @@ class Index(IndexUpkeep):
             contains, view, doomed, pins, name = self.cpu.contains, self.cpu.view, self.doomed, self.pins, self.name
             while i < limit:
                 key = chain[i]
-                if contains(key) and key not in doomed:
-                    pins[key] = pins.get(key, 0) + 1
-                    handle.pinned.append(key)
-                    buf, source = view(key), name
+                if contains(key) and key not in doomed:  # the run held from here on, found and listed in C
+                    found = list(takewhile(contains if not doomed else self.resident, islice(chain, i, limit)))
+                    pins.update(found)  # (Counter.update: one pin each, counted in C)
+                    handle.pinned.extend(found)
+                    handle.keys.extend(found)
+                    handle.buffers.extend(map(view, found))
+                    handle.tiers.extend(repeat(name, len(found)))
+                    i += len(found)
                 elif key in self.staged:  # a private copy, immutable: no pin needed
-                    buf, source = self.staged[key].data, name
+                    handle.keys.append(key)
+                    handle.buffers.append(self.staged[key].data)
+                    handle.tiers.append(name)
+                    i += 1
                 elif top_only:
                     break
-                else:  # the run of chunks held below from here on, promoted in one batch (_read_run)
-                    if not below:
+                else:  # the run of chunks held below from here on, promoted in one batch (_read_run); the chunk
+                    if not below:  # that ended it is looked at again (the run's evictions may have taken it)
                         start, below = i, [lt.tier.contains_many(chain[i:limit]) for lt in self.local]
                     run: list[tuple[int, ChunkKey, LowerIndex]] = []
                     while i < limit and not (contains(key := chain[i]) and key not in doomed) and key not in self.staged \
@@ -192,11 +196,6 @@ class Index(IndexUpkeep):
                     handle.keys.extend(key for _, key, _ in run)
                     handle.buffers.extend(self._read_run(plan, run))
                     handle.tiers.extend(lt.name for _, _, lt in run)
-                    continue  # (the chunk that ended the run is looked at again: the run's evictions may have taken it)
-                handle.keys.append(key)
-                handle.buffers.append(buf)
-                handle.tiers.append(source)
-                i += 1
         return plan
 
     def plan_shared(self, plan: LoadPlan, start: int, keys: Sequence[ChunkKey]) -> None:
@@ -303,15 +302,13 @@ class Index(IndexUpkeep):
         with self.lock:
             if len(handle.keys) <= ahead_from:  # (num_chunks)
                 return False
-            handle.ahead_from = ahead_from
-            handle.reading_ahead = True
+            handle.ahead_from, handle.reading_ahead = ahead_from, True
             return True
 
     def end_read_ahead(self, handle: LoadHandle) -> None:
         """The background reads of ``handle`` ended; unpin it now if it was released meanwhile."""
         with self.lock:
-            handle.reading_ahead = False
-            refresh = handle.release_after_read
+            handle.reading_ahead, refresh = False, handle.release_after_read
         if refresh is not None:
             self.unpin_load(handle, refresh)
 
@@ -323,8 +320,8 @@ class Index(IndexUpkeep):
             handle.done = True
             if handle.reading_ahead:  # unpinned by the read-ahead when its reads end
                 handle.release_after_read = refresh
-                return True
-            self.unpin_load(handle, refresh)  # (under the same hold of the lock: the hit path)
+            else:
+                self.unpin_load(handle, refresh)  # (under the same hold of the lock: the hit path)
             return True
 
     def unpin_load(self, handle: LoadHandle, refresh: bool) -> None:
@@ -335,15 +332,18 @@ class Index(IndexUpkeep):
                 used = list(filter(self.cpu.contains, handle.keys))  # (the cpu tier's contains is C: no frame)
                 used = [k for k in used if k not in self.doomed] if self.doomed else used
                 self.policy.touch(used)
-                dict.update(self.uses, {k: self.uses.get(k, 0) + 1 for k in used})  # +1 each (no Counter.update frames)
+                self.uses.update(used)  # +1 each (Counter.update counts a list in C: no comprehension per hit)
                 for lt in self.local:
                     below = [k for k, t in zip(handle.keys, handle.tiers) if t == lt.name]
                     if below and lt.policy is not None:
                         lt.policy.touch(below)
 
-    def unpin(self, keys: Iterable[ChunkKey]) -> None:
+    def unpin(self, keys: Sequence[ChunkKey]) -> None:
         """Unpin each of ``keys`` once (a load's chunks in one call: the hit path)."""
         pins, doomed = self.pins, self.doomed
+        if not doomed and max(map(pins.get, keys, repeat(0)), default=0) <= 1:  # each pinned once at most:
+            list(map(pins.pop, keys, repeat(None)))  # every pin goes, nothing to drop (in C, no loop per chunk)
+            return
         for key in keys:
             left = pins.get(key, 0) - 1
             if left > 0:

@@ -199,12 +199,13 @@ class AdaptivePolicy(EvictionPolicy):
         long_limit, uses_limit, floor = FREQUENCY_HISTORY / 2 * n, HISTORY / 2 * n, -len(nodes)
         long_d, old_long, uses_d, old_uses = self._long_uses, self._old_long_uses, self._uses, self._old_uses
         turn = len(long_d) + len(keys) > long_limit or len(uses_d) + len(keys) > uses_limit  # a generation may end
-        ghost, outside, hits, lru_hits, deficit = self._ghost, self._outside, 0, 0, self._deficit
+        ghost, outside, missing, lru_hits, deficit = self._ghost, self._outside, 0, 0, self._deficit
         capacity = max(1, ((len(nodes) + self._below) * threshold) >> SAMPLE_BITS)  # the shadows' size
         active, pending, ghost_heap = self._active, self.pending, self._ghost_heap
         for key in keys:
             node = nodes.get(key)
             if node is None:
+                missing += 1
                 continue
             long_uses = long_d.get(key) or old_long.get(key, 0)  # (counts held are >= 1, (uses, last) pairs truthy)
             long_d[key] = long_uses + 1
@@ -227,11 +228,11 @@ class AdaptivePolicy(EvictionPolicy):
                 ghost_hit = key in ghost
                 ghost[key] = entry = (clock, -depth, next(seq), key)
                 push(ghost_heap, entry)
-                outside.pop(key, None)
+                if not ghost_hit:  # (a key the shadow holds is never outside it; only a miss grows it)
+                    outside.pop(key, None)
                 if len(ghost) > -floor or len(ghost_heap) > 2 * len(ghost) + 64:
                     self._trim_ghost()
                     ghost_heap = self._ghost_heap
-                hits += 1
                 lru_hits += ghost_hit
             if ((hash(key) * HASH_MIX) & HASH_MASK) >> _SHIFT < threshold:  # sample_hash, inlined
                 pending.append((key, clock, uses, gap, long_uses, depth, False, capacity, scale))
@@ -241,9 +242,8 @@ class AdaptivePolicy(EvictionPolicy):
         if len(heap) > 2 * len(nodes) + self.heap_slack:  # a touched leaf is queued again: stale ones dropped
             self._heap = self.compact_heap(
                 heap, lambda e: (nd := nodes.get(e[3])) is None or nd.seq != e[2] or e[3] in children)
-        if guarded and hits:  # each access's max(floor, deficit + ghost_hit - 1), in one: its steps are <= 0
-            self._accesses += hits
-            self.hits += hits
+        if guarded and (hits := len(keys) - missing):  # each access's max(floor, deficit + ghost_hit - 1), in
+            self._accesses, self.hits = self._accesses + hits, self.hits + hits  # one: its steps are <= 0
             self.lru_hits += lru_hits
             self._deficit = max(floor, deficit + lru_hits - hits)
 

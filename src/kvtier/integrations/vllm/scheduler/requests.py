@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from functools import lru_cache
-from itertools import islice
-from typing import Any
+from itertools import islice, takewhile
+from typing import Any, cast
 
 from kvtier.core.keys import ChunkKey, chunk_keys, request_root
 from kvtier.core.tenant import TenantId
@@ -101,10 +101,9 @@ class KeyMemo:
 
     def known(self, root: bytes, block_hashes: Sequence[Any], start: int, end: int) -> list[bytes]:
         """Keys of chunks ``start ..`` up to ``end`` (exclusive) the memo holds for ``root``, up to the first it lacks."""
-        step, get = self.step, self._keys.get
-        out: list[bytes] = []
-        for c in range(start, min(end, len(block_hashes) // step if step else 0)):
-            entry = get(block_hashes[(c + 1) * step - 1])
+        step, out = self.step, []
+        stop = min(end, len(block_hashes) // step if step else 0)  # each chunk's last block's hash, looked up in C
+        for entry in map(self._keys.get, block_hashes[(start + 1) * step - 1:stop * step:step]) if stop > start else ():
             if entry is None or entry[0] != root:
                 break
             out.append(entry[1])
@@ -298,14 +297,18 @@ class PagePlanner:
         :meth:`~kvtier.integrations.vllm.scheduler.remote.RemoteLookups.poll_pages` over :meth:`unheld_pages`.
         """
         if self.dense:  # one full-attention group: its pages are the chain's chunks, read in one pass
-            keys = [bytes(key) for key in chain[:min(len(chain), max(0, num_tokens - 1) // self.C)]]
+            keys = list(map(bytes, chain[:min(len(chain), max(0, num_tokens - 1) // self.C)]))
             mirror = self.mirror  # one rank: its map's C lookup (IndexMirror.tier's answer), else tier()
             held_in = mirror.ranks[0].get if mirror.tp_size == 1 and mirror.ready else mirror.tier
-            held = [held_in(key) or (shared_tier if key in shared else None) for key in keys]
-            first = end = num_computed_tokens // self.C  # the run held from where the engine's hit ends
-            while end < len(keys) and held[end] is not None:
-                end += 1
-            return (end * self.C, [t or "" for t in held[:end]]) if end > first else (0, [])
+            # each chunk's tier, None (or "") where none holds it: mapped, counted and copied in C (the hit path)
+            held = [held_in(key) or (shared_tier if key in shared else None) for key in keys] if shared \
+                else list(map(held_in, keys))
+            first = num_computed_tokens // self.C  # the run held from where the engine's hit ends
+            end = first + len(list(takewhile(bool, held[first:])))
+            if end <= first:
+                return 0, []
+            upto = held[:end]  # (a tier each from first on: the run; before it, "" where none held it)
+            return end * self.C, cast("list[str]", upto) if all(upto[:first]) else [t or "" for t in upto]
 
         def tier(group: int, chunk: int) -> str | None:
             if chunk >= len(chain):

@@ -23,6 +23,9 @@ from kvtier.integrations.vllm.worker.layerwise import LayerLoads
 from kvtier.integrations.vllm.worker.loader import CHUNK_OF, AsyncLoader, job_context, job_keys
 
 log = logging.getLogger(__name__)
+NO_EPOCH = 0
+"""What a synchronous load passes :meth:`AsyncLoader.finish` as its epoch: it is read only to report an
+asynchronous load later (checked against a reset then); a synchronous one is reported in its own step."""
 
 
 def load_now(loader: AsyncLoader, job: LoadJob) -> tuple[set[int], int | None]:
@@ -51,11 +54,12 @@ def load_now(loader: AsyncLoader, job: LoadJob) -> tuple[set[int], int | None]:
     delivered = 0
     ok = False
     t0 = time.perf_counter()
-    epoch = loader.store.epoch
     record = RequestRecord(loader.chunk_tokens)
     # a hit planned beyond the cpu tier (the node pool: SyncBudget's tiers) pins and reads it here, within
-    # sync_within_s (a stalled owner costs this step that much, then its breaker makes it a miss at once)
-    shared = any(map(loader.store.cpu.name.__ne__, map(job.tiers.__getitem__, map(CHUNK_OF, job.pages))))
+    # sync_within_s (a stalled owner costs this step that much, then its breaker makes it a miss at once);
+    # a store with no shared tier has nothing beyond it (no look at the pages: the hit path)
+    shared = bool(loader.store.index.shared) and any(map(loader.store.cpu.name.__ne__, map(
+        job.tiers.__getitem__, map(CHUNK_OF, job.pages))))
     try:
         handle = loader.store.prepare_load(job_keys(job), max_chunks=len(job.pages), top_only=True,
                                            ctx=job_context(job, record),
@@ -72,7 +76,7 @@ def load_now(loader: AsyncLoader, job: LoadJob) -> tuple[set[int], int | None]:
                      "recomputing the rest", job.req_id, delivered, len(job.pages))
     except Exception:
         log.exception("kvtier: loading request %s's pages synchronously failed; recomputing them", job.req_id)
-    errors = loader.finish(job, handle, delivered, ok, False, time.perf_counter() - t0, epoch, sync=True,
+    errors = loader.finish(job, handle, delivered, ok, False, time.perf_counter() - t0, NO_EPOCH, sync=True,
                            record=record)
     first_unfilled = None if not errors else job.pages[delivered].chunk
     return errors, first_unfilled
@@ -84,7 +88,7 @@ def load_layers(loader: AsyncLoader, job: LoadJob, layers: LayerLoads) -> tuple[
     counted and unpinned once its last layer's copy ended (``LayerLoads.poll``).  Same returns."""
     if not loader.partial:
         raise ValueError("a synchronous load needs block-level load errors (one full-attention KV cache group)")
-    t0, epoch = time.perf_counter(), loader.store.epoch
+    t0 = time.perf_counter()
     handle = None
     record = RequestRecord(loader.chunk_tokens)
     try:
@@ -92,14 +96,14 @@ def load_layers(loader: AsyncLoader, job: LoadJob, layers: LayerLoads) -> tuple[
                                            top_only=True, ctx=job_context(job, record))
         held = handle.num_chunks
         ended = lambda: loader.finish(job, handle, held, True, False, time.perf_counter() - t0,
-                                      epoch, sync=True, record=record)
+                                      NO_EPOCH, sync=True, record=record)
         if held:
             layers.issue(list(zip(job.pages[:held], handle.buffers[:held])), ended)
         else:
             ended()
     except Exception:
         log.exception("kvtier: loading request %s's pages layer by layer failed; recomputing them", job.req_id)
-        errors = loader.finish(job, handle, 0, False, False, time.perf_counter() - t0, epoch, sync=True,
+        errors = loader.finish(job, handle, 0, False, False, time.perf_counter() - t0, NO_EPOCH, sync=True,
                                record=record)
         return errors, job.pages[0].chunk if errors else None
     errors = {b for p in job.pages[held:] for b in p.block_ids}
