@@ -87,6 +87,11 @@ class Scatter:
         return scatter
 
     @property
+    def unbuilt(self) -> bool:
+        """Whether its runs are still to be computed (:meth:`ready`)."""
+        return self._fill is not None
+
+    @property
     def tiles(self) -> Tiles | None:
         """A :meth:`tiled` scatter's runs (``None``: its runs are lists)."""
         return self._tiled

@@ -166,7 +166,7 @@ class NodeTier(PoolMemory, EnvelopeTier):
         them.  One that cannot be built is left to fail at its copy (a refusal here is not the
         tier's fault)."""
         for dst in dsts:
-            if isinstance(dst, Scatter):
+            if isinstance(dst, Scatter) and dst.unbuilt:  # (a tiled one has nothing to build)
                 with contextlib.suppress(ValueError):
                     dst.ready()
 
