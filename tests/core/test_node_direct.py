@@ -245,3 +245,29 @@ def test_deferred_scatters_are_built_on_the_loading_thread_while_the_pin_is_in_f
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("block_bytes", [RUN - 1, RUN, COPY_BLOCK_BYTES])
+def test_a_tiled_scatter_digests_and_lands_as_the_same_runs_built_as_lists(block_bytes):
+    """:meth:`Scatter.tiled` (runs tiling the payload, each at its lane's view + an offset): the digest
+    is the writer's one-shot digest and each run lands where the equivalent built scatter puts it,
+    whether the runs are copied in one pass (at most a block each) or in pieces (a smaller block);
+    its runs read as lists are those; a run whose target is past its view is refused."""
+    env = envelope.Envelope(NS)
+    lanes_n, at = 6, 2 * RUN
+    body = payload(lanes_n * RUN, 9)
+    fields = env.header(bytes(16), body)[:envelope.DIGEST_OFFSET]
+    caches = [np.zeros(6 * RUN, dtype=np.uint8) for _ in range(3)]
+    lanes = [(memoryview(caches[i % 3]), (i // 3) * RUN) for i in range(lanes_n)]
+    tiled = Scatter.tiled(lanes, at, RUN)
+    assert tiled.nbytes == len(body) and tiled.tiles is not None
+    assert scatter_hashed(env.hasher(fields), memoryview(body), tiled, block_bytes) == one_shot(None, fields, body)
+    want = [np.zeros(6 * RUN, dtype=np.uint8) for _ in range(3)]
+    built = Scatter(len(body), [i * RUN for i in range(lanes_n)],
+                    [memoryview(want[i % 3])[at + (i // 3) * RUN:][:RUN] for i in range(lanes_n)])
+    scatter_hashed(None, memoryview(body), built)
+    assert all(np.array_equal(c, w) for c, w in zip(caches, want))
+    assert tiled.offsets == built.offsets and [bytes(t) for t in tiled.targets] == [bytes(t) for t in built.targets]
+    past = Scatter.tiled([(memoryview(caches[0]), 5 * RUN)], at, RUN)
+    with pytest.raises(ValueError):
+        scatter_hashed(env.hasher(fields), memoryview(body[:RUN]), past)

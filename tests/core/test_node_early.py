@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 from kvtier.core.config import KVTierConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers import GetResult, PutResult, TierContext, builtin
+from kvtier.core.tiers.node import tier as tier_module
 from kvtier.core.tiers.node.client import NodeClient
 from kvtier.core.tiers.node.early import Locations
 from kvtier.core.tiers.node.tier import NodeTier
@@ -98,6 +99,35 @@ def test_an_early_copy_the_pins_answer_does_not_confirm_is_never_served(node_ser
     finally:
         tier.close()
         other.close()
+
+
+def test_an_early_copy_whose_pages_change_generation_after_it_is_never_served(node_server, monkeypatch):
+    """Key 1 copied early, then its pages given a newer generation (as a grant to another writer after
+    the pin's lease ran out would) before the answer is read: the answer still names the old place
+    and generation, but the batch's generation check after every copy refuses it: a miss, never the
+    early bytes; key 2 beside it is served.  With the generation back, key 1 is served again."""
+    tier, inner = engine_tier(node_server.socket)
+    real = tier_module.copy_early
+    bumped: list[int] = []
+
+    def copy_then_bump(verifier, locations, pool, keys, dsts, until):
+        out = real(verifier, locations, pool, keys, dsts, until)
+        where = locations.lookup(pool, [bytes(key(1))])[0]
+        assert where is not None and 0 in out  # key 1 (first) was copied early
+        pool.gens[where[0]] += 1
+        bumped.append(where[0])
+        return out
+    try:
+        assert tier.put_many([key(1), key(2)], [data(1), data(2)]) == [PutResult.STORED] * 2
+        monkeypatch.setattr(tier_module, "copy_early", copy_then_bump)
+        got, outs = read_all(tier, [key(1), key(2)])
+        assert got == [GetResult.MISS, GetResult.HIT] and outs[1] == data(2)
+        assert inner.early_reads == 1 and inner.corrupt == 0
+        monkeypatch.setattr(tier_module, "copy_early", real)
+        inner.client.pool.gens[bumped[0]] -= 1  # (the owner's view again)
+        assert read_all(tier, [key(1), key(2)]) == ([GetResult.HIT] * 2, [data(1), data(2)])
+    finally:
+        tier.close()
 
 
 def test_an_owner_that_does_not_answer_serves_nothing_from_early_copies(node_server):

@@ -140,3 +140,76 @@ def test_direct_reads_apply_only_where_the_store_has_the_node_tier(
                         NS, own.page_bytes)
     assert DirectTargets.of(alone, own) is None
     alone.close()
+
+
+def test_pages_of_one_block_are_read_through_tiled_scatters_exactly(node_server: NodeServer) -> None:
+    """vLLM's CPU backend: a block of a layer is one run and a chunk is one block, so a page's runs tile
+    it layer by layer and its scatter is :meth:`Scatter.tiled` (no run built before the copy).  B
+    loads chunks 0-2, saved by A from its blocks 1..3, into its blocks 9, 5, 7: each equal to A's,
+    every layer; with a byte of chunk 1 flipped in the pool, chunk 0 lands and chunks 1-2 are
+    reported unfilled, one corrupt chunk counted."""
+    def engine(seed: int) -> tuple[TieredStore, GroupCopiers, HybridPlan, dict[str, torch.Tensor]]:
+        gen = torch.Generator().manual_seed(seed)
+        caches = {f"layer.{i}": torch.randn(NUM_BLOCKS, 2, BLOCK, 64, generator=gen) for i in range(2)}
+        layout = detect_layout(caches, NUM_BLOCKS, "TEST")
+        plan = HybridPlan([GroupSpec(0, GroupKind.FULL, BLOCK, tuple(caches), page_bytes=layout.block_bytes)], BLOCK, 0)
+        copiers = GroupCopiers(plan.groups, BLOCK, {0: layout}, caches)
+        config = KVTierConfig.from_dict({"chunk_tokens": BLOCK, "cpu_gib": 8 * copiers.page_bytes / GiB,
+                                         "tiers": ["cpu", "node"], "node_socket": node_server.socket,
+                                         "shared_deadline_s": 5.0, "shared_transfer_deadline_s": 5.0,
+                                         "node_timeout_s": 5.0})
+        return TieredStore(config, NS, copiers.page_bytes), copiers, plan, caches
+
+    a, a_copiers, plan, src = engine(0)
+    b, copiers, _, dst = engine(1)
+    chain = [bytes(k) for k in chunk_keys(request_root(NS, cache_salt="one block"), list(range(4 * BLOCK)), BLOCK)]
+    try:
+        for page in PagePlanner(plan, IndexMirror(1)).save_pages(chain, 0, 3, [[1, 2, 3]], [], 4 * BLOCK):
+            handle = a.prepare_store([ChunkKey(page.key)])
+            a_copiers.save([(page, handle.buffers[0])])
+            a.complete_store(handle, True)
+        assert a.flush(30.0) and wait_until(lambda: a.stats().tiers["node"].num_chunks >= 3, timeout_s=30)
+        direct = DirectTargets.of(b, copiers)
+        assert direct is not None
+
+        def load() -> tuple[set[int], set[str]]:
+            loader = AsyncLoader(b, copiers, BLOCK, threads=1, partial=True, wait_s=5.0, direct=direct)
+            pages = PagePlanner(plan, IndexMirror(1)).load_pages(chain, [[9, 5, 7]], 0, 3 * BLOCK)
+            job = LoadJob("r", pages, 0, 3 * BLOCK, ("node",) * 3)
+            scatter = direct.into(job)(0)
+            assert scatter is not None and scatter.tiles is not None
+            loader.submit(job)
+            finished: set[str] = set()
+            errors: set[int] = set()
+
+            def ended() -> bool:
+                done, errs, _failed = loader.take()
+                finished.update(done)
+                errors.update(errs)
+                return "r" in finished
+            assert wait_until(ended, timeout_s=20)
+            loader.shutdown()
+            return errors, finished
+
+        errors, finished = load()
+        assert finished == {"r"} and not errors
+        for layer, t in src.items():
+            for s, d in zip((1, 2, 3), (9, 5, 7)):
+                assert torch.equal(dst[layer][d], t[s]), (layer, s, d)
+        assert b.stats().loaded_tokens["node"] == 3 * BLOCK
+        inner = unwrap(a.index.shared[0].tier)
+        assert isinstance(inner, NodeTier)
+        reply, pool, serial = inner.client.call(protocol.Pin(bytes(inner.namespace), [chain[1]], []))
+        (lease, page, nbytes, _gen), = reply.leases
+        pool.value(page, nbytes)[envelope.FIXED_BYTES + nbytes // 2] ^= 0x20
+        inner.client.release_later(serial, [lease])
+        for t in dst.values():
+            t.zero_()
+        errors, finished = load()
+        assert finished == {"r"} and errors == {5, 7}
+        for layer, t in src.items():
+            assert torch.equal(dst[layer][9], t[1]), layer
+        assert b.stats().tiers["node"].corrupt_chunks == 1
+    finally:
+        a.close()
+        b.close()

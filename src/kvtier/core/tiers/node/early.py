@@ -8,13 +8,15 @@ is on its way (:func:`copy_early`, on the caller's thread after the pin is sent)
 then confirms or refuses each early copy (:meth:`~kvtier.core.tiers.node.tier.NodeTier.finish_get`)::
 
     send pin ──> build the scatters ──> copy + verify each value at its last known place ──> read the answer
-                                        (its pages' generation checked right after its copy)   │
+                                        (skipped where its pages' generation moved already)    │
                     served: the answer names the same (page, bytes, generation) <──────────────┘
+                    and the batch's generation check, after every copy, finds it on its pages;
                     else: copied again from where the answer says, as a read without early copies
 
 Why an early copy that the answer confirms is exactly the bytes a pinned copy would have served:
 generations only grow (every allocation takes a new one, a restarted owner continues above the
-pool's highest), so pages that carry generation ``g`` right after the copy carried ``g`` all through
+pool's highest), so pages that carry generation ``g`` after the copy (the batch's one check in
+``finish_get``, after every copy, early or not, as for a pinned copy) carried ``g`` all through
 it: one allocation's pages, whose value was committed before this engine learnt its place (a pin
 names committed values only; this engine's own write is noted after its commit) and which no
 writer touches until the pages are granted again (a new generation).  The digest is checked over
@@ -107,9 +109,9 @@ def copy_early(verifier: Verifier, locations: Locations, pool: Pool, keys: Seque
                dsts: Sequence[memoryview | Scatter], until: float) -> dict[int, Early]:
     """Copy and verify (inline) each key whose place ``locations`` knows on ``pool`` into its
     destination, in order, until ``time.perf_counter()`` passes ``until``; per key index copied,
-    its :class:`Early` (kept only where the value's pages carried its generation before and right
-    after the copy).  Never raises: a destination that cannot take the value is left to the
-    ordinary copy."""
+    its :class:`Early` (copied only where the value's pages carried its generation before the copy;
+    whether they still do is the caller's check, after every copy).  Never raises: a destination
+    that cannot take the value is left to the ordinary copy."""
     out: dict[int, Early] = {}
     data, page_bytes, copy = memoryview(pool.data), pool.page_bytes, verifier.copy  # type: ignore[arg-type]
     try:
@@ -129,8 +131,7 @@ def copy_early(verifier: Verifier, locations: Locations, pool: Pool, keys: Seque
                 got = exc
             except ValueError:
                 continue  # a scatter that cannot be built: the ordinary copy reports it
-            if pool.same_generation(page, nbytes, gen):
-                out[i] = Early(pool, where, got)
+            out[i] = Early(pool, where, got)  # its pages' generation: checked after every copy (finish_get)
     finally:
         del data
     return out

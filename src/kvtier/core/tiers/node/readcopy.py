@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import hmac
 import threading
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -47,10 +46,11 @@ from kvtier.core import codecs, envelope
 from kvtier.core.errors import length_problem
 from kvtier.core.keys import ChunkKey
 from kvtier.core.readchoice import ReadChooser
+from kvtier.core.tiers.node.scatter import COPY_BLOCK_BYTES, Scatter, Tiles, scatter_hashed
 
-COPY_BLOCK_BYTES = 256 << 10
-"""Bytes copied and hashed at a time inline (64 KiB to 1 MiB measured alike, 2026-12-05; the
-digest after a whole 4 MiB copy 0.1x slower)."""
+__all__ = ["COPY_BLOCK_BYTES", "Copied", "Pending", "Scatter", "Tiles", "Verifier", "copy_hashed", "scatter_hashed",
+           "settle"]
+
 _KEY_AT = 24
 """Offset of the chunk key in an envelope header (:mod:`kvtier.core.envelope`'s layout)."""
 VERIFY_WAIT_S = 30.0
@@ -76,104 +76,6 @@ class Pending:
             return self._future.result(timeout=VERIFY_WAIT_S)
         except FutureTimeout:
             raise envelope.EnvelopeError(f"not verified within {VERIFY_WAIT_S:g} s") from None
-
-
-class Scatter:
-    """A destination that is not one buffer: runs of bytes in the caller's memory (an engine's KV
-    blocks, :mod:`kvtier.integrations.vllm.worker.direct`), each taking a slice of the payload.  A
-    node-tier read into a scatter copies each run straight from the pool's pages into its target
-    (the one copy a load needs, no cpu page between) and checks the digest over the payload in
-    order, each run hashed from its target right after it is copied (:func:`scatter_hashed`): what
-    is verified is what is served, as for a buffer.  The caller keeps the targets valid for the read.
-
-    Attributes:
-        nbytes: the payload's length (the value's, checked against its header as a buffer's is).
-        offsets / targets: per run, ascending and not overlapping in the payload: where it starts in
-            the payload, and the flat writable byte view it is copied into (its length is the run's).
-            Payload bytes no run takes are hashed where they lie, not copied.
-    """
-
-    __slots__ = ("_fill", "nbytes", "offsets", "targets")
-
-    def __init__(self, nbytes: int, offsets: list[int], targets: list[memoryview]) -> None:
-        if len(offsets) != len(targets):
-            raise ValueError("offsets and targets differ in length")
-        end = 0
-        for at, target in zip(offsets, targets):
-            if at < end or target.readonly or target.format != "B" or target.ndim != 1:
-                raise ValueError(f"run at {at} overlaps the one before, or its target is not flat writable bytes")
-            end = at + target.nbytes
-        if end > nbytes:
-            raise ValueError(f"runs end at {end}, past the payload's {nbytes} bytes")
-        self.nbytes = nbytes
-        self.offsets, self.targets = offsets, targets
-        self._fill: Callable[[], tuple[list[int], list[memoryview]]] | None = None
-
-    @classmethod
-    def built(cls, nbytes: int, offsets: list[int], targets: list[memoryview]) -> Scatter:
-        """A scatter whose runs its caller computed to be what the constructor checks (ascending, not
-        overlapping, within ``nbytes``, flat writable bytes: :class:`~kvtier.integrations.vllm.worker.direct.DirectTargets`
-        from the cache's layout), without the check per run (a load's ~1,500 runs: ~0.5 ms)."""
-        scatter = cls.__new__(cls)
-        scatter.nbytes, scatter.offsets, scatter.targets, scatter._fill = nbytes, offsets, targets, None
-        return scatter
-
-    @classmethod
-    def later(cls, nbytes: int, fill: Callable[[], tuple[list[int], list[memoryview]]]) -> Scatter:
-        """A scatter whose runs ``fill()`` computes (as :meth:`built`'s, unchecked) when first needed
-        (:meth:`ready`): a load plans its node-tier reads without their runs, and they are built on
-        the load's thread while its pin is in flight (:meth:`~kvtier.core.tiers.node.tier.NodeTier.while_fetching`),
-        or at the copy at the latest."""
-        scatter = cls.built(nbytes, [], [])
-        scatter._fill = fill
-        return scatter
-
-    def ready(self) -> Scatter:
-        """This scatter with its runs computed (once).
-
-        Raises:
-            ValueError: ``fill`` refused (its runs do not fit the cache); it is asked again next time."""
-        if self._fill is not None:
-            self.offsets, self.targets = self._fill()
-            self._fill = None
-        return self
-
-
-def scatter_hashed(hasher: envelope.Hasher | None, src: memoryview, dst: Scatter,
-                   block_bytes: int = COPY_BLOCK_BYTES) -> bytes:
-    """Copy each of ``dst``'s runs out of ``src`` (the payload, ``dst.nbytes`` long) into its target,
-    ``block_bytes`` at most at a time, feeding each copied piece (the target, never ``src``) to
-    ``hasher`` right after it is copied, and the payload bytes no run takes from ``src``, in payload
-    order; return the digest: that of one pass over the payload as served.  ``hasher`` ``None``: the
-    copies alone (bytes already verified), ``b""`` returned.
-
-    Raises:
-        ValueError: ``src`` is not ``dst.nbytes`` long, or ``block_bytes`` < 1."""
-    if src.nbytes != dst.nbytes or block_bytes < 1:
-        raise ValueError(f"cannot scatter {src.nbytes} bytes as {dst.nbytes} in blocks of {block_bytes}")
-    dst.ready()
-    if hasher is None:
-        for at, target in zip(dst.offsets, dst.targets):
-            target[:] = src[at:at + target.nbytes]
-        return b""
-    update, hashed = hasher.update, 0
-    for at, target in zip(dst.offsets, dst.targets):
-        if at > hashed:
-            update(src[hashed:at])
-        n = target.nbytes
-        if n <= block_bytes:
-            target[:] = src[at:at + n]
-            update(target)
-        else:
-            for piece_at in range(0, n, block_bytes):
-                piece_end = min(piece_at + block_bytes, n)
-                piece = target[piece_at:piece_end]
-                piece[:] = src[at + piece_at:at + piece_end]
-                update(piece)
-        hashed = at + n
-    if hashed < dst.nbytes:
-        update(src[hashed:])
-    return hasher.digest()
 
 
 Copied = bytes | None | Pending

@@ -166,7 +166,7 @@ class NodeTier(PoolMemory, EnvelopeTier):
         them.  One that cannot be built is left to fail at its copy (a refusal here is not the
         tier's fault)."""
         for dst in dsts:
-            if isinstance(dst, Scatter):
+            if isinstance(dst, Scatter) and dst.unbuilt:  # (a tiled one has nothing to build)
                 with contextlib.suppress(ValueError):
                     dst.ready()
 
@@ -188,13 +188,14 @@ class NodeTier(PoolMemory, EnvelopeTier):
         cls, overlapped = verifier.begin(batch_bytes, len(held))
         data, page_bytes, copy = memoryview(pool.data), pool.page_bytes, verifier.copy  # type: ignore[arg-type]
         copied: list[Copied | ChunkFormatError] = []
-        moved = corrupt = served_early = 0
+        moved = corrupt = 0
+        confirmed: list[int] = []  # keys whose early copy the answer confirmed (served if their pages pass too)
         try:
             for i, (_lease, page, nbytes, gen) in zip(held, taken, strict=True):
                 first = early.get(i)
                 if first is not None and first.pool is pool and first.where == (page, nbytes, gen):
                     copied.append(first.got)  # copied while the pin was in flight, from these very pages
-                    served_early += 1
+                    confirmed.append(i)
                     continue
                 at = page * page_bytes
                 try:
@@ -226,6 +227,7 @@ class NodeTier(PoolMemory, EnvelopeTier):
             del data
             verifier.end(cls, overlapped, batch_bytes, time.perf_counter() - t0)
             self.client.release_later(serial, [pin[0] for pin in taken])
+        served_early = sum(1 for i in confirmed if out[i] is GetResult.HIT)
         if corrupt or served_early:
             with self._counts:
                 self.corrupt += corrupt

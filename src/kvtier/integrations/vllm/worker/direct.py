@@ -80,6 +80,12 @@ class DirectTargets:
         pairs = list(zip(runs.cache_offsets.tolist(), runs.page_offsets.tolist()))
         self._one_block = [(view, co) for view in self._layers for co, _po in pairs] if blocks_per_chunk == 1 else None
         self._one_block_offsets = [layer * block_bytes + po for layer in range(len(self._layers)) for _co, po in pairs]
+        # where those runs tile the page in order (each block's runs C-ordered, the page its layers' blocks
+        # back to back: vLLM's CPU backend), a page's scatter is the template and the block's offset alone
+        # (Scatter.tiled: no run built or walked before the copy)
+        n = runs.run_bytes
+        self._tiles = self._one_block if self._one_block is not None and page_bytes == len(self._one_block) * n \
+            and self._one_block_offsets == list(range(0, page_bytes, n)) else None
 
     @classmethod
     def of(cls, store: TieredStore, copiers: GroupCopiers) -> DirectTargets | None:
@@ -162,11 +168,18 @@ class DirectTargets:
 
     def into(self, job: LoadJob) -> Into:
         """``prepare_load``'s ``into`` for ``job``: every chunk the shared tier reads goes to its
-        blocks.  The plan gets each such chunk's scatter without its runs (:meth:`Scatter.later`);
-        every page's runs are built at once (:meth:`scatters`) when the first is needed: while the
-        node tier's pin is in flight (:meth:`~kvtier.core.tiers.node.tier.NodeTier.while_fetching`),
-        off the index's lock; a load the cpu tier serves whole builds none."""
+        blocks.  Pages of one block each whose runs tile the page (vLLM's CPU backend) get a
+        :meth:`Scatter.tiled` over the block: nothing built per run before the copy takes each
+        (a 4,000-token hit's 744 runs: 0.3 ms in an engine as built lists, 2026-12-06).  Otherwise the
+        plan gets each such chunk's scatter without its runs (:meth:`Scatter.later`); every page's
+        runs are built at once (:meth:`scatters`) when the first is needed: while the node tier's pin
+        is in flight (:meth:`~kvtier.core.tiers.node.tier.NodeTier.while_fetching`), off the index's
+        lock; a load the cpu tier serves whole builds none."""
         pages = job.pages
+        if self._tiles is not None and all(p.first_slot == 0 and len(p.block_ids) == 1 for p in pages) \
+                and all(0 <= p.block_ids[0] < self.runs.num_blocks for p in pages):
+            tiles, stride, n = self._tiles, self.runs.block_stride, self.runs.run_bytes
+            return lambda pos: Scatter.tiled(tiles, pages[pos].block_ids[0] * stride, n) if pos < len(pages) else None
         built: list[Scatter] = []
 
         def runs(pos: int) -> tuple[list[int], list[memoryview]]:
