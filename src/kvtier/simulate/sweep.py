@@ -226,6 +226,7 @@ def _terminate(pool: ProcessPoolExecutor) -> None:
     returns, so that Python 3.11's exit hook does not wake it through a pipe it is closing (``OSError:
     [Errno 9] Bad file descriptor`` under the command's own exit)."""
     processes: list[Any] = list((getattr(pool, "_processes", None) or {}).values())
+    manager = getattr(pool, "_executor_manager_thread", None)  # read now: shutdown() forgets it
     stop = getattr(pool, "terminate_workers", None)
     if stop is not None:
         stop()
@@ -241,7 +242,6 @@ def _terminate(pool: ProcessPoolExecutor) -> None:
     for process in processes:
         if process.sentinel in pending:
             process.kill()
-    manager = getattr(pool, "_executor_manager_thread", None)
     if manager is not None:
         manager.join(timeout=TERMINATE_GRACE_S)
 
