@@ -58,9 +58,15 @@ def _load(store: TieredStore, copiers: GroupCopiers, plan: HybridPlan, chain: li
           direct: DirectTargets | None) -> tuple[set[int], set[str]]:
     """B loads tokens 16..256 into its blocks 13..27 (block 12 is its own first 16 tokens); chunk 3
     was never saved.  Returns the blocks reported unfilled and the requests finished."""
-    loader = AsyncLoader(store, copiers, CHUNK, threads=1, partial=True, wait_s=5.0, direct=direct)
     pages = PagePlanner(plan, IndexMirror(1)).load_pages(chain, [[12, *range(13, 28)]], BLOCK, 4 * CHUNK)
-    loader.submit(LoadJob("r", pages, BLOCK, 4 * CHUNK, ("node",) * 4))
+    return _run(AsyncLoader(store, copiers, CHUNK, threads=1, partial=True, wait_s=5.0, direct=direct),
+                LoadJob("r", pages, BLOCK, 4 * CHUNK, ("node",) * 4))
+
+
+def _run(loader: AsyncLoader, job: LoadJob) -> tuple[set[int], set[str]]:
+    """``job`` (request ``r``) through ``loader`` until it ends: the blocks reported unfilled and the
+    requests finished."""
+    loader.submit(job)
     finished: set[str] = set()
     errors: set[int] = set()
 
@@ -178,18 +184,7 @@ def test_pages_of_one_block_are_read_through_tiled_scatters_exactly(node_server:
             job = LoadJob("r", pages, 0, 3 * BLOCK, ("node",) * 3)
             scatter = direct.into(job)(0)
             assert scatter is not None and scatter.tiles is not None
-            loader.submit(job)
-            finished: set[str] = set()
-            errors: set[int] = set()
-
-            def ended() -> bool:
-                done, errs, _failed = loader.take()
-                finished.update(done)
-                errors.update(errs)
-                return "r" in finished
-            assert wait_until(ended, timeout_s=20)
-            loader.shutdown()
-            return errors, finished
+            return _run(loader, job)
 
         errors, finished = load()
         assert finished == {"r"} and not errors
