@@ -18,10 +18,10 @@ from urllib.parse import urlsplit
 from kvtier.audit.k8s_volumes import quantity_gib
 from kvtier.audit.model import ServeConfig
 from kvtier.audit.rules.base import rule
+from kvtier.audit.rules.settings import disk_tier, kvtier_settings, left_out, number, under
 from kvtier.audit.versions import version_from_image
 from kvtier.core.config import KVTierConfig
 from kvtier.core.hosts import is_loopback_host
-from kvtier.core.tiers.registry import asked_by
 from kvtier.integrations.vllm.compat import ENGINE_TESTED, SUPPORTED_RANGE, SUPPORTED_TEXT, is_supported
 
 _DOCS = "kvtier docs/deploy.md"
@@ -50,38 +50,12 @@ def _installs_kvtier(launch: str) -> bool:
     return False
 
 
-def _kvtier_extra(c: ServeConfig) -> dict[str, Any] | None:
-    """The KVTierConnector's settings: ``kv_connector_extra_config`` over the ``KVTIER_*`` variables
-    of the line or manifest (kvtier reads both, src/kvtier/core/config.py); None without kvtier."""
-    if not c.uses("KVTierConnector"):
-        return None
-    settings: dict[str, Any] = {name[len("KVTIER_"):].lower(): value for name, value in c.env.items()
-                                if name.upper().startswith("KVTIER_")}
-    settings.update(c.connector_extra)
-    return settings
 
 
-def _number(value: Any, default: float) -> float:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return default
-    return number if math.isfinite(number) else default
 
 
-def _left_out(extra: dict[str, Any], key: str) -> bool:
-    """Whether the settings' ``tiers`` list, if given, leaves out the tier that ``key`` asks for
-    (the registry's record listing ``key``; the raw list is read: no configuration is built)."""
-    tiers = extra.get("tiers")
-    return isinstance(tiers, list) and asked_by(key) not in tiers
 
 
-def _disk_tier(extra: dict[str, Any]) -> str | None:
-    """``disk_path`` when the disk tier is on (a path, disk_gib > 0, its tier in tiers if given)."""
-    path = extra.get("disk_path")
-    if not isinstance(path, str) or not path or _number(extra.get("disk_gib"), 0.0) <= 0:
-        return None
-    return None if _left_out(extra, "disk_path") else path
 
 
 def _repository(image: str) -> str:
@@ -117,15 +91,15 @@ def kvtier_image_without_kvtier(c: ServeConfig) -> str | None:
       "vLLM vllm/engine/arg_utils.py shutdown_timeout (default 0: abort on SIGTERM); kvtier docs/deploy.md § Grace "
       "periods", locate="KVTierConnector")
 def kvtier_no_shutdown_timeout(c: ServeConfig) -> str | None:
-    extra = _kvtier_extra(c)
-    if extra is None or _disk_tier(extra) is None:
+    extra = kvtier_settings(c)
+    if extra is None or disk_tier(extra) is None:
         return None
     if not c.has("--shutdown-timeout"):
         said = "the serve line has no --shutdown-timeout"
     else:
         raw = c.value("--shutdown-timeout")
-        number = _number(raw, math.nan)
-        if number > 0:
+        timeout_s = number(raw, math.nan)
+        if timeout_s > 0:
             return None
         said = ("--shutdown-timeout has no value" if raw is None
                 else f"--shutdown-timeout is {raw}, not a positive number of seconds")
@@ -147,8 +121,8 @@ VLLM_WORKER_SHUTDOWN_DEFAULT_S = 5
       "SIGKILL 4 s later) and vllm/v1/engine/core_client.py (the same wait for the engine core); "
       f"{_DOCS} § Grace periods", locate="KVTierConnector")
 def kvtier_worker_shutdown_timeout_short(c: ServeConfig) -> str | None:
-    extra = _kvtier_extra(c)
-    if extra is None or _disk_tier(extra) is None:
+    extra = kvtier_settings(c)
+    if extra is None or disk_tier(extra) is None:
         return None
     need = _flush_s(extra) + WORKER_EXIT_MARGIN_S
     raw = c.env.get("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS")
@@ -185,7 +159,7 @@ def kvtier_unsupported_vllm(c: ServeConfig) -> str | None:
 
 def _flush_s(extra: dict[str, Any]) -> float:
     default = float(KVTierConfig.model_fields["shutdown_flush_s"].default)
-    return max(_number(extra.get("shutdown_flush_s"), default), 0.0)
+    return max(number(extra.get("shutdown_flush_s"), default), 0.0)
 
 
 @rule("kvtier-grace-period-too-short", "error",
@@ -195,8 +169,8 @@ def _flush_s(extra: dict[str, Any]) -> float:
       f"Kubernetes pod termination (kubernetes.io/docs/concepts/workloads/pods/pod-lifecycle/); {_DOCS} § Grace "
       "periods", locate="terminationGracePeriodSeconds")
 def kvtier_grace_period_too_short(c: ServeConfig) -> str | None:
-    extra = _kvtier_extra(c)
-    if extra is None or c.pod is None or _disk_tier(extra) is None:
+    extra = kvtier_settings(c)
+    if extra is None or c.pod is None or disk_tier(extra) is None:
         return None
     timeout = max(c.number("--shutdown-timeout") or 0.0, 0.0)
     flush = _flush_s(extra)
@@ -210,9 +184,6 @@ def kvtier_grace_period_too_short(c: ServeConfig) -> str | None:
             f"{timeout + flush:g} s, so the kubelet SIGKILLs the pod before kvtier has flushed its hot set to disk.")
 
 
-def _under(path: str, mount: str) -> bool:
-    path, mount = posixpath.normpath(path), posixpath.normpath(mount)
-    return path == mount or path.startswith(mount.rstrip("/") + "/")
 
 
 @rule("kvtier-disk-path-not-on-volume", "error", "disk_path not on a volume mounted in the container",
@@ -221,11 +192,11 @@ def _under(path: str, mount: str) -> bool:
       f"Kubernetes volumes (kubernetes.io/docs/concepts/storage/volumes/); {_DOCS} § NVMe volumes",
       locate="disk_path")
 def kvtier_disk_path_not_on_volume(c: ServeConfig) -> str | None:
-    extra = _kvtier_extra(c)
+    extra = kvtier_settings(c)
     if extra is None or c.pod is None:
         return None
-    path = _disk_tier(extra)
-    if path is None or any(_under(path, mount) for mount in c.pod.mount_paths):
+    path = disk_tier(extra)
+    if path is None or any(under(path, mount) for mount in c.pod.mount_paths):
         return None
     return (f"disk_path {path} is not under any volumeMount of the container, so the disk tier writes into the "
             "container's own writable layer: the root disk's space, counted as ephemeral storage (the kubelet "
@@ -259,15 +230,15 @@ VOLUME_HEADROOM = 1.10
       f"Kubernetes volumes (kubernetes.io/docs/concepts/storage/volumes/#emptydir); {_DOCS} § NVMe volumes",
       locate="disk_path")
 def kvtier_disk_volume_unfit(c: ServeConfig) -> str | None:
-    extra = _kvtier_extra(c)
+    extra = kvtier_settings(c)
     if extra is None or c.pod is None:
         return None
-    path = _disk_tier(extra)
-    holding = [m for m in c.pod.mounts if path is not None and _under(path, m.path)]
+    path = disk_tier(extra)
+    holding = [m for m in c.pod.mounts if path is not None and under(path, m.path)]
     if path is None or not holding:
         return None  # kvtier-disk-path-not-on-volume speaks for a path under no mount
     mount = max(holding, key=lambda m: len(posixpath.normpath(m.path)))
-    disk_gib = _number(extra.get("disk_gib"), 0.0)
+    disk_gib = number(extra.get("disk_gib"), 0.0)
     if mount.read_only:
         problem = "is mounted readOnly, so every chunk write fails and the disk tier never holds anything"
     elif (mount.medium or "").lower() == "memory":
@@ -297,13 +268,13 @@ GPU with its CUDA context and staging buffers; the shipped manifests budget ~16 
 def kvtier_cpu_tier_over_memory_limit(c: ServeConfig) -> str | None:
     """The pod holds every tensor-parallel rank's share of ``cpu_gib`` (the total across ranks,
     src/kvtier/core/config.py ``cpu_bytes_per_rank``), or ``cpu_gib / --nnodes`` when vLLM spans nodes."""
-    extra = _kvtier_extra(c)
+    extra = kvtier_settings(c)
     if extra is None or c.pod is None or c.pod.memory_limit is None:
         return None
     limit_gib = quantity_gib(c.pod.memory_limit)
     default = float(KVTierConfig.model_fields["cpu_gib"].default)
-    cpu_gib = max(_number(extra.get("cpu_gib"), default), 0.0)
-    nodes = max(int(_number(c.value("--nnodes"), 1.0)), 1)
+    cpu_gib = max(number(extra.get("cpu_gib"), default), 0.0)
+    nodes = max(int(number(c.value("--nnodes"), 1.0)), 1)
     pod_gib = cpu_gib / nodes
     if limit_gib is None or pod_gib + VLLM_HOST_MEMORY_GIB <= limit_gib:
         return None
@@ -339,11 +310,11 @@ def _inside_namespace(host: str, c: ServeConfig) -> bool:
       "Kubernetes DNS for Services and Pods (kubernetes.io/docs/concepts/services-networking/dns-pod-service/); "
       "kvtier docs/shared-tier.md", locate="redis_url")
 def kvtier_shared_tier_cleartext_beyond_namespace(c: ServeConfig) -> str | None:
-    extra = _kvtier_extra(c)
+    extra = kvtier_settings(c)
     if extra is None or c.pod is None:
         return None
     url = extra.get("redis_url")
-    if not isinstance(url, str) or _left_out(extra, "redis_url"):
+    if not isinstance(url, str) or left_out(extra, "redis_url"):
         return None
     try:
         parts = urlsplit(url)

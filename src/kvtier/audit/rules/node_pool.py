@@ -12,7 +12,7 @@ import posixpath
 
 from kvtier.audit.model import ServeConfig
 from kvtier.audit.rules.base import rule
-from kvtier.audit.rules.deploy import _kvtier_extra, _left_out, _number, _under
+from kvtier.audit.rules.settings import kvtier_settings, left_out, number, under
 from kvtier.integrations.vllm.preflight_tiers import node_pool_below_cpu_tier
 
 _DOCS = "kvtier docs/node.md"
@@ -20,10 +20,10 @@ _DOCS = "kvtier docs/node.md"
 
 def _node_gib(c: ServeConfig) -> float | None:
     """``node_gib`` when the node tier is on (a socket, a size, its tier in ``tiers`` if given)."""
-    extra = _kvtier_extra(c)
-    if extra is None or not extra.get("node_socket") or _left_out(extra, "node_socket"):
+    extra = kvtier_settings(c)
+    if extra is None or not extra.get("node_socket") or left_out(extra, "node_socket"):
         return None
-    gib = _number(extra.get("node_gib"), 0.0)
+    gib = number(extra.get("node_gib"), 0.0)
     return gib if gib > 0 else None
 
 
@@ -34,10 +34,10 @@ def _node_gib(c: ServeConfig) -> float | None:
       f"{_DOCS} § Sizing", locate="node_gib")
 def kvtier_node_pool_below_working_set(c: ServeConfig) -> str | None:
     node_gib = _node_gib(c)
-    extra = _kvtier_extra(c)
+    extra = kvtier_settings(c)
     if node_gib is None or extra is None:
         return None
-    said = node_pool_below_cpu_tier(node_gib, _number(extra.get("cpu_gib"), 4.0))  # 4: KVTierConfig's default
+    said = node_pool_below_cpu_tier(node_gib, number(extra.get("cpu_gib"), 4.0))  # 4: KVTierConfig's default
     return f"{said}." if said else None
 
 
@@ -52,11 +52,11 @@ def kvtier_node_shm_below_pool(c: ServeConfig) -> str | None:
     DIR/node.sock``, docs/node.md): the memory-backed volume holding ``node_socket`` must hold
     ``node_gib``."""
     node_gib = _node_gib(c)
-    extra = _kvtier_extra(c)
+    extra = kvtier_settings(c)
     if node_gib is None or extra is None or c.pod is None:
         return None
     where = posixpath.dirname(posixpath.normpath(str(extra["node_socket"])))
-    holding = [m for m in c.pod.mounts if _under(where, m.path)]
+    holding = [m for m in c.pod.mounts if under(where, m.path)]
     if not holding:
         return None
     mount = max(holding, key=lambda m: len(posixpath.normpath(m.path)))

@@ -4,10 +4,9 @@ the connector base class) diffed against 0.32's.  Each rule cites the file and r
 
 from __future__ import annotations
 
-from typing import Any
-
 from kvtier.audit.model import ServeConfig
 from kvtier.audit.rules.base import rule
+from kvtier.audit.rules.settings import kvtier_setting
 
 NEW_FLAGS: dict[str, str] = {
     "--monokernel": "0.33.0",
@@ -28,11 +27,6 @@ BLOCK_SIZE_DEFAULT_034 = 64
 """vLLM 0.34's ``CacheConfig.DEFAULT_BLOCK_SIZE`` (vllm/config/cache.py; 16 through 0.33), tokens."""
 
 
-def _kvtier_setting(c: ServeConfig, key: str) -> Any:
-    """A KVTierConnector setting from ``kv_connector_extra_config``, else its ``KVTIER_*`` variable."""
-    if key in c.connector_extra:
-        return c.connector_extra[key]
-    return c.env.get(f"KVTIER_{key.upper()}")
 
 
 @rule("flag-newer-than-vllm", "error", "flag not in this vLLM release",
@@ -105,7 +99,7 @@ def kvtier_extensible_kv_cache_headroom(c: ServeConfig) -> str | None:
 def kvtier_chunk_tokens_block_size(c: ServeConfig) -> str | None:
     if not c.uses("KVTierConnector") or not c.at_least("0.34.0") or c.has("--block-size"):
         return None
-    raw = _kvtier_setting(c, "chunk_tokens")
+    raw = kvtier_setting(c, "chunk_tokens")
     try:
         tokens = int(raw) if raw is not None and str(raw).strip().lower() != "auto" else None
     except ValueError:

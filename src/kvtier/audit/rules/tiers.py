@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from kvtier.audit.model import ServeConfig
 from kvtier.audit.rules.base import rule
-from kvtier.audit.rules.deploy import _disk_tier, _kvtier_extra, _left_out, _number
+from kvtier.audit.rules.settings import disk_tier, kvtier_setting, kvtier_settings, left_out, number
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import UserError
 from kvtier.size.hardware import DEFAULT_GPU_MEMORY_UTILIZATION, GPUS, find_gpu
@@ -53,13 +53,13 @@ class _Tiers:
 
 
 def _tiers(c: ServeConfig) -> _Tiers | None:
-    extra = _kvtier_extra(c)
+    extra = kvtier_settings(c)
     if extra is not None:
         default = float(KVTierConfig.model_fields["cpu_gib"].default)
-        cpu = _number(extra.get("cpu_gib"), default)
-        disk = _number(extra.get("disk_gib"), 0.0) if _disk_tier(extra) else 0.0
-        node_on = bool(extra.get("node_socket")) and not _left_out(extra, "node_socket")
-        node = _number(extra.get("node_gib"), 0.0) if node_on else 0.0
+        cpu = number(extra.get("cpu_gib"), default)
+        disk = number(extra.get("disk_gib"), 0.0) if disk_tier(extra) else 0.0
+        node_on = bool(extra.get("node_socket")) and not left_out(extra, "node_socket")
+        node = number(extra.get("node_gib"), 0.0) if node_on else 0.0
         shared = any(extra.get(k) for k in _SHARED_KEYS) or (node_on and not node > 0)
         return _Tiers(cpu, f"kvtier's cpu_gib {cpu:g}", max(cpu, disk, node), shared)
     size = c.number("--kv-offloading-size")
@@ -160,12 +160,10 @@ AUTO_CHUNK_TOKENS_MIN = 128
       "leaves at least the prompt's last token to compute); vLLM vllm/config/model.py max_model_len",
       locate="--max-model-len")
 def kvtier_chunk_tokens_not_below_max_model_len(c: ServeConfig) -> str | None:
-    from kvtier.audit.rules.releases import _kvtier_setting
-
     length = c.number("--max-model-len")
     if not c.uses("KVTierConnector") or length is None or length <= 0:
         return None
-    raw = _kvtier_setting(c, "chunk_tokens")
+    raw = kvtier_setting(c, "chunk_tokens")
     auto = raw is None or str(raw).strip().lower() == "auto"
     try:
         tokens = AUTO_CHUNK_TOKENS_MIN if auto else int(str(raw).strip())
