@@ -205,3 +205,34 @@ def test_file_mode_advice_fits_file_mode(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "is not Prometheus text" in proc.stderr and "/metrics URL" not in proc.stderr
     assert "curl -s http://HOST:PORT/metrics > FILE" in proc.stderr
+
+
+class _RootMetrics(BaseHTTPRequestHandler):
+    """A server with vLLM's layout: /metrics at the root, /v1/... for the OpenAI API, 404 elsewhere."""
+
+    def do_GET(self):
+        body = AFTER.encode() if self.path == "/metrics" else b'{"detail":"Not Found"}'
+        self.send_response(200 if self.path == "/metrics" else 404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_an_api_url_with_v1_says_to_give_the_server_root():
+    """``--url http://HOST:PORT/v1`` (the OpenAI base URL operators have at hand) answered only 'HTTP 404; is this
+    the vLLM server's URL?' (new-operator finding): the sentence names the root URL to give instead."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _RootMetrics)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    root = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        proc = doctor("--url", f"{root}/v1", "--interval", "0.1")
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr == (f"error: {root}/v1 answered HTTP 404: a URL with a path is scraped as given, and vLLM "
+                               f"serves its metrics at the server's root; give {root} (kvtier adds /metrics).\n")
+        assert fetch_metrics(root) == AFTER  # the URL it names is one that works
+    finally:
+        server.shutdown()

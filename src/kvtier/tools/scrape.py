@@ -53,6 +53,10 @@ def fetch_metrics(url: str, timeout_s: float = 10.0) -> str:
     """
     url = metrics_url(url)
     page = get_within(url, timeout_s, "its /metrics", error=MetricsError)
+    if page.status == 404 and not urlsplit(url).path.endswith("/metrics"):
+        root = urlunsplit(urlsplit(url)._replace(path="", query=""))
+        raise MetricsError(f"{url} answered HTTP 404: a URL with a path is scraped as given, and vLLM serves its "
+                           f"metrics at the server's root; give {root} (kvtier adds /metrics).")
     if page.status != 200:
         raise MetricsError(f"{url} answered HTTP {page.status}; is this the vLLM server's URL?")
     return page.text
