@@ -189,7 +189,8 @@ class SyncBudget:
         self.tiers = tiers
         self.chunk_tokens = chunk_tokens
         self.left_bytes = step_bytes  # this step's budget not yet promised
-        self._promised: dict[str, int] = {}  # requests answered (n, False) this step -> bytes promised
+        self.promised: dict[str, int] = {}
+        """Requests answered ``(n, False)`` this step -> bytes promised (empty: nothing to give back or take)."""
 
     @classmethod
     def of(cls, config: KVTierConfig, kv_cache_config: Any, on: bool) -> SyncBudget:
@@ -210,12 +211,12 @@ class SyncBudget:
         if not self.tiers.issuperset(tiers[first:]):
             return False
         self.left_bytes -= need
-        self._promised[req_id] = need
+        self.promised[req_id] = need
         return True
 
     def give_back(self, req_id: str) -> bool:
         """Take back ``req_id``'s promise (asked again, not allocated, or finished); whether it had one."""
-        promised = self._promised.pop(req_id, None)
+        promised = self.promised.pop(req_id, None)
         if promised is None:
             return False
         self.left_bytes += promised
@@ -223,12 +224,12 @@ class SyncBudget:
 
     def taken(self, req_id: str) -> bool:
         """``req_id``'s load job was built: whether it was promised this step (a synchronous load)."""
-        return self._promised.pop(req_id, None) is not None
+        return self.promised.pop(req_id, None) is not None
 
     def new_step(self) -> None:
         """The next step's budget, whole."""
         self.left_bytes = self.step_bytes
-        self._promised.clear()
+        self.promised.clear()
 
 
 class DeferredSaves:
