@@ -340,7 +340,7 @@ class SchedulerSide:
             self.sync.give_back(req_id)
         if self.remote is not None:
             self.remote.forget(req_id)
-        held = state is not None and bool(self._deferrable) and self.deferred.finish(req_id)  # none without async_saves
+        held = state is not None and req_id in self.deferred.by_req and self.deferred.finish(req_id)
         return held, self.receipts.finished(request, state.receipt if state is not None else ReceiptFacts())
 
     # ---- reset ---------------------------------------------------------------------------------
