@@ -220,19 +220,19 @@ class ReceiptDesk:
         self.chunk_tokens = chunk_tokens
         self.tp_size = tp_size
         self.sinks = sinks
-        self._pending: dict[str, _Pending] = {}
+        self.pending: dict[str, _Pending] = {}  # finished requests whose receipts wait for their last step's facts
         self._dropped_seen: dict[str, float] = {}
 
     def finished(self, request: Any, facts: ReceiptFacts) -> dict[str, Any]:
         """``request`` finished: the dict its ``kv_transfer_params["kvtier"]`` will be (filled by :meth:`finish`)."""
         params: dict[str, Any] = {}
-        self._pending[request.request_id] = _Pending(request.request_id, int(request.num_prompt_tokens), facts, params,
+        self.pending[request.request_id] = _Pending(request.request_id, int(request.num_prompt_tokens), facts, params,
                                                      getattr(request, "trace_headers", None))
         return params
 
     def observe(self, req_id: str, rank: int, facts: RequestFacts) -> bool:
         """Fold a rank's late facts into a finished request's receipt; False: not one of them."""
-        pending = self._pending.get(req_id)
+        pending = self.pending.get(req_id)
         if pending is None:
             return False
         pending.facts.observe(rank, facts)
@@ -242,7 +242,7 @@ class ReceiptDesk:
         """Complete every pending receipt: fill its response dict, emit it to the sinks; returns the
         payload counters of them all (:func:`receipt_counters`)."""
         counters: dict[str, float] = {}
-        pending, self._pending = self._pending, {}
+        pending, self.pending = self.pending, {}
         for p in pending.values():
             receipt = build_receipt(p.request_id, p.prompt_tokens, p.facts, self.chunk_tokens, self.tp_size)
             p.params.update(msgspec.to_builtins(receipt))  # Receipt.to_builtins

@@ -189,6 +189,9 @@ class RequestState:
         pin_s: its prompt's pin TTL, seconds (asked with ``kvtier_pin_s`` and valid; 0: none).
         refreshed: it asked again once already after an idle gap (see ``SchedulerSide``).
         receipt: what its receipt is built from (:mod:`~kvtier.integrations.vllm.scheduler.receipts`).
+        tenant: its tenant (``cache_salt`` and LoRA adapter as digests), shipped with its load and save
+            jobs so each worker builds the request's :class:`~kvtier.core.context.OpContext`; ``None``
+            until its chain is made (:meth:`keys`).
     """
 
     request: Any
@@ -203,13 +206,15 @@ class RequestState:
     pin_s: float = 0.0
     refreshed: bool = False
     receipt: ReceiptFacts = field(default_factory=ReceiptFacts)
+    tenant: TenantId | None = None
 
-    @property
-    def tenant(self) -> TenantId | None:
-        """Its tenant (``cache_salt`` and LoRA adapter as digests), shipped with its load and save
-        jobs so each worker builds the request's :class:`~kvtier.core.context.OpContext`; ``None``
-        until its chain is first needed."""
-        return self.chain.tenant if self.chain is not None else None
+    def keys(self, key_root: bytes, chunk_tokens: int, memo: KeyMemo, num_chunks: int) -> list[bytes]:
+        """Keys of its first ``num_chunks`` chunks (its :class:`RequestChain`, and so its tenant, made
+        at the first call)."""
+        if self.chain is None:
+            self.chain = RequestChain(self.request, key_root, chunk_tokens, memo)
+            self.tenant = self.chain.tenant
+        return self.chain.upto(self.request.all_token_ids, num_chunks)
 
     def loaded(self, first_chunk: int, tiers: Sequence[str], sync: bool, local: AbstractSet[str]) -> None:
         """A load job of chunks ``first_chunk`` (where vLLM's own hit ends, rounded down) to

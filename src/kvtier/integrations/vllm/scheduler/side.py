@@ -29,7 +29,6 @@ from kvtier.integrations.vllm.scheduler.requests import (
     PIN_PARAM,
     KeyMemo,
     PagePlanner,
-    RequestChain,
     RequestState,
     pin_seconds,
 )
@@ -122,9 +121,7 @@ class SchedulerSide:
         request = state.request
         if getattr(request, "prompt_embeds", None) is not None or self.mirror.key_root is None:
             return None  # prompt embeddings have no token ids to key on
-        if state.chain is None:
-            state.chain = RequestChain(request, self.mirror.key_root, self.chunk_tokens, self.key_memo)
-        return state.chain.upto(request.all_token_ids, num_chunks)
+        return state.keys(self.mirror.key_root, self.chunk_tokens, self.key_memo, num_chunks)
 
     def _state(self, request: Any) -> RequestState:
         state = self.requests.get(request.request_id)
@@ -133,22 +130,22 @@ class SchedulerSide:
     # ---- admission ---------------------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
         state = self.requests[request.request_id] = RequestState(request)
-        if self.save_enabled:
-            params = getattr(request, "kv_transfer_params", None)
+        params = getattr(request, "kv_transfer_params", None)
+        if self.save_enabled and isinstance(params, dict) and PIN_PARAM in params:  # asks for a pin
             ttl_s, problem = pin_seconds(params, self.config.pin_max_s)
             if problem:
                 log.warning("kvtier: request %s: %s", request.request_id, problem)
             if ttl_s > 0 and self.config.pin_max_share > 0:
                 state.pin_s = ttl_s
-            if isinstance(params, dict) and PIN_PARAM in params:  # the receipt says what became of it
-                state.receipt.pin = (state.pin_s, problem)
+            state.receipt.pin = (state.pin_s, problem)  # the receipt says what became of it
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
         state = self._state(request)
         state.planned_tiers = None
         state.receipt.ask(num_computed_tokens)  # vLLM's own hit, for the receipt if it is admitted now
-        self.sync.give_back(req_id)  # asked again in this step (not scheduled after the first answer)
+        if self.sync.promised:  # asked again in this step (not scheduled after the first answer)
+            self.sync.give_back(req_id)
         # vLLM must compute at least the last prompt token itself (to sample from its logits).
         max_chunks = (request.num_tokens - 1) // self.chunk_tokens
         loadable = self.load_enabled and max_chunks * self.chunk_tokens > num_computed_tokens
@@ -197,12 +194,13 @@ class SchedulerSide:
             self.remote.forget(req_id)
         state = self.requests.get(req_id)
         tiers = state.planned_tiers if state is not None else None
-        if state is not None:
+        if state is not None and state.receipt.asked is not None:  # (else a re-allocation: nothing to record)
             state.receipt.admitted(request, tiers, num_external_tokens, self.chunk_tokens, state.load_failed)
         if num_external_tokens <= 0 or tiers is None or state is None or state.chain is None:
             if state is not None:
                 state.planned_tiers = None
-            self.sync.give_back(req_id)
+            if self.sync.promised:
+                self.sync.give_back(req_id)
             if num_external_tokens > 0:  # vLLM asked us to load what we never offered
                 raise RuntimeError(f"kvtier: request {req_id} was allocated external tokens kvtier did not offer")
             return
@@ -213,7 +211,7 @@ class SchedulerSide:
             for page in pages:
                 self.events.record(request, page.key, page.group, page.chunk)
         resumed = getattr(request, "num_preemptions", 0) > 0
-        sync = self.sync.taken(req_id)
+        sync = bool(self.sync.promised) and self.sync.taken(req_id)
         if self.pages.dense:  # its loaded chunks are held: no save job carries them again
             state.loaded(local // self.chunk_tokens, tiers, sync, self._local_tiers)
         self._loads.append(LoadJob(req_id, pages, local, hit, tuple(tiers), resumed, sync=sync, tenant=state.tenant))
@@ -338,10 +336,11 @@ class SchedulerSide:
                 a deferred save's facts are taken when it is queued, in this step: ``worker.saves.save_jobs``)."""
         req_id = request.request_id
         state = self.requests.pop(req_id, None)
-        self.sync.give_back(req_id)
+        if self.sync.promised:
+            self.sync.give_back(req_id)
         if self.remote is not None:
             self.remote.forget(req_id)
-        held = state is not None and self.deferred.finish(req_id)
+        held = state is not None and req_id in self.deferred.by_req and self.deferred.finish(req_id)
         return held, self.receipts.finished(request, state.receipt if state is not None else ReceiptFacts())
 
     # ---- reset ---------------------------------------------------------------------------------
@@ -358,7 +357,8 @@ class SchedulerSide:
         ``kvtier_reset_failures_total``) and, with a shared tier, its lookups and those in flight
         (``kvtier_shared_lookups_*``); ``None`` when nothing changed."""
         counters: dict[str, float] = dict(self.resets.take_counts()) if self.resets.counts else {}
-        counters |= self.receipts.finish()  # this step's finished requests' receipts, complete now
+        if self.receipts.pending or self.receipts.sinks:  # this step's finished requests' receipts, complete now
+            counters |= self.receipts.finish()
         if self.events is not None:
             counters |= self.events.take_counters()
         gauges: dict[str, float] = {}

@@ -189,7 +189,8 @@ class SyncBudget:
         self.tiers = tiers
         self.chunk_tokens = chunk_tokens
         self.left_bytes = step_bytes  # this step's budget not yet promised
-        self._promised: dict[str, int] = {}  # requests answered (n, False) this step -> bytes promised
+        self.promised: dict[str, int] = {}
+        """Requests answered ``(n, False)`` this step -> bytes promised (empty: nothing to give back or take)."""
 
     @classmethod
     def of(cls, config: KVTierConfig, kv_cache_config: Any, on: bool) -> SyncBudget:
@@ -210,12 +211,12 @@ class SyncBudget:
         if not self.tiers.issuperset(tiers[first:]):
             return False
         self.left_bytes -= need
-        self._promised[req_id] = need
+        self.promised[req_id] = need
         return True
 
     def give_back(self, req_id: str) -> bool:
         """Take back ``req_id``'s promise (asked again, not allocated, or finished); whether it had one."""
-        promised = self._promised.pop(req_id, None)
+        promised = self.promised.pop(req_id, None)
         if promised is None:
             return False
         self.left_bytes += promised
@@ -223,12 +224,12 @@ class SyncBudget:
 
     def taken(self, req_id: str) -> bool:
         """``req_id``'s load job was built: whether it was promised this step (a synchronous load)."""
-        return self._promised.pop(req_id, None) is not None
+        return self.promised.pop(req_id, None) is not None
 
     def new_step(self) -> None:
         """The next step's budget, whole."""
         self.left_bytes = self.step_bytes
-        self._promised.clear()
+        self.promised.clear()
 
 
 class DeferredSaves:
@@ -242,14 +243,15 @@ class DeferredSaves:
         self.tp_size = tp_size
         self._next = 0
         self._open: dict[int, tuple[str, set[int]]] = {}  # seq -> (request, ranks yet to report it)
-        self._by_req: dict[str, set[int]] = {}
+        self.by_req: dict[str, set[int]] = {}
+        """Requests with a deferred save not yet reported ended by every rank -> its open numbers."""
         self._held: set[str] = set()  # finished and held, for the next step's metadata
 
     def ship(self, req_id: str) -> int:
         """A deferred save job of ``req_id`` is shipped: its number."""
         seq, self._next = self._next, self._next + 1
         self._open[seq] = (req_id, set(range(self.tp_size)))
-        self._by_req.setdefault(req_id, set()).add(seq)
+        self.by_req.setdefault(req_id, set()).add(seq)
         return seq
 
     def ended(self, rank: int, seqs: Iterable[int]) -> None:
@@ -262,19 +264,19 @@ class DeferredSaves:
             ranks.discard(rank)
             if not ranks:
                 del self._open[seq]
-                left = self._by_req.get(req_id)
+                left = self.by_req.get(req_id)
                 if left is not None:
                     left.discard(seq)
                     if not left:
-                        del self._by_req[req_id]
+                        del self.by_req[req_id]
 
     def running(self, req_id: str) -> bool:
         """A deferred save of ``req_id`` has not been reported ended by every rank."""
-        return bool(self._by_req.get(req_id))
+        return bool(self.by_req.get(req_id))
 
     def forget(self, req_id: str) -> None:
         """Drop ``req_id``'s numbers (preempted: the workers wait for its saves in ``handle_preemptions``)."""
-        for seq in self._by_req.pop(req_id, ()):
+        for seq in self.by_req.pop(req_id, ()):
             self._open.pop(seq, None)
 
     def finish(self, req_id: str) -> bool:
