@@ -9,8 +9,7 @@ What runs each step on that payload, the worker's report of its store's snapshot
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from itertools import groupby
+from collections.abc import Callable
 
 from kvtier.core.codecstats import CodecNumbers
 from kvtier.core.receipt import MISS_REASONS, NO_TIER
@@ -277,21 +276,3 @@ def rank0_only() -> tuple[str, ...]:
     tiers = registry.available_tiers()
     return (*(f"loaded_tokens_{t}" for t in tiers), *(f"unfilled_tokens_{t}" for t in tiers), "reloaded_tokens",
             "saved_tokens", "load_failed_blocks", "rerouted_chunks")
-
-
-def tokens_by_tier(tiers: Sequence[str], start: int, end: int, chunk_tokens: int) -> dict[str, int]:
-    """Tokens ``[start, end)`` split by the tier of the chunk each lies in (``tiers[c]``: the tier
-    planned for chunk ``c``).  A receipt's tokens by tier, the scheduler's hit sources for vLLM and
-    the worker's loaded-token counters all come from this one function, so they split alike."""
-    out: dict[str, int] = {}
-    if end <= start:
-        return out
-    first, last = start // chunk_tokens, (end - 1) // chunk_tokens
-    if last >= len(tiers):
-        raise IndexError(f"chunk {last} has no planned tier ({len(tiers)} planned)")
-    c = first
-    for tier, run in groupby(tiers[first:last + 1]):  # runs of one tier: no Python work per chunk
-        lo = max(start, c * chunk_tokens)
-        c += len(list(run))
-        out[tier] = out.get(tier, 0) + min(end, c * chunk_tokens) - lo
-    return out
