@@ -118,7 +118,8 @@ from kvtier.integrations.vllm.stats_table import (
 )
 
 __all__ = ["LABELS", "TENANT_GAUGE", "TENANT_PREFIX", "KVTierPromMetrics", "KVTierStats", "counters", "gauges",
-           "ghost_observations", "rank0_only", "store_counter_readers", "store_counters", "store_gauges", "store_report"]
+           "ghost_observations", "rank0_only", "store_counter_readers", "store_counters", "store_gauges",
+           "store_report"]
 
 
 def ghost_observations(distances: list[tuple[str, int]]) -> dict[str, list[float]]:
