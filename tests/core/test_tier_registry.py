@@ -33,7 +33,7 @@ def test_a_module_named_in_tier_modules_registers_its_tier(plugin):
     import dataclasses
 
     from kvtier.core.sinks import StoreCounters
-    from kvtier.integrations.vllm.stats_table import store_counters
+    from kvtier.integrations.vllm.stats import store_counters
 
     assert SPEC.name not in registry.available_tiers()
     # what the hot paths derive from the records once (directions, the per-step stats table) is

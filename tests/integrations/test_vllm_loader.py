@@ -22,10 +22,9 @@ from kvtier.integrations.vllm.protocol import LoadJob
 from kvtier.integrations.vllm.scheduler.pages import HybridPlan
 from kvtier.integrations.vllm.scheduler.requests import PagePlanner
 from kvtier.integrations.vllm.scheduler.steps import IndexMirror
-from kvtier.integrations.vllm.stats_table import tokens_by_tier
 from kvtier.integrations.vllm.worker.copy import GroupCopiers
 from kvtier.integrations.vllm.worker.layout import detect_layout
-from kvtier.integrations.vllm.worker.loader import AsyncLoader
+from kvtier.integrations.vllm.worker.loader import AsyncLoader, tokens_by_tier
 from kvtier.integrations.vllm.worker.syncload import load_now
 
 BLOCK, CHUNK, NUM_BLOCKS = 16, 64, 32  # 4 blocks per chunk

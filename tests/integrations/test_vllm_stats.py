@@ -49,7 +49,7 @@ def test_failed_disk_writes_reach_the_step_counters(tmp_path):
 
 
 def test_one_pass_reading_equals_every_reader_on_every_registered_tier():
-    """The per-step report reads a snapshot in one pass (stats_table.store_values, no call per
+    """The per-step report reads a snapshot in one pass (stats.store_values, no call per
     counter); it must give what each reader of store_counter_readers gives, for every registered
     tier kind (cpu, disk, the shared ones: wire numbers, codec numbers), every value distinct."""
     from itertools import count
@@ -57,7 +57,8 @@ def test_one_pass_reading_equals_every_reader_on_every_registered_tier():
     from kvtier.core.codecstats import CodecNumbers
     from kvtier.core.stats import StoreStats, TierStats, WireStats
     from kvtier.core.tiers import registry
-    from kvtier.integrations.vllm.stats_table import store_counter_readers, store_values
+    from kvtier.integrations.vllm.stats import store_values
+    from kvtier.integrations.vllm.stats_table import store_counter_readers
 
     n = count(1)
     names = [spec.name for spec in registry.specs()]

@@ -7,7 +7,7 @@ The receipt is what a kvtier engine returns as ``kv_transfer_params["kvtier"]`` 
 receipt log, and sets as attributes of a request's trace span.  This module is the shape only:
 building one (from the request context's events) is the integration's job, emitting one is a
 :class:`ReceiptSink`'s (the split of a hit's tokens by tier that the receipts, vLLM's hit sources and
-the loaded-token counters share: :func:`kvtier.integrations.vllm.stats.tokens_by_tier`).
+the loaded-token counters share: :func:`kvtier.integrations.vllm.worker.loader.tokens_by_tier`).
 
 Every field is plain JSON (``msgspec.to_builtins``); :func:`decode` reads one back and raises
 :class:`msgspec.ValidationError` on anything else.

@@ -1,11 +1,13 @@
-"""kvtier numbers in vLLM's own ``/metrics``, through vLLM's connector metrics hooks.
+"""kvtier numbers in vLLM's own ``/metrics``, through vLLM's connector metrics hooks: what runs each
+step on the stats payload.
 
-The table of names (payload → metric, and how each is read from the store):
-:mod:`kvtier.integrations.vllm.stats_table`.  Path of a number: the worker-side connector fills a :class:`KVTierStats` each step
-(``get_kv_connector_stats``); vLLM sums the ranks' stats with :meth:`KVTierStats.aggregate`,
-ships them to the front-end process, and calls :meth:`KVTierPromMetrics.observe`, whose
-collectors were created with vLLM's metric classes and so land in the same registry as
-``vllm:prefix_cache_*`` and ``vllm:external_prefix_cache_*``.
+Path of a number: the worker-side connector fills a :class:`KVTierStats` each step
+(``get_kv_connector_stats``) with :func:`store_report`, the change of its store's snapshot in one
+pass; vLLM sums the ranks' stats with :meth:`KVTierStats.aggregate`, ships them to the front-end
+process, and calls :meth:`KVTierPromMetrics.observe`, whose collectors were created with vLLM's
+metric classes and so land in the same registry as ``vllm:prefix_cache_*`` and
+``vllm:external_prefix_cache_*``.  The table of names (payload → metric, and how each is read from
+the store), read when the collectors are created: :mod:`kvtier.integrations.vllm.stats_table`.
 
 Exported (Prometheus adds ``_total`` to counters; ``tier`` is a registered tier's name, and
 the per-tier series follow the registry, :mod:`kvtier.core.tiers.registry`; with the built-in
@@ -99,7 +101,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
+from kvtier.core.codecstats import CodecNumbers
 from kvtier.core.ghosts import DISTANCE_BUCKETS_BYTES
+from kvtier.core.stats import StoreStats, TierStats, WireStats
 from kvtier.core.tiers import registry
 from kvtier.integrations.vllm.stats_table import (
     GHOST_DISTANCE,
@@ -111,12 +115,11 @@ from kvtier.integrations.vllm.stats_table import (
     gauges,
     rank0_only,
     store_counter_readers,
-    store_counters,
-    store_gauges,
 )
 
 __all__ = ["LABELS", "TENANT_GAUGE", "TENANT_PREFIX", "KVTierPromMetrics", "KVTierStats", "counters", "gauges",
-           "ghost_observations", "rank0_only", "store_counter_readers", "store_counters", "store_gauges"]
+           "ghost_observations", "rank0_only", "store_counter_readers", "store_counters", "store_gauges",
+           "store_report"]
 
 
 def ghost_observations(distances: list[tuple[str, int]]) -> dict[str, list[float]]:
@@ -239,3 +242,105 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             self._tenants.labels(*base, *labels).set(value)
         self._tenant_children[engine_idx] = set(now)
 
+
+# -- what the worker runs each step: its report of its store's snapshot (no table lookup) -----------
+_NO_TIER = TierStats()
+_NO_WIRE = WireStats()
+_NO_CODEC = CodecNumbers()
+
+_per_step: tuple[int, frozenset[str], list[registry.TierSpec]] = (-1, frozenset(), [])
+"""(registry generation, :func:`rank0_only`, the records) as last derived: the worker's per-step
+stats ask the registry nothing while no tier was registered since."""
+
+
+def _registered() -> tuple[int, frozenset[str], list[registry.TierSpec]]:
+    global _per_step
+    if _per_step[0] != (generation := registry.generation):
+        _per_step = (generation, frozenset(rank0_only()), registry.specs())
+    return _per_step
+
+
+_last: tuple[StoreStats | None, dict[str, float]] = (None, {})
+"""The last snapshot :func:`store_counters` read, and its values: the next step's ``before``."""
+
+
+def store_values(s: StoreStats) -> dict[str, float]:
+    """Every :func:`store_counter_readers` value of ``s``, read in one pass (what the worker's
+    per-step report diffs; equal to calling each reader)."""
+    specs, top = _registered()[2], ""
+    out: dict[str, float] = {}
+    loaded, unfilled, tiers = s.loaded_tokens, s.unfilled_tokens, s.tiers
+    for spec in specs:
+        t = spec.name
+        top = top or (t if spec.top else "")  # registry.top_tier() (the first top tier), without a call
+        stats = tiers.get(t) or _NO_TIER
+        out[f"loaded_tokens_{t}"] = loaded.get(t, 0)
+        out[f"unfilled_tokens_{t}"] = unfilled.get(t, 0)
+        out[f"reset_chunks_{t}"] = stats.reset_chunks
+        if not spec.shared:
+            out[f"evictions_{t}"] = stats.evictions
+            out[f"quota_evictions_{t}"] = stats.quota_evictions
+        if not spec.top:
+            codec = stats.codec or _NO_CODEC
+            out[f"codec_bytes_before_{t}"] = codec.encoded_bytes
+            out[f"codec_bytes_after_{t}"] = codec.stored_bytes
+            out[f"codec_seconds_{t}"] = codec.encode_seconds + codec.decode_seconds
+            out[f"decrypt_failures_{t}"] = codec.decrypt_failures
+            if not spec.shared:
+                out[f"{t}_write_errors"] = stats.write_errors
+        if spec.shared:
+            wire = stats.wire or _NO_WIRE
+            out[f"{t}_errors"] = sum(wire.errors.values())
+            out[f"{t}_skipped_calls"] = sum(wire.skipped_calls.values())
+            out[f"{t}_skipped_writes"] = wire.skipped_writes
+            out[f"{t}_reads"] = wire.calls.get("read", 0)
+            out[f"{t}_read_seconds"] = wire.seconds.get("read", 0.0)
+            out[f"{t}_read_bytes"] = wire.bytes.get("read", 0)
+    out.update(reloaded_tokens=s.reloaded_tokens, saved_tokens=s.saved_tokens, load_failed_blocks=s.load_failed_blocks,
+               rerouted_chunks=s.rerouted_chunks, ttl_pin_chunks=s.ttl_pin_chunks,
+               ttl_pin_refused_chunks=s.ttl_pin_refused_chunks, dropped_saves=s.dropped_saves,
+               corrupt_chunks=sum(t.corrupt_chunks for t in tiers.values()),
+               flush_missed_chunks=s.flush_missed_chunks,
+               load_bytes=s.transfer_bytes[f"{top}_to_engine"], load_seconds=s.transfer_seconds[f"{top}_to_engine"],
+               save_bytes=s.transfer_bytes[f"engine_to_{top}"], save_seconds=s.transfer_seconds[f"engine_to_{top}"])
+    return out
+
+
+def store_counters(now: StoreStats, before: StoreStats | None, tp_rank: int = 0) -> dict[str, float]:
+    """The :func:`store_counter_readers` that changed from ``before`` (``None``: the store's start)
+    to ``now``, without the :func:`rank0_only` ones on other ranks than ``tp_rank`` 0.  Reads each
+    snapshot once (:func:`store_values`; ``before``'s values are kept from the call that read it
+    as ``now``), no call per counter: this runs at every engine step."""
+    global _last
+    rank0 = _registered()[1] if tp_rank else frozenset()
+    last, last_values = _last
+    old = {} if before is None else last_values if before is last else store_values(before)
+    new = store_values(now)
+    _last = (now, new)
+    return {name: delta for name, value in new.items()
+            if name not in rank0 and (delta := value - old.get(name, 0))}
+
+
+def store_gauges(s: StoreStats) -> dict[str, float]:
+    """The :func:`gauges` of one rank, read from its store's snapshot."""
+    out: dict[str, float] = {"dirty_bytes": s.dirty_bytes}
+    for spec in _registered()[2]:
+        t = spec.name
+        stats = s.tiers.get(t) or _NO_TIER
+        if spec.shared:
+            if stats.wire is not None:
+                out[f"{t}_breaker_state"] = stats.wire.breaker_state
+            out[f"usage_bytes_{t}"] = stats.used_bytes
+            continue
+        out.update({f"{TENANT_PREFIX}{t}|{label}": used for label, used in stats.tenant_used_bytes.items()})
+        out.update({f"usage_bytes_{t}": stats.used_bytes, f"capacity_bytes_{t}": stats.capacity_bytes,
+                    f"pinned_chunks_{t}": stats.pinned_chunks, f"pinned_bytes_{t}": stats.pinned_chunks * s.chunk_bytes})
+        if spec.top:
+            out.update({f"ttl_pinned_chunks_{t}": stats.ttl_pinned_chunks,
+                        f"ttl_pinned_bytes_{t}": stats.ttl_pinned_chunks * s.chunk_bytes})
+    return out
+
+
+def store_report(now: StoreStats, before: StoreStats | None, tp_rank: int = 0) -> tuple[dict[str, float], dict[str, float]]:
+    """One step's :func:`store_counters` and :func:`store_gauges` of ``now``, in one call (the worker's report)."""
+    return store_counters(now, before, tp_rank), store_gauges(now)

@@ -1,17 +1,15 @@
 """The stats payload's table: every counter and gauge the connector sends through vLLM, the
 ``kvtier_*`` metric it is exported as (name, help, labels), and how each is read from a store's
-snapshot (:mod:`kvtier.core.stats`), derived once per tier registry generation; and what runs each
-step on that payload: the worker's report of its store's snapshot (:func:`store_report`) and the one
-split of a hit's tokens by tier (:func:`tokens_by_tier`) that receipts, vLLM's hit sources and the
-loaded-token counters share.  The exported metrics and their meaning:
-:mod:`kvtier.integrations.vllm.stats`.  No vLLM import: ``kvtier doctor``, the deploy files' alert
-rules and the worker (which runs without vLLM on the GPU runner, scripts/gpu_runner.py) read it.
+snapshot (:mod:`kvtier.core.stats`), derived once per tier registry generation.  Cold: read when
+the metrics are set up, by ``kvtier doctor`` and the deploy files' alert rules (no vLLM import).
+What runs each step on that payload, the worker's report of its store's snapshot
+(:func:`~kvtier.integrations.vllm.stats.store_report`), and the exported metrics' meaning:
+:mod:`kvtier.integrations.vllm.stats`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from itertools import groupby
+from collections.abc import Callable
 
 from kvtier.core.codecstats import CodecNumbers
 from kvtier.core.receipt import MISS_REASONS, NO_TIER
@@ -147,12 +145,11 @@ _PLAIN_GAUGES: dict[str, tuple[str, str, str | None]] = {
 
 _NO_TIER = TierStats()
 _NO_WIRE = WireStats()
-_NO_CODEC = CodecNumbers()
 
 
 def _tier(s: StoreStats, tier: str) -> TierStats:
-    """``s.tier(tier)`` (all zeros when the store has no such tier), read here: the per-step readers
-    below stay in this module."""
+    """``s.tier(tier)`` (all zeros when the store has no such tier), read here: the readers below
+    stay in this module."""
     return s.tiers.get(tier) or _NO_TIER
 
 
@@ -279,119 +276,3 @@ def rank0_only() -> tuple[str, ...]:
     tiers = registry.available_tiers()
     return (*(f"loaded_tokens_{t}" for t in tiers), *(f"unfilled_tokens_{t}" for t in tiers), "reloaded_tokens",
             "saved_tokens", "load_failed_blocks", "rerouted_chunks")
-
-
-# -- what runs each step (no table lookup): a hit's tokens by tier, the worker's report of its snapshot ---
-def tokens_by_tier(tiers: Sequence[str], start: int, end: int, chunk_tokens: int) -> dict[str, int]:
-    """Tokens ``[start, end)`` split by the tier of the chunk each lies in (``tiers[c]``: the tier
-    planned for chunk ``c``).  A receipt's tokens by tier, the scheduler's hit sources for vLLM and
-    the worker's loaded-token counters all come from this one function, so they split alike."""
-    out: dict[str, int] = {}
-    if end <= start:
-        return out
-    first, last = start // chunk_tokens, (end - 1) // chunk_tokens
-    if last >= len(tiers):
-        raise IndexError(f"chunk {last} has no planned tier ({len(tiers)} planned)")
-    c = first
-    for tier, run in groupby(tiers[first:last + 1]):  # runs of one tier: no Python work per chunk
-        lo = max(start, c * chunk_tokens)
-        c += len(list(run))
-        out[tier] = out.get(tier, 0) + min(end, c * chunk_tokens) - lo
-    return out
-
-
-_per_step: tuple[int, frozenset[str], list[registry.TierSpec]] = (-1, frozenset(), [])
-"""(registry generation, :func:`rank0_only`, the records) as last derived: the worker's per-step
-stats ask the registry nothing while no tier was registered since."""
-
-
-def _registered() -> tuple[int, frozenset[str], list[registry.TierSpec]]:
-    global _per_step
-    if _per_step[0] != (generation := registry.generation):
-        _per_step = (generation, frozenset(rank0_only()), registry.specs())
-    return _per_step
-
-
-_last: tuple[StoreStats | None, dict[str, float]] = (None, {})
-"""The last snapshot :func:`store_counters` read, and its values: the next step's ``before``."""
-
-
-def store_values(s: StoreStats) -> dict[str, float]:
-    """Every :func:`store_counter_readers` value of ``s``, read in one pass (what the worker's
-    per-step report diffs; equal to calling each reader)."""
-    specs, top = _registered()[2], ""
-    out: dict[str, float] = {}
-    loaded, unfilled, tiers = s.loaded_tokens, s.unfilled_tokens, s.tiers
-    for spec in specs:
-        t = spec.name
-        top = top or (t if spec.top else "")  # registry.top_tier() (the first top tier), without a call
-        stats = tiers.get(t) or _NO_TIER
-        out[f"loaded_tokens_{t}"] = loaded.get(t, 0)
-        out[f"unfilled_tokens_{t}"] = unfilled.get(t, 0)
-        out[f"reset_chunks_{t}"] = stats.reset_chunks
-        if not spec.shared:
-            out[f"evictions_{t}"] = stats.evictions
-            out[f"quota_evictions_{t}"] = stats.quota_evictions
-        if not spec.top:
-            codec = stats.codec or _NO_CODEC
-            out[f"codec_bytes_before_{t}"] = codec.encoded_bytes
-            out[f"codec_bytes_after_{t}"] = codec.stored_bytes
-            out[f"codec_seconds_{t}"] = codec.encode_seconds + codec.decode_seconds
-            out[f"decrypt_failures_{t}"] = codec.decrypt_failures
-            if not spec.shared:
-                out[f"{t}_write_errors"] = stats.write_errors
-        if spec.shared:
-            wire = stats.wire or _NO_WIRE
-            out[f"{t}_errors"] = sum(wire.errors.values())
-            out[f"{t}_skipped_calls"] = sum(wire.skipped_calls.values())
-            out[f"{t}_skipped_writes"] = wire.skipped_writes
-            out[f"{t}_reads"] = wire.calls.get("read", 0)
-            out[f"{t}_read_seconds"] = wire.seconds.get("read", 0.0)
-            out[f"{t}_read_bytes"] = wire.bytes.get("read", 0)
-    out.update(reloaded_tokens=s.reloaded_tokens, saved_tokens=s.saved_tokens, load_failed_blocks=s.load_failed_blocks,
-               rerouted_chunks=s.rerouted_chunks, ttl_pin_chunks=s.ttl_pin_chunks,
-               ttl_pin_refused_chunks=s.ttl_pin_refused_chunks, dropped_saves=s.dropped_saves,
-               corrupt_chunks=sum(t.corrupt_chunks for t in tiers.values()),
-               flush_missed_chunks=s.flush_missed_chunks,
-               load_bytes=s.transfer_bytes[f"{top}_to_engine"], load_seconds=s.transfer_seconds[f"{top}_to_engine"],
-               save_bytes=s.transfer_bytes[f"engine_to_{top}"], save_seconds=s.transfer_seconds[f"engine_to_{top}"])
-    return out
-
-
-def store_counters(now: StoreStats, before: StoreStats | None, tp_rank: int = 0) -> dict[str, float]:
-    """The :func:`store_counter_readers` that changed from ``before`` (``None``: the store's start)
-    to ``now``, without the :func:`rank0_only` ones on other ranks than ``tp_rank`` 0.  Reads each
-    snapshot once (:func:`store_values`; ``before``'s values are kept from the call that read it
-    as ``now``), no call per counter: this runs at every engine step."""
-    global _last
-    rank0 = _registered()[1] if tp_rank else frozenset()
-    last, last_values = _last
-    old = {} if before is None else last_values if before is last else store_values(before)
-    new = store_values(now)
-    _last = (now, new)
-    return {name: delta for name, value in new.items()
-            if name not in rank0 and (delta := value - old.get(name, 0))}
-
-
-def store_gauges(s: StoreStats) -> dict[str, float]:
-    """The :func:`gauges` of one rank, read from its store's snapshot."""
-    out: dict[str, float] = {"dirty_bytes": s.dirty_bytes}
-    for spec in _registered()[2]:
-        t, stats = spec.name, _tier(s, spec.name)
-        if spec.shared:
-            if stats.wire is not None:
-                out[f"{t}_breaker_state"] = stats.wire.breaker_state
-            out[f"usage_bytes_{t}"] = stats.used_bytes
-            continue
-        out.update({f"{TENANT_PREFIX}{t}|{label}": used for label, used in stats.tenant_used_bytes.items()})
-        out.update({f"usage_bytes_{t}": stats.used_bytes, f"capacity_bytes_{t}": stats.capacity_bytes,
-                    f"pinned_chunks_{t}": stats.pinned_chunks, f"pinned_bytes_{t}": stats.pinned_chunks * s.chunk_bytes})
-        if spec.top:
-            out.update({f"ttl_pinned_chunks_{t}": stats.ttl_pinned_chunks,
-                        f"ttl_pinned_bytes_{t}": stats.ttl_pinned_chunks * s.chunk_bytes})
-    return out
-
-
-def store_report(now: StoreStats, before: StoreStats | None, tp_rank: int = 0) -> tuple[dict[str, float], dict[str, float]]:
-    """One step's :func:`store_counters` and :func:`store_gauges` of ``now``, in one call (the worker's report)."""
-    return store_counters(now, before, tp_rank), store_gauges(now)

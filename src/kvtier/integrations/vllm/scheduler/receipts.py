@@ -46,7 +46,7 @@ from kvtier.core.receipt import (
 )
 from kvtier.core.receiptsinks import receipt_counters as receipt_sink_counters
 from kvtier.integrations.vllm.protocol import RequestFacts
-from kvtier.integrations.vllm.stats_table import tokens_by_tier
+from kvtier.integrations.vllm.worker.loader import tokens_by_tier
 
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ from kvtier.integrations.vllm.scheduler.steps import (
     fold_reports,
 )
 from kvtier.integrations.vllm.stats import KVTierStats
-from kvtier.integrations.vllm.stats_table import tokens_by_tier
+from kvtier.integrations.vllm.worker.loader import tokens_by_tier
 
 log = logging.getLogger(__name__)
 

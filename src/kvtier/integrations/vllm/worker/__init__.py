@@ -2,8 +2,9 @@
 
 Files: :mod:`.side` (``WorkerSide``: what vLLM's model runner calls), :mod:`.registration` (the
 store, copiers and loader built over the engine's caches), :mod:`.loader` (loads on their own
-threads, and each load's facts for its receipt), :mod:`.syncload` (loads on the engine's thread,
-before the forward), :mod:`.saves` (saves after the forward),
+threads, each load's facts for its receipt, and ``tokens_by_tier``, the split of a load's tokens by
+planned tier that the scheduler's hit sources and receipts share), :mod:`.syncload` (loads on the
+engine's thread, before the forward), :mod:`.saves` (saves after the forward),
 :mod:`.copy` and :mod:`.batched` (engine blocks ↔ pages: host and batched CUDA paths),
 :mod:`.layout` (the caches' shapes), :mod:`.identity` (the model's fingerprint in the namespace).
 

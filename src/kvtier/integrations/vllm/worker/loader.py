@@ -55,6 +55,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from itertools import groupby
 from operator import attrgetter, ne
 from typing import cast
 
@@ -65,7 +66,6 @@ from kvtier.core.sinks import RequestRecord
 from kvtier.core.store import TieredStore
 from kvtier.core.tiers.registry import slowest
 from kvtier.integrations.vllm.protocol import LoadJob, PageMove, RequestFacts
-from kvtier.integrations.vllm.stats_table import tokens_by_tier
 from kvtier.integrations.vllm.worker.copy import GroupCopiers
 from kvtier.integrations.vllm.worker.direct import DirectTargets
 
@@ -314,6 +314,25 @@ def job_context(job: LoadJob, record: RequestRecord | None = None) -> OpContext:
     """The load's context: its request's id and tenant, and ``record`` as its sink (the handle
     carries it to ``complete_load``)."""
     return OpContext(job.req_id, job.tenant) if record is None else OpContext(job.req_id, job.tenant, record)
+
+
+def tokens_by_tier(tiers: Sequence[str], start: int, end: int, chunk_tokens: int) -> dict[str, int]:
+    """Tokens ``[start, end)`` split by the tier of the chunk each lies in (``tiers[c]``: the tier
+    planned for chunk ``c``).  A load's tokens by tier (the loaded-token counters), and on the scheduler
+    side a receipt's tokens by tier and the hit sources for vLLM, all come from this one function, so
+    they split alike; it lives here, vLLM-free, on the path of every load."""
+    out: dict[str, int] = {}
+    if end <= start:
+        return out
+    first, last = start // chunk_tokens, (end - 1) // chunk_tokens
+    if last >= len(tiers):
+        raise IndexError(f"chunk {last} has no planned tier ({len(tiers)} planned)")
+    c = first
+    for tier, run in groupby(tiers[first:last + 1]):  # runs of one tier: no Python work per chunk
+        lo = max(start, c * chunk_tokens)
+        c += len(list(run))
+        out[tier] = out.get(tier, 0) + min(end, c * chunk_tokens) - lo
+    return out
 
 
 class FactsBook:

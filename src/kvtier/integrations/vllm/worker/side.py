@@ -15,7 +15,6 @@ from kvtier.core.store import TieredStore
 from kvtier.integrations.vllm.cache_groups import GroupKind, GroupSpec, groups_from_kv_cache_config
 from kvtier.integrations.vllm.process_exit import skip_exit_collection
 from kvtier.integrations.vllm.protocol import KVTierMetadata, KVTierWorkerMeta, RankReport, ResetOrder
-from kvtier.integrations.vllm.stats_table import store_report
 from kvtier.integrations.vllm.worker.copy import GroupCopiers
 from kvtier.integrations.vllm.worker.layerwise import LayerLoads
 from kvtier.integrations.vllm.worker.layout import KVLayout
@@ -268,9 +267,10 @@ class WorkerSide:
 
         Sent every step, even unchanged: vLLM sums one step's reports over the tensor-parallel
         ranks, so a rank that skipped an unchanged report would drop out of the summed gauges."""
-        from kvtier.integrations.vllm.stats import (
-            KVTierStats,  # vLLM's stats base class: only inside an engine
+        from kvtier.integrations.vllm.stats import (  # vLLM's stats base class: only inside an engine
+            KVTierStats,
             ghost_observations,
+            store_report,
         )
 
         if self.store is None:
