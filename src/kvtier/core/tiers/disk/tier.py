@@ -49,7 +49,6 @@ from pathlib import Path
 import numpy as np
 
 from kvtier.core import codecs, envelope
-from kvtier.core.envelope import note_verified
 from kvtier.core.errors import length_problem
 from kvtier.core.keys import ChunkKey
 from kvtier.core.readchoice import ALIGN, address, round_up, skip_iov
@@ -148,14 +147,14 @@ class DiskTier(DirectorySync, DiskReads, DiskFiles):
         """Read ``key``'s payload into ``dst`` (``exact``: exactly its length; else at least it, or
         a new buffer for ``None``) and return it; raises ChunkFormatError unless every check passes.
         The file is an envelope (:mod:`kvtier.core.envelope`) or a legacy version-2 chunk file
-        (:mod:`kvtier.core.legacyformats`).  Then its tenant record goes into ``records``
-        (:func:`kvtier.core.envelope.note_verified`: only one that passes its own check).
+        (:mod:`kvtier.core.legacyformats`).  Then its tenant record goes into ``records`` (only one
+        that passes its own check: :meth:`~kvtier.core.envelope.Envelope.open_header` checked it).
 
         Raises:
             BufferTooSmall: not ``exact`` and ``dst`` is shorter than the file's payload.
         """
         io = self._io
-        record: bytes | None = None
+        tenant: envelope.RecordedTenant | None = None
         # O_NONBLOCK: a FIFO or device planted at a chunk's path must not hang the caller
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW | io.open_flags)
         try:
@@ -170,17 +169,17 @@ class DiskTier(DirectorySync, DiskReads, DiskFiles):
                 dst = check_room(max(st.st_size - HEADER_BYTES, 0), dst)
 
             def check(raw: memoryview, payload_bytes: int) -> tuple[bytes, envelope.Hasher]:
-                nonlocal record
+                nonlocal tenant
                 # not a chunk file, another namespace or key, a layout or codec this kvtier does not read,
                 # or another chunk size (config, geometry): never a partial fill (one call per read)
-                header, hasher = self.envelope.open_header(raw, key, out.nbytes if exact else None, HEADER_BYTES)
+                header, hasher, tenant = self.envelope.open_header(raw, key, out.nbytes if exact else None,
+                                                                   HEADER_BYTES)
                 if payload_bytes != header.stored_bytes:  # the sentence only for a bad one: a hit runs this
                     raise ChunkFormatError(length_problem(payload_bytes + header.header_bytes, header.header_bytes,
                                                           header.stored_bytes, "the chunk file") or "")
                 if header.stored_bytes != header.original_bytes or (
                         header.codecs != self.envelope.chain.ids and not codecs.chain_of(header.codecs).passthrough):
                     raise Recoded("its codec chain changes the payload")  # read whole, then decoded
-                record = header.record
                 return header.digest, PayloadHasher() if hasher is None else hasher
 
             assert dst is not None
@@ -192,7 +191,8 @@ class DiskTier(DirectorySync, DiskReads, DiskFiles):
                 return self._read_recoded(key, path, st.st_size, given, records, exact)
         finally:
             os.close(fd)
-        note_verified(records, self.namespace, key, record)
+        if records is not None and tenant is not None:  # verified: the digest covers the record
+            records[bytes(key)] = tenant
         return out[:st.st_size - HEADER_BYTES]
 
 
