@@ -232,7 +232,7 @@ class ChunkIO:
         return tail
 
 
-# ---- reads (the buffered serial or split read, a hit's in the default mode, is kvtier.core.tiers.disk.tier's) ----
+# ---- direct reads (the buffered read, serial or split, is kvtier.core.tiers.disk.tier's) ----------------------
 def read_direct(io: ChunkIO, fd: int, header: memoryview, out: memoryview, length: int,
                 check_header: CheckHeader) -> bool:
     """:func:`~kvtier.core.tiers.disk.tier.read_chunk` in direct mode, or with ``pipeline`` forced on
@@ -262,7 +262,7 @@ def read_direct(io: ChunkIO, fd: int, header: memoryview, out: memoryview, lengt
             if n > whole:
                 iov.append(tail)
         pread_exact(fd, [b for b in iov if b.nbytes], HEADER_BYTES * (i != 0) + off,
-                     n + HEADER_BYTES * (i == 0))
+                    n + HEADER_BYTES * (i == 0))
         if bounced:
             return bounce[i % len(bounce)][:n]
         if n % ALIGN:
