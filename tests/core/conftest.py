@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.core.readchoice import aligned_buffer
-from kvtier.core.tiers.disk.chunkio import O_DIRECT
+from kvtier.core.tiers.disk.chunkio import O_DIRECT, aligned_buffer
 from kvtier.core.tiers.disk.iomode import direct_supported
 
 MEMORY_FILESYSTEMS = {"tmpfs", "ramfs", "hugetlbfs"}

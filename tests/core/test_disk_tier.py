@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvtier.core import envelope, readchoice, tenant
+from kvtier.core import envelope, tenant
 from kvtier.core.keys import ChunkKey
-from kvtier.core.readchoice import aligned_buffer
 from kvtier.core.tiers import DiskTier, GetResult, PutResult
 from kvtier.core.tiers.disk import chunkfile, iomode
+from kvtier.core.tiers.disk import tier as disk_tier
 from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES
-from kvtier.core.tiers.disk.chunkio import O_DIRECT
+from kvtier.core.tiers.disk.chunkio import O_DIRECT, aligned_buffer
 from kvtier.core.tiers.disk.directory import STALE_TMP_S
 
 CHUNK = 8192
@@ -265,13 +265,13 @@ STRATEGIES = ["default", "overlapped", "split"]
 
 def sliced(where, strategy, monkeypatch):
     """A tier with 8 KiB slices; ``overlapped``: every read pipelined and every write hashed on a
-    helper; ``split``: every buffered read split over two threads (readchoice.ReadChooser)."""
+    helper; ``split``: every buffered read split over two threads (disk_tier.ReadChooser)."""
     if strategy == "split" and where[0] != "buffered":
         pytest.skip("split reads are a buffered-mode strategy")
     tier = DiskTier(where[1], NS, capacity_bytes=1 << 20, io=where[0], slice_bytes=8192)
     if strategy == "overlapped":
         tier._io.pipeline, tier._io.overlap_min_bytes = True, 0
-    monkeypatch.setattr(readchoice.CHOOSER, "force", "split" if strategy == "split" else "serial")
+    monkeypatch.setattr(disk_tier.CHOOSER, "force", "split" if strategy == "split" else "serial")
     return tier
 
 
@@ -418,7 +418,7 @@ def test_payload_of_another_length_is_a_counted_miss(tmp_path):
     assert tier.corrupt == 1 and not tier.contains(key(7))
 
 
-# ---- buffered reads: serial or split, as measured (readchoice.ReadChooser) --------------------------
+# ---- buffered reads: serial or split, as measured (disk_tier.ReadChooser) --------------------------
 def _choose(chooser, length, reads, split_s, serial_s):
     """Run ``reads`` reads through ``chooser``; split ones take ``split_s``, serial ones ``serial_s``."""
     picks = []
@@ -430,7 +430,7 @@ def _choose(chooser, length, reads, split_s, serial_s):
 
 
 def test_read_chooser_uses_the_faster_way_and_keeps_measuring_the_other():
-    chooser = readchoice.ReadChooser(cpus=4)
+    chooser = disk_tier.ReadChooser(cpus=4)
     length = 4 << 20
     picks = _choose(chooser, length, 2 * chooser.warmup, 0.001, 0.002)  # split twice as fast
     assert picks.count(True) == picks.count(False) == chooser.warmup  # warm-up alternates
@@ -447,7 +447,7 @@ def test_read_chooser_uses_the_faster_way_and_keeps_measuring_the_other():
 
 
 def test_read_chooser_backs_off_exploring_a_losing_way_and_resumes_when_it_wins():
-    chooser = readchoice.ReadChooser(cpus=4)
+    chooser = disk_tier.ReadChooser(cpus=4)
     length = 32 << 20
     _choose(chooser, length, 2 * chooser.warmup, 0.004, 0.002)  # split loses (no free core)
     picks = _choose(chooser, length, 2000, 0.004, 0.002)
@@ -464,12 +464,12 @@ def test_read_chooser_backs_off_exploring_a_losing_way_and_resumes_when_it_wins(
 
 
 def test_read_chooser_never_splits_small_reads_two_cpus_or_a_busy_process():
-    assert not readchoice.ReadChooser(cpus=1).begin(32 << 20)[1]
-    two = readchoice.ReadChooser(cpus=2)  # no core left over for the rest of the host
+    assert not disk_tier.ReadChooser(cpus=1).begin(32 << 20)[1]
+    two = disk_tier.ReadChooser(cpus=2)  # no core left over for the rest of the host
     picks = _choose(two, 32 << 20, 100, 0.001, 0.002)
     assert not any(picks) and two.serials == 100
-    chooser = readchoice.ReadChooser(cpus=4)
-    assert not chooser.begin(readchoice.SPLIT_MIN_BYTES - 1)[1]
+    chooser = disk_tier.ReadChooser(cpus=4)
+    assert not chooser.begin(disk_tier.SPLIT_MIN_BYTES - 1)[1]
     chooser.begin(32 << 20)
     chooser.begin(32 << 20)
     assert not chooser.begin(32 << 20)[1]  # a third read at once on 4 CPUs: no core to spare

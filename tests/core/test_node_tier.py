@@ -604,7 +604,7 @@ def test_the_way_a_batch_is_verified_is_measured_and_never_overlapped_without_a_
     """Left to measure (``overlap`` None), the verifier never overlaps a batch on 2 CPUs (the helper
     thread is never made), and on 8 it tries both ways and keeps timing them; every batch is served
     exactly either way."""
-    from kvtier.core.readchoice import ReadChooser
+    from kvtier.core.tiers.disk.tier import ReadChooser
 
     tier = engine_tier(node_server)
     inner = unwrap(tier)

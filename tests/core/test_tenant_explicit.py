@@ -66,7 +66,7 @@ def test_no_thread_local_holds_request_or_tenant_state():
              for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
              if re.search(r"threading\.local|\blocal\(\)", line)]
     assert [(p, line.strip()) for p, _n, line in found] == [
-        ("core/readchoice.py", "class IOBuffers(threading.local):")]
+        ("core/tiers/disk/chunkio.py", "class IOBuffers(threading.local):")]
     path, n, _line = found[0]
     doc = (SRC / path).read_text(encoding="utf-8").splitlines()[n:n + 4]
     assert "no request or tenant state" in " ".join(doc)

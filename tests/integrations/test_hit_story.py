@@ -173,9 +173,17 @@ SCRIPT = ROOT / "scripts" / "hit_story.py"
 # became side -> stats 2); tokens_by_tier moved to worker/loader.py, vLLM-free on every load's path (loader ->
 # stats_table 1 -> 0; the scheduler's side and receipts call it there, 1 each).  worker/copy.py stays: the
 # loader thread's path (loader.py, 397 lines) has no room for the host copy's ~100 hot lines.
-# Merged on main (sched33 + work33): 20 files, 136 moves (771 kvtier calls, load 4.4).
-MAX_FILES = 20
-MEASURED_MOVES = 136
+# Lowered on branch disk33: 20 files, 127 moves (2 runs, 779 kvtier calls, load 4.8-7.6), from 21 and 146 at
+# main a757de8 (measured at its start, 788 calls, load 0.9-2.4).  core/readchoice.py left the hit, split by
+# step phase: the serial/split ReadChooser moved into disk/tier.py beside the buffered read that runs its
+# begin/end per chunk, the aligned buffers and O_DIRECT reads to disk/chunkio.py, and a read's header block
+# comes from ChunkIO.read_headers made at set-up, so a disk-io thread's first read builds nothing
+# (disk/tier -> readchoice 13-14 -> 0); Envelope.open_header also checks the tenant record and returns the
+# RecordedTenant the read keeps once verified (disk/tier -> envelope 12 -> 6).  The slack keeps its 30 (the
+# 1-2 moves of the aligned buffers' set-up are gone; the rest above still varies).
+# Merged on main (sched33 + work33 + disk33): 19 files, 116 moves (759 kvtier calls, load 5.3).
+MAX_FILES = 19
+MEASURED_MOVES = 116
 SLACK_MOVES = 30
 
 

@@ -32,12 +32,11 @@ import numpy as np
 
 from kvtier.core.config import GiB, KVTierConfig
 from kvtier.core.keys import ChunkKey, Namespace, chunk_keys, request_root
-from kvtier.core.readchoice import ALIGN, CHOOSER, aligned_buffer
 from kvtier.core.store import TieredStore
 from kvtier.core.tiers.base import GetResult, PutResult
-from kvtier.core.tiers.disk.chunkio import O_DIRECT
+from kvtier.core.tiers.disk.chunkio import ALIGN, O_DIRECT, aligned_buffer
 from kvtier.core.tiers.disk.iomode import direct_supported
-from kvtier.core.tiers.disk.tier import DiskTier
+from kvtier.core.tiers.disk.tier import CHOOSER, DiskTier
 
 MiB = 1 << 20
 
@@ -172,7 +171,7 @@ def bench_disk(chunk_mib: float, total_mib: float, repeats: int, directory: Path
     """disk-tier put/get (verified) vs raw file write/read of the same bytes, ``total_mib`` MiB
     per round, ``threads`` chunks at a time in both, in ``io`` mode (``buffered`` or ``direct``)
     for both.  Buffers are page-aligned, as the cpu tier's pages are.  ``read_way``: buffered
-    reads ``auto`` (as measured, kvtier.core.readchoice), or always ``serial`` / ``split``
+    reads ``auto`` (as measured, kvtier.core.tiers.disk.tier.ReadChooser), or always ``serial`` / ``split``
     (rows labelled ``buffered:serial`` / ``buffered:split``).
 
     Raises:

@@ -42,10 +42,8 @@ The tenant record (:mod:`kvtier.core.tenant`: who a chunk was saved for, keyed d
 
 A record that is absent (all zero) is **unknown**; one that fails its check (:func:`read_record`
 raises :class:`DamagedRecord`) is never trusted.  A verified read keeps those that pass (:func:`note_verified`).
-
-Zero copy: :meth:`Envelope.open_into` verifies a value in memory and decodes it into the caller's
-buffer; the disk tier checks a file's header with :meth:`Envelope.open_header` and streams its
-digest with :meth:`Envelope.hasher` while the bytes move.
+Zero copy: :meth:`Envelope.open_into` verifies a value in memory and decodes it into the caller's buffer;
+the disk tier opens a file's header (checked, hasher, record) in one :meth:`Envelope.open_header` call.
 
 Compatibility rule: a reader reads this envelope and the formats the release before it wrote
 (:mod:`kvtier.core.legacyformats`: the chunk file version 2 and the shared value versions 1 and
@@ -352,14 +350,17 @@ class Envelope(EnvelopeWriter):
             raise EnvelopeError(f"payload of {header.original_bytes} bytes is not the expected {original_bytes}")
 
     def open_header(self, raw: memoryview, key: bytes, original_bytes: int | None,
-                    header_bytes: int) -> tuple[EnvelopeHeader, Hasher | None]:
+                    header_bytes: int) -> tuple[EnvelopeHeader, Hasher | None, RecordedTenant | None]:
         """A streamed read's header in one call: decoded, refused unless an envelope or chunk file of ``header_bytes``,
-        :meth:`check` ed; and an envelope's hasher fed its fields (``None``: a chunk file's covers the payload alone)."""
+        :meth:`check` ed; an envelope's hasher fed its fields (``None``: a chunk file's covers the payload alone); and
+        the tenant its record names, for the caller to keep once the digest verified (:func:`note_verified`'s rule)."""
         header = decode_header(raw)
         if header.header_bytes != header_bytes or header.format not in (FORMAT, FORMAT_CHUNK_FILE):
             raise ChunkFormatError(f"not a chunk file ({header.format}, {header.header_bytes}-byte header)")
         self.check(header, key, original_bytes)
-        return header, (self.hasher(raw[:DIGEST_OFFSET]) if header.format == FORMAT else None)
+        rec = header.record  # absent (all zero) or failing its own check: the tenant stays unknown
+        tenant = None if rec is None or decode_record(rec) is None else RecordedTenant(self.namespace, rec)
+        return header, (self.hasher(raw[:DIGEST_OFFSET]) if header.format == FORMAT else None), tenant
 
     def verify(self, header: EnvelopeHeader, value: memoryview) -> None:
         """Check ``value``'s digest (``value`` holds the header and the stored payload).

@@ -36,7 +36,7 @@ from kvtier.core.codecsettings import NO_CODECS, CodecArgs
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tenant import Writer
-from kvtier.core.tiers.base import PutResult, Tier, writers
+from kvtier.core.tiers.base import GetResult, PutResult, Tier, writers
 from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES
 from kvtier.core.tiers.disk.chunkio import DEFAULT_SLICE_BYTES, ChunkIO, helper_threads
 from kvtier.core.tiers.disk.directory import STALE_TMP_S
@@ -96,7 +96,8 @@ class DiskFiles(Tier):
         self.io_threads = max(io_threads, 1)
         self.io_mode, self.io_reason = resolve_io(io, self.dir)
         log.info("kvtier disk tier: %s I/O in %s (%s)", self.io_mode, self.dir, self.io_reason)
-        self._io = ChunkIO(self.io_mode == "direct", slice_bytes, helper_threads(self.io_threads))
+        self._io = ChunkIO(self.io_mode == "direct", slice_bytes, helper_threads(self.io_threads),
+                           readers=self.io_threads + 1)  # the pool's reads and the caller's own
         self._workers: ThreadPoolExecutor | None = None
         self._closed = False
         self._write_errors_logged = 0  # write_errors when the last warning line was logged
@@ -185,10 +186,26 @@ class DiskFiles(Tier):
                     self.dir, exc.strerror)
         with self._lock:
             if self._io.direct:
-                old, self._io = self._io, ChunkIO(False, self._io.slice_bytes, helper_threads(self.io_threads))
+                old, self._io = self._io, ChunkIO(False, self._io.slice_bytes, helper_threads(self.io_threads),
+                                                  readers=self.io_threads + 1)
                 self.io_mode, self.io_reason = "buffered", f"O_DIRECT refused at run time ({exc.strerror})"
                 old.close()
         return True
+
+    def _sealed_by_another(self, key: ChunkKey) -> GetResult:
+        """A read found ``key`` sealed under a master key this engine lacks (counted by the envelope): a
+        miss; the file is kept for its engine, no longer indexed nor offered."""
+        with self._lock:
+            self._forget(key)
+            self._sealed_away.add(key)
+        return GetResult.MISS
+
+    def _vanished(self, key: ChunkKey) -> GetResult:
+        """A read found ``key``'s file gone: removed by another process (a write in flight is not): a miss."""
+        with self._lock:
+            if key not in self._writing:
+                self._forget(key)
+        return GetResult.MISS
 
     def _quarantine(self, key: ChunkKey, path: Path, reason: str) -> None:
         removed = _unlink(path)

@@ -11,8 +11,7 @@ from typing import Literal
 
 import numpy as np
 
-from kvtier.core.readchoice import ALIGN, aligned_buffer
-from kvtier.core.tiers.disk.chunkio import O_DIRECT, _pwrite_all
+from kvtier.core.tiers.disk.chunkio import ALIGN, O_DIRECT, _pwrite_all, aligned_buffer
 
 log = logging.getLogger(__name__)
 IOMode = Literal["auto", "buffered", "direct"]

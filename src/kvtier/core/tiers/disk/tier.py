@@ -1,62 +1,58 @@
 """Disk tier: one verified chunk file per chunk under ``root/<namespace hex>/<key hex[:2]>/<key hex>.kvc``;
-this module is its part on a request's path (a disk hit runs it, and the envelope's header check).
+this module is its part on a request's path, in the order a hit meets it: the index's membership test
+(``contains_many``), the mover's reads (``get_many``/``get_into``), each read's I/O (:func:`read_chunk`) and
+the way a buffered read takes (:class:`ReadChooser`), the per-step ``usage``.  Its other parts:
+:class:`~kvtier.core.tiers.disk.files.DiskFiles` (set-up, index, crash-safe writes, deletes, accounting),
+:class:`~kvtier.core.tiers.disk.directory.DirectorySync` (the rescan of a shared directory, ``clear``),
+:class:`~kvtier.core.tiers.disk.reads.DiskReads` (reads of any length, ranged reads),
+:class:`~kvtier.core.tiers.disk.chunkio.ChunkIO` (the I/O settings, aligned buffers and writes).
 
-:class:`DiskTier` is put together from its parts: here what a hit runs (``contains_many``: the
-index asks once per load; ``get_many``/``get_into``: the mover's reads; ``usage``: the per-step
-stats); :class:`~kvtier.core.tiers.disk.files.DiskFiles` its set-up, index, crash-safe writes,
-deletes and accounting; :class:`~kvtier.core.tiers.disk.directory.DirectorySync` the rescan of a
-directory other processes share, ``clear`` and a vanished directory;
-:class:`~kvtier.core.tiers.disk.reads.DiskReads` the reads of any length and the ranged reads.
+- **Verified reads**: every file is a value envelope (:mod:`kvtier.core.envelope`, header padded to 4096
+  bytes: :mod:`kvtier.core.tiers.disk.chunkfile`) whose XXH3-128 covers its header and payload; files of the
+  release before (chunk file version 2) are still read.  A read checks the header, the file's size against
+  it, and the digest, computed while the bytes move.  A torn, truncated, foreign-namespace, older-format or
+  corrupt file is a miss: counted in ``corrupt``, logged, and removed (``CORRUPT`` from ``get_into``).
+- **Buffered or O_DIRECT** (``io``), ``io_threads`` chunks at once in ``get_many``, in slices of
+  ``slice_bytes``, the header block with the first slice in one call.  In direct mode (``pipeline``)
+  helper threads keep ``read_depth`` slices in flight while the calling thread hashes the completed ones
+  in order (``os.preadv`` and xxhash's ``update`` release the GIL).  Buffered reads are serial or split,
+  as :class:`ReadChooser` measures faster now.
+- **Shared directory**: ``contains`` answers from this process's index only (no filesystem access); a
+  file another process deleted is a miss when read; files other processes wrote come in by the rescan.
 
-- **Verified reads**: every file is a value envelope (:mod:`kvtier.core.envelope`, header padded
-  to 4096 bytes: :mod:`kvtier.core.tiers.disk.chunkfile`) whose XXH3-128 covers its header and
-  payload; files of the release before (chunk file version 2) are still read.  A whole read
-  checks the header, the file's size against it, and the digest over header fields and payload,
-  computed while the bytes move.  A torn, truncated, foreign-namespace, older-format or corrupt
-  file is a miss: it is counted in ``corrupt``, logged, and removed (``CORRUPT`` from ``get_into``).
-- **Buffered or O_DIRECT** I/O (``io``), and ``io_threads`` chunks at once in ``get_many`` /
-  ``put_many``.  How a read moves the bytes (:func:`read_chunk`, over the tier's
-  :class:`~kvtier.core.tiers.disk.chunkio.ChunkIO` settings; its writes are there): in slices of
-  ``slice_bytes``, the header block with the first slice in one call.  In direct mode
-  (``pipeline``) helper threads keep ``read_depth`` slices in flight while the calling thread
-  hashes the completed ones in order (``os.preadv`` and xxhash's ``update`` release the GIL), so
-  the device stays busy and the hash hides behind it.  Buffered reads are kernel copies from the
-  page cache (CPU work, 9-17 GiB/s) and the hash adds about a third to them on one core; they are
-  read either *serially* (each slice hashed right after it is read, while it is in the CPU cache)
-  or *split* (a helper reads the payload's tail while the calling thread reads and hashes the
-  head, then hashes the tail), whichever :class:`~kvtier.core.readchoice.ReadChooser` measures to
-  be faster now: split wins only with a free core (so it is never tried on 1-2 CPUs).
-- **Shared directory**: several processes may point at the same directory.  ``contains`` answers
-  from this process's index only (no filesystem access, no side effect); a file another process
-  deleted is a miss when read; files other processes wrote are taken in by the rescan.
-
-Thread-safety: ``get_into`` and ``put`` do their I/O without a lock and may run concurrently on
-different keys; the index is guarded by a lock.  Errors inside a read: a short read (the file is
-shorter than its header says) raises :class:`~kvtier.core.tiers.disk.chunkfile.ChunkFormatError`;
-other failures raise ``OSError``; both become ``CORRUPT``.
+Thread-safety: ``get_into`` and ``put`` do their I/O without a lock and may run concurrently on different
+keys; the index is guarded by a lock.  A short read (the file is shorter than its header says) raises
+:class:`~kvtier.core.tiers.disk.chunkfile.ChunkFormatError`, other failures ``OSError``: both ``CORRUPT``.
 """
 
 from __future__ import annotations
 
 import os
 import stat
+import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import numpy as np
 
 from kvtier.core import codecs, envelope
-from kvtier.core.envelope import note_verified
 from kvtier.core.errors import length_problem
 from kvtier.core.keys import ChunkKey
-from kvtier.core.readchoice import ALIGN, address, round_up, skip_iov
 from kvtier.core.tenant import TenantRecords
 from kvtier.core.tiers.base import GetResult, TierUsage
 from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES, ChunkFormatError, PayloadHasher
-from kvtier.core.tiers.disk.chunkio import ChunkIO
+from kvtier.core.tiers.disk.chunkio import (
+    ALIGN,
+    CheckHeader,
+    ChunkIO,
+    aligned_buffer,
+    read_direct,
+    read_rest,
+    usable_cpus,
+)
 from kvtier.core.tiers.disk.directory import DirectorySync
 from kvtier.core.tiers.disk.files import DiskFiles
 from kvtier.core.tiers.disk.reads import DiskReads
@@ -65,11 +61,6 @@ from kvtier.core.tiers.disk.scan import SUFFIX
 from kvtier.core.tiers.valueread import check_room
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-CheckHeader = Callable[[memoryview, int], tuple[bytes, envelope.Hasher]]
-"""``check_header(header block, payload bytes) -> (expected digest, hasher)``: checks a file's
-header against what the reader expects (raising ChunkFormatError) and returns the digest the
-payload must give and a streaming hasher already fed what the digest covers before the payload
-(the envelope's header fields; nothing for a legacy file)."""
 SPLIT_HEAD_SHARE = 0.45
 """Share of a split read's payload read (and hashed) by the calling thread: with the hash at about a
 third of the read's cost, reading 0.45 and hashing it takes about as long as reading the other 0.55."""
@@ -129,16 +120,10 @@ class DiskTier(DirectorySync, DiskReads, DiskFiles):
                 if not self._fall_back(exc):
                     raise
                 return self._read_verified(key, path, dst, records, exact)
-        except envelope.ForeignValue:  # another engine's master key (counted by the envelope): a miss,
-            with self._lock:           # the file kept for it, no longer indexed nor offered
-                self._forget(key)
-                self._sealed_away.add(key)
-            return GetResult.MISS
-        except FileNotFoundError:
-            with self._lock:
-                if key not in self._writing:  # removed by another process (a write in flight is not)
-                    self._forget(key)
-            return GetResult.MISS
+        except envelope.ForeignValue:  # another engine's master key: a miss, the file kept for it
+            return self._sealed_by_another(key)
+        except FileNotFoundError:  # removed by another process
+            return self._vanished(key)
         except (ChunkFormatError, OSError) as exc:
             self._quarantine(key, Path(path), str(exc))
             return GetResult.CORRUPT
@@ -148,14 +133,14 @@ class DiskTier(DirectorySync, DiskReads, DiskFiles):
         """Read ``key``'s payload into ``dst`` (``exact``: exactly its length; else at least it, or
         a new buffer for ``None``) and return it; raises ChunkFormatError unless every check passes.
         The file is an envelope (:mod:`kvtier.core.envelope`) or a legacy version-2 chunk file
-        (:mod:`kvtier.core.legacyformats`).  Then its tenant record goes into ``records``
-        (:func:`kvtier.core.envelope.note_verified`: only one that passes its own check).
+        (:mod:`kvtier.core.legacyformats`).  Then its tenant record goes into ``records`` (only one
+        that passes its own check: :meth:`~kvtier.core.envelope.Envelope.open_header` checked it).
 
         Raises:
             BufferTooSmall: not ``exact`` and ``dst`` is shorter than the file's payload.
         """
-        io = self._io
-        record: bytes | None = None
+        io, blocks = self._io, self._io.read_headers
+        tenant: envelope.RecordedTenant | None = None
         # O_NONBLOCK: a FIFO or device planted at a chunk's path must not hang the caller
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW | io.open_flags)
         try:
@@ -170,39 +155,48 @@ class DiskTier(DirectorySync, DiskReads, DiskFiles):
                 dst = check_room(max(st.st_size - HEADER_BYTES, 0), dst)
 
             def check(raw: memoryview, payload_bytes: int) -> tuple[bytes, envelope.Hasher]:
-                nonlocal record
+                nonlocal tenant
                 # not a chunk file, another namespace or key, a layout or codec this kvtier does not read,
                 # or another chunk size (config, geometry): never a partial fill (one call per read)
-                header, hasher = self.envelope.open_header(raw, key, out.nbytes if exact else None, HEADER_BYTES)
+                header, hasher, tenant = self.envelope.open_header(raw, key, out.nbytes if exact else None,
+                                                                   HEADER_BYTES)
                 if payload_bytes != header.stored_bytes:  # the sentence only for a bad one: a hit runs this
                     raise ChunkFormatError(length_problem(payload_bytes + header.header_bytes, header.header_bytes,
                                                           header.stored_bytes, "the chunk file") or "")
                 if header.stored_bytes != header.original_bytes or (
                         header.codecs != self.envelope.chain.ids and not codecs.chain_of(header.codecs).passthrough):
                     raise Recoded("its codec chain changes the payload")  # read whole, then decoded
-                record = header.record
                 return header.digest, PayloadHasher() if hasher is None else hasher
 
             assert dst is not None
             out = memoryview(np.frombuffer(dst, dtype=np.uint8).data)
             try:
-                if not read_chunk(io, fd, out, st.st_size, check):
+                block = blocks.pop()
+            except IndexError:  # more reads at once than the blocks made at set-up: one more, kept after
+                block = aligned_buffer(HEADER_BYTES)
+            try:
+                if not read_chunk(io, fd, block, out, st.st_size, check):
                     raise ChunkFormatError("payload checksum mismatch")
             except Recoded:  # written under another chain than this tier's (a config change)
                 return self._read_recoded(key, path, st.st_size, given, records, exact)
+            finally:
+                blocks.append(block)
         finally:
             os.close(fd)
-        note_verified(records, self.namespace, key, record)
+        if records is not None and tenant is not None:  # verified: the digest covers the record
+            records[bytes(key)] = tenant
         return out[:st.st_size - HEADER_BYTES]
 
 
-def read_chunk(io: ChunkIO, fd: int, out: memoryview, file_bytes: int, check_header: CheckHeader) -> bool:
+def read_chunk(io: ChunkIO, fd: int, header: memoryview, out: memoryview, file_bytes: int,
+               check_header: CheckHeader) -> bool:
     """Read a chunk file of ``file_bytes`` bytes into ``out``; True if its digest matches.
 
-    The header block and the first payload slice come in one read; ``check_header(header,
-    payload_bytes)`` (:data:`CheckHeader`) returns the expected digest and the hasher to feed
-    the payload, or raises ChunkFormatError (namespace, key, length).  The payload, ``file_bytes - HEADER_BYTES`` bytes, lands in ``out`` (which may
-    hold unverified bytes when this returns False or raises).
+    The header block (into ``header``, a block of ``io.read_headers``) and the first payload slice come in
+    one read; ``check_header(header, payload_bytes)`` (:data:`CheckHeader`) returns the expected digest and
+    the hasher to feed the payload, or raises ChunkFormatError (namespace, key, length).  The payload,
+    ``file_bytes - HEADER_BYTES`` bytes, lands in ``out`` (which may hold unverified bytes when this
+    returns False or raises).
 
     Raises:
         ChunkFormatError: from ``check_header``, a payload larger than ``out``, or a file
@@ -210,7 +204,6 @@ def read_chunk(io: ChunkIO, fd: int, out: memoryview, file_bytes: int, check_hea
         OSError: the read failed.
     """
     length = file_bytes - HEADER_BYTES
-    header = io.buffers.header
     if length < 0:
         n_read = os.preadv(fd, [header], 0)
         check_header(header[:n_read], length)
@@ -218,69 +211,15 @@ def read_chunk(io: ChunkIO, fd: int, out: memoryview, file_bytes: int, check_hea
     if length > out.nbytes:
         raise ChunkFormatError(f"payload of {length} bytes exceeds the {out.nbytes}-byte buffer")
     out = out[:length]
-    bounced = io.direct and address(out) % ALIGN != 0
-    bounce = io.buffers.bounces(io.slice_bytes, io.read_depth + 1) if bounced else []
-    tail = io.buffers.tail
-    offsets = range(0, length, io.slice_bytes) if length else range(1)
-
-    def read(i: int) -> memoryview:
-        """Read slice ``i`` (slice 0 with the header); return where its bytes are."""
-        off = offsets[i]
-        n = min(io.slice_bytes, length - off)
-        iov = [header] if i == 0 else []
-        if not io.direct:
-            iov.append(out[off:off + n])
-            _pread_exact(fd, iov, HEADER_BYTES * (i != 0) + off, n + HEADER_BYTES * (i == 0))
-            return out[off:off + n]
-        if bounced:
-            iov.append(bounce[i % len(bounce)][:round_up(n)])
-        else:
-            whole = n // ALIGN * ALIGN
-            if whole:
-                iov.append(out[off:off + whole])
-            if n > whole:
-                iov.append(tail)
-        _pread_exact(fd, [b for b in iov if b.nbytes], HEADER_BYTES * (i != 0) + off,
-                     n + HEADER_BYTES * (i == 0))
-        if bounced:
-            return bounce[i % len(bounce)][:n]
-        if n % ALIGN:
-            out[off + n // ALIGN * ALIGN:off + n] = tail[:n % ALIGN]
-        return out[off:off + n]
-
     if not io.direct and not io.pipeline:
-        return _read_buffered(io, fd, out, length, check_header)
-    if not io.pipeline or len(offsets) == 1:
-        got = read(0)
-        expected, hasher = check_header(header, length)
-        for i, off in enumerate(offsets):  # each slice hashed right after it is read
-            if i:
-                got = read(i)
-            hasher.update(got)
-            if bounced:
-                out[off:off + got.nbytes] = got
-        return hasher.digest() == expected
-    # up to read_depth slices in flight on the helpers while this thread hashes them in order
-    inflight = deque(io.submit(read, i) for i in range(min(io.read_depth, len(offsets))))
-    following = len(inflight)
-    try:
-        for i, off in enumerate(offsets):
-            got = inflight.popleft().result()
-            if i == 0:
-                expected, hasher = check_header(header, length)
-            if following < len(offsets):
-                inflight.append(io.submit(read, following))
-                following += 1
-            hasher.update(got)
-            if bounced:
-                out[off:off + got.nbytes] = got
-    finally:
-        wait(inflight)  # never leave a read into the caller's buffers running
-    return hasher.digest() == expected
+        return _read_buffered(io, fd, header, out, length, check_header)
+    return read_direct(io, fd, header, out, length, check_header)
 
-def _read_buffered(io: ChunkIO, fd: int, out: memoryview, length: int, check_header: CheckHeader) -> bool:
-    """A buffered read, serial or split (:mod:`kvtier.core.readchoice`); see :meth:`read_chunk`."""
-    chooser = io.chooser
+
+def _read_buffered(io: ChunkIO, fd: int, header: memoryview, out: memoryview, length: int,
+                   check_header: CheckHeader) -> bool:
+    """A buffered read, serial or split (:data:`CHOOSER`); see :meth:`read_chunk`."""
+    chooser = CHOOSER
     cls, split = chooser.begin(length)
     split = split and not io.closed
     t0 = time.perf_counter()
@@ -289,7 +228,6 @@ def _read_buffered(io: ChunkIO, fd: int, out: memoryview, length: int, check_hea
     try:
         if split:  # the tail on a helper, while this thread reads and hashes the head
             tail = io.submit(_pread_exact, fd, [out[cut:]], HEADER_BYTES + cut, length - cut)
-        header = io.buffers.header
         for off in range(0, cut, io.slice_bytes) if cut else range(1):
             n = min(io.slice_bytes, cut - off)
             if off == 0:
@@ -309,14 +247,123 @@ def _read_buffered(io: ChunkIO, fd: int, out: memoryview, length: int, check_hea
 
 
 def _pread_exact(fd: int, iov: list[memoryview], offset: int, want: int) -> None:
-    """Read until ``want`` bytes arrived (into ``iov`` in order) or the file ends (ChunkFormatError)."""
+    """Read until ``want`` bytes arrived (into ``iov`` in order) or the file ends (ChunkFormatError):
+    one ``preadv``, and a short one (legal before the end of a file; rare) goes on in :func:`read_rest`."""
     got = os.preadv(fd, iov, offset)
-    if got >= want:
-        return
-    total = got
-    while total < want:  # short reads are legal before end of file; continue from where it stopped
-        rest = skip_iov(iov, total)
-        more = os.preadv(fd, rest, offset + total) if rest else 0
-        if more <= 0:
-            raise ChunkFormatError(f"payload truncated ({total} of {want} bytes of a slice)")
-        total += more
+    if got < want:
+        read_rest(fd, iov, offset, got, want)
+
+
+# ---- the way of a buffered read: serial or split, whichever is measured faster now ----------------
+SPLIT_MIN_BYTES = 256 << 10
+"""Buffered payloads at least this large may be read split over two threads (:class:`ReadChooser`)."""
+
+
+def _median(samples: deque[float]) -> float:
+    """Median of a non-empty window (``statistics.median``'s result at a third of its cost)."""
+    ordered = sorted(samples)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+class _Samples:
+    """Recent wall seconds per byte of each way, for one class of reads."""
+
+    __slots__ = ("gap", "prefer_split", "serial", "split", "until_explore")
+
+    def __init__(self, window: int, gap: int) -> None:
+        self.serial: deque[float] = deque(maxlen=window)
+        self.split: deque[float] = deque(maxlen=window)
+        self.prefer_split = False
+        self.gap = gap  # reads between two exploring reads
+        self.until_explore = gap
+
+
+class ReadChooser:
+    """Serial or split reads, whichever is measured faster now: :func:`read_chunk`'s buffered reads ask
+    :data:`CHOOSER` around each read (:meth:`begin` / :meth:`end`), the node tier's verified copies
+    (:mod:`kvtier.core.tiers.node.readcopy`) their own instance around each batch.
+
+    A buffered read is a kernel copy from the page cache (CPU work, 9-17 GiB/s) and the hash adds about a
+    third to it on one core: *serial* (each slice hashed right after its read, while in the CPU cache)
+    costs R + H; *split* (a helper reads the payload's tail while this thread reads and hashes the head)
+    about R/2 + H plus a hand-off with a free core, R + H + a hand-off without one.  For each class of
+    reads (payload size by its power of two; reads at once: 1, 2, 3-4, more) the chooser keeps the last
+    :attr:`window` wall times per byte of each way and compares their medians (one preempted read must not
+    swing it): split when its median is below :attr:`split_margin` × serial's.  The other way is taken on
+    an *exploring* read, every :attr:`explore_every` reads at first; each that loses (is not faster by the
+    margin than every read of the chosen way in the window) doubles the gap up to :attr:`explore_max`, one
+    that wins brings it back.  Split is never tried while twice the reads at once reach the usable CPUs
+    (so never on 1-2 CPUs: measured there, docs/benchmarks.md sessions 3-4, split never beat serial, and
+    under load single reads swing 10x).  Samples are not locked; a race loses a sample, never a read.
+    """
+
+    explore_every = 8
+    """Reads between two exploring reads at first, and after an exploring read won."""
+    explore_max = 256
+    """Reads between two exploring reads at most (after exploring reads kept losing)."""
+    window = 8
+    """Samples of each way kept per class."""
+    warmup = 3
+    """Samples of each way taken (alternating) before the medians decide."""
+    split_margin = 0.85
+    """Split must be this much faster than serial to be used (ties, and noise, go to the cheaper,
+    serial way; with a free core split is expected at ~0.6-0.7 of serial's time)."""
+
+    def __init__(self, cpus: int | None = None) -> None:
+        self.cpus = usable_cpus() if cpus is None else cpus
+        self.force: str | None = None
+        """``"serial"`` or ``"split"`` to fix the choice (tests, benchmarks); ``None`` to measure."""
+        self.running = 0
+        self._lock = threading.Lock()
+        self._classes: dict[tuple[int, int], _Samples] = {}
+        self.splits = 0
+        self.serials = 0
+
+    def begin(self, length: int) -> tuple[tuple[int, int], bool]:
+        """Start a read of ``length`` payload bytes: (its class, whether to split it)."""
+        with self._lock:
+            self.running += 1
+            running = self.running
+        cls = (length.bit_length(), running if running < 3 else (3 if running < 5 else 4))
+        if self.force is not None:
+            return cls, self.force == "split" and length >= ALIGN * 2
+        if length < SPLIT_MIN_BYTES or 2 * running >= self.cpus:
+            return cls, False
+        st = self._classes.get(cls)
+        if st is None:
+            st = self._classes[cls] = _Samples(self.window, self.explore_every)
+        if len(st.serial) < self.warmup or len(st.split) < self.warmup:
+            return cls, len(st.split) < len(st.serial)  # alternate until each way has its samples
+        st.until_explore -= 1
+        if st.until_explore <= 0:
+            st.until_explore = st.gap
+            return cls, not st.prefer_split
+        return cls, st.prefer_split
+
+    def end(self, cls: tuple[int, int], split: bool, length: int, seconds: float) -> None:
+        """Record a finished read of ``length`` bytes that took ``seconds``."""
+        with self._lock:
+            self.running -= 1
+            if split:
+                self.splits += 1
+            else:
+                self.serials += 1
+        st = self._classes.get(cls)
+        if st is None or length <= 0 or self.force is not None:
+            return
+        per_byte = seconds / length
+        warm = len(st.serial) >= self.warmup and len(st.split) >= self.warmup
+        if warm and split != st.prefer_split:  # an exploring read: did the other way win this time?
+            # won: faster than every recent read of the chosen way (one lucky read on a noisy host
+            # should not bring exploration back to 1 in 8)
+            chosen = min(st.split if st.prefer_split else st.serial)
+            won = per_byte < self.split_margin * chosen if split else per_byte * self.split_margin < chosen
+            st.gap = self.explore_every if won else min(2 * st.gap, self.explore_max)
+            st.until_explore = st.gap
+        (st.split if split else st.serial).append(per_byte)
+        if len(st.serial) >= self.warmup and len(st.split) >= self.warmup:
+            st.prefer_split = _median(st.split) < self.split_margin * _median(st.serial)
+
+CHOOSER = ReadChooser()
+"""The process's chooser of buffered read strategies (the load is the machine's: one serves every disk tier)."""

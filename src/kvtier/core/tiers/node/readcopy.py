@@ -25,9 +25,9 @@ A third destination is not a buffer: a :class:`Scatter` (runs in the caller's me
 KV blocks), always inline: each run copied and then hashed from where it landed, payload order
 (:func:`scatter_hashed`), so an engine's node-tier hit is one copy from the pool into its blocks.
 
-Which way a batch takes is measured, not assumed: :class:`~kvtier.core.readchoice.ReadChooser`
-(the serial-or-split chooser the disk tier's buffered reads use too: the medians of recent loads per size class, exploring
-the other way now and then) decides, and it never tries the overlapped way while twice the loads
+Which way a batch takes is measured, not assumed: :class:`~kvtier.core.tiers.disk.tier.ReadChooser`
+(the serial-or-split chooser the disk tier's buffered reads use too, kept with the read that runs it
+per chunk: the medians of recent loads per size class, exploring the other way now and then) decides, and it never tries the overlapped way while twice the loads
 in flight reach the usable CPUs (so never on 2 CPUs).  Either way a value whose digest does not
 match, or that was not verified within :data:`VERIFY_WAIT_S`, is refused (``EnvelopeError``): a
 miss, never served.
@@ -45,7 +45,7 @@ import numpy as np
 from kvtier.core import codecs, envelope
 from kvtier.core.errors import length_problem
 from kvtier.core.keys import ChunkKey
-from kvtier.core.readchoice import ReadChooser
+from kvtier.core.tiers.disk.tier import ReadChooser
 from kvtier.core.tiers.node.scatter import COPY_BLOCK_BYTES, Scatter, Tiles, scatter_hashed
 
 __all__ = ["COPY_BLOCK_BYTES", "Copied", "Pending", "Scatter", "Tiles", "Verifier", "copy_hashed", "scatter_hashed",
