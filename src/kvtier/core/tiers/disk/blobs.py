@@ -78,6 +78,9 @@ class DiskBlobs:
             UserError: see :func:`open_blobs`.
         """
         root = self.root
+        if not root.exists():
+            raise UserError(f"--disk-path {root} does not exist; give the disk tier's disk_path (the directory the "
+                            "engines write their chunks under)")
         if not root.is_dir():
             raise UserError(f"--disk-path {root} is not a directory; give the disk tier's disk_path")
         try:
