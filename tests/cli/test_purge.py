@@ -68,7 +68,7 @@ def test_all_removes_everything_and_no_selector_is_refused(disk_dir):
 @pytest.mark.parametrize(("args", "phrase"), [
     ((), "give a target"),
     (("--disk-path", "/nonexistent/kvtier", "--salt", "B"), "--disk-path /nonexistent/kvtier does not exist; give"),
-    (("--disk-path", "/etc/hostname", "--salt", "B"), "--disk-path /etc/hostname is not a directory"),
+    (("--disk-path", "/etc/passwd", "--salt", "B"), "--disk-path /etc/passwd is not a directory"),
     (("--disk-path", "{tmp}", "--older-than", "a week"), "is not a duration"),
     (("--disk-path", "{tmp}", "--older-than", "7"), "give a number with s, m, h, d or w, e.g. 12h or 7d"),
     (("--disk-path", "{tmp}", "--namespace", "abc"), "32 hex digits"),
