@@ -127,7 +127,8 @@ class AsyncLoader:
         except BaseException:  # shut down: nothing will run
             self.store.cancel_load(held)
             raise
-        future.add_done_callback(lambda _: self.store.cancel_load(held))
+        if held.pinned:  # (none resident, nothing pinned: nothing to release)
+            future.add_done_callback(lambda _: self.store.cancel_load(held))
 
     def abort(self, req_ids: set[str]) -> None:
         """Requests vLLM finished (aborted): their loads not started yet are skipped."""
