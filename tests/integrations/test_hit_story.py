@@ -174,8 +174,14 @@ SCRIPT = ROOT / "scripts" / "hit_story.py"
 # stats_table 1 -> 0; the scheduler's side and receipts call it there, 1 each).  worker/copy.py stays: the
 # loader thread's path (loader.py, 397 lines) has no room for the host copy's ~100 hot lines.
 # Merged on main (sched33 + work33): 20 files, 136 moves (771 kvtier calls, load 4.4).
+# Lowered on branch work33b: 20 files, 132 moves (2 runs, 764 kvtier calls each, load 4.9-5.1), from 136 at main
+# b2687fa (measured at its start, 771 calls, load 4.9).  The worker asks its loader only what changed: the
+# loader's outcomes (AsyncLoader.take) and the facts book (FactsBook.take) have version counters, as the
+# saver's, so a step with no load ended or no facts added takes nothing (side -> loader 4 -> 2); a job with
+# no page resident in the cpu tier at submit pinned nothing and registers no release callback (loader ->
+# store cancel_load 1 -> 0, store -> index release 1 -> 0).  worker/copy.py stays on the hit (see work33).
 MAX_FILES = 20
-MEASURED_MOVES = 136
+MEASURED_MOVES = 132
 SLACK_MOVES = 30
 
 
