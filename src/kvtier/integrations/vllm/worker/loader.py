@@ -111,6 +111,7 @@ class AsyncLoader:
         self._inflight: dict[str, Future[None]] = {}
         # ended loads not yet taken: req_id -> (store epoch at their start, blocks filled; None: failed whole)
         self._filled: dict[str, tuple[int, tuple[int, ...] | None]] = {}
+        self.version = 0  # bumped under the lock as each load ends: unchanged since a take(), take() has nothing
         self.facts = FactsBook()  # what loads (and the worker's saves) learned, for the requests' receipts
 
     def submit(self, job: LoadJob) -> None:
@@ -126,7 +127,8 @@ class AsyncLoader:
         except BaseException:  # shut down: nothing will run
             self.store.cancel_load(held)
             raise
-        future.add_done_callback(lambda _: self.store.cancel_load(held))
+        if held.pinned:  # (none resident, nothing pinned: nothing to release)
+            future.add_done_callback(lambda _: self.store.cancel_load(held))
 
     def abort(self, req_ids: set[str]) -> None:
         """Requests vLLM finished (aborted): their loads not started yet are skipped."""
@@ -155,13 +157,9 @@ class AsyncLoader:
         return finished, errors, failed
 
     def wait_ended(self, timeout_s: float) -> bool:
-        """Block until a load has ended that :meth:`take` has not returned yet, at most ``timeout_s``
-        seconds; returns at once when one has already ended or none is in flight (a job queued
-        behind busy loader threads counts as in flight).
-
-        Returns:
-            True when a load ended (or none is in flight), False when ``timeout_s`` passed first.
-        """
+        """Block until a load has ended that :meth:`take` has not returned yet (True) or ``timeout_s``
+        seconds passed (False); True at once when one has already ended or none is in flight (a job
+        queued behind busy loader threads counts as in flight)."""
         with self._ended:
             return self._ended.wait_for(lambda: bool(self._finished) or not self._inflight, max(timeout_s, 0.0))
 
@@ -288,6 +286,7 @@ class AsyncLoader:
                 self._filled[job.req_id] = (epoch, None if not self.partial else tuple(
                     b for p in job.pages[:delivered] for b in p.block_ids))
             self._finished.add(job.req_id)
+            self.version += 1
             self._inflight.pop(job.req_id, None)
             self._aborted.discard(job.req_id)
             self._ended.notify_all()
@@ -341,9 +340,11 @@ class FactsBook:
     def __init__(self) -> None:  # (a save job's facts come here too: saves.py save_facts)
         self._lock = threading.Lock()
         self._facts: dict[str, RequestFacts] = {}
+        self.version = 0  # bumped under the lock by each add: unchanged since a take(), take() has nothing
 
     def add(self, req_id: str, facts: RequestFacts) -> None:
         with self._lock:
+            self.version += 1
             mine = self._facts.get(req_id)
             if mine is None:
                 self._facts[req_id] = facts

@@ -14,7 +14,13 @@ from kvtier.core.stats import StoreStats
 from kvtier.core.store import TieredStore
 from kvtier.integrations.vllm.cache_groups import GroupKind, GroupSpec, groups_from_kv_cache_config
 from kvtier.integrations.vllm.process_exit import skip_exit_collection
-from kvtier.integrations.vllm.protocol import KVTierMetadata, KVTierWorkerMeta, RankReport, ResetOrder
+from kvtier.integrations.vllm.protocol import (
+    KVTierMetadata,
+    KVTierWorkerMeta,
+    RankReport,
+    RequestFacts,
+    ResetOrder,
+)
 from kvtier.integrations.vllm.worker.copy import GroupCopiers
 from kvtier.integrations.vllm.worker.layerwise import LayerLoads
 from kvtier.integrations.vllm.worker.layout import KVLayout
@@ -78,6 +84,8 @@ class WorkerSide:
         self._saver_seen: dict[str, float] = {}  # the saver's totals at the last stats() call
         # SaveQueue.version at the last read of its counts (stats) and of its ended jobs (worker_meta); -1: never
         self._saver_version = self._ended_version = -1
+        # AsyncLoader.version at the last take of its outcomes, FactsBook.version at the last take of its facts
+        self._loads_version = self._facts_version = 0
         self._saver_busy = False  # deferred saves in flight at that read
         self._gate_open = False  # this side opened the store's eviction gate (start_load) and has not closed it since
         self._busy = False  # chunks pinned at the last stats() (loads or disk writes in flight)
@@ -193,6 +201,9 @@ class WorkerSide:
                 self.loader.wait_ended(self.config.idle_step_wait_s)
             else:  # only held blocks wait: for their saves, so that the step does not spin
                 self.saver.wait_any(self._held, self.config.idle_step_wait_s)
+        if self.loader.version == self._loads_version:  # (no load ended since the last take: nothing to take)
+            return set()
+        self._loads_version = self.loader.version
         finished, errors, failed = self.loader.take()
         self._errors |= errors
         self._failed |= failed
@@ -249,7 +260,10 @@ class WorkerSide:
         self.store.gate_evictions(True)  # nothing leaves until the loads planned from this drain are pinned
         self._gate_open = False
         delta = self.store.drain_changes(MAX_INDEX_CHANGES)
-        facts = self.loader.facts.take() if self.loader is not None else {}  # for the requests' receipts
+        facts: dict[str, RequestFacts] = {}  # for the requests' receipts (none added since the last take: none)
+        if self.loader is not None and self.loader.facts.version != self._facts_version:
+            self._facts_version = self.loader.facts.version
+            facts = self.loader.facts.take()
         ended: tuple[int, ...] = ()
         if self.saver is not None and self.saver.version != self._ended_version:  # (else none ended since)
             self._ended_version = self.saver.version
