@@ -15,8 +15,8 @@ what a hit runs: a load's whole path through that state, and what a worker asks 
 The :class:`~kvtier.core.mover.Mover` runs the plans and reports back by calling these verbs (the index
 never calls the mover); the index itself touches only the cpu tier's page map, a lower tier's ``delete``
 of an eviction victim and ``clear`` on a reset.  What may leave the top tier is decided in one place,
-:meth:`Index.may_free_page` (with the eviction gate); ``evict_top`` (:mod:`kvtier.core.upkeep`) and
-:meth:`Index._evict_many` (a load's promotions) evict.
+:meth:`Index.may_free_page` (with the eviction gate; a promotion with no TTL pin passes the policy its pins
+instead, the same rule); ``evict_top`` (:mod:`kvtier.core.upkeep`) and ``_evict_many`` (promotions) evict.
 """
 
 from __future__ import annotations
@@ -225,8 +225,8 @@ class Index(IndexUpkeep):
                     need.append(k)
                     free += 1
                 free -= got[k] is NoRoom.NO_ROOM  # (else it is held already: no page taken)
-            victims = self.policy.evict(len(need), partial(self.may_free_page, ahead=False)) \
-                if need and not self.gate.closed else []
+            victims = (self.policy.evict(len(need), held=self.pins) if not self.ttl_pins else self.policy.evict(
+                len(need), partial(self.may_free_page, ahead=False))) if need and not self.gate.closed else []
             ghost = self._evict_many([key for _, key, _ in run], dict(zip(need, victims)), plan.writes)
             end = need[len(victims)] if len(victims) < len(need) else len(run)  # no victim from there on
             again = [k for k in paged[short:] if k < end and got[k] is NoRoom.NO_ROOM]

@@ -38,7 +38,7 @@ resampling, and what an operator reads, are :mod:`kvtier.core.policies.adaptive_
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from itertools import chain
 from typing import Any
 
@@ -279,7 +279,10 @@ class AdaptivePolicy(AdaptiveState):
                     heapq.heappush(self._heap, (up.rank, -up.depth, s, parent))
 
     # -- queries -----------------------------------------------------------------------------
-    def victim(self, evictable: Evictable = always_evictable) -> Any | None:
+    def victim(self, evictable: Evictable = always_evictable, held: Container[Any] = ()) -> Any | None:
+        """The base's ``victim``; a key in ``held`` (the owner's pins, asked by membership: no call per candidate)
+        never goes, and ``evictable`` is asked only when it is not ``always_evictable``."""
+        ask = evictable is not always_evictable
         if self.pending and self._shadows.may_switch(self._mode, self.pending):
             self.settle()
         if self._stale or len(self._nodes) > 2 * self._scale:
@@ -289,7 +292,8 @@ class AdaptivePolicy(AdaptiveState):
         if self._guarded and self._over_budget():  # the oldest outside the shadow (a chunk leaves it after its
             # children); none outside: the tier holds what the shadow holds, so the shadow's least recent, as in LRU
             for key in chain(self._outside, (self._shadow_oldest(),)):
-                if key in nodes and key not in children and key != self._run[0] and evictable(key):
+                if key in nodes and key not in children and key != self._run[0] and key not in held \
+                        and (not ask or evictable(key)):
                     return key
 
         # The chunk inserted last is the parent of the next one of its prompt: evicting it before that one
@@ -301,23 +305,23 @@ class AdaptivePolicy(AdaptiveState):
             node = nodes.get(key)
             if node is None or node.seq != entry[2] or key in children:  # re-queued, evicted, or gained children
                 heapq.heappop(heap)
-            elif key != last and evictable(key):
+            elif key != last and key not in held and (not ask or evictable(key)):
                 best = key
                 break
             else:  # pinned by a transfer in flight (or the last chunk inserted): kept
                 pinned.append(heapq.heappop(heap))
         for entry in pinned:
             heapq.heappush(heap, entry)
-        if best is None and last in nodes and last not in children and evictable(last):
+        if best is None and last in nodes and last not in children and last not in held and (not ask or evictable(last)):
             best = last
         if best is None and nodes:
             order = sorted(nodes, key=lambda k: (k in children, nodes[k].rank, -nodes[k].depth))
-            best = next((k for k in order if evictable(k)), None)
+            best = next((k for k in order if k not in held and (not ask or evictable(k))), None)
         return best
 
-    def evict(self, num_chunks: int, evictable: Evictable = always_evictable) -> list[Any]:
+    def evict(self, num_chunks: int, evictable: Evictable = always_evictable, held: Container[Any] = ()) -> list[Any]:
         victims: list[Any] = []  # (the base class's loop, here: a promotion's victims are one call into this file)
-        while len(victims) < num_chunks and (key := self.victim(evictable)) is not None:
+        while len(victims) < num_chunks and (key := self.victim(evictable, held)) is not None:
             self.remove(key)
             victims.append(key)
         return victims
