@@ -6,7 +6,9 @@ import random
 import pytest
 
 from kvtier.core.policies import make_policy
-from kvtier.core.policies.adaptive import SHADOW_KEYS, AdaptivePolicy
+from kvtier.core.policies.adaptive import AdaptivePolicy
+from kvtier.core.policies.adaptive import replay as replay_shadows
+from kvtier.core.policies.adaptive_state import SHADOW_KEYS
 from kvtier.core.policies.orderings import MODES, Shadows, ordering_rank
 from kvtier.core.policies.registry import DEFAULT_POLICY
 from kvtier.simulate.replay import chunk_parents, replay
@@ -182,14 +184,14 @@ def test_deferred_shadow_replay_decides_as_a_replay_at_every_access(guard, settl
 
 
 def test_shadow_ranks_are_ordering_rank() -> None:
-    """Shadows.access ranks each access inline (once for all five orderings): the same rank, of the same
+    """The shadows' replay ranks each access inline (once for all five orderings): the same rank, of the same
     type, as ordering_rank gives in every mode, for new chunks (lucky or not) and hits alike."""
     rng, shadows, seq = random.Random(5), Shadows(8.0, 0.05, 9.0), iter(range(1 << 30))
     keys = [bytes([i]) for i in range(40)]
     for time in range(3000):
         key = rng.choice(keys)
         uses, gap, long_uses, scale = rng.choice([0, 1, 9]), rng.randint(1, 400), rng.choice([0, 2, 12]), rng.randint(1, 30)
-        shadows.access(0, key, time, uses, gap, long_uses, 0, rng.random() < 0.1, 30, scale, seq)
+        replay_shadows(shadows, 0, [(key, time, uses, gap, long_uses, 0, rng.random() < 0.1, 30, scale)], seq)
         for shadow in shadows.shadows:
             if (node := shadow.nodes.get(key)) is not None:
                 want = ordering_rank(shadow.mode, time, uses, gap, node.mru, scale, long_uses)

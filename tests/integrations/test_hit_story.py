@@ -187,9 +187,15 @@ SCRIPT = ROOT / "scripts" / "hit_story.py"
 # saver's, so a step with no load ended or no facts added takes nothing (side -> loader 4 -> 2); a job with
 # no page resident in the cpu tier at submit pinned nothing and registers no release callback (loader ->
 # store cancel_load 1 -> 0, store -> index release 1 -> 0).  worker/copy.py stays on the hit (see work33).
-# Merged on main (sched33, work33, disk33, work33b): 19 files, 112 moves (752 kvtier calls, load 2.2).
-MAX_FILES = 19
-MEASURED_MOVES = 112
+# Lowered on branch pol33: 19 files, 138 moves (2 runs, 733 kvtier calls, load 3.9-6), from 21 and 147 at main a757de8
+# (measured at its start, 791 calls, load 1.3).  The policy and the index split by step phase: policies/orderings.py
+# left the hit (the shadows' replay is adaptive.replay, in the policy's file; the policy's state, set-up and re-ranking
+# went to a cold base, policies/adaptive_state.py: adaptive -> orderings 2 -> 0), core/ghosts.py left it (a promotion
+# lists its victims' ghosts in Index._evict_many: index -> ghosts 1 -> 0), and the victim search asks the index's pins
+# by membership (evict(n, held=pins)) instead of calling may_free_page per candidate (adaptive -> index 6 -> 0).
+# Merged on main (sched33, work33, disk33, work33b, pol33): 17 files, 103 moves (694 kvtier calls, load 2.0).
+MAX_FILES = 17
+MEASURED_MOVES = 103
 SLACK_MOVES = 30
 
 

@@ -126,9 +126,19 @@ class IndexState:
         self._full_next = True  # the first drain reports everything, disk index included
         self.change_feed_limit = CHANGE_FEED_LIMIT
 
-    if TYPE_CHECKING:  # the index's (kvtier.core.index, kvtier.core.upkeep)
+    if TYPE_CHECKING:  # the index's (kvtier.core.index)
         def _dirty(self, key: ChunkKey) -> bool: ...
-        def _held_keys(self) -> list[ChunkKey]: ...
+        def _tier_of(self, key: ChunkKey) -> str | None: ...
+
+    def _held_keys(self) -> list[ChunkKey]:
+        return [*(k for k in self.cpu.keys() if k not in self.doomed), *self.staged,  # noqa: SIM118
+                *(k for lt in self.local for k in lt.tier.keys())]  # noqa: SIM118
+
+    def _full_snapshot(self) -> IndexDelta:
+        """The drain of a full snapshot (the first, or the next after a resync): every held key with its tier."""
+        self._full_next = False
+        self._changed.clear()
+        return IndexDelta([(k, self._tier_of(k)) for k in dict.fromkeys(self._held_keys())], full=True)
 
     def _resync(self) -> None:
         """Make the next drain a full snapshot (e.g. the disk directory was recreated, or a reset),

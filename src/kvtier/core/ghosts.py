@@ -9,7 +9,9 @@ ghost FIFO G): keys only, no values, so a tier of ``n`` chunks keeps ``n`` keys 
 bytes each).  ``limit`` is the tier's capacity in chunks (1x), so the list remembers about as many
 chunks as the tier holds.
 
-No lock, no threads, no I/O: the index calls it under its own lock (:mod:`kvtier.core.index`).
+No lock, no threads, no I/O: the index calls it under its own lock (:mod:`kvtier.core.index`).  A load's
+promotion runs none of it unless it finds a ghost (``Ghosts.take``): the index lists its victims' ghosts
+itself, with ``GhostList.add``'s steps (``Index._evict_many``), for the reason ``IndexUpkeep.top_loss`` gives.
 
 **Distance.** The list counts the bytes the tier evicted (``evicted_bytes``, only real evictions).
 When a key is asked for again (saved again, or promoted back from a lower tier) while its ghost is
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.receipt import MissReason
@@ -74,7 +76,8 @@ class GhostList:
         return key in self.keys
 
     def add(self, key: ChunkKey, reason: MissReason, seq: int, tier: str | None = None) -> None:
-        """Remember that the tier lost ``key`` for ``reason`` (an eviction also counts its bytes)."""
+        """Remember that the tier lost ``key`` for ``reason`` (an eviction also counts its bytes; the same steps
+        as ``Index._evict_many``'s for a promotion's victims)."""
         if reason in EVICTION_REASONS:
             self.evicted_bytes += self.stored_bytes
         keys = self.keys
@@ -146,21 +149,6 @@ class Ghosts:
         self._hit(name, distance)
         return ghost
 
-    def promote(self, name: str, wanted: Sequence[ChunkKey], lost: dict[int, tuple[ChunkKey, int]],
-                back: Iterable[Any]) -> Ghost | None:
-        """A run of chunks promoted into tier ``name``, in one call as one at a time: for each ``wanted[i]``,
-        :meth:`take` its ghost (a ghost hit), then add the loss of ``lost[i]``, the ``(victim, its uses)`` whose
-        page it takes (none: a free page), for :func:`top_loss`'s reason (``back``: the write-back tiers'
-        ``LowerIndex`` es).  Returns the first chunk's ghost (``None``: it is ``new``)."""
-        listed, first = self.lists[name].keys, None
-        for i, key in enumerate(wanted):
-            ghost = self.take(name, key) if key in listed else None
-            first = ghost if i == 0 else first
-            if i in lost:
-                victim, uses = lost[i]
-                self.add(name, victim, *top_loss(back, victim, uses, False))
-        return first
-
     def take_all(self, key: ChunkKey) -> Ghost | None:
         """``key`` is saved again: forget it in every list (each a ghost hit); the latest loss, or
         ``None`` when no list remembers it (it is ``new``)."""
@@ -193,17 +181,3 @@ class Ghosts:
         out, self.distances = self.distances, []
         return out
 
-
-def top_loss(back: Iterable[Any], key: ChunkKey, uses: int, quota: bool) -> tuple[MissReason, str | None]:
-    """Why the top tier's eviction of ``key`` loses it: ``("quota", None)`` when the tenant quotas
-    chose the victim; ``("not_admitted", tier)`` when write-back tiers (``back``: the index's
-    :class:`~kvtier.core.lowerindex.LowerIndex` es) exist and none holds ``key`` or admits it (the
-    first that refused); else ``("evicted", None)`` (it moves down, or is held below already)."""
-    if quota:
-        return "quota", None
-    refused = None
-    for lt in back:
-        if lt.tier.indexed(key) or lt.admission.judge(key, uses):
-            return "evicted", None
-        refused = refused or lt.name
-    return ("not_admitted", refused) if refused is not None else ("evicted", None)

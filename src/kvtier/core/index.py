@@ -15,8 +15,8 @@ what a hit runs: a load's whole path through that state, and what a worker asks 
 The :class:`~kvtier.core.mover.Mover` runs the plans and reports back by calling these verbs (the index
 never calls the mover); the index itself touches only the cpu tier's page map, a lower tier's ``delete``
 of an eviction victim and ``clear`` on a reset.  What may leave the top tier is decided in one place,
-:meth:`Index.may_free_page` (with the eviction gate); ``evict_top`` (:mod:`kvtier.core.upkeep`) and
-:meth:`Index._evict_many` (a load's promotions) evict.
+:meth:`Index.may_free_page` (with the eviction gate; a promotion with no TTL pin passes the policy its pins
+instead, the same rule); ``evict_top`` (:mod:`kvtier.core.upkeep`) and ``_evict_many`` (promotions) evict.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from itertools import islice, repeat, takewhile
 import numpy as np
 
 from kvtier.core.changes import IndexDelta
+from kvtier.core.ghosts import EVICTION_REASONS, Ghost
 from kvtier.core.handles import NO_BUFFER, LoadHandle, LoadPlan, Read, WriteJob
 from kvtier.core.keys import ChunkKey
 from kvtier.core.lowerindex import LowerIndex
@@ -81,11 +82,8 @@ class Index(IndexUpkeep):
         if max_items <= 0:
             raise ValueError(f"max_items must be positive, got {max_items}")
         with self.lock:
-            if self._full_next:
-                self._full_next = False
-                self._changed.clear()
-                keys = dict.fromkeys(self._held_keys())
-                return IndexDelta([(k, self._tier_of(k)) for k in keys], full=True)
+            if self._full_next:  # (kvtier.core.changes: the first drain, or one after a resync)
+                return self._full_snapshot()
             taken = list(islice(self._changed, max_items))
             for key in taken:
                 del self._changed[key]
@@ -99,8 +97,9 @@ class Index(IndexUpkeep):
         """Close the eviction gate, or open it and let go what waited for it; returns whether it was closed."""
         with self.lock:
             was, self.gate.closed = self.gate.closed, closed
-            if closed:  # once per engine step, off the request's path: the policies' deferred work
-                self.settle_policies()
+            for policy in (self.policy, *(lt.policy for lt in self.local)) if closed else ():  # once per engine
+                if policy is not None and policy.pending:  # step, off the request's path: the policies' deferred
+                    policy.settle()  # work (the adaptive policy's shadow replay)
             for key in self.gate.take() if not closed and self.gate.deferred else ():  # (no call into gate.py
                 self.let_go(key)  # on the hit path)
             return was
@@ -128,12 +127,6 @@ class Index(IndexUpkeep):
             return deadline is not None
         del self.ttl_pins[key]
         return False
-
-    def settle_policies(self) -> None:
-        """The policies' work deferred off the request's path (the adaptive policy's shadow replay), done now."""
-        for policy in (self.policy, *(lt.policy for lt in self.local)):
-            if policy is not None and policy.pending:
-                policy.settle()
 
     def expire_ttl_pins(self) -> None:
         """Forget TTL pins whose deadline passed."""
@@ -213,7 +206,7 @@ class Index(IndexUpkeep):
         or may be freed, else a private buffer.  As one chunk at a time would, in one call each to the cpu
         tier, the policy and the ghost lists; with tenant quotas (a victim depends on the chunk's tenant) one
         chunk at a time (:meth:`free_page`)."""
-        into, name = plan.into, self.name
+        into = plan.into
         targets = [into(pos) if lt.shared and into is not None else None for pos, _, lt in run]
         got: list[ReserveResult | None] = [None] * len(run)  # None: no page wanted (a shared read's destination)
         if self.quota is not None:  # (kvtier.core.upkeep: the quotas' own path)
@@ -232,11 +225,9 @@ class Index(IndexUpkeep):
                     need.append(k)
                     free += 1
                 free -= got[k] is NoRoom.NO_ROOM  # (else it is held already: no page taken)
-            victims = self.policy.evict(len(need), partial(self.may_free_page, ahead=False)) \
-                if need and not self.gate.closed else []
-            ghost = self.ghosts.promote(name, [key for _, key, _ in run], dict(zip(need, (
-                (v, self.uses.get(v, 0)) for v in victims))), self.back)
-            self._evict_many(victims, plan.writes)
+            victims = (self.policy.evict(len(need), held=self.pins) if not self.ttl_pins else self.policy.evict(
+                len(need), partial(self.may_free_page, ahead=False))) if need and not self.gate.closed else []
+            ghost = self._evict_many([key for _, key, _ in run], dict(zip(need, victims)), plan.writes)
             end = need[len(victims)] if len(victims) < len(need) else len(run)  # no victim from there on
             again = [k for k in paged[short:] if k < end and got[k] is NoRoom.NO_ROOM]
             for k, again_got in zip(again, self.cpu.reserve_many([run[k][1] for k in again])):
@@ -273,11 +264,8 @@ class Index(IndexUpkeep):
                     lt.pins[r.key] -= 1
                     if lt.pins[r.key] <= 0:
                         del lt.pins[r.key]
-                if res is GetResult.CORRUPT or (res is GetResult.MISS and not r.shared
-                                                and not lt.tier.indexed(r.key)):
-                    lt.forget(r.key)  # corrupt (counted by the tier) or removed by another process
-                    self.ghosts.add(lt.name, r.key, "corrupt" if res is GetResult.CORRUPT else "purged")
-                    self._note(r.key)
+                if res is GetResult.CORRUPT or (res is GetResult.MISS and not r.shared and not lt.tier.indexed(r.key)):
+                    self.lost_below(lt, r.key, "corrupt" if res is GetResult.CORRUPT else "purged")
                 if cut is not None and r.pos >= cut:
                     if r.reserved:
                         self.cpu.abort(r.key)
@@ -373,9 +361,25 @@ class Index(IndexUpkeep):
             inserted.append((key, parent))
         self._note(key)
 
-    def _evict_many(self, victims: Sequence[ChunkKey], writes: list[WriteJob]) -> None:
-        """:meth:`free_page` and :meth:`evict_top` for victims the policy let go already (``EvictionPolicy.evict``),
-        their ghosts added (``Ghosts.promote``): one call each into the cpu tier and the counters."""
+    def _evict_many(self, keys: Sequence[ChunkKey], lost: dict[int, ChunkKey], writes: list[WriteJob]) -> Ghost | None:
+        """Let go the victims the policy chose already (``EvictionPolicy.evict``) for a run of ``keys`` promoted into
+        the top tier (``lost[i]``: the victim whose page ``keys[i]`` takes) as :meth:`free_page` and :meth:`evict_top`
+        would one at a time: each key forgets its ghost (a ghost hit, ``Ghosts.take``) before its victim's is listed
+        (the reason: ``top_loss``, with write-back tiers; ``GhostList.add``'s steps, inlined on the hit path); then
+        one call each into the cpu tier and the counters.  Returns the first key's ghost (``None``: it is ``new``)."""
+        ghosts, top, listed, first = self.ghosts, self.ghosts.lists[self.name], self.top_ghosts, None
+        for i, key in enumerate(keys):
+            ghost = ghosts.take(self.name, key) if key in listed else None
+            first = ghost if i == 0 else first
+            if (victim := lost.get(i)) is not None:
+                reason, tier = self.top_loss(victim, self.uses.get(victim, 0), False) if self.back else ("evicted", None)
+                top.evicted_bytes += top.stored_bytes if reason in EVICTION_REASONS else 0
+                ghosts.seq += 1
+                listed.pop(victim, None)
+                listed[victim] = Ghost(reason, self.name if tier is None else tier, top.evicted_bytes, ghosts.seq)
+                if len(listed) > top.limit:
+                    listed.popitem(last=False)
+        victims = list(lost.values())
         for victim in victims if self.back else ():
             self._stage(victim, writes)
         self.cpu.delete_many(victims[::-1])  # (freed last first: reserve_many takes them in victim order, as one by one)
@@ -383,6 +387,7 @@ class Index(IndexUpkeep):
             self._forget(victim)
         if victims:
             self.counters.evicted(self.name, len(victims))
+        return first
 
     def _forget(self, key: ChunkKey) -> None:
         """What the index keeps of a chunk that left its page (the page and the policy's entry are gone)."""

@@ -21,10 +21,11 @@ import numpy as np
 
 from kvtier.core.changes import IndexState
 from kvtier.core.context import NotHeld, OpContext, SaveDropped
-from kvtier.core.ghosts import Ghost, top_loss
+from kvtier.core.ghosts import Ghost
 from kvtier.core.handles import Read, StagedCopy, StoreHandle, StorePlan, WriteJob
 from kvtier.core.keys import ChunkKey
 from kvtier.core.lowerindex import LowerIndex
+from kvtier.core.receipt import MissReason
 from kvtier.core.tenant import Writer
 from kvtier.core.tiers.base import (
     AlreadyHeld,
@@ -84,11 +85,21 @@ class IndexUpkeep(IndexState):
 
     def evict_top(self, key: ChunkKey, quota: bool = False) -> None:
         """Drop a resident chunk from its page (an eviction, counted, remembered in the top tier's
-        ghost list: :func:`~kvtier.core.ghosts.top_loss`; ``quota``: the tenant quotas chose it)."""
+        ghost list: :meth:`top_loss`; ``quota``: the tenant quotas chose it)."""
         with self.lock:
-            self.ghosts.add(self.name, key, *top_loss(self.back, key, self.uses.get(key, 0), quota))
+            self.ghosts.add(self.name, key, *self.top_loss(key, self.uses.get(key, 0), quota))
             self._drop(key)
             self.counters.evicted(self.name)
+
+    def top_loss(self, key: ChunkKey, uses: int, quota: bool) -> tuple[MissReason, str | None]:
+        """Why the top tier's eviction of ``key`` loses it: ``("quota", None)`` when the tenant quotas chose
+        the victim; ``("not_admitted", tier)`` when write-back tiers (``back``) exist and none holds ``key`` or
+        admits it (the first that refused); else ``("evicted", None)`` (it moves down, or is held below)."""
+        if quota:
+            return "quota", None
+        if not self.back or any(lt.tier.indexed(key) or lt.admission.judge(key, uses) for lt in self.back):
+            return "evicted", None
+        return "not_admitted", self.back[0].name
 
     # ---- room in the top tier: what may go is Index.may_free_page's (kvtier.core.index) ----
     def free_page(self, tenant: bytes | None, writes: list[WriteJob]) -> bool:
@@ -137,10 +148,6 @@ class IndexUpkeep(IndexState):
                     found[lt.name] += 1
                 n += 1
         return n, found
-
-    def _held_keys(self) -> list[ChunkKey]:
-        return [*(k for k in self.cpu.keys() if k not in self.doomed), *self.staged,  # noqa: SIM118
-                *(k for lt in self.local for k in lt.tier.keys())]  # noqa: SIM118
 
     # ---- store ---------------------------------------------------------------------------
     def plan_store(self, chain: Sequence[ChunkKey], start: int, ctx: OpContext, explain: int = -1) -> StorePlan:
@@ -228,6 +235,13 @@ class IndexUpkeep(IndexState):
                     self.by_name[r.tier].unpin(r.key)
                 if r.reserved:
                     self.cpu.abort(r.key)
+
+    def lost_below(self, lt: LowerIndex, key: ChunkKey, reason: MissReason) -> None:
+        """A read found ``key`` in ``lt`` corrupt (counted by the tier) or removed by another process: forget it
+        there, its ghost list remembering why (``reason``)."""
+        lt.forget(key)
+        self.ghosts.add(lt.name, key, reason)
+        self._note(key)
 
     def evict_below(self, tier: str, key: ChunkKey) -> None:
         """Evict ``key`` from the lower tier ``tier`` now (what its policy would do; drills and tests)."""

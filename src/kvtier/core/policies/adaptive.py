@@ -25,30 +25,34 @@ which is why they only choose the ordering.
 Costs: O(log n) per operation in the real tier, plus, per sampled access, O(log SHADOW_KEYS) in each of the
 five shadows; victim rebuilds the heap when the mode switches or the tier doubles. The shadows' replay is off
 the request's path: a sampled access is recorded (at most ``PENDING_MAX``) and replayed in bulk, in order, by
-:meth:`AdaptivePolicy.settle` (the store: once per engine step, ``Index.gate_evictions``). Decisions are
-a replay at every access's: what depends on the shadows settles first (``victim`` if the pending accesses
-could switch the mode, ``Shadows.may_switch``; a new sampling rate; ``mode``, ``switches``, ``shadow_keys``).
-Owners should offer every full chunk of each request: ``touch`` the resident ones and ``insert`` the missing
-ones in prompt order, as the simulator does.
+:meth:`AdaptivePolicy.settle` (:func:`replay`; the store: once per engine step, ``Index.gate_evictions``).
+Decisions are a replay at every access's: what depends on the shadows settles first (``victim`` if the pending
+accesses could switch the mode, ``Shadows.may_switch``; a new sampling rate; ``mode``, ``switches``,
+``shadow_keys``). Owners should offer every full chunk of each request: ``touch`` the resident ones and
+``insert`` the missing ones in prompt order, as the simulator does.
+
+This module is what runs on every access and once per step; the policy's state, set-up, re-ranking and
+resampling, and what an operator reads, are :mod:`kvtier.core.policies.adaptive_state`'s.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Sequence
-from itertools import chain, count
+from collections.abc import Container, Iterable, Sequence
+from itertools import chain
 from typing import Any
 
-from kvtier.core.policies.base import Evictable, EvictionPolicy, always_evictable
-from kvtier.core.policies.orderings import (  # DECAY, MARGIN, SIGNIFICANCE: the selector's rule, with the shadows
+from kvtier.core.policies.adaptive_state import AdaptiveState
+from kvtier.core.policies.base import Evictable, always_evictable
+from kvtier.core.policies.orderings import (
     BIP_LUCKY,
-    DECAY,
+    FREQUENCY_BONUS,
     HASH_MASK,
     HASH_MIX,
-    MARGIN,
-    MODES,
+    MAX_USES,
+    MEMORY,
+    QUARANTINE,
     SAMPLE_BITS,
-    SIGNIFICANCE,
     Node,
     Shadows,
     ordering_rank,
@@ -58,9 +62,6 @@ FREQUENCY_HISTORY = 128.0
 """``frequency`` counts uses over this many tier-sizes of keys, at least half as many (keys only)."""
 HISTORY = 32.0
 """Use counts are remembered for this many tier-sizes of keys, at least half as many (keys only)."""
-SHADOW_KEYS = 2048  # sampled keys per shadow, at most
-PENDING_MAX = 1024
-"""Sampled accesses recorded for the shadows' replay at most: the next one replays them first."""
 _SHIFT = 64 - SAMPLE_BITS  # sample_hash(key) == ((hash(key) * HASH_MIX) & HASH_MASK) >> _SHIFT
 
 GUARD_SHARE = 0.0008
@@ -69,79 +70,90 @@ GUARD_CREDIT = 16
 """...from this many hits (room for the selector's first trial on a short trace).  The tier's hits never
 trail its full LRU shadow's by more than the allowance plus one (docs/simulate.md, "The guard")."""
 
-class AdaptivePolicy(EvictionPolicy):
-    """See the module docstring.  ``mode`` is the ordering in use (one of ``MODES``)."""
+
+def replay(shadows: Shadows, mode: int, accesses: list[tuple[Any, int, int, int, int, int, bool, int, int]],
+           seq: Any) -> tuple[int, int]:
+    """Replay the recorded sampled ``accesses`` (``(key, time, uses, gap, long_uses, depth, lucky, capacity,
+    scale)``), in order, in every shadow of ``shadows``, each as one access of the real tier would (its rank
+    in each ordering inlined: ``ordering_rank``'s); returns the ordering the tier should use from now on
+    (``mode``, the current one, unless another leads beyond noise) and how many times it changed on the way.
+    The policy's :meth:`AdaptivePolicy.settle`, once per engine step."""
+    switches, push, pop = 0, heapq.heappush, heapq.heappop
+    all_shadows, wins = shadows.shadows, shadows.wins
+    for key, time, uses, gap, long_uses, depth, lucky, capacity, scale in accesses:
+        hits = []
+        cold = time - scale * QUARANTINE  # each mode's rank, once per access (bip's: a used chunk)
+        warm = time + scale * min(uses, MAX_USES) if uses else cold
+        ranks = (time, warm if uses and gap <= MEMORY[0] * scale else cold, warm if uses and gap <= MEMORY[1] * scale
+                 else cold, time, time + scale * FREQUENCY_BONUS * min(long_uses, MAX_USES) if long_uses else cold)
+        for shadow in all_shadows:
+            nodes = shadow.nodes
+            node = nodes.get(key)
+            if node is not None:
+                shadow.hits += 1
+                node.time, node.uses, node.gap, node.long_uses, node.mru = time, uses, gap, long_uses, True
+                hits.append(True)
+            else:
+                node = nodes[key] = Node(time, uses, gap, long_uses, depth, None, lucky)
+                hits.append(False)
+            mode_ = shadow.mode  # (only bip's rank depends on mru: -1 - time for a chunk neither used nor lucky)
+            node.rank = rank = ranks[mode_] if mode_ != 3 or node.mru else -1.0 - time
+            node.seq = s = next(seq)
+            heap = shadow.heap
+            push(heap, (rank, -node.depth, s, key))
+            if len(nodes) > capacity:
+                while len(nodes) > capacity and heap:
+                    _, _, s, gone = pop(heap)
+                    old = nodes.get(gone)
+                    if old is not None and old.seq == s:
+                        del nodes[gone]
+            if len(heap) > 4 * len(nodes) + 64:
+                shadow.shrink(capacity)
+        if any(hits) and not all(hits):
+            for a, hit in enumerate(hits):
+                if hit:
+                    row = wins[a]
+                    for b, other in enumerate(hits):
+                        if not other:
+                            row[b] += 1
+        shadows.sampled += 1
+        if shadows.sampled >= shadows.decay * capacity:
+            shadows.sampled = 0
+            for shadow in all_shadows:
+                shadow.hits /= 2
+            for row in wins:
+                for b in range(len(row)):
+                    row[b] /= 2
+        best, top = 0, all_shadows[0].hits
+        for m in range(1, len(all_shadows)):
+            if all_shadows[m].hits > top:
+                best, top = m, all_shadows[m].hits
+        if best == mode:
+            continue
+        current = all_shadows[mode].hits
+        lead = top - current
+        if lead > shadows.margin * current and lead * lead > shadows.significance * (wins[best][mode] + wins[mode][best]):
+            mode = best
+            switches += 1
+    return mode, switches
+
+class AdaptivePolicy(AdaptiveState):
+    """See the module docstring.  ``mode`` is the ordering in use (one of ``MODES``); its state, set-up and
+    cold verbs: :class:`~kvtier.core.policies.adaptive_state.AdaptiveState`."""
 
     name = "adaptive"
 
-    def __init__(self, guard: bool = True, pending_max: int = PENDING_MAX) -> None:
-        self._clock = 0  # insertions so far: the unit of age
-        self._nodes: dict[Any, Node] = {}
-        self._children: dict[Any, int] = {}
-        self._heap: list[tuple[float, int, int, Any]] = []
-        self._seq = count()
-        self._uses: dict[Any, tuple[int, int]] = {}  # key -> (uses, clock of last use), recent
-        self._old_uses: dict[Any, tuple[int, int]] = {}
-        self._long_uses: dict[Any, int] = {}  # key -> uses, over FREQUENCY_HISTORY
-        self._old_long_uses: dict[Any, int] = {}
-        self._mode, self._scale, self._stale = 0, 1, False
-        self._run: tuple[Any, int] = (None, 0)
-        self._runs = 0  # request runs inserted (a run: chunks inserted in prompt order)
-        self._shadows = Shadows(DECAY, MARGIN, SIGNIFICANCE)
-        # sampled accesses not replayed yet: (key, time, uses, gap, long_uses, depth, lucky, capacity, scale)
-        self.pending: list[tuple[Any, int, int, int, int, int, bool, int, int]] = []
-        self._pending_max = max(1, pending_max)
-        self._threshold = 1 << SAMPLE_BITS  # sample every key while the tier is small
-        self._sampled_n = 1  # tracked chunks when the sampling rate was last set
-        self._switches, self._guarded = 0, guard
-        self._below = 0  # chunks the tiers below hold: they take this tier's victims
-        self._active = 0  # the ordering the tier uses: the selector's, or LRU while the guard holds
-        self._ghost: dict[Any, tuple[int, int, int, Any]] = {}  # full LRU shadow: key -> its live heap entry
-        self._ghost_heap: list[tuple[int, int, int, Any]] = []
-        self._deficit = 0  # LRU shadow's hits minus the tier's, floored at -len(self)
-        self._accesses = 0
-        self._outside: dict[Any, None] = {}  # resident chunks the LRU shadow no longer holds, oldest first
-        self.hits = 0  # accesses to resident chunks (touches)
-        self.lru_hits = 0  # accesses the full LRU shadow would have hit
-
-    @property
-    def mode(self) -> str:
-        """The ordering the selector chose (the guard overrides its victims when the budget is spent)."""
-        self.settle()
-        return MODES[self._mode]
-
-    @property
-    def switches(self) -> int:
-        """Times the selector changed the ordering so far."""
-        self.settle()
-        return self._switches
-
-    @property
-    def shadow_keys(self) -> int:
-        """Sampled keys the largest shadow holds now (about SHADOW_KEYS at most)."""
-        self.settle()
-        return max(len(shadow.nodes) for shadow in self._shadows.shadows)
-
     def settle(self) -> None:
-        """Replay the recorded sampled accesses in every shadow, in order, in one call (``Shadows.replay``),
+        """Replay the recorded sampled accesses in every shadow, in order, in one call (:func:`replay`),
         switching the tier's ordering where the selector would have (the store: once per engine step)."""
         if not self.pending:
             return
         pending, self.pending = self.pending, []
-        mode, switches = self._shadows.replay(self._mode, pending, self._seq)
+        mode, switches = replay(self._shadows, self._mode, pending, self._seq)
         if switches:  # as a switch at the access itself: the next victim re-ranks every chunk
             self._mode = self._active = mode
             self._switches += switches
             self._stale = True
-
-    def set_capacity_below(self, chunks: int) -> None:
-        """The tiers below this one hold ``chunks`` chunks and take its victims (write-back).  The shadows
-        then replay the stack's reach (this tier's size plus ``chunks``), so the selector picks an ordering
-        for what the stack keeps, not for this tier alone: a victim is not lost, it moves down, and an
-        ordering that pays in a lone tier (quarantine of unproven chunks) can cost the stack more first
-        reuses than it saves."""
-        self._below = max(0, int(chunks))
-        self._resample(max(len(self._nodes), 1))
 
     # -- mutations ---------------------------------------------------------------------------
     def insert(self, key: Any, parent: Any | None) -> None:
@@ -267,7 +279,10 @@ class AdaptivePolicy(EvictionPolicy):
                     heapq.heappush(self._heap, (up.rank, -up.depth, s, parent))
 
     # -- queries -----------------------------------------------------------------------------
-    def victim(self, evictable: Evictable = always_evictable) -> Any | None:
+    def victim(self, evictable: Evictable = always_evictable, held: Container[Any] = ()) -> Any | None:
+        """The base's ``victim``; a key in ``held`` (the owner's pins, asked by membership: no call per candidate)
+        never goes, and ``evictable`` is asked only when it is not ``always_evictable``."""
+        ask = evictable is not always_evictable
         if self.pending and self._shadows.may_switch(self._mode, self.pending):
             self.settle()
         if self._stale or len(self._nodes) > 2 * self._scale:
@@ -277,7 +292,8 @@ class AdaptivePolicy(EvictionPolicy):
         if self._guarded and self._over_budget():  # the oldest outside the shadow (a chunk leaves it after its
             # children); none outside: the tier holds what the shadow holds, so the shadow's least recent, as in LRU
             for key in chain(self._outside, (self._shadow_oldest(),)):
-                if key in nodes and key not in children and key != self._run[0] and evictable(key):
+                if key in nodes and key not in children and key != self._run[0] and key not in held \
+                        and (not ask or evictable(key)):
                     return key
 
         # The chunk inserted last is the parent of the next one of its prompt: evicting it before that one
@@ -289,23 +305,23 @@ class AdaptivePolicy(EvictionPolicy):
             node = nodes.get(key)
             if node is None or node.seq != entry[2] or key in children:  # re-queued, evicted, or gained children
                 heapq.heappop(heap)
-            elif key != last and evictable(key):
+            elif key != last and key not in held and (not ask or evictable(key)):
                 best = key
                 break
             else:  # pinned by a transfer in flight (or the last chunk inserted): kept
                 pinned.append(heapq.heappop(heap))
         for entry in pinned:
             heapq.heappush(heap, entry)
-        if best is None and last in nodes and last not in children and evictable(last):
+        if best is None and last in nodes and last not in children and last not in held and (not ask or evictable(last)):
             best = last
         if best is None and nodes:
             order = sorted(nodes, key=lambda k: (k in children, nodes[k].rank, -nodes[k].depth))
-            best = next((k for k in order if evictable(k)), None)
+            best = next((k for k in order if k not in held and (not ask or evictable(k))), None)
         return best
 
-    def evict(self, num_chunks: int, evictable: Evictable = always_evictable) -> list[Any]:
+    def evict(self, num_chunks: int, evictable: Evictable = always_evictable, held: Container[Any] = ()) -> list[Any]:
         victims: list[Any] = []  # (the base class's loop, here: a promotion's victims are one call into this file)
-        while len(victims) < num_chunks and (key := self.victim(evictable)) is not None:
+        while len(victims) < num_chunks and (key := self.victim(evictable, held)) is not None:
             self.remove(key)
             victims.append(key)
         return victims
@@ -313,15 +329,6 @@ class AdaptivePolicy(EvictionPolicy):
     def insert_many(self, pairs: Iterable[tuple[Any, Any | None]]) -> None:
         for key, parent in pairs:  # (the base class's loop, here for the same reason)
             self.insert(key, parent)
-
-    def __len__(self) -> int:
-        return len(self._nodes)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._nodes
-
-    def keys(self) -> Iterable[Any]:
-        return self._nodes.keys()
 
     # -- internals ---------------------------------------------------------------------------
     def _over_budget(self) -> bool:
@@ -356,33 +363,6 @@ class AdaptivePolicy(EvictionPolicy):
         if len(heap) > 2 * len(ghost) + 64:  # drop stale entries now and then
             self._ghost_heap = [e for e in heap if (g := ghost.get(e[3])) is not None and g[2] == e[2]]
             heapq.heapify(self._ghost_heap)
-
-    def _rebuild(self) -> None:
-        self._stale = False
-        n = max(len(self._nodes), 1)
-        if n > 2 * self._scale or n * 2 < self._scale:
-            self._scale = n
-            self._resample(n)
-        mode, scale, children, seq = self._active, self._scale, self._children, self._seq
-        heap = []
-        for key, node in self._nodes.items():
-            node.rank = ordering_rank(mode, node.time, node.uses, node.gap, node.mru, scale, node.long_uses)
-            if key not in children:
-                node.seq = s = next(seq)
-                heap.append((node.rank, -node.depth, s, key))
-        heapq.heapify(heap)
-        self._heap = heap
-
-    def _resample(self, n: int) -> None:
-        """Sampling rate for ``n`` tracked chunks: shadows hold at most about SHADOW_KEYS keys, also while a
-        tier fills without evicting (no victim asked yet)."""
-        self._sampled_n = n
-        threshold = min(1 << SAMPLE_BITS, (SHADOW_KEYS << SAMPLE_BITS) // (n + self._below))
-        if threshold != self._threshold:
-            self.settle()  # the pending accesses were sampled at the old rate
-            self._threshold = threshold
-            capacity = max(1, ((len(self._nodes) + self._below) * threshold) >> SAMPLE_BITS)  # the shadows' size
-            self._shadows.resample(threshold, capacity, self._scale + self._below)
 
     def _count(self, key: Any, clock: int) -> tuple[int, int, int]:
         """(prior uses, insertions since the previous use, prior uses in the long history) of

@@ -19,8 +19,9 @@ Operations (all mutate only the policy's own bookkeeping):
 - ``victim(evictable)``: the key to evict next, **without** removing it; keys for which
   ``evictable(key)`` is false (pinned by an in-flight transfer) are skipped.  ``None`` means no
   resident key may be evicted now.  The owner evicts, then calls ``remove``.
-- ``evict(num_chunks, evictable)`` and ``insert_many(pairs)``: the batch forms (victim then remove,
-  up to ``num_chunks`` times; insert in order), one call for a load's promotions and their victims.
+- ``evict(num_chunks, evictable, held)`` and ``insert_many(pairs)``: the batch forms (victim then remove,
+  up to ``num_chunks`` times; insert in order), one call for a load's promotions and their victims; a key
+  in ``held`` (the owner's pins, a container asked by membership: no call per candidate) never goes.
 
 - ``settle()``: do work a policy deferred off the request's path (the adaptive policy's shadow
   replay), when ``pending`` is non-empty; the store calls it once per engine step.
@@ -32,7 +33,8 @@ from __future__ import annotations
 
 import heapq
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Sequence, Sized
+from collections.abc import Callable, Container, Iterable, Sequence, Sized
+from functools import partial
 from typing import Any, ClassVar
 
 from kvtier.core.keys import ChunkKey
@@ -43,6 +45,10 @@ Evictable = Callable[[ChunkKey], bool]
 def always_evictable(key: ChunkKey) -> bool:
     """An ``evictable`` predicate for owners that never pin (the simulator)."""
     return True
+
+
+def _unheld(held: Container[ChunkKey], evictable: Evictable, key: ChunkKey) -> bool:
+    return key not in held and evictable(key)
 
 
 def heap_victim(heap: list[tuple[Any, ...]], stale: Callable[[tuple[Any, ...]], bool],
@@ -116,9 +122,12 @@ class EvictionPolicy(ABC):
     def victim(self, evictable: Evictable = always_evictable) -> ChunkKey | None:
         """The next chunk to evict, or ``None`` if none is evictable.  Does not mutate."""
 
-    def evict(self, num_chunks: int, evictable: Evictable = always_evictable) -> list[ChunkKey]:
+    def evict(self, num_chunks: int, evictable: Evictable = always_evictable,
+              held: Container[ChunkKey] = ()) -> list[ChunkKey]:
         """Up to ``num_chunks`` victims in eviction order, each removed (:meth:`remove`) before the next
-        is chosen (:meth:`victim`); fewer when no more may go (mutates)."""
+        is chosen (:meth:`victim`), none of ``held``; fewer when no more may go (mutates)."""
+        if held:
+            evictable = partial(_unheld, held, evictable)
         victims: list[ChunkKey] = []
         while len(victims) < num_chunks and (key := self.victim(evictable)) is not None:
             self.remove(key)

@@ -23,11 +23,12 @@ chunk (tail first); ``n`` is the tier's size in chunks:
   members return after more tier-sizes than the other orderings remember (a batch job's hot
   prompts among scan-once documents).
 
-A :class:`Shadow` replays one ordering over the sampled keys only (:func:`sample_hash` below the
-sampling threshold; keys and a few integers, no KV) and counts its hits; :class:`Shadows` replays
-one sampled access through all of them and picks the ordering that leads (the policy hands
-over its recorded accesses in one call, :meth:`Shadows.replay`: the chain stays in this module); :class:`Node` is a chunk's
-record, in the real tier and in the shadows alike.
+A :class:`Shadow` holds one ordering's replay over the sampled keys only (:func:`sample_hash` below the
+sampling threshold; keys and a few integers, no KV) and counts its hits; :class:`Shadows` holds all of them,
+their pairwise wins and the selection rule; :class:`Node` is a chunk's record, in the real tier and in the
+shadows alike.  This module runs off the request's path (set-up, a resample, a heap compaction now and then,
+whether a victim must wait for the replay): the replay itself, once per engine step, is the policy's own
+(:func:`kvtier.core.policies.adaptive.replay`), with the state it changes.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class Node(msgspec.Struct, eq=False, gc=False):
 
 class Shadow:
     """One ordering replayed over the sampled keys only; counts its hits (the replay of one access
-    is :meth:`Shadows.access`'s loop, all shadows at once)."""
+    is :func:`~kvtier.core.policies.adaptive.replay`'s loop, all shadows at once)."""
 
     def __init__(self, mode: int) -> None:
         self.mode = mode
@@ -142,86 +143,9 @@ class Shadows:
         self.sampled = 0  # sampled accesses since the last decay
         self.decay, self.margin, self.significance = decay, margin, significance
 
-    def access(self, mode: int, key: Any, time: int, uses: int, gap: int, long_uses: int, depth: int, lucky: bool,
-               capacity: int, scale: int, seq: Any) -> int:
-        """Replay one sampled access in every shadow; returns the ordering the tier should use
-        from now on (``mode``, the current one, unless another leads beyond noise)."""
-        shadows = self.shadows
-        hits = []
-        push, pop = heapq.heappush, heapq.heappop
-        cold = time - scale * QUARANTINE  # ordering_rank of each mode, inlined once per access (bip's: a used chunk)
-        warm = time + scale * min(uses, MAX_USES) if uses else cold
-        ranks = (time, warm if uses and gap <= MEMORY[0] * scale else cold, warm if uses and gap <= MEMORY[1] * scale
-                 else cold, time, time + scale * FREQUENCY_BONUS * min(long_uses, MAX_USES) if long_uses else cold)
-        for shadow in shadows:  # Shadow.access, inlined: five per sampled access on the hit path
-            nodes = shadow.nodes
-            node = nodes.get(key)
-            if node is not None:
-                shadow.hits += 1
-                node.time, node.uses, node.gap, node.long_uses, node.mru = time, uses, gap, long_uses, True
-                hits.append(True)
-            else:
-                node = nodes[key] = Node(time, uses, gap, long_uses, depth, None, lucky)
-                hits.append(False)
-            mode_ = shadow.mode  # (only bip's rank depends on mru: -1 - time for a chunk neither used nor lucky)
-            node.rank = rank = ranks[mode_] if mode_ != 3 or node.mru else -1.0 - time
-            node.seq = s = next(seq)
-            heap = shadow.heap
-            push(heap, (rank, -node.depth, s, key))
-            if len(nodes) > capacity:
-                while len(nodes) > capacity and heap:
-                    _, _, s, gone = pop(heap)
-                    old = nodes.get(gone)
-                    if old is not None and old.seq == s:
-                        del nodes[gone]
-            if len(heap) > 4 * len(nodes) + 64:
-                shadow.shrink(capacity)
-        wins = self.wins
-        if any(hits) and not all(hits):
-            for a, hit in enumerate(hits):
-                if hit:
-                    row = wins[a]
-                    for b, other in enumerate(hits):
-                        if not other:
-                            row[b] += 1
-        self.sampled += 1
-        if self.sampled >= self.decay * capacity:
-            self.sampled = 0
-            for shadow in shadows:
-                shadow.hits /= 2
-            for row in wins:
-                for b in range(len(row)):
-                    row[b] /= 2
-        best, top = 0, shadows[0].hits
-        for m in range(1, len(shadows)):
-            if shadows[m].hits > top:
-                best, top = m, shadows[m].hits
-        if best == mode:
-            return mode
-        current = shadows[mode].hits
-        lead = top - current
-        discordant = wins[best][mode] + wins[mode][best]
-        if lead > self.margin * current and lead * lead > self.significance * discordant:
-            return best
-        return mode
-
-    def replay(self, mode: int, accesses: list[tuple[Any, int, int, int, int, int, bool, int, int]],
-               seq: Any) -> tuple[int, int]:
-        """:meth:`access` for each of ``accesses`` in order (``(key, time, uses, gap, long_uses, depth,
-        lucky, capacity, scale)`` as recorded); returns the ordering the tier should use from now on
-        and how many times it changed on the way."""
-        switches = 0
-        access = self.access
-        for key, time, uses, gap, long_uses, depth, lucky, capacity, scale in accesses:
-            chosen = access(mode, key, time, uses, gap, long_uses, depth, lucky, capacity, scale, seq)
-            if chosen != mode:
-                mode = chosen
-                switches += 1
-        return mode, switches
-
     def may_switch(self, mode: int, pending: list[tuple[Any, int, int, int, int, int, bool, int, int]]) -> bool:
-        """Whether :meth:`replay` of ``pending`` could change the ordering from ``mode`` (if not,
-        the tier's victim is the same before and after the replay, which can wait).
+        """Whether :func:`~kvtier.core.policies.adaptive.replay` of ``pending`` could change the ordering
+        from ``mode`` (if not, the tier's victim is the same before and after the replay, which can wait).
 
         Without a decay, ``k`` accesses change each shadow's hits by at most ``k``, and the lead
         of shadow ``b`` over the current one (``L``) by ``a - c``, where ``a`` / ``c`` accesses hit
