@@ -100,7 +100,7 @@ def test_periodic_rescan_feeds_the_mirror_without_being_asked(tmp_path):
     finally:
         a.close()
         b.close()
-    assert make_store(tmp_path, cpu_chunks=4, disk_chunks=64).mover._rescanner is None  # unset: never
+    assert make_store(tmp_path, cpu_chunks=4, disk_chunks=64)._rescanner is None  # unset: never
 
 
 def test_rescan_during_this_process_own_write_keeps_the_key(tmp_path, monkeypatch):

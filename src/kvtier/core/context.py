@@ -27,8 +27,9 @@ position in the chain the operation was given.  Tier names are the registry's
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Literal, Protocol
+
+import msgspec
 
 from kvtier.core import receipt
 from kvtier.core.tenant import TenantId
@@ -56,16 +57,14 @@ page could be freed (every page pinned, or the tenant's quota); ``queue_full``, 
 queue was full (``save_queue_depth``)."""
 
 
-@dataclass(frozen=True)
-class LookedUp:
+class LookedUp(msgspec.Struct, frozen=True):
     """A lookup asked about ``chunks`` chunks and found ``found[tier]`` leading chunks in each tier."""
 
     chunks: int
     found: Mapping[str, int]
 
 
-@dataclass(frozen=True)
-class ChunksRead:
+class ChunksRead(msgspec.Struct, frozen=True):
     """One batch read from a lower ``tier`` into top-tier pages: ``chunks`` arrived verified,
     ``bytes`` of payload, the batch took ``seconds`` (reads that missed included)."""
 
@@ -75,8 +74,7 @@ class ChunksRead:
     seconds: float
 
 
-@dataclass(frozen=True)
-class ChunkMissed:
+class ChunkMissed(msgspec.Struct, frozen=True):
     """Chunk ``index`` of a load, planned from ``tier``, was not served, for ``reason``."""
 
     index: int
@@ -84,8 +82,7 @@ class ChunkMissed:
     reason: MissReason
 
 
-@dataclass(frozen=True)
-class LoadCut:
+class LoadCut(msgspec.Struct, frozen=True):
     """A load's prefix ends at chunk ``index`` (planned from ``tier``), for ``reason``: the first
     chunk not served; every later chunk of the load is dropped (a chunk is useful only after all
     its predecessors).  ``dropped_chunks``: chunks the load had planned from ``index`` on."""
@@ -96,8 +93,7 @@ class LoadCut:
     dropped_chunks: int = 0
 
 
-@dataclass(frozen=True)
-class NotHeld:
+class NotHeld(msgspec.Struct, frozen=True):
     """A save found chunk ``index`` (the position it was asked to explain) in no tier: ``reason``
     (about ``tier``) is why, from the ghost lists (``new``: none remembers it; :mod:`kvtier.core.ghosts`)."""
 
@@ -106,8 +102,7 @@ class NotHeld:
     reason: MissReason
 
 
-@dataclass(frozen=True)
-class ServedBelow:
+class ServedBelow(msgspec.Struct, frozen=True):
     """Chunk ``index`` of a load was read from the lower tier ``tier`` because the top tier did not
     hold it, for ``reason`` (the top tier's ghost: ``evicted``, ``reset``, …; ``new``: it never
     did, or forgot).  Only the first such chunk of a successful load is reported (by ``complete_load``)."""
@@ -117,21 +112,18 @@ class ServedBelow:
     reason: MissReason
 
 
-@dataclass(frozen=True)
-class ChunksServed:
+class ChunksServed(msgspec.Struct, frozen=True):
     """A successful load delivered ``by_tier[tier]`` chunks from each tier (the tier the bytes were
     read from; chunks the engine's own prefix cache held are not counted)."""
 
     by_tier: Mapping[str, int]
 
 
-@dataclass(frozen=True)
-class LoadFailed:
+class LoadFailed(msgspec.Struct, frozen=True):
     """A load was completed as failed (its bytes did not reach the engine): nothing is a hit."""
 
 
-@dataclass(frozen=True)
-class EngineLoad:
+class EngineLoad(msgspec.Struct, frozen=True):
     """What one load did on the engine's side, as its caller (the engine integration) saw it.
 
     Attributes:
@@ -145,8 +137,8 @@ class EngineLoad:
         seconds: time the load took, from prepare to the last copy.
     """
 
-    tokens: Mapping[str, int] = field(default_factory=dict)
-    unfilled_tokens: Mapping[str, int] = field(default_factory=dict)
+    tokens: Mapping[str, int] = msgspec.field(default_factory=dict)
+    unfilled_tokens: Mapping[str, int] = msgspec.field(default_factory=dict)
     resumed: bool = False
     failed_blocks: int = 0
     rerouted_chunks: int = 0
@@ -154,8 +146,7 @@ class EngineLoad:
     seconds: float = 0.0
 
 
-@dataclass(frozen=True)
-class EngineSave:
+class EngineSave(msgspec.Struct, frozen=True):
     """What one save copied out of the engine.
 
     Attributes:
@@ -169,23 +160,20 @@ class EngineSave:
     seconds: float = 0.0
 
 
-@dataclass(frozen=True)
-class Saved:
+class Saved(msgspec.Struct, frozen=True):
     """A save published ``chunks`` new chunks in the top tier."""
 
     chunks: int
 
 
-@dataclass(frozen=True)
-class SaveDropped:
+class SaveDropped(msgspec.Struct, frozen=True):
     """A save dropped ``chunks`` chunks (from the first one that found no room to the chain's end), for ``reason``."""
 
     chunks: int
     reason: DropReason
 
 
-@dataclass(frozen=True)
-class WriteDropped:
+class WriteDropped(msgspec.Struct, frozen=True):
     """A save's ``chunks`` published in the top tier were not queued for writing to ``tier``, for
     ``reason`` (they stay in the top tier; the tier's queue counts them in ``dropped_saves`` for
     every writer, so the store's counters do not count this event again)."""
@@ -195,8 +183,7 @@ class WriteDropped:
     reason: DropReason
 
 
-@dataclass(frozen=True)
-class TtlPinned:
+class TtlPinned(msgspec.Struct, frozen=True):
     """A TTL pin kept ``pinned`` chunks in the top tier and refused ``refused`` past ``pin_max_share``."""
 
     pinned: int
@@ -227,8 +214,7 @@ class NullSink:
 NO_SINK = NullSink()
 
 
-@dataclass(frozen=True)
-class OpContext:
+class OpContext(msgspec.Struct, frozen=True):
     """Who an operation is for and where its events go; passed explicitly, never in thread state.
 
     Attributes:

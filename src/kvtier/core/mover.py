@@ -1,8 +1,11 @@
-"""The store's mover: runs the index's plans, with threads, bounded queues and tier I/O.
+"""The store's moving part: a load's path from plan to release, and the threads, bounded queues and
+tier I/O that run the index's plans.
 
 The index (:mod:`kvtier.core.index`) decides; the :class:`Mover` moves bytes and reports what
 happened by calling the index's verbs (the index never calls the mover).  It never holds the
 index's lock during tier I/O: each verb it calls takes the lock for its own bookkeeping only.
+The store's request-path verbs (a load's three, and the step's ``stats`` and ``take_ghost_distances``)
+are the mover's, bound at construction: a worker calls them on every load and step.
 
 - **Writes**: one bounded queue (``save_queue_depth`` jobs) and ``io_threads`` writer threads
   per lower tier.  :meth:`Mover.submit` queues the index's :class:`~kvtier.core.handles.WriteJob` s
@@ -30,7 +33,6 @@ index's lock during tier I/O: each verb it calls takes the lock for its own book
   reused, page-aligned buffers instead (pinned on a GPU host), swapped in before the first read;
   they go back once the load is released and its reads have ended (:meth:`Mover.give_landed`).
 - **Presence** in a shared tier: :meth:`Mover.leading_present`, one pipelined batch.
-- **Rescans** of local tiers other processes write into (``disk_rescan_s``): :meth:`Mover.rescan`.
 """
 
 from __future__ import annotations
@@ -45,13 +47,26 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvtier.core import tenant
-from kvtier.core.context import ChunkMissed, ChunksRead, LoadCut, MissReason, Sink, WriteDropped
-from kvtier.core.handles import LoadHandle, LoadPlan, Read, WriteJob
+from kvtier.core.context import (
+    ChunkMissed,
+    ChunksRead,
+    ChunksServed,
+    EngineLoad,
+    LoadCut,
+    LoadFailed,
+    MissReason,
+    OpContext,
+    ServedBelow,
+    Sink,
+    WriteDropped,
+)
+from kvtier.core.handles import Into, LoadHandle, LoadPlan, Read, WriteJob
 from kvtier.core.index import Index
 from kvtier.core.keys import ChunkKey
 from kvtier.core.landing import LandingPool
-from kvtier.core.sinks import StoreCounters
-from kvtier.core.tiers.base import GetResult, PutResult, Rescannable, Tier
+from kvtier.core.sinks import CountersSink
+from kvtier.core.stats import StoreStats
+from kvtier.core.tiers.base import GetResult, PutResult, Tier
 from kvtier.core.tiers.guarded import GuardedTier
 from kvtier.core.tiers.wrappers import MissWhy, TierWrapper
 
@@ -66,17 +81,20 @@ class Mover:
         io_threads: writer threads per lower tier; reads before ``prepare_load`` returns with
             read-ahead, and per background batch.
         queue_depth: write jobs queued per lower tier at most.
-        counters: the store's event counters (bytes and seconds written, dropped saves; reads
-            report to their load's context, :mod:`kvtier.core.context`).
+        sink: the store's metrics sink; its counters count bytes and seconds written and dropped
+            saves here (reads report to their load's context, :mod:`kvtier.core.context`).
+        chunk_tokens: tokens per chunk (for :meth:`stats`).
         landing: where reads without a cpu page land (default: :meth:`LandingPool.sized`).
     """
 
-    def __init__(self, index: Index, io_threads: int, queue_depth: int, counters: StoreCounters,
+    def __init__(self, index: Index, io_threads: int, queue_depth: int, sink: CountersSink, chunk_tokens: int,
                  landing: LandingPool | None = None) -> None:
         self.index = index
         self.io_threads = io_threads
-        self.counters = counters
+        self.sink = sink
+        self.counters = sink.counters
         self.chunk_bytes = index.chunk_bytes
+        self.chunk_tokens = chunk_tokens
         self.top_name = index.name
         self.tiers: dict[str, Tier] = {lt.name: lt.tier for lt in index.lower}
         self.queues: dict[str, queue.Queue[WriteJob | None]] = {
@@ -88,8 +106,6 @@ class Mover:
             t.start()
         self._ahead = ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-read-ahead")
         self.landing = landing if landing is not None else LandingPool.sized(self.chunk_bytes)
-        self._rescan_stop = threading.Event()
-        self._rescanner: threading.Thread | None = None
 
     # ---- writes --------------------------------------------------------------------------
     def submit(self, jobs: Iterable[WriteJob], sink: Sink | None = None) -> None:
@@ -120,20 +136,6 @@ class Mover:
         """Write jobs queued or running (for the tiers ``names``; ``None``: all)."""
         return sum(self.queues[n].unfinished_tasks for n in (self.queues if names is None else names))
 
-    def write_dirty(self, keys: Iterable[ChunkKey], deadline: float) -> None:
-        """Write each of ``keys`` (dirty chunks) to the local tiers that lack it, waiting for room
-        in their queues (unlike a save), then for the writes, until ``deadline`` (monotonic)."""
-        for key in keys:
-            while time.monotonic() < deadline:
-                done, writes = self.index.plan_flush(key, self.full())
-                self.submit(writes)
-                if done:
-                    break
-                time.sleep(0.002)
-        local = [lt.name for lt in self.index.local]
-        while self.busy(local) and time.monotonic() < deadline:
-            time.sleep(0.005)
-
     def _write_loop(self, name: str) -> None:
         q = self.queues[name]
         while True:
@@ -161,6 +163,77 @@ class Mover:
             log.debug("kvtier: %s write of %s dropped (%s)", job.tier, job.key.hex(), result.value)
         if self.index.end_write(job, result, room) and result is PutResult.STORED:
             self.counters.moved(f"{self.top_name}_to_{job.tier}", data.size, seconds)
+
+    # ---- a load: TieredStore's prepare_load, complete_load, cancel_load (bound: the worker calls them) ----
+    def prepare_load(self, chain: Sequence[ChunkKey], max_chunks: int | None = None, read_ahead: bool = False,
+                     top_only: bool = False, ctx: OpContext | None = None, into: Into | None = None,
+                     shared_within_s: float | None = None) -> LoadHandle:
+        """Pin and return the longest available prefix of ``chain``, at most ``max_chunks`` (the contract:
+        :mod:`kvtier.core.store`).  With ``read_ahead``, only the first ``io_threads`` chunks found below the
+        cpu tier are read before returning; the rest are read into cpu pages in the background, ``io_threads``
+        at a time, while the caller copies the ready ones out (``handle.ready_chunks()`` grows as they
+        arrive; ``handle.wait(timeout_s)`` for the end).
+
+        With ``top_only``, the prefix ends at the first chunk the top (cpu) tier does not hold: no file,
+        socket or network I/O, every buffer ready when this returns (the connector's synchronous loads, on the
+        engine's own thread); with ``shared_within_s`` too, it goes on in the shared tier (no local lower tier),
+        read and verified before this returns under that deadline (a synchronous node-tier hit).  Top-tier
+        pages are handed out pinned, not re-hashed.  ``ctx``: the request's context (:mod:`kvtier.core.context`;
+        ``None``: none), kept in the handle: the reads' events (``ChunksRead``, ``ChunkMissed``, ``LoadCut``)
+        and :meth:`complete_load`'s go to it.  ``into``: where the shared tier reads a chunk instead of a cpu
+        page (:data:`~kvtier.core.handles.Into`)."""
+        limit = len(chain) if max_chunks is None else min(max_chunks, len(chain))
+        plan = self.index.plan_load(chain, limit, top_only)
+        plan.handle.ctx, plan.into = self.sink.bind(ctx), into
+        start = len(plan.handle.keys)  # (num_chunks, without the property's call: the hit path)
+        if start < limit and self.index.shared and (not top_only or shared_within_s is not None):
+            want = list(chain[start:limit])
+            if max_chunks is None:  # nobody asked yet: one presence batch, so misses cost no bytes
+                want = want[:self.leading_present(self.index.shared[0].name, want)]
+            self.index.plan_shared(plan, start, want)
+        if (n := len(plan.handle.keys)) < limit:  # no tier this load may read holds the next chunk: why not
+            with self.index.lock:
+                ghost = self.index.ghosts.latest(chain[n], (self.top_name,) if top_only else None)
+            plan.handle.ctx.sink.emit(LoadCut(n, ghost.tier if ghost is not None else self.top_name if top_only
+                                              else "", ghost.reason if ghost is not None else "new", limit - n))
+        if plan.writes:  # spills of the cpu pages the reads take
+            self.submit(plan.writes)
+        if plan.reads:
+            self.run(chain, plan, read_ahead, shared_within_s)
+        return plan.handle
+
+    def complete_load(self, handle: LoadHandle, success: bool, first_chunk: int = 0,
+                      engine: EngineLoad | None = None) -> None:
+        """Unpin ``handle``'s chunks (from :meth:`prepare_load`); count hits only if ``success`` (the chunks
+        reached their destination).  Idempotent.  ``first_chunk``: chunks before it were pinned, not delivered
+        (the engine's prefix cache held them): no hits.  ``engine``: what the load did in the engine (tokens by
+        planned tier, blocks not filled, bytes and seconds), counted here, once."""
+        # (handle.ready_chunks(), read here: every chunk unless reads ahead still run)
+        delivered = len(handle.keys) if (ahead := handle.pending) is None or ahead.done() else handle.ahead_from
+        if not self.index.release(handle, refresh=success):
+            return
+        if handle.landed:  # (only then: the hit path with a page stays off the landing pool, scripts/hit_story.py)
+            self.give_landed(handle)
+        sink = handle.ctx.sink
+        if engine is not None:
+            sink.emit(engine)
+        served = handle.tiers[first_chunk:delivered]  # chunks per tier, counted in C (no Counter frames: the hit path)
+        sink.emit(ChunksServed(dict(zip(tiers := dict.fromkeys(served), map(served.count, tiers))))
+                  if success else LoadFailed())
+        if success and (below := handle.below) is not None and first_chunk <= below[0] < delivered:
+            sink.emit(ServedBelow(*below))  # why the top tier did not hold it
+
+    def cancel_load(self, handle: LoadHandle, engine: EngineLoad | None = None) -> None:
+        """Unpin a load that will not happen (request aborted, or nothing left to load).
+
+        Neither a hit nor a failed load is counted; ``engine`` (what the engine was promised and did not get) is.
+        Idempotent."""
+        if not self.index.release(handle, refresh=False):
+            return
+        if handle.landed:  # (only then: the hit path with a page stays off the landing pool, scripts/hit_story.py)
+            self.give_landed(handle)
+        if engine is not None:
+            handle.ctx.sink.emit(engine)
 
     # ---- reads ---------------------------------------------------------------------------
     def leading_present(self, tier: str, keys: Sequence[ChunkKey]) -> int:
@@ -265,33 +338,19 @@ class Mover:
         finally:
             self.index.end_read_ahead(handle)
 
-    # ---- other processes' chunk files ----------------------------------------------------
-    def rescan(self) -> int:
-        """Read each rescannable local tier's directory (without the index's lock) and hand what
-        changed to the index (:meth:`~kvtier.core.upkeep.IndexUpkeep.adopt`); the keys adopted or forgotten."""
-        n = 0
-        for lt in self.index.local:
-            if isinstance(lt.tier, Rescannable) and lt.policy is not None:
-                n += self.index.adopt(lt.name, lt.tier.scan())
-        return n
+    # ---- each step: TieredStore's stats and take_ghost_distances (bound: the worker calls them) ----
+    def stats(self) -> StoreStats:
+        """The store's counters and each tier's usage, as one snapshot (:meth:`kvtier.core.sinks.StoreCounters.snapshot`)."""
+        return self.counters.snapshot(self.chunk_bytes, self.chunk_tokens, self.index.tier_stats(),
+                                      self.index.dirty_bytes(), self.busy())
 
-    def start_rescans(self, interval_s: float) -> None:
-        """:meth:`rescan` every ``interval_s`` seconds on a background thread until :meth:`stop_rescans`."""
-        self._rescanner = threading.Thread(target=self._rescan_loop, args=(interval_s,),
-                                           name="kvtier-disk-rescan", daemon=True)
-        self._rescanner.start()
-
-    def stop_rescans(self, timeout_s: float) -> None:
-        self._rescan_stop.set()
-        if self._rescanner is not None:
-            self._rescanner.join(timeout=timeout_s)
-
-    def _rescan_loop(self, interval_s: float) -> None:
-        while not self._rescan_stop.wait(interval_s):
-            try:
-                self.rescan()
-            except Exception:  # the thread must outlive one bad round (e.g. the directory vanished)
-                log.exception("kvtier: rescanning the disk tier failed")
+    def take_ghost_distances(self) -> list[tuple[str, int]]:
+        """Ghost hits' ``(tier, distance bytes)`` since the last call (:mod:`kvtier.core.ghosts`; at
+        most :data:`~kvtier.core.ghosts.PENDING_DISTANCES` of them), for the engine's metrics."""
+        if not self.index.ghosts.distances:  # (a worker asks every step; most steps have none: no lock, no call)
+            return []
+        with self.index.lock:
+            return self.index.ghosts.take_distances()
 
     # ---- lifecycle -----------------------------------------------------------------------
     def flush(self, deadline: float | None) -> bool:

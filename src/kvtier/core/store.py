@@ -49,7 +49,8 @@ outside it on pinned chunks):
   the last drain; the first, and the first after a reset, is a full snapshot), ``pending_changes()``,
   ``dirty_keys()`` (chunks held in DRAM but on no local lower tier: a crash would lose them) and
   ``dirty_bytes()``.  These six are the index's own methods (:class:`~kvtier.core.index.Index`), bound at
-  construction: the store adds nothing to them.
+  construction: the store adds nothing to them.  So are the request path's: a load's three verbs, ``stats()``
+  and ``take_ghost_distances()`` are the mover's (:class:`~kvtier.core.mover.Mover`), ``epoch`` the index's count.
 - ``check_integrity()``: every invariant of the index (:func:`kvtier.core.indexcheck.check_index`).
 
 Sizes: ``chunk_bytes`` is one chunk's payload; capacities are the configuration's / ``tp_size``.
@@ -58,8 +59,10 @@ Sizes: ``chunk_bytes`` is one chunk's payload; capacities are the configuration'
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Collection, Sequence
+from operator import attrgetter
 
 from prometheus_client import CollectorRegistry
 
@@ -67,7 +70,7 @@ from kvtier.core import context
 from kvtier.core.config import KVTierConfig
 from kvtier.core.context import OpContext
 from kvtier.core.errors import ConfigError
-from kvtier.core.handles import EngineLoad, EngineSave, Into, LoadHandle, StoreHandle
+from kvtier.core.handles import EngineLoad, EngineSave, StoreHandle
 from kvtier.core.index import Index
 from kvtier.core.indexcheck import check_index
 from kvtier.core.keys import ChunkKey, Namespace
@@ -75,10 +78,9 @@ from kvtier.core.lowerindex import LowerIndex
 from kvtier.core.metrics import StoreMetrics
 from kvtier.core.mover import Mover
 from kvtier.core.sinks import CountersSink, StoreCounters
-from kvtier.core.stats import StoreStats
 from kvtier.core.storeio import StoreConvenience
 from kvtier.core.tenant import TenantId
-from kvtier.core.tiers.base import ClearResult, StagingTier, Tier
+from kvtier.core.tiers.base import ClearResult, Rescannable, StagingTier, Tier
 from kvtier.core.tiers.factory import TierContext, make_tier
 
 log = logging.getLogger(__name__)
@@ -114,7 +116,7 @@ class TieredStore(StoreConvenience):
         self.chunk_bytes = chunk_bytes
         self.chunk_tokens = namespace.chunk_tokens  # the engine's resolved size (config may say auto)
         self.counters = StoreCounters()
-        self.metrics = StoreMetrics(self.stats, registry)
+        self.metrics = StoreMetrics(lambda: self.stats(), registry)  # (self.stats is bound below, to the mover's)
         self.metrics.set_config({**config.public_dict(), "chunk_bytes": chunk_bytes, "tp_size": tp_size,
                                  "namespace": namespace.digest().hex()})
         ctx = TierContext(config, namespace.digest(), chunk_bytes, tp_size, self.metrics.registry)
@@ -135,9 +137,15 @@ class TieredStore(StoreConvenience):
         self.sink = CountersSink(self.counters, self.cpu.name)  # every operation's events reach the counters
         lower = [LowerIndex(t, config.policy, config.write_mode == "write-back", self.counters) for t in tiers[1:]]
         self.index = Index(self.cpu, lower, config, self.counters, chunk_bytes, self.metrics.ghost_hit)
-        self.mover = Mover(self.index, config.io_threads, config.save_queue_depth, self.counters)
-        # the index's verbs of the module docstring's change feed and eviction gate, as they are (a worker
-        # calls three of them every engine step: no forwarding call in between)
+        self.mover = Mover(self.index, config.io_threads, config.save_queue_depth, self.sink, self.chunk_tokens)
+        # the request path's verbs, as they are: the mover's for a load and the step's snapshot, the index's for
+        # the module docstring's change feed and eviction gate (a worker calls them on every load and engine
+        # step: no forwarding call in between, scripts/hit_story.py)
+        self.prepare_load = self.mover.prepare_load
+        self.complete_load = self.mover.complete_load
+        self.cancel_load = self.mover.cancel_load
+        self.stats = self.mover.stats
+        self.take_ghost_distances = self.mover.take_ghost_distances
         self.drain_changes = self.index.drain_changes
         self.pending_changes = self.index.pending_changes
         self.dirty_keys = self.index.dirty_keys
@@ -145,13 +153,15 @@ class TieredStore(StoreConvenience):
         self.gate_evictions = self.index.gate_evictions
         self.pin_resident = self.index.pin_resident
         self._closed = False
+        self._rescan_stop = threading.Event()
+        self._rescanner: threading.Thread | None = None
         if config.disk_rescan_s and self.index.local:  # None or 0: never (the vLLM connector sets it for consumers)
-            self.mover.start_rescans(config.disk_rescan_s)
+            self._rescanner = threading.Thread(target=self._rescan_loop, args=(config.disk_rescan_s,),
+                                               name="kvtier-disk-rescan", daemon=True)
+            self._rescanner.start()
 
-    @property
-    def epoch(self) -> int:
-        """Resets so far (:meth:`clear`); a load started under another epoch serves pre-reset bytes."""
-        return self.index.epoch
+    epoch = property(attrgetter("index.epoch"), doc="""Resets so far (:meth:`clear`); a load started under another
+        epoch serves pre-reset bytes.  (The index's own count, read in C: a worker reads it on every load.)""")
 
     def clear(self, tiers: Collection[str]) -> dict[str, ClearResult]:
         """Reset: drop every chunk of the store's tiers named in ``tiers`` (names it lacks are
@@ -193,82 +203,6 @@ class TieredStore(StoreConvenience):
         return n
 
     # ---- load ----------------------------------------------------------------------------
-    def prepare_load(self, chain: Sequence[ChunkKey], max_chunks: int | None = None, read_ahead: bool = False,
-                     top_only: bool = False, ctx: OpContext | None = None, into: Into | None = None,
-                     shared_within_s: float | None = None) -> LoadHandle:
-        """Pin and return the longest available prefix of ``chain`` (at most ``max_chunks``).
-
-        With ``read_ahead``, only the first ``io_threads`` chunks found below the cpu tier are read
-        before returning; the rest are read into cpu pages in the background, ``io_threads`` at a
-        time, while the caller copies the ready ones out (``handle.ready_chunks()`` grows as they
-        arrive; ``handle.wait(timeout_s)`` for the end).
-
-        With ``top_only``, the prefix ends at the first chunk the top (cpu) tier does not hold: no
-        file, socket or network I/O at all, and every buffer is ready when this returns (the
-        connector's synchronous loads, run on the engine's own thread); with ``shared_within_s`` too, it
-        goes on in the shared tier (no local lower tier), read and verified before this returns under that
-        deadline (a synchronous node-tier hit).  Top-tier pages are handed out pinned, not re-hashed.
-
-        ``ctx``: the request's context (:mod:`kvtier.core.context`; ``None``: none), kept in the handle:
-        the reads' events (``ChunksRead``, ``ChunkMissed``, ``LoadCut``) and :meth:`complete_load`'s go to it.
-        ``into``: where the shared tier reads a chunk instead of a cpu page (:data:`~kvtier.core.handles.Into`)."""
-        limit = len(chain) if max_chunks is None else min(max_chunks, len(chain))
-        plan = self.index.plan_load(chain, limit, top_only)
-        plan.handle.ctx, plan.into = self.sink.bind(ctx), into
-        start = len(plan.handle.keys)  # (num_chunks, without the property's call: the hit path)
-        if start < limit and self.index.shared and (not top_only or shared_within_s is not None):
-            want = list(chain[start:limit])
-            if max_chunks is None:  # nobody asked yet: one presence batch, so misses cost no bytes
-                want = want[:self.mover.leading_present(self.index.shared[0].name, want)]
-            self.index.plan_shared(plan, start, want)
-        if (n := len(plan.handle.keys)) < limit:  # no tier this load may read holds the next chunk: why not
-            with self.index.lock:
-                ghost = self.index.ghosts.latest(chain[n], (self.cpu.name,) if top_only else None)
-            plan.handle.ctx.sink.emit(context.LoadCut(n, ghost.tier if ghost is not None else self.cpu.name if top_only
-                                                      else "", ghost.reason if ghost is not None else "new", limit - n))
-        if plan.writes:  # spills of the cpu pages the reads take
-            self.mover.submit(plan.writes)
-        if plan.reads:
-            self.mover.run(chain, plan, read_ahead, shared_within_s)
-        return plan.handle
-
-    def complete_load(self, handle: LoadHandle, success: bool, first_chunk: int = 0,
-                      engine: EngineLoad | None = None) -> None:
-        """Unpin a load's chunks; count hits only if ``success``.  Idempotent.
-
-        Args:
-            handle: from :meth:`prepare_load`.
-            success: whether the chunks reached their destination.
-            first_chunk: chunks before it were pinned, not delivered (the engine's prefix cache held them): no hits.
-            engine: what the load did in the engine (tokens by planned tier, blocks not filled, bytes and seconds);
-                counted here, once."""
-        # (handle.ready_chunks(), read here: every chunk unless reads ahead still run)
-        delivered = len(handle.keys) if (ahead := handle.pending) is None or ahead.done() else handle.ahead_from
-        if not self.index.release(handle, refresh=success):
-            return
-        if handle.landed:  # (only then: the hit path with a page stays off the landing pool, scripts/hit_story.py)
-            self.mover.give_landed(handle)
-        sink = handle.ctx.sink
-        if engine is not None:
-            sink.emit(engine)
-        served = handle.tiers[first_chunk:delivered]  # chunks per tier, counted in C (no Counter frames: the hit path)
-        sink.emit(context.ChunksServed(dict(zip(tiers := dict.fromkeys(served), map(served.count, tiers))))
-                  if success else context.LoadFailed())
-        if success and (below := handle.below) is not None and first_chunk <= below[0] < delivered:
-            sink.emit(context.ServedBelow(*below))  # why the top tier did not hold it
-
-    def cancel_load(self, handle: LoadHandle, engine: EngineLoad | None = None) -> None:
-        """Unpin a load that will not happen (request aborted, or nothing left to load).
-
-        Neither a hit nor a failed load is counted; ``engine`` (what the engine was promised and did not get) is.
-        Idempotent."""
-        if not self.index.release(handle, refresh=False):
-            return
-        if handle.landed:  # (only then: the hit path with a page stays off the landing pool, scripts/hit_story.py)
-            self.mover.give_landed(handle)
-        if engine is not None:
-            handle.ctx.sink.emit(engine)
-
     def load_skipped(self, engine: EngineLoad, ctx: OpContext | None = None) -> None:
         """Count a load that never reached the store (its request was aborted before it began)."""
         self.sink.bind(ctx).sink.emit(engine)
@@ -322,7 +256,18 @@ class TieredStore(StoreConvenience):
         change feed, so a scheduler's mirror learns of them.  Runs every ``disk_rescan_s``
         seconds on a background thread when that is set.  The directory is read without the
         index's lock; the index takes in what was found.  Returns the keys adopted or forgotten."""
-        return self.mover.rescan()
+        n = 0
+        for lt in self.index.local:
+            if isinstance(lt.tier, Rescannable) and lt.policy is not None:
+                n += self.index.adopt(lt.name, lt.tier.scan())
+        return n
+
+    def _rescan_loop(self, interval_s: float) -> None:
+        while not self._rescan_stop.wait(interval_s):
+            try:
+                self.rescan()
+            except Exception:  # the thread must outlive one bad round (e.g. the directory vanished)
+                log.exception("kvtier: rescanning the disk tier failed")
 
     # ---- lifecycle and checks ------------------------------------------------------------
     def flush(self, timeout_s: float | None = None) -> bool:
@@ -334,7 +279,9 @@ class TieredStore(StoreConvenience):
         if self._closed:
             return
         self._closed = True
-        self.mover.stop_rescans(timeout_s)
+        self._rescan_stop.set()
+        if self._rescanner is not None:
+            self._rescanner.join(timeout=timeout_s)
         self.flush(timeout_s)
         self.mover.close()
         for lt in self.index.lower:
@@ -353,25 +300,21 @@ class TieredStore(StoreConvenience):
         """
         if not self.index.local:
             return 0, 0
-        before = len(self.dirty_keys())
-        self.mover.write_dirty(self.dirty_keys(), time.monotonic() + max(timeout_s, 0.0))
+        before, deadline = len(self.dirty_keys()), time.monotonic() + max(timeout_s, 0.0)
+        for key in self.dirty_keys():  # unlike a save, each waits for room in the queues
+            while time.monotonic() < deadline:
+                done, writes = self.index.plan_flush(key, self.mover.full())
+                self.mover.submit(writes)
+                if done:
+                    break
+                time.sleep(0.002)
+        local = [lt.name for lt in self.index.local]
+        while self.mover.busy(local) and time.monotonic() < deadline:
+            time.sleep(0.005)
         missed = len(self.dirty_keys())
         if missed:
             self.counters.flush_missed(missed)
         return max(before - missed, 0), missed
-
-    def take_ghost_distances(self) -> list[tuple[str, int]]:
-        """Ghost hits' ``(tier, distance bytes)`` since the last call (:mod:`kvtier.core.ghosts`; at
-        most :data:`~kvtier.core.ghosts.PENDING_DISTANCES` of them), for the engine's metrics."""
-        if not self.index.ghosts.distances:  # (a worker asks every step; most steps have none: no lock, no call)
-            return []
-        with self.index.lock:
-            return self.index.ghosts.take_distances()
-
-    def stats(self) -> StoreStats:
-        """The store's counters and each tier's usage, as one snapshot (:meth:`kvtier.core.sinks.StoreCounters.snapshot`)."""
-        return self.counters.snapshot(self.chunk_bytes, self.chunk_tokens, self.index.tier_stats(),
-                                      self.index.dirty_bytes(), self.mover.busy())
 
     def check_integrity(self, expect_idle: bool = True) -> None:
         """Assert the store's invariants (:func:`kvtier.core.indexcheck.check_index`).

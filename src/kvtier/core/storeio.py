@@ -17,8 +17,9 @@ from kvtier.core.handles import EngineSave
 
 if TYPE_CHECKING:
     from kvtier.core.context import OpContext
-    from kvtier.core.handles import EngineLoad, LoadHandle, StoreHandle
+    from kvtier.core.handles import StoreHandle
     from kvtier.core.keys import ChunkKey
+    from kvtier.core.mover import Mover
     from kvtier.core.tenant import TenantId
 
 READ_AHEAD_WAIT_S = 60.0
@@ -30,14 +31,11 @@ class StoreConvenience:
 
     chunk_bytes: int
 
-    if TYPE_CHECKING:  # provided by TieredStore
+    if TYPE_CHECKING:  # provided by TieredStore (its load verbs are its mover's: TieredStore.__init__)
+        mover: Mover
         def prepare_store(self, chain: Sequence[ChunkKey], start: int = 0, tenant: TenantId | None = None,
                           ctx: OpContext | None = None) -> StoreHandle: ...
         def complete_store(self, handle: StoreHandle, success: bool, engine: EngineSave | None = None) -> None: ...
-        def prepare_load(self, chain: Sequence[ChunkKey], max_chunks: int | None = None, read_ahead: bool = False,
-                         top_only: bool = False, ctx: OpContext | None = None) -> LoadHandle: ...
-        def complete_load(self, handle: LoadHandle, success: bool, first_chunk: int = 0,
-                          engine: EngineLoad | None = None) -> None: ...
 
     def put(self, chain: Sequence[ChunkKey], datas: Sequence[bytes | memoryview | np.ndarray],
             tenant: TenantId | None = None, ctx: OpContext | None = None) -> int:
@@ -56,14 +54,14 @@ class StoreConvenience:
 
     def get(self, chain: Sequence[ChunkKey], ctx: OpContext | None = None) -> list[bytes]:
         """Bytes of the longest available prefix of ``chain`` (copies)."""
-        handle = self.prepare_load(chain, read_ahead=True, ctx=ctx)
+        handle = self.mover.prepare_load(chain, read_ahead=True, ctx=ctx)
         try:
             out = [buf.tobytes() for buf in handle.buffers[:handle.ready_chunks()]]
             if not handle.wait(READ_AHEAD_WAIT_S):
                 raise TimeoutError(f"chunks read ahead from disk did not arrive within {READ_AHEAD_WAIT_S} s")
             out += [buf.tobytes() for buf in handle.buffers[len(out):]]
         except BaseException:
-            self.complete_load(handle, False)
+            self.mover.complete_load(handle, False)
             raise
-        self.complete_load(handle, True)
+        self.mover.complete_load(handle, True)
         return out
