@@ -156,8 +156,10 @@ def test_bad_selectors_are_one_sentence():
     assert parse_duration("90s") == 90 and parse_duration("12h") == 43200 and parse_duration("1.5m") == 90
     with pytest.raises(UserError, match="32 hex digits"):
         parse_namespace("xyz")
-    with pytest.raises(UserError, match="not a directory"):
+    with pytest.raises(UserError, match="/nonexistent/kvtier does not exist"):
         purge(KVTierConfig.from_dict({"disk_path": "/nonexistent/kvtier"}), PurgeSelector(cache_salt="B"), True)
+    with pytest.raises(UserError, match="/etc/passwd is not a directory"):
+        purge(KVTierConfig.from_dict({"disk_path": "/etc/passwd"}), PurgeSelector(cache_salt="B"), True)
 
 
 # ---- redis ------------------------------------------------------------------------------------
