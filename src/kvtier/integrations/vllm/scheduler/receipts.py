@@ -5,24 +5,8 @@ kvtier promised at the request's admission (``get_num_new_matched_tokens`` /
 (:class:`~kvtier.integrations.vllm.protocol.RequestFacts` in each step's worker metadata: loads
 that came up short and why, seconds per tier, why a chunk was in no tier, saves, pins).
 
-**When.**  vLLM calls ``request_finished`` in ``Scheduler.update_from_output`` *before* it hands
-the connector that step's worker output (``_update_from_kv_xfer_finished``, after the loop over
-requests; vllm/v1/core/sched/scheduler.py), so the facts of a request's last step (its last
-saves, a synchronous load in that step) are not in yet.  ``request_finished`` therefore returns
-``kv_transfer_params = {"kvtier": {}}`` and keeps the dict; :meth:`ReceiptDesk.finish` fills it in
-place from the scheduler's ``get_kv_connector_stats``, which vLLM calls in the same
-``update_from_output`` right after ``update_connector_output``, before the step's outputs leave
-the engine core (they are serialized after ``update_from_output`` returns).  The same receipt is
-then emitted to every :class:`~kvtier.core.receipt.ReceiptSink` and counted
-(``kvtier_served_tokens_total``, ``kvtier_missed_tokens_total``), so the three agree exactly.
-
-**Tokens.**  ``engine`` is vLLM's local prefix-cache hit and the tiers the hit kvtier promised,
-split by the tier planned for each chunk, both as vLLM recorded them for
-``usage.prompt_tokens_details.cached_tokens`` (``Request.prefill_stats``, set at the request's
-first admission that was not a re-admission after preemption): engine + tiers equals vLLM's
-cached tokens.  Exception: tokens a load was promised and did not deliver (a chunk gone or
-corrupt, ``load_wait_s``) are moved from their tier to ``computed``, since they were recomputed;
-vLLM still counts them cached (it records the promise), and the receipt's ``miss`` says why.
+When a receipt is completed (:meth:`ReceiptDesk.finish`, from the step's stats, after vLLM's
+``request_finished``) and what its tokens count: docs/scheduler.md § Receipts.
 """
 
 from __future__ import annotations
@@ -124,7 +108,7 @@ class ReceiptFacts:
 
 
 def build_receipt(request_id: str, prompt_tokens: int, r: ReceiptFacts, chunk_tokens: int, tp_size: int) -> Receipt:
-    """The receipt of a finished request (see the module docstring for what each number is).
+    """The receipt of a finished request (what each number is: docs/scheduler.md § Receipts).
 
     Tensor-parallel ranks load and save the same chunks (each its own KV heads): tokens a rank did
     not get are missing for all, so unfilled tokens are the most any rank reports; seconds the most
@@ -206,8 +190,8 @@ class _Pending:
 
 
 class ReceiptDesk:
-    """Receipts of requests vLLM finished, completed once their last step's facts are in (see the
-    module docstring).
+    """Receipts of requests vLLM finished, completed once their last step's facts are in (design:
+    docs/scheduler.md § Receipts, When).
 
     Args:
         chunk_tokens: tokens per chunk.

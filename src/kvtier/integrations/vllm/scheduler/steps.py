@@ -5,61 +5,8 @@ and whether an idle engine should keep stepping (:class:`Settle`); each step is 
 (:func:`begin_step`) and its reports folded (:func:`fold_reports`) in one call.  One request's state is
 :mod:`~kvtier.integrations.vllm.scheduler.requests`'.
 
-**The mirror** is fed only by the :class:`~kvtier.integrations.vllm.protocol.RankReport` s that
-vLLM carries back from the workers each step; read by ``get_num_new_matched_tokens`` without I/O.
-
-- One view for all tensor-parallel ranks: a chunk is available only when **every** rank holds
-  it (each rank stores its own KV heads of it).  Its tier, for vLLM's hit-source metrics, is the
-  slowest tier any rank holds it in (the registry's order, :func:`~kvtier.core.tiers.registry.slowest`).
-- The mirror is ready once every rank has sent its first full snapshot (sent at the first step
-  after start-up, so a restarted engine knows its disk tier before its first request is admitted).
-- All ranks must chain keys from the same root; a rank reporting another root disables loads
-  (logged once) rather than risk loading under the wrong keys.
-- Each rank's store namespace digest (its report's ``namespace``) is kept for the shared tier,
-  whose keys carry it (:mod:`kvtier.integrations.vllm.scheduler.remote`).
-- A reset (:meth:`IndexMirror.reset`) empties every rank's view at once and raises the mirror's
-  epoch: reports of an older epoch (sent before the rank applied the reset order) are dropped, so
-  nothing held before the reset is planned as a hit again; a rank's first report of the new epoch
-  is a full snapshot of its cleared store.
-- The mirror may lag the stores by a step or more (evictions happen meanwhile): a mirror hit is a
-  promise the worker checks; a chunk gone since is reported as a load error and recomputed.
-
-**Synchronous loads**: a hit held whole in the cpu tier (and the node pool: :func:`sync_tiers`),
-copied before the forward of the very step that schedules the request, within
-``sync_load_max_bytes`` per step.  ``get_num_new_matched_tokens`` answers ``(n, False)`` for such a
-hit (vLLM then calls ``start_load_kv`` before that step's forward, ``SchedulerOutput.has_sync_kv_loads``,
-vllm/v1/worker/kv_connector_model_runner_mixin.py), with one full-attention KV cache group only:
-vLLM takes a synchronous load's failures as block ids, which it refuses with several groups
-(``Scheduler._handle_invalid_blocks``).  The worker reports the blocks it could not fill as
-``invalid_block_ids`` of that step's output (``RequestState.check_sync_load``); no
-``finished_recving`` follows.
-
-**Deferred saves** (``async_saves``; :mod:`kvtier.integrations.vllm.worker.saves`): a deferred save
-job gets a number when it is shipped (:meth:`DeferredSaves.ship`); every rank reports the number
-once the save ended there (``RankReport.saves_ended``, :meth:`DeferredSaves.ended`).  At
-``request_finished`` a request with a number not yet reported by every rank is held
-(:meth:`DeferredSaves.finish` → True: vLLM keeps its blocks) and named in the next step's
-``KVTierMetadata.held``, so that each rank reports it in ``finished_sending`` once its own saves of
-it ended; one whose saves all ended is freed at once.  A preempted request's numbers are forgotten
-(:meth:`DeferredSaves.forget`): the workers wait for its saves before the forward that may reuse
-its blocks.  vLLM's offloading connector tracks its store jobs the same way
-(vllm/distributed/kv_transfer/kv_connector/v1/offloading/worker.py, ``get_finished``).  Bounds: one
-entry per deferred job not yet reported by every rank; a finished request's entries go at once.
-
-**Settling**: keep an idle engine stepping until the workers' numbers are true (pins released,
-first report in).  vLLM moves a connector's numbers (``KVConnectorStats``, the worker → scheduler
-metadata) only on engine steps, and an engine with no request does not step: without help the
-gauges of ``/metrics`` froze at the last busy step (``kvtier_pinned_chunks`` showed the pins of
-disk writes still in flight for over a minute after a run; ``kvtier_capacity_bytes`` read 0 after
-boot until the first request).  vLLM 0.32 keeps the engine loop stepping while the scheduler-side
-connector's ``has_pending_push_work()`` is true (vllm/v1/core/sched/scheduler.py
-``Scheduler.has_requests``; vLLM's Mooncake store connector uses it the same way).  kvtier says so
-while no worker has reported yet since start, a worker's last report said it was busy (chunks
-pinned by loads or disk writes in flight), or KV events wait to be published
-(:mod:`kvtier.integrations.vllm.scheduler.events`), and at most :data:`SETTLE_S` seconds from the
-step where the engine ran out of scheduled work, so a pin that never ends (a bug) cannot keep the
-engine spinning.  Steps taken only to settle sleep :data:`IDLE_STEP_S` in :meth:`Settle.step`
-(about 100 empty steps a second for as long as the disk writes take).
+Design (why each exists, what vLLM does around it): docs/scheduler.md § The mirror, § Synchronous
+loads, § Deferred saves, § Settling.
 """
 
 from __future__ import annotations
@@ -233,7 +180,7 @@ class SyncBudget:
 
 
 class DeferredSaves:
-    """Deferred save jobs not yet reported ended by every rank (see the module docstring).
+    """Deferred save jobs not yet reported ended by every rank (design: docs/scheduler.md § Deferred saves).
 
     Args:
         tp_size: tensor-parallel ranks, each of which reports every job.
@@ -298,7 +245,7 @@ IDLE_STEP_S = 0.01  # pause of a step taken only to settle, seconds
 
 
 class Settle:
-    """Whether the engine should keep stepping for kvtier's sake (see the module docstring).
+    """Whether the engine should keep stepping for kvtier's sake (design: docs/scheduler.md § Settling).
 
     Args:
         settle_s: longest the engine steps with no scheduled work, seconds.
