@@ -11,7 +11,7 @@ step and asks again in the next one), so the engine's step never waits on the ne
 - The scheduler asks :meth:`RemoteLookups.poll_pages` for every model: the batch is over the
   page keys no local tier holds (a dense model's pages are its chunks; a hybrid model's are
   chunk key and KV cache group); the hit is then planned over local and shared pages together
-  (:meth:`~kvtier.integrations.vllm.scheduler.requests.PagePlanner.lookup`).
+  (:meth:`~kvtier.integrations.vllm.scheduler.steps.PagePlanner.lookup`).
 - A page counts only if every rank's value is there (each rank stores its own KV heads under its
   own namespace, reported by the workers in ``RankReport.namespace``): the answer is the pages
   every rank holds.

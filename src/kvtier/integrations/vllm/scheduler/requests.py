@@ -1,9 +1,7 @@
 """One request's path through the scheduler side, from admission to ``request_finished``: its
 state (:class:`RequestState`), its chunk keys (:class:`RequestChain`, found again in a
-:class:`KeyMemo`), the pin TTL it asks for (:func:`pin_seconds`), and the pages of its hit, its
-load and its saves planned from the mirror of the ranks' indexes (:class:`PagePlanner`, over the
-engine's :class:`~kvtier.integrations.vllm.scheduler.pages.HybridPlan`).  What the scheduler keeps
-across requests and steps (the mirror, the budgets) is
+:class:`KeyMemo`) and the pin TTL it asks for (:func:`pin_seconds`).  What the scheduler keeps
+across requests and steps (the mirror, the pages planned from it, the budgets) is
 :mod:`~kvtier.integrations.vllm.scheduler.steps`'; the request's receipt,
 :mod:`~kvtier.integrations.vllm.scheduler.receipts`'.
 """
@@ -16,17 +14,12 @@ from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from functools import lru_cache
-from itertools import islice, takewhile
-from typing import Any, cast
+from itertools import islice
+from typing import Any
 
-from kvtier.core.keys import ChunkKey, chunk_keys, request_root
+from kvtier.core.keys import chunk_keys, request_root
 from kvtier.core.tenant import TenantId
-from kvtier.core.tiers.registry import slowest
-from kvtier.integrations.vllm.cache_groups import NULL_BLOCK, GroupKind
-from kvtier.integrations.vllm.protocol import PageMove
-from kvtier.integrations.vllm.scheduler.pages import HybridPlan, group_key
 from kvtier.integrations.vllm.scheduler.receipts import ReceiptFacts
-from kvtier.integrations.vllm.scheduler.steps import IndexMirror
 
 log = logging.getLogger(__name__)
 
@@ -264,102 +257,3 @@ class RequestState:
         if ok:
             self.saved_chunks = max(self.saved_chunks, self.loaded_chunks)
         self.loaded_chunks = 0
-
-
-class PagePlanner:
-    """The pages of one engine's load and save jobs, keyed, from the mirror (the plan arithmetic:
-    :mod:`kvtier.integrations.vllm.scheduler.pages`).
-
-    Args:
-        plan: the engine's per-group plan.
-        mirror: the scheduler's mirror of the ranks' indexes.
-    """
-
-    def __init__(self, plan: HybridPlan, mirror: IndexMirror) -> None:
-        self.plan = plan
-        self.mirror = mirror
-        self.C = plan.chunk_tokens
-        self.dense = not plan.is_hybrid
-
-    def _key(self, chain: Sequence[bytes], group: int, chunk: int) -> bytes:
-        if self.dense:  # one full-attention group: the chunk key itself (the namespace tells it apart)
-            return bytes(chain[chunk])
-        return bytes(group_key(ChunkKey(chain[chunk]), group))
-
-    def parent_of(self, chain: Sequence[bytes], page: PageMove) -> bytes:
-        """Key of the page before ``page`` in its group's chain (``b""`` for chunk 0 and for the
-        pages of groups that are not full attention)."""
-        full = any(g.index == page.group and g.kind is GroupKind.FULL for g in self.plan.groups)
-        return self._key(chain, page.group, page.chunk - 1) if full and page.chunk > 0 else b""
-
-    def lookup(self, chain: Sequence[bytes], num_computed_tokens: int, num_tokens: int,
-               shared: AbstractSet[bytes] = frozenset(), shared_tier: str = "") -> tuple[int, list[str]]:
-        """The hit (tokens, 0 if none beyond ``num_computed_tokens``) and, per chunk before it,
-        the slowest tier any of its pages is held in (for vLLM's hit-source metrics; ``""`` for
-        a chunk kvtier does not hold before the engine's own hit).
-
-        ``shared``: page keys the shared tier ``shared_tier`` holds for every rank, from
-        :meth:`~kvtier.integrations.vllm.scheduler.remote.RemoteLookups.poll_pages` over :meth:`unheld_pages`.
-        """
-        if self.dense:  # one full-attention group: its pages are the chain's chunks, read in one pass
-            keys = list(map(bytes, chain[:min(len(chain), max(0, num_tokens - 1) // self.C)]))
-            mirror = self.mirror  # one rank: its map's C lookup (IndexMirror.tier's answer), else tier()
-            held_in = mirror.ranks[0].get if mirror.tp_size == 1 and mirror.ready else mirror.tier
-            # each chunk's tier, None (or "") where none holds it: mapped, counted and copied in C (the hit path)
-            held = [held_in(key) or (shared_tier if key in shared else None) for key in keys] if shared \
-                else list(map(held_in, keys))
-            first = num_computed_tokens // self.C  # the run held from where the engine's hit ends
-            end = first + len(list(takewhile(bool, held[first:])))
-            if end <= first:
-                return 0, []
-            upto = held[:end]  # (a tier each from first on: the run; before it, "" where none held it)
-            return end * self.C, cast("list[str]", upto) if all(upto[:first]) else [t or "" for t in upto]
-
-        def tier(group: int, chunk: int) -> str | None:
-            if chunk >= len(chain):
-                return None
-            key = self._key(chain, group, chunk)
-            return self.mirror.tier(key) or (shared_tier if key in shared else None)
-
-        hit = self.plan.hit_tokens(lambda g, c: tier(g, c) is not None, num_computed_tokens, num_tokens)
-        tiers = []
-        for c in range(hit // self.C):
-            held = [tier(g.index, c) for g in self.plan.groups]
-            tiers.append(slowest([t for t in held if t]) if any(held) else "")
-        return hit, tiers
-
-    def unheld_pages(self, chain: Sequence[bytes], num_computed_tokens: int, num_tokens: int) -> list[bytes]:
-        """Keys of the pages a hit beyond ``num_computed_tokens`` could use that no rank's local
-        tiers hold (every group, every chunk up to the last one vLLM lets a connector load):
-        what the scheduler asks the shared tier about."""
-        first = num_computed_tokens // self.C
-        limit = min(len(chain), max(0, num_tokens - 1) // self.C)
-        return [key for c in range(first, limit) for g in self.plan.groups
-                if self.mirror.tier(key := self._key(chain, g.index, c)) is None]
-
-    def load_pages(self, chain: Sequence[bytes], block_ids: Sequence[Sequence[int]], num_computed_tokens: int,
-                   hit: int) -> tuple[PageMove, ...]:
-        """Pages resuming every group at ``hit`` (``block_ids``: ``KVCacheBlocks.get_block_ids()``)."""
-        if self.dense:  # one group: HybridPlan.pages_to_load's pages without a ChunkBlocks each (the hit path)
-            ids, bs = block_ids[0], self.plan.groups[0].block_size
-            k, lo, end = self.C // bs, num_computed_tokens // bs, hit // self.C
-            if len(ids) >= hit // bs and NULL_BLOCK not in ids[lo:end * k]:
-                return tuple(PageMove(bytes(chain[c]), 0, c, max(c * k, lo) - c * k,
-                                      tuple(ids[max(c * k, lo):(c + 1) * k])) for c in range(lo // k, end))
-        loads = [cb for g in self.plan.groups
-                 for cb in self.plan.pages_to_load(g, num_computed_tokens, hit, block_ids[g.index])]
-        return tuple(PageMove(self._key(chain, cb.group, cb.chunk), cb.group, cb.chunk, cb.first_slot, cb.block_ids)
-                     for cb in loads)
-
-    def save_pages(self, chain: Sequence[bytes], start_chunk: int, end_chunk: int,
-                   block_ids: Sequence[Sequence[int]], handoffs: Sequence[tuple[int, int, int]],
-                   num_prompt_tokens: int) -> tuple[PageMove, ...]:
-        """Pages of chunks ``[start_chunk, end_chunk)`` worth storing, and the state snapshots
-        vLLM handed over this step (``(group, block id, boundary tokens)``) at boundaries
-        ``≤ end_chunk × chunk_tokens``."""
-        plan = self.plan
-        stored = [cb for g in plan.groups if g.kind is not GroupKind.STATE
-                  for cb in plan.pages_to_store(g, start_chunk, end_chunk, block_ids[g.index], num_prompt_tokens)]
-        stored += plan.state_pages(handoffs, end_chunk * self.C)
-        return tuple(PageMove(self._key(chain, cb.group, cb.chunk), cb.group, cb.chunk, 0, cb.block_ids)
-                     for cb in stored)

@@ -28,16 +28,16 @@ from kvtier.integrations.vllm.scheduler.remote import RemoteLookups, shared_tier
 from kvtier.integrations.vllm.scheduler.requests import (
     PIN_PARAM,
     KeyMemo,
-    PagePlanner,
     RequestState,
     pin_seconds,
 )
 from kvtier.integrations.vllm.scheduler.reset import Resets
+from kvtier.integrations.vllm.scheduler.setup import sync_budget
 from kvtier.integrations.vllm.scheduler.steps import (
     DeferredSaves,
     IndexMirror,
+    PagePlanner,
     Settle,
-    SyncBudget,
     begin_step,
     fold_reports,
 )
@@ -85,7 +85,7 @@ class SchedulerSide:
         # synchronous loads: one full-attention group only (vLLM takes a sync load's failures as
         # block ids, which it refuses with several groups: Scheduler._handle_invalid_blocks)
         one_group = len(kv_cache_config.kv_cache_groups) == 1 and plan.groups[0].kind is GroupKind.FULL
-        self.sync = SyncBudget.of(config, kv_cache_config, on=one_group and load)
+        self.sync = sync_budget(config, kv_cache_config, on=one_group and load)
         self.requests: dict[str, RequestState] = {}  # every request between admission and request_finished
         self.key_memo = KeyMemo.of_engine(vllm_config, kv_cache_config, self.chunk_tokens)  # chunk keys found again
         self._local_tiers = frozenset(local_tiers())  # (the registry is read here, never on the hit path)

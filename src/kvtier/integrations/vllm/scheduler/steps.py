@@ -1,5 +1,6 @@
 """What the scheduler side keeps across engine steps, one object each per engine: the mirror of
-every rank's index (:class:`IndexMirror`, from the ranks' reports), this step's budget of
+every rank's index (:class:`IndexMirror`, from the ranks' reports) and the pages of a hit, a load
+and a save planned from it (:class:`PagePlanner`), this step's budget of
 synchronous loads (:class:`SyncBudget`), the deferred saves still running (:class:`DeferredSaves`)
 and whether an idle engine should keep stepping (:class:`Settle`); each step is begun
 (:func:`begin_step`) and its reports folded (:func:`fold_reports`) in one call.  One request's state is
@@ -13,13 +14,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
+from itertools import takewhile
+from typing import cast
 
-from kvtier.core.config import KVTierConfig
-from kvtier.core.tiers.factory import shared_configured
-from kvtier.core.tiers.registry import spec, tier_rank, top_tier
-from kvtier.integrations.vllm.protocol import KVTierWorkerMeta, RankReport
+from kvtier.core.keys import ChunkKey
+from kvtier.core.tiers.registry import slowest, tier_rank
+from kvtier.integrations.vllm.cache_groups import NULL_BLOCK, GroupKind
+from kvtier.integrations.vllm.protocol import KVTierWorkerMeta, PageMove, RankReport
+from kvtier.integrations.vllm.scheduler.pages import HybridPlan, group_key
 
 log = logging.getLogger(__name__)
 
@@ -70,24 +74,6 @@ class IndexMirror:
             else:
                 index[key] = tier
 
-    def reset(self, epoch: int) -> dict[str, list[bytes]]:
-        """Forget every rank's view and drop reports older than ``epoch`` from now on.
-
-        Returns:
-            what the mirror held, by tier (a chunk held by every rank, in the slowest of its tiers):
-            what the scheduler had planned hits from until now.
-        """
-        held: dict[str, list[bytes]] = {}
-        if self.ready:
-            for key in self.ranks[0]:
-                tier = self.tier(key)
-                if tier is not None:
-                    held.setdefault(tier, []).append(key)
-        self.epoch = epoch
-        for index in self.ranks:
-            index.clear()
-        return held
-
     def tier(self, key: bytes) -> str | None:
         """Tier of ``key`` if every rank holds it (the slowest of theirs), else ``None``."""
         if not self.ready:
@@ -100,33 +86,13 @@ class IndexMirror:
         return max(tiers, key=tier_rank)
 
 
-def bytes_per_token(kv_cache_config: Any) -> int:
-    """KV bytes one token takes in one rank's engine cache, every layer of every group
-    (``kv_cache_spec.page_size_bytes`` is one layer's block): what a synchronous load copies per token."""
-    total = 0
-    for group in kv_cache_config.kv_cache_groups:
-        spec = group.kv_cache_spec
-        total += -(-int(spec.page_size_bytes) * len(group.layer_names) // int(spec.block_size))
-    return max(total, 1)
-
-
-def sync_tiers(config: KVTierConfig) -> frozenset[str]:
-    """The tiers a synchronous load reads: the top (cpu) tier, and with ``sync_shared_loads`` the first
-    shared tier when it answers from this host's memory (``answers_now``: the node pool, whose pin is
-    one local round trip, bounded on the engine's thread by ``shared_deadline_s``)."""
-    shared = shared_configured(config)
-    if config.sync_shared_loads and shared and "answers_now" in spec(shared[0]).capabilities:
-        return frozenset({top_tier(), shared[0]})
-    return frozenset({top_tier()})
-
-
 class SyncBudget:
     """This step's bytes for synchronous loads, promised to the requests answered ``(n, False)``.
 
     Args:
         step_bytes: ``sync_load_max_bytes`` (0: synchronous loads off).
-        bytes_per_token: :func:`bytes_per_token` of the engine.
-        tiers: the tiers a synchronous load reads (:func:`sync_tiers`; a chunk elsewhere loads asynchronously).
+        bytes_per_token: :func:`~kvtier.integrations.vllm.scheduler.setup.bytes_per_token` of the engine.
+        tiers: the tiers a synchronous load reads (:func:`~kvtier.integrations.vllm.scheduler.setup.sync_tiers`; a chunk elsewhere loads asynchronously).
         chunk_tokens: tokens per chunk.
     """
 
@@ -138,13 +104,6 @@ class SyncBudget:
         self.left_bytes = step_bytes  # this step's budget not yet promised
         self.promised: dict[str, int] = {}
         """Requests answered ``(n, False)`` this step -> bytes promised (empty: nothing to give back or take)."""
-
-    @classmethod
-    def of(cls, config: KVTierConfig, kv_cache_config: Any, on: bool) -> SyncBudget:
-        """The engine's budget: ``sync_load_max_bytes`` when ``on`` (one full-attention KV cache group,
-        loads enabled), over :func:`sync_tiers`; ``config.chunk_tokens`` resolved."""
-        return cls(int(config.sync_load_max_bytes) if on else 0, bytes_per_token(kv_cache_config),
-                   sync_tiers(config), int(config.chunk_tokens))
 
     def offer(self, req_id: str, tiers: list[str], num_computed_tokens: int, hit: int) -> bool:
         """Promise the load of tokens ``[num_computed_tokens, hit)`` to ``req_id`` in this step when
@@ -331,3 +290,102 @@ def fold_reports(meta: object, mirror: IndexMirror, settle: Settle, deferred: De
         for rank in sorted(meta.ranks):
             mirror.apply(rank, meta.ranks[rank])
             deferred.ended(rank, meta.ranks[rank].saves_ended)
+
+
+class PagePlanner:
+    """The pages of one engine's load and save jobs, keyed, from the mirror (the plan arithmetic:
+    :mod:`kvtier.integrations.vllm.scheduler.pages`).
+
+    Args:
+        plan: the engine's per-group plan.
+        mirror: the scheduler's mirror of the ranks' indexes.
+    """
+
+    def __init__(self, plan: HybridPlan, mirror: IndexMirror) -> None:
+        self.plan = plan
+        self.mirror = mirror
+        self.C = plan.chunk_tokens
+        self.dense = not plan.is_hybrid
+
+    def _key(self, chain: Sequence[bytes], group: int, chunk: int) -> bytes:
+        if self.dense:  # one full-attention group: the chunk key itself (the namespace tells it apart)
+            return bytes(chain[chunk])
+        return bytes(group_key(ChunkKey(chain[chunk]), group))
+
+    def parent_of(self, chain: Sequence[bytes], page: PageMove) -> bytes:
+        """Key of the page before ``page`` in its group's chain (``b""`` for chunk 0 and for the
+        pages of groups that are not full attention)."""
+        full = any(g.index == page.group and g.kind is GroupKind.FULL for g in self.plan.groups)
+        return self._key(chain, page.group, page.chunk - 1) if full and page.chunk > 0 else b""
+
+    def lookup(self, chain: Sequence[bytes], num_computed_tokens: int, num_tokens: int,
+               shared: AbstractSet[bytes] = frozenset(), shared_tier: str = "") -> tuple[int, list[str]]:
+        """The hit (tokens, 0 if none beyond ``num_computed_tokens``) and, per chunk before it,
+        the slowest tier any of its pages is held in (for vLLM's hit-source metrics; ``""`` for
+        a chunk kvtier does not hold before the engine's own hit).
+
+        ``shared``: page keys the shared tier ``shared_tier`` holds for every rank, from
+        :meth:`~kvtier.integrations.vllm.scheduler.remote.RemoteLookups.poll_pages` over :meth:`unheld_pages`.
+        """
+        if self.dense:  # one full-attention group: its pages are the chain's chunks, read in one pass
+            keys = list(map(bytes, chain[:min(len(chain), max(0, num_tokens - 1) // self.C)]))
+            mirror = self.mirror  # one rank: its map's C lookup (IndexMirror.tier's answer), else tier()
+            held_in = mirror.ranks[0].get if mirror.tp_size == 1 and mirror.ready else mirror.tier
+            # each chunk's tier, None (or "") where none holds it: mapped, counted and copied in C (the hit path)
+            held = [held_in(key) or (shared_tier if key in shared else None) for key in keys] if shared \
+                else list(map(held_in, keys))
+            first = num_computed_tokens // self.C  # the run held from where the engine's hit ends
+            end = first + len(list(takewhile(bool, held[first:])))
+            if end <= first:
+                return 0, []
+            upto = held[:end]  # (a tier each from first on: the run; before it, "" where none held it)
+            return end * self.C, cast("list[str]", upto) if all(upto[:first]) else [t or "" for t in upto]
+
+        def tier(group: int, chunk: int) -> str | None:
+            if chunk >= len(chain):
+                return None
+            key = self._key(chain, group, chunk)
+            return self.mirror.tier(key) or (shared_tier if key in shared else None)
+
+        hit = self.plan.hit_tokens(lambda g, c: tier(g, c) is not None, num_computed_tokens, num_tokens)
+        tiers = []
+        for c in range(hit // self.C):
+            held = [tier(g.index, c) for g in self.plan.groups]
+            tiers.append(slowest([t for t in held if t]) if any(held) else "")
+        return hit, tiers
+
+    def unheld_pages(self, chain: Sequence[bytes], num_computed_tokens: int, num_tokens: int) -> list[bytes]:
+        """Keys of the pages a hit beyond ``num_computed_tokens`` could use that no rank's local
+        tiers hold (every group, every chunk up to the last one vLLM lets a connector load):
+        what the scheduler asks the shared tier about."""
+        first = num_computed_tokens // self.C
+        limit = min(len(chain), max(0, num_tokens - 1) // self.C)
+        return [key for c in range(first, limit) for g in self.plan.groups
+                if self.mirror.tier(key := self._key(chain, g.index, c)) is None]
+
+    def load_pages(self, chain: Sequence[bytes], block_ids: Sequence[Sequence[int]], num_computed_tokens: int,
+                   hit: int) -> tuple[PageMove, ...]:
+        """Pages resuming every group at ``hit`` (``block_ids``: ``KVCacheBlocks.get_block_ids()``)."""
+        if self.dense:  # one group: HybridPlan.pages_to_load's pages without a ChunkBlocks each (the hit path)
+            ids, bs = block_ids[0], self.plan.groups[0].block_size
+            k, lo, end = self.C // bs, num_computed_tokens // bs, hit // self.C
+            if len(ids) >= hit // bs and NULL_BLOCK not in ids[lo:end * k]:
+                return tuple(PageMove(bytes(chain[c]), 0, c, max(c * k, lo) - c * k,
+                                      tuple(ids[max(c * k, lo):(c + 1) * k])) for c in range(lo // k, end))
+        loads = [cb for g in self.plan.groups
+                 for cb in self.plan.pages_to_load(g, num_computed_tokens, hit, block_ids[g.index])]
+        return tuple(PageMove(self._key(chain, cb.group, cb.chunk), cb.group, cb.chunk, cb.first_slot, cb.block_ids)
+                     for cb in loads)
+
+    def save_pages(self, chain: Sequence[bytes], start_chunk: int, end_chunk: int,
+                   block_ids: Sequence[Sequence[int]], handoffs: Sequence[tuple[int, int, int]],
+                   num_prompt_tokens: int) -> tuple[PageMove, ...]:
+        """Pages of chunks ``[start_chunk, end_chunk)`` worth storing, and the state snapshots
+        vLLM handed over this step (``(group, block id, boundary tokens)``) at boundaries
+        ``≤ end_chunk × chunk_tokens``."""
+        plan = self.plan
+        stored = [cb for g in plan.groups if g.kind is not GroupKind.STATE
+                  for cb in plan.pages_to_store(g, start_chunk, end_chunk, block_ids[g.index], num_prompt_tokens)]
+        stored += plan.state_pages(handoffs, end_chunk * self.C)
+        return tuple(PageMove(self._key(chain, cb.group, cb.chunk), cb.group, cb.chunk, 0, cb.block_ids)
+                     for cb in stored)
