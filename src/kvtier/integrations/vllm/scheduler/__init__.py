@@ -1,14 +1,15 @@
 """Scheduler side of the connector: decides what each step loads and saves, from memory only.
 
 Files, split by step phase: on every step and every hit, :mod:`.side` (``SchedulerSide``: what
-vLLM's scheduler calls), :mod:`.requests` (one request's path: its ``RequestState``, chunk keys,
-pin), :mod:`.steps` (what the scheduler keeps across steps: the ranks' indexes mirrored from their
-reports and the pages of a hit, load and save planned from them, ``PagePlanner``, the per-step
-budget of synchronous loads, deferred saves, an idle engine's last steps)
-and :mod:`.receipts` (each finished request's receipt); elsewhere, :mod:`.pages` (the per-group
-plan arithmetic a hybrid model's pages take), :mod:`.remote` (shared-tier lookups off the
+vLLM's scheduler calls, and this step's budget of synchronous loads), :mod:`.requests` (one request's
+path: its ``RequestState``, chunk keys, receipt facts, and its receipt once finished) and
+:mod:`.steps` (what the scheduler keeps across steps: the chunk-key memo, the ranks' indexes
+mirrored from their reports and the pages of a hit, load and save planned from them,
+``PagePlanner``, deferred saves, an idle engine's last steps); elsewhere, :mod:`.pages` (the
+per-group plan arithmetic a hybrid model's pages take), :mod:`.remote` (shared-tier lookups off the
 scheduler's thread), :mod:`.events` (vLLM KV events), :mod:`.reset` (external resets),
-:mod:`.setup` (what is worked out once per engine).  Nothing
+:mod:`.setup` (once per engine: start-up checks, the sync budget's settings, shutdown) and
+:mod:`.pins` (a request's TTL pin ask).  Design notes: docs/scheduler.md.  Nothing
 here imports torch or does I/O on the scheduler's thread.
 
 Every model takes one path: a dense model is a one-group plan

@@ -1,13 +1,14 @@
-"""What the scheduler side keeps across engine steps, one object each per engine: the mirror of
-every rank's index (:class:`IndexMirror`, from the ranks' reports) and the pages of a hit, a load
-and a save planned from it (:class:`PagePlanner`), this step's budget of
-synchronous loads (:class:`SyncBudget`), the deferred saves still running (:class:`DeferredSaves`)
-and whether an idle engine should keep stepping (:class:`Settle`); each step is begun
-(:func:`begin_step`) and its reports folded (:func:`fold_reports`) in one call.  One request's state is
-:mod:`~kvtier.integrations.vllm.scheduler.requests`'.
+"""What the scheduler side keeps across engine steps and requests, one object each per engine: the
+chunk keys already computed (:class:`KeyMemo`), the mirror of every rank's index (:class:`IndexMirror`,
+from the ranks' reports) and the pages of a hit, a load and a save planned from it
+(:class:`PagePlanner`), the deferred saves still running (:class:`DeferredSaves`) and whether an idle
+engine should keep stepping (:class:`Settle`); each step is begun (:func:`begin_step`) and its reports
+folded (:func:`fold_reports`) in one call.  One request's state is
+:mod:`~kvtier.integrations.vllm.scheduler.requests`'; this step's budget of synchronous loads,
+:mod:`~kvtier.integrations.vllm.scheduler.side`'s ``SyncBudget``.
 
-Design (why each exists, what vLLM does around it): docs/scheduler.md § The mirror, § Synchronous
-loads, § Deferred saves, § Settling.
+Design (why each exists, what vLLM does around it): docs/scheduler.md § Chunk keys, § The mirror,
+§ Deferred saves, § Settling.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Set as AbstractSet
-from itertools import takewhile
-from typing import cast
+from itertools import islice, takewhile
+from typing import Any, cast
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers.registry import slowest, tier_rank
@@ -26,6 +27,68 @@ from kvtier.integrations.vllm.protocol import KVTierWorkerMeta, PageMove, RankRe
 from kvtier.integrations.vllm.scheduler.pages import HybridPlan, group_key
 
 log = logging.getLogger(__name__)
+
+
+KEY_MEMO_CHUNKS = 1 << 16
+"""Chunk keys a :class:`KeyMemo` keeps (about 200 bytes each: ~13 MiB; past it the older half goes)."""
+
+MEMO_HASH_ALGOS = frozenset({"sha256", "sha256_cbor"})
+"""vLLM's ``prefix_caching_hash_algo`` values whose block hashes a :class:`KeyMemo` trusts: the
+collision-resistant ones (vllm/config/cache.py warns that ``xxhash`` is not; with it, every key is hashed)."""
+
+
+class KeyMemo:
+    """Chunk keys already computed, found again by vLLM's block hash of the prefix each one ends.
+
+    Why the memo exists and why its keys are the ones BLAKE3 would give: docs/scheduler.md § Chunk keys.
+
+    Args:
+        hash_block_size: tokens per vLLM block hash (``KVCacheConfig.hash_block_size``); ``None``
+            or not dividing ``chunk_tokens``: the memo is off (:attr:`step` 0).
+        chunk_tokens: tokens per chunk.
+        hash_algo: vLLM's ``prefix_caching_hash_algo``; off unless one of :data:`MEMO_HASH_ALGOS`.
+        limit: keys kept at most (:data:`KEY_MEMO_CHUNKS`).
+    """
+
+    def __init__(self, hash_block_size: int | None, chunk_tokens: int, hash_algo: str | None,
+                 limit: int = KEY_MEMO_CHUNKS) -> None:
+        usable = (hash_algo in MEMO_HASH_ALGOS and isinstance(hash_block_size, int) and hash_block_size > 0
+                  and chunk_tokens % hash_block_size == 0)
+        self.step = chunk_tokens // hash_block_size if usable and hash_block_size else 0
+        self.limit = limit
+        self._keys: dict[Any, tuple[bytes, bytes]] = {}  # vLLM block hash -> (root, chunk key)
+
+    @classmethod
+    def of_engine(cls, vllm_config: Any, kv_cache_config: Any, chunk_tokens: int) -> KeyMemo:
+        """The memo of an engine: vLLM's ``KVCacheConfig.hash_block_size`` (set by the engine core
+        before the scheduler is built) and ``CacheConfig.prefix_caching_hash_algo``."""
+        return cls(getattr(kv_cache_config, "hash_block_size", None), chunk_tokens,
+                   getattr(vllm_config.cache_config, "prefix_caching_hash_algo", None))
+
+    def known(self, root: bytes, block_hashes: Sequence[Any], start: int, end: int) -> list[bytes]:
+        """Keys of chunks ``start ..`` up to ``end`` (exclusive) the memo holds for ``root``, up to the first it lacks."""
+        step, out = self.step, []
+        stop = min(end, len(block_hashes) // step if step else 0)  # each chunk's last block's hash, looked up in C
+        for entry in map(self._keys.get, block_hashes[(start + 1) * step - 1:stop * step:step]) if stop > start else ():
+            if entry is None or entry[0] != root:
+                break
+            out.append(entry[1])
+        return out
+
+    def add(self, root: bytes, block_hashes: Sequence[Any], start: int, keys: Sequence[bytes]) -> None:
+        """Remember ``keys`` (of chunks ``start ..``) under ``root``, for the chunks vLLM has hashed."""
+        if not self.step:
+            return
+        step, memo = self.step, self._keys
+        for c, key in enumerate(keys, start):
+            if (c + 1) * step > len(block_hashes):
+                break
+            memo[block_hashes[(c + 1) * step - 1]] = (root, key)
+        if len(memo) > self.limit:  # the newer half stays (a dict keeps insertion order)
+            self._keys = dict(islice(memo.items(), len(memo) - self.limit // 2, None))
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
 class IndexMirror:
@@ -84,58 +147,6 @@ class IndexMirror:
         if None in tiers:
             return None
         return max(tiers, key=tier_rank)
-
-
-class SyncBudget:
-    """This step's bytes for synchronous loads, promised to the requests answered ``(n, False)``.
-
-    Args:
-        step_bytes: ``sync_load_max_bytes`` (0: synchronous loads off).
-        bytes_per_token: :func:`~kvtier.integrations.vllm.scheduler.setup.bytes_per_token` of the engine.
-        tiers: the tiers a synchronous load reads (:func:`~kvtier.integrations.vllm.scheduler.setup.sync_tiers`; a chunk elsewhere loads asynchronously).
-        chunk_tokens: tokens per chunk.
-    """
-
-    def __init__(self, step_bytes: int, bytes_per_token: int, tiers: frozenset[str], chunk_tokens: int) -> None:
-        self.step_bytes = step_bytes
-        self.bytes_per_token = bytes_per_token
-        self.tiers = tiers
-        self.chunk_tokens = chunk_tokens
-        self.left_bytes = step_bytes  # this step's budget not yet promised
-        self.promised: dict[str, int] = {}
-        """Requests answered ``(n, False)`` this step -> bytes promised (empty: nothing to give back or take)."""
-
-    def offer(self, req_id: str, tiers: list[str], num_computed_tokens: int, hit: int) -> bool:
-        """Promise the load of tokens ``[num_computed_tokens, hit)`` to ``req_id`` in this step when
-        every chunk to load is in :attr:`tiers` (by the plan) and its copy fits what is left."""
-        if not self.step_bytes:
-            return False
-        need = (hit - num_computed_tokens) * self.bytes_per_token
-        if need > self.left_bytes:
-            return False
-        first = num_computed_tokens // self.chunk_tokens  # every chunk from there in a tier read synchronously
-        if not self.tiers.issuperset(tiers[first:]):
-            return False
-        self.left_bytes -= need
-        self.promised[req_id] = need
-        return True
-
-    def give_back(self, req_id: str) -> bool:
-        """Take back ``req_id``'s promise (asked again, not allocated, or finished); whether it had one."""
-        promised = self.promised.pop(req_id, None)
-        if promised is None:
-            return False
-        self.left_bytes += promised
-        return True
-
-    def taken(self, req_id: str) -> bool:
-        """``req_id``'s load job was built: whether it was promised this step (a synchronous load)."""
-        return self.promised.pop(req_id, None) is not None
-
-    def new_step(self) -> None:
-        """The next step's budget, whole."""
-        self.left_bytes = self.step_bytes
-        self.promised.clear()
 
 
 class DeferredSaves:
@@ -267,18 +278,15 @@ class Settle:
             time.sleep(IDLE_STEP_S)
 
 
-def begin_step(sync: SyncBudget, settle: Settle, deferred: DeferredSaves, preempted: Iterable[str],
-               idle: bool) -> frozenset[str]:
+def begin_step(settle: Settle, deferred: DeferredSaves, preempted: Iterable[str], idle: bool) -> frozenset[str]:
     """The engine-wide state at a step's start (``build_connector_meta``), in one call: the requests
     held since the last step (returned, for this step's metadata), the ``preempted`` requests' deferred
     saves forgotten (the workers wait for them in ``handle_preemptions``, before the forward),
-    :meth:`Settle.step` (``idle``: no token scheduled and no request known) and the synchronous
-    loads' budget whole again."""
+    :meth:`Settle.step` (``idle``: no token scheduled and no request known)."""
     held = deferred.take_held()
     for req_id in preempted:
         deferred.forget(req_id)
     settle.step(idle)
-    sync.new_step()
     return held
 
 
