@@ -68,8 +68,8 @@ class CacheFlush:
 PARTS = (  # (module, attribute path, label): the hit's parts, nested as they call each other
     ("kvtier.integrations.vllm.scheduler.side", "SchedulerSide.get_num_new_matched_tokens", "lookup"),
     ("kvtier.integrations.vllm.scheduler.side", "SchedulerSide._chain", "  chunk keys (_chain)"),
-    ("kvtier.integrations.vllm.scheduler.requests", "PagePlanner.lookup", "  plan from the mirror"),
-    ("kvtier.integrations.vllm.scheduler.steps", "SyncBudget.offer", "  synchronous budget offer"),
+    ("kvtier.integrations.vllm.scheduler.steps", "PagePlanner.lookup", "  plan from the mirror"),
+    ("kvtier.integrations.vllm.scheduler.side", "SyncBudget.offer", "  synchronous budget offer"),
     ("kvtier.integrations.vllm.worker.side", "WorkerSide.start_load", "start_load"),
     ("kvtier.integrations.vllm.worker.loader", "RequestRecord", "  RequestRecord()"),
     ("kvtier.integrations.vllm.worker.loader", "job_context", "  job_context"),

@@ -104,7 +104,7 @@ def test_a_receipt_whose_last_token_alone_was_computed_counts_where_the_metric_c
     """A null ``miss`` (only the prompt's last token computed) counts that token under
     ``partial_chunk``, as ``kvtier_missed_tokens_total`` does; the bench once left it out and
     disagreed with the metrics by one token per such request (fleet day, issue 38)."""
-    from kvtier.integrations.vllm.scheduler.receipts import receipt_counters
+    from kvtier.integrations.vllm.scheduler.requests import receipt_counters
 
     whole = Receipt(request_id="cmpl-w-0-0000abcd", prompt_tokens=1025,
                     tokens={"engine": 0, "cpu": 1024, "computed": 1}, miss=None)

@@ -18,8 +18,8 @@ from kvtier.core.store import TieredStore
 from kvtier.integrations.vllm.cache_groups import GroupKind, GroupSpec
 from kvtier.integrations.vllm.protocol import KVTierWorkerMeta, RankReport
 from kvtier.integrations.vllm.scheduler.pages import HybridPlan
-from kvtier.integrations.vllm.scheduler.requests import PagePlanner
-from kvtier.integrations.vllm.scheduler.steps import IndexMirror
+from kvtier.integrations.vllm.scheduler.reset import forget_mirror
+from kvtier.integrations.vllm.scheduler.steps import IndexMirror, PagePlanner
 from kvtier.integrations.vllm.worker.copy import BlockCopier, Span
 from kvtier.integrations.vllm.worker.layout import detect_layout
 from kvtier.integrations.vllm.worker.registration import key_root
@@ -211,7 +211,7 @@ def test_mirror_plans_nothing_from_before_a_reset_until_the_ranks_report_their_c
     mirror.apply(0, _report(store, root))
     assert planned(mirror, chain) == ["cpu"] * 3
 
-    held = mirror.reset(epoch=1)
+    held = forget_mirror(mirror, epoch=1)
 
     assert held == {"cpu": chain[:3]}  # what the reset hook hands on (BlockRemoved, later)
     assert planned(mirror, chain) == [] and mirror.ready  # a miss, not "ask again": the order needs a step to ship

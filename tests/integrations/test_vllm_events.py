@@ -20,6 +20,7 @@ from kvtier.core.keys import chunk_keys
 from kvtier.core.tiers.registry import event_medium
 from kvtier.integrations.vllm.protocol import RankReport
 from kvtier.integrations.vllm.scheduler.events import EventGroup, KVEventTracker
+from kvtier.integrations.vllm.scheduler.reset import forget_mirror
 from kvtier.integrations.vllm.scheduler.steps import IndexMirror
 
 BLOCK = 16
@@ -153,7 +154,7 @@ def test_a_reset_removes_every_announced_chunk_and_a_saved_again_chunk_is_announ
     apply(mirror, tracker, {0: report([(keys[0], "cpu"), (keys[1], "disk"), (keys[2], "disk")], full=True)})
     stream = fold(set(), wire(tracker.take_events()))
     assert len(stream) == 6
-    mirror.reset(1)
+    forget_mirror(mirror, 1)
     tracker.reset()
     assert tracker.pending()
     stream = fold(stream, wire(tracker.take_events()))

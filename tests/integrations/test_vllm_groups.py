@@ -258,8 +258,7 @@ def test_the_page_planner_plans_pages_over_the_real_mirror():
     (every rank must hold a page), and turns plan decisions into page moves."""
     from kvtier.core.keys import chunk_keys
     from kvtier.integrations.vllm.protocol import PageMove, RankReport
-    from kvtier.integrations.vllm.scheduler.requests import PagePlanner
-    from kvtier.integrations.vllm.scheduler.steps import IndexMirror
+    from kvtier.integrations.vllm.scheduler.steps import IndexMirror, PagePlanner
 
     p = plan(swa(64), full(), mamba(), retention=None)
     root = bytes(16)
@@ -300,8 +299,7 @@ def test_a_dense_lookup_in_one_mirror_call_matches_the_plan_arithmetic(tp_size: 
     from kvtier.core.keys import chunk_keys
     from kvtier.core.tiers.registry import slowest
     from kvtier.integrations.vllm.protocol import RankReport
-    from kvtier.integrations.vllm.scheduler.requests import PagePlanner
-    from kvtier.integrations.vllm.scheduler.steps import IndexMirror
+    from kvtier.integrations.vllm.scheduler.steps import IndexMirror, PagePlanner
 
     p = plan(full())
     root = bytes(16)
@@ -338,8 +336,7 @@ def test_a_dense_load_plan_matches_the_per_group_arithmetic(bs: int):
 
     from kvtier.core.keys import chunk_keys
     from kvtier.integrations.vllm.protocol import PageMove
-    from kvtier.integrations.vllm.scheduler.requests import PagePlanner
-    from kvtier.integrations.vllm.scheduler.steps import IndexMirror
+    from kvtier.integrations.vllm.scheduler.steps import IndexMirror, PagePlanner
 
     p = plan(full(bs))
     jobs = PagePlanner(p, IndexMirror(tp_size=1))

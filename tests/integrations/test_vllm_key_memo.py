@@ -26,7 +26,8 @@ from vllm.v1.structured_output import StructuredOutputManager
 import kvtier.integrations.vllm.scheduler.requests as requests_module
 from kvtier.core.keys import chunk_keys, request_root
 from kvtier.integrations.vllm.protocol import KVTierWorkerMeta, RankReport
-from kvtier.integrations.vllm.scheduler.requests import KeyMemo, RequestChain
+from kvtier.integrations.vllm.scheduler.requests import RequestChain
+from kvtier.integrations.vllm.scheduler.steps import KeyMemo
 
 BLOCK = 16  # vLLM's block (and block-hash) size: a 128-token chunk ends at every 8th block hash
 CHUNK = 128

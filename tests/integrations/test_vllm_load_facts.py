@@ -9,8 +9,7 @@ import time
 from pathlib import Path
 
 from kvtier.integrations.vllm.protocol import LoadJob, RequestFacts
-from kvtier.integrations.vllm.scheduler.requests import PagePlanner
-from kvtier.integrations.vllm.scheduler.steps import IndexMirror
+from kvtier.integrations.vllm.scheduler.steps import IndexMirror, PagePlanner
 from kvtier.integrations.vllm.worker.copy import GroupCopiers
 from kvtier.integrations.vllm.worker.layout import detect_layout
 from kvtier.integrations.vllm.worker.loader import AsyncLoader

@@ -20,8 +20,7 @@ from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES
 from kvtier.integrations.vllm.cache_groups import GroupKind, GroupSpec
 from kvtier.integrations.vllm.protocol import LoadJob
 from kvtier.integrations.vllm.scheduler.pages import HybridPlan
-from kvtier.integrations.vllm.scheduler.requests import PagePlanner
-from kvtier.integrations.vllm.scheduler.steps import IndexMirror
+from kvtier.integrations.vllm.scheduler.steps import IndexMirror, PagePlanner
 from kvtier.integrations.vllm.worker.copy import GroupCopiers
 from kvtier.integrations.vllm.worker.layout import detect_layout
 from kvtier.integrations.vllm.worker.loader import AsyncLoader, tokens_by_tier

@@ -18,8 +18,7 @@ from kvtier.core.tiers.wrappers import unwrap
 from kvtier.integrations.vllm.cache_groups import GroupKind, GroupSpec
 from kvtier.integrations.vllm.protocol import LoadJob
 from kvtier.integrations.vllm.scheduler.pages import HybridPlan
-from kvtier.integrations.vllm.scheduler.requests import PagePlanner
-from kvtier.integrations.vllm.scheduler.steps import IndexMirror
+from kvtier.integrations.vllm.scheduler.steps import IndexMirror, PagePlanner
 from kvtier.integrations.vllm.worker.copy import GroupCopiers
 from kvtier.integrations.vllm.worker.direct import DirectTargets
 from kvtier.integrations.vllm.worker.layout import detect_layout

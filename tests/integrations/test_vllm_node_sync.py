@@ -16,8 +16,9 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.store import TieredStore
 from kvtier.integrations.vllm.protocol import LoadJob
 from kvtier.integrations.vllm.scheduler.pages import HybridPlan
-from kvtier.integrations.vllm.scheduler.requests import PagePlanner
-from kvtier.integrations.vllm.scheduler.steps import IndexMirror, SyncBudget, sync_tiers
+from kvtier.integrations.vllm.scheduler.setup import sync_tiers
+from kvtier.integrations.vllm.scheduler.side import SyncBudget
+from kvtier.integrations.vllm.scheduler.steps import IndexMirror, PagePlanner
 from kvtier.integrations.vllm.worker.direct import DirectTargets
 from kvtier.integrations.vllm.worker.loader import AsyncLoader
 from kvtier.integrations.vllm.worker.syncload import load_now

@@ -126,7 +126,7 @@ def test_tensor_parallel_ranks_combine_as_the_request_saw_them() -> None:
     """Two ranks load and save the same chunks, each its own KV heads: a token one rank did not
     get is missing for all, the request waited for the slower rank, a chunk is saved once every
     rank stored it, and the earliest miss is the request's."""
-    from kvtier.integrations.vllm.scheduler.receipts import ReceiptFacts, build_receipt
+    from kvtier.integrations.vllm.scheduler.requests import ReceiptFacts, build_receipt
 
     facts = ReceiptFacts(engine=0, planned={"cpu": 2 * CHUNK, "disk": CHUNK}, waited_steps=2)
     facts.observe(0, RequestFacts(load_s={"cpu": 0.002, "disk": 0.010}, saved={"cpu": 1}))

@@ -311,7 +311,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         request may still read them (:meth:`SchedulerSide.request_finished
         <kvtier.integrations.vllm.scheduler.side.SchedulerSide.request_finished>`).  Returns the
         request's receipt as ``kv_transfer_params["kvtier"]`` (issue 35, docs/receipts.md; completed
-        in place later in the same ``update_from_output``: :mod:`kvtier.integrations.vllm.scheduler.receipts`)."""
+        in place later in the same ``update_from_output``: :class:`~kvtier.integrations.vllm.scheduler.requests.ReceiptDesk`)."""
         if self.scheduler_side is None:
             return False, None
         held, receipt = self.scheduler_side.request_finished(request)

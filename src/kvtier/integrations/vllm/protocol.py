@@ -135,7 +135,7 @@ class SaveJob:
 @dataclass
 class RequestFacts:
     """What one rank learned of one request's cache use in one step, for its receipt (issue 35;
-    :mod:`kvtier.integrations.vllm.scheduler.receipts` builds the receipt from these and the plan).
+    :class:`~kvtier.integrations.vllm.scheduler.requests.ReceiptDesk` builds the receipt from these and the plan).
 
     Attributes:
         unfilled: tokens its load was planned and did not get, by planned tier.

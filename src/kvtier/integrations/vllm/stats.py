@@ -48,7 +48,7 @@ tiers: cpu, disk, redis):
   and ``kvtier_tenant_quota_no_salt_share`` (0, 0 and 0 without quotas) and ``kvtier_kv_events_enabled`` (1 with ``--kv-events-config``), sent
   once, for ``kvtier doctor``.
 - Receipts (issue 35; the scheduler side, from each finished request's receipt,
-  :mod:`kvtier.integrations.vllm.scheduler.receipts`): ``kvtier_served_tokens_total{tier}``,
+  :class:`~kvtier.integrations.vllm.scheduler.requests.ReceiptDesk`): ``kvtier_served_tokens_total{tier}``,
   prompt tokens served by source, ``tier`` = ``engine`` (vLLM's own prefix cache) or a kvtier
   tier; ``kvtier_missed_tokens_total{reason,tier}``, prompt tokens computed, by the receipt's miss
   reason and the tier it names (``none``: no tier).  Over a run, served + missed = the finished

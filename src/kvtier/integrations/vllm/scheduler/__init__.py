@@ -1,24 +1,26 @@
 """Scheduler side of the connector: decides what each step loads and saves, from memory only.
 
 Files, split by step phase: on every step and every hit, :mod:`.side` (``SchedulerSide``: what
-vLLM's scheduler calls), :mod:`.requests` (one request's path: its ``RequestState``, chunk keys,
-pin, and the pages of its hit, load and saves planned from the mirror: ``PagePlanner``),
-:mod:`.steps` (what the scheduler keeps across steps: the ranks' indexes mirrored from their
-reports, the per-step budget of synchronous loads, deferred saves, an idle engine's last steps)
-and :mod:`.receipts` (each finished request's receipt); elsewhere, :mod:`.pages` (the per-group
-plan arithmetic a hybrid model's pages take), :mod:`.remote` (shared-tier lookups off the
-scheduler's thread), :mod:`.events` (vLLM KV events), :mod:`.reset` (external resets).  Nothing
+vLLM's scheduler calls, and this step's budget of synchronous loads), :mod:`.requests` (one request's
+path: its ``RequestState``, chunk keys, receipt facts, and its receipt once finished) and
+:mod:`.steps` (what the scheduler keeps across steps: the chunk-key memo, the ranks' indexes
+mirrored from their reports and the pages of a hit, load and save planned from them,
+``PagePlanner``, deferred saves, an idle engine's last steps); elsewhere, :mod:`.pages` (the
+per-group plan arithmetic a hybrid model's pages take), :mod:`.remote` (shared-tier lookups off the
+scheduler's thread), :mod:`.events` (vLLM KV events), :mod:`.reset` (external resets),
+:mod:`.setup` (once per engine: start-up checks, the sync budget's settings, shutdown) and
+:mod:`.pins` (a request's TTL pin ask).  Design notes: docs/scheduler.md.  Nothing
 here imports torch or does I/O on the scheduler's thread.
 
 Every model takes one path: a dense model is a one-group plan
-(:class:`~.requests.PagePlanner` over :class:`~.pages.HybridPlan`), its pages are its chunks.  Per request::
+(:class:`~.steps.PagePlanner` over :class:`~.pages.HybridPlan`), its pages are its chunks.  Per request::
 
     get_num_new_matched_tokens(req, local)   hash the prompt's full chunks (cached per request),
         look the pages up in the mirror of every rank's index -> hit = the largest chunk
         boundary every group can resume at (capped so ≥ 1 prompt token is computed), and the
         tier of each chunk (the slowest of its pages'); returns (hit - local, True): vLLM
         allocates the blocks and parks the request in WAITING_FOR_REMOTE_KVS.  A hit whose
-        chunks to load are all in the cpu tier (or the node pool: ``steps.sync_tiers``) and fit what is left of this step's
+        chunks to load are all in the cpu tier (or the node pool: ``setup.sync_tiers``) and fit what is left of this step's
         ``sync_load_max_bytes`` (one full-attention group only) returns (hit - local, False)
         instead: vLLM schedules the request's tail in this very step and the workers copy the
         chunks in start_load_kv before its forward (a synchronous load).  No file, socket

@@ -39,7 +39,7 @@ Two layers, both from memory only:
 - :class:`HybridPlan` (here): engine-independent arithmetic over plain :class:`GroupSpec` values and
   block tables (which boundary every group can resume at, which chunks are worth storing, which
   slots a load fills);
-- :class:`~kvtier.integrations.vllm.scheduler.requests.PagePlanner` (with the mirror it reads, so that
+- :class:`~kvtier.integrations.vllm.scheduler.steps.PagePlanner` (with the mirror it reads, so that
   a dense hit runs this module not at all): the same over a request's chunk keys and the scheduler's
   mirror of the ranks' indexes, giving the :class:`~kvtier.integrations.vllm.protocol.PageMove` s of
   load and save jobs::

@@ -11,7 +11,7 @@ step and asks again in the next one), so the engine's step never waits on the ne
 - The scheduler asks :meth:`RemoteLookups.poll_pages` for every model: the batch is over the
   page keys no local tier holds (a dense model's pages are its chunks; a hybrid model's are
   chunk key and KV cache group); the hit is then planned over local and shared pages together
-  (:meth:`~kvtier.integrations.vllm.scheduler.requests.PagePlanner.lookup`).
+  (:meth:`~kvtier.integrations.vllm.scheduler.steps.PagePlanner.lookup`).
 - A page counts only if every rank's value is there (each rank stores its own KV heads under its
   own namespace, reported by the workers in ``RankReport.namespace``): the answer is the pages
   every rank holds.
@@ -99,6 +99,8 @@ class RemoteLookups:
         self.asked = self.answered = self.timed_out = self.skipped = self.superseded = 0
         self.answered_chunks = self.found_chunks = 0  # over answered lookups: the shared tier's hit rate
         self._sealed_away_closed = 0  # values sealed under a key the ring lacks, met by tiers closed since
+        self._counters_sent: dict[str, int] = {}  # counters() as last taken (take_counters)
+        self._pending_sent: int | None = None  # the pending gauge as last sent
 
     def bind(self, namespaces: Sequence[bytes]) -> bool:
         """Use the shared tier under the ranks' ``namespaces``; False while a rank's is unknown."""
@@ -275,6 +277,21 @@ class RemoteLookups:
                 "shared_lookups_skipped": self.skipped,
                 "shared_lookup_chunks": self.answered_chunks, "shared_lookup_hit_chunks": self.found_chunks,
                 "shared_lookup_sealed_away_chunks": sealed_away}
+
+    def take_counters(self) -> dict[str, int]:
+        """:meth:`counters`' changes since the last call (none unchanged)."""
+        totals = self.counters()
+        changed = {k: v - self._counters_sent.get(k, 0) for k, v in totals.items() if v != self._counters_sent.get(k, 0)}
+        self._counters_sent = totals
+        return changed
+
+    def pending_gauge(self, other_news: bool) -> dict[str, float]:
+        """``shared_lookups_pending`` when it changed since last sent, or with ``other_news`` (counters
+        sent in the same stats); else empty."""
+        if self.pending == self._pending_sent and not other_news:
+            return {}
+        self._pending_sent = self.pending
+        return {"shared_lookups_pending": self.pending}
 
     def close_tiers(self) -> None:
         for tier in self._tiers:

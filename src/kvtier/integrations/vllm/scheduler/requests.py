@@ -1,129 +1,40 @@
-"""One request's path through the scheduler side, from admission to ``request_finished``: its
-state (:class:`RequestState`), its chunk keys (:class:`RequestChain`, found again in a
-:class:`KeyMemo`), the pin TTL it asks for (:func:`pin_seconds`), and the pages of its hit, its
-load and its saves planned from the mirror of the ranks' indexes (:class:`PagePlanner`, over the
-engine's :class:`~kvtier.integrations.vllm.scheduler.pages.HybridPlan`).  What the scheduler keeps
-across requests and steps (the mirror, the budgets) is
-:mod:`~kvtier.integrations.vllm.scheduler.steps`'; the request's receipt,
-:mod:`~kvtier.integrations.vllm.scheduler.receipts`'.
+"""One request's path through the scheduler side, from admission to its receipt: its state
+(:class:`RequestState`), its chunk keys (:class:`RequestChain`, found again in the engine's
+:class:`~kvtier.integrations.vllm.scheduler.steps.KeyMemo`), the facts its receipt is built from
+(:class:`ReceiptFacts`) and, once vLLM finished it, its receipt (:func:`build_receipt`, completed
+by :class:`ReceiptDesk` when its last step's facts are in; design: docs/scheduler.md § Receipts).
+What the scheduler keeps across requests and steps is :mod:`~kvtier.integrations.vllm.scheduler.steps`'.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from functools import lru_cache
-from itertools import islice, takewhile
 from typing import Any, cast
 
-from kvtier.core.keys import ChunkKey, chunk_keys, request_root
+import msgspec
+
+from kvtier.core.keys import chunk_keys, request_root
+from kvtier.core.receipt import (
+    NO_TIER,
+    WHOLLY_SERVED,
+    MissReason,
+    Receipt,
+    ReceiptMiss,
+    ReceiptPin,
+    ReceiptSaved,
+    ReceiptSink,
+)
+from kvtier.core.receiptsinks import receipt_counters as receipt_sink_counters
 from kvtier.core.tenant import TenantId
-from kvtier.core.tiers.registry import slowest
-from kvtier.integrations.vllm.cache_groups import NULL_BLOCK, GroupKind
-from kvtier.integrations.vllm.protocol import PageMove
-from kvtier.integrations.vllm.scheduler.pages import HybridPlan, group_key
-from kvtier.integrations.vllm.scheduler.receipts import ReceiptFacts
-from kvtier.integrations.vllm.scheduler.steps import IndexMirror
+from kvtier.integrations.vllm.protocol import RequestFacts
+from kvtier.integrations.vllm.scheduler.steps import KeyMemo
+from kvtier.integrations.vllm.worker.loader import tokens_by_tier
 
 log = logging.getLogger(__name__)
-
-PIN_PARAM = "kvtier_pin_s"
-"""The ``kv_transfer_params`` key a request names its prompt's pin TTL with, seconds (issue 22 item 4)."""
-
-
-def pin_seconds(params: Any, max_s: float) -> tuple[float, str | None]:
-    """A request's pin TTL from its ``kv_transfer_params`` (OpenAI ``extra_body``), seconds.
-
-    Returns:
-        ``(ttl_s, problem)``: ``ttl_s`` 0 when the request asks for no pin or asks wrongly, capped
-        at ``max_s`` (``pin_max_s``); ``problem`` one sentence for the log when the value was
-        refused or cut, else ``None``.
-    """
-    value = params.get(PIN_PARAM) if isinstance(params, dict) else None
-    if value is None:
-        return 0.0, None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        return 0.0, (f"kv_transfer_params.{PIN_PARAM} must be a positive number of seconds, got {value!r}; "
-                     "the prompt is not pinned")
-    if value > max_s:
-        return max_s, f"kv_transfer_params.{PIN_PARAM}={value:g} is above pin_max_s; pinned for {max_s:g} s"
-    return float(value), None
-
-
-KEY_MEMO_CHUNKS = 1 << 16
-"""Chunk keys a :class:`KeyMemo` keeps (about 200 bytes each: ~13 MiB; past it the older half goes)."""
-
-MEMO_HASH_ALGOS = frozenset({"sha256", "sha256_cbor"})
-"""vLLM's ``prefix_caching_hash_algo`` values whose block hashes a :class:`KeyMemo` trusts: the
-collision-resistant ones (vllm/config/cache.py warns that ``xxhash`` is not; with it, every key is hashed)."""
-
-
-class KeyMemo:
-    """Chunk keys already computed, found again by vLLM's block hash of the prefix each one ends.
-
-    vLLM hashes every request's full blocks once, when the request is created
-    (``Request.block_hashes``, vllm/v1/core/kv_cache_utils.py ``get_request_block_hasher``: each
-    hash chains the whole prefix's token ids and the block's extra keys); its native offload keys
-    its chunks by those hashes (vllm/v1/kv_offload).  kvtier's keys are its own (BLAKE3 over the
-    token ids, :func:`~kvtier.core.keys.chunk_keys`, pinned by tests/core/test_format_vectors.py),
-    so a new request with a prefix seen before would hash every chunk again (~2-4 µs a chunk on the
-    lookup's path); the memo gives back the key computed for the same prefix instead: the entry of
-    vLLM's hash at the chunk's last block, taken only when its root (namespace, ``cache_salt``,
-    LoRA adapter, multimodal inputs: :func:`~kvtier.core.keys.request_root`) is the request's.
-    Equal SHA-256 block hashes mean equal token prefixes, so the key is the one BLAKE3 would give:
-    keys never change, only how often they are computed.
-
-    Args:
-        hash_block_size: tokens per vLLM block hash (``KVCacheConfig.hash_block_size``); ``None``
-            or not dividing ``chunk_tokens``: the memo is off (:attr:`step` 0).
-        chunk_tokens: tokens per chunk.
-        hash_algo: vLLM's ``prefix_caching_hash_algo``; off unless one of :data:`MEMO_HASH_ALGOS`.
-        limit: keys kept at most (:data:`KEY_MEMO_CHUNKS`).
-    """
-
-    def __init__(self, hash_block_size: int | None, chunk_tokens: int, hash_algo: str | None,
-                 limit: int = KEY_MEMO_CHUNKS) -> None:
-        usable = (hash_algo in MEMO_HASH_ALGOS and isinstance(hash_block_size, int) and hash_block_size > 0
-                  and chunk_tokens % hash_block_size == 0)
-        self.step = chunk_tokens // hash_block_size if usable and hash_block_size else 0
-        self.limit = limit
-        self._keys: dict[Any, tuple[bytes, bytes]] = {}  # vLLM block hash -> (root, chunk key)
-
-    @classmethod
-    def of_engine(cls, vllm_config: Any, kv_cache_config: Any, chunk_tokens: int) -> KeyMemo:
-        """The memo of an engine: vLLM's ``KVCacheConfig.hash_block_size`` (set by the engine core
-        before the scheduler is built) and ``CacheConfig.prefix_caching_hash_algo``."""
-        return cls(getattr(kv_cache_config, "hash_block_size", None), chunk_tokens,
-                   getattr(vllm_config.cache_config, "prefix_caching_hash_algo", None))
-
-    def known(self, root: bytes, block_hashes: Sequence[Any], start: int, end: int) -> list[bytes]:
-        """Keys of chunks ``start ..`` up to ``end`` (exclusive) the memo holds for ``root``, up to the first it lacks."""
-        step, out = self.step, []
-        stop = min(end, len(block_hashes) // step if step else 0)  # each chunk's last block's hash, looked up in C
-        for entry in map(self._keys.get, block_hashes[(start + 1) * step - 1:stop * step:step]) if stop > start else ():
-            if entry is None or entry[0] != root:
-                break
-            out.append(entry[1])
-        return out
-
-    def add(self, root: bytes, block_hashes: Sequence[Any], start: int, keys: Sequence[bytes]) -> None:
-        """Remember ``keys`` (of chunks ``start ..``) under ``root``, for the chunks vLLM has hashed."""
-        if not self.step:
-            return
-        step, memo = self.step, self._keys
-        for c, key in enumerate(keys, start):
-            if (c + 1) * step > len(block_hashes):
-                break
-            memo[block_hashes[(c + 1) * step - 1]] = (root, key)
-        if len(memo) > self.limit:  # the newer half stays (a dict keeps insertion order)
-            self._keys = dict(islice(memo.items(), len(memo) - self.limit // 2, None))
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
 
 @lru_cache(maxsize=1024)
 def _root_and_tenant(key_root: bytes, salt: str | None, lora_name: str | None, lora_id: str | None,
@@ -166,6 +77,78 @@ class RequestChain:
 
 
 @dataclass(eq=False)
+class ReceiptFacts:
+    """What the scheduler keeps of one request for its receipt.
+
+    Attributes:
+        asked: the local hit ``get_num_new_matched_tokens`` was last asked with (consumed by the
+            allocation that follows it; ``None``: not asked since).
+        engine: vLLM's own prefix-cache tokens at the request's admission (``None``: never admitted).
+        planned: kvtier tokens promised at that admission, by planned tier.
+        explain_chunk / explain_sent: the first chunk no cache was to serve (-1: none), and whether
+            a save job asked the workers why.
+        load_failed: its admission found a failed load (kvtier offered nothing again).
+        waited_steps: engine steps it waited for an asynchronous load.
+        pin: ``(ttl_s, problem)`` of the TTL pin it asked for, ``None``: none asked.
+        ranks: what each tensor-parallel rank reported, merged over steps.
+        shared_asked / shared_miss: ``(reason, tier)`` when the scheduler's shared-tier lookup at
+            the last ask / at the admission did not answer (``deadline``: timed out or the
+            lookups were queued ``shared_queue_depth`` deep; ``breaker_open``: the tier's breaker
+            was open or the tier not ready), so the chunks it may have held were not offered.
+    """
+
+    asked: int | None = None
+    engine: int | None = None
+    planned: dict[str, int] = field(default_factory=dict)
+    explain_chunk: int = -1
+    explain_sent: bool = False
+    load_failed: bool = False
+    waited_steps: int = 0
+    pin: tuple[float, str | None] | None = None
+    ranks: dict[int, RequestFacts] = field(default_factory=dict)
+    shared_asked: tuple[str, str] | None = None
+    shared_miss: tuple[str, str] | None = None
+
+    def ask(self, num_computed_tokens: int) -> None:
+        """vLLM asks for the hit beyond its own ``num_computed_tokens`` (``get_num_new_matched_tokens``)."""
+        self.asked, self.shared_asked = num_computed_tokens, None
+
+    def admitted(self, request: Any, tiers: Sequence[str] | None, external: int, chunk_tokens: int,
+                 load_failed: bool) -> None:
+        """vLLM allocated ``request`` after asking for its hit (``update_state_after_alloc``):
+        record what it counts as cached (its ``prefill_stats`` when it has them), unless this is a
+        re-admission after preemption (vLLM keeps the first admission's numbers too)."""
+        asked, self.asked = self.asked, None
+        shared, self.shared_asked = self.shared_asked, None
+        if asked is None or getattr(request, "num_preemptions", 0) > 0:
+            return
+        stats = getattr(request, "prefill_stats", None)
+        self.engine = int(stats.num_local_cached_tokens) if stats is not None else asked
+        hit = len(tiers) * chunk_tokens if tiers else 0
+        self.planned = tokens_by_tier(tiers, hit - external, hit, chunk_tokens) if external > 0 and tiers else {}
+        self.load_failed = load_failed
+        self.shared_miss = shared
+        served = self.engine + external
+        loadable = (request.num_prompt_tokens - 1) // chunk_tokens * chunk_tokens
+        self.explain_chunk = served // chunk_tokens if served < loadable else -1
+        self.explain_sent = False
+
+    def explain_in(self, start: int, end: int) -> int:
+        """The chunk a save job of chunks ``[start, end)`` asks the workers about (-1: none)."""
+        if self.explain_sent or not start <= self.explain_chunk < end:
+            return -1
+        self.explain_sent = True
+        return self.explain_chunk
+
+    def observe(self, rank: int, facts: RequestFacts) -> None:
+        mine = self.ranks.get(rank)
+        if mine is None:
+            self.ranks[rank] = facts
+        else:
+            mine.merge(facts)
+
+
+@dataclass(eq=False)
 class RequestState:
     """What the scheduler side knows of one request, from its admission to ``request_finished``.
 
@@ -188,7 +171,7 @@ class RequestState:
             ``saved_chunks`` when it reports finished without a failed block (0: none).
         pin_s: its prompt's pin TTL, seconds (asked with ``kvtier_pin_s`` and valid; 0: none).
         refreshed: it asked again once already after an idle gap (see ``SchedulerSide``).
-        receipt: what its receipt is built from (:mod:`~kvtier.integrations.vllm.scheduler.receipts`).
+        receipt: what its receipt is built from (:class:`ReceiptFacts`).
         tenant: its tenant (``cache_salt`` and LoRA adapter as digests), shipped with its load and save
             jobs so each worker builds the request's :class:`~kvtier.core.context.OpContext`; ``None``
             until its chain is made (:meth:`keys`).
@@ -219,23 +202,11 @@ class RequestState:
     def loaded(self, first_chunk: int, tiers: Sequence[str], sync: bool, local: AbstractSet[str]) -> None:
         """A load job of chunks ``first_chunk`` (where vLLM's own hit ends, rounded down) to
         ``len(tiers)`` (``tiers``: the planned tier of each chunk of the hit) was shipped: those in a
-        tier of ``local`` (the cpu tier, disk: not shared) are held there (the load pins and reads them; its
-        ``complete_load`` touches them in the policy), so no save job carries them again.  A save of
-        a chunk a local tier holds stores nothing and touches nothing (``Index.plan_store`` passes it
-        by), so skipping it changes no placement, policy or receipt; vLLM's native offload skips its
-        hit chunks the same way (vllm/distributed/kv_transfer/kv_connector/v1/offloading/
-        scheduler.py, ``next_stored_chunk_idx`` set to the hit's chunks on a load).  From the first
-        chunk planned in a shared tier on, saves go as before (a shared-tier chunk the load could not
-        promote into a cpu page is stored by the save, as it was).
-
-        Only when the chunks before ``first_chunk`` already went out in save jobs (vLLM's own hit is
-        none, or a resumed request's), so that ``saved_chunks`` stays one watermark over a prefix;
-        never for a TTL-pinned request (its save job pins the prompt's chunks, held or not).  A
-        synchronous load counts at once (its step's save job follows its copy; a block it could not
-        fill moves the watermark back: :meth:`check_sync_load`); an asynchronous one once it
-        reports finished with no failed block (:meth:`load_ended`).  A chunk evicted between the
-        load and a later save is not saved again: its tier chose it as a victim after the load
-        touched it, as it would have without this request."""
+        tier of ``local`` (the cpu tier, disk: not shared) are held there, so no save job carries them
+        again: ``saved_chunks`` moves past them at once for a synchronous load, once it reports
+        finished with no failed block for an asynchronous one (:meth:`load_ended`); never for a
+        TTL-pinned request, nor when the chunks before ``first_chunk`` are not saved yet.  Why this
+        changes no placement, policy or receipt: docs/scheduler.md § A hit's chunks are not saved again."""
         if self.pin_s or self.saved_chunks < first_chunk:
             return
         end_chunk = next((c for c in range(first_chunk, len(tiers)) if tiers[c] not in local), len(tiers))
@@ -266,100 +237,139 @@ class RequestState:
         self.loaded_chunks = 0
 
 
-class PagePlanner:
-    """The pages of one engine's load and save jobs, keyed, from the mirror (the plan arithmetic:
-    :mod:`kvtier.integrations.vllm.scheduler.pages`).
+def build_receipt(request_id: str, prompt_tokens: int, r: ReceiptFacts, chunk_tokens: int, tp_size: int) -> Receipt:
+    """The receipt of a finished request (what each number is: docs/scheduler.md § Receipts).
+
+    Tensor-parallel ranks load and save the same chunks (each its own KV heads): tokens a rank did
+    not get are missing for all, so unfilled tokens are the most any rank reports; seconds the most
+    (the request waited for the slowest); chunks saved the fewest; the earliest miss wins."""
+    ranks = [r.ranks.get(i) or RequestFacts() for i in range(max(tp_size, 1))]
+    engine = r.engine or 0
+    tiers: dict[str, int] = {}
+    for tier, n in r.planned.items():
+        got = n - max(f.unfilled.get(tier, 0) for f in ranks)
+        if got > 0:
+            tiers[tier] = got
+    served = engine + sum(tiers.values())
+    tokens = {"engine": engine, **tiers, "computed": max(prompt_tokens - served, 0)}
+    load_ms = {t: round(1000 * max(f.load_s.get(t, 0.0) for f in ranks), 3)
+               for t in dict.fromkeys(t for f in ranks for t in f.load_s)}
+    saved = {t: min(f.saved.get(t, 0) for f in ranks) for t in dict.fromkeys(t for f in ranks for t in f.saved)}
+    dropped = {k: max(f.dropped.get(k, 0) for f in ranks) for k in dict.fromkeys(k for f in ranks for k in f.dropped)}
+    return Receipt(request_id=request_id, prompt_tokens=prompt_tokens, tokens=tokens, load_ms=load_ms,
+                   waited_steps=r.waited_steps, miss=_miss(prompt_tokens, served, r, ranks, chunk_tokens),
+                   saved=ReceiptSaved({t: n for t, n in saved.items() if n}, dropped), pin=_pin(r, ranks),
+                   top_miss=_earliest(f.below for f in ranks))
+
+
+def receipt_counters(tokens: dict[str, int], reason: str, tier: str) -> dict[str, float]:
+    """The payload counters of one receipt: its served tokens by source, its computed tokens under
+    its miss's ``reason`` and ``tier`` (``""``: :data:`~kvtier.core.receipt.NO_TIER`, as
+    :func:`~kvtier.core.receipt.miss_tier_label` labels it)."""
+    out: dict[str, float] = {f"served_tokens_{t}": n for t, n in tokens.items() if t != "computed" and n}
+    if tokens.get("computed"):
+        out[f"missed_tokens_{reason}|{tier or NO_TIER}"] = tokens["computed"]
+    return out
+
+
+def _earliest(found: Iterable[tuple[int, str, str] | None]) -> ReceiptMiss | None:
+    first = min((f for f in found if f is not None), key=lambda f: f[0], default=None)
+    return ReceiptMiss(first[0], first[1], first[2]) if first is not None else None  # type: ignore[arg-type]
+
+
+def _miss(prompt_tokens: int, served: int, r: ReceiptFacts, ranks: list[RequestFacts],
+          chunk_tokens: int) -> ReceiptMiss | None:
+    """The first token not served and why (``None``: at most the prompt's last token was computed)."""
+    if served >= prompt_tokens - 1:
+        return None
+    if served >= (prompt_tokens - 1) // chunk_tokens * chunk_tokens:
+        return ReceiptMiss(served, "partial_chunk")
+    short = _earliest(f.miss for f in ranks)
+    if short is not None:  # a load came up short: what its read said
+        return ReceiptMiss(served, short.reason, short.tier)
+    if r.load_failed:
+        return ReceiptMiss(served, "load_failed")
+    if r.shared_miss is not None:  # the shared tier, which may have held it, was not heard from
+        return ReceiptMiss(served, cast(MissReason, r.shared_miss[0]), r.shared_miss[1])
+    why = _earliest(f.explained for f in ranks)
+    if why is not None:
+        return ReceiptMiss(served, why.reason, why.tier)
+    return ReceiptMiss(served, "new")
+
+
+def _pin(r: ReceiptFacts, ranks: list[RequestFacts]) -> ReceiptPin | None:
+    if r.pin is None:
+        return None
+    ttl_s, problem = r.pin
+    if ttl_s <= 0:
+        return ReceiptPin(False, 0.0, problem or "pins are off (pin_max_share is 0)")
+    if any(f.pin_refused for f in ranks):
+        return ReceiptPin(False, 0.0, "pin_max_share of the cpu tier was pinned already")
+    if not all(f.pinned for f in ranks):
+        return ReceiptPin(False, 0.0, "the prompt's chunks were not in the cpu tier when it was saved")
+    return ReceiptPin(True, ttl_s, problem or "")
+
+
+@dataclass(eq=False)
+class _Pending:
+    request_id: str
+    prompt_tokens: int
+    facts: ReceiptFacts
+    params: dict[str, Any]
+    trace_headers: Mapping[str, str] | None
+
+
+class ReceiptDesk:
+    """Receipts of requests vLLM finished, completed once their last step's facts are in (design:
+    docs/scheduler.md § Receipts, When).
 
     Args:
-        plan: the engine's per-group plan.
-        mirror: the scheduler's mirror of the ranks' indexes.
+        chunk_tokens: tokens per chunk.
+        tp_size: tensor-parallel ranks.
+        sinks: where every receipt goes besides the response (the scheduler side's
+            ``receipt_sinks``; empty: nowhere).
     """
 
-    def __init__(self, plan: HybridPlan, mirror: IndexMirror) -> None:
-        self.plan = plan
-        self.mirror = mirror
-        self.C = plan.chunk_tokens
-        self.dense = not plan.is_hybrid
+    def __init__(self, chunk_tokens: int, tp_size: int, sinks: list[ReceiptSink]) -> None:
+        self.chunk_tokens = chunk_tokens
+        self.tp_size = tp_size
+        self.sinks = sinks
+        self.pending: dict[str, _Pending] = {}  # finished requests whose receipts wait for their last step's facts
+        self._dropped_seen: dict[str, float] = {}
 
-    def _key(self, chain: Sequence[bytes], group: int, chunk: int) -> bytes:
-        if self.dense:  # one full-attention group: the chunk key itself (the namespace tells it apart)
-            return bytes(chain[chunk])
-        return bytes(group_key(ChunkKey(chain[chunk]), group))
+    def finished(self, request: Any, facts: ReceiptFacts) -> dict[str, Any]:
+        """``request`` finished: the dict its ``kv_transfer_params["kvtier"]`` will be (filled by :meth:`finish`)."""
+        params: dict[str, Any] = {}
+        self.pending[request.request_id] = _Pending(request.request_id, int(request.num_prompt_tokens), facts, params,
+                                                     getattr(request, "trace_headers", None))
+        return params
 
-    def parent_of(self, chain: Sequence[bytes], page: PageMove) -> bytes:
-        """Key of the page before ``page`` in its group's chain (``b""`` for chunk 0 and for the
-        pages of groups that are not full attention)."""
-        full = any(g.index == page.group and g.kind is GroupKind.FULL for g in self.plan.groups)
-        return self._key(chain, page.group, page.chunk - 1) if full and page.chunk > 0 else b""
+    def observe(self, req_id: str, rank: int, facts: RequestFacts) -> bool:
+        """Fold a rank's late facts into a finished request's receipt; False: not one of them."""
+        pending = self.pending.get(req_id)
+        if pending is None:
+            return False
+        pending.facts.observe(rank, facts)
+        return True
 
-    def lookup(self, chain: Sequence[bytes], num_computed_tokens: int, num_tokens: int,
-               shared: AbstractSet[bytes] = frozenset(), shared_tier: str = "") -> tuple[int, list[str]]:
-        """The hit (tokens, 0 if none beyond ``num_computed_tokens``) and, per chunk before it,
-        the slowest tier any of its pages is held in (for vLLM's hit-source metrics; ``""`` for
-        a chunk kvtier does not hold before the engine's own hit).
-
-        ``shared``: page keys the shared tier ``shared_tier`` holds for every rank, from
-        :meth:`~kvtier.integrations.vllm.scheduler.remote.RemoteLookups.poll_pages` over :meth:`unheld_pages`.
-        """
-        if self.dense:  # one full-attention group: its pages are the chain's chunks, read in one pass
-            keys = list(map(bytes, chain[:min(len(chain), max(0, num_tokens - 1) // self.C)]))
-            mirror = self.mirror  # one rank: its map's C lookup (IndexMirror.tier's answer), else tier()
-            held_in = mirror.ranks[0].get if mirror.tp_size == 1 and mirror.ready else mirror.tier
-            # each chunk's tier, None (or "") where none holds it: mapped, counted and copied in C (the hit path)
-            held = [held_in(key) or (shared_tier if key in shared else None) for key in keys] if shared \
-                else list(map(held_in, keys))
-            first = num_computed_tokens // self.C  # the run held from where the engine's hit ends
-            end = first + len(list(takewhile(bool, held[first:])))
-            if end <= first:
-                return 0, []
-            upto = held[:end]  # (a tier each from first on: the run; before it, "" where none held it)
-            return end * self.C, cast("list[str]", upto) if all(upto[:first]) else [t or "" for t in upto]
-
-        def tier(group: int, chunk: int) -> str | None:
-            if chunk >= len(chain):
-                return None
-            key = self._key(chain, group, chunk)
-            return self.mirror.tier(key) or (shared_tier if key in shared else None)
-
-        hit = self.plan.hit_tokens(lambda g, c: tier(g, c) is not None, num_computed_tokens, num_tokens)
-        tiers = []
-        for c in range(hit // self.C):
-            held = [tier(g.index, c) for g in self.plan.groups]
-            tiers.append(slowest([t for t in held if t]) if any(held) else "")
-        return hit, tiers
-
-    def unheld_pages(self, chain: Sequence[bytes], num_computed_tokens: int, num_tokens: int) -> list[bytes]:
-        """Keys of the pages a hit beyond ``num_computed_tokens`` could use that no rank's local
-        tiers hold (every group, every chunk up to the last one vLLM lets a connector load):
-        what the scheduler asks the shared tier about."""
-        first = num_computed_tokens // self.C
-        limit = min(len(chain), max(0, num_tokens - 1) // self.C)
-        return [key for c in range(first, limit) for g in self.plan.groups
-                if self.mirror.tier(key := self._key(chain, g.index, c)) is None]
-
-    def load_pages(self, chain: Sequence[bytes], block_ids: Sequence[Sequence[int]], num_computed_tokens: int,
-                   hit: int) -> tuple[PageMove, ...]:
-        """Pages resuming every group at ``hit`` (``block_ids``: ``KVCacheBlocks.get_block_ids()``)."""
-        if self.dense:  # one group: HybridPlan.pages_to_load's pages without a ChunkBlocks each (the hit path)
-            ids, bs = block_ids[0], self.plan.groups[0].block_size
-            k, lo, end = self.C // bs, num_computed_tokens // bs, hit // self.C
-            if len(ids) >= hit // bs and NULL_BLOCK not in ids[lo:end * k]:
-                return tuple(PageMove(bytes(chain[c]), 0, c, max(c * k, lo) - c * k,
-                                      tuple(ids[max(c * k, lo):(c + 1) * k])) for c in range(lo // k, end))
-        loads = [cb for g in self.plan.groups
-                 for cb in self.plan.pages_to_load(g, num_computed_tokens, hit, block_ids[g.index])]
-        return tuple(PageMove(self._key(chain, cb.group, cb.chunk), cb.group, cb.chunk, cb.first_slot, cb.block_ids)
-                     for cb in loads)
-
-    def save_pages(self, chain: Sequence[bytes], start_chunk: int, end_chunk: int,
-                   block_ids: Sequence[Sequence[int]], handoffs: Sequence[tuple[int, int, int]],
-                   num_prompt_tokens: int) -> tuple[PageMove, ...]:
-        """Pages of chunks ``[start_chunk, end_chunk)`` worth storing, and the state snapshots
-        vLLM handed over this step (``(group, block id, boundary tokens)``) at boundaries
-        ``≤ end_chunk × chunk_tokens``."""
-        plan = self.plan
-        stored = [cb for g in plan.groups if g.kind is not GroupKind.STATE
-                  for cb in plan.pages_to_store(g, start_chunk, end_chunk, block_ids[g.index], num_prompt_tokens)]
-        stored += plan.state_pages(handoffs, end_chunk * self.C)
-        return tuple(PageMove(self._key(chain, cb.group, cb.chunk), cb.group, cb.chunk, 0, cb.block_ids)
-                     for cb in stored)
+    def finish(self) -> dict[str, float]:
+        """Complete every pending receipt: fill its response dict, emit it to the sinks; returns the
+        payload counters of them all (:func:`receipt_counters`)."""
+        counters: dict[str, float] = {}
+        pending, self.pending = self.pending, {}
+        for p in pending.values():
+            receipt = build_receipt(p.request_id, p.prompt_tokens, p.facts, self.chunk_tokens, self.tp_size)
+            p.params.update(msgspec.to_builtins(receipt))  # Receipt.to_builtins
+            miss = receipt.miss if receipt.miss is not None else WHOLLY_SERVED  # Receipt.computed_miss's rule
+            for name, n in receipt_counters(receipt.tokens, miss.reason, miss.tier).items():
+                counters[name] = counters.get(name, 0) + n
+            for sink in self.sinks:
+                try:
+                    sink.emit(receipt, trace_headers=p.trace_headers)
+                except Exception:  # a sink must never stop the engine
+                    log.exception("kvtier: a receipt sink failed on request %s's receipt", p.request_id)
+        for name, total in (receipt_sink_counters(self.sinks) if self.sinks else {}).items():  # drops: totals -> changes
+            if total != self._dropped_seen.get(name, 0.0):
+                counters[name] = total - self._dropped_seen.get(name, 0.0)
+                self._dropped_seen[name] = total
+        return counters

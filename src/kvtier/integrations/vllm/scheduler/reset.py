@@ -111,7 +111,7 @@ class Resets:
         """
         self.epoch += 1
         tiers = tuple(reset_tiers(self.config.reset_scope))
-        planned = mirror.reset(self.epoch)
+        planned = forget_mirror(mirror, self.epoch)
         if events is not None:
             events.reset()  # every announced chunk: BlockRemoved at the next step
         if remote is not None:
@@ -147,3 +147,23 @@ class Resets:
 
     def _count(self, name: str) -> None:
         self.counts[name] = self.counts.get(name, 0) + 1
+
+
+def forget_mirror(mirror: IndexMirror, epoch: int) -> dict[str, list[bytes]]:
+    """``mirror`` (:class:`~kvtier.integrations.vllm.scheduler.steps.IndexMirror`) forgets every rank's view;
+    its ``apply`` drops reports older than ``epoch`` from now on.
+
+    Returns:
+        what the mirror held, by tier (a chunk held by every rank, in the slowest of its tiers):
+        what the scheduler had planned hits from until now.
+    """
+    held: dict[str, list[bytes]] = {}
+    if mirror.ready:
+        for key in mirror.ranks[0]:
+            tier = mirror.tier(key)
+            if tier is not None:
+                held.setdefault(tier, []).append(key)
+    mirror.epoch = epoch
+    for index in mirror.ranks:
+        index.clear()
+    return held

@@ -8,36 +8,25 @@ import time
 from typing import Any
 
 from kvtier.core.config import KVTierConfig
-from kvtier.core.errors import ConfigError
 from kvtier.core.receipt import ReceiptSink
 from kvtier.core.receiptsinks import build_receipt_sinks
 from kvtier.core.tiers.registry import local_tiers
 from kvtier.integrations.vllm.cache_groups import GroupKind
-from kvtier.integrations.vllm.process_exit import skip_exit_collection
-from kvtier.integrations.vllm.protocol import (
-    KVTierMetadata,
-    KVTierWorkerMeta,
-    LoadJob,
-    SaveJob,
-)
+from kvtier.integrations.vllm.protocol import KVTierMetadata, KVTierWorkerMeta, LoadJob, SaveJob
 from kvtier.integrations.vllm.scheduler.eventfeed import event_tracker, observe_reports
 from kvtier.integrations.vllm.scheduler.events import events_enabled
-from kvtier.integrations.vllm.scheduler.pages import engine_plan, handoffs_of
-from kvtier.integrations.vllm.scheduler.receipts import ReceiptDesk, ReceiptFacts
+from kvtier.integrations.vllm.scheduler.pages import handoffs_of
+from kvtier.integrations.vllm.scheduler.pins import PIN_PARAM, pin_seconds
 from kvtier.integrations.vllm.scheduler.remote import RemoteLookups, shared_tier_configured
-from kvtier.integrations.vllm.scheduler.requests import (
-    PIN_PARAM,
-    KeyMemo,
-    PagePlanner,
-    RequestState,
-    pin_seconds,
-)
+from kvtier.integrations.vllm.scheduler.requests import ReceiptDesk, ReceiptFacts, RequestState
 from kvtier.integrations.vllm.scheduler.reset import Resets
+from kvtier.integrations.vllm.scheduler.setup import checked_plan, settings_gauges, shut_down, sync_settings
 from kvtier.integrations.vllm.scheduler.steps import (
     DeferredSaves,
     IndexMirror,
+    KeyMemo,
+    PagePlanner,
     Settle,
-    SyncBudget,
     begin_step,
     fold_reports,
 )
@@ -47,6 +36,61 @@ from kvtier.integrations.vllm.worker.loader import tokens_by_tier
 log = logging.getLogger(__name__)
 
 READY_WAIT_S = 60.0  # how long admissions wait for the workers' first index snapshot, at most
+
+
+class SyncBudget:
+    """This step's bytes for synchronous loads, promised to the requests answered ``(n, False)``
+    (design: docs/scheduler.md § Synchronous loads; built by :mod:`~kvtier.integrations.vllm.scheduler.setup`).
+
+    Args:
+        step_bytes: ``sync_load_max_bytes`` (0: synchronous loads off).
+        bytes_per_token: KV bytes one token takes in one rank's engine cache (``setup.bytes_per_token``).
+        tiers: the tiers a synchronous load reads (``setup.sync_tiers``; a chunk elsewhere loads asynchronously).
+        chunk_tokens: tokens per chunk.
+    """
+
+    def __init__(self, step_bytes: int, bytes_per_token: int, tiers: frozenset[str], chunk_tokens: int) -> None:
+        self.step_bytes = step_bytes
+        self.bytes_per_token = bytes_per_token
+        self.tiers = tiers
+        self.chunk_tokens = chunk_tokens
+        self.left_bytes = step_bytes  # this step's budget not yet promised
+        self.promised: dict[str, int] = {}
+        """Requests answered ``(n, False)`` this step -> bytes promised (empty: nothing to give back or take)."""
+
+    def offer(self, req_id: str, tiers: list[str], num_computed_tokens: int, hit: int) -> bool:
+        """Promise the load of tokens ``[num_computed_tokens, hit)`` to ``req_id`` in this step when
+        every chunk to load is in :attr:`tiers` (by the plan) and its copy fits what is left."""
+        if not self.step_bytes:
+            return False
+        need = (hit - num_computed_tokens) * self.bytes_per_token
+        if need > self.left_bytes:
+            return False
+        first = num_computed_tokens // self.chunk_tokens  # every chunk from there in a tier read synchronously
+        if not self.tiers.issuperset(tiers[first:]):
+            return False
+        self.left_bytes -= need
+        self.promised[req_id] = need
+        return True
+
+    def give_back(self, req_id: str) -> bool:
+        """Take back ``req_id``'s promise (asked again, not allocated, or finished); whether it had one."""
+        promised = self.promised.pop(req_id, None)
+        if promised is None:
+            return False
+        self.left_bytes += promised
+        return True
+
+    def taken(self, req_id: str) -> bool:
+        """``req_id``'s load job was built: whether it was promised this step (a synchronous load)."""
+        return self.promised.pop(req_id, None) is not None
+
+    def new_step(self) -> None:
+        """The next step's budget, whole."""
+        self.left_bytes = self.step_bytes
+        self.promised.clear()
+
+
 class SchedulerSide:
     """Scheduler-side state of the connector.
 
@@ -58,48 +102,32 @@ class SchedulerSide:
             (``kv_both``, ``kv_producer``).
 
     Raises:
-        ConfigError: ``chunk_tokens`` not a multiple of ``--block-size``, a KV cache group kind
-            kvtier does not store, a retention interval that is not a multiple of ``chunk_tokens``,
-            or pipeline parallelism.
-        TypeError: ``config.chunk_tokens`` is still ``"auto"``.
+        ConfigError, TypeError: what :func:`~kvtier.integrations.vllm.scheduler.setup.checked_plan` raises
+            (settings kvtier cannot serve, ``chunk_tokens`` still ``"auto"``).
     """
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, config: KVTierConfig, load: bool, save: bool) -> None:
         self.block_size = int(vllm_config.cache_config.block_size)
-        if not isinstance(config.chunk_tokens, int):
-            raise TypeError("SchedulerSide needs the engine's config (chunk_tokens resolved): engine_config()")
-        config.validate_block_size(self.block_size)
-        plan = engine_plan(vllm_config, kv_cache_config, config.chunk_tokens)  # ConfigError: unsupported groups
-        for note in plan.advice():
-            log.warning("kvtier: %s", note)
-        if vllm_config.parallel_config.pipeline_parallel_size > 1:
-            raise ConfigError("kvtier does not support pipeline parallelism yet; use tensor parallelism only")
+        plan = checked_plan(vllm_config, kv_cache_config, config)  # the errors above
         self.config = config
-        self.chunk_tokens = config.chunk_tokens
+        self.chunk_tokens = int(config.chunk_tokens)
         self.load_enabled, self.save_enabled = load, save
         self.mirror = IndexMirror(int(vllm_config.parallel_config.tensor_parallel_size))
         self.pages = PagePlanner(plan, self.mirror)  # a dense model is a one-group plan
         # deferred saves (async_saves): full-attention pages only (a window's or state's blocks change)
         self._deferrable = {g.index for g in plan.groups if g.kind is GroupKind.FULL} if config.async_saves else set()
         self.deferred = DeferredSaves(int(vllm_config.parallel_config.tensor_parallel_size))
-        # synchronous loads: one full-attention group only (vLLM takes a sync load's failures as
-        # block ids, which it refuses with several groups: Scheduler._handle_invalid_blocks)
-        one_group = len(kv_cache_config.kv_cache_groups) == 1 and plan.groups[0].kind is GroupKind.FULL
-        self.sync = SyncBudget.of(config, kv_cache_config, on=one_group and load)
+        self.sync = SyncBudget(*sync_settings(config, kv_cache_config, plan, load))
         self.requests: dict[str, RequestState] = {}  # every request between admission and request_finished
         self.key_memo = KeyMemo.of_engine(vllm_config, kv_cache_config, self.chunk_tokens)  # chunk keys found again
         self._local_tiers = frozenset(local_tiers())  # (the registry is read here, never on the hit path)
         self._loads: list[LoadJob] = []
         self._kv_cache_manager: Any = None
         self._waiting_since: float | None = None
-        # An idle engine runs no step, so the workers' rescans (files other engines or kvtier purge
-        # removed or wrote) wait in their change feeds: after an idle gap longer than a rescan, a
-        # lookup asks again once, and the one step that takes brings the news (docs/purge.md).
+        # idle longer than a disk rescan: a lookup asks again once, for the workers' news (docs/purge.md)
         self._refresh_after_s = float(config.disk_rescan_s or 0.0) if config.disk_path else 0.0
         self._last_report_s = time.monotonic()
         self.remote = RemoteLookups(config) if load and shared_tier_configured(config) else None
-        self._remote_seen: dict[str, int] = {}
-        self._remote_pending_sent: int | None = None
         self.events = event_tracker(vllm_config, kv_cache_config, plan, config, self.mirror) if events_enabled(vllm_config) else None
         # keeps an idle engine stepping until the workers' gauges are true (and the events are out)
         self.settle = Settle(more=self.events.pending if self.events is not None else None)
@@ -123,10 +151,6 @@ class SchedulerSide:
             return None  # prompt embeddings have no token ids to key on
         return state.keys(self.mirror.key_root, self.chunk_tokens, self.key_memo, num_chunks)
 
-    def _state(self, request: Any) -> RequestState:
-        state = self.requests.get(request.request_id)
-        return state if state is not None else self.requests.setdefault(request.request_id, RequestState(request))
-
     # ---- admission ---------------------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
         state = self.requests[request.request_id] = RequestState(request)
@@ -141,7 +165,7 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
-        state = self._state(request)
+        state = self.requests.get(req_id) or self.requests.setdefault(req_id, RequestState(request))
         state.planned_tiers = None
         state.receipt.ask(num_computed_tokens)  # vLLM's own hit, for the receipt if it is admitted now
         if self.sync.promised:  # asked again in this step (not scheduled after the first answer)
@@ -227,8 +251,9 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
         preempted = frozenset(getattr(scheduler_output, "preempted_req_ids", None) or ())
         # a request whose load is in flight is still in self.requests (vLLM finishes it after the load)
-        held = begin_step(self.sync, self.settle, self.deferred, preempted,
+        held = begin_step(self.settle, self.deferred, preempted,
                           idle=not scheduler_output.num_scheduled_tokens and not self.requests)
+        self.sync.new_step()
         meta = KVTierMetadata(loads=self._loads, reset=self.resets.take_order() if self.resets.order else None,
                               preempted=preempted, no_forward=scheduler_output.total_num_scheduled_tokens == 0,
                               held=held)
@@ -317,8 +342,7 @@ class SchedulerSide:
                     state.load_ended(ok=not bad)
 
     def take_events(self) -> list[Any]:
-        """vLLM's ``take_events``: the KV events since the last step (:mod:`kvtier.integrations.vllm.scheduler.events`);
-        empty when vLLM publishes none."""
+        """vLLM's ``take_events``: the KV events since the last step (:mod:`.events`); empty when vLLM publishes none."""
         return self.events.take_events() if self.events is not None else []
 
     # ---- end of a request --------------------------------------------------------------------
@@ -327,13 +351,10 @@ class SchedulerSide:
         request's blocks until then (it delays freeing blocks of WAITING_FOR_REMOTE_KVS requests).
 
         Returns:
-            held: True when a deferred save of the request may still read its blocks (not reported ended
-                by every rank: :class:`~kvtier.integrations.vllm.scheduler.steps.DeferredSaves`): vLLM keeps
-                them until every rank names it in ``finished_sending`` (vllm/v1/core/sched/scheduler.py
-                ``_free_request``, ``_update_from_kv_xfer_finished``).
+            held: True when a deferred save of the request may still read its blocks: vLLM keeps them
+                until every rank names it in ``finished_sending`` (docs/scheduler.md § Deferred saves).
             receipt: its receipt's dict, empty until this step's worker facts are in: filled in place by
-                :meth:`stats` in the same ``update_from_output`` (:mod:`~kvtier.integrations.vllm.scheduler.receipts`;
-                a deferred save's facts are taken when it is queued, in this step: ``worker.saves.save_jobs``)."""
+                :meth:`stats` in the same ``update_from_output`` (docs/scheduler.md § Receipts, When)."""
         req_id = request.request_id
         state = self.requests.pop(req_id, None)
         if self.sync.promised:
@@ -346,8 +367,7 @@ class SchedulerSide:
     # ---- reset ---------------------------------------------------------------------------------
     def reset_cache(self) -> bool:
         """vLLM's external prefix-cache reset (``/reset_prefix_cache?reset_external=true``):
-        :meth:`Resets.run <kvtier.integrations.vllm.scheduler.reset.Resets.run>`; ``False`` when a
-        tier could not be cleared."""
+        :meth:`.reset.Resets.run`; ``False`` when a tier could not be cleared."""
         for state in self.requests.values():
             state.planned_tiers = None
         return self.resets.run(self.mirror, self.events, self.remote)
@@ -364,37 +384,15 @@ class SchedulerSide:
         gauges: dict[str, float] = {}
         if not self._settings_sent:  # what kvtier doctor shows: events on, quotas (sent once)
             self._settings_sent = True
-            quotas = self.config.tenant_quotas
-            gauges |= {"kv_events_enabled": float(self.events is not None),
-                       "tenant_quota_default_share": (quotas.default_share or 0.0) if quotas is not None else 0.0,
-                       "tenant_quota_salts": float(len(quotas.salts)) if quotas is not None else 0.0,
-                       "tenant_quota_no_salt_share": quotas.no_salt_guarantee if quotas is not None else 0.0}
+            gauges |= settings_gauges(self.config, self.events is not None)
         if self.remote is not None:
-            totals = self.remote.counters()
-            counters |= {k: v - self._remote_seen.get(k, 0) for k, v in totals.items()
-                         if v != self._remote_seen.get(k, 0)}
-            self._remote_seen = totals
-            pending = self.remote.pending
-            if pending != self._remote_pending_sent or counters:
-                gauges["shared_lookups_pending"] = pending
-                self._remote_pending_sent = pending
+            counters |= self.remote.take_counters()
+            gauges |= self.remote.pending_gauge(bool(counters))
         if not counters and not gauges:
             return None
         return KVTierStats(data={"counters": counters, "gauges": gauges})
 
     def shutdown(self) -> None:
         """Emit the last receipts and close the receipt sinks, stop the shared-tier lookups and write
-        the KV-event journal (idempotent)."""
-        skip_exit_collection()  # the engine core exits without a slow final GC: process_exit
-        self.receipts.finish()  # requests finished since the last step: their receipts reach the sinks
-        for sink in self.receipt_sinks:
-            try:
-                sink.close()
-            except Exception:  # one sink's failure must not keep the others open
-                log.exception("kvtier: closing a receipt sink failed")
-        self.receipts.sinks = []
-        if self.remote is not None:
-            self.remote.close()
-        if self.events is not None and self.events.journal_loaded:
-            self.events.save_journal()
-
+        the KV-event journal (idempotent): :func:`~kvtier.integrations.vllm.scheduler.setup.shut_down`."""
+        shut_down(self.receipts, self.remote, self.events)

@@ -1,80 +1,94 @@
-"""What the scheduler side keeps across engine steps, one object each per engine: the mirror of
-every rank's index (:class:`IndexMirror`, from the ranks' reports), this step's budget of
-synchronous loads (:class:`SyncBudget`), the deferred saves still running (:class:`DeferredSaves`)
-and whether an idle engine should keep stepping (:class:`Settle`); each step is begun
-(:func:`begin_step`) and its reports folded (:func:`fold_reports`) in one call.  One request's state is
-:mod:`~kvtier.integrations.vllm.scheduler.requests`'.
+"""What the scheduler side keeps across engine steps and requests, one object each per engine: the
+chunk keys already computed (:class:`KeyMemo`), the mirror of every rank's index (:class:`IndexMirror`,
+from the ranks' reports) and the pages of a hit, a load and a save planned from it
+(:class:`PagePlanner`), the deferred saves still running (:class:`DeferredSaves`) and whether an idle
+engine should keep stepping (:class:`Settle`); each step is begun (:func:`begin_step`) and its reports
+folded (:func:`fold_reports`) in one call.  One request's state is
+:mod:`~kvtier.integrations.vllm.scheduler.requests`'; this step's budget of synchronous loads,
+:mod:`~kvtier.integrations.vllm.scheduler.side`'s ``SyncBudget``.
 
-**The mirror** is fed only by the :class:`~kvtier.integrations.vllm.protocol.RankReport` s that
-vLLM carries back from the workers each step; read by ``get_num_new_matched_tokens`` without I/O.
-
-- One view for all tensor-parallel ranks: a chunk is available only when **every** rank holds
-  it (each rank stores its own KV heads of it).  Its tier, for vLLM's hit-source metrics, is the
-  slowest tier any rank holds it in (the registry's order, :func:`~kvtier.core.tiers.registry.slowest`).
-- The mirror is ready once every rank has sent its first full snapshot (sent at the first step
-  after start-up, so a restarted engine knows its disk tier before its first request is admitted).
-- All ranks must chain keys from the same root; a rank reporting another root disables loads
-  (logged once) rather than risk loading under the wrong keys.
-- Each rank's store namespace digest (its report's ``namespace``) is kept for the shared tier,
-  whose keys carry it (:mod:`kvtier.integrations.vllm.scheduler.remote`).
-- A reset (:meth:`IndexMirror.reset`) empties every rank's view at once and raises the mirror's
-  epoch: reports of an older epoch (sent before the rank applied the reset order) are dropped, so
-  nothing held before the reset is planned as a hit again; a rank's first report of the new epoch
-  is a full snapshot of its cleared store.
-- The mirror may lag the stores by a step or more (evictions happen meanwhile): a mirror hit is a
-  promise the worker checks; a chunk gone since is reported as a load error and recomputed.
-
-**Synchronous loads**: a hit held whole in the cpu tier (and the node pool: :func:`sync_tiers`),
-copied before the forward of the very step that schedules the request, within
-``sync_load_max_bytes`` per step.  ``get_num_new_matched_tokens`` answers ``(n, False)`` for such a
-hit (vLLM then calls ``start_load_kv`` before that step's forward, ``SchedulerOutput.has_sync_kv_loads``,
-vllm/v1/worker/kv_connector_model_runner_mixin.py), with one full-attention KV cache group only:
-vLLM takes a synchronous load's failures as block ids, which it refuses with several groups
-(``Scheduler._handle_invalid_blocks``).  The worker reports the blocks it could not fill as
-``invalid_block_ids`` of that step's output (``RequestState.check_sync_load``); no
-``finished_recving`` follows.
-
-**Deferred saves** (``async_saves``; :mod:`kvtier.integrations.vllm.worker.saves`): a deferred save
-job gets a number when it is shipped (:meth:`DeferredSaves.ship`); every rank reports the number
-once the save ended there (``RankReport.saves_ended``, :meth:`DeferredSaves.ended`).  At
-``request_finished`` a request with a number not yet reported by every rank is held
-(:meth:`DeferredSaves.finish` → True: vLLM keeps its blocks) and named in the next step's
-``KVTierMetadata.held``, so that each rank reports it in ``finished_sending`` once its own saves of
-it ended; one whose saves all ended is freed at once.  A preempted request's numbers are forgotten
-(:meth:`DeferredSaves.forget`): the workers wait for its saves before the forward that may reuse
-its blocks.  vLLM's offloading connector tracks its store jobs the same way
-(vllm/distributed/kv_transfer/kv_connector/v1/offloading/worker.py, ``get_finished``).  Bounds: one
-entry per deferred job not yet reported by every rank; a finished request's entries go at once.
-
-**Settling**: keep an idle engine stepping until the workers' numbers are true (pins released,
-first report in).  vLLM moves a connector's numbers (``KVConnectorStats``, the worker → scheduler
-metadata) only on engine steps, and an engine with no request does not step: without help the
-gauges of ``/metrics`` froze at the last busy step (``kvtier_pinned_chunks`` showed the pins of
-disk writes still in flight for over a minute after a run; ``kvtier_capacity_bytes`` read 0 after
-boot until the first request).  vLLM 0.32 keeps the engine loop stepping while the scheduler-side
-connector's ``has_pending_push_work()`` is true (vllm/v1/core/sched/scheduler.py
-``Scheduler.has_requests``; vLLM's Mooncake store connector uses it the same way).  kvtier says so
-while no worker has reported yet since start, a worker's last report said it was busy (chunks
-pinned by loads or disk writes in flight), or KV events wait to be published
-(:mod:`kvtier.integrations.vllm.scheduler.events`), and at most :data:`SETTLE_S` seconds from the
-step where the engine ran out of scheduled work, so a pin that never ends (a bug) cannot keep the
-engine spinning.  Steps taken only to settle sleep :data:`IDLE_STEP_S` in :meth:`Settle.step`
-(about 100 empty steps a second for as long as the disk writes take).
+Design (why each exists, what vLLM does around it): docs/scheduler.md § Chunk keys, § The mirror,
+§ Deferred saves, § Settling.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
+from itertools import islice, takewhile
+from typing import Any, cast
 
-from kvtier.core.config import KVTierConfig
-from kvtier.core.tiers.factory import shared_configured
-from kvtier.core.tiers.registry import spec, tier_rank, top_tier
-from kvtier.integrations.vllm.protocol import KVTierWorkerMeta, RankReport
+from kvtier.core.keys import ChunkKey
+from kvtier.core.tiers.registry import slowest, tier_rank
+from kvtier.integrations.vllm.cache_groups import NULL_BLOCK, GroupKind
+from kvtier.integrations.vllm.protocol import KVTierWorkerMeta, PageMove, RankReport
+from kvtier.integrations.vllm.scheduler.pages import HybridPlan, group_key
 
 log = logging.getLogger(__name__)
+
+
+KEY_MEMO_CHUNKS = 1 << 16
+"""Chunk keys a :class:`KeyMemo` keeps (about 200 bytes each: ~13 MiB; past it the older half goes)."""
+
+MEMO_HASH_ALGOS = frozenset({"sha256", "sha256_cbor"})
+"""vLLM's ``prefix_caching_hash_algo`` values whose block hashes a :class:`KeyMemo` trusts: the
+collision-resistant ones (vllm/config/cache.py warns that ``xxhash`` is not; with it, every key is hashed)."""
+
+
+class KeyMemo:
+    """Chunk keys already computed, found again by vLLM's block hash of the prefix each one ends.
+
+    Why the memo exists and why its keys are the ones BLAKE3 would give: docs/scheduler.md § Chunk keys.
+
+    Args:
+        hash_block_size: tokens per vLLM block hash (``KVCacheConfig.hash_block_size``); ``None``
+            or not dividing ``chunk_tokens``: the memo is off (:attr:`step` 0).
+        chunk_tokens: tokens per chunk.
+        hash_algo: vLLM's ``prefix_caching_hash_algo``; off unless one of :data:`MEMO_HASH_ALGOS`.
+        limit: keys kept at most (:data:`KEY_MEMO_CHUNKS`).
+    """
+
+    def __init__(self, hash_block_size: int | None, chunk_tokens: int, hash_algo: str | None,
+                 limit: int = KEY_MEMO_CHUNKS) -> None:
+        usable = (hash_algo in MEMO_HASH_ALGOS and isinstance(hash_block_size, int) and hash_block_size > 0
+                  and chunk_tokens % hash_block_size == 0)
+        self.step = chunk_tokens // hash_block_size if usable and hash_block_size else 0
+        self.limit = limit
+        self._keys: dict[Any, tuple[bytes, bytes]] = {}  # vLLM block hash -> (root, chunk key)
+
+    @classmethod
+    def of_engine(cls, vllm_config: Any, kv_cache_config: Any, chunk_tokens: int) -> KeyMemo:
+        """The memo of an engine: vLLM's ``KVCacheConfig.hash_block_size`` (set by the engine core
+        before the scheduler is built) and ``CacheConfig.prefix_caching_hash_algo``."""
+        return cls(getattr(kv_cache_config, "hash_block_size", None), chunk_tokens,
+                   getattr(vllm_config.cache_config, "prefix_caching_hash_algo", None))
+
+    def known(self, root: bytes, block_hashes: Sequence[Any], start: int, end: int) -> list[bytes]:
+        """Keys of chunks ``start ..`` up to ``end`` (exclusive) the memo holds for ``root``, up to the first it lacks."""
+        step, out = self.step, []
+        stop = min(end, len(block_hashes) // step if step else 0)  # each chunk's last block's hash, looked up in C
+        for entry in map(self._keys.get, block_hashes[(start + 1) * step - 1:stop * step:step]) if stop > start else ():
+            if entry is None or entry[0] != root:
+                break
+            out.append(entry[1])
+        return out
+
+    def add(self, root: bytes, block_hashes: Sequence[Any], start: int, keys: Sequence[bytes]) -> None:
+        """Remember ``keys`` (of chunks ``start ..``) under ``root``, for the chunks vLLM has hashed."""
+        if not self.step:
+            return
+        step, memo = self.step, self._keys
+        for c, key in enumerate(keys, start):
+            if (c + 1) * step > len(block_hashes):
+                break
+            memo[block_hashes[(c + 1) * step - 1]] = (root, key)
+        if len(memo) > self.limit:  # the newer half stays (a dict keeps insertion order)
+            self._keys = dict(islice(memo.items(), len(memo) - self.limit // 2, None))
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
 class IndexMirror:
@@ -123,24 +137,6 @@ class IndexMirror:
             else:
                 index[key] = tier
 
-    def reset(self, epoch: int) -> dict[str, list[bytes]]:
-        """Forget every rank's view and drop reports older than ``epoch`` from now on.
-
-        Returns:
-            what the mirror held, by tier (a chunk held by every rank, in the slowest of its tiers):
-            what the scheduler had planned hits from until now.
-        """
-        held: dict[str, list[bytes]] = {}
-        if self.ready:
-            for key in self.ranks[0]:
-                tier = self.tier(key)
-                if tier is not None:
-                    held.setdefault(tier, []).append(key)
-        self.epoch = epoch
-        for index in self.ranks:
-            index.clear()
-        return held
-
     def tier(self, key: bytes) -> str | None:
         """Tier of ``key`` if every rank holds it (the slowest of theirs), else ``None``."""
         if not self.ready:
@@ -153,87 +149,8 @@ class IndexMirror:
         return max(tiers, key=tier_rank)
 
 
-def bytes_per_token(kv_cache_config: Any) -> int:
-    """KV bytes one token takes in one rank's engine cache, every layer of every group
-    (``kv_cache_spec.page_size_bytes`` is one layer's block): what a synchronous load copies per token."""
-    total = 0
-    for group in kv_cache_config.kv_cache_groups:
-        spec = group.kv_cache_spec
-        total += -(-int(spec.page_size_bytes) * len(group.layer_names) // int(spec.block_size))
-    return max(total, 1)
-
-
-def sync_tiers(config: KVTierConfig) -> frozenset[str]:
-    """The tiers a synchronous load reads: the top (cpu) tier, and with ``sync_shared_loads`` the first
-    shared tier when it answers from this host's memory (``answers_now``: the node pool, whose pin is
-    one local round trip, bounded on the engine's thread by ``shared_deadline_s``)."""
-    shared = shared_configured(config)
-    if config.sync_shared_loads and shared and "answers_now" in spec(shared[0]).capabilities:
-        return frozenset({top_tier(), shared[0]})
-    return frozenset({top_tier()})
-
-
-class SyncBudget:
-    """This step's bytes for synchronous loads, promised to the requests answered ``(n, False)``.
-
-    Args:
-        step_bytes: ``sync_load_max_bytes`` (0: synchronous loads off).
-        bytes_per_token: :func:`bytes_per_token` of the engine.
-        tiers: the tiers a synchronous load reads (:func:`sync_tiers`; a chunk elsewhere loads asynchronously).
-        chunk_tokens: tokens per chunk.
-    """
-
-    def __init__(self, step_bytes: int, bytes_per_token: int, tiers: frozenset[str], chunk_tokens: int) -> None:
-        self.step_bytes = step_bytes
-        self.bytes_per_token = bytes_per_token
-        self.tiers = tiers
-        self.chunk_tokens = chunk_tokens
-        self.left_bytes = step_bytes  # this step's budget not yet promised
-        self.promised: dict[str, int] = {}
-        """Requests answered ``(n, False)`` this step -> bytes promised (empty: nothing to give back or take)."""
-
-    @classmethod
-    def of(cls, config: KVTierConfig, kv_cache_config: Any, on: bool) -> SyncBudget:
-        """The engine's budget: ``sync_load_max_bytes`` when ``on`` (one full-attention KV cache group,
-        loads enabled), over :func:`sync_tiers`; ``config.chunk_tokens`` resolved."""
-        return cls(int(config.sync_load_max_bytes) if on else 0, bytes_per_token(kv_cache_config),
-                   sync_tiers(config), int(config.chunk_tokens))
-
-    def offer(self, req_id: str, tiers: list[str], num_computed_tokens: int, hit: int) -> bool:
-        """Promise the load of tokens ``[num_computed_tokens, hit)`` to ``req_id`` in this step when
-        every chunk to load is in :attr:`tiers` (by the plan) and its copy fits what is left."""
-        if not self.step_bytes:
-            return False
-        need = (hit - num_computed_tokens) * self.bytes_per_token
-        if need > self.left_bytes:
-            return False
-        first = num_computed_tokens // self.chunk_tokens  # every chunk from there in a tier read synchronously
-        if not self.tiers.issuperset(tiers[first:]):
-            return False
-        self.left_bytes -= need
-        self.promised[req_id] = need
-        return True
-
-    def give_back(self, req_id: str) -> bool:
-        """Take back ``req_id``'s promise (asked again, not allocated, or finished); whether it had one."""
-        promised = self.promised.pop(req_id, None)
-        if promised is None:
-            return False
-        self.left_bytes += promised
-        return True
-
-    def taken(self, req_id: str) -> bool:
-        """``req_id``'s load job was built: whether it was promised this step (a synchronous load)."""
-        return self.promised.pop(req_id, None) is not None
-
-    def new_step(self) -> None:
-        """The next step's budget, whole."""
-        self.left_bytes = self.step_bytes
-        self.promised.clear()
-
-
 class DeferredSaves:
-    """Deferred save jobs not yet reported ended by every rank (see the module docstring).
+    """Deferred save jobs not yet reported ended by every rank (design: docs/scheduler.md § Deferred saves).
 
     Args:
         tp_size: tensor-parallel ranks, each of which reports every job.
@@ -298,7 +215,7 @@ IDLE_STEP_S = 0.01  # pause of a step taken only to settle, seconds
 
 
 class Settle:
-    """Whether the engine should keep stepping for kvtier's sake (see the module docstring).
+    """Whether the engine should keep stepping for kvtier's sake (design: docs/scheduler.md § Settling).
 
     Args:
         settle_s: longest the engine steps with no scheduled work, seconds.
@@ -361,18 +278,15 @@ class Settle:
             time.sleep(IDLE_STEP_S)
 
 
-def begin_step(sync: SyncBudget, settle: Settle, deferred: DeferredSaves, preempted: Iterable[str],
-               idle: bool) -> frozenset[str]:
+def begin_step(settle: Settle, deferred: DeferredSaves, preempted: Iterable[str], idle: bool) -> frozenset[str]:
     """The engine-wide state at a step's start (``build_connector_meta``), in one call: the requests
     held since the last step (returned, for this step's metadata), the ``preempted`` requests' deferred
     saves forgotten (the workers wait for them in ``handle_preemptions``, before the forward),
-    :meth:`Settle.step` (``idle``: no token scheduled and no request known) and the synchronous
-    loads' budget whole again."""
+    :meth:`Settle.step` (``idle``: no token scheduled and no request known)."""
     held = deferred.take_held()
     for req_id in preempted:
         deferred.forget(req_id)
     settle.step(idle)
-    sync.new_step()
     return held
 
 
@@ -384,3 +298,102 @@ def fold_reports(meta: object, mirror: IndexMirror, settle: Settle, deferred: De
         for rank in sorted(meta.ranks):
             mirror.apply(rank, meta.ranks[rank])
             deferred.ended(rank, meta.ranks[rank].saves_ended)
+
+
+class PagePlanner:
+    """The pages of one engine's load and save jobs, keyed, from the mirror (the plan arithmetic:
+    :mod:`kvtier.integrations.vllm.scheduler.pages`).
+
+    Args:
+        plan: the engine's per-group plan.
+        mirror: the scheduler's mirror of the ranks' indexes.
+    """
+
+    def __init__(self, plan: HybridPlan, mirror: IndexMirror) -> None:
+        self.plan = plan
+        self.mirror = mirror
+        self.C = plan.chunk_tokens
+        self.dense = not plan.is_hybrid
+
+    def _key(self, chain: Sequence[bytes], group: int, chunk: int) -> bytes:
+        if self.dense:  # one full-attention group: the chunk key itself (the namespace tells it apart)
+            return bytes(chain[chunk])
+        return bytes(group_key(ChunkKey(chain[chunk]), group))
+
+    def parent_of(self, chain: Sequence[bytes], page: PageMove) -> bytes:
+        """Key of the page before ``page`` in its group's chain (``b""`` for chunk 0 and for the
+        pages of groups that are not full attention)."""
+        full = any(g.index == page.group and g.kind is GroupKind.FULL for g in self.plan.groups)
+        return self._key(chain, page.group, page.chunk - 1) if full and page.chunk > 0 else b""
+
+    def lookup(self, chain: Sequence[bytes], num_computed_tokens: int, num_tokens: int,
+               shared: AbstractSet[bytes] = frozenset(), shared_tier: str = "") -> tuple[int, list[str]]:
+        """The hit (tokens, 0 if none beyond ``num_computed_tokens``) and, per chunk before it,
+        the slowest tier any of its pages is held in (for vLLM's hit-source metrics; ``""`` for
+        a chunk kvtier does not hold before the engine's own hit).
+
+        ``shared``: page keys the shared tier ``shared_tier`` holds for every rank, from
+        :meth:`~kvtier.integrations.vllm.scheduler.remote.RemoteLookups.poll_pages` over :meth:`unheld_pages`.
+        """
+        if self.dense:  # one full-attention group: its pages are the chain's chunks, read in one pass
+            keys = list(map(bytes, chain[:min(len(chain), max(0, num_tokens - 1) // self.C)]))
+            mirror = self.mirror  # one rank: its map's C lookup (IndexMirror.tier's answer), else tier()
+            held_in = mirror.ranks[0].get if mirror.tp_size == 1 and mirror.ready else mirror.tier
+            # each chunk's tier, None (or "") where none holds it: mapped, counted and copied in C (the hit path)
+            held = [held_in(key) or (shared_tier if key in shared else None) for key in keys] if shared \
+                else list(map(held_in, keys))
+            first = num_computed_tokens // self.C  # the run held from where the engine's hit ends
+            end = first + len(list(takewhile(bool, held[first:])))
+            if end <= first:
+                return 0, []
+            upto = held[:end]  # (a tier each from first on: the run; before it, "" where none held it)
+            return end * self.C, cast("list[str]", upto) if all(upto[:first]) else [t or "" for t in upto]
+
+        def tier(group: int, chunk: int) -> str | None:
+            if chunk >= len(chain):
+                return None
+            key = self._key(chain, group, chunk)
+            return self.mirror.tier(key) or (shared_tier if key in shared else None)
+
+        hit = self.plan.hit_tokens(lambda g, c: tier(g, c) is not None, num_computed_tokens, num_tokens)
+        tiers = []
+        for c in range(hit // self.C):
+            held = [tier(g.index, c) for g in self.plan.groups]
+            tiers.append(slowest([t for t in held if t]) if any(held) else "")
+        return hit, tiers
+
+    def unheld_pages(self, chain: Sequence[bytes], num_computed_tokens: int, num_tokens: int) -> list[bytes]:
+        """Keys of the pages a hit beyond ``num_computed_tokens`` could use that no rank's local
+        tiers hold (every group, every chunk up to the last one vLLM lets a connector load):
+        what the scheduler asks the shared tier about."""
+        first = num_computed_tokens // self.C
+        limit = min(len(chain), max(0, num_tokens - 1) // self.C)
+        return [key for c in range(first, limit) for g in self.plan.groups
+                if self.mirror.tier(key := self._key(chain, g.index, c)) is None]
+
+    def load_pages(self, chain: Sequence[bytes], block_ids: Sequence[Sequence[int]], num_computed_tokens: int,
+                   hit: int) -> tuple[PageMove, ...]:
+        """Pages resuming every group at ``hit`` (``block_ids``: ``KVCacheBlocks.get_block_ids()``)."""
+        if self.dense:  # one group: HybridPlan.pages_to_load's pages without a ChunkBlocks each (the hit path)
+            ids, bs = block_ids[0], self.plan.groups[0].block_size
+            k, lo, end = self.C // bs, num_computed_tokens // bs, hit // self.C
+            if len(ids) >= hit // bs and NULL_BLOCK not in ids[lo:end * k]:
+                return tuple(PageMove(bytes(chain[c]), 0, c, max(c * k, lo) - c * k,
+                                      tuple(ids[max(c * k, lo):(c + 1) * k])) for c in range(lo // k, end))
+        loads = [cb for g in self.plan.groups
+                 for cb in self.plan.pages_to_load(g, num_computed_tokens, hit, block_ids[g.index])]
+        return tuple(PageMove(self._key(chain, cb.group, cb.chunk), cb.group, cb.chunk, cb.first_slot, cb.block_ids)
+                     for cb in loads)
+
+    def save_pages(self, chain: Sequence[bytes], start_chunk: int, end_chunk: int,
+                   block_ids: Sequence[Sequence[int]], handoffs: Sequence[tuple[int, int, int]],
+                   num_prompt_tokens: int) -> tuple[PageMove, ...]:
+        """Pages of chunks ``[start_chunk, end_chunk)`` worth storing, and the state snapshots
+        vLLM handed over this step (``(group, block id, boundary tokens)``) at boundaries
+        ``≤ end_chunk × chunk_tokens``."""
+        plan = self.plan
+        stored = [cb for g in plan.groups if g.kind is not GroupKind.STATE
+                  for cb in plan.pages_to_store(g, start_chunk, end_chunk, block_ids[g.index], num_prompt_tokens)]
+        stored += plan.state_pages(handoffs, end_chunk * self.C)
+        return tuple(PageMove(self._key(chain, cb.group, cb.chunk), cb.group, cb.chunk, 0, cb.block_ids)
+                     for cb in stored)
