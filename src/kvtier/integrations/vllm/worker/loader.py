@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 READ_AHEAD_POLL_S = 0.002  # how often a load looks for more chunks read ahead (on its own thread)
 CHUNK_OF = attrgetter("chunk")  # a PageMove's chunk (in C: no generator frame per page on the hit path)
 KEY_OF = attrgetter("key")  # a PageMove's key (in C: no comprehension's frame)
+BLOCK_IDS_OF = attrgetter("block_ids")  # a PageMove's block ids
 
 
 class Outcomes:
@@ -199,7 +200,7 @@ class LoadPath:
                             if end < job.hit_tokens else {}, resumed=job.resumed,
                             failed_blocks=sum(len(p.block_ids) for p in unfilled_pages) if unfilled_pages else 0,
                             rerouted_chunks=rerouted,
-                            engine_bytes=self.copiers.moved_bytes(pages if whole else pages[:delivered]) if ok else 0,
+                            engine_bytes=moved_bytes(self.copiers, pages if whole else pages[:delivered]) if ok else 0,
                             seconds=seconds)
         if handle is None:
             self.store.load_skipped(engine, job_context(job))
@@ -239,6 +240,14 @@ def job_context(job: LoadJob, record: RequestRecord | None = None) -> OpContext:
     """The load's context: its request's id and tenant, and ``record`` as its sink (the handle
     carries it to ``complete_load``)."""
     return OpContext(job.req_id, job.tenant) if record is None else OpContext(job.req_id, job.tenant, record)
+
+
+def moved_bytes(copiers: GroupCopiers, pages: Sequence[PageMove]) -> int:
+    """Engine bytes the pages cover (all layers of their groups): a load's, and a save's (:mod:`~.saves`)."""
+    if len(copiers.block_bytes) == 1:  # one group (a dense model): in C, no generator frame per page
+        (block_bytes,) = copiers.block_bytes.values()
+        return block_bytes * sum(map(len, map(BLOCK_IDS_OF, pages)))
+    return sum(len(p.block_ids) * copiers.block_bytes[p.group] for p in pages)
 
 
 def tokens_by_tier(tiers: Sequence[str], start: int, end: int, chunk_tokens: int) -> dict[str, int]:
