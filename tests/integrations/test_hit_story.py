@@ -188,8 +188,16 @@ SCRIPT = ROOT / "scripts" / "hit_story.py"
 # no page resident in the cpu tier at submit pinned nothing and registers no release callback (loader ->
 # store cancel_load 1 -> 0, store -> index release 1 -> 0).  worker/copy.py stays on the hit (see work33).
 # Merged on main (sched33, work33, disk33, work33b): 19 files, 112 moves (752 kvtier calls, load 2.2).
+# Lowered on branch work33c: 19 files, 108 moves (2 runs, 752 kvtier calls each, load 3.0-3.5), from 112 at main
+# 41b79d0 (measured at its start, 752 calls, load 2.0).  The loader is split by thread: its engine thread's end
+# (AsyncLoader: the pool, submit, abort, take, wait_ended) is in worker/side.py beside its one caller, one load's
+# path on a loader thread is loader.py's LoadPath, which reports into its Outcomes (side -> loader 5 -> 2:
+# job_keys, FactsBook.take); moved_bytes is a free function in loader.py (loader -> copy 3 -> 2).  A reset's clear
+# and the graceful stop moved to the cold worker/lifecycle.py.  worker/copy.py stays on the hit: with the host
+# copy moved in (load_runs, _load_adjacent, _address, the one-group path), loader.py measured 449 lines (18 files,
+# 106 moves).
 MAX_FILES = 19
-MEASURED_MOVES = 112
+MEASURED_MOVES = 108
 SLACK_MOVES = 30
 
 
