@@ -286,11 +286,11 @@ def detail(tl: Timeline, side: Any) -> None:
     from kvtier.core.tiers.node import readcopy
     from kvtier.core.tiers.node import tier as node_tier
 
-    loader = side.loader
+    loader = side.loader.path if side.loader is not None else None  # (each load runs loader.run)
     if loader is not None and os.environ.get("FULL_HIT_PROFILE"):  # each load's thread under cProfile, summed
         import cProfile
 
-        profile, real_run, out = cProfile.Profile(), loader._run, os.environ["FULL_HIT_PROFILE"]
+        profile, real_run, out = cProfile.Profile(), loader.run, os.environ["FULL_HIT_PROFILE"]
 
         def profiled(job: Any) -> None:
             profile.enable()
@@ -300,9 +300,9 @@ def detail(tl: Timeline, side: Any) -> None:
                 profile.disable()
                 profile.dump_stats(f"{out}.{os.getpid()}")
 
-        loader._run = profiled
+        loader.run = profiled
     if loader is not None:
-        tl.wrap_light(loader, "_run", "run")
+        tl.wrap_light(loader, "run", "run")
         tl.wrap_light(loader, "finish", "finish")
         if loader.direct is not None:
             tl.wrap_light(loader.direct, "scatter", "scatter")

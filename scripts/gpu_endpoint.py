@@ -34,7 +34,8 @@ from kvtier.core.pinned import is_pinned
 from kvtier.core.store import TieredStore
 from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES
 from kvtier.integrations.vllm.protocol import LoadJob, PageMove
-from kvtier.integrations.vllm.worker.loader import AsyncLoader
+from kvtier.integrations.vllm.worker.loader import LoadPath
+from kvtier.integrations.vllm.worker.side import AsyncLoader
 
 GiB = float(1 << 30)
 LOAD_WAIT_S = 60.0  # longest one load may take before the check calls it failed
@@ -99,7 +100,7 @@ def measure_endpoint(runner: object, loads: tuple[PageMove, ...], zero: Callable
                 ok = ok and equal()
             pool.give(buffers)
             pool.region[:] = 0  # the loads below must fill them again: from disk, not from this copy
-            loader = AsyncLoader(lower, copiers, chunk_tokens, 2, partial=True, wait_s=LOAD_WAIT_S)
+            loader = AsyncLoader(LoadPath(lower, copiers, chunk_tokens, partial=True, wait_s=LOAD_WAIT_S), 2)
             hits0 = lower.stats().tier("disk").load_hit_chunks
             try:
                 for r in range(repeats):

@@ -45,7 +45,7 @@ from kvtier.integrations.vllm.cache_groups import GroupKind, GroupSpec
 from kvtier.integrations.vllm.protocol import KVTierMetadata, LoadJob, PageMove, SaveJob
 from kvtier.integrations.vllm.worker.copy import GroupCopiers
 from kvtier.integrations.vllm.worker.layout import detect_layout
-from kvtier.integrations.vllm.worker.loader import AsyncLoader
+from kvtier.integrations.vllm.worker.loader import LoadPath
 from kvtier.integrations.vllm.worker.registration import Registered
 from kvtier.integrations.vllm.worker.side import WorkerSide
 
@@ -105,9 +105,9 @@ class Runner:
         store = TieredStore(self.config, namespace, self.copiers.page_bytes)
         if device.type == "cuda":
             store.cpu.pin_host_memory()
-        loader = AsyncLoader(store, self.copiers, chunk_tokens, 2, partial=True)
+        path = LoadPath(store, self.copiers, chunk_tokens, partial=True)  # on config.io_threads loader threads
         self.sides = {lw: WorkerSide.over(self.config.model_copy(update={"layerwise_loads": lw}), (group,),
-                                          Registered(layout, self.copiers, store, loader, namespace))
+                                          Registered(layout, self.copiers, store, path, namespace))
                       for lw in (False, True)}
         self.store = store
         self._seq = 0

@@ -76,7 +76,7 @@ PARTS = (  # (module, attribute path, label): the hit's parts, nested as they ca
     ("kvtier.core.mover", "Mover.prepare_load", "  prepare_load"),
     ("kvtier.core.index", "Index.plan_load", "    Index.plan_load"),
     ("kvtier.integrations.vllm.worker.copy", "GroupCopiers.load", "  copy"),
-    ("kvtier.integrations.vllm.worker.loader", "AsyncLoader.finish", "  finish"),
+    ("kvtier.integrations.vllm.worker.loader", "LoadPath.finish", "  finish"),
     ("kvtier.integrations.vllm.worker.loader", "tokens_by_tier", "    tokens_by_tier"),
     ("kvtier.integrations.vllm.worker.loader", "EngineLoad", "    EngineLoad()"),
     ("kvtier.core.mover", "Mover.complete_load", "    complete_load"),
@@ -238,7 +238,7 @@ def worker_side(chunks: int, repeats: int, profile: bool, flush: CacheFlush,
     from kvtier.integrations.vllm.protocol import KVTierMetadata, LoadJob, PageMove, SaveJob
     from kvtier.integrations.vllm.worker.copy import GroupCopiers
     from kvtier.integrations.vllm.worker.layout import detect_layout
-    from kvtier.integrations.vllm.worker.loader import AsyncLoader
+    from kvtier.integrations.vllm.worker.loader import LoadPath
     from kvtier.integrations.vllm.worker.registration import Registered
     from kvtier.integrations.vllm.worker.side import WorkerSide
 
@@ -254,7 +254,7 @@ def worker_side(chunks: int, repeats: int, profile: bool, flush: CacheFlush,
                           chunk_tokens=CHUNK)
     store = TieredStore(config, namespace, copiers.page_bytes)
     side = WorkerSide.over(config, (group,), Registered(layout, copiers, store,
-                                                        AsyncLoader(store, copiers, CHUNK, 2, partial=True), namespace))
+                                                        LoadPath(store, copiers, CHUNK, partial=True), namespace))
     keys = chunk_keys(b"\0" * 16, list(range(chunks * CHUNK)), CHUNK)
     pages = tuple(PageMove(bytes(k), 0, c, 0, (c,)) for c, k in enumerate(keys))
 

@@ -1,6 +1,6 @@
 """A disk-hit load on the CPU backend's copy path, with and without landing buffers (issue 37 item 2).
 
-The worker's loader (:class:`kvtier.integrations.vllm.worker.loader.AsyncLoader`) loads a
+The worker's loader (:class:`kvtier.integrations.vllm.worker.side.AsyncLoader`) loads a
 ``--chunks``-chunk prefix that lives only on the disk tier into a host KV cache of the 24-layer
 ``mid`` geometry (bf16, 2 KV heads of 64, 128-token blocks = chunks: 1.5 MiB per chunk, 12 KiB of KV
 per token), from ``submit`` to the load reported finished.  Arms, interleaved in one process,
@@ -47,7 +47,8 @@ from kvtier.integrations.vllm.cache_groups import GroupKind, GroupSpec
 from kvtier.integrations.vllm.protocol import LoadJob, PageMove
 from kvtier.integrations.vllm.worker.copy import GroupCopiers
 from kvtier.integrations.vllm.worker.layout import detect_layout
-from kvtier.integrations.vllm.worker.loader import AsyncLoader
+from kvtier.integrations.vllm.worker.loader import LoadPath
+from kvtier.integrations.vllm.worker.side import AsyncLoader
 
 LAYERS, KV_HEADS, HEAD, BLOCK = 24, 2, 64, 128
 ARMS = ("page", "private", "landing")
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         tight.gate_evictions(True)
         private, landing = LandingPool(page, 0), LandingPool.sized(page)
         stores = {"page": room, "private": tight, "landing": tight}
-        loaders = {name: AsyncLoader(s, copiers, BLOCK, 2, partial=True, wait_s=60.0) for name, s in
+        loaders = {name: AsyncLoader(LoadPath(s, copiers, BLOCK, partial=True, wait_s=60.0), 2) for name, s in
                    (("room", room), ("tight", tight))}
         times: dict[str, list[float]] = {a: [] for a in ARMS}
         print(f"before: {_uptime()}")

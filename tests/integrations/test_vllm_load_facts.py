@@ -1,7 +1,7 @@
 """What the worker's loader tells the scheduler about a load, for the request's receipt (issue 35):
 a real store (cpu over disk), real tensors as the engine's KV cache, the scheduler's own page
 planning, and no engine (the set-up of ``test_vllm_loader.py``).  The facts are taken as the
-worker's step metadata takes them (``AsyncLoader.facts``)."""
+worker's step metadata takes them (``AsyncLoader.facts``, :mod:`~kvtier.integrations.vllm.worker.side`)."""
 
 from __future__ import annotations
 
@@ -12,15 +12,16 @@ from kvtier.integrations.vllm.protocol import LoadJob, RequestFacts
 from kvtier.integrations.vllm.scheduler.steps import IndexMirror, PagePlanner
 from kvtier.integrations.vllm.worker.copy import GroupCopiers
 from kvtier.integrations.vllm.worker.layout import detect_layout
-from kvtier.integrations.vllm.worker.loader import AsyncLoader
+from kvtier.integrations.vllm.worker.loader import LoadPath
+from kvtier.integrations.vllm.worker.side import AsyncLoader
 from tests.integrations.test_vllm_loader import BLOCK, CHUNK, NUM_BLOCKS, _caches, _setup
 
 
 def _facts(store, plan, chain, tiers, wait_s: float = 5.0) -> RequestFacts:
     dst = _caches(1)
     layout = detect_layout(dst, NUM_BLOCKS, "TEST")
-    loader = AsyncLoader(store, GroupCopiers(plan.groups, CHUNK, {0: layout}, dst), CHUNK, threads=1, partial=True,
-                         wait_s=wait_s)
+    loader = AsyncLoader(LoadPath(store, GroupCopiers(plan.groups, CHUNK, {0: layout}, dst), CHUNK, partial=True,
+                                  wait_s=wait_s), threads=1)
     hit = len(tiers) * CHUNK
     pages = PagePlanner(plan, IndexMirror(1)).load_pages(chain, [[12] + list(range(13, 28))], BLOCK, hit)
     loader.submit(LoadJob("r", pages, BLOCK, hit, tiers))

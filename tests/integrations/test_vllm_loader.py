@@ -23,7 +23,8 @@ from kvtier.integrations.vllm.scheduler.pages import HybridPlan
 from kvtier.integrations.vllm.scheduler.steps import IndexMirror, PagePlanner
 from kvtier.integrations.vllm.worker.copy import GroupCopiers
 from kvtier.integrations.vllm.worker.layout import detect_layout
-from kvtier.integrations.vllm.worker.loader import AsyncLoader, tokens_by_tier
+from kvtier.integrations.vllm.worker.loader import LoadPath, tokens_by_tier
+from kvtier.integrations.vllm.worker.side import AsyncLoader
 from kvtier.integrations.vllm.worker.syncload import load_now
 
 BLOCK, CHUNK, NUM_BLOCKS = 16, 64, 32  # 4 blocks per chunk
@@ -65,7 +66,8 @@ def _load(store: TieredStore, plan: HybridPlan, chain: list[bytes], tiers: tuple
     """Load tokens 16..256 (the engine's own hit is one block) into blocks 13..27 of a fresh cache."""
     dst = _caches(1)
     layout = detect_layout(dst, NUM_BLOCKS, "TEST")
-    loader = AsyncLoader(store, GroupCopiers(plan.groups, CHUNK, {0: layout}, dst), CHUNK, threads=1, partial=partial, wait_s=5.0)
+    loader = AsyncLoader(LoadPath(store, GroupCopiers(plan.groups, CHUNK, {0: layout}, dst), CHUNK, partial=partial,
+                                  wait_s=5.0), threads=1)
     table = [12] + list(range(13, 28))  # block 12 holds the engine's own first 16 tokens
     pages = PagePlanner(plan, IndexMirror(1)).load_pages(chain, [table], BLOCK, 4 * CHUNK)
     loader.submit(LoadJob("r", pages, BLOCK, 4 * CHUNK, tiers))
@@ -143,7 +145,8 @@ def test_a_load_reported_after_a_reset_fails_its_blocks(tmp_path: Path) -> None:
     request after it.  A load reported before the reset stays a hit."""
     store, plan, _, chain, where = _setup(tmp_path)
     layout = detect_layout(dst := _caches(1), NUM_BLOCKS, "TEST")
-    loader = AsyncLoader(store, GroupCopiers(plan.groups, CHUNK, {0: layout}, dst), CHUNK, threads=1, partial=True, wait_s=5.0)
+    loader = AsyncLoader(LoadPath(store, GroupCopiers(plan.groups, CHUNK, {0: layout}, dst), CHUNK, partial=True,
+                                  wait_s=5.0), threads=1)
     table = [12] + list(range(13, 28))
     pages = PagePlanner(plan, IndexMirror(1)).load_pages(chain, [table], BLOCK, 4 * CHUNK)
     planned = (where[0], where[1], where[2], "cpu")
@@ -175,21 +178,22 @@ def test_a_synchronous_load_copies_what_the_cpu_tier_holds_and_never_reads_below
     recomputes them) and names that page's chunk, from which the worker drops the step's saves."""
     store, plan, src, chain, where = _setup(tmp_path)
     layout = detect_layout(dst := _caches(1), NUM_BLOCKS, "TEST")
-    loader = AsyncLoader(store, GroupCopiers(plan.groups, CHUNK, {0: layout}, dst), CHUNK, threads=1, partial=True, wait_s=5.0)
+    loader = AsyncLoader(LoadPath(store, GroupCopiers(plan.groups, CHUNK, {0: layout}, dst), CHUNK, partial=True,
+                                  wait_s=5.0), threads=1)
     table = list(range(13, 29))
     jobs = PagePlanner(plan, IndexMirror(1))
     before = store.stats()
     # the engine's own hit covers chunks 0-1; chunk 2 is in the cpu tier, chunk 3 was never stored
     tail = LoadJob("t", jobs.load_pages(chain, [table], 2 * CHUNK, 4 * CHUNK), 2 * CHUNK, 4 * CHUNK,
                    ("", "", where[2], "cpu"), sync=True)
-    assert load_now(loader, tail) == (set(range(25, 29)), 3)
+    assert load_now(loader.path, tail) == (set(range(25, 29)), 3)
     for layer, t in src.items():  # chunk 2 = saved from blocks 9..12, now in blocks 21..24
         for s, d in zip(range(9, 13), range(21, 25)):
             assert torch.equal(dst[layer][d], t[s]), (layer, s, d)
     # chunk 0 is only on disk: nothing is read, every block is an error, recomputed from chunk 0
     whole = LoadJob("w", jobs.load_pages(chain, [table], 0, 4 * CHUNK), 0, 4 * CHUNK, ("disk", "cpu", "cpu", "cpu"),
                     sync=True)
-    assert load_now(loader, whole) == (set(table), 0)
+    assert load_now(loader.path, whole) == (set(table), 0)
     after = store.stats()
     assert after.loaded_tokens.get("cpu", 0) - before.loaded_tokens.get("cpu", 0) == CHUNK
     assert after.transfer_seconds.get("disk_to_cpu", 0.0) == before.transfer_seconds.get("disk_to_cpu", 0.0)

@@ -22,7 +22,8 @@ from kvtier.integrations.vllm.scheduler.steps import IndexMirror, PagePlanner
 from kvtier.integrations.vllm.worker.copy import GroupCopiers
 from kvtier.integrations.vllm.worker.direct import DirectTargets
 from kvtier.integrations.vllm.worker.layout import detect_layout
-from kvtier.integrations.vllm.worker.loader import AsyncLoader
+from kvtier.integrations.vllm.worker.loader import LoadPath
+from kvtier.integrations.vllm.worker.side import AsyncLoader
 from tests.integrations.test_vllm_loader import BLOCK, CHUNK, NS, NUM_BLOCKS, _caches
 from tests.node_servers import NodeServer
 from tests.redis_servers import wait_until
@@ -58,7 +59,7 @@ def _load(store: TieredStore, copiers: GroupCopiers, plan: HybridPlan, chain: li
     """B loads tokens 16..256 into its blocks 13..27 (block 12 is its own first 16 tokens); chunk 3
     was never saved.  Returns the blocks reported unfilled and the requests finished."""
     pages = PagePlanner(plan, IndexMirror(1)).load_pages(chain, [[12, *range(13, 28)]], BLOCK, 4 * CHUNK)
-    return _run(AsyncLoader(store, copiers, CHUNK, threads=1, partial=True, wait_s=5.0, direct=direct),
+    return _run(AsyncLoader(LoadPath(store, copiers, CHUNK, partial=True, wait_s=5.0, direct=direct), threads=1),
                 LoadJob("r", pages, BLOCK, 4 * CHUNK, ("node",) * 4))
 
 
@@ -178,7 +179,7 @@ def test_pages_of_one_block_are_read_through_tiled_scatters_exactly(node_server:
         assert direct is not None
 
         def load() -> tuple[set[int], set[str]]:
-            loader = AsyncLoader(b, copiers, BLOCK, threads=1, partial=True, wait_s=5.0, direct=direct)
+            loader = AsyncLoader(LoadPath(b, copiers, BLOCK, partial=True, wait_s=5.0, direct=direct), threads=1)
             pages = PagePlanner(plan, IndexMirror(1)).load_pages(chain, [[9, 5, 7]], 0, 3 * BLOCK)
             job = LoadJob("r", pages, 0, 3 * BLOCK, ("node",) * 3)
             scatter = direct.into(job)(0)

@@ -20,7 +20,8 @@ from kvtier.integrations.vllm.scheduler.setup import sync_tiers
 from kvtier.integrations.vllm.scheduler.side import SyncBudget
 from kvtier.integrations.vllm.scheduler.steps import IndexMirror, PagePlanner
 from kvtier.integrations.vllm.worker.direct import DirectTargets
-from kvtier.integrations.vllm.worker.loader import AsyncLoader
+from kvtier.integrations.vllm.worker.loader import LoadPath
+from kvtier.integrations.vllm.worker.side import AsyncLoader
 from kvtier.integrations.vllm.worker.syncload import load_now
 from tests.integrations.test_vllm_loader import BLOCK, CHUNK, NS
 from tests.integrations.test_vllm_node_direct import _engine, _saved
@@ -36,8 +37,8 @@ def _sync_engine(server: NodeServer) -> tuple[TieredStore, AsyncLoader, dict[str
                                      "tiers": ["cpu", "node"], "node_socket": server.socket,
                                      "node_breaker_probe_s": 0.5})
     store = TieredStore(config, NS, copiers.page_bytes)
-    loader = AsyncLoader(store, copiers, CHUNK, threads=1, partial=True, wait_s=5.0,
-                         direct=DirectTargets.of(store, copiers), sync_within_s=config.shared_deadline_s)
+    loader = AsyncLoader(LoadPath(store, copiers, CHUNK, partial=True, wait_s=5.0, direct=DirectTargets.of(store, copiers),
+                                  sync_within_s=config.shared_deadline_s), threads=1)
     return store, loader, caches
 
 
@@ -53,7 +54,7 @@ def test_a_sync_node_hit_lands_in_the_blocks_exactly_on_the_callers_thread(node_
     a, src, chain, plan = _saved(node_server)
     b, loader, dst = _sync_engine(node_server)
     try:
-        errors, first_unfilled = load_now(loader, _job(chain, plan))
+        errors, first_unfilled = load_now(loader.path, _job(chain, plan))
         assert (errors, first_unfilled) == (set(), None)
         for layer, t in src.items():
             for s, d in zip(range(2, 13), range(13, 24)):
@@ -77,23 +78,23 @@ def test_a_stalled_owner_costs_a_sync_load_at_most_the_deadline_then_nothing(nod
     b, loader, dst = _sync_engine(node_server)
     every_block = set(range(13, 24))
     try:
-        assert load_now(loader, _job(chain, plan)) == (set(), None)  # connected, pool mapped
+        assert load_now(loader.path, _job(chain, plan)) == (set(), None)  # connected, pool mapped
         node_server.pause()
         for _ in range(3):
             t0 = time.perf_counter()
-            errors, first_unfilled = load_now(loader, _job(chain, plan))
+            errors, first_unfilled = load_now(loader.path, _job(chain, plan))
             took_s = time.perf_counter() - t0
             assert (errors, first_unfilled) == (every_block, 0)
             assert DEADLINE_S * 0.9 <= took_s < DEADLINE_S + 0.2, took_s
         t0 = time.perf_counter()
-        assert load_now(loader, _job(chain, plan)) == (every_block, 0)
+        assert load_now(loader.path, _job(chain, plan)) == (every_block, 0)
         assert time.perf_counter() - t0 < 0.05  # the breaker is open: a miss at once
         node_server.resume()
         time.sleep(1.0)  # past node_breaker_probe_s (and the client's timeout of its stalled call)
         for layer in dst.values():
             layer[13:24].zero_()
         deadline = time.monotonic() + 10.0
-        while load_now(loader, _job(chain, plan)) != (set(), None):  # the probe may meet the stale call's end
+        while load_now(loader.path, _job(chain, plan)) != (set(), None):  # the probe may meet the stale call's end
             assert time.monotonic() < deadline
             time.sleep(0.5)
         for layer, t in src.items():
@@ -114,7 +115,7 @@ def test_a_dead_owner_is_a_sync_miss_at_once(node_server: NodeServer) -> None:
     try:
         node_server.kill()
         t0 = time.perf_counter()
-        assert load_now(loader, _job(chain, plan)) == (set(range(13, 24)), 0)
+        assert load_now(loader.path, _job(chain, plan)) == (set(range(13, 24)), 0)
         assert time.perf_counter() - t0 < 0.1
     finally:
         loader.shutdown()

@@ -1,16 +1,17 @@
 """Worker side of the connector: owns this rank's store and bytes, moves blocks in and out.
 
-Files: :mod:`.side` (``WorkerSide``: what vLLM's model runner calls), :mod:`.registration` (the
-store, copiers and loader built over the engine's caches), :mod:`.loader` (loads on their own
-threads, each load's facts for its receipt, and ``tokens_by_tier``, the split of a load's tokens by
-planned tier that the scheduler's hit sources and receipts share), :mod:`.syncload` (loads on the
-engine's thread, before the forward), :mod:`.saves` (saves after the forward),
+Files: :mod:`.side` (``WorkerSide``: what vLLM's model runner calls, and ``AsyncLoader``, the engine
+thread's end of the asynchronous loads), :mod:`.lifecycle` (a reset's clear, the graceful stop),
+:mod:`.registration` (the store, copiers and load path built over the engine's caches), :mod:`.loader`
+(one load's path on its loader thread, each load's facts for its receipt, and ``tokens_by_tier``,
+the split of a load's tokens by planned tier that the scheduler's hit sources and receipts share),
+:mod:`.syncload` (loads on the engine's thread, before the forward), :mod:`.saves` (saves after the forward),
 :mod:`.copy` and :mod:`.batched` (engine blocks ↔ pages: host and batched CUDA paths),
 :mod:`.layout` (the caches' shapes), :mod:`.identity` (the model's fingerprint in the namespace).
 
 - ``register_kv_caches``: request AMX tile permission (:mod:`.registration`), detect the layout, build the
   namespace (with the identity fingerprint) and the rank's :class:`~kvtier.core.store.TieredStore`.
-- ``start_load``: hand each load job to the :class:`~kvtier.integrations.vllm.worker.loader.AsyncLoader`
+- ``start_load``: hand each load job to the :class:`~kvtier.integrations.vllm.worker.side.AsyncLoader`
   (returns at once), or, for a synchronous job (a cpu-tier hit within ``sync_load_max_bytes``),
   copy it here before the forward; ``finished_loads`` reports ended asynchronous loads (vLLM's
   ``get_finished``) and ``take_errors`` the blocks any load could not fill
@@ -28,7 +29,7 @@ engine's thread, before the forward), :mod:`.saves` (saves after the forward),
   planned from that drain leaves before its load pins it (vLLM's synchronous scheduling).
 - a reset order (``KVTierMetadata.reset``): applied in ``start_load`` before the step's loads:
   the store is cleared (:meth:`~kvtier.core.store.TieredStore.clear`), loads started before it
-  end failed (:class:`~kvtier.integrations.vllm.worker.loader.AsyncLoader` compares the store's epoch),
+  end failed (:class:`~kvtier.integrations.vllm.worker.side.AsyncLoader` compares the store's epoch),
   and the next report carries the order's epoch with a full snapshot.
 - ``shutdown``: stop loading, write dirty DRAM chunks to disk within ``shutdown_flush_s``
   (what misses the deadline is counted and logged), stop the store.

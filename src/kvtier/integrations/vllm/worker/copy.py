@@ -32,7 +32,6 @@ from __future__ import annotations
 import ctypes
 import math
 from collections.abc import Sequence
-from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -50,7 +49,6 @@ MAX_HOST_RUNS = 8
 ``numpy.copyto`` instead of one ``memmove`` per run (a run that small costs more in calls than in bytes)."""
 
 _memmove = ctypes.memmove
-_BLOCK_IDS = attrgetter("block_ids")
 
 
 class HostRuns:
@@ -363,11 +361,3 @@ class GroupCopiers:
                 return
         for group, spans in self._spans(moves).items():
             self.copiers[group].load(spans)
-
-    def moved_bytes(self, pages: Sequence[PageMove]) -> int:
-        """Engine bytes the pages cover (all layers of their groups)."""
-        if len(self.block_bytes) == 1:  # one group (a dense model): in C, no generator frame per page
-            (block_bytes,) = self.block_bytes.values()
-            return block_bytes * sum(map(len, map(_BLOCK_IDS, pages)))
-        return sum(len(p.block_ids) * self.block_bytes[p.group] for p in pages)
-

@@ -1,8 +1,8 @@
-"""Asynchronous loads on a worker rank: store → (disk read, verify) → engine blocks, off the engine's thread.
+"""One asynchronous load's path on a loader thread: store → (disk read, verify) → engine blocks.
 
 One :class:`LoadJob` per request admitted with a kvtier hit, one path for every model (a dense
-model's pages are its chunks).  ``submit`` returns at once; a loader thread (``threads`` of
-them) then:
+model's pages are its chunks).  The engine's thread hands each job to a loader thread
+(:class:`~.side.AsyncLoader`), which runs :meth:`LoadPath.run`:
 
 1. prepare: ``store.prepare_load(page keys, read_ahead=True, ctx=OpContext(req_id, tenant))``
    (the request's context, :mod:`kvtier.core.context`, which the handle carries on) pins the
@@ -20,32 +20,15 @@ them) then:
 4. report: with one KV cache group (``partial``), the blocks it could not fill become load
    errors (vLLM keeps the valid prefix); with several, a load short of any page is a failed
    request (vLLM recomputes it whole).  Then the request is finished receiving, in that order,
-   so both reach vLLM no later than the same step.
+   so both reach vLLM no later than the same step: into :class:`Outcomes`, which the engine's
+   thread takes (:meth:`~.side.AsyncLoader.take`).
 
 Synchronous loads (``LoadJob.sync``, copied on the engine's thread before the forward) are
-:mod:`~.syncload`'s; they end through :meth:`AsyncLoader.finish` too.
-
-A reset (the store's :attr:`~kvtier.core.store.TieredStore.epoch` changed) fails every load that
-started before it and is reported after it: its blocks are reported as load errors (with several
-KV cache groups, the request as failed), so vLLM recomputes them and nothing read before the reset
-reaches a request after it; the check is made when the outcome is taken (:meth:`AsyncLoader.take`),
-which the worker does after applying the order.
-
-Idle steps: while every request the engine holds is parked for a load, vLLM keeps stepping with
-nothing to compute and asks for finished loads each step (``get_finished``).  The worker then calls
-:meth:`AsyncLoader.wait_ended`, which blocks on a condition the loader threads notify as each load
-ends (never a sleep loop) until one has ended or ``idle_step_wait_s`` passed, so the engine's thread
-neither spins nor holds the GIL the loader threads need while they read, verify and copy.
+:mod:`~.syncload`'s; they end through :meth:`LoadPath.finish` too.
 
 Facts: each load's events (its :class:`~kvtier.core.sinks.RequestRecord`) become the request's
 :class:`~kvtier.integrations.vllm.protocol.RequestFacts` when it ends (:func:`load_facts`), kept in
 :class:`FactsBook` until the step's worker metadata carries them to the scheduler's receipts (issue 35).
-
-Bounds: jobs in flight are bounded by the engine's KV cache (each holds its request's blocks
-until reported); a job waits for its read-ahead at most ``load_wait_s``; ``shutdown`` cancels
-jobs not started and waits for running ones.  A job whose request was aborted before it started
-is skipped (its tokens counted as unfilled) and reported as finished (vLLM waits for that
-report before it frees the blocks; vllm/v1/core/sched/scheduler.py ``finish_requests``).
 """
 
 from __future__ import annotations
@@ -54,7 +37,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from itertools import groupby
 from operator import attrgetter, ne
 from typing import cast
@@ -74,16 +57,34 @@ log = logging.getLogger(__name__)
 READ_AHEAD_POLL_S = 0.002  # how often a load looks for more chunks read ahead (on its own thread)
 CHUNK_OF = attrgetter("chunk")  # a PageMove's chunk (in C: no generator frame per page on the hit path)
 KEY_OF = attrgetter("key")  # a PageMove's key (in C: no comprehension's frame)
+BLOCK_IDS_OF = attrgetter("block_ids")  # a PageMove's block ids
 
 
-class AsyncLoader:
-    """Runs :class:`LoadJob` s on a bounded thread pool and collects their outcomes.
+class Outcomes:
+    """Loads ended on the loader threads (:meth:`LoadPath.finish`) and not yet taken by the engine's
+    thread (:meth:`~.side.AsyncLoader.take`); every field is read and written under ``lock``."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.ended = threading.Condition(self.lock)  # notified when a load ends (finish)
+        self.finished: set[str] = set()  # requests whose load ended
+        self.errors: set[int] = set()  # blocks that could not be filled (one group)
+        self.failed: set[str] = set()  # requests whose load failed whole (several groups; also in finished)
+        self.aborted: set[str] = set()  # requests vLLM finished before their load started (skipped)
+        self.inflight: dict[str, Future[None]] = {}  # req_id -> its job, from submit to finish
+        # ended loads not yet taken: req_id -> (store epoch at their start, blocks filled; None: failed whole)
+        self.filled: dict[str, tuple[int, tuple[int, ...] | None]] = {}
+        self.version = 0  # bumped as each load ends: unchanged since a take, a take has nothing
+
+
+class LoadPath:
+    """Runs one :class:`LoadJob` at a time on the calling (loader) thread: prepare, copy each page as
+    it is ready, complete, report to :attr:`outcomes`.
 
     Args:
         store: this rank's store.
         copiers: copy pages into the engine's blocks (one copier per KV cache group).
         chunk_tokens: tokens per chunk.
-        threads: loader threads (> 0).
         partial: a short load keeps its valid prefix and reports the rest as block-level
             errors (one full-attention KV cache group); otherwise it fails whole.
         wait_s: longest a job waits for the pages read ahead from a lower tier, seconds.
@@ -91,9 +92,8 @@ class AsyncLoader:
         sync_within_s: deadline of a synchronous load's shared-tier read (``shared_deadline_s``).
     """
 
-    def __init__(self, store: TieredStore, copiers: GroupCopiers, chunk_tokens: int, threads: int,
-                 partial: bool, wait_s: float = 10.0, direct: DirectTargets | None = None,
-                 sync_within_s: float = 0.25) -> None:
+    def __init__(self, store: TieredStore, copiers: GroupCopiers, chunk_tokens: int, partial: bool,
+                 wait_s: float = 10.0, direct: DirectTargets | None = None, sync_within_s: float = 0.25) -> None:
         self.store = store
         self.sync_within_s = sync_within_s
         self.copiers = copiers
@@ -101,74 +101,11 @@ class AsyncLoader:
         self.chunk_tokens = chunk_tokens
         self.partial = partial
         self.wait_s = wait_s  # longest wait for pages read ahead (config load_wait_s)
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-load")
-        self._lock = threading.Lock()
-        self._ended = threading.Condition(self._lock)  # notified when a load ends (finish)
-        self._finished: set[str] = set()
-        self._errors: set[int] = set()
-        self._failed: set[str] = set()
-        self._aborted: set[str] = set()
-        self._inflight: dict[str, Future[None]] = {}
-        # ended loads not yet taken: req_id -> (store epoch at their start, blocks filled; None: failed whole)
-        self._filled: dict[str, tuple[int, tuple[int, ...] | None]] = {}
-        self.version = 0  # bumped under the lock as each load ends: unchanged since a take(), take() has nothing
+        self.outcomes = Outcomes()
         self.facts = FactsBook()  # what loads (and the worker's saves) learned, for the requests' receipts
 
-    def submit(self, job: LoadJob) -> None:
-        """Start ``job`` in the background (never blocks).  Its pages the cpu tier holds are pinned
-        here, on the caller's (engine) thread, so that they are still there when a loader thread
-        prepares the load (released once the job is over, or cancelled)."""
-        held = self.store.pin_resident(job_keys(job))
-        try:
-            with self._lock:
-                self._aborted.discard(job.req_id)
-                future = self._pool.submit(self._run, job)
-                self._inflight[job.req_id] = future
-        except BaseException:  # shut down: nothing will run
-            self.store.cancel_load(held)
-            raise
-        if held.pinned:  # (none resident, nothing pinned: nothing to release)
-            future.add_done_callback(lambda _: self.store.cancel_load(held))
-
-    def abort(self, req_ids: set[str]) -> None:
-        """Requests vLLM finished (aborted): their loads not started yet are skipped."""
-        with self._lock:
-            self._aborted.update(r for r in req_ids if r in self._inflight)
-
-    def take(self) -> tuple[set[str], set[int], set[str]]:
-        """Since the last call: requests whose load ended, the blocks that could not be filled
-        (one group), and the requests whose load failed whole (several groups; also in the first set)."""
-        with self._lock:
-            finished, errors, failed = self._finished, self._errors, self._failed
-            self._finished, self._errors, self._failed = set(), set(), set()
-            stale = 0
-            epoch = self.store.epoch if self._filled else 0  # (nothing filled: no reset to check)
-            for req_id, (started, filled) in self._filled.items():
-                if started == epoch:
-                    continue  # no reset since the load began
-                if filled is None:
-                    failed.add(req_id)
-                else:
-                    errors.update(filled)
-                    stale += len(filled)
-            self._filled.clear()
-        if stale:  # filled before a reset, recomputed after it: counted as blocks not filled
-            self.store.load_skipped(EngineLoad(failed_blocks=stale))
-        return finished, errors, failed
-
-    def wait_ended(self, timeout_s: float) -> bool:
-        """Block until a load has ended that :meth:`take` has not returned yet (True) or ``timeout_s``
-        seconds passed (False); True at once when one has already ended or none is in flight (a job
-        queued behind busy loader threads counts as in flight)."""
-        with self._ended:
-            return self._ended.wait_for(lambda: bool(self._finished) or not self._inflight, max(timeout_s, 0.0))
-
-    @property
-    def num_inflight(self) -> int:
-        with self._lock:
-            return len(self._inflight)
-
-    def _run(self, job: LoadJob) -> None:
+    def run(self, job: LoadJob) -> None:
+        """Load ``job``: its outcome goes to :attr:`outcomes`, its facts to :attr:`facts`."""
         handle = None
         delivered = 0  # leading pages copied into the engine
         ok = skipped = False
@@ -177,8 +114,8 @@ class AsyncLoader:
         t0 = time.perf_counter()
         epoch = self.store.epoch  # before anything is read: a reset from here on fails the load
         try:
-            with self._lock:
-                skipped = job.req_id in self._aborted
+            with self.outcomes.lock:
+                skipped = job.req_id in self.outcomes.aborted
             if skipped:
                 return
             # max_chunks: the plan already asked the shared tier, so its reads need no second presence batch
@@ -263,7 +200,7 @@ class AsyncLoader:
                             if end < job.hit_tokens else {}, resumed=job.resumed,
                             failed_blocks=sum(len(p.block_ids) for p in unfilled_pages) if unfilled_pages else 0,
                             rerouted_chunks=rerouted,
-                            engine_bytes=self.copiers.moved_bytes(pages if whole else pages[:delivered]) if ok else 0,
+                            engine_bytes=moved_bytes(self.copiers, pages if whole else pages[:delivered]) if ok else 0,
                             seconds=seconds)
         if handle is None:
             self.store.load_skipped(engine, job_context(job))
@@ -278,30 +215,20 @@ class AsyncLoader:
                                                   budget_cut))
         if sync:
             return set(errors)
-        with self._lock:
-            self._errors.update(errors)  # errors first: they must not reach vLLM after the finish
+        out = self.outcomes
+        with out.lock:
+            out.errors.update(errors)  # errors first: they must not reach vLLM after the finish
             if failed_whole:
-                self._failed.add(job.req_id)
+                out.failed.add(job.req_id)
             elif not skipped and end > job.first_token:  # checked against a reset when taken
-                self._filled[job.req_id] = (epoch, None if not self.partial else tuple(
+                out.filled[job.req_id] = (epoch, None if not self.partial else tuple(
                     b for p in job.pages[:delivered] for b in p.block_ids))
-            self._finished.add(job.req_id)
-            self.version += 1
-            self._inflight.pop(job.req_id, None)
-            self._aborted.discard(job.req_id)
-            self._ended.notify_all()
+            out.finished.add(job.req_id)
+            out.version += 1
+            out.inflight.pop(job.req_id, None)
+            out.aborted.discard(job.req_id)
+            out.ended.notify_all()
         return set()
-
-    def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Cancel jobs not started, wait up to ``timeout_s`` for running ones.  Idempotent."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        deadline = time.monotonic() + timeout_s
-        while self.num_inflight and time.monotonic() < deadline:
-            with self._lock:
-                pending = [f for f in self._inflight.values() if not f.cancelled()]
-                if not pending:
-                    break
-            time.sleep(0.01)
 
 
 def job_keys(job: LoadJob) -> list[ChunkKey]:
@@ -313,6 +240,14 @@ def job_context(job: LoadJob, record: RequestRecord | None = None) -> OpContext:
     """The load's context: its request's id and tenant, and ``record`` as its sink (the handle
     carries it to ``complete_load``)."""
     return OpContext(job.req_id, job.tenant) if record is None else OpContext(job.req_id, job.tenant, record)
+
+
+def moved_bytes(copiers: GroupCopiers, pages: Sequence[PageMove]) -> int:
+    """Engine bytes the pages cover (all layers of their groups): a load's, and a save's (:mod:`~.saves`)."""
+    if len(copiers.block_bytes) == 1:  # one group (a dense model): in C, no generator frame per page
+        (block_bytes,) = copiers.block_bytes.values()
+        return block_bytes * sum(map(len, map(BLOCK_IDS_OF, pages)))
+    return sum(len(p.block_ids) * copiers.block_bytes[p.group] for p in pages)
 
 
 def tokens_by_tier(tiers: Sequence[str], start: int, end: int, chunk_tokens: int) -> dict[str, int]:

@@ -1,7 +1,8 @@
 """Registration: what a worker rank builds once vLLM hands it the engine's KV caches
 (``register_kv_caches``): each KV cache group's layout, the namespace (with the identity
 fingerprint), the per-group copiers, the rank's :class:`~kvtier.core.store.TieredStore` and the
-:class:`~kvtier.integrations.vllm.worker.loader.AsyncLoader`.
+:class:`~kvtier.integrations.vllm.worker.loader.LoadPath` (one load's path, which the worker side
+runs on its loader threads).
 
 AMX: on Intel CPUs with AMX, a process must ask the kernel for permission to use AMX tiles
 before its first AMX instruction.  oneDNN asks on its first large bf16 GEMM, which a cold prefill
@@ -31,7 +32,7 @@ from kvtier.integrations.vllm.worker.copy import GroupCopiers
 from kvtier.integrations.vllm.worker.direct import DirectTargets
 from kvtier.integrations.vllm.worker.identity import effective_config_digest, model_fingerprint
 from kvtier.integrations.vllm.worker.layout import KVLayout, detect_group_layouts, detect_layout
-from kvtier.integrations.vllm.worker.loader import AsyncLoader
+from kvtier.integrations.vllm.worker.loader import LoadPath
 
 log = logging.getLogger(__name__)
 
@@ -133,14 +134,14 @@ class Registered:
         layout: the first KV cache group's layout.
         copiers: one copier per KV cache group, over pages of ``copiers.page_bytes``.
         store: the rank's store.
-        loader: the rank's loader.
+        load_path: the rank's load path (:class:`~kvtier.integrations.vllm.worker.side.AsyncLoader` runs it).
         namespace: the rank's namespace (its digest names the store; :func:`key_root` the keys).
     """
 
     layout: KVLayout
     copiers: GroupCopiers
     store: TieredStore
-    loader: AsyncLoader
+    load_path: LoadPath
     namespace: Namespace
 
 
@@ -177,7 +178,7 @@ def register(vllm_config: Any, kv_cache_config: Any, config: KVTierConfig, group
     # block-level load errors where vLLM takes them (one full-attention KV cache group), a load that
     # succeeds or fails whole otherwise
     one_group = len(kv_cache_config.kv_cache_groups) == 1 and dense
-    loader = AsyncLoader(store, copiers, chunk_tokens, config.io_threads, partial=one_group, wait_s=config.load_wait_s,
+    load_path = LoadPath(store, copiers, chunk_tokens, partial=one_group, wait_s=config.load_wait_s,
                          direct=DirectTargets.of(store, copiers) if one_group else None,
                          sync_within_s=config.shared_deadline_s)
     if dense:
@@ -191,7 +192,7 @@ def register(vllm_config: Any, kv_cache_config: Any, config: KVTierConfig, group
                                            for g in groups),
                  chunk_tokens, copiers.page_bytes, namespace.digest().hex(), fingerprint,
                  "requested" if amx else "not available")
-    return Registered(first, copiers, store, loader, namespace)
+    return Registered(first, copiers, store, load_path, namespace)
 
 
 def _pin_top_tier(store: TieredStore, layout: KVLayout, rank: int) -> None:

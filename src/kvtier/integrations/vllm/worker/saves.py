@@ -48,7 +48,7 @@ from kvtier.core.sinks import RequestRecord
 from kvtier.core.store import TieredStore
 from kvtier.integrations.vllm.protocol import PageMove, RequestFacts, SaveJob
 from kvtier.integrations.vllm.worker.copy import GroupCopiers
-from kvtier.integrations.vllm.worker.loader import FactsBook
+from kvtier.integrations.vllm.worker.loader import FactsBook, moved_bytes
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +242,7 @@ class SaveQueue:
             if not item.handle.done:
                 tokens = sum(1 for p in item.stored if p.group == self.token_group) * self.chunk_tokens
                 self.store.complete_store(item.handle, published, EngineSave(
-                    tokens, self.copiers.moved_bytes(item.stored), seconds))
+                    tokens, moved_bytes(self.copiers, item.stored), seconds))
             if published and item.job.pin_s > 0:
                 _pin(self.store, item.job)
         finally:
@@ -342,7 +342,7 @@ def _copy_now(store: TieredStore, copiers: GroupCopiers, job: SaveJob, handle: S
     finally:
         # tokens: those of the full-attention chunks stored (one group's pages count each chunk once)
         tokens = sum(1 for p in stored if p.group == token_group) * chunk_tokens
-        store.complete_store(handle, ok, EngineSave(tokens, copiers.moved_bytes(stored), time.perf_counter() - t0))
+        store.complete_store(handle, ok, EngineSave(tokens, moved_bytes(copiers, stored), time.perf_counter() - t0))
     if job.pin_s > 0:
         _pin(store, job, record)
 

@@ -1,33 +1,35 @@
 """``WorkerSide``: the worker-side connector of one tensor-parallel rank, as vLLM's model runner
-calls it (the contract, per call, is the package's docstring: :mod:`kvtier.integrations.vllm.worker`)."""
+calls it (the contract, per call, is the package's docstring: :mod:`kvtier.integrations.vllm.worker`),
+and ``AsyncLoader``, its end of the asynchronous loads (the loader threads' is :mod:`.loader`): what
+the engine's thread does each step.  Resets and the graceful stop are :mod:`.lifecycle`'s."""
 
 from __future__ import annotations
 
 import logging
-import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvtier.core.config import KVTierConfig
+from kvtier.core.context import EngineLoad
 from kvtier.core.stats import StoreStats
 from kvtier.core.store import TieredStore
 from kvtier.integrations.vllm.cache_groups import GroupKind, GroupSpec, groups_from_kv_cache_config
-from kvtier.integrations.vllm.process_exit import skip_exit_collection
 from kvtier.integrations.vllm.protocol import (
     KVTierMetadata,
     KVTierWorkerMeta,
+    LoadJob,
     RankReport,
     RequestFacts,
-    ResetOrder,
 )
 from kvtier.integrations.vllm.worker.copy import GroupCopiers
 from kvtier.integrations.vllm.worker.layerwise import LayerLoads
 from kvtier.integrations.vllm.worker.layout import KVLayout
-from kvtier.integrations.vllm.worker.loader import AsyncLoader
+from kvtier.integrations.vllm.worker.lifecycle import clear_for_reset, stop_loads, stop_rank
+from kvtier.integrations.vllm.worker.loader import LoadPath, job_keys
 from kvtier.integrations.vllm.worker.registration import Registered, key_root, register, tp_rank
 from kvtier.integrations.vllm.worker.saves import SaveQueue, save_jobs
-from kvtier.integrations.vllm.worker.shutdownflush import flush_line, flush_on_stop
 from kvtier.integrations.vllm.worker.syncload import load_layers, load_now
 
 if TYPE_CHECKING:  # imports vLLM; the worker side itself runs without it (scripts/gpu_check.py --mode runner)
@@ -84,7 +86,7 @@ class WorkerSide:
         self._saver_seen: dict[str, float] = {}  # the saver's totals at the last stats() call
         # SaveQueue.version at the last read of its counts (stats) and of its ended jobs (worker_meta); -1: never
         self._saver_version = self._ended_version = -1
-        # AsyncLoader.version at the last take of its outcomes, FactsBook.version at the last take of its facts
+        # Outcomes.version at the last take of its outcomes, FactsBook.version at the last take of its facts
         self._loads_version = self._facts_version = 0
         self._saver_busy = False  # deferred saves in flight at that read
         self._gate_open = False  # this side opened the store's eviction gate (start_load) and has not closed it since
@@ -112,7 +114,8 @@ class WorkerSide:
                               self.tp_size, self.tp_rank))
 
     def _attach(self, done: Registered) -> None:
-        self.layout, self.groups, self.store, self.loader = done.layout, done.copiers, done.store, done.loader
+        self.layout, self.groups, self.store = done.layout, done.copiers, done.store
+        self.loader = AsyncLoader(done.load_path, self.config.io_threads)
         self.saver = SaveQueue(self.store, self.groups, self._token_group, self.chunk_tokens)
         if self.config.layerwise_loads and len(self.kv_groups) == 1 and self.kv_groups[0].kind is GroupKind.FULL:
             self.layer_loads = LayerLoads(self.groups, self.kv_groups[0].index)  # on the engine's thread
@@ -135,14 +138,15 @@ class WorkerSide:
         if meta.reset is not None:
             if self.saver is not None:  # nothing saved before the order is published after it
                 self.saver.wait_for(None, BLOCKS_BACK_WAIT_S)
-            self.apply_reset(meta.reset)
+            clear_for_reset(self.store, meta.reset, self.tp_rank)  # (the module docstring)
+            self.reset_epoch = meta.reset.epoch
         if self.layer_loads is not None:
             self.layer_loads.poll()
         for job in meta.loads:
             if job.sync:  # layer by layer: a hit held in the cpu tier alone (a node hit loads whole)
-                errors, first_unfilled = load_now(self.loader, job) if self.layer_loads is None \
+                errors, first_unfilled = load_now(self.loader.path, job) if self.layer_loads is None \
                     or not all(job.tiers[p.chunk] == self.store.cpu.name for p in job.pages) \
-                    else load_layers(self.loader, job, self.layer_loads)
+                    else load_layers(self.loader.path, job, self.layer_loads)
                 self._errors |= errors
                 if first_unfilled is not None:
                     self._sync_cut[job.req_id] = first_unfilled
@@ -201,9 +205,9 @@ class WorkerSide:
                 self.loader.wait_ended(self.config.idle_step_wait_s)
             else:  # only held blocks wait: for their saves, so that the step does not spin
                 self.saver.wait_any(self._held, self.config.idle_step_wait_s)
-        if self.loader.version == self._loads_version:  # (no load ended since the last take: nothing to take)
+        if self.loader.outcomes.version == self._loads_version:  # (no load ended since the last take: nothing to take)
             return set()
-        self._loads_version = self.loader.version
+        self._loads_version = self.loader.outcomes.version
         finished, errors, failed = self.loader.take()
         self._errors |= errors
         self._failed |= failed
@@ -218,18 +222,6 @@ class WorkerSide:
         """Blocks of ended loads that could not be filled (vLLM recomputes from the first one)."""
         errors, self._errors = self._errors, set()
         return errors
-
-    def apply_reset(self, order: ResetOrder) -> None:
-        """Clear ``order.tiers`` of this rank's store (see the module docstring); a tier that could not
-        be cleared whole is logged (the scheduler has already answered vLLM)."""
-        assert self.store is not None
-        t0 = time.monotonic()
-        results = self.store.clear(order.tiers)
-        self.reset_epoch = order.epoch
-        problems = [f"{tier}: {r.reason}" for tier, r in results.items() if not r.ok]
-        log.info("kvtier: rank %d reset %d cleared %s in %.2f s%s", self.tp_rank, order.epoch,
-                 ", ".join(f"{tier} ({len(r.keys)} chunks)" for tier, r in results.items()) or "nothing",
-                 time.monotonic() - t0, f"; not whole: {'; '.join(problems)}" if problems else "")
 
     # ---- saves -------------------------------------------------------------------------------
     def save(self, meta: KVTierMetadata) -> None:
@@ -314,16 +306,91 @@ class WorkerSide:
         self._closed = True
         if self.loader is not None:
             self.loader.shutdown()
-        if self.layer_loads is not None:
-            self.layer_loads.drain(self.config.load_wait_s)
-        if self.saver is not None:  # deferred saves publish before the flush writes dirty chunks
-            self.saver.close(self.config.shutdown_flush_s / 2)
-        flushed = flush_on_stop(self.store, self.config.shutdown_flush_s)
-        # logged with nothing dirty too, so that an operator can tell the graceful path ran
-        log.log(*flush_line(flushed, self.tp_rank, self.store.chunk_bytes, self.config.shutdown_flush_s))
-        t1 = time.monotonic()
-        self.store.close(timeout_s=max(self.config.shutdown_flush_s - flushed.seconds, 1.0))
-        if time.monotonic() - t1 > 1.0:  # vLLM sends SIGTERM after VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5)
-            log.warning("kvtier: rank %d store close (queued writes, tier threads) took %.1f s",
-                        self.tp_rank, time.monotonic() - t1)
-        skip_exit_collection()  # the worker process exits within a second of the flush: process_exit
+        stop_rank(self.store, self.layer_loads, self.saver, self.config, self.tp_rank)
+
+class AsyncLoader:
+    """The engine thread's end of the asynchronous loads: hands each :class:`LoadJob` to a bounded
+    pool of loader threads (:meth:`LoadPath.run <kvtier.integrations.vllm.worker.loader.LoadPath.run>`)
+    and takes their :class:`~kvtier.integrations.vllm.worker.loader.Outcomes`.
+
+    Args:
+        path: one load's path (the store, the copiers, ...), run on the loader threads.
+        threads: loader threads (> 0).
+    """
+
+    def __init__(self, path: LoadPath, threads: int) -> None:
+        self.path = path
+        self.store = path.store
+        self.outcomes = path.outcomes
+        self.facts = path.facts  # what loads (and the worker's saves) learned, for the requests' receipts
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-load")
+
+    def submit(self, job: LoadJob) -> None:
+        """Start ``job`` in the background (never blocks).  Its pages the cpu tier holds are pinned
+        here, on the caller's (engine) thread, so that they are still there when a loader thread
+        prepares the load (released once the job is over, or cancelled)."""
+        held = self.store.pin_resident(job_keys(job))
+        out = self.outcomes
+        try:
+            with out.lock:
+                out.aborted.discard(job.req_id)
+                future = self._pool.submit(self.path.run, job)
+                out.inflight[job.req_id] = future
+        except BaseException:  # shut down: nothing will run
+            self.store.cancel_load(held)
+            raise
+        if held.pinned:  # (none resident, nothing pinned: nothing to release)
+            future.add_done_callback(lambda _: self.store.cancel_load(held))
+
+    def abort(self, req_ids: set[str]) -> None:
+        """Requests vLLM finished (aborted): their loads not started yet are skipped (their tokens counted
+        as unfilled) and reported as finished (vLLM waits for that report before it frees the blocks;
+        vllm/v1/core/sched/scheduler.py ``finish_requests``).  Jobs in flight are bounded by the engine's
+        KV cache (each holds its request's blocks until reported)."""
+        out = self.outcomes
+        with out.lock:
+            out.aborted.update(r for r in req_ids if r in out.inflight)
+
+    def take(self) -> tuple[set[str], set[int], set[str]]:
+        """Since the last call: requests whose load ended, the blocks that could not be filled
+        (one group), and the requests whose load failed whole (several groups; also in the first set).
+
+        A load that started before a reset (the store's :attr:`~kvtier.core.store.TieredStore.epoch`
+        changed) is failed here, after the worker applied the order: its blocks are load errors (with
+        several KV cache groups, the request failed), so nothing read before the reset reaches a request after it."""
+        out = self.outcomes
+        with out.lock:
+            finished, errors, failed = out.finished, out.errors, out.failed
+            out.finished, out.errors, out.failed = set(), set(), set()
+            stale = 0
+            epoch = self.store.epoch if out.filled else 0  # (nothing filled: no reset to check)
+            for req_id, (started, filled) in out.filled.items():
+                if started == epoch:
+                    continue  # no reset since the load began
+                if filled is None:
+                    failed.add(req_id)
+                else:
+                    errors.update(filled)
+                    stale += len(filled)
+            out.filled.clear()
+        if stale:  # filled before a reset, recomputed after it: counted as blocks not filled
+            self.store.load_skipped(EngineLoad(failed_blocks=stale))
+        return finished, errors, failed
+
+    def wait_ended(self, timeout_s: float) -> bool:
+        """Block until a load has ended that :meth:`take` has not returned yet (True) or ``timeout_s``
+        seconds passed (False); True at once when one has already ended or none is in flight (a job
+        queued behind busy loader threads counts as in flight).  A condition the loader threads notify
+        (never a sleep loop): the engine's thread neither spins nor holds the GIL they need."""
+        out = self.outcomes
+        with out.ended:
+            return out.ended.wait_for(lambda: bool(out.finished) or not out.inflight, max(timeout_s, 0.0))
+
+    @property
+    def num_inflight(self) -> int:
+        with self.outcomes.lock:
+            return len(self.outcomes.inflight)
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Cancel jobs not started, wait up to ``timeout_s`` for running ones (:func:`~.lifecycle.stop_loads`)."""
+        stop_loads(self._pool, self.outcomes, timeout_s)

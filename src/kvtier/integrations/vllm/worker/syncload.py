@@ -7,7 +7,7 @@ the step that scheduled the request (:func:`load_now`; layer by layer with ``lay
 (:mod:`~.loader`) over the cpu tier's pinned pages and the pool's values (pinned and verified, the
 pin within ``shared_deadline_s``), no thread hand-off, no ``finished_recving``; the blocks it could
 not fill are vLLM load errors in that same step.  Each ends through
-:meth:`AsyncLoader.finish <kvtier.integrations.vllm.worker.loader.AsyncLoader.finish>` (counted
+:meth:`LoadPath.finish <kvtier.integrations.vllm.worker.loader.LoadPath.finish>` (counted
 in the store, the request's facts kept), as an asynchronous load does.
 """
 
@@ -20,20 +20,20 @@ from kvtier.core.handles import NO_BUFFER
 from kvtier.core.sinks import RequestRecord
 from kvtier.integrations.vllm.protocol import LoadJob
 from kvtier.integrations.vllm.worker.layerwise import LayerLoads
-from kvtier.integrations.vllm.worker.loader import CHUNK_OF, AsyncLoader, job_context, job_keys
+from kvtier.integrations.vllm.worker.loader import CHUNK_OF, LoadPath, job_context, job_keys
 
 log = logging.getLogger(__name__)
 NO_EPOCH = 0
-"""What a synchronous load passes :meth:`AsyncLoader.finish` as its epoch: it is read only to report an
+"""What a synchronous load passes :meth:`LoadPath.finish` as its epoch: it is read only to report an
 asynchronous load later (checked against a reset then); a synchronous one is reported in its own step."""
 
 
-def load_now(loader: AsyncLoader, job: LoadJob) -> tuple[set[int], int | None]:
+def load_now(loader: LoadPath, job: LoadJob) -> tuple[set[int], int | None]:
     """Run a synchronous ``job`` on the calling (engine) thread: pin the leading pages the cpu
     tier holds (``prepare_load(top_only=True)``: no I/O, no re-hashing of pages that never left
     memory) and, for a job planned in the node pool too, the pool's values after them (one pin
-    within :attr:`AsyncLoader.sync_within_s`, read and verified into the blocks), copy the cpu pages
-    straight into the engine's blocks, count, unpin (:meth:`AsyncLoader.finish`).
+    within :attr:`LoadPath.sync_within_s`, read and verified into the blocks), copy the cpu pages
+    straight into the engine's blocks, count, unpin (:meth:`LoadPath.finish`).
 
     Never raises: a failure is logged and its pages are reported as unfilled.
 
@@ -82,7 +82,7 @@ def load_now(loader: AsyncLoader, job: LoadJob) -> tuple[set[int], int | None]:
     return errors, first_unfilled
 
 
-def load_layers(loader: AsyncLoader, job: LoadJob, layers: LayerLoads) -> tuple[set[int], int | None]:
+def load_layers(loader: LoadPath, job: LoadJob, layers: LayerLoads) -> tuple[set[int], int | None]:
     """:func:`load_now`, layer by layer (``layerwise_loads``, :mod:`~.layerwise`): the pages are
     pinned and the unfilled blocks known here; the copies are issued per layer and the load is
     counted and unpinned once its last layer's copy ended (``LayerLoads.poll``).  Same returns."""
