@@ -1,34 +1,13 @@
 """One asynchronous load's path on a loader thread: store → (disk read, verify) → engine blocks.
 
-One :class:`LoadJob` per request admitted with a kvtier hit, one path for every model (a dense
-model's pages are its chunks).  The engine's thread hands each job to a loader thread
-(:class:`~.side.AsyncLoader`), which runs :meth:`LoadPath.run`:
-
-1. prepare: ``store.prepare_load(page keys, read_ahead=True, ctx=OpContext(req_id, tenant))``
-   (the request's context, :mod:`kvtier.core.context`, which the handle carries on) pins the
-   pages still held and reads/verifies the first ``io_threads`` of those only on disk or in the
-   shared tier before it returns; the rest are read into cpu pages in the background (promotion); the mirror that
-   planned the load may be stale, so this can end with fewer pages than planned, never other
-   bytes;
-2. copy: each page into its engine blocks as soon as it is ready (``handle.ahead_from`` grows),
-   so the head is copied while the tail is still being read, waiting at most ``load_wait_s`` in
-   all for the tail (a page that failed verification ends the prefix there);
-3. complete: ``store.complete_load(handle, ok, engine=EngineLoad(...))`` in ``finally`` unpins
-   and reports what the engine got, as events to the request's context and so to the store's
-   counters: tokens by the tier the plan named for their chunk (what vLLM was told), tokens
-   promised and not filled, blocks not filled, bytes;
-4. report: with one KV cache group (``partial``), the blocks it could not fill become load
-   errors (vLLM keeps the valid prefix); with several, a load short of any page is a failed
-   request (vLLM recomputes it whole).  Then the request is finished receiving, in that order,
-   so both reach vLLM no later than the same step: into :class:`Outcomes`, which the engine's
-   thread takes (:meth:`~.side.AsyncLoader.take`).
-
-Synchronous loads (``LoadJob.sync``, copied on the engine's thread before the forward) are
-:mod:`~.syncload`'s; they end through :meth:`LoadPath.finish` too.
-
-Facts: each load's events (its :class:`~kvtier.core.sinks.RequestRecord`) become the request's
-:class:`~kvtier.integrations.vllm.protocol.RequestFacts` when it ends (:func:`load_facts`), kept in
-:class:`FactsBook` until the step's worker metadata carries them to the scheduler's receipts (issue 35).
+:class:`LoadPath` runs one :class:`LoadJob` (a request admitted with a kvtier hit, any model: a dense
+model's pages are its chunks) on the loader thread :class:`~.side.AsyncLoader` hands it to: prepare
+(pin, read the first chunks, the rest ahead), copy each page into its engine blocks as it is ready
+(at most ``load_wait_s`` for the tail),
+complete (the store counts what the engine got), report into :class:`Outcomes` (the blocks not
+filled, or the load failed whole, then the finish) and the load's facts (:func:`load_facts`) into
+:class:`FactsBook`.  Synchronous loads (:mod:`~.syncload`) end through :meth:`LoadPath.finish` too.
+Each step and what a short load reports: docs/architecture.md, "Load", step 4.
 """
 
 from __future__ import annotations
@@ -37,7 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, wait
+from concurrent.futures import wait
 from itertools import groupby
 from operator import attrgetter, ne
 from typing import cast
@@ -51,6 +30,7 @@ from kvtier.core.tiers.registry import slowest
 from kvtier.integrations.vllm.protocol import LoadJob, PageMove, RequestFacts
 from kvtier.integrations.vllm.worker.copy import GroupCopiers
 from kvtier.integrations.vllm.worker.direct import DirectTargets
+from kvtier.integrations.vllm.worker.outcomes import Outcomes
 
 log = logging.getLogger(__name__)
 
@@ -58,23 +38,6 @@ READ_AHEAD_POLL_S = 0.002  # how often a load looks for more chunks read ahead (
 CHUNK_OF = attrgetter("chunk")  # a PageMove's chunk (in C: no generator frame per page on the hit path)
 KEY_OF = attrgetter("key")  # a PageMove's key (in C: no comprehension's frame)
 BLOCK_IDS_OF = attrgetter("block_ids")  # a PageMove's block ids
-
-
-class Outcomes:
-    """Loads ended on the loader threads (:meth:`LoadPath.finish`) and not yet taken by the engine's
-    thread (:meth:`~.side.AsyncLoader.take`); every field is read and written under ``lock``."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.ended = threading.Condition(self.lock)  # notified when a load ends (finish)
-        self.finished: set[str] = set()  # requests whose load ended
-        self.errors: set[int] = set()  # blocks that could not be filled (one group)
-        self.failed: set[str] = set()  # requests whose load failed whole (several groups; also in finished)
-        self.aborted: set[str] = set()  # requests vLLM finished before their load started (skipped)
-        self.inflight: dict[str, Future[None]] = {}  # req_id -> its job, from submit to finish
-        # ended loads not yet taken: req_id -> (store epoch at their start, blocks filled; None: failed whole)
-        self.filled: dict[str, tuple[int, tuple[int, ...] | None]] = {}
-        self.version = 0  # bumped as each load ends: unchanged since a take, a take has nothing
 
 
 class LoadPath:
