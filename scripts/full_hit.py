@@ -17,7 +17,7 @@ script wraps, on the live objects, without changing them:
 - the scheduler-side connector's ``get_num_new_matched_tokens`` (the lookup);
 - the worker-side connector's ``start_load_kv`` and ``get_finished`` (load shipped / reported);
 - the executor's ``execute_model`` + ``sample_tokens`` (the forward of each step);
-- the copy into the engine's blocks: kvtier's ``GroupCopiers.load`` and its store's
+- the copy into the engine's blocks: kvtier's ``loader.load_pages`` and its store's
   ``prepare_load`` (pins; reads and verifies only what is below the cpu tier), the native shim's
   ``host_swap_blocks_batch`` (:mod:`kvtier.bench.native_cpu`).
 

@@ -7,7 +7,7 @@ Over the runner's caches and copiers (:mod:`gpu_runner`) it builds a second stor
 writes the loaded chunks to its disk tier, fills its cpu tier with other chunks and closes the
 eviction gate (so no read gets a page, as under pressure), then:
 
-- **endpoint GiB/s**: the loader's copy (``GroupCopiers.load``, what ``AsyncLoader`` calls) from
+- **endpoint GiB/s**: the loader's copy (``loader.load_pages``, what ``AsyncLoader``'s loads call) from
   landing buffers holding the chunks into the target blocks, best of the repeats, on a
   synchronized device; compared with a plain pinned ``copy_`` of the same bytes (gpu_runner);
 - **disk+copy GiB/s**: a whole asynchronous load through :class:`AsyncLoader` (disk read into the
@@ -34,7 +34,7 @@ from kvtier.core.pinned import is_pinned
 from kvtier.core.store import TieredStore
 from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES
 from kvtier.integrations.vllm.protocol import LoadJob, PageMove
-from kvtier.integrations.vllm.worker.loader import LoadPath
+from kvtier.integrations.vllm.worker.loader import LoadPath, load_pages
 from kvtier.integrations.vllm.worker.side import AsyncLoader
 
 GiB = float(1 << 30)
@@ -94,7 +94,7 @@ def measure_endpoint(runner: object, loads: tuple[PageMove, ...], zero: Callable
                 zero()
                 sync()
                 t0 = time.perf_counter()
-                copiers.load(list(zip(loads, buffers)))
+                load_pages(copiers, list(zip(loads, buffers)))
                 sync()
                 copy_s = min(copy_s, time.perf_counter() - t0)
                 ok = ok and equal()

@@ -12,7 +12,7 @@ machine: the tail's forward is most of the TTFT). This times the same kvtier cal
 - **worker**: the worker side over a cpu-tier store and host tensors shaped as the ``mid``
   geometry's caches (``WorkerSide.over``, as scripts/gpu_runner.py builds it), one synchronous
   ``LoadJob`` per hit as the scheduler ships it: ``start_load`` minus the copy into the engine's
-  blocks (``GroupCopiers.load``) is the rest of full_hit.py's own time (the load beyond the copy;
+  blocks (``loader.load_pages``) is the rest of full_hit.py's own time (the load beyond the copy;
   ``prepare_load`` runs inside it).
 
 **Cold caches, as in the engine**: before each timed hit (each side) the script copies
@@ -75,7 +75,7 @@ PARTS = (  # (module, attribute path, label): the hit's parts, nested as they ca
     ("kvtier.integrations.vllm.worker.loader", "job_context", "  job_context"),
     ("kvtier.core.mover", "Mover.prepare_load", "  prepare_load"),
     ("kvtier.core.index", "Index.plan_load", "    Index.plan_load"),
-    ("kvtier.integrations.vllm.worker.copy", "GroupCopiers.load", "  copy"),
+    ("kvtier.integrations.vllm.worker.syncload", "load_pages", "  copy"),
     ("kvtier.integrations.vllm.worker.loader", "LoadPath.finish", "  finish"),
     ("kvtier.integrations.vllm.worker.loader", "tokens_by_tier", "    tokens_by_tier"),
     ("kvtier.integrations.vllm.worker.loader", "EngineLoad", "    EngineLoad()"),
@@ -236,6 +236,7 @@ def worker_side(chunks: int, repeats: int, profile: bool, flush: CacheFlush,
     from kvtier.core.store import TieredStore
     from kvtier.integrations.vllm.cache_groups import GroupKind, GroupSpec
     from kvtier.integrations.vllm.protocol import KVTierMetadata, LoadJob, PageMove, SaveJob
+    from kvtier.integrations.vllm.worker import syncload
     from kvtier.integrations.vllm.worker.copy import GroupCopiers
     from kvtier.integrations.vllm.worker.layout import detect_layout
     from kvtier.integrations.vllm.worker.loader import LoadPath
@@ -272,14 +273,14 @@ def worker_side(chunks: int, repeats: int, profile: bool, flush: CacheFlush,
     if store.lookup(keys) != chunks:
         raise RuntimeError("the save did not store every chunk")
     copy_s: list[float] = []
-    real_load: Callable[..., None] = copiers.load
+    real_load: Callable[..., None] = syncload.load_pages  # the copy a synchronous load makes (load_now)
 
     def timed_load(*a: Any, **k: Any) -> None:
         t0 = time.perf_counter()
         real_load(*a, **k)
         copy_s.append(time.perf_counter() - t0)
 
-    copiers.load = timed_load  # type: ignore[method-assign]
+    syncload.load_pages = timed_load
     times: dict[str, list[float]] = defaultdict(list)
     profiler = cProfile.Profile() if profile else None
     for i in range(repeats):

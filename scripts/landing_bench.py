@@ -47,7 +47,7 @@ from kvtier.integrations.vllm.cache_groups import GroupKind, GroupSpec
 from kvtier.integrations.vllm.protocol import LoadJob, PageMove
 from kvtier.integrations.vllm.worker.copy import GroupCopiers
 from kvtier.integrations.vllm.worker.layout import detect_layout
-from kvtier.integrations.vllm.worker.loader import LoadPath
+from kvtier.integrations.vllm.worker.loader import LoadPath, load_pages
 from kvtier.integrations.vllm.worker.side import AsyncLoader
 
 LAYERS, KV_HEADS, HEAD, BLOCK = 24, 2, 64, 128
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         copy_s = []  # the copy into the blocks alone, from buffers already holding the chunks
         for _ in range(args.rounds):
             t0 = time.perf_counter()
-            copiers.load(list(zip(pages, datas)))
+            load_pages(copiers, list(zip(pages, datas)))
             copy_s.append(time.perf_counter() - t0)
         times["copy only"] = copy_s
         print(f"after:  {_uptime()}")

@@ -22,6 +22,7 @@ from kvtier.integrations.vllm.scheduler.reset import forget_mirror
 from kvtier.integrations.vllm.scheduler.steps import IndexMirror, PagePlanner
 from kvtier.integrations.vllm.worker.copy import BlockCopier, Span
 from kvtier.integrations.vllm.worker.layout import detect_layout
+from kvtier.integrations.vllm.worker.loader import load_runs
 from kvtier.integrations.vllm.worker.registration import key_root
 
 NUM_BLOCKS = 12
@@ -41,8 +42,11 @@ def planned(mirror: IndexMirror, chain: list) -> list[str]:
     return tiers
 
 
+@pytest.mark.parametrize("path", ["memmove", "copyto"])
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_blocks_round_trip_through_pages(name: str) -> None:
+def test_blocks_round_trip_through_pages(name: str, path: str) -> None:
+    """Saved blocks load back byte for byte into other blocks, through the loader's memmove runs
+    (``load_runs``, every layout here is a few runs a block) and through ``BlockCopier.load``."""
     shape, block_dim = LAYOUTS[name]
     gen = torch.Generator().manual_seed(0)
     src = {f"layer.{i}": torch.randn(*shape, generator=gen, dtype=torch.float32) for i in range(3)}
@@ -56,7 +60,13 @@ def test_blocks_round_trip_through_pages(name: str) -> None:
     BlockCopier(layout, src, k).save([Span(pages[0], 0, [7, 1, 9, 3]), Span(pages[1], 2, [5, 11])])
     assert pages[1][: layout.block_bytes].sum() == 0  # untouched slots stay as they were
     # load into other blocks of a fresh cache: 7->0, 1->2, 9->4, 3->6, 5->8, 11->10
-    BlockCopier(layout, dst, k).load([Span(pages[0], 0, [0, 2, 4, 6]), Span(pages[1], 2, [8, 10])])
+    copier = BlockCopier(layout, dst, k)
+    spans = [Span(pages[0], 0, [0, 2, 4, 6]), Span(pages[1], 2, [8, 10])]
+    if path == "memmove":
+        assert copier.runs is not None
+        load_runs(copier, [(span.page, span.first_slot, span.block_ids) for span in spans])
+    else:
+        copier.load(spans)
     for name_, t in src.items():
         for s, d in [(7, 0), (1, 2), (9, 4), (3, 6), (5, 8), (11, 10)]:
             assert torch.equal(dst[name_].select(block_dim, d), t.select(block_dim, s))
@@ -80,8 +90,8 @@ def test_a_load_from_read_only_pages_is_the_same_and_a_bad_span_moves_nothing() 
     for source in (page, frozen):
         dst = {k: torch.zeros_like(v) for k, v in src.items()}
         copier = BlockCopier(layout, dst, 2)
-        assert copier._runs is not None  # the memmove path
-        copier.load([Span(source, 0, [1, 6])])
+        assert copier.runs is not None  # the memmove path
+        load_runs(copier, [(source, 0, [1, 6])])
         loaded.append(dst)
         for name, t in src.items():
             assert torch.equal(dst[name].select(block_dim, 1), t.select(block_dim, 3))
@@ -90,9 +100,9 @@ def test_a_load_from_read_only_pages_is_the_same_and_a_bad_span_moves_nothing() 
     dst = {k: torch.zeros_like(v) for k, v in src.items()}
     copier = BlockCopier(layout, dst, 2)
     with pytest.raises(ValueError, match="block ids must lie in"):
-        copier.load([Span(page, 0, [1]), Span(page, 1, [NUM_BLOCKS])])
+        load_runs(copier, [(page, 0, [1]), (page, 1, [NUM_BLOCKS])])
     with pytest.raises(ValueError, match="does not fit a contiguous page"):
-        copier.load([Span(page, 0, [1]), Span(page[:-1], 0, [2])])
+        load_runs(copier, [(page, 0, [1]), (page[:-1], 0, [2])])
     assert not any(t.any() for t in dst.values())  # neither moved a byte
 
 
@@ -114,11 +124,11 @@ def test_a_load_on_the_engines_thread_moves_the_same_bytes_as_memmove(name: str)
     for hold_gil in (False, True):
         dst = {k: torch.zeros_like(v) for k, v in src.items()}
         copier = BlockCopier(layout, dst, 4)
-        assert copier._runs is not None and copier._runs.layer_views is not None
-        copier.load_runs(spans, hold_gil=hold_gil)
+        assert copier.runs is not None and copier.runs.layer_views is not None
+        load_runs(copier, spans, hold_gil=hold_gil)
         loaded.append(dst)
         with pytest.raises(ValueError, match="block ids must lie in"):
-            copier.load_runs([(pages[0], 0, [1]), (pages[0], 1, [NUM_BLOCKS])], hold_gil=hold_gil)
+            load_runs(copier, [(pages[0], 0, [1]), (pages[0], 1, [NUM_BLOCKS])], hold_gil=hold_gil)
     assert all(torch.equal(loaded[0][k], loaded[1][k]) for k in src)
     assert all(loaded[1][k].any() for k in src)  # (bytes moved: the comparison is not of two empty caches)
 
@@ -136,8 +146,8 @@ def test_adjacent_blocks_load_as_one_run_and_land_where_each_belongs(hold_gil: b
     BlockCopier(layout, src, 4).save([Span(pages[0], 0, [7, 1, 9, 3]), Span(pages[1], 1, [5, 11, 2])])
     dst = {k: torch.zeros_like(v) for k, v in src.items()}
     copier = BlockCopier(layout, dst, 4)
-    assert copier._runs is not None and copier._runs.run_bytes == copier._runs.block_stride == layout.block_bytes
-    copier.load_runs([(pages[0], 0, [3, 4, 5, 8]), (pages[1], 1, [11, 10, 0])], hold_gil=hold_gil)
+    assert copier.runs is not None and copier.runs.run_bytes == copier.runs.block_stride == layout.block_bytes
+    load_runs(copier, [(pages[0], 0, [3, 4, 5, 8]), (pages[1], 1, [11, 10, 0])], hold_gil=hold_gil)
     moved = [(7, 3), (1, 4), (9, 5), (3, 8), (5, 11), (11, 10), (2, 0)]
     for name, t in src.items():
         for s, d in moved:

@@ -8,19 +8,22 @@ Two strategies, picked from the cache tensors' device:
 
 - CPU caches (vLLM's CPU backend): each block slice is copied straight into / out of the page.
   A load computes every copy's source and destination address from each layer's, block's and
-  run's offsets (:class:`HostRuns`) and moves each contiguous run with one ``ctypes.memmove``, as
-  vLLM's native CPU offload moves its ``(source, destination, size)`` descriptors
-  (vllm/v1/kv_offload/cpu/gpu_worker.py; on the CPU build, kvtier's benchmark shim
-  :func:`kvtier.bench.native_cpu.host_swap_blocks_batch`): no per-block array views.  Where a block
-  of a layer is one run and block ``b + 1`` follows block ``b`` (vLLM's CPU backend), consecutive
-  block ids of a span are one run per layer, as consecutive slots of a page are.  A save,
-  and a load over a layout whose block slices are not a few contiguous runs, use
-  ``numpy.copyto`` on byte views of the cache tensors (strided source or destination is fine).
-  Both are single-threaded and release the GIL, so a load running on a connector thread never
-  starts an OpenMP team next to the engine's pinned ones.  A load on the engine's own thread (a
-  synchronous one, ``hold_gil``) moves each run with a slice assignment between flat byte
-  ``memoryview`` s of the layer and the page instead: the same bytes, bounds-checked, without a
-  ctypes call's set-up (~0.25 µs less per run); it keeps the GIL, which that thread holds anyway.
+  run's offsets (:class:`HostRuns`, made here at set-up) and moves each contiguous run with one
+  ``ctypes.memmove``, as vLLM's native CPU offload moves its ``(source, destination, size)``
+  descriptors (vllm/v1/kv_offload/cpu/gpu_worker.py; on the CPU build, kvtier's benchmark shim
+  :func:`kvtier.bench.native_cpu.host_swap_blocks_batch`): no per-block array views.  That load is
+  :func:`kvtier.integrations.vllm.worker.loader.load_pages` / ``load_runs``, on the path of every
+  load (where a block of a layer is one run and block ``b + 1`` follows block ``b``, vLLM's CPU
+  backend, consecutive block ids of a span are one run per layer, as consecutive slots of a page
+  are); a layout of several runs a block, or blocks apart, is moved run by run here
+  (:func:`load_run_by_run`).  A save, and a load over a layout whose block slices are not a few
+  contiguous runs, use ``numpy.copyto`` on byte views of the cache tensors (strided source or
+  destination is fine).  Both are single-threaded and release the GIL, so a load running on a
+  connector thread never starts an OpenMP team next to the engine's pinned ones.  A load on the
+  engine's own thread (a synchronous one, ``hold_gil``) moves each run with a slice assignment
+  between flat byte ``memoryview`` s of the layer and the page instead: the same bytes,
+  bounds-checked, without a ctypes call's set-up (~0.25 µs less per run); it keeps the GIL, which
+  that thread holds anyway.
 - CUDA caches: batched (:mod:`kvtier.integrations.vllm.worker.batched`).
 
 Thread safety: ``save`` runs on the engine's thread, ``load`` on the connector's loader threads;
@@ -42,7 +45,7 @@ from kvtier.integrations.vllm.protocol import PageMove
 from kvtier.integrations.vllm.worker.batched import MAX_BATCH_BYTES, Batched, Span, host_tensor
 from kvtier.integrations.vllm.worker.layout import KVLayout
 
-__all__ = ["BlockCopier", "GroupCopiers", "HostRuns", "Span"]
+__all__ = ["BlockCopier", "GroupCopiers", "HostRuns", "Span", "load_run_by_run"]
 
 MAX_HOST_RUNS = 8
 """A layout whose block slice of one layer is more than this many contiguous runs is copied with
@@ -97,7 +100,7 @@ class HostRuns:
         index = np.indices(outer).reshape(len(outer), -1) if outer else np.zeros((0, 1), dtype=np.int64)
         self.cache_offsets = (np.array(strides[:inner], dtype=np.int64)[:, None] * index).sum(axis=0).astype(np.int64)
         self.page_offsets = np.arange(math.prod(outer), dtype=np.int64) * run
-        # the same as Python ints, for the memmove loop (BlockCopier.load_runs)
+        # the same as Python ints, for the memmove loop (loader.load_runs)
         self.layer_list: list[int] = self.layer_addresses.tolist()
         self.offset_pairs: list[tuple[int, int]] = list(zip(self.cache_offsets.tolist(), self.page_offsets.tolist()))
         extent = 1 + sum((d - 1) * st for d, st in zip(first.shape, first.strides))  # a layer's first to last byte
@@ -115,6 +118,11 @@ class BlockCopier:
         batched: use the batched path (default: when the caches are on a GPU); True on host
             tensors runs the same batched code without streams (tests of its mapping).
         max_batch_bytes: device buffer of one batch per direction, bytes (batched path).
+
+    Attributes:
+        runs: where each block lies as a few contiguous runs (:class:`HostRuns`), on host caches
+            whose block slice is at most :data:`MAX_HOST_RUNS` runs; ``None`` otherwise (CUDA,
+            strided layouts: :meth:`load`).
     """
 
     def __init__(self, layout: KVLayout, kv_caches: dict[str, torch.Tensor], blocks_per_chunk: int,
@@ -135,14 +143,14 @@ class BlockCopier:
                 self._host = None
         self._block_byte_shape = (*layout.block_shape[:-1], layout.block_shape[-1] * self.layers[0].element_size()) \
             if layout.block_shape else (self.layers[0].element_size(),)
-        self._runs: HostRuns | None = None  # the memmove load path (module docstring)
+        self.runs: HostRuns | None = None  # the memmove load path (loader.load_runs)
         if self._host is not None:
             try:
                 runs = HostRuns(self._host, layout.block_dim, layout.num_blocks)
             except ValueError:
                 runs = None
             if runs is not None and len(runs.page_offsets) * runs.run_bytes == layout.block_bytes:
-                self._runs = runs
+                self.runs = runs
 
     def _page_slots(self, page: np.ndarray) -> np.ndarray:
         """``page`` as ``[num_layers, blocks_per_chunk, *block byte shape]`` (a view)."""
@@ -183,12 +191,18 @@ class BlockCopier:
     # ---- pages -> engine (load) --------------------------------------------------------------
     def load(self, spans: Sequence[Span], wait: bool = True) -> Any:
         """Copy each span's page slots into its blocks of every layer; returns when they are there
-        (``wait=False`` on CUDA: returns the event the copies end with instead; None otherwise)."""
+        (``wait=False`` on CUDA: returns the event the copies end with instead; None otherwise).
+
+        The batched path on CUDA; on host caches ``numpy.copyto`` per block and layer (or torch's
+        copy where the layers have no byte view).  A copier with :attr:`runs` (host caches of a few
+        runs a block: vLLM's CPU backend) is loaded with one ``memmove`` per run by
+        :func:`~kvtier.integrations.vllm.worker.loader.load_runs`, what a load runs.
+
+        Raises:
+            IndexError: on host caches, a block id or slot out of range (the blocks before it are copied).
+        """
         if self.batched is not None:
             return self.batched.load(spans, wait)
-        if self._runs is not None:
-            self.load_runs([(span.page, span.first_slot, span.block_ids) for span in spans])
-            return None
         if self._host is None:
             dim = self.layout.block_dim
             for span in spans:
@@ -204,98 +218,38 @@ class BlockCopier:
                     np.copyto(self._host_block(layer, block), slots[layer, span.first_slot + j])
         return None
 
-    def load_runs(self, spans: Sequence[tuple[np.ndarray, int, Sequence[int]]], hold_gil: bool = False) -> None:
-        """:meth:`load` on the memmove path: ``(page, first slot, block ids)`` per span; every
-        address is computed and checked (block ids in range, slots within the page, pages
-        contiguous and long enough) before the first byte moves.  The addresses are Python ints,
-        computed in the loop that moves the runs: one ``memmove`` per run costs more than its
-        address, and numpy's set-up of a few small arrays is most of a short hit's copy on cold caches.
-        ``hold_gil`` (the engine's thread): a slice assignment of flat memoryviews per run instead.
 
-        Raises:
-            ValueError: a span out of range (nothing copied).
-        """
-        runs = self._runs
-        assert runs is not None
-        views = runs.layer_views if hold_gil else None
-        bpc, block_bytes, layers = self.blocks_per_chunk, self.layout.block_bytes, len(self.layers)
-        page_bytes = layers * bpc * block_bytes
-        todo: list[tuple[int, int, Sequence[int]]] = []  # (the page's address, first slot, block ids)
-        blocks: list[int] = []
-        for page, first_slot, block_ids in spans:
-            n = len(block_ids)
-            if not n:
-                continue
-            if not page.flags.c_contiguous or page.nbytes < page_bytes or first_slot < 0 or first_slot + n > bpc:
-                raise ValueError(f"span of {n} blocks at slot {first_slot} does not fit a contiguous page of "
-                                 f"{page_bytes} bytes ({page.nbytes} given, {bpc} slots)")
-            todo.append((memoryview(page).cast("B") if views is not None else _address(page), first_slot, block_ids))  # type: ignore[arg-type]
-            blocks += block_ids
-        if not blocks:
-            return
-        if min(blocks) < 0 or max(blocks) >= runs.num_blocks:
-            raise ValueError(f"block ids must lie in [0, {runs.num_blocks}), got {blocks}")
-        # [block][layer][run]: a block's slot in each layer of its page, then the next block (layer by layer,
-        # each page front to back, measured slower: 5.2-5.4 ms against 4.7-4.8 for a 4,000-token hit, 2026-12-06)
-        layer_addresses, stride, offsets, n = runs.layer_list, runs.block_stride, runs.offset_pairs, runs.run_bytes
-        slot_bytes = bpc * block_bytes
-        if n == block_bytes == stride:  # a block is one run and the next block follows it (vLLM's CPU backend)
-            self._load_adjacent(todo, views, slot_bytes)
-            return
-        if views is not None:  # the same runs in the same order, each a slice assignment (no ctypes call)
-            for page_view, first_slot, block_ids in todo:
-                for j, block in enumerate(block_ids):
-                    src, dst = (first_slot + j) * block_bytes, block * stride
-                    for view in views:
-                        for cache_offset, page_offset in offsets:
-                            to, at = dst + cache_offset, src + page_offset
-                            view[to:to + n] = page_view[at:at + n]  # type: ignore[index]
-                        src += slot_bytes
-            return
-        for address, first_slot, block_ids in todo:
+def load_run_by_run(copier: BlockCopier, todo: Sequence[tuple[Any, int, Sequence[int]]],
+                    views: list[memoryview] | None) -> None:
+    """:func:`~kvtier.integrations.vllm.worker.loader.load_runs` where a block of a layer is several
+    runs, or block ``b + 1`` does not follow block ``b``: one ``memmove`` per run of :attr:`HostRuns.offset_pairs`
+    (``views``, on the engine's thread: one slice assignment of flat memoryviews), block by block, each
+    layer by layer.  ``todo``: per span (its page's address, or with ``views`` its flat ``memoryview``;
+    the first slot; the block ids), every address already checked by the caller."""
+    runs = copier.runs
+    assert runs is not None
+    # [block][layer][run]: a block's slot in each layer of its page, then the next block (layer by layer,
+    # each page front to back, measured slower: 5.2-5.4 ms against 4.7-4.8 for a 4,000-token hit, 2026-12-06)
+    block_bytes, stride, offsets, n = copier.layout.block_bytes, runs.block_stride, runs.offset_pairs, runs.run_bytes
+    slot_bytes = copier.blocks_per_chunk * block_bytes
+    if views is not None:  # the same runs in the same order, each a slice assignment (no ctypes call)
+        for page_view, first_slot, block_ids in todo:
             for j, block in enumerate(block_ids):
-                src = address + (first_slot + j) * block_bytes
-                dst = block * stride
-                for layer_address in layer_addresses:
+                src, dst = (first_slot + j) * block_bytes, block * stride
+                for view in views:
                     for cache_offset, page_offset in offsets:
-                        _memmove(layer_address + dst + cache_offset, src + page_offset, n)
+                        to, at = dst + cache_offset, src + page_offset
+                        view[to:to + n] = page_view[at:at + n]
                     src += slot_bytes
-
-    def _load_adjacent(self, todo: list[tuple[Any, int, Sequence[int]]], views: list[memoryview] | None,
-                       slot_bytes: int) -> None:
-        """:meth:`load_runs` where a block of a layer is one run and block ``b + 1`` follows block ``b``:
-        as slots ``s, s + 1`` of a page's layer do, so ``k`` consecutive block ids of a span are one run
-        of ``k`` blocks per layer (a fresh request's blocks mostly are: about a block per chunk's
-        worth of calls instead of one per block).  Runs of blocks in span order, each layer by layer."""
-        block_bytes, layer_addresses = self.layout.block_bytes, self._runs.layer_list  # type: ignore[union-attr]
-        for page, first_slot, block_ids in todo:
-            j, count = 0, len(block_ids)
-            while j < count:
-                first, k = block_ids[j], 1
-                while j + k < count and block_ids[j + k] == first + k:
-                    k += 1
-                src, dst, size = (first_slot + j) * block_bytes, first * block_bytes, k * block_bytes
-                if views is not None:  # the engine's thread: slice assignments of flat memoryviews (no ctypes call)
-                    for view in views:
-                        view[dst:dst + size] = page[src:src + size]
-                        src += slot_bytes
-                else:
-                    for layer_address in layer_addresses:
-                        _memmove(layer_address + dst, page + src, size)
-                        src += slot_bytes
-                j += k
-
-
-def _address(page: np.ndarray) -> int:
-    """The first byte of a writable C-contiguous ``page``: ctypes' view of its buffer, a third of
-    ``ndarray.ctypes.data``'s time warm (no Python frames); a read-only one through ``ndarray.ctypes``."""
-    try:  # (an ndarray is a buffer; numpy's stubs do not say so)
-        return ctypes.addressof(_BYTE.from_buffer(page))  # type: ignore[arg-type]
-    except (TypeError, ValueError):  # read-only (or empty: the caller checked its length)
-        return int(page.ctypes.data)
-
-
-_BYTE = ctypes.c_ubyte
+        return
+    for address, first_slot, block_ids in todo:
+        for j, block in enumerate(block_ids):
+            src = address + (first_slot + j) * block_bytes
+            dst = block * stride
+            for layer_address in runs.layer_list:
+                for cache_offset, page_offset in offsets:
+                    _memmove(layer_address + dst + cache_offset, src + page_offset, n)
+                src += slot_bytes
 
 
 class GroupCopiers:
@@ -305,7 +259,8 @@ class GroupCopiers:
     and its own page shape: ``[group layers, slots, block bytes]`` with ``chunk_tokens /
     block_size`` slots for a full-attention or sliding-window page and one slot for a state page
     (the snapshot).  The store holds pages of one size, the largest group's; a smaller page uses
-    the front of its buffer.
+    the front of its buffer.  A load of pages into their blocks is
+    :func:`~kvtier.integrations.vllm.worker.loader.load_pages`'s (the loader's path).
 
     Args:
         groups: the engine's KV cache groups.
@@ -326,7 +281,8 @@ class GroupCopiers:
         self.page_bytes = max(self.group_page_bytes.values())
         self.block_bytes = {g: layouts[g].block_bytes * layouts[g].num_layers for g in layouts}
 
-    def _spans(self, moves: Sequence[tuple[PageMove, np.ndarray]]) -> dict[int, list[Span]]:
+    def spans(self, moves: Sequence[tuple[PageMove, np.ndarray]]) -> dict[int, list[Span]]:
+        """``(page, buffer)`` pairs as spans by group, each over the front of its buffer its group's page uses."""
         out: dict[int, list[Span]] = {}
         for page, buffer in moves:
             front = buffer[:self.group_page_bytes[page.group]]
@@ -336,7 +292,7 @@ class GroupCopiers:
     def save(self, moves: Sequence[tuple[PageMove, np.ndarray]], after: Any = None) -> None:
         """Copy each page's engine blocks into its buffer (``after``: :meth:`mark`'s event; ``None``:
         ordered after the calling thread's current stream)."""
-        for group, spans in self._spans(moves).items():
+        for group, spans in self.spans(moves).items():
             self.copiers[group].save(spans, after)
 
     def mark(self) -> Any:
@@ -350,14 +306,3 @@ class GroupCopiers:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
         return event
-
-    def load(self, moves: Sequence[tuple[PageMove, np.ndarray]], hold_gil: bool = False) -> None:
-        """Copy each buffer into its page's engine blocks (``hold_gil``: on the engine's thread, one
-        KV cache group on host caches: :meth:`BlockCopier.load_runs`'s)."""
-        if len(self.copiers) == 1:  # one group (a dense model): no regrouping, no span objects
-            (group, copier), = self.copiers.items()
-            if copier._runs is not None:  # (one group: its page is the whole buffer, no front slice to take)
-                copier.load_runs([(buffer, page.first_slot, page.block_ids) for page, buffer in moves], hold_gil)
-                return
-        for group, spans in self._spans(moves).items():
-            self.copiers[group].load(spans)

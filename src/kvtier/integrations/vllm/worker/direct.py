@@ -59,7 +59,7 @@ class DirectTargets:
     """Builds each node-tier chunk's :class:`Scatter` over its engine blocks (see the module docstring).
 
     Args:
-        runs: the one group's host layout (``BlockCopier._runs``).
+        runs: the one group's host layout (``BlockCopier.runs``).
         blocks_per_chunk: slots in a page.
         block_bytes: bytes of one block of one layer.
         page_bytes: bytes of one page (the payload).
@@ -93,7 +93,7 @@ class DirectTargets:
         if len(copiers.copiers) != 1 or not reads_into_blocks(store):
             return None
         (group, copier), = copiers.copiers.items()
-        runs = copier._runs
+        runs = copier.runs
         if runs is None or copiers.group_page_bytes[group] != store.chunk_bytes:
             return None
         return cls(runs, copier.blocks_per_chunk, copier.layout.block_bytes, store.chunk_bytes)

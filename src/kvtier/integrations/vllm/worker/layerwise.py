@@ -30,6 +30,7 @@ import torch
 
 from kvtier.integrations.vllm.protocol import PageMove
 from kvtier.integrations.vllm.worker.copy import BlockCopier, GroupCopiers, Span
+from kvtier.integrations.vllm.worker.loader import load_runs
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,10 @@ class LayerLoads:
         last = None
         for index, (name, layer) in enumerate(zip(self.names, self.layers)):
             lo = index * self.slot_bytes
+            if layer.runs is not None:  # host caches of a few runs a block: one memmove per run, done here
+                load_runs(layer, [(buffer[lo:lo + self.slot_bytes], page.first_slot, page.block_ids)
+                                  for page, buffer in moves])
+                continue
             spans = [Span(buffer[lo:lo + self.slot_bytes], page.first_slot, page.block_ids) for page, buffer in moves]
             last = layer.load(spans, wait=False)
             if last is not None:

@@ -16,7 +16,7 @@ from kvtier.core.store import TieredStore
 from kvtier.integrations.vllm.process_exit import skip_exit_collection
 from kvtier.integrations.vllm.protocol import ResetOrder
 from kvtier.integrations.vllm.worker.layerwise import LayerLoads
-from kvtier.integrations.vllm.worker.loader import Outcomes
+from kvtier.integrations.vllm.worker.outcomes import Outcomes
 from kvtier.integrations.vllm.worker.saves import SaveQueue
 from kvtier.integrations.vllm.worker.shutdownflush import flush_line, flush_on_stop
 

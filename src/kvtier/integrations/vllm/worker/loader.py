@@ -1,46 +1,28 @@
 """One asynchronous load's path on a loader thread: store → (disk read, verify) → engine blocks.
 
-One :class:`LoadJob` per request admitted with a kvtier hit, one path for every model (a dense
-model's pages are its chunks).  The engine's thread hands each job to a loader thread
-(:class:`~.side.AsyncLoader`), which runs :meth:`LoadPath.run`:
-
-1. prepare: ``store.prepare_load(page keys, read_ahead=True, ctx=OpContext(req_id, tenant))``
-   (the request's context, :mod:`kvtier.core.context`, which the handle carries on) pins the
-   pages still held and reads/verifies the first ``io_threads`` of those only on disk or in the
-   shared tier before it returns; the rest are read into cpu pages in the background (promotion); the mirror that
-   planned the load may be stale, so this can end with fewer pages than planned, never other
-   bytes;
-2. copy: each page into its engine blocks as soon as it is ready (``handle.ahead_from`` grows),
-   so the head is copied while the tail is still being read, waiting at most ``load_wait_s`` in
-   all for the tail (a page that failed verification ends the prefix there);
-3. complete: ``store.complete_load(handle, ok, engine=EngineLoad(...))`` in ``finally`` unpins
-   and reports what the engine got, as events to the request's context and so to the store's
-   counters: tokens by the tier the plan named for their chunk (what vLLM was told), tokens
-   promised and not filled, blocks not filled, bytes;
-4. report: with one KV cache group (``partial``), the blocks it could not fill become load
-   errors (vLLM keeps the valid prefix); with several, a load short of any page is a failed
-   request (vLLM recomputes it whole).  Then the request is finished receiving, in that order,
-   so both reach vLLM no later than the same step: into :class:`Outcomes`, which the engine's
-   thread takes (:meth:`~.side.AsyncLoader.take`).
-
-Synchronous loads (``LoadJob.sync``, copied on the engine's thread before the forward) are
-:mod:`~.syncload`'s; they end through :meth:`LoadPath.finish` too.
-
-Facts: each load's events (its :class:`~kvtier.core.sinks.RequestRecord`) become the request's
-:class:`~kvtier.integrations.vllm.protocol.RequestFacts` when it ends (:func:`load_facts`), kept in
-:class:`FactsBook` until the step's worker metadata carries them to the scheduler's receipts (issue 35).
+:class:`LoadPath` runs one :class:`LoadJob` (a request admitted with a kvtier hit, any model: a dense
+model's pages are its chunks) on the loader thread :class:`~.side.AsyncLoader` hands it to: prepare
+(pin, read the first chunks, the rest ahead), copy each page into its engine blocks as it is ready
+(:func:`load_pages`: host caches one ``memmove`` per run; at most ``load_wait_s`` for the tail),
+complete (the store counts what the engine got), report into :class:`Outcomes` (the blocks not
+filled, or the load failed whole, then the finish) and the load's facts (:func:`load_facts`) into
+:class:`FactsBook`.  Synchronous loads (:mod:`~.syncload`) end through :meth:`LoadPath.finish` too.
+Each step and what a short load reports: docs/architecture.md, "Load", step 4.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, wait
+from concurrent.futures import wait
 from itertools import groupby
 from operator import attrgetter, ne
-from typing import cast
+from typing import Any, cast
+
+import numpy as np
 
 from kvtier.core.context import EngineLoad, OpContext
 from kvtier.core.handles import NO_BUFFER, LoadHandle
@@ -49,8 +31,9 @@ from kvtier.core.sinks import RequestRecord
 from kvtier.core.store import TieredStore
 from kvtier.core.tiers.registry import slowest
 from kvtier.integrations.vllm.protocol import LoadJob, PageMove, RequestFacts
-from kvtier.integrations.vllm.worker.copy import GroupCopiers
+from kvtier.integrations.vllm.worker.copy import BlockCopier, GroupCopiers, load_run_by_run
 from kvtier.integrations.vllm.worker.direct import DirectTargets
+from kvtier.integrations.vllm.worker.outcomes import Outcomes
 
 log = logging.getLogger(__name__)
 
@@ -58,23 +41,6 @@ READ_AHEAD_POLL_S = 0.002  # how often a load looks for more chunks read ahead (
 CHUNK_OF = attrgetter("chunk")  # a PageMove's chunk (in C: no generator frame per page on the hit path)
 KEY_OF = attrgetter("key")  # a PageMove's key (in C: no comprehension's frame)
 BLOCK_IDS_OF = attrgetter("block_ids")  # a PageMove's block ids
-
-
-class Outcomes:
-    """Loads ended on the loader threads (:meth:`LoadPath.finish`) and not yet taken by the engine's
-    thread (:meth:`~.side.AsyncLoader.take`); every field is read and written under ``lock``."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.ended = threading.Condition(self.lock)  # notified when a load ends (finish)
-        self.finished: set[str] = set()  # requests whose load ended
-        self.errors: set[int] = set()  # blocks that could not be filled (one group)
-        self.failed: set[str] = set()  # requests whose load failed whole (several groups; also in finished)
-        self.aborted: set[str] = set()  # requests vLLM finished before their load started (skipped)
-        self.inflight: dict[str, Future[None]] = {}  # req_id -> its job, from submit to finish
-        # ended loads not yet taken: req_id -> (store epoch at their start, blocks filled; None: failed whole)
-        self.filled: dict[str, tuple[int, tuple[int, ...] | None]] = {}
-        self.version = 0  # bumped as each load ends: unchanged since a take, a take has nothing
 
 
 class LoadPath:
@@ -149,7 +115,7 @@ class LoadPath:
                 moves = [m for m in zip(job.pages[delivered:ready], handle.buffers[delivered:ready])
                          if m[1] is not NO_BUFFER]
                 if moves:
-                    self.copiers.load(moves)
+                    load_pages(self.copiers, moves)
                 delivered = ready
             if ahead is None:
                 break
@@ -248,6 +214,103 @@ def moved_bytes(copiers: GroupCopiers, pages: Sequence[PageMove]) -> int:
         (block_bytes,) = copiers.block_bytes.values()
         return block_bytes * sum(map(len, map(BLOCK_IDS_OF, pages)))
     return sum(len(p.block_ids) * copiers.block_bytes[p.group] for p in pages)
+
+
+def load_pages(copiers: GroupCopiers, moves: Sequence[tuple[PageMove, np.ndarray]], hold_gil: bool = False) -> None:
+    """Copy each ``(page, buffer)`` of ``moves`` into the page's engine blocks, every layer of its group
+    (``buffer``: uint8, its group's page of ``copiers.group_page_bytes`` in front); returns when they are
+    there.  Host caches of a few runs a block: :func:`load_runs` (``hold_gil``: one group, on the engine's
+    thread); CUDA and strided layouts: ``BlockCopier.load``.
+
+    Raises:
+        ValueError: a page's slots or block ids out of range (:func:`load_runs`: nothing copied).
+    """
+    if len(copiers.copiers) == 1:  # one group (a dense model): no regrouping, no span objects
+        (copier,) = copiers.copiers.values()
+        if copier.runs is not None:  # (one group: its page is the whole buffer, no front slice to take)
+            load_runs(copier, [(buffer, page.first_slot, page.block_ids) for page, buffer in moves], hold_gil)
+            return
+    for group, spans in copiers.spans(moves).items():
+        one = copiers.copiers[group]
+        if one.runs is not None:
+            load_runs(one, [(span.page, span.first_slot, span.block_ids) for span in spans])
+        else:
+            one.load(spans)
+
+
+def load_runs(copier: BlockCopier, spans: Sequence[tuple[np.ndarray, int, Sequence[int]]],
+              hold_gil: bool = False) -> None:
+    """Copy each span's page slots into its blocks of every layer of ``copier`` (host caches: one
+    ``memmove`` per run of ``copier.runs``; ``hold_gil``, the engine's thread: a slice assignment of flat
+    memoryviews): ``(page, first slot, block ids)`` per span.  Every span is checked (block ids in range,
+    slots within the page, pages contiguous and long enough) before the first byte moves; the addresses
+    are Python ints, computed in the loop that moves the runs (numpy's set-up of small arrays costs more).
+
+    Raises:
+        ValueError: a span out of range (nothing copied).
+    """
+    runs = copier.runs
+    assert runs is not None
+    views = runs.layer_views if hold_gil else None
+    bpc, block_bytes, layers = copier.blocks_per_chunk, copier.layout.block_bytes, len(runs.layer_list)
+    slot_bytes = bpc * block_bytes
+    page_bytes = layers * slot_bytes
+    todo: list[tuple[Any, int, Sequence[int]]] = []  # (the page's address or flat view, first slot, block ids)
+    blocks: list[int] = []
+    for page, first_slot, block_ids in spans:
+        n = len(block_ids)
+        if not n:
+            continue
+        if not page.flags.c_contiguous or page.nbytes < page_bytes or first_slot < 0 or first_slot + n > bpc:
+            raise ValueError(f"span of {n} blocks at slot {first_slot} does not fit a contiguous page of "
+                             f"{page_bytes} bytes ({page.nbytes} given, {bpc} slots)")
+        todo.append((memoryview(page).cast("B") if views is not None else _address(page), first_slot, block_ids))  # type: ignore[arg-type]
+        blocks += block_ids
+    if not blocks:
+        return
+    if min(blocks) < 0 or max(blocks) >= runs.num_blocks:
+        raise ValueError(f"block ids must lie in [0, {runs.num_blocks}), got {blocks}")
+    if runs.run_bytes == block_bytes == runs.block_stride:  # a block is one run, the next follows (vLLM's CPU)
+        _load_adjacent(todo, views, runs.layer_list, block_bytes, slot_bytes)
+    else:
+        load_run_by_run(copier, todo, views)
+
+
+def _load_adjacent(todo: list[tuple[Any, int, Sequence[int]]], views: list[memoryview] | None,
+                   layer_addresses: list[int], block_bytes: int, slot_bytes: int) -> None:
+    """:func:`load_runs` where a block of a layer is one run and block ``b + 1`` follows block ``b``:
+    as slots ``s, s + 1`` of a page's layer do, so ``k`` consecutive block ids of a span are one run
+    of ``k`` blocks per layer (a fresh request's blocks mostly are: about a block per chunk's
+    worth of calls instead of one per block).  Runs of blocks in span order, each layer by layer."""
+    for page, first_slot, block_ids in todo:
+        j, count = 0, len(block_ids)
+        while j < count:
+            first, k = block_ids[j], 1
+            while j + k < count and block_ids[j + k] == first + k:
+                k += 1
+            src, dst, size = (first_slot + j) * block_bytes, first * block_bytes, k * block_bytes
+            if views is not None:  # the engine's thread: slice assignments of flat memoryviews (no ctypes call)
+                for view in views:
+                    view[dst:dst + size] = page[src:src + size]
+                    src += slot_bytes
+            else:
+                for layer_address in layer_addresses:
+                    _memmove(layer_address + dst, page + src, size)
+                    src += slot_bytes
+            j += k
+
+
+def _address(page: np.ndarray) -> int:
+    """The first byte of a writable C-contiguous ``page``: ctypes' view of its buffer, a third of
+    ``ndarray.ctypes.data``'s time warm (no Python frames); a read-only one through ``ndarray.ctypes``."""
+    try:  # (an ndarray is a buffer; numpy's stubs do not say so)
+        return ctypes.addressof(_BYTE.from_buffer(page))  # type: ignore[arg-type]
+    except (TypeError, ValueError):  # read-only (or empty: the caller checked its length)
+        return int(page.ctypes.data)
+
+
+_BYTE = ctypes.c_ubyte
+_memmove = ctypes.memmove
 
 
 def tokens_by_tier(tiers: Sequence[str], start: int, end: int, chunk_tokens: int) -> dict[str, int]:

@@ -311,7 +311,7 @@ class WorkerSide:
 class AsyncLoader:
     """The engine thread's end of the asynchronous loads: hands each :class:`LoadJob` to a bounded
     pool of loader threads (:meth:`LoadPath.run <kvtier.integrations.vllm.worker.loader.LoadPath.run>`)
-    and takes their :class:`~kvtier.integrations.vllm.worker.loader.Outcomes`.
+    and takes their :class:`~kvtier.integrations.vllm.worker.outcomes.Outcomes`.
 
     Args:
         path: one load's path (the store, the copiers, ...), run on the loader threads.

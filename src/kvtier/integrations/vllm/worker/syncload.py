@@ -20,7 +20,7 @@ from kvtier.core.handles import NO_BUFFER
 from kvtier.core.sinks import RequestRecord
 from kvtier.integrations.vllm.protocol import LoadJob
 from kvtier.integrations.vllm.worker.layerwise import LayerLoads
-from kvtier.integrations.vllm.worker.loader import CHUNK_OF, LoadPath, job_context, job_keys
+from kvtier.integrations.vllm.worker.loader import CHUNK_OF, LoadPath, job_context, job_keys, load_pages
 
 log = logging.getLogger(__name__)
 NO_EPOCH = 0
@@ -69,7 +69,7 @@ def load_now(loader: LoadPath, job: LoadJob) -> tuple[set[int], int | None]:
         moves = [m for m in zip(job.pages[:held], handle.buffers[:held]) if m[1] is not NO_BUFFER] if shared \
             else list(zip(job.pages[:held], handle.buffers[:held]))  # (cpu pages only: no comprehension's frame)
         if moves:  # (a chunk read into its blocks, NO_BUFFER, is there already)
-            loader.copiers.load(moves, hold_gil=True)  # (the engine's thread: it holds the GIL anyway)
+            load_pages(loader.copiers, moves, hold_gil=True)  # (the engine's thread: it holds the GIL anyway)
         delivered, ok = held, True  # a copy that raised part-way filled nothing vLLM may use
         if delivered < len(job.pages):
             log.info("kvtier: request %s: %d of %d planned pages were found for its synchronous load; "
