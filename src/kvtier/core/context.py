@@ -204,6 +204,20 @@ class Sink(Protocol):
         """Take one event."""
 
 
+class Counts(Protocol):
+    """What the store's parts count besides events (:class:`kvtier.core.sinks.StoreCounters`; the
+    index, its lower tiers and the writers take the counters as this)."""
+
+    def evicted(self, tier: str, num_chunks: int = 1) -> None:
+        """``num_chunks`` chunks were evicted from ``tier``."""
+
+    def dropped(self, num_chunks: int = 1) -> None:
+        """``num_chunks`` chunk saves were dropped."""
+
+    def moved(self, direction: str, num_bytes: int, seconds: float) -> None:
+        """One transfer of ``num_bytes`` bytes taking ``seconds`` seconds in ``direction``."""
+
+
 class NullSink:
     """A sink that keeps nothing."""
 
