@@ -26,7 +26,7 @@ model's pages are its chunks).  The engine's thread hands each job to a loader t
 Synchronous loads (``LoadJob.sync``, copied on the engine's thread before the forward) are
 :mod:`~.syncload`'s; they end through :meth:`LoadPath.finish` too.
 
-Facts: each load's events (its :class:`~kvtier.core.sinks.RequestRecord`) become the request's
+Facts: each load's events (its :class:`~kvtier.core.mover.RequestRecord`) become the request's
 :class:`~kvtier.integrations.vllm.protocol.RequestFacts` when it ends (:func:`load_facts`), kept in
 :class:`FactsBook` until the step's worker metadata carries them to the scheduler's receipts (issue 35).
 """
@@ -45,7 +45,7 @@ from typing import cast
 from kvtier.core.context import EngineLoad, OpContext
 from kvtier.core.handles import NO_BUFFER, LoadHandle
 from kvtier.core.keys import ChunkKey
-from kvtier.core.sinks import RequestRecord
+from kvtier.core.mover import RequestRecord
 from kvtier.core.store import TieredStore
 from kvtier.core.tiers.registry import slowest
 from kvtier.integrations.vllm.protocol import LoadJob, PageMove, RequestFacts
