@@ -13,15 +13,15 @@ does not run (set-up, writes, landing buffers, shutdown) is :class:`~kvtier.core
   ``io_threads`` before ``prepare_load`` returns, the rest on a background pool, advancing
   ``LoadHandle.ahead_from``.  A chunk missing or failing verification cuts the prefix there; a chunk
   read keeps its writer's tenant record (``records``, :data:`kvtier.core.tenant.TenantRecords`).
-- **Counting**: a load's events go to its context's sink, fanned out (:meth:`CountersSink.bind`,
-  :class:`Tee`) to the store's counters (:class:`StoreCounters`) and the request's own sink (a
-  :class:`RequestRecord`); their state and the events off a load's path are :mod:`kvtier.core.sinks`'.
+- **Counting**: a load's events go to its context's sink, fanned out (:meth:`CountersSink.bind`, :class:`Tee`) to
+  the store's :class:`StoreCounters` and a :class:`RequestRecord`; their state is :mod:`kvtier.core.sinks`'.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from operator import attrgetter
 from typing import Any
 
 from kvtier.core import tenant
@@ -130,7 +130,7 @@ class Mover(MoverState):
         (``Read.into``: the read is the copy, nothing to overlap it with; one batch, no thread hop).
         ``within_s``: the shared tier's reads under this deadline (:meth:`read`)."""
         reads = plan.reads
-        if not all(r.reserved or r.into is not None for r in reads):  # a read with no cpu page: a landing buffer
+        if not all(map(attrgetter("reserved"), reads)):  # a read with no cpu page (or into a shared read's): in C
             self._land(plan)
         ahead = reads[self.io_threads:] if read_ahead and any(r.into is None for r in reads) else []
         self.read(chain, plan.handle, reads[:len(reads) - len(ahead)], within_s)
@@ -381,7 +381,8 @@ class RequestRecord(RecordState):
             match event:  # (a hit's events first: each case is an isinstance check)
                 case EngineLoad():
                     add_counts(self.loaded_tokens, event.tokens)
-                    add_counts(self.unfilled_tokens, event.unfilled_tokens)
+                    if event.unfilled_tokens:  # (a whole load promised nothing it did not fill: no call)
+                        add_counts(self.unfilled_tokens, event.unfilled_tokens)
                     self.load_seconds += event.seconds
                 case ChunksServed():
                     add_counts(self.served_chunks, event.by_tier)
