@@ -82,7 +82,7 @@ PARTS = (  # (module, attribute path, label): the hit's parts, nested as they ca
     ("kvtier.core.mover", "Mover.complete_load", "    complete_load"),
     ("kvtier.core.index", "Index.release", "      Index.release"),
     ("kvtier.core.policies.adaptive", "AdaptivePolicy.touch", "        policy touch"),
-    ("kvtier.core.sinks", "Tee.emit", "      events (Tee.emit)"),
+    ("kvtier.core.mover", "Tee.emit", "      events (Tee.emit)"),
     ("kvtier.integrations.vllm.worker.loader", "load_facts", "    load_facts"),
     ("kvtier.core.index", "Index.gate_evictions", "  gate_evictions"),
 )

@@ -14,7 +14,8 @@ import time
 from kvtier.core.context import OpContext
 from kvtier.core.ghosts import GhostList, Ghosts
 from kvtier.core.keys import ChunkKey, Namespace, request_root
-from kvtier.core.sinks import Miss, RequestRecord
+from kvtier.core.mover import RequestRecord
+from kvtier.core.sinks import Miss
 
 from .helpers import CHUNK_BYTES, CHUNK_TOKENS, NS, chain_of, make_store, payload
 from .test_redis_faults import FAULT_SETTINGS

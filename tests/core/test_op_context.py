@@ -24,7 +24,8 @@ from kvtier.core.context import (
     SaveDropped,
     WriteDropped,
 )
-from kvtier.core.sinks import Miss, RequestRecord, Tee
+from kvtier.core.mover import RequestRecord, Tee
+from kvtier.core.sinks import Miss
 from kvtier.core.store import TieredStore
 from kvtier.core.tenant import TenantId
 from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES

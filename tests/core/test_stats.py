@@ -4,7 +4,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier.core.sinks import StoreCounters, directions
+from kvtier.core.mover import StoreCounters, directions
 from kvtier.core.tiers.registry import available_tiers
 
 from .helpers import CHUNK_BYTES, break_disk_shards, chain_of, make_store, payload

@@ -11,7 +11,7 @@ import pytest
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
-from kvtier.core.sinks import directions
+from kvtier.core.mover import directions
 from kvtier.core.tiers import factory, registry
 from tests.dict_tier import SPEC, DictTier
 
@@ -32,7 +32,7 @@ def plugin():
 def test_a_module_named_in_tier_modules_registers_its_tier(plugin):
     import dataclasses
 
-    from kvtier.core.sinks import StoreCounters
+    from kvtier.core.mover import StoreCounters
     from kvtier.integrations.vllm.stats import store_counters
 
     assert SPEC.name not in registry.available_tiers()

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.core.codecstats import codec_stats
 from kvtier.core.config import KVTierConfig
+from kvtier.core.context import Counts
 from kvtier.core.gate import EvictionGate
 from kvtier.core.ghosts import GhostList, Ghosts
 from kvtier.core.handles import StagedCopy
@@ -48,7 +49,6 @@ from kvtier.core.lowerindex import LowerIndex
 from kvtier.core.policies import make_policy
 from kvtier.core.policies.admission import make_admission
 from kvtier.core.quota import TenantLedger
-from kvtier.core.sinks import StoreCounters
 from kvtier.core.tenant import Writer
 from kvtier.core.tiers.base import Paged, StagingTier
 
@@ -76,7 +76,7 @@ class IndexState:
     ``observe(tier, distance_bytes)``: each ghost hit's distance (:mod:`kvtier.core.ghosts`)."""
 
     def __init__(self, cpu: StagingTier, lower: Sequence[LowerIndex], config: KVTierConfig,
-                 counters: StoreCounters, chunk_bytes: int, observe: Callable[[str, float], None] | None = None) -> None:
+                 counters: Counts, chunk_bytes: int, observe: Callable[[str, float], None] | None = None) -> None:
         self.lock = threading.RLock()
         self.cpu = cpu
         self.name = cpu.name

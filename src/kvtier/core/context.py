@@ -15,9 +15,9 @@ engine got (:class:`EngineLoad`) or copied out (:class:`EngineSave`), chunks sav
 (:class:`Saved`) or dropped (:class:`SaveDropped`, :class:`WriteDropped`), TTL pins (:class:`TtlPinned`), lookups
 (:class:`LookedUp`), why a save found a chunk in no tier (:class:`NotHeld`) and why a load read a
 chunk from below the top tier (:class:`ServedBelow`).  The store always sends them to its own metrics sink (the counters that
-``/metrics`` and the connector's step stats show: :class:`kvtier.core.sinks.CountersSink`) and
-to the context's sink as well (:class:`kvtier.core.sinks.Tee`); a per-request record
-(:class:`kvtier.core.sinks.RequestRecord`) is one such sink.
+``/metrics`` and the connector's step stats show: :class:`kvtier.core.mover.CountersSink`) and
+to the context's sink as well (:class:`kvtier.core.mover.Tee`); a per-request record
+(:class:`kvtier.core.mover.RequestRecord`) is one such sink.
 
 Units: ``*_bytes`` bytes, ``*seconds`` seconds, ``chunks`` chunk counts, ``index`` a chunk's
 position in the chain the operation was given.  Tier names are the registry's
@@ -202,6 +202,20 @@ class Sink(Protocol):
 
     def emit(self, event: Event) -> None:
         """Take one event."""
+
+
+class Counts(Protocol):
+    """What the store's parts count besides events (:class:`kvtier.core.mover.StoreCounters`; the
+    index, its lower tiers and the writers take the counters as this)."""
+
+    def evicted(self, tier: str, num_chunks: int = 1) -> None:
+        """``num_chunks`` chunks were evicted from ``tier``."""
+
+    def dropped(self, num_chunks: int = 1) -> None:
+        """``num_chunks`` chunk saves were dropped."""
+
+    def moved(self, direction: str, num_bytes: int, seconds: float) -> None:
+        """One transfer of ``num_bytes`` bytes taking ``seconds`` seconds in ``direction``."""
 
 
 class NullSink:

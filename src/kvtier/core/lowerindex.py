@@ -18,12 +18,12 @@ import logging
 from collections import Counter
 from typing import TYPE_CHECKING
 
+from kvtier.core.context import Counts
 from kvtier.core.ghosts import Ghosts
 from kvtier.core.keys import ChunkKey
 from kvtier.core.policies import EvictionPolicy, make_policy
 from kvtier.core.policies.admission import AdmissionPolicy, AdmitAll
 from kvtier.core.quota import TenantLedger
-from kvtier.core.sinks import StoreCounters
 from kvtier.core.tiers.base import ClearResult, ExactUsage, Generational, Tier
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ class LowerIndex:
         counters: the store's event counters (evictions).
     """
 
-    def __init__(self, tier: Tier, policy: str, write_back: bool, counters: StoreCounters) -> None:
+    def __init__(self, tier: Tier, policy: str, write_back: bool, counters: Counts) -> None:
         self.tier = tier
         self.name = tier.name
         self.shared = tier.shared

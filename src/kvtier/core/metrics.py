@@ -2,7 +2,7 @@
 
 All names start with ``kvtier_``.  Units follow Prometheus conventions: ``_bytes``, ``_seconds``,
 ``_total`` for counters.  Label ``tier`` is a registered tier's name (:mod:`kvtier.core.tiers.registry`); label ``direction``
-is one of :func:`~kvtier.core.sinks.directions`.  Counters and gauges are read from the store's snapshot at
+is one of :func:`~kvtier.core.mover.directions`.  Counters and gauges are read from the store's snapshot at
 scrape time (nothing is counted here); only the lookup latency histogram and the config info are
 kept by this module.  Each store registers into its own :class:`CollectorRegistry` unless one is
 passed, so several stores (tests, several TP ranks) never collide.

@@ -1,168 +1,68 @@
-"""The store's moving part: a load's path from plan to release, and the threads, bounded queues and
-tier I/O that run the index's plans.
+"""The store's moving part: a load's path from plan to release, the tier reads that run the index's
+plans, and where their events are counted.
 
 The index (:mod:`kvtier.core.index`) decides; the :class:`Mover` moves bytes and reports what
 happened by calling the index's verbs (the index never calls the mover).  It never holds the
 index's lock during tier I/O: each verb it calls takes the lock for its own bookkeeping only.
-The store's request-path verbs (a load's three, and the step's ``stats`` and ``take_ghost_distances``)
-are the mover's, bound at construction: a worker calls them on every load and step.
+The store's request-path verbs (a load's, and the step's ``stats`` and ``take_ghost_distances``)
+are the mover's, bound at construction: a worker calls them on every load and step.  What a hit
+does not run (set-up, writes, landing buffers, shutdown) is :class:`~kvtier.core.mover_state.MoverState`'s.
 
-- **Writes**: one bounded queue (``save_queue_depth`` jobs) and ``io_threads`` writer threads
-  per lower tier.  :meth:`Mover.submit` queues the index's :class:`~kvtier.core.handles.WriteJob` s
-  without waiting: a job that does not fit is dropped, counted in ``dropped_saves``, and handed
-  back to the index (:meth:`~kvtier.core.upkeep.IndexUpkeep.written`).  A writer asks the index for
-  room and the bytes (:meth:`~kvtier.core.upkeep.IndexUpkeep.begin_write`), writes, and reports
-  (:meth:`~kvtier.core.upkeep.IndexUpkeep.end_write`).
-- **Reads** (promotions): a load's :class:`~kvtier.core.handles.Read` s, one batch per tier in
-  tier order, then :meth:`~kvtier.core.index.Index.complete_reads`.  With read-ahead the first
-  ``io_threads`` are read before ``prepare_load`` returns and the rest on a background pool,
-  ``io_threads`` at a time (a shared tier's chunks in one pipelined batch), advancing
-  ``LoadHandle.ahead_from`` so the caller copies the ready head while the tail is read (each
-  batch's events go to the load's context, ``LoadHandle.ctx``, on whichever thread read it)::
-
-      chain     c0   c1   c2   c3   c4   c5
-      found in  cpu  disk disk disk redis redis
-      reads          1    2    3    4     5      (pos = position in the chain = in the handle)
-
-  A chunk that is missing or fails verification cuts the prefix there (a chunk is only useful if
-  every chunk before it was delivered).  A chunk read from a lower tier keeps its writer's tenant
-  record: the tier puts the record of each value it verified into ``records``
-  (:data:`kvtier.core.tenant.TenantRecords`), and the published page carries it (issue 22).
-- **Landing buffers**: a read the index planned into a private buffer (no cpu page could be freed,
-  so the chunk is not promoted) lands in one of the :class:`~kvtier.core.landing.LandingPool`'s
-  reused, page-aligned buffers instead (pinned on a GPU host), swapped in before the first read;
-  they go back once the load is released and its reads have ended (:meth:`Mover.give_landed`).
-- **Presence** in a shared tier: :meth:`Mover.leading_present`, one pipelined batch.
+- **Reads** (promotions, docs/store.md): a load's :class:`~kvtier.core.handles.Read` s, one batch per
+  tier in tier order, then :meth:`~kvtier.core.index.Index.complete_reads`; with read-ahead, the first
+  ``io_threads`` before ``prepare_load`` returns, the rest on a background pool, advancing
+  ``LoadHandle.ahead_from``.  A chunk missing or failing verification cuts the prefix there; a chunk
+  read keeps its writer's tenant record (``records``, :data:`kvtier.core.tenant.TenantRecords`).
+- **Counting**: a load's events go to its context's sink, fanned out (:meth:`CountersSink.bind`, :class:`Tee`) to
+  the store's :class:`StoreCounters` and a :class:`RequestRecord`; their state is :mod:`kvtier.core.sinks`'.
 """
 
 from __future__ import annotations
 
-import logging
-import queue
-import threading
 import time
-from collections import Counter
-from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping, Sequence
+from operator import attrgetter
 from typing import Any
 
 from kvtier.core import tenant
 from kvtier.core.context import (
+    NO_SINK,
     ChunkMissed,
     ChunksRead,
     ChunksServed,
     EngineLoad,
+    Event,
     LoadCut,
     LoadFailed,
-    MissReason,
     OpContext,
     ServedBelow,
     Sink,
-    WriteDropped,
 )
-from kvtier.core.handles import Into, LoadHandle, LoadPlan, Read, WriteJob
+from kvtier.core.handles import Into, LoadHandle, LoadPlan, Read
 from kvtier.core.index import Index
 from kvtier.core.keys import ChunkKey
 from kvtier.core.landing import LandingPool
-from kvtier.core.sinks import CountersSink
-from kvtier.core.stats import StoreStats
-from kvtier.core.tiers.base import GetResult, PutResult, Tier
+from kvtier.core.mover_state import MoverState, miss_reason
+from kvtier.core.sinks import CountersState, Miss, RecordState
+from kvtier.core.stats import StoreStats, TierStats
+from kvtier.core.tenant import TenantId
+from kvtier.core.tiers import registry
+from kvtier.core.tiers.base import GetResult
 from kvtier.core.tiers.guarded import GuardedTier
 from kvtier.core.tiers.wrappers import MissWhy, TierWrapper
 
-log = logging.getLogger("kvtier.core.store")
 
-
-class Mover:
-    """Runs the index's plans (see the module docstring).
-
-    Args:
-        index: the store's index.
-        io_threads: writer threads per lower tier; reads before ``prepare_load`` returns with
-            read-ahead, and per background batch.
-        queue_depth: write jobs queued per lower tier at most.
-        sink: the store's metrics sink; its counters count bytes and seconds written and dropped
-            saves here (reads report to their load's context, :mod:`kvtier.core.context`).
-        chunk_tokens: tokens per chunk (for :meth:`stats`).
-        landing: where reads without a cpu page land (default: :meth:`LandingPool.sized`).
-    """
+class Mover(MoverState):
+    """Runs the index's plans (see the module docstring).  Args: ``index``, ``io_threads``, ``queue_depth``
+    and ``landing`` as :class:`~kvtier.core.mover_state.MoverState`'s; ``sink``: the store's metrics sink
+    (its counters are the writes'); ``chunk_tokens``: tokens per chunk (for :meth:`stats`)."""
 
     def __init__(self, index: Index, io_threads: int, queue_depth: int, sink: CountersSink, chunk_tokens: int,
                  landing: LandingPool | None = None) -> None:
-        self.index = index
-        self.io_threads = io_threads
+        super().__init__(index, io_threads, queue_depth, sink.counters, landing)
         self.sink = sink
-        self.counters = sink.counters
-        self.chunk_bytes = index.chunk_bytes
+        self.counters: StoreCounters = sink.counters
         self.chunk_tokens = chunk_tokens
-        self.top_name = index.name
-        self.tiers: dict[str, Tier] = {lt.name: lt.tier for lt in index.lower}
-        self.queues: dict[str, queue.Queue[WriteJob | None]] = {
-            name: queue.Queue(maxsize=queue_depth) for name in self.tiers}
-        self._writers = [threading.Thread(target=self._write_loop, args=(name,), daemon=True,
-                                          name=f"kvtier-{name}-write-{i}")
-                         for name in self.tiers for i in range(io_threads)]
-        for t in self._writers:
-            t.start()
-        self._ahead = ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-read-ahead")
-        self.landing = landing if landing is not None else LandingPool.sized(self.chunk_bytes)
-
-    # ---- writes --------------------------------------------------------------------------
-    def submit(self, jobs: Iterable[WriteJob], sink: Sink | None = None) -> None:
-        """Queue ``jobs``; one that does not fit is dropped (counted) and handed back to the index.
-        ``sink``: a save's context's, told of its write-through copies so refused, per tier
-        (:class:`~kvtier.core.context.WriteDropped`; the counters count them here, once)."""
-        refused = Counter[str]()
-        for job in jobs:
-            try:
-                self.queues[job.tier].put_nowait(job)
-            except queue.Full:
-                self.counters.dropped()
-                self.index.written(job, False)
-                refused[job.tier] += 1
-        for name in (lt.name for lt in self.index.through if refused[lt.name]):
-            if sink is not None:
-                sink.emit(WriteDropped(name, refused[name], "queue_full"))
-
-    def free_slots(self) -> dict[str, int]:
-        """Jobs each tier's queue takes now before it is full."""
-        return {name: q.maxsize - q.qsize() for name, q in self.queues.items()}
-
-    def full(self) -> set[str]:
-        """Tiers whose queue is full."""
-        return {name for name, q in self.queues.items() if q.full()}
-
-    def busy(self, names: Iterable[str] | None = None) -> int:
-        """Write jobs queued or running (for the tiers ``names``; ``None``: all)."""
-        return sum(self.queues[n].unfinished_tasks for n in (self.queues if names is None else names))
-
-    def _write_loop(self, name: str) -> None:
-        q = self.queues[name]
-        while True:
-            job = q.get()
-            try:
-                if job is None:
-                    return
-                self._write(job)
-            except Exception:  # a worker must survive any single failure
-                log.exception("kvtier: %s write of a chunk failed", name)
-            finally:
-                q.task_done()
-
-    def _write(self, job: WriteJob) -> None:
-        begun = self.index.begin_write(job)
-        if begun is None:
-            return
-        data, room = begun
-        result = PutResult.NO_ROOM
-        t0 = time.perf_counter()
-        if room:
-            result = self.tiers[job.tier].put(job.key, memoryview(data.data), job.tenant)  # the envelope keeps the tenant record
-        seconds = time.perf_counter() - t0
-        if not result.stored:
-            log.debug("kvtier: %s write of %s dropped (%s)", job.tier, job.key.hex(), result.value)
-        if self.index.end_write(job, result, room) and result is PutResult.STORED:
-            self.counters.moved(f"{self.top_name}_to_{job.tier}", data.size, seconds)
 
     # ---- a load: TieredStore's prepare_load, complete_load, cancel_load (bound: the worker calls them) ----
     def prepare_load(self, chain: Sequence[ChunkKey], max_chunks: int | None = None, read_ahead: bool = False,
@@ -223,32 +123,15 @@ class Mover:
         if success and (below := handle.below) is not None and first_chunk <= below[0] < delivered:
             sink.emit(ServedBelow(*below))  # why the top tier did not hold it
 
-    def cancel_load(self, handle: LoadHandle, engine: EngineLoad | None = None) -> None:
-        """Unpin a load that will not happen (request aborted, or nothing left to load).
-
-        Neither a hit nor a failed load is counted; ``engine`` (what the engine was promised and did not get) is.
-        Idempotent."""
-        if not self.index.release(handle, refresh=False):
-            return
-        if handle.landed:  # (only then: the hit path with a page stays off the landing pool, scripts/hit_story.py)
-            self.give_landed(handle)
-        if engine is not None:
-            handle.ctx.sink.emit(engine)
-
     # ---- reads ---------------------------------------------------------------------------
-    def leading_present(self, tier: str, keys: Sequence[ChunkKey]) -> int:
-        """How many leading ``keys`` the (shared) tier holds: one pipelined batch; blocks up to
-        the tier's deadline; a fault is 0."""
-        present = self.tiers[tier].contains_many(keys)
-        return next((i for i, hit in enumerate(present) if not hit), len(present))
-
     def run(self, chain: Sequence[ChunkKey], plan: LoadPlan, read_ahead: bool, within_s: float | None = None) -> None:
         """Run ``plan.reads`` now, or with ``read_ahead`` only the first ``io_threads`` of them and
         the rest in the background; all now if every one reads into the caller's destination
         (``Read.into``: the read is the copy, nothing to overlap it with; one batch, no thread hop).
         ``within_s``: the shared tier's reads under this deadline (:meth:`read`)."""
-        self._land(plan)
         reads = plan.reads
+        if not all(map(attrgetter("reserved"), reads)):  # a read with no cpu page (or into a shared read's): in C
+            self._land(plan)
         ahead = reads[self.io_threads:] if read_ahead and any(r.into is None for r in reads) else []
         self.read(chain, plan.handle, reads[:len(reads) - len(ahead)], within_s)
         if not ahead:
@@ -260,25 +143,6 @@ class Mover:
             plan.handle.pending = self._ahead.submit(self._read_ahead, chain, plan.handle, ahead)
         except RuntimeError:  # closed: read here
             self._read_ahead(chain, plan.handle, ahead)
-
-    def _land(self, plan: LoadPlan) -> None:
-        """``plan.reads`` with each private buffer (a read that got no cpu page) replaced by a landing
-        buffer while the pool has one, in the reads and in the handle (before any read runs)."""
-        reads = plan.reads
-        for i, r in enumerate(reads):
-            if r.reserved or r.into is not None:
-                continue
-            buffer = self.landing.take()
-            if buffer is None:
-                break  # every landing buffer is out: the rest keep their private buffers
-            reads[i] = r._replace(buffer=buffer)
-            plan.handle.buffers[r.pos] = buffer
-            plan.handle.landed.append(buffer)
-
-    def give_landed(self, handle: LoadHandle) -> None:
-        """Put ``handle``'s landing buffers back once its reads have ended (the caller released it)."""
-        landed, handle.landed = handle.landed, []
-        self.landing.give_after(landed, handle.pending)
 
     def read(self, chain: Sequence[ChunkKey], handle: LoadHandle, batch: Sequence[Read],
              within_s: float | None = None) -> None:
@@ -310,7 +174,7 @@ class Mover:
         gone = {r.key for r, res in zip(batch, results)  # local files removed from outside (purge, another engine)
                 if res is GetResult.MISS and not r.shared and r.key not in why and not self.tiers[r.tier].indexed(r.key)}
         epoch = self.index.complete_reads(chain, handle, batch, results, records)
-        missed = [ChunkMissed(r.pos, r.tier, _reason(r, res, r.epoch != epoch, why, gone))
+        missed = [ChunkMissed(r.pos, r.tier, miss_reason(r, res, r.epoch != epoch, why, gone))
                   for r, res in zip(batch, results) if res is not GetResult.HIT or r.epoch != epoch]
         for m in missed:
             sink.emit(m)
@@ -340,9 +204,9 @@ class Mover:
 
     # ---- each step: TieredStore's stats and take_ghost_distances (bound: the worker calls them) ----
     def stats(self) -> StoreStats:
-        """The store's counters and each tier's usage, as one snapshot (:meth:`kvtier.core.sinks.StoreCounters.snapshot`)."""
+        """The store's counters and each tier's usage, as one snapshot (:meth:`StoreCounters.snapshot`)."""
         return self.counters.snapshot(self.chunk_bytes, self.chunk_tokens, self.index.tier_stats(),
-                                      self.index.dirty_bytes(), self.busy())
+                                      self.index.dirty_bytes(), sum(q.unfinished_tasks for q in self.queues.values()))
 
     def take_ghost_distances(self) -> list[tuple[str, int]]:
         """Ghost hits' ``(tier, distance bytes)`` since the last call (:mod:`kvtier.core.ghosts`; at
@@ -352,47 +216,182 @@ class Mover:
         with self.index.lock:
             return self.index.ghosts.take_distances()
 
-    # ---- lifecycle -----------------------------------------------------------------------
-    def flush(self, deadline: float | None) -> bool:
-        """Wait until queued writes of every tier are done; False if ``deadline`` (monotonic) passed first."""
-        done = [self._flush(q, deadline) for q in self.queues.values()]  # every tier, not just up to a late one
-        return all(done)
 
-    @staticmethod
-    def _flush(q: queue.Queue[WriteJob | None], deadline: float | None) -> bool:
-        if deadline is None:
-            q.join()
-            return True
-        while q.unfinished_tasks:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.005)
-        return True
-
-    def close(self) -> None:
-        """Wait for background reads, then stop the writer threads (after :meth:`flush`)."""
-        self._ahead.shutdown(wait=True)
-        for name, q in self.queues.items():
-            for _ in range(self.io_threads):
-                try:
-                    q.put(None, timeout=1.0)
-                except queue.Full:
-                    log.warning("kvtier: the %s write queue stayed full at close", name)
-                    break
-        for t in self._writers:
-            t.join(timeout=5.0)
+# ---- where a load's events are counted (their state, and the events off a load's path: kvtier.core.sinks) ----
+_derived: tuple[int, tuple[str, ...], frozenset[str], tuple[str, ...]] = (-1, (), frozenset(), ())
+"""(registry generation, directions, as a set, tier names): rederived only when a tier was registered."""
 
 
-def _reason(read: Read, result: GetResult, stale: bool, why: MissWhy, gone: set[ChunkKey]) -> MissReason:
-    """Why ``read``, which returned ``result``, is not served (``stale``: a reset came since its
-    plan; ``why``: a wrapper's reasons; ``gone``: local keys whose file vanished before the read)."""
-    if stale:
-        return "reset"
-    if result is GetResult.CORRUPT:
-        return "corrupt"
-    reason = why.get(read.key)
-    if reason in ("deadline", "breaker_open", "load_failed"):
-        return reason  # type: ignore[return-value]
-    if read.shared:
-        return "evicted"  # present at the lookup, gone at the read: the shared tier let it go (or its TTL)
-    return "purged" if read.key in gone else "load_failed"
+def _registered() -> tuple[int, tuple[str, ...], frozenset[str], tuple[str, ...]]:
+    global _derived
+    if _derived[0] != (generation := registry.generation):
+        top = registry.top_tier()
+        out = (f"engine_to_{top}", f"{top}_to_engine", *(f"{a}_to_{b}" for t in registry.lower_tiers()
+                                                          for a, b in ((top, t), (t, top))))
+        _derived = (generation, out, frozenset(out), tuple(registry.available_tiers()))
+    return _derived
+
+
+def directions() -> tuple[str, ...]:
+    """Transfer directions, from the registered tiers: ``engine_to_<top>``, ``<top>_to_engine``,
+    then ``<top>_to_<tier>`` and ``<tier>_to_<top>`` for each lower tier (e.g. ``cpu_to_disk``)."""
+    return _registered()[1]
+
+
+def add_counts(counts: dict[str, int], by: Mapping[str, int]) -> None:
+    """``counts[k] += by[k]`` for every key of ``by`` (a key counted 0 included), as ``Counter.update``
+    of a mapping does, without its ABC check and Python frames: the hit path's counts."""
+    get = counts.get
+    for key, n in by.items():
+        counts[key] = get(key, 0) + n
+
+
+class StoreCounters(CountersState):
+    """The store's event counters (thread-safe; every method adds to a running total): the state and
+    the events off a load's path are :class:`~kvtier.core.sinks.CountersState`'s.  The store and its
+    tiers call these methods; :meth:`Mover.stats` reads them into a :class:`StoreStats`."""
+
+    def loaded(self, by_tier: Mapping[str, int]) -> None:
+        """A successful load delivered ``by_tier[tier]`` chunks from each tier."""
+        with self._lock:
+            add_counts(self.load_hit_chunks, by_tier)
+
+    def evicted(self, tier: str, num_chunks: int = 1) -> None:
+        with self._lock:
+            self.evictions[tier] += num_chunks
+
+    def engine_load(self, load: EngineLoad, top: str) -> None:
+        """One load's engine-side outcome (:class:`~kvtier.core.handles.EngineLoad`); ``top``: the
+        top tier's name (the transfer direction is ``<top>_to_engine``)."""
+        direction = f"{top}_to_engine"  # its transfer, counted as moved() does under the same hold of the lock
+        known = load.engine_bytes and direction in _registered()[2]
+        with self._lock:
+            if load.resumed:
+                self.reloaded_tokens += sum(load.tokens.values())
+            else:
+                add_counts(self.loaded_tokens, load.tokens)
+                if load.unfilled_tokens:  # (a whole load promised nothing it did not fill: no call)
+                    add_counts(self.unfilled_tokens, load.unfilled_tokens)
+            self.load_failed_blocks += load.failed_blocks
+            self.rerouted_chunks += load.rerouted_chunks
+            if known:
+                self._add_transfer(direction, load.engine_bytes, load.seconds)
+        if load.engine_bytes and not known:
+            self.moved(direction, load.engine_bytes, load.seconds)  # raises: a tier nobody registered
+
+    def moved(self, direction: str, num_bytes: int, seconds: float) -> None:
+        """One transfer of ``num_bytes`` bytes taking ``seconds`` seconds in ``direction``.
+
+        Raises:
+            ValueError: ``direction`` is not one of :func:`directions` (a tier nobody registered).
+        """
+        _, known, known_set, _ = _registered()
+        if direction not in known_set:
+            raise ValueError(f"unknown transfer direction {direction!r}; use one of {', '.join(known)}")
+        with self._lock:
+            self._add_transfer(direction, num_bytes, seconds)
+
+    def _add_transfer(self, direction: str, num_bytes: int, seconds: float) -> None:
+        # under self._lock: moved()'s count, also made by engine_load() within its own hold of the lock
+        self.transfer_bytes[direction] += num_bytes
+        self.transfer_seconds[direction] = self.transfer_seconds.get(direction, 0.0) + max(seconds, 0.0)
+
+    def snapshot(self, chunk_bytes: int, chunk_tokens: int, tiers: Mapping[str, TierStats],
+                 dirty_bytes: int, queued_writes: int) -> StoreStats:
+        """The counters with the given usage, as one :class:`StoreStats` (``tiers``: each tier's usage,
+        corrupt and pinned chunks; the hit and eviction counts are filled in here)."""
+        _, known, _, registered = _registered()
+        names = tuple(dict.fromkeys((*known, *self.transfer_bytes)))
+        with self._lock:
+            merged = {name: TierStats(t.used_bytes, t.capacity_bytes, t.num_chunks, self.lookup_hit_chunks[name],
+                                      self.load_hit_chunks[name], self.evictions[name], t.corrupt_chunks,
+                                      t.pinned_chunks, t.wire, t.write_errors, self.reset_chunks[name],
+                                      t.ttl_pinned_chunks, t.tenant_used_bytes, t.quota_evictions, t.codec)
+                      for name, t in tiers.items()}
+            return StoreStats(chunk_bytes, chunk_tokens, merged, self.lookup_chunks, self.failed_loads,
+                              self.dropped_saves, self.saved_chunks, self.flush_missed_chunks,
+                              self.shared_lookups_skipped, {d: self.transfer_bytes[d] for d in names},
+                              {d: self.transfer_seconds.get(d, 0.0) for d in names}, dirty_bytes, queued_writes,
+                              {t: self.loaded_tokens[t] for t in dict.fromkeys((*registered, *self.loaded_tokens))},
+                              self.reloaded_tokens, self.saved_tokens, self.load_failed_blocks,
+                              {t: self.unfilled_tokens[t] for t in dict.fromkeys((*registered, *self.unfilled_tokens))},
+                              self.rerouted_chunks, self.ttl_pin_chunks, self.ttl_pin_refused_chunks)
+
+
+class CountersSink:
+    """The store's ``counters`` (the only place these events are counted) as a sink; ``top``: the top tier's
+    name (transfer directions ``<tier>_to_<top>``, ``<top>_to_engine``, ``engine_to_<top>``: :func:`directions`)."""
+
+    def __init__(self, counters: StoreCounters, top: str) -> None:
+        self.counters = counters
+        self.top = top
+        self.own = OpContext(sink=self)  # operations outside a request
+
+    def bind(self, ctx: OpContext | None, tenant: TenantId | None = None) -> OpContext:
+        """``ctx`` with its sink fanned out to these counters too (first, then the request's own);
+        ``None``: a context of the store's own (:attr:`own`).  A context bound already (a handle's,
+        passed back) is returned as it is, so no event is counted twice.  ``tenant``: shorthand
+        for a context of that tenant alone (``TieredStore.prepare_store``'s).
+
+        Raises:
+            ValueError: both ``ctx`` and ``tenant`` given.
+        """
+        if tenant is not None:
+            if ctx is not None:
+                raise ValueError("pass the tenant in the context (ctx.tenant) or as tenant=, not both")
+            ctx = OpContext(tenant=tenant)
+        if ctx is None:
+            return self.own
+        if ctx.sink is self or (isinstance(ctx.sink, Tee) and ctx.sink.sinks[0] is self):
+            return ctx
+        return OpContext(ctx.request_id, ctx.tenant, self if ctx.sink is NO_SINK else Tee(self, ctx.sink))
+
+    def emit(self, event: Event) -> None:
+        c = self.counters
+        match event:  # (a hit's events first: each case is an isinstance check)
+            case EngineLoad():
+                c.engine_load(event, self.top)
+            case ChunksServed():
+                c.loaded(event.by_tier)
+            case ChunksRead():
+                c.moved(f"{event.tier}_to_{self.top}", event.bytes, event.seconds)
+            case ServedBelow():  # the ghost lists count their hits (kvtier.core.ghosts)
+                pass
+            case _:
+                c.count(event, self.top)
+
+
+class Tee:
+    """Every event to each of ``sinks``, in order."""
+
+    def __init__(self, *sinks: Sink) -> None:
+        self.sinks = sinks
+
+    def emit(self, event: Event) -> None:
+        for sink in self.sinks:
+            sink.emit(event)
+
+
+class RequestRecord(RecordState):
+    """One request's events, summed (thread-safe: a read-ahead thread reports too): ``RequestRecord(chunk_tokens)``;
+    its attributes and the events off a load's path are :class:`~kvtier.core.sinks.RecordState`'s."""
+
+    def emit(self, event: Event) -> None:
+        with self._lock:
+            match event:  # (a hit's events first: each case is an isinstance check)
+                case EngineLoad():
+                    add_counts(self.loaded_tokens, event.tokens)
+                    if event.unfilled_tokens:  # (a whole load promised nothing it did not fill: no call)
+                        add_counts(self.unfilled_tokens, event.unfilled_tokens)
+                    self.load_seconds += event.seconds
+                case ChunksServed():
+                    add_counts(self.served_chunks, event.by_tier)
+                case ChunksRead():
+                    self.read_chunks[event.tier] = self.read_chunks.get(event.tier, 0) + event.chunks
+                    self.read_bytes[event.tier] = self.read_bytes.get(event.tier, 0) + event.bytes
+                    self.read_seconds[event.tier] = self.read_seconds.get(event.tier, 0.0) + event.seconds
+                case ServedBelow():
+                    if self.below is None or event.index < self.below.index:
+                        self.below = Miss(event.index, event.tier, event.reason)
+                case _:
+                    self.note(event)

@@ -1,6 +1,6 @@
 """The store's numbers in one place: events counted once, read as one typed snapshot.
 
-:class:`~kvtier.core.sinks.StoreCounters` (with the events' sinks, on the load's path) is where the
+:class:`~kvtier.core.mover.StoreCounters` (with the events' sinks, on the load's path) is where the
 store and its tiers count events (lookups, hits, evictions, dropped saves, transfers);
 :meth:`kvtier.core.store.TieredStore.stats` combines it with each tier's usage into a frozen
 :class:`StoreStats`, defined here with the tiers' numbers.  Everything that shows a store number reads that
@@ -14,7 +14,7 @@ snapshot as everything else.
 
 Units: ``*_chunks`` count chunks, ``*_bytes`` bytes, ``*_seconds`` seconds; tokens are chunks
 times ``chunk_tokens``.  Tier names are those of the registry (:mod:`kvtier.core.tiers.registry`);
-transfer directions are :func:`kvtier.core.sinks.directions`; a remote tier's calls are :data:`OPS` and
+transfer directions are :func:`kvtier.core.mover.directions`; a remote tier's calls are :data:`OPS` and
 its wire directions :data:`WIRE_DIRECTIONS`.
 """
 
@@ -179,7 +179,7 @@ class StoreStats:
         saved_chunks: chunks newly stored.
         flush_missed_chunks: dirty chunks a flush could not write in time.
         shared_lookups_skipped: shared-tier lookups not made because the queue was full.
-        transfer_bytes / transfer_seconds: volume and time moved, by direction (:func:`kvtier.core.sinks.directions`).
+        transfer_bytes / transfer_seconds: volume and time moved, by direction (:func:`kvtier.core.mover.directions`).
         dirty_bytes: bytes in DRAM not yet on the disk tier (what a crash would lose).
         queued_writes: writes queued or running in the lower tiers.
         loaded_tokens: tokens copied into the engine, labelled with the tier the engine's plan

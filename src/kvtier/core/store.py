@@ -76,8 +76,7 @@ from kvtier.core.indexcheck import check_index
 from kvtier.core.keys import ChunkKey, Namespace
 from kvtier.core.lowerindex import LowerIndex
 from kvtier.core.metrics import StoreMetrics
-from kvtier.core.mover import Mover
-from kvtier.core.sinks import CountersSink, StoreCounters
+from kvtier.core.mover import CountersSink, Mover, StoreCounters
 from kvtier.core.storeio import StoreConvenience
 from kvtier.core.tenant import TenantId
 from kvtier.core.tiers.base import ClearResult, Rescannable, StagingTier, Tier

@@ -27,7 +27,7 @@ import numpy as np
 from kvtier.core.context import EngineLoad, OpContext
 from kvtier.core.handles import NO_BUFFER, LoadHandle
 from kvtier.core.keys import ChunkKey
-from kvtier.core.sinks import RequestRecord
+from kvtier.core.mover import RequestRecord
 from kvtier.core.store import TieredStore
 from kvtier.core.tiers.registry import slowest
 from kvtier.integrations.vllm.protocol import LoadJob, PageMove, RequestFacts

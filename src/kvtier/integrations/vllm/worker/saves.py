@@ -44,7 +44,7 @@ import torch
 from kvtier.core.context import EngineSave, OpContext
 from kvtier.core.handles import StoreHandle
 from kvtier.core.keys import ChunkKey
-from kvtier.core.sinks import RequestRecord
+from kvtier.core.mover import RequestRecord
 from kvtier.core.store import TieredStore
 from kvtier.integrations.vllm.protocol import PageMove, RequestFacts, SaveJob
 from kvtier.integrations.vllm.worker.copy import GroupCopiers

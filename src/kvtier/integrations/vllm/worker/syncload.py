@@ -17,7 +17,7 @@ import logging
 import time
 
 from kvtier.core.handles import NO_BUFFER
-from kvtier.core.sinks import RequestRecord
+from kvtier.core.mover import RequestRecord
 from kvtier.integrations.vllm.protocol import LoadJob
 from kvtier.integrations.vllm.worker.layerwise import LayerLoads
 from kvtier.integrations.vllm.worker.loader import CHUNK_OF, LoadPath, job_context, job_keys, load_pages
