@@ -235,6 +235,7 @@ def worker_side(chunks: int, repeats: int, profile: bool, flush: CacheFlush,
     from kvtier.core.keys import Namespace, chunk_keys
     from kvtier.core.store import TieredStore
     from kvtier.integrations.vllm.cache_groups import GroupKind, GroupSpec
+    from kvtier.integrations.vllm.connector import worker_stats
     from kvtier.integrations.vllm.protocol import KVTierMetadata, LoadJob, PageMove, SaveJob
     from kvtier.integrations.vllm.worker import syncload
     from kvtier.integrations.vllm.worker.copy import GroupCopiers
@@ -264,7 +265,7 @@ def worker_side(chunks: int, repeats: int, profile: bool, flush: CacheFlush,
         side.finished_saves()
         side.finished_loads(set())
         side.worker_meta()
-        side.stats()
+        worker_stats(side)  # the connector's get_kv_connector_stats on a worker
 
     meta = KVTierMetadata(saves=[SaveJob("save", pages)])
     side.start_load(meta)

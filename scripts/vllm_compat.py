@@ -279,19 +279,37 @@ def extract_installed() -> dict[str, Any] | None:
 
 # ---- kvtier's side ------------------------------------------------------------------------------
 def kvtier_subclasses(vllm_names: Iterable[str]) -> dict[str, dict[str, Any]]:
-    """kvtier's classes (anywhere under integrations/vllm) that subclass a vLLM class: name ->
-    {"file", "bases" (the vLLM ones), "methods"}."""
+    """kvtier's classes (anywhere under integrations/vllm) that subclass a vLLM class, directly or
+    through kvtier's own bases (a cold base holding the set-up, e.g. ``KVTierConnectorBase``): name ->
+    {"file", "bases" (the vLLM ones), "methods" (its own and its kvtier bases', the nearest one
+    first)}.  A kvtier base that another kvtier class extends is read as part of that class only."""
     wanted = set(vllm_names)
-    out: dict[str, dict[str, Any]] = {}
+    found: dict[str, tuple[Path, list[str], dict[str, Any]]] = {}
     for path in sorted(KVTIER_VLLM.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if not isinstance(node, ast.ClassDef):
-                continue
-            bases = [ast.unparse(b).rsplit(".", 1)[-1] for b in node.bases]
-            if any(b in wanted for b in bases):
-                surface = _class_surface(node)
-                out[node.name] = {"file": str(path.relative_to(ROOT)), "bases": [b for b in bases if b in wanted],
-                                  "methods": surface["methods"]}
+            if isinstance(node, ast.ClassDef):
+                found[node.name] = (path, [ast.unparse(b).rsplit(".", 1)[-1] for b in node.bases],
+                                    _class_surface(node)["methods"])
+
+    def lineage(name: str) -> tuple[list[str], dict[str, Any]]:
+        """(vLLM bases, methods) of kvtier class ``name`` and its kvtier bases."""
+        _, bases, methods = found[name]
+        vllm_bases = [b for b in bases if b in wanted]
+        merged: dict[str, Any] = {}
+        for b in reversed([b for b in bases if b in found and b not in wanted]):
+            more_bases, more = lineage(b)
+            vllm_bases += [v for v in more_bases if v not in vllm_bases]
+            merged |= more
+        return vllm_bases, merged | methods
+
+    extended = {b for _, bases, _ in found.values() for b in bases if b in found}
+    out: dict[str, dict[str, Any]] = {}
+    for name, (path, _, _) in found.items():
+        if name in extended:
+            continue
+        vllm_bases, methods = lineage(name)
+        if vllm_bases:
+            out[name] = {"file": str(path.relative_to(ROOT)), "bases": vllm_bases, "methods": methods}
     return out
 
 

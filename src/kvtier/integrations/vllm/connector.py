@@ -1,180 +1,49 @@
-"""``KVTierConnector``: kvtier behind vLLM's v1 KV connector interface.
-
-Enable it with::
-
-    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVTierConnector",
-        "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"cpu_gib": 8,
-                                      "disk_path": "/nvme/kvtier", "disk_gib": 200}}'
-
-``kv_connector_extra_config`` is a :class:`~kvtier.core.config.KVTierConfig` (unknown keys are
-rejected at start-up).  Roles: ``kv_both`` loads and saves, ``kv_producer`` only saves,
-``kv_consumer`` only loads (a prefill and a decode instance hand KV over through a shared disk
-tier).
-
-What the connector declares to vLLM (vLLM 0.32–0.34, vllm/distributed/kv_transfer/kv_connector/v1/base.py;
-the releases and how each was checked: :mod:`kvtier.integrations.vllm.compat`):
-
-- ``SupportsHMA``: the hybrid KV cache manager stays on; a hybrid model's groups (full
-  attention, sliding window, Mamba/linear-attention/conv state) are stored per group
-  (:mod:`kvtier.integrations.vllm.scheduler.pages`), and a failed hybrid load is reported per request
-  (``failed_recving``), the only way vLLM accepts with several groups.
-- ``supports_sleep_mode() = False`` (vLLM 0.33+ asks): ``--enable-sleep-mode`` is refused at start-up.
-- ``requires_kv_delivery = False``: a best-effort cache; a dropped save is a future miss.
-- Loads are asynchronous (``get_num_new_matched_tokens`` returns ``(n, True)``), except a hit held
-  whole in the cpu tier within ``sync_load_max_bytes`` per step: ``(n, False)``, copied in
-  ``start_load_kv`` before the forward of the step that schedules the request (vLLM calls it
-  before the forward when ``SchedulerOutput.has_sync_kv_loads``,
-  vllm/v1/worker/kv_connector_model_runner_mixin.py).  Saves of full-attention pages are
-  deferred (``async_saves``, the default): ``wait_for_save`` reserves the pages, records an event
-  after the forward and returns; the copy runs on the worker's saver thread, ``request_finished``
-  returns ``True`` for a request with such a save and its blocks are freed once every rank names
-  it in ``finished_sending`` (``get_finished``); ``handle_preemptions`` waits for a preempted
-  request's saves before the forward (:mod:`kvtier.integrations.vllm.worker.saves`).  Other saves
-  end within their step.
-- External hits are reported by source (``host`` for the cpu tier, ``disk``, and
-  ``external_unspecified`` for the shared redis tier).
-
-The scheduler-side and worker-side objects are separate and usually in separate processes; they
-meet only through vLLM's own per-step messages (see the package docstring for the contract).
+"""``KVTierConnector``: kvtier behind vLLM's v1 KV connector interface, what vLLM calls each step
+(enable it, the contract and what it declares to vLLM: :mod:`kvtier.integrations.vllm.connector_base`,
+with the set-up and the verbs vLLM reaches on the role's side itself); and the metrics it sends
+each step: :class:`KVTierStats` (the payload), :class:`KVTierPromMetrics` (what feeds the
+``kvtier_*`` collectors in vLLM's ``/metrics``), :func:`store_report` (a worker's per-step report
+of its store's snapshot, vLLM-free).  The metrics' names and meaning: :mod:`kvtier.integrations.vllm.stats`.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-import vllm
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-    KVConnectorTransferResults,
-    SupportsHMA,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtier.core.config import KVTierConfig
-from kvtier.core.errors import ConfigError
+from kvtier.core.codecstats import CodecNumbers
+from kvtier.core.stats import StoreStats, TierStats, WireStats
 from kvtier.core.tiers import registry
 from kvtier.core.tiers.registry import hit_source
-from kvtier.integrations.vllm.compat import require_supported
-from kvtier.integrations.vllm.engine_config import engine_config
-from kvtier.integrations.vllm.protocol import KVTierMetadata, KVTierWorkerMeta
-from kvtier.integrations.vllm.scheduler.side import SchedulerSide
-from kvtier.integrations.vllm.stats import KVTierPromMetrics, KVTierStats
-from kvtier.integrations.vllm.worker.side import WorkerSide
+from kvtier.integrations.vllm.connector_base import KVTierConnectorBase, KVTierPromSetup, hit_sources
+from kvtier.integrations.vllm.protocol import KVTierMetadata
+from kvtier.integrations.vllm.stats_table import GHOST_PREFIX, TENANT_PREFIX, rank0_only
 
 if TYPE_CHECKING:
+    import torch
     from vllm.config import VllmConfig
     from vllm.config.kv_transfer import KVTransferConfig
-    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorPromMetrics,
-        KVConnectorStats,
         PromMetric,
         PromMetricT,
     )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-    from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.kv_cache_interface import KVCacheConfig
-    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-log = logging.getLogger(__name__)
+    from kvtier.integrations.vllm.worker.side import WorkerSide
 
 
-def _hit_sources() -> tuple[int, dict[str, CacheHitSource]]:
-    """(registry generation, each registered tier's vLLM hit source), derived once per registration."""
-    return registry.generation, {s.name: CacheHitSource(s.hit_source) for s in registry.specs()}
-
-
-def _use_vllm_logging() -> None:
-    """Route kvtier's log records through vLLM's handlers, so they carry vLLM's prefix and INFO
-    lines (layout, namespace) are shown; without this only WARNING reaches stderr, unformatted."""
-    kvtier_log = logging.getLogger("kvtier")
-    vllm_log = logging.getLogger("vllm")
-    if vllm_log.handlers and not kvtier_log.handlers:
-        for handler in vllm_log.handlers:
-            kvtier_log.addHandler(handler)
-        kvtier_log.setLevel(logging.INFO)
-        kvtier_log.propagate = False
-
-
-_use_vllm_logging()
-
-
-class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
-    """vLLM v1 KV connector backed by a kvtier :class:`~kvtier.core.store.TieredStore` per rank.
-
-    Raises (at construction, i.e. engine start-up):
-        ConfigError: a bad ``kv_connector_extra_config`` value, an explicit ``chunk_tokens`` not a
-            multiple of every KV cache group's block size (``auto``, the default, is resolved from
-            them: :func:`~kvtier.integrations.vllm.engine_config.engine_config`), or a model/parallelism
-            kvtier does not handle, or a vLLM outside
-            :data:`~kvtier.integrations.vllm.compat.SUPPORTED_VLLM`.
-    """
-
-    _cache_hit_source = CacheHitSource.HOST
-
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
-        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        transfer = self._kv_transfer_config
-        load = transfer.kv_role in ("kv_both", "kv_consumer")
-        save = transfer.kv_role in ("kv_both", "kv_producer")
-        self.scheduler_side: SchedulerSide | None = None
-        self.worker_side: WorkerSide | None = None
-        self._sources = _hit_sources()  # (registry generation, tier -> vLLM hit source)
-        try:
-            require_supported(vllm.__version__)  # a vLLM outside SUPPORTED_VLLM, in one sentence (compat.py)
-            asked = KVTierConfig.from_dict(dict(transfer.kv_connector_extra_config or {}))
-            # once per connector: chunk_tokens (auto, or an explicit value checked) resolved from
-            # kv_cache_config's groups, which the scheduler and every worker get alike, and the role's
-            # defaults (the workers' rescan interval, which the scheduler's idle refresh follows)
-            self.kvtier_config = engine_config(asked, kv_cache_config, transfer.kv_role)
-            if role == KVConnectorRole.SCHEDULER:
-                self.scheduler_side = SchedulerSide(vllm_config, kv_cache_config, self.kvtier_config,
-                                                    load=load, save=save)
-                self._bind_scheduler_verbs(self.scheduler_side)
-            else:
-                self.worker_side = WorkerSide(vllm_config, kv_cache_config, self.kvtier_config)
-                self._bind_worker_verbs(self.worker_side)
-        except ConfigError as exc:
-            # one line an operator can find in the engine's log, above vLLM's own traceback
-            log.error("kvtier configuration error: %s", exc)
-            raise ConfigError(str(exc)) from None
-        if role == KVConnectorRole.SCHEDULER:
-            sizes = sorted({int(g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups})
-            log.info("kvtier: chunk_tokens %d (%s; KV cache group block sizes %s tokens)",
-                     self.kvtier_config.chunk_tokens,
-                     "auto: the smallest multiple of every block size that is at least 128" if asked.chunk_tokens == "auto"
-                     else "as configured", ", ".join(map(str, sizes)))
-        if transfer.kv_load_failure_policy != "recompute":
-            log.warning("kvtier: kv_load_failure_policy is %r; set it to \"recompute\" so that a failed "
-                        "kvtier load is recomputed instead of failing the request", transfer.kv_load_failure_policy)
-
-    # vLLM's per-step verbs that only forward, unchanged, to the role's side are that side's own
-    # bound methods on this instance: vLLM calls the side directly, with no forwarding call per
-    # step (issue 33).  The methods of the same names below stay the contract (vLLM's abstract
-    # methods, their docstrings) and the answer of a connector of the other role.
-    def _bind_scheduler_verbs(self, side: SchedulerSide) -> None:
-        self.on_new_request = side.on_new_request  # type: ignore[method-assign]
-        self.get_num_new_matched_tokens = side.get_num_new_matched_tokens  # type: ignore[method-assign]
-        self.update_state_after_alloc = side.update_state_after_alloc  # type: ignore[method-assign]
-        self.build_connector_meta = side.build_connector_meta  # type: ignore[method-assign]
-        self.update_connector_output = side.update_connector_output  # type: ignore[method-assign]
-        self.take_events = side.take_events  # type: ignore[method-assign]
-        self.get_kv_connector_stats = side.stats  # type: ignore[method-assign]
-
-    def _bind_worker_verbs(self, side: WorkerSide) -> None:
-        self.get_block_ids_with_load_errors = side.take_errors  # type: ignore[method-assign]
-        self.build_connector_worker_meta = side.worker_meta  # type: ignore[method-assign]
-        self.get_kv_connector_stats = side.stats  # type: ignore[method-assign]
+class KVTierConnector(KVTierConnectorBase):
+    """vLLM v1 KV connector backed by a kvtier :class:`~kvtier.core.store.TieredStore` per rank
+    (construction, its errors and the verbs off a request's steps: :class:`KVTierConnectorBase
+    <kvtier.integrations.vllm.connector_base.KVTierConnectorBase>`)."""
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -188,10 +57,6 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return False
 
     # ---- worker side -------------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        assert self.worker_side is not None
-        self.worker_side.register_kv_caches(kv_caches)
-
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self.worker_side is not None
         meta = self._get_connector_metadata()
@@ -221,12 +86,6 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         assert isinstance(meta, KVTierMetadata)
         self.worker_side.save(meta)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        if self.worker_side is None:
-            return None, None
-        sending, recving = self.worker_side.finished(finished_req_ids)
-        return (sending or None), (recving or None)
-
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Finished saves and loads, and (hybrid models) loads that failed whole: with several KV cache
         groups vLLM takes request-level failures only (``failed_recving``), never block ids."""
@@ -235,76 +94,31 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         sending, recving, failed = self.worker_side.transfers(finished_req_ids)
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker_side.take_errors() if self.worker_side is not None else set()
-
-    def build_connector_worker_meta(self) -> KVTierWorkerMeta | None:
-        return self.worker_side.worker_meta() if self.worker_side is not None else None
-
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        # vLLM asks both sides: the workers' stats ride the model runner output, the scheduler's are
-        # added in Scheduler.update_from_output (vllm/v1/core/sched/scheduler.py)
+        """This step's :class:`KVTierStats`: a worker's :func:`worker_stats`, or the scheduler's counters
+        (:meth:`SchedulerSide.stats <kvtier.integrations.vllm.scheduler.side.SchedulerSide.stats>`; ``None``
+        when nothing changed).  vLLM asks both sides every step: the workers' stats ride the model
+        runner output, the scheduler's are added in Scheduler.update_from_output
+        (vllm/v1/core/sched/scheduler.py)."""
         if self.worker_side is not None:
-            return self.worker_side.stats()
-        return self.scheduler_side.stats() if self.scheduler_side is not None else None
-
-    def shutdown(self) -> None:
-        if self.worker_side is not None:
-            self.worker_side.shutdown()
-        if self.scheduler_side is not None:
-            self.scheduler_side.shutdown()
+            return worker_stats(self.worker_side)
+        data = self.scheduler_side.stats() if self.scheduler_side is not None else None
+        return KVTierStats(data=data) if data is not None else None
 
     # ---- scheduler side ----------------------------------------------------------------------
-    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
-        super().bind_kv_cache_manager(kv_cache_manager)
-        if self.scheduler_side is not None:
-            self.scheduler_side.bind_kv_cache_manager(kv_cache_manager)
-
-    def on_new_request(self, request: Request) -> None:
-        if self.scheduler_side is not None:
-            self.scheduler_side.on_new_request(request)
-
-    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        if self.scheduler_side is not None:
-            self.scheduler_side.update_connector_output(connector_output)
-
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        assert self.scheduler_side is not None
-        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
-
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
-        assert self.scheduler_side is not None
-        self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
-
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         if num_external_tokens == 0 or self.scheduler_side is None:
             return {}
         split = self.scheduler_side.hit_sources(request, num_external_tokens)
         out: dict[CacheHitSource, int] = {}
         if self._sources[0] != registry.generation:  # each tier's source is its registry record's
-            self._sources = _hit_sources()
+            self._sources = hit_sources()
         sources = self._sources[1]
         for tier, n in split.items():
             if n:
                 source = sources.get(tier) or CacheHitSource(hit_source(tier))  # an unknown tier: vLLM's fallback
                 out[source] = out.get(source, 0) + n
         return out
-
-    def take_events(self) -> Iterable[KVCacheEvent]:
-        """vLLM's KV events from kvtier's local tiers (``BlockStored`` / ``BlockRemoved`` with medium
-        ``CPU`` or ``STORAGE``), when ``--kv-events-config`` enables them: vLLM publishes them after
-        its own each step (vllm/v1/core/sched/scheduler.py ``update_from_output``);
-        :mod:`kvtier.integrations.vllm.scheduler.events`, docs/vllm.md "KV events"."""
-        return self.scheduler_side.take_events() if self.scheduler_side is not None else []
-
-    def has_pending_push_work(self) -> bool:
-        """Keep an idle engine stepping until the workers' gauges are true (pins released, the
-        first report in), at most ``SETTLE_S`` seconds: :mod:`kvtier.integrations.vllm.scheduler.steps`."""
-        return self.scheduler_side is not None and self.scheduler_side.settle.pending()
-
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        assert self.scheduler_side is not None
-        return self.scheduler_side.build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """``True`` (vLLM holds the blocks until ``finished_sending``) when a deferred save of the
@@ -323,17 +137,6 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         blocks; held as :meth:`request_finished` says)."""
         return self.request_finished(request, block_ids[0] if block_ids else [])
 
-    def reset_cache(self) -> bool:
-        """vLLM's external prefix-cache reset (``POST /reset_prefix_cache?reset_external=true``), on
-        the scheduler side: clears the tiers ``reset_scope`` names for this engine's namespaces;
-        ``True`` when done, ``False`` (logged) when a tier could not be cleared
-        (:meth:`~kvtier.integrations.vllm.scheduler.side.SchedulerSide.reset_cache`, docs/vllm.md
-        "Resetting the cache").  vLLM counts the base class's ``None`` as success: never ``None``."""
-        if self.scheduler_side is None:
-            log.warning("kvtier: reset_cache reached a worker-side connector; only the scheduler side resets")
-            return False
-        return self.scheduler_side.reset_cache()
-
     # ---- metrics -----------------------------------------------------------------------------
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
@@ -344,3 +147,216 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                            labelnames: list[str], per_engine_labelvalues: dict[int, list[object]],
                            ) -> KVConnectorPromMetrics | None:
         return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+@dataclass
+class KVTierStats(KVConnectorStats):
+    """One interval's kvtier numbers: ``data = {"counters": {...}, "gauges": {...}}``.
+
+    Counters are increments over the interval; gauges are the latest values of one rank, so
+    :meth:`aggregate` (which vLLM uses across ranks) sums both.
+    """
+
+    data: dict[str, Any] = field(default_factory=lambda: {"counters": {}, "gauges": {}})
+
+    def __post_init__(self) -> None:
+        self.data.setdefault("counters", {})
+        self.data.setdefault("gauges", {})
+
+    def reset(self) -> None:
+        self.data = {"counters": {}, "gauges": {}}
+
+    def aggregate(self, other: KVConnectorStats) -> KVTierStats:
+        for part in ("counters", "gauges"):
+            mine = self.data[part]
+            for name, value in other.data.get(part, {}).items():
+                mine[name] = mine.get(name, 0) + value
+        if observed := other.data.get("observations"):  # histograms' observations: every rank's
+            mine_obs = self.data.setdefault("observations", {})
+            for name, values in observed.items():
+                mine_obs[name] = [*mine_obs.get(name, []), *values]
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {name: round(v, 4) if isinstance(v, float) else v for name, v in self.data["counters"].items() if v}
+
+    def is_empty(self) -> bool:
+        return not any(self.data["counters"].values()) and not self.data["gauges"] and not self.data.get("observations")
+
+
+class KVTierPromMetrics(KVTierPromSetup):
+    """Feeds the ``kvtier_*`` collectors (registered with vLLM's metric classes at start-up by
+    :class:`~kvtier.integrations.vllm.connector_base.KVTierPromSetup`) from each step's payload."""
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        base = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]
+        counters = transfer_stats_data.get("counters", {})
+        if engine_idx not in self._created:  # every child once, up front: a scrape shows zeros
+            self._created.add(engine_idx)
+            for prom_name, _help, label in self._counter_table.values():
+                self._counters[prom_name].labels(*base, *label)
+        for key, value in counters.items():
+            entry = self._counter_table.get(key)
+            if entry is not None and value:
+                self._counters[entry[0]].labels(*base, *entry[2]).inc(value)
+        gauges = transfer_stats_data.get("gauges", {})
+        for key, value in gauges.items():
+            if key in self._gauge_table:
+                prom_name, _help, tier = self._gauge_table[key]
+                self._gauges[prom_name].labels(*base, *([tier] if tier else [])).set(value)
+        if "dirty_bytes" in gauges:  # the workers' report (every step): its tenants replace the last ones
+            self._observe_tenants(gauges, base, engine_idx)
+        for name, values in transfer_stats_data.get("observations", {}).items():
+            if name.startswith(GHOST_PREFIX):
+                child = self._ghost_distance.labels(*base, name.removeprefix(GHOST_PREFIX))
+                for value in values:
+                    child.observe(value)
+
+    def _observe_tenants(self, gauges: dict[str, Any], base: list[str], engine_idx: int) -> None:
+        now: dict[tuple[str, str], float] = {}
+        for key, value in gauges.items():
+            if key.startswith(TENANT_PREFIX):
+                tier, _, label = key.removeprefix(TENANT_PREFIX).partition("|")
+                now[(tier, label)] = value
+        for labels in self._tenant_children.get(engine_idx, set()) - set(now):  # left the top: bounded
+            try:
+                self._tenants.remove(*base, *labels)
+            except (KeyError, AttributeError):  # a metric class without remove: zero it instead
+                self._tenants.labels(*base, *labels).set(0)
+        for labels, value in now.items():
+            self._tenants.labels(*base, *labels).set(value)
+        self._tenant_children[engine_idx] = set(now)
+
+
+def ghost_observations(distances: list[tuple[str, int]]) -> dict[str, list[float]]:
+    """A store's ghost-hit distances (:meth:`~kvtier.core.store.TieredStore.take_ghost_distances`)
+    as the payload's ``observations`` (``ghost_hit_distance_bytes|<tier>`` -> list of bytes)."""
+    out: dict[str, list[float]] = {}
+    for tier, distance in distances:
+        out.setdefault(GHOST_PREFIX + tier, []).append(float(distance))
+    return out
+
+
+def worker_stats(side: WorkerSide) -> KVTierStats | None:
+    """A worker's stats for one step (``None`` before its caches are registered): the change of its
+    store's snapshot since the last step and its usage (:func:`store_report`), the deferred saves'
+    counters' change, ``chunk_tokens`` (rank 0), the ghost hits' distances, from
+    :meth:`WorkerSide.stats <kvtier.integrations.vllm.worker.side.WorkerSide.stats>`.
+
+    Sent every step, even unchanged: vLLM sums one step's reports over the tensor-parallel
+    ranks, so a rank that skipped an unchanged report would drop out of the summed gauges."""
+    numbers = side.stats()
+    if numbers is None:
+        return None
+    snapshot, before, saver_counters, distances = numbers
+    counters, gauges = store_report(snapshot, before, side.tp_rank)
+    counters |= saver_counters
+    if side.tp_rank == 0:  # vLLM sums the ranks' gauges: one rank reports the engine's chunk size
+        gauges["chunk_tokens"] = side.chunk_tokens
+    data: dict[str, Any] = {"counters": counters, "gauges": gauges}
+    if distances:  # kvtier_ghost_hit_distance_bytes{tier}
+        data["observations"] = ghost_observations(distances)
+    return KVTierStats(data=data)
+
+
+# ---- the workers' per-step report of their store's snapshot (vLLM-free; no table lookup) -------
+_NO_TIER = TierStats()
+_NO_WIRE = WireStats()
+_NO_CODEC = CodecNumbers()
+
+_per_step: tuple[int, frozenset[str], list[registry.TierSpec]] = (-1, frozenset(), [])
+"""(registry generation, :func:`rank0_only`, the records) as last derived: the worker's per-step
+stats ask the registry nothing while no tier was registered since."""
+
+
+def _registered() -> tuple[int, frozenset[str], list[registry.TierSpec]]:
+    global _per_step
+    if _per_step[0] != (generation := registry.generation):
+        _per_step = (generation, frozenset(rank0_only()), registry.specs())
+    return _per_step
+
+
+_last: tuple[StoreStats | None, dict[str, float]] = (None, {})
+"""The last snapshot :func:`store_counters` read, and its values: the next step's ``before``."""
+
+
+def store_values(s: StoreStats) -> dict[str, float]:
+    """Every :func:`store_counter_readers` value of ``s``, read in one pass (what the worker's
+    per-step report diffs; equal to calling each reader)."""
+    specs, top = _registered()[2], ""
+    out: dict[str, float] = {}
+    loaded, unfilled, tiers = s.loaded_tokens, s.unfilled_tokens, s.tiers
+    for spec in specs:
+        t = spec.name
+        top = top or (t if spec.top else "")  # registry.top_tier() (the first top tier), without a call
+        stats = tiers.get(t) or _NO_TIER
+        out[f"loaded_tokens_{t}"] = loaded.get(t, 0)
+        out[f"unfilled_tokens_{t}"] = unfilled.get(t, 0)
+        out[f"reset_chunks_{t}"] = stats.reset_chunks
+        if not spec.shared:
+            out[f"evictions_{t}"] = stats.evictions
+            out[f"quota_evictions_{t}"] = stats.quota_evictions
+        if not spec.top:
+            codec = stats.codec or _NO_CODEC
+            out[f"codec_bytes_before_{t}"] = codec.encoded_bytes
+            out[f"codec_bytes_after_{t}"] = codec.stored_bytes
+            out[f"codec_seconds_{t}"] = codec.encode_seconds + codec.decode_seconds
+            out[f"decrypt_failures_{t}"] = codec.decrypt_failures
+            if not spec.shared:
+                out[f"{t}_write_errors"] = stats.write_errors
+        if spec.shared:
+            wire = stats.wire or _NO_WIRE
+            out[f"{t}_errors"] = sum(wire.errors.values())
+            out[f"{t}_skipped_calls"] = sum(wire.skipped_calls.values())
+            out[f"{t}_skipped_writes"] = wire.skipped_writes
+            out[f"{t}_reads"] = wire.calls.get("read", 0)
+            out[f"{t}_read_seconds"] = wire.seconds.get("read", 0.0)
+            out[f"{t}_read_bytes"] = wire.bytes.get("read", 0)
+    out.update(reloaded_tokens=s.reloaded_tokens, saved_tokens=s.saved_tokens, load_failed_blocks=s.load_failed_blocks,
+               rerouted_chunks=s.rerouted_chunks, ttl_pin_chunks=s.ttl_pin_chunks,
+               ttl_pin_refused_chunks=s.ttl_pin_refused_chunks, dropped_saves=s.dropped_saves,
+               corrupt_chunks=sum(t.corrupt_chunks for t in tiers.values()),
+               flush_missed_chunks=s.flush_missed_chunks,
+               load_bytes=s.transfer_bytes[f"{top}_to_engine"], load_seconds=s.transfer_seconds[f"{top}_to_engine"],
+               save_bytes=s.transfer_bytes[f"engine_to_{top}"], save_seconds=s.transfer_seconds[f"engine_to_{top}"])
+    return out
+
+
+def store_counters(now: StoreStats, before: StoreStats | None, tp_rank: int = 0) -> dict[str, float]:
+    """The :func:`store_counter_readers` that changed from ``before`` (``None``: the store's start)
+    to ``now``, without the :func:`rank0_only` ones on other ranks than ``tp_rank`` 0.  Reads each
+    snapshot once (:func:`store_values`; ``before``'s values are kept from the call that read it
+    as ``now``), no call per counter: this runs at every engine step."""
+    global _last
+    rank0 = _registered()[1] if tp_rank else frozenset()
+    last, last_values = _last
+    old = {} if before is None else last_values if before is last else store_values(before)
+    new = store_values(now)
+    _last = (now, new)
+    return {name: delta for name, value in new.items()
+            if name not in rank0 and (delta := value - old.get(name, 0))}
+
+
+def store_gauges(s: StoreStats) -> dict[str, float]:
+    """The :func:`gauges` of one rank, read from its store's snapshot."""
+    out: dict[str, float] = {"dirty_bytes": s.dirty_bytes}
+    for spec in _registered()[2]:
+        t = spec.name
+        stats = s.tiers.get(t) or _NO_TIER
+        if spec.shared:
+            if stats.wire is not None:
+                out[f"{t}_breaker_state"] = stats.wire.breaker_state
+            out[f"usage_bytes_{t}"] = stats.used_bytes
+            continue
+        out.update({f"{TENANT_PREFIX}{t}|{label}": used for label, used in stats.tenant_used_bytes.items()})
+        out.update({f"usage_bytes_{t}": stats.used_bytes, f"capacity_bytes_{t}": stats.capacity_bytes,
+                    f"pinned_chunks_{t}": stats.pinned_chunks, f"pinned_bytes_{t}": stats.pinned_chunks * s.chunk_bytes})
+        if spec.top:
+            out.update({f"ttl_pinned_chunks_{t}": stats.ttl_pinned_chunks,
+                        f"ttl_pinned_bytes_{t}": stats.ttl_pinned_chunks * s.chunk_bytes})
+    return out
+
+
+def store_report(now: StoreStats, before: StoreStats | None, tp_rank: int = 0) -> tuple[dict[str, float], dict[str, float]]:
+    """One step's :func:`store_counters` and :func:`store_gauges` of ``now``, in one call (the worker's report)."""
+    return store_counters(now, before, tp_rank), store_gauges(now)

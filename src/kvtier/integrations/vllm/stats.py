@@ -1,13 +1,17 @@
-"""kvtier numbers in vLLM's own ``/metrics``, through vLLM's connector metrics hooks: what runs each
-step on the stats payload.
+"""kvtier numbers in vLLM's own ``/metrics``, through vLLM's connector metrics hooks: what each
+exported metric means.  The code is where it runs; this module names it (its names are
+importable from here, cold: nothing here runs on a request's steps).
 
 Path of a number: the worker-side connector fills a :class:`KVTierStats` each step
-(``get_kv_connector_stats``) with :func:`store_report`, the change of its store's snapshot in one
-pass; vLLM sums the ranks' stats with :meth:`KVTierStats.aggregate`, ships them to the front-end
-process, and calls :meth:`KVTierPromMetrics.observe`, whose collectors were created with vLLM's
-metric classes and so land in the same registry as ``vllm:prefix_cache_*`` and
-``vllm:external_prefix_cache_*``.  The table of names (payload → metric, and how each is read from
-the store), read when the collectors are created: :mod:`kvtier.integrations.vllm.stats_table`.
+(``get_kv_connector_stats``, :func:`~kvtier.integrations.vllm.connector.worker_stats`) with
+:func:`store_report`, the change of its store's snapshot in one pass; vLLM sums the ranks' stats
+with :meth:`KVTierStats.aggregate`, ships them to the front-end process, and calls
+:meth:`KVTierPromMetrics.observe`, whose collectors were created with vLLM's metric classes
+(:class:`~kvtier.integrations.vllm.connector_base.KVTierPromSetup`) and so land in the same registry
+as ``vllm:prefix_cache_*`` and ``vllm:external_prefix_cache_*``.  All three run every step, so they
+are :mod:`kvtier.integrations.vllm.connector`'s, with what vLLM calls each step.  The table of names
+(payload → metric, and how each is read from the store), read when the collectors are created:
+:mod:`kvtier.integrations.vllm.stats_table`.
 
 Exported (Prometheus adds ``_total`` to counters; ``tier`` is a registered tier's name, and
 the per-tier series follow the registry, :mod:`kvtier.core.tiers.registry`; with the built-in
@@ -90,24 +94,16 @@ bytes, seconds, evictions, dropped saves, corrupt chunks, write errors and usage
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
-from vllm.config import VllmConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
-    KVConnectorPromMetrics,
-    KVConnectorStats,
-    PromMetric,
-    PromMetricT,
+from kvtier.integrations.vllm.connector import (
+    KVTierPromMetrics,
+    KVTierStats,
+    ghost_observations,
+    store_counters,
+    store_gauges,
+    store_report,
+    store_values,
 )
-
-from kvtier.core.codecstats import CodecNumbers
-from kvtier.core.ghosts import DISTANCE_BUCKETS_BYTES
-from kvtier.core.stats import StoreStats, TierStats, WireStats
-from kvtier.core.tiers import registry
 from kvtier.integrations.vllm.stats_table import (
-    GHOST_DISTANCE,
-    GHOST_PREFIX,
     LABELS,
     TENANT_GAUGE,
     TENANT_PREFIX,
@@ -119,228 +115,4 @@ from kvtier.integrations.vllm.stats_table import (
 
 __all__ = ["LABELS", "TENANT_GAUGE", "TENANT_PREFIX", "KVTierPromMetrics", "KVTierStats", "counters", "gauges",
            "ghost_observations", "rank0_only", "store_counter_readers", "store_counters", "store_gauges",
-           "store_report"]
-
-
-def ghost_observations(distances: list[tuple[str, int]]) -> dict[str, list[float]]:
-    """A store's ghost-hit distances (:meth:`~kvtier.core.store.TieredStore.take_ghost_distances`)
-    as the payload's ``observations`` (``ghost_hit_distance_bytes|<tier>`` -> list of bytes)."""
-    out: dict[str, list[float]] = {}
-    for tier, distance in distances:
-        out.setdefault(GHOST_PREFIX + tier, []).append(float(distance))
-    return out
-
-
-@dataclass
-class KVTierStats(KVConnectorStats):
-    """One interval's kvtier numbers: ``data = {"counters": {...}, "gauges": {...}}``.
-
-    Counters are increments over the interval; gauges are the latest values of one rank, so
-    :meth:`aggregate` (which vLLM uses across ranks) sums both.
-    """
-
-    data: dict[str, Any] = field(default_factory=lambda: {"counters": {}, "gauges": {}})
-
-    def __post_init__(self) -> None:
-        self.data.setdefault("counters", {})
-        self.data.setdefault("gauges", {})
-
-    def reset(self) -> None:
-        self.data = {"counters": {}, "gauges": {}}
-
-    def aggregate(self, other: KVConnectorStats) -> KVTierStats:
-        for part in ("counters", "gauges"):
-            mine = self.data[part]
-            for name, value in other.data.get(part, {}).items():
-                mine[name] = mine.get(name, 0) + value
-        if observed := other.data.get("observations"):  # histograms' observations: every rank's
-            mine_obs = self.data.setdefault("observations", {})
-            for name, values in observed.items():
-                mine_obs[name] = [*mine_obs.get(name, []), *values]
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        return {name: round(v, 4) if isinstance(v, float) else v for name, v in self.data["counters"].items() if v}
-
-    def is_empty(self) -> bool:
-        return not any(self.data["counters"].values()) and not self.data["gauges"] and not self.data.get("observations")
-
-
-class KVTierPromMetrics(KVConnectorPromMetrics):
-    """Registers the ``kvtier_*`` collectors with vLLM's metric classes and feeds them."""
-
-    def __init__(self, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
-                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
-        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        extra_config = getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {}
-        registry.import_tier_modules(tuple(extra_config.get("tier_modules", ())))  # this process's registry
-        self._counter_table = counters()
-        self._gauge_table = gauges()
-        self._counters: dict[str, Any] = {}
-        for prom_name, help_text, _ in self._counter_table.values():
-            if prom_name not in self._counters:
-                names = LABELS.get(prom_name, ())
-                extra = [names] if isinstance(names, str) else list(names)
-                self._counters[prom_name] = self._counter_cls(name=prom_name, documentation=help_text,
-                                                              labelnames=labelnames + extra)
-        self._gauges: dict[str, Any] = {}
-        for prom_name, help_text, tier in self._gauge_table.values():
-            if prom_name not in self._gauges:
-                self._gauges[prom_name] = self._gauge_cls(name=prom_name, documentation=help_text,
-                                                          labelnames=labelnames + (["tier"] if tier else []),
-                                                          multiprocess_mode="mostrecent")  # type: ignore[call-arg]
-        self._tenants: Any = self._gauge_cls(name=TENANT_GAUGE, documentation=(  # type: ignore[call-arg]
-            "Bytes held per tenant (12-hex-digit cache_salt digest; the top_tenants largest, then other and "
-            "unknown), by tier (all ranks); with tenant_quotas."), labelnames=labelnames + ["tier", "tenant"],
-            multiprocess_mode="mostrecent")
-        self._tenant_children: dict[int, set[tuple[str, str]]] = {}
-        self._created: set[int] = set()  # engines whose counter children exist
-        self._ghost_distance: Any = self._histogram_cls(
-            name=GHOST_DISTANCE, documentation=("Bytes a kvtier tier evicted between evicting a chunk and that chunk "
-                                                "being wanted again (ghost hits), by tier (all ranks)."),
-            labelnames=labelnames + ["tier"], buckets=list(DISTANCE_BUCKETS_BYTES))
-        # Create every labelled child up front so a scrape shows zeros, not absence.
-        for engine_idx in per_engine_labelvalues:
-            self.observe({"counters": {}, "gauges": {}}, engine_idx)
-
-    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        base = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]
-        counters = transfer_stats_data.get("counters", {})
-        if engine_idx not in self._created:  # every child once, up front: a scrape shows zeros
-            self._created.add(engine_idx)
-            for prom_name, _help, label in self._counter_table.values():
-                self._counters[prom_name].labels(*base, *label)
-        for key, value in counters.items():
-            entry = self._counter_table.get(key)
-            if entry is not None and value:
-                self._counters[entry[0]].labels(*base, *entry[2]).inc(value)
-        gauges = transfer_stats_data.get("gauges", {})
-        for key, value in gauges.items():
-            if key in self._gauge_table:
-                prom_name, _help, tier = self._gauge_table[key]
-                self._gauges[prom_name].labels(*base, *([tier] if tier else [])).set(value)
-        if "dirty_bytes" in gauges:  # the workers' report (every step): its tenants replace the last ones
-            self._observe_tenants(gauges, base, engine_idx)
-        for name, values in transfer_stats_data.get("observations", {}).items():
-            if name.startswith(GHOST_PREFIX):
-                child = self._ghost_distance.labels(*base, name.removeprefix(GHOST_PREFIX))
-                for value in values:
-                    child.observe(value)
-
-    def _observe_tenants(self, gauges: dict[str, Any], base: list[str], engine_idx: int) -> None:
-        now: dict[tuple[str, str], float] = {}
-        for key, value in gauges.items():
-            if key.startswith(TENANT_PREFIX):
-                tier, _, label = key.removeprefix(TENANT_PREFIX).partition("|")
-                now[(tier, label)] = value
-        for labels in self._tenant_children.get(engine_idx, set()) - set(now):  # left the top: bounded
-            try:
-                self._tenants.remove(*base, *labels)
-            except (KeyError, AttributeError):  # a metric class without remove: zero it instead
-                self._tenants.labels(*base, *labels).set(0)
-        for labels, value in now.items():
-            self._tenants.labels(*base, *labels).set(value)
-        self._tenant_children[engine_idx] = set(now)
-
-
-# -- what the worker runs each step: its report of its store's snapshot (no table lookup) -----------
-_NO_TIER = TierStats()
-_NO_WIRE = WireStats()
-_NO_CODEC = CodecNumbers()
-
-_per_step: tuple[int, frozenset[str], list[registry.TierSpec]] = (-1, frozenset(), [])
-"""(registry generation, :func:`rank0_only`, the records) as last derived: the worker's per-step
-stats ask the registry nothing while no tier was registered since."""
-
-
-def _registered() -> tuple[int, frozenset[str], list[registry.TierSpec]]:
-    global _per_step
-    if _per_step[0] != (generation := registry.generation):
-        _per_step = (generation, frozenset(rank0_only()), registry.specs())
-    return _per_step
-
-
-_last: tuple[StoreStats | None, dict[str, float]] = (None, {})
-"""The last snapshot :func:`store_counters` read, and its values: the next step's ``before``."""
-
-
-def store_values(s: StoreStats) -> dict[str, float]:
-    """Every :func:`store_counter_readers` value of ``s``, read in one pass (what the worker's
-    per-step report diffs; equal to calling each reader)."""
-    specs, top = _registered()[2], ""
-    out: dict[str, float] = {}
-    loaded, unfilled, tiers = s.loaded_tokens, s.unfilled_tokens, s.tiers
-    for spec in specs:
-        t = spec.name
-        top = top or (t if spec.top else "")  # registry.top_tier() (the first top tier), without a call
-        stats = tiers.get(t) or _NO_TIER
-        out[f"loaded_tokens_{t}"] = loaded.get(t, 0)
-        out[f"unfilled_tokens_{t}"] = unfilled.get(t, 0)
-        out[f"reset_chunks_{t}"] = stats.reset_chunks
-        if not spec.shared:
-            out[f"evictions_{t}"] = stats.evictions
-            out[f"quota_evictions_{t}"] = stats.quota_evictions
-        if not spec.top:
-            codec = stats.codec or _NO_CODEC
-            out[f"codec_bytes_before_{t}"] = codec.encoded_bytes
-            out[f"codec_bytes_after_{t}"] = codec.stored_bytes
-            out[f"codec_seconds_{t}"] = codec.encode_seconds + codec.decode_seconds
-            out[f"decrypt_failures_{t}"] = codec.decrypt_failures
-            if not spec.shared:
-                out[f"{t}_write_errors"] = stats.write_errors
-        if spec.shared:
-            wire = stats.wire or _NO_WIRE
-            out[f"{t}_errors"] = sum(wire.errors.values())
-            out[f"{t}_skipped_calls"] = sum(wire.skipped_calls.values())
-            out[f"{t}_skipped_writes"] = wire.skipped_writes
-            out[f"{t}_reads"] = wire.calls.get("read", 0)
-            out[f"{t}_read_seconds"] = wire.seconds.get("read", 0.0)
-            out[f"{t}_read_bytes"] = wire.bytes.get("read", 0)
-    out.update(reloaded_tokens=s.reloaded_tokens, saved_tokens=s.saved_tokens, load_failed_blocks=s.load_failed_blocks,
-               rerouted_chunks=s.rerouted_chunks, ttl_pin_chunks=s.ttl_pin_chunks,
-               ttl_pin_refused_chunks=s.ttl_pin_refused_chunks, dropped_saves=s.dropped_saves,
-               corrupt_chunks=sum(t.corrupt_chunks for t in tiers.values()),
-               flush_missed_chunks=s.flush_missed_chunks,
-               load_bytes=s.transfer_bytes[f"{top}_to_engine"], load_seconds=s.transfer_seconds[f"{top}_to_engine"],
-               save_bytes=s.transfer_bytes[f"engine_to_{top}"], save_seconds=s.transfer_seconds[f"engine_to_{top}"])
-    return out
-
-
-def store_counters(now: StoreStats, before: StoreStats | None, tp_rank: int = 0) -> dict[str, float]:
-    """The :func:`store_counter_readers` that changed from ``before`` (``None``: the store's start)
-    to ``now``, without the :func:`rank0_only` ones on other ranks than ``tp_rank`` 0.  Reads each
-    snapshot once (:func:`store_values`; ``before``'s values are kept from the call that read it
-    as ``now``), no call per counter: this runs at every engine step."""
-    global _last
-    rank0 = _registered()[1] if tp_rank else frozenset()
-    last, last_values = _last
-    old = {} if before is None else last_values if before is last else store_values(before)
-    new = store_values(now)
-    _last = (now, new)
-    return {name: delta for name, value in new.items()
-            if name not in rank0 and (delta := value - old.get(name, 0))}
-
-
-def store_gauges(s: StoreStats) -> dict[str, float]:
-    """The :func:`gauges` of one rank, read from its store's snapshot."""
-    out: dict[str, float] = {"dirty_bytes": s.dirty_bytes}
-    for spec in _registered()[2]:
-        t = spec.name
-        stats = s.tiers.get(t) or _NO_TIER
-        if spec.shared:
-            if stats.wire is not None:
-                out[f"{t}_breaker_state"] = stats.wire.breaker_state
-            out[f"usage_bytes_{t}"] = stats.used_bytes
-            continue
-        out.update({f"{TENANT_PREFIX}{t}|{label}": used for label, used in stats.tenant_used_bytes.items()})
-        out.update({f"usage_bytes_{t}": stats.used_bytes, f"capacity_bytes_{t}": stats.capacity_bytes,
-                    f"pinned_chunks_{t}": stats.pinned_chunks, f"pinned_bytes_{t}": stats.pinned_chunks * s.chunk_bytes})
-        if spec.top:
-            out.update({f"ttl_pinned_chunks_{t}": stats.ttl_pinned_chunks,
-                        f"ttl_pinned_bytes_{t}": stats.ttl_pinned_chunks * s.chunk_bytes})
-    return out
-
-
-def store_report(now: StoreStats, before: StoreStats | None, tp_rank: int = 0) -> tuple[dict[str, float], dict[str, float]]:
-    """One step's :func:`store_counters` and :func:`store_gauges` of ``now``, in one call (the worker's report)."""
-    return store_counters(now, before, tp_rank), store_gauges(now)
+           "store_report", "store_values"]

@@ -3,8 +3,8 @@
 snapshot (:mod:`kvtier.core.stats`), derived once per tier registry generation.  Cold: read when
 the metrics are set up, by ``kvtier doctor`` and the deploy files' alert rules (no vLLM import).
 What runs each step on that payload, the worker's report of its store's snapshot
-(:func:`~kvtier.integrations.vllm.stats.store_report`), and the exported metrics' meaning:
-:mod:`kvtier.integrations.vllm.stats`.
+(:func:`~kvtier.integrations.vllm.connector.store_report`), is the connector's; the exported
+metrics' meaning: :mod:`kvtier.integrations.vllm.stats`.
 """
 
 from __future__ import annotations

@@ -30,7 +30,6 @@ from kvtier.integrations.vllm.scheduler.steps import (
     begin_step,
     fold_reports,
 )
-from kvtier.integrations.vllm.stats import KVTierStats
 from kvtier.integrations.vllm.worker.loader import tokens_by_tier
 
 log = logging.getLogger(__name__)
@@ -372,10 +371,11 @@ class SchedulerSide:
             state.planned_tiers = None
         return self.resets.run(self.mirror, self.events, self.remote)
 
-    def stats(self) -> KVTierStats | None:
+    def stats(self) -> dict[str, Any] | None:
         """The scheduler's counters' change since the last call: resets (``kvtier_resets_total``,
         ``kvtier_reset_failures_total``) and, with a shared tier, its lookups and those in flight
-        (``kvtier_shared_lookups_*``); ``None`` when nothing changed."""
+        (``kvtier_shared_lookups_*``), as the stats payload's ``{"counters": ..., "gauges": ...}`` (the
+        connector sends it as its ``KVTierStats``); ``None`` when nothing changed."""
         counters: dict[str, float] = dict(self.resets.take_counts()) if self.resets.counts else {}
         if self.receipts.pending or self.receipts.sinks:  # this step's finished requests' receipts, complete now
             counters |= self.receipts.finish()
@@ -390,7 +390,7 @@ class SchedulerSide:
             gauges |= self.remote.pending_gauge(bool(counters))
         if not counters and not gauges:
             return None
-        return KVTierStats(data={"counters": counters, "gauges": gauges})
+        return {"counters": counters, "gauges": gauges}
 
     def shutdown(self) -> None:
         """Emit the last receipts and close the receipt sinks, stop the shared-tier lookups and write

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -31,9 +31,6 @@ from kvtier.integrations.vllm.worker.loader import LoadPath, job_keys
 from kvtier.integrations.vllm.worker.registration import Registered, key_root, register, tp_rank
 from kvtier.integrations.vllm.worker.saves import SaveQueue, save_jobs
 from kvtier.integrations.vllm.worker.syncload import load_layers, load_now
-
-if TYPE_CHECKING:  # imports vLLM; the worker side itself runs without it (scripts/gpu_check.py --mode runner)
-    from kvtier.integrations.vllm.stats import KVTierStats
 
 log = logging.getLogger(__name__)
 
@@ -268,36 +265,26 @@ class WorkerSide:
         return KVTierWorkerMeta({self.tp_rank: report})
 
     # ---- metrics and lifecycle ---------------------------------------------------------------
-    def stats(self) -> KVTierStats | None:
-        """The change of the store's snapshot since the last call, and its usage.
-
-        Sent every step, even unchanged: vLLM sums one step's reports over the tensor-parallel
-        ranks, so a rank that skipped an unchanged report would drop out of the summed gauges."""
-        from kvtier.integrations.vllm.stats import (  # vLLM's stats base class: only inside an engine
-            KVTierStats,
-            ghost_observations,
-            store_report,
-        )
-
+    def stats(self) -> tuple[StoreStats, StoreStats | None, dict[str, float], list[tuple[str, int]]] | None:
+        """This step's numbers for vLLM's stats (``None`` before the caches are registered): the store's
+        snapshot, the one of the last call (``None``: none yet), the change of the deferred saves'
+        counters since the last call, and the ghost hits' ``(tier, distance bytes)`` since then.  vLLM-free:
+        the connector makes them its payload each step
+        (:func:`~kvtier.integrations.vllm.connector.worker_stats`)."""
         if self.store is None:
             return None
-        snapshot = self.store.stats()
-        counters, gauges = store_report(snapshot, self._store_seen, self.tp_rank)
+        snapshot, before = self.store.stats(), self._store_seen
         self._store_seen = snapshot
+        counters: dict[str, float] = {}
         if self.saver is not None and self.saver.version != self._saver_version:  # (unchanged: nothing to ask)
             self._saver_version = self.saver.version  # the deferred saves' waits, drops and voids since the last step
             totals = self.saver.counts()
-            counters |= {k: v - self._saver_seen.get(k, 0) for k, v in totals.items() if v != self._saver_seen.get(k, 0)}
+            counters = {k: v - self._saver_seen.get(k, 0) for k, v in totals.items() if v != self._saver_seen.get(k, 0)}
             self._saver_seen = totals
             self._saver_busy = bool(self.saver.in_flight)
         self._busy = snapshot.queued_writes > 0 or any(t.pinned_chunks for t in snapshot.tiers.values()) \
             or self._saver_busy
-        if self.tp_rank == 0:  # vLLM sums the ranks' gauges: one rank reports the engine's chunk size
-            gauges["chunk_tokens"] = self.chunk_tokens
-        data: dict[str, Any] = {"counters": counters, "gauges": gauges}
-        if distances := self.store.take_ghost_distances():  # kvtier_ghost_hit_distance_bytes{tier}
-            data["observations"] = ghost_observations(distances)
-        return KVTierStats(data=data)
+        return snapshot, before, counters, self.store.take_ghost_distances()
 
     def shutdown(self) -> None:
         """Stop loading, flush dirty chunks to disk within ``shutdown_flush_s``, stop the store.  Idempotent."""
