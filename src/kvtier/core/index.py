@@ -28,7 +28,7 @@ from itertools import islice, repeat, takewhile
 
 import numpy as np
 
-from kvtier.core.changes import IndexDelta
+from kvtier.core.changes import IndexDelta, count_each
 from kvtier.core.ghosts import EVICTION_REASONS, Ghost
 from kvtier.core.handles import NO_BUFFER, LoadHandle, LoadPlan, Read, WriteJob
 from kvtier.core.keys import ChunkKey
@@ -162,7 +162,7 @@ class Index(IndexUpkeep):
                 key = chain[i]
                 if contains(key) and key not in doomed:  # the run held from here on, found and listed in C
                     found = list(takewhile(contains if not doomed else self.resident, islice(chain, i, limit)))
-                    pins.update(found)  # (Counter.update: one pin each, counted in C)
+                    count_each(pins, found)  # (Counter.update's C helper: one pin each)
                     handle.pinned.extend(found)
                     handle.keys.extend(found)
                     handle.buffers.extend(map(view, found))
@@ -297,8 +297,8 @@ class Index(IndexUpkeep):
         """The background reads of ``handle`` ended; unpin it now if it was released meanwhile."""
         with self.lock:
             handle.reading_ahead, refresh = False, handle.release_after_read
-        if refresh is not None:
-            self.unpin_load(handle, refresh)
+            if refresh is not None:
+                self.unpin_load(handle, refresh)
 
     def release(self, handle: LoadHandle, refresh: bool) -> bool:
         """Unpin ``handle`` once (after its reads ahead, if they run); on ``refresh`` mark its chunks used; False if done."""
@@ -313,18 +313,18 @@ class Index(IndexUpkeep):
             return True
 
     def unpin_load(self, handle: LoadHandle, refresh: bool) -> None:
-        with self.lock:
-            self.unpin(handle.pinned)
-            handle.pinned = []
-            if refresh and handle.keys:
-                used = list(filter(self.cpu.contains, handle.keys))  # (the cpu tier's contains is C: no frame)
-                used = [k for k in used if k not in self.doomed] if self.doomed else used
-                self.policy.touch(used)
-                self.uses.update(used)  # +1 each (Counter.update counts a list in C: no comprehension per hit)
-                for lt in self.local:
-                    below = [k for k, t in zip(handle.keys, handle.tiers) if t == lt.name]
-                    if below and lt.policy is not None:
-                        lt.policy.touch(below)
+        """Unpin ``handle``'s chunks; on ``refresh`` mark them used (the policies' touch, ``uses``); the lock held."""
+        self.unpin(handle.pinned)
+        handle.pinned = []
+        if refresh and handle.keys:
+            used = list(filter(self.cpu.contains, handle.keys))  # (the cpu tier's contains is C: no frame)
+            used = [k for k in used if k not in self.doomed] if self.doomed else used
+            self.policy.touch(used)
+            count_each(self.uses, used)  # +1 each (Counter.update's C helper: no frame per hit)
+            for lt in self.local:
+                below = [k for k, t in zip(handle.keys, handle.tiers) if t == lt.name]
+                if below and lt.policy is not None:
+                    lt.policy.touch(below)
 
     def unpin(self, keys: Sequence[ChunkKey]) -> None:
         """Unpin each of ``keys`` once (a load's chunks in one call: the hit path)."""

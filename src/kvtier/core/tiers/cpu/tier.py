@@ -93,6 +93,10 @@ class CpuTier(StagingTier):
         # contains() is the dict's own membership test, a C call: the index asks it per chunk on the hit path
         self.contains = self._key_to_page.__contains__  # type: ignore[method-assign,assignment]
         self._key_to_len: dict[ChunkKey, int] = {}
+        # each resident chunk's view (view() below): the dict's own item lookup, a C call (the index maps a
+        # hit's chunks through it); set when a page is published, dropped when it is freed
+        self._views: dict[ChunkKey, np.ndarray] = {}
+        self.view = self._views.__getitem__  # type: ignore[method-assign,assignment]
         self._reserved: dict[ChunkKey, int] = {}
         self._regions: dict[int, tuple[int, weakref.finalize]] = {}  # address -> (bytes, its unregistration)
         self._lock = threading.RLock()
@@ -179,7 +183,8 @@ class CpuTier(StagingTier):
     def commit(self, key: ChunkKey) -> None:
         """Publish a reserved page.  Raises KeyError if ``key`` was not reserved."""
         with self._lock:
-            self._key_to_page[key] = self._reserved.pop(key)
+            self._key_to_page[key] = page = self._reserved.pop(key)
+            self._views[key] = self._view_of(page, self._key_to_len[key])
 
     def reserve_many(self, keys: Sequence[ChunkKey]) -> list[ReserveResult]:
         """:meth:`reserve` of each of ``keys`` (a whole page each), in order, under one hold of the lock."""
@@ -194,7 +199,8 @@ class CpuTier(StagingTier):
         """:meth:`commit` of each of ``keys``, under one hold of the lock (a load's promoted chunks)."""
         with self._lock:
             for key in keys:
-                self._key_to_page[key] = self._reserved.pop(key)
+                self._key_to_page[key] = page = self._reserved.pop(key)
+                self._views[key] = self._view_of(page, self._key_to_len[key])
 
     def abort(self, key: ChunkKey) -> None:
         """Return a reserved page to the free list; unknown keys are ignored."""
@@ -209,11 +215,16 @@ class CpuTier(StagingTier):
         return key in self._key_to_page
 
     def view(self, key: ChunkKey) -> np.ndarray:
-        """Zero-copy uint8 view ``[chunk_len]`` of a resident chunk.  Raises KeyError if absent."""
-        page = self._key_to_page[key]
-        if self._key_to_len[key] != self.page_bytes:
-            return self._pages[page, :self._key_to_len[key]]
-        row = self._rows[page]  # a whole page is its row, made once
+        """Zero-copy uint8 view ``[chunk_len]`` of a resident chunk (the same array object while it stays
+        resident).  Raises KeyError if absent.  (The instance's ``view`` is its views' dict lookup: this
+        method documents it.)"""
+        return self._views[key]
+
+    def _view_of(self, page: int, length: int) -> np.ndarray:
+        """The view of ``length`` bytes of ``page``: a whole page is its row, made once."""
+        if length != self.page_bytes:
+            return self._pages[page, :length]
+        row = self._rows[page]
         if row is None:
             row = self._rows[page] = self._pages[page]
         return row
@@ -290,6 +301,7 @@ class CpuTier(StagingTier):
             if page is None:
                 return False
             self._key_to_len.pop(key, None)
+            self._views.pop(key, None)
             self._free.append(page)
         return True
 
@@ -310,6 +322,7 @@ class CpuTier(StagingTier):
             pages = list(self._free) + list(self._reserved.values()) + list(self._key_to_page.values())
         assert len(pages) == self.num_pages and len(set(pages)) == self.num_pages, \
             f"cpu tier pages leaked or doubled: {len(pages)} accounted of {self.num_pages}"
+        assert self._views.keys() == self._key_to_page.keys(), "cpu tier views differ from its resident chunks"
 
 
 def from_config(ctx: TierContext) -> CpuTier:
