@@ -190,7 +190,10 @@ def child(args: argparse.Namespace) -> None:
     if args.arm != "native":
         side = worker.worker_side
         tl.wrap(side.store, "prepare_load", "prepare_load")
-        tl.wrap(side.groups, "load", "copy")  # the loader calls the same object's load
+        from kvtier.integrations.vllm.worker import loader, syncload  # the copy into the engine's blocks
+
+        tl.wrap(loader, "load_pages", "copy")  # the loader thread's path and the synchronous load call it
+        syncload.load_pages = loader.load_pages  # type: ignore[attr-defined]  (its own import of the name)
         detail(tl, side)
     ids = random_prompt_ids(model / "tokenizer.json", args.prompt_tokens, seed=args.seed)
     params = SamplingParams(max_tokens=1, temperature=0.0, output_kind=RequestOutputKind.DELTA)
