@@ -37,7 +37,9 @@ Everything else runs its worker in the engine core (:data:`WORKER_IN_ENGINE_CORE
 runner (:data:`WORKER_IN_RUNNER`): the operator tools (bench, doctor, ``trace record``: their
 subject is what the tool reads and reports), the receipts walk, the redis fault workload, the
 engines that only compute, save and serve as the exact reference (s3 A, redis A), the engines that
-load through a slow link or a short deadline (redis C and D), the encrypted restarts, the first
+load through a slow link or a short deadline (redis C and D), the encrypted restarts,
+test_vllm_processes.py's producer (the running consumer it feeds keeps its halves apart) and its engine
+started after the weights were replaced (the identity fence reads the model directory's files), the first
 two hybrid-model tests and test_vllm_two_hosts.py's three servers (its subject is the network
 between hosts; one layout for the three, compared bit for bit; measured alone on this machine kind,
 load 3.3-6.9: 93 s with the default layout, 61 s so).  (test_vllm_engine.py's engine runs in the test's own process, so that its

@@ -4,7 +4,10 @@ test chains the scenarios that can share its engines).
 
 Each engine is ``engine_runner.py`` in its own process with vLLM's multiprocessing executor, so
 the scheduler-side connector (the runner's process) and the worker-side connector (the worker
-process) meet only through vLLM's own per-step messages, as under ``vllm serve`` on CPU.
+process) meet only through vLLM's own per-step messages, as under ``vllm serve`` on CPU; except
+two engines whose subject is not the split (tests/engine_layout.py), whose worker runs in the
+runner's process: the engine started after the weights were replaced (the file fingerprint is read
+from the model directory in either layout) and the producer that feeds the running consumer.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from tests.engine_layout import WORKER_IN_RUNNER
 from tests.integrations.vllm_helpers import PROMPT_WORDS, max_logprob_diff, result_of, run_engine
 
 pytestmark = [pytest.mark.engine, pytest.mark.shares_cpu]
@@ -88,7 +92,10 @@ def test_graceful_stop_keeps_the_hot_set_and_other_identities_miss(tiny_model: P
     before = (model / "model.safetensors").stat().st_size
     write_weights(model, GEOMETRIES["tiny"], seed=1)  # replaced in place: same file, same size
     assert (model / "model.safetensors").stat().st_size == before
-    third = result_of(run_engine(_spec(model, disk, steps), tmp_path, "third"), tmp_path, "third")
+    # the file fingerprint is read from the model directory, whatever the process layout: this engine's
+    # worker runs in its runner's process (one start-up import less: tests/engine_layout.py)
+    third_spec = dict(_spec(model, disk, steps), engine=WORKER_IN_RUNNER)
+    third = result_of(run_engine(third_spec, tmp_path, "third"), tmp_path, "third")
     m = third["metrics"]
     assert m["kvtier_loaded_tokens_total{disk}"] + m["kvtier_loaded_tokens_total{cpu}"] == 0
     assert m["vllm:external_prefix_cache_hits_total"] == 0
@@ -115,10 +122,13 @@ def test_running_consumer_adopts_what_a_producer_writes_later(tiny_model: Path, 
     spec["kvtier"]["disk_rescan_s"] = 0.2
     consumer = run_engine(spec, tmp_path, "consumer", timeout_s=900)
     # the producer starts beside the consumer (two start-ups at once) but prefills only once the
-    # consumer is up: the consumer still starts on an empty disk tier and adopts the files by rescan
-    producer = run_engine(_spec(tiny_model, disk, [{"op": "wait", "path": str(ready), "timeout_s": 600},
-                                                   {"op": "generate", "prompts": prompts}], role="kv_producer"),
-                          tmp_path, "producer", timeout_s=900)
+    # consumer is up: the consumer still starts on an empty disk tier and adopts the files by rescan.
+    # The producer's worker runs in its runner's process (one start-up import less: tests/engine_layout.py);
+    # the consumer, whose rescan reaches the scheduler's mirror, keeps its halves in separate processes
+    made_spec = _spec(tiny_model, disk, [{"op": "wait", "path": str(ready), "timeout_s": 600},
+                                         {"op": "generate", "prompts": prompts}], role="kv_producer")
+    made_spec["engine"] = WORKER_IN_RUNNER
+    producer = run_engine(made_spec, tmp_path, "producer", timeout_s=900)
     try:
         deadline = time.monotonic() + 420
         while not ready.exists() and consumer.poll() is None and time.monotonic() < deadline:
