@@ -28,7 +28,10 @@ scatters, the guard's call and the pin, the scatters' runs and the early copies 
 is in flight, each chunk's copy-and-digest, the generation check); with
 ``FULL_HIT_PROFILE=PATH`` each loader thread's job also runs under cProfile (``PATH.<pid>``), and so do
 the engine thread's ``start_load_kv`` (a synchronous load: ``PATH.start_load_kv.<pid>``) and the lookup
-(``PATH.lookup.<pid>``), each summed over every call, warm-up included.
+(``PATH.lookup.<pid>``), each summed over every call, warm-up included.  With ``FULL_HIT_THREADS=1`` a
+fourth table says what ran on the CPUs during each tail forward (:class:`ThreadProbe`): the forward's
+own threads, the process's other threads (kvtier's among them), the other arms' engines, the rest
+(its reads of ``/proc`` run between the timed spans but inside TTFT: compare TTFTs with it off).
 
 kvtier's own time (issue 33's "the hit path costs what its copy costs") is the lookup plus the
 load beyond its copy (``load shipped → done`` − ``copy``), per hit and per chunk, in a second
@@ -184,6 +187,7 @@ def child(args: argparse.Namespace) -> None:
     tl.wrap(worker, "wait_for_save", "save")
     tl.wrap(core.model_executor, "execute_model", "forward")
     tl.wrap(core.model_executor, "sample_tokens", "sample")
+    threads = ThreadProbe(core.model_executor) if os.environ.get("FULL_HIT_THREADS") else None
     if args.arm != "native" and os.environ.get("FULL_HIT_PROFILE"):  # the hit path on the engine's thread too
         profile_calls(core.scheduler.connector, "get_num_new_matched_tokens", os.environ["FULL_HIT_PROFILE"] + ".lookup")
         profile_calls(worker, "start_load_kv", os.environ["FULL_HIT_PROFILE"] + ".start_load_kv")
@@ -243,8 +247,9 @@ def child(args: argparse.Namespace) -> None:
         t_add, t_first, token = request(rid)
         tl.calls = [c for c in tl.calls if c[1] >= t_add]  # this request's calls only, from here on
         swaps[:] = [s for s in swaps if s[0] >= t_add]
-        return breakdown(tl, rid, t_add, t_first, swaps if args.arm == "native" else None) | {
+        out = breakdown(tl, rid, t_add, t_first, swaps if args.arm == "native" else None) | {
             "same_token_as_cold": token == cold_token, "cold_ttft_s": t_cold1 - t_cold0}
+        return out | ({"tail_threads": threads.tail(t_add, t_first)} if threads is not None else {})
 
     for _ in range(args.warmup):
         hit()
@@ -254,6 +259,96 @@ def child(args: argparse.Namespace) -> None:
             break
         print("FULLHIT " + json.dumps(hit()), flush=True)
     llm.llm_engine.engine_core.shutdown()
+
+
+class ThreadProbe:
+    """``FULL_HIT_THREADS=1``: who ran on the CPUs during each forward (``execute_model`` start to
+    ``sample_tokens`` end), from the scheduler's per-task accounting (``/proc/.../task/TID/schedstat``:
+    run ns, time slices), read before and after, outside the timed spans: this process's threads by
+    name (the engine thread, the OpenMP workers, vLLM's gloo loops, kvtier's threads), the other arms'
+    engines and the rest of the machine; and the garbage collections that started in it.  Issue 33:
+    is the tail forward slower in one arm because something else runs during it?"""
+
+    def __init__(self, executor: Any) -> None:
+        import gc
+        import threading
+
+        self.threading = threading
+        self.spans: list[tuple[float, float, dict[str, Any]]] = []
+        self.start: tuple[float, dict[tuple[str, str], tuple[int, int, str]]] | None = None
+        self.gcs: list[tuple[str, float]] = []
+        self.whose: dict[str, str | None] = {}  # pid: "" (this one), "arm NAME", None (elsewhere)
+        gc.callbacks.append(lambda phase, info: self.gcs.append((phase, time.perf_counter())))
+        real_execute, real_sample = executor.execute_model, executor.sample_tokens
+
+        def execute_model(*a: Any, **k: Any) -> Any:
+            self.start = (time.perf_counter(), self.tasks())
+            return real_execute(*a, **k)
+
+        def sample_tokens(*a: Any, **k: Any) -> Any:
+            out = real_sample(*a, **k)
+            if self.start is not None:
+                t1, after = time.perf_counter(), self.tasks()
+                t0, before = self.start
+                ran: dict[str, list[int]] = {}
+                for task, (run, slices, who) in after.items():
+                    run0, slices0, _ = before.get(task, (0, 0, who))
+                    if run > run0:
+                        ran.setdefault(who, [0, 0])
+                        ran[who][0] += run - run0
+                        ran[who][1] += slices - slices0
+                self.spans.append((t0, t1, ran))
+                self.start = None
+            return out
+
+        executor.execute_model, executor.sample_tokens = execute_model, sample_tokens
+
+    def tasks(self) -> dict[tuple[str, str], tuple[int, int, str]]:
+        """Every task's ``(run ns, time slices, whose)``: this process's by thread name (Python's, else
+        the kernel's; ``python``, the OpenMP workers': ``openmp/other``), the other arms' engines as
+        ``arm NAME``, and the rest of the machine as one ``elsewhere`` entry (CPU time from
+        ``/proc/stat``, 10 ms ticks, less the tasks above; its slices not counted)."""
+        me, names = str(os.getpid()), {t.native_id: t.name for t in self.threading.enumerate()}
+        out: dict[tuple[str, str], tuple[int, int, str]] = {}
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            if pid not in self.whose:  # (each process's command line read once)
+                try:
+                    words = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                self.whose[pid] = "" if pid == me else \
+                    f"arm {words[words.index(b'--arm') + 1].decode()}" if b"--arm" in words[:-1] else None
+            whose = self.whose[pid]
+            if whose is None:
+                continue
+            try:
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    run, _wait, slices = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()
+                    who = whose or names.get(int(tid)) or Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+                    who = "openmp/other" if who == "python" else who.rstrip("0123456789_-")
+                    out[(pid, tid)] = (int(run), int(slices), who)
+            except (OSError, ValueError):
+                continue  # a task that ended in between
+        busy = sum(int(v) for i, v in enumerate(Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:])
+                   if i not in (3, 4))  # every CPU's ticks but idle and iowait
+        out[("", "")] = (busy * 10**9 // os.sysconf("SC_CLK_TCK") - sum(v[0] for v in out.values()), 0, "elsewhere")
+        return out
+
+    def tail(self, t_add: float, t_first: float) -> dict[str, Any]:
+        """The longest forward of the request (its tail's): ``{whose: [run s, slices]}`` plus
+        ``gc``: ``[collections, seconds]`` started in it."""
+        spans = [s for s in self.spans if t_add <= s[0] <= t_first]
+        gcs, self.spans, self.gcs = self.gcs, [], []
+        if not spans:
+            return {}
+        t0, t1, ran = max(spans, key=lambda s: s[1] - s[0])
+        starts = [t for phase, t in gcs if phase == "start"]
+        stops = [t for phase, t in gcs if phase == "stop"]
+        inside = [(a, b) for a, b in zip(starts, stops) if t0 <= a <= t1]
+        return {who: [v[0] / 1e9, v[1]] for who, v in ran.items()} | {
+            "gc": [len(inside), sum(b - a for a, b in inside)]}
 
 
 def profile_calls(obj: Any, attr: str, out: str) -> None:
@@ -468,10 +563,29 @@ def summary(runs_by_arm: dict[str, list[dict[str, Any]]]) -> str:
             if per:
                 lines += ["", (f"{node} / {ref}, {what} per repeat: median **{statistics.median(per):.2f}×**, "
                               f"range {per[0]:.2f}–{per[-1]:.2f} ({len(per)} repeats)")]
+    if any("tail_threads" in r for runs in runs_by_arm.values() for r in runs):
+        lines += ["", threads_table(runs_by_arm)]
     if "native" in med:
         lines.append("")
         lines.extend(f"{arm} / native: median TTFT **{v[0] / med['native'][0]:.2f}×**, median TTFT − tail forward "
                      f"**{v[1] / med['native'][1]:.2f}×**" for arm, v in med.items() if arm != "native")
+    return "\n".join(lines)
+
+
+def threads_table(runs_by_arm: dict[str, list[dict[str, Any]]]) -> str:
+    """``FULL_HIT_THREADS=1``'s table: median CPU ms (time slices) each one ran during the tail
+    forward, per arm; ``MainThread`` and ``openmp/other`` are the forward's own."""
+    lines = [("| arm | CPU during the tail forward, median ms (time slices), per thread or process | "
+              "garbage collections in it |"), "|---|---|---|"]
+    for arm, runs in runs_by_arm.items():
+        rows = [r.get("tail_threads", {}) for r in runs]
+        whose = sorted({w for row in rows for w in row if w != "gc"},
+                       key=lambda w: -statistics.median(row.get(w, [0.0])[0] for row in rows))
+        cells = ", ".join(f"{w} {statistics.median(row.get(w, [0.0])[0] for row in rows) * 1e3:.1f} "
+                          f"({statistics.median(row.get(w, [0, 0])[1] for row in rows):g})" for w in whose)
+        gc_n = sum(row.get("gc", [0, 0.0])[0] for row in rows)
+        gc_s = sum(row.get("gc", [0, 0.0])[1] for row in rows)
+        lines.append(f"| {arm} | {cells} | {gc_n} in {len(rows)} forwards, {gc_s * 1e3:.1f} ms |")
     return "\n".join(lines)
 
 

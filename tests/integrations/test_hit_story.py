@@ -237,6 +237,7 @@ SCRIPT = ROOT / "scripts" / "hit_story.py"
 # (vLLM called the scheduler side's bound stats before); MEASURED_MOVES stays at main's 94 (the bound is not raised).
 # Merged on main (copy34, sinks34, stats34): 12 files, 84 moves (695 kvtier calls, load 3.1-3.5): issue 33's
 # bound of 12 files is met; the moves are 14 % of aa01ead's 608.
+# Branch tail33 (scripts/full_hit.py's FULL_HIT_THREADS table only, no hit-path change): 12 files, 84 moves (701 calls, load 2.3-3.1).
 MAX_FILES = 12
 MEASURED_MOVES = 84
 SLACK_MOVES = 30
