@@ -67,7 +67,7 @@ class CacheFlush:
 
 PARTS = (  # (module, attribute path, label): the hit's parts, nested as they call each other
     ("kvtier.integrations.vllm.scheduler.side", "SchedulerSide.get_num_new_matched_tokens", "lookup"),
-    ("kvtier.integrations.vllm.scheduler.side", "SchedulerSide._chain", "  chunk keys (_chain)"),
+    ("kvtier.integrations.vllm.scheduler.requests", "RequestState.keys", "  chunk keys (RequestState.keys)"),
     ("kvtier.integrations.vllm.scheduler.steps", "PagePlanner.lookup", "  plan from the mirror"),
     ("kvtier.integrations.vllm.scheduler.side", "SyncBudget.offer", "  synchronous budget offer"),
     ("kvtier.integrations.vllm.worker.side", "WorkerSide.start_load", "start_load"),

@@ -233,14 +233,13 @@ def _registered() -> tuple[int, tuple[str, ...], frozenset[str], tuple[str, ...]
 
 
 def directions() -> tuple[str, ...]:
-    """Transfer directions, from the registered tiers: ``engine_to_<top>``, ``<top>_to_engine``,
-    then ``<top>_to_<tier>`` and ``<tier>_to_<top>`` for each lower tier (e.g. ``cpu_to_disk``)."""
+    """Transfer directions of the registered tiers: ``engine_to_<top>``, ``<top>_to_engine``, then
+    ``<top>_to_<tier>`` and ``<tier>_to_<top>`` for each lower tier (``cpu_to_disk``)."""
     return _registered()[1]
 
 
 def add_counts(counts: dict[str, int], by: Mapping[str, int]) -> None:
-    """``counts[k] += by[k]`` for every key of ``by`` (a key counted 0 included), as ``Counter.update``
-    of a mapping does, without its ABC check and Python frames: the hit path's counts."""
+    """``counts[k] += by[k]`` for every key of ``by`` (0 included), as ``Counter.update`` does, without its frames."""
     get = counts.get
     for key, n in by.items():
         counts[key] = get(key, 0) + n
@@ -253,29 +252,29 @@ class StoreCounters(CountersState):
 
     def loaded(self, by_tier: Mapping[str, int]) -> None:
         """A successful load delivered ``by_tier[tier]`` chunks from each tier."""
-        with self._lock:
-            add_counts(self.load_hit_chunks, by_tier)
-
-    def evicted(self, tier: str, num_chunks: int = 1) -> None:
-        with self._lock:
-            self.evictions[tier] += num_chunks
+        with self._lock:  # (add_counts, inlined: no frame on the hit path)
+            for tier, n in by_tier.items():
+                self.load_hit_chunks[tier] = self.load_hit_chunks.get(tier, 0) + n
 
     def engine_load(self, load: EngineLoad, top: str) -> None:
         """One load's engine-side outcome (:class:`~kvtier.core.handles.EngineLoad`); ``top``: the
         top tier's name (the transfer direction is ``<top>_to_engine``)."""
-        direction = f"{top}_to_engine"  # its transfer, counted as moved() does under the same hold of the lock
-        known = load.engine_bytes and direction in _registered()[2]
+        direction = f"{top}_to_engine"  # its transfer, counted as moved() does (_registered: only after a registration)
+        known = load.engine_bytes and direction in (_derived if _derived[0] == registry.generation else _registered())[2]
         with self._lock:
             if load.resumed:
                 self.reloaded_tokens += sum(load.tokens.values())
-            else:
-                add_counts(self.loaded_tokens, load.tokens)
+            else:  # (add_counts, inlined)
+                counts = self.loaded_tokens
+                for tier, n in load.tokens.items():
+                    counts[tier] = counts.get(tier, 0) + n
                 if load.unfilled_tokens:  # (a whole load promised nothing it did not fill: no call)
                     add_counts(self.unfilled_tokens, load.unfilled_tokens)
             self.load_failed_blocks += load.failed_blocks
             self.rerouted_chunks += load.rerouted_chunks
             if known:
-                self._add_transfer(direction, load.engine_bytes, load.seconds)
+                self.transfer_bytes[direction] += load.engine_bytes
+                self.transfer_seconds[direction] = self.transfer_seconds.get(direction, 0.0) + max(load.seconds, 0.0)
         if load.engine_bytes and not known:
             self.moved(direction, load.engine_bytes, load.seconds)  # raises: a tier nobody registered
 
@@ -288,13 +287,13 @@ class StoreCounters(CountersState):
         _, known, known_set, _ = _registered()
         if direction not in known_set:
             raise ValueError(f"unknown transfer direction {direction!r}; use one of {', '.join(known)}")
-        with self._lock:
-            self._add_transfer(direction, num_bytes, seconds)
+        with self._lock:  # (engine_load() counts its transfer so too, within its own hold of the lock)
+            self.transfer_bytes[direction] += num_bytes
+            self.transfer_seconds[direction] = self.transfer_seconds.get(direction, 0.0) + max(seconds, 0.0)
 
-    def _add_transfer(self, direction: str, num_bytes: int, seconds: float) -> None:
-        # under self._lock: moved()'s count, also made by engine_load() within its own hold of the lock
-        self.transfer_bytes[direction] += num_bytes
-        self.transfer_seconds[direction] = self.transfer_seconds.get(direction, 0.0) + max(seconds, 0.0)
+    def evicted(self, tier: str, num_chunks: int = 1) -> None:
+        with self._lock:
+            self.evictions[tier] += num_chunks
 
     def snapshot(self, chunk_bytes: int, chunk_tokens: int, tiers: Mapping[str, TierStats],
                  dirty_bytes: int, queued_writes: int) -> StoreStats:
@@ -380,12 +379,16 @@ class RequestRecord(RecordState):
         with self._lock:
             match event:  # (a hit's events first: each case is an isinstance check)
                 case EngineLoad():
-                    add_counts(self.loaded_tokens, event.tokens)
+                    counts = self.loaded_tokens  # (add_counts, inlined: no frame on the hit path)
+                    for tier, n in event.tokens.items():
+                        counts[tier] = counts.get(tier, 0) + n
                     if event.unfilled_tokens:  # (a whole load promised nothing it did not fill: no call)
                         add_counts(self.unfilled_tokens, event.unfilled_tokens)
                     self.load_seconds += event.seconds
                 case ChunksServed():
-                    add_counts(self.served_chunks, event.by_tier)
+                    counts = self.served_chunks
+                    for tier, n in event.by_tier.items():
+                        counts[tier] = counts.get(tier, 0) + n
                 case ChunksRead():
                     self.read_chunks[event.tier] = self.read_chunks.get(event.tier, 0) + event.chunks
                     self.read_bytes[event.tier] = self.read_bytes.get(event.tier, 0) + event.bytes

@@ -166,7 +166,8 @@ class SchedulerSide:
         req_id = request.request_id
         state = self.requests.get(req_id) or self.requests.setdefault(req_id, RequestState(request))
         state.planned_tiers = None
-        state.receipt.ask(num_computed_tokens)  # vLLM's own hit, for the receipt if it is admitted now
+        receipt = state.receipt  # vLLM's own hit, for the receipt if it is admitted now (ReceiptFacts.ask, inlined)
+        receipt.asked, receipt.shared_asked = num_computed_tokens, None
         if self.sync.promised:  # asked again in this step (not scheduled after the first answer)
             self.sync.give_back(req_id)
         # vLLM must compute at least the last prompt token itself (to sample from its logits).
@@ -188,9 +189,9 @@ class SchedulerSide:
                 and time.monotonic() - self._last_report_s > self._refresh_after_s):
             state.refreshed = True  # idle longer than a rescan: let one step bring the workers' news
             return None, False
-        chain = self._chain(state, max_chunks)
-        if chain is None:
-            return 0, False
+        if getattr(request, "prompt_embeds", None) is not None or (root := self.mirror.key_root) is None:
+            return 0, False  # (_chain, inlined: no frame) prompt embeddings have no token ids to key on
+        chain = state.keys(root, self.chunk_tokens, self.key_memo, max_chunks)
         hit, tiers = self.pages.lookup(chain, num_computed_tokens, request.num_tokens)
         if self.remote is not None and hit < max_chunks * self.chunk_tokens and not self.remote.bind(
                 self.mirror.namespaces):

@@ -65,7 +65,7 @@ def load_now(loader: LoadPath, job: LoadJob) -> tuple[set[int], int | None]:
                                            ctx=job_context(job, record),
                                            into=loader.direct.into(job) if shared and loader.direct is not None else None,
                                            shared_within_s=loader.sync_within_s if shared else None)
-        held = handle.num_chunks
+        held = len(handle.keys)  # (num_chunks: no property's frame)
         moves = [m for m in zip(job.pages[:held], handle.buffers[:held]) if m[1] is not NO_BUFFER] if shared \
             else list(zip(job.pages[:held], handle.buffers[:held]))  # (cpu pages only: no comprehension's frame)
         if moves:  # (a chunk read into its blocks, NO_BUFFER, is there already)
