@@ -8,7 +8,7 @@ is on its way (:func:`copy_early`, on the caller's thread after the pin is sent)
 then confirms or refuses each early copy (:meth:`~kvtier.core.tiers.node.tier.NodeTier.finish_get`)::
 
     send pin ──> build the scatters ──> copy + verify each value at its last known place ──> read the answer
-                                        (skipped where its pages' generation moved already)    │
+                                                                                               │
                     served: the answer names the same (page, bytes, generation) <──────────────┘
                     and the batch's generation check, after every copy, finds it on its pages;
                     else: copied again from where the answer says, as a read without early copies
@@ -109,9 +109,11 @@ def copy_early(verifier: Verifier, locations: Locations, pool: Pool, keys: Seque
                dsts: Sequence[memoryview | Scatter], until: float) -> dict[int, Early]:
     """Copy and verify (inline) each key whose place ``locations`` knows on ``pool`` into its
     destination, in order, until ``time.perf_counter()`` passes ``until``; per key index copied,
-    its :class:`Early` (copied only where the value's pages carried its generation before the copy;
-    whether they still do is the caller's check, after every copy).  Never raises: a destination
-    that cannot take the value is left to the ordinary copy."""
+    its :class:`Early` (whether the value's pages carry its generation is the caller's check, once
+    for the batch after every copy: generations only grow, so pages that carry it after the copy
+    carried it before and all through it; no check per value before the copy, which only saved the
+    copy of a value moved since, a rare case the answer redoes anyway).  Never raises: a
+    destination that cannot take the value is left to the ordinary copy."""
     out: dict[int, Early] = {}
     data, page_bytes, copy = memoryview(pool.data), pool.page_bytes, verifier.copy  # type: ignore[arg-type]
     try:
@@ -120,10 +122,8 @@ def copy_early(verifier: Verifier, locations: Locations, pool: Pool, keys: Seque
                 continue
             if time.perf_counter() > until:
                 break
-            page, nbytes, gen = where
-            if not pool.same_generation(page, nbytes, gen):
-                continue  # moved since: the answer says where
-            at = page * page_bytes
+            at = where[0] * page_bytes
+            nbytes = where[1]
             got: bytes | None | ChunkFormatError
             try:
                 got = settle(copy(keys[i], data[at:at + nbytes], dsts[i], False))  # (inline: never pending)
