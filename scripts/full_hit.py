@@ -61,7 +61,12 @@ asynchronously; against ``kvtier-async``).  Every
 arm's engine stays up in its own child process (started one after another, each computing the
 prompt cold and running ``--warmup`` untimed hits); then the timed hits run interleaved, one
 request at a time, arm order rotated each repeat, so a load change on the shared machine hits
-every arm alike; ratios are medians within the run.
+every arm alike; ratios are medians within the run.  ``--start-order both`` (the default) runs the
+first half of the repeats (rounded up) with the engines started in ``--arms`` order, then stops them and
+starts them again in reverse order for the rest: on the EPYC-2 host the engine started first computed
+the same tail forward 1-9 % slower and copied 0-21 % slower whichever arm it was (docs/benchmarks.md,
+"Full hits of 1,000, 4,000 and 8,000 tokens"), so one order alone biases every arm-to-arm ratio.  Each
+hit records its engine's start position (``started``: 0 = first) in ``full_hit.json``.
 
 Usage::
 
@@ -592,9 +597,9 @@ def threads_table(runs_by_arm: dict[str, list[dict[str, Any]]]) -> str:
 class Arm:
     """A child process holding one arm's engine, answering ``hit`` lines."""
 
-    def __init__(self, args: argparse.Namespace, arm: str) -> None:
+    def __init__(self, args: argparse.Namespace, arm: str, log_name: str) -> None:
         self.name = arm
-        self.log = open(args.workdir / f"{arm}.log", "wb")  # noqa: SIM115 - closed in close()
+        self.log = open(args.workdir / log_name, "wb")  # noqa: SIM115 - closed in close()
         cmd = [sys.executable, __file__, *sys.argv[1:], "--arm", arm]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
         self.read()  # "ready": engine up, cold prefill and warm-up hits done
@@ -633,6 +638,10 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2, help="untimed full hits per engine first (kernel shapes)")
     parser.add_argument("--arms", default="kvtier,native,kvtier-async")
     parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument("--start-order", choices=("both", "given"), default="both",
+                        help="both: the first half of the repeats with the engines started in --arms order, the "
+                             "rest restarted in reverse order (the engine started first runs slower on some "
+                             "hosts); given: --arms order only")
     parser.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)
     parser.add_argument("--node-socket", help=argparse.SUPPRESS)  # the kvtier-node arm's owner (started here)
     args = parser.parse_args()
@@ -656,17 +665,30 @@ def main() -> int:
 
         owner = LocalNode(NodePool.make(1.0), args.workdir / "node.log").start()
         sys.argv += ["--node-socket", owner.pool.socket]
+    orders = [arms, arms[::-1]] if args.start_order == "both" and len(arms) > 1 else [arms]
+    runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
+    load_start: tuple[float, float, float] | None = None
+    r = 0
     try:
-        for arm in arms:  # one at a time: the cold prefills do not share the cores
-            children.append(Arm(args, arm))
-        load_start = os.getloadavg()
-        runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
-        for r in range(args.repeats):  # interleaved, the order rotated each repeat
-            for child_arm in children[r % len(children):] + children[:r % len(children)]:
-                runs[child_arm.name].append(child_arm.hit() | {"repeat": r, "load_average": os.getloadavg()})
+        for generation, order in enumerate(orders):  # engines started afresh per order: start position per hit
+            count = (args.repeats + len(orders) - 1 - generation) // len(orders)
+            if not count:
+                continue
+            try:
+                for arm in order:  # one at a time: the cold prefills do not share the cores
+                    children.append(Arm(args, arm, f"{arm}.log" if generation == 0 else f"{arm}.{generation}.log"))
+                if load_start is None:
+                    load_start = os.getloadavg()
+                for _ in range(count):  # interleaved, the order rotated each repeat
+                    for child_arm in children[r % len(children):] + children[:r % len(children)]:
+                        runs[child_arm.name].append(child_arm.hit() | {
+                            "repeat": r, "started": order.index(child_arm.name), "load_average": os.getloadavg()})
+                    r += 1
+            finally:
+                for c in children:
+                    c.close()
+                children = []
     finally:
-        for c in children:
-            c.close()
         if owner is not None:
             owner.stop()
             owner.pool.remove()
@@ -676,8 +698,12 @@ def main() -> int:
     def fmt(v: Any) -> str:
         return " / ".join(f"{x:.2f}" for x in v)
 
+    counts = [(args.repeats + len(orders) - 1 - g) // len(orders) for g in range(len(orders))]
+    started = "; then ".join(f"{', '.join(o)} for {n} repeat{'s' if n != 1 else ''}"
+                             for o, n in zip(orders, counts, strict=True) if n)
     print(f"{args.prompt_tokens}-token prompt, mid geometry, {args.repeats} full hits per arm interleaved; load "
-          f"average {fmt(load_start)} at the first timed hit, {fmt(out['load_average_after'])} after\n")
+          f"average {fmt(load_start or load_before)} at the first timed hit, {fmt(out['load_average_after'])} "
+          f"after; engines started in the order {started}\n")
     print(summary(runs))
     return 0
 
