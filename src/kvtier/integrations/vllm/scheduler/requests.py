@@ -109,10 +109,6 @@ class ReceiptFacts:
     shared_asked: tuple[str, str] | None = None
     shared_miss: tuple[str, str] | None = None
 
-    def ask(self, num_computed_tokens: int) -> None:
-        """vLLM asks for the hit beyond its own ``num_computed_tokens`` (``get_num_new_matched_tokens``)."""
-        self.asked, self.shared_asked = num_computed_tokens, None
-
     def admitted(self, request: Any, tiers: Sequence[str] | None, external: int, chunk_tokens: int,
                  load_failed: bool) -> None:
         """vLLM allocated ``request`` after asking for its hit (``update_state_after_alloc``):

@@ -166,7 +166,7 @@ class SchedulerSide:
         req_id = request.request_id
         state = self.requests.get(req_id) or self.requests.setdefault(req_id, RequestState(request))
         state.planned_tiers = None
-        receipt = state.receipt  # vLLM's own hit, for the receipt if it is admitted now (ReceiptFacts.ask, inlined)
+        receipt = state.receipt  # vLLM asks for the hit beyond its own num_computed_tokens: the receipt's ask, set here
         receipt.asked, receipt.shared_asked = num_computed_tokens, None
         if self.sync.promised:  # asked again in this step (not scheduled after the first answer)
             self.sync.give_back(req_id)
