@@ -13,6 +13,18 @@ engines bind their one OpenMP compute thread to a core of their own (``VLLM_CPU_
 which is the same first core for every engine: two engines beside each other then computed on one
 core and left the other idle.  One thread each, so numerics are those of every other engine.
 
+Engines without torch.compile (``TORCH_COMPILE_DISABLE=1``, set below for this process and
+every process the tests start): vLLM's CPU engines run eager (the tests pass ``--enforce-eager``),
+but a few helpers carry their own ``@torch.compile``: the logprob rank count
+(vllm/v1/sample/ops/logprobs.py ``batched_count_greater_than``, run by every request that asks for
+logprobs) and the tensor-parallel embedding mask (vllm/model_executor/layers/vocab_parallel_embedding.py
+``get_masked_input_and_mask``).  Each worker process that ran one traced it with dynamo, loaded
+inductor's kernel and probed the CPU's vector ISA with six ``python -c`` dlopen children (measured
+2026-12-07: 205 such children in the second phase; test_vllm_processes.py's tensor-parallel test
+33.5-34.5 CPU-s with them, 27.6-30.1 without).  Both compute integers (a count of logits above the
+token's, a masked index), equal eager or compiled; every engine a test compares runs the same way.
+Set ``TORCH_COMPILE_DISABLE=0`` in the environment to run the tests with them compiled.
+
 Skips: a skip whose reason is not in :data:`EXPECTED_SKIPS` FAILS the test, so a check that stops
 running on the CI machine (no network namespace, no O_DIRECT directory, no tmpfs mount, a missing
 package) cannot pass CI silently.  On a development machine that lacks some of those, set
@@ -28,6 +40,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")  # see the module docstring: engines without torch.compile
 
 from tests.node_servers import NodeServer
 from tests.redis_servers import RedisClusterServers, RedisServer
