@@ -24,8 +24,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-import numpy as np
-
 
 class CodecError(ValueError):
     """A codec chain names an unknown codec, or a payload fails to decode (a miss, never a crash)."""
@@ -204,6 +202,8 @@ class Chain:
             raise CodecError(f"decoded payload is {data.nbytes} bytes, expected {dst.nbytes}")
         if data.obj is dst.obj and _address(data) == _address(dst):
             return
+        import numpy as np  # (here: the CLI's start-up imports this module, not numpy)
+
         np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(data, dtype=np.uint8))
 
 
@@ -213,6 +213,8 @@ def _unknown(data: memoryview) -> int:
 
 
 def _address(view: memoryview) -> int:
+    import numpy as np
+
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
 
 

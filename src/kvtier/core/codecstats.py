@@ -12,8 +12,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from prometheus_client.core import CounterMetricFamily, Metric
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,9 @@ def codec_numbers(tier: object) -> CodecNumbers | None:
 def codec_families(numbers: Mapping[str, CodecNumbers] | None) -> Iterator[Metric]:
     """``kvtier_codec_bytes{tier, stage}``, ``kvtier_codec_seconds{tier, direction}``,
     ``kvtier_codec_failures{tier, kind}`` (``None``: the families without samples)."""
+    # (imported here: the CLI's start-up imports this module, not prometheus_client)
+    from prometheus_client.core import CounterMetricFamily
+
     tiers = numbers or {}
     size = CounterMetricFamily("kvtier_codec_bytes", "Payload bytes through a tier's codec chain: stage "
                                "before/after on write, stored/decoded on read.", labels=["tier", "stage"])

@@ -24,8 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from kvtier.core import codecs
 
 
@@ -63,6 +61,8 @@ class Blosc2Zstd:
             return data
         try:
             if original_bytes > 0:
+                import numpy as np  # (here: blosc2 imports it anyway; the CLI's start-up imports this module, not numpy)
+
                 out = np.empty(original_bytes, dtype=np.uint8)
                 blosc2.decompress2(data, dst=out, nthreads=1)
                 return out.data.cast("B")

@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import NewType
+from typing import TYPE_CHECKING, NewType
 
 import blake3
-import numpy as np
+
+if TYPE_CHECKING:
+    import numpy as np
 
 ChunkKey = NewType("ChunkKey", bytes)
 """A 16-byte chained digest naming one chunk of KV together with its whole prefix."""
@@ -120,8 +123,10 @@ def chunk_keys(root: bytes, token_ids: Sequence[int] | np.ndarray, chunk_tokens:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
     num_chunks = len(token_ids) // chunk_tokens
     n = num_chunks * chunk_tokens
-    if isinstance(token_ids, np.ndarray):
-        data = np.ascontiguousarray(token_ids[:n], dtype="<i8").tobytes()
+    # (numpy is not imported here: an array can only come from a process that imported it, and the
+    # CLI's start-up, which imports this module, imports no numpy)
+    if (numpy := sys.modules.get("numpy")) is not None and isinstance(token_ids, numpy.ndarray):
+        data = numpy.ascontiguousarray(token_ids[:n], dtype="<i8").tobytes()
     else:  # a list of ints: one C-level pack, a third of numpy's conversion (the scheduler's lookup path)
         data = struct.pack(f"<{n}q", *(token_ids if len(token_ids) == n else token_ids[:n]))
     step = chunk_tokens * 8

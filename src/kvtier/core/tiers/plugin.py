@@ -20,11 +20,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
-from prometheus_client import CollectorRegistry
-
 from kvtier.core.config import KVTierConfig
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # (annotations only: the CLI's start-up imports no prometheus_client)
+    from prometheus_client import CollectorRegistry
+
     from kvtier.core.tiers.base import Tier
     from kvtier.core.tiers.blobs import BlobStore
 
