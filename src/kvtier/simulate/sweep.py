@@ -18,10 +18,9 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -189,8 +188,7 @@ def replay_map(fn: Callable[[Any], Any], jobs: Iterable[Any], workers: int) -> l
     # Python 3.11's executor thread then fails setting the broken pool's error on a cancelled future
     # (InvalidStateError, printed as a traceback under the command's own exit)
     try:  # submit inside: the first submit forks the processes, and Ctrl-C there must terminate them too
-        with _sigint_stays_here():  # the executor's thread, started by the first submit, never takes Ctrl-C
-            futures = [pool.submit(fn, job) for job in jobs]
+        futures = [pool.submit(fn, job) for job in jobs]
         results = [future.result() for future in futures]
     except BrokenProcessPool as exc:
         _terminate(pool)
@@ -202,24 +200,6 @@ def replay_map(fn: Callable[[Any], Any], jobs: Iterable[Any], workers: int) -> l
         raise
     pool.shutdown(wait=True)
     return results
-
-
-@contextmanager
-def _sigint_stays_here() -> Iterator[None]:
-    """SIGINT blocked on this thread while the block starts threads (they inherit the mask), then
-    unblocked: Linux hands a process's signal to any thread that does not block it, and one taken by
-    the executor's thread left the main thread asleep in ``future.result()`` until a replay ended
-    (Ctrl-C acted up to a replay late, or, as the last replay ended, not at all: ``kvtier simulate``
-    then exited 0).  A SIGINT that comes while it is blocked is taken as the block ends.  Off the main
-    thread (where Python never runs signal handlers) it does nothing."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def can_fork() -> bool:
