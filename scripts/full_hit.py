@@ -374,7 +374,7 @@ def profile_calls(obj: Any, attr: str, out: str) -> None:
 
 
 DETAIL = ("run", "finish", "plan_load", "plan_shared", "mover_run", "mover_read", "complete_reads", "guard_get", "guard_call", "fetch_many", "finish_get",
-          "while_fetching", "copy_early", "verify_copy", "scatter_hashed", "scatter", "same_generations")
+          "while_fetching", "copy_early", "verify_copy", "scatter_hashed", "scatter", "same_generations", "handoff")
 """The finer spans of a load (:func:`detail`), summed per full hit into ``detail_s``."""
 
 
@@ -409,6 +409,8 @@ def detail(tl: Timeline, side: Any) -> None:
         tl.wrap_light(loader, "finish", "finish")
         if loader.direct is not None:
             tl.wrap_light(loader.direct, "scatter", "scatter")
+    if hasattr(side, "finisher"):  # a synchronous load's bookkeeping handed off (worker/finisher.py)
+        tl.wrap_light(side.finisher, "submit", "handoff")
     store = side.store
     tl.wrap_light(store.index, "plan_load", "plan_load")
     tl.wrap_light(store.index, "plan_shared", "plan_shared")

@@ -23,6 +23,10 @@ hits run back to back on warm caches, which put the own time at 4,000 tokens ~0.
 ``scripts/full_hit.py`` measured in the engine (2026-12-05: 565-720 µs warm, 850-860 µs with
 128 MiB flushed, 880-1,010 µs in the engine at load ~3).
 
+A synchronous load's bookkeeping after the copy (``LoadPath.finish``) runs on the worker's
+finisher thread (``worker/finisher.py``): ``start_load`` no longer includes it, and ``--parts``
+shows it apart, timed on that thread (the script joins it after each timed ``start_load``).
+
 Prints medians (and the minimum: the least disturbed hit on a shared machine) per hit and per
 chunk. ``--profile`` adds cProfile's top functions of the worker's ``start_load``; ``--parts`` adds
 each part of the hit (:data:`PARTS`: the calls the lookup and ``start_load`` make), timed inclusive
@@ -71,12 +75,14 @@ PARTS = (  # (module, attribute path, label): the hit's parts, nested as they ca
     ("kvtier.integrations.vllm.scheduler.steps", "PagePlanner.lookup", "  plan from the mirror"),
     ("kvtier.integrations.vllm.scheduler.side", "SyncBudget.offer", "  synchronous budget offer"),
     ("kvtier.integrations.vllm.worker.side", "WorkerSide.start_load", "start_load"),
-    ("kvtier.integrations.vllm.worker.loader", "RequestRecord", "  RequestRecord()"),
-    ("kvtier.integrations.vllm.worker.loader", "job_context", "  job_context"),
-    ("kvtier.core.mover", "Mover.prepare_load", "  prepare_load"),
-    ("kvtier.core.index", "Index.plan_load", "    Index.plan_load"),
-    ("kvtier.integrations.vllm.worker.syncload", "load_pages", "  copy"),
-    ("kvtier.integrations.vllm.worker.loader", "LoadPath.finish", "  finish"),
+    ("kvtier.integrations.vllm.worker.syncload", "load_now", "  load_now"),
+    ("kvtier.integrations.vllm.worker.syncload", "RequestRecord", "    RequestRecord()"),
+    ("kvtier.integrations.vllm.worker.syncload", "job_context", "    job_context"),
+    ("kvtier.core.mover", "Mover.prepare_load", "    prepare_load"),
+    ("kvtier.core.index", "Index.plan_load", "      Index.plan_load"),
+    ("kvtier.integrations.vllm.worker.syncload", "load_pages", "    copy"),
+    ("kvtier.integrations.vllm.worker.finisher", "Finisher.submit", "    hand-off (Finisher.submit)"),
+    ("kvtier.integrations.vllm.worker.loader", "LoadPath.finish", "finish (on the finisher's thread)"),
     ("kvtier.integrations.vllm.worker.loader", "tokens_by_tier", "    tokens_by_tier"),
     ("kvtier.integrations.vllm.worker.loader", "EngineLoad", "    EngineLoad()"),
     ("kvtier.core.mover", "Mover.complete_load", "    complete_load"),
@@ -294,6 +300,7 @@ def worker_side(chunks: int, repeats: int, profile: bool, flush: CacheFlush,
         t0 = time.perf_counter()
         side.start_load(meta)
         t1 = time.perf_counter()
+        side.finisher.join()  # (the hit's bookkeeping, handed off: its parts are this hit's)
         end_hit(True)
         if profiler is not None:
             profiler.disable()

@@ -13,8 +13,19 @@ from pathlib import Path
 from tests.bench.sse_server import launch
 
 KVTIER = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+          "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
           "sys.argv[0] = 'kvtier'; runpy.run_module('kvtier.cli.main', run_name='__main__')")
-"""``kvtier`` with Python's Ctrl-C handler, even if the test runner's process ignores SIGINT (inherited)."""
+"""``kvtier`` with Python's Ctrl-C handler and SIGINT unblocked, as a shell's foreground command has them,
+even if the test runner's process ignores or blocks SIGINT (both are inherited across exec)."""
+
+
+def _signal_state(pid: int) -> str:
+    """The process's signal masks from /proc (blocked, ignored, caught, pending), for a failure's message."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError as exc:
+        return f"(no /proc status: {exc})"
+    return " ".join(line.replace("\t", "") for line in lines if line.startswith(("SigBlk", "SigIgn", "SigCgt", "SigPnd", "ShdPnd")))
 
 
 def _start(*args: str) -> subprocess.Popen[str]:
@@ -68,7 +79,8 @@ def test_ctrl_c_to_simulate_says_so() -> None:
     proc = _start("simulate", "--trace", "bundled", "--kv-bytes-per-token", "100000", "--engine-gib", "1",
                   "--cpu-gib", "1,2,4,8,16,32,64,128", "--workers", "2")
     _wait_for(lambda: len(_children(proc.pid)) >= 2, "replay processes", proc)  # in the sweep, trace read
+    state = _signal_state(proc.pid)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130
+    assert proc.returncode == 130, f"SIGINT sent with {state}; stderr: {err[-2000:]}"
     assert err.splitlines() == ["kvtier: stopped by SIGINT (Ctrl-C); exiting with 130"]

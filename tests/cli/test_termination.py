@@ -119,3 +119,44 @@ def test_a_sigterm_that_reaches_a_child_before_its_fork_hooks_still_ends_it() ->
                             timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["survived", "0"], result.stdout + result.stderr
+
+
+FORK_SIGNAL_SCRIPT = """
+import os, signal, sys, time
+signum = int(sys.argv[1])
+# registered before kvtier's hooks: runs after its before-fork hook has blocked the signals, so the
+# signal is sent in the middle of the fork, and this after-fork hook runs before kvtier's
+os.register_at_fork(before=lambda: os.kill(os.getpid(), signum), after_in_parent=lambda: None)
+from kvtier.cli.termination import exit_on_termination
+signal.signal(signal.SIGINT, signal.default_int_handler)
+with exit_on_termination():
+    try:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        time.sleep(5.0)
+    except KeyboardInterrupt:
+        sys.stdout.write("interrupted\\n")
+        sys.exit(130)
+sys.stdout.write("lost\\n")
+sys.exit(1)
+"""
+
+
+def test_a_signal_that_comes_during_a_fork_still_stops_the_command() -> None:
+    """Ctrl-C or SIGTERM sent while the command forks (a ``simulate`` sweep's pool starting) is acted on
+    in the command's own code: before the fix, kvtier's after-fork hook unblocked it with Python's
+    ``pthread_sigmask``, whose handler run raised inside the hook, where Python drops the exception
+    ("Exception ignored in ... _release_in_parent"), the signal with it: the command ran on (``simulate``
+    exited 0 after a Ctrl-C on CI) and, for SIGTERM, with SIGTERM and SIGHUP ignored from then on."""
+    for signum, code, line in ((signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, None)):
+        proc = subprocess.run([sys.executable, "-c", FORK_SIGNAL_SCRIPT, str(int(signum))], check=False,
+                              capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == code, (signum, proc.returncode, proc.stdout, proc.stderr[-2000:])
+        assert "Exception ignored" not in proc.stderr
+        if line is not None:
+            assert proc.stdout.splitlines() == [line]
+        else:
+            assert "kvtier: stopped by SIGTERM" in proc.stderr and "lost" not in proc.stdout

@@ -12,6 +12,7 @@ files behind says what is left after that line (:func:`note_on_stop`: ``bench ru
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -61,27 +62,59 @@ def say_interrupted() -> None:
 
 
 _HANDLED = (signal.SIGTERM, signal.SIGHUP)
+_HELD_ACROSS_FORK = (signal.SIGINT, *_HANDLED)
 _held_for_fork: dict[int, bool] = {}
-"""Forking threads (ident) that hold SIGTERM/SIGHUP blocked across a fork (:func:`_hold_before_fork`)."""
+"""Forking threads (ident) that hold SIGINT/SIGTERM/SIGHUP blocked across a fork (:func:`_hold_before_fork`)."""
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _raw_sigmask(how: int, signals: tuple[int, ...]) -> None:
+    """``pthread_sigmask`` through libc, not ``signal.pthread_sigmask``, which runs the handlers of the
+    signals noted so far before it returns: in an at-fork callback the exception a handler raises
+    (Ctrl-C's KeyboardInterrupt, kvtier's SystemExit for SIGTERM) is printed as "Exception ignored"
+    and dropped, the signal with it (``kvtier simulate`` ran on to exit 0 after a Ctrl-C that most
+    likely came as its pool forked: CI, ``test_ctrl_c_to_simulate_says_so``; a SIGTERM there left
+    the command running with SIGTERM ignored).  (A ``sigset_t``: bit ``signum - 1``, little-endian
+    words, Linux's 128 bytes, of which macOS reads the first 4.)"""
+    mask = (ctypes.c_uint64 * 16)()
+    for signum in signals:
+        mask[(signum - 1) // 64] |= 1 << ((signum - 1) % 64)
+    if _libc.pthread_sigmask(how, ctypes.byref(mask), None) != 0:
+        raise OSError(ctypes.get_errno(), "pthread_sigmask failed")
 
 
 def _hold_before_fork() -> None:
-    """In the forking thread, while kvtier's handlers are installed: hold SIGTERM and SIGHUP blocked
-    across the fork.  A SIGTERM that reached the child before :func:`_restore_in_child` ran was noted
-    for kvtier's Python handler and then dropped, as Python drops a noted signal whose handler is by
-    then the default: the child (a fork pool's worker, SIGTERMed by ``terminate()`` as it started)
-    lived on, and the pool's join with it never returned.  Held, the kernel keeps it pending until
-    the child has the default action, which then ends it."""
+    """In the forking thread, while kvtier's handlers are installed: hold SIGINT, SIGTERM and SIGHUP
+    blocked across the fork.  A SIGTERM that reached the child before :func:`_restore_in_child` ran was
+    noted for kvtier's Python handler and then dropped, as Python drops a noted signal whose handler
+    is by then the default: the child (a fork pool's worker, SIGTERMed by ``terminate()`` as it
+    started) lived on, and the pool's join with it never returned.  Held, the kernel keeps it pending
+    until the child has the default action, which then ends it.  In the parent, a signal that comes
+    during the fork stays pending until the fork's callbacks are done (:func:`_raw_sigmask`)."""
     if _replaced:
-        signal.pthread_sigmask(signal.SIG_BLOCK, _HANDLED)
+        _raw_sigmask(signal.SIG_BLOCK, _HELD_ACROSS_FORK)
         _held_for_fork[threading.get_ident()] = True
 
 
 def _release_in_parent() -> None:
-    """The parent's side of :func:`_hold_before_fork`: the signals unblocked (one that came meanwhile
-    is acted on now)."""
+    """The parent's side of :func:`_hold_before_fork`: the signals unblocked.  One that came during the
+    fork is taken off the pending set first and sent again :data:`REDELIVER_S` later (a thread's
+    ``os.kill``), so that the command's own code acts on it, never this callback: Python runs a
+    handler at the next call its code makes, and an exception raised in an at-fork callback is
+    dropped ("Exception ignored in ... _release_in_parent"), the signal with it."""
     if _held_for_fork.pop(threading.get_ident(), False):
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, _HANDLED)
+        came = set(signal.sigpending()).intersection(_HELD_ACROSS_FORK)
+        if came:
+            signal.sigtimedwait(came, 0)  # (one pending instance per signal number: taken off, not acted on)
+        _raw_sigmask(signal.SIG_UNBLOCK, _HELD_ACROSS_FORK)
+        for signum in came:
+            again = threading.Timer(REDELIVER_S, os.kill, (os.getpid(), signum))
+            again.daemon = True
+            again.start()
+
+
+REDELIVER_S = 0.05
+"""How long after a fork a signal that came during it is sent again (:func:`_release_in_parent`)."""
 
 
 def _restore_in_child() -> None:
@@ -102,7 +135,7 @@ def _restore_in_child() -> None:
     held = _held_for_fork.pop(threading.get_ident(), False)
     _held_for_fork.clear()  # the child runs only the forking thread
     if held:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, _HANDLED)
+        _raw_sigmask(signal.SIG_UNBLOCK, _HELD_ACROSS_FORK)
 
 
 os.register_at_fork(before=_hold_before_fork, after_in_parent=_release_in_parent,

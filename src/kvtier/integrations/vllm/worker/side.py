@@ -24,6 +24,7 @@ from kvtier.integrations.vllm.protocol import (
     RequestFacts,
 )
 from kvtier.integrations.vllm.worker.copy import GroupCopiers
+from kvtier.integrations.vllm.worker.finisher import Finisher
 from kvtier.integrations.vllm.worker.layerwise import LayerLoads
 from kvtier.integrations.vllm.worker.layout import KVLayout
 from kvtier.integrations.vllm.worker.lifecycle import clear_for_reset, stop_loads, stop_rank
@@ -103,6 +104,7 @@ class WorkerSide:
         self.groups: GroupCopiers | None = None
         self.saver: SaveQueue | None = None  # deferred saves (SaveJob.deferred): the saver thread
         self._held: set[str] = set()  # held by the scheduler (KVTierMetadata.held): finished_sending once saved
+        self.finisher = Finisher()  # a synchronous load's bookkeeping, while the forward runs (joined before reports)
 
     # ---- setup -------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -132,6 +134,7 @@ class WorkerSide:
         self._sync_cut = {}
         self._no_forward = meta.no_forward
         self._held |= meta.held
+        self.finisher.join()  # (the last step's were joined at its report: nothing waits here unless it was skipped)
         if meta.reset is not None:
             if self.saver is not None:  # nothing saved before the order is published after it
                 self.saver.wait_for(None, BLOCKS_BACK_WAIT_S)
@@ -141,7 +144,7 @@ class WorkerSide:
             self.layer_loads.poll()
         for job in meta.loads:
             if job.sync:  # layer by layer: a hit held in the cpu tier alone (a node hit loads whole)
-                errors, first_unfilled = load_now(self.loader.path, job) if self.layer_loads is None \
+                errors, first_unfilled = load_now(self.loader.path, job, self.finisher) if self.layer_loads is None \
                     or not all(job.tiers[p.chunk] == self.store.cpu.name for p in job.pages) \
                     else load_layers(self.loader.path, job, self.layer_loads)
                 self._errors |= errors
@@ -231,6 +234,7 @@ class WorkerSide:
         assert self.store is not None and self.groups is not None
         if not meta.saves and self._gate_open:  # (nothing to save, and the gate already open: nothing to do)
             return
+        self.finisher.join()  # this step's loads unpinned first: their pins never hold back a save
         late = not self._gate_open and self.store.gate_evictions(False)
         try:
             save_jobs(self.store, self.groups, meta.saves, self._sync_cut, self._token_group, self.chunk_tokens,
@@ -246,6 +250,7 @@ class WorkerSide:
         the next :meth:`start_load` has pinned it."""
         if self.store is None:
             return None
+        self.finisher.join()  # this step's synchronous loads counted, unpinned, their facts kept
         self.store.gate_evictions(True)  # nothing leaves until the loads planned from this drain are pinned
         self._gate_open = False
         delta = self.store.drain_changes(MAX_INDEX_CHANGES)
@@ -273,6 +278,7 @@ class WorkerSide:
         (:func:`~kvtier.integrations.vllm.connector.worker_stats`)."""
         if self.store is None:
             return None
+        self.finisher.join()
         snapshot, before = self.store.stats(), self._store_seen
         self._store_seen = snapshot
         counters: dict[str, float] = {}
@@ -291,6 +297,7 @@ class WorkerSide:
         if self._closed or self.store is None:
             return
         self._closed = True
+        self.finisher.close()
         if self.loader is not None:
             self.loader.shutdown()
         stop_rank(self.store, self.layer_loads, self.saver, self.config, self.tp_rank)

@@ -19,6 +19,7 @@ import time
 from kvtier.core.handles import NO_BUFFER
 from kvtier.core.mover import RequestRecord
 from kvtier.integrations.vllm.protocol import LoadJob
+from kvtier.integrations.vllm.worker.finisher import Finisher
 from kvtier.integrations.vllm.worker.layerwise import LayerLoads
 from kvtier.integrations.vllm.worker.loader import CHUNK_OF, LoadPath, job_context, job_keys, load_pages
 
@@ -28,12 +29,13 @@ NO_EPOCH = 0
 asynchronous load later (checked against a reset then); a synchronous one is reported in its own step."""
 
 
-def load_now(loader: LoadPath, job: LoadJob) -> tuple[set[int], int | None]:
+def load_now(loader: LoadPath, job: LoadJob, finisher: Finisher | None = None) -> tuple[set[int], int | None]:
     """Run a synchronous ``job`` on the calling (engine) thread: pin the leading pages the cpu
     tier holds (``prepare_load(top_only=True)``: no I/O, no re-hashing of pages that never left
     memory) and, for a job planned in the node pool too, the pool's values after them (one pin
     within :attr:`LoadPath.sync_within_s`, read and verified into the blocks), copy the cpu pages
-    straight into the engine's blocks, count, unpin (:meth:`LoadPath.finish`).
+    straight into the engine's blocks, count, unpin (:meth:`LoadPath.finish`: on ``finisher``'s
+    thread while the forward runs, :mod:`~.finisher`; ``None``: here).
 
     Never raises: a failure is logged and its pages are reported as unfilled.
 
@@ -76,8 +78,13 @@ def load_now(loader: LoadPath, job: LoadJob) -> tuple[set[int], int | None]:
                      "recomputing the rest", job.req_id, delivered, len(job.pages))
     except Exception:
         log.exception("kvtier: loading request %s's pages synchronously failed; recomputing them", job.req_id)
-    errors = loader.finish(job, handle, delivered, ok, False, time.perf_counter() - t0, NO_EPOCH, sync=True,
-                           record=record)
+    if finisher is None:
+        errors = loader.finish(job, handle, delivered, ok, False, time.perf_counter() - t0, NO_EPOCH, sync=True,
+                               record=record)
+    else:  # the blocks finish() reports for a partial load (one group): those of the pages not delivered
+        errors = {b for p in job.pages[delivered:] for b in p.block_ids} if delivered < len(job.pages) else set()
+        finisher.submit(loader.finish, job, handle, delivered, ok, False, time.perf_counter() - t0, NO_EPOCH, True,
+                        record)
     first_unfilled = None if not errors else job.pages[delivered].chunk
     return errors, first_unfilled
 
