@@ -38,13 +38,18 @@ JOIN_WAIT_S = 5.0
 
 class Finisher:
     """One thread that runs what the engine's thread hands it, in order (:meth:`submit`), and lets
-    the engine's thread wait until all of it ran (:meth:`join`).  Started at the first hand-off."""
+    the engine's thread wait until all of it ran (:meth:`join`).  Started at the first hand-off.
+
+    Attributes:
+        pending: hand-offs not run yet (read it to skip a :meth:`join` with nothing to wait for: the
+            worker's every step does, so a step with no synchronous load calls nothing here).
+    """
 
     def __init__(self, name: str = "kvtier-finish") -> None:
         self._name = name
         self._queue: SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]] | None] = SimpleQueue()
         self._done = threading.Condition()
-        self._pending = 0
+        self.pending = 0
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -52,9 +57,9 @@ class Finisher:
         """Run ``fn(*args)`` on the thread (here, at once, when closed or :data:`MAX_PENDING` wait).
         An exception it raises is logged, never raised here."""
         with self._done:
-            inline = self._closed or self._pending >= MAX_PENDING
+            inline = self._closed or self.pending >= MAX_PENDING
             if not inline:
-                self._pending += 1
+                self.pending += 1
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                     self._thread.start()
@@ -65,10 +70,10 @@ class Finisher:
 
     def join(self, timeout_s: float = JOIN_WAIT_S) -> bool:
         """Wait until everything handed off ran, ``timeout_s`` at most; whether it did."""
-        if not self._pending:  # (the step's usual case: read without the lock, only this thread adds)
+        if not self.pending:  # (read without the lock: only the engine's thread adds)
             return True
         with self._done:
-            if self._done.wait_for(lambda: not self._pending, timeout_s):
+            if self._done.wait_for(lambda: not self.pending, timeout_s):
                 return True
         log.warning("kvtier: a synchronous load's bookkeeping did not end within %.1f s; the step goes on "
                     "and it is reported later", timeout_s)
@@ -89,8 +94,8 @@ class Finisher:
             fn, args = item
             _call(fn, args)
             with self._done:
-                self._pending -= 1
-                if not self._pending:
+                self.pending -= 1
+                if not self.pending:
                     self._done.notify_all()
 
 

@@ -134,7 +134,8 @@ class WorkerSide:
         self._sync_cut = {}
         self._no_forward = meta.no_forward
         self._held |= meta.held
-        self.finisher.join()  # (the last step's were joined at its report: nothing waits here unless it was skipped)
+        if self.finisher.pending:  # (joined at the last step's report: nothing waits unless it was skipped)
+            self.finisher.join()
         if meta.reset is not None:
             if self.saver is not None:  # nothing saved before the order is published after it
                 self.saver.wait_for(None, BLOCKS_BACK_WAIT_S)
@@ -234,7 +235,8 @@ class WorkerSide:
         assert self.store is not None and self.groups is not None
         if not meta.saves and self._gate_open:  # (nothing to save, and the gate already open: nothing to do)
             return
-        self.finisher.join()  # this step's loads unpinned first: their pins never hold back a save
+        if self.finisher.pending:  # this step's loads unpinned first: their pins never hold back a save
+            self.finisher.join()
         late = not self._gate_open and self.store.gate_evictions(False)
         try:
             save_jobs(self.store, self.groups, meta.saves, self._sync_cut, self._token_group, self.chunk_tokens,
@@ -250,7 +252,8 @@ class WorkerSide:
         the next :meth:`start_load` has pinned it."""
         if self.store is None:
             return None
-        self.finisher.join()  # this step's synchronous loads counted, unpinned, their facts kept
+        if self.finisher.pending:  # this step's synchronous loads counted, unpinned, their facts kept
+            self.finisher.join()
         self.store.gate_evictions(True)  # nothing leaves until the loads planned from this drain are pinned
         self._gate_open = False
         delta = self.store.drain_changes(MAX_INDEX_CHANGES)
@@ -278,7 +281,8 @@ class WorkerSide:
         (:func:`~kvtier.integrations.vllm.connector.worker_stats`)."""
         if self.store is None:
             return None
-        self.finisher.join()
+        if self.finisher.pending:
+            self.finisher.join()
         snapshot, before = self.store.stats(), self._store_seen
         self._store_seen = snapshot
         counters: dict[str, float] = {}
