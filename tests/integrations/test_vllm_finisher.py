@@ -17,14 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-from kvtier.core.config import KVTierConfig
 from kvtier.integrations.vllm.protocol import KVTierMetadata, LoadJob, PageMove, SaveJob
 from kvtier.integrations.vllm.worker import finisher as finisher_module
 from kvtier.integrations.vllm.worker.finisher import Finisher
 from kvtier.integrations.vllm.worker.side import WorkerSide
+from tests.integrations.vllm_helpers import one_layer_worker
 
 BLOCK, CHUNK, NUM_BLOCKS = 16, 64, 32  # 4 blocks per chunk
 LAYER = "model.layers.0.self_attn.attn"
@@ -32,22 +30,7 @@ CHUNKS = 3
 
 
 def _worker(model: Path) -> tuple[WorkerSide, torch.Tensor]:
-    config = VllmConfig(
-        model_config=ModelConfig(model=str(model), dtype="float32", seed=0, max_model_len=256),
-        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256,
-                                         is_encoder_decoder=False),
-        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
-        kv_transfer_config=KVTransferConfig(kv_connector="KVTierConnector", kv_role="kv_both",
-                                            kv_connector_module_path="kvtier.integrations.vllm.connector"),
-        device_config=DeviceConfig("cpu"))
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float32)
-    kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
-                                    kv_cache_groups=[KVCacheGroupSpec([LAYER], spec)])
-    worker = WorkerSide(config, kv_cache_config, KVTierConfig.from_dict({"chunk_tokens": CHUNK, "cpu_gib": 0.01}))
-    gen = torch.Generator().manual_seed(0)
-    cache = torch.randn(NUM_BLOCKS, 2, BLOCK, 2, 16, generator=gen)  # block-major: blocks along dim 0
-    worker.register_kv_caches({LAYER: cache})
-    return worker, cache
+    return one_layer_worker(model, {"chunk_tokens": CHUNK, "cpu_gib": 0.01}, BLOCK, NUM_BLOCKS, LAYER)
 
 
 def _pages(first_block: int, missing: int = 0) -> tuple[PageMove, ...]:

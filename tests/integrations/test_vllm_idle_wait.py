@@ -17,13 +17,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
 from kvtier.core.config import ConfigError, KVTierConfig
 from kvtier.integrations.vllm.protocol import KVTierMetadata, LoadJob, PageMove, SaveJob
 from kvtier.integrations.vllm.worker.side import WorkerSide
+from tests.integrations.vllm_helpers import one_layer_worker
 from tests.redis_servers import RedisServer
 
 BLOCK, CHUNK, NUM_BLOCKS = 16, 64, 32  # 4 blocks per chunk
@@ -33,25 +31,10 @@ CHUNKS = 3
 
 def _worker(model: Path, url: str, prefix: str, idle_step_wait_s: float) -> WorkerSide:
     """One rank's worker side: a cpu tier over a redis shared tier, registered on a fresh KV cache."""
-    config = VllmConfig(
-        model_config=ModelConfig(model=str(model), dtype="float32", seed=0, max_model_len=256),
-        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256,
-                                         is_encoder_decoder=False),
-        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
-        kv_transfer_config=KVTransferConfig(kv_connector="KVTierConnector", kv_role="kv_both",
-                                            kv_connector_module_path="kvtier.integrations.vllm.connector"),
-        device_config=DeviceConfig("cpu"))
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float32)
-    kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
-                                    kv_cache_groups=[KVCacheGroupSpec([LAYER], spec)])
-    kvtier = KVTierConfig.from_dict({"chunk_tokens": CHUNK, "cpu_gib": 0.01, "redis_url": url,
-                                     "redis_key_prefix": prefix, "shared_deadline_s": 10.0,
-                                     "shared_transfer_deadline_s": 10.0, "redis_timeout_s": 10.0,
-                                     "idle_step_wait_s": idle_step_wait_s})
-    worker = WorkerSide(config, kv_cache_config, kvtier)
-    gen = torch.Generator().manual_seed(0)
-    worker.register_kv_caches({LAYER: torch.randn(NUM_BLOCKS, 2, BLOCK, 2, 16, generator=gen)})
-    return worker
+    return one_layer_worker(model, {"chunk_tokens": CHUNK, "cpu_gib": 0.01, "redis_url": url,
+                                    "redis_key_prefix": prefix, "shared_deadline_s": 10.0,
+                                    "shared_transfer_deadline_s": 10.0, "redis_timeout_s": 10.0,
+                                    "idle_step_wait_s": idle_step_wait_s}, BLOCK, NUM_BLOCKS, LAYER)[0]
 
 
 def _pages(first_block: int) -> tuple[PageMove, ...]:

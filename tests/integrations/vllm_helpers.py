@@ -72,3 +72,40 @@ def live_spec(model: Path, kvtier: dict[str, Any], role: str = "kv_both", cache_
                       enforce_eager=True, shutdown_timeout_s=None, extra_args=("--dtype", "float32"),
                       env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1",
                            **(env or {})}, reserved_cpus=1)
+
+
+def one_layer_worker(model: Path, kvtier: dict[str, Any], block: int = 16, num_blocks: int = 32,
+                     layer: str = "model.layers.0.self_attn.attn") -> tuple[Any, Any]:
+    """A rank-0 worker side (:class:`~kvtier.integrations.vllm.worker.side.WorkerSide`) of a real vLLM
+    config with one full-attention layer (2 KV heads of 16, fp32), registered on a fresh KV cache of
+    ``num_blocks`` blocks of ``block`` tokens (random, seeded, block-major: blocks along dim 0), no
+    engine; ``kvtier``: the connector's settings.  Returns ``(worker, cache tensor)``."""
+    import torch
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    from kvtier.core.config import KVTierConfig
+    from kvtier.integrations.vllm.worker.side import WorkerSide
+
+    config = VllmConfig(
+        model_config=ModelConfig(model=str(model), dtype="float32", seed=0, max_model_len=256),
+        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256,
+                                         is_encoder_decoder=False),
+        cache_config=CacheConfig(block_size=block, enable_prefix_caching=True),
+        kv_transfer_config=KVTransferConfig(kv_connector="KVTierConnector", kv_role="kv_both",
+                                            kv_connector_module_path="kvtier.integrations.vllm.connector"),
+        device_config=DeviceConfig("cpu"))
+    spec = FullAttentionSpec(block_size=block, num_kv_heads=2, head_size=16, dtype=torch.float32)
+    kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                                    kv_cache_groups=[KVCacheGroupSpec([layer], spec)])
+    worker = WorkerSide(config, kv_cache_config, KVTierConfig.from_dict(kvtier))
+    cache = torch.randn(num_blocks, 2, block, 2, 16, generator=torch.Generator().manual_seed(0))
+    worker.register_kv_caches({layer: cache})
+    return worker, cache
