@@ -100,7 +100,7 @@ def one_layer_worker(model: Path, kvtier: dict[str, Any], block: int = 16, num_b
                                          is_encoder_decoder=False),
         cache_config=CacheConfig(block_size=block, enable_prefix_caching=True),
         kv_transfer_config=KVTransferConfig(kv_connector="KVTierConnector", kv_role="kv_both",
-                                            kv_connector_module_path="kvtier.integrations.vllm.connector"),
+                                            kv_connector_module_path="kvtier.integrations.vllm"),
         device_config=DeviceConfig("cpu"))
     spec = FullAttentionSpec(block_size=block, num_kv_heads=2, head_size=16, dtype=torch.float32)
     kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],

@@ -134,8 +134,7 @@ class WorkerSide:
         self._sync_cut = {}
         self._no_forward = meta.no_forward
         self._held |= meta.held
-        if self.finisher.pending:  # (joined at the last step's report: nothing waits unless it was skipped)
-            self.finisher.join()
+        self._bookkept()  # (joined at the last step's report: nothing waits unless it was skipped)
         if meta.reset is not None:
             if self.saver is not None:  # nothing saved before the order is published after it
                 self.saver.wait_for(None, BLOCKS_BACK_WAIT_S)
@@ -155,6 +154,12 @@ class WorkerSide:
                 self.loader.submit(job)
         self.store.gate_evictions(False)  # this step's plans are pinned: pages may leave until the drain
         self._gate_open = True  # (this side is the only one to move the gate of its store)
+
+    def _bookkept(self) -> None:
+        """Wait for the synchronous loads' bookkeeping handed to :attr:`finisher` (none pending: no call
+        into it, so a step without such a load runs nothing of finisher.py)."""
+        if self.finisher.pending:
+            self.finisher.join()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """``layerwise_loads``: the engine's current stream waits for this step's copies of that layer
@@ -235,8 +240,7 @@ class WorkerSide:
         assert self.store is not None and self.groups is not None
         if not meta.saves and self._gate_open:  # (nothing to save, and the gate already open: nothing to do)
             return
-        if self.finisher.pending:  # this step's loads unpinned first: their pins never hold back a save
-            self.finisher.join()
+        self._bookkept()  # this step's loads unpinned first: their pins never hold back a save
         late = not self._gate_open and self.store.gate_evictions(False)
         try:
             save_jobs(self.store, self.groups, meta.saves, self._sync_cut, self._token_group, self.chunk_tokens,
@@ -252,8 +256,7 @@ class WorkerSide:
         the next :meth:`start_load` has pinned it."""
         if self.store is None:
             return None
-        if self.finisher.pending:  # this step's synchronous loads counted, unpinned, their facts kept
-            self.finisher.join()
+        self._bookkept()  # this step's synchronous loads counted, unpinned, their facts kept
         self.store.gate_evictions(True)  # nothing leaves until the loads planned from this drain are pinned
         self._gate_open = False
         delta = self.store.drain_changes(MAX_INDEX_CHANGES)
@@ -281,8 +284,7 @@ class WorkerSide:
         (:func:`~kvtier.integrations.vllm.connector.worker_stats`)."""
         if self.store is None:
             return None
-        if self.finisher.pending:
-            self.finisher.join()
+        self._bookkept()
         snapshot, before = self.store.stats(), self._store_seen
         self._store_seen = snapshot
         counters: dict[str, float] = {}
