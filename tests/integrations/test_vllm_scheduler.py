@@ -59,7 +59,7 @@ def _scheduler(model: Path, max_batched_tokens: int = 1024, reset_scope: str = "
                                          max_model_len=4096, enable_chunked_prefill=True, is_encoder_decoder=False),
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
         kv_transfer_config=KVTransferConfig(
-            kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm.connector",
+            kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm",
             kv_role="kv_both", kv_load_failure_policy="recompute",
             kv_connector_extra_config={"cpu_gib": 0.05, "reset_scope": reset_scope, **extra}),
         device_config=DeviceConfig("cpu"))
