@@ -16,6 +16,7 @@ recomputed by the running request and its chunks saved again.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -48,16 +49,17 @@ def scheduler(tiny_model: Path) -> Iterator[Scheduler]:
 
 
 def _scheduler(model: Path, max_batched_tokens: int = 1024, reset_scope: str = "cpu",
-               sliding_window: int | None = None, **extra: Any) -> Scheduler:
+               sliding_window: int | None = None, prefix_caching: bool = True, **extra: Any) -> Scheduler:
     """A real vLLM Scheduler with KVTierConnector.  Synchronous loads are off unless ``extra`` sets
-    ``sync_load_max_bytes``: the tests of the asynchronous path park cpu-tier hits."""
+    ``sync_load_max_bytes``: the tests of the asynchronous path park cpu-tier hits.  ``prefix_caching``:
+    vLLM's ``enable_prefix_caching`` (vLLM turns it off itself for some models: MLA on the CPU backend)."""
     extra = {"sync_load_max_bytes": 0, **extra}
     model_config = ModelConfig(model=str(model), dtype="float32", seed=0, max_model_len=4096)
     config = VllmConfig(
         model_config=model_config,
         scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_batched_tokens,
                                          max_model_len=4096, enable_chunked_prefill=True, is_encoder_decoder=False),
-        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching),
         kv_transfer_config=KVTransferConfig(
             kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm",
             kv_role="kv_both", kv_load_failure_policy="recompute",
@@ -157,6 +159,26 @@ def test_admission_waits_for_the_first_report_then_loads_the_mirror_hit_per_tier
     assert request.status == RequestStatus.RUNNING
     assert third.num_scheduled_tokens == {"a": len(PROMPT) - 3 * CHUNK}  # only the tail is computed
     assert _meta(third).loads == [] and not _meta(third).no_forward  # a step that computes never waits
+
+
+def test_an_engine_with_prefix_caching_off_loads_nothing_it_cannot_compute_over_and_still_saves(
+        tiny_model: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # vLLM turns prefix caching off where a cached prefix is computed over wrongly (MLA on the CPU
+    # backend: a DeepSeek-V2-shaped model gave other tokens over a loaded prefix); a load is one
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        scheduler = _scheduler(tiny_model, prefix_caching=False)
+    assert any("prefix caching off" in r.getMessage() and "loads nothing" in r.getMessage() for r in caplog.records)
+    held, new = _request("held"), _request("new", prompt=list(range(500, 899)))
+    scheduler.add_request(held)
+    first = scheduler.schedule()
+    scheduler.update_from_output(first, _step_output(first, [], kv_connector_worker_meta=_report(
+        [(k, "cpu") for k in _keys(held, 3)], full=True)))  # its 3 chunks in the cpu tier: a hit with it on
+    scheduler.add_request(new)
+    second = scheduler.schedule()
+    assert _meta(second).loads == [] and not _meta(second).no_forward
+    assert second.num_scheduled_tokens == {"held": len(PROMPT), "new": 399}  # every token computed
+    saved = {p.key for save in _meta(second).saves for p in save.pages}
+    assert set(_keys(new, 3)) <= saved  # the KV it computes is kept for engines that can load it
 
 
 def test_a_miss_loads_nothing_and_saves_each_chunk_once_as_chunked_prefill_computes_it(tiny_model: Path) -> None:

@@ -128,7 +128,9 @@ def parallel_size_invalid(c: ServeConfig) -> str | None:
       locate="--no-enable-prefix-caching")
 def prefix_caching_off(c: ServeConfig) -> str | None:
     if c.has("--no-enable-prefix-caching") and c.kv_offload_on:
-        return "Prefix caching is off, so offloaded KV has nothing to hit against; the copies are pure cost."
+        return ("Prefix caching is off, so offloaded KV has nothing to hit against (vLLM's offload finds it "
+                "through prefix-cache block hashes; kvtier loads nothing into such an engine, since it cannot "
+                "compute over a loaded prefix); the copies are pure cost.")
     return None
 
 
