@@ -49,9 +49,11 @@ def scheduler(tiny_model: Path) -> Iterator[Scheduler]:
 
 
 def _scheduler(model: Path, max_batched_tokens: int = 1024, reset_scope: str = "cpu",
-               sliding_window: int | None = None, prefix_caching: bool = True, **extra: Any) -> Scheduler:
+               sliding_window: int | None = None, prefix_caching: bool = True, window_only: bool = False,
+               **extra: Any) -> Scheduler:
     """A real vLLM Scheduler with KVTierConnector.  Synchronous loads are off unless ``extra`` sets
-    ``sync_load_max_bytes``: the tests of the asynchronous path park cpu-tier hits.  ``prefix_caching``:
+    ``sync_load_max_bytes``: the tests of the asynchronous path park cpu-tier hits.  ``window_only``: the
+    ``sliding_window`` group alone (a model whose every layer has a window: Mistral-7B-v0.1).  ``prefix_caching``:
     vLLM's ``enable_prefix_caching`` (vLLM turns it off itself for some models: MLA on the CPU backend)."""
     extra = {"sync_load_max_bytes": 0, **extra}
     model_config = ModelConfig(model=str(model), dtype="float32", seed=0, max_model_len=4096)
@@ -71,6 +73,7 @@ def _scheduler(model: Path, max_batched_tokens: int = 1024, reset_scope: str = "
     if sliding_window is not None:  # a hybrid model: a second group of sliding-window layers
         groups.append(KVCacheGroupSpec(["model.layers.1.self_attn.attn"], SlidingWindowSpec(
             block_size=BLOCK, num_kv_heads=1, head_size=16, dtype=torch.float32, sliding_window=sliding_window)))
+    groups = groups[1:] if window_only else groups
     kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
     init_none_hash(sha256)
     return Scheduler(vllm_config=config, kv_cache_config=kv_cache_config, log_stats=True,
@@ -299,6 +302,40 @@ def test_a_hybrid_model_saves_every_groups_pages_and_loads_only_the_window_it_re
     (window,) = [p for p in load.pages if p.group == 1]
     assert (window.chunk, window.first_slot) == (2, 4)  # the last 64 tokens before the hit: slots 4..7 of chunk 2
     assert list(window.block_ids) == [b for b in window_blocks if b != 0]  # 0 is vLLM's null block
+
+
+def test_a_window_only_models_hit_counts_the_tokens_before_its_window_with_the_tier_it_loads_from(
+        tiny_model: Path) -> None:
+    """Every layer windowed (64 tokens): a hit needs the KV of the last window alone, so its earlier
+    chunks have no page to load; vLLM skips their tokens because of the load, so the hit's sources
+    name the tier the load reads (host: the cpu tier), every token of it (none "unspecified"), as the
+    loaded tokens the workers count from the same planned tiers (a probe of a Mistral-shaped model
+    counted 128 of 384 hit tokens as ``external_unspecified`` and loaded 256)."""
+    scheduler = _scheduler(tiny_model, sliding_window=64, window_only=True)
+    request = _request("w")
+    scheduler.add_request(request)
+    step = scheduler.schedule()
+    scheduler.update_from_output(step, _step_output(step, [request], kv_connector_worker_meta=_report([], full=True)))
+    saved = []
+    while request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
+        step = scheduler.schedule()
+        saved += [p for job in _meta(step).saves for p in job.pages]
+        scheduler.update_from_output(step, _step_output(step, [request]))
+    # chunk 0's page left the cpu tier (or was never saved: in an engine a window's blocks are freed
+    # soon after its prefill); the hit does not need it
+    assert sorted(p.chunk for p in saved) == [0, 1, 2]
+    scheduler.update_from_output(step, _step_output(step, [], kv_connector_worker_meta=_report(
+        [(p.key, "cpu") for p in saved if p.chunk > 0])))
+    assert scheduler.reset_prefix_cache() is True
+    again = _request("w2")
+    scheduler.add_request(again)
+    (load,) = _meta(scheduler.schedule()).loads
+    stats = scheduler.make_stats()
+    assert load.hit_tokens == 3 * CHUNK and {p.chunk for p in load.pages} == {2}  # the last window's blocks
+    assert load.tiers == ("cpu", "cpu", "cpu")
+    assert stats is not None and stats.connector_prefix_cache_stats is not None
+    assert {str(getattr(k, "value", k)): v for k, v in stats.connector_prefix_cache_stats.hits_by_source.items()} \
+        == {"host": 3 * CHUNK}
 
 
 def test_after_an_idle_gap_a_lookup_waits_one_step_for_the_workers_rescan(tiny_model: Path, tmp_path: Path) -> None:
