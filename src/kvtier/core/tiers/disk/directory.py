@@ -67,6 +67,7 @@ class DirectorySync:
     _tmp_shards: set[int]
     _watch: ShardWatch
     _writer: WriterLock
+    _recreate_failed: str | None
 
     _file: Callable[[ChunkKey], str]  # declared, not defined: DiskTier's (kvtier.core.tiers.disk.tier, .files)
     _forget: Callable[[ChunkKey], None]
