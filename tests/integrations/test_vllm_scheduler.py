@@ -273,13 +273,10 @@ def test_a_requests_pin_rides_its_save_jobs_checked_and_capped(tiny_model: Path,
     assert save.pin_s == pin_s and save.pin_chunks == len(PROMPT) // CHUNK  # the prompt's full chunks
 
 
-def test_a_hybrid_model_saves_every_groups_pages_and_loads_only_the_window_it_resumes_with(tiny_model: Path) -> None:
-    """One job shape for every model: with a full-attention and a sliding-window group (window 64
-    tokens = 4 blocks), the saves carry both groups' pages of every chunk, and a load after vLLM's
-    own cache was reset fills every full-attention block of the hit but only the sliding-window
-    blocks of the last window before it: the blocks vLLM itself allocates for that group."""
-    scheduler = _scheduler(tiny_model, sliding_window=64)
-    request = _request("h")
+def _computed_and_saved(scheduler: Scheduler, req_id: str) -> tuple[Any, list[Any]]:
+    """Run request ``req_id`` (PROMPT) to its end, kvtier holding nothing (the workers' first report
+    empty): its last step and the pages every step's save jobs carried."""
+    request = _request(req_id)
     scheduler.add_request(request)
     step = scheduler.schedule()
     scheduler.update_from_output(step, _step_output(step, [request], kv_connector_worker_meta=_report([], full=True)))
@@ -288,6 +285,16 @@ def test_a_hybrid_model_saves_every_groups_pages_and_loads_only_the_window_it_re
         step = scheduler.schedule()
         saved += [p for job in _meta(step).saves for p in job.pages]
         scheduler.update_from_output(step, _step_output(step, [request]))
+    return step, saved
+
+
+def test_a_hybrid_model_saves_every_groups_pages_and_loads_only_the_window_it_resumes_with(tiny_model: Path) -> None:
+    """One job shape for every model: with a full-attention and a sliding-window group (window 64
+    tokens = 4 blocks), the saves carry both groups' pages of every chunk, and a load after vLLM's
+    own cache was reset fills every full-attention block of the hit but only the sliding-window
+    blocks of the last window before it: the blocks vLLM itself allocates for that group."""
+    scheduler = _scheduler(tiny_model, sliding_window=64)
+    step, saved = _computed_and_saved(scheduler, "h")
     assert sorted((p.group, p.chunk) for p in saved) == [(g, c) for g in (0, 1) for c in range(3)]
     scheduler.update_from_output(step, _step_output(step, [], kv_connector_worker_meta=_report(
         [(p.key, "cpu") for p in saved])))
@@ -312,15 +319,7 @@ def test_a_window_only_models_hit_counts_the_tokens_before_its_window_with_the_t
     loaded tokens the workers count from the same planned tiers (a probe of a Mistral-shaped model
     counted 128 of 384 hit tokens as ``external_unspecified`` and loaded 256)."""
     scheduler = _scheduler(tiny_model, sliding_window=64, window_only=True)
-    request = _request("w")
-    scheduler.add_request(request)
-    step = scheduler.schedule()
-    scheduler.update_from_output(step, _step_output(step, [request], kv_connector_worker_meta=_report([], full=True)))
-    saved = []
-    while request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
-        step = scheduler.schedule()
-        saved += [p for job in _meta(step).saves for p in job.pages]
-        scheduler.update_from_output(step, _step_output(step, [request]))
+    step, saved = _computed_and_saved(scheduler, "w")
     # chunk 0's page left the cpu tier (or was never saved: in an engine a window's blocks are freed
     # soon after its prefill); the hit does not need it
     assert sorted(p.chunk for p in saved) == [0, 1, 2]
