@@ -26,7 +26,6 @@ import errno
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -44,6 +43,7 @@ from kvtier.core.tiers.disk.directory import STALE_TMP_S
 from kvtier.core.tiers.disk.iomode import IO_MODES, IOMode, resolve_io
 from kvtier.core.tiers.disk.reset import remove_chunk_files, reset_marked, unmark_reset
 from kvtier.core.tiers.disk.scan import ShardWatch, WriterLock, indexed_files, sealed_key_id, tmp_name
+from kvtier.core.tiers.loglimit import CauseLimiter
 
 log = logging.getLogger(__name__)
 WRITE_WARNING_INTERVAL_S = 10.0
@@ -103,8 +103,7 @@ class DiskFiles(Tier):
                            readers=self.io_threads + 1)  # the pool's reads and the caller's own
         self._workers: ThreadPoolExecutor | None = None
         self._closed = False
-        self._write_errors_logged = 0  # write_errors when the last warning line was logged
-        self._write_warned_at = -WRITE_WARNING_INTERVAL_S  # time.monotonic() of that line
+        self._write_warnings = CauseLimiter(WRITE_WARNING_INTERVAL_S)  # a line per cause per interval
         self.last_write_error = ""  # why the last chunk write failed ("No space left on device"), "" before any
         self._recreate_failed: str | None = None  # why the vanished directory cannot be made again (None: it can)
         self._lock = threading.Lock()
@@ -272,15 +271,12 @@ class DiskFiles(Tier):
                 # its place): either way a failed write, counted as one (doctor reads dropped saves beside it)
                 why = self._recreate_locked() if not self.dir.is_dir() else ""
                 self.write_errors += 1
-                self.last_write_error = why or exc.strerror or str(exc)
-                now = time.monotonic()
-                if now - self._write_warned_at < WRITE_WARNING_INTERVAL_S:
-                    return PutResult.FAILED
-                unlogged = self.write_errors - self._write_errors_logged - 1
-                self._write_warned_at, self._write_errors_logged = now, self.write_errors
+                self.last_write_error = cause = why or exc.strerror or str(exc)
+            if (unlogged := self._write_warnings.admit(cause)) is None:  # this cause logged within the interval
+                return PutResult.FAILED
             since = (f"; {unlogged} more chunk writes failed since the last such line" if unlogged else "")
             log.warning("kvtier disk tier: writing %s failed (%s); chunk not stored (at most one such line per "
-                        "%.0f s%s)", path, self.last_write_error, WRITE_WARNING_INTERVAL_S, since)
+                        "cause per %.0f s%s)", path, cause, self._write_warnings.interval_s, since)
             return PutResult.FAILED
         with self._lock:
             self._writing.discard(key)
