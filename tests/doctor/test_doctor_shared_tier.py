@@ -203,7 +203,7 @@ def test_saves_dropped_while_redis_refuses_the_password_blame_redis_not_cpu_gib(
                                            "skipped")
         assert "breaker open" in saves[0].message and "raise cpu_gib" not in saves[0].message
         breaker = next(c for c in checks if c.level == "problem" and "circuit breaker open" in c.message)
-        assert "refuses kvtier's password" in breaker.message and "AuthenticationError" in breaker.message
+        assert "a changed Redis password" in breaker.message and "AuthenticationError" in breaker.message
         assert "kvtier check" in breaker.message and "engine log" in breaker.message
     finally:
         engine.close()

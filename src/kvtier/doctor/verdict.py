@@ -108,22 +108,14 @@ def shared_summary(shared: SharedTier) -> str:
     return ", ".join(parts)
 
 
-BREAKER_CAUSES = {
-    "redis": ("the server is down or unreachable (stopped, network, firewall, wrong redis_url), or it refuses "
-              "kvtier's password (changed, or another ACL user: AuthenticationError)"),
-    "s3": "the endpoint is down or unreachable, or it refuses kvtier's keys (expired or wrong keys, a bucket policy)",
-    "node": "the pool's owner (kvtier node serve) stopped or does not answer",
-}
-"""A shared tier's likely causes of an open breaker, per tier (another tier: down, unreachable or refusing)."""
-
-
 def breaker_causes(tier: str) -> str:
     """Why a shared tier's breaker opens and where to read which it was: the metrics carry no error
     kind, the engine log's warning does (:meth:`kvtier.core.tiers.guarded.GuardedTier._fault`)."""
-    causes = BREAKER_CAUSES.get(tier, "the server is down or unreachable, or it refuses kvtier's credentials")
-    return (f"likely {causes}; kvtier check on the engine's config probes it and says which (reachable, "
-            f"unreachable or auth failed), and the engine log's warning \"kvtier {tier or '<tier>'} tier (...): "
-            "<op> failed (<error>)\" names the error")
+    return ("likely the server is down or unreachable (stopped, network, firewall, a wrong URL; a node pool: its "
+            "owner, kvtier node serve, stopped), or it refuses kvtier's credentials (a changed Redis password or "
+            "ACL user: AuthenticationError; wrong or expired S3 keys); kvtier check on the engine's config probes "
+            "it and says which (reachable, unreachable or auth failed), and the engine log's warning \"kvtier "
+            f"{tier or '<tier>'} tier (...): <op> failed (<error>)\" names the error")
 
 
 def _shared_checks(shared: SharedTier) -> list[Check]:
