@@ -184,6 +184,20 @@ def test_an_engine_with_prefix_caching_off_loads_nothing_it_cannot_compute_over_
     assert set(_keys(new, 3)) <= saved  # the KV it computes is kept for engines that can load it
 
 
+def test_a_chunk_no_prompt_can_hold_is_said_at_start_up(tiny_model: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """chunk_tokens not below max_model_len: no prompt holds a whole chunk before its last token, so
+    kvtier does nothing; a length probe found every hit 0 with nothing in the log (only audit said so)."""
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        _scheduler(tiny_model, chunk_tokens=4096)  # max_model_len 4096
+        said = [r.getMessage() for r in caplog.records if "is not below max_model_len" in r.getMessage()]
+        assert said == [("kvtier: chunk_tokens 4096 is not below max_model_len 4096: no prompt holds a whole chunk "
+                        "before its last token, so kvtier stores and loads nothing; lower chunk_tokens (auto: the "
+                        "smallest multiple of every block size that is at least 128) or raise max_model_len")]
+        caplog.clear()
+        _scheduler(tiny_model, chunk_tokens=2048)
+        assert not [r for r in caplog.records if "is not below max_model_len" in r.getMessage()]
+
+
 def test_a_miss_loads_nothing_and_saves_each_chunk_once_as_chunked_prefill_computes_it(tiny_model: Path) -> None:
     scheduler = _scheduler(tiny_model, max_batched_tokens=200)
     request = _request("b")

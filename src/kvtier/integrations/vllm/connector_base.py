@@ -178,7 +178,13 @@ class KVTierConnectorBase(KVConnectorBase_V1, SupportsHMA):
                      self.kvtier_config.chunk_tokens,
                      "auto: the smallest multiple of every block size that is at least 128" if asked.chunk_tokens == "auto"
                      else "as configured", ", ".join(map(str, sizes)))
-        if transfer.kv_load_failure_policy != "recompute":
+            max_len = getattr(vllm_config.model_config, "max_model_len", None)
+            if isinstance(max_len, int) and self.kvtier_config.chunk_tokens >= max_len:
+                log.warning("kvtier: chunk_tokens %d is not below max_model_len %d: no prompt holds a whole chunk "
+                            "before its last token, so kvtier stores and loads nothing; lower chunk_tokens (auto: "
+                            "the smallest multiple of every block size that is at least 128) or raise max_model_len",
+                            self.kvtier_config.chunk_tokens, max_len)
+        if transfer.kv_load_failure_policy != "recompute" and role == KVConnectorRole.SCHEDULER:  # once per engine
             log.warning("kvtier: kv_load_failure_policy is %r; set it to \"recompute\" so that a failed "
                         "kvtier load is recomputed instead of failing the request", transfer.kv_load_failure_policy)
 
