@@ -178,12 +178,12 @@ class KVTierConnectorBase(KVConnectorBase_V1, SupportsHMA):
                      self.kvtier_config.chunk_tokens,
                      "auto: the smallest multiple of every block size that is at least 128" if asked.chunk_tokens == "auto"
                      else "as configured", ", ".join(map(str, sizes)))
-            max_len = getattr(vllm_config.model_config, "max_model_len", None)
-            if isinstance(max_len, int) and self.kvtier_config.chunk_tokens >= max_len:
+            max_len, chunk = getattr(vllm_config.model_config, "max_model_len", None), int(self.kvtier_config.chunk_tokens)
+            if isinstance(max_len, int) and chunk >= max_len:  # (chunk_tokens is resolved: engine_config)
                 log.warning("kvtier: chunk_tokens %d is not below max_model_len %d: no prompt holds a whole chunk "
                             "before its last token, so kvtier stores and loads nothing; lower chunk_tokens (auto: "
                             "the smallest multiple of every block size that is at least 128) or raise max_model_len",
-                            self.kvtier_config.chunk_tokens, max_len)
+                            chunk, max_len)
         if transfer.kv_load_failure_policy != "recompute" and role == KVConnectorRole.SCHEDULER:  # once per engine
             log.warning("kvtier: kv_load_failure_policy is %r; set it to \"recompute\" so that a failed "
                         "kvtier load is recomputed instead of failing the request", transfer.kv_load_failure_policy)
