@@ -162,7 +162,7 @@ def scheduler_side(prompt_tokens: int, repeats: int, model_dir: Path, flush: Cac
                                          enable_chunked_prefill=True, is_encoder_decoder=False),
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
         kv_transfer_config=KVTransferConfig(
-            kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm.connector",
+            kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm",
             kv_role="kv_both", kv_load_failure_policy="recompute",
             kv_connector_extra_config={"cpu_gib": 0.25, "async_saves": False}),
         device_config=DeviceConfig("cpu"))

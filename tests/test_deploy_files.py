@@ -198,8 +198,9 @@ def test_kvtier_audit_reports_nothing_on_any_file_under_deploy_that_configures_v
             continue
         audited += 1
         assert audit(configs) == [], (path, [f.message for f in audit(configs)])
-    assert audited == 5  # local-tiers, node-tier, shared-tier and object-store-tier vllm.yaml (the Dockerfile's FROM
-    # line builds an image and starts no server: nothing to audit) and node-tier's DaemonSet (the owner runs the kvtier-vllm image: read as a server, nothing to find)
+    assert audited == 4  # local-tiers, node-tier, shared-tier and object-store-tier vllm.yaml (the Dockerfile's FROM
+    # line builds an image and starts no server: nothing to audit; node-tier's DaemonSet runs `kvtier node serve`
+    # in the kvtier-vllm image: no vLLM server)
 
 
 def test_the_manifests_carry_what_a_graceful_stop_needs():

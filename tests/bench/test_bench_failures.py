@@ -285,3 +285,15 @@ def test_the_old_tokens_per_block_spelling_names_the_new_flag(command, tmp_path)
                                       "--sent-tokens-per-block", "32", "--seed", "-1"], capture_output=True,
                                      text=True, timeout=60, check=False))
     assert line == "error: --seed -1 is negative; give a seed >= 0"  # the new flag is taken
+
+
+def test_a_model_the_server_does_not_serve_is_named_with_those_it_does(server, tmp_path):
+    """``--model nosuch`` said "cannot tell the vocabulary size of model 'nosuch'" (fresh-user tester):
+    the real mistake is a model the server does not serve; a missing --baseline said it was "not the
+    summary.json of a bench run" rather than that it does not exist."""
+    _, url = server
+    line = error_line(bench_run(url, "--model", "nosuch"))
+    assert line == (f"error: the server at {url} serves 'm' (its /v1/models), not 'nosuch'; pass one of those to "
+                    "--model, or leave --model out")
+    line = error_line(bench_run(url, "--baseline", str(tmp_path / "missing.json")))
+    assert "missing.json does not exist; point it at the summary.json of an earlier" in line

@@ -56,3 +56,54 @@ def test_an_http_server_answers_and_the_wait_returns(tmp_path: Path) -> None:
     finally:
         stop_process(proc)
     assert proc.poll() is not None and not http_answers("127.0.0.1", port)
+
+
+IGNORES_SIGTERM = ("import signal, sys, time\n"
+                   "signal.signal(signal.SIGTERM, lambda *a: print('SIGTERM', flush=True))\n"
+                   "{serve}\n"
+                   "time.sleep(float(sys.argv[1]))\n")
+
+
+def _server(tmp_path: Path, code: str, *args: str):
+    from kvtier.launch.serve import Server, ServerSpec
+
+    server = Server(ServerSpec(model="toy", max_model_len=2048), tmp_path / "server.log")
+    # a toy in vllm serve's place (its argv only); "{port}" in args: the port the server was given
+    server.command = [sys.executable, "-c", code, *(a.format(port=server.port) for a in args)]
+    return server.launch()
+
+
+def test_a_server_that_never_answered_is_killed_after_a_short_grace_not_the_minute(tmp_path: Path) -> None:
+    """vLLM ignores SIGTERM while it starts: a Ctrl-C during ``bench compare``'s start-up waited the
+    whole 60 s grace (fresh-user tester); a server that never answered has served nothing to flush."""
+    import time
+
+    from kvtier.launch.serve import NOT_READY_GRACE_S
+
+    server = _server(tmp_path, IGNORES_SIGTERM.format(serve=""), "600")
+    time.sleep(1.0)
+    start = time.monotonic()
+    server.stop()
+    took = time.monotonic() - start
+    assert server.exit_reason() == "was killed by signal 9" and "SIGTERM" in server.log_tail()
+    assert NOT_READY_GRACE_S <= took < NOT_READY_GRACE_S + 8, took
+
+
+def test_a_server_that_answers_gets_its_whole_grace_to_stop(tmp_path: Path) -> None:
+    """One that answers ``/v1/models`` may hold unflushed KV (write-back): it is given the grace asked
+    for, and here ends by itself 8 s after SIGTERM, before the SIGKILL would come."""
+    serve = ("import http.server, threading\n"
+             "class H(http.server.BaseHTTPRequestHandler):\n"
+             "    def do_GET(self):\n"
+             "        self.send_response(200); self.send_header('Content-Length', '2'); self.end_headers()\n"
+             "        self.wfile.write(b'{}')\n"
+             "    def log_message(self, *a): pass\n"
+             "httpd = http.server.HTTPServer(('127.0.0.1', int(sys.argv[2])), H)\n"
+             "threading.Thread(target=httpd.serve_forever, daemon=True).start()\n"
+             "def later(*a):\n"
+             "    print('SIGTERM', flush=True); threading.Timer(8.0, lambda: __import__('os')._exit(0)).start()\n"
+             "signal.signal(signal.SIGTERM, later)\n")
+    server = _server(tmp_path, IGNORES_SIGTERM.format(serve=serve), "600", "{port}")
+    wait_until_answers(server._proc, server._answers, 20.0, "toy server", server.log_path)
+    server.stop(grace_s=30.0)
+    assert server.exit_reason() == "exited with code 0"

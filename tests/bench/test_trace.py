@@ -130,7 +130,8 @@ def test_plain_and_gzip_files_load_alike(tmp_path):
 @pytest.mark.parametrize("content,match", [
     ('{"timestamp": 0}\n', "input_length"),
     ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": []}\n', "hash_ids"),
-    ("not json\n", "not valid JSON"),
+    ("not json\n", "bad.jsonl line 1 is not JSON .* a trace is JSONL"),
+    ('{"timestamp": 0, "input_length": 5, "hash_ids": [0]}\nnot json\n', "line 2 is not valid JSON"),
 ])
 def test_bad_lines_are_named(tmp_path, content, match):
     path = tmp_path / "bad.jsonl"

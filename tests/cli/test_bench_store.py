@@ -230,8 +230,8 @@ def test_bench_store_s3_on_a_dead_endpoint_says_unreachable(s3_factory, monkeypa
     assert result.exit_code == 2, result.output
     assert result.output.startswith(f"error: nothing answers for the s3 tier at {url}/kvcache/kvtier/ (unreachable: "), \
         result.output
-    assert result.output.endswith("connection refused)); nothing was measured: start its server, or fix "
-                                  "--s3-endpoint-url or --s3-bucket.\n"), result.output
+    assert result.output.endswith(f"(unreachable: connection refused to {url}); nothing was measured: start its "
+                                  "server, or fix --s3-endpoint-url or --s3-bucket.\n"), result.output  # the short cause
     assert "Traceback" not in result.output and result.output.count("\n") == 1
 
 

@@ -170,9 +170,7 @@ def test_failed_writes_are_counted_and_logged_once_per_interval(disk, caplog, mo
     123 lines in a second), and the next line says how many failed in between."""
     import shutil
 
-    from kvtier.core.tiers.disk import files as disk_module
-
-    monkeypatch.setattr(disk_module, "WRITE_WARNING_INTERVAL_S", 1.0)
+    monkeypatch.setattr(disk._write_warnings, "interval_s", 1.0)
     shard = disk.path(key(100)).parent  # keys 0..255 share shard 00
     shutil.rmtree(shard)
     shard.write_text("a file where the shard directory was")  # every write below fails (ENOTDIR)
@@ -185,6 +183,25 @@ def test_failed_writes_are_counted_and_logged_once_per_interval(disk, caplog, mo
     assert disk.write_errors == 51 and caplog.text.count("chunk not stored") == 2
     assert "49 more chunk writes failed since the last such line" in caplog.text
     assert not list(disk.dir.rglob("*.tmp")) and read(disk, 100) is None
+
+
+def test_a_new_write_failure_cause_is_logged_at_once(disk, caplog):
+    """The rate limit is per cause: a shard directory removed fails writes with ENOENT, then a file
+    in its place with ENOTDIR; both causes reach the log within the 10 s interval, each once."""
+    import shutil
+
+    shard = disk.path(key(100)).parent  # keys 0..255 share shard 00
+    shutil.rmtree(shard)
+    for i in range(100, 110):
+        assert disk.put(key(i), data(i)) == PutResult.FAILED
+    assert disk.last_write_error == os.strerror(errno.ENOENT)
+    shard.write_text("a file where the shard directory was")
+    for i in range(110, 120):
+        assert disk.put(key(i), data(i)) == PutResult.FAILED
+    assert disk.write_errors == 20 and disk.last_write_error == os.strerror(errno.ENOTDIR)
+    lines = [r.getMessage() for r in caplog.records if "chunk not stored" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert f"({os.strerror(errno.ENOENT)})" in lines[0] and f"({os.strerror(errno.ENOTDIR)})" in lines[1]
 
 
 def test_files_outside_their_shard_are_not_indexed(disk, where):

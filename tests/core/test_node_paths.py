@@ -140,3 +140,45 @@ def test_a_socket_the_kernel_cannot_bind_is_refused_and_the_pool_never_created(s
     assert line.startswith("error: cannot create the socket --socket /proc/kvtier-test.sock (")
     assert line.endswith("give a path in a writable directory, e.g. /dev/shm/kvtier-node/node.sock.")
     assert not shm_pool.exists() and not shm_pool.with_name(shm_pool.name + ".lock").exists()
+
+
+@pytest.mark.parametrize("flag", ["--pool", "--socket"])
+def test_a_path_under_a_regular_file_says_it_is_a_file(flag, shm_pool, tmp_path):
+    """``--pool /some/file/pool`` said "directory /some/file does not exist" of an existing file
+    (fault-injection tester); --socket said the same."""
+    blocker = tmp_path / "afile"
+    blocker.write_text("kept\n")
+    pool, socket = (blocker / "pool", tmp_path / "s.sock") if flag == "--pool" else (shm_pool, blocker / "s.sock")
+    line = one_error_line(serve(pool, socket))
+    path = pool if flag == "--pool" else socket
+    assert line.startswith(f"error: {flag} {path}: directory {blocker} is a file, not a directory; "), line
+    assert blocker.read_text() == "kept\n"
+    assert not shm_pool.exists() and not shm_pool.with_name(shm_pool.name + ".lock").exists()
+    # a directory that is really missing is still called missing
+    line = one_error_line(serve(tmp_path / "none" / "pool", tmp_path / "s.sock"))
+    assert line.startswith(f"error: --pool {tmp_path / 'none' / 'pool'}: directory {tmp_path / 'none'} does not "
+                           "exist; ")
+
+
+def test_a_restart_with_another_node_gib_says_the_pool_was_created_anew_because_its_size_changed(tmp_path):
+    """Restarting the owner on the same pool with another --node-gib logged "0 values taken back"
+    without saying why (fault-injection tester); the log now says the size changed, from what to what."""
+    first = NodeServer(tmp_path, node_gib=0.0625)
+    try:
+        first.start()
+        assert "epoch 1, 0 values taken back (created anew: no pool file was there)" in first.log.read_text()
+        stop_process(first.proc)  # SIGTERM: the pool file stays
+        first.args[first.args.index("--node-gib") + 1] = "0.125"
+        first.start()
+        log = first.log.read_text()
+        why = ("its size changed: it was made for --node-gib 0.0625 --page-kib 4, this start asks for --node-gib "
+               "0.125 --page-kib 4")
+        assert f"kvtier node: the pool {first.pool}: {why}; creating it anew (its values are lost" in log
+        assert re.search(rf"epoch 1, 0 values taken back \(created anew: {re.escape(why)}\)", log), log
+        assert first.pool.stat().st_size == 0.125 * (1 << 30)
+        stop_process(first.proc)
+        first.start()  # the same sizes again: taken back as it is, no reason given
+        last = [line for line in first.log.read_text().splitlines() if "values taken back" in line][-1]
+        assert last.endswith("epoch 2, 0 values taken back"), last
+    finally:
+        first.stop()

@@ -198,3 +198,46 @@ def test_a_server_answering_500_is_a_miss_and_opens_the_breaker(tmp_path, s3_ser
     finally:
         store.close()
         failing.close()
+
+
+def test_fault_lines_name_the_short_cause_and_a_new_cause_at_once(s3_factory, tmp_path, caplog):
+    """A dead gateway is one line naming "connection refused to http://127.0.0.1:PORT" (not obstore's
+    ~38-line Rust debug dump); a server back without the bucket is logged at once (within the 10 s
+    of the last line) as ``HTTP 404 NoSuchBucket``; the breaker closing (a lookup answered) is one INFO
+    line."""
+    import logging
+
+    from .. import s3_servers
+
+    caplog.set_level(logging.INFO, logger="kvtier")
+    server = s3_factory()
+    bucket, creds = server.make_bucket(), s3_credentials_file(tmp_path, server)
+    writer = host(server.url, bucket, creds)
+    try:
+        assert put_chain(writer, chain_of(1, 2))
+        server.kill9()
+        put_chain(writer, chain_of(2, 3))
+        refused = [r.getMessage() for r in caplog.records if "connection refused" in r.getMessage()]
+        assert refused and f"(connection refused to {server.url})" in refused[0], refused
+        assert "Debug source" not in caplog.text and "RetryError" not in caplog.text
+        assert all("\n" not in r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING)
+
+        empty = s3_servers.S3Server(tmp_path / "no-buckets", port=server.port)  # same endpoint, the bucket gone
+        empty.start()
+        try:
+            fresh = iter(range(10, 1000))
+
+            def logged_no_bucket() -> bool:
+                put_chain(writer, chain_of(next(fresh), 3))
+                return "HTTP 404 NoSuchBucket" in caplog.text
+            assert wait_until(logged_no_bucket, timeout_s=8)  # well within the 10 s of the refused line
+            assert "reachable again" not in caplog.text  # every call failed: the breaker never closed
+            assert wait_until(lambda: timed_lookup(writer, chain_of(next(fresh), 2)) is not None
+                              and "reachable again after" in caplog.text, timeout_s=8)  # a lookup answered (404)
+            back = [r for r in caplog.records if "reachable again after" in r.getMessage()]
+            assert len(back) == 1 and back[0].levelno == logging.INFO and "s3 tier" in back[0].getMessage()
+            assert "Debug source" not in caplog.text
+        finally:
+            empty.stop()
+    finally:
+        writer.close()

@@ -4,6 +4,7 @@ into counted misses within its deadline without ever writing into a buffer it ga
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -81,7 +82,8 @@ def test_guarded_slow_read_is_a_counted_miss_within_the_deadline_and_never_lands
         guarded.close()
 
 
-def test_guarded_breaker_opens_after_failures_and_skips_calls_until_a_probe_succeeds(tmp_path):
+def test_guarded_breaker_opens_after_failures_and_skips_calls_until_a_probe_succeeds(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="kvtier")
     disk = DiskTier(tmp_path, NS.digest(), capacity_bytes=16 * 2 * CHUNK_BYTES, io="buffered")
     keys = chain_of(4, 3)
     faulty = FaultyTier(disk, [Fault("get", "raise", keys=frozenset(keys[:2]))])  # a dead backend, twice
@@ -100,6 +102,10 @@ def test_guarded_breaker_opens_after_failures_and_skips_calls_until_a_probe_succ
         time.sleep(0.3)  # past breaker_probe_s: the next call is the probe, and the backend is healthy again
         assert guarded.get_into(keys[2], memoryview(dst)) is GetResult.HIT and dst == bytearray(payload(keys[2]))
         assert guarded.breaker.state is BreakerState.CLOSED
+        back = [r for r in caplog.records if "reachable again after" in r.getMessage()]  # one line: the tier is back
+        assert len(back) == 1 and back[0].levelno == logging.INFO
+        assert guarded.get_into(keys[2], memoryview(dst)) is GetResult.HIT
+        assert len([r for r in caplog.records if "reachable again" in r.getMessage()]) == 1  # not per success
     finally:
         guarded.close()
 

@@ -9,6 +9,7 @@ from a real vLLM server (tests/doctor/data/kvtier-cpu) in place of their own fau
 from __future__ import annotations
 
 import functools
+import shutil
 import types
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -16,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from kvtier.doctor import diagnose, measure, parse_metrics
 from kvtier.doctor.faults import FaultSeries, LocalFaults, fault_checks, faults_between
 from kvtier.integrations.vllm.stats import KVTierPromMetrics, KVTierStats, store_counters, store_gauges
-from tests.core.helpers import chain_of, make_store, payload
+from tests.core.helpers import break_disk_shards, chain_of, make_store, payload
 from tests.core.test_disk_tier import fill, small_filesystem  # noqa: F401 (a fixture)
 
 from .test_doctor import AFTER, BEFORE, run
@@ -83,3 +84,49 @@ def test_corrupt_chunks_are_a_warning_and_dropped_saves_alone_name_the_queue():
     assert [level for level, _ in checks] == ["warning", "warning"]
     assert checks[0][1].startswith("Saves: 7 chunk saves dropped") and "Corrupt chunks: 2 chunks" in checks[1][1]
     assert faults_between(before, FaultSeries()) is None  # not kvtier: no line at all
+
+
+def _doctor_on_broken_disk(tmp_path, breaks) -> tuple[object, list]:
+    """Doctor between a scrape of a healthy write-through disk tier and one after ``breaks(store)``
+    made its directory unwritable and 5 chunks were saved: its meters and checks."""
+    store = make_store(tmp_path, cpu_chunks=64, disk_chunks=32, write_mode="write-through")
+    exporter = Exporter(store)
+    try:
+        chain = chain_of(8, 3)
+        store.put(chain, [payload(k) for k in chain])
+        store.flush(10)
+        before = exporter.scrape(BEFORE)
+        chain = chain_of(9, 5)
+        breaks(store, chain)
+        store.put(chain, [payload(k) for k in chain])
+        store.flush(10)
+        meters, _alloc, diagnosis = run(before, exporter.scrape(AFTER))
+        return meters, diagnosis.checks
+    finally:
+        store.close()
+
+
+def test_unwritable_disk_directories_while_serving_are_a_problem_not_raise_cpu_gib(tmp_path):
+    """Fault-injection finding: a disk tier whose directories cannot be written while serving; the
+    dropped saves must be put down to the failed writes, never to the top tier's size."""
+    meters, checks = _doctor_on_broken_disk(tmp_path, lambda store, chain: break_disk_shards(
+        store.index.lower[0].tier, chain))  # a file stands where each chunk's shard directory was
+    assert meters.faults is not None and meters.faults.write_errors == {"disk": 5} and meters.faults.dropped_saves == 5
+    problem = [c.message for c in checks if c.level == "problem"]
+    assert problem and problem[0].startswith("Local tier (disk): 5 chunk writes failed between the scrapes "
+                                             "(5 saves dropped)")
+    assert not any("raise cpu_gib" in c.message for c in checks)
+
+
+def test_a_namespace_directory_replaced_by_a_file_while_serving_is_a_problem(tmp_path):
+    """Fault-injection finding: ``disk_path/<namespace>`` replaced by a file while serving."""
+    def replace_namespace(store, _chain) -> None:
+        namespace = next(p for p in (tmp_path / "disk").iterdir() if p.is_dir())
+        shutil.rmtree(namespace)
+        namespace.write_text("not a directory")
+
+    meters, checks = _doctor_on_broken_disk(tmp_path, replace_namespace)
+    assert meters.faults is not None and meters.faults.dropped_saves == 5
+    assert meters.faults.write_errors.get("disk", 0) > 0
+    assert any(c.level == "problem" and c.message.startswith("Local tier (disk)") for c in checks)
+    assert not any("raise cpu_gib" in c.message for c in checks)

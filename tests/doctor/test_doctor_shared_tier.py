@@ -21,6 +21,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from kvtier.core.config import KVTierConfig
 from kvtier.core.store import TieredStore
 from kvtier.doctor import allocation, diagnose, measure, parse_metrics
+from kvtier.doctor.faults import LocalFaults, fault_checks
+from kvtier.doctor.meters import SharedTier
 from kvtier.integrations.vllm.scheduler.remote import RemoteLookups
 from kvtier.integrations.vllm.stats import KVTierPromMetrics, KVTierStats, store_counters, store_gauges
 from tests.core.helpers import CHUNK_BYTES, CHUNK_TOKENS, NS, chain_of, payload
@@ -165,3 +167,58 @@ def test_a_shared_tier_not_configured_is_not_reported_ok():
     assert [t.tier for t in meters.shared_tiers] == ["redis"]
     assert any(c.message.startswith("Shared tier (redis): breaker closed")
                for c in diagnose(meters, allocation(parse_metrics(AFTER, "a")), {}, None, 1).checks)
+
+
+def test_saves_dropped_while_redis_refuses_the_password_blame_redis_not_cpu_gib(redis_factory, key_prefix,
+                                                                                 monkeypatch):
+    """Fault-injection finding: Redis restarted with another password (the breaker opens on
+    AuthenticationError); the saves dropped with it were put down to the cpu tier ("raise cpu_gib")
+    and the breaker line did not name the password as a cause."""
+    monkeypatch.setenv("KVTIER_REDIS_PASSWORD", "pw1")
+    server = redis_factory(extra=("--requirepass", "pw1"))
+    engine = Server({"redis_url": server.url, "redis_password_env": "KVTIER_REDIS_PASSWORD",
+                     "redis_key_prefix": key_prefix, "redis_timeout_s": 2.0, "redis_breaker_probe_s": 600.0,
+                     "write_mode": "write-through"},
+                    series=("kvtier_shared_", "kvtier_redis_", "kvtier_dropped_saves"))
+    try:
+        engine.save(chain_of(60, 4))
+        healthy = AFTER + engine.metrics()
+        assert engine.store.stats().dropped_saves == 0
+        server.kill9()
+        redis_factory(port=server.port, extra=("--requirepass", "pw2"))  # same server, another password
+        for i in range(5):
+            engine.save(chain_of(70 + i, 2))
+        stats = engine.store.stats()
+        skipped = stats.tier("redis").wire.skipped_writes
+        assert skipped == stats.dropped_saves == 10  # every chunk saved after the restart, none written
+        broken = AFTER + engine.metrics()
+        meters = measure(parse_metrics(healthy, "before"), parse_metrics(broken, "after"), 10.0)
+        assert meters.faults is not None and meters.faults.dropped_saves == 10 and meters.faults.write_errors == {}
+        assert meters.shared is not None and meters.shared.breaker == "open"
+        checks = diagnose(meters, allocation(parse_metrics(broken, "a")), {}, None, 1).checks
+        saves = [c for c in checks if c.message.startswith("Saves:")]
+        assert len(saves) == 1 and saves[0].level == "warning"
+        assert saves[0].message.startswith("Saves: 10 chunk saves dropped between the scrapes with no failed local "
+                                           "write, while the shared tier could not take them (redis: 10 writes "
+                                           "skipped")
+        assert "breaker open" in saves[0].message and "raise cpu_gib" not in saves[0].message
+        breaker = next(c for c in checks if c.level == "problem" and "circuit breaker open" in c.message)
+        assert "a changed Redis password" in breaker.message and "AuthenticationError" in breaker.message
+        assert "kvtier check" in breaker.message and "engine log" in breaker.message
+    finally:
+        engine.close()
+
+
+def test_dropped_saves_beyond_the_shared_tiers_skipped_writes_still_name_the_top_tier():
+    """The shared tier accounts for its skipped writes only; the rest of the drops are room or queues."""
+    down = SharedTier(0, 0, 0, 0, errors=2, skipped_calls=30, skipped_writes=30, breaker_state=2, tier="redis")
+    line = fault_checks(LocalFaults({}, 45.0, 0.0), (down,))
+    assert len(line) == 1 and "redis: 30 writes skipped, 2 failed calls, breaker open" in line[0][1]
+    assert line[0][1].endswith("; the other 15 found no room in the top tier or a full write queue: raise cpu_gib, "
+                               "or save_queue_depth and io_threads (the miss reasons name the tier).")
+    # a shared tier that skipped nothing explains nothing: the drops are the top tier's
+    idle = dataclasses.replace(down, skipped_writes=0, errors=0, breaker_state=0)
+    assert fault_checks(LocalFaults({}, 45.0, 0.0), (idle,))[0][1].startswith("Saves: 45 chunk saves dropped between "
+                                                                             "the scrapes with no failed write: no room")
+    # failed local writes are named first, whatever the shared tier did
+    assert fault_checks(LocalFaults({"disk": 45.0}, 45.0, 0.0), (down,))[0][0] == "problem"

@@ -242,6 +242,9 @@ SCRIPT = ROOT / "scripts" / "hit_story.py"
 # 84 moves (~701 calls): the lookup sets its receipt's ask itself (ReceiptFacts.ask's two fields: scheduler/side ->
 # requests one move fewer); the rest of issue 33's own-time cuts (fewer cold frames in a hit's finish) are inside files.
 # Merged on main 7ce3c36 (own33, node38, tail33): 12 files, 83 moves (695 calls, load 0.9, quiet).
+# Branch faults56 (per-cause fault log lines, s3 short causes, the breaker's "reachable again": off the hit path):
+# 12 files, 83 moves (2 runs, 696 calls, load 2.4-4.6).
+# Branch doctor56 (doctor's advice and node serve's messages, no hit-path change): 12 files, 83 moves (696 calls, load 1.4-2.3).
 MAX_FILES = 12
 MEASURED_MOVES = 83
 SLACK_MOVES = 30

@@ -121,7 +121,7 @@ def _scheduler(model: Path, hash_algo: str) -> Scheduler:
                                          enable_chunked_prefill=True, is_encoder_decoder=False),
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True, prefix_caching_hash_algo=hash_algo),
         kv_transfer_config=KVTransferConfig(
-            kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm.connector",
+            kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm",
             kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config={"cpu_gib": 0.05}),
         device_config=DeviceConfig("cpu"))
     config.cache_config.num_gpu_blocks = 200

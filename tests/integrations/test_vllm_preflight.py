@@ -128,6 +128,16 @@ def test_extra_config_alone_is_named_as_such():
     assert "unknown key 'cpu_gb'" in typo
 
 
+def test_a_models_config_json_is_named_as_such():
+    """A model's config.json given to ``kvtier check`` (a model-probe tester: 23 lines of "unknown
+    key 'architectures'" ...): one sentence saying what it is and where each belongs."""
+    (found,) = errors({"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "num_hidden_layers": 2})
+    assert "this is a model's config.json (it has 'architectures' and 'model_type')" in found
+    assert "kvtier size --model DIR" in found
+    # a transfer config with a stray model_type is still checked key by key
+    assert any("unknown key 'model_type'" in e for e in errors(transfer(model_type="llama")))
+
+
 def test_not_json_and_other_connectors():
     (found,) = errors('{"kv_connector": "KVTierConnector",')
     assert "not valid JSON at line 1" in found

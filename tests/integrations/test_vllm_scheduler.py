@@ -16,6 +16,7 @@ recomputed by the running request and its chunks saved again.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -48,18 +49,21 @@ def scheduler(tiny_model: Path) -> Iterator[Scheduler]:
 
 
 def _scheduler(model: Path, max_batched_tokens: int = 1024, reset_scope: str = "cpu",
-               sliding_window: int | None = None, **extra: Any) -> Scheduler:
+               sliding_window: int | None = None, prefix_caching: bool = True, window_only: bool = False,
+               **extra: Any) -> Scheduler:
     """A real vLLM Scheduler with KVTierConnector.  Synchronous loads are off unless ``extra`` sets
-    ``sync_load_max_bytes``: the tests of the asynchronous path park cpu-tier hits."""
+    ``sync_load_max_bytes``: the tests of the asynchronous path park cpu-tier hits.  ``window_only``: the
+    ``sliding_window`` group alone (a model whose every layer has a window: Mistral-7B-v0.1).  ``prefix_caching``:
+    vLLM's ``enable_prefix_caching`` (vLLM turns it off itself for some models: MLA on the CPU backend)."""
     extra = {"sync_load_max_bytes": 0, **extra}
     model_config = ModelConfig(model=str(model), dtype="float32", seed=0, max_model_len=4096)
     config = VllmConfig(
         model_config=model_config,
         scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_batched_tokens,
                                          max_model_len=4096, enable_chunked_prefill=True, is_encoder_decoder=False),
-        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching),
         kv_transfer_config=KVTransferConfig(
-            kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm.connector",
+            kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm",
             kv_role="kv_both", kv_load_failure_policy="recompute",
             kv_connector_extra_config={"cpu_gib": 0.05, "reset_scope": reset_scope, **extra}),
         device_config=DeviceConfig("cpu"))
@@ -69,6 +73,7 @@ def _scheduler(model: Path, max_batched_tokens: int = 1024, reset_scope: str = "
     if sliding_window is not None:  # a hybrid model: a second group of sliding-window layers
         groups.append(KVCacheGroupSpec(["model.layers.1.self_attn.attn"], SlidingWindowSpec(
             block_size=BLOCK, num_kv_heads=1, head_size=16, dtype=torch.float32, sliding_window=sliding_window)))
+    groups = groups[1:] if window_only else groups
     kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
     init_none_hash(sha256)
     return Scheduler(vllm_config=config, kv_cache_config=kv_cache_config, log_stats=True,
@@ -157,6 +162,40 @@ def test_admission_waits_for_the_first_report_then_loads_the_mirror_hit_per_tier
     assert request.status == RequestStatus.RUNNING
     assert third.num_scheduled_tokens == {"a": len(PROMPT) - 3 * CHUNK}  # only the tail is computed
     assert _meta(third).loads == [] and not _meta(third).no_forward  # a step that computes never waits
+
+
+def test_an_engine_with_prefix_caching_off_loads_nothing_it_cannot_compute_over_and_still_saves(
+        tiny_model: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # vLLM turns prefix caching off where a cached prefix is computed over wrongly (MLA on the CPU
+    # backend: a DeepSeek-V2-shaped model gave other tokens over a loaded prefix); a load is one
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        scheduler = _scheduler(tiny_model, prefix_caching=False)
+    assert any("prefix caching off" in r.getMessage() and "loads nothing" in r.getMessage() for r in caplog.records)
+    held, new = _request("held"), _request("new", prompt=list(range(500, 899)))
+    scheduler.add_request(held)
+    first = scheduler.schedule()
+    scheduler.update_from_output(first, _step_output(first, [], kv_connector_worker_meta=_report(
+        [(k, "cpu") for k in _keys(held, 3)], full=True)))  # its 3 chunks in the cpu tier: a hit with it on
+    scheduler.add_request(new)
+    second = scheduler.schedule()
+    assert _meta(second).loads == [] and not _meta(second).no_forward
+    assert second.num_scheduled_tokens == {"held": len(PROMPT), "new": 399}  # every token computed
+    saved = {p.key for save in _meta(second).saves for p in save.pages}
+    assert set(_keys(new, 3)) <= saved  # the KV it computes is kept for engines that can load it
+
+
+def test_a_chunk_no_prompt_can_hold_is_said_at_start_up(tiny_model: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """chunk_tokens not below max_model_len: no prompt holds a whole chunk before its last token, so
+    kvtier does nothing; a length probe found every hit 0 with nothing in the log (only audit said so)."""
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        _scheduler(tiny_model, chunk_tokens=4096)  # max_model_len 4096
+        said = [r.getMessage() for r in caplog.records if "is not below max_model_len" in r.getMessage()]
+        assert said == [("kvtier: chunk_tokens 4096 is not below max_model_len 4096: no prompt holds a whole chunk "
+                        "before its last token, so kvtier stores and loads nothing; lower chunk_tokens (auto: the "
+                        "smallest multiple of every block size that is at least 128) or raise max_model_len")]
+        caplog.clear()
+        _scheduler(tiny_model, chunk_tokens=2048)
+        assert not [r for r in caplog.records if "is not below max_model_len" in r.getMessage()]
 
 
 def test_a_miss_loads_nothing_and_saves_each_chunk_once_as_chunked_prefill_computes_it(tiny_model: Path) -> None:
@@ -248,13 +287,10 @@ def test_a_requests_pin_rides_its_save_jobs_checked_and_capped(tiny_model: Path,
     assert save.pin_s == pin_s and save.pin_chunks == len(PROMPT) // CHUNK  # the prompt's full chunks
 
 
-def test_a_hybrid_model_saves_every_groups_pages_and_loads_only_the_window_it_resumes_with(tiny_model: Path) -> None:
-    """One job shape for every model: with a full-attention and a sliding-window group (window 64
-    tokens = 4 blocks), the saves carry both groups' pages of every chunk, and a load after vLLM's
-    own cache was reset fills every full-attention block of the hit but only the sliding-window
-    blocks of the last window before it: the blocks vLLM itself allocates for that group."""
-    scheduler = _scheduler(tiny_model, sliding_window=64)
-    request = _request("h")
+def _computed_and_saved(scheduler: Scheduler, req_id: str) -> tuple[Any, list[Any]]:
+    """Run request ``req_id`` (PROMPT) to its end, kvtier holding nothing (the workers' first report
+    empty): its last step and the pages every step's save jobs carried."""
+    request = _request(req_id)
     scheduler.add_request(request)
     step = scheduler.schedule()
     scheduler.update_from_output(step, _step_output(step, [request], kv_connector_worker_meta=_report([], full=True)))
@@ -263,6 +299,16 @@ def test_a_hybrid_model_saves_every_groups_pages_and_loads_only_the_window_it_re
         step = scheduler.schedule()
         saved += [p for job in _meta(step).saves for p in job.pages]
         scheduler.update_from_output(step, _step_output(step, [request]))
+    return step, saved
+
+
+def test_a_hybrid_model_saves_every_groups_pages_and_loads_only_the_window_it_resumes_with(tiny_model: Path) -> None:
+    """One job shape for every model: with a full-attention and a sliding-window group (window 64
+    tokens = 4 blocks), the saves carry both groups' pages of every chunk, and a load after vLLM's
+    own cache was reset fills every full-attention block of the hit but only the sliding-window
+    blocks of the last window before it: the blocks vLLM itself allocates for that group."""
+    scheduler = _scheduler(tiny_model, sliding_window=64)
+    step, saved = _computed_and_saved(scheduler, "h")
     assert sorted((p.group, p.chunk) for p in saved) == [(g, c) for g in (0, 1) for c in range(3)]
     scheduler.update_from_output(step, _step_output(step, [], kv_connector_worker_meta=_report(
         [(p.key, "cpu") for p in saved])))
@@ -277,6 +323,32 @@ def test_a_hybrid_model_saves_every_groups_pages_and_loads_only_the_window_it_re
     (window,) = [p for p in load.pages if p.group == 1]
     assert (window.chunk, window.first_slot) == (2, 4)  # the last 64 tokens before the hit: slots 4..7 of chunk 2
     assert list(window.block_ids) == [b for b in window_blocks if b != 0]  # 0 is vLLM's null block
+
+
+def test_a_window_only_models_hit_counts_the_tokens_before_its_window_with_the_tier_it_loads_from(
+        tiny_model: Path) -> None:
+    """Every layer windowed (64 tokens): a hit needs the KV of the last window alone, so its earlier
+    chunks have no page to load; vLLM skips their tokens because of the load, so the hit's sources
+    name the tier the load reads (host: the cpu tier), every token of it (none "unspecified"), as the
+    loaded tokens the workers count from the same planned tiers (a probe of a Mistral-shaped model
+    counted 128 of 384 hit tokens as ``external_unspecified`` and loaded 256)."""
+    scheduler = _scheduler(tiny_model, sliding_window=64, window_only=True)
+    step, saved = _computed_and_saved(scheduler, "w")
+    # chunk 0's page left the cpu tier (or was never saved: in an engine a window's blocks are freed
+    # soon after its prefill); the hit does not need it
+    assert sorted(p.chunk for p in saved) == [0, 1, 2]
+    scheduler.update_from_output(step, _step_output(step, [], kv_connector_worker_meta=_report(
+        [(p.key, "cpu") for p in saved if p.chunk > 0])))
+    assert scheduler.reset_prefix_cache() is True
+    again = _request("w2")
+    scheduler.add_request(again)
+    (load,) = _meta(scheduler.schedule()).loads
+    stats = scheduler.make_stats()
+    assert load.hit_tokens == 3 * CHUNK and {p.chunk for p in load.pages} == {2}  # the last window's blocks
+    assert load.tiers == ("cpu", "cpu", "cpu")
+    assert stats is not None and stats.connector_prefix_cache_stats is not None
+    assert {str(getattr(k, "value", k)): v for k, v in stats.connector_prefix_cache_stats.hits_by_source.items()} \
+        == {"host": 3 * CHUNK}
 
 
 def test_after_an_idle_gap_a_lookup_waits_one_step_for_the_workers_rescan(tiny_model: Path, tmp_path: Path) -> None:

@@ -234,3 +234,29 @@ def test_a_killed_recording_leaves_its_lines_in_the_part_file_it_named(server: s
     assert f"each line goes to {tmp_path / part} as it is recorded".encode() in stdout, stdout
     assert not out.exists()
     assert [(r.input_length, r.output_length) for r in iter_records(tmp_path / part, block_tokens=4)] == [(10, 3)]
+
+
+def test_a_client_that_resets_its_connection_prints_no_traceback(server: str, tmp_path: Path,
+                                                                  capfd: pytest.CaptureFixture[str]) -> None:
+    """A client dropping its connection by a reset (a fresh-user tester saw socketserver's traceback,
+    ``ConnectionResetError``, twice during a normal ``bench run`` through the recorder): nothing printed,
+    and the recorder goes on recording."""
+    import socket
+    import struct
+
+    recorder = TraceRecorder(server, tmp_path / "r.jsonl", block_tokens=4, timeout_s=30).start()
+    try:
+        for _ in range(3):  # a request cut part-way, then a reset (SO_LINGER 0) instead of a close
+            sock = socket.create_connection(("127.0.0.1", recorder.port))
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"mo")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()
+        time.sleep(0.5)
+        answer = httpx.post(f"http://127.0.0.1:{recorder.port}/v1/completions", timeout=30,
+                            json={"model": "m", "prompt": list(range(1, 11)), "max_tokens": 3})
+        assert answer.status_code == 200
+    finally:
+        recorder.close()
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "ConnectionResetError" not in err, err
+    assert recorder.recorded == 1

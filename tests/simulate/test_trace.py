@@ -135,3 +135,23 @@ def test_a_trace_of_the_other_format_names_the_format_flag(tmp_path):
     assert str(as_mooncake.value) == ("k.jsonl line 1 is a kvtier-jsonl record (chunk_keys), not a Mooncake one; "
                                       "pass --format kvtier-jsonl")
     assert read_trace(mooncake, "mooncake").num_requests == 1 and read_trace(kvtier, "kvtier-jsonl").num_requests == 1
+
+
+def test_a_file_of_another_shape_says_what_a_trace_is_not_which_field_is_none(tmp_path):
+    """A JSONL of other field names said "field 'timestamp' must be a number >= 0 (ms), got None", and a
+    CSV "line 1 is not valid JSON ...; fix or remove that line" (fresh-user tester): the first names the
+    fields it has and those a Mooncake line needs, the second says a trace is JSONL."""
+    other = write_lines(tmp_path / "other.jsonl", [json.dumps({"ts": 1, "tokens": 100, "prompt": "x"})])
+    with pytest.raises(TraceError) as err:
+        read_trace(other)
+    assert str(err.value).startswith("other.jsonl line 1 has no field 'timestamp' nor 'input_length' nor 'hash_ids' "
+                                     "(its fields: 'ts', 'tokens', 'prompt'); a Mooncake trace line has timestamp")
+    (tmp_path / "t.csv").write_text("t,tokens\n1,100\n")
+    with pytest.raises(TraceError) as err:
+        read_trace(tmp_path / "t.csv")
+    assert "t.csv line 1 is not JSON" in str(err.value) and "a trace is JSONL" in str(err.value)
+    assert "remove that line" not in str(err.value)
+    broken = write_lines(tmp_path / "b.jsonl", [json.dumps({"timestamp": 0, "input_length": 3, "hash_ids": [0]}),
+                                                '{"timestamp": 1, "inp'])
+    with pytest.raises(TraceError, match="b.jsonl line 2 is not valid JSON .*; fix or remove that line"):
+        read_trace(broken)

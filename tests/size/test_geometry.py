@@ -157,3 +157,24 @@ def test_unknown_layer_type_is_refused():
     with pytest.raises(UserError, match="layer type"):
         geometry_from_config({"num_hidden_layers": 2, "num_attention_heads": 2, "hidden_size": 64,
                               "layer_types": ["full_attention", "quantum_attention"]}, "odd")
+
+
+def test_llama4_chunked_local_layers_hold_only_their_chunk():
+    # Llama 4: layers with RoPE attend within attention_chunk_size tokens (vLLM models/llama4.py,
+    # ChunkedLocalAttention); no_rope_layers 0 marks the global (NoPE) ones; without the list,
+    # transformers' Llama4TextConfig makes every 4th layer NoPE, and attention_chunk_size defaults to 8192
+    base = {"model_type": "llama4_text", "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2,
+            "head_dim": 64, "hidden_size": 512}
+    g = geometry_from_config({**base, "attention_chunk_size": 256, "no_rope_layers": [1, 1, 1, 0] * 2}, "l4")
+    assert (g.num_full_layers, g.num_swa_layers, g.sliding_window) == (2, 6, 256)
+    assert g.bytes_per_sequence(4096, 1, 2) == 2 * 2 * 64 * 2 * (2 * 4096 + 6 * 256)
+    g = geometry_from_config(base, "l4-defaults")
+    assert (g.num_full_layers, g.num_swa_layers, g.sliding_window) == (2, 6, 8192)
+    llama = geometry_from_config({**base, "model_type": "llama"}, "llama")
+    assert (llama.num_full_layers, llama.num_swa_layers) == (8, 0)
+
+
+def test_an_attention_free_model_is_refused_in_one_sentence_that_says_why():
+    with pytest.raises(UserError, match="attention-free model.*no KV cache per token"):
+        geometry_from_config({"model_type": "mamba", "num_hidden_layers": 2, "hidden_size": 128, "state_size": 16},
+                             "mamba")

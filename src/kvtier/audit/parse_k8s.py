@@ -80,6 +80,11 @@ def _words(container: dict[str, Any], key: str, where: str) -> list[str]:
 
 
 def is_vllm(container: dict[str, Any], where: str) -> bool:
+    """Whether the container runs a vLLM server: its image, command or first arguments name vLLM, and
+    it does not run kvtier's own CLI (``kvtier node serve``, the node pool's owner, in the same image)."""
+    command = _words(container, "command", where) + _words(container, "args", where)
+    if command and command[0].rsplit("/", 1)[-1] == "kvtier":
+        return False
     words = [str(container.get("image") or "")] + _words(container, "command", where)
     words += _words(container, "args", where)[:3]
     return any("vllm" in w.lower() for w in words)

@@ -93,6 +93,9 @@ def load_baseline(path: Path, workload: str) -> ArmFigures:
     Raises:
         ValueError: the file is missing, has no figures, or is of another workload (one sentence naming the fix).
     """
+    if not path.is_file():
+        raise ValueError(f"--baseline {path} {'is a directory' if path.is_dir() else 'does not exist'}; point it at "
+                         "the summary.json of an earlier `kvtier bench run --out DIR` (DIR/summary.json)")
     try:
         summary = json.loads(path.read_text())
         figures = summary["figures"]

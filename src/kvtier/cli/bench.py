@@ -73,9 +73,10 @@ PROBE_TIMEOUT_S = 10.0
 """Total deadline of `bench run`'s start-up probe of ``/v1/models`` and of each ``/metrics`` scrape, seconds."""
 
 
-def _served_model(url: str) -> tuple[str, int | None]:
-    """The server's first model and its ``max_model_len``, read from ``/v1/models`` within
-    PROBE_TIMEOUT_S seconds in all (:func:`kvtier.tools.httpget.get_within`); fails with exit 2."""
+def _served_model(url: str, asked: str | None = None) -> tuple[str, int | None]:
+    """The server's model (``asked``, which it must serve; else its first) and its ``max_model_len``,
+    read from ``/v1/models`` within PROBE_TIMEOUT_S seconds in all (:func:`kvtier.tools.httpget.get_within`);
+    fails with exit 2."""
     import json
 
     from kvtier.core.errors import ServerAnswerError
@@ -89,11 +90,15 @@ def _served_model(url: str) -> tuple[str, int | None]:
     if page.status != 200:
         fail(f"{models_url} answered HTTP {page.status}; --url must be the root of a running OpenAI-compatible server")
     try:
-        card = json.loads(page.text)["data"][0]
-        return str(card["id"]), card.get("max_model_len")
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError):
+        cards = {str(card["id"]): card for card in json.loads(page.text)["data"]}
+        card = cards[asked] if asked in cards else next(iter(cards.values()))
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, StopIteration):
         fail(f"{models_url} did not answer an OpenAI model list; --url must be the root of a running "
              "OpenAI-compatible server")
+    if asked is not None and asked not in cards:
+        fail(f"the server at {url} serves {', '.join(map(repr, cards))} (its /v1/models), not {asked!r}; "
+             "pass one of those to --model, or leave --model out")
+    return str(card["id"]), card.get("max_model_len")
 
 
 def _left_in(out: Path | None) -> str:
@@ -157,8 +162,7 @@ def run_command(
                         [("--baseline", baseline), ("--receipt-log", receipt_log), ("--trace", trace)])
         for name in RUN_FILES:  # --force: an earlier run's files go now, never mixed with this run's
             (out / name).unlink(missing_ok=True)
-    served, max_len = _served_model(url)
-    model = model or served
+    model, max_len = _served_model(url, model)
     if max_concurrency is None and workload == "prefix-repetition" and request_rate is None:
         max_concurrency = DEFAULT_RUN_CONCURRENCY
         print(f"closed loop: at most {max_concurrency} requests in flight (--max-concurrency to change, "

@@ -71,7 +71,9 @@ def make_workload(knobs: Any, vocab_size: int | None, model: str, max_model_len:
 
     vocab = vocab_size if vocab_size is not None else model_vocab_size(model)
     if vocab is None:
-        fail(f"cannot tell the vocabulary size of model {model!r}; pass --vocab-size")
+        fail(f"cannot tell the vocabulary size of model {model!r}: no config.json or tokenizer of that name is "
+             "found from here (a model path the server was given relative to its own directory is not found "
+             "from another one); pass --vocab-size N, or run from the server's directory")
     try:
         vocab_token_space(0, vocab)
     except ValueError as exc:

@@ -39,7 +39,7 @@ def serve_command(
     max_clients: int = typer.Option(256, "--max-clients", help="Engine connections served at once.", metavar="N"),
     verbose: bool = typer.Option(False, "--verbose", help="Log each connection and lease expiry."),
 ) -> None:
-    from kvtier.core.tiers.node.server import ServeOptions, serve
+    from kvtier.core.tiers.node.server import ServeOptions, not_a_directory, serve
 
     if not 0 < node_gib <= 1 << 20:
         fail(f"--node-gib {node_gib:g} is out of range; give the pool's size in GiB, e.g. --node-gib 64")
@@ -50,8 +50,8 @@ def serve_command(
     if max_clients < 1:
         fail(f"--max-clients {max_clients} must be at least 1")
     if not pool.parent.is_dir():
-        fail(f"--pool {pool}: directory {pool.parent} does not exist; give a file under /dev/shm or a hugetlbfs "
-             "mount")
+        fail(f"--pool {pool}: directory {pool.parent} {not_a_directory(pool.parent)}; give a file under /dev/shm "
+             "or a hugetlbfs mount")
     if pool.is_dir():
         fail(f"--pool {pool} is a directory; give a file name in it, e.g. {pool / 'kvtier-node'}")
     if not socket.is_absolute():

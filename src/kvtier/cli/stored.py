@@ -23,7 +23,7 @@ Selectors (a chunk must match every one given): --namespace HEX (repeatable; the
 
 --dry-run prints what would go (chunks and bytes per tier and namespace) and removes nothing; without it the same numbers are what was removed. --json prints them as JSON. Exit code 0 when done, 1 when some chunk could not be read or removed or a server did not answer, 2 on bad input.
 
-A purge reaches storage outside the engines (files, Redis keys): a live engine's cpu tier and vLLM's own GPU prefix cache keep what they hold until evicted (POST /reset_prefix_cache?reset_external=true clears them, for every tenant).
+A purge reaches storage outside the engines (files, Redis keys): a live engine's cpu tier and vLLM's own GPU prefix cache keep what they hold until evicted (POST /reset_prefix_cache?reset_external=true clears them, for every tenant, on a server started with VLLM_SERVER_DEV_MODE=1).
 
 Examples:
 

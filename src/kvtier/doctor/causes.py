@@ -70,8 +70,9 @@ ACTIONS: dict[str, str] = {
     "load_failed": "reading or copying them failed: check the {tier} tier's device or server and the engine log",
     "deadline": "the shared tier ({tier}) answered after its deadline: check its latency (doctor's read latency "
                 "line), or raise shared_deadline_s / shared_transfer_deadline_s",
-    "breaker_open": "the shared tier's ({tier}) circuit breaker was open: the server failed; check that it is up "
-                    "and reachable (kvtier check)",
+    "breaker_open": "the shared tier's ({tier}) circuit breaker was open: the server failed or refused kvtier; "
+                    "check that it is up and reachable and takes kvtier's password or keys (kvtier check says "
+                    "which; the engine log names the error)",
     "reset": "a cache reset (POST /reset_prefix_cache?reset_external=true) removed them: expected after a reset; "
              "if nobody meant to reset, find who calls it",
     "purged": "kvtier purge removed them: expected after a purge",

@@ -9,6 +9,10 @@ own registry, :mod:`kvtier.core.metrics`, names them the same way):
 - ``kvtier_dropped_saves``: saves given up by any tier (no room, a full write queue, a failed write);
 - ``kvtier_corrupt_chunks``: chunks that failed verification (recomputed).
 
+A write-through shared tier's write that fails or is skipped (breaker open) is a dropped save too,
+also counted in its ``kvtier_<tier>_skipped_writes``: :func:`fault_checks` reads the two side by
+side (docs/vllm.md), so a shared tier that is down is not mistaken for a top tier too small.
+
 Every counter is summed over engines and ranks; a counter lower in the second scrape (a restart)
 counts from zero.  No I/O: :func:`fault_series` reads one parsed scrape, :func:`faults_between`
 the deltas, :func:`fault_checks` the sentences.
@@ -18,9 +22,9 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from kvtier.doctor.causes import counter_delta
 
@@ -87,8 +91,49 @@ def faults_between(before: FaultSeries, after: FaultSeries) -> LocalFaults | Non
                        counter_delta(after.corrupt_chunks, before.corrupt_chunks))
 
 
-def fault_checks(f: LocalFaults) -> list[tuple[FaultLevel, str]]:
-    """``(level, sentence)`` per fault that rose between the scrapes (nothing when none did)."""
+class SharedWrites(Protocol):
+    """A shared tier's writes between the same scrapes (:class:`kvtier.doctor.meters.SharedTier`)."""
+
+    @property
+    def tier(self) -> str:
+        """Its name (``redis``, ``s3``, ``node``)."""
+
+    @property
+    def skipped_writes(self) -> float:
+        """Chunks not written to it (the write failed, or its breaker was open)."""
+
+    @property
+    def errors(self) -> float:
+        """Calls that failed."""
+
+    @property
+    def breaker(self) -> str:
+        """``closed``, ``half-open (probing)`` or ``open`` at the second scrape."""
+
+
+def _shared_drops(dropped: float, shared: Sequence[SharedWrites]) -> tuple[FaultLevel, str] | None:
+    """The dropped saves the shared tiers' skipped writes account for, in words (None when they skipped none)."""
+    down = [t for t in shared if t.skipped_writes > 0]
+    if not down:
+        return None
+    skipped = sum(t.skipped_writes for t in down)
+    tiers = ", ".join(f"{t.tier or 'shared'}: {t.skipped_writes:,.0f} writes skipped, {t.errors:,.0f} failed calls, "
+                      f"breaker {t.breaker}" for t in down)
+    rest = dropped - skipped
+    more = (f"; the other {rest:,.0f} found no room in the top tier or a full write queue: raise cpu_gib, or "
+            "save_queue_depth and io_threads (the miss reasons name the tier)" if rest > 0 else "")
+    return ("warning", (f"Saves: {dropped:,.0f} chunk saves dropped between the scrapes with no failed local "
+            f"write, while the shared tier could not take them ({tiers}): it was down or refused kvtier, so "
+            "those chunks are not shared with other replicas; fix the shared tier (its line says what to check), "
+            f"a larger cpu_gib would not help{more}."))
+
+
+def fault_checks(f: LocalFaults, shared: Sequence[SharedWrites] = ()) -> list[tuple[FaultLevel, str]]:
+    """``(level, sentence)`` per fault that rose between the scrapes (nothing when none did).
+
+    ``shared``: the shared tiers between the same scrapes; dropped saves with no failed local write
+    are put down to them as far as their skipped writes go, the rest to the top tier's room and the
+    write queues."""
     out: list[tuple[FaultLevel, str]] = []
     for tier, errors in f.write_errors.items():
         out.append(("problem", (f"Local tier ({tier}): {errors:,.0f} chunk writes failed between the scrapes "
@@ -96,7 +141,10 @@ def fault_checks(f: LocalFaults) -> list[tuple[FaultLevel, str]]:
                     "unwritable (disk full, read-only mount, permissions, I/O error); those chunks are not stored "
                     f"and are lost at a restart; free space or fix the directory (the engine log names the error), "
                     f"or lower the {tier} tier's size below the free space.")))
-    if not f.write_errors and f.dropped_saves > 0:
+    blamed = _shared_drops(f.dropped_saves, shared) if not f.write_errors and f.dropped_saves > 0 else None
+    if blamed is not None:
+        out.append(blamed)
+    elif not f.write_errors and f.dropped_saves > 0:
         out.append(("warning", (f"Saves: {f.dropped_saves:,.0f} chunk saves dropped between the scrapes with no "
                     "failed write: no room in the top tier or a full write queue; raise cpu_gib, or "
                     "save_queue_depth and io_threads (the miss reasons name the tier).")))

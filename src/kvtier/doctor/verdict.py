@@ -19,8 +19,10 @@ how-to's "one-line checklist" (helping = hit rate ↑, TTFT p50 ↓, p99 tail bo
   skipped, or lookups past ``shared_deadline_s`` between the scrapes → warning; else ok with
   its hit rate and read latency (docs/shared-tier.md, docs/s3.md);
 - the local tiers' chunk writes failed (a full or unwritable disk) → problem; saves dropped with no
-  failed write → warning; corrupt chunks → warning, all between the scrapes and judged even
-  without traffic (:mod:`kvtier.doctor.faults`);
+  failed local write → warning, put down to a shared tier that skipped writes (down, or refusing
+  kvtier) as far as its skipped writes go, else to the top tier's room and the write queues;
+  corrupt chunks → warning, all between the scrapes and judged even without traffic
+  (:mod:`kvtier.doctor.faults`);
 - offload configured but no external hits (root cause 5: cold cache, or tier too small) → warning;
 - with kvtier's receipt metrics: the miss reasons ranked, each with its action, the size that holds
   a tier's working set when its evictions lead, the prefill saved per tier
@@ -106,6 +108,16 @@ def shared_summary(shared: SharedTier) -> str:
     return ", ".join(parts)
 
 
+def breaker_causes(tier: str) -> str:
+    """Why a shared tier's breaker opens and where to read which it was: the metrics carry no error
+    kind, the engine log's warning does (:meth:`kvtier.core.tiers.guarded.GuardedTier._fault`)."""
+    return ("likely the server is down or unreachable (stopped, network, firewall, a wrong URL; a node pool: its "
+            "owner, kvtier node serve, stopped), or it refuses kvtier's credentials (a changed Redis password or "
+            "ACL user: AuthenticationError; wrong or expired S3 keys); kvtier check on the engine's config probes "
+            "it and says which (reachable, unreachable or auth failed), and the engine log's warning \"kvtier "
+            f"{tier or '<tier>'} tier (...): <op> failed (<error>)\" names the error")
+
+
 def _shared_checks(shared: SharedTier) -> list[Check]:
     """A shared tier's lines: its state, then what went wrong between the scrapes."""
     seen = shared_summary(shared)
@@ -113,8 +125,7 @@ def _shared_checks(shared: SharedTier) -> list[Check]:
     checks = []
     if shared.breaker == "open":
         checks.append(Check("problem", f"{name}: circuit breaker open: lookups miss and writes are "
-                            f"skipped until the server answers again ({seen}); check that the server is up and "
-                            "reachable (kvtier check probes it) and its log."))
+                            f"skipped until the server answers again ({seen}); {breaker_causes(shared.tier)}."))
     elif shared.breaker != "closed":
         checks.append(Check("warning", f"{name}: circuit breaker half-open, probing a server that "
                             f"failed ({seen})."))
@@ -162,9 +173,10 @@ def diagnose(meters: Meters, alloc: Allocation, cache_config: dict[str, str], ex
     size = _size_check(alloc, expect_gib, tp)
     if size:
         add(size)
+    shared_tiers = meters.shared_tiers or ((meters.shared,) if meters.shared is not None else ())
     if meters.faults is not None:  # failed writes, dropped saves, corrupt chunks: judged without traffic too
-        d.checks.extend(Check(level, message) for level, message in fault_checks(meters.faults))
-    for shared in meters.shared_tiers or ((meters.shared,) if meters.shared is not None else ()):
+        d.checks.extend(Check(level, message) for level, message in fault_checks(meters.faults, shared_tiers))
+    for shared in shared_tiers:
         d.checks.extend(_shared_checks(shared))
     if meters.pins is not None and (meters.pins.chunks or meters.pins.refused):
         pinned = f"{meters.pins.chunks:,.0f} chunks ({meters.pins.bytes / 2**20:,.1f} MiB) of the cpu tier pinned by requests"

@@ -39,6 +39,8 @@ __all__ = ["CPU_DEFAULT_BLOCK_SIZE", "Server", "ServerSpec", "ServerStartError",
 
 CPU_DEFAULT_BLOCK_SIZE = 128
 """vLLM's default KV block size on the CPU backend (vllm/platforms/cpu.py, v0.32.0)."""
+NOT_READY_GRACE_S = 5.0
+"""Seconds :meth:`Server.stop` gives a server that never answered before SIGKILL (it has nothing to flush)."""
 
 
 def free_port() -> int:
@@ -168,6 +170,7 @@ class Server:
         self.startup_s = 0.0
         self._t0 = 0.0
         self._proc: subprocess.Popen[bytes] | None = None
+        self._ready = False  # wait_ready saw it answer
 
     def launch(self) -> Self:
         """Start the process and return at once (see :meth:`wait_ready`)."""
@@ -197,6 +200,7 @@ class Server:
                 if page.status == 200:
                     self.served_model = str(json.loads(page.text)["data"][0]["id"])
                     self.startup_s = time.perf_counter() - self._t0
+                    self._ready = True
                     return self
             except (ServerAnswerError, ValueError, KeyError, IndexError, TypeError):
                 pass
@@ -259,11 +263,16 @@ class Server:
     def stop(self, grace_s: float = 60.0) -> None:
         """SIGTERM to the server (it stops its engine core and workers, gracefully within
         ``shutdown_timeout_s``), then after at most ``grace_s`` seconds SIGKILL to whatever is
-        left of its process group."""
+        left of its process group.  A server that never answered (neither :meth:`wait_ready` nor a
+        last look at ``/v1/models`` here) gets :data:`NOT_READY_GRACE_S` at most: it served nothing,
+        so it has nothing to flush, and vLLM ignores SIGTERM while it starts (a Ctrl-C during
+        ``bench compare``'s start-up waited the whole minute)."""
         proc = self._proc
         if proc is None:
             return
         if proc.poll() is None:
+            if not (self._ready or self._answers()):
+                grace_s = min(grace_s, NOT_READY_GRACE_S)
             proc.terminate()
             try:
                 proc.wait(timeout=grace_s)
@@ -276,6 +285,13 @@ class Server:
             pass
         if proc.poll() is None:
             proc.wait(timeout=10.0)
+
+    def _answers(self) -> bool:
+        """Whether ``/v1/models`` answers 200 now (within 1 s)."""
+        try:
+            return get_within(self.base_url + "/v1/models", 1.0, "its model list", max_body_bytes=1 << 20).status == 200
+        except ServerAnswerError:
+            return False
 
     def __enter__(self) -> Self:
         return self

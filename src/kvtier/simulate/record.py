@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -47,6 +49,21 @@ import httpx
 from kvtier.core.errors import ServerAnswerError
 from kvtier.tools.httpget import Head, request_within, stream_within
 from kvtier.tools.mooncake import format_record
+
+log = logging.getLogger(__name__)
+
+
+class _ProxyServer(ThreadingHTTPServer):
+    """The recorder's listener: a client that drops its connection (a keep-alive connection reset
+    after its last answer) ends that connection quietly; any other failure of one connection is one
+    log line, never socketserver's traceback on the operator's terminal (the recording goes on)."""
+
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        exc = sys.exc_info()[1]
+        if not isinstance(exc, (ConnectionError, TimeoutError)):
+            log.warning("kvtier trace record: a connection from %s failed: %s", client_address, exc)
 
 RECORDED_PATHS = ("/v1/completions", "/v1/chat/completions")
 RECORD_GRACE_S = 10.0
@@ -119,8 +136,7 @@ class TraceRecorder:
                 length = int(self.headers.get("Content-Length") or 0)
                 recorder._proxy(self, self.rfile.read(length) if length else b"")
 
-        self._server = ThreadingHTTPServer((host, port), Handler)  # first: a taken port leaves no file behind
-        self._server.daemon_threads = True
+        self._server = _ProxyServer((host, port), Handler)  # first: a taken port leaves no file behind
         try:
             # in plain sight beside ``out``: after a SIGKILL it holds every line but one being written
             fd, temp = tempfile.mkstemp(prefix=f"{self.out.name}.", suffix=".part", dir=self.out.parent)

@@ -11,7 +11,8 @@ Understood layouts (field names as published in the models' ``config.json``):
 - MLA (DeepSeek-V2/V3, Kimi-K2): ``kv_lora_rank`` and ``qk_rope_head_dim``;
 - sliding windows: ``layer_types`` entries ``"sliding_attention"`` (gpt-oss, newer transformers),
   ``sliding_window_pattern`` N (Gemma 3: every N-th layer is global), ``model_type`` gemma2
-  (alternate layers), or ``sliding_window`` alone (every layer, Mistral-7B-v0.1); Qwen2's
+  (alternate layers), or ``sliding_window`` alone (every layer, Mistral-7B-v0.1); Llama 4's
+  ``attention_chunk_size`` (chunked local attention in the layers with RoPE, ``no_rope_layers``); Qwen2's
   ``use_sliding_window: false`` disables it;
 - hybrids: ``layer_types`` entries ``"linear_attention"`` / ``"mamba"`` or ``full_attention_interval``
   (Qwen3-Next / Qwen3.5 gated DeltaNet), ``hybrid_override_pattern`` (Nemotron-H: ``M`` Mamba, ``*``
@@ -105,6 +106,8 @@ def _key(cfg: dict[str, Any], keys: tuple[str, ...]) -> str:
 
 
 _FALCON_TYPES = ("falcon", "RefinedWeb", "RefinedWebModel")
+_NO_ATTENTION_TYPES = ("mamba", "mamba2", "falcon_mamba", "rwkv", "rwkv5", "rwkv6", "xlstm")
+"""``model_type``s of attention-free models (transformers' and vLLM's model registries)."""
 _KV_HEAD_KEYS = ("n_head_kv", "num_kv_heads", "num_key_value_heads", "multi_query_group_num", "num_attention_groups")
 
 
@@ -248,6 +251,12 @@ def _layer_kinds(cfg: dict[str, Any], num_layers: int, where: str) -> list[str]:
     if isinstance(period, int) and period > 0:
         offset = int(cfg.get("attn_layer_offset", 0))
         return ["full" if i % period == offset else "state" for i in range(num_layers)]
+    if _chunked_window(cfg):  # Llama 4: layers with RoPE attend within chunks (vLLM models/llama4.py)
+        ropes = cfg.get("no_rope_layers")
+        if not (isinstance(ropes, list) and len(ropes) == num_layers):  # transformers' default: NoPE every N-th
+            every = int(cfg.get("no_rope_layer_interval") or 4)
+            ropes = [int((i + 1) % every != 0) for i in range(num_layers)]
+        return ["swa" if rope else "full" for rope in ropes]
     window = cfg.get("sliding_window")
     if not isinstance(window, int) or window <= 0 or cfg.get("use_sliding_window") is False:
         return ["full"] * num_layers
@@ -257,6 +266,14 @@ def _layer_kinds(cfg: dict[str, Any], num_layers: int, where: str) -> list[str]:
     if cfg.get("model_type") == "gemma2":  # Gemma 2: even layers slide, odd layers are global
         return ["swa" if i % 2 == 0 else "full" for i in range(num_layers)]
     return ["swa"] * num_layers
+
+
+def _chunked_window(cfg: dict[str, Any]) -> int | None:
+    """Llama 4's ``attention_chunk_size`` (transformers' Llama4TextConfig default 8192): a layer with
+    RoPE attends within chunks of that many tokens (vLLM ``ChunkedLocalAttention``), so it keeps at
+    most that many tokens of KV and is sized as a sliding window of that length; ``None`` otherwise."""
+    chunk = cfg.get("attention_chunk_size", 8192 if str(cfg.get("model_type", "")).startswith("llama4") else None)
+    return chunk if isinstance(chunk, int) and chunk > 0 else None
 
 
 def _state_spec(cfg: dict[str, Any], where: str) -> StateSpec:
@@ -322,6 +339,10 @@ def geometry_from_config(cfg: dict[str, Any], name: str, source: str = "") -> KV
     cfg = _text_config(cfg)
     _model_dtype_bytes(cfg, where)  # an unknown dtype is refused for every model, not only hybrid ones
     num_layers = _int(cfg, _key(cfg, _LAYER_KEYS), where, maximum=MAX_LAYERS)
+    if all(cfg.get(k) is None for k in _HEAD_KEYS) and str(cfg.get("model_type", "")) in _NO_ATTENTION_TYPES:
+        raise UserError(f"{where} describes an attention-free model (model_type {cfg['model_type']!r}): it keeps "
+                        "no KV cache per token, only a fixed state per sequence, so there is nothing for kvtier size "
+                        "to size (kvtier keeps such states only beside attention layers, in hybrid models).")
     heads = _int(cfg, _key(cfg, _HEAD_KEYS), where)
     if heads == 0:
         raise UserError(f"{where} has num_attention_heads 0; it must be at least 1.")
@@ -345,7 +366,7 @@ def geometry_from_config(cfg: dict[str, Any], name: str, source: str = "") -> KV
                         "vLLM refuses such a model (each KV head serves a whole group of query heads): check both.")
     kinds = _layer_kinds(cfg, num_layers, where)
     num_state = kinds.count("state")
-    window = cfg.get("sliding_window") if "swa" in kinds else None
+    window = (_chunked_window(cfg) or cfg.get("sliding_window")) if "swa" in kinds else None
     if "swa" in kinds and (not isinstance(window, int) or window <= 0):
         raise UserError(f"{where} has sliding-window layers but no positive 'sliding_window'.")
     if kinds.count("full") + kinds.count("swa") == 0:

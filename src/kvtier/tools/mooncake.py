@@ -117,6 +117,11 @@ def parse_record(raw: object, index: int, where: str, block_tokens: int | None) 
     """
     if not isinstance(raw, dict):
         raise TraceError(f"{where} is not a JSON object; each line must be one request object")
+    if missing := [f for f in ("timestamp", "input_length", "hash_ids") if f not in raw]:
+        has = ", ".join(map(repr, list(raw)[:6])) + (", ..." if len(raw) > 6 else "") or "none"
+        raise TraceError(f"{where} has no field {' nor '.join(map(repr, missing))} (its fields: {has}); a Mooncake "
+                         "trace line has timestamp (ms), input_length, output_length and hash_ids: convert the "
+                         "trace (docs/simulate.md describes both formats kvtier reads)")
     stamp = raw.get("timestamp")
     if not isinstance(stamp, (int, float)) or isinstance(stamp, bool) or not stamp >= 0:
         raise TraceError(f"{where}: field 'timestamp' must be a number >= 0 (ms), got {stamp!r}")
@@ -146,6 +151,7 @@ def jsonl_objects(path: str | Path, start: int = 0) -> Iterator[tuple[int, str, 
         raise TraceError(f"trace file {path} {kind}; pass a .jsonl(.gz) file")
     try:
         with _open(path, "r") as handle:
+            first_seen = start > 0
             for lineno, line in enumerate(handle):
                 if lineno < start or not line.strip():
                     continue
@@ -153,12 +159,17 @@ def jsonl_objects(path: str | Path, start: int = 0) -> Iterator[tuple[int, str, 
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as exc:
+                    if not first_seen:  # the first line already: not a JSONL file at all (a CSV, a log)
+                        raise TraceError(f"{where} is not JSON ({exc.msg}): a trace is JSONL, one JSON object "
+                                         "per line (a Mooncake trace: timestamp, input_length, output_length, "
+                                         "hash_ids); pass a .jsonl(.gz) trace") from None
                     raise TraceError(f"{where} is not valid JSON ({exc.msg}); fix or remove that line") from None
                 except RecursionError:  # nested deeper than Python's JSON decoder goes: no request is
                     raise TraceError(f"{where} is nested too deeply to be a request object; fix or remove "
                                      "that line") from None
                 if not isinstance(obj, dict):
                     raise TraceError(f"{where} is not a JSON object; each line must be one request object")
+                first_seen = True
                 yield lineno, where, obj
     except FileNotFoundError:
         raise TraceError(f"trace file {path} does not exist; pass an existing .jsonl(.gz) file") from None

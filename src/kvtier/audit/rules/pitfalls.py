@@ -7,7 +7,7 @@ import math
 from kvtier.audit.model import ServeConfig
 from kvtier.audit.rules.base import rule
 
-_SGLANG_FLAGS = ("--hicache-size", "--hicache-ratio", "--enable-hierarchical-cache", "--mem-fraction-static",
+SGLANG_FLAGS = ("--hicache-size", "--hicache-ratio", "--enable-hierarchical-cache", "--mem-fraction-static",
                  "--tp-size")
 
 
@@ -70,7 +70,7 @@ def kv_offloading_size_is_total(c: ServeConfig) -> str | None:
       'vLLM vllm/engine/arg_utils.py (no such flag) and vllm/config/cache.py kv_offloading_size '
       "(total across TP ranks, unlike SGLang's per-rank host size)")
 def sglang_flag(c: ServeConfig) -> str | None:
-    found = [f for f in _SGLANG_FLAGS if c.has(f)]
+    found = [f for f in SGLANG_FLAGS if c.has(f)]
     if found:
         return f"{', '.join(found)} is SGLang's, not vLLM's; vLLM will refuse to start."
     return None
@@ -128,7 +128,9 @@ def parallel_size_invalid(c: ServeConfig) -> str | None:
       locate="--no-enable-prefix-caching")
 def prefix_caching_off(c: ServeConfig) -> str | None:
     if c.has("--no-enable-prefix-caching") and c.kv_offload_on:
-        return "Prefix caching is off, so offloaded KV has nothing to hit against; the copies are pure cost."
+        return ("Prefix caching is off, so offloaded KV has nothing to hit against (vLLM's offload finds it "
+                "through prefix-cache block hashes; kvtier loads nothing into such an engine, since it cannot "
+                "compute over a loaded prefix); the copies are pure cost.")
     return None
 
 

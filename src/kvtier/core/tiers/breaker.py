@@ -46,6 +46,7 @@ class CircuitBreaker:
         self.num_opened = 0
         self._failures = 0
         self._opened_at = 0.0
+        self._down_since = 0.0  # time.monotonic() when it last opened from closed
         self._probing = False
         self._lock = threading.Lock()
 
@@ -60,12 +61,19 @@ class CircuitBreaker:
             self._probing = True
             return True
 
-    def success(self) -> None:
-        """The call that was allowed succeeded."""
+    def success(self) -> float | None:
+        """The call that was allowed succeeded.
+
+        Returns:
+            the seconds the breaker was not closed, when this success closed it; else ``None``.
+        """
         with self._lock:
             self._failures = 0
             self._probing = False
+            if self.state is BreakerState.CLOSED:
+                return None
             self.state = BreakerState.CLOSED
+            return time.monotonic() - self._down_since
 
     def failure(self) -> None:
         """The call that was allowed failed (timeout, connection error, server error)."""
@@ -73,6 +81,8 @@ class CircuitBreaker:
             self._failures += 1
             self._probing = False
             if self.state is BreakerState.HALF_OPEN or self._failures >= self.failure_threshold:
+                if self.state is BreakerState.CLOSED:
+                    self._down_since = time.monotonic()
                 if self.state is not BreakerState.OPEN:
                     self.num_opened += 1
                 self.state = BreakerState.OPEN

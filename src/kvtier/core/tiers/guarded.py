@@ -17,6 +17,10 @@ lives here, once:
   skipped (counted) without reaching the inner tier until a probe every ``breaker_probe_s``
   succeeds.  An exception of one of the inner tier's ``refusal_errors`` (the server answered and
   refused, e.g. a full Redis's ``-OOM``) fails that call only and does not open the breaker.
+- **Log lines**: a fault is one WARNING with its short cause (the inner tier's ``describe_error``,
+  e.g. the s3 tier's ``connection refused to http://...``; full text at DEBUG), at most one per
+  cause per 10 s and a new cause at once (:class:`~kvtier.core.tiers.loglimit.CauseLimiter`); the
+  breaker closing again is one INFO line ("reachable again after N s").
 - **Numbers**: a :class:`~kvtier.core.stats.WireCounters` (errors and skipped calls by op,
   skipped writes, lookups) merged into the inner tier's :meth:`wire_stats`, and the latency
   histogram ``kvtier_tier_call_seconds{tier, op}``
@@ -47,6 +51,7 @@ from kvtier.core.stats import WireCounters, WireStats
 from kvtier.core.tenant import TenantRecords, Writer
 from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier
 from kvtier.core.tiers.breaker import CircuitBreaker
+from kvtier.core.tiers.loglimit import CauseLimiter, held_back
 from kvtier.core.tiers.sharedreads import SharedReads
 from kvtier.core.tiers.split import BoundsItself, SplitTier, split_get
 from kvtier.core.tiers.tiermetrics import TierMetrics
@@ -55,6 +60,13 @@ from kvtier.core.tiers.wrappers import MissWhy, TierWrapper
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+def describe_error(exc: BaseException) -> str:
+    """``"ConnectionError: Error 111 connecting to ..."``: an exception's class and the first line of
+    its text, for a tier without its own ``describe_error``."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
 class GuardedTier(TierWrapper):
@@ -88,7 +100,8 @@ class GuardedTier(TierWrapper):
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix=f"kvtier-{inner.name}-guard")
         self._slots = threading.BoundedSemaphore(io_threads + queue_depth)
         self._closed = False
-        self._last_error = 0.0
+        self._warnings = CauseLimiter()  # one line per cause per 10 s, a new cause at once
+        self._describe: Callable[[BaseException], str] = getattr(inner, "describe_error", describe_error)
         self.clear_deadline_s = clear_deadline_s
         direct = not isinstance(inner, TierWrapper)  # SplitTier is never reached through another wrapper
         self._split = inner if direct and isinstance(inner, SplitTier) else None
@@ -162,17 +175,18 @@ class GuardedTier(TierWrapper):
                 fault.append("deadline")
             return None
         except self._refusals as exc:
-            self.breaker.success()  # the server is up and answered: reads go on while writes are refused
-            self._fault(op, f"{type(exc).__name__}: {exc}", refused=True)
+            self._back(self.breaker.success())  # the server is up and answered: reads go on while writes are refused
+            self._fault(op, self._cause(op, exc), refused=True)
             if fault is not None:
                 fault.append("load_failed")
             return None
         except Exception as exc:  # noqa: BLE001 - every server or network fault is a miss
-            self._fault(op, f"{type(exc).__name__}: {exc}")
+            self._fault(op, self._cause(op, exc))
             if fault is not None:
                 fault.append("load_failed")
             return None
-        self.breaker.success()
+        if (down_s := self.breaker.success()) is not None:
+            self._back(down_s)
         self.metrics.observe(op, time.perf_counter() - t0)
         return result
 
@@ -182,16 +196,30 @@ class GuardedTier(TierWrapper):
         finally:
             self._slots.release()
 
+    def _cause(self, op: str, exc: BaseException) -> str:
+        """The fault's short cause (the inner tier's ``describe_error``, if it has one); its full
+        text at DEBUG."""
+        log.debug("kvtier %s tier (%s): %s failed: %r", self.name, self.where, op, exc)
+        return self._describe(exc)
+
     def _fault(self, op: str, reason: str, refused: bool = False) -> None:
         if not refused:
             self.breaker.failure()
         self.wire.error(op)
-        now = time.monotonic()
-        if now - self._last_error > 10.0:  # one line per 10 s, not one per call
-            self._last_error = now
-            log.warning("kvtier %s tier (%s): %s %s (%s); %s, breaker %s", self.name, self.where, op,
-                        "refused by the server" if refused else "failed", reason,
-                        "chunks not written" if op == "put" else "treated as a miss", self.breaker.state.name.lower())
+        verb = "refused by the server" if refused else "failed"
+        if (held := self._warnings.admit(f"{verb}: {reason}")) is None:
+            return  # this cause was logged within 10 s; a new cause is logged at once
+        log.warning("kvtier %s tier (%s): %s %s (%s); %s, breaker %s%s", self.name, self.where, op, verb, reason,
+                    "chunks not written" if op == "put" else "treated as a miss", self.breaker.state.name.lower(),
+                    held_back(held))
+
+    def _back(self, down_s: float | None) -> None:
+        """The breaker closed again after ``down_s`` seconds open: one line, and the next fault of
+        any cause is logged at once."""
+        if down_s is not None:
+            self._warnings.forget()
+            log.info("kvtier %s tier (%s): reachable again after %.1f s; breaker closed", self.name, self.where,
+                     down_s)
 
     # ---- Tier contract -----------------------------------------------------------------------
     def contains_many(self, keys: Sequence[ChunkKey], fault: list[str] | None = None) -> list[bool]:

@@ -93,6 +93,29 @@ def hit_sources() -> tuple[int, dict[str, CacheHitSource]]:
     return registry.generation, {s.name: CacheHitSource(s.hit_source) for s in registry.specs()}
 
 
+def prefix_reuse_off(vllm_config: VllmConfig) -> bool:
+    """Whether this engine runs with prefix caching off; if so, say (WARNING, once per engine) that
+    kvtier loads nothing into it.  A hit kvtier loads is a cached prefix: the engine then computes
+    only the rest of the prompt over it.  vLLM turns prefix caching off where that is unsupported or
+    wrong: MLA on the CPU backend without AMX (vllm/platforms/cpu.py: its CPU MLA path gives other
+    tokens over a cached prefix), non-causal attention layers (vllm/v1/engine/core.py), RISC-V CPUs
+    (vllm/engine/arg_utils.py), batch invariance on some backends, models whose KV is not a function
+    of the prefix alone (vllm/model_executor/models/config.py).  An operator's
+    ``--no-enable-prefix-caching`` is taken the same way: vLLM's own offload has nothing to hit then
+    either (``kvtier audit``'s rule prefix-caching-off-with-offload).  Saves go on (the KV is right;
+    another engine of the fleet may load it)."""
+    if vllm_config.cache_config.enable_prefix_caching:
+        return False
+    model = vllm_config.model_config
+    why = ("vLLM turned it off for this model (MLA on the CPU backend)"
+           if model is not None and getattr(model, "use_mla", False) else
+           "--no-enable-prefix-caching, or vLLM turned it off for this model (see vLLM's log above)")
+    log.warning("kvtier: this engine runs with prefix caching off (%s), so it cannot compute over a prefix "
+                "kvtier would load: kvtier loads nothing into it and only saves; turn prefix caching on "
+                "(--enable-prefix-caching) where the model and backend support it", why)
+    return True
+
+
 def use_vllm_logging() -> None:
     """Route kvtier's log records through vLLM's handlers, so they carry vLLM's prefix and INFO
     lines (layout, namespace) are shown; without this only WARNING reaches stderr, unformatted.
@@ -125,7 +148,8 @@ class KVTierConnectorBase(KVConnectorBase_V1, SupportsHMA):
         use_vllm_logging()
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
-        load = transfer.kv_role in ("kv_both", "kv_consumer")
+        load = transfer.kv_role in ("kv_both", "kv_consumer") and not (
+            role == KVConnectorRole.SCHEDULER and prefix_reuse_off(vllm_config))
         save = transfer.kv_role in ("kv_both", "kv_producer")
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
@@ -154,7 +178,13 @@ class KVTierConnectorBase(KVConnectorBase_V1, SupportsHMA):
                      self.kvtier_config.chunk_tokens,
                      "auto: the smallest multiple of every block size that is at least 128" if asked.chunk_tokens == "auto"
                      else "as configured", ", ".join(map(str, sizes)))
-        if transfer.kv_load_failure_policy != "recompute":
+            max_len, chunk = getattr(vllm_config.model_config, "max_model_len", None), int(self.kvtier_config.chunk_tokens)
+            if isinstance(max_len, int) and chunk >= max_len:  # (chunk_tokens is resolved: engine_config)
+                log.warning("kvtier: chunk_tokens %d is not below max_model_len %d: no prompt holds a whole chunk "
+                            "before its last token, so kvtier stores and loads nothing; lower chunk_tokens (auto: "
+                            "the smallest multiple of every block size that is at least 128) or raise max_model_len",
+                            chunk, max_len)
+        if transfer.kv_load_failure_policy != "recompute" and role == KVConnectorRole.SCHEDULER:  # once per engine
             log.warning("kvtier: kv_load_failure_policy is %r; set it to \"recompute\" so that a failed "
                         "kvtier load is recomputed instead of failing the request", transfer.kv_load_failure_policy)
 

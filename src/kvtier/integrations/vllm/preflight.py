@@ -144,6 +144,11 @@ def check_transfer_config(transfer: dict[str, Any] | str, block_size: int | None
                         "the --kv-transfer-config around it; wrap it: {\"kv_connector\":\"KVTierConnector\","
                         "\"kv_connector_module_path\":\"kvtier.integrations.vllm\",\"kv_role\":\"kv_both\","
                         "\"kv_load_failure_policy\":\"recompute\",\"kv_connector_extra_config\":{...}}")]
+    if unknown and {"architectures", "model_type"} & set(unknown) and not set(transfer) & set(KV_TRANSFER_FIELDS):
+        return [Problem("error", "", "this is a model's config.json (it has "
+                        f"{' and '.join(repr(k) for k in ('architectures', 'model_type') if k in transfer)}), not a "
+                        "--kv-transfer-config; give the connector's JSON ({\"kv_connector\":\"KVTierConnector\",...}: "
+                        "docs/vllm.md), and size the model with kvtier size --model DIR")]
     problems = [Problem("error", key, f"--kv-transfer-config has an unknown key {key!r}"
                         f"{did_you_mean(key, KV_TRANSFER_FIELDS)}; vLLM refuses it (known keys: "
                         f"{', '.join(KV_TRANSFER_FIELDS)})")

@@ -19,7 +19,9 @@ tiers: cpu, disk, redis):
 
 - ``kvtier_loaded_tokens_total{tier}``: tokens copied from kvtier into the engine, labelled with
   the tier the scheduler's plan named for their chunk: the source vLLM was told at admission
-  (``get_external_cache_hit_sources``).  ``kvtier_unfilled_tokens_total{tier}``: tokens vLLM
+  (``get_external_cache_hit_sources``).  A model whose every layer has a sliding window needs no
+  KV for a hit's tokens before its last window: they count as loaded with the tier of the chunk
+  after them, whose pages the load copies (``kvtier_transfer_bytes_total{load}`` says what moved).  ``kvtier_unfilled_tokens_total{tier}``: tokens vLLM
   admitted as kvtier hits that no load filled (request aborted before its load began, a chunk
   gone or corrupt, ``load_wait_s`` passed), by planned tier.  Per tier, loaded + unfilled equals
   ``vllm:prompt_tokens_cached_by_source_total`` of the tier's hit source, and over all tiers

@@ -60,6 +60,32 @@ def namespace_directory(path: Path) -> bool:
         return False
 
 
+def namespace_not_a_directory(where: Path) -> str:
+    """The sentence refusing a file where a namespace directory goes (the check's and the tier's)."""
+    return (f"disk_path holds a file {str(where)!r} where the disk tier keeps a model's chunks (a namespace "
+            "directory: 32 hex digits); move or remove it")
+
+
+def namespace_entries_problem(path: Path, max_entries: int = 4096) -> str | None:
+    """What makes an entry of ``path`` (an existing disk_path) named as a namespace directory unusable
+    by the tier of that model: a file in its place, or it (or one of its shard directories) not
+    writable by this process, e.g. read-only mounted; None when none is (at most ``max_entries`` looked at)."""
+    try:
+        with os.scandir(path) as entries:
+            named = [e for _, e in zip(range(max_entries), entries) if NAMESPACE_DIR.fullmatch(e.name)]
+    except OSError:
+        return None
+    for entry in named:
+        where = Path(entry.path)
+        if not entry.is_dir():
+            return namespace_not_a_directory(where)
+        for directory in [where, *(where / f"{i:02x}" for i in range(256))]:
+            if directory.is_dir() and not os.access(directory, os.W_OK | os.X_OK):
+                return (f"disk tier directory {str(directory)!r} is not writable by this process (read-only or "
+                        "another owner); fix its permissions or mount, or choose another disk_path")
+    return None
+
+
 def size_words(num_bytes: float) -> str:
     """``num_bytes`` in GiB, or in MiB under 1 GiB (an 8 MiB tmpfs is not "0.0 GiB")."""
     return f"{num_bytes / GiB:.1f} GiB" if num_bytes >= GiB else f"{num_bytes / (1 << 20):.1f} MiB"
@@ -119,7 +145,8 @@ def disk_path_problem(path: Path, disk_gib: float) -> tuple[str, str] | None:
             return None
         return "disk_path", (f"disk_path {str(path)!r} is not writable ({exc.strerror}); "
                              "point it at a writable directory")
-    return None
+    problem = namespace_entries_problem(path)
+    return ("disk_path", problem) if problem is not None else None
 
 
 def mount_of(path: Path, mounts: str = "/proc/self/mounts") -> tuple[str, str] | None:

@@ -67,6 +67,7 @@ class DirectorySync:
     _tmp_shards: set[int]
     _watch: ShardWatch
     _writer: WriterLock
+    _recreate_failed: str | None
 
     _file: Callable[[ChunkKey], str]  # declared, not defined: DiskTier's (kvtier.core.tiers.disk.tier, .files)
     _forget: Callable[[ChunkKey], None]
@@ -202,10 +203,14 @@ class DirectorySync:
             return
         found.append((key, head.size, head.mtime))
 
-    def _recreate_locked(self) -> None:
-        """The tier's directory vanished (deleted by hand): forget the index and make it again."""
-        log.warning("kvtier disk tier: directory %s vanished; recreating it and forgetting %d indexed chunks",
-                    self.dir, len(self._key_to_size))
+    def _recreate_locked(self) -> str:
+        """The tier's directory vanished (deleted by hand, or a file put in its place): forget the index
+        and make it again.  Returns ``""`` when it is there again, else why it cannot be made (each
+        write fails until it can: a write error the caller counts).  Logs once per episode (and again
+        when the reason changes), not once per write: a file in its place fails every write."""
+        if self._recreate_failed is None:
+            log.warning("kvtier disk tier: directory %s vanished; recreating it and forgetting %d indexed chunks",
+                        self.dir, len(self._key_to_size))
         # writes in flight keep their reservations: one that lands after the directory is made
         # again is a file the index must count; one that fails forgets its key itself
         writing = {k: self._key_to_size[k] for k in self._writing if k in self._key_to_size}
@@ -223,7 +228,17 @@ class DirectorySync:
             self._writer.release()  # its lock file went with the directory
             self._writer = WriterLock(self.dir)
         except OSError as exc:
-            log.warning("kvtier disk tier: cannot recreate %s (%s)", self.dir, exc.strerror)
+            why = ("a file is in its place" if os.path.lexists(self.dir) and not self.dir.is_dir()
+                   else exc.strerror or str(exc))
+            if why != self._recreate_failed:
+                log.warning("kvtier disk tier: cannot recreate %s (%s); chunk writes fail, counted as write "
+                            "errors, until it can be made", self.dir, why)
+            self._recreate_failed = why
+            return why
+        if self._recreate_failed is not None:
+            log.warning("kvtier disk tier: directory %s made again after %s", self.dir, self._recreate_failed)
+        self._recreate_failed = None
+        return ""
 
     def clear(self) -> ClearResult:
         """Forget the index and remove every chunk file of the namespace, other processes' too

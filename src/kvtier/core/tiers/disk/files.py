@@ -26,7 +26,6 @@ import errno
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -37,12 +36,14 @@ from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tenant import Writer
 from kvtier.core.tiers.base import GetResult, PutResult, Tier, writers
+from kvtier.core.tiers.disk.check import namespace_not_a_directory
 from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES
 from kvtier.core.tiers.disk.chunkio import DEFAULT_SLICE_BYTES, ChunkIO, helper_threads
 from kvtier.core.tiers.disk.directory import STALE_TMP_S
 from kvtier.core.tiers.disk.iomode import IO_MODES, IOMode, resolve_io
 from kvtier.core.tiers.disk.reset import remove_chunk_files, reset_marked, unmark_reset
 from kvtier.core.tiers.disk.scan import ShardWatch, WriterLock, indexed_files, sealed_key_id, tmp_name
+from kvtier.core.tiers.loglimit import CauseLimiter
 
 log = logging.getLogger(__name__)
 WRITE_WARNING_INTERVAL_S = 10.0
@@ -76,7 +77,7 @@ class DiskFiles(Tier):
     # what the tier's other parts give (declared, not defined here: DiskTier's own, and its other bases')
     _file: Callable[[ChunkKey], str]  # the tier's own (kvtier.core.tiers.disk.tier, on a hit's path)
     _pool: Callable[[], ThreadPoolExecutor | None]  # the tier's own
-    _recreate_locked: Callable[[], None]  # kvtier.core.tiers.disk.directory's
+    _recreate_locked: Callable[[], str]  # kvtier.core.tiers.disk.directory's
     unopenable: Callable[[bytes | None], bool]  # kvtier.core.tiers.disk.directory's
     sealed_away_found: Callable[[list[bytes], str], None]  # kvtier.core.tiers.disk.directory's
 
@@ -90,6 +91,8 @@ class DiskFiles(Tier):
         self.envelope = envelope.Envelope(namespace, header_bytes=HEADER_BYTES, **(codec_args or NO_CODECS))  # XXH3-128
         self.dir = Path(root) / namespace.hex()
         self._root = str(self.dir)
+        if os.path.lexists(self.dir) and not self.dir.is_dir():
+            raise ConfigError(namespace_not_a_directory(self.dir))
         self.dir.mkdir(parents=True, exist_ok=True)
         self.capacity_bytes = max(capacity_bytes, 0)
         self.fsync = fsync
@@ -100,9 +103,9 @@ class DiskFiles(Tier):
                            readers=self.io_threads + 1)  # the pool's reads and the caller's own
         self._workers: ThreadPoolExecutor | None = None
         self._closed = False
-        self._write_errors_logged = 0  # write_errors when the last warning line was logged
-        self._write_warned_at = -WRITE_WARNING_INTERVAL_S  # time.monotonic() of that line
+        self._write_warnings = CauseLimiter(WRITE_WARNING_INTERVAL_S)  # a line per cause per interval
         self.last_write_error = ""  # why the last chunk write failed ("No space left on device"), "" before any
+        self._recreate_failed: str | None = None  # why the vanished directory cannot be made again (None: it can)
         self._lock = threading.Lock()
         self._key_to_size: dict[ChunkKey, int] = {}
         # indexed() is the dict's own membership test, a C call: the index asks it per chunk on the hit path
@@ -124,7 +127,11 @@ class DiskFiles(Tier):
         self._rebuild_index()
         for i in range(256):  # fan-out directories made once, not on the write path
             shard = self.dir / f"{i:02x}"
-            shard.mkdir(exist_ok=True)
+            try:
+                shard.mkdir(exist_ok=True)
+            except OSError as exc:  # e.g. EROFS: the namespace directory mounted read-only
+                raise ConfigError(f"disk tier directory {str(shard)!r} cannot be made ({exc.strerror}); fix the "
+                                  "permissions or mount of its directory, or choose another disk_path") from None
             if not os.access(shard, os.W_OK | os.X_OK):
                 raise ConfigError(f"disk tier directory {str(shard)!r} is not writable by this process; "
                                   "fix its permissions or choose another disk_path")
@@ -260,19 +267,16 @@ class DiskFiles(Tier):
             with self._lock:
                 self._writing.discard(key)
                 self._forget(key)
-                if not self.dir.is_dir():
-                    self._recreate_locked()
-                    return PutResult.FAILED
+                # the directory vanished under the write: made again (this chunk lost), or not (a file in
+                # its place): either way a failed write, counted as one (doctor reads dropped saves beside it)
+                why = self._recreate_locked() if not self.dir.is_dir() else ""
                 self.write_errors += 1
-                self.last_write_error = exc.strerror or str(exc)
-                now = time.monotonic()
-                if now - self._write_warned_at < WRITE_WARNING_INTERVAL_S:
-                    return PutResult.FAILED
-                unlogged = self.write_errors - self._write_errors_logged - 1
-                self._write_warned_at, self._write_errors_logged = now, self.write_errors
+                self.last_write_error = cause = why or exc.strerror or str(exc)
+            if (unlogged := self._write_warnings.admit(cause)) is None:  # this cause logged within the interval
+                return PutResult.FAILED
             since = (f"; {unlogged} more chunk writes failed since the last such line" if unlogged else "")
             log.warning("kvtier disk tier: writing %s failed (%s); chunk not stored (at most one such line per "
-                        "%.0f s%s)", path, exc.strerror, WRITE_WARNING_INTERVAL_S, since)
+                        "cause per %.0f s%s)", path, cause, self._write_warnings.interval_s, since)
             return PutResult.FAILED
         with self._lock:
             self._writing.discard(key)

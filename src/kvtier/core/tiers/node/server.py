@@ -115,9 +115,10 @@ def refuse_foreign_pool(path: Path) -> None:
                         "give another --pool path")
 
 
-def take_pool(opts: ServeOptions) -> Pool:
+def take_pool(opts: ServeOptions) -> tuple[Pool, str]:
     """The pool file mapped for this owner (whose lock :func:`lock_pool` holds): the existing one
-    when its layout matches, else (a kvtier pool of another layout or size) created anew; its epoch bumped.
+    when its layout matches, else (a kvtier pool of another layout or size) created anew; its epoch
+    bumped.  With it, why it was created anew (``""``: the existing pool taken as it is).
 
     Raises:
         UserError: it cannot be created (one sentence).
@@ -125,13 +126,20 @@ def take_pool(opts: ServeOptions) -> Pool:
     total = int(opts.node_gib * (1 << 30))
     page_bytes = opts.page_kib << 10
     pool: Pool | None = None
+    anew = "no pool file was there"
     if opts.pool.exists():
         try:
             pool = open_pool(opts.pool)
         except PoolError as exc:  # a kvtier pool (refuse_foreign_pool) of an older layout, or cut short
             log.warning("kvtier node: %s; creating the pool anew (its values are lost)", exc)
-        if pool is not None and (pool.page_bytes != page_bytes or opts.pool.stat().st_size != total):
-            log.warning("kvtier node: the pool %s has another size or page size; creating it anew", opts.pool)
+            anew = str(exc)
+        size = opts.pool.stat().st_size
+        if pool is not None and (pool.page_bytes != page_bytes or size != total):
+            anew = (f"its size changed: it was made for --node-gib {size / (1 << 30):g} --page-kib "
+                    f"{pool.page_bytes >> 10}, this start asks for --node-gib {opts.node_gib:g} --page-kib "
+                    f"{opts.page_kib}")
+            log.warning("kvtier node: the pool %s: %s; creating it anew (its values are lost; restart with the "
+                        "old sizes to keep them)", opts.pool, anew)
             PresenceTable(pool.slots, pool.meta).beat(0)  # engines still mapping it stop reading its table
             pool.close()
             pool = None
@@ -140,21 +148,24 @@ def take_pool(opts: ServeOptions) -> Pool:
             pool = create_pool(opts.pool, total, page_bytes)
         except (PoolError, ValueError) as exc:
             raise UserError(f"{exc}; check --pool, --node-gib and that the mount has that much room") from None
+    else:
+        anew = ""
     pool.set_epoch(pool.epoch + 1)
-    return pool
+    return pool, anew
 
 
 class Owner:
     """The owner's state and its message handler (one event loop)."""
 
-    def __init__(self, pool: Pool, opts: ServeOptions) -> None:
+    def __init__(self, pool: Pool, opts: ServeOptions, anew: str = "") -> None:
+        """``anew``: why ``pool`` was created anew (:func:`take_pool`; ``""``: the existing pool)."""
         self.pool = pool
         self.opts = opts
         self.index = PoolIndex(pool.gens, pool.heads, PresenceTable(pool.slots, pool.meta), pool.page_bytes,
                                opts.lease_s)
         recovered = self.index.recover(self._name_at)
-        log.info("kvtier node: pool %s, %d pages of %d KiB, epoch %d, %d values taken back", pool.path,
-                 pool.num_pages, opts.page_kib, pool.epoch, recovered)
+        log.info("kvtier node: pool %s, %d pages of %d KiB, epoch %d, %d values taken back%s", pool.path,
+                 pool.num_pages, opts.page_kib, pool.epoch, recovered, f" (created anew: {anew})" if anew else "")
         self._next_conn = 1
 
     def _name_at(self, page: int, nbytes: int) -> Name | None:
@@ -243,6 +254,13 @@ class Owner:
                     log.info("kvtier node: %d leases expired (an engine stalled)", n)
 
 
+def not_a_directory(path: Path) -> str:
+    """Why ``path``, which is not a directory, cannot hold a file: ``does not exist`` or what it is."""
+    if not path.exists():
+        return "does not exist"
+    return "is a file, not a directory" if path.is_file() else "exists and is not a directory"
+
+
 def claim_socket(path: Path) -> None:
     """Remove a stale socket file at ``path`` (one nobody listens on: its owner died).
 
@@ -251,7 +269,8 @@ def claim_socket(path: Path) -> None:
             a directory, a symbolic link: never removed), or the directory does not exist.
     """
     if not path.parent.is_dir():
-        raise UserError(f"--socket {path}: directory {path.parent} does not exist; create it or give another path")
+        raise UserError(f"--socket {path}: directory {path.parent} {not_a_directory(path.parent)}; create it or "
+                        "give another path")
     if path.is_symlink() or (path.exists() and not path.is_socket()):
         # only a socket file is ever removed (a stale one, below): never a file, directory or link
         what = "a symbolic link" if path.is_symlink() else "a directory" if path.is_dir() else "not a socket"
@@ -295,7 +314,7 @@ async def _serve(opts: ServeOptions, ready: asyncio.Event | None = None) -> None
         refuse_foreign_pool(opts.pool)
         claim_socket(opts.socket)
         sock = bind_socket(opts.socket)
-        pool = take_pool(opts)
+        pool, anew = take_pool(opts)
     except BaseException:
         if sock is not None:  # a refused start leaves nothing it created: the socket file,
             sock.close()
@@ -304,7 +323,7 @@ async def _serve(opts: ServeOptions, ready: asyncio.Event | None = None) -> None
             lock_path(opts.pool).unlink(missing_ok=True)
         os.close(lock)
         raise
-    owner = Owner(pool, opts)
+    owner = Owner(pool, opts, anew)
     server = await asyncio.start_unix_server(owner.connection, sock=sock)
     os.chmod(opts.socket, 0o660)
     stop = asyncio.Event()

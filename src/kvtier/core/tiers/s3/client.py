@@ -145,6 +145,11 @@ _CAUSES = (("connection refused", "connection refused"), ("dns error", "host nam
            ("failed to lookup address", "host name not resolved"), ("timed out", "timed out"),
            ("connection reset", "connection reset"))
 _TIMING = re.compile(r" in [0-9.]+\s*(?:ns|µs|us|ms|s)\b")
+_URL = re.compile(r"\b(https?://[^/\s,)]+)[^\s,)]*")
+_STATUS = re.compile(r"status code: (\d{3})(?: ([A-Za-z][A-Za-z ]*[A-Za-z]))?")
+_S3_CODE = re.compile(r"<Code>(\w+)</Code>")
+_OS_MESSAGE = re.compile(r'message: "([^"]+)"')
+_HTTP_KIND = re.compile(r"HttpError \{\s*kind: (\w+)")
 
 
 def not_implemented(exc: BaseException) -> bool:
@@ -167,6 +172,32 @@ def brief(text: str, limit: int = 160) -> str:
     if len(first) > limit:
         first = first[:limit].rsplit(" ", 1)[0].rstrip(" ,;:-") + " ..."
     return f"{first} ({cause})" if cause else first or "no detail"
+
+
+def s3_cause(exc: BaseException) -> str:
+    """An obstore error reduced to its innermost meaningful cause, in one short line with no object
+    path, timing or Rust debug dump (equal for every request that failed the same way, so a log
+    line per cause can be rate-limited): ``"connection refused to http://127.0.0.1:9000"``,
+    ``"HTTP 404 NoSuchBucket from http://minio:9000"``, ``"timed out to https://s3.example"``,
+    else :func:`brief` of its first line.  Another exception: its class and first line."""
+    text = str(exc)
+    if not type(exc).__module__.startswith("obstore") and "Debug source:" not in text:
+        lines = text.strip().splitlines()
+        return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    origin = match.group(1) if (match := _URL.search(text)) else ""
+    if (status := _STATUS.search(text)) is not None:
+        code = _S3_CODE.search(text)
+        what = code.group(1) if code else status.group(2) or ""
+        return f"HTTP {status.group(1)} {what}".rstrip() + (f" from {origin}" if origin else "")
+    to = f" to {origin}" if origin else ""
+    if (message := _OS_MESSAGE.search(text)) is not None:
+        return f"{message.group(1).lower()}{to}"
+    if (kind := _HTTP_KIND.search(text)) is not None and kind.group(1) == "Timeout":
+        return f"timed out{to}"
+    lowered = text.lower()
+    if (cause := next((phrase for mark, phrase in _CAUSES if mark in lowered), None)) is not None:
+        return f"{cause}{to}"
+    return brief(_URL.sub(r"\1", text))
 
 
 def unreachable(text: str) -> bool:
@@ -223,9 +254,9 @@ def describe_failure(exc: BaseException, settings: S3Settings, timeout_s: float)
         return "auth failed", ("no credentials: none in the environment or s3_credentials_file, and no instance or "
                                "container credentials answered")
     if unreachable(text):
-        return "unreachable", brief(text)
+        return "unreachable", s3_cause(exc)
     if "NoSuchBucket" in text:
         return "no bucket", "no such bucket"
     if any(mark in text for mark in AUTH_MARKS):  # a LIST's 403 arrives as obstore's generic error
         return "auth failed", "the server refused the credentials (403)"
-    return "failed", brief(text) if text else type(exc).__name__
+    return "failed", s3_cause(exc) if text else type(exc).__name__

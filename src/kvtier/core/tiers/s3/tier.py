@@ -60,7 +60,8 @@ from kvtier.core.stats import WireCounters, WireStats
 from kvtier.core.tenant import TenantRecords, Writer
 from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, TierUsage, writers
 from kvtier.core.tiers.buffers import BufferPool
-from kvtier.core.tiers.s3.client import brief
+from kvtier.core.tiers.loglimit import CauseLimiter, held_back
+from kvtier.core.tiers.s3.client import s3_cause
 from kvtier.core.tiers.s3.conditional import ConditionalPut
 from kvtier.core.tiers.s3.objects import S3Objects
 from kvtier.core.tiers.s3.space import S3Space
@@ -97,6 +98,7 @@ class S3Tier(SharedReads, Tier):
 
     name = "s3"
     shared = True
+    describe_error = staticmethod(s3_cause)  # GuardedTier's log lines: the short cause, not obstore's debug dump
 
     def __init__(self, store: Any, namespace: bytes, secret: bytes | None, key_prefix: str, concurrency: int,
                  capacity_bytes: int | None = None, ttl_s: int | None = None, sweep_interval_s: float = 300.0,
@@ -115,7 +117,7 @@ class S3Tier(SharedReads, Tier):
         self.concurrency, self.conditional_put, self.where = concurrency, conditional_put, where
         self.produce_wait_s = produce_wait_s
         self.encode_buffers = BufferPool(ENCODE_BUFFER_BYTES)
-        self.wire, self._lock, self._last_error = WireCounters(), threading.Lock(), 0.0
+        self.wire, self._lock, self._warnings = WireCounters(), threading.Lock(), CauseLimiter()
         self.objects = S3Objects(store, self.prefix, concurrency)
         """The namespace's objects and the event loop their requests run on."""
         self.conditional = ConditionalPut(self.objects, conditional_put, self._exists_errors, where, self._log_fault)
@@ -364,7 +366,7 @@ class S3Tier(SharedReads, Tier):
         except Exception as exc:  # noqa: BLE001 - any fault: the reset reports it, never raises
             self._log_fault("clear", exc)
             return ClearResult([], False, f"the S3 server at {self.where} did not list and delete the "
-                                          f"namespace's objects ({type(exc).__name__})")
+                                          f"namespace's objects ({s3_cause(exc)})")
         return ClearResult(found)
 
     # ---- the rest of the contract ----------------------------------------------------------------
@@ -388,10 +390,8 @@ class S3Tier(SharedReads, Tier):
         return self.wire.snapshot(0, 0)
 
     def _log_fault(self, op: str, exc: BaseException) -> None:
-        now = time.monotonic()
-        if now - self._last_error > 10.0:  # one line per 10 s
-            self._last_error = now
-            log.warning("kvtier s3 tier (%s): %s failed (%s: %s)", self.where, op, type(exc).__name__, brief(str(exc)))
+        if (held := self._warnings.admit(cause := s3_cause(exc))) is not None:  # each cause once per 10 s
+            log.warning("kvtier s3 tier (%s): %s failed (%s)%s", self.where, op, cause, held_back(held))
 
     def close(self) -> None:
         if self.objects.closed:

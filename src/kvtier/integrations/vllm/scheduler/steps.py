@@ -329,8 +329,8 @@ class PagePlanner:
     def lookup(self, chain: Sequence[bytes], num_computed_tokens: int, num_tokens: int,
                shared: AbstractSet[bytes] = frozenset(), shared_tier: str = "") -> tuple[int, list[str]]:
         """The hit (tokens, 0 if none beyond ``num_computed_tokens``) and, per chunk before it,
-        the slowest tier any of its pages is held in (for vLLM's hit-source metrics; ``""`` for
-        a chunk kvtier does not hold before the engine's own hit).
+        the slowest tier any of its pages is held in (for vLLM's hit-source metrics; ``""`` before the
+        engine's own hit where kvtier holds none; in the hit, none kept: the next chunk's, below).
 
         ``shared``: page keys the shared tier ``shared_tier`` holds for every rank, from
         :meth:`~kvtier.integrations.vllm.scheduler.remote.RemoteLookups.poll_pages` over :meth:`unheld_pages`.
@@ -356,10 +356,11 @@ class PagePlanner:
             return self.mirror.tier(key) or (shared_tier if key in shared else None)
 
         hit = self.plan.hit_tokens(lambda g, c: tier(g, c) is not None, num_computed_tokens, num_tokens)
-        tiers = []
-        for c in range(hit // self.C):
-            held = [tier(g.index, c) for g in self.plan.groups]
-            tiers.append(slowest([t for t in held if t]) if any(held) else "")
+        tiers = [slowest([t for t in held if t]) if any(held) else ""
+                 for held in ([tier(g.index, c) for g in self.plan.groups] for c in range(hit // self.C))]
+        after = ""  # a chunk no group keeps KV for (every layer windowed): served by the next one held
+        for c in range(len(tiers) - 1, num_computed_tokens // self.C - 1, -1):
+            after = tiers[c] = tiers[c] or after
         return hit, tiers
 
     def unheld_pages(self, chain: Sequence[bytes], num_computed_tokens: int, num_tokens: int) -> list[bytes]:
