@@ -55,7 +55,7 @@ def parse_vllm_args(words: list[str], config: ServeConfig) -> None:
         word = words[i]
         if word in _STOP:
             break
-        if word.startswith("-") and len(word) > 1 and not _is_number(word):
+        if word.startswith("-") and len(word) > 1 and not is_number(word):
             if "=" in word and word.startswith("--"):
                 name, value = word.split("=", 1)
                 config.flags.append((normalise_flag(name), value))
@@ -64,7 +64,7 @@ def parse_vllm_args(words: list[str], config: ServeConfig) -> None:
                 nxt = words[i + 1] if i + 1 < len(words) else None
                 dotted = "." in name and name.startswith("--")  # vLLM takes the next word, whatever it is
                 if name not in BOOL_FLAGS and nxt is not None and nxt not in _STOP and (
-                        dotted or not nxt.startswith("-") or _is_number(nxt)):
+                        dotted or not nxt.startswith("-") or is_number(nxt)):
                     config.flags.append((name, nxt))
                     i += 1
                 else:
@@ -74,7 +74,8 @@ def parse_vllm_args(words: list[str], config: ServeConfig) -> None:
         i += 1
 
 
-def _is_number(word: str) -> bool:
+def is_number(word: str) -> bool:
+    """Whether ``word`` reads as a number (``float``): a negative value, not a flag."""
     try:
         float(word)
     except ValueError:

@@ -19,6 +19,7 @@ from importlib import resources
 from typing import Any
 
 from kvtier.audit.model import ServeConfig
+from kvtier.audit.parse_command import is_number
 from kvtier.audit.rules.base import RULES, rule
 from kvtier.audit.rules.pitfalls import SGLANG_FLAGS
 
@@ -85,7 +86,7 @@ def bad_value(c: ServeConfig) -> str | None:
             said.append(f"{flag} has no value")
         elif spec["kind"] == "int" and not _whole(value):
             said.append(f"{flag} {value!r} is not a whole number")
-        elif spec["kind"] == "float" and not _number(value):
+        elif spec["kind"] == "float" and not is_number(value):
             said.append(f"{flag} {value!r} is not a number")
         elif spec["kind"].startswith("size") and not _size(value, spec["kind"] == "size_or_auto"):
             said.append(f"{flag} {value!r} is not a whole number (or 32k, 1M: k/m/g = 1,000s, K/M/G = 1,024s"
@@ -113,11 +114,3 @@ def _size(word: str, auto: bool) -> bool:
     if auto and (word == "-1" or word.lower() == "auto"):
         return True
     return _whole(word) or re.fullmatch(r"\d+(\.\d+)?[kmgt]|\d+[KMGT]", word) is not None
-
-
-def _number(word: str) -> bool:
-    try:
-        float(word)
-    except ValueError:
-        return False
-    return True
