@@ -16,7 +16,7 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "receipts.md"
 
 def json_blocks() -> list[object]:
     """Every fenced ``json`` block of the page, parsed."""
-    return [json.loads(body) for body in re.findall(r"```json\n(.*?)\n```", DOC.read_text(), re.S)]
+    return [json.loads(body) for body in re.findall(r"```json\n(.*?)\n```", DOC.read_text(), re.DOTALL)]
 
 
 def documented_receipts() -> list[dict[str, object]]:
