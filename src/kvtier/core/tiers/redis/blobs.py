@@ -5,8 +5,8 @@ Keys are ``<prefix><namespace hex>:[<keyspace>:]<chunk key hex>`` (:mod:`kvtier.
 the keyspace segment, 16 hex digits, only under a ``shared_secret``).  :meth:`RedisBlobs.list`
 finds them with ``SCAN MATCH`` (the prefix, glob characters escaped; in a Cluster redis-py's
 ``scan_iter`` visits every primary) and keeps those whose name parses as above;
-:meth:`RedisBlobs.stat` asks ``STRLEN`` and ``PTTL`` (and, for the header, ``GETRANGE key 0 111``:
-the header alone, never the payload, read by :func:`~kvtier.core.tiers.sharedvalue.peek`, the one
+:meth:`RedisBlobs.stat` asks ``STRLEN`` and ``PTTL`` (or, for the header, ``GETRANGE key 0 131``:
+the header and an encrypted payload's key id, never the payload, read by :func:`~kvtier.core.tiers.sharedvalue.peek`, the one
 place this module reads a value's header), one pipeline per batch of :data:`~kvtier.core.tiers.blobs.LIST_BATCH`
 keys; :meth:`RedisBlobs.delete` sends ``UNLINK``.  Bytes are the values' lengths (header and payload).
 
