@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from importlib import resources
@@ -123,8 +124,9 @@ def parse_record(raw: object, index: int, where: str, block_tokens: int | None) 
                          "trace line has timestamp (ms), input_length, output_length and hash_ids: convert the "
                          "trace (docs/simulate.md describes both formats kvtier reads)")
     stamp = raw.get("timestamp")
-    if not isinstance(stamp, (int, float)) or isinstance(stamp, bool) or not stamp >= 0:
-        raise TraceError(f"{where}: field 'timestamp' must be a number >= 0 (ms), got {stamp!r}")
+    # finite: Python's JSON reader takes Infinity, and bench run would wait forever for that arrival
+    if not isinstance(stamp, (int, float)) or isinstance(stamp, bool) or not 0 <= stamp < math.inf:
+        raise TraceError(f"{where}: field 'timestamp' must be a finite number >= 0 (ms), got {stamp!r}")
     tokens = _int(raw, "input_length", where, 1)
     output = _int(raw, "output_length", where, 0) if "output_length" in raw else 0
     ids = raw.get("hash_ids")
