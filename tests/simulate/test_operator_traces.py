@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def kvtier(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kvtier.cli.main", *args], check=False, capture_output=True,
@@ -49,3 +51,43 @@ def test_a_timestamp_past_a_double_is_infinite_and_refused_too(tmp_path: Path) -
     path = tmp_path / "t.jsonl"
     path.write_text('{"timestamp": 1e309, "input_length": 600, "output_length": 2, "hash_ids": [0, 1]}\n')
     _one_error_line(kvtier("trace", "stats", "--trace", str(path)), "must be a finite number >= 0 (ms)")
+
+
+def _three_requests(path: Path) -> Path:
+    """Three prompts sharing chunks 1 and 2 (512-token chunks): 39.1 % of prompt tokens can hit, by hand:
+    B (1,600 tokens) hits chunks 1, 2 (1,024 tokens), C (1,024 tokens) chunk 1 only (its last token's chunk is
+    recomputed): 1,536 / 3,924."""
+    lines = [(0, 1300, [1, 2, 3]), (1000, 1600, [1, 2, 4, 5]), (2000, 1024, [1, 2])]
+    path.write_text("".join(json.dumps({"timestamp": t, "input_length": n, "output_length": 10, "hash_ids": ids})
+                            + "\n" for t, n, ids in lines))
+    return path
+
+
+def test_recommend_sizes_no_tier_where_the_engine_alone_reaches_the_ceiling_as_size_says(tmp_path: Path) -> None:
+    """simulate --recommend printed 'cpu 1 GiB  the curve is flat ... sweep a wider range (e.g. --cpu-gib
+    0.00292969,0.0625,1,4) to find where it bends; hits 39.1%' when the engine held the whole trace (the cpu
+    column 0.0 %, all 39.1 % the engine's), and on a trace with nothing to reuse (ceiling 0.0 %), while
+    kvtier size on the same trace and geometry says 'Offload not needed'."""
+    trace = _three_requests(tmp_path / "three.jsonl")
+    common = ("--model", "meta-llama/Llama-3.1-8B-Instruct", "--policy", "lru,default", "--workers", "1",
+              "--recommend")
+    sim = kvtier("simulate", "--trace", str(trace), "--engine-gib", "52.73", "--cpu-gib", "1,4", *common)
+    assert sim.returncode == 0, sim.stdout + sim.stderr
+    text = " ".join(sim.stdout.split())
+    assert "39.1%" in text and "cpu none not needed: the engine's own prefix cache (53 GiB) already hits 39.1%" \
+        in text, sim.stdout
+    assert "disk none not needed either" in text and "sweep a wider range" not in text, sim.stdout
+    size = kvtier("size", "--model", "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "H100", "--trace", str(trace),
+                  "--json")
+    assert size.returncode == 0, size.stderr
+    report = json.loads(size.stdout)
+    assert report["offload_needed"] is False and report["predicted_hits"]["total"] == pytest.approx(1536 / 3924)
+    assert report["hbm_kv_budget_bytes"] / 2**30 == pytest.approx(52.73, abs=0.005)
+
+    once = tmp_path / "once.jsonl"  # one prompt: nothing is ever used twice
+    once.write_text('{"timestamp": 0, "input_length": 6758, "output_length": 5, "hash_ids": '
+                    + json.dumps(list(range(14))) + "}\n")
+    sim = kvtier("simulate", "--trace", str(once), "--engine-gib", "0", "--cpu-gib", "1,4", *common)
+    assert sim.returncode == 0, sim.stdout + sim.stderr
+    assert "cpu none not needed: no prompt token of this trace can be served from any cache (ceiling 0.0%" \
+        in " ".join(sim.stdout.split()), sim.stdout
