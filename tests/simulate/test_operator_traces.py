@@ -91,3 +91,20 @@ def test_recommend_sizes_no_tier_where_the_engine_alone_reaches_the_ceiling_as_s
     assert sim.returncode == 0, sim.stdout + sim.stderr
     assert "cpu none not needed: no prompt token of this trace can be served from any cache (ceiling 0.0%" \
         in " ".join(sim.stdout.split()), sim.stdout
+
+
+def test_a_cpu_capacity_below_one_chunk_under_a_lower_tier_is_refused_as_0_is(tmp_path: Path) -> None:
+    """--cpu-gib 0 beside --disk-gib is refused (kvtier runs no lower tier without a cpu tier), but 0.05 GiB, less
+    than one 64 MiB chunk of Llama-3.1-8B and so no cpu tier at all, was swept: its row said the disk served all
+    39.1% of a configuration kvtier check refuses ('a cpu tier smaller than one chunk')."""
+    trace = _three_requests(tmp_path / "three.jsonl")
+    common = ("--trace", str(trace), "--model", "meta-llama/Llama-3.1-8B-Instruct", "--engine-gib", "0",
+              "--policy", "lru", "--workers", "1")
+    for lower in ("--disk-gib", "--shared-gib"):
+        _one_error_line(kvtier("simulate", *common, "--cpu-gib", "0.05,1", lower, "2"),
+                        "--cpu-gib 0.05 GiB is less than one 0.0625 GiB chunk: with --disk-gib or --shared-gib that "
+                        "models a lower tier without a cpu tier, which kvtier refuses")
+    one_chunk = kvtier("simulate", *common, "--cpu-gib", "0.0625,1", "--disk-gib", "2")  # one chunk: a cpu tier
+    assert one_chunk.returncode == 0, one_chunk.stdout + one_chunk.stderr
+    alone = kvtier("simulate", *common, "--cpu-gib", "0.05,1")  # no lower tier: the engine-alone row, as 0 is
+    assert alone.returncode == 0, alone.stdout + alone.stderr
