@@ -108,3 +108,23 @@ def test_a_cpu_capacity_below_one_chunk_under_a_lower_tier_is_refused_as_0_is(tm
     assert one_chunk.returncode == 0, one_chunk.stdout + one_chunk.stderr
     alone = kvtier("simulate", *common, "--cpu-gib", "0.05,1")  # no lower tier: the engine-alone row, as 0 is
     assert alone.returncode == 0, alone.stdout + alone.stderr
+
+
+def test_an_absurd_length_is_one_short_sentence_and_a_5000_digit_one_no_traceback(tmp_path: Path) -> None:
+    """'input_length': 1e300 was taken as an integer and quoted back as a 301-digit token count beside a
+    301-digit block count; 'output_length': 1e300 passed into bench's requests; a 5,000-digit integer
+    (past Python's 4,300-digit limit, a ValueError, not a JSONDecodeError) ended every trace tool in a
+    traceback, exit 1."""
+    big = tmp_path / "big.jsonl"
+    big.write_text('{"timestamp": 0, "input_length": 1e300, "output_length": 1, "hash_ids": [0, 1]}\n')
+    _one_error_line(kvtier("trace", "stats", "--trace", str(big)),
+                    "big.jsonl line 1: field 'input_length' must be an integer from 1 to 2^53, got 1e+300")
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"timestamp": 0, "input_length": 600, "output_length": 1e300, "hash_ids": [0, 1]}\n')
+    _one_error_line(kvtier("bench", "run", "--url", "http://127.0.0.1:9", "--workload", "trace", "--trace", str(out),
+                           "--vocab-size", "2048"), "field 'output_length' must be an integer from 0 to 2^53")
+    digits = tmp_path / "digits.jsonl"
+    digits.write_text('{"timestamp": 0, "input_length": ' + "9" * 5000 + ', "hash_ids": [0, 1]}\n')
+    for tool in (("trace", "stats"), ("simulate", "--kv-bytes-per-token", "2048", "--engine-gib", "0",
+                                      "--cpu-gib", "1", "--workers", "1")):
+        _one_error_line(kvtier(*tool, "--trace", str(digits)), "digits.jsonl line 1 holds a number too long to read")

@@ -95,12 +95,18 @@ def _open(path: Path, mode: str) -> IO[str]:
     return path.open(mode, encoding="utf-8")
 
 
+MAX_TRACE_INT = 2**53
+"""Largest length a trace line may give (JSON's exact integers): ``1e300`` was taken and then quoted
+back as a 301-digit token count."""
+
+
 def _int(raw: dict, name: str, where: str, minimum: int) -> int:
     value = raw.get(name)
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise TraceError(f"{where}: field {name!r} must be an integer >= {minimum}, got {value!r}")
+    if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= MAX_TRACE_INT:
+        shown = f"{value:.6g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else repr(value)
+        raise TraceError(f"{where}: field {name!r} must be an integer from {minimum} to 2^53, got {shown}")
     return value
 
 
@@ -166,6 +172,9 @@ def jsonl_objects(path: str | Path, start: int = 0) -> Iterator[tuple[int, str, 
                                          "per line (a Mooncake trace: timestamp, input_length, output_length, "
                                          "hash_ids); pass a .jsonl(.gz) trace") from None
                     raise TraceError(f"{where} is not valid JSON ({exc.msg}); fix or remove that line") from None
+                except ValueError as exc:  # not a JSONDecodeError: an integer past Python's 4,300-digit limit
+                    raise TraceError(f"{where} holds a number too long to read ({str(exc).split(':')[0]}); no "
+                                     "request has one: fix or remove that line") from None
                 except RecursionError:  # nested deeper than Python's JSON decoder goes: no request is
                     raise TraceError(f"{where} is nested too deeply to be a request object; fix or remove "
                                      "that line") from None
