@@ -106,8 +106,11 @@ def test_a_cpu_capacity_below_one_chunk_under_a_lower_tier_is_refused_as_0_is(tm
                         "models a lower tier without a cpu tier, which kvtier refuses")
     one_chunk = kvtier("simulate", *common, "--cpu-gib", "0.0625,1", "--disk-gib", "2")  # one chunk: a cpu tier
     assert one_chunk.returncode == 0, one_chunk.stdout + one_chunk.stderr
-    alone = kvtier("simulate", *common, "--cpu-gib", "0.05,1")  # no lower tier: the engine-alone row, as 0 is
-    assert alone.returncode == 0, alone.stdout + alone.stderr
+    alone = kvtier("simulate", *common, "--cpu-gib", "0.05,1")  # no lower tier: the engine-alone row, as 0 is,
+    assert alone.returncode == 0, alone.stdout + alone.stderr  # said so as 0 is (it was a silent 0.05 row)
+    assert ("note: --cpu-gib 0.05 GiB holds less than one 0.0625 GiB chunk: the engine alone, like 0 (kvtier refuses "
+            "a cpu tier smaller than one chunk)") in alone.stderr, alone.stderr
+    assert "note:" not in one_chunk.stderr, one_chunk.stderr
 
 
 def test_an_absurd_length_is_one_short_sentence_and_a_5000_digit_one_no_traceback(tmp_path: Path) -> None:
