@@ -87,6 +87,10 @@ class TierSpec:
         packages: the modules of the tier's client outside kvtier (``redis``, ``obstore``: the
             extra of the tier's name in pyproject.toml); the pre-flight reports one that does not
             import as an error (:func:`kvtier.core.tiers.factory.check`).
+        codecs: the tier writes the codec chain ``codecs`` names for it (compression, encryption
+            at rest); ``False``: it stores values as the engine wrote them, and a ``codecs`` entry
+            for it is refused at start-up rather than ignored (a chain asking for ``aes-256-gcm``
+            would otherwise leave the values in the clear).
     """
 
     name: str
@@ -100,6 +104,7 @@ class TierSpec:
     medium: str | None = None
     model: TierModel | None = None
     packages: tuple[str, ...] = ()
+    codecs: bool = True
 
 
 REDIS_MODEL = TierModel(1.25, 0.5, "one 10 Gb/s Ethernet link (10GBASE-T line rate, IEEE 802.3an) to the server, and "
@@ -116,7 +121,7 @@ BUILTIN = (
              capabilities=frozenset({"rescannable", "generational", "exact_usage"}), keys=("disk_path", "disk_gib"),
              medium="STORAGE"),
     TierSpec("node", 15, True, "host", "kvtier.core.tiers.builtin:NODE", keys=("node_socket",),
-             capabilities=frozenset({"registers_memory", "answers_now"})),
+             capabilities=frozenset({"registers_memory", "answers_now"}), codecs=False),
     TierSpec("redis", 20, True, "external_unspecified", "kvtier.core.tiers.builtin:REDIS", keys=("redis_url",),
              model=REDIS_MODEL, packages=("redis",)),
     TierSpec("s3", 30, True, "external_unspecified", "kvtier.core.tiers.builtin:S3",
@@ -222,6 +227,11 @@ def top_tier() -> str:
 def lower_tiers() -> list[str]:
     """Registered tiers below the top tier, in order."""
     return [s.name for s in specs() if not s.top]
+
+
+def codec_tiers() -> list[str]:
+    """Registered lower tiers that write a codec chain (:attr:`TierSpec.codecs`), in order."""
+    return [s.name for s in specs() if not s.top and s.codecs]
 
 
 def local_tiers() -> list[str]:
