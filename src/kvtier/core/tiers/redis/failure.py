@@ -135,3 +135,24 @@ def _verify_failed(detail: str) -> str:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else exc.__class__.__name__
+
+
+CLUSTER_NODE = ("MOVED: the server is a Redis Cluster node and redis_cluster is not set, so the keys of every "
+                "other node's slots are refused; set redis_cluster: true")
+"""The one cause of every ``MOVED``/``ASK`` reply, whatever its slot (:func:`describe_error`)."""
+
+
+def describe_error(exc: BaseException) -> str:
+    """A fault's short cause for the tier's log line (:class:`~kvtier.core.tiers.guarded.GuardedTier`
+    logs each cause at most once per 10 s): a ``MOVED``/``ASK`` reply, which only a Cluster node
+    named without ``redis_cluster`` sends, is :data:`CLUSTER_NODE` whatever its slot and node (one
+    cause, instead of a line per slot); anything else as :func:`~kvtier.core.tiers.guarded.describe_error`."""
+    import redis
+
+    from kvtier.core.tiers.guarded import describe_error as plain
+
+    text = _first_line(exc)
+    if isinstance(exc, redis.exceptions.AskError) or text.startswith(("MOVED ", "ASK ")):
+        return CLUSTER_NODE
+    return plain(exc)
+
