@@ -35,6 +35,8 @@ def classify(exc: BaseException, config: RedisSettings, left_s: float = 0.0) -> 
     of the answer (a TCP connect of its own: redis-py's timeout says neither)."""
     import redis
 
+    if isinstance(exc, ClusterNode):
+        return "wrong mode", CLUSTER_NODE.split(": ", 1)[1].replace("the server is", "it is", 1)
     if isinstance(exc, redis.AuthenticationError):
         return "auth failed", _auth_detail(config, exc)
     if isinstance(exc, redis.ResponseError):  # NOPERM, or an AUTH error redis-py does not map to AuthenticationError
@@ -135,6 +137,10 @@ def _verify_failed(detail: str) -> str:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else exc.__class__.__name__
+
+
+class ClusterNode(Exception):
+    """The probe's ``PING`` was answered by a Redis Cluster node while ``redis_cluster`` is not set."""
 
 
 CLUSTER_NODE = ("MOVED: the server is a Redis Cluster node and redis_cluster is not set, so the keys of every "
