@@ -36,7 +36,7 @@ def classify(exc: BaseException, config: RedisSettings, left_s: float = 0.0) -> 
     import redis
 
     if isinstance(exc, ClusterNode):
-        return "wrong mode", CLUSTER_NODE.split(": ", 1)[1].replace("the server is", "it is", 1)
+        return "wrong mode", CLUSTER_NODE_DETAIL
     if isinstance(exc, redis.AuthenticationError):
         return "auth failed", _auth_detail(config, exc)
     if isinstance(exc, redis.ResponseError):  # NOPERM, or an AUTH error redis-py does not map to AuthenticationError
@@ -143,8 +143,10 @@ class ClusterNode(Exception):
     """The probe's ``PING`` was answered by a Redis Cluster node while ``redis_cluster`` is not set."""
 
 
-CLUSTER_NODE = ("MOVED: the server is a Redis Cluster node and redis_cluster is not set, so the keys of every "
-                "other node's slots are refused; set redis_cluster: true")
+CLUSTER_NODE_DETAIL = ("it is a Redis Cluster node and redis_cluster is not set, so the keys of every other node's "
+                       "slots are refused; set redis_cluster: true")
+"""What the probe says of such a node (state ``wrong mode``, :func:`classify`)."""
+CLUSTER_NODE = f"MOVED: {CLUSTER_NODE_DETAIL}"
 """The one cause of every ``MOVED``/``ASK`` reply, whatever its slot (:func:`describe_error`)."""
 
 
@@ -161,4 +163,3 @@ def describe_error(exc: BaseException) -> str:
     if isinstance(exc, redis.exceptions.AskError) or text.startswith(("MOVED ", "ASK ")):
         return CLUSTER_NODE
     return plain(exc)
-
