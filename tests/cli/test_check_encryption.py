@@ -82,3 +82,9 @@ def test_a_chain_for_the_node_tier_which_writes_none_is_refused(tmp_path: Path) 
     proc = kvtier("check", "--offline", transfer(tmp_path, **node, codecs={"node": ["aes-256-gcm"]}))
     assert proc.returncode == 1 and "'node', which writes no codec chain" in proc.stdout, proc.stdout + proc.stderr
     assert KVTierConfig.from_dict({"cpu_gib": 1, **node, "codecs": {}}).codecs == {}
+    # a tier from outside kvtier writes no chain unless its record says so (the toy dict tier does not)
+    plugin = {"cpu_gib": 1, "tier_modules": ["tests.dict_tier_plugin"], "tiers": ["cpu", "dict"],
+              "encryption": node["encryption"]}
+    with pytest.raises(ConfigError, match="codecs is set for tier 'dict', which writes no codec chain"):
+        KVTierConfig.from_dict({**plugin, "codecs": {"dict": ["aes-256-gcm"]}})
+    assert KVTierConfig.from_dict({**plugin, "codecs": {"disk": ["aes-256-gcm"]}}).codecs == {"disk": ("aes-256-gcm",)}
