@@ -115,3 +115,23 @@ def test_bad_version_strings_are_user_errors(text):
 def test_unreadable_inputs_are_user_errors(text, words):
     with pytest.raises(UserError, match=words):
         load_configs(text, "input")
+
+
+def test_docker_run_of_the_kvtier_image_is_audited():
+    """deploy.md builds ``registry.example.com/kvtier-vllm:v0.32.0-kvtier0.1.0`` (vLLM's image, its
+    ``vllm serve`` entrypoint kept) for ``docker run``; a ``docker run`` line of it was refused as "neither a
+    vllm serve command line ..." (exit 2): only ``vllm-openai`` images were read.  The image is the first
+    word after ``run`` past the options and their values, so ``-v /data/vllm-cache:…`` is not it."""
+    line = ("docker run --gpus all -p 8000:8000 -v /data/vllm-cache:/root/.cache --rm -it "
+            "-e VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=35 registry.example.com/kvtier-vllm:v0.32.0-kvtier0.1.0 "
+            "Qwen/Qwen3-8B --tensor-parallel-size 2 --shutdown-timeout 30")
+    (config,) = load_configs(line, "run.sh")
+    assert config.image == "registry.example.com/kvtier-vllm:v0.32.0-kvtier0.1.0"
+    assert config.version == Version("0.32.0")
+    assert config.model == "Qwen/Qwen3-8B" and config.tp == 2
+    assert config.env["VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"] == "35"
+    (podman,) = load_configs(line.replace("docker run", "podman container run").replace(":v0.32.0-kvtier0.1.0", ":0.1.0"),
+                             "run.sh")
+    assert podman.image == "registry.example.com/kvtier-vllm:0.1.0" and podman.version is None  # kvtier's own version
+    with pytest.raises(UserError, match="no `vllm serve` command, vLLM image"):
+        load_configs("docker run -v /data/vllm:/data --name vllm-redis redis:7 --port 6380", "run.sh")

@@ -119,6 +119,18 @@ def test_bench_store_redis_nothing_listening_is_one_sentence():
                              "--redis-url.\n"), result.output
 
 
+def test_bench_store_redis_cluster_node_without_the_flag_is_one_sentence(redis_cluster):
+    """A Cluster node's --redis-url without --redis-cluster: the probe's PING was answered, so the
+    bench timed a tier whose writes of two thirds of the keys were refused with MOVED."""
+    result = CliRunner().invoke(app, ["bench-store", "--sizes", "0.25", "--total-mib", "1", "--repeats", "1",
+                                      "--redis-url", redis_cluster.url, "--redis-only"])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith(f"error: the redis tier at {redis_cluster.url} answers, but it is a Redis "
+                                    "Cluster node and --redis-cluster is not set"), result.output
+    assert "set --redis-cluster" in result.output
+    assert result.output.rstrip().endswith("nothing was measured."), result.output
+
+
 def test_bench_store_node_with_no_owner_says_so_not_short_of_room(tmp_path):
     """--node-socket where no owner listens was "the node tier did not store every chunk of a round
     (2 of 1 MiB); give it room for --total-mib" (a server that is down read as a full one)."""

@@ -61,4 +61,30 @@ def test_a_chain_without_keys_or_out_of_order_is_refused(tmp_path: Path) -> None
     proc = kvtier("check", "--offline", transfer(tmp_path, codecs={"disk": ["aes-256-gcm", "identity"]}))
     assert proc.returncode == 1 and "must come last in a chain" in proc.stdout
     proc = kvtier("check", "--offline", transfer(tmp_path, codecs={"cpu": ["identity"]}))
-    assert proc.returncode == 1 and "set it for a lower tier" in proc.stdout
+    assert proc.returncode == 1 and "which writes no codec chain" in proc.stdout
+
+
+def test_a_chain_for_the_node_tier_which_writes_none_is_refused(tmp_path: Path) -> None:
+    """The node tier stores values as the engine wrote them (no codec chain): ``codecs: {node:
+    [aes-256-gcm]}`` was accepted and ignored, so an operator asking for encryption got the pool's
+    values in the clear in /dev/shm.  Start-up (the configuration) and ``kvtier check`` refuse it."""
+    import pytest
+
+    from kvtier.core.config import KVTierConfig
+    from kvtier.core.errors import ConfigError
+
+    (tmp_path / "key").write_text(KEY)
+    node = {"tiers": ["cpu", "node"], "node_socket": str(tmp_path / "node.sock"),
+            "encryption": {"master_key_file": str(tmp_path / "key")}}
+    for chain in (["aes-256-gcm"], ["blosc2-zstd-shuffle2"]):
+        with pytest.raises(ConfigError, match="codecs is set for tier 'node', which writes no codec chain"):
+            KVTierConfig.from_dict({"cpu_gib": 1, **node, "codecs": {"node": chain}})
+    proc = kvtier("check", "--offline", transfer(tmp_path, **node, codecs={"node": ["aes-256-gcm"]}))
+    assert proc.returncode == 1 and "'node', which writes no codec chain" in proc.stdout, proc.stdout + proc.stderr
+    assert KVTierConfig.from_dict({"cpu_gib": 1, **node, "codecs": {}}).codecs == {}
+    # a tier from outside kvtier writes no chain unless its record says so (the toy dict tier does not)
+    plugin = {"cpu_gib": 1, "tier_modules": ["tests.dict_tier_plugin"], "tiers": ["cpu", "dict"],
+              "encryption": node["encryption"]}
+    with pytest.raises(ConfigError, match="codecs is set for tier 'dict', which writes no codec chain"):
+        KVTierConfig.from_dict({**plugin, "codecs": {"dict": ["aes-256-gcm"]}})
+    assert KVTierConfig.from_dict({**plugin, "codecs": {"disk": ["aes-256-gcm"]}}).codecs == {"disk": ("aes-256-gcm",)}

@@ -205,3 +205,19 @@ def test_a_server_that_accepts_but_never_answers_is_said_as_such_not_as_a_connec
         f"but did not answer {what} within 1 s: something listens on that port that is not a Redis server, or the "
         f"server is stalled{tail}); vLLM would start, but every shared-tier lookup would be a miss until it answers: "
         "start it, fix redis_url, or open the network path")], run.stdout
+
+
+def test_a_cluster_node_named_without_redis_cluster_is_wrong_mode_and_strict_fails(redis_cluster):
+    """A Cluster node's URL without ``redis_cluster: true`` answers PING, so the probe said
+    "reachable" and check said ok, while the engine's writes and lookups of about two thirds of the
+    keys were refused with MOVED (probe: /tmp/st57/clustermis.py).  ``INFO cluster`` tells; with
+    ``redis_cluster`` the same node is reachable."""
+    result = probe_tier("redis", KVTierConfig.from_dict({"redis_url": redis_cluster.url}))
+    assert result is not None and result.state == "wrong mode", result
+    assert "set redis_cluster: true" in result.message and "vLLM would start" in result.message
+    run = check(json.dumps(transfer({"redis_url": redis_cluster.url})))
+    assert run.returncode == 0 and len(lines_about(run.stdout)) == 1, run.stdout + run.stderr
+    assert lines_about(run.stdout)[0].startswith("warning:") and "redis_cluster is not set" in run.stdout
+    assert check("--strict", json.dumps(transfer({"redis_url": redis_cluster.url}))).returncode == 1
+    ok = probe_tier("redis", KVTierConfig.from_dict({"redis_url": redis_cluster.url, "redis_cluster": True}))
+    assert ok is not None and ok.state == "reachable", ok

@@ -75,3 +75,38 @@ def test_check_offline_names_every_shared_tier_it_skips(tmp_path):
               "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
     result = CliRunner().invoke(app, ["check", "--offline", json.dumps(config)])
     assert result.exit_code == 0 and "unreachable" not in result.output, result.output
+
+
+def _options_by_command() -> dict[tuple[str, ...], set[str]]:
+    """``(command[, subcommand]) → its option names`` (``--help`` included), from the real CLI."""
+    root = typer.main.get_command(app)
+    found: dict[tuple[str, ...], set[str]] = {}
+    for name, command in getattr(root, "commands", {}).items():
+        for path, cmd in [((name,), command), *(((name, s), c) for s, c in getattr(command, "commands", {}).items())]:
+            found[path] = {"--help", *(o for p in cmd.params for o in (*p.opts, *p.secondary_opts))}
+    return found
+
+
+def test_every_kvtier_command_in_the_docs_uses_only_options_it_has():
+    """Every ``--flag`` written after ``kvtier CMD [SUB]`` on one line of the README or a page of
+    docs/ (``\\`` continuations joined; up to a backtick, ``|``, ``)``, ``;``, ``,``, ``#``, ``<`` or a
+    quote, so prose and table cells end the command) is an option of that command: a renamed or
+    removed option fails here, not in an operator's shell."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    options = _options_by_command()
+    checked, wrong = 0, []
+    for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        text = re.sub(r"\\\n\s*", " ", doc.read_text())
+        for m in re.finditer(r"kvtier ([a-z][\w-]*)(?: ([a-z][\w-]*))?([^`\n|);,#<'\"]*)", text):
+            path = (m.group(1), m.group(2)) if (m.group(1), m.group(2)) in options else (m.group(1),)
+            if path not in options:
+                continue
+            for flag in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", m.group(3)):
+                checked += 1
+                if flag not in options[path]:
+                    wrong.append(f"{doc.name}: kvtier {' '.join(path)} {flag}  ({m.group(0)[:100]})")
+    assert not wrong, "\n".join(wrong)
+    assert checked > 300  # the pages show about 400 such flags: the pattern still finds them

@@ -26,3 +26,16 @@ def test_an_absent_node_pool_is_called_a_node_pool(tmp_path):
     assert message.startswith(f"node pool {socket} is unreachable (") and "shared tier" not in message
     assert "every node-pool lookup would be a miss" in message and "network path" not in message
     assert "kvtier node serve --socket" in message
+
+
+def test_a_pool_too_small_for_one_page_says_the_size_it_needs():
+    """Below one page after the huge-page-aligned header the refusal names the size that works
+    (it said only "no room for one page", while the pool held 2 MiB and the page 256 KiB)."""
+    from kvtier.core.tiers.node.pool import ALIGN_BYTES, pages_for
+
+    page = 256 << 10
+    with pytest.raises(ValueError) as raised:
+        pages_for(ALIGN_BYTES, page)
+    least = ALIGN_BYTES + page
+    assert f"needs at least {least} bytes" in str(raised.value) and "huge page" in str(raised.value)
+    assert pages_for(least, page) == (1, ALIGN_BYTES)  # the size named is enough

@@ -327,6 +327,29 @@ def test_an_idle_engines_count_follows_the_owners_after_a_neighbours_connection_
         b.close()
 
 
+def test_values_a_restarted_owner_took_back_are_counted_once_by_engines_that_only_read(node_server):
+    """The owner SIGKILLed and restarted warm: the values it takes back have no live writer, and the
+    engines, on new connections, only read them (every prefix they ask is in the pool).  What the
+    engines report still sums to the pool's usage: the oldest live engine connection inherits them,
+    a reader as well as a writer (sh57: two vLLM engines under load after an owner restart each
+    reported ``kvtier_usage_bytes{node}`` 0 against the pool's 2,621,440 bytes)."""
+    a, b = engine_tier(node_server), engine_tier(node_server)
+    try:
+        assert a.put_many([key(i) for i in range(3)], [data(i) for i in range(3)]) == [PutResult.STORED] * 3
+        node_server.kill()
+        node_server.start()
+        pool = node_server.stats()
+        assert pool.num_values == 3
+        for tier in (a, b):  # each re-attaches and reads what the pool holds; neither writes
+            assert until(lambda t=tier: read(t, key(0)) == (GetResult.HIT, data(0)), timeout_s=10.0)
+            assert [read(tier, key(i)) for i in range(3)] == [(GetResult.HIT, data(i)) for i in range(3)]
+        used = [unwrap(t).refresh_usage().used_bytes for t in (a, b)]
+        assert sum(used) == pool.used_bytes > 0, (used, pool)
+    finally:
+        a.close()
+        b.close()
+
+
 def test_namespaces_are_isolated_in_the_pool(node_server):
     mine, theirs = engine_tier(node_server), engine_tier(node_server, ns=bytes(range(1, 17)))
     try:

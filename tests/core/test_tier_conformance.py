@@ -146,6 +146,21 @@ def test_tampered_value_is_a_counted_miss_and_forgotten(harness, tier, how):
     tier.check()
 
 
+def test_many_tampered_values_are_one_warning_line_per_cause(harness, tier, caplog):
+    """A tier whose values all fail verification (written by another format or secret, a bad disk)
+    logs one line per cause per interval, not one per chunk read; each is still counted and removed."""
+    if harness.tamper is None:
+        pytest.skip(f"{harness.tier_name} pages are process memory: nothing outside can tamper with them")
+    for i in range(1, 4):
+        tier.put(key(i), data(i))
+        harness.tamper(unwrap(tier), key(i), "flip")
+    caplog.set_level("WARNING")
+    assert [read(tier, key(i))[0] for i in range(1, 4)] == [GetResult.CORRUPT] * 3
+    lines = [r.getMessage() for r in caplog.records if "is unusable" in r.getMessage()]
+    assert len(lines) == 1 and "at most one such line per cause" in lines[0], lines
+    assert tier.corrupt == 3 and not any(tier.contains(key(i)) for i in range(1, 4))
+
+
 def test_other_namespace_never_sees_the_chunk(harness, tier):
     if harness.tamper is None:
         pytest.skip(f"{harness.tier_name} is private to one process and namespace")

@@ -17,7 +17,8 @@ from kvtier.core.errors import UserError
 
 _MANIFEST = re.compile(r"^\s*(apiVersion|kind)\s*:", re.MULTILINE)
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*\s*:(\s|$)", re.MULTILINE)
-_COMMAND = re.compile(r"\bvllm\b[\s\\]+serve\b|vllm\.entrypoints\.openai\.api_server|vllm-openai")
+_COMMAND = re.compile(r"\bvllm\b[\s\\]+serve\b|vllm\.entrypoints\.openai\.api_server|vllm-openai"
+                      r"|\b(?:docker|podman)(?:[\s\\]+container)?[\s\\]+(?:run|create)\b")
 
 
 def load_configs(text: str, origin: str, version: Version | None = None) -> list[ServeConfig]:

@@ -5,7 +5,8 @@ as in a shell).  ``export K=V`` lines (or ``K=V`` then ``export K``, ``declare -
 assignments inside a ``set -a`` region, ``K=V`` prefixes of the serve command (``env K=V`` too) and
 ``docker run -e K=V`` set the server's environment; a plain ``K=V`` line does not (the shell keeps an
 unexported variable to itself: it goes to :attr:`ServeConfig.unexported`, and expands ``$K`` only); ``vllm serve`` (or ``python -m vllm.entrypoints.openai.api_server``, or the arguments
-after a ``vllm-openai`` image in ``docker run``) starts the vLLM arguments.  Dotted flags
+after a vLLM image in ``docker run``: a ``vllm-openai`` image, or the image ``docker run`` names when
+its name has ``vllm`` in it, as deploy/Dockerfile's ``kvtier-vllm``) starts the vLLM arguments.  Dotted flags
 (``--kv-transfer-config.kv_role=kv_both``, ``--kv-transfer-config.kv_role kv_both``) are kept as
 flags of that name; :mod:`kvtier.audit.dotted` merges them as vLLM does.  ``$NAME`` / ``${NAME}`` in
 the vLLM arguments are expanded from simple assignments earlier in the snippet (``NAME='…'``,
@@ -166,7 +167,8 @@ def parse_command(text: str, origin: str) -> ServeConfig:
 
 def parse_commands(text: str, origin: str) -> list[ServeConfig]:
     """One config per vLLM server a shell snippet starts (``vllm serve``, ``python -m
-    vllm.entrypoints.openai.api_server``, ``docker run … vllm/vllm-openai``), in order.  Assignments
+    vllm.entrypoints.openai.api_server``, ``docker run … vllm/vllm-openai`` or another vLLM image,
+    :func:`names_vllm`), in order.  Assignments
     and ``export`` lines apply to the commands after them; ``K=V`` prefixes and ``docker run -e`` to
     their own command.  With more than one server each origin names its line (``serve.sh line 3``)
     and its ``text`` keeps only that server's lines of the others', so findings point at it.
@@ -250,6 +252,7 @@ def _parse_segment(words: list[str], shell: _Shell, origin: str,
     start: int | None = None
     built_on: str | None = None
     own: dict[str, str] = {}
+    image_at = docker_image_index(words)
     i = 0
     while i < len(words):
         word = words[i]
@@ -269,7 +272,7 @@ def _parse_segment(words: list[str], shell: _Shell, origin: str,
             break
         elif "vllm-openai" in word and not word.startswith("-") and i > 0 and words[i - 1].upper() == "FROM":
             built_on = word  # a Dockerfile's base image: it builds an image, it runs no server
-        elif "vllm-openai" in word and not word.startswith("-"):
+        elif "vllm-openai" in word and not word.startswith("-") or i == image_at and names_vllm(word):
             config.image = word
             start = i + 1
             if start < len(words) and words[start] == "serve":  # image with `serve` as first arg
@@ -283,6 +286,44 @@ def _parse_segment(words: list[str], shell: _Shell, origin: str,
         config.unexported.pop(name, None)
     parse_vllm_args(_expand(words[start:], config, {**shell.plain, **config.env}), config)
     return config, built_on
+
+
+_DOCKER_SWITCHES = re.compile(r"-[dtiP]+")  # -d, -it, -dit, -P: short options that take no value
+_DOCKER_LONG_SWITCHES = frozenset({"--detach", "--interactive", "--tty", "--rm", "--privileged", "--init",
+                                   "--read-only", "--publish-all", "--no-healthcheck", "--oom-kill-disable",
+                                   "--sig-proxy", "--quiet", "-q"})
+
+
+def docker_image_index(words: list[str]) -> int | None:
+    """Index in ``words`` of the image a ``docker run`` / ``podman run`` (or ``container run``,
+    ``create``) names: the first word after ``run`` that is neither an option nor an option's value
+    (``--opt value``; ``--opt=value`` and the switches ``-d``, ``-it``, ``--rm``, … take none).
+    None when ``words`` are no such command or name no image."""
+    for k, word in enumerate(words):
+        if word.rsplit("/", 1)[-1] in ("docker", "podman"):
+            rest = words[k + 1:k + 3]
+            verb = 2 if rest[:1] == ["container"] else 1
+            if words[k + verb:k + verb + 1] in (["run"], ["create"]):
+                j = k + verb + 1
+                break
+    else:
+        return None
+    while j < len(words):
+        word = words[j]
+        if word == "--":
+            return j + 1 if j + 1 < len(words) else None
+        if not word.startswith("-") or word == "-":
+            return j
+        switch = "=" in word or _DOCKER_SWITCHES.fullmatch(word) or word in _DOCKER_LONG_SWITCHES
+        j += 1 if switch else 2
+    return None
+
+
+def names_vllm(image: str) -> bool:
+    """Whether an image reference names a vLLM image: its repository's last part (tag and digest
+    dropped) contains ``vllm`` (``vllm/vllm-openai:v0.32.0``, ``registry.example.com/kvtier-vllm:v0.32.0-kvtier0.1.0``,
+    the image of deploy/Dockerfile, whose entrypoint stays vLLM's ``vllm serve``)."""
+    return "vllm" in image.split("@", 1)[0].rsplit("/", 1)[-1].split(":", 1)[0].lower()
 
 
 def _expand(words: list[str], config: ServeConfig, variables: dict[str, str]) -> list[str]:

@@ -154,7 +154,8 @@ def refuse_unreachable(tier: str, config: Any, close: Callable[[], None]) -> Non
     2 s) before any chunk is timed, so a server that is down is said as such, not as a tier short of room.
 
     Raises:
-        UserError: it does not answer or refuses the credentials (one sentence); ``close`` called first.
+        UserError: it does not answer, refuses the credentials or is not the kind of server the
+            settings say (a Redis Cluster node without ``redis_cluster``): one sentence; ``close`` called first.
     """
     from kvtier.core.purge import probe_tier
 
@@ -165,6 +166,8 @@ def refuse_unreachable(tier: str, config: Any, close: Callable[[], None]) -> Non
     if probed.state == "auth failed":
         raise UserError(f"the {tier} tier at {probed.url} refused the credentials ({probed.detail}); nothing was "
                         f"measured: {probed.auth_fix}")
+    if probed.state == "wrong mode":
+        raise UserError(f"the {tier} tier at {probed.url} answers, but {probed.detail}; nothing was measured")
     hint = START_HINTS.get(tier, "start its server").format(url=probed.url)
     raise UserError(f"nothing answers for the {tier} tier at {probed.url} ({probed.state}: {probed.detail}); "
                     f"nothing was measured: {hint}, or fix {probed.address_key}")

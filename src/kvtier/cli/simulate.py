@@ -204,6 +204,17 @@ def register(app: typer.Typer) -> None:
                     raise UserError(f"{flag} must be from 0 to {MAX_CAPACITY_GIB:,.0f} GiB, got {gib:g}")
         except UserError as exc:
             fail(str(exc).rstrip("."))
+        chunk_gib = per_token * requests.block_tokens / 2**30
+        # --cpu-gib below one chunk (SweepSpec.chunks' rounding) holds nothing, as 0 does, refused above under a
+        # lower tier; --cpu-pct is whole chunks, at least one
+        below = [g for g in gibs if 0 < g and int(g / chunk_gib + 1e-6) == 0] if cpu_gib is not None else []
+        if below and (disk_gib > 0 or shared_gib > 0):
+            fail(f"{option} {below[0]:g} GiB is less than one {chunk_gib:g} GiB chunk: with --disk-gib or "
+                 "--shared-gib that models a lower tier without a cpu tier, which kvtier refuses (a cpu tier "
+                 f"smaller than one chunk fails at start-up); drop it from {option} or sweep at least {chunk_gib:g}")
+        if below:  # as the note on 0: a row of the engine alone, which kvtier itself refuses
+            print(f"note: {option} {','.join(f'{g:g}' for g in below)} GiB holds less than one {chunk_gib:g} GiB "
+                  "chunk: the engine alone, like 0 (kvtier refuses a cpu tier smaller than one chunk)", file=sys.stderr)
         if cpu_pct is not None:  # whole chunks: pct of the footprint, at least one (0 %: no cpu tier, like --cpu-gib 0)
             chunk_gib = per_token * requests.block_tokens / 2**30
             gibs = tuple(max(1, round(requests.num_unique_chunks * p / 100)) * chunk_gib if p > 0 else 0.0

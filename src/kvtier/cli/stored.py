@@ -203,7 +203,7 @@ def purge_command(flags: list[ToolFlag]) -> Callable[..., None]:
         "namespace": (list[str], typer.Option([], "--namespace", metavar="HEX",
                                               help="Namespace digest, 32 hex digits (repeatable).")),
         "older_than": (str | None, typer.Option(None, "--older-than", metavar="DURATION",
-                                                help="Only chunks written longer ago: 90s, 30m, 12h, 7d.")),
+                                                help="Only chunks written longer ago: 90s, 30m, 12h, 7d, 2w.")),
         "salt": (str | None, typer.Option(None, "--salt", metavar="SALT",
                                           help="Only chunks saved for requests with this cache_salt.")),
         "lora": (str | None, typer.Option(None, "--lora", metavar="NAME",

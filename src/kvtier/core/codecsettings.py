@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvtier.core import codecs, encryption
 from kvtier.core.errors import ConfigError
+from kvtier.core.tiers.registry import codec_tiers
 
 
 class EncryptionSettings(BaseModel):
@@ -38,18 +39,22 @@ class EncryptionSettings(BaseModel):
         return self
 
 
-def check_codecs(value: Mapping[str, Sequence[str]], lower: Sequence[str]) -> dict[str, tuple[str, ...]]:
-    """``codecs`` as tier name -> chain of codec names, each checked.
+def check_codecs(value: Mapping[str, Sequence[str]]) -> dict[str, tuple[str, ...]]:
+    """``codecs`` as tier name -> chain of codec names, each checked against the registered tiers
+    that write a codec chain (:func:`kvtier.core.tiers.registry.codec_tiers`).
 
     Raises:
-        ValueError: one sentence naming a tier that is not a lower tier, a codec that is unknown,
-            a chain too long or encryption not last.
+        ValueError: one sentence naming a tier that writes no codec chain (the top tier, or a lower
+            tier whose record says so: its values would stay as the engine wrote them, in the
+            clear), a codec that is unknown, a chain too long or encryption not last.
     """
+    lower = codec_tiers()
     out: dict[str, tuple[str, ...]] = {}
     for tier, chain in value.items():
         if tier not in lower:
-            raise ValueError(f"codecs is set for tier {tier!r}; set it for a lower tier: {', '.join(lower)} "
-                             "(the cpu tier holds chunks as the engine wrote them)")
+            raise ValueError(f"codecs is set for tier {tier!r}, which writes no codec chain; set it for a tier "
+                             f"that does: {', '.join(lower)} (the cpu tier, and any other tier not listed, "
+                             "holds chunks as the engine wrote them)")
         if isinstance(chain, str) or not all(isinstance(c, str) for c in chain):
             raise ValueError(f"codecs of tier {tier!r} must be a list of codec names, e.g. [zstd, aes-256-gcm]")
         if len(chain) > 5:

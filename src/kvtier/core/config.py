@@ -234,7 +234,7 @@ class KVTierConfig(ReceiptSettings):
     @field_validator("codecs")
     @classmethod
     def _known_codecs(cls, value: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
-        return check_codecs(value, lower_tiers())
+        return check_codecs(value)
 
     @field_validator("tiers")
     @classmethod

@@ -249,6 +249,26 @@ def advise(trace: Trace, spec: SweepSpec, rows: Sequence[SweepRow], policy: str,
         _EXTRA.clear()
 
 
+def _engine_alone(spec: SweepSpec, rows: Sequence[SweepRow], share: float, ceiling: float) -> list[TierSize] | None:
+    """No tier at all when the engine's own prefix cache (its share is the same in every row) already
+    reaches ``share`` of the ceiling: what ``kvtier size`` calls 'offload not needed' (the warm set fits in
+    the engine's KV cache).  Before, the cpu line named the smallest swept size of a flat curve, with the
+    engine's hits as its own and a wider sweep to find a bend that no size has."""
+    engine = rows[0].tier_token_hit_ratio("engine")
+    if engine < share * ceiling:
+        return None
+    if ceiling <= 0:
+        why = ("no prompt token of this trace can be served from any cache (ceiling 0.0%: no whole chunk is "
+               "used twice before a prompt's last token)")
+    else:
+        why = (f"the engine's own prefix cache ({_gib(spec.engine_gib)} GiB) already hits {engine:.1%}, "
+               f"≥ {share:.0%} of the {ceiling:.1%} ceiling: offload not needed, as kvtier size says when the "
+               "warm set fits in the engine's KV cache")
+    lower = [t for t, g in (("disk", spec.disk_gib), ("shared", spec.shared_gib)) if g > 0] or ["disk"]
+    return [TierSize("cpu", None, engine, f"not needed: {why}"),
+            *(TierSize(t, None, engine, "not needed either") for t in lower)]
+
+
 MAX_EXTRA_REPLAYS = 12
 """Extra replays that size a disk tier, at most (2, 8, 32, ... × cpu: 4^12 is far past any trace)."""
 
@@ -258,6 +278,8 @@ def _sizes(trace: Trace, spec: SweepSpec, rows: Sequence[SweepRow], rates: Throu
            disk_elsewhere: str | None = None) -> list[TierSize]:
     footprint = trace.num_unique_chunks
     gib_per_chunk = spec.chunk_bytes / (1 << 30)
+    if (alone := _engine_alone(spec, rows, share, ceiling)) is not None:
+        return alone
     # kvtier refuses cpu_gib 0 and fails at start-up with a cpu tier too small for one chunk (every
     # chunk passes through it): such rows are measured but never recommended
     usable = [r for r in rows if r.cpu_chunks >= 1]

@@ -28,6 +28,7 @@ Both may be gzip-compressed (``.gz``).  Errors raise :class:`TraceError` naming 
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -178,8 +179,9 @@ def _read(path: str | Path, parser: _Parser) -> Trace:
 def _number(obj: dict, name: str, where: str, minimum: int, integer: bool) -> float:
     value = obj.get(name)
     kinds = (int,) if integer else (int, float)
-    if not isinstance(value, kinds) or isinstance(value, bool) or not value >= minimum:
-        kind = "an integer" if integer else "a number"
+    # finite: Python's JSON reader takes Infinity (a time_s of inf made a trace 'over inf s')
+    if not isinstance(value, kinds) or isinstance(value, bool) or not minimum <= value < math.inf:
+        kind = "an integer" if integer else "a finite number"
         raise TraceError(f"{where}: field {name!r} must be {kind} >= {minimum}, got {value!r}")
     return value
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from importlib import resources
@@ -94,12 +95,18 @@ def _open(path: Path, mode: str) -> IO[str]:
     return path.open(mode, encoding="utf-8")
 
 
+MAX_TRACE_INT = 2**53
+"""Largest length a trace line may give (JSON's exact integers): ``1e300`` was taken and then quoted
+back as a 301-digit token count."""
+
+
 def _int(raw: dict, name: str, where: str, minimum: int) -> int:
     value = raw.get(name)
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise TraceError(f"{where}: field {name!r} must be an integer >= {minimum}, got {value!r}")
+    if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= MAX_TRACE_INT:
+        shown = f"{value:.6g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else repr(value)
+        raise TraceError(f"{where}: field {name!r} must be an integer from {minimum} to 2^53, got {shown}")
     return value
 
 
@@ -123,8 +130,9 @@ def parse_record(raw: object, index: int, where: str, block_tokens: int | None) 
                          "trace line has timestamp (ms), input_length, output_length and hash_ids: convert the "
                          "trace (docs/simulate.md describes both formats kvtier reads)")
     stamp = raw.get("timestamp")
-    if not isinstance(stamp, (int, float)) or isinstance(stamp, bool) or not stamp >= 0:
-        raise TraceError(f"{where}: field 'timestamp' must be a number >= 0 (ms), got {stamp!r}")
+    # finite: Python's JSON reader takes Infinity, and bench run would wait forever for that arrival
+    if not isinstance(stamp, (int, float)) or isinstance(stamp, bool) or not 0 <= stamp < math.inf:
+        raise TraceError(f"{where}: field 'timestamp' must be a finite number >= 0 (ms), got {stamp!r}")
     tokens = _int(raw, "input_length", where, 1)
     output = _int(raw, "output_length", where, 0) if "output_length" in raw else 0
     ids = raw.get("hash_ids")
@@ -164,6 +172,9 @@ def jsonl_objects(path: str | Path, start: int = 0) -> Iterator[tuple[int, str, 
                                          "per line (a Mooncake trace: timestamp, input_length, output_length, "
                                          "hash_ids); pass a .jsonl(.gz) trace") from None
                     raise TraceError(f"{where} is not valid JSON ({exc.msg}); fix or remove that line") from None
+                except ValueError as exc:  # not a JSONDecodeError: an integer past Python's 4,300-digit limit
+                    raise TraceError(f"{where} holds a number too long to read ({str(exc).split(':')[0]}); no "
+                                     "request has one: fix or remove that line") from None
                 except RecursionError:  # nested deeper than Python's JSON decoder goes: no request is
                     raise TraceError(f"{where} is nested too deeply to be a request object; fix or remove "
                                      "that line") from None

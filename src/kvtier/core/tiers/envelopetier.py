@@ -27,6 +27,7 @@ from kvtier.core.errors import ChunkFormatError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tenant import TenantRecords, Writer
 from kvtier.core.tiers.base import GetResult, PutResult, Tier
+from kvtier.core.tiers.loglimit import CauseLimiter, warn_unusable
 from kvtier.core.tiers.valueread import check_range, open_bytes, open_value, payload_range, whole_sliced
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class EnvelopeTier(Tier):
         self.namespace = namespace
         self.envelope = envelope.Envelope(namespace, secret, chain, keyring=keyring)
         self._counts = threading.Lock()
+        self._unusable_lines = CauseLimiter()  # values that fail verification: a line per cause per interval
 
     # ---- what a subclass implements --------------------------------------------------------
     @abstractmethod
@@ -72,8 +74,7 @@ class EnvelopeTier(Tier):
 
     # ---- the tier contract over them ---------------------------------------------------------
     def _unusable(self, key: ChunkKey, reason: str) -> None:
-        log.warning("kvtier %s tier: value of chunk %s is unusable (%s); deleted, treated as a miss",
-                    self.name, key.hex(), reason)
+        warn_unusable(self._unusable_lines, log, f"kvtier {self.name} tier", key.hex(), reason, "deleted, treated as a miss")
         with self._counts:
             self.corrupt += 1
         self.delete(key)

@@ -13,6 +13,7 @@ or every call is a "new" cause.  Thread-safe; times come from ``time.monotonic``
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -69,3 +70,17 @@ def held_back(count: int) -> str:
     """The suffix of a line that :meth:`CauseLimiter.admit` let through with ``count`` lines of its
     cause held back: ``"; 12 more like it since the last such line"`` ("" for 0)."""
     return f"; {count} more like it since the last such line" if count else ""
+
+
+
+def warn_unusable(limiter: CauseLimiter, logger: logging.Logger, where: str, chunk: str, reason: str,
+                  action: str) -> None:
+    """Log ``"{where}: value of chunk {chunk} is unusable ({reason}); {action}"`` at WARNING, at most
+    once per ``reason`` per ``limiter``'s interval (the tier's own limiter: a tier whose values all
+    fail verification, written by another format or secret or on a bad disk, logs one line per
+    cause, not one per chunk read; each is still counted by the tier), naming how many were held
+    back.  ``chunk`` (a key's hex, a file's path) is left out of the cause where ``reason`` names it."""
+    if (unlogged := limiter.admit(reason.replace(chunk, "…"))) is None:
+        return
+    logger.warning("%s: value of chunk %s is unusable (%s); %s (at most one such line per cause per %.0f s%s)",
+                   where, chunk, reason, action, limiter.interval_s, held_back(unlogged))

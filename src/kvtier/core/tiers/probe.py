@@ -14,6 +14,8 @@ the breaker.
   endpoint that is up, not an unreachable one;
 * ``unreachable``: no answer (the host does not resolve, the port is closed, a TLS handshake or
   the deadline failed).
+* ``wrong mode``: it answered, but is not the kind of server the configuration says (a Redis
+  Cluster node named without ``redis_cluster``): many requests would be refused.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-ProbeState = Literal["reachable", "unreachable", "auth failed", "no bucket"]
+ProbeState = Literal["reachable", "unreachable", "auth failed", "no bucket", "wrong mode"]
 
 PROBE_DEADLINE_S = 2.0
 """Longest a probe may take, seconds, name resolution included (probes run on a daemon thread
@@ -64,6 +66,8 @@ class ProbeResult:
         if self.state == "auth failed":
             return (f"{kind} {self.url}: auth failed ({self.detail}); vLLM would start, but {lookup} "
                     f"would be a miss: {self.auth_fix}")
+        if self.state == "wrong mode":
+            return f"{kind} {self.url} answers, but {self.detail}; vLLM would start, but many of its lookups and writes would fail"
         if self.state == "no bucket":
             return (f"{kind} {self.url}: the endpoint answers, but the bucket does not exist ({self.detail}); "
                     f"vLLM would start, but {lookup} would be a miss: create the bucket or fix its name")

@@ -87,6 +87,12 @@ class TierSpec:
         packages: the modules of the tier's client outside kvtier (``redis``, ``obstore``: the
             extra of the tier's name in pyproject.toml); the pre-flight reports one that does not
             import as an error (:func:`kvtier.core.tiers.factory.check`).
+        codecs: the tier writes the codec chain ``codecs`` names for it (compression, encryption
+            at rest: an :class:`~kvtier.core.tiers.envelopetier.EnvelopeTier` built with
+            ``**envelope_args(config, name)``).  Opt-in: ``False`` (the default) means it stores
+            values as the engine wrote them, and a ``codecs`` entry for it is refused at start-up
+            rather than ignored (a chain asking for ``aes-256-gcm`` would otherwise leave them in
+            the clear).
     """
 
     name: str
@@ -100,6 +106,7 @@ class TierSpec:
     medium: str | None = None
     model: TierModel | None = None
     packages: tuple[str, ...] = ()
+    codecs: bool = False
 
 
 REDIS_MODEL = TierModel(1.25, 0.5, "one 10 Gb/s Ethernet link (10GBASE-T line rate, IEEE 802.3an) to the server, and "
@@ -114,13 +121,13 @@ BUILTIN = (
              capabilities=frozenset({"staging", "paged", "registers_memory"}), medium="CPU"),
     TierSpec("disk", 10, False, "disk", "kvtier.core.tiers.builtin:DISK",
              capabilities=frozenset({"rescannable", "generational", "exact_usage"}), keys=("disk_path", "disk_gib"),
-             medium="STORAGE"),
+             medium="STORAGE", codecs=True),
     TierSpec("node", 15, True, "host", "kvtier.core.tiers.builtin:NODE", keys=("node_socket",),
              capabilities=frozenset({"registers_memory", "answers_now"})),
     TierSpec("redis", 20, True, "external_unspecified", "kvtier.core.tiers.builtin:REDIS", keys=("redis_url",),
-             model=REDIS_MODEL, packages=("redis",)),
+             model=REDIS_MODEL, packages=("redis",), codecs=True),
     TierSpec("s3", 30, True, "external_unspecified", "kvtier.core.tiers.builtin:S3",
-             keys=("s3_bucket", "s3_endpoint_url"), model=S3_MODEL, packages=("obstore",)),
+             keys=("s3_bucket", "s3_endpoint_url"), model=S3_MODEL, packages=("obstore",), codecs=True),
 )
 """The tiers shipped with kvtier: one line each."""
 
@@ -222,6 +229,11 @@ def top_tier() -> str:
 def lower_tiers() -> list[str]:
     """Registered tiers below the top tier, in order."""
     return [s.name for s in specs() if not s.top]
+
+
+def codec_tiers() -> list[str]:
+    """Registered lower tiers that write a codec chain (:attr:`TierSpec.codecs`), in order."""
+    return [s.name for s in specs() if not s.top and s.codecs]
 
 
 def local_tiers() -> list[str]:

@@ -34,6 +34,7 @@ from kvtier.core.errors import ChunkFormatError, length_problem
 from kvtier.core.keys import ChunkKey
 from kvtier.core.stats import WireCounters
 from kvtier.core.tenant import TenantRecords
+from kvtier.core.tiers.loglimit import warn_unusable
 from kvtier.core.tiers.sharedvalue import ValueCodec
 from kvtier.core.tiers.valueread import check_range, open_bytes, open_value, payload_range, whole_sliced
 
@@ -74,8 +75,7 @@ class SharedReads:
 
     def _failed(self, key: ChunkKey, reason: str) -> None:
         """A value failed verification: logged, counted, forgotten (the caller deletes it)."""
-        log.warning("kvtier %s tier (%s): value of chunk %s is unusable (%s); deleted, treated as a miss",
-                    self.name, self.where, key.hex(), reason)
+        warn_unusable(self.codec.unusable_lines, log, f"kvtier {self.name} tier ({self.where})", key.hex(), reason, "deleted, treated as a miss")
         with self._lock:
             self.corrupt += 1
         self.wire.corrupt(1)

@@ -35,6 +35,7 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers import buffers
 from kvtier.core.tiers.base import GetResult
 from kvtier.core.tiers.blobs import StorageFailed
+from kvtier.core.tiers.loglimit import CauseLimiter, warn_unusable
 
 if TYPE_CHECKING:
     from kvtier.core.config import KVTierConfig
@@ -110,6 +111,7 @@ class ValueCodec:
                  keyring: KeyRing | None = None) -> None:
         self.envelope = envelope.Envelope(namespace, secret, chain, keyring=keyring)
         self.namespace = namespace
+        self.unusable_lines = CauseLimiter()  # values that fail verification: a line per cause per interval
         self.kind = self.envelope.kind
 
     def seal(self, key: bytes, payload: memoryview | bytes, writer: tenant.Writer | None = None) -> envelope.Sealed:
@@ -224,7 +226,7 @@ def verify_into(codec: ValueCodec, keys: Sequence[ChunkKey], values: Sequence[by
             results.append(GetResult.MISS)
             continue
         except SharedValueError as exc:
-            log.warning("%s: value of chunk %s is unusable (%s); deleted, treated as a miss", where, key.hex(), exc)
+            warn_unusable(codec.unusable_lines, log, where, key.hex(), str(exc), "deleted, treated as a miss")
             forget(key)
             corrupt += 1
             results.append(GetResult.CORRUPT)

@@ -43,7 +43,7 @@ from kvtier.core.tiers.disk.directory import STALE_TMP_S
 from kvtier.core.tiers.disk.iomode import IO_MODES, IOMode, resolve_io
 from kvtier.core.tiers.disk.reset import remove_chunk_files, reset_marked, unmark_reset
 from kvtier.core.tiers.disk.scan import ShardWatch, WriterLock, indexed_files, sealed_key_id, tmp_name
-from kvtier.core.tiers.loglimit import CauseLimiter
+from kvtier.core.tiers.loglimit import CauseLimiter, warn_unusable
 
 log = logging.getLogger(__name__)
 WRITE_WARNING_INTERVAL_S = 10.0
@@ -104,6 +104,7 @@ class DiskFiles(Tier):
         self._workers: ThreadPoolExecutor | None = None
         self._closed = False
         self._write_warnings = CauseLimiter(WRITE_WARNING_INTERVAL_S)  # a line per cause per interval
+        self._read_warnings = CauseLimiter(WRITE_WARNING_INTERVAL_S)  # unusable chunks found by reads, alike
         self.last_write_error = ""  # why the last chunk write failed ("No space left on device"), "" before any
         self._recreate_failed: str | None = None  # why the vanished directory cannot be made again (None: it can)
         self._lock = threading.Lock()
@@ -218,8 +219,8 @@ class DiskFiles(Tier):
         removed = _unlink(path)
         if not removed and path.exists():
             self._bad.add(key)  # remembered, so it is counted and logged once, not on every load
-        log.warning("kvtier disk tier: chunk %s is unusable (%s); treated as a miss%s", path, reason,
-                    " and removed" if removed else "")
+        warn_unusable(self._read_warnings, log, "kvtier disk tier", str(path), reason,
+                      "treated as a miss" + (" and removed" if removed else ""))
         with self._lock:
             self.corrupt += 1
             self._forget(key)

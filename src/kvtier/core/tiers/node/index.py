@@ -85,7 +85,8 @@ class PoolIndex:
         self.next_gen = int(gens.max()) + 1 if self.num_pages else 1
         self._next_lease = 1
         self.evictions = 0
-        self.written: dict[int, list[int]] = {}  # live connection -> [bytes, values] of the values it wrote
+        # live engine connection (one that pinned or allocated) -> [bytes, values] of the values it wrote
+        self.written: dict[int, list[int]] = {}
         self.total = [0, 0]  # [bytes, values] of every committed value
 
     # ---- connections ----------------------------------------------------------------------
@@ -111,6 +112,7 @@ class PoolIndex:
         return [(ns, k) in self.values for k in keys]
 
     def pin(self, conn: int, ns: bytes, keys: list[bytes], now: float) -> list[tuple[int, int, int, int] | None]:
+        self.written.setdefault(conn, [0, 0])  # an engine's: it may inherit the values whose writer is gone
         out: list[tuple[int, int, int, int] | None] = []
         for k in keys:
             value = self.values.get((ns, k))
@@ -130,6 +132,7 @@ class PoolIndex:
 
     def alloc(self, conn: int, ns: bytes, keys: list[bytes], sizes: list[int],
               now: float) -> list[tuple[int, int, int] | int]:
+        self.written.setdefault(conn, [0, 0])
         out: list[tuple[int, int, int] | int] = []
         for k, nbytes in zip(keys, sizes, strict=True):
             name = (ns, k)
@@ -202,7 +205,9 @@ class PoolIndex:
 
     def usage_of(self, conn: int) -> tuple[int, int]:
         """(bytes, values) ``conn`` is counted for (:class:`~kvtier.core.tiers.node.protocol.UsageReply`):
-        the values it wrote, and for the oldest live writer also those whose writer is gone."""
+        the values it wrote, and for the oldest live engine connection (one that pinned or allocated: a
+        reader too, so that values a restarted owner took back are counted while engines only read
+        them) also those whose writer is gone."""
         own = self.written.get(conn, [0, 0])
         heir = min(self.written, key=lambda c: (self.clients[c].since, c)) if self.written else None
         if conn != heir:

@@ -20,6 +20,7 @@ occupies consecutive pages from its first.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import struct
@@ -60,7 +61,10 @@ def pages_for(total_bytes: int, page_bytes: int) -> tuple[int, int]:
         if offset + pages * page_bytes <= total_bytes:
             return pages, offset
         pages -= max(1, (offset + pages * page_bytes - total_bytes) // page_bytes)
-    raise ValueError(f"a pool of {total_bytes} bytes has no room for one page of {page_bytes} bytes")
+    least = ALIGN_BYTES + page_bytes  # the header and tables end at a huge page boundary, then one page
+    raise ValueError(f"a pool of {total_bytes} bytes has no room for one page of {page_bytes} bytes: its pages "
+                     f"start at a {ALIGN_BYTES >> 20} MiB (huge page) boundary after its header, so it needs at "
+                     f"least {least} bytes ({least / (1 << 20):.2f} MiB, {math.ceil(least / (1 << 30) * 1e4) / 1e4:g} GiB)")
 
 
 @dataclass

@@ -143,7 +143,8 @@ class Listed(msgspec.Struct, tag="listed", array_like=True):
 
 class UsageReply(msgspec.Struct, tag="usagereply", array_like=True):
     """What this client is counted for: the bytes and values it wrote that the pool still holds
-    (plus, for the oldest live writer, the values whose writer is gone), so the sum over every
+    (plus, for the oldest live engine connection, one that pinned or allocated, the values whose
+    writer is gone), so the sum over every
     engine on the host is the pool's usage, counted once."""
 
     used_bytes: int

@@ -45,6 +45,7 @@ from kvtier.core.stats import WireCounters, WireStats
 from kvtier.core.tenant import TenantRecords, Writer
 from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, TierUsage, writers
 from kvtier.core.tiers.envelopetier import EnvelopeTier
+from kvtier.core.tiers.loglimit import warn_unusable
 from kvtier.core.tiers.node import protocol as p
 from kvtier.core.tiers.node.client import NodeClient
 from kvtier.core.tiers.node.early import Early, Locations, copy_early
@@ -213,8 +214,7 @@ class NodeTier(PoolMemory, EnvelopeTier):
                     self.locations.forget([bytes(keys[i])])
                     continue  # the page was granted again (an expired pin) while we copied: a miss, never served
                 if isinstance(got, ChunkFormatError):
-                    log.warning("kvtier node tier: value of chunk %s is unusable (%s); deleted, treated as a miss",
-                                keys[i].hex(), got)
+                    warn_unusable(self._unusable_lines, log, "kvtier node tier", keys[i].hex(), str(got), "deleted, treated as a miss")
                     corrupt += 1
                     self.locations.forget([bytes(keys[i])])
                     out[i] = GetResult.CORRUPT

@@ -5,8 +5,8 @@ Keys are ``<prefix><namespace hex>:[<keyspace>:]<chunk key hex>`` (:mod:`kvtier.
 the keyspace segment, 16 hex digits, only under a ``shared_secret``).  :meth:`RedisBlobs.list`
 finds them with ``SCAN MATCH`` (the prefix, glob characters escaped; in a Cluster redis-py's
 ``scan_iter`` visits every primary) and keeps those whose name parses as above;
-:meth:`RedisBlobs.stat` asks ``STRLEN`` and ``PTTL`` (and, for the header, ``GETRANGE key 0 111``:
-the header alone, never the payload, read by :func:`~kvtier.core.tiers.sharedvalue.peek`, the one
+:meth:`RedisBlobs.stat` asks ``STRLEN`` and ``PTTL`` (or, for the header, ``GETRANGE key 0 131``:
+the header and an encrypted payload's key id, never the payload, read by :func:`~kvtier.core.tiers.sharedvalue.peek`, the one
 place this module reads a value's header), one pipeline per batch of :data:`~kvtier.core.tiers.blobs.LIST_BATCH`
 keys; :meth:`RedisBlobs.delete` sends ``UNLINK``.  Bytes are the values' lengths (header and payload).
 
@@ -38,7 +38,7 @@ from kvtier.core.errors import ConfigError, UserError
 from kvtier.core.keyids import HEAD_READ_BYTES, key_id_of
 from kvtier.core.tiers.blobs import LIST_BATCH, BlobRef, BlobStat, StorageFailed, ValueHeader
 from kvtier.core.tiers.redis.clear import glob_escape
-from kvtier.core.tiers.redis.failure import AUTH_FIX, classify
+from kvtier.core.tiers.redis.failure import AUTH_FIX, ClusterNode, classify
 from kvtier.core.tiers.redis.settings import RedisSettings, redis_settings
 from kvtier.core.tiers.sharedvalue import configured_keyspace, peek
 
@@ -269,7 +269,16 @@ class RedisBlobs:
         return None
 
     def ping(self) -> str:
-        self._connect().ping()
+        """``PING``; then, without ``redis_cluster``, ``INFO cluster``: a Cluster node raises
+        :class:`~kvtier.core.tiers.redis.failure.ClusterNode` (a server refusing ``INFO`` is let be)."""
+        import redis
+
+        client = self._connect()
+        client.ping()
+        if not self.settings.redis_cluster:
+            with contextlib.suppress(redis.ResponseError):
+                if int(client.info("cluster").get("cluster_enabled", 0)):
+                    raise ClusterNode(self.where)
         return "PING"
 
     def failure(self, exc: BaseException, left_s: float) -> tuple[ProbeState, str]:

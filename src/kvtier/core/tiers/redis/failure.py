@@ -35,6 +35,8 @@ def classify(exc: BaseException, config: RedisSettings, left_s: float = 0.0) -> 
     of the answer (a TCP connect of its own: redis-py's timeout says neither)."""
     import redis
 
+    if isinstance(exc, ClusterNode):
+        return "wrong mode", CLUSTER_NODE_DETAIL
     if isinstance(exc, redis.AuthenticationError):
         return "auth failed", _auth_detail(config, exc)
     if isinstance(exc, redis.ResponseError):  # NOPERM, or an AUTH error redis-py does not map to AuthenticationError
@@ -135,3 +137,29 @@ def _verify_failed(detail: str) -> str:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else exc.__class__.__name__
+
+
+class ClusterNode(Exception):
+    """The probe's ``PING`` was answered by a Redis Cluster node while ``redis_cluster`` is not set."""
+
+
+CLUSTER_NODE_DETAIL = ("it is a Redis Cluster node and redis_cluster is not set, so the keys of every other node's "
+                       "slots are refused; set redis_cluster: true")
+"""What the probe says of such a node (state ``wrong mode``, :func:`classify`)."""
+CLUSTER_NODE = f"MOVED: {CLUSTER_NODE_DETAIL}"
+"""The one cause of every ``MOVED``/``ASK`` reply, whatever its slot (:func:`describe_error`)."""
+
+
+def describe_error(exc: BaseException) -> str:
+    """A fault's short cause for the tier's log line (:class:`~kvtier.core.tiers.guarded.GuardedTier`
+    logs each cause at most once per 10 s): a ``MOVED``/``ASK`` reply, which only a Cluster node
+    named without ``redis_cluster`` sends, is :data:`CLUSTER_NODE` whatever its slot and node (one
+    cause, instead of a line per slot); anything else as :func:`~kvtier.core.tiers.guarded.describe_error`."""
+    import redis
+
+    from kvtier.core.tiers.guarded import describe_error as plain
+
+    text = _first_line(exc)
+    if isinstance(exc, redis.exceptions.AskError) or text.startswith(("MOVED ", "ASK ")):
+        return CLUSTER_NODE
+    return plain(exc)

@@ -3,9 +3,8 @@
 - **One value per chunk**, written with one ``SET key value EX ttl NX``: the value envelope
   (:mod:`kvtier.core.envelope`: a header with namespace, key, lengths, codec chain, the writer's
   tenant record for ``kvtier purge --salt``/``--lora`` and the digest, then the payload;
-  :mod:`kvtier.core.tiers.sharedvalue`).  A read
-  verifies everything; a value that fails is a ``CORRUPT`` miss and is deleted.  A key the server
-  evicted on its own (``maxmemory``, TTL) is a plain miss.
+  :mod:`kvtier.core.tiers.sharedvalue`).  A read verifies everything; a value that fails is a
+  ``CORRUPT`` miss and is deleted.  A key the server evicted on its own (``maxmemory``, TTL) is a plain miss.
 - **Keys** are ``<prefix><namespace hex>:<chunk key hex>``, built in one place for every command
   (sglang#17265 applied its prefix to SET/GET but not EXISTS).  No hash tag: in a Cluster the
   chunks of one prefix spread over all slots and shards.
@@ -31,8 +30,8 @@
   sends the payloads straight from the caller's buffers while the caller's thread takes the
   digests; a write given up at the deadline is abandoned before its next chunk, and a payload
   changed after its digest was taken fails verification on read (a miss, never served).
-- **Secrets** (:mod:`kvtier.core.tiers.redis.client`): the password comes from the URL, an environment variable or a file; no log line
-  or metric shows it (URLs are redacted).
+- **Secrets** (:mod:`kvtier.core.tiers.redis.client`): the password comes from the URL, an environment
+  variable or a file; no log line or metric shows it (URLs are redacted).
 
 Thread-safe.  Numbers: :meth:`RedisTier.wire_stats` (bytes, seconds, corrupt values; the wrapper
 adds lookups, errors, skipped calls and writes and the breaker: the store's snapshot and its
@@ -56,6 +55,7 @@ from kvtier.core.tiers.base import ClearResult, GetResult, PutResult, Tier, Tier
 from kvtier.core.tiers.buffers import BufferPool
 from kvtier.core.tiers.redis import stream as redisstream
 from kvtier.core.tiers.redis.clear import clear_namespace
+from kvtier.core.tiers.redis.failure import describe_error
 from kvtier.core.tiers.sealedaway import LOOKUP_HEAD_BYTES, SealedAway
 from kvtier.core.tiers.sharedreads import SharedReads
 from kvtier.core.tiers.sharedvalue import HEADER_BYTES, ValueCodec, keyspace, verify_into
@@ -86,8 +86,8 @@ class RedisTier(SharedReads, Tier):
         codec_args: the envelope's ``chain`` and ``keyring`` (:func:`kvtier.core.codecsettings.envelope_args`).
     """
 
-    name = "redis"
-    shared = True
+    name, shared = "redis", True
+    describe_error = staticmethod(describe_error)  # the wrapper's log cause (MOVED: one cause, not one per slot)
 
     def __init__(self, client: Any, namespace: bytes, secret: bytes | None, key_prefix: str, ttl_s: int,
                  header_wait_s: float, where: str = "redis", codec_args: CodecArgs | None = None) -> None:

@@ -32,6 +32,7 @@ from kvtier.core.receiptsinks import receipt_counters as receipt_sink_counters
 from kvtier.core.tenant import TenantId
 from kvtier.integrations.vllm.protocol import RequestFacts
 from kvtier.integrations.vllm.scheduler.steps import KeyMemo
+from kvtier.integrations.vllm.worker.identity import lora_identity
 from kvtier.integrations.vllm.worker.loader import tokens_by_tier
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ class RequestChain:
 
     def __init__(self, request: Any, key_root: bytes, chunk_tokens: int, memo: KeyMemo | None = None) -> None:
         lora = getattr(request, "lora_request", None)
-        lora_id = f"{lora.lora_name}@{lora.lora_path}" if lora is not None else None
+        lora_id = lora_identity(lora.lora_name, lora.lora_path) if lora is not None else None  # files fingerprinted
         features = getattr(request, "mm_features", None)  # (the generator only for a multimodal request: the hit path)
         mm = tuple(str(f.identifier) for f in features) if features else ()
         self.root, self.tenant = _root_and_tenant(key_root, getattr(request, "cache_salt", None),

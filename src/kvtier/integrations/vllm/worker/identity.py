@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import re
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +112,42 @@ def model_fingerprint(model: str, revision: str | None = None, tokenizer: str | 
                     h.update(path.read_bytes())
             except OSError as exc:
                 log.warning("kvtier: cannot read %s for the identity fingerprint (%s)", path, exc.strerror)
+    return h.hexdigest(16)
+
+
+def lora_identity(name: str, path: str) -> str:
+    """A LoRA adapter's identity in the chunk keys' root: ``name@path``, then ``#`` and a fingerprint
+    (32 hex chars) of the adapter's files when ``path`` is a local directory, so that an adapter
+    replaced at the same path (retrained, or reloaded with ``load_inplace``) never meets KV its old
+    weights computed, in a persistent tier (disk, redis, s3) after a restart or in another engine,
+    as :func:`model_fingerprint` fences the model.  Its weight files are digested as the model's
+    (name, size, safetensors header, three 1 MiB samples), every other file (``adapter_config.json``,
+    tokenizer files) in full.  Each call lists and stats the directory; the digest is computed once
+    per content signature (names, sizes, modification times) and kept.  Never raises: an unreadable
+    directory gives ``name@path`` alone."""
+    directory = Path(os.path.expanduser(path)) if path else None
+    try:
+        if directory is None or not directory.is_dir():
+            return f"{name}@{path}"
+        signature = tuple((p.name, st.st_size, st.st_mtime_ns) for p in _files(directory) for st in (p.stat(),))
+    except OSError:
+        return f"{name}@{path}"
+    return f"{name}@{path}#{_adapter_digest(str(directory), signature)}"
+
+
+@lru_cache(maxsize=256)
+def _adapter_digest(directory: str, signature: tuple[tuple[str, int, int], ...]) -> str:
+    h = blake3.blake3(b"kvtier-lora-adapter\0")
+    for name, _size, _mtime_ns in signature:
+        path = Path(directory) / name
+        try:
+            if path.suffix in _WEIGHT_SUFFIXES:
+                _weight_digest(path, h)
+            else:
+                h.update(f"f\0{name}\0".encode())
+                h.update(path.read_bytes())
+        except OSError as exc:
+            log.warning("kvtier: cannot read %s for the LoRA adapter fingerprint (%s)", path, exc.strerror)
     return h.hexdigest(16)
 
 
