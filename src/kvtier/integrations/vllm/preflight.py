@@ -272,7 +272,7 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
     if "tiers" in good or "tiers" not in extra:  # a refused tiers leaves config.tiers at its default: no
         problems.extend(unused_tier_problems(key, extra, config))  # advice about a list never given
         problems.extend(unconfigured_tier_problems(key, extra, config))
-        problems.extend(tier_order_problems(key, extra, config))
+        problems.extend(tier_order_problems(key, extra, config, reads=entry.get("kv_role") != "kv_producer"))
     problems.extend(idle_codec_problems(key, config))
     problems.extend(node_pool_problems(key, config))
     problems.extend(config_advice_problems(key, config))

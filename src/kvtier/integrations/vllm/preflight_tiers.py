@@ -100,26 +100,39 @@ def unconfigured_tier_problems(key: str, extra: dict[str, Any], config: KVTierCo
     return out
 
 
-def tier_order_problems(key: str, extra: dict[str, Any], config: KVTierConfig) -> list[Problem]:
-    """A warning when ``tiers`` lists a shared tier above a local one: the store keeps the local tiers'
-    order and asks the shared ones only for what the local tiers lack (core/changes.py splits them), so
-    the order written is not the one served."""
-    if "tiers" not in extra:
-        return []
+def tier_order_problems(key: str, extra: dict[str, Any], config: KVTierConfig, reads: bool = True) -> list[Problem]:
+    """Warnings where ``tiers`` and what is served differ: a shared tier listed above a local one (the
+    store keeps the local tiers' order and asks the shared ones only for what the local tiers lack,
+    core/changes.py splits them), and a second shared tier (the scheduler's lookups and the workers'
+    reads go to the first shared tier only: scheduler/remote.py, ``Index`` ``shared[0]``; the others
+    only receive writes), unless the engine never ``reads`` (``kv_role`` ``kv_producer``: writing to
+    every shared tier is then what it is for).  With ``tiers`` not given, the default order: only
+    the second warning."""
     try:
         listed = [t for t in config.tiers if factory.configured(t, config)]
         shared = {t for t in listed if registry.spec(t).shared}
     except ConfigError:
         return []  # an unknown tier or a module that does not import: reported by the config's own checks
+    out = []
+    in_order = [t for t in listed if t in shared]
+    read, unread = (in_order[0], in_order[1:]) if in_order else ("", [])
+    if unread and reads:
+        given = "lists" if "tiers" in extra else "has (by default)"
+        one = len(unread) == 1
+        out.append(Problem("warning", f"{key}.tiers",
+                           f"tiers {given} {len(unread) + 1} shared tiers, but kvtier looks up and reads only the "
+                           f"first, {read!r}: {' and '.join(map(repr, unread))} only {'receives' if one else 'receive'} "
+                           f"writes, and a chunk that {read!r} no longer holds is a miss even where "
+                           f"{'it holds' if one else 'they hold'} it; keep one shared tier in tiers (docs/store.md)"))
     above = next((t for i, t in enumerate(listed) if t in shared and any(u not in shared for u in listed[i:])), None)
-    if above is None:
-        return []
+    if above is None or "tiers" not in extra:
+        return out
     below = next(u for u in listed[listed.index(above):] if u not in shared)
     used = [t for t in listed if t not in shared] + [t for t in listed if t in shared]
-    return [Problem("warning", f"{key}.tiers",
-                    f"tiers lists the shared tier {above!r} above the local tier {below!r}, but kvtier always "
-                    f"serves from local tiers first and asks a shared tier only for what they lack, so the order "
-                    f"used is {used}; list the local tiers first")]
+    return out + [Problem("warning", f"{key}.tiers",
+                          f"tiers lists the shared tier {above!r} above the local tier {below!r}, but kvtier always "
+                          f"serves from local tiers first and asks a shared tier only for what they lack, so the "
+                          f"order used is {used}; list the local tiers first")]
 
 
 def unused_tier_problems(key: str, extra: dict[str, Any], config: KVTierConfig) -> list[Problem]:
