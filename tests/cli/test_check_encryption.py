@@ -72,6 +72,7 @@ def test_a_chain_for_the_node_tier_which_writes_none_is_refused(tmp_path: Path) 
 
     from kvtier.core.config import KVTierConfig
     from kvtier.core.errors import ConfigError
+    from kvtier.core.tiers import registry
 
     (tmp_path / "key").write_text(KEY)
     node = {"tiers": ["cpu", "node"], "node_socket": str(tmp_path / "node.sock"),
@@ -85,6 +86,10 @@ def test_a_chain_for_the_node_tier_which_writes_none_is_refused(tmp_path: Path) 
     # a tier from outside kvtier writes no chain unless its record says so (the toy dict tier does not)
     plugin = {"cpu_gib": 1, "tier_modules": ["tests.dict_tier_plugin"], "tiers": ["cpu", "dict"],
               "encryption": node["encryption"]}
-    with pytest.raises(ConfigError, match="codecs is set for tier 'dict', which writes no codec chain"):
-        KVTierConfig.from_dict({**plugin, "codecs": {"dict": ["aes-256-gcm"]}})
-    assert KVTierConfig.from_dict({**plugin, "codecs": {"disk": ["aes-256-gcm"]}}).codecs == {"disk": ("aes-256-gcm",)}
+    try:
+        with pytest.raises(ConfigError, match="codecs is set for tier 'dict', which writes no codec chain"):
+            KVTierConfig.from_dict({**plugin, "codecs": {"dict": ["aes-256-gcm"]}})
+        assert KVTierConfig.from_dict({**plugin, "codecs": {"disk": ["aes-256-gcm"]}}).codecs == {"disk": ("aes-256-gcm",)}
+    finally:  # the plug-in registered its tier in this process: the next test's default tiers must not name it
+        registry.unregister("dict")
+        sys.modules.pop("tests.dict_tier_plugin", None)
