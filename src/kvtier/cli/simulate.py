@@ -216,7 +216,6 @@ def register(app: typer.Typer) -> None:
             print(f"note: {option} {','.join(f'{g:g}' for g in below)} GiB holds less than one {chunk_gib:g} GiB "
                   "chunk: the engine alone, like 0 (kvtier refuses a cpu tier smaller than one chunk)", file=sys.stderr)
         if cpu_pct is not None:  # whole chunks: pct of the footprint, at least one (0 %: no cpu tier, like --cpu-gib 0)
-            chunk_gib = per_token * requests.block_tokens / 2**30
             gibs = tuple(max(1, round(requests.num_unique_chunks * p / 100)) * chunk_gib if p > 0 else 0.0
                          for p in gibs)
         from kvtier.size.compression import DISK, parse_ratios
