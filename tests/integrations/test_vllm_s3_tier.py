@@ -175,7 +175,10 @@ def test_a_restart_served_from_an_encrypted_tier_is_exact(tiny_model: Path, tmp_
         kvtier = {"chunk_tokens": 64, "cpu_gib": 0.01, **storage, "codecs": {tier: ["aes-256-gcm"]},
                   "encryption": {"master_key_file": str(key_file)}}
         engine = {"block_size": 64, **WORKER_IN_RUNNER}  # one start-up import less per engine (tests/engine_layout.py)
-        made_proc = run_engine({"model": str(tiny_model), "steps": [p, p], "kvtier": kvtier, "engine": engine},
+        # a lower tier's write lands after the request that made it (S3: a write-behind); A steps until its codec
+        # counter shows one, so the metrics A reports are taken after that write
+        sealed_once = {"op": "until", "metric": f"kvtier_codec_bytes_after_total{{{tier}}}", "at_least": 1}
+        made_proc = run_engine({"model": str(tiny_model), "steps": [p, p, sealed_once], "kvtier": kvtier, "engine": engine},
                                tmp_path, "a", env=EQUAL_THREADS)
         # B and C start before they step (their start-ups overlap what runs before them), and each takes its
         # first step only once the engine before it is done: the engines step one after the other, A, B, C.
