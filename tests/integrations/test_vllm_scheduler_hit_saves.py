@@ -24,6 +24,7 @@ from tests.integrations.test_vllm_scheduler import (
     CHUNK,
     PROMPT,
     PROMPT_BYTES,
+    _computed_and_saved,
     _keys,
     _meta,
     _parked,
@@ -119,3 +120,20 @@ def test_chunks_loaded_from_a_shared_tier_are_still_offered_for_saving(tiny_mode
     resumed = scheduler.schedule()
     assert resumed.num_scheduled_tokens == {"r": len(PROMPT) - 3 * CHUNK}
     assert _saved(resumed) == [("r", 2)]
+
+
+def test_a_save_job_names_the_chunks_vllms_own_cache_served_for_the_cpu_tier_to_touch(tiny_model: Path) -> None:
+    """``SaveJob.touch_chunks``: a prompt computed with nothing cached touches nothing; one whose first 3
+    chunks vLLM's own prefix cache served (PROMPT's, computed just before) ships those 3 for the workers to
+    touch in the cpu tier's policy where it holds them (a use, as a load's; before: they kept their old rank)."""
+    scheduler = _scheduler(tiny_model)
+    step, saved = _computed_and_saved(scheduler, "h")
+    assert [p.chunk for p in saved] == [0, 1, 2]
+    scheduler.update_from_output(step, _step_output(step, [], kv_connector_worker_meta=_report(
+        [(p.key, "cpu") for p in saved])))
+    longer = _request("x", prompt=LONGER)
+    scheduler.add_request(longer)
+    step = scheduler.schedule()
+    assert _meta(step).loads == [] and step.num_scheduled_tokens == {"x": len(LONGER) - 3 * CHUNK}  # vLLM's hit
+    (job,) = _meta(step).saves
+    assert [p.chunk for p in job.pages] == [0, 1, 2, 3, 4] and job.touch_chunks == 3

@@ -1,30 +1,30 @@
 """The simulator's cpu tier against kvtier's real store, driven as the connector drives it (trace-tools probe).
 
 Through vLLM (tiny model, 20 requests: 4 conversations x 5 turns, engine 16 chunks, cpu_gib 32 chunks,
-``policy: lru``) ``kvtier bench compare`` measured 28.0 % of prompt tokens served; ``kvtier simulate`` predicts
-24.0 %.  The replay touches every cpu-resident chunk of a prompt after each request; the connector touches the
-chunks it loads and nothing else (a save of a chunk the cpu tier holds stores and touches nothing:
-docs/scheduler.md § A hit's chunks are not saved again), so the chunks vLLM served from its own prefix cache keep
-their old rank.  This test replays the same trace through a real :class:`TieredStore` the connector's way (the
-engine's hit from the simulator's own engine model, which matched vLLM's 12.7 % exactly; a load of what the store
-holds after it, then a save of every full chunk) and compares cpu hits request by request.  Strict xfail until one
-side changes (docs/simulate.md § Limits)."""
+``policy: lru``, one request in flight) ``kvtier bench compare`` measured 28.0 % of prompt tokens served while the
+connector touched only the chunks it loaded (a save of a chunk the cpu tier held stored and touched nothing), and
+24.0 % once a save job touches the held chunks vLLM served from its own prefix cache (``SaveJob.touch_chunks``,
+``prepare_store``'s ``touch_end``); ``kvtier simulate`` predicts 24.0 %: its replay touches every cpu-resident
+chunk of a prompt after each request.  This test replays the same trace through a real :class:`TieredStore` the
+connector's way (the engine's hit from the simulator's own engine model, which matched vLLM's 12.7 % exactly; a
+load of what the store holds after it, then a save of every full chunk, touching those before the engine's hit)
+and compares cpu hits request by request, with and without that touch (docs/simulate.md § Limits)."""
 
 from __future__ import annotations
 
 import hashlib
 
-import pytest
-
 from kvtier.core.keys import KEY_BYTES, ChunkKey
 from kvtier.core.policies import make_policy
 from kvtier.simulate.replay import chunk_parents, engine_prefix_hits, lookup_limits, replay
 from kvtier.simulate.trace import Trace
-from tests.core.helpers import CHUNK_BYTES, make_store
+from tests.core.helpers import make_store
 
 ENGINE_CHUNKS, CPU_CHUNKS = 16, 32
-MEASURED_CPU_CHUNKS = [0, 0, 0, 0, 0, 0, 0, 2, 5, 5, 5, 5, 8, 0, 0, 0, 0, 0, 0, 0]
+MEASURED_CPU_CHUNKS = [0, 0, 0, 0, 0, 0, 0, 2, 5, 5, 5, 5, 0, 0, 0, 0, 0, 0, 0, 0]
 """Chunks each request loaded from kvtier's cpu tier in the vLLM run above (its receipts, tokens / 128)."""
+MEASURED_UNTOUCHED_CPU_CHUNKS = [0, 0, 0, 0, 0, 0, 0, 2, 5, 5, 5, 5, 8, 0, 0, 0, 0, 0, 0, 0]
+"""The same before save jobs touched (``touch_end`` 0): request 12 loaded 8 chunks."""
 
 
 def _conversations() -> Trace:
@@ -41,7 +41,7 @@ def _conversations() -> Trace:
     return Trace("conversations", 512, [float(i) for i in range(len(tokens))], tokens, keys)
 
 
-def _store_cpu_hits(trace: Trace) -> list[int]:
+def _store_cpu_hits(trace: Trace, touch: bool = True) -> list[int]:
     store = make_store(None, cpu_chunks=CPU_CHUNKS, policy="lru")
     key = {k: ChunkKey(hashlib.blake2b(str(k).encode(), digest_size=KEY_BYTES).digest())
            for keys in trace.chunk_keys for k in keys}
@@ -54,7 +54,9 @@ def _store_cpu_hits(trace: Trace) -> list[int]:
             handle = store.prepare_load(chain[first:first + found])
             store.complete_load(handle, True)
         hits.append(found)
-        store.put(chain, [bytes(CHUNK_BYTES)] * len(chain))  # the save job of every full chunk
+        # the save job of every full chunk; those vLLM served (before ``first``) are touched, as the connector's
+        handle = store.prepare_store(chain, touch_end=first if touch else 0)
+        store.complete_store(handle, True)  # (the bytes are not compared: the pages as reserved)
     return hits
 
 
@@ -69,13 +71,18 @@ def _replay_cpu_hits(trace: Trace) -> list[int]:
 
 
 def test_the_store_driven_as_the_connector_serves_what_vllm_measured() -> None:
-    """Request by request, as the receipts of the vLLM run; request 12 (conversation 0's fourth turn) loads 8."""
+    """Request by request, as the receipts of the vLLM run; request 12 (conversation 0's fourth turn) loads
+    nothing: chunk 0 (vLLM's own hit at every request) was touched each time, so conversation 0's first chunk
+    was the cpu tier's least recent and went first."""
     assert _store_cpu_hits(_conversations()) == MEASURED_CPU_CHUNKS
 
 
-@pytest.mark.xfail(strict=True, reason="the replay touches engine-served cpu chunks, the store does not "
-                                       "(docs/simulate.md § Limits)")
+def test_without_the_touch_the_store_serves_what_vllm_measured_before() -> None:
+    """``touch_end`` 0 (the default for other callers): the engine-served chunks keep their old rank, and
+    request 12 loads 8 chunks, as the vLLM run measured before save jobs touched."""
+    assert _store_cpu_hits(_conversations(), touch=False) == MEASURED_UNTOUCHED_CPU_CHUNKS
+
+
 def test_the_replay_serves_what_the_store_serves_request_by_request() -> None:
-    """The replay serves request 12 nothing: it had touched chunk 0 (vLLM's own hit) at every request, so
-    conversation 0's first chunk was the cpu tier's least recent and went first."""
-    assert _replay_cpu_hits(_conversations()) == MEASURED_CPU_CHUNKS
+    """With the touch the store and the replay agree (LRU); before, they parted at request 12."""
+    assert _replay_cpu_hits(_conversations()) == _store_cpu_hits(_conversations()) == MEASURED_CPU_CHUNKS

@@ -208,15 +208,17 @@ class TieredStore(StoreConvenience):
 
     # ---- store ---------------------------------------------------------------------------
     def prepare_store(self, chain: Sequence[ChunkKey], start: int = 0, tenant: TenantId | None = None,
-                      ctx: OpContext | None = None, explain: int = -1) -> StoreHandle:
+                      ctx: OpContext | None = None, explain: int = -1, touch_end: int = 0) -> StoreHandle:
         """Reserve top-tier pages for ``chain[start:]`` chunks not stored yet (see module docstring).
         ``ctx``: the request's context (:mod:`kvtier.core.context`), kept in the handle; its ``tenant``
         is who the chunks are saved for, written with them where a tier keeps a tenant record
         (:mod:`kvtier.core.tenant`; ``None``: unknown).  ``tenant``: shorthand for a context of that
         tenant alone (tools and tests); both given: ``ValueError``.  ``explain``: a chain position
         whose absence the request's receipt explains: if no tier holds it, ``ctx`` hears why
-        (:class:`~kvtier.core.context.NotHeld`, from the ghost lists: :mod:`kvtier.core.ghosts`)."""
-        plan = self.index.plan_store(chain, start, self.sink.bind(ctx, tenant), explain)
+        (:class:`~kvtier.core.context.NotHeld`, from the ghost lists: :mod:`kvtier.core.ghosts`).
+        ``touch_end``: chunks of ``chain[start:touch_end]`` the top tier holds are touched in its policy
+        (the engine served them from its own prefix cache: a use no load marked; 0: none)."""
+        plan = self.index.plan_store(chain, start, self.sink.bind(ctx, tenant), explain, touch_end)
         self.mover.submit(plan.writes)
         return plan.handle
 

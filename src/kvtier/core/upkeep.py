@@ -66,8 +66,7 @@ class IndexUpkeep(IndexState):
     def _stage(self, victim: ChunkKey, writes: list[WriteJob]) -> None:
         """Before ``victim`` leaves its page: write-back tiers that lack it and admit it get a write in ``writes``,
         from a staged copy (so the page is free now; the writes happen on the mover)."""
-        missing = self._admitting(victim)
-        if missing:
+        if missing := self._admitting(victim):
             copy = self.staged.get(victim) or self.staged.setdefault(victim, StagedCopy(self.cpu.view(victim).copy()))
             for lt in missing:
                 writes.append(self._job(lt, victim, copy.data, evict_after=False, tenant=self.tenant.get(victim)))
@@ -150,19 +149,23 @@ class IndexUpkeep(IndexState):
         return n, found
 
     # ---- store ---------------------------------------------------------------------------
-    def plan_store(self, chain: Sequence[ChunkKey], start: int, ctx: OpContext, explain: int = -1) -> StorePlan:
+    def plan_store(self, chain: Sequence[ChunkKey], start: int, ctx: OpContext, explain: int = -1,
+                   touch_end: int = 0) -> StorePlan:
         """Reserve top-tier pages for ``chain[start:]`` chunks no local tier holds yet (the pages' victims
         spilled to a write-back tier are the plan's ``writes``) for ``ctx`` (its tenant, kept in the
         handle); the chain ends at the first chunk that gets no page (``SaveDropped``; the top tier's
         ghost list remembers why).  A chunk saved again leaves the ghost lists (:mod:`kvtier.core.ghosts`);
         the one at ``explain``, if not held, is explained to ``ctx`` (``NotHeld``: the latest loss
-        remembered, or ``new``; both :mod:`kvtier.core.context`)."""
+        remembered, or ``new``; both :mod:`kvtier.core.context`).  The chunks of ``chain[start:touch_end]``
+        resident in the top tier (served by the engine's own prefix cache) are touched there, in prompt order."""
         tenant = ctx.tenant
         handle = StoreHandle([], [], [], [], tenant=tenant, ctx=ctx)
         writes: list[WriteJob] = []
         owner = tenant.salt if tenant is not None else None  # the quota's tenant key
         with self.lock:
             handle.epoch = self.epoch
+            if touch_end > start and (used := [k for k in chain[start:touch_end] if self.resident(k)]):
+                self.policy.touch(used)  # the engine served them: a use, as a load's (no ``uses``: not from here)
             for i in range(start, len(chain)):
                 key = chain[i]
                 if self.holds(key) or any(lt.tier.indexed(key) for lt in self.local):
@@ -218,8 +221,7 @@ class IndexUpkeep(IndexState):
             victim = self.policy.victim(lambda k: self.may_free_page(k, ahead=True) and k not in writing)
             if victim is None:
                 return
-            missing = self._admitting(victim)
-            if not missing:
+            if not (missing := self._admitting(victim)):
                 self.evict_top(victim)
                 free += 1
                 continue

@@ -115,6 +115,9 @@ class SaveJob:
             deferred): the copy runs after ``wait_for_save`` returns, on the worker's saver thread;
             each rank reports the number once the save ended (``RankReport.saves_ended``), and a
             request finished before every rank did is held (``KVTierMetadata.held``).
+        touch_chunks: chunks ``0 .. touch_chunks - 1`` were served by vLLM's own prefix cache at the
+            request's admission: those of its pages the cpu tier holds are touched in its policy (a
+            use, as a load's); 0: none touched.
     """
 
     req_id: str
@@ -125,6 +128,7 @@ class SaveJob:
     tenant: TenantId | None = None
     explain_chunk: int = -1
     seq: int = -1
+    touch_chunks: int = 0
 
     @property
     def deferred(self) -> bool:

@@ -306,7 +306,8 @@ class SchedulerSide:
         return SaveJob(req_id, pages, self.pages.parent_of(keys, pages[0]), pin_s=state.pin_s,
                        pin_chunks=request.num_prompt_tokens // self.chunk_tokens, tenant=state.tenant,
                        explain_chunk=state.receipt.explain_in(start, end),
-                       seq=self.deferred.ship(req_id) if deferred else -1)
+                       seq=self.deferred.ship(req_id) if deferred else -1,
+                       touch_chunks=(state.receipt.engine or 0) // self.chunk_tokens)
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Fold the ranks' index changes (vLLM's worker → scheduler metadata) into the mirror."""

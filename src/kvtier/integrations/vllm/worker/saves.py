@@ -327,7 +327,8 @@ def _reserve(store: TieredStore, job: SaveJob, record: RequestRecord) -> tuple[S
     ctx = OpContext(job.req_id, job.tenant, record)  # the request's context: its id and tenant, explicitly
     explain = next((first + i for i, p in enumerate(job.pages) if p.chunk == job.explain_chunk), -1) \
         if job.explain_chunk >= 0 else -1
-    handle = store.prepare_store(chain, start=first, ctx=ctx, explain=explain)
+    touch = first + next((i for i, p in enumerate(job.pages) if p.chunk >= job.touch_chunks), len(job.pages))
+    handle = store.prepare_store(chain, start=first, ctx=ctx, explain=explain, touch_end=touch)
     return handle, [job.pages[i - first] for i in handle.indices]
 
 
