@@ -128,13 +128,45 @@ def test_a_trace_of_the_other_format_names_the_format_flag(tmp_path):
                       + "\n")
     with pytest.raises(TraceError) as as_kvtier:
         read_trace(mooncake, "kvtier-jsonl")
-    assert str(as_kvtier.value) == ("m.jsonl line 1 is a Mooncake record (hash_ids), not a kvtier-jsonl one; pass "
-                                    "--format mooncake (the default)")
+    assert str(as_kvtier.value) == ("m.jsonl line 1 is a Mooncake record (hash_ids), not a kvtier-jsonl one; read it "
+                                    "as mooncake (the format auto, the default, does)")
     with pytest.raises(TraceError) as as_mooncake:
         read_trace(kvtier, "mooncake")
     assert str(as_mooncake.value) == ("k.jsonl line 1 is a kvtier-jsonl record (chunk_keys), not a Mooncake one; "
-                                      "pass --format kvtier-jsonl")
+                                      "read it as kvtier-jsonl (the format auto, the default, does)")
     assert read_trace(mooncake, "mooncake").num_requests == 1 and read_trace(kvtier, "kvtier-jsonl").num_requests == 1
+    # the default reads each as what its first record is
+    assert (read_trace(mooncake).block_tokens, read_trace(kvtier).block_tokens) == (512, 128)
+
+
+def test_the_trace_commands_read_either_format_by_default_and_take_one_flag_name(tmp_path):
+    """``simulate``, ``size --trace`` and ``trace stats`` read a kvtier-jsonl trace (what ``trace record``
+    writes) without a format flag, and each takes ``--trace-format`` (``size`` took only that name, the
+    other two only ``--format``, while the readers' errors named ``--format``)."""
+    from typer.testing import CliRunner
+
+    from kvtier.cli.main import app
+
+    keys = [f"{i:02x}" for i in range(6)]
+    trace = tmp_path / "recorded.jsonl"
+    trace.write_text("".join(json.dumps({"time_s": float(t), "num_tokens": 6 * 128 + 5, "chunk_tokens": 128,
+                                         "chunk_keys": keys}) + "\n" for t in range(4)))
+    runner = CliRunner()
+    for flags in ((), ("--trace-format", "kvtier-jsonl")):
+        stats = runner.invoke(app, ["trace", "stats", "--trace", str(trace), *flags])
+        assert stats.exit_code == 0, stats.output
+        assert "4 requests over 3 s, 24 full chunks (6 distinct) of 128 tokens" in stats.output
+        sim = runner.invoke(app, ["simulate", "--trace", str(trace), "--kv-bytes-per-token", "1024",
+                                  "--engine-gib", "0", "--cpu-gib", "1", "--policy", "lru", "--json",
+                                  str(tmp_path / f"sim{len(flags)}.json"), *flags])
+        assert sim.exit_code == 0, sim.output
+        (row,) = json.loads((tmp_path / f"sim{len(flags)}.json").read_text())["rows"]
+        assert row["chunk_hit_ratio"] == 18 / 24  # every request after the first finds its 6 chunks
+        size = runner.invoke(app, ["size", "--model", "meta-llama/Llama-3.1-8B", "--gpu", "H100", "--context", "8192",
+                                   "--trace", str(trace), *flags])
+        assert size.exit_code == 0, size.output
+    forced = runner.invoke(app, ["trace", "stats", "--trace", str(trace), "--format", "mooncake"])
+    assert forced.exit_code != 0 and "read it as kvtier-jsonl" in forced.output
 
 
 def test_a_file_of_another_shape_says_what_a_trace_is_not_which_field_is_none(tmp_path):

@@ -66,7 +66,8 @@ def register(app: typer.Typer) -> None:
     def simulate(
         trace: Path = typer.Option(..., "--trace", help="Request trace (.jsonl or .jsonl.gz; 'bundled': the "
                                    "Mooncake trace shipped with kvtier)."),
-        fmt: str = typer.Option("mooncake", "--format", help="Trace format: mooncake or kvtier-jsonl."),
+        fmt: str = typer.Option("auto", "--format", "--trace-format", help="Trace format: auto (from its first "
+                                 "record), mooncake or kvtier-jsonl."),
         model: str | None = typer.Option(None, "--model", help="Model as kvtier size reads it: a config.json, a model "
                                          "directory, a built-in preset or a hub id (kvtier size --list-presets)."),
         tp: int = typer.Option(1, "--tp", help="With --model: tensor-parallel size (KV bytes per token are totals "

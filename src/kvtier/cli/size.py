@@ -59,7 +59,8 @@ def _size(
                                           "takes at most 1/1.1 of it, the room kvtier audit asks of its volume)."),
     trace: str | None = typer.Option(None, "--trace", help="Request trace (.jsonl[.gz]; 'bundled': the Mooncake "
                                      "trace shipped with kvtier) to size the warm set from, instead of --sessions."),
-    trace_format: str = typer.Option("mooncake", "--trace-format", help="--trace format: mooncake or kvtier-jsonl."),
+    trace_format: str = typer.Option("auto", "--trace-format", help="--trace format: auto (from its first "
+                                      "record), mooncake or kvtier-jsonl."),
     tokens_per_block: int | None = typer.Option(None, "--tokens-per-block",
                                                 help="--trace's tokens per block (mooncake: 512)."),
     disk_gb_per_s: float = typer.Option(7.0, "--disk-gb-per-s", help="NVMe read bandwidth, GB/s, all drives together "
@@ -111,7 +112,7 @@ def _size(
                 raise UserError(f"--gpu {gpu!r} is not known; use one of {', '.join(g.name for g in GPUS)}, "
                                 "or pass --gpu-memory-gib with its memory in GiB.")
             memory = found_gpu.memory_gib
-        if trace is None and (tokens_per_block is not None or trace_format != "mooncake"):
+        if trace is None and (tokens_per_block is not None or trace_format != "auto"):
             raise UserError("--tokens-per-block and --trace-format describe --trace; give --trace FILE or drop them.")
         if trace is not None and sessions is not None:
             raise UserError("give --trace (the warm set measured on a trace) or --sessions (sessions × --context), "

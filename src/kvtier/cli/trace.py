@@ -70,7 +70,8 @@ def register(app: typer.Typer) -> None:
     @trace_app.command("stats")
     def stats(
         trace: Path = typer.Option(..., "--trace", help="Trace file (.jsonl or .jsonl.gz)."),
-        fmt: str = typer.Option("mooncake", "--format", help="mooncake or kvtier-jsonl."),
+        fmt: str = typer.Option("auto", "--format", "--trace-format", help="auto (from its first record), mooncake "
+                                 "or kvtier-jsonl."),
         tokens_per_block: int | None = typer.Option(None, "--tokens-per-block",
                                                     help="Tokens per block (mooncake: 512)."),
     ) -> None:

@@ -44,7 +44,7 @@ from kvtier.tools.mooncake import (
     resolve_trace_path,
 )
 
-FORMATS = ("mooncake", "kvtier-jsonl")
+FORMATS = ("auto", "mooncake", "kvtier-jsonl")
 
 
 @dataclass(frozen=True)
@@ -105,12 +105,25 @@ def distinct_full_blocks(records: Iterable[Any], block_tokens: int) -> int:
     return len({b for r in records for b in full_blocks(r.hash_ids, r.input_length, block_tokens)})
 
 
-def read_trace(path: str | Path, fmt: str = "mooncake", block_tokens: int | None = None) -> Trace:
+def detect_format(path: str | Path) -> str:
+    """``"kvtier-jsonl"`` when the first record of ``path`` is one (``chunk_keys`` and no
+    ``timestamp``: what ``kvtier trace record`` writes), else ``"mooncake"`` (whose reader names what
+    is wrong with a record that is neither).
+
+    Raises:
+        TraceError: missing or unreadable file, a first line that is not JSON.
+    """
+    for _lineno, _where, first in jsonl_objects(Path(path)):
+        return "kvtier-jsonl" if "chunk_keys" in first and "timestamp" not in first else "mooncake"
+    return "mooncake"
+
+
+def read_trace(path: str | Path, fmt: str = "auto", block_tokens: int | None = None) -> Trace:
     """Read a trace file.
 
     Args:
         path: a ``.jsonl`` file, or ``.jsonl.gz``; ``bundled`` (:func:`trace_path`): the shipped trace.
-        fmt: ``"mooncake"`` or ``"kvtier-jsonl"``.
+        fmt: ``"mooncake"``, ``"kvtier-jsonl"`` or ``"auto"`` (:func:`detect_format` on its first record).
         block_tokens: tokens per chunk key; Mooncake default 512; kvtier JSONL records carry
             their own ``chunk_tokens`` and this, if given, must match it.
 
@@ -120,6 +133,8 @@ def read_trace(path: str | Path, fmt: str = "mooncake", block_tokens: int | None
     """
     if block_tokens is not None and block_tokens <= 0:
         raise TraceError(f"--tokens-per-block must be a positive integer, got {block_tokens}")
+    if fmt == "auto":
+        fmt = detect_format(trace_path(path))
     if fmt == "mooncake":
         return _read_mooncake(trace_path(path), block_tokens if block_tokens is not None else MOONCAKE_BLOCK_TOKENS)
     if fmt == "kvtier-jsonl":
@@ -197,8 +212,8 @@ def _read_mooncake(path: Path, block_tokens: int) -> Trace:
     key_to_id: dict[int, int] = {}
     for _lineno, where, first in jsonl_objects(path):  # the first record: the other format, said as such
         if "timestamp" not in first and "chunk_keys" in first:
-            raise TraceError(f"{where} is a kvtier-jsonl record (chunk_keys), not a Mooncake one; pass --format "
-                             "kvtier-jsonl")
+            raise TraceError(f"{where} is a kvtier-jsonl record (chunk_keys), not a Mooncake one; read it as "
+                             "kvtier-jsonl (the format auto, the default, does)")
         break
     for record in iter_records(path, block_tokens):
         full = full_blocks(record.hash_ids, record.input_length, block_tokens)
@@ -221,8 +236,8 @@ class _KVTierParser(_Parser):
 
     def parse(self, obj: dict, where: str) -> tuple[float, int, Sequence[int | str]]:
         if "time_s" not in obj and "hash_ids" in obj:  # the other format: say which flag reads it
-            raise TraceError(f"{where} is a Mooncake record (hash_ids), not a kvtier-jsonl one; pass --format "
-                             "mooncake (the default)")
+            raise TraceError(f"{where} is a Mooncake record (hash_ids), not a kvtier-jsonl one; read it as "
+                             "mooncake (the format auto, the default, does)")
         time_s = float(_number(obj, "time_s", where, 0, integer=False))
         tokens = int(_number(obj, "num_tokens", where, 1, integer=True))
         chunk = int(_number(obj, "chunk_tokens", where, 1, integer=True))
