@@ -27,8 +27,9 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.purge import reset_outside
 from kvtier.core.tiers import GetResult, PutResult, TierContext, builtin
 from kvtier.core.tiers.node import server
-from kvtier.core.tiers.node.names import PoolNames
+from kvtier.core.tiers.node.names import NO_SPACE, PoolNames, space_hex
 from kvtier.core.tiers.node.pool import open_pool
+from kvtier.core.tiers.sharedvalue import keyspace
 from kvtier.core.tiers.wrappers import unwrap
 
 from .helpers import chain_of, make_store, payload, shared_prefix
@@ -129,6 +130,21 @@ def _each_reads_its_own(tiers: dict, n: int) -> None:
         assert [read(tier, key(i)) for i in range(n)] == [(GetResult.HIT, data(i, s)) for i in range(n)], s
         assert sorted(tier.keys()) == [key(i) for i in range(n)], s  # its own, by chunk key
         assert tier.corrupt == 0, s
+
+
+def test_pool_names_are_a_secrets_own_permutation_of_the_chunk_keys_and_its_space_the_shared_tiers():
+    """Without a secret a pool name is the chunk key (an old pool's values stay readable), space 0;
+    under each secret another name for every key, undone by that secret alone; the space is the
+    first 8 hex digits of the redis and s3 key space segment; a key of another length is refused."""
+    keys = [key(i) for i in range(300)]
+    plain, one, two = PoolNames(None), PoolNames(SECRETS["s1"].encode()), PoolNames(SECRETS["s2"].encode())
+    assert plain.names(keys) == keys and plain.space == NO_SPACE and space_hex(plain.space) == ""
+    named = {s: n.names(keys) for s, n in (("s1", one), ("s2", two))}
+    assert all(len(n) == 16 for n in named["s1"]) and len(set(named["s1"]) | set(named["s2"]) | set(keys)) == 900
+    assert one.keys_of(named["s1"]) == keys and two.keys_of(named["s1"]) != keys
+    assert space_hex(one.space) == keyspace(SECRETS["s1"].encode())[:8] != space_hex(two.space)
+    with pytest.raises(ValueError, match="16 bytes"):
+        one.names([b"short"])
 
 
 def test_the_same_chunks_of_three_key_spaces_live_side_by_side_and_a_clear_takes_one_space(node_server):

@@ -69,12 +69,12 @@ class PoolNames:
         """The pool name of each of ``keys`` (16 bytes each).
 
         Raises:
-            ValueError: a key is not :data:`~kvtier.core.keys.KEY_BYTES` long.
+            ValueError: under a secret, a key is not :data:`~kvtier.core.keys.KEY_BYTES` long.
         """
-        if any(len(k) != KEY_BYTES for k in keys):
-            raise ValueError(f"a chunk key is {KEY_BYTES} bytes; got lengths {sorted({len(k) for k in keys})}")
         if self._cipher is None:
             return [bytes(k) for k in keys]
+        if keys and set(map(len, keys)) != {KEY_BYTES}:  # (one block per key: a key of another length would shift the rest)
+            raise ValueError(f"a chunk key is {KEY_BYTES} bytes; got lengths {sorted(set(map(len, keys)))}")
         coder = self._cipher.encryptor()
         out = coder.update(b"".join(keys)) + coder.finalize()
         return [out[i:i + KEY_BYTES] for i in range(0, len(out), KEY_BYTES)]
@@ -87,12 +87,12 @@ class PoolNames:
         """The chunk keys whose pool names ``names`` are (:meth:`names` undone).
 
         Raises:
-            ValueError: a name is not :data:`~kvtier.core.keys.KEY_BYTES` long.
+            ValueError: under a secret, a name is not :data:`~kvtier.core.keys.KEY_BYTES` long.
         """
-        if any(len(n) != KEY_BYTES for n in names):
-            raise ValueError(f"a pool name is {KEY_BYTES} bytes; got lengths {sorted({len(n) for n in names})}")
         if self._cipher is None:
             return [ChunkKey(bytes(n)) for n in names]
+        if names and set(map(len, names)) != {KEY_BYTES}:
+            raise ValueError(f"a pool name is {KEY_BYTES} bytes; got lengths {sorted(set(map(len, names)))}")
         coder = self._cipher.decryptor()
         out = coder.update(b"".join(names)) + coder.finalize()
         return [ChunkKey(out[i:i + KEY_BYTES]) for i in range(0, len(out), KEY_BYTES)]
