@@ -78,7 +78,7 @@ def test_an_owner_restart_rebuilds_the_table_from_the_pool(pool, tmp_path):
     pool.slots[:] = 0  # a table lost (as a dead owner's half-done rebuild); the heads are the truth
     again = open_pool(tmp_path / "pool")
     restarted = PoolIndex(again.gens, again.heads, PresenceTable(again.slots, again.meta), again.page_bytes, 30.0)
-    restarted.recover(lambda page, nbytes: next((NAMESPACES[0], v.name[1]) for v in index.values.values()
+    restarted.recover(lambda page, nbytes, space: next((NAMESPACES[0], v.name[1]) for v in index.values.values()
                                                 if v.page == page))
     restarted.table.beat()
     assert presence.lookup(again.slots, again.meta, NAMESPACES[0], keys) == [False] * 10 + [True] * 30

@@ -306,36 +306,39 @@ def dict_harness(_request: pytest.FixtureRequest, _tmp: Path) -> TierHarness:
     return TierHarness("dict", make, tamper)
 
 
-def node_harness(request: pytest.FixtureRequest, _tmp: Path) -> TierHarness:
+def node_harness(request: pytest.FixtureRequest, _tmp: Path, shared_secret: str | None = None) -> TierHarness:
     """The node tier on a real owner (``kvtier node serve``, one for the session: the pool is emptied
-    of both namespaces when a test's harness is made, so each test starts from an empty pool), built as the
-    store builds it (the plug-in: GuardedTier over NodeTier); tampering writes into the shared pages
-    of the pool, stalling SIGSTOPs the owner."""
+    of both namespaces in both key spaces when a test's harness is made, so each test starts from an
+    empty pool), built as the store builds it (the plug-in: GuardedTier over NodeTier), with
+    ``shared_secret`` or none (a MAC, and the secret's key space); tampering writes into the shared
+    pages of the pool, stalling SIGSTOPs the owner."""
     from kvtier.core.tiers.node import protocol
     from kvtier.core.tiers.node.tier import NodeTier
     from kvtier.core.tiers.wrappers import unwrap
 
     server = request.getfixturevalue("node_owner")
-    config = KVTierConfig.from_dict({"node_socket": server.socket, "shared_deadline_s": 2.0,
-                                     "shared_transfer_deadline_s": 2.0})
+    settings = {"node_socket": server.socket, "shared_deadline_s": 2.0, "shared_transfer_deadline_s": 2.0}
+    secrets = [None, "conformance-secret-0123456789"]
+    configs = {s: KVTierConfig.from_dict({**settings, **({"shared_secret": s} if s else {})}) for s in secrets}
 
-    def make(ns: bytes) -> Tier:
-        tier = builtin.NODE.build(TierContext(config, ns, CHUNK, 1, CollectorRegistry()))
+    def make(ns: bytes, secret: str | None = shared_secret) -> Tier:
+        tier = builtin.NODE.build(TierContext(configs[secret], ns, CHUNK, 1, CollectorRegistry()))
         assert tier is not None
         return tier
 
     for ns in (NS, OTHER_NS):  # what earlier tests left (their writers gone: counted by the next writer)
-        cleaner = make(ns)
-        try:
-            assert cleaner.clear().ok
-        finally:
-            cleaner.close()
+        for secret in secrets:  # a clear takes one key space
+            cleaner = make(ns, secret)
+            try:
+                assert cleaner.clear().ok
+            finally:
+                cleaner.close()
     assert server.stats().num_values == 0
 
     def tamper(tier: Tier, key: ChunkKey, how: str) -> None:
         inner = unwrap(tier)
         assert isinstance(inner, NodeTier)
-        reply, pool, serial = inner.client.call(protocol.Pin(inner.namespace, [bytes(key)], []))
+        reply, pool, serial = inner.client.call(protocol.Pin(inner.namespace, [inner.sealed_key(key)], []))
         assert isinstance(reply, protocol.Pinned) and reply.leases[0] is not None
         lease, page, nbytes, _gen = reply.leases[0]
         value = pool.value(page, nbytes)
@@ -365,6 +368,7 @@ HARNESSES: dict[str, Callable[[pytest.FixtureRequest, Path], TierHarness]] = {
     "disk-direct": lambda request, tmp: disk_harness(request, tmp, "direct"),
     "disk-aes": lambda request, tmp: disk_harness(request, tmp, encrypted=True),
     "node": node_harness,
+    "node-mac": lambda request, tmp: node_harness(request, tmp, "conformance-secret-0123456789"),
     "redis": redis_harness,
     "redis-aes": redis_aes_harness,
     "redis-zstd-aes": redis_zstd_aes_harness,

@@ -49,7 +49,8 @@ class BlobRef:
         key: the chunk key in its name.
         name: the value's name in the storage (a file's path, a Redis key, an object's path), for
             messages and for the store's own verbs.
-        space: the key space segment of its name (a ``shared_secret``'s, 16 hex digits), ``""`` if none.
+        space: the key space segment of its name (a ``shared_secret``'s, 16 hex digits; the node
+            pool's, 8: the key space its owner keeps beside it), ``""`` if none.
     """
 
     namespace: bytes

@@ -72,6 +72,12 @@ class EnvelopeTier(Tier):
         value = self.load(key)
         return None if value is None else memoryview(value)[start:end]
 
+    def sealed_key(self, key: ChunkKey) -> bytes:
+        """The key ``key``'s envelope carries (written, and checked on read): ``key`` itself; a
+        storage that names values otherwise overrides it (the node pool's key spaces,
+        :mod:`kvtier.core.tiers.node.names`)."""
+        return key
+
     # ---- the tier contract over them ---------------------------------------------------------
     def _unusable(self, key: ChunkKey, reason: str) -> None:
         warn_unusable(self._unusable_lines, log, f"kvtier {self.name} tier", key.hex(), reason, "deleted, treated as a miss")
@@ -90,7 +96,7 @@ class EnvelopeTier(Tier):
         if value is None:
             return GetResult.MISS
         try:
-            record = self.envelope.open_into(key, value, dst)
+            record = self.envelope.open_into(self.sealed_key(key), value, dst)
         except envelope.ForeignValue as exc:
             return self._foreign(key, exc, GetResult.MISS)
         except ChunkFormatError as exc:
@@ -104,7 +110,7 @@ class EnvelopeTier(Tier):
         if value is None:
             return None
         try:
-            opened = open_value(self.envelope, key, value, dst)
+            opened = open_value(self.envelope, self.sealed_key(key), value, dst)
         except envelope.ForeignValue as exc:
             return self._foreign(key, exc, None)
         except ChunkFormatError as exc:
@@ -118,7 +124,7 @@ class EnvelopeTier(Tier):
         if value is None:
             return None
         try:
-            payload, record = open_bytes(self.envelope, key, value)
+            payload, record = open_bytes(self.envelope, self.sealed_key(key), value)
         except envelope.ForeignValue as exc:
             return self._foreign(key, exc, None)
         except ChunkFormatError as exc:
@@ -136,7 +142,7 @@ class EnvelopeTier(Tier):
         if head is None:
             return None
         try:
-            where = payload_range(self.envelope, envelope.decode_header(head), key, offset, length)
+            where = payload_range(self.envelope, envelope.decode_header(head), self.sealed_key(key), offset, length)
         except ChunkFormatError as exc:
             self._unusable(key, str(exc))
             return None
@@ -150,7 +156,7 @@ class EnvelopeTier(Tier):
 
     def put(self, key: ChunkKey, data: memoryview | bytes, tenant: Writer | None = None) -> PutResult:
         """Store ``data`` (any length) as an envelope with ``tenant``'s record."""
-        header, body = self.envelope.seal(key, data, tenant)
+        header, body = self.envelope.seal(self.sealed_key(key), data, tenant)
         return self.store(key, header + body.tobytes())
 
     def stored_bytes(self, payload_bytes: int) -> int:

@@ -29,8 +29,10 @@ Design (docs/node.md has the operator's side):
   the pool and a heartbeat (:mod:`~kvtier.core.tiers.node.presence`); an engine's scheduler answers
   lookups by reading it on its own thread while the heartbeat is fresh (over the socket, a lookup
   waited for five wake-ups, each late by up to hundreds of milliseconds on a busy host).
-- **Isolation**: values are indexed by (namespace, chunk key) and carry the envelope's namespace,
-  key, tenant record and digest (a keyed MAC under ``shared_secret``), checked on every read.
+- **Isolation**: values are indexed by (namespace, pool name) and carry the envelope's namespace,
+  key (the pool name), tenant record and digest (a keyed MAC under ``shared_secret``), checked on
+  every read.  Each secret has its own key space (:mod:`~kvtier.core.tiers.node.names`): engines
+  with another secret, or none, never see each other's values; engines with one share them all.
 
 The engine side is :class:`~kvtier.core.tiers.node.tier.NodeTier`, a shared tier behind
 :class:`~kvtier.core.tiers.guarded.GuardedTier` (deadlines and a breaker, as the redis and s3

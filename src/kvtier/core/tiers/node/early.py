@@ -38,7 +38,6 @@ from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from kvtier.core.errors import ChunkFormatError
-from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers.node.pool import Pool
 from kvtier.core.tiers.node.readcopy import Scatter, Verifier, settle
 
@@ -105,9 +104,9 @@ class Locations:
         return len(self._where)
 
 
-def copy_early(verifier: Verifier, locations: Locations, pool: Pool, keys: Sequence[ChunkKey],
+def copy_early(verifier: Verifier, locations: Locations, pool: Pool, keys: Sequence[bytes],
                dsts: Sequence[memoryview | Scatter], until: float) -> dict[int, Early]:
-    """Copy and verify (inline) each key whose place ``locations`` knows on ``pool`` into its
+    """Copy and verify (inline) each key (a pool name, :mod:`~kvtier.core.tiers.node.names`) whose place ``locations`` knows on ``pool`` into its
     destination, in order, until ``time.perf_counter()`` passes ``until``; per key index copied,
     its :class:`Early` (whether the value's pages carry its generation is the caller's check, once
     for the batch after every copy: generations only grow, so pages that carry it after the copy

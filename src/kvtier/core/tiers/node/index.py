@@ -2,7 +2,8 @@
 which value lives in which pages, eviction (least recently used first), and leases.  No I/O, no
 threads: the owner's one event loop calls it.
 
-- **Values** are indexed by (namespace, chunk key).  A value occupies consecutive pages; an
+- **Values** are indexed by (namespace, pool name) and belong to one key space
+  (:mod:`~kvtier.core.tiers.node.names`: ``keys``, ``clear`` and ``listing`` name it).  A value occupies consecutive pages; an
   allocation that finds no run of free pages evicts unpinned values, least recently used first,
   until one appears (none: ``NO_ROOM``).
 - **Leases** belong to one connection: a write lease (pages granted, not yet published) and a
@@ -12,8 +13,8 @@ threads: the owner's one event loop calls it.
   its pages until its last pin ends.
 - **Generations**: every allocation takes a new generation and writes it into each of its pages
   (``gens``) before the pages are handed out; a reader compares after its copy (see the package
-  docstring).  ``heads`` marks where committed values start, so a restarted owner rebuilds this
-  index from the pool (:meth:`PoolIndex.recover`).
+  docstring).  ``heads`` marks where committed values start (:func:`head_word`: their bytes and
+  key space), so a restarted owner rebuilds this index from the pool (:meth:`PoolIndex.recover`).
 - **Presence**: each committed value's fingerprint is in the pool's presence table
   (:mod:`~kvtier.core.tiers.node.presence`) from its commit until it is deleted or evicted, so
   engines answer lookups without a message.
@@ -32,7 +33,21 @@ from kvtier.core.tiers.node import protocol
 from kvtier.core.tiers.node.presence import PresenceTable, fingerprint
 
 Name = tuple[bytes, bytes]
-"""(namespace, chunk key)."""
+"""(namespace, pool name: the chunk key in its key space, :mod:`~kvtier.core.tiers.node.names`)."""
+SPACE_SHIFT = 32
+MAX_VALUE_BYTES = (1 << SPACE_SHIFT) - 2
+"""Largest value the pool takes, bytes (its head keeps value bytes + 1 in 32 bits)."""
+
+
+def head_word(nbytes: int, space: int) -> int:
+    """A committed value's head: value bytes + 1 in the low 32 bits, its key space in the high 32
+    (an owner before key spaces wrote bytes + 1 alone: space 0, the space of no secret)."""
+    return (space << SPACE_SHIFT) | (nbytes + 1)
+
+
+def read_head(word: int) -> tuple[int, int]:
+    """``(value bytes, key space)`` of a nonzero head (:func:`head_word` undone)."""
+    return (word & ((1 << SPACE_SHIFT) - 1)) - 1, word >> SPACE_SHIFT
 
 
 @dataclass(eq=False)
@@ -48,6 +63,7 @@ class Value:
     committed: bool = False
     gone: bool = False  # deleted or evicted while pinned: pages freed at the last unpin
     slot: int = -1  # its presence table slot while committed
+    space: int = 0  # its key space (names.space_of)
 
 
 @dataclass(eq=False)
@@ -130,8 +146,8 @@ class PoolIndex:
             if lease is not None and lease.conn == conn:  # another connection's id: not this one's to end
                 self._end(lease_id)
 
-    def alloc(self, conn: int, ns: bytes, keys: list[bytes], sizes: list[int],
-              now: float) -> list[tuple[int, int, int] | int]:
+    def alloc(self, conn: int, ns: bytes, keys: list[bytes], sizes: list[int], now: float,
+              space: int = 0) -> list[tuple[int, int, int] | int]:
         self.written.setdefault(conn, [0, 0])
         out: list[tuple[int, int, int] | int] = []
         for k, nbytes in zip(keys, sizes, strict=True):
@@ -140,7 +156,7 @@ class PoolIndex:
                 out.append(protocol.PRESENT)
                 continue
             npages = max(1, -(-nbytes // self.page_bytes))
-            page = self._room(npages)
+            page = self._room(npages) if 0 <= nbytes <= MAX_VALUE_BYTES else -1
             if page < 0:
                 out.append(protocol.NO_ROOM)
                 continue
@@ -151,7 +167,7 @@ class PoolIndex:
             self.used[page:page + npages] = True
             self.free_pages -= npages
             self._cursor = page + npages
-            value = Value(name, page, npages, nbytes, gen, conn)
+            value = Value(name, page, npages, nbytes, gen, conn, space=space)
             self.pending[name] = value
             out.append((self._lease(conn, value, True, now), page, gen))
         return out
@@ -171,7 +187,7 @@ class PoolIndex:
             value.written_s = time.time()
             self.values[value.name] = value
             self._count(value, 1)
-            self.heads[value.page] = value.nbytes + 1
+            self.heads[value.page] = head_word(value.nbytes, value.space)
             value.slot = self.table.insert(fingerprint(*value.name))
             out.append(True)
         if self.table.full():
@@ -187,21 +203,22 @@ class PoolIndex:
                 self._unpublish(value)
         return out
 
-    def clear(self, ns: bytes) -> list[bytes]:
-        keys = [k for (n, k) in self.values if n == ns]
+    def clear(self, ns: bytes, space: int) -> list[bytes]:
+        keys = self.keys(ns, space)
         self.delete(ns, keys)
         return keys
 
-    def listing(self, namespaces: list[bytes], start: int, limit: int) -> tuple[list[tuple[bytes, bytes, int, float]],
-                                                                                   bool]:
-        """``limit`` values of ``namespaces`` (all: empty) from position ``start``, and whether more follow."""
+    def listing(self, namespaces: list[bytes], start: int,
+                limit: int) -> tuple[list[tuple[bytes, bytes, int, float, int]], bool]:
+        """``limit`` values of ``namespaces`` (all: empty) from position ``start`` (as
+        :class:`~kvtier.core.tiers.node.protocol.Listed` names them), and whether more follow."""
         wanted = set(namespaces)
         found = [v for v in self.values.values() if not wanted or v.name[0] in wanted]
         page = found[start:start + limit]
-        return [(v.name[0], v.name[1], v.nbytes, v.written_s) for v in page], start + limit < len(found)
+        return [(v.name[0], v.name[1], v.nbytes, v.written_s, v.space) for v in page], start + limit < len(found)
 
-    def keys(self, ns: bytes) -> list[bytes]:
-        return [k for (n, k) in self.values if n == ns]
+    def keys(self, ns: bytes, space: int) -> list[bytes]:
+        return [v.name[1] for v in self.values.values() if v.name[0] == ns and v.space == space]
 
     def usage_of(self, conn: int) -> tuple[int, int]:
         """(bytes, values) ``conn`` is counted for (:class:`~kvtier.core.tiers.node.protocol.UsageReply`):
@@ -219,22 +236,23 @@ class PoolIndex:
         return int(self.used.sum()) * self.page_bytes
 
     # ---- recovery and checks -----------------------------------------------------------------
-    def recover(self, name_at: Callable[[int, int], Name | None]) -> int:
+    def recover(self, name_at: Callable[[int, int, int], Name | None]) -> int:
         """Index the committed values the pool's heads mark (an owner restarting on a warm pool);
-        ``name_at(page, nbytes)`` reads a value's namespace and key from its envelope header
-        (``None``: unreadable, the head is cleared).  Returns how many were taken back."""
+        ``name_at(page, nbytes, space)`` reads a value's namespace and pool name from its envelope
+        header (``None``: unreadable, or not to be taken back: the head is cleared).  Returns how
+        many were taken back."""
         for page in np.flatnonzero(self.heads).tolist():
-            nbytes = int(self.heads[page]) - 1
+            nbytes, space = read_head(int(self.heads[page]))
             npages = max(1, -(-nbytes // self.page_bytes))
             gen = int(self.gens[page])
-            name = name_at(page, nbytes)
+            name = name_at(page, nbytes, space)
             if (name is None or name in self.values or page + npages > self.num_pages
                     or self.used[page:page + npages].any() or not (self.gens[page:page + npages] == gen).all()):
                 self.heads[page] = 0
                 continue
             self.used[page:page + npages] = True
             self.free_pages -= npages
-            self.values[name] = Value(name, page, npages, nbytes, gen, 0, committed=True)
+            self.values[name] = Value(name, page, npages, nbytes, gen, 0, committed=True, space=space)
             self._count(self.values[name], 1)
         self._rebuild_table()
         return len(self.values)

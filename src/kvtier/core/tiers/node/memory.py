@@ -16,13 +16,18 @@ import weakref
 import numpy as np
 
 from kvtier.core import pinned
+from kvtier.core.tiers.node import protocol as p
+from kvtier.core.tiers.node.client import NodeClient
 from kvtier.core.tiers.node.pool import Pool
 
 log = logging.getLogger(__name__)
 
 
 class PoolMemory:
-    """Registered regions of one tier (a base of :class:`~kvtier.core.tiers.node.tier.NodeTier`)."""
+    """Registered regions of one tier (a base of :class:`~kvtier.core.tiers.node.tier.NodeTier`,
+    which sets ``client``)."""
+
+    client: NodeClient
 
     def __init__(self) -> None:
         self._regions: dict[int, tuple[int, weakref.finalize]] = {}  # address -> (bytes, its unregistration)
@@ -67,3 +72,14 @@ class PoolMemory:
         if why is not None:
             log.warning("kvtier: the node pool %s is not pinned (%s); GPU copies from it are staged", pool.path, why)
         return why
+
+    def pin_host_memory(self) -> bool:
+        """Register the mapped pool as pinned host memory (and every pool mapped later); whether it
+        is.  Maps it first (one message to the owner); the owner away: ``False``."""
+        try:
+            _, pool, _ = self.client.call(p.Stats())
+        except ConnectionError as exc:
+            log.warning("kvtier: the node pool is not pinned (%s)", exc)
+            self.pin_pool = True
+            return False
+        return self.pin_pool_memory(pool) is None

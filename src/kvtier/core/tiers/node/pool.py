@@ -8,8 +8,10 @@ Layout (little-endian)::
                           every owner start), data offset, table slots; at 2048 the presence
                           table's heartbeat and sequence (two uint64)
     4096                  generations: one uint64 per page, the allocation that last granted it
-    4096 + 8 * pages      heads: one uint64 per page, value bytes + 1 where a committed value
-                          starts, else 0 (what a restarted owner rebuilds its index from)
+    4096 + 8 * pages      heads: one uint64 per page, where a committed value starts its value
+                          bytes + 1 (low 32 bits) and key space (high 32 bits, 0 without a
+                          secret; :func:`~kvtier.core.tiers.node.index.head_word`), else 0 (what
+                          a restarted owner rebuilds its index from)
     4096 + 16 * pages     the presence table: one uint64 per slot (:mod:`~kvtier.core.tiers.node.presence`)
     data offset           the pages (the data offset is a multiple of 2 MiB, a huge page)
 

@@ -14,8 +14,10 @@ import struct
 
 import msgspec
 
-VERSION = 2
-"""2: the pool carries the presence table (:mod:`~kvtier.core.tiers.node.presence`)."""
+VERSION = 3
+"""2: the pool carries the presence table (:mod:`~kvtier.core.tiers.node.presence`); 3: key spaces
+(:mod:`~kvtier.core.tiers.node.names`): ``alloc``, ``keys`` and ``clear`` carry the engine's
+space, ``listed`` each value's."""
 MAX_FRAME_BYTES = 4 << 20
 """Largest message either side accepts (a batch of 100,000 keys is about 2 MiB)."""
 _LEN = struct.Struct("<I")
@@ -42,10 +44,13 @@ class Release(msgspec.Struct, tag="release", array_like=True):
 
 
 class Alloc(msgspec.Struct, tag="alloc", array_like=True):
+    """Pages for values of ``namespace`` named ``keys`` (pool names), in key space ``space``."""
+
     namespace: bytes
     keys: list[bytes]
     value_bytes: list[int]
     release: list[int]
+    space: int = 0
 
 
 class Commit(msgspec.Struct, tag="commit", array_like=True):
@@ -59,11 +64,17 @@ class Delete(msgspec.Struct, tag="delete", array_like=True):
 
 
 class Clear(msgspec.Struct, tag="clear", array_like=True):
+    """Delete the values of ``namespace`` in key space ``space``; their pool names."""
+
     namespace: bytes
+    space: int = 0
 
 
 class Keys(msgspec.Struct, tag="keys", array_like=True):
+    """The pool names of the values of ``namespace`` in key space ``space``."""
+
     namespace: bytes
+    space: int = 0
 
 
 class Usage(msgspec.Struct, tag="usage", array_like=True):
@@ -134,10 +145,10 @@ class KeyList(msgspec.Struct, tag="keylist", array_like=True):
 
 
 class Listed(msgspec.Struct, tag="listed", array_like=True):
-    """Per value ``(namespace, key, value bytes, written at: seconds since the epoch, 0 unknown)``;
-    ``more``: whether values follow."""
+    """Per value ``(namespace, pool name, value bytes, written at: seconds since the epoch, 0
+    unknown, key space)``; ``more``: whether values follow."""
 
-    values: list[tuple[bytes, bytes, int, float]]
+    values: list[tuple[bytes, bytes, int, float, int]]
     more: bool
 
 

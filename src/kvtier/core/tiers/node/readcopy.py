@@ -44,7 +44,6 @@ import numpy as np
 
 from kvtier.core import codecs, envelope
 from kvtier.core.errors import length_problem
-from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers.disk.tier import ReadChooser
 from kvtier.core.tiers.node.scatter import COPY_BLOCK_BYTES, Scatter, Tiles, scatter_hashed
 
@@ -195,11 +194,11 @@ class Verifier:
                 self._helper = ThreadPoolExecutor(1, thread_name_prefix="kvtier-node-verify")
             return self._helper
 
-    def copy(self, key: ChunkKey, value: memoryview, dst: memoryview | Scatter, overlapped: bool) -> Copied:
+    def copy(self, key: bytes, value: memoryview, dst: memoryview | Scatter, overlapped: bool) -> Copied:
         """Copy ``value``'s payload into ``dst`` and check its digest: now (the value's tenant record
         is returned), or on the helper thread when ``overlapped`` (a :class:`Pending`: its
         :meth:`~Pending.result` waits for it; :func:`settle` either).  A header this envelope
-        writes for ``dst``'s length and ``key`` is compared whole (no decoding); any other header
+        writes for ``dst``'s length and ``key`` (the key the envelope carries) is compared whole (no decoding); any other header
         is decoded and checked field by field.  A value in another format or with a codec chain
         that changes the bytes: :meth:`~kvtier.core.envelope.Envelope.open_into` on this thread.
         A :class:`Scatter` ``dst`` is always checked now (:func:`scatter_hashed`).

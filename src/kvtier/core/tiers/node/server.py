@@ -15,9 +15,12 @@ while this loop runs and ask over the socket otherwise.
 
 Owner restart: the pool file is reused when its layout matches (same size and page bytes): the
 epoch is bumped, generations continue above the pool's highest, and the committed values the
-heads mark are indexed again (:meth:`~kvtier.core.tiers.node.index.PoolIndex.recover`), so engines
-find it warm.  Two owners of one pool are refused before either touches it (an exclusive ``flock``
-on ``<pool>.lock``, which the kernel drops when the owner dies).
+heads mark are indexed again (:meth:`~kvtier.core.tiers.node.index.PoolIndex.recover`), each in
+its key space (:mod:`~kvtier.core.tiers.node.names`), so engines find it warm.  Values an owner
+before key spaces published under a ``shared_secret`` (a MAC in the head's space 0: no engine
+names them now) are dropped once, counted in a warning.  Two owners of one pool are refused
+before either touches it (an exclusive ``flock`` on ``<pool>.lock``, which the kernel drops when
+the owner dies).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from kvtier.core import envelope
 from kvtier.core.errors import UserError
 from kvtier.core.tiers.node import protocol as p
 from kvtier.core.tiers.node.index import Name, PoolIndex
+from kvtier.core.tiers.node.names import NO_SPACE
 from kvtier.core.tiers.node.pool import Pool, PoolError, create_pool, foreign_file, open_pool
 from kvtier.core.tiers.node.presence import HEARTBEAT_S, PresenceTable
 from kvtier.core.tiers.node.settings import socket_path_problem
@@ -163,12 +167,20 @@ class Owner:
         self.opts = opts
         self.index = PoolIndex(pool.gens, pool.heads, PresenceTable(pool.slots, pool.meta), pool.page_bytes,
                                opts.lease_s)
+        self.dropped_unspaced = 0  # values of a secret from before key spaces, dropped by recover
         recovered = self.index.recover(self._name_at)
         log.info("kvtier node: pool %s, %d pages of %d KiB, epoch %d, %d values taken back%s", pool.path,
                  pool.num_pages, opts.page_kib, pool.epoch, recovered, f" (created anew: {anew})" if anew else "")
+        if self.dropped_unspaced:
+            log.warning("kvtier node: %d values written under a shared_secret before the pool had key spaces "
+                        "were dropped (no engine of this kvtier can name them: they would be recomputed)",
+                        self.dropped_unspaced)
         self._next_conn = 1
 
-    def _name_at(self, page: int, nbytes: int) -> Name | None:
+    def _name_at(self, page: int, nbytes: int, space: int) -> Name | None:
+        """The (namespace, pool name) a value's envelope header says, ``None`` when it is not taken
+        back: unreadable, of another length than its head, or of a digest kind its key space
+        cannot have (a MAC in space 0: an owner before key spaces published it; counted)."""
         if nbytes < envelope.FIXED_BYTES:
             return None
         try:
@@ -176,6 +188,9 @@ class Owner:
         except Exception:  # noqa: BLE001 - an unreadable header is a value not taken back
             return None
         if head.header_bytes + head.stored_bytes != nbytes:
+            return None
+        if (head.kind == envelope.KIND_MAC) != (space != NO_SPACE):
+            self.dropped_unspaced += head.kind == envelope.KIND_MAC
             return None
         return bytes(head.namespace), bytes(head.key)
 
@@ -188,7 +203,7 @@ class Owner:
             return p.Pinned(ix.pin(conn, req.namespace, req.keys, now))
         if isinstance(req, p.Alloc):
             ix.release(conn, req.release)
-            return p.Allocated(ix.alloc(conn, req.namespace, req.keys, req.value_bytes, now))
+            return p.Allocated(ix.alloc(conn, req.namespace, req.keys, req.value_bytes, now, req.space))
         if isinstance(req, p.Commit):
             ix.release(conn, req.abort)
             return p.Done(ix.commit(conn, req.leases))
@@ -200,9 +215,9 @@ class Owner:
         if isinstance(req, p.Delete):
             return p.Done(ix.delete(req.namespace, req.keys))
         if isinstance(req, p.Clear):
-            return p.KeyList(ix.clear(req.namespace))
+            return p.KeyList(ix.clear(req.namespace, req.space))
         if isinstance(req, p.Keys):
-            return p.KeyList(ix.keys(req.namespace))
+            return p.KeyList(ix.keys(req.namespace, req.space))
         if isinstance(req, p.Listing):
             return p.Listed(*ix.listing(req.namespaces, req.start, min(req.limit, 10_000)))
         if isinstance(req, p.Usage):

@@ -2,7 +2,8 @@
 
 A shared tier (other engines write it, its owner evicts), used behind
 :class:`~kvtier.core.tiers.guarded.GuardedTier` (:mod:`~kvtier.core.tiers.node.factory`), whose
-data path it keeps (:class:`~kvtier.core.tiers.split.SplitTier`):
+data path it keeps (:class:`~kvtier.core.tiers.split.SplitTier`).  The owner, the presence table and the
+envelopes know each key by its pool name in the secret's key space (:mod:`~kvtier.core.tiers.node.names`):
 
 - **lookup**: read from the pool's presence table on the caller's thread while its owner beats
   (:mod:`~kvtier.core.tiers.node.presence`: no message); else one ``lookup`` message.
@@ -50,6 +51,7 @@ from kvtier.core.tiers.node import protocol as p
 from kvtier.core.tiers.node.client import NodeClient
 from kvtier.core.tiers.node.early import Early, Locations, copy_early
 from kvtier.core.tiers.node.memory import PoolMemory
+from kvtier.core.tiers.node.names import PoolNames
 from kvtier.core.tiers.node.pool import Pool
 from kvtier.core.tiers.node.presence import lookup
 from kvtier.core.tiers.node.readcopy import Copied, Pending, Scatter, Verifier
@@ -78,6 +80,7 @@ class NodeTier(PoolMemory, EnvelopeTier):
         EnvelopeTier.__init__(self, namespace, secret)
         PoolMemory.__init__(self)
         self.client = client
+        self.names = PoolNames(secret)  # pool names and key space (the secret's: kvtier.core.tiers.node.names)
         client.on_map = self._mapped
         self.where = client.socket_path
         self.header_wait_s = header_wait_s
@@ -86,17 +89,6 @@ class NodeTier(PoolMemory, EnvelopeTier):
         self.locations = Locations()
         self.early_reads = 0  # values served from a copy made while their pin was in flight
         self._lock = threading.Lock()
-
-    def pin_host_memory(self) -> bool:
-        """Register the mapped pool as pinned host memory (and every pool mapped later); whether it
-        is.  Maps it first (one message to the owner); the owner away: ``False``."""
-        try:
-            _, pool, _ = self.client.call(p.Stats())
-        except ConnectionError as exc:
-            log.warning("kvtier: the node pool is not pinned (%s)", exc)
-            self.pin_pool = True
-            return False
-        return self.pin_pool_memory(pool) is None
 
     def _mapped(self, old: Pool | None, new: Pool) -> None:
         """The client mapped ``new`` (replacing ``old``): move the pin to it."""
@@ -107,7 +99,11 @@ class NodeTier(PoolMemory, EnvelopeTier):
             self.pin_pool_memory(new)
 
     def _keys(self, keys: Sequence[ChunkKey]) -> list[bytes]:
-        return [bytes(k) for k in keys]
+        """The pool names of ``keys``: what the owner, the presence table and the envelopes know."""
+        return self.names.names(keys)
+
+    def sealed_key(self, key: ChunkKey) -> bytes:
+        return self.names.name(key)
 
     # ---- reads -------------------------------------------------------------------------------
     def contains(self, key: ChunkKey) -> bool:
@@ -118,7 +114,7 @@ class NodeTier(PoolMemory, EnvelopeTier):
         message; ``None`` when it cannot answer now (the pool not mapped yet, its owner not
         beating, a rebuild under way): ask the owner (:meth:`contains_many`)."""
         pool = self.client.pool
-        return None if pool is None else lookup(pool.slots, pool.meta, self.namespace, keys)
+        return None if pool is None else lookup(pool.slots, pool.meta, self.namespace, self._keys(keys))
 
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
         if not keys:
@@ -132,9 +128,10 @@ class NodeTier(PoolMemory, EnvelopeTier):
 
     def fetch_many(self, keys: Sequence[ChunkKey]) -> Pins:
         """(:class:`~kvtier.core.tiers.split.SplitTier`) Pin ``keys``: one message."""
-        reply, pool, serial = self.client.call(lambda rel: p.Pin(self.namespace, self._keys(keys), rel))
+        names = self._keys(keys)
+        reply, pool, serial = self.client.call(lambda rel: p.Pin(self.namespace, names, rel))
         assert isinstance(reply, p.Pinned)
-        return self._pinned(keys, reply.leases, pool), pool, serial, {}
+        return self._pinned(names, reply.leases, pool), pool, serial, {}
 
     def fetch_many_by(self, keys: Sequence[ChunkKey], deadline: float, during: Callable[[], None] | None,
                       dsts: Sequence[memoryview | Scatter] | None = None) -> Pins:
@@ -144,20 +141,21 @@ class NodeTier(PoolMemory, EnvelopeTier):
         the early copies into them (:func:`~kvtier.core.tiers.node.early.copy_early`, within half
         of what is left of the deadline)."""
         early: dict[int, Early] = {}
+        names = self._keys(keys)
 
         def meanwhile() -> None:
             if during is not None:
                 during()
             if dsts is not None and (pool := self.client.pool) is not None and self.verifier.inline_only():
                 now = time.perf_counter()
-                early.update(copy_early(self.verifier, self.locations, pool, keys, dsts, now + (deadline - now) / 2))
-        reply, pool, serial = self.client.call(lambda rel: p.Pin(self.namespace, self._keys(keys), rel), deadline, meanwhile)
+                early.update(copy_early(self.verifier, self.locations, pool, names, dsts, now + (deadline - now) / 2))
+        reply, pool, serial = self.client.call(lambda rel: p.Pin(self.namespace, names, rel), deadline, meanwhile)
         assert isinstance(reply, p.Pinned)
-        return self._pinned(keys, reply.leases, pool), pool, serial, early
+        return self._pinned(names, reply.leases, pool), pool, serial, early
 
-    def _pinned(self, keys: Sequence[ChunkKey], leases: list[Any], pool: Pool) -> list[Any]:
+    def _pinned(self, names: list[bytes], leases: list[Any], pool: Pool) -> list[Any]:
         """``leases``, each value's place noted for the next read's early copy."""
-        self.locations.note(pool, [(bytes(k), None if pin is None else pin[1:]) for k, pin in zip(keys, leases)])
+        self.locations.note(pool, [(n, None if pin is None else pin[1:]) for n, pin in zip(names, leases)])
         return leases
 
     def while_fetching(self, dsts: Sequence[memoryview | Scatter]) -> None:
@@ -184,6 +182,7 @@ class NodeTier(PoolMemory, EnvelopeTier):
         if not held:
             return out
         taken = [pin for pin in pins if pin is not None]
+        names = self._keys(keys)
         batch_bytes = sum(pin[2] for pin in taken)
         verifier = self.verifier
         cls, overlapped = verifier.begin(batch_bytes, len(held))
@@ -200,7 +199,7 @@ class NodeTier(PoolMemory, EnvelopeTier):
                     continue
                 at = page * page_bytes
                 try:
-                    copied.append(copy(keys[i], data[at:at + nbytes], dsts[i], overlapped))
+                    copied.append(copy(names[i], data[at:at + nbytes], dsts[i], overlapped))
                 except ChunkFormatError as exc:
                     copied.append(exc)
             fresh = pool.same_generations(taken)
@@ -211,12 +210,12 @@ class NodeTier(PoolMemory, EnvelopeTier):
                     except ChunkFormatError as exc:
                         got = exc
                 if not same:
-                    self.locations.forget([bytes(keys[i])])
+                    self.locations.forget([names[i]])
                     continue  # the page was granted again (an expired pin) while we copied: a miss, never served
                 if isinstance(got, ChunkFormatError):
                     warn_unusable(self._unusable_lines, log, "kvtier node tier", keys[i].hex(), str(got), "deleted, treated as a miss")
                     corrupt += 1
-                    self.locations.forget([bytes(keys[i])])
+                    self.locations.forget([names[i]])
                     out[i] = GetResult.CORRUPT
                     continue
                 if records is not None:
@@ -285,8 +284,8 @@ class NodeTier(PoolMemory, EnvelopeTier):
         abandoned = threading.Event()
 
         def produce(_deadline: float) -> None:
-            for key, body, payload, writer in zip(keys, bodies, payloads, who, strict=True):
-                headers.append(self.envelope.header(key, body, payload.nbytes, writer))
+            for name, body, payload, writer in zip(self._keys(keys), bodies, payloads, who, strict=True):
+                headers.append(self.envelope.header(name, body, payload.nbytes, writer))
             ready.set()
 
         def send() -> list[PutResult]:
@@ -299,7 +298,8 @@ class NodeTier(PoolMemory, EnvelopeTier):
     def _write(self, keys: Sequence[ChunkKey], pieces: list[list[Any]], sizes: list[int],
                abandoned: threading.Event) -> list[PutResult]:
         t0 = time.perf_counter()
-        reply, pool, _ = self.client.call(lambda rel: p.Alloc(self.namespace, self._keys(keys), sizes, rel))
+        names = self._keys(keys)
+        reply, pool, _ = self.client.call(lambda rel: p.Alloc(self.namespace, names, sizes, rel, self.names.space))
         assert isinstance(reply, p.Allocated)
         out: list[PutResult] = []
         written: list[int] = []
@@ -329,7 +329,7 @@ class NodeTier(PoolMemory, EnvelopeTier):
         assert isinstance(reply, p.Done)
         ok = iter(reply.ok)
         out = [(PutResult.STORED if next(ok) else PutResult.FAILED) if r is PutResult.STORED else r for r in out]
-        self.locations.note(pool, [(bytes(k), (g[1], n, g[2])) for k, g, n, r in zip(keys, grants, sizes, out, strict=True)
+        self.locations.note(pool, [(k, (g[1], n, g[2])) for k, g, n, r in zip(names, grants, sizes, out, strict=True)
                                    if r is PutResult.STORED and not isinstance(g, int)])  # committed: readable early
         self.wire.moved("write", sum(s for s, r in zip(sizes, out, strict=True) if r is PutResult.STORED),
                         time.perf_counter() - t0)
@@ -342,23 +342,24 @@ class NodeTier(PoolMemory, EnvelopeTier):
     def delete_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
         if not keys:
             return []
-        self.locations.forget(self._keys(keys))
-        reply, _, _ = self.client.call(p.Delete(self.namespace, self._keys(keys)))
+        names = self._keys(keys)
+        self.locations.forget(names)
+        reply, _, _ = self.client.call(p.Delete(self.namespace, names))
         assert isinstance(reply, p.Done)
         return reply.ok
 
     def clear(self) -> ClearResult:
-        """Every value of this namespace in the pool, never another namespace's."""
+        """Every value of this namespace and key space in the pool, never another's."""
         self.locations.clear()
-        reply, _, _ = self.client.call(p.Clear(self.namespace))
+        reply, _, _ = self.client.call(p.Clear(self.namespace, self.names.space))
         assert isinstance(reply, p.KeyList)
-        return ClearResult([ChunkKey(k) for k in reply.keys])
+        return ClearResult(self.names.keys_of(reply.keys))
 
     def keys(self) -> list[ChunkKey]:
-        """This namespace's values in the pool, least recently used first."""
-        reply, _, _ = self.client.call(p.Keys(self.namespace))
+        """This namespace's values in the pool in this key space, least recently used first."""
+        reply, _, _ = self.client.call(p.Keys(self.namespace, self.names.space))
         assert isinstance(reply, p.KeyList)
-        return [ChunkKey(k) for k in reply.keys]
+        return self.names.keys_of(reply.keys)
 
     def indexed(self, key: ChunkKey) -> bool:
         """Whether the pool holds ``key`` (asks the owner: the tier keeps no index of its own)."""
