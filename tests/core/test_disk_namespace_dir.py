@@ -15,7 +15,7 @@ import pytest
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
-from kvtier.core.tiers import DiskTier, PutResult
+from kvtier.core.tiers import DiskTier, GetResult, PutResult
 from kvtier.core.tiers.disk import factory as disk
 
 NS = b"n" * 16
@@ -89,3 +89,53 @@ def test_a_file_put_in_place_of_the_directory_while_serving_fails_writes_counted
         assert tier.put(key(51), data(51)) is PutResult.STORED
     assert f"directory {tier.dir} made again after a file is in its place" in caplog.text
     tier.close()
+
+
+@pytest.fixture
+def read_only_bind():
+    """Mounts a directory read-only over itself (a bind mount: its files stay on the underlying disk, and
+    come back writable when it is unmounted), as an operator's or a kubelet's read-only mount does."""
+    mounted: list[Path] = []
+
+    def mount(where: Path) -> None:
+        for args in (["--bind", str(where), str(where)], ["-o", "remount,ro,bind", str(where)]):
+            done = subprocess.run(["mount", *args], check=False, capture_output=True, text=True, timeout=30)
+            if done.returncode:
+                pytest.skip(f"cannot bind-mount read-only here ({done.stderr.strip()}); run as root")
+            mounted.append(where)
+
+    yield mount
+    for where in dict.fromkeys(reversed(mounted)):
+        subprocess.run(["umount", str(where)], check=False, capture_output=True, timeout=30)
+
+
+@pytest.mark.parametrize("read_only", ["shard", "namespace"])
+def test_a_reset_that_cannot_be_applied_at_start_keeps_its_marker_and_serves_nothing_from_before(
+        tmp_path: Path, read_only_bind, read_only: str) -> None:
+    """A reset was acknowledged (its marker written) and the engine died before its workers applied it; the
+    restart found a shard (or the whole namespace directory) mounted read-only. The start removed the marker
+    although the chunk file stayed, so once the mount was fixed the next start served the chunk from before
+    the reset (the shard case); with the namespace directory read-only it died in an ``OSError`` traceback."""
+    from kvtier.core.tiers.disk.reset import RESET_MARKER, mark_reset
+
+    tier = DiskTier(tmp_path, NS, capacity_bytes=100 * CHUNK, io="buffered")
+    assert tier.put(key(1), data(1)) is PutResult.STORED
+    tier.close()
+    mark_reset(tier.dir)
+    read_only_bind(tier.path(key(1)).parent if read_only == "shard" else tier.dir)
+    with pytest.raises(ConfigError) as err:
+        DiskTier(tmp_path, NS, capacity_bytes=100 * CHUNK, io="buffered")
+    assert str(err.value) == (f"disk tier directory {str(tier.dir)!r} holds chunk files a reset acknowledged before "
+                              f"this start dropped, and the reset cannot be applied: cannot remove {tier.path(key(1))} "
+                              "(Read-only file system); fix the permissions or mount of its directory and restart "
+                              "(until then none of its chunks is served)")
+    subprocess.run(["umount", str(tier.path(key(1)).parent if read_only == "shard" else tier.dir)], check=True,
+                   timeout=30)
+    assert (tier.dir / RESET_MARKER).exists() and tier.path(key(1)).exists()
+
+    fixed = DiskTier(tmp_path, NS, capacity_bytes=100 * CHUNK, io="buffered")
+    out = bytearray(CHUNK)
+    assert fixed.get_into(key(1), memoryview(out)) is GetResult.MISS
+    assert not tier.path(key(1)).exists() and not (tier.dir / RESET_MARKER).exists()
+    assert fixed.put(key(2), data(2)) is PutResult.STORED
+    fixed.close()

@@ -363,3 +363,24 @@ def test_without_conditional_put_each_write_heads_first_and_sends_no_if_none_mat
         assert tier.usage().num_chunks == 2
     finally:
         tier.close()
+
+
+def test_the_cap_is_the_engines_total_across_tensor_parallel_ranks(s3_server, bucket, creds):
+    """Each tensor-parallel rank stores under its own namespace, and each rank's tier counted and capped
+    its namespace at the whole s3_capacity_gib: a TP=2 engine's bucket held twice the cap (an outside
+    probe read capacity 1 GiB per rank for a 1 GiB cap, while disk_gib is split), and /metrics' capacity,
+    summed over ranks, read twice the configured total."""
+    cap_gib = 4 * (CHUNK + HEADER_BYTES) / GiB
+    config = config_of(s3_server, bucket, creds, s3_capacity_gib=cap_gib, s3_sweep_interval_s=3600)
+    ranks = [s3_factory.from_config(TierContext(config, ns, CHUNK, 2, CollectorRegistry())) for ns in (NS, OTHER_NS)]
+    try:
+        for rank in ranks:
+            assert rank is not None
+            for i in range(4):
+                assert rank.put(key(i), data(i)) is PutResult.STORED
+            assert rank.usage().capacity_bytes == 2 * (CHUNK + HEADER_BYTES)
+        assert len(objects(s3_server, bucket)) == 4  # the cap, over both ranks
+    finally:
+        for rank in ranks:
+            if rank is not None:
+                rank.close()

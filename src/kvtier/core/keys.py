@@ -23,7 +23,7 @@ import json
 import struct
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, NewType
 
 import blake3
@@ -77,6 +77,13 @@ class Namespace:
         """The namespace's 16-byte digest (BLAKE3 over its canonical JSON)."""
         text = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
         return blake3.blake3(_NS_TAG + text.encode()).digest(KEY_BYTES)
+
+    def engine_digests(self) -> tuple[bytes, ...]:
+        """The 16-byte digests of this namespace and of every other tensor-parallel rank's of the same
+        engine (``tp_rank`` 0 .. ``tp_size`` - 1), this one's first: the namespace directories one engine's
+        disk tiers fill together."""
+        ranks = (replace(self, tp_rank=rank).digest() for rank in range(self.tp_size))
+        return tuple(dict.fromkeys((self.digest(), *ranks)))
 
 
 def request_root(namespace: Namespace | bytes, cache_salt: str | None = None,

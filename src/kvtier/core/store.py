@@ -118,7 +118,8 @@ class TieredStore(StoreConvenience):
         self.metrics = StoreMetrics(lambda: self.stats(), registry)  # (self.stats is bound below, to the mover's)
         self.metrics.set_config({**config.public_dict(), "chunk_bytes": chunk_bytes, "tp_size": tp_size,
                                  "namespace": namespace.digest().hex()})
-        ctx = TierContext(config, namespace.digest(), chunk_bytes, tp_size, self.metrics.registry)
+        ctx = TierContext(config, namespace.digest(), chunk_bytes, tp_size, self.metrics.registry,
+                          namespace.engine_digests())
         tiers: list[Tier] = []
         try:
             for name in config.tiers:

@@ -38,6 +38,9 @@ class TierContext(NamedTuple):
         chunk_bytes: payload bytes of one chunk.
         tp_size: tensor-parallel size (local capacities are totals / ``tp_size``).
         registry: prometheus registry for the tier's own metrics.
+        engine_namespaces: the 16-byte namespace digests of every tensor-parallel rank of the engine,
+            ``namespace`` among them (what the engine's local tiers together may evict); ``()`` when
+            unknown, taken as ``(namespace,)``.
     """
 
     config: KVTierConfig
@@ -45,6 +48,7 @@ class TierContext(NamedTuple):
     chunk_bytes: int
     tp_size: int
     registry: CollectorRegistry
+    engine_namespaces: tuple[bytes, ...] = ()
 
 
 @runtime_checkable

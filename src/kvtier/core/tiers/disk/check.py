@@ -13,6 +13,7 @@ import errno
 import os
 import re
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 GiB = 1 << 30
@@ -147,6 +148,33 @@ def disk_path_problem(path: Path, disk_gib: float) -> tuple[str, str] | None:
                              "point it at a writable directory")
     problem = namespace_entries_problem(path)
     return ("disk_path", problem) if problem is not None else None
+
+
+def foreign_files_problem(path: Path, disk_gib: float, namespaces: Sequence[bytes]) -> str | None:
+    """The sentence when ``disk_gib`` GiB (the engine's total) does not fit in the free space of ``path``
+    plus what the namespace directories of ``namespaces`` (every tensor-parallel rank's of one engine) hold,
+    or None.
+
+    :func:`disk_path_problem` counts every file under ``path`` as room, since a check that knows no model
+    cannot tell whose they are; but a tier evicts only its own namespace's files, so the chunk files of
+    another model, tensor-parallel size or ``chunk_tokens`` left there (or written by another engine) are
+    room it never gets back: every write past the free space would fail.  Called where the namespace is
+    known (the disk tier's factory, in each worker, before the tier is made); walks only the engine's own
+    directories unless the size does not fit.
+    """
+    if not path.is_dir():
+        return None
+    own = sum(dir_bytes(path / ns.hex()) for ns in set(namespaces) if (path / ns.hex()).is_dir())
+    free = shutil.disk_usage(path).free
+    if disk_gib * GiB <= free + own:
+        return None
+    others = max(dir_bytes(path) - own, 0)
+    return (f"disk_gib={disk_gib} exceeds the {size_words(free)} free on {str(path)!r} plus the "
+            f"{size_words(own)} this engine's own chunk files hold there; the other {size_words(others)} under it "
+            "are not its own (other models', tensor-parallel sizes' or chunk_tokens' namespace directories, or "
+            "other files) and it never evicts them; remove those no engine uses (`kvtier purge --disk-path "
+            f"{path} --all --dry-run` lists them by namespace, `--namespace HEX` removes one), give this engine "
+            "its own disk_path, or lower disk_gib")
 
 
 def mount_of(path: Path, mounts: str = "/proc/self/mounts") -> tuple[str, str] | None:

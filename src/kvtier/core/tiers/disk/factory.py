@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.core.codecsettings import envelope_args, load_keyring
 from kvtier.core.errors import ConfigError
-from kvtier.core.tiers.disk.check import disk_path_problem
+from kvtier.core.tiers.disk.check import disk_path_problem, foreign_files_problem
 from kvtier.core.tiers.disk.tier import DiskTier
 
 if TYPE_CHECKING:
@@ -49,7 +49,9 @@ def from_config(ctx: TierContext) -> DiskTier | None:
     """The disk tier of one rank, or ``None`` without ``disk_path``/``disk_gib``.
 
     Raises:
-        ConfigError: the directory is unfit (:func:`check`) or a shard directory is not writable.
+        ConfigError: the directory is unfit (:func:`check`), ``disk_gib`` does not fit in its free space plus
+            what this engine's own namespace directories hold (other namespaces' files are never evicted:
+            :func:`~kvtier.core.tiers.disk.check.foreign_files_problem`), or a shard directory is not writable.
         OSError: the directory cannot be created.
     """
     config = ctx.config
@@ -58,5 +60,8 @@ def from_config(ctx: TierContext) -> DiskTier | None:
         return None
     for _key, message in check(config):
         raise ConfigError(message)
+    foreign = foreign_files_problem(Path(config.disk_path), config.disk_gib, ctx.engine_namespaces or (ctx.namespace,))
+    if foreign is not None:
+        raise ConfigError(f"kvtier config: {foreign}")
     return DiskTier(config.disk_path, ctx.namespace, capacity, fsync=config.disk_fsync, io=config.disk_io,
                     io_threads=config.io_threads, codec_args=envelope_args(config, "disk"))

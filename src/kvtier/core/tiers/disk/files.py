@@ -41,7 +41,7 @@ from kvtier.core.tiers.disk.chunkfile import HEADER_BYTES
 from kvtier.core.tiers.disk.chunkio import DEFAULT_SLICE_BYTES, ChunkIO, helper_threads
 from kvtier.core.tiers.disk.directory import STALE_TMP_S
 from kvtier.core.tiers.disk.iomode import IO_MODES, IOMode, resolve_io
-from kvtier.core.tiers.disk.reset import remove_chunk_files, reset_marked, unmark_reset
+from kvtier.core.tiers.disk.reset import apply_pending_reset, reset_marked
 from kvtier.core.tiers.disk.scan import ShardWatch, WriterLock, indexed_files, sealed_key_id, tmp_name
 from kvtier.core.tiers.loglimit import CauseLimiter, warn_unusable
 
@@ -71,6 +71,8 @@ class DiskFiles(Tier):
 
     Raises:
         OSError: the directory cannot be created.
+        ConfigError: a shard directory cannot be made or written, or the reset a marker says is pending
+            cannot be applied (:func:`~kvtier.core.tiers.disk.reset.apply_pending_reset`).
         ValueError: unknown ``io`` or a bad ``slice_bytes``.
     """
 
@@ -121,10 +123,7 @@ class DiskFiles(Tier):
         self._watch = ShardWatch(self._root)
         self.generation = 0  # bumped when the directory vanished or was cleared, and the index was dropped
         if reset_marked(self.dir):  # a reset was acknowledged and never applied (kvtier.core.tiers.disk.reset)
-            gone = remove_chunk_files(self.dir, len(namespace))
-            log.info("kvtier disk tier: removed %d chunk files of %s that an acknowledged reset dropped%s",
-                     len(gone.keys), self.dir, "" if gone.ok else f" ({gone.reason})")
-            unmark_reset(self.dir)
+            apply_pending_reset(self.dir, len(namespace))
         self._rebuild_index()
         for i in range(256):  # fan-out directories made once, not on the write path
             shard = self.dir / f"{i:02x}"

@@ -26,6 +26,7 @@ import logging
 import os
 from pathlib import Path
 
+from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers.base import ClearResult
 from kvtier.core.tiers.disk.scan import SUFFIX, chunk_entries
@@ -85,3 +86,30 @@ def remove_chunk_files(directory: Path, key_bytes: int) -> ClearResult:
         removed.append(key)
     error = errors[0] if errors else ""
     return ClearResult(removed, not error, error)
+
+
+def apply_pending_reset(directory: Path, key_bytes: int) -> None:
+    """Apply the reset ``directory``'s marker says was acknowledged and not applied: remove every chunk
+    file, then the marker (a store starting up, before it builds its index).
+
+    The marker goes only once every chunk file went: a store that started with one left (a shard mounted
+    read-only) and dropped the marker would let the next start index and serve a chunk from before the
+    reset.
+
+    Raises:
+        ConfigError: a chunk file or the marker cannot be removed (one sentence: the tier does not start,
+            the marker stays, and the next start tries again).
+    """
+    gone = remove_chunk_files(directory, key_bytes)
+    log.info("kvtier disk tier: removed %d chunk files of %s that an acknowledged reset dropped%s",
+             len(gone.keys), directory, "" if gone.ok else f" ({gone.reason})")
+    problem = None if gone.ok else gone.reason
+    if problem is None:
+        try:
+            unmark_reset(directory)
+        except OSError as exc:
+            problem = f"cannot remove {directory / RESET_MARKER} ({exc.strerror})"
+    if problem is not None:
+        raise ConfigError(f"disk tier directory {str(directory)!r} holds chunk files a reset acknowledged before "
+                          f"this start dropped, and the reset cannot be applied: {problem}; fix the permissions or "
+                          "mount of its directory and restart (until then none of its chunks is served)")

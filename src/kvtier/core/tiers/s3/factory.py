@@ -71,10 +71,13 @@ def configured(config: KVTierConfig) -> bool:
     return bool(settings.s3_bucket or settings.s3_endpoint_url)
 
 
-def _tier(config: KVTierConfig, settings: S3Settings, namespace: bytes, sweep: bool = True) -> S3Tier:
-    """The bare tier; ``sweep=False``: no expiry, no cap, no sweep thread (a reset's short-lived tier)."""
+def _tier(config: KVTierConfig, settings: S3Settings, namespace: bytes, sweep: bool = True, tp_size: int = 1) -> S3Tier:
+    """The bare tier of one tensor-parallel rank's namespace (its cap ``s3_capacity_gib`` / ``tp_size``: the
+    key is the engine's total, as ``disk_gib`` is); ``sweep=False``: no expiry, no cap, no sweep thread (a
+    reset's short-lived tier)."""
     store = make_store(settings, config.shared_transfer_deadline_s)
-    capacity = None if settings.s3_capacity_gib is None or not sweep else int(settings.s3_capacity_gib * GiB)
+    capacity = (None if settings.s3_capacity_gib is None or not sweep
+                else int(settings.s3_capacity_gib * GiB / max(tp_size, 1)))
     return S3Tier(store, namespace, shared_secret(config), settings.s3_key_prefix, settings.s3_concurrency,
                   capacity, settings.s3_ttl_s if sweep else None, settings.s3_sweep_interval_s,
                   settings.s3_conditional_put, where(settings), config.shared_transfer_deadline_s,
@@ -94,7 +97,7 @@ def from_config(ctx: TierContext) -> GuardedTier | None:
     settings = s3_settings(config)
     if not configured(config):
         return None
-    inner = _tier(config, settings, ctx.namespace)
+    inner = _tier(config, settings, ctx.namespace, tp_size=ctx.tp_size)
     return GuardedTier(inner, config.shared_deadline_s, config.shared_transfer_deadline_s, config.io_threads,
                        config.shared_queue_depth,
                        CircuitBreaker(settings.s3_breaker_failures, settings.s3_breaker_probe_s),

@@ -81,8 +81,9 @@ class S3Settings(BaseSettings):
             "bench-store": {"metavar": "FILE", "help": "AWS shared-credentials file for --s3-bucket."}}})
     s3_profile: str = Field("default", min_length=1, description="Section of s3_credentials_file to read.")
     s3_capacity_gib: float | None = Field(None, gt=0, allow_inf_nan=False, description=(
-        "Cap on the objects of this cache's namespace in the bucket, GiB, at most 1,048,576 (1 PiB); past it the "
-        "oldest are deleted. Unset = no cap (use s3_ttl_s or a lifecycle rule)."),
+        "Cap on the objects of this cache's namespace in the bucket, GiB, total across tensor-parallel ranks (each "
+        "rank's namespace holds its share), at most 1,048,576 (1 PiB); past it the oldest are deleted. Unset = no "
+        "cap (use s3_ttl_s or a lifecycle rule)."),
         json_schema_extra={"tools": {"size": {"help": "With --s3-bucket: cap on the cache's objects, GiB (unset: "
                                                       "objects expire after a week)."}}})
     s3_ttl_s: int | None = Field(None, gt=0, description=(
