@@ -42,7 +42,14 @@ from kvtier.core.tiers.disk.chunkio import DEFAULT_SLICE_BYTES, ChunkIO, helper_
 from kvtier.core.tiers.disk.directory import STALE_TMP_S
 from kvtier.core.tiers.disk.iomode import IO_MODES, IOMode, resolve_io
 from kvtier.core.tiers.disk.reset import remove_chunk_files, reset_marked, unmark_reset
-from kvtier.core.tiers.disk.scan import ShardWatch, WriterLock, indexed_files, sealed_key_id, tmp_name
+from kvtier.core.tiers.disk.scan import (
+    ShardWatch,
+    WriterLock,
+    indexed_files,
+    remove_dead_writer_locks,
+    sealed_key_id,
+    tmp_name,
+)
 from kvtier.core.tiers.loglimit import CauseLimiter, warn_unusable
 
 log = logging.getLogger(__name__)
@@ -159,8 +166,10 @@ class DiskFiles(Tier):
             self._used += size
         self._foreign = len(files) - len(sealed_away)
         self.sealed_away_found(sealed_away, "at start-up")
-        if removed:
-            log.info("kvtier disk tier: removed %d temporary files crashed writers left in %s", removed, self.dir)
+        dead_locks = remove_dead_writer_locks(self.dir)  # after the scan: their temporary files are gone
+        if removed or dead_locks:
+            log.info("kvtier disk tier: removed %d temporary files and %d lock files crashed writers left in %s",
+                     removed, dead_locks, self.dir)
 
     def _forget(self, key: ChunkKey) -> None:
         """Drop ``key`` from the index; caller holds the lock."""
