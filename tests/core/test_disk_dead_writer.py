@@ -104,3 +104,37 @@ def test_a_live_sharers_rescan_removes_a_dead_writers_leftover_and_keeps_a_live_
     assert sorted(found.adopted) == [key(i) for i in range(NUM_CHUNKS - 1)]
     live.unlink()
     sharer.close()
+
+
+IDLE_WRITER = """
+import sys
+from kvtier.core.tiers import DiskTier
+tier = DiskTier(sys.argv[1], b"w" * 16, capacity_bytes=1 << 20, io="buffered")
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_restart_removes_the_lock_files_of_writers_killed_between_writes(tmp_path):
+    """A soak that SIGKILLed 40 writers on one directory left 11 lock files in ``.writers``, never removed:
+    a dead writer's lock file went only with a temporary file of its own, so every engine killed between
+    writes (an OOM kill, a node drain, a crash loop) left one more for good."""
+    writers = tmp_path / NS.hex() / ".writers"
+    for _ in range(3):
+        proc = subprocess.Popen([sys.executable, "-c", IDLE_WRITER, str(tmp_path)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    dead = sorted(writers.iterdir())
+    assert len(dead) == 3 and tmp_files(tmp_path) == []  # killed between writes: no temporary file to go by
+    for path in dead[:2]:  # old enough to be no new writer's, created and not locked yet
+        os.utime(path, (time.time() - 120, time.time() - 120))
+    live = DiskTier(tmp_path, NS, capacity_bytes=CAPACITY, io="buffered")  # alive while the next one starts
+    os.utime(live._writer.path, (time.time() - 120, time.time() - 120))  # old, but held: never removed
+    restarted = DiskTier(tmp_path, NS, capacity_bytes=CAPACITY, io="buffered")
+    left = {p.name for p in writers.iterdir()}
+    assert left == {dead[2].name, f"{live._writer.writer_id}.lock", f"{restarted._writer.writer_id}.lock"}
+    live.close()
+    restarted.close()
+    assert {p.name for p in writers.iterdir()} == {dead[2].name}  # a young one waits for a later start

@@ -11,6 +11,7 @@ tests/integrations/test_vllm_redis_tier.py.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 from kvtier.core.config import KVTierConfig
@@ -232,3 +233,26 @@ def test_the_shared_tier_is_asked_only_when_configured():
     assert shared_tier_configured(KVTierConfig.from_dict({"redis_url": "redis://127.0.0.1:1/0"}))
     assert not shared_tier_configured(KVTierConfig.from_dict({"redis_url": "redis://127.0.0.1:1/0",
                                                               "tiers": ["cpu", "disk"]}))
+
+
+def test_a_slow_server_logs_its_time_outs_once_per_interval_not_once_per_request(redis_server, key_prefix, caplog):
+    """A soak's probe: behind a slow server every request's lookup passes ``shared_deadline_s``, and each
+    logged its own INFO line (vLLM logs INFO): one line per request, without end.  Now one line per
+    10 s, the next saying how many were held back; the counters still count every time-out."""
+    chain = chain_of(16, 2)
+    store, namespace = _rank(redis_server.url, key_prefix, 0, chain)
+    proxy = DelayProxy(redis_server.port, delay_s=1.0)
+    lookups = RemoteLookups(_config(proxy.url, key_prefix, shared_deadline_s=0.1, redis_breaker_failures=100))
+    try:
+        assert lookups.bind([namespace])
+        with caplog.at_level(logging.INFO, logger="kvtier"):
+            for i in range(6):
+                assert _answer(lookups, f"r{i}", chain)[0] == frozenset()
+                lookups.forget(f"r{i}")
+        lines = [r.getMessage() for r in caplog.records if "passed shared_deadline_s" in r.getMessage()]
+        assert lookups.timed_out == 6 and len(lines) == 1, lines
+        assert lines[0].startswith("kvtier: shared-tier lookup for request r0 passed shared_deadline_s=0.1")
+    finally:
+        lookups.close()
+        proxy.close()
+        store.close()

@@ -295,28 +295,52 @@ class TieredStore(StoreConvenience):
 
         Used on a graceful stop so that a restart finds the hot set on disk.  Unlike the save
         path, this waits for room in the write queues (until the deadline) instead of dropping.
+        A dirty chunk with a write in flight is passed over first, then waited for and planned
+        again: that write may be to a shared tier alone (its disk write was dropped or failed).
+        The chunks it writes are pinned in their tier until it ends, so that a full tier evicts
+        older chunks for them, never one the flush itself just wrote.
 
         Returns:
             ``(written, missed)``: chunks that reached a local lower tier, and chunks still dirty
-            at the deadline (counted in ``flush_missed_chunks``).  ``(0, 0)`` without one.
+            at the deadline (counted in ``flush_missed_chunks``), of those dirty when it began (a
+            chunk it evicted from a full tier to make room is an eviction).  ``(0, 0)`` without one.
         """
         if not self.index.local:
             return 0, 0
-        before, deadline = len(self.dirty_keys()), time.monotonic() + max(timeout_s, 0.0)
-        for key in self.dirty_keys():  # unlike a save, each waits for room in the queues
+        dirty, deadline = self.dirty_keys(), time.monotonic() + max(timeout_s, 0.0)
+        before, writing = len(dirty), self.index.writing  # (write jobs in flight per chunk, to any lower tier)
+        with self.index.lock:  # what the flush writes is no victim of its own later writes (a full disk whose
+            for lt in self.index.local:  # policy evicts new chunks first, s3fifo and adaptive, lost most of them)
+                for key in dirty:
+                    lt.pin(key)
+        try:
+            held = [k for k in dirty if k in writing]
+            self._plan_flush([k for k in dirty if k not in writing], deadline)
+            while any(k in writing for k in held) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            self._plan_flush(held, deadline)
+            local = [lt.name for lt in self.index.local]
+            while self.mover.busy(local) and time.monotonic() < deadline:
+                time.sleep(0.005)
+        finally:
+            with self.index.lock:
+                for lt in self.index.local:
+                    for key in dirty:
+                        lt.unpin(key)
+        missed = len(set(dirty).intersection(self.dirty_keys()))  # (not those it evicted from a full tier for room)
+        if missed:
+            self.counters.flush_missed(missed)
+        return max(before - missed, 0), missed
+
+    def _plan_flush(self, keys: Sequence[ChunkKey], deadline: float) -> None:
+        """Queue the flush writes of ``keys``, each waiting for room until ``deadline`` (``time.monotonic()``)."""
+        for key in keys:  # unlike a save, each waits for room in the queues
             while time.monotonic() < deadline:
                 done, writes = self.index.plan_flush(key, self.mover.full())
                 self.mover.submit(writes)
                 if done:
                     break
                 time.sleep(0.002)
-        local = [lt.name for lt in self.index.local]
-        while self.mover.busy(local) and time.monotonic() < deadline:
-            time.sleep(0.005)
-        missed = len(self.dirty_keys())
-        if missed:
-            self.counters.flush_missed(missed)
-        return max(before - missed, 0), missed
 
     def check_integrity(self, expect_idle: bool = True) -> None:
         """Assert the store's invariants (:func:`kvtier.core.indexcheck.check_index`).

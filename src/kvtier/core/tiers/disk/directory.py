@@ -64,6 +64,7 @@ class DirectorySync:
     envelope: envelope.Envelope
     _writing: set[ChunkKey]
     _removed: set[ChunkKey] | None
+    _unlinking: dict[ChunkKey, int]
     _tmp_shards: set[int]
     _watch: ShardWatch
     _writer: WriterLock
@@ -155,8 +156,8 @@ class DirectorySync:
                      if key not in self._key_to_size and key not in self._sealed_away and key not in removed]
             self._sealed_away.update(key for key, _kid in newly)
             for key, size in result.found:
-                if key in self._key_to_size or key in self._bad or key in removed:
-                    continue
+                if key in self._key_to_size or key in self._bad or key in removed or key in self._unlinking:
+                    continue  # (this process's own file, on its way in or out)
                 self._key_to_size[key] = size
                 self._used += size
                 self._foreign += 1

@@ -42,7 +42,14 @@ from kvtier.core.tiers.disk.chunkio import DEFAULT_SLICE_BYTES, ChunkIO, helper_
 from kvtier.core.tiers.disk.directory import STALE_TMP_S
 from kvtier.core.tiers.disk.iomode import IO_MODES, IOMode, resolve_io
 from kvtier.core.tiers.disk.reset import apply_pending_reset, reset_marked
-from kvtier.core.tiers.disk.scan import ShardWatch, WriterLock, indexed_files, sealed_key_id, tmp_name
+from kvtier.core.tiers.disk.scan import (
+    ShardWatch,
+    WriterLock,
+    indexed_files,
+    remove_dead_writer_locks,
+    sealed_key_id,
+    tmp_name,
+)
 from kvtier.core.tiers.loglimit import CauseLimiter, warn_unusable
 
 log = logging.getLogger(__name__)
@@ -118,7 +125,8 @@ class DiskFiles(Tier):
         self._bad: set[ChunkKey] = set()  # unusable entries that could not be removed
         self._sealed_away: set[ChunkKey] = set()  # files sealed under a master key the ring lacks: left in place
         self._writing: set[ChunkKey] = set()  # indexed before their file is renamed into place
-        self._removed: set[ChunkKey] | None = None  # keys removed while a scan runs (adopt skips them)
+        self._removed: set[ChunkKey] | None = None  # keys written or removed while a scan runs (adopt skips them)
+        self._unlinking: dict[ChunkKey, int] = {}  # keys forgotten whose file delete() is still removing: count
         self._tmp_shards: set[int] = set()  # shards holding a live writer's temporary file, listed every round
         self._watch = ShardWatch(self._root)
         self.generation = 0  # bumped when the directory vanished or was cleared, and the index was dropped
@@ -142,7 +150,6 @@ class DiskFiles(Tier):
         """File path of ``key``."""
         return Path(self._file(key))
 
-
     def _rebuild_index(self) -> None:
         files, removed = indexed_files(self.dir, len(self.namespace), STALE_TMP_S)
         sealed_away: list[bytes] = []  # key ids of files no key of the ring opens
@@ -157,8 +164,10 @@ class DiskFiles(Tier):
             self._used += size
         self._foreign = len(files) - len(sealed_away)
         self.sealed_away_found(sealed_away, "at start-up")
-        if removed:
-            log.info("kvtier disk tier: removed %d temporary files crashed writers left in %s", removed, self.dir)
+        dead_locks = remove_dead_writer_locks(self.dir)  # after the scan: their temporary files are gone
+        if removed or dead_locks:
+            log.info("kvtier disk tier: removed %d temporary files and %d lock files crashed writers left in %s",
+                     removed, dead_locks, self.dir)
 
     def _forget(self, key: ChunkKey) -> None:
         """Drop ``key`` from the index; caller holds the lock."""
@@ -280,6 +289,8 @@ class DiskFiles(Tier):
             return PutResult.FAILED
         with self._lock:
             self._writing.discard(key)
+            if self._removed is not None:  # a scan running may have listed the shard before the rename
+                self._removed.add(key)
         return PutResult.STORED
 
     def _write_file(self, key: ChunkKey, tmp: Path, payload: memoryview, writer: Writer | None,
@@ -329,11 +340,23 @@ class DiskFiles(Tier):
         self._writer.release()
 
     def delete(self, key: ChunkKey) -> bool:
+        """Forget ``key`` and remove its file; whether either held it.  The file is removed outside the
+        lock, so until it is gone (and then for the scan running meanwhile) the key is marked, and a
+        rescan that listed the file does not take it back as another process's (:meth:`adopt`)."""
         with self._lock:
             known = key in self._key_to_size
             self._forget(key)
             self._sealed_away.discard(key)
-        return _unlink(self.path(key)) or known
+            self._unlinking[key] = self._unlinking.get(key, 0) + 1
+        try:
+            return _unlink(self.path(key)) or known
+        finally:
+            with self._lock:
+                left = self._unlinking.pop(key) - 1
+                if left:
+                    self._unlinking[key] = left
+                if self._removed is not None:  # a scan that began before the unlink may have listed the file
+                    self._removed.add(key)
 
     def keys(self) -> list[ChunkKey]:
         """Keys in this process's index."""

@@ -240,6 +240,35 @@ def writer_alive(directory: Path, writer_id: str) -> bool | None:
         os.close(fd)
 
 
+DEAD_LOCK_MIN_AGE_S = 60.0
+"""A writer's lock file younger than this is left alone by :func:`remove_dead_writer_locks`: it may be a new
+writer's, created and not locked yet (:class:`WriterLock` creates the file, then locks it)."""
+
+
+def remove_dead_writer_locks(directory: Path, min_age_s: float = DEAD_LOCK_MIN_AGE_S) -> int:
+    """Remove the lock files (``.writers/<writer id>.lock``, at least ``min_age_s`` old) of writers that
+    died; returns how many.  A dead writer's lock file is otherwise removed only when one of its temporary
+    files is found (:func:`remove_if_dead`), so each SIGKILLed, OOM-killed or crashed process that was
+    not mid-write would leave its own for good.  Run after the start-up scan removed the dead writers'
+    temporary files, so no temporary file loses the lock file that tells it is dead."""
+    removed = 0
+    now = time.time()
+    try:
+        entries = list(os.scandir(directory / WRITERS_DIR))
+    except OSError:
+        return 0
+    for entry in entries:
+        if not entry.name.endswith(".lock"):
+            continue
+        try:
+            if now - entry.stat(follow_symlinks=False).st_mtime < min_age_s:
+                continue
+        except OSError:
+            continue
+        removed += writer_alive(directory, entry.name[:-len(".lock")]) is False
+    return removed
+
+
 def remove_if_dead(directory: Path, path: str, liveness: dict[str, bool | None], stale_tmp_s: float) -> int:
     """Remove the temporary file ``path`` if its writer is dead (or lock-less and the file older
     than ``stale_tmp_s``); 1 if removed.  ``liveness`` caches :func:`writer_alive` per writer id."""

@@ -52,6 +52,7 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.tiers.base import AnswersNow
 from kvtier.core.tiers.factory import TierContext, make_tier, shared_configured
 from kvtier.core.tiers.guarded import GuardedTier
+from kvtier.core.tiers.loglimit import CauseLimiter, held_back
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -97,6 +98,7 @@ class RemoteLookups:
         self._outcomes: dict[str, str] = {}  # req_id -> why its lookup did not answer (receipt miss reason)
         self._skip_reason = ""  # why the last _start sent nothing
         self.asked = self.answered = self.timed_out = self.skipped = self.superseded = 0
+        self._timeout_lines = CauseLimiter()  # one line per interval: a slow server times out every request's lookup
         self.answered_chunks = self.found_chunks = 0  # over answered lookups: the shared tier's hit rate
         self._sealed_away_closed = 0  # values sealed under a key the ring lacks, met by tiers closed since
         self._counters_sent: dict[str, int] = {}  # counters() as last taken (take_counters)
@@ -202,8 +204,9 @@ class RemoteLookups:
         self.found_chunks += found
         if timed_out:
             self.timed_out += 1
-            log.info("kvtier: shared-tier lookup for request %s passed shared_deadline_s=%s; answered from "
-                     "local tiers", req_id, self.deadline_s)
+            if (unlogged := self._timeout_lines.admit("deadline")) is not None:
+                log.info("kvtier: shared-tier lookup for request %s passed shared_deadline_s=%s; answered from "
+                         "local tiers%s", req_id, self.deadline_s, held_back(unlogged))
 
     def _supersede(self, req_id: str) -> None:
         """Count ``req_id``'s sent lookup as superseded if its answer was never read."""
