@@ -235,6 +235,13 @@ class KVEventTracker:
         """Events wait for a step (``has_pending_push_work`` keeps an idle engine stepping)."""
         return bool(self._dirty or self._removed)
 
+    def wants_step(self) -> bool:
+        """:meth:`pending`, or published events wait to be counted: vLLM asks for the stats before
+        the events in one ``update_from_output``, so a step's events are counted by the next step's
+        stats, which an idle engine takes for them (``kv_events_seconds`` alone asks for none)."""
+        c = self.counters
+        return self.pending() or bool(c["kv_events_stored"] or c["kv_events_removed"] or c["kv_events_dropped"])
+
     # ---- publishing ----------------------------------------------------------------------------
     def take_events(self) -> list[KVCacheEvent]:
         """The events since the last call (vLLM's ``take_events``): removals first, then stores
