@@ -233,3 +233,50 @@ def test_the_event_counters_count_every_event_published_before_the_engine_goes_i
     finally:
         engine.sched.shutdown()
         events.close()
+
+
+def test_a_router_reading_one_engine_across_a_restart_keeps_no_chunk_at_the_stopped_cpu_tier(
+        model: Path, tmp_path: Path) -> None:
+    """One subscriber on the engine's endpoint before and after a graceful restart (what a router
+    connected to a pod's socket reads): chunks announced ``CPU`` at the stop were flushed to disk and
+    are announced ``STORAGE`` after it; the stream must also withdraw their ``CPU`` entries, which no
+    longer exist.  Seen on a live api_server: after a SIGTERM restart the router's view held the same
+    19 block hashes at both ``CPU`` and ``STORAGE``."""
+    (tmp_path / "disk").mkdir()
+    port = free_port()
+    events = EventSubscriber(port)
+    try:
+        engine = Engine(scheduler(model, tmp_path / "disk", port))
+        try:
+            assert engine.subscribed(events)
+            engine.step()  # the first report: the mirror is ready
+            engine.add(4 * BLOCK + 10)
+            for _ in range(3):
+                engine.step()
+            keys = list(engine.tiers)
+            assert len(keys) == 4
+            for key in keys[:2]:  # spilled to disk and dropped from cpu
+                engine.change(key, "disk")
+            engine.step()
+            assert events.wait(lambda held: held == engine.truth()), (events.held() ^ engine.truth())
+            assert {m for _, m in events.held()} == {"CPU", "STORAGE"}
+        finally:
+            engine.sched.shutdown()  # graceful: the journal is written; the workers flush cpu to disk
+        on_disk = dict.fromkeys(engine.tiers, "disk")
+
+        restarted = Engine(scheduler(model, tmp_path / "disk", port))  # the same endpoint
+        try:
+            restarted.tiers = dict(on_disk)
+            restarted.hashes = dict(engine.hashes)  # the truth's hashes, for the comparison only
+            before = events.batches  # the subscriber reconnects by itself: publish until it hears this one
+            assert events.handshake(lambda: restarted.sched.kv_event_publisher.publish(KVEventBatch(ts=0.0, events=[])),
+                                    after=before)
+            restarted.step()
+            restarted.step()
+            truth = restarted.truth()
+            assert len(truth) == 4 and {m for _, m in truth} == {"STORAGE"}
+            assert events.wait(lambda held: held == truth), (events.held() ^ truth)
+        finally:
+            restarted.sched.shutdown()
+    finally:
+        events.close()

@@ -34,10 +34,12 @@ Bounded everywhere:
 - removals of chunks the map forgot wait in a backlog of :data:`REMOVED_BACKLOG` block hashes; past
   it they are dropped and counted (``kvtier_kv_events_dropped_total``).
 
-Restart: the map is written at shutdown to a journal in the first configured tier's ``state_dir``
-(the disk tier's ``disk_path``; its file: :mod:`~kvtier.integrations.vllm.scheduler.events_journal`,
-``.kvtier-kv-events-<key root hex>.msgpack``); the restarted scheduler reads it once its mirror is
-ready, and announces the chunks of the workers' first snapshot the journal describes.  The journal
+Restart: the map, with the medium each chunk is announced at, is written at shutdown to a journal
+in the first configured tier's ``state_dir`` (the disk tier's ``disk_path``; its file:
+:mod:`~kvtier.integrations.vllm.scheduler.events_journal`); the restarted scheduler reads it once
+its mirror is ready, announces the chunks of the workers' first snapshot the journal describes, and
+withdraws what the stopped engine had announced at another medium (its cpu tier's chunks, gone
+with its process, which a router reading the stream across the restart would keep).  The journal
 is ignored when vLLM's block-hash seed differs (``NONE_HASH``: a non-cryptographic
 ``--prefix-caching-hash-algo`` without ``PYTHONHASHSEED`` seeds at random per process, so the
 old hashes would name nothing).  A crash writes no journal: the disk tier's chunks are then
@@ -296,7 +298,9 @@ class KVEventTracker:
     # ---- restart journal -----------------------------------------------------------------------
     def load_journal(self, key_root: bytes) -> int:
         """Read the journal of namespace ``key_root`` (once; called when the mirror is ready):
-        its chunks join the map and those the mirror holds are announced (rate-limited).
+        its chunks join the map and those the mirror holds are announced (rate-limited); those
+        the stopped engine had announced at another medium than the mirror's now are withdrawn
+        there (:meth:`_withdraw`).
 
         Returns:
             chunks read (0: none, unreadable or of another hash seed; logged once, never raised).
@@ -306,23 +310,41 @@ class KVEventTracker:
         journal = read_journal(path) if path is not None else None
         if journal is None:
             return 0
-        n = 0
-        for key, meta in zip(journal.keys[-self.max_chunks:], journal.metas[-self.max_chunks:]):
+        n, last = 0, slice(-self.max_chunks, None)
+        for key, meta, old in zip(journal.keys[last], journal.metas[last], journal.media[last]):
             if key not in self._meta and meta.group_idx in self.groups:
                 self._meta[key] = meta
                 self._dirty[key] = None
                 n += 1
+                self._withdraw(key, meta, old)
         while len(self._meta) > self.max_chunks:
             self._forget(next(iter(self._meta)))
         log.info("kvtier: KV-event journal: %d chunks' block hashes read from %s", n, path)
         return n
 
+    def _withdraw(self, key: bytes, meta: ChunkMeta, old: str) -> None:
+        """A chunk the stopped engine had announced at medium ``old`` is withdrawn there unless the
+        mirror names the same medium now (it is then announced again, at the first step): a cpu
+        tier's announcements do not outlive its process, and a router reading this engine's stream
+        across the restart would otherwise keep the chunk at ``CPU`` beside its new ``STORAGE``."""
+        tier = self._tier_of(key)
+        if not old or (self._medium.get(tier) if tier is not None else None) == old:
+            return
+        if self._removed_count + len(meta.block_hashes) > self.removed_backlog:
+            self.counters["kv_events_dropped"] += 1
+            return
+        self._removed.setdefault((old, meta.group_idx), []).extend(meta.block_hashes)
+        self._removed_count += len(meta.block_hashes)
+        self.counters["kv_events_removed"] += 1
+
     def save_journal(self) -> bool:
-        """Write the map to the journal (at shutdown); ``False`` (logged) when it could not."""
+        """Write the map, and the medium each chunk is announced at, to the journal (at shutdown);
+        ``False`` (logged) when it could not."""
         path = journal_path(self.journal_dir, self._journal_root or b"")
         if path is None:
             return False
-        return write_journal(path, list(self._meta), list(self._meta.values()))
+        return write_journal(path, list(self._meta), list(self._meta.values()),
+                             [self._announced.get(key, "") for key in self._meta])
 
     @property
     def journal_loaded(self) -> bool:

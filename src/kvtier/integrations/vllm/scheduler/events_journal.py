@@ -1,5 +1,5 @@
-"""The KV-event journal's file: what the scheduler knew of its chunks' vLLM block hashes, kept
-across a graceful restart (:mod:`kvtier.integrations.vllm.scheduler.events`).
+"""The KV-event journal's file: what the scheduler knew of its chunks' vLLM block hashes, and what
+it had announced, kept across a graceful restart (:mod:`kvtier.integrations.vllm.scheduler.events`).
 
 ``<state_dir>/.kvtier-kv-events-<key root hex>.msgpack``: msgspec msgpack of :class:`Journal`,
 written to a temporary file and renamed; read once by the restarted scheduler."""
@@ -39,12 +39,15 @@ class ChunkMeta(msgspec.Struct, array_like=True, frozen=True):
 
 
 class Journal(msgspec.Struct, array_like=True):
-    """``keys`` and ``metas`` are parallel: page key and its payload."""
+    """``keys``, ``metas`` and ``media`` are parallel: page key, its payload, and the medium it was
+    announced at when the journal was written (``""``: not announced; the list is empty in journals
+    written before it was kept, read as nothing announced)."""
 
     version: int
     none_hash: bytes
     keys: list[bytes]
     metas: list[ChunkMeta]
+    media: list[str] = msgspec.field(default_factory=list)
 
 
 def journal_path(journal_dir: Path | None, key_root: bytes) -> Path | None:
@@ -56,7 +59,8 @@ def journal_path(journal_dir: Path | None, key_root: bytes) -> Path | None:
 
 def read_journal(path: Path) -> Journal | None:
     """The journal at ``path``, or ``None`` when it is absent, unreadable, larger than
-    :data:`MAX_BYTES`, of another format or of another block-hash seed (logged once, never raised)."""
+    :data:`MAX_BYTES`, of another format or of another block-hash seed (logged once, never raised).
+    ``media`` is ``[""] * len(keys)`` when the file kept none."""
     if not path.exists():
         return None
     try:
@@ -72,14 +76,16 @@ def read_journal(path: Path) -> Journal | None:
         log.warning("kvtier: KV-event journal %s is of another format or block-hash seed (set PYTHONHASHSEED "
                     "or use a sha256 --prefix-caching-hash-algo to keep hashes across restarts); ignored", path)
         return None
+    if len(journal.media) != len(journal.keys):
+        journal.media = [""] * len(journal.keys)
     return journal
 
 
-def write_journal(path: Path, keys: list[bytes], metas: list[ChunkMeta]) -> bool:
+def write_journal(path: Path, keys: list[bytes], metas: list[ChunkMeta], media: list[str]) -> bool:
     """Write the journal (temporary file, then rename); ``False`` (logged) when it could not."""
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
     try:
-        tmp.write_bytes(msgspec.msgpack.encode(Journal(JOURNAL_VERSION, none_hash(), keys, metas)))
+        tmp.write_bytes(msgspec.msgpack.encode(Journal(JOURNAL_VERSION, none_hash(), keys, metas, media)))
         os.replace(tmp, path)
     except OSError as exc:
         log.warning("kvtier: KV-event journal %s not written (%s)", path, exc)
