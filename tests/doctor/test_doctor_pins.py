@@ -135,7 +135,8 @@ SAME = {"kv_events_enabled": 1.0, "tenant_quota_default_share": 0.25, "tenant_qu
 def test_doctor_shows_settings_of_two_engines_once_never_summed() -> None:
     """Fixes item 1: settings of data-parallel engines are one value (0.25, not 0.5; 1 salt, not 2)."""
     messages = _control_messages({0: SAME, 1: SAME})
-    assert ("ok", "KV events: on (routers learn kvtier's cpu and disk chunks).") in messages
+    # the recording's server has a cpu tier only (kvtier_capacity_bytes{tier="disk"} 0.0)
+    assert ("ok", "KV events: on (routers learn kvtier's cpu chunks).") in messages
     quota = [m for level, m in messages if m.startswith("Tenant quotas")]
     assert len(quota) == 1 and quota[0].startswith("Tenant quotas: default share 0.25, 1 salt(s)")
     assert not any(level == "warning" and "kvtier_" in m for level, m in messages)
@@ -187,3 +188,19 @@ def test_doctor_never_calls_an_impossible_no_salt_share_ok(share: float) -> None
     assert any(level == "warning" and m.startswith(f"kvtier_tenant_quota_no_salt_share = {share:g} is impossible")
                for level, m in messages)
     assert not any(f"no-salt share {share:g}" in m for _, m in messages)
+
+
+def test_doctor_names_the_tiers_kv_events_announce_and_the_shared_ones_they_do_not() -> None:
+    """The KV-events line says what a router learns on this server: the local tiers with a capacity
+    (the recording is of a cpu-only server: it said "cpu and disk" there) and, with a shared tier
+    (its breaker gauge in the scrape), that it is never announced (docs/vllm.md "KV events")."""
+    disk = 'kvtier_capacity_bytes{engine="0",model_name="/tmp/tmp0gactnk3/tiny",tier="disk"}'
+    assert f"{disk} 0.0" in AFTER
+    after = AFTER.replace(f"{disk} 0.0", f"{disk} 1.073741824e+09") + _two_engine_settings({0: SAME})
+    redis = 'kvtier_redis_breaker_state{engine="0",model_name="/tmp/tmp0gactnk3/tiny"} 0.0\n'
+    for text, scope in ((after, "routers learn kvtier's cpu and disk chunks"),
+                        (after + redis, ("routers learn kvtier's cpu and disk chunks; shared tier redis never "
+                                         "announced: reachable from every engine"))):
+        meters = measure(parse_metrics(BEFORE, "b"), parse_metrics(text, "a"), 10.0)
+        checks = diagnose(meters, allocation(parse_metrics(text, "a")), {}, None, 1).checks
+        assert [c.message for c in checks if c.message.startswith("KV events")] == [f"KV events: on ({scope})."]

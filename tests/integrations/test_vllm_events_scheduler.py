@@ -45,7 +45,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", weights="none")
 
 
-def scheduler(model: Path, disk: Path, port: int, replay_port: int | None = None) -> Scheduler:
+def scheduler(model: Path, disk: Path, port: int, replay_port: int | None = None, log_stats: bool = False) -> Scheduler:
     # async_saves off: this scheduler has no worker, so no rank would report a deferred save's end
     # and vLLM would hold the finished requests' blocks (reset_prefix_cache refuses); deferred saves
     # are tested with real workers in test_vllm_engine.py and test_vllm_saves.py
@@ -65,7 +65,8 @@ def scheduler(model: Path, disk: Path, port: int, replay_port: int | None = None
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=vllm_config.model_config.dtype)
     kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],  # no worker: no tensors
                                     kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)])
-    return Scheduler(vllm_config, kv_cache_config, StructuredOutputManager(vllm_config), block_size=BLOCK)
+    return Scheduler(vllm_config, kv_cache_config, StructuredOutputManager(vllm_config), block_size=BLOCK,
+                     log_stats=log_stats)
 
 
 class Engine:
@@ -82,6 +83,7 @@ class Engine:
         init_none_hash(hash_fn)
         self.hasher = get_request_block_hasher(BLOCK, hash_fn)
         self.n = 0
+        self.counters: dict[str, float] = {}  # the scheduler's kvtier counters its stats carried, summed
 
     def subscribed(self, events: EventSubscriber) -> bool:
         """Whether ``events`` receives this scheduler's batches (an empty batch, published until one arrives)."""
@@ -115,9 +117,22 @@ class Engine:
                             epoch=self.epoch)
         self.full, self.pending = False, []
         ids = list(out.num_scheduled_tokens)
-        self.sched.update_from_output(out, ModelRunnerOutput(
+        outputs = self.sched.update_from_output(out, ModelRunnerOutput(
             req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=[[1] for _ in ids],
             kv_connector_output=KVConnectorOutput(kv_connector_worker_meta=KVTierWorkerMeta({0: report}))))
+        for eco in outputs.values():  # what vLLM's front-end turns into kvtier_*_total (log_stats only)
+            stats = eco.scheduler_stats.kv_connector_stats if eco.scheduler_stats is not None else None
+            for name, value in ((stats or {}).get("counters") or {}).items():
+                self.counters[name] = self.counters.get(name, 0) + value
+
+    def run_until_idle(self, max_steps: int = 50) -> None:
+        """Step as vLLM's ``EngineCore.step`` does: while the scheduler has requests or the connector
+        asks for steps (``has_pending_push_work``), and no longer."""
+        for _ in range(max_steps):
+            if not self.sched.has_requests():
+                return
+            self.step()
+        raise AssertionError(f"still stepping after {max_steps} steps")
 
     def truth(self) -> set[tuple[int | bytes, str]]:
         return {(self.hashes[k], MEDIUM[t]) for k, t in self.tiers.items() if k in self.hashes}
@@ -186,3 +201,82 @@ def test_the_stream_a_router_reads_matches_the_tiers_through_spills_evictions_re
         restarted.sched.shutdown()
         if events is not None:
             events.close()
+
+
+def test_the_event_counters_count_every_event_published_before_the_engine_goes_idle(
+        model: Path, tmp_path: Path) -> None:
+    """``kvtier_kv_events_stored_total`` / ``_removed_total`` equal the chunks the stream announced
+    once an engine is idle.  vLLM asks for the connector's stats before its events in the same
+    ``update_from_output``, so a step's events are counted by the next step's stats; seen on a live
+    ``api_server``: after a burst of saves the counter read 115 while the stream had announced 124
+    chunks, and after a reset the 74 removals were missing from ``_removed_total`` until the next
+    request, however long the server stayed idle."""
+    (tmp_path / "disk").mkdir()
+    port = free_port()
+    events = EventSubscriber(port)
+    engine = Engine(scheduler(model, tmp_path / "disk", port, log_stats=True))
+    try:
+        assert engine.subscribed(events)
+        engine.step()  # the first report: the mirror is ready
+        for _ in range(3):
+            engine.add(4 * BLOCK + 10)
+        engine.run_until_idle()
+        assert len(engine.tiers) == 12, "3 prompts of 4 full chunks each are saved"
+        assert events.wait(lambda held: held == engine.truth()), (len(events.held()), len(engine.truth()))
+        assert engine.counters.get("kv_events_stored") == 12, engine.counters
+
+        assert engine.sched.reset_prefix_cache(reset_connector=True)
+        engine.run_until_idle()  # the idle engine steps for the reset's removals, and no longer
+        assert events.wait(lambda held: not held), events.held()
+        assert engine.counters.get("kv_events_removed") == 12, engine.counters
+        assert engine.counters.get("kv_events_stored") == 12, engine.counters
+    finally:
+        engine.sched.shutdown()
+        events.close()
+
+
+def test_a_router_reading_one_engine_across_a_restart_keeps_no_chunk_at_the_stopped_cpu_tier(
+        model: Path, tmp_path: Path) -> None:
+    """One subscriber on the engine's endpoint before and after a graceful restart (what a router
+    connected to a pod's socket reads): chunks announced ``CPU`` at the stop were flushed to disk and
+    are announced ``STORAGE`` after it; the stream must also withdraw their ``CPU`` entries, which no
+    longer exist.  Seen on a live api_server: after a SIGTERM restart the router's view held the same
+    19 block hashes at both ``CPU`` and ``STORAGE``."""
+    (tmp_path / "disk").mkdir()
+    port = free_port()
+    events = EventSubscriber(port)
+    try:
+        engine = Engine(scheduler(model, tmp_path / "disk", port))
+        try:
+            assert engine.subscribed(events)
+            engine.step()  # the first report: the mirror is ready
+            engine.add(4 * BLOCK + 10)
+            for _ in range(3):
+                engine.step()
+            keys = list(engine.tiers)
+            assert len(keys) == 4
+            for key in keys[:2]:  # spilled to disk and dropped from cpu
+                engine.change(key, "disk")
+            engine.step()
+            assert events.wait(lambda held: held == engine.truth()), (events.held() ^ engine.truth())
+            assert {m for _, m in events.held()} == {"CPU", "STORAGE"}
+        finally:
+            engine.sched.shutdown()  # graceful: the journal is written; the workers flush cpu to disk
+        on_disk = dict.fromkeys(engine.tiers, "disk")
+
+        restarted = Engine(scheduler(model, tmp_path / "disk", port))  # the same endpoint
+        try:
+            restarted.tiers = dict(on_disk)
+            restarted.hashes = dict(engine.hashes)  # the truth's hashes, for the comparison only
+            before = events.batches  # the subscriber reconnects by itself: publish until it hears this one
+            assert events.handshake(lambda: restarted.sched.kv_event_publisher.publish(KVEventBatch(ts=0.0, events=[])),
+                                    after=before)
+            restarted.step()
+            restarted.step()
+            truth = restarted.truth()
+            assert len(truth) == 4 and {m for _, m in truth} == {"STORAGE"}
+            assert events.wait(lambda held: held == truth), (events.held() ^ truth)
+        finally:
+            restarted.sched.shutdown()
+    finally:
+        events.close()

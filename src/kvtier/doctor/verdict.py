@@ -39,6 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kvtier.core.tiers.registry import specs
 from kvtier.doctor.causes import cause_checks
 from kvtier.doctor.faults import fault_checks
 from kvtier.doctor.meters import Allocation, Controls, Meters, SharedTier
@@ -187,7 +188,7 @@ def diagnose(meters: Meters, alloc: Allocation, cache_config: dict[str, str], ex
         else:
             add(Check("ok", f"Pins: {pinned}."))
     if meters.controls is not None:
-        d.checks.extend(_control_checks(meters.controls))
+        d.checks.extend(_control_checks(meters.controls, _events_scope(alloc, shared_tiers)))
     why_not = _cannot_judge(meters)
     if why_not:
         add(Check("warning", why_not))
@@ -220,12 +221,25 @@ def diagnose(meters: Meters, alloc: Allocation, cache_config: dict[str, str], ex
     return d
 
 
-def _control_checks(c: Controls) -> list[Check]:
-    """KV events and tenant quotas (:class:`kvtier.doctor.meters.Controls`): what is on, and the
-    largest tenants' bytes (labels are digests of their cache_salt, never the salt).  Engines that
-    disagree, or an impossible setting, are a warning each (never an "ok")."""
+def _events_scope(alloc: Allocation, shared: tuple[SharedTier, ...]) -> str:
+    """What a router learns from kvtier's KV events on this server, in words: the chunks of its
+    local tiers that have a vLLM ``medium`` and a capacity (``kvtier_capacity_bytes`` above 0), and
+    that its shared tiers are never announced (docs/vllm.md "KV events")."""
+    announced = [s.name for s in specs() if s.medium and alloc.tiers_gib.get(s.name, 0.0) > 0]
+    what = (f"routers learn kvtier's {' and '.join(announced)} chunks" if announced
+            else "routers learn the chunks of kvtier's local tiers")
+    names = [t.tier for t in shared if t.tier]
+    if names:
+        what += f"; shared tier {', '.join(names)} never announced: reachable from every engine"
+    return what
+
+
+def _control_checks(c: Controls, events_scope: str) -> list[Check]:
+    """KV events and tenant quotas (:class:`kvtier.doctor.meters.Controls`): what is on (``events_scope``:
+    :func:`_events_scope`), and the largest tenants' bytes (labels are digests of their cache_salt, never
+    the salt).  Engines that disagree, or an impossible setting, are a warning each (never an "ok")."""
     out = [Check("warning", problem) for problem in c.problems]
-    out.append(Check("ok", "KV events: on (routers learn kvtier's cpu and disk chunks)." if c.events_enabled else
+    out.append(Check("ok", f"KV events: on ({events_scope})." if c.events_enabled else
                      "KV events: off (start vLLM with --kv-events-config so cache-aware routers see kvtier's tiers)."))
     if not c.quotas_on:
         out.append(Check("ok", "Tenant quotas: off (one tenant's burst can evict every other tenant's KV; "

@@ -34,10 +34,12 @@ Bounded everywhere:
 - removals of chunks the map forgot wait in a backlog of :data:`REMOVED_BACKLOG` block hashes; past
   it they are dropped and counted (``kvtier_kv_events_dropped_total``).
 
-Restart: the map is written at shutdown to a journal in the first configured tier's ``state_dir``
-(the disk tier's ``disk_path``: ``.kvtier-kv-events-<key root hex>.msgpack``, msgspec msgpack,
-written to a temporary file and renamed); the restarted scheduler reads it once its mirror is
-ready, and announces the chunks of the workers' first snapshot the journal describes.  The journal
+Restart: the map, with the medium each chunk is announced at, is written at shutdown to a journal
+in the first configured tier's ``state_dir`` (the disk tier's ``disk_path``; its file:
+:mod:`~kvtier.integrations.vllm.scheduler.events_journal`); the restarted scheduler reads it once
+its mirror is ready, announces the chunks of the workers' first snapshot the journal describes, and
+withdraws what the stopped engine had announced at another medium (its cpu tier's chunks, gone
+with its process, which a router reading the stream across the restart would keep).  The journal
 is ignored when vLLM's block-hash seed differs (``NONE_HASH``: a non-cryptographic
 ``--prefix-caching-hash-algo`` without ``PYTHONHASHSEED`` seeds at random per process, so the
 old hashes would name nothing).  A crash writes no journal: the disk tier's chunks are then
@@ -48,7 +50,6 @@ from __future__ import annotations
 
 import array
 import logging
-import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -56,12 +57,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgspec
 from vllm import envs
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.core import kv_cache_utils
 
 from kvtier.core.tiers.registry import specs
+from kvtier.integrations.vllm.scheduler.events_journal import (
+    ChunkMeta,
+    journal_path,
+    read_journal,
+    write_journal,
+)
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +86,6 @@ REMOVED_BACKLOG = 1 << 16
 
 LOCALITY = "LOCAL"
 """``locality`` of every kvtier event: the tiers announced are this engine's own."""
-
-JOURNAL_VERSION = 1
-_JOURNAL_MAX_BYTES = 1 << 30
 
 
 def events_enabled(vllm_config: Any) -> bool:
@@ -107,30 +110,6 @@ class EventGroup:
     block_size: int
     announced: bool = True
     spec_kind: str | None = None
-
-
-class ChunkMeta(msgspec.Struct, array_like=True, frozen=True):
-    """What a ``BlockStored`` of one page says, kept from when the scheduler had the request.
-
-    ``block_hashes``: vLLM's raw ``BlockHash`` bytes of the page's blocks (``block_size`` tokens
-    each); ``token_ids``: the chunk's token ids as native int32 bytes (``array("i")``)."""
-
-    block_hashes: tuple[bytes, ...]
-    parent_block_hash: bytes | None
-    token_ids: bytes
-    block_size: int
-    group_idx: int
-    spec_kind: str | None = None
-    lora_id: int | None = None
-    lora_name: str | None = None
-    extra_keys: tuple[Any, ...] | None = None
-
-
-class _Journal(msgspec.Struct, array_like=True):
-    version: int
-    none_hash: bytes
-    keys: list[bytes]
-    metas: list[ChunkMeta]
 
 
 class KVEventTracker:
@@ -258,6 +237,13 @@ class KVEventTracker:
         """Events wait for a step (``has_pending_push_work`` keeps an idle engine stepping)."""
         return bool(self._dirty or self._removed)
 
+    def wants_step(self) -> bool:
+        """:meth:`pending`, or published events wait to be counted: vLLM asks for the stats before
+        the events in one ``update_from_output``, so a step's events are counted by the next step's
+        stats, which an idle engine takes for them (``kv_events_seconds`` alone asks for none)."""
+        c = self.counters
+        return self.pending() or bool(c["kv_events_stored"] or c["kv_events_removed"] or c["kv_events_dropped"])
+
     # ---- publishing ----------------------------------------------------------------------------
     def take_events(self) -> list[KVCacheEvent]:
         """The events since the last call (vLLM's ``take_events``): removals first, then stores
@@ -310,62 +296,55 @@ class KVEventTracker:
         return dict(self._announced)
 
     # ---- restart journal -----------------------------------------------------------------------
-    def _journal_path(self, key_root: bytes) -> Path | None:
-        if self.journal_dir is None or not key_root:
-            return None
-        return self.journal_dir / f".kvtier-kv-events-{key_root.hex()}.msgpack"
-
     def load_journal(self, key_root: bytes) -> int:
         """Read the journal of namespace ``key_root`` (once; called when the mirror is ready):
-        its chunks join the map and those the mirror holds are announced (rate-limited).
+        its chunks join the map and those the mirror holds are announced (rate-limited); those
+        the stopped engine had announced at another medium than the mirror's now are withdrawn
+        there (:meth:`_withdraw`).
 
         Returns:
             chunks read (0: none, unreadable or of another hash seed; logged once, never raised).
         """
         self._journal_root = key_root
-        path = self._journal_path(key_root)
-        if path is None or not path.exists():
+        path = journal_path(self.journal_dir, key_root)
+        journal = read_journal(path) if path is not None else None
+        if journal is None:
             return 0
-        try:
-            if path.stat().st_size > _JOURNAL_MAX_BYTES:
-                raise ValueError(f"larger than {_JOURNAL_MAX_BYTES} bytes")
-            journal = msgspec.msgpack.decode(path.read_bytes(), type=_Journal)
-        except (OSError, ValueError, msgspec.DecodeError) as exc:
-            log.warning("kvtier: KV-event journal %s not read (%s); disk chunks are announced as requests "
-                        "look them up", path, exc)
-            return 0
-        if journal.version != JOURNAL_VERSION or journal.none_hash != _none_hash() or len(journal.keys) != len(
-                journal.metas):
-            log.warning("kvtier: KV-event journal %s is of another format or block-hash seed (set PYTHONHASHSEED "
-                        "or use a sha256 --prefix-caching-hash-algo to keep hashes across restarts); ignored", path)
-            return 0
-        n = 0
-        for key, meta in zip(journal.keys[-self.max_chunks:], journal.metas[-self.max_chunks:]):
+        n, last = 0, slice(-self.max_chunks, None)
+        for key, meta, old in zip(journal.keys[last], journal.metas[last], journal.media[last]):
             if key not in self._meta and meta.group_idx in self.groups:
                 self._meta[key] = meta
                 self._dirty[key] = None
                 n += 1
+                self._withdraw(key, meta, old)
         while len(self._meta) > self.max_chunks:
             self._forget(next(iter(self._meta)))
         log.info("kvtier: KV-event journal: %d chunks' block hashes read from %s", n, path)
         return n
 
+    def _withdraw(self, key: bytes, meta: ChunkMeta, old: str) -> None:
+        """A chunk the stopped engine had announced at medium ``old`` is withdrawn there unless the
+        mirror names the same medium now (it is then announced again, at the first step): a cpu
+        tier's announcements do not outlive its process, and a router reading this engine's stream
+        across the restart would otherwise keep the chunk at ``CPU`` beside its new ``STORAGE``."""
+        tier = self._tier_of(key)
+        if not old or (self._medium.get(tier) if tier is not None else None) == old:
+            return
+        if self._removed_count + len(meta.block_hashes) > self.removed_backlog:
+            self.counters["kv_events_dropped"] += 1
+            return
+        self._removed.setdefault((old, meta.group_idx), []).extend(meta.block_hashes)
+        self._removed_count += len(meta.block_hashes)
+        self.counters["kv_events_removed"] += 1
+
     def save_journal(self) -> bool:
-        """Write the map to the journal (at shutdown); ``False`` (logged) when it could not."""
-        path = self._journal_path(self._journal_root or b"")
+        """Write the map, and the medium each chunk is announced at, to the journal (at shutdown);
+        ``False`` (logged) when it could not."""
+        path = journal_path(self.journal_dir, self._journal_root or b"")
         if path is None:
             return False
-        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-        try:
-            data = msgspec.msgpack.encode(_Journal(JOURNAL_VERSION, _none_hash(), list(self._meta),
-                                                   list(self._meta.values())))
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
-        except OSError as exc:
-            log.warning("kvtier: KV-event journal %s not written (%s)", path, exc)
-            tmp.unlink(missing_ok=True)
-            return False
-        return True
+        return write_journal(path, list(self._meta), list(self._meta.values()),
+                             [self._announced.get(key, "") for key in self._meta])
 
     @property
     def journal_loaded(self) -> bool:
@@ -387,9 +366,3 @@ def _tokens(data: bytes) -> list[int]:
     tokens = array.array("i")
     tokens.frombytes(data)
     return tokens.tolist()
-
-
-def _none_hash() -> bytes:
-    """vLLM's seed of every block-hash chain in this process (``b""`` before it is set)."""
-    value = getattr(kv_cache_utils, "NONE_HASH", b"")
-    return bytes(value) if value else b""

@@ -128,8 +128,8 @@ class SchedulerSide:
         self._last_report_s = time.monotonic()
         self.remote = RemoteLookups(config) if load and shared_tier_configured(config) else None
         self.events = event_tracker(vllm_config, kv_cache_config, plan, config, self.mirror) if events_enabled(vllm_config) else None
-        # keeps an idle engine stepping until the workers' gauges are true (and the events are out)
-        self.settle = Settle(more=self.events.pending if self.events is not None else None)
+        # keeps an idle engine stepping until the workers' gauges are true (and the events are out and counted)
+        self.settle = Settle(more=self.events.wants_step if self.events is not None else None)
         self.resets = Resets(config)
         self._settings_sent = False  # kv_events_enabled and the quota gauges go out with the first stats
         self.receipts = ReceiptDesk(self.chunk_tokens, self.mirror.tp_size, build_receipt_sinks(config))
