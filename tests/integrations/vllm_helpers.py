@@ -74,12 +74,11 @@ def live_spec(model: Path, kvtier: dict[str, Any], role: str = "kv_both", cache_
                            **(env or {})}, reserved_cpus=1)
 
 
-def one_layer_worker(model: Path, kvtier: dict[str, Any], block: int = 16, num_blocks: int = 32,
-                     layer: str = "model.layers.0.self_attn.attn") -> tuple[Any, Any]:
-    """A rank-0 worker side (:class:`~kvtier.integrations.vllm.worker.side.WorkerSide`) of a real vLLM
-    config with one full-attention layer (2 KV heads of 16, fp32), registered on a fresh KV cache of
-    ``num_blocks`` blocks of ``block`` tokens (random, seeded, block-major: blocks along dim 0), no
-    engine; ``kvtier``: the connector's settings.  Returns ``(worker, cache tensor)``."""
+def one_layer_config(model: Path, block: int = 16, num_blocks: int = 32, layer: str = "model.layers.0.self_attn.attn",
+                     kvtier: dict[str, Any] | None = None) -> tuple[Any, Any]:
+    """A real vLLM config with one full-attention layer (2 KV heads of 16, fp32) and the KV cache
+    config of ``num_blocks`` blocks of ``block`` tokens, KVTierConnector as its connector (``kvtier``:
+    its ``kv_connector_extra_config``), no engine.  Returns ``(VllmConfig, KVCacheConfig)``."""
     import torch
     from vllm.config import (
         CacheConfig,
@@ -91,20 +90,33 @@ def one_layer_worker(model: Path, kvtier: dict[str, Any], block: int = 16, num_b
     )
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-    from kvtier.core.config import KVTierConfig
-    from kvtier.integrations.vllm.worker.side import WorkerSide
-
     config = VllmConfig(
         model_config=ModelConfig(model=str(model), dtype="float32", seed=0, max_model_len=256),
         scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256,
                                          is_encoder_decoder=False),
         cache_config=CacheConfig(block_size=block, enable_prefix_caching=True),
         kv_transfer_config=KVTransferConfig(kv_connector="KVTierConnector", kv_role="kv_both",
-                                            kv_connector_module_path="kvtier.integrations.vllm"),
+                                            kv_connector_module_path="kvtier.integrations.vllm",
+                                            kv_connector_extra_config=dict(kvtier or {})),
         device_config=DeviceConfig("cpu"))
     spec = FullAttentionSpec(block_size=block, num_kv_heads=2, head_size=16, dtype=torch.float32)
     kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                                     kv_cache_groups=[KVCacheGroupSpec([layer], spec)])
+    return config, kv_cache_config
+
+
+def one_layer_worker(model: Path, kvtier: dict[str, Any], block: int = 16, num_blocks: int = 32,
+                     layer: str = "model.layers.0.self_attn.attn") -> tuple[Any, Any]:
+    """A rank-0 worker side (:class:`~kvtier.integrations.vllm.worker.side.WorkerSide`) of
+    :func:`one_layer_config`, registered on a fresh KV cache of ``num_blocks`` blocks of ``block``
+    tokens (random, seeded, block-major: blocks along dim 0), no engine; ``kvtier``: the connector's
+    settings.  Returns ``(worker, cache tensor)``."""
+    import torch
+
+    from kvtier.core.config import KVTierConfig
+    from kvtier.integrations.vllm.worker.side import WorkerSide
+
+    config, kv_cache_config = one_layer_config(model, block, num_blocks, layer)
     worker = WorkerSide(config, kv_cache_config, KVTierConfig.from_dict(kvtier))
     cache = torch.randn(num_blocks, 2, block, 2, 16, generator=torch.Generator().manual_seed(0))
     worker.register_kv_caches({layer: cache})

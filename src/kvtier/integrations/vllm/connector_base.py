@@ -207,8 +207,19 @@ class KVTierConnectorBase(KVConnectorBase_V1, SupportsHMA):
 
     # ---- worker side -------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Build this rank's tiers over vLLM's caches (:meth:`WorkerSide.register_kv_caches`).
+
+        Raises:
+            ConfigError: a tier refuses to start (a disk directory that is not writable, ``disk_gib``
+                that fits only by counting another namespace's files, a reset it cannot apply), said
+                as the constructor says its refusals: one ``kvtier configuration error`` line in the log.
+        """
         assert self.worker_side is not None
-        self.worker_side.register_kv_caches(kv_caches)
+        try:
+            self.worker_side.register_kv_caches(kv_caches)
+        except ConfigError as exc:  # a tier's refusal: the line an operator finds above vLLM's traceback
+            log.error("kvtier configuration error: %s", exc)
+            raise ConfigError(str(exc)) from None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.worker_side is None:
