@@ -446,3 +446,35 @@ def test_the_shared_lookups_memory_of_unopenable_values_is_bounded():
     assert held.openable(keys + keys[:1], [*heads, b""]) == [True, True, True, False]
     plain = SealedAway(None, CodecStats())
     assert not plain.reads_heads and plain.openable(keys[:1], heads[:1]) == [False]
+
+
+def test_a_disk_tier_warns_when_files_sealed_under_another_key_leave_too_little_room(tmp_path, caplog):
+    """A master key replaced without ``previous_key_files``: A's files stay in the directory, never
+    evicted by the tier with key B, and take room on the filesystem; where that leaves less than B's
+    capacity, every write past the free space fails (ENOSPC; an outside probe: 22 of 30 writes on an
+    8 MiB tmpfs) while the tier shows its size free.  B's start-up says so, with the sizes and what to
+    do; a capacity that still fits says nothing.  (A's file is made 1 TiB long, sparse, so the sizes
+    hold whatever else the host's filesystem does meanwhile.)"""
+    import logging
+    import shutil
+
+    from kvtier.core.tiers.disk.tier import DiskTier
+
+    key = ChunkKey(bytes([7]) * 16)
+    writer = _disk(tmp_path, RING)
+    assert writer.put(key, payload(key), TENANTS["A"]).name == "STORED"
+    with open(writer.path(key), "r+b") as f:  # its header and payload stay; its size grows, no blocks written
+        f.truncate(1 << 40)
+    writer.close()
+    free = shutil.disk_usage(tmp_path).free
+
+    def start(capacity: int) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kvtier"):
+            tier = DiskTier(tmp_path, NSD, capacity, codec_args={"chain": ("aes-256-gcm",), "keyring": RING_B})
+            tier.close()
+        return [r.getMessage() for r in caplog.records if "can hold" in r.getMessage()]
+
+    (line,) = start(free + (1 << 39))
+    assert "take 1,048,576.0 MiB" in line and "encryption.previous_key_files" in line and "kvtier purge --key-id" in line
+    assert start(free // 2) == []

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -58,6 +59,7 @@ class DirectorySync:
     _lock: threading.Lock
     _key_to_size: dict[ChunkKey, int]
     _used: int
+    capacity_bytes: int
     _foreign: int
     _bad: set[ChunkKey]
     _sealed_away: set[ChunkKey]
@@ -180,6 +182,25 @@ class DirectorySync:
                         "the engines that hold it (kvtier purge --key-id %s removes them)",
                         len(key_ids), self.dir, when, ids, ids.split(", ")[0])
 
+    def sealed_room_check(self, sealed_bytes: int) -> None:
+        """Warn when files sealed under master keys this process lacks (``sealed_bytes``, left in place,
+        never evicted here) leave the directory's filesystem too little room for ``capacity_bytes``:
+        past the free space every write fails (ENOSPC), however much of its size the tier shows free
+        (seen after a master key was replaced without ``previous_key_files``)."""
+        if sealed_bytes <= 0:
+            return
+        try:
+            free = shutil.disk_usage(self.dir).free
+        except OSError:
+            return
+        if free + self._used >= self.capacity_bytes:
+            return
+        log.warning("kvtier disk tier: the chunk files sealed under master keys this kvtier does not hold take "
+                    "%s in %s; with %s free and %s of its own files the tier can hold %s of its %s (disk_gib), so "
+                    "writes past that fail: add the old key to encryption.previous_key_files, remove the files "
+                    "(kvtier purge --key-id), or lower disk_gib", _mib(sealed_bytes), self.dir, _mib(free),
+                    _mib(self._used), _mib(free + self._used), _mib(self.capacity_bytes))
+
     def unopenable(self, key_id: bytes | None) -> bool:
         """Whether a value sealed under master key ``key_id`` (``None``: not encrypted) cannot open here."""
         ring = self.envelope.keyring
@@ -261,3 +282,7 @@ class DirectorySync:
             unmark_reset(self.dir)
         # the index's keys too: files another process (a reset hook) removed first were still this tier's
         return result._replace(keys=list(dict.fromkeys((*known, *result.keys))))
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):,.1f} MiB"

@@ -89,6 +89,7 @@ class DiskFiles(Tier):
     _recreate_locked: Callable[[], str]  # kvtier.core.tiers.disk.directory's
     unopenable: Callable[[bytes | None], bool]  # kvtier.core.tiers.disk.directory's
     sealed_away_found: Callable[[list[bytes], str], None]  # kvtier.core.tiers.disk.directory's
+    sealed_room_check: Callable[[int], None]  # kvtier.core.tiers.disk.directory's
 
     def __init__(self, root: str | os.PathLike[str], namespace: bytes, capacity_bytes: int,
                  fsync: bool = False, io: IOMode = "buffered", io_threads: int = 1,
@@ -153,17 +154,20 @@ class DiskFiles(Tier):
     def _rebuild_index(self) -> None:
         files, removed = indexed_files(self.dir, len(self.namespace), STALE_TMP_S)
         sealed_away: list[bytes] = []  # key ids of files no key of the ring opens
+        sealed_bytes = 0
         check = self.envelope.keyring is not None  # no ring: such files are found by their first read
         for key, size in files:  # oldest first
             key_id = sealed_key_id(self._file(key)) if check else None
             if key_id is not None and self.unopenable(key_id):
                 self._sealed_away.add(key)
                 sealed_away.append(key_id)
+                sealed_bytes += size
                 continue
             self._key_to_size[key] = size
             self._used += size
         self._foreign = len(files) - len(sealed_away)
         self.sealed_away_found(sealed_away, "at start-up")
+        self.sealed_room_check(sealed_bytes)
         dead_locks = remove_dead_writer_locks(self.dir)  # after the scan: their temporary files are gone
         if removed or dead_locks:
             log.info("kvtier disk tier: removed %d temporary files and %d lock files crashed writers left in %s",
