@@ -208,6 +208,11 @@ class KVEventTracker:
         medium = self._announced.pop(key, None)
         if medium is None:
             return
+        self._queue_removed(medium, meta)
+
+    def _queue_removed(self, medium: str, meta: ChunkMeta) -> None:
+        """Queue a ``BlockRemoved`` of ``meta``'s blocks at ``medium`` (dropped, and counted, past
+        ``removed_backlog``)."""
         if self._removed_count + len(meta.block_hashes) > self.removed_backlog:
             self.counters["kv_events_dropped"] += 1
             return
@@ -330,12 +335,7 @@ class KVEventTracker:
         tier = self._tier_of(key)
         if not old or (self._medium.get(tier) if tier is not None else None) == old:
             return
-        if self._removed_count + len(meta.block_hashes) > self.removed_backlog:
-            self.counters["kv_events_dropped"] += 1
-            return
-        self._removed.setdefault((old, meta.group_idx), []).extend(meta.block_hashes)
-        self._removed_count += len(meta.block_hashes)
-        self.counters["kv_events_removed"] += 1
+        self._queue_removed(old, meta)
 
     def save_journal(self) -> bool:
         """Write the map, and the medium each chunk is announced at, to the journal (at shutdown);
