@@ -47,3 +47,18 @@ def test_the_cpu_tier_registers_memory_and_its_record_says_so():
     assert not tier.unregister_memory(region)  # not (or no longer) registered here
     assert tier.put(ChunkKey(bytes(16)), b"x" * 4096) is PutResult.STORED  # the tier works either way
     assert tier.get(ChunkKey(bytes(16))) == b"x" * 4096
+
+
+def test_the_cpu_tiers_pool_is_resident_once_the_tier_is_built():
+    """Every page of the pool is faulted in at construction (``MAP_POPULATE`` on Linux), so the
+    first save into a page is a plain copy: the process's resident set grows by the pool's size
+    before any chunk is stored."""
+    import psutil
+
+    process = psutil.Process()
+    pool_bytes = 64 << 20
+    before = process.memory_info().rss
+    tier = CpuTier(pool_bytes, 128 << 10)
+    grown = process.memory_info().rss - before
+    assert grown >= 0.95 * pool_bytes, f"the resident set grew {grown} bytes for a {pool_bytes}-byte pool"
+    assert tier.pool.ctypes.data % mmap.PAGESIZE == 0
