@@ -51,6 +51,7 @@ from kvtier.core.policies.orderings import (
     HASH_MIX,
     MAX_USES,
     MEMORY,
+    NO_PENDING,
     QUARANTINE,
     SAMPLE_BITS,
     Node,
@@ -148,7 +149,7 @@ class AdaptivePolicy(AdaptiveState):
         switching the tier's ordering where the selector would have (the store: once per engine step)."""
         if not self.pending:
             return
-        pending, self.pending = self.pending, []
+        pending, self.pending, self._pending_capacity = self.pending, [], NO_PENDING
         mode, switches = replay(self._shadows, self._mode, pending, self._seq)
         if switches:  # as a switch at the access itself: the next victim re-ranks every chunk
             self._mode = self._active = mode
@@ -200,6 +201,7 @@ class AdaptivePolicy(AdaptiveState):
         if ((hash(key) * HASH_MIX) & HASH_MASK) >> _SHIFT < self._threshold:  # sample_hash: record for settle()
             capacity = max(1, ((len(nodes) + self._below) * self._threshold) >> SAMPLE_BITS)  # the shadows' size
             self.pending.append((key, time, uses, gap, long_uses, depth, lucky, capacity, self._scale + self._below))
+            self._pending_capacity = min(self._pending_capacity, capacity)
             if len(self.pending) >= self._pending_max:
                 self.settle()
 
@@ -248,6 +250,7 @@ class AdaptivePolicy(AdaptiveState):
                 lru_hits += ghost_hit
             if ((hash(key) * HASH_MIX) & HASH_MASK) >> _SHIFT < threshold:  # sample_hash, inlined
                 pending.append((key, clock, uses, gap, long_uses, depth, False, capacity, scale))
+                self._pending_capacity = min(self._pending_capacity, capacity)
                 if len(pending) >= self._pending_max:
                     self.settle()
                     active, pending = self._active, self.pending
@@ -283,7 +286,7 @@ class AdaptivePolicy(AdaptiveState):
         """The base's ``victim``; a key in ``held`` (the owner's pins, asked by membership: no call per candidate)
         never goes, and ``evictable`` is asked only when it is not ``always_evictable``."""
         ask = evictable is not always_evictable
-        if self.pending and self._shadows.may_switch(self._mode, self.pending):
+        if self.pending and self._shadows.may_switch(self._mode, len(self.pending), self._pending_capacity):
             self.settle()
         if self._stale or len(self._nodes) > 2 * self._scale:
             self._rebuild()

@@ -18,6 +18,7 @@ from kvtier.core.policies.orderings import (
     DECAY,
     MARGIN,
     MODES,
+    NO_PENDING,
     SAMPLE_BITS,
     SIGNIFICANCE,
     Node,
@@ -50,6 +51,7 @@ class AdaptiveState(EvictionPolicy):
         self._shadows = Shadows(DECAY, MARGIN, SIGNIFICANCE)
         # sampled accesses not replayed yet: (key, time, uses, gap, long_uses, depth, lucky, capacity, scale)
         self.pending: list[tuple[Any, int, int, int, int, int, bool, int, int]] = []
+        self._pending_capacity = NO_PENDING  # the smallest shadows' size among ``pending`` (see Shadows.may_switch)
         self._pending_max = max(1, pending_max)
         self._threshold = 1 << SAMPLE_BITS  # sample every key while the tier is small
         self._sampled_n = 1  # tracked chunks when the sampling rate was last set

@@ -70,6 +70,9 @@ clears it within a short trace.  Three sigma, not two, because the test is repea
 sampled access; on independent uniform draws (every ordering equal) it switched in 1 stream of
 20, once, over 60 tier-sizes of traffic each (tests/core/test_policies_adaptive.py)."""
 
+NO_PENDING = 1 << 62
+"""The smallest shadows' size of no pending sampled access (above any real one)."""
+
 
 def ordering_rank(mode: int, time: int, uses: int, gap: int, mru: bool, scale: int, long_uses: int) -> float:
     if mode == 0:
@@ -143,9 +146,10 @@ class Shadows:
         self.sampled = 0  # sampled accesses since the last decay
         self.decay, self.margin, self.significance = decay, margin, significance
 
-    def may_switch(self, mode: int, pending: list[tuple[Any, int, int, int, int, int, bool, int, int]]) -> bool:
-        """Whether :func:`~kvtier.core.policies.adaptive.replay` of ``pending`` could change the ordering
-        from ``mode`` (if not, the tier's victim is the same before and after the replay, which can wait).
+    def may_switch(self, mode: int, k: int, smallest_capacity: int) -> bool:
+        """Whether :func:`~kvtier.core.policies.adaptive.replay` of ``k`` pending sampled accesses, the
+        smallest shadows' size among them ``smallest_capacity``, could change the ordering from ``mode``
+        (if not, the tier's victim is the same before and after the replay, which can wait).
 
         Without a decay, ``k`` accesses change each shadow's hits by at most ``k``, and the lead
         of shadow ``b`` over the current one (``L``) by ``a - c``, where ``a`` / ``c`` accesses hit
@@ -154,8 +158,7 @@ class Shadows:
         ``L² > significance × D`` with ``L > 0``; ``(L0 + a)² − significance × (D0 + a)`` is convex
         in ``a``, so over ``0 ≤ a ≤ k`` it is largest at ``a = 0`` or ``a = k`` (``|L| ≤ D``
         always).  A decay within the pending accesses: assume it could."""
-        k = len(pending)
-        if self.sampled + k >= self.decay * min(entry[7] for entry in pending):
+        if self.sampled + k >= self.decay * smallest_capacity:
             return True
         current, wins, s = self.shadows[mode].hits, self.wins, self.significance
         for b, shadow in enumerate(self.shadows):
