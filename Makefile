@@ -14,11 +14,19 @@ STAMP := $(VENV)/.kvtier-installed
 # --no-compile: pip would byte-compile every module it installs (about 25,000 files, about 60 CPU-s
 # on the CI machine kind, one core); the run compiles only the modules it imports (an api_server
 # imports about 4,800) as it first imports them and caches them (PYTHONDONTWRITEBYTECODE is unexported below).
+# uv (PyPI) installs the same packages in about 14 s where pip takes about 60 (measured on the CI machine
+# kind, fresh clone, 2026-12-07): it reads no pip configuration, so pip's local wheel folders
+# (PIP_FIND_LINKS, where torch's CPU build lies) and this machine's constraints file are passed to it.
+# Where uv cannot be installed or cannot install the project, pip does it as before.
+UV_FLAGS := $(foreach d,$(PIP_FIND_LINKS),--find-links $(d)) \
+	$(if $(wildcard /etc/xdg/pip/constraints.txt),--constraint /etc/xdg/pip/constraints.txt)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --no-compile --upgrade pip
-	$(PY) -m pip install --quiet --no-compile "torch==2.13.0"
-	$(PY) -m pip install --quiet --no-compile -e ".[dev,vllm]"
+	$(PY) -m pip install --quiet --no-compile uv \
+	  && $(VENV)/bin/uv pip install --quiet --python $(PY) $(UV_FLAGS) "torch==2.13.0+cpu" -e ".[dev,vllm]" \
+	  || { $(PY) -m pip install --quiet --no-compile --upgrade pip \
+	       && $(PY) -m pip install --quiet --no-compile "torch==2.13.0" \
+	       && $(PY) -m pip install --quiet --no-compile -e ".[dev,vllm]"; }
 	-$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null
 	touch $(STAMP)
 
