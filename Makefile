@@ -92,7 +92,7 @@ ENGINE_TESTS := \
 test: $(STAMP) redis-bin
 	mkdir -p $(PYTEST_TMP)
 	$(PY) -m pytest -q -n 3 -m "not engine" --durations=15 --basetemp=$(PYTEST_TMP)/unit tests
-	$(PY) -m pytest -q -n 2 -m "engine and shares_cpu" --durations=15 --basetemp=$(PYTEST_TMP)/shared $(ENGINE_TESTS)
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m "engine and shares_cpu" --durations=15 --basetemp=$(PYTEST_TMP)/shared $(ENGINE_TESTS)
 	$(PY) -m pytest -q -m "engine and not shares_cpu" --durations=30 --basetemp=$(PYTEST_TMP)/alone $(ENGINE_TESTS)
 
 test-fast: $(STAMP) redis-bin

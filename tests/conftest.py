@@ -128,6 +128,8 @@ def key_prefix() -> str:
 
 
 PHASE_2_SECONDS = {
+    "tests/integrations/test_vllm_serve.py::test_sigterm_flushes_write_back_and_the_restart_reproduces_the_"
+    "engines_own_prefix_cache_bit_for_bit": 115,
     "tests/bench/test_live_compare.py::test_compare_baseline_kvtier_and_a_broken_arm": 112,
     "tests/integrations/test_vllm_processes.py::test_graceful_stop_keeps_the_hot_set_and_other_identities_miss": 77,
     "tests/bench/test_live_replicas.py::test_two_replicas_reuse_each_others_prefixes_only_through_redis": 66,
@@ -159,6 +161,7 @@ PHASE_2_SECONDS = {
     "tests/integrations/test_vllm_s3_tier.py::test_a_restart_served_from_an_encrypted_tier_is_exact[s3]": 24,
     "tests/integrations/test_vllm_hybrid_models.py::test_state_model": 22,
     "tests/integrations/test_vllm_hybrid_models.py::test_sliding_window_model": 16,
+    "tests/simulate/test_record_live.py::test_records_a_live_server_and_simulate_replays_it": 32,  # + the server
     "tests/integrations/test_hit_story.py::test_one_disk_hit_runs_at_most_todays_files_and_moves": 12,
     "tests/integrations/test_vllm_preflight.py::test_vllm_server_with_chunk_tokens_no_cpu_block_size_divides_stops_"
     "before_the_model_loads": 11,
@@ -172,7 +175,8 @@ each worker a few tests ahead, so a long test left for the end keeps one worker 
 has nothing left (the longest-first rule of list scheduling; with run K's order, longest files first
 and the rest as collected, a simulation of xdist's scheduler ended the phase 9 s later on average,
 every duration drawn within -20 %/+25 % of these: 523 s against 514, half their sum being 499).
-Tests not listed keep their collection order after these; a test renamed without its entry here
+A group of tests one worker runs (``xdist_group``: one server for the module) takes the place of its
+first test.  Tests not listed keep their collection order after these; a test renamed without its entry here
 only loses its place (tests/test_static.py checks that each entry names a test)."""
 
 
@@ -200,7 +204,11 @@ one test out of its module's run sets nothing up twice."""
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Move the tests of :data:`PHASE_2_SECONDS` and :data:`PHASE_1_SECONDS` to the front, longest first (a
     stable sort: every other test keeps its place, in collection order)."""
-    items.sort(key=lambda item: -PHASE_2_SECONDS.get(item.nodeid, PHASE_1_SECONDS.get(item.nodeid, 0)))
+    def seconds(item: pytest.Item) -> float:
+        nodeid = item.nodeid.split("@")[0]  # without the group pytest-xdist's --dist loadgroup appends
+        return PHASE_2_SECONDS.get(nodeid, PHASE_1_SECONDS.get(nodeid, 0))
+
+    items.sort(key=lambda item: -seconds(item))
 
 
 EXPECTED_SKIPS = (

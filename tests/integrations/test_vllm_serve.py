@@ -24,13 +24,14 @@ from the journal the first server wrote at its stop); nothing once the reset is 
 
 The first server's SIGTERM is also a clean stop (folded in from a test of its own, so that the
 suite starts one engine less): the stop ends with kvtier's flush line and no ERROR from vLLM, and
-the worker process that logged the flush is gone within 1 s of it.  Before the fix the worker spent
-over 5 s in the interpreter's final garbage collection of the heap vLLM unfreezes at shutdown,
+the worker process that logged the flush is gone within 2.5 s of it.  Before the fix the worker
+spent over 5 s in the interpreter's final garbage collection of the heap vLLM unfreezes at shutdown,
 vLLM's executor sent SIGTERM and SIGKILL, and when the stop passed ``--shutdown-timeout`` the API
 server logged ``ERROR … AsyncLLM output_handler failed … EngineDeadError``
-(:mod:`kvtier.integrations.vllm.process_exit`).  That 1 s bound is why this test is marked
-``engine`` only, not ``shares_cpu``: nothing runs beside the first server when it stops (the
-reference server has stopped before it serves).
+(:mod:`kvtier.integrations.vllm.process_exit`).  With the fix the worker was gone 0.37 s after the
+flush line while ``kvtier demo``'s engine test ran beside it (2026-12-07, load 2.7): the bound holds
+beside another engine test, so this test is ``shares_cpu`` (it was ``engine`` only, with a 1 s
+bound, which cost CI its one-at-a-time phase's longest test).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ import pytest
 from tests.integrations.kv_events_sub import EventSubscriber, events_config, free_port
 from tests.integrations.openai_client import metrics as served_metrics
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.shares_cpu]  # see the module docstring
 
 TOLERANCE = 1e-3  # bfloat16 engine: logprobs of a cold prefill vs one continuing from loaded KV
 FLUSH_LINE = re.compile(r"\(Worker pid=(\d+)\).*kvtier: rank 0 shutdown flush wrote (\d+) dirty chunks")
@@ -69,7 +70,7 @@ def _gone(pid: int) -> bool:
 
 def _stop_cleanly(server: Any) -> None:
     """SIGTERM ``server`` (write-back, dirty chunks in its cpu tier): the stop ends with kvtier's
-    flush line, no ERROR from vLLM, the worker that logged the flush gone within 1 s of it, and the
+    flush line, no ERROR from vLLM, the worker that logged the flush gone within 2.5 s of it, and the
     server's exit code 0."""
     log_path = server.log_path
     started = len(log_path.read_text(errors="replace"))
@@ -89,7 +90,7 @@ def _stop_cleanly(server: Any) -> None:
     exit_s = time.monotonic() - flushed_at
     stopper.join(120.0)
     after = log_path.read_text(errors="replace")[started:]
-    assert exit_s < 1.0, f"the worker exited {exit_s:.1f} s after kvtier's flush line"
+    assert exit_s < 2.5, f"the worker exited {exit_s:.1f} s after kvtier's flush line"
     errors = [line for line in after.splitlines() if " ERROR " in line or "EngineDeadError" in line]
     assert errors == [], "\n".join(errors)
     assert "workers still running" not in after and "force killing" not in after, after
@@ -294,7 +295,7 @@ def test_sigterm_flushes_write_back_and_the_restart_reproduces_the_engines_own_p
                 after_reset, reset_metrics = _reset_and_repeat(
                     server.base_url, server.served_model, ids, tmp_path / "disk",
                     after_reset=lambda events=events: _assert(events.wait(lambda held: not held), events.held()))
-            if name == "first":  # SIGTERM: a clean stop, the worker gone within 1 s of the flush line
+            if name == "first":  # SIGTERM: a clean stop, the worker gone within 2.5 s of the flush line
                 _stop_cleanly(server)
         # leaving the block sent SIGTERM (the first server's had stopped already); the server stopped
         # gracefully (--shutdown-timeout 30)
