@@ -50,8 +50,9 @@ redis-bin:
 #     these tests also wait on the servers and processes they start (measured on the CI machine
 #     kind: 355 s on three workers, 410 s on two; every test passed);
 #  2. engine tests marked `shares_cpu` (exact outputs and counts only: a start-up beside another
-#     costs time, never a result), on two workers, each worker's engines computing on a core of
-#     their own (tests/conftest.py; measured: 19 tests, about 1,070 test-seconds, in 587 s; since
+#     costs time, never a result), on two workers (--dist loadgroup: the tests of a module that
+#     share one server, marked with one xdist_group, run on one worker), each worker's engines
+#     computing on a core of their own (tests/conftest.py; measured: 19 tests, about 1,070 test-seconds, in 587 s; since
 #     joined by the receipts walk, the live doctor and bench-receipts tests and the encrypted disk
 #     restart: about 190 test-seconds one at a time, 262 on two workers, in 160 s);
 #     in phases 1 and 2 the longest tests start first (tests/conftest.py PHASE_1_SECONDS, PHASE_2_SECONDS;
