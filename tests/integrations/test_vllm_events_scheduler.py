@@ -45,7 +45,8 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", weights="none")
 
 
-def scheduler(model: Path, disk: Path, port: int, replay_port: int | None = None, log_stats: bool = False) -> Scheduler:
+def scheduler(model: Path, disk: Path, port: int, replay_port: int | None = None, log_stats: bool = False,
+              role: str = "kv_both") -> Scheduler:
     # async_saves off: this scheduler has no worker, so no rank would report a deferred save's end
     # and vLLM would hold the finished requests' blocks (reset_prefix_cache refuses); deferred saves
     # are tested with real workers in test_vllm_engine.py and test_vllm_saves.py
@@ -56,7 +57,7 @@ def scheduler(model: Path, disk: Path, port: int, replay_port: int | None = None
         scheduler_config=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=16, max_model_len=2048,
                                          is_encoder_decoder=False),
         kv_transfer_config=KVTransferConfig(kv_connector="KVTierConnector",
-                                            kv_connector_module_path="kvtier.integrations.vllm", kv_role="kv_both",
+                                            kv_connector_module_path="kvtier.integrations.vllm", kv_role=role,
                                             kv_load_failure_policy="recompute", kv_connector_extra_config=extra),
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                         endpoint=f"tcp://*:{port}", topic="kv",
@@ -317,4 +318,30 @@ def test_a_restart_of_two_engines_on_one_disk_directory_announces_both_engines_c
         assert events.wait(lambda held: held == truth), (len(events.held()), events.held() ^ truth)
     finally:
         restarted.sched.shutdown()
+        events.close()
+
+
+def test_a_producer_announces_no_chunk_of_its_tiers(model: Path, tmp_path: Path) -> None:
+    """A ``kv_producer`` saves but never loads, so a router told that it holds a chunk at ``CPU``
+    or ``STORAGE`` ("a load would read them from X") would send it prefills it recomputes in full;
+    its stream carries vLLM's own ``GPU`` events only.  Seen on a producer/consumer pair on one
+    ``disk_path``: the producer's stream announced every chunk it saved at ``CPU``."""
+    (tmp_path / "disk").mkdir()
+    port = free_port()
+    events = EventSubscriber(port)
+    engine = Engine(scheduler(model, tmp_path / "disk", port, role="kv_producer"))
+    try:
+        assert engine.subscribed(events)
+        engine.step()  # the first report: the mirror is ready
+        engine.add(4 * BLOCK + 10)
+        for _ in range(3):
+            engine.step()
+        assert len(engine.tiers) == 4, "the producer saves its prompt's 4 full chunks"
+        for key in list(engine.tiers)[:2]:
+            engine.change(key, "disk")
+        engine.step()
+        assert events.wait(lambda _held: len(events.held(("GPU",))) >= 4), events.held(("GPU",))
+        assert events.held() == set()
+    finally:
+        engine.sched.shutdown()
         events.close()

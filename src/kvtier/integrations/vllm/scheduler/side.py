@@ -14,7 +14,6 @@ from kvtier.core.tiers.registry import local_tiers
 from kvtier.integrations.vllm.cache_groups import GroupKind
 from kvtier.integrations.vllm.protocol import KVTierMetadata, KVTierWorkerMeta, LoadJob, SaveJob
 from kvtier.integrations.vllm.scheduler.eventfeed import event_tracker, observe_reports
-from kvtier.integrations.vllm.scheduler.events import events_enabled
 from kvtier.integrations.vllm.scheduler.pages import handoffs_of
 from kvtier.integrations.vllm.scheduler.pins import PIN_PARAM, pin_seconds
 from kvtier.integrations.vllm.scheduler.remote import RemoteLookups, shared_tier_configured
@@ -127,7 +126,7 @@ class SchedulerSide:
         self._refresh_after_s = float(config.disk_rescan_s or 0.0) if config.disk_path else 0.0
         self._last_report_s = time.monotonic()
         self.remote = RemoteLookups(config) if load and shared_tier_configured(config) else None
-        self.events = event_tracker(vllm_config, kv_cache_config, plan, config, self.mirror) if events_enabled(vllm_config) else None
+        self.events = event_tracker(vllm_config, kv_cache_config, plan, config, self.mirror, load)
         # keeps an idle engine stepping until the workers' gauges are true (and the events are out and counted)
         self.settle = Settle(more=self.events.wants_step if self.events is not None else None)
         self.resets = Resets(config)
