@@ -8,6 +8,7 @@ same disk directory, announcing the first one's disk chunks from its journal).""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -342,6 +343,40 @@ def test_a_producer_announces_no_chunk_of_its_tiers(model: Path, tmp_path: Path)
         engine.step()
         assert events.wait(lambda _held: len(events.held(("GPU",))) >= 4), events.held(("GPU",))
         assert events.held() == set()
+    finally:
+        engine.sched.shutdown()
+        events.close()
+
+
+def test_a_reset_of_an_engine_idle_past_the_settle_window_steps_for_its_removals(
+        model: Path, tmp_path: Path) -> None:
+    """vLLM's engine loop steps an idle engine only while ``Scheduler.has_requests()``; a reset
+    must make it true again, even when the engine has been idle longer than the settle window,
+    so that the order reaches the workers and the ``BlockRemoved`` of every announced chunk the
+    router.  Seen on a live api_server (redis replicas, ``reset_scope: all``): a reset 11 s after
+    the last request left the router holding 8 ``CPU`` blocks, and the cpu tier full, until the
+    next request came."""
+    (tmp_path / "disk").mkdir()
+    port = free_port()
+    events = EventSubscriber(port)
+    engine = Engine(scheduler(model, tmp_path / "disk", port))
+    try:
+        settle = engine.sched.connector.scheduler_side.settle  # type: ignore[union-attr]
+        settle.settle_s = 0.2  # the window (10 s live), short for the test
+        assert engine.subscribed(events)
+        engine.step()  # the first report: the mirror is ready
+        engine.add(4 * BLOCK + 10)
+        engine.run_until_idle()
+        assert events.wait(lambda held: held == engine.truth() != set())
+        engine.step()  # an idle step opens the window, which then runs out
+        time.sleep(0.3)
+        assert not engine.sched.has_requests(), "idle past the window: vLLM's loop waits for input"
+
+        assert engine.sched.reset_prefix_cache(reset_connector=True)
+        assert engine.sched.has_requests(), "the reset asks vLLM's loop for a step"
+        engine.run_until_idle()
+        assert not engine.tiers, "the workers received the reset order"
+        assert events.wait(lambda held: not held), events.held()
     finally:
         engine.sched.shutdown()
         events.close()
