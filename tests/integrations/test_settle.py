@@ -61,3 +61,16 @@ def test_events_waiting_to_be_published_keep_an_idle_engine_stepping_within_the_
     waiting[0] = True
     clock.now += 10.1
     assert not settle.pending()  # bounded like a pin: the rest waits for the next request's steps
+
+
+def test_a_wake_asks_for_one_step_even_after_the_idle_window_ran_out():
+    clock = Clock()
+    settle = Settle(settle_s=10.0, clock=clock)
+    settle.observe(report({0: False}))
+    settle.step(idle=True)
+    clock.now += 11
+    assert not settle.pending()  # idle past the window: the engine waits for input
+    settle.wake()  # a reset between steps
+    assert settle.pending()
+    settle.step(idle=True)  # the step that carries it
+    assert not settle.pending()  # nothing else wanted

@@ -8,6 +8,7 @@ same disk directory, announcing the first one's disk chunks from its journal).""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -45,7 +46,8 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", weights="none")
 
 
-def scheduler(model: Path, disk: Path, port: int, replay_port: int | None = None, log_stats: bool = False) -> Scheduler:
+def scheduler(model: Path, disk: Path, port: int, replay_port: int | None = None, log_stats: bool = False,
+              role: str = "kv_both") -> Scheduler:
     # async_saves off: this scheduler has no worker, so no rank would report a deferred save's end
     # and vLLM would hold the finished requests' blocks (reset_prefix_cache refuses); deferred saves
     # are tested with real workers in test_vllm_engine.py and test_vllm_saves.py
@@ -56,7 +58,7 @@ def scheduler(model: Path, disk: Path, port: int, replay_port: int | None = None
         scheduler_config=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=16, max_model_len=2048,
                                          is_encoder_decoder=False),
         kv_transfer_config=KVTransferConfig(kv_connector="KVTierConnector",
-                                            kv_connector_module_path="kvtier.integrations.vllm", kv_role="kv_both",
+                                            kv_connector_module_path="kvtier.integrations.vllm", kv_role=role,
                                             kv_load_failure_policy="recompute", kv_connector_extra_config=extra),
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                         endpoint=f"tcp://*:{port}", topic="kv",
@@ -279,4 +281,102 @@ def test_a_router_reading_one_engine_across_a_restart_keeps_no_chunk_at_the_stop
         finally:
             restarted.sched.shutdown()
     finally:
+        events.close()
+
+
+def test_a_restart_of_two_engines_on_one_disk_directory_announces_both_engines_chunks(
+        model: Path, tmp_path: Path) -> None:
+    """Two engines on one ``disk_path`` and namespace (``--data-parallel-size 2`` in one api_server)
+    share one journal: after both stop, a restarted engine must announce the chunks both had
+    saved, all of them on the shared disk and loadable by it.  Seen on a live api_server with
+    ``--data-parallel-size 2``: after a SIGTERM restart each rank announced 19 of the 37 disk chunks
+    (the last engine to stop wrote its own map over the other's), and the other 18 were served
+    from disk without a router having been told."""
+    (tmp_path / "disk").mkdir()
+    first, second = (Engine(scheduler(model, tmp_path / "disk", free_port())) for _ in range(2))
+    second.n = 100  # other prompts than the first engine's
+    try:
+        for engine in (first, second):
+            engine.step()  # the first report: the mirror is ready
+            engine.add(4 * BLOCK + 10)
+            for _ in range(3):
+                engine.step()
+            assert len(engine.tiers) == 4
+    finally:
+        first.sched.shutdown()
+        second.sched.shutdown()  # the last to stop
+    port = free_port()
+    events = EventSubscriber(port)
+    restarted = Engine(scheduler(model, tmp_path / "disk", port))
+    try:
+        assert restarted.subscribed(events)
+        restarted.tiers = dict.fromkeys([*first.tiers, *second.tiers], "disk")  # flushed, one directory
+        restarted.hashes = {**first.hashes, **second.hashes}  # the truth's hashes, for the comparison only
+        restarted.step()
+        restarted.step()
+        truth = restarted.truth()
+        assert len(truth) == 8 and {m for _, m in truth} == {"STORAGE"}
+        assert events.wait(lambda held: held == truth), (len(events.held()), events.held() ^ truth)
+    finally:
+        restarted.sched.shutdown()
+        events.close()
+
+
+def test_a_producer_announces_no_chunk_of_its_tiers(model: Path, tmp_path: Path) -> None:
+    """A ``kv_producer`` saves but never loads, so a router told that it holds a chunk at ``CPU``
+    or ``STORAGE`` ("a load would read them from X") would send it prefills it recomputes in full;
+    its stream carries vLLM's own ``GPU`` events only.  Seen on a producer/consumer pair on one
+    ``disk_path``: the producer's stream announced every chunk it saved at ``CPU``."""
+    (tmp_path / "disk").mkdir()
+    port = free_port()
+    events = EventSubscriber(port)
+    engine = Engine(scheduler(model, tmp_path / "disk", port, role="kv_producer"))
+    try:
+        assert engine.subscribed(events)
+        engine.step()  # the first report: the mirror is ready
+        engine.add(4 * BLOCK + 10)
+        for _ in range(3):
+            engine.step()
+        assert len(engine.tiers) == 4, "the producer saves its prompt's 4 full chunks"
+        for key in list(engine.tiers)[:2]:
+            engine.change(key, "disk")
+        engine.step()
+        assert events.wait(lambda _held: len(events.held(("GPU",))) >= 4), events.held(("GPU",))
+        assert events.held() == set()
+    finally:
+        engine.sched.shutdown()
+        events.close()
+
+
+def test_a_reset_of_an_engine_idle_past_the_settle_window_steps_for_its_removals(
+        model: Path, tmp_path: Path) -> None:
+    """vLLM's engine loop steps an idle engine only while ``Scheduler.has_requests()``; a reset
+    must make it true again, even when the engine has been idle longer than the settle window,
+    so that the order reaches the workers and the ``BlockRemoved`` of every announced chunk the
+    router.  Seen on a live api_server (redis replicas, ``reset_scope: all``): a reset 11 s after
+    the last request left the router holding 8 ``CPU`` blocks, and the cpu tier full, until the
+    next request came."""
+    (tmp_path / "disk").mkdir()
+    port = free_port()
+    events = EventSubscriber(port)
+    engine = Engine(scheduler(model, tmp_path / "disk", port))
+    try:
+        settle = engine.sched.connector.scheduler_side.settle  # type: ignore[union-attr]
+        settle.settle_s = 0.2  # the window (10 s live), short for the test
+        assert engine.subscribed(events)
+        engine.step()  # the first report: the mirror is ready
+        engine.add(4 * BLOCK + 10)
+        engine.run_until_idle()
+        assert events.wait(lambda held: held == engine.truth() != set())
+        engine.step()  # an idle step opens the window, which then runs out
+        time.sleep(0.3)
+        assert not engine.sched.has_requests(), "idle past the window: vLLM's loop waits for input"
+
+        assert engine.sched.reset_prefix_cache(reset_connector=True)
+        assert engine.sched.has_requests(), "the reset asks vLLM's loop for a step"
+        engine.run_until_idle()
+        assert not engine.tiers, "the workers received the reset order"
+        assert events.wait(lambda held: not held), events.held()
+    finally:
+        engine.sched.shutdown()
         events.close()

@@ -240,7 +240,8 @@ def _control_checks(c: Controls, events_scope: str) -> list[Check]:
     the salt).  Engines that disagree, or an impossible setting, are a warning each (never an "ok")."""
     out = [Check("warning", problem) for problem in c.problems]
     out.append(Check("ok", f"KV events: on ({events_scope})." if c.events_enabled else
-                     "KV events: off (start vLLM with --kv-events-config so cache-aware routers see kvtier's tiers)."))
+                     "KV events: off (start vLLM with --kv-events-config so cache-aware routers see kvtier's tiers; "
+                     "a kv_producer never announces them: it loads nothing)."))
     if not c.quotas_on:
         out.append(Check("ok", "Tenant quotas: off (one tenant's burst can evict every other tenant's KV; "
                          "set tenant_quotas to guarantee each cache_salt a share)."))

@@ -134,7 +134,7 @@ _PLAIN_GAUGES: dict[str, tuple[str, str, str | None]] = {
                                "scheduler has not read yet."), None),
     # what the scheduler runs with, sent once (kvtier doctor reads them)
     "kv_events_enabled": ("kvtier_kv_events_enabled", ("1 when kvtier publishes vLLM KV events "
-                          "(--kv-events-config on), else 0."), None),
+                          "(--kv-events-config on, a role that loads), else 0."), None),
     "tenant_quota_default_share": ("kvtier_tenant_quota_default_share", ("tenant_quotas default_share (0: none "
                                    "set, without quotas or with salts-only quotas)."), None),
     "tenant_quota_salts": ("kvtier_tenant_quota_salts", "Salts given their own share in tenant_quotas.salts.", None),

@@ -9,15 +9,21 @@ from kvtier.core.config import KVTierConfig
 from kvtier.core.tiers.factory import state_dir
 from kvtier.integrations.vllm.cache_groups import GroupKind
 from kvtier.integrations.vllm.protocol import KVTierWorkerMeta
-from kvtier.integrations.vllm.scheduler.events import EventGroup, KVEventTracker
+from kvtier.integrations.vllm.scheduler.events import EventGroup, KVEventTracker, events_enabled
 from kvtier.integrations.vllm.scheduler.steps import IndexMirror
 
 
 def event_tracker(vllm_config: Any, kv_cache_config: Any, plan: Any, config: KVTierConfig,
-                   mirror: IndexMirror) -> KVEventTracker:
+                  mirror: IndexMirror, load: bool = True) -> KVEventTracker | None:
     """The KV event tracker of this engine: its full-attention groups are announced, with vLLM's
-    ``kv_cache_spec_kind`` of each (vllm/v1/kv_cache_interface.py ``get_kv_cache_spec_kind``)."""
+    ``kv_cache_spec_kind`` of each (vllm/v1/kv_cache_interface.py ``get_kv_cache_spec_kind``).
+    ``None`` when vLLM publishes no KV events, or when the engine never loads (``load`` false: a
+    ``kv_producer``): an announced chunk tells a router the engine would serve it, and a producer
+    recomputes every prompt (docs/vllm.md "KV events")."""
     from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+
+    if not load or not events_enabled(vllm_config):
+        return None
 
     groups = []
     for g in plan.groups:

@@ -344,7 +344,7 @@ class KVEventTracker:
         if path is None:
             return False
         return write_journal(path, list(self._meta), list(self._meta.values()),
-                             [self._announced.get(key, "") for key in self._meta])
+                             [self._announced.get(key, "") for key in self._meta], self.max_chunks)
 
     @property
     def journal_loaded(self) -> bool:

@@ -2,10 +2,14 @@
 it had announced, kept across a graceful restart (:mod:`kvtier.integrations.vllm.scheduler.events`).
 
 ``<state_dir>/.kvtier-kv-events-<key root hex>.msgpack``: msgspec msgpack of :class:`Journal`,
-written to a temporary file and renamed; read once by the restarted scheduler."""
+written to a temporary file and renamed; read once by the restarted scheduler.  Engines sharing the
+directory and namespace (data-parallel engines, replicas on one ``disk_path``) share the file: each
+writer keeps the chunks the file already describes that its own map lacks, under an exclusive
+``flock`` of the directory, so the last engine to stop does not drop the others' chunks."""
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 from pathlib import Path
@@ -81,16 +85,40 @@ def read_journal(path: Path) -> Journal | None:
     return journal
 
 
-def write_journal(path: Path, keys: list[bytes], metas: list[ChunkMeta], media: list[str]) -> bool:
-    """Write the journal (temporary file, then rename); ``False`` (logged) when it could not."""
+def write_journal(path: Path, keys: list[bytes], metas: list[ChunkMeta], media: list[str],
+                  max_chunks: int | None = None) -> bool:
+    """Write the journal (temporary file, then rename); ``False`` (logged) when it could not.
+
+    The chunks a journal already at ``path`` describes (another engine's, on the same directory
+    and namespace) and ``keys`` lacks are kept, before ``keys``'s, with the medium that engine
+    announced them at; at most ``max_chunks`` (``None``: no bound) are written, the oldest of the
+    kept ones dropped first.  The read and the rename are done under an exclusive ``flock`` of the
+    directory, so two engines stopping at once do not write over each other."""
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
     try:
+        dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as exc:
+        log.warning("kvtier: KV-event journal %s not written (%s)", path, exc)
+        return False
+    try:
+        fcntl.flock(dir_fd, fcntl.LOCK_EX)
+        old = read_journal(path)
+        if old is not None:
+            ours = set(keys)
+            kept = [i for i, key in enumerate(old.keys) if key not in ours]
+            keys = [old.keys[i] for i in kept] + keys
+            metas = [old.metas[i] for i in kept] + metas
+            media = [old.media[i] for i in kept] + media
+        if max_chunks is not None:
+            keys, metas, media = keys[-max_chunks:], metas[-max_chunks:], media[-max_chunks:]
         tmp.write_bytes(msgspec.msgpack.encode(Journal(JOURNAL_VERSION, none_hash(), keys, metas, media)))
         os.replace(tmp, path)
     except OSError as exc:
         log.warning("kvtier: KV-event journal %s not written (%s)", path, exc)
         tmp.unlink(missing_ok=True)
         return False
+    finally:
+        os.close(dir_fd)  # and with it the lock
     return True
 
 

@@ -43,7 +43,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvtier.core.codecstats import codec_numbers
 from kvtier.core.config import KVTierConfig
@@ -54,6 +54,9 @@ from kvtier.core.tiers.factory import TierContext, make_tier, shared_configured
 from kvtier.core.tiers.guarded import GuardedTier
 from kvtier.core.tiers.loglimit import CauseLimiter, held_back
 
+if TYPE_CHECKING:
+    from kvtier.integrations.vllm.scheduler.steps import PagePlanner
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -62,6 +65,16 @@ def shared_tier_configured(config: KVTierConfig) -> bool:
     """Whether ``config`` asks for a shared tier (a registered tier with ``shared``, in ``tiers``
     and configured; :func:`kvtier.core.tiers.factory.shared_configured`)."""
     return bool(shared_configured(config))
+
+
+def unheld_pages(pages: PagePlanner, chain: Sequence[bytes], num_computed_tokens: int, num_tokens: int) -> list[bytes]:
+    """Keys of the pages a hit beyond ``num_computed_tokens`` could use that no rank's local tiers
+    hold (every group of ``pages``' plan, every chunk up to the last one vLLM lets a connector load):
+    what the scheduler asks the shared tier about (``chain``: the request's chunk keys)."""
+    first = num_computed_tokens // pages.C
+    limit = min(len(chain), max(0, num_tokens - 1) // pages.C)
+    return [key for c in range(first, limit) for g in pages.plan.groups
+            if pages.mirror.tier(key := pages.key(chain, g.index, c)) is None]
 
 
 class RemoteLookups:

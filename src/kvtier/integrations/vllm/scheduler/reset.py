@@ -102,8 +102,7 @@ class Resets:
         tier's keys under ``all``) are already cleared here, for every rank's namespace, and a disk
         directory carries a marker until its rank applied the order, so a restart before the next
         step serves nothing of before either (:mod:`kvtier.core.tiers.disk.reset`).  The cpu tier is
-        emptied by the next step (the engine idle: its pages wait, unreachable, since nothing plans
-        a hit from them).
+        emptied by the next step, which an idle engine takes for it (the caller wakes ``Settle``).
 
         Returns:
             ``False`` (one log line saying why) when a tier could not be cleared (a disk file not

@@ -14,10 +14,9 @@ from kvtier.core.tiers.registry import local_tiers
 from kvtier.integrations.vllm.cache_groups import GroupKind
 from kvtier.integrations.vllm.protocol import KVTierMetadata, KVTierWorkerMeta, LoadJob, SaveJob
 from kvtier.integrations.vllm.scheduler.eventfeed import event_tracker, observe_reports
-from kvtier.integrations.vllm.scheduler.events import events_enabled
 from kvtier.integrations.vllm.scheduler.pages import handoffs_of
 from kvtier.integrations.vllm.scheduler.pins import PIN_PARAM, pin_seconds
-from kvtier.integrations.vllm.scheduler.remote import RemoteLookups, shared_tier_configured
+from kvtier.integrations.vllm.scheduler.remote import RemoteLookups, shared_tier_configured, unheld_pages
 from kvtier.integrations.vllm.scheduler.requests import ReceiptDesk, ReceiptFacts, RequestState
 from kvtier.integrations.vllm.scheduler.reset import Resets
 from kvtier.integrations.vllm.scheduler.setup import checked_plan, settings_gauges, shut_down, sync_settings
@@ -127,7 +126,7 @@ class SchedulerSide:
         self._refresh_after_s = float(config.disk_rescan_s or 0.0) if config.disk_path else 0.0
         self._last_report_s = time.monotonic()
         self.remote = RemoteLookups(config) if load and shared_tier_configured(config) else None
-        self.events = event_tracker(vllm_config, kv_cache_config, plan, config, self.mirror) if events_enabled(vllm_config) else None
+        self.events = event_tracker(vllm_config, kv_cache_config, plan, config, self.mirror, load)
         # keeps an idle engine stepping until the workers' gauges are true (and the events are out and counted)
         self.settle = Settle(more=self.events.wants_step if self.events is not None else None)
         self.resets = Resets(config)
@@ -197,8 +196,8 @@ class SchedulerSide:
                 self.mirror.namespaces):
             state.receipt.shared_asked = ("breaker_open", self.remote.tier_name)  # not ready: not asked
         elif self.remote is not None and hit < max_chunks * self.chunk_tokens:
-            found = self.remote.poll_pages(req_id, self.pages.unheld_pages(chain, num_computed_tokens,
-                                                                             request.num_tokens))
+            found = self.remote.poll_pages(req_id, unheld_pages(self.pages, chain, num_computed_tokens,
+                                                                request.num_tokens))
             if found is None:
                 return None, False  # the shared tier has not answered yet: ask again next step
             state.receipt.shared_asked = self.remote.outcome(req_id)
@@ -371,6 +370,7 @@ class SchedulerSide:
         :meth:`.reset.Resets.run`; ``False`` when a tier could not be cleared."""
         for state in self.requests.values():
             state.planned_tiers = None
+        self.settle.wake()  # an idle engine steps for the order and the router's removals
         return self.resets.run(self.mirror, self.events, self.remote)
 
     def stats(self) -> dict[str, Any] | None:

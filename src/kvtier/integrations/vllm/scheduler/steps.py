@@ -233,6 +233,11 @@ class Settle:
         self._busy: set[int] = set()  # ranks whose last report said busy
         self._idle_since: float | None = None  # first step with no scheduled work, after the last busy one
         self._gave_up = False
+        self._woken = False  # a step owed to an order given while the engine was idle (a reset)
+
+    def wake(self) -> None:
+        """Step again in a fresh idle window: a reset's order and KV events go out only with a step."""
+        self._woken, self._idle_since, self._gave_up = True, None, False
 
     def observe(self, meta: object) -> None:
         """Fold one step's worker → scheduler metadata (any type; only kvtier's is read)."""
@@ -246,8 +251,8 @@ class Settle:
                 self._busy.discard(rank)
 
     def wanted(self) -> bool:
-        """The workers' numbers are not settled yet: the first report is missing or a rank is busy."""
-        return not self._reported or bool(self._busy) or (self._more is not None and self._more())
+        """The workers' numbers are not settled (no report yet, a rank busy) or :meth:`wake` asked a step."""
+        return self._woken or not self._reported or bool(self._busy) or (self._more is not None and self._more())
 
     def pending(self) -> bool:
         """``has_pending_push_work``: settle wanted and the idle window not spent."""
@@ -268,6 +273,7 @@ class Settle:
         """Called once per engine step: ``idle`` when the step scheduled no token and kvtier knows
         of no request (none waiting for a load either).  A step taken only to settle pauses
         :data:`IDLE_STEP_S` so that settling does not spin a core; a step with work never does."""
+        self._woken = False
         if not idle:
             self._idle_since = None
             self._gave_up = False
@@ -315,7 +321,7 @@ class PagePlanner:
         self.C = plan.chunk_tokens
         self.dense = not plan.is_hybrid
 
-    def _key(self, chain: Sequence[bytes], group: int, chunk: int) -> bytes:
+    def key(self, chain: Sequence[bytes], group: int, chunk: int) -> bytes:
         if self.dense:  # one full-attention group: the chunk key itself (the namespace tells it apart)
             return bytes(chain[chunk])
         return bytes(group_key(ChunkKey(chain[chunk]), group))
@@ -324,7 +330,7 @@ class PagePlanner:
         """Key of the page before ``page`` in its group's chain (``b""`` for chunk 0 and for the
         pages of groups that are not full attention)."""
         full = any(g.index == page.group and g.kind is GroupKind.FULL for g in self.plan.groups)
-        return self._key(chain, page.group, page.chunk - 1) if full and page.chunk > 0 else b""
+        return self.key(chain, page.group, page.chunk - 1) if full and page.chunk > 0 else b""
 
     def lookup(self, chain: Sequence[bytes], num_computed_tokens: int, num_tokens: int,
                shared: AbstractSet[bytes] = frozenset(), shared_tier: str = "") -> tuple[int, list[str]]:
@@ -333,7 +339,8 @@ class PagePlanner:
         engine's own hit where kvtier holds none; in the hit, none kept: the next chunk's, below).
 
         ``shared``: page keys the shared tier ``shared_tier`` holds for every rank, from
-        :meth:`~kvtier.integrations.vllm.scheduler.remote.RemoteLookups.poll_pages` over :meth:`unheld_pages`.
+        :meth:`~kvtier.integrations.vllm.scheduler.remote.RemoteLookups.poll_pages` over
+        :func:`~kvtier.integrations.vllm.scheduler.remote.unheld_pages`.
         """
         if self.dense:  # one full-attention group: its pages are the chain's chunks, read in one pass
             keys = list(map(bytes, chain[:min(len(chain), max(0, num_tokens - 1) // self.C)]))
@@ -352,7 +359,7 @@ class PagePlanner:
         def tier(group: int, chunk: int) -> str | None:
             if chunk >= len(chain):
                 return None
-            key = self._key(chain, group, chunk)
+            key = self.key(chain, group, chunk)
             return self.mirror.tier(key) or (shared_tier if key in shared else None)
 
         hit = self.plan.hit_tokens(lambda g, c: tier(g, c) is not None, num_computed_tokens, num_tokens)
@@ -362,15 +369,6 @@ class PagePlanner:
         for c in range(len(tiers) - 1, num_computed_tokens // self.C - 1, -1):
             after = tiers[c] = tiers[c] or after
         return hit, tiers
-
-    def unheld_pages(self, chain: Sequence[bytes], num_computed_tokens: int, num_tokens: int) -> list[bytes]:
-        """Keys of the pages a hit beyond ``num_computed_tokens`` could use that no rank's local
-        tiers hold (every group, every chunk up to the last one vLLM lets a connector load):
-        what the scheduler asks the shared tier about."""
-        first = num_computed_tokens // self.C
-        limit = min(len(chain), max(0, num_tokens - 1) // self.C)
-        return [key for c in range(first, limit) for g in self.plan.groups
-                if self.mirror.tier(key := self._key(chain, g.index, c)) is None]
 
     def load_pages(self, chain: Sequence[bytes], block_ids: Sequence[Sequence[int]], num_computed_tokens: int,
                    hit: int) -> tuple[PageMove, ...]:
@@ -383,7 +381,7 @@ class PagePlanner:
                                       tuple(ids[max(c * k, lo):(c + 1) * k])) for c in range(lo // k, end))
         loads = [cb for g in self.plan.groups
                  for cb in self.plan.pages_to_load(g, num_computed_tokens, hit, block_ids[g.index])]
-        return tuple(PageMove(self._key(chain, cb.group, cb.chunk), cb.group, cb.chunk, cb.first_slot, cb.block_ids)
+        return tuple(PageMove(self.key(chain, cb.group, cb.chunk), cb.group, cb.chunk, cb.first_slot, cb.block_ids)
                      for cb in loads)
 
     def save_pages(self, chain: Sequence[bytes], start_chunk: int, end_chunk: int,
@@ -396,5 +394,5 @@ class PagePlanner:
         stored = [cb for g in plan.groups if g.kind is not GroupKind.STATE
                   for cb in plan.pages_to_store(g, start_chunk, end_chunk, block_ids[g.index], num_prompt_tokens)]
         stored += plan.state_pages(handoffs, end_chunk * self.C)
-        return tuple(PageMove(self._key(chain, cb.group, cb.chunk), cb.group, cb.chunk, 0, cb.block_ids)
+        return tuple(PageMove(self.key(chain, cb.group, cb.chunk), cb.group, cb.chunk, 0, cb.block_ids)
                      for cb in stored)
