@@ -294,3 +294,19 @@ def test_a_bad_compression_ratio_is_one_sentence(value):
     """A bare disk=R names no codec: no recipe could carry it, so size refuses it (it halved LMCache's disk too)."""
     result = run("--model", "Qwen/Qwen3-8B", "--compression-ratio", value)
     assert result.exit_code == 2 and "--compression-ratio" in result.output and "Traceback" not in result.output
+
+
+def test_the_redis_server_holds_the_whole_tier_uncompressed_beside_a_compressing_disk_tier():
+    """--compression-ratio disk=CODEC stores kvtier's disk tier in 1/R of its GiB, but the codec chain names
+    the disk tier only: Redis gets every chunk uncompressed.  Its maxmemory was (cpu + compressed disk) × 1.05
+    (782 GiB for a 1,000 GiB tier at R 1.451: a quarter of the warm set left out; tools tester)."""
+    result = run("--model", "meta-llama/Llama-3.1-70B", "--tp", "4", "--gpu", "H100", "--offload-gib", "1000",
+                 "--host-ram-gib", "256", "--nvme-gib", "2000", "--disk-gb-per-s", "40",
+                 "--compression-ratio", "disk=blosc2-zstd-shuffle2", "--redis-url", "redis://10.0.0.7:6379/0", "--json")
+    assert result.exit_code == 0, result.output
+    recipe = json.loads(result.stdout)["recipe"]
+    extra = json.loads(recipe["kvtier"].split("--kv-transfer-config ", 1)[1].strip("'"))["kv_connector_extra_config"]
+    assert extra["codecs"] == {"disk": ["blosc2-zstd-shuffle2"]} and "redis" not in extra["codecs"]
+    assert (extra["cpu_gib"], extra["disk_gib"]) == (176, 568)  # 824 GiB of chunks on disk, stored in 824 / 1.451
+    assert recipe["redis_maxmemory_gib"] == 1050  # (176 + 824) × 1.05
+    assert "--maxmemory 1050gb " in recipe["redis"]

@@ -172,7 +172,7 @@ def build_recipe(model: str, tp: int, cpu_gib: float, disk_gib: float = 0.0,
     uncompressed chunks, at most ``nvme_usable_gib`` (the NVMe the disk tier may take; None: no cap)
     rounded down to whole GiB per rank: R× the NVMe in uncompressed bytes would not fit on it."""
     cpu, disk = round_total(cpu_gib, tp), round_total(disk_gib, tp)
-    payload = disk  # what LMCache's disk holds: it runs no kvtier codec
+    payload = chunks = disk  # what LMCache's disk holds: it runs no kvtier codec
     if nvme_usable_gib is not None:
         payload = min(payload, math.floor(nvme_usable_gib / tp) * tp)
     if disk and disk_codec is not None:  # kvtier's disk stores the payload in 1/R (codecs: {disk: [CODEC]})
@@ -190,7 +190,8 @@ def build_recipe(model: str, tp: int, cpu_gib: float, disk_gib: float = 0.0,
     if redis_url:
         extra.update(redis_url=redis_url, redis_password_env="REDIS_PASSWORD",
                      shared_secret_file="/etc/kvtier/secret")
-        redis_gib = math.ceil((cpu + disk) * (1 + REDIS_OVERHEAD))
+        # the chunks of the whole tier as Redis holds them: uncompressed (codecs name the disk tier only)
+        redis_gib = math.ceil((cpu + chunks) * (1 + REDIS_OVERHEAD))
         listen, tls_note = _redis_listen(redis_url)
         if tls_note:
             extra["redis_tls_ca_file"] = KVTIER_TLS_CA_FILE
