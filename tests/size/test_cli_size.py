@@ -310,3 +310,28 @@ def test_the_redis_server_holds_the_whole_tier_uncompressed_beside_a_compressing
     assert (extra["cpu_gib"], extra["disk_gib"]) == (176, 568)  # 824 GiB of chunks on disk, stored in 824 / 1.451
     assert recipe["redis_maxmemory_gib"] == 1050  # (176 + 824) × 1.05
     assert "--maxmemory 1050gb " in recipe["redis"]
+
+
+@pytest.mark.parametrize("kv_dtype, flag", [("fp8", "fp8"), ("fp8_e4m3", "fp8_e4m3"), ("auto", None), ("bf16", None)])
+def test_every_serve_line_runs_the_kv_dtype_the_sizes_assume(kv_dtype, flag):
+    """--kv-dtype fp8 sized 1-byte KV (64 KiB a token for Llama-3.1-8B) but the serve lines left vLLM at
+    --kv-cache-dtype auto, its model's bf16: twice the bytes, half the tokens in HBM and in every tier
+    (tools tester).  The flag's value is one vLLM's CacheConfig takes (vllm/config/cache.py CacheDType)."""
+    from typing import get_args
+
+    from vllm.config.cache import CacheDType
+
+    result = run("--model", "meta-llama/Llama-3.1-8B", "--gpu", "H100", "--kv-dtype", kv_dtype, "--offload-gib", "100",
+                 "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    lines = [line for text in (report["recipe"]["kvtier"], report["recipe"]["vllm_native"], report["recipe"]["lmcache"])
+             for line in text.splitlines() if "vllm serve" in line]
+    assert len(lines) == 3
+    for line in lines:
+        if flag is None:
+            assert "--kv-cache-dtype" not in line, line
+        else:
+            assert f" --kv-cache-dtype {flag} " in line, line
+            assert flag in get_args(CacheDType)
+    assert report["kv_bytes_per_token"] == (65536 if flag else 131072)

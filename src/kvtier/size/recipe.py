@@ -153,7 +153,7 @@ def build_recipe(model: str, tp: int, cpu_gib: float, disk_gib: float = 0.0,
                  redis_url: str | None = None, s3: ObjectStore | None = None,
                  others: dict[str, dict[str, Any]] | None = None, gpu_memory_utilization: float | None = None,
                  staging: bool = False, hybrid: bool = False, disk_codec: tuple[str, float] | None = None,
-                 nvme_usable_gib: float | None = None) -> Recipe:
+                 nvme_usable_gib: float | None = None, kv_cache_dtype: str | None = None) -> Recipe:
     """Three configurations for a tier of ``cpu_gib`` DRAM plus ``disk_gib`` disk (GiB, totals),
     the kvtier one with a shared tier on ``redis_url``, the object-store tier ``s3`` and the keys of
     any other registered tier (``others``: tier -> its keys, given with ``kvtier size``'s flags for
@@ -170,7 +170,9 @@ def build_recipe(model: str, tp: int, cpu_gib: float, disk_gib: float = 0.0,
     ``(codec, R)``: kvtier's disk tier compresses with that codec (``codecs: {disk: [codec]}``), so its
     ``disk_gib`` is ``disk_gib`` / R; LMCache's disk (it runs no kvtier codec) holds ``disk_gib`` of
     uncompressed chunks, at most ``nvme_usable_gib`` (the NVMe the disk tier may take; None: no cap)
-    rounded down to whole GiB per rank: R× the NVMe in uncompressed bytes would not fit on it."""
+    rounded down to whole GiB per rank: R× the NVMe in uncompressed bytes would not fit on it.
+    ``kv_cache_dtype``: vLLM's ``--kv-cache-dtype`` the sizes assume (``fp8``), written on every line;
+    None: the engine's default (``auto``, the model's dtype)."""
     cpu, disk = round_total(cpu_gib, tp), round_total(disk_gib, tp)
     payload = chunks = disk  # what LMCache's disk holds: it runs no kvtier codec
     if nvme_usable_gib is not None:
@@ -178,7 +180,8 @@ def build_recipe(model: str, tp: int, cpu_gib: float, disk_gib: float = 0.0,
     if disk and disk_codec is not None:  # kvtier's disk stores the payload in 1/R (codecs: {disk: [CODEC]})
         disk = round_total(disk_gib / disk_codec[1], tp)
     base = (f"vllm serve {shlex.quote(model)}" + (f" --tensor-parallel-size {tp}" if tp > 1 else "")
-            + (f" --gpu-memory-utilization {gpu_memory_utilization:g}" if gpu_memory_utilization is not None else ""))
+            + (f" --gpu-memory-utilization {gpu_memory_utilization:g}" if gpu_memory_utilization is not None else "")
+            + (f" --kv-cache-dtype {kv_cache_dtype}" if kv_cache_dtype else ""))
     extra: dict[str, object] = {"chunk_tokens": chunk_tokens, "cpu_gib": cpu}
     if disk:
         extra.update(disk_path=disk_path, disk_gib=disk)
