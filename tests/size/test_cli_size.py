@@ -335,3 +335,19 @@ def test_every_serve_line_runs_the_kv_dtype_the_sizes_assume(kv_dtype, flag):
             assert f" --kv-cache-dtype {flag} " in line, line
             assert flag in get_args(CacheDType)
     assert report["kv_bytes_per_token"] == (65536 if flag else 131072)
+
+
+def test_an_offload_gib_split_whose_disk_tier_is_not_above_the_cpu_tier_says_the_cache_is_the_cpu_tier():
+    """--offload-gib 300 on 256 GiB of host RAM at TP 4: 176 GiB of DRAM and 124 GiB of disk, "recommended 300",
+    while docs/size.md § Inclusive tiers says a write-through disk tier holds the cpu tier's most recent chunks,
+    so a smaller one adds nothing and the cache is 176 GiB (tools tester)."""
+    def notes(offload: str) -> list[str]:
+        result = run("--model", "meta-llama/Llama-3.1-70B", "--tp", "4", "--gpu", "H100", "--offload-gib", offload,
+                     "--host-ram-gib", "256", "--json")
+        assert result.exit_code == 0, result.output
+        return [n for n in json.loads(result.stdout)["notes"] if "is no larger than the cpu tier" in n]
+
+    (note,) = notes("300")
+    assert note.startswith("The disk tier (124 GiB) is no larger than the cpu tier (176 GiB)")
+    assert note.endswith("the cache is 176 GiB, not 300.")
+    assert notes("500") == []  # 324 GiB of disk behind 176 of DRAM: the cache is 324 GiB
