@@ -351,3 +351,22 @@ def test_an_offload_gib_split_whose_disk_tier_is_not_above_the_cpu_tier_says_the
     assert note.startswith("The disk tier (124 GiB) is no larger than the cpu tier (176 GiB)")
     assert note.endswith("the cache is 176 GiB, not 300.")
     assert notes("500") == []  # 324 GiB of disk behind 176 of DRAM: the cache is 324 GiB
+
+
+def test_a_tier_at_the_bound_rounded_to_whole_gib_per_rank_stays_a_size_the_connector_takes(tmp_path):
+    """--offload-gib 1048576 (size's bound, the connector's) at TP 3 printed cpu_gib 1048578 (rounded up to
+    whole GiB on each rank), which the connector refuses as "looks like bytes" (tools tester)."""
+    from kvtier.core.config import KVTierConfig
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"num_hidden_layers": 4, "num_attention_heads": 24, "num_key_value_heads": 6,
+                               "hidden_size": 1536, "torch_dtype": "bfloat16"}))
+    result = run("--model", str(cfg), "--tp", "3", "--gpu-memory-gib", "80", "--weights-gib", "1",
+                 "--offload-gib", "1048576", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    extra = json.loads(report["recipe"]["kvtier"].split("--kv-transfer-config ", 1)[1].strip("'"))[
+        "kv_connector_extra_config"]
+    assert extra["cpu_gib"] == 1048575  # 349,525 GiB on each of 3 ranks
+    assert KVTierConfig.from_dict(extra).cpu_gib == 1048575
+    assert not [n for n in report["notes"] if "kvtier-config-invalid" in n], report["notes"]

@@ -42,6 +42,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.core.configload import MAX_GIB
 from kvtier.size.compression import DISK
 
 KVTIER_CONNECTOR = {
@@ -142,10 +143,13 @@ bytes) are far below 1% for chunks of hundreds of KiB; the rest is allocator sla
 
 
 def round_total(gib: float, tp: int) -> int:
-    """``gib`` rounded up to a multiple of ``tp`` whole GiB (0 stays 0)."""
+    """``gib`` rounded up to a multiple of ``tp`` whole GiB (0 stays 0), down where up would pass the
+    connector's bound on a ``*_gib`` key (:data:`kvtier.core.configload.MAX_GIB`: ``--offload-gib`` 1048576
+    at TP 3 printed ``cpu_gib`` 1048578, which the connector refuses)."""
     if gib <= 0:
         return 0
-    return math.ceil(gib / tp) * tp
+    up = math.ceil(gib / tp) * tp
+    return up if up <= MAX_GIB else math.floor(MAX_GIB / tp) * tp
 
 
 def build_recipe(model: str, tp: int, cpu_gib: float, disk_gib: float = 0.0,
