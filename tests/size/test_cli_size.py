@@ -370,3 +370,18 @@ def test_a_tier_at_the_bound_rounded_to_whole_gib_per_rank_stays_a_size_the_conn
     assert extra["cpu_gib"] == 1048575  # 349,525 GiB on each of 3 ranks
     assert KVTierConfig.from_dict(extra).cpu_gib == 1048575
     assert not [n for n in report["notes"] if "kvtier-config-invalid" in n], report["notes"]
+
+
+def test_a_chunk_the_default_block_sizes_do_not_divide_is_one_the_connector_refuses_as_check_says():
+    """size's note said such chunks "will not line up with vLLM blocks", as if they ran misaligned, while
+    kvtier check and the connector refuse them (KVTierConfig.validate_block_size; tools tester)."""
+    from kvtier.core.config import KVTierConfig
+    from kvtier.core.errors import ConfigError
+
+    result = run("--model", "meta-llama/Llama-3.1-8B", "--gpu", "H100", "--chunk-tokens", "100", "--offload-gib", "100",
+                 "--json")
+    assert result.exit_code == 0, result.output
+    (note,) = [n for n in json.loads(result.stdout)["notes"] if n.startswith("--chunk-tokens 100")]
+    assert "the connector refuses it at start-up" in note and "unless the server's --block-size divides it" in note
+    with pytest.raises(ConfigError):
+        KVTierConfig.from_dict({"chunk_tokens": 100}).validate_block_size(16)

@@ -67,7 +67,9 @@ def chunk_notes(chunk_tokens: int) -> list[str]:
     if not misfits:
         return []
     return [(f"--chunk-tokens {chunk_tokens} is not a multiple of the default block size "
-            f"{' or '.join(misfits)}; chunks will not line up with vLLM blocks unless --block-size divides it.")]
+            f"{' or '.join(misfits)}: the connector refuses it at start-up (a chunk is a whole number of the "
+             "server's blocks) unless the server's --block-size divides it; use --chunk-tokens 128 or pass vLLM "
+             "--block-size, and check with kvtier check --block-size N.")]
 
 
 DEFAULT_CHUNK_TOKENS = 128
