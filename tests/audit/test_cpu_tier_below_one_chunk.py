@@ -48,3 +48,26 @@ def test_the_rule_refuses_what_the_connector_refuses(tp, cpu_gib, chunk_tokens, 
 def test_a_model_the_audit_does_not_know_is_left_to_checks_warning():
     found = _findings_on(kvtier_line(cpu_gib=10, chunk_tokens=1048576), None)
     assert RULE not in found and "kvtier-config-warning" in found, found
+
+
+LMCACHE_LINE = ("LMCACHE_LOCAL_CPU=True LMCACHE_MAX_LOCAL_CPU_SIZE={cpu} {disk}vllm serve meta-llama/Llama-3.1-70B "
+                "--tensor-parallel-size 8 --kv-transfer-config '{{\"kv_connector\":\"LMCacheConnectorV1\",\"kv_role\":\"kv_both\"}}'")
+
+
+@pytest.mark.parametrize("cpu, disk, fires", [
+    (51, "", True),     # 408 GiB over 8 ranks: the rule-of-thumb tier, half the engine's 847 GiB
+    (238, "", False),   # 1,904 GiB: kvtier size's tier
+    (4, "LMCACHE_LOCAL_DISK=file:///nvme/ LMCACHE_MAX_LOCAL_DISK_SIZE=693 ", False),  # staging before 5,544 GiB
+])
+def test_the_engine_cache_rule_judges_lmcaches_per_rank_sizes_as_the_other_dialects(cpu, disk, fires):
+    """kvtier size prints one tier in three dialects; with --offload-gib below the engine's KV cache the audit
+    flagged the kvtier and vLLM-native lines and never the LMCache one (sizes per rank in its environment)."""
+    found = _findings_on(LMCACHE_LINE.format(cpu=cpu, disk=disk), "H200")
+    assert ("cpu-tier-not-above-engine-cache" in found) is fires, found
+    native = _findings_on(f"vllm serve meta-llama/Llama-3.1-70B --tensor-parallel-size 8 --kv-offloading-backend native "
+                          f"--kv-offloading-size {cpu * 8}", "H200")
+    if not disk:
+        assert ("cpu-tier-not-above-engine-cache" in native) is fires
+    if fires:
+        assert found["cpu-tier-not-above-engine-cache"].startswith(
+            "LMCache's LMCACHE_MAX_LOCAL_CPU_SIZE 51 × 8 rank(s) = 408 GiB is not larger than the engine's KV cache of 847")

@@ -63,9 +63,24 @@ def _tiers(c: ServeConfig) -> _Tiers | None:
         shared = any(extra.get(k) for k in _SHARED_KEYS) or (node_on and not node > 0)
         return _Tiers(cpu, f"kvtier's cpu_gib {cpu:g}", max(cpu, disk, node), shared)
     size = c.number("--kv-offloading-size")
+    if size is None and c.uses("LMCacheConnectorV1"):
+        return _lmcache_tiers(c)
     if size is None or not size > 0 or size == float("inf"):
         return None  # absent, or refused by rule kv-offloading-size-invalid
     return _Tiers(size, f"--kv-offloading-size {size:g}", size, False)
+
+
+def _lmcache_tiers(c: ServeConfig) -> _Tiers | None:
+    """LMCacheConnectorV1's tiers from its environment, GiB per rank × TP × PP (vLLM divides a total by
+    them when it configures LMCache, vllm/config/vllm.py): the tier kvtier size's LMCache recipe gives
+    (before, the rule judged that recipe's kvtier and vLLM-native twins and never the LMCache one)."""
+    ranks = _gpus(c)
+    cpu = number(c.env.get("LMCACHE_MAX_LOCAL_CPU_SIZE"), 0.0) * ranks
+    if not cpu > 0:
+        return None  # unset (LMCache's default) or not a size: lmcache-size-unset / lmcache-env-invalid
+    disk = number(c.env.get("LMCACHE_MAX_LOCAL_DISK_SIZE"), 0.0) * ranks if c.env.get("LMCACHE_LOCAL_DISK") else 0.0
+    what = f"LMCache's LMCACHE_MAX_LOCAL_CPU_SIZE {cpu / ranks:g} × {ranks} rank(s) = {cpu:g}"
+    return _Tiers(cpu, what, max(cpu, disk), bool(c.env.get("LMCACHE_REMOTE_URL")))
 
 
 def _model(c: ServeConfig) -> ResolvedModel | None:
