@@ -109,6 +109,10 @@ CASES: dict[str, tuple[tuple[str, str | None], tuple[str, str | None]]] = {
     # tiny model: prompts of 96 tokens loaded nothing, of 97 loaded one chunk)
     "kvtier-chunk-tokens-not-below-max-model-len": ((kvtier_line(chunk_tokens=2048) + " --max-model-len 2048", V),
                                                     (kvtier_line(chunk_tokens=2048) + " --max-model-len 2049", V)),
+    # tools tester: a cpu tier below one chunk of a model the audit knows (Llama-3.1-8B: 128 KiB a token)
+    "kvtier-cpu-tier-below-one-chunk": (
+        (kvtier_line(cpu_gib=10, chunk_tokens=1048576).replace("serve m ", "serve meta-llama/Llama-3.1-8B "), V),
+        (kvtier_line(cpu_gib=128, chunk_tokens=1048576).replace("serve m ", "serve meta-llama/Llama-3.1-8B "), V)),
     "kvtier-inflight-kv-loads-cap-only": ((kvtier_line() + " --max-num-inflight-kv-loads 4", "0.34.0"),
                                           ("vllm serve m --max-num-inflight-kv-loads 4", "0.34.0")),
     "cpu-offload-gb-is-weights": (("vllm serve m --cpu-offload-gb 40", V),

@@ -93,3 +93,21 @@ def test_a_chunk_tokens_the_default_block_sizes_do_not_divide_qualifies_the_verd
     assert fits.exit_code == 0 and fits.output.splitlines()[-1] == "ok: vLLM would start with this KVTierConnector config."
     as_json = json.loads(CliRunner().invoke(app, ["check", "--offline", "--json", json.dumps(transfer)]).output)
     assert [p.get("only_if") for p in as_json["problems"]] == ["the server's --block-size divides chunk_tokens=100"]
+
+
+def test_the_size_a_floor_problem_suggests_holds_hundreds_of_the_chunks_it_names() -> None:
+    """cpu_gib 4 with 1,048,576-token chunks (12 GiB of the small model's): the warning said "set cpu_gib
+    to room for hundreds of chunks, e.g. 4", the value it warned about (tools tester: kvtier size
+    --chunk-tokens 1048576 printed the same advice in its audit note)."""
+    code, out = _check({"cpu_gib": 4, "chunk_tokens": 1048576})
+    assert code == 0, out
+    line = next(line for line in out.splitlines() if line.startswith("warning: kv_connector_extra_config.cpu_gib"))
+    assert "chunk (12884901888 bytes)" in line
+    assert line.endswith("e.g. 1200, or a shorter chunk_tokens (auto, the default)"), line
+    suggested = 1200
+    assert KVTierConfig.from_dict({"cpu_gib": suggested, "chunk_tokens": 1048576}).cpu_gib == suggested
+    code, out = _check({"cpu_gib": suggested, "chunk_tokens": 1048576})
+    assert "cannot hold" not in out, out  # (this host's memory may refuse 1,200 GiB: another check)
+    # the default chunk keeps the short example, which holds thousands of them
+    code, out = _check({"cpu_gib": 1e-5})
+    assert "e.g. 4" in out and "shorter chunk_tokens" not in out, out

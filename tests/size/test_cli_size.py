@@ -294,3 +294,94 @@ def test_a_bad_compression_ratio_is_one_sentence(value):
     """A bare disk=R names no codec: no recipe could carry it, so size refuses it (it halved LMCache's disk too)."""
     result = run("--model", "Qwen/Qwen3-8B", "--compression-ratio", value)
     assert result.exit_code == 2 and "--compression-ratio" in result.output and "Traceback" not in result.output
+
+
+def test_the_redis_server_holds_the_whole_tier_uncompressed_beside_a_compressing_disk_tier():
+    """--compression-ratio disk=CODEC stores kvtier's disk tier in 1/R of its GiB, but the codec chain names
+    the disk tier only: Redis gets every chunk uncompressed.  Its maxmemory was (cpu + compressed disk) × 1.05
+    (782 GiB for a 1,000 GiB tier at R 1.451: a quarter of the warm set left out; tools tester)."""
+    result = run("--model", "meta-llama/Llama-3.1-70B", "--tp", "4", "--gpu", "H100", "--offload-gib", "1000",
+                 "--host-ram-gib", "256", "--nvme-gib", "2000", "--disk-gb-per-s", "40",
+                 "--compression-ratio", "disk=blosc2-zstd-shuffle2", "--redis-url", "redis://10.0.0.7:6379/0", "--json")
+    assert result.exit_code == 0, result.output
+    recipe = json.loads(result.stdout)["recipe"]
+    extra = json.loads(recipe["kvtier"].split("--kv-transfer-config ", 1)[1].strip("'"))["kv_connector_extra_config"]
+    assert extra["codecs"] == {"disk": ["blosc2-zstd-shuffle2"]} and "redis" not in extra["codecs"]
+    assert (extra["cpu_gib"], extra["disk_gib"]) == (176, 568)  # 824 GiB of chunks on disk, stored in 824 / 1.451
+    assert recipe["redis_maxmemory_gib"] == 1050  # (176 + 824) × 1.05
+    assert "--maxmemory 1050gb " in recipe["redis"]
+
+
+@pytest.mark.parametrize("kv_dtype, flag", [("fp8", "fp8"), ("fp8_e4m3", "fp8_e4m3"), ("auto", None), ("bf16", None)])
+def test_every_serve_line_runs_the_kv_dtype_the_sizes_assume(kv_dtype, flag):
+    """--kv-dtype fp8 sized 1-byte KV (64 KiB a token for Llama-3.1-8B) but the serve lines left vLLM at
+    --kv-cache-dtype auto, its model's bf16: twice the bytes, half the tokens in HBM and in every tier
+    (tools tester).  The flag's value is one vLLM's CacheConfig takes (vllm/config/cache.py CacheDType)."""
+    from typing import get_args
+
+    from vllm.config.cache import CacheDType
+
+    result = run("--model", "meta-llama/Llama-3.1-8B", "--gpu", "H100", "--kv-dtype", kv_dtype, "--offload-gib", "100",
+                 "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    lines = [line for text in (report["recipe"]["kvtier"], report["recipe"]["vllm_native"], report["recipe"]["lmcache"])
+             for line in text.splitlines() if "vllm serve" in line]
+    assert len(lines) == 3
+    for line in lines:
+        if flag is None:
+            assert "--kv-cache-dtype" not in line, line
+        else:
+            assert f" --kv-cache-dtype {flag} " in line, line
+            assert flag in get_args(CacheDType)
+    assert report["kv_bytes_per_token"] == (65536 if flag else 131072)
+
+
+def test_an_offload_gib_split_whose_disk_tier_is_not_above_the_cpu_tier_says_the_cache_is_the_cpu_tier():
+    """--offload-gib 300 on 256 GiB of host RAM at TP 4: 176 GiB of DRAM and 124 GiB of disk, "recommended 300",
+    while docs/size.md § Inclusive tiers says a write-through disk tier holds the cpu tier's most recent chunks,
+    so a smaller one adds nothing and the cache is 176 GiB (tools tester)."""
+    def notes(offload: str) -> list[str]:
+        result = run("--model", "meta-llama/Llama-3.1-70B", "--tp", "4", "--gpu", "H100", "--offload-gib", offload,
+                     "--host-ram-gib", "256", "--json")
+        assert result.exit_code == 0, result.output
+        return [n for n in json.loads(result.stdout)["notes"] if "is no larger than the cpu tier" in n]
+
+    (note,) = notes("300")
+    assert note.startswith("The disk tier (124 GiB) is no larger than the cpu tier (176 GiB)")
+    assert note.endswith("the cache is 176 GiB, not 300.")
+    assert notes("500") == []  # 324 GiB of disk behind 176 of DRAM: the cache is 324 GiB
+
+
+def test_a_tier_at_the_bound_rounded_to_whole_gib_per_rank_stays_a_size_the_connector_takes(tmp_path):
+    """--offload-gib 1048576 (size's bound, the connector's) at TP 3 printed cpu_gib 1048578 (rounded up to
+    whole GiB on each rank), which the connector refuses as "looks like bytes" (tools tester)."""
+    from kvtier.core.config import KVTierConfig
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"num_hidden_layers": 4, "num_attention_heads": 24, "num_key_value_heads": 6,
+                               "hidden_size": 1536, "torch_dtype": "bfloat16"}))
+    result = run("--model", str(cfg), "--tp", "3", "--gpu-memory-gib", "80", "--weights-gib", "1",
+                 "--offload-gib", "1048576", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    extra = json.loads(report["recipe"]["kvtier"].split("--kv-transfer-config ", 1)[1].strip("'"))[
+        "kv_connector_extra_config"]
+    assert extra["cpu_gib"] == 1048575  # 349,525 GiB on each of 3 ranks
+    assert KVTierConfig.from_dict(extra).cpu_gib == 1048575
+    assert not [n for n in report["notes"] if "kvtier-config-invalid" in n], report["notes"]
+
+
+def test_a_chunk_the_default_block_sizes_do_not_divide_is_one_the_connector_refuses_as_check_says():
+    """size's note said such chunks "will not line up with vLLM blocks", as if they ran misaligned, while
+    kvtier check and the connector refuse them (KVTierConfig.validate_block_size; tools tester)."""
+    from kvtier.core.config import KVTierConfig
+    from kvtier.core.errors import ConfigError
+
+    result = run("--model", "meta-llama/Llama-3.1-8B", "--gpu", "H100", "--chunk-tokens", "100", "--offload-gib", "100",
+                 "--json")
+    assert result.exit_code == 0, result.output
+    (note,) = [n for n in json.loads(result.stdout)["notes"] if n.startswith("--chunk-tokens 100")]
+    assert "the connector refuses it at start-up" in note and "unless the server's --block-size divides it" in note
+    with pytest.raises(ConfigError):
+        KVTierConfig.from_dict({"chunk_tokens": 100}).validate_block_size(16)

@@ -168,6 +168,9 @@ def _size(
     except UserError as exc:
         fail(str(exc))
     recipe, served, asked = None, _served_model(model), None
+    # the engine runs --kv-dtype fp8 only when told: without the flag its KV is the model's dtype, twice the bytes
+    cache_dtype = (kv_dtype.strip().lower() if kv_dtype.strip().lower().startswith("fp8_") else "fp8") \
+        if dtype == "fp8" else None
     nvme_usable = usable_nvme_gib(nvme_gib) if nvme_gib is not None else None  # LMCache's uncompressed disk
     if offload_gib is not None and offload_gib > 0:
         split = split_tier(offload_gib, host_ram_gib, dep.reserve_gib, tp, node_gib)
@@ -176,12 +179,12 @@ def _size(
         asked = offload_gib
         recipe = build_recipe(served, tp, split.cpu_gib, split.disk_gib, disk_path, chunk, redis_url, store,
                               others, gpu_memory_utilization, hybrid=len(report.groups) > 1, disk_codec=codec,
-                              nvme_usable_gib=nvme_usable)
+                              nvme_usable_gib=nvme_usable, kv_cache_dtype=cache_dtype)
     elif report.offload_needed and report.offload_no_room is None:
         asked = (report.cpu_gib or 0.0) + (report.disk_gib or 0.0)
         recipe = build_recipe(served, tp, report.cpu_gib or 0.0, payload_disk_gib, disk_path, chunk, redis_url, store,
                               others, gpu_memory_utilization, report.cpu_staging, len(report.groups) > 1, codec,
-                              nvme_usable)
+                              nvme_usable, kv_cache_dtype=cache_dtype)
     if recipe is not None:
         if served != model:
             report.notes.append(f"The configs serve {served}, the directory of --model {model}: vllm serve takes a "

@@ -327,6 +327,10 @@ def split_tier(total_gib: float, host_ram_gib: float | None, host_reserve_gib: f
             f"so the recipe keeps {cpu_recipe:g} GiB of DRAM although only {usable:g} GiB is usable: "
             "lower --host-reserve-gib or add host RAM."
         )
+    if 0 < disk_recipe <= cpu_recipe:  # docs/size.md § Inclusive tiers: the stack is as large as its largest tier
+        notes.append(f"The disk tier ({disk_recipe:g} GiB) is no larger than the cpu tier ({cpu_recipe:g} GiB): in write_mode "
+                     "write-through (the default) it takes every chunk the cpu tier takes, so it holds only what that "
+                     f"tier holds (hits after a restart aside) and the cache is {cpu_recipe:g} GiB, not {total_gib:g}.")
     return TierSplit(cpu, disk, tuple(notes))
 
 

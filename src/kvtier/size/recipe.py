@@ -42,6 +42,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.core.configload import MAX_GIB
 from kvtier.size.compression import DISK
 
 KVTIER_CONNECTOR = {
@@ -66,7 +67,9 @@ def chunk_notes(chunk_tokens: int) -> list[str]:
     if not misfits:
         return []
     return [(f"--chunk-tokens {chunk_tokens} is not a multiple of the default block size "
-            f"{' or '.join(misfits)}; chunks will not line up with vLLM blocks unless --block-size divides it.")]
+            f"{' or '.join(misfits)}: the connector refuses it at start-up (a chunk is a whole number of the "
+             "server's blocks) unless the server's --block-size divides it; use --chunk-tokens 128 or pass vLLM "
+             "--block-size, and check with kvtier check --block-size N.")]
 
 
 DEFAULT_CHUNK_TOKENS = 128
@@ -142,10 +145,13 @@ bytes) are far below 1% for chunks of hundreds of KiB; the rest is allocator sla
 
 
 def round_total(gib: float, tp: int) -> int:
-    """``gib`` rounded up to a multiple of ``tp`` whole GiB (0 stays 0)."""
+    """``gib`` rounded up to a multiple of ``tp`` whole GiB (0 stays 0), down where up would pass the
+    connector's bound on a ``*_gib`` key (:data:`kvtier.core.configload.MAX_GIB`: ``--offload-gib`` 1048576
+    at TP 3 printed ``cpu_gib`` 1048578, which the connector refuses)."""
     if gib <= 0:
         return 0
-    return math.ceil(gib / tp) * tp
+    up = math.ceil(gib / tp) * tp
+    return up if up <= MAX_GIB else math.floor(MAX_GIB / tp) * tp
 
 
 def build_recipe(model: str, tp: int, cpu_gib: float, disk_gib: float = 0.0,
@@ -153,7 +159,7 @@ def build_recipe(model: str, tp: int, cpu_gib: float, disk_gib: float = 0.0,
                  redis_url: str | None = None, s3: ObjectStore | None = None,
                  others: dict[str, dict[str, Any]] | None = None, gpu_memory_utilization: float | None = None,
                  staging: bool = False, hybrid: bool = False, disk_codec: tuple[str, float] | None = None,
-                 nvme_usable_gib: float | None = None) -> Recipe:
+                 nvme_usable_gib: float | None = None, kv_cache_dtype: str | None = None) -> Recipe:
     """Three configurations for a tier of ``cpu_gib`` DRAM plus ``disk_gib`` disk (GiB, totals),
     the kvtier one with a shared tier on ``redis_url``, the object-store tier ``s3`` and the keys of
     any other registered tier (``others``: tier -> its keys, given with ``kvtier size``'s flags for
@@ -170,15 +176,18 @@ def build_recipe(model: str, tp: int, cpu_gib: float, disk_gib: float = 0.0,
     ``(codec, R)``: kvtier's disk tier compresses with that codec (``codecs: {disk: [codec]}``), so its
     ``disk_gib`` is ``disk_gib`` / R; LMCache's disk (it runs no kvtier codec) holds ``disk_gib`` of
     uncompressed chunks, at most ``nvme_usable_gib`` (the NVMe the disk tier may take; None: no cap)
-    rounded down to whole GiB per rank: R× the NVMe in uncompressed bytes would not fit on it."""
+    rounded down to whole GiB per rank: R× the NVMe in uncompressed bytes would not fit on it.
+    ``kv_cache_dtype``: vLLM's ``--kv-cache-dtype`` the sizes assume (``fp8``), written on every line;
+    None: the engine's default (``auto``, the model's dtype)."""
     cpu, disk = round_total(cpu_gib, tp), round_total(disk_gib, tp)
-    payload = disk  # what LMCache's disk holds: it runs no kvtier codec
+    payload = chunks = disk  # what LMCache's disk holds: it runs no kvtier codec
     if nvme_usable_gib is not None:
         payload = min(payload, math.floor(nvme_usable_gib / tp) * tp)
     if disk and disk_codec is not None:  # kvtier's disk stores the payload in 1/R (codecs: {disk: [CODEC]})
         disk = round_total(disk_gib / disk_codec[1], tp)
     base = (f"vllm serve {shlex.quote(model)}" + (f" --tensor-parallel-size {tp}" if tp > 1 else "")
-            + (f" --gpu-memory-utilization {gpu_memory_utilization:g}" if gpu_memory_utilization is not None else ""))
+            + (f" --gpu-memory-utilization {gpu_memory_utilization:g}" if gpu_memory_utilization is not None else "")
+            + (f" --kv-cache-dtype {kv_cache_dtype}" if kv_cache_dtype else ""))
     extra: dict[str, object] = {"chunk_tokens": chunk_tokens, "cpu_gib": cpu}
     if disk:
         extra.update(disk_path=disk_path, disk_gib=disk)
@@ -190,7 +199,8 @@ def build_recipe(model: str, tp: int, cpu_gib: float, disk_gib: float = 0.0,
     if redis_url:
         extra.update(redis_url=redis_url, redis_password_env="REDIS_PASSWORD",
                      shared_secret_file="/etc/kvtier/secret")
-        redis_gib = math.ceil((cpu + disk) * (1 + REDIS_OVERHEAD))
+        # the chunks of the whole tier as Redis holds them: uncompressed (codecs name the disk tier only)
+        redis_gib = math.ceil((cpu + chunks) * (1 + REDIS_OVERHEAD))
         listen, tls_note = _redis_listen(redis_url)
         if tls_note:
             extra["redis_tls_ca_file"] = KVTIER_TLS_CA_FILE

@@ -26,7 +26,7 @@ from kvtier.audit.model import ServeConfig
 from kvtier.audit.rules.base import rule
 from kvtier.audit.rules.settings import disk_tier, kvtier_setting, kvtier_settings, left_out, number
 from kvtier.core.config import KVTierConfig
-from kvtier.core.errors import UserError
+from kvtier.core.errors import ConfigError, UserError
 from kvtier.size.hardware import DEFAULT_GPU_MEMORY_UTILIZATION, GPUS, find_gpu
 from kvtier.size.models import ResolvedModel, resolve_model
 from kvtier.size.plan import GIB, Deployment, hbm_kv_budget_bytes
@@ -63,9 +63,24 @@ def _tiers(c: ServeConfig) -> _Tiers | None:
         shared = any(extra.get(k) for k in _SHARED_KEYS) or (node_on and not node > 0)
         return _Tiers(cpu, f"kvtier's cpu_gib {cpu:g}", max(cpu, disk, node), shared)
     size = c.number("--kv-offloading-size")
+    if size is None and c.uses("LMCacheConnectorV1"):
+        return _lmcache_tiers(c)
     if size is None or not size > 0 or size == float("inf"):
         return None  # absent, or refused by rule kv-offloading-size-invalid
     return _Tiers(size, f"--kv-offloading-size {size:g}", size, False)
+
+
+def _lmcache_tiers(c: ServeConfig) -> _Tiers | None:
+    """LMCacheConnectorV1's tiers from its environment, GiB per rank × TP × PP (vLLM divides a total by
+    them when it configures LMCache, vllm/config/vllm.py): the tier kvtier size's LMCache recipe gives
+    (before, the rule judged that recipe's kvtier and vLLM-native twins and never the LMCache one)."""
+    ranks = _gpus(c)
+    cpu = number(c.env.get("LMCACHE_MAX_LOCAL_CPU_SIZE"), 0.0) * ranks
+    if not cpu > 0:
+        return None  # unset (LMCache's default) or not a size: lmcache-size-unset / lmcache-env-invalid
+    disk = number(c.env.get("LMCACHE_MAX_LOCAL_DISK_SIZE"), 0.0) * ranks if c.env.get("LMCACHE_LOCAL_DISK") else 0.0
+    what = f"LMCache's LMCACHE_MAX_LOCAL_CPU_SIZE {cpu / ranks:g} × {ranks} rank(s) = {cpu:g}"
+    return _Tiers(cpu, what, max(cpu, disk), bool(c.env.get("LMCACHE_REMOTE_URL")))
 
 
 def _model(c: ServeConfig) -> ResolvedModel | None:
@@ -174,3 +189,35 @@ def kvtier_chunk_tokens_not_below_max_model_len(c: ServeConfig) -> str | None:
     said = f"chunk_tokens auto (at least {tokens})" if auto else f"chunk_tokens {tokens}"
     return (f"{said} is not below --max-model-len {length:g}: a hit needs a prompt longer than one chunk (the last "
             "prompt token is always computed), which this server never takes, so kvtier serves no hit.")
+
+
+@rule("kvtier-cpu-tier-below-one-chunk", "error", "kvtier cpu tier smaller than one chunk of the served model",
+      "Raise cpu_gib to room for hundreds of chunks (`kvtier size --model M --tp N` prints the bytes per token), "
+      "or lower chunk_tokens (auto, the default).",
+      "kvtier src/kvtier/core/sizing.py cpu_capacity_bytes (the connector refuses a cpu tier smaller than one chunk "
+      "at start-up); docs/vllm.md § Sizes and tensor parallelism", locate="--kv-transfer-config")
+def kvtier_cpu_tier_below_one_chunk(c: ServeConfig) -> str | None:
+    """``cpu_gib`` / TP against one rank's chunk of a plain attention model kvtier size knows (a preset or a
+    local config.json): the least bytes the connector's chunk can take there (``chunk_tokens``, ``auto``
+    counted as 128; 2-byte KV, 1 with an fp8 ``--kv-cache-dtype``).  ``check`` knows no model and only
+    warns below a small model's chunk; here the model is known, so the refusal is certain."""
+    extra = kvtier_settings(c)
+    if extra is None or not c.model:
+        return None
+    try:
+        geometry = resolve_model(c.model, hub=False).geometry
+        config = KVTierConfig.from_dict({k: extra[k] for k in ("cpu_gib", "chunk_tokens") if k in extra})
+    except (UserError, ConfigError):
+        return None  # not a model size knows, or a bad value kvtier's own config rule reports
+    if geometry.num_swa_layers or geometry.num_state_layers or c.tp < 1:
+        return None  # hybrid models store each KV cache group apart: not modelled here
+    tokens = AUTO_CHUNK_TOKENS_MIN if config.chunk_tokens == "auto" else config.chunk_tokens
+    dtype_bytes = 1 if (c.value("--kv-cache-dtype") or "").lower().startswith("fp8") else 2
+    chunk = tokens * geometry.kv_bytes_per_token_per_rank(c.tp, dtype_bytes)
+    capacity = config.cpu_bytes_per_rank(c.tp)
+    if capacity >= chunk:
+        return None
+    return (f"cpu_gib {config.cpu_gib:g} gives each of {c.tp} rank(s) {capacity:,} bytes, less than one {tokens}-token "
+            f"chunk of {c.model} ({chunk:,} bytes a rank at {dtype_bytes}-byte KV), so the connector refuses to "
+            f"start (every chunk passes through the cpu tier); at least {chunk * c.tp / GIB:.4g} GiB, better hundreds "
+            "of chunks.")

@@ -8,6 +8,7 @@ sentence naming the key and the fix.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -194,6 +195,10 @@ SMALL_MODEL_KV_BYTES_PER_TOKEN = 12_288
 KV heads of 64, 2 bytes): below one of its chunks, ``check`` warns."""
 
 
+FLOOR_ADVICE_CHUNKS = 100
+"""Chunks the size a floor problem suggests holds at least ("room for hundreds of chunks")."""
+
+
 def cpu_tier_floor_problems(key: str, config: KVTierConfig) -> list[Problem]:
     """``cpu_gib`` against one chunk: the connector refuses a cpu tier smaller than one chunk at
     start-up (:func:`kvtier.core.sizing.cpu_capacity_bytes`), but a chunk's bytes depend on the
@@ -227,10 +232,14 @@ def _floor_problems(key: str, config: KVTierConfig, name: str, gib: float, examp
     for severity, per_token, which in floors:
         chunk_bytes = tokens * per_token
         if size_bytes < chunk_bytes:
+            # the example holds FLOOR_ADVICE_CHUNKS chunks of this size: a fixed one could be the
+            # very value refused (cpu_gib 4 against a 12 GiB chunk was told "e.g. 4")
+            room = max(example, math.ceil(FLOOR_ADVICE_CHUNKS * chunk_bytes / GiB))
+            shorter = "" if room == example else ", or a shorter chunk_tokens (auto, the default)"
             return [Problem(severity, f"{key}.{name}",
                             f"{name}={gib:g} ({int(size_bytes)} bytes) cannot hold one {tokens}-token "
                             f"chunk ({chunk_bytes} bytes) {which}; set {name} to room for hundreds of chunks, "
-                            f"e.g. {example}")]
+                            f"e.g. {room}{shorter}")]
     return []
 
 
