@@ -56,8 +56,10 @@ redis-bin:
 #     joined by the receipts walk, the live doctor and bench-receipts tests and the encrypted disk
 #     restart: about 190 test-seconds one at a time, 262 on two workers, in 160 s);
 #     in phases 1 and 2 the longest tests start first (tests/conftest.py PHASE_1_SECONDS, PHASE_2_SECONDS;
-#     a fresh clone on this machine kind, 2026-12-06: phase 1 272 s, phase 2 27 tests in 449 s, phase 3
-#     25 tests in 255 s, 1,022 s in all);
+#     a fresh clone on this machine kind, 2026-12-07 16:29 UTC (the uv cache warm): install about 12 s,
+#     phase 1 333 s, phase 2 31 tests in 573 s, phase 3 21 tests in 152 s, 1,072 s in all; the same
+#     machine at 15:08, before the install by uv and the serve and trace-record tests joined phase 2:
+#     1,267 s, phase 3 290 s);
 #  3. the other engine tests one at a time: the live-server tests judge latency (TTFT tails, a
 #     doctor's interval) or hold deadlines of seconds that a second engine beside them would distort.
 # test-fast leaves out every engine test: minutes instead of the full run, for development.
