@@ -128,3 +128,13 @@ def test_a_recipe_the_audit_would_flag_says_so_in_the_notes():
     flagged = [n for n in notes if n.startswith("kvtier audit --vllm-version 0.32.0/0.33.0/0.34.0 warns")]
     assert any("cpu-tier-not-above-engine-cache" in n and "kvtier config" in n for n in flagged), notes
     assert any("vLLM native config" in n for n in flagged), notes
+
+
+def test_a_recipe_the_audit_refuses_says_refuses_not_warns():
+    """tools tester: a kvtier recipe whose cpu tier holds less than one chunk of the model (Llama-3.1-8B,
+    1,048,576-token chunks: 128 GiB each) is an audit error (``kvtier-cpu-tier-below-one-chunk``, the
+    connector refuses it at start-up); size's note said the audit "warns on" it."""
+    notes = size("--model", "meta-llama/Llama-3.1-8B", "--chunk-tokens", "1048576", "--offload-gib", "10")["notes"]
+    refused = [n for n in notes if n.startswith("kvtier audit --vllm-version") and "kvtier-cpu-tier-below-one-chunk" in n]
+    assert refused and all(" refuses the kvtier config " in n for n in refused), notes
+    assert not any(" warns on " in n and "kvtier-cpu-tier-below-one-chunk" in n for n in notes), notes

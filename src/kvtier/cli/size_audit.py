@@ -30,11 +30,13 @@ def recipe_findings(text: str, gpu: str | None, version: str) -> list[Finding]:
 
 def audit_notes(recipe: Recipe, gpu: str | None) -> list[str]:
     """One note per rule the audit would raise on a recipe of ``recipe`` (kvtier, vLLM native, LMCache),
-    naming the recipe, the releases and the audit's message; [] when all are clean."""
+    naming the recipe, the releases, whether the audit warns on it or refuses it (an error), and the
+    audit's message; [] when all are clean."""
     from kvtier.integrations.vllm.compat import CHECKED_RELEASES
 
     seen: dict[tuple[str, str], list[str]] = {}
     messages: dict[tuple[str, str], str] = {}
+    errors: set[tuple[str, str]] = set()  # rules the audit raises as errors (the engine would not start)
     for title, text in (("kvtier", recipe.kvtier), ("vLLM native", recipe.vllm_native), ("LMCache", recipe.lmcache)):
         if "vllm serve" not in text:
             continue
@@ -43,5 +45,8 @@ def audit_notes(recipe: Recipe, gpu: str | None) -> list[str]:
                 key = (title, finding.rule)
                 seen.setdefault(key, []).append(release.version)
                 messages[key] = f"{finding.message} Fix: {finding.fix}"
-    return [f"kvtier audit --vllm-version {'/'.join(versions)} warns on the {title} config ({rule}): {messages[title, rule]}"
+                if finding.severity == "error":
+                    errors.add(key)
+    return [f"kvtier audit --vllm-version {'/'.join(versions)} "
+            f"{'refuses' if (title, rule) in errors else 'warns on'} the {title} config ({rule}): {messages[title, rule]}"
             for (title, rule), versions in seen.items()]
