@@ -140,6 +140,14 @@ class Engine:
         return {(self.hashes[k], MEDIUM[t]) for k, t in self.tiers.items() if k in self.hashes}
 
 
+def _save_one_prompt(engine: Engine) -> None:
+    """The first report (the mirror is ready), then one prompt of 4 full chunks, stepped until saved."""
+    engine.step()
+    engine.add(4 * BLOCK + 10)
+    for _ in range(3):
+        engine.step()
+
+
 def test_the_stream_a_router_reads_matches_the_tiers_through_spills_evictions_reset_and_restart(
         model: Path, tmp_path: Path) -> None:
     (tmp_path / "disk").mkdir()  # the disk tier's directory (its workers would create it)
@@ -251,10 +259,7 @@ def test_a_router_reading_one_engine_across_a_restart_keeps_no_chunk_at_the_stop
         engine = Engine(scheduler(model, tmp_path / "disk", port))
         try:
             assert engine.subscribed(events)
-            engine.step()  # the first report: the mirror is ready
-            engine.add(4 * BLOCK + 10)
-            for _ in range(3):
-                engine.step()
+            _save_one_prompt(engine)
             keys = list(engine.tiers)
             assert len(keys) == 4
             for key in keys[:2]:  # spilled to disk and dropped from cpu
@@ -297,10 +302,7 @@ def test_a_restart_of_two_engines_on_one_disk_directory_announces_both_engines_c
     second.n = 100  # other prompts than the first engine's
     try:
         for engine in (first, second):
-            engine.step()  # the first report: the mirror is ready
-            engine.add(4 * BLOCK + 10)
-            for _ in range(3):
-                engine.step()
+            _save_one_prompt(engine)
             assert len(engine.tiers) == 4
     finally:
         first.sched.shutdown()
@@ -333,10 +335,7 @@ def test_a_producer_announces_no_chunk_of_its_tiers(model: Path, tmp_path: Path)
     engine = Engine(scheduler(model, tmp_path / "disk", port, role="kv_producer"))
     try:
         assert engine.subscribed(events)
-        engine.step()  # the first report: the mirror is ready
-        engine.add(4 * BLOCK + 10)
-        for _ in range(3):
-            engine.step()
+        _save_one_prompt(engine)
         assert len(engine.tiers) == 4, "the producer saves its prompt's 4 full chunks"
         for key in list(engine.tiers)[:2]:
             engine.change(key, "disk")
