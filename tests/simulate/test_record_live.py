@@ -2,10 +2,7 @@
 shared tier on a real redis-server): ``kvtier trace record`` (the proxy passes answers through
 unchanged, writes a Mooncake trace whose shared prefixes show as shared block ids, holds no prompt
 text, and ``kvtier simulate`` replays it) and ``kvtier doctor`` reading the live server.  One
-server for the module: each tool reads only what its own requests did.  Its tests check what the
-tools record and report, never a latency, so they may run beside another engine test
-(``shares_cpu``); they form one ``xdist_group``, so that one worker runs them all and the server
-starts once (``make test``'s second phase distributes with ``--dist loadgroup``).
+server for the module: each tool reads only what its own requests did.
 """
 
 from __future__ import annotations
@@ -60,8 +57,6 @@ def server(tmp_path_factory, redis_server):
 
 
 @pytest.mark.engine
-@pytest.mark.shares_cpu
-@pytest.mark.xdist_group("record_live")
 def test_records_a_live_server_and_simulate_replays_it(server, tmp_path: Path):
     out = tmp_path / "live.jsonl"
     recorder = TraceRecorder(server.base_url, out, block_tokens=BLOCK, timeout_s=300).start()
@@ -116,8 +111,6 @@ def test_records_a_live_server_and_simulate_replays_it(server, tmp_path: Path):
 
 
 @pytest.mark.engine
-@pytest.mark.shares_cpu
-@pytest.mark.xdist_group("record_live")
 def test_a_batch_of_prompts_gets_one_line_per_prompt(server, tmp_path: Path):
     """Breaker F5: a list of prompts (strings, or token lists) was dropped as "could not tokenize"."""
     out = tmp_path / "batch.jsonl"
@@ -170,8 +163,6 @@ def _wait_for_first_scrape(log: Path, before: int, timeout_s: float = 60.0) -> N
 
 
 @pytest.mark.engine
-@pytest.mark.shares_cpu
-@pytest.mark.xdist_group("record_live")
 def test_doctor_reads_a_live_server(server, redis_server):
     """kvtier doctor between two scrapes of the live server, with the shared tier on a real
     redis-server: it reports the reuse that came back from kvtier, a closed breaker and no skipped
