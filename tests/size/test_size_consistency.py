@@ -14,6 +14,8 @@ from kvtier.audit.engine import audit
 from kvtier.audit.loader import load_configs
 from kvtier.audit.versions import parse_version
 from kvtier.cli.main import app
+from kvtier.cli.size_audit import audit_notes
+from kvtier.size.recipe import build_recipe
 
 runner = CliRunner()
 
@@ -133,8 +135,34 @@ def test_a_recipe_the_audit_would_flag_says_so_in_the_notes():
 def test_a_recipe_the_audit_refuses_says_refuses_not_warns():
     """tools tester: a kvtier recipe whose cpu tier holds less than one chunk of the model (Llama-3.1-8B,
     1,048,576-token chunks: 128 GiB each) is an audit error (``kvtier-cpu-tier-below-one-chunk``, the
-    connector refuses it at start-up); size's note said the audit "warns on" it."""
-    notes = size("--model", "meta-llama/Llama-3.1-8B", "--chunk-tokens", "1048576", "--offload-gib", "10")["notes"]
+    connector refuses it at start-up); size's note said the audit "warns on" it.  (size itself now
+    refuses such a recipe, below: the notes are read from the recipe directly.)"""
+    recipe = build_recipe("meta-llama/Llama-3.1-8B", 1, 10, chunk_tokens=1048576, gpu_memory_utilization=0.9)
+    notes = audit_notes(recipe, None)
     refused = [n for n in notes if n.startswith("kvtier audit --vllm-version") and "kvtier-cpu-tier-below-one-chunk" in n]
     assert refused and all(" refuses the kvtier config " in n for n in refused), notes
     assert not any(" warns on " in n and "kvtier-cpu-tier-below-one-chunk" in n for n in notes), notes
+
+
+@pytest.mark.parametrize(("tp", "offload_gib", "refused"), [(1, "10", True), (1, "127", True), (1, "128", False),
+                                                           (2, "10", True), (2, "128", False)])
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+def test_a_recipe_whose_cpu_tier_holds_less_than_one_chunk_is_refused_with_exit_2(tp, offload_gib, refused, as_json):
+    """docs/size.md § Errors: no recipe for an engine that would not start.  size printed a kvtier recipe
+    whose cpu tier (``--offload-gib 10``) holds less than one 1,048,576-token chunk of Llama-3.1-8B
+    (128 GiB a chunk at TP 1, 64 GiB a rank at TP 2), which the connector refuses at start-up, with
+    exit 0 and a note.  Now: one line naming the chunk and the least ``--offload-gib``, exit 2, nothing
+    on stdout, in text and JSON alike; at 128 GiB (exactly one chunk a rank) the recipe is printed."""
+    args = ["size", "--model", "meta-llama/Llama-3.1-8B", "--chunk-tokens", "1048576", "--offload-gib", offload_gib,
+            "--tp", str(tp)] + (["--json"] if as_json else [])
+    result = runner.invoke(app, args, env={"COLUMNS": "200"})
+    if not refused:
+        assert result.exit_code == 0, result.output
+        assert '"cpu_gib":128' in result.stdout.replace(" ", "").replace('\\"', '"')
+        return
+    assert result.exit_code == 2, result.output
+    assert result.stdout == ""
+    line, = result.stderr.strip().splitlines()
+    assert "smaller than one 1,048,576-token chunk of meta-llama/Llama-3.1-8B" in line, line
+    assert f"({128 * 2**30 // tp:,} bytes a rank at 2-byte KV)" in line, line
+    assert "--offload-gib of at least 128 " in line and "--chunk-tokens" in line, line

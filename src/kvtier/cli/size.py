@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import typing
 from collections.abc import Callable
 from dataclasses import replace
@@ -186,6 +187,9 @@ def _size(
                               others, gpu_memory_utilization, report.cpu_staging, len(report.groups) > 1, codec,
                               nvme_usable, kv_cache_dtype=cache_dtype)
     if recipe is not None:
+        if isinstance(chunk, int) and len(report.groups) <= 1:  # hybrid models: each group apart, not modelled
+            _refuse_below_one_chunk(recipe.cpu_gib, tp, chunk * report.kv_bytes_per_token_per_rank, chunk, model,
+                                    dep.dtype_bytes, offload_gib is not None)
         if served != model:
             report.notes.append(f"The configs serve {served}, the directory of --model {model}: vllm serve takes a "
                                 "model's directory (or hub id), not its config.json.")
@@ -216,6 +220,26 @@ def _size(
         print(json.dumps(payload, indent=2))
     else:
         print_report(report, recipe, note, weights, chosen=offload_gib is not None and offload_gib > 0)
+
+
+def _refuse_below_one_chunk(cpu_gib: float, tp: int, chunk_bytes: int, chunk_tokens: int, model: str,
+                            dtype_bytes: int, chosen: bool) -> None:
+    """Exit 2 (docs/size.md § Errors: no recipe for an engine that would not start) when the configs'
+    cpu tier gives a rank less than one chunk (``chunk_bytes``, one rank's): the connector refuses it
+    at start-up (``core/sizing.py`` ``cpu_capacity_bytes``), as the audit's
+    ``kvtier-cpu-tier-below-one-chunk`` rule says."""
+    from kvtier.core.config import GiB, KVTierConfig
+
+    have = KVTierConfig.from_dict({"cpu_gib": cpu_gib}).cpu_bytes_per_rank(tp)
+    if have >= chunk_bytes:
+        return
+    least = chunk_bytes * tp / GiB
+    per_rank = f", {have:,} bytes a rank at TP {tp}" if tp > 1 else ""
+    whose = "--offload-gib's" if chosen else "the recommended"
+    fail(f"{whose} cpu tier (cpu_gib {cpu_gib:g}{per_rank}) is smaller than one {chunk_tokens:,}-token chunk of "
+         f"{model} ({chunk_bytes:,} bytes a rank at {dtype_bytes}-byte KV), so the connector would refuse to start "
+         f"(every chunk passes through the cpu tier); give --offload-gib of at least {math.ceil(least):,} (better room "
+         "for hundreds of chunks) or a shorter --chunk-tokens (default 128).")
 
 
 def _chosen_tier(report: SizeReport, offload_gib: float, cpu_gib: float, disk_gib: float) -> None:
