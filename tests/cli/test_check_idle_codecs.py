@@ -27,7 +27,7 @@ def test_codecs_of_a_tier_not_configured_are_warned_about() -> None:
 
 
 def test_codecs_of_a_configured_tier_are_quiet(tmp_path) -> None:
-    code, lines = _check({"cpu_gib": 1, "disk_path": str(tmp_path), "disk_gib": 1,
+    code, lines = _check({"cpu_gib": 1, "disk_path": str(tmp_path), "disk_gib": 2,
                           "codecs": {"disk": ["blosc2-zstd-shuffle2"]}})
     assert code == 0 and lines == [], lines
 

@@ -39,7 +39,7 @@ def errors(cfg: dict[str, object] | str, block_size: int | None = None, block_di
 
 
 def test_a_good_config_has_no_problem(tmp_path):
-    cfg = transfer(extra={"cpu_gib": 0.5, "disk_path": str(tmp_path / "disk"), "disk_gib": 0.01})
+    cfg = transfer(extra={"cpu_gib": 0.01, "disk_path": str(tmp_path / "disk"), "disk_gib": 0.05})
     assert check_transfer_config(cfg, block_size=16) == []
 
 

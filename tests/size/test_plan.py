@@ -94,7 +94,7 @@ def test_round_total_gives_each_rank_whole_gib():
 
 @pytest.mark.parametrize("tp", [1, 2, 8])
 def test_three_dialects_state_the_same_total(tp):
-    recipe = build_recipe("org/model", tp, cpu_gib=197.8, disk_gib=50, disk_path="/nvme/kv")
+    recipe = build_recipe("org/model", tp, cpu_gib=197.8, disk_gib=500, disk_path="/nvme/kv")  # disk above cpu: no warning
     total = round_total(197.8, tp)
     # kvtier: JSON inside --kv-transfer-config, sizes are totals
     args = shlex.split(recipe.kvtier.replace("\\\n", " "))
@@ -104,7 +104,7 @@ def test_three_dialects_state_the_same_total(tp):
     from kvtier.integrations.vllm.preflight import check_transfer_config
     assert check_transfer_config(config, host_checks=False) == []  # the connector's pre-flight accepts it
     extra = config["kv_connector_extra_config"]
-    assert extra["cpu_gib"] == total and extra["disk_gib"] == round_total(50, tp)
+    assert extra["cpu_gib"] == total and extra["disk_gib"] == round_total(500, tp)
     assert extra["disk_path"] == "/nvme/kv" and extra["chunk_tokens"] == 128
     # vLLM native: --kv-offloading-size is the TP-wide total
     native = shlex.split(recipe.vllm_native.split("\n#")[0].replace("\\\n", " "))

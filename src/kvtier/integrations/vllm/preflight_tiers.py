@@ -185,6 +185,24 @@ def node_pool_problems(key: str, config: KVTierConfig) -> list[Problem]:
                     "(kvtier node serve --node-gib, and node_gib here; docs/node.md § Sizing)")] if said else []
 
 
+def disk_tier_not_above_cpu_tier(key: str, config: KVTierConfig) -> list[Problem]:
+    """A write-through disk tier (the default ``write_mode``) no larger than the cpu tier, as a warning
+    on ``disk_gib``: the disk tier takes every chunk the cpu tier takes (docs/size.md § Inclusive
+    tiers), so while the engine runs it holds little the cpu tier does not, and the GiB the operator
+    gave it add almost no hits; it still keeps chunks across a restart.  Write-back (the disk takes
+    what the cpu tier evicts) is not warned about."""
+    disk = next((spec.name for spec in registry.BUILTIN if "disk_path" in spec.keys), None)  # the tier disk_gib sizes
+    if not (config.disk_path and config.disk_gib > 0 and disk in config.tiers) \
+            or config.write_mode != "write-through" or config.disk_gib > config.cpu_gib:
+        return []
+    return [Problem("warning", f"{key}.disk_gib",
+                    f"disk_gib {config.disk_gib:g} is not larger than cpu_gib {config.cpu_gib:g} with write_mode "
+                    "write-through (the default): the disk tier takes every chunk the cpu tier takes, so while the "
+                    "engine runs it holds little the cpu tier does not and adds almost no hits (it does keep "
+                    "chunks across a restart); make disk_gib several times cpu_gib, or set write_mode to "
+                    "write-back (docs/size.md § Inclusive tiers)")]
+
+
 MIN_KV_BYTES_PER_TOKEN = 64
 """The least KV bytes one token can take in any model vLLM runs, bytes: one layer, K and V, one KV
 head of 32 (the smallest head size of vLLM's CPU and ROCm attention backends,
