@@ -19,7 +19,7 @@ def test_a_full_disk_is_named_as_failed_writes_not_as_the_time_limit(small_files
         report = flush_on_stop(store, timeout_s=10)
         assert (report.written, report.failed, report.missed) == (0, 5, 0)
         assert report.error == "No space left on device"
-        level, line = flush_line(report, 0, CHUNK_BYTES, 10)
+        level, line = flush_line(report, "rank 0", CHUNK_BYTES, 10)
         assert level == logging.WARNING
         assert line.startswith("kvtier: rank 0 shutdown flush wrote 0 dirty chunks to disk in ")
         assert "; 5 (0.0 MiB) failed to write (No space left on device: the disk is full or unwritable" in line
@@ -27,9 +27,9 @@ def test_a_full_disk_is_named_as_failed_writes_not_as_the_time_limit(small_files
         filler.unlink()
         report = flush_on_stop(store, timeout_s=0)  # room again, but no time: the limit is to blame
         assert (report.written, report.failed, report.missed) == (0, 0, 5)
-        _level, line = flush_line(report, 0, CHUNK_BYTES, 0)
+        _level, line = flush_line(report, "rank 0", CHUNK_BYTES, 0)
         assert "5 (0.0 MiB) missed shutdown_flush_s=0 and are lost" in line and "failed to write" not in line
         assert flush_on_stop(store, timeout_s=10)[:3] == (5, 0, 0)
-        assert flush_line(flush_on_stop(store, 10), 0, CHUNK_BYTES, 10)[0] == logging.INFO
+        assert flush_line(flush_on_stop(store, 10), "rank 0", CHUNK_BYTES, 10)[0] == logging.INFO
     finally:
         store.close()

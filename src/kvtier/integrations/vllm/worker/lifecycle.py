@@ -23,13 +23,13 @@ from kvtier.integrations.vllm.worker.shutdownflush import flush_line, flush_on_s
 log = logging.getLogger(__name__)
 
 
-def clear_for_reset(store: TieredStore, order: ResetOrder, rank: int) -> None:
+def clear_for_reset(store: TieredStore, order: ResetOrder, rank: str) -> None:
     """Clear ``order.tiers`` of ``store``; a tier that could not be cleared whole is logged (the
     scheduler has already answered vLLM)."""
     t0 = time.monotonic()
     results = store.clear(order.tiers)
     problems = [f"{tier}: {r.reason}" for tier, r in results.items() if not r.ok]
-    log.info("kvtier: rank %d reset %d cleared %s in %.2f s%s", rank, order.epoch,
+    log.info("kvtier: %s reset %d cleared %s in %.2f s%s", rank, order.epoch,
              ", ".join(f"{tier} ({len(r.keys)} chunks)" for tier, r in results.items()) or "nothing",
              time.monotonic() - t0, f"; not whole: {'; '.join(problems)}" if problems else "")
 
@@ -46,7 +46,7 @@ def stop_loads(pool: ThreadPoolExecutor, outcomes: Outcomes, timeout_s: float) -
 
 
 def stop_rank(store: TieredStore, layer_loads: LayerLoads | None, saver: SaveQueue | None, config: KVTierConfig,
-              rank: int) -> None:
+              rank: str) -> None:
     """After the loader stopped: drain the layerwise loads, close the deferred saves, flush dirty
     chunks to disk within ``shutdown_flush_s``, stop the store."""
     if layer_loads is not None:
@@ -59,5 +59,5 @@ def stop_rank(store: TieredStore, layer_loads: LayerLoads | None, saver: SaveQue
     t1 = time.monotonic()
     store.close(timeout_s=max(config.shutdown_flush_s - flushed.seconds, 1.0))
     if time.monotonic() - t1 > 1.0:  # vLLM sends SIGTERM after VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5)
-        log.warning("kvtier: rank %d store close (queued writes, tier threads) took %.1f s", rank, time.monotonic() - t1)
+        log.warning("kvtier: %s store close (queued writes, tier threads) took %.1f s", rank, time.monotonic() - t1)
     skip_exit_collection()  # the worker process exits within a second of the flush: process_exit

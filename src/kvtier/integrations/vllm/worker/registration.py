@@ -47,6 +47,20 @@ def tp_rank() -> int:
         return 0
 
 
+def rank_name(parallel_config: Any, rank: int) -> str:
+    """How this worker's log lines name it: ``rank R`` (its tensor-parallel rank), and, where the engine
+    is one of several data-parallel engines, ``rank R (data-parallel rank D)``: both engines of
+    ``--data-parallel-size 2`` have a rank 0.  ``D`` is vLLM's ``data_parallel_index``, which keeps the
+    engine's place where vLLM reconfigures a dense model's engines as independent ones of DP 1
+    (vllm/v1/engine/core.py ``run_engine_core``, ``ParallelConfig.reconfigure_for_independent_dp_rank``);
+    so data-parallel engine 0 of a dense model reads ``rank R``."""
+    index = getattr(parallel_config, "data_parallel_index", None)
+    dp_rank = int(index if index is not None else getattr(parallel_config, "data_parallel_rank", 0) or 0)
+    if dp_rank or int(getattr(parallel_config, "data_parallel_size", 1) or 1) > 1:
+        return f"rank {rank} (data-parallel rank {dp_rank})"
+    return f"rank {rank}"
+
+
 def _backend_name(vllm_config: Any, layer_name: str) -> str:
     ctx = getattr(vllm_config.compilation_config, "static_forward_context", {}) or {}
     backend = getattr(ctx.get(layer_name), "attn_backend", None)

@@ -38,9 +38,10 @@ def flush_on_stop(store: TieredStore, timeout_s: float) -> FlushReport:
     return FlushReport(written, failed, lost - failed, error, seconds)
 
 
-def flush_line(report: FlushReport, rank: int, chunk_bytes: int, timeout_s: float) -> tuple[int, str]:
-    """``(logging level, message)`` of ``report`` for rank ``rank``."""
-    head = f"kvtier: rank {rank} shutdown flush wrote {report.written} dirty chunks to disk in {report.seconds:.1f} s"
+def flush_line(report: FlushReport, rank: str, chunk_bytes: int, timeout_s: float) -> tuple[int, str]:
+    """``(logging level, message)`` of ``report`` for the worker named ``rank`` (``rank 0``;
+    :func:`~kvtier.integrations.vllm.worker.registration.rank_name`)."""
+    head = f"kvtier: {rank} shutdown flush wrote {report.written} dirty chunks to disk in {report.seconds:.1f} s"
     if not report.failed and not report.missed:
         return logging.INFO, head
 

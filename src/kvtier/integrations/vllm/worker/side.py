@@ -29,7 +29,7 @@ from kvtier.integrations.vllm.worker.layerwise import LayerLoads
 from kvtier.integrations.vllm.worker.layout import KVLayout
 from kvtier.integrations.vllm.worker.lifecycle import clear_for_reset, stop_loads, stop_rank
 from kvtier.integrations.vllm.worker.loader import LoadPath, job_keys
-from kvtier.integrations.vllm.worker.registration import Registered, key_root, register, tp_rank
+from kvtier.integrations.vllm.worker.registration import Registered, key_root, rank_name, register, tp_rank
 from kvtier.integrations.vllm.worker.saves import SaveQueue, save_jobs
 from kvtier.integrations.vllm.worker.syncload import load_layers, load_now
 
@@ -55,6 +55,7 @@ class WorkerSide:
     def __init__(self, vllm_config: Any, kv_cache_config: Any, config: KVTierConfig) -> None:
         self._init(config, vllm_config.parallel_config.tensor_parallel_size, tp_rank(),
                    groups_from_kv_cache_config(kv_cache_config))
+        self.rank_name = rank_name(vllm_config.parallel_config, self.tp_rank)  # log lines: + a data-parallel rank
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
 
@@ -75,6 +76,7 @@ class WorkerSide:
         self.chunk_tokens: int = config.chunk_tokens
         self.tp_size = tp_size
         self.tp_rank = rank
+        self.rank_name = f"rank {rank}"
         self.store: TieredStore | None = None
         self.loader: AsyncLoader | None = None
         self.layout: KVLayout | None = None
@@ -138,7 +140,7 @@ class WorkerSide:
         if meta.reset is not None:
             if self.saver is not None:  # nothing saved before the order is published after it
                 self.saver.wait_for(None, BLOCKS_BACK_WAIT_S)
-            clear_for_reset(self.store, meta.reset, self.tp_rank)  # (the module docstring)
+            clear_for_reset(self.store, meta.reset, self.rank_name)  # (the module docstring)
             self.reset_epoch = meta.reset.epoch
         if self.layer_loads is not None:
             self.layer_loads.poll()
@@ -306,7 +308,7 @@ class WorkerSide:
         self.finisher.close()
         if self.loader is not None:
             self.loader.shutdown()
-        stop_rank(self.store, self.layer_loads, self.saver, self.config, self.tp_rank)
+        stop_rank(self.store, self.layer_loads, self.saver, self.config, self.rank_name)
 
 class AsyncLoader:
     """The engine thread's end of the asynchronous loads: hands each :class:`LoadJob` to a bounded
