@@ -253,6 +253,10 @@ CASES: dict[str, tuple[tuple[str, str | None], tuple[str, str | None]]] = {
                                 (pod(), None)),
     "kvtier-disk-volume-unfit": ((pod(read_only=True), V), (pod(), V)),
     "kvtier-cpu-tier-over-memory-limit": ((pod(memory="20Gi"), V), (pod(memory="24Gi"), V)),
+    # a write-through disk tier no larger than the cpu tier (the default write_mode): it adds almost no hits
+    "kvtier-disk-tier-not-above-cpu-tier": (
+        (kvtier_line(cpu_gib=16, disk_path="/nvme/kv", disk_gib=16), V),
+        (kvtier_line(cpu_gib=16, disk_path="/nvme/kv", disk_gib=16, write_mode="write-back"), V)),
     # the shared pool below one engine's own cpu tier (cpu_gib 16)
     "kvtier-node-pool-below-working-set": ((pod(node_gib=8), V), (pod(node_gib=16), V)),
     # the pool's memory volume (beside node_socket) below node_gib; the host's /dev/shm (a hostPath) says no size

@@ -1,7 +1,9 @@
 """A write-through disk tier no larger than the cpu tier (note21's leftover): the disk tier takes every
 chunk the cpu tier takes (docs/size.md § Inclusive tiers), so while the engine runs it adds almost no
 hits, yet ``kvtier check`` said "ok" with no warning and ``kvtier audit`` passed the serve line.  Both
-now warn, with one sentence, on ``disk_gib``; write-back, a larger disk tier, or no disk tier are quiet."""
+now warn, with one sentence, on ``disk_gib`` (the audit under a rule of its own, not inside
+``kvtier-config-warning``); write-back, a larger disk tier, or no disk tier are quiet.  ``kvtier
+size``, whose own note says it of an ``--offload-gib`` split, does not repeat it as an audit note."""
 
 from __future__ import annotations
 
@@ -44,5 +46,17 @@ def test_check_and_audit_warn_on_a_write_through_disk_tier_not_above_the_cpu_tie
     sentence = said[0].split("disk_gib: ", 1)[1]
     assert sentence.startswith(f"disk_gib {extra['disk_gib']:g} is not larger than cpu_gib 8 with write_mode "
                                "write-through") and "write-back" in sentence, sentence
-    assert [rule for rule, _m in found] == ["kvtier-config-warning"], found
-    assert sentence in found[0][1], (sentence, found)
+    assert [rule for rule, _m in found] == ["kvtier-disk-tier-not-above-cpu-tier"], found  # its own rule, once
+    assert sentence.startswith(found[0][1].rstrip(".") + "; "), (sentence, found)
+    assert f"the cache holds about 8 GiB, not {8 + extra['disk_gib']:g}" in sentence, sentence
+
+
+def test_size_states_a_split_whose_disk_tier_is_not_above_the_cpu_tier_once():
+    """``--offload-gib 80 --host-ram-gib 80`` splits into 48 GiB of DRAM and 32 of disk: size's own note
+    says the cache is the cpu tier's; the audit's finding on its recipe is not added as a second note."""
+    result = CliRunner().invoke(app, ["size", "--model", "meta-llama/Llama-3.1-8B", "--offload-gib", "80",
+                                      "--host-ram-gib", "80", "--json"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    notes = json.loads(result.stdout)["notes"]
+    said = [n for n in notes if "no larger than the cpu tier" in n or "is not larger than cpu_gib" in n]
+    assert len(said) == 1 and said[0].startswith("The disk tier (32 GiB) is no larger than the cpu tier (48 GiB)"), notes

@@ -169,12 +169,15 @@ def _size(
     except UserError as exc:
         fail(str(exc))
     recipe, served, asked = None, _served_model(model), None
+    said_rules: tuple[str, ...] = ()  # audit rules whose finding a note of size's own already states
     # the engine runs --kv-dtype fp8 only when told: without the flag its KV is the model's dtype, twice the bytes
     cache_dtype = (kv_dtype.strip().lower() if kv_dtype.strip().lower().startswith("fp8_") else "fp8") \
         if dtype == "fp8" else None
     nvme_usable = usable_nvme_gib(nvme_gib) if nvme_gib is not None else None  # LMCache's uncompressed disk
     if offload_gib is not None and offload_gib > 0:
         split = split_tier(offload_gib, host_ram_gib, dep.reserve_gib, tp, node_gib)
+        if 0 < split.disk_gib <= split.cpu_gib:  # split's own note says so, with the cache's size: not twice
+            said_rules = ("kvtier-disk-tier-not-above-cpu-tier",)
         _chosen_tier(report, offload_gib, split.cpu_gib, split.disk_gib)
         report.notes.extend(split.notes)
         asked = offload_gib
@@ -200,7 +203,7 @@ def _size(
                                 f"tier) = {total:,} GiB: the {asked:,.2f} GiB above rounded up to whole GiB{per_rank}.")
         report.notes.extend(chunk_notes(chunk) if isinstance(chunk, int) else [])
         report.notes.extend([chunk_note] if chunk_note else [])
-        report.notes.extend(audit_notes(recipe, found_gpu.name if found_gpu is not None else None))
+        report.notes.extend(audit_notes(recipe, found_gpu.name if found_gpu is not None else None, said_rules))
     elif offload_gib is not None:  # --offload-gib 0: the size chosen is no tier
         report.notes.append("--offload-gib 0 asks for no offload tier, so there is no config to print.")
     elif report.recommended_offload_gib is None:

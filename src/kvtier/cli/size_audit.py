@@ -8,6 +8,7 @@ prints what it would warn about as a note, so a recipe is never silently one the
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -28,10 +29,11 @@ def recipe_findings(text: str, gpu: str | None, version: str) -> list[Finding]:
     return [f for f in audit(configs) if f.severity in ("warning", "error")]
 
 
-def audit_notes(recipe: Recipe, gpu: str | None) -> list[str]:
+def audit_notes(recipe: Recipe, gpu: str | None, said: Collection[str] = ()) -> list[str]:
     """One note per rule the audit would raise on a recipe of ``recipe`` (kvtier, vLLM native, LMCache),
     naming the recipe, the releases, whether the audit warns on it or refuses it (an error), and the
-    audit's message; [] when all are clean."""
+    audit's message; [] when all are clean.  Rules in ``said`` are left out (a note of size's own
+    states them already)."""
     from kvtier.integrations.vllm.compat import CHECKED_RELEASES
 
     seen: dict[tuple[str, str], list[str]] = {}
@@ -42,6 +44,8 @@ def audit_notes(recipe: Recipe, gpu: str | None) -> list[str]:
             continue
         for release in CHECKED_RELEASES:
             for finding in recipe_findings(text, gpu, release.version):
+                if finding.rule in said:
+                    continue
                 key = (title, finding.rule)
                 seen.setdefault(key, []).append(release.version)
                 messages[key] = f"{finding.message} Fix: {finding.fix}"

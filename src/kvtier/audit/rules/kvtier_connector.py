@@ -37,6 +37,7 @@ def kvtier_config_invalid(c: ServeConfig) -> str | None:
 def kvtier_config_warning(c: ServeConfig) -> str | None:
     from kvtier.audit.rules.node_pool import kvtier_node_pool_below_working_set
     from kvtier.audit.rules.releases import kvtier_chunk_tokens_block_size
+    from kvtier.audit.rules.tiers import kvtier_disk_tier_not_above_cpu_tier
     from kvtier.integrations.vllm.preflight import advice_problems
 
     transfer = c.kv_transfer_config
@@ -45,10 +46,12 @@ def kvtier_config_warning(c: ServeConfig) -> str | None:
     # reported by rules of their own: the load failure policy, the tiers' advice, v0.34's block size
     own = {p.message for p in advice_problems(transfer, environ=c.env)}
     node_rule = kvtier_node_pool_below_working_set(c)  # the node pool's size: a rule of its own too
+    disk_rule = kvtier_disk_tier_not_above_cpu_tier(c)  # and the disk tier's size against the cpu tier's
     block_rule = kvtier_chunk_tokens_block_size(c) is not None
     warnings = [p.message for p in _problems(c) if p.severity == "warning" and p.message not in own
                 and p.key != "kv_load_failure_policy" and not (block_rule and p.key.endswith("chunk_tokens"))
-                and not (node_rule and p.message.startswith(node_rule.rstrip(".")))]
+                and not (node_rule and p.message.startswith(node_rule.rstrip(".")))
+                and not (disk_rule and p.message.startswith(disk_rule.rstrip(".")))]
     return "; ".join(warnings) + "." if warnings else None
 
 

@@ -221,3 +221,22 @@ def kvtier_cpu_tier_below_one_chunk(c: ServeConfig) -> str | None:
             f"chunk of {c.model} ({chunk:,} bytes a rank at {dtype_bytes}-byte KV), so the connector refuses to "
             f"start (every chunk passes through the cpu tier); at least {chunk * c.tp / GIB:.4g} GiB, better hundreds "
             "of chunks.")
+
+
+@rule("kvtier-disk-tier-not-above-cpu-tier", "warning", "write-through kvtier disk tier no larger than its cpu tier",
+      "Make disk_gib several times cpu_gib, or set write_mode to write-back (the disk tier then takes what the cpu "
+      "tier evicts).", "kvtier docs/size.md § Inclusive tiers", locate="disk_gib")
+def kvtier_disk_tier_not_above_cpu_tier(c: ServeConfig) -> str | None:
+    """:func:`~kvtier.integrations.vllm.preflight_tiers.disk_not_above_cpu` of the serve line's kvtier
+    settings (``kvtier check`` warns with the same sentence); a config kvtier refuses says nothing here."""
+    from kvtier.integrations.vllm.preflight_tiers import disk_not_above_cpu
+
+    extra = kvtier_settings(c)
+    if extra is None:
+        return None
+    try:
+        config = KVTierConfig.from_dict(dict(extra))
+    except (ConfigError, ValueError, TypeError):
+        return None  # a bad value: kvtier's own config rule reports it
+    said = disk_not_above_cpu(config)
+    return f"{said}." if said else None

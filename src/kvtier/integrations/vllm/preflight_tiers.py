@@ -185,22 +185,32 @@ def node_pool_problems(key: str, config: KVTierConfig) -> list[Problem]:
                     "(kvtier node serve --node-gib, and node_gib here; docs/node.md § Sizing)")] if said else []
 
 
-def disk_tier_not_above_cpu_tier(key: str, config: KVTierConfig) -> list[Problem]:
-    """A write-through disk tier (the default ``write_mode``) no larger than the cpu tier, as a warning
-    on ``disk_gib``: the disk tier takes every chunk the cpu tier takes (docs/size.md § Inclusive
-    tiers), so while the engine runs it holds little the cpu tier does not, and the GiB the operator
-    gave it add almost no hits; it still keeps chunks across a restart.  Write-back (the disk takes
-    what the cpu tier evicts) is not warned about."""
+def disk_not_above_cpu(config: KVTierConfig) -> str | None:
+    """The sentence of a write-through disk tier (the default ``write_mode``) no larger than the cpu
+    tier, or None when the disk tier does not run, is larger, or is write-back (it takes what the cpu
+    tier evicts).  The disk tier takes every chunk the cpu tier takes (docs/size.md § Inclusive tiers),
+    so while the engine runs the stack holds about the cpu tier's chunks and the disk tier's GiB add
+    almost no hits; it still keeps chunks across a restart.  ``kvtier check`` and ``kvtier audit``'s
+    ``kvtier-disk-tier-not-above-cpu-tier`` say the same."""
     disk = next((spec.name for spec in registry.BUILTIN if "disk_path" in spec.keys), None)  # the tier disk_gib sizes
     if not (config.disk_path and config.disk_gib > 0 and disk in config.tiers) \
             or config.write_mode != "write-through" or config.disk_gib > config.cpu_gib:
-        return []
-    return [Problem("warning", f"{key}.disk_gib",
-                    f"disk_gib {config.disk_gib:g} is not larger than cpu_gib {config.cpu_gib:g} with write_mode "
-                    "write-through (the default): the disk tier takes every chunk the cpu tier takes, so while the "
-                    "engine runs it holds little the cpu tier does not and adds almost no hits (it does keep "
-                    "chunks across a restart); make disk_gib several times cpu_gib, or set write_mode to "
-                    "write-back (docs/size.md § Inclusive tiers)")]
+        return None
+    return (f"disk_gib {config.disk_gib:g} is not larger than cpu_gib {config.cpu_gib:g} with write_mode "
+            "write-through (the default): the disk tier takes every chunk the cpu tier takes, so while the engine "
+            f"runs the cache holds about {config.cpu_gib:g} GiB, not {config.cpu_gib + config.disk_gib:g}, and the "
+            "disk tier adds almost no hits (it does keep chunks across a restart)")
+
+
+DISK_NOT_ABOVE_CPU_FIX = ("make disk_gib several times cpu_gib, or set write_mode to write-back (docs/size.md § "
+                          "Inclusive tiers)")
+"""What :func:`disk_not_above_cpu`'s sentence is followed by."""
+
+
+def disk_tier_not_above_cpu_tier(key: str, config: KVTierConfig) -> list[Problem]:
+    """:func:`disk_not_above_cpu` as a warning on ``disk_gib``."""
+    said = disk_not_above_cpu(config)
+    return [Problem("warning", f"{key}.disk_gib", f"{said}; {DISK_NOT_ABOVE_CPU_FIX}")] if said else []
 
 
 MIN_KV_BYTES_PER_TOKEN = 64
