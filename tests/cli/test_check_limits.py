@@ -93,6 +93,11 @@ def test_a_chunk_tokens_the_default_block_sizes_do_not_divide_qualifies_the_verd
     assert fits.exit_code == 0 and fits.output.splitlines()[-1] == "ok: vLLM would start with this KVTierConnector config."
     as_json = json.loads(CliRunner().invoke(app, ["check", "--offline", "--json", json.dumps(transfer)]).output)
     assert [p.get("only_if") for p in as_json["problems"]] == ["the server's --block-size divides chunk_tokens=100"]
+    # JSON carries the text's verdict: it marked the conditional result only inside the problem (note 21)
+    assert as_json["ok"] is True and as_json["verdict"] == "conditional", as_json
+    for args, verdict in ((["--block-size", "4"], "ok"), (["--block-size", "16"], "error")):
+        said = CliRunner().invoke(app, ["check", "--offline", "--json", *args, json.dumps(transfer)])
+        assert json.loads(said.output)["verdict"] == verdict, said.output
 
 
 def test_the_size_a_floor_problem_suggests_holds_hundreds_of_the_chunks_it_names() -> None:

@@ -129,7 +129,11 @@ def check_command(
         names_kvtier = uses_kvtier(transfer)
     errors = [p for p in problems if p.severity == "error"]
     if as_json:
-        print(json.dumps({"ok": not errors and (names_kvtier or bool(problems)),
+        ok = not errors and (names_kvtier or bool(problems))
+        # the text's last line's first word: a warning that is a refusal on some servers (only_if)
+        # qualifies the verdict, as "conditional: ... only if ..." does in text
+        verdict = "error" if not ok else "conditional" if any(p.only_if for p in problems) else "ok"
+        print(json.dumps({"ok": ok, "verdict": verdict,
                           "supported_vllm": SUPPORTED_RANGE, "installed_vllm": installed,
                           "problems": [{"severity": p.severity, "key": p.key, "message": p.message,
                                         **({"only_if": p.only_if} if p.only_if else {})} for p in problems],
