@@ -88,7 +88,13 @@ def _size(
     from kvtier.size.context import check_context
     from kvtier.size.hardware import GPUS, find_gpu
     from kvtier.size.plan import check_engine_starts, check_finite, split_tier
-    from kvtier.size.recipe import DEFAULT_CHUNK_TOKENS, chunk_notes, recipe_chunk_tokens, tier_recipes
+    from kvtier.size.recipe import (
+        DEFAULT_CHUNK_TOKENS,
+        chunk_notes,
+        recipe_chunk_tokens,
+        round_total,
+        tier_recipes,
+    )
 
     if list_presets:
         print_presets()
@@ -176,6 +182,14 @@ def _size(
     nvme_usable = usable_nvme_gib(nvme_gib) if nvme_gib is not None else None  # LMCache's uncompressed disk
     if offload_gib is not None and offload_gib > 0:
         split = split_tier(offload_gib, host_ram_gib, dep.reserve_gib, tp, node_gib)
+        # the NVMe the disk tier may take, in whole GiB a rank (×R with a codec): the connector refuses more
+        disk_room = math.floor(usable_nvme_gib(dep.nvme_gib) / tp) * tp if dep.nvme_gib is not None else None
+        if disk_room is not None and round_total(split.disk_gib, tp) > disk_room:
+            zip_text = f", × the {ratios[DISK].ratio:g} compression ratio" if DISK in ratios else ""
+            fail(f"--offload-gib {offload_gib:g} puts {round_total(split.disk_gib, tp):g} GiB on the disk tier (what "
+                 f"the {split.cpu_gib:g} GiB cpu tier cannot hold), more than the {disk_room:g} GiB of chunks --nvme-gib "
+                 f"{nvme_gib:g} may take (1/1.1 of it{zip_text}, whole GiB on each of {tp} rank(s)); give --offload-gib "
+                 f"{split.cpu_gib + disk_room:g} or less, or a larger --nvme-gib.")
         if 0 < split.disk_gib <= split.cpu_gib:  # split's own note says so, with the cache's size: not twice
             said_rules = ("kvtier-disk-tier-not-above-cpu-tier",)
         _chosen_tier(report, offload_gib, split.cpu_gib, split.disk_gib)

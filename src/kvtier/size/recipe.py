@@ -176,15 +176,19 @@ def build_recipe(model: str, tp: int, cpu_gib: float, disk_gib: float = 0.0,
     ``(codec, R)``: kvtier's disk tier compresses with that codec (``codecs: {disk: [codec]}``), so its
     ``disk_gib`` is ``disk_gib`` / R; LMCache's disk (it runs no kvtier codec) holds ``disk_gib`` of
     uncompressed chunks, at most ``nvme_usable_gib`` (the NVMe the disk tier may take; None: no cap)
-    rounded down to whole GiB per rank: R× the NVMe in uncompressed bytes would not fit on it.
+    rounded down to whole GiB per rank: R× the NVMe in uncompressed bytes would not fit on it; kvtier's
+    ``disk_gib`` is rounded up to whole GiB per rank, but not past that room either.
     ``kv_cache_dtype``: vLLM's ``--kv-cache-dtype`` the sizes assume (``fp8``), written on every line;
     None: the engine's default (``auto``, the model's dtype)."""
     cpu, disk = round_total(cpu_gib, tp), round_total(disk_gib, tp)
     payload = chunks = disk  # what LMCache's disk holds: it runs no kvtier codec
-    if nvme_usable_gib is not None:
-        payload = min(payload, math.floor(nvme_usable_gib / tp) * tp)
+    room = math.floor(nvme_usable_gib / tp) * tp if nvme_usable_gib is not None else None
+    if room is not None:
+        payload = min(payload, room)
     if disk and disk_codec is not None:  # kvtier's disk stores the payload in 1/R (codecs: {disk: [CODEC]})
         disk = round_total(disk_gib / disk_codec[1], tp)
+    if room:  # rounding up must not take the disk past the NVMe (kvtier audit: kvtier-disk-volume-unfit)
+        disk = min(disk, room)
     base = (f"vllm serve {shlex.quote(model)}" + (f" --tensor-parallel-size {tp}" if tp > 1 else "")
             + (f" --gpu-memory-utilization {gpu_memory_utilization:g}" if gpu_memory_utilization is not None else "")
             + (f" --kv-cache-dtype {kv_cache_dtype}" if kv_cache_dtype else ""))
