@@ -55,3 +55,21 @@ def test_offload_gib_past_the_drive_is_refused_with_a_size_that_is_accepted():
     assert ok.exit_code == 0, ok.output
     recipe = json.loads(ok.stdout)["recipe"]
     assert recipe["cpu_gib"] == 16 and recipe["disk_gib"] == 90 and recipe["disk_gib"] * 1.1 <= 100
+
+
+def no_room(model: str, tp: str, *args: str) -> str | None:
+    result = runner.invoke(app, ["size", "--model", model, "--tp", tp, "--gpu", "H200", "--context", "32768",
+                                 "--sessions", "100", "--host-ram-gib", "1", *args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)["offload_no_room"]
+
+
+def test_no_room_suggests_nvme_only_where_a_disk_tier_would_be_sized():
+    """Seen: Qwen3-235B at TP 8 on 1 GiB of host RAM said 'give --nvme-gib for a disk tier', and with
+    --nvme-gib 4000 it still had no room (a chunk loads from a 7 GB/s disk slower than it recomputes)."""
+    slow = no_room("Qwen/Qwen3-235B-A22B", "8")
+    assert slow is not None and "--nvme-gib" not in slow, slow
+    assert no_room("Qwen/Qwen3-235B-A22B", "8", "--nvme-gib", "4000") is not None  # so it was no fix
+    fast = no_room("meta-llama/Llama-3.1-8B", "2")
+    assert fast is not None and "give --nvme-gib for a disk tier" in fast, fast
+    assert no_room("meta-llama/Llama-3.1-8B", "2", "--nvme-gib", "4000") is None  # the fix it names works

@@ -358,7 +358,7 @@ def _recommend(report: SizeReport, budget: int, dep: Deployment, warm_bytes: int
                     f"the DRAM the cpu tier may take ({room_text(dep.host_ram_gib, dep.reserve_gib, dep.node_gib)}) "
                     f"is not larger than the engine's KV cache ({budget / GIB:,.4g} GiB)")
             fix = "give --nvme-gib for a disk tier, add host RAM or lower --host-reserve-gib" \
-                if dep.nvme_gib is None else "add host RAM or lower --host-reserve-gib (the notes say why no disk tier)"
+                if dep.nvme_gib is None and not slower else "add host RAM or lower --host-reserve-gib (the notes say why no disk tier)"
             report.offload_no_room = f"{room}; {fix}"
         return
     report.cpu_gib, report.disk_gib, report.cpu_staging = tiers.cpu_gib, tiers.disk_gib, tiers.staging
