@@ -73,3 +73,12 @@ def test_no_room_suggests_nvme_only_where_a_disk_tier_would_be_sized():
     fast = no_room("meta-llama/Llama-3.1-8B", "2")
     assert fast is not None and "give --nvme-gib for a disk tier" in fast, fast
     assert no_room("meta-llama/Llama-3.1-8B", "2", "--nvme-gib", "4000") is None  # the fix it names works
+
+
+def test_a_host_whose_reserves_take_all_its_ram_is_not_written_as_a_false_subtraction():
+    """Seen: --host-ram-gib 40 at TP 2 (48 GiB reserved) noted 'usable host RAM (0 GiB = 40 − 48 reserved)'."""
+    result = size("--offload-gib", "300", "--host-ram-gib", "40")
+    assert result.exit_code == 0, result.output
+    assert "0 GiB = 40 − 48 reserved" not in result.output
+    assert "0 GiB = max(0, 40 − 48 reserved)" in result.output, result.output
+    assert "208 GiB = 256 − 48 reserved" in size("--offload-gib", "300", "--host-ram-gib", "256").output

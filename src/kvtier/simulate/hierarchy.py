@@ -92,12 +92,14 @@ def cpu_room_gib(host_ram_gib: float | None, reserve_gib: float, node_gib: float
 
 def room_text(host_ram_gib: float | None, reserve_gib: float, node_gib: float | None, reserve_why: str = "") -> str:
     """How :func:`cpu_room_gib` came out, for a note: ``464 GiB = 512 − 48 reserved`` (then ``reserve_why``;
+    ``0 GiB = max(0, 40 − 48 reserved)`` when the reserves take it all;
     with a pool: ``− 128 node pool``, and ``, at most the 128 GiB node pool ...``)."""
     room = cpu_room_gib(host_ram_gib, reserve_gib, node_gib)
     text = f"{gib_text(room or 0.0)} GiB"
-    if host_ram_gib is not None:
-        text += f" = {gib_text(host_ram_gib)} − {gib_text(reserve_gib)} reserved{reserve_why}"
-        text += f" − {gib_text(node_gib)} node pool" if node_gib else ""
+    if host_ram_gib is not None:  # none left: max(0, …), not '0 GiB = 40 − 48 reserved'
+        short = host_ram_gib < reserve_gib + (node_gib or 0.0)
+        text += f" = {'max(0, ' if short else ''}{gib_text(host_ram_gib)} − {gib_text(reserve_gib)} reserved{reserve_why}"
+        text += (f" − {gib_text(node_gib)} node pool" if node_gib else "") + (")" if short else "")
     if node_gib and room == node_gib:
         text += f"{',' if host_ram_gib is not None else ':'} at most the {gib_text(node_gib)} GiB node pool, which must hold one engine's cpu tier"
         half = usable_dram_gib(host_ram_gib, reserve_gib) / 2 if host_ram_gib is not None else 0.0
