@@ -97,13 +97,22 @@ def _gpus(c: ServeConfig) -> int:
 
 def _engine_gib(c: ServeConfig, model: ResolvedModel | None, memory_gib: float) -> float | None:
     """The engine's KV cache on GPUs of ``memory_gib``, GiB across all of them; None when it cannot be computed."""
-    if model is None:
+    if model is None or _tp_problem(c, model) is not None:  # kvtier size refuses it: no figure to claim
         return None
     util = c.number("--gpu-memory-utilization")
     util = util if util is not None and 0 < util <= 1 else DEFAULT_GPU_MEMORY_UTILIZATION
     budget = hbm_kv_budget_bytes(Deployment(tp=_gpus(c), gpu_memory_gib=memory_gib, gpu_memory_utilization=util,
                                             weights_gib=model.weights_gib))
     return None if budget is None else budget / GIB
+
+
+def _tp_problem(c: ServeConfig, model: ResolvedModel) -> str | None:
+    """Why vLLM (and kvtier size) refuse ``c``'s TP size for ``model``, one sentence; None when they do not."""
+    try:
+        model.geometry.check_tp(c.tp)
+    except UserError as exc:
+        return str(exc)
+    return None
 
 
 def _pinned_gib(c: ServeConfig) -> float | None:
@@ -151,6 +160,9 @@ def cpu_tier_vs_engine_cache_unknown(c: ServeConfig) -> str | None:
     if tiers is None or tiers.shared or _pinned_gib(c) is not None:
         return None
     model = _model(c)
+    problem = _tp_problem(c, model) if model is not None else None
+    if problem is not None:
+        return f"cannot tell whether {tiers.what} GiB is larger than the engine's KV cache: {problem}"
     if c.gpu:
         if model is not None:
             return None  # computed: the warning rule speaks
