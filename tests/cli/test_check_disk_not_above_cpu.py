@@ -60,3 +60,16 @@ def test_size_states_a_split_whose_disk_tier_is_not_above_the_cpu_tier_once():
     notes = json.loads(result.stdout)["notes"]
     said = [n for n in notes if "no larger than the cpu tier" in n or "is not larger than cpu_gib" in n]
     assert len(said) == 1 and said[0].startswith("The disk tier (32 GiB) is no larger than the cpu tier (48 GiB)"), notes
+
+
+@pytest.mark.parametrize("bad", [{"write_mode": "writeback"}, {"cpu_gib": "lots"}])
+def test_a_refused_write_mode_or_cpu_gib_is_not_judged_as_its_default(tmp_path, bad):
+    """Seen: write_mode "writeback" (meaning write-back) was refused, and then warned about as "write_mode
+    write-through (the default)", telling the user to set the write-back they had tried to set; the audit
+    put that warning under kvtier-config-warning."""
+    extra = {"cpu_gib": 4, "disk_gib": 4, "disk_path": str(tmp_path / "kv"), **bad}
+    check = CliRunner().invoke(app, ["check", "--offline", _transfer(extra)])
+    assert check.exit_code == 1, check.output
+    assert f"kv_connector_extra_config.{next(iter(bad))}" in check.output, check.output
+    assert "not larger than cpu_gib" not in check.output, check.output
+    assert not [m for _, m in _audit_messages(extra) if "not larger than cpu_gib" in m]

@@ -276,7 +276,8 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
         problems.extend(tier_order_problems(key, extra, config, reads=entry.get("kv_role") != "kv_producer"))
     problems.extend(idle_codec_problems(key, config))
     problems.extend(node_pool_problems(key, config))
-    problems.extend(disk_tier_not_above_cpu_tier(key, config))
+    if not refused & {f"{key}.write_mode", f"{key}.cpu_gib"}:  # not about a default standing in for a refused value
+        problems.extend(disk_tier_not_above_cpu_tier(key, config))
     problems.extend(config_advice_problems(key, config))
     problems.extend(static_tier_problems(key, config, host_checks))
     if config.tenant_quotas is not None and config.tenant_quotas.turns_nothing_on():
