@@ -50,10 +50,10 @@ def _per_token(model: str, tp: int, kv_dtype: str) -> int:
     Raises:
         UserError: the model cannot be resolved, TP does not fit its heads, or the dtype is unknown.
     """
-    from kvtier.core.dtypes import DTYPE_BYTES, short_name
+    from kvtier.core.dtypes import DTYPE_BYTES, kv_cache_short_name
     from kvtier.size.models import resolve_model
 
-    dtype = "bf16" if kv_dtype.strip().lower() == "auto" else short_name(kv_dtype)
+    dtype = "bf16" if kv_dtype.strip().lower() == "auto" else kv_cache_short_name(kv_dtype)
     if dtype is None:
         raise UserError(f"--kv-dtype {kv_dtype!r} is not one of auto, bf16, fp16, fp8.")
     geometry = resolve_model(model).geometry

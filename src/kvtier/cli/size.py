@@ -79,7 +79,7 @@ def _size(
     list_presets: bool = typer.Option(False, "--list-presets", help="List the built-in model presets and exit."),
 ) -> None:
     from kvtier.core.config import MAX_CHUNK_TOKENS
-    from kvtier.core.dtypes import DTYPE_BYTES, short_name
+    from kvtier.core.dtypes import DTYPE_BYTES, kv_cache_short_name
     from kvtier.core.tiers.node.settings import TIER as NODE
     from kvtier.simulate.cost import Throughputs
     from kvtier.simulate.hierarchy import usable_nvme_gib
@@ -101,7 +101,7 @@ def _size(
         return
     if model is None:
         fail("--model is required: a config.json path, a model directory, a preset (--list-presets) or a hub id.")
-    dtype = "bf16" if kv_dtype.strip().lower() == "auto" else short_name(kv_dtype)
+    dtype = "bf16" if kv_dtype.strip().lower() == "auto" else kv_cache_short_name(kv_dtype)
     if dtype is None:
         fail(f"--kv-dtype {kv_dtype!r} is not one of auto, bf16, fp16, fp8 (or vLLM's names: bfloat16, "
              "float16, fp8_e4m3, fp8_e5m2).")

@@ -28,3 +28,16 @@ DTYPE_BYTES: dict[str, int] = {name: _SHORT_BYTES[short] for name, short in SHOR
 def short_name(name: str) -> str | None:
     """The short form of ``name`` (case-insensitive), or ``None`` if kvtier does not know it."""
     return SHORT_NAME.get(name.strip().lower())
+
+
+KV_CACHE_SHORT_NAMES = ("bf16", "fp16", "fp8")
+"""Short forms a KV cache runs in under vLLM (``--kv-cache-dtype`` auto = the model's 16-bit dtype, or
+fp8): ``int8`` and ``fp32`` are checkpoint storage dtypes, not KV cache ones (``CacheDType`` in
+vllm/config/cache.py has neither, and vLLM downcasts a float32 model)."""
+
+
+def kv_cache_short_name(name: str) -> str | None:
+    """The short form of a KV cache dtype ``name`` (:data:`KV_CACHE_SHORT_NAMES`), or ``None`` when
+    vLLM has no such KV cache dtype (``int8``, ``float32``, an unknown name)."""
+    short = short_name(name)
+    return short if short in KV_CACHE_SHORT_NAMES else None
