@@ -57,3 +57,21 @@ def test_the_rule_still_flags_a_cpu_tier_larger_than_the_pool_and_its_fix_is_the
     found = json.loads(audit("-", "--vllm-version", "0.32.0", "--format", "json", stdin=line).stdout)
     (finding,) = [f for f in found["findings"] if f["rule"] == "kvtier-node-pool-below-working-set"]
     assert "Lower cpu_gib to node_gib" in finding["fix"] and "host RAM − reserves" in finding["fix"]
+
+
+@pytest.mark.parametrize("node_gib", ["256", "500"])
+def test_a_node_pool_not_smaller_than_host_ram_is_refused_in_one_sentence(node_gib: str):
+    """fresh-eyes probe: --node-gib 500 --host-ram-gib 256 answered "no room … (0 GiB = max(0, 256 − 32
+    reserved − 500 node pool))" and never said that no 500 GiB pool fits a 256 GiB host.  Now one line,
+    exit 2, naming both flags; a pool below host RAM is sized as before."""
+    from typer.testing import CliRunner
+
+    from kvtier.cli.main import app
+
+    args = ["size", "--model", "Qwen/Qwen3-8B", "--gpu", "H100", "--context", "32768", "--sessions", "100",
+            "--node-socket", "/dev/shm/kvtier/node.sock", "--host-ram-gib", "256"]
+    refused = CliRunner().invoke(app, [*args, "--node-gib", node_gib])
+    assert refused.exit_code == 2 and refused.stdout == "", refused.output
+    line, = refused.stderr.strip().splitlines()
+    assert line.startswith(f"error: --node-gib {node_gib} is not less than --host-ram-gib 256"), line
+    assert CliRunner().invoke(app, [*args, "--node-gib", "64", "--json"]).exit_code == 0

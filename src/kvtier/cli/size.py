@@ -136,6 +136,10 @@ def _size(
         label = f"auto ({dtype})" if kv_dtype.strip().lower() == "auto" else dtype
         tier_values = _tier_values(flags, tiers)
         node_gib = tier_values.get(NODE, {}).get("node_gib") or None  # the pool comes out of the cpu tier's DRAM
+        if node_gib is not None and host_ram_gib is not None and node_gib >= host_ram_gib:  # no pool can be made
+            raise UserError(f"--node-gib {node_gib:g} is not less than --host-ram-gib {host_ram_gib:g}: the node pool "
+                            "lives in the host's RAM (/dev/shm) beside the engines, so it cannot be that large; give "
+                            "the pool's size as `kvtier node serve --node-gib` has it, or the host's real RAM.")
         dep = Deployment(tp=tp, kv_dtype=label, dtype_bytes=DTYPE_BYTES[dtype],
                          gpu_memory_gib=memory, gpu_memory_utilization=gpu_memory_utilization,
                          weights_gib=weights, overhead_gib=overhead_gib, context_tokens=context,
