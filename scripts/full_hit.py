@@ -198,10 +198,12 @@ def child(args: argparse.Namespace) -> None:
         profile_calls(worker, "start_load_kv", os.environ["FULL_HIT_PROFILE"] + ".start_load_kv")
     if args.arm != "native":
         side = worker.worker_side
-        tl.wrap(side.store, "prepare_load", "prepare_load")
+        # (light wraps: these run inside the load's span, so a process-CPU clock read here would be counted
+        # in kvtier's own time; 4 such system calls cost ~9 us with the caches cold)
+        tl.wrap_light(side.store, "prepare_load", "prepare_load")
         from kvtier.integrations.vllm.worker import loader, syncload  # the copy into the engine's blocks
 
-        tl.wrap(loader, "load_pages", "copy")  # the loader thread's path and the synchronous load call it
+        tl.wrap_light(loader, "load_pages", "copy")  # the loader thread's path and the synchronous load call it
         syncload.load_pages = loader.load_pages  # type: ignore[attr-defined]  (its own import of the name)
         detail(tl, side)
     ids = random_prompt_ids(model / "tokenizer.json", args.prompt_tokens, seed=args.seed)
