@@ -22,6 +22,7 @@ from kvtier.integrations.vllm.protocol import LoadJob
 from kvtier.integrations.vllm.scheduler.pages import HybridPlan
 from kvtier.integrations.vllm.scheduler.steps import IndexMirror, PagePlanner
 from kvtier.integrations.vllm.worker.copy import GroupCopiers
+from kvtier.integrations.vllm.worker.finisher import Finisher
 from kvtier.integrations.vllm.worker.layout import detect_layout
 from kvtier.integrations.vllm.worker.loader import LoadPath, tokens_by_tier
 from kvtier.integrations.vllm.worker.side import AsyncLoader
@@ -187,13 +188,20 @@ def test_a_synchronous_load_copies_what_the_cpu_tier_holds_and_never_reads_below
     tail = LoadJob("t", jobs.load_pages(chain, [table], 2 * CHUNK, 4 * CHUNK), 2 * CHUNK, 4 * CHUNK,
                    ("", "", where[2], "cpu"), sync=True)
     assert load_now(loader.path, tail) == (set(range(25, 29)), 3)
+    # the request's facts say where and why it came up short: chunk 3 is new to every tier (the cut its pin met,
+    # kept on the handle until the request's context is bound after the copy: syncload.finish_sync)
+    assert loader.path.facts.take()["t"].miss == (3 * CHUNK, "new", "cpu")
     for layer, t in src.items():  # chunk 2 = saved from blocks 9..12, now in blocks 21..24
         for s, d in zip(range(9, 13), range(21, 25)):
             assert torch.equal(dst[layer][d], t[s]), (layer, s, d)
     # chunk 0 is only on disk: nothing is read, every block is an error, recomputed from chunk 0
     whole = LoadJob("w", jobs.load_pages(chain, [table], 0, 4 * CHUNK), 0, 4 * CHUNK, ("disk", "cpu", "cpu", "cpu"),
                     sync=True)
-    assert load_now(loader.path, whole) == (set(table), 0)
+    finisher = Finisher()  # the same, its bookkeeping on the finisher's thread: chunk 0 was evicted to disk
+    assert load_now(loader.path, whole, finisher) == (set(table), 0)
+    assert finisher.join()
+    assert loader.path.facts.take()["w"].miss == (0, "evicted", "cpu")  # (evicted from its two pages to disk)
+    finisher.close()
     after = store.stats()
     assert after.loaded_tokens.get("cpu", 0) - before.loaded_tokens.get("cpu", 0) == CHUNK
     assert after.transfer_seconds.get("disk_to_cpu", 0.0) == before.transfer_seconds.get("disk_to_cpu", 0.0)

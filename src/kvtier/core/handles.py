@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvtier.core.context import NO_CONTEXT, EngineLoad, EngineSave, MissReason, OpContext
+from kvtier.core.context import NO_CONTEXT, EngineLoad, EngineSave, LoadCut, MissReason, OpContext
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tenant import TenantId, Writer
 
@@ -67,6 +67,14 @@ class LoadHandle:
     """The first chunk planned from below the top tier: ``(pos, its tier, why the top tier lacked it)``."""
     landed: list[np.ndarray] = field(default_factory=list, repr=False)
     """Landing buffers (:mod:`kvtier.core.landing`) some of ``buffers`` are: reads that got no cpu page."""
+    cut: LoadCut | None = field(default=None, repr=False)
+    """Where the planned prefix ended and why (:meth:`cut_at`), ``None``: every chunk asked for was found."""
+
+    def cut_at(self, cut: LoadCut) -> None:
+        """The prefix ends here: tell the load's context, and keep ``cut`` for a context bound later (a
+        synchronous load's request context, bound on the finisher's thread: kvtier.integrations.vllm.worker.syncload)."""
+        self.cut = cut
+        self.ctx.sink.emit(cut)
 
     @property
     def num_chunks(self) -> int:

@@ -94,8 +94,8 @@ class Mover(MoverState):
         if (n := len(plan.handle.keys)) < limit:  # no tier this load may read holds the next chunk: why not
             with self.index.lock:
                 ghost = self.index.ghosts.latest(chain[n], (self.top_name,) if top_only else None)
-            plan.handle.ctx.sink.emit(LoadCut(n, ghost.tier if ghost is not None else self.top_name if top_only
-                                              else "", ghost.reason if ghost is not None else "new", limit - n))
+            plan.handle.cut_at(LoadCut(n, ghost.tier if ghost is not None else self.top_name if top_only
+                                       else "", ghost.reason if ghost is not None else "new", limit - n))
         if plan.writes:  # spills of the cpu pages the reads take
             self.submit(plan.writes)
         if plan.reads:

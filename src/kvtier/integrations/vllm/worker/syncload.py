@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 
-from kvtier.core.handles import NO_BUFFER
+from kvtier.core.handles import NO_BUFFER, LoadHandle
 from kvtier.core.mover import RequestRecord
 from kvtier.integrations.vllm.protocol import LoadJob
 from kvtier.integrations.vllm.worker.finisher import Finisher
@@ -56,15 +56,17 @@ def load_now(loader: LoadPath, job: LoadJob, finisher: Finisher | None = None) -
     delivered = 0
     ok = False
     t0 = time.perf_counter()
-    record = RequestRecord(loader.chunk_tokens)
     # a hit planned beyond the cpu tier (the node pool: SyncBudget's tiers) pins and reads it here, within
     # sync_within_s (a stalled owner costs this step that much, then its breaker makes it a miss at once);
     # a store with no shared tier has nothing beyond it (no look at the pages: the hit path)
     shared = bool(loader.store.index.shared) and any(map(loader.store.cpu.name.__ne__, map(
         job.tiers.__getitem__, map(CHUNK_OF, job.pages))))
+    # the request's context and record: made here when the pool's reads report to them, else on the finisher's
+    # thread (finish_sync: a cpu-tier pin reports nothing but a cut, which the handle keeps until then)
+    record = RequestRecord(loader.chunk_tokens) if shared else None
     try:
         handle = loader.store.prepare_load(job_keys(job), max_chunks=len(job.pages), top_only=True,
-                                           ctx=job_context(job, record),
+                                           ctx=job_context(job, record) if record is not None else None,
                                            into=loader.direct.into(job) if shared and loader.direct is not None else None,
                                            shared_within_s=loader.sync_within_s if shared else None)
         held = len(handle.keys)  # (num_chunks: no property's frame)
@@ -79,14 +81,30 @@ def load_now(loader: LoadPath, job: LoadJob, finisher: Finisher | None = None) -
     except Exception:
         log.exception("kvtier: loading request %s's pages synchronously failed; recomputing them", job.req_id)
     if finisher is None:
-        errors = loader.finish(job, handle, delivered, ok, False, time.perf_counter() - t0, NO_EPOCH, sync=True,
-                               record=record)
+        errors = finish_sync(loader, job, handle, delivered, ok, time.perf_counter() - t0, record)
     else:  # the blocks finish() reports for a partial load (one group): those of the pages not delivered
         errors = {b for p in job.pages[delivered:] for b in p.block_ids} if delivered < len(job.pages) else set()
-        finisher.submit(loader.finish, job, handle, delivered, ok, False, time.perf_counter() - t0, NO_EPOCH, True,
-                        record)
+        finisher.submit(finish_sync, loader, job, handle, delivered, ok, time.perf_counter() - t0, record)
     first_unfilled = None if not errors else job.pages[delivered].chunk
     return errors, first_unfilled
+
+
+def finish_sync(loader: LoadPath, job: LoadJob, handle: LoadHandle | None, delivered: int, ok: bool, seconds: float,
+                record: RequestRecord | None = None) -> set[int]:
+    """End a synchronous load (:meth:`LoadPath.finish <kvtier.integrations.vllm.worker.loader.LoadPath.finish>`):
+    count it, unpin, keep the request's facts; returns the blocks not filled.  ``record``: the request's
+    record its prepare reported to already; ``None``: the load was prepared with the store's own context (a
+    cpu-tier pin), so the request's context and record are made and bound to ``handle`` here first, and the
+    cut its prepare met (``handle.cut``, counted in the store then) reaches the record now.  Off the engine's
+    thread when handed to the :class:`Finisher` (what the pin does not need: about 8 us with the caches cold,
+    ``scripts/hit_cost.py --prompt-tokens 1000``)."""
+    if record is None:
+        record = RequestRecord(loader.chunk_tokens)
+        if handle is not None:
+            handle.ctx = loader.store.sink.bind(job_context(job, record))
+            if handle.cut is not None:
+                record.emit(handle.cut)
+    return loader.finish(job, handle, delivered, ok, False, seconds, NO_EPOCH, sync=True, record=record)
 
 
 def load_layers(loader: LoadPath, job: LoadJob, layers: LayerLoads) -> tuple[set[int], int | None]:
