@@ -166,3 +166,25 @@ def test_a_recipe_whose_cpu_tier_holds_less_than_one_chunk_is_refused_with_exit_
     assert "smaller than one 1,048,576-token chunk of meta-llama/Llama-3.1-8B" in line, line
     assert f"({128 * 2**30 // tp:,} bytes a rank at 2-byte KV)" in line, line
     assert "--offload-gib of at least 128 " in line and "--chunk-tokens" in line, line
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+def test_a_recipe_any_audit_error_refuses_is_not_printed(as_json):
+    """docs/size.md § Errors: size runs the audit on the kvtier config it would print, and any audit error
+    there (not only a cpu tier below one chunk) refuses the recipe.  Seen: ``--chunk-tokens 128`` on
+    Qwen3-Next at TP 4 (its state block is at least 268 tokens) printed, exit 0, a recipe with a note that
+    ``kvtier audit`` refuses it (``kvtier-chunk-tokens-below-state-block``: the connector would not start).
+    Now: one line naming the rule, its message and the flag to change, exit 2, nothing on stdout."""
+    args = ["size", "--model", "Qwen/Qwen3-Next-80B-A3B-Instruct", "--tp", "4", "--offload-gib", "100",
+            "--chunk-tokens", "128"] + (["--json"] if as_json else [])
+    result = runner.invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 2, result.output
+    assert result.stdout == ""
+    line, = result.stderr.strip().splitlines()
+    assert "refuses the kvtier config this would print (kvtier-chunk-tokens-below-state-block)" in line, line
+    assert "chunk_tokens 128 is shorter than the state block of Qwen/Qwen3-Next-80B-A3B-Instruct" in line, line
+    assert line.endswith("Fix: Leave --chunk-tokens out: the recipe then says chunk_tokens auto, which the connector "
+                         "makes a multiple of every block size, the state block's included."), line
+    kept = size("--model", "Qwen/Qwen3-Next-80B-A3B-Instruct", "--tp", "4", "--offload-gib", "100")["recipe"]
+    extra = json.loads(shlex.split(kept["kvtier"].split("--kv-transfer-config ", 1)[1])[0])["kv_connector_extra_config"]
+    assert extra["chunk_tokens"] == "auto", kept["kvtier"]  # without --chunk-tokens: printed, exit 0
