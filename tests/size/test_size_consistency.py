@@ -14,7 +14,7 @@ from kvtier.audit.engine import audit
 from kvtier.audit.loader import load_configs
 from kvtier.audit.versions import parse_version
 from kvtier.cli.main import app
-from kvtier.cli.size_audit import audit_notes
+from kvtier.cli.size_audit import audit_notes, recipe_audit, refusal
 from kvtier.size.recipe import build_recipe
 
 runner = CliRunner()
@@ -142,6 +142,11 @@ def test_a_recipe_the_audit_refuses_says_refuses_not_warns():
     refused = [n for n in notes if n.startswith("kvtier audit --vllm-version") and "kvtier-cpu-tier-below-one-chunk" in n]
     assert refused and all(" refuses the kvtier config " in n for n in refused), notes
     assert not any(" warns on " in n and "kvtier-cpu-tier-below-one-chunk" in n for n in notes), notes
+    # the sentence size would exit 2 with were its own check not first: the fix in size's flags, not cpu_gib's
+    line = refusal(recipe_audit(recipe, None))
+    assert line is not None and "(kvtier-cpu-tier-below-one-chunk), so no recipe is printed: cpu_gib 10 " in line, line
+    assert line.endswith("Fix: Give a larger --offload-gib (room for hundreds of chunks) or a shorter --chunk-tokens "
+                         "(default 128)."), line
 
 
 @pytest.mark.parametrize(("tp", "offload_gib", "refused"), [(1, "10", True), (1, "127", True), (1, "128", False),

@@ -22,6 +22,8 @@ KVTIER = "kvtier"
 """The title of the kvtier connector's config among a recipe's dialects."""
 
 _SIZE_FIXES = {
+    "kvtier-cpu-tier-below-one-chunk": "Give a larger --offload-gib (room for hundreds of chunks) or a shorter "
+                                       "--chunk-tokens (default 128).",
     "kvtier-chunk-tokens-below-state-block": "Leave --chunk-tokens out: the recipe then says chunk_tokens auto, "
                                              "which the connector makes a multiple of every block size, the state "
                                              "block's included.",
