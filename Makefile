@@ -59,7 +59,8 @@ redis-bin:
 #     a fresh clone on this machine kind, 2026-12-07 16:29 UTC (the uv cache warm): install about 12 s,
 #     phase 1 333 s, phase 2 31 tests in 573 s, phase 3 21 tests in 152 s, 1,072 s in all; the same
 #     machine at 15:08, before the install by uv and the serve and trace-record tests joined phase 2:
-#     1,267 s, phase 3 290 s);
+#     1,267 s, phase 3 290 s; since these figures, tests/simulate/test_record_live.py's three tests went
+#     back to phase 3: its live doctor judges what it measures, and read 'warning' beside another engine);
 #  3. the other engine tests one at a time: the live-server tests judge latency (TTFT tails, a
 #     doctor's interval) or hold deadlines of seconds that a second engine beside them would distort.
 # test-fast leaves out every engine test: minutes instead of the full run, for development.

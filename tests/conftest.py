@@ -161,7 +161,6 @@ PHASE_2_SECONDS = {
     "tests/integrations/test_vllm_s3_tier.py::test_a_restart_served_from_an_encrypted_tier_is_exact[s3]": 24,
     "tests/integrations/test_vllm_hybrid_models.py::test_state_model": 22,
     "tests/integrations/test_vllm_hybrid_models.py::test_sliding_window_model": 16,
-    "tests/simulate/test_record_live.py::test_records_a_live_server_and_simulate_replays_it": 32,  # + the server
     "tests/integrations/test_hit_story.py::test_one_disk_hit_runs_at_most_todays_files_and_moves": 12,
     "tests/integrations/test_vllm_preflight.py::test_vllm_server_with_chunk_tokens_no_cpu_block_size_divides_stops_"
     "before_the_model_loads": 11,

@@ -299,6 +299,28 @@ def test_every_ordering_entry_names_a_test():
         path, name = nodeid.split("::")
         assert nodeid in PHASE_1_SECONDS or path in listed, f"{nodeid}: not in an ENGINE_TESTS file"
         assert f"def {name.split('[')[0]}(" in (ROOT / path).read_text(encoding="utf-8"), f"no test {nodeid}"
+        # the second phase runs only `engine and shares_cpu`: an entry for a test that left it orders the third
+        assert nodeid in PHASE_1_SECONDS or _shares_cpu(path, name.split("[")[0]), \
+            f"{nodeid}: not marked shares_cpu, so not in make test's second phase; remove it from PHASE_2_SECONDS"
+
+
+def _shares_cpu(path: str, name: str) -> bool:
+    """Whether test ``name`` of ``path`` is marked ``shares_cpu``: by its module's ``pytestmark`` or its own
+    decorators."""
+    import ast
+
+    def marked(node: ast.AST) -> bool:
+        return any(isinstance(n, ast.Attribute) and ast.unparse(n).endswith("mark.shares_cpu") for n in ast.walk(node))
+
+    tree = ast.parse((ROOT / path).read_text(encoding="utf-8"))
+    for node in tree.body:
+        module_mark = isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark"
+                                                           for t in node.targets)
+        if module_mark and marked(node):
+            return True
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return any(marked(d) for d in node.decorator_list)
+    return False
 
 
 def test_the_engine_phases_collect_every_file_that_holds_an_engine_test():

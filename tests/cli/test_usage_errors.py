@@ -31,7 +31,9 @@ def test_a_usage_error_is_one_line(args: list[str], line: str) -> None:
 
 def test_help_and_a_command_still_exit_as_before() -> None:
     assert CliRunner().invoke(app, ["check", "--help"], prog_name="kvtier").exit_code == 0
-    assert CliRunner().invoke(app, ["check", "{}"], prog_name="kvtier").exit_code == 1  # errors.fail(..., 1)
+    errors = CliRunner().invoke(app, ["check", "--offline", ('{"kv_connector":"KVTierConnector","kv_role":"kv_both",'
+                                      '"kv_connector_extra_config":{"cpu_gb":4}}')], prog_name="kvtier")
+    assert errors.exit_code == 1 and "'cpu_gb'" in errors.stdout, errors.output  # a config with errors
     no_args = CliRunner().invoke(app, ["trace"], prog_name="kvtier")
     assert no_args.exit_code == 2 and "synth" in no_args.output  # no arguments: the help, as before
 

@@ -14,7 +14,7 @@ from kvtier.audit.engine import audit
 from kvtier.audit.loader import load_configs
 from kvtier.audit.versions import parse_version
 from kvtier.cli.main import app
-from kvtier.cli.size_audit import audit_notes
+from kvtier.cli.size_audit import audit_notes, recipe_audit, refusal
 from kvtier.size.recipe import build_recipe
 
 runner = CliRunner()
@@ -142,6 +142,11 @@ def test_a_recipe_the_audit_refuses_says_refuses_not_warns():
     refused = [n for n in notes if n.startswith("kvtier audit --vllm-version") and "kvtier-cpu-tier-below-one-chunk" in n]
     assert refused and all(" refuses the kvtier config " in n for n in refused), notes
     assert not any(" warns on " in n and "kvtier-cpu-tier-below-one-chunk" in n for n in notes), notes
+    # the sentence size would exit 2 with were its own check not first: the fix in size's flags, not cpu_gib's
+    line = refusal(recipe_audit(recipe, None))
+    assert line is not None and "(kvtier-cpu-tier-below-one-chunk), so no recipe is printed: cpu_gib 10 " in line, line
+    assert line.endswith("Fix: Give a larger --offload-gib (room for hundreds of chunks) or a shorter --chunk-tokens "
+                         "(default 128)."), line
 
 
 @pytest.mark.parametrize(("tp", "offload_gib", "refused"), [(1, "10", True), (1, "127", True), (1, "128", False),
@@ -166,3 +171,25 @@ def test_a_recipe_whose_cpu_tier_holds_less_than_one_chunk_is_refused_with_exit_
     assert "smaller than one 1,048,576-token chunk of meta-llama/Llama-3.1-8B" in line, line
     assert f"({128 * 2**30 // tp:,} bytes a rank at 2-byte KV)" in line, line
     assert "--offload-gib of at least 128 " in line and "--chunk-tokens" in line, line
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+def test_a_recipe_any_audit_error_refuses_is_not_printed(as_json):
+    """docs/size.md § Errors: size runs the audit on the kvtier config it would print, and any audit error
+    there (not only a cpu tier below one chunk) refuses the recipe.  Seen: ``--chunk-tokens 128`` on
+    Qwen3-Next at TP 4 (its state block is at least 268 tokens) printed, exit 0, a recipe with a note that
+    ``kvtier audit`` refuses it (``kvtier-chunk-tokens-below-state-block``: the connector would not start).
+    Now: one line naming the rule, its message and the flag to change, exit 2, nothing on stdout."""
+    args = ["size", "--model", "Qwen/Qwen3-Next-80B-A3B-Instruct", "--tp", "4", "--offload-gib", "100",
+            "--chunk-tokens", "128"] + (["--json"] if as_json else [])
+    result = runner.invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 2, result.output
+    assert result.stdout == ""
+    line, = result.stderr.strip().splitlines()
+    assert "refuses the kvtier config this would print (kvtier-chunk-tokens-below-state-block)" in line, line
+    assert "chunk_tokens 128 is shorter than the state block of Qwen/Qwen3-Next-80B-A3B-Instruct" in line, line
+    assert line.endswith("Fix: Leave --chunk-tokens out: the recipe then says chunk_tokens auto, which the connector "
+                         "makes a multiple of every block size, the state block's included."), line
+    kept = size("--model", "Qwen/Qwen3-Next-80B-A3B-Instruct", "--tp", "4", "--offload-gib", "100")["recipe"]
+    extra = json.loads(shlex.split(kept["kvtier"].split("--kv-transfer-config ", 1)[1])[0])["kv_connector_extra_config"]
+    assert extra["chunk_tokens"] == "auto", kept["kvtier"]  # without --chunk-tokens: printed, exit 0

@@ -25,11 +25,13 @@ def test_state_models_get_chunk_tokens_auto_and_the_recipe_audits_clean(tmp_path
     subprocess.run([sys.executable, "-m", "kvtier.launch.testmodel", "--geometry", "tiny-next", "--out", str(tiny),
                     "--weights", "none"], check=True, capture_output=True)
     assert _extra(_json("--model", str(tiny), "--offload-gib", "4")["recipe"]["kvtier"])["chunk_tokens"] == "auto"
-    given = _json("--model", str(tiny), "--offload-gib", "4", "--chunk-tokens", "128")
-    assert _extra(given["recipe"]["kvtier"])["chunk_tokens"] == 128
-    assert any("--chunk-tokens 128: this model keeps Mamba" in n for n in given["notes"])
-    refused = audit("-", "--vllm-version", "0.32.0", "--format", "json", stdin=given["recipe"]["kvtier"])
-    assert "kvtier-chunk-tokens-below-state-block" in refused.stdout and refused.returncode == 1
+    given = _json("--model", str(tiny), "--offload-gib", "4", "--chunk-tokens", "4096")  # above its state block
+    assert _extra(given["recipe"]["kvtier"])["chunk_tokens"] == 4096
+    assert any("--chunk-tokens 4096: this model keeps Mamba" in n for n in given["notes"])
+    # one shorter than the state block: a recipe the audit refuses is not printed (docs/size.md § Errors)
+    refused = run("--model", str(tiny), "--offload-gib", "4", "--chunk-tokens", "128", "--json")
+    assert refused.exit_code == 2 and refused.stdout == "", refused.output
+    assert "(kvtier-chunk-tokens-below-state-block)" in refused.stderr, refused.stderr
     # an attention-only model keeps 128
     assert _extra(_json("--model", "meta-llama/Llama-3.1-8B", "--offload-gib", "4")["recipe"]["kvtier"])[
         "chunk_tokens"] == 128

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 HELP = """Check a --kv-transfer-config for KVTierConnector in under a second, without starting vLLM.
 
-Runs the connector's own validator (the same checks it applies at engine start-up, after the model has loaded) and vLLM's transfer-config rules: unknown keys (with the closest known key), bad values, the disk tier path (exists or can be created, writable, enough free space, not a kernel filesystem such as /proc), cpu_gib against the memory this host has, the client package of each configured shared tier (redis, obstore), the Redis password and shared_secret_file when redis_url is set, the codec chains and the encryption master key files or variables (read as start-up reads them; only key ids are printed), then each configured shared tier itself (Redis: connect, PING and, without redis_cluster, INFO cluster; S3: a LIST of at most one key; the node pool: its owner's STATS; within 2 s, never a write: one line saying reachable, unreachable, auth failed, no bucket or wrong mode (a Redis Cluster node named without redis_cluster), a warning unless reachable, an error with --strict; --offline skips it), chunk_tokens against --block-size (without it, a warning when it is not a multiple of vLLM's default block sizes, 16 and 128 on CPU; auto, the default, always fits), kv_connector_module_path, kv_role, kv_load_failure_policy, and the installed vLLM against the releases kvtier supports (printed last; docs/vllm.md). Exit code 0 when it would start, 1 when it has errors (with --strict, also when a configured tier cannot be reached), 2 when the input cannot be read (no such file, or not a JSON object).
+Runs the connector's own validator (the same checks it applies at engine start-up, after the model has loaded) and vLLM's transfer-config rules: unknown keys (with the closest known key), bad values, the disk tier path (exists or can be created, writable, enough free space, not a kernel filesystem such as /proc), cpu_gib against the memory this host has, the client package of each configured shared tier (redis, obstore), the Redis password and shared_secret_file when redis_url is set, the codec chains and the encryption master key files or variables (read as start-up reads them; only key ids are printed), then each configured shared tier itself (Redis: connect, PING and, without redis_cluster, INFO cluster; S3: a LIST of at most one key; the node pool: its owner's STATS; within 2 s, never a write: one line saying reachable, unreachable, auth failed, no bucket or wrong mode (a Redis Cluster node named without redis_cluster), a warning unless reachable, an error with --strict; --offline skips it), chunk_tokens against --block-size (without it, a warning when it is not a multiple of vLLM's default block sizes, 16 and 128 on CPU; auto, the default, always fits), kv_connector_module_path, kv_role, kv_load_failure_policy, and the installed vLLM against the releases kvtier supports (printed last; docs/vllm.md). Exit code 0 when it would start, 1 when it has errors (with --strict, also when a configured tier cannot be reached), 2 when the input cannot be read (no such file, or not a JSON object) or names no KVTierConnector.
 
 CONFIG is the JSON itself, a file holding it, or - for stdin. To check a whole serve command line, use `kvtier audit` (it runs the same config checks, statically: not the serving host's disk_path, memory or shared tiers).
 
@@ -115,6 +115,8 @@ def check_command(
         transfer = parse_transfer_config(text)
     except ConfigError as exc:  # not JSON, or not an object: the input cannot be read (exit 2, as documented)
         fail(str(exc))
+    if not uses_kvtier(transfer):  # a usage error (exit 2), before any probe or verdict
+        fail(_not_kvtier(transfer, text))
     problems = check_transfer_config(transfer, block_size) + _duplicate_keys(text, transfer)
     installed = installed_vllm()  # the connector refuses a vLLM outside SUPPORTED_VLLM at start-up
     if installed is not None and (reason := unsupported_reason(installed)) is not None:
@@ -124,12 +126,9 @@ def check_command(
     unreached = [p.problem for p in probes if p.problem is not None]
     # --strict: a tier that cannot be reached fails the check (exit 1), as an error of its own key
     problems += [Problem("error", p.key, p.message) for p in unreached] if strict else unreached
-    names_kvtier = False
-    if not problems:
-        names_kvtier = uses_kvtier(transfer)
     errors = [p for p in problems if p.severity == "error"]
     if as_json:
-        ok = not errors and (names_kvtier or bool(problems))
+        ok = not errors
         # the text's last line's first word: a warning that is a refusal on some servers (only_if)
         # qualifies the verdict, as "conditional: ... only if ..." does in text
         verdict = "error" if not ok else "conditional" if any(p.only_if for p in problems) else "ok"
@@ -145,8 +144,6 @@ def check_command(
         for probe in probes:
             if probe.problem is None:
                 print(f"ok: {probe.key}: {probe.result.message}")
-    if not problems and not names_kvtier:
-        fail('the config does not name KVTierConnector ("kv_connector":"KVTierConnector"); nothing to check.', 1)
     if errors:
         if strict and unreached and not as_json:
             print(f"error: --strict: {len(unreached)} configured tier(s) cannot be reached.")
@@ -165,6 +162,19 @@ def check_command(
         print(f"ok: vLLM would start with this KVTierConnector config{warned}." if not only_if else
               f"conditional: vLLM would start with this KVTierConnector config only if {only_if}{warned}; pass "
               "--block-size to check against the server's.")
+
+
+def _not_kvtier(transfer: dict[str, Any], text: str) -> str:
+    """The sentence ``kvtier check`` exits 2 with on a config that names no KVTierConnector (directly or
+    as a MultiConnector child): what it names instead, and what to give."""
+    named = transfer.get("kv_connector")
+    twice = any(p.key == "kv_connector" for p in _duplicate_keys(text, transfer))
+    what = "names no kv_connector" if named is None else (
+        f"names kv_connector {json.dumps(named)}" + (" (it is given twice and vLLM keeps the last)" if twice else "")
+        + (" with no KVTierConnector among its connectors" if named == "MultiConnector" else ", not KVTierConnector"))
+    return (f"the config {what}, so kvtier check has nothing to check; give a config "
+            'with "kv_connector":"KVTierConnector" (directly or among a MultiConnector\'s connectors), or check '
+            "another connector's serve line with kvtier audit.")
 
 
 def _duplicate_keys(text: str, transfer: dict[str, Any]) -> list[Problem]:

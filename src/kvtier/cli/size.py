@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from kvtier.cli.errors import fail, flag_names
-from kvtier.cli.size_audit import audit_notes
+from kvtier.cli.size_audit import recipe_audit, refusal
 from kvtier.cli.size_text import print_presets, print_report
 from kvtier.cli.tierflags import build, given, option, refuse_stray, targets
 from kvtier.core.errors import UserError
@@ -209,6 +209,8 @@ def _size(
                               nvme_usable, kv_cache_dtype=cache_dtype)
     if recipe is not None:
         if isinstance(chunk, int) and len(report.groups) <= 1:  # hybrid models: each group apart, not modelled
+            # the audit's kvtier-cpu-tier-below-one-chunk in size's flags, also for a hub model (the audit
+            # reads presets and local configs only); any other audit error is refused below
             _refuse_below_one_chunk(recipe.cpu_gib, tp, chunk * report.kv_bytes_per_token_per_rank, chunk, model,
                                     dep.dtype_bytes, offload_gib is not None)
         if served != model:
@@ -221,7 +223,11 @@ def _size(
                                 f"tier) = {total:,} GiB: the {asked:,.2f} GiB above rounded up to whole GiB{per_rank}.")
         report.notes.extend(chunk_notes(chunk) if isinstance(chunk, int) else [])
         report.notes.extend([chunk_note] if chunk_note else [])
-        report.notes.extend(audit_notes(recipe, found_gpu.name if found_gpu is not None else None, said_rules))
+        audited = recipe_audit(recipe, found_gpu.name if found_gpu is not None else None, said_rules)
+        refused = refusal(audited)  # docs/size.md § Errors: no recipe the connector or audit would refuse
+        if refused is not None:
+            fail(refused)
+        report.notes.extend(note.text for note in audited)
     elif offload_gib is not None:  # --offload-gib 0: the size chosen is no tier
         report.notes.append("--offload-gib 0 asks for no offload tier, so there is no config to print.")
     elif report.recommended_offload_gib is None:

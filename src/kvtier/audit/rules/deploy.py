@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 from kvtier.audit.k8s_volumes import quantity_gib
 from kvtier.audit.model import ServeConfig
 from kvtier.audit.rules.base import rule
-from kvtier.audit.rules.settings import disk_tier, kvtier_settings, left_out, number, under
+from kvtier.audit.rules.settings import disk_tier, kvtier_settings, left_out, number, refused, under
 from kvtier.audit.versions import version_from_image
 from kvtier.core.config import KVTierConfig
 from kvtier.core.hosts import is_loopback_host
@@ -269,8 +269,8 @@ def kvtier_cpu_tier_over_memory_limit(c: ServeConfig) -> str | None:
     """The pod holds every tensor-parallel rank's share of ``cpu_gib`` (the total across ranks,
     src/kvtier/core/config.py ``cpu_bytes_per_rank``), or ``cpu_gib / --nnodes`` when vLLM spans nodes."""
     extra = kvtier_settings(c)
-    if extra is None or c.pod is None or c.pod.memory_limit is None:
-        return None
+    if extra is None or c.pod is None or c.pod.memory_limit is None or refused(extra, "cpu_gib"):
+        return None  # a refused cpu_gib (kvtier-config-invalid) is not judged as its default
     limit_gib = quantity_gib(c.pod.memory_limit)
     default = float(KVTierConfig.model_fields["cpu_gib"].default)
     cpu_gib = max(number(extra.get("cpu_gib"), default), 0.0)

@@ -12,7 +12,7 @@ import posixpath
 
 from kvtier.audit.model import ServeConfig
 from kvtier.audit.rules.base import rule
-from kvtier.audit.rules.settings import kvtier_settings, left_out, number, under
+from kvtier.audit.rules.settings import kvtier_settings, left_out, number, refused, under
 from kvtier.integrations.vllm.preflight_tiers import node_pool_below_cpu_tier
 
 _DOCS = "kvtier docs/node.md"
@@ -35,8 +35,8 @@ def _node_gib(c: ServeConfig) -> float | None:
 def kvtier_node_pool_below_working_set(c: ServeConfig) -> str | None:
     node_gib = _node_gib(c)
     extra = kvtier_settings(c)
-    if node_gib is None or extra is None:
-        return None
+    if node_gib is None or extra is None or refused(extra, "cpu_gib") or refused(extra, "node_socket", "node_gib"):
+        return None  # a refused size (kvtier-config-invalid) is not judged as its default
     said = node_pool_below_cpu_tier(node_gib, number(extra.get("cpu_gib"), 4.0))  # 4: KVTierConfig's default
     return f"{said}." if said else None
 

@@ -50,6 +50,17 @@ def left_out(settings: dict[str, Any], key: str) -> bool:
     return isinstance(tiers, list) and asked_by(key) not in tiers
 
 
+def refused(settings: dict[str, Any], *keys: str) -> bool:
+    """Whether kvtier's config refuses the values ``settings`` gives for ``keys`` (checked together, as
+    the connector's validator checks them, with no ``KVTIER_*`` variable of this process): rule
+    ``kvtier-config-invalid`` reports them, so a rule that would judge them, or a default standing in
+    for them, says nothing.  False when ``settings`` gives none of ``keys``."""
+    from kvtier.integrations.vllm.preflight_env import fine_alone
+
+    given = {k: settings[k] for k in keys if k in settings}
+    return bool(given) and not fine_alone(given)
+
+
 def disk_tier(settings: dict[str, Any]) -> str | None:
     """``disk_path`` when the disk tier is on (a path, disk_gib > 0, its tier in tiers if given), else None."""
     path = settings.get("disk_path")

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from kvtier.audit.model import ServeConfig
 from kvtier.audit.rules.base import rule
-from kvtier.audit.rules.settings import disk_tier, kvtier_setting, kvtier_settings, left_out, number
+from kvtier.audit.rules.settings import disk_tier, kvtier_setting, kvtier_settings, left_out, number, refused
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError, UserError
 from kvtier.size.hardware import DEFAULT_GPU_MEMORY_UTILIZATION, GPUS, find_gpu
@@ -55,6 +55,9 @@ class _Tiers:
 def _tiers(c: ServeConfig) -> _Tiers | None:
     extra = kvtier_settings(c)
     if extra is not None:
+        if refused(extra, "cpu_gib") or refused(extra, "disk_path", "disk_gib") \
+                or refused(extra, "node_socket", "node_gib"):
+            return None  # kvtier-config-invalid refuses a size judged here: not judged as 0 or its default
         default = float(KVTierConfig.model_fields["cpu_gib"].default)
         cpu = number(extra.get("cpu_gib"), default)
         disk = number(extra.get("disk_gib"), 0.0) if disk_tier(extra) else 0.0
