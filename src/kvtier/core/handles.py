@@ -68,13 +68,9 @@ class LoadHandle:
     landed: list[np.ndarray] = field(default_factory=list, repr=False)
     """Landing buffers (:mod:`kvtier.core.landing`) some of ``buffers`` are: reads that got no cpu page."""
     cut: LoadCut | None = field(default=None, repr=False)
-    """Where the planned prefix ended and why (:meth:`cut_at`), ``None``: every chunk asked for was found."""
-
-    def cut_at(self, cut: LoadCut) -> None:
-        """The prefix ends here: tell the load's context, and keep ``cut`` for a context bound later (a
-        synchronous load's request context, bound on the finisher's thread: kvtier.integrations.vllm.worker.syncload)."""
-        self.cut = cut
-        self.ctx.sink.emit(cut)
+    """Where the planned prefix ended and why (what ``prepare_load`` told the load's context), kept for a
+    context bound later (a synchronous load's, on the finisher's thread: kvtier.integrations.vllm.worker.syncload);
+    ``None``: every chunk asked for was found."""
 
     @property
     def num_chunks(self) -> int:

@@ -4,9 +4,8 @@ plans, and where their events are counted.
 The index (:mod:`kvtier.core.index`) decides; the :class:`Mover` moves bytes and reports what
 happened by calling the index's verbs (the index never calls the mover).  It never holds the
 index's lock during tier I/O: each verb it calls takes the lock for its own bookkeeping only.
-The store's request-path verbs (a load's, and the step's ``stats`` and ``take_ghost_distances``)
-are the mover's, bound at construction: a worker calls them on every load and step.  What a hit
-does not run (set-up, writes, landing buffers, shutdown) is :class:`~kvtier.core.mover_state.MoverState`'s.
+The store's request-path verbs (a load's, the step's ``stats``, ``take_ghost_distances``) are the mover's, bound
+at construction.  What a hit does not run (set-up, writes, landing buffers, shutdown) is :class:`MoverState`'s.
 
 - **Reads** (promotions, docs/store.md): a load's :class:`~kvtier.core.handles.Read` s, one batch per
   tier in tier order, then :meth:`~kvtier.core.index.Index.complete_reads`; with read-ahead, the first
@@ -94,8 +93,9 @@ class Mover(MoverState):
         if (n := len(plan.handle.keys)) < limit:  # no tier this load may read holds the next chunk: why not
             with self.index.lock:
                 ghost = self.index.ghosts.latest(chain[n], (self.top_name,) if top_only else None)
-            plan.handle.cut_at(LoadCut(n, ghost.tier if ghost is not None else self.top_name if top_only
-                                       else "", ghost.reason if ghost is not None else "new", limit - n))
+            plan.handle.cut = LoadCut(n, ghost.tier if ghost is not None else self.top_name if top_only else "",
+                                      ghost.reason if ghost is not None else "new", limit - n)  # (LoadHandle.cut)
+            plan.handle.ctx.sink.emit(plan.handle.cut)
         if plan.writes:  # spills of the cpu pages the reads take
             self.submit(plan.writes)
         if plan.reads:
