@@ -23,8 +23,8 @@ hits run back to back on warm caches, which put the own time at 4,000 tokens ~0.
 ``scripts/full_hit.py`` measured in the engine (2026-12-05: 565-720 µs warm, 850-860 µs with
 128 MiB flushed, 880-1,010 µs in the engine at load ~3).
 
-A synchronous load's bookkeeping after the copy (``LoadPath.finish``) runs on the worker's
-finisher thread (``worker/finisher.py``): ``start_load`` no longer includes it, and ``--parts``
+A synchronous load's bookkeeping after the copy (``syncload.finish_sync``: a cpu-tier load's request
+context and record, then ``LoadPath.finish``) runs on the worker's finisher thread (``worker/finisher.py``): ``start_load`` no longer includes it, and ``--parts``
 shows it apart, timed on that thread (the script joins it after each timed ``start_load``).
 
 Prints medians (and the minimum: the least disturbed hit on a shared machine) per hit and per
@@ -76,13 +76,15 @@ PARTS = (  # (module, attribute path, label): the hit's parts, nested as they ca
     ("kvtier.integrations.vllm.scheduler.side", "SyncBudget.offer", "  synchronous budget offer"),
     ("kvtier.integrations.vllm.worker.side", "WorkerSide.start_load", "start_load"),
     ("kvtier.integrations.vllm.worker.syncload", "load_now", "  load_now"),
-    ("kvtier.integrations.vllm.worker.syncload", "RequestRecord", "    RequestRecord()"),
-    ("kvtier.integrations.vllm.worker.syncload", "job_context", "    job_context"),
     ("kvtier.core.mover", "Mover.prepare_load", "    prepare_load"),
     ("kvtier.core.index", "Index.plan_load", "      Index.plan_load"),
     ("kvtier.integrations.vllm.worker.syncload", "load_pages", "    copy"),
     ("kvtier.integrations.vllm.worker.finisher", "Finisher.submit", "    hand-off (Finisher.submit)"),
-    ("kvtier.integrations.vllm.worker.loader", "LoadPath.finish", "finish (on the finisher's thread)"),
+    ("kvtier.core.index", "Index.gate_evictions", "  gate_evictions"),
+    ("kvtier.integrations.vllm.worker.syncload", "finish_sync", "finish_sync (on the finisher's thread)"),
+    ("kvtier.integrations.vllm.worker.syncload", "RequestRecord", "  RequestRecord()"),
+    ("kvtier.integrations.vllm.worker.syncload", "job_context", "  job_context"),
+    ("kvtier.integrations.vllm.worker.loader", "LoadPath.finish", "  LoadPath.finish"),
     ("kvtier.integrations.vllm.worker.loader", "tokens_by_tier", "    tokens_by_tier"),
     ("kvtier.integrations.vllm.worker.loader", "EngineLoad", "    EngineLoad()"),
     ("kvtier.core.mover", "Mover.complete_load", "    complete_load"),
@@ -90,7 +92,6 @@ PARTS = (  # (module, attribute path, label): the hit's parts, nested as they ca
     ("kvtier.core.policies.adaptive", "AdaptivePolicy.touch", "        policy touch"),
     ("kvtier.core.mover", "Tee.emit", "      events (Tee.emit)"),
     ("kvtier.integrations.vllm.worker.loader", "load_facts", "    load_facts"),
-    ("kvtier.core.index", "Index.gate_evictions", "  gate_evictions"),
 )
 
 
@@ -343,7 +344,7 @@ def main() -> int:
         print("\nparts, inclusive (wrapped), median per hit:")
         for _module, _path, label in PARTS:
             if parts.get(label):
-                print(f"  {label:32s} {statistics.median(parts[label]) * 1e6:8.1f} us")
+                print(f"  {label:40s} {statistics.median(parts[label]) * 1e6:8.1f} us")
     return 0
 
 
