@@ -52,8 +52,7 @@ def check_prefix_repetition(*, num_requests: int, prefix_len: int, suffix_len: i
         raise WorkloadError("--prefix-len and --suffix-len are both 0; give the prompt at least one token")
     if request_rate is not None and not MIN_REQUEST_RATE <= request_rate <= MAX_REQUEST_RATE:  # nan fails both
         raise WorkloadError(f"--request-rate {request_rate} must be from {MIN_REQUEST_RATE:g} to {MAX_REQUEST_RATE:,.0f} "
-                            "requests per second (nan sent every request at once, a tiny rate waits for days); "
-                            "omit it for closed loop")
+                            "requests per second; omit it for a closed loop")
 
 
 def prefix_repetition_workload(tokens: TokenSpace, *, num_requests: int, prefix_len: int = DEFAULT_PREFIX_LEN,

@@ -197,6 +197,9 @@ def compare_command(
              "--redis is used by the kvtier-redis arm only; add kvtier-redis to --arms")
     if node_gib is not None and "kvtier-node" not in names:
         fail("--node-gib sizes the kvtier-node arm's pool only; add kvtier-node to --arms")
+    if kvtier_config is not None and not any(n in TIER_ARMS for n in names):
+        fail("--kvtier-config configures the kvtier arms (and the native arm's cpu_gib) only; add kvtier, "
+             "kvtier-redis, kvtier-s3, kvtier-node or native to --arms, or drop it")
     try:
         custom = [parse_custom_arm(text) for text in arm]
     except ValueError as exc:

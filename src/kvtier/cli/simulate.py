@@ -178,6 +178,8 @@ def register(app: typer.Typer) -> None:
         policies = tuple(p.strip() for p in policy.split(",") if p.strip())
         if not policies:
             fail("--policy lists no policy; give e.g. lru,default,belady")
+        unused = [flag for flag, value in (("--shared-tier", shared_tier), ("--shared-gb-per-s", shared_gb_per_s),
+                                           ("--shared-latency-ms", shared_latency_ms)) if value is not None]
         from kvtier.core.tiers.registry import modeled_tiers
 
         models = {spec.name: spec.model for spec in modeled_tiers() if spec.model is not None}
@@ -194,6 +196,9 @@ def register(app: typer.Typer) -> None:
                                 disk_latency_ms, shared_latency_ms)
         except ValueError as exc:
             fail(str(exc))
+        if shared_gib == 0 and (unused or shared_admission != "all"):  # a shared tier never sized by replay
+            fail(f"{(unused or ['--shared-admission'])[0]} describes the shared tier, and this run has none "
+                 "(--shared-gib 0); add --shared-gib GiB to model one, or drop it")
         if (host_ram_gib is not None or nvme_gib is not None) and not recommend_mode:
             fail("--host-ram-gib and --nvme-gib size kvtier size's tiers, which --recommend prints; add --recommend")
         try:
