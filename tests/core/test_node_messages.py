@@ -3,6 +3,8 @@ path), and a bad node_socket is named once (not "got 'rel.sock' (got 'rel.sock')
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvtier.core.config import KVTierConfig
@@ -39,3 +41,34 @@ def test_a_pool_too_small_for_one_page_says_the_size_it_needs():
     least = ALIGN_BYTES + page
     assert f"needs at least {least} bytes" in str(raised.value) and "huge page" in str(raised.value)
     assert pages_for(least, page) == (1, ALIGN_BYTES)  # the size named is enough
+
+
+def test_a_pool_larger_than_its_mount_names_its_size_in_gib_and_the_room_there(tmp_path):
+    """``kvtier node serve --node-gib 100000`` answered "cannot create the node pool … of
+    107374182400000 bytes: [Errno 28] No space left on device": a byte count nobody reads at a
+    glance and no word of what would fit.  Its error line names GiB and the mount's free room."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    shm = Path("/dev/shm")
+    where = Path(tempfile.mkdtemp(dir=shm)) if shm.is_dir() else tmp_path  # where pools live (docs/node.md)
+    try:
+        pool = where / "pool"
+        out = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "node", "serve", "--pool", str(pool),
+                              "--socket", str(tmp_path / "node.sock"), "--node-gib", "100000"],
+                             check=False, capture_output=True, text=True, timeout=60)
+        errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+        assert out.returncode != 0 and len(errors) == 1 and "Traceback" not in out.stderr, out.stderr
+        (line,) = errors
+        vfs = os.statvfs(where)
+        free_gib = vfs.f_bavail * vfs.f_frsize / (1 << 30)
+        assert "of 100,000.0 GiB (107,374,182,400,000 bytes)" in line, line
+        said = float(line.split(f"{where} has ")[1].split(" GiB free")[0].replace(",", ""))
+        assert abs(said - free_gib) < max(1.0, 0.05 * free_gib), (said, free_gib)
+        assert not pool.exists() and not list(where.glob(".pool.*"))  # nothing half-made left behind
+    finally:
+        if where != tmp_path:
+            shutil.rmtree(where, ignore_errors=True)

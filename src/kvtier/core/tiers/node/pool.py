@@ -232,5 +232,11 @@ def create_pool(path: Path, total_bytes: int, page_bytes: int) -> Pool:
         os.replace(tmp, path)  # engines map the file only once it is whole
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        raise PoolError(f"cannot create the node pool {path} of {total_bytes} bytes: {exc}") from None
+        try:  # what the mount could hold: the size to ask for instead
+            vfs = os.statvfs(path.parent)
+            room = f"; {path.parent} has {vfs.f_bavail * vfs.f_frsize / (1 << 30):,.1f} GiB free"
+        except OSError:
+            room = ""
+        raise PoolError(f"cannot create the node pool {path} of {total_bytes / (1 << 30):,.1f} GiB "
+                        f"({total_bytes:,} bytes): {exc.strerror or exc}{room}") from None
     return _views(path, m)
