@@ -125,8 +125,12 @@ def test_running_consumer_adopts_what_a_producer_writes_later(tiny_model: Path, 
     # consumer is up: the consumer still starts on an empty disk tier and adopts the files by rescan.
     # The producer's worker runs in its runner's process (one start-up import less: tests/engine_layout.py);
     # the consumer, whose rescan reaches the scheduler's mirror, keeps its halves in separate processes
+    # (its saves are deferred: their counts reach /metrics with a later engine step's stats, which a loaded
+    # machine may not have run when generate() returns: the save of a finished request is no step of its own)
     made_spec = _spec(tiny_model, disk, [{"op": "wait", "path": str(ready), "timeout_s": 600},
-                                         {"op": "generate", "prompts": prompts}], role="kv_producer")
+                                         {"op": "generate", "prompts": prompts},
+                                         {"op": "until", "metric": "kvtier_saved_tokens_total",
+                                          "at_least": 2 * LOADABLE, "timeout_s": 60}], role="kv_producer")
     made_spec["engine"] = WORKER_IN_RUNNER
     producer = run_engine(made_spec, tmp_path, "producer", timeout_s=900)
     try:
