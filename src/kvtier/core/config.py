@@ -31,7 +31,7 @@ from pydantic_settings import SettingsConfigDict, SettingsError
 
 from kvtier.core import configload
 from kvtier.core.codecsettings import EncryptionSettings, check_codecs, needs_keys
-from kvtier.core.configload import JSON_EXAMPLES, check_env, did_you_mean, env_list, one_sentence, read_yaml
+from kvtier.core.configload import JSON_EXAMPLES, check_env, env_list, one_sentence, read_yaml, unknown_key
 from kvtier.core.configload import redact_url as redact_url  # noqa: PLC0414 - re-exported: its home was here
 from kvtier.core.errors import ConfigError
 from kvtier.core.policies.admission import available_admissions
@@ -357,8 +357,7 @@ class KVTierConfig(ReceiptSettings):
         for key in values:
             if key not in known:
                 # checked here: pydantic-settings would take keys such as "_env_file" as its own options
-                raise ConfigError(f"unknown kvtier config key {key!r}{did_you_mean(key, known)}; "
-                                  f"known keys are {', '.join(known)}")
+                raise ConfigError(unknown_key(key, known))
         check_env(values, known)
         try:
             return cls(**values)

@@ -58,6 +58,15 @@ def did_you_mean(name: str, known: Iterable[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def unknown_key(name: str, known: Iterable[str]) -> str:
+    """The sentence for an unknown kvtier config key: the closest known key and where every key is
+    described when one is close (the ~80 keys on one line buried that hint), else the known keys."""
+    known = list(known)
+    hint = did_you_mean(name, known)
+    return (f"unknown kvtier config key {name!r}{hint}; " + (
+        "every key is in docs/vllm.md, 'Configuration keys'" if hint else f"known keys are {', '.join(known)}"))
+
+
 JSON_EXAMPLES = {"admission": '{"disk": "reused"}', "tenant_quotas": '{"default_share": 0.2}', "tiers": '["cpu", "disk"]',
                  "tier_modules": '["mycompany.kvtier_tiers"]', "tier_settings": '{"mytier": {"capacity_mib": 64}}'}
 """An example value of each list or mapping key, for the sentence refusing a ``KVTIER_*`` variable that is not JSON."""

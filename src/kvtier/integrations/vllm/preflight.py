@@ -40,7 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.core import purge
-from kvtier.core.config import GiB, KVTierConfig, did_you_mean
+from kvtier.core.config import GiB, KVTierConfig
+from kvtier.core.configload import did_you_mean, unknown_key
 from kvtier.core.errors import ConfigError
 from kvtier.core.sizing import available_memory
 from kvtier.core.tiers import registry
@@ -215,9 +216,7 @@ def _check_entry(prefix: str, entry: dict[str, Any], block_size: int | None, hos
             problems.append(Problem("error", f"{key}.{name}", f"{key} carries a credential under {name!r} (not "
                                     f"shown here); {CREDENTIALS_FIX}"))
         elif name not in fields:
-            problems.append(Problem("error", f"{key}.{name}",
-                                    f"unknown kvtier config key {name!r}{did_you_mean(name, fields)}; known keys "
-                                    f"are {', '.join(fields)}"))
+            problems.append(Problem("error", f"{key}.{name}", unknown_key(name, fields)))
     nested = extra.get("tier_settings")
     for tier, values in (nested.items() if isinstance(nested, dict) else ()):
         for name in (values if isinstance(values, dict) else ()):
