@@ -96,7 +96,7 @@ def finish_sync(loader: LoadPath, job: LoadJob, handle: LoadHandle | None, deliv
     record its prepare reported to already; ``None``: the load was prepared with the store's own context (a
     cpu-tier pin), so the request's context and record are made and bound to ``handle`` here first, and the
     cut its prepare met (``handle.cut``, counted in the store then) reaches the record now.  Off the engine's
-    thread when handed to the :class:`Finisher` (what the pin does not need: about 8 us with the caches cold,
+    thread when handed to the :class:`Finisher` (what the pin does not need: 15-30 us with the caches cold,
     ``scripts/hit_cost.py --prompt-tokens 1000``)."""
     if record is None:
         record = RequestRecord(loader.chunk_tokens)
