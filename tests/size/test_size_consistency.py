@@ -14,7 +14,7 @@ from kvtier.audit.engine import audit
 from kvtier.audit.loader import load_configs
 from kvtier.audit.versions import parse_version
 from kvtier.cli.main import app
-from kvtier.cli.size_audit import audit_notes, recipe_audit, refusal
+from kvtier.cli.size_audit import recipe_audit, refusal
 from kvtier.size.recipe import build_recipe
 
 runner = CliRunner()
@@ -138,7 +138,7 @@ def test_a_recipe_the_audit_refuses_says_refuses_not_warns():
     connector refuses it at start-up); size's note said the audit "warns on" it.  (size itself now
     refuses such a recipe, below: the notes are read from the recipe directly.)"""
     recipe = build_recipe("meta-llama/Llama-3.1-8B", 1, 10, chunk_tokens=1048576, gpu_memory_utilization=0.9)
-    notes = audit_notes(recipe, None)
+    notes = [note.text for note in recipe_audit(recipe, None)]
     refused = [n for n in notes if n.startswith("kvtier audit --vllm-version") and "kvtier-cpu-tier-below-one-chunk" in n]
     assert refused and all(" refuses the kvtier config " in n for n in refused), notes
     assert not any(" warns on " in n and "kvtier-cpu-tier-below-one-chunk" in n for n in notes), notes

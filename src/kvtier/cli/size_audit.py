@@ -84,12 +84,6 @@ def recipe_audit(recipe: Recipe, gpu: str | None, said: Collection[str] = ()) ->
     return list(notes.values())
 
 
-def audit_notes(recipe: Recipe, gpu: str | None, said: Collection[str] = ()) -> list[str]:
-    """The text of each :func:`recipe_audit` note: the releases, whether the audit warns on the config
-    or refuses it (an error), the dialect, the rule and the audit's message and fix."""
-    return [note.text for note in recipe_audit(recipe, gpu, said)]
-
-
 def refusal(notes: list[AuditNote]) -> str | None:
     """The one sentence ``kvtier size`` exits 2 with when the audit refuses the kvtier config of its recipe
     (an error: the connector or vLLM would not start with it): the releases, the rule, the audit's
